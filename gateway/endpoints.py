@@ -1,0 +1,135 @@
+"""Engine endpoints and the pool that holds them.
+
+An ``Endpoint`` is one engine server (one base URL) serving one model. It carries the gateway's
+own live counters (in-flight requests) and the latest engine-metrics snapshot from the scraper, so
+routers read everything they need from plain attributes with no I/O.
+
+Routers, handlers and discovery import this module; it imports nothing of the data plane.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+ENGINES = ("vllm", "sglang")
+ROLES = ("aggregated", "prefill", "decode", "combined")
+
+
+@dataclass(slots=True)
+class EngineMetrics:
+    """A typed snapshot of one engine's ``/metrics`` at ``scraped_at`` (monotonic seconds).
+
+    Fields are ``None`` when the engine did not report the signal. Counters are cumulative values
+    as scraped; rates (throughput) are derived by the scraper from two consecutive scrapes.
+    """
+
+    scraped_at: float
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None            # 0..1
+    prefix_hit_rate: float | None = None     # 0..1 (vLLM: hits/queries cumulative; SGLang: gauge)
+    prefix_queries_total: float | None = None
+    prefix_hits_total: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    gen_throughput: float | None = None      # generated tokens/s
+    prompt_throughput: float | None = None   # prompt tokens/s
+    ttft_sum: float | None = None            # TTFT histogram sum (seconds) and count
+    ttft_count: float | None = None
+    ttft_recent_mean: float | None = None    # mean TTFT over the last scrape interval
+    block_size: int | None = None            # vLLM cache_config_info
+
+    def age(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.scraped_at
+
+
+@dataclass(eq=False, slots=True)
+class Endpoint:
+    """One engine server. Identity is the object itself (eq=False): two configs of the same URL
+    for two models are two endpoints with separate counters."""
+
+    url: str                       # base URL, no trailing slash: http://host:port
+    model: str
+    engine: str = "vllm"
+    role: str = "aggregated"
+    roleset: str | None = None
+    bootstrap_port: int | None = None
+    min_prompt_tokens: int = 0
+    max_prompt_tokens: int = 0     # 0: no upper bound
+    source: str = "static"         # static | kubernetes
+    name: str = ""                 # pod name for Kubernetes; host:port otherwise
+    host: str = ""
+    port: int = 0
+    # live state
+    healthy: bool = True           # last active probe / passive marking result
+    draining: bool = False         # removed from discovery: no new requests, in-flight continue
+    in_flight: int = 0             # gateway requests currently charged to this endpoint
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    metrics: EngineMetrics | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.url = self.url.rstrip("/")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"endpoint URL must be http(s)://host:port, got {self.url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        if not self.name:
+            self.name = self.address
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as used in the ``target-pod`` header (IPv6 in brackets)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def ready(self) -> bool:
+        return self.healthy and not self.draining
+
+    def fresh_metrics(self, max_age: float, now: float | None = None) -> EngineMetrics | None:
+        """The metrics snapshot if it is younger than ``max_age`` seconds, else ``None``."""
+        m = self.metrics
+        if m is None or m.age(now) > max_age:
+            return None
+        return m
+
+
+class EndpointPool:
+    """Endpoints grouped by model. Static config and discovery both feed it."""
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, list[Endpoint]] = {}
+
+    def add(self, ep: Endpoint) -> Endpoint:
+        self._by_model.setdefault(ep.model, []).append(ep)
+        return ep
+
+    def remove(self, ep: Endpoint) -> None:
+        """Take an endpoint out of rotation. In-flight requests keep their reference and finish."""
+        eps = self._by_model.get(ep.model)
+        if eps and ep in eps:
+            eps.remove(ep)
+        ep.draining = True
+
+    def models(self) -> list[str]:
+        return [m for m, eps in self._by_model.items() if eps]
+
+    def has_model(self, model: str) -> bool:
+        return bool(self._by_model.get(model))
+
+    def endpoints(self, model: str | None = None) -> list[Endpoint]:
+        if model is not None:
+            return list(self._by_model.get(model, ()))
+        return [ep for eps in self._by_model.values() for ep in eps]
+
+    def ready(self, model: str) -> list[Endpoint]:
+        return [ep for ep in self._by_model.get(model, ()) if ep.ready]
+
+    def __iter__(self) -> Iterable[Endpoint]:
+        return iter(self.endpoints())

@@ -1,0 +1,213 @@
+"""Parse a client request once into an ``InferenceRequest``.
+
+The body is decoded with orjson exactly once. Everything later stages need (model, stream flag,
+the prompt text for prefix hashing, a token estimate) is extracted here, and every malformed
+input is rejected here with an OpenAI-shaped 400 before any endpoint is touched. Fields we do not
+know pass through to the engine untouched: the original bytes are forwarded unless a stage must
+change the body.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+EMBEDDINGS = "/v1/embeddings"
+ROUTED_PATHS = (CHAT, COMPLETIONS, EMBEDDINGS)
+
+# A client-supplied request id is kept when it is short and made of safe characters, so that it
+# can travel in headers, logs and engine request ids without escaping.
+_SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+# Rough characters-per-token ratio for estimates when no tokenizer is at hand.
+CHARS_PER_TOKEN = 4
+
+
+def request_id_from(header_value: str | None) -> str:
+    if header_value and _SANE_REQUEST_ID.match(header_value):
+        return header_value
+    return uuid.uuid4().hex
+
+
+@dataclass(slots=True)
+class InferenceRequest:
+    path: str
+    body: bytes
+    data: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool          # what the client asked for
+    prompt_text: str             # the text the engine will prefill, for prefix hashing
+    prompt_tokens_est: int
+    request_id: str
+    user: str | None = None
+    session_id: str | None = None
+    session_key: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def is_embeddings(self) -> bool:
+        return self.path == EMBEDDINGS
+
+
+def _bad(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"))
+
+
+def _text_of_content(content: Any, where: str) -> str:
+    """Message content is a string, null, or a list of parts; text parts contribute their text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _bad(f"'{where}[{i}]' must be an object", f"{where}[{i}]")
+            if part.get("type") == "text":
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise _bad(f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
+                out.append(text)
+        return " ".join(out)
+    raise _bad(f"'{where}' must be a string, an array of content parts or null", where)
+
+
+def _chat_prompt(data: dict[str, Any]) -> str:
+    messages = data.get("messages")
+    if not isinstance(messages, list):
+        raise _bad("'messages' is a required property and must be an array", "messages")
+    if not messages:
+        raise _bad("'messages' must not be empty", "messages")
+    parts = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise _bad(f"'messages[{i}]' must be an object", f"messages[{i}]")
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"'messages[{i}].role' is a required string", f"messages[{i}].role")
+        parts.append(role)
+        parts.append(_text_of_content(msg.get("content"), f"messages[{i}].content"))
+    return "\n".join(parts)
+
+
+def _is_int_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def _completion_prompt(data: dict[str, Any]) -> tuple[str, int | None]:
+    """Returns the prompt text and, for token-id prompts, the exact token count."""
+    if "prompt" not in data:
+        raise _bad("'prompt' is a required property", "prompt")
+    prompt = data["prompt"]
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list):
+        if not prompt:
+            raise _bad("'prompt' must not be empty", "prompt")
+        if all(isinstance(p, str) for p in prompt):
+            return "\n".join(prompt), None
+        if _is_int_list(prompt):
+            return " ".join(map(str, prompt)), len(prompt)
+        if all(_is_int_list(p) for p in prompt):
+            return "\n".join(" ".join(map(str, p)) for p in prompt), sum(len(p) for p in prompt)
+    raise _bad("'prompt' must be a string, an array of strings, or token ids", "prompt")
+
+
+def _embedding_input(data: dict[str, Any]) -> tuple[str, int | None]:
+    if "input" not in data:
+        raise _bad("'input' is a required property", "input")
+    inp = data["input"]
+    if isinstance(inp, str):
+        return inp, None
+    if isinstance(inp, list) and inp:
+        if all(isinstance(p, str) for p in inp):
+            return "\n".join(inp), None
+        if _is_int_list(inp):
+            return "", len(inp)
+        if all(_is_int_list(p) for p in inp):
+            return "", sum(len(p) for p in inp)
+        # multimodal parts: pass through, estimate from any text
+        if all(isinstance(p, dict) for p in inp):
+            return " ".join(p["text"] for p in inp if isinstance(p.get("text"), str)), None
+    raise _bad("'input' must be a string, an array of strings, or token ids", "input")
+
+
+def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> InferenceRequest:
+    """Validate and extract. ``headers`` are the client's, lower-cased names."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _bad("request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise _bad("request body must be a JSON object")
+
+    model = data.get("model")
+    if model is None or model == "":
+        raise GatewayError(400, "'model' is a required property", param="model",
+                           code="model_not_found", header=("x-error-no-model-backends", ""))
+    if not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+
+    stream = data.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+
+    include_usage = False
+    so = data.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        iu = so.get("include_usage", False)
+        if iu is not None and not isinstance(iu, bool):
+            raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
+        if not stream:
+            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        include_usage = bool(iu)
+
+    for key in ("max_tokens", "max_completion_tokens", "n"):
+        v = data.get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise _bad(f"'{key}' must be a non-negative integer", key)
+
+    exact_tokens: int | None = None
+    if path == CHAT:
+        prompt_text = _chat_prompt(data)
+    elif path == COMPLETIONS:
+        prompt_text, exact_tokens = _completion_prompt(data)
+    else:
+        if stream:
+            raise _bad("streaming is not supported for embeddings", "stream")
+        prompt_text, exact_tokens = _embedding_input(data)
+
+    user = headers.get("user")
+    if user is None and isinstance(data.get("user"), str):
+        user = data["user"]
+
+    est = exact_tokens if exact_tokens is not None else max(1, len(prompt_text) // CHARS_PER_TOKEN)
+    return InferenceRequest(
+        path=path,
+        body=body,
+        data=data,
+        model=model,
+        stream=stream,
+        include_usage=include_usage,
+        prompt_text=prompt_text,
+        prompt_tokens_est=est,
+        request_id=request_id,
+        user=user,
+        session_id=headers.get("x-session-id"),
+        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
+        headers=headers,
+    )

@@ -1,0 +1,39 @@
+"""Upstream error normalisation into the nested OpenAI shape (AIBrix §9 item 10, done right)."""
+
+import orjson
+import pytest
+
+from gateway.errors import GatewayError, normalize_upstream_error
+
+
+@pytest.mark.parametrize("status,body,message,type_,code", [
+    (400, {"error": {"message": "bad", "type": "BadRequestError", "param": "x", "code": 400}}, "bad",
+     "BadRequestError", 400),
+    (400, {"object": "error", "message": "Messages cannot be empty.", "type": "BadRequestError", "param": None,
+           "code": 400}, "Messages cannot be empty.", "BadRequestError", 400),
+    (401, {"error": "Unauthorized"}, "Unauthorized", "authentication_error", None),
+    (404, {"detail": "Not Found"}, "Not Found", "invalid_request_error", None),
+    (500, {"error": {"message": "x", "code": "invalid_api_key"}}, "x", "api_error", "invalid_api_key"),
+])
+def test_json_shapes(status, body, message, type_, code):
+    st, out = normalize_upstream_error(status, orjson.dumps(body))
+    assert st == status
+    assert out["error"]["message"] == message
+    assert out["error"]["type"] == type_
+    assert out["error"]["code"] == code
+    assert set(out["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("raw", [b"<html>502 Bad Gateway</html>", b"", b"[1,2]", b'{"foo":"bar"}'])
+def test_non_json_or_unknown_is_wrapped(raw):
+    st, out = normalize_upstream_error(502, raw)
+    assert st == 502
+    assert out["error"]["type"] == "api_error"
+    assert "502" in out["error"]["message"]
+
+
+def test_gateway_error_shape():
+    e = GatewayError(429, "slow down", code="rate_limit_exceeded", header=("x-a", "1"))
+    assert e.body() == {"error": {"message": "slow down", "type": "rate_limit_error", "param": None,
+                                  "code": "rate_limit_exceeded"}}
+    assert e.headers == {"x-a": "1"}

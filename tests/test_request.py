@@ -1,0 +1,81 @@
+"""Request parsing: every shape OpenAI accepts, and a clear 400 for everything else."""
+
+import orjson
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, parse, request_id_from
+
+
+def p(path, obj, headers=None):
+    body = obj if isinstance(obj, bytes) else orjson.dumps(obj)
+    return parse(path, body, headers or {}, "rid-1")
+
+
+def test_chat_with_string_and_parts_content():
+    r = p(CHAT, {"model": "m", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"},
+                                     {"type": "image_url", "image_url": {"url": "data:x"}}]},
+        {"role": "assistant", "content": None, "tool_calls": []}],
+        "stream": True, "stream_options": {"include_usage": True}, "unknown_field": 1})
+    assert r.model == "m" and r.stream and r.include_usage
+    assert "be brief" in r.prompt_text and "hello" in r.prompt_text
+    assert r.prompt_text.index("be brief") < r.prompt_text.index("hello")
+    assert r.prompt_tokens_est >= 1
+
+
+@pytest.mark.parametrize("prompt,tokens", [("a b c d e f g h", None), (["one", "two"], None),
+                                           ([1, 2, 3], 3), ([[1, 2], [3]], 3)])
+def test_completion_prompt_shapes(prompt, tokens):
+    r = p(COMPLETIONS, {"model": "m", "prompt": prompt})
+    if tokens is not None:
+        assert r.prompt_tokens_est == tokens
+
+
+def test_embeddings_shapes():
+    assert p(EMBEDDINGS, {"model": "e", "input": "hi"}).model == "e"
+    assert p(EMBEDDINGS, {"model": "e", "input": [[1, 2, 3]]}).prompt_tokens_est == 3
+
+
+@pytest.mark.parametrize("path,obj,param", [
+    (CHAT, b"{not json", None),
+    (CHAT, b"[1,2]", None),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}]}, "model"),
+    (CHAT, {"model": "", "messages": [{"role": "user", "content": "x"}]}, "model"),
+    (CHAT, {"model": 5, "messages": []}, "model"),
+    (CHAT, {"model": "m", "messages": []}, "messages"),
+    (CHAT, {"model": "m"}, "messages"),
+    (CHAT, {"model": "m", "messages": ["hi"]}, "messages[0]"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "max_tokens"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "stream_options": {"include_usage": True}}, "stream_options"),
+    (COMPLETIONS, {"model": "m"}, "prompt"),
+    (COMPLETIONS, {"model": "m", "prompt": [1, "a"]}, "prompt"),
+    (COMPLETIONS, {"model": "m", "prompt": []}, "prompt"),
+    (EMBEDDINGS, {"model": "m", "input": "x", "stream": True}, "stream"),
+    (EMBEDDINGS, {"model": "m"}, "input"),
+])
+def test_bad_input_is_a_400_naming_the_param(path, obj, param):
+    with pytest.raises(GatewayError) as ei:
+        p(path, obj)
+    assert ei.value.status == 400
+    assert ei.value.param == param
+    body = ei.value.body()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+
+
+def test_user_and_session_headers():
+    r = p(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "user": "bob"},
+          {"x-session-id": "abc"})
+    assert r.user == "bob" and r.session_id == "abc"
+    assert p(CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, {"user": "al"}).user == "al"
+
+
+def test_request_id_kept_when_sane():
+    assert request_id_from("abc-123_x.y:z") == "abc-123_x.y:z"
+    for bad in (None, "", "has space", "x" * 200, "new\nline", "ünï"):
+        rid = request_id_from(bad)
+        assert rid != bad and len(rid) == 32
