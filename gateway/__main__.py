@@ -1,0 +1,50 @@
+"""``python -m gateway --config FILE`` or ``python -m gateway --demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import uvloop
+
+from gateway.config import ConfigError, load_config
+from gateway.logs import configure_logging
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m gateway", description="Switchyard LLM inference gateway")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="YAML config file")
+    src.add_argument("--demo", action="store_true",
+                     help="run with in-process simulated engines (no GPU needed)")
+    p.add_argument("--host", help="listen host (overrides listen.host)")
+    p.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    p.add_argument("--log-format", choices=("json", "console"), help="overrides server.log_format")
+    args = p.parse_args(argv)
+
+    if args.demo:
+        from gateway.demo import run_demo
+        configure_logging(args.log_format or "console")
+        try:
+            uvloop.run(run_demo(host=args.host, port=args.port))
+        except KeyboardInterrupt:
+            pass
+        return 0
+
+    try:
+        config = load_config(args.config).with_listen(args.host, args.port)
+    except (ConfigError, ValueError) as e:
+        print(f"switchyard: config error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(args.log_format or config.server.log_format, config.server.log_level)
+    from gateway.server import serve
+    try:
+        uvloop.run(serve(config))
+    except ValueError as e:  # strategy names etc. validated at app build
+        print(f"switchyard: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

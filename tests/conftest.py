@@ -1,0 +1,124 @@
+"""Shared fixtures: simulated engines and gateways on real loopback sockets.
+
+``sims`` starts ``enginesim`` servers in-process on free ports; ``gateway`` starts the gateway
+in front of them. After every test an autouse check waits briefly for handlers to settle, then
+asserts that every lease and in-flight gauge is back to zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+
+from enginesim import SimConfig, start_sim
+from gateway.app import GATEWAY_KEY
+from gateway.config import config_from_dict
+from gateway.pipeline import Gateway
+from gateway.server import start
+
+FAST_SIM = {"ttft_base_ms": 2.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
+
+_live_gateways: list[Gateway] = []
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    port: int
+    gw: Gateway
+    runner: Any
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    async def metrics_text(self) -> str:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/metrics") as r:
+            return await r.text()
+
+
+@pytest.fixture
+async def sims():
+    started = []
+
+    async def make(engine: str = "vllm", model: str = "m", **kw):
+        opts = {**FAST_SIM, **kw}
+        sim = await start_sim(SimConfig(engine=engine, model=model, port=0, host="127.0.0.1", **opts))
+        started.append(sim)
+        return sim
+
+    yield make
+    for s in started:
+        with contextlib.suppress(Exception):
+            await s.close()
+
+
+def model_block(name: str, engine: str, urls: list[str], **extra) -> dict:
+    return {"name": name, "engine": engine, "endpoints": list(urls), **extra}
+
+
+@pytest.fixture
+async def gateway():
+    runners = []
+
+    async def make(models: list[dict], **blocks) -> RunningGateway:
+        raw: dict[str, Any] = {"listen": {"host": "127.0.0.1", "port": 0},
+                               "health": {"interval_s": 0.2, "timeout_s": 1.0},
+                               "scrape": {"interval_s": 0.2},
+                               "server": {"shutdown_grace_s": 2.0},
+                               "models": models}
+        for k, v in blocks.items():
+            raw[k] = {**raw.get(k, {}), **v}
+        cfg = config_from_dict(raw, source="<test>")
+        runner, app, port = await start(cfg)
+        runners.append(runner)
+        gw = app[GATEWAY_KEY]
+        _live_gateways.append(gw)
+        return RunningGateway(url=f"http://127.0.0.1:{port}", port=port, gw=gw, runner=runner)
+
+    yield make
+    for r in runners:
+        with contextlib.suppress(Exception):
+            await r.cleanup()
+
+
+@pytest.fixture(autouse=True)
+async def _leases_balance():
+    """Every lease and in-flight gauge returns to zero after each test."""
+    _live_gateways.clear()
+    yield
+    for gw in list(_live_gateways):
+        for _ in range(200):
+            if gw.in_flight == 0 and all(ep.in_flight == 0 for ep in gw.pool.endpoints()):
+                break
+            await asyncio.sleep(0.01)
+        assert gw.in_flight == 0, "gateway requests still in flight after the test"
+        for ep in gw.pool.endpoints():
+            assert ep.in_flight == 0, f"lease leak on {ep.name}: {ep.in_flight}"
+        text = gw.metrics.render().decode()
+        for line in text.splitlines():
+            if line.startswith(("switchyard_in_flight_requests{", "switchyard_endpoint_in_flight_requests{")):
+                assert float(line.rsplit(" ", 1)[1]) == 0.0, f"gauge not back to zero: {line}"
+    _live_gateways.clear()
+
+
+async def sim_state(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/_sim/state") as r:
+        return await r.json()
+
+
+async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
+    """Poll an async or sync predicate until it is truthy; returns its last value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        v = predicate()
+        if asyncio.iscoroutine(v):
+            v = await v
+        if v or asyncio.get_running_loop().time() > deadline:
+            return v
+        await asyncio.sleep(interval)
