@@ -140,10 +140,9 @@ class Gateway:
     # -- the handler -------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        loop = asyncio.get_running_loop()
         hdrs = request.headers
         rec = RequestRecord(request_id=request_id_from(hdrs.get("x-request-id")), path=request.path,
-                            started=loop.time())
+                            started=time.perf_counter())
         self.in_flight += 1
         self._idle.clear()
         leases: list[Lease] = []
@@ -194,7 +193,7 @@ class Gateway:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
-            self.finish(rec, loop.time())
+            self.finish(rec, time.perf_counter())
 
     # -- responses ---------------------------------------------------------------------------
 
@@ -230,7 +229,10 @@ class Gateway:
         if ireq.stream and not ireq.include_usage:
             data = dict(ireq.data)
             so = data.get("stream_options")
-            data["stream_options"] = {**so, "include_usage": True} if isinstance(so, dict) else {"include_usage": True}
+            # continuous_usage_stats only takes effect with include_usage: drop it, or usage would
+            # ride on every chunk the client sees
+            kept = {k: v for k, v in so.items() if k != "continuous_usage_stats"} if isinstance(so, dict) else {}
+            data["stream_options"] = {**kept, "include_usage": True}
             return orjson.dumps(data), True
         return ireq.body, False
 

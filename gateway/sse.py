@@ -1,0 +1,441 @@
+"""The relay's SSE scanner: watch an engine's event stream while its bytes pass through untouched.
+
+The relay forwards every upstream chunk to the client as soon as it arrives. It hands each chunk
+to ``SSEScanner.feed`` too, which finds the event boundaries (events may be split anywhere across
+chunks) and notes what the gateway must know: when the first generated token went out, the gaps
+between token-carrying chunks, the usage object, the finish reason, an in-stream error, ``[DONE]``.
+
+Why it is shaped like this:
+
+* Bytes only, no re-encoding. Without ``strip_usage`` the chunk itself is returned (same object,
+  zero copies); the scanner keeps only the partial tail of an incomplete event, for scanning.
+* Most events are never JSON-decoded. Whether an event carries generated content is decided by
+  byte searches for the handful of keys that hold it (``"content"``, ``"text"``, ``"tool_calls"``,
+  ``"reasoning_content"``, ``"reasoning"``) followed by a non-empty value. A JSON string can hold
+  a quote only escaped, so ``"key"`` followed by ``:`` in the raw bytes is always a real key, never
+  text inside a value. Only events that mention ``"usage"`` or ``"error"``, or have a non-null
+  ``finish_reason``, are decoded with orjson, and a decoding failure is skipped, never raised.
+* ``strip_usage``: the gateway injected ``stream_options.include_usage`` for its own accounting,
+  and the client, who did not ask for it, must not see the usage-only chunk (``choices: []`` plus
+  ``usage``). Every other byte must reach the client unchanged and without delay. So the scanner
+  holds back bytes only of the *current incomplete event*, and only while that event could still
+  turn out to be the usage chunk: as soon as its bytes show ``"choices":[`` followed by anything
+  but ``]`` it cannot be, and it is released at once (the rest of it streams through as it comes).
+  Content events are therefore never delayed; a held event is emitted (or dropped, if it was the
+  usage chunk) the moment its terminating blank line arrives. ``finish()`` returns what is still
+  held when the upstream ends.
+
+Framing accepted: events end at a blank line (``\\n\\n``, ``\\r\\n\\r\\n`` and mixtures of LF and
+CRLF line ends). ``data:`` with or without a space; several ``data:`` lines are joined with
+``\\n``; comment frames (``: keep-alive``), ``event:``, ``id:`` and ``retry:`` lines are ignored.
+A trailing event without its blank line is still scanned by ``finish()``. Bare-CR line ends (legal
+in SSE, never sent by vLLM or SGLang) are not recognised as boundaries.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+# An event larger than this is not scanned (its bytes still pass through). It bounds the memory a
+# malformed upstream that never sends a blank line can pin. SGLang's native cumulative stream makes
+# large events on long generations, hence the generous size.
+MAX_EVENT_BYTES = 8 << 20
+
+# How many inter-token gaps ``itl`` keeps between drains; count, sum and max are always kept.
+ITL_KEEP = 4096
+
+_BOUNDARY = re.compile(rb"\n\r?\n")
+_WS = frozenset(b" \t\r\n")
+_COLON, _QUOTE, _LBRACKET, _RBRACKET, _N = 0x3A, 0x22, 0x5B, 0x5D, 0x6E
+
+_STRING_CONTENT_KEYS = (b'"content"', b'"text"', b'"reasoning_content"', b'"reasoning"')
+_TOOL_CALLS = b'"tool_calls"'
+_FINISH_REASON = b'"finish_reason"'
+_CHOICES = b'"choices"'
+
+# feed flags returned by _event
+_CONTENT = 1
+_USAGE_ONLY = 2
+
+
+def _value_at(p: bytes | bytearray, i: int) -> int:
+    """Index of the value of a JSON key whose closing quote is at ``i - 1``.
+
+    Returns -1 when no ``:`` follows (the quoted word was not a key), ``len(p)`` when the bytes end
+    before the value starts (undecided).
+    """
+    n = len(p)
+    while i < n and p[i] in _WS:
+        i += 1
+    if i >= n:
+        return n
+    if p[i] != _COLON:
+        return -1
+    i += 1
+    while i < n and p[i] in _WS:
+        i += 1
+    return i
+
+
+def _has_nonempty_string(p: bytes | bytearray, key: bytes) -> bool:
+    i = p.find(key)
+    while i >= 0:
+        j = _value_at(p, i + len(key))
+        if 0 <= j < len(p) - 1 and p[j] == _QUOTE and p[j + 1] != _QUOTE:
+            return True
+        i = p.find(key, i + len(key))
+    return False
+
+
+def _has_nonempty_list(p: bytes | bytearray, key: bytes) -> bool:
+    i = p.find(key)
+    n = len(p)
+    while i >= 0:
+        j = _value_at(p, i + len(key))
+        if 0 <= j < n and p[j] == _LBRACKET:
+            k = j + 1
+            while k < n and p[k] in _WS:
+                k += 1
+            if k < n and p[k] != _RBRACKET:
+                return True
+        i = p.find(key, i + len(key))
+    return False
+
+
+def _has_nonnull(p: bytes | bytearray, key: bytes) -> bool:
+    i = p.find(key)
+    while i >= 0:
+        j = _value_at(p, i + len(key))
+        if 0 <= j < len(p) and p[j] != _N:
+            return True
+        i = p.find(key, i + len(key))
+    return False
+
+
+def _could_be_usage(data: bytes | bytearray, start: int) -> bool:
+    """Whether the incomplete event at ``data[start:]`` could still be a usage-only chunk.
+
+    It cannot once its ``"choices"`` value is seen to be a non-empty list. Until then (key not yet
+    arrived, ``[]``, ``null``, or cut right after ``[``) it could.
+    """
+    n = len(data)
+    i = data.find(_CHOICES, start)
+    while i >= 0:
+        j = _value_at(data, i + len(_CHOICES))
+        if j == n:
+            return True
+        if j >= 0:
+            if data[j] != _LBRACKET:
+                return True
+            k = j + 1
+            while k < n and data[k] in _WS:
+                k += 1
+            return k >= n or data[k] == _RBRACKET
+        i = data.find(_CHOICES, i + len(_CHOICES))
+    return True
+
+
+def _data_of(ev: bytes | bytearray) -> bytes | None:
+    """The data payload of a multi-line event (``None`` when it has no ``data:`` line)."""
+    parts = []
+    for line in ev.split(b"\n"):
+        if line.startswith(b"data:"):
+            v = line[5:]
+            if v.endswith(b"\r"):
+                v = v[:-1]
+            if v.startswith(b" "):
+                v = v[1:]
+            parts.append(bytes(v))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else b"\n".join(parts)
+
+
+def _nonneg_int(v: Any) -> int:
+    if isinstance(v, bool):
+        return 0
+    if isinstance(v, int):
+        return v if v > 0 else 0
+    if isinstance(v, float) and v.is_integer() and v > 0:
+        return int(v)
+    return 0
+
+
+def usage_tokens(usage: dict | None) -> tuple[int, int, int]:
+    """``(prompt, completion, cached)`` token counts of an OpenAI usage object; 0 where absent.
+
+    Accepts the Responses-API spellings (``input_tokens``/``output_tokens``) as well.
+    """
+    if not isinstance(usage, dict):
+        return 0, 0, 0
+    prompt = usage.get("prompt_tokens")
+    if prompt is None:
+        prompt = usage.get("input_tokens")
+    completion = usage.get("completion_tokens")
+    if completion is None:
+        completion = usage.get("output_tokens")
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict):
+        details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return _nonneg_int(prompt), _nonneg_int(completion), _nonneg_int(cached)
+
+
+class SSEScanner:
+    """Scan one upstream SSE stream. One instance per response; not thread-safe (one event loop).
+
+    ``feed(chunk, now)`` returns the bytes to forward for that chunk; ``finish()`` returns any bytes
+    still held back when the upstream ends. Concatenating every ``feed`` result and ``finish()``
+    gives the input exactly (``strip_usage=False``) or the input minus its usage-only events.
+    """
+
+    __slots__ = (
+        "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "itl_count",
+        "itl_sum", "itl_max", "usage", "finish_reason", "error", "done", "events",
+        "_buf", "_held", "_skip", "_now",
+    )
+
+    def __init__(self, strip_usage: bool = False) -> None:
+        self.strip_usage = strip_usage
+        self.first_token_at: float | None = None   # `now` of the first chunk with generated content
+        self.last_token_at: float | None = None
+        self.token_events = 0                      # events that carried generated content
+        self.itl: list[float] = []                 # gaps between content chunks, up to ITL_KEEP
+        self.itl_count = 0                         # all gaps, even those beyond ITL_KEEP
+        self.itl_sum = 0.0
+        self.itl_max = 0.0
+        self.usage: dict | None = None             # the last usage object seen
+        self.finish_reason: str | None = None
+        self.error: dict | None = None             # in-stream `data: {"error": ...}`
+        self.done = False                          # saw `data: [DONE]`
+        self.events = 0                            # events with a data payload (incl. [DONE])
+        self._buf = bytearray()    # the current incomplete event (or its last 2 bytes if skipped)
+        self._held = False         # strip mode: _buf has not been forwarded yet
+        self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
+        self._now = 0.0
+
+    # -- public -------------------------------------------------------------------------------
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        """Scan ``chunk`` (received at ``now``) and return the bytes to forward for it."""
+        self._now = now
+        if self.strip_usage:
+            return self._feed_strip(chunk, now)
+        buf = self._buf
+        if buf:
+            pos = len(buf) - 2 if len(buf) > 2 else 0
+            buf += chunk
+            data: bytes | bytearray = buf
+        elif chunk:
+            data = chunk
+            pos = 0
+        else:
+            return chunk
+        start = 0
+        flags = 0
+        for m in _BOUNDARY.finditer(data, pos):
+            if self._skip:
+                self._skip = False
+            else:
+                flags |= self._event(data, start, m.start())
+            start = m.end()
+        if data is buf:
+            del buf[:start]
+        elif start < len(chunk):
+            self._buf = bytearray(chunk[start:])
+        if len(self._buf) > MAX_EVENT_BYTES:
+            self._overflow()
+        if flags & _CONTENT:
+            self._mark(now)
+        return chunk
+
+    def finish(self) -> bytes:
+        """End of upstream: scan a trailing event that lacked its blank line, and return whatever
+        bytes are still held back (empty unless ``strip_usage``)."""
+        buf = self._buf
+        if not buf:
+            return b""
+        self._buf = bytearray()
+        held, self._held = self._held, False
+        flags = 0
+        if self._skip:
+            self._skip = False
+        else:
+            ev = bytes(buf).rstrip(b"\r\n")
+            if ev:
+                flags = self._event(ev, 0, len(ev))
+        if flags & _CONTENT:
+            self._mark(self._now)
+        if not held:
+            return b""
+        if flags & _USAGE_ONLY:
+            # drop the usage event but keep any stray blank lines that preceded it
+            lead = len(buf) - len(bytes(buf).lstrip(b"\r\n"))
+            return bytes(buf[:lead])
+        return bytes(buf)
+
+    def drain_itl(self) -> list[float]:
+        """Return the inter-token gaps collected since the last drain, and forget them."""
+        gaps = self.itl
+        self.itl = []
+        return gaps
+
+    @property
+    def held_bytes(self) -> int:
+        """How many bytes are currently held back (strip mode)."""
+        return len(self._buf) if self._held else 0
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _feed_strip(self, chunk: bytes, now: float) -> bytes:
+        buf = self._buf
+        if buf:
+            old = len(buf)
+            pos = old - 2 if old > 2 else 0
+            cursor = 0 if self._held else old      # bytes of `data` before cursor are handled
+            buf += chunk
+            data: bytes | bytearray = buf
+        elif chunk:
+            data = chunk
+            pos = cursor = 0
+        else:
+            return chunk
+        out: list[bytes | bytearray] | None = None
+        start = 0
+        flags = 0
+        for m in _BOUNDARY.finditer(data, pos):
+            end = m.end()
+            if self._skip:
+                self._skip = False
+                f = 0
+            else:
+                f = self._event(data, start, m.start())
+                flags |= f
+            if f & _USAGE_ONLY and cursor <= start:
+                cut = start
+                stop = m.start()
+                while cut < stop and (data[cut] == 0x0A or data[cut] == 0x0D):
+                    cut += 1                       # keep stray blank lines before the event
+                if out is None:
+                    out = []
+                if cursor < cut:
+                    out.append(data[cursor:cut])
+                cursor = end
+            start = end
+        n = len(data)
+        held = start < n and cursor <= start and _could_be_usage(data, start)
+        stop = start if held else n
+        if data is chunk and cursor == 0 and stop == n and out is None:
+            result: bytes = chunk
+        else:
+            if out is None:
+                out = []
+            if cursor < stop:
+                out.append(data[cursor:stop])
+            result = b"".join(out)
+        if data is buf:
+            del buf[:start]
+        elif start < n:
+            self._buf = bytearray(chunk[start:])
+        self._held = held
+        if len(self._buf) > MAX_EVENT_BYTES:
+            if held:
+                result += bytes(self._buf)
+                self._held = False
+            self._overflow()
+        if flags & _CONTENT:
+            self._mark(now)
+        return result
+
+    def _overflow(self) -> None:
+        # Give up scanning this event; keep 2 bytes so a boundary split across chunks is found.
+        self._skip = True
+        del self._buf[:-2]
+
+    def _mark(self, now: float) -> None:
+        last = self.last_token_at
+        if last is None:
+            self.first_token_at = now
+        else:
+            gap = now - last
+            self.itl_count += 1
+            self.itl_sum += gap
+            if gap > self.itl_max:
+                self.itl_max = gap
+            if len(self.itl) < ITL_KEEP:
+                self.itl.append(gap)
+        self.last_token_at = now
+
+    def _event(self, data: bytes | bytearray, start: int, end: int) -> int:
+        """Scan the complete event ``data[start:end]`` (boundary excluded); return flags."""
+        if data.startswith(b"data:", start) and data.find(b"\n", start, end) < 0:
+            p = data[start + 5:end]
+        else:
+            p = _data_of(data[start:end])
+            if p is None:
+                return 0          # comment / keep-alive / event-only frame
+        self.events += 1
+        if b"[DONE]" in p and p.strip() == b"[DONE]":
+            self.done = True
+            return 0
+        flags = 0
+        for key in _STRING_CONTENT_KEYS:
+            if _has_nonempty_string(p, key):
+                flags = _CONTENT
+                break
+        else:
+            if _has_nonempty_list(p, _TOOL_CALLS):
+                flags = _CONTENT
+        if flags:
+            self.token_events += 1
+        if b'"usage"' in p or b'"error"' in p or _has_nonnull(p, _FINISH_REASON):
+            flags |= self._decode(p)
+        return flags
+
+    def _decode(self, p: bytes | bytearray) -> int:
+        try:
+            obj = orjson.loads(p)
+        except ValueError:       # orjson.JSONDecodeError is a ValueError
+            return 0
+        if not isinstance(obj, dict):
+            return 0
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        else:
+            usage = None
+        err = obj.get("error")
+        if err:
+            self.error = err if isinstance(err, dict) else {"message": str(err)}
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for c in choices:
+                if isinstance(c, dict):
+                    fr = c.get("finish_reason")
+                    if isinstance(fr, str) and fr:
+                        self.finish_reason = fr
+        else:
+            meta = obj.get("meta_info")
+            if isinstance(meta, dict):
+                self._native_meta(meta)
+        if usage is not None and not choices and not err:
+            return _USAGE_ONLY
+        return 0
+
+    def _native_meta(self, meta: dict) -> None:
+        """SGLang native ``/generate``: the finish reason is an object, usage lives in meta_info."""
+        fr = meta.get("finish_reason")
+        if isinstance(fr, dict):
+            fr = fr.get("type")
+        if isinstance(fr, str) and fr:
+            self.finish_reason = fr
+        pt, ct = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        if isinstance(pt, int) and isinstance(ct, int):
+            usage: dict[str, Any] = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
+            cached = meta.get("cached_tokens")
+            if isinstance(cached, int):
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
+            self.usage = usage

@@ -1,0 +1,262 @@
+"""Strategy names → routers: the weighted-list grammar, the registry, the weighted combination.
+
+A strategy string is what a request's ``routing-strategy`` header, a model's default or the
+global default says: one name, or a weighted list ``prefix-cache:2,least-request:1``. The
+registry turns a string into a ready ``Router`` once and caches it, so on the hot path resolving
+the strategy is one dict lookup. Router instances are shared: ``least-request`` alone and
+``least-request`` inside a list are the same object, so stateful strategies (a prefix index,
+round-robin counters) keep one state per gateway.
+
+Adding a strategy is one ``register`` call (see ``default_registry``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+from collections.abc import Callable, Collection, Sequence
+
+from gateway.endpoints import Endpoint
+from gateway.request import InferenceRequest
+from routers.base import Router, RouterContext, ScoringRouter
+from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
+
+MAX_WEIGHT = 1_000_000
+# Distinct strategy strings cached per registry. The header is client-controlled, so the cache is
+# bounded (oldest entry evicted) rather than growing with every spelling a client invents.
+MAX_CACHED_SPECS = 1024
+
+_WEIGHT = re.compile(r"[0-9]+")
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.\-]*")
+
+RouterFactory = Callable[[RouterContext], Router]
+
+
+class StrategyError(ValueError):
+    """An invalid routing strategy string. The message starts with ``incorrect routing strategy``
+    (AIBrix's wording); the gateway answers 400 with ``x-error-routing: true``."""
+
+    def __init__(self, spec: str, reason: str) -> None:
+        super().__init__(f"incorrect routing strategy {spec}: {reason}")
+        self.spec = spec
+        self.reason = reason
+
+
+def is_exclusive(name: str) -> bool:
+    """``pd`` and the ``slo*`` family route alone: in a list, such an entry wins and the rest is
+    ignored (AIBrix semantics)."""
+    return name == "pd" or name.startswith("slo")
+
+
+def parse_strategy(spec: str, known: Collection[str] | None = None) -> list[tuple[str, int]]:
+    """Parse ``name[:weight],...`` into ``[(name, weight), ...]`` in the given order.
+
+    Names are trimmed and lower-cased; a missing weight is 1; weights are integers 0..1,000,000
+    and 0 drops the entry. With ``known`` every name must be in it. An exclusive entry (``pd``,
+    ``slo*``) is returned alone. Raises ``StrategyError`` on an empty item, a bad separator
+    (``a:1:2``), a non-integer, negative or out-of-range weight, all weights 0, a repeated name,
+    or an unknown name.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise StrategyError(spec, "empty")
+    entries: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for raw in spec.split(","):
+        parts = raw.split(":")
+        if len(parts) > 2:
+            raise StrategyError(spec, f"bad separator in {raw.strip()!r}")
+        name = parts[0].strip().lower()
+        if not name:
+            raise StrategyError(spec, "empty item")
+        if not _NAME.fullmatch(name):
+            raise StrategyError(spec, f"bad name {name!r}")
+        weight = 1
+        if len(parts) == 2:
+            w = parts[1].strip()
+            if not _WEIGHT.fullmatch(w):
+                raise StrategyError(spec, f"weight of {name!r} must be an integer 0..{MAX_WEIGHT}")
+            weight = int(w)
+            if weight > MAX_WEIGHT:
+                raise StrategyError(spec, f"weight of {name!r} must be an integer 0..{MAX_WEIGHT}")
+        if known is not None and name not in known:
+            raise StrategyError(spec, f"unknown strategy {name!r}")
+        if name in seen:
+            raise StrategyError(spec, f"{name!r} appears twice")
+        seen.add(name)
+        if weight:
+            entries.append((name, weight))
+    if not entries:
+        raise StrategyError(spec, "all weights are 0")
+    for entry in entries:
+        if is_exclusive(entry[0]):
+            return [entry]
+    return entries
+
+
+class WeightedRouter:
+    """A weighted combination of scoring routers (AIBrix's multi-strategy router).
+
+    Per strategy the scores are min–max normalised to [0, 1], better = higher: polarity "least"
+    gives ``(max - s) / (max - min)``, "most" gives ``(s - min) / (max - min)``; when all valid
+    scores are equal each gets 1.0; ``None``, NaN and ±Inf get 0. Each strategy's normalised score
+    is multiplied by ``weight / sum(weights)`` and the products are summed; the highest total wins.
+
+    Exact ties: with an ``rng`` (the registry passes ``RouterContext.rng``) one of the tied
+    candidates is picked uniformly, so the pipeline does not have to shuffle the candidates; with
+    ``rng=None`` the first tied candidate in the given order wins (AIBrix's rule, where the
+    candidate list was shuffled beforehand).
+
+    After the choice, each part's optional ``post_route(req, endpoint)`` hook is called, so a
+    strategy that learns from decisions (a prefix index) learns from combined decisions too.
+    """
+
+    polarity = "most"
+
+    def __init__(self, name: str, parts: Sequence[tuple[ScoringRouter, int]],
+                 rng: random.Random | None = None) -> None:
+        if not parts:
+            raise ValueError("WeightedRouter needs at least one part")
+        total = sum(w for _, w in parts)
+        if total <= 0:
+            raise ValueError("WeightedRouter weights must sum to a positive number")
+        self.name = name
+        self.parts = [(r, w / total, _polarity_most(r)) for r, w in parts]
+        self._random = rng.random if rng is not None else None
+        self._hooks = [h for h in (getattr(r, "post_route", None) for r, _ in parts) if callable(h)]
+
+    def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
+        """The combined score of every candidate (higher is better, within [0, 1])."""
+        n = len(candidates)
+        total = [0.0] * n
+        for router, coef, most in self.parts:
+            scores = router.score(req, candidates)
+            if len(scores) != n:
+                raise ValueError(f"router {router.name!r} returned {len(scores)} scores for {n} candidates")
+            lo, hi = math.inf, -math.inf
+            for s in scores:
+                if s is not None and s == s and s not in (math.inf, -math.inf):
+                    if s < lo:
+                        lo = s
+                    if s > hi:
+                        hi = s
+            if lo > hi:
+                continue                     # nobody scored: this strategy adds 0 to everyone
+            span = hi - lo
+            for i, s in enumerate(scores):
+                if s is None or s != s or s in (math.inf, -math.inf):
+                    continue
+                if span == 0:
+                    total[i] += coef
+                elif most:
+                    total[i] += coef * (s - lo) / span
+                else:
+                    total[i] += coef * (hi - s) / span
+        return total
+
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+        total = self.score(req, candidates)
+        best_i = 0
+        best = total[0]
+        ties = 1
+        rand = self._random
+        for i in range(1, len(total)):
+            t = total[i]
+            if t > best:
+                best_i, best, ties = i, t, 1
+            elif t == best and rand is not None:
+                ties += 1
+                if rand() * ties < 1.0:
+                    best_i = i
+        ep = candidates[best_i]
+        for hook in self._hooks:
+            hook(req, ep)
+        return ep
+
+
+def _polarity_most(router: ScoringRouter) -> bool:
+    polarity = getattr(router, "polarity", None)
+    if polarity not in ("least", "most"):
+        raise ValueError(f"router {router.name!r} has polarity {polarity!r}; expected 'least' or 'most'")
+    return polarity == "most"
+
+
+class RouterRegistry:
+    """Known strategies and the routers built for strategy strings.
+
+    ``register(name, factory, scoring=...)`` declares a strategy; ``get(spec)`` validates and
+    builds the router for a strategy string on first use and returns the cached one afterwards.
+    One instance per strategy name is built lazily (``factory(ctx)``) and shared.
+    """
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self.ctx = ctx
+        self._factories: dict[str, RouterFactory] = {}
+        self._scoring: dict[str, bool] = {}
+        self._instances: dict[str, Router] = {}
+        self._cache: dict[str, Router] = {}
+
+    def register(self, name: str, factory: RouterFactory, *, scoring: bool) -> None:
+        """Declare strategy ``name``; ``scoring=True`` if its router is a ``ScoringRouter`` and may
+        take part in weighted lists."""
+        key = name.strip().lower()
+        if not _NAME.fullmatch(key):
+            raise ValueError(f"invalid strategy name {name!r}")
+        if key in self._factories:
+            raise ValueError(f"strategy {key!r} is already registered")
+        self._factories[key] = factory
+        self._scoring[key] = scoring
+        self._cache.clear()
+
+    def names(self) -> list[str]:
+        return list(self._factories)
+
+    def is_scoring(self, name: str) -> bool:
+        return self._scoring.get(name.strip().lower(), False)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.strip().lower() in self._factories
+
+    def get(self, spec: str) -> Router:
+        """The router for strategy string ``spec``; raises ``StrategyError`` if it is invalid."""
+        router = self._cache.get(spec)
+        if router is None:
+            router = self._build(spec)
+            if len(self._cache) >= MAX_CACHED_SPECS:
+                del self._cache[next(iter(self._cache))]
+            self._cache[spec] = router
+        return router
+
+    def validate(self, spec: str) -> list[tuple[str, int]]:
+        """Parse and check ``spec`` without building anything (config validation)."""
+        entries = parse_strategy(spec, self._factories)
+        if len(entries) > 1:
+            for name, _ in entries:
+                if not self._scoring[name]:
+                    raise StrategyError(spec, f"{name!r} cannot be combined with other strategies")
+        return entries
+
+    def _instance(self, name: str) -> Router:
+        router = self._instances.get(name)
+        if router is None:
+            router = self._factories[name](self.ctx)
+            if self._scoring[name] and not isinstance(router, ScoringRouter):
+                raise TypeError(f"strategy {name!r} is registered as scoring but its router has no score()")
+            self._instances[name] = router
+        return router
+
+    def _build(self, spec: str) -> Router:
+        entries = self.validate(spec)
+        if len(entries) == 1:
+            return self._instance(entries[0][0])
+        parts = [(self._instance(name), weight) for name, weight in entries]
+        return WeightedRouter(spec, parts, rng=self.ctx.rng)  # type: ignore[arg-type]
+
+
+def default_registry(ctx: RouterContext) -> RouterRegistry:
+    """The registry with every built-in strategy. New strategies add one ``register`` line."""
+    reg = RouterRegistry(ctx)
+    reg.register("random", RandomRouter, scoring=False)
+    reg.register("round-robin", RoundRobinRouter, scoring=False)
+    reg.register("least-request", LeastRequestRouter, scoring=True)
+    return reg

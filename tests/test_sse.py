@@ -1,0 +1,492 @@
+"""The relay's SSE scanner: what it reports, and that the bytes the client gets are exact."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway import sse
+from gateway.sse import ITL_KEEP, SSEScanner, usage_tokens
+
+# -- real framings (engine-protocols.md §1.3, §2.3, §2.4) ---------------------------------------
+
+VLLM_ROLE = (b'data: {"id":"chatcmpl-X","object":"chat.completion.chunk","created":1767000000,"model":"llama-8b",'
+             b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+             b'"prompt_token_ids":null,"prompt_text":null}\n\n')
+VLLM_HEL = (b'data: {"id":"chatcmpl-X","object":"chat.completion.chunk","created":1767000000,"model":"llama-8b",'
+            b'"choices":[{"index":0,"delta":{"content":"Hel"},"logprobs":null,"finish_reason":null,"token_ids":null}],'
+            b'"kv_transfer_params":null}\n\n')
+VLLM_LO = (b'data: {"id":"chatcmpl-X","object":"chat.completion.chunk","created":1767000000,"model":"llama-8b",'
+           b'"choices":[{"index":0,"delta":{"content":"lo!"},"logprobs":null,"finish_reason":"stop","stop_reason":null,'
+           b'"token_ids":null}],"kv_transfer_params":null}\n\n')
+VLLM_USAGE = (b'data: {"id":"chatcmpl-X","object":"chat.completion.chunk","created":1767000000,"model":"llama-8b",'
+              b'"choices":[],"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2},'
+              b'"system_fingerprint":"vllm-0.33.0-1a2b3c4d"}\n\n')
+DONE = b"data: [DONE]\n\n"
+VLLM_STREAM = VLLM_ROLE + VLLM_HEL + VLLM_LO + VLLM_USAGE + DONE
+
+SGL_ROLE = (b'data: {"id":"5f0c","object":"chat.completion.chunk","created":1767000000,"model":"default","choices":'
+            b'[{"index":0,"delta":{"reasoning_content":null,"role":"assistant","content":""},"logprobs":null,'
+            b'"finish_reason":null,"matched_stop":null}]}\n\n')
+SGL_HELLO = (b'data: {"id":"5f0c","object":"chat.completion.chunk","created":1767000000,"model":"default","choices":'
+             b'[{"index":0,"delta":{"reasoning_content":null,"content":"Hello"},"logprobs":null,"finish_reason":null,'
+             b'"matched_stop":null}]}\n\n')
+SGL_FINISH = (b'data: {"id":"5f0c","object":"chat.completion.chunk","created":1767000000,"model":"default","choices":'
+              b'[{"index":0,"delta":{"reasoning_content":null},"logprobs":null,"finish_reason":"stop",'
+              b'"matched_stop":128009}]}\n\n')
+SGL_USAGE = (b'data: {"id":"5f0c","object":"chat.completion.chunk","created":1767000000,"model":"default","choices":[],'
+             b'"usage":{"prompt_tokens":12,"total_tokens":14,"completion_tokens":2,"prompt_tokens_details":null,'
+             b'"reasoning_tokens":0,"completion_tokens_details":null}}\n\n')
+SGL_STREAM = SGL_ROLE + SGL_HELLO + SGL_FINISH + SGL_USAGE + DONE
+
+VLLM_ERROR = (b'data: {"error":{"message":"Internal server error","type":"InternalServerError","param":null,'
+              b'"code":500}}\n\n')
+SGL_ERROR = (b'data: {"error":{"object":"error","message":"KV transfer failed","type":"InternalServerError",'
+             b'"param":null,"code":500}}\n\n')
+KEEPALIVE = b": keep-alive\n\n"
+
+
+def scan(data: bytes, chunks: list[bytes] | None = None, strip: bool = False) -> tuple[SSEScanner, bytes]:
+    s = SSEScanner(strip_usage=strip)
+    out = []
+    for t, c in enumerate(chunks if chunks is not None else [data]):
+        out.append(s.feed(c, float(t)))
+    out.append(s.finish())
+    return s, b"".join(out)
+
+
+def one_byte(data: bytes) -> list[bytes]:
+    return [data[i:i + 1] for i in range(len(data))]
+
+
+# -- vLLM and SGLang streams -----------------------------------------------------------------------
+
+
+def test_vllm_chat_stream():
+    s, out = scan(VLLM_STREAM, [VLLM_ROLE, VLLM_HEL, VLLM_LO, VLLM_USAGE, DONE])
+    assert out == VLLM_STREAM
+    assert s.token_events == 2                  # the role chunk with "content":"" is not a token
+    assert s.first_token_at == 1.0              # the "Hel" chunk
+    assert s.last_token_at == 2.0
+    assert s.itl == [1.0]
+    assert s.finish_reason == "stop"
+    assert s.usage == {"prompt_tokens": 12, "total_tokens": 14, "completion_tokens": 2}
+    assert usage_tokens(s.usage) == (12, 2, 0)
+    assert s.done and s.error is None
+    assert s.events == 5
+
+
+def test_role_chunk_alone_is_not_a_token():
+    s, _ = scan(VLLM_ROLE + SGL_ROLE)
+    assert s.token_events == 0 and s.first_token_at is None
+
+
+def test_sglang_chat_stream_with_separate_finish_chunk():
+    s, out = scan(SGL_STREAM, one_byte(SGL_STREAM))
+    assert out == SGL_STREAM
+    assert s.token_events == 1
+    assert s.finish_reason == "stop"
+    assert usage_tokens(s.usage) == (12, 2, 0)  # prompt_tokens_details: null
+    assert s.done
+
+
+def test_sglang_native_generate_cumulative_stream():
+    events = [
+        {"text": " there", "output_ids": [1], "meta_info": {"id": "r1", "finish_reason": None,
+                                                             "prompt_tokens": 5, "completion_tokens": 1}},
+        {"text": " there was", "output_ids": [1, 2], "meta_info": {"id": "r1", "finish_reason": None,
+                                                                    "prompt_tokens": 5, "completion_tokens": 2}},
+        {"text": " there was a", "output_ids": [1, 2, 3],
+         "meta_info": {"id": "r1", "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 5,
+                       "completion_tokens": 3, "cached_tokens": 4}},
+    ]
+    data = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + DONE
+    s, _ = scan(data, one_byte(data))
+    assert s.token_events == 3
+    assert s.finish_reason == "length"
+    assert usage_tokens(s.usage) == (5, 3, 4)
+    assert s.usage["total_tokens"] == 8
+
+
+def test_completions_stream_counts_text_chunks():
+    chunk = (b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index":0,'
+             b'"text":"%s","logprobs":null,"finish_reason":%s,"stop_reason":null}]}\n\n')
+    data = chunk % (b"Once", b"null") + chunk % (b"", b"null") + chunk % (b" upon", b'"length"') + DONE
+    s, _ = scan(data)
+    assert s.token_events == 2
+    assert s.finish_reason == "length"
+
+
+def test_in_stream_errors():
+    s, _ = scan(VLLM_ROLE + VLLM_HEL + VLLM_ERROR + DONE)
+    assert s.error == {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+    assert s.done
+    s, _ = scan(SGL_ROLE + SGL_ERROR + DONE)
+    assert s.error["message"] == "KV transfer failed"
+    s, _ = scan(b'data: {"error": "Unauthorized"}\n\n')
+    assert s.error == {"message": "Unauthorized"}
+
+
+def test_keepalive_comments_event_and_id_lines_are_ignored():
+    data = (KEEPALIVE + VLLM_ROLE + KEEPALIVE + b"id: 7\nevent: sglext_ids\ndata: {\"ids\":[1,2]}\n\n"
+            + b"retry: 100\n\n" + VLLM_HEL + KEEPALIVE + DONE)
+    s, out = scan(data, one_byte(data))
+    assert out == data
+    assert s.events == 4                  # role, sglext_ids, Hel, [DONE]: comments are not events
+    assert s.token_events == 1 and s.done
+
+
+def test_crlf_and_mixed_line_endings():
+    crlf = VLLM_STREAM.replace(b"\n", b"\r\n")
+    for data in (crlf, VLLM_ROLE + VLLM_HEL.replace(b"\n\n", b"\r\n\n") + VLLM_LO.replace(b"\n\n", b"\n\r\n") + DONE):
+        s, out = scan(data, one_byte(data))
+        assert out == data
+        assert s.token_events == 2 and s.finish_reason == "stop" and s.done
+
+
+def test_crlf_strip_removes_exact_event_bytes():
+    crlf = VLLM_STREAM.replace(b"\n", b"\r\n")
+    s, out = scan(crlf, one_byte(crlf), strip=True)
+    assert out == (VLLM_ROLE + VLLM_HEL + VLLM_LO + DONE).replace(b"\n", b"\r\n")
+    assert usage_tokens(s.usage) == (12, 2, 0)
+
+
+def test_data_without_space_and_multiline_data():
+    data = b'data:{"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta":\ndata: {"content":"b"}}]}\n\n'
+    s, _ = scan(data)
+    assert s.token_events == 2 and s.events == 2
+
+
+def test_content_keys_that_are_tokens_and_those_that_are_not():
+    def count(payload: bytes) -> int:
+        return scan(b"data: " + payload + b"\n\n")[0].token_events
+
+    assert count(b'{"choices":[{"delta":{"reasoning_content":"think"}}]}') == 1
+    assert count(b'{"choices":[{"delta":{"reasoning":"think"}}]}') == 1
+    assert count(b'{"choices":[{"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}}]}') == 1
+    assert count(b'{"choices":[{"delta":{"tool_calls":[]}}]}') == 0
+    assert count(b'{"choices":[{"delta":{"content":null},"logprobs":{"content":[{"token":"a"}]}}]}') == 0
+    assert count(b'{"choices":[{"delta":{"content":"\\"content\\":\\"x"}}]}') == 1
+    assert count(b'{"choices":[{"delta":{"content":"says \\"text\\": \\"\\""}}]}') == 1
+    assert count(b'{"choices":[{"delta":{"content":""}}],"prompt_text":"hi"}') == 0
+    # json.dumps default separators (": " and ", ")
+    assert count(json.dumps({"choices": [{"delta": {"content": "x"}}]}).encode()) == 1
+    assert count(json.dumps({"choices": [{"delta": {"content": ""}}]}).encode()) == 0
+
+
+# -- AIBrix §9 item 9 -----------------------------------------------------------------------------
+
+
+def test_aibrix_usage_cases():
+    usage = b'data: {"usage":{"prompt_tokens":10,"completion_tokens":20,"total_tokens":30}}\n\n'
+    for data in (usage, usage.replace(b"\n", b"\r\n")):
+        s, _ = scan(data)
+        assert usage_tokens(s.usage) == (10, 20, 0) and s.usage["total_tokens"] == 30
+    s, _ = scan(DONE)
+    assert s.usage is None and s.done
+    mention = b'data: {"choices":[{"delta":{"content":"Here is the usage example"}}]}\n\n'
+    s, _ = scan(mention)
+    assert s.usage is None and s.error is None and s.token_events == 1
+    quoted = b'data: {"choices":[{"delta":{"content":"the \\"usage\\" and \\"error\\" keys"}}]}\n\n'
+    s, _ = scan(quoted, strip=True)
+    assert s.usage is None and s.error is None and s.token_events == 1
+
+
+def test_broken_json_with_usage_is_skipped_not_raised():
+    data = b'data: {"choices":[],"usage":{"prompt_tokens":10,\n\n' + DONE
+    for strip in (False, True):
+        s, out = scan(data, strip=strip)
+        assert s.usage is None and s.done
+        assert out == data          # not a usage event, so not stripped either
+
+
+def test_usage_split_across_chunks_is_still_read():
+    # AIBrix issue #2638: a chunk boundary inside the usage line lost usage (or failed the stream)
+    for cut in range(1, len(VLLM_USAGE)):
+        s, _ = scan(VLLM_USAGE, [VLLM_USAGE[:cut], VLLM_USAGE[cut:]])
+        assert usage_tokens(s.usage) == (12, 2, 0)
+
+
+def test_continuous_usage_keeps_the_last_one():
+    def chunk(text: str, completion: int) -> bytes:
+        return b"data: " + orjson.dumps({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
+                                         "usage": {"prompt_tokens": 3, "completion_tokens": completion,
+                                                   "total_tokens": 3 + completion}}) + b"\n\n"
+    final = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}\n\n'
+    data = chunk("a", 1) + chunk("b", 2) + final + DONE
+    s, out = scan(data, strip=True)
+    assert s.usage["completion_tokens"] == 2 and s.token_events == 2
+    assert out == chunk("a", 1) + chunk("b", 2) + DONE   # only the usage-only chunk is removed
+
+
+# -- strip_usage: exact bytes and no delay ----------------------------------------------------------
+
+
+def test_strip_usage_removes_only_the_usage_chunk():
+    for stream, usage in ((VLLM_STREAM, VLLM_USAGE), (SGL_STREAM, SGL_USAGE)):
+        s, out = scan(stream, [stream], strip=True)
+        assert out == stream.replace(usage, b"")
+        assert s.usage is not None
+
+
+def test_strip_usage_forwards_content_events_before_they_complete():
+    s = SSEScanner(strip_usage=True)
+    half = len(VLLM_HEL) // 2            # past "choices":[{ : cannot be the usage chunk
+    assert s.feed(VLLM_HEL[:half], 0.0) == VLLM_HEL[:half]
+    assert s.held_bytes == 0
+    assert s.feed(VLLM_HEL[half:], 0.1) == VLLM_HEL[half:]
+    assert s.token_events == 1
+
+
+def test_strip_usage_holds_only_a_possible_usage_event():
+    s = SSEScanner(strip_usage=True)
+    cut = VLLM_USAGE.index(b'"choices"') + 5
+    # everything before the incomplete event goes out at once; the event itself is held
+    assert s.feed(VLLM_LO + VLLM_USAGE[:cut], 0.0) == VLLM_LO
+    assert s.held_bytes == cut
+    assert s.feed(VLLM_USAGE[cut:-1], 0.1) == b""       # "choices":[] seen: still held
+    assert s.feed(VLLM_USAGE[-1:] + DONE[:4], 0.2) == b""   # the usage event dropped; "data" held
+    assert s.feed(DONE[4:], 0.3) == DONE
+    assert s.finish() == b""
+    assert usage_tokens(s.usage) == (12, 2, 0)
+
+
+def test_finish_returns_held_unterminated_event():
+    s = SSEScanner(strip_usage=True)
+    assert s.feed(b"data: [DO", 0.0) == b""
+    assert s.finish() == b"data: [DO"
+    s = SSEScanner(strip_usage=True)
+    assert s.feed(VLLM_USAGE[:-2], 0.0) == b""
+    assert s.finish() == b""                              # a complete usage event without its blank line
+    assert s.usage is not None
+    s, out = scan(VLLM_HEL + b"data: [DONE]\n", strip=False)
+    assert s.done and out == VLLM_HEL + b"data: [DONE]\n"
+
+
+def test_feed_without_strip_returns_the_same_object():
+    s = SSEScanner()
+    for chunk in (VLLM_ROLE, VLLM_HEL[:10], VLLM_HEL[10:], b"", VLLM_USAGE + DONE):
+        assert s.feed(chunk, 0.0) is chunk
+    assert s.finish() == b""
+
+
+def test_feed_with_strip_returns_the_same_object_when_nothing_changes():
+    s = SSEScanner(strip_usage=True)
+    assert s.feed(VLLM_HEL, 0.0) is VLLM_HEL
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+
+def test_itl_gaps_between_content_chunks():
+    s = SSEScanner()
+    s.feed(VLLM_ROLE, 0.5)
+    s.feed(VLLM_HEL, 1.0)
+    s.feed(KEEPALIVE, 1.5)
+    s.feed(VLLM_HEL + VLLM_HEL, 2.0)       # one chunk, two token events, one gap
+    s.feed(VLLM_LO, 4.0)
+    assert s.first_token_at == 1.0 and s.last_token_at == 4.0
+    assert s.token_events == 4
+    assert s.drain_itl() == [1.0, 2.0]
+    assert s.itl == [] and s.drain_itl() == []
+    assert (s.itl_count, s.itl_sum, s.itl_max) == (2, 3.0, 2.0)
+
+
+def test_itl_list_is_capped_but_counted():
+    s = SSEScanner()
+    for t in range(ITL_KEEP + 10):
+        s.feed(VLLM_HEL, float(t))
+    assert len(s.itl) == ITL_KEEP
+    assert s.itl_count == ITL_KEEP + 9
+
+
+def test_oversized_event_passes_through_unscanned(monkeypatch):
+    monkeypatch.setattr(sse, "MAX_EVENT_BYTES", 80)
+    small = b'data: {"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}]}\n\n'
+    big = b'data: {"choices":[],"usage":{"prompt_tokens":1},"pad":"' + b"x" * 200 + b'"}\n\n'
+    data = small + big + small + DONE
+    for strip in (False, True):
+        s, out = scan(data, [data[i:i + 7] for i in range(0, len(data), 7)], strip=strip)
+        assert out == data
+        assert s.usage is None and s.token_events == 2 and s.finish_reason == "stop" and s.done
+
+
+# -- usage_tokens ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("usage, expected", [
+    (None, (0, 0, 0)),
+    ({}, (0, 0, 0)),
+    ({"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}, (7, 3, 0)),
+    ({"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}, (7, 3, 4)),
+    ({"prompt_tokens": 7, "completion_tokens": 3, "prompt_tokens_details": None}, (7, 3, 0)),
+    ({"input_tokens": 5, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 1}}, (5, 2, 1)),
+    ({"prompt_tokens": "7", "completion_tokens": True, "prompt_tokens_details": {"cached_tokens": -1}}, (0, 0, 0)),
+    ({"prompt_tokens": 7.0, "completion_tokens": 2}, (7, 2, 0)),
+])
+def test_usage_tokens(usage, expected):
+    assert usage_tokens(usage) == expected
+
+
+# -- property: arbitrary streams, arbitrary splits ---------------------------------------------------
+
+TRICKY = ["usage", '"usage"', "[DONE]", "data: x\n\n", '"content":""', "\\", '"', "error", '"choices":[]',
+          "\r\n\r\n", "é✓", "}"]
+texts = st.one_of(st.text(max_size=12), st.sampled_from(TRICKY), st.just(""))
+
+
+def _chat(delta: dict, finish=None, **extra) -> dict:
+    return {"id": "c", "object": "chat.completion.chunk", "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}], **extra}
+
+
+@st.composite
+def events(draw):
+    """(lines, expectation) for one event of a kind the engines send."""
+    kind = draw(st.integers(0, 14))
+    exp = {"data": True, "token": False, "usage": None, "finish": None, "error": None, "done": False,
+           "usage_only": False}
+    text = draw(texts)
+    usage = {"prompt_tokens": draw(st.integers(0, 9999)), "completion_tokens": draw(st.integers(0, 999)),
+             "total_tokens": 0}
+    dumps = orjson.dumps
+    if kind == 0:                                               # vLLM role chunk
+        lines = [b"data: " + dumps(_chat({"role": "assistant", "content": ""}))]
+    elif kind == 1:                                             # content delta
+        lines = [b"data: " + dumps(_chat({"content": text}))]
+        exp["token"] = text != ""
+    elif kind == 2:                                             # vLLM last delta + finish
+        reason = draw(st.sampled_from(["stop", "length", "abort", "tool_calls"]))
+        lines = [b"data: " + dumps(_chat({"content": text}, reason, stop_reason=None))]
+        exp.update(token=text != "", finish=reason)
+    elif kind == 3:                                             # usage-only chunk
+        lines = [b"data: " + dumps({"id": "c", "choices": [], "usage": usage})]
+        exp.update(usage=usage, usage_only=True)
+    elif kind == 4:                                             # continuous usage on a content chunk
+        lines = [b"data: " + dumps(_chat({"content": text}, usage=usage))]
+        exp.update(token=text != "", usage=usage)
+    elif kind == 5:                                             # SGLang separate finish chunk
+        lines = [b"data: " + dumps(_chat({"reasoning_content": None}, "stop", matched_stop=2))]
+        exp["finish"] = "stop"
+    elif kind == 6:                                             # completions chunk
+        lines = [b"data: " + dumps({"object": "text_completion", "choices": [{"index": 0, "text": text,
+                                                                             "finish_reason": None}]})]
+        exp["token"] = text != ""
+    elif kind == 7:                                             # in-stream error
+        err = {"message": text, "type": "InternalServerError", "param": None, "code": 500}
+        lines = [b"data: " + dumps({"error": err})]
+        exp["error"] = err
+    elif kind == 8:
+        lines = [b"data: [DONE]"]
+        exp["done"] = True
+    elif kind == 9:                                             # keep-alive comment
+        lines = [b": keep-alive"]
+        exp["data"] = False
+    elif kind == 10:                                            # event-typed frame
+        lines = [b"event: sglext_ids", b"data: " + dumps({"ids": [1, 2], "note": text})]
+    elif kind == 11:                                            # tool call delta
+        lines = [b"data: " + dumps(_chat({"tool_calls": [{"index": 0, "function": {"arguments": text}}]}))]
+        exp["token"] = True
+    elif kind == 12:                                            # spaced JSON (json.dumps defaults)
+        lines = [b"data:" + json.dumps(_chat({"content": text}), ensure_ascii=False).encode()]
+        exp["token"] = text != ""
+    elif kind == 13:                                            # SGLang native, final event
+        meta = {"id": "r", "finish_reason": {"type": "length", "length": 3}, "prompt_tokens": 5,
+                "completion_tokens": 3, "cached_tokens": 2}
+        lines = [b"data: " + dumps({"text": text, "output_ids": [1, 2, 3], "meta_info": meta})]
+        exp.update(token=text != "", finish="length",
+                   usage={"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                          "prompt_tokens_details": {"cached_tokens": 2}})
+    else:                                                       # broken JSON mentioning usage
+        lines = [b'data: {"choices":[],"usage":{"prompt_tokens":' + text.encode()]
+    return lines, exp
+
+
+ENDINGS = [(b"\n", b"\n"), (b"\r\n", b"\r\n"), (b"\r\n", b"\n"), (b"\n", b"\r\n")]
+_RELEASE = re.compile(rb'"choices"\s*:\s*\[\s*[^\]\s]')
+
+
+@st.composite
+def streams(draw):
+    evs = draw(st.lists(events(), max_size=10))
+    parts = []
+    for lines, exp in evs:
+        le, be = draw(st.sampled_from(ENDINGS))
+        parts.append((le.join(lines) + le + be, exp))
+    unterminated = bool(parts) and draw(st.booleans())
+    if unterminated:                                            # last event lacks its blank line
+        raw, exp = parts[-1]
+        parts[-1] = (raw[:-draw(st.sampled_from([1, 2]))].rstrip(b"\r") if raw.endswith(b"\n") else raw, exp)
+    data = b"".join(raw for raw, _ in parts)
+    if draw(st.booleans()):
+        chunks = one_byte(data)
+    else:
+        cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=12)))
+        chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+    return parts, data, chunks, unterminated
+
+
+def _expected(parts):
+    exp = {"token_events": 0, "usage": None, "finish_reason": None, "error": None, "done": False, "events": 0}
+    for _, e in parts:
+        exp["token_events"] += e["token"]
+        exp["events"] += e["data"]
+        exp["done"] |= e["done"]
+        for key, field in (("usage", "usage"), ("finish", "finish_reason"), ("error", "error")):
+            if e[key] is not None:
+                exp[field] = e[key]
+    return exp
+
+
+def _stats(s: SSEScanner) -> dict:
+    return {"token_events": s.token_events, "usage": s.usage, "finish_reason": s.finish_reason,
+            "error": s.error, "done": s.done, "events": s.events}
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(), st.booleans())
+def test_property_any_split_gives_exact_bytes_and_same_observations(stream, strip):
+    parts, data, chunks, unterminated = stream
+    expected_out = b"".join(raw for raw, e in parts if not (strip and e["usage_only"]))
+
+    s = SSEScanner(strip_usage=strip)
+    out = []
+    consumed = 0
+    for t, chunk in enumerate(chunks):
+        piece = s.feed(chunk, float(t))
+        if not strip:
+            assert piece is chunk
+        out.append(piece)
+        consumed += len(chunk)
+        emitted = b"".join(out)
+        assert expected_out.startswith(emitted)
+        # no delay: every byte of a complete non-usage event, and of an incomplete event already
+        # seen to have non-empty choices, has gone out
+        must, start = 0, 0
+        for i, (raw, e) in enumerate(parts):
+            end = start + len(raw)
+            complete = consumed >= end and (i < len(parts) - 1 or not unterminated)
+            if not (strip and e["usage_only"]):
+                if complete:
+                    must += len(raw)
+                else:
+                    m = _RELEASE.search(raw)
+                    if not strip or (m and consumed >= start + m.end()):
+                        must += max(0, consumed - start)
+                    break
+            if consumed < end:
+                break
+            start = end
+        assert len(emitted) >= must
+    out.append(s.finish())
+    assert b"".join(out) == expected_out
+
+    whole, whole_out = scan(data, [data], strip=strip)
+    assert whole_out == expected_out
+    assert _stats(s) == _stats(whole) == _expected(parts)
+    assert (s.first_token_at is None) == (s.token_events == 0)
