@@ -1,0 +1,42 @@
+"""``python -m enginesim --engine vllm|sglang --role aggregated --port N --model NAME [knobs]``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+
+from enginesim.config import config_from_args
+from enginesim.server import start_sim
+
+
+async def _serve() -> None:
+    cfg = config_from_args()
+    server = await start_sim(cfg)
+    print(f"enginesim: {cfg.engine} {cfg.role} model={cfg.served_name} on {server.url}", file=sys.stderr,
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.wait_ready()
+        print(f"enginesim: ready on {server.url}", file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await server.close()
+
+
+def main() -> None:
+    try:
+        import uvloop
+    except ImportError:  # optional: plain asyncio works the same, only slower
+        asyncio.run(_serve())
+    else:
+        uvloop.run(_serve())
+
+
+if __name__ == "__main__":
+    main()

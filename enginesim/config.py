@@ -1,0 +1,163 @@
+"""Simulator configuration: one frozen dataclass shared by the CLI and in-process callers.
+
+Every knob is a field with a ``help`` entry in its metadata, and the CLI is generated from the
+fields, so the two can never drift apart. A value of ``0`` for ``block_size``, ``kv_blocks`` and
+``default_max_tokens`` means "what this engine does by default"; ``__post_init__`` resolves it so
+the rest of the package only ever sees concrete numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from enginesim.faults import parse_fault
+
+ENGINES = ("vllm", "sglang")
+IMPLEMENTED_ROLES = ("aggregated",)
+PLANNED_ROLES = ("prefill", "decode")
+
+VLLM_VERSION = "0.33.0"
+SGLANG_VERSION = "0.5.23"
+
+# Token capacity of the default pool: 4096 blocks of 16 tokens. SGLang gets the same capacity at
+# page size 1 so both engines cache the same amount of text by default.
+_DEFAULT_KV_TOKENS = 4096 * 16
+
+
+def _knob(default: Any, help_: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help_, **extra})
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """All knobs of one simulated engine. Times are in milliseconds unless the name says ``_s``."""
+
+    engine: str = _knob("vllm", "which engine to imitate on the wire", choices=ENGINES)
+    role: str = _knob("aggregated", "serving role; only 'aggregated' is implemented so far")
+    host: str = _knob("127.0.0.1", "address to bind")
+    port: int = _knob(0, "port to bind; 0 picks a free port (CLI default: 8000 vLLM, 30000 SGLang)")
+    model: str = _knob("sim-model", "model path/name (vLLM: the card's root)")
+    served_model_names: tuple[str, ...] = _knob(
+        (), "served model names/aliases; the first is the metric label and response model",
+        cli="--served-model-name")
+    seed: int = _knob(0, "seed for output tokens and jitter; same seed + prompt gives the same output")
+    ttft_base_ms: float = _knob(20.0, "fixed part of the prefill time")
+    prefill_ms_per_token: float = _knob(0.05, "prefill cost of each uncached prompt token")
+    itl_ms: float = _knob(10.0, "base inter-token latency")
+    itl_jitter_ms: float = _knob(0.0, "uniform jitter added to each inter-token gap (+/-)")
+    itl_growth_per_running: float = _knob(
+        0.0, "extra inter-token latency (ms) per other running request, so load slows decode")
+    max_num_seqs: int = _knob(64, "max running requests; the rest wait in a FIFO queue")
+    kv_blocks: int = _knob(0, "KV pool size in blocks (0: 65536 tokens' worth)")
+    block_size: int = _knob(0, "tokens per KV block (0: 16 for vLLM, 1 for SGLang's page size)")
+    enable_prefix_caching: bool = _knob(True, "automatic prefix caching (vLLM) / radix cache (SGLang)")
+    report_cached_tokens: bool = _knob(
+        True, "report prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details, "
+        "SGLang --enable-cache-report)")
+    default_max_tokens: int = _knob(
+        0, "max tokens when the request gives none (0: 16 for vLLM and SGLang completions, "
+        "128 for SGLang chat and /generate)")
+    max_model_len: int = _knob(8192, "context length; longer prompts are rejected with 400")
+    eos_probability: float = _knob(
+        0.0, "chance per generated token (after min_tokens) of a natural EOS unless ignore_eos")
+    startup_delay_s: float = _knob(
+        0.0, "vLLM: refuse connections for this long; SGLang: /health and /health_generate 503")
+    fault: str = _knob("", "default fault spec for every request (see enginesim/README.md)")
+    sse_keepalive_s: float = _knob(0.0, "vLLM --sse-keep-alive-interval; 0 disables keep-alive frames")
+    sglang_abort_delay_s: float = _knob(
+        0.1, "SGLang: delay between client disconnect and abort (real: ~2 s stream, <=4 s non-stream)")
+    enable_request_id_headers: bool = _knob(False, "vLLM --enable-request-id-headers: echo X-Request-Id")
+    enable_metrics: bool = _knob(True, "SGLang --enable-metrics (vLLM always serves /metrics)")
+    embedding_dim: int = _knob(16, "length of the vectors /v1/embeddings returns")
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
+        if self.role in PLANNED_ROLES:
+            raise ValueError(f"role {self.role!r} is not implemented yet; only 'aggregated' is available")
+        if self.role not in IMPLEMENTED_ROLES:
+            raise ValueError(f"unknown role {self.role!r}; expected one of aggregated, prefill, decode")
+        for name in ("ttft_base_ms", "prefill_ms_per_token", "itl_ms", "itl_jitter_ms",
+                     "itl_growth_per_running", "startup_delay_s", "sse_keepalive_s",
+                     "sglang_abort_delay_s", "kv_blocks", "block_size", "default_max_tokens", "port"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("max_num_seqs", "max_model_len", "embedding_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0.0 <= self.eos_probability <= 1.0:
+            raise ValueError(f"eos_probability must be within [0, 1], got {self.eos_probability!r}")
+        parse_fault(self.fault)  # fail at startup, not on the first request
+        # Resolve "engine default" zeros into concrete values.
+        if not self.served_model_names:
+            object.__setattr__(self, "served_model_names", (self.model,))
+        else:
+            object.__setattr__(self, "served_model_names", tuple(self.served_model_names))
+        if self.block_size == 0:
+            object.__setattr__(self, "block_size", 16 if self.engine == "vllm" else 1)
+        if self.kv_blocks == 0:
+            object.__setattr__(self, "kv_blocks", max(1, _DEFAULT_KV_TOKENS // self.block_size))
+
+    @property
+    def served_name(self) -> str:
+        """The first served name: metric label and (vLLM) the model reported in responses."""
+        return self.served_model_names[0]
+
+    @property
+    def engine_type(self) -> str:
+        """SGLang's ``engine_type`` metric label for this role."""
+        return "unified" if self.role == "aggregated" else self.role
+
+    def max_tokens_default(self, route: str) -> int:
+        """Max tokens when a request names none; ``route`` is ``chat``, ``completions`` or ``generate``."""
+        if self.default_max_tokens:
+            return self.default_max_tokens
+        if self.engine == "sglang" and route != "completions":
+            return 128
+        return 16
+
+
+def _cli_flag(name: str, meta: dict[str, Any]) -> str:
+    return str(meta.get("cli", "--" + name.replace("_", "-")))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per ``SimConfig`` field."""
+    parser = argparse.ArgumentParser(
+        prog="python -m enginesim",
+        description="Simulated vLLM / SGLang engine speaking the real wire protocols.")
+    for f in fields(SimConfig):
+        meta = dict(f.metadata)
+        flag = _cli_flag(f.name, meta)
+        default = f.default if f.default is not MISSING else None
+        kwargs: dict[str, Any] = {"dest": f.name, "help": meta.get("help", "")}
+        if isinstance(default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = default
+        elif isinstance(default, tuple):
+            kwargs["nargs"] = "+"
+            kwargs["default"] = default
+        else:
+            kwargs["type"] = type(default)
+            kwargs["default"] = None if f.name == "port" else default
+            if "choices" in meta:
+                kwargs["choices"] = meta["choices"]
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> SimConfig:
+    """Parse CLI arguments into a ``SimConfig``; a bad knob exits with argparse's usage error."""
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    if ns["port"] is None:
+        ns["port"] = 8000 if ns["engine"] == "vllm" else 30000
+    ns["served_model_names"] = tuple(ns["served_model_names"] or ())
+    try:
+        return SimConfig(**ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits

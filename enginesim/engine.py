@@ -1,0 +1,497 @@
+"""The engine core: a FIFO waiting queue, a bounded running set, the KV pool and the token loop.
+
+Each admitted request gets its own producer task that sleeps through prefill and decode and pushes
+``StepOutput``s into the request's ``Channel``; the HTTP layer reads the channel and frames the
+outputs for its engine. Keeping production separate from the HTTP writer matters for fidelity: a
+real engine keeps generating while a client is slow, and an SGLang engine keeps generating for a
+while after the client is gone.
+
+State changes are synchronous: ``abort`` takes the request out of the queue or running set, frees
+its KV blocks and counts it *before* it returns, so ``/_sim/state`` is exact the moment an abort
+happens. The producer task is merely cancelled afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from enginesim.config import SimConfig
+from enginesim.errors import RequestFailed
+from enginesim.faults import NO_FAULT, FaultSpec, parse_fault
+from enginesim.kvcache import Allocation, BlockPool, root_key
+from enginesim.metrics import EngineMetrics, make_metrics
+from enginesim.roles import Role, make_role
+from enginesim.tokenizer import EOS_TOKEN_ID, FakeTokenizer, OutputSource
+
+log = logging.getLogger("enginesim")
+
+
+class Phase(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One engine step for one request: new tokens, the text they add, and maybe the finish."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None  # stop | length | abort | error
+    message: str | None = None  # abort / error detail
+
+
+class Channel:
+    """Ordered outputs of one request for one reader; a timed-out ``get`` never loses an item."""
+
+    def __init__(self) -> None:
+        self._items: deque[StepOutput] = deque()
+        self._event = asyncio.Event()
+
+    def push(self, item: StepOutput) -> None:
+        self._items.append(item)
+        self._event.set()
+
+    async def get(self, timeout: float | None = None) -> StepOutput | None:
+        """Next output; ``None`` if ``timeout`` seconds pass without one."""
+        while not self._items:
+            self._event.clear()
+            if timeout is None:
+                await self._event.wait()
+                continue
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
+            except TimeoutError:
+                return None
+        return self._items.popleft()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    id: str  # the id clients see (vLLM: chatcmpl-<x>; SGLang: the rid)
+    rid: str  # the engine-internal id: abort matching, P/D remote_request_id
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    cache_root: bytes
+    output_key: str
+    fault: FaultSpec = NO_FAULT
+    arrival: float = field(default_factory=time.monotonic)
+    created: int = field(default_factory=lambda: int(time.time()))
+    phase: Phase = Phase.WAITING
+    hashes: list[bytes] = field(default_factory=list)
+    alloc: Allocation | None = None
+    cached_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""  # generated text so far (truncated at a matched stop string)
+    sent_chars: int = 0  # how much of ``text`` went out in outputs
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None  # matched stop string, or EOS_TOKEN_ID
+    error: str | None = None
+    admitted_at: float | None = None
+    prefill_done_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    role_data: dict[str, Any] = field(default_factory=dict)
+    channel: Channel = field(default_factory=Channel)
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    @property
+    def queue_time_s(self) -> float:
+        return (self.admitted_at or time.monotonic()) - self.arrival
+
+    @property
+    def prefill_time_s(self) -> float:
+        if self.admitted_at is None or self.prefill_done_at is None:
+            return 0.0
+        return self.prefill_done_at - self.admitted_at
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival
+
+    @property
+    def e2e_s(self) -> float:
+        return (self.finished_at or time.monotonic()) - self.arrival
+
+    def summary(self) -> dict[str, Any]:
+        return {"id": self.id, "rid": self.rid, "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens, "generated": self.completion_tokens}
+
+
+@dataclass
+class Counts:
+    started: int = 0
+    completed: int = 0
+    aborted: int = 0
+    errors: int = 0
+
+
+class RollingStats:
+    """SGLang-style rolling signals: recent generation throughput and prefix-cache hit rate."""
+
+    WINDOW_S = 5.0
+
+    def __init__(self) -> None:
+        self._token_times: deque[float] = deque()
+        self._hits: deque[tuple[int, int]] = deque(maxlen=128)
+
+    def token(self, now: float) -> None:
+        self._token_times.append(now)
+        self._prune(now)
+
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self._hits.append((prompt_tokens, cached_tokens))
+
+    def _prune(self, now: float) -> None:
+        while self._token_times and now - self._token_times[0] > self.WINDOW_S:
+            self._token_times.popleft()
+
+    def gen_throughput(self) -> float:
+        self._prune(time.monotonic())
+        return len(self._token_times) / self.WINDOW_S
+
+    def cache_hit_rate(self) -> float:
+        total = sum(p for p, _ in self._hits)
+        return sum(c for _, c in self._hits) / total if total else 0.0
+
+
+class Engine:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.tokenizer = FakeTokenizer()
+        self.pool = BlockPool(cfg.kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.rng = random.Random(cfg.seed)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[Sequence, None] = {}  # insertion-ordered set
+        self.counts = Counts()
+        self.aborted_ids: deque[str] = deque(maxlen=256)
+        self.stats = RollingStats()
+        self.metrics: EngineMetrics = make_metrics(cfg)
+        self.default_fault = parse_fault(cfg.fault)
+        self.role: Role = make_role(cfg, self)
+        self.ready = False
+        self.dead = False
+        self.closing = False
+        self.stopping = asyncio.Event()  # set with ``closing``, for waits that must end at shutdown
+        self.started_at = time.time()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.role.start()
+        if self.cfg.engine == "sglang" and self.cfg.startup_delay_s > 0:
+            self._spawn(self._become_ready(self.cfg.startup_delay_s))
+        else:
+            # vLLM's startup delay is enforced at the socket (no accept until ready), see server.py.
+            self._set_ready()
+
+    async def _become_ready(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._set_ready()
+
+    def _set_ready(self) -> None:
+        self.ready = True
+        self._schedule()
+
+    def shutdown(self) -> None:
+        """Stop admitting and abort everything live, so open streams end promptly."""
+        self.closing = True
+        self.stopping.set()
+        for seq in [*self.waiting, *self.running]:
+            self.abort(seq, "Server is shutting down")
+
+    async def close(self) -> None:
+        self.shutdown()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.role.close()
+
+    def reset(self) -> None:
+        """Zero counters and metrics (test helper); live requests are not touched."""
+        self.counts = Counts()
+        self.aborted_ids.clear()
+        self.stats = RollingStats()
+        self.metrics = make_metrics(self.cfg)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def new_sequence(self, *, seq_id: str, rid: str, prompt_ids: list[int], params: SamplingParams,
+                     stream: bool, fault: FaultSpec, cache_salt: str | None = None,
+                     lora: str | None = None) -> Sequence:
+        model_key = f"{self.cfg.model}\0{lora or ''}"
+        root = root_key(model_key, cache_salt or "")
+        seq = Sequence(id=seq_id, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
+                       cache_root=root, output_key=model_key, fault=fault)
+        if self.cfg.enable_prefix_caching:
+            seq.hashes = self.pool.block_hashes(prompt_ids, root)
+        return seq
+
+    def resolve_fault(self, header: str | None) -> FaultSpec:
+        """The fault for one request: header spec if given, else the default; ``p=`` rolls here."""
+        spec = parse_fault(header) if header is not None else self.default_fault
+        if spec.active and spec.probability < 1.0 and self.rng.random() >= spec.probability:
+            return NO_FAULT
+        return spec
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt that can ever run: the context length, or what the whole pool holds."""
+        return min(self.cfg.max_model_len, self.cfg.kv_blocks * self.cfg.block_size)
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a request and start its producer; it runs once the scheduler admits it."""
+        self.counts.started += 1
+        self.waiting.append(seq)
+        seq.task = self._spawn(self._run(seq))
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """Admit waiting requests in FIFO order while a slot and KV blocks are free."""
+        if not self.ready or self.closing:
+            return
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            alloc = self.pool.allocate(seq.hashes, seq.prompt_tokens)
+            if alloc is None:
+                break  # head of line waits for KV; FCFS does not skip it
+            self.waiting.popleft()
+            seq.alloc = alloc
+            seq.cached_tokens = alloc.hit_blocks * self.pool.block_size
+            seq.phase = Phase.RUNNING
+            seq.admitted_at = time.monotonic()
+            self.running[seq] = None
+            self.stats.admitted(seq.prompt_tokens, seq.cached_tokens)
+            self.metrics.on_admitted(seq)
+            seq.admitted.set()
+
+    async def _run(self, seq: Sequence) -> None:
+        try:
+            await seq.admitted.wait()
+            cfg = self.cfg
+            uncached = seq.prompt_tokens - seq.cached_tokens
+            compute_s = (cfg.ttft_base_ms + cfg.prefill_ms_per_token * uncached) / 1000.0
+            await self.role.prefill(seq, compute_s)
+            assert seq.alloc is not None
+            self.pool.commit(seq.alloc)
+            seq.prefill_done_at = time.monotonic()
+            self.metrics.on_prefill_done(seq)
+            await self._stall(seq.fault.stall_before_first)
+            source = OutputSource(self.tokenizer, cfg.seed, seq.output_key, seq.prompt_ids)
+            params = seq.params
+            while True:
+                n = seq.completion_tokens
+                if n > 0:
+                    await asyncio.sleep(self._itl_s())
+                if seq.fault.stall_after is not None and n == seq.fault.stall_after[0]:
+                    await self._stall(seq.fault.stall_after[1])
+                if seq.fault.error_after is not None and n == seq.fault.error_after:
+                    self.fail(seq, f"Simulated engine failure after {n} tokens")
+                    return
+                allow_eos = not params.ignore_eos and n >= params.min_tokens
+                self._emit(seq, source.next_token(allow_eos, cfg.eos_probability))
+                if seq.finished:
+                    return
+        except asyncio.CancelledError:
+            if not seq.finished:
+                self.abort(seq, "Request cancelled")
+            raise
+        except RequestFailed as exc:
+            self.fail(seq, str(exc))
+        except Exception as exc:  # a bug in the simulator must still end the request
+            log.exception("request %s failed", seq.id)
+            self.fail(seq, f"Internal server error: {exc}")
+
+    async def _stall(self, seconds: float | None) -> None:
+        if seconds is None:
+            return
+        if math.isinf(seconds):
+            await asyncio.get_running_loop().create_future()  # never resolves: until aborted
+        else:
+            await asyncio.sleep(seconds)
+
+    def _itl_s(self) -> float:
+        cfg = self.cfg
+        ms = cfg.itl_ms + cfg.itl_growth_per_running * max(0, len(self.running) - 1)
+        if cfg.itl_jitter_ms:
+            ms += self.rng.uniform(-cfg.itl_jitter_ms, cfg.itl_jitter_ms)
+        return max(0.0, ms) / 1000.0
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        now = time.monotonic()
+        itl = None if seq.last_token_at is None else now - seq.last_token_at
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+        seq.last_token_at = now
+        seq.output_ids.append(token)
+        self.stats.token(now)
+        self.metrics.on_token(seq, itl)
+        if seq.alloc is not None:
+            self.pool.grow(seq.alloc, seq.prompt_tokens + seq.completion_tokens)
+
+        params = seq.params
+        finish: str | None = None
+        if token == EOS_TOKEN_ID:
+            finish, seq.stop_reason = "stop", EOS_TOKEN_ID
+        else:
+            seq.text += self.tokenizer.piece(token)
+            if params.stop and seq.completion_tokens >= params.min_tokens:
+                hit = _first_stop(seq.text, params.stop)
+                if hit is not None:
+                    seq.text = seq.text[:hit[0]]
+                    finish, seq.stop_reason = "stop", hit[1]
+        if finish is None and seq.completion_tokens >= params.max_tokens:
+            finish = "length"
+        # Hold back text that could still turn out to be the start of a stop string.
+        visible = len(seq.text)
+        if finish is None and params.stop:
+            visible -= max(len(s) for s in params.stop) - 1
+        visible = max(visible, seq.sent_chars)
+        delta = seq.text[seq.sent_chars:visible]
+        seq.sent_chars = visible
+        out = StepOutput((token,), delta, finish)
+        if finish is None:
+            seq.channel.push(out)
+        else:
+            self._finish(seq, finish, out)
+
+    def abort(self, seq: Sequence, message: str = "Aborted") -> None:
+        self._finish(seq, "abort", StepOutput((), "", "abort", message))
+
+    def fail(self, seq: Sequence, message: str) -> None:
+        """Finish with the internal reason ``error`` (the HTTP layer turns it into a 500/stream error)."""
+        self._finish(seq, "error", StepOutput((), "", "error", message))
+
+    def _finish(self, seq: Sequence, reason: str, out: StepOutput) -> None:
+        if seq.finished:
+            return
+        was_waiting = seq.phase is Phase.WAITING
+        seq.phase = Phase.FINISHED
+        seq.finish_reason = reason
+        seq.error = out.message
+        seq.finished_at = time.monotonic()
+        if was_waiting:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        else:
+            self.running.pop(seq, None)
+        if seq.alloc is not None and not self.role.retain_blocks(seq):
+            self.pool.free(seq.alloc)
+        if reason == "abort":
+            self.counts.aborted += 1
+            self.aborted_ids.append(seq.id)
+        elif reason == "error":
+            self.counts.errors += 1
+        else:
+            self.counts.completed += 1
+        self.metrics.on_finish(seq)
+        seq.channel.push(out)
+        task = seq.task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+        self._schedule()
+
+    def client_gone(self, seq: Sequence) -> None:
+        """The client disconnected. vLLM aborts at once; SGLang notices only after a delay."""
+        if seq.finished:
+            return
+        if self.cfg.engine == "vllm" or self.cfg.sglang_abort_delay_s <= 0:
+            self.abort(seq, "Client disconnected")
+        else:
+            self._spawn(self._abort_later(seq, self.cfg.sglang_abort_delay_s))
+
+    async def _abort_later(self, seq: Sequence, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self.abort(seq, "Client disconnected")
+
+    def abort_matching(self, rid_prefix: str) -> int:
+        """SGLang ``/abort_request``: abort every live request whose rid starts with the prefix."""
+        hits = [s for s in [*self.waiting, *self.running] if s.rid.startswith(rid_prefix)]
+        for seq in hits:
+            self.abort(seq, "Abort requested")
+        return len(hits)
+
+    def abort_all(self) -> int:
+        live = [*self.waiting, *self.running]
+        for seq in live:
+            self.abort(seq, "Abort requested")
+        return len(live)
+
+    # -- introspection --------------------------------------------------------------------------
+
+    @property
+    def num_live(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "engine": self.cfg.engine,
+            "role": self.cfg.role,
+            "model": self.cfg.served_name,
+            "ready": self.ready,
+            "dead": self.dead,
+            "running": [s.summary() for s in self.running],
+            "waiting": [s.summary() for s in self.waiting],
+            "counts": {"started": self.counts.started, "completed": self.counts.completed,
+                       "aborted": self.counts.aborted, "errors": self.counts.errors},
+            "aborted_ids": list(self.aborted_ids),
+            "kv": {"total_blocks": self.pool.num_blocks, "used_blocks": self.pool.used_blocks,
+                   "cached_blocks": self.pool.cached_blocks, "block_size": self.pool.block_size},
+        }
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    best: tuple[int, str] | None = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

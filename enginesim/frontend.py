@@ -1,0 +1,100 @@
+"""What both engine front ends do the same way around the engine core.
+
+Fault resolution, the "fault says fail now" rejection, and the two ways to drain a request's
+outputs (all at once for a non-streaming answer, one by one with drop/keep-alive handling for a
+stream). The engine-specific modules only decide shapes and header timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from enginesim.engine import Engine, Sequence, StepOutput
+from enginesim.errors import ApiError
+from enginesim.faults import FaultSpec, FaultSpecError
+from enginesim.wire import drop_connection
+
+FAULT_HEADER = "x-sim-fault"
+
+
+def request_fault(engine: Engine, request: web.Request) -> FaultSpec:
+    """This request's fault: the ``x-sim-fault`` header if present, else the engine default."""
+    try:
+        return engine.resolve_fault(request.headers.get(FAULT_HEADER))
+    except FaultSpecError as exc:
+        raise ApiError(400, f"invalid {FAULT_HEADER} header: {exc}", type_="BadRequestError") from None
+
+
+def check_fault_status(engine: Engine, fault: FaultSpec) -> None:
+    """``status=N``: fail before anything is sent, in the engine's error shape."""
+    if fault.status is not None:
+        engine.counts.errors += 1
+        raise ApiError(fault.status, f"Simulated fault: HTTP {fault.status}")
+
+
+class Dropped(Exception):
+    """The ``drop_after`` fault cut the connection; the handler must not write anything else."""
+
+
+async def slow_headers(engine: Engine, fault: FaultSpec) -> None:
+    """``slow_headers=S``: hold the response back; a server shutdown cuts the wait short."""
+    if not fault.slow_headers:
+        return
+    delay = None if math.isinf(fault.slow_headers) else fault.slow_headers
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(delay):
+            await engine.stopping.wait()
+
+
+def _maybe_drop(engine: Engine, request: web.Request, seq: Sequence, out: StepOutput, sent: int) -> None:
+    drop_after = seq.fault.drop_after
+    if drop_after is not None and out.token_ids and sent >= drop_after:
+        engine.fail(seq, f"Simulated connection drop after {sent} tokens")
+        drop_connection(request)
+        raise Dropped
+
+
+@dataclass
+class Collected:
+    text: str
+    final: StepOutput
+
+
+async def collect(engine: Engine, request: web.Request, seq: Sequence) -> Collected:
+    """Wait for the whole answer (non-streaming). ``Dropped`` if the fault cuts the connection."""
+    parts: list[str] = []
+    sent = 0
+    while True:
+        out = await seq.channel.get()
+        assert out is not None
+        _maybe_drop(engine, request, seq, out, sent)
+        sent += len(out.token_ids)
+        parts.append(out.text)
+        if out.finish_reason is not None:
+            return Collected("".join(parts), out)
+
+
+async def outputs(engine: Engine, request: web.Request, seq: Sequence,
+                  keepalive_s: float = 0.0) -> AsyncIterator[StepOutput | None]:
+    """The outputs of a stream in order, ending with the finishing one.
+
+    Yields ``None`` when ``keepalive_s`` passes without output (time for a keep-alive frame), and
+    raises ``Dropped`` when the ``drop_after`` fault fires.
+    """
+    sent = 0
+    while True:
+        out = await seq.channel.get(keepalive_s or None)
+        if out is None:
+            yield None
+            continue
+        _maybe_drop(engine, request, seq, out, sent)
+        sent += len(out.token_ids)
+        yield out
+        if out.finish_reason is not None:
+            return

@@ -1,0 +1,175 @@
+"""A bounded KV block pool with automatic prefix caching, in the manner of vLLM.
+
+Why it exists: prefix-aware routing only pays off if an engine that has seen a prefix answers it
+faster. So the simulator keeps a real, bounded pool of blocks:
+
+- a prompt is cut into full blocks; each full block has a chained hash (parent hash + the block's
+  token ids), and the root of the chain carries the model/LoRA and ``cache_salt``;
+- a new request reuses the longest run of leading blocks whose hashes are cached, capped at
+  ``prompt_len - 1`` tokens rounded down to whole blocks (the last prompt token is always computed);
+- blocks referenced by a live request are never evicted; freed blocks keep their hash and go to an
+  LRU free list, evicted (hash dropped) only when a new allocation needs the space;
+- when the pool cannot hold a request, allocation fails and the scheduler leaves it waiting.
+
+SGLang's radix cache is token-granular; it is approximated by the same machinery with block size 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from enginesim.tokenizer import ids_bytes
+
+
+@dataclass(eq=False)
+class _Block:
+    block_id: int
+    ref: int = 0
+    hash: bytes | None = None
+
+
+@dataclass(eq=False)
+class Allocation:
+    """The blocks one request holds. ``hit_blocks`` leading blocks came from the prefix cache."""
+
+    hashes: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    hit_blocks: int = 0
+    committed: bool = False
+
+
+def root_key(*parts: str) -> bytes:
+    """Root of a hash chain: everything besides token ids that must match for a cache hit."""
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).digest()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        self._cached: dict[bytes, int] = {}
+        # ref == 0 blocks, eviction order first; value unused.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+
+    # -- hashing and lookup -------------------------------------------------------------------
+
+    def block_hashes(self, token_ids: Sequence[int], root: bytes) -> list[bytes]:
+        """Chained hashes of the full blocks of ``token_ids``."""
+        out: list[bytes] = []
+        parent = root
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            h = hashlib.blake2b(parent, digest_size=16)
+            h.update(ids_bytes(token_ids[start:start + bs]))
+            parent = h.digest()
+            out.append(parent)
+        return out
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match(self, hashes: Sequence[bytes], prompt_len: int) -> int:
+        """Number of leading blocks a prompt would get from the cache."""
+        if not self.enable_caching or prompt_len <= 1:
+            return 0
+        limit = min(len(hashes), (prompt_len - 1) // self.block_size)
+        hit = 0
+        while hit < limit and hashes[hit] in self._cached:
+            hit += 1
+        return hit
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def allocate(self, hashes: list[bytes], num_tokens: int) -> Allocation | None:
+        """Blocks for a prompt of ``num_tokens``, reusing cached ones; ``None`` if it cannot fit."""
+        hit = self.match(hashes, num_tokens)
+        hit_ids = [self._cached[h] for h in hashes[:hit]]
+        fresh = self.blocks_for(num_tokens) - hit
+        reusable_free = sum(1 for b in hit_ids if self._blocks[b].ref == 0)
+        if fresh > len(self._free) - reusable_free:
+            return None
+        alloc = Allocation(hashes=hashes, hit_blocks=hit)
+        for b in hit_ids:
+            self._take(b)
+            alloc.block_ids.append(b)
+        for _ in range(fresh):
+            alloc.block_ids.append(self._take_fresh())
+        return alloc
+
+    def grow(self, alloc: Allocation, num_tokens: int) -> bool:
+        """Best-effort extra blocks as decode proceeds; ``False`` when the pool is full."""
+        while len(alloc.block_ids) < self.blocks_for(num_tokens):
+            if not self._free:
+                return False
+            alloc.block_ids.append(self._take_fresh())
+        return True
+
+    def commit(self, alloc: Allocation) -> None:
+        """After prefill, publish the request's freshly computed full prompt blocks to the cache."""
+        if alloc.committed:
+            return
+        alloc.committed = True
+        if not self.enable_caching:
+            return
+        for i in range(alloc.hit_blocks, len(alloc.hashes)):
+            h = alloc.hashes[i]
+            if h in self._cached:  # a concurrent request computed it first; keep that copy
+                continue
+            block = self._blocks[alloc.block_ids[i]]
+            block.hash = h
+            self._cached[h] = block.block_id
+
+    def free(self, alloc: Allocation) -> None:
+        """Drop the request's references. Tail blocks become the first eviction candidates."""
+        for b in reversed(alloc.block_ids):
+            block = self._blocks[b]
+            block.ref -= 1
+            if block.ref == 0:
+                self._free[b] = None
+                if block.hash is None:
+                    self._free.move_to_end(b, last=False)  # nothing to keep: reuse first
+        alloc.block_ids.clear()
+
+    def flush(self) -> bool:
+        """Forget every cached prefix; refused (``False``) while any block is in use."""
+        if self.used_blocks:
+            return False
+        for block in self._blocks:
+            block.hash = None
+        self._cached.clear()
+        return True
+
+    def _take(self, b: int) -> None:
+        block = self._blocks[b]
+        if block.ref == 0:
+            del self._free[b]
+        block.ref += 1
+
+    def _take_fresh(self) -> int:
+        b, _ = self._free.popitem(last=False)
+        block = self._blocks[b]
+        if block.hash is not None:
+            del self._cached[block.hash]
+            block.hash = None
+        block.ref = 1
+        return b
+
+    # -- statistics ---------------------------------------------------------------------------
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks holding a reusable prefix (in use or not)."""
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0

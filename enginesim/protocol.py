@@ -1,0 +1,130 @@
+"""Parsing of OpenAI-style request bodies, shared by the vLLM and SGLang front ends.
+
+Both engines accept the same fields for what the simulator models (prompt, token limits, stop
+strings, streaming options); where they differ (defaults, ids, model validation) the engine's own
+front end decides. Unknown fields are accepted and ignored, as both engines do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from enginesim.errors import ApiError
+from enginesim.tokenizer import FakeTokenizer, render_chat
+
+_BAD = "Bad Request"
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    kind: str  # "chat" | "completions"
+    model: str | None
+    prompt_ids: list[int]
+    stream: bool
+    has_stream_options: bool
+    include_usage: bool
+    continuous_usage: bool
+    max_tokens: int | None
+    min_tokens: int
+    stop: tuple[str, ...]
+    ignore_eos: bool
+    cache_salt: str | None
+
+
+def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"1 validation error:\n  {name}: Input should be a valid integer",
+                       type_=_BAD, param=name)
+    if value < minimum:
+        raise ApiError(400, f"{name} must be at least {minimum}, got {value}.", type_="BadRequestError",
+                       param=name)
+    return value
+
+
+def parse_stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(s for s in value if s)
+    raise ApiError(400, "1 validation error:\n  stop: Input should be a valid string or list of strings",
+                   type_=_BAD, param="stop")
+
+
+def token_id_list(value: Any, param: str) -> list[int] | None:
+    """``value`` as a list of token ids, ``None`` if it is not one; bad ids are a 400."""
+    if not isinstance(value, list) or not value or not all(isinstance(t, int) for t in value):
+        return None
+    if any(isinstance(t, bool) or t < 0 for t in value):
+        raise ApiError(400, f"{param}: token ids must be non-negative integers", type_=_BAD, param=param)
+    return list(value)
+
+
+def completion_prompt_ids(prompt: Any, tokenizer: FakeTokenizer) -> list[int]:
+    """A completions ``prompt``: a string, token ids, or a one-element list of either."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    ids = token_id_list(prompt, "prompt")
+    if ids is not None:
+        return ids
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(501, "enginesim serves one prompt per request; batched prompts are not simulated",
+                       param="prompt")
+    raise ApiError(400, "1 validation error:\n  prompt: Input should be a string, a list of strings "
+                   "or a list of token ids", type_=_BAD, param="prompt")
+
+
+def chat_prompt_ids(messages: Any, tokenizer: FakeTokenizer) -> list[int]:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ApiError(400, "1 validation error:\n  messages: Input should be a valid list of messages",
+                       type_=_BAD, param="messages")
+    if not messages:
+        raise ApiError(400, "Messages cannot be empty.", type_="BadRequestError", param="messages")
+    return tokenizer.encode(render_chat(messages))
+
+
+def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer) -> OpenAIRequest:
+    if kind == "chat":
+        prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer)
+        max_tokens = _int_field(body, "max_completion_tokens", 1)
+        if max_tokens is None:
+            max_tokens = _int_field(body, "max_tokens", 1)
+    else:
+        if "prompt" not in body:
+            raise ApiError(400, "1 validation error:\n  prompt: Field required", type_=_BAD, param="prompt")
+        prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)
+        max_tokens = _int_field(body, "max_tokens", 1)
+    n = _int_field(body, "n", 1)
+    if n is not None and n > 1:
+        raise ApiError(501, "enginesim does not simulate n > 1", param="n")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, "1 validation error:\n  model: Input should be a valid string", type_=_BAD,
+                       param="model")
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise ApiError(400, "1 validation error:\n  stream_options: Input should be an object",
+                       type_=_BAD, param="stream_options")
+    opts = stream_options or {}
+    salt = body.get("cache_salt")
+    return OpenAIRequest(
+        kind=kind,
+        model=model,
+        prompt_ids=prompt_ids,
+        stream=bool(body.get("stream", False)),
+        has_stream_options=stream_options is not None,
+        include_usage=bool(opts.get("include_usage", False)),
+        continuous_usage=bool(opts.get("continuous_usage_stats", False)),
+        max_tokens=max_tokens,
+        min_tokens=_int_field(body, "min_tokens", 0) or 0,
+        stop=parse_stop(body.get("stop")),
+        ignore_eos=bool(body.get("ignore_eos", False)),
+        cache_salt=salt if isinstance(salt, str) and salt else None,
+    )

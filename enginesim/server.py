@@ -1,0 +1,168 @@
+"""Assembling and running one simulated engine: the aiohttp app, the socket, the test hooks.
+
+``start_sim`` works inside a running event loop (tests, the gateway's demo mode) and can run many
+engines side by side: each has its own app, engine state and metrics registry. The socket is bound
+first, so the URL is known at once; a vLLM engine with a startup delay keeps it bound but not
+listening, which is exactly "connection refused until ready".
+
+Handlers are cancelled when their client disconnects (``handler_cancellation``), which is how the
+engine learns that a request was abandoned, even while it is stalled and writing nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from typing import Any
+
+from aiohttp import web
+
+from enginesim.config import SimConfig
+from enginesim.engine import Engine
+from enginesim.errors import ApiError, ErrorStyle
+from enginesim.faults import FaultSpecError, parse_fault
+from enginesim.sglang_api import SglangApi
+from enginesim.vllm_api import VllmApi
+from enginesim.wire import json_response, read_json
+
+ENGINE_KEY = web.AppKey("enginesim_engine", Engine)
+CONFIG_KEY = web.AppKey("enginesim_config", SimConfig)
+
+# Long enough for streams to write their final frames after the shutdown abort, short enough that
+# closing a sim with a hung connection does not stall a test run.
+_SHUTDOWN_TIMEOUT_S = 1.0
+
+
+def build_app(cfg: SimConfig) -> web.Application:
+    """The aiohttp application of one engine (engine, role, routes, lifecycle hooks)."""
+    engine = Engine(cfg)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+    app[CONFIG_KEY] = cfg
+    api: VllmApi | SglangApi = VllmApi(engine) if cfg.engine == "vllm" else SglangApi(engine)
+    app.add_routes(api.routes())
+    app.add_routes(engine.role.routes())
+    app.add_routes(_sim_routes(engine))
+
+    async def on_startup(_: web.Application) -> None:
+        await engine.start()
+
+    async def on_shutdown(_: web.Application) -> None:
+        engine.shutdown()
+
+    async def on_cleanup(_: web.Application) -> None:
+        await engine.close()
+
+    app.on_startup.append(on_startup)
+    app.on_shutdown.append(on_shutdown)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+def _sim_routes(engine: Engine) -> list[web.RouteDef]:
+    """Test-only introspection and control, under ``/_sim/``."""
+
+    async def state(request: web.Request) -> web.Response:
+        return json_response(engine.snapshot())
+
+    async def reset(request: web.Request) -> web.Response:
+        engine.reset()
+        return json_response(engine.snapshot())
+
+    async def configure(request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, require_json=False)
+            if "dead" in body:
+                engine.dead = bool(body["dead"])
+            if "fault" in body:
+                engine.default_fault = parse_fault(body["fault"])
+        except FaultSpecError as exc:
+            return ApiError(400, f"invalid fault: {exc}").response(ErrorStyle.VLLM)
+        except ApiError as exc:
+            return exc.response(ErrorStyle.VLLM)
+        return json_response(engine.snapshot())
+
+    return [web.get("/_sim/state", state), web.post("/_sim/reset", reset),
+            web.post("/_sim/config", configure)]
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class SimServer:
+    """A running simulated engine. ``url`` is usable at once; ``wait_ready()`` waits for startup."""
+
+    def __init__(self, cfg: SimConfig, app: web.Application, runner: web.AppRunner,
+                 sock: socket.socket) -> None:
+        self.cfg = cfg
+        self.app = app
+        self.engine = app[ENGINE_KEY]
+        self._runner = runner
+        self._sock: socket.socket | None = sock
+        self._listening = asyncio.Event()
+        self._starter: asyncio.Task[None] | None = None
+        self.host, self.port = sock.getsockname()[:2]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{self.port}"
+
+    async def _listen(self, delay: float = 0.0) -> None:
+        if delay:
+            await asyncio.sleep(delay)
+        assert self._sock is not None
+        site = web.SockSite(self._runner, self._sock)
+        await site.start()
+        self._sock = None  # owned by the site now
+        self._listening.set()
+
+    async def wait_ready(self) -> None:
+        """Until the engine accepts connections and (SGLang) reports healthy."""
+        await self._listening.wait()
+        while not self.engine.ready:
+            await asyncio.sleep(0.005)
+
+    async def close(self) -> None:
+        if self._starter is not None:
+            self._starter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._starter
+        await self._runner.cleanup()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def __aenter__(self) -> SimServer:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+async def start_sim(cfg: SimConfig) -> SimServer:
+    """Start one engine in the current event loop; port 0 binds a free port."""
+    app = build_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+    await runner.setup()
+    try:
+        sock = _bind(cfg.host, cfg.port)
+    except OSError:
+        await runner.cleanup()
+        raise
+    server = SimServer(cfg, app, runner, sock)
+    if cfg.engine == "vllm" and cfg.startup_delay_s > 0:
+        # Bound but not listening: connects are refused until the engine is "ready".
+        server._starter = asyncio.get_running_loop().create_task(server._listen(cfg.startup_delay_s))
+    else:
+        await server._listen()
+    return server

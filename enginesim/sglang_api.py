@@ -1,0 +1,390 @@
+"""SGLang's HTTP surface (``python -m sglang.launch_server``), as of SGLang 0.5.23.
+
+Differences from vLLM that a gateway notices, all reproduced here: the request id is the body
+``rid`` (no ``X-Request-Id``, no ``chatcmpl-`` prefix); ``model`` is echoed, never validated;
+OpenAI streams send headers only together with the first chunk; chat chunks are msgspec-shaped
+(``reasoning_content`` always present, ``matched_stop`` on every choice, a separate finish chunk);
+errors use the old flat envelope; ``/generate`` streams cumulative text; ``/abort_request`` aborts
+by rid prefix and the stream ends with ``finish_reason: "abort"``; ``/health`` is 503 while starting.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from datetime import UTC, datetime
+from typing import Any
+
+from aiohttp import web
+
+from enginesim.config import SGLANG_VERSION
+from enginesim.engine import Engine, SamplingParams, Sequence
+from enginesim.errors import ApiError, ErrorStyle, internal_error
+from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
+from enginesim.wire import SseWriter, json_response, read_json
+
+OPENAI = ErrorStyle.SGLANG_OPENAI
+NATIVE = ErrorStyle.SGLANG_NATIVE
+
+FLUSH_OK = ("Cache flushed.\nPlease check backend logs for more details. "
+            "(When there are running or waiting requests, the operation will not be performed.)")
+FLUSH_FAIL = ("Cache not flushed: requests are still running or waiting.\n"
+              "(When there are running or waiting requests, the operation will not be performed.)")
+
+
+class SglangApi:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/generate", self.generate),
+            web.put("/generate", self.generate),
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health),
+            web.get("/ready", self.ready),
+            web.get("/ping", self.ready),
+            web.get("/model_info", self.model_info),
+            web.get("/get_model_info", self.model_info),
+            web.get("/server_info", self.server_info),
+            web.get("/get_server_info", self.server_info),
+            web.get("/v1/loads", self.loads),
+            web.post("/abort_request", self.abort_request),
+            web.get("/flush_cache", self.flush_cache),
+            web.post("/flush_cache", self.flush_cache),
+            web.get("/metrics", self.metrics),
+        ]
+
+    # -- shared ---------------------------------------------------------------------------------
+
+    def _check_length(self, n: int) -> None:
+        limit = self.engine.max_prompt_tokens
+        if n > limit:
+            raise ApiError(400, f"The input ({n} tokens) is longer than the model's context length "
+                           f"({limit} tokens).", type_="BadRequest")
+
+    def _check_alive(self) -> None:
+        if self.engine.dead:
+            raise internal_error("Internal server error: the scheduler is dead")
+
+    def _matched_stop(self, seq: Sequence) -> str | int | None:
+        return seq.stop_reason if seq.finish_reason == "stop" else None
+
+    def _usage(self, seq: Sequence) -> dict[str, Any]:
+        return {"prompt_tokens": seq.prompt_tokens,
+                "total_tokens": seq.prompt_tokens + seq.completion_tokens,
+                "completion_tokens": seq.completion_tokens,
+                "prompt_tokens_details": ({"cached_tokens": seq.cached_tokens}
+                                          if self.cfg.report_cached_tokens else None),
+                "reasoning_tokens": 0,
+                "completion_tokens_details": None}
+
+    def _submit(self, request: web.Request, body: dict[str, Any], prompt_ids: list[int],
+                params: SamplingParams, stream: bool) -> Sequence:
+        """Validate, apply the fault's status, and queue. Raises ``ApiError`` (style set by caller)."""
+        engine = self.engine
+        self._check_alive()
+        self._check_length(len(prompt_ids))
+        fault = request_fault(engine, request)
+        check_fault_status(engine, fault)
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            rid = uuid.uuid4().hex
+        salt = body.get("cache_salt") or body.get("extra_key")
+        lora = body.get("lora_path")
+        seq = engine.new_sequence(seq_id=rid, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
+                                  fault=fault, cache_salt=salt if isinstance(salt, str) else None,
+                                  lora=lora if isinstance(lora, str) else None)
+        engine.role.accept(seq, body)
+        engine.submit(seq)
+        return seq
+
+    # -- OpenAI-compatible ----------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._openai(request, "completions")
+
+    async def _openai(self, request: web.Request, kind: str) -> web.StreamResponse:
+        try:
+            body = await read_json(request, require_json=False)
+            req = parse_openai(body, kind, self.engine.tokenizer)
+            model = req.model if req.model is not None else "default"
+            max_tokens = req.max_tokens or self.cfg.max_tokens_default(kind)
+            params = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                                    ignore_eos=req.ignore_eos)
+            seq = self._submit(request, body, req.prompt_ids, params, req.stream)
+        except ApiError as exc:
+            return exc.response(OPENAI)
+        try:
+            if req.stream:
+                return await self._stream(request, req, seq, model)
+            return await self._complete(request, req, seq, model)
+        except Dropped:
+            return web.Response(status=500)  # never reaches the client: the transport is gone
+        finally:
+            self.engine.client_gone(seq)
+
+    async def _complete(self, request: web.Request, req: OpenAIRequest, seq: Sequence,
+                        model: str) -> web.StreamResponse:
+        result = await collect(self.engine, request, seq)
+        await slow_headers(self.engine, seq.fault)
+        if result.final.finish_reason == "error":
+            return internal_error(f"Internal server error: {result.final.message}").response(OPENAI)
+        choice: dict[str, Any] = {"index": 0}
+        if req.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": result.text, "reasoning_content": None,
+                                 "tool_calls": None}
+        else:
+            choice["text"] = result.text
+        choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
+                       "matched_stop": self._matched_stop(seq)})
+        if req.kind == "chat":
+            choice["hidden_states"] = None
+        body: dict[str, Any] = {"id": seq.id,
+                                "object": "chat.completion" if req.kind == "chat" else "text_completion",
+                                "created": seq.created, "model": model, "choices": [choice],
+                                "usage": self._usage(seq), "metadata": {"weight_version": "default"}}
+        body.update(self.engine.role.response_extras(seq))
+        return json_response(body)
+
+    async def _stream(self, request: web.Request, req: OpenAIRequest, seq: Sequence,
+                      model: str) -> web.StreamResponse:
+        writer = SseWriter(request, charset=None)
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        continuous = req.include_usage and req.continuous_usage
+
+        def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+            out: dict[str, Any] = {"id": seq.id, "object": obj, "created": seq.created, "model": model,
+                                   "choices": [choice]}
+            if continuous:
+                out["usage"] = _drop_none(self._usage(seq)) if not chat else self._usage(seq)
+            return out
+
+        first = True
+        async with aclosing(outputs(self.engine, request, seq)) as stream:
+            async for out in stream:
+                assert out is not None
+                if out.finish_reason == "error":
+                    err = internal_error(f"Internal server error: {out.message}")
+                    if not writer.started:  # nothing sent yet: a proper HTTP error
+                        return err.response(OPENAI)
+                    await writer.send(err.stream_payload(OPENAI))
+                    return await writer.done()
+                if not writer.started:
+                    # SGLang returns the StreamingResponse only once the first chunk exists.
+                    await slow_headers(self.engine, seq.fault)
+                finishing = out.finish_reason is not None
+                if chat:
+                    if first:
+                        await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None,
+                                                                       "role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None,
+                                                 "matched_stop": None}))
+                    if out.text:
+                        await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None,
+                                                                       "content": out.text},
+                                                 "logprobs": None, "finish_reason": None,
+                                                 "matched_stop": None}))
+                    if finishing:
+                        await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None},
+                                                 "logprobs": None, "finish_reason": out.finish_reason,
+                                                 "matched_stop": self._matched_stop(seq)}))
+                elif out.text or finishing:
+                    await writer.send(chunk({"index": 0, "text": out.text, "logprobs": None,
+                                             "finish_reason": out.finish_reason,
+                                             "matched_stop": self._matched_stop(seq) if finishing else None}))
+                first = False
+        if req.include_usage:
+            usage = self._usage(seq)
+            await writer.send({"id": seq.id, "object": obj, "created": seq.created, "model": model,
+                               "choices": [], "usage": usage if chat else _drop_none(usage)})
+        return await writer.done()
+
+    # -- native /generate -----------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await read_json(request, require_json=False)
+            prompt_ids = self._generate_prompt(body)
+            sp = body.get("sampling_params") or {}
+            if not isinstance(sp, dict):
+                raise ApiError(400, "sampling_params must be an object")
+            max_new = sp.get("max_new_tokens")
+            if max_new is None:
+                max_new = self.cfg.max_tokens_default("generate")
+            min_new = sp.get("min_new_tokens") or 0
+            if not isinstance(max_new, int) or not isinstance(min_new, int) or max_new < 0 or min_new < 0:
+                raise ApiError(400, "max_new_tokens and min_new_tokens must be non-negative integers")
+            params = SamplingParams(max_tokens=max(1, max_new), min_tokens=min_new,
+                                    stop=parse_stop(sp.get("stop")), ignore_eos=bool(sp.get("ignore_eos")))
+            stream = bool(body.get("stream", False))
+            seq = self._submit(request, body, prompt_ids, params, stream)
+        except ApiError as exc:
+            return exc.response(NATIVE)
+        try:
+            if stream:
+                return await self._generate_stream(request, seq)
+            result = await collect(self.engine, request, seq)
+            await slow_headers(self.engine, seq.fault)
+            if result.final.finish_reason == "error":
+                return internal_error(f"Internal server error: {result.final.message}").response(NATIVE)
+            return json_response(self._generate_body(seq, result.text))
+        except Dropped:
+            return web.Response(status=500)  # never reaches the client: the transport is gone
+        finally:
+            self.engine.client_gone(seq)
+
+    def _generate_prompt(self, body: dict[str, Any]) -> list[int]:
+        text, input_ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (input_ids is None):
+            raise ApiError(400, "Either text or input_ids should be provided.")
+        if isinstance(text, str):
+            return self.engine.tokenizer.encode(text)
+        ids = token_id_list(input_ids, "input_ids")
+        if ids is not None:
+            return ids
+        if isinstance(text, list) or (isinstance(input_ids, list) and input_ids
+                                      and isinstance(input_ids[0], list)):
+            raise ApiError(501, "enginesim serves one prompt per request; batched /generate is not simulated")
+        raise ApiError(400, "text must be a string, input_ids a list of token ids")
+
+    def _finish_object(self, seq: Sequence) -> dict[str, Any] | None:
+        reason = seq.finish_reason
+        if not seq.finished or reason is None:
+            return None
+        if reason == "stop":
+            return {"type": "stop", "matched": seq.stop_reason}
+        if reason == "length":
+            return {"type": "length", "length": seq.params.max_tokens}
+        return {"type": "abort", "message": seq.error, "status_code": None, "err_type": None}
+
+    def _generate_body(self, seq: Sequence, text: str, output_ids: list[int] | None = None,
+                       final: bool = True) -> dict[str, Any]:
+        ids = seq.output_ids if output_ids is None else output_ids
+        return {"text": text, "output_ids": list(ids),
+                "meta_info": {"id": seq.rid, "finish_reason": self._finish_object(seq) if final else None,
+                              "prompt_tokens": seq.prompt_tokens, "completion_tokens": len(ids),
+                              "cached_tokens": seq.cached_tokens, "reasoning_tokens": 0,
+                              "weight_version": "default", "num_retractions": 0,
+                              "e2e_latency": round(time.monotonic() - seq.arrival, 6)}}
+
+    async def _generate_stream(self, request: web.Request, seq: Sequence) -> web.StreamResponse:
+        writer = SseWriter(request, charset=None)
+        await slow_headers(self.engine, seq.fault)
+        await writer.start()  # /generate returns its StreamingResponse at once
+        text = ""
+        ids: list[int] = []
+        async with aclosing(outputs(self.engine, request, seq)) as stream:
+            async for out in stream:
+                assert out is not None
+                if out.finish_reason == "error":
+                    await writer.send(internal_error(f"Internal server error: {out.message}")
+                                      .stream_payload(NATIVE))
+                    return await writer.done()
+                text += out.text
+                ids.extend(out.token_ids)
+                finishing = out.finish_reason is not None
+                if out.token_ids or finishing:
+                    # Cumulative: every event carries everything generated so far.
+                    await writer.send(self._generate_body(seq, text, ids, final=finishing))
+        return await writer.done()
+
+    # -- control and info -----------------------------------------------------------------------
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, require_json=False)
+        except ApiError:
+            body = {}
+        if body.get("abort_all"):
+            self.engine.abort_all()
+        elif isinstance(body.get("rid"), str) and body["rid"]:
+            self.engine.abort_matching(body["rid"])
+        return web.Response(status=200)
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if self.engine.num_live or not self.engine.pool.flush():
+            return web.Response(status=400, text=FLUSH_FAIL)
+        return web.Response(status=200, text=FLUSH_OK)
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.engine.ready and not self.engine.dead and not self.engine.closing
+        return web.Response(status=200 if ok else 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        return await self.health(request)
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.cfg.served_name, "object": "model", "created": self.created, "owned_by": "sglang",
+                "root": self.cfg.served_name, "parent": None, "max_model_len": self.cfg.max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.cfg.served_name:
+            return json_response({"error": {"message": f"The model '{name}' does not exist",
+                                            "type": "invalid_request_error", "param": "model",
+                                            "code": "model_not_found"}}, status=404)
+        return json_response(self._card())
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return json_response({
+            "model_path": self.cfg.model, "served_model_name": self.cfg.served_name,
+            "tokenizer_path": self.cfg.model, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": "default", "load_format": "auto", "reasoning_parser": None,
+            "tool_call_parser": None, "disaggregation_mode": self.engine.role.disaggregation_mode,
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"]})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        cfg, engine = self.cfg, self.engine
+        return json_response({
+            "model_path": cfg.model, "served_model_name": cfg.served_name, "host": cfg.host,
+            "port": request.url.port, "page_size": cfg.block_size, "context_length": cfg.max_model_len,
+            "max_running_requests": cfg.max_num_seqs, "max_total_tokens": cfg.kv_blocks * cfg.block_size,
+            "disable_radix_cache": not cfg.enable_prefix_caching, "enable_cache_report": cfg.report_cached_tokens,
+            "enable_metrics": cfg.enable_metrics, "disaggregation_mode": engine.role.disaggregation_mode,
+            "random_seed": cfg.seed, "startup_time": engine.started_at, "version": SGLANG_VERSION,
+            "frontend": "enginesim",
+            "internal_states": [{"last_gen_throughput": engine.stats.gen_throughput(),
+                                 "num_running_reqs": len(engine.running),
+                                 "num_waiting_reqs": len(engine.waiting)}]})
+
+    async def loads(self, request: web.Request) -> web.Response:
+        engine, pool = self.engine, self.engine.pool
+        used = pool.used_blocks * pool.block_size
+        total = pool.num_blocks * pool.block_size
+        return json_response({
+            "timestamp": datetime.now(UTC).isoformat(), "version": SGLANG_VERSION,
+            "accelerator": "sim", "num_accelerators": 1,
+            "loads": [{"dp_rank": 0, "num_running_reqs": len(engine.running),
+                       "num_waiting_reqs": len(engine.waiting), "num_used_tokens": used,
+                       "num_total_tokens": total, "max_total_num_tokens": total,
+                       "max_running_requests": self.cfg.max_num_seqs, "token_usage": pool.usage,
+                       "gen_throughput": engine.stats.gen_throughput(),
+                       "cache_hit_rate": engine.stats.cache_hit_rate(),
+                       "utilization": len(engine.running) / self.cfg.max_num_seqs}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        if not self.cfg.enable_metrics:
+            return json_response({"detail": "Not Found"}, status=404)
+        return web.Response(body=self.engine.metrics.render(self.engine),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}

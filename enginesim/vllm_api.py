@@ -1,0 +1,365 @@
+"""vLLM's OpenAI-compatible HTTP surface (``vllm serve``), as of vLLM 0.33.
+
+Shapes follow the reference notes: the nested error envelope, ``chatcmpl-``/``cmpl-`` ids from
+``X-Request-Id``, 404 for an unknown model, headers as soon as a stream is admitted, a role chunk
+with the first token, ``finish_reason`` + ``stop_reason`` on the last delta, an optional usage
+chunk with ``choices: []``, keep-alive comment frames, and in-stream errors followed by ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import random
+import time
+import uuid
+from array import array
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from enginesim.config import VLLM_VERSION
+from enginesim.engine import Engine, SamplingParams, Sequence, StepOutput
+from enginesim.errors import ApiError, ErrorStyle, internal_error
+from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
+from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes, render_chat
+from enginesim.wire import SseWriter, json_response, read_json
+
+STYLE = ErrorStyle.VLLM
+
+
+class VllmApi:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+        config_hash = hashlib.sha256(repr(self.cfg).encode()).hexdigest()[:8]
+        self.fingerprint = f"vllm-{VLLM_VERSION}-{config_hash}"
+        self.created = int(time.time())
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/embeddings", self.embeddings),
+            web.get("/v1/models", self.models),
+            web.post("/tokenize", self.tokenize),
+            web.post("/detokenize", self.detokenize),
+            web.get("/health", self.health),
+            web.get("/ping", self.health),
+            web.post("/ping", self.health),
+            web.get("/version", self.version),
+            web.get("/load", self.load),
+            web.get("/metrics", self.metrics),
+        ]
+
+    # -- shared checks --------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        names = self.cfg.served_model_names
+        if model is not None and model not in names:
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
+                           param="model")
+
+    def _check_alive(self) -> None:
+        if self.engine.dead:
+            raise ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                           type_="InternalServerError")
+
+    def _max_tokens(self, req: OpenAIRequest) -> int:
+        limit = self.engine.max_prompt_tokens
+        n = len(req.prompt_ids)
+        if n > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                           f"prompt contains {n} input tokens. Please reduce the length of the input.",
+                           type_="BadRequestError")
+        if req.max_tokens is None:
+            return max(1, min(self.cfg.max_tokens_default(req.kind), self.cfg.max_model_len - n))
+        if req.max_tokens + n > self.cfg.max_model_len:
+            m, ctx = req.max_tokens, self.cfg.max_model_len
+            raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's "
+                           f"maximum context length is {ctx} tokens and your request has {n} input tokens "
+                           f"({m} > {ctx} - {n}).", type_="BadRequestError", param="max_tokens")
+        return req.max_tokens
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        engine = self.engine
+        try:
+            body = await read_json(request, require_json=True)
+            req = parse_openai(body, kind, engine.tokenizer)
+            if req.has_stream_options and not req.stream:
+                raise ApiError(400, "Stream options can only be defined when `stream=True`.",
+                               type_="BadRequestError", param="stream_options")
+            self._check_model(req.model)
+            self._check_alive()
+            fault = request_fault(engine, request)
+            max_tokens = self._max_tokens(req)
+            check_fault_status(engine, fault)
+            base = request.headers.get("X-Request-Id") or body.get("request_id") or uuid.uuid4().hex
+            seq_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{base}"
+            seq = engine.new_sequence(
+                seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=req.prompt_ids,
+                params=SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                                      ignore_eos=req.ignore_eos),
+                stream=req.stream, fault=fault, cache_salt=req.cache_salt)
+            engine.role.accept(seq, body)
+        except ApiError as exc:
+            return exc.response(STYLE)
+        headers = {"X-Request-Id": str(base)} if self.cfg.enable_request_id_headers else {}
+        engine.submit(seq)
+        try:
+            if req.stream:
+                return await self._stream(request, req, seq, headers)
+            return await self._complete(request, req, seq, headers)
+        except Dropped:
+            return web.Response(status=500)  # never reaches the client: the transport is gone
+        finally:
+            engine.client_gone(seq)  # no-op when the request already finished
+
+    def _usage(self, seq: Sequence, *, final: bool) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": seq.prompt_tokens,
+                                 "total_tokens": seq.prompt_tokens + seq.completion_tokens,
+                                 "completion_tokens": seq.completion_tokens}
+        if final:
+            usage["prompt_tokens_details"] = (
+                {"cached_tokens": seq.cached_tokens} if self.cfg.report_cached_tokens else None)
+        return usage
+
+    def _stop_reason(self, seq: Sequence) -> str | int | None:
+        # vLLM reports the matched stop string/token id, and null for EOS.
+        return None if seq.stop_reason == EOS_TOKEN_ID else seq.stop_reason
+
+    async def _complete(self, request: web.Request, req: OpenAIRequest, seq: Sequence,
+                        headers: dict[str, str]) -> web.StreamResponse:
+        result = await collect(self.engine, request, seq)
+        await slow_headers(self.engine, seq.fault)
+        if result.final.finish_reason == "error":
+            return internal_error().response(STYLE, headers)
+        choice: dict[str, Any] = {"index": 0}
+        if req.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": result.text, "refusal": None,
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "tool_calls": [], "reasoning": None}
+        else:
+            choice["text"] = result.text
+        choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
+                       "stop_reason": self._stop_reason(seq), "token_ids": None})
+        if req.kind == "completions":
+            choice["prompt_logprobs"] = None
+            choice["prompt_token_ids"] = None
+        body: dict[str, Any] = {
+            "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": seq.created, "model": self.cfg.served_name, "choices": [choice],
+            "service_tier": None, "system_fingerprint": self.fingerprint,
+            "usage": self._usage(seq, final=True),
+        }
+        if req.kind == "chat":
+            body["prompt_logprobs"] = None
+            body["prompt_token_ids"] = None
+        body["kv_transfer_params"] = None
+        body.update(self.engine.role.response_extras(seq))
+        return json_response(body, headers=headers)
+
+    async def _stream(self, request: web.Request, req: OpenAIRequest, seq: Sequence,
+                      headers: dict[str, str]) -> web.StreamResponse:
+        writer = SseWriter(request, charset="utf-8", headers=headers)
+        await slow_headers(self.engine, seq.fault)
+        await writer.start()  # vLLM: headers go out once the request is admitted
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        continuous = req.include_usage and req.continuous_usage
+
+        def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+            out = {"id": seq.id, "object": obj, "created": seq.created, "model": self.cfg.served_name,
+                   "choices": [choice], **extra}
+            if continuous:
+                out["usage"] = self._usage(seq, final=False)
+            return out
+
+        first = True
+        async with aclosing(outputs(self.engine, request, seq, self.cfg.sse_keepalive_s)) as stream:
+            async for out in stream:
+                if out is None:
+                    await writer.keepalive()
+                    continue
+                if out.finish_reason == "error":
+                    await writer.send(internal_error().stream_payload(STYLE))
+                    return await writer.done()
+                if chat and first:
+                    await writer.send(chunk(
+                        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}, prompt_token_ids=None, prompt_text=None))
+                first = False
+                if out.finish_reason is None and not out.text:
+                    continue  # held back (maybe the start of a stop string)
+                await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage))
+        if req.include_usage:
+            await writer.send({"id": seq.id, "object": obj, "created": seq.created,
+                               "model": self.cfg.served_name, "choices": [],
+                               "usage": _drop_none(self._usage(seq, final=True)),
+                               "system_fingerprint": self.fingerprint})
+        return await writer.done()
+
+    def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
+                     has_usage_chunk: bool) -> dict[str, Any]:
+        finishing = out.finish_reason is not None
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["delta"] = {"content": out.text}
+        else:
+            choice["text"] = out.text
+        choice["logprobs"] = None
+        choice["finish_reason"] = out.finish_reason
+        if finishing or not chat:
+            choice["stop_reason"] = self._stop_reason(seq) if finishing else None
+        if chat:
+            choice["token_ids"] = None
+        extra: dict[str, Any] = {}
+        if chat:
+            extra["kv_transfer_params"] = None
+        if finishing:
+            extra.update(self.engine.role.response_extras(seq))
+            if not has_usage_chunk:
+                extra["system_fingerprint"] = self.fingerprint
+        return chunk(choice, **extra)
+
+    # -- other endpoints ------------------------------------------------------------------------
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, require_json=True)
+            self._check_model(body.get("model"))
+            self._check_alive()
+            inputs = _embedding_inputs(body.get("input"))
+            dims = body.get("dimensions") or self.cfg.embedding_dim
+            if not isinstance(dims, int) or isinstance(dims, bool) or dims < 1:
+                raise ApiError(400, "dimensions must be a positive integer", type_="BadRequestError",
+                               param="dimensions")
+            fmt = body.get("encoding_format") or "float"
+            if fmt not in ("float", "base64"):
+                raise ApiError(400, f"Unknown encoding_format {fmt!r}", type_="BadRequestError",
+                               param="encoding_format")
+        except ApiError as exc:
+            return exc.response(STYLE)
+        data = []
+        total = 0
+        for i, item in enumerate(inputs):
+            ids = item if isinstance(item, list) else self.engine.tokenizer.encode(item)
+            total += len(ids)
+            vector = _embed(ids, dims, self.cfg.seed)
+            emb: Any = vector
+            if fmt == "base64":
+                emb = base64.b64encode(array("f", vector).tobytes()).decode()
+            data.append({"index": i, "object": "embedding", "embedding": emb})
+        return json_response({"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                              "model": self.cfg.served_name, "data": data,
+                              "usage": {"prompt_tokens": total, "total_tokens": total,
+                                        "completion_tokens": 0, "prompt_tokens_details": None}})
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "vllm",
+                "root": self.cfg.model, "parent": None, "max_model_len": self.cfg.max_model_len,
+                "permission": [{"id": f"modelperm-{hashlib.md5(name.encode()).hexdigest()}",
+                                "object": "model_permission", "created": self.created,
+                                "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return json_response({"object": "list",
+                              "data": [self._model_card(n) for n in self.cfg.served_model_names]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        tok = self.engine.tokenizer
+        try:
+            body = await read_json(request, require_json=True)
+            self._check_model(body.get("model"))
+            if "messages" in body:
+                messages = body["messages"]
+                if not isinstance(messages, list):
+                    raise ApiError(400, "messages must be a list", type_="Bad Request", param="messages")
+                text = render_chat(messages)
+            elif isinstance(body.get("prompt"), str):
+                text = body["prompt"]
+            else:
+                raise ApiError(400, "1 validation error:\n  prompt: Field required", type_="Bad Request",
+                               param="prompt")
+        except ApiError as exc:
+            return exc.response(STYLE)
+        ids = tok.encode(text)
+        return json_response({"count": len(ids), "max_model_len": self.cfg.max_model_len, "tokens": ids,
+                              "token_strs": tok.pieces(ids) if body.get("return_token_strs") else None})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, require_json=True)
+            self._check_model(body.get("model"))
+            tokens = body.get("tokens")
+            ids = [] if tokens == [] else token_id_list(tokens, "tokens")
+            if ids is None:
+                raise ApiError(400, "1 validation error:\n  tokens: Input should be a list of integers",
+                               type_="Bad Request", param="tokens")
+        except ApiError as exc:
+            return exc.response(STYLE)
+        return json_response({"prompt": self.engine.tokenizer.decode(ids)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.engine.dead else 200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": VLLM_VERSION})
+
+    async def load(self, request: web.Request) -> web.Response:
+        return json_response({"server_load": self.engine.num_live})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.engine.metrics.render(self.engine),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _embedding_inputs(value: Any) -> list[str | list[int]]:
+    if isinstance(value, str):
+        return [value]
+    ids = token_id_list(value, "input")
+    if ids is not None:
+        return [ids]
+    if isinstance(value, list) and value:
+        out: list[str | list[int]] = []
+        for item in value:
+            if isinstance(item, str):
+                out.append(item)
+                continue
+            item_ids = token_id_list(item, "input")
+            if item_ids is None:
+                break
+            out.append(item_ids)
+        else:
+            return out
+    raise ApiError(400, "1 validation error:\n  input: Input should be a string, a list of strings or "
+                   "token ids", type_="Bad Request", param="input")
+
+
+def _embed(ids: list[int], dims: int, seed: int) -> list[float]:
+    """A unit vector determined by the token ids: same text, same embedding."""
+    digest = hashlib.blake2b(ids_bytes(ids), digest_size=16, key=str(seed).encode()).digest()
+    rng = random.Random(int.from_bytes(digest, "little"))
+    vec = [rng.gauss(0.0, 1.0) for _ in range(dims)]
+    norm = sum(v * v for v in vec) ** 0.5 or 1.0
+    return [v / norm for v in vec]
+
+
+__all__ = ["VllmApi"]
