@@ -22,11 +22,19 @@ MONITOR_KEY = web.AppKey("monitor", Monitor)
 
 def pool_from_config(config: Config) -> EndpointPool:
     pool = EndpointPool()
+
+    def add(e, m, role: str, roleset: str | None = None, bootstrap_port: int | None = None) -> None:
+        pool.add(Endpoint(url=e.url, model=m.name, engine=e.engine or m.engine, role=role, roleset=roleset,
+                          bootstrap_port=e.bootstrap_port or bootstrap_port,
+                          min_prompt_tokens=e.min_prompt_tokens, max_prompt_tokens=e.max_prompt_tokens))
+
     for m in config.models:
         for e in m.endpoints:
-            pool.add(Endpoint(url=e.url, model=m.name, engine=e.engine or m.engine,
-                              bootstrap_port=e.bootstrap_port, min_prompt_tokens=e.min_prompt_tokens,
-                              max_prompt_tokens=e.max_prompt_tokens))
+            add(e, m, "aggregated")
+        for rs in m.rolesets:
+            for role, eps in (("prefill", rs.prefill), ("decode", rs.decode), ("combined", rs.combined)):
+                for e in eps:
+                    add(e, m, role, rs.name, rs.bootstrap_port)
     return pool
 
 
@@ -97,6 +105,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
 
     async def on_cleanup(app: web.Application) -> None:
         await app[MONITOR_KEY].stop()
+        await gw.close_background()
         if gw.session is not None:
             await gw.session.close()
 

@@ -41,6 +41,10 @@ class EngineMetrics:
     ttft_count: float | None = None
     ttft_recent_mean: float | None = None    # mean TTFT over the last scrape interval
     block_size: int | None = None            # vLLM cache_config_info
+    queue_time_sum: float | None = None      # queue-time histogram sum (seconds) and count
+    queue_time_count: float | None = None
+    queue_time_recent_mean: float | None = None  # mean queue time over the last scrape interval
+    kv_capacity_tokens: float | None = None  # KV pool size in tokens (vLLM blocks x block size; SGLang)
 
     def age(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.scraped_at
@@ -67,6 +71,12 @@ class Endpoint:
     healthy: bool = True           # last active probe / passive marking result
     draining: bool = False         # removed from discovery: no new requests, in-flight continue
     in_flight: int = 0             # gateway requests currently charged to this endpoint
+    remote_in_flight: int = 0      # other gateway replicas' in-flight here (gateway/tenants, via Redis)
+    # P/D trackers (gateway/trackers.py): charged with the routing decision, released exactly once
+    prefill_in_flight: int = 0     # prefill calls of this gateway in progress on this endpoint
+    pending_decode: int = 0        # decodes chosen for this endpoint whose leg has not started yet
+    token_active: float = 0.0      # prompt tokens being prefilled here (TokenLoadTracker)
+    token_kv: float = 0.0          # prompt tokens whose KV this endpoint holds for live requests
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     metrics: EngineMetrics | None = None

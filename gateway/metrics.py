@@ -58,6 +58,31 @@ class GatewayMetrics:
                                      ["model", "endpoint", "result"], registry=r)
         self.scrapes = Counter("switchyard_engine_scrapes", "Engine /metrics scrapes by result",
                                ["model", "endpoint", "result"], registry=r)
+        # P/D
+        ep_labels = ["model", "endpoint"]
+        self.pd_prefill_in_flight = Gauge("switchyard_pd_prefill_in_flight",
+                                          "Prefill calls in progress (PrefillRequestTracker)", ep_labels, registry=r)
+        self.pd_pending_decode = Gauge("switchyard_pd_pending_decode",
+                                       "Decodes chosen but not yet sent (PendingDecodeTracker)", ep_labels, registry=r)
+        self.pd_token_active = Gauge("switchyard_pd_token_load_active_tokens",
+                                     "Prompt tokens being prefilled (TokenLoadTracker)", ep_labels, registry=r)
+        self.pd_token_kv = Gauge("switchyard_pd_token_load_kv_tokens",
+                                 "Prompt tokens whose KV is held for live requests (TokenLoadTracker)",
+                                 ep_labels, registry=r)
+        self.pd_prefill_time = Histogram("switchyard_pd_prefill_seconds", "Prefill leg duration", ["model"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_kv_transfer_time = Histogram("switchyard_pd_kv_transfer_seconds",
+                                             "First token minus prefill end", ["model"],
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_decode_time = Histogram("switchyard_pd_decode_seconds", "Decode leg duration", ["model"],
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_prefill_failures = Counter("switchyard_pd_prefill_failures",
+                                           "Prefill leg failures by class and by whether the client had bytes",
+                                           ["model", "failure_class", "stage"], registry=r)
+        self.watchdog_fires = Counter("switchyard_watchdog_fires", "Decode watchdog fires by phase",
+                                      ["model", "phase"], registry=r)
+        self.pd_aborts = Counter("switchyard_pd_aborts", "Abort calls sent to engines, by result",
+                                 ["model", "result"], registry=r)
         self._children: dict[tuple, object] = {}
 
     def child(self, metric, *labels: str):

@@ -23,13 +23,18 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError, normalize_upstream_error
 from gateway.leases import Lease
 from gateway.metrics import GatewayMetrics
+from gateway.pd import PDCharges, forward_pd
 from gateway.request import InferenceRequest, parse, request_id_from
 from gateway.sse import usage_tokens
+from gateway.trackers import PDTrackers
 from gateway.upstream import UpstreamFailure, open_leg
-from routers.base import Decision, RouterContext
+from handlers import sglang as sglang_handler
+from routers.base import Decision, NoRouteError, Router, RouterContext
 from routers.registry import RouterRegistry, StrategyError, default_registry
 
 log = structlog.get_logger("switchyard.request")
+
+WHOLE_REQUEST_ROLES = ("aggregated", "combined")
 
 # client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
 # itself, and the gateway's own routing controls. Everything else passes through, as through a proxy.
@@ -71,6 +76,9 @@ class Gateway:
         self.metrics = metrics or GatewayMetrics()
         self.router_ctx = router_ctx or RouterContext(metrics_max_age_s=config.routing.metrics_max_age_s)
         self.router_ctx.on_fallback = self._on_fallback
+        self.router_ctx.pd_settings = config.pd_for
+        self.trackers = PDTrackers(self.metrics)
+        self._background: set[asyncio.Task] = set()
         self.registry: RouterRegistry = default_registry(self.router_ctx)
         self.session: aiohttp.ClientSession | None = None
         self.draining = False
@@ -115,6 +123,8 @@ class Gateway:
     # -- strategy ----------------------------------------------------------------------------
 
     def strategy_for(self, model: str, header: str | None) -> str:
+        """Model lock > routing-strategy header > model default > global default; a model with
+        rolesets defaults to ``pd`` (its prefill/decode endpoints serve nothing else)."""
         m = self.config.model(model)
         if m is not None and m.lock_strategy:
             return m.lock_strategy
@@ -122,20 +132,56 @@ class Gateway:
             return header.strip()
         if m is not None and m.strategy:
             return m.strategy
+        if m is not None and m.rolesets:
+            return "pd"
         return self.config.routing.strategy
 
-    def route(self, ireq: InferenceRequest, spec: str, candidates: list[Endpoint]) -> Decision:
+    def router_for(self, spec: str) -> Router:
         try:
-            router = self.registry.get(spec)
+            return self.registry.get(spec)
         except StrategyError:
             raise GatewayError(400, f"incorrect routing strategy {spec}", param="routing-strategy",
                                header=("x-error-routing", "true"), error_class="routing") from None
-        if len(candidates) == 1:
+
+    def route(self, ireq: InferenceRequest, spec: str, candidates: list[Endpoint],
+              router: Router | None = None) -> Decision:
+        router = router or self.router_for(spec)
+        if len(candidates) == 1 and router.name != "pd":
             return Decision(candidates[0], spec)
         t = time.perf_counter()
-        ep = router.route(ireq, candidates)
+        try:
+            ep = router.route(ireq, candidates)
+        except NoRouteError as e:
+            raise GatewayError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"},
+                               header=("x-error-routing", "true"), error_class="no_route") from None
         self.metrics.child(self.metrics.routing, spec).observe(time.perf_counter() - t)
-        return ep if isinstance(ep, Decision) else Decision(ep, spec)
+        if isinstance(ep, Decision):
+            ep.strategy = spec
+            return ep
+        return Decision(ep, spec)
+
+    def charge_pd(self, decision: Decision, ireq: InferenceRequest) -> PDCharges:
+        prefill = decision.prefill
+        cfg = self.config.pd_for(ireq.model)
+        tokens = cfg.token_request_cost + (decision.uncached_tokens or ireq.prompt_tokens_est)
+        active, kv = self.trackers.token_load(prefill, tokens)
+        return PDCharges(prefill=self.trackers.prefill(prefill),
+                         pending_decode=self.trackers.pending_decode(decision.endpoint),
+                         token_active=active, token_kv=kv)
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run a fire-and-forget task (aborts, late prefill results) that outlives the request;
+        kept referenced until done, awaited at shutdown."""
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def close_background(self, timeout: float = 5.0) -> None:
+        if self._background:
+            _, pending = await asyncio.wait(set(self._background), timeout=timeout)
+            for t in pending:
+                t.cancel()
 
     # -- the handler -------------------------------------------------------------------------
 
@@ -164,15 +210,33 @@ class Gateway:
                                    error_class="model_not_found")
             model_gauge = self.metrics.child(self.metrics.in_flight, ireq.model)
             model_gauge.inc()
-            candidates = self.pool.ready(ireq.model)
-            if not candidates:
-                raise GatewayError(503, f"no ready endpoint for model {ireq.model}", code="service_unavailable",
-                                   headers={"Retry-After": "5"}, header=("x-error-no-model-backends", "true"),
-                                   error_class="no_endpoint")
             spec = self.strategy_for(ireq.model, hdrs.get("routing-strategy"))
             rec.strategy = spec
-            decision = self.route(ireq, spec, candidates)
-            leases.append(self.charge(decision.endpoint))   # same synchronous step as the decision
+            router = self.router_for(spec)
+            pd_mode = router.name == "pd"
+            ready = self.pool.ready(ireq.model)
+            # only the pd strategy may use prefill/decode endpoints; the others need whole-request ones
+            candidates = ready if pd_mode else [ep for ep in ready if ep.role in WHOLE_REQUEST_ROLES]
+            if not candidates:
+                raise GatewayError(503, f"no ready endpoint for model {ireq.model}"
+                                        + (" (prefill/decode endpoints need the pd strategy)" if ready else ""),
+                                   code="service_unavailable", headers={"Retry-After": "5"},
+                                   header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+            members = None
+            if pd_mode and candidates[0].engine == "sglang":
+                try:   # refused before any endpoint is chosen
+                    members = sglang_handler.split_members(ireq.body)
+                    sglang_handler.check_members(members)
+                except sglang_handler.BodyError as e:
+                    raise GatewayError(400, str(e), header=("x-error-routing", "true"),
+                                       error_class="validation") from None
+            decision = self.route(ireq, spec, candidates, router)
+            # charged in the same synchronous step as the decision
+            leases.append(self.charge(decision.endpoint))
+            if decision.prefill is not None:
+                charges = self.charge_pd(decision, ireq)
+                leases.extend((charges.prefill, charges.pending_decode, charges.token_active, charges.token_kv))
+                return await forward_pd(self, request, ireq, decision, charges, rec, members)
             return await self.forward(request, ireq, decision, leases, candidates, rec)
         except GatewayError as e:
             rec.status = e.status
@@ -203,6 +267,9 @@ class Gateway:
             h["target-pod"] = rec.endpoint
         if rec.strategy:
             h["routing-strategy"] = rec.strategy
+        prefill = rec.extra.get("prefill_endpoint")
+        if prefill:
+            h["prefill-target-pod"] = prefill
         return h
 
     def error_response(self, e: GatewayError, rec: RequestRecord) -> web.Response:
@@ -277,6 +344,10 @@ class Gateway:
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",
                                    header=("x-error-upstream", f.kind), error_class=rec.error_class) from None
+        return await self.relay_answer(request, ireq, resp, decision, rec, strip_usage, wd)
+
+    async def relay_answer(self, request: web.Request, ireq: InferenceRequest, resp: aiohttp.ClientResponse,
+                           decision: Decision, rec: RequestRecord, strip_usage: bool, wd) -> web.StreamResponse:
         try:
             return await self.answer(request, ireq, resp, decision, rec, strip_usage, wd)
         finally:
@@ -339,4 +410,5 @@ class Gateway:
                  ttft_ms=round(rec.ttft * 1000, 3) if rec.ttft is not None else None,
                  prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
                  cached_tokens=rec.cached_tokens, finish_reason=rec.finish_reason, retries=rec.retries,
-                 duration_ms=round(duration * 1000, 3), error_class=rec.error_class, error=rec.error)
+                 duration_ms=round(duration * 1000, 3), error_class=rec.error_class, error=rec.error,
+                 **{k: v for k, v in rec.extra.items() if k != "headers_sent"})

@@ -10,17 +10,25 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 
 
+class NoRouteError(Exception):
+    """The strategy found no acceptable endpoint among the ready candidates (the gateway answers
+    503); e.g. a P/D model whose rolesets are all incomplete and that has no combined endpoint."""
+
+
 @dataclass(slots=True)
 class Decision:
-    endpoint: Endpoint
+    endpoint: Endpoint                                      # the endpoint that answers (P/D: the decode)
     strategy: str                                           # the strategy string as requested
     headers: dict[str, str] = field(default_factory=dict)   # extra response headers (e.g. x-session-id)
+    prefill: Endpoint | None = None                         # P/D: the prefill endpoint
+    # P/D: prompt tokens the prefill must compute (for the token-load tracker)
+    uncached_tokens: int = 0
 
 
 @dataclass
@@ -31,6 +39,8 @@ class RouterContext:
     metrics_max_age_s: float = 10.0
     # called as on_fallback(strategy, reason) when a strategy lacks its signal and falls back
     on_fallback: Callable[[str, str], None] = lambda strategy, reason: None
+    # P/D settings for a model (a gateway.config.PDConfig); routers read attributes only
+    pd_settings: Callable[[str], Any] | None = None
 
 
 @runtime_checkable

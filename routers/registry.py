@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.base import Router, RouterContext, ScoringRouter
+from routers.pd import PDRouter
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
 
 MAX_WEIGHT = 1_000_000
@@ -259,4 +260,5 @@ def default_registry(ctx: RouterContext) -> RouterRegistry:
     reg.register("random", RandomRouter, scoring=False)
     reg.register("round-robin", RoundRobinRouter, scoring=False)
     reg.register("least-request", LeastRequestRouter, scoring=True)
+    reg.register("pd", PDRouter, scoring=False)
     return reg

@@ -87,6 +87,11 @@ async def gateway():
             await r.cleanup()
 
 
+def _idle(ep) -> bool:
+    return ep.in_flight == 0 and ep.prefill_in_flight == 0 and ep.pending_decode == 0 \
+        and ep.token_active == 0 and ep.token_kv == 0
+
+
 @pytest.fixture(autouse=True)
 async def _leases_balance():
     """Every lease and in-flight gauge returns to zero after each test."""
@@ -94,15 +99,18 @@ async def _leases_balance():
     yield
     for gw in list(_live_gateways):
         for _ in range(200):
-            if gw.in_flight == 0 and all(ep.in_flight == 0 for ep in gw.pool.endpoints()):
+            if gw.in_flight == 0 and all(_idle(ep) for ep in gw.pool.endpoints()):
                 break
             await asyncio.sleep(0.01)
         assert gw.in_flight == 0, "gateway requests still in flight after the test"
         for ep in gw.pool.endpoints():
-            assert ep.in_flight == 0, f"lease leak on {ep.name}: {ep.in_flight}"
+            assert _idle(ep), (f"lease leak on {ep.name}: in_flight={ep.in_flight} prefill={ep.prefill_in_flight} "
+                               f"pending_decode={ep.pending_decode} tokens={ep.token_active}/{ep.token_kv}")
         text = gw.metrics.render().decode()
         for line in text.splitlines():
-            if line.startswith(("switchyard_in_flight_requests{", "switchyard_endpoint_in_flight_requests{")):
+            if line.startswith(("switchyard_in_flight_requests{", "switchyard_endpoint_in_flight_requests{",
+                                "switchyard_pd_prefill_in_flight{", "switchyard_pd_pending_decode{",
+                                "switchyard_pd_token_load_active_tokens{", "switchyard_pd_token_load_kv_tokens{")):
                 assert float(line.rsplit(" ", 1)[1]) == 0.0, f"gauge not back to zero: {line}"
     _live_gateways.clear()
 

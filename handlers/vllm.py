@@ -1,0 +1,73 @@
+"""vLLM P/D, context-first: a prefill leg, then the decode leg carrying its ``kv_transfer_params``.
+
+Pure payload logic (no I/O): what the prefill body is, what a prefill answer must look like,
+and what the decode body is. The gateway's P/D orchestration does the calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+# What a prefill request carries: "run the prompt, keep the KV for a remote decode".
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+# Dropped from the prefill: they conflict with max_tokens=1 / stream=false (kept for decode).
+_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+class BadPrefillAnswer(ValueError):
+    """A 200 prefill answer the decode cannot use (not JSON, not an object, bad params)."""
+
+
+def prefill_body(data: dict[str, Any]) -> bytes:
+    body = {k: v for k, v in data.items() if k not in _PREFILL_DROP}
+    body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    body["max_tokens"] = 1
+    body["max_completion_tokens"] = 1
+    body["stream"] = False
+    return orjson.dumps(body)
+
+
+def kv_params_from_answer(raw: bytes) -> dict[str, Any] | None:
+    """The ``kv_transfer_params`` of a prefill answer; ``None`` when the prefill engine runs no
+    KV connector (the decode then recomputes the prompt, as vLLM's own proxy does)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadPrefillAnswer("prefill answer is not JSON") from None
+    if not isinstance(data, dict):
+        raise BadPrefillAnswer("prefill answer is not a JSON object")
+    kv = data.get("kv_transfer_params")
+    if kv is None:
+        return None
+    if not isinstance(kv, dict):
+        raise BadPrefillAnswer("prefill kv_transfer_params is not an object")
+    return kv
+
+
+def decode_body(data: dict[str, Any], kv: dict[str, Any] | None, prefill_host: str | None,
+                extra: dict[str, Any] | None = None) -> bytes:
+    """The client's request plus the prefill's ``kv_transfer_params``.
+
+    vLLM reports its configured side-channel host (``localhost`` by default), which a decode on
+    another machine cannot reach, so ``remote_host`` is pointed at the prefill endpoint's host
+    when ``prefill_host`` is given. ``extra`` overrides top-level keys (e.g. stream_options).
+    """
+    body = dict(data)
+    if extra:
+        body.update(extra)
+    if kv is not None:
+        kv = dict(kv)
+        if prefill_host is not None:
+            kv["remote_host"] = prefill_host
+        body["kv_transfer_params"] = kv
+    return orjson.dumps(body)

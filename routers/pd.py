@@ -1,0 +1,215 @@
+"""The ``pd`` strategy: choose a (prefill, decode) pair, or a combined endpoint.
+
+The pipeline follows AIBrix's P/D selection, with its signals taken from what this gateway has:
+
+1. Bucket filter: an endpoint takes a prompt of ``n`` tokens when
+   ``min_prompt_tokens <= n <= max_prompt_tokens`` (max 0: no bound; min > max: never).
+2. Rolesets are eligible with at least one prefill and one decode endpoint in the bucket; prefill
+   and decode are never paired across rolesets (or buckets).
+3. Combined fallback: no eligible roleset → the least loaded combined (or plain aggregated)
+   endpoint; also when combined capacity is clearly less loaded than every prefill
+   (``combined load < combined_load_ratio × least prefill load``, with the prefill load above 1).
+4. Prefill imbalance fast path: in-flight prefill calls spread > ``prefill_imbalance_spread`` →
+   a least-loaded prefill, decode restricted to its roleset.
+5. Decode imbalance fast paths: running spread ≥ ``decode_imbalance_spread`` → the least running
+   decode; generation-throughput spread > ``decode_throughput_spread`` → the lowest-throughput
+   decode; prefill restricted to its roleset.
+6. Per-roleset prefill score (``prefix_cache``: ``(100 − match%)·0.1 + load/max_load``;
+   ``least_request``: in-flight prefills; ``token_load``: active + kv_weight·resident tokens) and
+   decode score (``load_balancing``: ``(w_r·run/max_run + w_t·(1 − thr/max_thr)) / (free/max_free)``;
+   ``least_request``: running + pending), each roleset keeping its best of each.
+7. Pair score ``prefill/max_prefill + decode/max_decode``; lowest wins.
+
+Signals: "running" is the engine's own ``num_requests_running`` when its metrics are fresh, else
+the gateway's in-flight count (counted as a fallback); pending decodes (chosen, leg not started)
+are always added. Free KV is ``100 − 100·kv_usage`` (missing: 100). Throughput missing: that term
+is 0. Prefix match comes from the prefix-cache index when one is wired into the context, else 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from gateway.config import PDConfig
+from gateway.endpoints import Endpoint
+from gateway.request import InferenceRequest
+from routers.base import Decision, NoRouteError, RouterContext
+
+_DEFAULT = PDConfig()
+
+
+def in_bucket(ep: Endpoint, n: int) -> bool:
+    lo, hi = ep.min_prompt_tokens, ep.max_prompt_tokens
+    if hi and lo > hi:
+        return False
+    return n >= lo and (hi == 0 or n <= hi)
+
+
+class PDRouter:
+    name = "pd"
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self.ctx = ctx
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def _running(self, ep: Endpoint) -> float:
+        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        if m is not None and m.running is not None:
+            return m.running + ep.pending_decode
+        return ep.in_flight + ep.pending_decode
+
+    def _throughput(self, ep: Endpoint) -> float | None:
+        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        return m.gen_throughput if m is not None else None
+
+    def _free_kv(self, ep: Endpoint) -> float:
+        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        if m is None or m.kv_usage is None:
+            return 100.0
+        free = round(100.0 - 100.0 * m.kv_usage)
+        return free if free > 0 else 0.1
+
+    def _combined_load(self, ep: Endpoint) -> float:
+        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        waiting = m.waiting if m is not None and m.waiting is not None else 0.0
+        return ep.in_flight + waiting
+
+    def _prefill_load(self, ep: Endpoint) -> float:
+        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        waiting = m.waiting if m is not None and m.waiting is not None else 0.0
+        return ep.prefill_in_flight + waiting
+
+    # -- the decision ------------------------------------------------------------------------
+
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        cfg: PDConfig = self.ctx.pd_settings(req.model) if self.ctx.pd_settings else _DEFAULT
+        n = req.prompt_tokens_est
+        prefill: dict[str, list[Endpoint]] = {}
+        decode: dict[str, list[Endpoint]] = {}
+        combined: list[Endpoint] = []
+        for ep in candidates:
+            if not in_bucket(ep, n):
+                continue
+            if ep.role == "prefill":
+                prefill.setdefault(ep.roleset or "", []).append(ep)
+            elif ep.role == "decode":
+                decode.setdefault(ep.roleset or "", []).append(ep)
+            else:
+                combined.append(ep)
+        eligible = [rs for rs in prefill if rs in decode]
+        if not eligible:
+            if combined:
+                return Decision(self._least_combined(combined), "pd")
+            raise NoRouteError(f"no ready prefill/decode pair or combined endpoint for a prompt of about {n} tokens")
+
+        P = [p for rs in eligible for p in prefill[rs]]
+        D = [d for rs in eligible for d in decode[rs]]
+        if any(ep.fresh_metrics(self.ctx.metrics_max_age_s) is None for ep in D):
+            self.ctx.on_fallback("pd", "decode_metrics_missing")
+
+        if combined:
+            least_prefill = min(self._prefill_load(p) for p in P)
+            best_combined = self._least_combined(combined)
+            if least_prefill > 1.0 and self._combined_load(best_combined) < cfg.combined_load_ratio * least_prefill:
+                return Decision(best_combined, "pd")
+
+        # prefill imbalance fast path
+        counts = [p.prefill_in_flight for p in P]
+        if len(P) > 1 and max(counts) - min(counts) > cfg.prefill_imbalance_spread:
+            low = min(counts)
+            chosen = self.ctx.rng.choice([p for p in P if p.prefill_in_flight == low])
+            P = [chosen]
+            D = [d for d in D if d.roleset == chosen.roleset]
+
+        # decode imbalance fast paths
+        pinned = self._decode_fast_path(D, cfg)
+        if pinned is not None:
+            same = [p for p in P if p.roleset == pinned.roleset]
+            if same:  # (a prefill fast-path choice in another roleset would win: D is already its roleset)
+                D, P = [pinned], same
+
+        p_scores, match = self._prefill_scores(req, P, cfg)
+        d_scores = self._decode_scores(D, cfg)
+        best_p: dict[str, tuple[float, Endpoint]] = {}
+        for ep, s in p_scores.items():
+            rs = ep.roleset or ""
+            if rs not in best_p or s < best_p[rs][0]:
+                best_p[rs] = (s, ep)
+        best_d: dict[str, tuple[float, Endpoint]] = {}
+        for ep, s in d_scores.items():
+            rs = ep.roleset or ""
+            if rs not in best_d or s < best_d[rs][0]:
+                best_d[rs] = (s, ep)
+        pairs = [rs for rs in best_p if rs in best_d]
+        if not pairs:
+            raise NoRouteError("no roleset has both a prefill and a decode endpoint after filtering")
+        max_p = max(1.0, max(best_p[rs][0] for rs in pairs))
+        max_d = max(0.01, max(best_d[rs][0] for rs in pairs))
+        best_rs, best_score = None, math.inf
+        for rs in pairs:
+            score = best_p[rs][0] / max_p + best_d[rs][0] / max_d
+            if score < best_score:
+                best_rs, best_score = rs, score
+        p_ep, d_ep = best_p[best_rs][1], best_d[best_rs][1]
+        uncached = int(n * (1.0 - match.get(p_ep, 0.0) / 100.0))
+        insert = getattr(self.ctx, "prefix_insert", None)
+        if insert is not None:
+            insert(req, p_ep)
+        return Decision(d_ep, "pd", prefill=p_ep, uncached_tokens=uncached)
+
+    def _least_combined(self, eps: list[Endpoint]) -> Endpoint:
+        low = min(self._combined_load(e) for e in eps)
+        return self.ctx.rng.choice([e for e in eps if self._combined_load(e) == low])
+
+    def _decode_fast_path(self, D: list[Endpoint], cfg: PDConfig) -> Endpoint | None:
+        if len(D) < 2:
+            return None
+        with_metrics = [d for d in D if d.fresh_metrics(self.ctx.metrics_max_age_s) is not None]
+        if len(with_metrics) >= 2:
+            runs = {d: self._running(d) for d in with_metrics}
+            if max(runs.values()) - min(runs.values()) >= cfg.decode_imbalance_spread:
+                return min(with_metrics, key=runs.__getitem__)
+            thr = {d: t for d in with_metrics if (t := self._throughput(d)) is not None}
+            if len(thr) >= 2 and max(thr.values()) - min(thr.values()) > cfg.decode_throughput_spread:
+                return min(thr, key=thr.__getitem__)
+        else:
+            runs = {d: float(d.in_flight + d.pending_decode) for d in D}
+            if max(runs.values()) - min(runs.values()) >= cfg.decode_imbalance_spread:
+                return min(D, key=runs.__getitem__)
+        return None
+
+    def _prefill_scores(self, req: InferenceRequest, P: list[Endpoint],
+                        cfg: PDConfig) -> tuple[dict[Endpoint, float], dict[Endpoint, float]]:
+        policy = cfg.prefill_score_policy
+        match: dict[Endpoint, float] = {}
+        if policy == "token_load":
+            return {p: p.token_active + cfg.token_kv_weight * p.token_kv for p in P}, match
+        if policy == "least_request":
+            return {p: float(p.prefill_in_flight) for p in P}, match
+        # prefix_cache: skip prefills far above the mean load, then trade match against load
+        loads = [p.prefill_in_flight for p in P]
+        mean = sum(loads) / len(loads)
+        std = math.sqrt(sum((x - mean) ** 2 for x in loads) / len(loads))
+        limit = mean + cfg.prefill_load_std_factor * std
+        kept = [p for p in P if p.prefill_in_flight <= limit] or P
+        prefix_match = getattr(self.ctx, "prefix_match", None)
+        if prefix_match is not None:
+            match = prefix_match(req, kept)
+        else:
+            self.ctx.on_fallback("pd", "no_prefix_index")
+        max_load = max(1, max(p.prefill_in_flight for p in kept))
+        return {p: (100.0 - match.get(p, 0.0)) * 0.1 + p.prefill_in_flight / max_load for p in kept}, match
+
+    def _decode_scores(self, D: list[Endpoint], cfg: PDConfig) -> dict[Endpoint, float]:
+        runs = {d: self._running(d) for d in D}
+        if cfg.decode_score_policy == "least_request":
+            return dict(runs)
+        thr = {d: self._throughput(d) or 0.0 for d in D}
+        free = {d: self._free_kv(d) for d in D}
+        max_run = max(1.0, max(runs.values()))
+        max_thr = max(1.0, max(thr.values()))
+        max_free = max(1.0, max(free.values()))
+        wr, wt = cfg.decode_lb_weight_running, cfg.decode_lb_weight_throughput
+        return {d: (wr * runs[d] / max_run + wt * (1.0 - thr[d] / max_thr)) / (free[d] / max_free) for d in D}
