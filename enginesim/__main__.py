@@ -1,4 +1,4 @@
-"""``python -m enginesim --engine vllm|sglang --role aggregated --port N --model NAME [knobs]``."""
+"""``python -m enginesim --engine vllm|sglang --role aggregated|prefill|decode --port N --model NAME [knobs]``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ from enginesim.server import start_sim
 async def _serve() -> None:
     cfg = config_from_args()
     server = await start_sim(cfg)
-    print(f"enginesim: {cfg.engine} {cfg.role} model={cfg.served_name} on {server.url}", file=sys.stderr,
-          flush=True)
+    extra = ""
+    if server.side_channel_port is not None:
+        extra = f" (NIXL side channel on port {server.side_channel_port}, reported as {cfg.side_channel_host})"
+    if server.bootstrap_port is not None:
+        extra = f" (bootstrap server on port {server.bootstrap_port})"
+    print(f"enginesim: {cfg.engine} {cfg.role} model={cfg.served_name} on {server.url}{extra}",
+          file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

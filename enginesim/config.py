@@ -16,8 +16,9 @@ from typing import Any
 from enginesim.faults import parse_fault
 
 ENGINES = ("vllm", "sglang")
-IMPLEMENTED_ROLES = ("aggregated",)
-PLANNED_ROLES = ("prefill", "decode")
+IMPLEMENTED_ROLES = ("aggregated", "prefill", "decode")
+PLANNED_ROLES: tuple[str, ...] = ()
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 VLLM_VERSION = "0.33.0"
 SGLANG_VERSION = "0.5.23"
@@ -36,7 +37,8 @@ class SimConfig:
     """All knobs of one simulated engine. Times are in milliseconds unless the name says ``_s``."""
 
     engine: str = _knob("vllm", "which engine to imitate on the wire", choices=ENGINES)
-    role: str = _knob("aggregated", "serving role; only 'aggregated' is implemented so far")
+    role: str = _knob("aggregated", "serving role: aggregated, or prefill/decode for P/D disaggregation",
+                      choices=IMPLEMENTED_ROLES)
     host: str = _knob("127.0.0.1", "address to bind")
     port: int = _knob(0, "port to bind; 0 picks a free port (CLI default: 8000 vLLM, 30000 SGLang)")
     model: str = _knob("sim-model", "model path/name (vLLM: the card's root)")
@@ -72,17 +74,42 @@ class SimConfig:
     enable_request_id_headers: bool = _knob(False, "vLLM --enable-request-id-headers: echo X-Request-Id")
     enable_metrics: bool = _knob(True, "SGLang --enable-metrics (vLLM always serves /metrics)")
     embedding_dim: int = _knob(16, "length of the vectors /v1/embeddings returns")
+    # -- P/D disaggregation --------------------------------------------------------------------
+    kv_transfer_ms_per_token: float = _knob(
+        0.01, "P/D: KV transfer time per transferred prompt token (vLLM pull, SGLang send)")
+    side_channel_host: str = _knob(
+        "localhost", "vLLM prefill: host reported as kv_transfer_params.remote_host "
+        "(VLLM_NIXL_SIDE_CHANNEL_HOST); the side channel itself binds --host")
+    side_channel_port: int = _knob(
+        0, "vLLM prefill: NIXL side-channel port (VLLM_NIXL_SIDE_CHANNEL_PORT); 0 picks a free port "
+        "(CLI default: 5600)", cli_default=5600)
+    engine_id: str = _knob("", "vLLM: remote_engine_id this engine reports (empty: a fresh uuid4)")
+    kv_lease_s: float = _knob(
+        30.0, "vLLM prefill: how long blocks stay pinned for a decode to pull (kv_lease_duration)")
+    kv_load_failure_policy: str = _knob(
+        "fail", "vLLM decode: on a failed KV pull, 'fail' the request (500) or 'recompute' locally",
+        choices=KV_LOAD_FAILURE_POLICIES)
+    bootstrap_port: int = _knob(
+        0, "SGLang: --disaggregation-bootstrap-port (prefill listens; decode uses it when a request "
+        "has no bootstrap_port); 0 picks a free port (CLI default: 8998)", cli_default=8998)
+    bootstrap_timeout_s: float = _knob(
+        300.0, "SGLang prefill: wait this long for the decode (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
+    waiting_timeout_s: float = _knob(
+        300.0, "SGLang decode: wait this long for the KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {self.engine!r}")
-        if self.role in PLANNED_ROLES:
-            raise ValueError(f"role {self.role!r} is not implemented yet; only 'aggregated' is available")
         if self.role not in IMPLEMENTED_ROLES:
             raise ValueError(f"unknown role {self.role!r}; expected one of aggregated, prefill, decode")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be 'fail' or 'recompute', "
+                             f"not {self.kv_load_failure_policy!r}")
         for name in ("ttft_base_ms", "prefill_ms_per_token", "itl_ms", "itl_jitter_ms",
                      "itl_growth_per_running", "startup_delay_s", "sse_keepalive_s",
-                     "sglang_abort_delay_s", "kv_blocks", "block_size", "default_max_tokens", "port"):
+                     "sglang_abort_delay_s", "kv_blocks", "block_size", "default_max_tokens", "port",
+                     "kv_transfer_ms_per_token", "side_channel_port", "kv_lease_s", "bootstrap_port",
+                     "bootstrap_timeout_s", "waiting_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_num_seqs", "max_model_len", "embedding_dim"):
@@ -90,7 +117,10 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.eos_probability <= 1.0:
             raise ValueError(f"eos_probability must be within [0, 1], got {self.eos_probability!r}")
-        parse_fault(self.fault)  # fail at startup, not on the first request
+        for name in ("port", "side_channel_port", "bootstrap_port"):
+            if getattr(self, name) > 65535:
+                raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)!r}")
+        parse_fault(self.fault, self.role)  # fail at startup, not on the first request
         # Resolve "engine default" zeros into concrete values.
         if not self.served_model_names:
             object.__setattr__(self, "served_model_names", (self.model,))
@@ -142,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["default"] = default
         else:
             kwargs["type"] = type(default)
-            kwargs["default"] = None if f.name == "port" else default
+            kwargs["default"] = None if f.name == "port" else meta.get("cli_default", default)
             if "choices" in meta:
                 kwargs["choices"] = meta["choices"]
         parser.add_argument(flag, **kwargs)

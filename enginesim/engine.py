@@ -36,6 +36,7 @@ log = logging.getLogger("enginesim")
 
 
 class Phase(enum.Enum):
+    STAGING = "staging"  # parked by the role before the queue (SGLang P/D bootstrap / KV transfer)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -57,6 +58,7 @@ class StepOutput:
     text: str
     finish_reason: str | None = None  # stop | length | abort | error
     message: str | None = None  # abort / error detail
+    status: int | None = None  # an abort that carries an HTTP status (SGLang): answered as an error
 
 
 class Channel:
@@ -115,6 +117,7 @@ class Sequence:
     last_token_at: float | None = None
     finished_at: float | None = None
     role_data: dict[str, Any] = field(default_factory=dict)
+    first_token: int | None = None  # forced first output token (SGLang decode: the prefill's token)
     channel: Channel = field(default_factory=Channel)
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -198,12 +201,13 @@ class Engine:
         self.pool = BlockPool(cfg.kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.rng = random.Random(cfg.seed)
         self.waiting: deque[Sequence] = deque()
+        self.staging: dict[Sequence, None] = {}  # parked by the role before the queue
         self.running: dict[Sequence, None] = {}  # insertion-ordered set
         self.counts = Counts()
         self.aborted_ids: deque[str] = deque(maxlen=256)
         self.stats = RollingStats()
         self.metrics: EngineMetrics = make_metrics(cfg)
-        self.default_fault = parse_fault(cfg.fault)
+        self.default_fault = parse_fault(cfg.fault, cfg.role)
         self.role: Role = make_role(cfg, self)
         self.ready = False
         self.dead = False
@@ -234,7 +238,7 @@ class Engine:
         """Stop admitting and abort everything live, so open streams end promptly."""
         self.closing = True
         self.stopping.set()
-        for seq in [*self.waiting, *self.running]:
+        for seq in self.live():
             self.abort(seq, "Server is shutting down")
 
     async def close(self) -> None:
@@ -273,7 +277,7 @@ class Engine:
 
     def resolve_fault(self, header: str | None) -> FaultSpec:
         """The fault for one request: header spec if given, else the default; ``p=`` rolls here."""
-        spec = parse_fault(header) if header is not None else self.default_fault
+        spec = parse_fault(header, self.cfg.role) if header is not None else self.default_fault
         if spec.active and spec.probability < 1.0 and self.rng.random() >= spec.probability:
             return NO_FAULT
         return spec
@@ -284,9 +288,17 @@ class Engine:
         return min(self.cfg.max_model_len, self.cfg.kv_blocks * self.cfg.block_size)
 
     def submit(self, seq: Sequence) -> None:
-        """Queue a request and start its producer; it runs once the scheduler admits it."""
+        """Queue a request and start its producer; it runs once the scheduler admits it.
+
+        A request the role wants to park first (SGLang P/D bootstrap) is staged instead and
+        joins the queue when the role's ``stage`` returns.
+        """
         self.counts.started += 1
-        self.waiting.append(seq)
+        if self.role.wants_stage(seq):
+            seq.phase = Phase.STAGING
+            self.staging[seq] = None
+        else:
+            self.waiting.append(seq)
         seq.task = self._spawn(self._run(seq))
         self._schedule()
 
@@ -309,8 +321,21 @@ class Engine:
             self.metrics.on_admitted(seq)
             seq.admitted.set()
 
+    def reschedule(self) -> None:
+        """Admit what fits now, e.g. after a role freed pinned KV blocks."""
+        self._schedule()
+
     async def _run(self, seq: Sequence) -> None:
         try:
+            await self._stall(seq.fault.hang)
+            if seq.phase is Phase.STAGING:
+                await self.role.stage(seq)
+                self.staging.pop(seq, None)
+                if seq.finished:
+                    return
+                seq.phase = Phase.WAITING
+                self.waiting.append(seq)
+                self._schedule()
             await seq.admitted.wait()
             cfg = self.cfg
             uncached = seq.prompt_tokens - seq.cached_tokens
@@ -333,7 +358,10 @@ class Engine:
                     self.fail(seq, f"Simulated engine failure after {n} tokens")
                     return
                 allow_eos = not params.ignore_eos and n >= params.min_tokens
-                self._emit(seq, source.next_token(allow_eos, cfg.eos_probability))
+                token = source.next_token(allow_eos, cfg.eos_probability)
+                if n == 0 and seq.first_token is not None:
+                    token = seq.first_token  # drawn above anyway, so the rest of the stream is unchanged
+                self._emit(seq, token)
                 if seq.finished:
                     return
         except asyncio.CancelledError:
@@ -341,7 +369,10 @@ class Engine:
                 self.abort(seq, "Request cancelled")
             raise
         except RequestFailed as exc:
-            self.fail(seq, str(exc))
+            if exc.abort_status is not None:
+                self.abort(seq, str(exc), status=exc.abort_status)
+            else:
+                self.fail(seq, str(exc))
         except Exception as exc:  # a bug in the simulator must still end the request
             log.exception("request %s failed", seq.id)
             self.fail(seq, f"Internal server error: {exc}")
@@ -399,8 +430,9 @@ class Engine:
         else:
             self._finish(seq, finish, out)
 
-    def abort(self, seq: Sequence, message: str = "Aborted") -> None:
-        self._finish(seq, "abort", StepOutput((), "", "abort", message))
+    def abort(self, seq: Sequence, message: str = "Aborted", status: int | None = None) -> None:
+        """Finish with ``abort``; with ``status`` the client gets an error with that HTTP status."""
+        self._finish(seq, "abort", StepOutput((), "", "abort", message, status))
 
     def fail(self, seq: Sequence, message: str) -> None:
         """Finish with the internal reason ``error`` (the HTTP layer turns it into a 500/stream error)."""
@@ -409,12 +441,14 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str, out: StepOutput) -> None:
         if seq.finished:
             return
-        was_waiting = seq.phase is Phase.WAITING
+        phase = seq.phase
         seq.phase = Phase.FINISHED
         seq.finish_reason = reason
         seq.error = out.message
         seq.finished_at = time.monotonic()
-        if was_waiting:
+        if phase is Phase.STAGING:
+            self.staging.pop(seq, None)
+        elif phase is Phase.WAITING:
             try:
                 self.waiting.remove(seq)
             except ValueError:
@@ -423,6 +457,7 @@ class Engine:
             self.running.pop(seq, None)
         if seq.alloc is not None and not self.role.retain_blocks(seq):
             self.pool.free(seq.alloc)
+        self.role.on_finish(seq)
         if reason == "abort":
             self.counts.aborted += 1
             self.aborted_ids.append(seq.id)
@@ -452,22 +487,26 @@ class Engine:
 
     def abort_matching(self, rid_prefix: str) -> int:
         """SGLang ``/abort_request``: abort every live request whose rid starts with the prefix."""
-        hits = [s for s in [*self.waiting, *self.running] if s.rid.startswith(rid_prefix)]
+        hits = [s for s in self.live() if s.rid.startswith(rid_prefix)]
         for seq in hits:
             self.abort(seq, "Abort requested")
         return len(hits)
 
     def abort_all(self) -> int:
-        live = [*self.waiting, *self.running]
+        live = self.live()
         for seq in live:
             self.abort(seq, "Abort requested")
         return len(live)
 
     # -- introspection --------------------------------------------------------------------------
 
+    def live(self) -> list[Sequence]:
+        """Every unfinished request: staged, waiting and running."""
+        return [*self.staging, *self.waiting, *self.running]
+
     @property
     def num_live(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.staging) + len(self.waiting) + len(self.running)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -477,12 +516,14 @@ class Engine:
             "ready": self.ready,
             "dead": self.dead,
             "running": [s.summary() for s in self.running],
-            "waiting": [s.summary() for s in self.waiting],
+            # Staged requests (parked in a P/D queue before the scheduler) count as waiting here.
+            "waiting": [s.summary() for s in [*self.staging, *self.waiting]],
             "counts": {"started": self.counts.started, "completed": self.counts.completed,
                        "aborted": self.counts.aborted, "errors": self.counts.errors},
             "aborted_ids": list(self.aborted_ids),
             "kv": {"total_blocks": self.pool.num_blocks, "used_blocks": self.pool.used_blocks,
                    "cached_blocks": self.pool.cached_blocks, "block_size": self.pool.block_size},
+            **({"pd": pd} if (pd := self.role.state()) is not None else {}),
         }
 
 

@@ -84,6 +84,14 @@ def internal_error(message: str = "Internal server error") -> ApiError:
 class RequestFailed(Exception):
     """Raised by a role hook to end a request with the internal finish reason ``error``.
 
-    Example: a decode engine whose KV pull failed under ``kv_load_failure_policy=fail``. The HTTP
-    layer turns it into a 500 (or an in-stream error once the stream has started).
+    Example: a vLLM decode engine whose KV pull failed under ``kv_load_failure_policy=fail``. The
+    HTTP layer turns it into a 500 (or an in-stream error once the stream has started).
+
+    With ``abort_status`` the request is instead *aborted with an HTTP status*, SGLang's
+    ``prepare_abort(req, message, status_code=...)``: counted as an abort, but answered as an error
+    with that status (e.g. a P/D bootstrap or transfer timeout, 500).
     """
+
+    def __init__(self, message: str, *, abort_status: int | None = None) -> None:
+        super().__init__(message)
+        self.abort_status = abort_status

@@ -11,7 +11,16 @@ turns the default off for one request). Keys:
 - ``stall_after=N:S``       hang S seconds (``inf`` = forever) after N tokens
 - ``drop_after=N``          abort the TCP connection after N tokens: no final chunk, no ``[DONE]``
 - ``slow_headers=S``        wait S seconds before sending the response headers
+- ``hang=S``                hold the request S seconds (``inf`` = forever) before anything else
+                            happens to it: no prefill, no P/D rendezvous, no KV pull or pin
+- ``kv_pull_fail=1``        P/D: this request's KV transfer fails (vLLM decode: the pull; SGLang
+                            decode: the transfer, seen by both legs)
 - ``p=P``                   apply this spec to a request with probability P (seeded RNG)
+
+Role targeting: a gateway forwards the client's headers to both legs of a P/D request, so an item
+may be prefixed with a role, ``prefill.status=503;decode.stall_before_first=10``. Prefixed items
+apply only on an engine of that role (``aggregated.``, ``prefill.``, ``decode.``) and override an
+unprefixed item with the same key; unprefixed items apply on every role.
 
 Stalls still notice client disconnects, so a gateway that gives up is seen to abort the request.
 """
@@ -20,6 +29,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+ROLES = ("aggregated", "prefill", "decode")
+KEYS = ("status", "error_after", "stall_before_first", "stall_after", "drop_after", "slow_headers",
+        "hang", "kv_pull_fail", "p")
 
 
 class FaultSpecError(ValueError):
@@ -34,13 +47,16 @@ class FaultSpec:
     stall_after: tuple[int, float] | None = None
     drop_after: int | None = None
     slow_headers: float | None = None
+    hang: float | None = None
+    kv_pull_fail: bool = False
     probability: float = 1.0
 
     @property
     def active(self) -> bool:
         """True when the spec would change anything about a request."""
-        return any(v is not None for v in (self.status, self.error_after, self.stall_before_first,
-                                           self.stall_after, self.drop_after, self.slow_headers))
+        return self.kv_pull_fail or any(
+            v is not None for v in (self.status, self.error_after, self.stall_before_first,
+                                    self.stall_after, self.drop_after, self.slow_headers, self.hang))
 
 
 NO_FAULT = FaultSpec()
@@ -66,11 +82,55 @@ def _count(key: str, raw: str) -> int:
     return value
 
 
-def parse_fault(text: str | None) -> FaultSpec:
-    """Parse a spec; ``""``, ``None`` and ``none`` mean no fault."""
+def _flag(key: str, raw: str) -> bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise FaultSpecError(f"{key}: expected 1 or 0, got {raw!r}")
+
+
+def _value(key: str, raw: str) -> tuple[str, object]:
+    """One item's (FaultSpec field, parsed value)."""
+    if key == "status":
+        status = _count(key, raw)
+        if not 400 <= status <= 599:
+            raise FaultSpecError(f"status: {status} is not an HTTP error status (400..599)")
+        return key, status
+    if key in ("error_after", "drop_after"):
+        return key, _count(key, raw)
+    if key in ("stall_before_first", "slow_headers", "hang"):
+        return key, _seconds(key, raw)
+    if key == "stall_after":
+        n, colon, secs = raw.partition(":")
+        if not colon:
+            raise FaultSpecError(f"stall_after: expected N:SECONDS, got {raw!r}")
+        return key, (_count(key, n.strip()), _seconds(key, secs.strip()))
+    if key == "kv_pull_fail":
+        return key, _flag(key, raw)
+    if key == "p":
+        try:
+            p = float(raw)
+        except ValueError:
+            raise FaultSpecError(f"p: {raw!r} is not a probability") from None
+        if not 0.0 <= p <= 1.0:
+            raise FaultSpecError(f"p: probability must be within [0, 1], got {raw!r}")
+        return "probability", p
+    raise FaultSpecError(f"unknown fault {key!r}; known: {', '.join(KEYS)} "
+                         f"(optionally prefixed with a role: {', '.join(r + '.' for r in ROLES)})")
+
+
+def parse_fault(text: str | None, role: str | None = None) -> FaultSpec:
+    """Parse a spec for an engine of ``role``; ``""``, ``None`` and ``none`` mean no fault.
+
+    Items prefixed with another role (or any role, when ``role`` is ``None``) are checked but
+    left out of the result.
+    """
     if text is None or not text.strip() or text.strip().lower() == "none":
         return NO_FAULT
-    values: dict[str, object] = {}
+    general: dict[str, object] = {}
+    targeted: dict[str, object] = {}
     for item in text.split(";"):
         item = item.strip()
         if not item:
@@ -79,30 +139,13 @@ def parse_fault(text: str | None) -> FaultSpec:
         key, raw = key.strip().lower(), raw.strip()
         if not sep or not raw:
             raise FaultSpecError(f"fault item {item!r} must look like key=value")
-        if key == "status":
-            status = _count(key, raw)
-            if not 400 <= status <= 599:
-                raise FaultSpecError(f"status: {status} is not an HTTP error status (400..599)")
-            values["status"] = status
-        elif key in ("error_after", "drop_after"):
-            values[key] = _count(key, raw)
-        elif key in ("stall_before_first", "slow_headers"):
-            values[key] = _seconds(key, raw)
-        elif key == "stall_after":
-            n, colon, secs = raw.partition(":")
-            if not colon:
-                raise FaultSpecError(f"stall_after: expected N:SECONDS, got {raw!r}")
-            values[key] = (_count(key, n.strip()), _seconds(key, secs.strip()))
-        elif key == "p":
-            try:
-                p = float(raw)
-            except ValueError:
-                raise FaultSpecError(f"p: {raw!r} is not a probability") from None
-            if not 0.0 <= p <= 1.0:
-                raise FaultSpecError(f"p: probability must be within [0, 1], got {raw!r}")
-            values["probability"] = p
-        else:
-            raise FaultSpecError(
-                f"unknown fault {key!r}; known: status, error_after, stall_before_first, "
-                "stall_after, drop_after, slow_headers, p")
-    return FaultSpec(**values)  # type: ignore[arg-type]
+        prefix, dot, bare = key.rpartition(".")
+        if dot and prefix not in ROLES:
+            raise FaultSpecError(f"fault item {item!r}: unknown role {prefix!r}; "
+                                 f"known: {', '.join(ROLES)}")
+        field_name, value = _value(bare, raw)
+        if not dot:
+            general[field_name] = value
+        elif prefix == role:
+            targeted[field_name] = value
+    return FaultSpec(**{**general, **targeted})  # type: ignore[arg-type]

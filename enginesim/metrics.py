@@ -56,6 +56,7 @@ class EngineMetrics(Protocol):
     def on_prefill_done(self, seq: Sequence) -> None: ...
     def on_token(self, seq: Sequence, itl_s: float | None) -> None: ...
     def on_finish(self, seq: Sequence) -> None: ...
+    def on_pd_event(self, kind: str) -> None: ...
     def render(self, engine: Engine) -> bytes: ...
 
 
@@ -144,6 +145,9 @@ class VllmMetrics:
         if seq.first_token_at is not None and seq.finished_at is not None:
             self.decode_time.labels(**labels).observe(seq.finished_at - seq.first_token_at)
 
+    def on_pd_event(self, kind: str) -> None:
+        pass  # vLLM's NIXL metrics are not simulated
+
     def render(self, engine: Engine) -> bytes:
         labels = self._labels
         self.running.labels(**labels).set(len(engine.running))
@@ -195,6 +199,30 @@ class SglangMetrics:
         self.queue_time = Histogram("sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
                                     tok, buckets=SGLANG_LATENCY_BUCKETS, registry=r)
         self.max_total_tokens.labels(**self._sched).set(cfg.kv_blocks * cfg.block_size)
+        # P/D: the disaggregation queues and transfer counters (only on prefill/decode engines).
+        self.pd_gauges: dict[str, Gauge] = {}
+        self.pd_counters: dict[str, Counter] = {}
+        if cfg.role != "aggregated":
+            self.pd_gauges = {
+                "num_prefill_bootstrap_queue_reqs": gauge("sglang:num_prefill_bootstrap_queue_reqs",
+                                                          "The number of requests in the prefill bootstrap queue."),
+                "num_prefill_inflight_queue_reqs": gauge("sglang:num_prefill_inflight_queue_reqs",
+                                                         "The number of requests in the prefill inflight queue."),
+                "num_decode_prealloc_queue_reqs": gauge("sglang:num_decode_prealloc_queue_reqs",
+                                                        "The number of requests in the decode prealloc queue."),
+                "num_decode_transfer_queue_reqs": gauge("sglang:num_decode_transfer_queue_reqs",
+                                                        "The number of requests in the decode transfer queue."),
+                "kv_transfer_latency_ms": gauge("sglang:kv_transfer_latency_ms",
+                                                "The latency of the last KV transfer in ms."),
+            }
+            self.pd_counters = {
+                "bootstrap_failed": Counter("sglang:num_bootstrap_failed_reqs",
+                                            "The number of bootstrap failed requests.", sched, registry=r),
+                "transfer_failed": Counter("sglang:num_transfer_failed_reqs",
+                                           "The number of transfer failed requests.", sched, registry=r),
+            }
+            for counter in self.pd_counters.values():
+                counter.labels(**self._sched)
 
     def _streaming(self, seq: Sequence) -> dict[str, str]:
         return {**self._tok, "is_streaming": str(seq.stream)}
@@ -221,6 +249,11 @@ class SglangMetrics:
         if seq.finish_reason == "abort":
             self.aborted.labels(**self._tok).inc()
 
+    def on_pd_event(self, kind: str) -> None:
+        counter = self.pd_counters.get(kind)
+        if counter is not None:
+            counter.labels(**self._sched).inc()
+
     def render(self, engine: Engine) -> bytes:
         s = self._sched
         self.running.labels(**s).set(len(engine.running))
@@ -230,6 +263,9 @@ class SglangMetrics:
         self.cache_hit_rate.labels(**s).set(engine.stats.cache_hit_rate())
         self.gen_throughput.labels(**s).set(engine.stats.gen_throughput())
         self.utilization.labels(**s).set(len(engine.running) / engine.cfg.max_num_seqs)
+        for name, value in engine.role.gauges().items():
+            if name in self.pd_gauges:
+                self.pd_gauges[name].labels(**s).set(value)
         text = generate_latest(self.registry)
         return b"".join(line for line in text.splitlines(keepends=True) if b"_created" not in line)
 

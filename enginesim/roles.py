@@ -6,15 +6,21 @@ those points:
 
 - ``accept``: look at the request body before it is queued (e.g. ``kv_transfer_params`` or the
   SGLang ``bootstrap_*`` fields) and reject it with an ``ApiError`` if the role needs something;
-- ``prefill``: spend the prefill time; a decode role would pull remote KV here instead of
-  computing, and a prefill role would wait for its decode peer. Raising ``RequestFailed`` ends
-  the request with an engine error (e.g. a failed KV load);
+- ``wants_stage`` / ``stage``: park a request *before* the scheduler queue, as SGLang's P/D
+  bootstrap and transfer queues do (the request holds no running slot meanwhile). Raising
+  ``RequestFailed`` from ``stage`` ends the request;
+- ``prefill``: spend the prefill time; a decode role pulls remote KV here instead of computing, a
+  prefill role sends its KV to the decode peer. Raising ``RequestFailed`` ends the request with an
+  engine error (e.g. a failed KV load), or with an abort carrying an HTTP status;
 - ``response_extras``: extra top-level response fields (vLLM prefill: ``kv_transfer_params``);
 - ``retain_blocks``: keep a finished request's KV blocks pinned (vLLM prefill: until the decode
   side pulls them or the lease expires; the role frees them later through the pool);
-- ``routes``, ``start``, ``close``: side channels such as SGLang's bootstrap server.
+- ``on_finish``: the request finished (any reason), so the role can drop what it keeps for it;
+- ``state`` / ``gauges``: the ``pd`` section of ``/_sim/state``, SGLang's P/D queue gauges;
+- ``routes``, ``start``, ``close``: side channels such as vLLM's NIXL side channel or SGLang's
+  bootstrap server. ``side_channel_port`` / ``bootstrap_port`` are the ports they bound.
 
-Only ``aggregated`` exists today; prefill/decode modules plug in through ``make_role``.
+The P/D roles live in ``pd_vllm.py`` (NIXL pull) and ``pd_sglang.py`` (bootstrap rendezvous).
 """
 
 from __future__ import annotations
@@ -34,21 +40,30 @@ class Role(Protocol):
     name: str
     #: SGLang ``/model_info`` ``disaggregation_mode``: "null", "prefill" or "decode".
     disaggregation_mode: str
+    side_channel_port: int | None
+    bootstrap_port: int | None
 
     def routes(self) -> list[web.RouteDef]: ...
     async def start(self) -> None: ...
     async def close(self) -> None: ...
     def accept(self, seq: Sequence, body: dict[str, Any]) -> None: ...
+    def wants_stage(self, seq: Sequence) -> bool: ...
+    async def stage(self, seq: Sequence) -> None: ...
     async def prefill(self, seq: Sequence, compute_s: float) -> None: ...
     def response_extras(self, seq: Sequence) -> dict[str, Any]: ...
     def retain_blocks(self, seq: Sequence) -> bool: ...
+    def on_finish(self, seq: Sequence) -> None: ...
+    def state(self) -> dict[str, Any] | None: ...
+    def gauges(self) -> dict[str, float]: ...
 
 
-class AggregatedRole:
-    """One engine does prefill and decode; nothing crosses to a peer."""
+class BaseRole:
+    """Defaults for every hook: the aggregated behaviour."""
 
     name = "aggregated"
     disaggregation_mode = "null"
+    side_channel_port: int | None = None
+    bootstrap_port: int | None = None
 
     def __init__(self, cfg: SimConfig, engine: Engine) -> None:
         self.cfg = cfg
@@ -67,6 +82,12 @@ class AggregatedRole:
         # A vLLM engine without a KV connector ignores kv_transfer_params and answers null.
         return None
 
+    def wants_stage(self, seq: Sequence) -> bool:
+        return False
+
+    async def stage(self, seq: Sequence) -> None:
+        return None
+
     async def prefill(self, seq: Sequence, compute_s: float) -> None:
         await asyncio.sleep(compute_s)
 
@@ -76,8 +97,29 @@ class AggregatedRole:
     def retain_blocks(self, seq: Sequence) -> bool:
         return False
 
+    def on_finish(self, seq: Sequence) -> None:
+        return None
+
+    def state(self) -> dict[str, Any] | None:
+        return None
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+
+class AggregatedRole(BaseRole):
+    """One engine does prefill and decode; nothing crosses to a peer."""
+
 
 def make_role(cfg: SimConfig, engine: Engine) -> Role:
     if cfg.role == "aggregated":
         return AggregatedRole(cfg, engine)
-    raise ValueError(f"role {cfg.role!r} is not implemented yet; only 'aggregated' is available")
+    if cfg.engine == "vllm":
+        from enginesim.pd_vllm import NixlRole
+
+        return NixlRole(cfg, engine)
+    from enginesim.pd_sglang import SglangDecodeRole, SglangPrefillRole
+
+    if cfg.role == "prefill":
+        return SglangPrefillRole(cfg, engine)
+    return SglangDecodeRole(cfg, engine)

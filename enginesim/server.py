@@ -76,7 +76,7 @@ def _sim_routes(engine: Engine) -> list[web.RouteDef]:
             if "dead" in body:
                 engine.dead = bool(body["dead"])
             if "fault" in body:
-                engine.default_fault = parse_fault(body["fault"])
+                engine.default_fault = parse_fault(body["fault"], engine.cfg.role)
         except FaultSpecError as exc:
             return ApiError(400, f"invalid fault: {exc}").response(ErrorStyle.VLLM)
         except ApiError as exc:
@@ -115,6 +115,10 @@ class SimServer:
         self.host, self.port = sock.getsockname()[:2]
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
+        # P/D listeners, bound when the app started: vLLM prefill's NIXL side channel, SGLang
+        # prefill's bootstrap server (None on other roles).
+        self.side_channel_port: int | None = self.engine.role.side_channel_port
+        self.bootstrap_port: int | None = self.engine.role.bootstrap_port
 
     async def _listen(self, delay: float = 0.0) -> None:
         if delay:

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from enginesim.config import SGLANG_VERSION
-from enginesim.engine import Engine, SamplingParams, Sequence
+from enginesim.engine import Engine, SamplingParams, Sequence, StepOutput
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
@@ -139,8 +139,9 @@ class SglangApi:
                         model: str) -> web.StreamResponse:
         result = await collect(self.engine, request, seq)
         await slow_headers(self.engine, seq.fault)
-        if result.final.finish_reason == "error":
-            return internal_error(f"Internal server error: {result.final.message}").response(OPENAI)
+        err = _failure(result.final)
+        if err is not None:
+            return err.response(OPENAI)
         choice: dict[str, Any] = {"index": 0}
         if req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": result.text, "reasoning_content": None,
@@ -176,8 +177,8 @@ class SglangApi:
         async with aclosing(outputs(self.engine, request, seq)) as stream:
             async for out in stream:
                 assert out is not None
-                if out.finish_reason == "error":
-                    err = internal_error(f"Internal server error: {out.message}")
+                err = _failure(out)
+                if err is not None:
                     if not writer.started:  # nothing sent yet: a proper HTTP error
                         return err.response(OPENAI)
                     await writer.send(err.stream_payload(OPENAI))
@@ -238,8 +239,10 @@ class SglangApi:
                 return await self._generate_stream(request, seq)
             result = await collect(self.engine, request, seq)
             await slow_headers(self.engine, seq.fault)
-            if result.final.finish_reason == "error":
-                return internal_error(f"Internal server error: {result.final.message}").response(NATIVE)
+            err = _failure(result.final)
+            if err is not None:
+                # An abort with a status is raised as an HTTPException: the flat envelope.
+                return err.response(NATIVE if result.final.status is None else OPENAI)
             return json_response(self._generate_body(seq, result.text))
         except Dropped:
             return web.Response(status=500)  # never reaches the client: the transport is gone
@@ -267,7 +270,8 @@ class SglangApi:
         if reason == "stop":
             return {"type": "stop", "matched": seq.stop_reason}
         if reason == "length":
-            return {"type": "length", "length": seq.params.max_tokens}
+            # A P/D prefill reports length 0 (SGLang: FINISH_LENGTH(length=0) once the KV is sent).
+            return {"type": "length", "length": seq.role_data.get("finish_length", seq.params.max_tokens)}
         return {"type": "abort", "message": seq.error, "status_code": None, "err_type": None}
 
     def _generate_body(self, seq: Sequence, text: str, output_ids: list[int] | None = None,
@@ -289,9 +293,9 @@ class SglangApi:
         async with aclosing(outputs(self.engine, request, seq)) as stream:
             async for out in stream:
                 assert out is not None
-                if out.finish_reason == "error":
-                    await writer.send(internal_error(f"Internal server error: {out.message}")
-                                      .stream_payload(NATIVE))
+                err = _failure(out)
+                if err is not None:
+                    await writer.send(err.stream_payload(NATIVE))
                     return await writer.done()
                 text += out.text
                 ids.extend(out.token_ids)
@@ -358,6 +362,8 @@ class SglangApi:
             "max_running_requests": cfg.max_num_seqs, "max_total_tokens": cfg.kv_blocks * cfg.block_size,
             "disable_radix_cache": not cfg.enable_prefix_caching, "enable_cache_report": cfg.report_cached_tokens,
             "enable_metrics": cfg.enable_metrics, "disaggregation_mode": engine.role.disaggregation_mode,
+            "disaggregation_bootstrap_port": engine.role.bootstrap_port or cfg.bootstrap_port or 8998,
+            "disaggregation_transfer_backend": "enginesim",
             "random_seed": cfg.seed, "startup_time": engine.started_at, "version": SGLANG_VERSION,
             "frontend": "enginesim",
             "internal_states": [{"last_gen_throughput": engine.stats.gen_throughput(),
@@ -368,22 +374,35 @@ class SglangApi:
         engine, pool = self.engine, self.engine.pool
         used = pool.used_blocks * pool.block_size
         total = pool.num_blocks * pool.block_size
+        load: dict[str, Any] = {
+            "dp_rank": 0, "num_running_reqs": len(engine.running), "num_waiting_reqs": len(engine.waiting),
+            "num_used_tokens": used, "num_total_tokens": total, "max_total_num_tokens": total,
+            "max_running_requests": self.cfg.max_num_seqs, "token_usage": pool.usage,
+            "gen_throughput": engine.stats.gen_throughput(), "cache_hit_rate": engine.stats.cache_hit_rate(),
+            "utilization": len(engine.running) / self.cfg.max_num_seqs}
+        gauges = engine.role.gauges()
+        if gauges:
+            load["disaggregation"] = {"mode": engine.role.disaggregation_mode,
+                                      **{k.removeprefix("num_"): v for k, v in gauges.items()}}
         return json_response({
             "timestamp": datetime.now(UTC).isoformat(), "version": SGLANG_VERSION,
-            "accelerator": "sim", "num_accelerators": 1,
-            "loads": [{"dp_rank": 0, "num_running_reqs": len(engine.running),
-                       "num_waiting_reqs": len(engine.waiting), "num_used_tokens": used,
-                       "num_total_tokens": total, "max_total_num_tokens": total,
-                       "max_running_requests": self.cfg.max_num_seqs, "token_usage": pool.usage,
-                       "gen_throughput": engine.stats.gen_throughput(),
-                       "cache_hit_rate": engine.stats.cache_hit_rate(),
-                       "utilization": len(engine.running) / self.cfg.max_num_seqs}]})
+            "accelerator": "sim", "num_accelerators": 1, "loads": [load]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         if not self.cfg.enable_metrics:
             return json_response({"detail": "Not Found"}, status=404)
         return web.Response(body=self.engine.metrics.render(self.engine),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def _failure(out: StepOutput) -> ApiError | None:
+    """The error a finishing output is answered with: an engine failure (500), or an abort that
+    carries an HTTP status (``type`` is the status as a string, FastAPI's HTTPException handler)."""
+    if out.finish_reason == "error":
+        return internal_error(f"Internal server error: {out.message}")
+    if out.status is not None:
+        return ApiError(out.status, out.message or "Aborted", type_=str(out.status))
+    return None
 
 
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:

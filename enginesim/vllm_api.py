@@ -142,7 +142,7 @@ class VllmApi:
                         headers: dict[str, str]) -> web.StreamResponse:
         result = await collect(self.engine, request, seq)
         await slow_headers(self.engine, seq.fault)
-        if result.final.finish_reason == "error":
+        if result.final.finish_reason == "error" or result.final.status is not None:
             return internal_error().response(STYLE, headers)
         choice: dict[str, Any] = {"index": 0}
         if req.kind == "chat":
@@ -191,7 +191,7 @@ class VllmApi:
                 if out is None:
                     await writer.keepalive()
                     continue
-                if out.finish_reason == "error":
+                if out.finish_reason == "error" or out.status is not None:
                     await writer.send(internal_error().stream_payload(STYLE))
                     return await writer.done()
                 if chat and first:
