@@ -91,6 +91,7 @@ async def forward_pd(gw: Gateway, request: web.Request, ireq: InferenceRequest, 
     prefill = decision.prefill
     assert prefill is not None
     rec.extra["prefill_endpoint"] = prefill.name
+    rec.endpoint = decision.endpoint.name
     decision.headers["prefill-target-pod"] = prefill.name
     if decision.endpoint.engine == "sglang":
         return await _sglang(gw, request, ireq, decision, charges, rec, members)
