@@ -1,7 +1,8 @@
 """``python -m gateway --demo``: the gateway plus simulated engines in one process.
 
-A vLLM-speaking model with two replicas and an SGLang-speaking model with two replicas, on fixed
-loopback ports, so a newcomer's first ``curl`` works with no GPU.
+Two aggregated models (vLLM-speaking and SGLang-speaking, two replicas each) and two P/D models
+(one prefill + one decode each), on fixed loopback ports, so a newcomer's first ``curl`` works
+with no GPU.
 """
 
 from __future__ import annotations
@@ -11,20 +12,29 @@ import contextlib
 from gateway.config import config_from_dict
 from gateway.server import serve
 
+# (model, engine, role, port, side port: vLLM side channel / SGLang bootstrap)
 DEMO_ENGINES = [
-    # (model, engine, port)
-    ("demo-llama", "vllm", 8101),
-    ("demo-llama", "vllm", 8102),
-    ("demo-qwen", "sglang", 8111),
-    ("demo-qwen", "sglang", 8112),
+    ("demo-llama", "vllm", "aggregated", 8101, None),
+    ("demo-llama", "vllm", "aggregated", 8102, None),
+    ("demo-qwen", "sglang", "aggregated", 8111, None),
+    ("demo-qwen", "sglang", "aggregated", 8112, None),
+    ("demo-llama-pd", "vllm", "prefill", 8121, 8125),
+    ("demo-llama-pd", "vllm", "decode", 8122, None),
+    ("demo-qwen-pd", "sglang", "prefill", 8131, 8998),
+    ("demo-qwen-pd", "sglang", "decode", 8132, None),
 ]
 
 
 def demo_config(host: str | None, port: int | None) -> dict:
     models: dict[str, dict] = {}
-    for model, engine, eport in DEMO_ENGINES:
-        m = models.setdefault(model, {"name": model, "engine": engine, "endpoints": []})
-        m["endpoints"].append(f"http://127.0.0.1:{eport}")
+    for model, engine, role, eport, side in DEMO_ENGINES:
+        m = models.setdefault(model, {"name": model, "engine": engine})
+        url = f"http://127.0.0.1:{eport}"
+        if role == "aggregated":
+            m.setdefault("endpoints", []).append(url)
+            continue
+        rs = m.setdefault("rolesets", [{"name": "rs-1", "prefill": [], "decode": []}])[0]
+        rs[role].append({"url": url, "bootstrap_port": side} if engine == "sglang" and role == "prefill" else url)
     return {
         "listen": {"host": host or "127.0.0.1", "port": 8888 if port is None else port},
         "routing": {"strategy": "least-request"},
@@ -36,18 +46,20 @@ def demo_config(host: str | None, port: int | None) -> dict:
 
 BANNER = """
 Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
-  demo-llama  (vLLM,   2 replicas: 127.0.0.1:8101, 127.0.0.1:8102)
-  demo-qwen   (SGLang, 2 replicas: 127.0.0.1:8111, 127.0.0.1:8112)
+  demo-llama     vLLM,   2 replicas (127.0.0.1:8101, :8102)
+  demo-qwen      SGLang, 2 replicas (127.0.0.1:8111, :8112)
+  demo-llama-pd  vLLM P/D:   prefill 127.0.0.1:8121, decode :8122
+  demo-qwen-pd   SGLang P/D: prefill 127.0.0.1:8131 (bootstrap 8998), decode :8132
 
 Try:
   curl -s http://{host}:{{port}}/v1/models
   curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-llama","messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
   curl -sN http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{{{{"model":"demo-qwen","stream":true,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
+       -d '{{{{"model":"demo-qwen-pd","stream":true,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='demo-llama', messages=[{{{{'role':'user','content':'Hi'}}}}]).choices[0].message.content)"
+print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'user','content':'Hi'}}}}]).choices[0].message.content)"
 
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C
 """
@@ -58,9 +70,12 @@ async def run_demo(host: str | None = None, port: int | None = None) -> None:
 
     sims = []
     try:
-        for model, engine, eport in DEMO_ENGINES:
-            sims.append(await start_sim(SimConfig(engine=engine, model=model, port=eport, host="127.0.0.1",
-                                                  seed=eport)))
+        for model, engine, role, eport, side in DEMO_ENGINES:
+            kw = {}
+            if role == "prefill":
+                kw = {"side_channel_port": side} if engine == "vllm" else {"bootstrap_port": side}
+            sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
+                                                  host="127.0.0.1", seed=eport, **kw)))
         cfg = config_from_dict(demo_config(host, port), source="<demo>")
         await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host))
     finally:
