@@ -251,3 +251,15 @@ async def test_trackers_balance_under_concurrency(sims, gateway, engine):
     pairs = {(h["prefill-target-pod"], h["target-pod"]) for _, h, _ in results}
     by_rs = {p1.url.split("//")[1]: d1.url.split("//")[1], p2.url.split("//")[1]: d2.url.split("//")[1]}
     assert all(by_rs[pp] == dd for pp, dd in pairs)       # never paired across rolesets
+
+
+async def test_vllm_decode_stall_before_first_token_after_headers(sims, gateway):
+    # vLLM sends its headers at once, so the first-chunk watchdog fires after them: a final SSE
+    # error event, and the decode connection is closed (vLLM's abort)
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
+    st, _, raw = await post(gw, body(stream=True), {"x-sim-fault": "decode.stall_before_first=30"})
+    assert st == 200
+    assert sse(raw)[-1]["error"]["code"] == "upstream_timeout"
+    assert await wait_for(lambda: quiet(d.url), timeout=5)
+    assert 'phase="first_chunk"' in await gw.metrics_text()
