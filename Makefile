@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean redis-server
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,11 @@ $(DEVSTAMP): pyproject.toml | $(BIN)/python
 demo: $(STAMP)
 	$(BIN)/python -m gateway --demo
 
-test: $(DEVSTAMP)
+# the tenancy tests start a real redis-server on a loopback port; CI is a fresh Debian machine (root)
+redis-server:
+	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+
+test: $(DEVSTAMP) redis-server
 	$(BIN)/python -m pytest
 
 lint: $(DEVSTAMP)
@@ -29,3 +33,42 @@ lint: $(DEVSTAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# issue #5: gateway overhead side by side with the Rust routers (bench/README.md).
+# `make bench-peers` installs sglang-router and vllm-router into their own venv; `make bench-overhead`
+# measures whichever of them is installed (an absent one is skipped, and the report says so).
+PEERS_VENV := .venv-peers
+OVERHEAD_ARGS ?=
+
+.PHONY: bench-overhead bench-overhead-quick bench-peers
+
+bench-peers: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed:
+	$(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q -U pip
+	$(PEERS_VENV)/bin/pip install -q sglang-router==0.3.2 vllm-router==0.1.17
+	touch $@
+
+bench-overhead: $(STAMP)
+	$(BIN)/python bench/overhead.py --full $(OVERHEAD_ARGS)
+
+bench-overhead-quick: $(STAMP)
+	$(BIN)/python bench/overhead.py --quick $(OVERHEAD_ARGS)
+
+# issue #4: routing quality (TTFT, cache hits, balance per strategy on simulated engines) and the
+# cost of one routing decision. ROUTING_ARGS=--quick gives a < 2 min quality run.
+BENCHSTAMP := $(VENV)/.installed-bench
+ROUTING_ARGS ?=
+
+.PHONY: bench-routing bench-routing-micro
+
+$(BENCHSTAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e '.[bench]'
+	touch $@ $(STAMP)
+
+bench-routing: $(BENCHSTAMP)
+	$(BIN)/python -m bench.routing $(ROUTING_ARGS)
+
+bench-routing-micro: $(STAMP)
+	$(BIN)/python -m bench.micro_routing $(ROUTING_ARGS)

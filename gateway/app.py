@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import orjson
 import structlog
 from aiohttp import web
 
+from gateway.admin import add_tenancy
 from gateway.config import Config
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
@@ -13,11 +16,15 @@ from gateway.monitor import Monitor
 from gateway.pipeline import Gateway
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
 from gateway.upstream import make_session
+from k8s.discovery import KubernetesDiscovery
 
 log = structlog.get_logger("switchyard.app")
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
 MONITOR_KEY = web.AppKey("monitor", Monitor)
+DISCOVERY_KEY = web.AppKey("discovery", KubernetesDiscovery)
+# set by the server at SIGTERM: /ready answers 503 while requests are still served (server.py)
+NOT_READY_KEY = web.AppKey("not_ready", asyncio.Event)
 
 
 def pool_from_config(config: Config) -> EndpointPool:
@@ -68,8 +75,11 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     gw = Gateway(config, pool)
     app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
+    app[NOT_READY_KEY] = asyncio.Event()
 
     async def models(_request: web.Request) -> web.Response:
+        if gw.tenancy is not None:  # tenancy: with auth on, listing models needs a key too
+            await gw.tenancy.authenticate(_request, None)
         data = [{"id": m, "object": "model", "created": gw.started_at, "owned_by": "switchyard",
                  "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
                  "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
@@ -79,7 +89,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
         return _json(200, {"status": "ok"})
 
     async def ready(_request: web.Request) -> web.Response:
-        if gw.draining:
+        if gw.draining or app[NOT_READY_KEY].is_set():
             return _json(503, {"status": "draining"})
         ready_models = [m for m in pool.models() if pool.ready(m)]
         if not ready_models:
@@ -96,14 +106,25 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    if gw.tenancy is not None:      # tenancy: x-ratelimit-* on every answer, state lifecycle, /admin API
+        add_tenancy(app, gw.tenancy)
 
     async def on_startup(app: web.Application) -> None:
+        # -- kubernetes discovery (k8s/): feeds the same pool as the static config; first, so
+        # that a bad kubeconfig fails start-up before anything else is running
+        if config.kubernetes.enabled:
+            disc = KubernetesDiscovery(config.kubernetes, pool, {m.name: m for m in config.models})
+            await disc.start()
+            app[DISCOVERY_KEY] = disc
+        # --
         gw.session = make_session(config.upstream)
         mon = Monitor(pool, gw.session, gw.metrics, config.health, config.scrape)
         app[MONITOR_KEY] = mon
         mon.start()
 
     async def on_cleanup(app: web.Application) -> None:
+        if DISCOVERY_KEY in app:            # kubernetes discovery
+            await app[DISCOVERY_KEY].stop()
         await app[MONITOR_KEY].stop()
         await gw.close_background()
         if gw.session is not None:

@@ -51,6 +51,15 @@ class ServerConfig:
 class RoutingConfig:
     strategy: str = "least-request"
     metrics_max_age_s: float = 10.0      # engine metrics older than this count as missing
+    # knobs of the built-in strategies (routers.base.RoutingSettings has the same names and defaults)
+    prefix_block_chars: int = 512        # prefix-cache: prompt characters per hashed block
+    prefix_max_blocks: int = 1024        # prefix-cache: blocks hashed per prompt at most
+    prefix_index_blocks: int = 131072    # prefix-cache: index capacity in blocks (LRU, all models)
+    prefix_idle_ttl_s: float = 1200.0    # prefix-cache: forget blocks untouched for this long
+    prefix_imbalance_abs: int = 8        # prefix-cache: in-flight spread above which only the least loaded count
+    prefix_std_factor: float = 1.5       # prefix-cache: matched endpoint's in-flight must be <= mean + k*stddev
+    metrics_window_s: float = 10.0       # throughput / least-latency: window of rates and means
+    vtc_window_s: float = 300.0          # vtc-basic: sliding window of per-user token counts
 
 
 @dataclass(frozen=True)

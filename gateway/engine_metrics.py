@@ -29,6 +29,7 @@ from gateway.endpoints import ENGINES, EngineMetrics
 # field ids
 _RUNNING, _WAITING, _KV, _KV_OLD, _HITS, _QUERIES, _HITS_OLD, _QUERIES_OLD = range(8)
 _PROMPT, _GEN, _TTFT_SUM, _TTFT_COUNT, _CACHE_INFO, _HIT_RATE, _GEN_TP = range(8, 15)
+_QUEUE_SUM, _QUEUE_COUNT, _MAX_TOKENS = range(15, 18)
 
 _NAMES: dict[str, dict[str, int]] = {
     "vllm": {
@@ -45,6 +46,8 @@ _NAMES: dict[str, dict[str, int]] = {
         "vllm:time_to_first_token_seconds_sum": _TTFT_SUM,
         "vllm:time_to_first_token_seconds_count": _TTFT_COUNT,
         "vllm:cache_config_info": _CACHE_INFO,
+        "vllm:request_queue_time_seconds_sum": _QUEUE_SUM,
+        "vllm:request_queue_time_seconds_count": _QUEUE_COUNT,
     },
     "sglang": {
         "sglang:num_running_reqs": _RUNNING,
@@ -56,10 +59,15 @@ _NAMES: dict[str, dict[str, int]] = {
         "sglang:generation_tokens_total": _GEN,
         "sglang:time_to_first_token_seconds_sum": _TTFT_SUM,
         "sglang:time_to_first_token_seconds_count": _TTFT_COUNT,
+        "sglang:queue_time_seconds_sum": _QUEUE_SUM,
+        "sglang:queue_time_seconds_count": _QUEUE_COUNT,
+        "sglang:max_total_num_tokens": _MAX_TOKENS,
     },
 }
 _PREFIXES = {engine: tuple(names) for engine, names in _NAMES.items()}
 _AVERAGED = frozenset((_KV, _KV_OLD, _HIT_RATE))
+# The KV pool size is per data-parallel rank: ranks are summed like counts. vLLM reports it as
+# labels of cache_config_info (num_gpu_blocks x block_size), SGLang as a gauge.
 
 
 def parse_labels(s: str) -> dict[str, str]:
@@ -133,12 +141,13 @@ def _split_sample(line: str, name_len: int) -> tuple[str, str] | None:
     return labels, parts[0]
 
 
-def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[float]], int | None]:
+def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[float]], int | None, float | None]:
     names = _NAMES[engine]
     prefixes = _PREFIXES[engine]
     all_values: dict[int, list[float]] = {}
     matching: dict[int, list[float]] = {}    # only series whose model_name == model
     block_size: int | None = None
+    gpu_blocks: float | None = None          # summed over cache_config_info series (one per rank)
     # a plain-text probe for the common case; names needing escapes always take the exact parse
     plain = model is not None and not any(c in model for c in '"\\\n')
     want_model = f'model_name="{model}"' if plain else None
@@ -160,9 +169,13 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
             continue
         label_text, value_text = split
         if field == _CACHE_INFO:
-            bs = parse_labels(label_text).get("block_size")
+            info = parse_labels(label_text)
+            bs = info.get("block_size")
             if bs is not None and bs.isdigit():
                 block_size = int(bs)
+            nb = info.get("num_gpu_blocks")
+            if nb is not None and nb.isdigit():
+                gpu_blocks = (gpu_blocks or 0.0) + int(nb)
             continue
         try:
             value = float(value_text)
@@ -179,7 +192,7 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
     # The model filter applies per metric: a metric with series of that model uses only those;
     # a metric with none (other served name, no model_name label) is used whole.
     all_values.update(matching)
-    return all_values, block_size
+    return all_values, block_size, gpu_blocks
 
 
 def _combine(values: dict[int, list[float]], field: int) -> float | None:
@@ -204,7 +217,7 @@ def parse_engine_metrics(text: str, engine: str, now: float, prev: EngineMetrics
     (monotonic seconds). ``prev`` is the previous snapshot of the same endpoint, for rates."""
     if engine not in _NAMES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    values, block_size = _scan(text, engine, model)
+    values, block_size, gpu_blocks = _scan(text, engine, model)
     get = values.get
 
     m = EngineMetrics(scraped_at=now)
@@ -218,6 +231,15 @@ def parse_engine_metrics(text: str, engine: str, now: float, prev: EngineMetrics
     m.ttft_sum = _combine(values, _TTFT_SUM)
     m.ttft_count = _combine(values, _TTFT_COUNT)
     m.block_size = block_size if block_size is not None else (prev.block_size if prev else None)
+    m.queue_time_sum = _combine(values, _QUEUE_SUM)
+    m.queue_time_count = _combine(values, _QUEUE_COUNT)
+    if engine == "vllm":
+        if gpu_blocks is not None and block_size is not None:
+            m.kv_capacity_tokens = gpu_blocks * block_size
+    else:
+        m.kv_capacity_tokens = _combine(values, _MAX_TOKENS)
+    if m.kv_capacity_tokens is None and prev is not None:
+        m.kv_capacity_tokens = prev.kv_capacity_tokens
 
     # prefix cache hit rate
     if engine == "vllm":
@@ -250,12 +272,23 @@ def parse_engine_metrics(text: str, engine: str, now: float, prev: EngineMetrics
     if gauge is not None:
         m.gen_throughput = gauge
 
-    # recent TTFT mean: over the last scrape interval, else carried over
+    # recent TTFT and queue-time means: over the last scrape interval, else carried over
     if prev is not None:
-        m.ttft_recent_mean = prev.ttft_recent_mean
-        c, s, pc, ps = m.ttft_count, m.ttft_sum, prev.ttft_count, prev.ttft_sum
-        if c is not None and s is not None and pc is not None and ps is not None:
-            dc, ds = (c, s) if c < pc else (c - pc, s - ps)      # c < pc: the engine restarted
-            if dc > 0:
-                m.ttft_recent_mean = ds / dc
+        m.ttft_recent_mean = _recent_mean(m.ttft_sum, m.ttft_count, prev.ttft_sum, prev.ttft_count,
+                                          prev.ttft_recent_mean)
+        m.queue_time_recent_mean = _recent_mean(m.queue_time_sum, m.queue_time_count, prev.queue_time_sum,
+                                                prev.queue_time_count, prev.queue_time_recent_mean)
     return m
+
+
+def _recent_mean(s: float | None, c: float | None, ps: float | None, pc: float | None,
+                 carried: float | None) -> float | None:
+    """Mean of a histogram's observations between two scrapes (Δsum/Δcount); ``carried`` when
+    nothing was observed in between. A series absent from the previous scrape counts from zero
+    (labelled histograms appear with their first observation)."""
+    if c is None or s is None:
+        return carried
+    if pc is None or ps is None:
+        pc = ps = 0.0
+    dc, ds = (c, s) if c < pc else (c - pc, s - ps)      # c < pc: the engine restarted
+    return ds / dc if dc > 0 else carried

@@ -112,7 +112,7 @@ class Monitor:
     async def scrape_one(self, ep: Endpoint) -> None:
         try:
             async with asyncio.timeout(self.scrape.timeout_s):
-                async with self.session.get(ep.url + "/metrics") as r:
+                async with self.session.get(ep.extra.get("metrics_url") or ep.url + "/metrics") as r:
                     if r.status != 200:
                         raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
                     text = await r.text()

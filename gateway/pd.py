@@ -29,6 +29,7 @@ import structlog
 from aiohttp import web
 
 from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.request import usage_stream_options
 from gateway.upstream import UpstreamFailure, open_leg
 from handlers import sglang as sglang_handler
 from handlers import vllm as vllm_handler
@@ -131,15 +132,6 @@ async def _call_prefill(gw: Gateway, ireq: InferenceRequest, prefill: Endpoint, 
     return raw
 
 
-def _usage_extra(ireq: InferenceRequest) -> tuple[dict | None, bool]:
-    """stream_options the decode needs so the gateway sees usage; and whether to strip it."""
-    if ireq.stream and not ireq.include_usage:
-        so = ireq.data.get("stream_options")
-        kept = {k: v for k, v in so.items() if k != "continuous_usage_stats"} if isinstance(so, dict) else {}
-        return {"stream_options": {**kept, "include_usage": True}}, True
-    return None, False
-
-
 # -- vLLM ------------------------------------------------------------------------------------------
 
 
@@ -163,7 +155,8 @@ async def _vllm(gw: Gateway, request: web.Request, ireq: InferenceRequest, decis
         charges.prefill.release()
         charges.token_active.release()
     prefill_end = time.perf_counter()
-    extra, strip_usage = _usage_extra(ireq)
+    extra = usage_stream_options(ireq)
+    strip_usage = extra is not None
     body = vllm_handler.decode_body(ireq.data, kv, prefill.host if cfg.rewrite_remote_host else None, extra)
     charges.pending_decode.release()
     limit = _decode_header_timeout(gw, ireq)
@@ -234,7 +227,8 @@ async def _sglang(gw: Gateway, request: web.Request, ireq: InferenceRequest, dec
     rid = sglang_handler.new_rid(ireq.request_id)
     rec.extra["rid"] = rid
     port = prefill.bootstrap_port or cfg.default_bootstrap_port
-    extra, strip_usage = _usage_extra(ireq)
+    extra = usage_stream_options(ireq)
+    strip_usage = extra is not None
     p_body, d_body = sglang_handler.build_bodies(
         members, bootstrap_host=sglang_handler.bootstrap_host_of(prefill.host), bootstrap_port=port,
         room=sglang_handler.new_room(gw.router_ctx.rng), rid=rid, decode_extra=extra)

@@ -24,8 +24,9 @@ from gateway.errors import GatewayError, normalize_upstream_error
 from gateway.leases import Lease
 from gateway.metrics import GatewayMetrics
 from gateway.pd import PDCharges, forward_pd
-from gateway.request import InferenceRequest, parse, request_id_from
+from gateway.request import InferenceRequest, parse, request_id_from, usage_stream_options
 from gateway.sse import usage_tokens
+from gateway.tenants import build_tenancy
 from gateway.trackers import PDTrackers
 from gateway.upstream import UpstreamFailure, open_leg
 from handlers import sglang as sglang_handler
@@ -77,6 +78,7 @@ class Gateway:
         self.router_ctx = router_ctx or RouterContext(metrics_max_age_s=config.routing.metrics_max_age_s)
         self.router_ctx.on_fallback = self._on_fallback
         self.router_ctx.pd_settings = config.pd_for
+        self.router_ctx.routing = config.routing      # strategy knobs (routers.base.RoutingSettings)
         self.trackers = PDTrackers(self.metrics)
         self._background: set[asyncio.Task] = set()
         self.registry: RouterRegistry = default_registry(self.router_ctx)
@@ -86,6 +88,7 @@ class Gateway:
         self._idle = asyncio.Event()
         self._idle.set()
         self.started_at = int(time.time())
+        self.tenancy = build_tenancy(config, self.metrics, pool)   # API keys, users, limits (gateway/tenants)
         # validate strategies named in config now, so a typo fails at startup, not per request
         for spec in [config.routing.strategy] + [s for m in config.models for s in (m.strategy, m.lock_strategy) if s]:
             try:
@@ -193,10 +196,13 @@ class Gateway:
         self._idle.clear()
         leases: list[Lease] = []
         model_gauge = None
+        ticket = None
         try:
             if self.draining:
                 raise GatewayError(503, "the gateway is shutting down", code="service_unavailable",
                                    headers={"Retry-After": "1", "Connection": "close"}, error_class="draining")
+            if self.tenancy is not None:    # tenancy hook: API key → user (401), before the body is read
+                ticket = await self.tenancy.authenticate(request, rec)
             try:
                 body = await request.read()
             except web.HTTPRequestEntityTooLarge:
@@ -204,7 +210,7 @@ class Gateway:
                                    error_class="validation") from None
             ireq = parse(request.path, body, hdrs, rec.request_id)
             rec.model, rec.stream = ireq.model, ireq.stream
-            if not self.pool.has_model(ireq.model):
+            if not self.pool.has_model(ireq.model) and self.config.model(ireq.model) is None:
                 raise GatewayError(404, f"The model `{ireq.model}` does not exist.", param="model",
                                    code="model_not_found", header=("x-error-no-model-backends", ireq.model),
                                    error_class="model_not_found")
@@ -222,6 +228,8 @@ class Gateway:
                                         + (" (prefill/decode endpoints need the pd strategy)" if ready else ""),
                                    code="service_unavailable", headers={"Retry-After": "5"},
                                    header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+            if ticket is not None:          # tenancy hook: model RPS, user RPM/TPM/concurrency (429), before routing
+                await self.tenancy.admit(ticket, ireq, rec)
             members = None
             if pd_mode and candidates[0].engine == "sglang":
                 try:   # refused before any endpoint is chosen
@@ -257,6 +265,8 @@ class Gateway:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
+            if ticket is not None:          # tenancy hook: charge usage tokens, release the concurrency slot
+                self.tenancy.settle(ticket, rec)
             self.finish(rec, time.perf_counter())
 
     # -- responses ---------------------------------------------------------------------------
@@ -289,18 +299,10 @@ class Gateway:
     @staticmethod
     def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
         """The body to send, and whether the gateway injected ``include_usage`` (to strip later).
-
-        The original bytes go out unchanged unless the client streams without asking for usage:
-        then the gateway asks for it, so every stream is accounted, and hides the usage chunk.
-        """
-        if ireq.stream and not ireq.include_usage:
-            data = dict(ireq.data)
-            so = data.get("stream_options")
-            # continuous_usage_stats only takes effect with include_usage: drop it, or usage would
-            # ride on every chunk the client sees
-            kept = {k: v for k, v in so.items() if k != "continuous_usage_stats"} if isinstance(so, dict) else {}
-            data["stream_options"] = {**kept, "include_usage": True}
-            return orjson.dumps(data), True
+        The original bytes go out unchanged unless usage must be asked for."""
+        extra = usage_stream_options(ireq)
+        if extra is not None:
+            return orjson.dumps({**ireq.data, **extra}), True
         return ireq.body, False
 
     async def forward(self, request: web.Request, ireq: InferenceRequest, decision: Decision,

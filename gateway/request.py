@@ -9,8 +9,8 @@ change the body.
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ CHARS_PER_TOKEN = 4
 def request_id_from(header_value: str | None) -> str:
     if header_value and _SANE_REQUEST_ID.match(header_value):
         return header_value
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()   # 32 hex chars, like uuid4().hex at a third of the cost
 
 
 @dataclass(slots=True)
@@ -211,3 +211,17 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
         headers=headers,
     )
+
+
+def usage_stream_options(ireq: InferenceRequest) -> dict[str, Any] | None:
+    """``{"stream_options": ...}`` to send upstream when the client streams without asking for
+    usage, so every stream is accounted (the relay then hides the usage chunk); else ``None``.
+
+    ``continuous_usage_stats`` only takes effect with ``include_usage``, so it is dropped, or
+    usage would ride on every chunk the client sees.
+    """
+    if not ireq.stream or ireq.include_usage:
+        return None
+    so = ireq.data.get("stream_options")
+    kept = {k: v for k, v in so.items() if k != "continuous_usage_stats"} if isinstance(so, dict) else {}
+    return {"stream_options": {**kept, "include_usage": True}}

@@ -1,8 +1,16 @@
 """Run the gateway: listen, serve, and drain on SIGTERM.
 
-Drain: ``/ready`` turns 503 and new requests are refused with 503 at once; requests in flight
-(streams included) get up to ``server.shutdown_grace_s`` to finish; then the listener closes and
-the process exits.
+Drain, as Kubernetes needs it (the pod is taken out of the Service's endpoints *while* it gets
+SIGTERM, and load balancers learn of it a few seconds later):
+
+1. at SIGTERM ``/ready`` answers 503 at once, and requests are still served as usual;
+2. after ``server.drain_delay_s`` (capped at the grace period) the listener closes: new
+   connections are refused, and a request arriving on a kept-alive connection gets 503 with
+   ``Connection: close``;
+3. requests in flight, streams included, may finish until ``server.shutdown_grace_s`` after the
+   SIGTERM; then the remaining ones are cut, and the process exits 0.
+
+SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import socket
 import structlog
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, build_app
+from gateway.app import GATEWAY_KEY, NOT_READY_KEY, build_app
 from gateway.config import Config
 
 log = structlog.get_logger("switchyard.server")
@@ -37,11 +45,22 @@ async def start(config: Config, *, reuse_port: bool = False) -> tuple[web.AppRun
     return runner, app, port
 
 
-async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: float) -> None:
+async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: float, *,
+                         delay: float = 0.0) -> None:
+    """Drain as described in the module docstring; ``grace`` counts from the call."""
     gw = app[GATEWAY_KEY]
-    gw.begin_drain()
-    log.info("draining", in_flight=gw.in_flight, grace_s=grace)
-    finished = await gw.wait_idle(grace)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    app[NOT_READY_KEY].set()
+    delay = max(0.0, min(delay, grace))
+    log.info("draining", in_flight=gw.in_flight, delay_s=delay, grace_s=grace)
+    if delay:
+        await asyncio.sleep(delay)
+    for site in list(runner.sites):
+        await site.stop()                   # the listening socket closes: new connections refused
+    gw.begin_drain()                        # kept-alive connections: 503 + Connection: close
+    log.info("listener closed", in_flight=gw.in_flight)
+    finished = await gw.wait_idle(max(0.0, deadline - loop.time()))
     if not finished:
         log.warning("grace period over; closing remaining requests", in_flight=gw.in_flight)
     await runner.cleanup()
@@ -49,18 +68,35 @@ async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: flo
 
 async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False) -> None:
     runner, app, port = await start(config, reuse_port=reuse_port)
-    log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models])
+    log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
+             kubernetes=config.kubernetes.enabled)
     if ready_message:
         print(ready_message.format(port=port), flush=True)
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
     try:
         await stop.wait()
     finally:
-        await drain_and_stop(runner, app, config.server.shutdown_grace_s)
+        delay = config.server.drain_delay_s if received and received[0] == signal.SIGTERM else 0.0
+        drain = asyncio.ensure_future(drain_and_stop(runner, app, config.server.shutdown_grace_s, delay=delay))
+        for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal: stop now
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, drain.cancel)
+        try:
+            await drain
+        except asyncio.CancelledError:
+            log.warning("second signal: stopping now")
+            with contextlib.suppress(Exception):
+                await runner.cleanup()
         log.info("stopped")
 
 

@@ -1,0 +1,5 @@
+"""Kubernetes discovery: watch engine pods (kubernetes-asyncio) and map them onto pool endpoints.
+
+``selector`` parses label selectors, ``pods`` maps one pod to an endpoint description (pure),
+``discovery`` runs list + watch + periodic relist and keeps the ``EndpointPool`` in step.
+"""

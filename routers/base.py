@@ -8,8 +8,9 @@ endpoint in one synchronous step (no other request can interleave between the tw
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from gateway.endpoints import Endpoint
@@ -31,9 +32,62 @@ class Decision:
     uncached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class RoutingSettings:
+    """The knobs of the built-in strategies, with their defaults.
+
+    The gateway's ``routing:`` config block (``gateway.config.RoutingConfig``) carries the same
+    names; ``RouterContext.routing`` holds that block and ``RouterContext.settings`` reads it
+    through this class, so routers depend on no config code and missing names take these defaults.
+    """
+
+    prefix_block_chars: int = 512          # prompt characters per hashed block (~128 tokens)
+    prefix_max_blocks: int = 1024          # blocks hashed per prompt at most (1024 x 512 chars ~ 128k tokens)
+    prefix_index_blocks: int = 131072      # index capacity in blocks, all models together (LRU)
+    prefix_idle_ttl_s: float = 1200.0      # a block no request touched for this long is forgotten
+    prefix_imbalance_abs: int = 8          # in-flight spread (max - min) above which only the least loaded count
+    prefix_std_factor: float = 1.5         # a matched endpoint must have in-flight <= mean + k * stddev
+    metrics_window_s: float = 10.0         # window of the throughput / least-latency rates and means
+    vtc_window_s: float = 300.0            # vtc-basic: per-user token counts over this sliding window
+
+    @classmethod
+    def from_object(cls, obj: Any) -> RoutingSettings:
+        """Settings from any object with (some of) these attribute names; ``None`` gives defaults."""
+        if obj is None:
+            return cls()
+        if isinstance(obj, cls):
+            return obj
+        return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if hasattr(obj, f.name)})
+
+
+def _no_prefix_match(req: InferenceRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
+    return {}
+
+
+def _no_prefix_insert(req: InferenceRequest, endpoint: Endpoint) -> None:
+    return None
+
+
 @dataclass
 class RouterContext:
-    """Shared, non-I/O state a router may use. One per gateway app."""
+    """Shared, non-I/O state a router may use. One per gateway app.
+
+    Prefix index for other strategies (the P/D strategy uses it for its prefill choice):
+
+    * ``prefix_match(req, candidates) -> dict[Endpoint, float]``: each candidate's match
+      percentage, 0..100, of ``req``'s prompt in the prefix-cache index (the very index the
+      ``prefix-cache`` strategy uses; keys are per model). Every candidate is in the answer (0 when
+      it holds nothing); ``{}`` before ``default_registry`` wired the index.
+    * ``prefix_insert(req, endpoint)``: record that ``endpoint`` now holds ``req``'s prompt (call it
+      for the endpoint that will prefill). No-op before wiring.
+    * ``prefix_stats() -> dict[str, int]``: ``blocks`` (index size), ``capacity``, ``entries``
+      (block-endpoint pairs), ``evictions`` (blocks dropped for capacity or idleness, cumulative);
+      for a gauge. ``{}`` before wiring.
+
+    Both calls hash the prompt once per request: the hash chain of the last request seen is
+    kept, so ``prefix_match`` followed by ``prefix_insert`` (or a weighted list holding
+    ``prefix-cache``) hashes once.
+    """
 
     rng: random.Random = field(default_factory=random.Random)
     metrics_max_age_s: float = 10.0
@@ -41,6 +95,17 @@ class RouterContext:
     on_fallback: Callable[[str, str], None] = lambda strategy, reason: None
     # P/D settings for a model (a gateway.config.PDConfig); routers read attributes only
     pd_settings: Callable[[str], Any] | None = None
+    # the ``routing:`` config block (gateway.config.RoutingConfig) or None; read via ``settings``
+    routing: Any = None
+    # monotonic seconds; tests inject a fake clock
+    clock: Callable[[], float] = time.monotonic
+    prefix_match: Callable[[InferenceRequest, Sequence[Endpoint]], dict[Endpoint, float]] = _no_prefix_match
+    prefix_insert: Callable[[InferenceRequest, Endpoint], None] = _no_prefix_insert
+    prefix_stats: Callable[[], dict[str, int]] = dict
+
+    @property
+    def settings(self) -> RoutingSettings:
+        return RoutingSettings.from_object(self.routing)
 
 
 @runtime_checkable

@@ -20,8 +20,13 @@ from collections.abc import Callable, Collection, Sequence
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.base import Router, RouterContext, ScoringRouter
+from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
 from routers.pd import PDRouter
+from routers.power_of_two import PowerOfTwoRouter
+from routers.prefix_cache import PrefixCacheRouter, PrefixIndex
+from routers.session import SessionAffinityRouter
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
+from routers.vtc import VTCRouter
 
 MAX_WEIGHT = 1_000_000
 # Distinct strategy strings cached per registry. The header is client-controlled, so the cache is
@@ -261,4 +266,16 @@ def default_registry(ctx: RouterContext) -> RouterRegistry:
     reg.register("round-robin", RoundRobinRouter, scoring=False)
     reg.register("least-request", LeastRequestRouter, scoring=True)
     reg.register("pd", PDRouter, scoring=False)
+    reg.register("power-of-two", PowerOfTwoRouter, scoring=False)
+    reg.register("least-kv-cache", LeastKVCacheRouter, scoring=True)
+    reg.register("least-waiting", LeastWaitingRouter, scoring=True)
+    reg.register("throughput", ThroughputRouter, scoring=True)
+    reg.register("least-latency", LeastLatencyRouter, scoring=True)
+    # one prefix index per gateway, shared by the prefix-cache strategy and (through the context)
+    # by other strategies such as pd; wired now so it works even if prefix-cache is never used
+    index = PrefixIndex(ctx.settings, ctx.clock)
+    ctx.prefix_match, ctx.prefix_insert, ctx.prefix_stats = index.match, index.insert, index.stats
+    reg.register("prefix-cache", lambda c: PrefixCacheRouter(c, index), scoring=True)
+    reg.register("session-affinity", SessionAffinityRouter, scoring=True)
+    reg.register("vtc-basic", VTCRouter, scoring=True)
     return reg

@@ -50,6 +50,8 @@ class LeastRequestRouter:
     In-flight is the gateway's own count (charged in the same synchronous step as the decision),
     so it is exact for this replica and needs no scrape. Random tie-breaking keeps replicas of the
     gateway, which do not see each other's counts, from all picking the same first endpoint.
+    With a shared state backend, ``remote_in_flight`` adds the other replicas' counts (published
+    every ``state.sync_interval_s``); the local charge stays exact between syncs.
     """
 
     name = "least-request"
@@ -65,10 +67,10 @@ class LeastRequestRouter:
         # cluster) and costs ~2 us more when none are.
         it = iter(candidates)
         best = next(it)
-        low = best.in_flight
+        low = best.in_flight + best.remote_in_flight
         ties = 1
         for ep in it:
-            n = ep.in_flight
+            n = ep.in_flight + ep.remote_in_flight
             if n < low:
                 best, low, ties = ep, n, 1
             elif n == low:
@@ -77,11 +79,11 @@ class LeastRequestRouter:
             return best
         k = int(self._random() * ties)
         for ep in candidates:
-            if ep.in_flight == low:
+            if ep.in_flight + ep.remote_in_flight == low:
                 if k == 0:
                     return ep
                 k -= 1
         return best     # unreachable unless in_flight changed under us
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
-        return [ep.in_flight for ep in candidates]
+        return [ep.in_flight + ep.remote_in_flight for ep in candidates]

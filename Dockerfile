@@ -1,0 +1,24 @@
+# Switchyard gateway image: `python -m gateway --config /etc/switchyard/config.yaml`.
+# Build: docker build -t switchyard:0.1.0 .
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY gateway ./gateway
+COPY routers ./routers
+COPY handlers ./handlers
+COPY k8s ./k8s
+COPY enginesim ./enginesim
+RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN groupadd --system --gid 10001 switchyard \
+ && useradd --system --uid 10001 --gid switchyard --no-create-home --shell /usr/sbin/nologin switchyard
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+USER 10001:10001
+EXPOSE 8888
+ENTRYPOINT ["python", "-m", "gateway"]
+CMD ["--config", "/etc/switchyard/config.yaml"]

@@ -1,0 +1,150 @@
+"""Keys and users: the configured ones merged with those created at run time (the store).
+
+Keys are never kept in plaintext: a key is known by the hex SHA-256 of its text (its *digest*),
+and shown to operators by an ``id`` (the first 16 hex digits of the digest). Looking a presented
+key up by its digest means the lookup's timing depends only on the digest, which tells an
+attacker nothing about any stored key; the final comparison is constant-time anyway.
+
+Users: a store record wins over ``limits.users`` in the config (so an operator can change a
+configured user's limits at run time, and deleting the store record falls back to the config);
+users with neither get ``limits.default_user`` (each with their own counters), else no limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import AuthConfig, LimitsConfig, UserLimits
+
+KEY_PREFIX = "sk-sy-"
+USER_NAME = re.compile(r"[A-Za-z0-9._@:+\-]{1,128}")
+LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent")
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    """A fresh API key: 256 random bits, URL-safe, with a recognisable prefix."""
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def bearer_token(header: str | None) -> str | None:
+    """The token of ``Authorization: Bearer <token>`` (scheme case-insensitive), else None."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    token = token.strip()
+    return token or None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    digest: str
+    user: str
+    name: str = ""
+    created: float = 0.0
+    source: str = "store"                # config | store
+
+    @property
+    def id(self) -> str:
+        return self.digest[:16]
+
+    def stored(self) -> dict[str, Any]:
+        return {"user": self.user, "name": self.name, "created": self.created}
+
+    def public(self) -> dict[str, Any]:
+        return {"id": self.id, "user": self.user, "name": self.name, "created": self.created,
+                "source": self.source}
+
+    @classmethod
+    def from_stored(cls, digest: str, data: dict[str, Any]) -> KeyRecord:
+        return cls(digest=digest, user=str(data["user"]), name=str(data.get("name") or ""),
+                   created=float(data.get("created") or 0.0))
+
+
+def limits_from_stored(data: dict[str, Any]) -> UserLimits:
+    return UserLimits(**{f: int(data.get(f) or 0) for f in LIMIT_FIELDS})
+
+
+def limits_stored(limits: UserLimits) -> dict[str, int]:
+    return {f: getattr(limits, f) for f in LIMIT_FIELDS}
+
+
+class Directory:
+    """The local view of keys and users. Lookups are dict reads; the store part is replaced as a
+    whole when the backend says it changed (Redis) or edited in place (memory, admin writes)."""
+
+    def __init__(self, auth: AuthConfig, limits: LimitsConfig) -> None:
+        self.config_keys: dict[str, KeyRecord] = {
+            k.key_sha256: KeyRecord(digest=k.key_sha256, user=k.user, name=k.name, source="config")
+            for k in auth.api_keys}
+        self.config_users: dict[str, UserLimits] = dict(limits.users)
+        self.default_user: UserLimits | None = limits.default_user
+        self.store_keys: dict[str, KeyRecord] = {}
+        self.store_users: dict[str, UserLimits] = {}
+
+    # -- hot path ----------------------------------------------------------------------------
+
+    def key(self, digest: str) -> KeyRecord | None:
+        rec = self.config_keys.get(digest) or self.store_keys.get(digest)
+        if rec is None or not hmac.compare_digest(rec.digest, digest):
+            return None
+        return rec
+
+    def limits_for(self, user: str | None) -> UserLimits | None:
+        """The user's effective limits, or None when nothing limits them."""
+        if user is None:
+            return None
+        lim = self.store_users.get(user) or self.config_users.get(user) or self.default_user
+        return lim if lim is not None and lim.any else None
+
+    # -- store mirror ------------------------------------------------------------------------
+
+    def replace_store(self, users: dict[str, UserLimits], keys: dict[str, KeyRecord]) -> None:
+        self.store_users = users
+        self.store_keys = keys
+
+    # -- admin views -------------------------------------------------------------------------
+
+    def user_source(self, name: str) -> str | None:
+        if name in self.store_users:
+            return "store"
+        if name in self.config_users:
+            return "config"
+        return None
+
+    def user_view(self, name: str) -> dict[str, Any] | None:
+        src = self.user_source(name)
+        if src is None:
+            return None
+        lim = self.store_users[name] if src == "store" else self.config_users[name]
+        return {"name": name, **limits_stored(lim), "source": src,
+                "overrides_config": src == "store" and name in self.config_users}
+
+    def users(self) -> list[dict[str, Any]]:
+        names = sorted(set(self.config_users) | set(self.store_users))
+        return [v for n in names if (v := self.user_view(n)) is not None]
+
+    def keys(self, user: str | None = None) -> list[KeyRecord]:
+        out = list(self.config_keys.values()) + [k for d, k in self.store_keys.items() if d not in self.config_keys]
+        return sorted((k for k in out if user is None or k.user == user), key=lambda k: (k.user, k.created, k.id))
+
+    def key_by_id(self, key_id: str) -> KeyRecord | None:
+        for k in self.keys():
+            if k.id == key_id:
+                return k
+        return None
+
+
+def now() -> float:
+    return round(time.time(), 3)

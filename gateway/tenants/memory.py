@@ -1,0 +1,141 @@
+"""The in-memory state backend: one replica, no I/O, the default.
+
+Same semantics as the Redis backend (``redis_state``), so tests of either describe both: windows
+start at their first hit, checks read everything and charge only when all pass. Nothing here
+awaits, so a check-and-charge cannot interleave with another request's.
+
+Expired windows are dropped when touched and swept every ``SWEEP_S``, so the table stays bounded
+by the number of users active in the last minute (users may be client-chosen when auth is off).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from gateway.config import UserLimits
+from gateway.tenants.directory import KeyRecord
+from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
+
+SWEEP_S = 10.0
+
+
+class MemoryState:
+    remote = False
+    up = True
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._windows: dict[tuple[str, str], list] = {}     # (kind, name) → [count, expires_at]
+        self._concurrent: dict[str, int] = {}
+        self._next_sweep = clock() + SWEEP_S
+        self.users: dict[str, UserLimits] = {}
+        self.keys: dict[str, KeyRecord] = {}
+        self.version = 0
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    # -- counters ----------------------------------------------------------------------------
+
+    def _read(self, kind: str, name: str, now: float) -> tuple[int, int]:
+        w = self._windows.get((kind, name))
+        if w is None:
+            return 0, 0
+        if w[1] <= now:
+            del self._windows[(kind, name)]
+            return 0, 0
+        return w[0], int((w[1] - now) * 1000)
+
+    def _add(self, kind: str, name: str, n: int, window_ms: int, now: float) -> tuple[int, int]:
+        w = self._windows.get((kind, name))
+        if w is None or w[1] <= now:
+            w = self._windows[(kind, name)] = [0, now + window_ms / 1000]
+        w[0] += n
+        return w[0], int((w[1] - now) * 1000)
+
+    def _sweep(self, now: float) -> None:
+        self._next_sweep = now + SWEEP_S
+        for k in [k for k, w in self._windows.items() if w[1] <= now]:
+            del self._windows[k]
+
+    async def admit(self, q: AdmitQuery) -> AdmitResult:
+        now = self._clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        lim, user = q.limits, q.user or ""
+        r = AdmitResult()
+        rpm = lim.rpm if lim else 0
+        tpm = lim.tpm if lim else 0
+        conc = lim.max_concurrent if lim else 0
+        if rpm:
+            r.requests, r.requests_reset_ms = self._read("rpm", user, now)
+        if tpm:
+            r.tokens, r.tokens_reset_ms = self._read("tpm", user, now)
+        if q.model_rps:
+            r.model_requests, r.model_reset_ms = self._read("rps", q.model, now)
+        if conc:
+            r.concurrent = self._concurrent.get(user, 0)
+        if q.model_rps and r.model_requests >= q.model_rps:
+            r.reason = "model_rps"
+        elif rpm and r.requests >= rpm:
+            r.reason = "rpm"
+        elif tpm and r.tokens >= tpm:
+            r.reason = "tpm"
+        elif conc and r.concurrent >= conc:
+            r.reason = "concurrency"
+        else:
+            if rpm:
+                r.requests, r.requests_reset_ms = self._add("rpm", user, 1, USER_WINDOW_MS, now)
+            if q.model_rps:
+                r.model_requests, r.model_reset_ms = self._add("rps", q.model, 1, MODEL_WINDOW_MS, now)
+            if conc:
+                r.concurrent = self._concurrent[user] = r.concurrent + 1
+                r.acquired = True
+        return r
+
+    def settle(self, user: str, tokens: int, release: bool) -> None:
+        if tokens > 0:
+            self._add("tpm", user, tokens, USER_WINDOW_MS, self._clock())
+        if release:
+            n = self._concurrent.get(user, 0) - 1
+            if n > 0:
+                self._concurrent[user] = n
+            else:
+                self._concurrent.pop(user, None)
+
+    async def usage(self, user: str) -> dict[str, int]:
+        now = self._clock()
+        req, req_reset = self._read("rpm", user, now)
+        tok, tok_reset = self._read("tpm", user, now)
+        return {"requests": req, "requests_reset_ms": req_reset, "tokens": tok, "tokens_reset_ms": tok_reset,
+                "concurrent": self._concurrent.get(user, 0)}
+
+    # -- directory store ---------------------------------------------------------------------
+
+    async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord]]:
+        return str(self.version), dict(self.users), dict(self.keys)
+
+    async def get_key(self, digest: str) -> KeyRecord | None:
+        return self.keys.get(digest)
+
+    async def put_user(self, name: str, limits: UserLimits) -> None:
+        self.users[name] = limits
+        self.version += 1
+
+    async def delete_user(self, name: str, digests: list[str]) -> None:
+        self.users.pop(name, None)
+        for d in digests:
+            self.keys.pop(d, None)
+        self.version += 1
+
+    async def put_key(self, rec: KeyRecord) -> None:
+        self.keys[rec.digest] = rec
+        self.version += 1
+
+    async def delete_key(self, digest: str) -> None:
+        self.keys.pop(digest, None)
+        self.version += 1

@@ -1,0 +1,467 @@
+"""The Redis state backend: counters and the key/user store shared by every gateway replica.
+
+Hot path: one ``EVALSHA`` per limited request (``ADMIT``: read every window, charge them only if
+all pass, atomically). Tokens and the concurrency slot are settled after the answer by another
+script, off the client's path. Nothing is ever awaited without a bound: every call has the
+socket timeouts of ``state.timeout_s`` and no client-side retries.
+
+Availability: the first failed call marks the backend *down*; while down, the hot path does not
+touch Redis at all (the caller applies ``state.failure_policy`` at once), and only the periodic
+sync probes it, with exponential backoff. The first successful sync marks it *up* again.
+
+Keys (``P`` = ``state.key_prefix``), all with an expiry except the directory:
+``P:rpm:<user>``, ``P:tpm:<user>``, ``P:rps:<model>`` windows (PEXPIRE at first hit);
+``P:conc:<user>`` hash replica id → requests in flight (entries of replicas that stopped
+heartbeating are dropped by the next check); ``P:replicas`` zset replica id → last heartbeat
+(Redis server time, so replica clocks do not matter); ``P:inflight:<replica>`` hash endpoint →
+in-flight (TTL ``replica_ttl_s``); ``P:users``, ``P:keys`` (SHA-256 digest → record) and
+``P:version`` (bumped on every directory write, so replicas reload their mirror).
+
+Standalone Redis (or a primary with replicas) only: the scripts touch keys they compute, which
+Redis Cluster does not allow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+
+import orjson
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from gateway.config import StateConfig, UserLimits
+from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
+from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
+
+log = structlog.get_logger("switchyard.tenancy")
+
+ADMIT = """
+-- KEYS: 1 rpm window, 2 tpm window, 3 concurrency hash, 4 model rps window, 5 replicas zset
+-- ARGV: 1 rpm, 2 tpm, 3 max_concurrent, 4 rps, 5 replica id, 6 replica ttl ms, 7 user window ms,
+--       8 model window ms
+local rpm, tpm, conc, rps = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local win, mwin = tonumber(ARGV[7]), tonumber(ARGV[8])
+
+local function window(key, limit, w)
+  if limit <= 0 then return 0, 0 end
+  local n = tonumber(redis.call('GET', key) or '0')
+  if n == 0 then return 0, 0 end
+  local ttl = redis.call('PTTL', key)
+  if ttl < 0 then redis.call('PEXPIRE', key, w); ttl = w end
+  return n, ttl
+end
+
+local function bump(key, w)
+  local n = redis.call('INCR', key)
+  local ttl = redis.call('PTTL', key)
+  if ttl < 0 then redis.call('PEXPIRE', key, w); ttl = w end
+  return n, ttl
+end
+
+local rn, rt = window(KEYS[1], rpm, win)
+local tn, tt = window(KEYS[2], tpm, win)
+local mn, mt = window(KEYS[4], rps, mwin)
+local cn = 0
+if conc > 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local oldest = now - tonumber(ARGV[6])
+  local h = redis.call('HGETALL', KEYS[3])
+  for i = 1, #h, 2 do
+    local alive = h[i] == ARGV[5]
+    if not alive then
+      local s = redis.call('ZSCORE', KEYS[5], h[i])
+      alive = s and tonumber(s) >= oldest
+    end
+    if alive then cn = cn + tonumber(h[i + 1]) else redis.call('HDEL', KEYS[3], h[i]) end
+  end
+end
+local reason = ''
+if rps > 0 and mn >= rps then reason = 'model_rps'
+elseif rpm > 0 and rn >= rpm then reason = 'rpm'
+elseif tpm > 0 and tn >= tpm then reason = 'tpm'
+elseif conc > 0 and cn >= conc then reason = 'concurrency' end
+local acquired = 0
+if reason == '' then
+  if rpm > 0 then rn, rt = bump(KEYS[1], win) end
+  if rps > 0 then mn, mt = bump(KEYS[4], mwin) end
+  if conc > 0 then
+    redis.call('HINCRBY', KEYS[3], ARGV[5], 1)
+    redis.call('PEXPIRE', KEYS[3], 86400000)
+    cn = cn + 1
+    acquired = 1
+  end
+end
+return {reason, rn, rt, tn, tt, cn, mn, mt, acquired}
+"""
+
+SETTLE = """
+-- KEYS: 1 tpm window, 2 concurrency hash; ARGV: 1 tokens, 2 window ms, 3 replica id, 4 release (1/0)
+local tokens = tonumber(ARGV[1])
+if tokens > 0 then
+  redis.call('INCRBY', KEYS[1], tokens)
+  if redis.call('PTTL', KEYS[1]) < 0 then redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+end
+if ARGV[4] == '1' then
+  if redis.call('HINCRBY', KEYS[2], ARGV[3], -1) <= 0 then redis.call('HDEL', KEYS[2], ARGV[3]) end
+end
+return 1
+"""
+
+SYNC = """
+-- KEYS: 1 replicas zset, 2 this replica's in-flight hash, 3 directory version
+-- ARGV: 1 replica id, 2 replica ttl ms, 3 in-flight key prefix, 4 share (1/0), 5.. endpoint, count pairs
+-- Returns {version, endpoint, others' sum, ...}
+local rid, ttl = ARGV[1], tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, rid)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
+redis.call('PEXPIRE', KEYS[1], 86400000)
+local out = {redis.call('GET', KEYS[3]) or '0'}
+if ARGV[4] == '1' then
+  redis.call('DEL', KEYS[2])
+  if #ARGV > 4 then
+    redis.call('HSET', KEYS[2], unpack(ARGV, 5))
+    redis.call('PEXPIRE', KEYS[2], ttl)
+  end
+  local sums = {}
+  for _, r in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    if r ~= rid then
+      local h = redis.call('HGETALL', ARGV[3] .. r)
+      for i = 1, #h, 2 do sums[h[i]] = (sums[h[i]] or 0) + tonumber(h[i + 1]) end
+    end
+  end
+  for k, v in pairs(sums) do out[#out + 1] = k; out[#out + 1] = tostring(v) end
+end
+return out
+"""
+
+# transport failures mark the backend down; anything else is a bug in a call, not an outage
+_TRANSPORT = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+
+
+class StateUnavailable(Exception):
+    """The shared state could not be reached (or is marked down); the caller applies the policy."""
+
+
+def default_replica_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class RedisState:
+    remote = True
+
+    def __init__(self, cfg: StateConfig, replica_id: str | None = None,
+                 on_transition: Callable[[bool, str], None] | None = None) -> None:
+        assert cfg.redis_url is not None
+        self.cfg = cfg
+        self.replica_id = replica_id or cfg.replica_id or default_replica_id()
+        self.timeout = cfg.timeout_s
+        kw: dict = {}
+        if cfg.tls_ca_file:
+            kw["ssl_ca_certs"] = cfg.tls_ca_file
+        if cfg.password is not None:
+            kw["password"] = cfg.password
+        self.client = aioredis.Redis.from_url(
+            cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
+            decode_responses=False, **kw)
+        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE)}
+        self._sync = self.client.register_script(SYNC)
+        self._ttl_ms = int(cfg.replica_ttl_s * 1000)
+        p = cfg.key_prefix
+        self.k_replicas = f"{p}:replicas"
+        self.k_inflight_prefix = f"{p}:inflight:"
+        self.k_users, self.k_keys, self.k_version = f"{p}:users", f"{p}:keys", f"{p}:version"
+        self._p = p
+        self.up = False
+        self.last_ok = 0.0                          # monotonic time of the last successful call
+        self._on_transition = on_transition or (lambda up, why: None)
+        self._tasks: set[asyncio.Task] = set()
+        self._queue: list[tuple] = []               # scripts waiting for this loop turn's pipeline
+        self._flush_scheduled = False
+        self.held: dict[str, int] = {}               # concurrency slots this replica holds, by user
+        self._dirty: set[str] = set()                # users whose slot count must be re-published
+
+    # -- availability ------------------------------------------------------------------------
+
+    def _mark(self, up: bool, why: str = "") -> None:
+        if up:
+            self.last_ok = time.monotonic()
+        if up != self.up:
+            self.up = up
+            self._on_transition(up, why)
+
+    async def _call(self, coro, probe: bool = False):
+        """Await one Redis call; a transport failure marks the backend down."""
+        if not self.up and not probe:
+            coro.close()
+            raise StateUnavailable("redis is marked down")
+        try:
+            # belt and braces: the socket timeouts bound each read, this bounds the whole call
+            async with asyncio.timeout(self.timeout * 4):
+                out = await coro
+        except _TRANSPORT as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # the client library can turn a cancellation that raced an I/O error into that
+                # error: never let it swallow the cancel (a stop would wait for ever)
+                raise asyncio.CancelledError from None
+            self._mark(False, f"{type(e).__name__}: {e}")
+            raise StateUnavailable(str(e) or type(e).__name__) from None
+        except RedisError as e:
+            raise StateUnavailable(f"{type(e).__name__}: {e}") from None
+        self._mark(True)
+        return out
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        self._flush()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=self.timeout * 4)
+        for t in list(self._tasks):
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await self.client.aclose()
+
+    # -- auto-pipelining ---------------------------------------------------------------------
+    # Scripts called in the same event-loop turn (a burst of admits, the settles of finished
+    # requests) go out as one pipeline: one write, one read, one pooled connection. Alone, a call
+    # costs one loop turn more than a direct call; under load it is what keeps the Redis client's
+    # per-call CPU from dominating the gateway's.
+
+    def _submit(self, script: str, keys: list[str], args: list, orphan: Callable | None = None) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._queue.append((script, keys, args, fut, orphan))
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        batch, self._queue = self._queue, []
+        if batch:
+            t = asyncio.ensure_future(self._send(batch))
+            self._tasks.add(t)
+            t.add_done_callback(self._tasks.discard)
+
+    async def _pipeline(self, batch: list) -> list:
+        results = await self._evalsha_all([(b[0], b[1], b[2]) for b in batch])
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:     # Redis restarted or flushed its scripts: load them and send those again
+            for src in self._sha:
+                await self.client.script_load(src)
+            again = await self._evalsha_all([(batch[i][0], batch[i][1], batch[i][2]) for i in missing])
+            for i, r in zip(missing, again, strict=True):
+                results[i] = r
+        return results
+
+    async def _evalsha_all(self, calls: list[tuple[str, list[str], list]]) -> list:
+        if len(calls) == 1:             # alone: a plain command is cheaper than a pipeline of one
+            script, keys, args = calls[0]
+            try:
+                return [await self.client.execute_command("EVALSHA", self._sha[script], len(keys), *keys, *args)]
+            except ResponseError as e:
+                return [e]
+        pipe = self.client.pipeline(transaction=False)
+        for script, keys, args in calls:
+            pipe.execute_command("EVALSHA", self._sha[script], len(keys), *keys, *args)
+        return await pipe.execute(raise_on_error=False)
+
+    async def _send(self, batch: list) -> None:
+        try:
+            results = await self._call(self._pipeline(batch), probe=True)
+        except StateUnavailable as e:
+            for *_, fut, _orphan in batch:
+                if not fut.done():
+                    fut.set_exception(e)
+            return
+        except asyncio.CancelledError:
+            for *_, fut, _orphan in batch:
+                fut.cancel()
+            raise
+        except Exception as e:        # a bug must not leave requests waiting for ever
+            log.exception("redis pipeline failed")
+            for *_, fut, _orphan in batch:
+                if not fut.done():
+                    fut.set_exception(StateUnavailable(f"{type(e).__name__}: {e}"))
+            return
+        for (_s, _k, _a, fut, orphan), r in zip(batch, results, strict=True):
+            if fut.done():                  # its request went away while we waited
+                if orphan is not None and not isinstance(r, Exception):
+                    orphan(r)
+            elif isinstance(r, Exception):
+                fut.set_exception(StateUnavailable(f"{type(r).__name__}: {r}"))
+            else:
+                fut.set_result(r)
+
+    # -- counters ----------------------------------------------------------------------------
+
+    def _user_keys(self, user: str) -> tuple[str, str, str]:
+        p = self._p
+        return f"{p}:rpm:{user}", f"{p}:tpm:{user}", f"{p}:conc:{user}"
+
+    async def admit(self, q: AdmitQuery) -> AdmitResult:
+        if not self.up:
+            raise StateUnavailable("redis is marked down")
+        lim = q.limits
+        user = q.user or ""
+        k_rpm, k_tpm, k_conc = self._user_keys(user)
+        args = [lim.rpm if lim else 0, lim.tpm if lim else 0, lim.max_concurrent if lim else 0, q.model_rps,
+                self.replica_id, self._ttl_ms, USER_WINDOW_MS, MODEL_WINDOW_MS]
+        out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas], args,
+                                 orphan=functools.partial(self._orphan_admit, user))
+        reason = out[0].decode() if out[0] else None
+        r = AdmitResult(reason=reason, requests=int(out[1]), requests_reset_ms=int(out[2]), tokens=int(out[3]),
+                        tokens_reset_ms=int(out[4]), concurrent=int(out[5]), model_requests=int(out[6]),
+                        model_reset_ms=int(out[7]), acquired=bool(out[8]))
+        if r.acquired:
+            self.held[user] = self.held.get(user, 0) + 1
+        return r
+
+    def _orphan_admit(self, user: str, out: list) -> None:
+        """The request left while its check was in flight: give back the slot it may have taken."""
+        if out[8]:
+            self._settle(user, 0, True)
+
+    def settle(self, user: str, tokens: int, release: bool) -> None:
+        """Charge tokens and release a slot in the background: the answer is already on its way."""
+        if release:
+            n = self.held.get(user, 0) - 1
+            if n > 0:
+                self.held[user] = n
+            else:
+                self.held.pop(user, None)
+        self._settle(user, tokens, release)
+
+    def _settle(self, user: str, tokens: int, release: bool) -> None:
+        if not self.up:
+            self._settle_failed(user, tokens, release)
+            return
+        _, k_tpm, k_conc = self._user_keys(user)
+        fut = self._submit(SETTLE, [k_tpm, k_conc], [tokens, USER_WINDOW_MS, self.replica_id, 1 if release else 0])
+        fut.add_done_callback(functools.partial(self._settled, user, tokens, release))
+
+    def _settled(self, user: str, tokens: int, release: bool, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self._settle_failed(user, tokens, release)
+
+    def _settle_failed(self, user: str, tokens: int, release: bool) -> None:
+        if release:
+            self._dirty.add(user)           # the next good sync publishes the exact count
+        if tokens:
+            log.warning("tokens not charged: shared state unreachable", user=user, tokens=tokens)
+
+    async def _repair(self) -> None:
+        """Re-publish this replica's exact slot count for users whose release did not land."""
+        while self._dirty:
+            user = self._dirty.pop()
+            _, _, k_conc = self._user_keys(user)
+            n = self.held.get(user, 0)
+            try:
+                if n > 0:
+                    await self._call(self.client.hset(k_conc, self.replica_id, n), probe=True)
+                else:
+                    await self._call(self.client.hdel(k_conc, self.replica_id), probe=True)
+            except StateUnavailable:
+                self._dirty.add(user)
+                raise
+
+    async def usage(self, user: str) -> dict[str, int]:
+        k_rpm, k_tpm, k_conc = self._user_keys(user)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.get(k_rpm).pttl(k_rpm).get(k_tpm).pttl(k_tpm).hvals(k_conc)
+        req, req_ttl, tok, tok_ttl, conc = await self._call(pipe.execute())
+        return {"requests": int(req or 0), "requests_reset_ms": max(0, int(req_ttl)) if req else 0,
+                "tokens": int(tok or 0), "tokens_reset_ms": max(0, int(tok_ttl)) if tok else 0,
+                "concurrent": sum(int(v) for v in conc)}
+
+    # -- fleet sync --------------------------------------------------------------------------
+
+    async def sync(self, in_flight: dict[str, int] | None) -> tuple[str, dict[str, int]]:
+        """Heartbeat, publish this replica's per-endpoint in-flight counts and read the others'
+        sums and the directory version, in one round trip. Doubles as the reconnect probe."""
+        flat: list = []
+        for k, v in (in_flight or {}).items():
+            flat += (k, v)
+        out = await self._call(self._sync(
+            keys=[self.k_replicas, self.k_inflight_prefix + self.replica_id, self.k_version],
+            args=[self.replica_id, self._ttl_ms, self.k_inflight_prefix,
+                  1 if in_flight is not None else 0, *flat]), probe=True)
+        version = out[0].decode()
+        remote = {out[i].decode(): int(out[i + 1]) for i in range(1, len(out) - 1, 2)}
+        if self._dirty:
+            await self._repair()
+        return version, remote
+
+    async def leave(self) -> None:
+        """On shutdown: stop counting in the others' view at once instead of after the TTL."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zrem(self.k_replicas, self.replica_id).delete(self.k_inflight_prefix + self.replica_id)
+        with contextlib.suppress(StateUnavailable):
+            await self._call(pipe.execute())
+
+    # -- directory store ---------------------------------------------------------------------
+
+    async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord]]:
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(self.k_version).hgetall(self.k_users).hgetall(self.k_keys)
+        version, users_raw, keys_raw = await self._call(pipe.execute(), probe=True)
+        users, keys = {}, {}
+        for name, data in users_raw.items():
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                users[name.decode()] = limits_from_stored(orjson.loads(data))
+        for digest, data in keys_raw.items():
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                d = digest.decode()
+                keys[d] = KeyRecord.from_stored(d, orjson.loads(data))
+        return (version or b"0").decode(), users, keys
+
+    async def get_key(self, digest: str) -> KeyRecord | None:
+        data = await self._call(self.client.hget(self.k_keys, digest))
+        if data is None:
+            return None
+        try:
+            return KeyRecord.from_stored(digest, orjson.loads(data))
+        except (ValueError, TypeError, KeyError):
+            return None
+
+    async def _write(self, *ops) -> None:
+        pipe = self.client.pipeline(transaction=True)
+        for name, *args in ops:
+            getattr(pipe, name)(*args)
+        pipe.incr(self.k_version)
+        await self._call(pipe.execute())
+
+    async def put_user(self, name: str, limits: UserLimits) -> None:
+        await self._write(("hset", self.k_users, name, orjson.dumps(limits_stored(limits))))
+
+    async def delete_user(self, name: str, digests: list[str]) -> None:
+        ops = [("hdel", self.k_users, name)]
+        if digests:
+            ops.append(("hdel", self.k_keys, *digests))
+        await self._write(*ops)
+
+    async def put_key(self, rec: KeyRecord) -> None:
+        await self._write(("hset", self.k_keys, rec.digest, orjson.dumps(rec.stored())))
+
+    async def delete_key(self, digest: str) -> None:
+        await self._write(("hdel", self.k_keys, digest))

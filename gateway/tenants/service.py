@@ -1,0 +1,318 @@
+"""The pipeline's view of tenancy: ``authenticate`` → ``admit`` → ``settle``.
+
+``Gateway.handle`` calls three hooks, and nothing else of this module:
+
+- ``authenticate(request, rec)`` right after the draining check, before the body is read: with
+  auth on, a missing or unknown bearer key is a 401 before the gateway spends anything on the
+  request. Returns the request's ``Ticket`` (also kept in ``request[TICKET]``).
+- ``admit(ticket, ireq, rec)`` once the model is known and has ready endpoints, before routing:
+  fixes the user identity routers see, then checks model RPS and the user's RPM/TPM/concurrency
+  (at most one Redis round trip), raising the 429.
+- ``settle(ticket, rec)`` in the handler's ``finally``: charges the tokens the engine reported
+  (streams included: the gateway always asks engines for usage) and releases the concurrency
+  slot, exactly once per request.
+
+``on_response_prepare`` (an aiohttp signal) adds the ``x-ratelimit-*`` headers to whatever answer
+the request gets — a relayed stream, a body or an error — without touching the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+from prometheus_client import Counter, Gauge, Histogram
+
+from gateway.config import Config, UserLimits
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.errors import GatewayError
+from gateway.metrics import ROUTING_BUCKETS
+from gateway.tenants.directory import Directory, KeyRecord, bearer_token, key_digest
+from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
+from gateway.tenants.memory import MemoryState
+from gateway.tenants.redis_state import RedisState, StateUnavailable
+
+if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
+    from gateway.pipeline import RequestRecord
+    from gateway.request import InferenceRequest
+
+log = structlog.get_logger("switchyard.tenancy")
+
+MAX_BACKOFF_S = 2.0
+MAX_UNKNOWN_KEYS = 10_000
+FAIL_OPEN_LOG_EVERY_S = 10.0
+
+
+@dataclass(slots=True)
+class Ticket:
+    """One request's tenancy state, from authentication to settlement."""
+
+    user: str | None = None
+    key_id: str | None = None
+    limits: UserLimits | None = None
+    held: bool = False                   # holds a concurrency slot in the state backend
+    headers: dict[str, str] | None = None
+    est_tokens: int = 0                  # prompt estimate, charged if the usage never arrives
+
+
+TICKET = web.RequestKey("tenancy_ticket", Ticket)
+
+
+class TenancyMetrics:
+    def __init__(self, registry) -> None:
+        r = registry
+        self.auth_failures = Counter("switchyard_auth_failures", "Requests refused by API-key auth",
+                                     ["reason"], registry=r)
+        self.rate_limited = Counter("switchyard_rate_limited", "Requests refused with 429 by a limit",
+                                    ["model", "limit"], registry=r)
+        self.state_up = Gauge("switchyard_state_up", "1 when the shared state backend is reachable",
+                              registry=r)
+        self.unavailable = Counter("switchyard_state_unavailable",
+                                   "Requests that met an unreachable shared state (served if the policy is "
+                                   "open, 503 if closed)", ["policy"], registry=r)
+        self.latency = Histogram("switchyard_state_admit_seconds",
+                                 "Time of the limit check (one Redis round trip with the Redis backend)",
+                                 buckets=ROUTING_BUCKETS, registry=r)
+
+
+def endpoint_key(ep: Endpoint) -> str:
+    """How replicas name an endpoint to each other: same config or discovery → same string."""
+    return f"{ep.model}|{ep.url}"
+
+
+class Tenancy:
+    def __init__(self, config: Config, metrics: GatewayMetrics, pool: EndpointPool,
+                 state: MemoryState | RedisState | None = None) -> None:
+        self.config = config
+        self.cfg = config.state
+        self.pool = pool
+        self.auth_on = config.auth.on
+        self.forward_auth = config.auth.forward_authorization
+        self.admin_digest = key_digest(config.auth.admin_token) if config.auth.admin_token else None
+        self.model_rps = {m: lim.rps for m, lim in config.limits.models.items() if lim.rps}
+        self.policy = self.cfg.failure_policy
+        self.directory = Directory(config.auth, config.limits)
+        self.m = TenancyMetrics(metrics.registry)
+        if state is None:
+            state = (RedisState(self.cfg, on_transition=self._on_transition) if self.cfg.redis_url
+                     else MemoryState())
+        self.state = state
+        self.m.state_up.set(1 if state.up else 0)
+        self._version: str | None = None
+        self._unknown: set[str] = set()            # digests the store did not know (until it changes)
+        self._sync_task: asyncio.Task | None = None
+        self._fail_open_count = 0
+        self._fail_open_logged = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.state.start()
+        if not self.state.remote:
+            await self.refresh()
+            return
+        if not await self.sync_once():
+            log.warning("shared state unreachable at start; failure policy applies until it is back",
+                        redis_url=_redact(self.cfg.redis_url), policy=self.policy)
+        self._sync_task = asyncio.create_task(self._sync_loop(), name="tenancy-sync")
+
+    async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            await asyncio.wait([self._sync_task], timeout=max(1.0, self.cfg.timeout_s * 4))
+            self._sync_task = None
+        if isinstance(self.state, RedisState) and self.state.up:
+            await self.state.leave()
+        await self.state.stop()
+
+    def _on_transition(self, up: bool, why: str) -> None:
+        self.m.state_up.set(1 if up else 0)
+        if up:
+            log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url))
+        else:
+            log.warning("shared state unreachable; failure policy applies", policy=self.policy, error=why,
+                        redis_url=_redact(self.cfg.redis_url))
+
+    async def refresh(self) -> None:
+        """Reload the store's users and keys into the local directory."""
+        version, users, keys = await self.state.load_directory()
+        self.directory.replace_store(users, keys)
+        self._version = version
+        self._unknown.clear()
+
+    async def _sync_loop(self) -> None:
+        interval = self.cfg.sync_interval_s
+        delay = interval
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                ok = await self.sync_once()
+            except Exception:   # never let the loop die: the fleet view would silently freeze
+                log.exception("tenancy sync failed")
+                ok = False
+            delay = interval if ok else min(MAX_BACKOFF_S, max(interval, delay * 2))
+
+    async def sync_once(self) -> bool:
+        """One heartbeat: publish local in-flight, read the others', reload the directory if it
+        changed. Also the reconnect probe while the backend is down."""
+        state = self.state
+        assert isinstance(state, RedisState)
+        share = self.cfg.share_in_flight
+        published = ({endpoint_key(ep): ep.in_flight for ep in self.pool.endpoints() if ep.in_flight > 0}
+                      if share else None)
+        try:
+            version, remote = await state.sync(published)
+            if version != self._version:
+                await self.refresh()
+        except StateUnavailable:
+            if share and time.monotonic() - state.last_ok > self.cfg.replica_ttl_s:
+                self._apply_remote({})      # the others' counts are stale by now
+            return False
+        if share:
+            self._apply_remote(remote)
+        return True
+
+    def _apply_remote(self, remote: dict[str, int]) -> None:
+        for ep in self.pool.endpoints():
+            ep.remote_in_flight = remote.get(endpoint_key(ep), 0)
+
+    # -- hook 1: authenticate ----------------------------------------------------------------
+
+    async def authenticate(self, request: web.Request, rec: RequestRecord | None) -> Ticket:
+        t = Ticket()
+        request[TICKET] = t
+        if not self.auth_on:
+            return t
+        token = bearer_token(request.headers.get("Authorization"))
+        if token is None:
+            self.m.auth_failures.labels("missing").inc()
+            raise _auth_error("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        digest = key_digest(token)
+        key = self.directory.key(digest)
+        if key is None and self.state.remote:
+            key = await self._lookup_remote(digest)
+        if key is None:
+            self.m.auth_failures.labels("invalid").inc()
+            raise _auth_error("Incorrect API key provided.")
+        t.user, t.key_id = key.user, key.id
+        return t
+
+    async def _lookup_remote(self, digest: str) -> KeyRecord | None:
+        """A key created on another replica in the last sync interval is not mirrored yet."""
+        if digest in self._unknown:
+            return None
+        try:
+            key = await self.state.get_key(digest)
+        except StateUnavailable:
+            self.m.auth_failures.labels("state_unavailable").inc()
+            raise GatewayError(503, "the API key cannot be verified: the shared state is unreachable",
+                               code="service_unavailable", headers={"Retry-After": "1"},
+                               header=("x-error-state-unavailable", "true"), error_class="state_unavailable") from None
+        if key is None:
+            if len(self._unknown) >= MAX_UNKNOWN_KEYS:
+                self._unknown.clear()
+            self._unknown.add(digest)
+            return None
+        self.directory.store_keys[digest] = key
+        return key
+
+    # -- hook 2: admit -----------------------------------------------------------------------
+
+    async def admit(self, t: Ticket, ireq: InferenceRequest, rec: RequestRecord) -> None:
+        if self.auth_on:
+            # the key decides who is calling: a `user` header or body field cannot impersonate
+            ireq.user = t.user
+            ireq.headers = self._engine_headers(ireq.headers, t.user)
+        else:
+            t.user = ireq.user
+        limits = self.directory.limits_for(t.user)
+        rps = self.model_rps.get(ireq.model, 0)
+        if limits is None and not rps:
+            return
+        t.limits = limits
+        t.est_tokens = ireq.prompt_tokens_est
+        q = AdmitQuery(t.user, limits, ireq.model, rps)
+        started = time.perf_counter()
+        try:
+            r = await self.state.admit(q)
+        except StateUnavailable:
+            self._unavailable()
+            return
+        self.m.latency.observe(time.perf_counter() - started)
+        t.held = r.acquired
+        if limits is not None:
+            t.headers = rate_headers(limits, r)
+        if r.reason is not None:
+            self.m.rate_limited.labels(ireq.model, r.reason).inc()
+            raise rejection(q, r, t.headers or {})
+
+    def _unavailable(self) -> None:
+        self.m.unavailable.labels(self.policy).inc()
+        if self.policy == "closed":
+            raise GatewayError(503, "rate limits cannot be checked: the shared state is unreachable",
+                               code="service_unavailable", headers={"Retry-After": "1"},
+                               header=("x-error-state-unavailable", "true"), error_class="state_unavailable")
+        self._fail_open_count += 1
+        now = time.monotonic()
+        if now - self._fail_open_logged >= FAIL_OPEN_LOG_EVERY_S:
+            log.warning("serving without rate limits: shared state unreachable (failure_policy: open)",
+                        requests=self._fail_open_count)
+            self._fail_open_logged, self._fail_open_count = now, 0
+
+    def _engine_headers(self, headers, user: str | None) -> dict[str, str]:
+        out = {k: v for k, v in headers.items()
+               if (lk := k.lower()) != "user" and (self.forward_auth or lk != "authorization")}
+        if user is not None:
+            out["user"] = user
+        return out
+
+    # -- hook 3: settle ----------------------------------------------------------------------
+
+    def settle(self, t: Ticket, rec: RequestRecord) -> None:
+        lim = t.limits
+        if lim is None:
+            return
+        tokens = 0
+        if lim.tpm:
+            if rec.prompt_tokens is not None or rec.completion_tokens is not None:
+                tokens = (rec.prompt_tokens or 0) + (rec.completion_tokens or 0)
+            elif rec.endpoint and rec.status in (200, 499):
+                # the engine worked but no usage came back (client left mid-stream): charge the
+                # prompt estimate rather than nothing, so cancelling is not a way around TPM
+                tokens = t.est_tokens
+        release, t.held = t.held, False
+        if tokens or release:
+            self.state.settle(t.user or "", tokens, release)
+
+    # -- response headers --------------------------------------------------------------------
+
+    async def on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        t = request.get(TICKET)
+        if t is not None and t.headers:
+            for k, v in t.headers.items():
+                response.headers.setdefault(k, v)
+
+
+def _auth_error(message: str) -> GatewayError:
+    return GatewayError(401, message, code="invalid_api_key", param="api_key",
+                        headers={"WWW-Authenticate": "Bearer"}, error_class="auth")
+
+
+def _redact(url: str | None) -> str | None:
+    if not url or "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
+def build_tenancy(config: Config, metrics: GatewayMetrics, pool: EndpointPool) -> Tenancy | None:
+    """None when nothing is configured: the pipeline then skips every hook."""
+    a, lim, st = config.auth, config.limits, config.state
+    if not (a.on or a.admin_token or lim.users or lim.models or lim.default_user or st.redis_url):
+        return None
+    return Tenancy(config, metrics, pool)

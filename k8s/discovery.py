@@ -1,0 +1,312 @@
+"""Kubernetes pod discovery: list + watch Pods with kubernetes-asyncio and keep the endpoint pool
+in step with them.
+
+One loop per namespace (or one for all namespaces) runs the informer pattern by hand:
+
+1. **list** the pods matching the label selector; reconcile the pool with the full list (pods
+   that vanished while we were not watching are removed here) and remember the list's
+   ``resourceVersion``;
+2. **watch** from that resourceVersion with bookmarks, applying ADDED / MODIFIED / DELETED as they
+   come; a watch that ends cleanly (its server-side timeout) is resumed from the last
+   resourceVersion seen, events or bookmarks alike;
+3. **relist** when the watch says 410 Gone (the resourceVersion was compacted away), when the
+   connection breaks or the API errs (after a capped exponential backoff), and every
+   ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
+   swallowed it, a bug), and the periodic full relist is what keeps a deleted pod from staying in
+   rotation for hours.
+
+Every change to the pool is a synchronous step on the event loop, so routing never sees a half
+applied update. A pod that stops being routable (not Ready, terminating) stays in the pool marked
+``draining`` — the model stays known, requests get 503 rather than 404 while pods roll — and
+goes when the pod is deleted; either way requests already on it keep their endpoint and finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import structlog
+
+from gateway.config import ConfigError, KubernetesConfig, ModelConfig
+from gateway.endpoints import Endpoint, EndpointPool
+from k8s.pods import PodView, Skipped, map_pod, pod_key
+
+log = structlog.get_logger("switchyard.k8s")
+
+MAX_BACKOFF_S = 30.0
+LIST_TIMEOUT_S = 60.0
+
+
+class Gone(Exception):
+    """The resourceVersion we hold is too old (HTTP 410 / ERROR event with code 410): relist."""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+async def load_client_configuration(kcfg: KubernetesConfig):
+    """A kubernetes-asyncio ``Configuration`` from ``kubernetes.kubeconfig`` (and ``context``),
+    or from the pod's service account when no kubeconfig is set."""
+    from kubernetes_asyncio import config as kconfig
+    from kubernetes_asyncio.client import Configuration
+
+    cfg = Configuration()
+    if kcfg.kubeconfig:
+        path = os.path.expanduser(kcfg.kubeconfig)
+        if not os.path.isfile(path):
+            raise ConfigError("kubernetes.kubeconfig", f"file not found: {path}")
+        try:
+            await kconfig.load_kube_config(config_file=path, context=kcfg.context,
+                                           client_configuration=cfg, persist_config=False)
+        except (kconfig.ConfigException, ValueError, KeyError, TypeError) as e:
+            raise ConfigError("kubernetes.kubeconfig", f"cannot use {path}: {e}") from None
+    else:
+        try:
+            kconfig.load_incluster_config(client_configuration=cfg)
+        except kconfig.ConfigException as e:
+            raise ConfigError("kubernetes.kubeconfig",
+                              f"not set, and this process has no in-cluster service account ({e})") from None
+    return cfg
+
+
+@dataclass
+class _Tracked:
+    view: PodView
+    ep: Endpoint
+
+
+class KubernetesDiscovery:
+    """Feeds ``pool`` with the pods that ``kcfg`` selects; see the module docstring."""
+
+    def __init__(self, kcfg: KubernetesConfig, pool: EndpointPool,
+                 models: Mapping[str, ModelConfig] | None = None) -> None:
+        self.kcfg = kcfg
+        self.pool = pool
+        self.models = dict(models or {})
+        self.scopes: list[str | None] = list(kcfg.namespaces) or [None]   # None: all namespaces
+        self.stats: Counter[str] = Counter()     # lists, watches, events, bookmarks, gone, errors
+        self.synced = asyncio.Event()            # every scope has completed its first list
+        self._tracked: dict[str, _Tracked] = {}
+        self._skipped: dict[str, str] = {}
+        self._scope_keys: dict[str | None, set[str]] = {s: set() for s in self.scopes}
+        self._listed: set[str | None] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._api_client: Any = None
+        self._core: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the client configuration (a bad kubeconfig fails here, naming the key) and start
+        the loops. Does not wait for the API server: an unreachable one is retried forever."""
+        from kubernetes_asyncio.client import ApiClient, CoreV1Api
+
+        cfg = await load_client_configuration(self.kcfg)
+        self._api_client = ApiClient(configuration=cfg)
+        self._core = CoreV1Api(self._api_client)
+        for scope in self.scopes:
+            self._tasks.append(asyncio.create_task(self._run(scope), name=f"switchyard-k8s-{scope or 'all'}"))
+        log.info("kubernetes discovery started", host=cfg.host, namespaces=self.scopes if self.kcfg.namespaces
+                 else "all", label_selector=self.kcfg.label_selector)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        if self._api_client is not None:
+            await self._api_client.close()
+            self._api_client = None
+
+    async def wait_synced(self, timeout: float) -> bool:
+        try:
+            async with asyncio.timeout(timeout):
+                await self.synced.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    def endpoints(self) -> list[Endpoint]:
+        """The endpoints this discovery currently holds in the pool (routable or not)."""
+        return [t.ep for t in self._tracked.values()]
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def _run(self, scope: str | None) -> None:
+        first = self.kcfg.retry_backoff_s
+        backoff = first
+        while True:
+            try:
+                rv = await self._list(scope)
+                backoff = first
+                await self._watch(scope, rv)
+                self.stats["resyncs"] += 1
+            except asyncio.CancelledError:
+                raise
+            except Gone:
+                self.stats["gone"] += 1
+                log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*")
+            except Exception as e:  # API down, connection broken, a bug: back off, relist
+                self.stats["errors"] += 1
+                delay = backoff * random.uniform(0.8, 1.2)
+                log.warning("kubernetes list/watch failed; relisting", namespace=scope or "*",
+                            error=f"{type(e).__name__}: {e}".strip(), retry_in_s=round(delay, 2))
+                await asyncio.sleep(delay)
+                backoff = min(backoff * 2, max(MAX_BACKOFF_S, first))
+
+    def _call(self, scope: str | None, **kwargs):
+        kwargs["label_selector"] = self.kcfg.label_selector
+        if scope is None:
+            return self._core.list_pod_for_all_namespaces, (), kwargs
+        return self._core.list_namespaced_pod, (scope,), kwargs
+
+    async def _list(self, scope: str | None) -> str:
+        fn, args, kw = self._call(scope, _preload_content=False,
+                                  _request_timeout=aiohttp.ClientTimeout(total=LIST_TIMEOUT_S))
+        resp = await fn(*args, **kw)
+        try:
+            body = await resp.read()
+            status = resp.status
+        finally:
+            resp.release()
+        if status == 410:
+            raise Gone()
+        if status != 200:
+            raise ApiError(status, _status_message(body))
+        data = json.loads(body)
+        self.stats["lists"] += 1
+        self._reconcile(scope, data.get("items") or [])
+        if scope not in self._listed:
+            self._listed.add(scope)
+            if len(self._listed) == len(self.scopes):
+                self.synced.set()
+        return str((data.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def _watch(self, scope: str | None, rv: str) -> None:
+        """Watch from ``rv`` until a relist is due; raises ``Gone`` or the transport's error."""
+        from kubernetes_asyncio.client.exceptions import ApiException
+        from kubernetes_asyncio.watch import Watch
+
+        loop = asyncio.get_running_loop()
+        resync = self.kcfg.resync_interval_s
+        deadline = loop.time() + resync if resync > 0 else float("inf")
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return
+            timeout = max(1, int(min(self.kcfg.watch_timeout_s, remaining)))
+            fn, args, kw = self._call(
+                scope, resource_version=rv, allow_watch_bookmarks=True, timeout_seconds=timeout,
+                # the server ends the watch at `timeout`; a connection that silently died is
+                # given up a little later
+                _request_timeout=aiohttp.ClientTimeout(total=timeout + 15, sock_connect=10))
+            self.stats["watches"] += 1
+            watch = Watch(return_type="object")    # events as plain dicts, as lists are read
+            try:
+                async with watch:
+                    async for event in watch.stream(fn, *args, **kw):
+                        if not isinstance(event, dict) or "type" not in event:
+                            raise ApiError(0, f"unexpected watch line: {str(event)[:200]}")
+                        self._on_event(scope, event["type"], event.get("raw_object") or {})
+                        rv = watch.resource_version or rv
+            except ApiException as e:
+                if e.status == 410:
+                    raise Gone() from None
+                raise ApiError(e.status or 0, str(e.reason)) from None
+
+    # -- applying state ----------------------------------------------------------------------
+
+    def _on_event(self, scope: str | None, etype: str, obj: Mapping[str, Any]) -> None:
+        if etype == "BOOKMARK":
+            self.stats["bookmarks"] += 1
+            return
+        self.stats["events"] += 1
+        key = pod_key(obj)
+        if etype in ("ADDED", "MODIFIED"):
+            self._scope_keys[scope].add(key)
+            self._apply(key, obj)
+        elif etype == "DELETED":
+            self._scope_keys[scope].discard(key)
+            self._skipped.pop(key, None)
+            self._drop(key, "deleted")
+
+    def _reconcile(self, scope: str | None, items: list[Mapping[str, Any]]) -> None:
+        seen: set[str] = set()
+        for obj in items:
+            key = pod_key(obj)
+            seen.add(key)
+            self._apply(key, obj)
+        for key in self._scope_keys[scope] - seen:
+            self._skipped.pop(key, None)
+            self._drop(key, "gone at relist")
+        self._scope_keys[scope] = seen
+
+    def _apply(self, key: str, obj: Mapping[str, Any]) -> None:
+        view = map_pod(obj, self.models, self.kcfg.models)
+        if isinstance(view, Skipped):
+            if self._skipped.get(key) != view.reason:
+                log.info("kubernetes pod not used", pod=key, reason=view.reason)
+            self._skipped[key] = view.reason
+            self._drop(key, view.reason)
+            return
+        self._skipped.pop(key, None)
+        cur = self._tracked.get(key)
+        if cur is not None and cur.view == view:      # same endpoint; maybe readiness changed
+            if cur.view.routable != view.routable:
+                self._set_routable(cur.ep, view)
+            cur.view = view
+            return
+        if cur is not None:
+            self._drop(key, "pod changed")
+        ep = Endpoint(url=view.url, model=view.model, engine=view.engine, role=view.role, roleset=view.roleset,
+                      bootstrap_port=view.bootstrap_port, min_prompt_tokens=view.min_prompt_tokens,
+                      max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=view.name,
+                      extra={"namespace": view.namespace, "pod": view.key, "uid": view.uid,
+                             "metrics_url": view.metrics_url, "routing_strategy": view.routing_strategy})
+        ep.draining = not view.routable
+        self.pool.add(ep)
+        self._tracked[key] = _Tracked(view, ep)
+        log.info("kubernetes endpoint added", pod=key, model=view.model, url=view.url, engine=view.engine,
+                 role=view.role, roleset=view.roleset, routable=view.routable,
+                 reason=view.not_routable_reason or None)
+
+    def _set_routable(self, ep: Endpoint, view: PodView) -> None:
+        if view.routable:
+            # the kubelet's readiness probe passed: trust it over an older failed probe of ours
+            ep.draining = False
+            ep.healthy = True
+            ep.consecutive_failures = 0
+        else:
+            ep.draining = True
+        log.info("kubernetes endpoint routable" if view.routable else "kubernetes endpoint not routable",
+                 pod=view.key, model=view.model, reason=view.not_routable_reason or None)
+
+    def _drop(self, key: str, reason: str) -> None:
+        cur = self._tracked.pop(key, None)
+        if cur is None:
+            return
+        self.pool.remove(cur.ep)
+        log.info("kubernetes endpoint removed", pod=key, model=cur.view.model, url=cur.view.url, reason=reason,
+                 in_flight=cur.ep.in_flight)
+
+
+def _status_message(body: bytes) -> str:
+    try:
+        doc = json.loads(body)
+        return str(doc.get("message") or doc.get("reason") or doc)[:300]
+    except ValueError:
+        return body[:300].decode("utf-8", "replace")

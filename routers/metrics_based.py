@@ -1,0 +1,348 @@
+"""Strategies driven by the engines' own metrics: least-kv-cache, least-waiting, throughput,
+least-latency.
+
+They read ``Endpoint.metrics``, the scraper's latest ``EngineMetrics`` snapshot. Rules common to all:
+
+* A snapshot older than ``RouterContext.metrics_max_age_s`` counts as missing. An endpoint without
+  a usable value is left out (in a weighted list it scores ``None``, i.e. 0). When no candidate
+  has one, the strategy routes like ``least-request`` and counts a fallback with reason
+  ``no_metrics`` (never scraped, or the engine does not report the signal) or ``stale_metrics``
+  (snapshots exist but are too old).
+* Between two scrapes the snapshot does not move, so a burst would herd onto the endpoint that
+  looked best at the last scrape (AIBrix issue #2422 in another guise). Each router therefore adds
+  what *it* has sent to an endpoint since that endpoint's current snapshot (requests and their
+  estimated prompt tokens), in the unit of its signal.
+* Exact ties go to the endpoint with the fewest gateway in-flight requests, then uniformly at
+  random.
+
+Unlike AIBrix (aibrix-gateway.md §1.3) none of them silently degrades to random: ``least-kv-cache``
+reads the one KV gauge engines have (vLLM ``kv_cache_usage_perc``, SGLang ``token_usage``), and
+``throughput`` / ``least-latency`` compute their rates and means from the engines' counters and
+histograms over ``metrics_window_s``, without Prometheus.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from gateway.endpoints import Endpoint, EngineMetrics
+from gateway.request import InferenceRequest
+from routers.base import RouterContext
+from routers.simple import LeastRequestRouter
+
+# (snapshot the counts apply to, requests sent since, prompt tokens sent since)
+_Sent = list
+
+
+class MetricRouter:
+    """Shared machinery: freshness, the sent-since-snapshot correction, tie-breaking, fallback.
+
+    Subclasses define ``value(ep, m, sent)``: the score from snapshot ``m`` plus the correction for
+    ``sent`` (``None`` or ``[snapshot, requests, tokens]``); ``None`` when ``m`` lacks the signal.
+    """
+
+    name = "metric"
+    polarity = "least"
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self.ctx = ctx
+        self.max_age = ctx.metrics_max_age_s
+        self.clock = ctx.clock
+        self._random = ctx.rng.random
+        self._fallback = LeastRequestRouter(ctx)
+        self._sent: dict[Endpoint, _Sent] = {}
+
+    def value(self, ep: Endpoint, m: EngineMetrics, sent: _Sent | None) -> float | None:
+        raise NotImplementedError
+
+    def prepare(self, candidates: Sequence[Endpoint], cutoff: float) -> None:
+        """Hook run once per decision before ``value`` (fleet-wide estimates)."""
+
+    # -- scoring ---------------------------------------------------------------------------------
+
+    def _scores(self, candidates: Sequence[Endpoint]) -> tuple[list[float | None], str | None]:
+        cutoff = self.clock() - self.max_age
+        self.prepare(candidates, cutoff)
+        sent_get = self._sent.get
+        value = self.value
+        out: list[float | None] = []
+        scored = False
+        stale = False
+        for ep in candidates:
+            m = ep.metrics
+            if m is None:
+                out.append(None)
+                continue
+            if m.scraped_at < cutoff:
+                stale = True
+                out.append(None)
+                continue
+            sent = sent_get(ep)
+            v = value(ep, m, sent if sent is not None and sent[0] is m else None)
+            if v is not None:
+                scored = True
+            out.append(v)
+        if scored:
+            return out, None
+        return out, "stale_metrics" if stale else "no_metrics"
+
+    def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
+        scores, reason = self._scores(candidates)
+        if reason is not None:
+            self.ctx.on_fallback(self.name, reason)
+        return scores
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+        scores, reason = self._scores(candidates)
+        if reason is not None:
+            self.ctx.on_fallback(self.name, reason)
+            ep = self._fallback.route(req, candidates)
+        else:
+            ep = self._pick(candidates, scores)
+        self.post_route(req, ep)
+        return ep
+
+    def _pick(self, candidates: Sequence[Endpoint], scores: list[float | None]) -> Endpoint:
+        best: Endpoint | None = None
+        best_s = 0.0
+        best_load = 0
+        ties = 0
+        for ep, s in zip(candidates, scores, strict=True):
+            if s is None:
+                continue
+            load = ep.in_flight + ep.remote_in_flight
+            if best is None or s < best_s or (s == best_s and load < best_load):
+                best, best_s, best_load, ties = ep, s, load, 1
+            elif s == best_s and load == best_load:
+                ties += 1
+                if self._random() * ties < 1.0:
+                    best = ep
+        assert best is not None
+        return best
+
+    def post_route(self, req: InferenceRequest, ep: Endpoint) -> None:
+        """Count the decision against ``ep``'s current snapshot (also called by weighted lists)."""
+        m = ep.metrics
+        if m is None:
+            return
+        sent = self._sent.get(ep)
+        if sent is None or sent[0] is not m:
+            self._sent[ep] = [m, 1, req.prompt_tokens_est]
+        else:
+            sent[1] += 1
+            sent[2] += req.prompt_tokens_est
+
+
+class LeastKVCacheRouter(MetricRouter):
+    """Lowest KV-cache usage (vLLM ``kv_cache_usage_perc``, SGLang ``token_usage``), plus the prompt
+    tokens sent since the snapshot as a share of the pool (when the engine reports its size)."""
+
+    name = "least-kv-cache"
+
+    def value(self, ep: Endpoint, m: EngineMetrics, sent: _Sent | None) -> float | None:
+        kv = m.kv_usage
+        if kv is None:
+            return None
+        if sent is not None:
+            cap = m.kv_capacity_tokens
+            kv += sent[2] / cap if cap else 0.001 * sent[1]
+        return kv
+
+    def _scores(self, candidates: Sequence[Endpoint]) -> tuple[list[float | None], str | None]:
+        # the generic loop, inlined: this runs for every request and every endpoint
+        cutoff = self.clock() - self.max_age
+        sent_get = self._sent.get
+        out: list[float | None] = []
+        scored = stale = False
+        for ep in candidates:
+            m = ep.metrics
+            if m is None or m.kv_usage is None:
+                out.append(None)
+            elif m.scraped_at < cutoff:
+                stale = True
+                out.append(None)
+            else:
+                kv = m.kv_usage
+                sent = sent_get(ep)
+                if sent is not None and sent[0] is m:
+                    cap = m.kv_capacity_tokens
+                    kv += sent[2] / cap if cap else 0.001 * sent[1]
+                out.append(kv)
+                scored = True
+        return out, None if scored else ("stale_metrics" if stale else "no_metrics")
+
+
+class LeastWaitingRouter(MetricRouter):
+    """Shortest engine queue (vLLM ``num_requests_waiting``, SGLang ``num_queue_reqs``), plus the
+    requests sent since the snapshot."""
+
+    name = "least-waiting"
+
+    def value(self, ep: Endpoint, m: EngineMetrics, sent: _Sent | None) -> float | None:
+        w = m.waiting
+        if w is None:
+            return None
+        return w + sent[1] if sent is not None else w
+
+    def _scores(self, candidates: Sequence[Endpoint]) -> tuple[list[float | None], str | None]:
+        cutoff = self.clock() - self.max_age
+        sent_get = self._sent.get
+        out: list[float | None] = []
+        scored = stale = False
+        for ep in candidates:
+            m = ep.metrics
+            if m is None or m.waiting is None:
+                out.append(None)
+            elif m.scraped_at < cutoff:
+                stale = True
+                out.append(None)
+            else:
+                sent = sent_get(ep)
+                out.append(m.waiting + sent[1] if sent is not None and sent[0] is m else m.waiting)
+                scored = True
+        return out, None if scored else ("stale_metrics" if stale else "no_metrics")
+
+
+class _Window:
+    """The snapshots of one endpoint within the window, and values derived from them."""
+
+    __slots__ = ("snaps", "derived_for", "derived")
+
+    def __init__(self) -> None:
+        self.snaps: deque[EngineMetrics] = deque()
+        self.derived_for: EngineMetrics | None = None
+        self.derived: tuple = ()
+
+
+def _increase(new: float | None, old: float | None) -> float | None:
+    if new is None or old is None:
+        return None
+    d = new - old
+    return new if d < 0 else d          # a counter that went down: the engine restarted
+
+
+class WindowedRouter(MetricRouter):
+    """A metric router whose signal is computed over ``metrics_window_s`` of snapshots.
+
+    Each new snapshot of an endpoint is appended to its window (the oldest kept one is the last
+    at or before the window's start, so a rate spans the whole window); ``derive`` runs once per
+    new snapshot and its result is cached.
+    """
+
+    def __init__(self, ctx: RouterContext) -> None:
+        super().__init__(ctx)
+        self.window_s = ctx.settings.metrics_window_s
+        self._windows: dict[Endpoint, _Window] = {}
+
+    def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
+        raise NotImplementedError
+
+    def derived(self, ep: Endpoint, m: EngineMetrics) -> tuple:
+        w = self._windows.get(ep)
+        if w is None:
+            w = self._windows[ep] = _Window()
+        if w.derived_for is m:
+            return w.derived
+        snaps = w.snaps
+        if not snaps or snaps[-1] is not m:
+            if snaps and m.scraped_at < snaps[-1].scraped_at:
+                snaps.clear()                  # an older snapshot than we have: start over
+            snaps.append(m)
+            start = m.scraped_at - self.window_s
+            while len(snaps) > 1 and snaps[1].scraped_at <= start:
+                snaps.popleft()
+        w.derived_for = m
+        w.derived = self.derive(snaps[0], m)
+        return w.derived
+
+
+class ThroughputRouter(WindowedRouter):
+    """Least token throughput over the window: 2 · prompt tokens/s + generated tokens/s, from the
+    engines' token counters (AIBrix's 2:1 weighting of its per-request averages, here as rates).
+    With a single snapshot so far, the scraper's last-interval rates are used."""
+
+    name = "throughput"
+
+    def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
+        dt = last.scraped_at - first.scraped_at
+        prompt = gen = None
+        if dt > 0:
+            dp = _increase(last.prompt_tokens_total, first.prompt_tokens_total)
+            dg = _increase(last.generation_tokens_total, first.generation_tokens_total)
+            prompt = dp / dt if dp is not None else None
+            gen = dg / dt if dg is not None else None
+        if prompt is None:
+            prompt = last.prompt_throughput
+        if gen is None:
+            gen = last.gen_throughput
+        if prompt is None and gen is None:
+            return (None,)
+        return (2.0 * (prompt or 0.0) + (gen or 0.0),)
+
+    def value(self, ep: Endpoint, m: EngineMetrics, sent: _Sent | None) -> float | None:
+        rate = self.derived(ep, m)[0]
+        if rate is None:
+            return None
+        if sent is not None:
+            rate += 2.0 * sent[2] / max(self.window_s, 1e-3)
+        return rate
+
+
+class LeastLatencyRouter(WindowedRouter):
+    """Lowest expected time to first token.
+
+    expected = recent TTFT + (queue + requests sent since the snapshot) × recent prefill time, where
+    over the window: recent TTFT = Δsum/Δcount of the engine's TTFT histogram, recent queue time
+    likewise from its queue-time histogram (vLLM ``request_queue_time_seconds``, SGLang
+    ``queue_time_seconds``), and prefill time = TTFT − queue time. An engine that produced no first
+    token within the window has no recent TTFT: it counts as idle (0) and its prefill time is the
+    fleet's average, so its queue still counts.
+    """
+
+    name = "least-latency"
+
+    def __init__(self, ctx: RouterContext) -> None:
+        super().__init__(ctx)
+        self._fleet_service = 0.0
+
+    def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
+        ttft = queue = None
+        dc = _increase(last.ttft_count, first.ttft_count)
+        ds = _increase(last.ttft_sum, first.ttft_sum)
+        if first is last:                     # a single snapshot: the scraper's last interval
+            ttft, queue = last.ttft_recent_mean, last.queue_time_recent_mean
+        else:
+            if dc and ds is not None:
+                ttft = ds / dc
+            qc = _increase(last.queue_time_count, first.queue_time_count)
+            qs = _increase(last.queue_time_sum, first.queue_time_sum)
+            if qc and qs is not None:
+                queue = qs / qc
+        service = None
+        if ttft is not None:
+            service = max(0.0, ttft - (queue or 0.0))
+        return (ttft, service)
+
+    def prepare(self, candidates: Sequence[Endpoint], cutoff: float) -> None:
+        total, n = 0.0, 0
+        for ep in candidates:
+            m = ep.metrics
+            if m is not None and m.scraped_at >= cutoff:
+                service = self.derived(ep, m)[1]
+                if service is not None:
+                    total += service
+                    n += 1
+        self._fleet_service = total / n if n else 0.0
+
+    def value(self, ep: Endpoint, m: EngineMetrics, sent: _Sent | None) -> float | None:
+        waiting = m.waiting
+        if waiting is None:
+            return None
+        ttft, service = self.derived(ep, m)
+        if service is None:
+            service = self._fleet_service
+        queued = waiting + (sent[1] if sent is not None else 0)
+        return (ttft or 0.0) + queued * service

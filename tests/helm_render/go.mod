@@ -1,0 +1,3 @@
+module switchyard/helmrender
+
+go 1.22

@@ -1,0 +1,98 @@
+"""The overhead benchmark runs end to end on a tiny setting and writes a well-formed report.
+
+Speed is never asserted here (bench/ measures it); only that every scenario produced figures, that
+an absent peer is reported as absent, and that every process the benchmark started is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[dict, str, str]:
+    out = tmp_path_factory.mktemp("overhead")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "overhead.py"), "--tiny", "--peers", "auto",
+         "--peers-venv", str(out / "no-such-venv"), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = orjson.loads((out / "overhead-latest.json").read_bytes())
+    md = (out / "overhead-latest.md").read_text()
+    return data, md, proc.stdout
+
+
+def test_every_scenario_has_figures(tiny_run):
+    data, _, _ = tiny_run
+    names = [t["name"] for t in data["targets"]]
+    assert names == ["direct", "switchyard"]
+    kinds = {s["mode"] for s in data["scenarios"]}
+    assert kinds == {"nonstream", "stream", "idle"}
+    for sc in data["scenarios"]:
+        for target in names:
+            r = data["results"][sc["name"]][target]
+            if sc["mode"] == "idle":
+                assert r["held"] == sc["idle_n"], r
+                assert r["rss_held"] > 0 and r["rss_before"] > 0
+                assert isinstance(r["bytes_per_stream"], float)
+                assert r["upstream_held_after_close"] is not None
+                continue
+            assert not r["failed_rounds"], r
+            assert r["completed"] > 0 and r["errors"] == 0, r
+            assert r["rps"] > 0 and 0 < r["lat_p50_ms"] <= r["lat_p99_ms"]
+            if sc["mode"] == "stream":
+                assert 0 < r["ttft_p50_ms"] <= r["ttft_p99_ms"]
+                assert r["events_per_s"] >= r["rps"] * sc["max_tokens"]
+            assert r["backend_cpu_us_per_req"] >= 0
+            if target == "switchyard":
+                assert r["target_cpu_us_per_req"] > 0
+            else:
+                assert "target_cpu_us_per_req" not in r
+    for t in data["targets"]:
+        assert t["rss"]["start"] > 0 and t["rss"]["end"] > 0
+
+
+def test_report_is_markdown_with_ratios_and_goals(tiny_run):
+    data, md, stdout = tiny_run
+    assert md.strip() == stdout.strip()
+    assert data["markdown"] == md
+    for heading in ("### Throughput, latency, CPU", "### Added over direct (ms)", "### Ratios",
+                    "### Memory", "### Issue #5 targets"):
+        assert heading in md
+    assert "| switchyard / direct |" in md
+    for line in md.splitlines():
+        if line.startswith("|"):
+            assert line.endswith("|"), line
+    assert data["machine"]["cores"] >= 1 and data["date"]
+    assert {g["met"] for g in data["goals"]} <= {True, False, None}
+
+
+def test_absent_peers_are_named(tiny_run):
+    data, md, _ = tiny_run
+    absent = " ".join(data["absent"])
+    assert "sglang-router" in absent and "vllm-router" in absent
+    assert "Absent:" in md and "make bench-peers" in md
+
+
+def test_no_process_left_behind(tiny_run):
+    data, _, _ = tiny_run
+    assert data["pids"]
+    for name, pid in data["pids"].items():
+        assert not os.path.exists(f"/proc/{pid}") or _someone_else(pid), f"{name} ({pid}) still running"
+
+
+def _someone_else(pid: int) -> bool:
+    """A recycled pid can belong to another process; only one with the benchmark's command line counts."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return b"sy-overhead-" not in cmd and b"bench/fastbackend.py" not in cmd

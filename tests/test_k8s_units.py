@@ -1,0 +1,213 @@
+"""Pure parts of Kubernetes support: label selectors, pod → endpoint mapping, the config block."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.config import ConfigError, KubernetesModelConfig, ModelConfig, config_from_dict, parse_config
+from k8s.pods import PodView, Skipped, is_routable, map_pod, parse_profile
+from k8s.selector import SelectorError, matches, parse_selector
+
+# -- selectors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("selector,labels,expected", [
+    ("model.aibrix.ai/name", {"model.aibrix.ai/name": "m"}, True),
+    ("model.aibrix.ai/name", {"app": "x"}, False),
+    ("!canary", {"app": "x"}, True),
+    ("!canary", {"canary": ""}, False),
+    ("app=web", {"app": "web"}, True),
+    ("app==web", {"app": "api"}, False),
+    ("app!=web", {"app": "api"}, True),
+    ("app!=web", {}, True),                       # != matches pods without the key, as in Kubernetes
+    ("role-name in (prefill,decode)", {"role-name": "decode"}, True),
+    ("role-name in (prefill, decode)", {"role-name": "all"}, False),
+    ("role-name notin (prefill,decode)", {}, True),
+    ("tier>2", {"tier": "3"}, True),
+    ("tier<2", {"tier": "x"}, False),
+    ("model.aibrix.ai/name,env in (prod),role-name!=decode", {"model.aibrix.ai/name": "m", "env": "prod",
+                                                             "role-name": "prefill"}, True),
+    ("model.aibrix.ai/name,env in (prod),role-name!=decode", {"model.aibrix.ai/name": "m", "env": "prod",
+                                                             "role-name": "decode"}, False),
+    ("", {"anything": "goes"}, True),
+    ("app=", {"app": ""}, True),                  # empty values are values
+])
+def test_label_selector_semantics(selector, labels, expected):
+    assert matches(parse_selector(selector), labels) is expected
+
+
+@pytest.mark.parametrize("bad", ["a in (", "a in ()", "a,,b", "=x", "a in (b", "bad key!", "a) in (b"])
+def test_malformed_selectors_are_rejected(bad):
+    with pytest.raises(SelectorError):
+        parse_selector(bad)
+
+
+# -- pods ---------------------------------------------------------------------------------------
+
+
+def pod(name="p", labels=None, annotations=None, ip="10.0.0.7", ready=True, deleting=False, phase="Running"):
+    md = {"name": name, "namespace": "llm", "uid": "u-" + name, "labels": labels or {}, "annotations": annotations or {}}
+    if deleting:
+        md["deletionTimestamp"] = "2025-01-01T00:00:00Z"
+    status = {"phase": phase, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIP"] = ip
+    return {"metadata": md, "status": status}
+
+
+M = {"model.aibrix.ai/name": "llama"}
+
+
+def test_plain_pod_maps_to_an_aggregated_vllm_endpoint_on_port_8000():
+    v = map_pod(pod(labels=M))
+    assert isinstance(v, PodView)
+    assert (v.model, v.url, v.engine, v.role, v.roleset, v.name, v.key) == (
+        "llama", "http://10.0.0.7:8000", "vllm", "aggregated", None, "p", "llm/p")
+    assert v.metrics_url == "http://10.0.0.7:8000/metrics" and v.routable
+
+
+def test_ports_engine_and_metric_port_default_to_the_serving_port():
+    v = map_pod(pod(labels={**M, "model.aibrix.ai/port": "30000", "model.aibrix.ai/engine": "SGLang"}))
+    assert v.url == "http://10.0.0.7:30000" and v.engine == "sglang"
+    assert v.metrics_url == "http://10.0.0.7:30000/metrics"     # not AIBrix's fixed 8000
+    v = map_pod(pod(labels={**M, "model.aibrix.ai/port": "30000", "model.aibrix.ai/metric-port": "9100"}))
+    assert v.metrics_url == "http://10.0.0.7:9100/metrics"
+
+
+def test_engine_defaults_to_the_model_config_then_vllm():
+    models = {"llama": ModelConfig(name="llama", engine="sglang")}
+    assert map_pod(pod(labels=M), models).engine == "sglang"
+    assert map_pod(pod(labels={**M, "model.aibrix.ai/engine": "vllm"}), models).engine == "vllm"
+
+
+def test_model_annotation_wins_over_the_label_for_names_with_a_slash():
+    v = map_pod(pod(labels=M, annotations={"model.aibrix.ai/name": "meta-llama/Llama-3.1-8B"}))
+    assert v.model == "meta-llama/Llama-3.1-8B"
+
+
+def test_ipv6_pod_ip_is_bracketed():
+    assert map_pod(pod(labels=M, ip="fd00::7")).url == "http://[fd00::7]:8000"
+
+
+@pytest.mark.parametrize("p,reason", [
+    (pod(labels={}), "no model.aibrix.ai/name"),
+    (pod(labels={**M, "model.aibrix.ai/port": "http"}), "must be a port number"),
+    (pod(labels={**M, "model.aibrix.ai/port": "70000"}), "must be a port number"),
+    (pod(labels={**M, "model.aibrix.ai/engine": "trtllm"}), "not supported"),
+    (pod(labels={**M, "stormservice.orchestration.aibrix.ai/pod-group-index": "1"}), "pod-group-index"),
+    (pod(labels={**M, "ray.io/node-type": "worker"}), "Ray worker"),
+    (pod(labels=M, ip=None), "no pod IP"),
+    (pod(labels=M, phase="Succeeded"), "phase Succeeded"),
+    (pod(labels=M, annotations={"model.aibrix.ai/config": "{not json"}), "not JSON"),
+])
+def test_pods_that_are_not_used_say_why(p, reason):
+    v = map_pod(p)
+    assert isinstance(v, Skipped) and reason in v.reason
+
+
+@pytest.mark.parametrize("p,routable,reason", [
+    (pod(labels=M), True, ""),
+    (pod(labels=M, ready=False), False, "not ready"),
+    (pod(labels=M, deleting=True), False, "terminating"),
+    (pod(labels=M, ip=None), False, "no pod IP"),
+    ({"metadata": {"name": "x"}, "status": {"podIP": "10.0.0.1"}}, False, "not ready"),   # no conditions yet
+])
+def test_routable_means_ip_ready_and_not_terminating(p, routable, reason):
+    assert is_routable(p) == (routable, reason)
+
+
+def test_pd_roles_and_rolesets_from_labels():
+    pre = map_pod(pod(labels={**M, "role-name": "prefill", "roleset-name": "rs-a"}))
+    dec = map_pod(pod(labels={**M, "role-name": "decode", "roleset-name": "rs-a"}))
+    assert (pre.role, pre.roleset, dec.role, dec.roleset) == ("prefill", "rs-a", "decode", "rs-a")
+    # a role that is neither prefill nor decode, in a roleset: combined only when configured so
+    other = pod(labels={**M, "role-name": "all", "roleset-name": "rs-a"})
+    assert isinstance(map_pod(other), Skipped)
+    v = map_pod(other, k8s_models={"llama": KubernetesModelConfig(combined=True)})
+    assert (v.role, v.roleset) == ("combined", "rs-a")
+    # no roleset: aggregated whatever the role-name
+    v = map_pod(pod(labels={**M, "role-name": "all"}))
+    assert (v.role, v.roleset) == ("aggregated", None)
+
+
+def test_sglang_bootstrap_port_and_profile_from_annotations():
+    cfg = {"defaultProfile": "pd", "profiles": {
+        "default": {"routingStrategy": "random", "promptLenBucketMaxLength": 4096},
+        "pd": {"routingStrategy": "pd", "promptLenBucketMinLength": 10, "promptLenBucketMaxLength": 2048,
+               "combined": True}}}
+    v = map_pod(pod(labels={**M, "model.aibrix.ai/engine": "sglang", "role-name": "all", "roleset-name": "r"},
+                    annotations={"model.aibrix.ai/sglang-bootstrap-port": "9001",
+                                 "model.aibrix.ai/config": json.dumps(cfg)}))
+    assert (v.role, v.bootstrap_port, v.min_prompt_tokens, v.max_prompt_tokens, v.routing_strategy) == (
+        "combined", 9001, 10, 2048, "pd")
+    # the annotation wins over kubernetes.models; without it, the config applies
+    k = {"llama": KubernetesModelConfig(min_prompt_tokens=1, max_prompt_tokens=100)}
+    assert map_pod(pod(labels=M), k8s_models=k).max_prompt_tokens == 100
+    ann = {"model.aibrix.ai/config": json.dumps({"profiles": {"x": {"routingConfig": {"promptLenBucketMaxLength": 7}}}})}
+    assert map_pod(pod(labels=M, annotations=ann), k8s_models=k).max_prompt_tokens == 7
+
+
+def test_profile_parsing_edge_cases():
+    assert parse_profile(None) == {}
+    assert parse_profile('{"profiles": {"a": {"combined": true}, "b": {}}}') == {}       # no default, ambiguous
+    assert parse_profile('{"profiles": {"only": {"combined": true}}}') == {"combined": True}
+    with pytest.raises(ValueError):
+        parse_profile('{"profiles": []}')
+
+
+def test_readiness_flap_keeps_the_same_endpoint_identity():
+    a, b = map_pod(pod(labels=M)), map_pod(pod(labels=M, ready=False))
+    assert a == b and a.routable != b.routable
+    assert map_pod(pod(labels=M, ip="10.0.0.8")) != a
+
+
+# -- config -------------------------------------------------------------------------------------
+
+
+def test_kubernetes_block_defaults_and_keys():
+    c = config_from_dict({"kubernetes": {"enabled": True, "kubeconfig": "/k", "namespaces": ["llm", "b"],
+                                         "label_selector": "model.aibrix.ai/name,env=prod",
+                                         "resync_interval_s": 60, "watch_timeout_s": 30, "retry_backoff_s": 0.5,
+                                         "models": {"llama": {"combined": True, "max_prompt_tokens": 2048}}}})
+    k = c.kubernetes
+    assert (k.enabled, k.kubeconfig, k.namespaces, k.resync_interval_s) == (True, "/k", ("llm", "b"), 60.0)
+    assert k.models["llama"] == KubernetesModelConfig(combined=True, max_prompt_tokens=2048)
+    d = config_from_dict({}).kubernetes
+    assert (d.enabled, d.kubeconfig, d.namespaces, d.label_selector) == (False, None, (), "model.aibrix.ai/name")
+    assert d.resync_interval_s > 0
+
+
+@pytest.mark.parametrize("block,key", [
+    ({"enabled": "yes"}, "kubernetes.enabled"),
+    ({"namespaces": "llm"}, "kubernetes.namespaces"),
+    ({"namespaces": ["Bad_NS"]}, "kubernetes.namespaces[0]"),
+    ({"namespaces": ["a", "a"]}, "kubernetes.namespaces[1]"),
+    ({"label_selector": "x in ("}, "kubernetes.label_selector"),
+    ({"resync_interval_s": -1}, "kubernetes.resync_interval_s"),
+    ({"watch_timeout_s": 0}, "kubernetes.watch_timeout_s"),
+    ({"retry_backoff_s": 0}, "kubernetes.retry_backoff_s"),
+    ({"models": {"m": {"combined": 1}}}, "kubernetes.models.m.combined"),
+    ({"models": {"m": {"min_prompt_tokens": 9, "max_prompt_tokens": 3}}}, "kubernetes.models.m.min_prompt_tokens"),
+    ({"bogus": 1}, "kubernetes.bogus"),
+])
+def test_kubernetes_block_errors_name_the_key(block, key):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"kubernetes": block})
+    assert e.value.key_path == key
+
+
+def test_models_without_endpoints_need_discovery():
+    with pytest.raises(ConfigError, match="kubernetes.enabled"):
+        parse_config("models: [{name: m}]")
+    c = parse_config("kubernetes: {enabled: true}\nmodels: [{name: m, engine: sglang, strategy: random}]")
+    assert c.model("m").endpoints == () and c.model("m").engine == "sglang"
+
+
+def test_drain_delay_is_a_server_key():
+    assert config_from_dict({}).server.drain_delay_s == 5.0
+    assert config_from_dict({"server": {"drain_delay_s": 0}}).server.drain_delay_s == 0.0
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"server": {"drain_delay_s": -1}})
+    assert e.value.key_path == "server.drain_delay_s"

@@ -1,0 +1,294 @@
+"""Strategies driven by engine metrics: least-kv-cache, least-waiting, throughput, least-latency.
+
+Each is checked on constructed engine states, on what it does without its signal (stale or missing
+metrics → least-request, counted by reason), on the between-scrapes correction that keeps a burst
+from herding, and end to end on metrics scraped from real (simulated) engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import aiohttp
+import pytest
+
+from gateway.endpoints import Endpoint, EngineMetrics
+from gateway.engine_metrics import parse_engine_metrics
+from gateway.request import CHAT, InferenceRequest
+from routers.base import RouterContext, RoutingSettings
+from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
+from routers.registry import default_registry
+from routers.session import encode_session_id
+from tests.conftest import model_block
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Fallbacks(Counter):
+    def __call__(self, strategy: str, reason: str) -> None:
+        self[(strategy, reason)] += 1
+
+
+def make_req(tokens: int = 100) -> InferenceRequest:
+    return InferenceRequest(path=CHAT, body=b"{}", data={}, model="m", stream=False, include_usage=False,
+                            prompt_text="x" * (4 * tokens), prompt_tokens_est=tokens, request_id="r")
+
+
+def make_eps(n: int, in_flight: Sequence[int] | None = None) -> list[Endpoint]:
+    eps = [Endpoint(url=f"http://127.0.0.1:{9001 + i}", model="m") for i in range(n)]
+    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
+        ep.in_flight = k
+    return eps
+
+
+def ctx_for(clock: Clock | None = None, seed: int = 1, **knobs) -> tuple[RouterContext, Fallbacks]:
+    fallbacks = Fallbacks()
+    ctx = RouterContext(rng=random.Random(seed), clock=clock or Clock(), metrics_max_age_s=10.0,
+                        routing=RoutingSettings(**knobs), on_fallback=fallbacks)
+    return ctx, fallbacks
+
+
+def snap(t: float = 1000.0, **fields) -> EngineMetrics:
+    return EngineMetrics(scraped_at=t, **fields)
+
+
+# -- least-kv-cache --------------------------------------------------------------------------------
+
+
+def test_least_kv_cache_picks_the_lowest_usage():
+    ctx, fallbacks = ctx_for()
+    router = LeastKVCacheRouter(ctx)
+    eps = make_eps(3)
+    for ep, kv in zip(eps, (0.7, 0.2, 0.5), strict=True):
+        ep.metrics = snap(kv_usage=kv)
+    assert router.route(make_req(), eps) is eps[1]
+    assert router.score(make_req(), eps)[0] == 0.7
+    assert not fallbacks
+
+
+def test_least_kv_cache_ties_go_to_the_least_in_flight():
+    ctx, _ = ctx_for()
+    router = LeastKVCacheRouter(ctx)
+    eps = make_eps(3, in_flight=[4, 1, 3])
+    for ep in eps:
+        ep.metrics = snap(kv_usage=0.25)
+    assert router._pick(eps, router._scores(eps)[0]) is eps[1]
+
+
+def test_least_kv_cache_counts_what_it_sent_since_the_scrape():
+    """A burst between two scrapes fills the emptiest pool with its prompt tokens, not blindly."""
+    ctx, _ = ctx_for()
+    router = LeastKVCacheRouter(ctx)
+    eps = make_eps(2)
+    eps[0].metrics = snap(kv_usage=0.10, kv_capacity_tokens=10_000)
+    eps[1].metrics = snap(kv_usage=0.20, kv_capacity_tokens=10_000)
+    picks = [router.route(make_req(500), eps) for _ in range(6)]
+    # 0.10 + 500/10000 per request: the first two go to eps[0] (0.20 ties, in-flight equal at 0)
+    assert picks.count(eps[0]) == 4 and picks.count(eps[1]) == 2
+    eps[0].metrics = snap(t=1001.0, kv_usage=0.10, kv_capacity_tokens=10_000)   # a new scrape: reset
+    assert router.route(make_req(500), eps) is eps[0]
+
+
+@pytest.mark.parametrize("router_cls", [LeastKVCacheRouter, LeastWaitingRouter, ThroughputRouter,
+                                        LeastLatencyRouter])
+def test_without_metrics_it_is_least_request_and_says_why(router_cls):
+    clock = Clock()
+    ctx, fallbacks = ctx_for(clock)
+    router = router_cls(ctx)
+    eps = make_eps(3, in_flight=[5, 2, 9])
+    assert router.route(make_req(), eps) is eps[1]
+    assert fallbacks == {(router.name, "no_metrics"): 1}
+    for ep in eps:                                     # scraped once, then the scraper stalls
+        ep.metrics = snap(t=clock.t, kv_usage=0.1, waiting=0.0, prompt_tokens_total=10.0,
+                          generation_tokens_total=10.0, prompt_throughput=1.0, gen_throughput=1.0,
+                          ttft_recent_mean=0.1)
+    clock.t += 10.5                                    # older than metrics_max_age_s: missing
+    assert router.route(make_req(), eps) is eps[1]
+    assert fallbacks[(router.name, "stale_metrics")] == 1
+    assert router.score(make_req(), eps) == [None, None, None]
+    assert fallbacks[(router.name, "stale_metrics")] == 2
+
+
+def test_endpoints_without_fresh_metrics_are_left_out():
+    clock = Clock()
+    ctx, fallbacks = ctx_for(clock)
+    router = LeastKVCacheRouter(ctx)
+    eps = make_eps(3)
+    eps[0].metrics = snap(t=clock.t - 20, kv_usage=0.0)      # stale, though it looks best
+    eps[1].metrics = snap(kv_usage=0.6)
+    eps[2].metrics = None
+    assert router.route(make_req(), eps) is eps[1]
+    assert not fallbacks
+
+
+# -- least-waiting ---------------------------------------------------------------------------------
+
+
+def test_least_waiting_picks_the_shortest_queue_and_spreads_a_burst():
+    ctx, _ = ctx_for()
+    router = LeastWaitingRouter(ctx)
+    eps = make_eps(4)
+    for ep, w in zip(eps, (3, 0, 0, 5), strict=True):
+        ep.metrics = snap(waiting=float(w))
+    picks = Counter()
+    for _ in range(9):                                  # 9 requests before the next scrape
+        ep = router.route(make_req(), eps)
+        ep.in_flight += 1                               # charged, as the pipeline does
+        picks[ep] += 1
+    # eps[1] and eps[2] take 3 each; at 3 all three tie and eps[0] (no in-flight) takes one; then
+    # eps[1] and eps[2] one more each; eps[3] (5 waiting) none
+    assert (picks[eps[0]], picks[eps[1]], picks[eps[2]], picks[eps[3]]) == (1, 4, 4, 0)
+
+
+# -- throughput ------------------------------------------------------------------------------------
+
+
+def test_throughput_uses_counters_over_the_window():
+    clock = Clock()
+    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    router = ThroughputRouter(ctx)
+    eps = make_eps(2)
+    # like AIBrix's decode case: throughput {50, 3000} → the first (lowest) endpoint
+    eps[0].metrics = snap(t=990.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)
+    eps[1].metrics = snap(t=990.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)
+    router.score(make_req(), eps)
+    eps[0].metrics = snap(t=1000.0, prompt_tokens_total=100.0, generation_tokens_total=300.0)   # 50 tok/s
+    eps[1].metrics = snap(t=1000.0, prompt_tokens_total=10_000.0, generation_tokens_total=10_000.0)
+    assert router.score(make_req(), eps) == [pytest.approx(2 * 10 + 30), pytest.approx(2 * 1000 + 1000)]
+    assert router.route(make_req(), eps) is eps[0]
+
+
+def test_throughput_window_slides_and_survives_a_restart():
+    clock = Clock()
+    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    router = ThroughputRouter(ctx)
+    ep = make_eps(1)
+    for t, total in ((980.0, 0.0), (990.0, 1000.0), (1000.0, 1100.0)):
+        ep[0].metrics = snap(t=t, prompt_tokens_total=total, generation_tokens_total=0.0)
+        router.score(make_req(), ep)
+    assert router.score(make_req(), ep) == [pytest.approx(2 * 100 / 10)]     # only the last 10 s
+    ep[0].metrics = snap(t=1005.0, prompt_tokens_total=50.0, generation_tokens_total=0.0)   # restarted
+    assert router.score(make_req(), ep) == [pytest.approx(2 * 50 / 15)]
+
+
+def test_throughput_single_snapshot_uses_the_scrapers_rates():
+    ctx, _ = ctx_for()
+    router = ThroughputRouter(ctx)
+    eps = make_eps(2)
+    eps[0].metrics = snap(prompt_throughput=100.0, gen_throughput=10.0)
+    eps[1].metrics = snap(gen_throughput=50.0)                # SGLang: a gen_throughput gauge only
+    assert router.score(make_req(), eps) == [210.0, 50.0]
+
+
+# -- least-latency ---------------------------------------------------------------------------------
+
+
+def latency_snap(t: float, ttft_sum: float, ttft_count: float, q_sum: float, q_count: float,
+                 waiting: float) -> EngineMetrics:
+    return snap(t=t, ttft_sum=ttft_sum, ttft_count=ttft_count, queue_time_sum=q_sum,
+                queue_time_count=q_count, waiting=waiting)
+
+
+def test_least_latency_expected_ttft_from_histogram_deltas_and_queue():
+    clock = Clock()
+    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    router = LeastLatencyRouter(ctx)
+    eps = make_eps(3)
+    for ep in eps:
+        ep.metrics = latency_snap(995.0, 100.0, 1000.0, 10.0, 1000.0, 0.0)
+    router.score(make_req(), eps)
+    # in the window: eps[0] 10 first tokens at 0.5 s (0.1 s of it queued), no queue now → 0.5
+    eps[0].metrics = latency_snap(1000.0, 105.0, 1010.0, 11.0, 1010.0, 0.0)
+    # eps[1] 0.2 s TTFT (0.05 queued) but 4 waiting → 0.2 + 4 × 0.15 = 0.8
+    eps[1].metrics = latency_snap(1000.0, 102.0, 1010.0, 10.5, 1010.0, 4.0)
+    # eps[2] no first token in the window (idle) and 1 waiting → 0 + 1 × fleet prefill (0.4+0.15)/2
+    eps[2].metrics = latency_snap(1000.0, 100.0, 1000.0, 10.0, 1000.0, 1.0)
+    scores = router.score(make_req(), eps)
+    assert scores == [pytest.approx(0.5), pytest.approx(0.8), pytest.approx(0.275)]
+    assert router.route(make_req(), eps) is eps[2]
+    # one more sent to eps[2] before the next scrape doubles its queue estimate
+    assert router.score(make_req(), eps)[2] == pytest.approx(0.55)
+
+
+def test_least_latency_with_one_snapshot_uses_the_last_interval():
+    ctx, _ = ctx_for()
+    router = LeastLatencyRouter(ctx)
+    eps = make_eps(2)
+    eps[0].metrics = snap(waiting=0.0, ttft_recent_mean=0.3, queue_time_recent_mean=0.1)
+    eps[1].metrics = snap(waiting=2.0, ttft_recent_mean=0.1, queue_time_recent_mean=0.0)
+    assert router.score(make_req(), eps) == [pytest.approx(0.3), pytest.approx(0.3)]
+
+
+def test_metric_strategies_combine():
+    ctx, _ = ctx_for()
+    reg = default_registry(ctx)
+    eps = make_eps(3)
+    for ep, (kv, w) in zip(eps, ((0.9, 0.0), (0.1, 6.0), (0.4, 1.0)), strict=True):
+        ep.metrics = snap(kv_usage=kv, waiting=w)
+    router = reg.get("least-kv-cache:1,least-waiting:1")
+    # kv → [0, 1, 0.625]; waiting → [1, 0, 5/6]; halves summed
+    assert router.score(make_req(), eps) == pytest.approx([0.5, 0.5, (0.625 + 5 / 6) / 2])
+    assert router.route(make_req(), eps) is eps[2]
+
+
+# -- the parser extension, on real engine output -----------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_queue_time_and_pool_size_from_a_real_exposition(sims, engine):
+    sim = await sims(engine, "m", kv_blocks=512, block_size=16)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(sim.url + "/metrics") as r:
+            first = parse_engine_metrics(await r.text(), engine, 1.0, model="m")
+        for _ in range(2):
+            async with s.post(sim.url + "/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2}) as r:
+                assert r.status == 200
+        async with s.get(sim.url + "/metrics") as r:
+            second = parse_engine_metrics(await r.text(), engine, 2.0, first, model="m")
+    assert second.kv_capacity_tokens == 512 * 16
+    assert second.queue_time_count == 2 and second.queue_time_sum is not None
+    assert second.queue_time_recent_mean is not None and second.queue_time_recent_mean >= 0
+    assert second.ttft_recent_mean is not None
+
+
+async def test_least_waiting_avoids_a_queued_engine_through_the_gateway(sims, gateway):
+    busy = await sims("vllm", "m", max_num_seqs=1)
+    idle = await sims("vllm", "m", max_num_seqs=1)
+    gw = await gateway([model_block("m", "vllm", [busy.url, idle.url])])
+    busy_ep = next(e for e in gw.gw.pool.endpoints() if e.url == busy.url)
+    pin = {"routing-strategy": "session-affinity", "x-session-id": encode_session_id(busy_ep.address),
+           "x-sim-fault": "stall_before_first=inf"}
+    body = {"model": "m", "prompt": "hold", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        async def hold():
+            async with s.post(gw.url + "/v1/completions", json=body, headers=pin) as r:
+                await r.read()
+        stuck = [asyncio.create_task(hold()) for _ in range(4)]     # 1 running, 3 waiting on `busy`
+        try:
+            for _ in range(300):                                    # until a scrape saw the queue
+                m = busy_ep.metrics
+                if m is not None and m.waiting == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert busy_ep.metrics.waiting == 3
+            for _ in range(4):
+                async with s.post(gw.url + "/v1/completions", json={**body, "prompt": "go"},
+                                  headers={"routing-strategy": "least-waiting"}) as r:
+                    assert r.status == 200
+                    assert r.headers["target-pod"] == idle.url.removeprefix("http://")
+        finally:
+            for t in stuck:
+                t.cancel()
+            for t in stuck:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
