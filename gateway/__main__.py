@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", help="listen host (overrides listen.host)")
     p.add_argument("--port", type=int, help="listen port (overrides listen.port)")
     p.add_argument("--log-format", choices=("json", "console"), help="overrides server.log_format")
+    p.add_argument("--workers", type=int, help="processes sharing the port via SO_REUSEPORT (overrides server.workers)")
     args = p.parse_args(argv)
 
     if args.demo:
@@ -37,13 +38,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"switchyard: config error: {e}", file=sys.stderr)
         return 2
     configure_logging(args.log_format or config.server.log_format, config.server.log_level)
-    from gateway.server import serve
-    try:
-        uvloop.run(serve(config))
-    except ValueError as e:  # strategy names etc. validated at app build
-        print(f"switchyard: {e}", file=sys.stderr)
+    from gateway.server import free_port, serve
+    workers = args.workers if args.workers is not None else config.server.workers
+    if workers < 1:
+        print("switchyard: --workers must be >= 1", file=sys.stderr)
         return 2
-    return 0
+
+    def serve_one() -> int:
+        try:
+            uvloop.run(serve(config, reuse_port=workers > 1))
+        except ValueError as e:  # strategy names etc. validated at app build
+            print(f"switchyard: {e}", file=sys.stderr)
+            return 2
+        return 0
+
+    if workers == 1:
+        return serve_one()
+    if config.listen.port == 0:   # every worker must bind the same port
+        config = config.with_listen(None, free_port(config.listen.host))
+    from gateway.workers import run_workers, stderr_log
+    return run_workers(workers, serve_one, stderr_log)
 
 
 if __name__ == "__main__":

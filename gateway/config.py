@@ -42,6 +42,7 @@ class ListenConfig:
 class ServerConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     shutdown_grace_s: float = 30.0
+    workers: int = 1                     # processes sharing the port (SO_REUSEPORT); see gateway/workers.py
     drain_delay_s: float = 5.0           # after SIGTERM: keep accepting connections this long (≤ grace)
     log_format: str = "console"          # json | console
     log_level: str = "info"

@@ -1,0 +1,76 @@
+"""``--workers N``: N gateway processes sharing one port through SO_REUSEPORT.
+
+The kernel spreads new connections over the workers' listening sockets, so a machine with more
+cores serves more requests. Each worker is a whole gateway with its own state: in-flight counts,
+round-robin positions, the prefix-cache index, health and metrics monitors, and (without Redis)
+rate-limit counters. Use ``state.redis_url`` to share limits and in-flight counts between workers
+as between replicas.
+
+The parent forks the workers before any event loop exists, forwards SIGTERM/SIGINT to them (each
+drains as a single gateway does), restarts a worker that dies unexpectedly (with a short back-off),
+and exits when all have exited after a signal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+
+RESTART_BACKOFF_S = 1.0
+
+
+def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]) -> int:
+    """Fork ``n`` processes that each call ``serve_one()`` (which must bind with SO_REUSEPORT)."""
+    children: dict[int, int] = {}      # pid → worker index
+    stopping = False
+
+    def spawn(index: int) -> None:
+        pid = os.fork()
+        if pid == 0:  # the worker
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            code = 1
+            try:
+                code = serve_one()
+            finally:
+                os._exit(code)
+        children[pid] = index
+
+    def forward(sig: int, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+        for pid in list(children):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for i in range(n):
+        spawn(i)
+    log(f"started {n} workers: {sorted(children)}")
+    worst = 0
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        index = children.pop(pid, None)
+        code = os.waitstatus_to_exitcode(status)
+        worst = max(worst, code if code > 0 else 0)
+        if index is not None and not stopping:
+            log(f"worker {index} (pid {pid}) exited with {code}; restarting")
+            time.sleep(RESTART_BACKOFF_S)
+            if not stopping:
+                spawn(index)
+    return worst
+
+
+def stderr_log(msg: str) -> None:
+    print(f"switchyard: {msg}", file=sys.stderr, flush=True)
