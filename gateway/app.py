@@ -1,4 +1,4 @@
-"""The aiohttp application: routes, error middleware, lifecycle of the session and monitors."""
+"""The aiohttp application: routes, error middleware, lifecycle of the upstream client and monitors."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from gateway.errors import GatewayError
 from gateway.monitor import Monitor
 from gateway.pipeline import Gateway
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
-from gateway.upstream import make_session
+from gateway.upstream import make_pool, make_session
 from k8s.discovery import KubernetesDiscovery
 
 log = structlog.get_logger("switchyard.app")
@@ -117,6 +117,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
             await disc.start()
             app[DISCOVERY_KEY] = disc
         # --
+        gw.upstream = make_pool(config.upstream)
         gw.session = make_session(config.upstream)
         mon = Monitor(pool, gw.session, gw.metrics, config.health, config.scrape)
         app[MONITOR_KEY] = mon
@@ -127,6 +128,8 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
             await app[DISCOVERY_KEY].stop()
         await app[MONITOR_KEY].stop()
         await gw.close_background()
+        if gw.upstream is not None:
+            await gw.upstream.close()
         if gw.session is not None:
             await gw.session.close()
 

@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 import structlog
 from aiohttp import web
 
 from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.h1client import UpstreamConnectError, UpstreamError, UpstreamResponse, UpstreamTimeout
 from gateway.request import usage_stream_options
 from gateway.upstream import UpstreamFailure, open_leg
 from handlers import sglang as sglang_handler
@@ -111,16 +111,19 @@ async def _call_prefill(gw: Gateway, ireq: InferenceRequest, prefill: Endpoint, 
     start = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):
-            async with gw.session.post(prefill.url + ireq.path, data=body, headers=headers) as resp:
+            resp = await gw.upstream.post(prefill.url + ireq.path, body, headers)
+            try:
                 raw = await resp.read()
-                status = resp.status
+            finally:
+                resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
+            status = resp.status
     except TimeoutError:
         raise PrefillFailed("timeout", f"no answer within {timeout:g}s") from None
-    except asyncio.CancelledError:
-        raise
-    except aiohttp.ClientConnectorError as e:
-        raise PrefillFailed("transport", f"cannot connect: {e.os_error.strerror or e}") from None
-    except (aiohttp.ClientError, OSError) as e:
+    except UpstreamTimeout as e:    # upstream.total_timeout_s
+        raise PrefillFailed("timeout", str(e)) from None
+    except UpstreamConnectError as e:
+        raise PrefillFailed("transport", f"cannot connect: {e}") from None
+    except UpstreamError as e:
         raise PrefillFailed("transport", f"{type(e).__name__}: {e}") from None
     finally:
         rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
@@ -162,7 +165,7 @@ async def _vllm(gw: Gateway, request: web.Request, ireq: InferenceRequest, decis
     limit = _decode_header_timeout(gw, ireq)
     decode_start = time.perf_counter()
     try:
-        resp = await open_leg(gw.session, decode.url + ireq.path, body, headers, limit)
+        resp = await open_leg(gw.upstream, decode.url + ireq.path, body, headers, limit)
     except UpstreamFailure as f:
         if f.kind == "timeout":   # the watchdog: no answer from the decode in time (closing it aborts)
             raise _watchdog_error(gw, rec, decode, ireq, limit) from None
@@ -202,11 +205,14 @@ async def _abort(gw: Gateway, ep: Endpoint, rid: str, model: str, *, again_unles
     for attempt in range(2):
         try:
             async with asyncio.timeout(cfg.abort_timeout_s):
-                async with gw.session.post(ep.url + "/abort_request", data=orjson.dumps({"rid": rid}),
-                                           headers={"Content-Type": "application/json"}) as r:
+                r = await gw.upstream.post(ep.url + "/abort_request", orjson.dumps({"rid": rid}),
+                                           {"Content-Type": "application/json"})
+                try:
                     await r.read()
-                    result = "ok" if r.status == 200 else "error"
-        except (TimeoutError, aiohttp.ClientError, OSError):
+                finally:
+                    r.release()
+                result = "ok" if r.status == 200 else "error"
+        except (TimeoutError, UpstreamError):
             result = "error"
         gw.metrics.child(gw.metrics.pd_aborts, model, result).inc()
         if attempt == 0:
@@ -245,11 +251,11 @@ async def _sglang(gw: Gateway, request: web.Request, ireq: InferenceRequest, dec
             charges.token_active.release()
 
     prefill_task = asyncio.create_task(run_prefill())
-    decode_task = asyncio.create_task(open_leg(gw.session, decode.url + ireq.path, d_body, headers,
+    decode_task = asyncio.create_task(open_leg(gw.upstream, decode.url + ireq.path, d_body, headers,
                                                gw.config.upstream.first_byte_timeout_s or None))
     charges.pending_decode.release()
     decode_start = time.perf_counter()
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     try:
         await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_task.done():

@@ -1,7 +1,7 @@
 """The request pipeline: parse → admit → strategy → route+charge → forward → relay → finish.
 
 One ``Gateway`` per app holds the config, the endpoint pool, the router registry, the metrics and
-the upstream session. ``handle`` is the aiohttp handler for the inference paths; every path out
+the upstream client. ``handle`` is the aiohttp handler for the inference paths; every path out
 of it (answer, error, client disconnect) releases the leases and writes one log line.
 """
 
@@ -28,7 +28,7 @@ from gateway.request import InferenceRequest, parse, request_id_from, usage_stre
 from gateway.sse import usage_tokens
 from gateway.tenants import build_tenancy
 from gateway.trackers import PDTrackers
-from gateway.upstream import UpstreamFailure, open_leg
+from gateway.upstream import UpstreamFailure, UpstreamPool, UpstreamResponse, open_leg
 from handlers import sglang as sglang_handler
 from routers.base import Decision, NoRouteError, Router, RouterContext
 from routers.registry import RouterRegistry, StrategyError, default_registry
@@ -82,7 +82,8 @@ class Gateway:
         self.trackers = PDTrackers(self.metrics)
         self._background: set[asyncio.Task] = set()
         self.registry: RouterRegistry = default_registry(self.router_ctx)
-        self.session: aiohttp.ClientSession | None = None
+        self.upstream: UpstreamPool | None = None          # data-plane legs (gateway/h1client.py)
+        self.session: aiohttp.ClientSession | None = None  # the monitor's probes and scrapes
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -324,7 +325,7 @@ class Gateway:
         while True:
             rec.endpoint = ep.name
             try:
-                resp = await open_leg(self.session, ep.url + ireq.path, body, headers, header_timeout)
+                resp = await open_leg(self.upstream, ep.url + ireq.path, body, headers, header_timeout)
                 break
             except UpstreamFailure as f:
                 self.metrics.child(self.metrics.upstream_errors, ireq.model, ep.name, f.kind).inc()
@@ -348,14 +349,14 @@ class Gateway:
                                    header=("x-error-upstream", f.kind), error_class=rec.error_class) from None
         return await self.relay_answer(request, ireq, resp, decision, rec, strip_usage, wd)
 
-    async def relay_answer(self, request: web.Request, ireq: InferenceRequest, resp: aiohttp.ClientResponse,
+    async def relay_answer(self, request: web.Request, ireq: InferenceRequest, resp: UpstreamResponse,
                            decision: Decision, rec: RequestRecord, strip_usage: bool, wd) -> web.StreamResponse:
         try:
             return await self.answer(request, ireq, resp, decision, rec, strip_usage, wd)
         finally:
             # a fully read response returns its connection to the pool; anything else (client gone,
             # watchdog, upstream error) closes it, which is how an engine learns to stop
-            if resp.content.at_eof():
+            if resp.at_eof():
                 resp.release()
             else:
                 resp.close()
@@ -364,12 +365,12 @@ class Gateway:
         m = self.config.model(model)
         return m is not None and m.watchdog is not None and m.watchdog.aggregated
 
-    async def answer(self, request: web.Request, ireq: InferenceRequest, resp: aiohttp.ClientResponse,
+    async def answer(self, request: web.Request, ireq: InferenceRequest, resp: UpstreamResponse,
                      decision: Decision, rec: RequestRecord, strip_usage: bool, wd) -> web.StreamResponse:
         headers = self.base_headers(rec)
         headers.update(decision.headers)
         if resp.status != 200:
-            raw = await resp.content.read(self.config.upstream.max_error_body_bytes)
+            raw = await resp.read_limited(self.config.upstream.max_error_body_bytes)
             status, err = normalize_upstream_error(resp.status, raw)
             rec.status = status
             rec.error_class = "upstream_status"

@@ -16,11 +16,11 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from gateway.errors import GatewayError, error_body
+from gateway.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from gateway.sse import SSEScanner
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class WatchdogFired(Exception):
         self.seconds = seconds
 
 
-async def relay_stream(gw: Gateway, request: web.Request, resp: aiohttp.ClientResponse, rec: RequestRecord,
+async def relay_stream(gw: Gateway, request: web.Request, resp: UpstreamResponse, rec: RequestRecord,
                        headers: dict[str, str], strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
     clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
     scanner = SSEScanner(strip_usage=strip_usage)
@@ -51,7 +51,7 @@ async def relay_stream(gw: Gateway, request: web.Request, resp: aiohttp.ClientRe
     await out.prepare(request)
     rec.extra["headers_sent"] = True
     rec.status = 200
-    content = resp.content
+    readany = resp.readany
     write = out.write
     feed = scanner.feed
     first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
@@ -63,7 +63,7 @@ async def relay_stream(gw: Gateway, request: web.Request, resp: aiohttp.ClientRe
             while True:
                 try:
                     async with asyncio.timeout(limit or None):
-                        chunk = await content.readany()
+                        chunk = await readany()
                 except TimeoutError:
                     raise WatchdogFired(phase, limit) from None
                 if not chunk:
@@ -73,7 +73,7 @@ async def relay_stream(gw: Gateway, request: web.Request, resp: aiohttp.ClientRe
                 if data:
                     await write(data)
         else:
-            while chunk := await content.readany():
+            while chunk := await readany():
                 data = feed(chunk, clock())
                 if data:
                     await write(data)
@@ -89,11 +89,17 @@ async def relay_stream(gw: Gateway, request: web.Request, resp: aiohttp.ClientRe
         rec.error = f"no output from the engine for {w.seconds:g}s ({w.phase.replace('_', ' ')})"
         gw.metrics.child(gw.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
         failure = error_event(504, rec.error, code="upstream_timeout")
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+    except UpstreamTimeout as e:
+        # upstream.total_timeout_s: the whole exchange took too long
+        rec.error_class = "upstream_timeout"
+        rec.error = f"the engine did not finish the stream: {e}"
+        gw.metrics.child(gw.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
+        failure = error_event(504, rec.error, code="upstream_timeout")
+    except UpstreamError as e:
         # the engine's side broke mid-stream (a client-side write failure raises ConnectionResetError,
         # handled below as a cancel)
         rec.error_class = "upstream_broken"
-        rec.error = f"the engine connection broke mid-stream: {type(e).__name__}"
+        rec.error = f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
         gw.metrics.child(gw.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
         failure = error_event(502, rec.error, code="upstream_incomplete")
     except ConnectionResetError:
@@ -131,7 +137,7 @@ def _finish_stream_record(gw: Gateway, rec: RequestRecord, scanner: SSEScanner) 
     gw.account_usage(rec, scanner.usage)
 
 
-async def relay_body(gw: Gateway, request: web.Request, resp: aiohttp.ClientResponse, rec: RequestRecord,
+async def relay_body(gw: Gateway, request: web.Request, resp: UpstreamResponse, rec: RequestRecord,
                      headers: dict[str, str], ctype: str, wd: WatchdogConfig | None) -> web.StreamResponse:
     limit = wd.response_timeout_s if wd is not None else 0.0
     try:
@@ -140,12 +146,13 @@ async def relay_body(gw: Gateway, request: web.Request, resp: aiohttp.ClientResp
                 body = await resp.read()
         else:
             body = await resp.read()
-    except TimeoutError:
-        rec.error_class = "watchdog_response"
+    except (TimeoutError, UpstreamTimeout) as e:
+        rec.error_class = "watchdog_response" if isinstance(e, TimeoutError) else "upstream_timeout"
         gw.metrics.child(gw.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
-        raise GatewayError(504, f"the engine did not answer within {limit:g}s", code="upstream_timeout",
+        secs = limit if isinstance(e, TimeoutError) else e.seconds
+        raise GatewayError(504, f"the engine did not answer within {secs:g}s", code="upstream_timeout",
                            header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+    except UpstreamError as e:
         rec.error_class = "upstream_broken"
         gw.metrics.child(gw.metrics.upstream_errors, rec.model, rec.endpoint, "broken_body").inc()
         raise GatewayError(502, f"the engine connection broke before the answer was complete: {type(e).__name__}",

@@ -1,25 +1,34 @@
-"""Upstream legs: one pooled client session to all engines, and failures classified.
+"""Upstream legs: the pooled HTTP/1.1 client to the engines, and failures classified.
 
-The session keeps connections alive between requests (TCP_NODELAY is set on every connection by
-aiohttp's protocol), sends no ``Accept-Encoding`` so engines answer uncompressed and relayed bytes
-need no re-encoding, and applies the connect and total timeouts from config. The first-byte
-(response headers) timeout is applied per leg, because P/D legs and watchdogs use their own.
+Data-plane legs (aggregated, prefill, decode, SGLang ``/abort_request``) go through
+``gateway.h1client.UpstreamPool``: keep-alive connections, one write per request, no
+``Accept-Encoding`` (engines answer uncompressed and relayed bytes need no re-encoding), connect
+and total timeouts from config. The first-byte (response head) timeout is applied per leg, because
+P/D legs and watchdogs use their own.
+
+The monitor (health probes, ``/metrics`` scrapes) is not hot and keeps a small aiohttp session.
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 
 from gateway.config import UpstreamConfig
+from gateway.h1client import (
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
 
 
 class UpstreamFailure(Exception):
     """A leg failed before a response status arrived.
 
-    ``kind``: connect (refused/unreachable), reset (connection dropped before any byte),
-    timeout (no response headers in time), protocol (anything else the client library raised).
+    ``kind``: connect (refused/unreachable/connect timeout), reset (connection dropped before the
+    answer's head), timeout (no response head in time), protocol (not a valid HTTP answer).
     ``retryable`` is true when no byte came back, so no engine produced output for the client.
     """
 
@@ -30,39 +39,29 @@ class UpstreamFailure(Exception):
         self.retryable = retryable
 
 
+def make_pool(cfg: UpstreamConfig) -> UpstreamPool:
+    """The data-plane client (call inside the running loop, e.g. at app startup)."""
+    return UpstreamPool.from_config(cfg)
+
+
 def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
-    connector = aiohttp.TCPConnector(
-        limit=cfg.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=cfg.keepalive_timeout_s,
-        ttl_dns_cache=300,
-    )
-    timeout = aiohttp.ClientTimeout(total=cfg.total_timeout_s or None, sock_connect=cfg.connect_timeout_s or None)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        skip_auto_headers=("Accept-Encoding", "User-Agent"),
-        auto_decompress=False,
-    )
+    """The monitor's session: a few connections for health probes and metrics scrapes."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=cfg.keepalive_timeout_s, ttl_dns_cache=300)
+    return aiohttp.ClientSession(connector=connector,
+                                 timeout=aiohttp.ClientTimeout(sock_connect=cfg.connect_timeout_s or None),
+                                 skip_auto_headers=("Accept-Encoding", "User-Agent"), auto_decompress=False)
 
 
-async def open_leg(session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str],
-                   header_timeout: float | None) -> aiohttp.ClientResponse:
+async def open_leg(pool: UpstreamPool, url: str, body: bytes, headers: dict[str, str],
+                   header_timeout: float | None) -> UpstreamResponse:
     """POST ``body`` and return once the response status and headers arrived."""
     try:
-        if header_timeout:
-            async with asyncio.timeout(header_timeout):
-                return await session.post(url, data=body, headers=headers)
-        return await session.post(url, data=body, headers=headers)
-    except TimeoutError:
-        raise UpstreamFailure("timeout", f"no response from {url} within {header_timeout:g}s",
-                              retryable=False) from None
-    except aiohttp.ClientConnectorError as e:
-        raise UpstreamFailure("connect", f"cannot connect to {url}: {e.os_error.strerror or e}",
-                              retryable=True) from None
-    except aiohttp.ServerDisconnectedError:
-        raise UpstreamFailure("reset", f"{url} closed the connection before answering", retryable=True) from None
-    except aiohttp.ClientOSError as e:
-        raise UpstreamFailure("reset", f"connection to {url} failed: {e.strerror or e}", retryable=True) from None
-    except aiohttp.ClientError as e:
+        return await pool.post(url, body, headers, header_timeout)
+    except UpstreamTimeout as e:
+        raise UpstreamFailure("timeout", f"no response from {url} within {e.seconds:g}s", retryable=False) from None
+    except UpstreamConnectError as e:
+        raise UpstreamFailure("connect", f"cannot connect to {url}: {e}", retryable=True) from None
+    except UpstreamDisconnected as e:
+        raise UpstreamFailure("reset", f"{url}: {e}", retryable=not e.received) from None
+    except UpstreamError as e:
         raise UpstreamFailure("protocol", f"bad answer from {url}: {e}", retryable=False) from None

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from gateway.config import PDConfig
-from gateway.endpoints import EngineMetrics, Endpoint
+from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.metrics import GatewayMetrics
 from gateway.request import CHAT, parse
 from gateway.trackers import PDTrackers
