@@ -11,18 +11,15 @@ from gateway.endpoints import Endpoint
 
 
 class Lease:
-    __slots__ = ("endpoint", "_gauge", "released")
+    __slots__ = ("endpoint", "released")
 
-    def __init__(self, endpoint: Endpoint, gauge) -> None:
+    def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self._gauge = gauge
         self.released = False
         endpoint.in_flight += 1
-        gauge.inc()
 
     def release(self) -> None:
         if self.released:
             return
         self.released = True
         self.endpoint.in_flight -= 1
-        self._gauge.dec()

@@ -6,8 +6,12 @@ cached in plain dicts keyed by label tuples so the hot path pays one dict lookup
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -22,12 +26,6 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("switchyard_requests", "Client requests by final HTTP status",
                                 ["model", "status", "strategy"], registry=r)
-        self.in_flight = Gauge("switchyard_in_flight_requests", "Client requests in flight by model",
-                               ["model"], registry=r)
-        self.endpoint_in_flight = Gauge("switchyard_endpoint_in_flight_requests",
-                                        "Requests charged to each endpoint", ["model", "endpoint"], registry=r)
-        self.endpoint_ready = Gauge("switchyard_endpoint_ready", "1 if the endpoint receives new requests",
-                                    ["model", "endpoint"], registry=r)
         self.ttft = Histogram("switchyard_time_to_first_token_seconds",
                               "Time from request arrival to the first generated token", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
@@ -59,16 +57,6 @@ class GatewayMetrics:
         self.scrapes = Counter("switchyard_engine_scrapes", "Engine /metrics scrapes by result",
                                ["model", "endpoint", "result"], registry=r)
         # P/D
-        ep_labels = ["model", "endpoint"]
-        self.pd_prefill_in_flight = Gauge("switchyard_pd_prefill_in_flight",
-                                          "Prefill calls in progress (PrefillRequestTracker)", ep_labels, registry=r)
-        self.pd_pending_decode = Gauge("switchyard_pd_pending_decode",
-                                       "Decodes chosen but not yet sent (PendingDecodeTracker)", ep_labels, registry=r)
-        self.pd_token_active = Gauge("switchyard_pd_token_load_active_tokens",
-                                     "Prompt tokens being prefilled (TokenLoadTracker)", ep_labels, registry=r)
-        self.pd_token_kv = Gauge("switchyard_pd_token_load_kv_tokens",
-                                 "Prompt tokens whose KV is held for live requests (TokenLoadTracker)",
-                                 ep_labels, registry=r)
         self.pd_prefill_time = Histogram("switchyard_pd_prefill_seconds", "Prefill leg duration", ["model"],
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.pd_kv_transfer_time = Histogram("switchyard_pd_kv_transfer_seconds",
@@ -85,6 +73,10 @@ class GatewayMetrics:
                                  ["model", "result"], registry=r)
         self._children: dict[tuple, object] = {}
 
+    def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int]) -> None:
+        """Gauges of live counts, read from the objects that hold them at scrape time."""
+        self.registry.register(LiveState(endpoints, model_in_flight))
+
     def child(self, metric, *labels: str):
         """A cached labelled child: one dict lookup on the hot path."""
         key = (id(metric), labels)
@@ -95,3 +87,43 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# (metric name, help, how to read it off an Endpoint)
+_ENDPOINT_GAUGES: tuple[tuple[str, str, Callable], ...] = (
+    ("switchyard_endpoint_in_flight_requests", "Requests charged to each endpoint", lambda ep: ep.in_flight),
+    ("switchyard_endpoint_ready", "1 if the endpoint receives new requests", lambda ep: 1 if ep.ready else 0),
+    ("switchyard_pd_prefill_in_flight", "Prefill calls in progress (PrefillRequestTracker)",
+     lambda ep: ep.prefill_in_flight),
+    ("switchyard_pd_pending_decode", "Decodes chosen but not yet sent (PendingDecodeTracker)",
+     lambda ep: ep.pending_decode),
+    ("switchyard_pd_token_load_active_tokens", "Prompt tokens being prefilled (TokenLoadTracker)",
+     lambda ep: ep.token_active),
+    ("switchyard_pd_token_load_kv_tokens", "Prompt tokens whose KV is held for live requests (TokenLoadTracker)",
+     lambda ep: ep.token_kv),
+)
+
+
+class LiveState(Collector):
+    """In-flight, readiness and P/D tracker gauges, computed when ``/metrics`` is scraped.
+
+    The counts already live on the endpoints (routers read them there); exporting them at scrape
+    time instead of mirroring every change into prometheus gauges keeps the per-request path free
+    of metric locks, and an endpoint removed by discovery simply disappears from the output.
+    """
+
+    def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int]) -> None:
+        self._endpoints = endpoints
+        self._model_in_flight = model_in_flight
+
+    def collect(self):
+        eps = list(self._endpoints())
+        for name, doc, read in _ENDPOINT_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=["model", "endpoint"])
+            for ep in eps:
+                fam.add_metric([ep.model, ep.name], read(ep))
+            yield fam
+        fam = GaugeMetricFamily("switchyard_in_flight_requests", "Client requests in flight by model", labels=["model"])
+        for model, n in list(self._model_in_flight.items()):
+            fam.add_metric([model], n)
+        yield fam

@@ -38,8 +38,6 @@ class Monitor:
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> None:
-        for ep in self.pool.endpoints():
-            self.metrics.child(self.metrics.endpoint_ready, ep.model, ep.name).set(1 if ep.ready else 0)
         if self.health.enabled:
             self._tasks.append(asyncio.create_task(self._loop(self.health.interval_s, self.probe_all),
                                                    name="switchyard-health"))
@@ -100,7 +98,6 @@ class Monitor:
                 ep.healthy = False
         if was != ep.healthy:
             log.info("endpoint health changed", model=ep.model, endpoint=ep.name, healthy=ep.healthy)
-        self.metrics.child(self.metrics.endpoint_ready, ep.model, ep.name).set(1 if ep.ready else 0)
 
     # -- engine metrics ----------------------------------------------------------------------
 

@@ -79,7 +79,9 @@ class Gateway:
         self.router_ctx.on_fallback = self._on_fallback
         self.router_ctx.pd_settings = config.pd_for
         self.router_ctx.routing = config.routing      # strategy knobs (routers.base.RoutingSettings)
-        self.trackers = PDTrackers(self.metrics)
+        self.trackers = PDTrackers()
+        self.model_in_flight: dict[str, int] = {}
+        self.metrics.attach_live_state(pool.endpoints, self.model_in_flight)
         self._background: set[asyncio.Task] = set()
         self.registry: RouterRegistry = default_registry(self.router_ctx)
         self.upstream: UpstreamPool | None = None          # data-plane legs (gateway/h1client.py)
@@ -103,7 +105,7 @@ class Gateway:
         self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()
 
     def charge(self, ep: Endpoint) -> Lease:
-        return Lease(ep, self.metrics.child(self.metrics.endpoint_in_flight, ep.model, ep.name))
+        return Lease(ep)
 
     def mark_connect_failure(self, ep: Endpoint) -> None:
         """Passive health: a refused connection takes the endpoint out until a probe succeeds."""
@@ -111,7 +113,6 @@ class Gateway:
         ep.consecutive_failures += 1
         if self.config.health.passive and self.config.health.enabled:
             ep.healthy = False
-            self.metrics.child(self.metrics.endpoint_ready, ep.model, ep.name).set(0)
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -215,8 +216,8 @@ class Gateway:
                 raise GatewayError(404, f"The model `{ireq.model}` does not exist.", param="model",
                                    code="model_not_found", header=("x-error-no-model-backends", ireq.model),
                                    error_class="model_not_found")
-            model_gauge = self.metrics.child(self.metrics.in_flight, ireq.model)
-            model_gauge.inc()
+            model_gauge = ireq.model
+            self.model_in_flight[model_gauge] = self.model_in_flight.get(model_gauge, 0) + 1
             spec = self.strategy_for(ireq.model, hdrs.get("routing-strategy"))
             rec.strategy = spec
             router = self.router_for(spec)
@@ -262,7 +263,7 @@ class Gateway:
             for lease in leases:
                 lease.release()
             if model_gauge is not None:
-                model_gauge.dec()
+                self.model_in_flight[model_gauge] -= 1
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()

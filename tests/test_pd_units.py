@@ -250,10 +250,12 @@ def test_combined_wins_when_clearly_less_loaded():
 
 def test_tracker_charges_release_exactly_once():
     m = GatewayMetrics()
-    t = PDTrackers(m)
+    t = PDTrackers()
     e = ep(1, "prefill")
+    m.attach_live_state(lambda: [e], {})
     charges = [t.prefill(e), t.prefill(e), t.pending_decode(e), *t.token_load(e, 100.0)]
     assert (e.prefill_in_flight, e.pending_decode, e.token_active, e.token_kv) == (2, 1, 100.0, 100.0)
+    assert 'switchyard_pd_prefill_in_flight{endpoint="127.0.0.1:8000",model="m"} 2.0' in m.render().decode()
     for c in charges + charges:
         c.release()
     assert (e.prefill_in_flight, e.pending_decode, e.token_active, e.token_kv) == (0, 0, 0.0, 0.0)
