@@ -37,7 +37,11 @@ async def start(config: Config, *, reuse_port: bool = False) -> tuple[web.AppRun
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=reuse_port or None,
                        backlog=1024)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:      # e.g. the port is taken: close what startup opened, then report
+        await runner.cleanup()
+        raise
     port = config.listen.port
     server = site._server
     if server is not None and server.sockets:
