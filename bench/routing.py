@@ -14,8 +14,8 @@ Workload (defaults; ``--quick`` shortens the run, not the shape):
   answer before its next turn (whose prompt is the whole conversation so far, answers included);
 * a share of single-turn requests with unique prompts (no reusable prefix) arrives on its own
   Poisson process;
-* the fleet's KV pools together hold about a third of the distinct prefix text (system prompts
-  plus live conversations), so an engine keeps a prefix only if it keeps seeing it.
+* one engine's KV pool holds under a third of the system prompts and the fleet's pools about a
+  fifth of the distinct prompt text of a run, so an engine keeps a prefix only if it keeps seeing it.
 
 The engines' latency model makes prefill dominate TTFT (``prefill_ms_per_token`` per uncached
 prompt token, like a GPU prefilling ~10k tokens/s), so a cache hit matters; ``max_num_seqs`` caps
@@ -396,7 +396,8 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="5 strategies, 20 s of arrivals each (< 2 min)")
+    ap.add_argument("--quick", action="store_true",
+                    help="5 strategies, 20 s of arrivals each (< 2 min; the default run takes ~10 min)")
     ap.add_argument("--strategies", nargs="+", help="strategy strings (default: all built-ins + combos)")
     ap.add_argument("--engines", type=int)
     ap.add_argument("--duration", type=float, help="seconds of arrivals per strategy")

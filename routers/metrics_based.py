@@ -11,7 +11,8 @@ They read ``Endpoint.metrics``, the scraper's latest ``EngineMetrics`` snapshot.
 * Between two scrapes the snapshot does not move, so a burst would herd onto the endpoint that
   looked best at the last scrape (AIBrix issue #2422 in another guise). Each router therefore adds
   what *it* has sent to an endpoint since that endpoint's current snapshot (requests and their
-  estimated prompt tokens), in the unit of its signal.
+  estimated prompt tokens), in the unit of its signal; ``throughput``, whose counters lag by a
+  whole window, uses what it sent within that window instead.
 * Exact ties go to the endpoint with the fewest gateway in-flight requests, then uniformly at
   random.
 
@@ -259,12 +260,42 @@ class WindowedRouter(MetricRouter):
         return w.derived
 
 
+class _Demand:
+    """What this router sent one endpoint within the window: (time, weighted tokens), and their sum."""
+
+    __slots__ = ("events", "total")
+
+    def __init__(self) -> None:
+        self.events: deque[tuple[float, float]] = deque()
+        self.total = 0.0
+
+
+def _max_tokens(req: InferenceRequest) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = req.data.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+    return 0
+
+
 class ThroughputRouter(WindowedRouter):
-    """Least token throughput over the window: 2 · prompt tokens/s + generated tokens/s, from the
-    engines' token counters (AIBrix's 2:1 weighting of its per-request averages, here as rates).
-    With a single snapshot so far, the scraper's last-interval rates are used."""
+    """Least token throughput over the window: 2 · prompt tokens/s + generated tokens/s (AIBrix's 2:1
+    weighting of its per-request averages, here as rates from the engines' token counters).
+
+    An engine's counters move only as it works through what it was sent, so alone they lag the
+    router's own decisions by up to the whole window, and the endpoint that looked idle would take
+    everything for that long. The score is therefore the larger of the engine's rate and the rate
+    at which this router sent it work over the same window (2 · estimated prompt tokens +
+    ``max_tokens``): its own decisions count at once, other gateways' traffic through the engine's
+    counters. With a single snapshot so far, the scraper's last-interval rates are used.
+    """
 
     name = "throughput"
+
+    def __init__(self, ctx: RouterContext) -> None:
+        super().__init__(ctx)
+        self._demand: dict[Endpoint, _Demand] = {}
+        self._now = 0.0
 
     def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
         dt = last.scraped_at - first.scraped_at
@@ -282,13 +313,34 @@ class ThroughputRouter(WindowedRouter):
             return (None,)
         return (2.0 * (prompt or 0.0) + (gen or 0.0),)
 
+    def prepare(self, candidates: Sequence[Endpoint], cutoff: float) -> None:
+        self._now = self.clock()
+
+    def sent_rate(self, ep: Endpoint, now: float) -> float:
+        d = self._demand.get(ep)
+        if d is None:
+            return 0.0
+        start = now - self.window_s
+        ev = d.events
+        while ev and ev[0][0] < start:
+            d.total -= ev.popleft()[1]
+        if not ev:
+            d.total = 0.0
+        return d.total / self.window_s
+
     def value(self, ep: Endpoint, m: EngineMetrics, sent: _Sent | None) -> float | None:
         rate = self.derived(ep, m)[0]
         if rate is None:
             return None
-        if sent is not None:
-            rate += 2.0 * sent[2] / max(self.window_s, 1e-3)
-        return rate
+        return max(rate, self.sent_rate(ep, self._now))
+
+    def post_route(self, req: InferenceRequest, ep: Endpoint) -> None:
+        d = self._demand.get(ep)
+        if d is None:
+            d = self._demand[ep] = _Demand()
+        tokens = 2.0 * req.prompt_tokens_est + _max_tokens(req)
+        d.events.append((self.clock(), tokens))
+        d.total += tokens
 
 
 class LeastLatencyRouter(WindowedRouter):

@@ -58,6 +58,8 @@ _SLOT_MASK = (1 << _SLOT_BITS) - 1
 _NEVER = -(1 << 62)          # "no entry" when comparing against a (possibly negative) cutoff
 # a block's holder dict is pruned of idle entries when it reaches this size
 _PRUNE_AT = 8
+# endpoints remembered before the slots of those no block mentions are released
+_SLOT_COMPACT_AT = 1024
 # idle sweeps run at most this often (seconds)
 _SWEEP_EVERY_S = 1.0
 
@@ -97,6 +99,9 @@ class PrefixIndex:
         self.clock = clock or time.monotonic
         self._blocks: OrderedDict[int, int | dict[int, int]] = OrderedDict()
         self._slots: dict[Endpoint, int] = {}     # endpoint → small int used inside the index
+        self._free_slots: list[int] = []
+        self._next_slot = 0
+        self._slot_limit = _SLOT_COMPACT_AT
         self._memo_req: InferenceRequest | None = None
         self._memo_keys: list[int] = []
         self._next_sweep = 0
@@ -108,8 +113,30 @@ class PrefixIndex:
     def _slot(self, ep: Endpoint) -> int:
         slot = self._slots.get(ep)
         if slot is None:
-            slot = self._slots[ep] = len(self._slots) & _SLOT_MASK
+            if len(self._slots) >= self._slot_limit:
+                self._compact_slots()
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            else:
+                slot = self._next_slot & _SLOT_MASK
+                self._next_slot += 1
+            self._slots[ep] = slot
         return slot
+
+    def _compact_slots(self) -> None:
+        """Release the slots of endpoints no block mentions any more (endpoints come and go with
+        Kubernetes pods; the index must not keep every one it ever saw). Rare: O(index size)."""
+        used: set[int] = set()
+        for held in self._blocks.values():
+            if held.__class__ is int:
+                used.add(held & _SLOT_MASK)
+            else:
+                used.update(held)
+        for ep, slot in list(self._slots.items()):
+            if slot not in used:
+                del self._slots[ep]
+                self._free_slots.append(slot)
+        self._slot_limit = max(_SLOT_COMPACT_AT, 2 * len(self._slots))
 
     # -- keys ------------------------------------------------------------------------------------
 

@@ -181,6 +181,30 @@ def test_throughput_window_slides_and_survives_a_restart():
     assert router.score(make_req(), ep) == [pytest.approx(2 * 50 / 15)]
 
 
+def test_throughput_counts_its_own_decisions_until_the_engines_show_them():
+    """The engines' counters lag; what the router sent in the window counts at once, across scrapes."""
+    clock = Clock()
+    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    router = ThroughputRouter(ctx)
+    eps = make_eps(2)
+    for ep in eps:
+        ep.metrics = snap(t=995.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)
+    router.score(make_req(), eps)
+    eps[0].metrics = snap(t=1000.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)        # idle
+    eps[1].metrics = snap(t=1000.0, prompt_tokens_total=500.0, generation_tokens_total=0.0)      # 200/s
+    picks = Counter(router.route(make_req(100), eps) for _ in range(20))
+    # eps[1] runs at 2 · 100 tokens/s; each decision adds 2 · 100 / 10 s = 20/s to a sent rate: eps[0]
+    # takes the first 10 (up to 200/s), then eps[1] catches up with its own decisions: about even
+    assert picks[eps[0]] + picks[eps[1]] == 20 and 10 <= picks[eps[0]] <= 11
+    clock.t += 1.0
+    for ep in eps:                                             # a new scrape that does not show it yet
+        ep.metrics = snap(t=1001.0, prompt_tokens_total=ep.metrics.prompt_tokens_total,
+                          generation_tokens_total=0.0)
+    assert router.score(make_req(), eps)[0] == pytest.approx(20.0 * picks[eps[0]])
+    clock.t += 10.0                                            # the window moved past the burst
+    assert router.sent_rate(eps[0], clock.t) == 0.0
+
+
 def test_throughput_single_snapshot_uses_the_scrapers_rates():
     ctx, _ = ctx_for()
     router = ThroughputRouter(ctx)

@@ -344,3 +344,20 @@ async def test_gateway_sends_a_conversation_back_to_its_engine_and_leaves_it_whe
             for t in stuck:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+
+
+def test_endpoint_slots_are_released_when_no_block_mentions_them(monkeypatch):
+    """Pods come and go: the index must not keep every endpoint it ever saw."""
+    from routers import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "_SLOT_COMPACT_AT", 4)
+    _, index, _, _ = setup(prefix_index_blocks=40)
+    kept = make_eps(1)[0]
+    index.insert(make_req(SYSTEM), kept)                     # 20 blocks
+    for i in range(30):                                      # 30 short-lived endpoints, 20 blocks each
+        ep = Endpoint(url=f"http://10.1.0.{i + 1}:8000", model="m")
+        index.insert(make_req(f"{i:03d}" + SYSTEM[3:]), ep)
+    assert len(index._slots) <= 8
+    assert len(index) == 40
+    depths, _ = index.depths(make_req(f"{29:03d}" + SYSTEM[3:]), [ep])
+    assert depths == {ep: 20}
