@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
 
@@ -73,9 +73,10 @@ class GatewayMetrics:
                                  ["model", "result"], registry=r)
         self._children: dict[tuple, object] = {}
 
-    def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int]) -> None:
+    def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
+                          prefix_stats: Callable[[], dict[str, int]] | None = None) -> None:
         """Gauges of live counts, read from the objects that hold them at scrape time."""
-        self.registry.register(LiveState(endpoints, model_in_flight))
+        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats))
 
     def child(self, metric, *labels: str):
         """A cached labelled child: one dict lookup on the hot path."""
@@ -112,9 +113,11 @@ class LiveState(Collector):
     of metric locks, and an endpoint removed by discovery simply disappears from the output.
     """
 
-    def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int]) -> None:
+    def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
+                 prefix_stats: Callable[[], dict[str, int]] | None = None) -> None:
         self._endpoints = endpoints
         self._model_in_flight = model_in_flight
+        self._prefix_stats = prefix_stats
 
     def collect(self):
         eps = list(self._endpoints())
@@ -127,3 +130,13 @@ class LiveState(Collector):
         for model, n in list(self._model_in_flight.items()):
             fam.add_metric([model], n)
         yield fam
+        stats = self._prefix_stats() if self._prefix_stats is not None else {}
+        if stats:
+            for key, doc in (("blocks", "Prompt blocks held by the prefix-cache index"),
+                             ("capacity", "Most blocks the prefix-cache index may hold (routing.prefix_index_blocks)"),
+                             ("entries", "Block-to-endpoint entries in the prefix-cache index")):
+                if key in stats:
+                    yield GaugeMetricFamily(f"switchyard_prefix_index_{key}", doc, value=stats[key])
+            if "evictions" in stats:
+                yield CounterMetricFamily("switchyard_prefix_index_evictions", "Blocks evicted from the prefix-cache index",
+                                          value=stats["evictions"])

@@ -81,7 +81,8 @@ class Gateway:
         self.router_ctx.routing = config.routing      # strategy knobs (routers.base.RoutingSettings)
         self.trackers = PDTrackers()
         self.model_in_flight: dict[str, int] = {}
-        self.metrics.attach_live_state(pool.endpoints, self.model_in_flight)
+        self.metrics.attach_live_state(pool.endpoints, self.model_in_flight,
+                                       prefix_stats=lambda: self.router_ctx.prefix_stats())
         self._background: set[asyncio.Task] = set()
         self.registry: RouterRegistry = default_registry(self.router_ctx)
         self.upstream: UpstreamPool | None = None          # data-plane legs (gateway/h1client.py)

@@ -221,3 +221,15 @@ async def test_no_ready_endpoint_is_503_with_retry_after(sims, gateway):
     assert orjson.loads(raw)["error"]["code"] == "service_unavailable"
     async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready") as r:
         assert r.status == 503
+
+
+async def test_prefix_index_size_is_exported(sims, gateway):
+    a, b = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])], routing={"strategy": "prefix-cache"})
+    long_prompt = [{"role": "user", "content": "a fairly long shared system prompt " * 200}]
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions",
+                                                    json={"model": "m", "messages": long_prompt, "max_tokens": 1}) as r:
+        assert r.status == 200
+    text = await gw.metrics_text()
+    blocks = [ln for ln in text.splitlines() if ln.startswith("switchyard_prefix_index_blocks ")]
+    assert blocks and float(blocks[0].split()[1]) > 0
