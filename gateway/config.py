@@ -10,6 +10,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -255,11 +256,12 @@ class Config:
     limits: LimitsConfig = LimitsConfig()
     state: StateConfig = StateConfig()
 
+    @cached_property
+    def _models_by_name(self) -> dict[str, ModelConfig]:
+        return {m.name: m for m in self.models}
+
     def model(self, name: str) -> ModelConfig | None:
-        for m in self.models:
-            if m.name == name:
-                return m
-        return None
+        return self._models_by_name.get(name)   # per request, several times: a dict, not a scan
 
     def pd_for(self, model: str) -> PDConfig:
         m = self.model(model)
