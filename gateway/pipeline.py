@@ -55,6 +55,7 @@ class RequestRecord:
     started: float
     model: str = "-"
     strategy: str = ""
+    user: str | None = None
     endpoint: str = ""
     status: int = 0
     stream: bool = False
@@ -241,6 +242,7 @@ class Gateway:
                 except sglang_handler.BodyError as e:
                     raise GatewayError(400, str(e), header=("x-error-routing", "true"),
                                        error_class="validation") from None
+            rec.user = ireq.user
             decision = self.route(ireq, spec, candidates, router)
             # charged in the same synchronous step as the decision
             leases.append(self.charge(decision.endpoint))
@@ -410,7 +412,8 @@ class Gateway:
         m.child(m.requests, rec.model, str(rec.status), rec.strategy).inc()
         if rec.model != "-" and rec.status < 400 and rec.status:
             m.child(m.e2e, rec.model).observe(duration)
-        log.info("request", request_id=rec.request_id, path=rec.path, model=rec.model, strategy=rec.strategy,
+        log.info("request", request_id=rec.request_id, path=rec.path, model=rec.model, user=rec.user,
+                 strategy=rec.strategy,
                  endpoint=rec.endpoint, status=rec.status, stream=rec.stream,
                  ttft_ms=round(rec.ttft * 1000, 3) if rec.ttft is not None else None,
                  prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,

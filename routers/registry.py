@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import Router, RouterContext, ScoringRouter
+from routers.base import Decision, Router, RouterContext, ScoringRouter
 from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
 from routers.pd import PDRouter
 from routers.power_of_two import PowerOfTwoRouter
@@ -114,7 +114,8 @@ class WeightedRouter:
     candidate list was shuffled beforehand).
 
     After the choice, each part's optional ``post_route(req, endpoint)`` hook is called, so a
-    strategy that learns from decisions (a prefix index) learns from combined decisions too.
+    strategy that learns from decisions (a prefix index) learns from combined decisions too, and
+    each part's optional ``response_headers(req, endpoint)`` adds its response headers.
     """
 
     polarity = "most"
@@ -130,6 +131,7 @@ class WeightedRouter:
         self.parts = [(r, w / total, _polarity_most(r)) for r, w in parts]
         self._random = rng.random if rng is not None else None
         self._hooks = [h for h in (getattr(r, "post_route", None) for r, _ in parts) if callable(h)]
+        self._header_hooks = [h for h in (getattr(r, "response_headers", None) for r, _ in parts) if callable(h)]
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
         """The combined score of every candidate (higher is better, within [0, 1])."""
@@ -160,7 +162,7 @@ class WeightedRouter:
                     total[i] += coef * (hi - s) / span
         return total
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint | Decision:
         total = self.score(req, candidates)
         best_i = 0
         best = total[0]
@@ -177,6 +179,11 @@ class WeightedRouter:
         ep = candidates[best_i]
         for hook in self._hooks:
             hook(req, ep)
+        if self._header_hooks:   # e.g. session-affinity's x-session-id for the chosen endpoint
+            headers: dict[str, str] = {}
+            for hook in self._header_hooks:
+                headers.update(hook(req, ep))
+            return Decision(ep, self.name, headers=headers)
         return ep
 
 

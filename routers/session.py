@@ -120,6 +120,10 @@ class SessionAffinityRouter:
             ep = self._choice(candidates)
         return Decision(ep, self.name, headers={SESSION_HEADER: encode_session_id(ep.address)})
 
+    def response_headers(self, req: InferenceRequest, ep: Endpoint) -> dict[str, str]:
+        """In a weighted list: the chosen endpoint becomes the session's, as when routing alone."""
+        return {SESSION_HEADER: encode_session_id(ep.address)}
+
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
         ep, reason = self.pinned(req, candidates)
         if ep is None:

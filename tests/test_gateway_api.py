@@ -233,3 +233,23 @@ async def test_prefix_index_size_is_exported(sims, gateway):
     text = await gw.metrics_text()
     blocks = [ln for ln in text.splitlines() if ln.startswith("switchyard_prefix_index_blocks ")]
     assert blocks and float(blocks[0].split()[1]) > 0
+
+
+async def test_one_structured_log_line_per_request(fleet):
+    from structlog.testing import capture_logs
+
+    gw, _ = fleet
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", headers={"x-request-id": "log-1", "user": "ann"},
+                              json={"model": "llama", "messages": CHAT, "max_tokens": 3, "stream": True}) as r:
+                await r.read()
+            async with s.post(gw.url + "/v1/chat/completions", json={"model": "nope", "messages": CHAT}) as r:
+                await r.read()
+    lines = [e for e in logs if e["event"] == "request"]
+    assert len(lines) == 2
+    ok, bad = lines
+    assert ok["request_id"] == "log-1" and ok["model"] == "llama" and ok["user"] == "ann"
+    assert ok["status"] == 200 and ok["stream"] is True and ok["completion_tokens"] == 3
+    assert ok["ttft_ms"] > 0 and ok["duration_ms"] >= ok["ttft_ms"] and ok["endpoint"] and ok["strategy"]
+    assert bad["status"] == 404 and bad["error_class"] == "model_not_found"

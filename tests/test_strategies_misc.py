@@ -166,8 +166,11 @@ def test_session_affinity_scores_in_a_weighted_list():
     eps = make_eps(3, in_flight=[0, 3, 6])
     pinned = make_req(session_id=encode_session_id(eps[2].address))
     assert reg.get("session-affinity").score(pinned, eps) == [0.0, 0.0, 1.0]
-    assert reg.get("session-affinity:2,least-request:1").route(pinned, eps) is eps[2]
-    assert reg.get("session-affinity:1,least-request:2").route(pinned, eps) is eps[0]
+    d = reg.get("session-affinity:2,least-request:1").route(pinned, eps)
+    assert d.endpoint is eps[2] and d.headers == {"x-session-id": encode_session_id(eps[2].address)}
+    d = reg.get("session-affinity:1,least-request:2").route(pinned, eps)
+    assert d.endpoint is eps[0] and d.headers == {"x-session-id": encode_session_id(eps[0].address)}
+    assert isinstance(reg.get("least-request:1,least-kv-cache:1").route(pinned, eps), Endpoint)
 
 
 async def test_session_header_round_trip_through_the_gateway(sims, gateway):
