@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from enginesim import SimConfig, start_sim
@@ -130,3 +131,14 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
         if v or asyncio.get_running_loop().time() > deadline:
             return v
         await asyncio.sleep(interval)
+
+
+def sse_events(raw: bytes) -> list:
+    """The data events of an SSE body: decoded JSON objects, and "[DONE]"."""
+    out = []
+    for block in raw.split(b"\n\n"):
+        block = block.strip()
+        if block.startswith(b"data:"):
+            data = block[5:].strip()
+            out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
+    return out

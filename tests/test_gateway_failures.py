@@ -9,7 +9,7 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import model_block, sim_state, wait_for
+from tests.conftest import model_block, sim_state, sse_events, wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
 
@@ -23,16 +23,6 @@ async def post(url, payload, headers=None):
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=payload,
                                                     headers=headers or {}) as r:
         return r.status, r.headers, await r.read()
-
-
-def sse_events(raw: bytes) -> list:
-    out = []
-    for block in raw.split(b"\n\n"):
-        block = block.strip()
-        if block.startswith(b"data:"):
-            data = block[5:].strip()
-            out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
-    return out
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -13,7 +13,7 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import sim_state, wait_for
+from tests.conftest import sim_state, sse_events, wait_for
 
 MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
 
@@ -44,16 +44,6 @@ async def post(gw, payload, headers=None):
 
 def body(stream=False, max_tokens=8, **kw):
     return {"model": "m", "messages": MSG, "stream": stream, "max_tokens": max_tokens, **kw}
-
-
-def sse(raw: bytes) -> list:
-    out = []
-    for block in raw.split(b"\n\n"):
-        block = block.strip()
-        if block.startswith(b"data:"):
-            data = block[5:].strip()
-            out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
-    return out
 
 
 async def quiet(url) -> bool:
@@ -182,7 +172,7 @@ async def test_decode_stall_mid_stream(sims, gateway, engine):
     gw = await gateway([pd_model(engine, [roleset(engine, p, d)])], watchdog={"idle_timeout_s": 0.3})
     st, _, raw = await post(gw, body(stream=True, max_tokens=20), {"x-sim-fault": "decode.stall_after=3:30"})
     assert st == 200
-    last = sse(raw)[-1]
+    last = sse_events(raw)[-1]
     assert last["error"]["code"] == "upstream_timeout"
     assert await wait_for(lambda: quiet(d.url), timeout=5)
     assert 'phase="idle"' in await gw.metrics_text()
@@ -194,7 +184,7 @@ async def test_decode_dying_mid_stream(sims, gateway, engine):
     gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
     st, _, raw = await post(gw, body(stream=True, max_tokens=20), {"x-sim-fault": "decode.drop_after=3"})
     assert st == 200
-    assert sse(raw)[-1]["error"]["code"] == "upstream_incomplete"
+    assert sse_events(raw)[-1]["error"]["code"] == "upstream_incomplete"
 
 
 @pytest.mark.parametrize("policy,status", [("fail", 500), ("recompute", 200)])
@@ -260,6 +250,6 @@ async def test_vllm_decode_stall_before_first_token_after_headers(sims, gateway)
     gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
     st, _, raw = await post(gw, body(stream=True), {"x-sim-fault": "decode.stall_before_first=30"})
     assert st == 200
-    assert sse(raw)[-1]["error"]["code"] == "upstream_timeout"
+    assert sse_events(raw)[-1]["error"]["code"] == "upstream_timeout"
     assert await wait_for(lambda: quiet(d.url), timeout=5)
     assert 'phase="first_chunk"' in await gw.metrics_text()
