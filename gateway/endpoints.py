@@ -138,6 +138,19 @@ class EndpointPool:
             return list(self._by_model.get(model, ()))
         return [ep for eps in self._by_model.values() for ep in eps]
 
+    def has_pd(self, model: str) -> bool:
+        """Whether the model has prefill/decode endpoints (static rolesets or discovered pods)."""
+        return any(ep.role in ("prefill", "decode") for ep in self._by_model.get(model, ()))
+
+    def strategy_hint(self, model: str) -> str | None:
+        """A routing strategy the model's endpoints carry (Kubernetes: the ``routingStrategy`` of
+        the pods' ``model.aibrix.ai/config`` annotation); the first one found wins."""
+        for ep in self._by_model.get(model, ()):
+            hint = ep.extra.get("routing_strategy")
+            if hint:
+                return hint
+        return None
+
     def ready(self, model: str) -> list[Endpoint]:
         return [ep for ep in self._by_model.get(model, ()) if ep.ready]
 

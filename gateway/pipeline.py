@@ -130,8 +130,9 @@ class Gateway:
     # -- strategy ----------------------------------------------------------------------------
 
     def strategy_for(self, model: str, header: str | None) -> str:
-        """Model lock > routing-strategy header > model default > global default; a model with
-        rolesets defaults to ``pd`` (its prefill/decode endpoints serve nothing else)."""
+        """Model lock > routing-strategy header > model default (config, else the pods' config
+        annotation) > global default; a model with rolesets defaults to ``pd`` (its prefill/decode
+        endpoints serve nothing else)."""
         m = self.config.model(model)
         if m is not None and m.lock_strategy:
             return m.lock_strategy
@@ -139,7 +140,10 @@ class Gateway:
             return header.strip()
         if m is not None and m.strategy:
             return m.strategy
-        if m is not None and m.rolesets:
+        hint = self.pool.strategy_hint(model)
+        if hint:
+            return hint
+        if (m is not None and m.rolesets) or self.pool.has_pd(model):
             return "pd"
         return self.config.routing.strategy
 

@@ -137,3 +137,32 @@ async def test_pd_pods_route_through_the_pd_strategy(emu, kube_block, sims, gate
     assert body["choices"][0]["message"]["content"]
     assert (await sim_state(pre.url))["counts"]["started"] == 1
     assert (await sim_state(dec.url))["counts"]["started"] == 1
+
+
+async def test_discovered_pd_pods_default_to_pd_and_the_annotation_strategy_applies(emu, kube_block, sims, gateway):
+    import json
+
+    pre = await sims("vllm", "llama", role="prefill")
+    dec = await sims("vllm", "llama", role="decode")
+    sim_pod(emu, "rs1-prefill", pre, "llama", **{"role-name": "prefill", "roleset-name": "rs1"})
+    sim_pod(emu, "rs1-decode", dec, "llama", **{"role-name": "decode", "roleset-name": "rs1"})
+    a, b = await sims("vllm", "qwen"), await sims("vllm", "qwen")
+    profile = json.dumps({"defaultProfile": "default", "profiles": {"default": {"routingStrategy": "round-robin"}}})
+    for name, sim in (("qwen-a", a), ("qwen-b", b)):
+        emu.create_pod("llm", name, {M: "qwen", "model.aibrix.ai/port": str(sim.port)}, ip="127.0.0.1",
+                       annotations={"model.aibrix.ai/config": profile})
+    gw = await gateway([], kubernetes=kube_block)     # neither model is in the config
+    assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2 and len(gw.gw.pool.ready("qwen")) == 2,
+                          timeout=3)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.base_url + "/chat/completions",
+                          json={"model": "llama", "messages": CHAT, "max_tokens": 3}) as r:
+            assert r.status == 200 and r.headers["routing-strategy"] == "pd"
+            assert r.headers["prefill-target-pod"] == "rs1-prefill"
+        pods = []
+        for _ in range(4):
+            async with s.post(gw.base_url + "/chat/completions",
+                              json={"model": "qwen", "messages": CHAT, "max_tokens": 1}) as r:
+                assert r.status == 200 and r.headers["routing-strategy"] == "round-robin"
+                pods.append(r.headers["target-pod"])
+    assert pods[0] != pods[1] and pods[:2] == pods[2:]
