@@ -88,6 +88,17 @@ async def gateway():
             await r.cleanup()
 
 
+@pytest.fixture
+async def emu():
+    """A Kubernetes API server emulator on loopback (tests/kube_emulator.py)."""
+    from tests.kube_emulator import KubeEmulator
+
+    e = KubeEmulator(bookmark_interval=0.1)
+    await e.start()
+    yield e
+    await e.close()
+
+
 def _idle(ep) -> bool:
     return ep.in_flight == 0 and ep.prefill_in_flight == 0 and ep.pending_decode == 0 \
         and ep.token_active == 0 and ep.token_kv == 0

@@ -15,17 +15,8 @@ from gateway.config import ConfigError, config_from_dict
 from gateway.endpoints import EndpointPool
 from k8s.discovery import KubernetesDiscovery
 from tests.conftest import wait_for
-from tests.kube_emulator import KubeEmulator
 
 M = "model.aibrix.ai/name"
-
-
-@pytest.fixture
-async def emu():
-    e = KubeEmulator(bookmark_interval=0.1)
-    await e.start()
-    yield e
-    await e.close()
 
 
 @pytest.fixture

@@ -10,18 +10,9 @@ import pytest
 
 from gateway.app import DISCOVERY_KEY
 from tests.conftest import model_block, sim_state, wait_for
-from tests.kube_emulator import KubeEmulator
 
 M = "model.aibrix.ai/name"
 CHAT = [{"role": "user", "content": "Where do the trains go at night?"}]
-
-
-@pytest.fixture
-async def emu():
-    e = KubeEmulator(bookmark_interval=0.1)
-    await e.start()
-    yield e
-    await e.close()
 
 
 @pytest.fixture

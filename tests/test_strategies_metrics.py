@@ -24,19 +24,7 @@ from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastW
 from routers.registry import default_registry
 from routers.session import encode_session_id
 from tests.conftest import model_block
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Fallbacks(Counter):
-    def __call__(self, strategy: str, reason: str) -> None:
-        self[(strategy, reason)] += 1
+from tests.strategy_util import Clock, Fallbacks
 
 
 def make_req(tokens: int = 100) -> InferenceRequest:

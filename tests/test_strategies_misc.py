@@ -24,19 +24,7 @@ from routers.registry import StrategyError, default_registry, parse_strategy
 from routers.session import SessionAffinityRouter, decode_session_id, encode_session_id, fnv1a64, rendezvous
 from routers.vtc import VTCRouter, request_tokens
 from tests.conftest import model_block
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class Fallbacks(Counter):
-    def __call__(self, strategy: str, reason: str) -> None:
-        self[(strategy, reason)] += 1
+from tests.strategy_util import Clock, Fallbacks
 
 
 def make_req(text: str = "user\nhello there", *, user: str | None = None, session_id: str | None = None,
