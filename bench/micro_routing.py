@@ -103,8 +103,7 @@ def measure(fn: Callable[[int], None], iters: int) -> tuple[float, float, float]
 def bench_strategy(spec: str, n: int, tokens: int, iters: int, seed: int, unseen: bool = False) -> Cell:
     rng = random.Random(seed)
     now = [1000.0]
-    ctx = RouterContext(rng=random.Random(seed), clock=lambda: now[0])
-    ctx.routing = RoutingSettings()
+    ctx = RouterContext(settings=RoutingSettings(), rng=random.Random(seed), clock=lambda: now[0])
     reg = default_registry(ctx)
     router = reg.get(spec)
     eps = fleet(n, rng, ctx.clock)
@@ -122,13 +121,13 @@ def bench_strategy(spec: str, n: int, tokens: int, iters: int, seed: int, unseen
         for c, text in enumerate(convs):             # the index holds each conversation somewhere
             for depth in (0.3, 0.6, 1.0):
                 holder = eps[(c * 7 + int(depth * 10)) % n]
-                ctx.prefix_insert(make_request(text[:int(len(text) * depth)], -2), holder)
+                ctx.prefix_index.insert(make_request(text[:int(len(text) * depth)], -2), holder)
     if unseen:
         # fill the index to capacity with other prompts so every insertion evicts
         filler = corpus(1024 * 512, rng)
         i = 0
         while len(reg.get("prefix-cache").index) < RoutingSettings().prefix_index_blocks:
-            ctx.prefix_insert(make_request(f"{i:09d}" + filler[9:], -3), eps[i % n])
+            ctx.prefix_index.insert(make_request(f"{i:09d}" + filler[9:], -3), eps[i % n])
             i += 1
         texts = [f"{i:09d}-unseen " + base[16:chars] for i in range(iters)]
     gc.collect()

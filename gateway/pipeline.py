@@ -71,19 +71,16 @@ class RequestRecord:
 
 
 class Gateway:
-    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics | None = None,
-                 router_ctx: RouterContext | None = None) -> None:
+    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics | None = None) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics or GatewayMetrics()
-        self.router_ctx = router_ctx or RouterContext(metrics_max_age_s=config.routing.metrics_max_age_s)
-        self.router_ctx.on_fallback = self._on_fallback
-        self.router_ctx.pd_settings = config.pd_for
-        self.router_ctx.routing = config.routing      # strategy knobs (routers.base.RoutingSettings)
+        self.router_ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
+                                        on_fallback=self._on_fallback)
         self.trackers = PDTrackers()
         self.model_in_flight: dict[str, int] = {}
         self.metrics.attach_live_state(pool.endpoints, self.model_in_flight,
-                                       prefix_stats=lambda: self.router_ctx.prefix_stats())
+                                       prefix_stats=self.router_ctx.prefix_index.stats)
         self._background: set[asyncio.Task] = set()
         self.registry: RouterRegistry = default_registry(self.router_ctx)
         self.upstream: UpstreamPool | None = None          # data-plane legs (gateway/h1client.py)
@@ -157,19 +154,17 @@ class Gateway:
     def route(self, ireq: InferenceRequest, spec: str, candidates: list[Endpoint],
               router: Router | None = None) -> Decision:
         router = router or self.router_for(spec)
-        if len(candidates) == 1 and router.name != "pd":
+        if len(candidates) == 1 and not router.chooses_pairs:
             return Decision(candidates[0], spec)
         t = time.perf_counter()
         try:
-            ep = router.route(ireq, candidates)
+            decision = router.route(ireq, candidates)
         except NoRouteError as e:
             raise GatewayError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"},
                                header=("x-error-routing", "true"), error_class="no_route") from None
         self.metrics.child(self.metrics.routing, spec).observe(time.perf_counter() - t)
-        if isinstance(ep, Decision):
-            ep.strategy = spec
-            return ep
-        return Decision(ep, spec)
+        decision.strategy = spec
+        return decision
 
     def charge_pd(self, decision: Decision, ireq: InferenceRequest) -> PDCharges:
         prefill = decision.prefill
@@ -227,7 +222,7 @@ class Gateway:
             spec = self.strategy_for(ireq.model, hdrs.get("routing-strategy"))
             rec.strategy = spec
             router = self.router_for(spec)
-            pd_mode = router.name == "pd"
+            pd_mode = router.chooses_pairs
             ready = self.pool.ready(ireq.model)
             # only the pd strategy may use prefill/decode endpoints; the others need whole-request ones
             candidates = ready if pd_mode else [ep for ep in ready if ep.role in WHOLE_REQUEST_ROLES]

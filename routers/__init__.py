@@ -1,4 +1,4 @@
-"""Routing strategies: pure, synchronous functions of (request, candidates) → endpoint."""
+"""Routing strategies: pure, synchronous functions of (request, candidates) → Decision."""
 
 from routers.base import Decision, Router, RouterContext, ScoringRouter
 from routers.registry import (

@@ -1,8 +1,24 @@
 """The router contract.
 
-A router is pure and synchronous: given the parsed request and the ready candidates it returns a
-``Decision``. It does no I/O and never awaits, so the pipeline can select and charge the chosen
-endpoint in one synchronous step (no other request can interleave between the two).
+A router is pure and synchronous: given the parsed request and the ready candidates (never empty)
+it returns a ``Decision``, always. It does no I/O and never awaits, so the pipeline can select and
+charge the chosen endpoints in one synchronous step (no other request can interleave between the
+two).
+
+* ``Router`` is the base class: ``name``, ``route``, the capability flag ``chooses_pairs`` (True
+  when a decision may carry a prefill endpoint; the gateway then offers prefill/decode endpoints
+  as candidates and runs the P/D legs) and two hooks with no-op defaults.
+* ``post_route(req, endpoint)``: learn from a decision (a prefix index records the prompt, VTC
+  charges the user's tokens). A router's own ``route`` does its learning itself; the hook exists
+  so that a weighted list (``routers.registry.WeightedRouter``) can make each part learn from the
+  combined choice. The gateway never calls hooks.
+* ``response_headers(req, endpoint)``: headers a part adds to a weighted list's answer (e.g.
+  session-affinity's ``x-session-id``); alone, a router puts them into its ``Decision``.
+* ``ScoringRouter`` adds ``polarity`` and ``score`` so a router can take part in weighted lists.
+
+A router's settings are typed: ``RoutingSettings`` (the ``routing:`` config block) for all,
+``PDRouteSettings`` per model for ``pd``. ``RouterContext`` carries them and the shared state, built
+once per gateway and never changed afterwards.
 """
 
 from __future__ import annotations
@@ -10,11 +26,18 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import msgspec
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
+from routers.pd_settings import PDRouteSettings
+from routers.prefix_index import PrefixIndex
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class NoRouteError(Exception):
@@ -25,100 +48,82 @@ class NoRouteError(Exception):
 @dataclass(slots=True)
 class Decision:
     endpoint: Endpoint                                      # the endpoint that answers (P/D: the decode)
-    strategy: str                                           # the strategy string as requested
+    strategy: str                                           # the router's name; the gateway writes the spec
     headers: dict[str, str] = field(default_factory=dict)   # extra response headers (e.g. x-session-id)
     prefill: Endpoint | None = None                         # P/D: the prefill endpoint
     # P/D: prompt tokens the prefill must compute (for the token-load tracker)
     uncached_tokens: int = 0
 
 
-@dataclass(frozen=True)
-class RoutingSettings:
-    """The knobs of the built-in strategies, with their defaults.
+class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The knobs of the built-in strategies, with their defaults. The gateway's ``routing:``
+    config block (``gateway.config.RoutingConfig``) is this class plus the default strategy."""
 
-    The gateway's ``routing:`` config block (``gateway.config.RoutingConfig``) carries the same
-    names; ``RouterContext.routing`` holds that block and ``RouterContext.settings`` reads it
-    through this class, so routers depend on no config code and missing names take these defaults.
-    """
-
-    prefix_block_chars: int = 512          # prompt characters per hashed block (~128 tokens)
-    prefix_max_blocks: int = 1024          # blocks hashed per prompt at most (1024 x 512 chars ~ 128k tokens)
-    prefix_index_blocks: int = 131072      # index capacity in blocks, all models together (LRU)
-    prefix_idle_ttl_s: float = 1200.0      # a block no request touched for this long is forgotten
-    prefix_imbalance_abs: int = 8          # in-flight spread (max - min) above which only the least loaded count
-    prefix_std_factor: float = 1.5         # a matched endpoint must have in-flight <= mean + k * stddev
-    metrics_window_s: float = 10.0         # window of the throughput / least-latency rates and means
-    vtc_window_s: float = 300.0            # vtc-basic: per-user token counts over this sliding window
-
-    @classmethod
-    def from_object(cls, obj: Any) -> RoutingSettings:
-        """Settings from any object with (some of) these attribute names; ``None`` gives defaults."""
-        if obj is None:
-            return cls()
-        if isinstance(obj, cls):
-            return obj
-        return cls(**{f.name: getattr(obj, f.name) for f in fields(cls) if hasattr(obj, f.name)})
+    metrics_max_age_s: _Seconds = 10.0     # engine metrics older than this count as missing
+    prefix_block_chars: Annotated[int, msgspec.Meta(ge=1)] = 512   # prompt characters per hashed block (~128 tokens)
+    prefix_max_blocks: _Count = 1024       # blocks hashed per prompt at most (1024 x 512 chars ~ 128k tokens)
+    prefix_index_blocks: _Count = 131072   # index capacity in blocks, all models together (LRU)
+    prefix_idle_ttl_s: _Seconds = 1200.0   # a block no request touched for this long is forgotten
+    prefix_imbalance_abs: _Count = 8       # in-flight spread (max - min) above which only the least loaded count
+    prefix_std_factor: _Seconds = 1.5      # a matched endpoint must have in-flight <= mean + k * stddev
+    metrics_window_s: _Seconds = 10.0      # window of the throughput / least-latency rates and means
+    vtc_window_s: _Seconds = 300.0         # vtc-basic: per-user token counts over this sliding window
 
 
-def _no_prefix_match(req: InferenceRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
-    return {}
+_PD_DEFAULTS = PDRouteSettings()
 
 
-def _no_prefix_insert(req: InferenceRequest, endpoint: Endpoint) -> None:
+def _default_pd_settings(model: str) -> PDRouteSettings:
+    return _PD_DEFAULTS
+
+
+def _ignore_fallback(strategy: str, reason: str) -> None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterContext:
-    """Shared, non-I/O state a router may use. One per gateway app.
+    """What routers share, one per gateway: settings, randomness, time, the fallback counter and
+    the prefix index. The gateway builds it as ``RouterContext(settings=config.routing,
+    pd_settings=config.pd_for, on_fallback=...)``; tests inject ``rng`` and ``clock``.
 
-    Prefix index for other strategies (the P/D strategy uses it for its prefill choice):
-
-    * ``prefix_match(req, candidates) -> dict[Endpoint, float]``: each candidate's match
-      percentage, 0..100, of ``req``'s prompt in the prefix-cache index (the very index the
-      ``prefix-cache`` strategy uses; keys are per model). Every candidate is in the answer (0 when
-      it holds nothing); ``{}`` before ``default_registry`` wired the index.
-    * ``prefix_insert(req, endpoint)``: record that ``endpoint`` now holds ``req``'s prompt (call it
-      for the endpoint that will prefill). No-op before wiring.
-    * ``prefix_stats() -> dict[str, int]``: ``blocks`` (index size), ``capacity``, ``entries``
-      (block-endpoint pairs), ``evictions`` (blocks dropped for capacity or idleness, cumulative);
-      for a gauge. ``{}`` before wiring.
-
-    Both calls hash the prompt once per request: the hash chain of the last request seen is
-    kept, so ``prefix_match`` followed by ``prefix_insert`` (or a weighted list holding
-    ``prefix-cache``) hashes once.
+    ``prefix_index`` is built here from ``settings`` and ``clock``: the ``prefix-cache`` strategy
+    routes by it and ``pd`` asks it for each prefill's match (``match``) and records its prefill
+    choice (``insert``); ``stats()`` feeds a gauge.
     """
 
+    settings: RoutingSettings = field(default_factory=RoutingSettings)
+    # the P/D settings of a model (the gateway passes gateway.config.Config.pd_for)
+    pd_settings: Callable[[str], PDRouteSettings] = _default_pd_settings
     rng: random.Random = field(default_factory=random.Random)
-    metrics_max_age_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic                 # monotonic seconds
     # called as on_fallback(strategy, reason) when a strategy lacks its signal and falls back
-    on_fallback: Callable[[str, str], None] = lambda strategy, reason: None
-    # P/D settings for a model (a gateway.config.PDConfig); routers read attributes only
-    pd_settings: Callable[[str], Any] | None = None
-    # the ``routing:`` config block (gateway.config.RoutingConfig) or None; read via ``settings``
-    routing: Any = None
-    # monotonic seconds; tests inject a fake clock
-    clock: Callable[[], float] = time.monotonic
-    prefix_match: Callable[[InferenceRequest, Sequence[Endpoint]], dict[Endpoint, float]] = _no_prefix_match
-    prefix_insert: Callable[[InferenceRequest, Endpoint], None] = _no_prefix_insert
-    prefix_stats: Callable[[], dict[str, int]] = dict
+    on_fallback: Callable[[str, str], None] = _ignore_fallback
+    prefix_index: PrefixIndex = field(init=False, repr=False)
 
-    @property
-    def settings(self) -> RoutingSettings:
-        return RoutingSettings.from_object(self.routing)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefix_index", PrefixIndex(self.settings, self.clock))
 
 
-@runtime_checkable
-class Router(Protocol):
+class Router:
+    """Base class of every router; see the module docstring for the contract."""
+
     name: str
+    chooses_pairs: bool = False     # a Decision may carry ``prefill`` (P/D)
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
-        """Pick one of ``candidates`` (never empty, all ready)."""
-        ...
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        """Choose among ``candidates`` (never empty, all ready), learning from the choice."""
+        raise NotImplementedError
+
+    def post_route(self, req: InferenceRequest, endpoint: Endpoint) -> None:
+        """Learn from a choice made by a weighted list this router is part of."""
+
+    def response_headers(self, req: InferenceRequest, endpoint: Endpoint) -> dict[str, str]:
+        """Headers for the answer when a weighted list this router is part of chose ``endpoint``."""
+        return {}
 
 
-@runtime_checkable
-class ScoringRouter(Router, Protocol):
+class ScoringRouter(Router):
     """A router that can score every candidate, so it can take part in a weighted combination.
 
     ``polarity`` is "least" (lower score is better) or "most" (higher is better). Scores may be
@@ -128,4 +133,4 @@ class ScoringRouter(Router, Protocol):
     polarity: str
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
-        ...
+        raise NotImplementedError

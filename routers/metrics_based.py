@@ -3,7 +3,7 @@ least-latency.
 
 They read ``Endpoint.metrics``, the scraper's latest ``EngineMetrics`` snapshot. Rules common to all:
 
-* A snapshot older than ``RouterContext.metrics_max_age_s`` counts as missing. An endpoint without
+* A snapshot older than ``RoutingSettings.metrics_max_age_s`` counts as missing. An endpoint without
   a usable value is left out (in a weighted list it scores ``None``, i.e. 0). When no candidate
   has one, the strategy routes like ``least-request`` and counts a fallback with reason
   ``no_metrics`` (never scraped, or the engine does not report the signal) or ``stale_metrics``
@@ -29,14 +29,14 @@ from collections.abc import Sequence
 
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.request import InferenceRequest
-from routers.base import RouterContext
+from routers.base import Decision, RouterContext, ScoringRouter
 from routers.simple import LeastRequestRouter
 
 # (snapshot the counts apply to, requests sent since, prompt tokens sent since)
 _Sent = list
 
 
-class MetricRouter:
+class MetricRouter(ScoringRouter):
     """Shared machinery: freshness, the sent-since-snapshot correction, tie-breaking, fallback.
 
     Subclasses define ``value(ep, m, sent)``: the score from snapshot ``m`` plus the correction for
@@ -48,7 +48,7 @@ class MetricRouter:
 
     def __init__(self, ctx: RouterContext) -> None:
         self.ctx = ctx
-        self.max_age = ctx.metrics_max_age_s
+        self.max_age = ctx.settings.metrics_max_age_s
         self.clock = ctx.clock
         self._random = ctx.rng.random
         self._fallback = LeastRequestRouter(ctx)
@@ -96,15 +96,15 @@ class MetricRouter:
 
     # -- routing ---------------------------------------------------------------------------------
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         scores, reason = self._scores(candidates)
         if reason is not None:
             self.ctx.on_fallback(self.name, reason)
-            ep = self._fallback.route(req, candidates)
+            ep = self._fallback.choose(candidates)
         else:
             ep = self._pick(candidates, scores)
         self.post_route(req, ep)
-        return ep
+        return Decision(ep, self.name)
 
     def _pick(self, candidates: Sequence[Endpoint], scores: list[float | None]) -> Endpoint:
         best: Endpoint | None = None

@@ -22,8 +22,10 @@ The pipeline follows AIBrix's P/D selection, with its signals taken from what th
 
 Signals: "running" is the engine's own ``num_requests_running`` when its metrics are fresh, else
 the gateway's in-flight count (counted as a fallback); pending decodes (chosen, leg not started)
-are always added. Free KV is ``100 − 100·kv_usage`` (missing: 100). Throughput missing: that term
-is 0. Prefix match comes from the prefix-cache index when one is wired into the context, else 0.
+are always added. Free KV is ``100 − 100·kv_usage`` (missing: 100). Throughput missing: that term is 0.
+Prefix match comes from the gateway's prefix index (``RouterContext.prefix_index``).
+
+Settings: ``PDRouteSettings`` (routers/pd_settings.py), per model through ``ctx.pd_settings``.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from gateway.config import PDConfig
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import Decision, NoRouteError, RouterContext
+from routers.base import Decision, NoRouteError, Router, RouterContext
+from routers.pd_settings import PDRouteSettings
 
-_DEFAULT = PDConfig()
+__all__ = ["PDRouteSettings", "PDRouter", "in_bucket"]
 
 
 def in_bucket(ep: Endpoint, n: int) -> bool:
@@ -46,45 +48,47 @@ def in_bucket(ep: Endpoint, n: int) -> bool:
     return n >= lo and (hi == 0 or n <= hi)
 
 
-class PDRouter:
+class PDRouter(Router):
     name = "pd"
+    chooses_pairs = True
 
     def __init__(self, ctx: RouterContext) -> None:
         self.ctx = ctx
+        self.max_age = ctx.settings.metrics_max_age_s
 
     # -- signals -----------------------------------------------------------------------------
 
     def _running(self, ep: Endpoint) -> float:
-        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        m = ep.fresh_metrics(self.max_age)
         if m is not None and m.running is not None:
             return m.running + ep.pending_decode
         return ep.in_flight + ep.pending_decode
 
     def _throughput(self, ep: Endpoint) -> float | None:
-        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        m = ep.fresh_metrics(self.max_age)
         return m.gen_throughput if m is not None else None
 
     def _free_kv(self, ep: Endpoint) -> float:
-        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        m = ep.fresh_metrics(self.max_age)
         if m is None or m.kv_usage is None:
             return 100.0
         free = round(100.0 - 100.0 * m.kv_usage)
         return free if free > 0 else 0.1
 
     def _combined_load(self, ep: Endpoint) -> float:
-        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        m = ep.fresh_metrics(self.max_age)
         waiting = m.waiting if m is not None and m.waiting is not None else 0.0
         return ep.in_flight + waiting
 
     def _prefill_load(self, ep: Endpoint) -> float:
-        m = ep.fresh_metrics(self.ctx.metrics_max_age_s)
+        m = ep.fresh_metrics(self.max_age)
         waiting = m.waiting if m is not None and m.waiting is not None else 0.0
         return ep.prefill_in_flight + waiting
 
     # -- the decision ------------------------------------------------------------------------
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
-        cfg: PDConfig = self.ctx.pd_settings(req.model) if self.ctx.pd_settings else _DEFAULT
+        cfg = self.ctx.pd_settings(req.model)
         n = req.prompt_tokens_est
         prefill: dict[str, list[Endpoint]] = {}
         decode: dict[str, list[Endpoint]] = {}
@@ -106,7 +110,7 @@ class PDRouter:
 
         P = [p for rs in eligible for p in prefill[rs]]
         D = [d for rs in eligible for d in decode[rs]]
-        if any(ep.fresh_metrics(self.ctx.metrics_max_age_s) is None for ep in D):
+        if any(ep.fresh_metrics(self.max_age) is None for ep in D):
             self.ctx.on_fallback("pd", "decode_metrics_missing")
 
         if combined:
@@ -154,19 +158,17 @@ class PDRouter:
                 best_rs, best_score = rs, score
         p_ep, d_ep = best_p[best_rs][1], best_d[best_rs][1]
         uncached = int(n * (1.0 - match.get(p_ep, 0.0) / 100.0))
-        insert = getattr(self.ctx, "prefix_insert", None)
-        if insert is not None:
-            insert(req, p_ep)
+        self.ctx.prefix_index.insert(req, p_ep)
         return Decision(d_ep, "pd", prefill=p_ep, uncached_tokens=uncached)
 
     def _least_combined(self, eps: list[Endpoint]) -> Endpoint:
         low = min(self._combined_load(e) for e in eps)
         return self.ctx.rng.choice([e for e in eps if self._combined_load(e) == low])
 
-    def _decode_fast_path(self, D: list[Endpoint], cfg: PDConfig) -> Endpoint | None:
+    def _decode_fast_path(self, D: list[Endpoint], cfg: PDRouteSettings) -> Endpoint | None:
         if len(D) < 2:
             return None
-        with_metrics = [d for d in D if d.fresh_metrics(self.ctx.metrics_max_age_s) is not None]
+        with_metrics = [d for d in D if d.fresh_metrics(self.max_age) is not None]
         if len(with_metrics) >= 2:
             runs = {d: self._running(d) for d in with_metrics}
             if max(runs.values()) - min(runs.values()) >= cfg.decode_imbalance_spread:
@@ -181,7 +183,7 @@ class PDRouter:
         return None
 
     def _prefill_scores(self, req: InferenceRequest, P: list[Endpoint],
-                        cfg: PDConfig) -> tuple[dict[Endpoint, float], dict[Endpoint, float]]:
+                        cfg: PDRouteSettings) -> tuple[dict[Endpoint, float], dict[Endpoint, float]]:
         policy = cfg.prefill_score_policy
         match: dict[Endpoint, float] = {}
         if policy == "token_load":
@@ -194,15 +196,11 @@ class PDRouter:
         std = math.sqrt(sum((x - mean) ** 2 for x in loads) / len(loads))
         limit = mean + cfg.prefill_load_std_factor * std
         kept = [p for p in P if p.prefill_in_flight <= limit] or P
-        prefix_match = getattr(self.ctx, "prefix_match", None)
-        if prefix_match is not None:
-            match = prefix_match(req, kept)
-        else:
-            self.ctx.on_fallback("pd", "no_prefix_index")
+        match = self.ctx.prefix_index.match(req, kept)
         max_load = max(1, max(p.prefill_in_flight for p in kept))
         return {p: (100.0 - match.get(p, 0.0)) * 0.1 + p.prefill_in_flight / max_load for p in kept}, match
 
-    def _decode_scores(self, D: list[Endpoint], cfg: PDConfig) -> dict[Endpoint, float]:
+    def _decode_scores(self, D: list[Endpoint], cfg: PDRouteSettings) -> dict[Endpoint, float]:
         runs = {d: self._running(d) for d in D}
         if cfg.decode_score_policy == "least_request":
             return dict(runs)

@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import RouterContext
+from routers.base import Decision, Router, RouterContext
 
 
-class PowerOfTwoRouter:
+class PowerOfTwoRouter(Router):
     """Not a scoring router: its choice is random by design and would only add noise to a mix."""
 
     name = "power-of-two"
@@ -24,7 +24,10 @@ class PowerOfTwoRouter:
     def __init__(self, ctx: RouterContext) -> None:
         self._random = ctx.rng.random
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        return Decision(self._choose(candidates), self.name)
+
+    def _choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
         n = len(candidates)
         if n == 1:
             return candidates[0]

@@ -7,20 +7,8 @@ completion prompt — ``InferenceRequest.prompt_text``) is cut into fixed-size c
 each block's key is a hash chained over all blocks before it (so a key names a whole prefix), and
 the index maps key → {endpoint: last time a request with that prefix went there}.
 
-The index (``PrefixIndex``):
-
-* One bounded LRU over all models; the chain is seeded with the model name, so models never
-  share keys (what vLLM does with its root hash). ``prefix_index_blocks`` bounds the number of
-  keys; ``prefix_idle_ttl_s`` forgets keys and endpoint entries no request touched for that long.
-* Hash: Python's built-in SipHash of each block's ``str`` slice, chained through a tuple hash.
-  It needs no encoding and no dependency, and is the fastest hash at hand (≈0.2 ms for 512 KB of
-  text, a 128k-token prompt); it is per process (``PYTHONHASHSEED``), which is what an index of this
-  process's own decisions needs. The chain of the last request is memoised, so a weighted list or
-  the P/D strategy asking twice hashes once.
-* Insertion touches a prompt's blocks deepest-first, so a prefix is always at least as recent as
-  anything that extends it. LRU and idle eviction then always drop the deep end of a chain first,
-  the index stays *prefix-closed* (if block *i* is held by an endpoint, so are blocks 0..i), and an
-  endpoint's match depth is found by binary search: O(log n) lookups per endpoint, not O(n).
+The index is ``routers.prefix_index.PrefixIndex``, one per gateway (``RouterContext.prefix_index``),
+shared with the ``pd`` strategy's prefill choice.
 
 The router (AIBrix ``prefix-cache`` semantics, aibrix-gateway.md §1.4):
 
@@ -40,272 +28,25 @@ list's load strategies do that job there.
 from __future__ import annotations
 
 import math
-import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import RouterContext, RoutingSettings
+from routers.base import Decision, RouterContext, ScoringRouter
+from routers.prefix_index import PrefixIndex, prefix_keys
 from routers.simple import LeastRequestRouter
 
-# A block's holders: one endpoint packed into an int, ``(last_touch_ms << _SLOT_BITS) | slot``, or a
-# dict {slot: last_touch_ms} when several endpoints hold it. Both are plain ints inside, so the
-# garbage collector never tracks them: a full index costs a collection nothing, and one holder
-# (the common case) costs an int rather than a dict.
-_SLOT_BITS = 24
-_SLOT_MASK = (1 << _SLOT_BITS) - 1
-_NEVER = -(1 << 62)          # "no entry" when comparing against a (possibly negative) cutoff
-# a block's holder dict is pruned of idle entries when it reaches this size
-_PRUNE_AT = 8
-# endpoints remembered before the slots of those no block mentions are released
-_SLOT_COMPACT_AT = 1024
-# idle sweeps run at most this often (seconds)
-_SWEEP_EVERY_S = 1.0
-
-
-def prefix_keys(text: str, model: str, block_chars: int, max_blocks: int) -> list[int]:
-    """Chained keys of the full ``block_chars`` blocks of ``text`` (at most ``max_blocks``).
-
-    ``key[i]`` depends on the model and on every character of blocks 0..i; a trailing partial
-    block is not keyed (as engines only cache full blocks).
-    """
-    n = min(len(text) // block_chars, max_blocks)
-    h = hash(("switchyard.prefix", model))
-    keys = [0] * n
-    b = block_chars
-    for i in range(n):
-        start = i * b
-        h = hash((h, text[start:start + b]))
-        keys[i] = h
-    return keys
-
-
-def _newest(held: int | dict[int, int]) -> int:
-    return held >> _SLOT_BITS if held.__class__ is int else max(held.values())
-
-
-class PrefixIndex:
-    """Bounded LRU index: prefix-block key → the endpoints holding it, with their last touch."""
-
-    def __init__(self, settings: RoutingSettings | None = None, clock: Callable[[], float] | None = None) -> None:
-        s = settings or RoutingSettings()
-        if s.prefix_block_chars < 1:
-            raise ValueError("routing.prefix_block_chars must be >= 1")
-        self.block_chars = s.prefix_block_chars
-        self.max_blocks = s.prefix_max_blocks
-        self.capacity = max(1, s.prefix_index_blocks)
-        self.idle_ttl_ms = int(s.prefix_idle_ttl_s * 1000)
-        self.clock = clock or time.monotonic
-        self._blocks: OrderedDict[int, int | dict[int, int]] = OrderedDict()
-        self._slots: dict[Endpoint, int] = {}     # endpoint → small int used inside the index
-        self._free_slots: list[int] = []
-        self._next_slot = 0
-        self._slot_limit = _SLOT_COMPACT_AT
-        self._memo_req: InferenceRequest | None = None
-        self._memo_keys: list[int] = []
-        self._next_sweep = 0
-        self.evictions = 0
-
-    def _now_ms(self) -> int:
-        return int(self.clock() * 1000)
-
-    def _slot(self, ep: Endpoint) -> int:
-        slot = self._slots.get(ep)
-        if slot is None:
-            if len(self._slots) >= self._slot_limit:
-                self._compact_slots()
-            if self._free_slots:
-                slot = self._free_slots.pop()
-            else:
-                slot = self._next_slot & _SLOT_MASK
-                self._next_slot += 1
-            self._slots[ep] = slot
-        return slot
-
-    def _compact_slots(self) -> None:
-        """Release the slots of endpoints no block mentions any more (endpoints come and go with
-        Kubernetes pods; the index must not keep every one it ever saw). Rare: O(index size)."""
-        used: set[int] = set()
-        for held in self._blocks.values():
-            if held.__class__ is int:
-                used.add(held & _SLOT_MASK)
-            else:
-                used.update(held)
-        for ep, slot in list(self._slots.items()):
-            if slot not in used:
-                del self._slots[ep]
-                self._free_slots.append(slot)
-        self._slot_limit = max(_SLOT_COMPACT_AT, 2 * len(self._slots))
-
-    # -- keys ------------------------------------------------------------------------------------
-
-    def keys(self, req: InferenceRequest) -> list[int]:
-        """The request's chain, computed once per request object."""
-        if req is self._memo_req:
-            return self._memo_keys
-        keys = prefix_keys(req.prompt_text, req.model, self.block_chars, self.max_blocks)
-        self._memo_req, self._memo_keys = req, keys
-        return keys
-
-    # -- lookup ----------------------------------------------------------------------------------
-
-    def depths(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> tuple[dict[Endpoint, int], int]:
-        """``({endpoint: matched blocks}, blocks in the prompt)`` for candidates that match at all."""
-        keys = self.keys(req)
-        n = len(keys)
-        if n == 0:
-            return {}, 0
-        blocks = self._blocks
-        root = blocks.get(keys[0])
-        if root is None:
-            return {}, n
-        cut = self._now_ms() - self.idle_ttl_ms
-        slots = self._slots
-        holders: list[tuple[Endpoint, int]] = []
-        if root.__class__ is int:
-            if (root >> _SLOT_BITS) >= cut:
-                only = root & _SLOT_MASK
-                holders = [(ep, only) for ep in candidates if slots.get(ep) == only]
-        else:
-            for ep in candidates:
-                slot = slots.get(ep)
-                if slot is not None and root.get(slot, _NEVER) >= cut:
-                    holders.append((ep, slot))
-        if not holders:
-            return {}, n
-        # the deepest block anyone holds bounds every endpoint's search (the index is prefix-closed)
-        lo, hi = 0, n - 1
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if keys[mid] in blocks:
-                lo = mid
-            else:
-                hi = mid - 1
-        top = lo
-        get = blocks.get
-        out: dict[Endpoint, int] = {}
-        for ep, slot in holders:
-            lo, hi = 0, top
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                held = get(keys[mid])
-                if held is not None and (
-                        ((held & _SLOT_MASK) == slot and (held >> _SLOT_BITS) >= cut) if held.__class__ is int
-                        else held.get(slot, _NEVER) >= cut):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            out[ep] = lo + 1
-        return out, n
-
-    def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
-        """Every candidate's match percentage 0..100 (``RouterContext.prefix_match``)."""
-        depths, n = self.depths(req, candidates)
-        if not depths:
-            return dict.fromkeys(candidates, 0.0)
-        scale = 100.0 / n
-        get = depths.get
-        return {ep: get(ep, 0) * scale for ep in candidates}
-
-    # -- update ----------------------------------------------------------------------------------
-
-    def insert(self, req: InferenceRequest, ep: Endpoint) -> None:
-        """Record that ``ep`` holds every block of ``req``'s prompt (``RouterContext.prefix_insert``)."""
-        keys = self.keys(req)
-        if not keys:
-            return
-        now = self._now_ms()
-        slot = self._slot(ep)
-        packed = (now << _SLOT_BITS) | slot
-        cut = now - self.idle_ttl_ms
-        blocks = self._blocks
-        get = blocks.get
-        touch = blocks.move_to_end
-        for k in reversed(keys):                 # deepest first: a prefix is never older than its extensions
-            held = get(k)
-            if held is None:
-                blocks[k] = packed
-                continue
-            touch(k)
-            if held.__class__ is int:
-                if (held & _SLOT_MASK) == slot or (held >> _SLOT_BITS) < cut:
-                    blocks[k] = packed
-                else:
-                    blocks[k] = {held & _SLOT_MASK: held >> _SLOT_BITS, slot: now}
-            else:
-                if len(held) >= _PRUNE_AT and slot not in held:
-                    for s in [s for s, t in held.items() if t < cut]:
-                        del held[s]
-                held[slot] = now
-        over = len(blocks) - self.capacity
-        if over > 0:
-            self.evictions += over
-            pop = blocks.popitem
-            for _ in range(over):
-                pop(last=False)
-        if now >= self._next_sweep:
-            self._next_sweep = now + int(_SWEEP_EVERY_S * 1000)
-            self.sweep(now / 1000)
-
-    def sweep(self, now: float | None = None) -> int:
-        """Drop blocks idle for longer than the TTL (oldest first); returns how many."""
-        now_ms = self._now_ms() if now is None else int(now * 1000)
-        cut = now_ms - self.idle_ttl_ms
-        blocks = self._blocks
-        dropped = 0
-        while blocks:
-            k = next(iter(blocks))
-            if _newest(blocks[k]) >= cut:
-                break
-            del blocks[k]
-            dropped += 1
-        self.evictions += dropped
-        return dropped
-
-    def forget(self, ep: Endpoint) -> None:
-        """Remove an endpoint from every block (e.g. its engine restarted and lost its cache)."""
-        slot = self._slots.get(ep)
-        if slot is None:
-            return
-        blocks = self._blocks
-        for k in list(blocks):
-            held = blocks[k]
-            if held.__class__ is int:
-                if (held & _SLOT_MASK) == slot:
-                    del blocks[k]
-            elif slot in held:
-                del held[slot]
-                if not held:
-                    del blocks[k]
-
-    # -- introspection ---------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def holders(self, req: InferenceRequest) -> int:
-        """How many endpoints hold the request's first block (for tests and debugging)."""
-        keys = self.keys(req)
-        held = self._blocks.get(keys[0]) if keys else None
-        if held is None:
-            return 0
-        return 1 if held.__class__ is int else len(held)
-
-    def stats(self) -> dict[str, int]:
-        """Size for metrics: blocks, capacity, block-endpoint entries, evictions so far.
-        ``entries`` walks the index (O(size)): call it at scrape time, not per request."""
-        return {"blocks": len(self._blocks), "capacity": self.capacity,
-                "entries": sum(1 if h.__class__ is int else len(h) for h in self._blocks.values()),
-                "evictions": self.evictions}
+__all__ = ["PrefixCacheRouter", "PrefixIndex", "prefix_keys"]
 
 
 def _load(ep: Endpoint) -> int:
     return ep.in_flight + ep.remote_in_flight
 
 
-class PrefixCacheRouter:
-    """Longest cached prefix first, within AIBrix's load guards; least-request otherwise."""
+class PrefixCacheRouter(ScoringRouter):
+    """Longest cached prefix first, within AIBrix's load guards; least-request otherwise.
+
+    Uses the gateway's shared index (``ctx.prefix_index``) unless given one of its own."""
 
     name = "prefix-cache"
     polarity = "most"
@@ -313,7 +54,7 @@ class PrefixCacheRouter:
     def __init__(self, ctx: RouterContext, index: PrefixIndex | None = None) -> None:
         s = ctx.settings
         self.ctx = ctx
-        self.index = index if index is not None else PrefixIndex(s, ctx.clock)
+        self.index = index if index is not None else ctx.prefix_index
         self.imbalance_abs = s.prefix_imbalance_abs
         self.std_factor = s.prefix_std_factor
         self._random = ctx.rng.random
@@ -326,10 +67,10 @@ class PrefixCacheRouter:
     def post_route(self, req: InferenceRequest, ep: Endpoint) -> None:
         self.index.insert(req, ep)
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         ep = self._choose(req, candidates)
-        self.index.insert(req, ep)
-        return ep
+        self.post_route(req, ep)
+        return Decision(ep, self.name)
 
     def _choose(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
         loads = [_load(ep) for ep in candidates]
@@ -370,4 +111,4 @@ class PrefixCacheRouter:
 
     def _fall_back(self, req: InferenceRequest, pool: Sequence[Endpoint], reason: str) -> Endpoint:
         self.ctx.on_fallback(self.name, reason)
-        return self._fallback.route(req, pool)
+        return self._fallback.choose(pool)

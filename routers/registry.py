@@ -23,7 +23,7 @@ from routers.base import Decision, Router, RouterContext, ScoringRouter
 from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
 from routers.pd import PDRouter
 from routers.power_of_two import PowerOfTwoRouter
-from routers.prefix_cache import PrefixCacheRouter, PrefixIndex
+from routers.prefix_cache import PrefixCacheRouter
 from routers.session import SessionAffinityRouter
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
 from routers.vtc import VTCRouter
@@ -100,7 +100,7 @@ def parse_strategy(spec: str, known: Collection[str] | None = None) -> list[tupl
     return entries
 
 
-class WeightedRouter:
+class WeightedRouter(ScoringRouter):
     """A weighted combination of scoring routers (AIBrix's multi-strategy router).
 
     Per strategy the scores are min–max normalised to [0, 1], better = higher: polarity "least"
@@ -113,9 +113,10 @@ class WeightedRouter:
     ``rng=None`` the first tied candidate in the given order wins (AIBrix's rule, where the
     candidate list was shuffled beforehand).
 
-    After the choice, each part's optional ``post_route(req, endpoint)`` hook is called, so a
-    strategy that learns from decisions (a prefix index) learns from combined decisions too, and
-    each part's optional ``response_headers(req, endpoint)`` adds its response headers.
+    After the choice, each part's ``post_route(req, endpoint)`` hook is called, so a strategy that
+    learns from decisions (a prefix index) learns from combined decisions too, and each part's
+    ``response_headers(req, endpoint)`` adds its response headers. Only parts that override a hook
+    are called (the base class's hooks do nothing).
     """
 
     polarity = "most"
@@ -130,8 +131,8 @@ class WeightedRouter:
         self.name = name
         self.parts = [(r, w / total, _polarity_most(r)) for r, w in parts]
         self._random = rng.random if rng is not None else None
-        self._hooks = [h for h in (getattr(r, "post_route", None) for r, _ in parts) if callable(h)]
-        self._header_hooks = [h for h in (getattr(r, "response_headers", None) for r, _ in parts) if callable(h)]
+        self._learners = [r for r, _ in parts if type(r).post_route is not Router.post_route]
+        self._headers = [r for r, _ in parts if type(r).response_headers is not Router.response_headers]
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
         """The combined score of every candidate (higher is better, within [0, 1])."""
@@ -162,7 +163,7 @@ class WeightedRouter:
                     total[i] += coef * (hi - s) / span
         return total
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint | Decision:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         total = self.score(req, candidates)
         best_i = 0
         best = total[0]
@@ -177,18 +178,16 @@ class WeightedRouter:
                 if rand() * ties < 1.0:
                     best_i = i
         ep = candidates[best_i]
-        for hook in self._hooks:
-            hook(req, ep)
-        if self._header_hooks:   # e.g. session-affinity's x-session-id for the chosen endpoint
-            headers: dict[str, str] = {}
-            for hook in self._header_hooks:
-                headers.update(hook(req, ep))
-            return Decision(ep, self.name, headers=headers)
-        return ep
+        for router in self._learners:
+            router.post_route(req, ep)
+        decision = Decision(ep, self.name)
+        for router in self._headers:      # e.g. session-affinity's x-session-id for the chosen endpoint
+            decision.headers.update(router.response_headers(req, ep))
+        return decision
 
 
 def _polarity_most(router: ScoringRouter) -> bool:
-    polarity = getattr(router, "polarity", None)
+    polarity = router.polarity
     if polarity not in ("least", "most"):
         raise ValueError(f"router {router.name!r} has polarity {polarity!r}; expected 'least' or 'most'")
     return polarity == "most"
@@ -254,7 +253,7 @@ class RouterRegistry:
         if router is None:
             router = self._factories[name](self.ctx)
             if self._scoring[name] and not isinstance(router, ScoringRouter):
-                raise TypeError(f"strategy {name!r} is registered as scoring but its router has no score()")
+                raise TypeError(f"strategy {name!r} is registered as scoring but its router is not a ScoringRouter")
             self._instances[name] = router
         return router
 
@@ -278,11 +277,7 @@ def default_registry(ctx: RouterContext) -> RouterRegistry:
     reg.register("least-waiting", LeastWaitingRouter, scoring=True)
     reg.register("throughput", ThroughputRouter, scoring=True)
     reg.register("least-latency", LeastLatencyRouter, scoring=True)
-    # one prefix index per gateway, shared by the prefix-cache strategy and (through the context)
-    # by other strategies such as pd; wired now so it works even if prefix-cache is never used
-    index = PrefixIndex(ctx.settings, ctx.clock)
-    ctx.prefix_match, ctx.prefix_insert, ctx.prefix_stats = index.match, index.insert, index.stats
-    reg.register("prefix-cache", lambda c: PrefixCacheRouter(c, index), scoring=True)
+    reg.register("prefix-cache", PrefixCacheRouter, scoring=True)   # on the context's shared prefix index
     reg.register("session-affinity", SessionAffinityRouter, scoring=True)
     reg.register("vtc-basic", VTCRouter, scoring=True)
     return reg

@@ -12,8 +12,8 @@
   ``bad_session_key`` for an over-long key).
 
 The answer always carries ``x-session-id`` for the chosen endpoint, so a client that echoes it
-stays put. (In a weighted list the header is not returned — a list returns a bare endpoint — but
-the key-based choice works the same there: the pinned endpoint scores 1, the others 0.)
+stays put; in a weighted list too (through ``response_headers``), where the pinned endpoint scores
+1 and the others 0.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import Decision, RouterContext
+from routers.base import Decision, RouterContext, ScoringRouter
 
 FNV_OFFSET = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -67,7 +67,7 @@ def rendezvous(key: str, candidates: Sequence[Endpoint]) -> Endpoint:
     return best
 
 
-class SessionAffinityRouter:
+class SessionAffinityRouter(ScoringRouter):
     name = "session-affinity"
     polarity = "most"
 

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import RouterContext
+from routers.base import Decision, Router, RouterContext, ScoringRouter
 
 
-class RandomRouter:
+class RandomRouter(Router):
     """Uniform choice. Not a scoring router: a random score would only add noise to a mix."""
 
     name = "random"
@@ -21,11 +21,11 @@ class RandomRouter:
     def __init__(self, ctx: RouterContext) -> None:
         self._rng = ctx.rng
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
-        return self._rng.choice(candidates)
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        return Decision(self._rng.choice(candidates), self.name)
 
 
-class RoundRobinRouter:
+class RoundRobinRouter(Router):
     """Cycles through the candidates in the order given, with one counter per model.
 
     The cycle is exact while the candidate list is stable; when it changes (an endpoint turns
@@ -37,14 +37,14 @@ class RoundRobinRouter:
     def __init__(self, ctx: RouterContext) -> None:
         self._next: dict[str, int] = {}
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         n = len(candidates)
         i = self._next.get(req.model, 0) % n
         self._next[req.model] = (i + 1) % n
-        return candidates[i]
+        return Decision(candidates[i], self.name)
 
 
-class LeastRequestRouter:
+class LeastRequestRouter(ScoringRouter):
     """Fewest gateway in-flight requests; equal minima are broken uniformly at random.
 
     In-flight is the gateway's own count (charged in the same synchronous step as the decision),
@@ -60,7 +60,11 @@ class LeastRequestRouter:
     def __init__(self, ctx: RouterContext) -> None:
         self._random = ctx.rng.random
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        return Decision(self.choose(candidates), self.name)
+
+    def choose(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        """The least loaded candidate (the fallback of strategies that lack their signal)."""
         # One pass finds the minimum and counts its ties, with no allocation. Only when there are
         # ties, one random draw picks the k-th and a partial scan finds it. Measured at 512
         # candidates this beats reservoir sampling (a draw per tie) by 2x when all are tied (an idle

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import RouterContext
+from routers.base import Decision, RouterContext, ScoringRouter
 
 MAX_USERS = 10_000           # users tracked at once (least recently active forgotten first)
 _RANGE_EVERY_S = 1.0         # the lightest/heaviest user is recomputed at most this often
@@ -58,7 +58,7 @@ def request_tokens(req: InferenceRequest) -> float:
     return INPUT_WEIGHT * prompt + OUTPUT_WEIGHT * OUTPUT_PER_INPUT * prompt
 
 
-class VTCRouter:
+class VTCRouter(ScoringRouter):
     name = "vtc-basic"
     polarity = "least"
     fairness_weight = 1.0
@@ -157,11 +157,11 @@ class VTCRouter:
             return [None] * len(candidates)
         return list(scores)
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         scores = self._scores(req, candidates)
         if scores is None:
             self.ctx.on_fallback(self.name, "no_user")
-            return self._choice(candidates)
+            return Decision(self._choice(candidates), self.name)
         best_i, best, ties = 0, scores[0], 1
         for i in range(1, len(scores)):
             s = scores[i]
@@ -173,4 +173,4 @@ class VTCRouter:
                     best_i = i
         ep = candidates[best_i]
         self.post_route(req, ep)
-        return ep
+        return Decision(ep, self.name)

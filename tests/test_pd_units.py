@@ -9,7 +9,6 @@ import time
 import orjson
 import pytest
 
-from gateway.config import PDConfig
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.metrics import GatewayMetrics
 from gateway.request import CHAT, parse
@@ -17,7 +16,7 @@ from gateway.trackers import PDTrackers
 from handlers import sglang as sg
 from handlers import vllm as vl
 from routers.base import NoRouteError, RouterContext
-from routers.pd import PDRouter, in_bucket
+from routers.pd import PDRouter, PDRouteSettings, in_bucket
 
 # -- vLLM payloads ---------------------------------------------------------------------------------
 
@@ -143,7 +142,7 @@ def req(tokens=100):
 
 
 def router(**cfg):
-    ctx = RouterContext(rng=random.Random(1), pd_settings=lambda m: PDConfig(**cfg))
+    ctx = RouterContext(rng=random.Random(1), pd_settings=lambda m: PDRouteSettings(**cfg))
     return PDRouter(ctx)
 
 
@@ -215,7 +214,7 @@ def test_decode_scoring_without_fast_path_uses_free_kv():
 def test_prefix_match_steers_the_prefill():
     p1, d1, p2, d2 = ep(1, "prefill", "a"), ep(2, "decode", "a"), ep(3, "prefill", "b"), ep(4, "decode", "b")
     r = router()
-    r.ctx.prefix_match = lambda rq, cands: {p2: 100.0}
+    r.ctx.prefix_index.insert(req(1000), p2)          # p2 prefilled this prompt before
     dec = r.route(req(1000), [p1, d1, p2, d2])
     assert dec.prefill is p2 and dec.uncached_tokens == 0
 

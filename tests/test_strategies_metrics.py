@@ -41,8 +41,8 @@ def make_eps(n: int, in_flight: Sequence[int] | None = None) -> list[Endpoint]:
 
 def ctx_for(clock: Clock | None = None, seed: int = 1, **knobs) -> tuple[RouterContext, Fallbacks]:
     fallbacks = Fallbacks()
-    ctx = RouterContext(rng=random.Random(seed), clock=clock or Clock(), metrics_max_age_s=10.0,
-                        routing=RoutingSettings(**knobs), on_fallback=fallbacks)
+    ctx = RouterContext(rng=random.Random(seed), clock=clock or Clock(),
+                        settings=RoutingSettings(metrics_max_age_s=10.0, **knobs), on_fallback=fallbacks)
     return ctx, fallbacks
 
 
@@ -59,7 +59,7 @@ def test_least_kv_cache_picks_the_lowest_usage():
     eps = make_eps(3)
     for ep, kv in zip(eps, (0.7, 0.2, 0.5), strict=True):
         ep.metrics = snap(kv_usage=kv)
-    assert router.route(make_req(), eps) is eps[1]
+    assert router.route(make_req(), eps).endpoint is eps[1]
     assert router.score(make_req(), eps)[0] == 0.7
     assert not fallbacks
 
@@ -80,11 +80,11 @@ def test_least_kv_cache_counts_what_it_sent_since_the_scrape():
     eps = make_eps(2)
     eps[0].metrics = snap(kv_usage=0.10, kv_capacity_tokens=10_000)
     eps[1].metrics = snap(kv_usage=0.20, kv_capacity_tokens=10_000)
-    picks = [router.route(make_req(500), eps) for _ in range(6)]
+    picks = [router.route(make_req(500), eps).endpoint for _ in range(6)]
     # 0.10 + 500/10000 per request: the first two go to eps[0] (0.20 ties, in-flight equal at 0)
     assert picks.count(eps[0]) == 4 and picks.count(eps[1]) == 2
     eps[0].metrics = snap(t=1001.0, kv_usage=0.10, kv_capacity_tokens=10_000)   # a new scrape: reset
-    assert router.route(make_req(500), eps) is eps[0]
+    assert router.route(make_req(500), eps).endpoint is eps[0]
 
 
 @pytest.mark.parametrize("router_cls", [LeastKVCacheRouter, LeastWaitingRouter, ThroughputRouter,
@@ -94,14 +94,14 @@ def test_without_metrics_it_is_least_request_and_says_why(router_cls):
     ctx, fallbacks = ctx_for(clock)
     router = router_cls(ctx)
     eps = make_eps(3, in_flight=[5, 2, 9])
-    assert router.route(make_req(), eps) is eps[1]
+    assert router.route(make_req(), eps).endpoint is eps[1]
     assert fallbacks == {(router.name, "no_metrics"): 1}
     for ep in eps:                                     # scraped once, then the scraper stalls
         ep.metrics = snap(t=clock.t, kv_usage=0.1, waiting=0.0, prompt_tokens_total=10.0,
                           generation_tokens_total=10.0, prompt_throughput=1.0, gen_throughput=1.0,
                           ttft_recent_mean=0.1)
     clock.t += 10.5                                    # older than metrics_max_age_s: missing
-    assert router.route(make_req(), eps) is eps[1]
+    assert router.route(make_req(), eps).endpoint is eps[1]
     assert fallbacks[(router.name, "stale_metrics")] == 1
     assert router.score(make_req(), eps) == [None, None, None]
     assert fallbacks[(router.name, "stale_metrics")] == 2
@@ -115,7 +115,7 @@ def test_endpoints_without_fresh_metrics_are_left_out():
     eps[0].metrics = snap(t=clock.t - 20, kv_usage=0.0)      # stale, though it looks best
     eps[1].metrics = snap(kv_usage=0.6)
     eps[2].metrics = None
-    assert router.route(make_req(), eps) is eps[1]
+    assert router.route(make_req(), eps).endpoint is eps[1]
     assert not fallbacks
 
 
@@ -130,7 +130,7 @@ def test_least_waiting_picks_the_shortest_queue_and_spreads_a_burst():
         ep.metrics = snap(waiting=float(w))
     picks = Counter()
     for _ in range(9):                                  # 9 requests before the next scrape
-        ep = router.route(make_req(), eps)
+        ep = router.route(make_req(), eps).endpoint
         ep.in_flight += 1                               # charged, as the pipeline does
         picks[ep] += 1
     # eps[1] and eps[2] take 3 each; at 3 all three tie and eps[0] (no in-flight) takes one; then
@@ -153,7 +153,7 @@ def test_throughput_uses_counters_over_the_window():
     eps[0].metrics = snap(t=1000.0, prompt_tokens_total=100.0, generation_tokens_total=300.0)   # 50 tok/s
     eps[1].metrics = snap(t=1000.0, prompt_tokens_total=10_000.0, generation_tokens_total=10_000.0)
     assert router.score(make_req(), eps) == [pytest.approx(2 * 10 + 30), pytest.approx(2 * 1000 + 1000)]
-    assert router.route(make_req(), eps) is eps[0]
+    assert router.route(make_req(), eps).endpoint is eps[0]
 
 
 def test_throughput_window_slides_and_survives_a_restart():
@@ -180,7 +180,7 @@ def test_throughput_counts_its_own_decisions_until_the_engines_show_them():
     router.score(make_req(), eps)
     eps[0].metrics = snap(t=1000.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)        # idle
     eps[1].metrics = snap(t=1000.0, prompt_tokens_total=500.0, generation_tokens_total=0.0)      # 200/s
-    picks = Counter(router.route(make_req(100), eps) for _ in range(20))
+    picks = Counter(router.route(make_req(100), eps).endpoint for _ in range(20))
     # eps[1] runs at 2 · 100 tokens/s; each decision adds 2 · 100 / 10 s = 20/s to a sent rate: eps[0]
     # takes the first 10 (up to 200/s), then eps[1] catches up with its own decisions: about even
     assert picks[eps[0]] + picks[eps[1]] == 20 and 10 <= picks[eps[0]] <= 11
@@ -227,7 +227,7 @@ def test_least_latency_expected_ttft_from_histogram_deltas_and_queue():
     eps[2].metrics = latency_snap(1000.0, 100.0, 1000.0, 10.0, 1000.0, 1.0)
     scores = router.score(make_req(), eps)
     assert scores == [pytest.approx(0.5), pytest.approx(0.8), pytest.approx(0.275)]
-    assert router.route(make_req(), eps) is eps[2]
+    assert router.route(make_req(), eps).endpoint is eps[2]
     # one more sent to eps[2] before the next scrape doubles its queue estimate
     assert router.score(make_req(), eps)[2] == pytest.approx(0.55)
 
@@ -250,7 +250,7 @@ def test_metric_strategies_combine():
     router = reg.get("least-kv-cache:1,least-waiting:1")
     # kv → [0, 1, 0.625]; waiting → [1, 0, 5/6]; halves summed
     assert router.score(make_req(), eps) == pytest.approx([0.5, 0.5, (0.625 + 5 / 6) / 2])
-    assert router.route(make_req(), eps) is eps[2]
+    assert router.route(make_req(), eps).endpoint is eps[2]
 
 
 # -- the parser extension, on real engine output -----------------------------------------------------

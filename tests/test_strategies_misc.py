@@ -11,11 +11,12 @@ from collections import Counter
 from collections.abc import Sequence
 
 import aiohttp
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config import RoutingConfig
+from gateway.config import RoutingConfig, parse_config
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.request import CHAT, InferenceRequest
 from routers.base import Decision, RouterContext, RoutingSettings
@@ -43,7 +44,7 @@ def make_eps(n: int, in_flight: Sequence[int] | None = None, base: str = "10.0.0
 
 def ctx_for(seed: int = 1, clock: Clock | None = None, **knobs) -> tuple[RouterContext, Fallbacks]:
     fallbacks = Fallbacks()
-    return RouterContext(rng=random.Random(seed), clock=clock or Clock(), routing=RoutingSettings(**knobs),
+    return RouterContext(rng=random.Random(seed), clock=clock or Clock(), settings=RoutingSettings(**knobs),
                          on_fallback=fallbacks), fallbacks
 
 
@@ -54,13 +55,13 @@ def test_power_of_two_takes_the_less_loaded_of_two_distinct_candidates():
     ctx, _ = ctx_for(seed=3)
     router = PowerOfTwoRouter(ctx)
     eps = make_eps(4, in_flight=[0, 5, 5, 5])
-    picks = Counter(router.route(make_req(), eps) for _ in range(3000))
+    picks = Counter(router.route(make_req(), eps).endpoint for _ in range(3000))
     # eps[0] wins whenever it is drawn: 1 - P(not drawn) = 1 - (3/4 · 2/3) = 1/2
     assert 1350 < picks[eps[0]] < 1650
     assert set(picks) == set(eps)
     # the busiest endpoint never wins a draw against an idler one
     eps = make_eps(3, in_flight=[9, 1, 2])
-    assert all(router.route(make_req(), eps) is not eps[0] for _ in range(300))
+    assert all(router.route(make_req(), eps).endpoint is not eps[0] for _ in range(300))
 
 
 def test_power_of_two_balances_a_burst():
@@ -68,7 +69,7 @@ def test_power_of_two_balances_a_burst():
     router = PowerOfTwoRouter(ctx)
     eps = make_eps(8)
     for _ in range(400):
-        router.route(make_req(), eps).in_flight += 1
+        router.route(make_req(), eps).endpoint.in_flight += 1
     loads = [ep.in_flight for ep in eps]
     assert max(loads) - min(loads) <= 4
 
@@ -158,7 +159,8 @@ def test_session_affinity_scores_in_a_weighted_list():
     assert d.endpoint is eps[2] and d.headers == {"x-session-id": encode_session_id(eps[2].address)}
     d = reg.get("session-affinity:1,least-request:2").route(pinned, eps)
     assert d.endpoint is eps[0] and d.headers == {"x-session-id": encode_session_id(eps[0].address)}
-    assert isinstance(reg.get("least-request:1,least-kv-cache:1").route(pinned, eps), Endpoint)
+    d = reg.get("least-request:1,least-kv-cache:1").route(pinned, eps)
+    assert isinstance(d, Decision) and d.endpoint is eps[0] and d.headers == {}
 
 
 async def test_session_header_round_trip_through_the_gateway(sims, gateway):
@@ -211,18 +213,18 @@ def test_vtc_separates_heavy_users_from_light_ones():
         router.route(light, eps)
         clock.t += 2                                         # past the range refresh
     # nothing in flight: fairness decides; the heaviest user targets the last endpoint (address order)
-    assert router.route(heavy, eps) is eps[3]
-    assert router.route(light, eps) is eps[0]
+    assert router.route(heavy, eps).endpoint is eps[3]
+    assert router.route(light, eps).endpoint is eps[0]
     # load counts too: a busy last endpoint pushes the heavy user to its neighbour
     eps[3].in_flight = 10
-    assert router.route(heavy, eps) is eps[2]
+    assert router.route(heavy, eps).endpoint is eps[2]
 
 
 def test_vtc_without_user_is_random_and_counted():
     ctx, fallbacks = ctx_for()
     router = VTCRouter(ctx)
     eps = make_eps(3)
-    assert {router.route(make_req(), eps) for _ in range(200)} == set(eps)
+    assert {router.route(make_req(), eps).endpoint for _ in range(200)} == set(eps)
     assert fallbacks == {("vtc-basic", "no_user"): 200}
     assert router.score(make_req(), eps) == [None, None, None]
 
@@ -277,10 +279,11 @@ async def test_invalid_strategy_is_400_through_the_gateway(sims, gateway):
 def test_routing_settings_match_the_config_block():
     """Every router knob is a ``routing:`` config key with the same default."""
     cfg = {f.name: f.default for f in dataclasses.fields(RoutingConfig)}
-    for f in dataclasses.fields(RoutingSettings):
+    for f in msgspec.structs.fields(RoutingSettings):
         assert cfg[f.name] == f.default, f.name
-    ctx = RouterContext(routing=RoutingConfig(prefix_block_chars=64, vtc_window_s=60.0))
+    ctx = RouterContext(settings=parse_config("routing: {prefix_block_chars: 64, vtc_window_s: 60}").routing)
     assert ctx.settings.prefix_block_chars == 64 and ctx.settings.vtc_window_s == 60.0
+    assert ctx.prefix_index.block_chars == 64 and VTCRouter(ctx).window_s == 60.0
     assert RouterContext().settings == RoutingSettings()
 
 
@@ -309,7 +312,7 @@ step = st.tuples(
 def test_property_decisions_are_ready_candidates_and_charges_balance(steps, seed):
     clock = Clock()
     ctx = RouterContext(rng=random.Random(seed), clock=clock,
-                        routing=RoutingSettings(prefix_block_chars=16, prefix_index_blocks=64))
+                        settings=RoutingSettings(prefix_block_chars=16, prefix_index_blocks=64))
     reg = default_registry(ctx)
     eps = make_eps(8)
     prompts = ["system: " + "shared prefix " * (i + 1) + f"turn {i}" for i in range(8)]
@@ -336,7 +339,8 @@ def test_property_decisions_are_ready_candidates_and_charges_balance(steps, seed
         session_id = encode_session_id(eps[p].address) if p % 3 == 0 else None
         req = make_req(prompts[p], user=user, session_key=key, session_id=session_id)
         decision = reg.get(ALL[spec_i]).route(req, candidates)
-        ep = decision.endpoint if isinstance(decision, Decision) else decision
+        assert isinstance(decision, Decision)
+        ep = decision.endpoint
         assert any(ep is c for c in candidates) and ep.ready
         ep.in_flight += 1                                    # charged in the same step
         outstanding.append(ep)
@@ -345,5 +349,5 @@ def test_property_decisions_are_ready_candidates_and_charges_balance(steps, seed
     for ep in outstanding:
         ep.in_flight -= 1
     assert all(ep.in_flight == 0 for ep in eps)
-    assert len(ctx.prefix_match(make_req(prompts[0]), eps)) == 8
-    assert ctx.prefix_stats()["blocks"] <= 64
+    assert len(ctx.prefix_index.match(make_req(prompts[0]), eps)) == 8
+    assert ctx.prefix_index.stats()["blocks"] <= 64

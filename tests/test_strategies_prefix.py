@@ -55,9 +55,8 @@ def setup(block: int = BLOCK, clock: Clock | None = None, seed: int = 1, **knobs
     clock = clock or Clock()
     fallbacks = Fallbacks()
     s = RoutingSettings(prefix_block_chars=block, **knobs)
-    ctx = RouterContext(rng=random.Random(seed), clock=clock, routing=s, on_fallback=fallbacks)
-    index = PrefixIndex(s, clock)
-    return PrefixCacheRouter(ctx, index), index, clock, fallbacks
+    ctx = RouterContext(rng=random.Random(seed), clock=clock, settings=s, on_fallback=fallbacks)
+    return PrefixCacheRouter(ctx), ctx.prefix_index, clock, fallbacks
 
 
 SYSTEM = "You are a helpful switchyard assistant. " * 4     # 160 chars = 20 blocks of 8
@@ -189,11 +188,11 @@ def test_property_binary_search_equals_a_linear_walk(ops, probe, capacity, ttl):
 def test_routes_to_the_holder_and_records_the_choice():
     router, index, _, fallbacks = setup()
     eps = make_eps(4, in_flight=[1, 1, 1, 1])
-    first = router.route(make_req(SYSTEM), eps)
+    first = router.route(make_req(SYSTEM), eps).endpoint
     assert fallbacks[("prefix-cache", "no_match")] == 1
     for turn in range(5):
         conv = make_req(SYSTEM + f"user: question {turn} " * 3)
-        assert router.route(conv, eps) is first
+        assert router.route(conv, eps).endpoint is first
     assert index.depths(make_req(SYSTEM + "user: question 4 " * 3), eps)[0] == {first: 26}
 
 
@@ -210,7 +209,7 @@ def test_highest_match_wins_then_the_least_loaded():
 def test_short_prompt_goes_least_request():
     router, _, _, fallbacks = setup()
     eps = make_eps(3, in_flight=[3, 0, 2])
-    assert router.route(make_req("hi"), eps) is eps[1]
+    assert router.route(make_req("hi"), eps).endpoint is eps[1]
     assert fallbacks[("prefix-cache", "short_prompt")] == 1
 
 
@@ -219,15 +218,15 @@ def test_std_guard_leaves_an_overloaded_holder():
     router, index, _, fallbacks = setup(prefix_std_factor=1.0)
     eps = make_eps(4, in_flight=[9, 2, 2, 2])
     index.insert(make_req(SYSTEM), eps[0])
-    chosen = router.route(make_req(SYSTEM), eps)
+    chosen = router.route(make_req(SYSTEM), eps).endpoint
     assert chosen is not eps[0]
     assert fallbacks[("prefix-cache", "overloaded")] == 1
     # the next request can use both copies: the new one (less loaded) wins
-    assert router.route(make_req(SYSTEM), eps) is chosen
+    assert router.route(make_req(SYSTEM), eps).endpoint is chosen
     # with a laxer factor the holder is kept
     lax, index2, _, _ = setup(prefix_std_factor=2.0)
     index2.insert(make_req(SYSTEM), eps[0])
-    assert lax.route(make_req(SYSTEM), eps) is eps[0]
+    assert lax.route(make_req(SYSTEM), eps).endpoint is eps[0]
 
 
 @pytest.mark.parametrize(("loads", "expected"), [
@@ -256,39 +255,39 @@ def test_a_hot_prefix_spreads_instead_of_piling_up():
     router, _, _, _ = setup()
     eps = make_eps(8)
     for _ in range(200):
-        router.route(make_req(SYSTEM), eps).in_flight += 1      # charged like the pipeline does
+        router.route(make_req(SYSTEM), eps).endpoint.in_flight += 1      # charged like the pipeline does
     loads = [ep.in_flight for ep in eps]
     assert max(loads) - min(loads) <= 8
     assert sum(loads) == 200
 
 
 def test_score_is_the_match_percentage_for_weighted_lists():
-    ctx = RouterContext(rng=random.Random(3), routing=RoutingSettings(prefix_block_chars=BLOCK))
+    ctx = RouterContext(rng=random.Random(3), settings=RoutingSettings(prefix_block_chars=BLOCK))
     reg = default_registry(ctx)
     eps = make_eps(3, in_flight=[0, 4, 8])
-    ctx.prefix_insert(make_req(SYSTEM), eps[2])
+    ctx.prefix_index.insert(make_req(SYSTEM), eps[2])
     prefix = reg.get("prefix-cache")
     assert prefix.score(make_req(SYSTEM), eps) == [0.0, 0.0, 100.0]
     # prefix weight 3 vs least-request 1: the full match on the busy endpoint wins
-    assert reg.get("prefix-cache:3,least-request:1").route(make_req(SYSTEM), eps) is eps[2]
+    assert reg.get("prefix-cache:3,least-request:1").route(make_req(SYSTEM), eps).endpoint is eps[2]
     # least-request 3 vs prefix 1: the idle endpoint wins, and the list's choice is indexed
-    assert reg.get("prefix-cache:1,least-request:3").route(make_req(SYSTEM), eps) is eps[0]
-    assert ctx.prefix_match(make_req(SYSTEM), eps) == {eps[0]: 100.0, eps[1]: 0.0, eps[2]: 100.0}
+    assert reg.get("prefix-cache:1,least-request:3").route(make_req(SYSTEM), eps).endpoint is eps[0]
+    assert ctx.prefix_index.match(make_req(SYSTEM), eps) == {eps[0]: 100.0, eps[1]: 0.0, eps[2]: 100.0}
 
 
-def test_context_hooks_share_the_router_index():
-    ctx = RouterContext(routing=RoutingSettings(prefix_block_chars=BLOCK))
-    assert ctx.prefix_match(make_req(SYSTEM), make_eps(2)) == {}          # before wiring
-    ctx.prefix_insert(make_req(SYSTEM), make_eps(1)[0])                   # no-op
-    assert ctx.prefix_stats() == {}
-    reg = default_registry(ctx)
+def test_the_context_index_is_the_router_index():
+    ctx = RouterContext(settings=RoutingSettings(prefix_block_chars=BLOCK))
     eps = make_eps(2)
-    ctx.prefix_insert(make_req(SYSTEM), eps[1])                           # e.g. the P/D prefill
-    assert ctx.prefix_match(make_req(SYSTEM + "more text here"), eps)[eps[1]] > 90
-    assert reg.get("prefix-cache").route(make_req(SYSTEM), eps) is eps[1]
-    assert ctx.prefix_stats()["blocks"] == 20
+    assert ctx.prefix_index.match(make_req(SYSTEM), eps) == dict.fromkeys(eps, 0.0)
+    assert ctx.prefix_index.stats() == {"blocks": 0, "capacity": 131072, "entries": 0, "evictions": 0}
+    reg = default_registry(ctx)
+    assert reg.get("prefix-cache").index is ctx.prefix_index
+    ctx.prefix_index.insert(make_req(SYSTEM), eps[1])                     # e.g. the P/D prefill
+    assert ctx.prefix_index.match(make_req(SYSTEM + "more text here"), eps)[eps[1]] > 90
+    assert reg.get("prefix-cache").route(make_req(SYSTEM), eps).endpoint is eps[1]
+    assert ctx.prefix_index.stats()["blocks"] == 20
     other_model = make_eps(2, model="n")
-    assert ctx.prefix_match(make_req(SYSTEM, model="n"), other_model) == dict.fromkeys(other_model, 0.0)
+    assert ctx.prefix_index.match(make_req(SYSTEM, model="n"), other_model) == dict.fromkeys(other_model, 0.0)
 
 
 # -- through the gateway -------------------------------------------------------------------------
@@ -348,9 +347,9 @@ async def test_gateway_sends_a_conversation_back_to_its_engine_and_leaves_it_whe
 
 def test_endpoint_slots_are_released_when_no_block_mentions_them(monkeypatch):
     """Pods come and go: the index must not keep every endpoint it ever saw."""
-    from routers import prefix_cache
+    from routers import prefix_index
 
-    monkeypatch.setattr(prefix_cache, "_SLOT_COMPACT_AT", 4)
+    monkeypatch.setattr(prefix_index, "_SLOT_COMPACT_AT", 4)
     _, index, _, _ = setup(prefix_index_blocks=40)
     kept = make_eps(1)[0]
     index.insert(make_req(SYSTEM), kept)                     # 20 blocks
