@@ -160,7 +160,7 @@ async def _vllm(gw: Gateway, request: web.Request, ireq: InferenceRequest, decis
     prefill_end = time.perf_counter()
     extra = usage_stream_options(ireq)
     strip_usage = extra is not None
-    body = vllm_handler.decode_body(ireq.data, kv, prefill.host if cfg.rewrite_remote_host else None, extra)
+    body = vllm_handler.decode_body(ireq.data, kv, prefill.host if cfg.vllm.rewrite_remote_host else None, extra)
     charges.pending_decode.release()
     limit = _decode_header_timeout(gw, ireq)
     decode_start = time.perf_counter()
@@ -199,12 +199,12 @@ async def _abort(gw: Gateway, ep: Endpoint, rid: str, model: str, *, again_unles
     """POST /abort_request {rid}; a second time after a delay unless ``again_unless`` is done
     (the abort may overtake the request it aborts)."""
     cfg = gw.config.pd_for(model)
-    if not cfg.abort_timeout_s:
+    if not cfg.sglang.abort_timeout_s:
         gw.metrics.child(gw.metrics.pd_aborts, model, "skipped_disabled").inc()
         return
     for attempt in range(2):
         try:
-            async with asyncio.timeout(cfg.abort_timeout_s):
+            async with asyncio.timeout(cfg.sglang.abort_timeout_s):
                 r = await gw.upstream.post(ep.url + "/abort_request", orjson.dumps({"rid": rid}),
                                            {"Content-Type": "application/json"})
                 try:
@@ -216,9 +216,9 @@ async def _abort(gw: Gateway, ep: Endpoint, rid: str, model: str, *, again_unles
             result = "error"
         gw.metrics.child(gw.metrics.pd_aborts, model, result).inc()
         if attempt == 0:
-            if not cfg.abort_retry_delay_s:
+            if not cfg.sglang.abort_retry_delay_s:
                 return
-            await asyncio.sleep(cfg.abort_retry_delay_s)
+            await asyncio.sleep(cfg.sglang.abort_retry_delay_s)
             if again_unless is not None and again_unless.done() and not again_unless.cancelled():
                 return
 
@@ -232,7 +232,7 @@ async def _sglang(gw: Gateway, request: web.Request, ireq: InferenceRequest, dec
         members = sglang_handler.split_members(ireq.body)
     rid = sglang_handler.new_rid(ireq.request_id)
     rec.extra["rid"] = rid
-    port = prefill.bootstrap_port or cfg.default_bootstrap_port
+    port = prefill.bootstrap_port or cfg.sglang.default_bootstrap_port
     extra = usage_stream_options(ireq)
     strip_usage = extra is not None
     p_body, d_body = sglang_handler.build_bodies(

@@ -11,9 +11,19 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import orjson
+
+
+class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``pd.sglang`` config block."""
+
+    default_bootstrap_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8998   # when neither endpoint nor roleset sets one
+    abort_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0        # /abort_request call timeout (0: never abort)
+    abort_retry_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0    # a second abort after this delay unless decode answered
+
 
 # keys the gateway writes into both bodies
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import orjson
+
+
+class VLLMPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``pd.vllm`` config block."""
+
+    rewrite_remote_host: bool = True     # point kv_transfer_params.remote_host at the prefill pod's host
+
 
 # What a prefill request carries: "run the prompt, keep the KV for a remote decode".
 PREFILL_KV_PARAMS: dict[str, Any] = {

@@ -54,6 +54,18 @@ def test_good_config_loads_typed_and_frozen(tmp_path):
     ("health: {enabled: yes-please}", "health.enabled"),
     ("server: {log_format: xml}", "server.log_format"),
     ("models: [{name: a, endpoints: [{url: 'http://x:1', colour: red}]}]", "models[0].endpoints[0].colour"),
+    ("models: [{name: a, endpoints: [http://x:1]}, {name: b, endpoints: [http://x:1], pd: {sglang: {bogus: 1}}}]",
+     "models[1].pd.sglang.bogus"),
+    ("models: [{name: a, endpoints: [http://x:1], pd: {prefill_timeout_s: -1}}]", "models[0].pd.prefill_timeout_s"),
+    ("models: [{name: a, rolesets: [{prefill: [http://p:1], decode: [{url: http://d:1, max_prompt_tokens: -5}]}]}]",
+     "models[0].rolesets[0].decode[0].max_prompt_tokens"),
+    ("pd: {sglang: {abort_timeout_s: -1}}", "pd.sglang.abort_timeout_s"),
+    ("pd: {prefill_score_policy: fastest}", "pd.prefill_score_policy"),
+    ("pd: {abort_timeout_s: 1, sglang: {abort_timeout_s: 2}}", "pd.abort_timeout_s"),
+    # a bad key of the global block is reported there, not in the models that inherit it
+    ("pd: {bogus: 1}\nmodels: [{name: a, endpoints: [http://x:1], pd: {prefill_timeout_s: 2}}]", "pd.bogus"),
+    ("routing: {prefix_block_chars: 0}", "routing.prefix_block_chars"),
+    ("routing: {metrics_max_age_s: -1}", "routing.metrics_max_age_s"),
 ])
 def test_errors_name_the_key_and_file(text, key):
     with pytest.raises(ConfigError) as ei:
@@ -73,3 +85,54 @@ def test_empty_config_has_defaults():
     c = parse_config("")
     assert c.listen.port == 8888 and c.routing.strategy == "least-request" and c.models == ()
     assert c.pd.prefill_timeout_s == 30.0 and c.watchdog.response_timeout_s == 0.0
+
+
+def test_unknown_keys_and_negative_numbers_say_so():
+    with pytest.raises(ConfigError, match=r"^c.yaml: models\[0\].pd.vllm.colour: unknown key \(known: rewrite_remote_host\)$"):
+        parse_config("models: [{name: a, endpoints: [http://x:1], pd: {vllm: {colour: red}}}]", source="c.yaml")
+    with pytest.raises(ConfigError, match=r"^c.yaml: watchdog.idle_timeout_s: .*>= 0"):
+        parse_config("watchdog: {idle_timeout_s: -1}", source="c.yaml")
+    with pytest.raises(ConfigError, match=r"models\[0\].engine: must be one of vllm, sglang, got 'tgi'"):
+        parse_config("models: [{name: a, engine: tgi, endpoints: [http://x:1]}]")
+
+
+PD = """
+pd:
+  rewrite_remote_host: false        # the older flat keys: moved into pd.vllm / pd.sglang
+  abort_timeout_s: 5
+  sglang: {default_bootstrap_port: 9000}
+  prefill_timeout_s: 10
+models:
+  - name: a
+    engine: sglang
+    endpoints: [http://x:1]
+    pd: {abort_retry_delay_s: 0.5, prefill_timeout_s: 3, decode_score_policy: least_request}
+  - name: b
+    endpoints: [http://x:1]
+    pd: {vllm: {rewrite_remote_host: true}, sglang: {abort_timeout_s: 0}}
+  - name: c
+    endpoints: [http://x:1]
+"""
+
+
+def test_pd_engine_blocks_the_older_flat_keys_and_model_overrides():
+    c = parse_config(PD)
+    assert c.pd.vllm.rewrite_remote_host is False and c.pd.prefill_timeout_s == 10.0
+    assert (c.pd.sglang.default_bootstrap_port, c.pd.sglang.abort_timeout_s, c.pd.sglang.abort_retry_delay_s) == (
+        9000, 5.0, 2.0)
+    a = c.pd_for("a")        # only the keys a model names change; the rest is the global block
+    assert (a.prefill_timeout_s, a.decode_score_policy, a.vllm.rewrite_remote_host) == (3.0, "least_request", False)
+    assert (a.sglang.default_bootstrap_port, a.sglang.abort_timeout_s, a.sglang.abort_retry_delay_s) == (9000, 5.0, 0.5)
+    b = c.pd_for("b")
+    assert b.vllm.rewrite_remote_host is True and b.prefill_timeout_s == 10.0
+    assert (b.sglang.default_bootstrap_port, b.sglang.abort_timeout_s) == (9000, 0.0)
+    assert c.pd_for("c") is c.pd and c.pd_for("unknown") is c.pd
+    # the same flat key in a model's block
+    assert parse_config("models: [{name: a, endpoints: [http://x:1], pd: {default_bootstrap_port: 7}}]"
+                        ).pd_for("a").sglang.default_bootstrap_port == 7
+
+
+def test_null_means_the_default():
+    c = parse_config("listen:\nauth:\nmodels: [{name: a, endpoints: [http://x:1], strategy: null, pd: null}]")
+    assert c.listen.port == 8888 and not c.auth.on and c.model("a").strategy is None
+    assert c.pd_for("a") is c.pd

@@ -5,7 +5,6 @@ is always one of the ready candidates, and charges balance."""
 from __future__ import annotations
 
 import base64
-import dataclasses
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -276,14 +275,17 @@ async def test_invalid_strategy_is_400_through_the_gateway(sims, gateway):
 # -- knobs -----------------------------------------------------------------------------------------------
 
 
-def test_routing_settings_match_the_config_block():
-    """Every router knob is a ``routing:`` config key with the same default."""
-    cfg = {f.name: f.default for f in dataclasses.fields(RoutingConfig)}
-    for f in msgspec.structs.fields(RoutingSettings):
-        assert cfg[f.name] == f.default, f.name
-    ctx = RouterContext(settings=parse_config("routing: {prefix_block_chars: 64, vtc_window_s: 60}").routing)
+def test_routing_settings_are_the_config_block():
+    """Every router knob is a ``routing:`` config key with the same default: the block is the
+    settings class plus the default strategy."""
+    assert issubclass(RoutingConfig, RoutingSettings)
+    names = {f.name for f in msgspec.structs.fields(RoutingConfig)}
+    assert names - {f.name for f in msgspec.structs.fields(RoutingSettings)} == {"strategy"}
+    cfg = parse_config("routing: {prefix_block_chars: 64, vtc_window_s: 60, metrics_max_age_s: 3}")
+    ctx = RouterContext(settings=cfg.routing)
     assert ctx.settings.prefix_block_chars == 64 and ctx.settings.vtc_window_s == 60.0
     assert ctx.prefix_index.block_chars == 64 and VTCRouter(ctx).window_s == 60.0
+    assert default_registry(ctx).get("least-kv-cache").max_age == 3.0
     assert RouterContext().settings == RoutingSettings()
 
 

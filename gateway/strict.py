@@ -1,0 +1,105 @@
+"""Raw data (YAML's or JSON's dicts and lists) into msgspec Structs, strictly, with errors that
+name the key path the way a user writes it: ``models[0].pd.sglang.abort_timeout_s``.
+
+msgspec reports ``Expected `int` >= 0 - at `$.models[0].pd.x```; this module turns that into the
+path ``models[0].pd.x`` and a short message. A mapping's key is not in msgspec's path
+(``$.limits.users[...]``): the entry that fails on its own is named. A check in a Struct's
+``__post_init__`` raises ``ValueError("key: message")`` (``key`` relative to the Struct, e.g.
+``api_keys[1].key``) and the path continues with it.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
+
+import msgspec
+
+T = TypeVar("T")
+
+_AT = re.compile(r"(.*) - at (?:`key` in )?`\$(.*)`", re.S)
+_STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
+_OWN = re.compile(r"(\w+(?:\[\d+\])?(?:\.\w+)*): (.*)", re.S)
+
+
+class StrictError(ValueError):
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path, self.message = path, message
+
+
+def convert(data: Any, cls: type[T], path: str = "") -> T:
+    """``data`` as a ``cls``; ``path`` is where ``data`` sits in a larger document."""
+    try:
+        return msgspec.convert(data, cls, strict=True)
+    except msgspec.ValidationError as e:
+        at = _AT.fullmatch(str(e))
+        message, where = at.groups() if at else (str(e), "")
+        node, tp = data, cls
+        for name, index in _STEP.findall(where):
+            tp = _inner(tp, name)
+            if index == "...":
+                items = node.items() if isinstance(node, dict) else ()
+                name = next((k for k, v in items if not _valid(v, tp)), "...")
+            elif index:
+                path, node = f"{path}[{index}]", node[int(index)] if isinstance(node, list) else None
+                continue
+            path, node = _join(path, name), node.get(name) if isinstance(node, dict) else None
+        if m := re.fullmatch(r"Object contains unknown field `(.*)`", message):
+            path, message = _join(path, m[1]), f"unknown key (known: {', '.join(_names(tp))})"
+        elif m := re.fullmatch(r"Object missing required field `(.*)`", message):
+            path, message = _join(path, m[1]), "is required"
+        elif m := re.fullmatch(r"Invalid enum value (.*)", message):
+            message = f"must be one of {', '.join(map(str, get_args(_core(tp))))}, got {m[1]}"
+        elif m := _OWN.fullmatch(message):
+            path, message = _join(path, m[1]), m[2]
+        raise StrictError(path or "<root>", message) from None
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _core(tp: Any) -> Any:
+    """``tp`` without ``Annotated`` constraints and ``| None``."""
+    while get_origin(tp) in (Annotated, Union, types.UnionType):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    return tp
+
+
+def _names(tp: Any) -> list[str]:
+    tp = _core(tp)
+    is_struct = isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+    return [f.encode_name for f in msgspec.structs.fields(tp)] if is_struct else []
+
+
+def _inner(tp: Any, name: str) -> Any:
+    """The type of field ``name`` of a Struct, or of an item (``name`` empty) of a tuple or dict."""
+    tp = _core(tp)
+    if not name:
+        return (get_args(tp) or (None,))[-1 if get_origin(tp) is dict else 0]
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return next((f.type for f in msgspec.structs.fields(tp) if f.encode_name == name), None)
+    return None
+
+
+def _valid(value: Any, tp: Any) -> bool:
+    try:
+        msgspec.convert(value, tp, strict=True)
+    except (msgspec.ValidationError, TypeError):
+        return False
+    return True
+
+
+def without_nulls(v: Any) -> Any:
+    """``v`` with every null mapping value dropped: null means the default."""
+    if isinstance(v, dict):
+        return {k: without_nulls(x) for k, x in v.items() if x is not None}
+    return [without_nulls(x) for x in v] if isinstance(v, list) else v
+
+
+def laid_over(base: dict, over: dict) -> dict:
+    """``over`` on top of ``base``: only the keys ``over`` names change, nested mappings key by key."""
+    return {**base, **{k: laid_over(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                       for k, v in over.items()}}
