@@ -21,8 +21,12 @@ The pipeline follows AIBrix's P/D selection, with its signals taken from what th
 7. Pair score ``prefill/max_prefill + decode/max_decode``; lowest wins.
 
 Signals: "running" is the engine's own ``num_requests_running`` when its metrics are fresh, else
-the gateway's in-flight count (counted as a fallback); pending decodes (chosen, leg not started)
-are always added. Free KV is ``100 − 100·kv_usage`` (missing: 100). Throughput missing: that term is 0.
+the in-flight count of every gateway replica (this one's plus ``remote_in_flight``, published by
+the others through the shared state, as ``least-request`` counts it; counted as a fallback);
+pending decodes (chosen, leg not started) are always added. A combined endpoint's load is the same
+in-flight count plus the engine's waiting queue. A prefill's load is this gateway's prefill calls
+in progress (replicas publish in-flight counts, which only decode and whole-request endpoints
+carry). Free KV is ``100 − 100·kv_usage`` (missing: 100). Throughput missing: that term is 0.
 Prefix match comes from the gateway's prefix index (``RouterContext.prefix_index``).
 
 Settings: ``PDRouteSettings`` (routers/pd_settings.py), per model through ``ctx.pd_settings``.
@@ -48,6 +52,11 @@ def in_bucket(ep: Endpoint, n: int) -> bool:
     return n >= lo and (hi == 0 or n <= hi)
 
 
+def _in_flight(ep: Endpoint) -> int:
+    """Requests on ``ep`` from every gateway replica (as ``least-request`` counts them)."""
+    return ep.in_flight + ep.remote_in_flight
+
+
 class PDRouter(Router):
     name = "pd"
     chooses_pairs = True
@@ -62,7 +71,7 @@ class PDRouter(Router):
         m = ep.fresh_metrics(self.max_age)
         if m is not None and m.running is not None:
             return m.running + ep.pending_decode
-        return ep.in_flight + ep.pending_decode
+        return _in_flight(ep) + ep.pending_decode
 
     def _throughput(self, ep: Endpoint) -> float | None:
         m = ep.fresh_metrics(self.max_age)
@@ -78,7 +87,7 @@ class PDRouter(Router):
     def _combined_load(self, ep: Endpoint) -> float:
         m = ep.fresh_metrics(self.max_age)
         waiting = m.waiting if m is not None and m.waiting is not None else 0.0
-        return ep.in_flight + waiting
+        return _in_flight(ep) + waiting
 
     def _prefill_load(self, ep: Endpoint) -> float:
         m = ep.fresh_metrics(self.max_age)
@@ -177,7 +186,7 @@ class PDRouter(Router):
             if len(thr) >= 2 and max(thr.values()) - min(thr.values()) > cfg.decode_throughput_spread:
                 return min(thr, key=thr.__getitem__)
         else:
-            runs = {d: float(d.in_flight + d.pending_decode) for d in D}
+            runs = {d: float(_in_flight(d) + d.pending_decode) for d in D}
             if max(runs.values()) - min(runs.values()) >= cfg.decode_imbalance_spread:
                 return min(D, key=runs.__getitem__)
         return None

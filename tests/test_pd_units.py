@@ -245,6 +245,21 @@ def test_combined_wins_when_clearly_less_loaded():
     assert router().route(req(), [p, d, c]).prefill is p
 
 
+def test_other_replicas_in_flight_requests_count_as_load():
+    """With shared state, requests other gateway replicas have on an endpoint (``remote_in_flight``)
+    load it as much as this replica's own, as for least-request."""
+    p = ep(1, "prefill")
+    # no engine metrics: a decode's running count is the in-flight count of every replica
+    for remote in (40, 5):           # the decode fast path (spread >= 16), then the load_balancing score
+        quiet, busy = ep(10, "decode", in_flight=1), ep(11, "decode", remote_in_flight=remote)
+        for _ in range(5):
+            assert router().route(req(), [p, busy, quiet]).endpoint is quiet
+    assert router(decode_score_policy="least_request").route(req(), [p, busy, quiet]).endpoint is quiet
+    # combined endpoints are weighed the same way
+    c1, c2 = ep(20, "combined", remote_in_flight=30), ep(21, "combined", in_flight=2)
+    assert router().route(req(), [c1, c2]).endpoint is c2
+
+
 # -- trackers --------------------------------------------------------------------------------------
 
 def test_tracker_charges_release_exactly_once():
