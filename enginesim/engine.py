@@ -28,7 +28,8 @@ from enginesim.errors import RequestFailed
 from enginesim.faults import NO_FAULT, FaultSpec, parse_fault
 from enginesim.kvcache import BlockPool, root_key
 from enginesim.metrics import EngineMetrics, make_metrics
-from enginesim.roles import Role, make_role
+from enginesim.role_factory import make_role
+from enginesim.roles import Role
 from enginesim.sequence import Channel, Phase, SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, FakeTokenizer, OutputSource
 
