@@ -312,10 +312,9 @@ def test_enginesim_imports_nothing_from_the_gateway():
                                  "/".join(GATEWAY_SIDE))
 
 
-# -- the gateway side (refactor in progress) ------------------------------------------------------
+# -- the gateway side ------------------------------------------------------
 
 
-@refactor_pending
 def test_gateway_side_has_no_import_cycle():
     _fail_if(_cycle_report(GATEWAY_SIDE), "import cycle among gateway/routers/handlers/k8s")
 
@@ -334,20 +333,12 @@ def test_routers_import_only_endpoints_and_request_from_gateway():
 PIPELINE_IMPORTERS = ("gateway.app", "gateway.pipeline")
 
 
-@refactor_pending
 def test_only_the_app_imports_the_pipeline():
     found = [i for i in _all_imports() if i.dst == "gateway.pipeline" and i.src not in PIPELINE_IMPORTERS]
     _fail_if(found, "only gateway/app.py may import gateway.pipeline; these do too")
 
 
-@refactor_pending
-def test_only_the_app_imports_gateway_class():
-    found = [i for i in _all_imports() if i.dst == "gateway.pipeline" and i.src != "gateway.app"
-             and ("Gateway" in i.names or "*" in i.names)]
-    _fail_if(found, "only gateway/app.py may import Gateway from gateway.pipeline")
-
-
-# -- engine names stay in the engine-specific code (refactor in progress) -----------------------
+# -- engine names stay in the engine-specific code -----------------------
 
 # Where comparing against "vllm"/"sglang" is the point: engine adapters, config parsing, the
 # engine-metrics translation, discovery, and the simulator itself.
@@ -396,7 +387,6 @@ def test_engine_name_pattern_catches_the_usual_spellings():
     assert not any(ENGINE_NAME_PATTERNS.search(c) for c in code), code
 
 
-@refactor_pending
 def test_no_engine_name_comparisons_outside_engine_code():
     found = _engine_name_comparisons()
     _fail_if(found, "compare engine names only in " + ", ".join(ENGINE_NAME_ALLOWED) +
