@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from enginesim.engine import Engine, Sequence, StepOutput
+from enginesim.engine import Engine
 from enginesim.errors import ApiError
 from enginesim.faults import FaultSpec, FaultSpecError
+from enginesim.sequence import Sequence, StepOutput
 from enginesim.wire import drop_connection
 
 FAULT_HEADER = "x-sim-fault"

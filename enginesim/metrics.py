@@ -2,20 +2,21 @@
 
 Each simulated engine owns a private ``CollectorRegistry``: tests and the gateway's demo mode run
 several engines in one process, and the global registry would mix them up. The engine calls the
-``on_*`` hooks as a request moves through its life; gauges are read from the engine at scrape time.
+``on_*`` hooks as a request moves through its life; gauges are read from the engine at scrape time,
+through ``ScrapeSource`` (the engine imports this module, so this module does not import the engine).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Sized
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from enginesim.config import SimConfig
-
-if TYPE_CHECKING:
-    from enginesim.engine import Engine, Sequence
+from enginesim.kvcache import BlockPool
+from enginesim.sequence import Sequence
 
 # vLLM's default buckets (v1 Prometheus logger).
 VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -47,6 +48,36 @@ def token_buckets(max_value: int) -> tuple[float, ...]:
         exponent += 1
 
 
+class RollingRates(Protocol):
+    """SGLang's rolling signals, kept by the engine."""
+
+    def cache_hit_rate(self) -> float: ...
+    def gen_throughput(self) -> float: ...
+
+
+class RoleGauges(Protocol):
+    """The serving role's own gauges (SGLang's P/D queues)."""
+
+    def gauges(self) -> dict[str, float]: ...
+
+
+class ScrapeSource(Protocol):
+    """What ``render`` reads from the engine at scrape time; ``Engine`` is one."""
+
+    @property
+    def cfg(self) -> SimConfig: ...
+    @property
+    def running(self) -> Sized: ...
+    @property
+    def waiting(self) -> Sized: ...
+    @property
+    def pool(self) -> BlockPool: ...
+    @property
+    def stats(self) -> RollingRates: ...
+    @property
+    def role(self) -> RoleGauges: ...
+
+
 class EngineMetrics(Protocol):
     """What the engine reports as a request moves through its life."""
 
@@ -57,7 +88,7 @@ class EngineMetrics(Protocol):
     def on_token(self, seq: Sequence, itl_s: float | None) -> None: ...
     def on_finish(self, seq: Sequence) -> None: ...
     def on_pd_event(self, kind: str) -> None: ...
-    def render(self, engine: Engine) -> bytes: ...
+    def render(self, engine: ScrapeSource) -> bytes: ...
 
 
 class VllmMetrics:
@@ -148,7 +179,7 @@ class VllmMetrics:
     def on_pd_event(self, kind: str) -> None:
         pass  # vLLM's NIXL metrics are not simulated
 
-    def render(self, engine: Engine) -> bytes:
+    def render(self, engine: ScrapeSource) -> bytes:
         labels = self._labels
         self.running.labels(**labels).set(len(engine.running))
         self.waiting.labels(**labels).set(len(engine.waiting))
@@ -254,7 +285,7 @@ class SglangMetrics:
         if counter is not None:
             counter.labels(**self._sched).inc()
 
-    def render(self, engine: Engine) -> bytes:
+    def render(self, engine: ScrapeSource) -> bytes:
         s = self._sched
         self.running.labels(**s).set(len(engine.running))
         self.queue.labels(**s).set(len(engine.waiting))
@@ -274,4 +305,4 @@ def make_metrics(cfg: SimConfig) -> EngineMetrics:
     return VllmMetrics(cfg) if cfg.engine == "vllm" else SglangMetrics(cfg)
 
 
-__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "make_metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "EngineMetrics", "ScrapeSource", "make_metrics"]

@@ -31,7 +31,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 import orjson
@@ -40,12 +40,10 @@ from aiohttp import web
 from enginesim.config import SimConfig
 from enginesim.errors import ApiError, RequestFailed
 from enginesim.pd_common import SideListener, client_session, close_session, read_body, url_host
-from enginesim.roles import BaseRole
+from enginesim.roles import BaseRole, RoleHost
+from enginesim.sequence import Sequence
 from enginesim.tokenizer import OutputSource
 from enginesim.wire import json_response
-
-if TYPE_CHECKING:
-    from enginesim.engine import Engine, Sequence
 
 log = logging.getLogger("enginesim")
 
@@ -109,7 +107,7 @@ class Room:
 
 
 class _SglangPD(BaseRole):
-    def __init__(self, cfg: SimConfig, engine: Engine) -> None:
+    def __init__(self, cfg: SimConfig, engine: RoleHost) -> None:
         super().__init__(cfg, engine)
         self.phases: dict[Sequence, str] = {}  # parked/transferring requests and where they are
         self.transfers = 0
@@ -153,7 +151,7 @@ class SglangPrefillRole(_SglangPD):
     name = "prefill"
     disaggregation_mode = "prefill"
 
-    def __init__(self, cfg: SimConfig, engine: Engine) -> None:
+    def __init__(self, cfg: SimConfig, engine: RoleHost) -> None:
         super().__init__(cfg, engine)
         self.rooms: dict[int, Room] = {}
         self._listener: SideListener | None = None
@@ -304,7 +302,7 @@ class SglangDecodeRole(_SglangPD):
     name = "decode"
     disaggregation_mode = "decode"
 
-    def __init__(self, cfg: SimConfig, engine: Engine) -> None:
+    def __init__(self, cfg: SimConfig, engine: RoleHost) -> None:
         super().__init__(cfg, engine)
         self._session: aiohttp.ClientSession | None = None
 

@@ -41,11 +41,11 @@ from aiohttp import web
 from enginesim.config import SimConfig
 from enginesim.errors import ApiError, RequestFailed
 from enginesim.pd_common import SideListener, client_session, close_session, read_body, url_host
-from enginesim.roles import BaseRole
+from enginesim.roles import BaseRole, RoleHost
+from enginesim.sequence import Sequence
 from enginesim.wire import json_response
 
 if TYPE_CHECKING:
-    from enginesim.engine import Engine, Sequence
     from enginesim.kvcache import Allocation
 
 log = logging.getLogger("enginesim")
@@ -109,7 +109,7 @@ def _flat_blocks(blocks: Any) -> list[Any] | None:
 
 
 class NixlRole(BaseRole):
-    def __init__(self, cfg: SimConfig, engine: Engine) -> None:
+    def __init__(self, cfg: SimConfig, engine: RoleHost) -> None:
         super().__init__(cfg, engine)
         self.name = cfg.role
         self.disaggregation_mode = cfg.role

@@ -20,20 +20,37 @@ those points:
 - ``routes``, ``start``, ``close``: side channels such as vLLM's NIXL side channel or SGLang's
   bootstrap server. ``side_channel_port`` / ``bootstrap_port`` are the ports they bound.
 
-The P/D roles live in ``pd_vllm.py`` (NIXL pull) and ``pd_sglang.py`` (bootstrap rendezvous).
+A role reaches back into its engine only through ``RoleHost`` (the KV pool, the tokenizer, the
+metrics, ``reschedule``), so this module and the P/D roles do not import the engine.
+
+The P/D roles live in ``pd_vllm.py`` (NIXL pull) and ``pd_sglang.py`` (bootstrap rendezvous);
+``role_factory.make_role`` picks one for a config.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from aiohttp import web
 
 from enginesim.config import SimConfig
+from enginesim.kvcache import BlockPool
+from enginesim.metrics import EngineMetrics
+from enginesim.sequence import Sequence
+from enginesim.tokenizer import FakeTokenizer
 
-if TYPE_CHECKING:
-    from enginesim.engine import Engine, Sequence
+
+class RoleHost(Protocol):
+    """What a role uses of its engine; ``Engine`` is one."""
+
+    @property
+    def pool(self) -> BlockPool: ...
+    @property
+    def tokenizer(self) -> FakeTokenizer: ...
+    @property
+    def metrics(self) -> EngineMetrics: ...  # read on each use: ``/_sim/reset`` replaces it
+    def reschedule(self) -> None: ...
 
 
 class Role(Protocol):
@@ -65,7 +82,7 @@ class BaseRole:
     side_channel_port: int | None = None
     bootstrap_port: int | None = None
 
-    def __init__(self, cfg: SimConfig, engine: Engine) -> None:
+    def __init__(self, cfg: SimConfig, engine: RoleHost) -> None:
         self.cfg = cfg
         self.engine = engine
 
@@ -110,16 +127,3 @@ class BaseRole:
 class AggregatedRole(BaseRole):
     """One engine does prefill and decode; nothing crosses to a peer."""
 
-
-def make_role(cfg: SimConfig, engine: Engine) -> Role:
-    if cfg.role == "aggregated":
-        return AggregatedRole(cfg, engine)
-    if cfg.engine == "vllm":
-        from enginesim.pd_vllm import NixlRole
-
-        return NixlRole(cfg, engine)
-    from enginesim.pd_sglang import SglangDecodeRole, SglangPrefillRole
-
-    if cfg.role == "prefill":
-        return SglangPrefillRole(cfg, engine)
-    return SglangDecodeRole(cfg, engine)

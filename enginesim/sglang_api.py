@@ -19,10 +19,11 @@ from typing import Any
 from aiohttp import web
 
 from enginesim.config import SGLANG_VERSION
-from enginesim.engine import Engine, SamplingParams, Sequence, StepOutput
+from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
+from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.wire import SseWriter, json_response, read_json
 
 OPENAI = ErrorStyle.SGLANG_OPENAI

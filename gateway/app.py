@@ -1,8 +1,16 @@
-"""The aiohttp application: routes, error middleware, lifecycle of the upstream client and monitors."""
+"""The aiohttp application: it wires the collaborators and owns their lifecycle.
+
+Wiring, in the order a request meets them: tenancy, routing, the ledger of charges (taken by
+the pipeline), the upstream legs, the relay, P/D orchestration; the pipeline calls them and none
+of them calls the pipeline back. Startup and teardown are one ``cleanup_ctx`` generator each, so
+what starts is stopped in reverse order, also when a later step fails.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import AsyncIterator
 
 import orjson
 import structlog
@@ -12,15 +20,22 @@ from gateway.admin import add_tenancy
 from gateway.config import Config
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
+from gateway.lifecycle import Lifecycle
+from gateway.metrics import GatewayMetrics
 from gateway.monitor import Monitor
-from gateway.pipeline import Gateway
+from gateway.pd import PDOrchestrator
+from gateway.pipeline import Pipeline
+from gateway.relay import Relay
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
-from gateway.upstream import make_pool, make_session
+from gateway.routing import Routing
+from gateway.tenants import build_tenancy
+from gateway.upstream import Upstream, make_session
 from k8s.discovery import KubernetesDiscovery
 
 log = structlog.get_logger("switchyard.app")
 
-GATEWAY_KEY = web.AppKey("gateway", Gateway)
+GATEWAY_KEY = web.AppKey("gateway", Pipeline)
+LIFECYCLE_KEY = web.AppKey("lifecycle", Lifecycle)
 MONITOR_KEY = web.AppKey("monitor", Monitor)
 DISCOVERY_KEY = web.AppKey("discovery", KubernetesDiscovery)
 # set by the server at SIGTERM: /ready answers 503 while requests are still served (server.py)
@@ -49,38 +64,57 @@ def _json(status: int, payload, headers: dict[str, str] | None = None) -> web.Re
     return web.Response(status=status, body=orjson.dumps(payload), headers=headers, content_type="application/json")
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler):
-    """Every answer is OpenAI-shaped JSON: aiohttp's own 404/405/413 and any bug included."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        rid = request_id_from(request.headers.get("x-request-id"))
-        msg = {404: f"unknown path {request.path}", 405: f"method {request.method} not allowed on {request.path}",
-               413: "request body too large"}.get(e.status, e.reason)
-        err = GatewayError(e.status, msg, error_class="http")
-        headers = {"request-id": rid, "x-request-id": rid}
-        if e.status == 405 and "Allow" in e.headers:
-            headers["Allow"] = e.headers["Allow"]
-        return _json(e.status, err.body(), headers)
-    except GatewayError as e:
-        rid = request_id_from(request.headers.get("x-request-id"))
-        return _json(e.status, e.body(), {"request-id": rid, **e.headers})
+def _error_middleware(metrics: GatewayMetrics):
+    @web.middleware
+    async def error_middleware(request: web.Request, handler):
+        """Every answer is OpenAI-shaped JSON: aiohttp's own 404/405/413 and any bug included."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            rid = request_id_from(request.headers.get("x-request-id"))
+            msg = {404: f"unknown path {request.path}", 405: f"method {request.method} not allowed on {request.path}",
+                   413: "request body too large"}.get(e.status, e.reason)
+            err = GatewayError(e.status, msg, error_class="http")
+            headers = {"request-id": rid, "x-request-id": rid}
+            if e.status == 405 and "Allow" in e.headers:
+                headers["Allow"] = e.headers["Allow"]
+            return _json(e.status, err.body(), headers)
+        except GatewayError as e:
+            rid = request_id_from(request.headers.get("x-request-id"))
+            return _json(e.status, e.body(), {"request-id": rid, **e.headers})
+        except Exception as e:      # a bug outside the pipeline (which answers its own)
+            rid = request_id_from(request.headers.get("x-request-id"))
+            metrics.internal_errors.inc()
+            log.error("internal error", request_id=rid, path=request.path, exc_info=e)
+            err = GatewayError(500, "internal gateway error", code="internal_error")
+            return _json(500, err.body(), {"request-id": rid, "x-request-id": rid})
+    return error_middleware
 
 
 def build_app(config: Config, pool: EndpointPool | None = None) -> web.Application:
     pool = pool if pool is not None else pool_from_config(config)
-    gw = Gateway(config, pool)
-    app = web.Application(middlewares=[error_middleware], client_max_size=config.server.max_body_bytes)
+    metrics = GatewayMetrics()
+    lifecycle = Lifecycle()
+    routing = Routing(config, pool, metrics)
+    upstream = Upstream(config.upstream, config.health, metrics)
+    relay = Relay(config.upstream, metrics)
+    pd = PDOrchestrator(config, upstream, relay, lifecycle.spawn, metrics, routing.ctx.rng)
+    tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants)
+    gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle)
+    metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats)
+    started_at = int(time.time())
+
+    app = web.Application(middlewares=[_error_middleware(metrics)], client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
+    app[LIFECYCLE_KEY] = lifecycle
     app[NOT_READY_KEY] = asyncio.Event()
 
-    async def models(_request: web.Request) -> web.Response:
-        if gw.tenancy is not None:  # tenancy: with auth on, listing models needs a key too
-            await gw.tenancy.authenticate(_request, None)
-        data = [{"id": m, "object": "model", "created": gw.started_at, "owned_by": "switchyard",
+    async def models(request: web.Request) -> web.Response:
+        if tenancy is not None:  # with auth on, listing models needs a key too
+            await tenancy.authenticate(request, None)
+        data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
                  "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
                  "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
         return _json(200, {"object": "list", "data": data})
@@ -89,15 +123,15 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
         return _json(200, {"status": "ok"})
 
     async def ready(_request: web.Request) -> web.Response:
-        if gw.draining or app[NOT_READY_KEY].is_set():
+        if lifecycle.draining or app[NOT_READY_KEY].is_set():
             return _json(503, {"status": "draining"})
         ready_models = [m for m in pool.models() if pool.ready(m)]
         if not ready_models:
             return _json(503, {"status": "no ready endpoints"})
         return _json(200, {"status": "ready", "models": ready_models})
 
-    async def metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=gw.metrics.render(), content_type="text/plain", charset="utf-8",
+    async def metrics_page(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     for path in (CHAT, COMPLETIONS, EMBEDDINGS):
@@ -105,34 +139,34 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
-    if gw.tenancy is not None:      # tenancy: x-ratelimit-* on every answer, state lifecycle, /admin API
-        add_tenancy(app, gw.tenancy)
+    app.router.add_get("/metrics", metrics_page)
+    if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
+        add_tenancy(app, tenancy)
 
-    async def on_startup(app: web.Application) -> None:
-        # -- kubernetes discovery (k8s/): feeds the same pool as the static config; first, so
-        # that a bad kubeconfig fails start-up before anything else is running
+    async def engines(app: web.Application) -> AsyncIterator[None]:
+        """Discovery first (a bad kubeconfig fails start-up before anything else runs), then the
+        upstream client and the monitor; torn down in reverse, background tasks last."""
+        disc = None
         if config.kubernetes.enabled:
             disc = KubernetesDiscovery(config.kubernetes, pool, {m.name: m for m in config.models})
             await disc.start()
             app[DISCOVERY_KEY] = disc
-        # --
-        gw.upstream = make_pool(config.upstream)
-        gw.session = make_session(config.upstream)
-        mon = Monitor(pool, gw.session, gw.metrics, config.health, config.scrape)
-        app[MONITOR_KEY] = mon
-        mon.start()
+        try:
+            upstream.start()
+            session = make_session(config.upstream)
+            mon = Monitor(pool, session, metrics, config.health, config.scrape)
+            app[MONITOR_KEY] = mon
+            mon.start()
+            try:
+                yield
+            finally:
+                await mon.stop()
+                await lifecycle.close_background()
+                await upstream.close()
+                await session.close()
+        finally:
+            if disc is not None:
+                await disc.stop()
 
-    async def on_cleanup(app: web.Application) -> None:
-        if DISCOVERY_KEY in app:            # kubernetes discovery
-            await app[DISCOVERY_KEY].stop()
-        await app[MONITOR_KEY].stop()
-        await gw.close_background()
-        if gw.upstream is not None:
-            await gw.upstream.close()
-        if gw.session is not None:
-            await gw.session.close()
-
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
+    app.cleanup_ctx.append(engines)
     return app

@@ -12,29 +12,30 @@ import contextlib
 from gateway.config import config_from_dict
 from gateway.server import serve
 
-# (model, engine, role, port, side port: vLLM side channel / SGLang bootstrap)
+# (model, engine, role, port, simulator knobs, endpoint entry knobs): the P/D prefills' side ports
+# are the vLLM KV side channel and the SGLang bootstrap port, which the SGLang endpoint names too
 DEMO_ENGINES = [
-    ("demo-llama", "vllm", "aggregated", 8101, None),
-    ("demo-llama", "vllm", "aggregated", 8102, None),
-    ("demo-qwen", "sglang", "aggregated", 8111, None),
-    ("demo-qwen", "sglang", "aggregated", 8112, None),
-    ("demo-llama-pd", "vllm", "prefill", 8121, 8125),
-    ("demo-llama-pd", "vllm", "decode", 8122, None),
-    ("demo-qwen-pd", "sglang", "prefill", 8131, 8998),
-    ("demo-qwen-pd", "sglang", "decode", 8132, None),
+    ("demo-llama", "vllm", "aggregated", 8101, {}, {}),
+    ("demo-llama", "vllm", "aggregated", 8102, {}, {}),
+    ("demo-qwen", "sglang", "aggregated", 8111, {}, {}),
+    ("demo-qwen", "sglang", "aggregated", 8112, {}, {}),
+    ("demo-llama-pd", "vllm", "prefill", 8121, {"side_channel_port": 8125}, {}),
+    ("demo-llama-pd", "vllm", "decode", 8122, {}, {}),
+    ("demo-qwen-pd", "sglang", "prefill", 8131, {"bootstrap_port": 8998}, {"bootstrap_port": 8998}),
+    ("demo-qwen-pd", "sglang", "decode", 8132, {}, {}),
 ]
 
 
 def demo_config(host: str | None, port: int | None) -> dict:
     models: dict[str, dict] = {}
-    for model, engine, role, eport, side in DEMO_ENGINES:
+    for model, engine, role, eport, _sim, entry in DEMO_ENGINES:
         m = models.setdefault(model, {"name": model, "engine": engine})
         url = f"http://127.0.0.1:{eport}"
         if role == "aggregated":
             m.setdefault("endpoints", []).append(url)
             continue
         rs = m.setdefault("rolesets", [{"name": "rs-1", "prefill": [], "decode": []}])[0]
-        rs[role].append({"url": url, "bootstrap_port": side} if engine == "sglang" and role == "prefill" else url)
+        rs[role].append({"url": url, **entry} if entry else url)
     return {
         "listen": {"host": host or "127.0.0.1", "port": 8888 if port is None else port},
         "routing": {"strategy": "least-request"},
@@ -70,10 +71,7 @@ async def run_demo(host: str | None = None, port: int | None = None) -> None:
 
     sims = []
     try:
-        for model, engine, role, eport, side in DEMO_ENGINES:
-            kw = {}
-            if role == "prefill":
-                kw = {"side_channel_port": side} if engine == "vllm" else {"bootstrap_port": side}
+        for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
             sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
                                                   host="127.0.0.1", seed=eport, **kw)))
         cfg = config_from_dict(demo_config(host, port), source="<demo>")

@@ -46,6 +46,9 @@ class GatewayMetrics:
                                        ["model", "endpoint", "error_class"], registry=r)
         self.retries = Counter("switchyard_retries", "Requests retried on another endpoint", ["model"],
                                registry=r)
+        self.internal_errors = Counter("switchyard_internal_errors",
+                                       "Unexpected exceptions in the request path (bugs); each is logged with its traceback",
+                                       registry=r)
         self.client_cancels = Counter("switchyard_client_cancels",
                                       "Requests whose client went away before the end", ["model", "stage"],
                                       registry=r)

@@ -1,59 +1,51 @@
-"""Prefill/decode orchestration: the two legs, fail-fast, aborts and the decode watchdog.
+"""Prefill/decode orchestration: run an engine adapter's plan of two legs.
 
-vLLM (context-first): the prefill leg runs to completion (``max_tokens=1``, ``stream=false``,
-``kv_transfer_params.do_remote_decode=true``); its ``kv_transfer_params`` go into the decode
-leg, which the client receives. A failed prefill fails the request at once, with no decode leg.
+The plan (``handlers``) says whether the legs run one after the other or together, what each
+body is, and how to abort a leg. This module runs it with the same failure semantics for every
+engine:
 
-SGLang (bootstrap): both legs start together with the same bootstrap triple and gateway-owned
-``rid``; the prefill answers only after the decode took the KV. A terminal prefill failure aborts
-the decode (``/abort_request``, sent again after a delay unless the decode answered) and fails
-the client if nothing was sent yet; once the decode streams, a late prefill failure is logged
-and the stream runs on.
+- sequential (vLLM, context-first): the prefill runs to completion; the decode body is built from
+  its answer; a failed prefill fails the request at once, with no decode leg.
+- concurrent (SGLang, bootstrap): both legs start together; the prefill answers only after the
+  decode took the KV. A terminal prefill failure aborts the decode (sent again after a delay
+  unless the decode answered) and fails the client if nothing was sent yet; once the decode
+  streams, a late prefill failure is logged and the stream runs on.
 
-The decode watchdog is armed when the decode leg starts (SGLang: once the prefill succeeded): a
-first-chunk bound for streams, a whole-answer bound for non-streams (off by default), and an
-idle bound between chunks (in the relay). On fire the decode is aborted and counted by phase.
+The decode watchdog is armed when the decode leg starts (concurrent: once the prefill
+succeeded): a first-chunk bound for streams, a whole-answer bound for non-streams (off by
+default), and an idle bound between chunks (in the relay). On fire the decode is aborted and
+counted by phase.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-import orjson
 import structlog
 from aiohttp import web
 
+from gateway.config import Config
+from gateway.context import RequestContext
+from gateway.endpoints import Endpoint
 from gateway.errors import GatewayError, normalize_upstream_error
-from gateway.h1client import UpstreamConnectError, UpstreamError, UpstreamResponse, UpstreamTimeout
-from gateway.request import usage_stream_options
-from gateway.upstream import UpstreamFailure, open_leg
-from handlers import sglang as sglang_handler
-from handlers import vllm as vllm_handler
-
-if TYPE_CHECKING:
-    from gateway.endpoints import Endpoint
-    from gateway.pipeline import Gateway, RequestRecord
-    from gateway.request import InferenceRequest
-    from gateway.trackers import Charge
-    from routers.base import Decision
+from gateway.h1client import UpstreamResponse
+from gateway.metrics import GatewayMetrics
+from gateway.relay import Relay
+from gateway.upstream import Upstream, UpstreamFailure, upstream_headers
+from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
 
 log = structlog.get_logger("switchyard.pd")
 
-
-@dataclass
-class PDCharges:
-    prefill: Charge
-    pending_decode: Charge
-    token_active: Charge
-    token_kv: Charge
+Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
 
 
 class PrefillFailed(Exception):
-    """Classes: request_setup, timeout, canceled, transport, http_status, bad_response."""
+    """Classes: timeout, transport, http_status, bad_response."""
 
     def __init__(self, failure_class: str, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -70,264 +62,264 @@ class PrefillFailed(Exception):
                             error_class=f"pd_prefill_{self.failure_class}")
 
 
-def _decode_header_timeout(gw: Gateway, ireq: InferenceRequest) -> float | None:
-    wd = gw.config.watchdog_for(ireq.model)
-    limit = wd.first_chunk_timeout_s if ireq.stream else wd.response_timeout_s
-    return limit or gw.config.upstream.first_byte_timeout_s or None
+class PDOrchestrator:
+    """What it needs of the gateway, and nothing more: the upstream legs, the relay, a way to run
+    tasks that outlive the request (aborts), the config and the metrics."""
 
+    def __init__(self, config: Config, upstream: Upstream, relay: Relay, spawn: Spawn,
+                 metrics: GatewayMetrics, rng: random.Random) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.relay = relay
+        self.spawn = spawn
+        self.metrics = metrics
+        self.rng = rng
 
-def _watchdog_error(gw: Gateway, rec: RequestRecord, decode: Endpoint, ireq: InferenceRequest,
-                    limit: float | None) -> GatewayError:
-    phase = "first_chunk" if ireq.stream else "response"
-    gw.metrics.child(gw.metrics.watchdog_fires, rec.model, phase).inc()
-    rec.error_class = f"watchdog_{phase}"
-    verb = "start" if ireq.stream else "finish"
-    return GatewayError(504, f"decode endpoint {decode.name} did not {verb} responding within {limit:g}s",
-                        code="upstream_timeout", header=("x-error-pd-decode", "true"), error_class=rec.error_class)
+    async def forward(self, ctx: RequestContext, adapter: EngineAdapter, checked: Any) -> web.StreamResponse:
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq, prefill = ctx.ireq, ctx.decision.prefill
+        ctx.rec.prefill_endpoint = prefill.name
+        ctx.use(ctx.decision.endpoint)
+        settings = self.config.pd_for(ireq.model)
+        plan = adapter.pd_plan(ireq, checked, prefill=prefill, settings=settings, rng=self.rng)
+        ctx.rec.extra.update(plan.log)
+        headers = upstream_headers(ireq)
+        if plan.concurrent:
+            return await self._concurrent(ctx, adapter, plan, headers)
+        return await self._sequential(ctx, adapter, plan, headers)
 
+    # -- the two modes -----------------------------------------------------------------------
 
-async def forward_pd(gw: Gateway, request: web.Request, ireq: InferenceRequest, decision: Decision,
-                     charges: PDCharges, rec: RequestRecord,
-                     members: list[tuple[str, bytes]] | None) -> web.StreamResponse:
-    prefill = decision.prefill
-    assert prefill is not None
-    rec.extra["prefill_endpoint"] = prefill.name
-    rec.endpoint = decision.endpoint.name
-    decision.headers["prefill-target-pod"] = prefill.name
-    if decision.endpoint.engine == "sglang":
-        return await _sglang(gw, request, ireq, decision, charges, rec, members)
-    return await _vllm(gw, request, ireq, decision, charges, rec)
-
-
-def _record_prefill_failure(gw: Gateway, rec: RequestRecord, f: PrefillFailed, stage: str) -> None:
-    gw.metrics.child(gw.metrics.pd_prefill_failures, rec.model, f.failure_class, stage).inc()
-    rec.extra["prefill_failure"] = f.failure_class
-
-
-async def _call_prefill(gw: Gateway, ireq: InferenceRequest, prefill: Endpoint, body: bytes,
-                        headers: dict[str, str], rec: RequestRecord) -> bytes:
-    """POST the prefill body; returns the 200 answer bytes or raises PrefillFailed."""
-    timeout = gw.config.pd_for(ireq.model).prefill_timeout_s or None
-    start = time.perf_counter()
-    try:
-        async with asyncio.timeout(timeout):
-            resp = await gw.upstream.post(prefill.url + ireq.path, body, headers)
-            try:
-                raw = await resp.read()
-            finally:
-                resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
-            status = resp.status
-    except TimeoutError:
-        raise PrefillFailed("timeout", f"no answer within {timeout:g}s") from None
-    except UpstreamTimeout as e:    # upstream.total_timeout_s
-        raise PrefillFailed("timeout", str(e)) from None
-    except UpstreamConnectError as e:
-        raise PrefillFailed("transport", f"cannot connect: {e}") from None
-    except UpstreamError as e:
-        raise PrefillFailed("transport", f"{type(e).__name__}: {e}") from None
-    finally:
-        rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
-    gw.metrics.child(gw.metrics.pd_prefill_time, rec.model).observe(time.perf_counter() - start)
-    rec.extra["prefill_status"] = status
-    if status != 200:
-        _, err = normalize_upstream_error(status, raw)
-        raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
-    return raw
-
-
-# -- vLLM ------------------------------------------------------------------------------------------
-
-
-async def _vllm(gw: Gateway, request: web.Request, ireq: InferenceRequest, decision: Decision,
-                charges: PDCharges, rec: RequestRecord) -> web.StreamResponse:
-    prefill, decode = decision.prefill, decision.endpoint
-    cfg = gw.config.pd_for(ireq.model)
-    headers = gw.upstream_headers(ireq)
-    prefill_start = time.perf_counter()
-    try:
-        raw = await _call_prefill(gw, ireq, prefill, vllm_handler.prefill_body(ireq.data), headers, rec)
-        kv = vllm_handler.kv_params_from_answer(raw)
-    except vllm_handler.BadPrefillAnswer as e:
-        f = PrefillFailed("bad_response", str(e))
-        _record_prefill_failure(gw, rec, f, "before_response")
-        raise f.client_error(prefill) from None
-    except PrefillFailed as f:
-        _record_prefill_failure(gw, rec, f, "before_response")
-        raise f.client_error(prefill) from None
-    finally:
-        charges.prefill.release()
-        charges.token_active.release()
-    prefill_end = time.perf_counter()
-    extra = usage_stream_options(ireq)
-    strip_usage = extra is not None
-    body = vllm_handler.decode_body(ireq.data, kv, prefill.host if cfg.vllm.rewrite_remote_host else None, extra)
-    charges.pending_decode.release()
-    limit = _decode_header_timeout(gw, ireq)
-    decode_start = time.perf_counter()
-    try:
-        resp = await open_leg(gw.upstream, decode.url + ireq.path, body, headers, limit)
-    except UpstreamFailure as f:
-        if f.kind == "timeout":   # the watchdog: no answer from the decode in time (closing it aborts)
-            raise _watchdog_error(gw, rec, decode, ireq, limit) from None
-        gw.metrics.child(gw.metrics.upstream_errors, rec.model, decode.name, f.kind).inc()
-        rec.error_class = f"decode_{f.kind}"
-        raise GatewayError(502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
-                           header=("x-error-pd-decode", f.kind), error_class=rec.error_class) from None
-    wd = gw.config.watchdog_for(ireq.model)
-    out = await gw.relay_answer(request, ireq, resp, decision, rec, strip_usage, wd)
-    _observe_phases(gw, rec, prefill_start, prefill_end, decode_start)
-    if rec.error_class and rec.error_class.startswith("watchdog_"):
-        gw.metrics.child(gw.metrics.watchdog_fires, rec.model, rec.error_class[len("watchdog_"):]).inc()
-    return out
-
-
-def _observe_phases(gw: Gateway, rec: RequestRecord, prefill_start: float, prefill_end: float | None,
-                    decode_start: float) -> None:
-    m = gw.metrics
-    now = time.perf_counter()
-    m.child(m.pd_decode_time, rec.model).observe(now - decode_start)
-    if rec.ttft is not None and prefill_end is not None:
-        first_token = rec.started + rec.ttft
-        rec.extra["kv_transfer_ms"] = round((first_token - prefill_end) * 1000, 3)
-        m.child(m.pd_kv_transfer_time, rec.model).observe(max(0.0, first_token - prefill_end))
-
-
-# -- SGLang ----------------------------------------------------------------------------------------
-
-
-async def _abort(gw: Gateway, ep: Endpoint, rid: str, model: str, *, again_unless: asyncio.Future | None = None) -> None:
-    """POST /abort_request {rid}; a second time after a delay unless ``again_unless`` is done
-    (the abort may overtake the request it aborts)."""
-    cfg = gw.config.pd_for(model)
-    if not cfg.sglang.abort_timeout_s:
-        gw.metrics.child(gw.metrics.pd_aborts, model, "skipped_disabled").inc()
-        return
-    for attempt in range(2):
+    async def _sequential(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                          headers: dict[str, str]) -> web.StreamResponse:
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq, prefill = ctx.ireq, ctx.decision.prefill
+        settings = self.config.pd_for(ireq.model)
+        prefill_start = time.perf_counter()
         try:
-            async with asyncio.timeout(cfg.sglang.abort_timeout_s):
-                r = await gw.upstream.post(ep.url + "/abort_request", orjson.dumps({"rid": rid}),
-                                           {"Content-Type": "application/json"})
-                try:
-                    await r.read()
-                finally:
-                    r.release()
-                result = "ok" if r.status == 200 else "error"
-        except (TimeoutError, UpstreamError):
-            result = "error"
-        gw.metrics.child(gw.metrics.pd_aborts, model, result).inc()
-        if attempt == 0:
-            if not cfg.sglang.abort_retry_delay_s:
-                return
-            await asyncio.sleep(cfg.sglang.abort_retry_delay_s)
-            if again_unless is not None and again_unless.done() and not again_unless.cancelled():
-                return
-
-
-async def _sglang(gw: Gateway, request: web.Request, ireq: InferenceRequest, decision: Decision,
-                  charges: PDCharges, rec: RequestRecord,
-                  members: list[tuple[str, bytes]] | None) -> web.StreamResponse:
-    prefill, decode = decision.prefill, decision.endpoint
-    cfg = gw.config.pd_for(ireq.model)
-    if members is None:
-        members = sglang_handler.split_members(ireq.body)
-    rid = sglang_handler.new_rid(ireq.request_id)
-    rec.extra["rid"] = rid
-    port = prefill.bootstrap_port or cfg.sglang.default_bootstrap_port
-    extra = usage_stream_options(ireq)
-    strip_usage = extra is not None
-    p_body, d_body = sglang_handler.build_bodies(
-        members, bootstrap_host=sglang_handler.bootstrap_host_of(prefill.host), bootstrap_port=port,
-        room=sglang_handler.new_room(gw.router_ctx.rng), rid=rid, decode_extra=extra)
-    headers = gw.upstream_headers(ireq)
-    prefill_start = time.perf_counter()
-    prefill_end: list[float] = []
-
-    async def run_prefill() -> None:
-        try:
-            await _call_prefill(gw, ireq, prefill, p_body, headers, rec)
-            prefill_end.append(time.perf_counter())
+            raw = await self._prefill(ctx, plan.prefill_body, headers)
+            body = adapter.decode_body(ireq, raw, prefill=prefill, settings=settings)
+        except BadPrefillAnswer as e:
+            raise self._prefill_failed(ctx, PrefillFailed("bad_response", str(e)), "before_response") from None
+        except PrefillFailed as f:
+            raise self._prefill_failed(ctx, f, "before_response") from None
         finally:
-            charges.prefill.release()
-            charges.token_active.release()
+            ctx.charges.prefill_done()
+        prefill_end = time.perf_counter()
+        ctx.charges.decode_started()
+        limit = self._decode_header_timeout(ctx)
+        decode_start = time.perf_counter()
+        try:
+            resp = await self._open_decode(ctx, body, headers, limit)
+        except GatewayError:
+            self._abort_decode(ctx, plan)
+            raise
+        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
 
-    prefill_task = asyncio.create_task(run_prefill())
-    decode_task = asyncio.create_task(open_leg(gw.upstream, decode.url + ireq.path, d_body, headers,
-                                               gw.config.upstream.first_byte_timeout_s or None))
-    charges.pending_decode.release()
-    decode_start = time.perf_counter()
-    resp: UpstreamResponse | None = None
-    try:
-        await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-        if prefill_task.done():
-            exc = prefill_task.exception()
-            if isinstance(exc, PrefillFailed):
-                stage = "before_response"
-                _record_prefill_failure(gw, rec, exc, stage)
-                if not decode_task.done():
-                    gw.spawn(_abort(gw, decode, rid, ireq.model, again_unless=decode_task))
-                raise exc.client_error(prefill)
-            if exc is not None:
-                raise exc
-            # prefill done: the decode holds the KV; arm the watchdog on its first answer
-            limit = _decode_header_timeout(gw, ireq)
+    async def _concurrent(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                          headers: dict[str, str]) -> web.StreamResponse:
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        assert plan.decode_body is not None
+        ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
+        prefill_start = time.perf_counter()
+        prefill_end: list[float] = []
+
+        async def run_prefill() -> None:
             try:
-                async with asyncio.timeout(limit):
-                    resp = await asyncio.shield(decode_task)
-            except TimeoutError:
-                gw.spawn(_abort(gw, decode, rid, ireq.model))
-                raise _watchdog_error(gw, rec, decode, ireq, limit) from None
-        else:
-            # the decode answered first (its headers come with its first token): the prefill's
-            # answer may still be on its way; let it finish in the background
-            resp = decode_task.result()
-            gw.spawn(_late_prefill(gw, prefill_task, rec, ireq))
-    except UpstreamFailure as f:
-        gw.spawn(_abort(gw, prefill, rid, ireq.model))
-        if f.kind == "timeout":
-            raise _watchdog_error(gw, rec, decode, ireq, gw.config.upstream.first_byte_timeout_s) from None
-        gw.metrics.child(gw.metrics.upstream_errors, rec.model, decode.name, f.kind).inc()
-        rec.error_class = f"decode_{f.kind}"
-        raise GatewayError(502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
-                           header=("x-error-pd-decode", f.kind), error_class=rec.error_class) from None
-    except asyncio.CancelledError:
-        # the client went away: stop both legs, and tell SGLang (it notices a closed
-        # connection only seconds later)
-        gw.spawn(_abort(gw, decode, rid, ireq.model))
-        if not prefill_task.done():
-            gw.spawn(_abort(gw, prefill, rid, ireq.model))
-        raise
-    finally:
-        if resp is None:
-            for t in (prefill_task, decode_task):
-                if not t.done():
-                    t.cancel()
-            if decode_task.done() and not decode_task.cancelled() and decode_task.exception() is None:
-                decode_task.result().close()
-            for t in (prefill_task, decode_task):
-                with contextlib.suppress(BaseException):
-                    await t
-    if resp.status != 200 and not prefill_task.done():
-        gw.spawn(_abort(gw, prefill, rid, ireq.model))    # the prefill would wait for a decode that gave up
-        prefill_task.cancel()
-    wd = gw.config.watchdog_for(ireq.model)
-    try:
-        out = await gw.relay_answer(request, ireq, resp, decision, rec, strip_usage, wd)
-    except asyncio.CancelledError:
-        gw.spawn(_abort(gw, decode, rid, ireq.model))
-        raise
-    if rec.error_class and rec.error_class.startswith("watchdog_"):
-        gw.metrics.child(gw.metrics.watchdog_fires, rec.model, rec.error_class[len("watchdog_"):]).inc()
-        gw.spawn(_abort(gw, decode, rid, ireq.model))
-    _observe_phases(gw, rec, prefill_start, prefill_end[0] if prefill_end else None, decode_start)
-    return out
+                await self._prefill(ctx, plan.prefill_body, headers)
+                prefill_end.append(time.perf_counter())
+            finally:
+                ctx.charges.prefill_done()
 
+        prefill_task = asyncio.create_task(run_prefill())
+        decode_task = asyncio.create_task(self.upstream.open(
+            decode, ireq.path, plan.decode_body, headers, self.config.upstream.first_byte_timeout_s or None,
+            ireq.model))
+        ctx.charges.decode_started()
+        decode_start = time.perf_counter()
+        resp: UpstreamResponse | None = None
+        try:
+            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done():
+                exc = prefill_task.exception()
+                if isinstance(exc, PrefillFailed):
+                    if not decode_task.done():
+                        self._abort(decode, plan.abort, ireq.model, again_unless=decode_task)
+                    raise self._prefill_failed(ctx, exc, "before_response")
+                if exc is not None:
+                    raise exc
+                # prefill done: the decode holds the KV; arm the watchdog on its first answer
+                limit = self._decode_header_timeout(ctx)
+                try:
+                    async with asyncio.timeout(limit):
+                        resp = await asyncio.shield(decode_task)
+                except TimeoutError:
+                    self._abort(decode, plan.abort, ireq.model)
+                    raise self._watchdog_error(ctx, limit) from None
+            else:
+                # the decode answered first (its headers come with its first token): the prefill's
+                # answer may still be on its way; let it finish in the background
+                resp = decode_task.result()
+                self.spawn(self._late_prefill(ctx, prefill_task))
+        except UpstreamFailure as f:
+            self._abort(prefill, plan.abort, ireq.model)
+            if f.kind == "timeout":
+                raise self._watchdog_error(ctx, self.config.upstream.first_byte_timeout_s) from None
+            raise self._decode_unavailable(ctx, f) from None
+        except asyncio.CancelledError:
+            # the client went away: stop both legs, and tell the engine (it may notice a closed
+            # connection only seconds later)
+            self._abort(decode, plan.abort, ireq.model)
+            if not prefill_task.done():
+                self._abort(prefill, plan.abort, ireq.model)
+            raise
+        finally:
+            if resp is None:
+                for t in (prefill_task, decode_task):
+                    if not t.done():
+                        t.cancel()
+                if decode_task.done() and not decode_task.cancelled() and decode_task.exception() is None:
+                    decode_task.result().close()
+                for t in (prefill_task, decode_task):
+                    with contextlib.suppress(BaseException):
+                        await t
+        if resp.status != 200 and not prefill_task.done():
+            self._abort(prefill, plan.abort, ireq.model)    # the prefill would wait for a decode that gave up
+            prefill_task.cancel()
+        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start,
+                                        prefill_end[0] if prefill_end else None, decode_start)
 
-async def _late_prefill(gw: Gateway, task: asyncio.Task, rec: RequestRecord, ireq: InferenceRequest) -> None:
-    try:
-        await task
-    except PrefillFailed as f:
-        _record_prefill_failure(gw, rec, f, "after_response")
-        log.warning("prefill failed after the decode started streaming; the stream continues",
-                    request_id=rec.request_id, failure_class=f.failure_class, error=f.message)
-    except (asyncio.CancelledError, Exception):
-        pass
+    # -- legs ----------------------------------------------------------------------------------
+
+    async def _prefill(self, ctx: RequestContext, body: bytes, headers: dict[str, str]) -> bytes:
+        """POST the prefill body; returns the 200 answer bytes or raises PrefillFailed."""
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq, rec = ctx.ireq, ctx.rec
+        timeout = self.config.pd_for(ireq.model).prefill_timeout_s or None
+        start = time.perf_counter()
+        try:
+            status, raw = await self.upstream.fetch(ctx.decision.prefill, ireq.path, body, headers,
+                                                    ireq.model, timeout)
+        except UpstreamFailure as f:
+            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message) from None
+        finally:
+            rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
+        self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(time.perf_counter() - start)
+        rec.extra["prefill_status"] = status
+        if status != 200:
+            _, err = normalize_upstream_error(status, raw)
+            raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
+        return raw
+
+    async def _open_decode(self, ctx: RequestContext, body: bytes, headers: dict[str, str],
+                           limit: float | None) -> UpstreamResponse:
+        assert ctx.ireq is not None and ctx.decision is not None
+        try:
+            return await self.upstream.open(ctx.decision.endpoint, ctx.ireq.path, body, headers, limit,
+                                            ctx.ireq.model)
+        except UpstreamFailure as f:
+            if f.kind == "timeout":   # the watchdog: no answer from the decode in time
+                raise self._watchdog_error(ctx, limit) from None
+            raise self._decode_unavailable(ctx, f) from None
+
+    async def _relay_decode(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                            resp: UpstreamResponse, prefill_start: float, prefill_end: float | None,
+                            decode_start: float) -> web.StreamResponse:
+        assert ctx.ireq is not None
+        rec = ctx.rec
+        try:
+            out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, self.config.watchdog_for(rec.model))
+        except asyncio.CancelledError:
+            self._abort_decode(ctx, plan)
+            raise
+        if rec.watchdog is not None:
+            self.metrics.child(self.metrics.watchdog_fires, rec.model, rec.watchdog).inc()
+            self._abort_decode(ctx, plan)
+        self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
+        return out
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _prefill_failed(self, ctx: RequestContext, f: PrefillFailed, stage: str) -> GatewayError:
+        assert ctx.decision is not None and ctx.decision.prefill is not None
+        self.metrics.child(self.metrics.pd_prefill_failures, ctx.rec.model, f.failure_class, stage).inc()
+        ctx.rec.extra["prefill_failure"] = f.failure_class
+        return f.client_error(ctx.decision.prefill)
+
+    def _decode_unavailable(self, ctx: RequestContext, f: UpstreamFailure) -> GatewayError:
+        ctx.rec.error_class = f"decode_{f.kind}"
+        return GatewayError(502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
+                            header=("x-error-pd-decode", f.kind), error_class=ctx.rec.error_class)
+
+    def _decode_header_timeout(self, ctx: RequestContext) -> float | None:
+        assert ctx.ireq is not None
+        wd = self.config.watchdog_for(ctx.ireq.model)
+        limit = wd.first_chunk_timeout_s if ctx.ireq.stream else wd.response_timeout_s
+        return limit or self.config.upstream.first_byte_timeout_s or None
+
+    def _watchdog_error(self, ctx: RequestContext, limit: float | None) -> GatewayError:
+        assert ctx.ireq is not None and ctx.decision is not None
+        rec = ctx.rec
+        phase = "first_chunk" if ctx.ireq.stream else "response"
+        rec.watchdog = phase
+        self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
+        rec.error_class = f"watchdog_{phase}"
+        verb = "start" if ctx.ireq.stream else "finish"
+        return GatewayError(504, f"decode endpoint {ctx.decision.endpoint.name} did not {verb} responding "
+                                 f"within {limit or 0:g}s",
+                            code="upstream_timeout", header=("x-error-pd-decode", "true"), error_class=rec.error_class)
+
+    def _observe_phases(self, ctx: RequestContext, prefill_start: float, prefill_end: float | None,
+                        decode_start: float) -> None:
+        m, rec = self.metrics, ctx.rec
+        now = time.perf_counter()
+        m.child(m.pd_decode_time, rec.model).observe(now - decode_start)
+        if rec.ttft is not None and prefill_end is not None:
+            first_token = rec.started + rec.ttft
+            rec.extra["kv_transfer_ms"] = round((first_token - prefill_end) * 1000, 3)
+            m.child(m.pd_kv_transfer_time, rec.model).observe(max(0.0, first_token - prefill_end))
+
+    async def _late_prefill(self, ctx: RequestContext, task: asyncio.Task) -> None:
+        try:
+            await task
+        except PrefillFailed as f:
+            self._prefill_failed(ctx, f, "after_response")
+            log.warning("prefill failed after the decode started streaming; the stream continues",
+                        request_id=ctx.rec.request_id, failure_class=f.failure_class, error=f.message)
+        except (asyncio.CancelledError, Exception):
+            pass
+
+    # -- aborts --------------------------------------------------------------------------------
+
+    def _abort_decode(self, ctx: RequestContext, plan: PDPlan) -> None:
+        assert ctx.decision is not None
+        self._abort(ctx.decision.endpoint, plan.abort, ctx.rec.model)
+
+    def _abort(self, ep: Endpoint, spec: AbortSpec | None, model: str, *,
+               again_unless: asyncio.Future | None = None) -> None:
+        """Tell ``ep`` to drop the request, in the background. Engines without an abort call
+        (``spec`` None) learn it from the closed connection."""
+        if spec is not None:
+            self.spawn(self._send_abort(ep, spec, model, again_unless))
+
+    async def _send_abort(self, ep: Endpoint, spec: AbortSpec, model: str,
+                          again_unless: asyncio.Future | None) -> None:
+        """POST the abort; a second time after a delay unless ``again_unless`` is done (the abort
+        may overtake the request it aborts)."""
+        if not spec.timeout_s:
+            self.metrics.child(self.metrics.pd_aborts, model, "skipped_disabled").inc()
+            return
+        for attempt in range(2):
+            try:
+                status, _ = await self.upstream.fetch(ep, spec.path, spec.body, {"Content-Type": "application/json"},
+                                                      model, spec.timeout_s)
+                result = "ok" if status == 200 else "error"
+            except UpstreamFailure:
+                result = "error"
+            self.metrics.child(self.metrics.pd_aborts, model, result).inc()
+            if attempt == 0:
+                if not spec.retry_delay_s:
+                    return
+                await asyncio.sleep(spec.retry_delay_s)
+                if again_unless is not None and again_unless.done() and not again_unless.cancelled():
+                    return

@@ -23,7 +23,7 @@ import socket
 import structlog
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, NOT_READY_KEY, build_app
+from gateway.app import LIFECYCLE_KEY, NOT_READY_KEY, build_app
 from gateway.config import Config
 
 log = structlog.get_logger("switchyard.server")
@@ -52,21 +52,21 @@ async def start(config: Config, *, reuse_port: bool = False) -> tuple[web.AppRun
 async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: float, *,
                          delay: float = 0.0) -> None:
     """Drain as described in the module docstring; ``grace`` counts from the call."""
-    gw = app[GATEWAY_KEY]
+    lifecycle = app[LIFECYCLE_KEY]
     loop = asyncio.get_running_loop()
     deadline = loop.time() + grace
     app[NOT_READY_KEY].set()
     delay = max(0.0, min(delay, grace))
-    log.info("draining", in_flight=gw.in_flight, delay_s=delay, grace_s=grace)
+    log.info("draining", in_flight=lifecycle.in_flight, delay_s=delay, grace_s=grace)
     if delay:
         await asyncio.sleep(delay)
     for site in list(runner.sites):
         await site.stop()                   # the listening socket closes: new connections refused
-    gw.begin_drain()                        # kept-alive connections: 503 + Connection: close
-    log.info("listener closed", in_flight=gw.in_flight)
-    finished = await gw.wait_idle(max(0.0, deadline - loop.time()))
+    lifecycle.begin_drain()                        # kept-alive connections: 503 + Connection: close
+    log.info("listener closed", in_flight=lifecycle.in_flight)
+    finished = await lifecycle.wait_idle(max(0.0, deadline - loop.time()))
     if not finished:
-        log.warning("grace period over; closing remaining requests", in_flight=gw.in_flight)
+        log.warning("grace period over; closing remaining requests", in_flight=lifecycle.in_flight)
     await runner.cleanup()
 
 

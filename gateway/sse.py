@@ -417,25 +417,6 @@ class SSEScanner:
                     fr = c.get("finish_reason")
                     if isinstance(fr, str) and fr:
                         self.finish_reason = fr
-        else:
-            meta = obj.get("meta_info")
-            if isinstance(meta, dict):
-                self._native_meta(meta)
         if usage is not None and not choices and not err:
             return _USAGE_ONLY
         return 0
-
-    def _native_meta(self, meta: dict) -> None:
-        """SGLang native ``/generate``: the finish reason is an object, usage lives in meta_info."""
-        fr = meta.get("finish_reason")
-        if isinstance(fr, dict):
-            fr = fr.get("type")
-        if isinstance(fr, str) and fr:
-            self.finish_reason = fr
-        pt, ct = meta.get("prompt_tokens"), meta.get("completion_tokens")
-        if isinstance(pt, int) and isinstance(ct, int):
-            usage: dict[str, Any] = {"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct}
-            cached = meta.get("cached_tokens")
-            if isinstance(cached, int):
-                usage["prompt_tokens_details"] = {"cached_tokens": cached}
-            self.usage = usage

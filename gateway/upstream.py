@@ -1,19 +1,29 @@
-"""Upstream legs: the pooled HTTP/1.1 client to the engines, and failures classified.
+"""The upstream: every leg to an engine, its failures classified and passive health, in one place.
 
-Data-plane legs (aggregated, prefill, decode, SGLang ``/abort_request``) go through
-``gateway.h1client.UpstreamPool``: keep-alive connections, one write per request, no
-``Accept-Encoding`` (engines answer uncompressed and relayed bytes need no re-encoding), connect
-and total timeouts from config. The first-byte (response head) timeout is applied per leg, because
-P/D legs and watchdogs use their own.
+Data-plane legs (aggregated, prefill, decode, aborts) go through ``gateway.h1client.UpstreamPool``:
+keep-alive connections, one write per request, no ``Accept-Encoding`` (engines answer uncompressed
+and relayed bytes need no re-encoding), connect and total timeouts from config. The first-byte
+(response head) timeout is given per leg, because P/D legs and watchdogs use their own.
+
+A leg that fails before a response status arrived raises ``UpstreamFailure`` with its kind; the
+failure is counted (``switchyard_upstream_errors_total``) and a refused or reset connection takes
+the endpoint out of rotation until a health probe brings it back (passive health).
+
+The body and headers an engine receives are shaped here too: the client's bytes unchanged unless
+usage must be asked for, and the client's headers minus hop-by-hop and the gateway's own.
 
 The monitor (health probes, ``/metrics`` scrapes) is not hot and keeps a small aiohttp session.
 """
 
 from __future__ import annotations
 
-import aiohttp
+import asyncio
 
-from gateway.config import UpstreamConfig
+import aiohttp
+import orjson
+
+from gateway.config import HealthConfig, UpstreamConfig
+from gateway.endpoints import Endpoint
 from gateway.h1client import (
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -22,6 +32,16 @@ from gateway.h1client import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+from gateway.metrics import GatewayMetrics
+from gateway.request import InferenceRequest, usage_stream_options
+
+# client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
+# itself, and the gateway's own routing controls. Everything else passes through, as through a proxy.
+_DROP_HEADERS = frozenset({
+    "host", "content-length", "content-type", "connection", "keep-alive", "proxy-connection",
+    "transfer-encoding", "te", "trailer", "upgrade", "expect", "accept-encoding", "x-request-id",
+    "routing-strategy", "proxy-authorization",
+})
 
 
 class UpstreamFailure(Exception):
@@ -39,9 +59,93 @@ class UpstreamFailure(Exception):
         self.retryable = retryable
 
 
-def make_pool(cfg: UpstreamConfig) -> UpstreamPool:
-    """The data-plane client (call inside the running loop, e.g. at app startup)."""
-    return UpstreamPool.from_config(cfg)
+def classify(e: UpstreamError, url: str) -> UpstreamFailure:
+    if isinstance(e, UpstreamTimeout):
+        return UpstreamFailure("timeout", f"no response from {url} within {e.seconds:g}s", retryable=False)
+    if isinstance(e, UpstreamConnectError):
+        return UpstreamFailure("connect", f"cannot connect to {url}: {e}", retryable=True)
+    if isinstance(e, UpstreamDisconnected):
+        return UpstreamFailure("reset", f"{url}: {e}", retryable=not e.received)
+    return UpstreamFailure("protocol", f"bad answer from {url}: {e}", retryable=False)
+
+
+def upstream_headers(ireq: InferenceRequest) -> dict[str, str]:
+    h = {"Content-Type": "application/json", "X-Request-Id": ireq.request_id}
+    for name, v in ireq.headers.items():
+        if name.lower() not in _DROP_HEADERS:
+            h[name] = v
+    return h
+
+
+def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
+    """The body to send, and whether the gateway injected ``include_usage`` (to strip later).
+    The original bytes go out unchanged unless usage must be asked for."""
+    extra = usage_stream_options(ireq)
+    if extra is not None:
+        return orjson.dumps({**ireq.data, **extra}), True
+    return ireq.body, False
+
+
+class Upstream:
+    def __init__(self, cfg: UpstreamConfig, health: HealthConfig, metrics: GatewayMetrics) -> None:
+        self.cfg = cfg
+        self.health = health
+        self.metrics = metrics
+        self.pool: UpstreamPool | None = None      # opened inside the running loop (``start``)
+
+    def start(self) -> None:
+        self.pool = UpstreamPool.from_config(self.cfg)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    @property
+    def open_connections(self) -> int:
+        return self.pool.open_connections if self.pool is not None else 0
+
+    def failed(self, ep: Endpoint, model: str, kind: str) -> None:
+        """Count a failure of a leg to ``ep``; a refused or reset connection marks it unready."""
+        self.metrics.child(self.metrics.upstream_errors, model, ep.name, kind).inc()
+        if kind in ("connect", "reset"):
+            ep.consecutive_successes = 0
+            ep.consecutive_failures += 1
+            if self.health.passive and self.health.enabled:
+                ep.healthy = False
+
+    async def open(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
+                   header_timeout: float | None, model: str) -> UpstreamResponse:
+        """POST ``body`` and return once the response status and headers arrived."""
+        assert self.pool is not None
+        url = ep.url + path
+        try:
+            return await self.pool.post(url, body, headers, header_timeout)
+        except UpstreamError as e:
+            f = classify(e, url)
+            self.failed(ep, model, f.kind)
+            raise f from None
+
+    async def fetch(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
+                    model: str, timeout: float | None = None) -> tuple[int, bytes]:
+        """POST and read the whole answer (prefill legs, aborts) within ``timeout``; raises
+        ``UpstreamFailure`` (kind ``timeout`` when the time ran out)."""
+        assert self.pool is not None
+        url = ep.url + path
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await self.pool.post(url, body, headers)
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
+                return resp.status, raw
+        except TimeoutError:
+            self.failed(ep, model, "timeout")
+            raise UpstreamFailure("timeout", f"no answer from {url} within {timeout:g}s", retryable=False) from None
+        except UpstreamError as e:
+            f = classify(e, url)
+            self.failed(ep, model, f.kind)
+            raise f from None
 
 
 def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
@@ -50,18 +154,3 @@ def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector,
                                  timeout=aiohttp.ClientTimeout(sock_connect=cfg.connect_timeout_s or None),
                                  skip_auto_headers=("Accept-Encoding", "User-Agent"), auto_decompress=False)
-
-
-async def open_leg(pool: UpstreamPool, url: str, body: bytes, headers: dict[str, str],
-                   header_timeout: float | None) -> UpstreamResponse:
-    """POST ``body`` and return once the response status and headers arrived."""
-    try:
-        return await pool.post(url, body, headers, header_timeout)
-    except UpstreamTimeout as e:
-        raise UpstreamFailure("timeout", f"no response from {url} within {e.seconds:g}s", retryable=False) from None
-    except UpstreamConnectError as e:
-        raise UpstreamFailure("connect", f"cannot connect to {url}: {e}", retryable=True) from None
-    except UpstreamDisconnected as e:
-        raise UpstreamFailure("reset", f"{url}: {e}", retryable=not e.received) from None
-    except UpstreamError as e:
-        raise UpstreamFailure("protocol", f"bad answer from {url}: {e}", retryable=False) from None

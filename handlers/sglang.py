@@ -16,6 +16,11 @@ from typing import Annotated, Any
 import msgspec
 import orjson
 
+from gateway.endpoints import Endpoint
+from gateway.request import InferenceRequest, usage_stream_options
+from handlers.base import AbortSpec, PDPlan, openai_usage
+from handlers.base import BodyError as _BodyError
+
 
 class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``pd.sglang`` config block."""
@@ -37,7 +42,7 @@ _NONCE = os.urandom(4).hex()
 _COUNTER = itertools.count(1)
 
 
-class BodyError(ValueError):
+class BodyError(_BodyError):
     """The body cannot be split into top-level members (not a JSON object, or a duplicate
     controlled key)."""
 
@@ -161,3 +166,43 @@ def build_bodies(members: list[tuple[str, bytes]], *, bootstrap_host: str, boots
 
 def bootstrap_host_of(host: str) -> str:
     return f"[{host}]" if ":" in host else host
+
+
+def _own(settings: Any) -> Any:
+    return getattr(settings, "sglang", settings)
+
+
+class SGLangAdapter:
+    """Bootstrap: both legs start together with the same bootstrap triple and gateway-owned rid;
+    an abandoned leg is dropped with ``/abort_request {rid}``."""
+
+    engine = "sglang"
+
+    def check_pd_body(self, ireq: InferenceRequest) -> list[tuple[str, bytes]]:
+        members = split_members(ireq.body)
+        check_members(members)
+        return members
+
+    def pd_plan(self, ireq: InferenceRequest, checked: list[tuple[str, bytes]] | None, *, prefill: Endpoint,
+                settings: Any, rng: random.Random) -> PDPlan:
+        own = _own(settings)
+        members = checked if checked is not None else self.check_pd_body(ireq)
+        rid = new_rid(ireq.request_id)
+        extra = usage_stream_options(ireq)
+        p_body, d_body = build_bodies(
+            members, bootstrap_host=bootstrap_host_of(prefill.host),
+            bootstrap_port=prefill.bootstrap_port or own.default_bootstrap_port,
+            room=new_room(rng), rid=rid, decode_extra=extra)
+        abort = AbortSpec("/abort_request", orjson.dumps({"rid": rid}), own.abort_timeout_s, own.abort_retry_delay_s)
+        return PDPlan(concurrent=True, prefill_body=p_body, decode_body=d_body, abort=abort,
+                      strip_usage=extra is not None, log={"rid": rid})
+
+    def decode_body(self, ireq: InferenceRequest, prefill_answer: bytes, *, prefill: Endpoint,
+                    settings: Any) -> bytes:
+        raise NotImplementedError("SGLang plans carry both bodies")
+
+    def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:
+        return openai_usage(answer)
+
+
+SGLANG = SGLangAdapter()

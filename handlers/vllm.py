@@ -6,10 +6,15 @@ and what the decode body is. The gateway's P/D orchestration does the calls.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import msgspec
 import orjson
+
+from gateway.endpoints import Endpoint
+from gateway.request import InferenceRequest, usage_stream_options
+from handlers.base import BadPrefillAnswer, PDPlan, openai_usage
 
 
 class VLLMPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -30,10 +35,6 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 
 # Dropped from the prefill: they conflict with max_tokens=1 / stream=false (kept for decode).
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
-
-
-class BadPrefillAnswer(ValueError):
-    """A 200 prefill answer the decode cannot use (not JSON, not an object, bad params)."""
 
 
 def prefill_body(data: dict[str, Any]) -> bytes:
@@ -79,3 +80,33 @@ def decode_body(data: dict[str, Any], kv: dict[str, Any] | None, prefill_host: s
             kv["remote_host"] = prefill_host
         body["kv_transfer_params"] = kv
     return orjson.dumps(body)
+
+
+def _own(settings: Any) -> Any:
+    return getattr(settings, "vllm", settings)
+
+
+class VLLMAdapter:
+    """Context-first: the prefill runs to completion, then the decode carries its KV params."""
+
+    engine = "vllm"
+
+    def check_pd_body(self, ireq: InferenceRequest) -> None:
+        return None          # the bodies are rebuilt from the parsed request
+
+    def pd_plan(self, ireq: InferenceRequest, checked: Any, *, prefill: Endpoint, settings: Any,
+                rng: random.Random) -> PDPlan:
+        return PDPlan(concurrent=False, prefill_body=prefill_body(ireq.data), decode_body=None,
+                      strip_usage=usage_stream_options(ireq) is not None)
+
+    def decode_body(self, ireq: InferenceRequest, prefill_answer: bytes, *, prefill: Endpoint,
+                    settings: Any) -> bytes:
+        kv = kv_params_from_answer(prefill_answer)
+        host = prefill.host if _own(settings).rewrite_remote_host else None
+        return decode_body(ireq.data, kv, host, usage_stream_options(ireq))
+
+    def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:
+        return openai_usage(answer)
+
+
+VLLM = VLLMAdapter()

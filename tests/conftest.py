@@ -19,19 +19,19 @@ import pytest
 from enginesim import SimConfig, start_sim
 from gateway.app import GATEWAY_KEY
 from gateway.config import config_from_dict
-from gateway.pipeline import Gateway
+from gateway.pipeline import Pipeline
 from gateway.server import start
 
 FAST_SIM = {"ttft_base_ms": 2.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
 
-_live_gateways: list[Gateway] = []
+_live_gateways: list[Pipeline] = []
 
 
 @dataclass
 class RunningGateway:
     url: str
     port: int
-    gw: Gateway
+    gw: Pipeline
     runner: Any
 
     @property
@@ -111,10 +111,10 @@ async def _leases_balance():
     yield
     for gw in list(_live_gateways):
         for _ in range(200):
-            if gw.in_flight == 0 and all(_idle(ep) for ep in gw.pool.endpoints()):
+            if gw.lifecycle.in_flight == 0 and all(_idle(ep) for ep in gw.pool.endpoints()):
                 break
             await asyncio.sleep(0.01)
-        assert gw.in_flight == 0, "gateway requests still in flight after the test"
+        assert gw.lifecycle.in_flight == 0, "gateway requests still in flight after the test"
         for ep in gw.pool.endpoints():
             assert _idle(ep), (f"lease leak on {ep.name}: in_flight={ep.in_flight} prefill={ep.prefill_in_flight} "
                                f"pending_decode={ep.pending_decode} tokens={ep.token_active}/{ep.token_kv}")

@@ -160,7 +160,7 @@ async def test_client_disconnect_mid_stream_aborts_the_engine(sims, gateway, eng
         assert (await sim_state(sim.url))["running"]
         resp.close()                        # the client goes away
     assert await wait_for(lambda: _aborted(sim.url), timeout=8)
-    assert await wait_for(lambda: gw.gw.in_flight == 0, timeout=5)
+    assert await wait_for(lambda: gw.gw.lifecycle.in_flight == 0, timeout=5)
     assert 'switchyard_client_cancels_total{model="m",stage="streaming"} 1.0' in await gw.metrics_text()
 
 
@@ -185,11 +185,11 @@ async def test_drain_refuses_new_requests_and_lets_streams_finish(sims, gateway)
     async with aiohttp.ClientSession() as s:
         resp = await s.post(gw.url + "/v1/chat/completions", json=body(stream=True, max_tokens=30))
         await resp.content.readline()
-        gw.gw.begin_drain()
+        gw.gw.lifecycle.begin_drain()
         async with s.get(gw.url + "/ready") as r:
             assert r.status == 503
         async with s.post(gw.url + "/v1/chat/completions", json=body()) as r:
             assert r.status == 503
         rest = await resp.read()             # the stream in flight completes normally
         assert rest.rstrip().endswith(b"data: [DONE]")
-    assert await gw.gw.wait_idle(2)
+    assert await gw.gw.lifecycle.wait_idle(2)

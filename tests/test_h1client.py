@@ -20,16 +20,25 @@ from gateway.h1client import (
     HIGH_WATER,
     UpstreamConnectError,
     UpstreamDisconnected,
+    UpstreamError,
     UpstreamPool,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from gateway.upstream import UpstreamFailure, open_leg
+from gateway.upstream import UpstreamFailure, classify
 from tests.conftest import model_block
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 JSON = {"Content-Type": "application/json"}
 GUARD = 10.0    # a bound on waits for the server's side, so a bug fails instead of hanging
+
+
+async def open_leg(pool, url, body, headers, header_timeout):
+    """A leg as the gateway opens it: the client's failures classified (``gateway.upstream``)."""
+    try:
+        return await pool.post(url, body, headers, header_timeout)
+    except UpstreamError as e:
+        raise classify(e, url) from None
 
 
 def on_both_loops(scenario):

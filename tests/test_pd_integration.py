@@ -209,7 +209,7 @@ async def test_client_disconnect_during_prefill_cancels_both_legs(sims, gateway,
         task.cancel()
     assert await wait_for(lambda: quiet(p.url), timeout=8)
     assert await wait_for(lambda: quiet(d.url), timeout=8)
-    assert await wait_for(lambda: gw.gw.in_flight == 0, timeout=5)
+    assert await wait_for(lambda: gw.gw.lifecycle.in_flight == 0, timeout=5)
 
 
 async def _busy(url) -> bool:

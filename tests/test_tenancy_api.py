@@ -186,7 +186,7 @@ async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
         assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
         assert "concurrent" in ei.value.body["message"]
     # the streams were closed by the client: their slots come back
-    await wait_for(lambda: gw.gw.in_flight == 0)
+    await wait_for(lambda: gw.gw.lifecycle.in_flight == 0)
     await c.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
 
 

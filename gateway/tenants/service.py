@@ -37,8 +37,8 @@ from gateway.tenants.memory import MemoryState
 from gateway.tenants.redis_state import RedisState, StateUnavailable
 
 if TYPE_CHECKING:
+    from gateway.context import RequestRecord
     from gateway.metrics import GatewayMetrics
-    from gateway.pipeline import RequestRecord
     from gateway.request import InferenceRequest
 
 log = structlog.get_logger("switchyard.tenancy")

@@ -1,0 +1,121 @@
+"""What one request carries from stage to stage: its record and its context.
+
+``RequestRecord`` is what the log line and the metrics say about a request; ``RequestContext``
+adds what the stages hand each other (the aiohttp request, the parsed request, the decision, the
+charges, the response once its headers went out). The pipeline creates one context per request,
+every stage takes it, and the pipeline's ``finally`` releases its charges and writes the record,
+whatever path the request took.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+from aiohttp import web
+
+from gateway.endpoints import Endpoint
+from gateway.ledger import Charges
+from gateway.metrics import GatewayMetrics
+from gateway.request import InferenceRequest, request_id_from
+from routers.base import Decision
+
+log = structlog.get_logger("switchyard.request")
+
+WatchdogPhase = Literal["first_chunk", "idle", "response"]
+
+# bytes a header value may carry as is: visible ASCII and space (RFC 9110 field-vchar without obs-text)
+_UNSAFE = re.compile(r"[^\x20-\x7e]")
+MAX_ECHO_CHARS = 256
+
+
+def safe_header_value(value: str) -> str:
+    """A client-controlled value made safe to echo in a response header: characters outside
+    visible ASCII become ``%XX`` escapes of their UTF-8 bytes, and the result is bounded. The
+    HTTP writer refuses control characters, so an unescaped one would cost the client its answer."""
+    if len(value) > MAX_ECHO_CHARS:
+        value = value[:MAX_ECHO_CHARS]
+    if _UNSAFE.search(value) is None:
+        return value
+    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), value)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the per-request log line and the metrics say about one request."""
+
+    request_id: str
+    path: str
+    started: float
+    model: str = "-"
+    strategy: str = ""
+    user: str | None = None
+    endpoint: str = ""
+    prefill_endpoint: str | None = None
+    status: int = 0
+    stream: bool = False
+    headers_sent: bool = False
+    watchdog: WatchdogPhase | None = None     # the watchdog phase that fired, if one did
+    error_class: str | None = None
+    error: str | None = None
+    retries: int = 0
+    ttft: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    request_id_replaced: bool = False         # the client's x-request-id could not be kept
+    extra: dict[str, Any] = field(default_factory=dict)   # leg details for the log line only
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers every answer carries: request id, the chosen pods, the strategy."""
+        h = {"request-id": self.request_id, "x-request-id": self.request_id}
+        if self.endpoint:
+            h["target-pod"] = self.endpoint
+        if self.strategy:
+            h["routing-strategy"] = safe_header_value(self.strategy)
+        if self.prefill_endpoint:
+            h["prefill-target-pod"] = self.prefill_endpoint
+        return h
+
+
+@dataclass(slots=True)
+class RequestContext:
+    http: web.Request
+    rec: RequestRecord
+    ireq: InferenceRequest | None = None
+    decision: Decision | None = None
+    charges: Charges = field(default_factory=Charges)
+    response: web.StreamResponse | None = None       # set once the response headers went out
+
+    @classmethod
+    def start(cls, request: web.Request) -> RequestContext:
+        given = request.headers.get("x-request-id")
+        rid = request_id_from(given)
+        rec = RequestRecord(request_id=rid, path=request.path, started=time.perf_counter(),
+                            request_id_replaced=given is not None and given != rid)
+        return cls(http=request, rec=rec)
+
+    def use(self, ep: Endpoint) -> None:
+        """``ep`` answers the request (the decode, for P/D)."""
+        self.rec.endpoint = ep.name
+
+
+def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float) -> None:
+    """The request's metrics and its one log line."""
+    m = metrics
+    duration = now - rec.started
+    m.child(m.requests, rec.model, str(rec.status), rec.strategy).inc()
+    if rec.model != "-" and rec.status < 400 and rec.status:
+        m.child(m.e2e, rec.model).observe(duration)
+    log.info("request", request_id=rec.request_id, path=rec.path, model=rec.model, user=rec.user,
+             strategy=rec.strategy, endpoint=rec.endpoint, status=rec.status, stream=rec.stream,
+             ttft_ms=round(rec.ttft * 1000, 3) if rec.ttft is not None else None,
+             prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
+             cached_tokens=rec.cached_tokens, finish_reason=rec.finish_reason, retries=rec.retries,
+             duration_ms=round(duration * 1000, 3), error_class=rec.error_class, error=rec.error,
+             **({"prefill_endpoint": rec.prefill_endpoint} if rec.prefill_endpoint else {}),
+             **({"request_id_replaced": True} if rec.request_id_replaced else {}), **rec.extra)

@@ -1,0 +1,86 @@
+"""Routing: which strategy a request uses, its candidates, and the timed decision.
+
+The strategy is the model's lock, else the ``routing-strategy`` header, else the model's default
+(config, else the pods' annotation), else ``pd`` for a model with prefill/decode endpoints, else
+the global default. Routers are pure and synchronous (``routers/``); every request goes through
+its router, even with one candidate, so strategies that learn from decisions (the prefix index,
+session ids, vtc's token counts) see every request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from gateway.config import Config
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.errors import GatewayError
+from gateway.metrics import GatewayMetrics
+from gateway.request import InferenceRequest
+from routers.base import Decision, NoRouteError, Router, RouterContext
+from routers.registry import RouterRegistry, StrategyError, default_registry
+
+WHOLE_REQUEST_ROLES = ("aggregated", "combined")
+
+
+class Routing:
+    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
+                                 on_fallback=self._on_fallback)
+        self.registry: RouterRegistry = default_registry(self.ctx)
+        # strategies named in config are validated now, so a typo fails at startup, not per request
+        for spec in [config.routing.strategy] + [s for m in config.models for s in (m.strategy, m.lock_strategy) if s]:
+            try:
+                self.registry.get(spec)
+            except StrategyError as e:
+                raise ValueError(f"config: {e}") from None
+
+    def _on_fallback(self, strategy: str, reason: str) -> None:
+        self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()
+
+    def strategy_for(self, model: str, header: str | None) -> str:
+        m = self.config.model(model)
+        if m is not None and m.lock_strategy:
+            return m.lock_strategy
+        if header is not None and header.strip():
+            return header.strip()
+        if m is not None and m.strategy:
+            return m.strategy
+        hint = self.pool.strategy_hint(model)
+        if hint:
+            return hint
+        if (m is not None and m.rolesets) or self.pool.has_pd(model):
+            return "pd"
+        return self.config.routing.strategy
+
+    def router_for(self, spec: str) -> Router:
+        try:
+            return self.registry.get(spec)
+        except StrategyError:
+            raise GatewayError(400, f"incorrect routing strategy {spec}", param="routing-strategy",
+                               header=("x-error-routing", "true"), error_class="routing") from None
+
+    def candidates(self, model: str, router: Router) -> list[Endpoint]:
+        """The ready endpoints ``router`` may choose from: only a router that chooses P/D pairs
+        may use prefill and decode endpoints; the others need whole-request ones."""
+        ready = self.pool.ready(model)
+        candidates = ready if router.chooses_pairs else [ep for ep in ready if ep.role in WHOLE_REQUEST_ROLES]
+        if not candidates:
+            raise GatewayError(503, f"no ready endpoint for model {model}"
+                                    + (" (prefill/decode endpoints need the pd strategy)" if ready else ""),
+                               code="service_unavailable", headers={"Retry-After": "5"},
+                               header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+        return candidates
+
+    def route(self, ireq: InferenceRequest, spec: str, router: Router, candidates: list[Endpoint]) -> Decision:
+        t = time.perf_counter()
+        try:
+            decision = router.route(ireq, candidates)
+        except NoRouteError as e:
+            raise GatewayError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"},
+                               header=("x-error-routing", "true"), error_class="no_route") from None
+        self.metrics.child(self.metrics.routing, spec).observe(time.perf_counter() - t)
+        decision.strategy = spec
+        return decision

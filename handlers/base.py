@@ -1,0 +1,73 @@
+"""The one interface through which the gateway meets an engine's protocol differences.
+
+An ``EngineAdapter`` is pure (no I/O): it checks a body before routing, plans the P/D legs (their
+bodies, whether they run together, how to abort one), builds a decode body from a prefill's
+answer, and reads usage from an answer. ``gateway/pd.py`` runs whatever plan it is given; no
+module outside ``handlers/`` branches on the engine's name.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gateway.endpoints import Endpoint
+from gateway.request import InferenceRequest
+
+
+class BodyError(ValueError):
+    """A request body this engine's P/D protocol cannot carry; the gateway answers 400 before any
+    endpoint is chosen."""
+
+
+class BadPrefillAnswer(ValueError):
+    """A 200 prefill answer the decode cannot use (not JSON, not an object, bad params)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AbortSpec:
+    """How to tell an endpoint to drop a request: POST ``body`` to ``path``; sent a second time
+    after ``retry_delay_s`` (an abort may overtake the request it aborts). ``timeout_s`` 0: never."""
+
+    path: str
+    body: bytes
+    timeout_s: float
+    retry_delay_s: float
+
+
+@dataclass(slots=True)
+class PDPlan:
+    concurrent: bool                 # both legs start together (else: prefill, then decode)
+    prefill_body: bytes
+    decode_body: bytes | None        # None: built from the prefill's answer (``decode_body``)
+    abort: AbortSpec | None = None   # None: closing a leg's connection is how the engine learns
+    strip_usage: bool = False        # the gateway asked the decode for usage the client did not
+    log: dict[str, Any] = field(default_factory=dict)   # fields for the request's log line
+
+
+class EngineAdapter(Protocol):
+    engine: str
+
+    def check_pd_body(self, ireq: InferenceRequest) -> Any:
+        """Refuse (``BodyError``) a body the P/D legs cannot carry; the result goes to ``pd_plan``."""
+        ...
+
+    def pd_plan(self, ireq: InferenceRequest, checked: Any, *, prefill: Endpoint, settings: Any,
+                rng: random.Random) -> PDPlan:
+        """The legs' bodies for a P/D request. ``settings`` is the model's ``pd`` config block."""
+        ...
+
+    def decode_body(self, ireq: InferenceRequest, prefill_answer: bytes, *, prefill: Endpoint,
+                    settings: Any) -> bytes:
+        """A sequential plan's decode body from the prefill's answer (``BadPrefillAnswer``)."""
+        ...
+
+    def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:
+        """The usage object of a non-streaming answer, in OpenAI's spelling."""
+        ...
+
+
+def openai_usage(answer: dict[str, Any]) -> dict[str, Any] | None:
+    usage = answer.get("usage")
+    return usage if isinstance(usage, dict) else None
