@@ -72,7 +72,7 @@ class Pipeline:
             if ticket is not None:          # model RPS, user RPM/TPM/concurrency (429), before routing
                 await self.tenancy.admit(ticket, ireq, rec)
             adapter = adapter_for(candidates[0].engine)
-            checked = self._check_pd_body(adapter, ctx) if getattr(router, "chooses_pairs", router.name == "pd") else None
+            checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
             decision = ctx.decision = self.routing.route(ireq, spec, router, candidates)
             # charged in the same synchronous step as the decision
             ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))

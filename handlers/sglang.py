@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 import msgspec
 import orjson
@@ -168,8 +168,10 @@ def bootstrap_host_of(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def _own(settings: Any) -> Any:
-    return getattr(settings, "sglang", settings)
+class HasSGLangSettings(Protocol):
+    """What the adapter reads of the model's ``pd`` config block."""
+
+    sglang: SGLangPDSettings
 
 
 class SGLangAdapter:
@@ -184,8 +186,8 @@ class SGLangAdapter:
         return members
 
     def pd_plan(self, ireq: InferenceRequest, checked: list[tuple[str, bytes]] | None, *, prefill: Endpoint,
-                settings: Any, rng: random.Random) -> PDPlan:
-        own = _own(settings)
+                settings: HasSGLangSettings, rng: random.Random) -> PDPlan:
+        own = settings.sglang
         members = checked if checked is not None else self.check_pd_body(ireq)
         rid = new_rid(ireq.request_id)
         extra = usage_stream_options(ireq)
@@ -198,7 +200,7 @@ class SGLangAdapter:
                       strip_usage=extra is not None, log={"rid": rid})
 
     def decode_body(self, ireq: InferenceRequest, prefill_answer: bytes, *, prefill: Endpoint,
-                    settings: Any) -> bytes:
+                    settings: HasSGLangSettings) -> bytes:
         raise NotImplementedError("SGLang plans carry both bodies")
 
     def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:

@@ -7,7 +7,7 @@ and what the decode body is. The gateway's P/D orchestration does the calls.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import orjson
@@ -82,8 +82,10 @@ def decode_body(data: dict[str, Any], kv: dict[str, Any] | None, prefill_host: s
     return orjson.dumps(body)
 
 
-def _own(settings: Any) -> Any:
-    return getattr(settings, "vllm", settings)
+class HasVLLMSettings(Protocol):
+    """What the adapter reads of the model's ``pd`` config block."""
+
+    vllm: VLLMPDSettings
 
 
 class VLLMAdapter:
@@ -94,15 +96,15 @@ class VLLMAdapter:
     def check_pd_body(self, ireq: InferenceRequest) -> None:
         return None          # the bodies are rebuilt from the parsed request
 
-    def pd_plan(self, ireq: InferenceRequest, checked: Any, *, prefill: Endpoint, settings: Any,
-                rng: random.Random) -> PDPlan:
+    def pd_plan(self, ireq: InferenceRequest, checked: Any, *, prefill: Endpoint,
+                settings: HasVLLMSettings, rng: random.Random) -> PDPlan:
         return PDPlan(concurrent=False, prefill_body=prefill_body(ireq.data), decode_body=None,
                       strip_usage=usage_stream_options(ireq) is not None)
 
     def decode_body(self, ireq: InferenceRequest, prefill_answer: bytes, *, prefill: Endpoint,
-                    settings: Any) -> bytes:
+                    settings: HasVLLMSettings) -> bytes:
         kv = kv_params_from_answer(prefill_answer)
-        host = prefill.host if _own(settings).rewrite_remote_host else None
+        host = prefill.host if settings.vllm.rewrite_remote_host else None
         return decode_body(ireq.data, kv, host, usage_stream_options(ireq))
 
     def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:

@@ -8,8 +8,6 @@ The graph is module level (``a.b`` imports ``a.c``), restricted to our own packa
 package's submodule does not count as importing the package's ``__init__``; ``from pkg import x``
 counts as importing ``pkg.x`` when that is a module, else ``pkg`` itself.
 
-The checks marked xfail describe where the architecture refactor is going; they turn into plain
-checks when it lands (remove the mark then).
 """
 
 from __future__ import annotations
@@ -28,9 +26,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gateway", "routers", "handlers", "k8s", "enginesim")
 GATEWAY_SIDE = ("gateway", "routers", "handlers", "k8s")
-
-refactor_pending = pytest.mark.xfail(strict=False, reason="architecture refactor in progress")
-
 
 @dataclass(frozen=True)
 class Import:
