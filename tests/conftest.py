@@ -22,6 +22,14 @@ from gateway.config import config_from_dict
 from gateway.pipeline import Pipeline
 from gateway.server import start
 
+
+def pytest_collection_modifyitems(items) -> None:
+    """Everything under tests/integration/ carries the ``integration`` marker."""
+    for item in items:
+        if "integration" in item.path.parts:
+            item.add_marker(pytest.mark.integration)
+
+
 FAST_SIM = {"ttft_base_ms": 2.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
 
 _live_gateways: list[Pipeline] = []

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("gateway", "routers", "handlers", "k8s", "enginesim")
 GATEWAY_SIDE = ("gateway", "routers", "handlers", "k8s")
 

@@ -21,9 +21,9 @@ import yaml
 
 from gateway.config import parse_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "switchyard"
-HELPER = Path(__file__).resolve().parent / "helm_render"
+HELPER = Path(__file__).resolve().parents[1] / "helm_render"
 
 MODELS = {  # kind -> the official client's model
     "ConfigMap": "V1ConfigMap", "Deployment": "V1Deployment", "Service": "V1Service",

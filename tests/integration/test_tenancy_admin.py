@@ -12,7 +12,7 @@ import pytest
 
 from gateway.admin_cli import main as cli
 from tests.conftest import model_block
-from tests.test_tenancy_api import ALICE, CHAT, client
+from tests.integration.test_tenancy_api import ALICE, CHAT, client
 
 TOKEN = "admin-secret-token"
 CONFIG = {"auth": {"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": TOKEN},

@@ -1,8 +1,7 @@
-"""Strategy grammar, registry, weighted combination, and the random / round-robin / least-request routers."""
+"""Strategy grammar, registry, weighted combination (AIBrix §9 items 1 and 2)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 from collections import Counter
@@ -16,7 +15,6 @@ from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest
 from routers import registry as registry_mod
 from routers.base import Decision, Router, RouterContext, ScoringRouter
-from routers.pd import PDRouteSettings
 from routers.registry import (
     RouterRegistry,
     StrategyError,
@@ -231,102 +229,6 @@ def test_router_base_classes():
     assert isinstance(LeastRequestRouter(ctx), ScoringRouter)
     assert isinstance(RandomRouter(ctx), Router) and not isinstance(RandomRouter(ctx), ScoringRouter)
     assert isinstance(RoundRobinRouter(ctx), Router) and not isinstance(RoundRobinRouter(ctx), ScoringRouter)
-
-
-# -- the contract: every strategy returns a Decision; hooks and capabilities are declared -------------
-
-EVERY_SPEC = ["prefix-cache:3,least-request:2,least-kv-cache:2", "session-affinity:1,least-waiting:2",
-              "least-latency:1,throughput:1,vtc-basic:1"]
-
-
-@pytest.mark.parametrize("n", [1, 3])
-def test_every_strategy_returns_a_decision(n):
-    reg = default_registry(RouterContext(rng=random.Random(1)))
-    eps = make_eps(n, in_flight=list(range(n)))
-    req = InferenceRequest(path=CHAT, body=b"{}", data={}, model="m", stream=False, include_usage=False,
-                           prompt_text="user\nhello " * 200, prompt_tokens_est=500, request_id="r", user="alice",
-                           session_key="k")
-    for spec in reg.names() + EVERY_SPEC:
-        router = reg.get(spec)
-        decision = router.route(req, eps)
-        assert isinstance(decision, Decision), spec
-        assert any(decision.endpoint is ep for ep in eps) and decision.prefill is None, spec
-        assert decision.strategy == router.name, spec      # the gateway overwrites it with the spec
-
-
-def test_only_pd_chooses_pairs():
-    reg = default_registry(RouterContext())
-    assert [name for name in reg.names() if reg.get(name).chooses_pairs] == ["pd"]
-    assert not reg.get("prefix-cache:1,least-request:1").chooses_pairs
-
-
-def test_hooks_default_to_nothing():
-    ctx = RouterContext()
-    eps = make_eps(2)
-    plain = PlainRouter("plain")
-    assert plain.post_route(make_req(), eps[0]) is None
-    assert plain.response_headers(make_req(), eps[0]) == {}
-    assert not plain.chooses_pairs
-    # in a weighted list, parts without hooks add nothing; a part's own hooks see the list's choice
-    scorer = FixedScorer("s", "most", {9002: 1.0})
-    decision = weighted([(LeastRequestRouter(ctx), 1), (scorer, 3)]).route(make_req(), eps)
-    assert decision.endpoint is eps[1] and decision.headers == {} and scorer.routed == [eps[1]]
-
-
-def test_the_context_is_built_once():
-    ctx = RouterContext()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        ctx.on_fallback = print   # type: ignore[misc]
-    assert ctx.pd_settings("any-model") == PDRouteSettings()
-    assert ctx.prefix_index is ctx.prefix_index and len(ctx.prefix_index) == 0
-
-
-# -- simple routers -----------------------------------------------------------------------------------
-
-
-def test_random_uses_the_context_rng():
-    eps = make_eps(4)
-    router = RandomRouter(RouterContext(rng=random.Random(3)))
-    seen = [router.route(make_req(), eps).endpoint for _ in range(400)]
-    assert {ep.port for ep in seen} == {ep.port for ep in eps}
-    again = RandomRouter(RouterContext(rng=random.Random(3)))
-    assert [again.route(make_req(), eps).endpoint for _ in range(400)] == seen     # reproducible from the seed
-
-
-def test_round_robin_cycles_per_model():
-    router = RoundRobinRouter(RouterContext())
-    eps = make_eps(3)
-    other = make_eps(2, model="n")
-    picks = [router.route(make_req(), eps).endpoint.port for _ in range(7)]
-    assert picks == [9001, 9002, 9003, 9001, 9002, 9003, 9001]
-    assert [router.route(make_req("n"), other).endpoint.port for _ in range(3)] == [9001, 9002, 9001]
-    assert router.route(make_req(), eps).endpoint.port == 9002    # model m continued where it was
-    # the candidate set shrinks: still a valid candidate
-    assert router.route(make_req(), eps[:1]).endpoint is eps[0]
-
-
-def test_least_request_picks_the_minimum():
-    router = LeastRequestRouter(RouterContext(rng=random.Random(1)))
-    eps = make_eps(5, in_flight=[4, 2, 7, 1, 3])
-    assert router.route(make_req(), eps).endpoint is eps[3]
-    assert router.score(make_req(), eps) == [4, 2, 7, 1, 3]
-    assert router.polarity == "least"
-
-
-def test_least_request_spreads_ties():
-    router = LeastRequestRouter(RouterContext(rng=random.Random(2)))
-    eps = make_eps(4, in_flight=[1, 0, 0, 0])
-    seen = Counter(router.route(make_req(), eps).endpoint.port for _ in range(3000))
-    assert set(seen) == {9002, 9003, 9004}
-    assert min(seen.values()) > 800          # uniform among the three tied minima
-
-
-def test_least_request_burst_with_charging_is_even():
-    router = LeastRequestRouter(RouterContext(rng=random.Random(5)))
-    eps = make_eps(3)
-    for _ in range(30):
-        router.route(make_req(), eps).endpoint.in_flight += 1   # what the pipeline does in the same step
-    assert [ep.in_flight for ep in eps] == [10, 10, 10]
 
 
 # -- weighted combination ---------------------------------------------------------------------------

@@ -1,0 +1,111 @@
+"""prefix-cache through the gateway: a conversation returns to its engine and leaves it when overloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import aiohttp
+
+from gateway.endpoints import Endpoint
+from gateway.request import CHAT, InferenceRequest
+from routers.base import RouterContext, RoutingSettings
+from routers.prefix_cache import PrefixCacheRouter
+from routers.session import encode_session_id
+from tests.conftest import model_block
+
+BLOCK = 8
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_req(text: str, model: str = "m") -> InferenceRequest:
+    return InferenceRequest(path=CHAT, body=b"{}", data={}, model=model, stream=False, include_usage=False,
+                            prompt_text=text, prompt_tokens_est=max(1, len(text) // 4), request_id="r")
+
+
+def make_eps(n: int, in_flight: Sequence[int] | None = None, model: str = "m") -> list[Endpoint]:
+    eps = [Endpoint(url=f"http://127.0.0.1:{9001 + i}", model=model) for i in range(n)]
+    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
+        ep.in_flight = k
+    return eps
+
+
+class Fallbacks(Counter):
+    def __call__(self, strategy: str, reason: str) -> None:
+        self[(strategy, reason)] += 1
+
+
+def setup(block: int = BLOCK, clock: Clock | None = None, seed: int = 1, **knobs):
+    clock = clock or Clock()
+    fallbacks = Fallbacks()
+    s = RoutingSettings(prefix_block_chars=block, **knobs)
+    ctx = RouterContext(rng=random.Random(seed), clock=clock, settings=s, on_fallback=fallbacks)
+    return PrefixCacheRouter(ctx), ctx.prefix_index, clock, fallbacks
+
+
+SYSTEM = "You are a helpful switchyard assistant. " * 4     # 160 chars = 20 blocks of 8
+
+
+# -- through the gateway -------------------------------------------------------------------------
+
+LONG_SYSTEM = ("You are the dispatcher of a railway switchyard. Trains arrive from the north and the "
+               "south; every track has a length, a set of switches and a signal. ") * 12
+
+
+async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], headers: dict | None = None,
+               **extra) -> tuple[str, dict]:
+    body = {"model": "m", "messages": messages, "max_tokens": 4, **extra}
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers or {}) as r:
+        assert r.status == 200, await r.text()
+        data = await r.json()
+        return r.headers["target-pod"], data
+
+
+async def test_gateway_sends_a_conversation_back_to_its_engine_and_leaves_it_when_overloaded(sims, gateway):
+    engines = [await sims("vllm", "m", prefill_ms_per_token=0.01) for _ in range(3)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="prefix-cache")],
+                       routing={"prefix_imbalance_abs": 2})
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Where is train 7?"}]
+    async with aiohttp.ClientSession() as s:
+        holder, first = await chat(s, gw.url, messages)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for turn in range(3):
+            messages += [{"role": "assistant", "content": "On track 3."},
+                         {"role": "user", "content": f"And train {turn}?"}]
+            pod, data = await chat(s, gw.url, messages)
+            assert pod == holder                                     # back to the engine with the prefix
+            assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 200   # and it was a cache hit
+
+        # overload the holder: 3 requests stuck on it (pinned there with session-affinity)
+        ep = next(e for e in gw.gw.pool.endpoints() if e.name == holder)
+        pin = {"routing-strategy": "session-affinity", "x-session-id": encode_session_id(ep.address),
+               "x-sim-fault": "stall_before_first=inf"}
+        stuck = [asyncio.create_task(chat(s, gw.url, [{"role": "user", "content": f"block {i}"}], pin))
+                 for i in range(3)]
+        try:
+            for _ in range(200):
+                if ep.in_flight == 3:
+                    break
+                await asyncio.sleep(0.01)
+            assert ep.in_flight == 3
+            messages += [{"role": "user", "content": "One more?"}]
+            pod, _ = await chat(s, gw.url, messages)
+            assert pod != holder                                      # spread 3 > 2: least loaded instead
+            assert ('switchyard_routing_fallbacks_total{reason="load_imbalance",strategy="prefix-cache"} 1.0'
+                    in await gw.metrics_text())
+        finally:
+            for t in stuck:
+                t.cancel()
+            for t in stuck:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t

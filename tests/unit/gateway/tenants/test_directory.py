@@ -1,0 +1,44 @@
+"""Keys and users: bearer tokens, generated keys, precedence of store, config and default."""
+
+import hashlib
+
+import pytest
+
+from gateway.config import ApiKey, AuthConfig, LimitsConfig, UserLimits
+from gateway.tenants.directory import Directory, bearer_token, key_digest, new_key
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize("header,token", [("Bearer sk-1", "sk-1"), ("bearer  sk-1 ", "sk-1"), ("BEARER sk-1", "sk-1"),
+                                          ("Basic abc", None), ("Bearer", None), ("Bearer ", None), ("", None),
+                                          (None, None), ("sk-1", None)])
+def test_bearer_token(header, token):
+    assert bearer_token(header) == token
+
+
+def test_generated_keys_are_unique_and_prefixed():
+    keys = {new_key() for _ in range(100)}
+    assert len(keys) == 100 and all(k.startswith("sk-sy-") and len(k) > 40 for k in keys)
+
+
+def test_directory_precedence_store_then_config_then_default():
+    auth = AuthConfig(api_keys=(ApiKey(key="k", user="alice", key_sha256=key_digest("k")),))
+    d = Directory(auth, LimitsConfig(users={"alice": UserLimits(rpm=1), "free": UserLimits()},
+                                     default_user=UserLimits(rpm=7)))
+    assert d.key(hashlib.sha256(b"k").hexdigest()).user == "alice"
+    assert d.key(key_digest("nope")) is None
+    assert d.limits_for("alice").rpm == 1
+    assert d.limits_for("stranger").rpm == 7
+    assert d.limits_for("free") is None                  # configured with no limits: unlimited
+    assert d.limits_for(None) is None
+    d.replace_store({"alice": UserLimits(rpm=2)}, {})
+    assert d.limits_for("alice").rpm == 2
+    assert d.user_view("alice") == {"name": "alice", "rpm": 2, "tpm": 0, "max_concurrent": 0, "source": "store",
+                                    "overrides_config": True}

@@ -1,0 +1,161 @@
+"""The prefix-cache router: holders, load guards, scores for weighted lists."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+
+from gateway.endpoints import Endpoint
+from gateway.request import CHAT, InferenceRequest
+from routers.base import RouterContext, RoutingSettings
+from routers.prefix_cache import PrefixCacheRouter
+from routers.registry import default_registry
+
+BLOCK = 8
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_req(text: str, model: str = "m") -> InferenceRequest:
+    return InferenceRequest(path=CHAT, body=b"{}", data={}, model=model, stream=False, include_usage=False,
+                            prompt_text=text, prompt_tokens_est=max(1, len(text) // 4), request_id="r")
+
+
+def make_eps(n: int, in_flight: Sequence[int] | None = None, model: str = "m") -> list[Endpoint]:
+    eps = [Endpoint(url=f"http://127.0.0.1:{9001 + i}", model=model) for i in range(n)]
+    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
+        ep.in_flight = k
+    return eps
+
+
+class Fallbacks(Counter):
+    def __call__(self, strategy: str, reason: str) -> None:
+        self[(strategy, reason)] += 1
+
+
+def setup(block: int = BLOCK, clock: Clock | None = None, seed: int = 1, **knobs):
+    clock = clock or Clock()
+    fallbacks = Fallbacks()
+    s = RoutingSettings(prefix_block_chars=block, **knobs)
+    ctx = RouterContext(rng=random.Random(seed), clock=clock, settings=s, on_fallback=fallbacks)
+    return PrefixCacheRouter(ctx), ctx.prefix_index, clock, fallbacks
+
+
+SYSTEM = "You are a helpful switchyard assistant. " * 4     # 160 chars = 20 blocks of 8
+
+
+# -- the router ----------------------------------------------------------------------------------
+
+
+def test_routes_to_the_holder_and_records_the_choice():
+    router, index, _, fallbacks = setup()
+    eps = make_eps(4, in_flight=[1, 1, 1, 1])
+    first = router.route(make_req(SYSTEM), eps).endpoint
+    assert fallbacks[("prefix-cache", "no_match")] == 1
+    for turn in range(5):
+        conv = make_req(SYSTEM + f"user: question {turn} " * 3)
+        assert router.route(conv, eps).endpoint is first
+    assert index.depths(make_req(SYSTEM + "user: question 4 " * 3), eps)[0] == {first: 26}
+
+
+def test_highest_match_wins_then_the_least_loaded():
+    router, index, _, _ = setup()
+    eps = make_eps(3, in_flight=[2, 2, 1])
+    index.insert(make_req(SYSTEM), eps[0])
+    index.insert(make_req(SYSTEM[:80]), eps[1])
+    assert router._choose(make_req(SYSTEM), eps) is eps[0]
+    index.insert(make_req(SYSTEM), eps[2])              # same depth, less load
+    assert router._choose(make_req(SYSTEM), eps) is eps[2]
+
+
+def test_short_prompt_goes_least_request():
+    router, _, _, fallbacks = setup()
+    eps = make_eps(3, in_flight=[3, 0, 2])
+    assert router.route(make_req("hi"), eps).endpoint is eps[1]
+    assert fallbacks[("prefix-cache", "short_prompt")] == 1
+
+
+def test_std_guard_leaves_an_overloaded_holder():
+    # loads [9, 2, 2, 2]: mean 3.75, sample stddev 3.5 → limit 7.25 with k = 1; spread 7 ≤ 8
+    router, index, _, fallbacks = setup(prefix_std_factor=1.0)
+    eps = make_eps(4, in_flight=[9, 2, 2, 2])
+    index.insert(make_req(SYSTEM), eps[0])
+    chosen = router.route(make_req(SYSTEM), eps).endpoint
+    assert chosen is not eps[0]
+    assert fallbacks[("prefix-cache", "overloaded")] == 1
+    # the next request can use both copies: the new one (less loaded) wins
+    assert router.route(make_req(SYSTEM), eps).endpoint is chosen
+    # with a laxer factor the holder is kept
+    lax, index2, _, _ = setup(prefix_std_factor=2.0)
+    index2.insert(make_req(SYSTEM), eps[0])
+    assert lax.route(make_req(SYSTEM), eps).endpoint is eps[0]
+
+
+@pytest.mark.parametrize(("loads", "expected"), [
+    ([5, 5, 5], None), ([10, 15, 20], None),            # spread ≤ 16: the match decides (holder = pod 2)
+    ([5, 40, 45], {0}), ([2, 2, 50, 45], {0, 1}), ([0, 50], {0}),
+])
+def test_absolute_spread_guard_aibrix_cases(loads, expected):
+    """AIBrix §9 item 15's imbalance cases (spread must exceed the threshold, 16 here): above it
+    only the least-loaded endpoints are considered, whatever the prefix match says."""
+    router, index, _, fallbacks = setup(prefix_imbalance_abs=16, prefix_std_factor=100.0)
+    eps = make_eps(len(loads), in_flight=loads)
+    holder = eps[-1]
+    index.insert(make_req(SYSTEM), holder)
+    seen = {eps.index(router._choose(make_req(SYSTEM), eps)) for _ in range(30)}
+    if expected is None:
+        assert seen == {len(loads) - 1}
+        assert not fallbacks
+    else:
+        assert seen == expected
+        assert fallbacks[("prefix-cache", "load_imbalance")] == 30
+
+
+def test_a_hot_prefix_spreads_instead_of_piling_up():
+    """Without releases (requests still running), one hot prompt may not pile onto one engine:
+    the guards hand it to more engines as load grows."""
+    router, _, _, _ = setup()
+    eps = make_eps(8)
+    for _ in range(200):
+        router.route(make_req(SYSTEM), eps).endpoint.in_flight += 1      # charged like the pipeline does
+    loads = [ep.in_flight for ep in eps]
+    assert max(loads) - min(loads) <= 8
+    assert sum(loads) == 200
+
+
+def test_score_is_the_match_percentage_for_weighted_lists():
+    ctx = RouterContext(rng=random.Random(3), settings=RoutingSettings(prefix_block_chars=BLOCK))
+    reg = default_registry(ctx)
+    eps = make_eps(3, in_flight=[0, 4, 8])
+    ctx.prefix_index.insert(make_req(SYSTEM), eps[2])
+    prefix = reg.get("prefix-cache")
+    assert prefix.score(make_req(SYSTEM), eps) == [0.0, 0.0, 100.0]
+    # prefix weight 3 vs least-request 1: the full match on the busy endpoint wins
+    assert reg.get("prefix-cache:3,least-request:1").route(make_req(SYSTEM), eps).endpoint is eps[2]
+    # least-request 3 vs prefix 1: the idle endpoint wins, and the list's choice is indexed
+    assert reg.get("prefix-cache:1,least-request:3").route(make_req(SYSTEM), eps).endpoint is eps[0]
+    assert ctx.prefix_index.match(make_req(SYSTEM), eps) == {eps[0]: 100.0, eps[1]: 0.0, eps[2]: 100.0}
+
+
+def test_the_context_index_is_the_router_index():
+    ctx = RouterContext(settings=RoutingSettings(prefix_block_chars=BLOCK))
+    eps = make_eps(2)
+    assert ctx.prefix_index.match(make_req(SYSTEM), eps) == dict.fromkeys(eps, 0.0)
+    assert ctx.prefix_index.stats() == {"blocks": 0, "capacity": 131072, "entries": 0, "evictions": 0}
+    reg = default_registry(ctx)
+    assert reg.get("prefix-cache").index is ctx.prefix_index
+    ctx.prefix_index.insert(make_req(SYSTEM), eps[1])                     # e.g. the P/D prefill
+    assert ctx.prefix_index.match(make_req(SYSTEM + "more text here"), eps)[eps[1]] > 90
+    assert reg.get("prefix-cache").route(make_req(SYSTEM), eps).endpoint is eps[1]
+    assert ctx.prefix_index.stats()["blocks"] == 20
+    other_model = make_eps(2, model="n")
+    assert ctx.prefix_index.match(make_req(SYSTEM, model="n"), other_model) == dict.fromkeys(other_model, 0.0)

@@ -1,0 +1,191 @@
+"""The prefix index: chained block keys, depth, capacity, idle expiry."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.endpoints import Endpoint
+from gateway.request import CHAT, InferenceRequest
+from routers.base import RouterContext, RoutingSettings
+from routers.prefix_cache import PrefixCacheRouter, PrefixIndex, prefix_keys
+
+BLOCK = 8
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_req(text: str, model: str = "m") -> InferenceRequest:
+    return InferenceRequest(path=CHAT, body=b"{}", data={}, model=model, stream=False, include_usage=False,
+                            prompt_text=text, prompt_tokens_est=max(1, len(text) // 4), request_id="r")
+
+
+def make_eps(n: int, in_flight: Sequence[int] | None = None, model: str = "m") -> list[Endpoint]:
+    eps = [Endpoint(url=f"http://127.0.0.1:{9001 + i}", model=model) for i in range(n)]
+    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
+        ep.in_flight = k
+    return eps
+
+
+class Fallbacks(Counter):
+    def __call__(self, strategy: str, reason: str) -> None:
+        self[(strategy, reason)] += 1
+
+
+def setup(block: int = BLOCK, clock: Clock | None = None, seed: int = 1, **knobs):
+    clock = clock or Clock()
+    fallbacks = Fallbacks()
+    s = RoutingSettings(prefix_block_chars=block, **knobs)
+    ctx = RouterContext(rng=random.Random(seed), clock=clock, settings=s, on_fallback=fallbacks)
+    return PrefixCacheRouter(ctx), ctx.prefix_index, clock, fallbacks
+
+
+SYSTEM = "You are a helpful switchyard assistant. " * 4     # 160 chars = 20 blocks of 8
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+
+def test_keys_are_chained_per_block_and_ignore_the_partial_tail():
+    a = prefix_keys("abcdefgh" "ijklmnop" "qrs", "m", 8, 100)
+    b = prefix_keys("abcdefgh" "ijklmnop" "XYZ", "m", 8, 100)
+    c = prefix_keys("abcdefgh" "IJKLMNOP", "m", 8, 100)
+    assert len(a) == 2 and a == b                # the 3-char tail is not a full block
+    assert c[0] == a[0] and c[1] != a[1]
+    # a block's key depends on everything before it, not just on its own text
+    assert prefix_keys("zzzzzzzz" "ijklmnop", "m", 8, 100)[1] != a[1]
+    assert prefix_keys("abcdefgh", "other-model", 8, 100)[0] != a[0]
+    assert len(prefix_keys("x" * 80, "m", 8, 4)) == 4     # at most max_blocks
+    assert prefix_keys("short", "m", 8, 100) == []
+
+
+def test_chain_is_memoised_per_request_object():
+    _, index, _, _ = setup()
+    req = make_req(SYSTEM)
+    assert index.keys(req) is index.keys(req)
+    assert index.keys(make_req(SYSTEM)) == index.keys(req)
+
+
+# -- the index -----------------------------------------------------------------------------------
+
+
+def test_depth_is_the_longest_held_prefix():
+    _, index, _, _ = setup()
+    eps = make_eps(3)
+    index.insert(make_req(SYSTEM), eps[0])
+    index.insert(make_req(SYSTEM[:80]), eps[1])
+    conv = make_req(SYSTEM + "user: how do switches work?")
+    depths, n = index.depths(conv, eps)
+    assert n == len(conv.prompt_text) // BLOCK
+    assert depths == {eps[0]: 20, eps[1]: 10}
+    match = index.match(conv, eps)
+    assert match[eps[2]] == 0.0 and match[eps[0]] == pytest.approx(100 * 20 / n)
+
+
+def test_capacity_evicts_the_deep_end_of_old_chains_first():
+    _, index, _, _ = setup(prefix_index_blocks=30)
+    eps = make_eps(2)
+    index.insert(make_req(SYSTEM), eps[0])              # 20 blocks
+    index.insert(make_req("Z" * 80), eps[1])            # 10 more: full
+    assert len(index) == 30
+    index.insert(make_req("Q" * 40), eps[1])            # 5 new: the 5 least recent go
+    assert len(index) == 30 and index.evictions == 5
+    depths, _ = index.depths(make_req(SYSTEM), eps)
+    assert depths == {eps[0]: 15}                       # the prefix survived, its tail went
+
+
+def test_idle_blocks_and_entries_expire():
+    _, index, clock, _ = setup(prefix_idle_ttl_s=60.0)
+    eps = make_eps(2)
+    index.insert(make_req(SYSTEM), eps[0])
+    clock.t += 30
+    index.insert(make_req(SYSTEM[:40]), eps[1])
+    clock.t += 40                                       # eps[0]'s entries are 70 s old, eps[1]'s 40 s
+    depths, _ = index.depths(make_req(SYSTEM), eps)
+    assert depths == {eps[1]: 5}
+    assert index.sweep() == 15                          # the blocks only eps[0] held, idle > 60 s
+    clock.t += 61
+    assert index.sweep() == 5 and len(index) == 0
+
+
+def test_forget_an_endpoint():
+    _, index, _, _ = setup()
+    eps = make_eps(2)
+    index.insert(make_req(SYSTEM), eps[0])
+    index.insert(make_req(SYSTEM[:40]), eps[1])
+    index.forget(eps[0])
+    assert index.depths(make_req(SYSTEM), eps)[0] == {eps[1]: 5}
+    assert len(index) == 5
+
+
+def test_stats_for_a_gauge():
+    _, index, _, _ = setup(prefix_index_blocks=100)
+    eps = make_eps(2)
+    index.insert(make_req(SYSTEM), eps[0])
+    index.insert(make_req(SYSTEM[:40]), eps[1])
+    assert index.stats() == {"blocks": 20, "capacity": 100, "entries": 25, "evictions": 0}
+
+
+texts = st.text(alphabet="ab", min_size=0, max_size=64)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(texts, st.integers(0, 3), st.integers(0, 30)), min_size=1, max_size=40),
+       probe=texts, capacity=st.integers(1, 40), ttl=st.integers(5, 100))
+def test_property_binary_search_equals_a_linear_walk(ops, probe, capacity, ttl):
+    """The index stays prefix-closed under LRU and idle eviction, so binary search finds exactly
+    the depth a block-by-block walk finds."""
+    clock = Clock()
+    index = PrefixIndex(RoutingSettings(prefix_block_chars=4, prefix_index_blocks=capacity,
+                                        prefix_idle_ttl_s=float(ttl)), clock)
+    eps = make_eps(4)
+    for text, who, dt in ops:
+        clock.t += dt
+        index.insert(make_req(text), eps[who])
+    req = make_req(probe)
+    keys = index.keys(req)
+    cut = int(clock() * 1000) - index.idle_ttl_ms
+    expected = {}
+    for ep in eps:
+        slot = index._slots.get(ep)
+        depth = 0
+        for k in keys:
+            held = index._blocks.get(k)
+            if held is None or slot is None:
+                break
+            ts = (held >> 24 if (held & 0xFFFFFF) == slot else -(1 << 62)) if isinstance(held, int) else held.get(slot, -(1 << 62))
+            if ts < cut:
+                break
+            depth += 1
+        if depth:
+            expected[ep] = depth
+    assert index.depths(req, eps)[0] == expected
+    assert len(index) <= capacity
+
+
+def test_endpoint_slots_are_released_when_no_block_mentions_them(monkeypatch):
+    """Pods come and go: the index must not keep every endpoint it ever saw."""
+    from routers import prefix_index
+
+    monkeypatch.setattr(prefix_index, "_SLOT_COMPACT_AT", 4)
+    _, index, _, _ = setup(prefix_index_blocks=40)
+    kept = make_eps(1)[0]
+    index.insert(make_req(SYSTEM), kept)                     # 20 blocks
+    for i in range(30):                                      # 30 short-lived endpoints, 20 blocks each
+        ep = Endpoint(url=f"http://10.1.0.{i + 1}:8000", model="m")
+        index.insert(make_req(f"{i:03d}" + SYSTEM[3:]), ep)
+    assert len(index._slots) <= 8
+    assert len(index) == 40
+    depths, _ = index.depths(make_req(f"{29:03d}" + SYSTEM[3:]), [ep])
+    assert depths == {ep: 20}

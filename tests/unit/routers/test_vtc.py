@@ -1,0 +1,90 @@
+"""vtc-basic: per-user token counts over a window."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from gateway.endpoints import Endpoint
+from gateway.request import CHAT, InferenceRequest
+from routers.base import RouterContext, RoutingSettings
+from routers.vtc import VTCRouter, request_tokens
+from tests.strategy_util import Clock, Fallbacks
+
+
+def make_req(text: str = "user\nhello there", *, user: str | None = None, session_id: str | None = None,
+             session_key: str | None = None, model: str = "m") -> InferenceRequest:
+    return InferenceRequest(path=CHAT, body=b"{}", data={}, model=model, stream=False, include_usage=False,
+                            prompt_text=text, prompt_tokens_est=max(1, len(text) // 4), request_id="r",
+                            user=user, session_id=session_id, session_key=session_key)
+
+
+def make_eps(n: int, in_flight: Sequence[int] | None = None, base: str = "10.0.0") -> list[Endpoint]:
+    eps = [Endpoint(url=f"http://{base}.{i + 1}:8000", model="m") for i in range(n)]
+    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
+        ep.in_flight = k
+    return eps
+
+
+def ctx_for(seed: int = 1, clock: Clock | None = None, **knobs) -> tuple[RouterContext, Fallbacks]:
+    fallbacks = Fallbacks()
+    return RouterContext(rng=random.Random(seed), clock=clock or Clock(), settings=RoutingSettings(**knobs),
+                         on_fallback=fallbacks), fallbacks
+
+
+# -- vtc-basic -----------------------------------------------------------------------------------------
+
+
+def test_vtc_counts_tokens_per_user_over_a_window():
+    clock = Clock()
+    ctx, _ = ctx_for(clock=clock, vtc_window_s=300.0)
+    router = VTCRouter(ctx)
+    eps = make_eps(4)
+    req = make_req("x" * 400, user="alice")                  # 100 tokens → 100 + 2 · 150 = 400
+    assert request_tokens(req) == 400
+    router.route(req, eps)
+    clock.t += 200
+    router.route(req, eps)
+    assert router.user_tokens("alice") == 800
+    clock.t += 150                                           # the first request left the window
+    assert router.user_tokens("alice") == 400
+    clock.t += 151
+    assert router.user_tokens("alice") == 0
+
+
+def test_vtc_separates_heavy_users_from_light_ones():
+    clock = Clock()
+    ctx, _ = ctx_for(clock=clock)
+    router = VTCRouter(ctx)
+    eps = make_eps(4)
+    heavy, light = make_req("x" * 40_000, user="heavy"), make_req("x" * 40, user="light")
+    for _ in range(5):
+        router.route(heavy, eps)
+        router.route(light, eps)
+        clock.t += 2                                         # past the range refresh
+    # nothing in flight: fairness decides; the heaviest user targets the last endpoint (address order)
+    assert router.route(heavy, eps).endpoint is eps[3]
+    assert router.route(light, eps).endpoint is eps[0]
+    # load counts too: a busy last endpoint pushes the heavy user to its neighbour
+    eps[3].in_flight = 10
+    assert router.route(heavy, eps).endpoint is eps[2]
+
+
+def test_vtc_without_user_is_random_and_counted():
+    ctx, fallbacks = ctx_for()
+    router = VTCRouter(ctx)
+    eps = make_eps(3)
+    assert {router.route(make_req(), eps).endpoint for _ in range(200)} == set(eps)
+    assert fallbacks == {("vtc-basic", "no_user"): 200}
+    assert router.score(make_req(), eps) == [None, None, None]
+
+
+def test_vtc_bounds_its_users():
+    from routers import vtc
+
+    ctx, _ = ctx_for()
+    router = VTCRouter(ctx)
+    eps = make_eps(2)
+    for i in range(vtc.MAX_USERS + 50):
+        router.post_route(make_req(user=f"u{i}"), eps[0])
+    assert len(router._users) == vtc.MAX_USERS
