@@ -1,0 +1,179 @@
+"""Raw HTTP/1.1 on loopback for the edge tests: send bytes exactly as given, read every byte back,
+split what came back into responses. No HTTP client library in the way (they refuse to send the
+malformed requests these tests are about, and they hide a close without an answer)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from dataclasses import dataclass, field
+
+import orjson
+
+
+@dataclass
+class Resp:
+    status: int
+    headers: dict[str, str]             # lower-case names; a repeated header keeps the last value
+    body: bytes
+    version: str = "HTTP/1.1"
+    raw_headers: list[tuple[str, str]] = field(default_factory=list)
+
+    def json(self):
+        return orjson.loads(self.body)
+
+
+@dataclass
+class Exchange:
+    responses: list[Resp]
+    closed: bool                        # the server closed the connection (EOF or reset)
+    reset: bool = False                 # ... with a reset
+    trailing: bytes = b""               # bytes after the last complete response
+
+    @property
+    def first(self) -> Resp:
+        assert self.responses, f"no answer before the connection {'closed' if self.closed else 'went quiet'}"
+        return self.responses[0]
+
+
+def _dechunk(data: bytes, pos: int) -> tuple[bytes, int] | None:
+    out = bytearray()
+    while True:
+        end = data.find(b"\r\n", pos)
+        if end < 0:
+            return None
+        size = int(data[pos:end].split(b";")[0], 16)
+        pos = end + 2
+        if size == 0:
+            end = data.find(b"\r\n", pos)   # no trailers expected: the final CRLF
+            return (bytes(out), end + 2) if end >= 0 else None
+        if len(data) < pos + size + 2:
+            return None
+        out += data[pos:pos + size]
+        pos += size + 2
+
+
+def parse_responses(data: bytes, *, eof: bool) -> tuple[list[Resp], bytes]:
+    """Complete responses in ``data`` and the bytes left over. A response without a length ends
+    at EOF (``eof``), as HTTP/1.x says."""
+    out: list[Resp] = []
+    pos = 0
+    while pos < len(data):
+        end = data.find(b"\r\n\r\n", pos)
+        if end < 0:
+            break
+        lines = data[pos:end].decode("latin-1").split("\r\n")
+        version, status_s = lines[0].split(" ", 2)[:2]
+        raw_headers = [tuple(p.strip() for p in line.split(":", 1)) for line in lines[1:] if ":" in line]
+        headers = {k.lower(): v for k, v in raw_headers}
+        body_start = end + 4
+        status = int(status_s)
+        if 100 <= status < 200:
+            pos = body_start
+            continue
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            if len(data) < body_start + n:
+                break
+            body, pos = data[body_start:body_start + n], body_start + n
+        elif headers.get("transfer-encoding", "").lower() == "chunked":
+            got = _dechunk(data, body_start)
+            if got is None:
+                break
+            body, pos = got
+        elif eof:
+            body, pos = data[body_start:], len(data)
+        else:
+            break
+        out.append(Resp(status=status, headers=headers, body=body, version=version, raw_headers=raw_headers))
+    return out, data[pos:]
+
+
+async def exchange(port: int, *parts: bytes, pause: float = 0.05, wait: float = 10.0,
+                   until_close: bool = True, responses: int | None = None) -> Exchange:
+    """Send ``parts`` (``pause`` s apart), then read until the server closes the connection (or,
+    with ``responses``, until that many answers came). ``wait`` bounds a test that would hang."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = b""
+    closed = reset = False
+    try:
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(pause)
+            try:
+                writer.write(part)
+                await writer.drain()
+            except (ConnectionResetError, BrokenPipeError):
+                break
+        try:
+            async with asyncio.timeout(wait):
+                while True:
+                    if responses is not None and len(parse_responses(data, eof=False)[0]) >= responses \
+                            and not until_close:
+                        break
+                    chunk = await reader.read(65536)
+                    if not chunk:
+                        closed = True
+                        break
+                    data += chunk
+        except TimeoutError:
+            pass
+        except ConnectionResetError:
+            closed = reset = True
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+    got, rest = parse_responses(data, eof=closed)
+    return Exchange(responses=got, closed=closed, reset=reset, trailing=rest)
+
+
+def roundtrip(port: int, raw: bytes, *, timeout: float = 15.0) -> Exchange:
+    """Blocking: send one request (which should carry ``Connection: close``), read to EOF."""
+    data = b""
+    closed = reset = False
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            s.sendall(raw)
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        try:
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    closed = True
+                    break
+                data += chunk
+        except ConnectionResetError:
+            closed = reset = True
+    got, rest = parse_responses(data, eof=closed)
+    return Exchange(responses=got, closed=closed, reset=reset, trailing=rest)
+
+
+def request(method: str, target: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+            *, close: bool = False) -> bytes:
+    h = {"Host": "gateway.test", **(headers or {})}
+    if body is not None:
+        h.setdefault("Content-Type", "application/json")
+        h.setdefault("Content-Length", str(len(body)))
+    if close:
+        h["Connection"] = "close"
+    head = f"{method} {target} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in h.items()) + "\r\n"
+    return head.encode("utf-8", "surrogateescape") + (body or b"")
+
+
+def assert_openai_error(resp: Resp, status: int | None = None) -> dict:
+    """An error answer as OpenAI clients parse it, with the gateway's request id."""
+    if status is not None:
+        assert resp.status == status, (resp.status, resp.body[:300])
+    assert resp.status >= 400
+    assert resp.headers.get("content-type", "").startswith("application/json"), resp.headers
+    assert resp.headers.get("request-id"), resp.headers
+    body = orjson.loads(resp.body)
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    return err
