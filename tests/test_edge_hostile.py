@@ -194,3 +194,26 @@ async def test_protocol_errors_are_counted(edge_gw):
     text = await gw.metrics_text()
     assert 'switchyard_client_protocol_errors_total{status="400"} 1.0' in text
     assert 'switchyard_client_protocol_errors_total{status="431"} 1.0' in text
+
+
+async def test_a_model_name_cannot_inject_or_break_response_headers(edge_gw):
+    """The model name is echoed in ``x-error-no-model-backends``: control characters must neither
+    split the header nor make the writer refuse it (which would drop the connection unanswered)."""
+    _sim, gw = edge_gw
+    for model in ("m\r\nx-injected: 1", "\u0000", "\x7f\u202e"):
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+        ex = await exchange(gw.port, request("POST", CHAT, body, close=True))
+        assert_openai_error(ex.first, 404)
+        assert "x-injected" not in ex.first.headers
+        assert all(k.isascii() and "\r" not in v and "\n" not in v for k, v in ex.first.raw_headers)
+
+
+@pytest.mark.xfail(strict=True, reason="gateway/upstream.py forwards the client's Content-Encoding header with "
+                                       "the body aiohttp already decoded, and the engine fails to decode it again "
+                                       "(500): content-encoding belongs in upstream._DROP_HEADERS")
+async def test_a_gzip_encoded_body_reaches_the_engine_decoded(edge_gw):
+    sim, gw = edge_gw
+    ex = await exchange(gw.port, request("POST", CHAT, gzip.compress(BODY), {"Content-Encoding": "gzip"}, close=True))
+    assert ex.first.status == 200, ex.first.body
+    got = await received(sim)
+    assert len(got) == 1 and got[0]["json_object"]
