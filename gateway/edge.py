@@ -190,7 +190,8 @@ class EdgeProtocol(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_stall", "_e_rx_head", "_e_pipelined",
-                 "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted")
+                 "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
+                 "_e_read_paused")
 
     def __init__(self, manager: web.Server, *, edge: Edge, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -207,6 +208,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_last_rx = 0.0
         self._e_body_end = 0.0
         self._e_counted = False
+        self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
 
     # -- connection --------------------------------------------------------------------------
 
@@ -267,6 +269,16 @@ class EdgeProtocol(web.RequestHandler):
         if phase == _BUSY:
             self._e_pipelined = True
         super().data_received(data)
+
+    def pause_reading(self) -> None:
+        self._e_read_paused = True
+        super().pause_reading()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        self._e_read_paused = False
+        if self._e_phase == _BODY:
+            self._e_last_rx = self._loop.time()
+        super().resume_reading(resume_parser)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -344,6 +356,8 @@ class EdgeProtocol(web.RequestHandler):
                 else:
                     self._e_phase = _BUSY
                 return
+            if self._e_read_paused:     # the body waits on the handler, not on the client
+                self._e_last_rx = now
             self._e_deadline = self._e_body_deadline()
         if phase in (_READY, _BUSY):
             return

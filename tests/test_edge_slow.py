@@ -186,3 +186,32 @@ async def test_connections_over_the_cap_are_closed_at_once_and_counted(sims, gat
     finally:
         for _r, w in held:
             w.close()
+
+
+async def test_a_body_the_handler_is_not_reading_yet_is_not_the_clients_silence():
+    """While the app has not consumed the body, aiohttp stops reading the socket; that pause
+    must not count as a silent client (here the app waits past body_timeout_s before reading)."""
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
+
+    from gateway.edge import Edge, EdgeLimits, EdgeRunner
+
+    async def slow_reader(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.6)
+        return web.json_response({"read": len(await request.read())})
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/upload", slow_reader)
+    registry = CollectorRegistry()
+    edge = Edge(EdgeLimits(body_timeout_s=0.2, body_total_timeout_s=30.0), registry)
+    runner = EdgeRunner(app, edge, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        body = b"x" * (4 << 20)
+        ex = await exchange(site.port, request("POST", "/upload", body, close=True), wait=20.0)
+        assert ex.first.status == 200 and ex.first.json() == {"read": len(body)}
+        assert registry.get_sample_value("switchyard_client_timeouts_total", {"reason": "body"}) == 0
+    finally:
+        await runner.cleanup()
