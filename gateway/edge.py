@@ -387,7 +387,7 @@ class EdgeProtocol(web.RequestHandler):
             self.transport.write(error_response_bytes(
                 400, "malformed request body: its chunked framing or content encoding is broken",
                 code="bad_body", request_id=rid))
-        self.force_close()
+        self._e_close()
 
     def _e_timeout(self, reason: str, *, answer: bool) -> None:
         edge = self._edge
@@ -406,9 +406,17 @@ class EdgeProtocol(web.RequestHandler):
                     "body_total": "the request body was not received within"}[reason]
             self.transport.write(error_response_bytes(
                 408, f"{what} {seconds:g} s (server.{reason}_timeout_s)", code="request_timeout", request_id=rid))
-        # as aiohttp's own keep-alive timer does: the transport flushes what was written, then
-        # closes; connection_lost cancels a running handler like a client disconnect
+        self._e_close()
+
+    def _e_close(self) -> None:
+        """Close as aiohttp's own keep-alive timer does (the transport flushes what was written,
+        then closes) and cancel a running handler at once, as a client disconnect does: were it
+        left to connection_lost, a handler woken by the broken body would first see the parser's
+        exception and take it for a fault of its own."""
+        request = self._e_request
         self.force_close()
+        if request is not None and request.task is not None and not request.task.done():
+            request.task.cancel()
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -515,9 +523,10 @@ class EdgeServer(web.Server):
             length = request.content_length
             if length is not None and length > max_body:   # refused before a byte of it is read
                 return body_too_large(request, max_body)
-            if request.content.exception() is not None:    # body arrived with the head, undecodable
-                return _closing_error(request, 400, f"malformed request body: {_cause_text(request.content.exception())}",
-                                      "bad_body")
+            broken = request.content.exception()
+            if broken is not None:          # the body came with the head and does not decode
+                request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer
+                return _closing_error(request, 400, f"malformed request body: {_cause_text(broken)}", "bad_body")
             return await app_handler(request)
 
         self.request_handler = request_handler
