@@ -83,6 +83,9 @@ def _recorder(received: collections.deque) -> Any:
                     raw = await request.read()
                 except web.HTTPException:
                     raw = None
+                except Exception:           # undecodable (a Content-Encoding that lies): as the engine would
+                    entry["json_object"] = False
+                    raise
                 if raw is not None:
                     entry["bytes"] = len(raw)
                     try:
