@@ -255,16 +255,21 @@ class EdgeProtocol(web.RequestHandler):
                 self._e_phase = _READY      # the handler starts on the next loop iteration
             return
         if phase == _BODY:
+            payload = self._e_payload
+            if payload is None or payload.is_eof():     # the body is complete: these bytes are not its
+                self._e_body_done()
+                self.data_received(data)
+                return
             self._e_last_rx = self._loop.time()
             parsed = self._request_count
             super().data_received(data)
-            payload = self._e_payload
             # aiohttp drops a body whose chunked framing breaks (it queues a parse error for a *next*
             # request and leaves the handler waiting), and a body that fails to decode raises in the
             # handler's read; either way the edge answers, the request is over
-            if payload is not None and (payload.exception() is not None
-                                        or (self._request_count != parsed and not payload.is_eof())):
+            if payload.exception() is not None or (self._request_count != parsed and not payload.is_eof()):
                 self._e_broken_body()
+            elif payload.is_eof():
+                self._e_body_done()
             return
         if phase == _BUSY:
             self._e_pipelined = True
@@ -304,8 +309,15 @@ class EdgeProtocol(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._e_request = None
-            if self._e_phase != _BODY:  # a body still arriving keeps its clock (aiohttp lingers on it)
+            payload = self._e_payload
+            # a body still arriving keeps its clock (aiohttp reads and drops it after the answer)
+            if self._e_phase != _BODY or payload is None or payload.is_eof():
                 self._e_after_request()
+
+    def _e_body_done(self) -> None:
+        self._e_phase = _BUSY
+        if self._e_request is None:     # answered while the body was arriving
+            self._e_after_request()
 
     def _e_after_request(self) -> None:
         if self.transport is None:
@@ -351,10 +363,7 @@ class EdgeProtocol(web.RequestHandler):
         if phase == _BODY:
             payload = self._e_payload
             if payload is None or payload.is_eof() or payload.exception() is not None:
-                if self._e_request is None:     # answered while the body was arriving
-                    self._e_after_request()
-                else:
-                    self._e_phase = _BUSY
+                self._e_body_done()
                 return
             if self._e_read_paused:     # the body waits on the handler, not on the client
                 self._e_last_rx = now

@@ -215,3 +215,37 @@ async def test_a_body_the_handler_is_not_reading_yet_is_not_the_clients_silence(
         assert registry.get_sample_value("switchyard_client_timeouts_total", {"reason": "body"}) == 0
     finally:
         await runner.cleanup()
+
+
+# -- well-behaved clients are untouched -------------------------------------------------------------
+
+async def test_kept_alive_requests_whose_head_and_body_come_in_separate_writes(sims, gateway):
+    """As httpx (the OpenAI SDK) sends them: head, then body, then the next request at once."""
+    _sim, gw = await start(sims, gateway, header_timeout_s=5.0, body_timeout_s=5.0)
+    head = request("POST", CHAT, None, {"Content-Type": "application/json", "Content-Length": str(len(BODY))})
+    chunked_head = request("POST", CHAT, None, {"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+    ex = await exchange(gw.port, head, BODY, head, BODY, chunked_head, b"%x\r\n" % len(BODY) + BODY + b"\r\n",
+                        b"0\r\n\r\n", request("GET", "/health", close=True), pause=0.05)
+    assert [r.status for r in ex.responses] == [200, 200, 200, 200], [r.body[:200] for r in ex.responses]
+    assert ex.closed and not ex.trailing
+    s = samples(gw)
+    assert not [k for k, v in s.items() if k.startswith("switchyard_client_timeouts_total") and v]
+    assert not [k for k, v in s.items() if k.startswith("switchyard_client_protocol_errors_total") and v]
+
+
+async def test_the_openai_sdk_reuses_its_connection_across_plain_and_streaming_requests(sims, gateway):
+    import openai
+
+    _sim, gw = await start(sims, gateway)
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    try:
+        for _ in range(2):
+            r = await client.chat.completions.create(model="m", max_tokens=3,
+                                                     messages=[{"role": "user", "content": "hi"}])
+            assert r.choices[0].message.content
+            stream = await client.chat.completions.create(model="m", max_tokens=3, stream=True,
+                                                          messages=[{"role": "user", "content": "hi"}])
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    finally:
+        await client.close()
+    assert samples(gw).get("switchyard_client_protocol_errors_total{status=400}", 0) == 0
