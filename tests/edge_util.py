@@ -1,15 +1,134 @@
-"""Raw HTTP/1.1 on loopback for the edge tests: send bytes exactly as given, read every byte back,
-split what came back into responses. No HTTP client library in the way (they refuse to send the
-malformed requests these tests are about, and they hide a close without an answer)."""
+"""Helpers of the edge tests.
+
+Raw HTTP/1.1 on loopback: send bytes exactly as given, read every byte back, split what came back
+into responses. No HTTP client library in the way (they refuse to send the malformed requests
+these tests are about, and they hide a close without an answer).
+
+And a gateway in front of one simulated engine, run on both event loops: the default one and
+uvloop, which ``python -m gateway`` runs on. The two split reads and writes differently and fire
+flow control at different moments, which is exactly what the edge's clocks depend on.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import aiohttp
 import orjson
+import pytest
+import uvloop
+from prometheus_client.parser import text_string_to_metric_families
+
+from enginesim import SimConfig, start_sim
+from gateway.app import GATEWAY_KEY
+from gateway.config import config_from_dict
+from gateway.server import start
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+FAST_SIM = {"ttft_base_ms": 1.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
+# the gateway's own health probes and metric scrapes, left out of "what reached the engine"
+MONITOR = {("GET", "/health"), ("GET", "/metrics")}
+
+
+def on_both_loops(fn):
+    """Turn ``async def test_x(**params)`` into a plain test run once per event loop (a ``loop``
+    parameter is added; other parameters still come from ``parametrize``)."""
+    sig = inspect.signature(fn)
+
+    def test(loop: str, **kwargs: Any) -> None:
+        with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+            runner.run(fn(**kwargs))
+
+    test.__signature__ = sig.replace(parameters=[
+        inspect.Parameter("loop", inspect.Parameter.POSITIONAL_OR_KEYWORD), *sig.parameters.values()])
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
+        setattr(test, attr, getattr(fn, attr))
+    return pytest.mark.parametrize("loop", list(LOOPS))(test)
+
+
+@dataclass
+class EdgeGateway:
+    port: int
+    app: Any
+    sim: Any
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def samples(self) -> dict[str, float]:
+        """The gateway's metrics, read in-process (an HTTP scrape would be one more client connection)."""
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(self.app[GATEWAY_KEY].metrics.render().decode()):
+            for s in fam.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
+        return out
+
+    def busy(self) -> dict[str, float]:
+        """In-flight gauges that are not back to zero (the gateway's and each endpoint's)."""
+        return {k: v for k, v in self.samples().items() if v and k.startswith(
+            ("switchyard_in_flight_requests{", "switchyard_endpoint_in_flight_requests{"))}
+
+    def timeouts(self, reason: str) -> float:
+        return self.samples().get(f"switchyard_client_timeouts_total{{reason={reason}}}", 0.0)
+
+    def connections(self) -> float:
+        return self.samples()["switchyard_client_connections{}"]
+
+    async def sim_state(self) -> dict:
+        async with aiohttp.ClientSession() as s, s.get(self.sim.url + "/_sim/state") as r:
+            return await r.json()
+
+    async def received(self) -> list[dict]:
+        """What reached the engine, the gateway's health probes and metric scrapes aside."""
+        return [r for r in (await self.sim_state())["received"] if (r["method"], r["path"]) not in MONITOR]
+
+
+@contextlib.asynccontextmanager
+async def edge_gateway(sim: dict[str, Any] | None = None, **server: Any) -> AsyncIterator[EdgeGateway]:
+    """A gateway with ``server:`` settings in front of one vLLM engine serving model ``m``; on the
+    way out, no request may still be in flight (every handler ended, however its client behaved)."""
+    engine = await start_sim(SimConfig(engine="vllm", model="m", port=0, host="127.0.0.1",
+                                       **{**FAST_SIM, **(sim or {})}))
+    runner = None
+    try:
+        cfg = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0},
+                                "health": {"interval_s": 0.2, "timeout_s": 1.0}, "scrape": {"interval_s": 0.2},
+                                "server": {"shutdown_grace_s": 2.0, **server},
+                                "models": [{"name": "m", "engine": "vllm", "endpoints": [engine.url]}]})
+        runner, app, port = await start(cfg)
+        gw = EdgeGateway(port=port, app=app, sim=engine)
+        yield gw
+        assert await wait_until(lambda: not gw.busy()), f"still in flight after the test: {gw.busy()}"
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await engine.close()
+
+
+async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01):
+    """Poll a sync or async predicate until it is truthy (a bound for slow machines, not a latency
+    assertion); returns its last value."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        v = predicate()
+        if inspect.isawaitable(v):
+            v = await v
+        if v or loop.time() > deadline:
+            return v
+        await asyncio.sleep(interval)
 
 
 @dataclass

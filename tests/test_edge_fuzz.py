@@ -19,6 +19,7 @@ import threading
 
 import orjson
 import pytest
+import uvloop
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +28,7 @@ from gateway.config import config_from_dict
 from gateway.server import start
 from tests.edge_util import Exchange, assert_openai_error, request, roundtrip
 
-FUZZ = settings(max_examples=int(os.environ.get("EDGE_FUZZ_EXAMPLES", "120")), deadline=None,
+FUZZ = settings(max_examples=int(os.environ.get("EDGE_FUZZ_EXAMPLES", "80")), deadline=None,
                 derandomize=os.environ.get("CI") == "true",
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
@@ -35,10 +36,11 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 class Live:
-    """A gateway in front of one simulated engine, on an event loop in a background thread."""
+    """A gateway in front of one simulated engine, on uvloop (what ``python -m gateway`` runs on)
+    in a background thread."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = uvloop.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="edge-fuzz-loop", daemon=True)
         self.thread.start()
 
