@@ -92,6 +92,15 @@ def test_aiohttp_request_handler_hooks_exist():
     # and it reads the handler and the request factory off its manager (our EdgeServer)
     init = inspect.getsource(rh.__init__)
     assert "manager.request_handler" in init and "manager.request_factory" in init
+    # the request factory gets the protocol, and the request's task is the connection's task
+    assert "self._request_factory(" in inspect.getsource(rh.start)
+    assert "self._task_handler or asyncio.current_task" in inspect.getsource(rh.start)
+    # flow control: the body's StreamReader pauses the protocol; aiohttp re-parses on resume
+    assert list(inspect.signature(rh.resume_reading).parameters) == ["self", "resume_parser"]
+    assert "self.data_received(b\"\")" in inspect.getsource(rh.resume_reading)
+    # a payload error after the handler: aiohttp marks the body so, which the edge must tell
+    # apart from a broken body (tests/test_edge_slow.py has the behaviour)
+    assert "payload.set_exception(_PAYLOAD_ACCESS_ERROR)" in inspect.getsource(rh.start)
 
 
 async def test_edge_runner_makes_edge_protocols_with_the_limits():
