@@ -12,10 +12,12 @@ engine learns that a request was abandoned, even while it is stalled and writing
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import socket
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from enginesim.config import SimConfig
@@ -28,6 +30,10 @@ from enginesim.wire import json_response, read_json
 
 ENGINE_KEY = web.AppKey("enginesim_engine", Engine)
 CONFIG_KEY = web.AppKey("enginesim_config", SimConfig)
+RECEIVED_KEY = web.AppKey("enginesim_received", collections.deque)
+
+# how many received requests `/_sim/state` remembers (a test hook, not an access log)
+_RECEIVED_KEPT = 256
 
 # Long enough for streams to write their final frames after the shutdown abort, short enough that
 # closing a sim with a hung connection does not stall a test run.
@@ -37,13 +43,15 @@ _SHUTDOWN_TIMEOUT_S = 1.0
 def build_app(cfg: SimConfig) -> web.Application:
     """The aiohttp application of one engine (engine, role, routes, lifecycle hooks)."""
     engine = Engine(cfg)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    received: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECEIVED_KEPT)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_recorder(received)])
     app[ENGINE_KEY] = engine
     app[CONFIG_KEY] = cfg
+    app[RECEIVED_KEY] = received
     api: VllmApi | SglangApi = VllmApi(engine) if cfg.engine == "vllm" else SglangApi(engine)
     app.add_routes(api.routes())
     app.add_routes(engine.role.routes())
-    app.add_routes(_sim_routes(engine))
+    app.add_routes(_sim_routes(engine, received))
 
     async def on_startup(_: web.Application) -> None:
         await engine.start()
@@ -60,14 +68,44 @@ def build_app(cfg: SimConfig) -> web.Application:
     return app
 
 
-def _sim_routes(engine: Engine) -> list[web.RouteDef]:
+def _recorder(received: collections.deque) -> Any:
+    """Remember what each request that reached the engine looked like on the wire (method, path,
+    body size, whether the body is one JSON object), so a test can prove what a gateway let through."""
+
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not request.path.startswith("/_sim/"):
+            entry: dict[str, Any] = {"method": request.method, "path": request.path_qs, "bytes": 0,
+                                     "json_object": None}
+            received.append(entry)
+            if request.body_exists:
+                try:
+                    raw = await request.read()
+                except web.HTTPException:
+                    raw = None
+                except Exception:           # undecodable (a Content-Encoding that lies): as the engine would
+                    entry["json_object"] = False
+                    raise
+                if raw is not None:
+                    entry["bytes"] = len(raw)
+                    try:
+                        entry["json_object"] = isinstance(orjson.loads(raw), dict)
+                    except orjson.JSONDecodeError:
+                        entry["json_object"] = False
+        return await handler(request)
+
+    return record
+
+
+def _sim_routes(engine: Engine, received: collections.deque) -> list[web.RouteDef]:
     """Test-only introspection and control, under ``/_sim/``."""
 
     async def state(request: web.Request) -> web.Response:
-        return json_response(engine.snapshot())
+        return json_response({**engine.snapshot(), "received": list(received)})
 
     async def reset(request: web.Request) -> web.Response:
         engine.reset()
+        received.clear()
         return json_response(engine.snapshot())
 
     async def configure(request: web.Request) -> web.Response:

@@ -79,6 +79,15 @@ class ServerConfig(_Block):
     drain_delay_s: Amount = 5.0          # after SIGTERM: keep accepting connections this long (≤ grace)
     log_format: Literal["json", "console"] = "console"
     log_level: str = "info"
+    # the edge (gateway/edge.py): slow clients, connection cap, header limits; 0 disables a timeout
+    header_timeout_s: Amount = 10.0      # accept (or first byte of a kept-alive request) → complete head
+    body_timeout_s: Amount = 30.0        # longest silence between two body reads
+    body_total_timeout_s: Amount = 120.0  # head complete → whole body received
+    keepalive_timeout_s: Amount = 75.0   # idle kept-alive connection, no byte of a next request
+    write_stall_timeout_s: Amount = 30.0  # response write buffer full (client reads nothing) this long
+    max_connections: Count = 10000       # open client connections per worker (0: no cap)
+    max_header_bytes: Annotated[int, Meta(ge=1024)] = 16384  # request line, and each header field
+    max_headers: Annotated[int, Meta(ge=8)] = 100             # header fields per request
 
 
 class RoutingConfig(RoutingSettings):

@@ -23,8 +23,9 @@ import socket
 import structlog
 from aiohttp import web
 
-from gateway.app import LIFECYCLE_KEY, NOT_READY_KEY, build_app
+from gateway.app import GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, build_app
 from gateway.config import Config
+from gateway.edge import Edge, EdgeLimits, EdgeRunner
 
 log = structlog.get_logger("switchyard.server")
 
@@ -32,8 +33,11 @@ log = structlog.get_logger("switchyard.server")
 async def start(config: Config, *, reuse_port: bool = False) -> tuple[web.AppRunner, web.Application, int]:
     """Start serving; returns the runner, the app and the bound port (useful with port 0)."""
     app = build_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop
+    # the edge (gateway/edge.py): slow-client clocks, connection cap, header limits, shaped errors
+    edge = Edge(EdgeLimits.from_config(config.server), app[GATEWAY_KEY].metrics.registry)
+    _check_fd_limit(edge.limits.max_connections)
+    runner = EdgeRunner(app, edge, handler_cancellation=True, access_log=None,
+                        shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=reuse_port or None,
                        backlog=1024)
@@ -102,6 +106,18 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             with contextlib.suppress(Exception):
                 await runner.cleanup()
         log.info("stopped")
+
+
+def _check_fd_limit(max_connections: int) -> None:
+    """Warn when the process may run out of file descriptors before it reaches the cap."""
+    try:
+        import resource
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return
+    if soft != resource.RLIM_INFINITY and (not max_connections or max_connections + 256 > soft):
+        log.warning("file descriptor limit below server.max_connections plus upstream connections",
+                    nofile=soft, max_connections=max_connections)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
