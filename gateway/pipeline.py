@@ -106,6 +106,9 @@ class Pipeline:
         except web.HTTPRequestEntityTooLarge:
             raise GatewayError(413, f"request body exceeds {self.config.server.max_body_bytes} bytes",
                                error_class="validation") from None
+        except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
+            raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
+                               error_class="validation") from None
 
     def _require_model(self, model: str) -> None:
         if not self.pool.has_model(model) and self.config.model(model) is None:

@@ -36,9 +36,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, usage_stream_options
 
 # client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
-# itself, and the gateway's own routing controls. Everything else passes through, as through a proxy.
+# itself (the body goes out decoded, so its content-encoding too), and the gateway's own routing
+# controls. Everything else passes through, as through a proxy.
 _DROP_HEADERS = frozenset({
-    "host", "content-length", "content-type", "connection", "keep-alive", "proxy-connection",
+    "host", "content-length", "content-type", "content-encoding", "connection", "keep-alive", "proxy-connection",
     "transfer-encoding", "te", "trailer", "upgrade", "expect", "accept-encoding", "x-request-id",
     "routing-strategy", "proxy-authorization",
 })

@@ -18,8 +18,8 @@ import yaml
 
 from gateway.server import free_port
 from tests.conftest import model_block, wait_for
-from tests.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 from tests.integration.test_tenancy_api import ALICE, CHAT, KEYS, client, outcomes
+from tests.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_STATE = {"sync_interval_s": 0.05, "replica_ttl_s": 0.5, "timeout_s": 0.2}

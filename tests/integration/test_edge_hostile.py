@@ -203,9 +203,6 @@ async def test_a_model_name_cannot_inject_or_break_response_headers():
             assert all(k.isascii() and "\r" not in v and "\n" not in v for k, v in ex.first.raw_headers)
 
 
-@pytest.mark.xfail(strict=True, reason="gateway/upstream.py forwards the client's Content-Encoding header with "
-                                       "the body aiohttp already decoded, and the engine fails to decode it again "
-                                       "(500): content-encoding belongs in upstream._DROP_HEADERS")
 @on_both_loops
 async def test_a_gzip_encoded_body_reaches_the_engine_decoded():
     async with edge_gateway(**SERVER) as gw:

@@ -99,7 +99,7 @@ def test_aiohttp_request_handler_hooks_exist():
     assert list(inspect.signature(rh.resume_reading).parameters) == ["self", "resume_parser"]
     assert "self.data_received(b\"\")" in inspect.getsource(rh.resume_reading)
     # a payload error after the handler: aiohttp marks the body so, which the edge must tell
-    # apart from a broken body (tests/test_edge_slow.py has the behaviour)
+    # apart from a broken body (tests/integration/test_edge_slow.py has the behaviour)
     assert "payload.set_exception(_PAYLOAD_ACCESS_ERROR)" in inspect.getsource(rh.start)
 
 
