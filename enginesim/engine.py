@@ -84,6 +84,7 @@ class Engine:
         self.running: dict[Sequence, None] = {}  # insertion-ordered set
         self.counts = Counts()
         self.aborted_ids: deque[str] = deque(maxlen=256)
+        self.abort_requests: deque[str] = deque(maxlen=1024)  # SGLang /abort_request rids, hit or not
         self.stats = RollingStats()
         self.metrics: EngineMetrics = make_metrics(cfg)
         self.default_fault = parse_fault(cfg.fault, cfg.role)
@@ -132,6 +133,7 @@ class Engine:
         """Zero counters and metrics (test helper); live requests are not touched."""
         self.counts = Counts()
         self.aborted_ids.clear()
+        self.abort_requests.clear()
         self.stats = RollingStats()
         self.metrics = make_metrics(self.cfg)
 
@@ -366,6 +368,7 @@ class Engine:
 
     def abort_matching(self, rid_prefix: str) -> int:
         """SGLang ``/abort_request``: abort every live request whose rid starts with the prefix."""
+        self.abort_requests.append(rid_prefix)
         hits = [s for s in self.live() if s.rid.startswith(rid_prefix)]
         for seq in hits:
             self.abort(seq, "Abort requested")
@@ -400,6 +403,7 @@ class Engine:
             "counts": {"started": self.counts.started, "completed": self.counts.completed,
                        "aborted": self.counts.aborted, "errors": self.counts.errors},
             "aborted_ids": list(self.aborted_ids),
+            "abort_requests": list(self.abort_requests),
             "kv": {"total_blocks": self.pool.num_blocks, "used_blocks": self.pool.used_blocks,
                    "cached_blocks": self.pool.cached_blocks, "block_size": self.pool.block_size},
             **({"pd": pd} if (pd := self.role.state()) is not None else {}),
