@@ -85,6 +85,17 @@ class Headers(dict):
         return dict.get(self, name.lower(), default)
 
 
+class SendState:
+    """Whether any byte of one request may have left the gateway: ``sent`` is set just before the
+    request is handed to a connection (``transport.write``), the only place its bytes go out.
+    Read once the ``post`` call is over, ``sent`` False proves no byte of it was written."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
 @dataclass(frozen=True, slots=True)
 class _Origin:
     scheme: str
@@ -206,13 +217,16 @@ class _Conn(asyncio.Protocol):
 
     # -- an exchange -----------------------------------------------------------------------
 
-    async def exchange(self, data: bytes, header_timeout: float | None) -> UpstreamResponse:
+    async def exchange(self, data: bytes, header_timeout: float | None,
+                       state: SendState | None = None) -> UpstreamResponse:
         """Send one request; return once the response head arrived. Any failure or cancellation
         while waiting drops the connection (the engine must not go on for nobody)."""
         loop = self.loop
         resp = self.resp = UpstreamResponse(self)
         self.received = self.length_known = self.keep_alive = False
         waiter = self.headers_waiter = loop.create_future()
+        if state is not None:
+            state.sent = True       # no await from here to the write: a cancel cannot fall between
         try:
             self.transport.write(data)
         except (RuntimeError, OSError) as e:  # closed under us between the pool and here
@@ -382,9 +396,10 @@ class UpstreamPool:
     # -- requests --------------------------------------------------------------------------
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str],
-                   header_timeout: float | None = None) -> UpstreamResponse:
+                   header_timeout: float | None = None, state: SendState | None = None) -> UpstreamResponse:
         """POST ``body`` to ``url`` (``http[s]://host:port/path``); return once the response head
-        arrived. ``headers`` should carry Content-Type; Host and Content-Length are added here."""
+        arrived. ``headers`` should carry Content-Type; Host and Content-Length are added here.
+        ``state`` records whether any of the request may have been written (see ``SendState``)."""
         origin, path = self._split(url)
         lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
         if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
@@ -393,13 +408,13 @@ class UpstreamPool:
                 f"{lines}\r\n").encode("utf-8", "surrogateescape") + body
         conn, reused = await self._acquire(origin)
         try:
-            return await conn.exchange(data, header_timeout)
+            return await conn.exchange(data, header_timeout, state)
         except UpstreamDisconnected as e:
             if not reused or e.received:
                 raise
         # the engine had closed the idle connection: nothing was received, so sending again is safe
         conn = await self._connect(origin)
-        return await conn.exchange(data, header_timeout)
+        return await conn.exchange(data, header_timeout, state)
 
     def _split(self, url: str) -> tuple[_Origin, str]:
         i = url.find("/", url.find("//") + 2)

@@ -25,6 +25,7 @@ import orjson
 from gateway.config import HealthConfig, UpstreamConfig
 from gateway.endpoints import Endpoint
 from gateway.h1client import (
+    SendState,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
@@ -115,12 +116,13 @@ class Upstream:
                 ep.healthy = False
 
     async def open(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
-                   header_timeout: float | None, model: str) -> UpstreamResponse:
-        """POST ``body`` and return once the response status and headers arrived."""
+                   header_timeout: float | None, model: str, state: SendState | None = None) -> UpstreamResponse:
+        """POST ``body`` and return once the response status and headers arrived; ``state`` records
+        whether any of the request may have been written."""
         assert self.pool is not None
         url = ep.url + path
         try:
-            return await self.pool.post(url, body, headers, header_timeout)
+            return await self.pool.post(url, body, headers, header_timeout, state)
         except UpstreamError as e:
             f = classify(e, url)
             self.failed(ep, model, f.kind)

@@ -18,6 +18,7 @@ import uvloop
 
 from gateway.h1client import (
     HIGH_WATER,
+    SendState,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
@@ -459,6 +460,42 @@ async def test_cancelling_the_wait_for_the_head_drops_the_connection():
         with pytest.raises(asyncio.CancelledError):
             await task
         await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+        await pool.close()
+
+
+
+@on_both_loops
+async def test_send_state_says_whether_any_of_the_request_may_have_gone_out():
+    """``sent`` stays False for a post that never wrote (refused; cancelled while waiting for a
+    connection) and is True once the request was handed to a connection, however it ended."""
+    release = asyncio.Event()
+
+    async def held(server, req, writer):
+        await release.wait()
+        writer.write(answer())
+        await writer.drain()
+
+    refused = SendState()
+    pool = UpstreamPool()
+    with pytest.raises(UpstreamConnectError):
+        await pool.post(f"http://127.0.0.1:{free_port()}/x", b"{}", JSON, state=refused)
+    assert not refused.sent
+    await pool.close()
+    async with Engine(held) as eng:
+        pool = UpstreamPool(max_connections=1)
+        written, waiting = SendState(), SendState()
+        first = asyncio.create_task(pool.post(eng.url + "/x", b"1", JSON, state=written))
+        await wait_until(lambda: len(eng.requests) == 1)
+        second = asyncio.create_task(pool.post(eng.url + "/x", b"2", JSON, state=waiting))
+        await asyncio.sleep(0)
+        first.cancel()
+        second.cancel()
+        for t in (first, second):
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert written.sent and not waiting.sent
+        assert [r["body"] for r in eng.requests] == [b"1"]
+        release.set()
         await pool.close()
 
 
