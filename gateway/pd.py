@@ -7,9 +7,11 @@ engine:
 - sequential (vLLM, context-first): the prefill runs to completion; the decode body is built from
   its answer; a failed prefill fails the request at once, with no decode leg.
 - concurrent (SGLang, bootstrap): both legs start together; the prefill answers only after the
-  decode took the KV. A terminal prefill failure aborts the decode (sent again after a delay
-  unless the decode answered) and fails the client if nothing was sent yet; once the decode
-  streams, a late prefill failure is logged and the stream runs on.
+  decode took the KV. A terminal prefill failure fails the client if nothing was sent yet; once
+  the decode streams, a late prefill failure is logged and the stream runs on. A decode leg that
+  ends without being relayed, for whatever reason (prefill failure, decode failure or timeout,
+  watchdog, client gone), is aborted once it is over if any byte of its request may have been
+  written (``SendState``) and the engine did not end it itself with an error answer.
 
 The decode watchdog is armed when the decode leg starts (concurrent: once the prefill
 succeeded): a first-chunk bound for streams, a whole-answer bound for non-streams (off by
@@ -33,7 +35,7 @@ from gateway.config import Config
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import GatewayError, normalize_upstream_error
-from gateway.h1client import UpstreamResponse
+from gateway.h1client import SendState, UpstreamResponse
 from gateway.metrics import GatewayMetrics
 from gateway.relay import Relay
 from gateway.upstream import Upstream, UpstreamFailure, upstream_headers
@@ -132,9 +134,10 @@ class PDOrchestrator:
                 ctx.charges.prefill_done()
 
         prefill_task = asyncio.create_task(run_prefill())
+        decode_sent = SendState()
         decode_task = asyncio.create_task(self.upstream.open(
             decode, ireq.path, plan.decode_body, headers, self.config.upstream.first_byte_timeout_s or None,
-            ireq.model))
+            ireq.model, decode_sent))
         ctx.charges.decode_started()
         decode_start = time.perf_counter()
         resp: UpstreamResponse | None = None
@@ -143,9 +146,7 @@ class PDOrchestrator:
             if prefill_task.done():
                 exc = prefill_task.exception()
                 if isinstance(exc, PrefillFailed):
-                    if not decode_task.done():
-                        self._abort(decode, plan.abort, ireq.model, again_unless=decode_task)
-                    raise self._prefill_failed(ctx, exc, "before_response")
+                    raise self._prefill_failed(ctx, exc, "before_response")    # the decode ends below
                 if exc is not None:
                     raise exc
                 # prefill done: the decode holds the KV; arm the watchdog on its first answer
@@ -154,7 +155,6 @@ class PDOrchestrator:
                     async with asyncio.timeout(limit):
                         resp = await asyncio.shield(decode_task)
                 except TimeoutError:
-                    self._abort(decode, plan.abort, ireq.model)
                     raise self._watchdog_error(ctx, limit) from None
             else:
                 # the decode answered first (its headers come with its first token): the prefill's
@@ -168,21 +168,22 @@ class PDOrchestrator:
             raise self._decode_unavailable(ctx, f) from None
         except asyncio.CancelledError:
             # the client went away: stop both legs, and tell the engine (it may notice a closed
-            # connection only seconds later)
-            self._abort(decode, plan.abort, ireq.model)
+            # connection only seconds later); the decode's abort is decided below
             if not prefill_task.done():
                 self._abort(prefill, plan.abort, ireq.model)
             raise
         finally:
             if resp is None:
+                # the decode will not be relayed: stop both legs, and only once the decode leg is
+                # over decide its abort, from whether its request may have been written (not from
+                # whether its task had ended when the prefill failed: it may have ended on its own)
                 for t in (prefill_task, decode_task):
                     if not t.done():
                         t.cancel()
-                if decode_task.done() and not decode_task.cancelled() and decode_task.exception() is None:
-                    decode_task.result().close()
                 for t in (prefill_task, decode_task):
                     with contextlib.suppress(BaseException):
                         await t
+                self._end_unrelayed_decode(ctx, plan, decode_task, decode_sent)
         if resp.status != 200 and not prefill_task.done():
             self._abort(prefill, plan.abort, ireq.model)    # the prefill would wait for a decode that gave up
             prefill_task.cancel()
@@ -295,17 +296,35 @@ class PDOrchestrator:
         assert ctx.decision is not None
         self._abort(ctx.decision.endpoint, plan.abort, ctx.rec.model)
 
-    def _abort(self, ep: Endpoint, spec: AbortSpec | None, model: str, *,
-               again_unless: asyncio.Future | None = None) -> None:
+    def _abort(self, ep: Endpoint, spec: AbortSpec | None, model: str) -> None:
         """Tell ``ep`` to drop the request, in the background. Engines without an abort call
         (``spec`` None) learn it from the closed connection."""
         if spec is not None:
-            self.spawn(self._send_abort(ep, spec, model, again_unless))
+            self.spawn(self._send_abort(ep, spec, model))
 
-    async def _send_abort(self, ep: Endpoint, spec: AbortSpec, model: str,
-                          again_unless: asyncio.Future | None) -> None:
-        """POST the abort; a second time after a delay unless ``again_unless`` is done (the abort
-        may overtake the request it aborts)."""
+    def _end_unrelayed_decode(self, ctx: RequestContext, plan: PDPlan, task: asyncio.Task,
+                              sent: SendState) -> None:
+        """The concurrent decode leg ``task`` is over and will not be relayed. Close its answer if
+        one came; then abort the request on the engine if any byte of it may have been written,
+        unless the engine ended it itself (an error answer). ``sent`` is set just before the
+        request's only write and read only once the task is done, so False proves nothing went out."""
+        if not task.done():     # the handler was cancelled while waiting for the leg to end
+            task.add_done_callback(lambda t: self._end_unrelayed_decode(ctx, plan, t, sent))
+            return
+        ctx.rec.extra["decode_sent"] = sent.sent
+        answer = None if task.cancelled() or task.exception() is not None else task.result()
+        if answer is not None:
+            answer.close()
+            if answer.status != 200:
+                return
+        if sent.sent:
+            self._abort_decode(ctx, plan)
+        elif plan.abort is not None:
+            self.metrics.child(self.metrics.pd_aborts, ctx.rec.model, "skipped_unsent").inc()
+
+    async def _send_abort(self, ep: Endpoint, spec: AbortSpec, model: str) -> None:
+        """POST the abort; a second time after a delay (the abort may overtake the request it
+        aborts: SGLang forgets an abort for a rid it does not know yet)."""
         if not spec.timeout_s:
             self.metrics.child(self.metrics.pd_aborts, model, "skipped_disabled").inc()
             return
@@ -321,5 +340,3 @@ class PDOrchestrator:
                 if not spec.retry_delay_s:
                     return
                 await asyncio.sleep(spec.retry_delay_s)
-                if again_unless is not None and again_unless.done() and not again_unless.cancelled():
-                    return

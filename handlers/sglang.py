@@ -27,7 +27,7 @@ class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
     default_bootstrap_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8998   # when neither endpoint nor roleset sets one
     abort_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0        # /abort_request call timeout (0: never abort)
-    abort_retry_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0    # a second abort after this delay unless decode answered
+    abort_retry_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0    # a second abort after this delay (0: only one)
 
 
 # keys the gateway writes into both bodies

@@ -7,6 +7,9 @@ proof that legs were cancelled or aborted, and the autouse check that every trac
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 
 import aiohttp
 import openai
@@ -253,3 +256,147 @@ async def test_vllm_decode_stall_before_first_token_after_headers(sims, gateway)
     assert sse_events(raw)[-1]["error"]["code"] == "upstream_timeout"
     assert await wait_for(lambda: quiet(d.url), timeout=5)
     assert 'phase="first_chunk"' in await gw.metrics_text()
+
+
+async def _aborted(url: str, rid_prefix: str) -> bool:
+    """The engine got /abort_request for the rid and holds no request with it."""
+    st = await sim_state(url)
+    live = [x["id"] for x in st["running"] + st["waiting"] if x["id"].startswith(rid_prefix)]
+    return not live and any(a.startswith(rid_prefix) for a in st["abort_requests"])
+
+
+async def test_sglang_decode_leg_timing_out_first_is_aborted(sims, gateway):
+    """The decode leg gives up before the prefill answered (its first-byte timeout is shorter than
+    the prefill timeout): its request went out, so the decode engine gets /abort_request too, not
+    only the prefill. The decode engine notices the closed connection only after 30 s."""
+    p = await sims("sglang", "m", role="prefill")
+    d = await sims("sglang", "m", role="decode", sglang_abort_delay_s=30.0)
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], upstream={"first_byte_timeout_s": 0.3},
+                       pd={"abort_retry_delay_s": 0.5})
+    st, hdrs, _ = await post(gw, body(stream=True), {"x-sim-fault": "prefill.hang=inf", "x-request-id": "dto-1"})
+    assert st == 504 and hdrs["x-error-pd-decode"] == "true"
+    assert await wait_for(lambda: _aborted(p.url, "dto-1-"), timeout=3)
+    assert await wait_for(lambda: _aborted(d.url, "dto-1-"), timeout=3)
+
+
+class ResettingHop:
+    """A TCP hop in front of an engine (a proxy or load balancer in between). Each inference
+    request is handed to the engine on a connection of its own, which stays open, so the engine
+    keeps the request; the gateway's side of the connection is reset at once. Other requests
+    (``/abort_request``) pass through."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.held: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def start(self) -> ResettingHop:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        for w in self.held:
+            w.close()
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up: asyncio.StreamWriter | None = None
+        back: asyncio.Task | None = None
+        try:
+            while data := await reader.read(65536):
+                if data.startswith(b"POST /v1/"):
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()       # RST to the gateway
+                    _, held = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+                    held.write(data)
+                    self.held.append(held)
+                    return
+                if up is None:
+                    up_reader, up = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+                    back = asyncio.create_task(self._copy(up_reader, writer))
+                up.write(data)
+        except OSError:
+            pass
+        finally:
+            if up is not None:
+                up.close()
+            if back is not None:
+                back.cancel()
+
+    @staticmethod
+    async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+        writer.close()
+
+
+@pytest.mark.parametrize("path", ["direct", "resetting_hop", "slow_connect"])
+async def test_sglang_prefill_500_aborts_every_decode_that_may_have_been_sent(sims, gateway, monkeypatch, path):
+    """The prefill answers 500 at once, 100 times. For every request, within ~3 s the decode
+    engine either got ``/abort_request`` for its rid and holds nothing for it, or never received
+    the request and the gateway logged that it never wrote a byte of it (``decode_sent=False``).
+    The decode engine notices a closed connection only after 30 s (as SGLang, late), so only an
+    abort ends a request it holds. Paths to the decode: direct; through a hop that resets the
+    gateway's connection right after taking the request (the decode leg ends on its own, racing
+    the prefill's 500); direct with a connect slower than the prefill's answer (the decode leg is
+    cancelled before it wrote anything)."""
+    from structlog.testing import capture_logs
+
+    from gateway.h1client import UpstreamPool
+
+    p = await sims("sglang", "m", role="prefill")
+    d = await sims("sglang", "m", role="decode", sglang_abort_delay_s=30.0)
+    decode_url = d.url
+    hop = None
+    if path == "resetting_hop":
+        hop = await ResettingHop(d.port).start()
+        decode_url = f"http://127.0.0.1:{hop.port}"
+    elif path == "slow_connect":
+        connect = UpstreamPool._connect
+
+        async def slow_connect(self, origin):
+            if origin.port == d.port:
+                await asyncio.sleep(0.02)
+            return await connect(self, origin)
+
+        monkeypatch.setattr(UpstreamPool, "_connect", slow_connect)
+    rs = {"name": "rs", "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [decode_url]}
+    # a short retry delay only keeps the teardown short (it waits for the second aborts)
+    gw = await gateway([pd_model("sglang", [rs])], health={"passive": False}, pd={"abort_retry_delay_s": 0.5})
+    n = 100
+    with capture_logs() as logs:
+        async with aiohttp.ClientSession() as s:
+            for i in range(n):
+                async with s.post(gw.url + "/v1/chat/completions", json=body(stream=i % 2 == 0),
+                                  headers={"x-sim-fault": "prefill.status=500", "x-request-id": f"pd500-{i}"}) as r:
+                    assert r.status == 502
+                    await r.read()
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
+    rids = [lines[f"pd500-{i}"]["rid"] for i in range(n)]
+
+    def unhandled(st: dict) -> list[str]:
+        live = {x["id"] for x in st["running"] + st["waiting"]}
+        aborts = set(st["abort_requests"])
+        received = live | set(st["aborted_ids"])
+        bad = []
+        for i, rid in enumerate(rids):
+            if rid in aborts and rid not in live:
+                continue                                    # (a) aborted, nothing left
+            if rid not in received and lines[f"pd500-{i}"].get("decode_sent") is False:
+                continue                                    # (b) provably never sent
+            bad.append(rid)
+        return bad
+
+    bad: list[str] = []
+    deadline = asyncio.get_running_loop().time() + 3.0
+    while asyncio.get_running_loop().time() < deadline:
+        st = await sim_state(d.url)
+        if not (bad := unhandled(st)):
+            break
+        await asyncio.sleep(0.05)
+    if hop is not None:
+        await hop.close()
+    assert not bad, f"{len(bad)}/{n} decode requests neither aborted nor provably unsent: {bad[:5]}"
