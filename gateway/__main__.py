@@ -19,15 +19,15 @@ def main(argv: list[str] | None = None) -> int:
                      help="run with in-process simulated engines (no GPU needed)")
     p.add_argument("--host", help="listen host (overrides listen.host)")
     p.add_argument("--port", type=int, help="listen port (overrides listen.port)")
-    p.add_argument("--log-format", choices=("json", "console"), help="overrides server.log_format")
+    p.add_argument("--log-format", choices=("auto", "json", "console"), help="overrides server.log_format")
     p.add_argument("--workers", type=int, help="processes sharing the port via SO_REUSEPORT (overrides server.workers)")
     args = p.parse_args(argv)
 
     if args.demo:
         from gateway.demo import run_demo
-        configure_logging(args.log_format or "console")
+        configure_logging(args.log_format or "auto")
         try:
-            uvloop.run(run_demo(host=args.host, port=args.port))
+            uvloop.run(run_demo(host=args.host, port=args.port, log_format=args.log_format or "auto"))
         except KeyboardInterrupt:
             pass
         return 0
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"switchyard: config error: {e}", file=sys.stderr)
         return 2
-    configure_logging(args.log_format or config.server.log_format, config.server.log_level)
+    if args.log_format:
+        config = config.with_log_format(args.log_format)
+    configure_logging(config.server.log_format, config.server.log_level)
     from gateway.server import free_port, serve
     workers = args.workers if args.workers is not None else config.server.workers
     if workers < 1:

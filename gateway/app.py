@@ -21,6 +21,7 @@ from gateway.config import Config
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.lifecycle import Lifecycle
+from gateway.logs import LineWriter, RequestLog
 from gateway.metrics import GatewayMetrics
 from gateway.monitor import Monitor
 from gateway.pd import PDOrchestrator
@@ -102,7 +103,9 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     relay = Relay(config.upstream, metrics)
     pd = PDOrchestrator(config, upstream, relay, lifecycle.spawn, metrics, routing.ctx.rng)
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants)
-    gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle)
+    request_log = RequestLog(config.server.log_format, config.server.log_level,
+                             LineWriter(on_drop=metrics.log_lines_dropped.inc))
+    gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log)
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats)
     started_at = int(time.time())
 
@@ -164,6 +167,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
                 await lifecycle.close_background()
                 await upstream.close()
                 await session.close()
+                request_log.close()         # every request line written before the process exits
         finally:
             if disc is not None:
                 await disc.stop()

@@ -77,7 +77,7 @@ class ServerConfig(_Block):
     shutdown_grace_s: Amount = 30.0
     workers: Count = 1                   # processes sharing the port (SO_REUSEPORT); see gateway/workers.py
     drain_delay_s: Amount = 5.0          # after SIGTERM: keep accepting connections this long (≤ grace)
-    log_format: Literal["json", "console"] = "console"
+    log_format: Literal["auto", "json", "console"] = "auto"   # auto: console on a TTY, else JSON
     log_level: str = "info"
     # the edge (gateway/edge.py): slow clients, connection cap, header limits; 0 disables a timeout
     header_timeout_s: Amount = 10.0      # accept (or first byte of a kept-alive request) → complete head
@@ -300,6 +300,9 @@ class Config(_Block, dict=True):
     def with_listen(self, host: str | None, port: int | None) -> Config:
         listen = ListenConfig(host=host or self.listen.host, port=self.listen.port if port is None else port)
         return msgspec.structs.replace(self, listen=listen)
+
+    def with_log_format(self, fmt: str) -> Config:
+        return msgspec.structs.replace(self, server=msgspec.structs.replace(self.server, log_format=fmt))
 
 
 # -- loading ------------------------------------------------------------------------------------

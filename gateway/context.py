@@ -14,16 +14,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import structlog
 from aiohttp import web
 
 from gateway.endpoints import Endpoint
 from gateway.ledger import Charges
+from gateway.logs import RequestLog
 from gateway.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, request_id_from
 from routers.base import Decision
-
-log = structlog.get_logger("switchyard.request")
 
 WatchdogPhase = Literal["first_chunk", "idle", "response"]
 
@@ -104,18 +102,23 @@ class RequestContext:
         self.rec.endpoint = ep.name
 
 
-def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float) -> None:
+def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, request_log: RequestLog) -> None:
     """The request's metrics and its one log line."""
     m = metrics
     duration = now - rec.started
     m.child(m.requests, rec.model, str(rec.status), rec.strategy).inc()
     if rec.model != "-" and rec.status < 400 and rec.status:
         m.child(m.e2e, rec.model).observe(duration)
-    log.info("request", request_id=rec.request_id, path=rec.path, model=rec.model, user=rec.user,
-             strategy=rec.strategy, endpoint=rec.endpoint, status=rec.status, stream=rec.stream,
-             ttft_ms=round(rec.ttft * 1000, 3) if rec.ttft is not None else None,
-             prompt_tokens=rec.prompt_tokens, completion_tokens=rec.completion_tokens,
-             cached_tokens=rec.cached_tokens, finish_reason=rec.finish_reason, retries=rec.retries,
-             duration_ms=round(duration * 1000, 3), error_class=rec.error_class, error=rec.error,
-             **({"prefill_endpoint": rec.prefill_endpoint} if rec.prefill_endpoint else {}),
-             **({"request_id_replaced": True} if rec.request_id_replaced else {}), **rec.extra)
+    fields = {"request_id": rec.request_id, "path": rec.path, "model": rec.model, "user": rec.user,
+              "strategy": rec.strategy, "endpoint": rec.endpoint, "status": rec.status, "stream": rec.stream,
+              "ttft_ms": round(rec.ttft * 1000, 3) if rec.ttft is not None else None,
+              "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
+              "cached_tokens": rec.cached_tokens, "finish_reason": rec.finish_reason, "retries": rec.retries,
+              "duration_ms": round(duration * 1000, 3), "error_class": rec.error_class, "error": rec.error}
+    if rec.prefill_endpoint:
+        fields["prefill_endpoint"] = rec.prefill_endpoint
+    if rec.request_id_replaced:
+        fields["request_id_replaced"] = True
+    if rec.extra:
+        fields.update(rec.extra)
+    request_log.emit(fields)

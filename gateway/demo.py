@@ -26,7 +26,7 @@ DEMO_ENGINES = [
 ]
 
 
-def demo_config(host: str | None, port: int | None) -> dict:
+def demo_config(host: str | None, port: int | None, log_format: str = "auto") -> dict:
     models: dict[str, dict] = {}
     for model, engine, role, eport, _sim, entry in DEMO_ENGINES:
         m = models.setdefault(model, {"name": model, "engine": engine})
@@ -38,6 +38,7 @@ def demo_config(host: str | None, port: int | None) -> dict:
         rs[role].append({"url": url, **entry} if entry else url)
     return {
         "listen": {"host": host or "127.0.0.1", "port": 8888 if port is None else port},
+        "server": {"log_format": log_format},
         "routing": {"strategy": "least-request"},
         "health": {"interval_s": 2.0},
         "scrape": {"interval_s": 1.0},
@@ -66,7 +67,7 @@ Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C
 """
 
 
-async def run_demo(host: str | None = None, port: int | None = None) -> None:
+async def run_demo(host: str | None = None, port: int | None = None, log_format: str = "auto") -> None:
     from enginesim import SimConfig, start_sim
 
     sims = []
@@ -74,7 +75,7 @@ async def run_demo(host: str | None = None, port: int | None = None) -> None:
         for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
             sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
                                                   host="127.0.0.1", seed=eport, **kw)))
-        cfg = config_from_dict(demo_config(host, port), source="<demo>")
+        cfg = config_from_dict(demo_config(host, port, log_format), source="<demo>")
         await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host))
     finally:
         for s in sims:

@@ -49,6 +49,8 @@ class GatewayMetrics:
         self.internal_errors = Counter("switchyard_internal_errors",
                                        "Unexpected exceptions in the request path (bugs); each is logged with its traceback",
                                        registry=r)
+        self.log_lines_dropped = Counter("switchyard_log_lines_dropped",
+                                         "Request log lines dropped because stderr stopped draining", registry=r)
         self.client_cancels = Counter("switchyard_client_cancels",
                                       "Requests whose client went away before the end", ["model", "stage"],
                                       registry=r)

@@ -23,6 +23,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.ledger import charge
 from gateway.lifecycle import Lifecycle
+from gateway.logs import RequestLog
 from gateway.metrics import GatewayMetrics
 from gateway.pd import PDOrchestrator
 from gateway.relay import Relay, error_event
@@ -39,7 +40,7 @@ log = structlog.get_logger("switchyard.request")
 class Pipeline:
     def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics, routing: Routing,
                  upstream: Upstream, relay: Relay, pd: PDOrchestrator, tenancy: Tenancy | None,
-                 lifecycle: Lifecycle) -> None:
+                 lifecycle: Lifecycle, request_log: RequestLog) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics
@@ -49,6 +50,7 @@ class Pipeline:
         self.pd = pd
         self.tenancy = tenancy
         self.lifecycle = lifecycle
+        self.request_log = request_log
         self.model_in_flight: dict[str, int] = {}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
@@ -96,7 +98,7 @@ class Pipeline:
             self.lifecycle.leave()
             if ticket is not None:          # charge usage tokens, release the concurrency slot
                 self.tenancy.settle(ticket, rec)
-            record_request(rec, self.metrics, time.perf_counter())
+            record_request(rec, self.metrics, time.perf_counter(), self.request_log)
 
     # -- stages --------------------------------------------------------------------------------
 

@@ -236,10 +236,8 @@ async def test_prefix_index_size_is_exported(sims, gateway):
 
 
 async def test_one_structured_log_line_per_request(fleet):
-    from structlog.testing import capture_logs
-
     gw, _ = fleet
-    with capture_logs() as logs:
+    with gw.gw.request_log.capture() as logs:
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", headers={"x-request-id": "log-1", "user": "ann"},
                               json={"model": "llama", "messages": CHAT, "max_tokens": 3, "stream": True}) as r:

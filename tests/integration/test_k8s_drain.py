@@ -97,6 +97,10 @@ async def test_sigterm_on_the_real_process_drains_and_exits_0(sims, tmp_path):
     try:
         assert await poll(lambda: _is(base + "/ready", 200), timeout=20), "gateway did not become ready"
         async with aiohttp.ClientSession() as s:
+            for i in range(50):                             # their log lines are still buffered at SIGTERM
+                async with s.post(base + "/v1/chat/completions", json={**BODY, "stream": False, "max_tokens": 1},
+                                  headers={"x-request-id": f"before-{i}"}) as r:
+                    assert r.status == 200
             async with s.post(base + "/v1/chat/completions", json={**BODY, "max_tokens": 60}) as stream:
                 assert stream.status == 200
                 await stream.content.readline()             # the stream is under way
@@ -109,6 +113,9 @@ async def test_sigterm_on_the_real_process_drains_and_exits_0(sims, tmp_path):
         out = (await proc.stdout.read()).decode()
         assert rc == 0, out
         assert '"draining"' in out and '"listener closed"' in out
+        lines = [orjson.loads(x) for x in out.splitlines() if '"event":"request"' in x]
+        assert [x["request_id"] for x in lines[:50]] == [f"before-{i}" for i in range(50)]
+        assert len(lines) == 51 and lines[-1]["stream"] is True      # no request line lost at SIGTERM
     finally:
         if proc.returncode is None:
             proc.kill()

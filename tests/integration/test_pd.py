@@ -343,8 +343,6 @@ async def test_sglang_prefill_500_aborts_every_decode_that_may_have_been_sent(si
     gateway's connection right after taking the request (the decode leg ends on its own, racing
     the prefill's 500); direct with a connect slower than the prefill's answer (the decode leg is
     cancelled before it wrote anything)."""
-    from structlog.testing import capture_logs
-
     from gateway.h1client import UpstreamPool
 
     p = await sims("sglang", "m", role="prefill")
@@ -367,7 +365,7 @@ async def test_sglang_prefill_500_aborts_every_decode_that_may_have_been_sent(si
     # a short retry delay only keeps the teardown short (it waits for the second aborts)
     gw = await gateway([pd_model("sglang", [rs])], health={"passive": False}, pd={"abort_retry_delay_s": 0.5})
     n = 100
-    with capture_logs() as logs:
+    with gw.gw.request_log.capture() as logs:
         async with aiohttp.ClientSession() as s:
             for i in range(n):
                 async with s.post(gw.url + "/v1/chat/completions", json=body(stream=i % 2 == 0),

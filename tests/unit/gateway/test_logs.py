@@ -1,0 +1,119 @@
+"""The request log line: rendered once, written off the loop, nothing lost at close, bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+
+import orjson
+
+from gateway.logs import PIPE_BUF, LineWriter, RequestLog, _chunks, resolve_format
+
+FIELDS = {"request_id": "r-1", "path": "/v1/chat/completions", "model": "m", "user": None, "status": 200,
+          "stream": True, "ttft_ms": 1.5, "error": None}
+
+
+def read_all(fd: int) -> bytes:
+    out = b""
+    while chunk := os.read(fd, 65536):
+        out += chunk
+    return out
+
+
+def test_auto_is_console_on_a_tty_and_json_otherwise():
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert resolve_format("auto", Tty()) == "console"
+    assert resolve_format("auto", io.StringIO()) == "json"
+    assert resolve_format("json", Tty()) == "json"
+
+
+def test_json_line_keeps_every_field_and_adds_time_and_level():
+    r, w = os.pipe()
+    log = RequestLog("json", writer=LineWriter(fd=w))
+    log.emit(dict(FIELDS))
+    log.close()
+    os.close(w)
+    line = read_all(r)
+    os.close(r)
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    data = orjson.loads(line)
+    assert {k: data[k] for k in FIELDS} == FIELDS
+    assert data["event"] == "request" and data["level"] == "info" and data["timestamp"].endswith("Z")
+
+
+def test_console_line_is_one_readable_line():
+    r, w = os.pipe()
+    log = RequestLog("console", writer=LineWriter(fd=w))
+    log.emit(dict(FIELDS))
+    log.close()
+    os.close(w)
+    line = read_all(r).decode()
+    os.close(r)
+    assert line.count("\n") == 1 and " request " in line and "request_id=r-1" in line and "ttft_ms=1.5" in line
+
+
+def test_warning_level_writes_no_request_line_but_tests_can_still_capture():
+    r, w = os.pipe()
+    log = RequestLog("json", "warning", writer=LineWriter(fd=w))
+    with log.capture() as seen:
+        log.emit(dict(FIELDS))
+    log.close()
+    os.close(w)
+    assert read_all(r) == b"" and seen[0]["request_id"] == "r-1"
+    os.close(r)
+
+
+async def test_lines_leave_the_loop_in_order_and_all_of_them_at_close():
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    writer = LineWriter(fd=w, interval_s=0.01)
+    log = RequestLog("json", writer=writer)
+    for i in range(2000):
+        log.emit({**FIELDS, "request_id": f"r-{i}"})
+    got = b""
+    for _ in range(200):                  # the timer hands them to the thread; read as they come
+        await asyncio.sleep(0.01)
+        try:
+            got += os.read(r, 1 << 20)
+        except BlockingIOError:
+            pass
+    log.close()
+    os.close(w)
+    os.set_blocking(r, True)
+    got += read_all(r)
+    os.close(r)
+    ids = [orjson.loads(x)["request_id"] for x in got.splitlines()]
+    assert ids == [f"r-{i}" for i in range(2000)]
+
+
+def test_writes_are_cut_at_line_ends_within_pipe_buf():
+    lines = [(b"x" * n) + b"\n" for n in (10, 3000, 2000, 5000, 1, 4095)]
+    chunks = list(_chunks(lines, PIPE_BUF))
+    assert b"".join(chunks) == b"".join(lines)
+    for c in chunks:
+        assert c.endswith(b"\n")
+        assert len(c) <= PIPE_BUF or c.count(b"\n") == 1     # only a line longer than PIPE_BUF goes alone
+
+
+def test_a_stalled_reader_bounds_the_buffer_and_counts_what_it_drops():
+    import threading
+
+    r, w = os.pipe()
+    dropped = []
+    writer = LineWriter(fd=w, max_pending_bytes=100_000, on_drop=dropped.append)
+    line = b"y" * 999 + b"\n"
+    for _ in range(1000):                  # 1 MB into a pipe nobody reads (it holds 64 KB)
+        writer.write(line)
+    assert writer.dropped > 0 and writer.dropped == len(dropped)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(read_all(r)))
+    reader.start()                        # the reader wakes up: what was kept is written, in full lines
+    writer.close(timeout=5)
+    os.close(w)
+    reader.join(5)
+    os.close(r)
+    assert len(got[0]) == (1000 - writer.dropped) * 1000 and got[0].endswith(b"\n")
