@@ -1,13 +1,7 @@
 """``prefix-cache``: send a prompt to the engine that already holds its prefix in KV cache.
 
-Engines (vLLM's automatic prefix caching, SGLang's radix cache) skip the prefill of a prompt's
-leading tokens they computed before. The gateway cannot see their caches, so it keeps an index of
-what it sent where: the prompt text the engine will prefill (chat messages in order, or the
-completion prompt — ``InferenceRequest.prompt_text``) is cut into fixed-size character blocks,
-each block's key is a hash chained over all blocks before it (so a key names a whole prefix), and
-the index maps key → {endpoint: last time a request with that prefix went there}.
-
-The index is ``routers.prefix_index.PrefixIndex``, one per gateway (``RouterContext.prefix_index``),
+The gateway cannot see the engines' caches, so it keeps an index of what prompt prefixes it sent
+where (``routers.prefix_index``, which explains the keys). The index is ``PrefixIndex``, one per gateway (``RouterContext.prefix_index``),
 shared with the ``pd`` strategy's prefill choice.
 
 The router (AIBrix ``prefix-cache`` semantics, aibrix-gateway.md §1.4):

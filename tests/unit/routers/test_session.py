@@ -5,37 +5,14 @@ from __future__ import annotations
 import base64
 import random
 from collections import Counter
-from collections.abc import Sequence
 
 import pytest
 
 from gateway.endpoints import Endpoint
-from gateway.request import CHAT, InferenceRequest
-from routers.base import Decision, RouterContext, RoutingSettings
+from routers.base import Decision
 from routers.registry import default_registry
 from routers.session import SessionAffinityRouter, decode_session_id, encode_session_id, fnv1a64, rendezvous
-from tests.strategy_util import Clock, Fallbacks
-
-
-def make_req(text: str = "user\nhello there", *, user: str | None = None, session_id: str | None = None,
-             session_key: str | None = None, model: str = "m") -> InferenceRequest:
-    return InferenceRequest(path=CHAT, body=b"{}", data={}, model=model, stream=False, include_usage=False,
-                            prompt_text=text, prompt_tokens_est=max(1, len(text) // 4), request_id="r",
-                            user=user, session_id=session_id, session_key=session_key)
-
-
-def make_eps(n: int, in_flight: Sequence[int] | None = None, base: str = "10.0.0") -> list[Endpoint]:
-    eps = [Endpoint(url=f"http://{base}.{i + 1}:8000", model="m") for i in range(n)]
-    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
-        ep.in_flight = k
-    return eps
-
-
-def ctx_for(seed: int = 1, clock: Clock | None = None, **knobs) -> tuple[RouterContext, Fallbacks]:
-    fallbacks = Fallbacks()
-    return RouterContext(rng=random.Random(seed), clock=clock or Clock(), settings=RoutingSettings(**knobs),
-                         on_fallback=fallbacks), fallbacks
-
+from tests.unit.routers.strategy_helpers import ctx_for, make_eps, make_req
 
 # -- session-affinity (AIBrix §9 item 18) -------------------------------------------------------------
 
