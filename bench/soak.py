@@ -335,6 +335,25 @@ async def run_one(session: aiohttp.ClientSession, url: str, i: int, plan: Plan, 
     t.finished += 1
 
 
+def inspect_event(data: bytes, i: int, plan: Plan, t: Tally) -> bool:
+    """Decode one event; True when it is an error event."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        t.problem("malformed_event", i, plan, data[:200].decode(errors="replace"))
+        return False
+    if not isinstance(obj, dict):
+        t.problem("malformed_event", i, plan, data[:200].decode(errors="replace"))
+        return False
+    if "error" in obj:
+        msg = obj["error"].get("message") if isinstance(obj["error"], dict) else obj["error"]
+        t.errors[message_kind("event", str(msg))] += 1
+        return True
+    if obj.get("choices") == [] and "usage" in obj and not plan.include_usage:
+        t.problem("unrequested_usage_chunk", i, plan, data[:200].decode(errors="replace"))
+    return False
+
+
 async def read_stream(resp: aiohttp.ClientResponse, i: int, plan: Plan, t: Tally) -> str:
     """Read a 200 stream to its end (or walk away); how it ended."""
     if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -343,7 +362,9 @@ async def read_stream(resp: aiohttp.ClientResponse, i: int, plan: Plan, t: Tally
     done = error = False
     events = 0
     async for chunk in resp.content.iter_any():
-        buf += chunk.replace(b"\r\n", b"\n") if b"\r" in chunk else chunk
+        buf += chunk
+        if b"\r" in chunk:
+            buf = buf.replace(b"\r\n", b"\n")      # a CR at the end waits for its LF in the next chunk
         while (j := buf.find(b"\n\n")) >= 0:
             ev, buf = buf[:j], buf[j + 2:]
             data = b"\n".join(ln[5:].lstrip(b" ") for ln in ev.split(b"\n") if ln.startswith(b"data:"))
@@ -354,20 +375,11 @@ async def read_stream(resp: aiohttp.ClientResponse, i: int, plan: Plan, t: Tally
                 t.problem("event_after_done", i, plan, data[:200].decode(errors="replace"))
             if data == b"[DONE]":
                 done = True
-                continue
-            try:
-                obj = orjson.loads(data)
-            except orjson.JSONDecodeError:
+            elif not (data.startswith(b"{") and data.endswith(b"}")):
                 t.problem("malformed_event", i, plan, data[:200].decode(errors="replace"))
-                continue
-            if not isinstance(obj, dict):
-                t.problem("malformed_event", i, plan, data[:200].decode(errors="replace"))
-            elif "error" in obj:
-                error = True
-                msg = obj["error"].get("message") if isinstance(obj["error"], dict) else obj["error"]
-                t.errors[message_kind("event", str(msg))] += 1
-            elif obj.get("choices") == [] and "usage" in obj and not plan.include_usage:
-                t.problem("unrequested_usage_chunk", i, plan, data[:200].decode(errors="replace"))
+            elif events == 1 or b'"error"' in data or b'"usage"' in data:
+                # token chunks are not decoded: that would cost the client more than the gateway
+                error |= inspect_event(data, i, plan, t)
             if plan.abandon_after is not None and events >= plan.abandon_after and not (done or error):
                 resp.close()                               # the client walks away mid-stream
                 t.events += events
@@ -408,6 +420,32 @@ async def scrape(session: aiohttp.ClientSession, base: str) -> dict:
             "gauge_lines": lines, "tasks": tasks}
 
 
+COUNTERS = {"switchyard_client_cancels_total": "stage", "switchyard_upstream_errors_total": "error_class",
+            "switchyard_health_probes_total": "result", "switchyard_retries_total": None,
+            "switchyard_watchdog_fires_total": "phase", "switchyard_internal_errors_total": None}
+
+
+async def counters(session: aiohttp.ClientSession, base: str) -> dict[str, dict[str, float]]:
+    """A few of the gateway's counters, summed by one label: what it saw of the faults."""
+    try:
+        async with asyncio.timeout(10), session.get(base + "/metrics") as r:
+            text = await r.text()
+    except (TimeoutError, aiohttp.ClientError, ConnectionError):
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        if name not in COUNTERS:
+            continue
+        label = COUNTERS[name]
+        key = "total"
+        if label is not None and (m := re.search(label + r'="([^"]*)"', rest)):
+            key = m.group(1)
+        d = out.setdefault(name.removeprefix("switchyard_").removesuffix("_total"), {})
+        d[key] = d.get(key, 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def engines_busy(session: aiohttp.ClientSession, urls: list[str]) -> dict[str, int]:
     """Requests each engine still runs or queues (-1: no answer)."""
     out = {}
@@ -431,8 +469,10 @@ async def engine_counts(session: aiohttp.ClientSession, urls: list[str]) -> dict
 
 
 async def sample(session: aiohttp.ClientSession, base: str, pid: int, t0: float, t: Tally, label: str) -> dict:
+    at = time.monotonic()
     m = await scrape(session, base)
-    out = {"label": label, "t_s": round(time.monotonic() - t0, 2), "finished": t.finished,
+    out = {"label": label, "t_s": round(at - t0, 2), "finished": t.finished,
+           "probe_ms": round((time.monotonic() - at) * 1000, 1),
            "fds": proc_fds(pid), "rss_mib": round(proc_rss_kib(pid) / 1024, 1), "cpu_s": round(proc_cpu_s(pid), 2),
            "tasks": m.get("tasks"), "in_flight": m.get("in_flight_requests")}
     if "error" in m:
@@ -540,6 +580,7 @@ async def soak(st: Settings) -> dict:
         report["gauges_end"] = m
         report["engines_busy_end"] = busy
         report["engine_counts"] = await engine_counts(session, urls)
+        report["gateway_counters"] = await counters(session, base)
         report["samples"] = samples
         report["gateway_alive"] = gw.poll() is None
         await session.close()
@@ -688,13 +729,18 @@ def render(r: dict) -> str:
          "", "by fault injected"]
     for kind, outcomes in a["by_fault"].items():
         L.append(f"  {kind:<14} " + "  ".join(f"{k}: {v}" for k, v in outcomes.items()))
+    L += ["", "the gateway's counters"]
+    for name, d in r["gateway_counters"].items():
+        L.append(f"  {name:<22} " + "  ".join(f"{k}: {v:g}" for k, v in sorted(d.items())))
+    L.append("  engines (sum)          " + "  ".join(f"{k}: {v}" for k, v in r["engine_counts"].items()))
     L += ["", "most frequent errors (answers and stream events)"]
     for msg, n in list(r["errors_by_message"].items())[:8]:
         L.append(f"  {n:>6}  {msg}")
-    L += ["", f"gateway process        {'start':>8} {'middle':>8} {'end':>8}"]
+    L += ["", f"{'gateway process':<26} {'start':>8} {'middle':>8} {'end':>8}"]
     for key, name in (("fds", "open fds"), ("rss_mib", "RSS MiB"), ("tasks", "event-loop tasks"),
-                      ("in_flight", "requests in flight"), ("cpu_s", "CPU seconds"), ("t_s", "at second")):
-        L.append(f"  {name:<20} " + " ".join(f"{str(p[w][key]):>8}" for w in ("start", "middle", "end")))
+                      ("in_flight", "requests in flight"), ("cpu_s", "CPU seconds"), ("probe_ms", "/metrics ms (new conn)"),
+                      ("t_s", "at second")):
+        L.append(f"  {name:<24} " + " ".join(f"{str(p[w][key]):>8}" for w in ("start", "middle", "end")))
     L += ["", "invariants (each must be 0)"]
     for k, v in r["checks"].items():
         L.append(f"  {k:<32} {v}{'' if not v else '   <-- FAILED'}")
