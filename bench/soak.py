@@ -7,7 +7,7 @@ FILE``) as subprocesses on loopback ports, sends ``--requests`` chat completions
 
 - faults, sent in the ``x-sim-fault`` header that the gateway forwards to the engine
   (enginesim/faults.py): the connection dropped (before the headers for a non-streaming answer or
-  an SGLang stream, after them for a vLLM stream), an error event in the stream (HTTP 500 when
+  an SGLang stream not yet started, otherwise mid-stream), an error event in the stream (HTTP 500 when
   nothing was sent yet), an HTTP error status, a short stall the stream survives, and a stall that
   never ends, which the gateway's watchdog must cut;
 - clients that close the connection after a few events of a stream.
@@ -644,6 +644,8 @@ async def load(st: Settings, t: Tally, base: str, models: list[str], samples: li
         try:
             async with asyncio.timeout(max(1.0, hard_stop - time.monotonic())):
                 await asyncio.gather(*(worker() for _ in range(st.concurrency)))
+        except TimeoutError:               # requests still open long after their own timeouts
+            t.problems["load_hard_stop"] += 1
         finally:
             for task in sampling:
                 task.cancel()
@@ -691,7 +693,7 @@ def finalize(report: dict, st: Settings) -> dict:
     checks = {
         "streams_without_done_or_error": t.problems["stream_without_done_or_error"],
         "answers_without_status": t.problems["no_answer"],
-        "client_timeouts": t.problems["client_timeout"],
+        "client_timeouts": t.problems["client_timeout"] + t.problems["load_hard_stop"],
         "errors_not_openai_shaped": t.problems["error_not_openai_shape"],
         "bad_200_bodies": t.problems["bad_200_body"] + t.problems["stream_not_sse"],
         "malformed_events": t.problems["malformed_event"] + t.problems["unterminated_event"]
