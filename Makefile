@@ -72,3 +72,13 @@ bench-routing: $(BENCHSTAMP)
 
 bench-routing-micro: $(STAMP)
 	$(BIN)/python -m bench.micro_routing $(ROUTING_ARGS)
+
+# bench/soak.py: requests through a gateway process in front of enginesim processes, with injected
+# faults and abandoned streams, then checks that nothing leaked (README "Soak"). Exit 1 when an
+# invariant fails. E.g. SOAK_ARGS="--duration-s 600 --concurrency 1000 --stream-share 1 --itl-ms 500"
+SOAK_ARGS ?=
+
+.PHONY: soak
+
+soak: $(STAMP)
+	$(BIN)/python bench/soak.py $(SOAK_ARGS)

@@ -6,6 +6,7 @@ cached in plain dicts keyed by label tuples so the hot path pays one dict lookup
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -145,3 +146,8 @@ class LiveState(Collector):
             if "evictions" in stats:
                 yield CounterMetricFamily("switchyard_prefix_index_evictions", "Blocks evicted from the prefix-cache index",
                                           value=stats["evictions"])
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:          # rendered outside an event loop (unit tests)
+            return
+        yield GaugeMetricFamily("switchyard_event_loop_tasks", "asyncio tasks alive in this process", value=tasks)

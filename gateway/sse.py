@@ -22,8 +22,9 @@ Why it is shaped like this:
   turn out to be the usage chunk: as soon as its bytes show ``"choices":[`` followed by anything
   but ``]`` it cannot be, and it is released at once (the rest of it streams through as it comes).
   Content events are therefore never delayed; a held event is emitted (or dropped, if it was the
-  usage chunk) the moment its terminating blank line arrives. ``finish()`` returns what is still
-  held when the upstream ends.
+  usage chunk) the moment its terminating blank line arrives. Stray blank lines between events
+  are never held either: they are kept even before a usage chunk that is dropped. ``finish()``
+  returns what is still held when the upstream ends.
 
 Framing accepted: events end at a blank line (``\\n\\n``, ``\\r\\n\\r\\n`` and mixtures of LF and
 CRLF line ends). ``data:`` with or without a space; several ``data:`` lines are joined with
@@ -138,6 +139,13 @@ def _could_be_usage(data: bytes | bytearray, start: int) -> bool:
     return True
 
 
+def _after_blank_lines(data: bytes | bytearray, i: int, stop: int) -> int:
+    """Index of the first byte at or after ``i`` (before ``stop``) that is not CR or LF."""
+    while i < stop and (data[i] == 0x0A or data[i] == 0x0D):
+        i += 1
+    return i
+
+
 def _data_of(ev: bytes | bytearray) -> bytes | None:
     """The data payload of a multi-line event (``None`` when it has no ``data:`` line)."""
     parts = []
@@ -195,7 +203,7 @@ class SSEScanner:
     __slots__ = (
         "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "itl_count",
         "itl_sum", "itl_max", "usage", "finish_reason", "error", "done", "events",
-        "_buf", "_held", "_skip", "_now",
+        "_buf", "_sent", "_skip", "_now",
     )
 
     def __init__(self, strip_usage: bool = False) -> None:
@@ -213,7 +221,7 @@ class SSEScanner:
         self.done = False                          # saw `data: [DONE]`
         self.events = 0                            # events with a data payload (incl. [DONE])
         self._buf = bytearray()    # the current incomplete event (or its last 2 bytes if skipped)
-        self._held = False         # strip mode: _buf has not been forwarded yet
+        self._sent = 0             # strip mode: how many leading bytes of _buf went out already
         self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
         self._now = 0.0
 
@@ -259,7 +267,7 @@ class SSEScanner:
         if not buf:
             return b""
         self._buf = bytearray()
-        held, self._held = self._held, False
+        sent, self._sent = self._sent, 0
         flags = 0
         if self._skip:
             self._skip = False
@@ -269,13 +277,13 @@ class SSEScanner:
                 flags = self._event(ev, 0, len(ev))
         if flags & _CONTENT:
             self._mark(self._now)
-        if not held:
+        if not self.strip_usage or sent >= len(buf):
             return b""
         if flags & _USAGE_ONLY:
             # drop the usage event but keep any stray blank lines that preceded it
             lead = len(buf) - len(bytes(buf).lstrip(b"\r\n"))
-            return bytes(buf[:lead])
-        return bytes(buf)
+            return bytes(buf[sent:lead])
+        return bytes(buf[sent:])
 
     def drain_itl(self) -> list[float]:
         """Return the inter-token gaps collected since the last drain, and forget them."""
@@ -286,7 +294,7 @@ class SSEScanner:
     @property
     def held_bytes(self) -> int:
         """How many bytes are currently held back (strip mode)."""
-        return len(self._buf) if self._held else 0
+        return len(self._buf) - self._sent if self.strip_usage else 0
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -295,7 +303,7 @@ class SSEScanner:
         if buf:
             old = len(buf)
             pos = old - 2 if old > 2 else 0
-            cursor = 0 if self._held else old      # bytes of `data` before cursor are handled
+            cursor = self._sent                    # bytes of `data` before cursor are handled
             buf += chunk
             data: bytes | bytearray = buf
         elif chunk:
@@ -314,20 +322,20 @@ class SSEScanner:
             else:
                 f = self._event(data, start, m.start())
                 flags |= f
-            if f & _USAGE_ONLY and cursor <= start:
-                cut = start
-                stop = m.start()
-                while cut < stop and (data[cut] == 0x0A or data[cut] == 0x0D):
-                    cut += 1                       # keep stray blank lines before the event
-                if out is None:
-                    out = []
-                if cursor < cut:
-                    out.append(data[cursor:cut])
-                cursor = end
+            if f & _USAGE_ONLY:
+                cut = _after_blank_lines(data, start, m.start())   # keep stray blank lines before it
+                if cursor <= cut:                  # nothing of the event itself went out: drop it
+                    if out is None:
+                        out = []
+                    if cursor < cut:
+                        out.append(data[cursor:cut])
+                    cursor = end
             start = end
         n = len(data)
-        held = start < n and cursor <= start and _could_be_usage(data, start)
-        stop = start if held else n
+        # the incomplete event is held while it could be the usage chunk; blank lines before it are not
+        lead = _after_blank_lines(data, start, n)
+        held = lead < n and cursor <= lead and _could_be_usage(data, lead)
+        stop = lead if held else n
         if data is chunk and cursor == 0 and stop == n and out is None:
             result: bytes = chunk
         else:
@@ -340,12 +348,12 @@ class SSEScanner:
             del buf[:start]
         elif start < n:
             self._buf = bytearray(chunk[start:])
-        self._held = held
+        self._sent = max(cursor, stop) - start if start < n else 0
         if len(self._buf) > MAX_EVENT_BYTES:
             if held:
-                result += bytes(self._buf)
-                self._held = False
+                result += bytes(self._buf[self._sent:])
             self._overflow()
+            self._sent = len(self._buf)
         if flags & _CONTENT:
             self._mark(now)
         return result

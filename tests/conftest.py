@@ -3,24 +3,69 @@
 ``sims`` starts ``enginesim`` servers in-process on free ports; ``gateway`` starts the gateway
 in front of them. After every test an autouse check waits briefly for handlers to settle, then
 asserts that every lease and in-flight gauge is back to zero.
+
+Hypothesis profiles: ``ci`` (loaded when ``CI=true``) is derandomized, keeps no example database
+and has no deadline, so two CI runs of one commit draw the same examples. Elsewhere ``dev`` is
+Hypothesis's randomized default with a fresh seed per session; the seed is printed in the header
+and under every failed test, with the ``@reproduce_failure`` blob of the failing example.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import random
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
+from hypothesis import HealthCheck, is_hypothesis_test, settings
 
 from enginesim import SimConfig, start_sim
 from gateway.app import GATEWAY_KEY
 from gateway.config import config_from_dict
 from gateway.pipeline import Pipeline
 from gateway.server import start
+
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None, deadline=None,
+                          max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", parent=settings.get_profile("default"), print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI", "").lower() == "true" else "dev")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # Runs before Hypothesis's own plugin reads --hypothesis-seed: outside CI, pick the session's
+    # seed here so it can be printed, and a failure rerun with exactly the same draws.
+    profile = config.getoption("hypothesis_profile", None)
+    if profile:
+        settings.load_profile(profile)
+    if not settings.default.derandomize and config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = str(random.SystemRandom().randrange(1 << 32))
+
+
+def _reproduce_hint(config) -> str:
+    if settings.default.derandomize:
+        return f"profile {settings.get_current_profile_name()!r}, derandomized: rerun with --hypothesis-profile=ci"
+    seed = config.getoption("hypothesis_seed", None)
+    return f"profile {settings.get_current_profile_name()!r}, seed {seed}: rerun with --hypothesis-seed={seed}"
+
+
+def pytest_report_header(config):
+    return "hypothesis: " + _reproduce_hint(config)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and call.when == "call" and is_hypothesis_test(getattr(item, "obj", None)):
+        report.sections.append(("Hypothesis: reproduce", (
+            f"{_reproduce_hint(item.config)} '{item.nodeid}'\n"
+            "or add the @reproduce_failure(...) line printed above to the test (same code and Hypothesis version)")))
 
 
 def pytest_collection_modifyitems(items) -> None:

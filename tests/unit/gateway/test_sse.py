@@ -7,7 +7,7 @@ import re
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway import sse
@@ -238,6 +238,21 @@ def test_strip_usage_holds_only_a_possible_usage_event():
     assert usage_tokens(s.usage) == (12, 2, 0)
 
 
+def test_strip_usage_never_holds_blank_lines_between_events():
+    s = SSEScanner(strip_usage=True)
+    assert s.feed(VLLM_LO + b"\n", 0.0) == VLLM_LO + b"\n"    # a third LF after the event's blank line
+    assert s.held_bytes == 0
+    assert s.feed(b"\r\n", 0.1) == b"\r\n"
+    assert s.feed(VLLM_USAGE[:20], 0.2) == b""                 # the event after them is held, not they
+    assert s.held_bytes == 20
+    assert s.feed(VLLM_USAGE[20:] + DONE, 0.3) == DONE
+    assert s.finish() == b""
+    assert usage_tokens(s.usage) == (12, 2, 0)
+    s = SSEScanner(strip_usage=True)
+    assert s.feed(b"\n" + VLLM_USAGE[:-2], 0.0) == b"\n"      # unterminated usage chunk at the end
+    assert s.finish() == b""
+
+
 def test_finish_returns_held_unterminated_event():
     s = SSEScanner(strip_usage=True)
     assert s.feed(b"data: [DO", 0.0) == b""
@@ -391,22 +406,41 @@ ENDINGS = [(b"\n", b"\n"), (b"\r\n", b"\r\n"), (b"\r\n", b"\n"), (b"\n", b"\r\n"
 _RELEASE = re.compile(rb'"choices"\s*:\s*\[\s*[^\]\s]')
 
 
+BLANK = {"data": False, "token": False, "usage": None, "finish": None, "error": None, "done": False,
+         "usage_only": False, "blank": True}
+
+
 @st.composite
-def streams(draw):
-    evs = draw(st.lists(events(), max_size=10))
+def streams(draw, edges: bool = False):
+    """(parts, data, chunks, unterminated): a stream of events and how it is cut into chunks.
+
+    ``edges`` aims at the scanner's corners: stray blank lines between events, ``data:`` without
+    its space, and chunks of one byte, or of a few bytes, or with many cuts.
+    """
+    evs = draw(st.lists(events(), max_size=6 if edges else 10))
     parts = []
     for lines, exp in evs:
+        if edges and draw(st.integers(0, 3)) == 0:              # a stray blank line before the event
+            parts.append((draw(st.sampled_from([b"\n", b"\r\n"])), BLANK))
+        if edges and draw(st.booleans()):
+            lines = [ln.replace(b"data: ", b"data:", 1) for ln in lines]
         le, be = draw(st.sampled_from(ENDINGS))
         parts.append((le.join(lines) + le + be, exp))
-    unterminated = bool(parts) and draw(st.booleans())
+    if edges and draw(st.integers(0, 3)) == 0:
+        parts.append((draw(st.sampled_from([b"\n", b"\r\n"])), BLANK))
+    unterminated = bool(parts) and "blank" not in parts[-1][1] and draw(st.booleans())
     if unterminated:                                            # last event lacks its blank line
         raw, exp = parts[-1]
         parts[-1] = (raw[:-draw(st.sampled_from([1, 2]))].rstrip(b"\r") if raw.endswith(b"\n") else raw, exp)
     data = b"".join(raw for raw, _ in parts)
-    if draw(st.booleans()):
+    mode = draw(st.integers(0, 2) if edges else st.integers(0, 1))
+    if mode == 0:
         chunks = one_byte(data)
+    elif mode == 2:
+        width = draw(st.integers(2, 7))
+        chunks = [data[i:i + width] for i in range(0, len(data), width)]
     else:
-        cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=12)))
+        cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=30 if edges else 12)))
         chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
     return parts, data, chunks, unterminated
 
@@ -428,9 +462,29 @@ def _stats(s: SSEScanner) -> dict:
             "error": s.error, "done": s.done, "events": s.events}
 
 
+# Found once in CI (random seed, not kept): a broken usage line whose text ends with a newline, so
+# the event ends in three: the third LF is a stray blank line after the event's terminator, which
+# the scanner held back in strip mode as if it could begin the usage chunk.
+_STRAY = b'data: {"choices":[],"usage":{"prompt_tokens":\n\n\n'
+_STRAY_EXP = {"data": True, "token": False, "usage": None, "finish": None, "error": None, "done": False,
+              "usage_only": False}
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(streams(), st.booleans())
+@example(([(_STRAY, _STRAY_EXP)], _STRAY, one_byte(_STRAY), False), True)
+@example(([(_STRAY, _STRAY_EXP)], _STRAY, [_STRAY], False), True)
 def test_property_any_split_gives_exact_bytes_and_same_observations(stream, strip):
+    check_stream(stream, strip)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(streams(edges=True), st.booleans())
+def test_property_edges_blank_lines_and_narrow_splits(stream, strip):
+    check_stream(stream, strip)
+
+
+def check_stream(stream, strip: bool) -> None:
     parts, data, chunks, unterminated = stream
     expected_out = b"".join(raw for raw, e in parts if not (strip and e["usage_only"]))
 
@@ -445,8 +499,8 @@ def test_property_any_split_gives_exact_bytes_and_same_observations(stream, stri
         consumed += len(chunk)
         emitted = b"".join(out)
         assert expected_out.startswith(emitted)
-        # no delay: every byte of a complete non-usage event, and of an incomplete event already
-        # seen to have non-empty choices, has gone out
+        # no delay: every byte of a complete non-usage event (stray blank lines included), and of
+        # an incomplete event already seen to have non-empty choices, has gone out
         must, start = 0, 0
         for i, (raw, e) in enumerate(parts):
             end = start + len(raw)
