@@ -143,8 +143,10 @@ class Pipeline:
         if not wd.aggregated:
             wd = None
         header_timeout = cfg.upstream.first_byte_timeout_s or None
-        if wd is not None and ireq.stream and wd.first_chunk_timeout_s:
-            header_timeout = min(header_timeout or wd.first_chunk_timeout_s, wd.first_chunk_timeout_s)
+        if wd is not None:      # engines send a non-streaming answer's headers with its body
+            limit = wd.first_chunk_timeout_s if ireq.stream else wd.response_timeout_s
+            if limit:
+                header_timeout = min(header_timeout or limit, limit)
         ep = ctx.decision.endpoint
         tried = [ep]
         while True:

@@ -141,6 +141,17 @@ async def test_watchdog_idle_mid_stream_sends_error_event_and_aborts(sims, gatew
     assert "watchdog_idle" in await gw.metrics_text()
 
 
+async def test_watchdog_response_timeout_bounds_a_non_streaming_answer(sims, gateway):
+    """Engines send a non-streaming answer's headers with its body, so the response bound must
+    cover the wait for the headers too, not only the body read."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       watchdog={"response_timeout_s": 0.3, "aggregated": True})
+    st, hdrs, raw = await post(gw.url, body(stream=False), {"x-sim-fault": "stall_before_first=10"})
+    assert st == 504 and orjson.loads(raw)["error"]["code"] == "upstream_timeout"
+    assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+
+
 async def test_watchdog_is_off_for_aggregated_legs_by_default(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], watchdog={"idle_timeout_s": 0.1})
