@@ -64,7 +64,7 @@ class Pipeline:
             if self.tenancy is not None:    # API key → user (401), before the body is read
                 ticket = await self.tenancy.authenticate(request, rec)
             ireq = ctx.ireq = parse(request.path, await self._read_body(request), request.headers, rec.request_id)
-            rec.model, rec.stream, rec.user = ireq.model, ireq.stream, ireq.user
+            rec.model, rec.stream = ireq.model, ireq.stream
             self._require_model(ireq.model)
             model_gauge = ireq.model
             self.model_in_flight[model_gauge] = self.model_in_flight.get(model_gauge, 0) + 1
@@ -73,6 +73,7 @@ class Pipeline:
             candidates = self.routing.candidates(ireq.model, router)
             if ticket is not None:          # model RPS, user RPM/TPM/concurrency (429), before routing
                 await self.tenancy.admit(ticket, ireq, rec)
+            rec.user = ireq.user            # with auth on, the key's user (admit decides it)
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
             decision = ctx.decision = self.routing.route(ireq, spec, router, candidates)

@@ -218,3 +218,12 @@ async def test_without_auth_the_user_header_names_the_user(sims, gateway):
     assert await outcomes(as_user("carol") for _ in range(3)) == [200, 200, "RateLimitError"]   # default_user
     assert await outcomes(as_user("dan") for _ in range(2)) == [200, 200]          # own counters
     assert await outcomes(as_user(None) for _ in range(4)) == [200] * 4            # anonymous: unlimited
+
+
+async def test_the_log_line_names_the_keys_user_not_the_clients_claim(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS)
+    with gw.gw.request_log.capture() as lines:
+        await client(gw).chat.completions.create(model="m", messages=CHAT, max_tokens=1,
+                                                 extra_headers={"user": "mallory"}, user="mallory")
+    assert [x["user"] for x in lines] == ["alice"]
