@@ -179,17 +179,19 @@ def gateway_board() -> Board:
               [datasource_var(), JOB_VAR, MODEL_VAR])
     req = "switchyard_requests_total"
     b.row("Overview")
-    b.stat("Requests / s", rate(req, JM), "reqps", "Client requests answered per second, all statuses.")
+    b.stat("Requests / s", f"{rate(req, JM)} or vector(0)", "reqps",
+           "Client requests answered per second, all statuses.")
     b.stat("5xx ratio", f"({rate(req, JM, extra=S5XX)} or vector(0)) / {rate(req, JM)}", "percentunit",
            "Share of client requests answered with a 5xx status.",
            thresholds=[(None, "green"), (0.01, "orange"), (0.05, "red")])
     b.stat("TTFT p99", quantile(0.99, "switchyard_time_to_first_token_seconds", JM, ""), "s",
            "99th percentile of time to first token, all selected models.")
-    b.stat("Output tokens / s", rate("switchyard_completion_tokens_total", JM), "short",
+    b.stat("Output tokens / s", f"{rate('switchyard_completion_tokens_total', JM)} or vector(0)", "short",
            "Completion tokens per second, as the engines reported them in usage.")
-    b.stat("In flight", f"sum(switchyard_in_flight_requests{{{JM}}})", "short",
+    b.stat("In flight", f"sum(switchyard_in_flight_requests{{{JM}}}) or vector(0)", "short",
            "Client requests in flight now, summed over gateway replicas.")
-    b.stat("Ready endpoints", f"count(max by (model, endpoint) (switchyard_endpoint_ready{{{JM}}}) == 1)",
+    b.stat("Ready endpoints",
+           f"count(max by (model, endpoint) (switchyard_endpoint_ready{{{JM}}}) == 1) or vector(0)",
            "short", "Endpoints that receive new requests (ready on at least one gateway replica).",
            thresholds=[(None, "red"), (1, "green")])
 

@@ -13,9 +13,14 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
+import yaml
 
 from gateway.server import free_port
 from tests.conftest import model_block, wait_for
@@ -187,3 +192,142 @@ async def test_every_series_the_dashboards_and_alerts_query_is_exported(sims, ga
     assert text, "the demo run did not produce every series it waits for"
     problems = check(queries, exported(text))
     assert not problems, "\n".join(problems)
+
+
+# -- the alerts, evaluated by Prometheus's own rule tester ----------------------------------------
+
+
+def promtool() -> str:
+    """promtool from Debian's prometheus package (make test unpacks it into the venv)."""
+    found = Path(sys.executable).with_name("promtool")
+    if found.is_file():
+        return str(found)
+    on_path = shutil.which("promtool")
+    if on_path is None:
+        pytest.fail("promtool is missing: `make .venv/bin/promtool` unpacks it from Debian's prometheus package")
+    return on_path
+
+
+SEL = 'namespace="llm", job="sy"'
+RULE_TESTS = {
+    "evaluation_interval": "1m",
+    "tests": [
+        {   # 10% of model m's requests fail (threshold 5%), 1% of model ok's
+            "interval": "1m",
+            "input_series": [
+                {"series": f'switchyard_requests_total{{{SEL}, model="m", status="200", strategy="random"}}',
+                 "values": "0+90x30"},
+                {"series": f'switchyard_requests_total{{{SEL}, model="m", status="502", strategy="random"}}',
+                 "values": "0+10x30"},
+                {"series": f'switchyard_requests_total{{{SEL}, model="ok", status="200", strategy="random"}}',
+                 "values": "0+99x30"},
+                {"series": f'switchyard_requests_total{{{SEL}, model="ok", status="500", strategy="random"}}',
+                 "values": "0+1x30"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "SwitchyardHighErrorRatio", "exp_alerts": []},   # pending
+                {"eval_time": "15m", "alertname": "SwitchyardHighErrorRatio", "exp_alerts": [{
+                    "exp_labels": {"severity": "critical", "namespace": "llm", "job": "sy", "model": "m"},
+                    "exp_annotations": {
+                        "summary": "Switchyard answers too many requests for a model with a 5xx status",
+                        "description": "10% of the requests for model m (job sy) got a 5xx over 5m (threshold "
+                                       "0.05). See switchyard_upstream_errors_total by error_class."}}]},
+            ],
+        },
+        {   # model slow: most first tokens take 5-10 s (SLO 5 s); model fast: all under 1 s
+            "interval": "1m",
+            "input_series": [
+                *({"series": f'switchyard_time_to_first_token_seconds_bucket{{{SEL}, model="slow", le="{le}"}}',
+                   "values": f"0+{n}x30"} for le, n in (("1", 10), ("5", 50), ("10", 100), ("+Inf", 100))),
+                *({"series": f'switchyard_time_to_first_token_seconds_bucket{{{SEL}, model="fast", le="{le}"}}',
+                   "values": "0+100x30"} for le in ("1", "5", "10", "+Inf")),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "8m", "alertname": "SwitchyardTimeToFirstTokenHigh", "exp_alerts": []},  # for: 10m
+                {"eval_time": "20m", "alertname": "SwitchyardTimeToFirstTokenHigh", "exp_alerts": [{
+                    "exp_labels": {"severity": "warning", "namespace": "llm", "job": "sy", "model": "slow"},
+                    "exp_annotations": {
+                        "summary": "Switchyard time to first token p99 is over its SLO",
+                        "description": "TTFT p99 of model slow (job sy) is 9.9s, over the 5s SLO. Check the "
+                                       "engines' waiting queues and KV usage (Switchyard / Engines)."}}]},
+            ],
+        },
+        {   # P/D model pd: its decode endpoint goes unready at 10m, its prefill stays; model gone: its
+            # only endpoint vanishes at 10m; job down: the whole gateway stops being scraped at 10m
+            "interval": "1m",
+            "input_series": [
+                {"series": f'switchyard_endpoint_ready{{{SEL}, instance="a", model="pd", endpoint="p:1"}}',
+                 "values": "1x30"},
+                {"series": f'switchyard_endpoint_ready{{{SEL}, instance="a", model="pd", endpoint="d:1"}}',
+                 "values": "1x10 0x20"},
+                {"series": f'switchyard_endpoint_info{{{SEL}, instance="a", model="pd", endpoint="p:1", '
+                           'engine="vllm", role="prefill", roleset="rs"}', "values": "1x30"},
+                {"series": f'switchyard_endpoint_info{{{SEL}, instance="a", model="pd", endpoint="d:1", '
+                           'engine="vllm", role="decode", roleset="rs"}', "values": "1x30"},
+                {"series": f'switchyard_endpoint_ready{{{SEL}, instance="a", model="gone", endpoint="g:1"}}',
+                 "values": "1x10 stale"},
+                {"series": f'switchyard_endpoint_info{{{SEL}, instance="a", model="gone", endpoint="g:1", '
+                           'engine="sglang", role="aggregated", roleset=""}', "values": "1x10 stale"},
+                {"series": f'switchyard_event_loop_lag_seconds_count{{{SEL}, instance="a"}}', "values": "0+2x30"},
+                {"series": 'switchyard_endpoint_ready{namespace="llm", job="down", instance="b", model="x", '
+                           'endpoint="x:1"}', "values": "1x10 stale"},
+                {"series": 'switchyard_endpoint_info{namespace="llm", job="down", instance="b", model="x", '
+                           'endpoint="x:1", engine="vllm", role="aggregated", roleset=""}', "values": "1x10 stale"},
+                {"series": 'switchyard_event_loop_lag_seconds_count{namespace="llm", job="down", instance="b"}',
+                 "values": "0+2x10 stale"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "5m", "alertname": "SwitchyardNoReadyEndpoint", "exp_alerts": []},
+                {"eval_time": "15m", "alertname": "SwitchyardNoReadyEndpoint", "exp_alerts": [
+                    {"exp_labels": {"severity": "critical", "namespace": "llm", "job": "sy", "model": model,
+                                    "role": role},
+                     "exp_annotations": {
+                         "summary": "A model served by Switchyard has no ready endpoint",
+                         "description": f"Model {model} (job sy) had a ready {role} endpoint within 1h and has "
+                                        "none now: its requests get 503. Its endpoints are unhealthy, draining "
+                                        "or gone."}}
+                    for model, role in (("gone", "aggregated"), ("pd", "decode"))]},
+            ],
+        },
+        {   # the watchdog fires once at 5m for model m (a series born at 1) and once at 5m on a series
+            # that already existed for model n; both alert at once, and are quiet 10m later
+            "interval": "1m",
+            "input_series": [
+                {"series": f'switchyard_watchdog_fires_total{{{SEL}, model="m", phase="idle"}}',
+                 "values": "_x5 1x25"},
+                {"series": f'switchyard_watchdog_fires_total{{{SEL}, model="n", phase="first_chunk"}}',
+                 "values": "0x5 1x25"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "SwitchyardWatchdogFiring", "exp_alerts": []},
+                {"eval_time": "6m", "alertname": "SwitchyardWatchdogFiring", "exp_alerts": [
+                    {"exp_labels": {"severity": "warning", "namespace": "llm", "job": "sy", "model": model,
+                                    "phase": phase},
+                     "exp_annotations": {
+                         "summary": "Switchyard's decode watchdog cut stalled requests",
+                         "description": f"The watchdog fired for model {model} (phase {phase}, job sy) within "
+                                        "10m: an engine stopped sending tokens."}}
+                    for model, phase in (("m", "idle"), ("n", "first_chunk"))]},
+                {"eval_time": "25m", "alertname": "SwitchyardWatchdogFiring", "exp_alerts": []},
+            ],
+        },
+    ],
+}
+
+
+def test_alerts_fire_when_they_should_under_promtool(helm_render, tmp_path):  # noqa: F811
+    """The rendered rules pass `promtool check rules` (Prometheus's own parser) and
+    `promtool test rules` on synthetic series: each alert fires on its case, with its labels and
+    text, and stays quiet on the healthy neighbour."""
+    tool = promtool()
+    docs = render(helm_render, ALL_ON, tmp=tmp_path)
+    spec = by_kind(docs)["PrometheusRule"][0]["spec"]
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    r = subprocess.run([tool, "check", "rules", "rules.yml"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (tmp_path / "tests.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], **RULE_TESTS},
+                                                       sort_keys=False))
+    r = subprocess.run([tool, "test", "rules", "tests.yml"], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
