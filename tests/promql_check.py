@@ -36,9 +36,15 @@ _LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?P<query>.+?)\s*,\s*(?P<label
                            re.DOTALL)
 
 
+def plain(expr: str) -> str:
+    """A dashboard expression with Grafana's interval variables ($__rate_interval, ...) replaced by
+    a duration, as Grafana does before it sends the query."""
+    return _GRAFANA_INTERVAL.sub("5m", expr)
+
+
 def parse(expr: str):
     """The syntax tree of a dashboard or rule expression (raises ValueError if it does not parse)."""
-    return pp.parse(_GRAFANA_INTERVAL.sub("5m", expr))
+    return pp.parse(plain(expr))
 
 
 @dataclass

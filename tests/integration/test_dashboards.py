@@ -25,7 +25,7 @@ import yaml
 from gateway.server import free_port
 from tests.conftest import model_block, wait_for
 from tests.integration.test_k8s_chart import by_kind, helm_render, render  # noqa: F401 (helm_render: a fixture)
-from tests.promql_check import Query, check, exported, parse, variable_query
+from tests.promql_check import Query, check, exported, parse, plain, variable_query
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "charts" / "switchyard" / "dashboards"
@@ -313,6 +313,18 @@ RULE_TESTS = {
         },
     ],
 }
+
+
+def test_dashboard_expressions_pass_prometheus_own_parser(tmp_path):
+    """Every dashboard query, as a recording rule, through `promtool check rules`: Prometheus's Go
+    parser agrees with promql-parser."""
+    queries = dashboard_queries(dashboard_files())
+    rules = [{"record": f"switchyard:dashboard_check:{i}", "expr": plain(q.expr)}
+             for i, q in enumerate(queries)]
+    (tmp_path / "dashboards.yml").write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    r = subprocess.run([promtool(), "check", "rules", "dashboards.yml"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_alerts_fire_when_they_should_under_promtool(helm_render, tmp_path):  # noqa: F811
