@@ -25,7 +25,17 @@ demo: $(STAMP)
 redis-server:
 	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
 
-test: $(DEVSTAMP) redis-server
+# the alert-rule tests run promtool (Prometheus's rule checker and tester). Only the binary is
+# unpacked from Debian's prometheus package: installing the package would start a Prometheus server.
+PROMTOOL := $(BIN)/promtool
+
+$(PROMTOOL): | $(BIN)/python
+	@set -e; if command -v promtool >/dev/null; then ln -sf "$$(command -v promtool)" $@; else \
+	  tmp=$$(mktemp -d); cd $$tmp; \
+	  apt-get download -qq prometheus 2>/dev/null || { apt-get update -qq && apt-get download -qq prometheus; }; \
+	  dpkg-deb -x prometheus_*.deb root; cp root/usr/bin/promtool $(CURDIR)/$@; cd $(CURDIR); rm -rf $$tmp; fi
+
+test: $(DEVSTAMP) redis-server $(PROMTOOL)
 	$(BIN)/python -m pytest
 
 lint: $(DEVSTAMP)

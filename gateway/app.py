@@ -22,6 +22,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.lifecycle import Lifecycle
 from gateway.logs import LineWriter, RequestLog
+from gateway.looplag import LoopLagMonitor
 from gateway.metrics import GatewayMetrics
 from gateway.monitor import Monitor
 from gateway.pd import PDOrchestrator
@@ -106,7 +107,8 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     request_log = RequestLog(config.server.log_format, config.server.log_level,
                              LineWriter(on_drop=metrics.log_lines_dropped.inc))
     gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log)
-    metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats)
+    metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats,
+                              engine_max_age=config.routing.metrics_max_age_s)
     started_at = int(time.time())
 
     app = web.Application(middlewares=[_error_middleware(metrics)], client_max_size=config.server.max_body_bytes)
@@ -148,7 +150,8 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
         """Discovery first (a bad kubeconfig fails start-up before anything else runs), then the
-        upstream client and the monitor; torn down in reverse, background tasks last."""
+        upstream client, the monitor and the event-loop lag sampler; torn down in reverse,
+        background tasks last."""
         disc = None
         if config.kubernetes.enabled:
             disc = KubernetesDiscovery(config.kubernetes, pool, {m.name: m for m in config.models})
@@ -160,9 +163,12 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
             mon = Monitor(pool, session, metrics, config.health, config.scrape)
             app[MONITOR_KEY] = mon
             mon.start()
+            lag = LoopLagMonitor(metrics.loop_lag.observe, config.server.loop_lag_interval_s)
+            lag.start()
             try:
                 yield
             finally:
+                await lag.stop()
                 await mon.stop()
                 await lifecycle.close_background()
                 await upstream.close()

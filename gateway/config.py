@@ -88,6 +88,7 @@ class ServerConfig(_Block):
     max_connections: Count = 10000       # open client connections per worker (0: no cap)
     max_header_bytes: Annotated[int, Meta(ge=1024)] = 16384  # request line, and each header field
     max_headers: Annotated[int, Meta(ge=8)] = 100             # header fields per request
+    loop_lag_interval_s: Amount = 0.5    # event-loop lag sampling period (gateway/looplag.py); 0: off
 
 
 class RoutingConfig(RoutingSettings):

@@ -7,9 +7,10 @@ cached in plain dicts keyed by label tuples so the hot path pays one dict lookup
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
@@ -20,6 +21,7 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.07
                0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 ROUTING_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                    0.01, 0.025, 0.05)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class GatewayMetrics:
@@ -77,12 +79,18 @@ class GatewayMetrics:
                                       ["model", "phase"], registry=r)
         self.pd_aborts = Counter("switchyard_pd_aborts", "Abort calls sent to engines, by result",
                                  ["model", "result"], registry=r)
+        # the process itself: CPU, RSS, open fds (read from /proc at scrape time), event-loop lag
+        self.loop_lag = Histogram("switchyard_event_loop_lag_seconds",
+                                  "How late the event loop ran a periodic timer (gateway/looplag.py)",
+                                  buckets=LOOP_LAG_BUCKETS, registry=r)
+        ProcessCollector(registry=r)
         self._children: dict[tuple, object] = {}
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
-                          prefix_stats: Callable[[], dict[str, int]] | None = None) -> None:
+                          prefix_stats: Callable[[], dict[str, int]] | None = None,
+                          engine_max_age: float = 10.0) -> None:
         """Gauges of live counts, read from the objects that hold them at scrape time."""
-        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats))
+        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age))
 
     def child(self, metric, *labels: str):
         """A cached labelled child: one dict lookup on the hot path."""
@@ -111,19 +119,40 @@ _ENDPOINT_GAUGES: tuple[tuple[str, str, Callable], ...] = (
 )
 
 
+# The engines' own state as the scraper last read it (gateway/endpoints.py EngineMetrics): (metric
+# name, help, field). A field the engine does not report is left out for that endpoint.
+_ENGINE_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("switchyard_engine_running_requests", "Requests running on the engine (its /metrics, last scrape)", "running"),
+    ("switchyard_engine_waiting_requests", "Requests queued on the engine (its /metrics, last scrape)", "waiting"),
+    ("switchyard_engine_kv_cache_usage_ratio", "KV cache in use on the engine, 0..1 (its /metrics, last scrape)",
+     "kv_usage"),
+    ("switchyard_engine_prefix_cache_hit_ratio",
+     "The engine's prefix-cache hit rate, 0..1 (vLLM: hits/queries between the last two scrapes; SGLang: its gauge)",
+     "prefix_hit_rate"),
+    ("switchyard_engine_generation_tokens_per_second",
+     "Tokens the engine generated per second (between the last two scrapes, or its own gauge)", "gen_throughput"),
+)
+
+
 class LiveState(Collector):
     """In-flight, readiness and P/D tracker gauges, computed when ``/metrics`` is scraped.
 
     The counts already live on the endpoints (routers read them there); exporting them at scrape
     time instead of mirroring every change into prometheus gauges keeps the per-request path free
     of metric locks, and an endpoint removed by discovery simply disappears from the output.
+
+    The engines' own running/waiting/KV figures are re-exported the same way from each endpoint's
+    last scraped snapshot, so one Prometheus job (the gateway) shows what routing sees. A snapshot
+    older than ``engine_max_age`` (``routing.metrics_max_age_s``: what routers treat as missing)
+    is left out rather than shown as current; its age stays visible.
     """
 
     def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
-                 prefix_stats: Callable[[], dict[str, int]] | None = None) -> None:
+                 prefix_stats: Callable[[], dict[str, int]] | None = None, engine_max_age: float = 10.0) -> None:
         self._endpoints = endpoints
         self._model_in_flight = model_in_flight
         self._prefix_stats = prefix_stats
+        self._engine_max_age = engine_max_age
 
     def collect(self):
         eps = list(self._endpoints())
@@ -132,6 +161,12 @@ class LiveState(Collector):
             for ep in eps:
                 fam.add_metric([ep.model, ep.name], read(ep))
             yield fam
+        info = GaugeMetricFamily("switchyard_endpoint_info", "1 for each endpoint, with its engine, role and roleset",
+                                 labels=["model", "endpoint", "engine", "role", "roleset"])
+        for ep in eps:
+            info.add_metric([ep.model, ep.name, ep.engine, ep.role, ep.roleset or ""], 1)
+        yield info
+        yield from self._engine_state(eps)
         fam = GaugeMetricFamily("switchyard_in_flight_requests", "Client requests in flight by model", labels=["model"])
         for model, n in list(self._model_in_flight.items()):
             fam.add_metric([model], n)
@@ -151,3 +186,20 @@ class LiveState(Collector):
         except RuntimeError:          # rendered outside an event loop (unit tests)
             return
         yield GaugeMetricFamily("switchyard_event_loop_tasks", "asyncio tasks alive in this process", value=tasks)
+
+    def _engine_state(self, eps: list):
+        now = time.monotonic()
+        snaps = [(ep, ep.metrics) for ep in eps if ep.metrics is not None]
+        age = GaugeMetricFamily("switchyard_engine_metrics_age_seconds",
+                                "Seconds since the engine's /metrics was last read successfully", labels=["model", "endpoint"])
+        for ep, m in snaps:
+            age.add_metric([ep.model, ep.name], max(0.0, now - m.scraped_at))
+        yield age
+        fresh = [(ep, m) for ep, m in snaps if now - m.scraped_at <= self._engine_max_age]
+        for name, doc, field in _ENGINE_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=["model", "endpoint"])
+            for ep, m in fresh:
+                v = getattr(m, field)
+                if v is not None:
+                    fam.add_metric([ep.model, ep.name], v)
+            yield fam

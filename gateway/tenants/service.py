@@ -63,13 +63,24 @@ class Ticket:
 TICKET = web.RequestKey("tenancy_ticket", Ticket)
 
 
+NO_USER = "_none"          # the `user` label of a request that names no user
+OTHER_USER = "_other"      # ... of a user the gateway has no record of (no key, no limits entry)
+
+
 class TenancyMetrics:
+    """The ``user`` label is bounded by what operators configured: a user known by an API key, a
+    ``limits.users`` entry or an admin-API record is named; any other name a client puts in the
+    ``user`` header (unbounded without auth) is counted as ``_other``."""
+
     def __init__(self, registry) -> None:
         r = registry
         self.auth_failures = Counter("switchyard_auth_failures", "Requests refused by API-key auth",
                                      ["reason"], registry=r)
         self.rate_limited = Counter("switchyard_rate_limited", "Requests refused with 429 by a limit",
-                                    ["model", "limit"], registry=r)
+                                    ["model", "limit", "user"], registry=r)
+        self.user_tokens = Counter("switchyard_user_tokens",
+                                   "Tokens the engines reported for each user's requests (prompt, completion)",
+                                   ["user", "kind"], registry=r)
         self.state_up = Gauge("switchyard_state_up", "1 when the shared state backend is reachable",
                               registry=r)
         self.unavailable = Counter("switchyard_state_unavailable",
@@ -98,6 +109,7 @@ class Tenancy:
         self.policy = self.cfg.failure_policy
         self.directory = Directory(config.auth, config.limits)
         self.m = TenancyMetrics(metrics.registry)
+        self._token_children: dict[str, tuple] = {}
         if state is None:
             state = (RedisState(self.cfg, on_transition=self._on_transition) if self.cfg.redis_url
                      else MemoryState())
@@ -248,8 +260,15 @@ class Tenancy:
         if limits is not None:
             t.headers = rate_headers(limits, r)
         if r.reason is not None:
-            self.m.rate_limited.labels(ireq.model, r.reason).inc()
+            self.m.rate_limited.labels(ireq.model, r.reason, self._user_label(t)).inc()
             raise rejection(q, r, t.headers or {})
+
+    def _user_label(self, t: Ticket) -> str:
+        if t.user is None:
+            return NO_USER
+        if t.key_id is not None or self.directory.user_source(t.user) is not None:
+            return t.user
+        return OTHER_USER
 
     def _unavailable(self) -> None:
         self.m.unavailable.labels(self.policy).inc()
@@ -274,6 +293,14 @@ class Tenancy:
     # -- hook 3: settle ----------------------------------------------------------------------
 
     def settle(self, t: Ticket, rec: RequestRecord) -> None:
+        if rec.prompt_tokens or rec.completion_tokens:
+            user = self._user_label(t)
+            tokens = self._token_children.get(user)
+            if tokens is None:
+                tokens = self._token_children[user] = (self.m.user_tokens.labels(user, "prompt"),
+                                                       self.m.user_tokens.labels(user, "completion"))
+            tokens[0].inc(rec.prompt_tokens or 0)
+            tokens[1].inc(rec.completion_tokens or 0)
         lim = t.limits
         if lim is None:
             return

@@ -11,6 +11,7 @@
 //
 // It prints a JSON object mapping each rendered template ("switchyard/templates/x.yaml") to its
 // output. Partials ("_*.tpl") are loaded but not rendered, NOTES.txt is skipped, as in Helm.
+// .Files holds the chart's other files (Get, GetBytes, Glob, AsConfig, as Helm's).
 // The functions keep Sprig's semantics for the arguments the chart passes; toYaml writes block
 // YAML with sorted keys and double-quoted strings (equal in meaning to Helm's output).
 package main
@@ -25,6 +26,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"path"
 	"path/filepath"
 	"reflect"
 	"sort"
@@ -101,12 +103,17 @@ func render(chartDir, inputPath string) ([]byte, error) {
 			rendered = append(rendered, name)
 		}
 	}
+	files, err := loadFiles(chartDir)
+	if err != nil {
+		return nil, err
+	}
 	result := map[string]string{}
 	for _, name := range rendered {
 		data := map[string]interface{}{}
 		for k, v := range top {
 			data[k] = v
 		}
+		data["Files"] = files
 		data["Template"] = map[string]interface{}{"Name": name, "BasePath": chartName + "/templates"}
 		var buf bytes.Buffer
 		if err := root.ExecuteTemplate(&buf, name, data); err != nil {
@@ -115,6 +122,97 @@ func render(chartDir, inputPath string) ([]byte, error) {
 		result[name] = strings.ReplaceAll(buf.String(), "<no value>", "")
 	}
 	return json.MarshalIndent(result, "", "  ")
+}
+
+// -- .Files ------------------------------------------------------------------------------------
+
+// Files is the chart's .Files: every file except what Helm keeps apart (templates/, charts/,
+// Chart.yaml, Chart.lock, values.yaml, values.schema.json) and what .helmignore names, keyed by
+// its slash-separated path inside the chart.
+type Files map[string][]byte
+
+func (f Files) Get(name string) string      { return string(f[name]) }
+func (f Files) GetBytes(name string) []byte { return f[name] }
+
+// Glob keeps the files whose path matches pattern ("*" does not cross "/", as in Helm).
+func (f Files) Glob(pattern string) Files {
+	out := Files{}
+	for k, v := range f {
+		if ok, _ := path.Match(pattern, k); ok {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+// AsConfig is the files as ConfigMap data: base name -> content, as YAML.
+func (f Files) AsConfig() string {
+	if f == nil {
+		return ""
+	}
+	m := map[string]interface{}{}
+	for k, v := range f {
+		m[path.Base(k)] = string(v)
+	}
+	return toYaml(m)
+}
+
+func loadFiles(chartDir string) (Files, error) {
+	var ignore []string
+	if raw, err := os.ReadFile(filepath.Join(chartDir, ".helmignore")); err == nil {
+		for _, line := range strings.Split(string(raw), "\n") {
+			line = strings.TrimSpace(line)
+			if line != "" && !strings.HasPrefix(line, "#") {
+				ignore = append(ignore, line)
+			}
+		}
+	}
+	ignored := func(rel string, dir bool) bool {
+		for _, pat := range ignore {
+			if strings.HasSuffix(pat, "/") {
+				if !dir {
+					continue
+				}
+				pat = strings.TrimSuffix(pat, "/")
+			}
+			if ok, _ := path.Match(pat, path.Base(rel)); ok {
+				return true
+			}
+			if ok, _ := path.Match(pat, rel); ok {
+				return true
+			}
+		}
+		return false
+	}
+	apart := map[string]bool{"templates": true, "charts": true, "Chart.yaml": true, "Chart.lock": true,
+		"values.yaml": true, "values.schema.json": true, ".helmignore": true}
+	files := Files{}
+	err := filepath.Walk(chartDir, func(p string, info os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(chartDir, p)
+		rel = filepath.ToSlash(rel)
+		if rel == "." {
+			return nil
+		}
+		if (!strings.Contains(rel, "/") && apart[rel]) || ignored(rel, info.IsDir()) {
+			if info.IsDir() {
+				return filepath.SkipDir
+			}
+			return nil
+		}
+		if info.IsDir() {
+			return nil
+		}
+		raw, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		files[rel] = raw
+		return nil
+	})
+	return files, err
 }
 
 func funcMap(root *template.Template) template.FuncMap {

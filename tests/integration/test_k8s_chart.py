@@ -9,6 +9,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -158,6 +159,12 @@ def test_values_yaml_satisfies_its_schema():
     {"config": {"server": {"log_level": "debug"}}},        # the chart owns server/listen/kubernetes
     {"serviceMonitor": {"interval": "often"}},
     {"replicas": 3},                                         # a typo of replicaCount
+    {"dashboards": {"enable": True}},
+    {"dashboards": {"label": "not a label"}},
+    {"prometheusRule": {"alerts": {"errorRatio": {"threshold": 5}}}},       # a ratio
+    {"prometheusRule": {"alerts": {"ttftP99": {"for": "1.5m"}}}},            # not a Prometheus duration
+    {"prometheusRule": {"alerts": {"watchdogFires": {"window": None}}}},
+    {"prometheusRule": {"extraRules": [{"expr": "up == 0"}]}},               # neither alert nor record
 ])
 def test_schema_rejects_bad_values(bad):
     schema = json.loads((CHART / "values.schema.json").read_text())
@@ -254,7 +261,8 @@ def test_pd_hpa_all_namespaces_render(helm_render, tmp_path):
     assert kinds["ClusterRole"][0]["rules"][0]["verbs"] == ["get", "list", "watch"]
     sm = kinds["ServiceMonitor"][0]
     assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"]["release"] == "prometheus"
-    assert sm["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    assert sm["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s",
+                                          "honorLabels": True}
 
 
 def test_listed_namespaces_get_a_role_each_and_static_only_needs_no_rbac(helm_render, tmp_path):
@@ -286,3 +294,55 @@ def test_dockerfile_runs_the_gateway_as_a_non_root_user():
     assert 'ENTRYPOINT ["python", "-m", "gateway"]' in lines
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".venv*" in ignored and ".git" in ignored
+
+
+RULE_KEYS = {"alert", "record", "expr", "for", "keep_firing_for", "labels", "annotations"}
+PROM_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+
+
+def test_dashboards_configmap_and_prometheus_rule(helm_render, tmp_path):
+    from tests.promql_check import parse
+
+    values = {"dashboards": {"enabled": True, "namespace": "monitoring", "label": "grafana_dashboard",
+                             "labelValue": "yes", "annotations": {"grafana_folder": "LLM"}},
+              "prometheusRule": {"enabled": True, "labels": {"release": "prometheus"},
+                                 "alerts": {"errorRatio": {"threshold": 0.02, "window": "10m"},
+                                            "ttftP99": {"thresholdSeconds": 1.5},
+                                            "watchdogFires": {"enabled": False}},
+                                 "extraRules": [{"alert": "SwitchyardInternalErrors",
+                                                 "expr": "increase(switchyard_internal_errors_total[10m]) > 0",
+                                                 "labels": {"severity": "warning"}}]}}
+    docs = render(helm_render, values, tmp=tmp_path)
+    kinds = by_kind(docs)
+    cm = [c for c in kinds["ConfigMap"] if c["metadata"]["name"] == "sy-switchyard-dashboards"][0]
+    load_into_official_model(cm)
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "yes"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "LLM"}
+    shipped = {p.name: p.read_text() for p in (CHART / "dashboards").glob("*.json")}
+    assert shipped and cm["data"] == shipped               # byte for byte, every file
+    for text in cm["data"].values():
+        assert json.loads(text)["uid"].startswith("switchyard-")
+    # a ConfigMap must stay under 1 MiB; client-side apply also copies it into a 256 KiB annotation
+    assert sum(len(v.encode()) for v in cm["data"].values()) < 200_000
+
+    rule = kinds["PrometheusRule"][0]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["namespace"] == "llm"
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert [r["alert"] for r in rules] == ["SwitchyardHighErrorRatio", "SwitchyardTimeToFirstTokenHigh",
+                                           "SwitchyardNoReadyEndpoint", "SwitchyardInternalErrors"]
+    for r in rules:
+        assert set(r) <= RULE_KEYS and ("alert" in r) != ("record" in r)
+        assert "for" not in r or PROM_DURATION.match(r["for"])
+        parse(r["expr"])
+    by_name = {r["alert"]: r for r in rules}
+    err = by_name["SwitchyardHighErrorRatio"]
+    assert "[10m]" in err["expr"] and err["expr"].rstrip().endswith("> 0.02") and err["for"] == "5m"
+    assert err["labels"] == {"severity": "critical"}
+    assert "{{ $labels.model }}" in err["annotations"]["description"]     # left for Prometheus to fill in
+    assert by_name["SwitchyardTimeToFirstTokenHigh"]["expr"].rstrip().endswith("> 1.5")
+
+    # off by default
+    kinds = by_kind(render(helm_render, tmp=tmp_path))
+    assert "PrometheusRule" not in kinds and [c["metadata"]["name"] for c in kinds["ConfigMap"]] == ["sy-switchyard"]

@@ -124,7 +124,7 @@ async def test_rpm_holds_exactly_under_a_concurrent_burst(sims, gateway):
     assert h["x-error-rpm-exceeded"] == "true" and h["x-ratelimit-limit-requests"] == "5"
     assert h["x-ratelimit-remaining-requests"] == "0"
     assert 1 <= int(h["Retry-After"]) <= 60 and 0 < int(h["retry-after-ms"]) <= 60_000
-    assert 'switchyard_rate_limited_total{limit="rpm",model="m"} 8.0' in await gw.metrics_text()
+    assert 'switchyard_rate_limited_total{limit="rpm",model="m",user="alice"} 8.0' in await gw.metrics_text()
 
 
 async def test_rate_limit_headers_on_every_answer(sims, gateway):
@@ -227,3 +227,27 @@ async def test_the_log_line_names_the_keys_user_not_the_clients_claim(sims, gate
         await client(gw).chat.completions.create(model="m", messages=CHAT, max_tokens=1,
                                                  extra_headers={"user": "mallory"}, user="mallory")
     assert [x["user"] for x in lines] == ["alice"]
+
+
+async def test_per_user_metrics_name_only_users_the_gateway_knows(sims, gateway):
+    """Without auth anyone can put anything in `user`: only configured users get their own series."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       limits={"users": {"alice": {"rpm": 1}}, "default_user": {"rpm": 1}})
+    c = client(gw, "none")
+    got = []
+    for user in ("alice", "alice", "mallory-1", "mallory-1", "mallory-2", None):
+        try:
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=2,
+                                            extra_headers={"user": user} if user else None)
+            got.append(200)
+        except openai.RateLimitError:
+            got.append(429)
+    assert got == [200, 429, 200, 429, 200, 200]
+    text = await gw.metrics_text()
+    assert 'switchyard_rate_limited_total{limit="rpm",model="m",user="alice"} 1.0' in text
+    assert 'switchyard_rate_limited_total{limit="rpm",model="m",user="_other"} 1.0' in text
+    assert 'switchyard_user_tokens_total{kind="completion",user="alice"} 2.0' in text
+    assert 'switchyard_user_tokens_total{kind="completion",user="_other"} 4.0' in text   # mallory-1 and -2
+    assert 'switchyard_user_tokens_total{kind="completion",user="_none"} 2.0' in text
+    assert "mallory" not in text
