@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, is_hypothesis_test, settings
 from enginesim import SimConfig, start_sim
 from gateway.app import GATEWAY_KEY
 from gateway.config import config_from_dict
+from gateway.logs import LineWriter
 from gateway.pipeline import Pipeline
 from gateway.server import start
 
@@ -78,6 +79,7 @@ def pytest_collection_modifyitems(items) -> None:
 FAST_SIM = {"ttft_base_ms": 2.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
 
 _live_gateways: list[Pipeline] = []
+_DEVNULL = os.open(os.devnull, os.O_WRONLY)
 
 
 @dataclass
@@ -132,6 +134,9 @@ async def gateway():
         runner, app, port = await start(cfg)
         runners.append(runner)
         gw = app[GATEWAY_KEY]
+        # request lines are still rendered, but written to /dev/null: the writer thread flushes
+        # after pytest has given stderr back, so they would land in the run's output
+        gw.request_log.writer = LineWriter(fd=_DEVNULL)
         _live_gateways.append(gw)
         return RunningGateway(url=f"http://127.0.0.1:{port}", port=port, gw=gw, runner=runner)
 
