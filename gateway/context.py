@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import structlog
 from aiohttp import web
 
 from gateway.endpoints import Endpoint
@@ -22,6 +24,8 @@ from gateway.logs import RequestLog
 from gateway.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, request_id_from
 from routers.base import Decision
+
+log = structlog.get_logger("switchyard.request")
 
 WatchdogPhase = Literal["first_chunk", "idle", "response"]
 
@@ -102,10 +106,21 @@ class RequestContext:
         self.rec.endpoint = ep.name
 
 
-def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, request_log: RequestLog) -> None:
-    """The request's metrics and its one log line."""
+# told of every finished request with its record and its duration in seconds (the status page's
+# traffic window, gateway/status.py); must be quick and must not keep the record
+RecordObserver = Callable[[RequestRecord, float], None]
+
+
+def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, request_log: RequestLog,
+                   observers: Sequence[RecordObserver] = ()) -> None:
+    """The request's metrics, its observers and its one log line."""
     m = metrics
     duration = now - rec.started
+    for observe in observers:
+        try:
+            observe(rec, duration)
+        except Exception:     # an observer's bug must not cost the request its log line
+            log.exception("request observer failed", request_id=rec.request_id)
     m.child(m.requests, rec.model, str(rec.status), rec.strategy).inc()
     if rec.model != "-" and rec.status < 400 and rec.status:
         m.child(m.e2e, rec.model).observe(duration)

@@ -18,7 +18,7 @@ import structlog
 from aiohttp import web
 
 from gateway.config import Config
-from gateway.context import RequestContext, record_request, safe_header_value
+from gateway.context import RecordObserver, RequestContext, record_request, safe_header_value
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.ledger import charge
@@ -52,6 +52,7 @@ class Pipeline:
         self.lifecycle = lifecycle
         self.request_log = request_log
         self.model_in_flight: dict[str, int] = {}
+        self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ctx = RequestContext.start(request)
@@ -99,7 +100,7 @@ class Pipeline:
             self.lifecycle.leave()
             if ticket is not None:          # charge usage tokens, release the concurrency slot
                 self.tenancy.settle(ticket, rec)
-            record_request(rec, self.metrics, time.perf_counter(), self.request_log)
+            record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
     # -- stages --------------------------------------------------------------------------------
 

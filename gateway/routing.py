@@ -10,6 +10,9 @@ session ids, vtc's token counts) see every request.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+import structlog
 
 from gateway.config import Config
 from gateway.endpoints import Endpoint, EndpointPool
@@ -19,7 +22,13 @@ from gateway.request import InferenceRequest
 from routers.base import Decision, NoRouteError, Router, RouterContext
 from routers.registry import RouterRegistry, StrategyError, default_registry
 
+log = structlog.get_logger("switchyard.routing")
+
 WHOLE_REQUEST_ROLES = ("aggregated", "combined")
+
+# told of every decision: (request, decision, the (strategy, reason) fallbacks the router reported
+# while deciding, seconds the decision took); the status page keeps the last few (gateway/status.py)
+DecisionObserver = Callable[[InferenceRequest, Decision, tuple[tuple[str, str], ...], float], None]
 
 
 class Routing:
@@ -29,6 +38,8 @@ class Routing:
         self.metrics = metrics
         self.ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
                                  on_fallback=self._on_fallback)
+        self.observers: list[DecisionObserver] = []
+        self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
         self.registry: RouterRegistry = default_registry(self.ctx)
         # strategies named in config are validated now, so a typo fails at startup, not per request
         for spec in [config.routing.strategy] + [s for m in config.models for s in (m.strategy, m.lock_strategy) if s]:
@@ -39,6 +50,7 @@ class Routing:
 
     def _on_fallback(self, strategy: str, reason: str) -> None:
         self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()
+        self._fallbacks.append((strategy, reason))
 
     def strategy_for(self, model: str, header: str | None) -> str:
         m = self.config.model(model)
@@ -75,12 +87,22 @@ class Routing:
         return candidates
 
     def route(self, ireq: InferenceRequest, spec: str, router: Router, candidates: list[Endpoint]) -> Decision:
+        fallbacks = self._fallbacks
+        fallbacks.clear()
         t = time.perf_counter()
         try:
             decision = router.route(ireq, candidates)
         except NoRouteError as e:
             raise GatewayError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"},
                                header=("x-error-routing", "true"), error_class="no_route") from None
-        self.metrics.child(self.metrics.routing, spec).observe(time.perf_counter() - t)
+        elapsed = time.perf_counter() - t
+        self.metrics.child(self.metrics.routing, spec).observe(elapsed)
         decision.strategy = spec
+        if self.observers:
+            reported = tuple(fallbacks)
+            for observe in self.observers:
+                try:
+                    observe(ireq, decision, reported, elapsed)
+                except Exception:     # an observer's bug must not fail the request
+                    log.exception("decision observer failed", request_id=ireq.request_id)
         return decision
