@@ -114,6 +114,19 @@ class MemoryState:
         return {"requests": req, "requests_reset_ms": req_reset, "tokens": tok, "tokens_reset_ms": tok_reset,
                 "concurrent": self._concurrent.get(user, 0)}
 
+    async def peek(self, users: list[str]) -> dict[str, dict[str, int]]:
+        """Current window usage of several users at once, for the status page (no charge)."""
+        now = self._clock()
+        return {u: {"requests": self._read("rpm", u, now)[0], "tokens": self._read("tpm", u, now)[0],
+                    "concurrent": self._concurrent.get(u, 0)} for u in users}
+
+    def active_users(self, limit: int) -> list[str]:
+        """Users with a live RPM/TPM window or a request in flight, at most ``limit``, sorted."""
+        now = self._clock()
+        names = {name for (kind, name), w in self._windows.items() if kind != "rps" and w[1] > now}
+        names.update(self._concurrent)
+        return sorted(names)[:limit]
+
     # -- directory store ---------------------------------------------------------------------
 
     async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord]]:

@@ -394,6 +394,16 @@ class RedisState:
                 "tokens": int(tok or 0), "tokens_reset_ms": max(0, int(tok_ttl)) if tok else 0,
                 "concurrent": sum(int(v) for v in conc)}
 
+    async def peek(self, users: list[str]) -> dict[str, dict[str, int]]:
+        """Fleet-wide RPM/TPM window usage of several users in one ``MGET`` (the status page);
+        ``concurrent`` is this replica's own slots, known without a call."""
+        if not users:
+            return {}
+        keys = [k for u in users for k in self._user_keys(u)[:2]]
+        vals = await self._call(self.client.mget(keys))
+        return {u: {"requests": int(vals[2 * i] or 0), "tokens": int(vals[2 * i + 1] or 0),
+                    "concurrent": self.held.get(u, 0)} for i, u in enumerate(users)}
+
     # -- fleet sync --------------------------------------------------------------------------
 
     async def sync(self, in_flight: dict[str, int] | None) -> tuple[str, dict[str, int]]:
