@@ -30,6 +30,8 @@ from gateway.pipeline import Pipeline
 from gateway.relay import Relay
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
 from gateway.routing import Routing
+from gateway.status import StatusBoard, StatusSources
+from gateway.status_http import add_status
 from gateway.tenants import build_tenancy
 from gateway.upstream import Upstream, make_session
 from k8s.discovery import KubernetesDiscovery
@@ -147,6 +149,12 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     app.router.add_get("/metrics", metrics_page)
     if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
         add_tenancy(app, tenancy)
+    if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
+        board = StatusBoard(config.status, lambda m: pool.has_model(m) or config.model(m) is not None)
+        gw.observers.append(board.on_request)
+        routing.observers.append(board.on_decision)
+        add_status(app, StatusSources(config, pool, routing, lifecycle, gw.model_in_flight, tenancy,
+                                      started_at=started_at), metrics, board)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
         """Discovery first (a bad kubeconfig fails start-up before anything else runs), then the

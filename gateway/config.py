@@ -261,6 +261,26 @@ class StateConfig(_Block):
         force_setattr(self, "password", _from_env(self.password, self.password_env, "password"))
 
 
+class StatusConfig(_Block):
+    """``GET /status`` (the live page) and ``GET /status.json`` (what it reads); gateway/status.py."""
+
+    enabled: bool = True
+    refresh_s: Annotated[float, Meta(ge=0.5, le=60)] = 2.0   # how often the page polls /status.json
+    bucket_s: Annotated[float, Meta(ge=1, le=600)] = 10.0    # resolution of the traffic window
+    window_s: Annotated[float, Meta(ge=60, le=3600)] = 300.0  # traffic kept per model: rate, TTFT p50/p99
+    recent_decisions: Annotated[int, Meta(ge=0, le=1000)] = 50   # routing decisions kept
+    recent_errors: Annotated[int, Meta(ge=0, le=1000)] = 50      # failed requests kept
+    max_users: Annotated[int, Meta(ge=0, le=10000)] = 100        # tenants listed at most
+
+    def __post_init__(self) -> None:
+        if self.window_s / self.bucket_s > 360:
+            raise ValueError("window_s: at most 360 buckets of status.bucket_s")
+
+    @property
+    def slots(self) -> int:
+        return max(1, round(self.window_s / self.bucket_s))
+
+
 class Config(_Block, dict=True):
     listen: ListenConfig = ListenConfig()
     server: ServerConfig = ServerConfig()
@@ -275,6 +295,7 @@ class Config(_Block, dict=True):
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
     state: StateConfig = StateConfig()
+    status: StatusConfig = StatusConfig()
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
