@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench clean redis-server
+.PHONY: demo test lint bench clean redis-server chromium status-screenshot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,8 +35,18 @@ $(PROMTOOL): | $(BIN)/python
 	  apt-get download -qq prometheus 2>/dev/null || { apt-get update -qq && apt-get download -qq prometheus; }; \
 	  dpkg-deb -x prometheus_*.deb root; cp root/usr/bin/promtool $(CURDIR)/$@; cd $(CURDIR); rm -rf $$tmp; fi
 
-test: $(DEVSTAMP) redis-server $(PROMTOOL)
+# the status page's browser tests drive a headless Chromium over DevTools (tests/cdp.py)
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+
+test: $(DEVSTAMP) redis-server $(PROMTOOL) chromium
 	$(BIN)/python -m pytest
+
+# the README's picture of the status page: `python -m gateway --demo` under traffic, in headless Chromium;
+# made small with pngquant when it is installed (Debian: pngquant)
+status-screenshot: $(DEVSTAMP) chromium
+	$(BIN)/python -m tests.status_screenshot docs/status-page.png
+	@! command -v pngquant >/dev/null || pngquant --force --quality 70-95 --output docs/status-page.png docs/status-page.png
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check .
