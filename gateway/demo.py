@@ -63,6 +63,7 @@ Try:
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'user','content':'Hi'}}}}]).choices[0].message.content)"
 
+Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C
 """
 

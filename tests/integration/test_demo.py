@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+import aiohttp
 import openai
 import pytest
 
@@ -30,6 +31,7 @@ async def test_demo_answers_every_model_streaming_and_not():
                     pytest.fail(f"demo exited early:\n{banner.decode()}")
                 banner += line
         assert b"curl" in banner and b"OpenAI" in banner
+        assert f"http://127.0.0.1:{port}/status ".encode() in banner
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert {m.id for m in (await client.models.list()).data} == set(MODELS)
         for model in MODELS:
@@ -40,6 +42,10 @@ async def test_demo_answers_every_model_streaming_and_not():
                                                           messages=[{"role": "user", "content": "Hello!"}])
             assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         await client.close()
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/status.json") as r:
+            doc = await r.json()
+        assert {m["name"] for m in doc["models"]} == set(MODELS) and len(doc["endpoints"]) == len(DEMO_ENGINES)
+        assert {m["name"]: m["minute"]["requests"] for m in doc["models"]} == {m: 2 for m in MODELS}
     finally:
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(15):
