@@ -26,12 +26,17 @@ JSON (sglang-router drops unknown fields and renames ``max_tokens``; it keeps me
 ``GET`` anything (``/health``, ``/v1/models``, ``/server_info``, ``/model_info``, ``/metrics``, ...)
 answers 200 with a small JSON body, which is what the routers probe at start-up.
 
-Benchmark control (not an engine API): ``GET /bench/stats`` → ``{"connections", "streams", "held"}``
-(open connections, streams in progress, held streams); ``POST /bench/release`` ends every held
+Benchmark control (not an engine API): ``GET /bench/stats`` → ``{"connections", "streams", "held",
+"by_port"}`` (open connections, streams in progress, held streams, POSTs per listening port);
+``POST /bench/release`` ends every held
 stream (last chunk, ``[DONE]``), so a proxy that kept its upstream leg open after its client left
 finds out on its next write, and the next measurement starts clean.
 
-    python bench/fastbackend.py --port 9000 [--host 127.0.0.1] [--model m] [--chunks 100]
+    python bench/fastbackend.py --port 9000 [--port 9001 ...] [--host 127.0.0.1] [--model m] [--chunks 100]
+
+Several ``--port`` make one backend process serve as several endpoints (a router spreading
+streams over N worker URLs), sharing one set of counters. ``bench/pdbackend.py`` builds the
+prefill/decode mocks on this server (``HTTPProtocol.post`` and ``Stream.first_in``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import resource
 import signal
 import socket
 import sys
+from collections.abc import Callable
 
 import orjson
 
@@ -96,6 +102,7 @@ class Responses:
         self.connections = 0
         self.streams = 0
         self.held: set[Stream] = set()
+        self.by_port: dict[int, int] = {}     # POSTs per listening port (an endpoint each)
         models = orjson.dumps({"object": "list", "data": [
             {"id": model, "object": "model", "created": 1700000000, "owned_by": "bench", "max_model_len": 32768}]})
         self.models = models
@@ -112,7 +119,8 @@ class Responses:
         path = path.split(b"?", 1)[0]
         if path == b"/bench/stats":
             body, ctype = orjson.dumps({"connections": self.connections, "streams": self.streams,
-                                        "held": len(self.held)}), b"application/json"
+                                        "held": len(self.held), "by_port": self.by_port},
+                                       option=orjson.OPT_NON_STR_KEYS), b"application/json"
         elif path in (b"/health", b"/ping"):
             body, ctype = b"", b"text/plain"
         elif path == b"/metrics":
@@ -127,9 +135,10 @@ class Responses:
 class Stream:
     """One streaming response in progress: writes its chunks on a schedule, stops when the peer leaves."""
 
-    __slots__ = ("proto", "left", "pace", "usage", "n", "handle", "hold", "ended")
+    __slots__ = ("proto", "left", "pace", "usage", "n", "handle", "hold", "ended", "first")
 
-    def __init__(self, proto: HTTPProtocol, n: int, pace: float, usage: bool, hold: bool) -> None:
+    def __init__(self, proto: HTTPProtocol, n: int, pace: float, usage: bool, hold: bool,
+                 first: float | None = None) -> None:
         self.proto = proto
         self.n = n
         self.left = n
@@ -137,6 +146,7 @@ class Stream:
         self.usage = usage
         self.hold = hold
         self.ended = False
+        self.first = pace if first is None else first   # headers → first chunk (< 0: not yet known)
         self.handle: asyncio.Handle | asyncio.TimerHandle | None = None
 
     def start(self) -> None:
@@ -148,8 +158,15 @@ class Stream:
             self.left = 1                  # or until /bench/release: then the last chunk and [DONE]
             p.r.held.add(self)
             return
-        if self.pace > 0:
-            self.handle = p.loop.call_later(self.pace, self.step)
+        if self.first >= 0:
+            self.first_in(self.first)
+
+    def first_in(self, delay: float) -> None:
+        """Schedule the first chunk ``delay`` seconds from now (the rest follow every ``pace``)."""
+        if self.ended:
+            return
+        if delay > 0:
+            self.handle = self.proto.loop.call_later(delay, self.step)
         else:
             self.step()
 
@@ -210,7 +227,7 @@ class Stream:
 
 
 class HTTPProtocol(asyncio.Protocol):
-    __slots__ = ("r", "loop", "transport", "buf", "stream", "paused", "resume_cb", "close_after")
+    __slots__ = ("r", "loop", "transport", "buf", "stream", "paused", "resume_cb", "close_after", "lport")
 
     def __init__(self, responses: Responses, loop: asyncio.AbstractEventLoop) -> None:
         self.r = responses
@@ -221,10 +238,13 @@ class HTTPProtocol(asyncio.Protocol):
         self.paused = False
         self.resume_cb = None
         self.close_after = False
+        self.lport = 0
 
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.r.connections += 1
+        name = transport.get_extra_info("sockname")
+        self.lport = name[1] if name else 0
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -252,6 +272,23 @@ class HTTPProtocol(asyncio.Protocol):
         self.buf = self.buf + data if self.buf else data
         if self.stream is None:
             self.process()
+
+    def post(self, path: bytes, body: bytes, close: bool) -> bool:
+        """Answer a POST. True: an answer is in progress (``self.stream``, which calls ``process``
+        again once it is over); False: it was written whole."""
+        if _STREAM_RE.search(body):
+            m = _TOKENS_RE.search(body)
+            n = min(int(m.group(1)), self.r.max_chunks) if m else self.r.default_chunks
+            n = max(n, 1)
+            m = _PACE_RE.search(body)
+            pace = float(m.group(1)) / 1000.0 if m else self.r.pace_s
+            self.stream = Stream(self, n, pace, b'"include_usage":true' in body.replace(b" ", b""),
+                                 b"bench-hold" in body)
+            self.close_after = close
+            self.stream.start()
+            return True
+        self.transport.write(self.r.nonstream)
+        return False
 
     def process(self) -> None:
         """Answer every complete request in the buffer (one at a time while a stream is running)."""
@@ -287,29 +324,23 @@ class HTTPProtocol(asyncio.Protocol):
                     held = list(self.r.held)
                     for st in held:
                         st.release()
-                    msg = orjson.dumps({"released": len(held)})
-                    t.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                            % len(msg) + msg)
-                elif _STREAM_RE.search(body):
-                    m = _TOKENS_RE.search(body)
-                    n = min(int(m.group(1)), self.r.max_chunks) if m else self.r.default_chunks
-                    n = max(n, 1)
-                    m = _PACE_RE.search(body)
-                    pace = float(m.group(1)) / 1000.0 if m else self.r.pace_s
-                    self.stream = Stream(self, n, pace, b'"include_usage":true' in body.replace(b" ", b""),
-                                         b"bench-hold" in body)
-                    self.close_after = close
-                    self.stream.start()
-                    if self.stream is None and close:   # finished synchronously (n == 1)
-                        t.close()
-                    return
+                    t.write(json_response(orjson.dumps({"released": len(held)})))
                 else:
-                    t.write(self.r.nonstream)
+                    self.r.by_port[self.lport] = self.r.by_port.get(self.lport, 0) + 1
+                    if self.post(path, body, close):
+                        if self.stream is None and close:   # finished synchronously (n == 1)
+                            t.close()
+                        return
             else:
                 t.write(b"HTTP/1.1 405 Method Not Allowed\r\ncontent-length: 0\r\n\r\n")
             if close:
                 t.close()
                 return
+
+
+def json_response(body: bytes, status: bytes = b"200 OK") -> bytes:
+    return (b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+            % (status, len(body))) + body
 
 
 def raise_nofile() -> int:
@@ -319,23 +350,28 @@ def raise_nofile() -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-async def serve(host: str, port: int, responses: Responses, ready: str | None) -> None:
+async def serve(host: str, ports: list[int], responses: Responses, ready: str | None,
+                protocol: Callable[..., asyncio.Protocol] | None = None) -> None:
+    """Listen on every port of ``ports`` (one server state for all) until SIGTERM/SIGINT."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: HTTPProtocol(responses, loop), host, port,
-                                      backlog=4096, reuse_address=True)
+    make = protocol or HTTPProtocol
+    servers = [await loop.create_server(lambda: make(responses, loop), host, port, backlog=4096,
+                                        reuse_address=True) for port in ports]
     if ready:
-        print(ready.format(port=server.sockets[0].getsockname()[1]), flush=True)
+        print(ready.format(port=servers[0].sockets[0].getsockname()[1]), flush=True)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    server.close()
+    for server in servers:
+        server.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--port", type=int, action="append",
+                   help="port to listen on; repeat for several (endpoints of one backend); default 9000")
     p.add_argument("--model", default="m")
     p.add_argument("--words", type=int, default=16, help="words in the non-streaming answer")
     p.add_argument("--chunks", type=int, default=100, help="stream chunks when the body has no max_tokens")
@@ -348,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     responses = Responses(args.model, args.words, args.chunks, args.max_chunks, args.pace_ms)
     run = uvloop.run if uvloop is not None else asyncio.run
     try:
-        run(serve(args.host, args.port, responses, args.ready or None))
+        run(serve(args.host, args.port or [9000], responses, args.ready or None))
     except KeyboardInterrupt:
         pass
     return 0
