@@ -54,9 +54,12 @@ lint: $(DEVSTAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# issue #5: gateway overhead side by side with the Rust routers (bench/README.md).
-# `make bench-peers` installs sglang-router and vllm-router into their own venv; `make bench-overhead`
-# measures whichever of them is installed (an absent one is skipped, and the report says so).
+# issue #5: gateway overhead side by side with the Rust routers, every gateway at its defaults
+# (bench/README.md). `make bench-peers` installs sglang-router and vllm-router into their own venv;
+# `make bench-overhead` (full mode, ~20 min: load, idle, P/D and 1,000-paced-stream scenarios, and
+# Switchyard's log-level/log-format/workers columns) measures whichever of them is installed (an
+# absent one is skipped, and the report says so); `make bench-overhead-quick` stays under 3 minutes.
+# OVERHEAD_ARGS passes options, e.g. OVERHEAD_ARGS="--scenarios pd --switchyard-variants default".
 PEERS_VENV := .venv-peers
 OVERHEAD_ARGS ?=
 

@@ -1,30 +1,43 @@
 """Gateway overhead, side by side: direct to a backend, through Switchyard, through the Rust routers.
 
-    python bench/overhead.py --quick          # < 2 minutes
+    python bench/overhead.py --quick          # < 3 minutes
     python bench/overhead.py                  # full mode
     python bench/overhead.py --tiny --peers none   # seconds; what the test runs
 
+Every gateway runs as users run it: Switchyard at its default config (log level info, so one
+request line per request, ``log_format`` auto, which is JSON since stderr is not a TTY), one
+worker, its stderr going to a file on disk (what a container runtime's log driver does with a
+container's output); the Rust routers at their own default log level, stderr to a file too.
+Columns beside the headline Switchyard change one setting each (``--switchyard-variants``):
+``warning`` (no request line: what logging costs), ``console`` (the console renderer) and
+``workers2`` (``--workers 2``; the Rust routers use every core by default).
+
 Processes, all on 127.0.0.1, each in its own process group, each stopped by pid on every exit path
-(Ctrl-C included): one fast backend (``bench/fastbackend.py``), Switchyard (``python -m gateway``),
-``sglang-router`` (``smg launch``) and ``vllm-router`` when installed in ``--peers-venv`` (``make
-bench-peers``; a peer that is absent is skipped and the report says so), and one load generator
-process per measurement (``bench/loadgen.py``). Nothing is pinned: backend, target and load
-generator share the machine's cores, as in the issue's reference numbers.
+(Ctrl-C included), started in three stacks, one after the other (a stack is stopped before the
+next starts):
 
-Scenarios, each measured for every target in turn, targets rotated between rounds so slow drifts
-of the machine hit all targets alike:
+- ``agg``: one fast backend (``bench/fastbackend.py``), Switchyard in each variant, the peers
+  (``sglang-router``'s ``smg launch``, ``vllm-router``) when installed in ``--peers-venv`` (``make
+  bench-peers``; an absent peer is skipped and the report says so). Scenarios ``ns1``, ``ns32``,
+  ``ns256`` (non-streaming, closed loop at that concurrency), ``st64`` (64 unpaced streams of 100
+  chunks), ``paced1`` (one stream at a time, chunks 5 ms apart: TTFT), ``idle1k``/``idle10k``
+  (streams held open: memory per stream; Switchyard's variants other than the default skip these);
+- ``pd``: prefill/decode mock engines (``bench/pdbackend.py``, vLLM-style and SGLang-style),
+  Switchyard with a P/D model of each engine (``pd`` strategy), ``vllm-router
+  --vllm-pd-disaggregation`` and ``smg launch --pd-disaggregation``. Scenarios ``pd-vllm-c1``,
+  ``pd-vllm-c16``, ``pd-sglang-c1``, ``pd-sglang-c16``: TTFT added over a client that orchestrates
+  the two legs itself (``direct``);
+- ``fleet``: one fast backend listening on 4 ports (4 endpoints), Switchyard with those 4
+  endpoints, the peers with 4 worker URLs. Scenario ``fleet1k``: 1,000 concurrent streams of 40
+  chunks 1 s apart; CPU of the target over the window, CPU per relayed chunk, RSS growth.
 
-- ``ns1``, ``ns32``, ``ns256``: non-streaming chat completions, closed loop at that concurrency;
-- ``st64``: 64 concurrent streams of 100 chunks, unpaced;
-- ``paced1``: one stream at a time, chunks 5 ms apart (the first 5 ms after the headers): TTFT;
-- ``idle1k``, ``idle10k``: that many streams held open after their first chunk; RSS before, held,
-  and after they close, i.e. memory per open stream.
+One load generator process per measurement (``bench/loadgen.py``). Nothing is pinned: backend,
+target and load generator share the machine's cores. Targets are measured one after another for
+each scenario, their order rotating between rounds, so a drift in the machine's load hits all alike.
 
-Figures: req/s (streams/s), p50/p99 latency and TTFT, CPU per request of the target process
-(utime+stime deltas of ``/proc/PID/stat`` over exactly the measured window, so the backend and the
-load generator are not counted), RSS (``VmRSS``). Every figure is also given as a ratio to direct
-and to each peer. Output: a Markdown report on stdout and in ``--out`` (``overhead-<stamp>.md``),
-and the same data as JSON (``overhead-<stamp>.json``); ``overhead-latest.*`` point at the last run.
+Output: a Markdown report on stdout and in ``--out`` (``overhead-<stamp>.md``, rendered by
+``bench/overhead_report.py``), and the same data as JSON (``overhead-<stamp>.json``);
+``overhead-latest.*`` point at the last run. See bench/README.md for every figure.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,24 +64,78 @@ import orjson
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
-from loadgen import percentile, rss_bytes  # noqa: E402
+from loadgen import cpu_seconds_precise, percentile, rss_bytes  # noqa: E402
+from overhead_report import goals, render  # noqa: E402
 
 MODEL = "m"
 SETTLE = 0.5   # seconds between a change in idle streams and the RSS reading
 UPSTREAM_WAIT = 2.0   # how long a target may take to close its upstream legs once its clients left
+BOOTSTRAP_PORT = 8998   # SGLang P/D: the bootstrap port every orchestrator names (the mock opens none)
+
+
+# -- what runs ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Variant:
+    """One Switchyard column: the default config with at most one setting changed."""
+    name: str
+    server: dict[str, str]          # keys of the config's server: block
+    argv: tuple[str, ...] = ()      # extra command-line arguments
+    log_level: str = "info (default)"
+    log_format: str = "auto (default) → JSON: stderr is not a TTY"
+    processes: str = "1"
+
+
+VARIANTS = {
+    "default": Variant("switchyard", {}),
+    "warning": Variant("switchyard-warning", {"log_level": "warning"},
+                       log_level="warning (`server.log_level`): no request line"),
+    "console": Variant("switchyard-console", {"log_format": "console"},
+                       log_format="console (`server.log_format`)"),
+    "workers2": Variant("switchyard-workers2", {}, ("--workers", "2"),
+                        processes="2 workers (`--workers 2`) + their parent; CPU and RSS summed"),
+}
+
+
+@dataclass(frozen=True)
+class Peer:
+    exe: str                                            # executable in the peers venv
+    dist: str                                           # its distribution (for the version)
+    agg: Callable[[int, int, list[str]], list[str]]     # (port, metrics port, worker URLs) → argv
+    pd_engine: str                                      # the P/D protocol it speaks
+    pd: Callable[[int, int, str, str], list[str]]       # (port, metrics port, prefill, decode) → argv
+    no_pd: str                                          # why it cannot run the other engine's P/D
+    levels: dict[str, str]                              # --peers-log-level → its --log-level value
+
+
 PEERS = {
-    # name: (executable in the peers venv, distribution, argv after the executable)
-    "sglang-router": ("smg", "sglang-router",
-                      lambda port, mport, url: ["launch", "--host", "127.0.0.1", "--port", str(port),
-                                                "--worker-urls", url, "--policy", "round_robin",
-                                                "--prometheus-host", "127.0.0.1",
-                                                "--prometheus-port", str(mport), "--log-level", "warn",
-                                                "--shutdown-grace-period-secs", "1"]),
-    "vllm-router": ("vllm-router", "vllm-router",
-                    lambda port, mport, url: ["--host", "127.0.0.1", "--port", str(port),
-                                              "--worker-urls", url, "--policy", "round_robin",
-                                              "--prometheus-host", "127.0.0.1",
-                                              "--prometheus-port", str(mport), "--log-level", "warning"]),
+    "sglang-router": Peer(
+        "smg", "sglang-router",
+        lambda port, mport, urls: ["launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                                   "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+                                   "--prometheus-port", str(mport), "--shutdown-grace-period-secs", "1"],
+        "sglang",
+        lambda port, mport, prefill, decode: [
+            "launch", "--host", "127.0.0.1", "--port", str(port), "--pd-disaggregation",
+            "--prefill", prefill, str(BOOTSTRAP_PORT), "--decode", decode, "--policy", "round_robin",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport),
+            "--shutdown-grace-period-secs", "1"],
+        "its --pd-disaggregation speaks SGLang's bootstrap protocol only; it has no mode that hands "
+        "vLLM's kv_transfer_params from the prefill's answer to the decode",
+        {"debug": "debug", "info": "info", "warn": "warn", "error": "error"}),
+    "vllm-router": Peer(
+        "vllm-router", "vllm-router",
+        lambda port, mport, urls: ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+                                   "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+                                   "--prometheus-port", str(mport)],
+        "vllm",
+        lambda port, mport, prefill, decode: [
+            "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation", "--prefill", prefill,
+            "--decode", decode, "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(mport)],
+        "its only P/D mode, --vllm-pd-disaggregation, is vLLM's context-first protocol; it has no "
+        "SGLang bootstrap mode",
+        {"debug": "debug", "info": "info", "warn": "warning", "error": "error"}),
 }
 
 
@@ -75,11 +143,20 @@ PEERS = {
 class Scenario:
     name: str
     title: str
-    mode: str                 # nonstream | stream | idle
+    mode: str                 # nonstream | stream | idle | pd | fleet
     concurrency: int = 1
     max_tokens: int = 16
     pace_ms: float = 0.0
     idle_n: int = 0
+    engine: str = ""          # pd: vllm | sglang
+    streams: int = 0          # fleet
+    interval_s: float = 0.0   # fleet
+    endpoints: int = 0        # fleet
+    ramp_s: float = 0.0       # fleet: the streams start evenly over this long
+
+    @property
+    def kind(self) -> str:
+        return "load" if self.mode in ("nonstream", "stream") else self.mode
 
 
 @dataclass
@@ -92,14 +169,35 @@ class Mode:
     stream_chunks: int = 100
     ns_concurrency: tuple[int, ...] = (1, 32, 256)
     stream_concurrency: int = 64
+    variants: str = "default,warning,console,workers2"
+    pd_concurrency: tuple[int, ...] = (1, 16)
+    pd_tokens: int = 32
+    pd_duration: float = 6.0
+    pd_rounds: int = 3
+    pd_prefill_ms: float = 20.0
+    pd_transfer_ms: float = 2.0
+    pd_token_ms: float = 5.0
+    fleet_streams: int = 1000
+    fleet_chunks: int = 40
+    fleet_interval: float = 1.0
+    fleet_endpoints: int = 4
+    fleet_ramp: float | None = None   # None: one interval
 
 
 MODES = {
     "tiny": Mode(rounds=1, warmup=0.1, duration=0.3, idle=[50], paced_chunks=4, stream_chunks=20,
-                 ns_concurrency=(1, 8), stream_concurrency=8),
-    "quick": Mode(rounds=2, warmup=0.3, duration=1.0, idle=[1000, 10000], paced_chunks=10),
+                 ns_concurrency=(1, 8), stream_concurrency=8, variants="default,workers2",
+                 pd_concurrency=(2,), pd_tokens=8, pd_duration=0.4, pd_rounds=1,
+                 fleet_streams=20, fleet_chunks=3, fleet_interval=0.1),
+    "quick": Mode(rounds=1, warmup=0.3, duration=1.0, idle=[1000], paced_chunks=10,
+                  pd_duration=2.5, pd_rounds=1, fleet_chunks=8, fleet_interval=0.5),
     "full": Mode(rounds=3, warmup=1.0, duration=5.0, idle=[1000, 10000], paced_chunks=20),
 }
+KINDS = ("load", "idle", "pd", "fleet")
+
+
+def _count(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 and n >= 1000 else str(n)
 
 
 def scenarios_for(m: Mode) -> list[Scenario]:
@@ -110,8 +208,18 @@ def scenarios_for(m: Mode) -> list[Scenario]:
     out.append(Scenario("paced1", f"paced stream, concurrency 1, {m.paced_chunks} chunks 5 ms apart",
                         "stream", 1, m.paced_chunks, pace_ms=5.0))
     for n in m.idle:
-        label = f"{n // 1000}k" if n % 1000 == 0 else str(n)
-        out.append(Scenario(f"idle{label}", f"{n:,} idle streams held open", "idle", idle_n=n))
+        out.append(Scenario(f"idle{_count(n)}", f"{n:,} idle streams held open", "idle", idle_n=n))
+    for engine in ("vllm", "sglang"):
+        for c in m.pd_concurrency:
+            out.append(Scenario(f"pd-{engine}-c{c}", f"{'vLLM' if engine == 'vllm' else 'SGLang'} P/D, "
+                                f"concurrency {c}, {m.pd_tokens} tokens streamed", "pd", c, m.pd_tokens,
+                                engine=engine))
+    out.append(Scenario(f"fleet{_count(m.fleet_streams)}",
+                        f"{m.fleet_streams:,} paced streams × {m.fleet_chunks} chunks {m.fleet_interval:g} s apart "
+                        f"over {m.fleet_endpoints} endpoints", "fleet", m.fleet_streams, m.fleet_chunks,
+                        pace_ms=m.fleet_interval * 1000, streams=m.fleet_streams, interval_s=m.fleet_interval,
+                        endpoints=m.fleet_endpoints,
+                        ramp_s=m.fleet_interval if m.fleet_ramp is None else m.fleet_ramp))
     return out
 
 
@@ -134,8 +242,11 @@ class Procs:
         self.procs: list[subprocess.Popen] = []
         self.logs: list = []
 
+    def log_path(self, name: str) -> Path:
+        return self.logdir / f"{name}.log"
+
     def start(self, name: str, argv: list[str], *, stdin=None, stdout=None) -> subprocess.Popen:
-        log = open(self.logdir / f"{name}.log", "ab")
+        log = open(self.log_path(name), "ab")
         self.logs.append(log)
         p = subprocess.Popen(argv, cwd=REPO, stdin=stdin, stdout=stdout if stdout is not None else log,
                              stderr=log, start_new_session=True, preexec_fn=_die_with_parent)
@@ -146,7 +257,7 @@ class Procs:
         if p.poll() is None:
             for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, sig)   # the group: p.pid leads its own session
+                    os.killpg(p.pid, sig)   # the group: p.pid leads its own session (workers included)
                 try:
                     p.wait(wait)
                     break
@@ -215,26 +326,84 @@ def backend_release(port: int) -> int | None:
         return None
 
 
-def wait_ready(name: str, p: subprocess.Popen, port: int, timeout: float) -> None:
-    body = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "ready?"}],
+def wait_ready(name: str, p: subprocess.Popen, port: int, timeout: float, model: str = MODEL) -> None:
+    """Until a small chat completion through ``port`` answers 200."""
+    body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "ready?"}],
                          "max_tokens": 4, "stream": False})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if p.poll() is not None:
             raise RuntimeError(f"{name} exited with {p.returncode} during start-up (see its log)")
-        if http_request(port, "POST", "/v1/chat/completions", body)[0] == 200:
+        if http_request(port, "POST", "/v1/chat/completions", body, timeout=5.0)[0] == 200:
             return
         time.sleep(0.1)
     raise RuntimeError(f"{name} not ready on port {port} after {timeout:g}s")
+
+
+def wait_listening(name: str, p: subprocess.Popen, port: int, timeout: float) -> None:
+    """Until ``GET /bench/stats`` answers (a benchmark backend)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode} during start-up (see its log)")
+        if http_request(port, "GET", "/bench/stats")[0] == 200:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{name} not listening on port {port} after {timeout:g}s")
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (a gateway's forked workers)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(d))
+    return sorted(out)
 
 
 @dataclass
 class Target:
     name: str
     port: int
-    pid: int | None            # the process whose CPU and RSS we measure (None: direct)
+    pid: int | None            # the process we measure (None: direct, whose figures are the backend's)
     version: str = ""
+    stack: str = "agg"
+    kind: str = "direct"       # direct | switchyard | peer
+    variant: str | None = None  # Switchyard's variant key
+    pids: list[int] = field(default_factory=list)   # every process measured (pid, and its workers)
+    about: dict[str, str] = field(default_factory=dict)
+    log: Path | None = None    # its stderr
+    pd_engines: tuple[str, ...] = ()   # pd stack: the P/D protocols it can orchestrate
     rss: dict[str, int] = field(default_factory=dict)
+    requests: int = 0          # requests it served in the measured phases (log bytes per request)
+    log0: tuple[int, int] = (0, 0)
+    log_figures: dict = field(default_factory=dict)
+    cpu0: float = 0.0
+    idle_cpu_s: float = 0.0    # CPU spent between ready and the start of its stack's scenarios
+
+    def measured(self, backend_pid: int) -> list[int]:
+        return self.pids or ([self.pid] if self.pid is not None else [backend_pid])
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "stack": self.stack, "kind": self.kind, "variant": self.variant,
+                "version": self.version, "port": self.port, "pids": self.pids, "rss": self.rss,
+                "about": self.about, "log": self.log_figures, "idle_cpu_s": self.idle_cpu_s}
+
+
+def group_cpu(pids: list[int]) -> float:
+    return sum(max(0.0, cpu_seconds_precise(p)) for p in pids)
+
+
+def rss_sum(pids: list[int]) -> int:
+    values = [rss_bytes(p) for p in pids]
+    return -1 if any(v < 0 for v in values) else sum(values)
 
 
 def peer_version(venv: Path, dist: str) -> str:
@@ -258,18 +427,30 @@ def git_describe() -> str:
         return ""
 
 
-def write_gateway_config(path: Path, port: int, backend_url: str) -> None:
+def write_gateway_config(path: Path, port: int, models: str, server: dict[str, str]) -> None:
+    """Switchyard's config: its defaults, except where the benchmark must say something (listen,
+    models), a quick stop, round-robin (what the peers run), and the variant's one setting."""
+    extra = "".join(f", {k}: {v}" for k, v in server.items())
     path.write_text(
         f"# written by bench/overhead.py\n"
         f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-        f"server: {{log_level: warning, shutdown_grace_s: 1}}\n"   # per-request lines are info
-        f"routing: {{strategy: round-robin}}\n"                    # what the peers run
-        f"health: {{interval_s: 5}}\n"
-        f"scrape: {{enabled: false}}\n"                            # the backend has no metrics
-        f"models:\n"
-        f"  - name: {MODEL}\n"
-        f"    engine: vllm\n"
-        f"    endpoints: [{backend_url}]\n")
+        f"server: {{shutdown_grace_s: 1, drain_delay_s: 0{extra}}}\n"   # stop quickly
+        f"routing: {{strategy: round-robin}}\n"
+        f"models:\n{models}")
+
+
+def agg_models(urls: list[str]) -> str:
+    return f"  - name: {MODEL}\n    engine: vllm\n    endpoints: [{', '.join(urls)}]\n"
+
+
+def pd_models(backends: dict[str, tuple[int, int, int]]) -> str:
+    out = ""
+    for engine, (_, pport, dport) in backends.items():
+        boot = f"        bootstrap_port: {BOOTSTRAP_PORT}\n" if engine == "sglang" else ""
+        out += (f"  - name: pd-{engine}\n    engine: {engine}\n    strategy: pd\n    rolesets:\n"
+                f"      - name: rs-0\n{boot}        prefill: [http://127.0.0.1:{pport}]\n"
+                f"        decode: [http://127.0.0.1:{dport}]\n")
+    return out
 
 
 def raise_nofile(want: int) -> tuple[int, str]:
@@ -288,7 +469,412 @@ def raise_nofile(want: int) -> tuple[int, str]:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0], note
 
 
-# -- measurement -------------------------------------------------------------------------------------
+def fs_type(path: Path) -> str:
+    """The file system a path lives on (from /proc/mounts: the longest mount point above it)."""
+    best, kind = "", "?"
+    with contextlib.suppress(OSError):
+        real = str(path.resolve())
+        for line in Path("/proc/mounts").read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and (real == parts[1] or real.startswith(parts[1].rstrip("/") + "/")) \
+                    and len(parts[1]) >= len(best):
+                best, kind = parts[1], parts[2]
+    return kind
+
+
+def log_size(path: Path | None) -> tuple[int, int]:
+    """(bytes, lines) of a log file."""
+    if path is None:
+        return 0, 0
+    size = lines = 0
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            size += len(chunk)
+            lines += chunk.count(b"\n")
+    return size, lines
+
+
+# -- stacks ------------------------------------------------------------------------------------------
+
+@dataclass
+class Stack:
+    name: str
+    targets: list[Target] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    backend_pid: int = 0
+    backend_port: int = 0
+    backend_ports: list[int] = field(default_factory=list)
+    pd_backends: dict[str, tuple[int, int, int]] = field(default_factory=dict)   # engine → (pid, prefill, decode)
+    starting: list[tuple[Target, subprocess.Popen, str]] = field(default_factory=list)   # (target, process, model)
+
+
+class Runner:
+    """Starts the stacks, runs the scenarios, fills the report."""
+
+    def __init__(self, args: argparse.Namespace, mode: Mode, procs: Procs, report: dict, present: list[str],
+                 venv: Path, say: Callable[[str], None]) -> None:
+        self.args = args
+        self.mode = mode
+        self.procs = procs
+        self.report = report
+        self.present = present
+        self.venv = venv
+        self.say = say
+        self.versions = {name: peer_version(venv, PEERS[name].dist) for name in present}
+        self.stderr_kind = f"a file on {fs_type(procs.logdir)}"
+
+    # -- starting ------------------------------------------------------------------------------
+
+    def _start_backend(self, stack: Stack, name: str, ports: list[int]) -> None:
+        argv = [sys.executable, str(BENCH / "fastbackend.py"), "--model", MODEL, "--ready", ""]
+        for port in ports:
+            argv += ["--port", str(port)]
+        p = self.procs.start(f"{stack.name}-{name}", argv)
+        stack.procs.append(p)
+        self.report["pids"][f"{stack.name}:{name}"] = p.pid
+        wait_listening(name, p, ports[0], 15)
+        stack.backend_pid, stack.backend_port, stack.backend_ports = p.pid, ports[0], ports
+
+    def _peer_level(self, peer: Peer) -> tuple[list[str], str]:
+        lvl = self.args.peers_log_level
+        if lvl == "default":
+            return [], "info (its default)"
+        return ["--log-level", peer.levels[lvl]], f"{peer.levels[lvl]} (`--log-level`)"
+
+    def _starting_switchyard(self, stack: Stack, variant: Variant, key: str, models: str) -> tuple[Target, subprocess.Popen]:
+        port = free_port()
+        cfg = self.procs.logdir / f"{stack.name}-{variant.name}.yaml"
+        write_gateway_config(cfg, port, models, variant.server)
+        name = f"{stack.name}-{variant.name}"
+        p = self.procs.start(name, [sys.executable, "-m", "gateway", "--config", str(cfg), *variant.argv])
+        about = {"what": "`python -m gateway`, default config" + (f" with {', '.join(f'{k}: {v}' for k, v in variant.server.items())}"
+                                                                   if variant.server else "")
+                 + (f", `{' '.join(variant.argv)}`" if variant.argv else ""),
+                 "log_level": variant.log_level, "log_format": variant.log_format, "processes": variant.processes,
+                 "stderr": self.stderr_kind}
+        t = Target(variant.name, port, p.pid, self.report["switchyard_commit"], stack.name, "switchyard", key,
+                   about=about, log=self.procs.log_path(name), pd_engines=("vllm", "sglang"))
+        return t, p
+
+    def _starting_peer(self, stack: Stack, name: str, argv_tail: list[str]) -> tuple[Target, subprocess.Popen]:
+        peer = PEERS[name]
+        level_argv, level = self._peer_level(peer)
+        pname = f"{stack.name}-{name}"
+        p = self.procs.start(pname, [str(self.venv / "bin" / peer.exe), *argv_tail, *level_argv])
+        pd_flag = "--pd-disaggregation" if peer.pd_engine == "sglang" else "--vllm-pd-disaggregation"
+        about = {"what": f"`{peer.exe}{' launch' if peer.exe == 'smg' else ''} --policy round_robin` "
+                         f"(P/D: `{pd_flag}`)",
+                 "log_level": level, "log_format": "its own (text)", "processes": "1 (a multi-threaded runtime)",
+                 "stderr": self.stderr_kind}
+        t = Target(name, 0, p.pid, self.versions.get(name, ""), stack.name, "peer",
+                   about=about, log=self.procs.log_path(pname),
+                   pd_engines=(peer.pd_engine,) if stack.name == "pd" else ())
+        return t, p
+
+    def ready(self, stack: Stack) -> None:
+        """Wait until every gateway of the stack answers (those of the later stacks start meanwhile)."""
+        starting, stack.starting = stack.starting, []
+        for t, p, model in starting:
+            try:
+                wait_ready(t.name, p, t.port, 90, model)
+            except RuntimeError as e:
+                if t.kind != "peer":
+                    raise
+                tail = (t.log.read_text(errors="replace")[-300:] if t.log and t.log.exists() else "").strip()
+                self.report["notes"].append(f"{t.name} ({stack.name} stack) did not start, skipped: {e}"
+                                            + (f"; its log ends: {tail!r}" if tail else ""))
+                self.report["skipped"].append({"kind": stack.name, "target": t.name, "scenarios": "all",
+                                               "why": f"did not start: {e}"})
+                self.procs.stop(p)
+                continue
+            stack.procs.append(p)
+            self.report["pids"][f"{stack.name}:{t.name}"] = p.pid
+            if t.variant == "workers2":
+                deadline = time.monotonic() + 10
+                while len(kids := children_of(p.pid)) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                t.pids = [p.pid, *kids]
+                for i, k in enumerate(kids):
+                    self.report["pids"][f"{stack.name}:{t.name}:worker{i}"] = k
+            stack.targets.append(t)
+        time.sleep(0.5)
+        for t in stack.targets:
+            t.rss["start"] = rss_sum(t.measured(stack.backend_pid))
+            t.log0 = log_size(t.log)
+            t.cpu0 = group_cpu(t.measured(stack.backend_pid))
+        self.say(f"{stack.name} stack ready: " + ", ".join(f"{t.name} :{t.port}" if t.port else t.name
+                                                         for t in stack.targets))
+
+    def launch_agg(self) -> Stack:
+        st = Stack("agg")
+        self._start_backend(st, "fastbackend", [free_port()])
+        url = f"http://127.0.0.1:{st.backend_port}"
+        st.targets.append(Target("direct", st.backend_port, None, "fastbackend", "agg",
+                                 about={"what": "the load generator straight to the backend"}))
+        starting = []
+        if not self.args.no_switchyard:
+            for key in self.args.variants:
+                t, p = self._starting_switchyard(st, VARIANTS[key], key, agg_models([url]))
+                starting.append((t, p, MODEL))
+        for name in self.present:
+            port, mport = free_port(), free_port()
+            t, p = self._starting_peer(st, name, PEERS[name].agg(port, mport, [url]))
+            t.port = port
+            starting.append((t, p, MODEL))
+        st.starting = starting
+        return st
+
+    def launch_pd(self, engines: set[str]) -> Stack:
+        st = Stack("pd")
+        m = self.mode
+        for engine in sorted(engines, reverse=True):   # vllm first
+            pport, dport = free_port(), free_port()
+            p = self.procs.start(f"pd-{engine}-mock", [
+                sys.executable, str(BENCH / "pdbackend.py"), "--style", engine, "--model", MODEL,
+                "--prefill-port", str(pport), "--decode-port", str(dport), "--chunks", str(m.pd_tokens),
+                "--prefill-ms", f"{m.pd_prefill_ms:g}", "--transfer-ms", f"{m.pd_transfer_ms:g}",
+                "--token-ms", f"{m.pd_token_ms:g}", "--ready", ""])
+            st.procs.append(p)
+            self.report["pids"][f"pd:{engine}-mock"] = p.pid
+            wait_listening(f"{engine} P/D mock", p, pport, 15)
+            wait_listening(f"{engine} P/D mock", p, dport, 15)
+            st.pd_backends[engine] = (p.pid, pport, dport)
+        st.backend_pid = next(iter(st.pd_backends.values()))[0]
+        st.targets.append(Target("direct", 0, None, "pdbackend", "pd", pd_engines=tuple(engines),
+                                 about={"what": "the load generator orchestrating prefill and decode itself"}))
+        starting = []
+        if not self.args.no_switchyard:
+            t, p = self._starting_switchyard(st, VARIANTS["default"], "default", pd_models(st.pd_backends))
+            starting.append((t, p, f"pd-{sorted(engines, reverse=True)[0]}"))
+        for name in self.present:
+            peer = PEERS[name]
+            if peer.pd_engine not in engines:
+                continue
+            _, pport, dport = st.pd_backends[peer.pd_engine]
+            port, mport = free_port(), free_port()
+            t, p = self._starting_peer(st, name, peer.pd(port, mport, f"http://127.0.0.1:{pport}",
+                                                         f"http://127.0.0.1:{dport}"))
+            t.port = port
+            starting.append((t, p, MODEL))
+        st.starting = starting
+        return st
+
+    def launch_fleet(self, endpoints: int) -> Stack:
+        st = Stack("fleet")
+        self._start_backend(st, "fastbackend", [free_port() for _ in range(endpoints)])
+        urls = [f"http://127.0.0.1:{port}" for port in st.backend_ports]
+        st.targets.append(Target("direct", st.backend_port, None, "fastbackend", "fleet",
+                                 about={"what": "the load generator straight to the backend's endpoints"}))
+        starting = []
+        if not self.args.no_switchyard:
+            t, p = self._starting_switchyard(st, VARIANTS["default"], "default", agg_models(urls))
+            starting.append((t, p, MODEL))
+        for name in self.present:
+            port, mport = free_port(), free_port()
+            t, p = self._starting_peer(st, name, PEERS[name].agg(port, mport, urls))
+            t.port = port
+            starting.append((t, p, MODEL))
+        st.starting = starting
+        return st
+
+    def begin(self, stack: Stack) -> None:
+        """The stack's scenarios start: what its processes spent while they waited for them."""
+        for t in stack.targets:
+            t.idle_cpu_s = max(0.0, group_cpu(t.measured(stack.backend_pid)) - t.cpu0)
+
+    def stop(self, stack: Stack) -> None:
+        for t in stack.targets:
+            t.rss.setdefault("end", rss_sum(t.measured(stack.backend_pid)))
+        time.sleep(0.2)   # let buffered log lines reach the files
+        for t in stack.targets:
+            if t.log is not None:
+                size, lines = log_size(t.log)
+                t.log_figures = {"bytes": size - t.log0[0], "lines": lines - t.log0[1], "requests": t.requests}
+        self.report["targets"] += [t.as_dict() for t in stack.targets]
+        for p in reversed(stack.procs):
+            self.procs.stop(p)
+        stack.procs.clear()
+
+    # -- running -------------------------------------------------------------------------------
+
+    def loadgen_argv(self, t: Target, sc: Scenario, stack: Stack) -> list[str]:
+        m = self.mode
+        argv = [sys.executable, str(BENCH / "loadgen.py"), "--mode", "stream" if sc.mode == "pd" else sc.mode,
+                "--max-tokens", str(sc.max_tokens)]
+        backend_pid = stack.backend_pid
+        if sc.mode == "pd":
+            backend_pid, pport, dport = stack.pd_backends[sc.engine]
+            if t.kind == "direct":
+                argv += ["--pd", sc.engine, "--port", str(dport), "--prefill-port", str(pport), "--model", MODEL,
+                         "--bootstrap-port", str(BOOTSTRAP_PORT)]
+            else:
+                argv += ["--port", str(t.port), "--model", f"pd-{sc.engine}" if t.kind == "switchyard" else MODEL]
+        elif sc.mode == "fleet" and t.kind == "direct":
+            for port in stack.backend_ports:
+                argv += ["--port", str(port)]
+            argv += ["--model", MODEL]
+        else:
+            argv += ["--port", str(t.port), "--model", MODEL]
+        if sc.pace_ms:
+            argv += ["--pace-ms", f"{sc.pace_ms:g}"]
+        if sc.mode == "idle":
+            return argv + ["--idle-n", str(sc.idle_n), "--hold-timeout", "20"]
+        if sc.mode == "fleet":
+            argv += ["--streams", str(sc.streams), "--ramp", f"{sc.ramp_s:g}", "--settle", f"{SETTLE:g}"]
+        else:
+            duration = m.pd_duration if sc.mode == "pd" else m.duration
+            argv += ["--concurrency", str(sc.concurrency), "--warmup", f"{m.warmup:g}",
+                     "--duration", f"{duration:g}", "--samples"]
+        argv += ["--cpu-pid", f"backend={backend_pid}"]
+        for pid in (t.pids or ([t.pid] if t.pid is not None else [])):
+            argv += ["--cpu-pid", f"target={pid}"]
+        return argv
+
+    def run_load(self, t: Target, sc: Scenario, stack: Stack) -> dict:
+        m = self.mode
+        limit = (m.pd_duration if sc.mode == "pd" else m.duration) + m.warmup + 60
+        if sc.mode == "fleet":
+            limit = sc.ramp_s + sc.interval_s * (sc.max_tokens + 3) + 120
+        p = self.procs.start("loadgen", self.loadgen_argv(t, sc, stack), stdout=subprocess.PIPE)
+        try:
+            out, _ = p.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            return {"failed": f"load generator timed out against {t.name}"}
+        finally:
+            self.procs.stop(p)
+        lines = out.strip().splitlines()
+        if p.returncode != 0 or not lines:
+            return {"failed": f"load generator exited with {p.returncode} against {t.name}"}
+        r = orjson.loads(lines[-1])
+        t.requests += r.get("total_completed", 0)
+        return r
+
+    def run_idle(self, t: Target, sc: Scenario, stack: Stack) -> dict:
+        pids = t.measured(stack.backend_pid)
+        rss0 = rss_sum(pids)
+        p = self.procs.start("loadgen", self.loadgen_argv(t, sc, stack), stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        buf = bytearray()
+        res: dict = {"rss_before": rss0, "measured_pid": "target" if t.pid is not None else "backend"}
+        try:
+            line = read_line(p, buf, time.monotonic() + 30 + sc.idle_n / 100)
+            if line is None:
+                res["failed"] = f"{sc.idle_n} idle streams not established in time"
+                return res
+            held = orjson.loads(line)
+            res.update(held=held["held"], failed_streams=held["failed"], open_s=held["open_s"],
+                       error_samples=held.get("error_samples", []))
+            t.requests += held["held"]
+            time.sleep(SETTLE)
+            res["rss_held"] = rss_sum(pids)
+            if t.pid is not None:
+                res["backend_rss_held"] = rss_bytes(stack.backend_pid)
+            p.stdin.write(b"close\n")
+            p.stdin.flush()
+            line = read_line(p, buf, time.monotonic() + 30)
+            if line is not None:
+                res["still_open_at_close"] = orjson.loads(line).get("still_open_at_close")
+            # the clients are gone: does the target let go of its upstream streams, and how fast?
+            t_closed = time.monotonic()
+            while True:
+                left = backend_stats(stack.backend_port).get("held")
+                waited = time.monotonic() - t_closed
+                if left == 0 or left is None or waited >= UPSTREAM_WAIT:
+                    break
+                time.sleep(0.05)
+            res["upstream_held_after_close"] = left
+            res["upstream_wait_s"] = waited
+            res["released"] = backend_release(stack.backend_port)
+            time.sleep(SETTLE)
+            res["rss_after_close"] = rss_sum(pids)
+            res["backend_after_release"] = backend_stats(stack.backend_port)
+            if res["held"]:
+                res["bytes_per_stream"] = (res["rss_held"] - rss0) / res["held"]
+            return res
+        finally:
+            self.procs.stop(p)
+
+    def _participants(self, sc: Scenario, stack: Stack) -> list[Target]:
+        if sc.mode == "idle":   # memory per stream does not depend on the log settings
+            return [t for t in stack.targets if t.variant in (None, "default")]
+        if sc.mode == "pd":
+            return [t for t in stack.targets if sc.engine in t.pd_engines]
+        return list(stack.targets)
+
+    def run_scenarios(self, stack: Stack, scenarios: list[Scenario]) -> None:
+        results = self.report["results"]
+        say = self.say
+        for sc in scenarios:
+            results[sc.name] = {}
+            targets = self._participants(sc, stack)
+            if sc.mode == "idle":
+                if "after_load" not in stack.targets[0].rss:
+                    for t in stack.targets:
+                        t.rss["after_load"] = rss_sum(t.measured(stack.backend_pid))
+                for t in targets:
+                    say(f"{sc.name}: {t.name}")
+                    r = results[sc.name][t.name] = self.run_idle(t, sc, stack)
+                    if "failed" in r:
+                        say(f"  {r['failed']}")
+                    else:
+                        per = r.get("bytes_per_stream")
+                        say(f"  held {r['held']} in {r['open_s']:.1f}s, "
+                            f"{'—' if per is None else f'{per / 1024:.1f}'} KB/stream; upstream streams still "
+                            f"open {r.get('upstream_wait_s', 0):.1f}s after the clients left: "
+                            f"{r.get('upstream_held_after_close')}")
+                continue
+            if sc.mode == "fleet":
+                for t in targets:
+                    before = backend_stats(stack.backend_port).get("by_port", {})
+                    r = results[sc.name][t.name] = self.run_load(t, sc, stack)
+                    after = backend_stats(stack.backend_port).get("by_port", {})
+                    r["by_port"] = [after.get(str(p), 0) - before.get(str(p), 0) for p in stack.backend_ports]
+                    if "failed" in r:
+                        say(f"{sc.name}: {t.name}: {r['failed']}")
+                        continue
+                    cpu = r["cpu_s"].get("target")
+                    say(f"{sc.name}: {t.name}: {r['completed']}/{sc.streams} streams in {r['window_s']:.1f}s, "
+                        f"target CPU {'—' if cpu is None else f'{cpu:.2f}'} s, {r['events']} chunks, "
+                        f"errors {r['errors']}")
+                continue
+            rounds = self.mode.pd_rounds if sc.mode == "pd" else self.mode.rounds
+            runs: dict[str, list[dict]] = {t.name: [] for t in targets}
+            wires: dict[str, dict[str, int]] = {t.name: {} for t in targets}
+            for rnd in range(rounds):
+                k = rnd % len(targets)
+                for t in targets[k:] + targets[:k]:
+                    w0 = self._pd_counters(stack, sc)
+                    r = self.run_load(t, sc, stack)
+                    if sc.mode == "pd":
+                        w1 = self._pd_counters(stack, sc)
+                        for key, v in w1.items():
+                            wires[t.name][key] = wires[t.name].get(key, 0) + v - w0.get(key, 0)
+                    runs[t.name].append(r)
+                    if "failed" in r:
+                        say(f"{sc.name} round {rnd + 1}: {t.name}: {r['failed']}")
+                    else:
+                        say(f"{sc.name} round {rnd + 1}: {t.name}: {r['rps']:.0f}/s p50 {_f(r['lat_p50_ms'])} ms"
+                            + (f" ttft p50 {_f(r['ttft_p50_ms'])} ms" if sc.mode != "nonstream" else "")
+                            + (f" errors {r['errors']}" if r["errors"] else ""))
+            self.report["rounds"][sc.name] = {}
+            for t in targets:
+                agg = results[sc.name][t.name] = aggregate(runs[t.name])
+                agg["rss_after"] = rss_sum(t.measured(stack.backend_pid))
+                if sc.mode == "pd":
+                    agg["wire"] = wires[t.name]
+                self.report["rounds"][sc.name][t.name] = [
+                    {k: v for k, v in r.items() if k not in ("lat_us", "ttft_us")} for r in runs[t.name]]
+
+    def _pd_counters(self, stack: Stack, sc: Scenario) -> dict[str, int]:
+        if sc.mode != "pd":
+            return {}
+        return backend_stats(stack.pd_backends[sc.engine][1]).get("pd", {})
+
+
+def _f(x) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+# -- measurement helpers -----------------------------------------------------------------------------
 
 def read_line(p: subprocess.Popen, buf: bytearray, deadline: float) -> bytes | None:
     """The next line of the child's stdout, without blocking past the deadline."""
@@ -308,80 +894,6 @@ def read_line(p: subprocess.Popen, buf: bytearray, deadline: float) -> bytes | N
             if not chunk:
                 return None
             buf += chunk
-
-
-def loadgen_argv(t: Target, sc: Scenario, mode: Mode, backend_pid: int) -> list[str]:
-    argv = [sys.executable, str(BENCH / "loadgen.py"), "--port", str(t.port), "--model", MODEL,
-            "--mode", sc.mode, "--max-tokens", str(sc.max_tokens)]
-    if sc.pace_ms:
-        argv += ["--pace-ms", f"{sc.pace_ms:g}"]
-    if sc.mode == "idle":
-        return argv + ["--idle-n", str(sc.idle_n), "--hold-timeout", "20"]
-    argv += ["--concurrency", str(sc.concurrency), "--warmup", f"{mode.warmup:g}",
-             "--duration", f"{mode.duration:g}", "--samples", "--cpu-pid", f"backend={backend_pid}"]
-    if t.pid is not None:
-        argv += ["--cpu-pid", f"target={t.pid}"]
-    return argv
-
-
-def run_load(procs: Procs, t: Target, sc: Scenario, mode: Mode, backend_pid: int) -> dict:
-    p = procs.start("loadgen", loadgen_argv(t, sc, mode, backend_pid), stdout=subprocess.PIPE)
-    try:
-        out, _ = p.communicate(timeout=mode.warmup + mode.duration + 60)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"load generator timed out against {t.name}"}
-    finally:
-        procs.stop(p)
-    lines = out.strip().splitlines()
-    if p.returncode != 0 or not lines:
-        return {"failed": f"load generator exited with {p.returncode} against {t.name}"}
-    return orjson.loads(lines[-1])
-
-
-def run_idle(procs: Procs, t: Target, sc: Scenario, mode: Mode, backend_pid: int, backend_port: int,
-             settle: float) -> dict:
-    pid = t.pid if t.pid is not None else backend_pid
-    rss0 = rss_bytes(pid)
-    p = procs.start("loadgen", loadgen_argv(t, sc, mode, backend_pid),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    buf = bytearray()
-    res: dict = {"rss_before": rss0, "measured_pid": "target" if t.pid is not None else "backend"}
-    try:
-        line = read_line(p, buf, time.monotonic() + 30 + sc.idle_n / 100)
-        if line is None:
-            res["failed"] = f"{sc.idle_n} idle streams not established in time"
-            return res
-        held = orjson.loads(line)
-        res.update(held=held["held"], failed_streams=held["failed"], open_s=held["open_s"],
-                   error_samples=held.get("error_samples", []))
-        time.sleep(settle)
-        res["rss_held"] = rss_bytes(pid)
-        if t.pid is not None:
-            res["backend_rss_held"] = rss_bytes(backend_pid)
-        p.stdin.write(b"close\n")
-        p.stdin.flush()
-        line = read_line(p, buf, time.monotonic() + 30)
-        if line is not None:
-            res["still_open_at_close"] = orjson.loads(line).get("still_open_at_close")
-        # the clients are gone: does the target let go of its upstream streams, and how fast?
-        t_closed = time.monotonic()
-        while True:
-            left = backend_stats(backend_port).get("held")
-            waited = time.monotonic() - t_closed
-            if left == 0 or left is None or waited >= UPSTREAM_WAIT:
-                break
-            time.sleep(0.05)
-        res["upstream_held_after_close"] = left
-        res["upstream_wait_s"] = waited
-        res["released"] = backend_release(backend_port)
-        time.sleep(settle)
-        res["rss_after_close"] = rss_bytes(pid)
-        res["backend_after_release"] = backend_stats(backend_port)
-        if res["held"]:
-            res["bytes_per_stream"] = (res["rss_held"] - rss0) / res["held"]
-        return res
-    finally:
-        procs.stop(p)
 
 
 def aggregate(runs: list[dict]) -> dict:
@@ -415,26 +927,6 @@ def aggregate(runs: list[dict]) -> dict:
     return agg
 
 
-# -- report ------------------------------------------------------------------------------------------
-
-def fmt(x, digits: int = 2, suffix: str = "") -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, float):
-        if abs(x) >= 1000:
-            return f"{x:,.0f}{suffix}"
-        if abs(x) >= 100:
-            return f"{x:.0f}{suffix}"
-        return f"{x:.{digits}f}{suffix}"
-    return f"{x}{suffix}"
-
-
-def ratio(a, b) -> float | None:
-    if a is None or b is None or b == 0:
-        return None
-    return a / b
-
-
 def machine_info() -> dict:
     cpu = ""
     with contextlib.suppress(OSError):
@@ -452,237 +944,6 @@ def machine_info() -> dict:
             "hostname": platform.node()}
 
 
-RATIO_FIGURES = [
-    # key, label, better
-    ("rps", "req/s (streams/s)", "higher"),
-    ("lat_p50_ms", "p50 latency", "lower"),
-    ("lat_p99_ms", "p99 latency", "lower"),
-    ("ttft_p50_ms", "p50 TTFT", "lower"),
-    ("ttft_p99_ms", "p99 TTFT", "lower"),
-    ("target_cpu_us_per_req", "CPU per request", "lower"),
-]
-
-
-def render(report: dict) -> str:
-    L: list[str] = []
-    _header(report, L)
-    if any(sc["mode"] != "idle" for sc in report["scenarios"]):
-        _load_tables(report, L)
-    if any(sc["mode"] == "idle" for sc in report["scenarios"]) or report["targets"]:
-        _memory_tables(report, L)
-    L.append("### Issue #5 targets (Switchyard)")
-    L.append("")
-    L.append("| target | measured | goal | met |")
-    L.append("|---|---:|---|---|")
-    for row in report["goals"]:
-        met = {True: "yes", False: "**no**", None: "n/a"}[row["met"]]
-        L.append(f"| {row['what']} | {row['measured']} | {row['goal']} | {met} |")
-    L.append("")
-    return "\n".join(L)
-
-
-def _header(report: dict, L: list[str]) -> None:
-    m = report["machine"]
-    L.append(f"## Switchyard overhead benchmark — {report['date']} ({report['mode']} mode)")
-    L.append("")
-    L.append(f"Machine: {m['cpu']}, {m['cores']} cores ({m['affinity']} usable), {m['memory']}, "
-             f"Linux {m['kernel']}, Python {m['python']}. Load average before/after: "
-             f"{report['loadavg_before']} / {report['loadavg_after']}.")
-    L.append("Backend, target and load generator share the cores (nothing pinned); the backend is "
-             "`bench/fastbackend.py` (pre-encoded answers, ~10 µs of CPU per request). CPU per request: "
-             "the target process's CPU time over the measured window (sum of its threads' "
-             "`/proc/PID/task/*/schedstat`; `/proc/PID/stat` utime+stime, 10 ms ticks, is in the JSON "
-             "as a cross-check) divided by the requests completed in it.")
-    tv = ", ".join(f"{t['name']} {t['version']}".strip() for t in report["targets"])
-    L.append(f"Targets: {tv}." + (f" Absent: {'; '.join(report['absent'])}." if report["absent"] else ""))
-    L.append(f"Rounds: {report['params']['rounds']} × {report['params']['duration']:g} s per scenario and "
-             f"target (after {report['params']['warmup']:g} s warm-up), targets interleaved. "
-             f"Total time {report['elapsed_s']:.0f} s.")
-    L.append("Scenarios: " + "; ".join(f"`{s['name']}` {s['title']}" for s in report["scenarios"]) + ".")
-    for note in report["notes"]:
-        L.append(f"Note: {note}")
-    L.append("")
-
-
-def _load_tables(report: dict, L: list[str]) -> None:
-    names = [t["name"] for t in report["targets"]]
-    others = [n for n in names if n != "switchyard"]
-    peers = [n for n in names if n not in ("direct", "switchyard")]
-    res = report["results"]
-    load_scs = [sc for sc in report["scenarios"] if sc["mode"] != "idle"]
-    L.append("### Throughput, latency, CPU")
-    L.append("")
-    L.append("| scenario | target | req/s | p50 ms | p99 ms | TTFT p50 ms | TTFT p99 ms | "
-             "target CPU µs/req | backend CPU µs/req | errors |")
-    L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for sc in load_scs:
-        stream = sc["mode"] == "stream"
-        for n in names:
-            a = res.get(sc["name"], {}).get(n, {})
-            if "rps" not in a:
-                L.append(f"| {sc['name']} | {n} | failed: {'; '.join(a.get('failed_rounds', []))[:80]} "
-                         "| | | | | | | |")
-                continue
-            L.append(f"| {sc['name']} | {n} | {fmt(a['rps'], 1)} | {fmt(a['lat_p50_ms'], 3)} | "
-                     f"{fmt(a['lat_p99_ms'], 3)} | {fmt(a['ttft_p50_ms'] if stream else None, 3)} | "
-                     f"{fmt(a['ttft_p99_ms'] if stream else None, 3)} | "
-                     f"{fmt(a.get('target_cpu_us_per_req'), 1)} | {fmt(a.get('backend_cpu_us_per_req'), 1)} | "
-                     f"{a['errors']} |")
-    L.append("")
-    L.append("req/s counts streams for the streaming scenarios; latency is the whole answer (the whole "
-             "stream); TTFT is the time to the first SSE `data:` event.")
-    L.append("")
-    if "direct" in names and len(names) > 1:
-        L.append("### Added over direct (ms)")
-        L.append("")
-        L.append("| scenario | target | +p50 | +p99 | +TTFT p50 | +TTFT p99 |")
-        L.append("|---|---|---:|---:|---:|---:|")
-        for sc in load_scs:
-            stream = sc["mode"] == "stream"
-            d = res.get(sc["name"], {}).get("direct", {})
-            for n in names:
-                if n == "direct":
-                    continue
-                a = res.get(sc["name"], {}).get(n, {})
-
-                def diff(k, a=a, d=d):
-                    return None if a.get(k) is None or d.get(k) is None else a[k] - d[k]
-                L.append(f"| {sc['name']} | {n} | {fmt(diff('lat_p50_ms'), 3)} | {fmt(diff('lat_p99_ms'), 3)} | "
-                         f"{fmt(diff('ttft_p50_ms') if stream else None, 3)} | "
-                         f"{fmt(diff('ttft_p99_ms') if stream else None, 3)} |")
-        L.append("")
-    pairs = ([("switchyard", o) for o in others] if "switchyard" in names else []) + \
-        [(p, "direct") for p in peers if "direct" in names]
-    if pairs:
-        L.append("### Ratios: each target's figure divided by the other's")
-        L.append("")
-        L.append("| scenario | figure | " + " | ".join(f"{a} / {b}" for a, b in pairs) + " |")
-        L.append("|---|---|" + "---:|" * len(pairs))
-        for sc in load_scs:
-            r = res.get(sc["name"], {})
-            for key, label, better in RATIO_FIGURES:
-                if key.startswith("ttft") and sc["mode"] != "stream":
-                    continue
-                cells = ["—" if key == "target_cpu_us_per_req" and b == "direct" else
-                         fmt(ratio(r.get(a, {}).get(key), r.get(b, {}).get(key)), 2, "×") for a, b in pairs]
-                if all(c == "—" for c in cells):
-                    continue
-                L.append(f"| {sc['name']} | {label} ({better} is better) | " + " | ".join(cells) + " |")
-        L.append("")
-
-
-def _memory_tables(report: dict, L: list[str]) -> None:
-    names = [t["name"] for t in report["targets"]]
-    peers = [n for n in names if n not in ("direct", "switchyard")]
-    res = report["results"]
-    idle_scs = [s for s in report["scenarios"] if s["mode"] == "idle"]
-    mb = 1024 * 1024
-    L.append("### Memory")
-    L.append("")
-    head = "| target | RSS at start MB | RSS after load MB |"
-    sep = "|---|---:|---:|"
-    for s in idle_scs:
-        head += f" {s['name']}: held MB | {s['name']}: KB/stream | {s['name']}: after close MB |"
-        sep += "---:|---:|---:|"
-    L.append(head + " RSS after the whole run MB |")
-    L.append(sep + "---:|")
-    for t in report["targets"]:
-        n = t["name"]
-        row = f"| {n}{' (backend)' if n == 'direct' else ''} | {fmt(_div(t['rss'].get('start'), mb), 1)} | " \
-              f"{fmt(_div(t['rss'].get('after_load'), mb), 1)} |"
-        for s in idle_scs:
-            a = res.get(s["name"], {}).get(n, {})
-            if "failed" in a:
-                row += f" {a['failed']} | | |"
-                continue
-            bad = f" ({a['failed_streams']} failed)" if a.get("failed_streams") else ""
-            row += (f" {fmt(_div(a.get('rss_held'), mb), 1)}{bad} | "
-                    f"{fmt(_div(a.get('bytes_per_stream'), 1024), 1)} | "
-                    f"{fmt(_div(a.get('rss_after_close'), mb), 1)} |")
-        L.append(row + f" {fmt(_div(t['rss'].get('end'), mb), 1)} |")
-    L.append("")
-    L.append("Direct's row is the fast backend's own memory (a reference, not a gateway). "
-             "KB/stream = (RSS held − RSS before) / streams held; a gateway holds two sockets per stream. "
-             "After close: once the clients left and the backend ended any stream still open.")
-    L.append("")
-    mem_pairs = [("switchyard", p) for p in peers] if "switchyard" in names else []
-    if mem_pairs:
-        tby = {t["name"]: t for t in report["targets"]}
-        L.append("| figure | " + " | ".join(f"{a} / {b}" for a, b in mem_pairs) + " |")
-        L.append("|---|" + "---:|" * len(mem_pairs))
-        L.append("| RSS after the whole run | " + " | ".join(
-            fmt(ratio(tby[a]["rss"].get("end"), tby[b]["rss"].get("end")), 2, "×") for a, b in mem_pairs) + " |")
-        for s in idle_scs:
-            L.append(f"| {s['name']}: KB/stream | " + " | ".join(
-                fmt(ratio(res.get(s["name"], {}).get(a, {}).get("bytes_per_stream"),
-                          res.get(s["name"], {}).get(b, {}).get("bytes_per_stream")), 2, "×")
-                for a, b in mem_pairs) + " |")
-        L.append("")
-    gws = [n for n in names if n != "direct"]
-    if idle_scs and gws:
-        L.append("Upstream streams still open at the backend once the clients closed theirs (a held stream "
-                 "sends nothing more, so only a proxy that aborts the upstream leg when its client leaves lets "
-                 f"go; polled for up to {UPSTREAM_WAIT:g} s):")
-        L.append("")
-        L.append("| target | " + " | ".join(s["name"] for s in idle_scs) + " |")
-        L.append("|---|" + "---:|" * len(idle_scs))
-        for n in gws:
-            cells = []
-            for s in idle_scs:
-                a = res.get(s["name"], {}).get(n, {})
-                held, left, waited = a.get("held"), a.get("upstream_held_after_close"), a.get("upstream_wait_s")
-                if held is None or left is None or waited is None:
-                    cells.append("—")
-                elif left == 0:
-                    cells.append(f"none (all {held:,} closed within {waited:.1f} s)")
-                else:
-                    cells.append(f"{left:,} of {held:,} still open after {waited:.1f} s")
-            L.append(f"| {n} | " + " | ".join(cells) + " |")
-        L.append("")
-
-
-def _div(a, b):
-    return None if a is None or a < 0 else a / b
-
-
-def goals(report: dict) -> list[dict]:
-    res = report["results"]
-    out = []
-
-    def g(scn, tgt, key):
-        return res.get(scn, {}).get(tgt, {}).get(key)
-
-    def add(what, value, goal, ok, unit=""):
-        out.append({"what": what, "measured": "—" if value is None else f"{value:.3g}{unit}",
-                    "goal": goal, "met": None if value is None else bool(ok(value)), "value": value})
-
-    sy_p50, d_p50 = g("paced1", "switchyard", "ttft_p50_ms"), g("paced1", "direct", "ttft_p50_ms")
-    sy_p99, d_p99 = g("paced1", "switchyard", "ttft_p99_ms"), g("paced1", "direct", "ttft_p99_ms")
-    add("paced-stream TTFT added over direct, p50", None if None in (sy_p50, d_p50) else sy_p50 - d_p50,
-        "≤ 0.3 ms", lambda v: v <= 0.3, " ms")
-    add("paced-stream TTFT added over direct, p99", None if None in (sy_p99, d_p99) else sy_p99 - d_p99,
-        "≤ 2 ms", lambda v: v <= 2.0, " ms")
-    st = next((s["name"] for s in report["scenarios"] if s["mode"] == "stream" and s["name"] != "paced1"), None)
-    add(f"streaming throughput ({st or 'no stream scenario'}) / vllm-router's", ratio(g(st, "switchyard", "rps"), g(st, "vllm-router", "rps")),
-        "≥ 1.0×", lambda v: v >= 1.0, "×")
-    add("non-streaming c=32 throughput / vllm-router's", ratio(g("ns32", "switchyard", "rps"),
-                                                              g("ns32", "vllm-router", "rps")),
-        "≥ 0.8×", lambda v: v >= 0.8, "×")
-    add("CPU per request (ns32) / vllm-router's", ratio(g("ns32", "switchyard", "target_cpu_us_per_req"),
-                                                       g("ns32", "vllm-router", "target_cpu_us_per_req")),
-        "≤ 1.5×", lambda v: v <= 1.5, "×")
-    sy = next((t for t in report["targets"] if t["name"] == "switchyard"), None)
-    end = sy["rss"].get("end") if sy else None
-    add("RSS after the whole run", None if end is None or end < 0 else end / 1048576, "≤ 120 MB",
-        lambda v: v <= 120, " MB")
-    idle = [sc for sc in report["scenarios"] if sc["mode"] == "idle"]
-    big = max(idle, key=lambda sc: sc["idle_n"]) if idle else None
-    per = res.get(big["name"], {}).get("switchyard", {}).get("bytes_per_stream") if big else None
-    add(f"memory per idle stream, {big['idle_n']:,} held" if big else "memory per idle stream, 10,000 held",
-        None if per is None else per / 1024, "< 40 KB (10,000 held)", lambda v: v < 40, " KB")
-    return out
-
-
 # -- main --------------------------------------------------------------------------------------------
 
 def loadavg() -> str:
@@ -691,67 +952,111 @@ def loadavg() -> str:
     return "?"
 
 
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--quick", dest="mode", action="store_const", const="quick", help="under 2 minutes")
-    g.add_argument("--full", dest="mode", action="store_const", const="full", help="the default (~8 minutes)")
+    g.add_argument("--quick", dest="mode", action="store_const", const="quick", help="under 3 minutes")
+    g.add_argument("--full", dest="mode", action="store_const", const="full", help="the default (~20 minutes)")
     g.add_argument("--tiny", dest="mode", action="store_const", const="tiny", help="seconds; for tests")
     p.set_defaults(mode="full")
     p.add_argument("--peers", default="auto",
                    help="auto (those installed in --peers-venv), none, or a comma list of "
                         + ", ".join(PEERS))
     p.add_argument("--peers-venv", default=str(REPO / ".venv-peers"))
+    p.add_argument("--peers-log-level", default="default", choices=("default", "debug", "info", "warn", "error"),
+                   help="the peers' --log-level (default: theirs, info)")
     p.add_argument("--no-switchyard", action="store_true", help="measure only direct and the peers")
-    p.add_argument("--scenarios", default="", help="comma list of scenario names to run (default: all)")
+    p.add_argument("--switchyard-variants", default=None,
+                   help="comma list of Switchyard columns in the load scenarios: "
+                        + ", ".join(VARIANTS) + " (default: all; tiny: default,workers2)")
+    p.add_argument("--scenarios", default="",
+                   help="comma list of scenario names, or kinds (" + ", ".join(KINDS) + "); default: all")
     p.add_argument("--rounds", type=int)
     p.add_argument("--duration", type=float)
     p.add_argument("--warmup", type=float)
     p.add_argument("--idle", default=None, help="comma list of idle-stream counts (e.g. 1000,10000; '' none)")
+    p.add_argument("--pd-concurrency", type=_ints, help="comma list (default 1,16)")
+    p.add_argument("--pd-tokens", type=int, help="tokens per P/D stream (default 32)")
+    p.add_argument("--pd-duration", type=float, help="seconds per P/D round")
+    p.add_argument("--pd-rounds", type=int)
+    p.add_argument("--pd-prefill-ms", type=float)
+    p.add_argument("--pd-transfer-ms", type=float)
+    p.add_argument("--pd-token-ms", type=float)
+    p.add_argument("--fleet-streams", type=int, help="concurrent paced streams (default 1000)")
+    p.add_argument("--fleet-chunks", type=int, help="chunks per stream (default 40; quick 8)")
+    p.add_argument("--fleet-interval", type=float, help="seconds between chunks (default 1; quick 0.5)")
+    p.add_argument("--fleet-endpoints", type=int, help="backend endpoints (default 4)")
+    p.add_argument("--fleet-ramp", type=float, help="seconds over which the streams start (default: one interval)")
     p.add_argument("--out", default=str(BENCH / "out"))
+    p.add_argument("--logdir", default=None, help="keep the processes' logs here (default: a temporary "
+                                                  "directory, removed at the end)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p.parse_args(argv)
+
+
+def configure(args: argparse.Namespace) -> tuple[Mode, list[Scenario]] | str:
+    mode = MODES[args.mode]
+    for opt, attr in (("rounds", "rounds"), ("duration", "duration"), ("pd_concurrency", "pd_concurrency"),
+                      ("pd_tokens", "pd_tokens"), ("pd_duration", "pd_duration"), ("pd_rounds", "pd_rounds"),
+                      ("pd_prefill_ms", "pd_prefill_ms"), ("pd_transfer_ms", "pd_transfer_ms"),
+                      ("pd_token_ms", "pd_token_ms"), ("fleet_streams", "fleet_streams"),
+                      ("fleet_chunks", "fleet_chunks"), ("fleet_interval", "fleet_interval"),
+                      ("fleet_endpoints", "fleet_endpoints"), ("fleet_ramp", "fleet_ramp")):
+        v = getattr(args, opt)
+        if v is not None and v != ():
+            setattr(mode, attr, v)
+    if args.warmup is not None:
+        mode.warmup = args.warmup
+    if args.idle is not None:
+        mode.idle = [int(x) for x in args.idle.split(",") if x.strip()]
+    variants = [v.strip() for v in (args.switchyard_variants or mode.variants).split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        return f"unknown Switchyard variants {unknown}; known: {list(VARIANTS)}"
+    args.variants = list(dict.fromkeys(variants))
+    scenarios = scenarios_for(mode)
+    if args.scenarios:
+        wanted = {s.strip() for s in args.scenarios.split(",") if s.strip()}
+        unknown = wanted - {s.name for s in scenarios} - set(KINDS)
+        if unknown:
+            return f"unknown scenarios {sorted(unknown)}; known: {[s.name for s in scenarios]} or kinds {list(KINDS)}"
+        scenarios = [s for s in scenarios if s.name in wanted or s.kind in wanted]
+    return mode, scenarios
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t_begin = time.monotonic()
-    mode = MODES[args.mode]
-    if args.rounds:
-        mode.rounds = args.rounds
-    if args.duration:
-        mode.duration = args.duration
-    if args.warmup is not None:
-        mode.warmup = args.warmup
-    if args.idle is not None:
-        mode.idle = [int(x) for x in args.idle.split(",") if x.strip()]
-    scenarios = scenarios_for(mode)
-    if args.scenarios:
-        wanted = {s.strip() for s in args.scenarios.split(",")}
-        unknown = wanted - {s.name for s in scenarios}
-        if unknown:
-            print(f"unknown scenarios {sorted(unknown)}; known: {[s.name for s in scenarios]}", file=sys.stderr)
-            return 2
-        scenarios = [s for s in scenarios if s.name in wanted]
+    conf = configure(args)
+    if isinstance(conf, str):
+        print(conf, file=sys.stderr)
+        return 2
+    mode, scenarios = conf
     notes: list[str] = []
 
     def say(msg: str) -> None:
         if not args.quiet:
             print(f"[{time.monotonic() - t_begin:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    max_idle = max([s.idle_n for s in scenarios if s.mode == "idle"], default=0)
-    nofile, nofile_note = raise_nofile(2 * max_idle + 4096)
+    max_held = max([s.idle_n for s in scenarios if s.mode == "idle"] + [s.streams for s in scenarios if s.mode == "fleet"],
+                   default=0)
+    nofile, nofile_note = raise_nofile(2 * max_held + 4096)
     kept = []
     for s in scenarios:
         # a gateway holds two sockets per stream; keep some room for everything else it has open
         cap = (nofile - 256) // 2 // 100 * 100
-        if s.mode == "idle" and s.idle_n > cap:
-            why = (f"{s.idle_n:,} need RLIMIT_NOFILE ≥ {2 * s.idle_n + 256:,} in the gateway and it is "
+        n = s.idle_n if s.mode == "idle" else s.streams if s.mode == "fleet" else 0
+        if n > cap:
+            why = (f"{n:,} streams need RLIMIT_NOFILE ≥ {2 * n + 256:,} in the gateway and it is "
                    f"{nofile:,} here ({nofile_note or 'raise the hard limit: ulimit -Hn'})")
-            if cap < s.idle_n // 2:
+            if cap < n // 2 or s.mode == "fleet":
                 notes.append(f"{s.name} skipped: {why}")
                 continue
-            notes.append(f"{s.name} held {cap:,} streams, not {s.idle_n:,}: {why}")
+            notes.append(f"{s.name} held {cap:,} streams, not {n:,}: {why}")
             s.idle_n = cap
             s.title = f"{cap:,} idle streams held open"
         kept.append(s)
@@ -767,7 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in PEERS:
             print(f"unknown peer {name!r}; known: {list(PEERS)}", file=sys.stderr)
             return 2
-        exe = venv / "bin" / PEERS[name][0]
+        exe = venv / "bin" / PEERS[name].exe
         if exe.exists():
             present.append(name)
         else:
@@ -782,13 +1087,29 @@ def main(argv: list[str] | None = None) -> int:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "mode": args.mode,
         "machine": machine_info(), "loadavg_before": loadavg(), "switchyard_commit": git_describe(),
         "params": {"rounds": mode.rounds, "warmup": mode.warmup, "duration": mode.duration,
-                   "rlimit_nofile": nofile},
-        "scenarios": [vars(s) for s in scenarios], "absent": absent, "notes": notes,
-        "targets": [], "results": {}, "rounds": {}, "pids": {},
+                   "rlimit_nofile": nofile, "upstream_wait_s": UPSTREAM_WAIT, "variants": args.variants,
+                   "peers_log_level": args.peers_log_level,
+                   "pd": {"prefill_ms": mode.pd_prefill_ms, "transfer_ms": mode.pd_transfer_ms,
+                          "token_ms": mode.pd_token_ms, "tokens": mode.pd_tokens, "rounds": mode.pd_rounds,
+                          "duration": mode.pd_duration, "bootstrap_port": BOOTSTRAP_PORT}},
+        "scenarios": [{**vars(s), "kind": s.kind} for s in scenarios], "absent": absent, "notes": notes,
+        "skipped": [], "targets": [], "results": {}, "rounds": {}, "pids": {},
     }
+    for name in present:
+        peer = PEERS[name]
+        other = {"vllm": "sglang", "sglang": "vllm"}[peer.pd_engine]
+        if any(s.mode == "pd" and s.engine == other for s in scenarios):
+            report["skipped"].append({"kind": "pd", "target": name,
+                                      "scenarios": ", ".join(s.name for s in scenarios
+                                                             if s.mode == "pd" and s.engine == other),
+                                      "why": peer.no_pd})
 
-    with tempfile.TemporaryDirectory(prefix="sy-overhead-") as tmp:
-        logdir = Path(tmp)
+    with contextlib.ExitStack() as exits:
+        if args.logdir:
+            logdir = Path(args.logdir)
+            logdir.mkdir(parents=True, exist_ok=True)
+        else:
+            logdir = Path(exits.enter_context(tempfile.TemporaryDirectory(prefix="sy-overhead-")))
         procs = Procs(logdir)
         # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python keeps it so
         prev = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
@@ -798,13 +1119,27 @@ def main(argv: list[str] | None = None) -> int:
         for sig in prev:
             signal.signal(sig, on_signal)
         try:
-            targets = start_targets(procs, args, present, venv, report, logdir, say)
-            run_all(procs, targets, scenarios, mode, report, say)
-            for t in targets:
-                pid = t.pid if t.pid is not None else report["pids"]["backend"]
-                t.rss["end"] = rss_bytes(pid)
-            report["targets"] = [{"name": t.name, "version": t.version, "port": t.port, "rss": t.rss}
-                                 for t in targets]
+            runner = Runner(args, mode, procs, report, present, venv, say)
+            agg = [s for s in scenarios if s.kind == "load"] + [s for s in scenarios if s.kind == "idle"]
+            pd = [s for s in scenarios if s.kind == "pd"]
+            fleet = [s for s in scenarios if s.kind == "fleet"]
+            # every stack's processes start at once (their start-ups overlap); each is stopped when
+            # its scenarios are done. The JSON has what each target spent while it waited (idle_cpu_s).
+            phases = []
+            if agg or not (pd or fleet):
+                phases.append((runner.launch_agg(), agg))
+            if pd:
+                phases.append((runner.launch_pd({s.engine for s in pd}), pd))
+            for sc in fleet:
+                phases.append((runner.launch_fleet(sc.endpoints), [sc]))
+            for stack, _ in phases:
+                runner.ready(stack)
+            for stack, scs in phases:
+                runner.begin(stack)
+                runner.run_scenarios(stack, scs)
+                for t in stack.targets:
+                    t.rss.setdefault("after_load", rss_sum(t.measured(stack.backend_pid)))
+                runner.stop(stack)
         except KeyboardInterrupt:
             print("interrupted; stopping every process started", file=sys.stderr)
             procs.stop_all()
@@ -837,85 +1172,6 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     say(f"wrote {outdir / f'overhead-{stamp}.md'} and .json")
     return 0
-
-
-def start_targets(procs: Procs, args, present: list[str], venv: Path, report: dict, logdir: Path,
-                  say) -> list[Target]:
-    bport = free_port()
-    backend = procs.start("fastbackend", [sys.executable, str(BENCH / "fastbackend.py"), "--port", str(bport),
-                                          "--model", MODEL, "--ready", ""])
-    report["pids"]["backend"] = backend.pid
-    report["backend_port"] = bport
-    wait_ready("fastbackend", backend, bport, 15)
-    url = f"http://127.0.0.1:{bport}"
-    targets = [Target("direct", bport, None, "fastbackend")]
-    starting: list[tuple[Target, subprocess.Popen]] = []
-    if not args.no_switchyard:
-        gport = free_port()
-        cfg = logdir / "switchyard.yaml"
-        write_gateway_config(cfg, gport, url)
-        p = procs.start("switchyard", [sys.executable, "-m", "gateway", "--config", str(cfg),
-                                       "--log-format", "json"])
-        starting.append((Target("switchyard", gport, p.pid, report["switchyard_commit"]), p))
-    for name in present:
-        exe, dist, argv = PEERS[name]
-        port, mport = free_port(), free_port()
-        p = procs.start(name, [str(venv / "bin" / exe), *argv(port, mport, url)])
-        starting.append((Target(name, port, p.pid, peer_version(venv, dist)), p))
-    for t, p in starting:
-        wait_ready(t.name, p, t.port, 60)
-        report["pids"][t.name] = p.pid
-        targets.append(t)
-    time.sleep(0.5)
-    for t in targets:
-        t.rss["start"] = rss_bytes(t.pid if t.pid is not None else backend.pid)
-    say("ready: " + ", ".join(f"{t.name} :{t.port}" for t in targets))
-    return targets
-
-
-def run_all(procs: Procs, targets: list[Target], scenarios: list[Scenario], mode: Mode, report: dict,
-            say) -> None:
-    backend_pid = report["pids"]["backend"]
-    results = report["results"]
-    for sc in scenarios:
-        results[sc.name] = {}
-        if sc.mode == "idle":
-            if "after_load" not in targets[0].rss:
-                for t in targets:
-                    t.rss["after_load"] = rss_bytes(t.pid if t.pid is not None else backend_pid)
-            for t in targets:
-                say(f"{sc.name}: {t.name}")
-                r = run_idle(procs, t, sc, mode, backend_pid, report["backend_port"], settle=SETTLE)
-                results[sc.name][t.name] = r
-                if "failed" in r:
-                    say(f"  {r['failed']}")
-                else:
-                    say(f"  held {r['held']} in {r['open_s']:.1f}s, "
-                        f"{fmt(_div(r.get('bytes_per_stream'), 1024), 1)} KB/stream; upstream streams still "
-                        f"open {r.get('upstream_wait_s', 0):.1f}s after the clients left: "
-                        f"{r.get('upstream_held_after_close')}")
-            continue
-        runs: dict[str, list[dict]] = {t.name: [] for t in targets}
-        for rnd in range(mode.rounds):
-            k = rnd % len(targets)
-            for t in targets[k:] + targets[:k]:
-                r = run_load(procs, t, sc, mode, backend_pid)
-                runs[t.name].append(r)
-                if "failed" in r:
-                    say(f"{sc.name} round {rnd + 1}: {t.name}: {r['failed']}")
-                else:
-                    say(f"{sc.name} round {rnd + 1}: {t.name}: {r['rps']:.0f}/s p50 {fmt(r['lat_p50_ms'], 3)} ms"
-                        + (f" ttft p50 {fmt(r['ttft_p50_ms'], 3)} ms" if sc.mode == "stream" else "")
-                        + (f" errors {r['errors']}" if r["errors"] else ""))
-        report["rounds"][sc.name] = {}
-        for t in targets:
-            agg = results[sc.name][t.name] = aggregate(runs[t.name])
-            agg["rss_after"] = rss_bytes(t.pid if t.pid is not None else backend_pid)
-            report["rounds"][sc.name][t.name] = [
-                {k: v for k, v in r.items() if k not in ("lat_us", "ttft_us")} for r in runs[t.name]]
-    for t in targets:
-        if "after_load" not in t.rss:
-            t.rss["after_load"] = rss_bytes(t.pid if t.pid is not None else backend_pid)
 
 
 if __name__ == "__main__":
