@@ -98,6 +98,8 @@ class Routing:
         elapsed = time.perf_counter() - t
         self.metrics.child(self.metrics.routing, spec).observe(elapsed)
         decision.strategy = spec
+        if fallbacks:
+            decision.fallbacks = tuple(fallbacks)
         if self.observers:
             reported = tuple(fallbacks)
             for observe in self.observers:

@@ -53,6 +53,12 @@ class Decision:
     prefill: Endpoint | None = None                         # P/D: the prefill endpoint
     # P/D: prompt tokens the prefill must compute (for the token-load tracker)
     uncached_tokens: int = 0
+    # why this choice, for traces: a fast path the strategy took ("decode_imbalance", ...), if any
+    reason: str = ""
+    # the chosen endpoint's (P/D: the prefill's) prefix-index match, 0..100, when the strategy knows it
+    prefix_match: float | None = None
+    # (strategy, reason) of each fallback reported while deciding (the gateway fills this in)
+    fallbacks: tuple[tuple[str, str], ...] = ()
 
 
 class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -114,7 +114,7 @@ class PDRouter(Router):
         eligible = [rs for rs in prefill if rs in decode]
         if not eligible:
             if combined:
-                return Decision(self._least_combined(combined), "pd")
+                return Decision(self._least_combined(combined), "pd", reason="no_pair_combined")
             raise NoRouteError(f"no ready prefill/decode pair or combined endpoint for a prompt of about {n} tokens")
 
         P = [p for rs in eligible for p in prefill[rs]]
@@ -126,8 +126,9 @@ class PDRouter(Router):
             least_prefill = min(self._prefill_load(p) for p in P)
             best_combined = self._least_combined(combined)
             if least_prefill > 1.0 and self._combined_load(best_combined) < cfg.combined_load_ratio * least_prefill:
-                return Decision(best_combined, "pd")
+                return Decision(best_combined, "pd", reason="combined_less_loaded")
 
+        fast: list[str] = []
         # prefill imbalance fast path
         counts = [p.prefill_in_flight for p in P]
         if len(P) > 1 and max(counts) - min(counts) > cfg.prefill_imbalance_spread:
@@ -135,6 +136,7 @@ class PDRouter(Router):
             chosen = self.ctx.rng.choice([p for p in P if p.prefill_in_flight == low])
             P = [chosen]
             D = [d for d in D if d.roleset == chosen.roleset]
+            fast.append("prefill_imbalance")
 
         # decode imbalance fast paths
         pinned = self._decode_fast_path(D, cfg)
@@ -142,6 +144,7 @@ class PDRouter(Router):
             same = [p for p in P if p.roleset == pinned.roleset]
             if same:  # (a prefill fast-path choice in another roleset would win: D is already its roleset)
                 D, P = [pinned], same
+                fast.append("decode_imbalance")
 
         p_scores, match = self._prefill_scores(req, P, cfg)
         d_scores = self._decode_scores(D, cfg)
@@ -168,7 +171,8 @@ class PDRouter(Router):
         p_ep, d_ep = best_p[best_rs][1], best_d[best_rs][1]
         uncached = int(n * (1.0 - match.get(p_ep, 0.0) / 100.0))
         self.ctx.prefix_index.insert(req, p_ep)
-        return Decision(d_ep, "pd", prefill=p_ep, uncached_tokens=uncached)
+        return Decision(d_ep, "pd", prefill=p_ep, uncached_tokens=uncached, reason="+".join(fast),
+                        prefix_match=match.get(p_ep) if match else None)
 
     def _least_combined(self, eps: list[Endpoint]) -> Endpoint:
         low = min(self._combined_load(e) for e in eps)

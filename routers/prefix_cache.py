@@ -62,11 +62,15 @@ class PrefixCacheRouter(ScoringRouter):
         self.index.insert(req, ep)
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
-        ep = self._choose(req, candidates)
+        ep, match = self._decide(req, candidates)
         self.post_route(req, ep)
-        return Decision(ep, self.name)
+        return Decision(ep, self.name, prefix_match=match)
 
     def _choose(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
+        return self._decide(req, candidates)[0]
+
+    def _decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> tuple[Endpoint, float | None]:
+        """The endpoint, and its match percentage when it was chosen for its match."""
         loads = [_load(ep) for ep in candidates]
         low, high = min(loads), max(loads)
         pool: Sequence[Endpoint] = candidates
@@ -77,7 +81,7 @@ class PrefixCacheRouter(ScoringRouter):
             guard = "load_imbalance"
         depths, n = self.index.depths(req, pool)
         if not depths:
-            return self._fall_back(req, pool, guard or ("short_prompt" if n == 0 else "no_match"))
+            return self._fall_back(req, pool, guard or ("short_prompt" if n == 0 else "no_match")), None
         k = len(pool)
         mean = sum(loads) / k
         std = math.sqrt(sum((x - mean) ** 2 for x in loads) / (k - 1)) if k > 1 else 0.0
@@ -98,10 +102,10 @@ class PrefixCacheRouter(ScoringRouter):
                 if self._random() * ties < 1.0:
                     best = ep
         if best is None:
-            return self._fall_back(req, pool, guard or "overloaded")
+            return self._fall_back(req, pool, guard or "overloaded"), None
         if guard is not None:
             self.ctx.on_fallback(self.name, guard)
-        return best
+        return best, 100.0 * best_key[0] / n
 
     def _fall_back(self, req: InferenceRequest, pool: Sequence[Endpoint], reason: str) -> Endpoint:
         self.ctx.on_fallback(self.name, reason)
