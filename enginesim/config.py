@@ -96,6 +96,10 @@ class SimConfig:
         300.0, "SGLang prefill: wait this long for the decode (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
     waiting_timeout_s: float = _knob(
         300.0, "SGLang decode: wait this long for the KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+    # -- tracing -------------------------------------------------------------------------------
+    otlp_traces_endpoint: str = _knob(
+        "", "vLLM --otlp-traces-endpoint: emit an llm_request span per request, under the request's "
+        "traceparent, to this OTLP/HTTP endpoint (URL; /v1/traces added to host:port); empty: off")
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:

@@ -32,6 +32,7 @@ from enginesim.role_factory import make_role
 from enginesim.roles import Role
 from enginesim.sequence import Channel, Phase, SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, FakeTokenizer, OutputSource
+from enginesim.tracing import SimTracer
 
 log = logging.getLogger("enginesim")
 
@@ -95,6 +96,9 @@ class Engine:
         self.stopping = asyncio.Event()  # set with ``closing``, for waits that must end at shutdown
         self.started_at = time.time()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.tracer: SimTracer | None = None
+        if cfg.otlp_traces_endpoint:
+            self.tracer = SimTracer(cfg.otlp_traces_endpoint, cfg.engine, cfg.role, cfg.served_name)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -128,6 +132,8 @@ class Engine:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.role.close()
+        if self.tracer is not None:
+            await self.tracer.close()
 
     def reset(self) -> None:
         """Zero counters and metrics (test helper); live requests are not touched."""
@@ -347,6 +353,8 @@ class Engine:
         else:
             self.counts.completed += 1
         self.metrics.on_finish(seq)
+        if self.tracer is not None:
+            self.tracer.finished(seq)
         seq.channel.push(out)
         task = seq.task
         if task is not None and task is not asyncio.current_task() and not task.done():

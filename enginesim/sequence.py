@@ -100,6 +100,7 @@ class Sequence:
     last_token_at: float | None = None
     finished_at: float | None = None
     role_data: dict[str, Any] = field(default_factory=dict)
+    trace_headers: dict[str, str] | None = None  # the request's W3C traceparent/tracestate (enginesim.tracing)
     first_token: int | None = None  # forced first output token (SGLang decode: the prefill's token)
     channel: Channel = field(default_factory=Channel)
     admitted: asyncio.Event = field(default_factory=asyncio.Event)

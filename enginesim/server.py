@@ -31,9 +31,12 @@ from enginesim.wire import json_response, read_json
 ENGINE_KEY = web.AppKey("enginesim_engine", Engine)
 CONFIG_KEY = web.AppKey("enginesim_config", SimConfig)
 RECEIVED_KEY = web.AppKey("enginesim_received", collections.deque)
+TRACEPARENTS_KEY = web.AppKey("enginesim_traceparents", collections.deque)
 
 # how many received requests `/_sim/state` remembers (a test hook, not an access log)
 _RECEIVED_KEPT = 256
+# how many received W3C trace headers it remembers (newest last)
+_TRACEPARENTS_KEPT = 64
 
 # Long enough for streams to write their final frames after the shutdown abort, short enough that
 # closing a sim with a hung connection does not stall a test run.
@@ -44,14 +47,16 @@ def build_app(cfg: SimConfig) -> web.Application:
     """The aiohttp application of one engine (engine, role, routes, lifecycle hooks)."""
     engine = Engine(cfg)
     received: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECEIVED_KEPT)
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_recorder(received)])
+    traceparents: collections.deque[dict[str, Any]] = collections.deque(maxlen=_TRACEPARENTS_KEPT)
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_recorder(received, traceparents)])
     app[ENGINE_KEY] = engine
     app[CONFIG_KEY] = cfg
     app[RECEIVED_KEY] = received
+    app[TRACEPARENTS_KEY] = traceparents
     api: VllmApi | SglangApi = VllmApi(engine) if cfg.engine == "vllm" else SglangApi(engine)
     app.add_routes(api.routes())
     app.add_routes(engine.role.routes())
-    app.add_routes(_sim_routes(engine, received))
+    app.add_routes(_sim_routes(engine, received, traceparents))
 
     async def on_startup(_: web.Application) -> None:
         await engine.start()
@@ -68,13 +73,19 @@ def build_app(cfg: SimConfig) -> web.Application:
     return app
 
 
-def _recorder(received: collections.deque) -> Any:
+def _recorder(received: collections.deque, traceparents: collections.deque) -> Any:
     """Remember what each request that reached the engine looked like on the wire (method, path,
-    body size, whether the body is one JSON object), so a test can prove what a gateway let through."""
+    body size, whether the body is one JSON object), so a test can prove what a gateway let through;
+    and the W3C trace headers of those that carried a ``traceparent`` (trace propagation)."""
 
     @web.middleware
     async def record(request: web.Request, handler: Any) -> web.StreamResponse:
         if not request.path.startswith("/_sim/"):
+            tp = request.headers.get("traceparent")
+            if tp is not None:
+                traceparents.append({"path": request.path, "traceparent": tp,
+                                     "tracestate": request.headers.get("tracestate"),
+                                     "request_id": request.headers.get("X-Request-Id")})
             entry: dict[str, Any] = {"method": request.method, "path": request.path_qs, "bytes": 0,
                                      "json_object": None}
             received.append(entry)
@@ -97,15 +108,18 @@ def _recorder(received: collections.deque) -> Any:
     return record
 
 
-def _sim_routes(engine: Engine, received: collections.deque) -> list[web.RouteDef]:
+def _sim_routes(engine: Engine, received: collections.deque,
+                traceparents: collections.deque) -> list[web.RouteDef]:
     """Test-only introspection and control, under ``/_sim/``."""
 
     async def state(request: web.Request) -> web.Response:
-        return json_response({**engine.snapshot(), "received": list(received)})
+        return json_response({**engine.snapshot(), "received": list(received),
+                              "traceparents": list(traceparents)})
 
     async def reset(request: web.Request) -> web.Response:
         engine.reset()
         received.clear()
+        traceparents.clear()
         return json_response(engine.snapshot())
 
     async def configure(request: web.Request) -> web.Response:

@@ -24,6 +24,7 @@ from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
+from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, json_response, read_json
 
 OPENAI = ErrorStyle.SGLANG_OPENAI
@@ -104,6 +105,7 @@ class SglangApi:
         seq = engine.new_sequence(seq_id=rid, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
                                   fault=fault, cache_salt=salt if isinstance(salt, str) else None,
                                   lora=lora if isinstance(lora, str) else None)
+        seq.trace_headers = trace_headers(request.headers)
         engine.role.accept(seq, body)
         engine.submit(seq)
         return seq

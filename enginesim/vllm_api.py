@@ -26,6 +26,7 @@ from enginesim.frontend import Dropped, check_fault_status, collect, outputs, re
 from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes, render_chat
+from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, json_response, read_json
 
 STYLE = ErrorStyle.VLLM
@@ -112,6 +113,7 @@ class VllmApi:
                 params=SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                       ignore_eos=req.ignore_eos),
                 stream=req.stream, fault=fault, cache_salt=req.cache_salt)
+            seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
         except ApiError as exc:
             return exc.response(STYLE)
