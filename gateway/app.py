@@ -1,9 +1,10 @@
 """The aiohttp application: it wires the collaborators and owns their lifecycle.
 
-Wiring, in the order a request meets them: tenancy, routing, the ledger of charges (taken by
-the pipeline), the upstream legs, the relay, P/D orchestration; the pipeline calls them and none
-of them calls the pipeline back. Startup and teardown are one ``cleanup_ctx`` generator each, so
-what starts is stopped in reverse order, also when a later step fails.
+Wiring, in the order a request meets them: tracing (a middleware, when on), tenancy, routing, the
+ledger of charges (taken by the pipeline), the upstream legs, the relay, P/D orchestration; the
+pipeline calls them and none of them calls the pipeline back. Startup and teardown are one
+``cleanup_ctx`` generator each, so what starts is stopped in reverse order, also when a later
+step fails.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gateway.routing import Routing
 from gateway.status import StatusBoard, StatusSources
 from gateway.status_http import add_status
 from gateway.tenants import build_tenancy
+from gateway.tracing import Tracing
 from gateway.upstream import Upstream, make_session
 from k8s.discovery import KubernetesDiscovery
 
@@ -108,12 +110,15 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants)
     request_log = RequestLog(config.server.log_format, config.server.log_level,
                              LineWriter(on_drop=metrics.log_lines_dropped.inc))
-    gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log)
+    tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/tracing)
+    gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats,
                               engine_max_age=config.routing.metrics_max_age_s)
     started_at = int(time.time())
 
-    app = web.Application(middlewares=[_error_middleware(metrics)], client_max_size=config.server.max_body_bytes)
+    # the trace middleware is outermost, so the request span sees the status the client gets
+    middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(metrics)]
+    app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
     app[LIFECYCLE_KEY] = lifecycle
     app[NOT_READY_KEY] = asyncio.Event()
@@ -186,5 +191,16 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
             if disc is not None:
                 await disc.stop()
 
+    if tracing is not None:     # first in, last out: flushed once everything else stopped
+        app.cleanup_ctx.append(_tracing_lifecycle(tracing))
     app.cleanup_ctx.append(engines)
     return app
+
+
+def _tracing_lifecycle(tracing: Tracing):
+    async def traced(_app: web.Application) -> AsyncIterator[None]:
+        """Stops after the engines and the background tasks: every span is ended before the flush."""
+        log.info("tracing on", **tracing.describe())
+        yield
+        await tracing.close()
+    return traced

@@ -5,7 +5,8 @@ choices or an unknown key (a typo must not silently fall back to a default) is a
 ``conf.yaml: models[0].pd.prefill_timeout_s: ...``; null means the default. What types cannot say
 is checked in ``__post_init__``. Settings belong to their readers: the strategies' knobs
 (routers.base.RoutingSettings, routers.pd.PDRouteSettings), the engines' P/D knobs (handlers.vllm,
-handlers.sglang), discovery's (k8s.settings); the blocks here add what only the gateway reads.
+handlers.sglang), discovery's (k8s.settings), tracing's (gateway.tracing); the blocks here add what
+only the gateway reads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from msgspec.structs import force_setattr
 
 from gateway.endpoints import ENGINES
 from gateway.strict import StrictError, convert, laid_over, without_nulls
+from gateway.tracing import TracingConfig
 from handlers.sglang import SGLangPDSettings
 from handlers.vllm import VLLMPDSettings
 from k8s.settings import KubernetesConfig
@@ -296,6 +298,7 @@ class Config(_Block, dict=True):
     limits: LimitsConfig = LimitsConfig()
     state: StateConfig = StateConfig()
     status: StatusConfig = StatusConfig()
+    tracing: TracingConfig = TracingConfig()   # OpenTelemetry (gateway/tracing.py)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

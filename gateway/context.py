@@ -2,9 +2,9 @@
 
 ``RequestRecord`` is what the log line and the metrics say about a request; ``RequestContext``
 adds what the stages hand each other (the aiohttp request, the parsed request, the decision, the
-charges, the response once its headers went out). The pipeline creates one context per request,
-every stage takes it, and the pipeline's ``finally`` releases its charges and writes the record,
-whatever path the request took.
+charges, the response once its headers went out, the trace). The pipeline creates one context
+per request, every stage takes it, and the pipeline's ``finally`` releases its charges and writes
+the record, whatever path the request took.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from gateway.ledger import Charges
 from gateway.logs import RequestLog
 from gateway.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, request_id_from
+from gateway.tracing import NO_TRACE, Trace
 from routers.base import Decision
 
 log = structlog.get_logger("switchyard.request")
@@ -92,6 +93,7 @@ class RequestContext:
     decision: Decision | None = None
     charges: Charges = field(default_factory=Charges)
     response: web.StreamResponse | None = None       # set once the response headers went out
+    trace: Trace = NO_TRACE                          # the request's trace (gateway.tracing); no-op when off
 
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:

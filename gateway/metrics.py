@@ -84,6 +84,11 @@ class GatewayMetrics:
                                   "How late the event loop ran a periodic timer (gateway/looplag.py)",
                                   buckets=LOOP_LAG_BUCKETS, registry=r)
         ProcessCollector(registry=r)
+        # tracing (gateway/tracing.py): what the OTLP exporter could not deliver, after its retries
+        self.trace_export_failures = Counter("switchyard_trace_export_failures",
+                                             "Span batches the OTLP exporter failed to deliver", registry=r)
+        self.trace_spans = Counter("switchyard_trace_spans", "Spans handed to the OTLP exporter, by result",
+                                   ["result"], registry=r)
         self._children: dict[tuple, object] = {}
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],

@@ -111,11 +111,13 @@ class PDOrchestrator:
         ctx.charges.decode_started()
         limit = self._decode_header_timeout(ctx)
         decode_start = time.perf_counter()
+        leg = ctx.trace.leg("decode", ctx.decision.endpoint)
         try:
-            resp = await self._open_decode(ctx, body, headers, limit)
+            resp = await self._open_decode(ctx, body, leg.inject(headers), limit)
         except GatewayError:
             self._abort_decode(ctx, plan)
             raise
+        leg.responded(resp.status)
         return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
 
     async def _concurrent(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
@@ -135,8 +137,9 @@ class PDOrchestrator:
 
         prefill_task = asyncio.create_task(run_prefill())
         decode_sent = SendState()
+        leg = ctx.trace.leg("decode", decode)
         decode_task = asyncio.create_task(self.upstream.open(
-            decode, ireq.path, plan.decode_body, headers, self.config.upstream.first_byte_timeout_s or None,
+            decode, ireq.path, plan.decode_body, leg.inject(headers), self.config.upstream.first_byte_timeout_s or None,
             ireq.model, decode_sent))
         ctx.charges.decode_started()
         decode_start = time.perf_counter()
@@ -162,7 +165,7 @@ class PDOrchestrator:
                 resp = decode_task.result()
                 self.spawn(self._late_prefill(ctx, prefill_task))
         except UpstreamFailure as f:
-            self._abort(prefill, plan.abort, ireq.model)
+            self._abort(ctx, prefill, plan.abort)
             if f.kind == "timeout":
                 raise self._watchdog_error(ctx, self.config.upstream.first_byte_timeout_s) from None
             raise self._decode_unavailable(ctx, f) from None
@@ -170,7 +173,7 @@ class PDOrchestrator:
             # the client went away: stop both legs, and tell the engine (it may notice a closed
             # connection only seconds later); the decode's abort is decided below
             if not prefill_task.done():
-                self._abort(prefill, plan.abort, ireq.model)
+                self._abort(ctx, prefill, plan.abort)
             raise
         finally:
             if resp is None:
@@ -184,8 +187,9 @@ class PDOrchestrator:
                     with contextlib.suppress(BaseException):
                         await t
                 self._end_unrelayed_decode(ctx, plan, decode_task, decode_sent)
+        leg.responded(resp.status)
         if resp.status != 200 and not prefill_task.done():
-            self._abort(prefill, plan.abort, ireq.model)    # the prefill would wait for a decode that gave up
+            self._abort(ctx, prefill, plan.abort)    # the prefill would wait for a decode that gave up
             prefill_task.cancel()
         return await self._relay_decode(ctx, adapter, plan, resp, prefill_start,
                                         prefill_end[0] if prefill_end else None, decode_start)
@@ -198,18 +202,20 @@ class PDOrchestrator:
         ireq, rec = ctx.ireq, ctx.rec
         timeout = self.config.pd_for(ireq.model).prefill_timeout_s or None
         start = time.perf_counter()
-        try:
-            status, raw = await self.upstream.fetch(ctx.decision.prefill, ireq.path, body, headers,
-                                                    ireq.model, timeout)
-        except UpstreamFailure as f:
-            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message) from None
-        finally:
-            rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
-        self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(time.perf_counter() - start)
-        rec.extra["prefill_status"] = status
-        if status != 200:
-            _, err = normalize_upstream_error(status, raw)
-            raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
+        with ctx.trace.leg("prefill", ctx.decision.prefill) as leg:
+            try:
+                status, raw = await self.upstream.fetch(ctx.decision.prefill, ireq.path, body, leg.inject(headers),
+                                                        ireq.model, timeout)
+            except UpstreamFailure as f:
+                raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message) from None
+            finally:
+                rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
+            leg.responded(status)
+            self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(time.perf_counter() - start)
+            rec.extra["prefill_status"] = status
+            if status != 200:
+                _, err = normalize_upstream_error(status, raw)
+                raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
         return raw
 
     async def _open_decode(self, ctx: RequestContext, body: bytes, headers: dict[str, str],
@@ -263,6 +269,7 @@ class PDOrchestrator:
         rec = ctx.rec
         phase = "first_chunk" if ctx.ireq.stream else "response"
         rec.watchdog = phase
+        ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": limit or 0.0})
         self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
         rec.error_class = f"watchdog_{phase}"
         verb = "start" if ctx.ireq.stream else "finish"
@@ -294,13 +301,15 @@ class PDOrchestrator:
 
     def _abort_decode(self, ctx: RequestContext, plan: PDPlan) -> None:
         assert ctx.decision is not None
-        self._abort(ctx.decision.endpoint, plan.abort, ctx.rec.model)
+        self._abort(ctx, ctx.decision.endpoint, plan.abort)
 
-    def _abort(self, ep: Endpoint, spec: AbortSpec | None, model: str) -> None:
+    def _abort(self, ctx: RequestContext, ep: Endpoint, spec: AbortSpec | None) -> None:
         """Tell ``ep`` to drop the request, in the background. Engines without an abort call
         (``spec`` None) learn it from the closed connection."""
+        ctx.trace.event("abort", {"switchyard.abort.by": "gateway", "switchyard.endpoint": ep.name,
+                                  "switchyard.abort.sent": spec is not None})
         if spec is not None:
-            self.spawn(self._send_abort(ep, spec, model))
+            self.spawn(self._send_abort(ep, spec, ctx.rec.model))
 
     def _end_unrelayed_decode(self, ctx: RequestContext, plan: PDPlan, task: asyncio.Task,
                               sent: SendState) -> None:

@@ -30,6 +30,7 @@ from gateway.relay import Relay, error_event
 from gateway.request import parse
 from gateway.routing import Routing
 from gateway.tenants.service import Tenancy
+from gateway.tracing import Tracing
 from gateway.upstream import Upstream, UpstreamFailure, upstream_body, upstream_headers
 from handlers import adapter_for
 from handlers.base import BodyError
@@ -40,7 +41,7 @@ log = structlog.get_logger("switchyard.request")
 class Pipeline:
     def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics, routing: Routing,
                  upstream: Upstream, relay: Relay, pd: PDOrchestrator, tenancy: Tenancy | None,
-                 lifecycle: Lifecycle, request_log: RequestLog) -> None:
+                 lifecycle: Lifecycle, request_log: RequestLog, tracing: Tracing | None = None) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics
@@ -51,12 +52,17 @@ class Pipeline:
         self.tenancy = tenancy
         self.lifecycle = lifecycle
         self.request_log = request_log
+        self.tracing = tracing
         self.model_in_flight: dict[str, int] = {}
         self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ctx = RequestContext.start(request)
         rec = ctx.rec
+        if self.tracing is not None:        # the span the tracing middleware opened
+            ctx.trace = self.tracing.of(request)
+            if ctx.trace.trace_id:
+                rec.extra["trace_id"] = ctx.trace.trace_id
         self.lifecycle.enter()
         ticket = None
         model_gauge = None
@@ -77,9 +83,11 @@ class Pipeline:
             rec.user = ireq.user            # with auth on, the key's user (admit decides it)
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
+            ctx.trace.route_start()
             decision = ctx.decision = self.routing.route(ireq, spec, router, candidates)
             # charged in the same synchronous step as the decision
             ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
+            ctx.trace.routed(decision, len(candidates))
             if decision.prefill is not None:
                 return await self.pd.forward(ctx, adapter, checked)
             return await self.forward(ctx, candidates)
@@ -90,6 +98,7 @@ class Pipeline:
             rec.error_class = rec.error_class or "client_cancel"
             self.metrics.child(self.metrics.client_cancels, rec.model,
                                "streaming" if rec.headers_sent else "before_headers").inc()
+            ctx.trace.event("abort", {"switchyard.abort.by": "client"})
             raise
         except Exception as e:   # a bug: the client still gets an answer, the traceback is logged once
             return await self._internal_error(ctx, e)
@@ -100,6 +109,7 @@ class Pipeline:
             self.lifecycle.leave()
             if ticket is not None:          # charge usage tokens, release the concurrency slot
                 self.tenancy.settle(ticket, rec)
+            ctx.trace.finish(rec)
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
     # -- stages --------------------------------------------------------------------------------
@@ -153,15 +163,21 @@ class Pipeline:
         tried = [ep]
         while True:
             ctx.use(ep)
+            leg = ctx.trace.leg("generate", ep, attempt=len(tried))
             try:
-                resp = await self.upstream.open(ep, ireq.path, body, headers, header_timeout, ireq.model)
+                resp = await self.upstream.open(ep, ireq.path, body, leg.inject(headers), header_timeout, ireq.model)
+                leg.responded(resp.status)
                 break
             except UpstreamFailure as f:
+                leg.failed(f.kind)
                 others = [c for c in candidates if c not in tried and c.ready]
                 if f.retryable and cfg.upstream.retry_on_connect_error and others and rec.retries == 0:
                     rec.retries += 1
                     self.metrics.child(self.metrics.retries, ireq.model).inc()
+                    ctx.trace.event("retry", {"error.type": f.kind, "switchyard.endpoint": ep.name})
+                    ctx.trace.route_start()
                     ctx.decision = self.routing.route(ireq, rec.strategy, self.routing.router_for(rec.strategy), others)
+                    ctx.trace.routed(ctx.decision, len(others))
                     ep = ctx.decision.endpoint
                     tried.append(ep)
                     ctx.charges.move_in_flight(ep)

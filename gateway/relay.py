@@ -126,6 +126,7 @@ class Relay:
                 failure = error_event(502, rec.error, code="upstream_incomplete")
         except WatchdogFired as w:
             rec.watchdog = w.phase  # type: ignore[assignment]
+            ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
             rec.error_class = f"watchdog_{w.phase}"
             rec.error = f"no output from the engine for {w.seconds:g}s ({w.phase.replace('_', ' ')})"
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
@@ -189,6 +190,7 @@ class Relay:
         except (TimeoutError, UpstreamTimeout) as e:
             if isinstance(e, TimeoutError):
                 rec.watchdog = "response"
+                ctx.trace.event("watchdog", {"switchyard.watchdog.phase": "response", "switchyard.watchdog.seconds": limit})
             rec.error_class = "watchdog_response" if isinstance(e, TimeoutError) else "upstream_timeout"
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
             secs = limit if isinstance(e, TimeoutError) else e.seconds
