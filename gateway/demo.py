@@ -2,7 +2,8 @@
 
 Two aggregated models (vLLM-speaking and SGLang-speaking, two replicas each) and two P/D models
 (one prefill + one decode each), on fixed loopback ports, so a newcomer's first ``curl`` works
-with no GPU.
+with no GPU. With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, the gateway and the engines send traces
+there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 
 from gateway.config import config_from_dict
 from gateway.server import serve
+from gateway.tracing import TracingConfig, resolve
 
 # (model, engine, role, port, simulator knobs, endpoint entry knobs): the P/D prefills' side ports
 # are the vLLM KV side channel and the SGLang bootstrap port, which the SGLang endpoint names too
@@ -65,19 +67,29 @@ print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'use
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C
-"""
+{tracing}"""
+
+TRACING_OFF = ("Tracing: off. With an OTLP collector (e.g. Jaeger) on :4318, run with "
+               "OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4318\n")
+TRACING_ON = "Tracing: the gateway and every simulated engine send spans to {endpoint}\n"
 
 
 async def run_demo(host: str | None = None, port: int | None = None, log_format: str = "auto") -> None:
     from enginesim import SimConfig, start_sim
 
+    # tracing follows the OTEL_* variables (the gateway's tracing block is left at its defaults);
+    # the engines trace like vLLM with --otlp-traces-endpoint, so their spans join the gateway's
+    traces = resolve(TracingConfig())
+    sim_traces = traces.endpoint if traces.enabled and traces.protocol == "http/protobuf" else ""
     sims = []
     try:
         for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
             sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
-                                                  host="127.0.0.1", seed=eport, **kw)))
+                                                  host="127.0.0.1", seed=eport, otlp_traces_endpoint=sim_traces,
+                                                  **kw)))
         cfg = config_from_dict(demo_config(host, port, log_format), source="<demo>")
-        await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host))
+        note = TRACING_ON.format(endpoint=traces.endpoint) if traces.enabled else TRACING_OFF
+        await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note))
     finally:
         for s in sims:
             with contextlib.suppress(Exception):

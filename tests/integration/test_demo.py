@@ -13,25 +13,33 @@ import pytest
 
 from gateway.demo import DEMO_ENGINES
 from gateway.server import free_port
+from tests.otlp_receiver import OTLPReceiver
 
 MODELS = sorted({m for m, *_ in DEMO_ENGINES})
 
 
 async def test_demo_answers_every_model_streaming_and_not():
+    """Also with ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, as one would to look at its traces: the
+    gateway and the simulated engines then trace to it, and a P/D request arrives as one tree with
+    each engine's span under the gateway's leg to it."""
+    rx = await OTLPReceiver().start()
     port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url.removesuffix("/v1/traces"),
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "gateway", "--demo", "--port", str(port),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
     try:
         banner = b""
         async with asyncio.timeout(30):
-            while b"Metrics:" not in banner:
+            while b"Tracing:" not in banner:
                 line = await proc.stdout.readline()
                 if not line:
                     pytest.fail(f"demo exited early:\n{banner.decode()}")
                 banner += line
-        assert b"curl" in banner and b"OpenAI" in banner
+        assert b"curl" in banner and b"OpenAI" in banner and b"Metrics:" in banner
         assert f"http://127.0.0.1:{port}/status ".encode() in banner
+        assert rx.url.encode() in banner
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert {m.id for m in (await client.models.list()).data} == set(MODELS)
         for model in MODELS:
@@ -41,12 +49,25 @@ async def test_demo_answers_every_model_streaming_and_not():
             stream = await client.chat.completions.create(model=model, max_tokens=5, stream=True,
                                                           messages=[{"role": "user", "content": "Hello!"}])
             assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
-        await client.close()
         async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/status.json") as r:
             doc = await r.json()
         assert {m["name"] for m in doc["models"]} == set(MODELS) and len(doc["endpoints"]) == len(DEMO_ENGINES)
         assert {m["name"]: m["minute"]["requests"] for m in doc["models"]} == {m: 2 for m in MODELS}
+        raw = await client.chat.completions.with_raw_response.create(
+            model="demo-qwen-pd", max_tokens=3, messages=[{"role": "user", "content": "Trace me"}])
+        await client.close()
+        rid = raw.headers["request-id"]
+
+        def root(r):
+            return next((s for s in r.spans if s.attributes.get("gen_ai.request.id") == rid), None)
+
+        assert await rx.wait_for(lambda r: root(r) and len(r.trace(root(r).trace_id)) >= 6, timeout=15)
+        legs = {s.span_id: s.name for s in rx.children(root(rx))}
+        engine_spans = [s for s in rx.trace(root(rx).trace_id) if s.name == "llm_request"]
+        assert sorted(legs.get(s.parent_id) for s in engine_spans) == ["decode", "prefill"]
+        assert {s.service for s in engine_spans} == {"sglang"}
     finally:
         proc.send_signal(signal.SIGINT)
         async with asyncio.timeout(15):
             await proc.wait()
+        await rx.close()
