@@ -105,3 +105,10 @@ SOAK_ARGS ?=
 
 soak: $(STAMP)
 	$(BIN)/python bench/soak.py $(SOAK_ARGS)
+
+# what tracing costs per request: off, on (every request sampled) and on with nothing sampled
+.PHONY: bench-tracing
+TRACING_ARGS ?=
+
+bench-tracing: $(STAMP)
+	$(BIN)/python bench/tracing_overhead.py $(TRACING_ARGS)
