@@ -216,12 +216,12 @@ async def test_middle_ratio_samples_by_trace_id(sims, gateway, receiver):
     assert {s.trace_id for s in gateway_spans(rx) if s.kind == "SERVER"} == set(low)
 
 
-async def test_health_and_metrics_are_not_traced(sims, gateway, receiver):
+async def test_probes_and_metrics_are_not_traced(sims, gateway, receiver):
     rx = receiver
     sim = await sims("vllm", "m")
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
     async with aiohttp.ClientSession() as s:
-        for path in ("/health", "/metrics", "/v1/models", "/nope"):
+        for path in ("/health", "/ready", "/metrics", "/v1/models", "/nope"):
             async with s.get(gw.url + path) as r:
                 await r.read()
     await flush(gw)
