@@ -65,7 +65,7 @@ _Ratio = Annotated[float, Meta(ge=0.0, le=1.0)]
 _Seconds = Annotated[float, Meta(gt=0.0)]
 _HOST_PORT = re.compile(r"\A[A-Za-z0-9.\-]+:\d{1,5}\Z|\A\[[0-9A-Fa-f:.]+\]:\d{1,5}\Z")
 
-DEFAULT_EXCLUDED = ("/health", "/ready", "/metrics")      # probes and scrapes
+DEFAULT_EXCLUDED = ("/health", "/ready", "/metrics", "/status", "/status.json")   # probes, scrapes, the status page
 DEFAULT_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
 DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 TRACES_PATH = "/v1/traces"

@@ -221,7 +221,7 @@ async def test_probes_and_metrics_are_not_traced(sims, gateway, receiver):
     sim = await sims("vllm", "m")
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
     async with aiohttp.ClientSession() as s:
-        for path in ("/health", "/ready", "/metrics", "/v1/models", "/nope"):
+        for path in ("/health", "/ready", "/metrics", "/status.json", "/v1/models", "/nope"):
             async with s.get(gw.url + path) as r:
                 await r.read()
     await flush(gw)

@@ -16,7 +16,7 @@ def test_off_by_default_and_defaults():
     assert not s.enabled
     assert (s.endpoint, s.protocol, s.sample_ratio, s.parent_based, s.service_name) == (
         "http://localhost:4318/v1/traces", "http/protobuf", 1.0, True, "switchyard")
-    assert s.exclude_paths == ("/health", "/ready", "/metrics")
+    assert s.exclude_paths == ("/health", "/ready", "/metrics", "/status", "/status.json")
     assert Tracing.from_config(TracingConfig(), GatewayMetrics(), env={}) is None
 
 
