@@ -3,6 +3,7 @@
 
     python bench/tracing_overhead.py            # ~1.5 minutes
     python bench/tracing_overhead.py --quick    # ~30 s
+    python bench/tracing_overhead.py --micro    # seconds: the tracing calls alone, in a loop
 
 Processes on 127.0.0.1: the fast backend (``bench/fastbackend.py``), three Switchyards
 (``python -m gateway``, uvloop, ``round-robin``, ``log_level: warning``), one per configuration,
@@ -151,13 +152,89 @@ def load(port: int, gw_pid: int, concurrency: int, duration: float, warmup: floa
             "completed": r["completed"]}
 
 
+def micro(n: int = 20000) -> None:
+    """The tracing calls of one aggregated request in a loop, in this process: no sockets, so the
+    figures are the spans' own CPU. Sampled: creating and ending the spans, then encoding them as
+    the OTLP exporter does; unsampled; and tracing off (the no-op trace object)."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+    from gateway.context import RequestRecord
+    from gateway.endpoints import Endpoint
+    from gateway.metrics import GatewayMetrics
+    from gateway.tracing import _PROPAGATOR, NO_TRACE, RequestTrace, Tracing, TracingConfig, resolve
+    from routers.base import Decision
+
+    class Keep(SpanExporter):
+        def __init__(self) -> None:
+            self.spans: list = []
+
+        def export(self, spans):
+            self.spans.extend(spans)
+            return SpanExportResult.SUCCESS
+
+        def shutdown(self) -> None:
+            pass
+
+    ep = Endpoint(url="http://127.0.0.1:8001", model="m", engine="vllm", role="aggregated")
+    headers = {"Content-Type": "application/json", "X-Request-Id": "r1"}
+    rec = RequestRecord(request_id="r1", path="/v1/chat/completions", started=time.perf_counter(), model="m",
+                        prompt_tokens=10, completion_tokens=5, cached_tokens=0, ttft=0.01, finish_reason="stop",
+                        status=200, endpoint=ep.name, stream=True)
+
+    decision = Decision(ep, "least-request")
+
+    def one(trace) -> None:
+        trace.route_start()
+        trace.routed(decision, 2)
+        leg = trace.leg("generate", ep)
+        leg.inject(headers)
+        leg.responded(200)
+        trace.finish(rec)
+
+    for ratio in (1.0, 0.0):
+        keep = Keep()
+        t = Tracing(resolve(TracingConfig(enabled=True, sample_ratio=ratio, max_queue_size=10 * n), env={}),
+                    GatewayMetrics(), exporter=keep)
+        c0 = time.process_time()
+        for _ in range(n):
+            span = t.tracer.start_span("POST /v1/chat/completions", context=_PROPAGATOR.extract(headers),
+                                       kind=otel_server_kind(), attributes={"http.request.method": "POST",
+                                                                            "url.path": rec.path})
+            rt = RequestTrace(t, span)
+            one(rt)
+            rt.close(200)
+        c1 = time.process_time()
+        t.provider.force_flush()
+        c2 = time.process_time()
+        for i in range(0, len(keep.spans), 512):
+            encode_spans(keep.spans[i:i + 512]).SerializePartialToString()
+        c3 = time.process_time()
+        t.provider.shutdown()
+        print(f"sample_ratio {ratio:g}: {(c1 - c0) / n * 1e6:.1f} µs per request to create and end its spans"
+              + (f", {(c3 - c2) / n * 1e6:.1f} µs to encode them ({len(keep.spans) / n:g} spans)" if keep.spans else ""))
+    c0 = time.process_time()
+    for _ in range(n * 10):
+        one(NO_TRACE)
+    print(f"tracing off: {(time.process_time() - c0) / (n * 10) * 1e6:.2f} µs per request in no-op calls")
+
+
+def otel_server_kind():
+    from opentelemetry.trace import SpanKind
+    return SpanKind.SERVER
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--micro", action="store_true", help="only the in-process loop of the tracing calls (seconds)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--duration", type=float, help="measured seconds per run")
     ap.add_argument("--concurrency", default="1,32", help="comma-separated closed-loop concurrencies")
     args = ap.parse_args(argv)
+    if args.micro:
+        micro()
+        return 0
     rounds = args.rounds or (2 if args.quick else 5)
     duration = args.duration or (1.5 if args.quick else 2.0)
     warmup = 0.5
