@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -43,6 +40,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
+from bench.procs import stop, wait_port  # noqa: E402
 from gateway.config import StateConfig, UserLimits  # noqa: E402
 from gateway.server import free_port  # noqa: E402
 from gateway.tenants.limits import AdmitQuery  # noqa: E402
@@ -145,30 +143,6 @@ async def direct_admit(redis_url: str, n: int) -> dict:
         xs.append(time.perf_counter() - t0)
     await st.stop()
     return {"p50_us": pct(xs, 50) * 1e6, "p99_us": pct(xs, 99) * 1e6}
-
-
-def wait_port(port: int, p: subprocess.Popen, timeout: float = 30.0) -> None:
-    import socket
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"process exited with {p.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
-
-
-def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGINT)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(5)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +51,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
+from bench.procs import stop, wait_port  # noqa: E402
 from gateway.server import free_port  # noqa: E402
 
 MODES = ("off", "on", "unsampled")
@@ -111,30 +110,6 @@ def config(port: int, backend: str, mode: str, receiver_port: int) -> dict:
         cfg["tracing"] = {"enabled": True, "endpoint": f"http://127.0.0.1:{receiver_port}/v1/traces",
                           "sample_ratio": 1.0 if mode == "on" else 0.0, "batch_delay_s": 0.2}
     return cfg
-
-
-def wait_port(port: int, p: subprocess.Popen, timeout: float = 30.0) -> None:
-    import socket
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if p.poll() is not None:
-            raise RuntimeError(f"process exited with {p.returncode}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on {port}")
-
-
-def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGINT)
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(5)
 
 
 def load(port: int, gw_pid: int, concurrency: int, duration: float, warmup: float) -> dict:
