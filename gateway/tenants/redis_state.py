@@ -41,6 +41,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.config import StateConfig, UserLimits
 from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
@@ -176,9 +177,14 @@ class RedisState:
             kw["ssl_ca_certs"] = cfg.tls_ca_file
         if cfg.password is not None:
             kw["password"] = cfg.password
+        # Maintenance notifications stay off: with them on ("auto", the client's default) the pool
+        # skips its check for connections the server closed, so after a Redis restart every idle
+        # pooled connection would fail one call (a request served uncounted, or a 503) instead of
+        # being reconnected when it is taken from the pool.
         self.client = aioredis.Redis.from_url(
             cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
             retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
             decode_responses=False, **kw)
         self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE)}
         self._sync = self.client.register_script(SYNC)

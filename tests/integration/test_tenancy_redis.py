@@ -16,7 +16,9 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
+from gateway.config import StateConfig
 from gateway.server import free_port
+from gateway.tenants.redis_state import RedisState
 from tests.conftest import model_block, wait_for
 from tests.integration.test_tenancy_api import ALICE, CHAT, KEYS, client, outcomes
 from tests.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
@@ -245,3 +247,17 @@ async def _healthy(url: str) -> bool:
             return r.status == 200
     except aiohttp.ClientError:
         return False
+
+
+async def test_a_redis_restart_leaves_no_stale_pooled_connection(redis_server):
+    """Every idle pooled connection is to the Redis that died: each is reconnected when taken from
+    the pool, so no call after the restart fails on one (a request served uncounted, or a 503)."""
+    st = RedisState(StateConfig(redis_url=redis_server.url, timeout_s=0.5))
+    try:
+        assert await asyncio.gather(*(st.client.ping() for _ in range(5))) == [True] * 5  # 5 in the pool
+        redis_server.kill()         # the kernel has queued each connection's FIN when this returns
+        await asyncio.sleep(0.05)   # a few loop turns to read them, as a serving gateway's loop would
+        redis_server.start()
+        assert await asyncio.gather(*(st.client.ping() for _ in range(5))) == [True] * 5
+    finally:
+        await st.stop()
