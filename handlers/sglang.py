@@ -1,9 +1,10 @@
 """SGLang P/D, bootstrap: both legs carry the same bootstrap host/port/room and ``rid``.
 
-The bodies are built from the client's bytes: the top-level members the gateway controls are
-removed and its own appended, and every other member (messages, tools, ...) goes to the engines
-byte for byte. A body that names a controlled key twice is refused before any endpoint is chosen,
-since the engine's JSON parser would silently keep the last one.
+The bodies are built from the client's parsed request and serialized once each (orjson): the
+top-level members the gateway controls are removed and its own appended, and every other member
+(messages, tools, ...) keeps its order and value, the same bytes on both legs. A body that names a
+controlled key twice is refused before any endpoint is chosen: the gateway and the engine must not
+read two different requests out of one body.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import re
 from typing import Annotated, Any, Protocol
 
 import msgspec
@@ -57,78 +59,45 @@ def new_room(rng: random.Random | None = None) -> int:
     return (rng or random).randrange(ROOM_LIMIT)
 
 
-def _skip_ws(b: bytes, i: int) -> int:
-    n = len(b)
-    while i < n and b[i] in b" \t\r\n":
-        i += 1
-    return i
-
-
-def _end_of_string(b: bytes, i: int) -> int:
-    """``b[i]`` is the opening quote; returns the index after the closing quote."""
-    i += 1
-    n = len(b)
-    while i < n:
-        c = b[i]
-        if c == 0x5C:       # backslash: skip the escaped byte
-            i += 2
-            continue
-        if c == 0x22:
-            return i + 1
-        i += 1
-    raise BodyError("unterminated string")
-
-
-def _end_of_value(b: bytes, i: int) -> int:
-    n = len(b)
-    depth = 0
-    while i < n:
-        c = b[i]
-        if c == 0x22:
-            i = _end_of_string(b, i)
-            continue
-        if c in b"{[":
-            depth += 1
-        elif c in b"}]":
-            if depth == 0:
-                return i
-            depth -= 1
-        elif c == 0x2C and depth == 0:
-            return i
-        i += 1
-    raise BodyError("unterminated value")
+# One JSON token the member splitter must see: a whole string (escapes included), or a structural
+# character. Numbers, true/false/null and whitespace are skipped by the regex engine, so the
+# Python loop below runs once per string or bracket, never once per byte of a long prompt.
+_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[{}\[\],:]', re.DOTALL)
+_WS = b" \t\r\n"
 
 
 def split_members(body: bytes) -> list[tuple[str, bytes]]:
     """Top-level ``(key, raw member bytes)`` pairs of a JSON object, in order. The body must
     already be known to be valid JSON (the gateway parsed it once)."""
-    i = _skip_ws(body, 0)
-    if i >= len(body) or body[i] != 0x7B:
+    tokens = _TOKEN.finditer(body)
+    first = next(tokens, None)
+    if first is None or body[first.start()] != 0x7B or body[:first.start()].strip(_WS):
         raise BodyError("request body is not a JSON object")
-    i = _skip_ws(body, i + 1)
     out: list[tuple[str, bytes]] = []
-    if i < len(body) and body[i] == 0x7D:
-        return out
-    while True:
-        if body[i] != 0x22:
-            raise BodyError("expected a key")
-        key_end = _end_of_string(body, i)
-        key = orjson.loads(body[i:key_end])
-        j = _skip_ws(body, key_end)
-        if body[j] != 0x3A:
-            raise BodyError("expected ':'")
-        v = _skip_ws(body, j + 1)
-        end = _end_of_value(body, v)
-        member_end = end
-        while member_end > v and body[member_end - 1] in b" \t\r\n":
-            member_end -= 1
-        out.append((key, body[i:member_end]))
-        k = _skip_ws(body, end)
-        if body[k] == 0x7D:
-            return out
-        if body[k] != 0x2C:
-            raise BodyError("expected ',' or '}'")
-        i = _skip_ws(body, k + 1)
+    depth = 0
+    key: str | None = None           # the member being read (depth 0), None between members
+    start = 0
+    for m in tokens:
+        c = body[m.start()]
+        if depth:
+            if c == 0x7B or c == 0x5B:
+                depth += 1
+            elif c == 0x7D or c == 0x5D:
+                depth -= 1
+        elif key is None:
+            if c == 0x7D and not out:
+                return out
+            if c != 0x22:
+                raise BodyError("expected a key")
+            key, start = orjson.loads(m.group()), m.start()
+        elif c == 0x2C or c == 0x7D:
+            out.append((key, body[start:m.start()].rstrip(_WS)))
+            key = None
+            if c == 0x7D:
+                return out
+        elif c == 0x7B or c == 0x5B:
+            depth = 1
+    raise BodyError("unterminated object")
 
 
 def check_members(members: list[tuple[str, bytes]]) -> None:
@@ -140,28 +109,38 @@ def check_members(members: list[tuple[str, bytes]]) -> None:
             seen.add(key)
 
 
-def _member(key: str, value: Any) -> bytes:
-    return orjson.dumps(key) + b":" + orjson.dumps(value)
+def duplicate_controlled_key(body: bytes) -> str | None:
+    """A controlled key the client wrote twice at the top level, if any. The engine and the gateway
+    could read such a body differently, so it is refused. Scanning is cheap: the exact splitter
+    runs only when a controlled key's name appears more than once anywhere in the body."""
+    if not any(body.count(b'"%s"' % k.encode()) > 1 for k in CONTROLLED):
+        return None
+    try:
+        check_members(split_members(body))
+    except BodyError as e:
+        return str(e)
+    return None
 
 
-def build_bodies(members: list[tuple[str, bytes]], *, bootstrap_host: str, bootstrap_port: int,
+def build_bodies(data: dict[str, Any], *, bootstrap_host: str, bootstrap_port: int,
                  room: int, rid: str, decode_extra: dict[str, Any] | None = None) -> tuple[bytes, bytes]:
-    """(prefill body, decode body) from the client's members.
+    """(prefill body, decode body) from the client's parsed request, serialized once each.
 
     Both get the bootstrap triple and the rid (client values overwritten). The prefill also gets
     ``max_tokens=1``, ``max_completion_tokens=1``, ``stream=false`` and loses ``stream_options``
     and ``min_tokens``. ``decode_extra`` replaces top-level decode keys (e.g. stream_options when
-    the gateway asks for usage).
+    the gateway asks for usage). The client's other members keep their order and values, so both
+    legs carry the same bytes for them (the same prompt, token for token).
     """
-    boot = [_member("bootstrap_host", bootstrap_host), _member("bootstrap_port", bootstrap_port),
-            _member("bootstrap_room", room), _member("rid", rid)]
+    boot = {"bootstrap_host": bootstrap_host, "bootstrap_port": bootstrap_port, "bootstrap_room": room, "rid": rid}
     extra = decode_extra or {}
-    decode_kept = [raw for key, raw in members if key not in BOOTSTRAP_KEYS and key not in extra]
-    decode = b"{" + b",".join(decode_kept + [_member(k, v) for k, v in extra.items()] + boot) + b"}"
-    prefill_kept = [raw for key, raw in members if key not in CONTROLLED]
-    prefill_set = [_member("max_tokens", 1), _member("max_completion_tokens", 1), _member("stream", False)]
-    prefill = b"{" + b",".join(prefill_kept + prefill_set + boot) + b"}"
-    return prefill, decode
+    decode = {k: v for k, v in data.items() if k not in boot and k not in extra}
+    decode.update(extra)
+    decode.update(boot)
+    prefill = {k: v for k, v in data.items() if k not in CONTROLLED}
+    prefill.update(max_tokens=1, max_completion_tokens=1, stream=False)
+    prefill.update(boot)
+    return orjson.dumps(prefill), orjson.dumps(decode)
 
 
 def bootstrap_host_of(host: str) -> str:
@@ -180,19 +159,18 @@ class SGLangAdapter:
 
     engine = "sglang"
 
-    def check_pd_body(self, ireq: InferenceRequest) -> list[tuple[str, bytes]]:
-        members = split_members(ireq.body)
-        check_members(members)
-        return members
+    def check_pd_body(self, ireq: InferenceRequest) -> None:
+        dup = duplicate_controlled_key(ireq.body)
+        if dup is not None:
+            raise BodyError(dup)
 
-    def pd_plan(self, ireq: InferenceRequest, checked: list[tuple[str, bytes]] | None, *, prefill: Endpoint,
+    def pd_plan(self, ireq: InferenceRequest, checked: None, *, prefill: Endpoint,
                 settings: HasSGLangSettings, rng: random.Random) -> PDPlan:
         own = settings.sglang
-        members = checked if checked is not None else self.check_pd_body(ireq)
         rid = new_rid(ireq.request_id)
         extra = usage_stream_options(ireq)
         p_body, d_body = build_bodies(
-            members, bootstrap_host=bootstrap_host_of(prefill.host),
+            ireq.data, bootstrap_host=bootstrap_host_of(prefill.host),
             bootstrap_port=prefill.bootstrap_port or own.default_bootstrap_port,
             room=new_room(rng), rid=rid, decode_extra=extra)
         abort = AbortSpec("/abort_request", orjson.dumps({"rid": rid}), own.abort_timeout_s, own.abort_retry_delay_s)
