@@ -11,6 +11,15 @@ from gateway.config import ConfigError, load_config
 from gateway.logs import configure_logging
 
 
+def _workers_arg(v: str) -> int | str:
+    if v == "auto":
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {v!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway", description="Switchyard LLM inference gateway")
     src = p.add_mutually_exclusive_group(required=True)
@@ -20,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", help="listen host (overrides listen.host)")
     p.add_argument("--port", type=int, help="listen port (overrides listen.port)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), help="overrides server.log_format")
-    p.add_argument("--workers", type=int, help="processes sharing the port via SO_REUSEPORT (overrides server.workers)")
+    p.add_argument("--workers", type=_workers_arg,
+                   help="processes sharing the port via SO_REUSEPORT, or 'auto' for the CPUs of the cgroup's "
+                        "quota (overrides server.workers)")
     args = p.parse_args(argv)
 
     if args.demo:
@@ -41,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config.with_log_format(args.log_format)
     configure_logging(config.server.log_format, config.server.log_level)
     from gateway.server import free_port, serve
-    workers = args.workers if args.workers is not None else config.server.workers
+    from gateway.workers import resolve_workers
+    workers = resolve_workers(args.workers if args.workers is not None else config.server.workers)
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
         return 2

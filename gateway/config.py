@@ -77,7 +77,7 @@ class ListenConfig(_Block):
 class ServerConfig(_Block):
     max_body_bytes: Count = 16 * 1024 * 1024
     shutdown_grace_s: Amount = 30.0
-    workers: Count = 1                   # processes sharing the port (SO_REUSEPORT); see gateway/workers.py
+    workers: Count | Literal["auto"] = 1    # processes sharing the port (SO_REUSEPORT); auto = the cgroup's CPUs
     drain_delay_s: Amount = 5.0          # after SIGTERM: keep accepting connections this long (≤ grace)
     log_format: Literal["auto", "json", "console"] = "auto"   # auto: console on a TTY, else JSON
     log_level: str = "info"

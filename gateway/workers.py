@@ -18,8 +18,43 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 RESTART_BACKOFF_S = 1.0
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cpu_limit(root: Path = CGROUP_ROOT) -> int:
+    """The CPUs this process may use: the cgroup's CPU quota rounded up (v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``, what a Kubernetes CPU limit sets), capped by the
+    CPUs it is allowed to run on (``sched_getaffinity``: cpusets, ``taskset``). At least 1."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = _cgroup_quota(root)
+    if quota is not None:
+        cpus = min(cpus, max(1, -(-quota[0] // quota[1])))
+    return max(1, cpus)
+
+
+def _cgroup_quota(root: Path) -> tuple[int, int] | None:
+    """(quota, period) in µs, or None when unlimited or unreadable."""
+    try:
+        fields = (root / "cpu.max").read_text().split()       # v2: "max 100000" or "200000 100000"
+        if len(fields) == 2 and fields[0] != "max":
+            return int(fields[0]), int(fields[1])
+        return None
+    except (OSError, ValueError):
+        pass
+    try:                                                      # v1
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return (quota, period) if quota > 0 and period > 0 else None
+
+
+def resolve_workers(value: int | str) -> int:
+    """``server.workers`` / ``--workers``: a count, or ``auto`` (= ``cpu_limit()``)."""
+    return cpu_limit() if value == "auto" else int(value)
 
 
 def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]) -> int:
