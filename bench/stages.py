@@ -1,0 +1,174 @@
+"""Where a small non-streaming request's CPU goes: ``python bench/stages.py [--duration 8]``.
+
+A sampling profiler's wall-clock samples pile up on the socket writes whenever the machine is
+busy (a loopback write wakes the reader, and the writer is preempted right there), so this
+measures CPU time instead, two ways, with the fast backend (``bench/fastbackend.py``) and the
+load generator (``bench/loadgen.py``, concurrency ``--concurrency``) on 127.0.0.1:
+
+- **floor**: an aiohttp server that reads the body and answers a fixed JSON, as a low-level
+  ``web.Server`` and as a ``web.Application`` with one route and one middleware: what aiohttp
+  itself costs per request, with no upstream leg;
+- **gateway**: ``python -m gateway`` at its defaults (request log on, JSON to a file), with the
+  pipeline's stages wrapped in thread-CPU timers (``time.thread_time``, which a preemption does
+  not inflate). The wrapping adds about a microsecond per stage.
+
+Each row is CPU per request (user + system of the process over the measured window, from
+``/proc/PID/stat``) or per stage (thread CPU summed over the window / requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.procs import stop, wait_port  # noqa: E402
+from gateway.server import free_port  # noqa: E402
+
+PY = sys.executable
+TICK = os.sysconf("SC_CLK_TCK")
+
+FLOOR = textwrap.dedent('''
+    import asyncio, sys, uvloop
+    from aiohttp import web
+    BODY = b'{"id":"x","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",' \\
+           b'"content":"hello world"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":2,' \\
+           b'"total_tokens":7}}'
+    async def handler(request):
+        await request.read()
+        return web.Response(body=BODY, content_type="application/json")
+    async def main(kind, port):
+        if kind == "lowlevel":
+            await asyncio.get_running_loop().create_server(web.Server(handler), "127.0.0.1", port)
+        else:
+            @web.middleware
+            async def mw(request, handler):
+                return await handler(request)
+            app = web.Application(middlewares=[mw])
+            app.router.add_post("/v1/chat/completions", handler)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+        await asyncio.Event().wait()
+    uvloop.run(main(sys.argv[1], int(sys.argv[2])))
+''')
+
+# Runs inside the gateway process: wraps the stages, writes the sums at exit.
+STAGES = textwrap.dedent('''
+    import atexit, collections, json, sys, time
+    clock = time.thread_time
+    spent = collections.Counter()
+    count = [0]
+
+    def timed(f, name):
+        def w(*a, **k):
+            t = clock()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[name] += clock() - t
+        return w
+
+    import gateway.context as C, gateway.logs as L, gateway.pipeline as P, gateway.relay as R, gateway.routing as RT
+    import gateway.status as ST
+    P.parse = timed(P.parse, "parse (orjson, validation, prompt for routing)")
+    P.upstream_headers = timed(P.upstream_headers, "upstream headers")
+    P.record_request = timed(P.record_request, "record (metrics, observers, log line)")
+    C.RequestContext.start = classmethod(timed(C.RequestContext.start.__func__, "context (request id, record)"))
+    RT.Routing.route = timed(RT.Routing.route, "route (router, histogram, observers)")
+    RT.Routing.strategy_for = timed(RT.Routing.strategy_for, "strategy + candidates")
+    RT.Routing.candidates = timed(RT.Routing.candidates, "strategy + candidates")
+    R.Relay.account_usage = timed(R.Relay.account_usage, "usage accounting")
+    L.RequestLog.emit = timed(L.RequestLog.emit, "  of which: the log line")
+    ST.StatusBoard.on_request = timed(ST.StatusBoard.on_request, "  of which: status board")
+    handle = P.Pipeline.handle
+    async def counted(self, request):
+        count[0] += 1
+        return await handle(self, request)
+    P.Pipeline.handle = counted
+    out = sys.argv[1]
+    atexit.register(lambda: json.dump({"requests": count[0], "stages": dict(spent)}, open(out, "w")))
+    sys.argv = ["gateway"] + sys.argv[2:]
+    from gateway.__main__ import main
+    main()
+''')
+
+
+def cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def load(port: int, duration: float, concurrency: int) -> dict:
+    out = subprocess.run([PY, str(REPO / "bench" / "loadgen.py"), "--port", str(port), "--concurrency",
+                          str(concurrency), "--duration", str(duration), "--warmup", "1"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def measure(proc: subprocess.Popen, port: int, duration: float, concurrency: int) -> tuple[float, dict]:
+    load(port, 1.0, concurrency)                  # warm up
+    before = cpu_of(proc.pid)
+    r = load(port, duration, concurrency)
+    return (cpu_of(proc.pid) - before) / r["total_completed"], r
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    a = ap.parse_args()
+    rows: list[tuple[str, str]] = []
+    with tempfile.TemporaryDirectory() as d:
+        for kind in ("lowlevel", "application"):
+            port = free_port()
+            p = subprocess.Popen([PY, "-c", FLOOR, kind, str(port)], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+            try:
+                wait_port(port, p)
+                cpu, r = measure(p, port, a.duration, a.concurrency)
+            finally:
+                stop(p)
+            rows.append((f"aiohttp alone, {'web.Server' if kind == 'lowlevel' else 'web.Application'}",
+                         f"{cpu * 1e6:.0f} µs ({r['rps']:,.0f} req/s)"))
+        be_port, gw_port = free_port(), free_port()
+        backend = subprocess.Popen([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        cfg, out, log = Path(d) / "gw.yaml", Path(d) / "stages.json", Path(d) / "gw.log"
+        cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n    engine: vllm\n"
+                       f"    endpoints: [http://127.0.0.1:{be_port}]\n")
+        try:
+            wait_port(be_port, backend)
+            with open(log, "wb") as err:
+                gw = subprocess.Popen([PY, "-c", STAGES, str(out), "--config", str(cfg), "--port", str(gw_port)],
+                                      stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, cwd=REPO)
+            try:
+                wait_port(gw_port, gw)
+                cpu, r = measure(gw, gw_port, a.duration, a.concurrency)
+            finally:
+                gw.send_signal(15)
+                gw.wait(30)
+        finally:
+            stop(backend)
+        stages = json.loads(out.read_text())
+    n = stages["requests"]
+    rows.append(("Switchyard, defaults (whole process)", f"{cpu * 1e6:.0f} µs ({r['rps']:,.0f} req/s)"))
+    for name, secs in sorted(stages["stages"].items(), key=lambda kv: (kv[0].startswith(" "), -kv[1])):
+        rows.append((f"  stage: {name}", f"{secs / n * 1e6:.1f} µs"))
+    print(f"| CPU per non-streaming request, concurrency {a.concurrency} | µs |\n|---|---:|")
+    for name, v in rows:
+        print(f"| {name} | {v} |")
+    print(f"\n(load average {os.getloadavg()[0]:.2f}; python {sys.version.split()[0]})")
+
+
+if __name__ == "__main__":
+    main()
