@@ -74,6 +74,9 @@ class SimConfig:
     enable_request_id_headers: bool = _knob(False, "vLLM --enable-request-id-headers: echo X-Request-Id")
     enable_metrics: bool = _knob(True, "SGLang --enable-metrics (vLLM always serves /metrics)")
     embedding_dim: int = _knob(16, "length of the vectors /v1/embeddings returns")
+    enable_responses_store: bool = _knob(
+        False, "vLLM VLLM_ENABLE_RESPONSES_API_STORE=1: keep /v1/responses answers (store: true) in process "
+        "for previous_response_id, GET and cancel; SGLang always keeps them")
     # -- P/D disaggregation --------------------------------------------------------------------
     kv_transfer_ms_per_token: float = _knob(
         0.01, "P/D: KV transfer time per transferred prompt token (vLLM pull, SGLang send)")

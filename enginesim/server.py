@@ -24,6 +24,7 @@ from enginesim.config import SimConfig
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
 from enginesim.faults import FaultSpecError, parse_fault
+from enginesim.responses_api import ResponsesApi
 from enginesim.sglang_api import SglangApi
 from enginesim.vllm_api import VllmApi
 from enginesim.wire import json_response, read_json
@@ -55,6 +56,7 @@ def build_app(cfg: SimConfig) -> web.Application:
     app[TRACEPARENTS_KEY] = traceparents
     api: VllmApi | SglangApi = VllmApi(engine) if cfg.engine == "vllm" else SglangApi(engine)
     app.add_routes(api.routes())
+    app.add_routes(ResponsesApi(engine).routes())     # /v1/responses, in the engine's own style
     app.add_routes(engine.role.routes())
     app.add_routes(_sim_routes(engine, received, traceparents))
 

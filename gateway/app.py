@@ -18,6 +18,8 @@ import structlog
 from aiohttp import web
 
 from gateway.admin import add_tenancy
+from gateway.apis.responses import ResponsesApi, add_responses
+from gateway.apis.responses_request import RESPONSES
 from gateway.config import Config
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
@@ -112,6 +114,8 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
                              LineWriter(on_drop=metrics.log_lines_dropped.inc))
     tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/tracing)
     gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
+    responses = ResponsesApi(config, pool, metrics, request_log, tenancy, gw.observers)   # gateway/apis
+    gw.apis[RESPONSES] = responses
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats,
                               engine_max_age=config.routing.metrics_max_age_s)
     started_at = int(time.time())
@@ -146,8 +150,9 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    for path in (CHAT, COMPLETIONS, EMBEDDINGS):
+    for path in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES):
         app.router.add_post(path, gw.handle)
+    add_responses(app, responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -23,6 +23,7 @@ import yaml
 from msgspec import Meta
 from msgspec.structs import force_setattr
 
+from gateway.apis.responses_config import ResponsesConfig
 from gateway.endpoints import ENGINES
 from gateway.strict import StrictError, convert, laid_over, without_nulls
 from gateway.tracing import TracingConfig
@@ -299,6 +300,7 @@ class Config(_Block, dict=True):
     state: StateConfig = StateConfig()
     status: StatusConfig = StatusConfig()
     tracing: TracingConfig = TracingConfig()   # OpenTelemetry (gateway/tracing.py)
+    responses: ResponsesConfig = ResponsesConfig()   # Responses API state (gateway/apis/responses.py)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -308,6 +310,8 @@ class Config(_Block, dict=True):
             if m.name in seen:
                 raise ValueError(f"models[{i}].name: duplicate model name {m.name!r}")
             seen.add(m.name)
+        if self.responses.backend == "redis" and self.state.redis_url is None:
+            raise ValueError("responses.backend: redis needs state.redis_url")
 
     @cached_property
     def _models_by_name(self) -> dict[str, ModelConfig]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import structlog
 from aiohttp import web
 
+from gateway.apis.base import ApiShape
 from gateway.endpoints import Endpoint
 from gateway.ledger import Charges
 from gateway.logs import RequestLog
@@ -94,6 +95,8 @@ class RequestContext:
     charges: Charges = field(default_factory=Charges)
     response: web.StreamResponse | None = None       # set once the response headers went out
     trace: Trace = NO_TRACE                          # the request's trace (gateway.tracing); no-op when off
+    api: ApiShape | None = None                      # the request's API when not chat/completions/embeddings
+    api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
 
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:

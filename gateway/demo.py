@@ -64,6 +64,9 @@ Try:
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'user','content':'Hi'}}}}]).choices[0].message.content)"
+  python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
+r = c.responses.create(model='demo-llama', input='Hi'); \\
+print(c.responses.create(model='demo-llama', input='More', previous_response_id=r.id).output_text)"
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C
@@ -86,7 +89,7 @@ async def run_demo(host: str | None = None, port: int | None = None, log_format:
         for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
             sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
                                                   host="127.0.0.1", seed=eport, otlp_traces_endpoint=sim_traces,
-                                                  **kw)))
+                                                  enable_responses_store=True, **kw)))
         cfg = config_from_dict(demo_config(host, port, log_format), source="<demo>")
         note = TRACING_ON.format(endpoint=traces.endpoint) if traces.enabled else TRACING_OFF
         await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note))

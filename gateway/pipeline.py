@@ -17,6 +17,7 @@ import time
 import structlog
 from aiohttp import web
 
+from gateway.apis.base import ApiShape
 from gateway.config import Config
 from gateway.context import RecordObserver, RequestContext, record_request, safe_header_value
 from gateway.endpoints import Endpoint, EndpointPool
@@ -55,6 +56,7 @@ class Pipeline:
         self.tracing = tracing
         self.model_in_flight: dict[str, int] = {}
         self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
+        self.apis: dict[str, ApiShape] = {}          # path → its API when not chat/completions/embeddings
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ctx = RequestContext.start(request)
@@ -70,7 +72,9 @@ class Pipeline:
             self.lifecycle.check_open()
             if self.tenancy is not None:    # API key → user (401), before the body is read
                 ticket = await self.tenancy.authenticate(request, rec)
-            ireq = ctx.ireq = parse(request.path, await self._read_body(request), request.headers, rec.request_id)
+            api = ctx.api = self.apis.get(request.path)
+            ireq = ctx.ireq = (api.parse if api is not None else parse)(
+                request.path, await self._read_body(request), request.headers, rec.request_id)
             rec.model, rec.stream = ireq.model, ireq.stream
             self._require_model(ireq.model)
             model_gauge = ireq.model
@@ -81,6 +85,8 @@ class Pipeline:
             if ticket is not None:          # model RPS, user RPM/TPM/concurrency (429), before routing
                 await self.tenancy.admit(ticket, ireq, rec)
             rec.user = ireq.user            # with auth on, the key's user (admit decides it)
+            if api is not None:             # the API's state: history, or the endpoint that owns it
+                candidates = await api.prepare(ctx, candidates)
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
             ctx.trace.route_start()
@@ -199,7 +205,8 @@ class Pipeline:
         rec.error = e.message
         headers = rec.response_headers()
         headers.update(e.headers)
-        return web.Response(status=e.status, body=e.body_bytes(), headers=headers, content_type="application/json")
+        body = ctx.api.error_body(e) if ctx.api is not None else e.body_bytes()
+        return web.Response(status=e.status, body=body, headers=headers, content_type="application/json")
 
     async def _internal_error(self, ctx: RequestContext, e: Exception) -> web.StreamResponse:
         """A bug in the gateway. Before headers: an OpenAI-shaped 500. After them: the stream's
@@ -214,7 +221,8 @@ class Pipeline:
             return self._error_response(ctx, GatewayError(500, "internal gateway error", code="internal_error",
                                                           error_class="internal"))
         try:
-            await out.write(error_event(500, "internal gateway error", code="internal_error"))
+            await out.write(ctx.api.stream_error(ctx, 500, "internal gateway error", "internal_error")
+                            if ctx.api is not None else error_event(500, "internal gateway error", code="internal_error"))
             await out.write_eof()
         except ConnectionResetError:
             pass

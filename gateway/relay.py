@@ -21,6 +21,7 @@ import time
 import orjson
 from aiohttp import web
 
+from gateway.apis.base import StreamScanner
 from gateway.config import UpstreamConfig, WatchdogConfig
 from gateway.context import RequestContext, RequestRecord
 from gateway.errors import GatewayError, error_body, normalize_upstream_error
@@ -83,7 +84,8 @@ class Relay:
                       strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
         rec = ctx.rec
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
-        scanner = SSEScanner(strip_usage=strip_usage)
+        api = ctx.api
+        scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
         out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
         out.content_type = "text/event-stream"
         out.charset = "utf-8"
@@ -118,32 +120,34 @@ class Relay:
                     if data:
                         await write(data)
             tail = scanner.finish()
+            if api is not None and scanner.done:    # its state is kept before its last event goes out
+                await api.finish(ctx)
             if tail:
                 await write(tail)
             if not scanner.done and scanner.error is None:
                 rec.error_class = "upstream_eof"
                 rec.error = "the engine closed the stream before it completed"
-                failure = error_event(502, rec.error, code="upstream_incomplete")
+                failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
         except WatchdogFired as w:
             rec.watchdog = w.phase  # type: ignore[assignment]
             ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
             rec.error_class = f"watchdog_{w.phase}"
             rec.error = f"no output from the engine for {w.seconds:g}s ({w.phase.replace('_', ' ')})"
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
-            failure = error_event(504, rec.error, code="upstream_timeout")
+            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
         except UpstreamTimeout as e:
             # upstream.total_timeout_s: the whole exchange took too long
             rec.error_class = "upstream_timeout"
             rec.error = f"the engine did not finish the stream: {e}"
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
-            failure = error_event(504, rec.error, code="upstream_timeout")
+            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
         except UpstreamError as e:
             # the engine's side broke mid-stream (a client-side write failure raises
             # ConnectionResetError, handled below as a cancel)
             rec.error_class = "upstream_broken"
             rec.error = f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
-            failure = error_event(502, rec.error, code="upstream_incomplete")
+            failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
         except ConnectionResetError:
             # the client went away while we wrote: same as a disconnect
             rec.error_class = "client_cancel"
@@ -164,7 +168,14 @@ class Relay:
             raise asyncio.CancelledError from None
         return out
 
-    def _stream_observations(self, rec: RequestRecord, scanner: SSEScanner) -> None:
+    @staticmethod
+    def _failure(ctx: RequestContext, status: int, message: str, code: str) -> bytes:
+        """The event that ends a stream the gateway cannot complete, in the request's API shape."""
+        if ctx.api is not None:
+            return ctx.api.stream_error(ctx, status, message, code)
+        return error_event(status, message, code=code)
+
+    def _stream_observations(self, rec: RequestRecord, scanner: StreamScanner) -> None:
         m = self.metrics
         if scanner.first_token_at is not None:
             rec.ttft = scanner.first_token_at - rec.started
@@ -203,7 +214,9 @@ class Relay:
                                code="upstream_incomplete", header=("x-error-upstream", "reset"),
                                error_class=rec.error_class) from None
         rec.status = 200
-        if b'"usage"' in body:
+        if ctx.api is not None:           # another API's body: its own usage and state
+            await self._api_body(ctx, body)
+        elif b'"usage"' in body:
             try:
                 data = orjson.loads(body)
             except orjson.JSONDecodeError:
@@ -216,6 +229,16 @@ class Relay:
         r = web.Response(status=200, body=body, headers=headers)
         r.headers["Content-Type"] = ctype
         return r
+
+    async def _api_body(self, ctx: RequestContext, body: bytes) -> None:
+        assert ctx.api is not None
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(data, dict):
+            self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
+            await ctx.api.finish(ctx)
 
     def account_usage(self, rec: RequestRecord, usage: dict | None) -> None:
         if not usage:

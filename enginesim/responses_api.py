@@ -1,0 +1,384 @@
+"""The Responses API (``/v1/responses``) as vLLM and SGLang serve it, for either engine style.
+
+Shapes from the engines' own handlers (vLLM ``entrypoints/openai/serving_responses.py`` and its
+``responses/api_router.py``; SGLang ``srt/entrypoints/openai/serving_responses.py``, itself
+adapted from vLLM's):
+
+* ``POST /v1/responses``; ``GET /v1/responses/{id}``; ``POST /v1/responses/{id}/cancel``. Neither
+  engine serves ``DELETE`` or ``/input_items`` (405 / 404 here too).
+* Ids are ``resp_<uuid hex>`` (a body ``request_id`` wins); output messages ``msg_<uuid hex>``.
+* The store is a per-process dict that never evicts: response by id, and the input messages by id.
+  vLLM keeps it only with ``VLLM_ENABLE_RESPONSES_API_STORE=1`` (``--enable-responses-store``
+  here); without it ``store: true`` is silently ignored and ``background`` is refused. SGLang
+  always stores. A restarted engine has forgotten everything.
+* ``previous_response_id``: the conversation is ``instructions`` as a system message, the previous
+  response's stored messages, its output messages as assistant turns, then the new input; an
+  unknown id is 404 ``Response with id '<id>' not found.`` (SGLang first refuses an id that does
+  not start with ``resp_``: 400, param ``response_id``).
+* A stream is ``event: <type>`` + ``data: <json>`` frames, no ``[DONE]``: ``response.created``,
+  ``response.in_progress``, then with the first text ``response.output_item.added`` and
+  ``response.content_part.added``, one ``response.output_text.delta`` per engine step,
+  ``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``,
+  and ``response.completed`` with the usage; ``sequence_number`` counts from 0. An engine failure
+  mid-stream breaks the connection (the generator raises under Starlette).
+* Usage is ``input_tokens``/``output_tokens`` (+ details) for vLLM; SGLang's non-streaming body
+  keeps its chat ``UsageInfo`` (``prompt_tokens``/``completion_tokens``) and converts it only in
+  ``response.completed``.
+* ``status`` is ``completed`` even when ``max_output_tokens`` cut the answer (both engines set
+  ``incomplete`` only on their harmony path); cancel of a finished response is 400
+  ``Cannot cancel a synchronous response.``
+* Default output length: the simulator's chat default (``--default-max-tokens``), not the engines'
+  rest-of-context, so an unbounded request stays short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from enginesim.engine import Engine
+from enginesim.errors import ApiError, ErrorStyle
+from enginesim.frontend import Dropped, check_fault_status, request_fault, slow_headers
+from enginesim.sequence import SamplingParams, Sequence
+from enginesim.tokenizer import content_text, render_chat
+from enginesim.tracing import trace_headers
+from enginesim.wire import SseWriter, drop_connection, json_response, read_json
+
+_BAD = "Bad Request"
+
+
+def _message(item: Any) -> dict[str, Any]:
+    """One input item as a chat message (what both engines' non-harmony path builds)."""
+    if not isinstance(item, dict):
+        raise ApiError(400, "1 validation error:\n  input: Input should be a valid list of items", type_=_BAD,
+                       param="input")
+    kind = item.get("type")
+    if kind == "function_call":
+        return {"role": "assistant", "content": str(item.get("arguments", ""))}
+    if kind == "function_call_output":
+        return {"role": "tool", "content": str(item.get("output", ""))}
+    return {"role": item.get("role", "user"), "content": content_text(item.get("content"))}
+
+
+class ResponsesApi:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.sglang = self.cfg.engine == "sglang"
+        self.style = ErrorStyle.SGLANG_OPENAI if self.sglang else ErrorStyle.VLLM
+        self.store_enabled = self.sglang or self.cfg.enable_responses_store
+        self.response_store: dict[str, dict[str, Any]] = {}
+        self.msg_store: dict[str, list[dict[str, Any]]] = {}
+        self.background: dict[str, tuple[Sequence, asyncio.Task]] = {}
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/responses", self.create),
+                web.get("/v1/responses/{response_id}", self.retrieve),
+                web.post("/v1/responses/{response_id}/cancel", self.cancel)]
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"stored": sorted(self.response_store)}
+
+    # -- errors -----------------------------------------------------------------------------------
+
+    def _not_found(self, rid: str) -> ApiError:
+        return ApiError(404, f"Response with id '{rid}' not found.", type_="invalid_request_error",
+                        param="response_id" if self.sglang else None)
+
+    def _check_id(self, rid: str) -> None:
+        if self.sglang and not rid.startswith("resp_"):
+            raise ApiError(400, f"Invalid 'response_id': '{rid}'. Expected an ID that begins with 'resp'.",
+                           type_="invalid_request_error", param="response_id")
+
+    # -- POST /v1/responses -------------------------------------------------------------------
+
+    def _parse(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        if "input" not in body:
+            raise ApiError(400, "1 validation error:\n  input: Field required", type_=_BAD, param="input")
+        inp = body["input"]
+        if not isinstance(inp, str | list):
+            raise ApiError(400, "1 validation error:\n  input: Input should be a valid string or list",
+                           type_=_BAD, param="input")
+        model = body.get("model")
+        if not self.sglang and model is not None and model not in self.cfg.served_model_names:
+            names = ", ".join(self.cfg.served_model_names)
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {names}.", param="model")
+        if self.engine.dead:
+            raise ApiError(500, "EngineCore encountered an issue.", type_="InternalServerError")
+        if body.get("background") and body.get("store") is False:
+            raise ApiError(400, "1 validation error:\n  Value error, background can only be used when `store` "
+                           "is true", type_=_BAD)
+        if body.get("store", True) and not self.store_enabled:
+            if body.get("background"):
+                raise ApiError(400, "This vLLM engine does not support `store=True` and therefore does not "
+                               "support the background mode. To enable these features, set the environment "
+                               "variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+                               type_="invalid_request_error")
+            body["store"] = False
+        prev_id = body.get("previous_response_id")
+        prev = None
+        if prev_id is not None:
+            self._check_id(str(prev_id))
+            prev = self.response_store.get(prev_id)
+            if prev is None:
+                raise self._not_found(str(prev_id))
+        messages: list[dict[str, Any]] = []
+        if body.get("instructions"):
+            messages.append({"role": "system", "content": str(body["instructions"])})
+        if prev is not None:
+            messages.extend(self.msg_store.get(prev["id"], []))
+            for item in prev.get("output") or ():
+                if item.get("type") == "message":
+                    for part in item.get("content") or ():
+                        messages.append({"role": "assistant", "content": part.get("text", "")})
+        if isinstance(inp, str):
+            messages.append({"role": "user", "content": inp})
+        else:
+            messages.extend(_message(item) for item in inp)
+        return messages, prev
+
+    async def create(self, request: web.Request) -> web.StreamResponse:
+        engine = self.engine
+        try:
+            body = await read_json(request, require_json=True)
+            messages, _prev = self._parse(body)
+            prompt_ids = engine.tokenizer.encode(render_chat(messages))
+            n = len(prompt_ids)
+            if n > engine.max_prompt_tokens:
+                raise ApiError(400, f"The engine prompt length {n} exceeds the max_model_len "
+                               f"{self.cfg.max_model_len}. Please reduce prompt.", type_="invalid_request_error")
+            limit = body.get("max_output_tokens")
+            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+                raise ApiError(400, "1 validation error:\n  max_output_tokens: Input should be a valid integer",
+                               type_=_BAD, param="max_output_tokens")
+            max_tokens = max(1, min(limit or self.cfg.max_tokens_default("chat"), self.cfg.max_model_len - n))
+            fault = request_fault(engine, request)
+            check_fault_status(engine, fault)
+            rid = body.get("request_id") if isinstance(body.get("request_id"), str) else f"resp_{uuid.uuid4().hex}"
+            stream, background = bool(body.get("stream")), bool(body.get("background"))
+            salt = body.get("cache_salt")
+            seq = engine.new_sequence(seq_id=rid, rid=rid, prompt_ids=prompt_ids,
+                                      params=SamplingParams(max_tokens=max_tokens), stream=stream and not background,
+                                      fault=fault, cache_salt=salt if isinstance(salt, str) and salt else None)
+            seq.trace_headers = trace_headers(request.headers)
+            engine.role.accept(seq, body)
+        except ApiError as exc:
+            return exc.response(self.style)
+        store = bool(body.get("store", True))
+        if store:
+            self.msg_store[rid] = messages
+        engine.submit(seq)
+        if background:
+            return await self._background(body, seq, max_tokens)
+        try:
+            if stream:
+                return await self._stream(request, body, seq, max_tokens, store)
+            return await self._complete(request, body, seq, max_tokens, store)
+        except Dropped:
+            return web.Response(status=500)     # never reaches the client: the transport is gone
+        finally:
+            engine.client_gone(seq)
+
+    def _usage(self, seq: Sequence, *, responses_shape: bool = True) -> dict[str, Any]:
+        p, c, cached = seq.prompt_tokens, seq.completion_tokens, seq.cached_tokens
+        if self.sglang and not responses_shape:
+            return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c,
+                    "prompt_tokens_details": {"cached_tokens": cached}, "reasoning_tokens": 0}
+        if self.sglang:
+            return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached}, "output_tokens": c,
+                    "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + c}
+        return {"input_tokens": p, "input_tokens_details": {"cached_tokens": cached, "input_tokens_per_turn": [],
+                                                            "cached_tokens_per_turn": []},
+                "output_tokens": c, "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
+                                                              "output_tokens_per_turn": [],
+                                                              "tool_output_tokens_per_turn": []},
+                "total_tokens": p + c}
+
+    def _response(self, body: dict[str, Any], seq: Sequence, max_tokens: int, status: str,
+                  output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+        out = {
+            "id": seq.id, "created_at": seq.created, "incomplete_details": None,
+            "instructions": body.get("instructions"), "metadata": body.get("metadata"),
+            "model": body.get("model") if self.sglang else self.cfg.served_name, "object": "response",
+            "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature") if body.get("temperature") is not None else 1.0,
+            "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+            "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
+            "background": bool(body.get("background")), "max_output_tokens": max_tokens,
+            "max_tool_calls": body.get("max_tool_calls"), "previous_response_id": body.get("previous_response_id"),
+            "prompt": None, "reasoning": body.get("reasoning"), "service_tier": body.get("service_tier", "auto"),
+            "status": status, "text": body.get("text"), "top_logprobs": body.get("top_logprobs"),
+            "truncation": body.get("truncation", "disabled"), "usage": usage, "user": body.get("user"),
+        }
+        if not self.sglang:
+            out["input_messages"] = out["output_messages"] = None
+        return out
+
+    def _message_item(self, item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}] if text or \
+            status == "completed" else []
+        return {"id": item_id, "content": content, "role": "assistant", "status": status, "type": "message"}
+
+    def _finished(self, body: dict[str, Any], seq: Sequence, max_tokens: int, text: str, store: bool,
+                  responses_usage: bool = True) -> dict[str, Any]:
+        output = [self._message_item(f"msg_{uuid.uuid4().hex}", text)] if text else []
+        resp = self._response(body, seq, max_tokens, "completed", output,
+                              self._usage(seq, responses_shape=responses_usage))
+        if store:
+            stored = self.response_store.get(seq.id)
+            if stored is None or stored.get("status") != "cancelled":
+                self.response_store[seq.id] = resp
+        return resp
+
+    async def _drain(self, seq: Sequence) -> tuple[str, bool]:
+        """The whole output; False when the engine failed or aborted the request."""
+        parts = []
+        while True:
+            out = await seq.channel.get()
+            assert out is not None
+            parts.append(out.text)
+            if out.finish_reason is not None:
+                return "".join(parts), out.finish_reason not in ("error", "abort") and out.status is None
+
+    async def _complete(self, request: web.Request, body: dict[str, Any], seq: Sequence, max_tokens: int,
+                        store: bool) -> web.StreamResponse:
+        text, ok = await self._drain_or_drop(request, seq)
+        await slow_headers(self.engine, seq.fault)
+        if not ok:
+            return ApiError(500, seq.error or "Internal server error",
+                            type_="InternalServerError").response(self.style)
+        return json_response(self._finished(body, seq, max_tokens, text, store, responses_usage=not self.sglang))
+
+    async def _drain_or_drop(self, request: web.Request, seq: Sequence) -> tuple[str, bool]:
+        drop_after = seq.fault.drop_after
+        if drop_after is None:
+            return await self._drain(seq)
+        parts, sent = [], 0
+        while True:
+            out = await seq.channel.get()
+            assert out is not None
+            if out.token_ids and sent >= drop_after:
+                self.engine.fail(seq, f"Simulated connection drop after {sent} tokens")
+                drop_connection(request)
+                raise Dropped
+            sent += len(out.token_ids)
+            parts.append(out.text)
+            if out.finish_reason is not None:
+                return "".join(parts), out.finish_reason not in ("error", "abort") and out.status is None
+
+    async def _stream(self, request: web.Request, body: dict[str, Any], seq: Sequence, max_tokens: int,
+                      store: bool) -> web.StreamResponse:
+        writer = SseWriter(request, charset="utf-8")
+        await slow_headers(self.engine, seq.fault)
+        await writer.start()
+        seqno = 0
+
+        async def send(kind: str, event: dict[str, Any]) -> None:
+            nonlocal seqno
+            frame = {"type": kind, "sequence_number": seqno, **event}
+            seqno += 1
+            await writer.response.write(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(frame) + b"\n\n")
+
+        initial = self._response(body, seq, max_tokens, "in_progress", [], None)
+        await send("response.created", {"response": initial})
+        await send("response.in_progress", {"response": initial})
+        item_id = f"{'item' if self.sglang else 'msg'}_{uuid.uuid4().hex}"
+        text, started, sent = [], False, 0
+        drop_after = seq.fault.drop_after
+        while True:
+            out = await seq.channel.get(self.cfg.sse_keepalive_s or None)
+            if out is None:
+                continue
+            if drop_after is not None and out.token_ids and sent >= drop_after:
+                self.engine.fail(seq, f"Simulated connection drop after {sent} tokens")
+                drop_connection(request)
+                raise Dropped
+            sent += len(out.token_ids)
+            if out.finish_reason in ("error", "abort") or out.status is not None:
+                drop_connection(request)          # the generator raises: Starlette breaks the response
+                raise Dropped
+            if out.text:
+                if not started:
+                    started = True
+                    await send("response.output_item.added", {"output_index": 0, "item": self._message_item(
+                        item_id, "", "in_progress")})
+                    await send("response.content_part.added", {
+                        "content_index": 0, "item_id": item_id, "output_index": 0,
+                        "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []}})
+                text.append(out.text)
+                await send("response.output_text.delta", {"content_index": 0, "delta": out.text, "item_id": item_id,
+                                                          "logprobs": [], "output_index": 0})
+            if out.finish_reason is not None:
+                break
+        full = "".join(text)
+        if started:
+            part = {"annotations": [], "text": full, "type": "output_text", "logprobs": None}
+            await send("response.output_text.done", {"content_index": 0, "item_id": item_id, "logprobs": [],
+                                                     "output_index": 0, "text": full})
+            await send("response.content_part.done", {"content_index": 0, "item_id": item_id, "output_index": 0,
+                                                      "part": part})
+            await send("response.output_item.done", {"output_index": 0, "item": self._message_item(item_id, full)})
+        final = self._finished(body, seq, max_tokens, full, store)
+        if started:                                 # the stream's message id is the stored one
+            final["output"][0]["id"] = item_id
+        await send("response.completed", {"response": final})
+        await writer.response.write_eof()
+        return writer.response
+
+    # -- background ---------------------------------------------------------------------------
+
+    async def _background(self, body: dict[str, Any], seq: Sequence, max_tokens: int) -> web.Response:
+        queued = self._response(body, seq, max_tokens, "queued", [], None)
+        self.response_store[seq.id] = queued
+
+        async def run() -> None:
+            if self.sglang:
+                queued["status"] = "in_progress"
+            text, ok = await self._drain(seq)
+            if ok:
+                self._finished(body, seq, max_tokens, text, True, responses_usage=not self.sglang)
+            elif queued["status"] not in ("completed", "cancelled"):
+                queued["status"] = "failed"
+
+        task = asyncio.get_running_loop().create_task(run())
+        self.background[seq.id] = (seq, task)
+        task.add_done_callback(lambda _t: self.background.pop(seq.id, None))
+        return json_response(queued)
+
+    # -- GET / cancel -------------------------------------------------------------------------
+
+    async def retrieve(self, request: web.Request) -> web.Response:
+        rid = request.match_info["response_id"]
+        try:
+            self._check_id(rid)
+            resp = self.response_store.get(rid)
+            if resp is None:
+                raise self._not_found(rid)
+        except ApiError as exc:
+            return exc.response(self.style)
+        return json_response(resp)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        rid = request.match_info["response_id"]
+        try:
+            self._check_id(rid)
+            resp = self.response_store.get(rid)
+            if resp is None:
+                raise self._not_found(rid)
+            if resp.get("status") not in ("queued", "in_progress"):
+                raise ApiError(400, "Cannot cancel a synchronous response.", type_="invalid_request_error")
+        except ApiError as exc:
+            return exc.response(self.style)
+        resp["status"] = "cancelled"
+        running = self.background.get(rid)
+        if running is not None:
+            seq, task = running
+            self.engine.abort(seq, "Cancelled")
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return json_response(resp)

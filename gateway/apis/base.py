@@ -1,0 +1,69 @@
+"""The per-API seam of the request path.
+
+One ``ApiShape`` object serves every request on its paths. The pipeline asks it to parse the body
+(validation before routing), to adjust the candidates before routing (``prepare``: state, pinning)
+and to finish after the answer is ready (``finish``: remember what the answer created). The relay
+asks it for a scanner of the event stream (the same interface as ``gateway.sse.SSEScanner``), for
+the usage of a non-streaming body, and for the error event that ends a stream it cannot complete.
+Errors before headers are shaped by ``error_body``.
+
+The object keeps nothing per request itself: what it must remember between the relay and
+``finish`` lives on the request's context (``ctx.api_state``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from gateway.errors import GatewayError
+from gateway.request import InferenceRequest
+
+
+class StreamScanner(Protocol):
+    """What the relay reads off a stream scanner (``gateway.sse.SSEScanner`` is one)."""
+
+    first_token_at: float | None
+    usage: dict | None
+    finish_reason: str | None
+    error: dict | None
+    done: bool                      # the stream's own end marker was seen
+
+    def feed(self, chunk: bytes, now: float) -> bytes: ...
+
+    def finish(self) -> bytes: ...
+
+    def drain_itl(self) -> list[float]: ...
+
+
+class ApiShape:
+    """Defaults: OpenAI-shaped errors, no state, no P/D. Subclasses override what differs."""
+
+    name = "openai"
+    paths: tuple[str, ...] = ()
+    supports_pd = False             # may a P/D strategy serve it (the engines' P/D legs carry it)?
+
+    def parse(self, path: str, body: bytes, headers: Any, request_id: str) -> InferenceRequest:
+        raise NotImplementedError
+
+    def error_body(self, e: GatewayError) -> bytes:
+        """The body of an error answered before the response headers."""
+        return e.body_bytes()
+
+    def scanner(self, ctx: Any) -> StreamScanner:
+        raise NotImplementedError
+
+    def stream_error(self, ctx: Any, status: int, message: str, code: str | None) -> bytes:
+        """The bytes that end a stream the gateway cannot complete (after headers went out)."""
+        raise NotImplementedError
+
+    def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
+        """Usage of a non-streaming answer (decoded JSON object); may note what ``finish`` needs."""
+        usage = data.get("usage")
+        return usage if isinstance(usage, dict) else None
+
+    async def prepare(self, ctx: Any, candidates: list) -> list:
+        """Before routing, after validation and admission: the candidates this request may use."""
+        return candidates
+
+    async def finish(self, ctx: Any) -> None:
+        """After the answer is ready (a non-streaming body is not yet written)."""

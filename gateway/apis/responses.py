@@ -1,0 +1,432 @@
+"""The Responses API (``/v1/responses``): routed, streamed and accounted like chat, and stateful
+across the fleet.
+
+``POST /v1/responses`` goes through the pipeline like chat (``ResponsesApi`` is its per-API object:
+parse, error shapes, stream scanner, state hooks). The calls on a stored response,
+``GET``/``DELETE /v1/responses/{id}``, ``POST /v1/responses/{id}/cancel`` and
+``GET /v1/responses/{id}/input_items``, are served here (``add_responses`` registers them).
+
+State, by ``responses.state``:
+
+* ``engine`` (default): an engine keeps the responses it produced (vLLM in process, SGLang too),
+  so a follow-up must reach that engine. After each answer the gateway records response id →
+  endpoint (the *affinity map*: in memory, or in Redis when ``state.redis_url`` is set, so every
+  replica knows); ``previous_response_id`` and the calls on an id are sent to that endpoint. An id
+  the map does not know is a 404; an owner that left the pool is a 409, one that is not ready a 503.
+* ``gateway``: the gateway stores each response's input and output items (memory or Redis, TTL and
+  size caps) and expands ``previous_response_id`` into ``input`` itself, so any endpoint can serve
+  the follow-up (prefix-cache routing keeps a conversation together while it can) and a
+  conversation survives its engine's restart. Engines are asked not to store (``store: false``).
+  ``GET``/``DELETE``/``input_items`` are answered from that store.
+
+With API keys on, a stored id belongs to the user whose key created it: another user's calls on
+it are answered 404, as for an unknown id.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import web
+from prometheus_client import Counter, Gauge
+
+from gateway.apis.base import ApiShape
+from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
+from gateway.apis.responses_state import MemoryStore, RedisStore, StoreUnavailable, redis_client
+from gateway.apis.responses_stream import ResponsesScanner, failure_events
+from gateway.config import Config
+from gateway.context import RecordObserver, RequestContext, RequestRecord, record_request, safe_header_value
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.logs import RequestLog
+from gateway.metrics import GatewayMetrics
+from gateway.request import request_id_from
+from gateway.tenants import Tenancy
+
+log = structlog.get_logger("switchyard.responses")
+
+_PD_ROLES = ("prefill", "decode")
+
+
+@dataclass(slots=True)
+class Exchange:
+    """What one ``POST /v1/responses`` keeps between its hooks."""
+
+    input: list[Any] = field(default_factory=list)      # the full input sent (gateway-held history)
+    scanner: ResponsesScanner | None = None
+    body: dict[str, Any] | None = None                   # a non-streaming answer
+
+
+class ResponsesMetrics:
+    def __init__(self, registry) -> None:
+        self.lookups = Counter("switchyard_responses_state_lookups",
+                               "Responses state lookups (kind: affinity map or history) by result",
+                               ["kind", "result"], registry=registry)
+        self.writes = Counter("switchyard_responses_state_writes",
+                              "Responses state writes by result (too_large: over history.max_response_bytes)",
+                              ["kind", "result"], registry=registry)
+        self.owner_gone = Counter("switchyard_responses_owner_unavailable",
+                                  "Follow-ups refused because the endpoint holding the response left the pool "
+                                  "(left_pool, 409) or is not ready (not_ready, 503)",
+                                  ["model", "reason"], registry=registry)
+        self.entries = Gauge("switchyard_responses_state_entries",
+                             "Entries held by the in-memory Responses state, by kind", ["kind"], registry=registry)
+
+
+def _not_found(rid: str) -> GatewayError:
+    return GatewayError(404, f"Response with id '{rid}' not found.", param="response_id", code="response_not_found",
+                        error_class="response_not_found")
+
+
+class ResponsesApi(ApiShape):
+    name = "responses"
+    paths = (RESPONSES,)
+
+    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics, request_log: RequestLog,
+                 tenancy: Tenancy | None, observers: list[RecordObserver]) -> None:
+        self.config = config
+        self.cfg = cfg = config.responses
+        self.pool = pool
+        self.metrics = metrics
+        self.request_log = request_log
+        self.tenancy = tenancy
+        self.observers = observers
+        self.gateway_held = cfg.state == "gateway"
+        self.auth_on = config.auth.on
+        self.m = ResponsesMetrics(metrics.registry)
+        self.session: aiohttp.ClientSession | None = None
+        use_redis = cfg.backend == "redis" or (cfg.backend == "auto" and config.state.redis_url is not None)
+        self.backend = "redis" if use_redis else "memory"
+        self.owners: MemoryStore | RedisStore
+        self.history: MemoryStore | RedisStore | None = None
+        if use_redis:
+            st = config.state
+            client = redis_client(st)
+            prefix = f"{st.key_prefix}:resp:"
+            self.owners = RedisStore(client, prefix + "owner:", cfg.affinity_ttl_s, st.timeout_s, owns_client=True)
+            if self.gateway_held:
+                self.history = RedisStore(client, prefix + "hist:", cfg.history.ttl_s, st.timeout_s)
+        else:
+            self.owners = MemoryStore(cfg.affinity_ttl_s, cfg.max_affinity_entries)
+            self.m.entries.labels("affinity").set_function(lambda: len(self.owners))
+            if self.gateway_held:
+                h = cfg.history
+                self.history = MemoryStore(h.ttl_s, 1 << 62, h.max_total_bytes)
+                self.m.entries.labels("history").set_function(lambda: len(self.history))
+
+    def describe(self) -> dict[str, Any]:
+        return {"state": self.cfg.state, "backend": self.backend}
+
+    # -- the per-API object of POST /v1/responses ---------------------------------------------
+
+    def parse(self, path: str, body: bytes, headers: Any, request_id: str):
+        return parse_responses(path, body, headers, request_id)
+
+    def _exchange(self, ctx: RequestContext) -> Exchange:
+        if not isinstance(ctx.api_state, Exchange):
+            ctx.api_state = Exchange()
+        return ctx.api_state
+
+    def scanner(self, ctx: RequestContext) -> ResponsesScanner:
+        s = self._exchange(ctx).scanner = ResponsesScanner()
+        return s
+
+    def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
+        ex = ctx.api_state if isinstance(ctx.api_state, Exchange) else None
+        return failure_events(ex.scanner if ex is not None else None, ctx.rec.model, status, message, code)
+
+    def body_usage(self, ctx: RequestContext, data: dict[str, Any]) -> dict | None:
+        self._exchange(ctx).body = data
+        status = data.get("status")
+        details = data.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        ctx.rec.finish_reason = reason if isinstance(reason, str) else status if isinstance(status, str) else None
+        usage = data.get("usage")
+        return usage if isinstance(usage, dict) else None
+
+    def _owner_user(self, user: str | None) -> str | None:
+        return user if self.auth_on else None
+
+    async def prepare(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
+        ireq, rec = ctx.ireq, ctx.rec
+        assert ireq is not None
+        if any(ep.role in _PD_ROLES for ep in candidates):
+            raise GatewayError(400, "the Responses API is not served through prefill/decode disaggregation "
+                               "(the engines take no kv_transfer_params on /v1/responses); use a model with "
+                               "aggregated endpoints or another routing strategy", header=("x-error-routing", "true"),
+                               error_class="validation")
+        ex = self._exchange(ctx)
+        prev = ireq.data.get("previous_response_id")
+        if prev is not None:
+            rec.extra["previous_response_id"] = safe_header_value(prev)
+        if self.gateway_held:
+            if ireq.data.get("background"):
+                raise GatewayError(400, "'background' needs responses.state: engine (the gateway holds the "
+                                   "history of completed responses only)", param="background", error_class="validation")
+            history: list[Any] = []
+            if prev is not None:
+                record = await self._record(prev, rec.user)
+                history = list(record.get("input") or ()) + output_as_input(record.get("output"))
+            ex.input = with_history(ireq, history)
+            return candidates
+        if prev is None:
+            return candidates
+        owner = await self._owner(prev, rec.user)
+        if owner["model"] != ireq.model:
+            raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
+                               "with the same model", param="previous_response_id", error_class="validation")
+        ep = self._owner_endpoint(prev, owner)
+        if ep not in candidates:
+            self._gone(owner["model"], "not_ready")
+            raise GatewayError(503, f"the endpoint {ep.name} that holds response '{prev}' is not ready "
+                               "(unhealthy or draining); retry later", code="response_owner_unavailable",
+                               headers={"Retry-After": "5"}, error_class="response_owner_unavailable")
+        return [ep]
+
+    async def finish(self, ctx: RequestContext) -> None:
+        """Record what the answer created: its owner (engine state) or its history (gateway state)."""
+        ex = ctx.api_state
+        if not isinstance(ex, Exchange):
+            return
+        final = ex.scanner.final if ex.scanner is not None else ex.body
+        rid = ex.scanner.response_id if ex.scanner is not None else (ex.body or {}).get("id")
+        if not isinstance(rid, str) or not rid:
+            return
+        rec, ireq = ctx.rec, ctx.ireq
+        assert ireq is not None
+        rec.extra["response_id"] = safe_header_value(rid)
+        user = self._owner_user(rec.user)
+        if self.gateway_held:
+            assert self.history is not None
+            if not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
+                return
+            blob = orjson.dumps({"id": rid, "model": ireq.model, "user": user, "input": ex.input,
+                                 "output": final.get("output") or [], "response": final})
+            if len(blob) > self.cfg.history.max_response_bytes:
+                self.m.writes.labels("history", "too_large").inc()
+                log.warning("response history not stored: over responses.history.max_response_bytes",
+                            response_id=rid, bytes=len(blob), request_id=rec.request_id)
+                return
+            await self._write(self.history, "history", rid, blob)
+            return
+        if ireq.data.get("store") is False or ctx.decision is None:
+            return
+        ep = ctx.decision.endpoint
+        await self._write(self.owners, "affinity", rid,
+                          orjson.dumps({"url": ep.url, "model": ep.model, "user": user}))
+
+    # -- state --------------------------------------------------------------------------------
+
+    async def _write(self, store, kind: str, rid: str, blob: bytes) -> None:
+        try:
+            await store.put(rid, blob)
+        except StoreUnavailable as e:
+            self.m.writes.labels(kind, "unavailable").inc()
+            log.warning("responses state not written", kind=kind, response_id=rid, error=str(e))
+            return
+        self.m.writes.labels(kind, "ok").inc()
+
+    async def _lookup(self, store, kind: str, rid: str, user: str | None) -> dict[str, Any]:
+        try:
+            raw = await store.get(rid)
+        except StoreUnavailable as e:
+            self.m.lookups.labels(kind, "unavailable").inc()
+            raise GatewayError(503, f"the Responses state store is unreachable: {e}", code="service_unavailable",
+                               headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
+                               error_class="state_unavailable") from None
+        value = orjson.loads(raw) if raw is not None else None
+        if not isinstance(value, dict) or (self.auth_on and value.get("user") != user):
+            self.m.lookups.labels(kind, "miss").inc()
+            raise _not_found(rid)
+        self.m.lookups.labels(kind, "hit").inc()
+        return value
+
+    async def _owner(self, rid: str, user: str | None) -> dict[str, Any]:
+        return await self._lookup(self.owners, "affinity", rid, user)
+
+    async def _record(self, rid: str, user: str | None) -> dict[str, Any]:
+        assert self.history is not None
+        return await self._lookup(self.history, "history", rid, user)
+
+    def _gone(self, model: str, reason: str) -> None:
+        self.metrics.child(self.m.owner_gone, model, reason).inc()
+
+    def _owner_endpoint(self, rid: str, owner: dict[str, Any]) -> Endpoint:
+        for ep in self.pool.endpoints(owner["model"]):
+            if ep.url == owner["url"] and ep.role not in _PD_ROLES:
+                return ep
+        self._gone(owner["model"], "left_pool")
+        raise GatewayError(409, f"Response '{rid}' is held by endpoint {owner['url']}, which has left the pool of "
+                           f"model '{owner['model']}'; it can no longer be continued or retrieved",
+                           code="response_owner_gone", error_class="response_owner_gone")
+
+    # -- GET / DELETE / cancel / input_items --------------------------------------------------
+
+    async def by_id(self, request: web.Request) -> web.StreamResponse:
+        rid = request.match_info["response_id"]
+        action = request.match_info.get("action") or request.method.lower()
+        given = request.headers.get("x-request-id")
+        request_id = request_id_from(given)
+        rec = RequestRecord(request_id=request_id, path=request.path, started=time.perf_counter(),
+                            request_id_replaced=given is not None and given != request_id)
+        rec.extra["response_id"] = safe_header_value(rid)
+        try:
+            user = None
+            if self.tenancy is not None:
+                user = (await self.tenancy.authenticate(request, rec)).user
+            if self.gateway_held and action != "cancel":
+                return await self._from_history(rec, rid, action, user, request)
+            return await self._on_owner(rec, rid, user, request)
+        except GatewayError as e:
+            rec.status = e.status
+            rec.error_class, rec.error = e.error_class, e.message
+            headers = rec.response_headers()
+            headers.update(e.headers)
+            return web.Response(status=e.status, body=e.body_bytes(), headers=headers, content_type="application/json")
+        finally:
+            record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
+
+    async def _from_history(self, rec: RequestRecord, rid: str, action: str, user: str | None,
+                            request: web.Request) -> web.Response:
+        assert self.history is not None
+        record = await self._record(rid, self._owner_user(user))
+        rec.model = str(record.get("model") or "-")
+        rec.status = 200
+        if action == "delete":
+            try:
+                await self.history.delete(rid)
+            except StoreUnavailable as e:
+                raise GatewayError(503, f"the Responses state store is unreachable: {e}",
+                                   code="service_unavailable", error_class="state_unavailable") from None
+            body: Any = {"id": rid, "object": "response", "deleted": True}
+        elif action == "input_items":
+            body = _input_items_page(rid, list(record.get("input") or ()), request.query)
+        else:
+            body = record.get("response") or {"id": rid, "object": "response"}
+        return web.Response(body=orjson.dumps(body), headers=rec.response_headers(), content_type="application/json")
+
+    async def _on_owner(self, rec: RequestRecord, rid: str, user: str | None,
+                        request: web.Request) -> web.StreamResponse:
+        if self.gateway_held:           # cancel: every response the gateway holds was answered whole
+            await self._record(rid, self._owner_user(user))
+            raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id",
+                               error_class="validation")
+        owner = await self._owner(rid, self._owner_user(user))
+        rec.model = owner["model"]
+        ep = self._owner_endpoint(rid, owner)
+        if not ep.ready:
+            self._gone(owner["model"], "not_ready")
+            raise GatewayError(503, f"the endpoint {ep.name} that holds response '{rid}' is not ready "
+                               "(unhealthy or draining); retry later", code="response_owner_unavailable",
+                               headers={"Retry-After": "5"}, error_class="response_owner_unavailable")
+        rec.endpoint = ep.name
+        return await self._proxy(rec, ep, request)
+
+    async def _proxy(self, rec: RequestRecord, ep: Endpoint, request: web.Request) -> web.StreamResponse:
+        """The same call on the owning engine; its answer relayed (errors in OpenAI's shape)."""
+        assert self.session is not None
+        body = await request.read() if request.body_exists else None
+        headers = {"X-Request-Id": rec.request_id}
+        if body:
+            headers["Content-Type"] = "application/json"
+        try:
+            async with self.session.request(request.method, ep.url + request.path_qs, data=body,
+                                            headers=headers) as r:
+                out_headers = rec.response_headers()
+                if r.status >= 400:
+                    raw = await r.content.read(self.config.upstream.max_error_body_bytes)
+                    status, err = normalize_upstream_error(r.status, raw)
+                    rec.status, rec.error_class = status, "upstream_status"
+                    rec.error = str(err["error"].get("message"))[:200]
+                    return web.Response(status=status, body=orjson.dumps(err), headers=out_headers,
+                                        content_type="application/json")
+                rec.status = r.status
+                ctype = r.headers.get("Content-Type", "application/json")
+                if not ctype.startswith("text/event-stream"):
+                    resp = web.Response(status=r.status, body=await r.read(), headers=out_headers)
+                    resp.headers["Content-Type"] = ctype
+                    return resp
+                out = web.StreamResponse(status=r.status, headers={**out_headers, "Cache-Control": "no-cache"})
+                out.content_type = "text/event-stream"
+                await out.prepare(request)
+                rec.headers_sent = True
+                async for chunk in r.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
+        except (aiohttp.ClientError, TimeoutError) as e:
+            if rec.headers_sent:
+                raise
+            rec.error_class = "upstream_connect"
+            raise GatewayError(502, f"upstream unavailable: {ep.url}: {type(e).__name__}: {e}",
+                               code="upstream_unavailable", header=("x-error-upstream", "connect"),
+                               error_class="upstream_connect") from None
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def lifecycle(self, _app: web.Application) -> AsyncIterator[None]:
+        up = self.config.upstream
+        timeout = aiohttp.ClientTimeout(sock_connect=up.connect_timeout_s or None,
+                                        sock_read=up.first_byte_timeout_s or None, total=up.total_timeout_s or None)
+        self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                             skip_auto_headers=("Accept-Encoding", "User-Agent"))
+        try:
+            yield
+        finally:
+            await self.session.close()
+            await self.owners.close()
+            if self.history is not None:
+                await self.history.close()
+
+
+def _input_items_page(rid: str, items: list[Any], query) -> dict[str, Any]:
+    """``input_items`` as OpenAI lists them: ``order`` (desc by default), ``limit`` (1-100,
+    default 20), ``after`` an item id. Items stored without an id get a stable one."""
+    listed = []
+    for i, item in enumerate(items):
+        item = dict(item) if isinstance(item, dict) else {"content": item}
+        item.setdefault("id", f"{rid}-item-{i}")
+        item.setdefault("type", "message")
+        listed.append(item)
+    if query.get("order", "desc") != "asc":
+        listed.reverse()
+    after = query.get("after")
+    if after:
+        ids = [it["id"] for it in listed]
+        listed = listed[ids.index(after) + 1:] if after in ids else []
+    try:
+        limit = min(100, max(1, int(query.get("limit", "20"))))
+    except ValueError:
+        raise GatewayError(400, "'limit' must be an integer between 1 and 100", param="limit",
+                           error_class="validation") from None
+    page = listed[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit}
+
+
+def add_responses(app: web.Application, api: ResponsesApi) -> None:
+    """The calls on a stored response, and the state's lifecycle (POST /v1/responses itself is a
+    pipeline path: app.py registers it with the pipeline's other inference paths)."""
+    app.router.add_get(RESPONSES + "/{response_id}", api.by_id)
+    app.router.add_delete(RESPONSES + "/{response_id}", api.by_id)
+    app.router.add_route("*", RESPONSES + "/{response_id}/{action:cancel|input_items}", _only(api))
+    app.cleanup_ctx.append(api.lifecycle)
+    if api.backend == "memory" and api.config.server.workers > 1:
+        # each worker process has its own map: a follow-up landing on another worker finds nothing
+        log.warning("responses state is per worker process with server.workers > 1: set state.redis_url "
+                    "so that every worker finds every response", **api.describe())
+
+
+def _only(api: ResponsesApi):
+    async def sub(request: web.Request) -> web.StreamResponse:
+        want = "POST" if request.match_info["action"] == "cancel" else "GET"
+        if request.method != want:
+            raise web.HTTPMethodNotAllowed(request.method, [want])
+        return await api.by_id(request)
+    return sub

@@ -1,0 +1,174 @@
+"""Parsing and reshaping Responses API bodies (``POST /v1/responses``); pure code, no I/O.
+
+``parse_responses`` validates a body before any endpoint is touched and extracts what routing and
+accounting need: the model, the stream flag, and the prompt text the engine will prefill, which is
+``instructions`` followed by the text of ``input`` (a string or a list of items whose ``content``
+is a string or a list of text parts). That text is the prefix-cache key of every strategy.
+
+The helpers below serve the gateway-held history (``responses.state: gateway``): a stored
+response's input and output items become the ``input`` of its follow-up, in the forms every
+engine accepts (a message item with string content; function calls as they are).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest
+
+RESPONSES = "/v1/responses"
+
+
+def _bad(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"),
+                        error_class="validation")
+
+
+def _parts_text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise _bad(f"'{where}[{i}]' must be an object", f"{where}[{i}]")
+            text = part.get("text")
+            if text is not None:
+                if not isinstance(text, str):
+                    raise _bad(f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
+                out.append(text)
+        return " ".join(out)
+    raise _bad(f"'{where}' must be a string or an array of content parts", where)
+
+
+def items_text(items: list[Any], where: str = "input") -> list[str]:
+    """The text of each input item (role, then content; a tool call's arguments or output)."""
+    parts: list[str] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise _bad(f"'{where}[{i}]' must be an object", f"{where}[{i}]")
+        role = item.get("role")
+        if role is not None:
+            if not isinstance(role, str):
+                raise _bad(f"'{where}[{i}].role' must be a string", f"{where}[{i}].role")
+            parts.append(role)
+        if "content" in item:
+            parts.append(_parts_text(item["content"], f"{where}[{i}].content"))
+        for key in ("arguments", "output"):
+            v = item.get(key)
+            if isinstance(v, str):
+                parts.append(v)
+    return parts
+
+
+def input_items(value: Any) -> list[Any]:
+    """``input`` as a list of items: a string is one user message."""
+    return [{"role": "user", "content": value}] if isinstance(value, str) else list(value)
+
+
+def prompt_text(data: dict[str, Any]) -> str:
+    parts = []
+    instructions = data.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        parts.append(instructions)
+    inp = data.get("input")
+    if isinstance(inp, str):
+        parts.append(inp)
+    elif isinstance(inp, list):
+        parts.extend(items_text(inp))
+    return "\n".join(parts)
+
+
+def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> InferenceRequest:
+    """Validate a ``/v1/responses`` body; unknown fields pass through to the engine untouched."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise _bad("request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise _bad("request body must be a JSON object")
+    model = data.get("model")
+    if model is None or model == "":
+        raise GatewayError(400, "'model' is a required property", param="model", code="model_not_found",
+                           header=("x-error-no-model-backends", ""), error_class="validation")
+    if not isinstance(model, str):
+        raise _bad("'model' must be a string", "model")
+    stream = data.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream")
+    if "input" not in data or data["input"] is None:
+        raise _bad("'input' is a required property", "input")
+    inp = data["input"]
+    if not isinstance(inp, str | list):
+        raise _bad("'input' must be a string or an array of input items", "input")
+    if isinstance(inp, list) and not inp:
+        raise _bad("'input' must not be empty", "input")
+    instructions = data.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("'instructions' must be a string", "instructions")
+    for key in ("store", "background"):
+        v = data.get(key)
+        if v is not None and not isinstance(v, bool):
+            raise _bad(f"'{key}' must be a boolean", key)
+    prev = data.get("previous_response_id")
+    if prev is not None and (not isinstance(prev, str) or not prev):
+        raise _bad("'previous_response_id' must be a non-empty string", "previous_response_id")
+    v = data.get("max_output_tokens")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
+    text = prompt_text(data)
+    user = headers.get("user")
+    if user is None and isinstance(data.get("user"), str):
+        user = data["user"]
+    return InferenceRequest(
+        path=path, body=body, data=data, model=model, stream=bool(stream),
+        include_usage=True,             # a Responses stream always ends with its usage: nothing to inject
+        prompt_text=text, prompt_tokens_est=max(1, len(text) // CHARS_PER_TOKEN), request_id=request_id,
+        user=user, session_id=headers.get("x-session-id"),
+        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"), headers=headers)
+
+
+def output_as_input(output: Any) -> list[Any]:
+    """A response's output items as input items of a follow-up: messages with their text as a
+    string (what every engine's chat template takes), reasoning dropped (engines drop it too),
+    tool calls and anything else unchanged."""
+    out: list[Any] = []
+    for item in output if isinstance(output, list) else ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "reasoning":
+            continue
+        if kind == "message":
+            texts = []
+            for part in item.get("content") or ():
+                if isinstance(part, dict):
+                    t = part.get("text") if part.get("type") != "refusal" else part.get("refusal")
+                    if isinstance(t, str):
+                        texts.append(t)
+            out.append({"role": item.get("role") or "assistant", "content": "".join(texts)})
+            continue
+        out.append({k: v for k, v in item.items() if k != "status"})
+    return out
+
+
+def with_history(ireq: InferenceRequest, history: list[Any]) -> list[Any]:
+    """Rewrite ``ireq`` for a gateway-held conversation: ``input`` becomes the stored history plus
+    the new input, ``previous_response_id`` goes, and ``store`` is false (the gateway keeps the
+    state; vLLM's in-process store never evicts). The body is re-encoded and the prompt text (the
+    prefix-cache key) and token estimate follow. Returns the full input."""
+    data = dict(ireq.data)
+    full = history + input_items(data["input"])
+    data["input"] = full
+    data.pop("previous_response_id", None)
+    data["store"] = False
+    ireq.data = data
+    ireq.body = orjson.dumps(data)
+    ireq.prompt_text = prompt_text(data)
+    ireq.prompt_tokens_est = max(1, len(ireq.prompt_text) // CHARS_PER_TOKEN)
+    return full

@@ -1,0 +1,143 @@
+"""Where the gateway keeps Responses API state: the response-id → endpoint map (affinity) and,
+with ``responses.state: gateway``, each response's history.
+
+Two backends behind one small interface of byte values with a TTL: ``MemoryStore`` (this process;
+oldest entries evicted first past a count or byte cap) and ``RedisStore`` (every replica on one
+Redis, when ``state.redis_url`` is set; keys ``<state.key_prefix>:resp:<kind>:<response id>`` with
+a ``PX`` expiry, so nothing outlives its TTL). A Redis call is bounded by ``state.timeout_s`` and
+never retried; a failure raises ``StoreUnavailable`` and the caller decides (a lookup answers 503,
+a write is counted and logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
+
+from gateway.config import StateConfig
+
+
+class StoreUnavailable(Exception):
+    """The backing store could not answer."""
+
+
+class MemoryStore:
+    """Values with one TTL per store, in insertion order, so the oldest expire (or are evicted
+    past ``max_entries`` / ``max_bytes``) first."""
+
+    def __init__(self, ttl_s: float, max_entries: int, max_bytes: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.clock = clock
+        self._d: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self.bytes = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def _drop(self, key: str) -> None:
+        _, v = self._d.pop(key)
+        self.bytes -= len(v)
+
+    def _expire(self, now: float) -> None:
+        d = self._d
+        while d:
+            key, (exp, _) = next(iter(d.items()))
+            if exp > now:
+                break
+            self._drop(key)
+
+    async def put(self, key: str, value: bytes) -> None:
+        now = self.clock()
+        self._expire(now)
+        if key in self._d:
+            self._drop(key)
+        self._d[key] = (now + self.ttl_s, value)
+        self.bytes += len(value)
+        while len(self._d) > self.max_entries or (self.max_bytes and self.bytes > self.max_bytes):
+            self._drop(next(iter(self._d)))
+            self.evictions += 1
+
+    async def get(self, key: str) -> bytes | None:
+        hit = self._d.get(key)
+        if hit is None:
+            return None
+        if hit[0] <= self.clock():
+            self._drop(key)
+            return None
+        return hit[1]
+
+    async def delete(self, key: str) -> bool:
+        if key in self._d:
+            self._drop(key)
+            return True
+        return False
+
+    async def close(self) -> None:
+        pass
+
+
+def redis_client(cfg: StateConfig) -> aioredis.Redis:
+    """A client as the tenancy backend makes it (gateway/tenants/redis_state.py): socket timeouts of
+    ``state.timeout_s``, no retries, and maintenance notifications off, so that pooled connections
+    a restarted Redis closed are reconnected rather than failing one call each."""
+    assert cfg.redis_url is not None
+    kw: dict = {}
+    if cfg.tls_ca_file:
+        kw["ssl_ca_certs"] = cfg.tls_ca_file
+    if cfg.password is not None:
+        kw["password"] = cfg.password
+    return aioredis.Redis.from_url(
+        cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
+        retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
+        maint_notifications_config=MaintNotificationsConfig(enabled=False), decode_responses=False, **kw)
+
+
+_TRANSPORT = (RedisError, OSError, TimeoutError)
+
+
+class RedisStore:
+    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: float, timeout_s: float,
+                 owns_client: bool = False) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.ttl_ms = max(1, int(ttl_s * 1000))
+        self.timeout = timeout_s * 4         # the socket timeouts bound each read; this, the call
+        self.owns_client = owns_client
+
+    async def _call(self, coro):
+        try:
+            async with asyncio.timeout(self.timeout):
+                return await coro
+        except _TRANSPORT as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError from None
+            raise StoreUnavailable(f"{type(e).__name__}: {e}") from None
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self._call(self.client.set(self.prefix + key, value, px=self.ttl_ms))
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._call(self.client.get(self.prefix + key))
+
+    async def delete(self, key: str) -> bool:
+        return bool(await self._call(self.client.delete(self.prefix + key)))
+
+    async def close(self) -> None:
+        if self.owns_client:
+            try:
+                await self.client.aclose()
+            except Exception:     # closing a client whose server is gone
+                pass

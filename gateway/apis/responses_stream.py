@@ -1,0 +1,187 @@
+"""Watching a Responses API event stream while its bytes pass through unchanged.
+
+Engines frame each event as ``event: <type>`` plus ``data: <json>`` (vLLM, SGLang and OpenAI
+alike). The scanner reads the type off the ``event:`` line (off the JSON only when a server omits
+that line) and decodes the few events it needs:
+
+* the first ``*.delta`` event (``response.output_text.delta``, reasoning, tool-call arguments) or
+  the first output item, whichever comes first, is the first token (TTFT); the gaps between
+  ``*.delta`` events are the inter-token latencies;
+* ``response.created`` gives the response id (and a snapshot used if the gateway must fail the
+  stream); ``response.completed`` / ``response.incomplete`` / ``response.failed`` give the usage,
+  the final status and the output, and end the stream; an ``error`` event is an in-stream error.
+
+The terminal event is *held back* until the upstream ends, so that the gateway can record what the
+response created (its owner, or its history) before a client that saw ``response.completed`` can
+send a follow-up to another replica. Every byte still reaches the client, in order.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from gateway.sse import ITL_KEEP, MAX_EVENT_BYTES
+
+_BOUNDARY = re.compile(rb"\n\r?\n")
+TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
+_OUTPUT_ITEM = frozenset({"response.output_item.added", "response.output_item.done"})
+_DECODED = TERMINAL | {"response.created", "error"}
+
+
+def _fields(ev: bytes) -> tuple[str | None, bytes | None]:
+    """The ``event:`` name and the ``data:`` payload of one event."""
+    name = None
+    parts = []
+    for line in ev.split(b"\n"):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if line.startswith(b"data:"):
+            v = line[5:]
+            parts.append(v[1:] if v.startswith(b" ") else v)
+        elif line.startswith(b"event:"):
+            name = line[6:].strip().decode("utf-8", "replace")
+    if not parts:
+        return name, None
+    return name, parts[0] if len(parts) == 1 else b"\n".join(parts)
+
+
+class ResponsesScanner:
+    """One upstream Responses stream. ``feed``/``finish`` return the bytes to forward."""
+
+    def __init__(self) -> None:
+        self.first_token_at: float | None = None
+        self.last_delta_at: float | None = None
+        self.itl: list[float] = []
+        self.usage: dict | None = None
+        self.finish_reason: str | None = None
+        self.error: dict | None = None
+        self.done = False                      # a terminal event was seen
+        self.events = 0                        # events with data: the next sequence number
+        self.response_id: str | None = None
+        self.snapshot: dict | None = None      # response.created's response object
+        self.final: dict | None = None         # the terminal event's response object
+        self._buf = bytearray()                # the incomplete event (already forwarded)
+        self._held = bytearray()               # the terminal event and whatever follows it
+        self._skip = False
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        if self.done:
+            self._held += chunk
+            return b""
+        old = len(self._buf)
+        self._buf += chunk
+        data = self._buf
+        start = 0
+        cut = -1
+        for m in _BOUNDARY.finditer(data, max(0, old - 2)):
+            if self._skip:
+                self._skip = False
+            elif self._event(bytes(data[start:m.start()]), now):
+                cut = start
+                break
+            start = m.end()
+        if cut >= 0:                           # hold the terminal event's unsent bytes and the rest
+            keep = max(cut, old) - old
+            self._held += chunk[keep:]
+            self._buf = bytearray()
+            return chunk[:keep]
+        del data[:start]
+        if len(data) > MAX_EVENT_BYTES:        # not scanned, still forwarded
+            self._skip = True
+            del data[:-2]
+        return chunk
+
+    def finish(self) -> bytes:
+        if not self.done and self._buf and not self._skip:
+            ev = bytes(self._buf).strip(b"\r\n")
+            if ev:
+                self._event(ev, 0.0)
+        self._buf = bytearray()
+        held, self._held = bytes(self._held), bytearray()
+        return held
+
+    def drain_itl(self) -> list[float]:
+        gaps, self.itl = self.itl, []
+        return gaps
+
+    def _event(self, ev: bytes, now: float) -> bool:
+        """Scan one complete event; True when it ends the stream."""
+        name, payload = _fields(ev)
+        if payload is None:
+            return False
+        self.events += 1
+        if payload.strip() == b"[DONE]":
+            self.done = True
+            return True
+        obj: Any = None
+        if name is None:
+            try:
+                obj = orjson.loads(payload)
+            except ValueError:
+                return False
+            name = obj.get("type") if isinstance(obj, dict) else None
+            if not isinstance(name, str):
+                return False
+        if name.endswith(".delta"):
+            if self.first_token_at is None:
+                self.first_token_at = now
+            if self.last_delta_at is not None and len(self.itl) < ITL_KEEP:
+                self.itl.append(now - self.last_delta_at)
+            self.last_delta_at = now
+            return False
+        if name in _OUTPUT_ITEM:
+            if self.first_token_at is None:
+                self.first_token_at = now
+            return False
+        if name not in _DECODED:
+            return False
+        if obj is None:
+            try:
+                obj = orjson.loads(payload)
+            except ValueError:
+                return False
+        if not isinstance(obj, dict):
+            return False
+        if name == "error":
+            self.error = {k: obj.get(k) for k in ("message", "code", "param", "type")}
+            return False
+        resp = obj.get("response")
+        if not isinstance(resp, dict):
+            return False
+        if isinstance(resp.get("id"), str):
+            self.response_id = resp["id"]
+        if name == "response.created":
+            self.snapshot = resp
+            return False
+        self.final = resp
+        usage = resp.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        status = resp.get("status")
+        details = resp.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        self.finish_reason = reason if isinstance(reason, str) else status if isinstance(status, str) else None
+        if name == "response.failed":
+            err = resp.get("error")
+            self.error = err if isinstance(err, dict) else {"message": "the response failed"}
+        self.done = True
+        return True
+
+
+def failure_events(scanner: ResponsesScanner | None, model: str, status: int, message: str,
+                   code: str | None) -> bytes:
+    """What ends a Responses stream the gateway cannot complete: an ``error`` event, then
+    ``response.failed`` carrying the response as created, now failed (sequence numbers go on from
+    the engine's)."""
+    seq = scanner.events if scanner is not None else 0
+    snap = dict(scanner.snapshot) if scanner is not None and scanner.snapshot else {
+        "id": scanner.response_id if scanner is not None else None, "object": "response", "model": model,
+        "output": []}
+    snap.update(status="failed", error={"code": code or "server_error", "message": message})
+    error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": seq}
+    failed = {"type": "response.failed", "sequence_number": seq + 1, "response": snap}
+    return (b"event: error\ndata: " + orjson.dumps(error) + b"\n\nevent: response.failed\ndata: "
+            + orjson.dumps(failed) + b"\n\n")

@@ -1,0 +1,84 @@
+"""The Responses stream scanner: bytes pass unchanged, first token, gaps, usage, the held end."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.apis.responses_stream import ResponsesScanner, failure_events
+
+
+def ev(kind: str, named: bool = True, **fields) -> bytes:
+    data = orjson.dumps({"type": kind, **fields})
+    return (b"event: " + kind.encode() + b"\n" if named else b"") + b"data: " + data + b"\n\n"
+
+
+RESP = {"id": "resp_1", "object": "response", "status": "in_progress", "output": []}
+DONE = {**RESP, "status": "completed", "output": [{"type": "message", "content": [{"type": "output_text",
+                                                                                   "text": "ab"}]}],
+        "usage": {"input_tokens": 7, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 3}}}
+
+
+def stream(named: bool = True) -> list[bytes]:
+    return [ev("response.created", named, response=RESP), ev("response.in_progress", named, response=RESP),
+            ev("response.output_item.added", named, item={"type": "message", "content": []}),
+            ev("response.output_text.delta", named, delta="a"), ev("response.output_text.delta", named, delta="b"),
+            ev("response.output_text.done", named, text="ab"),
+            ev("response.completed", named, response=DONE)]
+
+
+def test_first_token_gaps_usage_and_the_held_terminal_event():
+    s = ResponsesScanner()
+    out = []
+    for t, chunk in enumerate(stream()):
+        out.append(s.feed(chunk, float(t)))
+    assert out[-1] == b"" and s.done                   # response.completed held back ...
+    assert s.finish() == stream()[-1]                  # ... and released by finish()
+    assert s.first_token_at == 2.0                     # the output item, before the first delta
+    assert s.drain_itl() == [1.0]                      # gaps between deltas only
+    assert s.usage == DONE["usage"] and s.response_id == "resp_1" and s.finish_reason == "completed"
+    assert s.snapshot == RESP and s.final == DONE
+
+
+def test_events_without_an_event_line_are_typed_from_their_json():
+    s = ResponsesScanner()
+    for t, chunk in enumerate(stream(named=False)):
+        s.feed(chunk, float(t))
+    s.finish()
+    assert s.done and s.first_token_at == 2.0 and s.usage == DONE["usage"]
+
+
+def test_an_error_event_and_a_failed_response_are_errors():
+    s = ResponsesScanner()
+    s.feed(ev("error", code="server_error", message="boom", param=None), 0.0)
+    assert s.error["message"] == "boom" and not s.done
+    s.feed(ev("response.failed", response={**RESP, "status": "failed", "error": {"code": "x", "message": "m"}}), 1.0)
+    assert s.done and s.error == {"code": "x", "message": "m"} and s.finish_reason == "failed"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=1, max_value=len(b"".join(stream())) - 1), max_size=12))
+def test_bytes_pass_unchanged_and_in_order_however_the_stream_is_cut(cuts):
+    raw = b"".join(stream())
+    points = sorted(set(cuts))
+    chunks = [raw[i:j] for i, j in zip([0, *points], [*points, len(raw)], strict=True)]
+    s = ResponsesScanner()
+    out = b"".join(s.feed(c, 0.0) for c in chunks) + s.finish()
+    assert out == raw
+    assert s.done and s.usage == DONE["usage"]
+    assert raw.index(b"event: response.completed") >= len(out) - len(stream()[-1])
+
+
+def test_failure_events_continue_the_engines_sequence():
+    s = ResponsesScanner()
+    for chunk in stream()[:4]:
+        s.feed(chunk, 0.0)
+    raw = failure_events(s, "m", 504, "no output", "upstream_timeout")
+    blocks = [b for b in raw.split(b"\n\n") if b]
+    assert [b.split(b"\n")[0] for b in blocks] == [b"event: error", b"event: response.failed"]
+    err = orjson.loads(blocks[0].split(b"data: ", 1)[1])
+    failed = orjson.loads(blocks[1].split(b"data: ", 1)[1])
+    assert err["sequence_number"] == 4 and failed["sequence_number"] == 5
+    assert failed["response"]["id"] == "resp_1" and failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "upstream_timeout", "message": "no output"}
