@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admin import add_tenancy
+from gateway.aliases import Aliases, AliasMetrics
 from gateway.apis.responses import ResponsesApi, add_responses
 from gateway.apis.responses_request import RESPONSES
 from gateway.config import Config
@@ -116,6 +117,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
     responses = ResponsesApi(config, pool, metrics, request_log, tenancy, gw.observers)   # gateway/apis
     gw.apis[RESPONSES] = responses
+    gw.aliases = Aliases(config.aliases, pool, AliasMetrics(metrics.registry)) if config.aliases else None
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats,
                               engine_max_age=config.routing.metrics_max_age_s)
     started_at = int(time.time())
@@ -133,6 +135,10 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
         data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
                  "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
                  "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
+        for a in gw.aliases.describe() if gw.aliases is not None else ():   # an alias lists its targets
+            data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
+                         "targets": a["targets"], "sticky": a["sticky"],
+                         "ready_endpoints": sum(len(pool.ready(t["model"])) for t in a["targets"])})
         return _json(200, {"object": "list", "data": data})
 
     async def health(_request: web.Request) -> web.Response:
@@ -164,6 +170,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
         gw.observers.append(board.on_request)
         routing.observers.append(board.on_decision)
         add_status(app, StatusSources(config, pool, routing, lifecycle, gw.model_in_flight, tenancy,
+                                      aliases=gw.aliases.describe if gw.aliases is not None else list,
                                       started_at=started_at), metrics, board)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
