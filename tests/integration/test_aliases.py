@@ -152,3 +152,22 @@ async def test_errors_of_an_aliased_request_name_the_served_model(canary):
         for ep in gw.gw.pool.endpoints():
             ep.draining = False
     await client.close()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_alias_of_a_pd_model_sends_both_legs_the_targets_name(sims, gateway, engine):
+    from tests.integration.test_pd import pd_model, pd_pair, roleset
+
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])],
+                       aliases=[{"name": "chat", "targets": [{"model": "m"}]}])
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    for stream in (False, True):
+        raw = await client.chat.completions.with_raw_response.create(model="chat", messages=CHAT, max_tokens=4,
+                                                                     stream=stream)
+        assert raw.headers["x-served-model"] == "m" and raw.headers["prefill-target-pod"]
+        if stream:
+            assert [c async for c in raw.parse()][-1].choices[-1].finish_reason == "length"
+        else:
+            assert raw.parse().choices[0].message.content
+    await client.close()
