@@ -118,7 +118,7 @@ async def test_a_target_without_ready_endpoints_is_passed_over(canary):
 
 async def test_with_api_keys_the_keys_user_decides_the_arm(sims, gateway):
     a, b = await sims("vllm", "a"), await sims("vllm", "b")
-    keys = [{"key": f"sk-test-key-user-{i:03d}", "user": f"user-{i}"} for i in range(20)]
+    keys = [{"key": f"sk-test-key-user-{i:03d}", "user": f"user-{i}"} for i in range(12)]
     gw = await gateway([model_block("a", "vllm", [a.url]), model_block("b", "vllm", [b.url])],
                        auth={"api_keys": keys},
                        aliases=[{"name": "ab", "targets": [{"model": "a", "weight": 1}, {"model": "b", "weight": 1}]}])
