@@ -77,12 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         listen[1] = free_port(config.listen.host)
         config = config.with_listen(*listen)
     from gateway.workers import run_workers, stderr_log
+    started = config
 
     def reread() -> None:
         """SIGHUP in the parent: a worker started from now on (a restart) gets the new config."""
         nonlocal config
+        from gateway.reload import check_offline
         try:
-            config = load()
+            new = load()
+            check_offline(started, config, new)
+            config = new
         except (ConfigError, ValueError) as e:
             stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
 

@@ -138,6 +138,17 @@ def restart_needed(old: Config, new: Config, *, tenancy: bool, admin: bool) -> s
     return None
 
 
+def check_offline(started: Config, old: Config, new: Config) -> None:
+    """What a reload checks before it builds anything, for a process that serves nothing itself
+    (the ``--workers`` parent, keeping the config it starts workers with in step with theirs):
+    raises ``ConfigError`` as the workers, started with ``started`` and running ``old``, would
+    refuse ``new``."""
+    path = restart_needed(old, new, tenancy=needs_tenancy(started), admin=started.auth.admin_token is not None)
+    if path is not None:
+        raise ConfigError(path, "changing this needs a restart; the running config is kept")
+    _check_strategies(new)
+
+
 def changed_blocks(old: Config, new: Config) -> list[str]:
     return [k for k in old.__struct_fields__ if getattr(old, k) != getattr(new, k)]
 

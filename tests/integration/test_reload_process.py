@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from collections import Counter
@@ -174,4 +175,14 @@ async def test_every_worker_reloads_on_sighup_and_on_admin_reload(sims, tmp_path
         assert r.status == 200 and body["result"] == "ok" and body["generation"] == 3
         views = await worker_views(port, 2)                             # every worker, not only the one asked
         assert len(views) == 2 and all(v == {"m", "two"} for v in views.values()), views
+
+        # a worker that dies is restarted by the parent on the config as reloaded, not as started
+        victim = next(iter(views))
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(200):
+            views = await worker_views(port, 2)
+            if len(views) == 2 and victim not in views:
+                break
+            await asyncio.sleep(0.05)
+        assert victim not in views and all(v == {"m", "two"} for v in views.values()), views
         assert proc.returncode is None
