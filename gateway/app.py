@@ -114,6 +114,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/reload.py)
     reloader = Reloader(Live(config, gw), pool, metrics, alias_metrics, tenancy, loader)
+    reloader.listeners.append(lambda live: responses.reconfigure(live.config))   # its stores stay: shared
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s)

@@ -3,8 +3,9 @@
 What a reload changes, for requests that arrive after it: the models and their endpoints,
 aliases, routing strategies and their settings, ``pd`` and ``watchdog`` settings, API keys, user
 and model limits, the admin token, and ``kubernetes.models``. What needs a restart: ``listen``,
-``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``status``, ``tracing``, the rest of
-``kubernetes``, and turning tenancy or the admin API on when the gateway started without them. A
+``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``status``, ``tracing``,
+``responses`` (its stores), the rest of ``kubernetes``, and turning tenancy or the admin API on
+when the gateway started without them. A
 new config that changes one of those is refused as a whole, so that after a successful reload the
 file and what runs are the same thing.
 
@@ -61,7 +62,7 @@ from routers.registry import StrategyError, default_registry
 log = structlog.get_logger("switchyard.reload")
 
 # blocks read once at start: changing them needs a restart
-RESTART_BLOCKS = ("listen", "server", "upstream", "health", "scrape", "state", "status", "tracing")
+RESTART_BLOCKS = ("listen", "server", "upstream", "health", "scrape", "state", "status", "tracing", "responses")
 RESULTS = ("ok", "invalid", "restart_required")
 WORKER_RELOAD_TIMEOUT_S = 10.0
 

@@ -171,3 +171,23 @@ async def test_an_alias_of_a_pd_model_sends_both_legs_the_targets_name(sims, gat
         else:
             assert raw.parse().choices[0].message.content
     await client.close()
+
+
+async def test_the_responses_api_through_an_alias_keeps_a_caller_on_the_model_that_holds_its_responses(sims, gateway):
+    a = await sims("vllm", "a", enable_responses_store=True)
+    b = await sims("vllm", "b", enable_responses_store=True)
+    gw = await gateway([model_block("a", "vllm", [a.url]), model_block("b", "vllm", [b.url])],
+                       aliases=[{"name": "ab", "targets": [{"model": "a", "weight": 1}, {"model": "b", "weight": 1}]}])
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    served = set()
+    for i in range(8):
+        raw = await client.responses.with_raw_response.create(model="ab", input="Hello", max_output_tokens=3,
+                                                              user=f"user-{i}")
+        first = raw.parse()
+        assert first.model == raw.headers["x-served-model"] and first.status == "completed"
+        follow = await client.responses.with_raw_response.create(
+            model="ab", input="And then?", max_output_tokens=3, user=f"user-{i}", previous_response_id=first.id)
+        assert follow.headers["x-served-model"] == first.model and follow.parse().status == "completed"
+        served.add(first.model)
+    assert served == {"a", "b"}
+    await client.close()

@@ -249,3 +249,22 @@ async def test_kubernetes_endpoints_keep_working_across_a_reload(emu, sims, gate
     assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2)
     assert (await asyncio.gather(*(chat(client, "chat") for _ in range(4))))[0].choices
     await client.close()
+
+
+async def test_responses_stored_before_a_reload_are_continued_after_it(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    first = await client.responses.create(model="m", input="Hello", max_output_tokens=3)
+    other = await sims("vllm", "m", enable_responses_store=True)
+    f.write(models=[model_block("m", "vllm", [sim.url, other.url])])
+    assert f.reloader.reload("test").result == "ok"
+    for _ in range(4):      # the id → endpoint map survived: every follow-up reaches the owner
+        r = await client.responses.create(model="m", input="Go on", max_output_tokens=3,
+                                          previous_response_id=first.id)
+        assert r.status == "completed"
+    f.write(responses={**f.data["responses"], "affinity_ttl_s": 5.0})
+    result = f.reloader.reload("test")
+    assert (result.result, result.key_path) == ("restart_required", "responses.affinity_ttl_s")
+    await client.close()
