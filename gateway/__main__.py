@@ -7,7 +7,7 @@ import sys
 
 import uvloop
 
-from gateway.config import ConfigError, load_config
+from gateway.config import Config, ConfigError, load_config
 from gateway.logs import configure_logging
 
 
@@ -43,13 +43,18 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 0
 
+    listen: list = [args.host, args.port]
+
+    def load() -> Config:
+        """The config file with the command line's overrides: at start and at each reload."""
+        cfg = load_config(args.config).with_listen(*listen)
+        return cfg.with_log_format(args.log_format) if args.log_format else cfg
+
     try:
-        config = load_config(args.config).with_listen(args.host, args.port)
+        config = load()
     except (ConfigError, ValueError) as e:
         print(f"switchyard: config error: {e}", file=sys.stderr)
         return 2
-    if args.log_format:
-        config = config.with_log_format(args.log_format)
     configure_logging(config.server.log_format, config.server.log_level)
     from gateway.server import free_port, serve
     from gateway.workers import resolve_workers
@@ -60,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def serve_one() -> int:
         try:
-            uvloop.run(serve(config, reuse_port=workers > 1))
+            uvloop.run(serve(config, reuse_port=workers > 1, loader=load, worker=workers > 1))
         except ValueError as e:  # strategy names etc. validated at app build
             print(f"switchyard: {e}", file=sys.stderr)
             return 2
@@ -69,9 +74,23 @@ def main(argv: list[str] | None = None) -> int:
     if workers == 1:
         return serve_one()
     if config.listen.port == 0:   # every worker must bind the same port
-        config = config.with_listen(None, free_port(config.listen.host))
+        listen[1] = free_port(config.listen.host)
+        config = config.with_listen(*listen)
     from gateway.workers import run_workers, stderr_log
-    return run_workers(workers, serve_one, stderr_log)
+    started = config
+
+    def reread() -> None:
+        """SIGHUP in the parent: a worker started from now on (a restart) gets the new config."""
+        nonlocal config
+        from gateway.reload import check_offline
+        try:
+            new = load()
+            check_offline(started, config, new)
+            config = new
+        except (ConfigError, ValueError) as e:
+            stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
+
+    return run_workers(workers, serve_one, stderr_log, on_reload=reread)
 
 
 if __name__ == "__main__":

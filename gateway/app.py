@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 import structlog
 from aiohttp import web
 
 from gateway.admin import add_tenancy
+from gateway.aliases import Aliases, AliasMetrics
 from gateway.apis.responses import ResponsesApi, add_responses
 from gateway.apis.responses_request import RESPONSES
 from gateway.config import Config
-from gateway.endpoints import Endpoint, EndpointPool
+from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError
 from gateway.lifecycle import Lifecycle
 from gateway.logs import LineWriter, RequestLog
@@ -31,6 +32,7 @@ from gateway.monitor import Monitor
 from gateway.pd import PDOrchestrator
 from gateway.pipeline import Pipeline
 from gateway.relay import Relay
+from gateway.reload import Live, Reloader, declared_endpoints
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
 from gateway.routing import Routing
 from gateway.status import StatusBoard, StatusSources
@@ -42,7 +44,8 @@ from k8s.discovery import KubernetesDiscovery
 
 log = structlog.get_logger("switchyard.app")
 
-GATEWAY_KEY = web.AppKey("gateway", Pipeline)
+GATEWAY_KEY = web.AppKey("gateway", Pipeline)    # the first generation's pipeline; RELOAD_KEY's .live is the current
+RELOAD_KEY = web.AppKey("reload", Reloader)
 LIFECYCLE_KEY = web.AppKey("lifecycle", Lifecycle)
 MONITOR_KEY = web.AppKey("monitor", Monitor)
 DISCOVERY_KEY = web.AppKey("discovery", KubernetesDiscovery)
@@ -52,19 +55,8 @@ NOT_READY_KEY = web.AppKey("not_ready", asyncio.Event)
 
 def pool_from_config(config: Config) -> EndpointPool:
     pool = EndpointPool()
-
-    def add(e, m, role: str, roleset: str | None = None, bootstrap_port: int | None = None) -> None:
-        pool.add(Endpoint(url=e.url, model=m.name, engine=e.engine or m.engine, role=role, roleset=roleset,
-                          bootstrap_port=e.bootstrap_port or bootstrap_port,
-                          min_prompt_tokens=e.min_prompt_tokens, max_prompt_tokens=e.max_prompt_tokens))
-
-    for m in config.models:
-        for e in m.endpoints:
-            add(e, m, "aggregated")
-        for rs in m.rolesets:
-            for role, eps in (("prefill", rs.prefill), ("decode", rs.decode), ("combined", rs.combined)):
-                for e in eps:
-                    add(e, m, role, rs.name, rs.bootstrap_port)
+    for ep in declared_endpoints(config):
+        pool.add(ep)
     return pool
 
 
@@ -101,7 +93,9 @@ def _error_middleware(metrics: GatewayMetrics):
     return error_middleware
 
 
-def build_app(config: Config, pool: EndpointPool | None = None) -> web.Application:
+def build_app(config: Config, pool: EndpointPool | None = None,
+              loader: Callable[[], Config] | None = None) -> web.Application:
+    """``loader`` re-reads the config file for a reload (gateway/reload.py); None: no reload."""
     pool = pool if pool is not None else pool_from_config(config)
     metrics = GatewayMetrics()
     lifecycle = Lifecycle()
@@ -116,7 +110,13 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
     responses = ResponsesApi(config, pool, metrics, request_log, tenancy, gw.observers)   # gateway/apis
     gw.apis[RESPONSES] = responses
-    metrics.attach_live_state(pool.endpoints, gw.model_in_flight, prefix_stats=routing.ctx.prefix_index.stats,
+    alias_metrics = AliasMetrics(metrics.registry)
+    gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
+    # new requests enter the live generation's pipeline; a reload swaps it (gateway/reload.py)
+    reloader = Reloader(Live(config, gw), pool, metrics, alias_metrics, tenancy, loader)
+    reloader.listeners.append(lambda live: responses.reconfigure(live.config))   # its stores stay: shared
+    metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
+                              prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s)
     started_at = int(time.time())
 
@@ -124,6 +124,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(metrics)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
+    app[RELOAD_KEY] = reloader
     app[LIFECYCLE_KEY] = lifecycle
     app[NOT_READY_KEY] = asyncio.Event()
 
@@ -133,6 +134,11 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
         data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
                  "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
                  "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
+        aliases = reloader.live.aliases
+        for a in aliases.describe() if aliases is not None else ():   # an alias lists its targets
+            data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
+                         "targets": a["targets"], "sticky": a["sticky"],
+                         "ready_endpoints": sum(len(pool.ready(t["model"])) for t in a["targets"])})
         return _json(200, {"object": "list", "data": data})
 
     async def health(_request: web.Request) -> web.Response:
@@ -151,7 +157,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
                             headers={"X-Content-Type-Options": "nosniff"})
 
     for path in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES):
-        app.router.add_post(path, gw.handle)
+        app.router.add_post(path, reloader.live_handle)
     add_responses(app, responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
@@ -159,12 +165,17 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
     app.router.add_get("/metrics", metrics_page)
     if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
         add_tenancy(app, tenancy)
+        if tenancy.admin_digest is not None:
+            reloader.register(app.router)        # POST /admin/reload
     if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
-        board = StatusBoard(config.status, lambda m: pool.has_model(m) or config.model(m) is not None)
+        board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
         gw.observers.append(board.on_request)
         routing.observers.append(board.on_decision)
-        add_status(app, StatusSources(config, pool, routing, lifecycle, gw.model_in_flight, tenancy,
-                                      started_at=started_at), metrics, board)
+        sources = StatusSources(config, pool, routing, lifecycle, gw.model_in_flight, tenancy,
+                                aliases=lambda: a.describe() if (a := reloader.live.aliases) is not None else [],
+                                started_at=started_at)
+        reloader.listeners.append(sources.follow)
+        add_status(app, sources, metrics, board)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
         """Discovery first (a bad kubeconfig fails start-up before anything else runs), then the
@@ -175,6 +186,7 @@ def build_app(config: Config, pool: EndpointPool | None = None) -> web.Applicati
             disc = KubernetesDiscovery(config.kubernetes, pool, {m.name: m for m in config.models})
             await disc.start()
             app[DISCOVERY_KEY] = disc
+            reloader.listeners.append(lambda live: disc.reconfigure(live.config.kubernetes, live.config.models))
         try:
             upstream.start()
             session = make_session(config.upstream)

@@ -23,6 +23,7 @@ import yaml
 from msgspec import Meta
 from msgspec.structs import force_setattr
 
+from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.endpoints import ENGINES
 from gateway.strict import StrictError, convert, laid_over, without_nulls
@@ -294,6 +295,7 @@ class Config(_Block, dict=True):
     watchdog: WatchdogConfig = WatchdogConfig()
     pd: PDConfig = PDConfig()
     models: tuple[ModelConfig, ...] = ()
+    aliases: tuple[AliasConfig, ...] = ()      # names that split traffic over models (gateway/aliases.py)
     kubernetes: KubernetesConfig = KubernetesConfig()
     auth: AuthConfig = AuthConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -312,6 +314,7 @@ class Config(_Block, dict=True):
             seen.add(m.name)
         if self.responses.backend == "redis" and self.state.redis_url is None:
             raise ValueError("responses.backend: redis needs state.redis_url")
+        check_aliases(self.aliases, [m.name for m in self.models], self.kubernetes.enabled)
 
     @cached_property
     def _models_by_name(self) -> dict[str, ModelConfig]:

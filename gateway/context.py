@@ -72,6 +72,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     finish_reason: str | None = None
     request_id_replaced: bool = False         # the client's x-request-id could not be kept
+    alias: str | None = None                  # the alias the client named; ``model`` is its target
     extra: dict[str, Any] = field(default_factory=dict)   # leg details for the log line only
 
     def response_headers(self) -> dict[str, str]:
@@ -83,6 +84,8 @@ class RequestRecord:
             h["routing-strategy"] = safe_header_value(self.strategy)
         if self.prefill_endpoint:
             h["prefill-target-pod"] = self.prefill_endpoint
+        if self.alias is not None:
+            h["x-served-model"] = safe_header_value(self.model)
         return h
 
 
@@ -139,6 +142,8 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
         fields["prefill_endpoint"] = rec.prefill_endpoint
     if rec.request_id_replaced:
         fields["request_id_replaced"] = True
+    if rec.alias is not None:
+        fields["alias"] = rec.alias
     if rec.extra:
         fields.update(rec.extra)
     request_log.emit(fields)

@@ -2,7 +2,8 @@
 
 Two aggregated models (vLLM-speaking and SGLang-speaking, two replicas each) and two P/D models
 (one prefill + one decode each), on fixed loopback ports, so a newcomer's first ``curl`` works
-with no GPU. With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, the gateway and the engines send traces
+with no GPU; and an alias, ``demo-chat``, that splits callers 90/10 over the two aggregated models
+(a canary, sticky per user). With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, the gateway and the engines send traces
 there.
 """
 
@@ -28,6 +29,13 @@ DEMO_ENGINES = [
 ]
 
 
+# an alias as a canary roll-out looks: most users on one model, a sticky 10% on the other
+# ten callers for the banner's loop; one of them (oscar) is in the 10%
+DEMO_USERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "oscar")
+DEMO_ALIASES = [{"name": "demo-chat", "sticky": "user",
+                 "targets": [{"model": "demo-llama", "weight": 90}, {"model": "demo-qwen", "weight": 10}]}]
+
+
 def demo_config(host: str | None, port: int | None, log_format: str = "auto") -> dict:
     models: dict[str, dict] = {}
     for model, engine, role, eport, _sim, entry in DEMO_ENGINES:
@@ -45,6 +53,7 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
         "health": {"interval_s": 2.0},
         "scrape": {"interval_s": 1.0},
         "models": list(models.values()),
+        "aliases": DEMO_ALIASES,
     }
 
 
@@ -54,6 +63,7 @@ Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
   demo-qwen      SGLang, 2 replicas (127.0.0.1:8111, :8112)
   demo-llama-pd  vLLM P/D:   prefill 127.0.0.1:8121, decode :8122
   demo-qwen-pd   SGLang P/D: prefill 127.0.0.1:8131 (bootstrap 8998), decode :8132
+  demo-chat      alias: 90% of users to demo-llama, 10% to demo-qwen (sticky per user)
 
 Try:
   curl -s http://{host}:{{port}}/v1/models
@@ -61,6 +71,10 @@ Try:
        -d '{{{{"model":"demo-llama","messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
   curl -sN http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-qwen-pd","stream":true,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
+
+  for u in {users}; do curl -si http://{host}:{{port}}/v1/chat/completions \\
+       -H 'Content-Type: application/json' -d '{{{{"model":"demo-chat","user":"'$u'","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' \\
+       | grep -i '^x-served-model'; done
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'user','content':'Hi'}}}}]).choices[0].message.content)"
@@ -92,7 +106,7 @@ async def run_demo(host: str | None = None, port: int | None = None, log_format:
                                                   enable_responses_store=True, **kw)))
         cfg = config_from_dict(demo_config(host, port, log_format), source="<demo>")
         note = TRACING_ON.format(endpoint=traces.endpoint) if traces.enabled else TRACING_OFF
-        await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note))
+        await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note, users=" ".join(DEMO_USERS)))
     finally:
         for s in sims:
             with contextlib.suppress(Exception):

@@ -17,6 +17,7 @@ import time
 import structlog
 from aiohttp import web
 
+from gateway.aliases import Aliases
 from gateway.apis.base import ApiShape
 from gateway.config import Config
 from gateway.context import RecordObserver, RequestContext, record_request, safe_header_value
@@ -54,6 +55,7 @@ class Pipeline:
         self.lifecycle = lifecycle
         self.request_log = request_log
         self.tracing = tracing
+        self.aliases: Aliases | None = None          # set by app.py when the config has aliases
         self.model_in_flight: dict[str, int] = {}
         self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
         self.apis: dict[str, ApiShape] = {}          # path → its API when not chat/completions/embeddings
@@ -75,6 +77,8 @@ class Pipeline:
             api = ctx.api = self.apis.get(request.path)
             ireq = ctx.ireq = (api.parse if api is not None else parse)(
                 request.path, await self._read_body(request), request.headers, rec.request_id)
+            if self.aliases is not None:    # an alias names one of its models (gateway/aliases.py)
+                self.aliases.resolve(ctx, ticket.user if ticket is not None else None)
             rec.model, rec.stream = ireq.model, ireq.stream
             self._require_model(ireq.model)
             model_gauge = ireq.model

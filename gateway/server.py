@@ -10,29 +10,34 @@ SIGTERM, and load balancers learn of it a few seconds later):
 3. requests in flight, streams included, may finish until ``server.shutdown_grace_s`` after the
    SIGTERM; then the remaining ones are cut, and the process exits 0.
 
-SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once.
+SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once. SIGHUP reloads the
+config file (gateway/reload.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, build_app
+from gateway.app import GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
 from gateway.config import Config
 from gateway.edge import Edge, EdgeLimits, EdgeRunner
 
 log = structlog.get_logger("switchyard.server")
 
 
-async def start(config: Config, *, reuse_port: bool = False) -> tuple[web.AppRunner, web.Application, int]:
-    """Start serving; returns the runner, the app and the bound port (useful with port 0)."""
-    app = build_app(config)
+async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[], Config] | None = None,
+                ) -> tuple[web.AppRunner, web.Application, int]:
+    """Start serving; returns the runner, the app and the bound port (useful with port 0).
+    ``loader`` re-reads the config file at a reload."""
+    app = build_app(config, loader=loader)
     # the edge (gateway/edge.py): slow-client clocks, connection cap, header limits, shaped errors
     edge = Edge(EdgeLimits.from_config(config.server), app[GATEWAY_KEY].metrics.registry)
     _check_fd_limit(edge.limits.max_connections)
@@ -74,8 +79,10 @@ async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: flo
     await runner.cleanup()
 
 
-async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False) -> None:
-    runner, app, port = await start(config, reuse_port=reuse_port)
+async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False,
+                loader: Callable[[], Config] | None = None, worker: bool = False) -> None:
+    """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
+    runner, app, port = await start(config, reuse_port=reuse_port, loader=loader)
     log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
              kubernetes=config.kubernetes.enabled)
     if ready_message:
@@ -91,6 +98,11 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal, sig)
+    reloader = app[RELOAD_KEY]
+    if worker:      # POST /admin/reload asks the parent, which signals every worker
+        reloader.parent_pid = os.getppid()
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     try:
         await stop.wait()
     finally:

@@ -38,6 +38,7 @@ from gateway.window import Summary, TimeWindow
 
 if TYPE_CHECKING:
     from gateway.context import RequestRecord
+    from gateway.reload import Live
     from gateway.request import InferenceRequest
     from gateway.tenants import Tenancy
     from routers.base import Decision
@@ -84,6 +85,10 @@ class StatusSources:
     # model aliases, once they exist: [{"name", "targets": [{"model", "weight"}], ...}]
     aliases: Callable[[], list[dict[str, Any]]] = _no_aliases
     started_at: float = field(default_factory=time.time)   # unix seconds
+
+    def follow(self, live: Live) -> None:
+        """A config reload applied (gateway/reload.py): read the new generation's config and routing."""
+        self.config, self.routing = live.config, live.routing
 
 
 class StatusBoard:

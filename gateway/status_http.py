@@ -63,9 +63,7 @@ class StatusPage:
     def __init__(self, board: StatusBoard, sources: StatusSources, metrics: GatewayMetrics) -> None:
         self.board = board
         self.sources = sources
-        auth = sources.config.auth
-        self.protected = auth.on or auth.admin_token is not None
-        self.admin_digest = key_digest(auth.admin_token) if auth.admin_token else None
+        self._follow_auth()
         self.m = StatusMetrics(metrics.registry)
         self.html, self.csp = _page()
 
@@ -85,7 +83,15 @@ class StatusPage:
         self.m.requests.labels("ok").inc()
         return web.Response(body=body, content_type="application/json", headers=NO_STORE)
 
+    def _follow_auth(self) -> None:
+        """Protection as the sources' config says: the one at start, then each reload's."""
+        auth = self._auth = self.sources.config.auth
+        self.protected = auth.on or auth.admin_token is not None
+        self.admin_digest = key_digest(auth.admin_token) if auth.admin_token else None
+
     def _check(self, request: web.Request) -> None:
+        if self.sources.config.auth is not self._auth:
+            self._follow_auth()
         if not self.protected:
             return
         if self.admin_digest is None:

@@ -20,7 +20,7 @@ T = TypeVar("T")
 
 _AT = re.compile(r"(.*) - at (?:`key` in )?`\$(.*)`", re.S)
 _STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
-_OWN = re.compile(r"(\w+(?:\[\d+\])?(?:\.\w+)*): (.*)", re.S)
+_OWN = re.compile(r"(\w+(?:\[\d+\])?(?:\.\w+(?:\[\d+\])?)*): (.*)", re.S)
 
 
 class StrictError(ValueError):

@@ -8,7 +8,9 @@ as between replicas.
 
 The parent forks the workers before any event loop exists, forwards SIGTERM/SIGINT to them (each
 drains as a single gateway does), restarts a worker that dies unexpectedly (with a short back-off),
-and exits when all have exited after a signal.
+and exits when all have exited after a signal. SIGHUP is forwarded too: every worker reloads the
+config file (gateway/reload.py), and the parent re-reads it for the workers it starts later. A
+worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def resolve_workers(value: int | str) -> int:
     return cpu_limit() if value == "auto" else int(value)
 
 
-def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]) -> int:
-    """Fork ``n`` processes that each call ``serve_one()`` (which must bind with SO_REUSEPORT)."""
+def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None],
+                on_reload: Callable[[], None] | None = None) -> int:
+    """Fork ``n`` processes that each call ``serve_one()`` (which must bind with SO_REUSEPORT);
+    ``on_reload`` runs in the parent at SIGHUP, before the workers are told."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
 
@@ -67,6 +71,7 @@ def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]
         if pid == 0:  # the worker
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)    # until the worker's loop handles it
             code = 1
             try:
                 code = serve_one()
@@ -83,8 +88,18 @@ def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]
             except ProcessLookupError:
                 pass
 
+    def reload(sig: int, _frame) -> None:
+        if on_reload is not None:
+            on_reload()
+        for pid in list(children):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGHUP, reload)
     for i in range(n):
         spawn(i)
     log(f"started {n} workers: {sorted(children)}")

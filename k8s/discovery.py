@@ -29,11 +29,12 @@ import json
 import os
 import random
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 import structlog
 
 from gateway.config import ConfigError, KubernetesConfig, ModelConfig
@@ -105,6 +106,13 @@ class KubernetesDiscovery:
         self._tasks: list[asyncio.Task] = []
         self._api_client: Any = None
         self._core: Any = None
+
+    def reconfigure(self, kcfg: KubernetesConfig, models: Iterable[ModelConfig]) -> None:
+        """A reloaded config (gateway/reload.py): the model blocks (a pod's default engine) and
+        ``kubernetes.models`` apply to pods as they change and at the next resync. The client,
+        namespaces and selector stay as started; the pods found so far stay in the pool."""
+        self.kcfg = msgspec.structs.replace(self.kcfg, models=kcfg.models)
+        self.models = {m.name: m for m in models}
 
     # -- lifecycle ---------------------------------------------------------------------------
 

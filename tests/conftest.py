@@ -129,7 +129,7 @@ async def gateway():
                                "server": {"shutdown_grace_s": 2.0},
                                "models": models}
         for k, v in blocks.items():
-            raw[k] = {**raw.get(k, {}), **v}
+            raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v     # a list block: aliases
         cfg = config_from_dict(raw, source="<test>")
         runner, app, port = await start(cfg)
         runners.append(runner)

@@ -120,6 +120,12 @@ class ResponsesApi(ApiShape):
                 self.history = MemoryStore(h.ttl_s, 1 << 62, h.max_total_bytes)
                 self.m.entries.labels("history").set_function(lambda: len(self.history))
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (gateway/reload.py): whether ids belong to users follows ``auth``; the
+        ``responses`` block and its stores need a restart, so they stay as started."""
+        self.config = config
+        self.auth_on = config.auth.on
+
     def describe(self) -> dict[str, Any]:
         return {"state": self.cfg.state, "backend": self.backend}
 

@@ -85,13 +85,17 @@ class Directory:
     whole when the backend says it changed (Redis) or edited in place (memory, admin writes)."""
 
     def __init__(self, auth: AuthConfig, limits: LimitsConfig) -> None:
+        self.reconfigure(auth, limits)
+        self.store_keys: dict[str, KeyRecord] = {}
+        self.store_users: dict[str, UserLimits] = {}
+
+    def reconfigure(self, auth: AuthConfig, limits: LimitsConfig) -> None:
+        """The config part (at start, and at a reload); the store part is kept."""
         self.config_keys: dict[str, KeyRecord] = {
             k.key_sha256: KeyRecord(digest=k.key_sha256, user=k.user, name=k.name, source="config")
             for k in auth.api_keys}
         self.config_users: dict[str, UserLimits] = dict(limits.users)
         self.default_user: UserLimits | None = limits.default_user
-        self.store_keys: dict[str, KeyRecord] = {}
-        self.store_users: dict[str, UserLimits] = {}
 
     # -- hot path ----------------------------------------------------------------------------
 

@@ -121,6 +121,17 @@ class Tenancy:
         self._fail_open_count = 0
         self._fail_open_logged = 0.0
 
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config (gateway/reload.py): API keys, users' and models' limits and the admin
+        token apply to the next request; the state backend (``state:``) stays as started, and so
+        do the counters (a request admitted before settles as it was admitted)."""
+        self.config = config
+        self.auth_on = config.auth.on
+        self.forward_auth = config.auth.forward_authorization
+        self.admin_digest = key_digest(config.auth.admin_token) if config.auth.admin_token else None
+        self.model_rps = {m: lim.rps for m, lim in config.limits.models.items() if lim.rps}
+        self.directory.reconfigure(config.auth, config.limits)
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -337,9 +348,13 @@ def _redact(url: str | None) -> str | None:
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
 
 
+def needs_tenancy(config: Config) -> bool:
+    a, lim, st = config.auth, config.limits, config.state
+    return bool(a.on or a.admin_token or lim.users or lim.models or lim.default_user or st.redis_url)
+
+
 def build_tenancy(config: Config, metrics: GatewayMetrics, pool: EndpointPool) -> Tenancy | None:
     """None when nothing is configured: the pipeline then skips every hook."""
-    a, lim, st = config.auth, config.limits, config.state
-    if not (a.on or a.admin_token or lim.users or lim.models or lim.default_user or st.redis_url):
+    if not needs_tenancy(config):
         return None
     return Tenancy(config, metrics, pool)

@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.demo import DEMO_ENGINES
+from gateway.demo import DEMO_ALIASES, DEMO_ENGINES, DEMO_USERS
 from gateway.server import free_port
 from tests.otlp_receiver import OTLPReceiver
 
@@ -41,7 +41,7 @@ async def test_demo_answers_every_model_streaming_and_not():
         assert f"http://127.0.0.1:{port}/status ".encode() in banner
         assert rx.url.encode() in banner
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        assert {m.id for m in (await client.models.list()).data} == set(MODELS)
+        assert {m.id for m in (await client.models.list()).data} == set(MODELS) | {a["name"] for a in DEMO_ALIASES}
         for model in MODELS:
             r = await client.chat.completions.create(model=model, max_tokens=5,
                                                      messages=[{"role": "user", "content": "Hello!"}])
@@ -53,6 +53,13 @@ async def test_demo_answers_every_model_streaming_and_not():
             doc = await r.json()
         assert {m["name"] for m in doc["models"]} == set(MODELS) and len(doc["endpoints"]) == len(DEMO_ENGINES)
         assert {m["name"]: m["minute"]["requests"] for m in doc["models"]} == {m: 2 for m in MODELS}
+        assert [a["name"] for a in doc["aliases"]] == ["demo-chat"]
+        served = set()
+        for user in DEMO_USERS:
+            r = await client.chat.completions.with_raw_response.create(
+                model="demo-chat", max_tokens=2, user=user, messages=[{"role": "user", "content": "Hi"}])
+            served.add(r.headers["x-served-model"])
+        assert served == {"demo-llama", "demo-qwen"}        # the banner's 90/10 canary, both arms reached
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-qwen-pd", max_tokens=3, messages=[{"role": "user", "content": "Trace me"}])
         await client.close()

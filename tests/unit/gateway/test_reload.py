@@ -1,0 +1,70 @@
+"""The pure parts of a reload: what needs a restart, and the endpoint pool brought to a config."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.app import pool_from_config
+from gateway.config import ConfigError, parse_config
+from gateway.reload import check_offline, restart_needed, sync_pool
+
+BASE = """
+listen: {host: 127.0.0.1, port: 8888}
+models:
+  - {name: m, endpoints: [http://10.0.0.1:8000, http://10.0.0.2:8000]}
+"""
+
+
+def cfg(extra: str = "", models: str | None = None):
+    text = BASE if models is None else "listen: {host: 127.0.0.1, port: 8888}\nmodels: " + models + "\n"
+    return parse_config(text + extra)
+
+
+@pytest.mark.parametrize(("extra", "path"), [
+    ("listen: {host: 127.0.0.1, port: 9999}", "listen.port"),
+    ("server: {workers: 2}", "server.workers"),
+    ("upstream: {max_connections: 10}", "upstream.max_connections"),
+    ("health: {interval_s: 1}", "health.interval_s"),
+    ("state: {key_prefix: other}", "state.key_prefix"),
+    ("kubernetes: {enabled: true}", "kubernetes.enabled"),
+    ("tracing: {enabled: true}", "tracing.enabled"),
+    ("limits: {users: {a: {rpm: 1}}}", "limits"),
+    ("auth: {api_keys: [{key: sk-0123456789abcdef, user: a}]}", "auth"),
+    ("kubernetes: {models: {m: {max_prompt_tokens: 10}}}", None),     # discovery's model settings reload
+    ("watchdog: {idle_timeout_s: 1}", None),
+    ("routing: {strategy: round-robin}", None),
+    ("aliases: [{name: a, targets: [{model: m}]}]", None),
+])
+def test_what_needs_a_restart(extra, path):
+    assert restart_needed(cfg(), cfg(extra), tenancy=False, admin=False) == path
+
+
+def test_with_tenancy_at_start_keys_and_limits_reload():
+    started = cfg("auth: {admin_token: t}")
+    new = cfg("auth: {admin_token: u, api_keys: [{key: sk-0123456789abcdef, user: a}]}\nlimits: {users: {a: {rpm: 1}}}")
+    assert restart_needed(started, new, tenancy=True, admin=True) is None
+    check_offline(started, cfg(), new)      # tenancy is decided by the config the process started with
+    with pytest.raises(ConfigError) as e:
+        check_offline(cfg(), cfg(), cfg("routing: {strategy: fastest}"))
+    assert e.value.key_path == "routing.strategy"
+
+
+def test_sync_pool_keeps_what_is_unchanged_and_drains_what_left():
+    pool = pool_from_config(cfg())
+    one, two = pool.endpoints("m")
+    one.in_flight = 1
+    added, removed = sync_pool(pool, cfg(models="[{name: m, endpoints: [http://10.0.0.1:8000, http://10.0.0.3:8000]},"
+                                              " {name: n, engine: sglang, endpoints: [http://10.0.0.2:8000]}]"))
+    assert pool.endpoints("m")[0] is one and one.in_flight == 1 and not one.draining
+    assert removed == [two] and two.draining and two not in pool.endpoints()
+    assert [(e.model, e.url, e.engine) for e in added] == [("m", "http://10.0.0.3:8000", "vllm"),
+                                                           ("n", "http://10.0.0.2:8000", "sglang")]
+    one.in_flight = 0
+
+
+def test_sync_pool_leaves_discovered_endpoints_alone():
+    pool = pool_from_config(cfg())
+    from gateway.endpoints import Endpoint
+    pod = pool.add(Endpoint(url="http://10.1.0.1:8000", model="m", source="kubernetes", name="pod-0"))
+    added, removed = sync_pool(pool, cfg(models="[]", extra="kubernetes: {enabled: true}"))
+    assert not added and len(removed) == 2 and pool.endpoints() == [pod]
