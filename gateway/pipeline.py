@@ -71,10 +71,10 @@ class Pipeline:
         ticket = None
         model_gauge = None
         try:
+            api = ctx.api = self.apis.get(request.path)   # first: every error is in its shape
             self.lifecycle.check_open()
             if self.tenancy is not None:    # API key → user (401), before the body is read
                 ticket = await self.tenancy.authenticate(request, rec)
-            api = ctx.api = self.apis.get(request.path)
             body = await api.read_body(request, self.config.server.max_body_bytes) if api is not None else None
             ireq = ctx.ireq = (api.parse if api is not None else parse)(
                 request.path, body if body is not None else await self._read_body(request), request.headers,
