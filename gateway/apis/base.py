@@ -53,6 +53,13 @@ class ApiShape:
     def parse(self, path: str, body: bytes, headers: Any, request_id: str) -> InferenceRequest:
         raise NotImplementedError
 
+    def with_model(self, ireq: InferenceRequest, model: str) -> None:
+        """Make ``ireq`` a request for ``model`` (an alias's target): the parsed request, its data
+        and the body bytes the engine receives. Default: a JSON body, re-encoded once."""
+        ireq.data["model"] = model
+        ireq.model = model
+        ireq.body = orjson.dumps(ireq.data)
+
     def error_body(self, e: GatewayError) -> bytes:
         """The body of an error answered before the response headers."""
         return e.body_bytes()

@@ -138,14 +138,9 @@ _WANTED = (b"model", b"stream")
 _MAX_FIELD = 1024            # a wanted field's value longer than this is not a model name
 
 
-def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTED) -> dict[str, str]:
-    """The values of the ``wanted`` plain (non-file) fields of a multipart/form-data body.
-
-    Works on ``body`` in place: it looks for the part delimiters and reads only the small part
-    headers and the wanted values; a file part's bytes are skipped over by ``bytes.find``, never
-    copied. Stops when every wanted field was found, or at the closing delimiter.
-    """
-    out: dict[str, str] = {}
+def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...]) -> dict[str, tuple[int, int]]:
+    """Where the values of the ``wanted`` plain fields are in ``body``: name → (start, end)."""
+    out: dict[str, tuple[int, int]] = {}
     delim = b"--" + boundary
     i = body.find(delim)
     while i >= 0 and len(out) < len(wanted):
@@ -158,16 +153,30 @@ def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTE
         nxt = body.find(b"\r\n" + delim, head_end + 4)
         if nxt < 0:
             break
-        head = body[j:head_end]
-        for line in head.split(b"\r\n"):
+        for line in body[j:head_end].split(b"\r\n"):
             if line[:20].lower().startswith(b"content-disposition:"):
                 m = _FIELD_NAME.search(line)
                 if m and m.group(1) in wanted and not _FILENAME.search(line) and nxt - head_end - 4 <= _MAX_FIELD:
-                    name = m.group(1).decode()
-                    out.setdefault(name, body[head_end + 4:nxt].decode("utf-8", "replace").strip())
+                    out.setdefault(m.group(1).decode(), (head_end + 4, nxt))
                 break
         i = nxt + 2
     return out
+
+
+def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTED) -> dict[str, str]:
+    """The values of the ``wanted`` plain (non-file) fields of a multipart/form-data body.
+
+    Works on ``body`` in place: it looks for the part delimiters and reads only the small part
+    headers and the wanted values; a file part's bytes are skipped over by ``bytes.find``, never
+    copied. Stops when every wanted field was found, or at the closing delimiter.
+    """
+    return {name: body[a:b].decode("utf-8", "replace").strip()
+            for name, (a, b) in _field_spans(body, boundary, wanted).items()}
+
+
+def _boundary(ctype: str) -> bytes | None:
+    m = _BOUNDARY_PARAM.search(ctype)
+    return (m.group(1) or m.group(2)).encode("latin-1") if m else None
 
 
 class AudioApi(PassthroughApi):
@@ -205,13 +214,24 @@ class AudioApi(PassthroughApi):
         if not ctype.lower().startswith("multipart/form-data"):
             raise GatewayError(415, f"{path} takes a multipart/form-data body (the audio file and its fields)",
                                header=("x-error-request-body-processing", "true"), error_class="validation")
-        m = _BOUNDARY_PARAM.search(ctype)
-        if m is None:
+        boundary = _boundary(ctype)
+        if boundary is None:
             raise _bad("the multipart Content-Type has no boundary")
-        fields = form_fields(body, (m.group(1) or m.group(2)).encode("latin-1"))
+        fields = form_fields(body, boundary)
         model = fields.get("model")
         if not model:
             raise _no_model(f"'model' is required: it decides where {path} is routed")
         stream = fields.get("stream", "").lower() == "true"
         return _request(path, body, {"model": model}, model, stream, "", 1, headers, request_id, ctype)
+
+    def with_model(self, ireq: InferenceRequest, model: str) -> None:
+        """The ``model`` field's value replaced inside the form (the body is copied once more,
+        only when an alias rewrites it)."""
+        boundary = _boundary(ireq.content_type)
+        span = _field_spans(ireq.body, boundary, (b"model",)).get("model") if boundary else None
+        if span is not None:
+            a, b = span
+            view = memoryview(ireq.body)     # slices of a view are not copies: the join is the one copy
+            ireq.body = b"".join((view[:a], model.encode(), view[b:]))
+        ireq.data["model"] = ireq.model = model
 

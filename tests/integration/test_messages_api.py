@@ -177,3 +177,13 @@ async def test_api_keys_from_x_api_key_and_bearer(sims, gateway):
         assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
     # the tokens are charged to the key's user
     assert 'switchyard_user_tokens_total{kind="completion",user="alice"} 5.0' in await gw.metrics_text()
+
+
+async def test_an_alias_names_a_messages_model(sims, gateway):
+    v = await sims("vllm", "llama-v2")
+    gw = await gateway([model_block("llama-v2", "vllm", [v.url])],
+                       aliases=[{"name": "claude-ish", "targets": [{"model": "llama-v2"}]}])
+    c = client(gw)
+    raw = await c.messages.with_raw_response.create(model="claude-ish", max_tokens=2, messages=MSGS)
+    assert raw.headers["x-served-model"] == "llama-v2" and (await raw.parse()).model == "llama-v2"
+    await c.close()

@@ -177,3 +177,16 @@ async def test_audio_body_limit(sims, gateway):
         assert small.usage.seconds == 2
         await c.close()
     assert not [r for r in (await sim_state(v.url))["received"] if r["bytes"] > 100_000]
+
+
+async def test_an_alias_rewrites_the_model_inside_the_form(sims, gateway):
+    v = await sims("vllm", "whisper-v2")      # the engine refuses any other model name (404)
+    gw = await gateway([model_block("whisper-v2", "vllm", [v.url])],
+                       aliases=[{"name": "speech", "targets": [{"model": "whisper-v2"}]}])
+    c = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    raw = await c.audio.transcriptions.with_raw_response.create(model="speech", file=("a.wav", AUDIO))
+    assert raw.headers["x-served-model"] == "whisper-v2"
+    assert raw.parse().text == transcript(AUDIO, math.ceil(len(AUDIO) / BYTES_PER_SECOND))
+    status, got, _ = await post(gw, "/v1/rerank", {"model": "speech", **RERANK})
+    assert status == 200 and got["model"] == "whisper-v2"
+    await c.close()

@@ -92,3 +92,12 @@ def test_audio_body_is_copied_once():
     with pytest.raises(GatewayError) as ei:
         asyncio.run(AUDIO.read_body(_Request([b"x" * 10] * 5), 45))   # type: ignore[arg-type]
     assert ei.value.status == 413
+
+
+def test_audio_alias_rewrite_replaces_only_the_model_field():
+    audio = bytes(range(256)) * 4
+    body = _form("bnd", [("model", b"speech", None), ("file", audio, "a.wav")])
+    ireq = AUDIO.parse("/v1/audio/transcriptions", body, {"content-type": "multipart/form-data; boundary=bnd"}, "r")
+    AUDIO.with_model(ireq, "whisper-large-v3")
+    assert ireq.model == "whisper-large-v3" and ireq.data == {"model": "whisper-large-v3"}
+    assert ireq.body == _form("bnd", [("model", b"whisper-large-v3", None), ("file", audio, "a.wav")])
