@@ -24,6 +24,7 @@ from enginesim.config import SimConfig
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
 from enginesim.faults import FaultSpecError, parse_fault
+from enginesim.more_apis import more_routes
 from enginesim.responses_api import ResponsesApi
 from enginesim.sglang_api import SglangApi
 from enginesim.vllm_api import VllmApi
@@ -57,6 +58,7 @@ def build_app(cfg: SimConfig) -> web.Application:
     api: VllmApi | SglangApi = VllmApi(engine) if cfg.engine == "vllm" else SglangApi(engine)
     app.add_routes(api.routes())
     app.add_routes(ResponsesApi(engine).routes())     # /v1/responses, in the engine's own style
+    app.add_routes(more_routes(engine))     # Messages, rerank, score, tokenize, audio
     app.add_routes(engine.role.routes())
     app.add_routes(_sim_routes(engine, received, traceparents))
 

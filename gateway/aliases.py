@@ -177,10 +177,13 @@ class Aliases:
             return
         key = caller_key(alias.sticky, api_user or ireq.user, ireq.session_id, ctx.http.remote)
         target = self.choose(alias, key)
-        ireq.data["model"] = target
-        ireq.model = target
-        # re-encoded once; a later rewrite (include_usage for streams) encodes the data again
-        ireq.body = orjson.dumps(ireq.data)
+        if ctx.api is not None:     # its own body format (a multipart form keeps its file)
+            ctx.api.with_model(ireq, target)
+        else:
+            ireq.data["model"] = target
+            ireq.model = target
+            # re-encoded once; a later rewrite (include_usage for streams) encodes the data again
+            ireq.body = orjson.dumps(ireq.data)
         ctx.rec.alias = alias.name
         child = self._children.get((alias.name, target))
         if child is None:

@@ -19,6 +19,10 @@ from aiohttp import web
 
 from gateway.admin import add_tenancy
 from gateway.aliases import Aliases, AliasMetrics
+from gateway.apis.anthropic import AnthropicApi
+from gateway.apis.base import ApiShape
+from gateway.apis.metrics import PathRequests
+from gateway.apis.passthrough import AudioApi, PassthroughApi
 from gateway.apis.responses import ResponsesApi, add_responses
 from gateway.apis.responses_request import RESPONSES
 from gateway.config import Config
@@ -64,10 +68,19 @@ def _json(status: int, payload, headers: dict[str, str] | None = None) -> web.Re
     return web.Response(status=status, body=orjson.dumps(payload), headers=headers, content_type="application/json")
 
 
-def _error_middleware(metrics: GatewayMetrics):
+def _raw_json(status: int, body: bytes, headers: dict[str, str]) -> web.Response:
+    return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+
+
+def _error_middleware(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
+    def shaped(request: web.Request, err: GatewayError) -> bytes:
+        api = apis.get(request.path)
+        return api.error_body(err) if api is not None else err.body_bytes()
+
     @web.middleware
     async def error_middleware(request: web.Request, handler):
-        """Every answer is OpenAI-shaped JSON: aiohttp's own 404/405/413 and any bug included."""
+        """Every answer is JSON in its path's API shape (OpenAI's, Anthropic's on /v1/messages):
+        aiohttp's own 404/405/413 and any bug included."""
         try:
             return await handler(request)
         except web.HTTPException as e:
@@ -80,16 +93,16 @@ def _error_middleware(metrics: GatewayMetrics):
             headers = {"request-id": rid, "x-request-id": rid}
             if e.status == 405 and "Allow" in e.headers:
                 headers["Allow"] = e.headers["Allow"]
-            return _json(e.status, err.body(), headers)
+            return _raw_json(e.status, shaped(request, err), headers)
         except GatewayError as e:
             rid = request_id_from(request.headers.get("x-request-id"))
-            return _json(e.status, e.body(), {"request-id": rid, **e.headers})
+            return _raw_json(e.status, shaped(request, e), {"request-id": rid, **e.headers})
         except Exception as e:      # a bug outside the pipeline (which answers its own)
             rid = request_id_from(request.headers.get("x-request-id"))
             metrics.internal_errors.inc()
             log.error("internal error", request_id=rid, path=request.path, exc_info=e)
             err = GatewayError(500, "internal gateway error", code="internal_error")
-            return _json(500, err.body(), {"request-id": rid, "x-request-id": rid})
+            return _raw_json(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
     return error_middleware
 
 
@@ -110,6 +123,9 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
     responses = ResponsesApi(config, pool, metrics, request_log, tenancy, gw.observers)   # gateway/apis
     gw.apis[RESPONSES] = responses
+    for api in (AnthropicApi(pool), PassthroughApi(pool), AudioApi(pool)):   # Messages, pass-through
+        gw.apis.update(dict.fromkeys(api.paths, api))
+    gw.observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
     alias_metrics = AliasMetrics(metrics.registry)
     gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/reload.py)
@@ -121,7 +137,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     started_at = int(time.time())
 
     # the trace middleware is outermost, so the request span sees the status the client gets
-    middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(metrics)]
+    middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(metrics, gw.apis)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
     app[RELOAD_KEY] = reloader
@@ -156,7 +172,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    for path in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES):
+    for path in (CHAT, COMPLETIONS, EMBEDDINGS, *gw.apis):    # gw.apis: Responses, Messages, pass-through
         app.router.add_post(path, reloader.live_handle)
     add_responses(app, responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     app.router.add_get("/v1/models", models)

@@ -81,6 +81,10 @@ print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'use
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
 r = c.responses.create(model='demo-llama', input='Hi'); \\
 print(c.responses.create(model='demo-llama', input='More', previous_response_id=r.id).output_text)"
+  curl -sN http://{host}:{{port}}/v1/messages -H 'Content-Type: application/json' \\
+       -d '{{{{"model":"demo-llama","max_tokens":16,"stream":true,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
+  curl -s http://{host}:{{port}}/v1/rerank -H 'Content-Type: application/json' \\
+       -d '{{{{"model":"demo-qwen","query":"red apple","documents":["green pear","red apple pie"]}}}}'
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C

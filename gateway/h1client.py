@@ -36,6 +36,8 @@ import httptools
 # unread body bytes above which reading from the engine pauses; it resumes when the reader takes
 # them (``readany`` hands out everything buffered, so the buffer is then empty)
 HIGH_WATER = 256 * 1024
+# bodies up to this size go out in one buffer with their head (one write); larger ones beside it
+_JOIN_MAX = 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -217,7 +219,7 @@ class _Conn(asyncio.Protocol):
 
     # -- an exchange -----------------------------------------------------------------------
 
-    async def exchange(self, data: bytes, header_timeout: float | None,
+    async def exchange(self, data: bytes | tuple[bytes, bytes], header_timeout: float | None,
                        state: SendState | None = None) -> UpstreamResponse:
         """Send one request; return once the response head arrived. Any failure or cancellation
         while waiting drops the connection (the engine must not go on for nobody)."""
@@ -228,7 +230,10 @@ class _Conn(asyncio.Protocol):
         if state is not None:
             state.sent = True       # no await from here to the write: a cancel cannot fall between
         try:
-            self.transport.write(data)
+            if type(data) is tuple:
+                self.transport.writelines(data)
+            else:
+                self.transport.write(data)   # type: ignore[arg-type]
         except (RuntimeError, OSError) as e:  # closed under us between the pool and here
             self.abort()
             raise UpstreamDisconnected(f"connection closed before the request was sent ({e})", False) from None
@@ -404,8 +409,10 @@ class UpstreamPool:
         lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
         if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
             raise ValueError("a header name or value contains a line break")
-        data = (f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Length: {len(body)}\r\n"
-                f"{lines}\r\n").encode("utf-8", "surrogateescape") + body
+        head = (f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Length: {len(body)}\r\n"
+                f"{lines}\r\n").encode("utf-8", "surrogateescape")
+        # a large body (an audio upload) is handed over beside its head, not copied onto it
+        data: bytes | tuple[bytes, bytes] = head + body if len(body) <= _JOIN_MAX else (head, body)
         conn, reused = await self._acquire(origin)
         try:
             return await conn.exchange(data, header_timeout, state)

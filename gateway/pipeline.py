@@ -71,12 +71,14 @@ class Pipeline:
         ticket = None
         model_gauge = None
         try:
+            api = ctx.api = self.apis.get(request.path)   # first: every error is in its shape
             self.lifecycle.check_open()
             if self.tenancy is not None:    # API key → user (401), before the body is read
                 ticket = await self.tenancy.authenticate(request, rec)
-            api = ctx.api = self.apis.get(request.path)
+            body = await api.read_body(request, self.config.server.max_body_bytes) if api is not None else None
             ireq = ctx.ireq = (api.parse if api is not None else parse)(
-                request.path, await self._read_body(request), request.headers, rec.request_id)
+                request.path, body if body is not None else await self._read_body(request), request.headers,
+                rec.request_id)
             if self.aliases is not None:    # an alias names one of its models (gateway/aliases.py)
                 self.aliases.resolve(ctx, ticket.user if ticket is not None else None)
             rec.model, rec.stream = ireq.model, ireq.stream
@@ -89,7 +91,11 @@ class Pipeline:
             if ticket is not None:          # model RPS, user RPM/TPM/concurrency (429), before routing
                 await self.tenancy.admit(ticket, ireq, rec)
             rec.user = ireq.user            # with auth on, the key's user (admit decides it)
-            if api is not None:             # the API's state: history, or the endpoint that owns it
+            if api is not None:             # the API's state, or the endpoints whose engine serves it
+                if router.chooses_pairs and not api.supports_pd:
+                    raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
+                                            f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
+                                       header=("x-error-routing", "true"), error_class="routing")
                 candidates = await api.prepare(ctx, candidates)
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None

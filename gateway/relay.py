@@ -71,14 +71,18 @@ class Relay:
     async def _error(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str]) -> web.Response:
         rec = ctx.rec
         raw = await resp.read_limited(self.cfg.max_error_body_bytes)
-        status, err = normalize_upstream_error(resp.status, raw)
+        if ctx.api is not None:       # in the request's API shape (Anthropic's on /v1/messages)
+            status, body, message = ctx.api.upstream_error(resp.status, raw)
+        else:
+            status, err = normalize_upstream_error(resp.status, raw)
+            body, message = orjson.dumps(err), str(err["error"].get("message"))
         rec.status = status
         rec.error_class = "upstream_status"
-        rec.error = str(err["error"].get("message"))[:200]
+        rec.error = message[:200]
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
         if "Retry-After" in resp.headers:
             headers["Retry-After"] = resp.headers["Retry-After"]
-        return web.Response(status=status, body=orjson.dumps(err), headers=headers, content_type="application/json")
+        return web.Response(status=status, body=body, headers=headers, content_type="application/json")
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
                       strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:

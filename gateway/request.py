@@ -58,6 +58,7 @@ class InferenceRequest:
     session_id: str | None = None
     session_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    content_type: str = "application/json"     # what the engine is told the body is (multipart keeps its boundary)
 
     @property
     def is_embeddings(self) -> bool:

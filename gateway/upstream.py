@@ -72,7 +72,7 @@ def classify(e: UpstreamError, url: str) -> UpstreamFailure:
 
 
 def upstream_headers(ireq: InferenceRequest) -> dict[str, str]:
-    h = {"Content-Type": "application/json", "X-Request-Id": ireq.request_id}
+    h = {"Content-Type": ireq.content_type, "X-Request-Id": ireq.request_id}
     for name, v in ireq.headers.items():
         if name.lower() not in _DROP_HEADERS:
             h[name] = v

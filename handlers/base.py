@@ -2,7 +2,7 @@
 
 An ``EngineAdapter`` is pure (no I/O): it checks a body before routing, plans the P/D legs (their
 bodies, whether they run together, how to abort one), builds a decode body from a prefill's
-answer, and reads usage from an answer. ``gateway/pd.py`` runs whatever plan it is given; no
+answer, reads usage from an answer, and says which client paths the engine serves. ``gateway/pd.py`` runs whatever plan it is given; no
 module outside ``handlers/`` branches on the engine's name.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from gateway.endpoints import Endpoint
-from gateway.request import InferenceRequest
+from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, InferenceRequest
 
 
 class BodyError(ValueError):
@@ -66,6 +66,14 @@ class EngineAdapter(Protocol):
     def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:
         """The usage object of a non-streaming answer, in OpenAI's spelling."""
         ...
+
+    def serves(self, path: str) -> bool:
+        """Whether the engine answers POST ``path`` (its API surface: Messages, rerank, audio...)."""
+        ...
+
+
+# what every engine serves (the Responses API too: vLLM and SGLang both have it)
+OPENAI_PATHS = frozenset({CHAT, COMPLETIONS, EMBEDDINGS, "/v1/responses"})
 
 
 def openai_usage(answer: dict[str, Any]) -> dict[str, Any] | None:

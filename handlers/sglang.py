@@ -18,9 +18,10 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import orjson
 
+from gateway.apis.paths import DETOKENIZE, TOKENIZE, TRANSCRIPTIONS
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest, usage_stream_options
-from handlers.base import AbortSpec, PDPlan, openai_usage
+from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, openai_usage
 from handlers.base import BodyError as _BodyError
 
 
@@ -31,6 +32,11 @@ class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     abort_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0        # /abort_request call timeout (0: never abort)
     abort_retry_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0    # a second abort after this delay (0: only one)
 
+
+# SGLang's HTTP server (python/sglang/srt/entrypoints/http_server.py) has rerank and score under
+# /v1 only, tokenize and detokenize under both spellings, transcription; no Anthropic Messages
+# (a 404), no /rerank, /v2/rerank, /score or audio translation
+PATHS = OPENAI_PATHS | frozenset({"/v1/rerank", "/v1/score", TOKENIZE, DETOKENIZE, TRANSCRIPTIONS})
 
 # keys the gateway writes into both bodies
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
@@ -183,6 +189,9 @@ class SGLangAdapter:
 
     def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:
         return openai_usage(answer)
+
+    def serves(self, path: str) -> bool:
+        return path in PATHS
 
 
 SGLANG = SGLangAdapter()

@@ -12,9 +12,14 @@ from typing import Any, Protocol
 import msgspec
 import orjson
 
+from gateway.apis.paths import ANTHROPIC_PATHS, PASSTHROUGH_PATHS
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest, usage_stream_options
-from handlers.base import BadPrefillAnswer, PDPlan, openai_usage
+from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, openai_usage
+
+# `vllm serve` answers the Anthropic Messages API (vllm/entrypoints/anthropic/api_router.py) and
+# every pass-through path: rerank (three spellings), score, tokenize, detokenize, audio
+PATHS = OPENAI_PATHS | frozenset(ANTHROPIC_PATHS) | frozenset(PASSTHROUGH_PATHS)
 
 
 class VLLMPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -109,6 +114,9 @@ class VLLMAdapter:
 
     def usage(self, answer: dict[str, Any]) -> dict[str, Any] | None:
         return openai_usage(answer)
+
+    def serves(self, path: str) -> bool:
+        return path in PATHS
 
 
 VLLM = VLLMAdapter()

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from gateway.errors import GatewayError
+import orjson
+from aiohttp import web
+
+from gateway.errors import GatewayError, normalize_upstream_error
 from gateway.request import InferenceRequest
 
 
@@ -42,12 +45,30 @@ class ApiShape:
     paths: tuple[str, ...] = ()
     supports_pd = False             # may a P/D strategy serve it (the engines' P/D legs carry it)?
 
+    async def read_body(self, request: web.Request, max_bytes: int) -> bytes | None:
+        """The body, when the API reads it its own way (multipart audio); ``None``: the pipeline
+        reads it (``request.read()`` within ``server.max_body_bytes``)."""
+        return None
+
     def parse(self, path: str, body: bytes, headers: Any, request_id: str) -> InferenceRequest:
         raise NotImplementedError
+
+    def with_model(self, ireq: InferenceRequest, model: str) -> None:
+        """Make ``ireq`` a request for ``model`` (an alias's target): the parsed request, its data
+        and the body bytes the engine receives. Default: a JSON body, re-encoded once."""
+        ireq.data["model"] = model
+        ireq.model = model
+        ireq.body = orjson.dumps(ireq.data)
 
     def error_body(self, e: GatewayError) -> bytes:
         """The body of an error answered before the response headers."""
         return e.body_bytes()
+
+    def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes, str]:
+        """An engine's error answer re-shaped for the client: (status, body, message for the log).
+        Default: OpenAI's nested shape, whatever envelope the engine used."""
+        status, err = normalize_upstream_error(status, raw)
+        return status, orjson.dumps(err), str(err["error"].get("message"))
 
     def scanner(self, ctx: Any) -> StreamScanner:
         raise NotImplementedError

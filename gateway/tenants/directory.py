@@ -47,6 +47,15 @@ def bearer_token(header: str | None) -> str | None:
     return token or None
 
 
+def presented_key(headers) -> str | None:
+    """The API key a client presented: ``Authorization: Bearer <key>`` (OpenAI's clients), else
+    ``x-api-key: <key>`` (Anthropic's)."""
+    token = bearer_token(headers.get("Authorization"))
+    if token is None:
+        token = (headers.get("x-api-key") or "").strip() or None
+    return token
+
+
 @dataclass(frozen=True, slots=True)
 class KeyRecord:
     digest: str

@@ -31,7 +31,7 @@ from gateway.config import Config, UserLimits
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.metrics import ROUTING_BUCKETS
-from gateway.tenants.directory import Directory, KeyRecord, bearer_token, key_digest
+from gateway.tenants.directory import Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
 from gateway.tenants.memory import MemoryState
 from gateway.tenants.redis_state import RedisState, StateUnavailable
@@ -211,10 +211,10 @@ class Tenancy:
         request[TICKET] = t
         if not self.auth_on:
             return t
-        token = bearer_token(request.headers.get("Authorization"))
+        token = presented_key(request.headers)
         if token is None:
             self.m.auth_failures.labels("missing").inc()
-            raise _auth_error("Missing API key: send it as 'Authorization: Bearer <key>'.")
+            raise _auth_error("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
         digest = key_digest(token)
         key = self.directory.key(digest)
         if key is None and self.state.remote:
@@ -296,7 +296,7 @@ class Tenancy:
 
     def _engine_headers(self, headers, user: str | None) -> dict[str, str]:
         out = {k: v for k, v in headers.items()
-               if (lk := k.lower()) != "user" and (self.forward_auth or lk != "authorization")}
+               if (lk := k.lower()) != "user" and (self.forward_auth or lk not in _AUTH_HEADERS)}
         if user is not None:
             out["user"] = user
         return out
@@ -334,6 +334,10 @@ class Tenancy:
         if t is not None and t.headers:
             for k, v in t.headers.items():
                 response.headers.setdefault(k, v)
+
+
+# the headers a client's API key arrives in (kept from engines unless auth.forward_authorization)
+_AUTH_HEADERS = ("authorization", "x-api-key")
 
 
 def _auth_error(message: str) -> GatewayError:

@@ -8,6 +8,7 @@ import signal
 import sys
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 
@@ -60,6 +61,14 @@ async def test_demo_answers_every_model_streaming_and_not():
                 model="demo-chat", max_tokens=2, user=user, messages=[{"role": "user", "content": "Hi"}])
             served.add(r.headers["x-served-model"])
         assert served == {"demo-llama", "demo-qwen"}        # the banner's 90/10 canary, both arms reached
+        # the Messages API (vLLM) and a pass-through endpoint (SGLang's rerank), as the banner shows
+        ac = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0)
+        msg = await ac.messages.create(model="demo-llama", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        assert msg.content[0].text and msg.usage.output_tokens == 4
+        await ac.close()
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/v1/rerank", json={
+                "model": "demo-qwen", "query": "red apple", "documents": ["green pear", "red apple pie"]}) as r:
+            assert r.status == 200 and (await r.json())[0]["document"] == "red apple pie"
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-qwen-pd", max_tokens=3, messages=[{"role": "user", "content": "Trace me"}])
         await client.close()

@@ -1,0 +1,207 @@
+"""vLLM's Anthropic Messages API (``vllm/entrypoints/anthropic/``): ``/v1/messages`` and count_tokens.
+
+vLLM turns a Messages request into a chat completion (the system prompt first, then the
+messages), runs it, and converts the answer. What a gateway sees, reproduced here:
+
+- Non-streaming: ``{"id", "type": "message", "role": "assistant", "content": [{"type": "text",
+  "text"}], "model", "stop_reason", "usage": {"input_tokens", "output_tokens"}}``; ``None``
+  fields are left out (no ``stop_sequence``). The id is the chat completion's (``chatcmpl-…``).
+  ``stop_reason``: ``end_turn`` for a stop (EOS or a stop sequence), ``max_tokens`` for length.
+- Streaming: headers as soon as the request is admitted (as for chat), then, each frame as
+  ``event: <type>`` + ``data: {...}``: ``message_start`` (with the first output; ``usage``
+  carries ``input_tokens`` and ``output_tokens: 0``), ``content_block_start`` (index 0, an empty
+  text block) before the first text, one ``content_block_delta`` (``text_delta``) per output,
+  ``content_block_stop``, ``message_delta`` (``stop_reason`` and the cumulative usage, input
+  tokens included), ``message_stop``. No ``ping`` frames, no ``[DONE]``.
+- Errors: ``{"type": "error", "error": {"type", "message"}}`` where ``type`` is vLLM's exception
+  name (``NotFoundError``, ``BadRequestError``) and the status is the error's. A failure
+  mid-stream is ``event: error`` with ``{"type": "error", "error": {"type": "internal_error",
+  "message"}}``, and the stream ends there (no ``message_stop``).
+- count_tokens: ``{"input_tokens": N, "context_management": {"original_input_tokens": N}}``.
+
+SGLang has no Anthropic handler: its server answers FastAPI's 404 ``{"detail": "Not Found"}``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import aclosing
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from enginesim.engine import Engine
+from enginesim.errors import ApiError, vllm_type
+from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.protocol import parse_stop
+from enginesim.sequence import SamplingParams, Sequence
+from enginesim.tokenizer import content_text, render_chat
+from enginesim.tracing import trace_headers
+from enginesim.wire import json_response, read_json
+
+_STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"type": "error", "error": {"type": exc.type_ or vllm_type(exc.status), "message": exc.message}}
+    return json_response(body, status=exc.status, headers=headers)
+
+
+def _frame(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def _system_text(system: Any) -> str:
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        return system
+    if isinstance(system, list):
+        return "".join(b.get("text") or "" for b in system if isinstance(b, dict) and b.get("type") == "text")
+    raise ApiError(400, "1 validation error:\n  system: Input should be a valid string or list", type_="Bad Request")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat conversation vLLM renders for a Messages body: the system prompt (top level, and
+    any system messages) first, then the user and assistant messages."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ApiError(400, "1 validation error:\n  messages: Input should be a valid list", type_="Bad Request")
+    system = _system_text(body.get("system"))
+    system += "".join(content_text(m.get("content")) for m in messages if m.get("role") == "system")
+    out = [{"role": "system", "content": system}] if system else []
+    out += [{"role": m.get("role"), "content": content_text(m.get("content"))}
+            for m in messages if m.get("role") != "system"]
+    return out
+
+
+class MessagesApi:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post("/v1/messages", self.messages),
+                web.post("/v1/messages/count_tokens", self.count_tokens)]
+
+    def _check_model(self, model: Any) -> None:
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "1 validation error:\n  model: Field required", type_="Bad Request")
+        if model not in self.cfg.served_model_names:
+            raise ApiError(404, f"The model `{model}` does not exist.", param="model")
+
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        ids = self.engine.tokenizer.encode(render_chat(chat_messages(body)))
+        limit = self.engine.max_prompt_tokens
+        if len(ids) > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your "
+                           f"prompt contains {len(ids)} input tokens. Please reduce the length of the input.")
+        return ids
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, require_json=True)
+            self._check_model(body.get("model"))
+            n = len(self._prompt_ids(body))
+        except ApiError as exc:
+            return _error_response(exc)
+        return json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        engine = self.engine
+        try:
+            body = await read_json(request, require_json=True)
+            self._check_model(body.get("model"))
+            max_tokens = body.get("max_tokens")
+            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+                raise ApiError(400, "1 validation error:\n  max_tokens: max_tokens must be positive",
+                               type_="Bad Request")
+            if engine.dead:
+                raise ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                               type_="InternalServerError")
+            prompt_ids = self._prompt_ids(body)
+            fault = request_fault(engine, request)
+            max_tokens = min(max_tokens, self.cfg.max_model_len - len(prompt_ids))
+            check_fault_status(engine, fault)
+            base = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            seq_id = f"chatcmpl-{base}"
+            seq = engine.new_sequence(
+                seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=prompt_ids,
+                params=SamplingParams(max_tokens=max(1, max_tokens), min_tokens=0,
+                                      stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
+                stream=bool(body.get("stream")), fault=fault, cache_salt=None)
+            seq.trace_headers = trace_headers(request.headers)
+            engine.role.accept(seq, body)
+        except ApiError as exc:
+            return _error_response(exc)
+        engine.submit(seq)
+        try:
+            if body.get("stream"):
+                return await self._stream(request, seq)
+            return await self._complete(request, seq)
+        except Dropped:
+            return web.Response(status=500)     # never reaches the client: the transport is gone
+        finally:
+            engine.client_gone(seq)
+
+    async def _complete(self, request: web.Request, seq: Sequence) -> web.StreamResponse:
+        result = await collect(self.engine, request, seq)
+        await slow_headers(self.engine, seq.fault)
+        if result.final.finish_reason == "error" or result.final.status is not None:
+            return _error_response(ApiError(500, "Internal server error", type_="InternalServerError"))
+        content = [{"type": "text", "text": result.text}] if result.text else []
+        out: dict[str, Any] = {"id": seq.id, "type": "message", "role": "assistant", "content": content,
+                               "model": self.cfg.served_name,
+                               "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}
+        reason = _STOP_REASONS.get(seq.finish_reason or "")
+        if reason:
+            out["stop_reason"] = reason
+        return json_response(out)
+
+    async def _stream(self, request: web.Request, seq: Sequence) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        resp.charset = "utf-8"
+        await slow_headers(self.engine, seq.fault)
+        await resp.prepare(request)             # vLLM: headers once the request is admitted
+        started = block_open = False
+        async with aclosing(outputs(self.engine, request, seq, self.cfg.sse_keepalive_s)) as stream:
+            async for out in stream:
+                if out is None:
+                    continue                    # vLLM's keep-alive is a chat-stream feature
+                if out.finish_reason == "error" or out.status is not None:
+                    await resp.write(_frame("error", {"type": "error", "error": {
+                        "type": "internal_error", "message": out.message or "Internal server error"}}))
+                    await resp.write_eof()
+                    return resp
+                if not started:
+                    started = True
+                    await resp.write(_frame("message_start", {"type": "message_start", "message": {
+                        "id": seq.id, "type": "message", "role": "assistant", "content": [],
+                        "model": self.cfg.served_name, "stop_reason": None, "stop_sequence": None,
+                        "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": 0}}}))
+                if out.text:
+                    if not block_open:
+                        block_open = True
+                        await resp.write(_frame("content_block_start", {
+                            "type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}))
+                    await resp.write(_frame("content_block_delta", {
+                        "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}}))
+        if block_open:
+            await resp.write(_frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        await resp.write(_frame("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": _STOP_REASONS.get(seq.finish_reason or "", "end_turn")},
+            "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}))
+        await resp.write(_frame("message_stop", {"type": "message_stop"}))
+        await resp.write_eof()
+        return resp
+
+
+async def _not_found(request: web.Request) -> web.Response:
+    return json_response({"detail": "Not Found"}, status=404)
+
+
+def sglang_routes() -> list[web.RouteDef]:
+    """SGLang has no Anthropic handler: FastAPI's own 404."""
+    return [web.post("/v1/messages", _not_found), web.post("/v1/messages/count_tokens", _not_found)]

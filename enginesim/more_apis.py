@@ -1,0 +1,22 @@
+"""The engines' surface beyond chat, completions and embeddings, by engine.
+
+vLLM: the Anthropic Messages API (``messages_api``), rerank and score (``pooling_api``; its
+tokenize and detokenize live in ``vllm_api``), speech to text (``audio_api``). SGLang: rerank,
+score, tokenize and detokenize, and the 404 its server answers for the Messages API.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from enginesim import messages_api
+from enginesim.audio_api import AudioApi
+from enginesim.engine import Engine
+from enginesim.messages_api import MessagesApi
+from enginesim.pooling_api import PoolingApi
+
+
+def more_routes(engine: Engine) -> list[web.RouteDef]:
+    if engine.cfg.engine == "vllm":
+        return [*MessagesApi(engine).routes(), *PoolingApi(engine).vllm_routes(), *AudioApi(engine).routes()]
+    return [*messages_api.sglang_routes(), *PoolingApi(engine).sglang_routes()]

@@ -1,0 +1,315 @@
+"""The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Served by engines that speak it (vLLM does, SGLang does not: ``handlers/`` says which), through
+the same pipeline as chat. What differs from OpenAI, and lives here:
+
+- **Parsing.** ``model``, ``messages`` (content a string or a list of blocks) and, for
+  ``/v1/messages``, ``max_tokens`` are required; ``system`` is a string or a list of text blocks.
+  The prefix the router hashes is the system prompt followed by the messages, as the engine's
+  chat template renders them in that order. ``metadata.user_id`` names the user when no ``user``
+  header does. The body is forwarded unchanged: the usage of a stream always arrives (in
+  ``message_start`` and ``message_delta``), so nothing has to be asked for.
+- **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
+  error types for the status (``invalid_request_error``, ``not_found_error``,
+  ``rate_limit_error``, ``overloaded_error``, ...). After headers: an ``event: error`` frame with
+  the same body. An engine's error answer (vLLM sends this shape already, but OpenAI-shaped for
+  validation errors) is re-shaped the same way, keeping its status and message.
+- **Stream accounting.** Events are named by their ``event:`` line. The first
+  ``content_block_delta`` is the first token (TTFT); each one after it is an inter-token gap.
+  ``message_start`` carries the input tokens, ``message_delta`` the output tokens and the stop
+  reason, ``message_stop`` ends the stream. Only those three and ``error`` are JSON-decoded.
+
+Token counts follow Anthropic: ``input_tokens`` excludes prompt tokens read from or written to
+the prompt cache (``cache_read_input_tokens``, ``cache_creation_input_tokens``), so the prompt
+tokens the gateway counts are their sum, and the cached ones are the cache reads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
+from gateway.apis.serving import EngineSpecificApi
+from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest
+from gateway.sse import ITL_KEEP, MAX_EVENT_BYTES
+
+# Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+          403: "permission_error", 404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+          429: "rate_limit_error", 500: "api_error", 502: "api_error", 503: "overloaded_error",
+          504: "timeout_error", 529: "overloaded_error"}
+ERROR_TYPES = frozenset(_TYPES.values())
+
+
+def error_type(status: int) -> str:
+    return _TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error(status: int, message: str, type_: str | None = None) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": type_ or error_type(status), "message": message}}
+
+
+def error_event(status: int, message: str) -> bytes:
+    """The ``event: error`` frame that ends a stream the gateway cannot complete."""
+    return b"event: error\ndata: " + orjson.dumps(anthropic_error(status, message)) + b"\n\n"
+
+
+def _bad(message: str) -> GatewayError:
+    return GatewayError(400, message, header=("x-error-request-body-processing", "true"), error_class="validation")
+
+
+def _blocks_text(content: Any, where: str) -> str:
+    """The text of a message's ``content``: a string, or a list of content blocks whose text
+    (``text`` blocks, and the string content of ``tool_result`` blocks) is what the prefix holds."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}: Input should be a valid string or a list of content blocks")
+    out = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise _bad(f"{where}.{i}: a content block must be an object with a 'type'")
+        text = block.get("text")
+        if block["type"] == "text":
+            if not isinstance(text, str):
+                raise _bad(f"{where}.{i}.text: Input should be a valid string")
+            out.append(text)
+        elif block["type"] == "tool_result" and isinstance(block.get("content"), str):
+            out.append(block["content"])
+    return "\n".join(out)
+
+
+class AnthropicApi(EngineSpecificApi):
+    name = "anthropic"
+    paths = ANTHROPIC_PATHS
+
+    def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise _bad("The request body is not valid JSON.") from None
+        if not isinstance(data, dict):
+            raise _bad("The request body must be a JSON object.")
+        model = data.get("model")
+        if not isinstance(model, str) or not model:
+            raise GatewayError(400, "model: Field required" if model in (None, "") else "model: Input should be a valid string",
+                               param="model", header=("x-error-no-model-backends", ""), error_class="validation")
+        count_only = path == COUNT_TOKENS
+        stream = data.get("stream", False)
+        if stream is None:
+            stream = False
+        if not isinstance(stream, bool):
+            raise _bad("stream: Input should be a valid boolean")
+        if count_only and stream:
+            raise _bad("stream: counting tokens does not stream")
+        if not count_only:
+            mt = data.get("max_tokens")
+            if mt is None:
+                raise _bad("max_tokens: Field required")
+            if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+                raise _bad("max_tokens: Input should be a positive integer")
+        parts = []
+        system = data.get("system")
+        if system is not None:
+            parts.append(_blocks_text(system, "system"))
+        messages = data.get("messages")
+        if not isinstance(messages, list):
+            raise _bad("messages: Field required" if messages is None else "messages: Input should be a valid list")
+        if not messages:
+            raise _bad("messages: at least one message is required")
+        for i, msg in enumerate(messages):
+            if not isinstance(msg, dict):
+                raise _bad(f"messages.{i}: Input should be a valid dictionary")
+            role = msg.get("role")
+            if not isinstance(role, str):
+                raise _bad(f"messages.{i}.role: Field required")
+            if "content" not in msg:
+                raise _bad(f"messages.{i}.content: Field required")
+            parts.append(role)
+            parts.append(_blocks_text(msg["content"], f"messages.{i}.content"))
+        prompt_text = "\n".join(parts)
+        user = headers.get("user")
+        meta = data.get("metadata")
+        if user is None and isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
+            user = meta["user_id"]
+        return InferenceRequest(
+            path=path, body=body, data=data, model=model, stream=stream,
+            include_usage=True,          # a Messages stream always carries its usage
+            prompt_text=prompt_text, prompt_tokens_est=max(1, len(prompt_text) // CHARS_PER_TOKEN),
+            request_id=request_id, user=user, session_id=headers.get("x-session-id"),
+            session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
+            headers=headers,         # type: ignore[arg-type]
+        )
+
+    def error_body(self, e: GatewayError) -> bytes:
+        return orjson.dumps(anthropic_error(e.status, e.message))
+
+    def stream_error(self, ctx: Any, status: int, message: str, code: str | None) -> bytes:
+        return error_event(status, message)
+
+    def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes, str]:
+        status, err = normalize_upstream_error(status, raw)
+        message = str(err["error"].get("message"))
+        given = err["error"].get("type")
+        type_ = given if given in ERROR_TYPES else None     # vLLM's own are exception names
+        return status, orjson.dumps(anthropic_error(status, message, type_)), message
+
+    def scanner(self, ctx: Any) -> MessagesScanner:
+        return MessagesScanner()
+
+    def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
+        stop = data.get("stop_reason")
+        if isinstance(stop, str):
+            ctx.rec.finish_reason = stop
+        usage = data.get("usage")
+        return openai_usage(usage) if isinstance(usage, dict) else None
+
+
+def _count(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def openai_usage(usage: dict[str, Any], output: int | None = None) -> dict[str, Any]:
+    """An Anthropic usage object in OpenAI's spelling (what the gateway's accounting reads)."""
+    cache_read = _count(usage.get("cache_read_input_tokens"))
+    prompt = _count(usage.get("input_tokens")) + cache_read + _count(usage.get("cache_creation_input_tokens"))
+    return {"prompt_tokens": prompt,
+            "completion_tokens": _count(usage.get("output_tokens")) if output is None else output,
+            "prompt_tokens_details": {"cached_tokens": cache_read}}
+
+
+_BOUNDARY = re.compile(rb"\n\r?\n")
+_DELTA = b"content_block_delta"
+
+
+def _parse_event(ev: bytes | bytearray) -> tuple[bytes | None, bytes | None]:
+    """(event name, data payload) of one complete SSE event; either may be missing."""
+    name = None
+    data: list[bytes] = []
+    for line in bytes(ev).split(b"\n"):
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        if line.startswith(b"event:"):
+            name = line[6:].strip()
+        elif line.startswith(b"data:"):
+            v = line[5:]
+            data.append(v[1:] if v.startswith(b" ") else v)
+    return name, (b"\n".join(data) if data else None)
+
+
+class MessagesScanner:
+    """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
+
+    __slots__ = ("first_token_at", "last_token_at", "itl", "usage", "finish_reason", "error", "done",
+                 "_start_usage", "_buf", "_skip", "_now")
+
+    def __init__(self) -> None:
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.itl: list[float] = []
+        self.usage: dict | None = None
+        self.finish_reason: str | None = None
+        self.error: dict | None = None
+        self.done = False
+        self._start_usage: dict[str, Any] = {}
+        self._buf = bytearray()     # the current incomplete event
+        self._skip = False          # the current event outgrew MAX_EVENT_BYTES: not scanned
+        self._now = 0.0
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        self._now = now
+        buf = self._buf
+        if buf:
+            pos = len(buf) - 2 if len(buf) > 2 else 0
+            buf += chunk
+            data: bytes | bytearray = buf
+        elif chunk:
+            data, pos = chunk, 0
+        else:
+            return chunk
+        start = 0
+        for m in _BOUNDARY.finditer(data, pos):
+            if self._skip:
+                self._skip = False
+            elif self._event(data, start, m.start()):
+                self._mark(now)
+            start = m.end()
+        if data is buf:
+            del buf[:start]
+        elif start < len(chunk):
+            self._buf = bytearray(chunk[start:])
+        if len(self._buf) > MAX_EVENT_BYTES:
+            self._skip = True
+            del self._buf[:-2]
+        return chunk
+
+    def finish(self) -> bytes:
+        buf, self._buf = self._buf, bytearray()
+        ev = bytes(buf).rstrip(b"\r\n")
+        if ev and not self._skip and self._event(ev, 0, len(ev)):
+            self._mark(self._now)
+        return b""
+
+    def drain_itl(self) -> list[float]:
+        gaps, self.itl = self.itl, []
+        return gaps
+
+    def _mark(self, now: float) -> None:
+        if self.last_token_at is None:
+            self.first_token_at = now
+        elif len(self.itl) < ITL_KEEP:
+            self.itl.append(now - self.last_token_at)
+        self.last_token_at = now
+
+    def _event(self, data: bytes | bytearray, start: int, end: int) -> bool:
+        """Scan one event; True when it carried generated content."""
+        head = data.find(b"\n", start, end)
+        first = data[start:end if head < 0 else head]
+        if first.startswith(b"event:") and _DELTA in first:
+            return True               # the common case, never decoded
+        name, payload = _parse_event(data[start:end])
+        if name == _DELTA:
+            return True
+        if payload is None:
+            return False
+        if name is None or name in (b"message_start", b"message_delta", b"error", b"message_stop"):
+            try:
+                obj = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                return False
+            if not isinstance(obj, dict):
+                return False
+            kind = obj.get("type") if name is None else name.decode("ascii", "replace")
+            return self._apply(kind, obj)
+        return False
+
+    def _apply(self, kind: Any, obj: dict[str, Any]) -> bool:
+        if kind == "content_block_delta":
+            return True
+        if kind == "message_start":
+            msg = obj.get("message")
+            usage = msg.get("usage") if isinstance(msg, dict) else None
+            if isinstance(usage, dict):
+                self._start_usage = usage
+                self.usage = openai_usage(usage)
+        elif kind == "message_delta":
+            usage = obj.get("usage")
+            if isinstance(usage, dict):
+                # message_delta's counts are cumulative; the input side may be left to message_start
+                self.usage = openai_usage({**self._start_usage, **{k: v for k, v in usage.items() if v is not None}})
+            delta = obj.get("delta")
+            stop = delta.get("stop_reason") if isinstance(delta, dict) else None
+            if isinstance(stop, str):
+                self.finish_reason = stop
+        elif kind == "message_stop":
+            self.done = True
+        elif kind == "error":
+            err = obj.get("error")
+            self.error = err if isinstance(err, dict) else {"message": str(err)}
+        return False
+

@@ -1,0 +1,237 @@
+"""The pass-through endpoints: rerank, score, tokenize, detokenize (JSON) and audio (multipart).
+
+They are routed by their ``model`` like chat and go through the same pipeline (auth, limits,
+strategy, leases, watchdog, one log line, the request metrics), with OpenAI-shaped errors. The
+body reaches the engine byte for byte; the gateway only reads what routing and accounting need:
+
+- **JSON bodies.** ``model`` (required: it is what routes the request), and the texts the engine
+  will encode, for the prefix key and the token estimate: a rerank's ``query`` and
+  ``documents``, a score's ``text_1``/``text_2`` (vLLM), ``queries``/``documents`` or
+  ``query``/``items`` (SGLang), a tokenize ``prompt`` or ``messages``; a detokenize's token count.
+  Usage in the answer (vLLM's rerank and score report ``prompt_tokens``) is counted like chat's.
+- **Audio (multipart/form-data).** The body is read once into one buffer, chunk by chunk against
+  ``server.max_body_bytes`` (413 above it), and the form is not parsed into parts: the ``model``
+  and ``stream`` fields are found by scanning that buffer for the part boundaries, and the same
+  buffer is what the engine receives, with the client's ``Content-Type`` (its boundary) kept. The
+  file is therefore copied once, from the connection into the buffer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.apis.base import StreamScanner
+from gateway.apis.paths import (
+    AUDIO_PATHS,
+    DETOKENIZE,
+    JSON_PASSTHROUGH_PATHS,
+    RERANK_PATHS,
+    SCORE_PATHS,
+    TOKENIZE,
+)
+from gateway.apis.serving import EngineSpecificApi
+from gateway.errors import GatewayError, error_body
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest
+from gateway.sse import SSEScanner
+
+# keys whose strings the engine encodes, by path
+_TEXT_KEYS: dict[str, tuple[str, ...]] = {
+    **{p: ("query", "documents", "instruction") for p in RERANK_PATHS},
+    **{p: ("text_1", "text_2", "queries", "documents", "query", "items", "data_1", "data_2") for p in SCORE_PATHS},
+    TOKENIZE: ("prompt", "messages"),
+}
+_MAX_DEPTH = 4
+
+
+def _bad(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"),
+                        error_class="validation")
+
+
+def _no_model(message: str) -> GatewayError:
+    return GatewayError(400, message, param="model", code="model_not_found",
+                        header=("x-error-no-model-backends", ""), error_class="validation")
+
+
+def _texts(v: Any, depth: int = 0) -> Iterator[str]:
+    """Every string in ``v`` (lists, and the ``text``/``content`` of objects), a few levels deep."""
+    if isinstance(v, str):
+        yield v
+    elif depth < _MAX_DEPTH:
+        if isinstance(v, list):
+            for x in v:
+                yield from _texts(x, depth + 1)
+        elif isinstance(v, dict):
+            for k in ("text", "content"):
+                if k in v:
+                    yield from _texts(v[k], depth + 1)
+
+
+def _token_count(v: Any) -> int | None:
+    if isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        return len(v)
+    if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
+        counts = [_token_count(x) for x in v]
+        return None if None in counts else sum(counts)      # type: ignore[arg-type]
+    return None
+
+
+def _request(path: str, body: bytes, data: dict[str, Any], model: str, stream: bool, prompt_text: str,
+             est: int, headers: Mapping[str, str], request_id: str, content_type: str) -> InferenceRequest:
+    user = headers.get("user")
+    if user is None and isinstance(data.get("user"), str):
+        user = data["user"]
+    return InferenceRequest(
+        path=path, body=body, data=data, model=model, stream=stream, include_usage=True,
+        prompt_text=prompt_text, prompt_tokens_est=max(1, est), request_id=request_id, user=user,
+        session_id=headers.get("x-session-id"),
+        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
+        headers=headers, content_type=content_type,        # type: ignore[arg-type]
+    )
+
+
+class PassthroughApi(EngineSpecificApi):
+    """JSON pass-through: rerank, score, tokenize, detokenize. Errors are OpenAI's (the default
+    ``error_body``); an answer that streams (a transcription with ``stream=true``) is watched like
+    chat's."""
+
+    name = "passthrough"
+    paths = JSON_PASSTHROUGH_PATHS
+
+    def scanner(self, ctx: Any) -> StreamScanner:
+        return SSEScanner()
+
+    def stream_error(self, ctx: Any, status: int, message: str, code: str | None) -> bytes:
+        return b"data: " + orjson.dumps(error_body(status, message, code=code)) + b"\n\n"
+
+    def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise _bad("request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise _bad("request body must be a JSON object")
+        model = data.get("model")
+        if model is None or model == "":
+            raise _no_model(f"'model' is required: it decides where {path} is routed")
+        if not isinstance(model, str):
+            raise _bad("'model' must be a string", "model")
+        stream = data.get("stream") is True
+        texts = [t for key in _TEXT_KEYS.get(path, ()) if key in data for t in _texts(data[key])]
+        prompt_text = "\n".join(texts)
+        est = len(prompt_text) // CHARS_PER_TOKEN
+        if path == DETOKENIZE:
+            est = _token_count(data.get("tokens")) or 0
+        return _request(path, body, data, model, stream, prompt_text, est, headers, request_id,
+                        "application/json")
+
+
+_BOUNDARY_PARAM = re.compile(r';\s*boundary=(?:"([^"]{1,70})"|([^\s;]{1,70}))', re.IGNORECASE)
+_FIELD_NAME = re.compile(rb';\s*name="([^"]*)"', re.IGNORECASE)
+_FILENAME = re.compile(rb';\s*filename\*?=', re.IGNORECASE)
+_WANTED = (b"model", b"stream")
+_MAX_FIELD = 1024            # a wanted field's value longer than this is not a model name
+
+
+def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...]) -> dict[str, tuple[int, int]]:
+    """Where the values of the ``wanted`` plain fields are in ``body``: name → (start, end)."""
+    out: dict[str, tuple[int, int]] = {}
+    delim = b"--" + boundary
+    i = body.find(delim)
+    while i >= 0 and len(out) < len(wanted):
+        j = i + len(delim)
+        if body.startswith(b"--", j):           # the closing delimiter
+            break
+        head_end = body.find(b"\r\n\r\n", j)
+        if head_end < 0:
+            break
+        nxt = body.find(b"\r\n" + delim, head_end + 4)
+        if nxt < 0:
+            break
+        for line in body[j:head_end].split(b"\r\n"):
+            if line[:20].lower().startswith(b"content-disposition:"):
+                m = _FIELD_NAME.search(line)
+                if m and m.group(1) in wanted and not _FILENAME.search(line) and nxt - head_end - 4 <= _MAX_FIELD:
+                    out.setdefault(m.group(1).decode(), (head_end + 4, nxt))
+                break
+        i = nxt + 2
+    return out
+
+
+def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTED) -> dict[str, str]:
+    """The values of the ``wanted`` plain (non-file) fields of a multipart/form-data body.
+
+    Works on ``body`` in place: it looks for the part delimiters and reads only the small part
+    headers and the wanted values; a file part's bytes are skipped over by ``bytes.find``, never
+    copied. Stops when every wanted field was found, or at the closing delimiter.
+    """
+    return {name: body[a:b].decode("utf-8", "replace").strip()
+            for name, (a, b) in _field_spans(body, boundary, wanted).items()}
+
+
+def _boundary(ctype: str) -> bytes | None:
+    m = _BOUNDARY_PARAM.search(ctype)
+    return (m.group(1) or m.group(2)).encode("latin-1") if m else None
+
+
+class AudioApi(PassthroughApi):
+    """Multipart pass-through: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``."""
+
+    name = "audio"
+    paths = AUDIO_PATHS
+
+    async def read_body(self, request: web.Request, max_bytes: int) -> bytes:
+        """The body in one buffer, the file copied into it once (``request.read()`` copies twice:
+        into a growing bytearray, then into bytes)."""
+        length = request.content_length
+        if max_bytes and length is not None and length > max_bytes:
+            raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class="validation")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            while True:
+                chunk, end_of_http_chunk = await request.content.readchunk()    # as received: no copy
+                if not chunk:
+                    if end_of_http_chunk:
+                        continue
+                    break
+                size += len(chunk)
+                if max_bytes and size > max_bytes:
+                    raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class="validation")
+                chunks.append(chunk)
+        except web.RequestPayloadError as e:
+            raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
+                               error_class="validation") from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
+        ctype = headers.get("content-type") or ""
+        if not ctype.lower().startswith("multipart/form-data"):
+            raise GatewayError(415, f"{path} takes a multipart/form-data body (the audio file and its fields)",
+                               header=("x-error-request-body-processing", "true"), error_class="validation")
+        boundary = _boundary(ctype)
+        if boundary is None:
+            raise _bad("the multipart Content-Type has no boundary")
+        fields = form_fields(body, boundary)
+        model = fields.get("model")
+        if not model:
+            raise _no_model(f"'model' is required: it decides where {path} is routed")
+        stream = fields.get("stream", "").lower() == "true"
+        return _request(path, body, {"model": model}, model, stream, "", 1, headers, request_id, ctype)
+
+    def with_model(self, ireq: InferenceRequest, model: str) -> None:
+        """The ``model`` field's value replaced inside the form (the body is copied once more,
+        only when an alias rewrites it)."""
+        boundary = _boundary(ireq.content_type)
+        span = _field_spans(ireq.body, boundary, (b"model",)).get("model") if boundary else None
+        if span is not None:
+            a, b = span
+            view = memoryview(ireq.body)     # slices of a view are not copies: the join is the one copy
+            ireq.body = b"".join((view[:a], model.encode(), view[b:]))
+        ireq.data["model"] = ireq.model = model
+

@@ -1,0 +1,105 @@
+"""The Anthropic Messages API object: parsing, error shapes, the Messages stream scanner."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.apis.anthropic import AnthropicApi, MessagesScanner
+from gateway.endpoints import EndpointPool
+from gateway.errors import GatewayError
+
+ANTHROPIC = AnthropicApi(EndpointPool())
+MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image", "source": {}}]}]
+
+
+def parse_messages(body: dict, path: str = "/v1/messages", headers: dict | None = None):
+    return ANTHROPIC.parse(path, orjson.dumps(body), headers or {}, "rid")
+
+
+def test_messages_parse_keys_the_prefix_on_system_then_messages():
+    ireq = parse_messages({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "SYS"}],
+                           "messages": MESSAGES, "metadata": {"user_id": "u1"}, "stream": True})
+    assert ireq.prompt_text == "SYS\nuser\nhello"
+    assert ireq.stream and ireq.include_usage and ireq.user == "u1" and ireq.model == "m"
+    assert parse_messages({"model": "m", "messages": MESSAGES}, "/v1/messages/count_tokens").prompt_tokens_est >= 1
+    assert parse_messages({"model": "m", "max_tokens": 1, "messages": MESSAGES},
+                          headers={"user": "h"}).user == "h"
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"messages": MESSAGES, "max_tokens": 1}, "model: Field required"),
+    ({"model": "m", "messages": MESSAGES}, "max_tokens: Field required"),
+    ({"model": "m", "messages": MESSAGES, "max_tokens": 0}, "max_tokens: Input should be a positive integer"),
+    ({"model": "m", "max_tokens": 1}, "messages: Field required"),
+    ({"model": "m", "max_tokens": 1, "messages": []}, "messages: at least one message is required"),
+    ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": 3}]},
+     "messages.0.content: Input should be a valid string or a list of content blocks"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "stream": "yes"}, "stream: Input should be a valid boolean"),
+])
+def test_messages_parse_refuses_bad_bodies(body, message):
+    with pytest.raises(GatewayError) as ei:
+        parse_messages(body)
+    assert ei.value.status == 400 and ei.value.message == message
+    assert orjson.loads(ANTHROPIC.error_body(ei.value)) == {
+        "type": "error", "error": {"type": "invalid_request_error", "message": message}}
+
+
+def test_anthropic_error_shapes():
+    e = GatewayError(429, "slow down")
+    assert orjson.loads(ANTHROPIC.error_body(e))["error"]["type"] == "rate_limit_error"
+    assert ANTHROPIC.stream_error(None, 504, "late", "upstream_timeout") == (
+        b'event: error\ndata: {"type":"error","error":{"type":"timeout_error","message":"late"}}\n\n')
+    # vLLM's own envelope keeps its status and message; its exception-name type becomes Anthropic's
+    status, body, message = ANTHROPIC.upstream_error(404, b'{"type":"error","error":{"type":"NotFoundError","message":"no"}}')
+    assert (status, orjson.loads(body), message) == (404, {"type": "error", "error": {"type": "not_found_error",
+                                                                                      "message": "no"}}, "no")
+    _, body, _ = ANTHROPIC.upstream_error(400, b'{"error":{"message":"bad","type":"BadRequestError","code":400}}')
+    assert orjson.loads(body)["error"] == {"type": "invalid_request_error", "message": "bad"}
+    _, body, _ = ANTHROPIC.upstream_error(529, b'{"type":"error","error":{"type":"overloaded_error","message":"x"}}')
+    assert orjson.loads(body)["error"]["type"] == "overloaded_error"
+
+
+def _frame(name: str, data: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+STREAM = b"".join([
+    _frame("message_start", {"type": "message_start", "message": {"id": "m", "usage": {
+        "input_tokens": 7, "cache_read_input_tokens": 5, "output_tokens": 0}}}),
+    _frame("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+    _frame("ping", {"type": "ping"}),
+    *[_frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                     "delta": {"type": "text_delta", "text": f" w{i}"}}) for i in range(3)],
+    _frame("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    _frame("message_delta", {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 3}}),
+    _frame("message_stop", {"type": "message_stop"}),
+])
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=12, unique=True))
+def test_messages_scanner_sees_the_same_stream_however_it_is_split(cuts):
+    sc = MessagesScanner()
+    out, prev = [], 0
+    for t, cut in enumerate(sorted(cuts) + [len(STREAM)]):
+        out.append(sc.feed(STREAM[prev:cut], float(t)))
+        prev = cut
+    out.append(sc.finish())
+    assert b"".join(out) == STREAM          # bytes pass through unchanged
+    assert sc.done and sc.error is None and sc.finish_reason == "end_turn"
+    # input tokens from message_start (cache reads included), output from message_delta
+    assert sc.usage == {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}}
+    assert sc.first_token_at is not None and len(sc.drain_itl()) == 2
+
+
+def test_messages_scanner_in_stream_error_and_eventless_frames():
+    sc = MessagesScanner()
+    sc.feed(b'data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"x"}}\n\n', 1.0)
+    sc.feed(b'event: error\ndata: {"type":"error","error":{"type":"overloaded_error","message":"busy"}}', 2.0)
+    assert sc.first_token_at == 1.0 and sc.error is None
+    sc.finish()                              # a trailing frame without its blank line is still read
+    assert sc.error == {"type": "overloaded_error", "message": "busy"} and not sc.done
+
+
