@@ -7,7 +7,10 @@ load generator (``bench/loadgen.py``, concurrency ``--concurrency``) on 127.0.0.
 
 - **floor**: an aiohttp server that reads the body and answers a fixed JSON, as a low-level
   ``web.Server`` and as a ``web.Application`` with one route and one middleware: what aiohttp
-  itself costs per request, with no upstream leg;
+  itself costs per request, with no upstream leg; and a bare proxy (``web.Server`` plus the
+  gateway's upstream client, ``gateway/h1client.py``, no pipeline): what forwarding costs;
+- **vllm-router**, when ``make bench-peers`` installed it: the same load through it, as the
+  reference the overhead targets are stated against;
 - **gateway**: ``python -m gateway`` at its defaults (request log on, JSON to a file), with the
   pipeline's stages wrapped in thread-CPU timers (``time.thread_time``, which a preemption does
   not inflate). The wrapping adds about a microsecond per stage.
@@ -45,8 +48,18 @@ FLOOR = textwrap.dedent('''
     async def handler(request):
         await request.read()
         return web.Response(body=BODY, content_type="application/json")
-    async def main(kind, port):
-        if kind == "lowlevel":
+    async def main(kind, port, backend):
+        if kind == "proxy":
+            from gateway.h1client import UpstreamPool
+            pool = UpstreamPool(connect_timeout=5, keepalive_timeout=60, max_connections=0, total_timeout=0)
+            url = f"http://127.0.0.1:{backend}/v1/chat/completions"
+            async def proxy(request):
+                body = await request.read()
+                resp = await pool.post(url, body, {"Content-Type": "application/json"})
+                data = await resp.read()
+                return web.Response(body=data, status=resp.status, content_type="application/json")
+            await asyncio.get_running_loop().create_server(web.Server(proxy), "127.0.0.1", port)
+        elif kind == "lowlevel":
             await asyncio.get_running_loop().create_server(web.Server(handler), "127.0.0.1", port)
         else:
             @web.middleware
@@ -58,7 +71,7 @@ FLOOR = textwrap.dedent('''
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", port).start()
         await asyncio.Event().wait()
-    uvloop.run(main(sys.argv[1], int(sys.argv[2])))
+    uvloop.run(main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))
 ''')
 
 # Runs inside the gateway process: wraps the stages, writes the sums at exit.
@@ -128,26 +141,40 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     a = ap.parse_args()
     rows: list[tuple[str, str]] = []
+    names = {"lowlevel": "aiohttp alone, web.Server", "application": "aiohttp alone, web.Application",
+             "proxy": "bare proxy: web.Server + the gateway's upstream client"}
     with tempfile.TemporaryDirectory() as d:
-        for kind in ("lowlevel", "application"):
-            port = free_port()
-            p = subprocess.Popen([PY, "-c", FLOOR, kind, str(port)], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True)
-            try:
-                wait_port(port, p)
-                cpu, r = measure(p, port, a.duration, a.concurrency)
-            finally:
-                stop(p)
-            rows.append((f"aiohttp alone, {'web.Server' if kind == 'lowlevel' else 'web.Application'}",
-                         f"{cpu * 1e6:.0f} µs ({r['rps']:,.0f} req/s)"))
         be_port, gw_port = free_port(), free_port()
         backend = subprocess.Popen([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        cfg, out, log = Path(d) / "gw.yaml", Path(d) / "stages.json", Path(d) / "gw.log"
-        cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n    engine: vllm\n"
-                       f"    endpoints: [http://127.0.0.1:{be_port}]\n")
         try:
             wait_port(be_port, backend)
+            for kind in ("lowlevel", "application", "proxy"):
+                port = free_port()
+                p = subprocess.Popen([PY, "-c", FLOOR, kind, str(port), str(be_port)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+                try:
+                    wait_port(port, p)
+                    cpu, r = measure(p, port, a.duration, a.concurrency)
+                finally:
+                    stop(p)
+                rows.append((names[kind], f"{cpu * 1e6:.0f} µs ({r['rps']:,.0f} req/s)"))
+            router = REPO / ".venv-peers" / "bin" / "vllm-router"
+            if router.exists():          # the reference the issue compares with (make bench-peers)
+                port, mport = free_port(), free_port()
+                p = subprocess.Popen([str(router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
+                                      f"http://127.0.0.1:{be_port}", "--policy", "round_robin",
+                                      "--prometheus-host", "127.0.0.1", "--prometheus-port", str(mport)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                try:
+                    wait_port(port, p)
+                    cpu, r = measure(p, port, a.duration, a.concurrency)
+                finally:
+                    stop(p)
+                rows.append(("vllm-router (all its threads)", f"{cpu * 1e6:.0f} µs ({r['rps']:,.0f} req/s)"))
+            cfg, out, log = Path(d) / "gw.yaml", Path(d) / "stages.json", Path(d) / "gw.log"
+            cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n"
+                           f"    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
             with open(log, "wb") as err:
                 gw = subprocess.Popen([PY, "-c", STAGES, str(out), "--config", str(cfg), "--port", str(gw_port)],
                                       stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, cwd=REPO)
