@@ -143,7 +143,7 @@ def report(r: dict) -> str:
              f"requests answered 500, a fifth of the streams it serves broken after 4 tokens; its `/health` "
              f"fine). {r['requests']} streaming chat requests of {r['max_tokens']} tokens per gateway, "
              f"{r['concurrency']} at a time, routing `least-request` (the default).", "",
-             "| breakers / retries | client-visible errors | TTFT p50 | TTFT p99 | retried | sent to the sick engine | its ejections |",
+             "| breakers / retries | client-visible errors | TTFT p50 | TTFT p99 | retried | answered by the sick engine | its ejections |",
              "|---|---|---|---|---|---|---|"]
     for name, s in r["variants"].items():
         lines.append(f"| {name} | {s['failed']}/{s['requests']} ({s['error_rate']:.1%}) | {_fmt(s['ttft_p50_ms'], ' ms')} "
