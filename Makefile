@@ -112,3 +112,13 @@ TRACING_ARGS ?=
 
 bench-tracing: $(STAMP)
 	$(BIN)/python bench/tracing_overhead.py $(TRACING_ARGS)
+
+# issue 15: what clients see when an engine is sick, the fleet overloaded, a stream's engine dies
+# (bench/resilience.py runs the scenarios bench/resilience_<name>.py registers; bench/README.md).
+# RESILIENCE_ARGS passes options, e.g. RESILIENCE_ARGS="--scenario sick-engine --sick-requests 200"
+RESILIENCE_ARGS ?=
+
+.PHONY: bench-resilience
+
+bench-resilience: $(STAMP)
+	$(BIN)/python -m bench.resilience $(RESILIENCE_ARGS)

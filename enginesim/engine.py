@@ -165,9 +165,9 @@ class Engine:
     def resolve_fault(self, header: str | None) -> FaultSpec:
         """The fault for one request: header spec if given, else the default; ``p=`` rolls here."""
         spec = parse_fault(header, self.cfg.role) if header is not None else self.default_fault
-        if spec.active and spec.probability < 1.0 and self.rng.random() >= spec.probability:
-            return NO_FAULT
-        return spec
+        if not spec.active:
+            return spec
+        return spec.roll(self.rng.random) or NO_FAULT
 
     @property
     def max_prompt_tokens(self) -> int:

@@ -17,6 +17,10 @@ turns the default off for one request). Keys:
                             decode: the transfer, seen by both legs)
 - ``p=P``                   apply this spec to a request with probability P (seeded RNG)
 
+Alternatives: specs separated by ``|`` are tried in order, each rolling its own ``p=``; the first
+that hits applies. ``status=500;p=0.5 | drop_after=5;p=0.2`` answers half of the requests with a
+500 and breaks a fifth of the others after 5 tokens (a sick engine).
+
 Role targeting: a gateway forwards the client's headers to both legs of a P/D request, so an item
 may be prefixed with a role, ``prefill.status=503;decode.stall_before_first=10``. Prefixed items
 apply only on an engine of that role (``aggregated.``, ``prefill.``, ``decode.``) and override an
@@ -50,13 +54,26 @@ class FaultSpec:
     hang: float | None = None
     kv_pull_fail: bool = False
     probability: float = 1.0
+    otherwise: FaultSpec | None = None     # the next ``|`` alternative, tried when this one's roll misses
 
     @property
     def active(self) -> bool:
-        """True when the spec would change anything about a request."""
+        """True when the spec (or one of its alternatives) would change anything about a request."""
         return self.kv_pull_fail or any(
             v is not None for v in (self.status, self.error_after, self.stall_before_first,
-                                    self.stall_after, self.drop_after, self.slow_headers, self.hang))
+                                    self.stall_after, self.drop_after, self.slow_headers, self.hang)) \
+            or (self.otherwise is not None and self.otherwise.active)
+
+    def roll(self, draw) -> FaultSpec | None:
+        """The alternative that applies to one request: each rolls its ``p`` with ``draw()`` (a
+        number in [0, 1)) in order; ``None`` when none hits."""
+        spec: FaultSpec | None = self
+        while spec is not None:
+            own = FaultSpec(**{**spec.__dict__, "otherwise": None})
+            if own.active and (spec.probability >= 1.0 or draw() < spec.probability):
+                return own
+            spec = spec.otherwise
+        return None
 
 
 NO_FAULT = FaultSpec()
@@ -129,6 +146,10 @@ def parse_fault(text: str | None, role: str | None = None) -> FaultSpec:
     """
     if text is None or not text.strip() or text.strip().lower() == "none":
         return NO_FAULT
+    if "|" in text:
+        head, _, rest = text.partition("|")
+        first = parse_fault(head, role)
+        return FaultSpec(**{**first.__dict__, "otherwise": parse_fault(rest, role)})
     general: dict[str, object] = {}
     targeted: dict[str, object] = {}
     for item in text.split(";"):

@@ -25,6 +25,7 @@ from gateway.apis.metrics import PathRequests
 from gateway.apis.passthrough import AudioApi, PassthroughApi
 from gateway.apis.responses import ResponsesApi, add_responses
 from gateway.apis.responses_request import RESPONSES
+from gateway.breaker import Breakers
 from gateway.config import Config
 from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError
@@ -38,6 +39,7 @@ from gateway.pipeline import Pipeline
 from gateway.relay import Relay
 from gateway.reload import Live, Reloader, declared_endpoints
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
+from gateway.retry import Retries
 from gateway.routing import Routing
 from gateway.status import StatusBoard, StatusSources
 from gateway.status_http import add_status
@@ -113,14 +115,18 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     metrics = GatewayMetrics()
     lifecycle = Lifecycle()
     routing = Routing(config, pool, metrics)
-    upstream = Upstream(config.upstream, config.health, metrics)
-    relay = Relay(config.upstream, metrics)
+    # circuit breakers hear every leg's outcome (upstream, relay); open ones are not ready
+    breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
+    routing.observers.append(breakers.on_decision)      # half-open trial slots
+    upstream = Upstream(config.upstream, config.health, metrics, breakers)
+    relay = Relay(config.upstream, metrics, upstream.record)
     pd = PDOrchestrator(config, upstream, relay, lifecycle.spawn, metrics, routing.ctx.rng)
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants)
     request_log = RequestLog(config.server.log_format, config.server.log_level,
                              LineWriter(on_drop=metrics.log_lines_dropped.inc))
     tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/tracing)
     gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
+    gw.retries = Retries(config.retry_for, metrics.registry, config.routing.metrics_max_age_s)
     responses = ResponsesApi(config, pool, metrics, request_log, tenancy, gw.observers)   # gateway/apis
     gw.apis[RESPONSES] = responses
     for api in (AnthropicApi(pool), PassthroughApi(pool), AudioApi(pool)):   # Messages, pass-through
@@ -131,6 +137,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/reload.py)
     reloader = Reloader(Live(config, gw), pool, metrics, alias_metrics, tenancy, loader)
     reloader.listeners.append(lambda live: responses.reconfigure(live.config))   # its stores stay: shared
+    reloader.listeners.append(lambda live: breakers.reconfigure(live.config.breaker_for))
+    reloader.listeners.append(lambda live: setattr(gw.retries, "config_for", live.config.retry_for))
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s)

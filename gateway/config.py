@@ -25,7 +25,9 @@ from msgspec.structs import force_setattr
 
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
+from gateway.breaker import BreakerConfig
 from gateway.endpoints import ENGINES
+from gateway.retry import RetryConfig
 from gateway.strict import StrictError, convert, laid_over, without_nulls
 from gateway.tracing import TracingConfig
 from handlers.sglang import SGLangPDSettings
@@ -105,7 +107,7 @@ class UpstreamConfig(_Block):
     connect_timeout_s: Amount = 5.0
     first_byte_timeout_s: Amount = 300.0  # until response headers arrive (0: off)
     total_timeout_s: Amount = 0.0        # whole upstream exchange (0: off)
-    retry_on_connect_error: bool = True  # retry once on another endpoint if no byte came back
+    retry_on_connect_error: bool = True  # false: no retries at all (older name; see the retry: block)
     max_connections: Count = 0           # 0: unlimited
     keepalive_timeout_s: Amount = 60.0
     max_error_body_bytes: Count = 65536
@@ -117,7 +119,7 @@ class HealthConfig(_Block):
     timeout_s: Amount = 2.0
     unhealthy_threshold: Count = 2       # consecutive failed probes before an endpoint is unready
     healthy_threshold: Count = 1         # consecutive good probes before it is ready again
-    passive: bool = True                 # a connect failure marks the endpoint unready at once
+    passive: bool = True                 # a refused connection opens the endpoint's breaker at once
 
 
 class ScrapeConfig(_Block):
@@ -178,6 +180,8 @@ class ModelConfig(_Block):
     rolesets: tuple[RolesetConfig, ...] = ()
     watchdog: WatchdogConfig | None = None
     pd: PDConfig | None = None
+    breaker: BreakerConfig | None = None      # laid over the global breaker: block (gateway/breaker.py)
+    retry: RetryConfig | None = None          # laid over the global retry: block (gateway/retry.py)
 
 
 class ApiKey(_Block):
@@ -294,6 +298,8 @@ class Config(_Block, dict=True):
     scrape: ScrapeConfig = ScrapeConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     pd: PDConfig = PDConfig()
+    breaker: BreakerConfig = BreakerConfig()   # per-endpoint circuit breakers (gateway/breaker.py)
+    retry: RetryConfig = RetryConfig()         # retries before the first byte, within a budget (gateway/retry.py)
     models: tuple[ModelConfig, ...] = ()
     aliases: tuple[AliasConfig, ...] = ()      # names that split traffic over models (gateway/aliases.py)
     kubernetes: KubernetesConfig = KubernetesConfig()
@@ -328,6 +334,13 @@ class Config(_Block, dict=True):
 
     def watchdog_for(self, model: str) -> WatchdogConfig:
         return getattr(self.model(model), "watchdog", None) or self.watchdog
+
+    def breaker_for(self, model: str) -> BreakerConfig:
+        return getattr(self.model(model), "breaker", None) or self.breaker
+
+    def retry_for(self, model: str) -> RetryConfig:
+        r = getattr(self.model(model), "retry", None) or self.retry
+        return r if self.upstream.retry_on_connect_error else msgspec.structs.replace(r, enabled=False)
 
     def with_listen(self, host: str | None, port: int | None) -> Config:
         listen = ListenConfig(host=host or self.listen.host, port=self.listen.port if port is None else port)
@@ -365,7 +378,8 @@ def config_from_dict(raw: Any, source: str | None = None) -> Config:
     data = without_nulls(raw or {})
     try:
         data["pd"] = _nest_engine_keys(data.get("pd", {}), "pd")
-        for key, cls in (("watchdog", WatchdogConfig), ("pd", PDConfig)):
+        for key, cls in (("watchdog", WatchdogConfig), ("pd", PDConfig), ("breaker", BreakerConfig),
+                         ("retry", RetryConfig)):
             if isinstance(data.get(key), dict):   # a global block's bad key is reported where it is written
                 convert(data[key], cls, key)
         for i, m in enumerate(data["models"] if isinstance(data.get("models"), list) else ()):
@@ -379,7 +393,7 @@ def config_from_dict(raw: Any, source: str | None = None) -> Config:
 def _shape_model(m: dict, path: str, data: dict) -> None:
     if "pd" in m:
         m["pd"] = _nest_engine_keys(m["pd"], f"{path}.pd")
-    for key in ("watchdog", "pd"):
+    for key in ("watchdog", "pd", "breaker", "retry"):
         if isinstance(m.get(key), dict) and isinstance(data.get(key), dict):
             m[key] = laid_over(data[key], m[key])
     engine = m.get("engine", "vllm")

@@ -86,6 +86,8 @@ class RequestRecord:
             h["prefill-target-pod"] = self.prefill_endpoint
         if self.alias is not None:
             h["x-served-model"] = safe_header_value(self.model)
+        if self.retries:
+            h["x-retries"] = str(self.retries)
         return h
 
 

@@ -86,6 +86,15 @@ print(c.responses.create(model='demo-llama', input='More', previous_response_id=
   curl -s http://{host}:{{port}}/v1/rerank -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-qwen","query":"red apple","documents":["green pear","red apple pie"]}}}}'
 
+Breakers and retries: make a demo-llama replica sick (its /health stays fine), send traffic, watch
+its breaker open (x-retries shows the 500s retried elsewhere), then heal it:
+  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"status=500;p=0.5|drop_after=4;p=0.2"}}}}' >/dev/null
+  for i in $(seq 20); do curl -s -o /dev/null -D - http://{host}:{{port}}/v1/chat/completions \\
+       -H 'Content-Type: application/json' -d '{{{{"model":"demo-llama","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' \\
+       | grep -i -e '^HTTP' -e '^x-retries'; done
+  curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_breaker_state' -e '^switchyard_retries_total'
+  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null
+
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C
 {tracing}"""

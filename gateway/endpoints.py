@@ -70,6 +70,7 @@ class Endpoint:
     # live state
     healthy: bool = True           # last active probe / passive marking result
     draining: bool = False         # removed from discovery: no new requests, in-flight continue
+    ejected: bool = False          # its circuit breaker is open (gateway/breaker.py)
     in_flight: int = 0             # gateway requests currently charged to this endpoint
     remote_in_flight: int = 0      # other gateway replicas' in-flight here (gateway/tenants, via Redis)
     # P/D trackers (gateway/trackers.py): charged with the routing decision, released exactly once
@@ -100,7 +101,7 @@ class Endpoint:
 
     @property
     def ready(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and not self.draining and not self.ejected
 
     def fresh_metrics(self, max_age: float, now: float | None = None) -> EngineMetrics | None:
         """The metrics snapshot if it is younger than ``max_age`` seconds, else ``None``."""

@@ -37,6 +37,7 @@ from gateway.endpoints import Endpoint
 from gateway.errors import GatewayError, normalize_upstream_error
 from gateway.h1client import SendState, UpstreamResponse
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome
 from gateway.relay import Relay
 from gateway.upstream import Upstream, UpstreamFailure, upstream_headers
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
@@ -158,6 +159,7 @@ class PDOrchestrator:
                     async with asyncio.timeout(limit):
                         resp = await asyncio.shield(decode_task)
                 except TimeoutError:
+                    self.upstream.record(decode, Outcome.FAULT, "watchdog_first_chunk")
                     raise self._watchdog_error(ctx, limit) from None
             else:
                 # the decode answered first (its headers come with its first token): the prefill's
@@ -340,7 +342,7 @@ class PDOrchestrator:
         for attempt in range(2):
             try:
                 status, _ = await self.upstream.fetch(ep, spec.path, spec.body, {"Content-Type": "application/json"},
-                                                      model, spec.timeout_s)
+                                                      model, spec.timeout_s, report=False)
                 result = "ok" if status == 200 else "error"
             except UpstreamFailure:
                 result = "error"

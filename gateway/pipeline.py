@@ -27,9 +27,11 @@ from gateway.ledger import charge
 from gateway.lifecycle import Lifecycle
 from gateway.logs import RequestLog
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome, of_status
 from gateway.pd import PDOrchestrator
 from gateway.relay import Relay, error_event
 from gateway.request import parse
+from gateway.retry import Retries, discard
 from gateway.routing import Routing
 from gateway.tenants.service import Tenancy
 from gateway.tracing import Tracing
@@ -56,6 +58,7 @@ class Pipeline:
         self.request_log = request_log
         self.tracing = tracing
         self.aliases: Aliases | None = None          # set by app.py when the config has aliases
+        self.retries: Retries | None = None          # set by app.py: the retry policy and budgets
         self.model_in_flight: dict[str, int] = {}
         self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
         self.apis: dict[str, ApiShape] = {}          # path → its API when not chat/completions/embeddings
@@ -162,7 +165,8 @@ class Pipeline:
         return self.config.pd_for(ireq.model).token_request_cost + (d.uncached_tokens or ireq.prompt_tokens_est)
 
     async def forward(self, ctx: RequestContext, candidates: list[Endpoint]) -> web.StreamResponse:
-        """Open the aggregated leg, retrying once elsewhere if no byte came back, and relay it."""
+        """Open the aggregated leg, retrying elsewhere (gateway/retry.py) while the client has seen
+        nothing of a fault or a push-back, and relay it."""
         assert ctx.ireq is not None and ctx.decision is not None
         ireq, rec, cfg = ctx.ireq, ctx.rec, self.config
         body, strip_usage = upstream_body(ireq)
@@ -177,26 +181,20 @@ class Pipeline:
                 header_timeout = min(header_timeout or limit, limit)
         ep = ctx.decision.endpoint
         tried = [ep]
+        retries = self.retries
+        if retries is not None:
+            retries.request(ireq.model)
         while True:
             ctx.use(ep)
             leg = ctx.trace.leg("generate", ep, attempt=len(tried))
             try:
                 resp = await self.upstream.open(ep, ireq.path, body, leg.inject(headers), header_timeout, ireq.model)
                 leg.responded(resp.status)
-                break
             except UpstreamFailure as f:
                 leg.failed(f.kind)
-                others = [c for c in candidates if c not in tried and c.ready]
-                if f.retryable and cfg.upstream.retry_on_connect_error and others and rec.retries == 0:
-                    rec.retries += 1
-                    self.metrics.child(self.metrics.retries, ireq.model).inc()
-                    ctx.trace.event("retry", {"error.type": f.kind, "switchyard.endpoint": ep.name})
-                    ctx.trace.route_start()
-                    ctx.decision = self.routing.route(ireq, rec.strategy, self.routing.router_for(rec.strategy), others)
-                    ctx.trace.routed(ctx.decision, len(others))
+                if f.retryable and retries is not None and retries.reroute(
+                        ctx, self.routing, self.metrics, candidates, tried, Outcome.FAULT, f.kind) is not None:
                     ep = ctx.decision.endpoint
-                    tried.append(ep)
-                    ctx.charges.move_in_flight(ep)
                     continue
                 rec.error_class = f"upstream_{f.kind}"
                 if f.kind == "timeout":
@@ -204,6 +202,15 @@ class Pipeline:
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",
                                    header=("x-error-upstream", f.kind), error_class=rec.error_class) from None
+            if resp.status != 200 and retries is not None and (outcome := of_status(resp.status)).retryable \
+                    and retries.reroute(ctx, self.routing, self.metrics, candidates, tried, outcome,
+                                        f"status_{resp.status}") is not None:
+                self.metrics.child(self.metrics.upstream_errors, ireq.model, ep.name, f"status_{resp.status}").inc()
+                self.upstream.record(ep, outcome, f"status_{resp.status}")
+                await discard(resp, cfg.upstream.max_error_body_bytes)
+                ep = ctx.decision.endpoint
+                continue
+            break
         return await self.relay.answer(ctx, resp, adapter_for(ep.engine), strip_usage, wd)
 
     # -- error answers -------------------------------------------------------------------------

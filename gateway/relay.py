@@ -10,13 +10,15 @@ chunks, and a non-streaming answer; on fire the upstream connection is closed (t
 and the phase is recorded on the request.
 
 Whatever the outcome, the upstream response is released to the pool when it was read to the end
-and closed otherwise, which is how an engine learns that nobody wants the rest.
+and closed otherwise, which is how an engine learns that nobody wants the rest; and how the answer
+ended (``gateway.outcome.of_answer``) is told to the endpoint's breaker through ``record``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
@@ -27,6 +29,7 @@ from gateway.context import RequestContext, RequestRecord
 from gateway.errors import GatewayError, error_body, normalize_upstream_error
 from gateway.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome, of_answer, of_status
 from gateway.sse import SSEScanner, usage_tokens
 from handlers.base import EngineAdapter
 
@@ -45,13 +48,16 @@ class WatchdogFired(Exception):
 
 
 class Relay:
-    def __init__(self, cfg: UpstreamConfig, metrics: GatewayMetrics) -> None:
+    def __init__(self, cfg: UpstreamConfig, metrics: GatewayMetrics,
+                 record: Callable[..., None] | None = None) -> None:
         self.cfg = cfg
         self.metrics = metrics
+        self.record = record        # (endpoint, Outcome, cause): gateway.upstream.Upstream.record
 
     async def answer(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,
                      strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
         """The client's answer from an engine's response: its error, its stream or its body."""
+        cancelled = False
         try:
             headers = ctx.rec.response_headers()
             if ctx.decision is not None:
@@ -62,11 +68,19 @@ class Relay:
             if ctype.startswith("text/event-stream"):
                 return await self._stream(ctx, resp, headers, strip_usage, wd)
             return await self._body(ctx, resp, adapter, headers, ctype, wd)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
         finally:
             if resp.at_eof():
                 resp.release()
             else:
                 resp.close()
+            if self.record is not None and ctx.decision is not None:
+                rec = ctx.rec
+                outcome = (Outcome.NONE if cancelled else of_status(resp.status) if resp.status != 200
+                           else of_answer(rec.status, rec.error_class))
+                self.record(ctx.decision.endpoint, outcome, rec.error_class or "")
 
     async def _error(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str]) -> web.Response:
         rec = ctx.rec

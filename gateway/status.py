@@ -63,9 +63,9 @@ def _cut(text: str | None, n: int) -> str | None:
 
 
 def breaker_state(ep: Endpoint) -> str | None:
-    """The endpoint's circuit-breaker state (``closed`` / ``open`` / ``half_open``) once circuit
-    breaking exists; ``None`` until then."""
-    return None
+    """The endpoint's circuit-breaker state (``closed`` / ``open`` / ``half_open``) as
+    gateway/breaker.py last moved it; ``None`` while it never left ``closed``."""
+    return ep.extra.get("breaker")
 
 
 def _no_aliases() -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""The upstream: every leg to an engine, its failures classified and passive health, in one place.
+"""The upstream: every leg to an engine, and the outcome of each told to the endpoint's breaker.
 
 Data-plane legs (aggregated, prefill, decode, aborts) go through ``gateway.h1client.UpstreamPool``:
 keep-alive connections, one write per request, no ``Accept-Encoding`` (engines answer uncompressed
@@ -6,8 +6,11 @@ and relayed bytes need no re-encoding), connect and total timeouts from config. 
 (response head) timeout is given per leg, because P/D legs and watchdogs use their own.
 
 A leg that fails before a response status arrived raises ``UpstreamFailure`` with its kind; the
-failure is counted (``switchyard_upstream_errors_total``) and a refused or reset connection takes
-the endpoint out of rotation until a health probe brings it back (passive health).
+failure is counted (``switchyard_upstream_errors_total``) and told to the endpoint's circuit
+breaker as a fault (``gateway.breaker``; a refused connection opens it at once with
+``health.passive``). ``record`` is the one door to the breakers: the relay tells it how a relayed
+answer ended, ``fetch`` the status of a whole-answer leg (prefill); ``gateway.outcome`` says what
+each outcome means.
 
 The body and headers an engine receives are shaped here too: the client's bytes unchanged unless
 usage must be asked for, and the client's headers minus hop-by-hop and the gateway's own.
@@ -22,6 +25,7 @@ import asyncio
 import aiohttp
 import orjson
 
+from gateway.breaker import Breakers
 from gateway.config import HealthConfig, UpstreamConfig
 from gateway.endpoints import Endpoint
 from gateway.h1client import (
@@ -34,6 +38,7 @@ from gateway.h1client import (
     UpstreamTimeout,
 )
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome, of_failure, of_status
 from gateway.request import InferenceRequest, usage_stream_options
 
 # client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
@@ -89,10 +94,12 @@ def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
 
 
 class Upstream:
-    def __init__(self, cfg: UpstreamConfig, health: HealthConfig, metrics: GatewayMetrics) -> None:
+    def __init__(self, cfg: UpstreamConfig, health: HealthConfig, metrics: GatewayMetrics,
+                 breakers: Breakers | None = None) -> None:
         self.cfg = cfg
         self.health = health
         self.metrics = metrics
+        self.breakers = breakers
         self.pool: UpstreamPool | None = None      # opened inside the running loop (``start``)
 
     def start(self) -> None:
@@ -106,14 +113,16 @@ class Upstream:
     def open_connections(self) -> int:
         return self.pool.open_connections if self.pool is not None else 0
 
-    def failed(self, ep: Endpoint, model: str, kind: str) -> None:
-        """Count a failure of a leg to ``ep``; a refused or reset connection marks it unready."""
+    def record(self, ep: Endpoint, outcome: Outcome, cause: str = "") -> None:
+        """The classified outcome of a leg to ``ep``, for its breaker."""
+        if self.breakers is not None:
+            self.breakers.record(ep, outcome, cause)
+
+    def failed(self, ep: Endpoint, model: str, kind: str, report: bool = True) -> None:
+        """Count a failure of a leg to ``ep`` before its answer's status; its breaker hears a fault."""
         self.metrics.child(self.metrics.upstream_errors, model, ep.name, kind).inc()
-        if kind in ("connect", "reset"):
-            ep.consecutive_successes = 0
-            ep.consecutive_failures += 1
-            if self.health.passive and self.health.enabled:
-                ep.healthy = False
+        if report:
+            self.record(ep, of_failure(kind), kind)
 
     async def open(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
                    header_timeout: float | None, model: str, state: SendState | None = None) -> UpstreamResponse:
@@ -129,9 +138,10 @@ class Upstream:
             raise f from None
 
     async def fetch(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
-                    model: str, timeout: float | None = None) -> tuple[int, bytes]:
+                    model: str, timeout: float | None = None, report: bool = True) -> tuple[int, bytes]:
         """POST and read the whole answer (prefill legs, aborts) within ``timeout``; raises
-        ``UpstreamFailure`` (kind ``timeout`` when the time ran out)."""
+        ``UpstreamFailure`` (kind ``timeout`` when the time ran out). With ``report`` (not for
+        aborts) the outcome goes to the endpoint's breaker."""
         assert self.pool is not None
         url = ep.url + path
         try:
@@ -141,13 +151,15 @@ class Upstream:
                     raw = await resp.read()
                 finally:
                     resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
-                return resp.status, raw
+            if report:
+                self.record(ep, of_status(resp.status), f"status_{resp.status}")
+            return resp.status, raw
         except TimeoutError:
-            self.failed(ep, model, "timeout")
+            self.failed(ep, model, "timeout", report)
             raise UpstreamFailure("timeout", f"no answer from {url} within {timeout:g}s", retryable=False) from None
         except UpstreamError as e:
             f = classify(e, url)
-            self.failed(ep, model, f.kind)
+            self.failed(ep, model, f.kind, report)
             raise f from None
 
 

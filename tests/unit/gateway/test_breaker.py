@@ -1,0 +1,234 @@
+"""Circuit breaker transitions, ejection times and the ejection cap, on a hand-driven clock."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, Breakers
+from gateway.config import ConfigError, config_from_dict
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.outcome import Outcome
+
+F, S, B, C, N = Outcome.FAULT, Outcome.SUCCESS, Outcome.BACKPRESSURE, Outcome.CLIENT_ERROR, Outcome.NONE
+
+
+class Timers:
+    """A clock and a ``call_later`` that run only when the test advances time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.pending: list[list] = []
+
+    def call_later(self, delay, fn):
+        entry = [self.now + delay, fn, False]
+        self.pending.append(entry)
+        return SimpleNamespace(cancel=lambda: entry.__setitem__(2, True))
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+        for entry in sorted(self.pending, key=lambda e: e[0]):
+            if entry[0] <= self.now and not entry[2]:
+                entry[2] = True
+                entry[1]()
+
+
+def setup(n=4, **cfg):
+    pool = EndpointPool()
+    eps = [pool.add(Endpoint(url=f"http://127.0.0.1:{9000 + i}", model="m")) for i in range(n)]
+    t = Timers()
+    config = BreakerConfig(**cfg)
+    br = Breakers(pool, lambda _m: config, CollectorRegistry(), passive=True, clock=lambda: t.now,
+                  call_later=t.call_later)
+    return br, eps, t
+
+
+def feed(br, ep, outcomes, cause=""):
+    for o in outcomes:
+        br.record(ep, o, cause)
+
+
+def decide(br, ep):
+    br.on_decision(None, SimpleNamespace(endpoint=ep, prefill=None), (), 0.0)
+
+
+def test_consecutive_faults_open_and_ejection_makes_unready():
+    br, (a, *_), t = setup(consecutive_faults=3, fault_rate=0)
+    feed(br, a, [F, F])
+    assert br.state(a) == CLOSED and a.ready
+    feed(br, a, [S, F, F])          # a success breaks the run
+    assert br.state(a) == CLOSED
+    feed(br, a, [F])
+    assert br.state(a) == OPEN and not a.ready and a.extra["breaker"] == "open"
+
+
+@pytest.mark.parametrize("neutral", [B, C, N])
+def test_backpressure_client_errors_and_cancels_never_open(neutral):
+    br, (a, *_), t = setup(consecutive_faults=2, min_requests=2)
+    feed(br, a, [neutral] * 50)
+    assert br.state(a) == CLOSED
+    feed(br, a, [F, neutral, F])    # and do not break a run of faults either
+    assert br.state(a) == OPEN
+
+
+def test_fault_rate_over_the_window_opens():
+    br, (a, *_), t = setup(consecutive_faults=100, fault_rate=0.5, min_requests=10, window_s=10)
+    feed(br, a, [F, S] * 5)         # 50 %: not above the limit
+    assert br.state(a) == CLOSED
+    feed(br, a, [F])                # 6 of 11
+    assert br.state(a) == OPEN
+
+
+def test_fault_rate_forgets_outcomes_older_than_the_window():
+    br, (a, *_), t = setup(consecutive_faults=100, fault_rate=0.5, min_requests=10, window_s=10)
+    feed(br, a, [F] * 4 + [S] * 5)
+    t.advance(11)                    # those fell out of the window
+    feed(br, a, [F, S, F, S, F, S, F, S, S])
+    assert br.state(a) == CLOSED
+
+
+def test_half_open_trials_then_close_after_successes():
+    br, (a, b, *_), t = setup(consecutive_faults=1, base_ejection_s=10, half_open_trials=2, success_threshold=3)
+    feed(br, a, [F])
+    t.advance(9.9)
+    assert br.state(a) == OPEN
+    t.advance(0.2)
+    assert br.state(a) == HALF_OPEN and a.ready
+    decide(br, a)
+    assert a.ready                   # one trial out of two
+    decide(br, a)
+    assert not a.ready               # both slots taken: no third trial until one answers
+    decide(br, b)                    # another endpoint's decisions change nothing here
+    feed(br, a, [S])
+    assert br.state(a) == HALF_OPEN and a.ready
+    decide(br, a)
+    feed(br, a, [B, S])              # backpressure frees a slot but proves nothing
+    assert br.state(a) == HALF_OPEN
+    decide(br, a)
+    feed(br, a, [S])
+    assert br.state(a) == CLOSED and a.ready
+
+
+def test_a_trial_fault_opens_again_for_longer_and_the_ejection_count_decays():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=10, max_ejection_s=25, success_threshold=1)
+    feed(br, a, [F])
+    assert br.breaker(a).open_for == 10
+    t.advance(10)
+    decide(br, a)
+    feed(br, a, [F])
+    assert br.state(a) == OPEN and br.breaker(a).open_for == 20
+    t.advance(20)
+    feed(br, a, [F])                 # half-open, a fault without a decision (a request sent earlier)
+    assert br.breaker(a).open_for == 25          # capped by max_ejection_s
+    t.advance(25)
+    feed(br, a, [S])
+    assert br.state(a) == CLOSED
+    t.advance(20)                    # two base times closed: two ejections forgotten
+    feed(br, a, [F])
+    assert br.breaker(a).ejections == 2 and br.breaker(a).open_for == 20
+
+
+def test_lost_trials_free_their_slot_after_the_base_time():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=5, half_open_trials=1)
+    feed(br, a, [F])
+    t.advance(5)
+    decide(br, a)
+    assert not a.ready
+    t.advance(5)
+    assert br.state(a) == HALF_OPEN and a.ready
+
+
+def test_outcomes_while_open_change_nothing():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=5, success_threshold=1)
+    feed(br, a, [F])
+    feed(br, a, [S] * 5 + [F] * 5)
+    assert br.state(a) == OPEN and br.breaker(a).ejections == 1
+
+
+@pytest.mark.parametrize(("n", "pct", "ejectable"), [(4, 10, 1), (10, 10, 1), (20, 10, 2), (4, 50, 2), (4, 100, 3),
+                                                    (2, 100, 1), (1, 100, 0)])
+def test_max_ejection_percent_always_one_never_all(n, pct, ejectable):
+    br, eps, t = setup(n=n, consecutive_faults=1, max_ejection_percent=pct)
+    for ep in eps:
+        feed(br, ep, [F])
+    assert sum(1 for ep in eps if br.state(ep) != CLOSED) == ejectable
+    capped = br.metrics.capped.labels("m")._value.get()
+    assert capped == n - ejectable
+
+
+def test_unhealthy_endpoints_leave_the_last_ready_one_in():
+    br, (a, b, c), t = setup(n=3, consecutive_faults=1, max_ejection_percent=100)
+    b.healthy = c.healthy = False    # the health probe took them out
+    feed(br, a, [F])
+    assert br.state(a) == CLOSED and a.ready
+
+
+def test_a_refused_connection_opens_at_once_with_passive_health():
+    br, (a, *_), t = setup(consecutive_faults=5)
+    br.record(a, F, "connect")
+    assert br.state(a) == OPEN
+    br2, (x, *_), _ = setup(consecutive_faults=5)
+    br2.passive = False
+    br2.record(x, F, "connect")
+    assert br2.state(x) == CLOSED
+
+
+def test_groups_are_per_role():
+    pool = EndpointPool()
+    pre = [pool.add(Endpoint(url=f"http://127.0.0.1:{9100 + i}", model="m", role="prefill")) for i in range(2)]
+    dec = [pool.add(Endpoint(url=f"http://127.0.0.1:{9200 + i}", model="m", role="decode")) for i in range(2)]
+    t = Timers()
+    cfg = BreakerConfig(consecutive_faults=1)
+    br = Breakers(pool, lambda _m: cfg, CollectorRegistry(), clock=lambda: t.now, call_later=t.call_later)
+    feed(br, pre[0], [F])
+    feed(br, dec[0], [F])            # another group: its own ejection allowance
+    feed(br, pre[1], [F])            # the prefill group already has one ejected (and one ready left)
+    assert [br.state(e) for e in pre + dec] == [OPEN, CLOSED, OPEN, CLOSED]
+
+
+def test_disabled_and_reconfigured():
+    br, (a, *_), t = setup(consecutive_faults=1)
+    feed(br, a, [F])
+    assert br.state(a) == OPEN
+    off = BreakerConfig(enabled=False)
+    br.reconfigure(lambda _m: off)
+    assert br.state(a) == CLOSED and a.ready
+    feed(br, a, [F] * 10)
+    assert br.state(a) == CLOSED
+
+
+def test_transitions_and_state_gauge_are_exported():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=1, success_threshold=1)
+    feed(br, a, [F])
+    t.advance(1)
+    feed(br, a, [S])
+    m = br.metrics.transitions
+    assert m.labels("m", a.name, "closed", "open")._value.get() == 1
+    assert m.labels("m", a.name, "open", "half_open")._value.get() == 1
+    assert m.labels("m", a.name, "half_open", "closed")._value.get() == 1
+    feed(br, a, [F])
+    gauge = {tuple(s.labels.values()): s.value for f in br.metrics.states.collect() for s in f.samples}
+    assert gauge[("m", a.name)] == 1
+
+
+def test_config_blocks_global_and_per_model():
+    raw = {"breaker": {"consecutive_faults": 3, "base_ejection_s": 2},
+           "retry": {"budget_percent": 10},
+           "models": [{"name": "a", "endpoints": ["http://x:1"], "breaker": {"base_ejection_s": 7},
+                       "retry": {"max_retries": 0}},
+                      {"name": "b", "endpoints": ["http://x:2"]}]}
+    cfg = config_from_dict(raw)
+    assert (cfg.breaker_for("a").consecutive_faults, cfg.breaker_for("a").base_ejection_s) == (3, 7)
+    assert cfg.breaker_for("b").base_ejection_s == 2 and cfg.breaker_for("zzz") is cfg.breaker
+    assert (cfg.retry_for("a").max_retries, cfg.retry_for("a").budget_percent) == (0, 10)
+    assert BreakerConfig().max_ejection_percent == 10 and BreakerConfig().consecutive_faults == 5
+    with pytest.raises(ConfigError, match=r"models\[0\]\.breaker\.fault_rate"):
+        config_from_dict({"models": [{"name": "a", "endpoints": ["http://x:1"], "breaker": {"fault_rate": 2}}]})
+    with pytest.raises(ConfigError, match=r"breaker\.max_ejection_s"):
+        config_from_dict({"breaker": {"base_ejection_s": 10, "max_ejection_s": 5}})
+    with pytest.raises(ConfigError, match=r"retry\.tries"):
+        config_from_dict({"retry": {"tries": 1}})
+    off = config_from_dict({"upstream": {"retry_on_connect_error": False}})
+    assert not off.retry_for("m").enabled

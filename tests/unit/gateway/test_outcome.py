@@ -1,0 +1,42 @@
+"""The one classification of upstream outcomes (gateway/outcome.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.outcome import Outcome, of_answer, of_failure, of_status
+
+
+@pytest.mark.parametrize(("status", "outcome"), [
+    (200, Outcome.SUCCESS), (500, Outcome.FAULT), (502, Outcome.FAULT), (504, Outcome.FAULT),
+    (503, Outcome.BACKPRESSURE), (429, Outcome.BACKPRESSURE),
+    (400, Outcome.CLIENT_ERROR), (404, Outcome.CLIENT_ERROR), (413, Outcome.CLIENT_ERROR),
+])
+def test_status(status, outcome):
+    assert of_status(status) is outcome
+
+
+@pytest.mark.parametrize("kind", ["connect", "reset", "timeout", "protocol"])
+def test_failures_before_an_answer_are_faults(kind):
+    assert of_failure(kind) is Outcome.FAULT
+
+
+@pytest.mark.parametrize(("status", "error_class", "outcome"), [
+    (200, None, Outcome.SUCCESS),
+    (200, "upstream_broken", Outcome.FAULT),
+    (200, "upstream_eof", Outcome.FAULT),
+    (200, "upstream_stream_error", Outcome.FAULT),
+    (200, "watchdog_idle", Outcome.FAULT),
+    (0, "watchdog_response", Outcome.FAULT),
+    (0, "upstream_timeout", Outcome.FAULT),
+    (503, "upstream_status", Outcome.BACKPRESSURE),
+    (400, "upstream_status", Outcome.CLIENT_ERROR),
+    (200, "client_cancel", Outcome.NONE),
+    (0, None, Outcome.NONE),
+])
+def test_relayed_answers(status, error_class, outcome):
+    assert of_answer(status, error_class) is outcome
+
+
+def test_only_faults_and_backpressure_are_worth_another_endpoint():
+    assert [o for o in Outcome if o.retryable] == [Outcome.FAULT, Outcome.BACKPRESSURE]
