@@ -65,8 +65,25 @@ class InferenceRequest:
         return self.path == EMBEDDINGS
 
 
-def _bad(message: str, param: str | None = None) -> GatewayError:
-    return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"))
+def bad_body(message: str, param: str | None = None) -> GatewayError:
+    """A 400 for a request body the gateway refuses (every API's parser raises these)."""
+    return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"),
+                        error_class="validation")
+
+
+_bad = bad_body
+
+
+def load_object(body: bytes, not_json: str = "request body is not valid JSON",
+                not_object: str = "request body must be a JSON object") -> dict[str, Any]:
+    """The body as a JSON object, or the 400 that says why it is not one."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise bad_body(not_json) from None
+    if not isinstance(data, dict):
+        raise bad_body(not_object)
+    return data
 
 
 def _text_of_content(content: Any, where: str) -> str:
@@ -151,12 +168,7 @@ def _embedding_input(data: dict[str, Any]) -> tuple[str, int | None]:
 
 def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> InferenceRequest:
     """Validate and extract. ``headers`` are the client's, lower-cased names."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise _bad("request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise _bad("request body must be a JSON object")
+    data = load_object(body)
 
     model = data.get("model")
     if model is None or model == "":

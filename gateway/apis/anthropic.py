@@ -35,7 +35,7 @@ import orjson
 from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import GatewayError, normalize_upstream_error
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
 from gateway.sse import ITL_KEEP, MAX_EVENT_BYTES
 
 # Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
@@ -89,12 +89,7 @@ class AnthropicApi(EngineSpecificApi):
     paths = ANTHROPIC_PATHS
 
     def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise _bad("The request body is not valid JSON.") from None
-        if not isinstance(data, dict):
-            raise _bad("The request body must be a JSON object.")
+        data = load_object(body, "The request body is not valid JSON.", "The request body must be a JSON object.")
         model = data.get("model")
         if not isinstance(model, str) or not model:
             raise GatewayError(400, "model: Field required" if model in (None, "") else "model: Input should be a valid string",

@@ -36,7 +36,7 @@ from gateway.apis.paths import (
 )
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import GatewayError, error_body
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
 from gateway.sse import SSEScanner
 
 # keys whose strings the engine encodes, by path
@@ -110,12 +110,7 @@ class PassthroughApi(EngineSpecificApi):
         return b"data: " + orjson.dumps(error_body(status, message, code=code)) + b"\n\n"
 
     def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
-        try:
-            data = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            raise _bad("request body is not valid JSON") from None
-        if not isinstance(data, dict):
-            raise _bad("request body must be a JSON object")
+        data = load_object(body)
         model = data.get("model")
         if model is None or model == "":
             raise _no_model(f"'model' is required: it decides where {path} is routed")

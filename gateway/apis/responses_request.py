@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
 
 RESPONSES = "/v1/responses"
 
@@ -86,12 +86,7 @@ def prompt_text(data: dict[str, Any]) -> str:
 
 def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> InferenceRequest:
     """Validate a ``/v1/responses`` body; unknown fields pass through to the engine untouched."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise _bad("request body is not valid JSON") from None
-    if not isinstance(data, dict):
-        raise _bad("request body must be a JSON object")
+    data = load_object(body)
     model = data.get("model")
     if model is None or model == "":
         raise GatewayError(400, "'model' is a required property", param="model", code="model_not_found",
