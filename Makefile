@@ -122,3 +122,9 @@ RESILIENCE_ARGS ?=
 
 bench-resilience: $(STAMP)
 	$(BIN)/python -m bench.resilience $(RESILIENCE_ARGS)
+
+# issue #14: adapter-aware routing against least-request, conditional against always-disaggregate
+.PHONY: bench-lora-pd
+bench-lora-pd: $(STAMP)
+	$(BIN)/python bench/lora_pd.py --scenario lora
+	$(BIN)/python bench/lora_pd.py --scenario pd

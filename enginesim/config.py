@@ -77,6 +77,13 @@ class SimConfig:
     enable_responses_store: bool = _knob(
         False, "vLLM VLLM_ENABLE_RESPONSES_API_STORE=1: keep /v1/responses answers (store: true) in process "
         "for previous_response_id, GET and cancel; SGLang always keeps them")
+    # -- LoRA adapters --------------------------------------------------------------------------
+    enable_lora: bool = _knob(False, "serve LoRA adapters (vLLM --enable-lora; SGLang --enable-lora)")
+    max_loras: int = _knob(4, "GPU slots for adapters (vLLM --max-loras, SGLang --max-loras-per-batch)")
+    lora_modules: tuple[str, ...] = _knob(
+        (), "adapters registered at start, as name=path (vLLM --lora-modules, SGLang --lora-paths)")
+    lora_load_ms: float = _knob(
+        50.0, "cold load: time an adapter takes to enter a free (or evicted, LRU) GPU slot")
     # -- P/D disaggregation --------------------------------------------------------------------
     kv_transfer_ms_per_token: float = _knob(
         0.01, "P/D: KV transfer time per transferred prompt token (vLLM pull, SGLang send)")
@@ -116,10 +123,14 @@ class SimConfig:
                      "itl_growth_per_running", "startup_delay_s", "sse_keepalive_s",
                      "sglang_abort_delay_s", "kv_blocks", "block_size", "default_max_tokens", "port",
                      "kv_transfer_ms_per_token", "side_channel_port", "kv_lease_s", "bootstrap_port",
-                     "bootstrap_timeout_s", "waiting_timeout_s"):
+                     "bootstrap_timeout_s", "waiting_timeout_s", "lora_load_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        for name in ("max_num_seqs", "max_model_len", "embedding_dim"):
+        for module in self.lora_modules:
+            if "=" not in module or not module.split("=", 1)[0] or not module.split("=", 1)[1]:
+                raise ValueError(f"lora_modules entries are name=path, got {module!r}")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        for name in ("max_num_seqs", "max_model_len", "embedding_dim", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.eos_probability <= 1.0:

@@ -27,6 +27,7 @@ from enginesim.config import SimConfig
 from enginesim.errors import RequestFailed
 from enginesim.faults import NO_FAULT, FaultSpec, parse_fault
 from enginesim.kvcache import BlockPool, root_key
+from enginesim.lora import LoraSlots
 from enginesim.metrics import EngineMetrics, make_metrics
 from enginesim.role_factory import make_role
 from enginesim.roles import Role
@@ -90,6 +91,10 @@ class Engine:
         self.metrics: EngineMetrics = make_metrics(cfg)
         self.default_fault = parse_fault(cfg.fault, cfg.role)
         self.role: Role = make_role(cfg, self)
+        self.lora: LoraSlots | None = None
+        if cfg.enable_lora:
+            self.lora = LoraSlots(cfg.max_loras, cfg.lora_load_ms,
+                                  dict(m.split("=", 1) for m in cfg.lora_modules))
         self.ready = False
         self.dead = False
         self.closing = False
@@ -157,7 +162,7 @@ class Engine:
         model_key = f"{self.cfg.model}\0{lora or ''}"
         root = root_key(model_key, cache_salt or "")
         seq = Sequence(id=seq_id, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
-                       cache_root=root, output_key=model_key, fault=fault)
+                       cache_root=root, output_key=model_key, fault=fault, lora=lora)
         if self.cfg.enable_prefix_caching:
             seq.hashes = self.pool.block_hashes(prompt_ids, root)
         return seq
@@ -224,6 +229,9 @@ class Engine:
                 self.waiting.append(seq)
                 self._schedule()
             await seq.admitted.wait()
+            if seq.lora is not None and self.lora is not None:
+                await self.lora.acquire(seq.lora)      # a GPU slot; a cold load when not resident
+                seq.lora_held = True
             cfg = self.cfg
             uncached = seq.prompt_tokens - seq.cached_tokens
             compute_s = (cfg.ttft_base_ms + cfg.prefill_ms_per_token * uncached) / 1000.0
@@ -344,6 +352,9 @@ class Engine:
             self.running.pop(seq, None)
         if seq.alloc is not None and not self.role.retain_blocks(seq):
             self.pool.free(seq.alloc)
+        if seq.lora_held and self.lora is not None:
+            seq.lora_held = False
+            self.lora.release(seq.lora)
         self.role.on_finish(seq)
         if reason == "abort":
             self.counts.aborted += 1
@@ -415,6 +426,7 @@ class Engine:
             "kv": {"total_blocks": self.pool.num_blocks, "used_blocks": self.pool.used_blocks,
                    "cached_blocks": self.pool.cached_blocks, "block_size": self.pool.block_size},
             **({"pd": pd} if (pd := self.role.state()) is not None else {}),
+            **({"lora": self.lora.state()} if self.lora is not None else {}),
         }
 
 

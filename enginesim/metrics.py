@@ -8,6 +8,7 @@ through ``ScrapeSource`` (the engine imports this module, so this module does no
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sized
 from typing import Protocol
 
@@ -106,6 +107,7 @@ class VllmMetrics:
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, names, buckets=buckets, registry=r)
 
+        self.lora_info: Gauge | None = None
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -181,6 +183,13 @@ class VllmMetrics:
 
     def render(self, engine: ScrapeSource) -> bytes:
         labels = self._labels
+        lora = getattr(engine, "lora", None)
+        if lora is not None:    # the current label set gets the current time; older sets keep theirs
+            if self.lora_info is None:
+                self.lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                       ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+                                       registry=self.registry)
+            self.lora_info.labels(**lora.info_labels()).set(time.time())
         self.running.labels(**labels).set(len(engine.running))
         self.waiting.labels(**labels).set(len(engine.waiting))
         self.kv_usage.labels(**labels).set(engine.pool.usage)

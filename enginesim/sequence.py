@@ -100,6 +100,8 @@ class Sequence:
     last_token_at: float | None = None
     finished_at: float | None = None
     role_data: dict[str, Any] = field(default_factory=dict)
+    lora: str | None = None          # the LoRA adapter it runs on
+    lora_held: bool = False          # it holds a GPU slot for that adapter (enginesim/lora.py)
     trace_headers: dict[str, str] | None = None  # the request's W3C traceparent/tracestate (enginesim.tracing)
     first_token: int | None = None  # forced first output token (SGLang decode: the prefill's token)
     channel: Channel = field(default_factory=Channel)

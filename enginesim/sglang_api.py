@@ -22,6 +22,7 @@ from enginesim.config import SGLANG_VERSION
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.lora import LoraError
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tracing import trace_headers
@@ -60,6 +61,8 @@ class SglangApi:
             web.get("/get_server_info", self.server_info),
             web.get("/v1/loads", self.loads),
             web.post("/abort_request", self.abort_request),
+            web.post("/load_lora_adapter", self.load_lora),
+            web.post("/unload_lora_adapter", self.unload_lora),
             web.get("/flush_cache", self.flush_cache),
             web.post("/flush_cache", self.flush_cache),
             web.get("/metrics", self.metrics),
@@ -102,6 +105,9 @@ class SglangApi:
             rid = uuid.uuid4().hex
         salt = body.get("cache_salt") or body.get("extra_key")
         lora = body.get("lora_path")
+        if isinstance(lora, str) and (engine.lora is None or lora not in engine.lora.registered):
+            raise ApiError(400, f"LoRA adapter '{lora}' is not loaded. Load it with /load_lora_adapter first.",
+                           type_="BadRequest")
         seq = engine.new_sequence(seq_id=rid, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
                                   fault=fault, cache_salt=salt if isinstance(salt, str) else None,
                                   lora=lora if isinstance(lora, str) else None)
@@ -338,7 +344,36 @@ class SglangApi:
                 "root": self.cfg.served_name, "parent": None, "max_model_len": self.cfg.max_model_len}
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list", "data": [self._card()]})
+        cards = [self._card()]
+        lora = self.engine.lora
+        for name, path in (lora.registered.items() if lora is not None else ()):
+            cards.append({**self._card(), "id": name, "root": path, "parent": self.cfg.served_name})
+        return json_response({"object": "list", "data": cards})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=True)
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=False)
+
+    async def _lora_call(self, request: web.Request, load: bool) -> web.Response:
+        """SGLang's runtime adapter calls: ``{success, error_message, loaded_adapters}``, 400 on failure."""
+        lora = self.engine.lora
+        try:
+            body = await read_json(request, require_json=False)
+        except ApiError as exc:
+            return exc.response(OPENAI)
+        error = ""
+        if lora is None:
+            error = "LoRA is not enabled. Please set `--enable-lora` to True."
+        else:
+            try:
+                lora.load(body.get("lora_name"), body.get("lora_path")) if load else lora.unload(body.get("lora_name"))
+            except LoraError as e:
+                error = e.message
+        loaded = dict(lora.registered) if lora is not None else {}
+        return json_response({"success": not error, "error_message": error, "loaded_adapters": loaded},
+                             status=400 if error else 200)
 
     async def model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]

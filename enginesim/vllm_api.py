@@ -23,6 +23,7 @@ from enginesim.config import VLLM_VERSION
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.lora import LoraError
 from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes, render_chat
@@ -54,13 +55,20 @@ class VllmApi:
             web.get("/version", self.version),
             web.get("/load", self.load),
             web.get("/metrics", self.metrics),
+            web.post("/v1/load_lora_adapter", self.load_lora),
+            web.post("/v1/unload_lora_adapter", self.unload_lora),
         ]
 
     # -- shared checks --------------------------------------------------------------------------
 
+    def _adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names, if it is a registered one."""
+        lora = self.engine.lora
+        return model if lora is not None and model is not None and model in lora.registered else None
+
     def _check_model(self, model: str | None) -> None:
         names = self.cfg.served_model_names
-        if model is not None and model not in names:
+        if model is not None and model not in names and self._adapter(model) is None:
             raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {', '.join(names)}.",
                            param="model")
 
@@ -112,7 +120,7 @@ class VllmApi:
                 seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=req.prompt_ids,
                 params=SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                       ignore_eos=req.ignore_eos),
-                stream=req.stream, fault=fault, cache_salt=req.cache_salt)
+                stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=self._adapter(req.model))
             seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
         except ApiError as exc:
@@ -161,7 +169,7 @@ class VllmApi:
             choice["prompt_token_ids"] = None
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
-            "created": seq.created, "model": self.cfg.served_name, "choices": [choice],
+            "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": [choice],
             "service_tier": None, "system_fingerprint": self.fingerprint,
             "usage": self._usage(seq, final=True),
         }
@@ -182,7 +190,7 @@ class VllmApi:
         continuous = req.include_usage and req.continuous_usage
 
         def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
-            out = {"id": seq.id, "object": obj, "created": seq.created, "model": self.cfg.served_name,
+            out = {"id": seq.id, "object": obj, "created": seq.created, "model": seq.lora or self.cfg.served_name,
                    "choices": [choice], **extra}
             if continuous:
                 out["usage"] = self._usage(seq, final=False)
@@ -207,7 +215,7 @@ class VllmApi:
                 await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage))
         if req.include_usage:
             await writer.send({"id": seq.id, "object": obj, "created": seq.created,
-                               "model": self.cfg.served_name, "choices": [],
+                               "model": seq.lora or self.cfg.served_name, "choices": [],
                                "usage": _drop_none(self._usage(seq, final=True)),
                                "system_fingerprint": self.fingerprint})
         return await writer.done()
@@ -279,8 +287,35 @@ class VllmApi:
                                 "is_blocking": False}]}
 
     async def models(self, request: web.Request) -> web.Response:
-        return json_response({"object": "list",
-                              "data": [self._model_card(n) for n in self.cfg.served_model_names]})
+        cards = [self._model_card(n) for n in self.cfg.served_model_names]
+        lora = self.engine.lora
+        for name, path in (lora.registered.items() if lora is not None else ()):
+            cards.append({**self._model_card(name), "root": path, "parent": self.cfg.served_name,
+                          "max_model_len": None})
+        return json_response({"object": "list", "data": cards})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=True)
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        return await self._lora_call(request, load=False)
+
+    async def _lora_call(self, request: web.Request, load: bool) -> web.Response:
+        """vLLM's runtime adapter calls (VLLM_ALLOW_RUNTIME_LORA_UPDATING): plain-text success,
+        the error envelope otherwise."""
+        lora = self.engine.lora
+        try:
+            body = await read_json(request, require_json=True)
+            if lora is None:
+                raise ApiError(400, "LoRA is not enabled. Use --enable-lora to enable LoRA.", type_="BadRequestError")
+            try:
+                text = lora.load(body.get("lora_name"), body.get("lora_path")) if load else \
+                    lora.unload(body.get("lora_name"))
+            except LoraError as e:
+                raise ApiError(e.status, e.message, type_=e.type_) from None
+        except ApiError as exc:
+            return exc.response(STYLE)
+        return web.Response(text=text)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         tok = self.engine.tokenizer

@@ -32,9 +32,11 @@ from gateway.errors import GatewayError
 from gateway.lifecycle import Lifecycle
 from gateway.logs import LineWriter, RequestLog
 from gateway.looplag import LoopLagMonitor
+from gateway.lora import Lora, LoraMetrics
 from gateway.metrics import GatewayMetrics
 from gateway.monitor import Monitor
 from gateway.pd import PDOrchestrator
+from gateway.pd_decide import PDDecider, PDDecisionMetrics
 from gateway.pipeline import Pipeline
 from gateway.relay import Relay
 from gateway.reload import Live, Reloader, declared_endpoints
@@ -132,6 +134,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     for api in (AnthropicApi(pool), PassthroughApi(pool), AudioApi(pool)):   # Messages, pass-through
         gw.apis.update(dict.fromkeys(api.paths, api))
     gw.observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
+    gw.lora = lora = Lora(config, pool, upstream, LoraMetrics(metrics.registry))   # adapters (gateway/lora.py)
+    gw.pd_decider = pd_decider = PDDecider(config, routing.ctx.prefix_index, PDDecisionMetrics(metrics.registry))
     alias_metrics = AliasMetrics(metrics.registry)
     gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/reload.py)
@@ -139,6 +143,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     reloader.listeners.append(lambda live: responses.reconfigure(live.config))   # its stores stay: shared
     reloader.listeners.append(lambda live: breakers.reconfigure(live.config.breaker_for))
     reloader.listeners.append(lambda live: setattr(gw.retries, "config_for", live.config.retry_for))
+    reloader.listeners.append(lambda live: lora.reconfigure(live.config))
+    reloader.listeners.append(lambda live: pd_decider.reconfigure(live.config, live.routing.ctx.prefix_index))
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s)
@@ -163,6 +169,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
                          "targets": a["targets"], "sticky": a["sticky"],
                          "ready_endpoints": sum(len(pool.ready(t["model"])) for t in a["targets"])})
+        for a in lora.describe():       # LoRA adapters, with their parent (base) model
+            data.append({"id": a.pop("id"), "object": "model", "created": started_at, "owned_by": "switchyard", **a})
         return _json(200, {"object": "list", "data": data})
 
     async def health(_request: web.Request) -> web.Response:
@@ -217,12 +225,14 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             mon = Monitor(pool, session, metrics, config.health, config.scrape)
             app[MONITOR_KEY] = mon
             mon.start()
+            lora.start(session)
             lag = LoopLagMonitor(metrics.loop_lag.observe, config.server.loop_lag_interval_s)
             lag.start()
             try:
                 yield
             finally:
                 await lag.stop()
+                await lora.stop()
                 await mon.stop()
                 await lifecycle.close_background()
                 await upstream.close()

@@ -27,6 +27,7 @@ from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.breaker import BreakerConfig
 from gateway.endpoints import ENGINES
+from gateway.lora_config import LoraConfig, check_adapters
 from gateway.retry import RetryConfig
 from gateway.strict import StrictError, convert, laid_over, without_nulls
 from gateway.tracing import TracingConfig
@@ -141,6 +142,11 @@ class PDConfig(PDRouteSettings):
 
     prefill_timeout_s: Amount = 30.0
     token_request_cost: Amount = 3500.0  # fixed token-load charge per request, plus uncached tokens
+    # conditional disaggregation (gateway/pd_decide.py); 0 turns a rule off, all 0: always disaggregate
+    disaggregate_min_uncached_tokens: Count = 0   # fewer uncached tokens on the chosen decode: run it whole
+    disaggregate_min_prompt_tokens: Count = 0     # a shorter prompt: run it whole
+    local_prefill_pressure: Count = 0             # in-flight prefills per prefill endpoint above this: run whole...
+    local_max_decode_kv_usage: Annotated[float, Meta(ge=0, le=1)] = 0.8   # ...if the decode's KV usage is below this
     vllm: VLLMPDSettings = VLLMPDSettings()
     sglang: SGLangPDSettings = SGLangPDSettings()
 
@@ -182,6 +188,7 @@ class ModelConfig(_Block):
     pd: PDConfig | None = None
     breaker: BreakerConfig | None = None      # laid over the global breaker: block (gateway/breaker.py)
     retry: RetryConfig | None = None          # laid over the global retry: block (gateway/retry.py)
+    adapters: dict[Name, str] = {}       # LoRA adapter name -> path, loaded on demand (gateway/lora.py)
 
 
 class ApiKey(_Block):
@@ -309,6 +316,7 @@ class Config(_Block, dict=True):
     status: StatusConfig = StatusConfig()
     tracing: TracingConfig = TracingConfig()   # OpenTelemetry (gateway/tracing.py)
     responses: ResponsesConfig = ResponsesConfig()   # Responses API state (gateway/apis/responses.py)
+    lora: LoraConfig = LoraConfig()            # LoRA adapters (gateway/lora.py)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -321,6 +329,7 @@ class Config(_Block, dict=True):
         if self.responses.backend == "redis" and self.state.redis_url is None:
             raise ValueError("responses.backend: redis needs state.redis_url")
         check_aliases(self.aliases, [m.name for m in self.models], self.kubernetes.enabled)
+        check_adapters([(m.name, m.adapters) for m in self.models])
 
     @cached_property
     def _models_by_name(self) -> dict[str, ModelConfig]:

@@ -45,9 +45,25 @@ class EngineMetrics:
     queue_time_count: float | None = None
     queue_time_recent_mean: float | None = None  # mean queue time over the last scrape interval
     kv_capacity_tokens: float | None = None  # KV pool size in tokens (vLLM blocks x block size; SGLang)
+    # vLLM lora_requests_info, its newest series: adapters with running / waiting requests, GPU slots
+    lora_running: frozenset[str] | None = None
+    lora_waiting: frozenset[str] | None = None
+    max_lora: int | None = None
 
     def age(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.scraped_at
+
+
+@dataclass(slots=True)
+class AdapterState:
+    """What the gateway knows of the LoRA adapters on one endpoint (gateway/lora.py keeps it):
+    the adapters the engine serves (``/v1/models`` entries with a ``parent``, plus the ones the
+    gateway loaded), this gateway's requests in flight per adapter, and the adapters it sent here
+    most recently (newest last; an engine keeps the last ``max_lora`` of them in its GPU slots)."""
+
+    served: dict[str, str] = field(default_factory=dict)        # adapter -> parent (base model)
+    in_flight: dict[str, int] = field(default_factory=dict)     # adapter -> requests of this gateway
+    recent: dict[str, float] = field(default_factory=dict)      # adapter -> last routed (monotonic), LRU order
 
 
 @dataclass(eq=False, slots=True)
@@ -81,6 +97,7 @@ class Endpoint:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     metrics: EngineMetrics | None = None
+    adapters: AdapterState = field(default_factory=AdapterState)   # LoRA adapters (gateway/lora.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -29,7 +29,7 @@ from gateway.endpoints import ENGINES, EngineMetrics
 # field ids
 _RUNNING, _WAITING, _KV, _KV_OLD, _HITS, _QUERIES, _HITS_OLD, _QUERIES_OLD = range(8)
 _PROMPT, _GEN, _TTFT_SUM, _TTFT_COUNT, _CACHE_INFO, _HIT_RATE, _GEN_TP = range(8, 15)
-_QUEUE_SUM, _QUEUE_COUNT, _MAX_TOKENS = range(15, 18)
+_QUEUE_SUM, _QUEUE_COUNT, _MAX_TOKENS, _LORA_INFO = range(15, 19)
 
 _NAMES: dict[str, dict[str, int]] = {
     "vllm": {
@@ -46,6 +46,7 @@ _NAMES: dict[str, dict[str, int]] = {
         "vllm:time_to_first_token_seconds_sum": _TTFT_SUM,
         "vllm:time_to_first_token_seconds_count": _TTFT_COUNT,
         "vllm:cache_config_info": _CACHE_INFO,
+        "vllm:lora_requests_info": _LORA_INFO,
         "vllm:request_queue_time_seconds_sum": _QUEUE_SUM,
         "vllm:request_queue_time_seconds_count": _QUEUE_COUNT,
     },
@@ -141,13 +142,21 @@ def _split_sample(line: str, name_len: int) -> tuple[str, str] | None:
     return labels, parts[0]
 
 
-def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[float]], int | None, float | None]:
+def _adapters(labels: dict[str, str], name: str) -> frozenset[str]:
+    return frozenset(a for a in labels.get(name, "").split(",") if a)
+
+
+def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[float]], int | None, float | None,
+                                                               tuple[float, dict[str, str]] | None]:
     names = _NAMES[engine]
     prefixes = _PREFIXES[engine]
     all_values: dict[int, list[float]] = {}
     matching: dict[int, list[float]] = {}    # only series whose model_name == model
     block_size: int | None = None
     gpu_blocks: float | None = None          # summed over cache_config_info series (one per rank)
+    # vLLM sets lora_requests_info to the time of its stats log, a new label set each time the
+    # adapters change (old series linger): the newest series is the one with the largest value
+    lora: tuple[float, dict[str, str]] | None = None
     # a plain-text probe for the common case; names needing escapes always take the exact parse
     plain = model is not None and not any(c in model for c in '"\\\n')
     want_model = f'model_name="{model}"' if plain else None
@@ -177,6 +186,14 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
             if nb is not None and nb.isdigit():
                 gpu_blocks = (gpu_blocks or 0.0) + int(nb)
             continue
+        if field == _LORA_INFO:
+            try:
+                stamp = float(value_text)
+            except ValueError:
+                continue
+            if math.isfinite(stamp) and (lora is None or stamp >= lora[0]):
+                lora = (stamp, parse_labels(label_text))
+            continue
         try:
             value = float(value_text)
         except ValueError:
@@ -192,7 +209,7 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
     # The model filter applies per metric: a metric with series of that model uses only those;
     # a metric with none (other served name, no model_name label) is used whole.
     all_values.update(matching)
-    return all_values, block_size, gpu_blocks
+    return all_values, block_size, gpu_blocks, lora
 
 
 def _combine(values: dict[int, list[float]], field: int) -> float | None:
@@ -217,7 +234,7 @@ def parse_engine_metrics(text: str, engine: str, now: float, prev: EngineMetrics
     (monotonic seconds). ``prev`` is the previous snapshot of the same endpoint, for rates."""
     if engine not in _NAMES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    values, block_size, gpu_blocks = _scan(text, engine, model)
+    values, block_size, gpu_blocks, lora = _scan(text, engine, model)
     get = values.get
 
     m = EngineMetrics(scraped_at=now)
@@ -233,6 +250,12 @@ def parse_engine_metrics(text: str, engine: str, now: float, prev: EngineMetrics
     m.block_size = block_size if block_size is not None else (prev.block_size if prev else None)
     m.queue_time_sum = _combine(values, _QUEUE_SUM)
     m.queue_time_count = _combine(values, _QUEUE_COUNT)
+    if lora is not None:
+        labels = lora[1]
+        m.lora_running = _adapters(labels, "running_lora_adapters")
+        m.lora_waiting = _adapters(labels, "waiting_lora_adapters")
+        slots = labels.get("max_lora", "")
+        m.max_lora = int(slots) if slots.isdigit() else None
     if engine == "vllm":
         if gpu_blocks is not None and block_size is not None:
             m.kv_capacity_tokens = gpu_blocks * block_size

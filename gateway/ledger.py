@@ -87,6 +87,24 @@ class TokenKV(Charge):
         ep.token_kv = max(0.0, ep.token_kv + amount)
 
 
+class AdapterInFlight(Charge):
+    """This gateway's requests for one LoRA adapter on an endpoint (``AdapterState.in_flight``)."""
+
+    __slots__ = ("adapter",)
+
+    def __init__(self, endpoint: Endpoint, adapter: str) -> None:
+        self.adapter = adapter
+        super().__init__(endpoint)
+
+    def _add(self, ep: Endpoint, amount: float) -> None:  # type: ignore[override]
+        counts = ep.adapters.in_flight
+        n = counts.get(self.adapter, 0) + int(amount)
+        if n > 0:
+            counts[self.adapter] = n
+        else:
+            counts.pop(self.adapter, None)
+
+
 @dataclass(slots=True)
 class Charges:
     """Every charge of one request. The P/D orchestration releases the prefill-side ones early
@@ -97,6 +115,7 @@ class Charges:
     pending_decode: Charge | None = None
     token_active: Charge | None = None
     token_kv: Charge | None = None
+    adapter: AdapterInFlight | None = None     # a LoRA adapter's request (gateway/lora.py)
 
     def prefill_done(self) -> None:
         """The prefill call ended: its in-flight count and its active tokens go back."""
@@ -113,9 +132,12 @@ class Charges:
         if self.in_flight is not None:
             self.in_flight.release()
         self.in_flight = InFlight(ep)
+        if self.adapter is not None:
+            self.adapter.release()
+            self.adapter = AdapterInFlight(ep, self.adapter.adapter)
 
     def release(self) -> None:
-        for c in (self.in_flight, self.prefill, self.pending_decode, self.token_active, self.token_kv):
+        for c in (self.in_flight, self.prefill, self.pending_decode, self.token_active, self.token_kv, self.adapter):
             if c is not None:
                 c.release()
 

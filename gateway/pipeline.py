@@ -26,9 +26,11 @@ from gateway.errors import GatewayError
 from gateway.ledger import charge
 from gateway.lifecycle import Lifecycle
 from gateway.logs import RequestLog
+from gateway.lora import Lora
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome, of_status
 from gateway.pd import PDOrchestrator
+from gateway.pd_decide import PDDecider
 from gateway.relay import Relay, error_event
 from gateway.request import parse
 from gateway.retry import Retries, discard
@@ -59,6 +61,8 @@ class Pipeline:
         self.tracing = tracing
         self.aliases: Aliases | None = None          # set by app.py when the config has aliases
         self.retries: Retries | None = None          # set by app.py: the retry policy and budgets
+        self.lora: Lora | None = None                # LoRA adapters (gateway/lora.py), set by app.py
+        self.pd_decider: PDDecider | None = None     # conditional disaggregation (gateway/pd_decide.py)
         self.model_in_flight: dict[str, int] = {}
         self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
         self.apis: dict[str, ApiShape] = {}          # path → its API when not chat/completions/embeddings
@@ -84,11 +88,14 @@ class Pipeline:
                 rec.request_id)
             if self.aliases is not None:    # an alias names one of its models (gateway/aliases.py)
                 self.aliases.resolve(ctx, ticket.user if ticket is not None else None)
+            if self.lora is not None:       # an adapter: a request for its base model (gateway/lora.py)
+                self.lora.resolve(ctx)
             rec.model, rec.stream = ireq.model, ireq.stream
             self._require_model(ireq.model)
             model_gauge = ireq.model
             self.model_in_flight[model_gauge] = self.model_in_flight.get(model_gauge, 0) + 1
-            spec = rec.strategy = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"))
+            spec = rec.strategy = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
+                                                            lora=ireq.lora is not None)
             router = self.routing.router_for(spec)
             candidates = self.routing.candidates(ireq.model, router)
             if ticket is not None:          # model RPS, user RPM/TPM/concurrency (429), before routing
@@ -100,12 +107,18 @@ class Pipeline:
                                             f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
                                        header=("x-error-routing", "true"), error_class="routing")
                 candidates = await api.prepare(ctx, candidates)
+            if ireq.lora is not None and self.lora is not None and not router.chooses_pairs:
+                candidates = await self.lora.prepare(ctx, candidates)   # those serving it; loaded if none
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
             ctx.trace.route_start()
             decision = ctx.decision = self.routing.route(ireq, spec, router, candidates)
+            if router.chooses_pairs and self.pd_decider is not None:   # disaggregate, or run it whole
+                candidates = self.pd_decider.decide(ctx, adapter, candidates)
             # charged in the same synchronous step as the decision
             ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
+            if ireq.lora is not None and self.lora is not None:
+                self.lora.charge(ctx)
             ctx.trace.routed(decision, len(candidates))
             if decision.prefill is not None:
                 return await self.pd.forward(ctx, adapter, checked)

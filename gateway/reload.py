@@ -183,7 +183,7 @@ def _routing_state_kept(old: Config, new: Config) -> bool:
 def _check_strategies(config: Config) -> None:
     """Every strategy the config names exists; an error names its key."""
     registry = default_registry(RouterContext(settings=config.routing, pd_settings=config.pd_for))
-    named = [("routing.strategy", config.routing.strategy)]
+    named = [("routing.strategy", config.routing.strategy), ("lora.strategy", config.lora.strategy)]
     for i, m in enumerate(config.models):
         named += [(f"models[{i}].{key}", spec) for key in ("strategy", "lock_strategy")
                   if (spec := getattr(m, key))]

@@ -59,6 +59,8 @@ class InferenceRequest:
     session_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     content_type: str = "application/json"     # what the engine is told the body is (multipart keeps its boundary)
+    # the LoRA adapter the client named in ``model`` (``model`` is then its base model; gateway/lora.py)
+    lora: str | None = None
 
     @property
     def is_embeddings(self) -> bool:

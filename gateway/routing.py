@@ -42,7 +42,7 @@ class Routing:
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
         self.registry: RouterRegistry = default_registry(self.ctx)
         # strategies named in config are validated now, so a typo fails at startup, not per request
-        for spec in [config.routing.strategy] + [s for m in config.models for s in (m.strategy, m.lock_strategy) if s]:
+        for spec in [config.routing.strategy, config.lora.strategy] + [s for m in config.models for s in (m.strategy, m.lock_strategy) if s]:
             try:
                 self.registry.get(spec)
             except StrategyError as e:
@@ -52,12 +52,16 @@ class Routing:
         self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()
         self._fallbacks.append((strategy, reason))
 
-    def strategy_for(self, model: str, header: str | None) -> str:
+    def strategy_for(self, model: str, header: str | None, lora: bool = False) -> str:
+        """``lora``: the request names an adapter of ``model``; unless the model is P/D, its
+        strategy is ``lora.strategy`` after the lock and the header."""
         m = self.config.model(model)
         if m is not None and m.lock_strategy:
             return m.lock_strategy
         if header is not None and header.strip():
             return header.strip()
+        if lora and not ((m is not None and m.rolesets) or self.pool.has_pd(model)):
+            return self.config.lora.strategy
         if m is not None and m.strategy:
             return m.strategy
         hint = self.pool.strategy_hint(model)

@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
+
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, InferenceRequest
 
@@ -70,6 +72,40 @@ class EngineAdapter(Protocol):
     def serves(self, path: str) -> bool:
         """Whether the engine answers POST ``path`` (its API surface: Messages, rerank, audio...)."""
         ...
+
+    # -- LoRA adapters and conditional P/D ------------------------------------------------------
+
+    # whether a decode endpoint computes a prompt itself when asked without the P/D fields
+    decode_runs_whole: bool
+
+    def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
+        """(path, body) of the engine's runtime call that loads adapter ``name`` from ``path``."""
+        ...
+
+    def lora_load_error(self, status: int, answer: bytes) -> str | None:
+        """``None`` when the load answer means the adapter is there now, else the engine's message."""
+        ...
+
+    def lora_fields(self, name: str) -> dict[str, Any]:
+        """Members a request body needs, beyond ``model``, to run on adapter ``name``."""
+        ...
+
+
+def engine_message(answer: bytes, limit: int = 500) -> str:
+    """The message of an engine's error answer: OpenAI's ``error.message``, SGLang's
+    ``error_message`` or ``message``, else the text itself (bounded)."""
+    try:
+        data = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return answer.decode("utf-8", "replace").strip()[:limit]
+    if isinstance(data, dict):
+        err = data.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return err["message"][:limit]
+        for key in ("error_message", "message", "detail", "error"):
+            if isinstance(data.get(key), str) and data[key]:
+                return data[key][:limit]
+    return answer.decode("utf-8", "replace").strip()[:limit]
 
 
 # what every engine serves (the Responses API too: vLLM and SGLang both have it)

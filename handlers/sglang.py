@@ -21,7 +21,7 @@ import orjson
 from gateway.apis.paths import DETOKENIZE, TOKENIZE, TRANSCRIPTIONS
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest, usage_stream_options
-from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, openai_usage
+from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, engine_message, openai_usage
 from handlers.base import BodyError as _BodyError
 
 
@@ -192,6 +192,27 @@ class SGLangAdapter:
 
     def serves(self, path: str) -> bool:
         return path in PATHS
+
+    # a decode-mode server takes only requests with a bootstrap room: it never prefills by itself
+    decode_runs_whole = False
+
+    def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
+        return "/load_lora_adapter", orjson.dumps({"lora_name": name, "lora_path": path})
+
+    def lora_load_error(self, status: int, answer: bytes) -> str | None:
+        try:
+            data = orjson.loads(answer)
+        except orjson.JSONDecodeError:
+            data = None
+        if status == 200 and isinstance(data, dict) and data.get("success") is not False:
+            return None
+        message = engine_message(answer)
+        if "already loaded" in message or "already exists" in message:
+            return None
+        return f"status {status}: {message}"
+
+    def lora_fields(self, name: str) -> dict[str, Any]:
+        return {"lora_path": name}      # SGLang picks the adapter by its name in lora_path
 
 
 SGLANG = SGLangAdapter()

@@ -15,7 +15,7 @@ import orjson
 from gateway.apis.paths import ANTHROPIC_PATHS, PASSTHROUGH_PATHS
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest, usage_stream_options
-from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, openai_usage
+from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, engine_message, openai_usage
 
 # `vllm serve` answers the Anthropic Messages API (vllm/entrypoints/anthropic/api_router.py) and
 # every pass-through path: rerank (three spellings), score, tokenize, detokenize, audio
@@ -117,6 +117,24 @@ class VLLMAdapter:
 
     def serves(self, path: str) -> bool:
         return path in PATHS
+
+    # a decode without kv_transfer_params prefills the prompt itself (vLLM's proxy relies on it)
+    decode_runs_whole = True
+
+    def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
+        # needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true on the engine
+        return "/v1/load_lora_adapter", orjson.dumps({"lora_name": name, "lora_path": path})
+
+    def lora_load_error(self, status: int, answer: bytes) -> str | None:
+        if status == 200:
+            return None
+        message = engine_message(answer)
+        if status == 400 and "has already been loaded" in message:    # another gateway was first
+            return None
+        return f"status {status}: {message}"
+
+    def lora_fields(self, name: str) -> dict[str, Any]:
+        return {}        # vLLM serves an adapter under its own name in ``model``
 
 
 VLLM = VLLMAdapter()

@@ -74,6 +74,8 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     prefix_std_factor: _Seconds = 1.5      # a matched endpoint must have in-flight <= mean + k * stddev
     metrics_window_s: _Seconds = 10.0      # window of the throughput / least-latency rates and means
     vtc_window_s: _Seconds = 300.0         # vtc-basic: per-user token counts over this sliding window
+    lora_load_weight: _Seconds = 0.5       # lora-affinity: weight of in-flight load (0..1, of the most loaded)
+    lora_prefix_weight: _Seconds = 0.3     # lora-affinity: weight of the prefix match (0..1) keyed by adapter
 
 
 _PD_DEFAULTS = PDRouteSettings()

@@ -143,7 +143,9 @@ class PrefixIndex:
         """The request's chain, computed once per request object."""
         if req is self._memo_req:
             return self._memo_keys
-        keys = prefix_keys(req.prompt_text, req.model, self.block_chars, self.max_blocks)
+        # an adapter's prompts are keyed apart from its base model's: the engine caches them apart
+        seed = req.model if req.lora is None else f"{req.model}\0lora:{req.lora}"
+        keys = prefix_keys(req.prompt_text, seed, self.block_chars, self.max_blocks)
         self._memo_req, self._memo_keys = req, keys
         return keys
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.base import Decision, Router, RouterContext, ScoringRouter
+from routers.lora import LoraAffinityRouter
 from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
 from routers.pd import PDRouter
 from routers.power_of_two import PowerOfTwoRouter
@@ -280,4 +281,5 @@ def default_registry(ctx: RouterContext) -> RouterRegistry:
     reg.register("prefix-cache", PrefixCacheRouter, scoring=True)   # on the context's shared prefix index
     reg.register("session-affinity", SessionAffinityRouter, scoring=True)
     reg.register("vtc-basic", VTCRouter, scoring=True)
+    reg.register("lora-affinity", LoraAffinityRouter, scoring=True)
     return reg

@@ -33,7 +33,7 @@ from gateway.server import start
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 FAST_SIM = {"ttft_base_ms": 1.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
 # the gateway's own health probes and metric scrapes, left out of "what reached the engine"
-MONITOR = {("GET", "/health"), ("GET", "/metrics")}
+MONITOR = {("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models")}   # /v1/models: LoRA discovery
 
 
 def on_both_loops(fn):

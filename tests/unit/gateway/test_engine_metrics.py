@@ -300,3 +300,12 @@ def test_agrees_with_prometheus_client(engine, text):
         assert math.isclose(getattr(m, field), want), field
     if engine == "vllm":
         assert {m.block_size} == block_sizes
+
+
+def test_lora_requests_info_newest_series_wins():
+    text = ('vllm:lora_requests_info{max_lora="4",running_lora_adapters="b",waiting_lora_adapters=""} 1.8e9\n'
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="a,c",waiting_lora_adapters="d"} 1.9e9\n'
+            'vllm:lora_requests_info{max_lora="4",running_lora_adapters="",waiting_lora_adapters=""} 1.7e9\n')
+    m = parse_engine_metrics(text, "vllm", 0.0)
+    assert m.lora_running == {"a", "c"} and m.lora_waiting == {"d"} and m.max_lora == 4
+    assert parse_engine_metrics("", "vllm", 0.0).lora_running is None

@@ -1,0 +1,134 @@
+"""LoRA adapters in the simulated engine: registered adapters, GPU slots with LRU, the runtime
+load/unload calls, and vLLM's ``lora_requests_info`` gauge.
+
+- An adapter is *registered* by ``--lora-modules name=path`` or the runtime load call (vLLM
+  ``POST /v1/load_lora_adapter``, SGLang ``POST /load_lora_adapter``, ``{lora_name, lora_path}``);
+  a request naming an unregistered adapter gets the engine's 404 (vLLM's "model does not exist").
+  A path is "found" unless it is absolute and missing on disk (vLLM: ``No adapter found for ...``,
+  404), so hub-style ids such as ``org/adapter`` always load.
+- A running request's adapter must sit in one of ``max_loras`` GPU slots. An adapter not in a slot
+  takes a free one, or evicts the least recently used adapter no running request uses, and costs
+  ``lora_load_ms`` (the cold load) before its prefill; when every slot is held by adapters in use,
+  the request waits for one (its adapter is then *waiting*).
+- ``vllm:lora_requests_info{running_lora_adapters, waiting_lora_adapters, max_lora}`` is set to the
+  current time under the current label set whenever it is rendered; earlier label sets keep their
+  older timestamps (as in vLLM, where a reader takes the newest series).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import OrderedDict
+from typing import Any
+
+
+class LoraError(Exception):
+    def __init__(self, status: int, message: str, type_: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type_ = status, message, type_
+
+
+class LoraSlots:
+    def __init__(self, max_loras: int, load_ms: float, modules: dict[str, str]) -> None:
+        self.max_loras = max_loras
+        self.load_s = load_ms / 1000.0
+        self.registered: dict[str, str] = dict(modules)        # name -> path
+        self.slots: OrderedDict[str, int] = OrderedDict()      # resident adapter -> running users (LRU order)
+        self.waiting: dict[str, int] = {}                      # adapter -> requests waiting for a slot
+        self.loading: dict[str, asyncio.Future[None]] = {}
+        self.cold_loads = 0
+        self.evictions = 0
+        self._changed = asyncio.Event()
+
+    # -- registration ----------------------------------------------------------------------------
+
+    def load(self, name: Any, path: Any) -> str:
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise LoraError(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        if name in self.registered:
+            raise LoraError(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
+        if os.path.isabs(path) and not os.path.exists(path):
+            raise LoraError(404, f"No adapter found for {path}", "NotFoundError")
+        self.registered[name] = path
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    def unload(self, name: Any) -> str:
+        if not isinstance(name, str) or name not in self.registered:
+            raise LoraError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+        del self.registered[name]
+        if self.slots.get(name) == 0:
+            del self.slots[name]
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+    # -- slots -----------------------------------------------------------------------------------
+
+    async def acquire(self, name: str) -> None:
+        """Hold a slot for ``name`` for one running request; cold-load it first if needed."""
+        while True:
+            if name in self.slots:
+                self.slots[name] += 1
+                self.slots.move_to_end(name)
+                pending = self.loading.get(name)
+                if pending is not None:
+                    try:
+                        await asyncio.shield(pending)
+                    except asyncio.CancelledError:
+                        self.release(name)
+                        raise
+                return
+            if len(self.slots) >= self.max_loras:
+                idle = next((a for a, users in self.slots.items() if users == 0), None)
+                if idle is not None:
+                    del self.slots[idle]
+                    self.evictions += 1
+            if len(self.slots) < self.max_loras:
+                self.slots[name] = 1
+                self.cold_loads += 1
+                done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                self.loading[name] = done
+                try:
+                    await asyncio.sleep(self.load_s)
+                except asyncio.CancelledError:
+                    self.release(name)
+                    raise
+                finally:
+                    self.loading.pop(name, None)
+                    done.set_result(None)
+                return
+            self.waiting[name] = self.waiting.get(name, 0) + 1
+            try:
+                self._changed.clear()
+                await self._changed.wait()
+            finally:
+                left = self.waiting[name] - 1
+                if left:
+                    self.waiting[name] = left
+                else:
+                    del self.waiting[name]
+
+    def release(self, name: str) -> None:
+        users = self.slots.get(name)
+        if users is None:
+            return
+        self.slots[name] = users - 1
+        if users - 1 == 0:
+            if name not in self.registered:
+                del self.slots[name]
+            self._changed.set()
+
+    def running(self) -> list[str]:
+        return [a for a, users in self.slots.items() if users]
+
+    def info_labels(self) -> dict[str, str]:
+        return {"running_lora_adapters": ",".join(self.running()),
+                "waiting_lora_adapters": ",".join(self.waiting), "max_lora": str(self.max_loras)}
+
+    def state(self) -> dict[str, Any]:
+        return {"registered": dict(self.registered), "slots": dict(self.slots), "waiting": dict(self.waiting),
+                "max_loras": self.max_loras, "cold_loads": self.cold_loads, "evictions": self.evictions}
+
+
+def stamp() -> float:
+    return time.time()

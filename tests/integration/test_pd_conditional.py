@@ -1,0 +1,85 @@
+"""Conditional disaggregation on loopback: always (the default), a short prompt run whole on the
+vLLM decode, a follow-up turn whose history the decode holds, SGLang's combined fallback and its
+no-local-path case, with the metric, the header and the engines' own counts as proof."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import sim_state
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant for a gateway team. " * 40}   # ~2000 chars
+
+
+async def post(gw, messages):
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions",
+                                                    json={"model": "m", "messages": messages, "max_tokens": 4}) as r:
+        return r.status, r.headers, await r.read()
+
+
+def vllm_model(p, d, **pd):
+    return {"name": "m", "engine": "vllm", "rolesets": [{"name": "rs", "prefill": [p.url], "decode": [d.url]}],
+            **({"pd": pd} if pd else {})}
+
+
+async def completed(url) -> int:
+    return (await sim_state(url))["counts"]["completed"]
+
+
+async def test_default_always_disaggregates_with_the_sdk(sims, gateway):
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d)])
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=[SYSTEM], max_tokens=4)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
+    assert raw.headers["prefill-target-pod"] == p.url.split("//")[1]
+    await client.close()
+    assert await completed(p.url) == 1 and await completed(d.url) == 1
+    assert 'switchyard_pd_decisions_total{mode="disaggregated",model="m",reason="always"} 1.0' in await gw.metrics_text()
+
+
+async def test_short_prompt_runs_whole_on_the_vllm_decode(sims, gateway):
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d, disaggregate_min_prompt_tokens=1000)])
+    status, headers, _ = await post(gw, [{"role": "user", "content": "hi"}])
+    assert status == 200 and headers["x-pd-decision"] == "decode; reason=short_prompt"
+    assert "prefill-target-pod" not in headers and headers["target-pod"] == d.url.split("//")[1]
+    assert await completed(p.url) == 0 and await completed(d.url) == 1
+    assert (await sim_state(d.url))["pd"]["recomputed"] == 0     # no KV params: a local prefill, not a failed pull
+
+
+async def test_follow_up_turn_runs_on_the_decode_that_holds_its_history(sims, gateway):
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d, disaggregate_min_uncached_tokens=200)])
+    turn1 = [SYSTEM, {"role": "user", "content": "First question about routing?"}]
+    status, headers, _ = await post(gw, turn1)
+    assert status == 200 and headers["x-pd-decision"] == "disaggregated; reason=uncached"
+    turn2 = turn1 + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
+    status, headers, _ = await post(gw, turn2)
+    assert status == 200 and headers["x-pd-decision"] == "decode; reason=cached_on_decode"
+    assert await completed(p.url) == 1 and await completed(d.url) == 2
+    text = await gw.metrics_text()
+    assert 'switchyard_pd_decisions_total{mode="decode",model="m",reason="cached_on_decode"} 1.0' in text
+
+
+@pytest.mark.parametrize("with_combined", [True, False])
+async def test_sglang_runs_whole_on_a_combined_endpoint_or_disaggregates(sims, gateway, with_combined):
+    p, d = await sims("sglang", "m", role="prefill"), await sims("sglang", "m", role="decode")
+    rs = {"name": "rs", "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [d.url]}
+    c = None
+    if with_combined:
+        c = await sims("sglang", "m")
+        rs["combined"] = [c.url]
+    gw = await gateway([{"name": "m", "engine": "sglang", "rolesets": [rs],
+                         "pd": {"disaggregate_min_prompt_tokens": 1000, "combined_load_ratio": 0}}])
+    status, headers, _ = await post(gw, [{"role": "user", "content": "hi"}])
+    assert status == 200
+    if with_combined:
+        assert headers["x-pd-decision"] == "combined; reason=short_prompt"
+        assert headers["target-pod"] == c.url.split("//")[1] and await completed(c.url) == 1
+        assert await completed(d.url) == 0
+    else:   # SGLang's decode never prefills by itself
+        assert headers["x-pd-decision"] == "disaggregated; reason=no_local_path"
+        assert await completed(p.url) == 1 and await completed(d.url) == 1

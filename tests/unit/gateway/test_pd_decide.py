@@ -1,0 +1,53 @@
+"""The conditional disaggregation rules, without sockets: prefill pressure with and without decode
+headroom, and the default that always disaggregates."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+
+from gateway.config import config_from_dict
+from gateway.context import RequestRecord
+from gateway.endpoints import Endpoint, EngineMetrics
+from gateway.pd_decide import PDDecider, PDDecisionMetrics
+from gateway.request import CHAT, InferenceRequest
+from routers.base import Decision, RouterContext
+
+VLLM = SimpleNamespace(decode_runs_whole=True)
+
+
+def setup(**pd):
+    cfg = config_from_dict({"models": [{"name": "m", "rolesets": [{"prefill": ["http://p:1"], "decode": ["http://d:1"]}],
+                                        **({"pd": pd} if pd else {})}]})
+    index = RouterContext(settings=cfg.routing).prefix_index
+    decider = PDDecider(cfg, index, PDDecisionMetrics(CollectorRegistry()))
+    p = Endpoint(url="http://p:1", model="m", role="prefill", roleset="rs")
+    dec = Endpoint(url="http://d:1", model="m", role="decode", roleset="rs")
+    return decider, p, dec
+
+
+def ctx_for(p, d):
+    ireq = InferenceRequest(path=CHAT, body=b"{}", data={}, model="m", stream=False, include_usage=False,
+                            prompt_text="x" * 4000, prompt_tokens_est=1000, request_id="r")
+    return SimpleNamespace(ireq=ireq, decision=Decision(d, "pd", prefill=p), rec=RequestRecord("r", CHAT, 0.0))
+
+
+def test_default_always_disaggregates():
+    decider, p, d = setup()
+    ctx = ctx_for(p, d)
+    decider.decide(ctx, VLLM, [p, d])
+    assert ctx.decision.prefill is p and ctx.rec.extra["pd_reason"] == "always"
+
+
+def test_prefill_pressure_runs_whole_only_with_decode_headroom():
+    decider, p, d = setup(local_prefill_pressure=2, local_max_decode_kv_usage=0.5)
+    p.prefill_in_flight = 3
+    ctx = ctx_for(p, d)
+    assert decider.decide(ctx, VLLM, [p, d]) == [d]
+    assert ctx.decision.prefill is None and ctx.decision.headers["x-pd-decision"] == "decode; reason=prefill_pressure"
+    d.metrics = EngineMetrics(scraped_at=time.monotonic(), kv_usage=0.9)      # no headroom
+    ctx = ctx_for(p, d)
+    decider.decide(ctx, VLLM, [p, d])
+    assert ctx.decision.prefill is p and ctx.rec.extra["pd_reason"] == "uncached"
