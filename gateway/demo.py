@@ -18,8 +18,9 @@ from gateway.tracing import TracingConfig, resolve
 # (model, engine, role, port, simulator knobs, endpoint entry knobs): the P/D prefills' side ports
 # are the vLLM KV side channel and the SGLang bootstrap port, which the SGLang endpoint names too
 DEMO_ENGINES = [
-    ("demo-llama", "vllm", "aggregated", 8101, {}, {}),
-    ("demo-llama", "vllm", "aggregated", 8102, {}, {}),
+    ("demo-llama", "vllm", "aggregated", 8101,
+     {"enable_lora": True, "max_loras": 2, "lora_modules": ("sql-lora=adapters/sql-lora",)}, {}),
+    ("demo-llama", "vllm", "aggregated", 8102, {"enable_lora": True, "max_loras": 2}, {}),
     ("demo-qwen", "sglang", "aggregated", 8111, {}, {}),
     ("demo-qwen", "sglang", "aggregated", 8112, {}, {}),
     ("demo-llama-pd", "vllm", "prefill", 8121, {"side_channel_port": 8125}, {}),
@@ -32,6 +33,9 @@ DEMO_ENGINES = [
 # an alias as a canary roll-out looks: most users on one model, a sticky 10% on the other
 # ten callers for the banner's loop; one of them (oscar) is in the 10%
 DEMO_USERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "oscar")
+# LoRA adapters of demo-llama: sql-lora is already loaded on :8101 (the gateway finds it in that
+# engine's /v1/models); chat-lora is loaded on demand by the first request that names it
+DEMO_ADAPTERS = {"sql-lora": "adapters/sql-lora", "chat-lora": "adapters/chat-lora"}
 DEMO_ALIASES = [{"name": "demo-chat", "sticky": "user",
                  "targets": [{"model": "demo-llama", "weight": 90}, {"model": "demo-qwen", "weight": 10}]}]
 
@@ -43,6 +47,8 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
         url = f"http://127.0.0.1:{eport}"
         if role == "aggregated":
             m.setdefault("endpoints", []).append(url)
+            if model == "demo-llama":
+                m["adapters"] = DEMO_ADAPTERS
             continue
         rs = m.setdefault("rolesets", [{"name": "rs-1", "prefill": [], "decode": []}])[0]
         rs[role].append({"url": url, **entry} if entry else url)
@@ -64,6 +70,8 @@ Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
   demo-llama-pd  vLLM P/D:   prefill 127.0.0.1:8121, decode :8122
   demo-qwen-pd   SGLang P/D: prefill 127.0.0.1:8131 (bootstrap 8998), decode :8132
   demo-chat      alias: 90% of users to demo-llama, 10% to demo-qwen (sticky per user)
+  sql-lora, chat-lora   LoRA adapters of demo-llama (sql-lora loaded on :8101; chat-lora loaded
+                 on demand by the first request that names it)
 
 Try:
   curl -s http://{host}:{{port}}/v1/models
@@ -85,6 +93,10 @@ print(c.responses.create(model='demo-llama', input='More', previous_response_id=
        -d '{{{{"model":"demo-llama","max_tokens":16,"stream":true,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
   curl -s http://{host}:{{port}}/v1/rerank -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-qwen","query":"red apple","documents":["green pear","red apple pie"]}}}}'
+  curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{{{"model":"chat-lora","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}'   # loads it, then answers
+  curl -sD - -o /dev/null http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{{{"model":"demo-llama-pd","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' | grep -i '^x-pd-decision'
 
 Breakers and retries: make a demo-llama replica sick (its /health stays fine), send traffic, watch
 its breaker open (x-retries shows the 500s retried elsewhere), then heal it:

@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.demo import DEMO_ALIASES, DEMO_ENGINES, DEMO_USERS
+from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_USERS
 from gateway.server import free_port
 from tests.otlp_receiver import OTLPReceiver
 
@@ -42,7 +42,8 @@ async def test_demo_answers_every_model_streaming_and_not():
         assert f"http://127.0.0.1:{port}/status ".encode() in banner
         assert rx.url.encode() in banner
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        assert {m.id for m in (await client.models.list()).data} == set(MODELS) | {a["name"] for a in DEMO_ALIASES}
+        assert {m.id for m in (await client.models.list()).data} == (
+                set(MODELS) | {a["name"] for a in DEMO_ALIASES} | set(DEMO_ADAPTERS))
         for model in MODELS:
             r = await client.chat.completions.create(model=model, max_tokens=5,
                                                      messages=[{"role": "user", "content": "Hello!"}])
@@ -69,8 +70,15 @@ async def test_demo_answers_every_model_streaming_and_not():
         async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/v1/rerank", json={
                 "model": "demo-qwen", "query": "red apple", "documents": ["green pear", "red apple pie"]}) as r:
             assert r.status == 200 and (await r.json())[0]["document"] == "red apple pie"
+        # the LoRA adapters: one already loaded on a replica, one loaded on demand by this request
+        models = {m.id: m for m in (await client.models.list()).data}
+        assert {"sql-lora", "chat-lora"} <= set(models)
+        lora = await client.chat.completions.create(model="chat-lora", max_tokens=2,
+                                                    messages=[{"role": "user", "content": "Hi"}])
+        assert lora.model == "chat-lora" and lora.choices[0].message.content
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-qwen-pd", max_tokens=3, messages=[{"role": "user", "content": "Trace me"}])
+        assert raw.headers["x-pd-decision"].startswith("disaggregated")
         await client.close()
         rid = raw.headers["request-id"]
 
