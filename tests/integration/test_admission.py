@@ -155,7 +155,7 @@ async def test_saturation_follows_the_engines_queue_between_scrapes(sims, gatewa
     status, _, _ = await third
     assert status == 200
     text = await gw.metrics_text()
-    assert 'switchyard_endpoint_saturated{endpoint="%s",model="m"} 0.0' % ep.name in text
+    assert f'switchyard_endpoint_saturated{{endpoint="{ep.name}",model="m"}} 0.0' in text
 
 
 async def test_a_bad_x_priority_is_a_400(sims, gateway):
