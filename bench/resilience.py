@@ -39,6 +39,7 @@ from bench.soak import Procs, free_port, machine_info, wait_http
 # scenario name → module; one line per scenario
 SCENARIOS: dict[str, str] = {
     "sick-engine": "bench.resilience_sick",
+    "overload": "bench.resilience_overload",
 }
 
 REPO = Path(__file__).resolve().parent.parent

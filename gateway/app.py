@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admin import add_tenancy
+from gateway.admission.service import Admission
 from gateway.aliases import Aliases, AliasMetrics
 from gateway.apis.anthropic import AnthropicApi
 from gateway.apis.base import ApiShape
@@ -138,6 +139,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     gw.pd_decider = pd_decider = PDDecider(config, routing.ctx.prefix_index, PDDecisionMetrics(metrics.registry))
     alias_metrics = AliasMetrics(metrics.registry)
     gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
+    admission = gw.admission = Admission(config, pool, metrics)   # shared by every generation
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/reload.py)
     reloader = Reloader(Live(config, gw), pool, metrics, alias_metrics, tenancy, loader)
     reloader.listeners.append(lambda live: responses.reconfigure(live.config))   # its stores stay: shared
@@ -145,6 +147,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     reloader.listeners.append(lambda live: setattr(gw.retries, "config_for", live.config.retry_for))
     reloader.listeners.append(lambda live: lora.reconfigure(live.config))
     reloader.listeners.append(lambda live: pd_decider.reconfigure(live.config, live.routing.ctx.prefix_index))
+    reloader.listeners.append(lambda live: admission.reconfigure(live.config))   # its queues stay
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s)
@@ -223,6 +226,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             upstream.start()
             session = make_session(config.upstream)
             mon = Monitor(pool, session, metrics, config.health, config.scrape)
+            mon.listeners.append(admission.on_endpoint)     # a scrape or health change may free room
             app[MONITOR_KEY] = mon
             mon.start()
             lora.start(session)

@@ -23,6 +23,7 @@ import yaml
 from msgspec import Meta
 from msgspec.structs import force_setattr
 
+from gateway.admission.config import AdmissionConfig, Priority
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.breaker import BreakerConfig
@@ -189,6 +190,7 @@ class ModelConfig(_Block):
     breaker: BreakerConfig | None = None      # laid over the global breaker: block (gateway/breaker.py)
     retry: RetryConfig | None = None          # laid over the global retry: block (gateway/retry.py)
     adapters: dict[Name, str] = {}       # LoRA adapter name -> path, loaded on demand (gateway/lora.py)
+    admission: AdmissionConfig | None = None   # keys laid over the global admission block
 
 
 class ApiKey(_Block):
@@ -235,6 +237,7 @@ class UserLimits(_Block):
     rpm: Count = 0                       # requests per minute (0: unlimited)
     tpm: Count = 0                       # tokens per minute, prompt + completion (0: unlimited)
     max_concurrent: Count = 0            # requests in flight at once (0: unlimited)
+    priority: Priority | None = None     # admission class (gateway/admission); None: admission.default_priority
 
     @property
     def any(self) -> bool:
@@ -317,6 +320,7 @@ class Config(_Block, dict=True):
     tracing: TracingConfig = TracingConfig()   # OpenTelemetry (gateway/tracing.py)
     responses: ResponsesConfig = ResponsesConfig()   # Responses API state (gateway/apis/responses.py)
     lora: LoraConfig = LoraConfig()            # LoRA adapters (gateway/lora.py)
+    admission: AdmissionConfig = AdmissionConfig()   # saturation, priority queue, shedding (gateway/admission)
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -330,6 +334,11 @@ class Config(_Block, dict=True):
             raise ValueError("responses.backend: redis needs state.redis_url")
         check_aliases(self.aliases, [m.name for m in self.models], self.kubernetes.enabled)
         check_adapters([(m.name, m.adapters) for m in self.models])
+        for path, a in [("admission", self.admission)] + [(f"models[{i}].admission", m.admission)
+                                                          for i, m in enumerate(self.models) if m.admission]:
+            if a.enabled and not self.scrape.enabled and not a.max_in_flight_per_endpoint:
+                raise ValueError(f"{path}.enabled: needs scrape.enabled (the engines' queue and KV usage) "
+                                 "or max_in_flight_per_endpoint: there is nothing to tell saturation by")
 
     @cached_property
     def _models_by_name(self) -> dict[str, ModelConfig]:
@@ -350,6 +359,9 @@ class Config(_Block, dict=True):
     def retry_for(self, model: str) -> RetryConfig:
         r = getattr(self.model(model), "retry", None) or self.retry
         return r if self.upstream.retry_on_connect_error else msgspec.structs.replace(r, enabled=False)
+
+    def admission_for(self, model: str) -> AdmissionConfig:
+        return getattr(self.model(model), "admission", None) or self.admission
 
     def with_listen(self, host: str | None, port: int | None) -> Config:
         listen = ListenConfig(host=host or self.listen.host, port=self.listen.port if port is None else port)
@@ -388,7 +400,7 @@ def config_from_dict(raw: Any, source: str | None = None) -> Config:
     try:
         data["pd"] = _nest_engine_keys(data.get("pd", {}), "pd")
         for key, cls in (("watchdog", WatchdogConfig), ("pd", PDConfig), ("breaker", BreakerConfig),
-                         ("retry", RetryConfig)):
+                         ("retry", RetryConfig), ("admission", AdmissionConfig)):
             if isinstance(data.get(key), dict):   # a global block's bad key is reported where it is written
                 convert(data[key], cls, key)
         for i, m in enumerate(data["models"] if isinstance(data.get("models"), list) else ()):
@@ -402,7 +414,7 @@ def config_from_dict(raw: Any, source: str | None = None) -> Config:
 def _shape_model(m: dict, path: str, data: dict) -> None:
     if "pd" in m:
         m["pd"] = _nest_engine_keys(m["pd"], f"{path}.pd")
-    for key in ("watchdog", "pd", "breaker", "retry"):
+    for key in ("watchdog", "pd", "breaker", "retry", "admission"):
         if isinstance(m.get(key), dict) and isinstance(data.get(key), dict):
             m[key] = laid_over(data[key], m[key])
     engine = m.get("engine", "vllm")

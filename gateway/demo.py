@@ -40,6 +40,11 @@ DEMO_ALIASES = [{"name": "demo-chat", "sticky": "user",
                  "targets": [{"model": "demo-llama", "weight": 90}, {"model": "demo-qwen", "weight": 10}]}]
 
 
+# admission control on demo-llama: four requests at a time per replica, sixteen more may wait; a
+# burst of forty shows the queue and the 429s with their computed Retry-After
+DEMO_ADMISSION = {"enabled": True, "max_in_flight_per_endpoint": 4, "queue_max": 16, "queue_timeout_s": 10}
+
+
 def demo_config(host: str | None, port: int | None, log_format: str = "auto") -> dict:
     models: dict[str, dict] = {}
     for model, engine, role, eport, _sim, entry in DEMO_ENGINES:
@@ -52,6 +57,7 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
             continue
         rs = m.setdefault("rolesets", [{"name": "rs-1", "prefill": [], "decode": []}])[0]
         rs[role].append({"url": url, **entry} if entry else url)
+    models["demo-llama"]["admission"] = DEMO_ADMISSION
     return {
         "listen": {"host": host or "127.0.0.1", "port": 8888 if port is None else port},
         "server": {"log_format": log_format},
@@ -72,6 +78,7 @@ Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
   demo-chat      alias: 90% of users to demo-llama, 10% to demo-qwen (sticky per user)
   sql-lora, chat-lora   LoRA adapters of demo-llama (sql-lora loaded on :8101; chat-lora loaded
                  on demand by the first request that names it)
+  admission control on demo-llama: 4 requests at a time per replica, 16 more may queue, then 429
 
 Try:
   curl -s http://{host}:{{port}}/v1/models
@@ -83,6 +90,10 @@ Try:
   for u in {users}; do curl -si http://{host}:{{port}}/v1/chat/completions \\
        -H 'Content-Type: application/json' -d '{{{{"model":"demo-chat","user":"'$u'","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' \\
        | grep -i '^x-served-model'; done
+
+  for i in $(seq 40); do curl -s -o /dev/null -w '%{{{{http_code}}}} ' http://{host}:{{port}}/v1/chat/completions \\
+       -H 'Content-Type: application/json' -d '{{{{"model":"demo-llama","max_tokens":64,"messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' & done; wait
+  curl -s http://{host}:{{port}}/metrics | grep -E '^switchyard_admission_(shed|queue_depth)'
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'user','content':'Hi'}}}}]).choices[0].message.content)"

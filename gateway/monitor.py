@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 
 import aiohttp
 import structlog
@@ -36,6 +37,8 @@ class Monitor:
         self.health = health
         self.scrape = scrape
         self._tasks: list[asyncio.Task] = []
+        # told of an endpoint right after its snapshot or its health changed (admission control)
+        self.listeners: list[Callable[[Endpoint], None]] = []
 
     def start(self) -> None:
         if self.health.enabled:
@@ -98,6 +101,7 @@ class Monitor:
                 ep.healthy = False
         if was != ep.healthy:
             log.info("endpoint health changed", model=ep.model, endpoint=ep.name, healthy=ep.healthy)
+            self._tell(ep)
 
     # -- engine metrics ----------------------------------------------------------------------
 
@@ -114,7 +118,15 @@ class Monitor:
                         raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
                     text = await r.text()
             ep.metrics = parse_engine_metrics(text, ep.engine, time.monotonic(), ep.metrics, model=ep.model)
+            self._tell(ep)
             result = "ok"
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError):
             result = "fail"
         self.metrics.child(self.metrics.scrapes, ep.model, ep.name, result).inc()
+
+    def _tell(self, ep: Endpoint) -> None:
+        for listener in self.listeners:
+            try:
+                listener(ep)
+            except Exception:   # a listener's bug must not stop monitoring
+                log.exception("monitor listener failed", endpoint=ep.name)

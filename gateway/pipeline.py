@@ -17,6 +17,7 @@ import time
 import structlog
 from aiohttp import web
 
+from gateway.admission.service import Admission
 from gateway.aliases import Aliases
 from gateway.apis.base import ApiShape
 from gateway.config import Config
@@ -63,6 +64,7 @@ class Pipeline:
         self.retries: Retries | None = None          # set by app.py: the retry policy and budgets
         self.lora: Lora | None = None                # LoRA adapters (gateway/lora.py), set by app.py
         self.pd_decider: PDDecider | None = None     # conditional disaggregation (gateway/pd_decide.py)
+        self.admission: Admission | None = None      # set by app.py: waits for room or sheds (gateway/admission)
         self.model_in_flight: dict[str, int] = {}
         self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
         self.apis: dict[str, ApiShape] = {}          # path → its API when not chat/completions/embeddings
@@ -111,6 +113,8 @@ class Pipeline:
                 candidates = await self.lora.prepare(ctx, candidates)   # those serving it; loaded if none
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
+            if self.admission is not None:  # room on an endpoint, else the queue or a 429
+                candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
             ctx.trace.route_start()
             decision = ctx.decision = self.routing.route(ireq, spec, router, candidates)
             if router.chooses_pairs and self.pd_decider is not None:   # disaggregate, or run it whole
@@ -138,6 +142,8 @@ class Pipeline:
             ctx.charges.release()
             if model_gauge is not None:
                 self.model_in_flight[model_gauge] -= 1
+                if self.admission is not None:   # freed room goes to the next waiter
+                    self.admission.released(model_gauge, ctx.charges.in_flight is not None)
             self.lifecycle.leave()
             if ticket is not None:          # charge usage tokens, release the concurrency slot
                 self.tenancy.settle(ticket, rec)

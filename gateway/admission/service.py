@@ -1,0 +1,306 @@
+"""``Admission``: what the pipeline awaits between the checks and the routing decision.
+
+``admit`` returns at once while the model's candidates have room (``saturation``) and nobody is
+waiting; otherwise the request joins the model's queue (``queue``) and returns when the pump
+grants it a slot, or raises the 429 that sheds it. The pump runs on the events that free room —
+a request releasing its charges (``released``), a scrape or a health change (``on_endpoint``), a
+waiter leaving — never on a timer.
+
+A granted request is counted in ``granted`` until its task resumes and, in the same synchronous
+step, routes and charges an endpoint; so one pump never hands out more slots than there is room,
+and a waiter whose client went away before it resumed gives its slot back.
+
+Shedding (all 429, with ``Retry-After`` and ``retry-after-ms`` from the position and the drain
+rate, ``x-ratelimit-*-queue`` headers and the reason in the error's ``code``):
+
+- ``queue_full``: the queue is at ``queue_max`` or ``queue_max_bytes`` and holds nobody of a lower
+  class to displace;
+- ``displaced``: a request of a higher class took this one's place in the full queue (the lowest
+  class goes first, so sheddable before standard);
+- ``shed``: a sheddable request arriving while a higher class waits (it could only wait behind it);
+- ``queue_timeout``: waited ``queue_timeout_s`` without room (503 instead when no endpoint of the
+  model is ready any more).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.admission.config import PRIORITIES, RANK, AdmissionConfig
+from gateway.admission.queue import GRANTED, WAITING, DrainRate, FairQueue, Waiter, retry_after_s
+from gateway.admission.saturation import Thresholds, baseline, estimate, total_headroom, unsaturated
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.errors import GatewayError
+from gateway.metrics import LATENCY_BUCKETS
+from gateway.tenants.limits import fmt_duration
+
+if TYPE_CHECKING:
+    from gateway.config import Config
+    from gateway.context import RequestContext, RequestRecord
+    from gateway.metrics import GatewayMetrics
+
+SHEDDABLE = RANK["sheddable"]
+REASONS = ("queue_full", "displaced", "shed", "queue_timeout")
+_MESSAGES = {
+    "queue_full": "model {model} is at capacity and its admission queue is full",
+    "displaced": "model {model} is at capacity and a request of a higher priority class took this "
+                 "request's place in the full admission queue",
+    "shed": "model {model} is at capacity and requests of a higher priority class are waiting; "
+            "sheddable requests are refused until they are served",
+    "queue_timeout": "model {model} stayed at capacity for the {timeout:g}s this request may wait",
+}
+
+
+class AdmissionMetrics:
+    def __init__(self, registry) -> None:
+        self.shed = Counter("switchyard_admission_shed", "Requests refused by admission control (429), "
+                            "by reason and priority class", ["model", "priority", "reason"], registry=registry)
+        self.wait = Histogram("switchyard_admission_wait_seconds",
+                              "Time requests spent in the admission queue, by how the wait ended "
+                              "(dispatched, shed, cancelled)", ["model", "priority", "outcome"],
+                              buckets=LATENCY_BUCKETS, registry=registry)
+
+
+@dataclass(slots=True)
+class ModelQueue:
+    queue: FairQueue = field(default_factory=FairQueue)
+    drain: DrainRate = field(default_factory=DrainRate)
+    granted: int = 0                 # slots handed out whose requests have not charged yet
+
+
+class Admission:
+    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.clock = clock
+        self.m = AdmissionMetrics(metrics.registry)
+        self._models: dict[str, ModelQueue] = {}
+        self.reconfigure(config)
+        metrics.registry.register(_AdmissionState(self))
+
+    def reconfigure(self, config: Config) -> None:
+        """At start and at a reload: settings apply to the next request; queues are kept."""
+        self.config = config
+        self._settings: dict[str, AdmissionConfig | None] = {}
+        self._thresholds: dict[str, Thresholds] = {}
+        self.engine_signals = config.scrape.enabled
+        for model in list(self._models):
+            self._pump(model)
+
+    def settings(self, model: str) -> AdmissionConfig | None:
+        """The model's admission settings, None when admission is off for it."""
+        try:
+            return self._settings[model]
+        except KeyError:
+            s = self.config.admission_for(model)
+            s = self._settings[model] = s if s.enabled else None
+            if s is not None:
+                self._thresholds[model] = Thresholds(s.max_waiting_per_endpoint, s.max_kv_usage,
+                                                     s.max_in_flight_per_endpoint, s.metrics_max_age_s,
+                                                     self.engine_signals)
+                self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
+            return s
+
+    # -- priority ------------------------------------------------------------------------------
+
+    def user_priority(self, user: str | None) -> str | None:
+        lim = self.config.limits
+        entry = lim.users.get(user) if user is not None else None
+        if entry is not None and entry.priority is not None:
+            return entry.priority
+        return lim.default_user.priority if lim.default_user is not None else None
+
+    def priority_of(self, ctx: RequestContext, s: AdmissionConfig) -> int:
+        """The user's class, or the ``x-priority`` header's when it is no higher."""
+        allowed = self.user_priority(ctx.rec.user) or s.default_priority
+        asked = ctx.http.headers.get("x-priority") if s.priority_header else None
+        if asked is None:
+            return RANK[allowed]
+        name = asked.strip().lower()
+        if name not in RANK:
+            raise GatewayError(400, "x-priority must be one of critical, standard, sheddable", param="x-priority",
+                               code="invalid_priority", error_class="validation")
+        if RANK[name] > RANK[allowed]:
+            ctx.rec.extra["priority_requested"] = name      # kept at the user's class
+            return RANK[allowed]
+        return RANK[name]
+
+    # -- the pipeline's hooks ------------------------------------------------------------------
+
+    async def admit(self, ctx: RequestContext, candidates: list[Endpoint], pairs: bool) -> list[Endpoint]:
+        """The candidates to route among, once there is room; raises the 429 (or 503) otherwise."""
+        assert ctx.ireq is not None
+        model = ctx.ireq.model
+        s = self.settings(model)
+        if s is None:
+            return candidates
+        rec = ctx.rec
+        rank = self.priority_of(ctx, s)
+        rec.extra["priority"] = PRIORITIES[rank]
+        mq = self._models[model]
+        th = self._thresholds[model]
+        q = mq.queue
+        now = self.clock()
+        if not len(q) and total_headroom(candidates, pairs, th, now) - mq.granted >= 1:
+            return candidates if pairs else unsaturated(candidates, th, now)
+        user = rec.user or ""
+        size = len(ctx.ireq.body)
+        if rank == SHEDDABLE and q.higher_waiting(rank):
+            raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user), rec)
+        while len(q) >= s.queue_max or q.bytes + size > s.queue_max_bytes:
+            victim = q.victim(rank) if len(q) else None
+            if victim is None:
+                raise self._rejection(model, s, mq, rank, "queue_full", q.position(rank, user), rec)
+            err = self._rejection(model, s, mq, victim.rank, "displaced", q.position(victim.rank, victim.user, victim))
+            q.remove(victim)
+            if not victim.fut.done():
+                victim.fut.set_exception(err)
+        w = Waiter(rank, user, size, now, asyncio.get_running_loop().create_future(), candidates=candidates,
+                   pairs=pairs)
+        q.push(w)
+        self._pump(model)
+        try:
+            async with asyncio.timeout(s.queue_timeout_s):
+                await w.fut
+        except TimeoutError:
+            if w.state != GRANTED:          # else granted just as the time ran out: it goes
+                position = q.position(rank, user, w)
+                q.remove(w)
+                self._waited(model, rank, "shed", w)
+                if not any(ep.ready for ep in candidates):
+                    raise _no_endpoint(model) from None
+                raise self._rejection(model, s, mq, rank, "queue_timeout", position, rec) from None
+        except asyncio.CancelledError:       # the client went away (or the server stops)
+            if w.state == WAITING:
+                q.remove(w)
+            elif w.state == GRANTED:
+                mq.granted -= 1
+                self._pump(model)
+            self._waited(model, rank, "cancelled", w)
+            raise
+        except GatewayError:                 # displaced, or its endpoints went away
+            self._waited(model, rank, "shed", w)
+            raise
+        mq.granted -= 1
+        self._waited(model, rank, "dispatched", w)
+        rec.extra["queue_wait_ms"] = round((self.clock() - w.enqueued) * 1000, 3)
+        eps = [ep for ep in candidates if ep.ready]
+        if not eps:
+            self._pump(model)
+            raise _no_endpoint(model)
+        return eps if pairs else unsaturated(eps, th, self.clock())
+
+    def released(self, model: str, dispatched: bool) -> None:
+        """A request of ``model`` released its charges (``dispatched``: it had taken a slot)."""
+        mq = self._models.get(model)
+        if mq is None:
+            return
+        if dispatched:
+            mq.drain.tick(self.clock())
+        self._pump(model)
+
+    def on_endpoint(self, ep: Endpoint) -> None:
+        """A scrape or a health change: room may have appeared on ``ep``. Called in the step that
+        stored the new snapshot, so its baseline is this gateway's load at that moment."""
+        if self._thresholds.get(ep.model) is not None:
+            baseline(ep)
+            self._pump(ep.model)
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _pump(self, model: str) -> None:
+        mq = self._models.get(model)
+        if mq is None or not len(mq.queue):
+            return
+        th = self._thresholds.get(model)
+        if th is None:                      # admission turned off by a reload: let everyone go
+            th = Thresholds(max_waiting=1 << 30, max_kv=2.0, max_age=math.inf, engine_signals=False)
+        now = self.clock()
+        q = mq.queue
+        while (w := q.peek()) is not None:
+            eps = [ep for ep in w.candidates if ep.ready]
+            if eps and total_headroom(eps, w.pairs, th, now) - mq.granted < 1:
+                return
+            q.pop()
+            if w.fut.done():                # its task was cancelled and has not run yet
+                continue
+            if not eps:
+                w.fut.set_exception(_no_endpoint(model))
+                continue
+            w.state = GRANTED
+            mq.granted += 1
+            w.fut.set_result(None)
+
+    def _waited(self, model: str, rank: int, outcome: str, w: Waiter) -> None:
+        if outcome != "dispatched":
+            w.state = outcome
+            if w.fut.done() and not w.fut.cancelled():
+                w.fut.exception()           # retrieved: no "never retrieved" warning
+        self.m.wait.labels(model, PRIORITIES[rank], outcome).observe(max(0.0, self.clock() - w.enqueued))
+
+    def _rejection(self, model: str, s: AdmissionConfig, mq: ModelQueue, rank: int, reason: str,
+                   position: int, rec: RequestRecord | None = None) -> GatewayError:
+        rate = mq.drain.rate(self.clock())
+        secs = retry_after_s(position, rate, s.retry_after_max_s)
+        ms = max(1, math.ceil(secs * 1000))
+        self.m.shed.labels(model, PRIORITIES[rank], reason).inc()
+        if rec is not None:
+            rec.extra.update(queue_position=position, retry_after_s=math.ceil(secs))
+        headers = {"Retry-After": str(math.ceil(secs)), "retry-after-ms": str(ms),
+                   "x-ratelimit-limit-queue": str(s.queue_max),
+                   "x-ratelimit-remaining-queue": str(max(0, s.queue_max - len(mq.queue))),
+                   "x-ratelimit-reset-queue": fmt_duration(ms), "x-error-admission": reason}
+        msg = _MESSAGES[reason].format(model=model, timeout=s.queue_timeout_s)
+        return GatewayError(429, f"{msg}; retry after {math.ceil(secs)}s", code=reason, headers=headers,
+                            error_class=f"admission_{reason}")
+
+
+def _no_endpoint(model: str) -> GatewayError:
+    return GatewayError(503, f"no ready endpoint for model {model}", code="service_unavailable",
+                        headers={"Retry-After": "5"}, header=("x-error-no-model-backends", "true"),
+                        error_class="no_endpoint")
+
+
+class _AdmissionState(Collector):
+    """Queue depth, held bytes, drain rate per model; saturation and headroom per endpoint."""
+
+    def __init__(self, admission: Admission) -> None:
+        self.a = admission
+
+    def collect(self):
+        a = self.a
+        depth = GaugeMetricFamily("switchyard_admission_queue_depth", "Requests waiting in the admission queue",
+                                  labels=["model", "priority"])
+        held = GaugeMetricFamily("switchyard_admission_queue_bytes", "Request body bytes the admission queue holds",
+                                 labels=["model"])
+        drain = GaugeMetricFamily("switchyard_admission_drain_rate",
+                                  "Requests per second the model's endpoints finish (what Retry-After is computed from)",
+                                  labels=["model"])
+        sat = GaugeMetricFamily("switchyard_endpoint_saturated",
+                                "1 when admission control sees the endpoint as saturated", labels=["model", "endpoint"])
+        room = GaugeMetricFamily("switchyard_endpoint_admission_headroom",
+                                 "Requests the endpoint can take before it is saturated (capped at 1e6)",
+                                 labels=["model", "endpoint"])
+        now = a.clock()
+        for model, mq in list(a._models.items()):
+            for rank, name in enumerate(PRIORITIES):
+                depth.add_metric([model, name], mq.queue.count(rank))
+            held.add_metric([model], mq.queue.bytes)
+            drain.add_metric([model], mq.drain.rate(now))
+            th = a._thresholds.get(model)
+            if th is None:
+                continue
+            for ep in a.pool.endpoints(model):
+                e = estimate(ep, th, now)
+                sat.add_metric([model, ep.name], 1 if e.saturated else 0)
+                room.add_metric([model, ep.name], min(e.headroom, 1_000_000))
+        yield from (depth, held, drain, sat, room)
