@@ -26,7 +26,7 @@ from typing import Any
 from enginesim.config import SimConfig
 from enginesim.errors import RequestFailed
 from enginesim.faults import NO_FAULT, FaultSpec, parse_fault
-from enginesim.hf_tokenizer import HFTokenizer
+from enginesim.hf_tokenizer import load as load_tokenizer
 from enginesim.kv_events import KVEventPublisher
 from enginesim.kvcache import BlockPool, root_key
 from enginesim.lora import LoraSlots
@@ -80,7 +80,7 @@ class RollingStats:
 class Engine:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.tokenizer = FakeTokenizer() if not cfg.tokenizer else HFTokenizer(cfg.tokenizer)
+        self.tokenizer = FakeTokenizer() if not cfg.tokenizer else load_tokenizer(cfg.tokenizer)
         self.pool = BlockPool(cfg.kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv_events: KVEventPublisher | None = None
         if cfg.kv_events_port >= 0:

@@ -11,9 +11,23 @@ with the blocks this engine reports. ``enginesim.tiny_tokenizer`` builds a small
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+_CACHE_CHARS = 32 * 1024 * 1024
+_LOADED: dict[str, HFTokenizer] = {}
+
+
+def load(directory: str | Path) -> HFTokenizer:
+    """One tokenizer (and cache) per directory in a process: simulators started in one process share it."""
+    key = str(Path(directory).resolve())
+    tok = _LOADED.get(key)
+    if tok is None:
+        tok = _LOADED[key] = HFTokenizer(directory)
+    return tok
 
 
 def _special(value: Any) -> str:
@@ -42,9 +56,40 @@ class HFTokenizer:
         words = sorted(i for t, i in vocab.items() if t not in specials and len(t) > 2 and t[0] == "\u0120"
                        and t[1:].isalpha() and t[1:].islower())
         self.output_ids: tuple[int, ...] = tuple(words[:512]) or tuple(sorted(vocab.values())[:512])
+        # the library cuts text at added tokens first, so the text between two of them tokenizes
+        # alone: chat prompts are tokenized per message, and a repeated message comes from a cache
+        added = sorted(specials, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, added)) + ")") if added else None
+        self._ids = {t: self.tokenizer.token_to_id(t) for t in added}
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached_chars = 0
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self._split is None:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for seg in self._split.split(text):
+            if not seg:
+                continue
+            special = self._ids.get(seg)
+            if special is not None:
+                out.append(special)
+                continue
+            ids = self._cache.get(seg)
+            if ids is None:
+                ids = self.tokenizer.encode(seg, add_special_tokens=False).ids
+                self._cache[seg] = ids
+                self._cached_chars += len(seg)
+                while self._cached_chars > _CACHE_CHARS:
+                    old, _ = self._cache.popitem(last=False)
+                    self._cached_chars -= len(old)
+            else:
+                self._cache.move_to_end(seg)
+            out.extend(ids)
+        return out
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
         if self._template is None:
@@ -53,7 +98,7 @@ class HFTokenizer:
                                      eos_token=self.eos_token)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self._encode_plain(self.render_chat(messages))
 
     def piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -25,7 +25,7 @@ EOS = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL = (EOS, BOS, IM_START, IM_END)
-VOCAB_SIZE = 4096
+VOCAB_SIZE = 12288
 
 # ChatML; a content given as parts contributes its text parts. Rendered in a sandboxed environment.
 CHAT_TEMPLATE = (
