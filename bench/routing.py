@@ -60,6 +60,7 @@ QUICK_STRATEGIES = ["random", "least-request", "least-kv-cache", "prefix-cache",
                     "prefix-cache:3,least-request:2,least-kv-cache:2"]
 RECOMMENDED = "prefix-cache"
 EVENTS = "+events"        # suffix: the strategy with KV events on (engines publish, the gateway subscribes)
+KV_EVENTS: dict = {}      # extra kv_events keys (--kv-events KEY=VALUE)
 _WORDS_SEED = 7919
 
 
@@ -264,7 +265,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     model = {"name": MODEL, "engine": "vllm", "strategy": spec, "endpoints": [s.url for s in sims],
              "tokenizer": tok}
     if events:
-        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558}
+        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS}
     cfg = config_from_dict({
         "listen": {"host": "127.0.0.1", "port": 0},
         "server": {"shutdown_grace_s": 1.0, "log_level": "warning"},
@@ -431,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(Path(__file__).with_name("routing.png")),
                     help="PNG path ('' to skip)")
     ap.add_argument("--json", default="", help="write the results (with raw TTFTs) to this file")
+    ap.add_argument("--kv-events", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="kv_events keys for the +events strategies, e.g. speculative_ttl_s=5")
     ap.add_argument("--replicas", type=int, default=1,
                     help="gateway replicas in front of the same engines, each request sent to a random one")
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE",
@@ -455,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.routing:
         key, _, value = item.partition("=")
         routing[key] = json.loads(value)
+    for item in args.kv_events:
+        key, _, value = item.partition("=")
+        KV_EVENTS[key] = json.loads(value)
     strategies = args.strategies or (QUICK_STRATEGIES if args.quick else STRATEGIES)
     sched = make_schedule(w)
     n_req = sum(len(c.questions) for c in sched.conversations) + len(sched.singles)

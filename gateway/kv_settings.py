@@ -19,7 +19,7 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     replay_port: _Port | None = None        # the engine's replay ROUTER socket; None: no replay
     topic: str = ""                         # subscription prefix ("" = every topic)
     stall_timeout_s: _Seconds = 10.0        # a request needing new blocks, no event this long: fallback
-    speculative_ttl_s: _Seconds = 2.0       # a routed request's new blocks count as held this long
+    speculative_ttl_s: _Seconds = 10.0      # a routed request's new blocks count as held this long (or until events)
     replay_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
     max_blocks_per_endpoint: Annotated[int, Meta(ge=1)] = 262144   # index entries per endpoint
     max_request_blocks: Annotated[int, Meta(ge=1)] = 16384          # a request's blocks keyed at most
