@@ -54,11 +54,13 @@ MODEL = "bench-model"
 STRATEGIES = [
     "random", "round-robin", "least-request", "power-of-two", "least-kv-cache", "least-waiting",
     "throughput", "least-latency", "session-affinity", "vtc-basic", "prefix-cache",
-    "prefix-cache:3,least-request:2,least-kv-cache:2", "prefix-cache:2,least-request:1",
+    "prefix-cache+events", "prefix-cache:3,least-request:2,least-kv-cache:2", "prefix-cache:2,least-request:1",
 ]
-QUICK_STRATEGIES = ["random", "least-request", "least-kv-cache", "prefix-cache",
+QUICK_STRATEGIES = ["random", "least-request", "least-kv-cache", "prefix-cache", "prefix-cache" + "+events",
                     "prefix-cache:3,least-request:2,least-kv-cache:2"]
 RECOMMENDED = "prefix-cache"
+EVENTS = "+events"        # suffix: the strategy with KV events on (engines publish, the gateway subscribes)
+KV_EVENTS: dict = {}      # extra kv_events keys (--kv-events KEY=VALUE)
 _WORDS_SEED = 7919
 
 
@@ -239,32 +241,51 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
-async def run_strategy(spec: str, sched: Schedule, w: Workload, em: EngineModel,
-                       routing: dict | None = None) -> Result:
+async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
+                       routing: dict | None = None, replicas: int = 1) -> Result:
     from enginesim import SimConfig, start_sim
+    from enginesim.tiny_tokenizer import TINY_DIR
     from gateway.app import GATEWAY_KEY
     from gateway.config import config_from_dict
     from gateway.server import start
 
     wall0 = time.perf_counter()
-    sims = [await start_sim(SimConfig(engine="vllm", model=MODEL, port=0, seed=w.seed, **asdict(em)))
-            for _ in range(w.engines)]
+    events = label.endswith(EVENTS)
+    spec = label.removesuffix(EVENTS)
+    tok = str(TINY_DIR)
+    # every engine publishes events (one PUB socket each): with events on, each endpoint is its own
+    # model block in the gateway's eyes only for the port, so the endpoints share the default ports
+    # by binding each sim's PUB and replay sockets on its own loopback address
+    sims = []
+    for i in range(w.engines):
+        host = f"127.0.{1 + i // 200}.{1 + i % 200}" if events else "127.0.0.1"
+        sims.append(await start_sim(SimConfig(
+            engine="vllm", model=MODEL, port=0, host=host, seed=w.seed, tokenizer=tok,
+            kv_events_port=5557 if events else -1, kv_events_replay_port=5558 if events else -1, **asdict(em))))
+    model = {"name": MODEL, "engine": "vllm", "strategy": spec, "endpoints": [s.url for s in sims],
+             "tokenizer": tok}
+    if events:
+        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS}
     cfg = config_from_dict({
         "listen": {"host": "127.0.0.1", "port": 0},
         "server": {"shutdown_grace_s": 1.0, "log_level": "warning"},
         "health": {"interval_s": 5.0},
         "scrape": {"interval_s": 0.5},
         "routing": dict(routing or {}),
-        "models": [{"name": MODEL, "engine": "vllm", "strategy": spec, "endpoints": [s.url for s in sims]}],
+        "models": [model],
     }, source="<bench>")
-    runner, app, port = await start(cfg)
+    gateways = [await start(cfg) for _ in range(replicas)]
+    runner, app, port = gateways[0]
     gw = app[GATEWAY_KEY]
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    urls = [f"http://127.0.0.1:{p}/v1/chat/completions" for _, _, p in gateways]
+    pick = random.Random(w.seed + 17)
+    if events:
+        await asyncio.sleep(0.5)          # the SUB sockets connect
     samples: list[Sample] = []
     in_flight_samples: list[list[int]] = []
     lags: list[float] = []
     stop_sampling = asyncio.Event()
-    eps = gw.pool.endpoints(MODEL)
+    eps_per_gw = [g[1][GATEWAY_KEY].pool.endpoints(MODEL) for g in gateways]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     loop = asyncio.get_running_loop()
@@ -279,7 +300,8 @@ async def run_strategy(spec: str, sched: Schedule, w: Workload, em: EngineModel,
                 await asyncio.sleep(0.1)
                 lags.append(max(0.0, loop.time() - want))
                 if w.warmup_s <= time.perf_counter() - t0 <= w.duration_s:
-                    in_flight_samples.append([ep.in_flight for ep in eps])
+                    in_flight_samples.append([sum(eps[i].in_flight for eps in eps_per_gw)
+                                              for i in range(w.engines)])
 
         async def conversation(c: Conversation) -> None:
             await asyncio.sleep(max(0.0, loop_t0 + c.start - loop.time()))
@@ -289,6 +311,7 @@ async def run_strategy(spec: str, sched: Schedule, w: Workload, em: EngineModel,
                 if time.perf_counter() - t0 >= w.duration_s:
                     return                                     # no new turns after the arrivals end
                 messages.append({"role": "user", "content": question})
+                url = urls[pick.randrange(len(urls))]       # replicas: each request to any of them
                 sample, answer = await send(session, url, t0, messages, w, headers, "turn")
                 samples.append(sample)
                 if sample.status != 200:
@@ -300,6 +323,7 @@ async def run_strategy(spec: str, sched: Schedule, w: Workload, em: EngineModel,
 
         async def single(s: Single) -> None:
             await asyncio.sleep(max(0.0, loop_t0 + s.start - loop.time()))
+            url = urls[pick.randrange(len(urls))]
             sample, _ = await send(session, url, t0, [{"role": "user", "content": s.prompt}], w,
                                    {"user": s.user}, "unique")
             samples.append(sample)
@@ -312,7 +336,8 @@ async def run_strategy(spec: str, sched: Schedule, w: Workload, em: EngineModel,
         await sampling
 
     fallbacks = gw.metrics.render().decode()
-    await runner.cleanup()
+    for r, _, _ in gateways:
+        await r.cleanup()
     for s in sims:
         with contextlib.suppress(Exception):
             await s.close()
@@ -326,7 +351,7 @@ async def run_strategy(spec: str, sched: Schedule, w: Workload, em: EngineModel,
     mean_load = statistics.fmean(per_engine) if per_engine else 0.0
     peaks = [max(row) / statistics.fmean(row) for row in in_flight_samples if sum(row) > 0]
     result = Result(
-        strategy=spec, requests=len(ok), errors=len(measured) - len(ok),
+        strategy=label + (f" ×{replicas} replicas" if replicas > 1 else ""), requests=len(ok), errors=len(measured) - len(ok),
         ttft_mean_ms=statistics.fmean(ttfts) if ttfts else math.nan,
         ttft_p50_ms=_pct(ttfts, 0.5), ttft_p99_ms=_pct(ttfts, 0.99),
         throughput_rps=len(ok) / window, output_tps=sum(s.output_tokens for s in ok) / window,
@@ -335,7 +360,8 @@ async def run_strategy(spec: str, sched: Schedule, w: Workload, em: EngineModel,
         imbalance_peak=statistics.fmean(peaks) if peaks else math.nan,
         loop_lag_ms=1000 * statistics.fmean(lags) if lags else 0.0, mean_in_flight=mean_load,
         wall_s=time.perf_counter() - wall0, ttfts_ms=ttfts)
-    fb = [line for line in fallbacks.splitlines() if line.startswith("switchyard_routing_fallbacks_total{")]
+    fb = [line for line in fallbacks.splitlines()
+          if line.startswith(("switchyard_routing_fallbacks_total{", "switchyard_kv_events_fallbacks_total{"))]
     if fb:
         print("    fallbacks: " + "; ".join(line.split("{", 1)[1] for line in fb), file=sys.stderr)
     return result
@@ -406,6 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", default=str(Path(__file__).with_name("routing.png")),
                     help="PNG path ('' to skip)")
     ap.add_argument("--json", default="", help="write the results (with raw TTFTs) to this file")
+    ap.add_argument("--kv-events", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="kv_events keys for the +events strategies, e.g. speculative_ttl_s=5")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="gateway replicas in front of the same engines, each request sent to a random one")
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE",
                     help="routing config knobs for the gateway, e.g. prefix_std_factor=2")
     args = ap.parse_args(argv)
@@ -428,6 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.routing:
         key, _, value = item.partition("=")
         routing[key] = json.loads(value)
+    for item in args.kv_events:
+        key, _, value = item.partition("=")
+        KV_EVENTS[key] = json.loads(value)
     strategies = args.strategies or (QUICK_STRATEGIES if args.quick else STRATEGIES)
     sched = make_schedule(w)
     n_req = sum(len(c.questions) for c in sched.conversations) + len(sched.singles)
@@ -443,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     t0 = time.perf_counter()
     for spec in strategies:
-        r = runner(run_strategy(spec, sched, w, em, routing))
+        r = runner(run_strategy(spec, sched, w, em, routing, args.replicas))
         results.append(r)
         print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
               f"hit {r.cache_hit:4.0%}  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "

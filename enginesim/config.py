@@ -106,6 +106,17 @@ class SimConfig:
         300.0, "SGLang prefill: wait this long for the decode (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
     waiting_timeout_s: float = _knob(
         300.0, "SGLang decode: wait this long for the KV (SGLANG_DISAGGREGATION_WAITING_TIMEOUT)")
+    # -- tokenizer and KV-cache events ---------------------------------------------------------
+    tokenizer: str = _knob(
+        "", "Hugging Face tokenizer directory (tokenizer.json + tokenizer_config.json with chat_template); "
+        "empty: the built-in fake tokenizer")
+    kv_events_port: int = _knob(
+        -1, "vLLM --kv-events-config endpoint: publish KV-cache events on a ZMQ PUB socket on this port "
+        "(0: a free port; -1: off)")
+    kv_events_replay_port: int = _knob(-1, "the replay ROUTER socket's port (0: a free port; -1: none)")
+    kv_events_topic: str = _knob("", "topic frame of every KV-event message")
+    kv_events_encoding: str = _knob("map", "events as maps tagged 'type' (vLLM today) or positional arrays "
+                                    "(older vLLM)", choices=("map", "array"))
     # -- tracing -------------------------------------------------------------------------------
     otlp_traces_endpoint: str = _knob(
         "", "vLLM --otlp-traces-endpoint: emit an llm_request span per request, under the request's "
@@ -138,6 +149,11 @@ class SimConfig:
         for name in ("port", "side_channel_port", "bootstrap_port"):
             if getattr(self, name) > 65535:
                 raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)!r}")
+        if self.kv_events_encoding not in ("map", "array"):
+            raise ValueError(f"kv_events_encoding must be map or array, not {self.kv_events_encoding!r}")
+        for name in ("kv_events_port", "kv_events_replay_port"):
+            if not -1 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be a TCP port, 0 or -1, got {getattr(self, name)!r}")
         parse_fault(self.fault, self.role)  # fail at startup, not on the first request
         # Resolve "engine default" zeros into concrete values.
         if not self.served_model_names:

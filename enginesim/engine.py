@@ -26,6 +26,8 @@ from typing import Any
 from enginesim.config import SimConfig
 from enginesim.errors import RequestFailed
 from enginesim.faults import NO_FAULT, FaultSpec, parse_fault
+from enginesim.hf_tokenizer import load as load_tokenizer
+from enginesim.kv_events import KVEventPublisher
 from enginesim.kvcache import BlockPool, root_key
 from enginesim.lora import LoraSlots
 from enginesim.metrics import EngineMetrics, make_metrics
@@ -78,8 +80,13 @@ class RollingStats:
 class Engine:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = FakeTokenizer() if not cfg.tokenizer else load_tokenizer(cfg.tokenizer)
         self.pool = BlockPool(cfg.kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv_events: KVEventPublisher | None = None
+        if cfg.kv_events_port >= 0:
+            self.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
+                                              cfg.kv_events_topic, cfg.kv_events_encoding)
+            self.pool.events = self.kv_events
         self.rng = random.Random(cfg.seed)
         self.waiting: deque[Sequence] = deque()
         self.staging: dict[Sequence, None] = {}  # parked by the role before the queue
@@ -108,6 +115,8 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.start()
         await self.role.start()
         if self.cfg.engine == "sglang" and self.cfg.startup_delay_s > 0:
             self._spawn(self._become_ready(self.cfg.startup_delay_s))
@@ -137,6 +146,8 @@ class Engine:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.role.close()
+        if self.kv_events is not None:
+            await self.kv_events.close()
         if self.tracer is not None:
             await self.tracer.close()
 
@@ -204,6 +215,8 @@ class Engine:
             if alloc is None:
                 break  # head of line waits for KV; FCFS does not skip it
             self.waiting.popleft()
+            alloc.token_ids = seq.prompt_ids
+            alloc.lora_name = seq.lora
             seq.alloc = alloc
             seq.cached_tokens = alloc.hit_blocks * self.pool.block_size
             seq.phase = Phase.RUNNING

@@ -20,6 +20,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from enginesim.tokenizer import ids_bytes
 
@@ -39,6 +40,8 @@ class Allocation:
     block_ids: list[int] = field(default_factory=list)
     hit_blocks: int = 0
     committed: bool = False
+    token_ids: Sequence[int] = ()        # the prompt, for KV events
+    lora_name: str | None = None
 
 
 def root_key(*parts: str) -> bytes:
@@ -55,6 +58,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}
         # ref == 0 blocks, eviction order first; value unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.events: Any = None              # a KVEventPublisher (enginesim.kv_events), when publishing
 
     # -- hashing and lookup -------------------------------------------------------------------
 
@@ -116,13 +120,26 @@ class BlockPool:
         alloc.committed = True
         if not self.enable_caching:
             return
+        run: list[int] = []                  # blocks newly cached, consecutive, for one BlockStored
         for i in range(alloc.hit_blocks, len(alloc.hashes)):
             h = alloc.hashes[i]
             if h in self._cached:  # a concurrent request computed it first; keep that copy
+                self._stored(alloc, run)
+                run = []
                 continue
             block = self._blocks[alloc.block_ids[i]]
             block.hash = h
             self._cached[h] = block.block_id
+            run.append(i)
+        self._stored(alloc, run)
+
+    def _stored(self, alloc: Allocation, run: list[int]) -> None:
+        if not run or self.events is None:
+            return
+        first, bs = run[0], self.block_size
+        parent = alloc.hashes[first - 1] if first else None
+        self.events.stored([alloc.hashes[i] for i in run], parent,
+                           list(alloc.token_ids[first * bs:(run[-1] + 1) * bs]), bs, alloc.lora_name)
 
     def free(self, alloc: Allocation) -> None:
         """Drop the request's references. Tail blocks become the first eviction candidates."""
@@ -142,6 +159,8 @@ class BlockPool:
         for block in self._blocks:
             block.hash = None
         self._cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
 
     def _take(self, b: int) -> None:
@@ -155,6 +174,8 @@ class BlockPool:
         block = self._blocks[b]
         if block.hash is not None:
             del self._cached[block.hash]
+            if self.events is not None:
+                self.events.removed([block.hash])
             block.hash = None
         block.ref = 1
         return b

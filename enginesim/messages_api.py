@@ -36,7 +36,7 @@ from enginesim.errors import ApiError, vllm_type
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
 from enginesim.protocol import parse_stop
 from enginesim.sequence import SamplingParams, Sequence
-from enginesim.tokenizer import content_text, render_chat
+from enginesim.tokenizer import content_text
 from enginesim.tracing import trace_headers
 from enginesim.wire import json_response, read_json
 
@@ -92,7 +92,7 @@ class MessagesApi:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
-        ids = self.engine.tokenizer.encode(render_chat(chat_messages(body)))
+        ids = self.engine.tokenizer.encode_chat(chat_messages(body))
         limit = self.engine.max_prompt_tokens
         if len(ids) > limit:
             raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, your "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from enginesim.errors import ApiError
-from enginesim.tokenizer import FakeTokenizer, render_chat
+from enginesim.tokenizer import FakeTokenizer
 
 _BAD = "Bad Request"
 
@@ -87,7 +87,7 @@ def chat_prompt_ids(messages: Any, tokenizer: FakeTokenizer) -> list[int]:
                        type_=_BAD, param="messages")
     if not messages:
         raise ApiError(400, "Messages cannot be empty.", type_="BadRequestError", param="messages")
-    return tokenizer.encode(render_chat(messages))
+    return tokenizer.encode_chat(messages)
 
 
 def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer) -> OpenAIRequest:

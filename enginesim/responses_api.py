@@ -45,7 +45,7 @@ from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
 from enginesim.frontend import Dropped, check_fault_status, request_fault, slow_headers
 from enginesim.sequence import SamplingParams, Sequence
-from enginesim.tokenizer import content_text, render_chat
+from enginesim.tokenizer import content_text
 from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, drop_connection, json_response, read_json
 
@@ -147,7 +147,7 @@ class ResponsesApi:
         try:
             body = await read_json(request, require_json=True)
             messages, _prev = self._parse(body)
-            prompt_ids = engine.tokenizer.encode(render_chat(messages))
+            prompt_ids = engine.tokenizer.encode_chat(messages)
             n = len(prompt_ids)
             if n > engine.max_prompt_tokens:
                 raise ApiError(400, f"The engine prompt length {n} exceeds the max_model_len "

@@ -86,6 +86,7 @@ class Sequence:
     created: int = field(default_factory=lambda: int(time.time()))
     phase: Phase = Phase.WAITING
     hashes: list[bytes] = field(default_factory=list)
+    lora: str | None = None                 # the adapter's name (KV events' lora_name)
     alloc: Allocation | None = None
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)

@@ -79,6 +79,12 @@ class FakeTokenizer:
     def encode(self, text: str) -> list[int]:
         return [self._remember(p) for p in split_pieces(text)]
 
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
+        return render_chat(messages)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        return self.encode(render_chat(messages))
+
     def piece(self, token_id: int) -> str:
         """The text of one id; unknown ids decode to a visible placeholder."""
         found = self._pieces.get(token_id)

@@ -26,7 +26,7 @@ from enginesim.frontend import Dropped, check_fault_status, collect, outputs, re
 from enginesim.lora import LoraError
 from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
-from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes, render_chat
+from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes
 from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, json_response, read_json
 
@@ -326,7 +326,7 @@ class VllmApi:
                 messages = body["messages"]
                 if not isinstance(messages, list):
                     raise ApiError(400, "messages must be a list", type_="Bad Request", param="messages")
-                text = render_chat(messages)
+                text = tok.render_chat(messages)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]
             else:

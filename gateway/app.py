@@ -30,6 +30,7 @@ from gateway.breaker import Breakers
 from gateway.config import Config
 from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError
+from gateway.kv_events import build_kv_events
 from gateway.lifecycle import Lifecycle
 from gateway.logs import LineWriter, RequestLog
 from gateway.looplag import LoopLagMonitor
@@ -117,7 +118,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     pool = pool if pool is not None else pool_from_config(config)
     metrics = GatewayMetrics()
     lifecycle = Lifecycle()
-    routing = Routing(config, pool, metrics)
+    kv_events = build_kv_events(config, pool, metrics.registry)   # None unless a model subscribes
+    routing = Routing(config, pool, metrics, kv_events)
     # circuit breakers hear every leg's outcome (upstream, relay); open ones are not ready
     breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
     routing.observers.append(breakers.on_decision)      # half-open trial slots
@@ -232,11 +234,15 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             lora.start(session)
             lag = LoopLagMonitor(metrics.loop_lag.observe, config.server.loop_lag_interval_s)
             lag.start()
+            if kv_events is not None:
+                await kv_events.start()
             try:
                 yield
             finally:
                 await lag.stop()
                 await lora.stop()
+                if kv_events is not None:
+                    await kv_events.close()
                 await mon.stop()
                 await lifecycle.close_background()
                 await upstream.close()

@@ -28,6 +28,7 @@ from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.breaker import BreakerConfig
 from gateway.endpoints import ENGINES
+from gateway.kv_settings import KVEventsConfig
 from gateway.lora_config import LoraConfig, check_adapters
 from gateway.retry import RetryConfig
 from gateway.strict import StrictError, convert, laid_over, without_nulls
@@ -191,6 +192,14 @@ class ModelConfig(_Block):
     retry: RetryConfig | None = None          # laid over the global retry: block (gateway/retry.py)
     adapters: dict[Name, str] = {}       # LoRA adapter name -> path, loaded on demand (gateway/lora.py)
     admission: AdmissionConfig | None = None   # keys laid over the global admission block
+    tokenizer: str | None = None         # Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)
+    kv_events: KVEventsConfig | None = None   # engine KV-cache events → precise prefix-cache routing
+
+    def __post_init__(self) -> None:
+        if self.kv_events is not None and self.kv_events.enabled and not self.tokenizer:
+            raise ValueError("kv_events.enabled: needs the model's tokenizer directory (tokenizer: <dir>)")
+        if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer: no tokenizer.json in {self.tokenizer!r}")
 
 
 class ApiKey(_Block):

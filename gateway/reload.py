@@ -200,7 +200,7 @@ def next_pipeline(live: Live, config: Config, pool: EndpointPool, metrics: Gatew
     ``ConfigError`` when a strategy the config names does not exist. Changes nothing of ``live``."""
     old = live.pipeline
     _check_strategies(config)
-    routing = Routing(config, pool, metrics)
+    routing = Routing(config, pool, metrics, old.routing.ctx.precise_index)
     if _routing_state_kept(live.config, config):
         routing.ctx, routing.registry = old.routing.ctx, old.routing.registry
     routing.observers = old.routing.observers          # the status board's, shared by every generation

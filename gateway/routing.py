@@ -19,7 +19,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.metrics import GatewayMetrics
 from gateway.request import InferenceRequest
-from routers.base import Decision, NoRouteError, Router, RouterContext
+from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
 from routers.registry import RouterRegistry, StrategyError, default_registry
 
 log = structlog.get_logger("switchyard.routing")
@@ -32,12 +32,13 @@ DecisionObserver = Callable[[InferenceRequest, Decision, tuple[tuple[str, str], 
 
 
 class Routing:
-    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics) -> None:
+    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
+                 precise_index: PreciseIndex | None = None) -> None:
         self.config = config
         self.pool = pool
         self.metrics = metrics
         self.ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
-                                 on_fallback=self._on_fallback)
+                                 on_fallback=self._on_fallback, precise_index=precise_index)
         self.observers: list[DecisionObserver] = []
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
         self.registry: RouterRegistry = default_registry(self.ctx)

@@ -284,7 +284,8 @@ class KubernetesDiscovery:
                       bootstrap_port=view.bootstrap_port, min_prompt_tokens=view.min_prompt_tokens,
                       max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=view.name,
                       extra={"namespace": view.namespace, "pod": view.key, "uid": view.uid,
-                             "metrics_url": view.metrics_url, "routing_strategy": view.routing_strategy})
+                             "metrics_url": view.metrics_url, "routing_strategy": view.routing_strategy,
+                             "kv_events": view.kv_events})
         ep.draining = not view.routable
         self.pool.add(ep)
         self._tracked[key] = _Tracked(view, ep)

@@ -31,6 +31,8 @@ LABEL_RAY_NODE_TYPE = "ray.io/node-type"
 ANNO_MODEL = "model.aibrix.ai/name"
 ANNO_BOOTSTRAP_PORT = "model.aibrix.ai/sglang-bootstrap-port"
 ANNO_CONFIG = "model.aibrix.ai/config"
+# KV-cache events: "true", or JSON {"port", "replay_port", "topic"} (gateway/kv_events.py)
+ANNO_KV_EVENTS = "switchyard.io/kv-events"
 
 DEFAULT_PORT = 8000
 PD_ROLES = ("prefill", "decode")
@@ -55,6 +57,7 @@ class PodView:
     max_prompt_tokens: int
     metrics_url: str
     routing_strategy: str | None = None          # from the annotation's profile, informational
+    kv_events: tuple[tuple[str, Any], ...] | None = None   # the switchyard.io/kv-events annotation
     routable: bool = field(default=False, compare=False)
     not_routable_reason: str = field(default="", compare=False)
 
@@ -185,6 +188,7 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
         combined = profile.get("combined", kmc.combined)
         if not isinstance(combined, bool):
             raise ValueError(f"annotation {ANNO_CONFIG}: combined must be true or false")
+        kv_events = parse_kv_events(annotations.get(ANNO_KV_EVENTS))
         strategy = profile.get("routingStrategy")
         if strategy is not None and not isinstance(strategy, str):
             raise ValueError(f"annotation {ANNO_CONFIG}: routingStrategy must be a string")
@@ -210,5 +214,29 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
         model=model, url=f"http://{host}:{port}", engine=engine, role=role, roleset=roleset,
         bootstrap_port=bootstrap, min_prompt_tokens=min_tokens, max_prompt_tokens=max_tokens,
         metrics_url=f"http://{host}:{metric_port}/metrics", routing_strategy=strategy,
-        routable=routable, not_routable_reason=reason,
+        kv_events=kv_events, routable=routable, not_routable_reason=reason,
     )
+
+
+def parse_kv_events(value: str | None) -> tuple[tuple[str, Any], ...] | None:
+    """The ``switchyard.io/kv-events`` annotation: ``"true"`` (the model's ``kv_events`` settings),
+    ``"false"``, or a JSON object with any of ``port``, ``replay_port`` (ports) and ``topic``."""
+    if value is None or not value.strip() or value.strip().lower() == "false":
+        return None
+    if value.strip().lower() == "true":
+        return ()
+    try:
+        data = json.loads(value)
+    except ValueError:
+        raise ValueError(f"annotation {ANNO_KV_EVENTS} is neither true/false nor JSON") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"annotation {ANNO_KV_EVENTS} must be true, false or a JSON object")
+    out: list[tuple[str, Any]] = []
+    for key, v in data.items():
+        if key in ("port", "replay_port"):
+            out.append((key, _port(v, f"annotation {ANNO_KV_EVENTS} {key}")))
+        elif key == "topic" and isinstance(v, str):
+            out.append((key, v))
+        else:
+            raise ValueError(f"annotation {ANNO_KV_EVENTS}: unknown or bad key {key!r}")
+    return tuple(out)

@@ -27,7 +27,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Protocol
 
 import msgspec
 
@@ -89,6 +89,21 @@ def _ignore_fallback(strategy: str, reason: str) -> None:
     return None
 
 
+class PreciseIndex(Protocol):
+    """What engines report they cache (``gateway.kv_events``: KV-cache events), for ``prefix-cache``.
+
+    ``match`` gives the cached prompt tokens on each candidate whose events are live, the prompt's
+    token count, and the candidates to judge on the approximate index instead (no events, stalled);
+    ``None`` when the request cannot be tokenized. ``routed`` tells it where a request went."""
+
+    def covers(self, model: str) -> bool: ...
+
+    def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
+              ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None: ...
+
+    def routed(self, req: InferenceRequest, ep: Endpoint) -> None: ...
+
+
 @dataclass(frozen=True)
 class RouterContext:
     """What routers share, one per gateway: settings, randomness, time, the fallback counter and
@@ -108,6 +123,8 @@ class RouterContext:
     # called as on_fallback(strategy, reason) when a strategy lacks its signal and falls back
     on_fallback: Callable[[str, str], None] = _ignore_fallback
     prefix_index: PrefixIndex = field(init=False, repr=False)
+    # the event index, when a model subscribes to KV events (prefix-cache routes on it then)
+    precise_index: PreciseIndex | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_index", PrefixIndex(self.settings, self.clock))

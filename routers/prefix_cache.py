@@ -17,6 +17,12 @@ The router (AIBrix ``prefix-cache`` semantics, aibrix-gateway.md §1.4):
 
 In a weighted list its score is the match percentage (higher is better), without the guards: the
 list's load strategies do that job there.
+
+On KV events (a model with ``kv_events`` enabled, ``RouterContext.precise_index``): the match of an
+endpoint whose engine publishes events is what the engine reports it caches, in tokens of the
+request as that engine tokenizes it; an endpoint without live events (none yet, stalled) is judged
+on the approximate index, its block match scaled to tokens, and the decision counts the fallback
+(``kv_events_fallback``). The approximate index is fed either way, so a fallback starts warm.
 """
 
 from __future__ import annotations
@@ -53,13 +59,42 @@ class PrefixCacheRouter(ScoringRouter):
         self.std_factor = s.prefix_std_factor
         self._random = ctx.rng.random
         self._fallback = LeastRequestRouter(ctx)
+        self.precise = ctx.precise_index
+
+    def _depths(self, req: InferenceRequest, pool: Sequence[Endpoint]) -> tuple[dict[Endpoint, int], int]:
+        """Match depth per endpoint (only those with a match) and the depth of a full match: in
+        prompt blocks of the approximate index, or in tokens when events cover the model."""
+        precise = self.precise
+        if precise is None or not precise.covers(req.model):
+            return self.index.depths(req, pool)
+        found = precise.match(req, pool)
+        if found is None:
+            self.ctx.on_fallback(self.name, "kv_events_tokenize")
+            return self.index.depths(req, pool)
+        exact, tokens, others = found
+        if not others:
+            return {ep: d for ep, d in exact.items() if d > 0}, tokens
+        self.ctx.on_fallback(self.name, "kv_events_fallback")
+        approx, n = self.index.depths(req, others)
+        if not exact:
+            return approx, n
+        depths = {ep: d for ep, d in exact.items() if d > 0}
+        if n:
+            for ep, d in approx.items():
+                depths[ep] = d * tokens // n
+        return depths, tokens
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
+        if self.precise is not None and self.precise.covers(req.model):
+            depths, n = self._depths(req, candidates)
+            return [100.0 * depths.get(ep, 0) / n if n else 0.0 for ep in candidates]
         match = self.index.match(req, candidates)
         return [match[ep] for ep in candidates]
 
     def post_route(self, req: InferenceRequest, ep: Endpoint) -> None:
         self.index.insert(req, ep)
+        if self.precise is not None:
+            self.precise.routed(req, ep)
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         ep, match = self._decide(req, candidates)
@@ -79,7 +114,7 @@ class PrefixCacheRouter(ScoringRouter):
             pool = [ep for ep, n in zip(candidates, loads, strict=True) if n == low]
             loads = [low] * len(pool)
             guard = "load_imbalance"
-        depths, n = self.index.depths(req, pool)
+        depths, n = self._depths(req, pool)
         if not depths:
             return self._fall_back(req, pool, guard or ("short_prompt" if n == 0 else "no_match")), None
         k = len(pool)

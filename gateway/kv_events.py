@@ -1,0 +1,322 @@
+"""Subscribe to the engines' KV-cache events and keep the event index (``gateway.kv_index``).
+
+One subscriber task per endpoint whose model enables ``kv_events`` (or whose pod carries the
+``switchyard.io/kv-events`` annotation): a ZMQ SUB socket on ``tcp://<endpoint host>:<port>``
+filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv_wire``).
+
+* Sequence numbers: the next message must carry the next number. On a gap the subscriber asks the
+  engine's replay socket (a DEALER to ``replay_port``: the start seq as 8 bytes big-endian; frames
+  ``(seq, payload)`` back, ending with seq -1) for what it missed and applies it in order. Without
+  a replay port, or when the engine's buffer no longer holds the start, the endpoint's entries are
+  cleared (a partial history would point requests at blocks the engine may have dropped).
+* On its first message the subscriber replays from 0 when it can, to learn what the engine cached
+  before the gateway started.
+* A sequence number lower than expected means a new publisher: the engine restarted, and its
+  entries are cleared.
+* Every endpoint of an enabled model is synced with the pool once a second: a new endpoint gets a
+  subscriber, a removed one loses its subscriber and its entries.
+
+Routing reads the index through ``match`` / ``routed`` / ``covers`` (the ``prefix-cache`` strategy's
+``PreciseIndex``), never awaiting anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import structlog
+from prometheus_client import Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.kv_index import EndpointState, EventIndex
+from gateway.kv_settings import KVEventsConfig
+from gateway.kv_wire import END_SEQ, Batch, WireError, decode_batch, seq_of
+from gateway.request import InferenceRequest
+from gateway.tokenization import ModelTokenizer
+
+log = structlog.get_logger("switchyard.kv_events")
+
+SYNC_INTERVAL_S = 1.0
+
+
+class KVEventsMetrics:
+    def __init__(self, registry: Any) -> None:
+        self.events = Counter("switchyard_kv_events", "KV-cache events received, by kind", ["model", "kind"],
+                              registry=registry)
+        self.fallbacks = Counter("switchyard_kv_events_fallbacks",
+                                 "Endpoints (or requests) routed on the approximate index instead of events",
+                                 ["model", "reason"], registry=registry)
+        self.replays = Counter("switchyard_kv_events_replays", "Replays asked of an engine after a gap",
+                               ["model", "result"], registry=registry)
+        self.restarts = Counter("switchyard_kv_events_restarts",
+                                "Engines seen restarting (sequence numbers started again); entries cleared",
+                                ["model"], registry=registry)
+        self.errors = Counter("switchyard_kv_events_decode_errors", "Messages that were not event batches",
+                              ["model"], registry=registry)
+
+
+class _IndexCollector(Collector):
+    def __init__(self, index: EventIndex) -> None:
+        self.index = index
+
+    def collect(self):
+        blocks = GaugeMetricFamily("switchyard_kv_events_index_blocks",
+                                   "Engine KV blocks in the event index, by model", labels=["model"])
+        live = GaugeMetricFamily("switchyard_kv_events_endpoint_live",
+                                 "1 while an endpoint's events are trusted, 0 on the approximate index",
+                                 labels=["model", "endpoint"])
+        per_model: dict[str, int] = {}
+        for row in self.index.snapshot():
+            per_model[row["model"]] = per_model.get(row["model"], 0) + row["blocks"]
+            live.add_metric([row["model"], row["endpoint"]], 1.0 if row["live"] else 0.0)
+        for model, n in per_model.items():
+            blocks.add_metric([model], n)
+        yield blocks
+        yield live
+
+
+class Subscriber:
+    """One endpoint's SUB socket (and replay DEALER) feeding the index."""
+
+    def __init__(self, manager: KVEventsManager, st: EndpointState) -> None:
+        self.m = manager
+        self.st = st
+        self.expected: int | None = None
+        self.task: asyncio.Task | None = None
+        s = st.settings
+        host = st.ep.host
+        self.ipv6 = ":" in host
+        h = f"[{host}]" if self.ipv6 else host
+        self.pub_addr = f"tcp://{h}:{s.port}"
+        self.replay_addr = f"tcp://{h}:{s.replay_port}" if s.replay_port else None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.run(), name=f"kv-events {self.st.ep.name}")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+    async def run(self) -> None:
+        import zmq
+
+        sock = self.m.zctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if self.ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.SUBSCRIBE, self.st.settings.topic.encode())
+        sock.connect(self.pub_addr)
+        log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    if len(frames) != 3:
+                        raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
+                    seq = seq_of(frames[1])
+                    await self.on_message(seq, frames[2])
+                except WireError as e:
+                    self.m.metrics.errors.labels(self.st.ep.model).inc()
+                    log.warning("kv events: bad message", endpoint=self.st.ep.name, error=str(e))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kv events subscriber failed", endpoint=self.st.ep.name)
+        finally:
+            sock.close(0)
+
+    async def on_message(self, seq: int, payload: bytes) -> None:
+        model = self.st.ep.model
+        if self.expected is None:
+            if seq > 0 and self.replay_addr:        # learn what the engine cached before we listened
+                await self.replay(0, seq, first=True)
+            self.expected = seq
+        elif seq < self.expected:
+            log.warning("kv events: engine restarted (sequence started again)", endpoint=self.st.ep.name,
+                        seq=seq, expected=self.expected)
+            self.m.metrics.restarts.labels(model).inc()
+            self.m.index.clear(self.st)
+            self.expected = seq
+        elif seq > self.expected:
+            await self.replay(self.expected, seq)
+        if seq >= (self.expected or 0):
+            self.apply(decode_batch(payload))
+            self.expected = seq + 1
+
+    def apply(self, batch: Batch) -> None:
+        counter = self.m.metrics.events
+        model = self.st.ep.model
+        kinds: dict[str, int] = {}
+        for ev in batch.events:
+            name = type(ev).__name__
+            kinds[name] = kinds.get(name, 0) + 1
+        if batch.unknown:
+            kinds["unknown"] = batch.unknown
+        before = self.m.index.orphans
+        self.m.index.apply(self.st, batch)
+        if self.m.index.orphans > before:
+            kinds["orphan"] = self.m.index.orphans - before
+        for kind, n in kinds.items():
+            counter.labels(model, kind).inc(n)
+
+    async def replay(self, start: int, until: int, first: bool = False) -> None:
+        """Fetch and apply batches ``start .. until-1`` from the replay socket; on failure clear."""
+        import zmq
+
+        model = self.st.ep.model
+        if not self.replay_addr:
+            if not first:
+                self.m.metrics.replays.labels(model, "no_replay_port").inc()
+                log.warning("kv events: gap, no replay port; entries cleared", endpoint=self.st.ep.name,
+                            missed_from=start, to=until)
+                self.m.index.clear(self.st)
+            return
+        sock = self.m.zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(self.replay_addr)
+        got: list[tuple[int, bytes]] = []
+        result = "ok"
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.st.settings.replay_timeout_s):
+                while True:
+                    frames = await sock.recv_multipart()
+                    seq = seq_of(frames[-2])
+                    if seq == END_SEQ:
+                        break
+                    if seq < until:
+                        got.append((seq, frames[-1]))
+        except (TimeoutError, WireError, IndexError):
+            result = "failed"
+        finally:
+            sock.close(0)
+        seqs = [s for s, _ in got]
+        complete = result == "ok" and seqs == list(range(start, until))
+        if not complete and result == "ok":
+            result = "incomplete"
+        if not complete and not first:
+            self.m.index.clear(self.st)       # what was missed is unknown: start from what comes next
+            log.warning("kv events: replay could not fill the gap; entries cleared", endpoint=self.st.ep.name,
+                        missed_from=start, to=until, result=result)
+        if complete or first:
+            for s, payload in got:
+                if s >= start:
+                    with contextlib.suppress(WireError):
+                        self.apply(decode_batch(payload))
+        self.m.metrics.replays.labels(model, result).inc()
+
+
+class KVEventsManager:
+    """The subscribers, the event index, and the router-facing view of them."""
+
+    def __init__(self, settings: Callable[[str], KVEventsConfig | None], pool: EndpointPool, registry: Any,
+                 tokenizers: dict[str, ModelTokenizer], clock: Callable[[], float] = time.monotonic) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.tokenizers = tokenizers
+        self.metrics = KVEventsMetrics(registry)
+        self.index = EventIndex(tokenizers, settings, clock, self._fallback)
+        registry.register(_IndexCollector(self.index))
+        self.subscribers: dict[Endpoint, Subscriber] = {}
+        self._sync_task: asyncio.Task | None = None
+        self._zctx: Any = None
+
+    @property
+    def zctx(self) -> Any:
+        if self._zctx is None:
+            import zmq.asyncio
+
+            self._zctx = zmq.asyncio.Context()
+        return self._zctx
+
+    def _fallback(self, model: str, endpoint: str, reason: str) -> None:
+        self.metrics.fallbacks.labels(model, reason).inc()
+        if endpoint:
+            log.warning("kv events: endpoint on the approximate index", model=model, endpoint=endpoint,
+                        reason=reason)
+
+    def endpoint_settings(self, ep: Endpoint) -> KVEventsConfig | None:
+        base = self.settings(ep.model)
+        note = ep.extra.get("kv_events") if ep.extra else None
+        if note is not None:
+            return (base or KVEventsConfig()).with_annotation(dict(note))
+        return base if base is not None and base.enabled else None
+
+    # -- life --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.sync()
+        self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop(), name="kv-events sync")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_INTERVAL_S)
+            try:
+                self.sync()
+            except Exception:
+                log.exception("kv events sync failed")
+
+    def sync(self) -> None:
+        """Subscribers for the pool's endpoints that publish events, none for the others."""
+        want: dict[Endpoint, KVEventsConfig] = {}
+        for ep in self.pool.endpoints():
+            s = self.endpoint_settings(ep)
+            if s is not None and ep.model in self.tokenizers:
+                want[ep] = s
+        for ep in [ep for ep in self.subscribers if ep not in want]:
+            sub = self.subscribers.pop(ep)
+            asyncio.get_running_loop().create_task(sub.stop())
+            self.index.forget(ep)
+        for ep, s in want.items():
+            if ep not in self.subscribers:
+                sub = Subscriber(self, self.index.track(ep, s))
+                self.subscribers[ep] = sub
+                sub.start()
+
+    async def close(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+        for sub in list(self.subscribers.values()):
+            await sub.stop()
+        self.subscribers.clear()
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
+
+    # -- the router's view (routers.prefix_cache.PreciseIndex) --------------------------------------
+
+    def covers(self, model: str) -> bool:
+        return model in self.tokenizers and bool(self.index.states)
+
+    def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
+              ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None:
+        return self.index.match(req, candidates)
+
+    def routed(self, req: InferenceRequest, ep: Endpoint) -> None:
+        self.index.routed(req, ep)
+
+
+def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsManager | None:
+    """The manager when a model has a tokenizer and subscribes (config, or Kubernetes annotations
+    with ``kubernetes.enabled``); ``None`` otherwise, so routing is exactly as without events."""
+    from gateway.tokenization import load_tokenizers
+
+    dirs = {m.name: m.tokenizer for m in config.models if m.tokenizer}
+    wanted = any(m.kv_events is not None and m.kv_events.enabled for m in config.models)
+    if not dirs or not (wanted or config.kubernetes.enabled):
+        return None
+    by_model = {m.name: m.kv_events for m in config.models}
+    return KVEventsManager(lambda model: by_model.get(model), pool, registry, load_tokenizers(dirs))

@@ -1,0 +1,351 @@
+"""The event index: which endpoint holds which token blocks, as its engine reported them.
+
+Engines publish KV-cache events (``gateway.kv_wire``); ``gateway.kv_events`` feeds them here per
+endpoint. The index keeps keys of its own and never needs the engine's hash seed or algorithm:
+
+* a block's key is chained over token ids, ``key[i] = hash((key[i-1], tokens of block i))``, from a
+  root that names the model, the LoRA adapter (``lora_name``) and the block size, so adapters and
+  models never share keys; a request's keys are made the same way from its tokens
+  (``gateway.tokenization``);
+* per endpoint, engine hash → our key, so a ``BlockRemoved`` (which carries only engine hashes)
+  resolves, and a ``BlockStored`` whose parent is an earlier block continues that block's chain;
+  a block held in several media (GPU, CPU offload) stays until the last one removes it;
+* key → bitmask of the endpoints holding it, so a request's match depth on every candidate is one
+  walk down its keys, stopping when no candidate holds the next block.
+
+Between routing a request and the engine's events for it, the request's new blocks are held as
+*speculative* entries for ``speculative_ttl_s``, so a burst of requests with one new prefix lands on
+one engine instead of scattering before the first one's prefill is reported.
+
+An endpoint's events are trusted only while they flow: an endpoint that never sent one, or that was
+sent a request needing new blocks ``stall_timeout_s`` ago and reported nothing since, is on the
+*fallback*: the router uses the approximate index (``routers.prefix_index``) for it, and the fallback
+is counted. Memory is bounded by ``max_blocks_per_endpoint`` (oldest entries dropped first); an
+engine that restarts (its sequence numbers start again) or leaves the pool is cleared.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.endpoints import Endpoint
+from gateway.kv_settings import KVEventsConfig
+from gateway.kv_wire import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
+from gateway.request import InferenceRequest
+from gateway.tokenization import ModelTokenizer
+
+_MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # other media get bit 4
+
+
+def _medium_bit(medium: str | None) -> int:
+    return _MEDIA.get(medium, 4)
+
+
+def root_key(model: str, lora: str | None, block_size: int) -> int:
+    return hash(("switchyard.kv", model, lora or "", block_size))
+
+
+@dataclass(eq=False)
+class EndpointState:
+    ep: Endpoint
+    slot: int
+    settings: KVEventsConfig
+    emap: dict[BlockHash, int] = field(default_factory=dict)    # engine hash → our key
+    media: dict[BlockHash, int] = field(default_factory=dict)   # engine hash → medium bits
+    owned: dict[int, int] = field(default_factory=dict)         # our key → engine hashes mapping to it
+    block_size: int | None = None
+    last_event: float | None = None
+    expect_since: float | None = None     # first request needing new blocks since the last event
+    on_fallback: str | None = "no_events"  # why the router uses the approximate index, None: live
+    stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bit(self) -> int:
+        return 1 << self.slot
+
+
+class EventIndex:
+    """The index of every endpoint with events (one per gateway process)."""
+
+    def __init__(self, tokenizers: dict[str, ModelTokenizer], settings: Callable[[str], KVEventsConfig | None],
+                 clock: Callable[[], float] = time.monotonic,
+                 on_fallback: Callable[[str, str, str], None] | None = None) -> None:
+        self.tokenizers = tokenizers
+        self.settings = settings
+        self.clock = clock
+        self._on_fallback = on_fallback or (lambda model, endpoint, reason: None)
+        self.states: dict[Endpoint, EndpointState] = {}
+        self._by_slot: dict[int, EndpointState] = {}
+        self._free: list[int] = []
+        self._holders: dict[int, int] = {}        # our key → bitmask of endpoint slots
+        self._pending: dict[int, int] = {}        # our key → slots holding it speculatively
+        self._pending_until: dict[tuple[int, int], float] = {}
+        self._pending_q: deque[tuple[float, int, list[int]]] = deque()
+        self._memo: tuple[InferenceRequest | None, int, list[int], int] = (None, 0, [], 0)
+        self.orphans = 0
+
+    # -- endpoints ---------------------------------------------------------------------------------
+
+    def track(self, ep: Endpoint, settings: KVEventsConfig) -> EndpointState:
+        st = self.states.get(ep)
+        if st is None:
+            slot = self._free.pop() if self._free else len(self._by_slot)
+            st = EndpointState(ep, slot, settings)
+            self.states[ep] = st
+            self._by_slot[slot] = st
+        return st
+
+    def forget(self, ep: Endpoint) -> None:
+        st = self.states.pop(ep, None)
+        if st is not None:
+            self.clear(st)
+            for key in [k for k, m in self._pending.items() if m & st.bit]:
+                self._unpend(key, st.slot)
+            del self._by_slot[st.slot]
+            self._free.append(st.slot)
+
+    def blocks(self, model: str | None = None) -> int:
+        """Engine blocks indexed (all endpoints, or one model's)."""
+        return sum(len(s.emap) for s in self.states.values() if model is None or s.ep.model == model)
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def apply(self, st: EndpointState, batch: Batch) -> None:
+        st.last_event = self.clock()
+        st.expect_since = None
+        st.on_fallback = None
+        for ev in batch.events:
+            if ev.__class__ is BlockStored:
+                self._stored(st, ev)            # type: ignore[arg-type]
+            elif ev.__class__ is BlockRemoved:
+                self._removed(st, ev)           # type: ignore[arg-type]
+            elif ev.__class__ is AllBlocksCleared:
+                self.clear(st)
+
+    def _stored(self, st: EndpointState, ev: BlockStored) -> None:
+        bs = ev.block_size
+        if bs <= 0:
+            return
+        st.block_size = bs
+        if ev.parent_block_hash is None:
+            h = root_key(st.ep.model, ev.lora_name, bs)
+        else:
+            parent = st.emap.get(ev.parent_block_hash)
+            if parent is None:            # its chain start was never seen (subscribed late, a lost gap)
+                self.orphans += 1
+                st.stats["orphan"] = st.stats.get("orphan", 0) + 1
+                return
+            h = parent
+        bit = _medium_bit(ev.medium)
+        tokens = ev.token_ids
+        emap, media, owned, holders = st.emap, st.media, st.owned, self._holders
+        for i, bh in enumerate(ev.block_hashes):
+            block = tokens[i * bs:(i + 1) * bs]
+            if len(block) < bs:
+                break
+            h = hash((h, tuple(block)))
+            old = emap.get(bh)
+            if old == h:
+                media[bh] |= bit
+                continue
+            if old is not None:
+                self._drop(st, bh)
+            emap[bh] = h
+            media[bh] = bit
+            n = owned.get(h, 0)
+            owned[h] = n + 1
+            if not n:
+                holders[h] = holders.get(h, 0) | st.bit
+        limit = st.settings.max_blocks_per_endpoint
+        while len(emap) > limit:
+            self._drop(st, next(iter(emap)))
+
+    def _removed(self, st: EndpointState, ev: BlockRemoved) -> None:
+        media = st.media
+        clear = ~_medium_bit(ev.medium) if ev.medium is not None else 0
+        for bh in ev.block_hashes:
+            bits = media.get(bh)
+            if bits is None:
+                continue
+            bits &= clear
+            if bits:
+                media[bh] = bits
+            else:
+                self._drop(st, bh)
+
+    def _drop(self, st: EndpointState, bh: BlockHash) -> None:
+        key = st.emap.pop(bh)
+        del st.media[bh]
+        n = st.owned[key] - 1
+        if n:
+            st.owned[key] = n
+            return
+        del st.owned[key]
+        mask = self._holders.get(key, 0) & ~st.bit
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
+
+    def clear(self, st: EndpointState) -> None:
+        """Forget everything ``st``'s engine holds (AllBlocksCleared, a restart, removal)."""
+        holders, bit = self._holders, st.bit
+        for key in st.owned:
+            mask = holders.get(key, 0) & ~bit
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+        st.emap.clear()
+        st.media.clear()
+        st.owned.clear()
+
+    # -- routing -----------------------------------------------------------------------------------
+
+    def _live(self, st: EndpointState, now: float) -> bool:
+        if st.on_fallback is not None:
+            return False
+        if st.expect_since is not None and now - st.expect_since > st.settings.stall_timeout_s:
+            st.on_fallback = "stalled"
+            self._on_fallback(st.ep.model, st.ep.name, "stalled")
+            return False
+        return True
+
+    def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
+              ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None:
+        """Cached tokens per candidate with live events, the prompt's token count, and the candidates
+        on the fallback; ``None`` when the request cannot be tokenized (all on the fallback)."""
+        now = self.clock()
+        self._expire(now)
+        live: list[EndpointState] = []
+        fallback: list[Endpoint] = []
+        for ep in candidates:
+            st = self.states.get(ep)
+            if st is not None and self._live(st, now) and st.block_size:
+                live.append(st)
+            else:
+                fallback.append(ep)
+                if st is not None and st.on_fallback == "no_events" and not st.stats.get("counted_no_events"):
+                    st.stats["counted_no_events"] = 1
+                    self._on_fallback(ep.model, ep.name, "no_events")
+        if not live:
+            return {}, 0, fallback
+        bs = live[0].block_size or 16
+        keyed = self._keys(req, candidates[0].model, bs)
+        if keyed is None:
+            return None
+        keys, tokens = keyed
+        depths: dict[Endpoint, int] = {}
+        same = [st for st in live if st.block_size == bs]
+        for st in live:
+            if st.block_size != bs:             # a fleet with mixed block sizes: that endpoint alone
+                other = self._keys(req, candidates[0].model, st.block_size or bs)
+                if other is not None:
+                    d = self._walk(other[0], other[1], [st])
+                    depths.update(d)
+        depths.update(self._walk(keys, tokens, same))
+        return depths, tokens, fallback
+
+    def _keys(self, req: InferenceRequest, model: str, bs: int) -> tuple[list[int], int] | None:
+        memo = self._memo
+        if memo[0] is req and memo[1] == bs:
+            return memo[2], memo[3]
+        tok = self.tokenizers.get(model)
+        if tok is None:
+            return None
+        lora = None if req.model == model else req.model
+        try:
+            segments, lead = tok.request_segments(req.path, req.data)
+            st = self.settings(model)
+            k = tok.block_keys(segments, lead, root_key(model, lora, bs), bs,
+                               st.max_request_blocks if st is not None else 1 << 20)
+        except Exception:             # a template error, an odd body: route on the approximate index
+            self._on_fallback(model, "", "tokenize_error")
+            return None
+        self._memo = (req, bs, k.keys, k.tokens)
+        return k.keys, k.tokens
+
+    def _walk(self, keys: list[int], tokens: int, states: list[EndpointState]) -> dict[Endpoint, int]:
+        if not states:
+            return {}
+        bs = states[0].block_size or 1
+        cap = min(len(keys), max(0, tokens - 1) // bs)    # the engine always computes the last token
+        alive = 0
+        for st in states:
+            alive |= st.bit
+        depths: dict[Endpoint, int] = {}
+        holders, pending = self._holders, self._pending
+        i = 0
+        while i < cap and alive:
+            k = keys[i]
+            held = (holders.get(k, 0) | pending.get(k, 0)) & alive
+            if held != alive:
+                gone = alive & ~held
+                while gone:
+                    low = gone & -gone
+                    depths[self._by_slot[low.bit_length() - 1].ep] = i * bs
+                    gone ^= low
+                alive = held
+            i += 1
+        while alive:
+            low = alive & -alive
+            depths[self._by_slot[low.bit_length() - 1].ep] = i * bs
+            alive ^= low
+        return depths
+
+    def routed(self, req: InferenceRequest, ep: Endpoint) -> None:
+        """``req`` went to ``ep``: hold its new blocks there speculatively, and expect events."""
+        st = self.states.get(ep)
+        if st is None or not st.block_size:
+            return
+        memo = self._memo
+        if memo[0] is not req or memo[1] != st.block_size:
+            return
+        keys, bs = memo[2], st.block_size
+        cap = min(len(keys), max(0, memo[3] - 1) // bs)
+        holders, bit = self._holders, st.bit
+        first_new = 0
+        while first_new < cap and holders.get(keys[first_new], 0) & bit:
+            first_new += 1
+        new = keys[first_new:cap]
+        if not new:
+            return
+        now = self.clock()
+        if st.expect_since is None:
+            st.expect_since = now
+        ttl = st.settings.speculative_ttl_s
+        if ttl <= 0:
+            return
+        until = now + ttl
+        pending, pend_until, slot = self._pending, self._pending_until, st.slot
+        for k in new:
+            pending[k] = pending.get(k, 0) | bit
+            pend_until[(k, slot)] = until
+        self._pending_q.append((until, slot, new))
+
+    def _expire(self, now: float) -> None:
+        q = self._pending_q
+        while q and q[0][0] <= now:
+            until, slot, keys = q.popleft()
+            for k in keys:
+                if self._pending_until.get((k, slot)) == until:
+                    self._unpend(k, slot)
+
+    def _unpend(self, key: int, slot: int) -> None:
+        self._pending_until.pop((key, slot), None)
+        mask = self._pending.get(key, 0) & ~(1 << slot)
+        if mask:
+            self._pending[key] = mask
+        else:
+            self._pending.pop(key, None)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [{"model": s.ep.model, "endpoint": s.ep.name, "blocks": len(s.emap), "block_size": s.block_size,
+                 "live": self._live(s, now), "fallback_reason": s.on_fallback,
+                 "last_event_age_s": None if s.last_event is None else round(now - s.last_event, 3)}
+                for s in self.states.values()]

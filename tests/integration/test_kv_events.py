@@ -1,0 +1,188 @@
+"""Precise prefix routing on KV events, on loopback: enginesim publishes vLLM's wire format, the
+gateway subscribes, tokenizes with the same tokenizer directory and routes on what engines hold."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import orjson
+import pytest
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.request import CHAT, parse
+
+pytestmark = pytest.mark.integration
+
+TOK = str(TINY_DIR)
+SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" for i in range(120))
+
+
+async def _sims(sims, n: int, **kw):
+    return [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
+                       kv_blocks=4096, **kw) for _ in range(n)]
+
+
+async def _gateway(gateway, sim, replay=True, **kv):
+    s = sim.engine.kv_events
+    block = {"enabled": True, "port": s.port, "stall_timeout_s": 5.0, **kv}
+    if replay:
+        block["replay_port"] = s.replay_port
+    return await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                           "strategy": "prefix-cache", "kv_events": block}])
+
+
+@pytest.fixture
+async def clients():
+    made = []
+
+    def make(gw):
+        made.append(openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+async def _wait(pred, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.02)):
+        if pred():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def _state(gw):
+    kv = gw.gw.routing.ctx.precise_index
+    return kv, next(iter(kv.index.states.values()))
+
+
+def _render(gw) -> str:
+    return gw.gw.metrics.render().decode()
+
+
+async def _chat(client, text: str):
+    return await client.chat.completions.create(
+        model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+        max_tokens=2)
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+async def test_events_fill_the_index_and_match_the_engine(sims, gateway, clients, encoding):
+    (sim,) = await _sims(sims, 1, kv_events_encoding=encoding)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await _wait(lambda: sim.engine.kv_events is not None and kv.subscribers)
+    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
+    r = await _chat(client, "first question")
+    await _wait(lambda: len(st.emap) > 0)
+    assert len(st.emap) == sim.engine.pool.cached_blocks
+    # the gateway tokenizes like the engine: its match for the same conversation is what the engine caches
+    r2 = await _chat(client, "second question")
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    # the gateway's match for a third turn is what the engine then finds in its cache
+    await _wait(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "second question"}]
+    ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 2}), {}, "t")
+    depths, tokens, fallback = kv.match(ireq, [st.ep])
+    assert not fallback and tokens == r2.usage.prompt_tokens
+    r3 = await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert depths[st.ep] == r3.usage.prompt_tokens_details.cached_tokens > r.usage.prompt_tokens // 2
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_index_blocks{model="m"}' in text
+    assert 'switchyard_kv_events_total{kind="BlockStored",model="m"}' in text
+
+
+async def test_gap_is_replayed(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    await _chat(client, "one")
+    await _wait(lambda: len(st.emap) > 0)
+    pub = sim.engine.kv_events
+    pub.drop_next = 1                  # the next batch is buffered for replay but never published
+    await _chat(client, "two " * 60)
+    await _chat(client, "three")
+    await _wait(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    assert 'result="ok"' in await gw.metrics_text()
+
+
+async def test_gap_without_replay_clears(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim, replay=False)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    await _chat(client, "one")
+    await _wait(lambda: len(st.emap) > 0)
+    sim.engine.kv_events.drop_next = 1
+    await _chat(client, "two " * 60)
+    await _chat(client, "three " * 60)
+    # what was missed is unknown: the entries are cleared, and blocks chained on them are orphans
+    await _wait(lambda: 'result="no_replay_port"' in _render(gw))
+    await _wait(lambda: len(st.emap) == 0)
+    assert 'kind="orphan"' in _render(gw)
+    # a prompt on a new prefix is indexed again
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "fresh " * 80}],
+                                         max_tokens=2)
+    await _wait(lambda: len(st.emap) > 0)
+
+
+async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    for q in ("one", "two"):
+        await _chat(client, q)
+    await _wait(lambda: len(st.emap) > 0)
+    before = len(st.emap)
+    pub = sim.engine.kv_events
+    # the engine restarts: an empty cache, and its publisher counts from 0 again
+    pub.seq = 0
+    pub.buffer.clear()
+    sim.engine.pool.events = None
+    assert sim.engine.pool.flush()
+    sim.engine.pool.events = pub
+    await _chat(client, "a new life")
+    await _wait(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    assert len(st.emap) < before + 5
+    assert "switchyard_kv_events_restarts_total" in await gw.metrics_text()
+
+
+async def test_stalled_publisher_falls_back_and_recovers(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim, stall_timeout_s=0.2)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    await _chat(client, "one")
+    await _wait(lambda: len(st.emap) > 0)
+    sim.engine.kv_events.paused = True
+    await _chat(client, "something new " * 30)
+    await asyncio.sleep(0.3)
+    await _chat(client, "and more " * 30)
+    assert st.on_fallback == "stalled"
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_fallbacks_total{model="m",reason="stalled"}' in text
+    assert 'switchyard_routing_fallbacks_total{reason="kv_events_fallback",strategy="prefix-cache"}' in text
+    sim.engine.kv_events.resume()
+    await _wait(lambda: st.on_fallback is None)
+
+
+async def test_engine_without_events_routes_on_the_approximate_index(sims, gateway, clients):
+    sim = await sims("vllm", model="m", tokenizer=TOK)       # publishes nothing
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": 1}}])
+    client = clients(gw)
+    await _chat(client, "one")
+    r = await _chat(client, "two")
+    assert r.choices[0].message.content is not None
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_fallbacks_total{model="m",reason="no_events"} 1.0' in text

@@ -1,0 +1,148 @@
+"""KV events without sockets: both wire encodings, the event index, the cached tokenization."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from enginesim.hf_tokenizer import HFTokenizer
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.endpoints import Endpoint
+from gateway.kv_index import EventIndex, root_key
+from gateway.kv_settings import KVEventsConfig
+from gateway.kv_wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, WireError, decode_batch
+from gateway.request import CHAT, parse
+from gateway.tokenization import ModelTokenizer, chain_keys
+
+enc = msgspec.msgpack.encode
+
+
+def test_decodes_positional_arrays():
+    payload = enc([1.5, [["BlockStored", [11, 12], None, list(range(32)), 16, None, "GPU", "ad1"],
+                         ["BlockRemoved", [11], "GPU"], ["AllBlocksCleared"], ["SomethingNew", 1]], 0])
+    b = decode_batch(payload)
+    assert b.ts == 1.5 and b.dp_rank == 0 and b.unknown == 1
+    assert b.events[0] == BlockStored([11, 12], None, list(range(32)), 16, "ad1", "GPU", None)
+    assert b.events[1] == BlockRemoved([11], "GPU", None)
+    assert isinstance(b.events[2], AllBlocksCleared)
+
+
+def test_decodes_maps_tagged_by_type():
+    payload = enc({"ts": 2.0, "data_parallel_rank": 1, "events": [
+        {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": 7, "token_ids": [1] * 16,
+         "block_size": 16, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0},
+        {"type": "BlockRemoved", "block_hashes": [5], "medium": None},
+        {"type": "AllBlocksCleared"}]})
+    b = decode_batch(payload)
+    assert b.events[0] == BlockStored([b"\x01" * 32], 7, [1] * 16, 16, None, "CPU", 0)
+    assert b.events[1] == BlockRemoved([5], None, None)
+    assert isinstance(b.events[2], AllBlocksCleared)
+
+
+def test_lora_id_names_the_adapter_when_there_is_no_lora_name():
+    b = decode_batch(enc([0, [["BlockStored", [1], None, [0] * 16, 16, 3, "GPU"]], 0]))
+    assert b.events[0].lora_name == "3"
+
+
+@pytest.mark.parametrize("payload", [b"\xc1", enc(5), enc([1.0, 5]), enc([1.0, [7]]),
+                                     enc({"events": [{"type": "BlockStored"}]})])
+def test_rejects_what_is_not_a_batch(payload):
+    with pytest.raises(WireError):
+        decode_batch(payload)
+
+
+def _index():
+    tok = ModelTokenizer(TINY_DIR)
+    s = KVEventsConfig(enabled=True, speculative_ttl_s=0)
+    idx = EventIndex({"m": tok}, lambda m: s)
+    eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in range(3)]
+    return tok, idx, eps, [idx.track(ep, s) for ep in eps]
+
+
+def _req(text: str):
+    import orjson
+    return parse(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}), {}, "r")
+
+
+def test_index_matches_what_each_engine_stored_and_resolves_removals():
+    tok, idx, eps, states = _index()
+    req = _req("hello there " * 40)
+    ids = tok.encode(tok.render([{"role": "user", "content": "hello there " * 40}]))
+    n = len(ids) // 16
+    # engine 0 holds everything (stored in two events chained by parent), engine 1 the first half
+    idx.apply(states[0], Batch(0, [BlockStored(list(range(100, 103)), None, ids[:48], 16)], 0))
+    idx.apply(states[0], Batch(0, [BlockStored(list(range(103, 100 + n)), 102, ids[48:n * 16], 16)], 0))
+    idx.apply(states[1], Batch(0, [BlockStored(list(range(200, 200 + n // 2)), None, ids[:n // 2 * 16], 16)], 0))
+    idx.apply(states[2], Batch(0, [BlockStored([300], None, [9] * 16, 16)], 0))     # something else
+    depths, tokens, fallback = idx.match(req, eps)
+    assert tokens == len(ids) and not fallback
+    cap = (len(ids) - 1) // 16 * 16
+    assert depths == {eps[0]: min(n * 16, cap), eps[1]: n // 2 * 16, eps[2]: 0}
+    idx.apply(states[0], Batch(0, [BlockRemoved([102], "GPU")], 0))     # an engine hash resolves
+    assert idx.match(req, eps)[0][eps[0]] == 32
+    idx.apply(states[1], Batch(0, [AllBlocksCleared()], 0))
+    assert idx.match(req, eps)[0][eps[1]] == 0
+    assert idx.blocks() == n - 1 + 1
+
+
+def test_orphans_lora_keys_and_bounded_memory():
+    tok, idx, eps, states = _index()
+    idx.apply(states[0], Batch(0, [BlockStored([1], 999, [1] * 16, 16)], 0))    # parent never seen
+    assert idx.orphans == 1 and idx.blocks() == 0
+    ids = list(range(64))
+    idx.apply(states[0], Batch(0, [BlockStored([1, 2, 3, 4], None, ids, 16, lora_name="a")], 0))
+    assert set(states[0].owned) == set(chain_keys(root_key("m", "a", 16), ids, 16))
+    assert not set(states[0].owned) & set(chain_keys(root_key("m", None, 16), ids, 16))
+    small = KVEventsConfig(enabled=True, max_blocks_per_endpoint=2)
+    st = idx.track(Endpoint(url="http://10.0.0.9:8000", model="m"), small)
+    idx.apply(st, Batch(0, [BlockStored([1, 2, 3, 4], None, ids, 16)], 0))
+    assert len(st.emap) == 2
+
+
+def test_stall_and_no_events_fall_back():
+    tok, idx, eps, states = _index()
+    now = [0.0]
+    idx.clock = lambda: now[0]
+    calls = []
+    idx._on_fallback = lambda m, e, r: calls.append(r)
+    req = _req("a b c " * 100)
+    assert idx.match(req, eps)[2] == eps                  # nothing heard yet
+    for st in states:
+        idx.apply(st, Batch(0, [BlockStored([1], None, [0] * 16, 16)], 0))
+    idx.match(req, eps)
+    idx.routed(req, eps[0])                               # needs new blocks: events expected
+    now[0] = 11.0
+    assert idx.match(req, eps)[2] == [eps[0]]
+    assert calls.count("stalled") == 1 and "no_events" in calls
+    idx.apply(states[0], Batch(0, [], 0))
+    assert idx.match(req, eps)[2] == []
+
+
+def test_cached_tokenization_equals_the_library_and_the_simulator():
+    tok = ModelTokenizer(TINY_DIR, token_cache_chars=10_000)
+    sim = HFTokenizer(TINY_DIR)
+    system = "You are number 7. " + "kqz lo abc the of " * 200
+    for turn in range(3):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": f"turn {turn} ok"},
+                    {"role": "assistant", "content": [{"type": "text", "text": "fine"}]}]
+        text = tok.render(messages)
+        assert tok.encode(text) == tok.tokenizer.encode(text, add_special_tokens=False).ids == \
+            sim.encode_chat(messages)
+    assert tok.segment_hits > 0
+    segs, lead = tok.request_segments(CHAT, {"messages": messages})
+    k = tok.block_keys(segs, lead, 5, 16, 10_000)
+    assert k.keys == chain_keys(5, tok.encode(text), 16) and k.tokens == len(tok.encode(text))
+    assert tok.block_keys(segs, lead, 5, 16, 10_000).keys == k.keys        # from the prefix cache
+
+
+def test_template_is_sandboxed():
+    tok = ModelTokenizer(TINY_DIR)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    assert isinstance(tok._template.environment, ImmutableSandboxedEnvironment)
+
+
+def test_shipped_tokenizer_is_what_the_builder_makes(tmp_path):
+    from enginesim.tiny_tokenizer import build
+    out = build(tmp_path / "t")
+    assert (out / "tokenizer.json").read_bytes() == (TINY_DIR / "tokenizer.json").read_bytes()
+    assert (out / "tokenizer_config.json").read_text() == (TINY_DIR / "tokenizer_config.json").read_text()
