@@ -7,8 +7,8 @@ four characters make a token. Pieces are "leading whitespace + up to four visibl
 
 Generated text is drawn from a fixed vocabulary of short pseudo-words (each one piece long, so the
 output re-tokenizes to the same count), each token chosen by a hash of (seed, model, the context's
-text so far): the same request always produces the same answer, and a request continued from a
-partial answer produces the rest of it.
+ids so far): the same request always produces the same answer, and a request continued from a
+partial answer (as ids, or as text that re-tokenizes to them) produces the rest of it.
 """
 
 from __future__ import annotations
@@ -136,6 +136,8 @@ def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool 
     ``continue_final`` leaves the last message open (no end-of-turn newline, no generation
     prompt), so a partial assistant message renders exactly as the model's own output did after
     the generation prompt: ``render(m) + partial == render(m + [assistant partial], continue_final)``.
+    ``FakeTokenizer.encode_open_chat`` tokenizes such a prompt with the open message's text on its
+    own, as a real template's role header (special tokens) separates it.
     """
     parts = [f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages]
     if continue_final and parts:
@@ -148,18 +150,16 @@ def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool 
 class OutputSource:
     """The deterministic token stream the model "generates" for one prompt.
 
-    Like a greedy language model, the next token is a function of the whole context: the text of
-    the prompt and of every token generated so far (a streaming hash, so it does not matter how the
-    context is split between prompt and output). A request whose prompt is another request's prompt
-    plus the first k tokens it generated therefore generates exactly that request's remaining
-    tokens, whether the prefix arrives as token ids or as text (a continued final message).
+    Like a greedy language model, the next token is a function of the whole context: the prompt's
+    ids and every id generated so far (a streaming hash, so it does not matter how the context is
+    split between prompt and output). A request whose prompt is another request's prompt followed
+    by the first k ids it generated therefore generates exactly that request's remaining tokens.
     """
 
     def __init__(self, tokenizer: FakeTokenizer, seed: int, key: str, prompt_ids: Sequence[int]) -> None:
-        self._tokenizer = tokenizer
         self._h = hashlib.blake2b(digest_size=16)
         self._h.update(f"{seed}\0{key}\0".encode())
-        self._h.update(tokenizer.decode(prompt_ids).encode("utf-8", "surrogatepass"))
+        self._h.update(ids_bytes(prompt_ids))
         self._vocab = tokenizer.output_ids
 
     def next_token(self, allow_eos: bool, eos_probability: float) -> int:
@@ -173,4 +173,4 @@ class OutputSource:
 
     def advance(self, token_id: int) -> None:
         """``token_id`` joins the context."""
-        self._h.update(self._tokenizer.piece(token_id).encode("utf-8", "surrogatepass"))
+        self._h.update(ids_bytes((token_id,)))
