@@ -44,6 +44,7 @@ from gateway.config import WatchdogConfig
 from gateway.errors import GatewayError
 from gateway.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from gateway.metrics import GatewayMetrics
+from gateway.outcome import Outcome
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
 from gateway.sse import SSEScanner
 from gateway.upstream import UpstreamFailure
@@ -189,7 +190,7 @@ class Migration:
                 if error_class is None:
                     await self._write(out, self._tail())
                     break
-                nxt = await self._next_leg(ctx, error_class, message)
+                nxt = await self._next_leg(relay, ctx, error_class)
                 if nxt is None:
                     relay._stream_observations(rec, seen)
                     status, code = (504, "upstream_timeout") if "timeout" in error_class else (502, "upstream_incomplete")
@@ -270,10 +271,12 @@ class Migration:
             return None, ""
         return "upstream_eof", "the engine closed the stream before it completed"
 
-    async def _next_leg(self, ctx: RequestContext, error_class: str, message: str) -> UpstreamResponse | None:
-        """Open the leg that continues the stream, or None (refused, limit, or it failed)."""
+    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: str) -> UpstreamResponse | None:
+        """Open the leg that continues the stream, or None (refused, limit, or it failed: the
+        relay then tells the failed endpoint's breaker, as for any stream)."""
         rec = ctx.rec
         failed_ep = rec.endpoint
+        failed = ctx.decision.endpoint if ctx.decision is not None else None
         self.metrics.child(self.metrics.upstream_errors, rec.model, failed_ep, error_class).inc()
         reason = REASONS.get(error_class)
         self.partial.completion_tokens += max(self.leg_completion, self.leg_ids)
@@ -307,6 +310,8 @@ class Migration:
             self._count(rec, reason, "failed", failed_ep, f"status {resp.status}")
             return None
         self._count(rec, reason, "continued", failed_ep)
+        if relay.record is not None and failed is not None:    # the relay will record the new leg's end
+            relay.record(failed, Outcome.FAULT, error_class)
         self.leg += 1
         self.leg_path = path
         self.done = self.finished = False
