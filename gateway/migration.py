@@ -246,16 +246,20 @@ class Migration:
                 parts = buf.replace(b"\r\n", b"\n").split(b"\n\n")
                 buf = parts.pop()
                 emitted = []
+                failed = False
                 for ev in parts:
                     r = self._event(ev)
                     if r is False:
-                        return "upstream_stream_error", "in-stream error"
+                        failed = True         # what came before it in this read still goes out
+                        break
                     if r:
                         emitted.append(r)
                 if emitted:
                     data = b"".join(emitted)
                     seen.feed(data, clock())
                     await out.write(data)
+                if failed:
+                    return "upstream_stream_error", "in-stream error"
         except UpstreamTimeout as e:
             return "upstream_timeout", f"the engine did not finish the stream: {e}"
         except UpstreamError as e:

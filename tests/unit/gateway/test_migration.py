@@ -95,3 +95,27 @@ def test_continuation_bodies():
     p2 = Partial(path=COMPL, data={"model": "m", "prompt": "Once", "echo": True}, text=" ka", completion_tokens=1)
     path, body = continuation(p2, TEXT, 16)
     assert body["prompt"] == "Once ka" and body["max_tokens"] == 15 and body["echo"] is False
+
+
+async def test_events_before_an_error_event_in_the_same_read_reach_the_client():
+    class Resp:
+        def __init__(self, chunks):
+            self.chunks = list(chunks)
+
+        async def readany(self):
+            return self.chunks.pop(0) if self.chunks else b""
+
+    class Out:
+        def __init__(self):
+            self.data = b""
+
+        async def write(self, b):
+            self.data += b
+
+    from gateway.sse import SSEScanner
+    m = Migration(ireq(), 1, TEXT, None, None, GatewayMetrics())
+    one = b"data: " + orjson.dumps(chunk({"content": " ka"})) + b"\n\n"
+    err = b'data: {"error": {"message": "boom"}}\n\n'
+    out = Out()
+    assert await m._leg(Resp([one + err]), out, SSEScanner(), None) == ("upstream_stream_error", "in-stream error")
+    assert b" ka" in out.data and "".join(m._text) == " ka"
