@@ -27,6 +27,7 @@ FAULTS = ["drop_after=16;p=0.5", "error_after=24;p=0.5", "stall_after=20:30;p=0.
 def add_args(ap) -> None:
     ap.add_argument("--mid-requests", type=int, default=400, help="mid-stream: streams per engine type and variant")
     ap.add_argument("--mid-concurrency", type=int, default=16)
+    ap.add_argument("--mid-breakers", action="store_true", help="mid-stream: keep the default breakers on")
 
 
 def _events(raw: bytes) -> list:
@@ -70,7 +71,7 @@ def _migrations(metrics: str) -> dict[str, float]:
     return out
 
 
-async def _one_engine(h, engine: str, n: int, conc: int) -> dict[str, Any]:
+async def _one_engine(h, engine: str, n: int, conc: int, breakers: bool) -> dict[str, Any]:
     urls = []
     for i, f in enumerate(FAULTS):
         url, _ = await h.engine(f"mid-{engine}-{i}", engine, "m", *SIM, *(["--fault", f] if f else []))
@@ -90,7 +91,7 @@ async def _one_engine(h, engine: str, n: int, conc: int) -> dict[str, Any]:
     for limit in (0, 2):
         gw, p = await h.gateway(f"mid-{engine}-gw-{limit}", {
             "health": {"interval_s": 1.0},
-            "breaker": {"enabled": False},      # every variant meets the dying engines as often
+            "breaker": {"enabled": breakers},   # off: every variant meets the dying engines as often
             "watchdog": {"idle_timeout_s": 0.5, "first_chunk_timeout_s": 5.0, "aggregated": True},
             "models": [{"name": "m", "engine": engine, "strategy": "round-robin", "endpoints": urls,
                         "migration_limit": limit}]})
@@ -107,7 +108,7 @@ async def _one_engine(h, engine: str, n: int, conc: int) -> dict[str, Any]:
 
 
 async def run(h, args) -> dict[str, Any]:
-    return {engine: await _one_engine(h, engine, args.mid_requests, args.mid_concurrency)
+    return {engine: await _one_engine(h, engine, args.mid_requests, args.mid_concurrency, args.mid_breakers)
             for engine in ("vllm", "sglang")}
 
 
