@@ -245,15 +245,22 @@ class Pipeline:
         rec = ctx.rec
         router = self.routing.router_for(rec.strategy)
         candidates = [c for c in self.routing.candidates(cont.model, router) if c.name not in avoid]
+        ctx.ireq = cont
+        if candidates and cont.lora is not None and self.lora is not None and not router.chooses_pairs:
+            candidates = await self.lora.prepare(ctx, candidates)   # those serving the adapter
         if not candidates:
             raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")
+        adapter = adapter_for(candidates[0].engine)
         ctx.trace.route_start()
-        decision = self.routing.route(cont, rec.strategy, router, candidates)
-        ctx.trace.routed(decision, len(candidates))
-        ctx.decision, ctx.ireq = decision, cont
+        decision = ctx.decision = self.routing.route(cont, rec.strategy, router, candidates)
+        if router.chooses_pairs and self.pd_decider is not None:
+            candidates = self.pd_decider.decide(ctx, adapter, candidates)
+            decision = ctx.decision
         ctx.charges.release()
         ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
-        adapter = adapter_for(decision.endpoint.engine)
+        if cont.lora is not None and self.lora is not None:
+            self.lora.charge(ctx)
+        ctx.trace.routed(decision, len(candidates))
         if decision.prefill is not None:
             return await self.pd.reopen(ctx, adapter)
         ep = decision.endpoint
