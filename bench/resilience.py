@@ -40,6 +40,7 @@ from bench.soak import Procs, free_port, machine_info, wait_http
 SCENARIOS: dict[str, str] = {
     "sick-engine": "bench.resilience_sick",
     "overload": "bench.resilience_overload",
+    "mid-stream": "bench.resilience_midstream",
 }
 
 REPO = Path(__file__).resolve().parent.parent

@@ -268,7 +268,8 @@ class Engine:
                 allow_eos = not params.ignore_eos and n >= params.min_tokens
                 token = source.next_token(allow_eos, cfg.eos_probability)
                 if n == 0 and seq.first_token is not None:
-                    token = seq.first_token  # drawn above anyway, so the rest of the stream is unchanged
+                    token = seq.first_token  # the prefill's draw from the same context
+                source.advance(token)
                 self._emit(seq, token)
                 if seq.finished:
                     return

@@ -100,6 +100,20 @@ class HFTokenizer:
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         return self._encode_plain(self.render_chat(messages))
 
+    def encode_open_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """``continue_final_message``: the conversation without a generation prompt, cut right
+        after the last message's text (its end-of-turn tokens dropped), as transformers does."""
+        if self._template is None:
+            raise ValueError("the tokenizer has no chat_template")
+        text = self._template.render(messages=messages, add_generation_prompt=False, bos_token=self.bos_token,
+                                     eos_token=self.eos_token)
+        content = messages[-1].get("content") if messages else None
+        if isinstance(content, str) and content:
+            cut = text.rfind(content)
+            if cut >= 0:
+                text = text[:cut + len(content)]
+        return self._encode_plain(text)
+
     def piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 

@@ -30,6 +30,17 @@ class OpenAIRequest:
     stop: tuple[str, ...]
     ignore_eos: bool
     cache_salt: str | None
+    return_token_ids: bool = False
+
+
+def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"1 validation error:\n  {name}: Input should be a valid boolean", type_=_BAD,
+                       param=name)
+    return value
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -81,18 +92,35 @@ def completion_prompt_ids(prompt: Any, tokenizer: FakeTokenizer) -> list[int]:
                    "or a list of token ids", type_=_BAD, param="prompt")
 
 
-def chat_prompt_ids(messages: Any, tokenizer: FakeTokenizer) -> list[int]:
+def chat_prompt_ids(messages: Any, tokenizer: FakeTokenizer, add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> list[int]:
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "1 validation error:\n  messages: Input should be a valid list of messages",
                        type_=_BAD, param="messages")
     if not messages:
         raise ApiError(400, "Messages cannot be empty.", type_="BadRequestError", param="messages")
-    return tokenizer.encode_chat(messages)
+    # continue_final_message: the last message stays open, the model continues it
+    return tokenizer.encode_open_chat(messages) if continue_final else tokenizer.encode_chat(messages)
 
 
-def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer) -> OpenAIRequest:
+def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
+    """``(add_generation_prompt, continue_final_message)``. vLLM has both (the first defaults to
+    true) and refuses them together; SGLang has only ``continue_final_message``, which then replaces
+    the generation prompt."""
+    cont = _flag(body, "continue_final_message", False)
+    if not vllm:
+        return not cont, cont
+    agp = _flag(body, "add_generation_prompt", True)
+    if agp and cont:
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                       type_="BadRequestError")
+    return agp, cont
+
+
+def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm: bool = True) -> OpenAIRequest:
     if kind == "chat":
-        prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer)
+        agp, cont = chat_template_flags(body, vllm)
+        prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont)
         max_tokens = _int_field(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", 1)
@@ -127,4 +155,5 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer) -> O
         stop=parse_stop(body.get("stop")),
         ignore_eos=bool(body.get("ignore_eos", False)),
         cache_salt=salt if isinstance(salt, str) and salt else None,
+        return_token_ids=_flag(body, "return_token_ids", False),
     )

@@ -127,7 +127,7 @@ class SglangApi:
     async def _openai(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:
             body = await read_json(request, require_json=False)
-            req = parse_openai(body, kind, self.engine.tokenizer)
+            req = parse_openai(body, kind, self.engine.tokenizer, vllm=False)
             model = req.model if req.model is not None else "default"
             max_tokens = req.max_tokens or self.cfg.max_tokens_default(kind)
             params = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,

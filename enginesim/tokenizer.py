@@ -6,14 +6,14 @@ four characters make a token. Pieces are "leading whitespace + up to four visibl
 ``decode(encode(text)) == text`` for any text, and ids come from a stable hash of the piece.
 
 Generated text is drawn from a fixed vocabulary of short pseudo-words (each one piece long, so the
-output re-tokenizes to the same count) by an RNG seeded from (seed, model, prompt ids): the same
-request always produces the same answer.
+output re-tokenizes to the same count), each token chosen by a hash of (seed, model, the context's
+ids so far): the same request always produces the same answer, and a request continued from a
+partial answer (as ids, or as text that re-tokenizes to them) produces the rest of it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import random
 import re
 from array import array
 from collections.abc import Iterable, Sequence
@@ -85,6 +85,17 @@ class FakeTokenizer:
     def encode_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         return self.encode(render_chat(messages))
 
+    def encode_open_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """A chat whose last message stays open (``continue_final_message``): no end of turn, no
+        generation prompt. The open message's text is tokenized apart from its role header, as a
+        real template's special tokens separate it, so a partial answer sent back as text gets the
+        ids the model generated for it (output words are one piece each)."""
+        if not messages:
+            return self.encode_chat(messages)
+        last = messages[-1]
+        head = render_chat(messages[:-1], add_generation_prompt=False) + f"<|{last.get('role', 'user')}|>\n"
+        return self.encode(head) + self.encode(content_text(last.get("content")))
+
     def piece(self, token_id: int) -> str:
         """The text of one id; unknown ids decode to a visible placeholder."""
         found = self._pieces.get(token_id)
@@ -118,27 +129,48 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
-def render_chat(messages: Sequence[dict[str, Any]]) -> str:
-    """A Llama-ish template: the same conversation prefix always renders to the same text."""
+def render_chat(messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final: bool = False) -> str:
+    """A Llama-ish template: the same conversation prefix always renders to the same text.
+
+    ``continue_final`` leaves the last message open (no end-of-turn newline, no generation
+    prompt), so a partial assistant message renders exactly as the model's own output did after
+    the generation prompt: ``render(m) + partial == render(m + [assistant partial], continue_final)``.
+    ``FakeTokenizer.encode_open_chat`` tokenizes such a prompt with the open message's text on its
+    own, as a real template's role header (special tokens) separates it.
+    """
     parts = [f"<|{m.get('role', 'user')}|>\n{content_text(m.get('content'))}\n" for m in messages]
-    parts.append("<|assistant|>\n")
+    if continue_final and parts:
+        parts[-1] = parts[-1][:-1]
+    elif add_generation_prompt:
+        parts.append("<|assistant|>\n")
     return "".join(parts)
 
 
 class OutputSource:
-    """The deterministic token stream the model "generates" for one prompt."""
+    """The deterministic token stream the model "generates" for one prompt.
+
+    Like a greedy language model, the next token is a function of the whole context: the prompt's
+    ids and every id generated so far (a streaming hash, so it does not matter how the context is
+    split between prompt and output). A request whose prompt is another request's prompt followed
+    by the first k ids it generated therefore generates exactly that request's remaining tokens.
+    """
 
     def __init__(self, tokenizer: FakeTokenizer, seed: int, key: str, prompt_ids: Sequence[int]) -> None:
-        h = hashlib.blake2b(digest_size=16)
-        h.update(f"{seed}\0{key}\0".encode())
-        h.update(ids_bytes(prompt_ids))
-        self._rng = random.Random(int.from_bytes(h.digest(), "little"))
+        self._h = hashlib.blake2b(digest_size=16)
+        self._h.update(f"{seed}\0{key}\0".encode())
+        self._h.update(ids_bytes(prompt_ids))
         self._vocab = tokenizer.output_ids
 
     def next_token(self, allow_eos: bool, eos_probability: float) -> int:
-        # Always draw both numbers so allow_eos does not shift the rest of the stream.
-        roll = self._rng.random()
-        word = self._vocab[self._rng.randrange(len(self._vocab))]
+        """The token that follows the context; call ``advance`` with the token actually emitted."""
+        digest = self._h.copy().digest()
+        roll = int.from_bytes(digest[:8], "little") / 2.0**64
+        word = self._vocab[int.from_bytes(digest[8:], "little") % len(self._vocab)]
         if allow_eos and roll < eos_probability:
             return EOS_TOKEN_ID
         return word
+
+    def advance(self, token_id: int) -> None:
+        """``token_id`` joins the context."""
+        self._h.update(ids_bytes((token_id,)))

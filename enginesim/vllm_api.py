@@ -163,10 +163,11 @@ class VllmApi:
         else:
             choice["text"] = result.text
         choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
-                       "stop_reason": self._stop_reason(seq), "token_ids": None})
+                       "stop_reason": self._stop_reason(seq),
+                       "token_ids": list(seq.output_ids) if req.return_token_ids else None})
         if req.kind == "completions":
             choice["prompt_logprobs"] = None
-            choice["prompt_token_ids"] = None
+            choice["prompt_token_ids"] = seq.prompt_ids if req.return_token_ids else None
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": [choice],
@@ -175,7 +176,7 @@ class VllmApi:
         }
         if req.kind == "chat":
             body["prompt_logprobs"] = None
-            body["prompt_token_ids"] = None
+            body["prompt_token_ids"] = seq.prompt_ids if req.return_token_ids else None
         body["kv_transfer_params"] = None
         body.update(self.engine.role.response_extras(seq))
         return json_response(body, headers=headers)
@@ -205,14 +206,18 @@ class VllmApi:
                 if out.finish_reason == "error" or out.status is not None:
                     await writer.send(internal_error().stream_payload(STYLE))
                     return await writer.done()
+                prompt_ids = seq.prompt_ids if req.return_token_ids else None
                 if chat and first:
+                    # return_token_ids: the prompt's ids ride on the first chunk ever
                     await writer.send(chunk(
                         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}, prompt_token_ids=None, prompt_text=None))
+                         "finish_reason": None}, prompt_token_ids=prompt_ids, prompt_text=None))
+                    prompt_ids = None
+                if out.finish_reason is None and not out.text and not (req.return_token_ids and out.token_ids):
+                    continue  # held back (maybe the start of a stop string); its ids still go out when asked
+                await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage,
+                                                    req.return_token_ids, prompt_ids if first else None))
                 first = False
-                if out.finish_reason is None and not out.text:
-                    continue  # held back (maybe the start of a stop string)
-                await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage))
         if req.include_usage:
             await writer.send({"id": seq.id, "object": obj, "created": seq.created,
                                "model": seq.lora or self.cfg.served_name, "choices": [],
@@ -221,7 +226,8 @@ class VllmApi:
         return await writer.done()
 
     def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
-                     has_usage_chunk: bool) -> dict[str, Any]:
+                     has_usage_chunk: bool, token_ids: bool = False,
+                     prompt_ids: list[int] | None = None) -> dict[str, Any]:
         finishing = out.finish_reason is not None
         choice: dict[str, Any] = {"index": 0}
         if chat:
@@ -233,7 +239,11 @@ class VllmApi:
         if finishing or not chat:
             choice["stop_reason"] = self._stop_reason(seq) if finishing else None
         if chat:
-            choice["token_ids"] = None
+            choice["token_ids"] = list(out.token_ids) if token_ids else None
+        elif token_ids:       # completions: the prompt's ids on the first chunk, in its choice
+            if prompt_ids is not None:
+                choice["prompt_token_ids"] = prompt_ids
+            choice["token_ids"] = list(out.token_ids)
         extra: dict[str, Any] = {}
         if chat:
             extra["kv_transfer_params"] = None

@@ -194,6 +194,7 @@ class ModelConfig(_Block):
     admission: AdmissionConfig | None = None   # keys laid over the global admission block
     tokenizer: str | None = None         # Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)
     kv_events: KVEventsConfig | None = None   # engine KV-cache events → precise prefix-cache routing
+    migration_limit: Annotated[int, Meta(ge=0, le=8)] = 0   # mid-stream continuations per stream (0: off)
 
     def __post_init__(self) -> None:
         if self.kv_events is not None and self.kv_events.enabled and not self.tokenizer:

@@ -102,6 +102,7 @@ class RequestContext:
     trace: Trace = NO_TRACE                          # the request's trace (gateway.tracing); no-op when off
     api: ApiShape | None = None                      # the request's API when not chat/completions/embeddings
     api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
+    migration: Any = None                            # a stream's continuation state (gateway/migration.py)
 
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:

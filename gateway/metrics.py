@@ -89,6 +89,10 @@ class GatewayMetrics:
                                              "Span batches the OTLP exporter failed to deliver", registry=r)
         self.trace_spans = Counter("switchyard_trace_spans", "Spans handed to the OTLP exporter, by result",
                                    ["result"], registry=r)
+        # mid-stream continuation (gateway/migration.py): each failed leg of a stream that had
+        # migration on, by what failed it and what the gateway did (continued, refused_<why>, ...)
+        self.migrations = Counter("switchyard_migrations", "Mid-stream failures of streams with migration on, "
+                                  "by reason and outcome", ["model", "reason", "outcome"], registry=r)
         self._children: dict[tuple, object] = {}
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],

@@ -87,6 +87,8 @@ class PDOrchestrator:
         plan = adapter.pd_plan(ireq, checked, prefill=prefill, settings=settings, rng=self.rng)
         ctx.rec.extra.update(plan.log)
         headers = upstream_headers(ireq)
+        if ctx.migration is not None:       # a continuation elsewhere first stops this decode
+            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
         if plan.concurrent:
             return await self._concurrent(ctx, adapter, plan, headers)
         return await self._sequential(ctx, adapter, plan, headers)
@@ -95,6 +97,11 @@ class PDOrchestrator:
 
     async def _sequential(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
                           headers: dict[str, str]) -> web.StreamResponse:
+        resp, prefill_start, prefill_end, decode_start = await self._open_sequential(ctx, adapter, plan, headers)
+        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
+
+    async def _open_sequential(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                               headers: dict[str, str]) -> tuple[UpstreamResponse, float, float | None, float]:
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
         ireq, prefill = ctx.ireq, ctx.decision.prefill
         settings = self.config.pd_for(ireq.model)
@@ -119,10 +126,15 @@ class PDOrchestrator:
             self._abort_decode(ctx, plan)
             raise
         leg.responded(resp.status)
-        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
+        return resp, prefill_start, prefill_end, decode_start
 
     async def _concurrent(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
                           headers: dict[str, str]) -> web.StreamResponse:
+        resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers)
+        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
+
+    async def _open_concurrent(self, ctx: RequestContext, plan: PDPlan, headers: dict[str, str]
+                               ) -> tuple[UpstreamResponse, float, float | None, float]:
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
         assert plan.decode_body is not None
         ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
@@ -193,8 +205,23 @@ class PDOrchestrator:
         if resp.status != 200 and not prefill_task.done():
             self._abort(ctx, prefill, plan.abort)    # the prefill would wait for a decode that gave up
             prefill_task.cancel()
-        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start,
-                                        prefill_end[0] if prefill_end else None, decode_start)
+        return resp, prefill_start, prefill_end[0] if prefill_end else None, decode_start
+
+    async def reopen(self, ctx: RequestContext, adapter: EngineAdapter) -> UpstreamResponse:
+        """A mid-stream continuation through a fresh pair (``ctx.decision``, ``ctx.ireq`` already
+        the continuation's): its prefill, then its decode up to the response head, for the relay
+        to go on with (gateway/migration.py)."""
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq, prefill = ctx.ireq, ctx.decision.prefill
+        ctx.rec.prefill_endpoint = prefill.name
+        ctx.use(ctx.decision.endpoint)
+        plan = adapter.pd_plan(ireq, None, prefill=prefill, settings=self.config.pd_for(ireq.model), rng=self.rng)
+        headers = upstream_headers(ireq)
+        if ctx.migration is not None:
+            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
+        opened = self._open_concurrent(ctx, plan, headers) if plan.concurrent else \
+            self._open_sequential(ctx, adapter, plan, headers)
+        return (await opened)[0]
 
     # -- legs ----------------------------------------------------------------------------------
 

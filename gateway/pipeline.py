@@ -24,16 +24,18 @@ from gateway.config import Config
 from gateway.context import RecordObserver, RequestContext, record_request, safe_header_value
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
+from gateway.h1client import UpstreamResponse
 from gateway.ledger import charge
 from gateway.lifecycle import Lifecycle
 from gateway.logs import RequestLog
 from gateway.lora import Lora
 from gateway.metrics import GatewayMetrics
+from gateway.migration import Migration
 from gateway.outcome import Outcome, of_status
 from gateway.pd import PDOrchestrator
 from gateway.pd_decide import PDDecider
 from gateway.relay import Relay, error_event
-from gateway.request import parse
+from gateway.request import InferenceRequest, parse
 from gateway.retry import Retries, discard
 from gateway.routing import Routing
 from gateway.tenants.service import Tenancy
@@ -124,6 +126,11 @@ class Pipeline:
             if ireq.lora is not None and self.lora is not None:
                 self.lora.charge(ctx)
             ctx.trace.routed(decision, len(candidates))
+            limit = getattr(self.config.model(ireq.model), "migration_limit", 0)
+            if limit:                       # mid-stream continuation (gateway/migration.py)
+                ctx.migration = Migration.begin(ctx, limit, candidates[0].engine, self.metrics)
+                if ctx.migration is not None:
+                    ctx.migration.reopen = lambda cont, avoid: self._reopen(ctx, cont, avoid)
             if decision.prefill is not None:
                 return await self.pd.forward(ctx, adapter, checked)
             return await self.forward(ctx, candidates)
@@ -231,6 +238,40 @@ class Pipeline:
                 continue
             break
         return await self.relay.answer(ctx, resp, adapter_for(ep.engine), strip_usage, wd)
+
+    async def _reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
+        """Open the leg that continues a stream (``cont``) on an endpoint (or P/D pair) other
+        than those in ``avoid``; the request's charges move to it."""
+        rec = ctx.rec
+        router = self.routing.router_for(rec.strategy)
+        candidates = [c for c in self.routing.candidates(cont.model, router) if c.name not in avoid]
+        ctx.ireq = cont
+        if candidates and cont.lora is not None and self.lora is not None and not router.chooses_pairs:
+            candidates = await self.lora.prepare(ctx, candidates)   # those serving the adapter
+        if not candidates:
+            raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")
+        adapter = adapter_for(candidates[0].engine)
+        ctx.trace.route_start()
+        decision = ctx.decision = self.routing.route(cont, rec.strategy, router, candidates)
+        if router.chooses_pairs and self.pd_decider is not None:
+            candidates = self.pd_decider.decide(ctx, adapter, candidates)
+            decision = ctx.decision
+        ctx.charges.release()
+        ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
+        if cont.lora is not None and self.lora is not None:
+            self.lora.charge(ctx)
+        ctx.trace.routed(decision, len(candidates))
+        if decision.prefill is not None:
+            return await self.pd.reopen(ctx, adapter)
+        ep = decision.endpoint
+        ctx.use(ep)
+        wd = self.config.watchdog_for(cont.model)
+        limit = (wd.first_chunk_timeout_s if wd.aggregated else 0.0) or self.config.upstream.first_byte_timeout_s
+        leg = ctx.trace.leg("generate", ep, attempt=1)
+        resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit or None,
+                                        cont.model)
+        leg.responded(resp.status)
+        return resp
 
     # -- error answers -------------------------------------------------------------------------
 

@@ -66,6 +66,8 @@ class Relay:
                 return await self._error(ctx, resp, headers)
             ctype = resp.headers.get("Content-Type", "application/json")
             if ctype.startswith("text/event-stream"):
+                if ctx.migration is not None and ctx.migration.active:    # gateway/migration.py
+                    return await ctx.migration.stream(self, ctx, resp, headers, wd)
                 return await self._stream(ctx, resp, headers, strip_usage, wd)
             return await self._body(ctx, resp, adapter, headers, ctype, wd)
         except asyncio.CancelledError:
@@ -171,6 +173,8 @@ class Relay:
             rec.error_class = "client_cancel"
             raise asyncio.CancelledError from None
         self._stream_observations(rec, scanner)
+        if ctx.migration is not None and (failure is not None or scanner.error is not None):
+            ctx.migration.unmigrated(rec, rec.error_class or "upstream_stream_error")   # refused: counted
         if failure is not None:
             try:
                 await write(failure)

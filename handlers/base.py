@@ -90,6 +90,17 @@ class EngineAdapter(Protocol):
         """Members a request body needs, beyond ``model``, to run on adapter ``name``."""
         ...
 
+    # -- mid-stream continuation (gateway/migration.py) ------------------------------------------
+
+    def continuation_mode(self, ireq: InferenceRequest) -> str:
+        """How a stream of this engine is continued elsewhere: ``token`` or ``text``
+        (``handlers.continuation``)."""
+        ...
+
+    def default_max_tokens(self, path: str) -> int | None:
+        """The engine's max_tokens when a request names none; None: the rest of the context."""
+        ...
+
 
 def engine_message(answer: bytes, limit: int = 500) -> str:
     """The message of an engine's error answer: OpenAI's ``error.message``, SGLang's

@@ -20,9 +20,10 @@ import orjson
 
 from gateway.apis.paths import DETOKENIZE, TOKENIZE, TRANSCRIPTIONS
 from gateway.endpoints import Endpoint
-from gateway.request import InferenceRequest, usage_stream_options
+from gateway.request import CHAT, InferenceRequest, usage_stream_options
 from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, engine_message, openai_usage
 from handlers.base import BodyError as _BodyError
+from handlers.continuation import TEXT
 
 
 class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -213,6 +214,16 @@ class SGLangAdapter:
 
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {"lora_path": name}      # SGLang picks the adapter by its name in lora_path
+
+    def continuation_mode(self, ireq: InferenceRequest) -> str:
+        """Text: a chat continues its final assistant message (``continue_final_message``), a
+        completion its prompt. SGLang's token fields on the OpenAI surface (``return_token_ids``,
+        chat ``input_ids``) are recent and not in every deployed version, so they are not relied on."""
+        return TEXT
+
+    def default_max_tokens(self, path: str) -> int | None:
+        """SGLang's default: 16 for a completion, its sampling default of 128 new tokens for chat."""
+        return 128 if path == CHAT else 16
 
 
 SGLANG = SGLangAdapter()

@@ -14,8 +14,9 @@ import orjson
 
 from gateway.apis.paths import ANTHROPIC_PATHS, PASSTHROUGH_PATHS
 from gateway.endpoints import Endpoint
-from gateway.request import InferenceRequest, usage_stream_options
+from gateway.request import CHAT, InferenceRequest, usage_stream_options
 from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, engine_message, openai_usage
+from handlers.continuation import TEXT, TOKEN, stop_strings, tools_on
 
 # `vllm serve` answers the Anthropic Messages API (vllm/entrypoints/anthropic/api_router.py) and
 # every pass-through path: rerank (three spellings), score, tokenize, detokenize, audio
@@ -135,6 +136,19 @@ class VLLMAdapter:
 
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {}        # vLLM serves an adapter under its own name in ``model``
+
+    def continuation_mode(self, ireq: InferenceRequest) -> str:
+        """Token-exact (``return_token_ids`` + a prompt of ids) unless the continuation must go
+        through the chat parsers (tools) or the stream may hold text back (stop strings: vLLM
+        sends a token's ids before its text when the text could begin a stop string, so the
+        client's text and the ids would disagree at the seam)."""
+        if (ireq.path == CHAT and tools_on(ireq.data)) or stop_strings(ireq.data):
+            return TEXT
+        return TOKEN
+
+    def default_max_tokens(self, path: str) -> int | None:
+        """vLLM's default: 16 for a completion; the rest of the context for chat (left unset)."""
+        return None if path == CHAT else 16
 
 
 VLLM = VLLMAdapter()

@@ -1,0 +1,146 @@
+"""Continuing a stream on another engine: what each leg's request body is (pure, no I/O).
+
+Two ways to hand an engine what was already generated:
+
+- ``token``: the first leg asks for ``return_token_ids`` (vLLM: the prompt's ids on the first
+  chunk, each chunk's generated ids); the continuation is a ``/v1/completions`` request whose prompt
+  is those ids followed by the generated ones. Token-exact: the engine resumes from the very state
+  the dying one had, with no re-tokenization at the seam. A chat request is continued this way too
+  (the chat template was applied once, on the first leg), so the gateway re-frames the
+  continuation's completion chunks as chat chunks.
+- ``text``: the partial answer goes back as text: a chat request gets it as a final assistant
+  message with ``continue_final_message`` (and ``add_generation_prompt: false`` on vLLM, which
+  refuses both at once), a completion gets it appended to its string prompt. Faithful up to
+  re-tokenization at the seam.
+
+Which one an engine gets is its adapter's choice (``handlers.vllm``, ``handlers.sglang``).
+Both legs ask for usage on every chunk (``continuous_usage_stats``), so the tokens generated before
+a failure are known exactly and ``max_tokens``/``min_tokens`` of the next leg are reduced by them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.request import CHAT, COMPLETIONS
+
+TOKEN = "token"
+TEXT = "text"
+
+USAGE_EVERY_CHUNK = {"include_usage": True, "continuous_usage_stats": True}
+
+# what a chat request's sampling is, when it is continued as a completion of token ids
+_CARRIED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos",
+            "skip_special_tokens", "spaces_between_special_tokens", "seed", "user", "priority", "cache_salt",
+            "bad_words", "allowed_token_ids", "logit_bias", "include_stop_str_in_output", "vllm_xargs",
+            "presence_penalty", "frequency_penalty")
+# keys of a completion request that do not carry over to its continuation
+_NOT_CARRIED = ("prompt", "max_tokens", "min_tokens", "echo", "stream_options", "suffix", "return_token_ids")
+
+
+@dataclass(slots=True)
+class Partial:
+    """What the client has been sent of a stream so far."""
+
+    path: str                              # the client's path
+    data: dict[str, Any]                   # the client's request
+    text: str = ""                         # generated text the client saw
+    prompt_ids: list[int] | None = None    # the first leg's prompt as token ids (token mode)
+    token_ids: list[int] = field(default_factory=list)   # generated ids (token mode)
+    completion_tokens: int = 0             # tokens generated so far, all legs
+
+
+def first_leg(data: dict[str, Any], mode: str) -> dict[str, Any]:
+    """The first leg's body: usage on every chunk, and the token ids in token mode."""
+    out = {**data, "stream_options": dict(USAGE_EVERY_CHUNK)}
+    if mode == TOKEN:
+        out["return_token_ids"] = True
+    return out
+
+
+def max_tokens_of(path: str, data: dict[str, Any]) -> int | None:
+    if path == CHAT:
+        v = data.get("max_completion_tokens")
+        if v is None:
+            v = data.get("max_tokens")
+    else:
+        v = data.get("max_tokens")
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _reduced(data: dict[str, Any], p: Partial, default_max: int | None) -> tuple[int | None, int | None]:
+    """(max_tokens, min_tokens) of the next leg; None: leave unset."""
+    given = max_tokens_of(p.path, data)
+    if given is None:
+        given = default_max
+    left = None if given is None else max(1, given - p.completion_tokens)
+    mn = data.get("min_tokens")
+    min_left = max(0, mn - p.completion_tokens) if isinstance(mn, int) and not isinstance(mn, bool) and mn else None
+    return left, min_left
+
+
+def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, dict[str, Any]]:
+    """(path, body) of the request that continues the stream."""
+    data = p.data
+    left, min_left = _reduced(data, p, default_max)
+    if mode == TOKEN:
+        assert p.prompt_ids is not None
+        if p.path == CHAT:
+            body = {k: data[k] for k in _CARRIED if k in data}
+        else:
+            body = {k: v for k, v in data.items() if k not in _NOT_CARRIED}
+        body.update(model=data.get("model"), prompt=p.prompt_ids + p.token_ids, stream=True,
+                    stream_options=dict(USAGE_EVERY_CHUNK), return_token_ids=True)
+        if left is not None:
+            body["max_tokens"] = left
+        if min_left is not None:
+            body["min_tokens"] = min_left
+        return COMPLETIONS, body
+    body = {**data, "stream_options": dict(USAGE_EVERY_CHUNK)}
+    body.pop("return_token_ids", None)
+    if p.path == CHAT:
+        messages = list(data["messages"])
+        last = messages[-1] if messages else None
+        if (data.get("continue_final_message") and isinstance(last, dict) and last.get("role") == "assistant"
+                and isinstance(last.get("content"), str)):
+            messages[-1] = {**last, "content": last["content"] + p.text}   # the client's own prefill, extended
+        else:
+            messages.append({"role": "assistant", "content": p.text})
+        body["messages"] = messages
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False     # vLLM refuses both at once; SGLang ignores the key
+        body.pop("max_tokens", None)
+        body.pop("max_completion_tokens", None)
+    else:
+        body["prompt"] = text_prompt(data) + p.text
+        body["echo"] = False
+    if left is not None:
+        body["max_tokens"] = left
+    if min_left is not None:
+        body["min_tokens"] = min_left
+    return p.path, body
+
+
+def text_prompt(data: dict[str, Any]) -> str:
+    """A completion's prompt as one string ("" when it is not one: token ids, a batch)."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else ""
+
+
+def stop_strings(data: dict[str, Any]) -> bool:
+    stop = data.get("stop")
+    return bool(stop) and (isinstance(stop, str) or any(isinstance(s, str) and s for s in stop or ()))
+
+
+def tools_on(data: dict[str, Any]) -> bool:
+    return bool(data.get("tools")) and data.get("tool_choice") != "none"
+
+
+def text_mode_refusal(path: str, data: dict[str, Any]) -> str | None:
+    """Why a text continuation cannot be built for this request (None: it can)."""
+    if path == COMPLETIONS and not text_prompt(data):
+        return "prompt_form"      # token ids or a batch: no text to append to
+    return None
