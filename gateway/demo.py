@@ -58,6 +58,7 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
         rs = m.setdefault("rolesets", [{"name": "rs-1", "prefill": [], "decode": []}])[0]
         rs[role].append({"url": url, **entry} if entry else url)
     models["demo-llama"]["admission"] = DEMO_ADMISSION
+    models["demo-llama"]["migration_limit"] = 2      # a stream whose engine dies goes on elsewhere
     return {
         "listen": {"host": host or "127.0.0.1", "port": 8888 if port is None else port},
         "server": {"log_format": log_format},
@@ -116,6 +117,14 @@ its breaker open (x-retries shows the 500s retried elsewhere), then heal it:
        -H 'Content-Type: application/json' -d '{{{{"model":"demo-llama","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' \\
        | grep -i -e '^HTTP' -e '^x-retries'; done
   curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_breaker_state' -e '^switchyard_retries_total'
+  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null
+
+Mid-stream continuation (demo-llama has migration_limit 2): make a replica drop every stream after
+4 tokens; streams it was serving finish on the other replica, one stream to the client:
+  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"drop_after=4"}}}}' >/dev/null
+  for i in 1 2; do curl -sN http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \
+       -d '{{{{"model":"demo-llama","stream":true,"max_tokens":12,"messages":[{{{{"role":"user","content":"Go"}}}}]}}}}' | tail -c 200; echo; done
+  curl -s http://{host}:{{port}}/metrics | grep '^switchyard_migrations_total'
   curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)

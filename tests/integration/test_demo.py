@@ -76,6 +76,26 @@ async def test_demo_answers_every_model_streaming_and_not():
         lora = await client.chat.completions.create(model="chat-lora", max_tokens=2,
                                                     messages=[{"role": "user", "content": "Hi"}])
         assert lora.model == "chat-lora" and lora.choices[0].message.content
+        # mid-stream continuation, as the banner shows: a replica drops every stream after 4 tokens,
+        # and each stream still ends whole (12 tokens, one usage block) on the other replica
+        async with aiohttp.ClientSession() as s:
+            await (await s.post("http://127.0.0.1:8102/_sim/config", json={"fault": "drop_after=4"})).read()
+            async def whole() -> int:
+                stream = await client.chat.completions.create(
+                    model="demo-llama", max_tokens=12, stream=True, stream_options={"include_usage": True},
+                    messages=[{"role": "user", "content": "Go"}])
+                usage = [c.usage async for c in stream if c.usage is not None]
+                assert len(usage) == 1
+                return usage[0].completion_tokens
+
+            try:    # concurrent, so least-request puts some on each replica
+                assert await asyncio.gather(*(whole() for _ in range(4))) == [12] * 4
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    migrated = [line for line in (await r.text()).splitlines()
+                                if line.startswith("switchyard_migrations_total{") and 'outcome="continued"' in line]
+                assert migrated and sum(float(line.rsplit(" ", 1)[1]) for line in migrated) >= 1
+            finally:
+                await (await s.post("http://127.0.0.1:8102/_sim/config", json={"fault": "none"})).read()
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-qwen-pd", max_tokens=3, messages=[{"role": "user", "content": "Trace me"}])
         assert raw.headers["x-pd-decision"].startswith("disaggregated")
