@@ -45,6 +45,7 @@ from gateway.errors import GatewayError
 from gateway.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from gateway.metrics import GatewayMetrics
 from gateway.outcome import Outcome
+from gateway.relay import Relay, open_sse
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
 from gateway.sse import SSEScanner
 from gateway.upstream import UpstreamFailure
@@ -53,9 +54,6 @@ from handlers.continuation import TEXT, TOKEN, Partial, continuation, first_leg,
 
 if TYPE_CHECKING:
     from gateway.context import RequestContext
-    from gateway.relay import Relay
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 # opens the leg that continues the stream: (the continuation request, endpoint names to avoid)
 Reopen = Callable[[InferenceRequest, set[str]], Awaitable[UpstreamResponse]]
@@ -170,13 +168,7 @@ class Migration:
     async def stream(self, relay: Relay, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
                      wd: WatchdogConfig | None) -> web.StreamResponse:
         rec = ctx.rec
-        out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
-        out.content_type = "text/event-stream"
-        out.charset = "utf-8"
-        await out.prepare(ctx.http)
-        ctx.response = out
-        rec.headers_sent = True
-        rec.status = 200
+        out = await open_sse(ctx, headers)
         seen = SSEScanner()      # what the client receives: first token, gaps, finish
         try:
             while True:

@@ -47,6 +47,18 @@ class WatchdogFired(Exception):
         self.seconds = seconds
 
 
+async def open_sse(ctx: RequestContext, headers: dict[str, str]) -> web.StreamResponse:
+    """Send the client the headers of a 200 event stream; from here on, errors are events."""
+    out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
+    out.content_type = "text/event-stream"
+    out.charset = "utf-8"
+    await out.prepare(ctx.http)
+    ctx.response = out
+    ctx.rec.headers_sent = True
+    ctx.rec.status = 200
+    return out
+
+
 class Relay:
     def __init__(self, cfg: UpstreamConfig, metrics: GatewayMetrics,
                  record: Callable[..., None] | None = None) -> None:
@@ -106,13 +118,7 @@ class Relay:
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
         api = ctx.api
         scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
-        out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
-        out.content_type = "text/event-stream"
-        out.charset = "utf-8"
-        await out.prepare(ctx.http)
-        ctx.response = out
-        rec.headers_sent = True
-        rec.status = 200
+        out = await open_sse(ctx, headers)
         readany = resp.readany
         write = out.write
         feed = scanner.feed
