@@ -315,7 +315,7 @@ def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsM
     from gateway.tokenization import load_tokenizers
 
     dirs = {m.name: m.tokenizer for m in config.models if m.tokenizer}
-    wanted = any(m.kv_events is not None and m.kv_events.enabled for m in config.models)
+    wanted = any(m.wants_kv_events for m in config.models)
     if not dirs or not (wanted or config.kubernetes.enabled):
         return None
     by_model = {m.name: m.kv_events for m in config.models}
