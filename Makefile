@@ -125,6 +125,6 @@ bench-resilience: $(STAMP)
 
 # issue #14: adapter-aware routing against least-request, conditional against always-disaggregate
 .PHONY: bench-lora-pd
-bench-lora-pd: $(STAMP)
-	$(BIN)/python bench/lora_pd.py --scenario lora
-	$(BIN)/python bench/lora_pd.py --scenario pd
+bench-lora-pd: $(BENCHSTAMP)
+	$(BIN)/python bench/lora_pd.py --scenario lora --plot
+	$(BIN)/python bench/lora_pd.py --scenario pd --plot

@@ -16,7 +16,9 @@ new user message. Once with the default (every request disaggregated) and once w
 the decode).
 
 The report: requests, mean / p50 / p99 TTFT per arm, and the ratio of the means; ``--json`` writes
-it to a file.
+it to a file. ``--plot [PATH]`` draws each arm's TTFT distribution (CDF, and a box of p1..p99) with
+matplotlib (``pip install -e '.[bench]'``): by default ``bench/lora.png`` for ``lora`` and
+``bench/pd_conditional.png`` for ``pd``, with every setting the figure depends on in its title.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import random
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -63,6 +66,53 @@ async def ttft(session: aiohttp.ClientSession, url: str, body: dict, headers: di
             if first is None and line.startswith(b"data: {") and b'"content"' in line:
                 first = time.perf_counter() - t0
     return first if first is not None else time.perf_counter() - t0
+
+
+PLOTS = {"lora": Path(__file__).with_name("lora.png"), "pd": Path(__file__).with_name("pd_conditional.png")}
+
+
+def settings_line(args) -> str:
+    """Every knob the figures of a scenario depend on, for the plot's title and the printout."""
+    if args.scenario == "lora":
+        return (f"4 simulated vLLM engines, {args.adapters} adapters, {args.max_loras} GPU slots each, "
+                f"{args.lora_load_ms:g} ms cold load; {args.clients} closed-loop clients, {args.requests} "
+                f"streams of {args.max_tokens} tokens; ttft_base 5 ms, prefill 0.02 ms/token; seed {args.seed}")
+    return (f"1 prefill + 1 decode (simulated vLLM), {args.conversations} conversations x {args.turns} turns, "
+            f"{args.max_tokens} tokens per answer; prefill {args.prefill_ms_per_token:g} ms/token, KV transfer "
+            f"{args.kv_transfer_ms_per_token:g} ms/token; conditional: disaggregate_min_uncached_tokens 512; "
+            f"seed {args.seed}")
+
+
+def plot(report: dict, samples: dict[str, list[float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a["arm"] for a in report["arms"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    for i, arm in enumerate(arms):
+        v = sorted(1000 * x for x in samples[arm])
+        n = len(v)
+        ax1.plot(v, [(k + 1) / n for k in range(n)], "--" if i == 0 else "-", lw=1.4 if i == 0 else 2.2,
+                 label=f"{arm} (mean {report['arms'][i]['mean_ms']:.0f} ms)")
+    ax1.set_xscale("log")
+    ax1.set_xlabel("TTFT at the client (ms, log scale)")
+    ax1.set_ylabel("fraction of requests")
+    ax1.set_title("TTFT distribution (CDF)")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8, loc="lower right")
+    ax2.boxplot([[1000 * x for x in samples[a]] for a in arms], orientation="horizontal", whis=(1, 99),
+                showfliers=False, showmeans=True)
+    ax2.set_yticks(range(1, len(arms) + 1), arms, fontsize=8)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("TTFT (ms): box p25-p75, whiskers p1-p99, ▲ mean")
+    ax2.invert_yaxis()
+    ax2.grid(True, axis="x", which="both", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def summary(name: str, values: list[float]) -> dict:
@@ -137,14 +187,16 @@ async def pd_arm(args, conditional: bool) -> list[float]:
     return out
 
 
-async def main_async(args) -> dict:
-    report: dict = {"scenario": args.scenario}
+async def main_async(args, samples: dict[str, list[float]] | None = None) -> dict:
+    """The report; each arm's TTFTs (seconds) go into ``samples`` when given (for the plot)."""
+    report: dict = {"scenario": args.scenario, "settings": settings_line(args)}
     if args.scenario == "lora":
-        base = summary("least-request", await lora_arm(args, "least-request"))
-        best = summary("lora-affinity", await lora_arm(args, None))
+        arms = [("least-request", await lora_arm(args, "least-request")), ("lora-affinity", await lora_arm(args, None))]
     else:
-        base = summary("always-disaggregate", await pd_arm(args, False))
-        best = summary("conditional", await pd_arm(args, True))
+        arms = [("always-disaggregate", await pd_arm(args, False)), ("conditional", await pd_arm(args, True))]
+    if samples is not None:
+        samples.update(arms)
+    base, best = (summary(name, v) for name, v in arms)
     report["arms"] = [base, best]
     report["mean_ttft_ratio"] = round(best["mean_ms"] / base["mean_ms"], 3)
     return report
@@ -165,14 +217,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     ap.add_argument("--kv-transfer-ms-per-token", type=float, default=0.1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", nargs="?", const="", default=None, metavar="PATH",
+                    help="draw the TTFT distributions (default path: bench/lora.png or bench/pd_conditional.png)")
     args = ap.parse_args(argv)
-    report = asyncio.run(main_async(args))
+    samples: dict[str, list[float]] = {}
+    report = asyncio.run(main_async(args, samples))
+    print(report["settings"])
     print(f"{'arm':22} {'requests':>8} {'mean ms':>9} {'p50 ms':>8} {'p99 ms':>8}")
     for a in report["arms"]:
         print(f"{a['arm']:22} {a['requests']:8d} {a['mean_ms']:9.1f} {a['p50_ms']:8.1f} {a['p99_ms']:8.1f}")
     print(f"mean TTFT ratio: {report['mean_ttft_ratio']}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+    if args.plot is not None:
+        path = Path(args.plot) if args.plot else PLOTS[args.scenario]
+        what = "adapter-aware routing" if args.scenario == "lora" else "conditional disaggregation"
+        try:
+            title = textwrap.fill(f"Switchyard {what}: {report['settings']}", 150)
+            plot(report, samples, path, f"{title}\nmean TTFT ratio {report['mean_ttft_ratio']:.2f}")
+            print(f"plot: {path}", file=sys.stderr)
+        except ImportError:
+            print("matplotlib not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
     return 0
 
 

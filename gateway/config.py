@@ -28,7 +28,7 @@ from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.breaker import BreakerConfig
 from gateway.endpoints import ENGINES
-from gateway.kv_settings import KVEventsConfig
+from gateway.kv_settings import KVEventsConfig, KVEventsEndpointConfig
 from gateway.lora_config import LoraConfig, check_adapters
 from gateway.retry import RetryConfig
 from gateway.strict import StrictError, convert, laid_over, without_nulls
@@ -164,6 +164,7 @@ class EndpointConfig(_Block):
     bootstrap_port: Port | None = None
     min_prompt_tokens: Count = 0
     max_prompt_tokens: Count = 0
+    kv_events: KVEventsEndpointConfig | None = None   # this engine's event publisher (enables events for it)
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -199,8 +200,18 @@ class ModelConfig(_Block):
     def __post_init__(self) -> None:
         if self.kv_events is not None and self.kv_events.enabled and not self.tokenizer:
             raise ValueError("kv_events.enabled: needs the model's tokenizer directory (tokenizer: <dir>)")
+        if self.wants_kv_events and not self.tokenizer:
+            raise ValueError("an endpoint's kv_events: needs the model's tokenizer directory (tokenizer: <dir>)")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer: no tokenizer.json in {self.tokenizer!r}")
+
+
+    @property
+    def wants_kv_events(self) -> bool:
+        """Some endpoint subscribes to KV events: the model's block enables them, or an endpoint names its own."""
+        return ((self.kv_events is not None and self.kv_events.enabled)
+                or any(e.kv_events is not None for e in self.endpoints)
+                or any(e.kv_events is not None for rs in self.rolesets for e in (*rs.prefill, *rs.decode, *rs.combined)))
 
 
 class ApiKey(_Block):

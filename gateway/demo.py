@@ -1,8 +1,9 @@
 """``python -m gateway --demo``: the gateway plus simulated engines in one process.
 
-Two aggregated models (vLLM-speaking and SGLang-speaking, two replicas each) and two P/D models
-(one prefill + one decode each), on fixed loopback ports, so a newcomer's first ``curl`` works
-with no GPU; and an alias, ``demo-chat``, that splits callers 90/10 over the two aggregated models
+Two aggregated models (vLLM-speaking and SGLang-speaking, two replicas each), two P/D models
+(one prefill + one decode each), and ``demo-kv`` (two vLLM replicas that publish KV-cache events,
+routed by ``prefix-cache`` on what they report holding), on fixed loopback ports, so a newcomer's
+first ``curl`` works with no GPU; and an alias, ``demo-chat``, that splits callers 90/10 over the two aggregated models
 (a canary, sticky per user). With ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, the gateway and the engines send traces
 there.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 
+from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.config import config_from_dict
 from gateway.server import serve
 from gateway.tracing import TracingConfig, resolve
@@ -27,6 +29,14 @@ DEMO_ENGINES = [
     ("demo-llama-pd", "vllm", "decode", 8122, {}, {}),
     ("demo-qwen-pd", "sglang", "prefill", 8131, {"bootstrap_port": 8998}, {"bootstrap_port": 8998}),
     ("demo-qwen-pd", "sglang", "decode", 8132, {}, {}),
+    # KV events: each engine publishes on its own ports (vLLM --kv-events-config), named by its
+    # endpoint entry; both share the small tokenizer the gateway renders and tokenizes prompts with
+    ("demo-kv", "vllm", "aggregated", 8141,
+     {"tokenizer": str(TINY_DIR), "kv_events_port": 8145, "kv_events_replay_port": 8146},
+     {"kv_events": {"port": 8145, "replay_port": 8146}}),
+    ("demo-kv", "vllm", "aggregated", 8142,
+     {"tokenizer": str(TINY_DIR), "kv_events_port": 8147, "kv_events_replay_port": 8148},
+     {"kv_events": {"port": 8147, "replay_port": 8148}}),
 ]
 
 
@@ -51,7 +61,7 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
         m = models.setdefault(model, {"name": model, "engine": engine})
         url = f"http://127.0.0.1:{eport}"
         if role == "aggregated":
-            m.setdefault("endpoints", []).append(url)
+            m.setdefault("endpoints", []).append({"url": url, **entry} if entry else url)
             if model == "demo-llama":
                 m["adapters"] = DEMO_ADAPTERS
             continue
@@ -59,6 +69,8 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
         rs[role].append({"url": url, **entry} if entry else url)
     models["demo-llama"]["admission"] = DEMO_ADMISSION
     models["demo-llama"]["migration_limit"] = 2      # a stream whose engine dies goes on elsewhere
+    # prefix-cache on the engines' own reports; the endpoint entries name each engine's ports
+    models["demo-kv"].update({"strategy": "prefix-cache", "tokenizer": str(TINY_DIR), "kv_events": {"enabled": True}})
     return {
         "listen": {"host": host or "127.0.0.1", "port": 8888 if port is None else port},
         "server": {"log_format": log_format},
@@ -76,6 +88,8 @@ Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
   demo-qwen      SGLang, 2 replicas (127.0.0.1:8111, :8112)
   demo-llama-pd  vLLM P/D:   prefill 127.0.0.1:8121, decode :8122
   demo-qwen-pd   SGLang P/D: prefill 127.0.0.1:8131 (bootstrap 8998), decode :8132
+  demo-kv        vLLM,   2 replicas (127.0.0.1:8141, :8142) publishing KV-cache events (ZMQ on
+                 :8145/:8147, replay :8146/:8148); prefix-cache routes on what each engine holds
   demo-chat      alias: 90% of users to demo-llama, 10% to demo-qwen (sticky per user)
   sql-lora, chat-lora   LoRA adapters of demo-llama (sql-lora loaded on :8101; chat-lora loaded
                  on demand by the first request that names it)
@@ -126,6 +140,15 @@ Mid-stream continuation (demo-llama has migration_limit 2): make a replica drop 
        -d '{{{{"model":"demo-llama","stream":true,"max_tokens":12,"messages":[{{{{"role":"user","content":"Go"}}}}]}}}}' | tail -c 200; echo; done
   curl -s http://{host}:{{port}}/metrics | grep '^switchyard_migrations_total'
   curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null
+
+KV-cache events (demo-kv): the second turn of a conversation lands on the engine that reported
+caching the first (cached_tokens in its usage); the gateway's event index is in the metrics:
+  sys=$(for i in $(seq 40); do printf 'Rule %s: answer in one short line. ' $i; done)
+  for q in first second; do curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{{{{"model":"demo-kv","max_tokens":4,"messages":[{{{{"role":"system","content":"'"$sys"'"}}}},{{{{"role":"user","content":"'$q' question"}}}}]}}}}' \\
+       | grep -o '"cached_tokens":[0-9]*'; done
+  curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_kv_events_index_blocks' -e '^switchyard_kv_events_endpoint_live' \\
+       -e '^switchyard_kv_events_total'
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C

@@ -229,6 +229,7 @@ class KVEventsManager:
         self.index = EventIndex(tokenizers, settings, clock, self._fallback)
         registry.register(_IndexCollector(self.index))
         self.subscribers: dict[Endpoint, Subscriber] = {}
+        self._refused: set[Endpoint] = set()
         self._sync_task: asyncio.Task | None = None
         self._zctx: Any = None
 
@@ -270,10 +271,15 @@ class KVEventsManager:
     def sync(self) -> None:
         """Subscribers for the pool's endpoints that publish events, none for the others."""
         want: dict[Endpoint, KVEventsConfig] = {}
-        for ep in self.pool.endpoints():
+        eps = self.pool.endpoints()
+        for ep in eps:
+            if ep.extra.get("kv_events_error") and ep not in self._refused:   # a bad pod annotation, counted once
+                self._refused.add(ep)
+                self.metrics.fallbacks.labels(ep.model, "bad_annotation").inc()
             s = self.endpoint_settings(ep)
             if s is not None and ep.model in self.tokenizers:
                 want[ep] = s
+        self._refused.intersection_update(eps)
         for ep in [ep for ep in self.subscribers if ep not in want]:
             sub = self.subscribers.pop(ep)
             asyncio.get_running_loop().create_task(sub.stop())
@@ -315,7 +321,7 @@ def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsM
     from gateway.tokenization import load_tokenizers
 
     dirs = {m.name: m.tokenizer for m in config.models if m.tokenizer}
-    wanted = any(m.kv_events is not None and m.kv_events.enabled for m in config.models)
+    wanted = any(m.wants_kv_events for m in config.models)
     if not dirs or not (wanted or config.kubernetes.enabled):
         return None
     by_model = {m.name: m.kv_events for m in config.models}

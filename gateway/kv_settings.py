@@ -1,4 +1,5 @@
-"""The ``models[].kv_events`` config block (read by ``gateway.kv_events`` and ``gateway.kv_index``)."""
+"""The ``models[].kv_events`` config block (read by ``gateway.kv_events`` and ``gateway.kv_index``),
+and an endpoint's own ``kv_events`` (its publisher's ports, when engines share a host)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     def with_annotation(self, values: dict) -> KVEventsConfig:
         """This block with a pod annotation's ``port``, ``replay_port`` and ``topic`` laid over it."""
         return msgspec.structs.replace(self, enabled=True, **values)
+
+
+class KVEventsEndpointConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An endpoint's ``kv_events``: this engine's publisher, laid over its model's block (as the pod
+    annotation ``switchyard.io/kv-events`` is). Engines sharing a host publish on ports of their own."""
+
+    port: _Port | None = None
+    replay_port: _Port | None = None
+    topic: str | None = None
+
+    def items(self) -> tuple[tuple[str, object], ...]:
+        """The keys given, as the endpoint's ``extra["kv_events"]`` holds them (like the annotation)."""
+        return tuple((k, getattr(self, k)) for k in ("port", "replay_port", "topic") if getattr(self, k) is not None)

@@ -12,7 +12,15 @@ event is tagged with its type name, in one of two encodings:
 * a map with ``type`` as the tag: ``{"type": "BlockStored", "block_hashes": [...], ...}``.
 
 A block hash is an int (the low 64 bits of the engine's hash) or bytes (the full hash, when the
-engine is told not to shorten it); either is only an identifier here. The replay socket (ROUTER)
+engine is told not to shorten it); either is only an identifier here.
+
+Data parallelism: a batch names the engine's ``data_parallel_rank`` (vLLM publishes each rank on
+``port + rank``). Hashes of a batch from rank r > 0 are decoded as ``(r, hash)``, so the ranks of one
+endpoint never share an entry: a block two ranks hold is attributed to the endpoint until both have
+removed it (rank 0, and engines without a rank, keep the plain hash). ``extra_keys`` (per block: the
+multimodal hashes, LoRA or ``cache_salt`` extras the engine folded into its hash, or null) and the
+hybrid-model fields (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) are
+accepted in both encodings; ``extra_keys`` is kept on the event. The replay socket (ROUTER)
 answers an 8-byte start sequence with ``(seq, payload)`` frames ending with seq -1.
 
 Decoding goes through msgspec's untyped msgpack decoder (one C call per batch) and a small
@@ -30,7 +38,7 @@ import msgspec
 _decode = msgspec.msgpack.Decoder().decode
 END_SEQ = -1
 
-BlockHash = int | bytes
+BlockHash = int | bytes | tuple      # (rank, hash) for data-parallel ranks > 0
 
 
 class WireError(ValueError):
@@ -46,6 +54,7 @@ class BlockStored:
     lora_name: str | None = None
     medium: str | None = None
     group_idx: int | None = None
+    extra_keys: list | None = None      # per block: the extras the engine hashed with its tokens, or None
 
 
 @dataclass(slots=True)
@@ -87,6 +96,24 @@ def _hash(v: Any) -> BlockHash:
     return bytes(v) if isinstance(v, bytearray | memoryview) else v
 
 
+def _extra(v: Any) -> list | None:
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise WireError("extra_keys must be an array or null")
+    return v
+
+
+def _ranked(ev: Event, rank: int) -> None:
+    """Qualify ``ev``'s hashes with a data-parallel rank > 0 (see the module docstring)."""
+    if isinstance(ev, BlockStored):
+        ev.block_hashes = [(rank, h) for h in ev.block_hashes]
+        if ev.parent_block_hash is not None:
+            ev.parent_block_hash = (rank, ev.parent_block_hash)
+    elif isinstance(ev, BlockRemoved):
+        ev.block_hashes = [(rank, h) for h in ev.block_hashes]
+
+
 def _at(a: list, i: int, default: Any = None) -> Any:
     return a[i] if len(a) > i else default
 
@@ -99,7 +126,8 @@ def _stored_from_array(a: list) -> BlockStored:
     lora_id = _at(a, 5)
     if lora_name is None and lora_id is not None:      # engines before lora_name: the id names it
         lora_name = str(lora_id)
-    return BlockStored(_hashes(a[1]), _hash(a[2]), list(a[3]), int(a[4]), lora_name, _at(a, 6), _at(a, 9))
+    return BlockStored(_hashes(a[1]), _hash(a[2]), list(a[3]), int(a[4]), lora_name, _at(a, 6), _at(a, 9),
+                       _extra(_at(a, 8)))
 
 
 def _stored_from_map(m: dict) -> BlockStored:
@@ -108,7 +136,8 @@ def _stored_from_map(m: dict) -> BlockStored:
         if lora_name is None and m.get("lora_id") is not None:
             lora_name = str(m["lora_id"])
         return BlockStored(_hashes(m["block_hashes"]), _hash(m.get("parent_block_hash")), list(m["token_ids"]),
-                           int(m["block_size"]), lora_name, m.get("medium"), m.get("group_idx"))
+                           int(m["block_size"]), lora_name, m.get("medium"), m.get("group_idx"),
+                           _extra(m.get("extra_keys")))
     except KeyError as e:
         raise WireError(f"BlockStored without {e.args[0]}") from None
 
@@ -151,6 +180,8 @@ def decode_batch(payload: bytes) -> Batch:
         raise WireError("an event batch must be [ts, events, dp_rank] or a map with events")
     if not isinstance(events, list):
         raise WireError("events must be an array")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise WireError(f"data_parallel_rank must be a non-negative integer or null, got {rank!r}")
     out: list[Event] = []
     unknown = 0
     for e in events:
@@ -161,5 +192,7 @@ def decode_batch(payload: bytes) -> Batch:
         if ev is None:
             unknown += 1
         else:
+            if rank:
+                _ranked(ev, rank)
             out.append(ev)
     return Batch(float(ts or 0.0), out, rank, unknown)

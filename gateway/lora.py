@@ -25,8 +25,10 @@ with the engine's runtime call (handlers: vLLM ``POST /v1/load_lora_adapter``, S
   cooling down, 503 with a Retry-After;
 - a name that is neither a model, an alias nor a known adapter is 404 ``model_not_found``.
 
-A P/D model's adapter requests are routed by ``pd`` among all its endpoints (each must serve the
-adapter: nothing is loaded for them).
+A P/D model's adapter requests (``serving_pairs``) are routed by ``pd`` among the endpoints that
+serve the adapter, so both legs (and a request run whole, by conditional disaggregation) land on
+engines that have it; when no prefill or no decode serves it, 503 names the missing role. Nothing is
+loaded on demand for P/D models (the adapter has to be on both engines of a pair).
 """
 
 from __future__ import annotations
@@ -146,6 +148,20 @@ class Lora:
             ctx.rec.extra["lora_load"] = "joined"
         ep = await asyncio.shield(load)      # one client leaving does not stop the load for the others
         return [ep]
+
+    def serving_pairs(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
+        """A P/D model's candidates that serve the request's adapter (module docstring)."""
+        ireq = ctx.ireq
+        assert ireq is not None and ireq.lora is not None
+        adapter = ireq.lora
+        serving = [ep for ep in candidates if adapter in ep.adapters.served]
+        missing = [role for role in ("prefill", "decode") if not any(ep.role == role for ep in serving)]
+        if missing:
+            raise GatewayError(503, f"no ready {' or '.join(missing)} endpoint of the P/D model `{ireq.model}` serves "
+                                    f"the LoRA adapter `{adapter}` (adapters are not loaded on demand for P/D models)",
+                               code="service_unavailable", headers={"Retry-After": "5"},
+                               header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+        return serving
 
     def _load_done(self, key: tuple[str, str], fut: asyncio.Future[Endpoint]) -> None:
         if self._loads.get(key) is fut:

@@ -111,8 +111,9 @@ class Pipeline:
                                             f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
                                        header=("x-error-routing", "true"), error_class="routing")
                 candidates = await api.prepare(ctx, candidates)
-            if ireq.lora is not None and self.lora is not None and not router.chooses_pairs:
-                candidates = await self.lora.prepare(ctx, candidates)   # those serving it; loaded if none
+            if ireq.lora is not None and self.lora is not None:    # those serving it; loaded if none (not P/D)
+                candidates = (self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
+                              else await self.lora.prepare(ctx, candidates))
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
             if self.admission is not None:  # room on an endpoint, else the queue or a 429
@@ -246,8 +247,9 @@ class Pipeline:
         router = self.routing.router_for(rec.strategy)
         candidates = [c for c in self.routing.candidates(cont.model, router) if c.name not in avoid]
         ctx.ireq = cont
-        if candidates and cont.lora is not None and self.lora is not None and not router.chooses_pairs:
-            candidates = await self.lora.prepare(ctx, candidates)   # those serving the adapter
+        if candidates and cont.lora is not None and self.lora is not None:   # those serving the adapter
+            candidates = (self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
+                          else await self.lora.prepare(ctx, candidates))
         if not candidates:
             raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")
         adapter = adapter_for(candidates[0].engine)

@@ -74,7 +74,8 @@ def declared_endpoints(config: Config) -> list[Endpoint]:
     def add(e, m, role: str, roleset: str | None = None, bootstrap_port: int | None = None) -> None:
         out.append(Endpoint(url=e.url, model=m.name, engine=e.engine or m.engine, role=role, roleset=roleset,
                             bootstrap_port=e.bootstrap_port or bootstrap_port,
-                            min_prompt_tokens=e.min_prompt_tokens, max_prompt_tokens=e.max_prompt_tokens))
+                            min_prompt_tokens=e.min_prompt_tokens, max_prompt_tokens=e.max_prompt_tokens,
+                            extra={"kv_events": e.kv_events.items()} if e.kv_events is not None else {}))
 
     for m in config.models:
         for e in m.endpoints:
@@ -88,7 +89,7 @@ def declared_endpoints(config: Config) -> list[Endpoint]:
 
 def _identity(ep: Endpoint) -> tuple:
     return (ep.model, ep.url, ep.engine, ep.role, ep.roleset, ep.bootstrap_port, ep.min_prompt_tokens,
-            ep.max_prompt_tokens)
+            ep.max_prompt_tokens, ep.extra.get("kv_events"))
 
 
 def sync_pool(pool: EndpointPool, config: Config) -> tuple[list[Endpoint], list[Endpoint]]:

@@ -39,7 +39,7 @@ import structlog
 
 from gateway.config import ConfigError, KubernetesConfig, ModelConfig
 from gateway.endpoints import Endpoint, EndpointPool
-from k8s.pods import PodView, Skipped, map_pod, pod_key
+from k8s.pods import ANNO_KV_EVENTS, PodView, Skipped, map_pod, pod_key
 
 log = structlog.get_logger("switchyard.k8s")
 
@@ -285,8 +285,12 @@ class KubernetesDiscovery:
                       max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=view.name,
                       extra={"namespace": view.namespace, "pod": view.key, "uid": view.uid,
                              "metrics_url": view.metrics_url, "routing_strategy": view.routing_strategy,
-                             "kv_events": view.kv_events})
+                             "kv_events": view.kv_events, "kv_events_error": view.kv_events_error})
         ep.draining = not view.routable
+        if view.kv_events_error:
+            self.stats["kv_events_refused"] += 1
+            log.warning("kubernetes annotation refused; the pod is routed without KV events", pod=key,
+                        annotation=ANNO_KV_EVENTS, reason=view.kv_events_error)
         self.pool.add(ep)
         self._tracked[key] = _Tracked(view, ep)
         log.info("kubernetes endpoint added", pod=key, model=view.model, url=view.url, engine=view.engine,

@@ -58,6 +58,7 @@ class PodView:
     metrics_url: str
     routing_strategy: str | None = None          # from the annotation's profile, informational
     kv_events: tuple[tuple[str, Any], ...] | None = None   # the switchyard.io/kv-events annotation
+    kv_events_error: str = ""      # why the kv-events annotation was refused (the pod is routed without events)
     routable: bool = field(default=False, compare=False)
     not_routable_reason: str = field(default="", compare=False)
 
@@ -188,12 +189,17 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
         combined = profile.get("combined", kmc.combined)
         if not isinstance(combined, bool):
             raise ValueError(f"annotation {ANNO_CONFIG}: combined must be true or false")
-        kv_events = parse_kv_events(annotations.get(ANNO_KV_EVENTS))
         strategy = profile.get("routingStrategy")
         if strategy is not None and not isinstance(strategy, str):
             raise ValueError(f"annotation {ANNO_CONFIG}: routingStrategy must be a string")
     except ValueError as e:
         return Skipped(key, str(e))
+    # a bad kv-events annotation refuses the events, not the pod: it serves, routed without them
+    kv_events_error = ""
+    try:
+        kv_events = parse_kv_events(annotations.get(ANNO_KV_EVENTS))
+    except ValueError as e:
+        kv_events, kv_events_error = None, str(e)
 
     role_name = (labels.get(LABEL_ROLE) or "").strip()
     roleset = (labels.get(LABEL_ROLESET) or "").strip() or None
@@ -214,7 +220,7 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
         model=model, url=f"http://{host}:{port}", engine=engine, role=role, roleset=roleset,
         bootstrap_port=bootstrap, min_prompt_tokens=min_tokens, max_prompt_tokens=max_tokens,
         metrics_url=f"http://{host}:{metric_port}/metrics", routing_strategy=strategy,
-        kv_events=kv_events, routable=routable, not_routable_reason=reason,
+        kv_events=kv_events, kv_events_error=kv_events_error, routable=routable, not_routable_reason=reason,
     )
 
 

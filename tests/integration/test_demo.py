@@ -76,6 +76,26 @@ async def test_demo_answers_every_model_streaming_and_not():
         lora = await client.chat.completions.create(model="chat-lora", max_tokens=2,
                                                     messages=[{"role": "user", "content": "Hi"}])
         assert lora.model == "chat-lora" and lora.choices[0].message.content
+        # KV events (demo-kv), as the banner shows: the engine that served the first turn publishes
+        # the blocks it cached, the gateway's event index holds them, and the second turn lands there
+        system = "".join(f"Rule {i}: answer in one short line. " for i in range(1, 41))
+        first = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "first question"}])
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        async with aiohttp.ClientSession() as s:
+            for _ in range(250):
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    kv = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
+                          if line.startswith("switchyard_kv_events")}
+                if kv.get('switchyard_kv_events_index_blocks{model="demo-kv"}', 0) > 0:
+                    break
+                await asyncio.sleep(0.02)
+        assert kv['switchyard_kv_events_index_blocks{model="demo-kv"}'] >= first.usage.prompt_tokens // 16
+        assert kv['switchyard_kv_events_total{kind="BlockStored",model="demo-kv"}'] >= 1
+        assert 1.0 in {v for k, v in kv.items() if k.startswith("switchyard_kv_events_endpoint_live{")}
+        second = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "second question"}])
+        assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
         # mid-stream continuation, as the banner shows: a replica drops every stream after 4 tokens,
         # and each stream still ends whole (12 tokens, one usage block) on the other replica
         async with aiohttp.ClientSession() as s:

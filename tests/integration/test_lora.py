@@ -110,3 +110,39 @@ async def test_enginesim_slots_lru_metric_and_unknown_adapter(sims):
     st = (await sim_state(sim.url))["lora"]
     assert st["cold_loads"] == 3 and st["evictions"] == 1 and list(st["slots"]) == ["c", "a"]
     assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in text
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_pd_model_routes_both_legs_to_endpoints_serving_the_adapter(sims, gateway, engine):
+    """Two prefills and two decodes, the adapter on one of each: both legs go to those two; with it
+    on no decode, 503 says which role is missing."""
+    lora = ("sql=org/sql-lora",)
+    p_with = await sims(engine, "m", role="prefill", lora_modules=lora, **LORA_SIM)
+    p_without = await sims(engine, "m", role="prefill", **LORA_SIM)
+    d_with = await sims(engine, "m", role="decode", lora_modules=lora, **LORA_SIM)
+    d_without = await sims(engine, "m", role="decode", **LORA_SIM)
+    n_prefill = await sims(engine, "n", role="prefill", lora_modules=("chat=org/chat-lora",), **LORA_SIM)
+    n_decode = await sims(engine, "n", role="decode", **LORA_SIM)
+
+    def roleset(prefills, decodes):
+        if engine == "sglang":
+            prefills = [{"url": p.url, "bootstrap_port": p.bootstrap_port} for p in prefills]
+        else:
+            prefills = [p.url for p in prefills]
+        return [{"name": "rs", "prefill": prefills, "decode": [d.url for d in decodes]}]
+
+    gw = await gateway([{"name": "m", "engine": engine, "rolesets": roleset([p_with, p_without], [d_with, d_without])},
+                        {"name": "n", "engine": engine, "rolesets": roleset([n_prefill], [n_decode])}], lora=FAST_LORA)
+    await wait_for(lambda: sum(bool(ep.adapters.served) for ep in gw.gw.pool.endpoints()) == 3)
+    for _ in range(6):
+        status, headers, body = await chat(gw, "sql")
+        assert status == 200 and body["model"] == "sql", body
+        assert headers["x-pd-decision"].startswith("disaggregated")
+    for sim, served in ((p_with, 6), (d_with, 6), (p_without, 0), (d_without, 0)):
+        assert (await sim_state(sim.url))["counts"]["started"] == served
+    status, _, _ = await chat(gw, "m")                   # the base model still uses every endpoint
+    assert status == 200
+    # model n has its adapter on the prefill only: no pair serves it
+    status, _, body = await chat(gw, "chat")
+    assert status == 503 and "no ready decode endpoint of the P/D model `n`" in body["error"]["message"]
+    assert "not loaded on demand for P/D models" in body["error"]["message"]

@@ -28,7 +28,7 @@ def test_decodes_positional_arrays():
 
 
 def test_decodes_maps_tagged_by_type():
-    payload = enc({"ts": 2.0, "data_parallel_rank": 1, "events": [
+    payload = enc({"ts": 2.0, "data_parallel_rank": 0, "events": [
         {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": 7, "token_ids": [1] * 16,
          "block_size": 16, "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0},
         {"type": "BlockRemoved", "block_hashes": [5], "medium": None},

@@ -126,3 +126,34 @@ def test_readiness_flap_keeps_the_same_endpoint_identity():
     a, b = map_pod(pod(labels=M)), map_pod(pod(labels=M, ready=False))
     assert a == b and a.routable != b.routable
     assert map_pod(pod(labels=M, ip="10.0.0.8")) != a
+
+
+# -- switchyard.io/kv-events --------------------------------------------------------------------
+
+KV = "switchyard.io/kv-events"
+
+
+@pytest.mark.parametrize(("value", "parsed"), [
+    (None, None), ("", None), ("false", None), (" FALSE ", None), ("true", ()), ("True", ()),
+    ('{"port": 5557}', (("port", 5557),)),
+    ('{"port": "6000", "replay_port": 6001, "topic": "kv@llama"}',
+     (("port", 6000), ("replay_port", 6001), ("topic", "kv@llama"))),
+])
+def test_kv_events_annotation_values(value, parsed):
+    v = map_pod(pod(labels=M, annotations={} if value is None else {KV: value}))
+    assert (v.kv_events, v.kv_events_error) == (parsed, "")
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("yes", "neither true/false nor JSON"),
+    ("[5557]", "must be true, false or a JSON object"),
+    ('{"port": 0}', "port must be a port number"),
+    ('{"port": "http"}', "port must be a port number"),
+    ('{"replay_port": 70000}', "replay_port must be a port number"),
+    ('{"topic": 5}', "unknown or bad key 'topic'"),
+    ('{"prot": 5557}', "unknown or bad key 'prot'"),
+])
+def test_a_bad_kv_events_annotation_refuses_the_events_not_the_pod(value, says):
+    v = map_pod(pod(labels=M, annotations={KV: value}))
+    assert isinstance(v, PodView) and v.routable           # still served, on the approximate index
+    assert v.kv_events is None and KV in v.kv_events_error and says in v.kv_events_error
