@@ -208,7 +208,8 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.resp: UpstreamResponse | None = None   # the exchange in progress
-        self.headers_waiter: asyncio.Future | None = None
+        self.headers_waiter: asyncio.Future | None = None   # until the head arrives or the exchange fails
+        self.sent_waiter: asyncio.Future | None = None      # the same future, kept for ``head``
         self.received = False        # any byte of the current answer
         self.length_known = False    # Content-Length or chunked: else the body ends at EOF
         self.keep_alive = False
@@ -223,12 +224,16 @@ class _Conn(asyncio.Protocol):
                        state: SendState | None = None) -> UpstreamResponse:
         """Send one request; return once the response head arrived. Any failure or cancellation
         while waiting drops the connection (the engine must not go on for nobody)."""
-        loop = self.loop
-        resp = self.resp = UpstreamResponse(self)
+        self.send(data, state)
+        return await self.head(header_timeout)
+
+    def send(self, data: bytes | tuple[bytes, bytes], state: SendState | None = None) -> None:
+        """Write one request, now (no await: a cancel cannot fall between ``state`` and the write)."""
+        self.resp = UpstreamResponse(self)
         self.received = self.length_known = self.keep_alive = False
-        waiter = self.headers_waiter = loop.create_future()
+        self.headers_waiter = self.sent_waiter = self.loop.create_future()
         if state is not None:
-            state.sent = True       # no await from here to the write: a cancel cannot fall between
+            state.sent = True
         try:
             if type(data) is tuple:
                 self.transport.writelines(data)
@@ -239,8 +244,14 @@ class _Conn(asyncio.Protocol):
             raise UpstreamDisconnected(f"connection closed before the request was sent ({e})", False) from None
         total = self.pool.total_timeout
         if total:
-            self.deadline = loop.call_later(total, self._fail, UpstreamTimeout(total, "no complete answer"))
-        timer = loop.call_later(header_timeout, self._header_timeout, header_timeout) if header_timeout else None
+            self.deadline = self.loop.call_later(total, self._fail, UpstreamTimeout(total, "no complete answer"))
+
+    async def head(self, header_timeout: float | None) -> UpstreamResponse:
+        """The answer to the request ``send`` wrote, once its head arrived."""
+        resp, waiter = self.resp, self.sent_waiter
+        assert resp is not None and waiter is not None
+        timer = None if waiter.done() or not header_timeout else \
+            self.loop.call_later(header_timeout, self._header_timeout, header_timeout)
         try:
             await waiter
         except BaseException:
@@ -362,6 +373,59 @@ class _Conn(asyncio.Protocol):
         resp._wake()
 
 
+class Exchange:
+    """A POST begun by ``UpstreamPool.begin``: written already (``conn`` set) or not yet."""
+
+    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error")
+
+    def __init__(self, pool: UpstreamPool, url: str, origin: _Origin | None, data: bytes | tuple[bytes, bytes],
+                 state: SendState | None) -> None:
+        self.pool = pool
+        self.url = url
+        self.origin = origin
+        self.data = data
+        self.state = state
+        self.conn: _Conn | None = None     # the connection the request went out on
+        self.stale = False                 # the idle connection it was given had closed
+        self.resp: UpstreamResponse | None = None
+        self.error: UpstreamError | None = None
+
+    @property
+    def sent(self) -> bool:
+        """The request was written when the exchange began."""
+        return self.conn is not None
+
+    async def response(self, header_timeout: float | None = None) -> UpstreamResponse:
+        """The answer's head, as ``UpstreamPool.post`` returns it (the same failures, and the same
+        one retry on a fresh connection when a reused one turns out closed with nothing received)."""
+        pool, conn, origin = self.pool, self.conn, self.origin
+        if origin is None:
+            assert self.error is not None
+            raise self.error
+        if conn is not None or self.stale:
+            reused = True
+        else:
+            conn, reused = await pool._acquire(origin)
+            self.conn = conn
+            conn.send(self.data, self.state)
+        if conn is not None:
+            try:
+                self.resp = await conn.head(header_timeout)
+                return self.resp
+            except UpstreamDisconnected as e:
+                if not reused or e.received:
+                    raise
+        self.conn = conn = await pool._connect(origin)
+        self.resp = await conn.exchange(self.data, header_timeout, self.state)
+        return self.resp
+
+    def discard(self) -> None:
+        """Drop a connection whose answer nobody will read (``response`` never reached the head)."""
+        conn = self.conn
+        if conn is not None and self.resp is None:
+            conn.abort()
+
+
 class UpstreamPool:
     """Keep-alive connections to the engines, for all upstream legs of one gateway.
 
@@ -405,14 +469,7 @@ class UpstreamPool:
         """POST ``body`` to ``url`` (``http[s]://host:port/path``); return once the response head
         arrived. ``headers`` should carry Content-Type; Host and Content-Length are added here.
         ``state`` records whether any of the request may have been written (see ``SendState``)."""
-        origin, path = self._split(url)
-        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
-        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
-            raise ValueError("a header name or value contains a line break")
-        head = (f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Length: {len(body)}\r\n"
-                f"{lines}\r\n").encode("utf-8", "surrogateescape")
-        # a large body (an audio upload) is handed over beside its head, not copied onto it
-        data: bytes | tuple[bytes, bytes] = head + body if len(body) <= _JOIN_MAX else (head, body)
+        origin, data = self._encode(url, body, headers)
         conn, reused = await self._acquire(origin)
         try:
             return await conn.exchange(data, header_timeout, state)
@@ -422,6 +479,38 @@ class UpstreamPool:
         # the engine had closed the idle connection: nothing was received, so sending again is safe
         conn = await self._connect(origin)
         return await conn.exchange(data, header_timeout, state)
+
+    def begin(self, url: str, body: bytes, headers: Mapping[str, str],
+              state: SendState | None = None) -> Exchange:
+        """Start a POST now: on an idle keep-alive connection the request is written before this
+        returns, with nothing else in between; otherwise ``Exchange.response`` connects and writes.
+        Either way ``Exchange.response`` awaits the answer's head (as ``post`` does), and an
+        exchange that is not awaited to its head must be ``discard``-ed."""
+        try:
+            origin, data = self._encode(url, body, headers)
+        except UpstreamConnectError as e:
+            x = Exchange(self, url, None, b"", state)
+            x.error = e                 # raised by response(), where post() raises it
+            return x
+        x = Exchange(self, url, origin, data, state)
+        conn = self._take_idle(origin)
+        if conn is not None:
+            try:
+                conn.send(data, state)
+                x.conn = conn
+            except UpstreamDisconnected:
+                x.stale = True          # closed as it idled: response() sends on a fresh connection
+        return x
+
+    def _encode(self, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[_Origin, bytes | tuple[bytes, bytes]]:
+        origin, path = self._split(url)
+        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+            raise ValueError("a header name or value contains a line break")
+        head = (f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Length: {len(body)}\r\n"
+                f"{lines}\r\n").encode("utf-8", "surrogateescape")
+        # a large body (an audio upload) is handed over beside its head, not copied onto it
+        return origin, (head + body if len(body) <= _JOIN_MAX else (head, body))
 
     def _split(self, url: str) -> tuple[_Origin, str]:
         i = url.find("/", url.find("//") + 2)

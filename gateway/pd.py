@@ -35,10 +35,11 @@ from gateway.config import Config
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.errors import GatewayError, normalize_upstream_error
-from gateway.h1client import SendState, UpstreamResponse
+from gateway.h1client import Exchange, SendState, UpstreamResponse
 from gateway.metrics import GatewayMetrics
-from gateway.outcome import Outcome
+from gateway.outcome import Outcome, of_status
 from gateway.relay import Relay
+from gateway.tracing import Leg
 from gateway.upstream import Upstream, UpstreamFailure, upstream_headers
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
 
@@ -103,25 +104,42 @@ class PDOrchestrator:
     async def _open_sequential(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
                                headers: dict[str, str]) -> tuple[UpstreamResponse, float, float | None, float]:
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
-        ireq, prefill = ctx.ireq, ctx.decision.prefill
+        ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
         settings = self.config.pd_for(ireq.model)
         prefill_start = time.perf_counter()
+        decode_x: Exchange | None = None
+        leg: Leg | None = None
         try:
-            raw = await self._prefill(ctx, plan.prefill_body, headers)
-            body = adapter.decode_body(ireq, raw, prefill=prefill, settings=settings)
-        except BadPrefillAnswer as e:
-            raise self._prefill_failed(ctx, PrefillFailed("bad_response", str(e)), "before_response") from None
+            bad: BadPrefillAnswer | None = None
+            with ctx.trace.leg("prefill", prefill) as pleg:
+                x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(headers))
+                status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
+                if status == 200:
+                    # the decode is written first; the prefill's bookkeeping follows it
+                    try:
+                        body = adapter.decode_body(ireq, raw, prefill=prefill, settings=settings)
+                    except BadPrefillAnswer as e:
+                        bad = e
+                    else:
+                        leg = ctx.trace.leg("decode", decode)
+                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers))
+                self._prefill_answered(ctx, pleg, status, raw, prefill_start, prefill_end)
+            if bad is not None:
+                raise PrefillFailed("bad_response", str(bad))
         except PrefillFailed as f:
             raise self._prefill_failed(ctx, f, "before_response") from None
+        except BaseException:
+            if decode_x is not None:
+                decode_x.discard()
+            raise
         finally:
             ctx.charges.prefill_done()
-        prefill_end = time.perf_counter()
+        assert decode_x is not None and leg is not None
+        decode_start = time.perf_counter()
         ctx.charges.decode_started()
         limit = self._decode_header_timeout(ctx)
-        decode_start = time.perf_counter()
-        leg = ctx.trace.leg("decode", ctx.decision.endpoint)
         try:
-            resp = await self._open_decode(ctx, body, leg.inject(headers), limit)
+            resp = await self._open_decode(ctx, decode_x, limit)
         except GatewayError:
             self._abort_decode(ctx, plan)
             raise
@@ -138,24 +156,31 @@ class PDOrchestrator:
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
         assert plan.decode_body is not None
         ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
-        prefill_start = time.perf_counter()
+        # both legs are written before anything else (on idle keep-alive connections, right here)
+        pleg = ctx.trace.leg("prefill", prefill)
+        prefill_x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(headers))
+        decode_sent = SendState()
+        leg = ctx.trace.leg("decode", decode)
+        decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent)
+        prefill_start = decode_start = time.perf_counter()
         prefill_end: list[float] = []
 
         async def run_prefill() -> None:
             try:
-                await self._prefill(ctx, plan.prefill_body, headers)
-                prefill_end.append(time.perf_counter())
+                with pleg:
+                    status, raw, end = await self._prefill_answer(ctx, prefill_x, prefill_start)
+                    self._prefill_answered(ctx, pleg, status, raw, prefill_start, end)
+                prefill_end.append(end)
             finally:
                 ctx.charges.prefill_done()
 
         prefill_task = asyncio.create_task(run_prefill())
-        decode_sent = SendState()
-        leg = ctx.trace.leg("decode", decode)
-        decode_task = asyncio.create_task(self.upstream.open(
-            decode, ireq.path, plan.decode_body, leg.inject(headers), self.config.upstream.first_byte_timeout_s or None,
-            ireq.model, decode_sent))
+        decode_task = asyncio.create_task(self.upstream.opened(
+            decode, decode_x, self.config.upstream.first_byte_timeout_s or None, ireq.model))
+        # a task cancelled before its first step never reaches the connection: drop it then
+        prefill_task.add_done_callback(lambda _: prefill_x.discard())
+        decode_task.add_done_callback(lambda _: decode_x.discard())
         ctx.charges.decode_started()
-        decode_start = time.perf_counter()
         resp: UpstreamResponse | None = None
         try:
             await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -225,34 +250,38 @@ class PDOrchestrator:
 
     # -- legs ----------------------------------------------------------------------------------
 
-    async def _prefill(self, ctx: RequestContext, body: bytes, headers: dict[str, str]) -> bytes:
-        """POST the prefill body; returns the 200 answer bytes or raises PrefillFailed."""
+    async def _prefill_answer(self, ctx: RequestContext, x: Exchange, start: float) -> tuple[int, bytes, float]:
+        """The begun prefill leg's answer: (status, bytes, when it was read); ``PrefillFailed``
+        when no answer came. Its bookkeeping is ``_prefill_answered``'s."""
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
-        ireq, rec = ctx.ireq, ctx.rec
+        ireq = ctx.ireq
         timeout = self.config.pd_for(ireq.model).prefill_timeout_s or None
-        start = time.perf_counter()
-        with ctx.trace.leg("prefill", ctx.decision.prefill) as leg:
-            try:
-                status, raw = await self.upstream.fetch(ctx.decision.prefill, ireq.path, body, leg.inject(headers),
-                                                        ireq.model, timeout)
-            except UpstreamFailure as f:
-                raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message) from None
-            finally:
-                rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
-            leg.responded(status)
-            self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(time.perf_counter() - start)
-            rec.extra["prefill_status"] = status
-            if status != 200:
-                _, err = normalize_upstream_error(status, raw)
-                raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
-        return raw
+        try:
+            status, raw = await self.upstream.answer(ctx.decision.prefill, x, ireq.model, timeout)
+        except UpstreamFailure as f:
+            ctx.rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
+            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message) from None
+        return status, raw, time.perf_counter()
 
-    async def _open_decode(self, ctx: RequestContext, body: bytes, headers: dict[str, str],
-                           limit: float | None) -> UpstreamResponse:
+    def _prefill_answered(self, ctx: RequestContext, leg: Leg, status: int, raw: bytes, start: float,
+                          end: float) -> None:
+        """Account a prefill's answer (breaker, trace, metrics, log fields); ``PrefillFailed``
+        unless it is a 200."""
+        assert ctx.decision is not None and ctx.decision.prefill is not None
+        rec = ctx.rec
+        rec.extra["prefill_ms"] = round((end - start) * 1000, 3)
+        self.upstream.record(ctx.decision.prefill, of_status(status), f"status_{status}")
+        leg.responded(status)
+        self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(end - start)
+        rec.extra["prefill_status"] = status
+        if status != 200:
+            _, err = normalize_upstream_error(status, raw)
+            raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
+
+    async def _open_decode(self, ctx: RequestContext, x: Exchange, limit: float | None) -> UpstreamResponse:
         assert ctx.ireq is not None and ctx.decision is not None
         try:
-            return await self.upstream.open(ctx.decision.endpoint, ctx.ireq.path, body, headers, limit,
-                                            ctx.ireq.model)
+            return await self.upstream.opened(ctx.decision.endpoint, x, limit, ctx.ireq.model)
         except UpstreamFailure as f:
             if f.kind == "timeout":   # the watchdog: no answer from the decode in time
                 raise self._watchdog_error(ctx, limit) from None

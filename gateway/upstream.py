@@ -29,6 +29,7 @@ from gateway.breaker import Breakers
 from gateway.config import HealthConfig, UpstreamConfig
 from gateway.endpoints import Endpoint
 from gateway.h1client import (
+    Exchange,
     SendState,
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -142,23 +143,47 @@ class Upstream:
         """POST and read the whole answer (prefill legs, aborts) within ``timeout``; raises
         ``UpstreamFailure`` (kind ``timeout`` when the time ran out). With ``report`` (not for
         aborts) the outcome goes to the endpoint's breaker."""
+        status, raw = await self.answer(ep, self.begin(ep, path, body, headers), model, timeout, report)
+        if report:
+            self.record(ep, of_status(status), f"status_{status}")
+        return status, raw
+
+    # -- a leg in two steps: written now, awaited later (P/D: the legs go out before any bookkeeping)
+
+    def begin(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
+              state: SendState | None = None) -> Exchange:
+        """POST ``body``, written before this returns when a keep-alive connection to ``ep`` is idle
+        (else by ``opened``/``answer``). The exchange must then be awaited with ``opened`` or
+        ``answer``, or dropped with ``Exchange.discard``."""
         assert self.pool is not None
-        url = ep.url + path
+        return self.pool.begin(ep.url + path, body, headers, state)
+
+    async def opened(self, ep: Endpoint, x: Exchange, header_timeout: float | None, model: str) -> UpstreamResponse:
+        """``open`` for a begun exchange: its response status and headers."""
+        try:
+            return await x.response(header_timeout)
+        except UpstreamError as e:
+            f = classify(e, x.url)
+            self.failed(ep, model, f.kind)
+            raise f from None
+
+    async def answer(self, ep: Endpoint, x: Exchange, model: str, timeout: float | None = None,
+                     report: bool = True) -> tuple[int, bytes]:
+        """The whole answer of a begun exchange within ``timeout``, as ``fetch`` reads it; its
+        status is not told to the breaker (``record`` it), its failures are (with ``report``)."""
         try:
             async with asyncio.timeout(timeout):
-                resp = await self.pool.post(url, body, headers)
+                resp = await x.response()
                 try:
                     raw = await resp.read()
                 finally:
                     resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
-            if report:
-                self.record(ep, of_status(resp.status), f"status_{resp.status}")
             return resp.status, raw
         except TimeoutError:
             self.failed(ep, model, "timeout", report)
-            raise UpstreamFailure("timeout", f"no answer from {url} within {timeout:g}s", retryable=False) from None
+            raise UpstreamFailure("timeout", f"no answer from {x.url} within {timeout:g}s", retryable=False) from None
         except UpstreamError as e:
-            f = classify(e, url)
+            f = classify(e, x.url)
             self.failed(ep, model, f.kind, report)
             raise f from None
 

@@ -465,6 +465,80 @@ async def test_cancelling_the_wait_for_the_head_drops_the_connection():
 
 
 @on_both_loops
+async def test_begin_writes_on_an_idle_connection_before_it_returns():
+    """``begin`` on an idle keep-alive connection: the request is written before it returns (the
+    P/D legs go out before any bookkeeping); without one, ``response`` connects and writes."""
+    async with Engine(ok) as eng:
+        pool = UpstreamPool()
+        first = pool.begin(eng.url + "/x", b"first", JSON)
+        assert not first.sent                 # no connection yet
+        resp = await first.response()
+        await resp.read()
+        resp.release()
+        state = SendState()
+        second = pool.begin(eng.url + "/x", b"second", JSON, state)
+        assert second.sent and state.sent
+        resp = await second.response(5.0)
+        assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+        resp.release()
+        second.discard()                      # the answer was read: nothing to drop
+        assert eng.accepted == 1 and [r["body"] for r in eng.requests] == [b"first", b"second"]
+        assert pool.open_connections == 1
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_begun_exchange_on_a_stale_connection_is_sent_again_on_a_fresh_one():
+    async def drops_second(server, req, writer):
+        if req["nth"] == 2:
+            return False                  # closes without answering
+        writer.write(answer())
+        await writer.drain()
+
+    async with Engine(drops_second) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"first", JSON)
+        await resp.read()
+        resp.release()
+        x = pool.begin(eng.url + "/x", b"second", JSON)
+        assert x.sent
+        resp = await x.response()
+        assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+        resp.release()
+        assert [(r["conn"], r["body"]) for r in eng.requests] == [(1, b"first"), (1, b"second"), (2, b"second")]
+        await pool.close()
+
+
+@on_both_loops
+async def test_discarding_a_begun_exchange_drops_its_connection():
+    """An exchange written but never awaited (its task was cancelled before it ran) must not leave
+    the request running on the engine: ``discard`` closes its connection."""
+    async def first_only(server, req, writer):
+        if req["nth"] == 1:
+            writer.write(answer())
+            await writer.drain()
+            return None
+        await req["reader"].read()        # the second waits for the client to go
+        return False
+
+    async with Engine(first_only) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        await resp.read()
+        resp.release()
+        x = pool.begin(eng.url + "/x", b"{}", JSON)
+        assert x.sent
+        await wait_until(lambda: len(eng.requests) == 2)
+        x.discard()
+        await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+        assert pool.open_connections == 0
+        bad = pool.begin("ftp://127.0.0.1/x", b"{}", JSON)   # raised where post() raises it
+        with pytest.raises(UpstreamConnectError):
+            await bad.response()
+        await pool.close()
+
+
+@on_both_loops
 async def test_send_state_says_whether_any_of_the_request_may_have_gone_out():
     """``sent`` stays False for a post that never wrote (refused; cancelled while waiting for a
     connection) and is True once the request was handed to a connection, however it ended."""
