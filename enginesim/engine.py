@@ -89,7 +89,7 @@ class Engine:
         elif cfg.kv_events_port >= 0:
             self.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
                                               cfg.kv_events_topic, cfg.kv_events_encoding)
-            self.pool.events = self.kv_events
+        self.pool.events = self.kv_events
         self.rng = random.Random(cfg.seed)
         self.waiting: deque[Sequence] = deque()
         self.staging: dict[Sequence, None] = {}  # parked by the role before the queue

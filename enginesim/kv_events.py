@@ -81,6 +81,7 @@ class KVEventPublisher:
         self.drop_next = 0
         self.paused = False
         self.published = 0
+        self.replays_served = 0
         self._flush_scheduled = False
         self._replay_task: asyncio.Task | None = None
 
@@ -179,6 +180,7 @@ class KVEventPublisher:
                 continue
             client, _, start_bytes = frames
             start = int.from_bytes(start_bytes, "big")
+            self.replays_served += 1
             for seq, payload in list(self.buffer):
                 if seq >= start:
                     await self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
