@@ -117,6 +117,9 @@ class SimConfig:
     kv_events_topic: str = _knob("", "topic frame of every KV-event message")
     kv_events_encoding: str = _knob("map", "events as maps tagged 'type' (vLLM today) or positional arrays "
                                     "(older vLLM)", choices=("map", "array"))
+    data_parallel_size: int = _knob(
+        1, "vLLM --data-parallel-size, as KV events see it: N rank publishers, rank r on kv-events port + r "
+        "(replay port + r), each prefix chain's blocks on one rank (one scheduler and cache pool still)")
     # -- tracing -------------------------------------------------------------------------------
     otlp_traces_endpoint: str = _knob(
         "", "vLLM --otlp-traces-endpoint: emit an llm_request span per request, under the request's "
@@ -141,7 +144,7 @@ class SimConfig:
             if "=" not in module or not module.split("=", 1)[0] or not module.split("=", 1)[1]:
                 raise ValueError(f"lora_modules entries are name=path, got {module!r}")
         object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
-        for name in ("max_num_seqs", "max_model_len", "embedding_dim", "max_loras"):
+        for name in ("max_num_seqs", "max_model_len", "embedding_dim", "max_loras", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 <= self.eos_probability <= 1.0:
@@ -154,6 +157,8 @@ class SimConfig:
         for name in ("kv_events_port", "kv_events_replay_port"):
             if not -1 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be a TCP port, 0 or -1, got {getattr(self, name)!r}")
+            if getattr(self, name) > 0 and getattr(self, name) + self.data_parallel_size - 1 > 65535:
+                raise ValueError(f"{name} + data_parallel_size - 1 must be a TCP port")
         parse_fault(self.fault, self.role)  # fail at startup, not on the first request
         # Resolve "engine default" zeros into concrete values.
         if not self.served_model_names:

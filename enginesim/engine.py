@@ -27,7 +27,7 @@ from enginesim.config import SimConfig
 from enginesim.errors import RequestFailed
 from enginesim.faults import NO_FAULT, FaultSpec, parse_fault
 from enginesim.hf_tokenizer import load as load_tokenizer
-from enginesim.kv_events import KVEventPublisher
+from enginesim.kv_events import KVEventPublisher, RankedPublishers
 from enginesim.kvcache import BlockPool, root_key
 from enginesim.lora import LoraSlots
 from enginesim.metrics import EngineMetrics, make_metrics
@@ -82,11 +82,14 @@ class Engine:
         self.cfg = cfg
         self.tokenizer = FakeTokenizer() if not cfg.tokenizer else load_tokenizer(cfg.tokenizer)
         self.pool = BlockPool(cfg.kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.kv_events: KVEventPublisher | None = None
-        if cfg.kv_events_port >= 0:
+        self.kv_events: KVEventPublisher | RankedPublishers | None = None
+        if cfg.kv_events_port >= 0 and cfg.data_parallel_size > 1:
+            self.kv_events = RankedPublishers(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
+                                              cfg.kv_events_topic, cfg.kv_events_encoding, cfg.data_parallel_size)
+        elif cfg.kv_events_port >= 0:
             self.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
                                               cfg.kv_events_topic, cfg.kv_events_encoding)
-            self.pool.events = self.kv_events
+        self.pool.events = self.kv_events
         self.rng = random.Random(cfg.seed)
         self.waiting: deque[Sequence] = deque()
         self.staging: dict[Sequence, None] = {}  # parked by the role before the queue

@@ -15,6 +15,14 @@ vLLM's ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq"
 * a ROUTER socket on ``--kv-events-replay-port`` answers an 8-byte start seq with every buffered
   ``(seq, payload)`` from there (the last ``buffer_steps`` batches), then seq -1.
 
+Data parallelism (``--data-parallel-size N``): vLLM runs one publisher per DP rank, rank r bound on
+``port + r`` (and ``replay_port + r``), each counting its own seq and naming its rank in
+``data_parallel_rank``. ``RankedPublishers`` imitates that over the simulator's single cache pool:
+each new prefix chain (a ``BlockStored`` without a parent) goes to the next rank in turn, and the
+blocks chained on it, and their removals, to the same rank, so each rank's stream is a consistent
+history of its own (a rank never names a parent it did not store). With port 0, rank 0 takes a
+free port and the other ranks the ports after it.
+
 Events raised in one event-loop turn go out as one batch. ``drop_next`` (tests) publishes nothing
 for the next N batches while still buffering them for replay, which is how a subscriber sees a gap;
 ``paused`` holds every batch back (a stalled publisher).
@@ -44,21 +52,26 @@ def engine_hash(h: bytes) -> int:
 
 class KVEventPublisher:
     def __init__(self, host: str, port: int, replay_port: int, topic: str, encoding: str,
-                 buffer_steps: int = 10_000) -> None:
+                 buffer_steps: int = 10_000, rank: int = 0) -> None:
         import zmq
         import zmq.asyncio
 
+        self.rank = rank
         self.ctx = zmq.asyncio.Context()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
-        self.port = self._bind(self.pub, host, port)
         self.replay = None
         self.replay_port = 0
-        if replay_port >= 0 and replay_port is not None:
-            self.replay = self.ctx.socket(zmq.ROUTER)
-            self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay_port = self._bind(self.replay, host, replay_port)
+        try:
+            self.port = self._bind(self.pub, host, port)
+            if replay_port >= 0 and replay_port is not None:
+                self.replay = self.ctx.socket(zmq.ROUTER)
+                self.replay.setsockopt(zmq.LINGER, 0)
+                self.replay_port = self._bind(self.replay, host, replay_port)
+        except zmq.ZMQError:
+            self.close_sockets()
+            raise
         self.topic = topic.encode()
         self.array = encoding == "array"
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -68,6 +81,7 @@ class KVEventPublisher:
         self.drop_next = 0
         self.paused = False
         self.published = 0
+        self.replays_served = 0
         self._flush_scheduled = False
         self._replay_task: asyncio.Task | None = None
 
@@ -87,6 +101,9 @@ class KVEventPublisher:
             self._replay_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._replay_task
+        self.close_sockets()
+
+    def close_sockets(self) -> None:
         self.pub.close(0)
         if self.replay is not None:
             self.replay.close(0)
@@ -133,7 +150,8 @@ class KVEventPublisher:
         if self.held:
             events, self.held = self.held + events, []
         ts = time.time()
-        batch: Any = [ts, events, 0] if self.array else {"ts": ts, "events": events, "data_parallel_rank": 0}
+        batch: Any = ([ts, events, self.rank] if self.array
+                      else {"ts": ts, "events": events, "data_parallel_rank": self.rank})
         payload = _encode(batch)
         seq = self.seq
         self.seq += 1
@@ -162,7 +180,72 @@ class KVEventPublisher:
                 continue
             client, _, start_bytes = frames
             start = int.from_bytes(start_bytes, "big")
+            self.replays_served += 1
             for seq, payload in list(self.buffer):
                 if seq >= start:
                     await self.replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
             await self.replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+class RankedPublishers:
+    """``size`` rank publishers behind one engine, rank r on ``port + r`` (see the module docstring);
+    the pool's ``events`` like a single ``KVEventPublisher``."""
+
+    def __init__(self, host: str, port: int, replay_port: int, topic: str, encoding: str, size: int) -> None:
+        import zmq
+
+        for attempt in range(64):
+            ranks: list[KVEventPublisher] = []
+            try:
+                first = KVEventPublisher(host, port, replay_port, topic, encoding, rank=0)
+                ranks.append(first)
+                for r in range(1, size):
+                    ranks.append(KVEventPublisher(host, first.port + r,
+                                                  first.replay_port + r if first.replay is not None else -1,
+                                                  topic, encoding, rank=r))
+            except zmq.ZMQError:
+                for p in ranks:
+                    p.close_sockets()
+                if (port and replay_port != 0) or attempt == 63:   # the ports were asked for: taken
+                    raise
+                continue                        # a free port whose neighbours are taken: try another
+            break
+        self.ranks = ranks
+        self.port = ranks[0].port
+        self.replay_port = ranks[0].replay_port
+        self.next_rank = 0                      # the rank the next new prefix chain goes to
+        self._rank_of: dict[bytes, int] = {}    # block hash -> the rank that stored it
+
+    def start(self) -> None:
+        for p in self.ranks:
+            p.start()
+
+    async def close(self) -> None:
+        for p in self.ranks:
+            await p.close()
+
+    def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
+               lora_name: str | None) -> None:
+        rank = self._rank_of.get(parent) if parent is not None else None
+        if rank is None:
+            rank = self.next_rank
+            self.next_rank = (rank + 1) % len(self.ranks)
+        for h in hashes:
+            self._rank_of[h] = rank
+        self.ranks[rank].stored(hashes, parent, token_ids, block_size, lora_name)
+
+    def removed(self, hashes: list[bytes]) -> None:
+        by_rank: dict[int, list[bytes]] = {}
+        for h in hashes:
+            by_rank.setdefault(self._rank_of.pop(h, 0), []).append(h)
+        for rank, hs in by_rank.items():
+            self.ranks[rank].removed(hs)
+
+    def cleared(self) -> None:
+        self._rank_of.clear()
+        for p in self.ranks:
+            p.cleared()
+
+    def held_by(self, rank: int) -> int:
+        """Blocks the pool holds that ``rank`` reported (tests)."""
+        return sum(1 for r in self._rank_of.values() if r == rank)

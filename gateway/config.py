@@ -204,6 +204,12 @@ class ModelConfig(_Block):
             raise ValueError("an endpoint's kv_events: needs the model's tokenizer directory (tokenizer: <dir>)")
         if self.tokenizer is not None and not (Path(self.tokenizer) / "tokenizer.json").is_file():
             raise ValueError(f"tokenizer: no tokenizer.json in {self.tokenizer!r}")
+        for e in (*self.endpoints, *(e for rs in self.rolesets for e in (*rs.prefill, *rs.decode, *rs.combined))):
+            if e.kv_events is not None:          # an entry's ports with the model's ranks, or the other way
+                try:
+                    (self.kv_events or KVEventsConfig()).with_annotation(dict(e.kv_events.items()))
+                except ValueError as err:
+                    raise ValueError(f"endpoint {e.url} kv_events: {err}") from None
 
 
     @property

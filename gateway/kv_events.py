@@ -15,6 +15,14 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv_
   entries are cleared.
 * Every endpoint of an enabled model is synced with the pool once a second: a new endpoint gets a
   subscriber, a removed one loses its subscriber and its entries.
+* Data parallelism (``data_parallel_size`` N > 1): the engine behind the endpoint runs N ranks, and
+  rank r publishes on ``port + r`` (replay on ``replay_port + r``), as vLLM's and SGLang's
+  publishers offset their endpoints. The endpoint gets one subscriber per rank, each with its own
+  sequence numbers, first-contact replay and gap replay; its hashes are qualified by its rank
+  (``gateway.kv_wire``), so a gap that cannot be replayed, a restart or an ``AllBlocksCleared`` on
+  one rank clears that rank's entries only. Liveness stays per endpoint: an event from any rank
+  counts, because the engine, not the gateway, picks the rank that serves a request, and a rank it
+  leaves idle publishes nothing (a per-rank stall timer would take an idle rank for a dead one).
 
 Routing reads the index through ``match`` / ``routed`` / ``covers`` (the ``prefix-cache`` strategy's
 ``PreciseIndex``), never awaiting anything.
@@ -82,22 +90,33 @@ class _IndexCollector(Collector):
 
 
 class Subscriber:
-    """One endpoint's SUB socket (and replay DEALER) feeding the index."""
+    """One endpoint's SUB socket (and replay DEALER) feeding the index; with data parallelism, one
+    rank's (``rank`` set: its ports are offset by it, and what it clears is that rank's only)."""
 
-    def __init__(self, manager: KVEventsManager, st: EndpointState) -> None:
+    def __init__(self, manager: KVEventsManager, st: EndpointState, rank: int | None = None) -> None:
         self.m = manager
         self.st = st
+        self.rank = rank
         self.expected: int | None = None
         self.task: asyncio.Task | None = None
         s = st.settings
         host = st.ep.host
         self.ipv6 = ":" in host
         h = f"[{host}]" if self.ipv6 else host
-        self.pub_addr = f"tcp://{h}:{s.port}"
-        self.replay_addr = f"tcp://{h}:{s.replay_port}" if s.replay_port else None
+        off = rank or 0
+        self.pub_addr = f"tcp://{h}:{s.port + off}"
+        self.replay_addr = f"tcp://{h}:{s.replay_port + off}" if s.replay_port else None
+        self.name = st.ep.name if rank is None else f"{st.ep.name} rank {rank}"
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self.run(), name=f"kv-events {self.st.ep.name}")
+        self.task = asyncio.get_running_loop().create_task(self.run(), name=f"kv-events {self.name}")
+
+    def clear(self) -> None:
+        """Forget what this publisher reported: the endpoint's entries, or its rank's."""
+        if self.rank is None:
+            self.m.index.clear(self.st)
+        else:
+            self.m.index.clear_rank(self.st, self.rank)
 
     async def stop(self) -> None:
         if self.task is not None:
@@ -115,7 +134,8 @@ class Subscriber:
             sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SUBSCRIBE, self.st.settings.topic.encode())
         sock.connect(self.pub_addr)
-        log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr)
+        log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr,
+                 rank=self.rank)
         try:
             while True:
                 frames = await sock.recv_multipart()
@@ -126,11 +146,11 @@ class Subscriber:
                     await self.on_message(seq, frames[2])
                 except WireError as e:
                     self.m.metrics.errors.labels(self.st.ep.model).inc()
-                    log.warning("kv events: bad message", endpoint=self.st.ep.name, error=str(e))
+                    log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("kv events subscriber failed", endpoint=self.st.ep.name)
+            log.exception("kv events subscriber failed", endpoint=self.st.ep.name, rank=self.rank)
         finally:
             sock.close(0)
 
@@ -142,14 +162,14 @@ class Subscriber:
             self.expected = seq
         elif seq < self.expected:
             log.warning("kv events: engine restarted (sequence started again)", endpoint=self.st.ep.name,
-                        seq=seq, expected=self.expected)
+                        rank=self.rank, seq=seq, expected=self.expected)
             self.m.metrics.restarts.labels(model).inc()
-            self.m.index.clear(self.st)
+            self.clear()
             self.expected = seq
         elif seq > self.expected:
             await self.replay(self.expected, seq)
         if seq >= (self.expected or 0):
-            self.apply(decode_batch(payload))
+            self.apply(decode_batch(payload, self.rank))
             self.expected = seq + 1
 
     def apply(self, batch: Batch) -> None:
@@ -162,7 +182,7 @@ class Subscriber:
         if batch.unknown:
             kinds["unknown"] = batch.unknown
         before = self.m.index.orphans
-        self.m.index.apply(self.st, batch)
+        self.m.index.apply(self.st, batch, self.rank)
         if self.m.index.orphans > before:
             kinds["orphan"] = self.m.index.orphans - before
         for kind, n in kinds.items():
@@ -177,8 +197,8 @@ class Subscriber:
             if not first:
                 self.m.metrics.replays.labels(model, "no_replay_port").inc()
                 log.warning("kv events: gap, no replay port; entries cleared", endpoint=self.st.ep.name,
-                            missed_from=start, to=until)
-                self.m.index.clear(self.st)
+                            rank=self.rank, missed_from=start, to=until)
+                self.clear()
             return
         sock = self.m.zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -206,14 +226,14 @@ class Subscriber:
         if not complete and result == "ok":
             result = "incomplete"
         if not complete and not first:
-            self.m.index.clear(self.st)       # what was missed is unknown: start from what comes next
+            self.clear()       # what was missed is unknown: start from what comes next
             log.warning("kv events: replay could not fill the gap; entries cleared", endpoint=self.st.ep.name,
-                        missed_from=start, to=until, result=result)
+                        rank=self.rank, missed_from=start, to=until, result=result)
         if complete or first:
             for s, payload in got:
                 if s >= start:
                     with contextlib.suppress(WireError):
-                        self.apply(decode_batch(payload))
+                        self.apply(decode_batch(payload, self.rank))
         self.m.metrics.replays.labels(model, result).inc()
 
 
@@ -228,7 +248,7 @@ class KVEventsManager:
         self.metrics = KVEventsMetrics(registry)
         self.index = EventIndex(tokenizers, settings, clock, self._fallback)
         registry.register(_IndexCollector(self.index))
-        self.subscribers: dict[Endpoint, Subscriber] = {}
+        self.subscribers: dict[Endpoint, list[Subscriber]] = {}     # one per data-parallel rank
         self._refused: set[Endpoint] = set()
         self._sync_task: asyncio.Task | None = None
         self._zctx: Any = None
@@ -251,7 +271,14 @@ class KVEventsManager:
         base = self.settings(ep.model)
         note = ep.extra.get("kv_events") if ep.extra else None
         if note is not None:
-            return (base or KVEventsConfig()).with_annotation(dict(note))
+            try:
+                return (base or KVEventsConfig()).with_annotation(dict(note))
+            except ValueError as e:          # the annotation's ports and the model's ranks do not fit
+                if ep not in self._refused:
+                    self._refused.add(ep)
+                    self.metrics.fallbacks.labels(ep.model, "bad_annotation").inc()
+                    log.warning("kv events refused", endpoint=ep.name, model=ep.model, reason=str(e))
+                return None
         return base if base is not None and base.enabled else None
 
     # -- life --------------------------------------------------------------------------------------
@@ -281,22 +308,26 @@ class KVEventsManager:
                 want[ep] = s
         self._refused.intersection_update(eps)
         for ep in [ep for ep in self.subscribers if ep not in want]:
-            sub = self.subscribers.pop(ep)
-            asyncio.get_running_loop().create_task(sub.stop())
+            for sub in self.subscribers.pop(ep):
+                asyncio.get_running_loop().create_task(sub.stop())
             self.index.forget(ep)
         for ep, s in want.items():
             if ep not in self.subscribers:
-                sub = Subscriber(self, self.index.track(ep, s))
-                self.subscribers[ep] = sub
-                sub.start()
+                st = self.index.track(ep, s)
+                n = s.data_parallel_size
+                subs = [Subscriber(self, st)] if n == 1 else [Subscriber(self, st, r) for r in range(n)]
+                self.subscribers[ep] = subs
+                for sub in subs:
+                    sub.start()
 
     async def close(self) -> None:
         if self._sync_task is not None:
             self._sync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sync_task
-        for sub in list(self.subscribers.values()):
-            await sub.stop()
+        for subs in list(self.subscribers.values()):
+            for sub in subs:
+                await sub.stop()
         self.subscribers.clear()
         if self._zctx is not None:
             self._zctx.term()

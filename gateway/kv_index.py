@@ -34,7 +34,7 @@ from typing import Any
 
 from gateway.endpoints import Endpoint
 from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored
+from gateway.kv_wire import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored, rank_of
 from gateway.request import InferenceRequest
 from gateway.tokenization import ModelTokenizer
 
@@ -114,7 +114,9 @@ class EventIndex:
 
     # -- events ------------------------------------------------------------------------------------
 
-    def apply(self, st: EndpointState, batch: Batch) -> None:
+    def apply(self, st: EndpointState, batch: Batch, rank: int | None = None) -> None:
+        """``batch`` from ``st``'s publisher; ``rank``: the data-parallel rank's publisher it came from
+        (an ``AllBlocksCleared`` then clears that rank only), ``None``: the endpoint's only one."""
         st.last_event = self.clock()
         st.expect_since = None
         st.on_fallback = None
@@ -124,7 +126,10 @@ class EventIndex:
             elif ev.__class__ is BlockRemoved:
                 self._removed(st, ev)           # type: ignore[arg-type]
             elif ev.__class__ is AllBlocksCleared:
-                self.clear(st)
+                if rank is None:
+                    self.clear(st)
+                else:
+                    self.clear_rank(st, rank)
 
     def _stored(self, st: EndpointState, ev: BlockStored) -> None:
         bs = ev.block_size
@@ -203,6 +208,12 @@ class EventIndex:
         st.emap.clear()
         st.media.clear()
         st.owned.clear()
+
+    def clear_rank(self, st: EndpointState, rank: int) -> None:
+        """Forget what one data-parallel rank of ``st``'s engine holds (its gap, restart or cache
+        reset): its hashes are ``(rank, hash)``, rank 0's the plain hash (``kv_wire.rank_of``)."""
+        for bh in [bh for bh in st.emap if rank_of(bh) == rank]:
+            self._drop(st, bh)
 
     # -- routing -----------------------------------------------------------------------------------
 

@@ -24,10 +24,24 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     replay_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
     max_blocks_per_endpoint: Annotated[int, Meta(ge=1)] = 262144   # index entries per endpoint
     max_request_blocks: Annotated[int, Meta(ge=1)] = 16384          # a request's blocks keyed at most
+    # a data-parallel engine behind one endpoint publishes rank r on port + r (replay on replay_port + r)
+    data_parallel_size: Annotated[int, Meta(ge=1)] = 1
+
+    def __post_init__(self) -> None:
+        check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
 
     def with_annotation(self, values: dict) -> KVEventsConfig:
         """This block with a pod annotation's ``port``, ``replay_port`` and ``topic`` laid over it."""
-        return msgspec.structs.replace(self, enabled=True, **values)
+        out = msgspec.structs.replace(self, enabled=True, **values)
+        check_rank_ports(out.port, out.replay_port, out.data_parallel_size)
+        return out
+
+
+def check_rank_ports(port: int | None, replay_port: int | None, size: int | None) -> None:
+    """Every rank's port (``port + rank``) must be a TCP port."""
+    for name, p in (("port", port), ("replay_port", replay_port)):
+        if p is not None and size is not None and p + size - 1 > 65535:
+            raise ValueError(f"{name} {p} + data_parallel_size {size} - 1 is beyond 65535")
 
 
 class KVEventsEndpointConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -37,7 +51,12 @@ class KVEventsEndpointConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=
     port: _Port | None = None
     replay_port: _Port | None = None
     topic: str | None = None
+    data_parallel_size: Annotated[int, Meta(ge=1)] | None = None
+
+    def __post_init__(self) -> None:
+        check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
 
     def items(self) -> tuple[tuple[str, object], ...]:
         """The keys given, as the endpoint's ``extra["kv_events"]`` holds them (like the annotation)."""
-        return tuple((k, getattr(self, k)) for k in ("port", "replay_port", "topic") if getattr(self, k) is not None)
+        return tuple((k, getattr(self, k)) for k in ("port", "replay_port", "topic", "data_parallel_size")
+                     if getattr(self, k) is not None)

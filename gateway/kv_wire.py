@@ -17,7 +17,9 @@ engine is told not to shorten it); either is only an identifier here.
 Data parallelism: a batch names the engine's ``data_parallel_rank`` (vLLM publishes each rank on
 ``port + rank``). Hashes of a batch from rank r > 0 are decoded as ``(r, hash)``, so the ranks of one
 endpoint never share an entry: a block two ranks hold is attributed to the endpoint until both have
-removed it (rank 0, and engines without a rank, keep the plain hash). ``extra_keys`` (per block: the
+removed it (rank 0, and engines without a rank, keep the plain hash). A subscriber that knows the
+rank from the port it listens on passes it to ``decode_batch``, which then qualifies by that rank
+whatever the batch says (an engine that leaves ``data_parallel_rank`` null is still told apart). ``extra_keys`` (per block: the
 multimodal hashes, LoRA or ``cache_salt`` extras the engine folded into its hash, or null) and the
 hybrid-model fields (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) are
 accepted in both encodings; ``extra_keys`` is kept on the event. The replay socket (ROUTER)
@@ -166,22 +168,30 @@ def _event(raw: Any) -> Event | None:
     raise WireError(f"an event must be a tagged array or map, got {type(raw).__name__}")
 
 
-def decode_batch(payload: bytes) -> Batch:
-    """One msgpack ``EventBatch`` (array or map form, events in either encoding)."""
+def rank_of(h: BlockHash) -> int:
+    """The data-parallel rank a decoded hash came from (a plain hash: rank 0)."""
+    return h[0] if h.__class__ is tuple else 0
+
+
+def decode_batch(payload: bytes, rank: int | None = None) -> Batch:
+    """One msgpack ``EventBatch`` (array or map form, events in either encoding); ``rank``, when
+    given, is the rank that qualifies the hashes instead of the batch's ``data_parallel_rank``."""
     try:
         raw = _decode(payload)
     except msgspec.DecodeError as e:
         raise WireError(f"not msgpack: {e}") from None
     if isinstance(raw, list) and len(raw) >= 2:
-        ts, events, rank = raw[0], raw[1], _at(raw, 2)
+        ts, events, batch_rank = raw[0], raw[1], _at(raw, 2)
     elif isinstance(raw, dict) and "events" in raw:
-        ts, events, rank = raw.get("ts", 0.0), raw["events"], raw.get("data_parallel_rank")
+        ts, events, batch_rank = raw.get("ts", 0.0), raw["events"], raw.get("data_parallel_rank")
     else:
         raise WireError("an event batch must be [ts, events, dp_rank] or a map with events")
     if not isinstance(events, list):
         raise WireError("events must be an array")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
-        raise WireError(f"data_parallel_rank must be a non-negative integer or null, got {rank!r}")
+    if batch_rank is not None and (isinstance(batch_rank, bool) or not isinstance(batch_rank, int)
+                                   or batch_rank < 0):
+        raise WireError(f"data_parallel_rank must be a non-negative integer or null, got {batch_rank!r}")
+    tag = rank if rank is not None else batch_rank
     out: list[Event] = []
     unknown = 0
     for e in events:
@@ -192,7 +202,7 @@ def decode_batch(payload: bytes) -> Batch:
         if ev is None:
             unknown += 1
         else:
-            if rank:
-                _ranked(ev, rank)
+            if tag:
+                _ranked(ev, tag)
             out.append(ev)
-    return Batch(float(ts or 0.0), out, rank, unknown)
+    return Batch(float(ts or 0.0), out, batch_rank, unknown)

@@ -31,7 +31,7 @@ LABEL_RAY_NODE_TYPE = "ray.io/node-type"
 ANNO_MODEL = "model.aibrix.ai/name"
 ANNO_BOOTSTRAP_PORT = "model.aibrix.ai/sglang-bootstrap-port"
 ANNO_CONFIG = "model.aibrix.ai/config"
-# KV-cache events: "true", or JSON {"port", "replay_port", "topic"} (gateway/kv_events.py)
+# KV-cache events: "true", or JSON {"port", "replay_port", "topic", "data_parallel_size"} (gateway/kv_events.py)
 ANNO_KV_EVENTS = "switchyard.io/kv-events"
 
 DEFAULT_PORT = 8000
@@ -226,7 +226,8 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
 
 def parse_kv_events(value: str | None) -> tuple[tuple[str, Any], ...] | None:
     """The ``switchyard.io/kv-events`` annotation: ``"true"`` (the model's ``kv_events`` settings),
-    ``"false"``, or a JSON object with any of ``port``, ``replay_port`` (ports) and ``topic``."""
+    ``"false"``, or a JSON object with any of ``port``, ``replay_port`` (ports), ``topic`` and
+    ``data_parallel_size`` (the engine's DP ranks, publishing on ``port + rank``)."""
     if value is None or not value.strip() or value.strip().lower() == "false":
         return None
     if value.strip().lower() == "true":
@@ -243,6 +244,12 @@ def parse_kv_events(value: str | None) -> tuple[tuple[str, Any], ...] | None:
             out.append((key, _port(v, f"annotation {ANNO_KV_EVENTS} {key}")))
         elif key == "topic" and isinstance(v, str):
             out.append((key, v))
+        elif key == "data_parallel_size" and isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1024:
+            out.append((key, v))
         else:
             raise ValueError(f"annotation {ANNO_KV_EVENTS}: unknown or bad key {key!r}")
+    given = dict(out)
+    for key in ("port", "replay_port"):
+        if key in given and given[key] + given.get("data_parallel_size", 1) - 1 > 65535:
+            raise ValueError(f"annotation {ANNO_KV_EVENTS}: {key} + data_parallel_size - 1 is beyond 65535")
     return tuple(out)

@@ -47,7 +47,7 @@ async def test_annotation_subscribes_the_pod_on_its_port_and_topic(emu, tmp_path
     kv = gw.gw.routing.ctx.precise_index
     assert await wait_for(lambda: len(gw.gw.pool.ready("m")) == 3 and kv.subscribers, timeout=5)
     await asyncio.sleep(0.1)                     # the sync loop has seen every pod
-    (sub,) = kv.subscribers.values()
+    ((sub,),) = kv.subscribers.values()
     assert sub.st.ep.name == "a"
     assert sub.pub_addr == f"tcp://127.0.0.1:{pa.port}" and sub.replay_addr == f"tcp://127.0.0.1:{pa.replay_port}"
     assert sub.st.settings.topic == "kv@a" and sub.st.settings.enabled
