@@ -107,7 +107,7 @@ async def test_the_page_renders_the_demo_gateway_and_follows_its_traffic(sims, g
                         + f".textContent === {json.dumps(pd.name)}")
     status = await page.wait_for(q('#errors tr[data-request="missing-0"] td[data-field="status"]') + ".textContent")
     assert status == "404"
-    await page.wait_for(q("#tile-requests") + ".textContent === '9'")
+    await page.wait_for(q("#tile-requests") + f".textContent === '{2 * len(models) + 1}'")
     assert await page.text("#tile-errors") == "1"
     assert page.problems == [], "\n".join(page.problems)
 
