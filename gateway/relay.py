@@ -28,7 +28,7 @@ from gateway.config import UpstreamConfig, WatchdogConfig
 from gateway.context import RequestContext, RequestRecord
 from gateway.errors import GatewayError, error_body, normalize_upstream_error
 from gateway.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, observe_all
 from gateway.outcome import Outcome, of_answer, of_status
 from gateway.sse import SSEScanner, usage_tokens
 from handlers.base import EngineAdapter
@@ -210,9 +210,7 @@ class Relay:
             m.child(m.ttft, rec.model).observe(rec.ttft)
             gaps = scanner.drain_itl()
             if gaps:
-                h = m.child(m.itl, rec.model)
-                for g in gaps:
-                    h.observe(g)
+                observe_all(m.child(m.itl, rec.model), gaps)
         rec.finish_reason = scanner.finish_reason
         self.account_usage(rec, scanner.usage)
 
