@@ -140,6 +140,16 @@ class UpstreamResponse:
             self._exc = exc
         self._wake(exc)
 
+    @property
+    def waiting(self) -> bool:
+        """A reader is waiting in ``readany`` for bytes."""
+        return self._waiter is not None
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Raise ``exc`` in the reader waiting in ``readany`` (a watchdog); the answer itself is
+        unchanged, and nothing happens when no reader waits."""
+        self._wake(exc)
+
     # -- the reader's side -----------------------------------------------------------------
 
     async def readany(self) -> bytes:
