@@ -92,14 +92,19 @@ class Breaker:
     stamps: list[int] = field(default_factory=lambda: [-1] * _BUCKETS)
     timer: Any = None
 
-    def observe(self, fault: bool, now: float, bucket_s: float) -> tuple[int, int]:
-        """Count one outcome in the rate window; returns (faults, outcomes) in the window."""
+    def count(self, fault: bool, now: float, bucket_s: float) -> int:
+        """Count one outcome in the rate window (a success needs no more); returns its tick."""
         tick = int(now / bucket_s)
         i = tick % _BUCKETS
         if self.stamps[i] != tick:
             self.stamps[i], self.faults[i], self.total[i] = tick, 0, 0
         self.faults[i] += fault
         self.total[i] += 1
+        return tick
+
+    def observe(self, fault: bool, now: float, bucket_s: float) -> tuple[int, int]:
+        """Count one outcome in the rate window; returns (faults, outcomes) in the window."""
+        tick = self.count(fault, now, bucket_s)
         live = [j for j in range(_BUCKETS) if tick - self.stamps[j] < _BUCKETS]
         return sum(self.faults[j] for j in live), sum(self.total[j] for j in live)
 
@@ -208,7 +213,7 @@ class Breakers:
                         cause: str) -> None:
         if outcome is Outcome.SUCCESS:
             b.consecutive = 0
-            b.observe(False, now, cfg.window_s / _BUCKETS)
+            b.count(False, now, cfg.window_s / _BUCKETS)
             return
         if outcome is not Outcome.FAULT:
             return

@@ -140,6 +140,16 @@ class UpstreamResponse:
             self._exc = exc
         self._wake(exc)
 
+    @property
+    def waiting(self) -> bool:
+        """A reader is waiting in ``readany`` for bytes."""
+        return self._waiter is not None
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Raise ``exc`` in the reader waiting in ``readany`` (a watchdog); the answer itself is
+        unchanged, and nothing happens when no reader waits."""
+        self._wake(exc)
+
     # -- the reader's side -----------------------------------------------------------------
 
     async def readany(self) -> bytes:
@@ -250,16 +260,17 @@ class _Conn(asyncio.Protocol):
         """The answer to the request ``send`` wrote, once its head arrived."""
         resp, waiter = self.resp, self.sent_waiter
         assert resp is not None and waiter is not None
-        timer = None if waiter.done() or not header_timeout else \
-            self.loop.call_later(header_timeout, self._header_timeout, header_timeout)
+        watched = bool(header_timeout) and not waiter.done()
+        if watched:
+            self.pool._await_head(self, header_timeout)
         try:
             await waiter
         except BaseException:
             self.abort()
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
+            if watched:
+                self.pool._heads.pop(self, None)
         return resp
 
     def _header_timeout(self, seconds: float) -> None:
@@ -449,6 +460,11 @@ class UpstreamPool:
         self._waiters: deque[asyncio.Future] = deque()
         self._origins: dict[str, _Origin] = {}
         self._sweep: asyncio.TimerHandle | None = None
+        # exchanges waiting for their response head: conn → (deadline, seconds), all watched by one
+        # timer set for the earliest deadline (not a timer per request)
+        self._heads: dict[_Conn, tuple[float, float]] = {}
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_due = float("inf")
         self._ssl: ssl_module.SSLContext | None = None
         self._closed = False
 
@@ -605,6 +621,31 @@ class UpstreamPool:
         self._conns.add(conn)
         return conn
 
+    def _await_head(self, conn: _Conn, seconds: float) -> None:
+        due = self.loop.time() + seconds
+        self._heads[conn] = (due, seconds)
+        if due < self._head_due:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_due = due
+            self._head_timer = self.loop.call_at(due, self._check_heads)
+
+    def _check_heads(self) -> None:
+        """Fail the exchanges whose head is overdue; set the timer for the next deadline."""
+        self._head_timer = None
+        self._head_due = float("inf")
+        now = self.loop.time()
+        nxt = float("inf")
+        for conn, (due, seconds) in list(self._heads.items()):
+            if due <= now:
+                del self._heads[conn]
+                conn._header_timeout(seconds)
+            elif due < nxt:
+                nxt = due
+        if nxt != float("inf"):
+            self._head_due = nxt
+            self._head_timer = self.loop.call_at(nxt, self._check_heads)
+
     def _put_idle(self, conn: _Conn) -> None:
         conn.resp = None
         if self._closed or not self.keepalive_timeout:
@@ -657,6 +698,9 @@ class UpstreamPool:
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
         for conn in list(self._conns):
             conn.abort()
         self._idle.clear()

@@ -28,7 +28,7 @@ from gateway.config import UpstreamConfig, WatchdogConfig
 from gateway.context import RequestContext, RequestRecord
 from gateway.errors import GatewayError, error_body, normalize_upstream_error
 from gateway.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, observe_all
 from gateway.outcome import Outcome, of_answer, of_status
 from gateway.sse import SSEScanner, usage_tokens
 from handlers.base import EngineAdapter
@@ -45,6 +45,52 @@ class WatchdogFired(Exception):
         super().__init__(phase)
         self.phase = phase
         self.seconds = seconds
+
+
+class _Watchdog:
+    """A stream's watchdog: each wait for the engine's next chunk is bounded (``first_chunk`` for
+    the first, ``idle`` after it), by one timer per stream rather than one per chunk. The relay
+    notes when each wait starts (``since``); the timer, when due, checks the wait in progress and
+    either interrupts it with ``WatchdogFired`` or sets itself for that wait's deadline. Time spent
+    writing to the client is not counted, as no wait is in progress then."""
+
+    __slots__ = ("resp", "loop", "phase", "limit", "idle", "since", "handle")
+
+    def __init__(self, resp: UpstreamResponse, first_to: float, idle_to: float) -> None:
+        """The first wait is bounded by ``first_to``, or by ``idle_to`` when that is 0 (one is not)."""
+        self.resp = resp
+        self.loop = asyncio.get_running_loop()
+        self.phase, self.limit = ("first_chunk", first_to) if first_to else ("idle", idle_to)
+        self.idle = idle_to
+        self.since = self.loop.time()
+        self.handle: asyncio.TimerHandle | None = self.loop.call_at(self.since + (first_to or idle_to), self._check)
+
+    def first_chunk_came(self) -> None:
+        """From now on each wait is bounded by the idle timeout (the timer is set anew for it)."""
+        self.phase, self.limit = "idle", self.idle
+        self.cancel()
+        if self.idle:
+            self.handle = self.loop.call_at(self.loop.time() + self.idle, self._check)
+
+    def _check(self) -> None:
+        self.handle = None
+        now = self.loop.time()
+        limit = self.limit
+        if not limit:       # after the first chunk, with no idle bound: nothing more to watch
+            return
+        if self.resp.waiting:
+            due = self.since + limit
+            if now >= due:
+                self.resp.interrupt(WatchdogFired(self.phase, limit))
+                return
+        else:               # no wait in progress: the next one starts no sooner than now
+            due = now + limit
+        self.handle = self.loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
 
 
 async def open_sse(ctx: RequestContext, headers: dict[str, str]) -> web.StreamResponse:
@@ -125,21 +171,19 @@ class Relay:
         first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
         idle_to = wd.idle_timeout_s if wd is not None else 0.0
         failure: bytes | None = None
+        watch: _Watchdog | None = None
         try:
             if first_to or idle_to:
-                phase, limit = ("first_chunk", first_to) if first_to else ("idle", idle_to)
-                while True:
-                    try:
-                        async with asyncio.timeout(limit or None):
-                            chunk = await readany()
-                    except TimeoutError:
-                        raise WatchdogFired(phase, limit) from None
-                    if not chunk:
-                        break
-                    phase, limit = "idle", idle_to
+                watch = _Watchdog(resp, first_to, idle_to)
+                time_now = watch.loop.time
+                chunk = await readany()
+                watch.first_chunk_came()
+                while chunk:
                     data = feed(chunk, clock())
                     if data:
                         await write(data)
+                    watch.since = time_now()
+                    chunk = await readany()
             else:
                 while chunk := await readany():
                     data = feed(chunk, clock())
@@ -178,6 +222,9 @@ class Relay:
             # the client went away while we wrote: same as a disconnect
             rec.error_class = "client_cancel"
             raise asyncio.CancelledError from None
+        finally:
+            if watch is not None:
+                watch.cancel()
         self._stream_observations(rec, scanner)
         if ctx.migration is not None and (failure is not None or scanner.error is not None):
             ctx.migration.unmigrated(rec, rec.error_class or "upstream_stream_error")   # refused: counted
@@ -210,9 +257,7 @@ class Relay:
             m.child(m.ttft, rec.model).observe(rec.ttft)
             gaps = scanner.drain_itl()
             if gaps:
-                h = m.child(m.itl, rec.model)
-                for g in gaps:
-                    h.observe(g)
+                observe_all(m.child(m.itl, rec.model), gaps)
         rec.finish_reason = scanner.finish_reason
         self.account_usage(rec, scanner.usage)
 

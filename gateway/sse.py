@@ -10,7 +10,7 @@ Why it is shaped like this:
 * Bytes only, no re-encoding. Without ``strip_usage`` the chunk itself is returned (same object,
   zero copies); the scanner keeps only the partial tail of an incomplete event, for scanning.
 * Most events are never JSON-decoded. Whether an event carries generated content is decided by
-  byte searches for the handful of keys that hold it (``"content"``, ``"text"``, ``"tool_calls"``,
+  one regex search over its bytes for the handful of keys that hold it (``"content"``, ``"text"``, ``"tool_calls"``,
   ``"reasoning_content"``, ``"reasoning"``) followed by a non-empty value. A JSON string can hold
   a quote only escaped, so ``"key"`` followed by ``:`` in the raw bytes is always a real key, never
   text inside a value. Only events that mention ``"usage"`` or ``"error"``, or have a non-null
@@ -50,12 +50,26 @@ ITL_KEEP = 4096
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
 _WS = frozenset(b" \t\r\n")
-_COLON, _QUOTE, _LBRACKET, _RBRACKET, _N = 0x3A, 0x22, 0x5B, 0x5D, 0x6E
+_COLON, _LBRACKET, _RBRACKET = 0x3A, 0x5B, 0x5D
 
-_STRING_CONTENT_KEYS = (b'"content"', b'"text"', b'"reasoning_content"', b'"reasoning"')
-_TOOL_CALLS = b'"tool_calls"'
-_FINISH_REASON = b'"finish_reason"'
 _CHOICES = b'"choices"'
+# The per-event tests, one regex search each (``_event`` runs once per relayed event): generated
+# content is a content key (``"content"``, ``"text"``, ``"reasoning_content"``, ``"reasoning"``)
+# followed by a non-empty string, or ``"tool_calls"`` by a non-empty list; a finish is a
+# ``"finish_reason"`` whose value is not null. JSON whitespace may sit around the colon.
+_CONTENT_RE = re.compile(rb'"(?:content|text|reasoning_content|reasoning)"[ \t\r\n]*:[ \t\r\n]*"[^"]'
+                         rb'|"tool_calls"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*[^\] \t\r\n]')
+_FINISH_RE = re.compile(rb'"finish_reason"[ \t\r\n]*:[ \t\r\n]*[^n \t\r\n]')
+
+
+
+def _has_content(p: bytes | bytearray) -> bool:
+    """Whether an event's data carries generated content (see ``_CONTENT_RE``)."""
+    i = p.find(b'"content":"')     # engines write compact JSON: the usual token event, found cheaply
+    if i >= 0 and p[i + 11:i + 12] not in (b'"', b""):
+        return True
+    return _CONTENT_RE.search(p) is not None
+
 
 # feed flags returned by _event
 _CONTENT = 1
@@ -79,41 +93,6 @@ def _value_at(p: bytes | bytearray, i: int) -> int:
     while i < n and p[i] in _WS:
         i += 1
     return i
-
-
-def _has_nonempty_string(p: bytes | bytearray, key: bytes) -> bool:
-    i = p.find(key)
-    while i >= 0:
-        j = _value_at(p, i + len(key))
-        if 0 <= j < len(p) - 1 and p[j] == _QUOTE and p[j + 1] != _QUOTE:
-            return True
-        i = p.find(key, i + len(key))
-    return False
-
-
-def _has_nonempty_list(p: bytes | bytearray, key: bytes) -> bool:
-    i = p.find(key)
-    n = len(p)
-    while i >= 0:
-        j = _value_at(p, i + len(key))
-        if 0 <= j < n and p[j] == _LBRACKET:
-            k = j + 1
-            while k < n and p[k] in _WS:
-                k += 1
-            if k < n and p[k] != _RBRACKET:
-                return True
-        i = p.find(key, i + len(key))
-    return False
-
-
-def _has_nonnull(p: bytes | bytearray, key: bytes) -> bool:
-    i = p.find(key)
-    while i >= 0:
-        j = _value_at(p, i + len(key))
-        if 0 <= j < len(p) and p[j] != _N:
-            return True
-        i = p.find(key, i + len(key))
-    return False
 
 
 def _could_be_usage(data: bytes | bytearray, start: int) -> bool:
@@ -233,6 +212,11 @@ class SSEScanner:
         if self.strip_usage:
             return self._feed_strip(chunk, now)
         buf = self._buf
+        if not buf and chunk.endswith(b"\n\n") and chunk.find(b"\n") == len(chunk) - 2:
+            # the usual chunk: exactly one whole event, nothing held from before
+            if self._event(chunk, 0, len(chunk) - 2) & _CONTENT:
+                self._mark(now)
+            return chunk
         if buf:
             pos = len(buf) - 2 if len(buf) > 2 else 0
             buf += chunk
@@ -390,16 +374,10 @@ class SSEScanner:
             self.done = True
             return 0
         flags = 0
-        for key in _STRING_CONTENT_KEYS:
-            if _has_nonempty_string(p, key):
-                flags = _CONTENT
-                break
-        else:
-            if _has_nonempty_list(p, _TOOL_CALLS):
-                flags = _CONTENT
-        if flags:
+        if _has_content(p):
+            flags = _CONTENT
             self.token_events += 1
-        if b'"usage"' in p or b'"error"' in p or _has_nonnull(p, _FINISH_REASON):
+        if b'"usage"' in p or b'"error"' in p or _FINISH_RE.search(p) is not None:
             flags |= self._decode(p)
         return flags
 

@@ -427,6 +427,37 @@ async def test_no_head_within_the_header_timeout_drops_the_connection():
 
 
 @on_both_loops
+async def test_one_timer_serves_head_deadlines_of_any_order():
+    """A short header timeout started after a long one still fires first; the long one's exchange
+    is untouched and gets its answer; nothing stays watched afterwards."""
+    release = asyncio.Event()
+
+    async def slow_or_silent(server, req, writer):
+        if req["path"] == "/slow":
+            await release.wait()
+            writer.write(answer())
+            await writer.drain()
+            return True
+        await req["reader"].read()
+        return False
+
+    async with Engine(slow_or_silent) as eng:
+        pool = UpstreamPool()
+        slow = asyncio.create_task(pool.post(eng.url + "/slow", b"{}", JSON, header_timeout=30.0))
+        await wait_until(lambda: pool._heads)
+        with pytest.raises(UpstreamTimeout):
+            await pool.post(eng.url + "/silent", b"{}", JSON, header_timeout=0.05)
+        assert not slow.done() and len(pool._heads) == 1
+        release.set()
+        resp = await asyncio.wait_for(slow, GUARD)
+        assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+        resp.release()
+        assert pool._heads == {}
+        await pool.close()
+        assert pool._head_timer is None
+
+
+@on_both_loops
 async def test_close_aborts_the_request_on_the_engine():
     """Closing a response mid-stream (client gone, watchdog) is how the engine learns to stop."""
     async def streams(server, req, writer):

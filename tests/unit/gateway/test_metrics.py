@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.looplag import LoopLagMonitor
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, observe_all
 
 
 def samples(m: GatewayMetrics) -> dict[tuple[str, tuple], float]:
@@ -85,3 +85,16 @@ async def test_loop_lag_interval_zero_is_off():
     mon.start()
     assert mon._task is None
     await mon.stop()
+
+
+def test_observe_all_renders_as_one_observe_per_value():
+    gaps = [0.0, 0.0005, 0.0004999, 0.001, 0.0123, 0.05, 9.99, 10.0, 10.5, 1e9, -0.25] * 3
+    one, batch = GatewayMetrics(), GatewayMetrics()
+    for g in gaps:
+        one.itl.labels("m").observe(g)
+    observe_all(batch.itl.labels("m"), gaps)
+    a = {k: v for k, v in samples(one).items() if k[0].startswith("switchyard_inter_token")}
+    b = {k: v for k, v in samples(batch).items() if k[0].startswith("switchyard_inter_token")}
+    assert a.keys() == b.keys() and a
+    for k, v in a.items():
+        assert b[k] == pytest.approx(v, rel=1e-12), k

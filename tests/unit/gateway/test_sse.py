@@ -524,3 +524,72 @@ def check_stream(stream, strip: bool) -> None:
     assert whole_out == expected_out
     assert _stats(s) == _stats(whole) == _expected(parts)
     assert (s.first_token_at is None) == (s.token_events == 0)
+
+
+# -- the per-event regexes against the byte walks they replaced ---------------------------------
+# (the walks look at every occurrence of a key, overlapping ones too: on bytes that are not JSON a
+# key's closing quote may open the next one)
+
+_WS = b" \t\r\n"
+
+
+def _walk_value(p: bytes, i: int) -> int:
+    n = len(p)
+    while i < n and p[i] in _WS:
+        i += 1
+    if i >= n:
+        return n
+    if p[i] != 0x3A:
+        return -1
+    i += 1
+    while i < n and p[i] in _WS:
+        i += 1
+    return i
+
+
+def _walk_content(p: bytes) -> bool:
+    for key in (b'"content"', b'"text"', b'"reasoning_content"', b'"reasoning"'):
+        i = p.find(key)
+        while i >= 0:
+            j = _walk_value(p, i + len(key))
+            if 0 <= j < len(p) - 1 and p[j] == 0x22 and p[j + 1] != 0x22:
+                return True
+            i = p.find(key, i + 1)
+    i = p.find(b'"tool_calls"')
+    while i >= 0:
+        j = _walk_value(p, i + 12)
+        if 0 <= j < len(p) and p[j] == 0x5B:
+            k = j + 1
+            while k < len(p) and p[k] in _WS:
+                k += 1
+            if k < len(p) and p[k] != 0x5D:
+                return True
+        i = p.find(b'"tool_calls"', i + 1)
+    return False
+
+
+def _walk_finish(p: bytes) -> bool:
+    i = p.find(b'"finish_reason"')
+    while i >= 0:
+        j = _walk_value(p, i + 15)
+        if 0 <= j < len(p) and p[j] != 0x6E:
+            return True
+        i = p.find(b'"finish_reason"', i + 1)
+    return False
+
+
+_PIECES = [b'"content"', b'"text"', b'"reasoning_content"', b'"reasoning"', b'"tool_calls"', b'"finish_reason"',
+           b":", b" ", b"\t", b"\r\n", b'"', b'""', b'"x"', b"[", b"]", b"[]", b"null", b"n", b"{", b"}", b",",
+           b'\\"', b"content", b"1", b'"content":"', b'"content":""', b'"content": "']
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.lists(st.sampled_from(_PIECES), max_size=14))
+@example([b'"content"', b" ", b":", b" ", b'""', b'"content"', b":", b'"x"'])
+@example([b'"tool_calls"', b":", b"[", b" ", b" ", b"]"])
+@example([b'"finish_reason"', b":", b" ", b"\t", b"null"])
+def test_event_regexes_answer_as_the_byte_walks(pieces):
+    p = b"".join(pieces)
+    assert sse._has_content(p) == _walk_content(p)
+    assert (sse._CONTENT_RE.search(p) is not None) == _walk_content(p)
+    assert (sse._FINISH_RE.search(p) is not None) == _walk_finish(p)
