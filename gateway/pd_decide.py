@@ -30,6 +30,7 @@ reason=<reason>`` and logged as ``pd_mode``, ``pd_reason`` and ``decode_uncached
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -74,7 +75,8 @@ class PDDecider:
         cfg = self.config.pd_for(ireq.model)
         decode, n = d.endpoint, ireq.prompt_tokens_est
         match = self.index.match(ireq, [decode]).get(decode, 0.0)
-        self.index.insert(ireq, decode)       # the decode holds this prompt's KV after either mode
+        # the decode holds this prompt's KV after either mode; recorded once the leg is written
+        ctx.after_write.append(partial(self.index.insert, ireq, decode))
         uncached = round(n * (1.0 - match / 100.0))
         reason = None
         if cfg.disaggregate_min_prompt_tokens and n < cfg.disaggregate_min_prompt_tokens:

@@ -31,7 +31,8 @@ def setup(**pd):
 def ctx_for(p, d):
     ireq = InferenceRequest(path=CHAT, body=b"{}", data={}, model="m", stream=False, include_usage=False,
                             prompt_text="x" * 4000, prompt_tokens_est=1000, request_id="r")
-    return SimpleNamespace(ireq=ireq, decision=Decision(d, "pd", prefill=p), rec=RequestRecord("r", CHAT, 0.0))
+    return SimpleNamespace(ireq=ireq, decision=Decision(d, "pd", prefill=p), rec=RequestRecord("r", CHAT, 0.0),
+                           after_write=[])
 
 
 def test_default_always_disaggregates():
@@ -51,3 +52,17 @@ def test_prefill_pressure_runs_whole_only_with_decode_headroom():
     ctx = ctx_for(p, d)
     decider.decide(ctx, VLLM, [p, d])
     assert ctx.decision.prefill is p and ctx.rec.extra["pd_reason"] == "uncached"
+
+
+def test_decode_recorded_in_the_index_once_the_leg_is_written():
+    decider, p, d = setup(disaggregate_min_uncached_tokens=100)
+    ctx = ctx_for(p, d)
+    decider.decide(ctx, VLLM, [p, d])
+    assert ctx.rec.extra["decode_uncached_tokens"] == 1000
+    assert decider.index.match(ctx.ireq, [d])[d] == 0.0      # not yet: the leg is not written
+    for fn in ctx.after_write:
+        fn()
+    assert decider.index.match(ctx.ireq, [d])[d] == 100.0
+    again = ctx_for(p, d)                                      # the next turn finds it on the decode
+    decider.decide(again, VLLM, [p, d])
+    assert again.decision.prefill is None and again.rec.extra["pd_reason"] == "cached_on_decode"
