@@ -115,13 +115,18 @@ class PDDecider:
         return m is None or m.kv_usage is None or m.kv_usage < max_kv
 
     def _record(self, ctx: RequestContext, mode: str, reason: str, uncached: int | None) -> None:
+        """The answer's header now; the count and the log fields once the leg is written."""
         assert ctx.ireq is not None and ctx.decision is not None
+        ctx.decision.headers[HEADER] = f"{mode}; reason={reason}"
+        ctx.after_write.append(partial(self._count, ctx, mode, reason, uncached))
+
+    def _count(self, ctx: RequestContext, mode: str, reason: str, uncached: int | None) -> None:
+        assert ctx.ireq is not None
         model = ctx.ireq.model
         child = self._children.get((model, mode, reason))
         if child is None:
             child = self._children[(model, mode, reason)] = self.metrics.decisions.labels(model, mode, reason)
         child.inc()
-        ctx.decision.headers[HEADER] = f"{mode}; reason={reason}"
         extra = ctx.rec.extra
         extra["pd_mode"], extra["pd_reason"] = mode, reason
         if uncached is not None:

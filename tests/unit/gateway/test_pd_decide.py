@@ -35,10 +35,18 @@ def ctx_for(p, d):
                            after_write=[])
 
 
+def written(ctx):
+    """What ``RequestContext.written`` does once the leg is out."""
+    for fn in ctx.after_write:
+        fn()
+    ctx.after_write.clear()
+
+
 def test_default_always_disaggregates():
     decider, p, d = setup()
     ctx = ctx_for(p, d)
     decider.decide(ctx, VLLM, [p, d])
+    written(ctx)
     assert ctx.decision.prefill is p and ctx.rec.extra["pd_reason"] == "always"
 
 
@@ -51,6 +59,7 @@ def test_prefill_pressure_runs_whole_only_with_decode_headroom():
     d.metrics = EngineMetrics(scraped_at=time.monotonic(), kv_usage=0.9)      # no headroom
     ctx = ctx_for(p, d)
     decider.decide(ctx, VLLM, [p, d])
+    written(ctx)
     assert ctx.decision.prefill is p and ctx.rec.extra["pd_reason"] == "uncached"
 
 
@@ -58,11 +67,12 @@ def test_decode_recorded_in_the_index_once_the_leg_is_written():
     decider, p, d = setup(disaggregate_min_uncached_tokens=100)
     ctx = ctx_for(p, d)
     decider.decide(ctx, VLLM, [p, d])
+    assert "decode_uncached_tokens" not in ctx.rec.extra      # not yet: the leg is not written
+    assert decider.index.match(ctx.ireq, [d])[d] == 0.0
+    written(ctx)
     assert ctx.rec.extra["decode_uncached_tokens"] == 1000
-    assert decider.index.match(ctx.ireq, [d])[d] == 0.0      # not yet: the leg is not written
-    for fn in ctx.after_write:
-        fn()
     assert decider.index.match(ctx.ireq, [d])[d] == 100.0
     again = ctx_for(p, d)                                      # the next turn finds it on the decode
     decider.decide(again, VLLM, [p, d])
+    written(again)
     assert again.decision.prefill is None and again.rec.extra["pd_reason"] == "cached_on_decode"
