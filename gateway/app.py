@@ -122,7 +122,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     routing = Routing(config, pool, metrics, kv_events)
     # circuit breakers hear every leg's outcome (upstream, relay); open ones are not ready
     breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
-    routing.observers.append(breakers.on_decision)      # half-open trial slots
+    routing.claims.append(breakers.on_decision)         # half-open trial slots, before the leg
     upstream = Upstream(config.upstream, config.health, metrics, breakers)
     relay = Relay(config.upstream, metrics, upstream.record)
     pd = PDOrchestrator(config, upstream, relay, lifecycle.spawn, metrics, routing.ctx.rng)

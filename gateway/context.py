@@ -103,6 +103,9 @@ class RequestContext:
     api: ApiShape | None = None                      # the request's API when not chat/completions/embeddings
     api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
     migration: Any = None                            # a stream's continuation state (gateway/migration.py)
+    # bookkeeping not needed to choose the endpoint or build the body (routing observers, prefix
+    # index inserts, log fields): run by ``written`` once the first upstream leg is written
+    after_write: list[Callable[[], None]] = field(default_factory=list)
 
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:
@@ -111,6 +114,17 @@ class RequestContext:
         rec = RequestRecord(request_id=rid, path=request.path, started=time.perf_counter(),
                             request_id_replaced=given is not None and given != rid)
         return cls(http=request, rec=rec)
+
+    def written(self) -> None:
+        """The first upstream leg went out (or the request ends without one): run ``after_write``."""
+        later = self.after_write
+        if later:
+            for fn in later:
+                try:
+                    fn()
+                except Exception:     # bookkeeping's bug must not fail the request
+                    log.exception("after-write bookkeeping failed", request_id=self.rec.request_id)
+            later.clear()
 
     def use(self, ep: Endpoint) -> None:
         """``ep`` answers the request (the decode, for P/D)."""

@@ -26,6 +26,7 @@ import contextlib
 import random
 import time
 from collections.abc import Callable, Coroutine
+from functools import partial
 from typing import Any
 
 import structlog
@@ -86,7 +87,8 @@ class PDOrchestrator:
         ctx.use(ctx.decision.endpoint)
         settings = self.config.pd_for(ireq.model)
         plan = adapter.pd_plan(ireq, checked, prefill=prefill, settings=settings, rng=self.rng)
-        ctx.rec.extra.update(plan.log)
+        if plan.log:                        # log fields: once the first leg is out
+            ctx.after_write.append(partial(ctx.rec.extra.update, plan.log))
         headers = upstream_headers(ireq)
         if ctx.migration is not None:       # a continuation elsewhere first stops this decode
             ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
@@ -113,6 +115,7 @@ class PDOrchestrator:
             bad: BadPrefillAnswer | None = None
             with ctx.trace.leg("prefill", prefill) as pleg:
                 x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(headers))
+                ctx.written()               # the routing bookkeeping, once the prefill is out
                 status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
                 if status == 200:
                     # the decode is written first; the prefill's bookkeeping follows it
@@ -163,6 +166,7 @@ class PDOrchestrator:
         leg = ctx.trace.leg("decode", decode)
         decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent)
         prefill_start = decode_start = time.perf_counter()
+        ctx.written()                       # the routing bookkeeping, once both legs are out
         prefill_end: list[float] = []
 
         async def run_prefill() -> None:

@@ -30,6 +30,7 @@ reason=<reason>`` and logged as ``pd_mode``, ``pd_reason`` and ``decode_uncached
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
@@ -74,7 +75,8 @@ class PDDecider:
         cfg = self.config.pd_for(ireq.model)
         decode, n = d.endpoint, ireq.prompt_tokens_est
         match = self.index.match(ireq, [decode]).get(decode, 0.0)
-        self.index.insert(ireq, decode)       # the decode holds this prompt's KV after either mode
+        # the decode holds this prompt's KV after either mode; recorded once the leg is written
+        ctx.after_write.append(partial(self.index.insert, ireq, decode))
         uncached = round(n * (1.0 - match / 100.0))
         reason = None
         if cfg.disaggregate_min_prompt_tokens and n < cfg.disaggregate_min_prompt_tokens:
@@ -113,13 +115,18 @@ class PDDecider:
         return m is None or m.kv_usage is None or m.kv_usage < max_kv
 
     def _record(self, ctx: RequestContext, mode: str, reason: str, uncached: int | None) -> None:
+        """The answer's header now; the count and the log fields once the leg is written."""
         assert ctx.ireq is not None and ctx.decision is not None
+        ctx.decision.headers[HEADER] = f"{mode}; reason={reason}"
+        ctx.after_write.append(partial(self._count, ctx, mode, reason, uncached))
+
+    def _count(self, ctx: RequestContext, mode: str, reason: str, uncached: int | None) -> None:
+        assert ctx.ireq is not None
         model = ctx.ireq.model
         child = self._children.get((model, mode, reason))
         if child is None:
             child = self._children[(model, mode, reason)] = self.metrics.decisions.labels(model, mode, reason)
         child.inc()
-        ctx.decision.headers[HEADER] = f"{mode}; reason={reason}"
         extra = ctx.rec.extra
         extra["pd_mode"], extra["pd_reason"] = mode, reason
         if uncached is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from functools import partial
 
 import structlog
 from aiohttp import web
@@ -119,7 +120,8 @@ class Pipeline:
             if self.admission is not None:  # room on an endpoint, else the queue or a 429
                 candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
             ctx.trace.route_start()
-            decision = ctx.decision = self.routing.route(ireq, spec, router, candidates)
+            # the router's learning and observers wait in ctx.after_write until the leg is written
+            decision = ctx.decision = self.routing.route(ireq, spec, router, candidates, ctx.after_write)
             if router.chooses_pairs and self.pd_decider is not None:   # disaggregate, or run it whole
                 candidates = self.pd_decider.decide(ctx, adapter, candidates)
             # charged in the same synchronous step as the decision
@@ -147,6 +149,7 @@ class Pipeline:
         except Exception as e:   # a bug: the client still gets an answer, the traceback is logged once
             return await self._internal_error(ctx, e)
         finally:
+            ctx.written()                   # bookkeeping of a request that ended before its leg
             ctx.charges.release()
             if model_gauge is not None:
                 self.model_in_flight[model_gauge] -= 1
@@ -209,13 +212,15 @@ class Pipeline:
         ep = ctx.decision.endpoint
         tried = [ep]
         retries = self.retries
-        if retries is not None:
-            retries.request(ireq.model)
+        if retries is not None:         # the budget counts it once the leg is out
+            ctx.after_write.append(partial(retries.request, ireq.model))
         while True:
             ctx.use(ep)
             leg = ctx.trace.leg("generate", ep, attempt=len(tried))
+            x = self.upstream.begin(ep, ireq.path, body, leg.inject(headers))
+            ctx.written()                   # the leg is out: now the routing bookkeeping
             try:
-                resp = await self.upstream.open(ep, ireq.path, body, leg.inject(headers), header_timeout, ireq.model)
+                resp = await self.upstream.opened(ep, x, header_timeout, ireq.model)
                 leg.responded(resp.status)
             except UpstreamFailure as f:
                 leg.failed(f.kind)
@@ -270,6 +275,7 @@ class Pipeline:
         wd = self.config.watchdog_for(cont.model)
         limit = (wd.first_chunk_timeout_s if wd.aggregated else 0.0) or self.config.upstream.first_byte_timeout_s
         leg = ctx.trace.leg("generate", ep, attempt=1)
+        ctx.written()
         resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit or None,
                                         cont.model)
         leg.responded(resp.status)

@@ -205,6 +205,7 @@ def next_pipeline(live: Live, config: Config, pool: EndpointPool, metrics: Gatew
     if _routing_state_kept(live.config, config):
         routing.ctx, routing.registry = old.routing.ctx, old.routing.registry
     routing.observers = old.routing.observers          # the status board's, shared by every generation
+    routing.claims = old.routing.claims                # the breakers'
     pd = copy.copy(old.pd)
     pd.config, pd.rng = config, routing.ctx.rng
     new = copy.copy(old)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import structlog
 
@@ -40,6 +41,9 @@ class Routing:
         self.ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
                                  on_fallback=self._on_fallback, precise_index=precise_index)
         self.observers: list[DecisionObserver] = []
+        # told of a decision in its own synchronous step, before the leg (a half-open breaker's
+        # trial slot must be taken before a concurrent request routes)
+        self.claims: list[DecisionObserver] = []
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
         self.registry: RouterRegistry = default_registry(self.ctx)
         # strategies named in config are validated now, so a typo fails at startup, not per request
@@ -91,25 +95,43 @@ class Routing:
                                header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
         return candidates
 
-    def route(self, ireq: InferenceRequest, spec: str, router: Router, candidates: list[Endpoint]) -> Decision:
+    def route(self, ireq: InferenceRequest, spec: str, router: Router, candidates: list[Endpoint],
+              later: list[Callable[[], None]] | None = None) -> Decision:
+        """The timed decision. ``claims`` run at once (they hold what concurrent requests must see);
+        with ``later`` (the request's ``after_write``), the router's learning, the latency histogram
+        and the observers are put there, to run once the leg is written, with the same values."""
         fallbacks = self._fallbacks
         fallbacks.clear()
         t = time.perf_counter()
         try:
-            decision = router.route(ireq, candidates)
+            decision = router.route(ireq, candidates) if later is None else router.decide(ireq, candidates)
         except NoRouteError as e:
             raise GatewayError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"},
                                header=("x-error-routing", "true"), error_class="no_route") from None
         elapsed = time.perf_counter() - t
-        self.metrics.child(self.metrics.routing, spec).observe(elapsed)
         decision.strategy = spec
         if fallbacks:
             decision.fallbacks = tuple(fallbacks)
+        for claim in self.claims:
+            try:
+                claim(ireq, decision, decision.fallbacks, elapsed)
+            except Exception:     # as an observer's
+                log.exception("decision claim failed", request_id=ireq.request_id)
+        if later is None:
+            self._report(ireq, decision, spec, elapsed)
+        else:
+            if decision.learn is not None:
+                later.append(decision.learn)
+                decision.learn = None
+            later.append(partial(self._report, ireq, decision, spec, elapsed))
+        return decision
+
+    def _report(self, ireq: InferenceRequest, decision: Decision, spec: str, elapsed: float) -> None:
+        self.metrics.child(self.metrics.routing, spec).observe(elapsed)
         if self.observers:
-            reported = tuple(fallbacks)
+            reported = decision.fallbacks
             for observe in self.observers:
                 try:
                     observe(ireq, decision, reported, elapsed)
                 except Exception:     # an observer's bug must not fail the request
                     log.exception("decision observer failed", request_id=ireq.request_id)
-        return decision

@@ -116,11 +116,18 @@ def check_members(members: list[tuple[str, bytes]]) -> None:
             seen.add(key)
 
 
+_QUOTED_CONTROLLED = tuple(b'"%s"' % k.encode() for k in CONTROLLED)   # as they appear in the body
+
+
 def duplicate_controlled_key(body: bytes) -> str | None:
     """A controlled key the client wrote twice at the top level, if any. The engine and the gateway
     could read such a body differently, so it is refused. Scanning is cheap: the exact splitter
     runs only when a controlled key's name appears more than once anywhere in the body."""
-    if not any(body.count(b'"%s"' % k.encode()) > 1 for k in CONTROLLED):
+    count = body.count
+    for quoted in _QUOTED_CONTROLLED:
+        if count(quoted) > 1:
+            break
+    else:
         return None
     try:
         check_members(split_members(body))

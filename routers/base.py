@@ -12,6 +12,8 @@ two).
   charges the user's tokens). A router's own ``route`` does its learning itself; the hook exists
   so that a weighted list (``routers.registry.WeightedRouter``) can make each part learn from the
   combined choice. The gateway never calls hooks.
+* ``decide(req, candidates)``: ``route`` with the learning the choice does not need left in
+  ``Decision.learn``; the gateway runs it once the request's first leg is written.
 * ``response_headers(req, endpoint)``: headers a part adds to a weighted list's answer (e.g.
   session-affinity's ``x-session-id``); alone, a router puts them into its ``Decision``.
 * ``ScoringRouter`` adds ``polarity`` and ``score`` so a router can take part in weighted lists.
@@ -59,6 +61,8 @@ class Decision:
     prefix_match: float | None = None
     # (strategy, reason) of each fallback reported while deciding (the gateway fills this in)
     fallbacks: tuple[tuple[str, str], ...] = ()
+    # ``Router.decide``: the learning the router left for after the leg is written (its caller runs it)
+    learn: Callable[[], None] | None = None
 
 
 class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -139,6 +143,12 @@ class Router:
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         """Choose among ``candidates`` (never empty, all ready), learning from the choice."""
         raise NotImplementedError
+
+    def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        """``route``, except that learning which the choice does not need may be left in
+        ``Decision.learn`` for the caller to run later (before any other request is routed: in
+        the same synchronous step, once the request's leg is written). By default, ``route``."""
+        return self.route(req, candidates)
 
     def post_route(self, req: InferenceRequest, endpoint: Endpoint) -> None:
         """Learn from a choice made by a weighted list this router is part of."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
@@ -97,8 +98,24 @@ class PDRouter(Router):
     # -- the decision ------------------------------------------------------------------------
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        decision = self.decide(req, candidates)
+        learn = decision.learn
+        if learn is not None:
+            decision.learn = None
+            learn()
+        return decision
+
+    def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        """``route`` with the prefix index's record of the chosen prefill left in ``learn``."""
         cfg = self.ctx.pd_settings(req.model)
         n = req.prompt_tokens_est
+        if len(candidates) == 2:            # one prefill and one decode: the common deployment
+            p, d = candidates
+            if p.role == "decode":
+                p, d = d, p
+            if p.role == "prefill" and d.role == "decode" and (p.roleset or "") == (d.roleset or "") \
+                    and in_bucket(p, n) and in_bucket(d, n):
+                return self._one_pair(req, p, d, cfg, n)
         prefill: dict[str, list[Endpoint]] = {}
         decode: dict[str, list[Endpoint]] = {}
         combined: list[Endpoint] = []
@@ -170,9 +187,24 @@ class PDRouter(Router):
                 best_rs, best_score = rs, score
         p_ep, d_ep = best_p[best_rs][1], best_d[best_rs][1]
         uncached = int(n * (1.0 - match.get(p_ep, 0.0) / 100.0))
-        self.ctx.prefix_index.insert(req, p_ep)
         return Decision(d_ep, "pd", prefill=p_ep, uncached_tokens=uncached, reason="+".join(fast),
-                        prefix_match=match.get(p_ep) if match else None)
+                        prefix_match=match.get(p_ep) if match else None,
+                        learn=partial(self.ctx.prefix_index.insert, req, p_ep))
+
+    def _one_pair(self, req: InferenceRequest, p: Endpoint, d: Endpoint, cfg: PDRouteSettings, n: int) -> Decision:
+        """The decision of the general path when the candidates are one prefill and one decode of
+        the same roleset, both in the prompt's bucket: no fast path applies and the pair is the
+        only one, so only the signals the decision carries are computed (the fallback report,
+        the prefill's prefix match)."""
+        if d.fresh_metrics(self.max_age) is None:
+            self.ctx.on_fallback("pd", "decode_metrics_missing")
+        pct: float | None = None
+        if cfg.prefill_score_policy == "prefix_cache":
+            depths, blocks = self.ctx.prefix_index.depths(req, (p,))
+            pct = depths.get(p, 0) * (100.0 / blocks) if depths else 0.0
+        uncached = int(n * (1.0 - (pct or 0.0) / 100.0))
+        return Decision(d, "pd", prefill=p, uncached_tokens=uncached, prefix_match=pct,
+                        learn=partial(self.ctx.prefix_index.insert, req, p))
 
     def _least_combined(self, eps: list[Endpoint]) -> Endpoint:
         low = min(self._combined_load(e) for e in eps)

@@ -31,13 +31,22 @@ def setup(**pd):
 def ctx_for(p, d):
     ireq = InferenceRequest(path=CHAT, body=b"{}", data={}, model="m", stream=False, include_usage=False,
                             prompt_text="x" * 4000, prompt_tokens_est=1000, request_id="r")
-    return SimpleNamespace(ireq=ireq, decision=Decision(d, "pd", prefill=p), rec=RequestRecord("r", CHAT, 0.0))
+    return SimpleNamespace(ireq=ireq, decision=Decision(d, "pd", prefill=p), rec=RequestRecord("r", CHAT, 0.0),
+                           after_write=[])
+
+
+def written(ctx):
+    """What ``RequestContext.written`` does once the leg is out."""
+    for fn in ctx.after_write:
+        fn()
+    ctx.after_write.clear()
 
 
 def test_default_always_disaggregates():
     decider, p, d = setup()
     ctx = ctx_for(p, d)
     decider.decide(ctx, VLLM, [p, d])
+    written(ctx)
     assert ctx.decision.prefill is p and ctx.rec.extra["pd_reason"] == "always"
 
 
@@ -50,4 +59,20 @@ def test_prefill_pressure_runs_whole_only_with_decode_headroom():
     d.metrics = EngineMetrics(scraped_at=time.monotonic(), kv_usage=0.9)      # no headroom
     ctx = ctx_for(p, d)
     decider.decide(ctx, VLLM, [p, d])
+    written(ctx)
     assert ctx.decision.prefill is p and ctx.rec.extra["pd_reason"] == "uncached"
+
+
+def test_decode_recorded_in_the_index_once_the_leg_is_written():
+    decider, p, d = setup(disaggregate_min_uncached_tokens=100)
+    ctx = ctx_for(p, d)
+    decider.decide(ctx, VLLM, [p, d])
+    assert "decode_uncached_tokens" not in ctx.rec.extra      # not yet: the leg is not written
+    assert decider.index.match(ctx.ireq, [d])[d] == 0.0
+    written(ctx)
+    assert ctx.rec.extra["decode_uncached_tokens"] == 1000
+    assert decider.index.match(ctx.ireq, [d])[d] == 100.0
+    again = ctx_for(p, d)                                      # the next turn finds it on the decode
+    decider.decide(again, VLLM, [p, d])
+    written(again)
+    assert again.decision.prefill is None and again.rec.extra["pd_reason"] == "cached_on_decode"

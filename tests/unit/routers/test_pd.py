@@ -149,3 +149,48 @@ def test_other_replicas_in_flight_requests_count_as_load():
     # combined endpoints are weighed the same way
     c1, c2 = ep(20, "combined", remote_in_flight=30), ep(21, "combined", in_flight=2)
     assert router().route(req(), [c1, c2]).endpoint is c2
+
+
+# -- one prefill and one decode: the short path decides as the general one ------------------------
+
+def _fields(dec):
+    return (dec.endpoint, dec.prefill, dec.uncached_tokens, dec.reason, dec.prefix_match, dec.strategy)
+
+
+@pytest.mark.parametrize("policy", ["prefix_cache", "least_request", "token_load"])
+@pytest.mark.parametrize("metrics", [None, {"running": 3, "kv_usage": 0.5, "gen_throughput": 900.0}])
+@pytest.mark.parametrize("warm", [False, True])
+def test_one_pair_decides_as_the_general_path(policy, metrics, warm):
+    fallbacks: list[tuple[str, str]] = []
+    ctx = RouterContext(rng=random.Random(1), pd_settings=lambda m: PDRouteSettings(prefill_score_policy=policy),
+                        on_fallback=lambda s, r: fallbacks.append((s, r)))
+    r = PDRouter(ctx)
+    p, d = ep(1, "prefill", prefill_in_flight=2), ep(2, "decode", metrics=metrics, in_flight=1)
+    outside = ep(3, "combined", lo=10_000)            # out of the bucket: only forces the general path
+    q = req(300)
+    if warm:
+        ctx.prefix_index.insert(q, p)
+    short = r.decide(q, [d, p])                       # either order
+    seen, fallbacks[:] = list(fallbacks), []
+    general = r.decide(q, [p, d, outside])
+    assert _fields(short) == _fields(general)
+    assert seen == fallbacks == ([] if metrics else [("pd", "decode_metrics_missing")])
+    assert (short.prefix_match == 100.0) is (warm and policy == "prefix_cache")
+
+
+def test_decide_leaves_the_prefill_record_for_later_and_route_makes_it():
+    r = router()
+    p, d = ep(1, "prefill"), ep(2, "decode")
+    q = req(300)
+    dec = r.decide(q, [p, d])
+    assert dec.learn is not None and r.ctx.prefix_index.match(q, [p])[p] == 0.0
+    dec.learn()
+    assert r.ctx.prefix_index.match(q, [p])[p] == 100.0
+    q2 = req(300)
+    dec = r.route(q2, [p, d])
+    assert dec.learn is None and dec.prefix_match == 100.0
+
+
+def test_pair_of_different_rolesets_is_not_the_short_path():
+    with pytest.raises(NoRouteError):
+        router().decide(req(), [ep(1, "prefill", "a"), ep(2, "decode", "b")])
