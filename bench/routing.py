@@ -324,6 +324,9 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     samples: list[Sample] = []
     in_flight_samples: list[list[int]] = []
     lags: list[float] = []
+    seen = [0.0, 0.0, 0.0]        # sampled in-flight: all replicas, replica 0 alone, replica 0's fleet estimate
+    from routers.prefix_cache import fleet_load
+    max_age = cfg.routing.metrics_max_age_s
     stop_sampling = asyncio.Event()
     eps_per_gw = [g[1][GATEWAY_KEY].pool.endpoints(MODEL) for g in gateways]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -340,8 +343,13 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
                 await asyncio.sleep(0.1)
                 lags.append(max(0.0, loop.time() - want))
                 if w.warmup_s <= time.perf_counter() - t0 <= w.duration_s:
-                    in_flight_samples.append([sum(eps[i].in_flight for eps in eps_per_gw)
-                                              for i in range(w.engines)])
+                    row = [sum(eps[i].in_flight for eps in eps_per_gw) for i in range(w.engines)]
+                    in_flight_samples.append(row)
+                    if replicas > 1:       # what the first replica's load guard sees, against the truth
+                        now = time.monotonic()
+                        seen[0] += sum(row)
+                        seen[1] += sum(ep.in_flight for ep in eps_per_gw[0])
+                        seen[2] += sum(fleet_load(ep, now, max_age) for ep in eps_per_gw[0])
 
         async def conversation(c: Conversation) -> None:
             await asyncio.sleep(max(0.0, loop_t0 + c.start - loop.time()))
@@ -382,6 +390,9 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         with contextlib.suppress(Exception):
             await s.close()
 
+    if seen[0]:
+        print(f"    load seen by replica 1: local {seen[1] / seen[0]:.0%} of the fleet's in-flight, "
+              f"fleet estimate {seen[2] / seen[0]:.0%}", file=sys.stderr)
     reach = reachable_hit(samples, w, em.block_size)
     print(f"    reachable hit: {reach[0]:.1%} (prefill done before the request), {reach[1]:.1%} (sent before)",
           file=sys.stderr)
