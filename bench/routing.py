@@ -492,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="kv_events keys for the +events strategies, e.g. speculative_ttl_s=5")
     ap.add_argument("--replicas", type=int, default=1,
                     help="gateway replicas in front of the same engines, each request sent to a random one")
+    ap.add_argument("--kv-blocks", type=int, help="KV blocks per engine (16 tokens each; default 1536)")
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE",
                     help="routing config knobs for the gateway, e.g. prefix_std_factor=2")
     args = ap.parse_args(argv)
@@ -509,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     else min(w.warmup_s, args.duration / 4))
     elif args.warmup is not None:
         w = replace(w, warmup_s=args.warmup)
-    em = EngineModel()
+    em = EngineModel() if not args.kv_blocks else EngineModel(kv_blocks=args.kv_blocks)
     routing: dict = {}
     for item in args.routing:
         key, _, value = item.partition("=")
