@@ -24,7 +24,9 @@ batch size. The sims only sleep: their time model does not depend on the CPU.
 
 Per strategy: mean, p50 and p99 TTFT of the requests sent after the warm-up, completed requests
 and output tokens per second, the engines' prefix-cache hit rate (cached / prompt tokens, from the
-usage they report), and load imbalance: the gateway's in-flight count per engine sampled every
+usage they report) beside the *reachable* hit rate (``reachable_hit``: an infinite cache shared by
+the fleet, over the same requests; unique prompts and first turns are misses for any strategy),
+and load imbalance: the gateway's in-flight count per engine sampled every
 100 ms, averaged over time per engine, max over mean (1.0 = perfectly even; ``peak`` is the mean of
 the per-sample max/mean). ``loop lag`` is how late the 100 ms sampler woke up on average: if it
 grows, the process is CPU-bound and the TTFTs include the load generator's own delay.
@@ -173,6 +175,7 @@ class Sample:
     output_tokens: int = 0
     endpoint: str = ""
     kind: str = "turn"
+    messages: list[dict] | None = None    # what was sent (for the reachable-hit oracle)
 
 
 async def send(session: aiohttp.ClientSession, url: str, t0: float, messages: list[dict], w: Workload,
@@ -180,7 +183,7 @@ async def send(session: aiohttp.ClientSession, url: str, t0: float, messages: li
     body = orjson.dumps({"model": MODEL, "messages": messages, "max_tokens": w.max_tokens, "stream": True,
                          "stream_options": {"include_usage": True}, "ignore_eos": True})
     start = time.perf_counter()
-    sample = Sample(sent=start - t0, ttft=None, e2e=0.0, status=0, kind=kind)
+    sample = Sample(sent=start - t0, ttft=None, e2e=0.0, status=0, kind=kind, messages=list(messages))
     parts: list[str] = []
     try:
         async with session.post(url, data=body, headers={"Content-Type": "application/json", **headers}) as r:
@@ -225,12 +228,49 @@ class Result:
     throughput_rps: float
     output_tps: float
     cache_hit: float
+    reachable_hit: float     # the oracle's share (reachable_hit()): what a single infinite cache would hit
     imbalance: float
     imbalance_peak: float
     loop_lag_ms: float
     mean_in_flight: float
     wall_s: float
     ttfts_ms: list[float] = field(default_factory=list, repr=False)
+
+
+def reachable_hit(samples: list[Sample], w: Workload, block_size: int) -> tuple[float, float]:
+    """The hit rate an infinite cache shared by the whole fleet would reach on this run's requests:
+    the share of the measured requests' prompt tokens whose full blocks (the engine's rule: never
+    the prompt's last token) were a prefix of a request whose prefill had finished (sent + TTFT)
+    before this one was sent. The second figure counts any earlier-sent request (no prefill time),
+    an upper bound. No routing can beat the first on this schedule; unique single-turn prompts and
+    first turns with a system prompt no one sent before are misses for every strategy."""
+    from enginesim.tiny_tokenizer import TINY_DIR
+    from gateway.tokenization import ModelTokenizer, chain_keys
+
+    tok = ModelTokenizer(TINY_DIR)
+    ok = sorted((s for s in samples if s.status == 200 and s.ttft is not None and s.messages), key=lambda s: s.sent)
+    keyed = []
+    for s in ok:
+        ids = tok.encode(tok.render(s.messages or []))
+        keys = chain_keys(0, ids, block_size)[:max(0, len(ids) - 1) // block_size]
+        keyed.append((s, keys, len(ids)))
+    # arrivals (1) after availabilities (0) at equal times
+    timeline = sorted([(s.sent + (s.ttft or 0.0), 0, i) for i, (s, _, _) in enumerate(keyed)]
+                      + [(s.sent, 1, i) for i, (s, _, _) in enumerate(keyed)])
+    done: set[int] = set()
+    sent: set[int] = set()
+    hit = hit_sent = total = 0
+    for _, kind, i in timeline:
+        s, keys, n = keyed[i]
+        if kind == 0:
+            done.update(keys)
+            continue
+        if w.warmup_s <= s.sent < w.duration_s:
+            total += n
+            hit += block_size * next((j for j, k in enumerate(keys) if k not in done), len(keys))
+            hit_sent += block_size * next((j for j, k in enumerate(keys) if k not in sent), len(keys))
+        sent.update(keys)
+    return (hit / total, hit_sent / total) if total else (0.0, 0.0)
 
 
 def _pct(sorted_values: list[float], q: float) -> float:
@@ -284,6 +324,9 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     samples: list[Sample] = []
     in_flight_samples: list[list[int]] = []
     lags: list[float] = []
+    seen = [0.0, 0.0, 0.0]        # sampled in-flight: all replicas, replica 0 alone, replica 0's fleet estimate
+    from routers.prefix_cache import fleet_load
+    max_age = cfg.routing.metrics_max_age_s
     stop_sampling = asyncio.Event()
     eps_per_gw = [g[1][GATEWAY_KEY].pool.endpoints(MODEL) for g in gateways]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -300,8 +343,13 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
                 await asyncio.sleep(0.1)
                 lags.append(max(0.0, loop.time() - want))
                 if w.warmup_s <= time.perf_counter() - t0 <= w.duration_s:
-                    in_flight_samples.append([sum(eps[i].in_flight for eps in eps_per_gw)
-                                              for i in range(w.engines)])
+                    row = [sum(eps[i].in_flight for eps in eps_per_gw) for i in range(w.engines)]
+                    in_flight_samples.append(row)
+                    if replicas > 1:       # what the first replica's load guard sees, against the truth
+                        now = time.monotonic()
+                        seen[0] += sum(row)
+                        seen[1] += sum(ep.in_flight for ep in eps_per_gw[0])
+                        seen[2] += sum(fleet_load(ep, now, max_age) for ep in eps_per_gw[0])
 
         async def conversation(c: Conversation) -> None:
             await asyncio.sleep(max(0.0, loop_t0 + c.start - loop.time()))
@@ -342,6 +390,12 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         with contextlib.suppress(Exception):
             await s.close()
 
+    if seen[0]:
+        print(f"    load seen by replica 1: local {seen[1] / seen[0]:.0%} of the fleet's in-flight, "
+              f"fleet estimate {seen[2] / seen[0]:.0%}", file=sys.stderr)
+    reach = reachable_hit(samples, w, em.block_size)
+    print(f"    reachable hit: {reach[0]:.1%} (prefill done before the request), {reach[1]:.1%} (sent before)",
+          file=sys.stderr)
     measured = [s for s in samples if w.warmup_s <= s.sent < w.duration_s]
     ok = [s for s in measured if s.status == 200 and s.ttft is not None]
     ttfts = sorted(s.ttft * 1000 for s in ok)
@@ -356,6 +410,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         ttft_p50_ms=_pct(ttfts, 0.5), ttft_p99_ms=_pct(ttfts, 0.99),
         throughput_rps=len(ok) / window, output_tps=sum(s.output_tokens for s in ok) / window,
         cache_hit=sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
+        reachable_hit=reach[0],
         imbalance=max(per_engine) / mean_load if mean_load else math.nan,
         imbalance_peak=statistics.fmean(peaks) if peaks else math.nan,
         loop_lag_ms=1000 * statistics.fmean(lags) if lags else 0.0, mean_in_flight=mean_load,
@@ -371,15 +426,16 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
 
 
 def markdown(results: list[Result], baseline: str = "random") -> str:
-    base = next((r for r in results if r.strategy == baseline), None)
+    base = next((r for r in results if r.strategy.split(" ×")[0] == baseline), None)
     out = ["| strategy | TTFT mean (ms) | vs random | TTFT p50 (ms) | TTFT p99 (ms) | req/s | output tok/s "
-           "| cache hit | imbalance (peak) |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| cache hit | reachable | imbalance (peak) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         ratio = f"{r.ttft_mean_ms / base.ttft_mean_ms:.2f}×" if base and base.ttft_mean_ms else "–"
         errors = f" ({r.errors} errors)" if r.errors else ""
         out.append(f"| `{r.strategy}`{errors} | {r.ttft_mean_ms:.0f} | {ratio} | {r.ttft_p50_ms:.0f} | "
                    f"{r.ttft_p99_ms:.0f} | {r.throughput_rps:.1f} | {r.output_tps:.0f} | {r.cache_hit:.0%} | "
+                   f"{r.reachable_hit:.0%} | "
                    f"{r.imbalance:.2f} ({r.imbalance_peak:.2f}) |")
     return "\n".join(out)
 
@@ -436,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="kv_events keys for the +events strategies, e.g. speculative_ttl_s=5")
     ap.add_argument("--replicas", type=int, default=1,
                     help="gateway replicas in front of the same engines, each request sent to a random one")
+    ap.add_argument("--kv-blocks", type=int, help="KV blocks per engine (16 tokens each; default 1536)")
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE",
                     help="routing config knobs for the gateway, e.g. prefix_std_factor=2")
     args = ap.parse_args(argv)
@@ -453,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
                     else min(w.warmup_s, args.duration / 4))
     elif args.warmup is not None:
         w = replace(w, warmup_s=args.warmup)
-    em = EngineModel()
+    em = EngineModel() if not args.kv_blocks else EngineModel(kv_blocks=args.kv_blocks)
     routing: dict = {}
     for item in args.routing:
         key, _, value = item.partition("=")
@@ -479,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         r = runner(run_strategy(spec, sched, w, em, routing, args.replicas))
         results.append(r)
         print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
-              f"hit {r.cache_hit:4.0%}  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
+              f"hit {r.cache_hit:4.0%} (reachable {r.reachable_hit:4.0%})  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
               f"{r.requests} ok {r.errors} err  in-flight/engine {r.mean_in_flight:.1f}  lag {r.loop_lag_ms:.1f} ms  "
               f"{r.wall_s:.0f} s",
               file=sys.stderr, flush=True)

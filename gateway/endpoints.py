@@ -49,6 +49,9 @@ class EngineMetrics:
     lora_running: frozenset[str] | None = None
     lora_waiting: frozenset[str] | None = None
     max_lora: int | None = None
+    # this gateway's in-flight count on the endpoint when the engine answered the scrape (the larger
+    # of the counts before and after): running + waiting beyond it are other gateways' requests
+    gateway_in_flight: int | None = None
 
     def age(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.scraped_at

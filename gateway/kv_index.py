@@ -27,9 +27,12 @@ engine that restarts (its sequence numbers start again) or leaves the pool is cl
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import and_
 from typing import Any
 
 from gateway.endpoints import Endpoint
@@ -39,6 +42,7 @@ from gateway.request import InferenceRequest
 from gateway.tokenization import ModelTokenizer
 
 _MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # other media get bit 4
+_WALK_CHUNK = 512                          # keys looked up per step of a walk (C-level map)
 
 
 def _medium_bit(medium: str | None) -> int:
@@ -86,6 +90,8 @@ class EventIndex:
         self._pending_until: dict[tuple[int, int], float] = {}
         self._pending_q: deque[tuple[float, int, list[int]]] = deque()
         self._memo: tuple[InferenceRequest | None, int, list[int], int] = (None, 0, [], 0)
+        # the last walk's depths (blocks held or pending, per endpoint), reused by ``routed``
+        self._walked: tuple[list[int] | None, dict[int, int]] = (None, {})
         self.orphans = 0
 
     # -- endpoints ---------------------------------------------------------------------------------
@@ -281,6 +287,11 @@ class EventIndex:
         return k.keys, k.tokens
 
     def _walk(self, keys: list[int], tokens: int, states: list[EndpointState]) -> dict[Endpoint, int]:
+        """Cached tokens per endpoint of ``states``: how many leading keys each holds, or holds
+        speculatively. One pass: the holder masks of a chunk of keys are looked up and AND-ed
+        cumulatively in C (``map``, ``accumulate``); an endpoint's depth is where its bit first drops
+        out, found by bisection (a cumulative AND only loses bits). An endpoint that drops out at a
+        key it holds speculatively walks on alone. Stops when no endpoint is left."""
         if not states:
             return {}
         bs = states[0].block_size or 1
@@ -288,25 +299,33 @@ class EventIndex:
         alive = 0
         for st in states:
             alive |= st.bit
-        depths: dict[Endpoint, int] = {}
+        blocks: dict[int, int] = {}       # slot bit -> depth in blocks
         holders, pending = self._holders, self._pending
+        get = holders.get
         i = 0
         while i < cap and alive:
-            k = keys[i]
-            held = (holders.get(k, 0) | pending.get(k, 0)) & alive
-            if held != alive:
-                gone = alive & ~held
-                while gone:
-                    low = gone & -gone
-                    depths[self._by_slot[low.bit_length() - 1].ep] = i * bs
-                    gone ^= low
-                alive = held
-            i += 1
+            end = min(cap, i + _WALK_CHUNK)
+            acc = list(accumulate(map(get, keys[i:end], repeat(0, end - i)), and_, initial=alive))
+            last = acc[-1]
+            gone = alive & ~last
+            while gone:
+                low = gone & -gone
+                # acc[j]: the endpoints holding keys up to i+j-1
+                d = i + bisect_left(acc, True, key=lambda m, b=low: not m & b) - 1
+                if pending:
+                    while d < cap and (get(keys[d], 0) | pending.get(keys[d], 0)) & low:
+                        d += 1
+                blocks[low] = d
+                gone ^= low
+            alive = last
+            i = end
         while alive:
             low = alive & -alive
-            depths[self._by_slot[low.bit_length() - 1].ep] = i * bs
+            blocks[low] = i
             alive ^= low
-        return depths
+        self._walked = (keys, blocks)
+        by_slot = self._by_slot
+        return {by_slot[b.bit_length() - 1].ep: n * bs for b, n in blocks.items()}
 
     def routed(self, req: InferenceRequest, ep: Endpoint) -> None:
         """``req`` went to ``ep``: hold its new blocks there speculatively, and expect events."""
@@ -318,10 +337,14 @@ class EventIndex:
             return
         keys, bs = memo[2], st.block_size
         cap = min(len(keys), max(0, memo[3] - 1) // bs)
-        holders, bit = self._holders, st.bit
-        first_new = 0
-        while first_new < cap and holders.get(keys[first_new], 0) & bit:
-            first_new += 1
+        bit = st.bit
+        walked = self._walked
+        first_new = walked[1].get(bit) if walked[0] is keys else None
+        if first_new is None:         # not walked on this endpoint (e.g. chosen off the fallback)
+            holders = self._holders
+            first_new = 0
+            while first_new < cap and holders.get(keys[first_new], 0) & bit:
+                first_new += 1
         new = keys[first_new:cap]
         if not new:
             return

@@ -112,12 +112,15 @@ class Monitor:
 
     async def scrape_one(self, ep: Endpoint) -> None:
         try:
+            before = ep.in_flight
             async with asyncio.timeout(self.scrape.timeout_s):
                 async with self.session.get(ep.extra.get("metrics_url") or ep.url + "/metrics") as r:
                     if r.status != 200:
                         raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+                    ours = max(before, ep.in_flight)
                     text = await r.text()
             ep.metrics = parse_engine_metrics(text, ep.engine, time.monotonic(), ep.metrics, model=ep.model)
+            ep.metrics.gateway_in_flight = ours
             self._tell(ep)
             result = "ok"
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError):

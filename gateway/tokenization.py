@@ -101,7 +101,7 @@ class ModelTokenizer:
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._segment_chars = 0
         self._token_cache_chars = token_cache_chars
-        self._prefixes: OrderedDict[tuple, tuple[list[int], list[int], int]] = OrderedDict()
+        self._prefixes: OrderedDict[int, tuple[list[int], int, list[int], int]] = OrderedDict()
         self._prefix_blocks = 0
         self._key_cache_blocks = key_cache_blocks
         self.segment_hits = 0
@@ -179,22 +179,27 @@ class ModelTokenizer:
         if segments is None:                 # token ids given
             return _chain(root, [], lead, block_size, max_blocks)
         ident = (root, block_size, tuple(lead))
-        state: tuple[list[int], list[int], int] | None = None
+        state: tuple[list[int], int, list[int], int] | None = None
         start = 0
         idents = []
         for seg in segments:
             ident = hash((ident, seg))
             idents.append(ident)
+        prefixes = self._prefixes
         for j in range(len(segments) - 1, -1, -1):
-            found = self._prefixes.get(idents[j])
+            found = prefixes.get(idents[j])
             if found is not None:
-                self._prefixes.move_to_end(idents[j])
+                prefixes.move_to_end(idents[j])
                 state, start = found, j + 1
                 break
         if state is None:
             keys, tail, total = [], list(lead), len(lead)
         else:
-            keys, tail, total = list(state[0]), list(state[1]), state[2]
+            # cached states share key lists: a state is (list, length); the list is extended in place
+            # when no other continuation extended it yet, else its prefix is copied
+            ref, n, tail0, total = state
+            keys = ref if len(ref) == n else ref[:n]
+            tail = list(tail0)
         for j in range(start, len(segments)):
             ids = self._segment_ids(segments[j])
             total += len(ids)
@@ -207,16 +212,16 @@ class ModelTokenizer:
                     keys.append(h)
                 tail = tail[n * block_size:]
             self._remember(idents[j], keys, tail, total)
-        return Keys(keys, total)
+        return Keys(keys[:], total)
 
     def _remember(self, ident: int, keys: list[int], tail: list[int], total: int) -> None:
         if ident in self._prefixes:
             return
-        self._prefixes[ident] = (list(keys), list(tail), total)
-        self._prefix_blocks += len(keys) + 1
+        self._prefixes[ident] = (keys, len(keys), list(tail), total)
+        self._prefix_blocks += len(keys) + 1      # counted whole although lists are shared
         while self._prefix_blocks > self._key_cache_blocks and self._prefixes:
-            _, (k, _t, _n) = self._prefixes.popitem(last=False)
-            self._prefix_blocks -= len(k) + 1
+            _, (_k, n, _t, _n) = self._prefixes.popitem(last=False)
+            self._prefix_blocks -= n + 1
 
 
 def _chain(root: int, keys: list[int], ids: list[int], block_size: int, max_blocks: int) -> Keys:

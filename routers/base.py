@@ -29,7 +29,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Protocol
+from typing import Annotated, Literal, Protocol
 
 import msgspec
 
@@ -75,7 +75,11 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     prefix_index_blocks: _Count = 131072   # index capacity in blocks, all models together (LRU)
     prefix_idle_ttl_s: _Seconds = 1200.0   # a block no request touched for this long is forgotten
     prefix_imbalance_abs: _Count = 8       # in-flight spread (max - min) above which only the least loaded count
-    prefix_std_factor: _Seconds = 1.5      # a matched endpoint must have in-flight <= mean + k * stddev
+    prefix_std_factor: _Seconds = 3.0      # a matched endpoint must have in-flight <= mean + k * stddev
+    # the load prefix-cache's guards compare: "local" = this gateway's in-flight (plus replicas'
+    # published through shared state); "fleet" = that plus the other gateways' requests the engine
+    # reported at its last fresh scrape (running + waiting beyond this gateway's own)
+    prefix_load: Literal["local", "fleet"] = "fleet"
     metrics_window_s: _Seconds = 10.0      # window of the throughput / least-latency rates and means
     vtc_window_s: _Seconds = 300.0         # vtc-basic: per-user token counts over this sliding window
     lora_load_weight: _Seconds = 0.5       # lora-affinity: weight of in-flight load (0..1, of the most loaded)

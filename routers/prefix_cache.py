@@ -7,13 +7,22 @@ shared with the ``pd`` strategy's prefill choice.
 The router (AIBrix ``prefix-cache`` semantics, aibrix-gateway.md §1.4):
 
 1. load guard, absolute: if the in-flight spread (max − min) exceeds ``prefix_imbalance_abs``, only
-   the least-loaded endpoints are considered;
+   the least-loaded endpoints are considered (the load: see below);
 2. among endpoints holding a prefix: highest match first, then least loaded (random among equals);
    the first whose in-flight is within mean + ``prefix_std_factor`` · stddev (sample stddev over the
    considered endpoints) wins — a hot prefix cannot pile onto one engine;
 3. otherwise least-request; the reason is counted (``no_match``, ``short_prompt``, ``overloaded``,
    and ``load_imbalance`` when step 1 cut the candidates);
 4. the chosen endpoint is recorded for every block of the prompt.
+
+The load (``prefix_load``): ``local`` is this gateway's in-flight count, plus what other replicas
+publish through the shared state (``remote_in_flight``). ``fleet`` (the default) also counts the
+requests other gateways sent: the engine's own ``running + waiting`` at its last scrape (fresh
+within ``metrics_max_age_s``) minus this gateway's in-flight at that moment
+(``EngineMetrics.gateway_in_flight``), taken in place of ``remote_in_flight`` when larger. Several
+gateways (replicas, workers) routing one prefix then see each other's pile on its holder instead
+of each sending it there while its own count looks low. One gateway alone sees about zero
+other load, so it routes as with ``local``.
 
 In a weighted list its score is the match percentage (higher is better), without the guards: the
 list's load strategies do that job there.
@@ -39,8 +48,15 @@ from routers.simple import LeastRequestRouter
 __all__ = ["PrefixCacheRouter", "PrefixIndex", "prefix_keys"]
 
 
-def _load(ep: Endpoint) -> int:
-    return ep.in_flight + ep.remote_in_flight
+def fleet_load(ep: Endpoint, now: float, max_age: float) -> float:
+    """In-flight requests on ``ep`` from every gateway: this one's, plus the larger of what
+    replicas publish and what the engine's last fresh scrape counted beyond this gateway's own."""
+    m = ep.metrics
+    if m is None or m.gateway_in_flight is None or now - m.scraped_at > max_age:
+        return ep.in_flight + ep.remote_in_flight
+    engine = (m.running or 0.0) + (m.waiting or 0.0)
+    others = engine - m.gateway_in_flight
+    return ep.in_flight + (others if others > ep.remote_in_flight else ep.remote_in_flight)
 
 
 class PrefixCacheRouter(ScoringRouter):
@@ -60,6 +76,15 @@ class PrefixCacheRouter(ScoringRouter):
         self._random = ctx.rng.random
         self._fallback = LeastRequestRouter(ctx)
         self.precise = ctx.precise_index
+        self.fleet = s.prefix_load == "fleet"
+        self.max_age = s.metrics_max_age_s
+        self._clock = ctx.clock
+
+    def _loads(self, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
+        if not self.fleet:
+            return {ep: ep.in_flight + ep.remote_in_flight for ep in candidates}
+        now, age = self._clock(), self.max_age
+        return {ep: fleet_load(ep, now, age) for ep in candidates}
 
     def _depths(self, req: InferenceRequest, pool: Sequence[Endpoint]) -> tuple[dict[Endpoint, int], int]:
         """Match depth per endpoint (only those with a match) and the depth of a full match: in
@@ -106,17 +131,18 @@ class PrefixCacheRouter(ScoringRouter):
 
     def _decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> tuple[Endpoint, float | None]:
         """The endpoint, and its match percentage when it was chosen for its match."""
-        loads = [_load(ep) for ep in candidates]
+        by_ep = self._loads(candidates)
+        loads = list(by_ep.values())
         low, high = min(loads), max(loads)
         pool: Sequence[Endpoint] = candidates
         guard = None
         if high - low > self.imbalance_abs:
-            pool = [ep for ep, n in zip(candidates, loads, strict=True) if n == low]
+            pool = [ep for ep, n in by_ep.items() if n == low]
             loads = [low] * len(pool)
             guard = "load_imbalance"
         depths, n = self._depths(req, pool)
         if not depths:
-            return self._fall_back(req, pool, guard or ("short_prompt" if n == 0 else "no_match")), None
+            return self._fall_back(pool, by_ep, guard or ("short_prompt" if n == 0 else "no_match")), None
         k = len(pool)
         mean = sum(loads) / k
         std = math.sqrt(sum((x - mean) ** 2 for x in loads) / (k - 1)) if k > 1 else 0.0
@@ -126,7 +152,7 @@ class PrefixCacheRouter(ScoringRouter):
         best_key = (-1, 0)
         ties = 0
         for ep, depth in depths.items():
-            load = _load(ep)
+            load = by_ep[ep]
             if load > limit:
                 continue
             key = (depth, -load)
@@ -137,11 +163,16 @@ class PrefixCacheRouter(ScoringRouter):
                 if self._random() * ties < 1.0:
                     best = ep
         if best is None:
-            return self._fall_back(req, pool, guard or "overloaded"), None
+            return self._fall_back(pool, by_ep, guard or "overloaded"), None
         if guard is not None:
             self.ctx.on_fallback(self.name, guard)
         return best, 100.0 * best_key[0] / n
 
-    def _fall_back(self, req: InferenceRequest, pool: Sequence[Endpoint], reason: str) -> Endpoint:
+    def _fall_back(self, pool: Sequence[Endpoint], loads: dict[Endpoint, float], reason: str) -> Endpoint:
+        """Least loaded (by the same load as the guards; random among equals)."""
         self.ctx.on_fallback(self.name, reason)
-        return self._fallback.choose(pool)
+        if not self.fleet:
+            return self._fallback.choose(pool)
+        low = min(loads[ep] for ep in pool)
+        least = [ep for ep in pool if loads[ep] == low]
+        return least[0] if len(least) == 1 else least[int(self._random() * len(least))]

@@ -146,3 +146,89 @@ def test_shipped_tokenizer_is_what_the_builder_makes(tmp_path):
     out = build(tmp_path / "t")
     assert (out / "tokenizer.json").read_bytes() == (TINY_DIR / "tokenizer.json").read_bytes()
     assert (out / "tokenizer_config.json").read_text() == (TINY_DIR / "tokenizer_config.json").read_text()
+
+
+def test_block_keys_of_branching_conversations_share_cached_prefixes_correctly():
+    # two continuations of one cached prefix, taken in turns, each keyed from scratch elsewhere
+    tok = ModelTokenizer(TINY_DIR)
+    fresh = ModelTokenizer(TINY_DIR)
+    base = [{"role": "system", "content": "You are number 3. " + "kqz lo abc the of " * 60}]
+    results = []
+    for turn in range(4):
+        for branch in ("a", "b"):
+            messages = [*base, {"role": "user", "content": f"branch {branch} " + "lo kqz " * (10 * turn + 3)}]
+            segs, lead = tok.request_segments(CHAT, {"messages": messages})
+            k = tok.block_keys(segs, lead, 9, 16, 10_000)
+            results.append(k)
+            ids = fresh.tokenizer.encode(fresh.render(messages), add_special_tokens=False).ids
+            assert k.keys == chain_keys(9, ids, 16) and k.tokens == len(ids), (turn, branch)
+    assert results[0].keys == tok.block_keys(*tok.request_segments(CHAT, {"messages": [
+        *base, {"role": "user", "content": "branch a " + "lo kqz " * 3}]}), 9, 16, 10_000).keys
+
+
+def _naive_depths(idx, keys, tokens, eps):
+    bs = 16
+    cap = min(len(keys), max(0, tokens - 1) // bs)
+    out = {}
+    for ep in eps:
+        bit = idx.states[ep].bit
+        d = 0
+        while d < cap and (idx._holders.get(keys[d], 0) | idx._pending.get(keys[d], 0)) & bit:
+            d += 1
+        out[ep] = d * bs
+    return out
+
+
+def test_the_chunked_walk_equals_a_key_by_key_walk():
+    import random
+
+    from gateway import kv_index
+
+    rng = random.Random(11)
+    tok = ModelTokenizer(TINY_DIR)
+    s = KVEventsConfig(enabled=True, speculative_ttl_s=0)
+    idx = EventIndex({"m": tok}, lambda m: s)
+    eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in range(6)]
+    states = [idx.track(ep, s) for ep in eps]
+    old_chunk = kv_index._WALK_CHUNK
+    kv_index._WALK_CHUNK = 7                       # many chunk boundaries
+    try:
+        for trial in range(60):
+            n = rng.randrange(1, 60)
+            keys = [rng.randrange(1 << 40) for _ in range(n)]
+            idx._holders.clear()
+            idx._pending.clear()
+            for st in states:
+                st.block_size = 16
+                depth = rng.randrange(n + 1)
+                for k in keys[:depth]:
+                    idx._holders[k] = idx._holders.get(k, 0) | st.bit
+                for k in rng.sample(keys, rng.randrange(n // 2 + 1)):          # holes and extras
+                    target = idx._pending if rng.random() < 0.5 else idx._holders
+                    target[k] = target.get(k, 0) | st.bit
+                for k in rng.sample(keys, rng.randrange(3)):                      # evicted mid-chain
+                    idx._holders[k] = idx._holders.get(k, 0) & ~st.bit
+            tokens = 16 * n + rng.randrange(3)
+            walked = idx._walk(keys, tokens, states)
+            assert walked == _naive_depths(idx, keys, tokens, eps), trial
+    finally:
+        kv_index._WALK_CHUNK = old_chunk
+
+
+def test_routed_holds_the_new_blocks_after_the_walked_depth():
+    tok, idx, eps, states = _index()
+    idx.settings = lambda m: KVEventsConfig(enabled=True, speculative_ttl_s=5)
+    text = "a b c " * 100
+    req = _req(text)
+    ids = tok.encode(tok.render([{"role": "user", "content": text}]))
+    held = 4
+    for st in states:
+        idx.apply(st, Batch(0, [BlockStored(list(range(held)), None, ids[:held * 16], 16)], 0))
+    for st in states:
+        st.settings = KVEventsConfig(enabled=True, speculative_ttl_s=5)
+    exact, tokens, _ = idx.match(req, eps)
+    assert exact[eps[1]] == held * 16
+    idx.routed(req, eps[1])
+    again = _req(text)
+    exact2, _, _ = idx.match(again, eps)
+    assert exact2[eps[1]] == 16 * ((tokens - 1) // 16) and exact2[eps[0]] == held * 16

@@ -116,3 +116,72 @@ def test_the_context_index_is_the_router_index():
     assert ctx.prefix_index.stats()["blocks"] == 20
     other_model = make_eps(2, model="n")
     assert ctx.prefix_index.match(make_req(SYSTEM, model="n"), other_model) == dict.fromkeys(other_model, 0.0)
+
+
+# -- the fleet-aware load (routing.prefix_load) --------------------------------------------------
+
+
+def _scraped(ep, at: float, running: float, waiting: float, ours: int):
+    from gateway.endpoints import EngineMetrics
+
+    ep.metrics = EngineMetrics(scraped_at=at, running=running, waiting=waiting, gateway_in_flight=ours)
+
+
+def test_fleet_load_adds_what_other_gateways_run_on_the_engine():
+    from routers.prefix_cache import fleet_load
+
+    ep = make_eps(1, in_flight=[2])[0]
+    assert fleet_load(ep, 100.0, 10.0) == 2                  # no scrape: this gateway's own
+    _scraped(ep, 95.0, running=7, waiting=2, ours=3)
+    assert fleet_load(ep, 100.0, 10.0) == 2 + 6              # 9 on the engine, 3 of them ours then
+    _scraped(ep, 95.0, running=2, waiting=0, ours=3)
+    assert fleet_load(ep, 100.0, 10.0) == 2                  # fewer than ours (finished since): none
+    ep.remote_in_flight = 8
+    assert fleet_load(ep, 100.0, 10.0) == 10                 # replicas' published counts, if larger
+    _scraped(ep, 80.0, running=20, waiting=0, ours=0)
+    ep.remote_in_flight = 0
+    assert fleet_load(ep, 100.0, 10.0) == 2                  # stale scrape: ignored
+
+
+def test_the_guards_see_other_gateways_on_the_holder_with_fleet_load():
+    # this gateway has nothing in flight; another gateway's 9 requests sit on the holder
+    for mode, holder_kept in (("local", True), ("fleet", False)):
+        router, index, clock, fallbacks = setup(prefix_load=mode, prefix_std_factor=1.0)
+        eps = make_eps(4)
+        for ep in eps:
+            _scraped(ep, clock.t - 1, running=0, waiting=0, ours=0)
+        _scraped(eps[0], clock.t - 1, running=8, waiting=1, ours=0)
+        index.insert(make_req(SYSTEM), eps[0])
+        chosen = router.route(make_req(SYSTEM), eps).endpoint
+        assert (chosen is eps[0]) is holder_kept, mode
+        if not holder_kept:
+            assert fallbacks[("prefix-cache", "load_imbalance")] == 1      # spread 9 > 8
+
+
+def test_fleet_fallback_is_least_loaded_by_the_same_load():
+    router, _, clock, fallbacks = setup(prefix_load="fleet")
+    eps = make_eps(3, in_flight=[0, 1, 1])
+    _scraped(eps[0], clock.t, running=4, waiting=0, ours=0)                  # busy with others' work
+    assert router.route(make_req("hi"), eps).endpoint in eps[1:]
+    assert fallbacks[("prefix-cache", "short_prompt")] == 1
+
+
+def test_one_gateway_alone_routes_the_same_with_fleet_load():
+    # the engine reports exactly this gateway's requests: fleet load == local load
+    rng = random.Random(5)
+    local, idx_l, clock, _ = setup(prefix_load="local", seed=3)
+    fleet, idx_f, _, _ = setup(prefix_load="fleet", seed=3, clock=clock)
+    eps = make_eps(5)
+    for step in range(200):
+        for ep in eps:
+            ep.in_flight = rng.randrange(6)
+            _scraped(ep, clock.t, running=ep.in_flight, waiting=0, ours=ep.in_flight)
+        req = make_req(SYSTEM[: 8 * rng.randrange(1, 21)] + f"q{step % 7}" * 4)
+        assert local.route(req, eps).endpoint is fleet.route(req, eps).endpoint
+
+
+def test_prefix_load_is_validated():
+    import msgspec
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"prefix_load": "global"}, RoutingSettings)
