@@ -138,7 +138,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         gw.apis.update(dict.fromkeys(api.paths, api))
     gw.observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
     gw.lora = lora = Lora(config, pool, upstream, LoraMetrics(metrics.registry))   # adapters (gateway/lora.py)
-    gw.pd_decider = pd_decider = PDDecider(config, routing.ctx.prefix_index, PDDecisionMetrics(metrics.registry))
+    gw.pd_decider = pd_decider = PDDecider(config, routing.ctx.prefix_index, PDDecisionMetrics(metrics.registry),
+                                             kv_events)
     alias_metrics = AliasMetrics(metrics.registry)
     gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
     admission = gw.admission = Admission(config, pool, metrics)   # shared by every generation

@@ -9,10 +9,12 @@ disaggregated, the behaviour before this rule existed):
 
 - ``disaggregate_min_prompt_tokens``: a prompt shorter than this runs whole (``short_prompt``);
 - ``disaggregate_min_uncached_tokens``: fewer uncached tokens than this on the chosen decode runs
-  whole (``cached_on_decode``). The uncached tokens are the prompt estimate times the share the
-  prefix index does not hold for the decode. The index records the decode of every P/D request
-  (after a transfer, or a local run, the decode's cache holds the prompt), so a follow-up turn
-  finds its history there;
+  whole (``cached_on_decode``). When the model's engines publish KV events and the decode's events
+  are live, the uncached tokens are the prompt's tokens (the model's tokenizer) less what the
+  decode's engine reports it holds (``gateway.kv_events``); otherwise they are the prompt estimate
+  times the share the approximate prefix index does not hold for the decode. Both record the
+  decode of every P/D request (after a transfer, or a local run, the decode's cache holds the
+  prompt), so a follow-up turn finds its history there;
 - ``local_prefill_pressure``: when the prefill endpoints of the chosen roleset have more prefills
   in flight each, on average, than this, and the decode has headroom (its KV usage below
   ``local_max_decode_kv_usage``, or unknown), the request runs whole (``prefill_pressure``).
@@ -25,7 +27,8 @@ combined endpoint of the model; else the request is disaggregated anyway (``no_l
 The decision is counted in ``switchyard_pd_decisions_total{model,mode,reason}`` (mode:
 ``disaggregated``, ``decode``, ``combined``; a ``pd`` choice of a combined endpoint by the
 strategy itself is counted with the strategy's reason), answered in ``x-pd-decision: <mode>;
-reason=<reason>`` and logged as ``pd_mode``, ``pd_reason`` and ``decode_uncached_tokens``.
+reason=<reason>`` and logged as ``pd_mode``, ``pd_reason``, ``decode_uncached_tokens`` and
+``decode_uncached_source`` (``events`` or ``approximate``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from routers.prefix_index import PrefixIndex
 if TYPE_CHECKING:
     from gateway.config import Config
     from gateway.context import RequestContext
+    from routers.base import PreciseIndex
 
 HEADER = "x-pd-decision"
 WHOLE_ROLES = ("combined", "aggregated")
@@ -55,8 +59,10 @@ class PDDecisionMetrics:
 
 
 class PDDecider:
-    def __init__(self, config: Config, index: PrefixIndex, metrics: PDDecisionMetrics) -> None:
+    def __init__(self, config: Config, index: PrefixIndex, metrics: PDDecisionMetrics,
+                 precise: PreciseIndex | None = None) -> None:
         self.metrics = metrics
+        self.precise = precise
         self._children: dict[tuple[str, str, str], Any] = {}
         self.reconfigure(config, index)
 
@@ -74,10 +80,13 @@ class PDDecider:
             return candidates
         cfg = self.config.pd_for(ireq.model)
         decode, n = d.endpoint, ireq.prompt_tokens_est
-        match = self.index.match(ireq, [decode]).get(decode, 0.0)
+        uncached = self._uncached_on_events(ctx, decode)
+        if uncached is None:
+            match = self.index.match(ireq, [decode]).get(decode, 0.0)
+            uncached = round(n * (1.0 - match / 100.0))
+            ctx.rec.extra["decode_uncached_source"] = "approximate"
         # the decode holds this prompt's KV after either mode; recorded once the leg is written
         ctx.after_write.append(partial(self.index.insert, ireq, decode))
-        uncached = round(n * (1.0 - match / 100.0))
         reason = None
         if cfg.disaggregate_min_prompt_tokens and n < cfg.disaggregate_min_prompt_tokens:
             reason = "short_prompt"
@@ -104,6 +113,21 @@ class PDDecider:
             return combined
         self._record(ctx, "disaggregated", "no_local_path", uncached)
         return candidates
+
+    def _uncached_on_events(self, ctx: RequestContext, decode: Endpoint) -> int | None:
+        """The prompt's tokens the decode's engine does not report holding, or None when its events
+        are not live (none, stalled) or the prompt cannot be tokenized: the approximate index decides."""
+        precise, ireq = self.precise, ctx.ireq
+        assert ireq is not None
+        if precise is None or not precise.covers(ireq.model):
+            return None
+        found = precise.match(ireq, [decode])
+        if found is None or decode in found[2]:
+            return None
+        held, tokens, _ = found
+        ctx.after_write.append(partial(precise.routed, ireq, decode))
+        ctx.rec.extra["decode_uncached_source"] = "events"
+        return max(0, tokens - held.get(decode, 0))
 
     @staticmethod
     def _pressed(prefill: Endpoint, candidates: list[Endpoint], limit: int) -> bool:

@@ -4,6 +4,8 @@ no-local-path case, with the metric, the header and the engines' own counts as p
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
@@ -83,3 +85,37 @@ async def test_sglang_runs_whole_on_a_combined_endpoint_or_disaggregates(sims, g
     else:   # SGLang's decode never prefills by itself
         assert headers["x-pd-decision"] == "disaggregated; reason=no_local_path"
         assert await completed(p.url) == 1 and await completed(d.url) == 1
+
+
+async def test_on_kv_events_the_decode_reports_what_it_holds(sims, gateway):
+    """With the decode publishing KV events, its uncached tokens are the prompt's tokens less what
+    its engine reports holding: turn 1 is disaggregated (the decode has sent no event yet, so the
+    approximate index decides), turn 2 runs whole on the decode, decided on its events."""
+    from enginesim.tiny_tokenizer import TINY_DIR
+    tok = str(TINY_DIR)
+    p = await sims("vllm", "m", role="prefill", tokenizer=tok)
+    d = await sims("vllm", "m", role="decode", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0,
+                   kv_blocks=4096)
+    ev = d.engine.kv_events
+    gw = await gateway([{"name": "m", "engine": "vllm", "tokenizer": tok,
+                         "rolesets": [{"name": "rs", "prefill": [p.url], "decode": [
+                             {"url": d.url, "kv_events": {"port": ev.port, "replay_port": ev.replay_port}}]}],
+                         "pd": {"disaggregate_min_uncached_tokens": 200}}])
+    seen: list[dict] = []
+    gw.gw.observers.append(lambda rec, _duration: seen.append(dict(rec.extra)))
+    turn1 = [SYSTEM, {"role": "user", "content": "First question about routing?"}]
+    status, headers, _ = await post(gw, turn1)
+    assert status == 200 and headers["x-pd-decision"] == "disaggregated; reason=uncached"
+    # the decode's engine reports the blocks the transfer filled
+    for _ in range(200):
+        if 'switchyard_kv_events_total{kind="BlockStored",model="m"}' in await gw.metrics_text():
+            break
+        await asyncio.sleep(0.02)
+    turn2 = turn1 + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
+    status, headers, _ = await post(gw, turn2)
+    assert status == 200 and headers["x-pd-decision"] == "decode; reason=cached_on_decode"
+    assert await completed(p.url) == 1 and await completed(d.url) == 2
+    assert [(x["pd_mode"], x["decode_uncached_source"]) for x in seen] == [("disaggregated", "approximate"),
+                                                                          ("decode", "events")]
+    first, second = (x["decode_uncached_tokens"] for x in seen)
+    assert first > 200 > second        # turn 1: nothing held; turn 2: only the new turn is missing
