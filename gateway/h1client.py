@@ -10,7 +10,8 @@ more CPU per request than the rest of the gateway together. This module does jus
   idle. A request goes out as one ``transport.write`` of a pre-encoded head plus the body.
 - ``_Conn``: an asyncio ``Protocol`` whose bytes go straight into an ``httptools`` (llhttp)
   response parser; the parser's callbacks fill the ``UpstreamResponse`` being read.
-- ``UpstreamResponse``: status, headers, and the body as it arrives (``readany``/``read``),
+- ``UpstreamResponse``: status, headers, and the body as it arrives (``readany``/``read``, or
+  ``pipe``: handed to a callback from the connection's read callback, no task wake-up per read),
   with flow control: reading from the engine pauses while too much is buffered unread, so a slow
   client cannot make the gateway hold an unbounded answer. ``release()`` gives a fully read
   connection back to the pool; ``close()`` drops the connection, which is how an engine learns
@@ -27,7 +28,7 @@ import contextlib
 import socket
 import ssl as ssl_module
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -110,7 +111,7 @@ class UpstreamResponse:
     """One answer being read. The body arrives in ``_chunks`` (fed by the connection's parser) and
     leaves through ``readany``; errors are raised only after the bytes received before them."""
 
-    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter")
+    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter", "_sink")
 
     def __init__(self, conn: _Conn) -> None:
         self.status = 0
@@ -122,6 +123,7 @@ class UpstreamResponse:
         self._eof = False                       # the whole body arrived
         self._exc: BaseException | None = None  # raised once the buffer is drained
         self._waiter: asyncio.Future | None = None
+        self._sink: Callable[[bytes], None] | None = None   # ``pipe``: body bytes go here as they come
 
     # -- fed by the connection -------------------------------------------------------------
 
@@ -146,9 +148,25 @@ class UpstreamResponse:
         return self._waiter is not None
 
     def interrupt(self, exc: BaseException) -> None:
-        """Raise ``exc`` in the reader waiting in ``readany`` (a watchdog); the answer itself is
-        unchanged, and nothing happens when no reader waits."""
+        """Raise ``exc`` in the reader waiting in ``readany`` or ``pipe`` (a watchdog); the answer
+        itself is unchanged, and nothing happens when no reader waits."""
         self._wake(exc)
+
+    def _flush(self) -> None:
+        """Hand what the last read brought to the sink (one call per read, however many body
+        chunks it held). Whatever the sink raises ends the ``pipe`` with that exception."""
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._size = 0
+        conn = self._conn
+        if conn is not None and conn.paused:
+            conn.resume()
+        try:
+            self._sink(data)        # type: ignore[misc]
+        except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
+            self._sink = None
+            self._wake(e)
 
     # -- the reader's side -----------------------------------------------------------------
 
@@ -170,6 +188,30 @@ class UpstreamResponse:
                 return b""
             self._waiter = self._loop.create_future()
             await self._waiter
+
+    async def pipe(self, sink: Callable[[bytes], None]) -> bytes | None:
+        """Hand the body to ``sink`` as it arrives, from the connection's read callback (one call
+        per read, no task wake-up), until the answer ends, fails, is interrupted, or the sink calls
+        ``unpipe``. Then: ``None`` when unpiped with nothing buffered, else as ``readany`` (the
+        bytes buffered since, b"" at the end, or the failure raised after them)."""
+        if not (self._chunks or self._eof or self._exc is not None):
+            self._sink = sink
+            try:
+                self._waiter = self._loop.create_future()
+                await self._waiter
+            finally:
+                self._sink = None
+                self._waiter = None
+            if not (self._chunks or self._eof or self._exc is not None):
+                return None
+        return await self.readany()
+
+    def unpipe(self) -> None:
+        """End a ``pipe`` (from its sink: the client stopped keeping up); later bytes are buffered,
+        with reading from the engine paused above ``HIGH_WATER``, for ``readany``."""
+        if self._sink is not None:
+            self._sink = None
+            self._wake()
 
     async def read(self) -> bytes:
         """The whole body."""
@@ -317,6 +359,10 @@ class _Conn(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
+            return
+        resp = self.resp
+        if resp is not None and resp._sink is not None and resp._chunks:
+            resp._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         was_closed = self.closed
@@ -370,7 +416,8 @@ class _Conn(asyncio.Protocol):
         if resp._size > HIGH_WATER and not self.paused and not self.closed:
             self.paused = True
             self.transport.pause_reading()
-        resp._wake()
+        if resp._sink is None:      # piped: handed over once the whole read is parsed
+            resp._wake()
 
     def on_message_complete(self) -> None:
         resp = self.resp

@@ -1,6 +1,7 @@
 """Relay an engine's answer to the client, measuring as the bytes pass.
 
-Streams: each upstream chunk is written to the client as it arrives (no re-encoding); the SSE
+Streams: each upstream chunk is written to the client as it arrives (no re-encoding), after the
+first straight from the upstream connection's read callback while the client keeps up; the SSE
 scanner sees first token, inter-token gaps, usage, finish and in-stream errors. When the upstream
 breaks after headers went out, the client gets a final ``data: {"error": ...}`` event and the
 stream ends: never a silent truncation, never a replay.
@@ -172,23 +173,55 @@ class Relay:
         idle_to = wd.idle_timeout_s if wd is not None else 0.0
         failure: bytes | None = None
         watch: _Watchdog | None = None
+        # Once the first bytes (and the headers with them) went out through aiohttp, the rest is
+        # piped: each read from the engine is scanned and written to the client from the upstream
+        # connection's read callback, framed as aiohttp frames a chunk, with no task wake-up per
+        # chunk. When the client stops keeping up (its transport pauses writing) the pipe ends,
+        # the task waits for the client to drain (the watchdog does not count it) and pipes again.
+        http = ctx.http
+        proto, transport = http.protocol, http.transport
+        pipe_ok = out.headers.get("Transfer-Encoding") == "chunked" and transport is not None
+        sent = False
+        drain = http.writer.drain
+        pipe = resp.pipe
+        unpipe = resp.unpipe
+        time_now = asyncio.get_running_loop().time
+
+        def sink(chunk: bytes) -> None:
+            data = feed(chunk, clock())
+            if data:
+                if transport.is_closing():
+                    raise ConnectionResetError("Cannot write to closing transport")
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                if proto.writing_paused:
+                    unpipe()
+            if watch is not None:
+                watch.since = time_now()
+
         try:
             if first_to or idle_to:
                 watch = _Watchdog(resp, first_to, idle_to)
-                time_now = watch.loop.time
                 chunk = await readany()
                 watch.first_chunk_came()
-                while chunk:
-                    data = feed(chunk, clock())
-                    if data:
-                        await write(data)
-                    watch.since = time_now()
-                    chunk = await readany()
             else:
-                while chunk := await readany():
-                    data = feed(chunk, clock())
-                    if data:
-                        await write(data)
+                chunk = await readany()
+            while chunk:
+                data = feed(chunk, clock())
+                if data:
+                    await write(data)
+                    sent = pipe_ok
+                while sent:
+                    if proto.writing_paused:
+                        await drain()
+                    if watch is not None:
+                        watch.since = time_now()
+                    chunk = await pipe(sink)
+                    if chunk is not None:
+                        break
+                else:
+                    if watch is not None:
+                        watch.since = time_now()
+                    chunk = await readany()
             tail = scanner.finish()
             if api is not None and scanner.done:    # its state is kept before its last event goes out
                 await api.finish(ctx)

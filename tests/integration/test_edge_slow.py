@@ -11,6 +11,7 @@ import socket
 
 import orjson
 
+from gateway.app import GATEWAY_KEY
 from tests.edge_util import (
     assert_openai_error,
     edge_gateway,
@@ -147,6 +148,48 @@ async def test_a_streaming_client_that_stops_reading_is_cut_and_the_engine_abort
             assert await wait_until(lambda: gw.connections() == 0)
         finally:
             s.close()
+
+
+@on_both_loops
+async def test_a_streaming_client_that_pauses_holds_the_engine_back_and_then_gets_every_byte():
+    """The relay pipes chunks from the engine to the client; a client that stops reading (within
+    the write-stall bound) makes the gateway stop reading the engine, not buffer the stream."""
+    async with edge_gateway(sim=FIREHOSE, write_stall_timeout_s=60) as gw:
+        tokens = 50_000
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
+                             "stream": True})
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        pool = gw.app[GATEWAY_KEY].upstream.pool
+        try:
+            await loop.sock_connect(s, ("127.0.0.1", gw.port))
+            await loop.sock_sendall(s, request("POST", CHAT, body, close=True))
+            got = bytearray(await loop.sock_recv(s, 4096))          # headers and the first chunks
+            assert await wait_until(lambda: any(c.paused for c in pool._conns), timeout=30.0)
+            assert (await gw.sim_state())["counts"]["completed"] == 0
+            while chunk := await loop.sock_recv(s, 1 << 16):
+                got += chunk
+        finally:
+            s.close()
+        head, _, rest = bytes(got).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        events = parse_chunked(rest).split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        assert sum(1 for e in events if b'"content":"' in e) >= tokens - 1
+
+
+def parse_chunked(raw: bytes) -> bytes:
+    out, i = bytearray(), 0
+    while True:
+        j = raw.index(b"\r\n", i)
+        n = int(raw[i:j], 16)
+        if n == 0:
+            return bytes(out)
+        out += raw[j + 2:j + 2 + n]
+        assert raw[j + 2 + n:j + 4 + n] == b"\r\n"
+        i = j + 4 + n
 
 
 @on_both_loops

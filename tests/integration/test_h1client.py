@@ -638,6 +638,105 @@ async def test_reading_pauses_while_the_unread_body_is_large_and_resumes_when_re
         await pool.close()
 
 
+@on_both_loops
+async def test_a_piped_body_goes_to_the_sink_from_the_read_callback_until_unpiped():
+    """``pipe``: each read reaches the sink as it arrives; after ``unpipe`` later bytes are
+    buffered for ``readany``, with reading paused above the high-water mark; the end is b""."""
+    got = asyncio.Event()
+    size = 8 * 1024 * 1024
+    block = b"x" * 65536
+
+    async def script(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(3):
+            event = b"data: %d\n\n" % i
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await got.wait()
+            got.clear()
+        for _ in range(size // len(block)):
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    async with Engine(script) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        seen = bytearray()
+
+        def sink(data: bytes) -> None:
+            seen.extend(data)
+            got.set()
+            if len(seen) >= 2 * 9:          # the next two small events came: stop piping
+                resp.unpipe()
+
+        first = b""
+        while len(first) < 9:               # (it may come with the head, or after)
+            first += await resp.readany()
+        assert first == b"data: 0\n\n"
+        got.set()
+        assert await resp.pipe(sink) is None
+        assert bytes(seen) == b"data: 1\n\ndata: 2\n\n"
+        conn = resp._conn
+        await wait_until(lambda: conn.paused)           # buffered, bounded: nobody reads
+        assert HIGH_WATER < resp._size <= HIGH_WATER + 1024 * 1024
+        total = 0
+        while chunk := await resp.readany():
+            total += len(chunk)
+        assert total == size
+        resp.release()
+        assert pool.open_connections == 1
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_pipe_raises_what_its_sink_raised_and_the_failure_after_the_bytes():
+    """What the sink raises ends the pipe; an engine failure is raised after the bytes before it."""
+    for fail in (True, False):
+        await _pipe_until_failure(fail)
+
+
+async def _pipe_until_failure(fail: bool) -> None:
+    go = asyncio.Event()
+
+    async def script(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await go.wait()
+        go.clear()
+        writer.write(b"5\r\nhello\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(b"5\r\nworld\r\n")
+        await writer.drain()
+        return False                 # closes mid-body
+
+    async with Engine(script) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        seen = []
+
+        def sink(data: bytes) -> None:
+            seen.append(data)
+            go.set()
+            if fail:
+                raise ConnectionResetError("client gone")
+
+        piped = asyncio.ensure_future(resp.pipe(sink))
+        await wait_until(lambda: resp.waiting)
+        go.set()
+        if fail:
+            with pytest.raises(ConnectionResetError):
+                await piped
+            assert seen == [b"hello"]
+            resp.close()
+        else:
+            with pytest.raises(UpstreamDisconnected):
+                await piped
+            assert b"".join(seen) == b"helloworld"
+        await pool.close()
+
+
 # -- through the gateway ------------------------------------------------------------------------
 
 
