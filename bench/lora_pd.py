@@ -37,6 +37,7 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.plots import box_and_save  # noqa: E402
 from enginesim import SimConfig, start_sim  # noqa: E402
 from gateway.config import config_from_dict  # noqa: E402
 from gateway.server import start  # noqa: E402
@@ -102,17 +103,7 @@ def plot(report: dict, samples: dict[str, list[float]], path: Path, title: str) 
     ax1.set_title("TTFT distribution (CDF)")
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=8, loc="lower right")
-    ax2.boxplot([[1000 * x for x in samples[a]] for a in arms], orientation="horizontal", whis=(1, 99),
-                showfliers=False, showmeans=True)
-    ax2.set_yticks(range(1, len(arms) + 1), arms, fontsize=8)
-    ax2.set_xscale("log")
-    ax2.set_xlabel("TTFT (ms): box p25-p75, whiskers p1-p99, ▲ mean")
-    ax2.invert_yaxis()
-    ax2.grid(True, axis="x", which="both", alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    box_and_save(fig, ax2, [[1000 * x for x in samples[a]] for a in arms], arms, title, path, fontsize=8)
 
 
 def summary(name: str, values: list[float]) -> dict:

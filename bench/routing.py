@@ -446,6 +446,8 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from bench.plots import box_and_save
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     cmap = plt.get_cmap("tab20")
     for i, r in enumerate(results):
@@ -463,17 +465,7 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     ax1.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7, loc="lower right")
     labels = [r.strategy.replace(",", ",\n") for r in results]
-    ax2.boxplot([r.ttfts_ms or [math.nan] for r in results], orientation="horizontal", whis=(1, 99),
-                showfliers=False, showmeans=True)
-    ax2.set_yticks(range(1, len(results) + 1), labels, fontsize=7)
-    ax2.set_xscale("log")
-    ax2.set_xlabel("TTFT (ms): box p25–p75, whiskers p1–p99, ▲ mean")
-    ax2.invert_yaxis()
-    ax2.grid(True, axis="x", which="both", alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    box_and_save(fig, ax2, [r.ttfts_ms or [math.nan] for r in results], labels, title, path, fontsize=7)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,6 +155,15 @@ class UpstreamResponse:
     def _flush(self) -> None:
         """Hand what the last read brought to the sink (one call per read, however many body
         chunks it held). Whatever the sink raises ends the ``pipe`` with that exception."""
+        data = self._take()
+        try:
+            self._sink(data)        # type: ignore[misc]
+        except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
+            self._sink = None
+            self._wake(e)
+
+    def _take(self) -> bytes:
+        """Everything buffered, as one bytes; a connection paused for a full buffer reads again."""
         chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._chunks = []
@@ -162,11 +171,7 @@ class UpstreamResponse:
         conn = self._conn
         if conn is not None and conn.paused:
             conn.resume()
-        try:
-            self._sink(data)        # type: ignore[misc]
-        except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
-            self._sink = None
-            self._wake(e)
+        return data
 
     # -- the reader's side -----------------------------------------------------------------
 
@@ -174,14 +179,7 @@ class UpstreamResponse:
         """Whatever body bytes are buffered (waiting for some if none are), b"" at the end."""
         while True:
             if self._chunks:
-                chunks = self._chunks
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                self._chunks = []
-                self._size = 0
-                conn = self._conn
-                if conn is not None and conn.paused:
-                    conn.resume()
-                return data
+                return self._take()
             if self._exc is not None:
                 raise self._exc
             if self._eof:
