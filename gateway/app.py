@@ -40,6 +40,7 @@ from gateway.monitor import Monitor
 from gateway.pd import PDOrchestrator
 from gateway.pd_decide import PDDecider, PDDecisionMetrics
 from gateway.pipeline import Pipeline
+from gateway.reclaim import MemoryReclaimer
 from gateway.relay import Relay
 from gateway.reload import Live, Reloader, declared_endpoints
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
@@ -235,12 +236,16 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             lora.start(session)
             lag = LoopLagMonitor(metrics.loop_lag.observe, config.server.loop_lag_interval_s)
             lag.start()
+            reclaimer = MemoryReclaimer(lambda: lifecycle.in_flight, config.server.reclaim_min_drop,
+                                        on_reclaim=metrics.memory_reclaims.inc)
+            reclaimer.start()
             if kv_events is not None:
                 await kv_events.start()
             try:
                 yield
             finally:
                 await lag.stop()
+                await reclaimer.stop()
                 await lora.stop()
                 if kv_events is not None:
                     await kv_events.close()

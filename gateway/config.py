@@ -98,6 +98,7 @@ class ServerConfig(_Block):
     max_header_bytes: Annotated[int, Meta(ge=1024)] = 16384  # request line, and each header field
     max_headers: Annotated[int, Meta(ge=8)] = 100             # header fields per request
     loop_lag_interval_s: Amount = 0.5    # event-loop lag sampling period (gateway/looplag.py); 0: off
+    reclaim_min_drop: Count = 1000       # in-flight fall from the peak that returns memory (gateway/reclaim.py); 0: off
 
 
 class RoutingConfig(RoutingSettings):

@@ -363,6 +363,14 @@ class _Conn(asyncio.Protocol):
             resp._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._lost(exc)
+        finally:
+            # the parser holds this protocol's bound methods: without that cycle a closed connection
+            # is freed at once, not left for a full collection (which an idle gateway never runs)
+            self.parser = None
+
+    def _lost(self, exc: Exception | None) -> None:
         was_closed = self.closed
         self.closed = True
         if self.deadline is not None:

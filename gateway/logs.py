@@ -6,6 +6,9 @@ the record's fields once (orjson for JSON, a plain formatter for the console) an
 to a ``LineWriter``. The writer never blocks the event loop: lines collect in a buffer that a
 short timer hands to one writer thread, which writes them to stderr in chunks no larger than
 ``PIPE_BUF`` cut at line ends (so worker processes sharing a pipe never interleave inside a line).
+The buffer is one ``bytearray`` the lines are copied into: orjson's output keeps its whole working
+buffer (4 KB or more for a 400-byte line), so holding the lines themselves through a burst of
+requests ending at once (10,000 idle streams whose clients leave) would hold tens of MB.
 ``close`` flushes and waits for the thread, so a drain at SIGTERM loses nothing. If stderr stops
 draining, the buffer is bounded: lines past the bound are counted and dropped, not queued forever.
 
@@ -97,10 +100,10 @@ class LineWriter:
         self.max_pending_bytes = max_pending_bytes
         self.on_drop = on_drop
         self.dropped = 0
-        self._buf: list[bytes] = []
+        self._buf = bytearray()
         self._pending = 0                  # bytes buffered or queued and not yet written
         self._timer: asyncio.TimerHandle | None = None
-        self._queue: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -110,7 +113,7 @@ class LineWriter:
             if self.on_drop is not None:
                 self.on_drop(1)
             return
-        self._buf.append(line)
+        self._buf += line                  # a copy: the caller's bytes are freed now (see module doc)
         with self._lock:
             self._pending += len(line)
         if self._timer is None:
@@ -128,7 +131,7 @@ class LineWriter:
     def flush(self) -> None:
         if not self._buf:
             return
-        batch, self._buf = self._buf, []
+        batch, self._buf = self._buf, bytearray()
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="switchyard-log", daemon=True)
             self._thread.start()
@@ -151,6 +154,7 @@ class LineWriter:
                 self._write_all(chunk)
                 with self._lock:
                     self._pending -= len(chunk)
+            batch = chunk = None           # not held while the thread waits for the next batch
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)
@@ -169,19 +173,21 @@ class LineWriter:
             view = view[n:]
 
 
-def _chunks(lines: list[bytes], limit: int) -> Iterator[bytes]:
-    """Join lines into chunks of at most ``limit`` bytes, cut only at line ends (a longer line
-    goes out alone)."""
-    out: list[bytes] = []
-    size = 0
-    for line in lines:
-        if out and size + len(line) > limit:
-            yield b"".join(out)
-            out, size = [], 0
-        out.append(line)
-        size += len(line)
-    if out:
-        yield b"".join(out)
+def _chunks(buf: bytes | bytearray, limit: int) -> Iterator[memoryview]:
+    """``buf`` (whole lines) in chunks of at most ``limit`` bytes, cut only at line ends (a longer
+    line goes out alone)."""
+    view = memoryview(buf)
+    start, end = 0, len(buf)
+    while start < end:
+        stop = start + limit
+        if stop >= end:
+            cut = end
+        else:
+            cut = buf.rfind(b"\n", start, stop) + 1
+            if cut <= start:               # one line longer than ``limit``
+                cut = buf.find(b"\n", stop) + 1 or end
+        yield view[start:cut]
+        start = cut
 
 
 class RequestLog:

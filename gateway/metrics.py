@@ -84,6 +84,9 @@ class GatewayMetrics:
         self.loop_lag = Histogram("switchyard_event_loop_lag_seconds",
                                   "How late the event loop ran a periodic timer (gateway/looplag.py)",
                                   buckets=LOOP_LAG_BUCKETS, registry=r)
+        self.memory_reclaims = Counter("switchyard_memory_reclaims",
+                                       "Times memory was handed back after a burst of requests ended (gateway/reclaim.py)",
+                                       registry=r)
         ProcessCollector(registry=r)
         # tracing (gateway/tracing.py): what the OTLP exporter could not deliver, after its retries
         self.trace_export_failures = Counter("switchyard_trace_export_failures",

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
+import weakref
 
 import aiohttp
 import orjson
@@ -474,6 +476,32 @@ async def test_close_aborts_the_request_on_the_engine():
         resp.close()
         await asyncio.wait_for(eng.disconnected.wait(), GUARD)
         assert pool.open_connections == 0
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_closed_connection_is_freed_without_the_cycle_collector():
+    """A gateway that goes idle after many streams ended runs no full collection: a connection
+    the gateway closed must be freed by reference counting alone."""
+    async def streams(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"b\r\ndata: one\n\n\r\n")
+        await writer.drain()
+        assert await req["reader"].read() == b""
+        return False
+
+    async with Engine(streams) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        assert await resp.readany() == b"data: one\n\n"
+        conn = weakref.ref(resp._conn)
+        gc.disable()
+        try:
+            resp.close()
+            await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+            await wait_until(lambda: conn() is None)
+        finally:
+            gc.enable()
         await pool.close()
 
 

@@ -7,6 +7,7 @@ import io
 import os
 
 import orjson
+import pytest
 
 from gateway.logs import PIPE_BUF, LineWriter, RequestLog, _chunks, resolve_format
 
@@ -92,11 +93,19 @@ async def test_lines_leave_the_loop_in_order_and_all_of_them_at_close():
 
 def test_writes_are_cut_at_line_ends_within_pipe_buf():
     lines = [(b"x" * n) + b"\n" for n in (10, 3000, 2000, 5000, 1, 4095)]
-    chunks = list(_chunks(lines, PIPE_BUF))
+    chunks = [bytes(c) for c in _chunks(b"".join(lines), PIPE_BUF)]
     assert b"".join(chunks) == b"".join(lines)
     for c in chunks:
         assert c.endswith(b"\n")
         assert len(c) <= PIPE_BUF or c.count(b"\n") == 1     # only a line longer than PIPE_BUF goes alone
+
+
+@pytest.mark.parametrize("sizes", [(4096,), (4095, 1), (4096, 4096), (1, 9000, 1), (2048, 2048, 2048)])
+def test_chunks_at_the_limit_and_beyond(sizes):
+    buf = bytearray(b"".join((b"z" * (n - 1)) + b"\n" for n in sizes))
+    chunks = [bytes(c) for c in _chunks(buf, 4096)]
+    assert b"".join(chunks) == buf
+    assert all(c.endswith(b"\n") and (len(c) <= 4096 or c.count(b"\n") == 1) for c in chunks)
 
 
 def test_a_stalled_reader_bounds_the_buffer_and_counts_what_it_drops():
