@@ -66,10 +66,12 @@ class BlockPool:
         """Chained hashes of the full blocks of ``token_ids``."""
         out: list[bytes] = []
         parent = root
-        bs = self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            h = hashlib.blake2b(parent, digest_size=16)
-            h.update(ids_bytes(token_ids[start:start + bs]))
+        step = self.block_size * 8                     # the prompt's bytes once, cut per block
+        data = ids_bytes(token_ids)
+        blake2b = hashlib.blake2b
+        for off in range(0, (len(token_ids) // self.block_size) * step, step):
+            h = blake2b(parent, digest_size=16)
+            h.update(data[off:off + step])
             parent = h.digest()
             out.append(parent)
         return out

@@ -44,7 +44,12 @@ def piece_id(piece: str) -> int:
 
 def ids_bytes(token_ids: Iterable[int]) -> bytes:
     """Token ids as bytes for hashing (any int, masked to 64 bits)."""
-    return array("Q", (t & _MASK64 for t in token_ids)).tobytes()
+    if not isinstance(token_ids, (list, tuple)):
+        token_ids = list(token_ids)
+    try:
+        return array("Q", token_ids).tobytes()      # ids are 0 ≤ id < 2**64: no masking needed
+    except OverflowError:
+        return array("Q", [t & _MASK64 for t in token_ids]).tobytes()
 
 
 def split_pieces(text: str) -> list[str]:

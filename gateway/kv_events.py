@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -46,7 +47,7 @@ from gateway.kv_index import EndpointState, EventIndex
 from gateway.kv_settings import KVEventsConfig
 from gateway.kv_wire import END_SEQ, Batch, WireError, decode_batch, seq_of
 from gateway.request import InferenceRequest
-from gateway.tokenization import ModelTokenizer
+from gateway.tokenization import INLINE_CHARS, ModelTokenizer
 
 log = structlog.get_logger("switchyard.kv_events")
 
@@ -67,6 +68,9 @@ class KVEventsMetrics:
                                 ["model"], registry=registry)
         self.errors = Counter("switchyard_kv_events_decode_errors", "Messages that were not event batches",
                               ["model"], registry=registry)
+        self.off_loop = Counter("switchyard_kv_events_tokenized_off_loop",
+                                "Prompt segments tokenized in the tokenizer threads (not on the event loop)",
+                                ["model"], registry=registry)
 
 
 class _IndexCollector(Collector):
@@ -241,7 +245,8 @@ class KVEventsManager:
     """The subscribers, the event index, and the router-facing view of them."""
 
     def __init__(self, settings: Callable[[str], KVEventsConfig | None], pool: EndpointPool, registry: Any,
-                 tokenizers: dict[str, ModelTokenizer], clock: Callable[[], float] = time.monotonic) -> None:
+                 tokenizers: dict[str, ModelTokenizer], clock: Callable[[], float] = time.monotonic,
+                 tokenize_threads: int = 1) -> None:
         self.settings = settings
         self.pool = pool
         self.tokenizers = tokenizers
@@ -252,6 +257,8 @@ class KVEventsManager:
         self._refused: set[Endpoint] = set()
         self._sync_task: asyncio.Task | None = None
         self._zctx: Any = None
+        self.tokenize_threads = tokenize_threads
+        self._executor: ThreadPoolExecutor | None = None
 
     @property
     def zctx(self) -> Any:
@@ -332,11 +339,40 @@ class KVEventsManager:
         if self._zctx is not None:
             self._zctx.term()
             self._zctx = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
 
     # -- the router's view (routers.prefix_cache.PreciseIndex) --------------------------------------
 
     def covers(self, model: str) -> bool:
         return model in self.tokenizers and bool(self.index.states)
+
+    @property
+    def executor(self) -> ThreadPoolExecutor | None:
+        if self._executor is None and self.tokenize_threads > 0:
+            self._executor = ThreadPoolExecutor(self.tokenize_threads, thread_name_prefix="tokenize")
+        return self._executor
+
+    async def prepare(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+        """Render the request and tokenize its long uncached segments in the executor (the match
+        then finds them cached). Errors are left to ``match``, which falls back and counts them."""
+        model = candidates[0].model if candidates else req.model
+        tok = self.tokenizers.get(model)
+        if tok is None or self.tokenize_threads <= 0:
+            return
+        try:
+            segments, lead = self.index.segments(req, tok)
+        except Exception:
+            return
+        if segments is None:
+            return
+        st = self.settings(model)
+        inline = st.tokenize_inline_chars if st is not None else INLINE_CHARS
+        n = await tok.prepare(segments, self.executor, inline)
+        if n:
+            self.metrics.off_loop.labels(model).inc(n)
+            self.index.rendered(req, segments, lead)      # another request may have rendered meanwhile
 
     def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
               ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None:
@@ -356,4 +392,6 @@ def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsM
     if not dirs or not (wanted or config.kubernetes.enabled):
         return None
     by_model = {m.name: m.kv_events for m in config.models}
-    return KVEventsManager(lambda model: by_model.get(model), pool, registry, load_tokenizers(dirs))
+    threads = max((s.tokenize_threads for s in by_model.values() if s is not None), default=1)
+    return KVEventsManager(lambda model: by_model.get(model), pool, registry, load_tokenizers(dirs),
+                           tokenize_threads=threads)

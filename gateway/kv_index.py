@@ -90,6 +90,8 @@ class EventIndex:
         self._pending_until: dict[tuple[int, int], float] = {}
         self._pending_q: deque[tuple[float, int, list[int]]] = deque()
         self._memo: tuple[InferenceRequest | None, int, list[int], int] = (None, 0, [], 0)
+        # the last request's rendered segments (``segments``), so ``prepare`` and ``match`` render once
+        self._rendered: tuple[InferenceRequest | None, list[str] | None, list[int]] = (None, None, [])
         # the last walk's depths (blocks held or pending, per endpoint), reused by ``routed``
         self._walked: tuple[list[int] | None, dict[int, int]] = (None, {})
         self.orphans = 0
@@ -276,7 +278,7 @@ class EventIndex:
             return None
         lora = None if req.model == model else req.model
         try:
-            segments, lead = tok.request_segments(req.path, req.data)
+            segments, lead = self.segments(req, tok)
             st = self.settings(model)
             k = tok.block_keys(segments, lead, root_key(model, lora, bs), bs,
                                st.max_request_blocks if st is not None else 1 << 20)
@@ -285,6 +287,18 @@ class EventIndex:
             return None
         self._memo = (req, bs, k.keys, k.tokens)
         return k.keys, k.tokens
+
+    def segments(self, req: InferenceRequest, tok: ModelTokenizer) -> tuple[list[str] | None, list[int]]:
+        """``tok.request_segments`` of the request, rendered once for ``prepare`` and ``match``."""
+        r = self._rendered
+        if r[0] is req:
+            return r[1], r[2]
+        segments, lead = tok.request_segments(req.path, req.data)
+        self._rendered = (req, segments, lead)
+        return segments, lead
+
+    def rendered(self, req: InferenceRequest, segments: list[str] | None, lead: list[int]) -> None:
+        self._rendered = (req, segments, lead)
 
     def _walk(self, keys: list[int], tokens: int, states: list[EndpointState]) -> dict[Endpoint, int]:
         """Cached tokens per endpoint of ``states``: how many leading keys each holds, or holds

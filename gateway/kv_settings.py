@@ -26,6 +26,10 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_request_blocks: Annotated[int, Meta(ge=1)] = 16384          # a request's blocks keyed at most
     # a data-parallel engine behind one endpoint publishes rank r on port + r (replay on replay_port + r)
     data_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    # threads tokenizing requests off the event loop (one pool per gateway: the largest over the
+    # models); 0 tokenizes on the loop. Segments shorter than tokenize_inline_chars stay on the loop.
+    tokenize_threads: Annotated[int, Meta(ge=0, le=16)] = 1
+    tokenize_inline_chars: Annotated[int, Meta(ge=0)] = 256
 
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)

@@ -119,6 +119,9 @@ class Pipeline:
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
             if self.admission is not None:  # room on an endpoint, else the queue or a 429
                 candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
+            if (kv := self.routing.ctx.precise_index) is not None and (router.reads_kv_events or router.chooses_pairs) \
+                    and kv.covers(ireq.model):      # tokenized off the loop, so the match finds it cached
+                await kv.prepare(ireq, candidates)
             ctx.trace.route_start()
             # the router's learning and observers wait in ctx.after_write until the leg is written
             decision = ctx.decision = self.routing.route(ireq, spec, router, candidates, ctx.after_write)

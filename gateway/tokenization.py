@@ -17,20 +17,27 @@ directory in the standard layout: ``tokenizer.json`` (read by the ``tokenizers``
   found in an LRU cache (bounded in characters); only the new turn is tokenized.
 * Block keys are cached too (``ModelTokenizer.block_keys``): the chained keys of the blocks a
   prefix of segments fills, so a 128k-token conversation hashes only its new turn.
+* Off the event loop (``ModelTokenizer.prepare``): before routing, the segments of at least
+  ``INLINE_CHARS`` characters that are not cached are tokenized in a thread (the library releases
+  the GIL while it encodes) and stored, so the router's synchronous match finds them all cached.
+  Shorter ones stay inline: a hop to the thread costs more than they do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
 KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
+INLINE_CHARS = 256                       # shorter uncached segments are tokenized on the loop
 
 
 class TokenizerError(ValueError):
@@ -68,7 +75,8 @@ class Keys:
 
 
 class ModelTokenizer:
-    """One model's tokenizer with its chat template and caches. Not thread-safe (one event loop)."""
+    """One model's tokenizer with its chat template and caches. The caches belong to the event
+    loop; only ``prepare`` hands text to another thread, and stores the ids back on the loop."""
 
     def __init__(self, directory: str | Path, *, token_cache_chars: int = TOKEN_CACHE_CHARS,
                  key_cache_blocks: int = KEY_CACHE_BLOCKS) -> None:
@@ -106,6 +114,8 @@ class ModelTokenizer:
         self._key_cache_blocks = key_cache_blocks
         self.segment_hits = 0
         self.segment_misses = 0
+        self.segments_off_loop = 0           # segments ``prepare`` tokenized in the executor
+        self._pending: dict[str, asyncio.Future] = {}    # segment → its tokenization under way
 
     # -- text --------------------------------------------------------------------------------------
 
@@ -136,13 +146,66 @@ class ModelTokenizer:
             return ids
         self.segment_misses += 1
         ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
-        if len(segment) <= self._token_cache_chars // 4:
+        self._store(segment, ids)
+        return ids
+
+    def _store(self, segment: str, ids: list[int]) -> None:
+        if len(segment) <= self._token_cache_chars // 4 and segment not in self._segments:
             self._segments[segment] = ids
             self._segment_chars += len(segment)
             while self._segment_chars > self._token_cache_chars:
                 old, _ = self._segments.popitem(last=False)
                 self._segment_chars -= len(old)
-        return ids
+
+    def _encode_all(self, segments: list[str]) -> list[list[int]]:
+        """Runs in the executor: no cache is touched here."""
+        encode = self.tokenizer.encode
+        return [encode(s, add_special_tokens=False).ids for s in segments]
+
+    async def prepare(self, segments: Sequence[str] | None, executor: Executor | None,
+                      inline_chars: int = INLINE_CHARS) -> int:
+        """Tokenize the uncached segments of ``inline_chars`` characters or more in ``executor``
+        and cache them, so ``block_keys`` then tokenizes at most short ones on the loop. No hop
+        when there is nothing long to tokenize. Returns how many segments it tokenized there.
+        A segment another request is tokenizing already is awaited, not tokenized twice; an
+        encode error leaves the segment uncached (the router's match meets it and counts it)."""
+        if segments is None or executor is None:
+            return 0
+        cache, special, pending = self._segments, self._special_ids, self._pending
+        todo: list[str] = []
+        waits: list[asyncio.Future] = []
+        done = 0
+        for seg in segments:
+            if len(seg) < inline_chars or seg in cache or seg in special or len(seg) > self._token_cache_chars // 4:
+                continue
+            fut = pending.get(seg)
+            if fut is not None:
+                waits.append(fut)
+            elif seg not in todo:
+                todo.append(seg)
+        if todo:
+            loop = asyncio.get_running_loop()
+            mine = loop.create_future()
+            for seg in todo:
+                pending[seg] = mine
+            try:
+                out = await loop.run_in_executor(executor, self._encode_all, todo)
+            except Exception:                # left to the inline path, which counts the error
+                out = None
+            finally:
+                for seg in todo:
+                    pending.pop(seg, None)
+                if not mine.done():
+                    mine.set_result(None)
+            if out is not None:
+                done = len(todo)
+                self.segment_misses += len(todo)
+                self.segments_off_loop += len(todo)
+                for seg, ids in zip(todo, out, strict=True):
+                    self._store(seg, ids)
+        for fut in waits:
+            await asyncio.shield(fut)
+        return done
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``, cached by segment (equal to the library's own encode)."""

@@ -102,7 +102,8 @@ class PreciseIndex(Protocol):
 
     ``match`` gives the cached prompt tokens on each candidate whose events are live, the prompt's
     token count, and the candidates to judge on the approximate index instead (no events, stalled);
-    ``None`` when the request cannot be tokenized. ``routed`` tells it where a request went."""
+    ``None`` when the request cannot be tokenized. ``routed`` tells it where a request went. The
+    gateway awaits ``prepare`` before routing a request with a router that ``reads_kv_events``."""
 
     def covers(self, model: str) -> bool: ...
 
@@ -110,6 +111,9 @@ class PreciseIndex(Protocol):
               ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None: ...
 
     def routed(self, req: InferenceRequest, ep: Endpoint) -> None: ...
+
+    async def prepare(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+        """Before ``route``: the costly part of ``match`` (tokenizing) done off the event loop."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,7 @@ class Router:
 
     name: str
     chooses_pairs: bool = False     # a Decision may carry ``prefill`` (P/D)
+    reads_kv_events: bool = False   # matches the request on ``ctx.precise_index`` (prepared before ``route``)
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         """Choose among ``candidates`` (never empty, all ready), learning from the choice."""

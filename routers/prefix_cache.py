@@ -66,6 +66,7 @@ class PrefixCacheRouter(ScoringRouter):
 
     name = "prefix-cache"
     polarity = "most"
+    reads_kv_events = True
 
     def __init__(self, ctx: RouterContext, index: PrefixIndex | None = None) -> None:
         s = ctx.settings

@@ -1,0 +1,98 @@
+"""Tokenizing before routing, in a thread: the cache filled with the library's ids, short segments left inline."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.kv_events import KVEventsManager
+from gateway.kv_settings import KVEventsConfig
+from gateway.request import CHAT, parse
+from gateway.tokenization import ModelTokenizer, chain_keys
+
+SYSTEM = "You are number 4. " + "kqz lo abc the of " * 100
+
+
+def _messages(turn: int) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"turn {turn} ok"}]
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(1) as ex:
+        yield ex
+
+
+async def test_prepare_fills_the_cache_with_the_librarys_ids_and_leaves_short_segments(pool):
+    tok = ModelTokenizer(TINY_DIR)
+    segs, lead = tok.request_segments(CHAT, {"messages": _messages(0)})
+    long = [s for s in segs if len(s) >= 256]
+    assert long and any(len(s) < 256 and s not in tok._special_ids for s in segs)
+    assert await tok.prepare(segs, pool) == len(long)
+    for s in segs:               # long ones cached with the library's ids, short ones not tokenized yet
+        if len(s) >= 256:
+            assert tok._segments[s] == tok.tokenizer.encode(s, add_special_tokens=False).ids
+        elif s not in tok._special_ids:
+            assert s not in tok._segments
+    misses = tok.segment_misses
+    k = tok.block_keys(segs, lead, 3, 16, 10_000)
+    text = tok.render(_messages(0))
+    ids = tok.tokenizer.encode(text, add_special_tokens=False).ids
+    assert k.keys == chain_keys(3, ids, 16) and k.tokens == len(ids)
+    assert tok.segment_misses == misses + len({s for s in segs if len(s) < 256 and s not in tok._special_ids})
+    # the next turn: the system prompt is cached, nothing long is new, so no executor hop
+    segs2, _ = tok.request_segments(CHAT, {"messages": _messages(1)})
+    assert await tok.prepare(segs2, pool) == 0
+    assert await tok.prepare(segs2, None) == 0 and await tok.prepare(None, pool) == 0
+
+
+async def test_concurrent_prepares_tokenize_a_segment_once(pool):
+    tok = ModelTokenizer(TINY_DIR)
+    segs, _ = tok.request_segments(CHAT, {"messages": _messages(0)})
+    counts = await asyncio.gather(tok.prepare(segs, pool), tok.prepare(segs, pool))
+    assert sorted(counts) == [0, 1] and tok.segments_off_loop == 1 and not tok._pending
+    assert all(s in tok._segments for s in segs if len(s) >= 256)
+
+
+async def test_an_encode_error_leaves_the_segment_to_the_inline_path(pool, monkeypatch):
+    tok = ModelTokenizer(TINY_DIR)
+    segs, _ = tok.request_segments(CHAT, {"messages": _messages(0)})
+
+    def boom(_segments):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(tok, "_encode_all", boom)
+    assert await tok.prepare(segs, pool) == 0
+    assert not tok._segments and not tok._pending
+
+
+async def test_manager_prepares_once_rendered_and_counts_off_loop_segments():
+    registry = CollectorRegistry()
+    tok = ModelTokenizer(TINY_DIR)
+    cfg = KVEventsConfig(enabled=True)
+    mgr = KVEventsManager(lambda m: cfg, EndpointPool(), registry, {"m": tok}, tokenize_threads=1)
+    ep = Endpoint(url="http://a:1", model="m")
+    req = parse(CHAT, orjson.dumps({"model": "m", "messages": _messages(0)}), {}, "r")
+    await mgr.prepare(req, [ep])
+    assert registry.get_sample_value("switchyard_kv_events_tokenized_off_loop_total", {"model": "m"}) == 1
+    assert mgr.index._rendered[0] is req          # the match reuses the rendering
+    await mgr.close()
+    off = KVEventsManager(lambda m: cfg, EndpointPool(), CollectorRegistry(), {"m": ModelTokenizer(TINY_DIR)},
+                          tokenize_threads=0)
+    await off.prepare(req, [ep])
+    assert off.executor is None and not off.tokenizers["m"]._segments
+
+
+def test_tokenize_settings_are_validated():
+    import msgspec
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"tokenize_threads": -1}, KVEventsConfig)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"tokenize_inline_chars": -5}, KVEventsConfig)
+    assert KVEventsConfig().tokenize_threads == 1 and KVEventsConfig().tokenize_inline_chars == 256
