@@ -57,6 +57,7 @@ FLOOR = textwrap.dedent('''
                 body = await request.read()
                 resp = await pool.post(url, body, {"Content-Type": "application/json"})
                 data = await resp.read()
+                resp.release()            # the connection goes back to the pool, as the gateway does
                 return web.Response(body=data, status=resp.status, content_type="application/json")
             await asyncio.get_running_loop().create_server(web.Server(proxy), "127.0.0.1", port)
         elif kind == "lowlevel":
@@ -144,7 +145,7 @@ def main() -> None:
     names = {"lowlevel": "aiohttp alone, web.Server", "application": "aiohttp alone, web.Application",
              "proxy": "bare proxy: web.Server + the gateway's upstream client"}
     with tempfile.TemporaryDirectory() as d:
-        be_port, gw_port = free_port(), free_port()
+        be_port = free_port()
         backend = subprocess.Popen([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
@@ -173,6 +174,7 @@ def main() -> None:
                     stop(p)
                 rows.append(("vllm-router (all its threads)", f"{cpu * 1e6:.0f} µs ({r['rps']:,.0f} req/s)"))
             cfg, out, log = Path(d) / "gw.yaml", Path(d) / "stages.json", Path(d) / "gw.log"
+            gw_port = free_port()      # taken now: a port picked earlier may since have gone to a peer
             cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n"
                            f"    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
             with open(log, "wb") as err:
