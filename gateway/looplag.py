@@ -13,27 +13,21 @@ timers themselves fire on a millisecond clock, so lags below about 1 ms are nois
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 
+from gateway.periodic import Periodic
 
-class LoopLagMonitor:
+
+class LoopLagMonitor(Periodic):
+    task_name = "switchyard-loop-lag"
+
     def __init__(self, observe: Callable[[float], None], interval: float = 0.5) -> None:
         self.observe = observe
         self.interval = interval
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        if self.interval > 0 and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="switchyard-loop-lag")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def _wanted(self) -> bool:
+        return self.interval > 0
 
     async def _run(self) -> None:
         interval, observe, clock = self.interval, self.observe, time.perf_counter

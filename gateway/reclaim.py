@@ -21,11 +21,12 @@ thousands of live objects), paid once per burst instead of never.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import ctypes.util
 import gc
 from collections.abc import Callable
+
+from gateway.periodic import Periodic
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -40,8 +41,10 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
-class MemoryReclaimer:
+class MemoryReclaimer(Periodic):
     """Watches ``in_flight()``; ``on_reclaim`` is told each time memory was handed back."""
+
+    task_name = "switchyard-memory-reclaim"
 
     def __init__(self, in_flight: Callable[[], int], min_drop: int = 1000, interval: float = 0.2,
                  on_reclaim: Callable[[], None] | None = None) -> None:
@@ -53,18 +56,9 @@ class MemoryReclaimer:
         self.last = 0        # the previous reading
         self.runs = 0
         self._trim = _malloc_trim()
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        if self.min_drop > 0 and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="switchyard-memory-reclaim")
-
-    async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    def _wanted(self) -> bool:
+        return self.min_drop > 0
 
     def check(self) -> bool:
         """One reading of the requests in flight; True when it reclaimed."""
