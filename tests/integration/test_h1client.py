@@ -269,16 +269,18 @@ async def test_connection_close_is_honoured():
         await pool.close()
 
 
+async def drops_second(server, req, writer):
+    """An engine that answers every request but the second, on which it closes the connection."""
+    if req["nth"] == 2:
+        return False                  # closes without answering
+    writer.write(answer())
+    await writer.drain()
+
+
 @on_both_loops
 async def test_a_pooled_connection_closed_by_the_engine_is_retried_once_on_a_fresh_one():
     """The engine drops an idle keep-alive connection just as the next request arrives on it:
     nothing came back, so the client sends the request again on a new connection."""
-    async def drops_second(server, req, writer):
-        if req["nth"] == 2:
-            return False                  # closes without answering
-        writer.write(answer())
-        await writer.drain()
-
     async with Engine(drops_second) as eng:
         pool = UpstreamPool()
         resp = await pool.post(eng.url + "/x", b"first", JSON)
@@ -548,12 +550,6 @@ async def test_begin_writes_on_an_idle_connection_before_it_returns():
 
 @on_both_loops
 async def test_a_begun_exchange_on_a_stale_connection_is_sent_again_on_a_fresh_one():
-    async def drops_second(server, req, writer):
-        if req["nth"] == 2:
-            return False                  # closes without answering
-        writer.write(answer())
-        await writer.drain()
-
     async with Engine(drops_second) as eng:
         pool = UpstreamPool()
         resp = await pool.post(eng.url + "/x", b"first", JSON)
