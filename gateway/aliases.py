@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import msgspec
 import orjson
 from msgspec import Meta
-from prometheus_client import Counter
+
+from gateway.metrics import Counter
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

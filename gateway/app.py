@@ -62,6 +62,8 @@ MONITOR_KEY = web.AppKey("monitor", Monitor)
 DISCOVERY_KEY = web.AppKey("discovery", KubernetesDiscovery)
 # set by the server at SIGTERM: /ready answers 503 while requests are still served (server.py)
 NOT_READY_KEY = web.AppKey("not_ready", asyncio.Event)
+# POST paths the edge hands straight to their handler (gateway/edge.py ``EdgeServer``)
+DIRECT_KEY = web.AppKey("direct", dict)
 
 
 def pool_from_config(config: Config) -> EndpointPool:
@@ -79,21 +81,19 @@ def _raw_json(status: int, body: bytes, headers: dict[str, str]) -> web.Response
     return web.Response(status=status, body=body, headers=headers, content_type="application/json")
 
 
-def _error_middleware(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
+def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
+    """The answer to an exception a handler let out: every answer is JSON in its path's API shape
+    (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included.
+    Returns None for what must propagate (a redirect, a cancellation)."""
     def shaped(request: web.Request, err: GatewayError) -> bytes:
         api = apis.get(request.path)
         return api.error_body(err) if api is not None else err.body_bytes()
 
-    @web.middleware
-    async def error_middleware(request: web.Request, handler):
-        """Every answer is JSON in its path's API shape (OpenAI's, Anthropic's on /v1/messages):
-        aiohttp's own 404/405/413 and any bug included."""
-        try:
-            return await handler(request)
-        except web.HTTPException as e:
+    def answer(request: web.Request, e: Exception) -> web.Response | None:
+        rid = request_id_from(request.headers.get("x-request-id"))
+        if isinstance(e, web.HTTPException):
             if e.status < 400:
-                raise
-            rid = request_id_from(request.headers.get("x-request-id"))
+                return None
             msg = {404: f"unknown path {request.path}", 405: f"method {request.method} not allowed on {request.path}",
                    413: "request body too large"}.get(e.status, e.reason)
             err = GatewayError(e.status, msg, error_class="http")
@@ -101,16 +101,42 @@ def _error_middleware(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
             if e.status == 405 and "Allow" in e.headers:
                 headers["Allow"] = e.headers["Allow"]
             return _raw_json(e.status, shaped(request, err), headers)
-        except GatewayError as e:
-            rid = request_id_from(request.headers.get("x-request-id"))
+        if isinstance(e, GatewayError):
             return _raw_json(e.status, shaped(request, e), {"request-id": rid, **e.headers})
-        except Exception as e:      # a bug outside the pipeline (which answers its own)
-            rid = request_id_from(request.headers.get("x-request-id"))
-            metrics.internal_errors.inc()
-            log.error("internal error", request_id=rid, path=request.path, exc_info=e)
-            err = GatewayError(500, "internal gateway error", code="internal_error")
-            return _raw_json(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
+        # a bug outside the pipeline (which answers its own)
+        metrics.internal_errors.inc()
+        log.error("internal error", request_id=rid, path=request.path, exc_info=e)
+        err = GatewayError(500, "internal gateway error", code="internal_error")
+        return _raw_json(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
+    return answer
+
+
+def _error_middleware(answer):
+    @web.middleware
+    async def error_middleware(request: web.Request, handler):
+        try:
+            return await handler(request)
+        except Exception as e:
+            resp = answer(request, e)
+            if resp is None:
+                raise
+            return resp
     return error_middleware
+
+
+def _direct_routes(paths, reloader: Reloader, answer) -> dict[str, Callable]:
+    """The inference paths' handler as the edge calls it without the application (gateway/edge.py
+    ``EdgeServer``): the live generation's pipeline, and the error middleware's answer for what
+    escapes it."""
+    async def direct(request: web.Request) -> web.StreamResponse:
+        try:
+            return await reloader.live.pipeline.handle(request)
+        except Exception as e:
+            resp = answer(request, e)
+            if resp is None:
+                raise
+            return resp
+    return dict.fromkeys(paths, direct)
 
 
 def build_app(config: Config, pool: EndpointPool | None = None,
@@ -158,7 +184,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     started_at = int(time.time())
 
     # the trace middleware is outermost, so the request span sees the status the client gets
-    middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(metrics, gw.apis)]
+    answer = _error_answers(metrics, gw.apis)
+    middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(answer)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
     app[RELOAD_KEY] = reloader
@@ -195,8 +222,13 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    for path in (CHAT, COMPLETIONS, EMBEDDINGS, *gw.apis):    # gw.apis: Responses, Messages, pass-through
+    inference = (CHAT, COMPLETIONS, EMBEDDINGS, *gw.apis)     # gw.apis: Responses, Messages, pass-through
+    for path in inference:
         app.router.add_post(path, reloader.live_handle)
+    # the edge calls these paths' handler itself, skipping the application's router and middleware,
+    # unless something must wrap every answer: the trace span (a middleware) or the tenants'
+    # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
+    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
     add_responses(app, responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)

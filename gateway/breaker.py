@@ -38,11 +38,11 @@ from typing import Annotated, Any
 import msgspec
 import structlog
 from msgspec import Meta
-from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.endpoints import Endpoint, EndpointPool
+from gateway.metrics import Counter
 from gateway.outcome import Outcome
 
 log = structlog.get_logger("switchyard.breaker")

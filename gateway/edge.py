@@ -43,7 +43,7 @@ from typing import Any
 
 import orjson
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
@@ -515,7 +515,7 @@ class EdgeServer(web.Server):
     """aiohttp's low-level server, making ``EdgeProtocol`` connections."""
 
     def __init__(self, handler: Any, *, edge: Edge, loop: asyncio.AbstractEventLoop | None = None,
-                 **kwargs: Any) -> None:
+                 direct: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(handler, loop=loop, **kwargs)
         self.edge = edge
         self._edge_loop = loop or asyncio.get_running_loop()
@@ -532,6 +532,7 @@ class EdgeServer(web.Server):
         self.request_factory = request_factory
         app_handler = self.request_handler
         max_body = edge.limits.max_body_bytes or float("inf")
+        direct = direct or {}
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
@@ -543,6 +544,10 @@ class EdgeServer(web.Server):
             if broken is not None:          # the body came with the head and does not decode
                 request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer
                 return _closing_error(request, 400, f"malformed request body: {_cause_text(broken)}", "bad_body")
+            if request.method == "POST":    # an inference path: its handler, without the application's
+                handler = direct.get(request.path)      # router and middleware (unless Expect needs them)
+                if handler is not None and hdrs.EXPECT not in request.headers:
+                    return await handler(request)
             return await app_handler(request)
 
         self.request_handler = request_handler
@@ -554,16 +559,18 @@ class EdgeServer(web.Server):
 class EdgeRunner(web.AppRunner):
     """``web.AppRunner`` whose server speaks through ``EdgeProtocol``."""
 
-    __slots__ = ("edge",)
+    __slots__ = ("edge", "direct")
 
-    def __init__(self, app: web.Application, edge: Edge, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, edge: Edge, direct: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(app, **{**edge.limits.handler_kwargs(), **kwargs})
         self.edge = edge
+        self.direct = direct
 
     async def _make_server(self) -> web.Server:
         # semi-private: BaseRunner's factory of its Server. The app's startup and freeze happen in
         # the base implementation; its Server's handler kwargs (``_kwargs``) carry what the runner
         # and the app collected (limits, access log, debug, handler_args).
         base = await super()._make_server()
-        return EdgeServer(base.request_handler, edge=self.edge, request_factory=base.request_factory,
+        return EdgeServer(base.request_handler, edge=self.edge, direct=self.direct, request_factory=base.request_factory,
                           handler_cancellation=base.handler_cancellation, **base._kwargs)

@@ -42,11 +42,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 import structlog
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge
 
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.ledger import AdapterInFlight
+from gateway.metrics import Counter, Histogram
 from gateway.upstream import Upstream, UpstreamFailure
 from handlers import adapter_for
 

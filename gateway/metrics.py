@@ -2,6 +2,12 @@
 
 Label lookups in prometheus-client cost a dict lookup plus lock; children used per request are
 cached in plain dicts keyed by label tuples so the hot path pays one dict lookup each.
+
+The counters and histograms a request touches (``Counter``, ``Histogram`` below) are the
+gateway's own: a child is a plain float (or a list of bucket counts) that ``inc``/``observe``
+update without prometheus-client's per-call lock, checks and per-bucket Python loop; they are
+exported through the same registry, in the same exposition (``_total``, ``_bucket``/``_sum``/
+``_count``, ``_created``). They may only be updated from the event loop's thread.
 """
 
 from __future__ import annotations
@@ -10,11 +16,14 @@ import asyncio
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -23,6 +32,144 @@ ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.07
 ROUTING_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
                    0.01, 0.025, 0.05)
 LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _Family(Collector):
+    """What ``Counter`` and ``Histogram`` share: the name, the label names, the children by label
+    values, and registration (``describe`` names the series, so a clash fails at start-up)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._single = None if self._labelnames else self._new_child()
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: Any, **named: Any):
+        if named:
+            if values:
+                raise ValueError("labels: pass label values by position or by name, not both")
+            values = tuple(named[n] for n in self._labelnames)
+        key = tuple(str(v) for v in values)
+        if len(key) != len(self._labelnames):
+            raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, got {len(key)}")
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = self._new_child()
+        return c
+
+    def _new_child(self) -> Any:
+        raise NotImplementedError
+
+    def _series(self) -> list[tuple[tuple[str, ...], Any]]:
+        return [((), self._single)] if self._single is not None else list(self._children.items())
+
+    def describe(self) -> list:
+        return [self._family()]
+
+    def _family(self) -> Any:
+        raise NotImplementedError
+
+
+class _CounterChild:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class Counter(_Family):
+    """A counter (``<name>_total``), exported as prometheus-client's ``Counter`` is."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
+
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
+
+    def inc(self, amount: float = 1) -> None:
+        """An unlabelled counter's increment."""
+        if self._single is None:
+            raise ValueError(f"{self._name} has labels: use labels(...).inc()")
+        self._single.inc(amount)
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def collect(self):
+        fam = self._family()
+        for key, c in self._series():
+            fam.add_metric(key, c.value, created=c.created)
+        yield fam
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)       # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1     # the first bound >= amount, as Prometheus's le
+        self.sum += amount
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        s = 0.0
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1
+            s += v
+        self.sum += s
+
+
+class Histogram(_Family):
+    """A histogram (``_bucket``, ``_count``, ``_sum``), exported as prometheus-client's is."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None, buckets: Iterable[float] = LATENCY_BUCKETS) -> None:
+        bounds = sorted(float(b) for b in buckets if b != float("inf"))
+        if not bounds or len(set(bounds)) != len(bounds):
+            raise ValueError(f"{name}: buckets must be distinct and at least one finite bound")
+        self._bounds = tuple(bounds)
+        self._les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self._bounds)
+
+    def observe(self, amount: float) -> None:
+        if self._single is None:
+            raise ValueError(f"{self._name} has labels: use labels(...).observe()")
+        self._single.observe(amount)
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def collect(self):
+        fam = self._family()
+        created = []
+        for key, c in self._series():
+            cumulative, n = [], 0
+            for le, k in zip(self._les, c.counts, strict=True):
+                n += k
+                cumulative.append((le, n))
+            fam.add_metric(key, cumulative, c.sum)
+            created.append(Sample(self._name + "_created", dict(zip(self._labelnames, key, strict=True)), c.created))
+        fam.samples.extend(created)
+        yield fam
 
 
 class GatewayMetrics:
@@ -118,25 +265,14 @@ class GatewayMetrics:
 
 
 def observe_all(hist, values: list[float]) -> None:
-    """Observe every value on a histogram child as ``observe`` would, a stream's inter-token gaps at
-    its end: the bucket counts are made here and added once per bucket, one lock each instead of
-    two per value. Falls back to ``observe`` if prometheus-client's internals are not the expected."""
-    bounds = getattr(hist, "_upper_bounds", None)
-    buckets = getattr(hist, "_buckets", None)
-    total = getattr(hist, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for v in values:
-            hist.observe(v)
+    """Observe every value on a histogram child, as ``observe`` would (a stream's inter-token gaps,
+    at its end)."""
+    many = getattr(hist, "observe_many", None)
+    if many is not None:
+        many(values)
         return
-    counts = [0] * len(bounds)
-    s = 0.0
     for v in values:
-        counts[bisect_left(bounds, v)] += 1     # the first bound >= v, as ``observe`` picks it
-        s += v
-    total.inc(s)
-    for i, n in enumerate(counts):
-        if n:
-            buckets[i].inc(n)
+        hist.observe(v)
 
 
 # (metric name, help, how to read it off an Endpoint)

@@ -36,9 +36,8 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import Counter
-
 from gateway.endpoints import Endpoint
+from gateway.metrics import Counter
 from routers.pd import in_bucket
 from routers.prefix_index import PrefixIndex
 

@@ -26,12 +26,11 @@ from typing import Annotated
 
 import msgspec
 from msgspec import Meta
-from prometheus_client import Counter
 
 from gateway.context import RequestContext
 from gateway.endpoints import Endpoint
 from gateway.h1client import UpstreamError, UpstreamResponse
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import Counter, GatewayMetrics
 from gateway.outcome import Outcome
 
 _BUCKETS = 10

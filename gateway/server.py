@@ -27,7 +27,7 @@ from collections.abc import Callable
 import structlog
 from aiohttp import web
 
-from gateway.app import GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
+from gateway.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
 from gateway.config import Config
 from gateway.edge import Edge, EdgeLimits, EdgeRunner
 
@@ -42,7 +42,7 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
     # the edge (gateway/edge.py): slow-client clocks, connection cap, header limits, shaped errors
     edge = Edge(EdgeLimits.from_config(config.server), app[GATEWAY_KEY].metrics.registry)
     _check_fd_limit(edge.limits.max_connections)
-    runner = EdgeRunner(app, edge, handler_cancellation=True, access_log=None,
+    runner = EdgeRunner(app, edge, app[DIRECT_KEY], handler_cancellation=True, access_log=None,
                         shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop
     await runner.setup()
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=reuse_port or None,

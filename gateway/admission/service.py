@@ -31,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -40,7 +39,7 @@ from gateway.admission.queue import GRANTED, WAITING, DrainRate, FairQueue, Wait
 from gateway.admission.saturation import Thresholds, baseline, estimate, total_headroom, unsaturated
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
-from gateway.metrics import LATENCY_BUCKETS
+from gateway.metrics import LATENCY_BUCKETS, Counter, Histogram
 from gateway.tenants.limits import fmt_duration
 
 if TYPE_CHECKING:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+
+from gateway.metrics import Counter
 
 if TYPE_CHECKING:
     from gateway.context import RequestRecord

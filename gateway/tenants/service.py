@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 from aiohttp import web
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Gauge
 
 from gateway.config import Config, UserLimits
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
-from gateway.metrics import ROUTING_BUCKETS
+from gateway.metrics import ROUTING_BUCKETS, Counter, Histogram
 from gateway.tenants.directory import Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
 from gateway.tenants.memory import MemoryState

@@ -211,3 +211,23 @@ async def test_a_gzip_encoded_body_reaches_the_engine_decoded():
         assert ex.first.status == 200, ex.first.body
         got = await gw.received()
         assert len(got) == 1 and got[0]["json_object"]
+
+
+@on_both_loops
+async def test_expect_100_continue_on_an_inference_path_gets_the_interim_answer_first():
+    """Inference paths are handed to their handler by the edge, without the application; a client
+    that waits for ``100 Continue`` before sending its body still gets it (curl does this)."""
+    async with edge_gateway(**SERVER) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            head = request("POST", CHAT, b"", {"Content-Length": str(len(BODY)), "Expect": "100-continue"},
+                           close=True)
+            writer.write(head)
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert interim.startswith(b"HTTP/1.1 100 Continue"), interim
+            writer.write(BODY)
+            rest = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+        assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]
+        assert b'"chat.completion"' in rest

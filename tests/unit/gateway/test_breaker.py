@@ -154,7 +154,7 @@ def test_max_ejection_percent_always_one_never_all(n, pct, ejectable):
     for ep in eps:
         feed(br, ep, [F])
     assert sum(1 for ep in eps if br.state(ep) != CLOSED) == ejectable
-    capped = br.metrics.capped.labels("m")._value.get()
+    capped = br.metrics.capped.labels("m").value
     assert capped == n - ejectable
 
 
@@ -205,9 +205,9 @@ def test_transitions_and_state_gauge_are_exported():
     t.advance(1)
     feed(br, a, [S])
     m = br.metrics.transitions
-    assert m.labels("m", a.name, "closed", "open")._value.get() == 1
-    assert m.labels("m", a.name, "open", "half_open")._value.get() == 1
-    assert m.labels("m", a.name, "half_open", "closed")._value.get() == 1
+    assert m.labels("m", a.name, "closed", "open").value == 1
+    assert m.labels("m", a.name, "open", "half_open").value == 1
+    assert m.labels("m", a.name, "half_open", "closed").value == 1
     feed(br, a, [F])
     gauge = {tuple(s.labels.values()): s.value for f in br.metrics.states.collect() for s in f.samples}
     assert gauge[("m", a.name)] == 1
