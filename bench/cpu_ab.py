@@ -2,6 +2,7 @@
 
     python bench/cpu_ab.py --base main                 # main against this tree
     python bench/cpu_ab.py --base HEAD~3 --rounds 7 --scenarios ns32,fleet
+    python bench/cpu_ab.py --base HEAD --new-env PYTHONMALLOC=malloc      # one tree, two environments
 
 Meant for changes to the hot path on a shared, noisy machine: both gateways run at the same time,
 from their own source trees (``--base REF`` is exported with ``git archive`` into a temporary
@@ -53,7 +54,8 @@ def export(ref: str, into: Path) -> Path:
     return into
 
 
-def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path) -> tuple[subprocess.Popen, int]:
+def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -62,7 +64,7 @@ def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path) -> tupl
                    f"models:\n  - name: m\n    engine: vllm\n    endpoints: [{', '.join(urls)}]\n")
     with open(workdir / f"{name}.log", "wb") as err:
         p = subprocess.Popen([PY, "-m", "gateway", "--config", str(cfg)], cwd=tree, stdout=subprocess.DEVNULL,
-                             stderr=err, start_new_session=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
+                             stderr=err, start_new_session=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", **(env or {})})
     wait_ready(name, p, port, 60, "m")
     return p, port
 
@@ -97,6 +99,9 @@ def main() -> None:
     ap.add_argument("--fleet-streams", type=int, default=1000)
     ap.add_argument("--fleet-chunks", type=int, default=10)
     ap.add_argument("--fleet-interval", type=float, default=0.5)
+    ap.add_argument("--base-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment of the base gateway's process, e.g. PYTHONMALLOC=malloc")
+    ap.add_argument("--new-env", nargs="*", default=[], metavar="KEY=VALUE", help="the same for the new one")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
@@ -111,7 +116,8 @@ def main() -> None:
             wait_port(backend_ports[0], backend)
             urls = [f"http://127.0.0.1:{p}" for p in backend_ports]
             for name, tree in trees.items():
-                gws[name] = start_gateway(tree, name, urls, work)
+                env = dict(kv.split("=", 1) for kv in (a.base_env if name == "base" else a.new_env))
+                gws[name] = start_gateway(tree, name, urls, work, env)
             results: dict[str, dict[str, list[tuple[float, float]]]] = {}
             for sc in a.scenarios.split(","):
                 results[sc] = {"base": [], "new": []}
