@@ -27,7 +27,10 @@ pending decodes (chosen, leg not started) are always added. A combined endpoint'
 in-flight count plus the engine's waiting queue. A prefill's load is this gateway's prefill calls
 in progress (replicas publish in-flight counts, which only decode and whole-request endpoints
 carry). Free KV is ``100 − 100·kv_usage`` (missing: 100). Throughput missing: that term is 0.
-Prefix match comes from the gateway's prefix index (``RouterContext.prefix_index``).
+Prefix match comes from the gateway's prefix index (``RouterContext.prefix_index``); on a model
+with KV events (``RouterContext.precise_index``), a prefill whose engine publishes live events is
+matched on what that engine reports it caches, the others on the prefix index (counted as the
+``kv_events_fallback`` of ``pd``), as ``prefix-cache`` does.
 
 Settings: ``PDRouteSettings`` (routers/pd_settings.py), per model through ``ctx.pd_settings``.
 """
@@ -42,6 +45,7 @@ from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.base import Decision, NoRouteError, Router, RouterContext
 from routers.pd_settings import PDRouteSettings
+from routers.prefix_cache import cached_depths
 
 __all__ = ["PDRouteSettings", "PDRouter", "in_bucket"]
 
@@ -188,8 +192,7 @@ class PDRouter(Router):
         p_ep, d_ep = best_p[best_rs][1], best_d[best_rs][1]
         uncached = int(n * (1.0 - match.get(p_ep, 0.0) / 100.0))
         return Decision(d_ep, "pd", prefill=p_ep, uncached_tokens=uncached, reason="+".join(fast),
-                        prefix_match=match.get(p_ep) if match else None,
-                        learn=partial(self.ctx.prefix_index.insert, req, p_ep))
+                        prefix_match=match.get(p_ep) if match else None, learn=partial(self._learn, req, p_ep))
 
     def _one_pair(self, req: InferenceRequest, p: Endpoint, d: Endpoint, cfg: PDRouteSettings, n: int) -> Decision:
         """The decision of the general path when the candidates are one prefill and one decode of
@@ -200,11 +203,26 @@ class PDRouter(Router):
             self.ctx.on_fallback("pd", "decode_metrics_missing")
         pct: float | None = None
         if cfg.prefill_score_policy == "prefix_cache":
-            depths, blocks = self.ctx.prefix_index.depths(req, (p,))
-            pct = depths.get(p, 0) * (100.0 / blocks) if depths else 0.0
+            pct = self._match(req, (p,)).get(p, 0.0)
         uncached = int(n * (1.0 - (pct or 0.0) / 100.0))
         return Decision(d, "pd", prefill=p, uncached_tokens=uncached, prefix_match=pct,
-                        learn=partial(self.ctx.prefix_index.insert, req, p))
+                        learn=partial(self._learn, req, p))
+
+    def _match(self, req: InferenceRequest, prefills: Sequence[Endpoint]) -> dict[Endpoint, float]:
+        """Every prefill's match percentage 0..100 (see the module docstring)."""
+        depths, full = cached_depths(self.ctx, self.ctx.prefix_index, "pd", req, prefills)
+        if not depths:
+            return dict.fromkeys(prefills, 0.0)
+        scale = 100.0 / full
+        return {p: depths.get(p, 0) * scale for p in prefills}
+
+    def _learn(self, req: InferenceRequest, prefill: Endpoint) -> None:
+        """The prefill computes the prompt's KV: the prefix index records it, and the event index
+        expects it there until the engine's events say so."""
+        self.ctx.prefix_index.insert(req, prefill)
+        precise = self.ctx.precise_index
+        if precise is not None and precise.covers(req.model):
+            precise.routed(req, prefill)
 
     def _least_combined(self, eps: list[Endpoint]) -> Endpoint:
         low = min(self._combined_load(e) for e in eps)
@@ -241,7 +259,7 @@ class PDRouter(Router):
         std = math.sqrt(sum((x - mean) ** 2 for x in loads) / len(loads))
         limit = mean + cfg.prefill_load_std_factor * std
         kept = [p for p in P if p.prefill_in_flight <= limit] or P
-        match = self.ctx.prefix_index.match(req, kept)
+        match = self._match(req, kept)
         max_load = max(1, max(p.prefill_in_flight for p in kept))
         return {p: (100.0 - match.get(p, 0.0)) * 0.1 + p.prefill_in_flight / max_load for p in kept}, match
 

@@ -45,7 +45,34 @@ from routers.base import Decision, RouterContext, ScoringRouter
 from routers.prefix_index import PrefixIndex, prefix_keys
 from routers.simple import LeastRequestRouter
 
-__all__ = ["PrefixCacheRouter", "PrefixIndex", "prefix_keys"]
+__all__ = ["PrefixCacheRouter", "PrefixIndex", "cached_depths", "prefix_keys"]
+
+
+def cached_depths(ctx: RouterContext, index: PrefixIndex, strategy: str, req: InferenceRequest,
+                  pool: Sequence[Endpoint]) -> tuple[dict[Endpoint, int], int]:
+    """Match depth per endpoint (only those with a match) and the depth of a full match: in
+    prompt blocks of the approximate index, or in tokens when events cover the model. Endpoints
+    without live events are judged on the approximate index, scaled to tokens (a fallback counted
+    for ``strategy``)."""
+    precise = ctx.precise_index
+    if precise is None or not precise.covers(req.model):
+        return index.depths(req, pool)
+    found = precise.match(req, pool)
+    if found is None:
+        ctx.on_fallback(strategy, "kv_events_tokenize")
+        return index.depths(req, pool)
+    exact, tokens, others = found
+    if not others:
+        return {ep: d for ep, d in exact.items() if d > 0}, tokens
+    ctx.on_fallback(strategy, "kv_events_fallback")
+    approx, n = index.depths(req, others)
+    if not exact:
+        return approx, n
+    depths = {ep: d for ep, d in exact.items() if d > 0}
+    if n:
+        for ep, d in approx.items():
+            depths[ep] = d * tokens // n
+    return depths, tokens
 
 
 def fleet_load(ep: Endpoint, now: float, max_age: float) -> float:
@@ -88,27 +115,7 @@ class PrefixCacheRouter(ScoringRouter):
         return {ep: fleet_load(ep, now, age) for ep in candidates}
 
     def _depths(self, req: InferenceRequest, pool: Sequence[Endpoint]) -> tuple[dict[Endpoint, int], int]:
-        """Match depth per endpoint (only those with a match) and the depth of a full match: in
-        prompt blocks of the approximate index, or in tokens when events cover the model."""
-        precise = self.precise
-        if precise is None or not precise.covers(req.model):
-            return self.index.depths(req, pool)
-        found = precise.match(req, pool)
-        if found is None:
-            self.ctx.on_fallback(self.name, "kv_events_tokenize")
-            return self.index.depths(req, pool)
-        exact, tokens, others = found
-        if not others:
-            return {ep: d for ep, d in exact.items() if d > 0}, tokens
-        self.ctx.on_fallback(self.name, "kv_events_fallback")
-        approx, n = self.index.depths(req, others)
-        if not exact:
-            return approx, n
-        depths = {ep: d for ep, d in exact.items() if d > 0}
-        if n:
-            for ep, d in approx.items():
-                depths[ep] = d * tokens // n
-        return depths, tokens
+        return cached_depths(self.ctx, self.index, self.name, req, pool)
 
     def score(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> list[float | None]:
         if self.precise is not None and self.precise.covers(req.model):

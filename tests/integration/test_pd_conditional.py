@@ -119,3 +119,45 @@ async def test_on_kv_events_the_decode_reports_what_it_holds(sims, gateway):
                                                                           ("decode", "events")]
     first, second = (x["decode_uncached_tokens"] for x in seen)
     assert first > 200 > second        # turn 1: nothing held; turn 2: only the new turn is missing
+
+
+async def test_the_prefill_is_chosen_on_what_its_engine_reports_holding(sims, gateway):
+    """With the prefills publishing KV events, the ``pd`` strategy's prefill choice follows what
+    each engine reports caching: prompts warmed directly on one prefill's engine (the gateway's own
+    index never saw them) are sent to that prefill, whichever it is."""
+    from enginesim.tiny_tokenizer import TINY_DIR
+    tok = str(TINY_DIR)
+    pa = await sims("vllm", "m", role="prefill", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0)
+    pb = await sims("vllm", "m", role="prefill", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0)
+    d = await sims("vllm", "m", role="decode", tokenizer=tok)
+
+    def entry(sim):
+        ev = sim.engine.kv_events
+        return {"url": sim.url, "kv_events": {"port": ev.port, "replay_port": ev.replay_port}}
+
+    gw = await gateway([{"name": "m", "engine": "vllm", "tokenizer": tok,
+                         "rolesets": [{"name": "rs", "prefill": [entry(pa), entry(pb)], "decode": [d.url]}]}])
+    prompts = [[{"role": "system", "content": f"Conversation {i}: " + "the gateway keeps its routes warm. " * 40},
+                {"role": "user", "content": "Which prefill holds this?"}] for i in range(6)]
+    warm = [pa if i % 2 == 0 else pb for i in range(6)]
+    stored = 'switchyard_kv_events_total{kind="BlockStored",model="m"}'
+
+    def stored_count(text: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(stored))
+
+    before = stored_count(await gw.metrics_text())
+    for sim, messages in zip(warm, prompts, strict=True):     # straight to the engine, not through the gateway
+        async with aiohttp.ClientSession() as s, s.post(sim.url + "/v1/chat/completions",
+                                                        json={"model": "m", "messages": messages,
+                                                              "max_tokens": 1}) as r:
+            assert r.status == 200, await r.text()
+    for _ in range(300):            # every warm-up's blocks reported and indexed
+        if stored_count(await gw.metrics_text()) >= before + 6:
+            break
+        await asyncio.sleep(0.02)
+    chosen = []
+    for messages in prompts:
+        status, headers, _ = await post(gw, messages)
+        assert status == 200
+        chosen.append(headers["prefill-target-pod"])
+    assert chosen == [sim.url.split("//")[1] for sim in warm]
