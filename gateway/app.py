@@ -52,6 +52,7 @@ from gateway.tenants import build_tenancy
 from gateway.tracing import Tracing
 from gateway.upstream import Upstream, make_session
 from k8s.discovery import KubernetesDiscovery
+from routers.prefix_cache import fleet_load
 
 log = structlog.get_logger("switchyard.app")
 
@@ -180,7 +181,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     reloader.listeners.append(lambda live: admission.reconfigure(live.config))   # its queues stay
     metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
-                              engine_max_age=config.routing.metrics_max_age_s)
+                              engine_max_age=config.routing.metrics_max_age_s,
+                              fleet_load=lambda ep: fleet_load(ep, time.monotonic(), config.routing.metrics_max_age_s))
     started_at = int(time.time())
 
     # the trace middleware is outermost, so the request span sees the status the client gets

@@ -248,9 +248,9 @@ class GatewayMetrics:
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
                           prefix_stats: Callable[[], dict[str, int]] | None = None,
-                          engine_max_age: float = 10.0) -> None:
+                          engine_max_age: float = 10.0, fleet_load: Callable[[Any], float] | None = None) -> None:
         """Gauges of live counts, read from the objects that hold them at scrape time."""
-        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age))
+        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load))
 
     def child(self, metric, *labels: str):
         """A cached labelled child: one dict lookup on the hot path."""
@@ -319,7 +319,9 @@ class LiveState(Collector):
     """
 
     def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
-                 prefix_stats: Callable[[], dict[str, int]] | None = None, engine_max_age: float = 10.0) -> None:
+                 prefix_stats: Callable[[], dict[str, int]] | None = None, engine_max_age: float = 10.0,
+                 fleet_load: Callable[[Any], float] | None = None) -> None:
+        self._fleet_load = fleet_load
         self._endpoints = endpoints
         self._model_in_flight = model_in_flight
         self._prefix_stats = prefix_stats
@@ -331,6 +333,13 @@ class LiveState(Collector):
             fam = GaugeMetricFamily(name, doc, labels=["model", "endpoint"])
             for ep in eps:
                 fam.add_metric([ep.model, ep.name], read(ep))
+            yield fam
+        if self._fleet_load is not None:     # what prefix-cache's load guards count (routing.prefix_load)
+            fam = GaugeMetricFamily("switchyard_endpoint_fleet_in_flight",
+                                    "Requests on each endpoint from every gateway, as the prefix-cache load guards "
+                                    "estimate them (routing.prefix_load: fleet)", labels=["model", "endpoint"])
+            for ep in eps:
+                fam.add_metric([ep.model, ep.name], self._fleet_load(ep))
             yield fam
         info = GaugeMetricFamily("switchyard_endpoint_info", "1 for each endpoint, with its engine, role and roleset",
                                  labels=["model", "endpoint", "engine", "role", "roleset"])

@@ -98,3 +98,18 @@ def test_observe_all_renders_as_one_observe_per_value():
     assert a.keys() == b.keys() and a
     for k, v in a.items():
         assert b[k] == pytest.approx(v, rel=1e-12), k
+
+
+def test_fleet_load_is_exported_per_endpoint():
+    """What prefix-cache's load guards count: this gateway's in-flight plus the engine's running +
+    waiting beyond this gateway's in-flight at the last fresh scrape."""
+    from routers.prefix_cache import fleet_load
+    now = time.monotonic()
+    busy, alone = ep(8001), ep(8002)
+    busy.in_flight, alone.in_flight = 2, 1
+    busy.metrics = EngineMetrics(scraped_at=now, running=9, waiting=3, gateway_in_flight=2)   # 10 from others
+    m = GatewayMetrics()
+    m.attach_live_state(lambda: [busy, alone], {}, fleet_load=lambda e: fleet_load(e, time.monotonic(), 10.0))
+    got = samples(m)
+    assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8001"), ("model", "m")))] == 12
+    assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8002"), ("model", "m")))] == 1
