@@ -45,7 +45,7 @@ from prometheus_client.registry import Collector
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv_index import EndpointState, EventIndex
 from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import END_SEQ, Batch, WireError, decode_batch, seq_of
+from gateway.kv_wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
 from gateway.request import InferenceRequest
 from gateway.tokenization import INLINE_CHARS, ModelTokenizer
 
@@ -103,6 +103,7 @@ class Subscriber:
         self.rank = rank
         self.expected: int | None = None
         self.task: asyncio.Task | None = None
+        self.decoder = BatchDecoder()              # remembers which typed decoder this engine's batches fit
         s = st.settings
         host = st.ep.host
         self.ipv6 = ":" in host
@@ -173,7 +174,7 @@ class Subscriber:
         elif seq > self.expected:
             await self.replay(self.expected, seq)
         if seq >= (self.expected or 0):
-            self.apply(decode_batch(payload, self.rank))
+            self.apply(self.decoder.decode(payload, self.rank))
             self.expected = seq + 1
 
     def apply(self, batch: Batch) -> None:
@@ -237,7 +238,7 @@ class Subscriber:
             for s, payload in got:
                 if s >= start:
                     with contextlib.suppress(WireError):
-                        self.apply(decode_batch(payload, self.rank))
+                        self.apply(self.decoder.decode(payload, self.rank))
         self.m.metrics.replays.labels(model, result).inc()
 
 
