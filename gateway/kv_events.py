@@ -52,6 +52,8 @@ from gateway.tokenization import INLINE_CHARS, ModelTokenizer
 log = structlog.get_logger("switchyard.kv_events")
 
 SYNC_INTERVAL_S = 1.0
+# switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
+_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
 
 
 class KVEventsMetrics:
@@ -104,6 +106,7 @@ class Subscriber:
         self.expected: int | None = None
         self.task: asyncio.Task | None = None
         self.decoder = BatchDecoder()              # remembers which typed decoder this engine's batches fit
+        self._counted: dict[str, Any] = {}         # kind -> its switchyard_kv_events_total child
         s = st.settings
         host = st.ep.host
         self.ipv6 = ":" in host
@@ -178,20 +181,14 @@ class Subscriber:
             self.expected = seq + 1
 
     def apply(self, batch: Batch) -> None:
-        counter = self.m.metrics.events
-        model = self.st.ep.model
-        kinds: dict[str, int] = {}
-        for ev in batch.events:
-            name = type(ev).__name__
-            kinds[name] = kinds.get(name, 0) + 1
-        if batch.unknown:
-            kinds["unknown"] = batch.unknown
-        before = self.m.index.orphans
-        self.m.index.apply(self.st, batch, self.rank)
-        if self.m.index.orphans > before:
-            kinds["orphan"] = self.m.index.orphans - before
-        for kind, n in kinds.items():
-            counter.labels(model, kind).inc(n)
+        done = self.m.index.apply(self.st, batch, self.rank)
+        counted = self._counted
+        for kind, n in zip(_KINDS, (*done, batch.unknown), strict=True):
+            if n:
+                child = counted.get(kind)
+                if child is None:
+                    child = counted[kind] = self.m.metrics.events.labels(self.st.ep.model, kind)
+                child.inc(n)
 
     async def replay(self, start: int, until: int, first: bool = False) -> None:
         """Fetch and apply batches ``start .. until-1`` from the replay socket; on failure clear."""
