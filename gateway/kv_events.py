@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -52,6 +53,7 @@ from gateway.tokenization import INLINE_CHARS, ModelTokenizer
 log = structlog.get_logger("switchyard.kv_events")
 
 SYNC_INTERVAL_S = 1.0
+_DRAIN = 256              # messages one reader callback applies before yielding to the loop
 # switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
 _KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
 
@@ -107,6 +109,9 @@ class Subscriber:
         self.task: asyncio.Task | None = None
         self.decoder = BatchDecoder()              # remembers which typed decoder this engine's batches fit
         self._counted: dict[str, Any] = {}         # kind -> its switchyard_kv_events_total child
+        self._sock: Any = None
+        self._backlog: deque[tuple[int, bytes]] = deque()   # messages for the task (a replay is due or under way)
+        self._wake: asyncio.Future | None = None
         s = st.settings
         host = st.ep.host
         self.ipv6 = ":" in host
@@ -133,52 +138,121 @@ class Subscriber:
                 await self.task
 
     async def run(self) -> None:
+        """The SUB socket is a plain (not asyncio) socket read by a reader callback on its file
+        descriptor (``_readable``), which applies every message already there in one go: no future
+        and no task switch per message. Only a message that needs a replay first (the first one, a
+        gap) goes to this task, with every message after it until the backlog is worked off, so the
+        order is kept."""
         import zmq
 
-        sock = self.m.zctx.socket(zmq.SUB)
+        sock = zmq.Socket(self.m.zctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         if self.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SUBSCRIBE, self.st.settings.topic.encode())
         sock.connect(self.pub_addr)
+        loop = asyncio.get_running_loop()
+        fd = sock.getsockopt(zmq.FD)
+        self._sock = sock
+        self._wake = loop.create_future()
+        loop.add_reader(fd, self._readable)
         log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr,
                  rank=self.rank)
         try:
+            self._readable()              # the descriptor signals changes only: read what is there already
             while True:
-                frames = await sock.recv_multipart()
-                try:
-                    if len(frames) != 3:
-                        raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
-                    seq = seq_of(frames[1])
-                    await self.on_message(seq, frames[2])
-                except WireError as e:
-                    self.m.metrics.errors.labels(self.st.ep.model).inc()
-                    log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("kv events subscriber failed", endpoint=self.st.ep.name, rank=self.rank)
+                await self._wake
+                self._wake = loop.create_future()
+                backlog = self._backlog
+                while backlog:
+                    seq, payload = backlog[0]
+                    try:
+                        await self.on_message(seq, payload)
+                    except WireError as e:
+                        self._bad(e)
+                    except Exception:
+                        self._failed(seq)
+                    backlog.popleft()
+                self._readable()
         finally:
+            loop.remove_reader(fd)
+            self._sock = None
             sock.close(0)
 
+    def _readable(self) -> None:
+        """Receive and apply what the socket holds (at most ``_DRAIN`` messages, then again soon)."""
+        import zmq
+
+        sock = self._sock
+        if sock is None:
+            return
+        backlog = self._backlog
+        n = 0
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if n == _DRAIN:               # let the loop run: the rest on its next turn
+                asyncio.get_running_loop().call_soon(self._readable)
+                return
+            n += 1
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            seq = None
+            try:
+                if len(frames) != 3:
+                    raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
+                seq = seq_of(frames[1])
+                if backlog or self._replay_first(seq):
+                    backlog.append((seq, frames[2]))
+                    if self._wake is not None and not self._wake.done():
+                        self._wake.set_result(None)
+                    continue
+                self._accept(seq, frames[2])
+            except WireError as e:
+                self._bad(e)
+            except Exception:
+                self._failed(seq)
+
+    def _bad(self, e: WireError) -> None:
+        self.m.metrics.errors.labels(self.st.ep.model).inc()
+        log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
+
+    def _failed(self, seq: int | None) -> None:
+        """A message that could not be applied (a bug, not the wire): what this publisher reported
+        may be half updated, so it is cleared, and the stream goes on after the message."""
+        self.m.metrics.errors.labels(self.st.ep.model).inc()
+        log.exception("kv events: message not applied; entries cleared", endpoint=self.st.ep.name, rank=self.rank,
+                      seq=seq)
+        self.clear()
+        if seq is not None:
+            self.expected = seq + 1
+
+    def _replay_first(self, seq: int) -> bool:
+        """Whether message ``seq`` needs a replay before it (see ``on_message``)."""
+        if self.expected is None:
+            return seq > 0 and self.replay_addr is not None
+        return seq > self.expected
+
     async def on_message(self, seq: int, payload: bytes) -> None:
-        model = self.st.ep.model
         if self.expected is None:
             if seq > 0 and self.replay_addr:        # learn what the engine cached before we listened
                 await self.replay(0, seq, first=True)
+        elif seq > self.expected:
+            await self.replay(self.expected, seq)
+        self._accept(seq, payload)
+
+    def _accept(self, seq: int, payload: bytes) -> None:
+        """Message ``seq``, whatever had to be replayed before it done: a restart, then the batch."""
+        if self.expected is None:
             self.expected = seq
         elif seq < self.expected:
             log.warning("kv events: engine restarted (sequence started again)", endpoint=self.st.ep.name,
                         rank=self.rank, seq=seq, expected=self.expected)
-            self.m.metrics.restarts.labels(model).inc()
+            self.m.metrics.restarts.labels(self.st.ep.model).inc()
             self.clear()
-            self.expected = seq
-        elif seq > self.expected:
-            await self.replay(self.expected, seq)
-        if seq >= (self.expected or 0):
-            self.apply(self.decoder.decode(payload, self.rank))
-            self.expected = seq + 1
+        self.apply(self.decoder.decode(payload, self.rank))
+        self.expected = seq + 1
 
     def apply(self, batch: Batch) -> None:
         done = self.m.index.apply(self.st, batch, self.rank)
