@@ -18,8 +18,9 @@ directory in the standard layout: ``tokenizer.json`` (read by the ``tokenizers``
 * Block keys are cached too (``ModelTokenizer.block_keys``): the chained keys of the blocks a
   prefix of segments fills, so a 128k-token conversation hashes only its new turn.
 * Off the event loop (``ModelTokenizer.prepare``): before routing, the segments of at least
-  ``INLINE_CHARS`` characters that are not cached are tokenized in a thread (the library releases
-  the GIL while it encodes) and stored, so the router's synchronous match finds them all cached.
+  ``INLINE_CHARS`` characters that are not cached are tokenized in a thread (with the library's
+  ``encode_batch``, which releases the GIL while it encodes; ``encode`` does not) and stored, so the
+  router's synchronous match finds them all cached.
   Shorter ones stay inline: a hop to the thread costs more than they do.
 """
 
@@ -158,38 +159,47 @@ class ModelTokenizer:
                 self._segment_chars -= len(old)
 
     def _encode_all(self, segments: list[str]) -> list[list[int]]:
-        """Runs in the executor: no cache is touched here."""
-        encode = self.tokenizer.encode
-        return [encode(s, add_special_tokens=False).ids for s in segments]
+        """Runs in the executor: no cache is touched here. ``encode_batch``, not ``encode``: the
+        library releases the GIL only in its batch call (its single ``encode`` holds it throughout,
+        which would stall the event loop for as long as the thread encodes)."""
+        return [e.ids for e in self.tokenizer.encode_batch(segments, add_special_tokens=False)]
 
     async def prepare(self, segments: Sequence[str] | None, executor: Executor | None,
                       inline_chars: int = INLINE_CHARS) -> int:
         """Tokenize the uncached segments of ``inline_chars`` characters or more in ``executor``
-        and cache them, so ``block_keys`` then tokenizes at most short ones on the loop. No hop
-        when there is nothing long to tokenize. Returns how many segments it tokenized there.
-        A segment another request is tokenizing already is awaited, not tokenized twice; an
-        encode error leaves the segment uncached (the router's match meets it and counts it)."""
+        and cache them, so ``block_keys`` then tokenizes nothing long on the loop. No hop when there
+        is nothing long to tokenize; when there is, the short uncached segments go along in the same
+        hop (they cost the loop more than they cost the thread). Returns how many segments it
+        tokenized there. A segment another request is tokenizing already is awaited, not tokenized
+        twice; an encode error leaves the segment uncached (the router's match meets it and counts it)."""
         if segments is None or executor is None:
             return 0
         cache, special, pending = self._segments, self._special_ids, self._pending
-        todo: list[str] = []
+        longest = self._token_cache_chars // 4
+        todo: dict[str, None] = {}           # long ones, in order, once each
+        short: dict[str, None] = {}
         waits: list[asyncio.Future] = []
+        short_waits: list[asyncio.Future] = []    # worth awaiting only when this request hops anyway
         done = 0
         for seg in segments:
-            if len(seg) < inline_chars or seg in cache or seg in special or len(seg) > self._token_cache_chars // 4:
+            if seg in cache or seg in special or len(seg) > longest:
                 continue
             fut = pending.get(seg)
             if fut is not None:
-                waits.append(fut)
-            elif seg not in todo:
-                todo.append(seg)
+                (waits if len(seg) >= inline_chars else short_waits).append(fut)
+            elif len(seg) >= inline_chars:
+                todo[seg] = None
+            else:
+                short[seg] = None
         if todo:
+            todo.update(short)
+            waits += short_waits
             loop = asyncio.get_running_loop()
             mine = loop.create_future()
             for seg in todo:
                 pending[seg] = mine
             try:
-                out = await loop.run_in_executor(executor, self._encode_all, todo)
+                out = await loop.run_in_executor(executor, self._encode_all, list(todo))
             except Exception:                # left to the inline path, which counts the error
                 out = None
             finally:
