@@ -419,11 +419,20 @@ class EventIndex:
 
     def _expire(self, now: float) -> None:
         q = self._pending_q
+        if not q or q[0][0] > now:
+            return
+        pending, pend_until = self._pending, self._pending_until
         while q and q[0][0] <= now:
             until, slot, keys = q.popleft()
-            for k in keys:
-                if self._pending_until.get((k, slot)) == until:
-                    self._unpend(k, slot)
+            others = ~(1 << slot)
+            for k in keys:                    # _unpend, inline: unless routed again since
+                if pend_until.get((k, slot)) == until:
+                    del pend_until[(k, slot)]
+                    mask = pending.get(k, 0) & others
+                    if mask:
+                        pending[k] = mask
+                    else:
+                        pending.pop(k, None)
 
     def _unpend(self, key: int, slot: int) -> None:
         self._pending_until.pop((key, slot), None)

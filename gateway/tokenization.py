@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from itertools import islice, repeat
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +200,7 @@ class ModelTokenizer:
             for seg in todo:
                 pending[seg] = mine
             try:
-                out = await loop.run_in_executor(executor, self._encode_all, list(todo))
+                out = await asyncio.wrap_future(executor.submit(self._encode_all, list(todo)))
             except Exception:                # left to the inline path, which counts the error
                 out = None
             finally:
@@ -280,8 +281,9 @@ class ModelTokenizer:
             if len(tail) >= block_size and len(keys) < max_blocks:
                 h = keys[-1] if keys else root
                 n = min(len(tail) // block_size, max_blocks - len(keys))
-                for b in range(n):
-                    h = hash((h, tuple(tail[b * block_size:(b + 1) * block_size])))
+                it = iter(tail)               # blocks as tuples, cut in C (as the event index cuts them)
+                for block in islice(zip(*repeat(it, block_size), strict=False), n):
+                    h = hash((h, block))
                     keys.append(h)
                 tail = tail[n * block_size:]
             self._remember(idents[j], keys, tail, total)
