@@ -108,6 +108,9 @@ class ModelTokenizer:
         self._split = re.compile("(" + "|".join(re.escape(t) for t in added) + ")") if added else None
         # what a completions prompt gets around it with special tokens added (e.g. a BOS)
         self._prefix_ids = self.tokenizer.encode("", add_special_tokens=True).ids
+        # the library's batch call without character offsets (ids only, ~20% less CPU) where it has one
+        # (tokenizers >= 0.20); either releases the GIL while it encodes
+        self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._segment_chars = 0
         self._token_cache_chars = token_cache_chars
@@ -147,7 +150,7 @@ class ModelTokenizer:
             self.segment_hits += 1
             return ids
         self.segment_misses += 1
-        ids = self.tokenizer.encode(segment, add_special_tokens=False).ids
+        ids = self._encode_batch([segment], add_special_tokens=False)[0].ids
         self._store(segment, ids)
         return ids
 
@@ -160,10 +163,10 @@ class ModelTokenizer:
                 self._segment_chars -= len(old)
 
     def _encode_all(self, segments: list[str]) -> list[list[int]]:
-        """Runs in the executor: no cache is touched here. ``encode_batch``, not ``encode``: the
-        library releases the GIL only in its batch call (its single ``encode`` holds it throughout,
+        """Runs in the executor: no cache is touched here. The batch call, not ``encode``: the
+        library releases the GIL only in its batch calls (its single ``encode`` holds it throughout,
         which would stall the event loop for as long as the thread encodes)."""
-        return [e.ids for e in self.tokenizer.encode_batch(segments, add_special_tokens=False)]
+        return [e.ids for e in self._encode_batch(segments, add_special_tokens=False)]
 
     async def prepare(self, segments: Sequence[str] | None, executor: Executor | None,
                       inline_chars: int = INLINE_CHARS) -> int:

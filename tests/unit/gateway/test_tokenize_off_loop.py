@@ -107,24 +107,21 @@ def test_tokenize_settings_are_validated():
     assert KVEventsConfig().tokenize_threads == 1 and KVEventsConfig().tokenize_inline_chars == 256
 
 
-def test_the_thread_encodes_with_the_batch_call_and_gets_the_same_ids():
+def test_the_thread_encodes_with_a_batch_call_and_gets_the_same_ids():
     tok = ModelTokenizer(TINY_DIR)
     segs = [SYSTEM, "user\nturn 1 ok", "ünï 🎉 text", "\n"]
     calls = []
-    batch = tok.tokenizer.encode_batch
+    batch = tok._encode_batch
+    # the batch calls are the ones that let go of the GIL while they encode (encode_batch_fast:
+    # ids without character offsets, where the library has it)
+    assert batch.__name__ in ("encode_batch_fast", "encode_batch")
 
-    class Spy:                 # the batch call is the one that lets go of the GIL while it encodes
-        def __getattr__(self, name):
-            return getattr(tok.tokenizer, name)
+    def spy(*a, **kw):
+        calls.append(a)
+        return batch(*a, **kw)
 
-        def encode_batch(self, *a, **kw):
-            calls.append(a)
-            return batch(*a, **kw)
-
-    real, tok.tokenizer = tok.tokenizer, Spy()
-    try:
-        out = tok._encode_all(segs)
-    finally:
-        tok.tokenizer = real
+    tok._encode_batch = spy
+    out = tok._encode_all(segs)
     assert len(calls) == 1
-    assert out == [real.encode(s, add_special_tokens=False).ids for s in segs]
+    assert out == [tok.tokenizer.encode(s, add_special_tokens=False).ids for s in segs]
+    assert [tok._segment_ids(s) for s in segs] == out and len(calls) == 5       # inline: one segment a call
