@@ -187,15 +187,17 @@ class Subscriber:
         sock = self._sock
         if sock is None:
             return
+        # plain ints: pyzmq's flag enums cost a Python-level enum operation per use
+        events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
         backlog = self._backlog
         n = 0
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while sock.getsockopt(events) & pollin:
             if n == _DRAIN:               # let the loop run: the rest on its next turn
                 asyncio.get_running_loop().call_soon(self._readable)
                 return
             n += 1
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(noblock)
             except zmq.Again:
                 return
             seq = None
