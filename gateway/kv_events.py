@@ -4,6 +4,10 @@ One subscriber task per endpoint whose model enables ``kv_events`` (or whose pod
 ``switchyard.io/kv-events`` annotation): a ZMQ SUB socket on ``tcp://<endpoint host>:<port>``
 filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv_wire``).
 
+* Reading costs the event loop little: the socket is a plain one whose descriptor the loop watches;
+  its reader callback receives, decodes (typed, ``gateway.kv_wire``) and applies every message
+  already there in one go, with no future or task switch per message. A malformed message is
+  counted (``switchyard_kv_events_decode_errors_total``) and skipped; nothing stops the stream.
 * Sequence numbers: the next message must carry the next number. On a gap the subscriber asks the
   engine's replay socket (a DEALER to ``replay_port``: the start seq as 8 bytes big-endian; frames
   ``(seq, payload)`` back, ending with seq -1) for what it missed and applies it in order. Without
@@ -199,6 +203,9 @@ class Subscriber:
             try:
                 frames = sock.recv_multipart(noblock)
             except zmq.Again:
+                return
+            except zmq.ZMQError as e:         # not expected on a SUB socket; the next signal tries again
+                log.warning("kv events: receive failed", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
                 return
             seq = None
             try:
