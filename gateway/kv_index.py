@@ -137,7 +137,8 @@ class EventIndex:
         Returns how many events of each kind it applied, and how many ``BlockStored`` were orphans.
 
         One pass over the events, in order. A ``BlockRemoved`` is resolved inline (the most frequent
-        event: engines send one per evicted block); a ``BlockStored`` is keyed in bulk (``_stored``)."""
+        event: engines send one per evicted block); a ``BlockStored``'s blocks are cut and keyed in
+        one loop (``_stored``)."""
         st.last_event = self.clock()
         st.expect_since = None
         st.on_fallback = None
