@@ -165,8 +165,11 @@ class ModelTokenizer:
     def _encode_all(self, segments: list[str]) -> list[list[int]]:
         """Runs in the executor: no cache is touched here. The batch call, not ``encode``: the
         library releases the GIL only in its batch calls (its single ``encode`` holds it throughout,
-        which would stall the event loop for as long as the thread encodes)."""
-        return [e.ids for e in self._encode_batch(segments, add_special_tokens=False)]
+        which would stall the event loop for as long as the thread encodes). One segment a call:
+        given several, the library spreads them over its own pool of threads, whose workers then
+        spin a while for more work, CPU the gateway's ``tokenize_threads`` do not account for."""
+        batch = self._encode_batch
+        return [batch([s], add_special_tokens=False)[0].ids for s in segments]
 
     async def prepare(self, segments: Sequence[str] | None, executor: Executor | None,
                       inline_chars: int = INLINE_CHARS) -> int:
