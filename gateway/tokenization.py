@@ -39,7 +39,7 @@ from typing import Any
 
 TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
 KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
-INLINE_CHARS = 256                       # shorter uncached segments are tokenized on the loop
+INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
 
 
 class TokenizerError(ValueError):

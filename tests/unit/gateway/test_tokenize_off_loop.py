@@ -15,7 +15,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv_events import KVEventsManager
 from gateway.kv_settings import KVEventsConfig
 from gateway.request import CHAT, parse
-from gateway.tokenization import ModelTokenizer, chain_keys
+from gateway.tokenization import INLINE_CHARS, ModelTokenizer, chain_keys
 
 SYSTEM = "You are number 4. " + "kqz lo abc the of " * 100
 
@@ -38,7 +38,7 @@ def _plain(tok, segs):
 async def test_prepare_fills_the_cache_with_the_librarys_ids_short_segments_riding_along(pool):
     tok = ModelTokenizer(TINY_DIR)
     segs, lead = tok.request_segments(CHAT, {"messages": _messages(0)})
-    assert any(len(s) >= 256 for s in segs) and any(len(s) < 256 and s not in tok._special_ids for s in segs)
+    assert any(len(s) >= INLINE_CHARS for s in segs) and any(len(s) < INLINE_CHARS and s not in tok._special_ids for s in segs)
     assert await tok.prepare(segs, pool) == len(_plain(tok, segs))     # a long one: the short ones go along
     for s in _plain(tok, segs):               # all cached with the library's ids
         assert tok._segments[s] == tok.tokenizer.encode(s, add_special_tokens=False).ids
@@ -52,7 +52,7 @@ async def test_prepare_fills_the_cache_with_the_librarys_ids_short_segments_ridi
     # new short segment stays for the loop
     segs2, _ = tok.request_segments(CHAT, {"messages": _messages(1)})
     new = [s for s in _plain(tok, segs2) if s not in tok._segments]
-    assert new and all(len(s) < 256 for s in new)
+    assert new and all(len(s) < INLINE_CHARS for s in new)
     assert await tok.prepare(segs2, pool) == 0
     assert all(s not in tok._segments for s in new)
     assert await tok.prepare(segs2, None) == 0 and await tok.prepare(None, pool) == 0
@@ -104,7 +104,7 @@ def test_tokenize_settings_are_validated():
         msgspec.convert({"tokenize_threads": -1}, KVEventsConfig)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"tokenize_inline_chars": -5}, KVEventsConfig)
-    assert KVEventsConfig().tokenize_threads == 1 and KVEventsConfig().tokenize_inline_chars == 256
+    assert KVEventsConfig().tokenize_threads == 1 and KVEventsConfig().tokenize_inline_chars == INLINE_CHARS == 1024
 
 
 def test_the_thread_encodes_with_a_batch_call_and_gets_the_same_ids():
