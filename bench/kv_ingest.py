@@ -13,13 +13,16 @@ CPU time (``time.process_time``, best of ``--repeat``), so other load on the mac
 
 The stream is what a prefix-caching engine publishes under the routing benchmark's workload
 (``bench.routing``): ``--engines`` engines, each with an LRU cache of ``--kv-blocks`` blocks of 16
-tokens; requests share one of 40 system prompts (125 blocks, Zipf popularity) and add a few blocks
-of their own, a share of them unique prompts (about 75 blocks); a request's evictions go out as one
-batch (one ``BlockRemoved`` per evicted block, as vLLM sends them) and its newly cached blocks as
-another (one ``BlockStored`` chained on the last block it hit). That gives about 8 events per batch,
-mostly single-block removals, and a ``BlockStored`` of some 25 blocks in every other batch (the
-mix measured on the routing benchmark's events column). Hashes are 64-bit ints (vLLM's default);
-``--bytes-hashes`` sends 32-byte hashes instead.
+tokens; requests share one of 40 system prompts (125 blocks, Zipf popularity, most of them sent to
+the engine that holds theirs) and add a few blocks of their own, a share of them unique prompts
+(about 75 blocks); a request's evictions go out as one batch (one ``BlockRemoved`` per evicted
+block, as vLLM sends them) and its newly cached blocks as another (one ``BlockStored`` chained on
+the last block it hit). At steady state that is about 15 events per batch, mostly single-block
+removals, and a ``BlockStored`` of some 30 blocks in every other batch (the routing benchmark's
+events column measured 8 events per batch and 25 blocks per ``BlockStored`` over a quick run whose
+caches are filling for part of it). Hashes are 64-bit ints (vLLM's default); ``--bytes-hashes``
+sends 32-byte hashes instead. The socket reads are not in it (``gateway.kv_events`` reads a SUB
+socket in a reader callback).
 """
 
 from __future__ import annotations
