@@ -4,6 +4,10 @@ One subscriber task per endpoint whose model enables ``kv_events`` (or whose pod
 ``switchyard.io/kv-events`` annotation): a ZMQ SUB socket on ``tcp://<endpoint host>:<port>``
 filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv_wire``).
 
+* Reading costs the event loop little: the socket is a plain one whose descriptor the loop watches;
+  its reader callback receives, decodes (typed, ``gateway.kv_wire``) and applies every message
+  already there in one go, with no future or task switch per message. A malformed message is
+  counted (``switchyard_kv_events_decode_errors_total``) and skipped; nothing stops the stream.
 * Sequence numbers: the next message must carry the next number. On a gap the subscriber asks the
   engine's replay socket (a DEALER to ``replay_port``: the start seq as 8 bytes big-endian; frames
   ``(seq, payload)`` back, ending with seq -1) for what it missed and applies it in order. Without
@@ -33,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -45,13 +50,16 @@ from prometheus_client.registry import Collector
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv_index import EndpointState, EventIndex
 from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import END_SEQ, Batch, WireError, decode_batch, seq_of
+from gateway.kv_wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
 from gateway.request import InferenceRequest
 from gateway.tokenization import INLINE_CHARS, ModelTokenizer
 
 log = structlog.get_logger("switchyard.kv_events")
 
 SYNC_INTERVAL_S = 1.0
+_DRAIN = 256              # messages one reader callback applies before yielding to the loop
+# switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
+_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
 
 
 class KVEventsMetrics:
@@ -103,6 +111,11 @@ class Subscriber:
         self.rank = rank
         self.expected: int | None = None
         self.task: asyncio.Task | None = None
+        self.decoder = BatchDecoder()              # remembers which typed decoder this engine's batches fit
+        self._counted: dict[str, Any] = {}         # kind -> its switchyard_kv_events_total child
+        self._sock: Any = None
+        self._backlog: deque[tuple[int, bytes]] = deque()   # messages for the task (a replay is due or under way)
+        self._wake: asyncio.Future | None = None
         s = st.settings
         host = st.ep.host
         self.ipv6 = ":" in host
@@ -129,68 +142,136 @@ class Subscriber:
                 await self.task
 
     async def run(self) -> None:
+        """The SUB socket is a plain (not asyncio) socket read by a reader callback on its file
+        descriptor (``_readable``), which applies every message already there in one go: no future
+        and no task switch per message. Only a message that needs a replay first (the first one, a
+        gap) goes to this task, with every message after it until the backlog is worked off, so the
+        order is kept."""
         import zmq
 
-        sock = self.m.zctx.socket(zmq.SUB)
+        sock = zmq.Socket(self.m.zctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
         if self.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SUBSCRIBE, self.st.settings.topic.encode())
         sock.connect(self.pub_addr)
+        loop = asyncio.get_running_loop()
+        fd = sock.getsockopt(zmq.FD)
+        self._sock = sock
+        self._wake = loop.create_future()
+        loop.add_reader(fd, self._readable)
         log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr,
                  rank=self.rank)
         try:
+            self._readable()              # the descriptor signals changes only: read what is there already
             while True:
-                frames = await sock.recv_multipart()
-                try:
-                    if len(frames) != 3:
-                        raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
-                    seq = seq_of(frames[1])
-                    await self.on_message(seq, frames[2])
-                except WireError as e:
-                    self.m.metrics.errors.labels(self.st.ep.model).inc()
-                    log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("kv events subscriber failed", endpoint=self.st.ep.name, rank=self.rank)
+                await self._wake
+                self._wake = loop.create_future()
+                backlog = self._backlog
+                while backlog:
+                    seq, payload = backlog[0]
+                    try:
+                        await self.on_message(seq, payload)
+                    except WireError as e:
+                        self._bad(e)
+                    except Exception:
+                        self._failed(seq)
+                    backlog.popleft()
+                self._readable()
         finally:
+            loop.remove_reader(fd)
+            self._sock = None
             sock.close(0)
 
+    def _readable(self) -> None:
+        """Receive and apply what the socket holds (at most ``_DRAIN`` messages, then again soon)."""
+        import zmq
+
+        sock = self._sock
+        if sock is None:
+            return
+        # plain ints: pyzmq's flag enums cost a Python-level enum operation per use
+        events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+        backlog = self._backlog
+        n = 0
+        while sock.getsockopt(events) & pollin:
+            if n == _DRAIN:               # let the loop run: the rest on its next turn
+                asyncio.get_running_loop().call_soon(self._readable)
+                return
+            n += 1
+            try:
+                frames = sock.recv_multipart(noblock)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:         # not expected on a SUB socket; the next signal tries again
+                log.warning("kv events: receive failed", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
+                return
+            seq = None
+            try:
+                if len(frames) != 3:
+                    raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
+                seq = seq_of(frames[1])
+                if backlog or self._replay_first(seq):
+                    backlog.append((seq, frames[2]))
+                    if self._wake is not None and not self._wake.done():
+                        self._wake.set_result(None)
+                    continue
+                self._accept(seq, frames[2])
+            except WireError as e:
+                self._bad(e)
+            except Exception:
+                self._failed(seq)
+
+    def _bad(self, e: WireError) -> None:
+        self.m.metrics.errors.labels(self.st.ep.model).inc()
+        log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
+
+    def _failed(self, seq: int | None) -> None:
+        """A message that could not be applied (a bug, not the wire): what this publisher reported
+        may be half updated, so it is cleared, and the stream goes on after the message."""
+        self.m.metrics.errors.labels(self.st.ep.model).inc()
+        log.exception("kv events: message not applied; entries cleared", endpoint=self.st.ep.name, rank=self.rank,
+                      seq=seq)
+        self.clear()
+        if seq is not None:
+            self.expected = seq + 1
+
+    def _replay_first(self, seq: int) -> bool:
+        """Whether message ``seq`` needs a replay before it (see ``on_message``)."""
+        if self.expected is None:
+            return seq > 0 and self.replay_addr is not None
+        return seq > self.expected
+
     async def on_message(self, seq: int, payload: bytes) -> None:
-        model = self.st.ep.model
         if self.expected is None:
             if seq > 0 and self.replay_addr:        # learn what the engine cached before we listened
                 await self.replay(0, seq, first=True)
+        elif seq > self.expected:
+            await self.replay(self.expected, seq)
+        self._accept(seq, payload)
+
+    def _accept(self, seq: int, payload: bytes) -> None:
+        """Message ``seq``, whatever had to be replayed before it done: a restart, then the batch."""
+        if self.expected is None:
             self.expected = seq
         elif seq < self.expected:
             log.warning("kv events: engine restarted (sequence started again)", endpoint=self.st.ep.name,
                         rank=self.rank, seq=seq, expected=self.expected)
-            self.m.metrics.restarts.labels(model).inc()
+            self.m.metrics.restarts.labels(self.st.ep.model).inc()
             self.clear()
-            self.expected = seq
-        elif seq > self.expected:
-            await self.replay(self.expected, seq)
-        if seq >= (self.expected or 0):
-            self.apply(decode_batch(payload, self.rank))
-            self.expected = seq + 1
+        self.apply(self.decoder.decode(payload, self.rank))
+        self.expected = seq + 1
 
     def apply(self, batch: Batch) -> None:
-        counter = self.m.metrics.events
-        model = self.st.ep.model
-        kinds: dict[str, int] = {}
-        for ev in batch.events:
-            name = type(ev).__name__
-            kinds[name] = kinds.get(name, 0) + 1
-        if batch.unknown:
-            kinds["unknown"] = batch.unknown
-        before = self.m.index.orphans
-        self.m.index.apply(self.st, batch, self.rank)
-        if self.m.index.orphans > before:
-            kinds["orphan"] = self.m.index.orphans - before
-        for kind, n in kinds.items():
-            counter.labels(model, kind).inc(n)
+        done = self.m.index.apply(self.st, batch, self.rank)
+        counted = self._counted
+        for kind, n in zip(_KINDS, (*done, batch.unknown), strict=True):
+            if n:
+                child = counted.get(kind)
+                if child is None:
+                    child = counted[kind] = self.m.metrics.events.labels(self.st.ep.model, kind)
+                child.inc(n)
 
     async def replay(self, start: int, until: int, first: bool = False) -> None:
         """Fetch and apply batches ``start .. until-1`` from the replay socket; on failure clear."""
@@ -237,7 +318,7 @@ class Subscriber:
             for s, payload in got:
                 if s >= start:
                     with contextlib.suppress(WireError):
-                        self.apply(decode_batch(payload, self.rank))
+                        self.apply(self.decoder.decode(payload, self.rank))
         self.m.metrics.replays.labels(model, result).inc()
 
 

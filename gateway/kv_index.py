@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import and_
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.endpoints import Endpoint
 from gateway.kv_settings import KVEventsConfig
@@ -51,6 +51,15 @@ def _medium_bit(medium: str | None) -> int:
 
 def root_key(model: str, lora: str | None, block_size: int) -> int:
     return hash(("switchyard.kv", model, lora or "", block_size))
+
+
+class Applied(NamedTuple):
+    """What ``EventIndex.apply`` did with a batch: events per kind, and the orphaned ``BlockStored``."""
+
+    stored: int
+    removed: int
+    cleared: int
+    orphans: int
 
 
 @dataclass(eq=False)
@@ -122,73 +131,107 @@ class EventIndex:
 
     # -- events ------------------------------------------------------------------------------------
 
-    def apply(self, st: EndpointState, batch: Batch, rank: int | None = None) -> None:
+    def apply(self, st: EndpointState, batch: Batch, rank: int | None = None) -> Applied:
         """``batch`` from ``st``'s publisher; ``rank``: the data-parallel rank's publisher it came from
-        (an ``AllBlocksCleared`` then clears that rank only), ``None``: the endpoint's only one."""
+        (an ``AllBlocksCleared`` then clears that rank only), ``None``: the endpoint's only one.
+        Returns how many events of each kind it applied, and how many ``BlockStored`` were orphans.
+
+        One pass over the events, in order. A ``BlockRemoved`` is resolved inline (the most frequent
+        event: engines send one per evicted block); a ``BlockStored``'s blocks are cut and keyed in
+        one loop (``_stored``)."""
         st.last_event = self.clock()
         st.expect_since = None
         st.on_fallback = None
+        media, emap, owned, holders = st.media, st.emap, st.owned, self._holders
+        others = ~(1 << st.slot)
+        stored = removed = cleared = orphans = 0
         for ev in batch.events:
-            if ev.__class__ is BlockStored:
-                self._stored(st, ev)            # type: ignore[arg-type]
-            elif ev.__class__ is BlockRemoved:
-                self._removed(st, ev)           # type: ignore[arg-type]
-            elif ev.__class__ is AllBlocksCleared:
+            cls = ev.__class__
+            if cls is BlockRemoved:
+                removed += 1
+                medium = ev.medium              # type: ignore[union-attr]
+                keep = ~_MEDIA.get(medium, 4) if medium is not None else 0
+                for bh in ev.block_hashes:      # type: ignore[union-attr]
+                    bits = media.get(bh)
+                    if bits is None:
+                        continue
+                    bits &= keep
+                    if bits:
+                        media[bh] = bits
+                        continue
+                    del media[bh]               # the last medium gone: _drop, inline
+                    key = emap.pop(bh)
+                    n = owned[key] - 1
+                    if n:
+                        owned[key] = n
+                        continue
+                    del owned[key]
+                    mask = holders.get(key, 0) & others
+                    if mask:
+                        holders[key] = mask
+                    else:
+                        holders.pop(key, None)
+            elif cls is BlockStored:
+                stored += 1
+                orphans += self._stored(st, ev)     # type: ignore[arg-type]
+            elif cls is AllBlocksCleared:
+                cleared += 1
                 if rank is None:
                     self.clear(st)
                 else:
                     self.clear_rank(st, rank)
+        return Applied(stored, removed, cleared, orphans)
 
-    def _stored(self, st: EndpointState, ev: BlockStored) -> None:
+    def _stored(self, st: EndpointState, ev: BlockStored) -> int:
+        """Key ``ev``'s full blocks (chained on its parent's key) and index them; 1 for an orphan.
+        The token blocks are cut by ``zip`` over one iterator (tuples made in C, no slicing). Blocks
+        whose engine hash is known already (a block stored again in another medium, e.g. offloaded
+        to CPU) keep their key and gain the medium, and when all are, nothing is hashed."""
         bs = ev.block_size
         if bs <= 0:
-            return
+            return 0
         st.block_size = bs
+        emap = st.emap
         if ev.parent_block_hash is None:
             h = root_key(st.ep.model, ev.lora_name, bs)
         else:
-            parent = st.emap.get(ev.parent_block_hash)
+            parent = emap.get(ev.parent_block_hash)
             if parent is None:            # its chain start was never seen (subscribed late, a lost gap)
                 self.orphans += 1
                 st.stats["orphan"] = st.stats.get("orphan", 0) + 1
-                return
+                return 1
             h = parent
+        hashes = ev.block_hashes
         bit = _medium_bit(ev.medium)
-        tokens = ev.token_ids
-        emap, media, owned, holders = st.emap, st.media, st.owned, self._holders
-        for i, bh in enumerate(ev.block_hashes):
-            block = tokens[i * bs:(i + 1) * bs]
-            if len(block) < bs:
-                break
-            h = hash((h, tuple(block)))
-            old = emap.get(bh)
-            if old == h:
+        media = st.media
+        n = min(len(hashes), len(ev.token_ids) // bs)
+        if n < len(hashes):
+            hashes = hashes[:n]
+        if all(map(emap.__contains__, hashes)):      # every block known: only the medium is new
+            for bh in hashes:
                 media[bh] |= bit
-                continue
+            return 0
+        owned, holders, sbit = st.owned, self._holders, st.bit
+        get, owned_get, holders_get = emap.get, owned.get, holders.get
+        it = iter(ev.token_ids)
+        for bh, block in zip(hashes, zip(*repeat(it, bs), strict=False), strict=False):
+            h = hash((h, block))              # as gateway.tokenization chains a request's blocks
+            old = get(bh)
             if old is not None:
+                if old == h:
+                    media[bh] |= bit
+                    continue
                 self._drop(st, bh)
             emap[bh] = h
             media[bh] = bit
-            n = owned.get(h, 0)
-            owned[h] = n + 1
-            if not n:
-                holders[h] = holders.get(h, 0) | st.bit
+            k = owned_get(h, 0)
+            owned[h] = k + 1
+            if not k:
+                holders[h] = holders_get(h, 0) | sbit
         limit = st.settings.max_blocks_per_endpoint
         while len(emap) > limit:
             self._drop(st, next(iter(emap)))
-
-    def _removed(self, st: EndpointState, ev: BlockRemoved) -> None:
-        media = st.media
-        clear = ~_medium_bit(ev.medium) if ev.medium is not None else 0
-        for bh in ev.block_hashes:
-            bits = media.get(bh)
-            if bits is None:
-                continue
-            bits &= clear
-            if bits:
-                media[bh] = bits
-            else:
-                self._drop(st, bh)
+        return 0
 
     def _drop(self, st: EndpointState, bh: BlockHash) -> None:
         key = st.emap.pop(bh)
@@ -377,11 +420,20 @@ class EventIndex:
 
     def _expire(self, now: float) -> None:
         q = self._pending_q
+        if not q or q[0][0] > now:
+            return
+        pending, pend_until = self._pending, self._pending_until
         while q and q[0][0] <= now:
             until, slot, keys = q.popleft()
-            for k in keys:
-                if self._pending_until.get((k, slot)) == until:
-                    self._unpend(k, slot)
+            others = ~(1 << slot)
+            for k in keys:                    # _unpend, inline: unless routed again since
+                if pend_until.get((k, slot)) == until:
+                    del pend_until[(k, slot)]
+                    mask = pending.get(k, 0) & others
+                    if mask:
+                        pending[k] = mask
+                    else:
+                        pending.pop(k, None)
 
     def _unpend(self, key: int, slot: int) -> None:
         self._pending_until.pop((key, slot), None)

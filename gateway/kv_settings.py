@@ -27,9 +27,11 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # a data-parallel engine behind one endpoint publishes rank r on port + r (replay on replay_port + r)
     data_parallel_size: Annotated[int, Meta(ge=1)] = 1
     # threads tokenizing requests off the event loop (one pool per gateway: the largest over the
-    # models); 0 tokenizes on the loop. Segments shorter than tokenize_inline_chars stay on the loop.
+    # models); 0 tokenizes on the loop. Segments shorter than tokenize_inline_chars stay on the loop:
+    # a hop costs the request two handovers of the GIL, each up to the interpreter's switch interval
+    # (5 ms) while the loop is busy, more than such a segment costs the loop.
     tokenize_threads: Annotated[int, Meta(ge=0, le=16)] = 1
-    tokenize_inline_chars: Annotated[int, Meta(ge=0)] = 256
+    tokenize_inline_chars: Annotated[int, Meta(ge=0)] = 1024
 
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
