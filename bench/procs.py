@@ -1,4 +1,5 @@
-"""Process helpers the benchmark scripts share: wait for a port, stop a process group."""
+"""Process helpers the benchmark scripts share: start a process in its own group, wait for a port,
+stop a process group."""
 
 from __future__ import annotations
 
@@ -8,6 +9,32 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """What the child runs before exec: SIGKILL it if the benchmark dies without cleaning up (kill
+    -9). libc is looked up here, in the parent, so the child (forked from a process that may run
+    threads) only makes the one system call."""
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+
+
+def start_group(argv: list[str], **kwargs) -> subprocess.Popen:
+    """``argv`` in its own session (so its pid names its process group, and a Ctrl-C at the terminal
+    reaches the benchmark only), killed by the kernel if the benchmark dies first."""
+    return subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent(), **kwargs)
+
+
+def signal_group(p: subprocess.Popen, sig: signal.Signals) -> None:
+    """``sig`` to ``p``'s process group (``p`` was started with ``start_group``), if it still runs."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
 
 
 def wait_port(port: int, p: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -33,3 +60,13 @@ def stop(p: subprocess.Popen) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+
+
+def terminate(p: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM to the process group, SIGKILL after ``grace`` seconds (a clean stop for a gateway)."""
+    signal_group(p, signal.SIGTERM)
+    try:
+        p.wait(grace)
+    except subprocess.TimeoutExpired:
+        signal_group(p, signal.SIGKILL)
+        p.wait(5)

@@ -7,6 +7,22 @@ open-loop load generator that measures TTFT at the client (request sent → firs
 generated text). Every strategy gets fresh engines (cold caches), the same seeded arrival schedule
 and the same prompts.
 
+``--gateway-process`` runs the gateway as users run it, in its own process (``python -m gateway
+--config FILE --port P``; ``--replicas N``: N processes), so the CPU it spends (tokenizing for
+KV-event routing, say) no longer delays the simulated engines' timers and the load generator, which
+stay in the benchmark's process. Its config is the one the in-process run builds, written to a
+temporary file, plus ``drain_delay_s: 0`` so a SIGTERM stops it at once. The benchmark waits until
+each process answers ``/ready`` and its ``/metrics`` shows every engine ready; with KV events, in
+both modes, until every engine's PUB socket has seen one subscriber per gateway finish its
+handshake (a ZMQ socket monitor on the engine's side). What the in-process run reads off the
+gateway's objects comes from outside: the imbalance column counts at the engines (each one's live
+requests, staged + waiting + running, sampled every 100 ms) instead of the gateway's per-endpoint
+in-flight count, which leaves out the time a request spends in the gateway before and after the
+engine has it; the fallback counters are scraped from each process's ``/metrics`` at the end (in
+both modes summed over the replicas); the replicas' "load seen by replica 1" line is not printed
+(it reads a replica's endpoint objects). The processes are stopped with SIGTERM, SIGKILL after
+10 s, whatever ended the run; ``loop lag`` stays the benchmark process's.
+
 Workload (defaults; ``--quick`` shortens the run, not the shape):
 
 * conversations arrive as a Poisson process; each picks one of ``system_prompts`` long system
@@ -26,10 +42,11 @@ Per strategy: mean, p50 and p99 TTFT of the requests sent after the warm-up, com
 and output tokens per second, the engines' prefix-cache hit rate (cached / prompt tokens, from the
 usage they report) beside the *reachable* hit rate (``reachable_hit``: an infinite cache shared by
 the fleet, over the same requests; unique prompts and first turns are misses for any strategy),
-and load imbalance: the gateway's in-flight count per engine sampled every
-100 ms, averaged over time per engine, max over mean (1.0 = perfectly even; ``peak`` is the mean of
-the per-sample max/mean). ``loop lag`` is how late the 100 ms sampler woke up on average: if it
-grows, the process is CPU-bound and the TTFTs include the load generator's own delay.
+and load imbalance: the gateway's in-flight count per engine (``--gateway-process``: the engine's
+own count) sampled every 100 ms, averaged over time per engine, max over mean (1.0 = perfectly
+even; ``peak`` is the mean of the per-sample max/mean). ``loop lag`` is how late the 100 ms sampler
+woke up on average: if it grows, the process is CPU-bound and the TTFTs include the load
+generator's own delay. The report's footer says which mode ran.
 
 Outputs a Markdown table on stdout and, with matplotlib (``pip install -e '.[bench]'``), a plot of
 the TTFT distribution per strategy (``--plot``, default ``bench/routing.png``).
@@ -43,8 +60,11 @@ import contextlib
 import json
 import math
 import random
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -52,6 +72,9 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from bench.procs import signal_group, start_group, terminate
+
+REPO = Path(__file__).resolve().parent.parent
 MODEL = "bench-model"
 STRATEGIES = [
     "random", "round-robin", "least-request", "power-of-two", "least-kv-cache", "least-waiting",
@@ -281,54 +304,286 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
-async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
-                       routing: dict | None = None, replicas: int = 1) -> Result:
+def gateway_config(spec: str, events: bool, endpoints: list[str], tokenizer: str, routing: dict) -> dict:
+    """The gateway's config, the same in both modes: ``config_from_dict`` in process, a JSON file
+    (which is YAML) for ``--gateway-process``."""
+    model = {"name": MODEL, "engine": "vllm", "strategy": spec, "endpoints": endpoints, "tokenizer": tokenizer}
+    if events:
+        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS}
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "server": {"shutdown_grace_s": 1.0, "log_level": "warning"},
+        "health": {"interval_s": 5.0},
+        "scrape": {"interval_s": 0.5},
+        "routing": dict(routing),
+        "models": [model],
+    }
+
+
+FALLBACKS = ("switchyard_routing_fallbacks_total{", "switchyard_kv_events_fallbacks_total{")
+_CHILDREN: list[subprocess.Popen] = []     # gateway processes alive (main() stops them on any exit)
+
+
+def fallbacks(pages: list[str]) -> list[str]:
+    """The fallback counters of the gateways' ``/metrics`` pages, summed over the replicas."""
+    total: dict[str, float] = {}
+    for page in pages:
+        for line in page.splitlines():
+            if line.startswith(FALLBACKS):
+                key, _, value = line.rpartition(" ")
+                labels = key.split("{", 1)[1]
+                total[labels] = total.get(labels, 0.0) + float(value)
+    return [f"{labels} {n:g}" for labels, n in total.items()]
+
+
+def watch_subscriptions(sims: list) -> list:
+    """A monitor on each engine's KV-event PUB socket, reporting finished ZMTP handshakes (a
+    subscriber connected); set up before the gateways start, read by ``subscribed``."""
+    import zmq
+
+    return [s.engine.kv_events.pub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) for s in sims]
+
+
+async def subscribed(sims: list, monitors: list, per_engine: int, timeout: float = 30.0) -> bool:
+    """Until every engine has seen ``per_engine`` subscribers connect (one per gateway); False on
+    timeout. The SUB sends its subscription right after the handshake; a first batch lost in that
+    instant costs nothing, since a subscriber whose first message is not seq 0 replays from 0."""
+    import zmq
+    from zmq.utils.monitor import parse_monitor_message
+
+    async def one(monitor) -> None:
+        n = 0
+        while n < per_engine:
+            if parse_monitor_message(await monitor.recv_multipart())["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                n += 1
+
+    try:
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(one(m) for m in monitors))
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        close_monitors(sims, monitors)
+
+
+def close_monitors(sims: list, monitors: list) -> None:
+    """Stop the monitors (idempotent); an open one would hang the engine's ``zmq`` context at close."""
+    for s, m in zip(sims, monitors, strict=False):
+        if not m.closed:
+            with contextlib.suppress(Exception):
+                s.engine.kv_events.pub.disable_monitor()
+            m.close(0)
+
+
+class GatewayProcesses:
+    """``--gateway-process``: ``replicas`` × ``python -m gateway --config FILE --port P``, each in its
+    own process group, stderr (and stdout) to the benchmark's stderr."""
+
+    def __init__(self, raw: dict, replicas: int) -> None:
+        # drain_delay_s 0: a SIGTERM stops at once (the in-process gateways are not drained at all)
+        self.raw = {**raw, "server": {**raw["server"], "drain_delay_s": 0}}
+        self.replicas = replicas
+        self.procs: list[subprocess.Popen] = []
+        self.ports: list[int] = []
+        self.dir: tempfile.TemporaryDirectory | None = None
+
+    def start(self) -> None:
+        from gateway.server import free_port
+
+        self.dir = tempfile.TemporaryDirectory(prefix="bench-routing-")
+        path = Path(self.dir.name) / "gateway.yaml"
+        path.write_text("# written by bench/routing.py --gateway-process\n" + json.dumps(self.raw, indent=1) + "\n")
+        for _ in range(self.replicas):
+            port = free_port()
+            p = start_group([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port)],
+                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=sys.stderr)
+            _CHILDREN.append(p)
+            self.procs.append(p)
+            self.ports.append(port)
+
+    async def get(self, session: aiohttp.ClientSession, port: int, path: str) -> tuple[int, str]:
+        async with session.get(f"http://127.0.0.1:{port}{path}") as r:
+            return r.status, await r.text()
+
+    async def wait_ready(self, session: aiohttp.ClientSession, engines: int, timeout: float = 60.0) -> None:
+        """Until each process answers ``/ready`` with 200 and its ``/metrics`` shows every engine
+        ready (``switchyard_endpoint_ready``)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for p, port in zip(self.procs, self.ports, strict=True):
+            while True:
+                if p.poll() is not None:
+                    raise RuntimeError(f"the gateway on port {port} exited with {p.returncode} while starting")
+                if loop.time() > deadline:
+                    raise RuntimeError(f"the gateway on port {port} was not ready after {timeout:g} s")
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    if (await self.get(session, port, "/ready"))[0] == 200:
+                        page = (await self.get(session, port, "/metrics"))[1]
+                        ready = sum(1 for line in page.splitlines()
+                                    if line.startswith("switchyard_endpoint_ready{") and float(line.rpartition(" ")[2]) == 1)
+                        if ready >= engines:
+                            break
+                await asyncio.sleep(0.05)
+
+    async def metrics(self, session: aiohttp.ClientSession) -> list[str]:
+        pages = []
+        for port in self.ports:
+            try:
+                pages.append((await self.get(session, port, "/metrics"))[1])
+            except (aiohttp.ClientError, TimeoutError) as e:
+                print(f"    /metrics of the gateway on port {port}: {e!r}", file=sys.stderr)
+        return pages
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM to each, then wait (with the event loop running: the engines answer meanwhile),
+        SIGKILL to any still there after ``grace`` seconds."""
+        for p in self.procs:
+            signal_group(p, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while any(p.poll() is None for p in self.procs) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for p, port in zip(self.procs, self.ports, strict=True):
+            if p.poll() is None:
+                print(f"    the gateway on port {port} ignored SIGTERM for {grace:g} s: killed", file=sys.stderr)
+                signal_group(p, signal.SIGKILL)
+                p.wait(5)
+            elif p.returncode != 0:
+                print(f"    the gateway on port {port} exited with {p.returncode}", file=sys.stderr)
+            if p in _CHILDREN:
+                _CHILDREN.remove(p)
+        if self.dir is not None:
+            self.dir.cleanup()
+
+
+async def start_engines(w: Workload, em: EngineModel, events: bool, tok: str) -> list:
+    """The simulated engines. Every engine publishes events (one PUB socket each): with events on,
+    each endpoint is its own model block in the gateway's eyes only for the port, so the endpoints
+    share the default ports by binding each sim's PUB and replay sockets on its own loopback address,
+    127.0.B.1, 127.0.B.2, ...; when one of those is taken (another run of this benchmark), on the
+    next block B."""
+    import zmq
+
     from enginesim import SimConfig, start_sim
+
+    blocks = (w.engines - 1) // 200 + 1
+    for base in range(1, 255 - blocks, blocks):
+        sims: list = []
+        try:
+            for i in range(w.engines):
+                host = f"127.0.{base + i // 200}.{1 + i % 200}" if events else "127.0.0.1"
+                sims.append(await start_sim(SimConfig(
+                    engine="vllm", model=MODEL, port=0, host=host, seed=w.seed, tokenizer=tok,
+                    kv_events_port=5557 if events else -1, kv_events_replay_port=5558 if events else -1,
+                    **asdict(em))))
+            return sims
+        except zmq.ZMQError as e:
+            for s in sims:
+                with contextlib.suppress(Exception):
+                    await s.close()
+            if e.errno != zmq.EADDRINUSE:
+                raise
+            print(f"    the KV-event ports on 127.0.{base}.* are taken: trying the next addresses", file=sys.stderr)
+    raise RuntimeError("no free loopback block for the engines' KV-event ports")
+
+
+async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
+                       routing: dict | None = None, replicas: int = 1, gateway_process: bool = False) -> Result:
     from enginesim.tiny_tokenizer import TINY_DIR
     from gateway.app import GATEWAY_KEY
     from gateway.config import config_from_dict
     from gateway.server import start
+    from routers.prefix_cache import fleet_load
 
     wall0 = time.perf_counter()
     events = label.endswith(EVENTS)
     spec = label.removesuffix(EVENTS)
     tok = str(TINY_DIR)
-    # every engine publishes events (one PUB socket each): with events on, each endpoint is its own
-    # model block in the gateway's eyes only for the port, so the endpoints share the default ports
-    # by binding each sim's PUB and replay sockets on its own loopback address
-    sims = []
-    for i in range(w.engines):
-        host = f"127.0.{1 + i // 200}.{1 + i % 200}" if events else "127.0.0.1"
-        sims.append(await start_sim(SimConfig(
-            engine="vllm", model=MODEL, port=0, host=host, seed=w.seed, tokenizer=tok,
-            kv_events_port=5557 if events else -1, kv_events_replay_port=5558 if events else -1, **asdict(em))))
-    model = {"name": MODEL, "engine": "vllm", "strategy": spec, "endpoints": [s.url for s in sims],
-             "tokenizer": tok}
-    if events:
-        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS}
-    cfg = config_from_dict({
-        "listen": {"host": "127.0.0.1", "port": 0},
-        "server": {"shutdown_grace_s": 1.0, "log_level": "warning"},
-        "health": {"interval_s": 5.0},
-        "scrape": {"interval_s": 0.5},
-        "routing": dict(routing or {}),
-        "models": [model],
-    }, source="<bench>")
-    gateways = [await start(cfg) for _ in range(replicas)]
-    runner, app, port = gateways[0]
-    gw = app[GATEWAY_KEY]
-    urls = [f"http://127.0.0.1:{p}/v1/chat/completions" for _, _, p in gateways]
-    pick = random.Random(w.seed + 17)
-    if events:
-        await asyncio.sleep(0.5)          # the SUB sockets connect
+    control = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    sims: list = []
+    monitors: list = []
+    gateways: list = []
+    procs: GatewayProcesses | None = None
+    try:
+        sims += await start_engines(w, em, events, tok)
+        raw = gateway_config(spec, events, [s.url for s in sims], tok, routing or {})
+        cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
+        monitors = watch_subscriptions(sims) if events else []
+        if gateway_process:
+            procs = GatewayProcesses(raw, replicas)
+            procs.start()
+            await procs.wait_ready(control, w.engines)
+            ports = procs.ports
+        else:
+            gateways = [await start(cfg) for _ in range(replicas)]
+            ports = [p for _, _, p in gateways]
+        if events and not await subscribed(sims, monitors, replicas):
+            print("    not every gateway subscribed to every engine's KV events within 30 s", file=sys.stderr)
+        if procs is not None:
+            print(f"    {replicas} gateway process{'es' if replicas > 1 else ''} ready"
+                  f"{' and subscribed' if events else ''} {time.perf_counter() - wall0:.1f} s after the start",
+                  file=sys.stderr)
+        urls = [f"http://127.0.0.1:{p}/v1/chat/completions" for p in ports]
+        eps_per_gw = [g[1][GATEWAY_KEY].pool.endpoints(MODEL) for g in gateways]
+        engines = [s.engine for s in sims]
+        samples, in_flight_samples, lags, seen = await drive(sched, w, urls, eps_per_gw, engines,
+                                                             cfg.routing.metrics_max_age_s, fleet_load)
+        pages = (await procs.metrics(control) if procs is not None
+                 else [g[1][GATEWAY_KEY].metrics.render().decode() for g in gateways])
+    finally:
+        if procs is not None:
+            await procs.stop()
+        for r, _, _ in gateways:
+            await r.cleanup()
+        await control.close()
+        close_monitors(sims, monitors)
+        for s in sims:
+            with contextlib.suppress(Exception):
+                await s.close()
+
+    if seen[0]:
+        print(f"    load seen by replica 1: local {seen[1] / seen[0]:.0%} of the fleet's in-flight, "
+              f"fleet estimate {seen[2] / seen[0]:.0%}", file=sys.stderr)
+    reach = reachable_hit(samples, w, em.block_size)
+    print(f"    reachable hit: {reach[0]:.1%} (prefill done before the request), {reach[1]:.1%} (sent before)",
+          file=sys.stderr)
+    measured = [s for s in samples if w.warmup_s <= s.sent < w.duration_s]
+    ok = [s for s in measured if s.status == 200 and s.ttft is not None]
+    ttfts = sorted(s.ttft * 1000 for s in ok)
+    window = w.duration_s - w.warmup_s
+    prompt = sum(s.prompt_tokens for s in ok)
+    per_engine = [statistics.fmean(col) for col in zip(*in_flight_samples, strict=True)] if in_flight_samples else []
+    mean_load = statistics.fmean(per_engine) if per_engine else 0.0
+    peaks = [max(row) / statistics.fmean(row) for row in in_flight_samples if sum(row) > 0]
+    result = Result(
+        strategy=label + (f" ×{replicas} replicas" if replicas > 1 else ""), requests=len(ok), errors=len(measured) - len(ok),
+        ttft_mean_ms=statistics.fmean(ttfts) if ttfts else math.nan,
+        ttft_p50_ms=_pct(ttfts, 0.5), ttft_p99_ms=_pct(ttfts, 0.99),
+        throughput_rps=len(ok) / window, output_tps=sum(s.output_tokens for s in ok) / window,
+        cache_hit=sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
+        reachable_hit=reach[0],
+        imbalance=max(per_engine) / mean_load if mean_load else math.nan,
+        imbalance_peak=statistics.fmean(peaks) if peaks else math.nan,
+        loop_lag_ms=1000 * statistics.fmean(lags) if lags else 0.0, mean_in_flight=mean_load,
+        wall_s=time.perf_counter() - wall0, ttfts_ms=ttfts)
+    fb = fallbacks(pages)
+    if fb:
+        print("    fallbacks: " + "; ".join(fb), file=sys.stderr)
+    return result
+
+
+async def drive(sched: Schedule, w: Workload, urls: list[str], eps_per_gw: list, engines: list,
+                max_age: float, fleet_load) -> tuple[list[Sample], list[list[int]], list[float], list[float]]:
+    """The load generator and the 100 ms sampler: the samples, the in-flight rows (one count per
+    engine: the in-process gateways' ``eps_per_gw`` summed, or with those empty, the engines' own
+    live requests), the sampler's lags, and (in-process replicas) the first replica's view of the load."""
     samples: list[Sample] = []
     in_flight_samples: list[list[int]] = []
     lags: list[float] = []
     seen = [0.0, 0.0, 0.0]        # sampled in-flight: all replicas, replica 0 alone, replica 0's fleet estimate
-    from routers.prefix_cache import fleet_load
-    max_age = cfg.routing.metrics_max_age_s
+    pick = random.Random(w.seed + 17)
     stop_sampling = asyncio.Event()
-    eps_per_gw = [g[1][GATEWAY_KEY].pool.endpoints(MODEL) for g in gateways]
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=120)
     loop = asyncio.get_running_loop()
@@ -343,9 +598,12 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
                 await asyncio.sleep(0.1)
                 lags.append(max(0.0, loop.time() - want))
                 if w.warmup_s <= time.perf_counter() - t0 <= w.duration_s:
+                    if not eps_per_gw:     # --gateway-process: what the engines hold (staged, waiting, running)
+                        in_flight_samples.append([e.num_live for e in engines])
+                        continue
                     row = [sum(eps[i].in_flight for eps in eps_per_gw) for i in range(w.engines)]
                     in_flight_samples.append(row)
-                    if replicas > 1:       # what the first replica's load guard sees, against the truth
+                    if len(eps_per_gw) > 1:       # what the first replica's load guard sees, against the truth
                         now = time.monotonic()
                         seen[0] += sum(row)
                         seen[1] += sum(ep.in_flight for ep in eps_per_gw[0])
@@ -379,47 +637,14 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         sampling = asyncio.create_task(sampler())
         tasks = [asyncio.create_task(conversation(c)) for c in sched.conversations]
         tasks += [asyncio.create_task(single(s)) for s in sched.singles]
-        await asyncio.gather(*tasks)
-        stop_sampling.set()
-        await sampling
-
-    fallbacks = gw.metrics.render().decode()
-    for r, _, _ in gateways:
-        await r.cleanup()
-    for s in sims:
-        with contextlib.suppress(Exception):
-            await s.close()
-
-    if seen[0]:
-        print(f"    load seen by replica 1: local {seen[1] / seen[0]:.0%} of the fleet's in-flight, "
-              f"fleet estimate {seen[2] / seen[0]:.0%}", file=sys.stderr)
-    reach = reachable_hit(samples, w, em.block_size)
-    print(f"    reachable hit: {reach[0]:.1%} (prefill done before the request), {reach[1]:.1%} (sent before)",
-          file=sys.stderr)
-    measured = [s for s in samples if w.warmup_s <= s.sent < w.duration_s]
-    ok = [s for s in measured if s.status == 200 and s.ttft is not None]
-    ttfts = sorted(s.ttft * 1000 for s in ok)
-    window = w.duration_s - w.warmup_s
-    prompt = sum(s.prompt_tokens for s in ok)
-    per_engine = [statistics.fmean(col) for col in zip(*in_flight_samples, strict=True)] if in_flight_samples else []
-    mean_load = statistics.fmean(per_engine) if per_engine else 0.0
-    peaks = [max(row) / statistics.fmean(row) for row in in_flight_samples if sum(row) > 0]
-    result = Result(
-        strategy=label + (f" ×{replicas} replicas" if replicas > 1 else ""), requests=len(ok), errors=len(measured) - len(ok),
-        ttft_mean_ms=statistics.fmean(ttfts) if ttfts else math.nan,
-        ttft_p50_ms=_pct(ttfts, 0.5), ttft_p99_ms=_pct(ttfts, 0.99),
-        throughput_rps=len(ok) / window, output_tps=sum(s.output_tokens for s in ok) / window,
-        cache_hit=sum(s.cached_tokens for s in ok) / prompt if prompt else 0.0,
-        reachable_hit=reach[0],
-        imbalance=max(per_engine) / mean_load if mean_load else math.nan,
-        imbalance_peak=statistics.fmean(peaks) if peaks else math.nan,
-        loop_lag_ms=1000 * statistics.fmean(lags) if lags else 0.0, mean_in_flight=mean_load,
-        wall_s=time.perf_counter() - wall0, ttfts_ms=ttfts)
-    fb = [line for line in fallbacks.splitlines()
-          if line.startswith(("switchyard_routing_fallbacks_total{", "switchyard_kv_events_fallbacks_total{"))]
-    if fb:
-        print("    fallbacks: " + "; ".join(line.split("{", 1)[1] for line in fb), file=sys.stderr)
-    return result
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            stop_sampling.set()
+            await sampling
+    return samples, in_flight_samples, lags, seen
 
 
 # -- report --------------------------------------------------------------------------------------------
@@ -487,6 +712,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, help="KV blocks per engine (16 tokens each; default 1536)")
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE",
                     help="routing config knobs for the gateway, e.g. prefix_std_factor=2")
+    ap.add_argument("--gateway-process", action="store_true",
+                    help="run each gateway replica as its own process (python -m gateway) instead of in the "
+                         "benchmark's event loop; engines and load generator stay in the benchmark")
     args = ap.parse_args(argv)
 
     from gateway.logs import configure_logging
@@ -524,18 +752,27 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[Result] = []
     t0 = time.perf_counter()
-    for spec in strategies:
-        r = runner(run_strategy(spec, sched, w, em, routing, args.replicas))
-        results.append(r)
-        print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
-              f"hit {r.cache_hit:4.0%} (reachable {r.reachable_hit:4.0%})  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
-              f"{r.requests} ok {r.errors} err  in-flight/engine {r.mean_in_flight:.1f}  lag {r.loop_lag_ms:.1f} ms  "
-              f"{r.wall_s:.0f} s",
-              file=sys.stderr, flush=True)
+    try:
+        for spec in strategies:
+            r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process))
+            results.append(r)
+            print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
+                  f"hit {r.cache_hit:4.0%} (reachable {r.reachable_hit:4.0%})  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
+                  f"{r.requests} ok {r.errors} err  in-flight/engine {r.mean_in_flight:.1f}  lag {r.loop_lag_ms:.1f} ms  "
+                  f"{r.wall_s:.0f} s",
+                  file=sys.stderr, flush=True)
+    finally:
+        for p in list(_CHILDREN):       # a run that ended before its own clean-up (Ctrl-C)
+            terminate(p)
+            _CHILDREN.remove(p)
     total = time.perf_counter() - t0
     print(markdown(results))
+    gateways = f"{args.replicas} gateway replicas" if args.replicas > 1 else "the gateway"
+    mode = (f"{gateways} as {'their own processes' if args.replicas > 1 else 'its own process'} "
+            f"(`--gateway-process`; imbalance counted at the engines)" if args.gateway_process
+            else f"{gateways} in the benchmark's process and event loop")
     print(f"\n{w.engines} engines, {w.duration_s:.0f} s of arrivals per strategy ({w.warmup_s:.0f} s warm-up), "
-          f"seed {w.seed}; total run {total:.0f} s")
+          f"seed {w.seed}; {mode}; total run {total:.0f} s")
     if args.plot:
         try:
             plot(results, Path(args.plot), f"Switchyard routing benchmark: {w.engines} simulated vLLM engines, "
@@ -546,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
             print("matplotlib not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"workload": asdict(w), "engine": asdict(em),
+                                               "gateway_process": args.gateway_process, "replicas": args.replicas,
                                                "results": [asdict(r) for r in results]}, indent=1))
     return 0
 

@@ -38,3 +38,31 @@ def test_only_measured_requests_count_but_all_feed_the_cache():
     reach, _ = reachable_hit([_sample(0.0, 0.1, first), _sample(2.0, 0.1, first)], w, 16)
     n = len(ModelTokenizer(TINY_DIR).encode(ModelTokenizer(TINY_DIR).render(first)))
     assert reach == 16 * ((n - 1) // 16) / n
+
+
+def test_fallback_counters_are_summed_over_the_replicas():
+    from bench.routing import fallbacks
+
+    page = ('# HELP switchyard_routing_fallbacks_total ...\n'
+            'switchyard_routing_fallbacks_total{reason="no_match",strategy="prefix-cache"} 3.0\n'
+            'switchyard_kv_events_fallbacks_total{model="m",reason="no_events"} 2.0\n'
+            'switchyard_routing_fallbacks_created{reason="no_match",strategy="prefix-cache"} 1.7e9\n')
+    other = 'switchyard_routing_fallbacks_total{reason="no_match",strategy="prefix-cache"} 4.0\n'
+    assert fallbacks([page, other]) == ['reason="no_match",strategy="prefix-cache"} 7',
+                                        'model="m",reason="no_events"} 2']
+
+
+def test_the_process_config_file_reads_back_as_the_in_process_config():
+    import json
+
+    from bench.routing import GatewayProcesses, gateway_config
+    from gateway.config import config_from_dict, parse_config
+
+    raw = gateway_config("prefix-cache", True, ["http://127.0.1.1:8000", "http://127.0.1.2:8000"], str(TINY_DIR),
+                         {"prefix_std_factor": 2})
+    in_process = config_from_dict(raw, source="<bench>")
+    from_file = parse_config(json.dumps(GatewayProcesses(raw, 1).raw), source="<file>")
+    assert from_file.models == in_process.models and from_file.routing == in_process.routing
+    assert from_file.models[0].kv_events.enabled and from_file.server.drain_delay_s == 0
+    assert (from_file.scrape, from_file.health, from_file.server.log_level) == \
+        (in_process.scrape, in_process.health, "warning")
