@@ -82,6 +82,9 @@ class SimConfig:
     max_loras: int = _knob(4, "GPU slots for adapters (vLLM --max-loras, SGLang --max-loras-per-batch)")
     lora_modules: tuple[str, ...] = _knob(
         (), "adapters registered at start, as name=path (vLLM --lora-modules, SGLang --lora-paths)")
+    max_loaded_loras: int = _knob(
+        0, "registered adapters allowed; a load beyond is refused with the engine's error (SGLang "
+        "--max-loaded-loras; vLLM's plain manager at --max-cpu-loras); 0: no cap")
     lora_load_ms: float = _knob(
         50.0, "cold load: time an adapter takes to enter a free (or evicted, LRU) GPU slot")
     # -- P/D disaggregation --------------------------------------------------------------------
@@ -137,7 +140,7 @@ class SimConfig:
                      "itl_growth_per_running", "startup_delay_s", "sse_keepalive_s",
                      "sglang_abort_delay_s", "kv_blocks", "block_size", "default_max_tokens", "port",
                      "kv_transfer_ms_per_token", "side_channel_port", "kv_lease_s", "bootstrap_port",
-                     "bootstrap_timeout_s", "waiting_timeout_s", "lora_load_ms"):
+                     "bootstrap_timeout_s", "waiting_timeout_s", "lora_load_ms", "max_loaded_loras"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for module in self.lora_modules:

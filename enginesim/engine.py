@@ -104,7 +104,7 @@ class Engine:
         self.lora: LoraSlots | None = None
         if cfg.enable_lora:
             self.lora = LoraSlots(cfg.max_loras, cfg.lora_load_ms,
-                                  dict(m.split("=", 1) for m in cfg.lora_modules))
+                                  dict(m.split("=", 1) for m in cfg.lora_modules), cfg.max_loaded_loras)
         self.ready = False
         self.dead = False
         self.closing = False

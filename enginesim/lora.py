@@ -5,7 +5,15 @@ load/unload calls, and vLLM's ``lora_requests_info`` gauge.
   ``POST /v1/load_lora_adapter``, SGLang ``POST /load_lora_adapter``, ``{lora_name, lora_path}``);
   a request naming an unregistered adapter gets the engine's 404 (vLLM's "model does not exist").
   A path is "found" unless it is absolute and missing on disk (vLLM: ``No adapter found for ...``,
-  404), so hub-style ids such as ``org/adapter`` always load.
+  404), so hub-style ids such as ``org/adapter`` always load. The unload call (vLLM
+  ``POST /v1/unload_lora_adapter``, SGLang ``POST /unload_lora_adapter``, ``{lora_name}``) drops
+  the registration; requests already running on it finish.
+- ``max_loaded_loras`` (> 0) caps the registered adapters: a load beyond it is refused with
+  ``LoraFull``, which each API words as its engine does (SGLang ``--max-loaded-loras``: "Cannot
+  load LoRA adapter ... Maximum number of loaded LoRA adapters is N. Please unload some LoRA
+  adapters before loading new ones.", 400; vLLM's plain ``WorkerLoRAManager`` at ``--max-cpu-loras``:
+  "No free adapter slots.", 400 BadRequestError; vLLM's default LRU manager evicts from its CPU
+  cache instead, which the simulator does not model).
 - A running request's adapter must sit in one of ``max_loras`` GPU slots. An adapter not in a slot
   takes a free one, or evicts the least recently used adapter no running request uses, and costs
   ``lora_load_ms`` (the cold load) before its prefill; when every slot is held by adapters in use,
@@ -30,9 +38,18 @@ class LoraError(Exception):
         self.status, self.message, self.type_ = status, message, type_
 
 
+class LoraFull(LoraError):
+    """A load refused because ``max_loaded_loras`` adapters are registered."""
+
+    def __init__(self, name: str, path: str, cap: int) -> None:
+        super().__init__(400, f"{cap} adapters are loaded", "BadRequestError")
+        self.name, self.path, self.cap = name, path, cap
+
+
 class LoraSlots:
-    def __init__(self, max_loras: int, load_ms: float, modules: dict[str, str]) -> None:
+    def __init__(self, max_loras: int, load_ms: float, modules: dict[str, str], max_loaded: int = 0) -> None:
         self.max_loras = max_loras
+        self.max_loaded = max_loaded                            # registered adapters allowed (0: no cap)
         self.load_s = load_ms / 1000.0
         self.registered: dict[str, str] = dict(modules)        # name -> path
         self.slots: OrderedDict[str, int] = OrderedDict()      # resident adapter -> running users (LRU order)
@@ -40,6 +57,7 @@ class LoraSlots:
         self.loading: dict[str, asyncio.Future[None]] = {}
         self.cold_loads = 0
         self.evictions = 0
+        self.unloads = 0
         self._changed = asyncio.Event()
 
     # -- registration ----------------------------------------------------------------------------
@@ -51,6 +69,8 @@ class LoraSlots:
             raise LoraError(400, f"The lora adapter '{name}' has already been loaded.", "InvalidUserInput")
         if os.path.isabs(path) and not os.path.exists(path):
             raise LoraError(404, f"No adapter found for {path}", "NotFoundError")
+        if self.max_loaded and len(self.registered) >= self.max_loaded:
+            raise LoraFull(name, path, self.max_loaded)
         self.registered[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -58,6 +78,7 @@ class LoraSlots:
         if not isinstance(name, str) or name not in self.registered:
             raise LoraError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         del self.registered[name]
+        self.unloads += 1
         if self.slots.get(name) == 0:
             del self.slots[name]
         return f"Success: LoRA adapter '{name}' removed successfully."
@@ -127,7 +148,8 @@ class LoraSlots:
 
     def state(self) -> dict[str, Any]:
         return {"registered": dict(self.registered), "slots": dict(self.slots), "waiting": dict(self.waiting),
-                "max_loras": self.max_loras, "cold_loads": self.cold_loads, "evictions": self.evictions}
+                "max_loras": self.max_loras, "max_loaded": self.max_loaded, "cold_loads": self.cold_loads,
+                "evictions": self.evictions, "unloads": self.unloads}
 
 
 def stamp() -> float:

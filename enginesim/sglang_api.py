@@ -22,7 +22,7 @@ from enginesim.config import SGLANG_VERSION
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
-from enginesim.lora import LoraError
+from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tracing import trace_headers
@@ -368,7 +368,16 @@ class SglangApi:
             error = "LoRA is not enabled. Please set `--enable-lora` to True."
         else:
             try:
-                lora.load(body.get("lora_name"), body.get("lora_path")) if load else lora.unload(body.get("lora_name"))
+                if load:
+                    lora.load(body.get("lora_name"), body.get("lora_path"))
+                elif body.get("lora_name") not in lora.registered:
+                    error = (f"LoRA with name {body.get('lora_name')} does not exist. "
+                             f"Loaded LoRAs: dict_keys({list(lora.registered)!r})")
+                else:
+                    lora.unload(body.get("lora_name"))
+            except LoraFull as e:
+                error = (f"Cannot load LoRA adapter {e.name} at path {e.path}. Maximum number of loaded LoRA "
+                         f"adapters is {e.cap}. Please unload some LoRA adapters before loading new ones.")
             except LoraError as e:
                 error = e.message
         loaded = dict(lora.registered) if lora is not None else {}

@@ -23,7 +23,7 @@ from enginesim.config import VLLM_VERSION
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
-from enginesim.lora import LoraError
+from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes
@@ -321,6 +321,8 @@ class VllmApi:
             try:
                 text = lora.load(body.get("lora_name"), body.get("lora_path")) if load else \
                     lora.unload(body.get("lora_name"))
+            except LoraFull:       # the plain WorkerLoRAManager's RuntimeError, as load_lora_adapter words it
+                raise ApiError(400, "No free adapter slots.", type_="BadRequestError") from None
             except LoraError as e:
                 raise ApiError(e.status, e.message, type_=e.type_) from None
         except ApiError as exc:

@@ -25,8 +25,8 @@ DEMO_ENGINES = [
     ("demo-llama", "vllm", "aggregated", 8102, {"enable_lora": True, "max_loras": 2}, {}),
     ("demo-qwen", "sglang", "aggregated", 8111, {}, {}),
     ("demo-qwen", "sglang", "aggregated", 8112, {}, {}),
-    ("demo-llama-pd", "vllm", "prefill", 8121, {"side_channel_port": 8125}, {}),
-    ("demo-llama-pd", "vllm", "decode", 8122, {}, {}),
+    ("demo-llama-pd", "vllm", "prefill", 8121, {"side_channel_port": 8125, "enable_lora": True, "max_loras": 2}, {}),
+    ("demo-llama-pd", "vllm", "decode", 8122, {"enable_lora": True, "max_loras": 2}, {}),
     ("demo-qwen-pd", "sglang", "prefill", 8131, {"bootstrap_port": 8998}, {"bootstrap_port": 8998}),
     ("demo-qwen-pd", "sglang", "decode", 8132, {}, {}),
     # KV events: each engine publishes on its own ports (vLLM --kv-events-config), named by its
@@ -46,6 +46,11 @@ DEMO_USERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi"
 # LoRA adapters of demo-llama: sql-lora is already loaded on :8101 (the gateway finds it in that
 # engine's /v1/models); chat-lora is loaded on demand by the first request that names it
 DEMO_ADAPTERS = {"sql-lora": "adapters/sql-lora", "chat-lora": "adapters/chat-lora"}
+# demo-llama-pd's adapter, loaded on its prefill and its decode by the first request that names it
+DEMO_PD_ADAPTERS = {"pd-lora": "adapters/pd-lora"}
+# at most 4 adapters per engine (the least recently used idle one makes room), and an adapter the
+# gateway loaded goes after 10 idle minutes
+DEMO_LORA = {"max_adapters_per_endpoint": 4, "idle_unload_s": 600}
 DEMO_ALIASES = [{"name": "demo-chat", "sticky": "user",
                  "targets": [{"model": "demo-llama", "weight": 90}, {"model": "demo-qwen", "weight": 10}]}]
 
@@ -67,6 +72,7 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
             continue
         rs = m.setdefault("rolesets", [{"name": "rs-1", "prefill": [], "decode": []}])[0]
         rs[role].append({"url": url, **entry} if entry else url)
+    models["demo-llama-pd"]["adapters"] = DEMO_PD_ADAPTERS
     models["demo-llama"]["admission"] = DEMO_ADMISSION
     models["demo-llama"]["migration_limit"] = 2      # a stream whose engine dies goes on elsewhere
     # prefix-cache on the engines' own reports; the endpoint entries name each engine's ports
@@ -79,6 +85,7 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
         "scrape": {"interval_s": 1.0},
         "models": list(models.values()),
         "aliases": DEMO_ALIASES,
+        "lora": DEMO_LORA,
     }
 
 
@@ -92,7 +99,8 @@ Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
                  :8145/:8147, replay :8146/:8148); prefix-cache routes on what each engine holds
   demo-chat      alias: 90% of users to demo-llama, 10% to demo-qwen (sticky per user)
   sql-lora, chat-lora   LoRA adapters of demo-llama (sql-lora loaded on :8101; chat-lora loaded
-                 on demand by the first request that names it)
+                 on demand by the first request that names it); pd-lora of demo-llama-pd, loaded
+                 on its prefill and decode on demand; idle adapters the gateway loaded go after 10 min
   admission control on demo-llama: 4 requests at a time per replica, 16 more may queue, then 429
 
 Try:
@@ -121,6 +129,8 @@ print(c.responses.create(model='demo-llama', input='More', previous_response_id=
        -d '{{{{"model":"demo-qwen","query":"red apple","documents":["green pear","red apple pie"]}}}}'
   curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"chat-lora","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}'   # loads it, then answers
+  curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \
+       -d '{{{{"model":"pd-lora","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}'     # loads it on both roles
   curl -sD - -o /dev/null http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-llama-pd","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' | grep -i '^x-pd-decision'
 

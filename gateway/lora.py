@@ -1,4 +1,5 @@
-"""LoRA adapters: which endpoints serve which adapter, routing a request for one, loading on demand.
+"""LoRA adapters: which endpoints serve which adapter, routing a request for one, loading and
+unloading on demand.
 
 A client names an adapter in ``model``. The gateway knows adapters from two sources:
 
@@ -14,10 +15,11 @@ prefix index keys its prompts apart; the body still says ``model: <adapter>``, w
 picks the adapter; SGLang also gets ``lora_path``). Its strategy is ``lora.strategy``
 (``lora-affinity``, routers/lora.py) unless the model locks one or the ``routing-strategy`` header
 names one. Before routing (``prepare``) the candidates are narrowed to the endpoints that serve the
-adapter. When none does and the model's ``adapters`` has it, it is loaded on the least-loaded ready
-endpoint with a free slot (fewer active adapters than ``max_lora``; any endpoint if none has one),
-with the engine's runtime call (handlers: vLLM ``POST /v1/load_lora_adapter``, SGLang
-``/load_lora_adapter``), and the request goes there:
+adapter. When none does and the model's ``adapters`` has it, it is loaded (``_load``) on the
+least-loaded ready endpoint (``target``) with room under ``max_adapters_per_endpoint`` (else one
+with an adapter to unload, below), and among those with a free slot (fewer active adapters than
+``max_lora``) if any has one, with the engine's runtime call (handlers: vLLM
+``POST /v1/load_lora_adapter``, SGLang ``/load_lora_adapter``), and the request goes there:
 
 - concurrent requests for the same adapter wait on the one load (its outcome is theirs);
 - a failed load answers 502 ``lora_load_failed`` with the engine's message, and that endpoint is
@@ -27,8 +29,33 @@ with the engine's runtime call (handlers: vLLM ``POST /v1/load_lora_adapter``, S
 
 A P/D model's adapter requests (``serving_pairs``) are routed by ``pd`` among the endpoints that
 serve the adapter, so both legs (and a request run whole, by conditional disaggregation) land on
-engines that have it; when no prefill or no decode serves it, 503 names the missing role. Nothing is
-loaded on demand for P/D models (the adapter has to be on both engines of a pair).
+engines that have it. When no prefill or no decode serves it and the model's ``adapters`` has it,
+the same ``_load`` runs for each missing role among that role's endpoints, concurrently, as one
+shared load per (model, adapter); the first failure is every waiter's 502 (the other role's load
+still completes and stays). An adapter the config does not list: 503 naming the missing role.
+
+Unloading (the engine's unload call: vLLM ``POST /v1/unload_lora_adapter``, SGLang
+``/unload_lora_adapter``, ``{lora_name}``). An adapter is never unloaded from an endpoint where
+this gateway has requests for it in flight (``charge`` counts a P/D request on both its prefill and
+its decode until the request ends); it leaves the endpoint's served set before the call, so no new
+request is routed to it meanwhile; a failed unload puts it back. Only adapters the config lists
+for the endpoint's model are unloaded by ``capacity`` and ``error`` (the gateway can load them
+again), only adapters the gateway loaded by ``idle``:
+
+- ``capacity``: before loading onto an endpoint that serves (or is loading) ``max_adapters_per_endpoint``
+  adapters, the least recently used one there (last routed, or loaded, by this gateway; one
+  discovered and never routed first) with nothing in flight is unloaded. When every ready endpoint
+  is at the cap with all its adapters in use: 503 ``lora_load_failed`` (``x-error-lora-load: full``,
+  Retry-After 1);
+- ``idle``: with ``idle_unload_s``, a background pass (every half of it, 50 ms..30 s) unloads the
+  adapters the gateway loaded that saw no request for that long;
+- ``error``: a load the engine refuses as full (handlers ``lora_full``: SGLang's
+  ``--max-loaded-loras`` answer, vLLM's "No free adapter slots.") unloads one idle adapter there and
+  is retried once.
+
+Known gap: a request that has passed ``prepare`` but is not yet charged (waiting in admission) does
+not hold its adapter; an unload in that window sends it to an engine without the adapter, which
+answers its error. The least-recently-used order (a fresh load counts as a use) makes that rare.
 """
 
 from __future__ import annotations
@@ -67,11 +94,16 @@ class LoraMetrics:
                                 "on the endpoint chosen (running, resident, free_slot, waiting, full, other)",
                                 ["model", "adapter", "state"], registry=registry)
         self.loads = Counter("switchyard_lora_loads", "Runtime adapter loads the gateway asked for, by result "
-                             "(ok, error, cooldown: refused while every endpoint cools down)",
+                             "(ok, error, cooldown: refused while every endpoint cools down, full: every "
+                             "endpoint at max_adapters_per_endpoint with adapters in use)",
                              ["model", "adapter", "result"], registry=registry)
         self.load_seconds = Histogram("switchyard_lora_load_seconds", "Duration of the engines' load calls",
                                       ["model"], registry=registry,
                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.unloads = Counter("switchyard_lora_unloads", "Adapters the gateway unloaded, by reason (capacity: "
+                               "room for another under max_adapters_per_endpoint, idle: idle_unload_s, error: "
+                               "the engine refused a load as full)", ["model", "adapter", "reason"],
+                               registry=registry)
         self.serving = Gauge("switchyard_lora_adapter_endpoints", "Endpoints serving each known adapter",
                              ["model", "adapter"], registry=registry)
 
@@ -88,8 +120,12 @@ class Lora:
         self.reconfigure(config)
         self._loads: dict[tuple[str, str], asyncio.Future[Endpoint]] = {}
         self._cooldown: dict[tuple[int, str], tuple[float, str]] = {}   # (id(ep), adapter) -> (until, message)
-        self._loaded_at: dict[tuple[int, str], float] = {}
+        self._loaded_at: dict[tuple[int, str], float] = {}     # adapters this gateway loaded -> when
+        self._unloaded_at: dict[tuple[int, str], float] = {}
+        self._pending: dict[int, set[str]] = {}                # id(ep) -> adapters being loaded there
+        self._unloading: set[tuple[int, str]] = set()
         self._task: asyncio.Task | None = None
+        self._idle_task: asyncio.Task | None = None
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
@@ -133,36 +169,69 @@ class Lora:
         serving = [ep for ep in candidates if adapter in ep.adapters.served]
         if serving:
             return serving
+        path = self._loadable(ireq.model, adapter, "")
+        ep = await self._shared_load(ctx, ireq.model, adapter, lambda: self._load(ireq.model, adapter, path, candidates))
+        return [ep]
+
+    async def serving_pairs(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
+        """A P/D model's candidates that serve the request's adapter, after loading it on the
+        roles none serves (module docstring)."""
+        ireq = ctx.ireq
+        assert ireq is not None and ireq.lora is not None
+        adapter, model = ireq.lora, ireq.model
+        missing = self._missing_roles(candidates, adapter)
+        if missing:
+            path = self._loadable(model, adapter, " or ".join(missing))
+            await self._shared_load(ctx, model, adapter, lambda: self._load_roles(model, adapter, path, candidates))
+            missing = self._missing_roles(candidates, adapter)
+            if missing:     # unloaded again in the meantime (never while requests are in flight)
+                self._no_endpoint(model, adapter, " or ".join(missing))
+        return [ep for ep in candidates if adapter in ep.adapters.served]
+
+    @staticmethod
+    def _missing_roles(candidates: list[Endpoint], adapter: str) -> list[str]:
+        return [role for role in ("prefill", "decode")
+                if not any(ep.role == role and adapter in ep.adapters.served for ep in candidates)]
+
+    def _loadable(self, model: str, adapter: str, roles: str) -> str:
+        """The path of ``adapter`` when the config lets the gateway load it for ``model``; else 503."""
         configured = self.paths.get(adapter)
-        if configured is None or configured[0] != ireq.model:
-            raise GatewayError(503, f"no ready endpoint of model `{ireq.model}` serves the LoRA adapter `{adapter}`",
-                               code="service_unavailable", headers={"Retry-After": "5"},
-                               header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
-        key = (ireq.model, adapter)
+        if configured is None or configured[0] != model:
+            self._no_endpoint(model, adapter, roles)
+        return configured[1]
+
+    @staticmethod
+    def _no_endpoint(model: str, adapter: str, roles: str) -> None:
+        what = f"ready {roles} endpoint of the P/D model" if roles else "ready endpoint of model"
+        raise GatewayError(503, f"no {what} `{model}` serves the LoRA adapter `{adapter}`",
+                           code="service_unavailable", headers={"Retry-After": "5"},
+                           header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+
+    async def _shared_load(self, ctx: RequestContext, model: str, adapter: str,
+                           start: Callable[[], Any]) -> Any:
+        """The outcome of the one load of (``model``, ``adapter``) in progress, started by ``start``
+        if none is: concurrent requests share it."""
+        key = (model, adapter)
         load = self._loads.get(key)
         if load is None:
-            load = asyncio.ensure_future(self._load(ireq.model, adapter, configured[1], candidates))
+            load = asyncio.ensure_future(start())
             self._loads[key] = load
             load.add_done_callback(lambda f, key=key: self._load_done(key, f))
             ctx.rec.extra["lora_load"] = "started"
         else:
             ctx.rec.extra["lora_load"] = "joined"
-        ep = await asyncio.shield(load)      # one client leaving does not stop the load for the others
-        return [ep]
+        return await asyncio.shield(load)      # one client leaving does not stop the load for the others
 
-    def serving_pairs(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
-        """A P/D model's candidates that serve the request's adapter (module docstring)."""
-        ireq = ctx.ireq
-        assert ireq is not None and ireq.lora is not None
-        adapter = ireq.lora
-        serving = [ep for ep in candidates if adapter in ep.adapters.served]
-        missing = [role for role in ("prefill", "decode") if not any(ep.role == role for ep in serving)]
-        if missing:
-            raise GatewayError(503, f"no ready {' or '.join(missing)} endpoint of the P/D model `{ireq.model}` serves "
-                                    f"the LoRA adapter `{adapter}` (adapters are not loaded on demand for P/D models)",
-                               code="service_unavailable", headers={"Retry-After": "5"},
-                               header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
-        return serving
+    async def _load_roles(self, model: str, adapter: str, path: str, candidates: list[Endpoint]) -> list[Endpoint]:
+        """Load ``adapter`` on one endpoint of each P/D role none of ``candidates`` serves it on,
+        concurrently; the first failure is the outcome (the other role's load still completes)."""
+        roles = self._missing_roles(candidates, adapter)
+        done = await asyncio.gather(*(self._load(model, adapter, path, [ep for ep in candidates if ep.role == role])
+                                      for role in roles), return_exceptions=True)
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+        return list(done)   # type: ignore[arg-type]
 
     def _load_done(self, key: tuple[str, str], fut: asyncio.Future[Endpoint]) -> None:
         if self._loads.get(key) is fut:
@@ -179,9 +248,14 @@ class Lora:
 
     def target(self, candidates: list[Endpoint], adapter: str) -> Endpoint | None:
         """Where to load ``adapter``: the least-loaded ready endpoint not cooling down, among those
-        with a free slot if any has one."""
+        with room under ``max_adapters_per_endpoint`` (else those with an adapter to unload) and
+        then those with a free slot if any has one."""
         now = self.clock()
         usable = [ep for ep in candidates if ep.ready and self._cooling(ep, adapter, now) is None]
+        cap = self.settings.max_adapters_per_endpoint
+        if cap:
+            usable = ([ep for ep in usable if len(self._held(ep) - {adapter}) < cap]
+                      or [ep for ep in usable if self._victim(ep, adapter) is not None])
         if not usable:
             return None
         free = [ep for ep in usable if _free_slot(ep)]
@@ -192,6 +266,13 @@ class Lora:
         if ep is None:
             now = self.clock()
             waits = [c for e in candidates if (c := self._cooling(e, adapter, now)) is not None]
+            if not waits and any(e.ready for e in candidates) and self.settings.max_adapters_per_endpoint:
+                self.metrics.loads.labels(model, adapter, "full").inc()
+                raise GatewayError(503, f"every ready endpoint of `{model}` that could load the LoRA adapter "
+                                        f"`{adapter}` holds {self.settings.max_adapters_per_endpoint} adapters "
+                                        f"(lora.max_adapters_per_endpoint), each with requests in flight",
+                                   code="lora_load_failed", headers={"Retry-After": "1"},
+                                   header=("x-error-lora-load", "full"), error_class="lora_load")
             retry = max(1, math.ceil(min(c[0] for c in waits) - now)) if waits else 5
             last = waits[-1][1] if waits else "no ready endpoint"
             self.metrics.loads.labels(model, adapter, "cooldown").inc()
@@ -199,16 +280,21 @@ class Lora:
                                     f"recently ({last}); retrying in {retry}s",
                                code="lora_load_failed", headers={"Retry-After": str(retry)},
                                header=("x-error-lora-load", "cooldown"), error_class="lora_load")
-        engine = adapter_for(ep.engine)
-        call_path, body = engine.lora_load(adapter, path)
-        start = self.clock()
+        pending = self._pending.setdefault(id(ep), set())
+        pending.add(adapter)
         try:
-            status, raw = await self.upstream.fetch(ep, call_path, body, {"Content-Type": "application/json"},
-                                                    model, self.settings.load_timeout_s)
-            error = engine.lora_load_error(status, raw)
-        except UpstreamFailure as f:
-            error = f.message
-        self.metrics.load_seconds.labels(model).observe(self.clock() - start)
+            cap = self.settings.max_adapters_per_endpoint
+            if cap and len(self._held(ep) - {adapter}) >= cap and (victim := self._victim(ep, adapter)) is not None:
+                await self.unload(ep, victim, "capacity")
+            engine = adapter_for(ep.engine)
+            error = await self._load_call(ep, model, adapter, path)
+            if error is not None and engine.lora_full(error) and (victim := self._victim(ep, adapter)) is not None \
+                    and await self.unload(ep, victim, "error"):
+                error = await self._load_call(ep, model, adapter, path)     # once
+        finally:
+            pending.discard(adapter)
+            if not pending and self._pending.get(id(ep)) is pending:
+                del self._pending[id(ep)]
         if error is not None:
             self._cooldown[(id(ep), adapter)] = (self.clock() + self.settings.failure_cooldown_s, error)
             self.metrics.loads.labels(model, adapter, "error").inc()
@@ -222,37 +308,136 @@ class Lora:
         log.info("lora adapter loaded", model=model, adapter=adapter, endpoint=ep.name)
         return ep
 
+    async def _load_call(self, ep: Endpoint, model: str, adapter: str, path: str) -> str | None:
+        """The engine's load call; ``None`` when the adapter is there now, else the engine's message."""
+        engine = adapter_for(ep.engine)
+        call_path, body = engine.lora_load(adapter, path)
+        start = self.clock()
+        try:
+            status, raw = await self.upstream.fetch(ep, call_path, body, {"Content-Type": "application/json"},
+                                                    model, self.settings.load_timeout_s)
+            error = engine.lora_load_error(status, raw)
+        except UpstreamFailure as f:
+            error = f.message
+        self.metrics.load_seconds.labels(model).observe(self.clock() - start)
+        return error
+
+    # -- unloading -----------------------------------------------------------------------------
+
+    def _held(self, ep: Endpoint) -> set[str]:
+        """The adapters ``ep`` serves or is loading (what ``max_adapters_per_endpoint`` counts)."""
+        return set(ep.adapters.served) | self._pending.get(id(ep), set())
+
+    def _last_used(self, ep: Endpoint, adapter: str) -> float:
+        """When ``adapter`` was last routed to ``ep`` or loaded there by this gateway."""
+        return max(ep.adapters.recent.get(adapter, -math.inf), self._loaded_at.get((id(ep), adapter), -math.inf))
+
+    def _victim(self, ep: Endpoint, keep: str) -> str | None:
+        """The adapter to unload from ``ep`` to make room for ``keep``: the least recently used one
+        with no request in flight there, among those the config lets the gateway load again."""
+        mine = [a for a in ep.adapters.served
+                if a != keep and self.paths.get(a, ("",))[0] == ep.model and not ep.adapters.in_flight.get(a)
+                and (id(ep), a) not in self._unloading]
+        return min(mine, key=lambda a: self._last_used(ep, a), default=None)
+
+    async def unload(self, ep: Endpoint, adapter: str, reason: str) -> bool:
+        """Unload ``adapter`` from ``ep`` (reason: capacity, idle, error) unless requests for it
+        are in flight there; whether it is gone. New requests stop going there first."""
+        if ep.adapters.in_flight.get(adapter) or (id(ep), adapter) in self._unloading:
+            return False
+        model = ep.adapters.served.pop(adapter, None)
+        if model is None:
+            return False
+        self._unloading.add((id(ep), adapter))
+        engine = adapter_for(ep.engine)
+        call_path, body = engine.lora_unload(adapter)
+        try:
+            status, raw = await self.upstream.fetch(ep, call_path, body, {"Content-Type": "application/json"},
+                                                    model, self.settings.load_timeout_s)
+            error = engine.lora_unload_error(status, raw)
+        except UpstreamFailure as f:
+            error = f.message
+        finally:
+            self._unloading.discard((id(ep), adapter))
+        if error is not None:
+            ep.adapters.served[adapter] = model       # still there as far as the gateway knows
+            log.warning("lora unload failed", model=model, adapter=adapter, endpoint=ep.name, reason=reason,
+                        error=error)
+            return False
+        self._loaded_at.pop((id(ep), adapter), None)
+        self._unloaded_at[(id(ep), adapter)] = self.clock()
+        ep.adapters.recent.pop(adapter, None)
+        self.metrics.unloads.labels(model, adapter, reason).inc()
+        log.info("lora adapter unloaded", model=model, adapter=adapter, endpoint=ep.name, reason=reason)
+        return True
+
+    async def unload_idle(self) -> int:
+        """Unload the adapters this gateway loaded that saw no request for ``idle_unload_s`` and
+        have none in flight; how many went."""
+        idle = self.settings.idle_unload_s
+        if not idle:
+            return 0
+        now = self.clock()
+        due = [(ep, a) for ep in self.pool.endpoints() for a in list(ep.adapters.served)
+               if (id(ep), a) in self._loaded_at and not ep.adapters.in_flight.get(a)
+               and now - self._last_used(ep, a) >= idle]
+        if not due:
+            return 0
+        return sum(await asyncio.gather(*(self.unload(ep, a, "idle") for ep, a in due)))
+
     # -- after routing -------------------------------------------------------------------------
 
     def charge(self, ctx: RequestContext) -> None:
-        """Count the request on its endpoint's adapter (released with the request's charges)."""
+        """Count the request on its endpoints' adapter, both of a P/D pair (released with the
+        request's charges; an adapter with requests in flight on an endpoint is not unloaded there)."""
         ireq, d = ctx.ireq, ctx.decision
-        if ireq is None or ireq.lora is None or d is None or d.prefill is not None:
+        if ireq is None or ireq.lora is None or d is None:
             return
-        ep, adapter = d.endpoint, ireq.lora
+        adapter = ireq.lora
         state = d.reason if d.strategy and d.reason else "other"
         self.metrics.requests.labels(ireq.model, adapter, state if state in _STATES else "other").inc()
-        ctx.charges.adapter = AdapterInFlight(ep, adapter)
-        recent = ep.adapters.recent
-        recent.pop(adapter, None)
-        recent[adapter] = self.clock()
-        if len(recent) > _RECENT_KEPT:
-            del recent[next(iter(recent))]
+        if d.prefill is None:
+            ctx.charges.adapter = AdapterInFlight(d.endpoint, adapter)
+            eps = (d.endpoint,)
+        else:
+            ctx.charges.adapter = _PairAdapterInFlight(d.prefill, d.endpoint, adapter)
+            eps = (d.prefill, d.endpoint)
+        now = self.clock()
+        for ep in eps:
+            recent = ep.adapters.recent
+            recent.pop(adapter, None)
+            recent[adapter] = now
+            if len(recent) > _RECENT_KEPT:
+                del recent[next(iter(recent))]
 
     # -- discovery -----------------------------------------------------------------------------
 
     def start(self, session: aiohttp.ClientSession) -> None:
         if self.settings.discovery_interval_s > 0:
             self._task = asyncio.create_task(self._discover_loop(session), name="switchyard-lora-discovery")
+        self._idle_task = asyncio.create_task(self._idle_loop(), name="switchyard-lora-idle-unload")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in (self._task, self._idle_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._task = self._idle_task = None
+
+    async def _idle_loop(self) -> None:
+        """Every half ``idle_unload_s`` (within 50 ms..30 s; 1 s while it is 0, so a reload may turn it on)."""
+        while True:
+            idle = self.settings.idle_unload_s
+            await asyncio.sleep(min(30.0, max(0.05, idle / 2)) if idle else 1.0)
             try:
-                await self._task
+                await self.unload_idle()
             except asyncio.CancelledError:
-                pass
-            self._task = None
+                raise
+            except Exception:       # a bug in one pass must not stop the next
+                log.exception("lora idle unload pass failed")
 
     async def _discover_loop(self, session: aiohttp.ClientSession) -> None:
         while True:
@@ -288,10 +473,14 @@ class Lora:
         found = served_adapters(data, ep.model)
         if found is None:
             return
-        # an adapter the gateway loaded while the list was on its way stays
+        # an adapter the gateway loaded while the list was on its way stays; one it unloaded (or is
+        # unloading) meanwhile stays out
         for a, m in ep.adapters.served.items():
             if a not in found and self._loaded_at.get((id(ep), a), -1.0) >= asked:
                 found[a] = m
+        for a in list(found):
+            if (id(ep), a) in self._unloading or self._unloaded_at.get((id(ep), a), -1.0) >= asked:
+                del found[a]
         ep.adapters.served = found
 
     def describe(self) -> list[dict[str, Any]]:
@@ -308,6 +497,20 @@ class Lora:
 
 
 _STATES = frozenset({"running", "resident", "free_slot", "waiting", "full"})
+
+
+class _PairAdapterInFlight(AdapterInFlight):
+    """A P/D request's adapter charge: on the decode (its own counter) and on the prefill."""
+
+    __slots__ = ("prefill",)
+
+    def __init__(self, prefill: Endpoint, decode: Endpoint, adapter: str) -> None:
+        self.prefill = AdapterInFlight(prefill, adapter)
+        super().__init__(decode, adapter)
+
+    def release(self) -> None:
+        self.prefill.release()
+        super().release()
 
 
 def _free_slot(ep: Endpoint) -> bool:

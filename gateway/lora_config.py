@@ -13,15 +13,18 @@ from msgspec import Meta
 
 _Seconds = Annotated[float, Meta(ge=0)]
 _Positive = Annotated[float, Meta(gt=0)]
+_Count = Annotated[int, Meta(ge=0)]
 
 
 class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    """LoRA adapters: discovery, the strategy of adapter requests, loading on demand."""
+    """LoRA adapters: discovery, the strategy of adapter requests, loading and unloading on demand."""
 
     strategy: str = "lora-affinity"     # adapter requests' strategy unless the header or a lock names one
     discovery_interval_s: _Seconds = 10.0   # GET /v1/models on every endpoint this often (0: off)
     load_timeout_s: _Positive = 60.0        # one runtime load call
     failure_cooldown_s: _Seconds = 60.0     # after a failed load, that endpoint is not asked again this long
+    max_adapters_per_endpoint: _Count = 0   # before a load onto an endpoint serving this many, unload one (0: no cap)
+    idle_unload_s: _Seconds = 0.0           # unload adapters the gateway loaded that saw no request this long (0: never)
 
 
 def check_adapters(models: Sequence[tuple[str, Mapping[str, str]]]) -> None:

@@ -112,8 +112,8 @@ class Pipeline:
                                             f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
                                        header=("x-error-routing", "true"), error_class="routing")
                 candidates = await api.prepare(ctx, candidates)
-            if ireq.lora is not None and self.lora is not None:    # those serving it; loaded if none (not P/D)
-                candidates = (self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
+            if ireq.lora is not None and self.lora is not None:    # those serving it; loaded if none
+                candidates = (await self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
                               else await self.lora.prepare(ctx, candidates))
             adapter = adapter_for(candidates[0].engine)
             checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
@@ -256,7 +256,7 @@ class Pipeline:
         candidates = [c for c in self.routing.candidates(cont.model, router) if c.name not in avoid]
         ctx.ireq = cont
         if candidates and cont.lora is not None and self.lora is not None:   # those serving the adapter
-            candidates = (self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
+            candidates = (await self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
                           else await self.lora.prepare(ctx, candidates))
         if not candidates:
             raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")

@@ -86,6 +86,18 @@ class EngineAdapter(Protocol):
         """``None`` when the load answer means the adapter is there now, else the engine's message."""
         ...
 
+    def lora_unload(self, name: str) -> tuple[str, bytes]:
+        """(path, body) of the engine's runtime call that unloads adapter ``name``."""
+        ...
+
+    def lora_unload_error(self, status: int, answer: bytes) -> str | None:
+        """``None`` when the unload answer means the adapter is gone now, else the engine's message."""
+        ...
+
+    def lora_full(self, error: str) -> bool:
+        """Whether a load's error (``lora_load_error``) says the engine holds as many adapters as it may."""
+        ...
+
     def lora_fields(self, name: str) -> dict[str, Any]:
         """Members a request body needs, beyond ``model``, to run on adapter ``name``."""
         ...

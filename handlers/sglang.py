@@ -219,6 +219,26 @@ class SGLangAdapter:
             return None
         return f"status {status}: {message}"
 
+    def lora_unload(self, name: str) -> tuple[str, bytes]:
+        return "/unload_lora_adapter", orjson.dumps({"lora_name": name})
+
+    def lora_unload_error(self, status: int, answer: bytes) -> str | None:
+        try:
+            data = orjson.loads(answer)
+        except orjson.JSONDecodeError:
+            data = None
+        if status == 200 and isinstance(data, dict) and data.get("success") is not False:
+            return None
+        message = engine_message(answer)
+        if "does not exist" in message:         # gone already ("LoRA with name X does not exist. ...")
+            return None
+        return f"status {status}: {message}"
+
+    def lora_full(self, error: str) -> bool:
+        # the tokenizer manager's refusal at --max-loaded-loras ("... Maximum number of loaded LoRA
+        # adapters is N. Please unload some LoRA adapters before loading new ones.")
+        return "Maximum number of loaded LoRA adapters" in error
+
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {"lora_path": name}      # SGLang picks the adapter by its name in lora_path
 

@@ -134,6 +134,22 @@ class VLLMAdapter:
             return None
         return f"status {status}: {message}"
 
+    def lora_unload(self, name: str) -> tuple[str, bytes]:
+        return "/v1/unload_lora_adapter", orjson.dumps({"lora_name": name})
+
+    def lora_unload_error(self, status: int, answer: bytes) -> str | None:
+        if status == 200:
+            return None
+        message = engine_message(answer)
+        if status == 404 and "cannot be found" in message:     # gone already (another gateway, a restart)
+            return None
+        return f"status {status}: {message}"
+
+    def lora_full(self, error: str) -> bool:
+        # the plain WorkerLoRAManager's add_adapter when its --max-cpu-loras cache is full (the LRU
+        # manager, vLLM's default, evicts from that cache instead and never answers this)
+        return "No free adapter slots" in error
+
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {}        # vLLM serves an adapter under its own name in ``model``
 

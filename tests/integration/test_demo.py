@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_USERS
+from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_PD_ADAPTERS, DEMO_USERS
 from gateway.server import free_port
 from tests.otlp_receiver import OTLPReceiver
 
@@ -43,7 +43,7 @@ async def test_demo_answers_every_model_streaming_and_not():
         assert rx.url.encode() in banner
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert {m.id for m in (await client.models.list()).data} == (
-                set(MODELS) | {a["name"] for a in DEMO_ALIASES} | set(DEMO_ADAPTERS))
+                set(MODELS) | {a["name"] for a in DEMO_ALIASES} | set(DEMO_ADAPTERS) | set(DEMO_PD_ADAPTERS))
         for model in MODELS:
             r = await client.chat.completions.create(model=model, max_tokens=5,
                                                      messages=[{"role": "user", "content": "Hello!"}])
@@ -76,6 +76,9 @@ async def test_demo_answers_every_model_streaming_and_not():
         lora = await client.chat.completions.create(model="chat-lora", max_tokens=2,
                                                     messages=[{"role": "user", "content": "Hi"}])
         assert lora.model == "chat-lora" and lora.choices[0].message.content
+        pd_lora = await client.chat.completions.create(model="pd-lora", max_tokens=2,     # P/D: both roles load it
+                                                       messages=[{"role": "user", "content": "Hi"}])
+        assert pd_lora.model == "pd-lora" and pd_lora.choices[0].message.content
         # KV events (demo-kv), as the banner shows: the engine that served the first turn publishes
         # the blocks it cached, the gateway's event index holds them, and the second turn lands there
         system = "".join(f"Rule {i}: answer in one short line. " for i in range(1, 41))

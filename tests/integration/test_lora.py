@@ -145,4 +145,3 @@ async def test_pd_model_routes_both_legs_to_endpoints_serving_the_adapter(sims, 
     # model n has its adapter on the prefill only: no pair serves it
     status, _, body = await chat(gw, "chat")
     assert status == 503 and "no ready decode endpoint of the P/D model `n`" in body["error"]["message"]
-    assert "not loaded on demand for P/D models" in body["error"]["message"]

@@ -1,0 +1,65 @@
+"""Which endpoint a load goes to under ``max_adapters_per_endpoint`` and which adapter makes room:
+pure choices of gateway/lora.py, no engine."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from gateway.config import config_from_dict
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.ledger import AdapterInFlight
+from gateway.lora import Lora, LoraMetrics, _PairAdapterInFlight
+
+ADAPTERS = {"a": "org/a", "b": "org/b", "c": "org/c"}
+
+
+def make(cap: int = 2, n: int = 2) -> tuple[Lora, list[Endpoint]]:
+    urls = [f"http://10.0.0.{i}:8000" for i in range(1, n + 1)]
+    cfg = config_from_dict({"models": [{"name": "m", "endpoints": urls, "adapters": ADAPTERS}],
+                            "lora": {"max_adapters_per_endpoint": cap}}, source="<test>")
+    pool = EndpointPool()
+    eps = [pool.add(Endpoint(url=u, model="m")) for u in urls]
+    now = [100.0]
+    lora = Lora(cfg, pool, upstream=None, metrics=LoraMetrics(CollectorRegistry()), clock=lambda: now[0])
+    return lora, eps
+
+
+def test_victim_is_the_least_recently_used_configured_adapter_with_nothing_in_flight():
+    lora, (ep, _) = make()
+    ep.adapters.served = {"a": "m", "b": "m", "found": "m"}      # "found": discovered, not in the config
+    ep.adapters.recent = {"b": 1.0, "a": 2.0}
+    assert lora._victim(ep, keep="c") == "b"
+    charge = AdapterInFlight(ep, "b")
+    assert lora._victim(ep, keep="c") == "a"
+    assert lora._victim(ep, keep="a") is None                   # b in flight, "found" not the gateway's
+    charge.release()
+    lora._loaded_at[(id(ep), "b")] = 50.0                       # a fresh load counts as a use
+    assert lora._victim(ep, keep="c") == "a"
+
+
+def test_target_prefers_room_then_an_endpoint_with_something_to_unload():
+    lora, (full, roomy) = make(cap=1)
+    full.adapters.served = {"a": "m"}
+    roomy.in_flight = 5                                         # busier, but under the cap
+    assert lora.target([full, roomy], "b") is roomy
+    lora._pending[id(roomy)] = {"c"}                            # a load on its way counts
+    assert lora.target([full, roomy], "b") is full              # a can go
+    held = AdapterInFlight(full, "a")
+    assert lora.target([full, roomy], "b") is None              # nothing may go anywhere
+    held.release()
+
+
+def test_no_cap_leaves_target_as_before():
+    lora, (x, y) = make(cap=0)
+    x.adapters.served = {"a": "m", "b": "m", "c": "m"}
+    y.in_flight = 1
+    assert lora.target([x, y], "z") is x
+
+
+def test_a_pd_charge_counts_on_both_legs_until_released():
+    lora, (p, d) = make()
+    charge = _PairAdapterInFlight(p, d, "a")
+    assert p.adapters.in_flight == {"a": 1} and d.adapters.in_flight == {"a": 1}
+    charge.release()
+    charge.release()
+    assert p.adapters.in_flight == {} and d.adapters.in_flight == {}
