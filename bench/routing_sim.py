@@ -75,10 +75,11 @@ class _Publisher:
     def __init__(self, engine: SimEngine) -> None:
         self.engine = engine
 
-    def stored(self, hashes, parent, token_ids, block_size, lora_name) -> None:
+    def stored(self, hashes, parent, token_ids, block_size, lora_name, extra_keys=None) -> None:
         from gateway.kv_wire import BlockStored
 
-        self.engine.emit(BlockStored(list(hashes), parent, list(token_ids), block_size, lora_name, "GPU", None))
+        self.engine.emit(BlockStored(list(hashes), parent, list(token_ids), block_size, lora_name, "GPU", None,
+                                     extra_keys))
 
     def removed(self, hashes) -> None:
         from gateway.kv_wire import BlockRemoved

@@ -90,6 +90,7 @@ class Engine:
             self.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
                                               cfg.kv_events_topic, cfg.kv_events_encoding)
         self.pool.events = self.kv_events
+        self.pool.extra_keys = cfg.engine == "vllm"      # SGLang's events carry no extra keys
         self.rng = random.Random(cfg.seed)
         self.waiting: deque[Sequence] = deque()
         self.staging: dict[Sequence, None] = {}  # parked by the role before the queue
@@ -176,7 +177,7 @@ class Engine:
         model_key = f"{self.cfg.model}\0{lora or ''}"
         root = root_key(model_key, cache_salt or "")
         seq = Sequence(id=seq_id, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
-                       cache_root=root, output_key=model_key, fault=fault, lora=lora)
+                       cache_root=root, output_key=model_key, fault=fault, lora=lora, cache_salt=cache_salt)
         if self.cfg.enable_prefix_caching:
             seq.hashes = self.pool.block_hashes(prompt_ids, root)
         return seq
@@ -220,6 +221,7 @@ class Engine:
             self.waiting.popleft()
             alloc.token_ids = seq.prompt_ids
             alloc.lora_name = seq.lora
+            alloc.cache_salt = seq.cache_salt
             seq.alloc = alloc
             seq.cached_tokens = alloc.hit_blocks * self.pool.block_size
             seq.phase = Phase.RUNNING

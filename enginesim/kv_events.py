@@ -9,7 +9,9 @@ vLLM's ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq"
   (``--kv-events-encoding map``, today's vLLM), or ``[ts, events, rank]`` with positional event
   arrays, the tag first (``array``, older engines);
 * ``BlockStored{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name}`` when a prefill's full prompt blocks enter the prefix cache, ``BlockRemoved`` when a
+  lora_name, extra_keys}`` when a prefill's full prompt blocks enter the prefix cache (``extra_keys``:
+  one entry per block, as vLLM folds them into its hashes: the LoRA's name, the ``cache_salt`` on the
+  first block, else null; a simulated SGLang sends none), ``BlockRemoved`` when a
   cached block is evicted, ``AllBlocksCleared`` on a cache reset; block hashes are ints, the low 64
   bits of the pool's block hash, as vLLM sends them by default;
 * a ROUTER socket on ``--kv-events-replay-port`` answers an 8-byte start seq with every buffered
@@ -112,14 +114,18 @@ class KVEventPublisher:
     # -- events ------------------------------------------------------------------------------------
 
     def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
-               lora_name: str | None) -> None:
+               lora_name: str | None, extra_keys: list | None = None) -> None:
         ints = [engine_hash(h) for h in hashes]
         par = engine_hash(parent) if parent is not None else None
         if self.array:
             ev: Any = ["BlockStored", ints, par, token_ids, block_size, None, "GPU", lora_name]
+            if extra_keys is not None:
+                ev.append(extra_keys)
         else:
             ev = {"type": "BlockStored", "block_hashes": ints, "parent_block_hash": par, "token_ids": token_ids,
                   "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": lora_name}
+            if extra_keys is not None:
+                ev["extra_keys"] = extra_keys
         self._add(ev)
 
     def removed(self, hashes: list[bytes]) -> None:
@@ -225,14 +231,14 @@ class RankedPublishers:
             await p.close()
 
     def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
-               lora_name: str | None) -> None:
+               lora_name: str | None, extra_keys: list | None = None) -> None:
         rank = self._rank_of.get(parent) if parent is not None else None
         if rank is None:
             rank = self.next_rank
             self.next_rank = (rank + 1) % len(self.ranks)
         for h in hashes:
             self._rank_of[h] = rank
-        self.ranks[rank].stored(hashes, parent, token_ids, block_size, lora_name)
+        self.ranks[rank].stored(hashes, parent, token_ids, block_size, lora_name, extra_keys)
 
     def removed(self, hashes: list[bytes]) -> None:
         by_rank: dict[int, list[bytes]] = {}

@@ -4,7 +4,9 @@ Why it exists: prefix-aware routing only pays off if an engine that has seen a p
 faster. So the simulator keeps a real, bounded pool of blocks:
 
 - a prompt is cut into full blocks; each full block has a chained hash (parent hash + the block's
-  token ids), and the root of the chain carries the model/LoRA and ``cache_salt``;
+  token ids), and the root of the chain carries the model/LoRA and ``cache_salt``; KV events name
+  them per block in ``extra_keys`` as vLLM does (the LoRA's name on every block, the salt on the
+  first; see ``BlockPool.extra_keys``);
 - a new request reuses the longest run of leading blocks whose hashes are cached, capped at
   ``prompt_len - 1`` tokens rounded down to whole blocks (the last prompt token is always computed);
 - blocks referenced by a live request are never evicted; freed blocks keep their hash and go to an
@@ -42,6 +44,7 @@ class Allocation:
     committed: bool = False
     token_ids: Sequence[int] = ()        # the prompt, for KV events
     lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 def root_key(*parts: str) -> bytes:
@@ -59,6 +62,7 @@ class BlockPool:
         # ref == 0 blocks, eviction order first; value unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.events: Any = None              # a KVEventPublisher (enginesim.kv_events), when publishing
+        self.extra_keys = False              # BlockStored names each block's extra hash keys (vLLM)
 
     # -- hashing and lookup -------------------------------------------------------------------
 
@@ -140,8 +144,15 @@ class BlockPool:
             return
         first, bs = run[0], self.block_size
         parent = alloc.hashes[first - 1] if first else None
+        kw = {}
+        if self.extra_keys:
+            # vLLM's per-block extras: the adapter's name on every block, then the salt on the block at
+            # token 0 only; None for a block with neither
+            lora, salt = alloc.lora_name, alloc.cache_salt
+            kw["extra_keys"] = [(*((lora,) if lora else ()), *((salt,) if salt and i == 0 else ())) or None
+                                for i in run]
         self.events.stored([alloc.hashes[i] for i in run], parent,
-                           list(alloc.token_ids[first * bs:(run[-1] + 1) * bs]), bs, alloc.lora_name)
+                           list(alloc.token_ids[first * bs:(run[-1] + 1) * bs]), bs, alloc.lora_name, **kw)
 
     def free(self, alloc: Allocation) -> None:
         """Drop the request's references. Tail blocks become the first eviction candidates."""

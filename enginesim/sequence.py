@@ -87,6 +87,7 @@ class Sequence:
     phase: Phase = Phase.WAITING
     hashes: list[bytes] = field(default_factory=list)
     lora: str | None = None                 # the adapter's name (KV events' lora_name)
+    cache_salt: str | None = None           # folded into the first block's hash (KV events' extra_keys)
     alloc: Allocation | None = None
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)

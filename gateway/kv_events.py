@@ -440,7 +440,7 @@ class KVEventsManager:
         then finds them cached). Errors are left to ``match``, which falls back and counts them."""
         model = candidates[0].model if candidates else req.model
         tok = self.tokenizers.get(model)
-        if tok is None or self.tokenize_threads <= 0:
+        if tok is None or self.tokenize_threads <= 0 or req.multimodal:    # multimodal: not keyed
             return
         try:
             segments, lead = self.index.segments(req, tok)

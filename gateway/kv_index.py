@@ -7,6 +7,12 @@ endpoint. The index keeps keys of its own and never needs the engine's hash seed
   root that names the model, the LoRA adapter (``lora_name``) and the block size, so adapters and
   models never share keys; a request's keys are made the same way from its tokens
   (``gateway.tokenization``);
+* what else the engine folds into a block's hash and names in the event's ``extra_keys`` (a
+  request's ``cache_salt`` on its first block, multimodal feature hashes) is folded into our key of
+  that block too (``fold_extras``), so salted and unsalted chains, or two images behind the same
+  placeholder tokens, never share a key; a request's root carries its salt the same way
+  (``request_root``); a request with multimodal parts cannot be keyed (the gateway cannot compute
+  the engine's feature hashes) and is routed on the approximate index (fallback ``multimodal``);
 * per endpoint, engine hash → our key, so a ``BlockRemoved`` (which carries only engine hashes)
   resolves, and a ``BlockStored`` whose parent is an earlier block continues that block's chain;
   a block held in several media (GPU, CPU offload) stays until the last one removes it;
@@ -31,7 +37,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, repeat
+from itertools import accumulate, chain, repeat
 from operator import and_
 from typing import Any, NamedTuple
 
@@ -43,6 +49,7 @@ from gateway.tokenization import ModelTokenizer
 
 _MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # other media get bit 4
 _WALK_CHUNK = 512                          # keys looked up per step of a walk (C-level map)
+_NO_EXTRAS = repeat(None)                  # the extras of blocks whose event carries none
 
 
 def _medium_bit(medium: str | None) -> int:
@@ -51,6 +58,55 @@ def _medium_bit(medium: str | None) -> int:
 
 def root_key(model: str, lora: str | None, block_size: int) -> int:
     return hash(("switchyard.kv", model, lora or "", block_size))
+
+
+# What vLLM folds into a block's hash besides its tokens and its parent (``generate_block_hash_extra_keys``
+# in vllm/v1/core/kv_cache_utils.py) and publishes per block in ``BlockStored.extra_keys`` (one entry per
+# block hash, ``None`` for a block without extras, each entry a tuple that msgpack delivers as an array):
+# the adapter's name first when the request runs on a LoRA, then one ``(feature hash, offset in the
+# block)`` per multimodal item whose placeholder tokens the block covers (older engines: the bare hash),
+# then the request's ``cache_salt`` on the block starting at token 0 only, then a hash of the block's
+# prompt embeddings when the prompt came as embeddings. The root of our chain names the adapter already,
+# so a leading entry equal to the event's ``lora_name`` (older engines: ``lora_id``) is dropped; what is
+# left is folded into the parent key before the block is chained, ``hash((hash((parent, extras)),
+# tokens))``. A block without extras keeps ``hash((parent, tokens))``, so plain traffic keys as before.
+# SGLang's events carry no extras: its radix tree keeps a request's ``extra_key``/``cache_salt`` (and
+# adapter) namespace apart, but its published hashes and events chain over token ids alone.
+
+def fold_extras(key: int, extras: tuple) -> int:
+    """``key`` with a block's extras folded in (the block's tokens are chained on the result)."""
+    return hash((key, extras))
+
+
+def _frozen(v: Any) -> Any:
+    """A decoded extra as a hashable value: msgpack arrays (tuples on the engine's side) as tuples."""
+    return tuple(map(_frozen, v)) if v.__class__ is list else v
+
+
+def _extras(entry: Any, ev: BlockStored) -> tuple | None:
+    """One block's ``extra_keys`` entry without what the root names (the adapter), or ``None``."""
+    if not entry:
+        return None
+    first = entry[0]
+    if (ev.lora_name is not None and first == ev.lora_name) or (ev.lora_id is not None and first == ev.lora_id):
+        entry = entry[1:]
+        if not entry:
+            return None
+    return _frozen(entry)
+
+
+def request_root(req: InferenceRequest, model: str, lora: str | None, block_size: int) -> int | None:
+    """The root a request's block keys chain from: the model's, adapter's and block size's, with the
+    request's ``cache_salt`` folded in as vLLM's events present it on the first block; ``None`` when
+    the request cannot be keyed like the engine (multimodal parts: the engine folds feature hashes
+    the gateway cannot compute). One dict lookup for a plain request."""
+    if req.multimodal:
+        return None
+    root = root_key(model, lora, block_size)
+    salt = req.data.get("cache_salt")
+    if salt.__class__ is str and salt:
+        return fold_extras(root, (salt,))
+    return root
 
 
 class Applied(NamedTuple):
@@ -214,7 +270,12 @@ class EventIndex:
         owned, holders, sbit = st.owned, self._holders, st.bit
         get, owned_get, holders_get = emap.get, owned.get, holders.get
         it = iter(ev.token_ids)
-        for bh, block in zip(hashes, zip(*repeat(it, bs), strict=False), strict=False):
+        extra = ev.extra_keys           # vLLM sends one entry per block, None where it has none
+        folds: Any = _NO_EXTRAS if not extra or not any(extra) else \
+            chain([_extras(x, ev) for x in extra[:n]], _NO_EXTRAS)
+        for bh, block, x in zip(hashes, zip(*repeat(it, bs), strict=False), folds, strict=False):
+            if x is not None:                 # cache_salt, multimodal features: see fold_extras
+                h = hash((h, x))
             h = hash((h, block))              # as gateway.tokenization chains a request's blocks
             old = get(bh)
             if old is not None:
@@ -320,10 +381,14 @@ class EventIndex:
         if tok is None:
             return None
         lora = None if req.model == model else req.model
+        root = request_root(req, model, lora, bs)
+        if root is None:              # multimodal: route on the approximate index
+            self._on_fallback(model, "", "multimodal")
+            return None
         try:
             segments, lead = self.segments(req, tok)
             st = self.settings(model)
-            k = tok.block_keys(segments, lead, root_key(model, lora, bs), bs,
+            k = tok.block_keys(segments, lead, root, bs,
                                st.max_request_blocks if st is not None else 1 << 20)
         except Exception:             # a template error, an odd body: route on the approximate index
             self._on_fallback(model, "", "tokenize_error")

@@ -22,7 +22,8 @@ rank from the port it listens on passes it to ``decode_batch``, which then quali
 whatever the batch says (an engine that leaves ``data_parallel_rank`` null is still told apart). ``extra_keys`` (per block: the
 multimodal hashes, LoRA or ``cache_salt`` extras the engine folded into its hash, or null) and the
 hybrid-model fields (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``) are
-accepted in both encodings; ``extra_keys`` is kept on the event. The replay socket (ROUTER)
+accepted in both encodings; ``extra_keys`` is kept on the event, and ``gateway.kv_index`` folds it
+into its keys. The replay socket (ROUTER)
 answers an 8-byte start sequence with ``(seq, payload)`` frames ending with seq -1.
 
 Decoding is typed: msgspec decodes a batch straight into the event Structs below (one C call, no

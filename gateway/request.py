@@ -61,6 +61,9 @@ class InferenceRequest:
     content_type: str = "application/json"     # what the engine is told the body is (multipart keeps its boundary)
     # the LoRA adapter the client named in ``model`` (``model`` is then its base model; gateway/lora.py)
     lora: str | None = None
+    # content parts other than text (images, audio, video, files): the engine folds their feature
+    # hashes into its KV block hashes, which the gateway cannot compute (gateway/kv_index.py)
+    multimodal: bool = False
 
     @property
     def is_embeddings(self) -> bool:
@@ -88,8 +91,14 @@ def load_object(body: bytes, not_json: str = "request body is not valid JSON",
     return data
 
 
-def _text_of_content(content: Any, where: str) -> str:
-    """Message content is a string, null, or a list of parts; text parts contribute their text."""
+# content part types that carry text only; any other part (image_url, input_audio, video_url, ...) is
+# multimodal
+TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
+
+
+def _text_of_content(content: Any, where: str, media: list[bool]) -> str:
+    """Message content is a string, null, or a list of parts; text parts contribute their text.
+    A part of another type sets ``media[0]``."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -99,16 +108,19 @@ def _text_of_content(content: Any, where: str) -> str:
         for i, part in enumerate(content):
             if not isinstance(part, dict):
                 raise _bad(f"'{where}[{i}]' must be an object", f"{where}[{i}]")
-            if part.get("type") == "text":
+            kind = part.get("type")
+            if kind == "text":
                 text = part.get("text")
                 if not isinstance(text, str):
                     raise _bad(f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
                 out.append(text)
+            elif kind not in TEXT_PARTS:
+                media[0] = True
         return " ".join(out)
     raise _bad(f"'{where}' must be a string, an array of content parts or null", where)
 
 
-def _chat_prompt(data: dict[str, Any]) -> str:
+def _chat_prompt(data: dict[str, Any], media: list[bool]) -> str:
     messages = data.get("messages")
     if not isinstance(messages, list):
         raise _bad("'messages' is a required property and must be an array", "messages")
@@ -122,7 +134,7 @@ def _chat_prompt(data: dict[str, Any]) -> str:
         if not isinstance(role, str):
             raise _bad(f"'messages[{i}].role' is a required string", f"messages[{i}].role")
         parts.append(role)
-        parts.append(_text_of_content(msg.get("content"), f"messages[{i}].content"))
+        parts.append(_text_of_content(msg.get("content"), f"messages[{i}].content", media))
     return "\n".join(parts)
 
 
@@ -203,8 +215,9 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
             raise _bad(f"'{key}' must be a non-negative integer", key)
 
     exact_tokens: int | None = None
+    media = [False]
     if path == CHAT:
-        prompt_text = _chat_prompt(data)
+        prompt_text = _chat_prompt(data, media)
     elif path == COMPLETIONS:
         prompt_text, exact_tokens = _completion_prompt(data)
     else:
@@ -231,6 +244,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         session_id=headers.get("x-session-id"),
         session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
         headers=headers,
+        multimodal=media[0],
     )
 
 

@@ -31,7 +31,10 @@ On KV events (a model with ``kv_events`` enabled, ``RouterContext.precise_index`
 endpoint whose engine publishes events is what the engine reports it caches, in tokens of the
 request as that engine tokenizes it; an endpoint without live events (none yet, stalled) is judged
 on the approximate index, its block match scaled to tokens, and the decision counts the fallback
-(``kv_events_fallback``). The approximate index is fed either way, so a fallback starts warm.
+(``kv_events_fallback``). A request that cannot be keyed as the engine keys it is judged on the
+approximate index on every candidate (``kv_events_tokenize``; ``kv_events_multimodal`` for image,
+audio or video parts, whose feature hashes the engine folds into its block hashes). The approximate
+index is fed either way, so a fallback starts warm.
 """
 
 from __future__ import annotations
@@ -58,8 +61,8 @@ def cached_depths(ctx: RouterContext, index: PrefixIndex, strategy: str, req: In
     if precise is None or not precise.covers(req.model):
         return index.depths(req, pool)
     found = precise.match(req, pool)
-    if found is None:
-        ctx.on_fallback(strategy, "kv_events_tokenize")
+    if found is None:             # not keyed like the engine: a tokenizer error, or multimodal parts
+        ctx.on_fallback(strategy, "kv_events_multimodal" if req.multimodal else "kv_events_tokenize")
         return index.depths(req, pool)
     exact, tokens, others = found
     if not others:

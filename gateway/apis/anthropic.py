@@ -63,9 +63,10 @@ def _bad(message: str) -> GatewayError:
     return GatewayError(400, message, header=("x-error-request-body-processing", "true"), error_class="validation")
 
 
-def _blocks_text(content: Any, where: str) -> str:
+def _blocks_text(content: Any, where: str, media: list[bool]) -> str:
     """The text of a message's ``content``: a string, or a list of content blocks whose text
-    (``text`` blocks, and the string content of ``tool_result`` blocks) is what the prefix holds."""
+    (``text`` blocks, and the string content of ``tool_result`` blocks) is what the prefix holds.
+    An ``image`` or ``document`` block sets ``media[0]`` (the request is multimodal)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -81,6 +82,8 @@ def _blocks_text(content: Any, where: str) -> str:
             out.append(text)
         elif block["type"] == "tool_result" and isinstance(block.get("content"), str):
             out.append(block["content"])
+        elif block["type"] in ("image", "document"):
+            media[0] = True
     return "\n".join(out)
 
 
@@ -109,9 +112,10 @@ class AnthropicApi(EngineSpecificApi):
             if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
                 raise _bad("max_tokens: Input should be a positive integer")
         parts = []
+        media = [False]
         system = data.get("system")
         if system is not None:
-            parts.append(_blocks_text(system, "system"))
+            parts.append(_blocks_text(system, "system", media))
         messages = data.get("messages")
         if not isinstance(messages, list):
             raise _bad("messages: Field required" if messages is None else "messages: Input should be a valid list")
@@ -126,7 +130,7 @@ class AnthropicApi(EngineSpecificApi):
             if "content" not in msg:
                 raise _bad(f"messages.{i}.content: Field required")
             parts.append(role)
-            parts.append(_blocks_text(msg["content"], f"messages.{i}.content"))
+            parts.append(_blocks_text(msg["content"], f"messages.{i}.content", media))
         prompt_text = "\n".join(parts)
         user = headers.get("user")
         meta = data.get("metadata")
@@ -139,6 +143,7 @@ class AnthropicApi(EngineSpecificApi):
             request_id=request_id, user=user, session_id=headers.get("x-session-id"),
             session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
             headers=headers,         # type: ignore[arg-type]
+            multimodal=media[0],
         )
 
     def error_body(self, e: GatewayError) -> bytes:

@@ -99,6 +99,13 @@ async def test_demo_answers_every_model_streaming_and_not():
         second = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "second question"}])
         assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+        # the same two turns under a cache_salt: a cache of their own, found by the second
+        salted = [await client.chat.completions.create(model="demo-kv", max_tokens=2, extra_body={"cache_salt": "tenant-b"},
+                                                       messages=[{"role": "system", "content": system},
+                                                                 {"role": "user", "content": f"{q} question"}])
+                  for q in ("first", "second")]
+        assert salted[0].usage.prompt_tokens_details.cached_tokens == 0
+        assert salted[1].usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
         # mid-stream continuation, as the banner shows: a replica drops every stream after 4 tokens,
         # and each stream still ends whole (12 tokens, one usage block) on the other replica
         async with aiohttp.ClientSession() as s:

@@ -186,3 +186,50 @@ async def test_engine_without_events_routes_on_the_approximate_index(sims, gatew
     assert r.choices[0].message.content is not None
     text = await gw.metrics_text()
     assert 'switchyard_kv_events_fallbacks_total{model="m",reason="no_events"} 1.0' in text
+
+
+async def test_salted_requests_go_to_their_salts_prefix_and_multimodal_falls_back(sims, gateway, clients):
+    """vLLM folds ``cache_salt`` into the first block's hash and publishes it in ``extra_keys``: engine A
+    holds the conversation unsalted, engine B under salt t1. A t1 request goes to B, an unsalted one
+    to A (each finding its prefix cached there); a request with an image is routed on the
+    approximate index, and the fallback is counted."""
+    a, b = await _sims(sims, 2)
+
+    def endpoint(sim):
+        s = sim.engine.kv_events
+        return {"url": sim.url, "kv_events": {"port": s.port, "replay_port": s.replay_port}}
+
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [endpoint(a), endpoint(b)], "tokenizer": TOK,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "stall_timeout_s": 5.0}}])
+    kv = gw.gw.routing.ctx.precise_index
+    await _wait(lambda: len(kv.subscribers) == 2)
+    await asyncio.sleep(0.3)          # the SUB sockets connect
+    state = {st.ep.url: st for st in kv.index.states.values()}
+    pod = {a.url: state[a.url].ep.address, b.url: state[b.url].ep.address}
+    seed = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "seed"}]
+    for sim, salt in ((a, None), (b, "t1")):            # straight to the engines, as other gateways would
+        c = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0)
+        await c.chat.completions.create(model="m", messages=seed, max_tokens=2,
+                                        extra_body={"cache_salt": salt} if salt else None)
+        await c.close()
+    await _wait(lambda: all(len(state[s.url].emap) == s.engine.pool.cached_blocks > 0 for s in (a, b)))
+    client = clients(gw)
+
+    async def ask(text: str, salt: str | None):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+            max_tokens=2, extra_body={"cache_salt": salt} if salt else None)
+        return raw.headers["target-pod"], raw.parse().usage.prompt_tokens_details.cached_tokens
+
+    where, cached = await ask("a salted question", "t1")
+    assert where == pod[b.url] and cached > 0
+    where, cached = await ask("a plain question", None)
+    assert where == pod[a.url] and cached > 0
+    r = await client.chat.completions.create(model="m", max_tokens=2, messages=[
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [{"type": "text", "text": "what is on this picture?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+    assert r.choices[0].message.content is not None
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_fallbacks_total{model="m",reason="multimodal"} 1.0' in text
+    assert 'switchyard_routing_fallbacks_total{reason="kv_events_multimodal",strategy="prefix-cache"} 1.0' in text

@@ -232,3 +232,62 @@ def test_routed_holds_the_new_blocks_after_the_walked_depth():
     again = _req(text)
     exact2, _, _ = idx.match(again, eps)
     assert exact2[eps[1]] == 16 * ((tokens - 1) // 16) and exact2[eps[0]] == held * 16
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_a_salted_request_keys_as_the_simulated_vllm_publishes_its_blocks(encoding):
+    """enginesim's pool and publisher (vLLM's encoding, ``extra_keys`` per block) → the wire decoder →
+    the index; a request's match comes from its own keys (``request_root``): the salted request finds
+    exactly its salt's blocks, an unsalted or otherwise salted one finds none of them."""
+    import orjson
+
+    from enginesim.kv_events import KVEventPublisher
+    from enginesim.kvcache import BlockPool
+    from enginesim.kvcache import root_key as sim_root
+    from gateway.kv_wire import BatchDecoder
+    from gateway.request import COMPLETIONS
+
+    tok, idx, eps, states = _index()
+    pub = KVEventPublisher("127.0.0.1", 0, -1, "", encoding)
+    try:
+        pool = BlockPool(64, 16)
+        pool.events, pool.extra_keys = pub, True
+        ids = list(range(100, 180))                              # 5 full blocks
+        stored = [("t1", None, states[0]), (None, None, states[1]), ("t1", "ad", states[2])]
+        for salt, lora, _ in stored:
+            alloc = pool.allocate(pool.block_hashes(ids, sim_root(f"m\0{lora or ''}", salt or "")), len(ids))
+            alloc.token_ids, alloc.lora_name, alloc.cache_salt = ids, lora, salt
+            pool.commit(alloc)
+        decoder = BatchDecoder()
+        for (_, payload), (_, _, st) in zip(pub.buffer, stored, strict=True):
+            idx.apply(st, decoder.decode(payload))
+    finally:
+        pub.close_sockets()
+
+    def match(model="m", **extra):
+        body = {"model": model, "prompt": ids + [1, 2], **extra}
+        return idx.match(parse(COMPLETIONS, orjson.dumps(body), {}, "r"), eps)[0]
+
+    full = 5 * 16
+    assert match(cache_salt="t1") == {eps[0]: full, eps[1]: 0, eps[2]: 0}
+    assert match() == {eps[0]: 0, eps[1]: full, eps[2]: 0}
+    assert match(cache_salt="t2") == {eps[0]: 0, eps[1]: 0, eps[2]: 0}
+    assert match(cache_salt="") == {eps[0]: 0, eps[1]: full, eps[2]: 0}     # the engine refuses it anyway
+    assert match("ad", cache_salt="t1") == {eps[0]: 0, eps[1]: 0, eps[2]: full}
+
+
+def test_a_multimodal_request_is_not_keyed_and_counts_the_fallback():
+    import orjson
+
+    tok, idx, eps, states = _index()
+    calls = []
+    idx._on_fallback = lambda m, e, r: calls.append(r)
+    for st in states:
+        idx.apply(st, Batch(0, [BlockStored([1], None, [0] * 16, 16)], 0))
+    parts = [{"type": "text", "text": "what is this? " * 20},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    req = parse(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]}), {}, "r")
+    assert req.multimodal and idx.match(req, eps) is None and calls == ["multimodal"]
+    text_only = parse(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": parts[:1]}]}),
+                      {}, "r")
+    assert not text_only.multimodal and idx.match(text_only, eps) is not None and calls == ["multimodal"]

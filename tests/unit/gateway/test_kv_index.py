@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.endpoints import Endpoint
-from gateway.kv_index import Applied, EventIndex, root_key
+from gateway.kv_index import Applied, EventIndex, fold_extras, root_key
 from gateway.kv_settings import KVEventsConfig
 from gateway.kv_wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 from gateway.tokenization import chain_keys
@@ -126,3 +126,66 @@ def test_apply_matches_a_model_of_the_engines(ops):
             for k, _ in want.values():
                 holders[k] = holders.get(k, 0) | s.bit
         assert idx._holders == holders
+
+
+# -- extra keys: what vLLM folds into a block's hash besides its tokens (cache_salt, multimodal) ---------
+
+def _keys_of(st, hashes):
+    return [st.emap[h] for h in hashes]
+
+
+def test_salted_and_unsalted_chains_never_share_keys():
+    idx, (a, b) = _index()
+    tokens = list(range(3 * BS))
+    plain = chain_keys(root_key("m", None, BS), tokens, BS)
+    # vLLM: one entry per block, None where a block has no extras; the salt on the first block only
+    idx.apply(a, Batch(0.0, [BlockStored([1, 2, 3], None, tokens, BS, extra_keys=[None, None, None])], 0))
+    idx.apply(b, Batch(0.0, [BlockStored([11, 12, 13], None, tokens, BS, extra_keys=[["s1"], None, None])], 0))
+    idx.apply(a, Batch(0.0, [BlockStored([21, 22, 23], None, tokens, BS, extra_keys=[["s2"], None, None])], 0))
+    assert _keys_of(a, [1, 2, 3]) == plain                       # no extras: today's keys
+    s1, s2 = _keys_of(b, [11, 12, 13]), _keys_of(a, [21, 22, 23])
+    assert not set(s1) & set(plain) and not set(s2) & set(plain) and not set(s1) & set(s2)
+    # the salt's chain is the plain chain from a salted root: what a salted request computes
+    assert s1 == chain_keys(fold_extras(root_key("m", None, BS), ("s1",)), tokens, BS)
+    # the same salt elsewhere (a LoRA's name first, as vLLM puts it) shares its keys on the adapter's root
+    idx.apply(b, Batch(0.0, [BlockStored([31, 32], None, tokens[:2 * BS], BS, lora_name="ad",
+                                         extra_keys=[["ad", "s1"], ["ad"]])], 0))
+    assert _keys_of(b, [31, 32]) == chain_keys(fold_extras(root_key("m", "ad", BS), ("s1",)), tokens, BS)[:2]
+    # a LoRA alone (extras naming only the adapter, or the id of older engines) keeps the adapter's keys
+    idx.apply(a, Batch(0.0, [BlockStored([41, 42], None, tokens[:2 * BS], BS, lora_name="ad",
+                                         extra_keys=[["ad"], ["ad"]])], 0))
+    idx.apply(b, Batch(0.0, [BlockStored([51], None, tokens[:BS], BS, lora_name="7", lora_id=7,
+                                         extra_keys=[[7]])], 0))
+    assert _keys_of(a, [41, 42]) == chain_keys(root_key("m", "ad", BS), tokens, BS)[:2]
+    assert _keys_of(b, [51]) == chain_keys(root_key("m", "7", BS), tokens, BS)[:1]
+
+
+def test_multimodal_extras_tell_images_apart_and_a_chain_continues_on_them():
+    idx, (a, b) = _index()
+    tokens = [5] * (3 * BS)                                      # the same placeholder tokens
+    idx.apply(a, Batch(0.0, [BlockStored([1, 2], None, tokens[:2 * BS], BS,
+                                         extra_keys=[[["img-a", 0]], [["img-a", -4]]])], 0))
+    idx.apply(b, Batch(0.0, [BlockStored([1, 2], None, tokens[:2 * BS], BS,
+                                         extra_keys=[[["img-b", 0]], [["img-b", -4]]])], 0))
+    assert not set(_keys_of(a, [1, 2])) & set(_keys_of(b, [1, 2]))
+    assert not set(_keys_of(a, [1, 2])) & set(chain_keys(root_key("m", None, BS), tokens, BS))
+    # a later event chained on the image's blocks continues their keys (the text after it: no extras)
+    idx.apply(a, Batch(0.0, [BlockStored([3], 2, tokens[2 * BS:], BS, extra_keys=[None])], 0))
+    assert a.emap[3] == hash((a.emap[2], tuple(tokens[2 * BS:])))
+    # fewer entries than hashes (a malformed event): the blocks without one are keyed without extras
+    idx.apply(b, Batch(0.0, [BlockStored([7, 8], None, tokens[:2 * BS], BS, extra_keys=[["s"]])], 0))
+    k7 = chain_keys(fold_extras(root_key("m", None, BS), ("s",)), tokens, BS)
+    assert _keys_of(b, [7, 8]) == k7[:2]
+
+
+def test_removing_salted_blocks_resolves():
+    idx, (a, b) = _index()
+    tokens = list(range(2 * BS))
+    for st_, salt in ((a, "s1"), (b, "s1")):
+        idx.apply(st_, Batch(0.0, [BlockStored([1, 2], None, tokens, BS, extra_keys=[[salt], None])], 0))
+    keys = _keys_of(a, [1, 2])
+    assert idx._holders == {keys[0]: a.bit | b.bit, keys[1]: a.bit | b.bit}
+    idx.apply(a, Batch(0.0, [BlockRemoved([1, 2], "GPU")], 0))
+    assert not a.emap and not a.owned and idx._holders == {keys[0]: b.bit, keys[1]: b.bit}
+    idx.apply(b, Batch(0.0, [BlockRemoved([2]), BlockRemoved([1])], 0))
+    assert not b.emap and not b.owned and not idx._holders

@@ -23,6 +23,16 @@ def test_chat_with_string_and_parts_content():
     assert "be brief" in r.prompt_text and "hello" in r.prompt_text
     assert r.prompt_text.index("be brief") < r.prompt_text.index("hello")
     assert r.prompt_tokens_est >= 1
+    assert r.multimodal                     # the image part: not keyed like the engine (gateway/kv_index.py)
+
+
+@pytest.mark.parametrize("kind,media", [("text", False), ("refusal", False), ("input_audio", True),
+                                        ("video_url", True), (None, True)])
+def test_chat_parts_other_than_text_make_the_request_multimodal(kind, media):
+    part = {"type": kind, "text": "x"} if kind else {"text": "x"}
+    r = p(CHAT, {"model": "m", "messages": [{"role": "user", "content": [part]}]})
+    assert r.multimodal is media
+    assert not p(CHAT, {"model": "m", "messages": [{"role": "user", "content": "plain"}]}).multimodal
 
 
 @pytest.mark.parametrize("prompt,tokens", [("a b c d e f g h", None), (["one", "two"], None),

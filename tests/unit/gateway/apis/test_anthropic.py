@@ -24,6 +24,9 @@ def test_messages_parse_keys_the_prefix_on_system_then_messages():
                            "messages": MESSAGES, "metadata": {"user_id": "u1"}, "stream": True})
     assert ireq.prompt_text == "SYS\nuser\nhello"
     assert ireq.stream and ireq.include_usage and ireq.user == "u1" and ireq.model == "m"
+    assert ireq.multimodal                  # the image block
+    assert not parse_messages({"model": "m", "max_tokens": 1, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hello"}]}]}).multimodal
     assert parse_messages({"model": "m", "messages": MESSAGES}, "/v1/messages/count_tokens").prompt_tokens_est >= 1
     assert parse_messages({"model": "m", "max_tokens": 1, "messages": MESSAGES},
                           headers={"user": "h"}).user == "h"
