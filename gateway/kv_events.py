@@ -44,11 +44,11 @@ from typing import Any
 
 import structlog
 from prometheus_client import Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.kv_index import EndpointState, EventIndex
+from gateway.kv_index import EndpointState, EventIndex, request_root
 from gateway.kv_settings import KVEventsConfig
 from gateway.kv_wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
 from gateway.request import InferenceRequest
@@ -97,8 +97,15 @@ class _IndexCollector(Collector):
             live.add_metric([row["model"], row["endpoint"]], 1.0 if row["live"] else 0.0)
         for model, n in per_model.items():
             blocks.add_metric([model], n)
+        unreached = CounterMetricFamily(
+            "switchyard_kv_events_requests_unreached",
+            "Requests keyed only as far as some engine's cache reaches: the segments past it were "
+            "probed, not tokenized", labels=["model"])
+        for model, n in self.index.unreached.items():
+            unreached.add_metric([model], n)
         yield blocks
         yield live
+        yield unreached
 
 
 class Subscriber:
@@ -450,10 +457,29 @@ class KVEventsManager:
             return
         st = self.settings(model)
         inline = st.tokenize_inline_chars if st is not None else INLINE_CHARS
-        n = await tok.prepare(segments, self.executor, inline)
-        if n:
-            self.metrics.off_loop.labels(model).inc(n)
-            self.index.rendered(req, segments, lead)      # another request may have rendered meanwhile
+        bs = self.index.block_size(candidates)
+        if bs is None:                       # no live events among the candidates: nothing to match
+            return
+        root = request_root(req, model, None if req.model == model else req.model, bs)
+        if root is None:
+            return
+        index, executor = self.index, self.executor
+        # walk the request's keys; a long uncached segment that some engine's cache reaches is
+        # tokenized in the executor, then the walk goes on (usually no hop, or one)
+        for _ in range(len(segments)):
+            try:
+                need = index.request_keys(req, tok, model, root, bs, defer_chars=inline)
+            except Exception:
+                return
+            if not isinstance(need, int):
+                return
+            seg = segments[need]
+            n = await tok.prepare([seg], executor, inline)
+            if n:
+                self.metrics.off_loop.labels(model).inc(n)
+            index.rendered(req, segments, lead)       # another request may have rendered meanwhile
+            if not tok.is_cached(seg):                 # an encode error: left to the match, which counts it
+                return
 
     def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
               ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None:

@@ -45,7 +45,7 @@ from gateway.endpoints import Endpoint
 from gateway.kv_settings import KVEventsConfig
 from gateway.kv_wire import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored, rank_of
 from gateway.request import InferenceRequest
-from gateway.tokenization import ModelTokenizer
+from gateway.tokenization import Keys, ModelTokenizer
 
 _MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # other media get bit 4
 _WALK_CHUNK = 512                          # keys looked up per step of a walk (C-level map)
@@ -160,6 +160,7 @@ class EventIndex:
         # the last walk's depths (blocks held or pending, per endpoint), reused by ``routed``
         self._walked: tuple[list[int] | None, dict[int, int]] = (None, {})
         self.orphans = 0
+        self.unreached: dict[str, int] = {}      # model → requests keyed only as far as a cache reaches
 
     # -- endpoints ---------------------------------------------------------------------------------
 
@@ -386,15 +387,41 @@ class EventIndex:
             self._on_fallback(model, "", "multimodal")
             return None
         try:
-            segments, lead = self.segments(req, tok)
-            st = self.settings(model)
-            k = tok.block_keys(segments, lead, root, bs,
-                               st.max_request_blocks if st is not None else 1 << 20)
+            k = self.request_keys(req, tok, model, root, bs)
         except Exception:             # a template error, an odd body: route on the approximate index
             self._on_fallback(model, "", "tokenize_error")
             return None
-        self._memo = (req, bs, k.keys, k.tokens)
+        assert not isinstance(k, int)
         return k.keys, k.tokens
+
+    def request_keys(self, req: InferenceRequest, tok: ModelTokenizer, model: str, root: int, bs: int,
+                     defer_chars: int | None = None) -> Keys | int:
+        """``tok.block_keys`` of the request: segments nobody's cache reaches are not tokenized
+        (unless the model's ``tokenize_unreached``); with ``defer_chars``, the index of a segment to
+        tokenize off the loop first (``KVEventsManager.prepare``)."""
+        segments, lead = self.segments(req, tok)
+        st = self.settings(model)
+        reach = None if st is not None and st.tokenize_unreached else self._reaches
+        k = tok.block_keys(segments, lead, root, bs,
+                           st.max_request_blocks if st is not None else 1 << 20, reach,
+                           defer_chars=defer_chars)
+        if isinstance(k, Keys):
+            self._memo = (req, bs, k.keys, k.tokens)
+            if not k.exact:
+                self.unreached[model] = self.unreached.get(model, 0) + 1
+        return k
+
+    def _reaches(self, key: int) -> bool:
+        """Some endpoint holds the block ``key``, or is about to (speculatively)."""
+        return key in self._holders or key in self._pending
+
+    def block_size(self, candidates: Sequence[Endpoint]) -> int | None:
+        """The block size ``match`` keys the candidates' requests at (that of the first live one)."""
+        for ep in candidates:
+            st = self.states.get(ep)
+            if st is not None and st.block_size and st.on_fallback is None:
+                return st.block_size
+        return None
 
     def segments(self, req: InferenceRequest, tok: ModelTokenizer) -> tuple[list[str] | None, list[int]]:
         """``tok.request_segments`` of the request, rendered once for ``prepare`` and ``match``."""

@@ -32,6 +32,10 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     # (5 ms) while the loop is busy, more than such a segment costs the loop.
     tokenize_threads: Annotated[int, Meta(ge=0, le=16)] = 1
     tokenize_inline_chars: Annotated[int, Meta(ge=0)] = 1024
+    # tokenize every segment of a request, also those no engine's cache reaches (exact prompt token
+    # counts for conditional P/D's thresholds, at the CPU cost of tokenizing every new prompt whole);
+    # by default such a segment is only probed and its tokens estimated from its characters
+    tokenize_unreached: bool = False
 
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)

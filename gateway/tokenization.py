@@ -30,7 +30,7 @@ import asyncio
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from itertools import islice, repeat
@@ -40,6 +40,12 @@ from typing import Any
 TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
 KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
 INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
+PROBE_CHARS = 256                        # an uncached segment this long is probed before it is tokenized
+_PROBES_KEPT = 4096                      # segments whose probe is remembered (``prepare`` then ``match``)
+# marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
+# ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
+# the text after a special token (a user text that starts with it only shifts its routing keys)
+_FIRST = "\x00"
 
 
 class TokenizerError(ValueError):
@@ -70,10 +76,13 @@ def _sandbox():
 
 @dataclass(slots=True)
 class Keys:
-    """A request's chained block keys at one block size, and its token count."""
+    """A request's chained block keys at one block size, and its token count. ``exact`` is false when
+    the keys stop where no engine's cache reaches (``block_keys`` with ``reach``): the keys then end
+    there (past it no engine can match) and ``tokens`` counts the rest from its characters."""
 
     keys: list[int]
     tokens: int
+    exact: bool = True
 
 
 class ModelTokenizer:
@@ -110,7 +119,17 @@ class ModelTokenizer:
         self._prefix_ids = self.tokenizer.encode("", add_special_tokens=True).ids
         # the library's batch call without character offsets (ids only, ~20% less CPU) where it has one
         # (tokenizers >= 0.20); either releases the GIL while it encodes
-        self._encode_batch = getattr(self.tokenizer, "encode_batch_fast", None) or self.tokenizer.encode_batch
+        self._encode_batch_first = _batch_call(self.tokenizer)
+        rest = _rest_tokenizer(d / "tokenizer.json")
+        # segments after the first: the same tokenizer, unless it treats the first piece apart
+        self._encode_batch = _batch_call(rest) if rest is not None else self._encode_batch_first
+        self._first_differs = rest is not None
+        self._whole = False
+        if not self._pieces_agree(template if isinstance(template, str) else ""):
+            # the pieces do not add up to the whole text's ids (e.g. a special token that strips the
+            # spaces around it): tokenize every text whole, uncached by segment, but right
+            self._whole, self._first_differs = True, False
+            self._encode_batch = self._encode_batch_first
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._segment_chars = 0
         self._token_cache_chars = token_cache_chars
@@ -120,6 +139,10 @@ class ModelTokenizer:
         self.segment_hits = 0
         self.segment_misses = 0
         self.segments_off_loop = 0           # segments ``prepare`` tokenized in the executor
+        self.segments_unreached = 0          # segments left untokenized: no engine's cache reaches them
+        self._probes: dict[str, list[int]] = {}    # segment → ids of its first characters
+        self._seen_chars = 0                 # characters and tokens tokenized so far: the ratio that
+        self._seen_tokens = 0                # estimates a segment left untokenized
         self._pending: dict[str, asyncio.Future] = {}    # segment → its tokenization under way
 
     # -- text --------------------------------------------------------------------------------------
@@ -135,10 +158,38 @@ class ModelTokenizer:
                                      eos_token=self.eos_token, **extra)
 
     def segments(self, text: str) -> list[str]:
-        """The text cut at special tokens (kept as their own segments)."""
-        if self._split is None:
+        """The text cut at special tokens (kept as their own segments); the first one marked when
+        the tokenizer treats a text's first piece apart (``_FIRST``)."""
+        if self._split is None or self._whole:
             return [text]
-        return [s for s in self._split.split(text) if s]
+        out = [s for s in self._split.split(text) if s]
+        if self._first_differs and out and out[0] not in self._special_ids:
+            out[0] = _FIRST + out[0]
+        return out
+
+    def _encode_one(self, segment: str) -> list[int]:
+        if self._first_differs and segment.startswith(_FIRST):
+            return self._encode_batch_first([segment[1:]], add_special_tokens=False)[0].ids
+        return self._encode_batch([segment], add_special_tokens=False)[0].ids
+
+    def _pieces_agree(self, template: str) -> bool:
+        """Whether tokenizing a text piece by piece (cut at special tokens) gives the library's ids
+        for the whole text, checked on a few texts around the special tokens the chat template, BOS
+        and EOS use."""
+        if self._split is None:
+            return True
+        used = [t for t in self._special_ids if t in template or t in (self.bos_token, self.eos_token)]
+        for sp in (used or list(self._special_ids))[:16]:
+            for text in (f"Hello world {sp} How are you?\n{sp}\nfine,  thanks", f"{sp}x{sp} y {sp}", f"a{sp}b"):
+                whole = self.tokenizer.encode(text, add_special_tokens=False).ids
+                pieces = [i for seg in self.segments(text) for i in (
+                    [self._special_ids[seg]] if seg in self._special_ids else self._encode_one(seg))]
+                if pieces != whole:
+                    return False
+        return True
+
+    def is_cached(self, segment: str) -> bool:
+        return segment in self._segments
 
     def _segment_ids(self, segment: str) -> list[int]:
         special = self._special_ids.get(segment)
@@ -150,11 +201,13 @@ class ModelTokenizer:
             self.segment_hits += 1
             return ids
         self.segment_misses += 1
-        ids = self._encode_batch([segment], add_special_tokens=False)[0].ids
+        ids = self._encode_one(segment)
         self._store(segment, ids)
         return ids
 
     def _store(self, segment: str, ids: list[int]) -> None:
+        self._seen_chars += len(segment)
+        self._seen_tokens += len(ids)
         if len(segment) <= self._token_cache_chars // 4 and segment not in self._segments:
             self._segments[segment] = ids
             self._segment_chars += len(segment)
@@ -168,8 +221,7 @@ class ModelTokenizer:
         which would stall the event loop for as long as the thread encodes). One segment a call:
         given several, the library spreads them over its own pool of threads, whose workers then
         spin a while for more work, CPU the gateway's ``tokenize_threads`` do not account for."""
-        batch = self._encode_batch
-        return [batch([s], add_special_tokens=False)[0].ids for s in segments]
+        return [self._encode_one(s) for s in segments]
 
     async def prepare(self, segments: Sequence[str] | None, executor: Executor | None,
                       inline_chars: int = INLINE_CHARS) -> int:
@@ -252,10 +304,19 @@ class ModelTokenizer:
         raise TokenizerError("no prompt to tokenize")
 
     def block_keys(self, segments: list[str] | None, lead: list[int], root: int, block_size: int,
-                   max_blocks: int) -> Keys:
+                   max_blocks: int, reach: Callable[[int], bool] | None = None,
+                   probe_chars: int = PROBE_CHARS, defer_chars: int | None = None) -> Keys | int:
         """Chained keys of the full blocks of the request's tokens: ``key[i] = hash((key[i-1],
         block tokens))`` from ``root``. The chain state after each prefix of segments is cached, so
-        only the segments after the longest known prefix are tokenized and hashed."""
+        only the segments after the longest known prefix are tokenized and hashed.
+
+        With ``reach`` (is a key held by some engine, or about to be), an uncached segment of
+        ``probe_chars`` or more is tokenized only if some engine's cache reaches into it: when the
+        chain before it is held nowhere, or the blocks its first characters complete (``_probe``) are
+        not, no engine can match deeper, so the keys end there (``Keys.exact`` false). A long unique
+        prompt then costs a probe of a few dozen tokens instead of its whole tokenization.
+        With ``defer_chars``, an uncached segment that long which must be tokenized is not: its
+        index is returned instead, for ``prepare`` to tokenize it off the loop."""
         if segments is None:                 # token ids given
             return _chain(root, [], lead, block_size, max_blocks)
         ident = (root, block_size, tuple(lead))
@@ -280,8 +341,19 @@ class ModelTokenizer:
             ref, n, tail0, total = state
             keys = ref if len(ref) == n else ref[:n]
             tail = list(tail0)
+        cache, special, longest = self._segments, self._special_ids, self._token_cache_chars // 4
         for j in range(start, len(segments)):
-            ids = self._segment_ids(segments[j])
+            seg = segments[j]
+            if seg not in cache and seg not in special:
+                if reach is not None and len(seg) >= probe_chars and len(keys) < max_blocks:
+                    probed = self._beyond_reach(keys, tail, seg, root, block_size, max_blocks - len(keys), reach)
+                    if probed is not None:
+                        self.segments_unreached += 1
+                        keys.extend(probed)
+                        return Keys(keys[:], total + self._estimate(segments, j), exact=False)
+                if defer_chars is not None and defer_chars <= len(seg) <= longest:
+                    return j
+            ids = self._segment_ids(seg)
             total += len(ids)
             tail.extend(ids)
             if len(tail) >= block_size and len(keys) < max_blocks:
@@ -295,6 +367,65 @@ class ModelTokenizer:
             self._remember(idents[j], keys, tail, total)
         return Keys(keys[:], total)
 
+    def _beyond_reach(self, keys: list[int], tail: list[int], seg: str, root: int, block_size: int,
+                      room: int, reach: Callable[[int], bool]) -> list[int] | None:
+        """Whether no engine's cache reaches into ``seg`` (which follows ``keys`` and ``tail``): the
+        keys of the blocks its probe completes when so (the walk stops at the first one not held; they
+        are kept for the speculative entries), ``None`` when ``seg`` must be tokenized."""
+        if keys and not reach(keys[-1]):
+            return []                        # the chain is held nowhere before this segment
+        need = block_size - len(tail)        # tokens to complete the block under way
+        probe = self._probe(seg, need)
+        if probe is None:
+            return None
+        ids = tail + probe
+        n = min(len(ids) // block_size, room)
+        h = keys[-1] if keys else root
+        out = []
+        for b in range(n):
+            h = hash((h, tuple(ids[b * block_size:(b + 1) * block_size])))
+            out.append(h)
+        if not out or all(reach(k) for k in out):
+            return None                      # held as far as the probe goes: the engine may hold more
+        return out
+
+    def _probe(self, seg: str, need: int) -> list[int] | None:
+        """Ids of ``seg``'s first characters, at least ``need`` of them if it can: the text cut at a
+        space and its last two tokens dropped, so they are the ids the whole segment starts with
+        (tokenizers do not merge across a space; the margin covers the word at the cut). ``None``
+        when the probe would be most of the segment (then it is tokenized whole)."""
+        ids = self._probes.get(seg)
+        if ids is not None and len(ids) >= need:
+            return ids
+        per_token = self._seen_chars / self._seen_tokens if self._seen_tokens else 4.0
+        chars = int((need + 4) * per_token * 1.5) + 16
+        if chars * 2 > len(seg):
+            return None
+        cut = seg.rfind(" ", 0, chars)
+        if cut < chars // 2:
+            cut = chars
+        ids = self._encode_one(seg[:cut])
+        self._seen_chars += cut
+        self._seen_tokens += len(ids)
+        ids = ids[:-2]
+        if len(self._probes) >= _PROBES_KEPT:
+            self._probes.pop(next(iter(self._probes)))
+        self._probes[seg] = ids
+        return ids
+
+    def _estimate(self, segments: list[str], start: int) -> int:
+        """Tokens in ``segments[start:]``: cached ones counted, the rest from their characters."""
+        cache, special = self._segments, self._special_ids
+        per_token = self._seen_chars / self._seen_tokens if self._seen_tokens else 4.0
+        n = 0
+        for seg in islice(segments, start, None):
+            if seg in special:
+                n += 1
+            else:
+                ids = cache.get(seg)
+                n += len(ids) if ids is not None else round(len(seg) / per_token)
+        return n
+
     def _remember(self, ident: int, keys: list[int], tail: list[int], total: int) -> None:
         if ident in self._prefixes:
             return
@@ -303,6 +434,35 @@ class ModelTokenizer:
         while self._prefix_blocks > self._key_cache_blocks and self._prefixes:
             _, (_k, n, _t, _n) = self._prefixes.popitem(last=False)
             self._prefix_blocks -= n + 1
+
+
+def _batch_call(tokenizer: Any) -> Callable[..., Any]:
+    return getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+
+
+def _rest_tokenizer(path: Path) -> Any | None:
+    """The tokenizer for the pieces after a text's first, when it differs: a Metaspace pre-tokenizer
+    with ``prepend_scheme: first`` prepends only to the first piece, so the others are tokenized with
+    ``never``. ``None`` when every piece tokenizes alike."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(path.read_text())
+    changed = False
+
+    def walk(node: Any) -> None:
+        nonlocal changed
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                node["prepend_scheme"] = "never"
+                changed = True
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(spec.get("pre_tokenizer"))
+    return Tokenizer.from_str(json.dumps(spec)) if changed else None
 
 
 def _chain(root: int, keys: list[int], ids: list[int], block_size: int, max_blocks: int) -> Keys:

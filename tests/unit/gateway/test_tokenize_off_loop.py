@@ -79,18 +79,35 @@ async def test_an_encode_error_leaves_the_segment_to_the_inline_path(pool, monke
     assert not tok._segments and not tok._pending
 
 
+def _live(mgr, ep, tok, ids, bs=16):
+    """``ep`` live in ``mgr``'s index, its engine holding ``ids``' full blocks."""
+    from gateway.kv_wire import Batch, BlockStored
+    st = mgr.index.track(ep, mgr.settings(ep.model))
+    n = len(ids) // bs
+    mgr.index.apply(st, Batch(0.0, [BlockStored(list(range(1, n + 1)), None, ids[:n * bs], bs)], 0))
+    return st
+
+
 async def test_manager_prepares_once_rendered_and_counts_off_loop_segments():
     registry = CollectorRegistry()
     tok = ModelTokenizer(TINY_DIR)
     cfg = KVEventsConfig(enabled=True)
     mgr = KVEventsManager(lambda m: cfg, EndpointPool(), registry, {"m": tok}, tokenize_threads=1)
     ep = Endpoint(url="http://a:1", model="m")
+    # the engine holds the conversation's system prompt (the gateway never tokenized it): the long
+    # segment is reached, so it is tokenized, in the thread
+    text = tok.render(_messages(0))
+    _live(mgr, ep, tok, tok.tokenizer.encode(text, add_special_tokens=False).ids)
+    tok._segments.clear()
+    tok._prefixes.clear()
     req = parse(CHAT, orjson.dumps({"model": "m", "messages": _messages(0)}), {}, "r")
     await mgr.prepare(req, [ep])
     segs, _ = tok.request_segments(CHAT, {"messages": _messages(0)})
-    assert registry.get_sample_value("switchyard_kv_events_tokenized_off_loop_total", {"model": "m"}) == \
-        len(_plain(tok, segs))
+    long = [s for s in _plain(tok, segs) if len(s) >= INLINE_CHARS]
+    assert long and registry.get_sample_value("switchyard_kv_events_tokenized_off_loop_total", {"model": "m"}) == \
+        len(long)
     assert mgr.index._rendered[0] is req          # the match reuses the rendering
+    assert mgr.index._memo[0] is req              # and the keys
     await mgr.close()
     off = KVEventsManager(lambda m: cfg, EndpointPool(), CollectorRegistry(), {"m": ModelTokenizer(TINY_DIR)},
                           tokenize_threads=0)

@@ -1,0 +1,131 @@
+"""Tokenizing only as far as some engine's cache reaches: a segment past the last block any engine
+holds is probed (its first characters), not tokenized, and the keys stop there; the probe's ids are
+the ones the whole segment starts with; a segment an engine's cache reaches is tokenized whole."""
+
+from __future__ import annotations
+
+import random
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.kv_events import KVEventsManager
+from gateway.kv_settings import KVEventsConfig
+from gateway.kv_wire import Batch, BlockStored
+from gateway.request import CHAT, parse
+from gateway.tokenization import ModelTokenizer, chain_keys
+
+BS = 16
+TOK = ModelTokenizer(TINY_DIR)
+_rng = random.Random(5)
+WORDS = ["".join(_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_rng.randint(1, 7))) for _ in range(500)]
+SYSTEM = "You are a helpful assistant. " + " ".join(_rng.choice(WORDS) for _ in range(600))
+
+
+def _text(seed: int, words: int) -> str:
+    r = random.Random(seed)
+    return " ".join(r.choice(WORDS) for _ in range(words))
+
+
+def _ids(tok, messages):
+    return tok.tokenizer.encode(tok.render(messages), add_special_tokens=False).ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(WORDS + ["ünï", "🎉", "a,b", "x.", "  ", "\t", "42"]), min_size=40, max_size=300),
+       st.integers(1, 40))
+def test_a_probe_is_the_start_of_the_whole_segments_ids(words, need):
+    tok = ModelTokenizer(TINY_DIR)
+    seg = " ".join(words)
+    probe = tok._probe(seg, need)
+    whole = tok.tokenizer.encode(seg, add_special_tokens=False).ids
+    if probe is not None:
+        assert probe == whole[:len(probe)]
+        assert len(probe) < len(whole)
+
+
+def test_keys_stop_where_no_cache_reaches_and_the_count_is_estimated():
+    tok = ModelTokenizer(TINY_DIR)
+    tok.encode(SYSTEM)                          # the ratio of characters to tokens is known
+    messages = [{"role": "user", "content": "Unique request: " + _text(1, 1500)}]
+    segs, lead = tok.request_segments(CHAT, {"messages": messages})
+    ids = _ids(tok, messages)
+    exact = chain_keys(7, ids, BS)
+    k = tok.block_keys(segs, lead, 7, BS, 1 << 20, reach=lambda key: False)
+    assert not k.exact and 0 < len(k.keys) <= 3
+    assert k.keys == exact[:len(k.keys)]         # what is keyed is right
+    assert abs(k.tokens - len(ids)) < 0.15 * len(ids)
+    long = max(segs, key=len)
+    assert not tok.is_cached(long) and tok.segments_unreached == 1
+    # an engine holds everything: tokenized whole, the same keys as the library's ids give
+    k2 = tok.block_keys(segs, lead, 7, BS, 1 << 20, reach=lambda key: True)
+    assert k2.exact and k2.keys == exact and k2.tokens == len(ids) and tok.is_cached(long)
+
+
+def test_the_chain_held_into_the_probe_but_not_past_it():
+    tok = ModelTokenizer(TINY_DIR)
+    messages = [{"role": "user", "content": _text(2, 800)}]
+    segs, lead = tok.request_segments(CHAT, {"messages": messages})
+    exact = chain_keys(7, _ids(tok, messages), BS)
+    held = set(exact[:1])                       # one block held: the probe's second block is not
+    k = tok.block_keys(segs, lead, 7, BS, 1 << 20, reach=held.__contains__)
+    assert not k.exact and k.keys[:2] == exact[:2]
+    # held through the probe: the whole segment is tokenized
+    held = set(exact[:10])
+    k = tok.block_keys(segs, lead, 7, BS, 1 << 20, reach=held.__contains__)
+    assert k.exact and k.keys == exact
+
+
+def _manager(registry, **kw):
+    tok = ModelTokenizer(TINY_DIR)
+    cfg = KVEventsConfig(enabled=True, speculative_ttl_s=0, **kw)
+    mgr = KVEventsManager(lambda m: cfg, EndpointPool(), registry, {"m": tok}, tokenize_threads=1)
+    eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in (1, 2)]
+    for i, ep in enumerate(eps):
+        mgr.index.track(ep, cfg)
+        mgr.index.apply(mgr.index.states[ep], Batch(0.0, [BlockStored([i + 100], None, [i] * BS, BS)], 0))
+    return mgr, tok, eps
+
+
+async def test_the_match_of_a_prompt_no_engine_holds_tokenizes_a_probe_only():
+    registry = CollectorRegistry()
+    mgr, tok, eps = _manager(registry)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _text(3, 50)}]
+    req = parse(CHAT, orjson.dumps({"model": "m", "messages": messages}), {}, "r")
+    await mgr.prepare(req, eps)
+    depths, tokens, fallback = mgr.match(req, eps)
+    assert depths == {eps[0]: 0, eps[1]: 0} and not fallback
+    n = len(_ids(tok, messages))
+    assert abs(tokens - n) < 0.15 * n
+    long = max(tok.request_segments(CHAT, {"messages": messages})[0], key=len)
+    assert SYSTEM in long and not tok.is_cached(long) and tok.segments_off_loop == 0
+    assert registry.get_sample_value("switchyard_kv_events_requests_unreached_total", {"model": "m"}) == 1
+    # the engine behind eps[1] prefills it and reports it: the next request tokenizes the system prompt
+    # (off the loop) and matches it there
+    ids = _ids(tok, messages)
+    full = len(ids) // BS
+    mgr.index.apply(mgr.index.states[eps[1]],
+                    Batch(0.0, [BlockStored(list(range(1, full + 1)), None, ids[:full * BS], BS)], 0))
+    req2 = parse(CHAT, orjson.dumps({"model": "m", "messages": messages + [
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": _text(4, 50)}]}), {}, "r2")
+    await mgr.prepare(req2, eps)
+    depths, tokens, _ = mgr.match(req2, eps)
+    assert tok.segments_off_loop == 1 and tok.is_cached(long)
+    assert depths[eps[1]] >= (len(tok.encode(tok.render(messages[:1]))) // BS) * BS and depths[eps[0]] == 0
+    await mgr.close()
+
+
+async def test_tokenize_unreached_keys_every_request_whole():
+    registry = CollectorRegistry()
+    mgr, tok, eps = _manager(registry, tokenize_unreached=True)
+    messages = [{"role": "user", "content": _text(5, 1500)}]
+    req = parse(CHAT, orjson.dumps({"model": "m", "messages": messages}), {}, "r")
+    await mgr.prepare(req, eps)
+    _, tokens, _ = mgr.match(req, eps)
+    assert tokens == len(_ids(tok, messages)) and tok.segments_off_loop == 1
+    assert registry.get_sample_value("switchyard_kv_events_requests_unreached_total", {"model": "m"}) is None
+    await mgr.close()
