@@ -5,10 +5,12 @@ request, the post-decision bookkeeping included), for prompts of exactly 8k, 32k
 (8,192, 32,768 and 131,072) of the shared test tokenizer (``enginesim.tiny_tokenizer``) over 8
 endpoints whose index holds the conversation's earlier turns. A prompt is a system prompt, seven
 earlier turns and a new user message of ``--turn-tokens`` (about 200 tokens, a chat question).
-Three cases per size: a *new turn* of a known conversation (the previous turn was routed, so the
+Four cases per size: a *new turn* of a known conversation (the previous turn was routed, so the
 system prompt and earlier turns come from the tokenization cache and only the new message is
-tokenized and hashed), a *cold* prompt (nothing cached: the whole text is tokenized and hashed),
-and the approximate index alone for comparison. p50 / p99 in ms over ``--rounds`` decisions.
+tokenized and hashed), a *cold* prompt (the engines hold it but the gateway's caches are empty: the
+whole text is tokenized and hashed), a *unique* prompt of the same size that no engine holds (only
+probed: keys stop where no cache reaches), and the approximate index alone for comparison. p50 /
+p99 in ms over ``--rounds`` decisions.
 The new message itself must be tokenized (about 1.5 µs a token with this tokenizer).
 """
 
@@ -69,6 +71,15 @@ def _exact(tok: ModelTokenizer, system: str, rest: list[dict], tokens: int) -> s
     raise RuntimeError(f"could not size the prompt to {tokens} tokens")
 
 
+def _forget(tok: ModelTokenizer) -> None:
+    """Empty the tokenizer's caches (pieces, prefix keys, probes)."""
+    tok._segments.clear()
+    tok._segment_chars = 0
+    tok._prefixes.clear()
+    tok._prefix_blocks = 0
+    tok._probes.clear()
+
+
 def measure(tokens: int, rounds: int, seed: int = 1, turn_tokens: int = 200) -> dict[str, tuple[float, float]]:
     rng = random.Random(seed)
     tok = ModelTokenizer(TINY_DIR)
@@ -102,7 +113,7 @@ def measure(tokens: int, rounds: int, seed: int = 1, turn_tokens: int = 200) -> 
     for j, st in enumerate(states):
         held = len(keys) if j == 3 else len(keys) // (j + 2)
         index.apply(st, Batch(0.0, [BlockStored(list(range(held)), None, ids[:held * 16], 16)], 0))
-    out: dict[str, list[float]] = {"new turn": [], "cold prompt": [], "approximate index": []}
+    out: dict[str, list[float]] = {"new turn": [], "cold prompt": [], "unique prompt": [], "approximate index": []}
     for r in range(rounds):
         msgs = messages + new_turn(r)
         # the previous turn went through the router (as in a conversation): its prefix is cached
@@ -116,11 +127,16 @@ def measure(tokens: int, rounds: int, seed: int = 1, turn_tokens: int = 200) -> 
         approx.route(req, eps)
         out["approximate index"].append(time.perf_counter() - t)
         if r < max(3, rounds // 10):
-            cold = [{"role": "system", "content": f"cold {r} " + system}, *msgs[1:]]
-            req = parse(CHAT, body(cold), {}, f"c{r}")
+            _forget(tok)                         # the engines hold it, the gateway tokenized nothing yet
+            req = parse(CHAT, body(msgs), {}, f"c{r}")
             t = time.perf_counter()
             router.route(req, eps)
             out["cold prompt"].append(time.perf_counter() - t)
+            unique = [{"role": "system", "content": f"unique {r} " + system}, *msgs[1:]]
+            req = parse(CHAT, body(unique), {}, f"u{r}")
+            t = time.perf_counter()
+            router.route(req, eps)
+            out["unique prompt"].append(time.perf_counter() - t)
     return {k: (1000 * _pct(v, 0.5), 1000 * _pct(v, 0.99)) for k, v in out.items() if v} | \
         {"tokens": (float(prompt_tokens), statistics.fmean([0.0]))}
 
