@@ -126,17 +126,18 @@ def measure(tokens: int, rounds: int, seed: int = 1, turn_tokens: int = 200) -> 
         t = time.perf_counter()
         approx.route(req, eps)
         out["approximate index"].append(time.perf_counter() - t)
-        if r < max(3, rounds // 10):
-            _forget(tok)                         # the engines hold it, the gateway tokenized nothing yet
-            req = parse(CHAT, body(msgs), {}, f"c{r}")
-            t = time.perf_counter()
-            router.route(req, eps)
-            out["cold prompt"].append(time.perf_counter() - t)
-            unique = [{"role": "system", "content": f"unique {r} " + system}, *msgs[1:]]
-            req = parse(CHAT, body(unique), {}, f"u{r}")
-            t = time.perf_counter()
-            router.route(req, eps)
-            out["unique prompt"].append(time.perf_counter() - t)
+    for r in range(max(3, rounds // 10)):        # after the new turns: these empty the caches
+        msgs = messages + new_turn(r)
+        _forget(tok)                             # the engines hold it, the gateway tokenized nothing yet
+        req = parse(CHAT, body(msgs), {}, f"c{r}")
+        t = time.perf_counter()
+        router.route(req, eps)
+        out["cold prompt"].append(time.perf_counter() - t)
+        unique = [{"role": "system", "content": f"unique {r} " + system}, *msgs[1:]]
+        req = parse(CHAT, body(unique), {}, f"u{r}")
+        t = time.perf_counter()
+        router.route(req, eps)
+        out["unique prompt"].append(time.perf_counter() - t)
     return {k: (1000 * _pct(v, 0.5), 1000 * _pct(v, 0.99)) for k, v in out.items() if v} | \
         {"tokens": (float(prompt_tokens), statistics.fmean([0.0]))}
 
