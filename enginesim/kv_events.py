@@ -74,6 +74,11 @@ class KVEventPublisher:
         except zmq.ZMQError:
             self.close_sockets()
             raise
+        # sends go through a plain socket on the same handle: a PUB socket never blocks (it drops
+        # at its high-water mark), so the asyncio wrapper's future per send is pure overhead
+        self._send = zmq.Socket.shadow(self.pub.underlying).send_multipart
+        self._noblock = zmq.NOBLOCK
+        self._again = zmq.Again
         self.topic = topic.encode()
         self.array = encoding == "array"
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
@@ -165,10 +170,8 @@ class KVEventPublisher:
         if self.drop_next > 0:
             self.drop_next -= 1
             return
-        import zmq
-
-        with contextlib.suppress(zmq.Again):
-            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        with contextlib.suppress(self._again):
+            self._send((self.topic, seq.to_bytes(8, "big"), payload), flags=self._noblock)
             self.published += 1
 
     def resume(self) -> None:
