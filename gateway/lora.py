@@ -311,16 +311,20 @@ class Lora:
     async def _load_call(self, ep: Endpoint, model: str, adapter: str, path: str) -> str | None:
         """The engine's load call; ``None`` when the adapter is there now, else the engine's message."""
         engine = adapter_for(ep.engine)
-        call_path, body = engine.lora_load(adapter, path)
         start = self.clock()
-        try:
-            status, raw = await self.upstream.fetch(ep, call_path, body, {"Content-Type": "application/json"},
-                                                    model, self.settings.load_timeout_s)
-            error = engine.lora_load_error(status, raw)
-        except UpstreamFailure as f:
-            error = f.message
+        error = await self._engine_call(ep, model, engine.lora_load(adapter, path), engine.lora_load_error)
         self.metrics.load_seconds.labels(model).observe(self.clock() - start)
         return error
+
+    async def _engine_call(self, ep: Endpoint, model: str, call: tuple[str, bytes],
+                           judge: Callable[[int, bytes], str | None]) -> str | None:
+        """POST an adapter call to ``ep``; ``None`` when ``judge`` finds the answer fine, else why not."""
+        try:
+            status, raw = await self.upstream.fetch(ep, call[0], call[1], {"Content-Type": "application/json"},
+                                                    model, self.settings.load_timeout_s)
+            return judge(status, raw)
+        except UpstreamFailure as f:
+            return f.message
 
     # -- unloading -----------------------------------------------------------------------------
 
@@ -350,13 +354,8 @@ class Lora:
             return False
         self._unloading.add((id(ep), adapter))
         engine = adapter_for(ep.engine)
-        call_path, body = engine.lora_unload(adapter)
         try:
-            status, raw = await self.upstream.fetch(ep, call_path, body, {"Content-Type": "application/json"},
-                                                    model, self.settings.load_timeout_s)
-            error = engine.lora_unload_error(status, raw)
-        except UpstreamFailure as f:
-            error = f.message
+            error = await self._engine_call(ep, model, engine.lora_unload(adapter), engine.lora_unload_error)
         finally:
             self._unloading.discard((id(ep), adapter))
         if error is not None:

@@ -208,31 +208,14 @@ class SGLangAdapter:
         return "/load_lora_adapter", orjson.dumps({"lora_name": name, "lora_path": path})
 
     def lora_load_error(self, status: int, answer: bytes) -> str | None:
-        try:
-            data = orjson.loads(answer)
-        except orjson.JSONDecodeError:
-            data = None
-        if status == 200 and isinstance(data, dict) and data.get("success") is not False:
-            return None
-        message = engine_message(answer)
-        if "already loaded" in message or "already exists" in message:
-            return None
-        return f"status {status}: {message}"
+        return _lora_call_error(status, answer, ("already loaded", "already exists"))
 
     def lora_unload(self, name: str) -> tuple[str, bytes]:
         return "/unload_lora_adapter", orjson.dumps({"lora_name": name})
 
     def lora_unload_error(self, status: int, answer: bytes) -> str | None:
-        try:
-            data = orjson.loads(answer)
-        except orjson.JSONDecodeError:
-            data = None
-        if status == 200 and isinstance(data, dict) and data.get("success") is not False:
-            return None
-        message = engine_message(answer)
-        if "does not exist" in message:         # gone already ("LoRA with name X does not exist. ...")
-            return None
-        return f"status {status}: {message}"
+        # gone already ("LoRA with name X does not exist. ...") is done
+        return _lora_call_error(status, answer, ("does not exist",))
 
     def lora_full(self, error: str) -> bool:
         # the tokenizer manager's refusal at --max-loaded-loras ("... Maximum number of loaded LoRA
@@ -254,3 +237,18 @@ class SGLangAdapter:
 
 
 SGLANG = SGLangAdapter()
+
+
+def _lora_call_error(status: int, answer: bytes, fine: tuple[str, ...]) -> str | None:
+    """SGLang's answer to a LoRA load or unload: ``None`` when it succeeded (or its message says
+    the wanted state holds already: one of ``fine``), else the status and the engine's message."""
+    try:
+        data = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        data = None
+    if status == 200 and isinstance(data, dict) and data.get("success") is not False:
+        return None
+    message = engine_message(answer)
+    if any(phrase in message for phrase in fine):
+        return None
+    return f"status {status}: {message}"
