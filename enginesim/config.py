@@ -121,8 +121,9 @@ class SimConfig:
     kv_events_encoding: str = _knob("map", "events as maps tagged 'type' (vLLM today) or positional arrays "
                                     "(older vLLM)", choices=("map", "array"))
     data_parallel_size: int = _knob(
-        1, "vLLM --data-parallel-size, as KV events see it: N rank publishers, rank r on kv-events port + r "
-        "(replay port + r), each prefix chain's blocks on one rank (one scheduler and cache pool still)")
+        1, "vLLM --data-parallel-size: N ranks behind one endpoint, each with its own KV cache pool and KV-event "
+        "publisher (rank r on kv-events port + r, replay port + r); a request runs on the rank its "
+        "X-data-parallel-rank header names, else on the least loaded (one scheduler queue still)")
     # -- tracing -------------------------------------------------------------------------------
     otlp_traces_endpoint: str = _knob(
         "", "vLLM --otlp-traces-endpoint: emit an llm_request span per request, under the request's "

@@ -81,16 +81,24 @@ class Engine:
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
         self.tokenizer = FakeTokenizer() if not cfg.tokenizer else load_tokenizer(cfg.tokenizer)
-        self.pool = BlockPool(cfg.kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # one KV cache pool per data-parallel rank (each its own prefix cache); ``pool`` is rank 0's
+        self.pools = [BlockPool(cfg.kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+                      for _ in range(cfg.data_parallel_size)]
+        self.pool = self.pools[0]
         self.kv_events: KVEventPublisher | RankedPublishers | None = None
         if cfg.kv_events_port >= 0 and cfg.data_parallel_size > 1:
             self.kv_events = RankedPublishers(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
                                               cfg.kv_events_topic, cfg.kv_events_encoding, cfg.data_parallel_size)
+            for pool, pub in zip(self.pools, self.kv_events.ranks, strict=True):
+                pool.events = pub
         elif cfg.kv_events_port >= 0:
             self.kv_events = KVEventPublisher(cfg.host, cfg.kv_events_port, cfg.kv_events_replay_port,
                                               cfg.kv_events_topic, cfg.kv_events_encoding)
-        self.pool.events = self.kv_events
-        self.pool.extra_keys = cfg.engine == "vllm"      # SGLang's events carry no extra keys
+            self.pool.events = self.kv_events
+        for pool in self.pools:
+            pool.extra_keys = cfg.engine == "vllm"      # SGLang's events carry no extra keys
+        self._last_rank = -1                            # the rank the engine's own balancer chose last
+        self.asked_ranks: deque[int] = deque(maxlen=1024)   # ranks requests pinned (X-data-parallel-rank)
         self.rng = random.Random(cfg.seed)
         self.waiting: deque[Sequence] = deque()
         self.staging: dict[Sequence, None] = {}  # parked by the role before the queue
@@ -173,14 +181,35 @@ class Engine:
 
     def new_sequence(self, *, seq_id: str, rid: str, prompt_ids: list[int], params: SamplingParams,
                      stream: bool, fault: FaultSpec, cache_salt: str | None = None,
-                     lora: str | None = None) -> Sequence:
+                     lora: str | None = None, dp_rank: int | None = None) -> Sequence:
+        """``dp_rank``: the rank the request asked for (``X-data-parallel-rank``, checked by the API
+        layer against ``data_parallel_size``); ``None``: the engine's balancer picks (``pick_rank``)."""
         model_key = f"{self.cfg.model}\0{lora or ''}"
         root = root_key(model_key, cache_salt or "")
         seq = Sequence(id=seq_id, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
                        cache_root=root, output_key=model_key, fault=fault, lora=lora, cache_salt=cache_salt)
         if self.cfg.enable_prefix_caching:
             seq.hashes = self.pool.block_hashes(prompt_ids, root)
+        if len(self.pools) > 1:
+            seq.rank = self.pick_rank() if dp_rank is None else dp_rank
         return seq
+
+    def pick_rank(self) -> int:
+        """vLLM's internal DP load balancer, as the simulator sees it: the rank with the fewest
+        running + waiting requests; among equals, the one after the rank it chose last (vLLM counts
+        a choice on its rank until the next stats update, so back-to-back requests spread over
+        ranks). Blind to which rank caches the prompt."""
+        n = len(self.pools)
+        load = [0] * n
+        for s in (*self.running, *self.waiting, *self.staging):
+            load[s.rank] += 1
+        low = min(load)
+        for i in range(1, n + 1):
+            r = (self._last_rank + i) % n
+            if load[r] == low:
+                self._last_rank = r
+                return r
+        return 0
 
     def resolve_fault(self, header: str | None) -> FaultSpec:
         """The fault for one request: header spec if given, else the default; ``p=`` rolls here."""
@@ -215,7 +244,8 @@ class Engine:
             return
         while self.waiting and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            alloc = self.pool.allocate(seq.hashes, seq.prompt_tokens)
+            pool = self.pools[seq.rank]
+            alloc = pool.allocate(seq.hashes, seq.prompt_tokens)
             if alloc is None:
                 break  # head of line waits for KV; FCFS does not skip it
             self.waiting.popleft()
@@ -223,7 +253,7 @@ class Engine:
             alloc.lora_name = seq.lora
             alloc.cache_salt = seq.cache_salt
             seq.alloc = alloc
-            seq.cached_tokens = alloc.hit_blocks * self.pool.block_size
+            seq.cached_tokens = alloc.hit_blocks * pool.block_size
             seq.phase = Phase.RUNNING
             seq.admitted_at = time.monotonic()
             self.running[seq] = None
@@ -255,7 +285,7 @@ class Engine:
             compute_s = (cfg.ttft_base_ms + cfg.prefill_ms_per_token * uncached) / 1000.0
             await self.role.prefill(seq, compute_s)
             assert seq.alloc is not None
-            self.pool.commit(seq.alloc)
+            self.pools[seq.rank].commit(seq.alloc)
             seq.prefill_done_at = time.monotonic()
             self.metrics.on_prefill_done(seq)
             await self._stall(seq.fault.stall_before_first)
@@ -316,7 +346,7 @@ class Engine:
         self.stats.token(now)
         self.metrics.on_token(seq, itl)
         if seq.alloc is not None:
-            self.pool.grow(seq.alloc, seq.prompt_tokens + seq.completion_tokens)
+            self.pools[seq.rank].grow(seq.alloc, seq.prompt_tokens + seq.completion_tokens)
 
         params = seq.params
         finish: str | None = None
@@ -370,7 +400,7 @@ class Engine:
         else:
             self.running.pop(seq, None)
         if seq.alloc is not None and not self.role.retain_blocks(seq):
-            self.pool.free(seq.alloc)
+            self.pools[seq.rank].free(seq.alloc)
         if seq.lora_held and self.lora is not None:
             seq.lora_held = False
             self.lora.release(seq.lora)
@@ -443,7 +473,9 @@ class Engine:
             "aborted_ids": list(self.aborted_ids),
             "abort_requests": list(self.abort_requests),
             "kv": {"total_blocks": self.pool.num_blocks, "used_blocks": self.pool.used_blocks,
-                   "cached_blocks": self.pool.cached_blocks, "block_size": self.pool.block_size},
+                   "cached_blocks": self.pool.cached_blocks, "block_size": self.pool.block_size,
+                   **({"ranks": [{"used_blocks": p.used_blocks, "cached_blocks": p.cached_blocks}
+                                 for p in self.pools]} if len(self.pools) > 1 else {})},
             **({"pd": pd} if (pd := self.role.state()) is not None else {}),
             **({"lora": self.lora.state()} if self.lora is not None else {}),
         }

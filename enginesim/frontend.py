@@ -32,6 +32,30 @@ def request_fault(engine: Engine, request: web.Request) -> FaultSpec:
         raise ApiError(400, f"invalid {FAULT_HEADER} header: {exc}", type_="BadRequestError") from None
 
 
+DP_RANK_HEADER = "x-data-parallel-rank"
+
+
+def request_dp_rank(engine: Engine, request: web.Request) -> int | None:
+    """The data-parallel rank the request pins (``X-data-parallel-rank``, any case), else ``None``.
+    vLLM ignores a value that is not an int (SGLang answers 400); a rank outside
+    ``data_parallel_size`` is a 400 on both. Ranks asked for are remembered (``asked_ranks``)."""
+    value = request.headers.get(DP_RANK_HEADER)
+    if value is None:
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        if engine.cfg.engine == "sglang":
+            raise ApiError(400, f"Invalid X-Data-Parallel-Rank header: must be an integer, got '{value}'",
+                           type_="BadRequestError") from None
+        return None
+    if not 0 <= rank < len(engine.pools):
+        raise ApiError(400, f"data_parallel_rank {rank} is out of range [0, {len(engine.pools)}).",
+                       type_="BadRequestError")
+    engine.asked_ranks.append(rank)
+    return rank
+
+
 def check_fault_status(engine: Engine, fault: FaultSpec) -> None:
     """``status=N``: fail before anything is sent, in the engine's error shape."""
     if fault.status is not None:

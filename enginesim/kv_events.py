@@ -19,11 +19,10 @@ vLLM's ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq"
 
 Data parallelism (``--data-parallel-size N``): vLLM runs one publisher per DP rank, rank r bound on
 ``port + r`` (and ``replay_port + r``), each counting its own seq and naming its rank in
-``data_parallel_rank``. ``RankedPublishers`` imitates that over the simulator's single cache pool:
-each new prefix chain (a ``BlockStored`` without a parent) goes to the next rank in turn, and the
-blocks chained on it, and their removals, to the same rank, so each rank's stream is a consistent
-history of its own (a rank never names a parent it did not store). With port 0, rank 0 takes a
-free port and the other ranks the ports after it.
+``data_parallel_rank``. ``RankedPublishers`` holds them; each rank has its own cache pool
+(``enginesim.engine``), which publishes through its rank's publisher, so a rank's stream is the
+history of its own cache. With port 0, rank 0 takes a free port and the other ranks the ports
+after it.
 
 Events raised in one event-loop turn go out as one batch. ``drop_next`` (tests) publishes nothing
 for the next N batches while still buffering them for replay, which is how a subscriber sees a gap;
@@ -222,8 +221,6 @@ class RankedPublishers:
         self.ranks = ranks
         self.port = ranks[0].port
         self.replay_port = ranks[0].replay_port
-        self.next_rank = 0                      # the rank the next new prefix chain goes to
-        self._rank_of: dict[bytes, int] = {}    # block hash -> the rank that stored it
 
     def start(self) -> None:
         for p in self.ranks:
@@ -232,29 +229,3 @@ class RankedPublishers:
     async def close(self) -> None:
         for p in self.ranks:
             await p.close()
-
-    def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
-               lora_name: str | None, extra_keys: list | None = None) -> None:
-        rank = self._rank_of.get(parent) if parent is not None else None
-        if rank is None:
-            rank = self.next_rank
-            self.next_rank = (rank + 1) % len(self.ranks)
-        for h in hashes:
-            self._rank_of[h] = rank
-        self.ranks[rank].stored(hashes, parent, token_ids, block_size, lora_name, extra_keys)
-
-    def removed(self, hashes: list[bytes]) -> None:
-        by_rank: dict[int, list[bytes]] = {}
-        for h in hashes:
-            by_rank.setdefault(self._rank_of.pop(h, 0), []).append(h)
-        for rank, hs in by_rank.items():
-            self.ranks[rank].removed(hs)
-
-    def cleared(self) -> None:
-        self._rank_of.clear()
-        for p in self.ranks:
-            p.cleared()
-
-    def held_by(self, rank: int) -> int:
-        """Blocks the pool holds that ``rank`` reported (tests)."""
-        return sum(1 for r in self._rank_of.values() if r == rank)

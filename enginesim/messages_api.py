@@ -33,7 +33,15 @@ from aiohttp import web
 
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, vllm_type
-from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.frontend import (
+    Dropped,
+    check_fault_status,
+    collect,
+    outputs,
+    request_dp_rank,
+    request_fault,
+    slow_headers,
+)
 from enginesim.protocol import parse_stop
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
@@ -130,7 +138,8 @@ class MessagesApi:
                 seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=prompt_ids,
                 params=SamplingParams(max_tokens=max(1, max_tokens), min_tokens=0,
                                       stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
-                stream=bool(body.get("stream")), fault=fault, cache_salt=None)
+                stream=bool(body.get("stream")), fault=fault, cache_salt=None,
+                dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
         except ApiError as exc:

@@ -67,6 +67,7 @@ class Pinned:
     num_tokens: int
     expires_at: float  # monotonic
     timer: asyncio.TimerHandle
+    rank: int = 0      # the data-parallel rank whose pool holds them
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ class NixlRole(BaseRole):
     async def close(self) -> None:
         for pinned in list(self.pinned.values()):
             pinned.timer.cancel()
-            self.engine.pool.free(pinned.alloc)
+            self.engine.pools[pinned.rank].free(pinned.alloc)
         self.pinned.clear()
         if self._listener is not None:
             await self._listener.close()
@@ -227,13 +228,13 @@ class NixlRole(BaseRole):
     def retain_blocks(self, seq: Sequence) -> bool:
         if not seq.role_data.get("remote_decode") or seq.finish_reason != "length" or seq.alloc is None:
             return False
-        pool = self.engine.pool
+        pool = self.engine.pools[seq.rank]
         block_ids = list(seq.alloc.block_ids[:pool.blocks_for(seq.prompt_tokens)])
         lease = self.cfg.kv_lease_s
         timer = asyncio.get_running_loop().call_later(lease, self._expire, seq.rid)
         self.pinned[seq.rid] = Pinned(seq_id=seq.id, rid=seq.rid, alloc=seq.alloc, block_ids=block_ids,
                                       num_tokens=seq.prompt_tokens, expires_at=time.monotonic() + lease,
-                                      timer=timer)
+                                      timer=timer, rank=seq.rank)
         seq.role_data["kv_params"] = {
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": [block_ids],
@@ -258,7 +259,7 @@ class NixlRole(BaseRole):
         pinned = self.pinned.pop(rid, None)
         if pinned is not None:
             pinned.timer.cancel()
-            self.engine.pool.free(pinned.alloc)
+            self.engine.pools[pinned.rank].free(pinned.alloc)
             self.engine.reschedule()  # freed blocks may let a waiting request in
         return pinned
 

@@ -43,7 +43,7 @@ from aiohttp import web
 
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
-from enginesim.frontend import Dropped, check_fault_status, request_fault, slow_headers
+from enginesim.frontend import Dropped, check_fault_status, request_dp_rank, request_fault, slow_headers
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
 from enginesim.tracing import trace_headers
@@ -164,7 +164,8 @@ class ResponsesApi:
             salt = body.get("cache_salt")
             seq = engine.new_sequence(seq_id=rid, rid=rid, prompt_ids=prompt_ids,
                                       params=SamplingParams(max_tokens=max_tokens), stream=stream and not background,
-                                      fault=fault, cache_salt=salt if isinstance(salt, str) and salt else None)
+                                      fault=fault, cache_salt=salt if isinstance(salt, str) and salt else None,
+                                      dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
         except ApiError as exc:

@@ -89,6 +89,7 @@ class Sequence:
     lora: str | None = None                 # the adapter's name (KV events' lora_name)
     cache_salt: str | None = None           # folded into the first block's hash (KV events' extra_keys)
     alloc: Allocation | None = None
+    rank: int = 0                           # the data-parallel rank (its cache pool) that runs it
     cached_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)
     text: str = ""  # generated text so far (truncated at a matched stop string)

@@ -21,7 +21,15 @@ from aiohttp import web
 from enginesim.config import SGLANG_VERSION
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
-from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.frontend import (
+    Dropped,
+    check_fault_status,
+    collect,
+    outputs,
+    request_dp_rank,
+    request_fault,
+    slow_headers,
+)
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
@@ -110,7 +118,8 @@ class SglangApi:
                            type_="BadRequest")
         seq = engine.new_sequence(seq_id=rid, rid=rid, prompt_ids=prompt_ids, params=params, stream=stream,
                                   fault=fault, cache_salt=salt if isinstance(salt, str) else None,
-                                  lora=lora if isinstance(lora, str) else None)
+                                  lora=lora if isinstance(lora, str) else None,
+                                  dp_rank=request_dp_rank(engine, request))
         seq.trace_headers = trace_headers(request.headers)
         engine.role.accept(seq, body)
         engine.submit(seq)
@@ -328,7 +337,7 @@ class SglangApi:
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if self.engine.num_live or not self.engine.pool.flush():
+        if self.engine.num_live or not all([p.flush() for p in self.engine.pools]):
             return web.Response(status=400, text=FLUSH_FAIL)
         return web.Response(status=200, text=FLUSH_OK)
 

@@ -22,7 +22,15 @@ from aiohttp import web
 from enginesim.config import VLLM_VERSION
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
-from enginesim.frontend import Dropped, check_fault_status, collect, outputs, request_fault, slow_headers
+from enginesim.frontend import (
+    Dropped,
+    check_fault_status,
+    collect,
+    outputs,
+    request_dp_rank,
+    request_fault,
+    slow_headers,
+)
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
@@ -120,7 +128,8 @@ class VllmApi:
                 seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=req.prompt_ids,
                 params=SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                       ignore_eos=req.ignore_eos),
-                stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=self._adapter(req.model))
+                stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=self._adapter(req.model),
+                dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
         except ApiError as exc:

@@ -106,6 +106,8 @@ class RequestContext:
     # bookkeeping not needed to choose the endpoint or build the body (routing observers, prefix
     # index inserts, log fields): run by ``written`` once the first upstream leg is written
     after_write: list[Callable[[], None]] = field(default_factory=list)
+    # (endpoint, header, value): legs to that endpoint name its data-parallel rank (gateway/dp_rank.py)
+    dp_rank: tuple[Endpoint, str, str] | None = None
 
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:
@@ -125,6 +127,14 @@ class RequestContext:
                 except Exception:     # bookkeeping's bug must not fail the request
                     log.exception("after-write bookkeeping failed", request_id=self.rec.request_id)
             later.clear()
+
+    def leg_headers(self, ep: Endpoint, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` for a leg to ``ep``, with the rank header when the request is pinned to one of
+        ``ep``'s data-parallel ranks (a retry elsewhere goes without it)."""
+        pin = self.dp_rank
+        if pin is None or pin[0] is not ep:
+            return headers
+        return {**headers, pin[1]: pin[2]}
 
     def use(self, ep: Endpoint) -> None:
         """``ep`` answers the request (the decode, for P/D)."""

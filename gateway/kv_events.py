@@ -76,6 +76,11 @@ class KVEventsMetrics:
                                 ["model"], registry=registry)
         self.errors = Counter("switchyard_kv_events_decode_errors", "Messages that were not event batches",
                               ["model"], registry=registry)
+        self.rank_routed = Counter("switchyard_kv_events_rank_routed",
+                                   "Requests pinned to a data-parallel rank of their endpoint (X-data-parallel-rank): "
+                                   "match = the rank holding the deepest prefix, load = none holds one, the "
+                                   "rank with the fewest of this gateway's requests",
+                                   ["model", "reason"], registry=registry)
         self.off_loop = Counter("switchyard_kv_events_tokenized_off_loop",
                                 "Prompt segments tokenized in the tokenizer threads (not on the event loop)",
                                 ["model"], registry=registry)

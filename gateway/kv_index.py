@@ -131,6 +131,11 @@ class EndpointState:
     expect_since: float | None = None     # first request needing new blocks since the last event
     on_fallback: str | None = "no_events"  # why the router uses the approximate index, None: live
     stats: dict[str, int] = field(default_factory=dict)
+    # a data-parallel engine whose rank the gateway picks (``KVEventsConfig.ranked``): our key →
+    # bitmask of the ranks holding it, kept beside ``owned`` (so bounded with it); None otherwise
+    rank_keys: dict[int, int] | None = None
+    ranks: int = 1
+    rank_in_flight: list[int] = field(default_factory=list)   # this gateway's requests pinned per rank
 
     @property
     def bit(self) -> int:
@@ -148,6 +153,7 @@ class EventIndex:
         self.clock = clock
         self._on_fallback = on_fallback or (lambda model, endpoint, reason: None)
         self.states: dict[Endpoint, EndpointState] = {}
+        self.ranked: dict[Endpoint, EndpointState] = {}   # those whose data-parallel rank the gateway picks
         self._by_slot: dict[int, EndpointState] = {}
         self._free: list[int] = []
         self._holders: dict[int, int] = {}        # our key → bitmask of endpoint slots
@@ -169,12 +175,17 @@ class EventIndex:
         if st is None:
             slot = self._free.pop() if self._free else len(self._by_slot)
             st = EndpointState(ep, slot, settings)
+            if settings.ranked:
+                st.rank_keys, st.ranks = {}, settings.data_parallel_size
+                st.rank_in_flight = [0] * st.ranks
+                self.ranked[ep] = st
             self.states[ep] = st
             self._by_slot[slot] = st
         return st
 
     def forget(self, ep: Endpoint) -> None:
         st = self.states.pop(ep, None)
+        self.ranked.pop(ep, None)
         if st is not None:
             self.clear(st)
             for key in [k for k, m in self._pending.items() if m & st.bit]:
@@ -200,6 +211,8 @@ class EventIndex:
         st.expect_since = None
         st.on_fallback = None
         media, emap, owned, holders = st.media, st.emap, st.owned, self._holders
+        ranked = st.rank_keys
+        not_rank = ~(1 << (rank or 0))
         others = ~(1 << st.slot)
         stored = removed = cleared = orphans = 0
         for ev in batch.events:
@@ -218,6 +231,12 @@ class EventIndex:
                         continue
                     del media[bh]               # the last medium gone: _drop, inline
                     key = emap.pop(bh)
+                    if ranked is not None:
+                        m = ranked.get(key, 0) & not_rank
+                        if m:
+                            ranked[key] = m
+                        else:
+                            ranked.pop(key, None)
                     n = owned[key] - 1
                     if n:
                         owned[key] = n
@@ -231,6 +250,8 @@ class EventIndex:
             elif cls is BlockStored:
                 stored += 1
                 orphans += self._stored(st, ev)     # type: ignore[arg-type]
+                if ranked is not None:
+                    self._rank_stored(ranked, emap, ev, rank or 0)   # type: ignore[arg-type]
             elif cls is AllBlocksCleared:
                 cleared += 1
                 if rank is None:
@@ -295,9 +316,26 @@ class EventIndex:
             self._drop(st, next(iter(emap)))
         return 0
 
+    @staticmethod
+    def _rank_stored(ranked: dict[int, int], emap: dict[BlockHash, int], ev: BlockStored, rank: int) -> None:
+        """The blocks of ``ev`` (from ``rank``'s publisher) that the endpoint now holds: held by ``rank``."""
+        bit = 1 << rank
+        get = emap.get
+        for bh in ev.block_hashes:
+            key = get(bh)
+            if key is not None:
+                ranked[key] = ranked.get(key, 0) | bit
+
     def _drop(self, st: EndpointState, bh: BlockHash) -> None:
         key = st.emap.pop(bh)
         del st.media[bh]
+        ranked = st.rank_keys
+        if ranked is not None:
+            m = ranked.get(key, 0) & ~(1 << rank_of(bh))
+            if m:
+                ranked[key] = m
+            else:
+                ranked.pop(key, None)
         n = st.owned[key] - 1
         if n:
             st.owned[key] = n
@@ -321,6 +359,8 @@ class EventIndex:
         st.emap.clear()
         st.media.clear()
         st.owned.clear()
+        if st.rank_keys is not None:
+            st.rank_keys.clear()
 
     def clear_rank(self, st: EndpointState, rank: int) -> None:
         """Forget what one data-parallel rank of ``st``'s engine holds (its gap, restart or cache
@@ -509,6 +549,38 @@ class EventIndex:
             pending[k] = pending.get(k, 0) | bit
             pend_until[(k, slot)] = until
         self._pending_q.append((until, slot, new))
+
+    def rank_depths(self, req: InferenceRequest, ep: Endpoint) -> list[int] | None:
+        """Cached tokens of ``req`` on each data-parallel rank of ``ep``, from the keys ``match``
+        computed for it; ``None`` when the gateway does not pick ``ep``'s ranks, its events are not
+        live, or the request was not keyed at its block size. One walk down the keys with a bitmask
+        of the ranks still holding every block so far; it stops when no rank is left."""
+        st = self.states.get(ep)
+        if st is None or st.rank_keys is None or st.on_fallback is not None or not st.block_size:
+            return None
+        memo = self._memo
+        if memo[0] is not req or memo[1] != st.block_size:
+            return None
+        keys, bs = memo[2], st.block_size
+        cap = min(len(keys), max(0, memo[3] - 1) // bs)
+        depths = [0] * st.ranks
+        alive = (1 << st.ranks) - 1
+        get = st.rank_keys.get
+        i = 0
+        while i < cap and alive:
+            held = alive & get(keys[i], 0)
+            gone = alive & ~held
+            while gone:
+                low = gone & -gone
+                depths[low.bit_length() - 1] = i * bs
+                gone ^= low
+            alive = held
+            i += 1
+        while alive:
+            low = alive & -alive
+            depths[low.bit_length() - 1] = i * bs
+            alive ^= low
+        return depths
 
     def _expire(self, now: float) -> None:
         q = self._pending_q

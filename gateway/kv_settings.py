@@ -26,6 +26,11 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     max_request_blocks: Annotated[int, Meta(ge=1)] = 16384          # a request's blocks keyed at most
     # a data-parallel engine behind one endpoint publishes rank r on port + r (replay on replay_port + r)
     data_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    # pin each request to the rank holding its prefix (``X-data-parallel-rank``) when
+    # data_parallel_size > 1; None (the default) means true there; false leaves the rank to the engine
+    route_ranks: bool | None = None
+    # forward a client's own X-data-parallel-rank header (stripped by default: clients do not pin ranks)
+    client_rank: bool = False
     # threads tokenizing requests off the event loop (one pool per gateway: the largest over the
     # models); 0 tokenizes on the loop. Segments shorter than tokenize_inline_chars stay on the loop:
     # a hop costs the request two handovers of the GIL, each up to the interpreter's switch interval
@@ -39,6 +44,11 @@ class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
 
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the gateway picks the rank of a request to this engine (``route_ranks``)."""
+        return self.data_parallel_size > 1 and self.route_ranks is not False
 
     def with_annotation(self, values: dict) -> KVEventsConfig:
         """This block with a pod annotation's ``port``, ``replay_port`` and ``topic`` laid over it."""

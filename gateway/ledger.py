@@ -105,6 +105,21 @@ class AdapterInFlight(Charge):
             counts.pop(self.adapter, None)
 
 
+class RankInFlight(Charge):
+    """This gateway's requests pinned to one data-parallel rank of an endpoint (``gateway.dp_rank``):
+    ``counts`` is the endpoint's per-rank list in the event index."""
+
+    __slots__ = ("counts", "rank")
+
+    def __init__(self, endpoint: Endpoint, counts: list[int], rank: int) -> None:
+        self.counts = counts
+        self.rank = rank
+        super().__init__(endpoint)
+
+    def _add(self, ep: Endpoint, amount: float) -> None:  # type: ignore[override]
+        self.counts[self.rank] += int(amount)
+
+
 @dataclass(slots=True)
 class Charges:
     """Every charge of one request. The P/D orchestration releases the prefill-side ones early
@@ -116,6 +131,7 @@ class Charges:
     token_active: Charge | None = None
     token_kv: Charge | None = None
     adapter: AdapterInFlight | None = None     # a LoRA adapter's request (gateway/lora.py)
+    rank: RankInFlight | None = None           # the data-parallel rank it was pinned to (gateway/dp_rank.py)
 
     def prefill_done(self) -> None:
         """The prefill call ended: its in-flight count and its active tokens go back."""
@@ -137,7 +153,8 @@ class Charges:
             self.adapter = AdapterInFlight(ep, self.adapter.adapter)
 
     def release(self) -> None:
-        for c in (self.in_flight, self.prefill, self.pending_decode, self.token_active, self.token_kv, self.adapter):
+        for c in (self.in_flight, self.prefill, self.pending_decode, self.token_active, self.token_kv, self.adapter,
+                  self.rank):
             if c is not None:
                 c.release()
 

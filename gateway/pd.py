@@ -114,7 +114,8 @@ class PDOrchestrator:
         try:
             bad: BadPrefillAnswer | None = None
             with ctx.trace.leg("prefill", prefill) as pleg:
-                x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(headers))
+                x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
+                    ctx.leg_headers(prefill, headers)))
                 ctx.written()               # the routing bookkeeping, once the prefill is out
                 status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
                 if status == 200:
@@ -161,7 +162,8 @@ class PDOrchestrator:
         ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
         # both legs are written before anything else (on idle keep-alive connections, right here)
         pleg = ctx.trace.leg("prefill", prefill)
-        prefill_x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(headers))
+        prefill_x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
+                    ctx.leg_headers(prefill, headers)))
         decode_sent = SendState()
         leg = ctx.trace.leg("decode", decode)
         decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent)

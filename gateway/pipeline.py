@@ -18,6 +18,7 @@ from functools import partial
 import structlog
 from aiohttp import web
 
+from gateway import dp_rank
 from gateway.admission.service import Admission
 from gateway.aliases import Aliases
 from gateway.apis.base import ApiShape
@@ -131,6 +132,8 @@ class Pipeline:
             ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
             if ireq.lora is not None and self.lora is not None:
                 self.lora.charge(ctx)
+            if (kv is not None and kv.index.ranked) or dp_rank.DP_RANK_HEADER in ireq.headers:
+                dp_rank.pin(ctx, kv, adapter, self._client_rank(ireq.model))   # a data-parallel engine's rank
             ctx.trace.routed(decision, len(candidates))
             limit = getattr(self.config.model(ireq.model), "migration_limit", 0)
             if limit:                       # mid-stream continuation (gateway/migration.py)
@@ -189,6 +192,11 @@ class Pipeline:
         except BodyError as e:
             raise GatewayError(400, str(e), header=("x-error-routing", "true"), error_class="validation") from None
 
+    def _client_rank(self, model: str) -> bool:
+        """Whether the model lets a client's own ``X-data-parallel-rank`` through (``kv_events.client_rank``)."""
+        m = self.config.model(model)
+        return m is not None and m.kv_events is not None and m.kv_events.client_rank
+
     def _prefill_tokens(self, ctx: RequestContext) -> float:
         """The token-load charge of a P/D decision: a fixed cost plus the prompt tokens the prefill
         must compute."""
@@ -220,7 +228,7 @@ class Pipeline:
         while True:
             ctx.use(ep)
             leg = ctx.trace.leg("generate", ep, attempt=len(tried))
-            x = self.upstream.begin(ep, ireq.path, body, leg.inject(headers))
+            x = self.upstream.begin(ep, ireq.path, body, leg.inject(ctx.leg_headers(ep, headers)))
             ctx.written()                   # the leg is out: now the routing bookkeeping
             try:
                 resp = await self.upstream.opened(ep, x, header_timeout, ireq.model)
@@ -267,6 +275,7 @@ class Pipeline:
             candidates = self.pd_decider.decide(ctx, adapter, candidates)
             decision = ctx.decision
         ctx.charges.release()
+        ctx.dp_rank = None                  # the continuation goes where the engine puts it
         ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
         if cont.lora is not None and self.lora is not None:
             self.lora.charge(ctx)

@@ -44,11 +44,14 @@ from gateway.request import InferenceRequest, usage_stream_options
 
 # client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
 # itself (the body goes out decoded, so its content-encoding too), and the gateway's own routing
-# controls. Everything else passes through, as through a proxy.
+# controls, among them the engine's data-parallel rank (a client must not pin ranks; the gateway
+# picks them, ``gateway.dp_rank``, and a model's ``kv_events.client_rank`` lets a client's through).
+# Everything else passes through, as through a proxy.
+DP_RANK_HEADER = "x-data-parallel-rank"
 _DROP_HEADERS = frozenset({
     "host", "content-length", "content-type", "content-encoding", "connection", "keep-alive", "proxy-connection",
     "transfer-encoding", "te", "trailer", "upgrade", "expect", "accept-encoding", "x-request-id",
-    "routing-strategy", "proxy-authorization",
+    "routing-strategy", "proxy-authorization", DP_RANK_HEADER,
 })
 
 

@@ -78,6 +78,9 @@ class EngineAdapter(Protocol):
     # whether a decode endpoint computes a prompt itself when asked without the P/D fields
     decode_runs_whole: bool
 
+    # the request header that pins a request to one data-parallel rank of the engine (gateway/dp_rank.py)
+    dp_rank_header: str
+
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         """(path, body) of the engine's runtime call that loads adapter ``name`` from ``path``."""
         ...

@@ -203,6 +203,10 @@ class SGLangAdapter:
 
     # a decode-mode server takes only requests with a bootstrap room: it never prefills by itself
     decode_runs_whole = False
+    # OpenAIServingBase.extract_routed_dp_rank_from_header (sglang/srt/entrypoints/openai): the header
+    # wins over the body's routed_dp_rank (older releases: data_parallel_rank) and the
+    # DataParallelController sends the request to that rank's scheduler
+    dp_rank_header = "X-Data-Parallel-Rank"
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         return "/load_lora_adapter", orjson.dumps({"lora_name": name, "lora_path": path})

@@ -121,6 +121,9 @@ class VLLMAdapter:
 
     # a decode without kv_transfer_params prefills the prompt itself (vLLM's proxy relies on it)
     decode_runs_whole = True
+    # OpenAIServing._get_data_parallel_rank (vllm/entrypoints/openai): an int in this header pins the
+    # request to that engine core of a --data-parallel-size engine, past its internal load balancer
+    dp_rank_header = "X-data-parallel-rank"
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         # needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true on the engine

@@ -176,6 +176,9 @@ async def _leases_balance():
         for ep in gw.pool.endpoints():
             assert _idle(ep), (f"lease leak on {ep.name}: in_flight={ep.in_flight} prefill={ep.prefill_in_flight} "
                                f"pending_decode={ep.pending_decode} tokens={ep.token_active}/{ep.token_kv}")
+        kv = gw.routing.ctx.precise_index
+        for st in (kv.index.ranked.values() if kv is not None else ()):
+            assert not any(st.rank_in_flight), f"rank lease leak on {st.ep.name}: {st.rank_in_flight}"
         text = gw.metrics.render().decode()
         for line in text.splitlines():
             if line.startswith(("switchyard_in_flight_requests{", "switchyard_endpoint_in_flight_requests{",

@@ -1,6 +1,7 @@
 """A data-parallel engine behind one endpoint, on loopback: enginesim publishes two ranks on
 ``port`` and ``port + 1``; the gateway subscribes to both, indexes what either holds, replays a
-rank's gap from that rank, and clears only the rank that restarted."""
+rank's gap from that rank, and clears only the rank that restarted. Then the gateway picks the rank:
+a conversation's turns and requests sharing a prefix land on the rank holding it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ async def _setup(sims, gateway):
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
                          "strategy": "prefix-cache",
                          "kv_events": {"enabled": True, "port": pubs.port, "replay_port": pubs.replay_port,
-                                       "data_parallel_size": 2, "stall_timeout_s": 30}}])
+                                       "data_parallel_size": 2, "stall_timeout_s": 30,
+                                       "client_rank": True}}])   # these tests place prefixes themselves
     kv = gw.gw.routing.ctx.precise_index
     await _wait(lambda: len(kv.subscribers) == 1)
     st = next(iter(kv.index.states.values()))
@@ -45,11 +47,10 @@ async def _wait(pred, timeout: float = 5.0) -> None:
 
 
 async def _chat(client, pubs, rank: int, tag: str):
-    """A conversation on a new prefix, whose blocks the simulator publishes on ``rank``."""
-    pubs.next_rank = rank
+    """A conversation on a new prefix, run on ``rank`` (the model lets the client's header through)."""
     return await client.chat.completions.create(
         model="m", messages=[{"role": "system", "content": f"{tag} {SYSTEM}"}, {"role": "user", "content": "hi"}],
-        max_tokens=2)
+        max_tokens=2, extra_headers={"X-data-parallel-rank": str(rank)})
 
 
 def _by_rank(st) -> dict[int, int]:
@@ -59,8 +60,12 @@ def _by_rank(st) -> dict[int, int]:
     return out
 
 
-def _indexed(st, pubs) -> bool:
-    return _by_rank(st) == {r: n for r in range(len(pubs.ranks)) if (n := pubs.held_by(r))}
+def _held_by(sim, rank: int) -> int:
+    return sim.engine.pools[rank].cached_blocks
+
+
+def _indexed(st, sim) -> bool:
+    return _by_rank(st) == {r: n for r in range(len(sim.engine.pools)) if (n := _held_by(sim, r))}
 
 
 async def test_both_ranks_are_indexed_and_a_gap_replays_on_its_rank_only(sims, gateway):
@@ -70,8 +75,8 @@ async def test_both_ranks_are_indexed_and_a_gap_replays_on_its_rank_only(sims, g
         assert [s.rank for s in subs] == [0, 1]
         await _chat(client, pubs, 0, "alpha")
         await _chat(client, pubs, 1, "beta")
-        await _wait(lambda: _indexed(st, pubs))
-        assert set(_by_rank(st)) == {0, 1} and len(st.emap) == sim.engine.pool.cached_blocks
+        await _wait(lambda: _indexed(st, sim))
+        assert set(_by_rank(st)) == {0, 1} and len(st.emap) == sum(p.cached_blocks for p in sim.engine.pools)
         # the endpoint holds a prefix that only rank 1 reported: a second turn matches it
         r = await client.chat.completions.create(
             model="m", messages=[{"role": "system", "content": f"beta {SYSTEM}"},
@@ -82,7 +87,7 @@ async def test_both_ranks_are_indexed_and_a_gap_replays_on_its_rank_only(sims, g
         pubs.ranks[1].drop_next = 1          # rank 1's next batch is buffered for replay, never sent
         await _chat(client, pubs, 1, "gamma")
         await _chat(client, pubs, 1, "delta")
-        await _wait(lambda: _indexed(st, pubs))
+        await _wait(lambda: _indexed(st, sim))
         assert [p.replays_served for p in pubs.ranks] == [0, 1]
         assert [s.expected for s in subs] == [p.seq for p in pubs.ranks]
         text = await gw.metrics_text()
@@ -96,16 +101,88 @@ async def test_a_restarted_rank_clears_its_entries_only(sims, gateway):
     try:
         await _chat(client, pubs, 0, "alpha")
         await _chat(client, pubs, 1, "beta")
-        await _wait(lambda: _indexed(st, pubs))
-        rank0, rank1_before = pubs.held_by(0), pubs.held_by(1)
+        await _wait(lambda: _indexed(st, sim))
+        rank0, rank1_before = _held_by(sim, 0), _held_by(sim, 1)
         assert rank0 and rank1_before
         # rank 1 restarts: its publisher counts from 0 again (its old blocks are gone for the gateway)
         pubs.ranks[1].seq = 0
         pubs.ranks[1].buffer.clear()
         await _chat(client, pubs, 1, "a new life")
-        await _wait(lambda: _by_rank(st).get(1) == pubs.held_by(1) - rank1_before)
+        await _wait(lambda: _by_rank(st).get(1) == _held_by(sim, 1) - rank1_before)
         assert _by_rank(st)[0] == rank0                     # rank 0 kept everything
         text = await gw.metrics_text()
         assert 'switchyard_kv_events_restarts_total{model="m"} 1.0' in text
     finally:
         await client.close()
+
+
+async def _ranked_setup(sims, gateway, route_ranks: bool):
+    sim = await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
+                     kv_blocks=4096, data_parallel_size=2)
+    pubs = sim.engine.kv_events
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                         "strategy": "prefix-cache",
+                         "kv_events": {"enabled": True, "port": pubs.port, "replay_port": pubs.replay_port,
+                                       "data_parallel_size": 2, "stall_timeout_s": 30,
+                                       "route_ranks": route_ranks}}])
+    kv = gw.gw.routing.ctx.precise_index
+    await _wait(lambda: len(kv.subscribers) == 1)
+    st = next(iter(kv.index.states.values()))
+    await asyncio.sleep(0.3)
+    records: list = []
+    gw.gw.observers.append(lambda rec, _d: records.append(rec))
+    return sim, gw, st, records
+
+
+async def _workload(sim, gw, st) -> list[int]:
+    """A four-turn conversation, then four questions on one long shared prefix, one after another
+    (each once the gateway indexed what the previous one cached); the cached tokens of each request
+    but the first of each group. The client sends its own rank header on every request."""
+    cached: list[int] = []
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0,
+                                default_headers={"X-data-parallel-rank": "1"})
+    try:
+        messages = [{"role": "system", "content": f"conversation {SYSTEM}"}]
+        for turn in range(4):
+            messages.append({"role": "user", "content": f"question number {turn} about rule {turn}"})
+            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+            messages.append({"role": "assistant", "content": r.choices[0].message.content})
+            if turn:
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            await _wait(lambda: _indexed(st, sim))
+        shared = "shared context " + SYSTEM
+        for q in range(4):
+            r = await client.completions.create(model="m", prompt=f"{shared} question {q}?", max_tokens=2)
+            if q:
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+            await _wait(lambda: _indexed(st, sim))
+    finally:
+        await client.close()
+    return cached
+
+
+async def test_the_gateway_pins_each_request_to_the_rank_holding_its_prefix(sims, gateway):
+    sim, gw, st, records = await _ranked_setup(sims, gateway, route_ranks=True)
+    cached = await _workload(sim, gw, st)
+    assert all(c > 0 for c in cached), cached
+    # the first request finds the endpoint not yet live on events (no rank has published): the engine
+    # picks; every later one went with the gateway's rank (the client's own header was replaced), as logged
+    assert "dp_rank" not in records[0].extra
+    ranks = [rec.extra["dp_rank"] for rec in records[1:]]
+    assert list(sim.engine.asked_ranks) == ranks and len(ranks) == 7
+    assert st.rank_in_flight == [0, 0]
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_rank_routed_total{model="m",reason="match"} 6.0' in text
+    assert 'switchyard_kv_events_rank_routed_total{model="m",reason="load"} 1.0' in text
+    print("route_ranks on: cached tokens", cached, "sum", sum(cached))
+
+
+async def test_without_route_ranks_the_engine_spreads_requests_and_misses_its_cache(sims, gateway):
+    sim, gw, st, records = await _ranked_setup(sims, gateway, route_ranks=False)
+    cached = await _workload(sim, gw, st)
+    assert not sim.engine.asked_ranks                # neither the gateway nor the client pinned a rank
+    assert all("dp_rank" not in rec.extra for rec in records)
+    assert cached.count(0) >= 2, cached        # a turn, a shared-prefix question on the other rank
+    text = await gw.metrics_text()
+    assert "switchyard_kv_events_rank_routed_total{" not in text
+    print("route_ranks off: cached tokens", cached, "sum", sum(cached))
