@@ -48,6 +48,12 @@ even; ``peak`` is the mean of the per-sample max/mean). ``loop lag`` is how late
 woke up on average: if it grows, the process is CPU-bound and the TTFTs include the load
 generator's own delay. The report's footer says which mode ran.
 
+The engines publish KV events in every run (``--engines-publish always``), whatever the strategy:
+a fleet configured for events publishes them whatever the gateway routes by, and publishing costs
+the simulated engines CPU in the benchmark's process (their timers and the load generator share
+its loop), so only the same engines under every strategy compare the routing alone.
+``--engines-publish events`` has only the ``+events`` runs' engines publish.
+
 Outputs a Markdown table on stdout and, with matplotlib (``pip install -e '.[bench]'``), a plot of
 the TTFT distribution per strategy (``--plot``, default ``bench/routing.png``).
 """
@@ -86,6 +92,10 @@ QUICK_STRATEGIES = ["random", "least-request", "least-kv-cache", "prefix-cache",
 RECOMMENDED = "prefix-cache"
 EVENTS = "+events"        # suffix: the strategy with KV events on (engines publish, the gateway subscribes)
 KV_EVENTS: dict = {}      # extra kv_events keys (--kv-events KEY=VALUE)
+# which runs' engines publish KV events (--engines-publish): "always", the same engines for every
+# strategy (a fleet configured for events publishes whatever the gateway routes by), or "events",
+# only under the +events strategies (their engines then do work the others' do not)
+ENGINES_PUBLISH = {"mode": "always"}
 _WORDS_SEED = 7919
 
 
@@ -506,7 +516,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     gateways: list = []
     procs: GatewayProcesses | None = None
     try:
-        sims += await start_engines(w, em, events, tok)
+        sims += await start_engines(w, em, events or ENGINES_PUBLISH["mode"] == "always", tok)
         raw = gateway_config(spec, events, [s.url for s in sims], tok, routing or {})
         cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
         monitors = watch_subscriptions(sims) if events else []
@@ -715,7 +725,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-process", action="store_true",
                     help="run each gateway replica as its own process (python -m gateway) instead of in the "
                          "benchmark's event loop; engines and load generator stay in the benchmark")
+    ap.add_argument("--engines-publish", choices=["always", "events"], default="always",
+                    help="always (default): every run's engines publish KV events, so every strategy faces the "
+                         "same engines; events: only the +events runs' engines do")
     args = ap.parse_args(argv)
+    ENGINES_PUBLISH["mode"] = args.engines_publish
 
     from gateway.logs import configure_logging
 
@@ -772,7 +786,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(`--gateway-process`; imbalance counted at the engines)" if args.gateway_process
             else f"{gateways} in the benchmark's process and event loop")
     print(f"\n{w.engines} engines, {w.duration_s:.0f} s of arrivals per strategy ({w.warmup_s:.0f} s warm-up), "
-          f"seed {w.seed}; {mode}; total run {total:.0f} s")
+          f"seed {w.seed}; {mode}; engines publishing KV events "
+          f"{'in every run' if args.engines_publish == 'always' else 'only under +events'}; total run {total:.0f} s")
     if args.plot:
         try:
             plot(results, Path(args.plot), f"Switchyard routing benchmark: {w.engines} simulated vLLM engines, "
