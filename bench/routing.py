@@ -346,6 +346,20 @@ def fallbacks(pages: list[str]) -> list[str]:
     return [f"{labels} {n:g}" for labels, n in total.items()]
 
 
+def gateway_means(pages: list[str]) -> dict[str, float]:
+    """Mean seconds of a few of the gateways' own histograms (routing decision, event-loop lag),
+    over the replicas, from their ``/metrics`` pages."""
+    sums: dict[str, list[float]] = {}
+    for page in pages:
+        for line in page.splitlines():
+            for name in ("switchyard_routing_decision_seconds", "switchyard_event_loop_lag_seconds"):
+                for part in ("_sum", "_count"):
+                    if line.startswith(name + part):
+                        acc = sums.setdefault(name, [0.0, 0.0])
+                        acc[part == "_count"] += float(line.rpartition(" ")[2])
+    return {name: total / n for name, (total, n) in sums.items() if n}
+
+
 def watch_subscriptions(sims: list) -> list:
     """A monitor on each engine's KV-event PUB socket, reporting finished ZMTP handshakes (a
     subscriber connected); set up before the gateways start, read by ``subscribed``."""
@@ -580,6 +594,10 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     fb = fallbacks(pages)
     if fb:
         print("    fallbacks: " + "; ".join(fb), file=sys.stderr)
+    means = gateway_means(pages)
+    if means:
+        print("    gateway: " + ", ".join(f"{name.removeprefix('switchyard_').removesuffix('_seconds')} mean "
+                                        f"{1000 * v:.3f} ms" for name, v in means.items()), file=sys.stderr)
     return result
 
 
