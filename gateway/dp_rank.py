@@ -6,7 +6,9 @@ The gateway knows better when the engine publishes KV events per rank (``gateway
 which ranks hold each block): once the router chose such an endpoint on the events (``prefix-cache``,
 or the prefill endpoint of ``pd``), ``pin`` picks the rank
 
-1. holding the deepest match of the request's blocks,
+1. holding the deepest match of the request's blocks (or about to: a pinned request's new blocks
+   count as held on its rank for ``speculative_ttl_s``, so a burst on one new prefix follows the
+   first request to its rank before that rank reports its prefill),
 2. among equals, with the fewest of this gateway's requests in flight on it (a ``RankInFlight``
    charge, released with the request's other charges),
 3. among equals, the lowest index,
@@ -55,6 +57,7 @@ def pin(ctx: RequestContext, kv: Any, adapter: Any, client_rank: bool) -> None:
     if depths is None:            # not keyed on this endpoint's events: the engine picks
         return
     rank, reason = choose(depths, st.rank_in_flight)
+    kv.index.rank_routed(ireq, ep, rank, depths[rank])
     ctx.charges.rank = RankInFlight(ep, st.rank_in_flight, rank)
     ctx.dp_rank = (ep, adapter.dp_rank_header, str(rank))
     ctx.rec.extra["dp_rank"] = rank

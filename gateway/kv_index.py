@@ -136,6 +136,11 @@ class EndpointState:
     rank_keys: dict[int, int] | None = None
     ranks: int = 1
     rank_in_flight: list[int] = field(default_factory=list)   # this gateway's requests pinned per rank
+    # a pinned request's new blocks, held speculatively on its rank until ``speculative_ttl_s`` passes
+    # (so a burst on one new prefix lands on one rank before its first prefill is reported):
+    # our key → {rank: until}, and the (until, key) order they expire in
+    rank_pending: dict[int, dict[int, float]] = field(default_factory=dict)
+    rank_pending_q: deque[tuple[float, int]] = field(default_factory=deque)
 
     @property
     def bit(self) -> int:
@@ -361,6 +366,8 @@ class EventIndex:
         st.owned.clear()
         if st.rank_keys is not None:
             st.rank_keys.clear()
+            st.rank_pending.clear()
+            st.rank_pending_q.clear()
 
     def clear_rank(self, st: EndpointState, rank: int) -> None:
         """Forget what one data-parallel rank of ``st``'s engine holds (its gap, restart or cache
@@ -566,9 +573,19 @@ class EventIndex:
         depths = [0] * st.ranks
         alive = (1 << st.ranks) - 1
         get = st.rank_keys.get
+        pending = st.rank_pending
+        if pending:
+            now = self.clock()
+            self._expire_ranks(st, now)
         i = 0
         while i < cap and alive:
             held = alive & get(keys[i], 0)
+            if pending and held != alive:
+                spec = pending.get(keys[i])
+                if spec:
+                    for r, until in spec.items():
+                        if until > now:
+                            held |= alive & (1 << r)
             gone = alive & ~held
             while gone:
                 low = gone & -gone
@@ -581,6 +598,41 @@ class EventIndex:
             depths[low.bit_length() - 1] = i * bs
             alive ^= low
         return depths
+
+    def rank_routed(self, req: InferenceRequest, ep: Endpoint, rank: int, depth: int) -> None:
+        """``req`` was pinned to ``rank`` of ``ep``, whose match there was ``depth`` tokens: hold its
+        blocks past that on the rank speculatively (``speculative_ttl_s``), as ``routed`` does per
+        endpoint, so the next request on the same new prefix follows it to that rank."""
+        st = self.states.get(ep)
+        if st is None or st.rank_keys is None or not st.block_size:
+            return
+        ttl = st.settings.speculative_ttl_s
+        memo = self._memo
+        if ttl <= 0 or memo[0] is not req or memo[1] != st.block_size:
+            return
+        keys, bs = memo[2], st.block_size
+        cap = min(len(keys), max(0, memo[3] - 1) // bs)
+        now = self.clock()
+        until = now + ttl
+        pending, q = st.rank_pending, st.rank_pending_q
+        for k in keys[depth // bs:cap]:
+            spec = pending.get(k)
+            if spec is None:
+                pending[k] = {rank: until}
+            else:
+                spec[rank] = until
+            q.append((until, k))
+
+    def _expire_ranks(self, st: EndpointState, now: float) -> None:
+        q, pending = st.rank_pending_q, st.rank_pending
+        while q and q[0][0] <= now:
+            _, k = q.popleft()
+            spec = pending.get(k)
+            if spec is not None:
+                for r in [r for r, until in spec.items() if until <= now]:
+                    del spec[r]
+                if not spec:
+                    del pending[k]
 
     def _expire(self, now: float) -> None:
         q = self._pending_q

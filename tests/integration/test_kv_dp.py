@@ -186,3 +186,25 @@ async def test_without_route_ranks_the_engine_spreads_requests_and_misses_its_ca
     text = await gw.metrics_text()
     assert "switchyard_kv_events_rank_routed_total{" not in text
     print("route_ranks off: cached tokens", cached, "sum", sum(cached))
+
+
+async def test_a_burst_on_one_new_prefix_follows_the_first_request_to_its_rank(sims, gateway):
+    """Requests on a prefix no rank holds yet, sent together: the first is pinned by load, and its
+    new blocks count as held on that rank until the rank reports them, so the rest follow it there
+    (each rank's own cache would otherwise prefill the prefix again)."""
+    sim, gw, st, records = await _ranked_setup(sims, gateway, route_ranks=True)
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    try:
+        await client.completions.create(model="m", prompt="warm up " + SYSTEM[:200], max_tokens=2)
+        await _wait(lambda: _indexed(st, sim))
+        # the other rank is busier by one pinned request, so a load-only choice would alternate
+        shared = "a new shared document " + SYSTEM
+        answers = await asyncio.gather(*(client.completions.create(
+            model="m", prompt=f"{shared} question {q}?", max_tokens=2) for q in range(4)))
+    finally:
+        await client.close()
+    assert len(answers) == 4
+    burst = [rec.extra["dp_rank"] for rec in records[1:]]
+    assert len(burst) == 4 and len(set(burst)) == 1, burst
+    assert list(sim.engine.asked_ranks)[-4:] == burst
+    assert st.rank_in_flight == [0, 0]

@@ -113,3 +113,27 @@ def test_the_rank_charge_is_released_once():
     charges.release()
     charges.release()
     assert counts == [0, 0]
+
+
+def test_a_pinned_requests_new_blocks_count_on_its_rank_until_they_expire():
+    now = [100.0]
+    s = KVEventsConfig(enabled=True, speculative_ttl_s=5, data_parallel_size=3)
+    idx = EventIndex({"m": TOK}, lambda m: s, clock=lambda: now[0])
+    ep = Endpoint(url="http://10.0.0.1:8000", model="m")
+    st = idx.track(ep, s)
+    st.block_size, st.on_fallback = 4, None
+    req = _request("the quick brown fox jumps over the lazy dog " * 6)
+    keys, _tokens = idx._keys(req, "m", 4)
+    assert idx.rank_depths(req, ep) == [0, 0, 0]
+    idx.rank_routed(req, ep, 2, 0)
+    again = _request("the quick brown fox jumps over the lazy dog " * 6)
+    idx._keys(again, "m", 4)
+    depths = idx.rank_depths(again, ep)
+    assert depths[0] == depths[1] == 0 and depths[2] >= 4 * (len(keys) - 1)
+    assert choose(depths, [0, 0, 5]) == (2, "match")       # the burst follows rank 2, busier or not
+    now[0] += 5.0                                          # the speculation expired
+    assert idx.rank_depths(again, ep) == [0, 0, 0]
+    assert not st.rank_pending and not st.rank_pending_q
+    idx.rank_routed(again, ep, 1, 0)
+    idx.clear(st)
+    assert not st.rank_pending and not st.rank_pending_q
