@@ -34,9 +34,11 @@ DEMO_ENGINES = [
     ("demo-kv", "vllm", "aggregated", 8141,
      {"tokenizer": str(TINY_DIR), "kv_events_port": 8145, "kv_events_replay_port": 8146},
      {"kv_events": {"port": 8145, "replay_port": 8146}}),
+    # the second is data-parallel (two ranks, each its own cache, rank r publishing on port + r):
+    # the gateway pins each request to the rank holding its prefix (X-data-parallel-rank)
     ("demo-kv", "vllm", "aggregated", 8142,
-     {"tokenizer": str(TINY_DIR), "kv_events_port": 8147, "kv_events_replay_port": 8148},
-     {"kv_events": {"port": 8147, "replay_port": 8148}}),
+     {"tokenizer": str(TINY_DIR), "kv_events_port": 8147, "kv_events_replay_port": 8149, "data_parallel_size": 2},
+     {"kv_events": {"port": 8147, "replay_port": 8149, "data_parallel_size": 2}}),
 ]
 
 
@@ -96,7 +98,9 @@ Switchyard demo: gateway on http://{host}:{{port}} with simulated engines
   demo-llama-pd  vLLM P/D:   prefill 127.0.0.1:8121, decode :8122
   demo-qwen-pd   SGLang P/D: prefill 127.0.0.1:8131 (bootstrap 8998), decode :8132
   demo-kv        vLLM,   2 replicas (127.0.0.1:8141, :8142) publishing KV-cache events (ZMQ on
-                 :8145/:8147, replay :8146/:8148); prefix-cache routes on what each engine holds
+                 :8145 and :8147/:8148, replay :8146 and :8149/:8150); prefix-cache routes on what
+                 each engine holds; :8142 has 2 data-parallel ranks, each request pinned to the
+                 rank holding its prefix (X-data-parallel-rank, the log line's dp_rank)
   demo-chat      alias: 90% of users to demo-llama, 10% to demo-qwen (sticky per user)
   sql-lora, chat-lora   LoRA adapters of demo-llama (sql-lora loaded on :8101; chat-lora loaded
                  on demand by the first request that names it); pd-lora of demo-llama-pd, loaded
