@@ -135,15 +135,22 @@ async def test_sighup_under_load_adds_an_endpoint_and_removes_another_with_no_fa
 
 
 async def worker_views(port: int, want: int) -> dict[int, set[str]]:
-    """pid → the model ids its /v1/models lists, over fresh connections until ``want`` workers answered."""
+    """pid → the model ids its /v1/models lists, over fresh connections until ``want`` workers answered.
+    A connection the kernel reset is tried again: right after a worker is killed, the connections
+    SO_REUSEPORT had queued on its listening socket are reset when that socket closes."""
     views: dict[int, set[str]] = {}
     for _ in range(200):
         conn = aiohttp.TCPConnector(limit=1)        # one connection: both answers from one worker
-        async with aiohttp.ClientSession(connector=conn) as s:
-            async with s.get(f"http://127.0.0.1:{port}/status.json", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
-                pid = (await r.json())["gateway"]["pid"]
-            async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
-                views[pid] = {m["id"] for m in (await r.json())["data"]}
+        try:
+            async with aiohttp.ClientSession(connector=conn) as s:
+                async with s.get(f"http://127.0.0.1:{port}/status.json",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    pid = (await r.json())["gateway"]["pid"]
+                async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                    views[pid] = {m["id"] for m in (await r.json())["data"]}
+        except (aiohttp.ClientConnectionError, ConnectionResetError):
+            await asyncio.sleep(0.02)
+            continue
         if len(views) >= want:
             break
     return views
