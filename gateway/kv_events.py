@@ -465,7 +465,7 @@ class KVEventsManager:
         bs = self.index.block_size(candidates)
         if bs is None:                       # no live events among the candidates: nothing to match
             return
-        root = request_root(req, model, None if req.model == model else req.model, bs)
+        root = request_root(req, model, bs)
         if root is None:
             return
         index, executor = self.index, self.executor

@@ -95,14 +95,15 @@ def _extras(entry: Any, ev: BlockStored) -> tuple | None:
     return _frozen(entry)
 
 
-def request_root(req: InferenceRequest, model: str, lora: str | None, block_size: int) -> int | None:
-    """The root a request's block keys chain from: the model's, adapter's and block size's, with the
+def request_root(req: InferenceRequest, model: str, block_size: int) -> int | None:
+    """The root a request's block keys chain from: the model's, adapter's (a request whose ``model``
+    is not ``model`` names an adapter of it) and block size's, with the
     request's ``cache_salt`` folded in as vLLM's events present it on the first block; ``None`` when
     the request cannot be keyed like the engine (multimodal parts: the engine folds feature hashes
     the gateway cannot compute). One dict lookup for a plain request."""
     if req.multimodal:
         return None
-    root = root_key(model, lora, block_size)
+    root = root_key(model, None if req.model == model else req.model, block_size)
     salt = req.data.get("cache_salt")
     if salt.__class__ is str and salt:
         return fold_extras(root, (salt,))
@@ -428,8 +429,7 @@ class EventIndex:
         tok = self.tokenizers.get(model)
         if tok is None:
             return None
-        lora = None if req.model == model else req.model
-        root = request_root(req, model, lora, bs)
+        root = request_root(req, model, bs)
         if root is None:              # multimodal: route on the approximate index
             self._on_fallback(model, "", "multimodal")
             return None

@@ -380,11 +380,7 @@ class ModelTokenizer:
             return None
         ids = tail + probe
         n = min(len(ids) // block_size, room)
-        h = keys[-1] if keys else root
-        out = []
-        for b in range(n):
-            h = hash((h, tuple(ids[b * block_size:(b + 1) * block_size])))
-            out.append(h)
+        out = _chain(keys[-1] if keys else root, [], ids, block_size, n).keys
         if not out or all(reach(k) for k in out):
             return None                      # held as far as the probe goes: the engine may hold more
         return out
