@@ -7,8 +7,8 @@ import sys
 
 import uvloop
 
-from gateway.config import Config, ConfigError, load_config
-from gateway.logs import configure_logging
+from gateway.config.schema import Config, ConfigError, load_config
+from gateway.observability.logs import configure_logging
 
 
 def _workers_arg(v: str) -> int | str:
@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"switchyard: config error: {e}", file=sys.stderr)
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
-    from gateway.server import free_port, serve
-    from gateway.workers import resolve_workers
+    from gateway.server.run import free_port, serve
+    from gateway.server.workers import resolve_workers
     workers = resolve_workers(args.workers if args.workers is not None else config.server.workers)
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
@@ -76,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     if config.listen.port == 0:   # every worker must bind the same port
         listen[1] = free_port(config.listen.host)
         config = config.with_listen(*listen)
-    from gateway.workers import run_workers, stderr_log
+    from gateway.server.workers import run_workers, stderr_log
     started = config
 
     def reread() -> None:
         """SIGHUP in the parent: a worker started from now on (a restart) gets the new config."""
         nonlocal config
-        from gateway.reload import check_offline
+        from gateway.server.reload import check_offline
         try:
             new = load()
             check_offline(started, config, new)

@@ -33,13 +33,13 @@ import msgspec
 import orjson
 from msgspec import Meta
 
-from gateway.metrics import Counter
+from gateway.observability.metrics import Counter
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-    from gateway.context import RequestContext
     from gateway.endpoints import EndpointPool
+    from gateway.pipeline.context import RequestContext
 
 _HASH_SPACE = float(1 << 64)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.config import config_from_dict
-from gateway.server import serve
-from gateway.tracing import TracingConfig, resolve
+from gateway.config.schema import config_from_dict
+from gateway.observability.tracing import TracingConfig, resolve
+from gateway.server.run import serve
 
 # (model, engine, role, port, simulator knobs, endpoint entry knobs): the P/D prefills' side ports
 # are the vLLM KV side channel and the SGLang bootstrap port, which the SGLang endpoint names too

@@ -59,7 +59,7 @@ class EngineMetrics:
 
 @dataclass(slots=True)
 class AdapterState:
-    """What the gateway knows of the LoRA adapters on one endpoint (gateway/lora.py keeps it):
+    """What the gateway knows of the LoRA adapters on one endpoint (gateway/lora/adapters.py keeps it):
     the adapters the engine serves (``/v1/models`` entries with a ``parent``, plus the ones the
     gateway loaded), this gateway's requests in flight per adapter, and the adapters it sent here
     most recently (newest last; an engine keeps the last ``max_lora`` of them in its GPU slots)."""
@@ -89,7 +89,7 @@ class Endpoint:
     # live state
     healthy: bool = True           # last active probe / passive marking result
     draining: bool = False         # removed from discovery: no new requests, in-flight continue
-    ejected: bool = False          # its circuit breaker is open (gateway/breaker.py)
+    ejected: bool = False          # its circuit breaker is open (gateway/resilience/breaker.py)
     in_flight: int = 0             # gateway requests currently charged to this endpoint
     remote_in_flight: int = 0      # other gateway replicas' in-flight here (gateway/tenants, via Redis)
     # P/D trackers (gateway/trackers.py): charged with the routing decision, released exactly once
@@ -100,7 +100,7 @@ class Endpoint:
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     metrics: EngineMetrics | None = None
-    adapters: AdapterState = field(default_factory=AdapterState)   # LoRA adapters (gateway/lora.py)
+    adapters: AdapterState = field(default_factory=AdapterState)   # LoRA adapters (gateway/lora/adapters.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

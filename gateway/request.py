@@ -59,10 +59,10 @@ class InferenceRequest:
     session_key: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     content_type: str = "application/json"     # what the engine is told the body is (multipart keeps its boundary)
-    # the LoRA adapter the client named in ``model`` (``model`` is then its base model; gateway/lora.py)
+    # the LoRA adapter the client named in ``model`` (``model`` is then its base model; gateway/lora/adapters.py)
     lora: str | None = None
     # content parts other than text (images, audio, video, files): the engine folds their feature
-    # hashes into its KV block hashes, which the gateway cannot compute (gateway/kv_index.py)
+    # hashes into its KV block hashes, which the gateway cannot compute (gateway/kv/index.py)
     multimodal: bool = False
 
     @property

@@ -39,13 +39,13 @@ from gateway.admission.queue import GRANTED, WAITING, DrainRate, FairQueue, Wait
 from gateway.admission.saturation import Thresholds, baseline, estimate, total_headroom, unsaturated
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
-from gateway.metrics import LATENCY_BUCKETS, Counter, Histogram
+from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram
 from gateway.tenants.limits import fmt_duration
 
 if TYPE_CHECKING:
-    from gateway.config import Config
-    from gateway.context import RequestContext, RequestRecord
-    from gateway.metrics import GatewayMetrics
+    from gateway.config.schema import Config
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.pipeline.context import RequestContext, RequestRecord
 
 SHEDDABLE = RANK["sheddable"]
 REASONS = ("queue_full", "displaced", "shed", "queue_timeout")

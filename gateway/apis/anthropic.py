@@ -35,8 +35,8 @@ import orjson
 from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
 from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
-from gateway.sse import ITL_KEEP, MAX_EVENT_BYTES
 
 # Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",

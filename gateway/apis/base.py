@@ -3,7 +3,7 @@
 One ``ApiShape`` object serves every request on its paths. The pipeline asks it to parse the body
 (validation before routing), to adjust the candidates before routing (``prepare``: state, pinning)
 and to finish after the answer is ready (``finish``: remember what the answer created). The relay
-asks it for a scanner of the event stream (the same interface as ``gateway.sse.SSEScanner``), for
+asks it for a scanner of the event stream (the same interface as ``gateway.pipeline.sse.SSEScanner``), for
 the usage of a non-streaming body, and for the error event that ends a stream it cannot complete.
 Errors before headers are shaped by ``error_body``.
 
@@ -23,7 +23,7 @@ from gateway.request import InferenceRequest
 
 
 class StreamScanner(Protocol):
-    """What the relay reads off a stream scanner (``gateway.sse.SSEScanner`` is one)."""
+    """What the relay reads off a stream scanner (``gateway.pipeline.sse.SSEScanner`` is one)."""
 
     first_token_at: float | None
     usage: dict | None

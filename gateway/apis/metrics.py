@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
-from gateway.metrics import Counter
+from gateway.observability.metrics import Counter
 
 if TYPE_CHECKING:
-    from gateway.context import RequestRecord
+    from gateway.pipeline.context import RequestRecord
 
 
 class PathRequests:

@@ -36,8 +36,8 @@ from gateway.apis.paths import (
 )
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import GatewayError, error_body
+from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
-from gateway.sse import SSEScanner
 
 # keys whose strings the engine encodes, by path
 _TEXT_KEYS: dict[str, tuple[str, ...]] = {

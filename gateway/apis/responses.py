@@ -40,12 +40,18 @@ from gateway.apis.base import ApiShape
 from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
 from gateway.apis.responses_state import MemoryStore, RedisStore, StoreUnavailable, redis_client
 from gateway.apis.responses_stream import ResponsesScanner, failure_events
-from gateway.config import Config
-from gateway.context import RecordObserver, RequestContext, RequestRecord, record_request, safe_header_value
+from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError, normalize_upstream_error
-from gateway.logs import RequestLog
-from gateway.metrics import GatewayMetrics
+from gateway.observability.logs import RequestLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.context import (
+    RecordObserver,
+    RequestContext,
+    RequestRecord,
+    record_request,
+    safe_header_value,
+)
 from gateway.request import request_id_from
 from gateway.tenants import Tenancy
 
@@ -121,7 +127,7 @@ class ResponsesApi(ApiShape):
                 self.m.entries.labels("history").set_function(lambda: len(self.history))
 
     def reconfigure(self, config: Config) -> None:
-        """A reloaded config (gateway/reload.py): whether ids belong to users follows ``auth``; the
+        """A reloaded config (gateway/server/reload.py): whether ids belong to users follows ``auth``; the
         ``responses`` block and its stores need a restart, so they stay as started."""
         self.config = config
         self.auth_on = config.auth.on

@@ -22,7 +22,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
-from gateway.config import StateConfig
+from gateway.config.schema import StateConfig
 
 
 class StoreUnavailable(Exception):

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from gateway.sse import ITL_KEEP, MAX_EVENT_BYTES
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config import AuthConfig, LimitsConfig, UserLimits
+from gateway.config.schema import AuthConfig, LimitsConfig, UserLimits
 
 KEY_PREFIX = "sk-sy-"
 USER_NAME = re.compile(r"[A-Za-z0-9._@:+\-]{1,128}")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.config import UserLimits
+from gateway.config.schema import UserLimits
 from gateway.errors import GatewayError
 
 USER_WINDOW_MS = 60_000

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gateway.config import UserLimits
+from gateway.config.schema import UserLimits
 from gateway.tenants.directory import KeyRecord
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
 

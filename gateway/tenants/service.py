@@ -27,18 +27,18 @@ import structlog
 from aiohttp import web
 from prometheus_client import Gauge
 
-from gateway.config import Config, UserLimits
+from gateway.config.schema import Config, UserLimits
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
-from gateway.metrics import ROUTING_BUCKETS, Counter, Histogram
+from gateway.observability.metrics import ROUTING_BUCKETS, Counter, Histogram
 from gateway.tenants.directory import Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
 from gateway.tenants.memory import MemoryState
 from gateway.tenants.redis_state import RedisState, StateUnavailable
 
 if TYPE_CHECKING:
-    from gateway.context import RequestRecord
-    from gateway.metrics import GatewayMetrics
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.pipeline.context import RequestRecord
     from gateway.request import InferenceRequest
 
 log = structlog.get_logger("switchyard.tenancy")
@@ -122,7 +122,7 @@ class Tenancy:
         self._fail_open_logged = 0.0
 
     def reconfigure(self, config: Config) -> None:
-        """A reloaded config (gateway/reload.py): API keys, users' and models' limits and the admin
+        """A reloaded config (gateway/server/reload.py): API keys, users' and models' limits and the admin
         token apply to the next request; the state backend (``state:``) stays as started, and so
         do the counters (a request admitted before settles as it was admitted)."""
         self.config = config

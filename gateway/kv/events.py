@@ -1,0 +1,509 @@
+"""Subscribe to the engines' KV-cache events and keep the event index (``gateway.kv.index``).
+
+One subscriber task per endpoint whose model enables ``kv_events`` (or whose pod carries the
+``switchyard.io/kv-events`` annotation): a ZMQ SUB socket on ``tcp://<endpoint host>:<port>``
+filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.wire``).
+
+* Reading costs the event loop little: the socket is a plain one whose descriptor the loop watches;
+  its reader callback receives, decodes (typed, ``gateway.kv.wire``) and applies every message
+  already there in one go, with no future or task switch per message. A malformed message is
+  counted (``switchyard_kv_events_decode_errors_total``) and skipped; nothing stops the stream.
+* Sequence numbers: the next message must carry the next number. On a gap the subscriber asks the
+  engine's replay socket (a DEALER to ``replay_port``: the start seq as 8 bytes big-endian; frames
+  ``(seq, payload)`` back, ending with seq -1) for what it missed and applies it in order. Without
+  a replay port, or when the engine's buffer no longer holds the start, the endpoint's entries are
+  cleared (a partial history would point requests at blocks the engine may have dropped).
+* On its first message the subscriber replays from 0 when it can, to learn what the engine cached
+  before the gateway started.
+* A sequence number lower than expected means a new publisher: the engine restarted, and its
+  entries are cleared.
+* Every endpoint of an enabled model is synced with the pool once a second: a new endpoint gets a
+  subscriber, a removed one loses its subscriber and its entries.
+* Data parallelism (``data_parallel_size`` N > 1): the engine behind the endpoint runs N ranks, and
+  rank r publishes on ``port + r`` (replay on ``replay_port + r``), as vLLM's and SGLang's
+  publishers offset their endpoints. The endpoint gets one subscriber per rank, each with its own
+  sequence numbers, first-contact replay and gap replay; its hashes are qualified by its rank
+  (``gateway.kv.wire``), so a gap that cannot be replayed, a restart or an ``AllBlocksCleared`` on
+  one rank clears that rank's entries only. Liveness stays per endpoint: an event from any rank
+  counts, because the engine, not the gateway, picks the rank that serves a request, and a rank it
+  leaves idle publishes nothing (a per-rank stall timer would take an idle rank for a dead one).
+
+Routing reads the index through ``match`` / ``routed`` / ``covers`` (the ``prefix-cache`` strategy's
+``PreciseIndex``), never awaiting anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.kv.index import EndpointState, EventIndex, request_root
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import INLINE_CHARS, ModelTokenizer
+from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
+from gateway.request import InferenceRequest
+
+log = structlog.get_logger("switchyard.kv_events")
+
+SYNC_INTERVAL_S = 1.0
+_DRAIN = 256              # messages one reader callback applies before yielding to the loop
+# switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
+_KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
+
+
+class KVEventsMetrics:
+    def __init__(self, registry: Any) -> None:
+        self.events = Counter("switchyard_kv_events", "KV-cache events received, by kind", ["model", "kind"],
+                              registry=registry)
+        self.fallbacks = Counter("switchyard_kv_events_fallbacks",
+                                 "Endpoints (or requests) routed on the approximate index instead of events",
+                                 ["model", "reason"], registry=registry)
+        self.replays = Counter("switchyard_kv_events_replays", "Replays asked of an engine after a gap",
+                               ["model", "result"], registry=registry)
+        self.restarts = Counter("switchyard_kv_events_restarts",
+                                "Engines seen restarting (sequence numbers started again); entries cleared",
+                                ["model"], registry=registry)
+        self.errors = Counter("switchyard_kv_events_decode_errors", "Messages that were not event batches",
+                              ["model"], registry=registry)
+        self.rank_routed = Counter("switchyard_kv_events_rank_routed",
+                                   "Requests pinned to a data-parallel rank of their endpoint (X-data-parallel-rank): "
+                                   "match = the rank holding the deepest prefix, load = none holds one, the "
+                                   "rank with the fewest of this gateway's requests",
+                                   ["model", "reason"], registry=registry)
+        self.off_loop = Counter("switchyard_kv_events_tokenized_off_loop",
+                                "Prompt segments tokenized in the tokenizer threads (not on the event loop)",
+                                ["model"], registry=registry)
+
+
+class _IndexCollector(Collector):
+    def __init__(self, index: EventIndex) -> None:
+        self.index = index
+
+    def collect(self):
+        blocks = GaugeMetricFamily("switchyard_kv_events_index_blocks",
+                                   "Engine KV blocks in the event index, by model", labels=["model"])
+        live = GaugeMetricFamily("switchyard_kv_events_endpoint_live",
+                                 "1 while an endpoint's events are trusted, 0 on the approximate index",
+                                 labels=["model", "endpoint"])
+        per_model: dict[str, int] = {}
+        for row in self.index.snapshot():
+            per_model[row["model"]] = per_model.get(row["model"], 0) + row["blocks"]
+            live.add_metric([row["model"], row["endpoint"]], 1.0 if row["live"] else 0.0)
+        for model, n in per_model.items():
+            blocks.add_metric([model], n)
+        unreached = CounterMetricFamily(
+            "switchyard_kv_events_requests_unreached",
+            "Requests keyed only as far as some engine's cache reaches: the segments past it were "
+            "probed, not tokenized", labels=["model"])
+        for model, n in self.index.unreached.items():
+            unreached.add_metric([model], n)
+        yield blocks
+        yield live
+        yield unreached
+
+
+class Subscriber:
+    """One endpoint's SUB socket (and replay DEALER) feeding the index; with data parallelism, one
+    rank's (``rank`` set: its ports are offset by it, and what it clears is that rank's only)."""
+
+    def __init__(self, manager: KVEventsManager, st: EndpointState, rank: int | None = None) -> None:
+        self.m = manager
+        self.st = st
+        self.rank = rank
+        self.expected: int | None = None
+        self.task: asyncio.Task | None = None
+        self.decoder = BatchDecoder()              # remembers which typed decoder this engine's batches fit
+        self._counted: dict[str, Any] = {}         # kind -> its switchyard_kv_events_total child
+        self._sock: Any = None
+        self._backlog: deque[tuple[int, bytes]] = deque()   # messages for the task (a replay is due or under way)
+        self._wake: asyncio.Future | None = None
+        s = st.settings
+        host = st.ep.host
+        self.ipv6 = ":" in host
+        h = f"[{host}]" if self.ipv6 else host
+        off = rank or 0
+        self.pub_addr = f"tcp://{h}:{s.port + off}"
+        self.replay_addr = f"tcp://{h}:{s.replay_port + off}" if s.replay_port else None
+        self.name = st.ep.name if rank is None else f"{st.ep.name} rank {rank}"
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.run(), name=f"kv-events {self.name}")
+
+    def clear(self) -> None:
+        """Forget what this publisher reported: the endpoint's entries, or its rank's."""
+        if self.rank is None:
+            self.m.index.clear(self.st)
+        else:
+            self.m.index.clear_rank(self.st, self.rank)
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+    async def run(self) -> None:
+        """The SUB socket is a plain (not asyncio) socket read by a reader callback on its file
+        descriptor (``_readable``), which applies every message already there in one go: no future
+        and no task switch per message. Only a message that needs a replay first (the first one, a
+        gap) goes to this task, with every message after it until the backlog is worked off, so the
+        order is kept."""
+        import zmq
+
+        sock = zmq.Socket(self.m.zctx, zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 100_000)
+        if self.ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.SUBSCRIBE, self.st.settings.topic.encode())
+        sock.connect(self.pub_addr)
+        loop = asyncio.get_running_loop()
+        fd = sock.getsockopt(zmq.FD)
+        self._sock = sock
+        self._wake = loop.create_future()
+        loop.add_reader(fd, self._readable)
+        log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr,
+                 rank=self.rank)
+        try:
+            self._readable()              # the descriptor signals changes only: read what is there already
+            while True:
+                await self._wake
+                self._wake = loop.create_future()
+                backlog = self._backlog
+                while backlog:
+                    seq, payload = backlog[0]
+                    try:
+                        await self.on_message(seq, payload)
+                    except WireError as e:
+                        self._bad(e)
+                    except Exception:
+                        self._failed(seq)
+                    backlog.popleft()
+                self._readable()
+        finally:
+            loop.remove_reader(fd)
+            self._sock = None
+            sock.close(0)
+
+    def _readable(self) -> None:
+        """Receive and apply what the socket holds (at most ``_DRAIN`` messages, then again soon)."""
+        import zmq
+
+        sock = self._sock
+        if sock is None:
+            return
+        # plain ints: pyzmq's flag enums cost a Python-level enum operation per use
+        events, pollin, noblock = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.NOBLOCK)
+        backlog = self._backlog
+        n = 0
+        while sock.getsockopt(events) & pollin:
+            if n == _DRAIN:               # let the loop run: the rest on its next turn
+                asyncio.get_running_loop().call_soon(self._readable)
+                return
+            n += 1
+            try:
+                frames = sock.recv_multipart(noblock)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as e:         # not expected on a SUB socket; the next signal tries again
+                log.warning("kv events: receive failed", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
+                return
+            seq = None
+            try:
+                if len(frames) != 3:
+                    raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
+                seq = seq_of(frames[1])
+                if backlog or self._replay_first(seq):
+                    backlog.append((seq, frames[2]))
+                    if self._wake is not None and not self._wake.done():
+                        self._wake.set_result(None)
+                    continue
+                self._accept(seq, frames[2])
+            except WireError as e:
+                self._bad(e)
+            except Exception:
+                self._failed(seq)
+
+    def _bad(self, e: WireError) -> None:
+        self.m.metrics.errors.labels(self.st.ep.model).inc()
+        log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
+
+    def _failed(self, seq: int | None) -> None:
+        """A message that could not be applied (a bug, not the wire): what this publisher reported
+        may be half updated, so it is cleared, and the stream goes on after the message."""
+        self.m.metrics.errors.labels(self.st.ep.model).inc()
+        log.exception("kv events: message not applied; entries cleared", endpoint=self.st.ep.name, rank=self.rank,
+                      seq=seq)
+        self.clear()
+        if seq is not None:
+            self.expected = seq + 1
+
+    def _replay_first(self, seq: int) -> bool:
+        """Whether message ``seq`` needs a replay before it (see ``on_message``)."""
+        if self.expected is None:
+            return seq > 0 and self.replay_addr is not None
+        return seq > self.expected
+
+    async def on_message(self, seq: int, payload: bytes) -> None:
+        if self.expected is None:
+            if seq > 0 and self.replay_addr:        # learn what the engine cached before we listened
+                await self.replay(0, seq, first=True)
+        elif seq > self.expected:
+            await self.replay(self.expected, seq)
+        self._accept(seq, payload)
+
+    def _accept(self, seq: int, payload: bytes) -> None:
+        """Message ``seq``, whatever had to be replayed before it done: a restart, then the batch."""
+        if self.expected is None:
+            self.expected = seq
+        elif seq < self.expected:
+            log.warning("kv events: engine restarted (sequence started again)", endpoint=self.st.ep.name,
+                        rank=self.rank, seq=seq, expected=self.expected)
+            self.m.metrics.restarts.labels(self.st.ep.model).inc()
+            self.clear()
+        self.apply(self.decoder.decode(payload, self.rank))
+        self.expected = seq + 1
+
+    def apply(self, batch: Batch) -> None:
+        done = self.m.index.apply(self.st, batch, self.rank)
+        counted = self._counted
+        for kind, n in zip(_KINDS, (*done, batch.unknown), strict=True):
+            if n:
+                child = counted.get(kind)
+                if child is None:
+                    child = counted[kind] = self.m.metrics.events.labels(self.st.ep.model, kind)
+                child.inc(n)
+
+    async def replay(self, start: int, until: int, first: bool = False) -> None:
+        """Fetch and apply batches ``start .. until-1`` from the replay socket; on failure clear."""
+        import zmq
+
+        model = self.st.ep.model
+        if not self.replay_addr:
+            if not first:
+                self.m.metrics.replays.labels(model, "no_replay_port").inc()
+                log.warning("kv events: gap, no replay port; entries cleared", endpoint=self.st.ep.name,
+                            rank=self.rank, missed_from=start, to=until)
+                self.clear()
+            return
+        sock = self.m.zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.ipv6:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(self.replay_addr)
+        got: list[tuple[int, bytes]] = []
+        result = "ok"
+        try:
+            await sock.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(self.st.settings.replay_timeout_s):
+                while True:
+                    frames = await sock.recv_multipart()
+                    seq = seq_of(frames[-2])
+                    if seq == END_SEQ:
+                        break
+                    if seq < until:
+                        got.append((seq, frames[-1]))
+        except (TimeoutError, WireError, IndexError):
+            result = "failed"
+        finally:
+            sock.close(0)
+        seqs = [s for s, _ in got]
+        complete = result == "ok" and seqs == list(range(start, until))
+        if not complete and result == "ok":
+            result = "incomplete"
+        if not complete and not first:
+            self.clear()       # what was missed is unknown: start from what comes next
+            log.warning("kv events: replay could not fill the gap; entries cleared", endpoint=self.st.ep.name,
+                        rank=self.rank, missed_from=start, to=until, result=result)
+        if complete or first:
+            for s, payload in got:
+                if s >= start:
+                    with contextlib.suppress(WireError):
+                        self.apply(self.decoder.decode(payload, self.rank))
+        self.m.metrics.replays.labels(model, result).inc()
+
+
+class KVEventsManager:
+    """The subscribers, the event index, and the router-facing view of them."""
+
+    def __init__(self, settings: Callable[[str], KVEventsConfig | None], pool: EndpointPool, registry: Any,
+                 tokenizers: dict[str, ModelTokenizer], clock: Callable[[], float] = time.monotonic,
+                 tokenize_threads: int = 1) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.tokenizers = tokenizers
+        self.metrics = KVEventsMetrics(registry)
+        self.index = EventIndex(tokenizers, settings, clock, self._fallback)
+        registry.register(_IndexCollector(self.index))
+        self.subscribers: dict[Endpoint, list[Subscriber]] = {}     # one per data-parallel rank
+        self._refused: set[Endpoint] = set()
+        self._sync_task: asyncio.Task | None = None
+        self._zctx: Any = None
+        self.tokenize_threads = tokenize_threads
+        self._executor: ThreadPoolExecutor | None = None
+
+    @property
+    def zctx(self) -> Any:
+        if self._zctx is None:
+            import zmq.asyncio
+
+            self._zctx = zmq.asyncio.Context()
+        return self._zctx
+
+    def _fallback(self, model: str, endpoint: str, reason: str) -> None:
+        self.metrics.fallbacks.labels(model, reason).inc()
+        if endpoint:
+            log.warning("kv events: endpoint on the approximate index", model=model, endpoint=endpoint,
+                        reason=reason)
+
+    def endpoint_settings(self, ep: Endpoint) -> KVEventsConfig | None:
+        base = self.settings(ep.model)
+        note = ep.extra.get("kv_events") if ep.extra else None
+        if note is not None:
+            try:
+                return (base or KVEventsConfig()).with_annotation(dict(note))
+            except ValueError as e:          # the annotation's ports and the model's ranks do not fit
+                if ep not in self._refused:
+                    self._refused.add(ep)
+                    self.metrics.fallbacks.labels(ep.model, "bad_annotation").inc()
+                    log.warning("kv events refused", endpoint=ep.name, model=ep.model, reason=str(e))
+                return None
+        return base if base is not None and base.enabled else None
+
+    # -- life --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.sync()
+        self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop(), name="kv-events sync")
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SYNC_INTERVAL_S)
+            try:
+                self.sync()
+            except Exception:
+                log.exception("kv events sync failed")
+
+    def sync(self) -> None:
+        """Subscribers for the pool's endpoints that publish events, none for the others."""
+        want: dict[Endpoint, KVEventsConfig] = {}
+        eps = self.pool.endpoints()
+        for ep in eps:
+            if ep.extra.get("kv_events_error") and ep not in self._refused:   # a bad pod annotation, counted once
+                self._refused.add(ep)
+                self.metrics.fallbacks.labels(ep.model, "bad_annotation").inc()
+            s = self.endpoint_settings(ep)
+            if s is not None and ep.model in self.tokenizers:
+                want[ep] = s
+        self._refused.intersection_update(eps)
+        for ep in [ep for ep in self.subscribers if ep not in want]:
+            for sub in self.subscribers.pop(ep):
+                asyncio.get_running_loop().create_task(sub.stop())
+            self.index.forget(ep)
+        for ep, s in want.items():
+            if ep not in self.subscribers:
+                st = self.index.track(ep, s)
+                n = s.data_parallel_size
+                subs = [Subscriber(self, st)] if n == 1 else [Subscriber(self, st, r) for r in range(n)]
+                self.subscribers[ep] = subs
+                for sub in subs:
+                    sub.start()
+
+    async def close(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+        for subs in list(self.subscribers.values()):
+            for sub in subs:
+                await sub.stop()
+        self.subscribers.clear()
+        if self._zctx is not None:
+            self._zctx.term()
+            self._zctx = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # -- the router's view (routers.prefix_cache.PreciseIndex) --------------------------------------
+
+    def covers(self, model: str) -> bool:
+        return model in self.tokenizers and bool(self.index.states)
+
+    @property
+    def executor(self) -> ThreadPoolExecutor | None:
+        if self._executor is None and self.tokenize_threads > 0:
+            self._executor = ThreadPoolExecutor(self.tokenize_threads, thread_name_prefix="tokenize")
+        return self._executor
+
+    async def prepare(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> None:
+        """Render the request and tokenize its long uncached segments in the executor (the match
+        then finds them cached). Errors are left to ``match``, which falls back and counts them."""
+        model = candidates[0].model if candidates else req.model
+        tok = self.tokenizers.get(model)
+        if tok is None or self.tokenize_threads <= 0 or req.multimodal:    # multimodal: not keyed
+            return
+        try:
+            segments, lead = self.index.segments(req, tok)
+        except Exception:
+            return
+        if segments is None:
+            return
+        st = self.settings(model)
+        inline = st.tokenize_inline_chars if st is not None else INLINE_CHARS
+        bs = self.index.block_size(candidates)
+        if bs is None:                       # no live events among the candidates: nothing to match
+            return
+        root = request_root(req, model, bs)
+        if root is None:
+            return
+        index, executor = self.index, self.executor
+        # walk the request's keys; a long uncached segment that some engine's cache reaches is
+        # tokenized in the executor, then the walk goes on (usually no hop, or one)
+        for _ in range(len(segments)):
+            try:
+                need = index.request_keys(req, tok, model, root, bs, defer_chars=inline)
+            except Exception:
+                return
+            if not isinstance(need, int):
+                return
+            seg = segments[need]
+            n = await tok.prepare([seg], executor, inline)
+            if n:
+                self.metrics.off_loop.labels(model).inc(n)
+            index.rendered(req, segments, lead)       # another request may have rendered meanwhile
+            if not tok.is_cached(seg):                 # an encode error: left to the match, which counts it
+                return
+
+    def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
+              ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None:
+        return self.index.match(req, candidates)
+
+    def routed(self, req: InferenceRequest, ep: Endpoint) -> None:
+        self.index.routed(req, ep)
+
+
+def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsManager | None:
+    """The manager when a model has a tokenizer and subscribes (config, or Kubernetes annotations
+    with ``kubernetes.enabled``); ``None`` otherwise, so routing is exactly as without events."""
+    from gateway.kv.tokenization import load_tokenizers
+
+    dirs = {m.name: m.tokenizer for m in config.models if m.tokenizer}
+    wanted = any(m.wants_kv_events for m in config.models)
+    if not dirs or not (wanted or config.kubernetes.enabled):
+        return None
+    by_model = {m.name: m.kv_events for m in config.models}
+    threads = max((s.tokenize_threads for s in by_model.values() if s is not None), default=1)
+    return KVEventsManager(lambda model: by_model.get(model), pool, registry, load_tokenizers(dirs),
+                           tokenize_threads=threads)

@@ -1,0 +1,667 @@
+"""The event index: which endpoint holds which token blocks, as its engine reported them.
+
+Engines publish KV-cache events (``gateway.kv.wire``); ``gateway.kv.events`` feeds them here per
+endpoint. The index keeps keys of its own and never needs the engine's hash seed or algorithm:
+
+* a block's key is chained over token ids, ``key[i] = hash((key[i-1], tokens of block i))``, from a
+  root that names the model, the LoRA adapter (``lora_name``) and the block size, so adapters and
+  models never share keys; a request's keys are made the same way from its tokens
+  (``gateway.kv.tokenization``);
+* what else the engine folds into a block's hash and names in the event's ``extra_keys`` (a
+  request's ``cache_salt`` on its first block, multimodal feature hashes) is folded into our key of
+  that block too (``fold_extras``), so salted and unsalted chains, or two images behind the same
+  placeholder tokens, never share a key; a request's root carries its salt the same way
+  (``request_root``); a request with multimodal parts cannot be keyed (the gateway cannot compute
+  the engine's feature hashes) and is routed on the approximate index (fallback ``multimodal``);
+* per endpoint, engine hash → our key, so a ``BlockRemoved`` (which carries only engine hashes)
+  resolves, and a ``BlockStored`` whose parent is an earlier block continues that block's chain;
+  a block held in several media (GPU, CPU offload) stays until the last one removes it;
+* key → bitmask of the endpoints holding it, so a request's match depth on every candidate is one
+  walk down its keys, stopping when no candidate holds the next block.
+
+Between routing a request and the engine's events for it, the request's new blocks are held as
+*speculative* entries for ``speculative_ttl_s``, so a burst of requests with one new prefix lands on
+one engine instead of scattering before the first one's prefill is reported.
+
+An endpoint's events are trusted only while they flow: an endpoint that never sent one, or that was
+sent a request needing new blocks ``stall_timeout_s`` ago and reported nothing since, is on the
+*fallback*: the router uses the approximate index (``routers.prefix_index``) for it, and the fallback
+is counted. Memory is bounded by ``max_blocks_per_endpoint`` (oldest entries dropped first); an
+engine that restarts (its sequence numbers start again) or leaves the pool is cleared.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, chain, repeat
+from operator import and_
+from typing import Any, NamedTuple
+
+from gateway.endpoints import Endpoint
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import Keys, ModelTokenizer
+from gateway.kv.wire import AllBlocksCleared, Batch, BlockHash, BlockRemoved, BlockStored, rank_of
+from gateway.request import InferenceRequest
+
+_MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # other media get bit 4
+_WALK_CHUNK = 512                          # keys looked up per step of a walk (C-level map)
+_NO_EXTRAS = repeat(None)                  # the extras of blocks whose event carries none
+
+
+def _medium_bit(medium: str | None) -> int:
+    return _MEDIA.get(medium, 4)
+
+
+def root_key(model: str, lora: str | None, block_size: int) -> int:
+    return hash(("switchyard.kv", model, lora or "", block_size))
+
+
+# What vLLM folds into a block's hash besides its tokens and its parent (``generate_block_hash_extra_keys``
+# in vllm/v1/core/kv_cache_utils.py) and publishes per block in ``BlockStored.extra_keys`` (one entry per
+# block hash, ``None`` for a block without extras, each entry a tuple that msgpack delivers as an array):
+# the adapter's name first when the request runs on a LoRA, then one ``(feature hash, offset in the
+# block)`` per multimodal item whose placeholder tokens the block covers (older engines: the bare hash),
+# then the request's ``cache_salt`` on the block starting at token 0 only, then a hash of the block's
+# prompt embeddings when the prompt came as embeddings. The root of our chain names the adapter already,
+# so a leading entry equal to the event's ``lora_name`` (older engines: ``lora_id``) is dropped; what is
+# left is folded into the parent key before the block is chained, ``hash((hash((parent, extras)),
+# tokens))``. A block without extras keeps ``hash((parent, tokens))``, so plain traffic keys as before.
+# SGLang's events carry no extras: its radix tree keeps a request's ``extra_key``/``cache_salt`` (and
+# adapter) namespace apart, but its published hashes and events chain over token ids alone.
+
+def fold_extras(key: int, extras: tuple) -> int:
+    """``key`` with a block's extras folded in (the block's tokens are chained on the result)."""
+    return hash((key, extras))
+
+
+def _frozen(v: Any) -> Any:
+    """A decoded extra as a hashable value: msgpack arrays (tuples on the engine's side) as tuples."""
+    return tuple(map(_frozen, v)) if v.__class__ is list else v
+
+
+def _extras(entry: Any, ev: BlockStored) -> tuple | None:
+    """One block's ``extra_keys`` entry without what the root names (the adapter), or ``None``."""
+    if not entry:
+        return None
+    first = entry[0]
+    if (ev.lora_name is not None and first == ev.lora_name) or (ev.lora_id is not None and first == ev.lora_id):
+        entry = entry[1:]
+        if not entry:
+            return None
+    return _frozen(entry)
+
+
+def request_root(req: InferenceRequest, model: str, block_size: int) -> int | None:
+    """The root a request's block keys chain from: the model's, adapter's (a request whose ``model``
+    is not ``model`` names an adapter of it) and block size's, with the
+    request's ``cache_salt`` folded in as vLLM's events present it on the first block; ``None`` when
+    the request cannot be keyed like the engine (multimodal parts: the engine folds feature hashes
+    the gateway cannot compute). One dict lookup for a plain request."""
+    if req.multimodal:
+        return None
+    root = root_key(model, None if req.model == model else req.model, block_size)
+    salt = req.data.get("cache_salt")
+    if salt.__class__ is str and salt:
+        return fold_extras(root, (salt,))
+    return root
+
+
+class Applied(NamedTuple):
+    """What ``EventIndex.apply`` did with a batch: events per kind, and the orphaned ``BlockStored``."""
+
+    stored: int
+    removed: int
+    cleared: int
+    orphans: int
+
+
+@dataclass(eq=False)
+class EndpointState:
+    ep: Endpoint
+    slot: int
+    settings: KVEventsConfig
+    emap: dict[BlockHash, int] = field(default_factory=dict)    # engine hash → our key
+    media: dict[BlockHash, int] = field(default_factory=dict)   # engine hash → medium bits
+    owned: dict[int, int] = field(default_factory=dict)         # our key → engine hashes mapping to it
+    block_size: int | None = None
+    last_event: float | None = None
+    expect_since: float | None = None     # first request needing new blocks since the last event
+    on_fallback: str | None = "no_events"  # why the router uses the approximate index, None: live
+    stats: dict[str, int] = field(default_factory=dict)
+    # a data-parallel engine whose rank the gateway picks (``KVEventsConfig.ranked``): our key →
+    # bitmask of the ranks holding it, kept beside ``owned`` (so bounded with it); None otherwise
+    rank_keys: dict[int, int] | None = None
+    ranks: int = 1
+    rank_in_flight: list[int] = field(default_factory=list)   # this gateway's requests pinned per rank
+    # a pinned request's new blocks, held speculatively on its rank until ``speculative_ttl_s`` passes
+    # (so a burst on one new prefix lands on one rank before its first prefill is reported):
+    # our key → {rank: until}, and the (until, key) order they expire in
+    rank_pending: dict[int, dict[int, float]] = field(default_factory=dict)
+    rank_pending_q: deque[tuple[float, int]] = field(default_factory=deque)
+
+    @property
+    def bit(self) -> int:
+        return 1 << self.slot
+
+
+class EventIndex:
+    """The index of every endpoint with events (one per gateway process)."""
+
+    def __init__(self, tokenizers: dict[str, ModelTokenizer], settings: Callable[[str], KVEventsConfig | None],
+                 clock: Callable[[], float] = time.monotonic,
+                 on_fallback: Callable[[str, str, str], None] | None = None) -> None:
+        self.tokenizers = tokenizers
+        self.settings = settings
+        self.clock = clock
+        self._on_fallback = on_fallback or (lambda model, endpoint, reason: None)
+        self.states: dict[Endpoint, EndpointState] = {}
+        self.ranked: dict[Endpoint, EndpointState] = {}   # those whose data-parallel rank the gateway picks
+        self._by_slot: dict[int, EndpointState] = {}
+        self._free: list[int] = []
+        self._holders: dict[int, int] = {}        # our key → bitmask of endpoint slots
+        self._pending: dict[int, int] = {}        # our key → slots holding it speculatively
+        self._pending_until: dict[tuple[int, int], float] = {}
+        self._pending_q: deque[tuple[float, int, list[int]]] = deque()
+        self._memo: tuple[InferenceRequest | None, int, list[int], int] = (None, 0, [], 0)
+        # the last request's rendered segments (``segments``), so ``prepare`` and ``match`` render once
+        self._rendered: tuple[InferenceRequest | None, list[str] | None, list[int]] = (None, None, [])
+        # the last walk's depths (blocks held or pending, per endpoint), reused by ``routed``
+        self._walked: tuple[list[int] | None, dict[int, int]] = (None, {})
+        self.orphans = 0
+        self.unreached: dict[str, int] = {}      # model → requests keyed only as far as a cache reaches
+
+    # -- endpoints ---------------------------------------------------------------------------------
+
+    def track(self, ep: Endpoint, settings: KVEventsConfig) -> EndpointState:
+        st = self.states.get(ep)
+        if st is None:
+            slot = self._free.pop() if self._free else len(self._by_slot)
+            st = EndpointState(ep, slot, settings)
+            if settings.ranked:
+                st.rank_keys, st.ranks = {}, settings.data_parallel_size
+                st.rank_in_flight = [0] * st.ranks
+                self.ranked[ep] = st
+            self.states[ep] = st
+            self._by_slot[slot] = st
+        return st
+
+    def forget(self, ep: Endpoint) -> None:
+        st = self.states.pop(ep, None)
+        self.ranked.pop(ep, None)
+        if st is not None:
+            self.clear(st)
+            for key in [k for k, m in self._pending.items() if m & st.bit]:
+                self._unpend(key, st.slot)
+            del self._by_slot[st.slot]
+            self._free.append(st.slot)
+
+    def blocks(self, model: str | None = None) -> int:
+        """Engine blocks indexed (all endpoints, or one model's)."""
+        return sum(len(s.emap) for s in self.states.values() if model is None or s.ep.model == model)
+
+    # -- events ------------------------------------------------------------------------------------
+
+    def apply(self, st: EndpointState, batch: Batch, rank: int | None = None) -> Applied:
+        """``batch`` from ``st``'s publisher; ``rank``: the data-parallel rank's publisher it came from
+        (an ``AllBlocksCleared`` then clears that rank only), ``None``: the endpoint's only one.
+        Returns how many events of each kind it applied, and how many ``BlockStored`` were orphans.
+
+        One pass over the events, in order. A ``BlockRemoved`` is resolved inline (the most frequent
+        event: engines send one per evicted block); a ``BlockStored``'s blocks are cut and keyed in
+        one loop (``_stored``)."""
+        st.last_event = self.clock()
+        st.expect_since = None
+        st.on_fallback = None
+        media, emap, owned, holders = st.media, st.emap, st.owned, self._holders
+        ranked = st.rank_keys
+        not_rank = ~(1 << (rank or 0))
+        others = ~(1 << st.slot)
+        stored = removed = cleared = orphans = 0
+        for ev in batch.events:
+            cls = ev.__class__
+            if cls is BlockRemoved:
+                removed += 1
+                medium = ev.medium              # type: ignore[union-attr]
+                keep = ~_MEDIA.get(medium, 4) if medium is not None else 0
+                for bh in ev.block_hashes:      # type: ignore[union-attr]
+                    bits = media.get(bh)
+                    if bits is None:
+                        continue
+                    bits &= keep
+                    if bits:
+                        media[bh] = bits
+                        continue
+                    del media[bh]               # the last medium gone: _drop, inline
+                    key = emap.pop(bh)
+                    if ranked is not None:
+                        m = ranked.get(key, 0) & not_rank
+                        if m:
+                            ranked[key] = m
+                        else:
+                            ranked.pop(key, None)
+                    n = owned[key] - 1
+                    if n:
+                        owned[key] = n
+                        continue
+                    del owned[key]
+                    mask = holders.get(key, 0) & others
+                    if mask:
+                        holders[key] = mask
+                    else:
+                        holders.pop(key, None)
+            elif cls is BlockStored:
+                stored += 1
+                orphans += self._stored(st, ev)     # type: ignore[arg-type]
+                if ranked is not None:
+                    self._rank_stored(ranked, emap, ev, rank or 0)   # type: ignore[arg-type]
+            elif cls is AllBlocksCleared:
+                cleared += 1
+                if rank is None:
+                    self.clear(st)
+                else:
+                    self.clear_rank(st, rank)
+        return Applied(stored, removed, cleared, orphans)
+
+    def _stored(self, st: EndpointState, ev: BlockStored) -> int:
+        """Key ``ev``'s full blocks (chained on its parent's key) and index them; 1 for an orphan.
+        The token blocks are cut by ``zip`` over one iterator (tuples made in C, no slicing). Blocks
+        whose engine hash is known already (a block stored again in another medium, e.g. offloaded
+        to CPU) keep their key and gain the medium, and when all are, nothing is hashed."""
+        bs = ev.block_size
+        if bs <= 0:
+            return 0
+        st.block_size = bs
+        emap = st.emap
+        if ev.parent_block_hash is None:
+            h = root_key(st.ep.model, ev.lora_name, bs)
+        else:
+            parent = emap.get(ev.parent_block_hash)
+            if parent is None:            # its chain start was never seen (subscribed late, a lost gap)
+                self.orphans += 1
+                st.stats["orphan"] = st.stats.get("orphan", 0) + 1
+                return 1
+            h = parent
+        hashes = ev.block_hashes
+        bit = _medium_bit(ev.medium)
+        media = st.media
+        n = min(len(hashes), len(ev.token_ids) // bs)
+        if n < len(hashes):
+            hashes = hashes[:n]
+        if all(map(emap.__contains__, hashes)):      # every block known: only the medium is new
+            for bh in hashes:
+                media[bh] |= bit
+            return 0
+        owned, holders, sbit = st.owned, self._holders, st.bit
+        get, owned_get, holders_get = emap.get, owned.get, holders.get
+        it = iter(ev.token_ids)
+        extra = ev.extra_keys           # vLLM sends one entry per block, None where it has none
+        folds: Any = _NO_EXTRAS if not extra or not any(extra) else \
+            chain([_extras(x, ev) for x in extra[:n]], _NO_EXTRAS)
+        for bh, block, x in zip(hashes, zip(*repeat(it, bs), strict=False), folds, strict=False):
+            if x is not None:                 # cache_salt, multimodal features: see fold_extras
+                h = hash((h, x))
+            h = hash((h, block))              # as gateway.kv.tokenization chains a request's blocks
+            old = get(bh)
+            if old is not None:
+                if old == h:
+                    media[bh] |= bit
+                    continue
+                self._drop(st, bh)
+            emap[bh] = h
+            media[bh] = bit
+            k = owned_get(h, 0)
+            owned[h] = k + 1
+            if not k:
+                holders[h] = holders_get(h, 0) | sbit
+        limit = st.settings.max_blocks_per_endpoint
+        while len(emap) > limit:
+            self._drop(st, next(iter(emap)))
+        return 0
+
+    @staticmethod
+    def _rank_stored(ranked: dict[int, int], emap: dict[BlockHash, int], ev: BlockStored, rank: int) -> None:
+        """The blocks of ``ev`` (from ``rank``'s publisher) that the endpoint now holds: held by ``rank``."""
+        bit = 1 << rank
+        get = emap.get
+        for bh in ev.block_hashes:
+            key = get(bh)
+            if key is not None:
+                ranked[key] = ranked.get(key, 0) | bit
+
+    def _drop(self, st: EndpointState, bh: BlockHash) -> None:
+        key = st.emap.pop(bh)
+        del st.media[bh]
+        ranked = st.rank_keys
+        if ranked is not None:
+            m = ranked.get(key, 0) & ~(1 << rank_of(bh))
+            if m:
+                ranked[key] = m
+            else:
+                ranked.pop(key, None)
+        n = st.owned[key] - 1
+        if n:
+            st.owned[key] = n
+            return
+        del st.owned[key]
+        mask = self._holders.get(key, 0) & ~st.bit
+        if mask:
+            self._holders[key] = mask
+        else:
+            self._holders.pop(key, None)
+
+    def clear(self, st: EndpointState) -> None:
+        """Forget everything ``st``'s engine holds (AllBlocksCleared, a restart, removal)."""
+        holders, bit = self._holders, st.bit
+        for key in st.owned:
+            mask = holders.get(key, 0) & ~bit
+            if mask:
+                holders[key] = mask
+            else:
+                holders.pop(key, None)
+        st.emap.clear()
+        st.media.clear()
+        st.owned.clear()
+        if st.rank_keys is not None:
+            st.rank_keys.clear()
+            st.rank_pending.clear()
+            st.rank_pending_q.clear()
+
+    def clear_rank(self, st: EndpointState, rank: int) -> None:
+        """Forget what one data-parallel rank of ``st``'s engine holds (its gap, restart or cache
+        reset): its hashes are ``(rank, hash)``, rank 0's the plain hash (``kv_wire.rank_of``)."""
+        for bh in [bh for bh in st.emap if rank_of(bh) == rank]:
+            self._drop(st, bh)
+
+    # -- routing -----------------------------------------------------------------------------------
+
+    def _live(self, st: EndpointState, now: float) -> bool:
+        if st.on_fallback is not None:
+            return False
+        if st.expect_since is not None and now - st.expect_since > st.settings.stall_timeout_s:
+            st.on_fallback = "stalled"
+            self._on_fallback(st.ep.model, st.ep.name, "stalled")
+            return False
+        return True
+
+    def match(self, req: InferenceRequest, candidates: Sequence[Endpoint]
+              ) -> tuple[dict[Endpoint, int], int, list[Endpoint]] | None:
+        """Cached tokens per candidate with live events, the prompt's token count, and the candidates
+        on the fallback; ``None`` when the request cannot be tokenized (all on the fallback)."""
+        now = self.clock()
+        self._expire(now)
+        live: list[EndpointState] = []
+        fallback: list[Endpoint] = []
+        for ep in candidates:
+            st = self.states.get(ep)
+            if st is not None and self._live(st, now) and st.block_size:
+                live.append(st)
+            else:
+                fallback.append(ep)
+                if st is not None and st.on_fallback == "no_events" and not st.stats.get("counted_no_events"):
+                    st.stats["counted_no_events"] = 1
+                    self._on_fallback(ep.model, ep.name, "no_events")
+        if not live:
+            return {}, 0, fallback
+        bs = live[0].block_size or 16
+        keyed = self._keys(req, candidates[0].model, bs)
+        if keyed is None:
+            return None
+        keys, tokens = keyed
+        depths: dict[Endpoint, int] = {}
+        same = [st for st in live if st.block_size == bs]
+        for st in live:
+            if st.block_size != bs:             # a fleet with mixed block sizes: that endpoint alone
+                other = self._keys(req, candidates[0].model, st.block_size or bs)
+                if other is not None:
+                    d = self._walk(other[0], other[1], [st])
+                    depths.update(d)
+        depths.update(self._walk(keys, tokens, same))
+        return depths, tokens, fallback
+
+    def _keys(self, req: InferenceRequest, model: str, bs: int) -> tuple[list[int], int] | None:
+        memo = self._memo
+        if memo[0] is req and memo[1] == bs:
+            return memo[2], memo[3]
+        tok = self.tokenizers.get(model)
+        if tok is None:
+            return None
+        root = request_root(req, model, bs)
+        if root is None:              # multimodal: route on the approximate index
+            self._on_fallback(model, "", "multimodal")
+            return None
+        try:
+            k = self.request_keys(req, tok, model, root, bs)
+        except Exception:             # a template error, an odd body: route on the approximate index
+            self._on_fallback(model, "", "tokenize_error")
+            return None
+        assert not isinstance(k, int)
+        return k.keys, k.tokens
+
+    def request_keys(self, req: InferenceRequest, tok: ModelTokenizer, model: str, root: int, bs: int,
+                     defer_chars: int | None = None) -> Keys | int:
+        """``tok.block_keys`` of the request: segments nobody's cache reaches are not tokenized
+        (unless the model's ``tokenize_unreached``); with ``defer_chars``, the index of a segment to
+        tokenize off the loop first (``KVEventsManager.prepare``)."""
+        segments, lead = self.segments(req, tok)
+        st = self.settings(model)
+        reach = None if st is not None and st.tokenize_unreached else self._reaches
+        k = tok.block_keys(segments, lead, root, bs,
+                           st.max_request_blocks if st is not None else 1 << 20, reach,
+                           defer_chars=defer_chars)
+        if isinstance(k, Keys):
+            self._memo = (req, bs, k.keys, k.tokens)
+            if not k.exact:
+                self.unreached[model] = self.unreached.get(model, 0) + 1
+        return k
+
+    def _reaches(self, key: int) -> bool:
+        """Some endpoint holds the block ``key``, or is about to (speculatively)."""
+        return key in self._holders or key in self._pending
+
+    def block_size(self, candidates: Sequence[Endpoint]) -> int | None:
+        """The block size ``match`` keys the candidates' requests at (that of the first live one)."""
+        for ep in candidates:
+            st = self.states.get(ep)
+            if st is not None and st.block_size and st.on_fallback is None:
+                return st.block_size
+        return None
+
+    def segments(self, req: InferenceRequest, tok: ModelTokenizer) -> tuple[list[str] | None, list[int]]:
+        """``tok.request_segments`` of the request, rendered once for ``prepare`` and ``match``."""
+        r = self._rendered
+        if r[0] is req:
+            return r[1], r[2]
+        segments, lead = tok.request_segments(req.path, req.data)
+        self._rendered = (req, segments, lead)
+        return segments, lead
+
+    def rendered(self, req: InferenceRequest, segments: list[str] | None, lead: list[int]) -> None:
+        self._rendered = (req, segments, lead)
+
+    def _walk(self, keys: list[int], tokens: int, states: list[EndpointState]) -> dict[Endpoint, int]:
+        """Cached tokens per endpoint of ``states``: how many leading keys each holds, or holds
+        speculatively. One pass: the holder masks of a chunk of keys are looked up and AND-ed
+        cumulatively in C (``map``, ``accumulate``); an endpoint's depth is where its bit first drops
+        out, found by bisection (a cumulative AND only loses bits). An endpoint that drops out at a
+        key it holds speculatively walks on alone. Stops when no endpoint is left."""
+        if not states:
+            return {}
+        bs = states[0].block_size or 1
+        cap = min(len(keys), max(0, tokens - 1) // bs)    # the engine always computes the last token
+        alive = 0
+        for st in states:
+            alive |= st.bit
+        blocks: dict[int, int] = {}       # slot bit -> depth in blocks
+        holders, pending = self._holders, self._pending
+        get = holders.get
+        i = 0
+        while i < cap and alive:
+            end = min(cap, i + _WALK_CHUNK)
+            acc = list(accumulate(map(get, keys[i:end], repeat(0, end - i)), and_, initial=alive))
+            last = acc[-1]
+            gone = alive & ~last
+            while gone:
+                low = gone & -gone
+                # acc[j]: the endpoints holding keys up to i+j-1
+                d = i + bisect_left(acc, True, key=lambda m, b=low: not m & b) - 1
+                if pending:
+                    while d < cap and (get(keys[d], 0) | pending.get(keys[d], 0)) & low:
+                        d += 1
+                blocks[low] = d
+                gone ^= low
+            alive = last
+            i = end
+        while alive:
+            low = alive & -alive
+            blocks[low] = i
+            alive ^= low
+        self._walked = (keys, blocks)
+        by_slot = self._by_slot
+        return {by_slot[b.bit_length() - 1].ep: n * bs for b, n in blocks.items()}
+
+    def routed(self, req: InferenceRequest, ep: Endpoint) -> None:
+        """``req`` went to ``ep``: hold its new blocks there speculatively, and expect events."""
+        st = self.states.get(ep)
+        if st is None or not st.block_size:
+            return
+        memo = self._memo
+        if memo[0] is not req or memo[1] != st.block_size:
+            return
+        keys, bs = memo[2], st.block_size
+        cap = min(len(keys), max(0, memo[3] - 1) // bs)
+        bit = st.bit
+        walked = self._walked
+        first_new = walked[1].get(bit) if walked[0] is keys else None
+        if first_new is None:         # not walked on this endpoint (e.g. chosen off the fallback)
+            holders = self._holders
+            first_new = 0
+            while first_new < cap and holders.get(keys[first_new], 0) & bit:
+                first_new += 1
+        new = keys[first_new:cap]
+        if not new:
+            return
+        now = self.clock()
+        if st.expect_since is None:
+            st.expect_since = now
+        ttl = st.settings.speculative_ttl_s
+        if ttl <= 0:
+            return
+        until = now + ttl
+        pending, pend_until, slot = self._pending, self._pending_until, st.slot
+        for k in new:
+            pending[k] = pending.get(k, 0) | bit
+            pend_until[(k, slot)] = until
+        self._pending_q.append((until, slot, new))
+
+    def rank_depths(self, req: InferenceRequest, ep: Endpoint) -> list[int] | None:
+        """Cached tokens of ``req`` on each data-parallel rank of ``ep``, from the keys ``match``
+        computed for it; ``None`` when the gateway does not pick ``ep``'s ranks, its events are not
+        live, or the request was not keyed at its block size. One walk down the keys with a bitmask
+        of the ranks still holding every block so far; it stops when no rank is left."""
+        st = self.states.get(ep)
+        if st is None or st.rank_keys is None or st.on_fallback is not None or not st.block_size:
+            return None
+        memo = self._memo
+        if memo[0] is not req or memo[1] != st.block_size:
+            return None
+        keys, bs = memo[2], st.block_size
+        cap = min(len(keys), max(0, memo[3] - 1) // bs)
+        depths = [0] * st.ranks
+        alive = (1 << st.ranks) - 1
+        get = st.rank_keys.get
+        pending = st.rank_pending
+        if pending:
+            now = self.clock()
+            self._expire_ranks(st, now)
+        i = 0
+        while i < cap and alive:
+            held = alive & get(keys[i], 0)
+            if pending and held != alive:
+                spec = pending.get(keys[i])
+                if spec:
+                    for r, until in spec.items():
+                        if until > now:
+                            held |= alive & (1 << r)
+            gone = alive & ~held
+            while gone:
+                low = gone & -gone
+                depths[low.bit_length() - 1] = i * bs
+                gone ^= low
+            alive = held
+            i += 1
+        while alive:
+            low = alive & -alive
+            depths[low.bit_length() - 1] = i * bs
+            alive ^= low
+        return depths
+
+    def rank_routed(self, req: InferenceRequest, ep: Endpoint, rank: int, depth: int) -> None:
+        """``req`` was pinned to ``rank`` of ``ep``, whose match there was ``depth`` tokens: hold its
+        blocks past that on the rank speculatively (``speculative_ttl_s``), as ``routed`` does per
+        endpoint, so the next request on the same new prefix follows it to that rank."""
+        st = self.states.get(ep)
+        if st is None or st.rank_keys is None or not st.block_size:
+            return
+        ttl = st.settings.speculative_ttl_s
+        memo = self._memo
+        if ttl <= 0 or memo[0] is not req or memo[1] != st.block_size:
+            return
+        keys, bs = memo[2], st.block_size
+        cap = min(len(keys), max(0, memo[3] - 1) // bs)
+        now = self.clock()
+        until = now + ttl
+        pending, q = st.rank_pending, st.rank_pending_q
+        for k in keys[depth // bs:cap]:
+            spec = pending.get(k)
+            if spec is None:
+                pending[k] = {rank: until}
+            else:
+                spec[rank] = until
+            q.append((until, k))
+
+    def _expire_ranks(self, st: EndpointState, now: float) -> None:
+        q, pending = st.rank_pending_q, st.rank_pending
+        while q and q[0][0] <= now:
+            _, k = q.popleft()
+            spec = pending.get(k)
+            if spec is not None:
+                for r in [r for r, until in spec.items() if until <= now]:
+                    del spec[r]
+                if not spec:
+                    del pending[k]
+
+    def _expire(self, now: float) -> None:
+        q = self._pending_q
+        if not q or q[0][0] > now:
+            return
+        pending, pend_until = self._pending, self._pending_until
+        while q and q[0][0] <= now:
+            until, slot, keys = q.popleft()
+            others = ~(1 << slot)
+            for k in keys:                    # _unpend, inline: unless routed again since
+                if pend_until.get((k, slot)) == until:
+                    del pend_until[(k, slot)]
+                    mask = pending.get(k, 0) & others
+                    if mask:
+                        pending[k] = mask
+                    else:
+                        pending.pop(k, None)
+
+    def _unpend(self, key: int, slot: int) -> None:
+        self._pending_until.pop((key, slot), None)
+        mask = self._pending.get(key, 0) & ~(1 << slot)
+        if mask:
+            self._pending[key] = mask
+        else:
+            self._pending.pop(key, None)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [{"model": s.ep.model, "endpoint": s.ep.name, "blocks": len(s.emap), "block_size": s.block_size,
+                 "live": self._live(s, now), "fallback_reason": s.on_fallback,
+                 "last_event_age_s": None if s.last_event is None else round(now - s.last_event, 3)}
+                for s in self.states.values()]

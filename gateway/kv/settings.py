@@ -1,0 +1,82 @@
+"""The ``models[].kv_events`` config block (read by ``gateway.kv.events`` and ``gateway.kv.index``),
+and an endpoint's own ``kv_events`` (its publisher's ports, when engines share a host)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+_Port = Annotated[int, Meta(ge=1, le=65535)]
+_Seconds = Annotated[float, Meta(ge=0)]
+
+
+class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Subscribe to the engines' KV-cache events (vLLM/SGLang ``--kv-events-config``)."""
+
+    enabled: bool = False
+    port: _Port = 5557                      # the engine's PUB socket, on the endpoint's host
+    replay_port: _Port | None = None        # the engine's replay ROUTER socket; None: no replay
+    topic: str = ""                         # subscription prefix ("" = every topic)
+    stall_timeout_s: _Seconds = 10.0        # a request needing new blocks, no event this long: fallback
+    speculative_ttl_s: _Seconds = 10.0      # a routed request's new blocks count as held this long (or until events)
+    replay_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
+    max_blocks_per_endpoint: Annotated[int, Meta(ge=1)] = 262144   # index entries per endpoint
+    max_request_blocks: Annotated[int, Meta(ge=1)] = 16384          # a request's blocks keyed at most
+    # a data-parallel engine behind one endpoint publishes rank r on port + r (replay on replay_port + r)
+    data_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    # pin each request to the rank holding its prefix (``X-data-parallel-rank``) when
+    # data_parallel_size > 1; None (the default) means true there; false leaves the rank to the engine
+    route_ranks: bool | None = None
+    # forward a client's own X-data-parallel-rank header (stripped by default: clients do not pin ranks)
+    client_rank: bool = False
+    # threads tokenizing requests off the event loop (one pool per gateway: the largest over the
+    # models); 0 tokenizes on the loop. Segments shorter than tokenize_inline_chars stay on the loop:
+    # a hop costs the request two handovers of the GIL, each up to the interpreter's switch interval
+    # (5 ms) while the loop is busy, more than such a segment costs the loop.
+    tokenize_threads: Annotated[int, Meta(ge=0, le=16)] = 1
+    tokenize_inline_chars: Annotated[int, Meta(ge=0)] = 1024
+    # tokenize every segment of a request, also those no engine's cache reaches (exact prompt token
+    # counts for conditional P/D's thresholds, at the CPU cost of tokenizing every new prompt whole);
+    # by default such a segment is only probed and its tokens estimated from its characters
+    tokenize_unreached: bool = False
+
+    def __post_init__(self) -> None:
+        check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
+
+    @property
+    def ranked(self) -> bool:
+        """Whether the gateway picks the rank of a request to this engine (``route_ranks``)."""
+        return self.data_parallel_size > 1 and self.route_ranks is not False
+
+    def with_annotation(self, values: dict) -> KVEventsConfig:
+        """This block with a pod annotation's ``port``, ``replay_port`` and ``topic`` laid over it."""
+        out = msgspec.structs.replace(self, enabled=True, **values)
+        check_rank_ports(out.port, out.replay_port, out.data_parallel_size)
+        return out
+
+
+def check_rank_ports(port: int | None, replay_port: int | None, size: int | None) -> None:
+    """Every rank's port (``port + rank``) must be a TCP port."""
+    for name, p in (("port", port), ("replay_port", replay_port)):
+        if p is not None and size is not None and p + size - 1 > 65535:
+            raise ValueError(f"{name} {p} + data_parallel_size {size} - 1 is beyond 65535")
+
+
+class KVEventsEndpointConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """An endpoint's ``kv_events``: this engine's publisher, laid over its model's block (as the pod
+    annotation ``switchyard.io/kv-events`` is). Engines sharing a host publish on ports of their own."""
+
+    port: _Port | None = None
+    replay_port: _Port | None = None
+    topic: str | None = None
+    data_parallel_size: Annotated[int, Meta(ge=1)] | None = None
+
+    def __post_init__(self) -> None:
+        check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
+
+    def items(self) -> tuple[tuple[str, object], ...]:
+        """The keys given, as the endpoint's ``extra["kv_events"]`` holds them (like the annotation)."""
+        return tuple((k, getattr(self, k)) for k in ("port", "replay_port", "topic", "data_parallel_size")
+                     if getattr(self, k) is not None)

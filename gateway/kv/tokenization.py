@@ -1,0 +1,490 @@
+"""Tokenize a request the way the engine will: a model's Hugging Face tokenizer directory.
+
+Precise prefix routing (``gateway.kv.index``) compares the engine's cached token blocks with the
+request's tokens, so the gateway needs the engine's tokens, without asking the engine (a
+``/tokenize`` call per request costs a round trip on the hot path). A model's ``tokenizer:`` is a
+directory in the standard layout: ``tokenizer.json`` (read by the ``tokenizers`` library) and
+``tokenizer_config.json`` (its ``chat_template``, ``bos_token``, ``eos_token``).
+
+* Chat messages are rendered with the template in a sandboxed Jinja environment (templates come
+  from model checkpoints; the sandbox refuses attribute tricks), as the engines render them with
+  ``add_generation_prompt=true``; the rendered text is tokenized without adding special tokens
+  (the template writes them). A completions prompt is tokenized with them; a token-id prompt is
+  taken as it is.
+* Cached by segment: the ``tokenizers`` library splits the text at added (special) tokens before
+  anything else, so the text between two of them tokenizes on its own. The template puts special
+  tokens between messages, so a long shared system prompt is one segment, tokenized once and then
+  found in an LRU cache (bounded in characters); only the new turn is tokenized.
+* Block keys are cached too (``ModelTokenizer.block_keys``): the chained keys of the blocks a
+  prefix of segments fills, so a 128k-token conversation hashes only its new turn.
+* Off the event loop (``ModelTokenizer.prepare``): before routing, the segments of at least
+  ``INLINE_CHARS`` characters that are not cached are tokenized in a thread (with the library's
+  ``encode_batch``, which releases the GIL while it encodes; ``encode`` does not) and stored, so the
+  router's synchronous match finds them all cached.
+  Shorter ones stay inline: a hop to the thread costs more than they do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from itertools import islice, repeat
+from pathlib import Path
+from typing import Any
+
+TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
+KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
+INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
+PROBE_CHARS = 256                        # an uncached segment this long is probed before it is tokenized
+_PROBES_KEPT = 4096                      # segments whose probe is remembered (``prepare`` then ``match``)
+# marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
+# ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
+# the text after a special token (a user text that starts with it only shifts its routing keys)
+_FIRST = "\x00"
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _sandbox():
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env.globals["raise_exception"] = raise_exception
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
+    return env
+
+
+@dataclass(slots=True)
+class Keys:
+    """A request's chained block keys at one block size, and its token count. ``exact`` is false when
+    the keys stop where no engine's cache reaches (``block_keys`` with ``reach``): the keys then end
+    there (past it no engine can match) and ``tokens`` counts the rest from its characters."""
+
+    keys: list[int]
+    tokens: int
+    exact: bool = True
+
+
+class ModelTokenizer:
+    """One model's tokenizer with its chat template and caches. The caches belong to the event
+    loop; only ``prepare`` hands text to another thread, and stores the ids back on the loop."""
+
+    def __init__(self, directory: str | Path, *, token_cache_chars: int = TOKEN_CACHE_CHARS,
+                 key_cache_blocks: int = KEY_CACHE_BLOCKS) -> None:
+        from tokenizers import Tokenizer
+
+        d = Path(directory)
+        try:
+            self.tokenizer = Tokenizer.from_file(str(d / "tokenizer.json"))
+        except Exception as e:   # the library raises its own exception types
+            raise TokenizerError(f"{d / 'tokenizer.json'}: {e}") from None
+        cfg: dict[str, Any] = {}
+        if (d / "tokenizer_config.json").exists():
+            try:
+                cfg = json.loads((d / "tokenizer_config.json").read_text())
+            except (OSError, ValueError) as e:
+                raise TokenizerError(f"{d / 'tokenizer_config.json'}: {e}") from None
+        template = cfg.get("chat_template")
+        if isinstance(template, list):      # named templates: the "default" one
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        self.directory = d
+        self.bos_token = _token_text(cfg.get("bos_token")) or ""
+        self.eos_token = _token_text(cfg.get("eos_token")) or ""
+        self._template = _sandbox().from_string(template) if isinstance(template, str) else None
+        added = sorted((t.content for t in self.tokenizer.get_added_tokens_decoder().values()),
+                       key=len, reverse=True)
+        self._special_ids = {t: self.tokenizer.token_to_id(t) for t in added}
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in added) + ")") if added else None
+        # what a completions prompt gets around it with special tokens added (e.g. a BOS)
+        self._prefix_ids = self.tokenizer.encode("", add_special_tokens=True).ids
+        # the library's batch call without character offsets (ids only, ~20% less CPU) where it has one
+        # (tokenizers >= 0.20); either releases the GIL while it encodes
+        self._encode_batch_first = _batch_call(self.tokenizer)
+        rest = _rest_tokenizer(d / "tokenizer.json")
+        # segments after the first: the same tokenizer, unless it treats the first piece apart
+        self._encode_batch = _batch_call(rest) if rest is not None else self._encode_batch_first
+        self._first_differs = rest is not None
+        self._whole = False
+        if not self._pieces_agree(template if isinstance(template, str) else ""):
+            # the pieces do not add up to the whole text's ids (e.g. a special token that strips the
+            # spaces around it): tokenize every text whole, uncached by segment, but right
+            self._whole, self._first_differs = True, False
+            self._encode_batch = self._encode_batch_first
+        self._segments: OrderedDict[str, list[int]] = OrderedDict()
+        self._segment_chars = 0
+        self._token_cache_chars = token_cache_chars
+        self._prefixes: OrderedDict[int, tuple[list[int], int, list[int], int]] = OrderedDict()
+        self._prefix_blocks = 0
+        self._key_cache_blocks = key_cache_blocks
+        self.segment_hits = 0
+        self.segment_misses = 0
+        self.segments_off_loop = 0           # segments ``prepare`` tokenized in the executor
+        self.segments_unreached = 0          # segments left untokenized: no engine's cache reaches them
+        self._probes: dict[str, list[int]] = {}    # segment → ids of its first characters
+        self._seen_chars = 0                 # characters and tokens tokenized so far: the ratio that
+        self._seen_tokens = 0                # estimates a segment left untokenized
+        self._pending: dict[str, asyncio.Future] = {}    # segment → its tokenization under way
+
+    # -- text --------------------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def render(self, messages: Sequence[Any], **extra: Any) -> str:
+        if self._template is None:
+            raise TokenizerError(f"{self.directory}: tokenizer_config.json has no chat_template")
+        return self._template.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                     eos_token=self.eos_token, **extra)
+
+    def segments(self, text: str) -> list[str]:
+        """The text cut at special tokens (kept as their own segments); the first one marked when
+        the tokenizer treats a text's first piece apart (``_FIRST``)."""
+        if self._split is None or self._whole:
+            return [text]
+        out = [s for s in self._split.split(text) if s]
+        if self._first_differs and out and out[0] not in self._special_ids:
+            out[0] = _FIRST + out[0]
+        return out
+
+    def _encode_one(self, segment: str) -> list[int]:
+        if self._first_differs and segment.startswith(_FIRST):
+            return self._encode_batch_first([segment[1:]], add_special_tokens=False)[0].ids
+        return self._encode_batch([segment], add_special_tokens=False)[0].ids
+
+    def _pieces_agree(self, template: str) -> bool:
+        """Whether tokenizing a text piece by piece (cut at special tokens) gives the library's ids
+        for the whole text, checked on a few texts around the special tokens the chat template, BOS
+        and EOS use."""
+        if self._split is None:
+            return True
+        used = [t for t in self._special_ids if t in template or t in (self.bos_token, self.eos_token)]
+        for sp in (used or list(self._special_ids))[:16]:
+            for text in (f"Hello world {sp} How are you?\n{sp}\nfine,  thanks", f"{sp}x{sp} y {sp}", f"a{sp}b"):
+                whole = self.tokenizer.encode(text, add_special_tokens=False).ids
+                pieces = [i for seg in self.segments(text) for i in (
+                    [self._special_ids[seg]] if seg in self._special_ids else self._encode_one(seg))]
+                if pieces != whole:
+                    return False
+        return True
+
+    def is_cached(self, segment: str) -> bool:
+        return segment in self._segments
+
+    def _segment_ids(self, segment: str) -> list[int]:
+        special = self._special_ids.get(segment)
+        if special is not None:
+            return [special]
+        ids = self._segments.get(segment)
+        if ids is not None:
+            self._segments.move_to_end(segment)
+            self.segment_hits += 1
+            return ids
+        self.segment_misses += 1
+        ids = self._encode_one(segment)
+        self._store(segment, ids)
+        return ids
+
+    def _store(self, segment: str, ids: list[int]) -> None:
+        self._seen_chars += len(segment)
+        self._seen_tokens += len(ids)
+        if len(segment) <= self._token_cache_chars // 4 and segment not in self._segments:
+            self._segments[segment] = ids
+            self._segment_chars += len(segment)
+            while self._segment_chars > self._token_cache_chars:
+                old, _ = self._segments.popitem(last=False)
+                self._segment_chars -= len(old)
+
+    def _encode_all(self, segments: list[str]) -> list[list[int]]:
+        """Runs in the executor: no cache is touched here. The batch call, not ``encode``: the
+        library releases the GIL only in its batch calls (its single ``encode`` holds it throughout,
+        which would stall the event loop for as long as the thread encodes). One segment a call:
+        given several, the library spreads them over its own pool of threads, whose workers then
+        spin a while for more work, CPU the gateway's ``tokenize_threads`` do not account for."""
+        return [self._encode_one(s) for s in segments]
+
+    async def prepare(self, segments: Sequence[str] | None, executor: Executor | None,
+                      inline_chars: int = INLINE_CHARS) -> int:
+        """Tokenize the uncached segments of ``inline_chars`` characters or more in ``executor``
+        and cache them, so ``block_keys`` then tokenizes nothing long on the loop. No hop when there
+        is nothing long to tokenize; when there is, the short uncached segments go along in the same
+        hop (they cost the loop more than they cost the thread). Returns how many segments it
+        tokenized there. A segment another request is tokenizing already is awaited, not tokenized
+        twice; an encode error leaves the segment uncached (the router's match meets it and counts it)."""
+        if segments is None or executor is None:
+            return 0
+        cache, special, pending = self._segments, self._special_ids, self._pending
+        longest = self._token_cache_chars // 4
+        todo: dict[str, None] = {}           # long ones, in order, once each
+        short: dict[str, None] = {}
+        waits: list[asyncio.Future] = []
+        short_waits: list[asyncio.Future] = []    # worth awaiting only when this request hops anyway
+        done = 0
+        for seg in segments:
+            if seg in cache or seg in special or len(seg) > longest:
+                continue
+            fut = pending.get(seg)
+            if fut is not None:
+                (waits if len(seg) >= inline_chars else short_waits).append(fut)
+            elif len(seg) >= inline_chars:
+                todo[seg] = None
+            else:
+                short[seg] = None
+        if todo:
+            todo.update(short)
+            waits += short_waits
+            loop = asyncio.get_running_loop()
+            mine = loop.create_future()
+            for seg in todo:
+                pending[seg] = mine
+            try:
+                out = await asyncio.wrap_future(executor.submit(self._encode_all, list(todo)))
+            except Exception:                # left to the inline path, which counts the error
+                out = None
+            finally:
+                for seg in todo:
+                    pending.pop(seg, None)
+                if not mine.done():
+                    mine.set_result(None)
+            if out is not None:
+                done = len(todo)
+                self.segment_misses += len(todo)
+                self.segments_off_loop += len(todo)
+                for seg, ids in zip(todo, out, strict=True):
+                    self._store(seg, ids)
+        for fut in waits:
+            await asyncio.shield(fut)
+        return done
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``, cached by segment (equal to the library's own encode)."""
+        out: list[int] = list(self._prefix_ids) if add_special_tokens else []
+        for segment in self.segments(text):
+            out.extend(self._segment_ids(segment))
+        return out
+
+    # -- a request ---------------------------------------------------------------------------------
+
+    def request_segments(self, path: str, data: dict[str, Any]) -> tuple[list[str] | None, list[int] | None]:
+        """(segments, leading ids) of a chat or completions body, or ``(None, ids)`` for a token-id
+        prompt; raises ``TokenizerError`` (or a template error) when it cannot be tokenized."""
+        if "messages" in data:
+            extra = {k: data[k] for k in ("tools", "documents") if k in data}
+            kwargs = data.get("chat_template_kwargs")
+            if isinstance(kwargs, dict):
+                extra.update({k: v for k, v in kwargs.items() if isinstance(k, str) and k != "messages"})
+            return self.segments(self.render(data["messages"], **extra)), []
+        prompt = data.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.segments(prompt), list(self._prefix_ids)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise TokenizerError("no prompt to tokenize")
+
+    def block_keys(self, segments: list[str] | None, lead: list[int], root: int, block_size: int,
+                   max_blocks: int, reach: Callable[[int], bool] | None = None,
+                   probe_chars: int = PROBE_CHARS, defer_chars: int | None = None) -> Keys | int:
+        """Chained keys of the full blocks of the request's tokens: ``key[i] = hash((key[i-1],
+        block tokens))`` from ``root``. The chain state after each prefix of segments is cached, so
+        only the segments after the longest known prefix are tokenized and hashed.
+
+        With ``reach`` (is a key held by some engine, or about to be), an uncached segment of
+        ``probe_chars`` or more is tokenized only if some engine's cache reaches into it: when the
+        chain before it is held nowhere, or the blocks its first characters complete (``_probe``) are
+        not, no engine can match deeper, so the keys end there (``Keys.exact`` false). A long unique
+        prompt then costs a probe of a few dozen tokens instead of its whole tokenization.
+        With ``defer_chars``, an uncached segment that long which must be tokenized is not: its
+        index is returned instead, for ``prepare`` to tokenize it off the loop."""
+        if segments is None:                 # token ids given
+            return _chain(root, [], lead, block_size, max_blocks)
+        ident = (root, block_size, tuple(lead))
+        state: tuple[list[int], int, list[int], int] | None = None
+        start = 0
+        idents = []
+        for seg in segments:
+            ident = hash((ident, seg))
+            idents.append(ident)
+        prefixes = self._prefixes
+        for j in range(len(segments) - 1, -1, -1):
+            found = prefixes.get(idents[j])
+            if found is not None:
+                prefixes.move_to_end(idents[j])
+                state, start = found, j + 1
+                break
+        if state is None:
+            keys, tail, total = [], list(lead), len(lead)
+        else:
+            # cached states share key lists: a state is (list, length); the list is extended in place
+            # when no other continuation extended it yet, else its prefix is copied
+            ref, n, tail0, total = state
+            keys = ref if len(ref) == n else ref[:n]
+            tail = list(tail0)
+        cache, special, longest = self._segments, self._special_ids, self._token_cache_chars // 4
+        for j in range(start, len(segments)):
+            seg = segments[j]
+            if seg not in cache and seg not in special:
+                if reach is not None and len(seg) >= probe_chars and len(keys) < max_blocks:
+                    probed = self._beyond_reach(keys, tail, seg, root, block_size, max_blocks - len(keys), reach)
+                    if probed is not None:
+                        self.segments_unreached += 1
+                        keys.extend(probed)
+                        return Keys(keys[:], total + self._estimate(segments, j), exact=False)
+                if defer_chars is not None and defer_chars <= len(seg) <= longest:
+                    return j
+            ids = self._segment_ids(seg)
+            total += len(ids)
+            tail.extend(ids)
+            if len(tail) >= block_size and len(keys) < max_blocks:
+                h = keys[-1] if keys else root
+                n = min(len(tail) // block_size, max_blocks - len(keys))
+                it = iter(tail)               # blocks as tuples, cut in C (as the event index cuts them)
+                for block in islice(zip(*repeat(it, block_size), strict=False), n):
+                    h = hash((h, block))
+                    keys.append(h)
+                tail = tail[n * block_size:]
+            self._remember(idents[j], keys, tail, total)
+        return Keys(keys[:], total)
+
+    def _beyond_reach(self, keys: list[int], tail: list[int], seg: str, root: int, block_size: int,
+                      room: int, reach: Callable[[int], bool]) -> list[int] | None:
+        """Whether no engine's cache reaches into ``seg`` (which follows ``keys`` and ``tail``): the
+        keys of the blocks its probe completes when so (the walk stops at the first one not held; they
+        are kept for the speculative entries), ``None`` when ``seg`` must be tokenized."""
+        if keys and not reach(keys[-1]):
+            return []                        # the chain is held nowhere before this segment
+        need = block_size - len(tail)        # tokens to complete the block under way
+        probe = self._probe(seg, need)
+        if probe is None:
+            return None
+        ids = tail + probe
+        n = min(len(ids) // block_size, room)
+        out = _chain(keys[-1] if keys else root, [], ids, block_size, n).keys
+        if not out or all(reach(k) for k in out):
+            return None                      # held as far as the probe goes: the engine may hold more
+        return out
+
+    def _probe(self, seg: str, need: int) -> list[int] | None:
+        """Ids of ``seg``'s first characters, at least ``need`` of them if it can: the text cut at a
+        space and its last two tokens dropped, so they are the ids the whole segment starts with
+        (tokenizers do not merge across a space; the margin covers the word at the cut). ``None``
+        when the probe would be most of the segment (then it is tokenized whole)."""
+        ids = self._probes.get(seg)
+        if ids is not None and len(ids) >= need:
+            return ids
+        per_token = self._seen_chars / self._seen_tokens if self._seen_tokens else 4.0
+        chars = int((need + 4) * per_token * 1.5) + 16
+        if chars * 2 > len(seg):
+            return None
+        cut = seg.rfind(" ", 0, chars)
+        if cut < chars // 2:
+            cut = chars
+        ids = self._encode_one(seg[:cut])
+        self._seen_chars += cut
+        self._seen_tokens += len(ids)
+        ids = ids[:-2]
+        if len(self._probes) >= _PROBES_KEPT:
+            self._probes.pop(next(iter(self._probes)))
+        self._probes[seg] = ids
+        return ids
+
+    def _estimate(self, segments: list[str], start: int) -> int:
+        """Tokens in ``segments[start:]``: cached ones counted, the rest from their characters."""
+        cache, special = self._segments, self._special_ids
+        per_token = self._seen_chars / self._seen_tokens if self._seen_tokens else 4.0
+        n = 0
+        for seg in islice(segments, start, None):
+            if seg in special:
+                n += 1
+            else:
+                ids = cache.get(seg)
+                n += len(ids) if ids is not None else round(len(seg) / per_token)
+        return n
+
+    def _remember(self, ident: int, keys: list[int], tail: list[int], total: int) -> None:
+        if ident in self._prefixes:
+            return
+        self._prefixes[ident] = (keys, len(keys), list(tail), total)
+        self._prefix_blocks += len(keys) + 1      # counted whole although lists are shared
+        while self._prefix_blocks > self._key_cache_blocks and self._prefixes:
+            _, (_k, n, _t, _n) = self._prefixes.popitem(last=False)
+            self._prefix_blocks -= n + 1
+
+
+def _batch_call(tokenizer: Any) -> Callable[..., Any]:
+    return getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+
+
+def _rest_tokenizer(path: Path) -> Any | None:
+    """The tokenizer for the pieces after a text's first, when it differs: a Metaspace pre-tokenizer
+    with ``prepend_scheme: first`` prepends only to the first piece, so the others are tokenized with
+    ``never``. ``None`` when every piece tokenizes alike."""
+    from tokenizers import Tokenizer
+
+    spec = json.loads(path.read_text())
+    changed = False
+
+    def walk(node: Any) -> None:
+        nonlocal changed
+        if isinstance(node, dict):
+            if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                node["prepend_scheme"] = "never"
+                changed = True
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(spec.get("pre_tokenizer"))
+    return Tokenizer.from_str(json.dumps(spec)) if changed else None
+
+
+def _chain(root: int, keys: list[int], ids: list[int], block_size: int, max_blocks: int) -> Keys:
+    h = root
+    n = min(len(ids) // block_size, max_blocks)
+    for b in range(n):
+        h = hash((h, tuple(ids[b * block_size:(b + 1) * block_size])))
+        keys.append(h)
+    return Keys(keys, len(ids))
+
+
+def chain_keys(root: int, token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained keys of ``token_ids``' full blocks from ``root`` (what events are hashed into)."""
+    return _chain(root, [], list(token_ids), block_size, len(token_ids)).keys
+
+
+def load_tokenizers(dirs: dict[str, str]) -> dict[str, ModelTokenizer]:
+    """model → its tokenizer; a directory that cannot be read is an error naming the model."""
+    out: dict[str, ModelTokenizer] = {}
+    cache: dict[str, ModelTokenizer] = {}
+    for model, d in dirs.items():
+        key = str(Path(d).resolve())
+        if key not in cache:
+            try:
+                cache[key] = ModelTokenizer(d)
+            except TokenizerError as e:
+                raise TokenizerError(f"models[{model}].tokenizer: {e}") from None
+        out[model] = cache[key]
+    return out

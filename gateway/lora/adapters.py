@@ -1,0 +1,530 @@
+"""LoRA adapters: which endpoints serve which adapter, routing a request for one, loading and
+unloading on demand.
+
+A client names an adapter in ``model``. The gateway knows adapters from two sources:
+
+- discovery: every ``lora.discovery_interval_s`` it reads each endpoint's ``/v1/models``; entries
+  with a ``parent`` are adapters (vLLM lists ``{id: name, root: path, parent: base}``), and the
+  endpoint's model is their base. The scraper reads vLLM's ``vllm:lora_requests_info`` (its newest
+  series) for the adapters running and waiting there and ``max_lora`` (gateway/upstream/engine_metrics.py).
+- config: ``models[].adapters: {name: path}``, adapters the gateway may load.
+
+A request for an adapter (``resolve``) becomes a request for the base model: its strategy, limits,
+watchdog and metrics are the base model's, and ``InferenceRequest.lora`` names the adapter (the
+prefix index keys its prompts apart; the body still says ``model: <adapter>``, which is how vLLM
+picks the adapter; SGLang also gets ``lora_path``). Its strategy is ``lora.strategy``
+(``lora-affinity``, routers/lora.py) unless the model locks one or the ``routing-strategy`` header
+names one. Before routing (``prepare``) the candidates are narrowed to the endpoints that serve the
+adapter. When none does and the model's ``adapters`` has it, it is loaded (``_load``) on the
+least-loaded ready endpoint (``target``) with room under ``max_adapters_per_endpoint`` (else one
+with an adapter to unload, below), and among those with a free slot (fewer active adapters than
+``max_lora``) if any has one, with the engine's runtime call (handlers: vLLM
+``POST /v1/load_lora_adapter``, SGLang ``/load_lora_adapter``), and the request goes there:
+
+- concurrent requests for the same adapter wait on the one load (its outcome is theirs);
+- a failed load answers 502 ``lora_load_failed`` with the engine's message, and that endpoint is
+  not asked to load that adapter again for ``lora.failure_cooldown_s``; while every endpoint is
+  cooling down, 503 with a Retry-After;
+- a name that is neither a model, an alias nor a known adapter is 404 ``model_not_found``.
+
+A P/D model's adapter requests (``serving_pairs``) are routed by ``pd`` among the endpoints that
+serve the adapter, so both legs (and a request run whole, by conditional disaggregation) land on
+engines that have it. When no prefill or no decode serves it and the model's ``adapters`` has it,
+the same ``_load`` runs for each missing role among that role's endpoints, concurrently, as one
+shared load per (model, adapter); the first failure is every waiter's 502 (the other role's load
+still completes and stays). An adapter the config does not list: 503 naming the missing role.
+
+Unloading (the engine's unload call: vLLM ``POST /v1/unload_lora_adapter``, SGLang
+``/unload_lora_adapter``, ``{lora_name}``). An adapter is never unloaded from an endpoint where
+this gateway has requests for it in flight (``charge`` counts a P/D request on both its prefill and
+its decode until the request ends); it leaves the endpoint's served set before the call, so no new
+request is routed to it meanwhile; a failed unload puts it back. Only adapters the config lists
+for the endpoint's model are unloaded by ``capacity`` and ``error`` (the gateway can load them
+again), only adapters the gateway loaded by ``idle``:
+
+- ``capacity``: before loading onto an endpoint that serves (or is loading) ``max_adapters_per_endpoint``
+  adapters, the least recently used one there (last routed, or loaded, by this gateway; one
+  discovered and never routed first) with nothing in flight is unloaded. When every ready endpoint
+  is at the cap with all its adapters in use: 503 ``lora_load_failed`` (``x-error-lora-load: full``,
+  Retry-After 1);
+- ``idle``: with ``idle_unload_s``, a background pass (every half of it, 50 ms..30 s) unloads the
+  adapters the gateway loaded that saw no request for that long;
+- ``error``: a load the engine refuses as full (handlers ``lora_full``: SGLang's
+  ``--max-loaded-loras`` answer, vLLM's "No free adapter slots.") unloads one idle adapter there and
+  is retried once.
+
+Known gap: a request that has passed ``prepare`` but is not yet charged (waiting in admission) does
+not hold its adapter; an unload in that window sends it to an engine without the adapter, which
+answers its error. The least-recently-used order (a fresh load counts as a use) makes that rare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+import structlog
+from prometheus_client import Gauge
+
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.errors import GatewayError
+from gateway.observability.metrics import Counter, Histogram
+from gateway.pipeline.ledger import AdapterInFlight
+from gateway.upstream.upstream import Upstream, UpstreamFailure
+from handlers import adapter_for
+
+if TYPE_CHECKING:
+    from gateway.config.schema import Config
+    from gateway.pipeline.context import RequestContext
+
+log = structlog.get_logger("switchyard.lora")
+
+# adapters remembered as recently routed per endpoint (the engine's slots are far fewer)
+_RECENT_KEPT = 64
+
+
+class LoraMetrics:
+    def __init__(self, registry) -> None:
+        self.requests = Counter("switchyard_lora_requests", "Requests for a LoRA adapter, by the adapter's state "
+                                "on the endpoint chosen (running, resident, free_slot, waiting, full, other)",
+                                ["model", "adapter", "state"], registry=registry)
+        self.loads = Counter("switchyard_lora_loads", "Runtime adapter loads the gateway asked for, by result "
+                             "(ok, error, cooldown: refused while every endpoint cools down, full: every "
+                             "endpoint at max_adapters_per_endpoint with adapters in use)",
+                             ["model", "adapter", "result"], registry=registry)
+        self.load_seconds = Histogram("switchyard_lora_load_seconds", "Duration of the engines' load calls",
+                                      ["model"], registry=registry,
+                                      buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.unloads = Counter("switchyard_lora_unloads", "Adapters the gateway unloaded, by reason (capacity: "
+                               "room for another under max_adapters_per_endpoint, idle: idle_unload_s, error: "
+                               "the engine refused a load as full)", ["model", "adapter", "reason"],
+                               registry=registry)
+        self.serving = Gauge("switchyard_lora_adapter_endpoints", "Endpoints serving each known adapter",
+                             ["model", "adapter"], registry=registry)
+
+
+class Lora:
+    """The LoRA stage of one gateway: ``resolve`` and ``prepare`` before routing, ``charge`` after."""
+
+    def __init__(self, config: Config, pool: EndpointPool, upstream: Upstream, metrics: LoraMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.upstream = upstream
+        self.metrics = metrics
+        self.clock = clock
+        self.reconfigure(config)
+        self._loads: dict[tuple[str, str], asyncio.Future[Endpoint]] = {}
+        self._cooldown: dict[tuple[int, str], tuple[float, str]] = {}   # (id(ep), adapter) -> (until, message)
+        self._loaded_at: dict[tuple[int, str], float] = {}     # adapters this gateway loaded -> when
+        self._unloaded_at: dict[tuple[int, str], float] = {}
+        self._pending: dict[int, set[str]] = {}                # id(ep) -> adapters being loaded there
+        self._unloading: set[tuple[int, str]] = set()
+        self._task: asyncio.Task | None = None
+        self._idle_task: asyncio.Task | None = None
+
+    def reconfigure(self, config: Config) -> None:
+        self.config = config
+        self.settings = config.lora
+        self.paths: dict[str, tuple[str, str]] = {a: (m.name, p) for m in config.models for a, p in m.adapters.items()}
+
+    # -- before routing ------------------------------------------------------------------------
+
+    def base_of(self, name: str) -> str | None:
+        """The base model of adapter ``name``, if any endpoint serves it or the config lists it."""
+        for ep in self.pool.endpoints():
+            if name in ep.adapters.served:
+                return ep.model
+        configured = self.paths.get(name)
+        return configured[0] if configured is not None else None
+
+    def resolve(self, ctx: RequestContext) -> None:
+        """Make a request that names an adapter a request for its base model (module docstring)."""
+        ireq = ctx.ireq
+        assert ireq is not None
+        name = ireq.model
+        if self.pool.has_model(name) or self.config.model(name) is not None:
+            return
+        base = self.base_of(name)
+        if base is None:
+            return          # the pipeline answers 404 model_not_found
+        ireq.lora = name
+        ireq.model = base
+        ctx.rec.extra["lora_adapter"] = name
+        eps = self.pool.endpoints(base)
+        fields = adapter_for(eps[0].engine).lora_fields(name) if eps else {}
+        if fields and ctx.api is None:
+            ireq.data.update(fields)
+            ireq.body = orjson.dumps(ireq.data)
+
+    async def prepare(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
+        """The candidates that serve the request's adapter, after loading it if none does."""
+        ireq = ctx.ireq
+        assert ireq is not None and ireq.lora is not None
+        adapter = ireq.lora
+        serving = [ep for ep in candidates if adapter in ep.adapters.served]
+        if serving:
+            return serving
+        path = self._loadable(ireq.model, adapter, "")
+        ep = await self._shared_load(ctx, ireq.model, adapter, lambda: self._load(ireq.model, adapter, path, candidates))
+        return [ep]
+
+    async def serving_pairs(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
+        """A P/D model's candidates that serve the request's adapter, after loading it on the
+        roles none serves (module docstring)."""
+        ireq = ctx.ireq
+        assert ireq is not None and ireq.lora is not None
+        adapter, model = ireq.lora, ireq.model
+        missing = self._missing_roles(candidates, adapter)
+        if missing:
+            path = self._loadable(model, adapter, " or ".join(missing))
+            await self._shared_load(ctx, model, adapter, lambda: self._load_roles(model, adapter, path, candidates))
+            missing = self._missing_roles(candidates, adapter)
+            if missing:     # unloaded again in the meantime (never while requests are in flight)
+                self._no_endpoint(model, adapter, " or ".join(missing))
+        return [ep for ep in candidates if adapter in ep.adapters.served]
+
+    @staticmethod
+    def _missing_roles(candidates: list[Endpoint], adapter: str) -> list[str]:
+        return [role for role in ("prefill", "decode")
+                if not any(ep.role == role and adapter in ep.adapters.served for ep in candidates)]
+
+    def _loadable(self, model: str, adapter: str, roles: str) -> str:
+        """The path of ``adapter`` when the config lets the gateway load it for ``model``; else 503."""
+        configured = self.paths.get(adapter)
+        if configured is None or configured[0] != model:
+            self._no_endpoint(model, adapter, roles)
+        return configured[1]
+
+    @staticmethod
+    def _no_endpoint(model: str, adapter: str, roles: str) -> None:
+        what = f"ready {roles} endpoint of the P/D model" if roles else "ready endpoint of model"
+        raise GatewayError(503, f"no {what} `{model}` serves the LoRA adapter `{adapter}`",
+                           code="service_unavailable", headers={"Retry-After": "5"},
+                           header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+
+    async def _shared_load(self, ctx: RequestContext, model: str, adapter: str,
+                           start: Callable[[], Any]) -> Any:
+        """The outcome of the one load of (``model``, ``adapter``) in progress, started by ``start``
+        if none is: concurrent requests share it."""
+        key = (model, adapter)
+        load = self._loads.get(key)
+        if load is None:
+            load = asyncio.ensure_future(start())
+            self._loads[key] = load
+            load.add_done_callback(lambda f, key=key: self._load_done(key, f))
+            ctx.rec.extra["lora_load"] = "started"
+        else:
+            ctx.rec.extra["lora_load"] = "joined"
+        return await asyncio.shield(load)      # one client leaving does not stop the load for the others
+
+    async def _load_roles(self, model: str, adapter: str, path: str, candidates: list[Endpoint]) -> list[Endpoint]:
+        """Load ``adapter`` on one endpoint of each P/D role none of ``candidates`` serves it on,
+        concurrently; the first failure is the outcome (the other role's load still completes)."""
+        roles = self._missing_roles(candidates, adapter)
+        done = await asyncio.gather(*(self._load(model, adapter, path, [ep for ep in candidates if ep.role == role])
+                                      for role in roles), return_exceptions=True)
+        for r in done:
+            if isinstance(r, BaseException):
+                raise r
+        return list(done)   # type: ignore[arg-type]
+
+    def _load_done(self, key: tuple[str, str], fut: asyncio.Future[Endpoint]) -> None:
+        if self._loads.get(key) is fut:
+            del self._loads[key]
+        if not fut.cancelled():
+            fut.exception()         # retrieved: waiters re-raise it; none may be left
+
+    def _cooling(self, ep: Endpoint, adapter: str, now: float) -> tuple[float, str] | None:
+        c = self._cooldown.get((id(ep), adapter))
+        if c is not None and c[0] <= now:
+            del self._cooldown[(id(ep), adapter)]
+            return None
+        return c
+
+    def target(self, candidates: list[Endpoint], adapter: str) -> Endpoint | None:
+        """Where to load ``adapter``: the least-loaded ready endpoint not cooling down, among those
+        with room under ``max_adapters_per_endpoint`` (else those with an adapter to unload) and
+        then those with a free slot if any has one."""
+        now = self.clock()
+        usable = [ep for ep in candidates if ep.ready and self._cooling(ep, adapter, now) is None]
+        cap = self.settings.max_adapters_per_endpoint
+        if cap:
+            usable = ([ep for ep in usable if len(self._held(ep) - {adapter}) < cap]
+                      or [ep for ep in usable if self._victim(ep, adapter) is not None])
+        if not usable:
+            return None
+        free = [ep for ep in usable if _free_slot(ep)]
+        return min(free or usable, key=lambda ep: (ep.in_flight + ep.remote_in_flight, len(ep.adapters.served)))
+
+    async def _load(self, model: str, adapter: str, path: str, candidates: list[Endpoint]) -> Endpoint:
+        ep = self.target(candidates, adapter)
+        if ep is None:
+            now = self.clock()
+            waits = [c for e in candidates if (c := self._cooling(e, adapter, now)) is not None]
+            if not waits and any(e.ready for e in candidates) and self.settings.max_adapters_per_endpoint:
+                self.metrics.loads.labels(model, adapter, "full").inc()
+                raise GatewayError(503, f"every ready endpoint of `{model}` that could load the LoRA adapter "
+                                        f"`{adapter}` holds {self.settings.max_adapters_per_endpoint} adapters "
+                                        f"(lora.max_adapters_per_endpoint), each with requests in flight",
+                                   code="lora_load_failed", headers={"Retry-After": "1"},
+                                   header=("x-error-lora-load", "full"), error_class="lora_load")
+            retry = max(1, math.ceil(min(c[0] for c in waits) - now)) if waits else 5
+            last = waits[-1][1] if waits else "no ready endpoint"
+            self.metrics.loads.labels(model, adapter, "cooldown").inc()
+            raise GatewayError(503, f"the LoRA adapter `{adapter}` failed to load on every endpoint of `{model}` "
+                                    f"recently ({last}); retrying in {retry}s",
+                               code="lora_load_failed", headers={"Retry-After": str(retry)},
+                               header=("x-error-lora-load", "cooldown"), error_class="lora_load")
+        pending = self._pending.setdefault(id(ep), set())
+        pending.add(adapter)
+        try:
+            cap = self.settings.max_adapters_per_endpoint
+            if cap and len(self._held(ep) - {adapter}) >= cap and (victim := self._victim(ep, adapter)) is not None:
+                await self.unload(ep, victim, "capacity")
+            engine = adapter_for(ep.engine)
+            error = await self._load_call(ep, model, adapter, path)
+            if error is not None and engine.lora_full(error) and (victim := self._victim(ep, adapter)) is not None \
+                    and await self.unload(ep, victim, "error"):
+                error = await self._load_call(ep, model, adapter, path)     # once
+        finally:
+            pending.discard(adapter)
+            if not pending and self._pending.get(id(ep)) is pending:
+                del self._pending[id(ep)]
+        if error is not None:
+            self._cooldown[(id(ep), adapter)] = (self.clock() + self.settings.failure_cooldown_s, error)
+            self.metrics.loads.labels(model, adapter, "error").inc()
+            log.warning("lora load failed", model=model, adapter=adapter, endpoint=ep.name, error=error)
+            raise GatewayError(502, f"loading the LoRA adapter `{adapter}` on {ep.name} failed: {error}",
+                               code="lora_load_failed", header=("x-error-lora-load", "error"),
+                               error_class="lora_load")
+        ep.adapters.served[adapter] = model
+        self._loaded_at[(id(ep), adapter)] = self.clock()
+        self.metrics.loads.labels(model, adapter, "ok").inc()
+        log.info("lora adapter loaded", model=model, adapter=adapter, endpoint=ep.name)
+        return ep
+
+    async def _load_call(self, ep: Endpoint, model: str, adapter: str, path: str) -> str | None:
+        """The engine's load call; ``None`` when the adapter is there now, else the engine's message."""
+        engine = adapter_for(ep.engine)
+        start = self.clock()
+        error = await self._engine_call(ep, model, engine.lora_load(adapter, path), engine.lora_load_error)
+        self.metrics.load_seconds.labels(model).observe(self.clock() - start)
+        return error
+
+    async def _engine_call(self, ep: Endpoint, model: str, call: tuple[str, bytes],
+                           judge: Callable[[int, bytes], str | None]) -> str | None:
+        """POST an adapter call to ``ep``; ``None`` when ``judge`` finds the answer fine, else why not."""
+        try:
+            status, raw = await self.upstream.fetch(ep, call[0], call[1], {"Content-Type": "application/json"},
+                                                    model, self.settings.load_timeout_s)
+            return judge(status, raw)
+        except UpstreamFailure as f:
+            return f.message
+
+    # -- unloading -----------------------------------------------------------------------------
+
+    def _held(self, ep: Endpoint) -> set[str]:
+        """The adapters ``ep`` serves or is loading (what ``max_adapters_per_endpoint`` counts)."""
+        return set(ep.adapters.served) | self._pending.get(id(ep), set())
+
+    def _last_used(self, ep: Endpoint, adapter: str) -> float:
+        """When ``adapter`` was last routed to ``ep`` or loaded there by this gateway."""
+        return max(ep.adapters.recent.get(adapter, -math.inf), self._loaded_at.get((id(ep), adapter), -math.inf))
+
+    def _victim(self, ep: Endpoint, keep: str) -> str | None:
+        """The adapter to unload from ``ep`` to make room for ``keep``: the least recently used one
+        with no request in flight there, among those the config lets the gateway load again."""
+        mine = [a for a in ep.adapters.served
+                if a != keep and self.paths.get(a, ("",))[0] == ep.model and not ep.adapters.in_flight.get(a)
+                and (id(ep), a) not in self._unloading]
+        return min(mine, key=lambda a: self._last_used(ep, a), default=None)
+
+    async def unload(self, ep: Endpoint, adapter: str, reason: str) -> bool:
+        """Unload ``adapter`` from ``ep`` (reason: capacity, idle, error) unless requests for it
+        are in flight there; whether it is gone. New requests stop going there first."""
+        if ep.adapters.in_flight.get(adapter) or (id(ep), adapter) in self._unloading:
+            return False
+        model = ep.adapters.served.pop(adapter, None)
+        if model is None:
+            return False
+        self._unloading.add((id(ep), adapter))
+        engine = adapter_for(ep.engine)
+        try:
+            error = await self._engine_call(ep, model, engine.lora_unload(adapter), engine.lora_unload_error)
+        finally:
+            self._unloading.discard((id(ep), adapter))
+        if error is not None:
+            ep.adapters.served[adapter] = model       # still there as far as the gateway knows
+            log.warning("lora unload failed", model=model, adapter=adapter, endpoint=ep.name, reason=reason,
+                        error=error)
+            return False
+        self._loaded_at.pop((id(ep), adapter), None)
+        self._unloaded_at[(id(ep), adapter)] = self.clock()
+        ep.adapters.recent.pop(adapter, None)
+        self.metrics.unloads.labels(model, adapter, reason).inc()
+        log.info("lora adapter unloaded", model=model, adapter=adapter, endpoint=ep.name, reason=reason)
+        return True
+
+    async def unload_idle(self) -> int:
+        """Unload the adapters this gateway loaded that saw no request for ``idle_unload_s`` and
+        have none in flight; how many went."""
+        idle = self.settings.idle_unload_s
+        if not idle:
+            return 0
+        now = self.clock()
+        due = [(ep, a) for ep in self.pool.endpoints() for a in list(ep.adapters.served)
+               if (id(ep), a) in self._loaded_at and not ep.adapters.in_flight.get(a)
+               and now - self._last_used(ep, a) >= idle]
+        if not due:
+            return 0
+        return sum(await asyncio.gather(*(self.unload(ep, a, "idle") for ep, a in due)))
+
+    # -- after routing -------------------------------------------------------------------------
+
+    def charge(self, ctx: RequestContext) -> None:
+        """Count the request on its endpoints' adapter, both of a P/D pair (released with the
+        request's charges; an adapter with requests in flight on an endpoint is not unloaded there)."""
+        ireq, d = ctx.ireq, ctx.decision
+        if ireq is None or ireq.lora is None or d is None:
+            return
+        adapter = ireq.lora
+        state = d.reason if d.strategy and d.reason else "other"
+        self.metrics.requests.labels(ireq.model, adapter, state if state in _STATES else "other").inc()
+        if d.prefill is None:
+            ctx.charges.adapter = AdapterInFlight(d.endpoint, adapter)
+            eps = (d.endpoint,)
+        else:
+            ctx.charges.adapter = _PairAdapterInFlight(d.prefill, d.endpoint, adapter)
+            eps = (d.prefill, d.endpoint)
+        now = self.clock()
+        for ep in eps:
+            recent = ep.adapters.recent
+            recent.pop(adapter, None)
+            recent[adapter] = now
+            if len(recent) > _RECENT_KEPT:
+                del recent[next(iter(recent))]
+
+    # -- discovery -----------------------------------------------------------------------------
+
+    def start(self, session: aiohttp.ClientSession) -> None:
+        if self.settings.discovery_interval_s > 0:
+            self._task = asyncio.create_task(self._discover_loop(session), name="switchyard-lora-discovery")
+        self._idle_task = asyncio.create_task(self._idle_loop(), name="switchyard-lora-idle-unload")
+
+    async def stop(self) -> None:
+        for task in (self._task, self._idle_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._task = self._idle_task = None
+
+    async def _idle_loop(self) -> None:
+        """Every half ``idle_unload_s`` (within 50 ms..30 s; 1 s while it is 0, so a reload may turn it on)."""
+        while True:
+            idle = self.settings.idle_unload_s
+            await asyncio.sleep(min(30.0, max(0.05, idle / 2)) if idle else 1.0)
+            try:
+                await self.unload_idle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:       # a bug in one pass must not stop the next
+                log.exception("lora idle unload pass failed")
+
+    async def _discover_loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                await self.discover(session)
+            except asyncio.CancelledError:
+                raise
+            except Exception:       # a bug in one round must not stop discovery
+                log.exception("lora discovery round failed")
+            await asyncio.sleep(self.settings.discovery_interval_s)
+
+    async def discover(self, session: aiohttp.ClientSession) -> None:
+        eps = self.pool.endpoints()
+        if eps:
+            await asyncio.gather(*(self._discover_one(session, ep) for ep in eps))
+        counts: dict[tuple[str, str], int] = {}
+        for ep in self.pool.endpoints():
+            for a in ep.adapters.served:
+                counts[(ep.model, a)] = counts.get((ep.model, a), 0) + 1
+        for (model, adapter), n in counts.items():
+            self.metrics.serving.labels(model, adapter).set(n)
+
+    async def _discover_one(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
+        asked = self.clock()
+        try:
+            async with asyncio.timeout(self.config.scrape.timeout_s or 2.0):
+                async with session.get(ep.url + "/v1/models") as r:
+                    if r.status != 200:
+                        return
+                    data = orjson.loads(await r.read())
+        except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
+            return
+        found = served_adapters(data, ep.model)
+        if found is None:
+            return
+        # an adapter the gateway loaded while the list was on its way stays; one it unloaded (or is
+        # unloading) meanwhile stays out
+        for a, m in ep.adapters.served.items():
+            if a not in found and self._loaded_at.get((id(ep), a), -1.0) >= asked:
+                found[a] = m
+        for a in list(found):
+            if (id(ep), a) in self._unloading or self._unloaded_at.get((id(ep), a), -1.0) >= asked:
+                del found[a]
+        ep.adapters.served = found
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Adapters for ``/v1/models``: each with its parent and how many ready endpoints serve it."""
+        out: dict[str, dict[str, Any]] = {}
+        for ep in self.pool.endpoints():
+            for a in ep.adapters.served:
+                entry = out.setdefault(a, {"id": a, "parent": ep.model, "ready_endpoints": 0})
+                entry["ready_endpoints"] += int(ep.ready)
+        for a, (model, _) in self.paths.items():
+            out.setdefault(a, {"id": a, "parent": model, "ready_endpoints": 0, "loadable": True})
+            out[a]["loadable"] = True
+        return list(out.values())
+
+
+_STATES = frozenset({"running", "resident", "free_slot", "waiting", "full"})
+
+
+class _PairAdapterInFlight(AdapterInFlight):
+    """A P/D request's adapter charge: on the decode (its own counter) and on the prefill."""
+
+    __slots__ = ("prefill",)
+
+    def __init__(self, prefill: Endpoint, decode: Endpoint, adapter: str) -> None:
+        self.prefill = AdapterInFlight(prefill, adapter)
+        super().__init__(decode, adapter)
+
+    def release(self) -> None:
+        self.prefill.release()
+        super().release()
+
+
+def _free_slot(ep: Endpoint) -> bool:
+    m = ep.metrics
+    if m is None or not m.max_lora:
+        return True
+    active = (m.lora_running or frozenset()) | (m.lora_waiting or frozenset()) | {
+        a for a, n in ep.adapters.in_flight.items() if n}
+    return len(active) < m.max_lora
+
+
+def served_adapters(models: Any, base: str) -> dict[str, str] | None:
+    """Adapters of a ``/v1/models`` answer (entries with a non-empty ``parent``) -> ``base``;
+    ``None`` when the answer is not a model list."""
+    if not isinstance(models, dict) or not isinstance(models.get("data"), list):
+        return None
+    return {e["id"]: base for e in models["data"]
+            if isinstance(e, dict) and isinstance(e.get("id"), str) and e.get("parent")}

@@ -1,0 +1,385 @@
+"""The gateway's own Prometheus metrics, in a registry owned by the app (no global state).
+
+Label lookups in prometheus-client cost a dict lookup plus lock; children used per request are
+cached in plain dicts keyed by label tuples so the hot path pays one dict lookup each.
+
+The counters and histograms a request touches (``Counter``, ``Histogram`` below) are the
+gateway's own: a child is a plain float (or a list of bucket counts) that ``inc``/``observe``
+update without prometheus-client's per-call lock, checks and per-bucket Python loop; they are
+exported through the same registry, in the same exposition (``_total``, ``_bucket``/``_sum``/
+``_count``, ``_created``). They may only be updated from the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+ROUTING_BUCKETS = (0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005,
+                   0.01, 0.025, 0.05)
+LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class _Family(Collector):
+    """What ``Counter`` and ``Histogram`` share: the name, the label names, the children by label
+    values, and registration (``describe`` names the series, so a clash fails at start-up)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        self._name = name
+        self._doc = documentation
+        self._labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Any] = {}
+        self._single = None if self._labelnames else self._new_child()
+        if registry is not None:
+            registry.register(self)
+
+    def labels(self, *values: Any, **named: Any):
+        if named:
+            if values:
+                raise ValueError("labels: pass label values by position or by name, not both")
+            values = tuple(named[n] for n in self._labelnames)
+        key = tuple(str(v) for v in values)
+        if len(key) != len(self._labelnames):
+            raise ValueError(f"{self._name}: {len(self._labelnames)} label values expected, got {len(key)}")
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = self._new_child()
+        return c
+
+    def _new_child(self) -> Any:
+        raise NotImplementedError
+
+    def _series(self) -> list[tuple[tuple[str, ...], Any]]:
+        return [((), self._single)] if self._single is not None else list(self._children.items())
+
+    def describe(self) -> list:
+        return [self._family()]
+
+    def _family(self) -> Any:
+        raise NotImplementedError
+
+
+class _CounterChild:
+    __slots__ = ("value", "created")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        if amount < 0:
+            raise ValueError("counters can only be incremented by non-negative amounts")
+        self.value += amount
+
+
+class Counter(_Family):
+    """A counter (``<name>_total``), exported as prometheus-client's ``Counter`` is."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None) -> None:
+        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
+
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
+
+    def inc(self, amount: float = 1) -> None:
+        """An unlabelled counter's increment."""
+        if self._single is None:
+            raise ValueError(f"{self._name} has labels: use labels(...).inc()")
+        self._single.inc(amount)
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def collect(self):
+        fam = self._family()
+        for key, c in self._series():
+            fam.add_metric(key, c.value, created=c.created)
+        yield fam
+
+
+class _HistogramChild:
+    __slots__ = ("bounds", "counts", "sum", "created")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)       # per bucket, not cumulative; the last is +Inf
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, amount: float) -> None:
+        self.counts[bisect_left(self.bounds, amount)] += 1     # the first bound >= amount, as Prometheus's le
+        self.sum += amount
+
+    def observe_many(self, values: Iterable[float]) -> None:
+        counts, bounds = self.counts, self.bounds
+        s = 0.0
+        for v in values:
+            counts[bisect_left(bounds, v)] += 1
+            s += v
+        self.sum += s
+
+
+class Histogram(_Family):
+    """A histogram (``_bucket``, ``_count``, ``_sum``), exported as prometheus-client's is."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Iterable[str] = (),
+                 registry: CollectorRegistry | None = None, buckets: Iterable[float] = LATENCY_BUCKETS) -> None:
+        bounds = sorted(float(b) for b in buckets if b != float("inf"))
+        if not bounds or len(set(bounds)) != len(bounds):
+            raise ValueError(f"{name}: buckets must be distinct and at least one finite bound")
+        self._bounds = tuple(bounds)
+        self._les = [floatToGoString(b) for b in bounds] + ["+Inf"]
+        super().__init__(name, documentation, labelnames, registry)
+
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self._bounds)
+
+    def observe(self, amount: float) -> None:
+        if self._single is None:
+            raise ValueError(f"{self._name} has labels: use labels(...).observe()")
+        self._single.observe(amount)
+
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self._name, self._doc, labels=self._labelnames)
+
+    def collect(self):
+        fam = self._family()
+        created = []
+        for key, c in self._series():
+            cumulative, n = [], 0
+            for le, k in zip(self._les, c.counts, strict=True):
+                n += k
+                cumulative.append((le, n))
+            fam.add_metric(key, cumulative, c.sum)
+            created.append(Sample(self._name + "_created", dict(zip(self._labelnames, key, strict=True)), c.created))
+        fam.samples.extend(created)
+        yield fam
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("switchyard_requests", "Client requests by final HTTP status",
+                                ["model", "status", "strategy"], registry=r)
+        self.ttft = Histogram("switchyard_time_to_first_token_seconds",
+                              "Time from request arrival to the first generated token", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("switchyard_inter_token_latency_seconds",
+                             "Gaps between chunks that carried generated tokens", ["model"],
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("switchyard_e2e_request_latency_seconds", "Request arrival to last byte",
+                             ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.routing = Histogram("switchyard_routing_decision_seconds", "Time spent choosing an endpoint",
+                                 ["strategy"], buckets=ROUTING_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("switchyard_prompt_tokens", "Prompt tokens reported by engines",
+                                     ["model"], registry=r)
+        self.completion_tokens = Counter("switchyard_completion_tokens", "Completion tokens reported by engines",
+                                         ["model"], registry=r)
+        self.cached_tokens = Counter("switchyard_cached_prompt_tokens",
+                                     "Prompt tokens served from the engines' prefix cache", ["model"], registry=r)
+        self.upstream_errors = Counter("switchyard_upstream_errors", "Upstream failures by class",
+                                       ["model", "endpoint", "error_class"], registry=r)
+        self.retries = Counter("switchyard_retries", "Requests retried on another endpoint", ["model"],
+                               registry=r)
+        self.internal_errors = Counter("switchyard_internal_errors",
+                                       "Unexpected exceptions in the request path (bugs); each is logged with its traceback",
+                                       registry=r)
+        self.log_lines_dropped = Counter("switchyard_log_lines_dropped",
+                                         "Request log lines dropped because stderr stopped draining", registry=r)
+        self.client_cancels = Counter("switchyard_client_cancels",
+                                      "Requests whose client went away before the end", ["model", "stage"],
+                                      registry=r)
+        self.routing_fallbacks = Counter("switchyard_routing_fallbacks",
+                                         "Strategy decisions made without the strategy's signal",
+                                         ["strategy", "reason"], registry=r)
+        self.health_probes = Counter("switchyard_health_probes", "Active health probes by result",
+                                     ["model", "endpoint", "result"], registry=r)
+        self.scrapes = Counter("switchyard_engine_scrapes", "Engine /metrics scrapes by result",
+                               ["model", "endpoint", "result"], registry=r)
+        # P/D
+        self.pd_prefill_time = Histogram("switchyard_pd_prefill_seconds", "Prefill leg duration", ["model"],
+                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_kv_transfer_time = Histogram("switchyard_pd_kv_transfer_seconds",
+                                             "First token minus prefill end", ["model"],
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_decode_time = Histogram("switchyard_pd_decode_seconds", "Decode leg duration", ["model"],
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.pd_prefill_failures = Counter("switchyard_pd_prefill_failures",
+                                           "Prefill leg failures by class and by whether the client had bytes",
+                                           ["model", "failure_class", "stage"], registry=r)
+        self.watchdog_fires = Counter("switchyard_watchdog_fires", "Decode watchdog fires by phase",
+                                      ["model", "phase"], registry=r)
+        self.pd_aborts = Counter("switchyard_pd_aborts", "Abort calls sent to engines, by result",
+                                 ["model", "result"], registry=r)
+        # the process itself: CPU, RSS, open fds (read from /proc at scrape time), event-loop lag
+        self.loop_lag = Histogram("switchyard_event_loop_lag_seconds",
+                                  "How late the event loop ran a periodic timer (gateway/observability/looplag.py)",
+                                  buckets=LOOP_LAG_BUCKETS, registry=r)
+        self.memory_reclaims = Counter("switchyard_memory_reclaims",
+                                       "Times memory was handed back after a burst of requests ended (gateway/server/reclaim.py)",
+                                       registry=r)
+        ProcessCollector(registry=r)
+        # tracing (gateway/observability/tracing.py): what the OTLP exporter could not deliver, after its retries
+        self.trace_export_failures = Counter("switchyard_trace_export_failures",
+                                             "Span batches the OTLP exporter failed to deliver", registry=r)
+        self.trace_spans = Counter("switchyard_trace_spans", "Spans handed to the OTLP exporter, by result",
+                                   ["result"], registry=r)
+        # mid-stream continuation (gateway/pipeline/migration.py): each failed leg of a stream that had
+        # migration on, by what failed it and what the gateway did (continued, refused_<why>, ...)
+        self.migrations = Counter("switchyard_migrations", "Mid-stream failures of streams with migration on, "
+                                  "by reason and outcome", ["model", "reason", "outcome"], registry=r)
+        self._children: dict[tuple, object] = {}
+
+    def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
+                          prefix_stats: Callable[[], dict[str, int]] | None = None,
+                          engine_max_age: float = 10.0, fleet_load: Callable[[Any], float] | None = None) -> None:
+        """Gauges of live counts, read from the objects that hold them at scrape time."""
+        self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load))
+
+    def child(self, metric, *labels: str):
+        """A cached labelled child: one dict lookup on the hot path."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def observe_all(hist, values: list[float]) -> None:
+    """Observe every value on a histogram child, as ``observe`` would (a stream's inter-token gaps,
+    at its end)."""
+    many = getattr(hist, "observe_many", None)
+    if many is not None:
+        many(values)
+        return
+    for v in values:
+        hist.observe(v)
+
+
+# (metric name, help, how to read it off an Endpoint)
+_ENDPOINT_GAUGES: tuple[tuple[str, str, Callable], ...] = (
+    ("switchyard_endpoint_in_flight_requests", "Requests charged to each endpoint", lambda ep: ep.in_flight),
+    ("switchyard_endpoint_ready", "1 if the endpoint receives new requests", lambda ep: 1 if ep.ready else 0),
+    ("switchyard_pd_prefill_in_flight", "Prefill calls in progress (PrefillRequestTracker)",
+     lambda ep: ep.prefill_in_flight),
+    ("switchyard_pd_pending_decode", "Decodes chosen but not yet sent (PendingDecodeTracker)",
+     lambda ep: ep.pending_decode),
+    ("switchyard_pd_token_load_active_tokens", "Prompt tokens being prefilled (TokenLoadTracker)",
+     lambda ep: ep.token_active),
+    ("switchyard_pd_token_load_kv_tokens", "Prompt tokens whose KV is held for live requests (TokenLoadTracker)",
+     lambda ep: ep.token_kv),
+)
+
+
+# The engines' own state as the scraper last read it (gateway/endpoints.py EngineMetrics): (metric
+# name, help, field). A field the engine does not report is left out for that endpoint.
+_ENGINE_GAUGES: tuple[tuple[str, str, str], ...] = (
+    ("switchyard_engine_running_requests", "Requests running on the engine (its /metrics, last scrape)", "running"),
+    ("switchyard_engine_waiting_requests", "Requests queued on the engine (its /metrics, last scrape)", "waiting"),
+    ("switchyard_engine_kv_cache_usage_ratio", "KV cache in use on the engine, 0..1 (its /metrics, last scrape)",
+     "kv_usage"),
+    ("switchyard_engine_prefix_cache_hit_ratio",
+     "The engine's prefix-cache hit rate, 0..1 (vLLM: hits/queries between the last two scrapes; SGLang: its gauge)",
+     "prefix_hit_rate"),
+    ("switchyard_engine_generation_tokens_per_second",
+     "Tokens the engine generated per second (between the last two scrapes, or its own gauge)", "gen_throughput"),
+)
+
+
+class LiveState(Collector):
+    """In-flight, readiness and P/D tracker gauges, computed when ``/metrics`` is scraped.
+
+    The counts already live on the endpoints (routers read them there); exporting them at scrape
+    time instead of mirroring every change into prometheus gauges keeps the per-request path free
+    of metric locks, and an endpoint removed by discovery simply disappears from the output.
+
+    The engines' own running/waiting/KV figures are re-exported the same way from each endpoint's
+    last scraped snapshot, so one Prometheus job (the gateway) shows what routing sees. A snapshot
+    older than ``engine_max_age`` (``routing.metrics_max_age_s``: what routers treat as missing)
+    is left out rather than shown as current; its age stays visible.
+    """
+
+    def __init__(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
+                 prefix_stats: Callable[[], dict[str, int]] | None = None, engine_max_age: float = 10.0,
+                 fleet_load: Callable[[Any], float] | None = None) -> None:
+        self._fleet_load = fleet_load
+        self._endpoints = endpoints
+        self._model_in_flight = model_in_flight
+        self._prefix_stats = prefix_stats
+        self._engine_max_age = engine_max_age
+
+    def collect(self):
+        eps = list(self._endpoints())
+        for name, doc, read in _ENDPOINT_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=["model", "endpoint"])
+            for ep in eps:
+                fam.add_metric([ep.model, ep.name], read(ep))
+            yield fam
+        if self._fleet_load is not None:     # what prefix-cache's load guards count (routing.prefix_load)
+            fam = GaugeMetricFamily("switchyard_endpoint_fleet_in_flight",
+                                    "Requests on each endpoint from every gateway, as the prefix-cache load guards "
+                                    "estimate them (routing.prefix_load: fleet)", labels=["model", "endpoint"])
+            for ep in eps:
+                fam.add_metric([ep.model, ep.name], self._fleet_load(ep))
+            yield fam
+        info = GaugeMetricFamily("switchyard_endpoint_info", "1 for each endpoint, with its engine, role and roleset",
+                                 labels=["model", "endpoint", "engine", "role", "roleset"])
+        for ep in eps:
+            info.add_metric([ep.model, ep.name, ep.engine, ep.role, ep.roleset or ""], 1)
+        yield info
+        yield from self._engine_state(eps)
+        fam = GaugeMetricFamily("switchyard_in_flight_requests", "Client requests in flight by model", labels=["model"])
+        for model, n in list(self._model_in_flight.items()):
+            fam.add_metric([model], n)
+        yield fam
+        stats = self._prefix_stats() if self._prefix_stats is not None else {}
+        if stats:
+            for key, doc in (("blocks", "Prompt blocks held by the prefix-cache index"),
+                             ("capacity", "Most blocks the prefix-cache index may hold (routing.prefix_index_blocks)"),
+                             ("entries", "Block-to-endpoint entries in the prefix-cache index")):
+                if key in stats:
+                    yield GaugeMetricFamily(f"switchyard_prefix_index_{key}", doc, value=stats[key])
+            if "evictions" in stats:
+                yield CounterMetricFamily("switchyard_prefix_index_evictions", "Blocks evicted from the prefix-cache index",
+                                          value=stats["evictions"])
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:          # rendered outside an event loop (unit tests)
+            return
+        yield GaugeMetricFamily("switchyard_event_loop_tasks", "asyncio tasks alive in this process", value=tasks)
+
+    def _engine_state(self, eps: list):
+        now = time.monotonic()
+        snaps = [(ep, ep.metrics) for ep in eps if ep.metrics is not None]
+        age = GaugeMetricFamily("switchyard_engine_metrics_age_seconds",
+                                "Seconds since the engine's /metrics was last read successfully", labels=["model", "endpoint"])
+        for ep, m in snaps:
+            age.add_metric([ep.model, ep.name], max(0.0, now - m.scraped_at))
+        yield age
+        fresh = [(ep, m) for ep, m in snaps if now - m.scraped_at <= self._engine_max_age]
+        for name, doc, field in _ENGINE_GAUGES:
+            fam = GaugeMetricFamily(name, doc, labels=["model", "endpoint"])
+            for ep, m in fresh:
+                v = getattr(m, field)
+                if v is not None:
+                    fam.add_metric([ep.model, ep.name], v)
+            yield fam

@@ -1,0 +1,609 @@
+"""OpenTelemetry tracing: one trace per request, joined to the engines' own spans.
+
+A traced request gives one tree (span kinds in brackets)::
+
+    POST /v1/chat/completions [SERVER]   gen_ai.* (model, tokens, TTFT, finish), user, status
+    ├── route [INTERNAL]                 strategy, candidates, endpoint(s), fallbacks, prefix match
+    ├── prefill [CLIENT]                 P/D only   → the prefill engine's llm_request [SERVER]
+    └── decode | generate [CLIENT]       one per attempt (a retry is a second span)
+                                                    → the engine's llm_request [SERVER]
+
+with events on the request span: ``first_token``, ``watchdog``, ``abort``, ``retry``. The W3C
+``traceparent``/``tracestate`` of the client are continued when present; every engine leg carries
+the ``traceparent`` of its own CLIENT span, so an engine that traces (vLLM
+``--otlp-traces-endpoint``) hangs its span under the right leg.
+
+The pipeline, the P/D orchestrator and the relay call a small API on ``ctx.trace`` (``Trace``):
+``route_start``/``routed``, ``leg`` (a ``Leg`` with ``inject``/``responded``/``failed``, or a
+``with`` block), ``event``, ``finish``. With tracing off (or on an excluded path) ``ctx.trace``
+is ``NO_TRACE``, whose methods do nothing, and no middleware or provider exists: the disabled
+path costs a few no-op method calls per request.
+
+Spans go through the SDK's batch processor (a queue and one exporter thread; a full queue drops
+spans, never blocks a request) to an OTLP exporter: HTTP/protobuf by default, gRPC with the
+``grpc`` extra. Export failures are counted (``switchyard_trace_export_failures_total``) as well as
+logged by the SDK. The provider belongs to the app (no global tracer provider) and is shut down,
+flushing what is queued, when the app stops.
+
+Settings: the ``tracing:`` block (``TracingConfig``), and the standard ``OTEL_*`` variables for
+every key the block leaves unset (``resolve``): a key written in the file wins over the
+environment, the environment over the built-in default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta
+from opentelemetry import trace as otel
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+if TYPE_CHECKING:
+    from gateway.endpoints import Endpoint
+    from gateway.observability.metrics import GatewayMetrics
+    from routers.base import Decision
+
+_log = logging.getLogger("switchyard.tracing")
+
+OTLPProtocol = Literal["http/protobuf", "grpc"]
+_Ratio = Annotated[float, Meta(ge=0.0, le=1.0)]
+_Seconds = Annotated[float, Meta(gt=0.0)]
+_HOST_PORT = re.compile(r"\A[A-Za-z0-9.\-]+:\d{1,5}\Z|\A\[[0-9A-Fa-f:.]+\]:\d{1,5}\Z")
+
+DEFAULT_EXCLUDED = ("/health", "/ready", "/metrics", "/status", "/status.json")   # probes, scrapes, the status page
+DEFAULT_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
+DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
+TRACES_PATH = "/v1/traces"
+
+# the W3C headers a leg's own context replaces (the client's pass through untouched when tracing is off)
+_TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
+_OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion",
+               "/v1/embeddings": "embeddings"}
+
+
+class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``tracing:`` block. ``None`` (or a key left out) means: the ``OTEL_*`` variable if set,
+    else the default (see ``resolve``)."""
+
+    enabled: bool | None = None               # None: on when an OTLP endpoint is given (here or OTEL_*)
+    endpoint: str | None = None               # OTLP/HTTP URL (…/v1/traces added to a bare host:port) or gRPC target
+    protocol: OTLPProtocol | None = None         # http/protobuf (default) | grpc (the `grpc` extra)
+    sample_ratio: _Ratio | None = None        # share of new traces recorded, 0..1 (default 1)
+    parent_based: bool | None = None          # a client's sampled/unsampled flag decides (default true)
+    service_name: Annotated[str, Meta(min_length=1)] | None = None   # default "switchyard"
+    exclude_paths: tuple[str, ...] = DEFAULT_EXCLUDED  # no span; an entry ending in * is a prefix
+    export_timeout_s: _Seconds | None = None  # one export call (default 10 s)
+    batch_delay_s: _Seconds | None = None     # batch processor's schedule delay (default 5 s)
+    max_queue_size: Annotated[int, Meta(ge=1)] | None = None   # spans waiting for export (default 2048)
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None:
+            _check_endpoint(self.endpoint, "endpoint")
+        for i, p in enumerate(self.exclude_paths):
+            if not p.startswith("/"):
+                raise ValueError(f"exclude_paths[{i}]: must start with /, got {p!r}")
+
+
+def _check_endpoint(value: str, where: str) -> None:
+    if value.startswith(("http://", "https://")):
+        rest = value.split("://", 1)[1]
+        if rest and not rest.startswith("/"):
+            return
+    elif _HOST_PORT.match(value):
+        return
+    raise ValueError(f"{where}: must be an http(s):// URL or host:port, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TracingSettings:
+    """The block resolved against the environment: every value concrete."""
+
+    enabled: bool
+    endpoint: str
+    protocol: str
+    sample_ratio: float
+    parent_based: bool
+    service_name: str
+    exclude_paths: tuple[str, ...]
+    export_timeout_s: float | None      # None: the exporter's own (OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, 10 s)
+    batch_delay_s: float | None         # None: the SDK's own (OTEL_BSP_SCHEDULE_DELAY, 5 s)
+    max_queue_size: int | None          # None: the SDK's own (OTEL_BSP_MAX_QUEUE_SIZE, 2048)
+
+
+def _env_float(env: Mapping[str, str], name: str, low: float, high: float) -> float:
+    raw = env[name]
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: not a number: {raw!r}") from None
+    if not low <= v <= high:
+        raise ValueError(f"environment variable {name}: must be within [{low:g}, {high:g}], got {raw!r}")
+    return v
+
+
+def _sampler_from_env(env: Mapping[str, str]) -> tuple[float | None, bool | None]:
+    """(ratio, parent_based) from OTEL_TRACES_SAMPLER[_ARG]; None where the variables say nothing."""
+    name = env.get("OTEL_TRACES_SAMPLER", "").strip().lower()
+    if not name:
+        return None, None
+    parent = name.startswith("parentbased_")
+    base = name.removeprefix("parentbased_")
+    if base == "always_on":
+        return 1.0, parent
+    if base == "always_off":
+        return 0.0, parent
+    if base == "traceidratio":
+        ratio = _env_float(env, "OTEL_TRACES_SAMPLER_ARG", 0.0, 1.0) if env.get("OTEL_TRACES_SAMPLER_ARG") else 1.0
+        return ratio, parent
+    raise ValueError(f"environment variable OTEL_TRACES_SAMPLER: {name!r} is not supported "
+                     "(always_on, always_off, traceidratio, each optionally parentbased_)")
+
+
+def resolve(cfg: TracingConfig, env: Mapping[str, str] | None = None) -> TracingSettings:
+    """The block's keys, else the ``OTEL_*`` variables, else the defaults."""
+    env = os.environ if env is None else env
+    protocol = cfg.protocol
+    if protocol is None:
+        for var in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+            if env.get(var):
+                protocol = env[var].strip()
+                if protocol not in ("http/protobuf", "grpc"):
+                    raise ValueError(f"environment variable {var}: {protocol!r} is not supported "
+                                     "(http/protobuf or grpc)")
+                break
+    protocol = protocol or "http/protobuf"
+    env_endpoint = None
+    if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        env_endpoint = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()   # the signal's URL, as is
+    elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        base = env["OTEL_EXPORTER_OTLP_ENDPOINT"].strip()
+        env_endpoint = base.rstrip("/") + TRACES_PATH if protocol == "http/protobuf" else base
+    if env_endpoint is not None:
+        _check_endpoint(env_endpoint, "environment variable OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT")
+    if cfg.endpoint is not None:
+        endpoint = _with_signal_path(cfg.endpoint) if protocol == "http/protobuf" else cfg.endpoint
+    elif env_endpoint is not None:
+        endpoint = env_endpoint
+    else:
+        endpoint = DEFAULT_HTTP_ENDPOINT if protocol == "http/protobuf" else DEFAULT_GRPC_ENDPOINT
+    if protocol == "http/protobuf" and not endpoint.startswith(("http://", "https://")):
+        endpoint = "http://" + endpoint
+
+    if cfg.enabled is not None:
+        enabled = cfg.enabled
+    elif env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" \
+            or env.get("OTEL_TRACES_EXPORTER", "").strip().lower() == "none":
+        enabled = False
+    else:
+        enabled = cfg.endpoint is not None or env_endpoint is not None
+
+    env_ratio, env_parent = _sampler_from_env(env)
+    ratio = cfg.sample_ratio if cfg.sample_ratio is not None else env_ratio if env_ratio is not None else 1.0
+    parent = cfg.parent_based if cfg.parent_based is not None else env_parent if env_parent is not None else True
+    service = cfg.service_name or env.get("OTEL_SERVICE_NAME", "").strip() or "switchyard"
+    return TracingSettings(enabled=enabled, endpoint=endpoint, protocol=protocol, sample_ratio=ratio,
+                           parent_based=parent, service_name=service, exclude_paths=cfg.exclude_paths,
+                           export_timeout_s=cfg.export_timeout_s, batch_delay_s=cfg.batch_delay_s,
+                           max_queue_size=cfg.max_queue_size)
+
+
+def _with_signal_path(url: str) -> str:
+    """``host:port`` or a URL without a path → the OTLP/HTTP traces URL on it."""
+    if not url.startswith(("http://", "https://")):
+        url = "http://" + url
+    scheme, rest = url.split("://", 1)
+    if "/" not in rest or rest.endswith("/") and rest.count("/") == 1:
+        return f"{scheme}://{rest.rstrip('/')}{TRACES_PATH}"
+    return url
+
+
+# -- the per-request API ------------------------------------------------------------------------
+
+
+class Leg:
+    """One engine leg's span. This base class is the disabled one: it changes nothing."""
+
+    __slots__ = ()
+
+    def inject(self, headers: dict[str, str]) -> dict[str, str]:
+        """The headers to send on this leg: with the leg's ``traceparent`` when traced."""
+        return headers
+
+    def responded(self, status: int) -> None:
+        """The engine answered with ``status``."""
+
+    def failed(self, error_type: str) -> None:
+        """The leg failed (before an answer, or its answer was cut): ends the span as an error."""
+
+    def __enter__(self) -> Leg:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class Trace:
+    """A request's trace, as the stages see it. This base class is the disabled one (``NO_TRACE``):
+    every method does nothing, so the pipeline calls them unconditionally."""
+
+    __slots__ = ()
+    trace_id: str | None = None        # hex, when the request is sampled (the log line shows it)
+
+    def route_start(self) -> None:
+        """Routing begins (the ``route`` span)."""
+
+    def routed(self, decision: Decision, candidates: int) -> None:
+        """Routing chose ``decision`` among ``candidates`` endpoints."""
+
+    def leg(self, kind: str, ep: Endpoint, attempt: int = 1) -> Leg:
+        """A CLIENT span for one engine leg (``prefill``, ``decode``, ``generate``). Used in a
+        ``with`` block it ends with the block; otherwise it ends when the request finishes, or at
+        ``failed``."""
+        return NO_LEG
+
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        """An event on the request span: ``watchdog``, ``abort``, ``retry``."""
+
+    def finish(self, rec: Record) -> None:
+        """The request is done: its outcome onto the request span, open legs ended."""
+
+
+NO_LEG = Leg()
+NO_TRACE = Trace()
+
+
+class Record(Protocol):
+    """What ``finish`` reads of the request's record (``gateway.pipeline.context.RequestRecord``)."""
+
+    request_id: str
+    path: str
+    started: float
+    model: str
+    user: str | None
+    endpoint: str
+    status: int
+    stream: bool
+    error_class: str | None
+    retries: int
+    ttft: float | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    finish_reason: str | None
+
+
+# -- the enabled implementation ------------------------------------------------------------------
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_ERROR = Status(StatusCode.ERROR)
+
+
+def _error_type(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
+    return str(getattr(exc, "kind", None) or getattr(exc, "failure_class", None) or type(exc).__name__)
+
+
+class SpanLeg(Leg):
+    __slots__ = ("span", "managed", "ended")
+
+    def __init__(self, span: otel.Span) -> None:
+        self.span = span
+        self.managed = False
+        self.ended = False
+
+    def inject(self, headers: dict[str, str]) -> dict[str, str]:
+        out = {k: v for k, v in headers.items() if k.lower() not in _TRACE_HEADERS}
+        _PROPAGATOR.inject(out, context=otel.set_span_in_context(self.span))
+        return out
+
+    def responded(self, status: int) -> None:
+        span = self.span
+        span.set_attribute("http.response.status_code", status)
+        if status >= 400:
+            span.set_attribute("error.type", str(status))
+            span.set_status(_ERROR)
+
+    def failed(self, error_type: str) -> None:
+        if not self.ended:
+            self.span.set_attribute("error.type", error_type)
+            self.span.set_status(_ERROR)
+            self.end()
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.span.end()
+
+    def __enter__(self) -> SpanLeg:
+        self.managed = True
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self.failed(_error_type(exc))
+        self.end()
+
+
+class ContextLeg(Leg):
+    """The leg of a request that is not sampled: no span of its own (it would record nothing), but
+    the engine still gets the request's context, flagged unsampled, so it does not start a trace."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+
+    def inject(self, headers: dict[str, str]) -> dict[str, str]:
+        out = {k: v for k, v in headers.items() if k.lower() not in _TRACE_HEADERS}
+        _PROPAGATOR.inject(out, context=self.ctx)
+        return out
+
+
+class RequestTrace(Trace):
+    """The trace of one request: its SERVER span, the route span, the legs."""
+
+    __slots__ = ("tracing", "span", "ctx", "trace_id", "recording", "_route", "_legs", "_unsampled_leg",
+                 "_perf0", "_epoch0", "_closed")
+
+    def __init__(self, tracing: Tracing, span: otel.Span) -> None:
+        self.tracing = tracing
+        self.span = span
+        self.ctx: Context = otel.set_span_in_context(span)
+        self.recording = span.is_recording()
+        self.trace_id = format(span.get_span_context().trace_id, "032x") if self.recording else None
+        self._unsampled_leg = None if self.recording else ContextLeg(self.ctx)
+        self._route: otel.Span | None = None
+        self._legs: list[SpanLeg] = []
+        self._perf0 = time.perf_counter()
+        self._epoch0 = time.time_ns()
+        self._closed = False
+
+    def _ns(self, perf: float) -> int:
+        """A ``time.perf_counter`` reading as epoch nanoseconds."""
+        return self._epoch0 + int((perf - self._perf0) * 1e9)
+
+    def route_start(self) -> None:
+        if self.recording:
+            self._route = self.tracing.tracer.start_span("route", context=self.ctx)
+
+    def routed(self, decision: Decision, candidates: int) -> None:
+        span, self._route = self._route, None
+        if span is None:
+            return
+        if span.is_recording():
+            attrs: dict[str, Any] = {"switchyard.route.strategy": decision.strategy,
+                                     "switchyard.route.candidates": candidates,
+                                     "switchyard.route.endpoint": decision.endpoint.name,
+                                     "switchyard.route.fallback": bool(decision.fallbacks)}
+            if decision.prefill is not None:
+                attrs["switchyard.route.prefill_endpoint"] = decision.prefill.name
+                attrs["switchyard.route.uncached_tokens"] = decision.uncached_tokens
+            if decision.fallbacks:
+                attrs["switchyard.route.fallback_reasons"] = [f"{s}:{r}" for s, r in decision.fallbacks]
+            if decision.reason:
+                attrs["switchyard.route.reason"] = decision.reason
+            if decision.prefix_match is not None:
+                attrs["switchyard.route.prefix_match_percent"] = round(decision.prefix_match, 2)
+            span.set_attributes(attrs)
+        span.end()
+
+    def leg(self, kind: str, ep: Endpoint, attempt: int = 1) -> Leg:
+        if self._unsampled_leg is not None:
+            return self._unsampled_leg
+        host, _, port = ep.name.rpartition(":")
+        attrs: dict[str, Any] = {"http.request.method": "POST", "server.address": host or ep.name}
+        if port.isdigit():
+            attrs["server.port"] = int(port)
+        if ep.roleset:
+            attrs["switchyard.roleset"] = ep.roleset
+        if attempt > 1:
+            attrs["switchyard.attempt"] = attempt
+        leg = SpanLeg(self.tracing.tracer.start_span(kind, context=self.ctx, kind=SpanKind.CLIENT,
+                                                     attributes=attrs))
+        self._legs.append(leg)
+        return leg
+
+    def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
+        if self.recording and not self._closed:      # (an abort decided after the answer went out)
+            self.span.add_event(name, attributes)
+
+    def finish(self, rec: Record) -> None:
+        if self._route is not None:       # routing itself failed (no route, a bug)
+            self._route.set_status(_ERROR)
+            if rec.error_class:
+                self._route.set_attribute("error.type", rec.error_class)
+            self._route.end()
+            self._route = None
+        for leg in self._legs:
+            if not leg.managed and not leg.ended:
+                if rec.error_class:
+                    leg.failed(rec.error_class)
+                leg.end()
+        span = self.span
+        if not self.recording:
+            return
+        attrs: dict[str, Any] = {"gen_ai.request.id": rec.request_id}
+        if rec.model != "-":
+            attrs["gen_ai.request.model"] = rec.model
+        op = _OPERATIONS.get(rec.path)
+        if op:
+            attrs["gen_ai.operation.name"] = op
+        for key, v in (("gen_ai.usage.input_tokens", rec.prompt_tokens),
+                       ("gen_ai.usage.output_tokens", rec.completion_tokens),
+                       ("gen_ai.usage.cache_read.input_tokens", rec.cached_tokens),
+                       ("gen_ai.latency.time_to_first_token", rec.ttft),
+                       ("user.id", rec.user)):
+            if v is not None:
+                attrs[key] = v
+        if rec.finish_reason:
+            attrs["gen_ai.response.finish_reasons"] = [rec.finish_reason]
+        if rec.endpoint:
+            attrs["switchyard.endpoint"] = rec.endpoint
+        attrs["switchyard.stream"] = rec.stream
+        if rec.retries:
+            attrs["switchyard.retries"] = rec.retries
+        if rec.error_class:
+            attrs["error.type"] = rec.error_class
+            # 4xx are the client's (not an error of this server); a stream cut after a 200 is
+            if rec.status >= 500 or (rec.status < 400 and rec.error_class != "client_cancel"):
+                span.set_status(_ERROR)
+        span.set_attributes(attrs)
+        if rec.ttft is not None:
+            span.add_event("first_token", timestamp=self._ns(rec.started + rec.ttft))
+
+    def close(self, status: int) -> None:
+        """The answer went out with ``status`` (499: the client left): the request span ends."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._route is not None:
+            self._route.end()
+            self._route = None
+        span = self.span
+        span.set_attribute("http.response.status_code", status)
+        if status >= 500:
+            span.set_status(_ERROR)
+        span.end()
+
+
+# -- the exporter and the app-wide object --------------------------------------------------------
+
+
+class CountingExporter(SpanExporter):
+    """The OTLP exporter, with its failures counted (it retries and logs them itself)."""
+
+    def __init__(self, inner: SpanExporter, metrics: GatewayMetrics) -> None:
+        self.inner = inner
+        self.metrics = metrics
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception:       # an exporter bug must not kill the export thread
+            _log.exception("span export raised")
+            result = SpanExportResult.FAILURE
+        m = self.metrics
+        if result is SpanExportResult.SUCCESS:
+            m.child(m.trace_spans, "exported").inc(len(spans))
+        else:
+            m.trace_export_failures.inc()
+            m.child(m.trace_spans, "failed").inc(len(spans))
+        return result
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+def make_exporter(s: TracingSettings) -> SpanExporter:
+    if s.protocol == "grpc":
+        try:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        except ImportError:
+            raise ValueError("tracing.protocol: grpc needs the OTLP gRPC exporter: "
+                             "pip install 'switchyard[grpc]'") from None
+        return GrpcExporter(endpoint=s.endpoint, timeout=s.export_timeout_s)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    return OTLPSpanExporter(endpoint=s.endpoint, timeout=s.export_timeout_s)
+
+
+# where the middleware leaves a request's trace (aiohttp's request state; typed keys since aiohttp 3.13)
+TRACE_KEY: Any = web.RequestKey("switchyard_trace", Trace) if hasattr(web, "RequestKey") else "switchyard_trace"
+
+
+class Tracing:
+    """The app's tracer: its provider (sampler, batch processor, exporter), the middleware that
+    opens each request's SERVER span, and the shutdown that flushes."""
+
+    def __init__(self, settings: TracingSettings, metrics: GatewayMetrics,
+                 exporter: SpanExporter | None = None) -> None:
+        self.settings = settings
+        ratio = TraceIdRatioBased(settings.sample_ratio)
+        sampler = ParentBased(ratio) if settings.parent_based else ratio
+        self.provider = TracerProvider(sampler=sampler,
+                                       resource=Resource.create({"service.name": settings.service_name}))
+        self.processor = BatchSpanProcessor(
+            CountingExporter(exporter or make_exporter(settings), metrics),
+            max_queue_size=settings.max_queue_size,
+            schedule_delay_millis=settings.batch_delay_s * 1000 if settings.batch_delay_s else None)
+        self.provider.add_span_processor(self.processor)
+        self.tracer = self.provider.get_tracer("switchyard")
+        self._exact = frozenset(p for p in settings.exclude_paths if not p.endswith("*"))
+        self._prefixes = tuple(p[:-1] for p in settings.exclude_paths if p.endswith("*"))
+
+    @classmethod
+    def from_config(cls, cfg: TracingConfig, metrics: GatewayMetrics,
+                    env: Mapping[str, str] | None = None) -> Tracing | None:
+        """None when tracing is off."""
+        s = resolve(cfg, env)
+        return cls(s, metrics) if s.enabled else None
+
+    def excluded(self, path: str) -> bool:
+        return path in self._exact or (bool(self._prefixes) and path.startswith(self._prefixes))
+
+    def of(self, request: web.Request) -> Trace:
+        """The trace the middleware opened for ``request`` (``NO_TRACE`` on an excluded path)."""
+        return request.get(TRACE_KEY, NO_TRACE)
+
+    @property
+    def middleware(self):
+        tracer = self.tracer
+        extract = _PROPAGATOR.extract
+
+        @web.middleware
+        async def trace_middleware(request: web.Request, handler):
+            path = request.path
+            if self.excluded(path):
+                return await handler(request)
+            resource = request.match_info.route.resource
+            route = resource.canonical if resource is not None else None
+            # few attributes: each one costs the exporter thread a few µs to encode, on every request
+            attrs: dict[str, Any] = {"http.request.method": request.method, "url.path": path}
+            if request.remote:
+                attrs["client.address"] = request.remote
+            span = tracer.start_span(f"{request.method} {route}" if route else request.method,
+                                     context=extract(request.headers), kind=SpanKind.SERVER, attributes=attrs)
+            rt = request[TRACE_KEY] = RequestTrace(self, span)
+            status = 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except web.HTTPException as e:
+                status = e.status
+                raise
+            except asyncio.CancelledError:
+                status = 499
+                raise
+            finally:
+                rt.close(status)
+
+        return trace_middleware
+
+    def describe(self) -> dict[str, Any]:
+        s = self.settings
+        return {"endpoint": s.endpoint, "protocol": s.protocol, "sample_ratio": s.sample_ratio,
+                "parent_based": s.parent_based, "service_name": s.service_name,
+                "exclude_paths": list(s.exclude_paths)}
+
+    async def close(self) -> None:
+        """Flush what is queued and stop the export thread (in a thread: an export blocks)."""
+        await asyncio.to_thread(self.provider.shutdown)

@@ -1,0 +1,415 @@
+"""Prefill/decode orchestration: run an engine adapter's plan of two legs.
+
+The plan (``handlers``) says whether the legs run one after the other or together, what each
+body is, and how to abort a leg. This module runs it with the same failure semantics for every
+engine:
+
+- sequential (vLLM, context-first): the prefill runs to completion; the decode body is built from
+  its answer; a failed prefill fails the request at once, with no decode leg.
+- concurrent (SGLang, bootstrap): both legs start together; the prefill answers only after the
+  decode took the KV. A terminal prefill failure fails the client if nothing was sent yet; once
+  the decode streams, a late prefill failure is logged and the stream runs on. A decode leg that
+  ends without being relayed, for whatever reason (prefill failure, decode failure or timeout,
+  watchdog, client gone), is aborted once it is over if any byte of its request may have been
+  written (``SendState``) and the engine did not end it itself with an error answer.
+
+The decode watchdog is armed when the decode leg starts (concurrent: once the prefill
+succeeded): a first-chunk bound for streams, a whole-answer bound for non-streams (off by
+default), and an idle bound between chunks (in the relay). On fire the decode is aborted and
+counted by phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Coroutine
+from functools import partial
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from gateway.config.schema import Config
+from gateway.endpoints import Endpoint
+from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import Leg
+from gateway.pipeline.context import RequestContext
+from gateway.pipeline.relay import Relay
+from gateway.resilience.outcome import Outcome, of_status
+from gateway.upstream.h1client import Exchange, SendState, UpstreamResponse
+from gateway.upstream.upstream import Upstream, UpstreamFailure, upstream_headers
+from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
+
+log = structlog.get_logger("switchyard.pd")
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
+
+
+class PrefillFailed(Exception):
+    """Classes: timeout, transport, http_status, bad_response."""
+
+    def __init__(self, failure_class: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.failure_class = failure_class
+        self.message = message
+        self.status = status
+
+    def client_error(self, prefill: Endpoint) -> GatewayError:
+        status = {"http_status": 502, "bad_response": 502, "timeout": 504}.get(self.failure_class, 503)
+        return GatewayError(status, f"prefill request to {prefill.name} failed ({self.failure_class}): "
+                                    f"{self.message[:256]}",
+                            code=f"pd_prefill_{self.failure_class}",
+                            header=("x-error-pd-prefill", self.failure_class),
+                            error_class=f"pd_prefill_{self.failure_class}")
+
+
+class PDOrchestrator:
+    """What it needs of the gateway, and nothing more: the upstream legs, the relay, a way to run
+    tasks that outlive the request (aborts), the config and the metrics."""
+
+    def __init__(self, config: Config, upstream: Upstream, relay: Relay, spawn: Spawn,
+                 metrics: GatewayMetrics, rng: random.Random) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.relay = relay
+        self.spawn = spawn
+        self.metrics = metrics
+        self.rng = rng
+
+    async def forward(self, ctx: RequestContext, adapter: EngineAdapter, checked: Any) -> web.StreamResponse:
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq, prefill = ctx.ireq, ctx.decision.prefill
+        ctx.rec.prefill_endpoint = prefill.name
+        ctx.use(ctx.decision.endpoint)
+        settings = self.config.pd_for(ireq.model)
+        plan = adapter.pd_plan(ireq, checked, prefill=prefill, settings=settings, rng=self.rng)
+        if plan.log:                        # log fields: once the first leg is out
+            ctx.after_write.append(partial(ctx.rec.extra.update, plan.log))
+        headers = upstream_headers(ireq)
+        if ctx.migration is not None:       # a continuation elsewhere first stops this decode
+            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
+        if plan.concurrent:
+            return await self._concurrent(ctx, adapter, plan, headers)
+        return await self._sequential(ctx, adapter, plan, headers)
+
+    # -- the two modes -----------------------------------------------------------------------
+
+    async def _sequential(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                          headers: dict[str, str]) -> web.StreamResponse:
+        resp, prefill_start, prefill_end, decode_start = await self._open_sequential(ctx, adapter, plan, headers)
+        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
+
+    async def _open_sequential(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                               headers: dict[str, str]) -> tuple[UpstreamResponse, float, float | None, float]:
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
+        settings = self.config.pd_for(ireq.model)
+        prefill_start = time.perf_counter()
+        decode_x: Exchange | None = None
+        leg: Leg | None = None
+        try:
+            bad: BadPrefillAnswer | None = None
+            with ctx.trace.leg("prefill", prefill) as pleg:
+                x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
+                    ctx.leg_headers(prefill, headers)))
+                ctx.written()               # the routing bookkeeping, once the prefill is out
+                status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
+                if status == 200:
+                    # the decode is written first; the prefill's bookkeeping follows it
+                    try:
+                        body = adapter.decode_body(ireq, raw, prefill=prefill, settings=settings)
+                    except BadPrefillAnswer as e:
+                        bad = e
+                    else:
+                        leg = ctx.trace.leg("decode", decode)
+                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers))
+                self._prefill_answered(ctx, pleg, status, raw, prefill_start, prefill_end)
+            if bad is not None:
+                raise PrefillFailed("bad_response", str(bad))
+        except PrefillFailed as f:
+            raise self._prefill_failed(ctx, f, "before_response") from None
+        except BaseException:
+            if decode_x is not None:
+                decode_x.discard()
+            raise
+        finally:
+            ctx.charges.prefill_done()
+        assert decode_x is not None and leg is not None
+        decode_start = time.perf_counter()
+        ctx.charges.decode_started()
+        limit = self._decode_header_timeout(ctx)
+        try:
+            resp = await self._open_decode(ctx, decode_x, limit)
+        except GatewayError:
+            self._abort_decode(ctx, plan)
+            raise
+        leg.responded(resp.status)
+        return resp, prefill_start, prefill_end, decode_start
+
+    async def _concurrent(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                          headers: dict[str, str]) -> web.StreamResponse:
+        resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers)
+        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
+
+    async def _open_concurrent(self, ctx: RequestContext, plan: PDPlan, headers: dict[str, str]
+                               ) -> tuple[UpstreamResponse, float, float | None, float]:
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        assert plan.decode_body is not None
+        ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
+        # both legs are written before anything else (on idle keep-alive connections, right here)
+        pleg = ctx.trace.leg("prefill", prefill)
+        prefill_x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
+                    ctx.leg_headers(prefill, headers)))
+        decode_sent = SendState()
+        leg = ctx.trace.leg("decode", decode)
+        decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent)
+        prefill_start = decode_start = time.perf_counter()
+        ctx.written()                       # the routing bookkeeping, once both legs are out
+        prefill_end: list[float] = []
+
+        async def run_prefill() -> None:
+            try:
+                with pleg:
+                    status, raw, end = await self._prefill_answer(ctx, prefill_x, prefill_start)
+                    self._prefill_answered(ctx, pleg, status, raw, prefill_start, end)
+                prefill_end.append(end)
+            finally:
+                ctx.charges.prefill_done()
+
+        prefill_task = asyncio.create_task(run_prefill())
+        decode_task = asyncio.create_task(self.upstream.opened(
+            decode, decode_x, self.config.upstream.first_byte_timeout_s or None, ireq.model))
+        # a task cancelled before its first step never reaches the connection: drop it then
+        prefill_task.add_done_callback(lambda _: prefill_x.discard())
+        decode_task.add_done_callback(lambda _: decode_x.discard())
+        ctx.charges.decode_started()
+        resp: UpstreamResponse | None = None
+        try:
+            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task.done():
+                exc = prefill_task.exception()
+                if isinstance(exc, PrefillFailed):
+                    raise self._prefill_failed(ctx, exc, "before_response")    # the decode ends below
+                if exc is not None:
+                    raise exc
+                # prefill done: the decode holds the KV; arm the watchdog on its first answer
+                limit = self._decode_header_timeout(ctx)
+                try:
+                    async with asyncio.timeout(limit):
+                        resp = await asyncio.shield(decode_task)
+                except TimeoutError:
+                    self.upstream.record(decode, Outcome.FAULT, "watchdog_first_chunk")
+                    raise self._watchdog_error(ctx, limit) from None
+            else:
+                # the decode answered first (its headers come with its first token): the prefill's
+                # answer may still be on its way; let it finish in the background
+                resp = decode_task.result()
+                self.spawn(self._late_prefill(ctx, prefill_task))
+        except UpstreamFailure as f:
+            self._abort(ctx, prefill, plan.abort)
+            if f.kind == "timeout":
+                raise self._watchdog_error(ctx, self.config.upstream.first_byte_timeout_s) from None
+            raise self._decode_unavailable(ctx, f) from None
+        except asyncio.CancelledError:
+            # the client went away: stop both legs, and tell the engine (it may notice a closed
+            # connection only seconds later); the decode's abort is decided below
+            if not prefill_task.done():
+                self._abort(ctx, prefill, plan.abort)
+            raise
+        finally:
+            if resp is None:
+                # the decode will not be relayed: stop both legs, and only once the decode leg is
+                # over decide its abort, from whether its request may have been written (not from
+                # whether its task had ended when the prefill failed: it may have ended on its own)
+                for t in (prefill_task, decode_task):
+                    if not t.done():
+                        t.cancel()
+                for t in (prefill_task, decode_task):
+                    with contextlib.suppress(BaseException):
+                        await t
+                self._end_unrelayed_decode(ctx, plan, decode_task, decode_sent)
+        leg.responded(resp.status)
+        if resp.status != 200 and not prefill_task.done():
+            self._abort(ctx, prefill, plan.abort)    # the prefill would wait for a decode that gave up
+            prefill_task.cancel()
+        return resp, prefill_start, prefill_end[0] if prefill_end else None, decode_start
+
+    async def reopen(self, ctx: RequestContext, adapter: EngineAdapter) -> UpstreamResponse:
+        """A mid-stream continuation through a fresh pair (``ctx.decision``, ``ctx.ireq`` already
+        the continuation's): its prefill, then its decode up to the response head, for the relay
+        to go on with (gateway/pipeline/migration.py)."""
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq, prefill = ctx.ireq, ctx.decision.prefill
+        ctx.rec.prefill_endpoint = prefill.name
+        ctx.use(ctx.decision.endpoint)
+        plan = adapter.pd_plan(ireq, None, prefill=prefill, settings=self.config.pd_for(ireq.model), rng=self.rng)
+        headers = upstream_headers(ireq)
+        if ctx.migration is not None:
+            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
+        opened = self._open_concurrent(ctx, plan, headers) if plan.concurrent else \
+            self._open_sequential(ctx, adapter, plan, headers)
+        return (await opened)[0]
+
+    # -- legs ----------------------------------------------------------------------------------
+
+    async def _prefill_answer(self, ctx: RequestContext, x: Exchange, start: float) -> tuple[int, bytes, float]:
+        """The begun prefill leg's answer: (status, bytes, when it was read); ``PrefillFailed``
+        when no answer came. Its bookkeeping is ``_prefill_answered``'s."""
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        ireq = ctx.ireq
+        timeout = self.config.pd_for(ireq.model).prefill_timeout_s or None
+        try:
+            status, raw = await self.upstream.answer(ctx.decision.prefill, x, ireq.model, timeout)
+        except UpstreamFailure as f:
+            ctx.rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
+            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message) from None
+        return status, raw, time.perf_counter()
+
+    def _prefill_answered(self, ctx: RequestContext, leg: Leg, status: int, raw: bytes, start: float,
+                          end: float) -> None:
+        """Account a prefill's answer (breaker, trace, metrics, log fields); ``PrefillFailed``
+        unless it is a 200."""
+        assert ctx.decision is not None and ctx.decision.prefill is not None
+        rec = ctx.rec
+        rec.extra["prefill_ms"] = round((end - start) * 1000, 3)
+        self.upstream.record(ctx.decision.prefill, of_status(status), f"status_{status}")
+        leg.responded(status)
+        self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(end - start)
+        rec.extra["prefill_status"] = status
+        if status != 200:
+            _, err = normalize_upstream_error(status, raw)
+            raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
+
+    async def _open_decode(self, ctx: RequestContext, x: Exchange, limit: float | None) -> UpstreamResponse:
+        assert ctx.ireq is not None and ctx.decision is not None
+        try:
+            return await self.upstream.opened(ctx.decision.endpoint, x, limit, ctx.ireq.model)
+        except UpstreamFailure as f:
+            if f.kind == "timeout":   # the watchdog: no answer from the decode in time
+                raise self._watchdog_error(ctx, limit) from None
+            raise self._decode_unavailable(ctx, f) from None
+
+    async def _relay_decode(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
+                            resp: UpstreamResponse, prefill_start: float, prefill_end: float | None,
+                            decode_start: float) -> web.StreamResponse:
+        assert ctx.ireq is not None
+        rec = ctx.rec
+        try:
+            out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, self.config.watchdog_for(rec.model))
+        except asyncio.CancelledError:
+            self._abort_decode(ctx, plan)
+            raise
+        if rec.watchdog is not None:
+            self.metrics.child(self.metrics.watchdog_fires, rec.model, rec.watchdog).inc()
+            self._abort_decode(ctx, plan)
+        self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
+        return out
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _prefill_failed(self, ctx: RequestContext, f: PrefillFailed, stage: str) -> GatewayError:
+        assert ctx.decision is not None and ctx.decision.prefill is not None
+        self.metrics.child(self.metrics.pd_prefill_failures, ctx.rec.model, f.failure_class, stage).inc()
+        ctx.rec.extra["prefill_failure"] = f.failure_class
+        return f.client_error(ctx.decision.prefill)
+
+    def _decode_unavailable(self, ctx: RequestContext, f: UpstreamFailure) -> GatewayError:
+        ctx.rec.error_class = f"decode_{f.kind}"
+        return GatewayError(502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
+                            header=("x-error-pd-decode", f.kind), error_class=ctx.rec.error_class)
+
+    def _decode_header_timeout(self, ctx: RequestContext) -> float | None:
+        assert ctx.ireq is not None
+        wd = self.config.watchdog_for(ctx.ireq.model)
+        limit = wd.first_chunk_timeout_s if ctx.ireq.stream else wd.response_timeout_s
+        return limit or self.config.upstream.first_byte_timeout_s or None
+
+    def _watchdog_error(self, ctx: RequestContext, limit: float | None) -> GatewayError:
+        assert ctx.ireq is not None and ctx.decision is not None
+        rec = ctx.rec
+        phase = "first_chunk" if ctx.ireq.stream else "response"
+        rec.watchdog = phase
+        ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": limit or 0.0})
+        self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
+        rec.error_class = f"watchdog_{phase}"
+        verb = "start" if ctx.ireq.stream else "finish"
+        return GatewayError(504, f"decode endpoint {ctx.decision.endpoint.name} did not {verb} responding "
+                                 f"within {limit or 0:g}s",
+                            code="upstream_timeout", header=("x-error-pd-decode", "true"), error_class=rec.error_class)
+
+    def _observe_phases(self, ctx: RequestContext, prefill_start: float, prefill_end: float | None,
+                        decode_start: float) -> None:
+        m, rec = self.metrics, ctx.rec
+        now = time.perf_counter()
+        m.child(m.pd_decode_time, rec.model).observe(now - decode_start)
+        if rec.ttft is not None and prefill_end is not None:
+            first_token = rec.started + rec.ttft
+            rec.extra["kv_transfer_ms"] = round((first_token - prefill_end) * 1000, 3)
+            m.child(m.pd_kv_transfer_time, rec.model).observe(max(0.0, first_token - prefill_end))
+
+    async def _late_prefill(self, ctx: RequestContext, task: asyncio.Task) -> None:
+        try:
+            await task
+        except PrefillFailed as f:
+            self._prefill_failed(ctx, f, "after_response")
+            log.warning("prefill failed after the decode started streaming; the stream continues",
+                        request_id=ctx.rec.request_id, failure_class=f.failure_class, error=f.message)
+        except (asyncio.CancelledError, Exception):
+            pass
+
+    # -- aborts --------------------------------------------------------------------------------
+
+    def _abort_decode(self, ctx: RequestContext, plan: PDPlan) -> None:
+        assert ctx.decision is not None
+        self._abort(ctx, ctx.decision.endpoint, plan.abort)
+
+    def _abort(self, ctx: RequestContext, ep: Endpoint, spec: AbortSpec | None) -> None:
+        """Tell ``ep`` to drop the request, in the background. Engines without an abort call
+        (``spec`` None) learn it from the closed connection."""
+        ctx.trace.event("abort", {"switchyard.abort.by": "gateway", "switchyard.endpoint": ep.name,
+                                  "switchyard.abort.sent": spec is not None})
+        if spec is not None:
+            self.spawn(self._send_abort(ep, spec, ctx.rec.model))
+
+    def _end_unrelayed_decode(self, ctx: RequestContext, plan: PDPlan, task: asyncio.Task,
+                              sent: SendState) -> None:
+        """The concurrent decode leg ``task`` is over and will not be relayed. Close its answer if
+        one came; then abort the request on the engine if any byte of it may have been written,
+        unless the engine ended it itself (an error answer). ``sent`` is set just before the
+        request's only write and read only once the task is done, so False proves nothing went out."""
+        if not task.done():     # the handler was cancelled while waiting for the leg to end
+            task.add_done_callback(lambda t: self._end_unrelayed_decode(ctx, plan, t, sent))
+            return
+        ctx.rec.extra["decode_sent"] = sent.sent
+        answer = None if task.cancelled() or task.exception() is not None else task.result()
+        if answer is not None:
+            answer.close()
+            if answer.status != 200:
+                return
+        if sent.sent:
+            self._abort_decode(ctx, plan)
+        elif plan.abort is not None:
+            self.metrics.child(self.metrics.pd_aborts, ctx.rec.model, "skipped_unsent").inc()
+
+    async def _send_abort(self, ep: Endpoint, spec: AbortSpec, model: str) -> None:
+        """POST the abort; a second time after a delay (the abort may overtake the request it
+        aborts: SGLang forgets an abort for a rid it does not know yet)."""
+        if not spec.timeout_s:
+            self.metrics.child(self.metrics.pd_aborts, model, "skipped_disabled").inc()
+            return
+        for attempt in range(2):
+            try:
+                status, _ = await self.upstream.fetch(ep, spec.path, spec.body, {"Content-Type": "application/json"},
+                                                      model, spec.timeout_s, report=False)
+                result = "ok" if status == 200 else "error"
+            except UpstreamFailure:
+                result = "error"
+            self.metrics.child(self.metrics.pd_aborts, model, result).inc()
+            if attempt == 0:
+                if not spec.retry_delay_s:
+                    return
+                await asyncio.sleep(spec.retry_delay_s)

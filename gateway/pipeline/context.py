@@ -1,0 +1,176 @@
+"""What one request carries from stage to stage: its record and its context.
+
+``RequestRecord`` is what the log line and the metrics say about a request; ``RequestContext``
+adds what the stages hand each other (the aiohttp request, the parsed request, the decision, the
+charges, the response once its headers went out, the trace). The pipeline creates one context
+per request, every stage takes it, and the pipeline's ``finally`` releases its charges and writes
+the record, whatever path the request took.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import structlog
+from aiohttp import web
+
+from gateway.apis.base import ApiShape
+from gateway.endpoints import Endpoint
+from gateway.observability.logs import RequestLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import NO_TRACE, Trace
+from gateway.pipeline.ledger import Charges
+from gateway.request import InferenceRequest, request_id_from
+from routers.base import Decision
+
+log = structlog.get_logger("switchyard.request")
+
+WatchdogPhase = Literal["first_chunk", "idle", "response"]
+
+# bytes a header value may carry as is: visible ASCII and space (RFC 9110 field-vchar without obs-text)
+_UNSAFE = re.compile(r"[^\x20-\x7e]")
+MAX_ECHO_CHARS = 256
+
+
+def safe_header_value(value: str) -> str:
+    """A client-controlled value made safe to echo in a response header: characters outside
+    visible ASCII become ``%XX`` escapes of their UTF-8 bytes, and the result is bounded. The
+    HTTP writer refuses control characters, so an unescaped one would cost the client its answer."""
+    if len(value) > MAX_ECHO_CHARS:
+        value = value[:MAX_ECHO_CHARS]
+    if _UNSAFE.search(value) is None:
+        return value
+    return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), value)
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the per-request log line and the metrics say about one request."""
+
+    request_id: str
+    path: str
+    started: float
+    model: str = "-"
+    strategy: str = ""
+    user: str | None = None
+    endpoint: str = ""
+    prefill_endpoint: str | None = None
+    status: int = 0
+    stream: bool = False
+    headers_sent: bool = False
+    watchdog: WatchdogPhase | None = None     # the watchdog phase that fired, if one did
+    error_class: str | None = None
+    error: str | None = None
+    retries: int = 0
+    ttft: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    finish_reason: str | None = None
+    request_id_replaced: bool = False         # the client's x-request-id could not be kept
+    alias: str | None = None                  # the alias the client named; ``model`` is its target
+    extra: dict[str, Any] = field(default_factory=dict)   # leg details for the log line only
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers every answer carries: request id, the chosen pods, the strategy."""
+        h = {"request-id": self.request_id, "x-request-id": self.request_id}
+        if self.endpoint:
+            h["target-pod"] = self.endpoint
+        if self.strategy:
+            h["routing-strategy"] = safe_header_value(self.strategy)
+        if self.prefill_endpoint:
+            h["prefill-target-pod"] = self.prefill_endpoint
+        if self.alias is not None:
+            h["x-served-model"] = safe_header_value(self.model)
+        if self.retries:
+            h["x-retries"] = str(self.retries)
+        return h
+
+
+@dataclass(slots=True)
+class RequestContext:
+    http: web.Request
+    rec: RequestRecord
+    ireq: InferenceRequest | None = None
+    decision: Decision | None = None
+    charges: Charges = field(default_factory=Charges)
+    response: web.StreamResponse | None = None       # set once the response headers went out
+    trace: Trace = NO_TRACE                          # the request's trace (gateway.observability.tracing); no-op when off
+    api: ApiShape | None = None                      # the request's API when not chat/completions/embeddings
+    api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
+    migration: Any = None                            # a stream's continuation state (gateway/pipeline/migration.py)
+    # bookkeeping not needed to choose the endpoint or build the body (routing observers, prefix
+    # index inserts, log fields): run by ``written`` once the first upstream leg is written
+    after_write: list[Callable[[], None]] = field(default_factory=list)
+    # (endpoint, header, value): legs to that endpoint name its data-parallel rank (gateway/kv/dp_rank.py)
+    dp_rank: tuple[Endpoint, str, str] | None = None
+
+    @classmethod
+    def start(cls, request: web.Request) -> RequestContext:
+        given = request.headers.get("x-request-id")
+        rid = request_id_from(given)
+        rec = RequestRecord(request_id=rid, path=request.path, started=time.perf_counter(),
+                            request_id_replaced=given is not None and given != rid)
+        return cls(http=request, rec=rec)
+
+    def written(self) -> None:
+        """The first upstream leg went out (or the request ends without one): run ``after_write``."""
+        later = self.after_write
+        if later:
+            for fn in later:
+                try:
+                    fn()
+                except Exception:     # bookkeeping's bug must not fail the request
+                    log.exception("after-write bookkeeping failed", request_id=self.rec.request_id)
+            later.clear()
+
+    def leg_headers(self, ep: Endpoint, headers: dict[str, str]) -> dict[str, str]:
+        """``headers`` for a leg to ``ep``, with the rank header when the request is pinned to one of
+        ``ep``'s data-parallel ranks (a retry elsewhere goes without it)."""
+        pin = self.dp_rank
+        if pin is None or pin[0] is not ep:
+            return headers
+        return {**headers, pin[1]: pin[2]}
+
+    def use(self, ep: Endpoint) -> None:
+        """``ep`` answers the request (the decode, for P/D)."""
+        self.rec.endpoint = ep.name
+
+
+# told of every finished request with its record and its duration in seconds (the status page's
+# traffic window, gateway/observability/status.py); must be quick and must not keep the record
+RecordObserver = Callable[[RequestRecord, float], None]
+
+
+def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, request_log: RequestLog,
+                   observers: Sequence[RecordObserver] = ()) -> None:
+    """The request's metrics, its observers and its one log line."""
+    m = metrics
+    duration = now - rec.started
+    for observe in observers:
+        try:
+            observe(rec, duration)
+        except Exception:     # an observer's bug must not cost the request its log line
+            log.exception("request observer failed", request_id=rec.request_id)
+    m.child(m.requests, rec.model, str(rec.status), rec.strategy).inc()
+    if rec.model != "-" and rec.status < 400 and rec.status:
+        m.child(m.e2e, rec.model).observe(duration)
+    fields = {"request_id": rec.request_id, "path": rec.path, "model": rec.model, "user": rec.user,
+              "strategy": rec.strategy, "endpoint": rec.endpoint, "status": rec.status, "stream": rec.stream,
+              "ttft_ms": round(rec.ttft * 1000, 3) if rec.ttft is not None else None,
+              "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
+              "cached_tokens": rec.cached_tokens, "finish_reason": rec.finish_reason, "retries": rec.retries,
+              "duration_ms": round(duration * 1000, 3), "error_class": rec.error_class, "error": rec.error}
+    if rec.prefill_endpoint:
+        fields["prefill_endpoint"] = rec.prefill_endpoint
+    if rec.request_id_replaced:
+        fields["request_id_replaced"] = True
+    if rec.alias is not None:
+        fields["alias"] = rec.alias
+    if rec.extra:
+        fields.update(rec.extra)
+    request_log.emit(fields)

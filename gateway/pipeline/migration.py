@@ -1,0 +1,490 @@
+"""Mid-stream continuation: a stream whose engine fails after headers goes on on another endpoint.
+
+Opt-in per model (``migration_limit: N``, at most N continuations per stream). What counts as a
+failure: the connection breaking, an in-stream error event, the stream ending without completing,
+a watchdog timeout (first chunk or idle). The whole-exchange ``upstream.total_timeout_s`` is not
+one: it bounds the request, not a leg.
+
+How (``handlers.continuation``): the request is sent again with what was already generated, as
+token ids where the engine returns them (vLLM ``return_token_ids``, continued as a completion of
+the prompt's ids followed by the generated ids) or else as text (``continue_final_message`` with
+the partial assistant message; a completion's prompt extended), and ``max_tokens``/``min_tokens``
+reduced by what was generated. The legs ask for usage on every chunk, so that count is exact.
+
+What the client sees: one SSE stream. Every event is decoded and re-serialized: the fields the
+gateway asked for and the client did not (token ids, per-chunk usage) are removed, a continuation
+leg's events carry the first leg's ``id``, ``created`` and ``model``, its role chunk is dropped,
+completion chunks are re-framed as chat chunks when a chat is continued token-exactly, the failing
+leg's error event is held back, and one final usage block covers every leg (prompt tokens of the
+original prompt, completion tokens of all legs). Nothing is replayed: each leg adds only what the
+client has not seen.
+
+When it refuses (the client then gets today's final error event): guided decoding or
+``response_format``, ``n > 1`` (or a batch of prompts), ``logprobs``, ``seed`` with sampling,
+presence/frequency penalties (they count the output, which a continuation turns into prompt),
+a tool call or reasoning already streamed, a completion prompt the text mode cannot extend, and
+when the stream already used its ``migration_limit``.
+
+Counted as ``switchyard_migrations_total{model, reason, outcome}`` and logged as ``migrations``
+(one entry per failed leg: reason, outcome, endpoint).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from gateway.config.schema import WatchdogConfig
+from gateway.errors import GatewayError
+from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.relay import Relay, open_sse
+from gateway.pipeline.sse import SSEScanner
+from gateway.request import CHAT, COMPLETIONS, InferenceRequest
+from gateway.resilience.outcome import Outcome
+from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
+from gateway.upstream.upstream import UpstreamFailure
+from handlers import adapter_for
+from handlers.continuation import TEXT, TOKEN, Partial, continuation, first_leg, text_mode_refusal
+
+if TYPE_CHECKING:
+    from gateway.pipeline.context import RequestContext
+
+# opens the leg that continues the stream: (the continuation request, endpoint names to avoid)
+Reopen = Callable[[InferenceRequest, set[str]], Awaitable[UpstreamResponse]]
+
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+           "structured_outputs", "json_schema", "regex", "ebnf", "structural_tag")
+
+# relay error classes of a failed stream → migration reason
+REASONS = {"upstream_broken": "broken", "upstream_stream_error": "stream_error", "upstream_eof": "eof",
+           "watchdog_idle": "idle_timeout", "watchdog_first_chunk": "first_chunk_timeout"}
+
+
+def refusal(ireq: InferenceRequest) -> str | None:
+    """Why this request's stream could not be continued faithfully (None: it can)."""
+    d = ireq.data
+    rf = d.get("response_format")
+    if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
+        return "response_format"
+    if any(d.get(k) is not None for k in _GUIDED):
+        return "guided"
+    n, best_of = d.get("n"), d.get("best_of")
+    if (isinstance(n, int) and n > 1) or (isinstance(best_of, int) and best_of > 1):
+        return "n"
+    if ireq.path == COMPLETIONS:
+        prompt = d.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+            return "n"        # a batch of prompts: one choice each
+    if d.get("logprobs") or d.get("top_logprobs") or d.get("prompt_logprobs"):
+        return "logprobs"
+    if d.get("seed") is not None:
+        t = d.get("temperature")
+        if t is None or (isinstance(t, int | float) and t > 0):
+            return "seed"     # a seeded sample: its draws cannot be resumed mid-way
+    if d.get("presence_penalty") or d.get("frequency_penalty"):
+        return "penalty"
+    return None
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == "" or v == [] or v == {}
+
+
+class Migration:
+    """One stream's continuation state: set up by the pipeline (``begin``), given a way to open
+    a new leg by whoever opened the first (``reopen``), driven by the relay (``stream``)."""
+
+    def __init__(self, ireq: InferenceRequest, limit: int, mode: str, default_max: int | None,
+                 refused: str | None, metrics: GatewayMetrics) -> None:
+        self.ireq = ireq                      # the client's request (ctx.ireq becomes the leg's)
+        self.limit = limit
+        self.mode = mode
+        self.default_max = default_max
+        self.refused = refused                # up-front refusal: the stream is relayed as today
+        self.metrics = metrics
+        self.reopen: Reopen | None = None
+        self.abandon: Callable[[], None] | None = None   # tells the failed leg's engine to stop (P/D)
+        self.avoid: set[str] = set()
+        self.log: list[dict[str, Any]] = []
+        data = ireq.data
+        self.chat = ireq.path == CHAT
+        self.client_usage = ireq.include_usage
+        so = data.get("stream_options")
+        self.client_continuous = self.client_usage and isinstance(so, dict) and bool(so.get("continuous_usage_stats"))
+        self.client_ids = bool(data.get("return_token_ids"))
+        self.partial = Partial(path=ireq.path, data=data)
+        self._text: list[str] = []
+        self.leg = 0
+        self.leg_path = ireq.path
+        self.leg_completion = 0               # tokens of the current leg (its usage)
+        self.leg_ids = 0                      # token ids of the current leg
+        self.prompt_tokens: int | None = None
+        self.last_usage: dict[str, Any] | None = None
+        self.usage_event: dict[str, Any] | None = None
+        self.first: dict[str, Any] | None = None
+        self.template: dict[str, Any] | None = None       # a chat content chunk of the first leg
+        self.tool_calls = False
+        self.reasoning = False
+        self.finished = False
+        self.done = False
+        self.error: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self.refused is None and self.limit > 0
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    @classmethod
+    def begin(cls, ctx: RequestContext, limit: int, engine: str, metrics: GatewayMetrics) -> Migration | None:
+        """The stream's migration state, or None when it has none (not a stream, another API).
+        An eligible request's body is rewritten for the first leg."""
+        ireq = ctx.ireq
+        if limit <= 0 or ireq is None or ctx.api is not None or not ireq.stream or ireq.path not in (CHAT, COMPLETIONS):
+            return None
+        adapter = adapter_for(engine)
+        mode = adapter.continuation_mode(ireq)
+        why = refusal(ireq) or (text_mode_refusal(ireq.path, ireq.data) if mode == TEXT else None)
+        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics)
+        if why is None:
+            data = first_leg(ireq.data, mode)
+            ctx.ireq = dataclasses.replace(ireq, data=data, body=orjson.dumps(data), include_usage=True)
+        return m
+
+    # -- the relay's side ----------------------------------------------------------------------
+
+    def unmigrated(self, rec, error_class: str | None) -> None:
+        """A refused stream failed (the plain relay ran): count it."""
+        reason = REASONS.get(error_class or "")
+        if reason is not None and self.refused is not None:
+            self._count(rec, reason, f"refused_{self.refused}", rec.endpoint)
+
+    async def stream(self, relay: Relay, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
+                     wd: WatchdogConfig | None) -> web.StreamResponse:
+        rec = ctx.rec
+        out = await open_sse(ctx, headers)
+        seen = SSEScanner()      # what the client receives: first token, gaps, finish
+        try:
+            while True:
+                try:
+                    error_class, message = await self._leg(resp, out, seen, wd)
+                finally:
+                    if resp.at_eof():
+                        resp.release()
+                    else:
+                        resp.close()
+                if error_class is None:
+                    await self._write(out, self._tail())
+                    break
+                nxt = await self._next_leg(relay, ctx, error_class)
+                if nxt is None:
+                    relay._stream_observations(rec, seen)
+                    status, code = (504, "upstream_timeout") if "timeout" in error_class else (502, "upstream_incomplete")
+                    if error_class == "upstream_stream_error" and isinstance(self.error, dict):
+                        message = str(self.error.get("message") or message)
+                    rec.error_class, rec.error = error_class, message[:200]
+                    await self._write(out, relay._failure(ctx, status, message, code))
+                    await out.write_eof()
+                    return out
+                resp = nxt
+        except ConnectionResetError:
+            rec.error_class = "client_cancel"
+            raise asyncio.CancelledError from None
+        relay._stream_observations(rec, seen)
+        if not self.client_usage:
+            relay.account_usage(rec, self._merged(final=True))
+        if self.log:
+            rec.extra["migrations"] = self.log
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            raise asyncio.CancelledError from None
+        return out
+
+    @staticmethod
+    async def _write(out: web.StreamResponse, data: bytes) -> None:
+        if data:
+            try:
+                await out.write(data)
+            except ConnectionResetError:
+                raise asyncio.CancelledError from None
+
+    async def _leg(self, resp: UpstreamResponse, out: web.StreamResponse, seen: SSEScanner,
+                   wd: WatchdogConfig | None) -> tuple[str | None, str]:
+        """Relay one leg; returns (None, "") when the stream completed, else the error class and
+        message of its failure."""
+        first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
+        idle_to = wd.idle_timeout_s if wd is not None else 0.0
+        phase, limit = ("first_chunk", first_to) if first_to else ("idle", idle_to)
+        buf = b""
+        clock = time.perf_counter
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(limit or None):
+                        chunk = await resp.readany()
+                except TimeoutError:
+                    return f"watchdog_{phase}", f"no output from the engine for {limit:g}s ({phase.replace('_', ' ')})"
+                if not chunk:
+                    break
+                phase, limit = "idle", idle_to
+                buf += chunk
+                parts = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+                buf = parts.pop()
+                emitted = []
+                failed = False
+                for ev in parts:
+                    r = self._event(ev)
+                    if r is False:
+                        failed = True         # what came before it in this read still goes out
+                        break
+                    if r:
+                        emitted.append(r)
+                if emitted:
+                    data = b"".join(emitted)
+                    seen.feed(data, clock())
+                    await out.write(data)
+                if failed:
+                    return "upstream_stream_error", "in-stream error"
+        except UpstreamTimeout as e:
+            return "upstream_timeout", f"the engine did not finish the stream: {e}"
+        except UpstreamError as e:
+            return "upstream_broken", f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+        if buf.strip():
+            r = self._event(buf)
+            if r is False:
+                return "upstream_stream_error", "in-stream error"
+            if r:
+                seen.feed(r, clock())
+                await out.write(r)
+        if self.done or self.finished:
+            return None, ""
+        return "upstream_eof", "the engine closed the stream before it completed"
+
+    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: str) -> UpstreamResponse | None:
+        """Open the leg that continues the stream, or None (refused, limit, or it failed: the
+        relay then tells the failed endpoint's breaker, as for any stream)."""
+        rec = ctx.rec
+        failed_ep = rec.endpoint
+        failed = ctx.decision.endpoint if ctx.decision is not None else None
+        self.metrics.child(self.metrics.upstream_errors, rec.model, failed_ep, error_class).inc()
+        reason = REASONS.get(error_class)
+        self.partial.completion_tokens += max(self.leg_completion, self.leg_ids)
+        self.leg_completion = self.leg_ids = 0
+        if reason is None:                    # the whole-exchange timeout: not a leg's failure
+            return None
+        why = self._refused_now()
+        if why is not None:
+            self._count(rec, reason, f"refused_{why}", failed_ep)
+            return None
+        if len(self.log) >= self.limit or self.reopen is None:
+            self._count(rec, reason, "limit", failed_ep)
+            return None
+        if self.abandon is not None:
+            self.abandon()
+        self.avoid.add(failed_ep)
+        self.partial.text = "".join(self._text)
+        if self.partial.completion_tokens == 0 and not self.partial.text:
+            path, data = self.ireq.path, first_leg(self.ireq.data, self.mode)   # nothing generated: start over
+        else:
+            path, data = continuation(self.partial, self.mode, self.default_max)
+        cont = dataclasses.replace(self.ireq, path=path, data=data, body=orjson.dumps(data), include_usage=True)
+        ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
+        try:
+            resp = await self.reopen(cont, set(self.avoid))
+        except (GatewayError, UpstreamFailure) as e:
+            self._count(rec, reason, "failed", failed_ep, str(getattr(e, "message", e))[:200])
+            return None
+        if resp.status != 200:
+            resp.close()
+            self._count(rec, reason, "failed", failed_ep, f"status {resp.status}")
+            return None
+        self._count(rec, reason, "continued", failed_ep)
+        if relay.record is not None and failed is not None:    # the relay will record the new leg's end
+            relay.record(failed, Outcome.FAULT, error_class)
+        self.leg += 1
+        self.leg_path = path
+        self.done = self.finished = False
+        self.error = None
+        return resp
+
+    def _refused_now(self) -> str | None:
+        if self.tool_calls:
+            return "tool_calls"
+        if self.reasoning:
+            return "reasoning"
+        if self.mode == TOKEN and self.partial.prompt_ids is None and (self.partial.completion_tokens or self._text):
+            return "no_token_ids"        # the engine did not return them: nothing token-exact to send
+        return None
+
+    def _count(self, rec, reason: str, outcome: str, endpoint: str, detail: str | None = None) -> None:
+        self.metrics.child(self.metrics.migrations, rec.model, reason, outcome).inc()
+        entry = {"reason": reason, "outcome": outcome, "endpoint": endpoint, "tokens": self.partial.completion_tokens}
+        if detail:
+            entry["detail"] = detail
+        self.log.append(entry)
+        rec.extra["migrations"] = self.log
+
+    # -- events --------------------------------------------------------------------------------
+
+    def _event(self, raw: bytes) -> bytes | None | bool:
+        """One upstream event → the bytes the client gets (None: nothing; False: the leg failed)."""
+        payload = None
+        for line in raw.split(b"\n"):
+            if line.startswith(b"data:"):
+                payload = line[5:].strip() if payload is None else payload + b"\n" + line[5:].strip()
+        if payload is None:
+            return None                       # keep-alive comments, event:/id: lines
+        if payload == b"[DONE]":
+            self.done = True
+            return None
+        try:
+            obj = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict):
+            return None
+        if obj.get("error"):
+            self.error = obj["error"]
+            return False
+        usage = obj.pop("usage", None)
+        if isinstance(usage, dict):
+            self._usage(usage)
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices:
+            if isinstance(usage, dict):
+                self.usage_event = obj        # the leg's final usage chunk: the gateway writes its own
+            return None
+        ch = choices[0]
+        if not isinstance(ch, dict):
+            return None
+        if self.leg == 0:
+            return self._first_leg(obj, ch)
+        return self._later_leg(obj, ch)
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        self.last_usage = usage
+        c = usage.get("completion_tokens")
+        if isinstance(c, int):
+            self.leg_completion = c
+        if self.leg == 0 and isinstance(usage.get("prompt_tokens"), int):
+            self.prompt_tokens = usage["prompt_tokens"]
+
+    def _ids(self, obj: dict[str, Any], ch: dict[str, Any]) -> None:
+        """Take the token ids out of an event; the client keeps them only if it asked for them,
+        and the prompt's ids only as the first leg gave them."""
+        keep_prompt = self.client_ids and self.leg == 0
+        for holder in (obj, ch):          # chat: on the chunk; completions: in the choice
+            if "prompt_token_ids" in holder:
+                pids = holder["prompt_token_ids"]
+                if self.partial.prompt_ids is None and isinstance(pids, list):
+                    self.partial.prompt_ids = pids
+                if not keep_prompt:
+                    if holder is obj and self.chat:
+                        holder["prompt_token_ids"] = None     # vLLM's chat chunk has the key, null
+                    else:
+                        del holder["prompt_token_ids"]
+        tids = ch.get("token_ids")
+        if isinstance(tids, list):
+            self.partial.token_ids.extend(tids)
+            self.leg_ids += len(tids)
+            if not self.client_ids:
+                if self.chat:
+                    ch["token_ids"] = None
+                else:
+                    del ch["token_ids"]
+
+    def _observe(self, ch: dict[str, Any]) -> None:
+        if self.chat:
+            delta = ch.get("delta")
+            if isinstance(delta, dict):
+                c = delta.get("content")
+                if isinstance(c, str):
+                    self._text.append(c)
+                if not _empty(delta.get("tool_calls")):
+                    self.tool_calls = True
+                if not _empty(delta.get("reasoning_content")) or not _empty(delta.get("reasoning")):
+                    self.reasoning = True
+        else:
+            t = ch.get("text")
+            if isinstance(t, str):
+                self._text.append(t)
+        if ch.get("finish_reason") is not None:
+            self.finished = True
+
+    def _encode(self, obj: dict[str, Any]) -> bytes:
+        if self.client_continuous:
+            obj["usage"] = self._merged(final=False)
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def _first_leg(self, obj: dict[str, Any], ch: dict[str, Any]) -> bytes:
+        if self.first is None:
+            self.first = {k: obj.get(k) for k in ("id", "created", "model")}
+        self._ids(obj, ch)
+        self._observe(ch)
+        if self.chat and isinstance(ch.get("delta"), dict) and "role" not in ch["delta"]:
+            self.template = obj
+        return self._encode(obj)
+
+    def _later_leg(self, obj: dict[str, Any], ch: dict[str, Any]) -> bytes | None:
+        self._ids(obj, ch)
+        if self.chat and self.leg_path == COMPLETIONS:
+            obj, ch = self._as_chat(obj, ch)
+        elif self.chat:
+            delta = ch.get("delta")
+            if isinstance(delta, dict):
+                delta.pop("role", None)
+                if all(_empty(v) for v in delta.values()) and ch.get("finish_reason") is None:
+                    return None               # the continuation's own role chunk
+        self._observe(ch)
+        if self.first is not None:
+            obj.update(self.first)
+        return self._encode(obj)
+
+    def _as_chat(self, obj: dict[str, Any], ch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A completion chunk of a token-exact continuation, framed as the chat chunk the first
+        leg's engine would have sent."""
+        fr = ch.get("finish_reason")
+        tpl = self.template or {"object": "chat.completion.chunk", "choices": [{"index": 0}]}
+        base = tpl["choices"][0] if tpl.get("choices") else {"index": 0}
+        choice = {**base, "delta": {"content": ch.get("text", "")}, "logprobs": None, "finish_reason": fr}
+        if fr is not None:
+            choice["stop_reason"] = ch.get("stop_reason")
+        if "token_ids" in choice or self.client_ids:
+            choice["token_ids"] = ch.get("token_ids") if self.client_ids else None
+        new = {**{k: v for k, v in tpl.items() if k != "usage"}, "choices": [choice]}
+        for k in ("system_fingerprint",):
+            if k in obj:
+                new[k] = obj[k]
+        return new, choice
+
+    def _merged(self, final: bool) -> dict[str, Any]:
+        """The usage of the whole stream so far: the original prompt, every leg's output."""
+        usage = dict(self.last_usage or {})
+        if not final:
+            usage.pop("prompt_tokens_details", None)
+        p = self.prompt_tokens if self.prompt_tokens is not None else usage.get("prompt_tokens", 0)
+        c = self.partial.completion_tokens + max(self.leg_completion, self.leg_ids)
+        usage.update(prompt_tokens=p, completion_tokens=c, total_tokens=(p or 0) + c)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int) and self.leg:
+            usage["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], p or 0)}
+        return usage
+
+    def _tail(self) -> bytes:
+        """The end of a completed stream: the usage block (if the client asked) and [DONE]."""
+        out = b""
+        if self.client_usage:
+            ev = dict(self.usage_event or {"object": "chat.completion.chunk" if self.chat else "text_completion",
+                                           "choices": []})
+            if self.first is not None:
+                ev.update(self.first)
+            ev["usage"] = self._merged(final=True)
+            out += b"data: " + orjson.dumps(ev) + b"\n\n"
+        return out + b"data: [DONE]\n\n"

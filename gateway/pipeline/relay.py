@@ -1,0 +1,360 @@
+"""Relay an engine's answer to the client, measuring as the bytes pass.
+
+Streams: each upstream chunk is written to the client as it arrives (no re-encoding), after the
+first straight from the upstream connection's read callback while the client keeps up; the SSE
+scanner sees first token, inter-token gaps, usage, finish and in-stream errors. When the upstream
+breaks after headers went out, the client gets a final ``data: {"error": ...}`` event and the
+stream ends: never a silent truncation, never a replay.
+
+The watchdog (when enabled for the leg) bounds the wait for the first chunk, the idle time between
+chunks, and a non-streaming answer; on fire the upstream connection is closed (the engine aborts)
+and the phase is recorded on the request.
+
+Whatever the outcome, the upstream response is released to the pool when it was read to the end
+and closed otherwise, which is how an engine learns that nobody wants the rest; and how the answer
+ended (``gateway.resilience.outcome.of_answer``) is told to the endpoint's breaker through ``record``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import orjson
+from aiohttp import web
+
+from gateway.apis.base import StreamScanner
+from gateway.config.schema import UpstreamConfig, WatchdogConfig
+from gateway.errors import GatewayError, error_body, normalize_upstream_error
+from gateway.observability.metrics import GatewayMetrics, observe_all
+from gateway.pipeline.context import RequestContext, RequestRecord
+from gateway.pipeline.sse import SSEScanner, usage_tokens
+from gateway.resilience.outcome import Outcome, of_answer, of_status
+from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
+from handlers.base import EngineAdapter
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_event(status: int, message: str, code: str | int | None = None, type_: str | None = None) -> bytes:
+    return b"data: " + orjson.dumps(error_body(status, message, code=code, type_=type_)) + b"\n\n"
+
+
+class WatchdogFired(Exception):
+    def __init__(self, phase: str, seconds: float) -> None:
+        super().__init__(phase)
+        self.phase = phase
+        self.seconds = seconds
+
+
+class _Watchdog:
+    """A stream's watchdog: each wait for the engine's next chunk is bounded (``first_chunk`` for
+    the first, ``idle`` after it), by one timer per stream rather than one per chunk. The relay
+    notes when each wait starts (``since``); the timer, when due, checks the wait in progress and
+    either interrupts it with ``WatchdogFired`` or sets itself for that wait's deadline. Time spent
+    writing to the client is not counted, as no wait is in progress then."""
+
+    __slots__ = ("resp", "loop", "phase", "limit", "idle", "since", "handle")
+
+    def __init__(self, resp: UpstreamResponse, first_to: float, idle_to: float) -> None:
+        """The first wait is bounded by ``first_to``, or by ``idle_to`` when that is 0 (one is not)."""
+        self.resp = resp
+        self.loop = asyncio.get_running_loop()
+        self.phase, self.limit = ("first_chunk", first_to) if first_to else ("idle", idle_to)
+        self.idle = idle_to
+        self.since = self.loop.time()
+        self.handle: asyncio.TimerHandle | None = self.loop.call_at(self.since + (first_to or idle_to), self._check)
+
+    def first_chunk_came(self) -> None:
+        """From now on each wait is bounded by the idle timeout (the timer is set anew for it)."""
+        self.phase, self.limit = "idle", self.idle
+        self.cancel()
+        if self.idle:
+            self.handle = self.loop.call_at(self.loop.time() + self.idle, self._check)
+
+    def _check(self) -> None:
+        self.handle = None
+        now = self.loop.time()
+        limit = self.limit
+        if not limit:       # after the first chunk, with no idle bound: nothing more to watch
+            return
+        if self.resp.waiting:
+            due = self.since + limit
+            if now >= due:
+                self.resp.interrupt(WatchdogFired(self.phase, limit))
+                return
+        else:               # no wait in progress: the next one starts no sooner than now
+            due = now + limit
+        self.handle = self.loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
+async def open_sse(ctx: RequestContext, headers: dict[str, str]) -> web.StreamResponse:
+    """Send the client the headers of a 200 event stream; from here on, errors are events."""
+    out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
+    out.content_type = "text/event-stream"
+    out.charset = "utf-8"
+    await out.prepare(ctx.http)
+    ctx.response = out
+    ctx.rec.headers_sent = True
+    ctx.rec.status = 200
+    return out
+
+
+class Relay:
+    def __init__(self, cfg: UpstreamConfig, metrics: GatewayMetrics,
+                 record: Callable[..., None] | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.record = record        # (endpoint, Outcome, cause): gateway.upstream.upstream.Upstream.record
+
+    async def answer(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,
+                     strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
+        """The client's answer from an engine's response: its error, its stream or its body."""
+        cancelled = False
+        try:
+            headers = ctx.rec.response_headers()
+            if ctx.decision is not None:
+                headers.update(ctx.decision.headers)
+            if resp.status != 200:
+                return await self._error(ctx, resp, headers)
+            ctype = resp.headers.get("Content-Type", "application/json")
+            if ctype.startswith("text/event-stream"):
+                if ctx.migration is not None and ctx.migration.active:    # gateway/pipeline/migration.py
+                    return await ctx.migration.stream(self, ctx, resp, headers, wd)
+                return await self._stream(ctx, resp, headers, strip_usage, wd)
+            return await self._body(ctx, resp, adapter, headers, ctype, wd)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            if resp.at_eof():
+                resp.release()
+            else:
+                resp.close()
+            if self.record is not None and ctx.decision is not None:
+                rec = ctx.rec
+                outcome = (Outcome.NONE if cancelled else of_status(resp.status) if resp.status != 200
+                           else of_answer(rec.status, rec.error_class))
+                self.record(ctx.decision.endpoint, outcome, rec.error_class or "")
+
+    async def _error(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str]) -> web.Response:
+        rec = ctx.rec
+        raw = await resp.read_limited(self.cfg.max_error_body_bytes)
+        if ctx.api is not None:       # in the request's API shape (Anthropic's on /v1/messages)
+            status, body, message = ctx.api.upstream_error(resp.status, raw)
+        else:
+            status, err = normalize_upstream_error(resp.status, raw)
+            body, message = orjson.dumps(err), str(err["error"].get("message"))
+        rec.status = status
+        rec.error_class = "upstream_status"
+        rec.error = message[:200]
+        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
+        if "Retry-After" in resp.headers:
+            headers["Retry-After"] = resp.headers["Retry-After"]
+        return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+
+    async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
+                      strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
+        rec = ctx.rec
+        clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
+        api = ctx.api
+        scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
+        out = await open_sse(ctx, headers)
+        readany = resp.readany
+        write = out.write
+        feed = scanner.feed
+        first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
+        idle_to = wd.idle_timeout_s if wd is not None else 0.0
+        failure: bytes | None = None
+        watch: _Watchdog | None = None
+        # Once the first bytes (and the headers with them) went out through aiohttp, the rest is
+        # piped: each read from the engine is scanned and written to the client from the upstream
+        # connection's read callback, framed as aiohttp frames a chunk, with no task wake-up per
+        # chunk. When the client stops keeping up (its transport pauses writing) the pipe ends,
+        # the task waits for the client to drain (the watchdog does not count it) and pipes again.
+        http = ctx.http
+        proto, transport = http.protocol, http.transport
+        pipe_ok = out.headers.get("Transfer-Encoding") == "chunked" and transport is not None
+        sent = False
+        drain = http.writer.drain
+        pipe = resp.pipe
+        unpipe = resp.unpipe
+        time_now = asyncio.get_running_loop().time
+
+        def sink(chunk: bytes) -> None:
+            data = feed(chunk, clock())
+            if data:
+                if transport.is_closing():
+                    raise ConnectionResetError("Cannot write to closing transport")
+                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                if proto.writing_paused:
+                    unpipe()
+            if watch is not None:
+                watch.since = time_now()
+
+        try:
+            if first_to or idle_to:
+                watch = _Watchdog(resp, first_to, idle_to)
+                chunk = await readany()
+                watch.first_chunk_came()
+            else:
+                chunk = await readany()
+            while chunk:
+                data = feed(chunk, clock())
+                if data:
+                    await write(data)
+                    sent = pipe_ok
+                while sent:
+                    if proto.writing_paused:
+                        await drain()
+                    if watch is not None:
+                        watch.since = time_now()
+                    chunk = await pipe(sink)
+                    if chunk is not None:
+                        break
+                else:
+                    if watch is not None:
+                        watch.since = time_now()
+                    chunk = await readany()
+            tail = scanner.finish()
+            if api is not None and scanner.done:    # its state is kept before its last event goes out
+                await api.finish(ctx)
+            if tail:
+                await write(tail)
+            if not scanner.done and scanner.error is None:
+                rec.error_class = "upstream_eof"
+                rec.error = "the engine closed the stream before it completed"
+                failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
+        except WatchdogFired as w:
+            rec.watchdog = w.phase  # type: ignore[assignment]
+            ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
+            rec.error_class = f"watchdog_{w.phase}"
+            rec.error = f"no output from the engine for {w.seconds:g}s ({w.phase.replace('_', ' ')})"
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
+            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
+        except UpstreamTimeout as e:
+            # upstream.total_timeout_s: the whole exchange took too long
+            rec.error_class = "upstream_timeout"
+            rec.error = f"the engine did not finish the stream: {e}"
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
+            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
+        except UpstreamError as e:
+            # the engine's side broke mid-stream (a client-side write failure raises
+            # ConnectionResetError, handled below as a cancel)
+            rec.error_class = "upstream_broken"
+            rec.error = f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
+            failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
+        except ConnectionResetError:
+            # the client went away while we wrote: same as a disconnect
+            rec.error_class = "client_cancel"
+            raise asyncio.CancelledError from None
+        finally:
+            if watch is not None:
+                watch.cancel()
+        self._stream_observations(rec, scanner)
+        if ctx.migration is not None and (failure is not None or scanner.error is not None):
+            ctx.migration.unmigrated(rec, rec.error_class or "upstream_stream_error")   # refused: counted
+        if failure is not None:
+            try:
+                await write(failure)
+            except ConnectionResetError:
+                raise asyncio.CancelledError from None
+        elif scanner.error is not None:
+            rec.error_class = "upstream_stream_error"
+            msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
+            rec.error = str(msg)[:200] if msg else "in-stream error"
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            raise asyncio.CancelledError from None
+        return out
+
+    @staticmethod
+    def _failure(ctx: RequestContext, status: int, message: str, code: str) -> bytes:
+        """The event that ends a stream the gateway cannot complete, in the request's API shape."""
+        if ctx.api is not None:
+            return ctx.api.stream_error(ctx, status, message, code)
+        return error_event(status, message, code=code)
+
+    def _stream_observations(self, rec: RequestRecord, scanner: StreamScanner) -> None:
+        m = self.metrics
+        if scanner.first_token_at is not None:
+            rec.ttft = scanner.first_token_at - rec.started
+            m.child(m.ttft, rec.model).observe(rec.ttft)
+            gaps = scanner.drain_itl()
+            if gaps:
+                observe_all(m.child(m.itl, rec.model), gaps)
+        rec.finish_reason = scanner.finish_reason
+        self.account_usage(rec, scanner.usage)
+
+    async def _body(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,
+                    headers: dict[str, str], ctype: str, wd: WatchdogConfig | None) -> web.Response:
+        rec = ctx.rec
+        limit = wd.response_timeout_s if wd is not None else 0.0
+        try:
+            if limit:
+                async with asyncio.timeout(limit):
+                    body = await resp.read()
+            else:
+                body = await resp.read()
+        except (TimeoutError, UpstreamTimeout) as e:
+            if isinstance(e, TimeoutError):
+                rec.watchdog = "response"
+                ctx.trace.event("watchdog", {"switchyard.watchdog.phase": "response", "switchyard.watchdog.seconds": limit})
+            rec.error_class = "watchdog_response" if isinstance(e, TimeoutError) else "upstream_timeout"
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
+            secs = limit if isinstance(e, TimeoutError) else e.seconds
+            raise GatewayError(504, f"the engine did not answer within {secs:g}s", code="upstream_timeout",
+                               header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
+        except UpstreamError as e:
+            rec.error_class = "upstream_broken"
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_body").inc()
+            raise GatewayError(502, f"the engine connection broke before the answer was complete: {type(e).__name__}",
+                               code="upstream_incomplete", header=("x-error-upstream", "reset"),
+                               error_class=rec.error_class) from None
+        rec.status = 200
+        if ctx.api is not None:           # another API's body: its own usage and state
+            await self._api_body(ctx, body)
+        elif b'"usage"' in body:
+            try:
+                data = orjson.loads(body)
+            except orjson.JSONDecodeError:
+                data = None
+            if isinstance(data, dict):
+                self.account_usage(rec, adapter.usage(data))
+                choices = data.get("choices")
+                if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+                    rec.finish_reason = choices[0].get("finish_reason")
+        r = web.Response(status=200, body=body, headers=headers)
+        r.headers["Content-Type"] = ctype
+        return r
+
+    async def _api_body(self, ctx: RequestContext, body: bytes) -> None:
+        assert ctx.api is not None
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(data, dict):
+            self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
+            await ctx.api.finish(ctx)
+
+    def account_usage(self, rec: RequestRecord, usage: dict | None) -> None:
+        if not usage:
+            return
+        p, c, cached = usage_tokens(usage)
+        rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = p, c, cached
+        m = self.metrics
+        if p:
+            m.child(m.prompt_tokens, rec.model).inc(p)
+        if c:
+            m.child(m.completion_tokens, rec.model).inc(c)
+        if cached:
+            m.child(m.cached_tokens, rec.model).inc(cached)

@@ -1,0 +1,137 @@
+"""Routing: which strategy a request uses, its candidates, and the timed decision.
+
+The strategy is the model's lock, else the ``routing-strategy`` header, else the model's default
+(config, else the pods' annotation), else ``pd`` for a model with prefill/decode endpoints, else
+the global default. Routers are pure and synchronous (``routers/``); every request goes through
+its router, even with one candidate, so strategies that learn from decisions (the prefix index,
+session ids, vtc's token counts) see every request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from functools import partial
+
+import structlog
+
+from gateway.config.schema import Config
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.errors import GatewayError
+from gateway.observability.metrics import GatewayMetrics
+from gateway.request import InferenceRequest
+from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
+from routers.registry import RouterRegistry, StrategyError, default_registry
+
+log = structlog.get_logger("switchyard.routing")
+
+WHOLE_REQUEST_ROLES = ("aggregated", "combined")
+
+# told of every decision: (request, decision, the (strategy, reason) fallbacks the router reported
+# while deciding, seconds the decision took); the status page keeps the last few (gateway/observability/status.py)
+DecisionObserver = Callable[[InferenceRequest, Decision, tuple[tuple[str, str], ...], float], None]
+
+
+class Routing:
+    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
+                 precise_index: PreciseIndex | None = None) -> None:
+        self.config = config
+        self.pool = pool
+        self.metrics = metrics
+        self.ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
+                                 on_fallback=self._on_fallback, precise_index=precise_index)
+        self.observers: list[DecisionObserver] = []
+        # told of a decision in its own synchronous step, before the leg (a half-open breaker's
+        # trial slot must be taken before a concurrent request routes)
+        self.claims: list[DecisionObserver] = []
+        self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
+        self.registry: RouterRegistry = default_registry(self.ctx)
+        # strategies named in config are validated now, so a typo fails at startup, not per request
+        for spec in [config.routing.strategy, config.lora.strategy] + [s for m in config.models for s in (m.strategy, m.lock_strategy) if s]:
+            try:
+                self.registry.get(spec)
+            except StrategyError as e:
+                raise ValueError(f"config: {e}") from None
+
+    def _on_fallback(self, strategy: str, reason: str) -> None:
+        self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()
+        self._fallbacks.append((strategy, reason))
+
+    def strategy_for(self, model: str, header: str | None, lora: bool = False) -> str:
+        """``lora``: the request names an adapter of ``model``; unless the model is P/D, its
+        strategy is ``lora.strategy`` after the lock and the header."""
+        m = self.config.model(model)
+        if m is not None and m.lock_strategy:
+            return m.lock_strategy
+        if header is not None and header.strip():
+            return header.strip()
+        if lora and not ((m is not None and m.rolesets) or self.pool.has_pd(model)):
+            return self.config.lora.strategy
+        if m is not None and m.strategy:
+            return m.strategy
+        hint = self.pool.strategy_hint(model)
+        if hint:
+            return hint
+        if (m is not None and m.rolesets) or self.pool.has_pd(model):
+            return "pd"
+        return self.config.routing.strategy
+
+    def router_for(self, spec: str) -> Router:
+        try:
+            return self.registry.get(spec)
+        except StrategyError:
+            raise GatewayError(400, f"incorrect routing strategy {spec}", param="routing-strategy",
+                               header=("x-error-routing", "true"), error_class="routing") from None
+
+    def candidates(self, model: str, router: Router) -> list[Endpoint]:
+        """The ready endpoints ``router`` may choose from: only a router that chooses P/D pairs
+        may use prefill and decode endpoints; the others need whole-request ones."""
+        ready = self.pool.ready(model)
+        candidates = ready if router.chooses_pairs else [ep for ep in ready if ep.role in WHOLE_REQUEST_ROLES]
+        if not candidates:
+            raise GatewayError(503, f"no ready endpoint for model {model}"
+                                    + (" (prefill/decode endpoints need the pd strategy)" if ready else ""),
+                               code="service_unavailable", headers={"Retry-After": "5"},
+                               header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+        return candidates
+
+    def route(self, ireq: InferenceRequest, spec: str, router: Router, candidates: list[Endpoint],
+              later: list[Callable[[], None]] | None = None) -> Decision:
+        """The timed decision. ``claims`` run at once (they hold what concurrent requests must see);
+        with ``later`` (the request's ``after_write``), the router's learning, the latency histogram
+        and the observers are put there, to run once the leg is written, with the same values."""
+        fallbacks = self._fallbacks
+        fallbacks.clear()
+        t = time.perf_counter()
+        try:
+            decision = router.route(ireq, candidates) if later is None else router.decide(ireq, candidates)
+        except NoRouteError as e:
+            raise GatewayError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"},
+                               header=("x-error-routing", "true"), error_class="no_route") from None
+        elapsed = time.perf_counter() - t
+        decision.strategy = spec
+        if fallbacks:
+            decision.fallbacks = tuple(fallbacks)
+        for claim in self.claims:
+            try:
+                claim(ireq, decision, decision.fallbacks, elapsed)
+            except Exception:     # as an observer's
+                log.exception("decision claim failed", request_id=ireq.request_id)
+        if later is None:
+            self._report(ireq, decision, spec, elapsed)
+        else:
+            if decision.learn is not None:
+                later.append(decision.learn)
+                decision.learn = None
+            later.append(partial(self._report, ireq, decision, spec, elapsed))
+        return decision
+
+    def _report(self, ireq: InferenceRequest, decision: Decision, spec: str, elapsed: float) -> None:
+        self.metrics.child(self.metrics.routing, spec).observe(elapsed)
+        if self.observers:
+            reported = decision.fallbacks
+            for observe in self.observers:
+                try:
+                    observe(ireq, decision, reported, elapsed)
+                except Exception:     # an observer's bug must not fail the request
+                    log.exception("decision observer failed", request_id=ireq.request_id)

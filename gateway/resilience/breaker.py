@@ -1,0 +1,350 @@
+"""Per-endpoint circuit breakers, fed by the classified outcome of every upstream leg.
+
+States: **closed** (serving), **open** (ejected: routers see the endpoint as not ready) and
+**half-open** (a few trial requests go through). Transitions:
+
+- closed → open after ``consecutive_faults`` faults in a row, or when faults are more than
+  ``fault_rate`` of the outcomes (faults and successes) seen in the last ``window_s`` seconds, once
+  there were at least ``min_requests`` of them. With ``health.passive`` on, one refused connection
+  is enough: nothing listens there.
+- open → half-open after the ejection time: ``base_ejection_s`` × the number of times the endpoint
+  was ejected (one less for every ``base_ejection_s`` it then stayed closed), at most
+  ``max_ejection_s``.
+- half-open lets ``half_open_trials`` requests through at a time; ``success_threshold`` successes
+  close it, one fault opens it again (a longer ejection).
+
+``max_ejection_percent`` bounds the ejected share of an endpoint's group (the model's endpoints of
+the same kind: whole-request, prefill or decode). As in Envoy, one ejection is always allowed, but
+never of the group's last ready endpoint: a breaker never empties a pool. A refused ejection is
+counted (``switchyard_breaker_ejections_capped_total``) and the breaker stays closed.
+
+Backpressure (429/503) and client errors (other 4xx) change nothing: see ``gateway.resilience.outcome``.
+
+The state is kept here and mirrored on ``Endpoint.ejected``, the flag ``Endpoint.ready`` reads, so
+routers, the P/D pair choice (both sides) and the retry loop skip open endpoints without knowing
+about breakers. Trial slots are taken when a routing decision names a half-open endpoint (a
+``Routing`` decision observer); an outcome frees one. A trial whose outcome never comes (lost to a
+bug) frees its slot after ``base_ejection_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import msgspec
+import structlog
+from msgspec import Meta
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.observability.metrics import Counter
+from gateway.resilience.outcome import Outcome
+
+log = structlog.get_logger("switchyard.breaker")
+
+_Seconds = Annotated[float, Meta(gt=0)]
+_Count = Annotated[int, Meta(ge=1)]
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+STATE_VALUE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
+_BUCKETS = 10                      # the fault-rate window is this many time buckets
+
+
+class BreakerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """The ``breaker:`` block (global, and per model: a model's block sets only the keys it names)."""
+
+    enabled: bool = True
+    consecutive_faults: _Count = 5         # faults in a row that open it (Envoy consecutive_5xx: 5)
+    fault_rate: Annotated[float, Meta(ge=0, le=1)] = 0.5   # share of faults in the window that opens it; 0: off
+    window_s: _Seconds = 10.0              # the fault-rate window
+    min_requests: _Count = 10              # outcomes in the window before the rate is judged
+    base_ejection_s: _Seconds = 10.0       # first ejection; the n-th lasts n times this
+    max_ejection_s: _Seconds = 300.0       # longest ejection (Envoy max_ejection_time: 300 s)
+    half_open_trials: _Count = 3           # trial requests in flight at once while half-open
+    success_threshold: _Count = 3          # trial successes that close it
+    max_ejection_percent: Annotated[float, Meta(ge=0, le=100)] = 10.0   # of the group (Envoy: 10)
+
+    def __post_init__(self) -> None:
+        if self.max_ejection_s < self.base_ejection_s:
+            raise ValueError("max_ejection_s: must be at least base_ejection_s")
+
+
+@dataclass(slots=True)
+class Breaker:
+    """One endpoint's breaker: plain state, driven by ``Breakers``."""
+
+    state: str = CLOSED
+    consecutive: int = 0               # faults in a row (closed)
+    ejections: int = 0                 # times ejected, decaying while closed
+    closed_at: float = 0.0
+    opened_at: float = 0.0
+    open_for: float = 0.0
+    trials_out: int = 0                # half-open trial requests in flight
+    trial_successes: int = 0
+    last_event: float = 0.0            # last half-open dispatch or outcome (the stuck-trial guard)
+    faults: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
+    total: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
+    stamps: list[int] = field(default_factory=lambda: [-1] * _BUCKETS)
+    timer: Any = None
+
+    def count(self, fault: bool, now: float, bucket_s: float) -> int:
+        """Count one outcome in the rate window (a success needs no more); returns its tick."""
+        tick = int(now / bucket_s)
+        i = tick % _BUCKETS
+        if self.stamps[i] != tick:
+            self.stamps[i], self.faults[i], self.total[i] = tick, 0, 0
+        self.faults[i] += fault
+        self.total[i] += 1
+        return tick
+
+    def observe(self, fault: bool, now: float, bucket_s: float) -> tuple[int, int]:
+        """Count one outcome in the rate window; returns (faults, outcomes) in the window."""
+        tick = self.count(fault, now, bucket_s)
+        live = [j for j in range(_BUCKETS) if tick - self.stamps[j] < _BUCKETS]
+        return sum(self.faults[j] for j in live), sum(self.total[j] for j in live)
+
+    def clear_window(self) -> None:
+        self.faults[:] = [0] * _BUCKETS
+        self.total[:] = [0] * _BUCKETS
+        self.stamps[:] = [-1] * _BUCKETS
+
+
+class BreakerMetrics:
+    def __init__(self, registry) -> None:
+        self.transitions = Counter("switchyard_breaker_transitions", "Circuit breaker state changes",
+                                   ["model", "endpoint", "from_state", "to_state"], registry=registry)
+        self.capped = Counter("switchyard_breaker_ejections_capped",
+                              "Ejections refused by breaker.max_ejection_percent (or to keep one endpoint ready)",
+                              ["model"], registry=registry)
+        self.outcomes = Counter("switchyard_upstream_outcomes",
+                                "Upstream legs by classified outcome (fault, backpressure, client_error, success)",
+                                ["model", "endpoint", "outcome"], registry=registry)
+        self.states: BreakerStates | None = None      # the state gauge, registered by Breakers
+
+
+class BreakerStates(Collector):
+    """``switchyard_breaker_state`` per endpoint (0 closed, 1 open, 2 half-open), read at scrape time."""
+
+    def __init__(self, breakers: Breakers) -> None:
+        self._breakers = breakers
+
+    def collect(self):
+        fam = GaugeMetricFamily("switchyard_breaker_state",
+                                "Circuit breaker state per endpoint: 0 closed, 1 open, 2 half-open",
+                                labels=["model", "endpoint"])
+        for ep in list(self._breakers.pool.endpoints()):
+            fam.add_metric([ep.model, ep.name], STATE_VALUE[self._breakers.state(ep)])
+        yield fam
+
+
+def _group(ep: Endpoint) -> str:
+    return "whole" if ep.role in ("aggregated", "combined") else ep.role
+
+
+class Breakers:
+    """Every endpoint's breaker. ``config_for(model)`` gives the model's ``BreakerConfig``;
+    ``passive`` (``health.passive``): a refused connection opens at once. ``clock`` and
+    ``call_later`` are the event loop's unless given (tests drive them by hand)."""
+
+    def __init__(self, pool: EndpointPool, config_for: Callable[[str], BreakerConfig], registry,
+                 passive: bool = True, clock: Callable[[], float] = time.monotonic,
+                 call_later: Callable[[float, Callable[[], None]], Any] | None = None) -> None:
+        self.pool = pool
+        self.config_for = config_for
+        self.passive = passive
+        self.clock = clock
+        self._call_later = call_later
+        self._by_ep: dict[int, tuple[Endpoint, Breaker]] = {}
+        self.metrics = BreakerMetrics(registry)
+        self.metrics.states = BreakerStates(self)
+        registry.register(self.metrics.states)
+        self._children: dict[tuple, Any] = {}
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def breaker(self, ep: Endpoint) -> Breaker:
+        entry = self._by_ep.get(id(ep))
+        if entry is None or entry[0] is not ep:
+            entry = self._by_ep[id(ep)] = (ep, Breaker(closed_at=self.clock()))
+        return entry[1]
+
+    def state(self, ep: Endpoint) -> str:
+        entry = self._by_ep.get(id(ep))
+        return entry[1].state if entry is not None and entry[0] is ep else CLOSED
+
+    def describe(self, ep: Endpoint) -> dict:
+        b = self.breaker(ep)
+        return {"state": b.state, "ejections": b.ejections, "consecutive_faults": b.consecutive,
+                "open_for_s": round(b.open_for, 3) if b.state == OPEN else None}
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def on_decision(self, _ireq, decision, _fallbacks, _elapsed) -> None:
+        """A ``Routing`` decision observer: a half-open endpoint it names uses a trial slot."""
+        for ep in (decision.endpoint, decision.prefill):
+            if ep is not None:
+                b = self._by_ep.get(id(ep))
+                if b is not None and b[0] is ep and b[1].state == HALF_OPEN:
+                    self._take_trial(ep, b[1])
+
+    def record(self, ep: Endpoint, outcome: Outcome, cause: str = "") -> None:
+        """One classified outcome of a leg to ``ep``. ``cause``: ``connect`` for a refused
+        connection (opens at once with ``health.passive``), else free text for the log."""
+        self._child(self.metrics.outcomes, ep.model, ep.name, outcome.value).inc()
+        cfg = self.config_for(ep.model)
+        if not cfg.enabled:
+            return
+        b = self.breaker(ep)
+        now = self.clock()
+        if b.state == HALF_OPEN:
+            self._trial_outcome(ep, b, cfg, outcome, now, cause)
+        elif b.state == CLOSED:
+            self._closed_outcome(ep, b, cfg, outcome, now, cause)
+        # open: late answers of requests sent before the ejection change nothing
+
+    # -- closed ------------------------------------------------------------------------------
+
+    def _closed_outcome(self, ep: Endpoint, b: Breaker, cfg: BreakerConfig, outcome: Outcome, now: float,
+                        cause: str) -> None:
+        if outcome is Outcome.SUCCESS:
+            b.consecutive = 0
+            b.count(False, now, cfg.window_s / _BUCKETS)
+            return
+        if outcome is not Outcome.FAULT:
+            return
+        b.consecutive += 1
+        faults, total = b.observe(True, now, cfg.window_s / _BUCKETS)
+        reason = None
+        if cause == "connect" and self.passive:
+            reason = "connect_refused"
+        elif b.consecutive >= cfg.consecutive_faults:
+            reason = "consecutive_faults"
+        elif cfg.fault_rate and total >= cfg.min_requests and faults > cfg.fault_rate * total:
+            reason = "fault_rate"
+        if reason is not None:
+            if self._may_eject(ep):
+                self._open(ep, b, cfg, now, reason, faults=faults, total=total)
+            else:
+                self._child(self.metrics.capped, ep.model).inc()
+
+    def _may_eject(self, ep: Endpoint) -> bool:
+        """Envoy's rule: under ``max_ejection_percent`` of the group, and always one; never the
+        group's last ready endpoint."""
+        group = [e for e in self.pool.endpoints(ep.model) if _group(e) == _group(ep)]
+        ejected = sum(1 for e in group if self.state(e) != CLOSED)
+        others_ready = any(e.ready for e in group if e is not ep)
+        if not others_ready:
+            return False
+        pct = self.config_for(ep.model).max_ejection_percent
+        return ejected == 0 or (ejected + 1) * 100 <= pct * len(group)
+
+    # -- open ----------------------------------------------------------------------------------
+
+    def _open(self, ep: Endpoint, b: Breaker, cfg: BreakerConfig, now: float, reason: str,
+              faults: int = 0, total: int = 0) -> None:
+        if b.state == CLOSED and b.ejections:   # one ejection forgotten per base time spent closed
+            b.ejections = max(0, b.ejections - int((now - b.closed_at) / cfg.base_ejection_s))
+        b.ejections += 1
+        b.open_for = min(cfg.max_ejection_s, cfg.base_ejection_s * b.ejections)
+        b.opened_at = now
+        b.consecutive = b.trials_out = b.trial_successes = 0
+        b.clear_window()
+        self._move(ep, b, OPEN)
+        ep.ejected = True
+        log.warning("breaker opened", model=ep.model, endpoint=ep.name, reason=reason, ejections=b.ejections,
+                    open_for_s=b.open_for, window_faults=faults, window_outcomes=total)
+        self._schedule(b, b.open_for, lambda: self._half_open(ep, b))
+
+    def _half_open(self, ep: Endpoint, b: Breaker) -> None:
+        if b.state != OPEN or self.state(ep) != OPEN:
+            return
+        b.trials_out = b.trial_successes = 0
+        b.last_event = self.clock()
+        self._move(ep, b, HALF_OPEN)
+        ep.ejected = False
+        log.info("breaker half-open", model=ep.model, endpoint=ep.name)
+
+    # -- half-open -----------------------------------------------------------------------------
+
+    def _take_trial(self, ep: Endpoint, b: Breaker) -> None:
+        cfg = self.config_for(ep.model)
+        b.trials_out += 1
+        b.last_event = self.clock()
+        if b.trials_out >= cfg.half_open_trials:
+            ep.ejected = True       # no more trials until one answers
+            since = b.last_event
+            self._schedule(b, cfg.base_ejection_s, lambda: self._stuck_trials(ep, b, since))
+
+    def _stuck_trials(self, ep: Endpoint, b: Breaker, since: float) -> None:
+        if b.state == HALF_OPEN and b.last_event == since:
+            b.trials_out = 0
+            ep.ejected = False
+
+    def _trial_outcome(self, ep: Endpoint, b: Breaker, cfg: BreakerConfig, outcome: Outcome, now: float,
+                       cause: str) -> None:
+        b.trials_out = max(0, b.trials_out - 1)
+        b.last_event = now
+        if outcome is Outcome.FAULT:
+            self._open(ep, b, cfg, now, f"trial_fault:{cause}" if cause else "trial_fault")
+            return
+        if outcome is Outcome.SUCCESS:
+            b.trial_successes += 1
+            if b.trial_successes >= cfg.success_threshold:
+                self._close(ep, b, now)
+                return
+        ep.ejected = b.trials_out >= cfg.half_open_trials
+
+    def _close(self, ep: Endpoint, b: Breaker, now: float) -> None:
+        b.consecutive = b.trials_out = b.trial_successes = 0
+        b.closed_at = now
+        b.clear_window()
+        self._cancel(b)
+        self._move(ep, b, CLOSED)
+        ep.ejected = False
+        log.info("breaker closed", model=ep.model, endpoint=ep.name)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _move(self, ep: Endpoint, b: Breaker, to: str) -> None:
+        self._child(self.metrics.transitions, ep.model, ep.name, b.state, to).inc()
+        b.state = to
+        ep.extra["breaker"] = to        # the status page's column (gateway/observability/status.py)
+
+    def _schedule(self, b: Breaker, delay: float, fn: Callable[[], None]) -> None:
+        self._cancel(b)
+        call_later = self._call_later or asyncio.get_running_loop().call_later
+        b.timer = call_later(delay, fn)
+
+    @staticmethod
+    def _cancel(b: Breaker) -> None:
+        if b.timer is not None and hasattr(b.timer, "cancel"):
+            b.timer.cancel()
+        b.timer = None
+
+    def reset(self, ep: Endpoint) -> None:
+        """Forget ``ep``'s breaker (it left the pool, or breakers were turned off)."""
+        entry = self._by_ep.pop(id(ep), None)
+        if entry is not None:
+            self._cancel(entry[1])
+            if entry[0] is ep:
+                ep.ejected = False
+                ep.extra.pop("breaker", None)
+
+    def reconfigure(self, config_for: Callable[[str], BreakerConfig]) -> None:
+        """A reload: new settings; a breaker whose model turned breakers off closes now."""
+        self.config_for = config_for
+        for ep, b in list(self._by_ep.values()):
+            if b.state != CLOSED and not config_for(ep.model).enabled:
+                self._close(ep, b, self.clock())
+
+    def _child(self, metric, *labels: str):
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c

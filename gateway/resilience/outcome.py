@@ -1,0 +1,75 @@
+"""What an upstream leg's outcome means, decided once and in one place.
+
+Every leg to an engine ends in one of four outcomes, and only faults count against the endpoint:
+
+| outcome | examples | breaker |
+|---|---|---|
+| ``fault`` | connect refused or reset, 5xx other than 503, a broken stream, a watchdog or header timeout | counts |
+| ``backpressure`` | 429, 503: the engine is alive but busy | neutral |
+| ``client_error`` | 4xx other than 429: the request's own fault | neutral |
+| ``success`` | a complete answer | closes |
+
+A leg that ends because the client went away says nothing about the engine: ``none``.
+
+Counting a 4xx against an engine opens every breaker as soon as clients send bad requests
+(sglang#25811); counting 503 ejects busy engines exactly when capacity is short (sglang#13894).
+
+The classifiers here read only a status, a failure kind (``gateway.upstream.upstream.UpstreamFailure``) or
+what the relay left on the request's record; ``gateway.resilience.breaker`` acts on the result.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Outcome(enum.Enum):
+    SUCCESS = "success"
+    FAULT = "fault"
+    BACKPRESSURE = "backpressure"
+    CLIENT_ERROR = "client_error"
+    NONE = "none"             # the client went away: nothing learnt about the engine
+
+    @property
+    def retryable(self) -> bool:
+        """Worth another endpoint when nothing reached the client yet."""
+        return self is Outcome.FAULT or self is Outcome.BACKPRESSURE
+
+
+BACKPRESSURE_STATUSES = frozenset({429, 503})
+
+
+def of_status(status: int) -> Outcome:
+    """An engine's HTTP answer status."""
+    if status < 400:
+        return Outcome.SUCCESS
+    if status in BACKPRESSURE_STATUSES:
+        return Outcome.BACKPRESSURE
+    if status < 500:
+        return Outcome.CLIENT_ERROR
+    return Outcome.FAULT
+
+
+def of_failure(kind: str) -> Outcome:
+    """A leg that failed before its answer's status arrived (connect, reset, timeout, protocol):
+    always the engine's side, or the path to it."""
+    return Outcome.FAULT
+
+
+# the relay's error classes (gateway/pipeline/relay.py) once an answer's head arrived: each is a fault
+_FAULT_CLASSES = frozenset({"upstream_eof", "upstream_broken", "upstream_timeout", "upstream_stream_error"})
+
+
+def of_answer(status: int, error_class: str | None) -> Outcome:
+    """The outcome of a relayed answer, from what the relay recorded: its status and error class.
+    A stream counts as a success only when it completed; a watchdog that fired, a stream the
+    engine broke or closed early, or an error event inside it are faults."""
+    if error_class == "client_cancel":
+        return Outcome.NONE
+    if error_class is not None and (error_class in _FAULT_CLASSES or error_class.startswith("watchdog_")):
+        return Outcome.FAULT
+    if error_class == "upstream_status" or status >= 400:
+        return of_status(status)
+    if status == 0:           # nothing was answered (a bug, or a cancel before any write)
+        return Outcome.NONE
+    return Outcome.SUCCESS

@@ -1,0 +1,272 @@
+"""The admin API: users and API keys at run time, JSON over HTTP, behind its own bearer token.
+
+Routes exist only when ``auth.admin_token`` (or ``auth.admin_token_env``) is configured:
+
+    GET    /admin/users                 list (config and store users; ``source`` says which)
+    POST   /admin/users                 create {name, rpm, tpm, max_concurrent} (409 if it exists)
+    GET    /admin/users/{name}          one user, with current window usage and key ids
+    PUT    /admin/users/{name}          create or replace (a store record overrides a config user)
+    PATCH  /admin/users/{name}          change some limits
+    DELETE /admin/users/{name}          delete the store record and the user's store keys
+    GET    /admin/keys[?user=NAME]      list keys (never the key itself)
+    POST   /admin/keys                  create {user, name?, key?}: the answer shows the key once
+    GET    /admin/keys/{id}             one key
+    PATCH  /admin/keys/{id}             change {user, name}
+    DELETE /admin/keys/{id}             revoke
+
+Writes go to the state backend (Redis: visible to every replica within ``state.sync_interval_s``);
+every admin request first reloads the directory, so it always acts on the store's current state.
+Config-defined keys are read-only here; a config user can be overridden (PUT) but not deleted.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.config.schema import UserLimits
+from gateway.errors import GatewayError
+from gateway.tenants import Tenancy
+from gateway.tenants.directory import (
+    LIMIT_FIELDS,
+    USER_NAME,
+    KeyRecord,
+    bearer_token,
+    key_digest,
+    limits_stored,
+    new_key,
+    now,
+)
+from gateway.tenants.redis_state import StateUnavailable
+
+TENANCY_KEY = web.AppKey("tenancy", Tenancy)
+MIN_KEY_LENGTH = 16
+
+
+def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
+    """Wire tenancy into the app: rate-limit headers on every answer, the state backend's
+    lifecycle, and the admin routes when an admin token is configured."""
+    app[TENANCY_KEY] = tenancy
+    app.on_response_prepare.append(tenancy.on_response_prepare)
+
+    async def start(_app: web.Application) -> None:
+        await tenancy.start()
+
+    async def stop(_app: web.Application) -> None:
+        await tenancy.stop()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    if tenancy.admin_digest is not None:
+        AdminAPI(tenancy).register(app.router)
+
+
+def _json(status: int, payload: Any) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _bad(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, error_class="admin")
+
+
+def _not_found(what: str) -> GatewayError:
+    return GatewayError(404, f"{what} not found", code="not_found", error_class="admin")
+
+
+def _conflict(message: str) -> GatewayError:
+    return GatewayError(409, message, code="conflict", type_="invalid_request_error", error_class="admin")
+
+
+def _limits(data: dict[str, Any], base: UserLimits, allowed: tuple[str, ...]) -> UserLimits:
+    out = limits_stored(base)
+    for key, v in data.items():
+        if key not in allowed:
+            raise _bad(f"unknown field '{key}' (known: {', '.join(allowed)})", key)
+        if key in LIMIT_FIELDS:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise _bad(f"'{key}' must be a non-negative integer (0: unlimited)", key)
+            out[key] = v
+    return UserLimits(**out)
+
+
+def _user_name(v: Any, param: str = "name") -> str:
+    if not isinstance(v, str) or not USER_NAME.fullmatch(v):
+        raise _bad(f"'{param}' must be 1-128 characters of letters, digits and . _ @ : + -", param)
+    return v
+
+
+class AdminAPI:
+    def __init__(self, tenancy: Tenancy) -> None:
+        self.t = tenancy
+        self.dir = tenancy.directory
+
+    def register(self, router: web.UrlDispatcher) -> None:
+        for method, path, fn in (
+            ("GET", "/admin/users", self.list_users), ("POST", "/admin/users", self.create_user),
+            ("GET", "/admin/users/{name}", self.get_user), ("PUT", "/admin/users/{name}", self.put_user),
+            ("PATCH", "/admin/users/{name}", self.patch_user), ("DELETE", "/admin/users/{name}", self.delete_user),
+            ("GET", "/admin/keys", self.list_keys), ("POST", "/admin/keys", self.create_key),
+            ("GET", "/admin/keys/{id}", self.get_key), ("PATCH", "/admin/keys/{id}", self.patch_key),
+            ("DELETE", "/admin/keys/{id}", self.delete_key),
+        ):
+            router.add_route(method, path, self._guard(fn))
+
+    def _guard(self, fn):
+        async def handler(request: web.Request) -> web.Response:
+            token = bearer_token(request.headers.get("Authorization"))
+            digest = self.t.admin_digest or ""
+            if token is None or not hmac.compare_digest(key_digest(token), digest):
+                raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
+                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                                   error_class="auth")
+            try:
+                await self.t.refresh()
+                return await fn(request)
+            except StateUnavailable as e:
+                raise GatewayError(503, f"the shared state is unreachable: {e}", code="service_unavailable",
+                                   headers={"Retry-After": "1"}, error_class="state_unavailable") from None
+        return handler
+
+    @staticmethod
+    async def _body(request: web.Request) -> dict[str, Any]:
+        raw = await request.read()
+        try:
+            data = orjson.loads(raw) if raw else {}
+        except orjson.JSONDecodeError:
+            raise _bad("request body is not valid JSON") from None
+        if not isinstance(data, dict):
+            raise _bad("request body must be a JSON object")
+        return data
+
+    # -- users -------------------------------------------------------------------------------
+
+    async def list_users(self, request: web.Request) -> web.Response:
+        d = self.dir.default_user
+        return _json(200, {"object": "list", "data": self.dir.users(),
+                           "default_user": limits_stored(d) if d is not None else None})
+
+    async def _user_answer(self, name: str, status: int = 200) -> web.Response:
+        view = self.dir.user_view(name)
+        assert view is not None
+        view["usage"] = await self.t.state.usage(name)
+        view["keys"] = [k.id for k in self.dir.keys(name)]
+        return _json(status, view)
+
+    async def create_user(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        name = _user_name(data.pop("name", None))
+        if self.dir.user_source(name) is not None:
+            raise _conflict(f"user {name} exists (PUT /admin/users/{name} replaces it)")
+        limits = _limits(data, UserLimits(), LIMIT_FIELDS)
+        await self.t.state.put_user(name, limits)
+        await self.t.refresh()
+        return await self._user_answer(name, 201)
+
+    async def get_user(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if self.dir.user_source(name) is None:
+            raise _not_found(f"user {name}")
+        return await self._user_answer(name)
+
+    async def put_user(self, request: web.Request) -> web.Response:
+        name = _user_name(request.match_info["name"])
+        data = await self._body(request)
+        data.pop("name", None)
+        created = self.dir.user_source(name) is None
+        await self.t.state.put_user(name, _limits(data, UserLimits(), LIMIT_FIELDS))
+        await self.t.refresh()
+        return await self._user_answer(name, 201 if created else 200)
+
+    async def patch_user(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        src = self.dir.user_source(name)
+        if src is None:
+            raise _not_found(f"user {name}")
+        data = await self._body(request)
+        data.pop("name", None)
+        base = self.dir.store_users[name] if src == "store" else self.dir.config_users[name]
+        await self.t.state.put_user(name, _limits(data, base, LIMIT_FIELDS))
+        await self.t.refresh()
+        return await self._user_answer(name)
+
+    async def delete_user(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        src = self.dir.user_source(name)
+        if src is None:
+            raise _not_found(f"user {name}")
+        if src == "config":
+            raise _conflict(f"user {name} is defined in the config file; edit the config to remove it")
+        digests = [k.digest for k in self.dir.keys(name) if k.source == "store"]
+        await self.t.state.delete_user(name, digests)
+        await self.t.refresh()
+        return _json(200, {"deleted": name, "keys_deleted": len(digests),
+                           "now": self.dir.user_view(name)})
+
+    # -- keys --------------------------------------------------------------------------------
+
+    async def list_keys(self, request: web.Request) -> web.Response:
+        user = request.query.get("user")
+        return _json(200, {"object": "list", "data": [k.public() for k in self.dir.keys(user)]})
+
+    def _key(self, request: web.Request) -> KeyRecord:
+        key = self.dir.key_by_id(request.match_info["id"])
+        if key is None:
+            raise _not_found(f"key {request.match_info['id']}")
+        return key
+
+    async def create_key(self, request: web.Request) -> web.Response:
+        data = await self._body(request)
+        for k in data:
+            if k not in ("user", "name", "key"):
+                raise _bad(f"unknown field '{k}' (known: user, name, key)", k)
+        user = _user_name(data.get("user"), "user")
+        name = data.get("name", "")
+        if not isinstance(name, str) or len(name) > 256:
+            raise _bad("'name' must be a string of at most 256 characters", "name")
+        plain = data.get("key")
+        if plain is None:
+            plain = new_key()
+        elif not isinstance(plain, str) or len(plain) < MIN_KEY_LENGTH or any(c.isspace() for c in plain):
+            raise _bad(f"'key' must be a string of at least {MIN_KEY_LENGTH} characters without spaces "
+                       "(omit it to have one generated)", "key")
+        digest = key_digest(plain)
+        if self.dir.key(digest) is not None:
+            raise _conflict("this key already exists")
+        rec = KeyRecord(digest=digest, user=user, name=name, created=now())
+        await self.t.state.put_key(rec)
+        await self.t.refresh()
+        return _json(201, {**rec.public(), "key": plain})
+
+    async def get_key(self, request: web.Request) -> web.Response:
+        return _json(200, self._key(request).public())
+
+    async def patch_key(self, request: web.Request) -> web.Response:
+        key = self._key(request)
+        if key.source == "config":
+            raise _conflict(f"key {key.id} is defined in the config file")
+        data = await self._body(request)
+        user, name = key.user, key.name
+        for k, v in data.items():
+            if k == "user":
+                user = _user_name(v, "user")
+            elif k == "name":
+                if not isinstance(v, str) or len(v) > 256:
+                    raise _bad("'name' must be a string of at most 256 characters", "name")
+                name = v
+            else:
+                raise _bad(f"unknown field '{k}' (known: user, name)", k)
+        rec = KeyRecord(digest=key.digest, user=user, name=name, created=key.created)
+        await self.t.state.put_key(rec)
+        await self.t.refresh()
+        return _json(200, self.dir.store_keys[key.digest].public())
+
+    async def delete_key(self, request: web.Request) -> web.Response:
+        key = self._key(request)
+        if key.source == "config":
+            raise _conflict(f"key {key.id} is defined in the config file")
+        await self.t.state.delete_key(key.digest)
+        await self.t.refresh()
+        return _json(200, {"deleted": key.id})

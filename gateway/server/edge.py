@@ -1,0 +1,576 @@
+"""The edge: what the gateway does to a client connection before and around the request handler.
+
+Switchyard faces clients directly, so the HTTP server itself must bound what a slow or hostile
+client can hold: a file descriptor and a handler each, forever, on a stock aiohttp server. Here:
+
+- **Slow clients.** One lazily re-armed timer per connection (a deadline field plus at most one
+  ``call_at`` handle, the way aiohttp's own keep-alive timer works) covers the phases of a
+  connection: the request head (``header_timeout_s``, from accept, or from the first byte of the
+  next request on a kept-alive connection), the idle kept-alive connection
+  (``keepalive_timeout_s``), and the body (``body_timeout_s`` between reads,
+  ``body_total_timeout_s`` in all). A head or body that times out gets a 408 in OpenAI shape
+  when the client can still read one (nothing of a response went out yet), then the connection
+  closes; an idle connection is closed silently, as HTTP clients expect of kept-alive
+  connections (a 408 there would race with the client's next request).
+- **Clients that stop reading.** ``pause_writing``/``resume_writing`` (asyncio's flow control,
+  which is what makes aiohttp's ``StreamResponse.write`` block in ``drain``) arm and cancel a
+  ``write_stall_timeout_s`` timer; when it fires the transport is aborted, which cancels the
+  handler exactly as a client disconnect does, so the upstream leg is closed or aborted. A
+  client that keeps up never pauses the transport and pays nothing per chunk.
+- **The connection cap.** Over ``max_connections`` a new connection is closed at once, before
+  a byte is read: there is no request yet to answer, and the cap exists to protect file
+  descriptors and memory exactly when they are short.
+- **Errors aiohttp answers itself.** A request line or header that the parser refuses, or a body
+  whose framing breaks, never reaches the app's middleware: aiohttp's ``RequestHandler`` answers
+  through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape,
+  with ``request-id``, and with 431 for header fields that are too large or too many.
+
+aiohttp hooks used (3.14): ``web.Server`` subclassed (public; ``__call__`` is the protocol
+factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``connection_lost``/
+``data_received`` are asyncio's protocol API, ``finish_response`` and ``handle_error`` are its
+documented-in-source override points). Semi-private, and pinned by tests in
+``tests/unit/gateway/test_edge.py`` that break if aiohttp changes them: ``AppRunner._make_server`` (the
+runner's factory of its ``Server``), ``Server._kwargs`` (the handler keyword arguments the runner
+collected) and ``RequestHandler._request_count`` (requests parsed on this connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.errors import error_body
+from gateway.request import request_id_from
+
+log = structlog.get_logger("switchyard.edge")
+
+TIMEOUT_REASONS = ("header", "body", "body_total", "keepalive", "write_stall")
+
+# connection phases (ints: compared on every data_received)
+_HEAD = 0      # waiting for a request head, the clock runs (fresh connection, or bytes of a next one)
+_IDLE = 1      # kept-alive, no byte of a next request yet
+_READY = 2     # a complete head is queued, the handler is about to start
+_BODY = 3      # the handler runs and the body is still arriving
+_BUSY = 4      # the handler runs, the body is complete: only the write-stall clock applies
+
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
+            504: "Gateway Timeout"}
+
+
+@dataclass(frozen=True, slots=True)
+class EdgeLimits:
+    """The ``server:`` keys the edge reads (gateway/config/schema.py ``ServerConfig``)."""
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    body_total_timeout_s: float = 120.0
+    keepalive_timeout_s: float = 75.0
+    write_stall_timeout_s: float = 30.0
+    max_connections: int = 10000
+    max_header_bytes: int = 16384
+    max_headers: int = 100
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    @classmethod
+    def from_config(cls, server: Any) -> EdgeLimits:
+        return cls(**{name: getattr(server, name) for name in cls.__dataclass_fields__})
+
+    def handler_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for aiohttp's ``RequestHandler`` (through the runner)."""
+        # aiohttp's keep-alive timer cannot tell an idle connection from a half-sent head, and it
+        # closes both silently; ours does both (and counts them), so aiohttp's stays a backstop.
+        ka, hd = self.keepalive_timeout_s, self.header_timeout_s
+        backstop = ka + hd + 60.0 if ka and hd else 10.0 ** 7
+        return {"keepalive_timeout": backstop, "max_line_size": self.max_header_bytes,
+                "max_field_size": self.max_header_bytes, "max_headers": self.max_headers}
+
+
+class EdgeMetrics:
+    def __init__(self, registry: CollectorRegistry, edge: Edge) -> None:
+        self.timeouts = Counter("switchyard_client_timeouts",
+                                "Client connections cut by a slow-client timeout, by phase", ["reason"],
+                                registry=registry)
+        self._timeouts = {r: self.timeouts.labels(r) for r in TIMEOUT_REASONS}
+        self.rejected = Counter("switchyard_connections_rejected",
+                                "Client connections closed at accept because server.max_connections was reached",
+                                registry=registry)
+        self.protocol_errors = Counter("switchyard_client_protocol_errors",
+                                       "Requests answered by the edge because HTTP framing was broken, by status",
+                                       ["status"], registry=registry)
+        registry.register(_ConnectionGauge(edge))
+
+    def timeout(self, reason: str) -> None:
+        self._timeouts[reason].inc()
+
+
+class _ConnectionGauge(Collector):
+    """``switchyard_client_connections``, read off the edge at scrape time."""
+
+    def __init__(self, edge: Edge) -> None:
+        self._edge = edge
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        yield GaugeMetricFamily("switchyard_client_connections", "Open client connections",
+                                value=self._edge.connections)
+
+
+def error_response_bytes(status: int, message: str, *, code: str, request_id: str | None = None) -> bytes:
+    """A complete HTTP/1.1 error answer with ``Connection: close``, written straight to a transport
+    when no aiohttp response object exists (a head that never completed, a body that stalled)."""
+    rid = request_id or request_id_from(None)
+    body = orjson.dumps(error_body(status, message, type_="invalid_request_error", code=code))
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+            "Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n"
+            f"request-id: {rid}\r\nx-request-id: {rid}\r\n\r\n")
+    return head.encode("ascii") + body
+
+
+class Edge:
+    """Limits, counters and the count of open connections, shared by every connection of a server."""
+
+    def __init__(self, limits: EdgeLimits, registry: CollectorRegistry | None = None) -> None:
+        self.limits = limits
+        self.connections = 0
+        self.metrics = EdgeMetrics(registry if registry is not None else CollectorRegistry(), self)
+
+    def classify(self, status: int, exc: BaseException | None, message: str | None) -> tuple[int, str, str]:
+        """(status, message, code) for an error aiohttp's protocol layer met before or under the app."""
+        lim = self.limits
+        if isinstance(exc, LineTooLong):
+            return 431, (f"the request line or a header field is larger than {lim.max_header_bytes} bytes "
+                         "(server.max_header_bytes)"), "header_too_large"
+        if isinstance(exc, BadHttpMessage) and "Too many headers" in str(exc.message):
+            return 431, f"more than {lim.max_headers} header fields (server.max_headers)", "too_many_headers"
+        if isinstance(exc, HttpProcessingError):
+            code = exc.code if 400 <= exc.code < 500 else 400
+            return code, f"malformed HTTP request: {_short(exc.message or message)}", "bad_request"
+        if isinstance(exc, web.RequestPayloadError | ConnectionResetError):
+            return 400, f"malformed request body: {_cause_text(exc)}", "bad_body"
+        if status == 504:
+            return 504, "the request handler timed out", "timeout"
+        if status >= 500:
+            return status, "internal error in the gateway", "internal_error"
+        return status, _short(message or _REASONS.get(status, "error")), "bad_request"
+
+
+def _error_type(status: int) -> str | None:
+    """Errors the edge answers are the client's doing below 500: ``invalid_request_error``."""
+    return "invalid_request_error" if status < 500 else None
+
+
+def _cause_text(exc: BaseException | None) -> str:
+    """The innermost parser message of a payload error (aiohttp wraps it as ``400, message: ...``)."""
+    while exc is not None:
+        msg = getattr(exc, "message", None)
+        if isinstance(msg, str) and msg:
+            return _short(msg.strip())
+        exc = exc.__cause__
+    return "undecodable"
+
+
+def _short(text: str | None, limit: int = 200) -> str:
+    text = text or ""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+class EdgeProtocol(web.RequestHandler):
+    """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
+
+    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_stall", "_e_rx_head", "_e_pipelined",
+                 "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
+                 "_e_read_paused", "_e_loop")
+
+    def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
+        super().__init__(manager, loop=loop, **kwargs)
+        self._edge = edge
+        self._e_loop = loop
+        self._e_phase = _HEAD
+        self._e_deadline = 0.0
+        self._e_timer: asyncio.TimerHandle | None = None
+        self._e_stall: asyncio.TimerHandle | None = None
+        self._e_rx_head = False         # a byte of the awaited head arrived
+        self._e_pipelined = False       # bytes of a next request arrived while the handler ran
+        self._e_started = 0             # requests handed to the handler
+        self._e_request: web.BaseRequest | None = None
+        self._e_payload: Any = None
+        self._e_last_rx = 0.0
+        self._e_body_end = 0.0
+        self._e_counted = False
+        self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
+
+    @property
+    def _e_parsed(self) -> int:
+        """Requests aiohttp parsed on this connection so far, parse errors included (the
+        semi-private ``RequestHandler._request_count``, pinned by tests/unit/gateway/test_edge.py)."""
+        return self._request_count
+
+    # -- connection --------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        edge = self._edge
+        cap = edge.limits.max_connections
+        if cap and edge.connections >= cap:
+            edge.metrics.rejected.inc()
+            transport.close()           # before reading a byte: nothing to answer yet
+            return
+        edge.connections += 1
+        self._e_counted = True
+        super().connection_made(transport)
+        self._e_enter_head(self._e_loop.time())
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self._e_counted:         # refused at the cap: the base protocol never started
+            return
+        self._e_counted = False
+        self._edge.connections -= 1
+        self._e_cancel_timers()
+        self._e_request = self._e_payload = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        phase = self._e_phase
+        if not data:                    # aiohttp re-parsing what it holds (resume_reading): no client byte
+            if phase in (_HEAD, _IDLE):
+                parsed = self._e_parsed
+                super().data_received(data)
+                if self._e_parsed != parsed:
+                    self._e_phase = _READY
+            else:
+                super().data_received(data)
+            return
+        if phase == _IDLE:              # first byte of the next request: the head clock starts
+            self._e_enter_head(self._e_loop.time())
+            phase = _HEAD
+        if phase == _HEAD:
+            self._e_rx_head = True
+            parsed = self._e_parsed
+            super().data_received(data)
+            if self._e_parsed != parsed:
+                self._e_phase = _READY      # the handler starts on the next loop iteration
+            return
+        if phase == _BODY:
+            payload = self._e_payload
+            if payload is None or payload.is_eof():     # the body is complete: these bytes are not its
+                self._e_body_done()
+                self.data_received(data)
+                return
+            self._e_last_rx = self._e_loop.time()
+            parsed = self._e_parsed
+            super().data_received(data)
+            # aiohttp drops a body whose chunked framing breaks (it queues a parse error for a *next*
+            # request and leaves the handler waiting), and a body that fails to decode raises in the
+            # handler's read; either way the edge answers, the request is over
+            if payload.exception() is not None or (self._e_parsed != parsed and not payload.is_eof()):
+                self._e_broken_body()
+            elif payload.is_eof():
+                self._e_body_done()
+            return
+        if phase == _BUSY:
+            self._e_pipelined = True
+        super().data_received(data)
+
+    def pause_reading(self) -> None:
+        self._e_read_paused = True
+        super().pause_reading()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        self._e_read_paused = False
+        if self._e_phase == _BODY:
+            self._e_last_rx = self._e_loop.time()
+        super().resume_reading(resume_parser)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def e_request_started(self, request: web.BaseRequest, payload: Any) -> None:
+        """Called by ``EdgeServer``'s request factory as the handler is about to run."""
+        self._e_started += 1
+        self._e_pipelined = False
+        self._e_rx_head = False
+        self._e_request = request
+        self._e_payload = payload
+        lim = self._edge.limits
+        if payload.is_eof() or not (lim.body_timeout_s or lim.body_total_timeout_s):
+            self._e_phase = _BUSY
+            return
+        self._e_phase = _BODY
+        now = self._e_last_rx = self._e_loop.time()
+        self._e_body_end = now + lim.body_total_timeout_s if lim.body_total_timeout_s else float("inf")
+        self._e_arm(self._e_body_deadline())
+
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._e_request = None
+            payload = self._e_payload
+            # a body still arriving keeps its clock (aiohttp reads and drops it after the answer)
+            if self._e_phase != _BODY or payload is None or payload.is_eof():
+                self._e_after_request()
+
+    def _e_body_done(self) -> None:
+        self._e_phase = _BUSY
+        if self._e_request is None:     # answered while the body was arriving
+            self._e_after_request()
+
+    def _e_after_request(self) -> None:
+        if self.transport is None:
+            return
+        if self._e_parsed > self._e_started:
+            self._e_phase = _READY
+        elif self._e_pipelined:         # part of the next head is here already: its clock starts now
+            self._e_enter_head(self._e_loop.time())
+            self._e_rx_head = True
+        else:
+            self._e_phase = _IDLE
+            if self._edge.limits.keepalive_timeout_s:
+                self._e_arm(self._e_loop.time() + self._edge.limits.keepalive_timeout_s)
+
+    # -- clocks ------------------------------------------------------------------------------
+
+    def _e_enter_head(self, now: float) -> None:
+        self._e_phase = _HEAD
+        self._e_rx_head = False
+        if self._edge.limits.header_timeout_s:
+            self._e_arm(now + self._edge.limits.header_timeout_s)
+
+    def _e_body_deadline(self) -> float:
+        gap = self._edge.limits.body_timeout_s
+        return min(self._e_last_rx + gap if gap else float("inf"), self._e_body_end)
+
+    def _e_arm(self, deadline: float) -> None:
+        """Move the one deadline; a later one is picked up when the armed timer fires."""
+        self._e_deadline = deadline
+        timer = self._e_timer
+        if timer is not None:
+            if timer.when() <= deadline:
+                return
+            timer.cancel()
+        self._e_timer = self._e_loop.call_at(deadline, self._e_fire)
+
+    def _e_fire(self) -> None:
+        self._e_timer = None
+        if self.transport is None:
+            return
+        now = self._e_loop.time()
+        phase = self._e_phase
+        if phase == _BODY:
+            payload = self._e_payload
+            if payload is None or payload.is_eof() or payload.exception() is not None:
+                self._e_body_done()
+                return
+            if self._e_read_paused:     # the body waits on the handler, not on the client
+                self._e_last_rx = now
+            self._e_deadline = self._e_body_deadline()
+        if phase in (_READY, _BUSY):
+            return
+        if now < self._e_deadline:
+            self._e_timer = self._e_loop.call_at(self._e_deadline, self._e_fire)
+            return
+        if phase == _IDLE:
+            self._e_timeout("keepalive", answer=False)
+        elif phase == _HEAD:
+            self._e_timeout("header", answer=self._e_rx_head)
+        else:
+            total = now >= self._e_body_end
+            self._e_timeout("body_total" if total else "body", answer=True)
+
+    def _e_unanswered_request_id(self) -> str | None:
+        """The request id when the running request has sent nothing of a response, else None."""
+        request = self._e_request
+        if request is None or request.writer.output_size > 0 or self.transport is None:
+            return None
+        return request_id_from(request.headers.get("x-request-id"))
+
+    def _e_broken_body(self) -> None:
+        self._edge.metrics.protocol_errors.labels("400").inc()
+        rid = self._e_unanswered_request_id()
+        log.debug("bad request", status=400, error="broken request body", peer=_peer(self.transport))
+        if rid is not None:
+            self.transport.write(error_response_bytes(
+                400, "malformed request body: its chunked framing or content encoding is broken",
+                code="bad_body", request_id=rid))
+        self._e_close()
+
+    def _e_timeout(self, reason: str, *, answer: bool) -> None:
+        edge = self._edge
+        edge.metrics.timeout(reason)
+        rid = None
+        if reason in ("body", "body_total"):    # only while nothing of a response went out
+            rid = self._e_unanswered_request_id()
+            answer = rid is not None
+        log.info("client timeout", reason=reason, peer=_peer(self.transport), answered=answer)
+        if answer and self.transport is not None:
+            lim = edge.limits
+            seconds = {"header": lim.header_timeout_s, "body": lim.body_timeout_s,
+                       "body_total": lim.body_total_timeout_s}[reason]
+            what = {"header": "the request head was not received within",
+                    "body": "no byte of the request body arrived for",
+                    "body_total": "the request body was not received within"}[reason]
+            self.transport.write(error_response_bytes(
+                408, f"{what} {seconds:g} s (server.{reason}_timeout_s)", code="request_timeout", request_id=rid))
+        self._e_close()
+
+    def _e_close(self) -> None:
+        """Close as aiohttp's own keep-alive timer does (the transport flushes what was written,
+        then closes) and cancel a running handler at once, as a client disconnect does: were it
+        left to connection_lost, a handler woken by the broken body would first see the parser's
+        exception and take it for a fault of its own."""
+        request = self._e_request
+        self.force_close()
+        if request is not None and request.task is not None and not request.task.done():
+            request.task.cancel()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        stall = self._edge.limits.write_stall_timeout_s
+        if stall and self._e_stall is None:
+            self._e_stall = self._e_loop.call_later(stall, self._e_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._e_stall is not None:
+            self._e_stall.cancel()
+            self._e_stall = None
+
+    def _e_stalled(self) -> None:
+        self._e_stall = None
+        transport = self.transport
+        if transport is None or not self.writing_paused:
+            return
+        self._edge.metrics.timeout("write_stall")
+        log.info("client timeout", reason="write_stall", peer=_peer(transport), answered=False)
+        transport.abort()               # → connection_lost: the handler is cancelled, as on a disconnect
+
+    def _e_cancel_timers(self) -> None:
+        for t in (self._e_timer, self._e_stall):
+            if t is not None:
+                t.cancel()
+        self._e_timer = self._e_stall = None
+
+    # -- errors aiohttp answers itself ---------------------------------------------------------
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: a response is half out, only a close is left
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        edge = self._edge
+        status, text, code = edge.classify(status, exc, message)
+        edge.metrics.protocol_errors.labels(str(status)).inc()
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            log.debug("bad request", status=status, error=text, peer=request.remote)
+        rid = request_id_from(request.headers.get("x-request-id"))
+        resp = web.Response(status=status, body=orjson.dumps(error_body(status, text, type_=_error_type(status), code=code)),
+                            content_type="application/json", headers={"request-id": rid, "x-request-id": rid})
+        resp.force_close()
+        return resp
+
+
+def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    rid = request_id_from(request.headers.get("x-request-id"))
+    body = error_body(status, message, type_=_error_type(status), code=code)
+    resp = web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
+                        headers={"request-id": rid, "x-request-id": rid, **(headers or {})})
+    resp.force_close()      # Connection: close; aiohttp reads and drops an unread body a little while first
+    return resp
+
+
+def connect_refused(request: web.BaseRequest) -> web.Response:
+    """CONNECT names a host to tunnel to (``evil.example:443``), not a path: never routed, and the
+    connection, which the parser put in tunnel mode, is closed after the answer."""
+    return _closing_error(request, 405, "method CONNECT is not allowed: the gateway is not a proxy",
+                          "method_not_allowed", {"Allow": "GET, POST"})
+
+
+def body_too_large(request: web.BaseRequest, limit: int) -> web.Response:
+    """A Content-Length above ``server.max_body_bytes`` is refused at once, not after reading it."""
+    return _closing_error(request, 413, f"request body exceeds {limit} bytes (server.max_body_bytes)",
+                          "body_too_large")
+
+
+def _peer(transport: asyncio.BaseTransport | None) -> str | None:
+    if transport is None:
+        return None
+    peer = transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else None
+
+
+class EdgeServer(web.Server):
+    """aiohttp's low-level server, making ``EdgeProtocol`` connections."""
+
+    def __init__(self, handler: Any, *, edge: Edge, loop: asyncio.AbstractEventLoop | None = None,
+                 direct: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(handler, loop=loop, **kwargs)
+        self.edge = edge
+        self._edge_loop = loop or asyncio.get_running_loop()
+        self._edge_handler_kwargs = {k: v for k, v in kwargs.items()
+                                     if k not in ("request_factory", "handler_cancellation")}
+        inner = self.request_factory
+
+        def request_factory(message, payload, protocol, writer, task):
+            request = inner(message, payload, protocol, writer, task)
+            if isinstance(protocol, EdgeProtocol):
+                protocol.e_request_started(request, payload)
+            return request
+
+        self.request_factory = request_factory
+        app_handler = self.request_handler
+        max_body = edge.limits.max_body_bytes or float("inf")
+        direct = direct or {}
+
+        async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
+            if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
+                return connect_refused(request)
+            length = request.content_length
+            if length is not None and length > max_body:   # refused before a byte of it is read
+                return body_too_large(request, max_body)
+            broken = request.content.exception()
+            if broken is not None:          # the body came with the head and does not decode
+                request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer
+                return _closing_error(request, 400, f"malformed request body: {_cause_text(broken)}", "bad_body")
+            if request.method == "POST":    # an inference path: its handler, without the application's
+                handler = direct.get(request.path)      # router and middleware (unless Expect needs them)
+                if handler is not None and hdrs.EXPECT not in request.headers:
+                    return await handler(request)
+            return await app_handler(request)
+
+        self.request_handler = request_handler
+
+    def __call__(self) -> EdgeProtocol:
+        return EdgeProtocol(self, loop=self._edge_loop, edge=self.edge, **self._edge_handler_kwargs)
+
+
+class EdgeRunner(web.AppRunner):
+    """``web.AppRunner`` whose server speaks through ``EdgeProtocol``."""
+
+    __slots__ = ("edge", "direct")
+
+    def __init__(self, app: web.Application, edge: Edge, direct: dict[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(app, **{**edge.limits.handler_kwargs(), **kwargs})
+        self.edge = edge
+        self.direct = direct
+
+    async def _make_server(self) -> web.Server:
+        # semi-private: BaseRunner's factory of its Server. The app's startup and freeze happen in
+        # the base implementation; its Server's handler kwargs (``_kwargs``) carry what the runner
+        # and the app collected (limits, access log, debug, handler_args).
+        base = await super()._make_server()
+        return EdgeServer(base.request_handler, edge=self.edge, direct=self.direct, request_factory=base.request_factory,
+                          handler_cancellation=base.handler_cancellation, **base._kwargs)

@@ -1,0 +1,370 @@
+"""Reload without restart: ``SIGHUP`` and ``POST /admin/reload`` re-read the config file.
+
+What a reload changes, for requests that arrive after it: the models and their endpoints,
+aliases, routing strategies and their settings, ``pd`` and ``watchdog`` settings, API keys, user
+and model limits, the admin token, and ``kubernetes.models``. What needs a restart: ``listen``,
+``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``status``, ``tracing``,
+``responses`` (its stores), the rest of ``kubernetes``, and turning tenancy or the admin API on
+when the gateway started without them. A
+new config that changes one of those is refused as a whole, so that after a successful reload the
+file and what runs are the same thing.
+
+A reload has two steps. *Prepare* reads and validates the file (every error names its key path),
+checks what needs a restart, and builds the new generation's routing (its strategies are
+resolved now, so a typo fails here); nothing has changed yet, and a failure leaves the old config
+serving. *Commit* is one synchronous step, with no ``await`` in it, so no request sees half of it:
+
+- the endpoint pool is brought to the new config's endpoints. An endpoint the new config still
+  declares identically keeps its object (health, in-flight counts, engine metrics); a removed one
+  leaves the pool and drains (requests on it finish, their leases are released on it); a new one
+  joins. Endpoints found by Kubernetes discovery are not the config's and are left alone;
+- discovery gets the new model settings, tenancy the new keys and limits;
+- the new ``Live`` generation (config, pipeline, routing, aliases) takes new requests. A request
+  runs to its end on the generation it entered with: its model, strategy, watchdog and timeouts.
+
+Routing state (prefix index, round-robin positions, session pins, VTC counts) carries over when
+the ``routing`` and ``pd`` settings are unchanged, and starts afresh when they changed.
+
+With ``--workers N`` the parent forwards ``SIGHUP`` to every worker (gateway/server/workers.py); a worker
+that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
+its own result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import orjson
+import structlog
+from aiohttp import web
+from prometheus_client import Counter, Gauge
+
+from gateway.aliases import Aliases, AliasMetrics
+from gateway.config.schema import Config, ConfigError
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.errors import GatewayError
+from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.routing import Routing
+from gateway.tenants import Tenancy
+from gateway.tenants.directory import bearer_token, key_digest
+from gateway.tenants.service import needs_tenancy
+from routers.base import RouterContext
+from routers.registry import StrategyError, default_registry
+
+log = structlog.get_logger("switchyard.reload")
+
+# blocks read once at start: changing them needs a restart
+RESTART_BLOCKS = ("listen", "server", "upstream", "health", "scrape", "state", "status", "tracing", "responses")
+RESULTS = ("ok", "invalid", "restart_required")
+WORKER_RELOAD_TIMEOUT_S = 10.0
+
+
+def declared_endpoints(config: Config) -> list[Endpoint]:
+    """The endpoints the config file declares (static ones; discovery adds its own)."""
+    out: list[Endpoint] = []
+
+    def add(e, m, role: str, roleset: str | None = None, bootstrap_port: int | None = None) -> None:
+        out.append(Endpoint(url=e.url, model=m.name, engine=e.engine or m.engine, role=role, roleset=roleset,
+                            bootstrap_port=e.bootstrap_port or bootstrap_port,
+                            min_prompt_tokens=e.min_prompt_tokens, max_prompt_tokens=e.max_prompt_tokens,
+                            extra={"kv_events": e.kv_events.items()} if e.kv_events is not None else {}))
+
+    for m in config.models:
+        for e in m.endpoints:
+            add(e, m, "aggregated")
+        for rs in m.rolesets:
+            for role, eps in (("prefill", rs.prefill), ("decode", rs.decode), ("combined", rs.combined)):
+                for e in eps:
+                    add(e, m, role, rs.name, rs.bootstrap_port)
+    return out
+
+
+def _identity(ep: Endpoint) -> tuple:
+    return (ep.model, ep.url, ep.engine, ep.role, ep.roleset, ep.bootstrap_port, ep.min_prompt_tokens,
+            ep.max_prompt_tokens, ep.extra.get("kv_events"))
+
+
+def sync_pool(pool: EndpointPool, config: Config) -> tuple[list[Endpoint], list[Endpoint]]:
+    """Bring the pool's static endpoints to ``config``'s; returns (added, removed)."""
+    have: dict[tuple, list[Endpoint]] = {}
+    for ep in pool.endpoints():
+        if ep.source == "static":
+            have.setdefault(_identity(ep), []).append(ep)
+    added: list[Endpoint] = []
+    for ep in declared_endpoints(config):
+        kept = have.get(_identity(ep))
+        if kept:
+            kept.pop(0)
+        else:
+            added.append(pool.add(ep))
+    removed = [ep for eps in have.values() for ep in eps]
+    for ep in removed:
+        pool.remove(ep)         # drains: requests on it finish and release their leases on it
+    return added, removed
+
+
+def _difference(old: Any, new: Any, path: str) -> str | None:
+    """The key path of the first difference between two config values, or None."""
+    if old == new:
+        return None
+    if isinstance(old, msgspec.Struct) and type(old) is type(new):
+        for name in old.__struct_fields__:
+            found = _difference(getattr(old, name), getattr(new, name), f"{path}.{name}")
+            if found:
+                return found
+    return path
+
+
+def restart_needed(old: Config, new: Config, *, tenancy: bool, admin: bool) -> str | None:
+    """The key path of a change only a restart applies (see the module docstring), or None."""
+    for key in RESTART_BLOCKS:
+        found = _difference(getattr(old, key), getattr(new, key), key)
+        if found:
+            return found
+    found = _difference(msgspec.structs.replace(old.kubernetes, models={}),
+                        msgspec.structs.replace(new.kubernetes, models={}), "kubernetes")
+    if found:
+        return found
+    if not tenancy and needs_tenancy(new):
+        return "auth" if new.auth.on or new.auth.admin_token else "limits"
+    if not admin and new.auth.admin_token:
+        return "auth.admin_token"
+    return None
+
+
+def check_offline(started: Config, old: Config, new: Config) -> None:
+    """What a reload checks before it builds anything, for a process that serves nothing itself
+    (the ``--workers`` parent, keeping the config it starts workers with in step with theirs):
+    raises ``ConfigError`` as the workers, started with ``started`` and running ``old``, would
+    refuse ``new``."""
+    path = restart_needed(old, new, tenancy=needs_tenancy(started), admin=started.auth.admin_token is not None)
+    if path is not None:
+        raise ConfigError(path, "changing this needs a restart; the running config is kept")
+    _check_strategies(new)
+
+
+def changed_blocks(old: Config, new: Config) -> list[str]:
+    return [k for k in old.__struct_fields__ if getattr(old, k) != getattr(new, k)]
+
+
+@dataclass(eq=False)
+class Live:
+    """The generation new requests enter: a config and what was built from it. ``pipeline`` is a
+    ``gateway.pipeline.pipeline.Pipeline`` (only gateway.server.app imports that module); every generation's
+    pipeline shares the app's collaborators (pool, metrics, upstream, relay, tenancy, lifecycle,
+    request log) and has its own config, routing, P/D orchestrator and aliases."""
+
+    config: Config
+    pipeline: Any
+    generation: int = 1
+
+    @property
+    def routing(self) -> Routing:
+        return self.pipeline.routing
+
+    @property
+    def aliases(self) -> Aliases | None:
+        return self.pipeline.aliases
+
+
+def _routing_state_kept(old: Config, new: Config) -> bool:
+    own_pd = {m.name: m.pd for m in old.models if m.pd is not None}
+    return (old.routing == new.routing and old.pd == new.pd
+            and own_pd == {m.name: m.pd for m in new.models if m.pd is not None})
+
+
+def _check_strategies(config: Config) -> None:
+    """Every strategy the config names exists; an error names its key."""
+    registry = default_registry(RouterContext(settings=config.routing, pd_settings=config.pd_for))
+    named = [("routing.strategy", config.routing.strategy), ("lora.strategy", config.lora.strategy)]
+    for i, m in enumerate(config.models):
+        named += [(f"models[{i}].{key}", spec) for key in ("strategy", "lock_strategy")
+                  if (spec := getattr(m, key))]
+    for path, spec in named:
+        try:
+            registry.get(spec)
+        except StrategyError as e:
+            raise ConfigError(path, str(e)) from None
+
+
+def next_pipeline(live: Live, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
+                  alias_metrics: AliasMetrics) -> Any:
+    """The pipeline for ``config``, built beside ``live``'s and sharing its collaborators; raises
+    ``ConfigError`` when a strategy the config names does not exist. Changes nothing of ``live``."""
+    old = live.pipeline
+    _check_strategies(config)
+    routing = Routing(config, pool, metrics, old.routing.ctx.precise_index)
+    if _routing_state_kept(live.config, config):
+        routing.ctx, routing.registry = old.routing.ctx, old.routing.registry
+    routing.observers = old.routing.observers          # the status board's, shared by every generation
+    routing.claims = old.routing.claims                # the breakers'
+    pd = copy.copy(old.pd)
+    pd.config, pd.rng = config, routing.ctx.rng
+    new = copy.copy(old)
+    new.config, new.routing, new.pd = config, routing, pd
+    new.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
+    return new
+
+
+class ReloadMetrics:
+    def __init__(self, registry) -> None:
+        self.reloads = Counter("switchyard_config_reload", "Config reloads (SIGHUP, POST /admin/reload) by result",
+                               ["result"], registry=registry)
+        self.last_ok = Gauge("switchyard_config_last_reload_successful",
+                             "1 if the last config reload was applied (or none was tried), 0 if it was refused",
+                             registry=registry)
+        self.generation = Gauge("switchyard_config_generation",
+                                "The config generation serving new requests (1 at start, +1 per applied reload)",
+                                registry=registry)
+        for r in RESULTS:
+            self.reloads.labels(r)
+        self.last_ok.set(1)
+        self.generation.set(1)
+
+
+@dataclass
+class ReloadResult:
+    result: str                          # ok | invalid | restart_required
+    generation: int
+    trigger: str
+    error: str | None = None
+    key_path: str | None = None
+    changed: list[str] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+    def body(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+# told of every applied reload with the new generation (status page sources, discovery)
+Listener = Callable[[Live], None]
+
+
+class Reloader:
+    """Re-reads the config with ``loader`` and swaps the generation; see the module docstring."""
+
+    def __init__(self, live: Live, pool: EndpointPool, metrics: GatewayMetrics, alias_metrics: AliasMetrics,
+                 tenancy: Tenancy | None, loader: Callable[[], Config] | None = None) -> None:
+        self.live = live
+        self.pool = pool
+        self.metrics = metrics
+        self.alias_metrics = alias_metrics
+        self.tenancy = tenancy
+        self.loader = loader             # None: no config file (the demo, tests) — nothing to re-read
+        self.admin = tenancy is not None and tenancy.admin_digest is not None
+        self.m = ReloadMetrics(metrics.registry)
+        self.listeners: list[Listener] = []
+        self.last: ReloadResult | None = None
+        self.parent_pid: int | None = None       # set in a --workers worker: reloads go through the parent
+        self._waiters: list[asyncio.Future[ReloadResult]] = []   # POST /admin/reload in a worker
+
+    def reload(self, trigger: str, config: Config | None = None) -> ReloadResult:
+        """Re-read the file (or take ``config``) and apply it, or refuse it; never raises."""
+        live = self.live
+        try:
+            if config is None:
+                if self.loader is None:
+                    raise ConfigError("<file>", "the gateway was started without a config file (--config)")
+                config = self.loader()
+            path = restart_needed(live.config, config, tenancy=self.tenancy is not None, admin=self.admin)
+            if path is not None:
+                return self._refused(trigger, "restart_required", path,
+                                     f"{path}: changing this needs a restart; the running config is kept")
+            pipeline = next_pipeline(live, config, self.pool, self.metrics, self.alias_metrics)
+        except ConfigError as e:
+            return self._refused(trigger, "invalid", e.key_path, str(e))
+        except ValueError as e:          # a check no key path came with (none is known today)
+            return self._refused(trigger, "invalid", None, str(e))
+        # commit: one synchronous step
+        changed = changed_blocks(live.config, config)
+        added, removed = sync_pool(self.pool, config)
+        if self.tenancy is not None:
+            self.tenancy.reconfigure(config)
+        self.live = Live(config, pipeline, live.generation + 1)
+        for listener in self.listeners:
+            listener(self.live)
+        result = ReloadResult("ok", self.live.generation, trigger, changed=changed,
+                              added=[f"{ep.model} {ep.url}" for ep in added],
+                              removed=[f"{ep.model} {ep.url}" for ep in removed])
+        self.m.reloads.labels("ok").inc()
+        self.m.last_ok.set(1)
+        self.m.generation.set(self.live.generation)
+        log.info("config reloaded", trigger=trigger, generation=result.generation, changed=changed,
+                 endpoints_added=result.added, endpoints_removed=result.removed,
+                 draining_in_flight=sum(ep.in_flight for ep in removed))
+        return self._finish(result)
+
+    def _refused(self, trigger: str, result: str, key_path: str | None, error: str) -> ReloadResult:
+        self.m.reloads.labels(result).inc()
+        self.m.last_ok.set(0)
+        log.error("config reload refused; the running config is kept", trigger=trigger, result=result,
+                  key_path=key_path, error=error, generation=self.live.generation)
+        return self._finish(ReloadResult(result, self.live.generation, trigger, error=error, key_path=key_path))
+
+    def _finish(self, result: ReloadResult) -> ReloadResult:
+        self.last = result
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(result)
+        return result
+
+    async def live_handle(self, request: web.Request) -> web.StreamResponse:
+        """The inference routes' handler: the request enters the live generation and stays on it."""
+        return await self.live.pipeline.handle(request)
+
+    def on_signal(self) -> None:
+        if self.loader is None:          # the demo: its config is built in, there is no file
+            log.warning("SIGHUP ignored: the gateway was started without a config file (--config)")
+            return
+        self.reload("signal")
+
+    # -- POST /admin/reload --------------------------------------------------------------------
+
+    def register(self, router: web.UrlDispatcher) -> None:
+        router.add_post("/admin/reload", self.handle_admin)
+
+    async def handle_admin(self, request: web.Request) -> web.Response:
+        """The admin token as for the rest of /admin (gateway/server/admin.py)."""
+        token = bearer_token(request.headers.get("Authorization"))
+        digest = self.tenancy.admin_digest if self.tenancy is not None else None
+        if token is None or not digest or not hmac.compare_digest(key_digest(token), digest):
+            raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class="auth")
+        if self.loader is None:
+            raise GatewayError(409, "the gateway was started without a config file (--config): nothing to reload",
+                               code="no_config_file", error_class="admin")
+        if self.parent_pid is not None:
+            result = await self._reload_every_worker()
+        else:
+            result = self.reload("admin")
+        if result.result == "ok":
+            return web.Response(status=200, body=orjson.dumps(result.body()), content_type="application/json")
+        status, code = (409, "restart_required") if result.result == "restart_required" else (400, "config_invalid")
+        raise GatewayError(status, result.error or result.result, param=result.key_path, code=code,
+                           error_class="admin")
+
+    async def _reload_every_worker(self) -> ReloadResult:
+        """Ask the parent to signal every worker, this one included, and wait for this one's."""
+        assert self.parent_pid is not None
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        os.kill(self.parent_pid, signal.SIGHUP)
+        try:
+            async with asyncio.timeout(WORKER_RELOAD_TIMEOUT_S):
+                return await asyncio.shield(waiter)
+        except TimeoutError:
+            raise GatewayError(504, f"the parent process did not have this worker reload within "
+                                    f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class="admin") from None
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)

@@ -1,0 +1,156 @@
+"""Run the gateway: listen, serve, and drain on SIGTERM.
+
+Drain, as Kubernetes needs it (the pod is taken out of the Service's endpoints *while* it gets
+SIGTERM, and load balancers learn of it a few seconds later):
+
+1. at SIGTERM ``/ready`` answers 503 at once, and requests are still served as usual;
+2. after ``server.drain_delay_s`` (capped at the grace period) the listener closes: new
+   connections are refused, and a request arriving on a kept-alive connection gets 503 with
+   ``Connection: close``;
+3. requests in flight, streams included, may finish until ``server.shutdown_grace_s`` after the
+   SIGTERM; then the remaining ones are cut, and the process exits 0.
+
+SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once. SIGHUP reloads the
+config file (gateway/server/reload.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import signal
+import socket
+from collections.abc import Callable
+
+import structlog
+from aiohttp import web
+
+from gateway.config.schema import Config
+from gateway.server.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
+from gateway.server.edge import Edge, EdgeLimits, EdgeRunner
+
+log = structlog.get_logger("switchyard.server")
+
+
+async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[], Config] | None = None,
+                ) -> tuple[web.AppRunner, web.Application, int]:
+    """Start serving; returns the runner, the app and the bound port (useful with port 0).
+    ``loader`` re-reads the config file at a reload."""
+    app = build_app(config, loader=loader)
+    # the edge (gateway/server/edge.py): slow-client clocks, connection cap, header limits, shaped errors
+    edge = Edge(EdgeLimits.from_config(config.server), app[GATEWAY_KEY].metrics.registry)
+    _check_fd_limit(edge.limits.max_connections)
+    runner = EdgeRunner(app, edge, app[DIRECT_KEY], handler_cancellation=True, access_log=None,
+                        shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop
+    await runner.setup()
+    site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_port=reuse_port or None,
+                       backlog=1024)
+    try:
+        await site.start()
+    except BaseException:      # e.g. the port is taken: close what startup opened, then report
+        await runner.cleanup()
+        raise
+    port = config.listen.port
+    server = site._server
+    if server is not None and server.sockets:
+        port = server.sockets[0].getsockname()[1]
+    return runner, app, port
+
+
+async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: float, *,
+                         delay: float = 0.0) -> None:
+    """Drain as described in the module docstring; ``grace`` counts from the call."""
+    lifecycle = app[LIFECYCLE_KEY]
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace
+    app[NOT_READY_KEY].set()
+    delay = max(0.0, min(delay, grace))
+    log.info("draining", in_flight=lifecycle.in_flight, delay_s=delay, grace_s=grace)
+    if delay:
+        await asyncio.sleep(delay)
+    for site in list(runner.sites):
+        await site.stop()                   # the listening socket closes: new connections refused
+    lifecycle.begin_drain()                        # kept-alive connections: 503 + Connection: close
+    log.info("listener closed", in_flight=lifecycle.in_flight)
+    finished = await lifecycle.wait_idle(max(0.0, deadline - loop.time()))
+    if not finished:
+        log.warning("grace period over; closing remaining requests", in_flight=lifecycle.in_flight)
+    await runner.cleanup()
+
+
+# The cyclic collector's young generation is collected after this many allocations (Python's
+# default is 700). Each request allocates a few hundred tracked objects (coroutines, futures, dicts)
+# that plain reference counting frees; at 700 the collector ran every few requests and scanned
+# whatever the requests in flight held at that moment, per collection.
+GC_GEN0_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Once the app is built: what start-up allocated (modules, config, routers) moves out of the
+    collector's generations for good, and the young generation is collected less often."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
+
+
+async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False,
+                loader: Callable[[], Config] | None = None, worker: bool = False) -> None:
+    """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
+    runner, app, port = await start(config, reuse_port=reuse_port, loader=loader)
+    tune_gc()
+    log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
+             kubernetes=config.kubernetes.enabled)
+    if ready_message:
+        print(ready_message.format(port=port), flush=True)
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, on_signal, sig)
+    reloader = app[RELOAD_KEY]
+    if worker:      # POST /admin/reload asks the parent, which signals every worker
+        reloader.parent_pid = os.getppid()
+    with contextlib.suppress(NotImplementedError):
+        loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
+    try:
+        await stop.wait()
+    finally:
+        delay = config.server.drain_delay_s if received and received[0] == signal.SIGTERM else 0.0
+        drain = asyncio.ensure_future(drain_and_stop(runner, app, config.server.shutdown_grace_s, delay=delay))
+        for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal: stop now
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, drain.cancel)
+        try:
+            await drain
+        except asyncio.CancelledError:
+            log.warning("second signal: stopping now")
+            with contextlib.suppress(Exception):
+                await runner.cleanup()
+        log.info("stopped")
+
+
+def _check_fd_limit(max_connections: int) -> None:
+    """Warn when the process may run out of file descriptors before it reaches the cap."""
+    try:
+        import resource
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return
+    if soft != resource.RLIM_INFINITY and (not max_connections or max_connections + 256 > soft):
+        log.warning("file descriptor limit below server.max_connections plus upstream connections",
+                    nofile=soft, max_connections=max_connections)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

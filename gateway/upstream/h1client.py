@@ -1,0 +1,764 @@
+"""A lean HTTP/1.1 client for the upstream legs (gateway → engine).
+
+Why not aiohttp's client: on the hot path the gateway only ever POSTs a JSON body it already holds
+as bytes to an engine it already knows, and relays the answer's bytes. aiohttp's general machinery
+(URL objects, request/response classes, multidicts, connector bookkeeping, its StreamReader) cost
+more CPU per request than the rest of the gateway together. This module does just that job:
+
+- ``UpstreamPool``: one per gateway; idle keep-alive connections per origin (scheme, host, port),
+  optionally capped in total (``upstream.max_connections``), closed after ``keepalive_timeout_s``
+  idle. A request goes out as one ``transport.write`` of a pre-encoded head plus the body.
+- ``_Conn``: an asyncio ``Protocol`` whose bytes go straight into an ``httptools`` (llhttp)
+  response parser; the parser's callbacks fill the ``UpstreamResponse`` being read.
+- ``UpstreamResponse``: status, headers, and the body as it arrives (``readany``/``read``, or
+  ``pipe``: handed to a callback from the connection's read callback, no task wake-up per read),
+  with flow control: reading from the engine pauses while too much is buffered unread, so a slow
+  client cannot make the gateway hold an unbounded answer. ``release()`` gives a fully read
+  connection back to the pool; ``close()`` drops the connection, which is how an engine learns
+  that nobody wants the rest (it aborts the request).
+
+Failures are this module's own exceptions (``UpstreamError`` and subclasses); ``gateway.upstream.upstream``
+and ``gateway.pipeline.relay`` turn them into the gateway's error classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl as ssl_module
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httptools
+
+# unread body bytes above which reading from the engine pauses; it resumes when the reader takes
+# them (``readany`` hands out everything buffered, so the buffer is then empty)
+HIGH_WATER = 256 * 1024
+# bodies up to this size go out in one buffer with their head (one write); larger ones beside it
+_JOIN_MAX = 64 * 1024
+
+
+class UpstreamError(Exception):
+    """Base of the client's failures."""
+
+
+class UpstreamConnectError(UpstreamError):
+    """No connection could be opened (refused, unreachable, DNS, connect timeout): nothing was sent."""
+
+
+class UpstreamDisconnected(UpstreamError):
+    """The connection closed or broke before the answer was complete.
+
+    ``received`` says whether any byte of the answer had arrived (if not, no engine output was lost
+    and the request may be tried elsewhere)."""
+
+    def __init__(self, message: str, received: bool) -> None:
+        super().__init__(message)
+        self.received = received
+
+
+class UpstreamProtocolError(UpstreamError):
+    """The engine's bytes are not a valid HTTP/1.1 response."""
+
+
+class UpstreamTimeout(UpstreamError):
+    """No response head within the header timeout, or the whole exchange exceeded the total timeout."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        super().__init__(f"{what} within {seconds:g}s")
+        self.seconds = seconds
+        self.what = what
+
+
+class Headers(dict):
+    """Response headers; names are stored lower-cased and looked up case-insensitively."""
+
+    __slots__ = ()
+
+    def __getitem__(self, name: str) -> str:
+        return dict.__getitem__(self, name.lower())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and dict.__contains__(self, name.lower())
+
+    def get(self, name: str, default=None):
+        return dict.get(self, name.lower(), default)
+
+
+class SendState:
+    """Whether any byte of one request may have left the gateway: ``sent`` is set just before the
+    request is handed to a connection (``transport.write``), the only place its bytes go out.
+    Read once the ``post`` call is over, ``sent`` False proves no byte of it was written."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Origin:
+    scheme: str
+    host: str
+    port: int
+    host_header: str        # what goes in ``Host:`` (the URL's netloc)
+
+
+class UpstreamResponse:
+    """One answer being read. The body arrives in ``_chunks`` (fed by the connection's parser) and
+    leaves through ``readany``; errors are raised only after the bytes received before them."""
+
+    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter", "_sink")
+
+    def __init__(self, conn: _Conn) -> None:
+        self.status = 0
+        self.headers = Headers()
+        self._conn: _Conn | None = conn
+        self._loop = conn.loop
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._eof = False                       # the whole body arrived
+        self._exc: BaseException | None = None  # raised once the buffer is drained
+        self._waiter: asyncio.Future | None = None
+        self._sink: Callable[[bytes], None] | None = None   # ``pipe``: body bytes go here as they come
+
+    # -- fed by the connection -------------------------------------------------------------
+
+    def _wake(self, exc: BaseException | None = None) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                if exc is None:
+                    w.set_result(None)
+                else:
+                    w.set_exception(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._exc is None and not self._eof:
+            self._exc = exc
+        self._wake(exc)
+
+    @property
+    def waiting(self) -> bool:
+        """A reader is waiting in ``readany`` for bytes."""
+        return self._waiter is not None
+
+    def interrupt(self, exc: BaseException) -> None:
+        """Raise ``exc`` in the reader waiting in ``readany`` or ``pipe`` (a watchdog); the answer
+        itself is unchanged, and nothing happens when no reader waits."""
+        self._wake(exc)
+
+    def _flush(self) -> None:
+        """Hand what the last read brought to the sink (one call per read, however many body
+        chunks it held). Whatever the sink raises ends the ``pipe`` with that exception."""
+        data = self._take()
+        try:
+            self._sink(data)        # type: ignore[misc]
+        except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
+            self._sink = None
+            self._wake(e)
+
+    def _take(self) -> bytes:
+        """Everything buffered, as one bytes; a connection paused for a full buffer reads again."""
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._size = 0
+        conn = self._conn
+        if conn is not None and conn.paused:
+            conn.resume()
+        return data
+
+    # -- the reader's side -----------------------------------------------------------------
+
+    async def readany(self) -> bytes:
+        """Whatever body bytes are buffered (waiting for some if none are), b"" at the end."""
+        while True:
+            if self._chunks:
+                return self._take()
+            if self._exc is not None:
+                raise self._exc
+            if self._eof:
+                return b""
+            self._waiter = self._loop.create_future()
+            await self._waiter
+
+    async def pipe(self, sink: Callable[[bytes], None]) -> bytes | None:
+        """Hand the body to ``sink`` as it arrives, from the connection's read callback (one call
+        per read, no task wake-up), until the answer ends, fails, is interrupted, or the sink calls
+        ``unpipe``. Then: ``None`` when unpiped with nothing buffered, else as ``readany`` (the
+        bytes buffered since, b"" at the end, or the failure raised after them)."""
+        if not (self._chunks or self._eof or self._exc is not None):
+            self._sink = sink
+            try:
+                self._waiter = self._loop.create_future()
+                await self._waiter
+            finally:
+                self._sink = None
+                self._waiter = None
+            if not (self._chunks or self._eof or self._exc is not None):
+                return None
+        return await self.readany()
+
+    def unpipe(self) -> None:
+        """End a ``pipe`` (from its sink: the client stopped keeping up); later bytes are buffered,
+        with reading from the engine paused above ``HIGH_WATER``, for ``readany``."""
+        if self._sink is not None:
+            self._sink = None
+            self._wake()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        parts = []
+        while chunk := await self.readany():
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def read_limited(self, limit: int) -> bytes:
+        """At most ``limit`` bytes of the body (error bodies are bounded: they are only quoted)."""
+        parts = []
+        size = 0
+        while size < limit and (chunk := await self.readany()):
+            parts.append(chunk)
+            size += len(chunk)
+        return b"".join(parts)[:limit]
+
+    def at_eof(self) -> bool:
+        """The whole body arrived and was read."""
+        return self._eof and not self._chunks
+
+    def release(self) -> None:
+        """Done with the answer: the connection goes back to the pool when the whole answer came
+        and the engine keeps the connection alive; otherwise it is closed."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            if self._eof and self._exc is None and conn.keep_alive and not conn.closed:
+                conn.pool._put_idle(conn)
+            else:
+                conn.abort()
+
+    def close(self) -> None:
+        """Drop the connection now: the engine sees the disconnect and stops generating."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.abort()
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection to an engine; at most one exchange at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: _Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.resp: UpstreamResponse | None = None   # the exchange in progress
+        self.headers_waiter: asyncio.Future | None = None   # until the head arrives or the exchange fails
+        self.sent_waiter: asyncio.Future | None = None      # the same future, kept for ``head``
+        self.received = False        # any byte of the current answer
+        self.length_known = False    # Content-Length or chunked: else the body ends at EOF
+        self.keep_alive = False
+        self.closed = False
+        self.paused = False
+        self.idle_since = 0.0
+        self.deadline: asyncio.TimerHandle | None = None
+
+    # -- an exchange -----------------------------------------------------------------------
+
+    async def exchange(self, data: bytes | tuple[bytes, bytes], header_timeout: float | None,
+                       state: SendState | None = None) -> UpstreamResponse:
+        """Send one request; return once the response head arrived. Any failure or cancellation
+        while waiting drops the connection (the engine must not go on for nobody)."""
+        self.send(data, state)
+        return await self.head(header_timeout)
+
+    def send(self, data: bytes | tuple[bytes, bytes], state: SendState | None = None) -> None:
+        """Write one request, now (no await: a cancel cannot fall between ``state`` and the write)."""
+        self.resp = UpstreamResponse(self)
+        self.received = self.length_known = self.keep_alive = False
+        self.headers_waiter = self.sent_waiter = self.loop.create_future()
+        if state is not None:
+            state.sent = True
+        try:
+            if type(data) is tuple:
+                self.transport.writelines(data)
+            else:
+                self.transport.write(data)   # type: ignore[arg-type]
+        except (RuntimeError, OSError) as e:  # closed under us between the pool and here
+            self.abort()
+            raise UpstreamDisconnected(f"connection closed before the request was sent ({e})", False) from None
+        total = self.pool.total_timeout
+        if total:
+            self.deadline = self.loop.call_later(total, self._fail, UpstreamTimeout(total, "no complete answer"))
+
+    async def head(self, header_timeout: float | None) -> UpstreamResponse:
+        """The answer to the request ``send`` wrote, once its head arrived."""
+        resp, waiter = self.resp, self.sent_waiter
+        assert resp is not None and waiter is not None
+        watched = bool(header_timeout) and not waiter.done()
+        if watched:
+            self.pool._await_head(self, header_timeout)
+        try:
+            await waiter
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            if watched:
+                self.pool._heads.pop(self, None)
+        return resp
+
+    def _header_timeout(self, seconds: float) -> None:
+        self._fail(UpstreamTimeout(seconds, "no response"))
+
+    def _fail(self, exc: UpstreamError) -> None:
+        """End the exchange with ``exc`` (for whoever waits: headers or body) and drop the connection."""
+        w, self.headers_waiter = self.headers_waiter, None
+        if w is not None and not w.done():
+            w.set_exception(exc)
+        if self.resp is not None:
+            self.resp._fail(exc)
+        self.abort()
+
+    def abort(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        if not self.closed:
+            self.closed = True
+            self.transport.abort()
+            self.pool._forget(self)
+
+    def resume(self) -> None:
+        self.paused = False
+        if not self.closed:
+            self.transport.resume_reading()
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self.resp is None:     # bytes on an idle connection: nothing can be trusted on it
+            self.abort()
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
+            return
+        resp = self.resp
+        if resp is not None and resp._sink is not None and resp._chunks:
+            resp._flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            self._lost(exc)
+        finally:
+            # the parser holds this protocol's bound methods: without that cycle a closed connection
+            # is freed at once, not left for a full collection (which an idle gateway never runs)
+            self.parser = None
+
+    def _lost(self, exc: Exception | None) -> None:
+        was_closed = self.closed
+        self.closed = True
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        if not was_closed:
+            self.pool._forget(self)
+        resp = self.resp
+        if resp is None or resp._eof or resp._exc is not None:
+            return
+        if resp.status and not self.length_known:
+            self.on_message_complete()      # a body delimited by the connection's end: complete
+            return
+        why = f"connection reset ({exc.strerror or exc})" if isinstance(exc, OSError) else "connection closed"
+        when = "while reading the answer" if self.headers_waiter is None else "before answering"
+        self._fail(UpstreamDisconnected(f"{why} {when}", self.received))
+
+    # -- httptools callbacks -----------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.resp._eof:     # a second answer to one request: the connection is out of step
+            raise UpstreamProtocolError("unexpected bytes after the answer")
+        self.length_known = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        key = name.decode("latin-1").lower()
+        val = value.decode("latin-1")
+        if key == "content-length" or (key == "transfer-encoding" and "chunked" in val.lower()):
+            self.length_known = True
+        h = self.resp.headers
+        prev = dict.get(h, key)
+        dict.__setitem__(h, key, val if prev is None else f"{prev}, {val}")
+
+    def on_headers_complete(self) -> None:
+        resp = self.resp
+        status = self.parser.get_status_code()
+        if status < 200:        # an interim 1xx: its headers are not the answer's
+            resp.headers.clear()
+            return
+        resp.status = status
+        w, self.headers_waiter = self.headers_waiter, None
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        resp = self.resp
+        resp._chunks.append(body)
+        resp._size += len(body)
+        if resp._size > HIGH_WATER and not self.paused and not self.closed:
+            self.paused = True
+            self.transport.pause_reading()
+        if resp._sink is None:      # piped: handed over once the whole read is parsed
+            resp._wake()
+
+    def on_message_complete(self) -> None:
+        resp = self.resp
+        if resp is None or resp.status == 0:    # the end of an interim 1xx
+            return
+        self.keep_alive = self.parser.should_keep_alive()   # false for Connection: close and EOF-delimited
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+        resp._eof = True
+        resp._wake()
+
+
+class Exchange:
+    """A POST begun by ``UpstreamPool.begin``: written already (``conn`` set) or not yet."""
+
+    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error")
+
+    def __init__(self, pool: UpstreamPool, url: str, origin: _Origin | None, data: bytes | tuple[bytes, bytes],
+                 state: SendState | None) -> None:
+        self.pool = pool
+        self.url = url
+        self.origin = origin
+        self.data = data
+        self.state = state
+        self.conn: _Conn | None = None     # the connection the request went out on
+        self.stale = False                 # the idle connection it was given had closed
+        self.resp: UpstreamResponse | None = None
+        self.error: UpstreamError | None = None
+
+    @property
+    def sent(self) -> bool:
+        """The request was written when the exchange began."""
+        return self.conn is not None
+
+    async def response(self, header_timeout: float | None = None) -> UpstreamResponse:
+        """The answer's head, as ``UpstreamPool.post`` returns it (the same failures, and the same
+        one retry on a fresh connection when a reused one turns out closed with nothing received)."""
+        pool, conn, origin = self.pool, self.conn, self.origin
+        if origin is None:
+            assert self.error is not None
+            raise self.error
+        if conn is not None or self.stale:
+            reused = True
+        else:
+            conn, reused = await pool._acquire(origin)
+            self.conn = conn
+            conn.send(self.data, self.state)
+        if conn is not None:
+            try:
+                self.resp = await conn.head(header_timeout)
+                return self.resp
+            except UpstreamDisconnected as e:
+                if not reused or e.received:
+                    raise
+        self.conn = conn = await pool._connect(origin)
+        self.resp = await conn.exchange(self.data, header_timeout, self.state)
+        return self.resp
+
+    def discard(self) -> None:
+        """Drop a connection whose answer nobody will read (``response`` never reached the head)."""
+        conn = self.conn
+        if conn is not None and self.resp is None:
+            conn.abort()
+
+
+class UpstreamPool:
+    """Keep-alive connections to the engines, for all upstream legs of one gateway.
+
+    Idle connections are kept per origin and reused newest first (the oldest expire); a request on
+    a reused connection that the engine had closed while it idled (a keep-alive race: nothing came
+    back) is sent again once on a fresh connection. ``max_connections`` (0: unlimited) caps open
+    connections in total; a request beyond it first closes an idle connection to another origin,
+    else waits for one to come free.
+    """
+
+    def __init__(self, *, connect_timeout: float = 5.0, keepalive_timeout: float = 60.0,
+                 max_connections: int = 0, total_timeout: float = 0.0) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.connect_timeout = connect_timeout
+        self.keepalive_timeout = keepalive_timeout
+        self.max_connections = max_connections
+        self.total_timeout = total_timeout
+        self._idle: dict[_Origin, deque[_Conn]] = {}
+        self._conns: set[_Conn] = set()          # every open connection (idle or busy)
+        self._connecting = 0
+        self._waiters: deque[asyncio.Future] = deque()
+        self._origins: dict[str, _Origin] = {}
+        self._sweep: asyncio.TimerHandle | None = None
+        # exchanges waiting for their response head: conn → (deadline, seconds), all watched by one
+        # timer set for the earliest deadline (not a timer per request)
+        self._heads: dict[_Conn, tuple[float, float]] = {}
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_due = float("inf")
+        self._ssl: ssl_module.SSLContext | None = None
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg) -> UpstreamPool:
+        """From an ``UpstreamConfig``."""
+        return cls(connect_timeout=cfg.connect_timeout_s, keepalive_timeout=cfg.keepalive_timeout_s,
+                   max_connections=cfg.max_connections, total_timeout=cfg.total_timeout_s)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str],
+                   header_timeout: float | None = None, state: SendState | None = None) -> UpstreamResponse:
+        """POST ``body`` to ``url`` (``http[s]://host:port/path``); return once the response head
+        arrived. ``headers`` should carry Content-Type; Host and Content-Length are added here.
+        ``state`` records whether any of the request may have been written (see ``SendState``)."""
+        origin, data = self._encode(url, body, headers)
+        conn, reused = await self._acquire(origin)
+        try:
+            return await conn.exchange(data, header_timeout, state)
+        except UpstreamDisconnected as e:
+            if not reused or e.received:
+                raise
+        # the engine had closed the idle connection: nothing was received, so sending again is safe
+        conn = await self._connect(origin)
+        return await conn.exchange(data, header_timeout, state)
+
+    def begin(self, url: str, body: bytes, headers: Mapping[str, str],
+              state: SendState | None = None) -> Exchange:
+        """Start a POST now: on an idle keep-alive connection the request is written before this
+        returns, with nothing else in between; otherwise ``Exchange.response`` connects and writes.
+        Either way ``Exchange.response`` awaits the answer's head (as ``post`` does), and an
+        exchange that is not awaited to its head must be ``discard``-ed."""
+        try:
+            origin, data = self._encode(url, body, headers)
+        except UpstreamConnectError as e:
+            x = Exchange(self, url, None, b"", state)
+            x.error = e                 # raised by response(), where post() raises it
+            return x
+        x = Exchange(self, url, origin, data, state)
+        conn = self._take_idle(origin)
+        if conn is not None:
+            try:
+                conn.send(data, state)
+                x.conn = conn
+            except UpstreamDisconnected:
+                x.stale = True          # closed as it idled: response() sends on a fresh connection
+        return x
+
+    def _encode(self, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[_Origin, bytes | tuple[bytes, bytes]]:
+        origin, path = self._split(url)
+        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+            raise ValueError("a header name or value contains a line break")
+        head = (f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Length: {len(body)}\r\n"
+                f"{lines}\r\n").encode("utf-8", "surrogateescape")
+        # a large body (an audio upload) is handed over beside its head, not copied onto it
+        return origin, (head + body if len(body) <= _JOIN_MAX else (head, body))
+
+    def _split(self, url: str) -> tuple[_Origin, str]:
+        i = url.find("/", url.find("//") + 2)
+        base, path = (url, "/") if i < 0 else (url[:i], url[i:])
+        origin = self._origins.get(base)
+        if origin is None:
+            u = urlsplit(base)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise UpstreamConnectError(f"unsupported upstream URL {base!r}")
+            origin = _Origin(u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80), u.netloc)
+            if len(self._origins) >= 4096:     # endpoints come and go (Kubernetes): keep the cache bounded
+                self._origins.clear()
+            self._origins[base] = origin
+        return origin, path
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _acquire(self, origin: _Origin) -> tuple[_Conn, bool]:
+        while True:
+            conn = self._take_idle(origin)
+            if conn is not None:
+                return conn, True
+            cap = self.max_connections
+            if not cap or len(self._conns) + self._connecting < cap or self._evict_idle():
+                return await self._connect(origin), False
+            fut = self.loop.create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self._wake_waiter()      # pass the freed slot on
+                else:
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(fut)
+                raise
+
+    def _take_idle(self, origin: _Origin) -> _Conn | None:
+        idle = self._idle.get(origin)
+        if not idle:
+            return None
+        oldest_ok = self.loop.time() - self.keepalive_timeout
+        while idle:
+            conn = idle.pop()
+            if conn.closed or conn.transport.is_closing():
+                continue
+            if conn.idle_since < oldest_ok:
+                conn.abort()
+                continue
+            return conn
+        return None
+
+    def _evict_idle(self) -> bool:
+        """Close the longest-idle connection (to any origin) to make room under the cap."""
+        best: _Conn | None = None
+        for dq in self._idle.values():
+            while dq and dq[0].closed:
+                dq.popleft()
+            if dq and (best is None or dq[0].idle_since < best.idle_since):
+                best = dq[0]
+        if best is None:
+            return False
+        self._idle[best.origin].popleft()
+        best.abort()
+        return True
+
+    async def _connect(self, origin: _Origin) -> _Conn:
+        if self._closed:
+            raise UpstreamConnectError("the upstream pool is closed")
+        ssl = None
+        if origin.scheme == "https":
+            if self._ssl is None:
+                self._ssl = ssl_module.create_default_context()
+            ssl = self._ssl
+        self._connecting += 1
+        try:
+            async with asyncio.timeout(self.connect_timeout or None):
+                _, conn = await self.loop.create_connection(lambda: _Conn(self, origin), origin.host,
+                                                            origin.port, ssl=ssl)
+        except BaseException as e:
+            self._connecting -= 1
+            self._wake_waiter()     # the slot this attempt held is free again
+            if isinstance(e, TimeoutError):
+                raise UpstreamConnectError(f"connect timed out after {self.connect_timeout:g}s") from None
+            if isinstance(e, OSError):
+                raise UpstreamConnectError(e.strerror or str(e)) from None
+            raise
+        self._connecting -= 1
+        if self._closed:
+            conn.abort()
+            raise UpstreamConnectError("the upstream pool is closed")
+        self._conns.add(conn)
+        return conn
+
+    def _await_head(self, conn: _Conn, seconds: float) -> None:
+        due = self.loop.time() + seconds
+        self._heads[conn] = (due, seconds)
+        if due < self._head_due:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_due = due
+            self._head_timer = self.loop.call_at(due, self._check_heads)
+
+    def _check_heads(self) -> None:
+        """Fail the exchanges whose head is overdue; set the timer for the next deadline."""
+        self._head_timer = None
+        self._head_due = float("inf")
+        now = self.loop.time()
+        nxt = float("inf")
+        for conn, (due, seconds) in list(self._heads.items()):
+            if due <= now:
+                del self._heads[conn]
+                conn._header_timeout(seconds)
+            elif due < nxt:
+                nxt = due
+        if nxt != float("inf"):
+            self._head_due = nxt
+            self._head_timer = self.loop.call_at(nxt, self._check_heads)
+
+    def _put_idle(self, conn: _Conn) -> None:
+        conn.resp = None
+        if self._closed or not self.keepalive_timeout:
+            conn.abort()
+            return
+        if conn.paused:
+            conn.resume()
+        conn.idle_since = self.loop.time()
+        dq = self._idle.get(conn.origin)
+        if dq is None:
+            dq = self._idle[conn.origin] = deque()
+        dq.append(conn)
+        if self._sweep is None:
+            self._sweep = self.loop.call_later(self.keepalive_timeout, self._expire)
+        if self._waiters:
+            self._wake_waiter()
+
+    def _forget(self, conn: _Conn) -> None:
+        """A connection closed (by us or the engine): its slot is free."""
+        self._conns.discard(conn)
+        if self._waiters:
+            self._wake_waiter()
+
+    def _wake_waiter(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    def _expire(self) -> None:
+        """Close connections idle for longer than the keep-alive timeout; runs while any idle."""
+        self._sweep = None
+        now = self.loop.time()
+        oldest_ok = now - self.keepalive_timeout
+        next_due: float | None = None
+        for origin, dq in list(self._idle.items()):
+            while dq and (dq[0].closed or dq[0].idle_since <= oldest_ok):
+                dq.popleft().abort()
+            if not dq:
+                del self._idle[origin]
+            elif next_due is None or dq[0].idle_since < next_due:
+                next_due = dq[0].idle_since
+        if next_due is not None:
+            self._sweep = self.loop.call_later(max(0.0, next_due + self.keepalive_timeout - now), self._expire)
+
+    async def close(self) -> None:
+        """Close every connection, idle or busy (at shutdown, after the requests finished)."""
+        self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        for conn in list(self._conns):
+            conn.abort()
+        self._idle.clear()
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.cancel()
+        await asyncio.sleep(0)    # let the transports' connection_lost callbacks run

@@ -1,0 +1,135 @@
+"""Background loops that keep the endpoint pool's live state current.
+
+- The health prober polls each endpoint's health path and flips ``Endpoint.healthy`` after the
+  configured number of consecutive failures / successes (passive marking on connect failures
+  happens in the pipeline; the prober is what brings an endpoint back).
+- The scraper polls each endpoint's ``/metrics`` into an ``EngineMetrics`` snapshot for routers.
+
+Both probe all endpoints concurrently each round and never let one slow engine delay the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+import aiohttp
+import structlog
+
+from gateway.config.schema import HealthConfig, ScrapeConfig
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.observability.metrics import GatewayMetrics
+from gateway.upstream.engine_metrics import parse_engine_metrics
+
+log = structlog.get_logger("switchyard.monitor")
+
+HEALTH_PATH = {"vllm": "/health", "sglang": "/health"}
+
+
+class Monitor:
+    def __init__(self, pool: EndpointPool, session: aiohttp.ClientSession, metrics: GatewayMetrics,
+                 health: HealthConfig, scrape: ScrapeConfig) -> None:
+        self.pool = pool
+        self.session = session
+        self.metrics = metrics
+        self.health = health
+        self.scrape = scrape
+        self._tasks: list[asyncio.Task] = []
+        # told of an endpoint right after its snapshot or its health changed (admission control)
+        self.listeners: list[Callable[[Endpoint], None]] = []
+
+    def start(self) -> None:
+        if self.health.enabled:
+            self._tasks.append(asyncio.create_task(self._loop(self.health.interval_s, self.probe_all),
+                                                   name="switchyard-health"))
+        if self.scrape.enabled:
+            self._tasks.append(asyncio.create_task(self._loop(self.scrape.interval_s, self.scrape_all),
+                                                   name="switchyard-scrape"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+
+    @staticmethod
+    async def _loop(interval: float, fn) -> None:
+        while True:
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one round must not stop monitoring
+                log.exception("monitor round failed")
+            await asyncio.sleep(interval)
+
+    # -- health ------------------------------------------------------------------------------
+
+    async def probe_all(self) -> None:
+        eps = self.pool.endpoints()
+        if eps:
+            await asyncio.gather(*(self.probe(ep) for ep in eps))
+
+    async def probe(self, ep: Endpoint) -> bool:
+        ok = False
+        try:
+            async with asyncio.timeout(self.health.timeout_s):
+                async with self.session.get(ep.url + HEALTH_PATH.get(ep.engine, "/health")) as r:
+                    await r.read()
+                    ok = r.status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            ok = False
+        self.metrics.child(self.metrics.health_probes, ep.model, ep.name, "ok" if ok else "fail").inc()
+        self.apply_probe(ep, ok)
+        return ok
+
+    def apply_probe(self, ep: Endpoint, ok: bool) -> None:
+        was = ep.healthy
+        if ok:
+            ep.consecutive_failures = 0
+            ep.consecutive_successes += 1
+            if not ep.healthy and ep.consecutive_successes >= self.health.healthy_threshold:
+                ep.healthy = True
+        else:
+            ep.consecutive_successes = 0
+            ep.consecutive_failures += 1
+            if ep.healthy and ep.consecutive_failures >= self.health.unhealthy_threshold:
+                ep.healthy = False
+        if was != ep.healthy:
+            log.info("endpoint health changed", model=ep.model, endpoint=ep.name, healthy=ep.healthy)
+            self._tell(ep)
+
+    # -- engine metrics ----------------------------------------------------------------------
+
+    async def scrape_all(self) -> None:
+        eps = self.pool.endpoints()
+        if eps:
+            await asyncio.gather(*(self.scrape_one(ep) for ep in eps))
+
+    async def scrape_one(self, ep: Endpoint) -> None:
+        try:
+            before = ep.in_flight
+            async with asyncio.timeout(self.scrape.timeout_s):
+                async with self.session.get(ep.extra.get("metrics_url") or ep.url + "/metrics") as r:
+                    if r.status != 200:
+                        raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
+                    ours = max(before, ep.in_flight)
+                    text = await r.text()
+            ep.metrics = parse_engine_metrics(text, ep.engine, time.monotonic(), ep.metrics, model=ep.model)
+            ep.metrics.gateway_in_flight = ours
+            self._tell(ep)
+            result = "ok"
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError):
+            result = "fail"
+        self.metrics.child(self.metrics.scrapes, ep.model, ep.name, result).inc()
+
+    def _tell(self, ep: Endpoint) -> None:
+        for listener in self.listeners:
+            try:
+                listener(ep)
+            except Exception:   # a listener's bug must not stop monitoring
+                log.exception("monitor listener failed", endpoint=ep.name)

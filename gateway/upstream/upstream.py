@@ -1,0 +1,199 @@
+"""The upstream: every leg to an engine, and the outcome of each told to the endpoint's breaker.
+
+Data-plane legs (aggregated, prefill, decode, aborts) go through ``gateway.upstream.h1client.UpstreamPool``:
+keep-alive connections, one write per request, no ``Accept-Encoding`` (engines answer uncompressed
+and relayed bytes need no re-encoding), connect and total timeouts from config. The first-byte
+(response head) timeout is given per leg, because P/D legs and watchdogs use their own.
+
+A leg that fails before a response status arrived raises ``UpstreamFailure`` with its kind; the
+failure is counted (``switchyard_upstream_errors_total``) and told to the endpoint's circuit
+breaker as a fault (``gateway.resilience.breaker``; a refused connection opens it at once with
+``health.passive``). ``record`` is the one door to the breakers: the relay tells it how a relayed
+answer ended, ``fetch`` the status of a whole-answer leg (prefill); ``gateway.resilience.outcome`` says what
+each outcome means.
+
+The body and headers an engine receives are shaped here too: the client's bytes unchanged unless
+usage must be asked for, and the client's headers minus hop-by-hop and the gateway's own.
+
+The monitor (health probes, ``/metrics`` scrapes) is not hot and keeps a small aiohttp session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+
+from gateway.config.schema import HealthConfig, UpstreamConfig
+from gateway.endpoints import Endpoint
+from gateway.observability.metrics import GatewayMetrics
+from gateway.request import InferenceRequest, usage_stream_options
+from gateway.resilience.breaker import Breakers
+from gateway.resilience.outcome import Outcome, of_failure, of_status
+from gateway.upstream.h1client import (
+    Exchange,
+    SendState,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+
+# client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
+# itself (the body goes out decoded, so its content-encoding too), and the gateway's own routing
+# controls, among them the engine's data-parallel rank (a client must not pin ranks; the gateway
+# picks them, ``gateway.kv.dp_rank``, and a model's ``kv_events.client_rank`` lets a client's through).
+# Everything else passes through, as through a proxy.
+DP_RANK_HEADER = "x-data-parallel-rank"
+_DROP_HEADERS = frozenset({
+    "host", "content-length", "content-type", "content-encoding", "connection", "keep-alive", "proxy-connection",
+    "transfer-encoding", "te", "trailer", "upgrade", "expect", "accept-encoding", "x-request-id",
+    "routing-strategy", "proxy-authorization", DP_RANK_HEADER,
+})
+
+
+class UpstreamFailure(Exception):
+    """A leg failed before a response status arrived.
+
+    ``kind``: connect (refused/unreachable/connect timeout), reset (connection dropped before the
+    answer's head), timeout (no response head in time), protocol (not a valid HTTP answer).
+    ``retryable`` is true when no byte came back, so no engine produced output for the client.
+    """
+
+    def __init__(self, kind: str, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retryable = retryable
+
+
+def classify(e: UpstreamError, url: str) -> UpstreamFailure:
+    if isinstance(e, UpstreamTimeout):
+        return UpstreamFailure("timeout", f"no response from {url} within {e.seconds:g}s", retryable=False)
+    if isinstance(e, UpstreamConnectError):
+        return UpstreamFailure("connect", f"cannot connect to {url}: {e}", retryable=True)
+    if isinstance(e, UpstreamDisconnected):
+        return UpstreamFailure("reset", f"{url}: {e}", retryable=not e.received)
+    return UpstreamFailure("protocol", f"bad answer from {url}: {e}", retryable=False)
+
+
+def upstream_headers(ireq: InferenceRequest) -> dict[str, str]:
+    h = {"Content-Type": ireq.content_type, "X-Request-Id": ireq.request_id}
+    for name, v in ireq.headers.items():
+        if name.lower() not in _DROP_HEADERS:
+            h[name] = v
+    return h
+
+
+def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
+    """The body to send, and whether the gateway injected ``include_usage`` (to strip later).
+    The original bytes go out unchanged unless usage must be asked for."""
+    extra = usage_stream_options(ireq)
+    if extra is not None:
+        return orjson.dumps({**ireq.data, **extra}), True
+    return ireq.body, False
+
+
+class Upstream:
+    def __init__(self, cfg: UpstreamConfig, health: HealthConfig, metrics: GatewayMetrics,
+                 breakers: Breakers | None = None) -> None:
+        self.cfg = cfg
+        self.health = health
+        self.metrics = metrics
+        self.breakers = breakers
+        self.pool: UpstreamPool | None = None      # opened inside the running loop (``start``)
+
+    def start(self) -> None:
+        self.pool = UpstreamPool.from_config(self.cfg)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    @property
+    def open_connections(self) -> int:
+        return self.pool.open_connections if self.pool is not None else 0
+
+    def record(self, ep: Endpoint, outcome: Outcome, cause: str = "") -> None:
+        """The classified outcome of a leg to ``ep``, for its breaker."""
+        if self.breakers is not None:
+            self.breakers.record(ep, outcome, cause)
+
+    def failed(self, ep: Endpoint, model: str, kind: str, report: bool = True) -> None:
+        """Count a failure of a leg to ``ep`` before its answer's status; its breaker hears a fault."""
+        self.metrics.child(self.metrics.upstream_errors, model, ep.name, kind).inc()
+        if report:
+            self.record(ep, of_failure(kind), kind)
+
+    async def open(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
+                   header_timeout: float | None, model: str, state: SendState | None = None) -> UpstreamResponse:
+        """POST ``body`` and return once the response status and headers arrived; ``state`` records
+        whether any of the request may have been written."""
+        assert self.pool is not None
+        url = ep.url + path
+        try:
+            return await self.pool.post(url, body, headers, header_timeout, state)
+        except UpstreamError as e:
+            f = classify(e, url)
+            self.failed(ep, model, f.kind)
+            raise f from None
+
+    async def fetch(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
+                    model: str, timeout: float | None = None, report: bool = True) -> tuple[int, bytes]:
+        """POST and read the whole answer (prefill legs, aborts) within ``timeout``; raises
+        ``UpstreamFailure`` (kind ``timeout`` when the time ran out). With ``report`` (not for
+        aborts) the outcome goes to the endpoint's breaker."""
+        status, raw = await self.answer(ep, self.begin(ep, path, body, headers), model, timeout, report)
+        if report:
+            self.record(ep, of_status(status), f"status_{status}")
+        return status, raw
+
+    # -- a leg in two steps: written now, awaited later (P/D: the legs go out before any bookkeeping)
+
+    def begin(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
+              state: SendState | None = None) -> Exchange:
+        """POST ``body``, written before this returns when a keep-alive connection to ``ep`` is idle
+        (else by ``opened``/``answer``). The exchange must then be awaited with ``opened`` or
+        ``answer``, or dropped with ``Exchange.discard``."""
+        assert self.pool is not None
+        return self.pool.begin(ep.url + path, body, headers, state)
+
+    async def opened(self, ep: Endpoint, x: Exchange, header_timeout: float | None, model: str) -> UpstreamResponse:
+        """``open`` for a begun exchange: its response status and headers."""
+        try:
+            return await x.response(header_timeout)
+        except UpstreamError as e:
+            f = classify(e, x.url)
+            self.failed(ep, model, f.kind)
+            raise f from None
+
+    async def answer(self, ep: Endpoint, x: Exchange, model: str, timeout: float | None = None,
+                     report: bool = True) -> tuple[int, bytes]:
+        """The whole answer of a begun exchange within ``timeout``, as ``fetch`` reads it; its
+        status is not told to the breaker (``record`` it), its failures are (with ``report``)."""
+        try:
+            async with asyncio.timeout(timeout):
+                resp = await x.response()
+                try:
+                    raw = await resp.read()
+                finally:
+                    resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
+            return resp.status, raw
+        except TimeoutError:
+            self.failed(ep, model, "timeout", report)
+            raise UpstreamFailure("timeout", f"no answer from {x.url} within {timeout:g}s", retryable=False) from None
+        except UpstreamError as e:
+            f = classify(e, x.url)
+            self.failed(ep, model, f.kind, report)
+            raise f from None
+
+
+def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
+    """The monitor's session: a few connections for health probes and metrics scrapes."""
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=cfg.keepalive_timeout_s, ttl_dns_cache=300)
+    return aiohttp.ClientSession(connector=connector,
+                                 timeout=aiohttp.ClientTimeout(sock_connect=cfg.connect_timeout_s or None),
+                                 skip_auto_headers=("Accept-Encoding", "User-Agent"), auto_decompress=False)
