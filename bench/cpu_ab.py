@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.overhead import wait_ready  # noqa: E402
 from bench.procs import stop, wait_port  # noqa: E402
-from gateway.server import free_port  # noqa: E402
+from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
 

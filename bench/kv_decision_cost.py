@@ -25,11 +25,11 @@ import orjson
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.endpoints import Endpoint
-from gateway.kv_index import EventIndex, root_key
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import Batch, BlockStored
+from gateway.kv.index import EventIndex, root_key
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import ModelTokenizer, chain_keys
+from gateway.kv.wire import Batch, BlockStored
 from gateway.request import CHAT, parse
-from gateway.tokenization import ModelTokenizer, chain_keys
 from routers.base import RouterContext
 from routers.prefix_cache import PrefixCacheRouter
 

@@ -21,7 +21,7 @@ the last block it hit). At steady state that is about 15 events per batch, mostl
 removals, and a ``BlockStored`` of some 30 blocks in every other batch (the routing benchmark's
 events column measured 8 events per batch and 25 blocks per ``BlockStored`` over a quick run whose
 caches are filling for part of it). Hashes are 64-bit ints (vLLM's default); ``--bytes-hashes``
-sends 32-byte hashes instead. The socket reads are not in it (``gateway.kv_events`` reads a SUB
+sends 32-byte hashes instead. The socket reads are not in it (``gateway.kv.events`` reads a SUB
 socket in a reader callback).
 """
 
@@ -39,9 +39,9 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.kv_events import KVEventsManager, Subscriber
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import decode_batch
+from gateway.kv.events import KVEventsManager, Subscriber
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.wire import decode_batch
 
 BLOCK = 16
 ENCODINGS = ("map", "vllm", "array")

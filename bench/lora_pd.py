@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.plots import box_and_save  # noqa: E402
 from enginesim import SimConfig, start_sim  # noqa: E402
-from gateway.config import config_from_dict  # noqa: E402
-from gateway.server import start  # noqa: E402
+from gateway.config.schema import config_from_dict  # noqa: E402
+from gateway.server.run import start  # noqa: E402
 
 WORDS = ("route", "adapter", "cache", "token", "engine", "queue", "batch", "decode", "prefill", "slot")
 

@@ -41,8 +41,8 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 from bench.procs import stop, wait_port  # noqa: E402
-from gateway.config import StateConfig, UserLimits  # noqa: E402
-from gateway.server import free_port  # noqa: E402
+from gateway.config.schema import StateConfig, UserLimits  # noqa: E402
+from gateway.server.run import free_port  # noqa: E402
 from gateway.tenants.limits import AdmitQuery  # noqa: E402
 from gateway.tenants.redis_state import RedisState  # noqa: E402
 from tests.redis_server import RedisServer  # noqa: E402

@@ -278,7 +278,7 @@ def reachable_hit(samples: list[Sample], w: Workload, block_size: int) -> tuple[
     an upper bound. No routing can beat the first on this schedule; unique single-turn prompts and
     first turns with a system prompt no one sent before are misses for every strategy."""
     from enginesim.tiny_tokenizer import TINY_DIR
-    from gateway.tokenization import ModelTokenizer, chain_keys
+    from gateway.kv.tokenization import ModelTokenizer, chain_keys
 
     tok = ModelTokenizer(TINY_DIR)
     ok = sorted((s for s in samples if s.status == 200 and s.ttft is not None and s.messages), key=lambda s: s.sent)
@@ -413,7 +413,7 @@ class GatewayProcesses:
         self.dir: tempfile.TemporaryDirectory | None = None
 
     def start(self) -> None:
-        from gateway.server import free_port
+        from gateway.server.run import free_port
 
         self.dir = tempfile.TemporaryDirectory(prefix="bench-routing-")
         path = Path(self.dir.name) / "gateway.yaml"
@@ -515,9 +515,9 @@ async def start_engines(w: Workload, em: EngineModel, events: bool, tok: str) ->
 async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
                        routing: dict | None = None, replicas: int = 1, gateway_process: bool = False) -> Result:
     from enginesim.tiny_tokenizer import TINY_DIR
-    from gateway.app import GATEWAY_KEY
-    from gateway.config import config_from_dict
-    from gateway.server import start
+    from gateway.config.schema import config_from_dict
+    from gateway.server.app import GATEWAY_KEY
+    from gateway.server.run import start
     from routers.prefix_cache import fleet_load
 
     wall0 = time.perf_counter()
@@ -749,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     ENGINES_PUBLISH["mode"] = args.engines_publish
 
-    from gateway.logs import configure_logging
+    from gateway.observability.logs import configure_logging
 
     configure_logging("json", "warning")
     w = Workload(seed=args.seed)

@@ -76,18 +76,18 @@ class _Publisher:
         self.engine = engine
 
     def stored(self, hashes, parent, token_ids, block_size, lora_name, extra_keys=None) -> None:
-        from gateway.kv_wire import BlockStored
+        from gateway.kv.wire import BlockStored
 
         self.engine.emit(BlockStored(list(hashes), parent, list(token_ids), block_size, lora_name, "GPU", None,
                                      extra_keys))
 
     def removed(self, hashes) -> None:
-        from gateway.kv_wire import BlockRemoved
+        from gateway.kv.wire import BlockRemoved
 
         self.engine.emit(BlockRemoved(list(hashes), "GPU", None))
 
     def cleared(self) -> None:
-        from gateway.kv_wire import AllBlocksCleared
+        from gateway.kv.wire import AllBlocksCleared
 
         self.engine.emit(AllBlocksCleared())
 
@@ -171,8 +171,8 @@ class Replica:
     def __init__(self, spec: str, engines: list[SimEngine], clock: Clock, routing: dict, kv_events: dict,
                  tok: Any, seed: int) -> None:
         from gateway.endpoints import Endpoint
-        from gateway.kv_index import EventIndex
-        from gateway.kv_settings import KVEventsConfig
+        from gateway.kv.index import EventIndex
+        from gateway.kv.settings import KVEventsConfig
         from routers.base import RouterContext, RoutingSettings
         from routers.registry import default_registry
 
@@ -192,7 +192,7 @@ class Replica:
         self.router = default_registry(ctx).get(spec.removesuffix(EVENTS))
 
     def _apply(self, st, batch) -> None:
-        from gateway.kv_wire import Batch
+        from gateway.kv.wire import Batch
 
         self.index.apply(st, Batch(0.0, batch, None))
 
@@ -228,8 +228,8 @@ def simulate(spec: str, w: Workload, em: EngineModel, replicas: int = 1, routing
              tok: Any = None) -> SimResult:
     from enginesim.kvcache import root_key
     from enginesim.tiny_tokenizer import TINY_DIR
+    from gateway.kv.tokenization import ModelTokenizer
     from gateway.request import CHAT, parse
-    from gateway.tokenization import ModelTokenizer
 
     tok = tok or ModelTokenizer(TINY_DIR)
     sched = make_schedule(w)

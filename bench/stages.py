@@ -8,7 +8,7 @@ load generator (``bench/loadgen.py``, concurrency ``--concurrency``) on 127.0.0.
 - **floor**: an aiohttp server that reads the body and answers a fixed JSON, as a low-level
   ``web.Server`` and as a ``web.Application`` with one route and one middleware: what aiohttp
   itself costs per request, with no upstream leg; and a bare proxy (``web.Server`` plus the
-  gateway's upstream client, ``gateway/h1client.py``, no pipeline): what forwarding costs;
+  gateway's upstream client, ``gateway/upstream/h1client.py``, no pipeline): what forwarding costs;
 - **vllm-router**, when ``make bench-peers`` installed it: the same load through it, as the
   reference the overhead targets are stated against;
 - **gateway**: ``python -m gateway`` at its defaults (request log on, JSON to a file), with the
@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.procs import stop, wait_port  # noqa: E402
-from gateway.server import free_port  # noqa: E402
+from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
 TICK = os.sysconf("SC_CLK_TCK")
@@ -50,7 +50,7 @@ FLOOR = textwrap.dedent('''
         return web.Response(body=BODY, content_type="application/json")
     async def main(kind, port, backend):
         if kind == "proxy":
-            from gateway.h1client import UpstreamPool
+            from gateway.upstream.h1client import UpstreamPool
             pool = UpstreamPool(connect_timeout=5, keepalive_timeout=60, max_connections=0, total_timeout=0)
             url = f"http://127.0.0.1:{backend}/v1/chat/completions"
             async def proxy(request):
@@ -91,8 +91,8 @@ STAGES = textwrap.dedent('''
                 spent[name] += clock() - t
         return w
 
-    import gateway.context as C, gateway.logs as L, gateway.pipeline as P, gateway.relay as R, gateway.routing as RT
-    import gateway.status as ST
+    import gateway.pipeline.context as C, gateway.observability.logs as L, gateway.pipeline.pipeline as P, gateway.pipeline.relay as R, gateway.pipeline.routing as RT
+    import gateway.observability.status as ST
     P.parse = timed(P.parse, "parse (orjson, validation, prompt for routing)")
     P.upstream_headers = timed(P.upstream_headers, "upstream headers")
     P.record_request = timed(P.record_request, "record (metrics, observers, log line)")

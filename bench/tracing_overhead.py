@@ -52,7 +52,7 @@ REPO = BENCH.parent
 sys.path.insert(0, str(REPO))
 
 from bench.procs import stop, wait_port  # noqa: E402
-from gateway.server import free_port  # noqa: E402
+from gateway.server.run import free_port  # noqa: E402
 
 MODES = ("off", "on", "unsampled")
 
@@ -134,10 +134,17 @@ def micro(n: int = 20000) -> None:
     from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-    from gateway.context import RequestRecord
     from gateway.endpoints import Endpoint
-    from gateway.metrics import GatewayMetrics
-    from gateway.tracing import _PROPAGATOR, NO_TRACE, RequestTrace, Tracing, TracingConfig, resolve
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.observability.tracing import (
+        _PROPAGATOR,
+        NO_TRACE,
+        RequestTrace,
+        Tracing,
+        TracingConfig,
+        resolve,
+    )
+    from gateway.pipeline.context import RequestRecord
     from routers.base import Decision
 
     class Keep(SpanExporter):

@@ -31,7 +31,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.procs import stop, wait_port  # noqa: E402
-from gateway.server import free_port  # noqa: E402
+from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
 

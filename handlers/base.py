@@ -2,7 +2,7 @@
 
 An ``EngineAdapter`` is pure (no I/O): it checks a body before routing, plans the P/D legs (their
 bodies, whether they run together, how to abort one), builds a decode body from a prefill's
-answer, reads usage from an answer, and says which client paths the engine serves. ``gateway/pd.py`` runs whatever plan it is given; no
+answer, reads usage from an answer, and says which client paths the engine serves. ``gateway/pd/orchestrator.py`` runs whatever plan it is given; no
 module outside ``handlers/`` branches on the engine's name.
 """
 
@@ -78,7 +78,7 @@ class EngineAdapter(Protocol):
     # whether a decode endpoint computes a prompt itself when asked without the P/D fields
     decode_runs_whole: bool
 
-    # the request header that pins a request to one data-parallel rank of the engine (gateway/dp_rank.py)
+    # the request header that pins a request to one data-parallel rank of the engine (gateway/kv/dp_rank.py)
     dp_rank_header: str
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
@@ -105,7 +105,7 @@ class EngineAdapter(Protocol):
         """Members a request body needs, beyond ``model``, to run on adapter ``name``."""
         ...
 
-    # -- mid-stream continuation (gateway/migration.py) ------------------------------------------
+    # -- mid-stream continuation (gateway/pipeline/migration.py) ------------------------------------------
 
     def continuation_mode(self, ireq: InferenceRequest) -> str:
         """How a stream of this engine is continued elsewhere: ``token`` or ``text``

@@ -37,7 +37,7 @@ import aiohttp
 import msgspec
 import structlog
 
-from gateway.config import ConfigError, KubernetesConfig, ModelConfig
+from gateway.config.schema import ConfigError, KubernetesConfig, ModelConfig
 from gateway.endpoints import Endpoint, EndpointPool
 from k8s.pods import ANNO_KV_EVENTS, PodView, Skipped, map_pod, pod_key
 
@@ -108,7 +108,7 @@ class KubernetesDiscovery:
         self._core: Any = None
 
     def reconfigure(self, kcfg: KubernetesConfig, models: Iterable[ModelConfig]) -> None:
-        """A reloaded config (gateway/reload.py): the model blocks (a pod's default engine) and
+        """A reloaded config (gateway/server/reload.py): the model blocks (a pod's default engine) and
         ``kubernetes.models`` apply to pods as they change and at the next resync. The client,
         namespaces and selector stay as started; the pods found so far stay in the pool."""
         self.kcfg = msgspec.structs.replace(self.kcfg, models=kcfg.models)

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.config import KubernetesModelConfig, ModelConfig
+from gateway.config.schema import KubernetesModelConfig, ModelConfig
 from gateway.endpoints import ENGINES
 
 LABEL_MODEL = "model.aibrix.ai/name"
@@ -31,7 +31,7 @@ LABEL_RAY_NODE_TYPE = "ray.io/node-type"
 ANNO_MODEL = "model.aibrix.ai/name"
 ANNO_BOOTSTRAP_PORT = "model.aibrix.ai/sglang-bootstrap-port"
 ANNO_CONFIG = "model.aibrix.ai/config"
-# KV-cache events: "true", or JSON {"port", "replay_port", "topic", "data_parallel_size"} (gateway/kv_events.py)
+# KV-cache events: "true", or JSON {"port", "replay_port", "topic", "data_parallel_size"} (gateway/kv/events.py)
 ANNO_KV_EVENTS = "switchyard.io/kv-events"
 
 DEFAULT_PORT = 8000

@@ -1,4 +1,4 @@
-"""The ``kubernetes:`` config block: what discovery reads (``gateway.config.Config.kubernetes``)."""
+"""The ``kubernetes:`` config block: what discovery reads (``gateway.config.schema.Config.kubernetes``)."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class Decision:
 
 class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The knobs of the built-in strategies, with their defaults. The gateway's ``routing:``
-    config block (``gateway.config.RoutingConfig``) is this class plus the default strategy."""
+    config block (``gateway.config.schema.RoutingConfig``) is this class plus the default strategy."""
 
     metrics_max_age_s: _Seconds = 10.0     # engine metrics older than this count as missing
     prefix_block_chars: Annotated[int, msgspec.Meta(ge=1)] = 512   # prompt characters per hashed block (~128 tokens)
@@ -98,7 +98,7 @@ def _ignore_fallback(strategy: str, reason: str) -> None:
 
 
 class PreciseIndex(Protocol):
-    """What engines report they cache (``gateway.kv_events``: KV-cache events), for ``prefix-cache``.
+    """What engines report they cache (``gateway.kv.events``: KV-cache events), for ``prefix-cache``.
 
     ``match`` gives the cached prompt tokens on each candidate whose events are live, the prompt's
     token count, and the candidates to judge on the approximate index instead (no events, stalled);
@@ -128,7 +128,7 @@ class RouterContext:
     """
 
     settings: RoutingSettings = field(default_factory=RoutingSettings)
-    # the P/D settings of a model (the gateway passes gateway.config.Config.pd_for)
+    # the P/D settings of a model (the gateway passes gateway.config.schema.Config.pd_for)
     pd_settings: Callable[[str], PDRouteSettings] = _default_pd_settings
     rng: random.Random = field(default_factory=random.Random)
     clock: Callable[[], float] = time.monotonic                 # monotonic seconds

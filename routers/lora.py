@@ -20,7 +20,7 @@ and combines it with load and prefix affinity::
 where ``match`` is the prefix index's match for the request, whose keys carry the adapter's name
 (an adapter's cached prefixes are its own), and ``in_flight`` counts every gateway replica's
 requests. Highest score wins; equal scores are drawn uniformly. The candidates are the endpoints
-that serve the adapter (the gateway's LoRA stage, gateway/lora.py, narrows them and loads the
+that serve the adapter (the gateway's LoRA stage, gateway/lora/adapters.py, narrows them and loads the
 adapter when none does). A request that names no adapter is scored by load and prefix alone.
 """
 

@@ -2,7 +2,7 @@
 
 A module of its own so that ``RouterContext`` (routers/base.py) can name the type while
 routers/pd.py imports the context. The gateway's ``pd:`` config block
-(``gateway.config.PDConfig``) is this class plus the orchestration and engine settings.
+(``gateway.config.schema.PDConfig``) is this class plus the orchestration and engine settings.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ import pytest
 from hypothesis import HealthCheck, is_hypothesis_test, settings
 
 from enginesim import SimConfig, start_sim
-from gateway.app import GATEWAY_KEY
-from gateway.config import config_from_dict
-from gateway.logs import LineWriter
-from gateway.pipeline import Pipeline
-from gateway.server import start
+from gateway.config.schema import config_from_dict
+from gateway.observability.logs import LineWriter
+from gateway.pipeline.pipeline import Pipeline
+from gateway.server.app import GATEWAY_KEY
+from gateway.server.run import start
 
 settings.register_profile("ci", derandomize=True, print_blob=True, database=None, deadline=None,
                           max_examples=200, suppress_health_check=[HealthCheck.too_slow])

@@ -26,9 +26,9 @@ import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim import SimConfig, start_sim
-from gateway.app import GATEWAY_KEY
-from gateway.config import config_from_dict
-from gateway.server import start
+from gateway.config.schema import config_from_dict
+from gateway.server.app import GATEWAY_KEY
+from gateway.server.run import start
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 FAST_SIM = {"ttft_base_ms": 1.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}

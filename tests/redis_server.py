@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from gateway.server import free_port
+from gateway.server.run import free_port
 
 
 class RedisServer:

@@ -21,7 +21,7 @@ import sys
 import aiohttp
 
 from gateway.demo import DEMO_ENGINES
-from gateway.server import free_port
+from gateway.server.run import free_port
 from tests.cdp import Browser
 
 MODELS = sorted({m for m, *_ in DEMO_ENGINES})

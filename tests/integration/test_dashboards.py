@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import yaml
 
-from gateway.server import free_port
+from gateway.server.run import free_port
 from tests.conftest import model_block, wait_for
 from tests.integration.test_k8s_chart import by_kind, helm_render, render  # noqa: F401 (helm_render: a fixture)
 from tests.promql_check import Query, check, exported, parse, plain, variable_query

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_PD_ADAPTERS, DEMO_USERS
-from gateway.server import free_port
+from gateway.server.run import free_port
 from tests.otlp_receiver import OTLPReceiver
 
 MODELS = sorted({m for m, *_ in DEMO_ENGINES})

@@ -24,8 +24,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from enginesim import SimConfig, start_sim
-from gateway.config import config_from_dict
-from gateway.server import start
+from gateway.config.schema import config_from_dict
+from gateway.server.run import start
 from tests.edge_util import Exchange, assert_openai_error, request, roundtrip
 
 FUZZ = settings(max_examples=int(os.environ.get("EDGE_FUZZ_EXAMPLES", "80")), deadline=None,

@@ -11,7 +11,7 @@ import socket
 
 import orjson
 
-from gateway.app import GATEWAY_KEY
+from gateway.server.app import GATEWAY_KEY
 from tests.edge_util import (
     assert_openai_error,
     edge_gateway,
@@ -219,7 +219,7 @@ async def test_a_body_the_handler_is_not_reading_yet_is_not_the_clients_silence(
     from aiohttp import web
     from prometheus_client import CollectorRegistry
 
-    from gateway.edge import Edge, EdgeLimits, EdgeRunner
+    from gateway.server.edge import Edge, EdgeLimits, EdgeRunner
 
     async def slow_reader(request: web.Request) -> web.Response:
         await asyncio.sleep(0.6)

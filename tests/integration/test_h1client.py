@@ -1,4 +1,4 @@
-"""The upstream HTTP/1.1 client (gateway/h1client.py) against real loopback servers.
+"""The upstream HTTP/1.1 client (gateway/upstream/h1client.py) against real loopback servers.
 
 Each scenario runs on both the default asyncio loop and uvloop (what the gateway runs on). The
 servers are small ``asyncio.start_server`` scripts, so each test says byte for byte what the engine
@@ -18,7 +18,7 @@ import orjson
 import pytest
 import uvloop
 
-from gateway.h1client import (
+from gateway.upstream.h1client import (
     HIGH_WATER,
     SendState,
     UpstreamConnectError,
@@ -28,7 +28,7 @@ from gateway.h1client import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from gateway.upstream import UpstreamFailure, classify
+from gateway.upstream.upstream import UpstreamFailure, classify
 from tests.conftest import model_block
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
@@ -37,7 +37,7 @@ GUARD = 10.0    # a bound on waits for the server's side, so a bug fails instead
 
 
 async def open_leg(pool, url, body, headers, header_timeout):
-    """A leg as the gateway opens it: the client's failures classified (``gateway.upstream``)."""
+    """A leg as the gateway opens it: the client's failures classified (``gateway.upstream.upstream``)."""
     try:
         return await pool.post(url, body, headers, header_timeout)
     except UpstreamError as e:

@@ -20,7 +20,7 @@ import kubernetes
 import pytest
 import yaml
 
-from gateway.config import parse_config
+from gateway.config.schema import parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "switchyard"

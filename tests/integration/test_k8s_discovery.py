@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from gateway.config import ConfigError, config_from_dict
+from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import EndpointPool
 from k8s.discovery import KubernetesDiscovery
 from tests.conftest import wait_for

@@ -13,8 +13,8 @@ import aiohttp
 import orjson
 import yaml
 
-from gateway.app import NOT_READY_KEY
-from gateway.server import drain_and_stop, free_port
+from gateway.server.app import NOT_READY_KEY
+from gateway.server.run import drain_and_stop, free_port
 from tests.conftest import model_block
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Count the wagons."}], "stream": True}

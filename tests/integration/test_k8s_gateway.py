@@ -8,7 +8,7 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.app import DISCOVERY_KEY
+from gateway.server.app import DISCOVERY_KEY
 from tests.conftest import model_block, sim_state, wait_for
 
 M = "model.aibrix.ai/name"

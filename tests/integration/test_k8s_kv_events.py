@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.app import DISCOVERY_KEY
+from gateway.server.app import DISCOVERY_KEY
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.kv_wire import rank_of
+from gateway.kv.wire import rank_of
 
 pytestmark = pytest.mark.integration
 

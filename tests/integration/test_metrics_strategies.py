@@ -8,7 +8,7 @@ import contextlib
 import aiohttp
 import pytest
 
-from gateway.engine_metrics import parse_engine_metrics
+from gateway.upstream.engine_metrics import parse_engine_metrics
 from routers.session import encode_session_id
 from tests.conftest import model_block
 

@@ -343,7 +343,7 @@ async def test_sglang_prefill_500_aborts_every_decode_that_may_have_been_sent(si
     gateway's connection right after taking the request (the decode leg ends on its own, racing
     the prefill's 500); direct with a connect slower than the prefill's answer (the decode leg is
     cancelled before it wrote anything)."""
-    from gateway.h1client import UpstreamPool
+    from gateway.upstream.h1client import UpstreamPool
 
     p = await sims("sglang", "m", role="prefill")
     d = await sims("sglang", "m", role="decode", sglang_abort_delay_s=30.0)

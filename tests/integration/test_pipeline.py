@@ -7,8 +7,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.relay import Relay
-from gateway.sse import SSEScanner
+from gateway.pipeline.relay import Relay
+from gateway.pipeline.sse import SSEScanner
 from handlers import adapter_for
 from tests.conftest import model_block, sse_events
 

@@ -13,9 +13,9 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.app import DISCOVERY_KEY, RELOAD_KEY
-from gateway.config import load_config
-from gateway.reload import Reloader
+from gateway.config.schema import load_config
+from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
+from gateway.server.reload import Reloader
 from tests.conftest import model_block, sim_state, wait_for
 
 CHAT = [{"role": "user", "content": "Reload me."}]

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.server import free_port
+from gateway.server.run import free_port
 from tests.conftest import sim_state
 
 CHAT = [{"role": "user", "content": "Keep the trains running."}]

@@ -16,8 +16,8 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.config import StateConfig
-from gateway.server import free_port
+from gateway.config.schema import StateConfig
+from gateway.server.run import free_port
 from gateway.tenants.redis_state import RedisState
 from tests.conftest import model_block, wait_for
 from tests.integration.test_tenancy_api import ALICE, CHAT, KEYS, client, outcomes

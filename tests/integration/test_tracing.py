@@ -9,7 +9,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from gateway.server import free_port
+from gateway.server.run import free_port
 from tests.conftest import sim_state, wait_for
 from tests.integration.test_pd import pd_model, roleset
 from tests.otlp_receiver import OTLPReceiver, Span

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.server import free_port
+from gateway.server.run import free_port
 
 
 def listening_inodes(port: int) -> set[str]:

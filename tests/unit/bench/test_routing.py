@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.routing import Sample, Workload, reachable_hit
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.tokenization import ModelTokenizer
+from gateway.kv.tokenization import ModelTokenizer
 
 SYSTEM = {"role": "system", "content": "You are assistant 3. " + "kqz lo abc the of " * 40}
 
@@ -56,7 +56,7 @@ def test_the_process_config_file_reads_back_as_the_in_process_config():
     import json
 
     from bench.routing import GatewayProcesses, gateway_config
-    from gateway.config import config_from_dict, parse_config
+    from gateway.config.schema import config_from_dict, parse_config
 
     raw = gateway_config("prefix-cache", True, ["http://127.0.1.1:8000", "http://127.0.1.2:8000"], str(TINY_DIR),
                          {"prefix_std_factor": 2})

@@ -7,7 +7,7 @@ from dataclasses import replace
 from bench.routing import EngineModel, Workload
 from bench.routing_sim import simulate
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.tokenization import ModelTokenizer
+from gateway.kv.tokenization import ModelTokenizer
 
 W = replace(Workload(), engines=3, duration_s=3.0, warmup_s=0.5, conversation_rate=6.0, unique_rate=1.0,
             system_prompts=4, system_tokens=300, unique_tokens=(100, 200))

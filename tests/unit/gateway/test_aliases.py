@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.aliases import Alias, AliasConfig, AliasTarget, caller_key, hash_point
-from gateway.config import ConfigError, parse_config
+from gateway.config.schema import ConfigError, parse_config
 
 CANARY = Alias("chat", "user", ("llama-8b", "llama-8b-v2"), (90, 10))
 

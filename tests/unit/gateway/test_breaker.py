@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, Breakers
-from gateway.config import ConfigError, config_from_dict
+from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.outcome import Outcome
+from gateway.resilience.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, Breakers
+from gateway.resilience.outcome import Outcome
 
 F, S, B, C, N = Outcome.FAULT, Outcome.SUCCESS, Outcome.BACKPRESSURE, Outcome.CLIENT_ERROR, Outcome.NONE
 

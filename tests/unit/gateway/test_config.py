@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.config import ConfigError, load_config, parse_config
+from gateway.config.schema import ConfigError, load_config, parse_config
 
 GOOD = """
 listen: {host: 0.0.0.0, port: 9000}

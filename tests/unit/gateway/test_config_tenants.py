@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config.schema import ConfigError, parse_config
 
 FULL = """
 models: [{name: m, endpoints: [http://127.0.0.1:1]}]

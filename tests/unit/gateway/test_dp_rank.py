@@ -6,14 +6,14 @@ from __future__ import annotations
 import msgspec
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.dp_rank import choose
 from gateway.endpoints import Endpoint
-from gateway.kv_index import EventIndex
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import decode_batch
-from gateway.ledger import Charges, RankInFlight
+from gateway.kv.dp_rank import choose
+from gateway.kv.index import EventIndex
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import ModelTokenizer
+from gateway.kv.wire import decode_batch
+from gateway.pipeline.ledger import Charges, RankInFlight
 from gateway.request import parse
-from gateway.tokenization import ModelTokenizer
 
 enc = msgspec.msgpack.encode
 TOK = ModelTokenizer(TINY_DIR)

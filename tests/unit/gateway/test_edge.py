@@ -1,5 +1,5 @@
 """The edge's pieces without sockets: config keys, the error shape, and the aiohttp internals
-gateway/edge.py leans on (these tests break first if an aiohttp upgrade moves them)."""
+gateway/server/edge.py leans on (these tests break first if an aiohttp upgrade moves them)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, TransferEncodingError
 
-from gateway.config import ConfigError, config_from_dict, parse_config
-from gateway.edge import Edge, EdgeLimits, EdgeProtocol, EdgeRunner, EdgeServer, error_response_bytes
+from gateway.config.schema import ConfigError, config_from_dict, parse_config
+from gateway.server.edge import Edge, EdgeLimits, EdgeProtocol, EdgeRunner, EdgeServer, error_response_bytes
 
 
 def test_server_block_defaults_and_limits_follow_config():

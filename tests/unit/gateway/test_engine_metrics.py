@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.endpoints import EngineMetrics
-from gateway.engine_metrics import parse_engine_metrics, parse_labels
+from gateway.upstream.engine_metrics import parse_engine_metrics, parse_labels
 
 TTFT_BUCKETS = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1", "0.25", "0.5", "0.75", "1.0",
                 "2.5", "5.0", "7.5", "10.0", "20.0", "40.0", "80.0", "160.0", "640.0", "2560.0", "+Inf"]

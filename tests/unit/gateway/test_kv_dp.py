@@ -7,13 +7,13 @@ import msgspec
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.config import ConfigError, config_from_dict
+from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import Endpoint
-from gateway.kv_events import KVEventsManager, Subscriber
-from gateway.kv_index import EventIndex
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import decode_batch, rank_of
-from gateway.tokenization import ModelTokenizer
+from gateway.kv.events import KVEventsManager, Subscriber
+from gateway.kv.index import EventIndex
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import ModelTokenizer
+from gateway.kv.wire import decode_batch, rank_of
 from k8s.pods import parse_kv_events
 
 TOK = str(TINY_DIR)

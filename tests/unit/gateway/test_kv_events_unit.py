@@ -8,11 +8,11 @@ import pytest
 from enginesim.hf_tokenizer import HFTokenizer
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.endpoints import Endpoint
-from gateway.kv_index import EventIndex, root_key
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, WireError, decode_batch
+from gateway.kv.index import EventIndex, root_key
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import ModelTokenizer, chain_keys
+from gateway.kv.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored, WireError, decode_batch
 from gateway.request import CHAT, parse
-from gateway.tokenization import ModelTokenizer, chain_keys
 
 enc = msgspec.msgpack.encode
 
@@ -182,7 +182,7 @@ def _naive_depths(idx, keys, tokens, eps):
 def test_the_chunked_walk_equals_a_key_by_key_walk():
     import random
 
-    from gateway import kv_index
+    from gateway.kv import index as kv_index
 
     rng = random.Random(11)
     tok = ModelTokenizer(TINY_DIR)
@@ -244,7 +244,7 @@ def test_a_salted_request_keys_as_the_simulated_vllm_publishes_its_blocks(encodi
     from enginesim.kv_events import KVEventPublisher
     from enginesim.kvcache import BlockPool
     from enginesim.kvcache import root_key as sim_root
-    from gateway.kv_wire import BatchDecoder
+    from gateway.kv.wire import BatchDecoder
     from gateway.request import COMPLETIONS
 
     tok, idx, eps, states = _index()

@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.endpoints import Endpoint
-from gateway.kv_index import Applied, EventIndex, fold_extras, root_key
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
-from gateway.tokenization import chain_keys
+from gateway.kv.index import Applied, EventIndex, fold_extras, root_key
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import chain_keys
+from gateway.kv.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 
 BS = 4
 

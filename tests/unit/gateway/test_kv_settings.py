@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.config import ConfigError, config_from_dict
-from gateway.kv_events import KVEventsManager
-from gateway.kv_settings import KVEventsConfig
-from gateway.reload import declared_endpoints
+from gateway.config.schema import ConfigError, config_from_dict
+from gateway.kv.events import KVEventsManager
+from gateway.kv.settings import KVEventsConfig
+from gateway.server.reload import declared_endpoints
 
 TOK = str(TINY_DIR)
 

@@ -1,4 +1,4 @@
-"""``gateway.kv_events.Subscriber`` without sockets: the reader callback applies what a SUB socket
+"""``gateway.kv.events.Subscriber`` without sockets: the reader callback applies what a SUB socket
 holds, counts what is malformed (nothing escapes it), and hands a gap to the subscriber's task with
 every message after it."""
 
@@ -9,10 +9,10 @@ import asyncio
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from gateway import kv_events
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.kv_events import KVEventsManager, Subscriber
-from gateway.kv_settings import KVEventsConfig
+from gateway.kv import events as kv_events
+from gateway.kv.events import KVEventsManager, Subscriber
+from gateway.kv.settings import KVEventsConfig
 
 enc = msgspec.msgpack.encode
 

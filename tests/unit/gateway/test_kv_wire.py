@@ -8,10 +8,10 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.endpoints import Endpoint
-from gateway.kv_index import EventIndex
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import BlockRemoved, BlockStored, WireError, decode_batch
-from gateway.tokenization import ModelTokenizer
+from gateway.kv.index import EventIndex
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import ModelTokenizer
+from gateway.kv.wire import BlockRemoved, BlockStored, WireError, decode_batch
 
 enc = msgspec.msgpack.encode
 SALT = [["cache_salt", "tenant-a"], None]                   # block 0 salted, block 1 not

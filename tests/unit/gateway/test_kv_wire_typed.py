@@ -1,4 +1,4 @@
-"""The typed decoders of ``gateway.kv_wire`` (and the untyped path they fall back to): every
+"""The typed decoders of ``gateway.kv.wire`` (and the untyped path they fall back to): every
 encoding decodes as before, well-formed batches never take the untyped path, and nothing but
 ``WireError`` comes out of a malformed message."""
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.kv_wire import (
+from gateway.kv.wire import (
     AllBlocksCleared,
     BatchDecoder,
     BlockRemoved,

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gateway.endpoints import Endpoint
-from gateway.ledger import PendingDecode, PrefillInFlight, charge
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.ledger import PendingDecode, PrefillInFlight, charge
 
 
 def ep(n: int, role: str) -> Endpoint:

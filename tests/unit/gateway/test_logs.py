@@ -9,7 +9,7 @@ import os
 import orjson
 import pytest
 
-from gateway.logs import PIPE_BUF, LineWriter, RequestLog, _chunks, resolve_format
+from gateway.observability.logs import PIPE_BUF, LineWriter, RequestLog, _chunks, resolve_format
 
 FIELDS = {"request_id": "r-1", "path": "/v1/chat/completions", "model": "m", "user": None, "status": 200,
           "stream": True, "ttft_ms": 1.5, "error": None}

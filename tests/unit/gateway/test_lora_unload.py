@@ -1,14 +1,14 @@
 """Which endpoint a load goes to under ``max_adapters_per_endpoint`` and which adapter makes room:
-pure choices of gateway/lora.py, no engine."""
+pure choices of gateway/lora/adapters.py, no engine."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from gateway.config import config_from_dict
+from gateway.config.schema import config_from_dict
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.ledger import AdapterInFlight
-from gateway.lora import Lora, LoraMetrics, _PairAdapterInFlight
+from gateway.lora.adapters import Lora, LoraMetrics, _PairAdapterInFlight
+from gateway.pipeline.ledger import AdapterInFlight
 
 ADAPTERS = {"a": "org/a", "b": "org/b", "c": "org/c"}
 

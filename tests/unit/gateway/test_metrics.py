@@ -10,8 +10,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.endpoints import Endpoint, EngineMetrics
-from gateway.looplag import LoopLagMonitor
-from gateway.metrics import GatewayMetrics, observe_all
+from gateway.observability.looplag import LoopLagMonitor
+from gateway.observability.metrics import GatewayMetrics, observe_all
 
 
 def samples(m: GatewayMetrics) -> dict[tuple[str, tuple], float]:

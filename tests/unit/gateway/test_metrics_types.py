@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.metrics import LATENCY_BUCKETS, Counter, Histogram, observe_all
+from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram, observe_all
 
 
 def _text(registry: CollectorRegistry) -> list[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.metrics import GatewayMetrics
-from gateway.migration import Migration, refusal
+from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.migration import Migration, refusal
 from gateway.request import parse
 from handlers.continuation import TEXT, TOKEN, Partial, continuation
 
@@ -112,7 +112,7 @@ async def test_events_before_an_error_event_in_the_same_read_reach_the_client():
         async def write(self, b):
             self.data += b
 
-    from gateway.sse import SSEScanner
+    from gateway.pipeline.sse import SSEScanner
     m = Migration(ireq(), 1, TEXT, None, None, GatewayMetrics())
     one = b"data: " + orjson.dumps(chunk({"content": " ka"})) + b"\n\n"
     err = b'data: {"error": {"message": "boom"}}\n\n'

@@ -1,10 +1,10 @@
-"""The one classification of upstream outcomes (gateway/outcome.py)."""
+"""The one classification of upstream outcomes (gateway/resilience/outcome.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.outcome import Outcome, of_answer, of_failure, of_status
+from gateway.resilience.outcome import Outcome, of_answer, of_failure, of_status
 
 
 @pytest.mark.parametrize(("status", "outcome"), [

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 from prometheus_client import CollectorRegistry
 
-from gateway.config import config_from_dict
-from gateway.context import RequestRecord
+from gateway.config.schema import config_from_dict
 from gateway.endpoints import Endpoint, EngineMetrics
-from gateway.pd_decide import PDDecider, PDDecisionMetrics
+from gateway.pd.decide import PDDecider, PDDecisionMetrics
+from gateway.pipeline.context import RequestRecord
 from gateway.request import CHAT, InferenceRequest
 from routers.base import Decision, RouterContext
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.reclaim import MemoryReclaimer
+from gateway.server.reclaim import MemoryReclaimer
 
 
 def make(counts: list[int], min_drop: int = 1000) -> tuple[MemoryReclaimer, list[int]]:

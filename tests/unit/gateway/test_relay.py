@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.relay import WatchdogFired, _Watchdog
+from gateway.pipeline.relay import WatchdogFired, _Watchdog
 
 
 class FakeResponse:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.app import pool_from_config
-from gateway.config import ConfigError, parse_config
-from gateway.reload import check_offline, restart_needed, sync_pool
+from gateway.config.schema import ConfigError, parse_config
+from gateway.server.app import pool_from_config
+from gateway.server.reload import check_offline, restart_needed, sync_pool
 
 BASE = """
 listen: {host: 127.0.0.1, port: 8888}

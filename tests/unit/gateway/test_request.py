@@ -23,7 +23,7 @@ def test_chat_with_string_and_parts_content():
     assert "be brief" in r.prompt_text and "hello" in r.prompt_text
     assert r.prompt_text.index("be brief") < r.prompt_text.index("hello")
     assert r.prompt_tokens_est >= 1
-    assert r.multimodal                     # the image part: not keyed like the engine (gateway/kv_index.py)
+    assert r.multimodal                     # the image part: not keyed like the engine (gateway/kv/index.py)
 
 
 @pytest.mark.parametrize("kind,media", [("text", False), ("refusal", False), ("input_audio", True),

@@ -1,12 +1,12 @@
-"""The retry budget and the choice of endpoints a retry may go to (gateway/retry.py)."""
+"""The retry budget and the choice of endpoints a retry may go to (gateway/resilience/retry.py)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
 from gateway.endpoints import Endpoint, EngineMetrics
-from gateway.outcome import Outcome
-from gateway.retry import Retries, RetryBudget, RetryConfig
+from gateway.resilience.outcome import Outcome
+from gateway.resilience.retry import Retries, RetryBudget, RetryConfig
 
 
 class Clock:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from gateway import sse
-from gateway.sse import ITL_KEEP, SSEScanner, usage_tokens
+from gateway.pipeline import sse
+from gateway.pipeline.sse import ITL_KEEP, SSEScanner, usage_tokens
 
 # -- real framings (engine-protocols.md §1.3, §2.3, §2.4) ---------------------------------------
 

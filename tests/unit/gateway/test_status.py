@@ -9,16 +9,16 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from gateway.app import pool_from_config
-from gateway.config import ConfigError, config_from_dict
-from gateway.context import RequestRecord, record_request
+from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import EngineMetrics
-from gateway.lifecycle import Lifecycle
-from gateway.logs import RequestLog
-from gateway.metrics import GatewayMetrics
+from gateway.observability.logs import RequestLog
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.status import MAX_NAME, MAX_TEXT, OTHER_MODEL, StatusBoard, StatusSources
+from gateway.pipeline.context import RequestRecord, record_request
+from gateway.pipeline.routing import Routing
 from gateway.request import CHAT, InferenceRequest
-from gateway.routing import Routing
-from gateway.status import MAX_NAME, MAX_TEXT, OTHER_MODEL, StatusBoard, StatusSources
+from gateway.server.app import pool_from_config
+from gateway.server.lifecycle import Lifecycle
 from routers.base import Decision
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "docs" / "status.schema.json").read_text())

@@ -12,10 +12,10 @@ from prometheus_client import CollectorRegistry
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.kv_events import KVEventsManager
-from gateway.kv_settings import KVEventsConfig
+from gateway.kv.events import KVEventsManager
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import INLINE_CHARS, ModelTokenizer, chain_keys
 from gateway.request import CHAT, parse
-from gateway.tokenization import INLINE_CHARS, ModelTokenizer, chain_keys
 
 SYSTEM = "You are number 4. " + "kqz lo abc the of " * 100
 
@@ -81,7 +81,7 @@ async def test_an_encode_error_leaves_the_segment_to_the_inline_path(pool, monke
 
 def _live(mgr, ep, tok, ids, bs=16):
     """``ep`` live in ``mgr``'s index, its engine holding ``ids``' full blocks."""
-    from gateway.kv_wire import Batch, BlockStored
+    from gateway.kv.wire import Batch, BlockStored
     st = mgr.index.track(ep, mgr.settings(ep.model))
     n = len(ids) // bs
     mgr.index.apply(st, Batch(0.0, [BlockStored(list(range(1, n + 1)), None, ids[:n * bs], bs)], 0))

@@ -13,11 +13,11 @@ from prometheus_client import CollectorRegistry
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.kv_events import KVEventsManager
-from gateway.kv_settings import KVEventsConfig
-from gateway.kv_wire import Batch, BlockStored
+from gateway.kv.events import KVEventsManager
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import ModelTokenizer, chain_keys
+from gateway.kv.wire import Batch, BlockStored
 from gateway.request import CHAT, parse
-from gateway.tokenization import ModelTokenizer, chain_keys
 
 BS = 16
 TOK = ModelTokenizer(TINY_DIR)

@@ -10,8 +10,8 @@ import json
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
+from gateway.kv.tokenization import ModelTokenizer, chain_keys
 from gateway.request import CHAT, COMPLETIONS
-from gateway.tokenization import ModelTokenizer, chain_keys
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
             "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from gateway.config import ConfigError, config_from_dict
-from gateway.metrics import GatewayMetrics
-from gateway.tracing import NO_LEG, NO_TRACE, CountingExporter, Tracing, TracingConfig, resolve
+from gateway.config.schema import ConfigError, config_from_dict
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import NO_LEG, NO_TRACE, CountingExporter, Tracing, TracingConfig, resolve
 
 
 def test_off_by_default_and_defaults():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.window import BUCKETS, LOW, TimeWindow, bucket_of, bucket_value, quantiles
+from gateway.observability.window import BUCKETS, LOW, TimeWindow, bucket_of, bucket_value, quantiles
 
 
 def hist(values) -> dict[int, int]:

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from gateway.config import ConfigError, load_config
-from gateway.workers import cpu_limit, resolve_workers
+from gateway.config.schema import ConfigError, load_config
+from gateway.server.workers import cpu_limit, resolve_workers
 
 AFFINITY = len(os.sched_getaffinity(0))
 

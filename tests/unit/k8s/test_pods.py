@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.config import KubernetesModelConfig, ModelConfig
+from gateway.config.schema import KubernetesModelConfig, ModelConfig
 from k8s.pods import PodView, Skipped, is_routable, map_pod, parse_profile
 
 # -- pods ---------------------------------------------------------------------------------------

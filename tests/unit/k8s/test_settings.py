@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import ConfigError, KubernetesModelConfig, config_from_dict, parse_config
+from gateway.config.schema import ConfigError, KubernetesModelConfig, config_from_dict, parse_config
 
 # -- config -------------------------------------------------------------------------------------
 

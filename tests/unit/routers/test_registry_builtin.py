@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.config import RoutingConfig, parse_config
+from gateway.config.schema import RoutingConfig, parse_config
 from gateway.endpoints import Endpoint, EngineMetrics
 from routers.base import Decision, RouterContext, RoutingSettings
 from routers.registry import StrategyError, default_registry, parse_strategy

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.admission.saturation import UNBOUNDED, Thresholds, estimate, total_headroom, unsaturated
-from gateway.config import ConfigError, config_from_dict
+from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import Endpoint, EngineMetrics
 
 TH = Thresholds(max_waiting=2, max_kv=0.8, max_in_flight=0, max_age=5.0)

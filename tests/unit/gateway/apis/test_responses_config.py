@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.config import ConfigError, parse_config
+from gateway.config.schema import ConfigError, parse_config
 
 
 def test_defaults_are_engine_state_and_auto_backend():

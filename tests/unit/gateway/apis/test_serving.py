@@ -9,10 +9,10 @@ import pytest
 
 from gateway.apis.anthropic import AnthropicApi
 from gateway.apis.passthrough import AudioApi, PassthroughApi
-from gateway.app import GATEWAY_KEY, build_app
-from gateway.config import config_from_dict
+from gateway.config.schema import config_from_dict
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
+from gateway.server.app import GATEWAY_KEY, build_app
 from handlers import ADAPTERS
 
 

@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from gateway.config import ApiKey, AuthConfig, LimitsConfig, UserLimits
+from gateway.config.schema import ApiKey, AuthConfig, LimitsConfig, UserLimits
 from gateway.tenants.directory import Directory, bearer_token, key_digest, new_key
 
 

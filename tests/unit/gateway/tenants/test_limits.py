@@ -3,7 +3,7 @@
 
 import pytest
 
-from gateway.config import UserLimits
+from gateway.config.schema import UserLimits
 from gateway.tenants.limits import AdmitQuery, AdmitResult, fmt_duration, rate_headers, rejection
 
 

@@ -2,7 +2,7 @@
 
 
 
-from gateway.config import UserLimits
+from gateway.config.schema import UserLimits
 from gateway.tenants.limits import AdmitQuery, rate_headers
 from gateway.tenants.memory import MemoryState
 
