@@ -332,6 +332,63 @@ def test_only_the_app_imports_the_pipeline():
     _fail_if(found, "only gateway/server/app.py may import gateway.pipeline.pipeline; these do too")
 
 
+# -- the floors of the gateway's packages ----------------------------------------------------------
+#
+# Every module of the gateway side stands on a floor, and imports only from its own floor or below:
+#   0 domain     what routers and handlers may see: errors, the parsed request, endpoints, API paths;
+#                the routers and the engine handlers themselves
+#   1 parts      the collaborators a request uses: config, upstream, kv, resilience, lora, tenants,
+#                admission, apis, aliases, observability's recorders, k8s, and what one request carries
+#                (pipeline.context, ledger, sse) plus the small lifecycle pieces the parts share
+#   2 request    the request's script: the pipeline, its relay, routing and continuation, and P/D
+#   3 server     what wires and serves it all: the app, reload, edge, admin, workers, the status page,
+#                the demo and the command line
+# A module is placed by its longest listed prefix.
+
+FLOORS: dict[str, int] = {
+    "routers": 0, "handlers": 0,
+    "gateway.errors": 0, "gateway.request": 0, "gateway.endpoints": 0, "gateway.apis.paths": 0,
+    "k8s": 1,
+    "gateway.config": 1, "gateway.upstream": 1, "gateway.kv": 1, "gateway.resilience": 1, "gateway.lora": 1,
+    "gateway.tenants": 1, "gateway.admission": 1, "gateway.apis": 1, "gateway.aliases": 1,
+    "gateway.observability": 1,
+    "gateway.pipeline.context": 1, "gateway.pipeline.ledger": 1, "gateway.pipeline.sse": 1,
+    "gateway.server.lifecycle": 1, "gateway.server.periodic": 1,
+    "gateway.pipeline": 2, "gateway.pd": 2,
+    "gateway.server": 3, "gateway.observability.status": 3, "gateway.observability.status_http": 3,
+    "gateway.demo": 3, "gateway.__main__": 3, "gateway.admin_cli": 3, "gateway": 3,
+}
+FLOOR_NAMES = ("domain", "parts", "request", "server")
+
+
+def _floor(module: str) -> int:
+    parts = module.split(".")
+    while parts:
+        floor = FLOORS.get(".".join(parts))
+        if floor is not None:
+            return floor
+        parts.pop()
+    raise KeyError(module)
+
+
+def test_every_gateway_module_has_a_floor():
+    missing = []
+    for module in _sources():
+        if _in_packages(module, GATEWAY_SIDE):
+            try:
+                _floor(module)
+            except KeyError:
+                missing.append(module)
+    _fail_if(missing, "these modules stand on no floor; add their package to FLOORS")
+
+
+def test_imports_point_down_the_floors():
+    found = [f"{i}  ({FLOOR_NAMES[_floor(i.src)]} imports {FLOOR_NAMES[_floor(i.dst)]})" for i in _all_imports()
+             if _in_packages(i.src, GATEWAY_SIDE) and _in_packages(i.dst, GATEWAY_SIDE)
+             and _floor(i.dst) > _floor(i.src)]
+    _fail_if(found, "an import points up the floors (domain < parts < request < server)")
+
+
 # -- engine names stay in the engine-specific code -----------------------
 
 # Where comparing against "vllm"/"sglang" is the point: engine adapters, config parsing, the
@@ -385,3 +442,9 @@ def test_no_engine_name_comparisons_outside_engine_code():
     found = _engine_name_comparisons()
     _fail_if(found, "compare engine names only in " + ", ".join(ENGINE_NAME_ALLOWED) +
                                  "; dispatch through the engine handler elsewhere")
+
+
+def test_floors_place_modules_by_their_longest_prefix():
+    assert [_floor(m) for m in ("routers.base", "gateway.kv.index", "gateway.pipeline.context",
+                                "gateway.pipeline.relay", "gateway.observability.metrics",
+                                "gateway.observability.status", "gateway.server.app")] == [0, 1, 1, 2, 1, 3, 3]
