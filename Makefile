@@ -42,7 +42,7 @@ chromium:
 test: $(DEVSTAMP) redis-server $(PROMTOOL) chromium
 	$(BIN)/python -m pytest
 
-# the README's picture of the status page: `python -m gateway --demo` under traffic, in headless Chromium;
+# the manual's picture of the status page (docs/status-page.png): `python -m gateway --demo` under traffic, in headless Chromium;
 # made small with pngquant when it is installed (Debian: pngquant)
 status-screenshot: $(DEVSTAMP) chromium
 	$(BIN)/python -m tests.status_screenshot docs/status-page.png
@@ -97,7 +97,7 @@ bench-routing-micro: $(STAMP)
 	$(BIN)/python -m bench.micro_routing $(ROUTING_ARGS)
 
 # bench/soak.py: requests through a gateway process in front of enginesim processes, with injected
-# faults and abandoned streams, then checks that nothing leaked (README "Soak"). Exit 1 when an
+# faults and abandoned streams, then checks that nothing leaked (docs/development.md, "Soak"). Exit 1 when an
 # invariant fails. E.g. SOAK_ARGS="--duration-s 600 --concurrency 1000 --stream-share 1 --itl-ms 500"
 SOAK_ARGS ?=
 

@@ -92,7 +92,7 @@ class Endpoint:
     ejected: bool = False          # its circuit breaker is open (gateway/resilience/breaker.py)
     in_flight: int = 0             # gateway requests currently charged to this endpoint
     remote_in_flight: int = 0      # other gateway replicas' in-flight here (gateway/tenants, via Redis)
-    # P/D trackers (gateway/trackers.py): charged with the routing decision, released exactly once
+    # P/D trackers (gateway/pipeline/ledger.py): charged with the routing decision, released exactly once
     prefill_in_flight: int = 0     # prefill calls of this gateway in progress on this endpoint
     pending_decode: int = 0        # decodes chosen for this endpoint whose leg has not started yet
     token_active: float = 0.0      # prompt tokens being prefilled here (TokenLoadTracker)
