@@ -63,6 +63,10 @@ class SimConfig:
         0, "max tokens when the request gives none (0: 16 for vLLM and SGLang completions, "
         "128 for SGLang chat and /generate)")
     max_model_len: int = _knob(8192, "context length; longer prompts are rejected with 400")
+    rest_of_context: bool = _knob(
+        False, "vLLM: a chat that names no max_tokens (or a completion whose max_tokens is an explicit "
+        "null) generates up to max_model_len minus its prompt, as the real engine does; off: "
+        "default_max_tokens instead, so simulated answers stay short")
     eos_probability: float = _knob(
         0.0, "chance per generated token (after min_tokens) of a natural EOS unless ignore_eos")
     startup_delay_s: float = _knob(

@@ -31,6 +31,7 @@ class OpenAIRequest:
     ignore_eos: bool
     cache_salt: str | None
     return_token_ids: bool = False
+    max_tokens_null: bool = False  # a completion's max_tokens given as an explicit null
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -156,4 +157,5 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         ignore_eos=bool(body.get("ignore_eos", False)),
         cache_salt=salt if isinstance(salt, str) and salt else None,
         return_token_ids=_flag(body, "return_token_ids", False),
+        max_tokens_null=kind != "chat" and "max_tokens" in body and body["max_tokens"] is None,
     )

@@ -93,7 +93,13 @@ class VllmApi:
                            f"prompt contains {n} input tokens. Please reduce the length of the input.",
                            type_="BadRequestError")
         if req.max_tokens is None:
-            return max(1, min(self.cfg.max_tokens_default(req.kind), self.cfg.max_model_len - n))
+            rest = self.cfg.max_model_len - n
+            # vLLM: no length on a chat, or a completion's explicit null, is the rest of the context
+            # (a completion that names none gets its request model's 16)
+            kind = "chat" if req.max_tokens_null else req.kind
+            if kind == "chat" and self.cfg.rest_of_context:
+                return max(1, rest)
+            return max(1, min(self.cfg.max_tokens_default(kind), rest))
         if req.max_tokens + n > self.cfg.max_model_len:
             m, ctx = req.max_tokens, self.cfg.max_model_len
             raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {m}. This model's "

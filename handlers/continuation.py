@@ -92,8 +92,11 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
             body = {k: v for k, v in data.items() if k not in _NOT_CARRIED}
         body.update(model=data.get("model"), prompt=p.prompt_ids + p.token_ids, stream=True,
                     stream_options=dict(USAGE_EVERY_CHUNK), return_token_ids=True)
-        if left is not None:
-            body["max_tokens"] = left
+        # A chat that named no length runs to the rest of the context. A completion that names none
+        # stops at the protocol's 16 tokens, but an explicit null means the rest of the context
+        # (vLLM: CompletionRequest.max_tokens defaults to 16; get_max_tokens takes a None as
+        # max_model_len minus the prompt), so the continuation ends where the unbroken answer would.
+        body["max_tokens"] = left
         if min_left is not None:
             body["min_tokens"] = min_left
         return COMPLETIONS, body

@@ -67,6 +67,27 @@ async def test_chat_stream_continues_and_matches_an_unbroken_run(sims, gateway, 
     assert migrations(await gw.metrics_text(), "continued") == 1
 
 
+async def test_chat_without_max_tokens_continues_to_where_the_unbroken_answer_ends(sims, gateway):
+    """A chat that names no length runs to the rest of the context on vLLM. Its token-exact
+    continuation is a completion, whose own default is 16 tokens, so it must carry an explicit
+    null: without it the answer was cut at 16 more tokens with finish_reason "length"."""
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=3", max_model_len=64, rest_of_context=True)
+    req = {"model": "m", "messages": MSG, "stream": True}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", {**req, "stream_options": {"include_usage": True}})
+    ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    assert ref_usage["completion_tokens"] > 3 + 16                # long enough to tell the two apart
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    stream = await client.chat.completions.create(**req, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    await client.close()
+    got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert got == text_of(ref)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage[0].completion_tokens == ref_usage["completion_tokens"]
+    assert usage[0].prompt_tokens + usage[0].completion_tokens == 64     # the whole context, as unbroken
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
+
 async def test_completion_stream_continues_token_exactly_without_usage_asked(sims, gateway):
     gw, good = await setup(sims, gateway, "vllm", "drop_after=5")
     req = {"model": "m", "prompt": "Once upon a time", "max_tokens": 25, "stream": True}
