@@ -73,8 +73,11 @@ def _blocks_text(content: Any, where: str, media: list[bool]) -> str:
         raise _bad(f"{where}: Input should be a valid string or a list of content blocks")
     out = []
     for i, block in enumerate(content):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        if not isinstance(block, dict):
             raise _bad(f"{where}.{i}: a content block must be an object with a 'type'")
+        if not isinstance(block.get("type"), str):
+            raise _bad(f"{where}.{i}.type: Field required" if block.get("type") is None
+                       else f"{where}.{i}.type: Input should be a valid string")
         text = block.get("text")
         if block["type"] == "text":
             if not isinstance(text, str):
