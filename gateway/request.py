@@ -103,13 +103,15 @@ _TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
 _INT_STRING = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
 _I64 = 1 << 63
+_U64 = 1 << 64        # orjson writes ints in [-2**63, 2**64)
+_TOO_BIG = "Unable to parse input string as an integer, exceeded maximum size"
 
 
 def lax_int(v: Any) -> int:
     """``v`` read as pydantic's lax mode reads an ``int``; ``ValueError`` with pydantic's message.
 
-    One difference: a whole float beyond 64 bits is accepted (pydantic refuses it), because orjson
-    reads an integer literal that large as a float, and the engine's ``json.loads`` as an int.
+    One difference: a numeric string beyond 64 bits is refused (pydantic reads it as a big int),
+    as pydantic refuses such a float: a body re-encoded with it could not be written (orjson).
     """
     if type(v) is int:
         return v
@@ -120,14 +122,19 @@ def lax_int(v: Any) -> int:
             raise ValueError("Input should be a finite number")
         if not v.is_integer():
             raise ValueError("Input should be a valid integer, got a number with a fractional part")
+        if not -_I64 <= v < _I64:
+            raise ValueError(_TOO_BIG)
         return int(v)
     if isinstance(v, str):
         s = v.strip()
         if _INT_STRING.fullmatch(s):
             try:
-                return int(s.partition(".")[0])
+                out = int(s.partition(".")[0])
             except ValueError:       # more digits than int() converts
-                pass
+                raise ValueError(_TOO_BIG) from None
+            if not -_I64 <= out < _U64:
+                raise ValueError(_TOO_BIG)
+            return out
         raise ValueError("Input should be a valid integer, unable to parse string as an integer")
     raise ValueError("Input should be a valid integer")
 

@@ -17,7 +17,8 @@ Properties, for every example:
   completions ``prompt`` or an embeddings ``input`` that fits none of the list types the field
   takes is an error naming the whole list, as the engines' union types report it;
 - what the parser accepted is typed as later stages expect: ``stream`` a bool, the token limits
-  and ``n`` ints (a coerced value is written back into the parsed body).
+  and ``n`` ints (a coerced value is written back into the parsed body), and the parsed body can
+  still be encoded (a stage that rewrites the body re-encodes it).
 
 Each case runs ``REQUEST_FUZZ_EXAMPLES`` examples (default 120; the twelve cases make 1,440
 generated requests, a few seconds). Under ``CI=true`` the examples are derandomized.
@@ -97,6 +98,7 @@ def check(case: Case, field: tuple, value) -> None:
         v = ireq.data.get(key)
         assert v is None or v is True or v is False, (key, v)
     assert ireq.prompt_tokens_est >= 0
+    assert orjson.loads(orjson.dumps(ireq.data)) == ireq.data     # a stage that re-encodes the body can
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.path}#{i}" for i, c in enumerate(CASES)])
@@ -124,8 +126,14 @@ def test_a_list_type_is_a_400_naming_the_part():
     assert ei.value.status == 400 and ei.value.param == "messages[0].content[0].type"
 
 
-def test_an_integer_literal_beyond_64_bits():
-    """orjson reads it as a float; the engine's ``json.loads`` as an int it accepts."""
-    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 123456789012345678901234567890}'
+def test_integers_beyond_64_bits_are_refused():
+    """pydantic refuses a whole float beyond 64 bits ("exceeded maximum size"); orjson reads an
+    integer literal that large as such a float, and the gateway could not write it back either."""
+    for raw in (b"123456789012345678901234567890", b"1e300", b'"123456789012345678901234567890"'):
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": ' + raw + b"}"
+        with pytest.raises(GatewayError) as ei:
+            parse("/v1/chat/completions", body, {}, "rid")
+        assert ei.value.status == 400 and ei.value.param == "max_tokens" and "exceeded maximum size" in ei.value.message
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "18446744073709551615"}'
     ireq = parse("/v1/chat/completions", body, {}, "rid")
-    assert type(ireq.data["max_tokens"]) is int and ireq.data["max_tokens"] > 1 << 96
+    assert orjson.loads(orjson.dumps(ireq.data))["max_tokens"] == (1 << 64) - 1
