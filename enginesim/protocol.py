@@ -53,6 +53,8 @@ def lax_int(v: Any) -> int:
             raise ValueError("Input should be a finite number")
         if not v.is_integer():
             raise ValueError("Input should be a valid integer, got a number with a fractional part")
+        if not -(1 << 63) <= v < 1 << 63:
+            raise ValueError("Unable to parse input string as an integer, exceeded maximum size")
         return int(v)
     if isinstance(v, str):
         s = v.strip()
