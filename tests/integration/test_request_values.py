@@ -109,3 +109,13 @@ async def test_generated_bodies_get_no_5xx(fleet):
                 else:
                     assert set(err["error"]) >= {"message", "type", "param", "code"}, raw
     assert sent == len(CASES) * PER_CASE
+
+
+async def test_fields_an_api_does_not_have_reach_the_engine(fleet):
+    """Embeddings have no stream, count_tokens no stream: the engines ignore the field, and the
+    answer is the plain one."""
+    status, raw, ctype = await post(fleet, "/v1/embeddings", {"model": "m", "input": "hi", "stream": True})
+    assert status == 200 and ctype.startswith("application/json"), raw
+    assert orjson.loads(raw)["data"]
+    status, raw, _ = await post(fleet, "/v1/messages/count_tokens", {"model": "m", "messages": CHAT, "stream": True})
+    assert status == 200 and orjson.loads(raw)["input_tokens"] > 0, raw
