@@ -346,17 +346,15 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         stream = include_usage = False
     else:
         stream, include_usage = _stream_flags(data)
-        if path == CHAT:
-            _int_field(data, "max_tokens")
-            _int_field(data, "max_completion_tokens")
-            n = _int_field(data, "n")
-        else:
-            _int_field(data, "max_tokens")
-            n = _int_field(data, "n", nullable=False)      # ``n: int`` in both engines' CompletionRequest
-        for key in ("max_tokens", "max_completion_tokens"):
-            v = data.get(key)
-            if type(v) is int and v < 0:
+        # both engines refuse a negative limit or n; 0 is left to them (SGLang serves a chat
+        # max_tokens of 0, vLLM a completions one with echo)
+        limits = ("max_tokens", "max_completion_tokens") if path == CHAT else ("max_tokens",)
+        for key in limits:
+            v = _int_field(data, key)
+            if v is not None and v < 0:
                 raise _bad(f"'{key}' must be a non-negative integer, got {v}", key)
+        # ``n: int`` in both engines' CompletionRequest; chat's is Optional in vLLM's
+        n = _int_field(data, "n", nullable=path == CHAT)
         if n is not None and n < 0:
             raise _bad(f"'n' must be a non-negative integer, got {n}", "n")
 

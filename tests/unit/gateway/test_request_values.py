@@ -235,6 +235,7 @@ def test_fields_an_api_does_not_have_are_left_to_the_engine():
     assert ireq.stream is False and ireq.include_usage is False
     assert run("/v1/messages/count_tokens", {"stream": True, "max_tokens": "x"}).stream is False
     assert run(COMPLETIONS, {"max_completion_tokens": "x"}).data["max_completion_tokens"] == "x"
+    assert run(COMPLETIONS, {"max_completion_tokens": -1}).data["max_completion_tokens"] == -1
 
 
 @pytest.mark.parametrize("path,key,value,read,tokens", [
