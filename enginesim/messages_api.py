@@ -42,7 +42,7 @@ from enginesim.frontend import (
     request_fault,
     slow_headers,
 )
-from enginesim.protocol import parse_stop
+from enginesim.protocol import lax_bool, lax_int, parse_stop
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
 from enginesim.tracing import trace_headers
@@ -54,6 +54,17 @@ _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool
 def _error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
     body = {"type": "error", "error": {"type": exc.type_ or vllm_type(exc.status), "message": exc.message}}
     return json_response(body, status=exc.status, headers=headers)
+
+
+def _stream_flag(body: dict[str, Any]) -> bool:
+    """``stream`` as vLLM's ``bool | None`` field reads it (lax: "true", 1, ...)."""
+    v = body.get("stream")
+    if v is None:
+        return False
+    try:
+        return lax_bool(v)
+    except ValueError as e:
+        raise ApiError(400, f"1 validation error:\n  stream: {e}", type_="Bad Request") from None
 
 
 def _frame(event: str, data: dict[str, Any]) -> bytes:
@@ -122,9 +133,14 @@ class MessagesApi:
             body = await read_json(request, require_json=True)
             self._check_model(body.get("model"))
             max_tokens = body.get("max_tokens")
-            if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            try:
+                max_tokens = lax_int(max_tokens)
+            except ValueError as e:
+                raise ApiError(400, f"1 validation error:\n  max_tokens: {e}", type_="Bad Request") from None
+            if max_tokens <= 0:
                 raise ApiError(400, "1 validation error:\n  max_tokens: max_tokens must be positive",
                                type_="Bad Request")
+            stream = _stream_flag(body)
             if engine.dead:
                 raise ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
                                type_="InternalServerError")
@@ -138,7 +154,7 @@ class MessagesApi:
                 seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=prompt_ids,
                 params=SamplingParams(max_tokens=max(1, max_tokens), min_tokens=0,
                                       stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
-                stream=bool(body.get("stream")), fault=fault, cache_salt=None,
+                stream=stream, fault=fault, cache_salt=None,
                 dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
@@ -146,7 +162,7 @@ class MessagesApi:
             return _error_response(exc)
         engine.submit(seq)
         try:
-            if body.get("stream"):
+            if stream:
                 return await self._stream(request, seq)
             return await self._complete(request, seq)
         except Dropped:

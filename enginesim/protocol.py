@@ -7,6 +7,8 @@ front end decides. Unknown fields are accepted and ignored, as both engines do.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,23 +36,69 @@ class OpenAIRequest:
     max_tokens_null: bool = False  # a completion's max_tokens given as an explicit null
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
+# vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a
+# whole float, a numeric string and a bool; a ``bool`` field takes 0/1 and these words, any case.
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+_INT_STRING = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+
+
+def lax_int(v: Any) -> int:
+    """``v`` as pydantic's lax mode reads an ``int``; ``ValueError`` with pydantic's message."""
+    if type(v) is int:
+        return v
+    if isinstance(v, bool):
+        return int(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError("Input should be a finite number")
+        if not v.is_integer():
+            raise ValueError("Input should be a valid integer, got a number with a fractional part")
+        if not -(1 << 63) <= v < 1 << 63:
+            raise ValueError("Unable to parse input string as an integer, exceeded maximum size")
+        return int(v)
+    if isinstance(v, str):
+        s = v.strip()
+        if _INT_STRING.fullmatch(s):
+            try:
+                return int(s.partition(".")[0])
+            except ValueError:
+                pass
+        raise ValueError("Input should be a valid integer, unable to parse string as an integer")
+    raise ValueError("Input should be a valid integer")
+
+
+def lax_bool(v: Any) -> bool:
+    """``v`` as pydantic's lax mode reads a ``bool``; ``ValueError`` with pydantic's message."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int | float) and (v == 0 or v == 1):
+        return v == 1
+    if isinstance(v, str) and v.lower() in _TRUE_WORDS | _FALSE_WORDS:
+        return v.lower() in _TRUE_WORDS
+    if isinstance(v, str | int) or (isinstance(v, float) and v.is_integer()):
+        raise ValueError("Input should be a valid boolean, unable to interpret input")
+    raise ValueError("Input should be a valid boolean")
+
+
+def bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"1 validation error:\n  {name}: Input should be a valid boolean", type_=_BAD,
-                       param=name)
-    return value
+    try:
+        return lax_bool(value)
+    except ValueError as e:
+        raise ApiError(400, f"1 validation error:\n  {name}: {e}", type_=_BAD, param=name) from None
 
 
 def _int_field(body: dict[str, Any], name: str, minimum: int) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"1 validation error:\n  {name}: Input should be a valid integer",
-                       type_=_BAD, param=name)
+    try:
+        value = lax_int(value)
+    except ValueError as e:
+        raise ApiError(400, f"1 validation error:\n  {name}: {e}", type_=_BAD, param=name) from None
     if value < minimum:
         raise ApiError(400, f"{name} must be at least {minimum}, got {value}.", type_="BadRequestError",
                        param=name)
@@ -69,9 +117,18 @@ def parse_stop(value: Any) -> tuple[str, ...]:
 
 
 def token_id_list(value: Any, param: str) -> list[int] | None:
-    """``value`` as a list of token ids, ``None`` if it is not one; bad ids are a 400."""
-    if not isinstance(value, list) or not value or not all(isinstance(t, int) for t in value):
+    """``value`` as a list of token ids, ``None`` if it is not one; bad ids are a 400. Items read
+    as the engines' ``list[int]`` reads them (``[1.0, "2"]`` is ``[1, 2]``; a list of strings is
+    not token ids)."""
+    if not isinstance(value, list) or not value:
         return None
+    if not all(isinstance(t, int) for t in value):
+        if all(isinstance(t, str) for t in value):
+            return None
+        try:
+            value = [lax_int(t) for t in value]
+        except ValueError:
+            return None
     if any(isinstance(t, bool) or t < 0 for t in value):
         raise ApiError(400, f"{param}: token ids must be non-negative integers", type_=_BAD, param=param)
     return list(value)
@@ -108,10 +165,10 @@ def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
     """``(add_generation_prompt, continue_final_message)``. vLLM has both (the first defaults to
     true) and refuses them together; SGLang has only ``continue_final_message``, which then replaces
     the generation prompt."""
-    cont = _flag(body, "continue_final_message", False)
+    cont = bool_field(body, "continue_final_message", False)
     if not vllm:
         return not cont, cont
-    agp = _flag(body, "add_generation_prompt", True)
+    agp = bool_field(body, "add_generation_prompt", True)
     if agp and cont:
         raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                        type_="BadRequestError")
@@ -142,20 +199,22 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         raise ApiError(400, "1 validation error:\n  stream_options: Input should be an object",
                        type_=_BAD, param="stream_options")
     opts = stream_options or {}
+    include_usage = bool_field(opts, "include_usage", False)
+    continuous_usage = bool_field(opts, "continuous_usage_stats", False)
     salt = body.get("cache_salt")
     return OpenAIRequest(
         kind=kind,
         model=model,
         prompt_ids=prompt_ids,
-        stream=bool(body.get("stream", False)),
+        stream=bool_field(body, "stream", False),
         has_stream_options=stream_options is not None,
-        include_usage=bool(opts.get("include_usage", False)),
-        continuous_usage=bool(opts.get("continuous_usage_stats", False)),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
         max_tokens=max_tokens,
         min_tokens=_int_field(body, "min_tokens", 0) or 0,
         stop=parse_stop(body.get("stop")),
-        ignore_eos=bool(body.get("ignore_eos", False)),
+        ignore_eos=bool_field(body, "ignore_eos", False),
         cache_salt=salt if isinstance(salt, str) and salt else None,
-        return_token_ids=_flag(body, "return_token_ids", False),
+        return_token_ids=bool_field(body, "return_token_ids", False),
         max_tokens_null=kind != "chat" and "max_tokens" in body and body["max_tokens"] is None,
     )

@@ -44,6 +44,7 @@ from aiohttp import web
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
 from enginesim.frontend import Dropped, check_fault_status, request_dp_rank, request_fault, slow_headers
+from enginesim.protocol import bool_field, lax_int
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
 from enginesim.tracing import trace_headers
@@ -153,14 +154,21 @@ class ResponsesApi:
                 raise ApiError(400, f"The engine prompt length {n} exceeds the max_model_len "
                                f"{self.cfg.max_model_len}. Please reduce prompt.", type_="invalid_request_error")
             limit = body.get("max_output_tokens")
-            if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-                raise ApiError(400, "1 validation error:\n  max_output_tokens: Input should be a valid integer",
-                               type_=_BAD, param="max_output_tokens")
+            if limit is not None:
+                try:
+                    limit = lax_int(limit)
+                except ValueError as e:
+                    raise ApiError(400, f"1 validation error:\n  max_output_tokens: {e}",
+                                   type_=_BAD, param="max_output_tokens") from None
+                if limit < 1:
+                    raise ApiError(400, f"max_tokens must be at least 1, got {limit}.", type_=_BAD,
+                                   param="max_output_tokens")
             max_tokens = max(1, min(limit or self.cfg.max_tokens_default("chat"), self.cfg.max_model_len - n))
             fault = request_fault(engine, request)
             check_fault_status(engine, fault)
             rid = body.get("request_id") if isinstance(body.get("request_id"), str) else f"resp_{uuid.uuid4().hex}"
-            stream, background = bool(body.get("stream")), bool(body.get("background"))
+            stream, background = bool_field(body, "stream", False), bool_field(body, "background", False)
+            store = bool_field(body, "store", True)
             salt = body.get("cache_salt")
             seq = engine.new_sequence(seq_id=rid, rid=rid, prompt_ids=prompt_ids,
                                       params=SamplingParams(max_tokens=max_tokens), stream=stream and not background,
@@ -170,7 +178,6 @@ class ResponsesApi:
             engine.role.accept(seq, body)
         except ApiError as exc:
             return exc.response(self.style)
-        store = bool(body.get("store", True))
         if store:
             self.msg_store[rid] = messages
         engine.submit(seq)
@@ -210,7 +217,7 @@ class ResponsesApi:
             "temperature": body.get("temperature") if body.get("temperature") is not None else 1.0,
             "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
             "top_p": body.get("top_p") if body.get("top_p") is not None else 1.0,
-            "background": bool(body.get("background")), "max_output_tokens": max_tokens,
+            "background": bool_field(body, "background", False), "max_output_tokens": max_tokens,
             "max_tool_calls": body.get("max_tool_calls"), "previous_response_id": body.get("previous_response_id"),
             "prompt": None, "reasoning": body.get("reasoning"), "service_tier": body.get("service_tier", "auto"),
             "status": status, "text": body.get("text"), "top_logprobs": body.get("top_logprobs"),

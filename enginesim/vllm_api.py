@@ -120,7 +120,8 @@ class VllmApi:
         try:
             body = await read_json(request, require_json=True)
             req = parse_openai(body, kind, engine.tokenizer)
-            if req.has_stream_options and not req.stream:
+            # vLLM's before-validator, on the values as sent: {} passes, and so does "stream": "false"
+            if body.get("stream_options") and not body.get("stream"):
                 raise ApiError(400, "Stream options can only be defined when `stream=True`.",
                                type_="BadRequestError", param="stream_options")
             self._check_model(req.model)
@@ -351,8 +352,9 @@ class VllmApi:
             self._check_model(body.get("model"))
             if "messages" in body:
                 messages = body["messages"]
-                if not isinstance(messages, list):
-                    raise ApiError(400, "messages must be a list", type_="Bad Request", param="messages")
+                if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+                    raise ApiError(400, "1 validation error:\n  messages: Input should be a valid list of messages",
+                                   type_="Bad Request", param="messages")
                 text = tok.render_chat(messages)
             elif isinstance(body.get("prompt"), str):
                 text = body["prompt"]

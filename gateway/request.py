@@ -9,6 +9,7 @@ change the body.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -91,6 +92,96 @@ def load_object(body: bytes, not_json: str = "request body is not valid JSON",
     return data
 
 
+# What the engines accept where their request models declare an ``int`` or a ``bool``. vLLM's and
+# SGLang's request models are pydantic v2 models in lax mode, validated from ``json.loads`` output:
+# an ``int`` field takes a whole float (5.0), a numeric string ("5", " 5 ", "1_000", "5.0") and a
+# bool; a ``bool`` field takes 0/1, 0.0/1.0 and the words below in any case. The parsers take the
+# common case (an int, a bool) as it is and send only other types through these, so a request
+# pays nothing for them; a coerced value is written back into the parsed body, so every later
+# stage sees the int or the bool the engine will see.
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+_INT_STRING = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_I64 = 1 << 63
+_U64 = 1 << 64        # orjson writes ints in [-2**63, 2**64)
+_TOO_BIG = "Unable to parse input string as an integer, exceeded maximum size"
+
+
+def lax_int(v: Any) -> int:
+    """``v`` read as pydantic's lax mode reads an ``int``; ``ValueError`` with pydantic's message.
+
+    One difference: a numeric string beyond 64 bits is refused (pydantic reads it as a big int),
+    as pydantic refuses such a float: a body re-encoded with it could not be written (orjson).
+    """
+    if type(v) is int:
+        return v
+    if v is True or v is False:
+        return int(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ValueError("Input should be a finite number")
+        if not v.is_integer():
+            raise ValueError("Input should be a valid integer, got a number with a fractional part")
+        if not -_I64 <= v < _I64:
+            raise ValueError(_TOO_BIG)
+        return int(v)
+    if isinstance(v, str):
+        s = v.strip()
+        if _INT_STRING.fullmatch(s):
+            try:
+                out = int(s.partition(".")[0])
+            except ValueError:       # more digits than int() converts
+                raise ValueError(_TOO_BIG) from None
+            if not -_I64 <= out < _U64:
+                raise ValueError(_TOO_BIG)
+            return out
+        raise ValueError("Input should be a valid integer, unable to parse string as an integer")
+    raise ValueError("Input should be a valid integer")
+
+
+def lax_bool(v: Any) -> bool:
+    """``v`` read as pydantic's lax mode reads a ``bool``; ``ValueError`` with pydantic's message."""
+    if v is True or v is False:
+        return v
+    if isinstance(v, int | float) and (v == 0 or v == 1):
+        return v == 1
+    if isinstance(v, str):
+        low = v.lower()
+        if low in _TRUE_WORDS:
+            return True
+        if low in _FALSE_WORDS:
+            return False
+        raise ValueError("Input should be a valid boolean, unable to interpret input")
+    if (type(v) is int or isinstance(v, float) and v.is_integer()) and -_I64 <= v < _I64:
+        raise ValueError("Input should be a valid boolean, unable to interpret input")
+    raise ValueError("Input should be a valid boolean")
+
+
+def lax_int_list(v: Any) -> list[int] | None:
+    """A list whose items all read as ints (``[1.0, "2", true]`` is ``[1, 2, 1]`` to the engine's
+    ``list[int]``), or None."""
+    if not isinstance(v, list):
+        return None
+    try:
+        return [lax_int(x) for x in v]
+    except ValueError:
+        return None
+
+
+def _int_field(data: dict[str, Any], key: str, nullable: bool = True) -> int | None:
+    """``data[key]`` as the engine reads an optional ``int`` field (written back when coerced)."""
+    v = data.get(key)
+    if type(v) is int:
+        return v
+    if v is None and (nullable or key not in data):
+        return None
+    try:
+        out = data[key] = lax_int(v)
+    except ValueError as e:
+        raise _bad(f"{key}: {e}", key) from None
+    return out
+
+
 # content part types that carry text only; any other part (image_url, input_audio, video_url, ...) is
 # multimodal
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
@@ -114,6 +205,10 @@ def _text_of_content(content: Any, where: str, media: list[bool]) -> str:
                 if not isinstance(text, str):
                     raise _bad(f"'{where}[{i}].text' must be a string", f"{where}[{i}].text")
                 out.append(text)
+            elif kind is None:
+                media[0] = True          # no type: the engine infers it from the part's keys
+            elif not isinstance(kind, str):
+                raise _bad(f"'{where}[{i}].type' must be a string", f"{where}[{i}].type")
             elif kind not in TEXT_PARTS:
                 media[0] = True
         return " ".join(out)
@@ -142,6 +237,19 @@ def _is_int_list(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
 
 
+def _lax_tokens(v: list[Any]) -> list[Any] | None:
+    """``v`` (not token ids as they are) as the engines' ``list[int] | list[list[int]]`` reads it
+    (``[1.0, "2"]`` is ``[1, 2]``), or None."""
+    ids = lax_int_list(v)
+    if ids is not None:
+        return ids
+    if all(isinstance(p, list) for p in v):
+        out = [lax_int_list(p) for p in v]
+        if None not in out:
+            return out
+    return None
+
+
 def _completion_prompt(data: dict[str, Any]) -> tuple[str, int | None]:
     """Returns the prompt text and, for token-id prompts, the exact token count."""
     if "prompt" not in data:
@@ -158,6 +266,10 @@ def _completion_prompt(data: dict[str, Any]) -> tuple[str, int | None]:
             return " ".join(map(str, prompt)), len(prompt)
         if all(_is_int_list(p) for p in prompt):
             return "\n".join(" ".join(map(str, p)) for p in prompt), sum(len(p) for p in prompt)
+        lax = _lax_tokens(prompt)
+        if lax is not None:
+            data["prompt"] = lax
+            return _completion_prompt(data)
     raise _bad("'prompt' must be a string, an array of strings, or token ids", "prompt")
 
 
@@ -174,10 +286,48 @@ def _embedding_input(data: dict[str, Any]) -> tuple[str, int | None]:
             return "", len(inp)
         if all(_is_int_list(p) for p in inp):
             return "", sum(len(p) for p in inp)
+        lax = _lax_tokens(inp)
+        if lax is not None:
+            data["input"] = lax
+            return _embedding_input(data)
         # multimodal parts: pass through, estimate from any text
         if all(isinstance(p, dict) for p in inp):
             return " ".join(p["text"] for p in inp if isinstance(p.get("text"), str)), None
     raise _bad("'input' must be a string, an array of strings, or token ids", "input")
+
+
+def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) of a chat or completions body, read as the engines read them."""
+    raw = data.get("stream")
+    stream = raw
+    if stream is not True and stream is not False:
+        if stream is None:
+            stream = False
+        else:
+            try:
+                stream = data["stream"] = lax_bool(raw)
+            except ValueError as e:
+                raise _bad(f"stream: {e}", "stream") from None
+    so = data.get("stream_options")
+    if so is None:
+        return stream, False
+    if not isinstance(so, dict):
+        raise _bad("'stream_options' must be an object", "stream_options")
+    iu = so.get("include_usage")
+    if iu is not None and iu is not True and iu is not False:
+        try:
+            iu = so["include_usage"] = lax_bool(iu)
+        except ValueError as e:
+            raise _bad(f"stream_options.include_usage: {e}", "stream_options.include_usage") from None
+    # vLLM's check, on the values as sent: options that say something need a truthy stream
+    if so and not raw:
+        raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not stream:
+        # "stream": "false" passed that check: the options are moot, and a re-encoded body
+        # (with stream false) would not pass it
+        data.pop("stream_options", None)
+        return False, False
+    return True, bool(iu)
 
 
 def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> InferenceRequest:
@@ -191,28 +341,22 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
 
-    stream = data.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
-
-    include_usage = False
-    so = data.get("stream_options")
-    if so is not None:
-        if not isinstance(so, dict):
-            raise _bad("'stream_options' must be an object", "stream_options")
-        iu = so.get("include_usage", False)
-        if iu is not None and not isinstance(iu, bool):
-            raise _bad("'stream_options.include_usage' must be a boolean", "stream_options.include_usage")
-        if not stream:
-            raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-        include_usage = bool(iu)
-
-    for key in ("max_tokens", "max_completion_tokens", "n"):
-        v = data.get(key)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise _bad(f"'{key}' must be a non-negative integer", key)
+    if path == EMBEDDINGS:
+        # not fields of an embeddings request: the engines ignore them, and nothing streams
+        stream = include_usage = False
+    else:
+        stream, include_usage = _stream_flags(data)
+        # both engines refuse a negative limit or n; 0 is left to them (SGLang serves a chat
+        # max_tokens of 0, vLLM a completions one with echo)
+        limits = ("max_tokens", "max_completion_tokens") if path == CHAT else ("max_tokens",)
+        for key in limits:
+            v = _int_field(data, key)
+            if v is not None and v < 0:
+                raise _bad(f"'{key}' must be a non-negative integer, got {v}", key)
+        # ``n: int`` in both engines' CompletionRequest; chat's is Optional in vLLM's
+        n = _int_field(data, "n", nullable=path == CHAT)
+        if n is not None and n < 0:
+            raise _bad(f"'n' must be a non-negative integer, got {n}", "n")
 
     exact_tokens: int | None = None
     media = [False]
@@ -221,8 +365,6 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
     elif path == COMPLETIONS:
         prompt_text, exact_tokens = _completion_prompt(data)
     else:
-        if stream:
-            raise _bad("streaming is not supported for embeddings", "stream")
         prompt_text, exact_tokens = _embedding_input(data)
 
     user = headers.get("user")

@@ -36,7 +36,7 @@ from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import GatewayError, normalize_upstream_error
 from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object
 
 # Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -73,8 +73,11 @@ def _blocks_text(content: Any, where: str, media: list[bool]) -> str:
         raise _bad(f"{where}: Input should be a valid string or a list of content blocks")
     out = []
     for i, block in enumerate(content):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        if not isinstance(block, dict):
             raise _bad(f"{where}.{i}: a content block must be an object with a 'type'")
+        if not isinstance(block.get("type"), str):
+            raise _bad(f"{where}.{i}.type: Field required" if block.get("type") is None
+                       else f"{where}.{i}.type: Input should be a valid string")
         text = block.get("text")
         if block["type"] == "text":
             if not isinstance(text, str):
@@ -98,18 +101,26 @@ class AnthropicApi(EngineSpecificApi):
             raise GatewayError(400, "model: Field required" if model in (None, "") else "model: Input should be a valid string",
                                param="model", header=("x-error-no-model-backends", ""), error_class="validation")
         count_only = path == COUNT_TOKENS
-        stream = data.get("stream", False)
-        if stream is None:
-            stream = False
-        if not isinstance(stream, bool):
-            raise _bad("stream: Input should be a valid boolean")
-        if count_only and stream:
-            raise _bad("stream: counting tokens does not stream")
+        stream = False           # count_tokens has no such field: the engine ignores it
         if not count_only:
+            stream = data.get("stream")
+            if stream is not True and stream is not False:
+                if stream is None:
+                    stream = False
+                else:
+                    try:
+                        stream = data["stream"] = lax_bool(stream)
+                    except ValueError as e:
+                        raise _bad(f"stream: {e}") from None
             mt = data.get("max_tokens")
             if mt is None:
                 raise _bad("max_tokens: Field required")
-            if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
+            if type(mt) is not int:
+                try:
+                    mt = data["max_tokens"] = lax_int(mt)
+                except ValueError as e:
+                    raise _bad(f"max_tokens: {e}") from None
+            if mt < 1:
                 raise _bad("max_tokens: Input should be a positive integer")
         parts = []
         media = [False]

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object
 
 RESPONSES = "/v1/responses"
 
@@ -25,6 +25,18 @@ RESPONSES = "/v1/responses"
 def _bad(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"),
                         error_class="validation")
+
+
+def _bool_field(data: dict[str, Any], key: str) -> bool | None:
+    """``data[key]`` as the engines read an optional bool (written back when coerced)."""
+    v = data.get(key)
+    if v is None or v is True or v is False:
+        return v
+    try:
+        out = data[key] = lax_bool(v)
+    except ValueError as e:
+        raise _bad(f"{key}: {e}", key) from None
+    return out
 
 
 def _parts_text(content: Any, where: str) -> str:
@@ -93,9 +105,7 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
                            header=("x-error-no-model-backends", ""), error_class="validation")
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
-    stream = data.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _bad("'stream' must be a boolean", "stream")
+    stream = _bool_field(data, "stream")
     if "input" not in data or data["input"] is None:
         raise _bad("'input' is a required property", "input")
     inp = data["input"]
@@ -106,16 +116,20 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
     instructions = data.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("'instructions' must be a string", "instructions")
-    for key in ("store", "background"):
-        v = data.get(key)
-        if v is not None and not isinstance(v, bool):
-            raise _bad(f"'{key}' must be a boolean", key)
+    _bool_field(data, "store")
+    _bool_field(data, "background")
     prev = data.get("previous_response_id")
     if prev is not None and (not isinstance(prev, str) or not prev):
         raise _bad("'previous_response_id' must be a non-empty string", "previous_response_id")
     v = data.get("max_output_tokens")
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-        raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
+    if v is not None:
+        if type(v) is not int:
+            try:
+                v = data["max_output_tokens"] = lax_int(v)
+            except ValueError as e:
+                raise _bad(f"max_output_tokens: {e}", "max_output_tokens") from None
+        if v < 1:
+            raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
     text = prompt_text(data)
     user = headers.get("user")
     if user is None and isinstance(data.get("user"), str):

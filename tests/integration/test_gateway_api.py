@@ -167,7 +167,7 @@ async def _post(url, body, headers=None):
      {"routing-strategy": "no-such-strategy"}, 400, "x-error-routing"),
     ("/v1/chat/completions", orjson.dumps({"model": "llama", "messages": CHAT}),
      {"routing-strategy": "least-request:1,bogus:2"}, 400, "x-error-routing"),
-    ("/v1/embeddings", orjson.dumps({"model": "llama", "input": "x", "stream": True}), {}, 400, None),
+    ("/v1/embeddings", orjson.dumps({"model": "llama", "input": [1.5]}), {}, 400, None),
     ("/v1/chat/completions", orjson.dumps({"model": "nope", "messages": CHAT}), {}, 404,
      "x-error-no-model-backends"),
     ("/v1/nothing-here", b"{}", {}, 404, None),

@@ -40,7 +40,10 @@ def test_messages_parse_keys_the_prefix_on_system_then_messages():
     ({"model": "m", "max_tokens": 1, "messages": []}, "messages: at least one message is required"),
     ({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": 3}]},
      "messages.0.content: Input should be a valid string or a list of content blocks"),
-    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "stream": "yes"}, "stream: Input should be a valid boolean"),
+    ({"model": "m", "max_tokens": 1, "messages": MESSAGES, "stream": "maybe"},
+     "stream: Input should be a valid boolean, unable to interpret input"),
+    ({"model": "m", "messages": MESSAGES, "max_tokens": 2.5},
+     "max_tokens: Input should be a valid integer, got a number with a fractional part"),
 ])
 def test_messages_parse_refuses_bad_bodies(body, message):
     with pytest.raises(GatewayError) as ei:

@@ -23,9 +23,9 @@ def test_prompt_text_is_instructions_then_input():
 
 @pytest.mark.parametrize("body,param", [
     ({"model": "m"}, "input"), ({"model": "m", "input": []}, "input"), ({"model": "m", "input": 1}, "input"),
-    ({"model": "m", "input": ["x"]}, "input[0]"), ({"model": "m", "input": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "input": ["x"]}, "input[0]"), ({"model": "m", "input": "x", "stream": "maybe"}, "stream"),
     ({"model": "m", "input": "x", "instructions": 1}, "instructions"),
-    ({"model": "m", "input": "x", "store": 1}, "store"),
+    ({"model": "m", "input": "x", "store": 2}, "store"),
     ({"model": "m", "input": "x", "max_output_tokens": -1}, "max_output_tokens"),
     ({"model": "m", "input": "x", "previous_response_id": 7}, "previous_response_id"),
     ({"input": "x"}, "model"),
