@@ -29,10 +29,10 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import msgspec
 import orjson
 from msgspec import Meta
 
+from gateway.config.block import Block
 from gateway.observability.metrics import Counter
 
 if TYPE_CHECKING:
@@ -44,12 +44,12 @@ if TYPE_CHECKING:
 _HASH_SPACE = float(1 << 64)
 
 
-class AliasTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class AliasTarget(Block):
     model: Annotated[str, Meta(min_length=1)]
     weight: Annotated[int, Meta(ge=0)] = 1
 
 
-class AliasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class AliasConfig(Block):
     """One entry of ``aliases:``; checked against the models in ``check_aliases``."""
 
     name: Annotated[str, Meta(min_length=1)]

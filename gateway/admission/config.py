@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
+
+from gateway.config.block import Block
 
 Priority = Literal["critical", "standard", "sheddable"]
 # rank: higher is served first
@@ -14,7 +15,7 @@ PRIORITIES: tuple[str, ...] = ("sheddable", "standard", "critical")
 RANK = {name: i for i, name in enumerate(PRIORITIES)}
 
 
-class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class AdmissionConfig(Block):
     """Off by default: the gateway then forwards every request as before. See README "Admission
     control" for what each threshold means."""
 

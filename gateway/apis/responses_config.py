@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
+
+from gateway.config.block import Block
 
 _Seconds = Annotated[float, Meta(gt=0)]
 
 
-class _Block(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class ResponsesHistoryConfig(_Block):
+class ResponsesHistoryConfig(Block):
     """Gateway-held history (``state: gateway``): what one response may store and for how long."""
 
     ttl_s: _Seconds = 86400.0                 # a stored response (input + output items) lives this long
@@ -22,7 +19,7 @@ class ResponsesHistoryConfig(_Block):
     max_total_bytes: Annotated[int, Meta(ge=1024)] = 256 << 20    # memory backend: oldest evicted past this
 
 
-class ResponsesConfig(_Block):
+class ResponsesConfig(Block):
     # engine: continuing a response (previous_response_id, GET/DELETE/cancel/input_items) is routed
     # to the endpoint that produced it (the affinity map); gateway: the gateway stores every
     # response's input and output and expands previous_response_id itself, on any endpoint

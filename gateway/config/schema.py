@@ -16,7 +16,7 @@ import os
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -26,6 +26,7 @@ from msgspec.structs import force_setattr
 from gateway.admission.config import AdmissionConfig, Priority
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
+from gateway.config.block import Block
 from gateway.config.strict import StrictError, convert, laid_over, without_nulls
 from gateway.endpoints import ENGINES
 from gateway.kv.settings import KVEventsConfig, KVEventsEndpointConfig
@@ -57,14 +58,6 @@ class ConfigError(ValueError):
         self.key_path = path
 
 
-class _Block(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    _secret: ClassVar[tuple[str, ...]] = ()      # fields never shown in a repr (logs, tracebacks)
-
-    def __repr__(self) -> str:
-        shown = (f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f not in self._secret)
-        return f"{type(self).__name__}({', '.join(shown)})"
-
-
 def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
     """A secret given inline (``key``) or by the name of an environment variable (``key_env``)."""
     if env is None:
@@ -76,12 +69,12 @@ def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
     return os.environ[env]
 
 
-class ListenConfig(_Block):
+class ListenConfig(Block):
     host: str = "127.0.0.1"
     port: Port = 8888
 
 
-class ServerConfig(_Block):
+class ServerConfig(Block):
     max_body_bytes: Count = 16 * 1024 * 1024
     shutdown_grace_s: Amount = 30.0
     workers: Count | Literal["auto"] = 1    # processes sharing the port (SO_REUSEPORT); auto = the cgroup's CPUs
@@ -107,7 +100,7 @@ class RoutingConfig(RoutingSettings):
     strategy: str = "least-request"
 
 
-class UpstreamConfig(_Block):
+class UpstreamConfig(Block):
     connect_timeout_s: Amount = 5.0
     first_byte_timeout_s: Amount = 300.0  # until response headers arrive (0: off)
     total_timeout_s: Amount = 0.0        # whole upstream exchange (0: off)
@@ -117,7 +110,7 @@ class UpstreamConfig(_Block):
     max_error_body_bytes: Count = 65536
 
 
-class HealthConfig(_Block):
+class HealthConfig(Block):
     enabled: bool = True
     interval_s: Amount = 5.0
     timeout_s: Amount = 2.0
@@ -126,13 +119,13 @@ class HealthConfig(_Block):
     passive: bool = True                 # a refused connection opens the endpoint's breaker at once
 
 
-class ScrapeConfig(_Block):
+class ScrapeConfig(Block):
     enabled: bool = True
     interval_s: Amount = 2.0
     timeout_s: Amount = 2.0
 
 
-class WatchdogConfig(_Block):
+class WatchdogConfig(Block):
     first_chunk_timeout_s: Amount = 60.0  # 0 disables a phase
     idle_timeout_s: Amount = 120.0
     response_timeout_s: Amount = 0.0     # non-streaming
@@ -159,7 +152,7 @@ _MOVED_PD_KEYS = {"rewrite_remote_host": "vllm", "default_bootstrap_port": "sgla
                   "abort_timeout_s": "sglang", "abort_retry_delay_s": "sglang"}
 
 
-class EndpointConfig(_Block):
+class EndpointConfig(Block):
     url: str
     engine: Engine | None = None         # defaults to the model's engine
     bootstrap_port: Port | None = None
@@ -173,7 +166,7 @@ class EndpointConfig(_Block):
         force_setattr(self, "url", self.url.rstrip("/"))
 
 
-class RolesetConfig(_Block):
+class RolesetConfig(Block):
     name: str
     prefill: tuple[EndpointConfig, ...] = ()
     decode: tuple[EndpointConfig, ...] = ()
@@ -181,7 +174,7 @@ class RolesetConfig(_Block):
     bootstrap_port: Port | None = None
 
 
-class ModelConfig(_Block):
+class ModelConfig(Block):
     name: Name
     engine: Engine = "vllm"
     strategy: str | None = None          # per-model default
@@ -221,7 +214,7 @@ class ModelConfig(_Block):
                 or any(e.kv_events is not None for rs in self.rolesets for e in (*rs.prefill, *rs.decode, *rs.combined)))
 
 
-class ApiKey(_Block):
+class ApiKey(Block):
     """``key`` (plaintext, never in repr) or ``key_sha256`` (hex SHA-256: the file holds no secret)."""
 
     _secret = ("key",)
@@ -240,7 +233,7 @@ class ApiKey(_Block):
         force_setattr(self, "key_sha256", digest)
 
 
-class AuthConfig(_Block):
+class AuthConfig(Block):
     _secret = ("admin_token",)
     api_keys: tuple[ApiKey, ...] = ()
     enabled: bool | None = None          # None: on when api_keys is non-empty
@@ -261,7 +254,7 @@ class AuthConfig(_Block):
         return bool(self.api_keys) if self.enabled is None else self.enabled
 
 
-class UserLimits(_Block):
+class UserLimits(Block):
     rpm: Count = 0                       # requests per minute (0: unlimited)
     tpm: Count = 0                       # tokens per minute, prompt + completion (0: unlimited)
     max_concurrent: Count = 0            # requests in flight at once (0: unlimited)
@@ -272,17 +265,17 @@ class UserLimits(_Block):
         return bool(self.rpm or self.tpm or self.max_concurrent)
 
 
-class ModelLimits(_Block):
+class ModelLimits(Block):
     rps: Count = 0                       # requests per second for the model, fleet-wide (0: unlimited)
 
 
-class LimitsConfig(_Block):
+class LimitsConfig(Block):
     users: dict[Name, UserLimits] = {}
     models: dict[Name, ModelLimits] = {}
     default_user: UserLimits | None = None   # for users with no entry; each such user has own counters
 
 
-class StateConfig(_Block):
+class StateConfig(Block):
     _secret = ("password",)
     redis_url: str | None = None         # redis://, rediss:// (TLS) or unix://; None: in-memory
     password: Name | None = None
@@ -307,7 +300,7 @@ class StateConfig(_Block):
         force_setattr(self, "password", _from_env(self.password, self.password_env, "password"))
 
 
-class StatusConfig(_Block):
+class StatusConfig(Block):
     """``GET /status`` (the live page) and ``GET /status.json`` (what it reads); gateway/observability/status.py."""
 
     enabled: bool = True
@@ -327,7 +320,7 @@ class StatusConfig(_Block):
         return max(1, round(self.window_s / self.bucket_s))
 
 
-class Config(_Block, dict=True):
+class Config(Block, dict=True):
     listen: ListenConfig = ListenConfig()
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()

@@ -8,11 +8,13 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from gateway.config.block import Block
+
 _Port = Annotated[int, Meta(ge=1, le=65535)]
 _Seconds = Annotated[float, Meta(ge=0)]
 
 
-class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class KVEventsConfig(Block):
     """Subscribe to the engines' KV-cache events (vLLM/SGLang ``--kv-events-config``)."""
 
     enabled: bool = False
@@ -64,7 +66,7 @@ def check_rank_ports(port: int | None, replay_port: int | None, size: int | None
             raise ValueError(f"{name} {p} + data_parallel_size {size} - 1 is beyond 65535")
 
 
-class KVEventsEndpointConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class KVEventsEndpointConfig(Block):
     """An endpoint's ``kv_events``: this engine's publisher, laid over its model's block (as the pod
     annotation ``switchyard.io/kv-events`` is). Engines sharing a host publish on ports of their own."""
 

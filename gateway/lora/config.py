@@ -8,15 +8,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
+
+from gateway.config.block import Block
 
 _Seconds = Annotated[float, Meta(ge=0)]
 _Positive = Annotated[float, Meta(gt=0)]
 _Count = Annotated[int, Meta(ge=0)]
 
 
-class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class LoraConfig(Block):
     """LoRA adapters: discovery, the strategy of adapter requests, loading and unloading on demand."""
 
     strategy: str = "lora-affinity"     # adapter requests' strategy unless the header or a lock names one

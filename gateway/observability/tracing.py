@@ -41,7 +41,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
-import msgspec
 from aiohttp import web
 from msgspec import Meta
 from opentelemetry import trace as otel
@@ -52,6 +51,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.config.block import Block
 
 if TYPE_CHECKING:
     from gateway.endpoints import Endpoint
@@ -76,7 +77,7 @@ _OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completi
                "/v1/embeddings": "embeddings"}
 
 
-class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class TracingConfig(Block):
     """The ``tracing:`` block. ``None`` (or a key left out) means: the ``OTEL_*`` variable if set,
     else the default (see ``resolve``)."""
 

@@ -35,12 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import msgspec
 import structlog
 from msgspec import Meta
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.config.block import Block
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.observability.metrics import Counter
 from gateway.resilience.outcome import Outcome
@@ -55,7 +55,7 @@ STATE_VALUE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
 _BUCKETS = 10                      # the fault-rate window is this many time buckets
 
 
-class BreakerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class BreakerConfig(Block):
     """The ``breaker:`` block (global, and per model: a model's block sets only the keys it names)."""
 
     enabled: bool = True

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
 
+from gateway.config.block import Block
 from gateway.endpoints import Endpoint
 from gateway.observability.metrics import Counter, GatewayMetrics
 from gateway.pipeline.context import RequestContext
@@ -36,7 +36,7 @@ from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 _BUCKETS = 10
 
 
-class RetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class RetryConfig(Block):
     """The ``retry:`` block (global, and per model: a model's block sets only the keys it names)."""
 
     enabled: bool = True
