@@ -11,6 +11,7 @@ only the gateway reads.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -38,8 +39,9 @@ from handlers.sglang import SGLangPDSettings
 from handlers.vllm import VLLMPDSettings
 from k8s.settings import KubernetesConfig
 from k8s.settings import KubernetesModelConfig as KubernetesModelConfig  # re-exported
-from routers.base import RoutingSettings
+from routers.base import RouterContext, RoutingSettings
 from routers.pd import PDRouteSettings
+from routers.registry import RouterRegistry, StrategyError, default_registry
 
 Count = Annotated[int, Meta(ge=0)]
 Amount = Annotated[float, Meta(ge=0)]            # seconds, ratios, weights
@@ -427,9 +429,43 @@ def config_from_dict(raw: Any, source: str | None = None) -> Config:
         for i, m in enumerate(data["models"] if isinstance(data.get("models"), list) else ()):
             if isinstance(m, dict):
                 _shape_model(m, f"models[{i}]", data)
-        return convert(data, Config)
+        config = convert(data, Config)
     except StrictError as e:
         raise ConfigError(e.path, e.message, source) from None
+    check_strategies(config, source=source)
+    return config
+
+
+def check_strategies(config: Config, registry: RouterRegistry | None = None, source: str | None = None) -> None:
+    """Every strategy the config names exists: ``routing.strategy``, ``lora.strategy`` and each
+    model's ``strategy`` and ``lock_strategy``. The one check the loader, the routing of a new
+    generation and a reload all run; ``ConfigError`` names the key and suggests a near name.
+    ``registry``: the one that will serve (its routers are built now), else the built-in one."""
+    if registry is None:
+        registry = default_registry(RouterContext(settings=config.routing, pd_settings=config.pd_for))
+    named = [("routing.strategy", config.routing.strategy), ("lora.strategy", config.lora.strategy)]
+    for i, m in enumerate(config.models):
+        named += [(f"models[{i}].{key}", spec) for key in ("strategy", "lock_strategy")
+                  if (spec := getattr(m, key))]
+    for path, spec in named:
+        try:
+            registry.get(spec)
+        except StrategyError as e:
+            raise ConfigError(path, f"{e}{_suggestion(spec, registry)}", source) from None
+
+
+def _suggestion(spec: str, registry: RouterRegistry) -> str:
+    """`` (did you mean 'least-request'?)`` for the first unknown name of ``spec`` close to a known one."""
+    for item in spec.split(","):
+        name = item.split(":")[0].strip().lower()
+        if name and name not in registry:
+            return did_you_mean(name, registry.names())
+    return ""
+
+
+def did_you_mean(word: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _shape_model(m: dict, path: str, data: dict) -> None:
