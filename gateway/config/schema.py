@@ -11,7 +11,6 @@ only the gateway reads.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import os
 import re
@@ -28,7 +27,8 @@ from gateway.admission.config import AdmissionConfig, Priority
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.config.block import Block
-from gateway.config.strict import StrictError, convert, laid_over, without_nulls
+from gateway.config.deprecated import MOVED_PD_KEYS, RETRY_FLAG, Deprecation, log_deprecations
+from gateway.config.strict import StrictError, convert, did_you_mean, laid_over, without_nulls
 from gateway.endpoints import ENGINES
 from gateway.kv.settings import KVEventsConfig, KVEventsEndpointConfig
 from gateway.lora.config import LoraConfig, check_adapters
@@ -147,11 +147,6 @@ class PDConfig(PDRouteSettings):
     local_max_decode_kv_usage: Annotated[float, Meta(ge=0, le=1, description="Under prefill pressure, run whole only when the decode's KV-cache usage is below this share (0..1), or unknown.")] = 0.8
     vllm: Annotated[VLLMPDSettings, Meta(description="Settings for vLLM prefill/decode pairs.")] = VLLMPDSettings()
     sglang: Annotated[SGLangPDSettings, Meta(description="Settings for SGLang prefill/decode pairs.")] = SGLangPDSettings()
-
-
-# keys of older configs, now in an engine's block: pd.abort_timeout_s is pd.sglang.abort_timeout_s
-_MOVED_PD_KEYS = {"rewrite_remote_host": "vllm", "default_bootstrap_port": "sglang",
-                  "abort_timeout_s": "sglang", "abort_retry_delay_s": "sglang"}
 
 
 class EndpointConfig(Block):
@@ -397,42 +392,51 @@ class Config(Block, dict=True):
 # -- loading ------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
+    """The config in the YAML file ``path``; ``deprecations``: see ``config_from_dict``."""
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
-    return parse_config(text, source=str(path))
+    return parse_config(text, source=str(path), deprecations=deprecations)
 
 
-def parse_config(text: str, source: str | None = None) -> Config:
+def parse_config(text: str, source: str | None = None, deprecations: list[Deprecation] | None = None) -> Config:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("<yaml>", f"invalid YAML: {e}", source) from None
-    return config_from_dict(raw, source)
+    return config_from_dict(raw, source, deprecations)
 
 
-def config_from_dict(raw: Any, source: str | None = None) -> Config:
+def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Deprecation] | None = None) -> Config:
     """Shape the raw data, then convert it: nulls dropped, the older flat P/D engine keys moved into
     their block, a model's ``watchdog:`` / ``pd:`` laid over the global one, endpoint URL strings
-    made ``{url, engine}`` (the model's engine), rolesets named ``rs-<i>`` by default."""
+    made ``{url, engine}`` (the model's engine), rolesets named ``rs-<i>`` by default.
+
+    Old names still accepted (gateway/config/deprecated.py) are logged as warnings once the config
+    is loaded, or, with a ``deprecations`` list, added to it for the caller to report."""
     if not isinstance(raw, dict | None):
         raise ConfigError("<root>", f"must be a mapping, got {type(raw).__name__}", source)
     data = without_nulls(raw or {})
+    notes = deprecations if deprecations is not None else []
+    if isinstance(data.get("upstream"), dict) and RETRY_FLAG in data["upstream"]:
+        notes.append(Deprecation(f"upstream.{RETRY_FLAG}", "retry.enabled"))
     try:
-        data["pd"] = _nest_engine_keys(data.get("pd", {}), "pd")
+        data["pd"] = _nest_engine_keys(data.get("pd", {}), "pd", notes)
         for key, cls in (("watchdog", WatchdogConfig), ("pd", PDConfig), ("breaker", BreakerConfig),
                          ("retry", RetryConfig), ("admission", AdmissionConfig)):
             if isinstance(data.get(key), dict):   # a global block's bad key is reported where it is written
                 convert(data[key], cls, key)
         for i, m in enumerate(data["models"] if isinstance(data.get("models"), list) else ()):
             if isinstance(m, dict):
-                _shape_model(m, f"models[{i}]", data)
+                _shape_model(m, f"models[{i}]", data, notes)
         config = convert(data, Config)
     except StrictError as e:
         raise ConfigError(e.path, e.message, source) from None
     check_strategies(config, source=source)
+    if deprecations is None:
+        log_deprecations(notes, source)
     return config
 
 
@@ -463,14 +467,9 @@ def _suggestion(spec: str, registry: RouterRegistry) -> str:
     return ""
 
 
-def did_you_mean(word: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(word, known, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _shape_model(m: dict, path: str, data: dict) -> None:
+def _shape_model(m: dict, path: str, data: dict, notes: list[Deprecation]) -> None:
     if "pd" in m:
-        m["pd"] = _nest_engine_keys(m["pd"], f"{path}.pd")
+        m["pd"] = _nest_engine_keys(m["pd"], f"{path}.pd", notes)
     for key in ("watchdog", "pd", "breaker", "retry", "admission"):
         if isinstance(m.get(key), dict) and isinstance(data.get(key), dict):
             m[key] = laid_over(data[key], m[key])
@@ -490,12 +489,13 @@ def _endpoint(e: Any, engine: Any) -> Any:
     return {"engine": engine, **e} if isinstance(e, dict) and engine in ENGINES else e
 
 
-def _nest_engine_keys(block: Any, path: str) -> Any:
-    for key, engine in _MOVED_PD_KEYS.items() if isinstance(block, dict) else ():
+def _nest_engine_keys(block: Any, path: str, notes: list[Deprecation]) -> Any:
+    for key, engine in MOVED_PD_KEYS.items() if isinstance(block, dict) else ():
         sub = block.get(engine, {})
         if key in block and isinstance(sub, dict):
             if key in sub:
                 raise StrictError(f"{path}.{key}", f"also given as {path}.{engine}.{key}; keep one")
+            notes.append(Deprecation(f"{path}.{key}", f"{path}.{engine}.{key}"))
             block = {**block, engine: {**sub, key: block[key]}}
             del block[key]
     return block
