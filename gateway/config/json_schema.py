@@ -54,12 +54,13 @@ def config_schema() -> dict[str, Any]:
         required = set(d.get("required", ()))
         for key, prop in d.get("properties", {}).items():
             if key not in required:
-                d["properties"][key] = _nullable(prop)
+                d["properties"][key] = prop = _nullable(prop)
             _nullable_entries(prop)
     defs["Config"]["type"] = ["object", "null"]     # an empty file: every default
-    return {"$schema": DIALECT, "title": "Switchyard configuration",
-            "description": "The YAML config file of the Switchyard gateway (python -m gateway --config FILE).",
-            "$ref": schema["$ref"], "$defs": defs}
+    out = {"$schema": DIALECT, "title": "Switchyard configuration",
+           "description": "The YAML config file of the Switchyard gateway (python -m gateway --config FILE).",
+           "$ref": schema["$ref"], "$defs": defs}
+    return msgspec.json.decode(msgspec.json.encode(out))     # plain JSON data: lists, not tuples
 
 
 def _accepts_null(s: dict[str, Any]) -> bool:
@@ -85,5 +86,5 @@ def _nullable_entries(prop: dict[str, Any]) -> None:
     """A map's entry may be null too (dropped, like any null mapping value)."""
     for s in (prop, *prop.get("anyOf", ())):
         extra = s.get("additionalProperties")
-        if s.get("type") == "object" and isinstance(extra, dict):
+        if isinstance(extra, dict):
             s["additionalProperties"] = _nullable(extra)
