@@ -106,7 +106,7 @@ class UpstreamConfig(Block):
     connect_timeout_s: Annotated[Amount, Meta(description="Longest wait to open a connection to an engine, in seconds (0: no limit).")] = 5.0
     first_byte_timeout_s: Annotated[Amount, Meta(description="Longest wait for an engine's response headers after the request was sent, in seconds; then 504 (0: no limit).")] = 300.0
     total_timeout_s: Annotated[Amount, Meta(description="Longest whole exchange with an engine, request to last byte, in seconds (0: no limit).")] = 0.0
-    retry_on_connect_error: Annotated[bool, Meta(description="Deprecated (removed in 0.3.0): false turns every retry off; use retry.enabled instead.")] = True
+    retry_on_connect_error: Annotated[bool, Meta(description="Deprecated (removed in 0.3.0): false turns every retry off; use retry.enabled instead.", extra_json_schema={"deprecated": True})] = True
     max_connections: Annotated[Count, Meta(description="Connections to engines, all endpoints together (0: no cap).")] = 0
     keepalive_timeout_s: Annotated[Amount, Meta(description="An idle pooled connection to an engine is closed after this many seconds.")] = 60.0
     max_error_body_bytes: Annotated[Count, Meta(description="Most bytes of an engine's error answer read and passed on to the client.")] = 65536
