@@ -45,7 +45,7 @@ _HASH_SPACE = float(1 << 64)
 
 
 class AliasTarget(Block):
-    model: Annotated[str, Meta(min_length=1, description="A model of models (or discovered by Kubernetes).")]
+    model: Annotated[str, Meta(min_length=1, description="A model named in models (or, with kubernetes.enabled, a discovered one).")]
     weight: Annotated[int, Meta(ge=0, description="Share of the alias's callers sent to this model, relative to the other targets (0: none).")] = 1
 
 

@@ -107,7 +107,7 @@ class UpstreamConfig(Block):
     first_byte_timeout_s: Annotated[Amount, Meta(description="Longest wait for an engine's response headers after the request was sent, in seconds; then 504 (0: no limit).")] = 300.0
     total_timeout_s: Annotated[Amount, Meta(description="Longest whole exchange with an engine, request to last byte, in seconds (0: no limit).")] = 0.0
     retry_on_connect_error: Annotated[bool, Meta(description="Deprecated (removed in 0.3.0): false turns every retry off; use retry.enabled instead.", extra_json_schema={"deprecated": True})] = True
-    max_connections: Annotated[Count, Meta(description="Connections to engines, all endpoints together (0: no cap).")] = 0
+    max_connections: Annotated[Count, Meta(description="Connections to engines, all endpoints together, per worker process (0: no cap).")] = 0
     keepalive_timeout_s: Annotated[Amount, Meta(description="An idle pooled connection to an engine is closed after this many seconds.")] = 60.0
     max_error_body_bytes: Annotated[Count, Meta(description="Most bytes of an engine's error answer read and passed on to the client.")] = 65536
 
@@ -283,7 +283,7 @@ class StateConfig(Block):
     failure_policy: Annotated[Literal["open", "closed"], Meta(description="While Redis is unreachable: open serves without limits, closed answers 503.")] = "open"
     sync_interval_s: Annotated[Positive, Meta(description="How often a replica publishes its heartbeat and in-flight counts and refreshes the key directory, in seconds.")] = 0.1
     replica_ttl_s: Annotated[Positive, Meta(description="A replica silent this long no longer counts, in seconds (at least twice sync_interval_s).")] = 1.0
-    share_in_flight: Annotated[bool, Meta(description="Publish and read per-endpoint in-flight counts, so least-request and friends see the whole fleet's load.")] = True
+    share_in_flight: Annotated[bool, Meta(description="Publish and read per-endpoint in-flight counts, so the load-based strategies see the whole fleet's load.")] = True
     replica_id: Annotated[_ID | None, Meta(description="This replica's name in Redis; null: host, process id and a random suffix.")] = None
 
     def __post_init__(self) -> None:

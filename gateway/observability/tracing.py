@@ -86,11 +86,11 @@ class TracingConfig(Block):
     protocol: Annotated[OTLPProtocol | None, Meta(description="OTLP protocol: http/protobuf or grpc (needs the grpc extra); null: OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL, else http/protobuf.")] = None
     sample_ratio: Annotated[_Ratio | None, Meta(description="Share of new traces recorded, 0..1; null: OTEL_TRACES_SAMPLER(_ARG), else 1.")] = None
     parent_based: Annotated[bool | None, Meta(description="A client's sampled flag (traceparent) decides for its request; null: OTEL_TRACES_SAMPLER, else true.")] = None
-    service_name: Annotated[Annotated[str, Meta(min_length=1)] | None, Meta(description="service.name of the spans; null: OTEL_SERVICE_NAME or switchyard.")] = None
+    service_name: Annotated[Annotated[str, Meta(min_length=1)] | None, Meta(description="service.name of the spans; null: OTEL_SERVICE_NAME, else switchyard.")] = None
     exclude_paths: Annotated[tuple[str, ...], Meta(description="Paths that get no span; an entry ending in * is a prefix.")] = DEFAULT_EXCLUDED
-    export_timeout_s: Annotated[_Seconds | None, Meta(description="Longest export call, in seconds; null: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT or 10.")] = None
-    batch_delay_s: Annotated[_Seconds | None, Meta(description="Delay between two batch exports, in seconds; null: OTEL_BSP_SCHEDULE_DELAY or 5.")] = None
-    max_queue_size: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description="Spans waiting for export at most; null: OTEL_BSP_MAX_QUEUE_SIZE or 2048.")] = None
+    export_timeout_s: Annotated[_Seconds | None, Meta(description="Longest export call, in seconds; null: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, else 10.")] = None
+    batch_delay_s: Annotated[_Seconds | None, Meta(description="Delay between two batch exports, in seconds; null: OTEL_BSP_SCHEDULE_DELAY, else 5.")] = None
+    max_queue_size: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description="Spans waiting for export at most; null: OTEL_BSP_MAX_QUEUE_SIZE, else 2048.")] = None
 
     def __post_init__(self) -> None:
         if self.endpoint is not None:
