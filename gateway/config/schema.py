@@ -7,6 +7,11 @@ is checked in ``__post_init__``. Settings belong to their readers: the strategie
 (routers.base.RoutingSettings, routers.pd.PDRouteSettings), the engines' P/D knobs (handlers.vllm,
 handlers.sglang), discovery's (k8s.settings), tracing's (gateway.observability.tracing); the blocks here add what
 only the gateway reads.
+
+Every key is described once, beside its type and default: ``Annotated[T, Meta(description=...)]``.
+The JSON Schema (gateway/config/json_schema.py), docs/configuration.md and examples/full.yaml
+(gateway/config/reference.py) are generated from these Structs; a test fails on a key without one.
+Old names still accepted are in gateway/config/deprecated.py.
 """
 
 from __future__ import annotations
