@@ -1,4 +1,5 @@
-"""``python -m gateway --config FILE`` or ``python -m gateway --demo``."""
+"""``python -m gateway --config FILE`` or ``python -m gateway --demo``; ``--check-config FILE``,
+``--print-config-schema`` and ``--version`` answer and exit without starting anything."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import sys
 
 import uvloop
 
+from gateway.config.deprecated import Deprecation, log_deprecations
 from gateway.config.schema import Config, ConfigError, load_config
 from gateway.observability.logs import configure_logging
+from gateway.version import version
 
 
 def _workers_arg(v: str) -> int | str:
@@ -26,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--config", help="YAML config file")
     src.add_argument("--demo", action="store_true",
                      help="run with in-process simulated engines (no GPU needed)")
+    src.add_argument("--check-config", metavar="FILE",
+                     help="validate the config file FILE and exit (0: valid); starts nothing")
+    src.add_argument("--print-config-schema", action="store_true",
+                     help="print the config file's JSON Schema and exit")
+    p.add_argument("--version", action="version", version=f"switchyard {version()}")
     p.add_argument("--host", help="listen host (overrides listen.host)")
     p.add_argument("--port", type=int, help="listen port (overrides listen.port)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), help="overrides server.log_format")
@@ -33,6 +41,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes sharing the port via SO_REUSEPORT, or 'auto' for the CPUs of the cgroup's "
                         "quota (overrides server.workers)")
     args = p.parse_args(argv)
+
+    if args.print_config_schema:
+        import orjson
+
+        from gateway.config.json_schema import config_schema
+        sys.stdout.write(orjson.dumps(config_schema(), option=orjson.OPT_INDENT_2).decode() + "\n")
+        return 0
+    if args.check_config:
+        return check_config(args.check_config)
 
     if args.demo:
         from gateway.demo import run_demo
@@ -45,17 +62,19 @@ def main(argv: list[str] | None = None) -> int:
 
     listen: list = [args.host, args.port]
 
-    def load() -> Config:
+    def load(deprecations: list[Deprecation] | None = None) -> Config:
         """The config file with the command line's overrides: at start and at each reload."""
-        cfg = load_config(args.config).with_listen(*listen)
+        cfg = load_config(args.config, deprecations).with_listen(*listen)
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
 
+    deprecated: list[Deprecation] = []      # logged once logging follows the config's format
     try:
-        config = load()
+        config = load(deprecated)
     except (ConfigError, ValueError) as e:
         print(f"switchyard: config error: {e}", file=sys.stderr)
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
+    log_deprecations(deprecated, args.config)
     from gateway.server.run import free_port, serve
     from gateway.server.workers import resolve_workers
     workers = resolve_workers(args.workers if args.workers is not None else config.server.workers)
@@ -91,6 +110,25 @@ def main(argv: list[str] | None = None) -> int:
             stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
 
     return run_workers(workers, serve_one, stderr_log, on_reload=reread)
+
+
+def check_config(path: str) -> int:
+    """``--check-config``: load and validate ``path`` as a start would, and stop there. Errors
+    name the file and the key; old names still accepted are printed as warnings."""
+    deprecated: list[Deprecation] = []
+    try:
+        config = load_config(path, deprecated)
+    except (ConfigError, ValueError) as e:
+        for note in deprecated:
+            print(f"switchyard: warning: {note}", file=sys.stderr)
+        print(f"switchyard: config error: {e}", file=sys.stderr)
+        return 2
+    for note in deprecated:
+        print(f"switchyard: warning: {note}", file=sys.stderr)
+    n = len(config.models)
+    found = ", models discovered through Kubernetes" if config.kubernetes.enabled else ""
+    print(f"{path}: OK ({n} model{'' if n == 1 else 's'}{found})")
+    return 0
 
 
 if __name__ == "__main__":

@@ -29,10 +29,10 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import msgspec
 import orjson
 from msgspec import Meta
 
+from gateway.config.block import Block
 from gateway.observability.metrics import Counter
 
 if TYPE_CHECKING:
@@ -44,17 +44,17 @@ if TYPE_CHECKING:
 _HASH_SPACE = float(1 << 64)
 
 
-class AliasTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
-    weight: Annotated[int, Meta(ge=0)] = 1
+class AliasTarget(Block):
+    model: Annotated[str, Meta(min_length=1, description="A model named in models (or, with kubernetes.enabled, a discovered one).")]
+    weight: Annotated[int, Meta(ge=0, description="Share of the alias's callers sent to this model, relative to the other targets (0: none).")] = 1
 
 
-class AliasConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class AliasConfig(Block):
     """One entry of ``aliases:``; checked against the models in ``check_aliases``."""
 
-    name: Annotated[str, Meta(min_length=1)]
-    targets: Annotated[tuple[AliasTarget, ...], Meta(min_length=1)]
-    sticky: Literal["user", "session", "none"] = "user"
+    name: Annotated[str, Meta(min_length=1, description="The name clients write in model.")]
+    targets: Annotated[tuple[AliasTarget, ...], Meta(min_length=1, description="The models the alias splits traffic over, by weight.")]
+    sticky: Annotated[Literal["user", "session", "none"], Meta(description="What keeps one caller on one target: user, session (x-session-id) or none (a new draw per request).")] = "user"
 
     def __post_init__(self) -> None:
         seen: dict[str, int] = {}

@@ -29,9 +29,9 @@ from handlers.continuation import TEXT
 class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``pd.sglang`` config block."""
 
-    default_bootstrap_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 8998   # when neither endpoint nor roleset sets one
-    abort_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = 3.0        # /abort_request call timeout (0: never abort)
-    abort_retry_delay_s: Annotated[float, msgspec.Meta(ge=0)] = 2.0    # a second abort after this delay (0: only one)
+    default_bootstrap_port: Annotated[int, msgspec.Meta(ge=0, le=65535, description="KV bootstrap port of a prefill endpoint when neither the endpoint nor its roleset sets one.")] = 8998
+    abort_timeout_s: Annotated[float, msgspec.Meta(ge=0, description="After a failed prefill, how long the /abort_request call to the decode may take, in seconds (0: no abort is sent).")] = 3.0
+    abort_retry_delay_s: Annotated[float, msgspec.Meta(ge=0, description="Send a second abort after this delay, in seconds (0: only one).")] = 2.0
 
 
 # SGLang's HTTP server (python/sglang/srt/entrypoints/http_server.py) has rerank and score under

@@ -7,7 +7,7 @@ and what the decode body is. The gateway's P/D orchestration does the calls.
 from __future__ import annotations
 
 import random
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol
 
 import msgspec
 import orjson
@@ -26,7 +26,7 @@ PATHS = OPENAI_PATHS | frozenset(ANTHROPIC_PATHS) | frozenset(PASSTHROUGH_PATHS)
 class VLLMPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The ``pd.vllm`` config block."""
 
-    rewrite_remote_host: bool = True     # point kv_transfer_params.remote_host at the prefill pod's host
+    rewrite_remote_host: Annotated[bool, msgspec.Meta(description="Point the decode's kv_transfer_params.remote_host at the prefill endpoint's host (vLLM reports its configured side-channel host, localhost by default).")] = True
 
 
 # What a prefill request carries: "run the prompt, keep the KV for a remote decode".

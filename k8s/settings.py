@@ -18,9 +18,9 @@ class KubernetesModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     """Routing settings for one model's discovered pods; a pod's ``model.aibrix.ai/config``
     annotation, where present, wins over these."""
 
-    combined: bool = False               # pods of a roleset whose role-name is not prefill/decode
-    min_prompt_tokens: _Count = 0
-    max_prompt_tokens: _Count = 0        # 0: no upper bound
+    combined: Annotated[bool, Meta(description="Pods of a roleset whose role-name is neither prefill nor decode serve whole requests (combined); false: such pods are skipped.")] = False
+    min_prompt_tokens: Annotated[_Count, Meta(description="P/D prompt-length bucket of the model's pods: prompts of at least this many tokens.")] = 0
+    max_prompt_tokens: Annotated[_Count, Meta(description="P/D prompt-length bucket of the model's pods: prompts of at most this many tokens (0: no upper bound).")] = 0
 
     def __post_init__(self) -> None:
         if self.max_prompt_tokens and self.min_prompt_tokens > self.max_prompt_tokens:
@@ -28,15 +28,15 @@ class KubernetesModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=T
 
 
 class KubernetesConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    enabled: bool = False
-    kubeconfig: str | None = None        # null: in-cluster service account
-    context: str | None = None           # kubeconfig context (null: its current-context)
-    namespaces: tuple[_NAMESPACE, ...] = ()   # (): all namespaces
-    label_selector: str = "model.aibrix.ai/name"
-    resync_interval_s: _Seconds = 300.0  # full relist that repairs missed events (0: never)
-    watch_timeout_s: Annotated[float, Meta(ge=1)] = 300.0   # server-side timeout of one watch request
-    retry_backoff_s: Annotated[float, Meta(gt=0)] = 1.0     # first retry delay after an API error; doubles up to 30 s
-    models: dict[str, KubernetesModelConfig] = {}
+    enabled: Annotated[bool, Meta(description="Discover engine pods (their model label, role and ports) from the Kubernetes API.")] = False
+    kubeconfig: Annotated[str | None, Meta(description="Path of a kubeconfig file; null: the in-cluster service account.")] = None
+    context: Annotated[str | None, Meta(description="Context of the kubeconfig to use; null: its current-context.")] = None
+    namespaces: Annotated[tuple[_NAMESPACE, ...], Meta(description="Namespaces to watch; empty: every namespace.")] = ()
+    label_selector: Annotated[str, Meta(description="Label selector of the pods to watch (the default: every pod carrying model.aibrix.ai/name, the label that names its model).")] = "model.aibrix.ai/name"
+    resync_interval_s: Annotated[_Seconds, Meta(description="Full relist that repairs missed watch events, in seconds (0: never).")] = 300.0
+    watch_timeout_s: Annotated[float, Meta(ge=1, description="Server-side timeout of one watch request, in seconds.")] = 300.0
+    retry_backoff_s: Annotated[float, Meta(gt=0, description="First retry delay after an API error, doubling up to 30 s, in seconds.")] = 1.0
+    models: Annotated[dict[str, KubernetesModelConfig], Meta(description="Settings per model name for its discovered pods; a pod's model.aibrix.ai/config annotation wins over them.")] = {}
 
     def __post_init__(self) -> None:
         for i, ns in enumerate(self.namespaces):

@@ -69,21 +69,21 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     """The knobs of the built-in strategies, with their defaults. The gateway's ``routing:``
     config block (``gateway.config.schema.RoutingConfig``) is this class plus the default strategy."""
 
-    metrics_max_age_s: _Seconds = 10.0     # engine metrics older than this count as missing
-    prefix_block_chars: Annotated[int, msgspec.Meta(ge=1)] = 512   # prompt characters per hashed block (~128 tokens)
-    prefix_max_blocks: _Count = 1024       # blocks hashed per prompt at most (1024 x 512 chars ~ 128k tokens)
-    prefix_index_blocks: _Count = 131072   # index capacity in blocks, all models together (LRU)
-    prefix_idle_ttl_s: _Seconds = 1200.0   # a block no request touched for this long is forgotten
-    prefix_imbalance_abs: _Count = 8       # in-flight spread (max - min) above which only the least loaded count
-    prefix_std_factor: _Seconds = 3.0      # a matched endpoint must have in-flight <= mean + k * stddev
+    metrics_max_age_s: Annotated[_Seconds, msgspec.Meta(description="Engine metrics older than this count as missing for the strategies that read them, in seconds.")] = 10.0
+    prefix_block_chars: Annotated[int, msgspec.Meta(ge=1, description="Prompt characters per hashed block of the prefix index (512 is about 128 tokens).")] = 512
+    prefix_max_blocks: Annotated[_Count, msgspec.Meta(description="Most blocks hashed per prompt; the rest of a longer prompt is not indexed.")] = 1024
+    prefix_index_blocks: Annotated[_Count, msgspec.Meta(description="Capacity of the prefix index in blocks, all models together; the least recently used are forgotten.")] = 131072
+    prefix_idle_ttl_s: Annotated[_Seconds, msgspec.Meta(description="A block no request touched for this long is forgotten, in seconds.")] = 1200.0
+    prefix_imbalance_abs: Annotated[_Count, msgspec.Meta(description="prefix-cache: when the in-flight spread (most minus least) exceeds this, only the least loaded endpoints are considered.")] = 8
+    prefix_std_factor: Annotated[_Seconds, msgspec.Meta(description="prefix-cache: an endpoint holding the prefix is chosen only if its load is at most mean + this x standard deviation.")] = 3.0
     # the load prefix-cache's guards compare: "local" = this gateway's in-flight (plus replicas'
     # published through shared state); "fleet" = that plus the other gateways' requests the engine
     # reported at its last fresh scrape (running + waiting beyond this gateway's own)
-    prefix_load: Literal["local", "fleet"] = "fleet"
-    metrics_window_s: _Seconds = 10.0      # window of the throughput / least-latency rates and means
-    vtc_window_s: _Seconds = 300.0         # vtc-basic: per-user token counts over this sliding window
-    lora_load_weight: _Seconds = 0.5       # lora-affinity: weight of in-flight load (0..1, of the most loaded)
-    lora_prefix_weight: _Seconds = 0.3     # lora-affinity: weight of the prefix match (0..1) keyed by adapter
+    prefix_load: Annotated[Literal["local", "fleet"], msgspec.Meta(description="Load compared by prefix-cache's guards: local (this gateway's requests, plus replicas' through shared state) or fleet (also other gateways' requests seen in the engine's own metrics).")] = "fleet"
+    metrics_window_s: Annotated[_Seconds, msgspec.Meta(description="Window of the rates and means of throughput and least-latency, in seconds.")] = 10.0
+    vtc_window_s: Annotated[_Seconds, msgspec.Meta(description="vtc-basic: per-user token counts are kept over this sliding window, in seconds.")] = 300.0
+    lora_load_weight: Annotated[_Seconds, msgspec.Meta(description="lora-affinity: weight of the in-flight load in the score (0..1).")] = 0.5
+    lora_prefix_weight: Annotated[_Seconds, msgspec.Meta(description="lora-affinity: weight of the prefix match, keyed by adapter, in the score (0..1).")] = 0.3
 
 
 _PD_DEFAULTS = PDRouteSettings()

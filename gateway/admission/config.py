@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
+
+from gateway.config.block import Block
 
 Priority = Literal["critical", "standard", "sheddable"]
 # rank: higher is served first
@@ -14,20 +15,20 @@ PRIORITIES: tuple[str, ...] = ("sheddable", "standard", "critical")
 RANK = {name: i for i, name in enumerate(PRIORITIES)}
 
 
-class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class AdmissionConfig(Block):
     """Off by default: the gateway then forwards every request as before. See README "Admission
     control" for what each threshold means."""
 
-    enabled: bool = False
-    queue_max: Annotated[int, Meta(ge=0)] = 1000          # requests waiting per model (0: shed at once)
-    queue_max_bytes: Annotated[int, Meta(ge=0)] = 64 << 20   # their request bodies, per model
-    queue_timeout_s: Annotated[float, Meta(gt=0)] = 30.0  # longest wait before a 429
+    enabled: Annotated[bool, Meta(description="Queue requests while every endpoint of their model is saturated, and shed them by priority class; off: every request is forwarded at once.")] = False
+    queue_max: Annotated[int, Meta(ge=0, description="Requests waiting per model; beyond it a lower class is displaced or the request is shed with 429 (0: shed at once).")] = 1000
+    queue_max_bytes: Annotated[int, Meta(ge=0, description="Request body bytes waiting per model; beyond it as for queue_max.")] = 64 << 20
+    queue_timeout_s: Annotated[float, Meta(gt=0, description="Longest wait in the queue; then 429, in seconds.")] = 30.0
     # an endpoint is saturated when one more request would make any of these true:
-    max_waiting_per_endpoint: Annotated[int, Meta(ge=1)] = 5     # the engine's estimated queue above this
-    max_kv_usage: Annotated[float, Meta(gt=0, le=1)] = 0.8      # its KV-cache usage at or above this
-    max_in_flight_per_endpoint: Annotated[int, Meta(ge=0)] = 0  # this gateway's requests on it (0: no cap)
-    metrics_max_age_s: Annotated[float, Meta(gt=0)] = 5.0       # older engine metrics: saturated
-    default_priority: Priority = "standard"   # users with no limits.users.NAME.priority
-    priority_header: bool = True              # honour x-priority, never above the user's class
-    retry_after_max_s: Annotated[int, Meta(ge=1)] = 60     # the computed Retry-After is capped here
-    drain_window_s: Annotated[float, Meta(ge=1, le=600)] = 10.0   # the drain rate is measured over this
+    max_waiting_per_endpoint: Annotated[int, Meta(ge=1, description="An endpoint is saturated when its engine's estimated queue would exceed this.")] = 5
+    max_kv_usage: Annotated[float, Meta(gt=0, le=1, description="An endpoint is saturated when its KV-cache usage reaches this share (0..1).")] = 0.8
+    max_in_flight_per_endpoint: Annotated[int, Meta(ge=0, description="An endpoint is saturated when this gateway's requests on it would exceed this (0: no cap).")] = 0
+    metrics_max_age_s: Annotated[float, Meta(gt=0, description="An endpoint whose engine metrics are older than this counts as saturated, in seconds.")] = 5.0
+    default_priority: Annotated[Priority, Meta(description="Class of users without limits.users.NAME.priority: critical, standard or sheddable.")] = "standard"
+    priority_header: Annotated[bool, Meta(description="Honour a request's x-priority header, never above its user's class.")] = True
+    retry_after_max_s: Annotated[int, Meta(ge=1, description="Cap of the Retry-After computed for a shed request, in seconds.")] = 60
+    drain_window_s: Annotated[float, Meta(ge=1, le=600, description="The queue's drain rate (for Retry-After) is measured over this window, in seconds.")] = 10.0

@@ -4,33 +4,30 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import msgspec
 from msgspec import Meta
+
+from gateway.config.block import Block
 
 _Seconds = Annotated[float, Meta(gt=0)]
 
 
-class _Block(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-class ResponsesHistoryConfig(_Block):
+class ResponsesHistoryConfig(Block):
     """Gateway-held history (``state: gateway``): what one response may store and for how long."""
 
-    ttl_s: _Seconds = 86400.0                 # a stored response (input + output items) lives this long
-    max_response_bytes: Annotated[int, Meta(ge=1024)] = 1 << 20   # larger records are not stored
-    max_total_bytes: Annotated[int, Meta(ge=1024)] = 256 << 20    # memory backend: oldest evicted past this
+    ttl_s: Annotated[_Seconds, Meta(description="How long a stored response (input and output items) is kept, in seconds.")] = 86400.0
+    max_response_bytes: Annotated[int, Meta(ge=1024, description="A response record larger than this is not stored, in bytes.")] = 1 << 20
+    max_total_bytes: Annotated[int, Meta(ge=1024, description="Memory backend: the oldest records are evicted beyond this total, in bytes.")] = 256 << 20
 
 
-class ResponsesConfig(_Block):
+class ResponsesConfig(Block):
     # engine: continuing a response (previous_response_id, GET/DELETE/cancel/input_items) is routed
     # to the endpoint that produced it (the affinity map); gateway: the gateway stores every
     # response's input and output and expands previous_response_id itself, on any endpoint
-    state: Literal["engine", "gateway"] = "engine"
-    backend: Literal["auto", "memory", "redis"] = "auto"     # auto: redis when state.redis_url is set
-    affinity_ttl_s: _Seconds = 86400.0        # how long a response id → endpoint entry is kept
-    max_affinity_entries: Annotated[int, Meta(ge=1)] = 100_000    # memory backend: oldest evicted past this
-    history: ResponsesHistoryConfig = ResponsesHistoryConfig()
+    state: Annotated[Literal["engine", "gateway"], Meta(description="engine: the engine keeps responses and a follow-up is routed to the endpoint that produced it; gateway: the gateway stores every response and expands previous_response_id itself, on any endpoint.")] = "engine"
+    backend: Annotated[Literal["auto", "memory", "redis"], Meta(description="Where the gateway keeps its records: memory, redis, or auto (redis when state.redis_url is set).")] = "auto"
+    affinity_ttl_s: Annotated[_Seconds, Meta(description="How long the response-id to endpoint entry is kept, in seconds.")] = 86400.0
+    max_affinity_entries: Annotated[int, Meta(ge=1, description="Memory backend: the oldest entries are evicted beyond this many.")] = 100_000
+    history: Annotated[ResponsesHistoryConfig, Meta(description="Limits of gateway-held history (state: gateway).")] = ResponsesHistoryConfig()
 
     def __post_init__(self) -> None:
         h = self.history

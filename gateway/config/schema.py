@@ -7,6 +7,11 @@ is checked in ``__post_init__``. Settings belong to their readers: the strategie
 (routers.base.RoutingSettings, routers.pd.PDRouteSettings), the engines' P/D knobs (handlers.vllm,
 handlers.sglang), discovery's (k8s.settings), tracing's (gateway.observability.tracing); the blocks here add what
 only the gateway reads.
+
+Every key is described once, beside its type and default: ``Annotated[T, Meta(description=...)]``.
+The JSON Schema (gateway/config/json_schema.py), docs/configuration.md and examples/full.yaml
+(gateway/config/reference.py) are generated from these Structs; a test fails on a key without one.
+Old names still accepted are in gateway/config/deprecated.py.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import os
 import re
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -26,7 +31,9 @@ from msgspec.structs import force_setattr
 from gateway.admission.config import AdmissionConfig, Priority
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
-from gateway.config.strict import StrictError, convert, laid_over, without_nulls
+from gateway.config.block import Block
+from gateway.config.deprecated import MOVED_PD_KEYS, RETRY_FLAG, Deprecation, log_deprecations
+from gateway.config.strict import StrictError, convert, did_you_mean, laid_over, without_nulls
 from gateway.endpoints import ENGINES
 from gateway.kv.settings import KVEventsConfig, KVEventsEndpointConfig
 from gateway.lora.config import LoraConfig, check_adapters
@@ -37,8 +44,9 @@ from handlers.sglang import SGLangPDSettings
 from handlers.vllm import VLLMPDSettings
 from k8s.settings import KubernetesConfig
 from k8s.settings import KubernetesModelConfig as KubernetesModelConfig  # re-exported
-from routers.base import RoutingSettings
+from routers.base import RouterContext, RoutingSettings
 from routers.pd import PDRouteSettings
+from routers.registry import RouterRegistry, StrategyError, default_registry
 
 Count = Annotated[int, Meta(ge=0)]
 Amount = Annotated[float, Meta(ge=0)]            # seconds, ratios, weights
@@ -57,14 +65,6 @@ class ConfigError(ValueError):
         self.key_path = path
 
 
-class _Block(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
-    _secret: ClassVar[tuple[str, ...]] = ()      # fields never shown in a repr (logs, tracebacks)
-
-    def __repr__(self) -> str:
-        shown = (f"{f}={getattr(self, f)!r}" for f in self.__struct_fields__ if f not in self._secret)
-        return f"{type(self).__name__}({', '.join(shown)})"
-
-
 def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
     """A secret given inline (``key``) or by the name of an environment variable (``key_env``)."""
     if env is None:
@@ -76,96 +76,91 @@ def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
     return os.environ[env]
 
 
-class ListenConfig(_Block):
-    host: str = "127.0.0.1"
-    port: Port = 8888
+class ListenConfig(Block):
+    host: Annotated[str, Meta(description="Address to listen on; 0.0.0.0 listens on every IPv4 interface. --host overrides it.")] = "127.0.0.1"
+    port: Annotated[Port, Meta(description="TCP port to listen on; 0 picks a free port. --port overrides it.")] = 8888
 
 
-class ServerConfig(_Block):
-    max_body_bytes: Count = 16 * 1024 * 1024
-    shutdown_grace_s: Amount = 30.0
-    workers: Count | Literal["auto"] = 1    # processes sharing the port (SO_REUSEPORT); auto = the cgroup's CPUs
-    drain_delay_s: Amount = 5.0          # after SIGTERM: keep accepting connections this long (≤ grace)
-    log_format: Literal["auto", "json", "console"] = "auto"   # auto: console on a TTY, else JSON
-    log_level: str = "info"
+class ServerConfig(Block):
+    max_body_bytes: Annotated[Count, Meta(description="Largest request body accepted, in bytes; a larger one is refused with 413 before it is read (0: no limit).")] = 16 * 1024 * 1024
+    shutdown_grace_s: Annotated[Amount, Meta(description="After SIGTERM, how long requests in flight (streams included) may still run before they are cut, in seconds.")] = 30.0
+    workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway with its own state; auto: as many as the CPUs of the cgroup's quota. --workers overrides it.")] = 1
+    drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
+    log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
+    log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error; at warning or error the per-request line is not written either.")] = "info"
     # the edge (gateway/server/edge.py): slow clients, connection cap, header limits; 0 disables a timeout
-    header_timeout_s: Amount = 10.0      # accept (or first byte of a kept-alive request) → complete head
-    body_timeout_s: Amount = 30.0        # longest silence between two body reads
-    body_total_timeout_s: Amount = 120.0  # head complete → whole body received
-    keepalive_timeout_s: Amount = 75.0   # idle kept-alive connection, no byte of a next request
-    write_stall_timeout_s: Amount = 30.0  # response write buffer full (client reads nothing) this long
-    max_connections: Count = 10000       # open client connections per worker (0: no cap)
-    max_header_bytes: Annotated[int, Meta(ge=1024)] = 16384  # request line, and each header field
-    max_headers: Annotated[int, Meta(ge=8)] = 100             # header fields per request
-    loop_lag_interval_s: Amount = 0.5    # event-loop lag sampling period (gateway/observability/looplag.py); 0: off
-    reclaim_min_drop: Count = 1000       # in-flight fall from the peak that returns memory (gateway/server/reclaim.py); 0: off
+    header_timeout_s: Annotated[Amount, Meta(description="Longest time from accepting a connection (or from the first byte of a next request on a kept-alive one) to a complete request head; then 408 and close, in seconds (0: no limit).")] = 10.0
+    body_timeout_s: Annotated[Amount, Meta(description="Longest silence between two reads of a request body; then 408 and close, in seconds (0: no limit).")] = 30.0
+    body_total_timeout_s: Annotated[Amount, Meta(description="Longest time from a complete request head to the whole body received; then 408 and close, in seconds (0: no limit).")] = 120.0
+    keepalive_timeout_s: Annotated[Amount, Meta(description="An idle kept-alive client connection is closed after this many seconds without a byte of a next request (0: never).")] = 75.0
+    write_stall_timeout_s: Annotated[Amount, Meta(description="A client that reads nothing while the gateway has a full write buffer for it this long is disconnected and its upstream leg ended, in seconds (0: never).")] = 30.0
+    max_connections: Annotated[Count, Meta(description="Open client connections per worker; past it a new connection is closed at once (0: no cap).")] = 10000
+    max_header_bytes: Annotated[int, Meta(ge=1024, description="Longest request line, and longest single header field, in bytes; longer gets 431.")] = 16384
+    max_headers: Annotated[int, Meta(ge=8, description="Most header fields in one request; more gets 431.")] = 100
+    loop_lag_interval_s: Annotated[Amount, Meta(description="How often the event loop's lag is sampled into switchyard_event_loop_lag_seconds, in seconds (0: off).")] = 0.5
+    reclaim_min_drop: Annotated[Count, Meta(description="After requests in flight fell this far below their peak, run a garbage collection and give freed memory back to the system, once per burst (0: off).")] = 1000
 
 
 class RoutingConfig(RoutingSettings):
     """The ``routing:`` block: the default strategy, and the strategies' knobs (RoutingSettings)."""
 
-    strategy: str = "least-request"
+    strategy: Annotated[str, Meta(description="Default routing strategy of models that name none: a strategy name, or a weighted list such as prefix-cache:2,least-request:1.")] = "least-request"
 
 
-class UpstreamConfig(_Block):
-    connect_timeout_s: Amount = 5.0
-    first_byte_timeout_s: Amount = 300.0  # until response headers arrive (0: off)
-    total_timeout_s: Amount = 0.0        # whole upstream exchange (0: off)
-    retry_on_connect_error: bool = True  # false: no retries at all (older name; see the retry: block)
-    max_connections: Count = 0           # 0: unlimited
-    keepalive_timeout_s: Amount = 60.0
-    max_error_body_bytes: Count = 65536
+class UpstreamConfig(Block):
+    connect_timeout_s: Annotated[Amount, Meta(description="Longest wait to open a connection to an engine, in seconds (0: no limit).")] = 5.0
+    first_byte_timeout_s: Annotated[Amount, Meta(description="Longest wait for an engine's response headers after the request was sent, in seconds; then 504 (0: no limit).")] = 300.0
+    total_timeout_s: Annotated[Amount, Meta(description="Longest whole exchange with an engine, request to last byte, in seconds (0: no limit).")] = 0.0
+    retry_on_connect_error: Annotated[bool, Meta(description="Deprecated (removed in 0.3.0): false turns every retry off; use retry.enabled instead.", extra_json_schema={"deprecated": True})] = True
+    max_connections: Annotated[Count, Meta(description="Connections to engines, all endpoints together, per worker process (0: no cap).")] = 0
+    keepalive_timeout_s: Annotated[Amount, Meta(description="An idle pooled connection to an engine is closed after this many seconds.")] = 60.0
+    max_error_body_bytes: Annotated[Count, Meta(description="Most bytes of an engine's error answer read and passed on to the client.")] = 65536
 
 
-class HealthConfig(_Block):
-    enabled: bool = True
-    interval_s: Amount = 5.0
-    timeout_s: Amount = 2.0
-    unhealthy_threshold: Count = 2       # consecutive failed probes before an endpoint is unready
-    healthy_threshold: Count = 1         # consecutive good probes before it is ready again
-    passive: bool = True                 # a refused connection opens the endpoint's breaker at once
+class HealthConfig(Block):
+    enabled: Annotated[bool, Meta(description="Probe every endpoint's /health periodically; an endpoint failing the probes is taken out of routing.")] = True
+    interval_s: Annotated[Amount, Meta(description="Time between two probe rounds, in seconds.")] = 5.0
+    timeout_s: Annotated[Amount, Meta(description="Longest wait for one probe's answer, in seconds.")] = 2.0
+    unhealthy_threshold: Annotated[Count, Meta(description="Failed probes in a row before an endpoint counts as not ready.")] = 2
+    healthy_threshold: Annotated[Count, Meta(description="Successful probes in a row before a not-ready endpoint is ready again.")] = 1
+    passive: Annotated[bool, Meta(description="A refused connection to an endpoint opens its circuit breaker at once, without waiting for the probes.")] = True
 
 
-class ScrapeConfig(_Block):
-    enabled: bool = True
-    interval_s: Amount = 2.0
-    timeout_s: Amount = 2.0
+class ScrapeConfig(Block):
+    enabled: Annotated[bool, Meta(description="Read every endpoint's Prometheus /metrics periodically (queue, KV-cache usage, throughput) for the strategies and admission control that use engine load.")] = True
+    interval_s: Annotated[Amount, Meta(description="Time between two scrape rounds, in seconds.")] = 2.0
+    timeout_s: Annotated[Amount, Meta(description="Longest wait for one scrape, in seconds.")] = 2.0
 
 
-class WatchdogConfig(_Block):
-    first_chunk_timeout_s: Amount = 60.0  # 0 disables a phase
-    idle_timeout_s: Amount = 120.0
-    response_timeout_s: Amount = 0.0     # non-streaming
-    aggregated: bool = False             # also watch aggregated (non-P/D) legs
+class WatchdogConfig(Block):
+    first_chunk_timeout_s: Annotated[Amount, Meta(description="Streaming: longest wait for the first chunk of a watched leg's answer; then the client gets an error and the leg is ended, in seconds (0: off).")] = 60.0
+    idle_timeout_s: Annotated[Amount, Meta(description="Streaming: longest silence between two chunks of an answer that has started, in seconds (0: off).")] = 120.0
+    response_timeout_s: Annotated[Amount, Meta(description="Non-streaming: longest wait for the whole answer, in seconds (0: off).")] = 0.0
+    aggregated: Annotated[bool, Meta(description="Also watch legs of aggregated (non-P/D) endpoints; by default only the decode leg of P/D requests is watched.")] = False
 
 
 class PDConfig(PDRouteSettings):
     """P/D: the pair choice (PDRouteSettings), the legs, the engines' blocks. A model's ``pd:`` (and
     ``watchdog:``) block sets only the keys it names, on top of the global block."""
 
-    prefill_timeout_s: Amount = 30.0
-    token_request_cost: Amount = 3500.0  # fixed token-load charge per request, plus uncached tokens
+    prefill_timeout_s: Annotated[Amount, Meta(description="Longest wait for the prefill leg's answer, in seconds; then the request fails, with 504 (0: no limit).")] = 30.0
+    token_request_cost: Annotated[Amount, Meta(description="Fixed token-load charge per request on its prefill endpoint, added to its uncached prompt tokens (the token_load prefill policy).")] = 3500.0
     # conditional disaggregation (gateway/pd/decide.py); 0 turns a rule off, all 0: always disaggregate
-    disaggregate_min_uncached_tokens: Count = 0   # fewer uncached tokens on the chosen decode: run it whole
-    disaggregate_min_prompt_tokens: Count = 0     # a shorter prompt: run it whole
-    local_prefill_pressure: Count = 0             # in-flight prefills per prefill endpoint above this: run whole...
-    local_max_decode_kv_usage: Annotated[float, Meta(ge=0, le=1)] = 0.8   # ...if the decode's KV usage is below this
-    vllm: VLLMPDSettings = VLLMPDSettings()
-    sglang: SGLangPDSettings = SGLangPDSettings()
+    disaggregate_min_uncached_tokens: Annotated[Count, Meta(description="Run a request whole on the decode (or a combined endpoint) when the chosen decode would have fewer uncached prompt tokens than this (0: rule off).")] = 0
+    disaggregate_min_prompt_tokens: Annotated[Count, Meta(description="Run a request whole when its prompt has fewer tokens than this (0: rule off).")] = 0
+    local_prefill_pressure: Annotated[Count, Meta(description="Run a request whole when the roleset's prefill endpoints have more prefills in flight each, on average, than this, and the decode has KV headroom (0: rule off).")] = 0
+    local_max_decode_kv_usage: Annotated[float, Meta(ge=0, le=1, description="Under prefill pressure, run whole only when the decode's KV-cache usage is below this share (0..1), or unknown.")] = 0.8
+    vllm: Annotated[VLLMPDSettings, Meta(description="Settings for vLLM prefill/decode pairs.")] = VLLMPDSettings()
+    sglang: Annotated[SGLangPDSettings, Meta(description="Settings for SGLang prefill/decode pairs.")] = SGLangPDSettings()
 
 
-# keys of older configs, now in an engine's block: pd.abort_timeout_s is pd.sglang.abort_timeout_s
-_MOVED_PD_KEYS = {"rewrite_remote_host": "vllm", "default_bootstrap_port": "sglang",
-                  "abort_timeout_s": "sglang", "abort_retry_delay_s": "sglang"}
-
-
-class EndpointConfig(_Block):
-    url: str
-    engine: Engine | None = None         # defaults to the model's engine
-    bootstrap_port: Port | None = None
-    min_prompt_tokens: Count = 0
-    max_prompt_tokens: Count = 0
-    kv_events: KVEventsEndpointConfig | None = None   # this engine's event publisher (enables events for it)
+class EndpointConfig(Block):
+    url: Annotated[str, Meta(description="Base URL of the engine's OpenAI-compatible server, http:// or https://.")]
+    engine: Annotated[Engine | None, Meta(description="Engine of this endpoint; null: the model's engine.")] = None
+    bootstrap_port: Annotated[Port | None, Meta(description="SGLang prefill: the KV bootstrap port; null: the roleset's, else pd.sglang.default_bootstrap_port.")] = None
+    min_prompt_tokens: Annotated[Count, Meta(description="P/D prompt-length bucket: this endpoint takes prompts of at least this many tokens.")] = 0
+    max_prompt_tokens: Annotated[Count, Meta(description="P/D prompt-length bucket: this endpoint takes prompts of at most this many tokens (0: no upper bound).")] = 0
+    kv_events: Annotated[KVEventsEndpointConfig | None, Meta(description="This engine's KV-event publisher, laid over the model's kv_events block; giving it subscribes to this endpoint's events.")] = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -173,30 +168,30 @@ class EndpointConfig(_Block):
         force_setattr(self, "url", self.url.rstrip("/"))
 
 
-class RolesetConfig(_Block):
-    name: str
-    prefill: tuple[EndpointConfig, ...] = ()
-    decode: tuple[EndpointConfig, ...] = ()
-    combined: tuple[EndpointConfig, ...] = ()
-    bootstrap_port: Port | None = None
+class RolesetConfig(Block):
+    name: Annotated[str, Meta(description="Name of the group; prefill and decode are only paired within one roleset. Default: rs-0, rs-1, ... by position.")]
+    prefill: Annotated[tuple[EndpointConfig, ...], Meta(description="Prefill endpoints: URL strings or endpoint objects.")] = ()
+    decode: Annotated[tuple[EndpointConfig, ...], Meta(description="Decode endpoints: URL strings or endpoint objects.")] = ()
+    combined: Annotated[tuple[EndpointConfig, ...], Meta(description="Endpoints that serve whole requests beside the pairs (the pd strategy's fallback): URL strings or endpoint objects.")] = ()
+    bootstrap_port: Annotated[Port | None, Meta(description="SGLang: the KV bootstrap port of this roleset's prefill endpoints that set none of their own.")] = None
 
 
-class ModelConfig(_Block):
-    name: Name
-    engine: Engine = "vllm"
-    strategy: str | None = None          # per-model default
-    lock_strategy: str | None = None     # wins over the routing-strategy header
-    endpoints: tuple[EndpointConfig, ...] = ()
-    rolesets: tuple[RolesetConfig, ...] = ()
-    watchdog: WatchdogConfig | None = None
-    pd: PDConfig | None = None
-    breaker: BreakerConfig | None = None      # laid over the global breaker: block (gateway/resilience/breaker.py)
-    retry: RetryConfig | None = None          # laid over the global retry: block (gateway/resilience/retry.py)
-    adapters: dict[Name, str] = {}       # LoRA adapter name -> path, loaded on demand (gateway/lora/adapters.py)
-    admission: AdmissionConfig | None = None   # keys laid over the global admission block
-    tokenizer: str | None = None         # Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json)
-    kv_events: KVEventsConfig | None = None   # engine KV-cache events → precise prefix-cache routing
-    migration_limit: Annotated[int, Meta(ge=0, le=8)] = 0   # mid-stream continuations per stream (0: off)
+class ModelConfig(Block):
+    name: Annotated[Name, Meta(description="The model's name, as clients write it in the request's model field.")]
+    engine: Annotated[Engine, Meta(description="Engine serving the model's endpoints: vllm or sglang.")] = "vllm"
+    strategy: Annotated[str | None, Meta(description="This model's default routing strategy (a name or a weighted list); null: the pods' annotation, else pd for a model with prefill/decode endpoints, else routing.strategy.")] = None
+    lock_strategy: Annotated[str | None, Meta(description="A strategy that always applies to this model, whatever the routing-strategy header says; null: no lock.")] = None
+    endpoints: Annotated[tuple[EndpointConfig, ...], Meta(description="Aggregated engines (one engine serves a whole request): URL strings or endpoint objects.")] = ()
+    rolesets: Annotated[tuple[RolesetConfig, ...], Meta(description="Prefill/decode groups for disaggregated serving.")] = ()
+    watchdog: Annotated[WatchdogConfig | None, Meta(description="Keys laid over the global watchdog block for this model.")] = None
+    pd: Annotated[PDConfig | None, Meta(description="Keys laid over the global pd block for this model.")] = None
+    breaker: Annotated[BreakerConfig | None, Meta(description="Keys laid over the global breaker block for this model.")] = None
+    retry: Annotated[RetryConfig | None, Meta(description="Keys laid over the global retry block for this model.")] = None
+    adapters: Annotated[dict[Name, str], Meta(description="LoRA adapters of this model: adapter name (what clients write in model) to the path the engine loads it from; loaded on demand.")] = {}
+    admission: Annotated[AdmissionConfig | None, Meta(description="Keys laid over the global admission block for this model.")] = None
+    tokenizer: Annotated[str | None, Meta(description="Directory of the model's Hugging Face tokenizer (tokenizer.json, tokenizer_config.json); needed by kv_events. Null: no tokenizer.")] = None
+    kv_events: Annotated[KVEventsConfig | None, Meta(description="Subscribe to the engines' KV-cache events for exact prefix-cache routing; needs tokenizer.")] = None
+    migration_limit: Annotated[int, Meta(ge=0, le=8, description="How many times one stream may be continued on another endpoint after its engine failed mid-stream, at most 8 (0: off).")] = 0
 
     def __post_init__(self) -> None:
         if self.kv_events is not None and self.kv_events.enabled and not self.tokenizer:
@@ -221,14 +216,14 @@ class ModelConfig(_Block):
                 or any(e.kv_events is not None for rs in self.rolesets for e in (*rs.prefill, *rs.decode, *rs.combined)))
 
 
-class ApiKey(_Block):
+class ApiKey(Block):
     """``key`` (plaintext, never in repr) or ``key_sha256`` (hex SHA-256: the file holds no secret)."""
 
     _secret = ("key",)
-    key: str = ""
-    user: Name = "default"
-    key_sha256: str = ""
-    name: str = ""
+    key: Annotated[str, Meta(description="The API key in plain text; give this or key_sha256.")] = ""
+    user: Annotated[Name, Meta(description="The user this key authenticates as (limits.users names users).")] = "default"
+    key_sha256: Annotated[str, Meta(description="Hex SHA-256 of the API key, so the file holds no secret; give this or key.")] = ""
+    name: Annotated[str, Meta(description="A label for the key, shown by the admin API.")] = ""
 
     def __post_init__(self) -> None:
         given = self.key_sha256.lower()
@@ -240,13 +235,13 @@ class ApiKey(_Block):
         force_setattr(self, "key_sha256", digest)
 
 
-class AuthConfig(_Block):
+class AuthConfig(Block):
     _secret = ("admin_token",)
-    api_keys: tuple[ApiKey, ...] = ()
-    enabled: bool | None = None          # None: on when api_keys is non-empty
-    admin_token: Name | None = None      # enables /admin/*
-    admin_token_env: Name | None = None  # read admin_token from this environment variable
-    forward_authorization: bool = False  # with auth on, also forward the client's Authorization
+    api_keys: Annotated[tuple[ApiKey, ...], Meta(description="Accepted client API keys (Authorization: Bearer ...); empty: no gateway authentication unless enabled is true.")] = ()
+    enabled: Annotated[bool | None, Meta(description="Require an API key on every request; null: on when api_keys is not empty.")] = None
+    admin_token: Annotated[Name | None, Meta(description="Bearer token of the admin API (/admin/*); null: the admin API is off.")] = None
+    admin_token_env: Annotated[Name | None, Meta(description="Name of an environment variable holding admin_token (instead of admin_token).")] = None
+    forward_authorization: Annotated[bool, Meta(description="With authentication on, also pass the client's Authorization header on to the engines (by default they never see the client's key).")] = False
 
     def __post_init__(self) -> None:
         force_setattr(self, "admin_token", _from_env(self.admin_token, self.admin_token_env, "admin_token"))
@@ -261,40 +256,40 @@ class AuthConfig(_Block):
         return bool(self.api_keys) if self.enabled is None else self.enabled
 
 
-class UserLimits(_Block):
-    rpm: Count = 0                       # requests per minute (0: unlimited)
-    tpm: Count = 0                       # tokens per minute, prompt + completion (0: unlimited)
-    max_concurrent: Count = 0            # requests in flight at once (0: unlimited)
-    priority: Priority | None = None     # admission class (gateway/admission); None: admission.default_priority
+class UserLimits(Block):
+    rpm: Annotated[Count, Meta(description="Requests per minute (0: unlimited).")] = 0
+    tpm: Annotated[Count, Meta(description="Tokens per minute, prompt and completion together (0: unlimited).")] = 0
+    max_concurrent: Annotated[Count, Meta(description="Requests in flight at once (0: unlimited).")] = 0
+    priority: Annotated[Priority | None, Meta(description="Admission class of this user's requests: critical, standard or sheddable; null: admission.default_priority.")] = None
 
     @property
     def any(self) -> bool:
         return bool(self.rpm or self.tpm or self.max_concurrent)
 
 
-class ModelLimits(_Block):
-    rps: Count = 0                       # requests per second for the model, fleet-wide (0: unlimited)
+class ModelLimits(Block):
+    rps: Annotated[Count, Meta(description="Requests per second to this model, all users and replicas together (0: unlimited).")] = 0
 
 
-class LimitsConfig(_Block):
-    users: dict[Name, UserLimits] = {}
-    models: dict[Name, ModelLimits] = {}
-    default_user: UserLimits | None = None   # for users with no entry; each such user has own counters
+class LimitsConfig(Block):
+    users: Annotated[dict[Name, UserLimits], Meta(description="Limits per user name.")] = {}
+    models: Annotated[dict[Name, ModelLimits], Meta(description="Limits per model name.")] = {}
+    default_user: Annotated[UserLimits | None, Meta(description="Limits of every user without an entry in users, each with counters of their own; null: such users are unlimited.")] = None
 
 
-class StateConfig(_Block):
+class StateConfig(Block):
     _secret = ("password",)
-    redis_url: str | None = None         # redis://, rediss:// (TLS) or unix://; None: in-memory
-    password: Name | None = None
-    password_env: Name | None = None     # read the password from this environment variable
-    tls_ca_file: str | None = None       # CA bundle for rediss://
-    key_prefix: _ID = "switchyard"
-    timeout_s: Positive = 0.25           # connect and socket timeout of every Redis call
-    failure_policy: Literal["open", "closed"] = "open"   # open: serve unlimited while Redis is down; closed: 503
-    sync_interval_s: Positive = 0.1      # heartbeat, in-flight publish, directory refresh
-    replica_ttl_s: Positive = 1.0        # a replica silent this long no longer counts
-    share_in_flight: bool = True         # publish/read per-endpoint in-flight counts (least-request)
-    replica_id: _ID | None = None        # None: host-pid-random
+    redis_url: Annotated[str | None, Meta(description="Redis holding the state shared by replicas and workers (redis://, rediss:// for TLS, or unix://); null: state in this process only.")] = None
+    password: Annotated[Name | None, Meta(description="Redis password; null: the URL's, if any.")] = None
+    password_env: Annotated[Name | None, Meta(description="Name of an environment variable holding the Redis password (instead of password).")] = None
+    tls_ca_file: Annotated[str | None, Meta(description="CA bundle to verify a rediss:// server; null: the system's.")] = None
+    key_prefix: Annotated[_ID, Meta(description="Prefix of every Redis key the gateway writes.")] = "switchyard"
+    timeout_s: Annotated[Positive, Meta(description="Connect and socket timeout of every Redis call, in seconds.")] = 0.25
+    failure_policy: Annotated[Literal["open", "closed"], Meta(description="While Redis is unreachable: open serves without limits, closed answers 503.")] = "open"
+    sync_interval_s: Annotated[Positive, Meta(description="How often a replica publishes its heartbeat and in-flight counts and refreshes the key directory, in seconds.")] = 0.1
+    replica_ttl_s: Annotated[Positive, Meta(description="A replica silent this long no longer counts, in seconds (at least twice sync_interval_s).")] = 1.0
+    share_in_flight: Annotated[bool, Meta(description="Publish and read per-endpoint in-flight counts, so the load-based strategies see the whole fleet's load.")] = True
+    replica_id: Annotated[_ID | None, Meta(description="This replica's name in Redis; null: host, process id and a random suffix.")] = None
 
     def __post_init__(self) -> None:
         url = self.redis_url
@@ -307,16 +302,16 @@ class StateConfig(_Block):
         force_setattr(self, "password", _from_env(self.password, self.password_env, "password"))
 
 
-class StatusConfig(_Block):
+class StatusConfig(Block):
     """``GET /status`` (the live page) and ``GET /status.json`` (what it reads); gateway/observability/status.py."""
 
-    enabled: bool = True
-    refresh_s: Annotated[float, Meta(ge=0.5, le=60)] = 2.0   # how often the page polls /status.json
-    bucket_s: Annotated[float, Meta(ge=1, le=600)] = 10.0    # resolution of the traffic window
-    window_s: Annotated[float, Meta(ge=60, le=3600)] = 300.0  # traffic kept per model: rate, TTFT p50/p99
-    recent_decisions: Annotated[int, Meta(ge=0, le=1000)] = 50   # routing decisions kept
-    recent_errors: Annotated[int, Meta(ge=0, le=1000)] = 50      # failed requests kept
-    max_users: Annotated[int, Meta(ge=0, le=10000)] = 100        # tenants listed at most
+    enabled: Annotated[bool, Meta(description="Serve the status page (GET /status) and its data (GET /status.json).")] = True
+    refresh_s: Annotated[float, Meta(ge=0.5, le=60, description="How often the page polls /status.json, in seconds.")] = 2.0
+    bucket_s: Annotated[float, Meta(ge=1, le=600, description="Resolution of the traffic history, in seconds.")] = 10.0
+    window_s: Annotated[float, Meta(ge=60, le=3600, description="Traffic history kept per model (rate, TTFT percentiles), in seconds; at most 360 buckets.")] = 300.0
+    recent_decisions: Annotated[int, Meta(ge=0, le=1000, description="Routing decisions kept for the page.")] = 50
+    recent_errors: Annotated[int, Meta(ge=0, le=1000, description="Failed requests kept for the page.")] = 50
+    max_users: Annotated[int, Meta(ge=0, le=10000, description="Most tenants listed on the page.")] = 100
 
     def __post_init__(self) -> None:
         if self.window_s / self.bucket_s > 360:
@@ -327,28 +322,28 @@ class StatusConfig(_Block):
         return max(1, round(self.window_s / self.bucket_s))
 
 
-class Config(_Block, dict=True):
-    listen: ListenConfig = ListenConfig()
-    server: ServerConfig = ServerConfig()
-    routing: RoutingConfig = RoutingConfig()
-    upstream: UpstreamConfig = UpstreamConfig()
-    health: HealthConfig = HealthConfig()
-    scrape: ScrapeConfig = ScrapeConfig()
-    watchdog: WatchdogConfig = WatchdogConfig()
-    pd: PDConfig = PDConfig()
-    breaker: BreakerConfig = BreakerConfig()   # per-endpoint circuit breakers (gateway/resilience/breaker.py)
-    retry: RetryConfig = RetryConfig()         # retries before the first byte, within a budget (gateway/resilience/retry.py)
-    models: tuple[ModelConfig, ...] = ()
-    aliases: tuple[AliasConfig, ...] = ()      # names that split traffic over models (gateway/aliases.py)
-    kubernetes: KubernetesConfig = KubernetesConfig()
-    auth: AuthConfig = AuthConfig()
-    limits: LimitsConfig = LimitsConfig()
-    state: StateConfig = StateConfig()
-    status: StatusConfig = StatusConfig()
-    tracing: TracingConfig = TracingConfig()   # OpenTelemetry (gateway/observability/tracing.py)
-    responses: ResponsesConfig = ResponsesConfig()   # Responses API state (gateway/apis/responses.py)
-    lora: LoraConfig = LoraConfig()            # LoRA adapters (gateway/lora/adapters.py)
-    admission: AdmissionConfig = AdmissionConfig()   # saturation, priority queue, shedding (gateway/admission)
+class Config(Block, dict=True):
+    listen: Annotated[ListenConfig, Meta(description="Where the gateway accepts client connections.")] = ListenConfig()
+    server: Annotated[ServerConfig, Meta(description="The client-facing HTTP server: processes, shutdown, logging, slow-client timeouts and limits.")] = ServerConfig()
+    routing: Annotated[RoutingConfig, Meta(description="The default routing strategy and the built-in strategies' settings.")] = RoutingConfig()
+    upstream: Annotated[UpstreamConfig, Meta(description="Connections from the gateway to the engines.")] = UpstreamConfig()
+    health: Annotated[HealthConfig, Meta(description="Active health probes of every endpoint.")] = HealthConfig()
+    scrape: Annotated[ScrapeConfig, Meta(description="Reading every endpoint's Prometheus metrics: the load signals of strategies and admission control.")] = ScrapeConfig()
+    watchdog: Annotated[WatchdogConfig, Meta(description="Timeouts that end a stalled generation instead of leaving the client waiting; a model may lay its own keys over these.")] = WatchdogConfig()
+    pd: Annotated[PDConfig, Meta(description="Prefill/decode disaggregation: the pair choice, the prefill leg, when to disaggregate, engine settings; a model may lay its own keys over these.")] = PDConfig()
+    breaker: Annotated[BreakerConfig, Meta(description="Circuit breakers per endpoint: failing endpoints leave routing for a while; a model may lay its own keys over these.")] = BreakerConfig()
+    retry: Annotated[RetryConfig, Meta(description="Retries on another endpoint before the first byte reached the client, within a budget; a model may lay its own keys over these.")] = RetryConfig()
+    models: Annotated[tuple[ModelConfig, ...], Meta(description="The models clients may name, and their engines.")] = ()
+    aliases: Annotated[tuple[AliasConfig, ...], Meta(description="Names that split traffic over models by weight (canaries, A/B tests).")] = ()
+    kubernetes: Annotated[KubernetesConfig, Meta(description="Discovery of engine pods through the Kubernetes API.")] = KubernetesConfig()
+    auth: Annotated[AuthConfig, Meta(description="Client API keys and the admin token.")] = AuthConfig()
+    limits: Annotated[LimitsConfig, Meta(description="Per-user and per-model rate limits.")] = LimitsConfig()
+    state: Annotated[StateConfig, Meta(description="State shared by gateway replicas and workers, in Redis.")] = StateConfig()
+    status: Annotated[StatusConfig, Meta(description="The live status page.")] = StatusConfig()
+    tracing: Annotated[TracingConfig, Meta(description="OpenTelemetry tracing; OTEL_* environment variables fill keys left out.")] = TracingConfig()
+    responses: Annotated[ResponsesConfig, Meta(description="Where the state of the Responses API (/v1/responses) lives.")] = ResponsesConfig()
+    lora: Annotated[LoraConfig, Meta(description="LoRA adapters: discovery, routing of adapter requests, loading and unloading on demand.")] = LoraConfig()
+    admission: Annotated[AdmissionConfig, Meta(description="Admission control: queue or shed requests by priority class while every endpoint is saturated; a model may lay its own keys over these.")] = AdmissionConfig()
 
     def __post_init__(self) -> None:
         seen: set[str] = set()
@@ -402,46 +397,84 @@ class Config(_Block, dict=True):
 # -- loading ------------------------------------------------------------------------------------
 
 
-def load_config(path: str | Path) -> Config:
+def load_config(path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
+    """The config in the YAML file ``path``; ``deprecations``: see ``config_from_dict``."""
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
-    return parse_config(text, source=str(path))
+    return parse_config(text, source=str(path), deprecations=deprecations)
 
 
-def parse_config(text: str, source: str | None = None) -> Config:
+def parse_config(text: str, source: str | None = None, deprecations: list[Deprecation] | None = None) -> Config:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError("<yaml>", f"invalid YAML: {e}", source) from None
-    return config_from_dict(raw, source)
+    return config_from_dict(raw, source, deprecations)
 
 
-def config_from_dict(raw: Any, source: str | None = None) -> Config:
+def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Deprecation] | None = None) -> Config:
     """Shape the raw data, then convert it: nulls dropped, the older flat P/D engine keys moved into
     their block, a model's ``watchdog:`` / ``pd:`` laid over the global one, endpoint URL strings
-    made ``{url, engine}`` (the model's engine), rolesets named ``rs-<i>`` by default."""
+    made ``{url, engine}`` (the model's engine), rolesets named ``rs-<i>`` by default.
+
+    Old names still accepted (gateway/config/deprecated.py) are logged as warnings once the config
+    is loaded, or, with a ``deprecations`` list, added to it for the caller to report."""
     if not isinstance(raw, dict | None):
         raise ConfigError("<root>", f"must be a mapping, got {type(raw).__name__}", source)
     data = without_nulls(raw or {})
+    notes = deprecations if deprecations is not None else []
+    if isinstance(data.get("upstream"), dict) and RETRY_FLAG in data["upstream"]:
+        notes.append(Deprecation(f"upstream.{RETRY_FLAG}", "retry.enabled"))
     try:
-        data["pd"] = _nest_engine_keys(data.get("pd", {}), "pd")
+        data["pd"] = _nest_engine_keys(data.get("pd", {}), "pd", notes)
         for key, cls in (("watchdog", WatchdogConfig), ("pd", PDConfig), ("breaker", BreakerConfig),
                          ("retry", RetryConfig), ("admission", AdmissionConfig)):
             if isinstance(data.get(key), dict):   # a global block's bad key is reported where it is written
                 convert(data[key], cls, key)
         for i, m in enumerate(data["models"] if isinstance(data.get("models"), list) else ()):
             if isinstance(m, dict):
-                _shape_model(m, f"models[{i}]", data)
-        return convert(data, Config)
+                _shape_model(m, f"models[{i}]", data, notes)
+        config = convert(data, Config)
     except StrictError as e:
         raise ConfigError(e.path, e.message, source) from None
+    check_strategies(config, source=source)
+    if deprecations is None:
+        log_deprecations(notes, source)
+    return config
 
 
-def _shape_model(m: dict, path: str, data: dict) -> None:
+def check_strategies(config: Config, registry: RouterRegistry | None = None, source: str | None = None) -> None:
+    """Every strategy the config names exists: ``routing.strategy``, ``lora.strategy`` and each
+    model's ``strategy`` and ``lock_strategy``. The one check the loader, the routing of a new
+    generation and a reload all run; ``ConfigError`` names the key and suggests a near name.
+    ``registry``: the one that will serve (its routers are built now), else the built-in one."""
+    if registry is None:
+        registry = default_registry(RouterContext(settings=config.routing, pd_settings=config.pd_for))
+    named = [("routing.strategy", config.routing.strategy), ("lora.strategy", config.lora.strategy)]
+    for i, m in enumerate(config.models):
+        named += [(f"models[{i}].{key}", spec) for key in ("strategy", "lock_strategy")
+                  if (spec := getattr(m, key))]
+    for path, spec in named:
+        try:
+            registry.get(spec)
+        except StrategyError as e:
+            raise ConfigError(path, f"{e}{_suggestion(spec, registry)}", source) from None
+
+
+def _suggestion(spec: str, registry: RouterRegistry) -> str:
+    """`` (did you mean 'least-request'?)`` for the first unknown name of ``spec`` close to a known one."""
+    for item in spec.split(","):
+        name = item.split(":")[0].strip().lower()
+        if name and name not in registry:
+            return did_you_mean(name, registry.names())
+    return ""
+
+
+def _shape_model(m: dict, path: str, data: dict, notes: list[Deprecation]) -> None:
     if "pd" in m:
-        m["pd"] = _nest_engine_keys(m["pd"], f"{path}.pd")
+        m["pd"] = _nest_engine_keys(m["pd"], f"{path}.pd", notes)
     for key in ("watchdog", "pd", "breaker", "retry", "admission"):
         if isinstance(m.get(key), dict) and isinstance(data.get(key), dict):
             m[key] = laid_over(data[key], m[key])
@@ -461,12 +494,13 @@ def _endpoint(e: Any, engine: Any) -> Any:
     return {"engine": engine, **e} if isinstance(e, dict) and engine in ENGINES else e
 
 
-def _nest_engine_keys(block: Any, path: str) -> Any:
-    for key, engine in _MOVED_PD_KEYS.items() if isinstance(block, dict) else ():
+def _nest_engine_keys(block: Any, path: str, notes: list[Deprecation]) -> Any:
+    for key, engine in MOVED_PD_KEYS.items() if isinstance(block, dict) else ():
         sub = block.get(engine, {})
         if key in block and isinstance(sub, dict):
             if key in sub:
                 raise StrictError(f"{path}.{key}", f"also given as {path}.{engine}.{key}; keep one")
+            notes.append(Deprecation(f"{path}.{key}", f"{path}.{engine}.{key}"))
             block = {**block, engine: {**sub, key: block[key]}}
             del block[key]
     return block

@@ -10,6 +10,7 @@ path ``models[0].pd.x`` and a short message. A mapping's key is not in msgspec's
 
 from __future__ import annotations
 
+import difflib
 import re
 import types
 from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
@@ -47,7 +48,8 @@ def convert(data: Any, cls: type[T], path: str = "") -> T:
                 continue
             path, node = _join(path, name), node.get(name) if isinstance(node, dict) else None
         if m := re.fullmatch(r"Object contains unknown field `(.*)`", message):
-            path, message = _join(path, m[1]), f"unknown key (known: {', '.join(_names(tp))})"
+            known = _names(tp)
+            path, message = _join(path, m[1]), f"unknown key{did_you_mean(m[1], known)} (known: {', '.join(known)})"
         elif m := re.fullmatch(r"Object missing required field `(.*)`", message):
             path, message = _join(path, m[1]), "is required"
         elif m := re.fullmatch(r"Invalid enum value (.*)", message):
@@ -55,6 +57,12 @@ def convert(data: Any, cls: type[T], path: str = "") -> T:
         elif m := _OWN.fullmatch(message):
             path, message = _join(path, m[1]), m[2]
         raise StrictError(path or "<root>", message) from None
+
+
+def did_you_mean(word: str, known: list[str]) -> str:
+    """`` (did you mean 'port'?)`` when ``word`` is close to one of ``known``, else ``""``."""
+    close = difflib.get_close_matches(word, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _join(path: str, key: object) -> str:

@@ -8,39 +8,41 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from gateway.config.block import Block
+
 _Port = Annotated[int, Meta(ge=1, le=65535)]
 _Seconds = Annotated[float, Meta(ge=0)]
 
 
-class KVEventsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class KVEventsConfig(Block):
     """Subscribe to the engines' KV-cache events (vLLM/SGLang ``--kv-events-config``)."""
 
-    enabled: bool = False
-    port: _Port = 5557                      # the engine's PUB socket, on the endpoint's host
-    replay_port: _Port | None = None        # the engine's replay ROUTER socket; None: no replay
-    topic: str = ""                         # subscription prefix ("" = every topic)
-    stall_timeout_s: _Seconds = 10.0        # a request needing new blocks, no event this long: fallback
-    speculative_ttl_s: _Seconds = 10.0      # a routed request's new blocks count as held this long (or until events)
-    replay_timeout_s: Annotated[float, Meta(gt=0)] = 2.0
-    max_blocks_per_endpoint: Annotated[int, Meta(ge=1)] = 262144   # index entries per endpoint
-    max_request_blocks: Annotated[int, Meta(ge=1)] = 16384          # a request's blocks keyed at most
+    enabled: Annotated[bool, Meta(description="Subscribe to every endpoint's KV-cache events (vLLM/SGLang --kv-events-config); needs the model's tokenizer.")] = False
+    port: Annotated[_Port, Meta(description="Port of the engine's event publisher (ZMQ PUB), on the endpoint's host.")] = 5557
+    replay_port: Annotated[_Port | None, Meta(description="Port of the engine's replay socket, to fetch missed events; null: no replay (a gap clears the endpoint's entries).")] = None
+    topic: Annotated[str, Meta(description="Subscription topic prefix (empty: every topic).")] = ""
+    stall_timeout_s: Annotated[_Seconds, Meta(description="When a request needed new blocks and no event came for this long, the endpoint falls back to the approximate prefix index, in seconds.")] = 10.0
+    speculative_ttl_s: Annotated[_Seconds, Meta(description="A routed request's new blocks count as held by its endpoint for this long, or until events confirm them, in seconds.")] = 10.0
+    replay_timeout_s: Annotated[float, Meta(gt=0, description="Longest wait for a replay answer, in seconds.")] = 2.0
+    max_blocks_per_endpoint: Annotated[int, Meta(ge=1, description="Index entries kept per endpoint.")] = 262144
+    max_request_blocks: Annotated[int, Meta(ge=1, description="Most blocks of one request hashed and looked up.")] = 16384
     # a data-parallel engine behind one endpoint publishes rank r on port + r (replay on replay_port + r)
-    data_parallel_size: Annotated[int, Meta(ge=1)] = 1
+    data_parallel_size: Annotated[int, Meta(ge=1, description="Data-parallel ranks behind one endpoint; rank r publishes on port + r (and replays on replay_port + r).")] = 1
     # pin each request to the rank holding its prefix (``X-data-parallel-rank``) when
     # data_parallel_size > 1; None (the default) means true there; false leaves the rank to the engine
-    route_ranks: bool | None = None
+    route_ranks: Annotated[bool | None, Meta(description="Pin each request to the rank holding its prefix (X-data-parallel-rank header) when data_parallel_size > 1; null: true there.")] = None
     # forward a client's own X-data-parallel-rank header (stripped by default: clients do not pin ranks)
-    client_rank: bool = False
+    client_rank: Annotated[bool, Meta(description="Pass on a client's own X-data-parallel-rank header (by default it is removed).")] = False
     # threads tokenizing requests off the event loop (one pool per gateway: the largest over the
     # models); 0 tokenizes on the loop. Segments shorter than tokenize_inline_chars stay on the loop:
     # a hop costs the request two handovers of the GIL, each up to the interpreter's switch interval
     # (5 ms) while the loop is busy, more than such a segment costs the loop.
-    tokenize_threads: Annotated[int, Meta(ge=0, le=16)] = 1
-    tokenize_inline_chars: Annotated[int, Meta(ge=0)] = 1024
+    tokenize_threads: Annotated[int, Meta(ge=0, le=16, description="Threads tokenizing requests off the event loop, one pool per gateway sized by the largest value over the models (0: on the loop).")] = 1
+    tokenize_inline_chars: Annotated[int, Meta(ge=0, description="Prompt segments shorter than this many characters are tokenized on the event loop.")] = 1024
     # tokenize every segment of a request, also those no engine's cache reaches (exact prompt token
     # counts for conditional P/D's thresholds, at the CPU cost of tokenizing every new prompt whole);
     # by default such a segment is only probed and its tokens estimated from its characters
-    tokenize_unreached: bool = False
+    tokenize_unreached: Annotated[bool, Meta(description="Tokenize every segment of a request, also those no engine holds (exact prompt token counts for conditional P/D, at more CPU); by default their tokens are estimated from their characters.")] = False
 
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
@@ -64,14 +66,14 @@ def check_rank_ports(port: int | None, replay_port: int | None, size: int | None
             raise ValueError(f"{name} {p} + data_parallel_size {size} - 1 is beyond 65535")
 
 
-class KVEventsEndpointConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class KVEventsEndpointConfig(Block):
     """An endpoint's ``kv_events``: this engine's publisher, laid over its model's block (as the pod
     annotation ``switchyard.io/kv-events`` is). Engines sharing a host publish on ports of their own."""
 
-    port: _Port | None = None
-    replay_port: _Port | None = None
-    topic: str | None = None
-    data_parallel_size: Annotated[int, Meta(ge=1)] | None = None
+    port: Annotated[_Port | None, Meta(description="Port of this engine's event publisher; null: the model's kv_events.port.")] = None
+    replay_port: Annotated[_Port | None, Meta(description="Port of this engine's replay socket; null: the model's.")] = None
+    topic: Annotated[str | None, Meta(description="This engine's topic prefix; null: the model's.")] = None
+    data_parallel_size: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description="Data-parallel ranks of this engine; null: the model's.")] = None
 
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)

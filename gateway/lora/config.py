@@ -8,23 +8,24 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
+
+from gateway.config.block import Block
 
 _Seconds = Annotated[float, Meta(ge=0)]
 _Positive = Annotated[float, Meta(gt=0)]
 _Count = Annotated[int, Meta(ge=0)]
 
 
-class LoraConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class LoraConfig(Block):
     """LoRA adapters: discovery, the strategy of adapter requests, loading and unloading on demand."""
 
-    strategy: str = "lora-affinity"     # adapter requests' strategy unless the header or a lock names one
-    discovery_interval_s: _Seconds = 10.0   # GET /v1/models on every endpoint this often (0: off)
-    load_timeout_s: _Positive = 60.0        # one runtime load call
-    failure_cooldown_s: _Seconds = 60.0     # after a failed load, that endpoint is not asked again this long
-    max_adapters_per_endpoint: _Count = 0   # before a load onto an endpoint serving this many, unload one (0: no cap)
-    idle_unload_s: _Seconds = 0.0           # unload adapters the gateway loaded that saw no request this long (0: never)
+    strategy: Annotated[str, Meta(description="Routing strategy of requests naming an adapter, unless a lock or the routing-strategy header names one.")] = "lora-affinity"
+    discovery_interval_s: Annotated[_Seconds, Meta(description="How often every endpoint's /v1/models is read to learn the adapters it serves, in seconds (0: off).")] = 10.0
+    load_timeout_s: Annotated[_Positive, Meta(description="Longest runtime adapter load call, in seconds.")] = 60.0
+    failure_cooldown_s: Annotated[_Seconds, Meta(description="After a failed load, that endpoint is not asked to load the adapter again for this long, in seconds.")] = 60.0
+    max_adapters_per_endpoint: Annotated[_Count, Meta(description="Before loading onto an endpoint already serving this many adapters, unload one (0: no cap).")] = 0
+    idle_unload_s: Annotated[_Seconds, Meta(description="Unload adapters the gateway loaded that saw no request for this long, in seconds (0: never).")] = 0.0
 
 
 def check_adapters(models: Sequence[tuple[str, Mapping[str, str]]]) -> None:

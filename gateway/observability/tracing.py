@@ -41,7 +41,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
-import msgspec
 from aiohttp import web
 from msgspec import Meta
 from opentelemetry import trace as otel
@@ -52,6 +51,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.config.block import Block
 
 if TYPE_CHECKING:
     from gateway.endpoints import Endpoint
@@ -76,20 +77,20 @@ _OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completi
                "/v1/embeddings": "embeddings"}
 
 
-class TracingConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class TracingConfig(Block):
     """The ``tracing:`` block. ``None`` (or a key left out) means: the ``OTEL_*`` variable if set,
     else the default (see ``resolve``)."""
 
-    enabled: bool | None = None               # None: on when an OTLP endpoint is given (here or OTEL_*)
-    endpoint: str | None = None               # OTLP/HTTP URL (…/v1/traces added to a bare host:port) or gRPC target
-    protocol: OTLPProtocol | None = None         # http/protobuf (default) | grpc (the `grpc` extra)
-    sample_ratio: _Ratio | None = None        # share of new traces recorded, 0..1 (default 1)
-    parent_based: bool | None = None          # a client's sampled/unsampled flag decides (default true)
-    service_name: Annotated[str, Meta(min_length=1)] | None = None   # default "switchyard"
-    exclude_paths: tuple[str, ...] = DEFAULT_EXCLUDED  # no span; an entry ending in * is a prefix
-    export_timeout_s: _Seconds | None = None  # one export call (default 10 s)
-    batch_delay_s: _Seconds | None = None     # batch processor's schedule delay (default 5 s)
-    max_queue_size: Annotated[int, Meta(ge=1)] | None = None   # spans waiting for export (default 2048)
+    enabled: Annotated[bool | None, Meta(description="Export traces; null: on when an OTLP endpoint is given here or in OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, unless OTEL_SDK_DISABLED=true or OTEL_TRACES_EXPORTER=none.")] = None
+    endpoint: Annotated[str | None, Meta(description="OTLP collector: an http(s):// URL or host:port (/v1/traces is added when it has no path) or a gRPC target; null: OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT, else localhost:4318 (http) or localhost:4317 (grpc).")] = None
+    protocol: Annotated[OTLPProtocol | None, Meta(description="OTLP protocol: http/protobuf or grpc (needs the grpc extra); null: OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL, else http/protobuf.")] = None
+    sample_ratio: Annotated[_Ratio | None, Meta(description="Share of new traces recorded, 0..1; null: OTEL_TRACES_SAMPLER(_ARG), else 1.")] = None
+    parent_based: Annotated[bool | None, Meta(description="A client's sampled flag (traceparent) decides for its request; null: OTEL_TRACES_SAMPLER, else true.")] = None
+    service_name: Annotated[Annotated[str, Meta(min_length=1)] | None, Meta(description="service.name of the spans; null: OTEL_SERVICE_NAME, else switchyard.")] = None
+    exclude_paths: Annotated[tuple[str, ...], Meta(description="Paths that get no span; an entry ending in * is a prefix.")] = DEFAULT_EXCLUDED
+    export_timeout_s: Annotated[_Seconds | None, Meta(description="Longest export call, in seconds; null: OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, else 10.")] = None
+    batch_delay_s: Annotated[_Seconds | None, Meta(description="Delay between two batch exports, in seconds; null: OTEL_BSP_SCHEDULE_DELAY, else 5.")] = None
+    max_queue_size: Annotated[Annotated[int, Meta(ge=1)] | None, Meta(description="Spans waiting for export at most; null: OTEL_BSP_MAX_QUEUE_SIZE, else 2048.")] = None
 
     def __post_init__(self) -> None:
         if self.endpoint is not None:

@@ -15,7 +15,7 @@ from functools import partial
 
 import structlog
 
-from gateway.config.schema import Config
+from gateway.config.schema import Config, check_strategies
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.observability.metrics import GatewayMetrics
@@ -47,11 +47,7 @@ class Routing:
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
         self.registry: RouterRegistry = default_registry(self.ctx)
         # strategies named in config are validated now, so a typo fails at startup, not per request
-        for spec in [config.routing.strategy, config.lora.strategy] + [s for m in config.models for s in (m.strategy, m.lock_strategy) if s]:
-            try:
-                self.registry.get(spec)
-            except StrategyError as e:
-                raise ValueError(f"config: {e}") from None
+        check_strategies(config, self.registry)
 
     def _on_fallback(self, strategy: str, reason: str) -> None:
         self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()

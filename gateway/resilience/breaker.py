@@ -35,12 +35,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import msgspec
 import structlog
 from msgspec import Meta
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.config.block import Block
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.observability.metrics import Counter
 from gateway.resilience.outcome import Outcome
@@ -55,19 +55,19 @@ STATE_VALUE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
 _BUCKETS = 10                      # the fault-rate window is this many time buckets
 
 
-class BreakerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class BreakerConfig(Block):
     """The ``breaker:`` block (global, and per model: a model's block sets only the keys it names)."""
 
-    enabled: bool = True
-    consecutive_faults: _Count = 5         # faults in a row that open it (Envoy consecutive_5xx: 5)
-    fault_rate: Annotated[float, Meta(ge=0, le=1)] = 0.5   # share of faults in the window that opens it; 0: off
-    window_s: _Seconds = 10.0              # the fault-rate window
-    min_requests: _Count = 10              # outcomes in the window before the rate is judged
-    base_ejection_s: _Seconds = 10.0       # first ejection; the n-th lasts n times this
-    max_ejection_s: _Seconds = 300.0       # longest ejection (Envoy max_ejection_time: 300 s)
-    half_open_trials: _Count = 3           # trial requests in flight at once while half-open
-    success_threshold: _Count = 3          # trial successes that close it
-    max_ejection_percent: Annotated[float, Meta(ge=0, le=100)] = 10.0   # of the group (Envoy: 10)
+    enabled: Annotated[bool, Meta(description="Take endpoints that fail repeatedly out of routing for a while.")] = True
+    consecutive_faults: Annotated[_Count, Meta(description="Faults in a row that open the breaker.")] = 5
+    fault_rate: Annotated[float, Meta(ge=0, le=1, description="Share of faults among the outcomes of the window that opens the breaker (0: rule off).")] = 0.5
+    window_s: Annotated[_Seconds, Meta(description="Window of the fault rate, in seconds.")] = 10.0
+    min_requests: Annotated[_Count, Meta(description="Outcomes in the window before the fault rate is judged.")] = 10
+    base_ejection_s: Annotated[_Seconds, Meta(description="First ejection time; the n-th ejection lasts n times this, in seconds.")] = 10.0
+    max_ejection_s: Annotated[_Seconds, Meta(description="Longest ejection, in seconds.")] = 300.0
+    half_open_trials: Annotated[_Count, Meta(description="Trial requests in flight at once after an ejection.")] = 3
+    success_threshold: Annotated[_Count, Meta(description="Successful trials that close the breaker again.")] = 3
+    max_ejection_percent: Annotated[float, Meta(ge=0, le=100, description="Most endpoints of a model's group ejected at once, in percent; one is always allowed, never the last ready one.")] = 10.0
 
     def __post_init__(self) -> None:
         if self.max_ejection_s < self.base_ejection_s:

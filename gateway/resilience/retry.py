@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
 
+from gateway.config.block import Block
 from gateway.endpoints import Endpoint
 from gateway.observability.metrics import Counter, GatewayMetrics
 from gateway.pipeline.context import RequestContext
@@ -36,15 +36,15 @@ from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 _BUCKETS = 10
 
 
-class RetryConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+class RetryConfig(Block):
     """The ``retry:`` block (global, and per model: a model's block sets only the keys it names)."""
 
-    enabled: bool = True
-    max_retries: Annotated[int, Meta(ge=0)] = 2          # per request
-    budget_percent: Annotated[float, Meta(ge=0, le=100)] = 20.0   # of the model's recent requests
-    budget_min: Annotated[int, Meta(ge=0)] = 5           # retries always allowed per window
-    budget_window_s: Annotated[float, Meta(gt=0)] = 10.0
-    on_backpressure: bool = True                         # 429/503 retried where there is headroom
+    enabled: Annotated[bool, Meta(description="Send a failed request again to another endpoint while nothing of the answer reached the client.")] = True
+    max_retries: Annotated[int, Meta(ge=0, description="Retries of one request at most.")] = 2
+    budget_percent: Annotated[float, Meta(ge=0, le=100, description="Retries of a model at most this percent of its requests in the budget window (plus budget_min).")] = 20.0
+    budget_min: Annotated[int, Meta(ge=0, description="Retries always allowed per budget window, so a quiet model can still retry.")] = 5
+    budget_window_s: Annotated[float, Meta(gt=0, description="Window of the retry budget, in seconds.")] = 10.0
+    on_backpressure: Annotated[bool, Meta(description="Also retry a 429 or 503 answer, on an endpoint with headroom.")] = True
 
 
 class RetryBudget:

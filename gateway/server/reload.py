@@ -48,7 +48,7 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from gateway.aliases import Aliases, AliasMetrics
-from gateway.config.schema import Config, ConfigError
+from gateway.config.schema import Config, ConfigError, check_strategies
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.observability.metrics import GatewayMetrics
@@ -56,8 +56,6 @@ from gateway.pipeline.routing import Routing
 from gateway.tenants import Tenancy
 from gateway.tenants.directory import bearer_token, key_digest
 from gateway.tenants.service import needs_tenancy
-from routers.base import RouterContext
-from routers.registry import StrategyError, default_registry
 
 log = structlog.get_logger("switchyard.reload")
 
@@ -148,7 +146,7 @@ def check_offline(started: Config, old: Config, new: Config) -> None:
     path = restart_needed(old, new, tenancy=needs_tenancy(started), admin=started.auth.admin_token is not None)
     if path is not None:
         raise ConfigError(path, "changing this needs a restart; the running config is kept")
-    _check_strategies(new)
+    check_strategies(new)
 
 
 def changed_blocks(old: Config, new: Config) -> list[str]:
@@ -181,26 +179,12 @@ def _routing_state_kept(old: Config, new: Config) -> bool:
             and own_pd == {m.name: m.pd for m in new.models if m.pd is not None})
 
 
-def _check_strategies(config: Config) -> None:
-    """Every strategy the config names exists; an error names its key."""
-    registry = default_registry(RouterContext(settings=config.routing, pd_settings=config.pd_for))
-    named = [("routing.strategy", config.routing.strategy), ("lora.strategy", config.lora.strategy)]
-    for i, m in enumerate(config.models):
-        named += [(f"models[{i}].{key}", spec) for key in ("strategy", "lock_strategy")
-                  if (spec := getattr(m, key))]
-    for path, spec in named:
-        try:
-            registry.get(spec)
-        except StrategyError as e:
-            raise ConfigError(path, str(e)) from None
-
-
 def next_pipeline(live: Live, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
                   alias_metrics: AliasMetrics) -> Any:
     """The pipeline for ``config``, built beside ``live``'s and sharing its collaborators; raises
     ``ConfigError`` when a strategy the config names does not exist. Changes nothing of ``live``."""
     old = live.pipeline
-    _check_strategies(config)
+    check_strategies(config)
     routing = Routing(config, pool, metrics, old.routing.ctx.precise_index)
     if _routing_state_kept(live.config, config):
         routing.ctx, routing.registry = old.routing.ctx, old.routing.registry

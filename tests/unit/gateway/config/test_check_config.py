@@ -1,0 +1,141 @@
+"""``python -m gateway --check-config FILE``: validates a file as a start would, starts nothing,
+names the key of an error (with a did-you-mean for a typo) and prints old names' warnings."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import structlog
+
+from gateway.__main__ import main
+from gateway.config import deprecated
+from gateway.config.deprecated import REMOVED_IN
+from gateway.config.schema import ConfigError, parse_config
+
+ROOT = Path(__file__).resolve().parents[4]
+
+GOOD = """
+models:
+  - name: llama
+    endpoints: [http://127.0.0.1:8001]
+  - name: qwen
+    engine: sglang
+    strategy: prefix-cache
+    endpoints: [http://127.0.0.1:9001]
+"""
+
+
+def check(tmp_path, text, capsys) -> tuple[int, str, str]:
+    f = tmp_path / "gw.yaml"
+    f.write_text(text)
+    rc = main(["--check-config", str(f)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_a_valid_file_is_ok_with_its_model_count(tmp_path, capsys):
+    rc, out, err = check(tmp_path, GOOD, capsys)
+    assert rc == 0 and err == ""
+    assert out.strip() == f"{tmp_path / 'gw.yaml'}: OK (2 models)"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("listen: {prot: 8000}", "listen.prot: unknown key (did you mean 'port'?) (known: host, port)"),
+    ("routing: {strategy: least-requests}",
+     "routing.strategy: incorrect routing strategy least-requests: unknown strategy 'least-requests' "
+     "(did you mean 'least-request'?)"),
+    ("models: [{name: a, endpoints: [http://x:1], lock_strategy: 'prefix-cach:2,random:1'}]",
+     "models[0].lock_strategy: incorrect routing strategy prefix-cach:2,random:1: unknown strategy "
+     "'prefix-cach' (did you mean 'prefix-cache'?)"),
+    ("models: [{name: a, endpionts: [http://x:1]}]", "models[0].endpionts: unknown key (did you mean 'endpoints'?)"),
+    ("models: [{name: a, endpoints: [http://x:1], pd: {sglang: {abort_timeout: 1}}}]",
+     "models[0].pd.sglang.abort_timeout: unknown key (did you mean 'abort_timeout_s'?)"),
+    ("server: {max_body_bytes: -1}", "server.max_body_bytes: Expected `int` >= 0"),
+    ("models: [{name: a}]", "models[0]: model 'a' needs 'endpoints' or 'rolesets'"),
+])
+def test_an_error_names_the_file_and_the_key(tmp_path, capsys, text, expected):
+    rc, out, err = check(tmp_path, text, capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}: {expected}"), err
+
+
+def test_a_missing_file_or_bad_yaml_is_an_error(tmp_path, capsys):
+    assert main(["--check-config", str(tmp_path / "nope.yaml")]) == 2
+    assert "<file>: cannot read" in capsys.readouterr().err
+    rc, _, err = check(tmp_path, "models: [", capsys)
+    assert rc == 2 and "<yaml>: invalid YAML" in err
+
+
+OLD = """
+upstream: {retry_on_connect_error: true}
+pd: {abort_timeout_s: 5}
+models:
+  - name: a
+    endpoints: [http://x:1]
+    pd: {rewrite_remote_host: false, default_bootstrap_port: 9000, abort_retry_delay_s: 1}
+"""
+OLD_WARNINGS = [
+    f"upstream.retry_on_connect_error is deprecated and will be removed in {REMOVED_IN}; write retry.enabled instead",
+    f"pd.abort_timeout_s is deprecated and will be removed in {REMOVED_IN}; write pd.sglang.abort_timeout_s instead",
+    f"models[0].pd.rewrite_remote_host is deprecated and will be removed in {REMOVED_IN}; "
+    "write models[0].pd.vllm.rewrite_remote_host instead",
+    f"models[0].pd.default_bootstrap_port is deprecated and will be removed in {REMOVED_IN}; "
+    "write models[0].pd.sglang.default_bootstrap_port instead",
+    f"models[0].pd.abort_retry_delay_s is deprecated and will be removed in {REMOVED_IN}; "
+    "write models[0].pd.sglang.abort_retry_delay_s instead",
+]
+
+
+def test_old_names_still_load_and_are_printed_as_warnings(tmp_path, capsys):
+    rc, out, err = check(tmp_path, OLD, capsys)
+    assert rc == 0 and "OK (1 model)" in out
+    assert err.splitlines() == [f"switchyard: warning: {w}" for w in OLD_WARNINGS]
+
+
+def test_old_names_are_logged_once_per_load(monkeypatch):
+    # a logger not yet bound: one cached under another test's configuration would bypass the capture
+    monkeypatch.setattr(deprecated, "log", structlog.get_logger("switchyard.config"))
+    with structlog.testing.capture_logs() as logs:
+        c = parse_config(OLD, "gw.yaml")
+    assert c.pd_for("a").sglang.default_bootstrap_port == 9000
+    assert [(e["log_level"], e["key"], e["removed_in"]) for e in logs] == [
+        ("warning", w.split(" ")[0], REMOVED_IN) for w in OLD_WARNINGS]
+    assert all(REMOVED_IN in e["event"] for e in logs)
+    with structlog.testing.capture_logs() as logs:
+        parse_config(GOOD)
+    assert logs == []
+
+
+def test_a_deprecation_is_reported_with_the_error_it_comes_with(tmp_path, capsys):
+    rc, _, err = check(tmp_path, "pd: {abort_timeout_s: 1, sglang: {abort_timeout_s: 2}}", capsys)
+    assert rc == 2 and "pd.abort_timeout_s: also given as pd.sglang.abort_timeout_s" in err
+    with pytest.raises(ConfigError):
+        parse_config("upstream: {retry_on_connect_error: 3}")
+
+
+def test_check_config_starts_nothing(tmp_path):
+    """In a process of its own, with sockets and threads forbidden: nothing listens, connects,
+    spawns a thread or imports the clients of Redis, Kubernetes or ZMQ."""
+    f = tmp_path / "gw.yaml"
+    f.write_text(GOOD + "state: {redis_url: 'redis://127.0.0.1:1/0'}\nkubernetes: {enabled: false}\n")
+    probe = textwrap.dedent(f"""
+        import socket, sys, threading
+        def refuse(*a, **k):
+            raise AssertionError("a socket was opened")
+        socket.socket.__init__ = refuse
+        threading.Thread.start = refuse
+        from gateway.__main__ import main
+        rc = main(["--check-config", {str(f)!r}])
+        loaded = sorted(m for m in ("redis", "kubernetes_asyncio", "zmq", "tokenizers", "gateway.server.run")
+                        if m in sys.modules)
+        print("loaded:", loaded)
+        sys.exit(rc)
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert "OK (2 models)" in done.stdout and "loaded: []" in done.stdout
