@@ -35,7 +35,7 @@ $(PROMTOOL): | $(BIN)/python
 	  apt-get download -qq prometheus 2>/dev/null || { apt-get update -qq && apt-get download -qq prometheus; }; \
 	  dpkg-deb -x prometheus_*.deb root; cp root/usr/bin/promtool $(CURDIR)/$@; cd $(CURDIR); rm -rf $$tmp; fi
 
-# the status page's browser tests drive a headless Chromium over DevTools (tests/cdp.py)
+# the status page's browser tests drive a headless Chromium over DevTools (tests/support/cdp.py)
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
@@ -45,7 +45,7 @@ test: $(DEVSTAMP) redis-server $(PROMTOOL) chromium
 # the README's picture of the status page: `python -m gateway --demo` under traffic, in headless Chromium;
 # made small with pngquant when it is installed (Debian: pngquant)
 status-screenshot: $(DEVSTAMP) chromium
-	$(BIN)/python -m tests.status_screenshot docs/status-page.png
+	$(BIN)/python -m tests.support.status_screenshot docs/status-page.png
 	@! command -v pngquant >/dev/null || pngquant --force --quality 70-95 --output docs/status-page.png docs/status-page.png
 
 lint: $(DEVSTAMP)

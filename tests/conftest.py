@@ -148,8 +148,8 @@ async def gateway():
 
 @pytest.fixture
 async def emu():
-    """A Kubernetes API server emulator on loopback (tests/kube_emulator.py)."""
-    from tests.kube_emulator import KubeEmulator
+    """A Kubernetes API server emulator on loopback (tests/support/kube_emulator.py)."""
+    from tests.support.kube_emulator import KubeEmulator
 
     e = KubeEmulator(bookmark_interval=0.1)
     await e.start()

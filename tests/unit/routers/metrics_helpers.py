@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.request import CHAT, InferenceRequest
 from routers.base import RouterContext, RoutingSettings
-from tests.strategy_util import Clock, Fallbacks
+from tests.support.clock import Clock, Fallbacks
 
 
 def make_req(tokens: int = 100) -> InferenceRequest:

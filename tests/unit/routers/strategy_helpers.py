@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest
 from routers.base import RouterContext, RoutingSettings
-from tests.strategy_util import Clock, Fallbacks
+from tests.support.clock import Clock, Fallbacks
 
 
 def make_req(text: str = "user\nhello there", *, user: str | None = None, session_id: str | None = None,

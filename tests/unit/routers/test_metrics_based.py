@@ -9,7 +9,7 @@ import pytest
 from gateway.endpoints import EngineMetrics
 from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
 from routers.registry import default_registry
-from tests.strategy_util import Clock
+from tests.support.clock import Clock
 from tests.unit.routers.metrics_helpers import ctx_for, make_eps, make_req, snap
 
 # -- least-kv-cache --------------------------------------------------------------------------------
