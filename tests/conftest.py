@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from hypothesis import HealthCheck, is_hypothesis_test, settings
 
@@ -30,6 +29,12 @@ from gateway.observability.logs import LineWriter
 from gateway.pipeline.pipeline import Pipeline
 from gateway.server.app import GATEWAY_KEY
 from gateway.server.run import start
+
+# re-exported: test files written before tests/support/ import these from here
+from tests.support.factories import model_block as model_block
+from tests.support.http import sim_state as sim_state
+from tests.support.http import sse_events as sse_events
+from tests.support.waiting import wait_for as wait_for
 
 settings.register_profile("ci", derandomize=True, print_blob=True, database=None, deadline=None,
                           max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -114,10 +119,6 @@ async def sims():
             await s.close()
 
 
-def model_block(name: str, engine: str, urls: list[str], **extra) -> dict:
-    return {"name": name, "engine": engine, "endpoints": list(urls), **extra}
-
-
 @pytest.fixture
 async def gateway():
     runners = []
@@ -188,29 +189,3 @@ async def _leases_balance():
     _live_gateways.clear()
 
 
-async def sim_state(url: str) -> dict:
-    async with aiohttp.ClientSession() as s, s.get(url + "/_sim/state") as r:
-        return await r.json()
-
-
-async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
-    """Poll an async or sync predicate until it is truthy; returns its last value."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        v = predicate()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v or asyncio.get_running_loop().time() > deadline:
-            return v
-        await asyncio.sleep(interval)
-
-
-def sse_events(raw: bytes) -> list:
-    """The data events of an SSE body: decoded JSON objects, and "[DONE]"."""
-    out = []
-    for block in raw.split(b"\n\n"):
-        block = block.strip()
-        if block.startswith(b"data:"):
-            data = block[5:].strip()
-            out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
-    return out

@@ -6,27 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from functools import partial
 
-import aiohttp
 import openai
 import orjson
 import pytest
 
-from tests.conftest import model_block, wait_for
+from tests.support.factories import model_block
+from tests.support.http import chat_body, post
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
+body = partial(chat_body, CHAT)
 HOLD = {"x-sim-fault": "stall_before_first=inf"}      # runs on the engine until its client leaves
 KEYS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol", "erin": "sk-erin"}
-
-
-def body(max_tokens=4, **kw):
-    return {"model": "m", "messages": CHAT, "max_tokens": max_tokens, **kw}
-
-
-async def post(url, headers=None, **kw):
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body(**kw),
-                                                    headers=headers or {}) as r:
-        return r.status, r.headers, await r.read()
 
 
 def queue(gw):
@@ -43,7 +36,7 @@ async def capped_gateway(sims, gateway, admission=None, **blocks):
 
 async def hold(gw, **headers):
     """A request that occupies the endpoint until the task is cancelled (its client leaves)."""
-    task = asyncio.create_task(post(gw.url, {**HOLD, **headers}))
+    task = asyncio.create_task(post(gw.url, body(), {**HOLD, **headers}))
     assert await wait_for(lambda: gw.gw.pool.endpoints("m")[0].in_flight == 1)
     return task
 
@@ -69,7 +62,7 @@ async def test_queue_order_by_class_then_round_robin_across_users(sims, gateway)
         h = {"Authorization": f"Bearer {KEYS[user]}", "x-request-id": rid}
         if prio:
             h["x-priority"] = prio
-        tasks.append(asyncio.create_task(post(gw.url, h)))
+        tasks.append(asyncio.create_task(post(gw.url, body(), h)))
         assert await wait_for(lambda n=i + 1: len(queue(gw)) == n)
     await cancel(blocker)
     results = await asyncio.gather(*tasks)
@@ -86,7 +79,7 @@ async def test_full_and_timeout_answer_429_with_a_computed_retry_after(sims, gat
     for _ in range(4):         # requests that drained: the rate Retry-After is computed from
         await client.chat.completions.create(**body())
     blocker = await hold(gw)
-    waiting = asyncio.create_task(post(gw.url))
+    waiting = asyncio.create_task(post(gw.url, body()))
     assert await wait_for(lambda: len(queue(gw)) == 1)
     with pytest.raises(openai.RateLimitError) as full:
         await client.chat.completions.create(**body())
@@ -111,13 +104,13 @@ async def test_full_and_timeout_answer_429_with_a_computed_retry_after(sims, gat
 async def test_a_higher_class_displaces_a_sheddable_one_and_sheddable_is_shed_while_it_waits(sims, gateway):
     _, gw = await capped_gateway(sims, gateway, {"queue_max": 1})
     blocker = await hold(gw)
-    low = asyncio.create_task(post(gw.url, {"x-priority": "sheddable"}))
+    low = asyncio.create_task(post(gw.url, body(), {"x-priority": "sheddable"}))
     assert await wait_for(lambda: len(queue(gw)) == 1)
-    high = asyncio.create_task(post(gw.url))
+    high = asyncio.create_task(post(gw.url, body()))
     status, headers, raw = await low
     assert status == 429 and orjson.loads(raw)["error"]["code"] == "displaced" and int(headers["Retry-After"]) >= 1
     assert await wait_for(lambda: queue(gw).count(1) == 1)
-    status, _, raw = await post(gw.url, {"x-priority": "sheddable"})
+    status, _, raw = await post(gw.url, body(), {"x-priority": "sheddable"})
     assert status == 429 and orjson.loads(raw)["error"]["code"] == "shed"
     await cancel(blocker)
     assert (await high)[0] == 200
@@ -126,12 +119,12 @@ async def test_a_higher_class_displaces_a_sheddable_one_and_sheddable_is_shed_wh
 async def test_a_client_that_leaves_while_queued_leaves_the_queue(sims, gateway):
     _, gw = await capped_gateway(sims, gateway)
     blocker = await hold(gw)
-    waiting = asyncio.create_task(post(gw.url))
+    waiting = asyncio.create_task(post(gw.url, body()))
     assert await wait_for(lambda: len(queue(gw)) == 1)
     await cancel(waiting)
     assert await wait_for(lambda: len(queue(gw)) == 0)
     await cancel(blocker)
-    assert (await post(gw.url))[0] == 200
+    assert (await post(gw.url, body()))[0] == 200
     assert gw.gw.admission._models["m"].granted == 0
     text = await gw.metrics_text()
     assert 'switchyard_admission_wait_seconds_count{model="m",outcome="cancelled",priority="standard"} 1.0' in text
@@ -145,9 +138,9 @@ async def test_saturation_follows_the_engines_queue_between_scrapes(sims, gatewa
                        admission={"enabled": True, "max_waiting_per_endpoint": 1})
     ep = gw.gw.pool.endpoints("m")[0]
     first = await hold(gw)
-    second = asyncio.create_task(post(gw.url, HOLD))
+    second = asyncio.create_task(post(gw.url, body(), HOLD))
     assert await wait_for(lambda: ep.metrics is not None and ep.metrics.waiting == 1 and ep.metrics.running == 1)
-    third = asyncio.create_task(post(gw.url))
+    third = asyncio.create_task(post(gw.url, body()))
     assert await wait_for(lambda: len(queue(gw)) == 1)
     await cancel(first)                    # its slot goes to the second; the third may queue on the engine
     assert await wait_for(lambda: len(queue(gw)) == 0)
@@ -160,5 +153,5 @@ async def test_saturation_follows_the_engines_queue_between_scrapes(sims, gatewa
 
 async def test_a_bad_x_priority_is_a_400(sims, gateway):
     _, gw = await capped_gateway(sims, gateway)
-    status, _, raw = await post(gw.url, {"x-priority": "urgent"})
+    status, _, raw = await post(gw.url, body(), {"x-priority": "urgent"})
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"

@@ -9,7 +9,9 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import model_block, sim_state, wait_for
+from tests.support.factories import model_block
+from tests.support.http import sim_state
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
 

@@ -7,7 +7,8 @@ import anthropic
 import orjson
 import pytest
 
-from tests.conftest import model_block, sim_state
+from tests.support.factories import model_block
+from tests.support.http import sim_state
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
 SYSTEM = "You are a railway historian. " * 20

@@ -11,7 +11,8 @@ import openai
 import pytest
 
 from enginesim.audio_api import BYTES_PER_SECOND, transcript
-from tests.conftest import model_block, sim_state
+from tests.support.factories import model_block
+from tests.support.http import post_json, sim_state
 
 RERANK = {"query": "red apple pie", "documents": ["green pear", "a red apple pie recipe", "trains"]}
 AUDIO = bytes(range(256)) * 800          # 204,800 bytes: bigger than one socket read, one write
@@ -25,11 +26,6 @@ async def fleet(sims, gateway):
     return gw, v, s
 
 
-async def post(gw, path: str, body) -> tuple[int, object, dict]:
-    async with aiohttp.ClientSession() as s, s.post(gw.url + path, json=body) as r:
-        return r.status, await r.json(), dict(r.headers)
-
-
 VLLM_CALLS = [
     ("/v1/rerank", RERANK), ("/rerank", RERANK), ("/v2/rerank", {**RERANK, "top_n": 2}),
     ("/v1/score", {"text_1": "red apple", "text_2": ["apple", "pear"]}), ("/score", {"text_1": "a", "text_2": "a"}),
@@ -40,7 +36,7 @@ VLLM_CALLS = [
 @pytest.mark.parametrize("path,body", VLLM_CALLS)
 async def test_every_json_path_reaches_a_vllm_engine(fleet, path, body):
     gw, v, _ = fleet
-    status, got, headers = await post(gw, path, {"model": "llama", **body})
+    status, got, headers = await post_json(gw, path, {"model": "llama", **body})
     assert status == 200, got
     assert headers["target-pod"] == v.url.removeprefix("http://") and headers["request-id"]
     if "rerank" in path:
@@ -58,17 +54,17 @@ async def test_every_json_path_reaches_a_vllm_engine(fleet, path, body):
 
 async def test_sglang_paths_and_the_ones_it_does_not_serve(fleet):
     gw, _, s = fleet
-    status, got, _ = await post(gw, "/v1/rerank", {"model": "qwen", **RERANK})
+    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "qwen", **RERANK})
     assert status == 200 and got[0]["document"] == "a red apple pie recipe" and "meta_info" in got[0]
-    status, got, _ = await post(gw, "/v1/score", {"model": "qwen", "query": "apple", "items": ["apple", "pear"],
+    status, got, _ = await post_json(gw, "/v1/score", {"model": "qwen", "query": "apple", "items": ["apple", "pear"],
                                                   "label_token_ids": [1, 2]})
     assert status == 200 and got["object"] == "scoring" and len(got["scores"]) == 2
-    status, got, _ = await post(gw, "/tokenize", {"model": "qwen", "prompt": "hello there"})
+    status, got, _ = await post_json(gw, "/tokenize", {"model": "qwen", "prompt": "hello there"})
     assert status == 200 and got["count"] == 4
-    status, back, _ = await post(gw, "/detokenize", {"model": "qwen", "tokens": got["tokens"]})
+    status, back, _ = await post_json(gw, "/detokenize", {"model": "qwen", "tokens": got["tokens"]})
     assert status == 200 and back == {"text": "hello there"}
     for path in ("/rerank", "/v2/rerank", "/score"):
-        status, got, headers = await post(gw, path, {"model": "qwen", **RERANK})
+        status, got, headers = await post_json(gw, path, {"model": "qwen", **RERANK})
         assert status == 404 and got["error"]["code"] == "unsupported_path"
         assert got["error"]["message"] == f"The model `qwen` is served by sglang, which does not serve POST {path}."
         assert headers["x-error-unsupported-path"] == path
@@ -78,12 +74,12 @@ async def test_sglang_paths_and_the_ones_it_does_not_serve(fleet):
 
 async def test_errors_are_openai_shaped(fleet):
     gw, _, _ = fleet
-    status, got, _ = await post(gw, "/v1/rerank", RERANK)
+    status, got, _ = await post_json(gw, "/v1/rerank", RERANK)
     assert status == 400 and got["error"]["param"] == "model"
-    status, got, _ = await post(gw, "/tokenize", {"model": "nope", "prompt": "x"})
+    status, got, _ = await post_json(gw, "/tokenize", {"model": "nope", "prompt": "x"})
     assert status == 404 and got["error"]["code"] == "model_not_found"
     # the engine's own refusal keeps its status and message
-    status, got, _ = await post(gw, "/v1/rerank", {"model": "llama", **RERANK, "top_n": -1})
+    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "llama", **RERANK, "top_n": -1})
     assert status == 400 and "top_n" in got["error"]["message"] and got["error"]["type"] == "Bad Request"
 
 
@@ -187,6 +183,6 @@ async def test_an_alias_rewrites_the_model_inside_the_form(sims, gateway):
     raw = await c.audio.transcriptions.with_raw_response.create(model="speech", file=("a.wav", AUDIO))
     assert raw.headers["x-served-model"] == "whisper-v2"
     assert raw.parse().text == transcript(AUDIO, math.ceil(len(AUDIO) / BYTES_PER_SECOND))
-    status, got, _ = await post(gw, "/v1/rerank", {"model": "speech", **RERANK})
+    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "speech", **RERANK})
     assert status == 200 and got["model"] == "whisper-v2"
     await c.close()

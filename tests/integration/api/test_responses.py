@@ -9,9 +9,12 @@ import openai
 import pytest
 
 from enginesim import SimConfig, start_sim
-from tests.conftest import FAST_SIM, model_block, sim_state, wait_for
+from tests.conftest import FAST_SIM
 from tests.integration.tenancy.test_api import ALICE, BOB, KEYS
+from tests.support.factories import model_block
+from tests.support.http import sim_state
 from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
+from tests.support.waiting import wait_for
 
 
 def client(gw, key: str = "none") -> openai.AsyncOpenAI:

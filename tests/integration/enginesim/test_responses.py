@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import orjson
 
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 
 def frames(raw: bytes) -> list[tuple[str, dict]]:

@@ -14,7 +14,7 @@ import pytest
 from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import EndpointPool
 from k8s.discovery import KubernetesDiscovery
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 M = "model.aibrix.ai/name"
 

@@ -15,7 +15,7 @@ import yaml
 
 from gateway.server.app import NOT_READY_KEY
 from gateway.server.run import drain_and_stop, free_port
-from tests.conftest import model_block
+from tests.support.factories import model_block
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Count the wagons."}], "stream": True}
 

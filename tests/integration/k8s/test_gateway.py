@@ -9,7 +9,9 @@ import openai
 import pytest
 
 from gateway.server.app import DISCOVERY_KEY
-from tests.conftest import model_block, sim_state, wait_for
+from tests.support.factories import model_block
+from tests.support.http import sim_state
+from tests.support.waiting import wait_for
 
 M = "model.aibrix.ai/name"
 CHAT = [{"role": "user", "content": "Where do the trains go at night?"}]

@@ -13,7 +13,7 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.server.app import DISCOVERY_KEY
-from tests.conftest import wait_for
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 

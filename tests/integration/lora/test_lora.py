@@ -9,7 +9,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import model_block, sim_state, wait_for
+from tests.support.factories import model_block
+from tests.support.http import sim_state
+from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "Summarise the adapter's task in one line."}]
 LORA_SIM = {"enable_lora": True, "max_loras": 2, "lora_load_ms": 5.0}

@@ -12,8 +12,10 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import model_block, sim_state, wait_for
 from tests.integration.lora.test_lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
+from tests.support.factories import model_block
+from tests.support.http import sim_state
+from tests.support.waiting import wait_for
 
 
 def unload_calls(state: dict) -> list[dict]:

@@ -23,9 +23,11 @@ import pytest
 import yaml
 
 from gateway.server.run import free_port
-from tests.conftest import model_block, wait_for
 from tests.integration.k8s.test_chart import by_kind, helm_render, render  # noqa: F401 (helm_render: a fixture)
+from tests.support.factories import model_block
+from tests.support.http import bearer, chat_body, post
 from tests.support.promql_check import Query, check, exported, parse, plain, variable_query
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 DASHBOARDS = ROOT / "charts" / "switchyard" / "dashboards"
@@ -106,13 +108,12 @@ def test_rules_parse_and_every_alert_has_severity_and_text(helm_render, tmp_path
 # -- the demo run ------------------------------------------------------------------------------
 
 
-async def post(gw, model: str, key: str = BOB, stream: bool = False, headers: dict | None = None,
-               max_tokens: int = 6) -> tuple[int, bytes]:
-    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "stream": stream,
-            "max_tokens": max_tokens}
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=body,
-                                                    headers={"Authorization": f"Bearer {key}", **(headers or {})}) as r:
-        return r.status, await r.read()
+async def traffic(gw, model: str, key: str = BOB, stream: bool = False, headers: dict | None = None,
+                  max_tokens: int = 6) -> tuple[int, bytes]:
+    """One request of the demo run, as ``key``'s user: status and body."""
+    status, _, raw = await post(gw, chat_body([{"role": "user", "content": PROMPT}], model=model, stream=stream,
+                                              max_tokens=max_tokens), {**bearer(key), **(headers or {})})
+    return status, raw
 
 
 async def leave_mid_stream(gw, model: str) -> None:
@@ -151,23 +152,23 @@ async def demo_gateway(sims, gateway):
 
 async def demo_traffic(gw) -> None:
     # the first agg-vllm request meets the dead endpoint (round-robin starts there): a retry
-    assert (await post(gw, "agg-vllm"))[0] == 200
+    assert (await traffic(gw, "agg-vllm"))[0] == 200
     for model in ("agg-vllm", "agg-sglang", "pd-vllm", "pd-sglang"):
         for _ in range(2):                              # the same prompt twice: prefix-cache hits
-            assert (await post(gw, model))[0] == 200
-        status, raw = await post(gw, model, stream=True)
+            assert (await traffic(gw, model))[0] == 200
+        status, raw = await traffic(gw, model, stream=True)
         assert status == 200 and b"[DONE]" in raw
     # errors: an engine 500, a stream that breaks, a failed prefill, a stalled decode (watchdog)
-    assert (await post(gw, "agg-sglang", headers={"x-sim-fault": "status=500"}))[0] >= 500
-    assert b'"error"' in (await post(gw, "agg-vllm", stream=True, headers={"x-sim-fault": "error_after=2"}))[1]
-    assert (await post(gw, "pd-vllm", headers={"x-sim-fault": "prefill.status=503"}))[0] >= 500
-    assert (await post(gw, "pd-sglang", stream=True,
+    assert (await traffic(gw, "agg-sglang", headers={"x-sim-fault": "status=500"}))[0] >= 500
+    assert b'"error"' in (await traffic(gw, "agg-vllm", stream=True, headers={"x-sim-fault": "error_after=2"}))[1]
+    assert (await traffic(gw, "pd-vllm", headers={"x-sim-fault": "prefill.status=503"}))[0] >= 500
+    assert (await traffic(gw, "pd-sglang", stream=True,
                        headers={"x-sim-fault": "decode.stall_before_first=inf"}))[0] == 504
     # a strategy without its signal (no session id): a routing fallback
-    assert (await post(gw, "agg-sglang", headers={"routing-strategy": "session-affinity"}))[0] == 200
+    assert (await traffic(gw, "agg-sglang", headers={"routing-strategy": "session-affinity"}))[0] == 200
     # tenants: alice's third request in the minute is refused; a wrong key is refused
-    assert [(await post(gw, "agg-vllm", key=ALICE))[0] for _ in range(3)] == [200, 200, 429]
-    assert (await post(gw, "agg-vllm", key="sk-nobody"))[0] == 401
+    assert [(await traffic(gw, "agg-vllm", key=ALICE))[0] for _ in range(3)] == [200, 200, 429]
+    assert (await traffic(gw, "agg-vllm", key="sk-nobody"))[0] == 401
     await leave_mid_stream(gw, "agg-vllm")
 
 

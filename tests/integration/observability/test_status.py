@@ -9,9 +9,9 @@ from pathlib import Path
 import aiohttp
 import jsonschema
 
-from tests.conftest import model_block, wait_for
-from tests.integration.pd.test_pd import pd_pair, roleset
+from tests.support.factories import model_block, pd_pair, roleset
 from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
+from tests.support.waiting import wait_for
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "docs" / "status.schema.json").read_text())
 CHAT = [{"role": "user", "content": "What does a switchyard do?"}]

@@ -14,10 +14,9 @@ import os
 import pytest
 
 from gateway.demo import DEMO_ENGINES
-from tests.conftest import model_block
 from tests.integration.observability.test_status import ADMIN, chat
-from tests.integration.pd.test_pd import roleset
 from tests.support.cdp import Browser, chromium_binary
+from tests.support.factories import model_block, roleset
 
 FAST_PAGE = {"refresh_s": 0.5}
 

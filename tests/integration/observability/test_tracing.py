@@ -10,9 +10,10 @@ import aiohttp
 import pytest
 
 from gateway.server.run import free_port
-from tests.conftest import sim_state, wait_for
-from tests.integration.pd.test_pd import pd_model, roleset
+from tests.support.factories import pd_model, roleset
+from tests.support.http import post, sim_state
 from tests.support.otlp_receiver import OTLPReceiver, Span
+from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "Trace this request through the gateway and the engines. " * 4}]
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -33,12 +34,6 @@ def traced(rx: OTLPReceiver, **over) -> dict:
 
 def traceparent(trace_id: str = CLIENT_TRACE, span_id: str = CLIENT_SPAN, sampled: bool = True) -> str:
     return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
-
-
-async def post(gw, payload: dict, headers: dict | None = None) -> tuple[int, dict, bytes]:
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=payload,
-                                                    headers=headers or {}) as r:
-        return r.status, dict(r.headers), await r.read()
 
 
 def server_span(rx: OTLPReceiver, request_id: str) -> Span | None:

@@ -10,15 +10,9 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import sim_state
+from tests.support.http import chat_body, post, sim_state
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant for a gateway team. " * 40}   # ~2000 chars
-
-
-async def post(gw, messages):
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions",
-                                                    json={"model": "m", "messages": messages, "max_tokens": 4}) as r:
-        return r.status, r.headers, await r.read()
 
 
 def vllm_model(p, d, **pd):
@@ -45,7 +39,7 @@ async def test_default_always_disaggregates_with_the_sdk(sims, gateway):
 async def test_short_prompt_runs_whole_on_the_vllm_decode(sims, gateway):
     p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
     gw = await gateway([vllm_model(p, d, disaggregate_min_prompt_tokens=1000)])
-    status, headers, _ = await post(gw, [{"role": "user", "content": "hi"}])
+    status, headers, _ = await post(gw, chat_body([{"role": "user", "content": "hi"}]))
     assert status == 200 and headers["x-pd-decision"] == "decode; reason=short_prompt"
     assert "prefill-target-pod" not in headers and headers["target-pod"] == d.url.split("//")[1]
     assert await completed(p.url) == 0 and await completed(d.url) == 1
@@ -56,10 +50,10 @@ async def test_follow_up_turn_runs_on_the_decode_that_holds_its_history(sims, ga
     p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
     gw = await gateway([vllm_model(p, d, disaggregate_min_uncached_tokens=200)])
     turn1 = [SYSTEM, {"role": "user", "content": "First question about routing?"}]
-    status, headers, _ = await post(gw, turn1)
+    status, headers, _ = await post(gw, chat_body(turn1))
     assert status == 200 and headers["x-pd-decision"] == "disaggregated; reason=uncached"
     turn2 = turn1 + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
-    status, headers, _ = await post(gw, turn2)
+    status, headers, _ = await post(gw, chat_body(turn2))
     assert status == 200 and headers["x-pd-decision"] == "decode; reason=cached_on_decode"
     assert await completed(p.url) == 1 and await completed(d.url) == 2
     text = await gw.metrics_text()
@@ -76,7 +70,7 @@ async def test_sglang_runs_whole_on_a_combined_endpoint_or_disaggregates(sims, g
         rs["combined"] = [c.url]
     gw = await gateway([{"name": "m", "engine": "sglang", "rolesets": [rs],
                          "pd": {"disaggregate_min_prompt_tokens": 1000, "combined_load_ratio": 0}}])
-    status, headers, _ = await post(gw, [{"role": "user", "content": "hi"}])
+    status, headers, _ = await post(gw, chat_body([{"role": "user", "content": "hi"}]))
     assert status == 200
     if with_combined:
         assert headers["x-pd-decision"] == "combined; reason=short_prompt"
@@ -104,7 +98,7 @@ async def test_on_kv_events_the_decode_reports_what_it_holds(sims, gateway):
     seen: list[dict] = []
     gw.gw.observers.append(lambda rec, _duration: seen.append(dict(rec.extra)))
     turn1 = [SYSTEM, {"role": "user", "content": "First question about routing?"}]
-    status, headers, _ = await post(gw, turn1)
+    status, headers, _ = await post(gw, chat_body(turn1))
     assert status == 200 and headers["x-pd-decision"] == "disaggregated; reason=uncached"
     # the decode's engine reports the blocks the transfer filled
     for _ in range(200):
@@ -112,7 +106,7 @@ async def test_on_kv_events_the_decode_reports_what_it_holds(sims, gateway):
             break
         await asyncio.sleep(0.02)
     turn2 = turn1 + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
-    status, headers, _ = await post(gw, turn2)
+    status, headers, _ = await post(gw, chat_body(turn2))
     assert status == 200 and headers["x-pd-decision"] == "decode; reason=cached_on_decode"
     assert await completed(p.url) == 1 and await completed(d.url) == 2
     assert [(x["pd_mode"], x["decode_uncached_source"]) for x in seen] == [("disaggregated", "approximate"),
@@ -157,7 +151,7 @@ async def test_the_prefill_is_chosen_on_what_its_engine_reports_holding(sims, ga
         await asyncio.sleep(0.02)
     chosen = []
     for messages in prompts:
-        status, headers, _ = await post(gw, messages)
+        status, headers, _ = await post(gw, chat_body(messages))
         assert status == 200
         chosen.append(headers["prefill-target-pod"])
     assert chosen == [sim.url.split("//")[1] for sim in warm]

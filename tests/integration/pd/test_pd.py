@@ -10,43 +10,19 @@ import asyncio
 import contextlib
 import socket
 import struct
+from functools import partial
 
 import aiohttp
 import openai
 import orjson
 import pytest
 
-from tests.conftest import sim_state, sse_events, wait_for
+from tests.support.factories import pd_model, pd_pair, roleset
+from tests.support.http import chat_body, post, sim_state, sse_events
+from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
-
-
-async def pd_pair(sims, engine: str, **kw):
-    p = await sims(engine, "m", role="prefill", **kw)
-    d = await sims(engine, "m", role="decode", **kw)
-    return p, d
-
-
-def roleset(engine: str, p, d, name="rs-1", **extra) -> dict:
-    if engine == "sglang":
-        prefill = [{"url": p.url, "bootstrap_port": p.bootstrap_port}]
-    else:
-        prefill = [p.url]
-    return {"name": name, "prefill": prefill, "decode": [d.url], **extra}
-
-
-def pd_model(engine: str, rolesets: list[dict], **extra) -> dict:
-    return {"name": "m", "engine": engine, "rolesets": rolesets, **extra}
-
-
-async def post(gw, payload, headers=None):
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=payload,
-                                                    headers=headers or {}) as r:
-        return r.status, r.headers, await r.read()
-
-
-def body(stream=False, max_tokens=8, **kw):
-    return {"model": "m", "messages": MSG, "stream": stream, "max_tokens": max_tokens, **kw}
+body = partial(chat_body, MSG, stream=False, max_tokens=8)
 
 
 async def quiet(url) -> bool:

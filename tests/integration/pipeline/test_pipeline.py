@@ -3,24 +3,16 @@ and client values echoed in headers never cost the client its answer."""
 
 from __future__ import annotations
 
-import aiohttp
 import orjson
 import pytest
 
 from gateway.pipeline.relay import Relay
 from gateway.pipeline.sse import SSEScanner
 from handlers import adapter_for
-from tests.conftest import model_block, sse_events
+from tests.support.factories import model_block
+from tests.support.http import post, sse_events
 
 CHAT = [{"role": "user", "content": "One endpoint today, two tomorrow."}]
-
-
-async def post(url: str, payload: dict | bytes, headers: dict | None = None):
-    data = payload if isinstance(payload, bytes) else orjson.dumps(payload)
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", data=data,
-                                                    headers={"Content-Type": "application/json",
-                                                             **(headers or {})}) as r:
-        return r.status, dict(r.headers), await r.read()
 
 
 async def test_one_candidate_still_goes_through_the_router(sims, gateway):

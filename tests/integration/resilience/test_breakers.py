@@ -3,25 +3,20 @@ client errors left alone, the retry budget, the ejection cap, and P/D pairs that
 
 from __future__ import annotations
 
+from functools import partial
+
 import aiohttp
 import openai
 import pytest
 
-from tests.conftest import model_block, sim_state, wait_for
+from tests.support.factories import model_block
+from tests.support.http import chat_body, post, sim_state
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
+body = partial(chat_body, CHAT, stream=False, max_tokens=6)
 FAST_BREAKER = {"consecutive_faults": 2, "base_ejection_s": 0.3, "half_open_trials": 1, "success_threshold": 1,
                 "max_ejection_percent": 50}
-
-
-def body(model="m", stream=False, max_tokens=6, **kw):
-    return {"model": model, "messages": CHAT, "stream": stream, "max_tokens": max_tokens, **kw}
-
-
-async def post(url, payload, headers=None):
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=payload,
-                                                    headers=headers or {}) as r:
-        return r.status, r.headers, await r.read()
 
 
 async def sim_config(url, **cfg):

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import aiohttp
 import openai
 import orjson
 import pytest
 
-from tests.conftest import model_block, sim_state, sse_events, wait_for
+from tests.support.factories import model_block
+from tests.support.http import chat_body, post, sim_state, sse_events
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
-
-
-def body(model="m", stream=False, max_tokens=10, **kw):
-    return {"model": model, "messages": CHAT, "stream": stream, "max_tokens": max_tokens, **kw}
-
-
-async def post(url, payload, headers=None):
-    """Returns status, headers, and the raw body bytes."""
-    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=payload,
-                                                    headers=headers or {}) as r:
-        return r.status, r.headers, await r.read()
+body = partial(chat_body, CHAT, stream=False, max_tokens=10)
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -7,7 +7,8 @@ import aiohttp
 import openai
 import pytest
 
-from tests.conftest import model_block, sse_events
+from tests.support.factories import model_block
+from tests.support.http import sse_events
 
 MSG = [{"role": "user", "content": "tell me a long story about gateways"}]
 

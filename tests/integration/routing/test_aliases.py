@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import model_block
+from tests.support.factories import model_block
 
 CHAT = [{"role": "user", "content": "Which track?"}]
 ALIAS = {"name": "chat", "targets": [{"model": "llama-8b", "weight": 90}, {"model": "llama-8b-v2", "weight": 10}]}
@@ -156,7 +156,7 @@ async def test_errors_of_an_aliased_request_name_the_served_model(canary):
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 async def test_an_alias_of_a_pd_model_sends_both_legs_the_targets_name(sims, gateway, engine):
-    from tests.integration.pd.test_pd import pd_model, pd_pair, roleset
+    from tests.support.factories import pd_model, pd_pair, roleset
 
     p, d = await pd_pair(sims, engine)
     gw = await gateway([pd_model(engine, [roleset(engine, p, d)])],

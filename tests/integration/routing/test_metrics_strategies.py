@@ -10,7 +10,7 @@ import pytest
 
 from gateway.upstream.engine_metrics import parse_engine_metrics
 from routers.session import encode_session_id
-from tests.conftest import model_block
+from tests.support.factories import model_block
 
 # -- the parser extension, on real engine output -----------------------------------------------------
 

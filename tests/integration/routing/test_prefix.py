@@ -8,7 +8,7 @@ import contextlib
 import aiohttp
 
 from routers.session import encode_session_id
-from tests.conftest import model_block
+from tests.support.factories import model_block
 
 # -- through the gateway -------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from routers.session import decode_session_id
-from tests.conftest import model_block
+from tests.support.factories import model_block
 
 
 async def test_session_header_round_trip_through_the_gateway(sims, gateway):

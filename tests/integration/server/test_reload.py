@@ -16,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config.schema import load_config
 from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
 from gateway.server.reload import Reloader
-from tests.conftest import model_block, sim_state, wait_for
+from tests.support.factories import model_block
+from tests.support.http import sim_state
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Reload me."}]
 TOKEN = "admin-token-for-reload"

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.server.run import free_port
-from tests.conftest import sim_state
+from tests.support.http import sim_state
 
 CHAT = [{"role": "user", "content": "Keep the trains running."}]
 TOKEN = "admin-token-for-workers"

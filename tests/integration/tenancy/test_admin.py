@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from gateway.admin_cli import main as cli
-from tests.conftest import model_block
 from tests.integration.tenancy.test_api import ALICE, CHAT, client
+from tests.support.factories import model_block
 
 TOKEN = "admin-secret-token"
 CONFIG = {"auth": {"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": TOKEN},

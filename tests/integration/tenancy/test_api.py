@@ -10,7 +10,8 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import model_block, wait_for
+from tests.support.factories import model_block
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-0123456789"

@@ -19,9 +19,10 @@ import yaml
 from gateway.config.schema import StateConfig
 from gateway.server.run import free_port
 from gateway.tenants.redis_state import RedisState
-from tests.conftest import model_block, wait_for
 from tests.integration.tenancy.test_api import ALICE, CHAT, KEYS, client, outcomes
+from tests.support.factories import model_block
 from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
+from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
 FAST_STATE = {"sync_interval_s": 0.05, "replica_ttl_s": 0.5, "timeout_s": 0.2}

@@ -29,7 +29,7 @@ from gateway.upstream.h1client import (
     UpstreamTimeout,
 )
 from gateway.upstream.upstream import UpstreamFailure, classify
-from tests.conftest import model_block
+from tests.support.factories import model_block
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 JSON = {"Content-Type": "application/json"}
