@@ -19,16 +19,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
 
 from enginesim import SimConfig, start_sim
 from gateway.config.schema import config_from_dict
 from gateway.server.app import GATEWAY_KEY
 from gateway.server.run import start
+from tests.support.http import sim_state
+from tests.support.metrics import samples
+from tests.support.waiting import wait_for
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 FAST_SIM = {"ttft_base_ms": 1.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
@@ -68,12 +69,7 @@ class EdgeGateway:
 
     def samples(self) -> dict[str, float]:
         """The gateway's metrics, read in-process (an HTTP scrape would be one more client connection)."""
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(self.app[GATEWAY_KEY].metrics.render().decode()):
-            for s in fam.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                out[f"{s.name}{{{labels}}}"] = s.value
-        return out
+        return samples(self.app[GATEWAY_KEY].metrics.render())
 
     def busy(self) -> dict[str, float]:
         """In-flight gauges that are not back to zero (the gateway's and each endpoint's)."""
@@ -87,8 +83,7 @@ class EdgeGateway:
         return self.samples()["switchyard_client_connections{}"]
 
     async def sim_state(self) -> dict:
-        async with aiohttp.ClientSession() as s, s.get(self.sim.url + "/_sim/state") as r:
-            return await r.json()
+        return await sim_state(self.sim.url)
 
     async def received(self) -> list[dict]:
         """What reached the engine, the gateway's health probes and metric scrapes aside."""
@@ -110,25 +105,11 @@ async def edge_gateway(sim: dict[str, Any] | None = None, **server: Any) -> Asyn
         runner, app, port = await start(cfg)
         gw = EdgeGateway(port=port, app=app, sim=engine)
         yield gw
-        assert await wait_until(lambda: not gw.busy()), f"still in flight after the test: {gw.busy()}"
+        assert await wait_for(lambda: not gw.busy(), timeout=10.0, interval=0.01), f"still in flight after the test: {gw.busy()}"
     finally:
         if runner is not None:
             await runner.cleanup()
         await engine.close()
-
-
-async def wait_until(predicate, timeout: float = 10.0, interval: float = 0.01):
-    """Poll a sync or async predicate until it is truthy (a bound for slow machines, not a latency
-    assertion); returns its last value."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        v = predicate()
-        if inspect.isawaitable(v):
-            v = await v
-        if v or loop.time() > deadline:
-            return v
-        await asyncio.sleep(interval)
 
 
 @dataclass

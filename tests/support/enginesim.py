@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import orjson
+
+from tests.support.http import sim_state
+from tests.support.metrics import samples
+from tests.support.waiting import until
 
 # Latencies small enough that a whole test file runs in seconds; prefill cost zero so cache hits
 # are visible only through cached_tokens, never through timing.
@@ -38,19 +41,6 @@ async def next_event(resp: aiohttp.ClientResponse) -> Any:
     return parse_sse(frame)[0]
 
 
-async def until(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll ``check`` until it is true; a bound for slow machines, not a latency assertion."""
-    async with asyncio.timeout(timeout):
-        while not await check():
-            await asyncio.sleep(0.01)
-
-
-async def sim_state(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    async with http.get(url + "/_sim/state") as resp:
-        assert resp.status == 200
-        return await resp.json()
-
-
 async def wait_state(http: aiohttp.ClientSession, url: str,
                      pred: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
     """The first ``/_sim/state`` snapshot that satisfies ``pred``."""
@@ -58,7 +48,7 @@ async def wait_state(http: aiohttp.ClientSession, url: str,
 
     async def check() -> bool:
         nonlocal found
-        found = await sim_state(http, url)
+        found = await sim_state(url, http)
         return pred(found)
 
     await until(check)
@@ -66,28 +56,20 @@ async def wait_state(http: aiohttp.ClientSession, url: str,
 
 
 async def metric_samples(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """``/metrics`` as ``{"name{sorted labels}": value}``, parsed with prometheus_client's parser."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+    """``/metrics`` as ``{"name{sorted labels}": value}`` (read with :func:`tests.support.metrics.metric`)."""
     async with http.get(url + "/metrics") as resp:
         assert resp.status == 200
-        text = await resp.text()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
+        return samples(await resp.text())
 
 
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for key, value in samples.items():
-        base, _, rest = key.partition("{")
-        if base != name:
-            continue
-        have = dict(kv.split("=", 1) for kv in rest.rstrip("}").split(",") if kv)
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += value
-    return total
+async def call(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[int, Any, aiohttp.ClientResponse]:
+    """POST ``body`` to an engine's ``url`` on a shared session: status, the answer decoded by its content
+    type (SSE events, JSON, or text), and the response for its headers."""
+    async with http.post(url, json=body, headers=headers) as resp:
+        raw = await resp.read()
+        if resp.content_type == "text/event-stream":
+            return resp.status, parse_sse(raw.decode()), resp
+        return resp.status, (await resp.json() if resp.content_type == "application/json" else raw.decode()), resp
+
+

@@ -20,15 +20,9 @@ from enginesim.engine import Engine
 from enginesim.faults import FaultSpecError, parse_fault
 from enginesim.kvcache import BlockPool, root_key
 from enginesim.tokenizer import FakeTokenizer, render_chat
-from tests.support.enginesim import (
-    FAST,
-    metric,
-    metric_samples,
-    next_event,
-    parse_sse,
-    sim_state,
-    wait_state,
-)
+from tests.support.enginesim import FAST, call, metric_samples, next_event, parse_sse, wait_state
+from tests.support.http import sim_state
+from tests.support.metrics import metric
 
 MakeSim = Callable[..., Awaitable[SimServer]]
 CHAT = [{"role": "user", "content": "Tell me about switchyards."}]
@@ -70,23 +64,13 @@ async def sglang(make_sim: MakeSim) -> SimServer:
     return await make_sim(engine="sglang", model="org/llama-sim")
 
 
-async def post(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
-               headers: dict[str, str] | None = None) -> tuple[int, Any, aiohttp.ClientResponse]:
-    async with http.post(url, json=body, headers=headers) as resp:
-        raw = await resp.read()
-        text = raw.decode()
-        if resp.content_type == "text/event-stream":
-            return resp.status, parse_sse(text), resp
-        return resp.status, (await resp.json() if resp.content_type == "application/json" else text), resp
-
-
 # -- vLLM: streaming framing ----------------------------------------------------------------------
 
 
 async def test_vllm_chat_stream_framing(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"model": "llama", "messages": CHAT, "stream": True, "max_tokens": 5,
             "stream_options": {"include_usage": True}}
-    status, events, resp = await post(http, vllm.url + "/v1/chat/completions", body, {"X-Request-Id": "abc"})
+    status, events, resp = await call(http, vllm.url + "/v1/chat/completions", body, {"X-Request-Id": "abc"})
     assert status == 200
     assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
     assert events[-1] == "[DONE]"
@@ -112,7 +96,7 @@ async def test_vllm_chat_stream_framing(vllm: SimServer, http: aiohttp.ClientSes
 async def test_vllm_stream_without_usage_puts_fingerprint_on_last_chunk(
         vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"messages": CHAT, "stream": True, "max_tokens": 2}
-    _, events, _ = await post(http, vllm.url + "/v1/chat/completions", body)
+    _, events, _ = await call(http, vllm.url + "/v1/chat/completions", body)
     assert events[-1] == "[DONE]"
     assert all(e["choices"] for e in events[:-1])  # no usage chunk
     assert events[-2]["choices"][0]["finish_reason"] == "length"
@@ -122,19 +106,19 @@ async def test_vllm_stream_without_usage_puts_fingerprint_on_last_chunk(
 async def test_vllm_continuous_usage_stats(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"messages": CHAT, "stream": True, "max_tokens": 3,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    _, events, _ = await post(http, vllm.url + "/v1/chat/completions", body)
+    _, events, _ = await call(http, vllm.url + "/v1/chat/completions", body)
     counts = [e["usage"]["completion_tokens"] for e in events[:-1]]
     assert counts == [1, 1, 2, 3, 3]  # role chunk rides with the first token; then the usage chunk
     # Without include_usage, continuous_usage_stats alone adds nothing.
     body["stream_options"] = {"continuous_usage_stats": True}
-    _, events, _ = await post(http, vllm.url + "/v1/chat/completions", body)
+    _, events, _ = await call(http, vllm.url + "/v1/chat/completions", body)
     assert all("usage" not in e for e in events[:-1])
 
 
 async def test_vllm_completions_stream_and_non_stream(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"model": "llama-alias", "prompt": "Once upon a time", "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
-    _, events, _ = await post(http, vllm.url + "/v1/completions", body, {"X-Request-Id": "r7"})
+    _, events, _ = await call(http, vllm.url + "/v1/completions", body, {"X-Request-Id": "r7"})
     chunks = events[:-1]
     assert events[-1] == "[DONE]"
     assert all(c["object"] == "text_completion" and c["id"] == "cmpl-r7" for c in chunks)
@@ -145,7 +129,7 @@ async def test_vllm_completions_stream_and_non_stream(vllm: SimServer, http: aio
 
     body.pop("stream_options")
     body["stream"] = False
-    status, data, resp = await post(http, vllm.url + "/v1/completions", body)
+    status, data, resp = await call(http, vllm.url + "/v1/completions", body)
     assert status == 200 and resp.content_type == "application/json"
     assert data["object"] == "text_completion" and data["id"].startswith("cmpl-")
     choice = data["choices"][0]
@@ -157,8 +141,8 @@ async def test_vllm_completions_stream_and_non_stream(vllm: SimServer, http: aio
 
 async def test_vllm_chat_non_stream_shape_and_determinism(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"model": "llama", "messages": CHAT, "max_completion_tokens": 6, "max_tokens": 99}
-    _, first, _ = await post(http, vllm.url + "/v1/chat/completions", body)
-    _, second, _ = await post(http, vllm.url + "/v1/chat/completions", body)
+    _, first, _ = await call(http, vllm.url + "/v1/chat/completions", body)
+    _, second, _ = await call(http, vllm.url + "/v1/chat/completions", body)
     assert first["object"] == "chat.completion" and first["id"].startswith("chatcmpl-")
     msg = first["choices"][0]["message"]
     assert msg["role"] == "assistant" and msg["content"] and msg["reasoning"] is None
@@ -167,16 +151,16 @@ async def test_vllm_chat_non_stream_shape_and_determinism(vllm: SimServer, http:
     assert msg["content"] == second["choices"][0]["message"]["content"]
     # Content given as a list of parts renders like the plain string.
     parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
-    _, third, _ = await post(http, vllm.url + "/v1/chat/completions", {**body, "messages": parts})
+    _, third, _ = await call(http, vllm.url + "/v1/chat/completions", {**body, "messages": parts})
     assert third["choices"][0]["message"]["content"] == msg["content"]
 
 
 async def test_default_max_tokens(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     v = await make_sim(engine="vllm")
     s = await make_sim(engine="sglang")
-    _, data, _ = await post(http, v.url + "/v1/completions", {"prompt": "hi"})
+    _, data, _ = await call(http, v.url + "/v1/completions", {"prompt": "hi"})
     assert data["usage"]["completion_tokens"] == 16
-    _, data, _ = await post(http, s.url + "/generate", {"text": "hi"})
+    _, data, _ = await call(http, s.url + "/generate", {"text": "hi"})
     assert data["meta_info"]["completion_tokens"] == 128
 
 
@@ -184,18 +168,18 @@ async def test_default_max_tokens(make_sim: MakeSim, http: aiohttp.ClientSession
 async def test_stop_strings(engine: str, make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine=engine)
     body: dict[str, Any] = {"messages": CHAT, "max_tokens": 8}
-    _, full, _ = await post(http, sim.url + "/v1/chat/completions", body)
+    _, full, _ = await call(http, sim.url + "/v1/chat/completions", body)
     text = full["choices"][0]["message"]["content"]
     words = text.split(" ")[1:]  # text starts with a space
     stop = " " + words[3]
     body["stop"] = [stop, "never-matches"]
-    _, data, _ = await post(http, sim.url + "/v1/chat/completions", body)
+    _, data, _ = await call(http, sim.url + "/v1/chat/completions", body)
     choice = data["choices"][0]
     assert choice["message"]["content"] == text[:text.index(stop)]
     assert choice["finish_reason"] == "stop"
     assert choice["stop_reason" if engine == "vllm" else "matched_stop"] == stop
     # The stream never leaks a piece of the stop string.
-    _, events, _ = await post(http, sim.url + "/v1/chat/completions", {**body, "stream": True})
+    _, events, _ = await call(http, sim.url + "/v1/chat/completions", {**body, "stream": True})
     streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
     assert streamed == text[:text.index(stop)]
 
@@ -203,11 +187,11 @@ async def test_stop_strings(engine: str, make_sim: MakeSim, http: aiohttp.Client
 async def test_ignore_eos_and_min_tokens(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine="vllm", eos_probability=1.0)
     base = {"prompt": "x", "max_tokens": 5}
-    _, data, _ = await post(http, sim.url + "/v1/completions", base)
+    _, data, _ = await call(http, sim.url + "/v1/completions", base)
     assert data["choices"][0]["finish_reason"] == "stop" and data["usage"]["completion_tokens"] == 1
-    _, data, _ = await post(http, sim.url + "/v1/completions", {**base, "min_tokens": 3})
+    _, data, _ = await call(http, sim.url + "/v1/completions", {**base, "min_tokens": 3})
     assert data["usage"]["completion_tokens"] == 4 and data["choices"][0]["finish_reason"] == "stop"
-    _, data, _ = await post(http, sim.url + "/v1/completions", {**base, "ignore_eos": True})
+    _, data, _ = await call(http, sim.url + "/v1/completions", {**base, "ignore_eos": True})
     assert data["choices"][0]["finish_reason"] == "length" and data["usage"]["completion_tokens"] == 5
 
 
@@ -216,7 +200,7 @@ async def test_ignore_eos_and_min_tokens(make_sim: MakeSim, http: aiohttp.Client
 
 async def test_vllm_embeddings(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"model": "llama", "input": ["hello world", "hello world", "other"]}
-    status, data, _ = await post(http, vllm.url + "/v1/embeddings", body)
+    status, data, _ = await call(http, vllm.url + "/v1/embeddings", body)
     assert status == 200 and data["object"] == "list" and data["id"].startswith("embd-")
     vecs = [d["embedding"] for d in data["data"]]
     assert [d["index"] for d in data["data"]] == [0, 1, 2]
@@ -224,7 +208,7 @@ async def test_vllm_embeddings(vllm: SimServer, http: aiohttp.ClientSession) -> 
     assert len(vecs[0]) == 16 and vecs[0] == vecs[1] != vecs[2]
     assert abs(sum(v * v for v in vecs[0]) - 1.0) < 1e-9
     assert data["usage"]["prompt_tokens"] == data["usage"]["total_tokens"] > 0
-    _, b64, _ = await post(http, vllm.url + "/v1/embeddings",
+    _, b64, _ = await call(http, vllm.url + "/v1/embeddings",
                            {"input": "hello world", "encoding_format": "base64", "dimensions": 8})
     assert len(base64.b64decode(b64["data"][0]["embedding"])) == 8 * 4
 
@@ -242,7 +226,7 @@ async def test_vllm_models_card(vllm: SimServer, http: aiohttp.ClientSession) ->
 
 async def test_vllm_stream_options_without_stream_is_400(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"messages": CHAT, "stream_options": {"include_usage": True}}
-    status, data, _ = await post(http, vllm.url + "/v1/chat/completions", body)
+    status, data, _ = await call(http, vllm.url + "/v1/chat/completions", body)
     assert status == 400
     assert data["error"]["message"] == "Stream options can only be defined when `stream=True`."
     assert set(data["error"]) == {"message", "type", "param", "code"} and data["error"]["code"] == 400
@@ -251,13 +235,13 @@ async def test_vllm_stream_options_without_stream_is_400(vllm: SimServer, http: 
 async def test_unknown_model_vllm_404_sglang_echo(vllm: SimServer, sglang: SimServer,
                                                   http: aiohttp.ClientSession) -> None:
     body = {"model": "nope", "messages": CHAT, "max_tokens": 1}
-    status, data, _ = await post(http, vllm.url + "/v1/chat/completions", body)
+    status, data, _ = await call(http, vllm.url + "/v1/chat/completions", body)
     assert status == 404
     assert data == {"error": {"message": "The model `nope` does not exist. Valid aliases: llama, llama-alias.",
                               "type": "NotFoundError", "param": "model", "code": 404}}
-    status, data, _ = await post(http, sglang.url + "/v1/chat/completions", body)
+    status, data, _ = await call(http, sglang.url + "/v1/chat/completions", body)
     assert status == 200 and data["model"] == "nope"
-    _, data, _ = await post(http, sglang.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
+    _, data, _ = await call(http, sglang.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
     assert data["model"] == "default"
 
 
@@ -273,27 +257,27 @@ async def test_context_length_errors(make_sim: MakeSim, http: aiohttp.ClientSess
     v = await make_sim(engine="vllm", max_model_len=64)
     s = await make_sim(engine="sglang", max_model_len=64)
     body = {"prompt": LONG_TEXT, "max_tokens": 1}
-    status, data, _ = await post(http, v.url + "/v1/completions", body)
+    status, data, _ = await call(http, v.url + "/v1/completions", body)
     assert status == 400 and data["error"]["type"] == "BadRequestError"
     assert data["error"]["message"].startswith("This model's maximum context length is 64 tokens.")
-    status, data, _ = await post(http, v.url + "/v1/completions", {"prompt": "short", "max_tokens": 100})
+    status, data, _ = await call(http, v.url + "/v1/completions", {"prompt": "short", "max_tokens": 100})
     assert status == 400 and "'max_tokens' or 'max_completion_tokens' is too large: 100" in data["error"]["message"]
-    status, data, _ = await post(http, s.url + "/v1/completions", body)
+    status, data, _ = await call(http, s.url + "/v1/completions", body)
     assert status == 400 and data["object"] == "error" and data["code"] == 400
     assert data["message"].startswith("The input (") and "context length (64 tokens)" in data["message"]
-    status, data, _ = await post(http, s.url + "/generate", {"text": LONG_TEXT})
+    status, data, _ = await call(http, s.url + "/generate", {"text": LONG_TEXT})
     assert status == 400 and set(data) == {"error"} and set(data["error"]) == {"message"}
 
 
 async def test_vllm_small_endpoints(vllm: SimServer, http: aiohttp.ClientSession) -> None:
-    _, tok, _ = await post(http, vllm.url + "/tokenize", {"prompt": "Hello, tokenizer world!",
+    _, tok, _ = await call(http, vllm.url + "/tokenize", {"prompt": "Hello, tokenizer world!",
                                                          "return_token_strs": True})
     assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 8192
     assert "".join(tok["token_strs"]) == "Hello, tokenizer world!"
-    _, detok, _ = await post(http, vllm.url + "/detokenize", {"tokens": tok["tokens"]})
+    _, detok, _ = await call(http, vllm.url + "/detokenize", {"tokens": tok["tokens"]})
     assert detok == {"prompt": "Hello, tokenizer world!"}
-    _, chat_tok, _ = await post(http, vllm.url + "/tokenize", {"messages": CHAT})
-    _, usage, _ = await post(http, vllm.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
+    _, chat_tok, _ = await call(http, vllm.url + "/tokenize", {"messages": CHAT})
+    _, usage, _ = await call(http, vllm.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})
     assert chat_tok["count"] == usage["usage"]["prompt_tokens"]
     for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
         async with http.request(method, vllm.url + path) as resp:
@@ -306,18 +290,18 @@ async def test_vllm_small_endpoints(vllm: SimServer, http: aiohttp.ClientSession
 
 async def test_vllm_request_id_header_echo(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine="vllm", enable_request_id_headers=True)
-    _, data, resp = await post(http, sim.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1},
+    _, data, resp = await call(http, sim.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1},
                                {"X-Request-Id": "trace-1"})
     assert resp.headers["X-Request-Id"] == "trace-1" and data["id"] == "chatcmpl-trace-1"
 
 
 async def test_dead_engine(vllm: SimServer, http: aiohttp.ClientSession) -> None:
-    await post(http, vllm.url + "/_sim/config", {"dead": True})
+    await call(http, vllm.url + "/_sim/config", {"dead": True})
     async with http.get(vllm.url + "/health") as resp:
         assert resp.status == 503
-    status, data, _ = await post(http, vllm.url + "/v1/chat/completions", {"messages": CHAT})
+    status, data, _ = await call(http, vllm.url + "/v1/chat/completions", {"messages": CHAT})
     assert status == 500 and data["error"]["type"] == "InternalServerError"
-    await post(http, vllm.url + "/_sim/config", {"dead": False})
+    await call(http, vllm.url + "/_sim/config", {"dead": False})
     async with http.get(vllm.url + "/health") as resp:
         assert resp.status == 200
 
@@ -339,7 +323,7 @@ async def test_vllm_keepalive_frames(make_sim: MakeSim, http: aiohttp.ClientSess
 async def test_sglang_chat_stream_shapes(sglang: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"model": "whatever", "rid": "my-rid", "messages": CHAT, "stream": True, "max_tokens": 3,
             "stream_options": {"include_usage": True}}
-    status, events, resp = await post(http, sglang.url + "/v1/chat/completions", body)
+    status, events, resp = await call(http, sglang.url + "/v1/chat/completions", body)
     assert status == 200 and resp.content_type == "text/event-stream"
     assert events[-1] == "[DONE]"
     role, *content, finish, usage = events[:-1]
@@ -359,18 +343,18 @@ async def test_sglang_chat_stream_shapes(sglang: SimServer, http: aiohttp.Client
 
 async def test_sglang_completions_and_non_stream(sglang: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"prompt": "Once upon a time", "max_tokens": 3, "stream": True}
-    _, events, _ = await post(http, sglang.url + "/v1/completions", body)
+    _, events, _ = await call(http, sglang.url + "/v1/completions", body)
     chunks = events[:-1]
     assert len(chunks) == 3 and all(c["object"] == "text_completion" for c in chunks)
     assert all("matched_stop" in c["choices"][0] for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    _, data, _ = await post(http, sglang.url + "/v1/chat/completions",
+    _, data, _ = await call(http, sglang.url + "/v1/chat/completions",
                             {"messages": CHAT, "max_tokens": 2, "rid": "x1"})
     assert data["id"] == "x1" and data["object"] == "chat.completion"
     choice = data["choices"][0]
     assert choice["message"]["reasoning_content"] is None and choice["matched_stop"] is None
     assert data["usage"]["reasoning_tokens"] == 0
-    _, data, _ = await post(http, sglang.url + "/v1/chat/completions", {"messages": []})
+    _, data, _ = await call(http, sglang.url + "/v1/chat/completions", {"messages": []})
     assert data == {"object": "error", "message": "Messages cannot be empty.", "type": "BadRequestError",
                     "param": "messages", "code": 400}
 
@@ -389,7 +373,7 @@ async def test_headers_timing_sglang_waits_for_first_chunk_vllm_does_not(
     for sim in (vllm, sglang):
         await wait_state(http, sim.url, lambda s: s["counts"]["aborted"] == 1 and not s["running"])
     # With a short stall the SGLang stream does arrive, headers together with the first chunk.
-    _, events, _ = await post(http, sglang.url + "/v1/chat/completions", body,
+    _, events, _ = await call(http, sglang.url + "/v1/chat/completions", body,
                               {"x-sim-fault": "stall_before_first=0.02"})
     assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
 
@@ -397,7 +381,7 @@ async def test_headers_timing_sglang_waits_for_first_chunk_vllm_does_not(
 async def test_sglang_generate_cumulative_stream(sglang: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}, "stream": True,
             "rid": "gen-1"}
-    _, events, _ = await post(http, sglang.url + "/generate", body)
+    _, events, _ = await call(http, sglang.url + "/generate", body)
     assert events[-1] == "[DONE]"
     frames = events[:-1]
     assert len(frames) == 4
@@ -408,12 +392,12 @@ async def test_sglang_generate_cumulative_stream(sglang: SimServer, http: aiohtt
             assert f["text"].startswith(frames[i - 1]["text"]) and len(f["text"]) > len(frames[i - 1]["text"])
         assert f["meta_info"]["finish_reason"] is (None if i < 3 else f["meta_info"]["finish_reason"])
     assert frames[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
-    _, data, _ = await post(http, sglang.url + "/generate", {**body, "stream": False})
+    _, data, _ = await call(http, sglang.url + "/generate", {**body, "stream": False})
     assert data["text"] == frames[-1]["text"] and data["output_ids"] == frames[-1]["output_ids"]
     meta = data["meta_info"]
     assert meta["prompt_tokens"] > 0 and meta["cached_tokens"] == meta["prompt_tokens"] - 1
     assert meta["e2e_latency"] >= 0
-    _, data, _ = await post(http, sglang.url + "/generate", {"input_ids": [5, 6, 7],
+    _, data, _ = await call(http, sglang.url + "/generate", {"input_ids": [5, 6, 7],
                                                              "sampling_params": {"max_new_tokens": 2}})
     assert data["meta_info"]["prompt_tokens"] == 3 and len(data["output_ids"]) == 2
 
@@ -426,13 +410,13 @@ async def test_sglang_abort_request_by_prefix(sglang: SimServer, http: aiohttp.C
         assert (await next_event(resp))["choices"][0]["delta"]["content"]
         async with http.post(sglang.url + "/abort_request", json={"rid": "grp-0002"}) as r:
             assert r.status == 200
-        assert len((await sim_state(http, sglang.url))["running"]) == 1  # other prefix: untouched
+        assert len((await sim_state(sglang.url, http))["running"]) == 1  # other prefix: untouched
         async with http.post(sglang.url + "/abort_request", json={"rid": "grp-0001"}) as r:
             assert r.status == 200 and await r.read() == b""
         finish = await next_event(resp)
         assert finish["choices"][0]["finish_reason"] == "abort"
         assert await next_event(resp) == "[DONE]"
-    state = await sim_state(http, sglang.url)
+    state = await sim_state(sglang.url, http)
     assert state["counts"]["aborted"] == 1 and state["aborted_ids"] == ["grp-0001-a"]
     samples = await metric_samples(http, sglang.url)
     assert metric(samples, "sglang:num_aborted_requests_total") == 1
@@ -441,7 +425,7 @@ async def test_sglang_abort_request_by_prefix(sglang: SimServer, http: aiohttp.C
     gen = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 50}}
     async with http.post(sglang.url + "/generate", json=gen, headers=stall) as resp:
         await next_event(resp)
-        await post(http, sglang.url + "/abort_request", {"abort_all": True})
+        await call(http, sglang.url + "/abort_request", {"abort_all": True})
         last = await next_event(resp)
         assert last["meta_info"]["finish_reason"]["type"] == "abort"
         assert await next_event(resp) == "[DONE]"
@@ -481,8 +465,8 @@ async def test_sglang_info_endpoints_and_flush(sglang: SimServer, http: aiohttp.
 async def test_vllm_prefix_cache_hits(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"prompt": LONG_TEXT, "max_tokens": 1}
     before = await metric_samples(http, vllm.url)
-    _, first, _ = await post(http, vllm.url + "/v1/completions", body)
-    _, second, _ = await post(http, vllm.url + "/v1/completions", body)
+    _, first, _ = await call(http, vllm.url + "/v1/completions", body)
+    _, second, _ = await call(http, vllm.url + "/v1/completions", body)
     prompt_len = second["usage"]["prompt_tokens"]
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -494,25 +478,25 @@ async def test_vllm_prefix_cache_hits(vllm: SimServer, http: aiohttp.ClientSessi
                - metric(before, "vllm:prefix_cache_queries_total"))
     assert hits == cached and queries == 2 * prompt_len
     # A different cache_salt is a different cache.
-    _, salted, _ = await post(http, vllm.url + "/v1/completions", {**body, "cache_salt": "tenant-b"})
+    _, salted, _ = await call(http, vllm.url + "/v1/completions", {**body, "cache_salt": "tenant-b"})
     assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     # A shared prefix hits up to the last full shared block.
-    _, partial, _ = await post(http, vllm.url + "/v1/completions",
+    _, partial, _ = await call(http, vllm.url + "/v1/completions",
                                {"prompt": LONG_TEXT + " and a different ending", "max_tokens": 1})
     assert 0 < partial["usage"]["prompt_tokens_details"]["cached_tokens"] <= cached
 
 
 async def test_cap_is_prompt_len_minus_one(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"prompt": list(range(100, 132)), "max_tokens": 1}  # exactly two full blocks
-    await post(http, vllm.url + "/v1/completions", body)
-    _, data, _ = await post(http, vllm.url + "/v1/completions", body)
+    await call(http, vllm.url + "/v1/completions", body)
+    _, data, _ = await call(http, vllm.url + "/v1/completions", body)
     assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
 
 
 async def test_sglang_cached_tokens_report(sglang: SimServer, http: aiohttp.ClientSession) -> None:
     body = {"messages": CHAT, "max_tokens": 1}
-    await post(http, sglang.url + "/v1/chat/completions", body)
-    _, data, _ = await post(http, sglang.url + "/v1/chat/completions", body)
+    await call(http, sglang.url + "/v1/chat/completions", body)
+    _, data, _ = await call(http, sglang.url + "/v1/chat/completions", body)
     usage = data["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1  # page size 1
     samples = await metric_samples(http, sglang.url)
@@ -522,7 +506,7 @@ async def test_sglang_cached_tokens_report(sglang: SimServer, http: aiohttp.Clie
 
 async def test_cached_tokens_hidden_when_reporting_off(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine="vllm", report_cached_tokens=False)
-    _, data, _ = await post(http, sim.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    _, data, _ = await call(http, sim.url + "/v1/completions", {"prompt": "hi", "max_tokens": 1})
     assert data["usage"]["prompt_tokens_details"] is None
 
 
@@ -531,7 +515,7 @@ async def test_lru_eviction_with_tiny_pool(make_sim: MakeSim, http: aiohttp.Clie
 
     async def cached(prompt_start: int) -> int:
         body = {"prompt": list(range(prompt_start, prompt_start + 8)), "max_tokens": 1}
-        _, data, _ = await post(http, sim.url + "/v1/completions", body)
+        _, data, _ = await call(http, sim.url + "/v1/completions", body)
         return data["usage"]["prompt_tokens_details"]["cached_tokens"]
 
     assert await cached(100) == 0
@@ -540,7 +524,7 @@ async def test_lru_eviction_with_tiny_pool(make_sim: MakeSim, http: aiohttp.Clie
         assert await cached(other) == 0
     assert await cached(400) == 4  # the most recent prompt survived
     assert await cached(100) == 0  # the least recently used one was evicted
-    state = await sim_state(http, sim.url)
+    state = await sim_state(sim.url, http)
     assert state["kv"]["used_blocks"] == 0 and state["kv"]["cached_blocks"] <= 4
 
 
@@ -550,7 +534,7 @@ async def test_kv_pool_full_makes_requests_wait(make_sim: MakeSim, http: aiohttp
     async with http.post(sim.url + "/v1/completions", json=hog,
                          headers={"x-sim-fault": "stall_after=1:inf"}) as resp:
         await next_event(resp)  # running, holding 4 blocks (12 prompt + 1 generated token)
-        task = asyncio.ensure_future(post(http, sim.url + "/v1/completions",
+        task = asyncio.ensure_future(call(http, sim.url + "/v1/completions",
                                           {"prompt": list(range(50, 58)), "max_tokens": 1}))
         state = await wait_state(http, sim.url, lambda s: len(s["waiting"]) == 1)
         assert len(state["running"]) == 1 and state["kv"]["used_blocks"] == 4
@@ -565,7 +549,7 @@ async def test_max_num_seqs_queues_requests(make_sim: MakeSim, http: aiohttp.Cli
     async with http.post(sim.url + "/v1/chat/completions", json=body,
                          headers={"x-sim-fault": "stall_after=1:inf"}) as resp:
         await next_event(resp)
-        second = asyncio.ensure_future(post(http, sim.url + "/v1/chat/completions",
+        second = asyncio.ensure_future(call(http, sim.url + "/v1/chat/completions",
                                             {"messages": CHAT, "max_tokens": 2}))
         state = await wait_state(http, sim.url, lambda s: len(s["waiting"]) == 1)
         assert len(state["running"]) == 1 and state["waiting"][0]["generated"] == 0
@@ -587,36 +571,36 @@ async def test_max_num_seqs_queues_requests(make_sim: MakeSim, http: aiohttp.Cli
 async def test_fault_status_in_each_engine_shape(vllm: SimServer, sglang: SimServer,
                                                  http: aiohttp.ClientSession) -> None:
     fault = {"x-sim-fault": "status=503"}
-    status, data, _ = await post(http, vllm.url + "/v1/chat/completions", {"messages": CHAT, "stream": True},
+    status, data, _ = await call(http, vllm.url + "/v1/chat/completions", {"messages": CHAT, "stream": True},
                                  fault)
     assert status == 503 and data["error"]["code"] == 503 and data["error"]["type"] == "ServiceUnavailableError"
-    status, data, _ = await post(http, sglang.url + "/v1/chat/completions", {"messages": CHAT}, fault)
+    status, data, _ = await call(http, sglang.url + "/v1/chat/completions", {"messages": CHAT}, fault)
     assert status == 503 and data["object"] == "error" and data["type"] == "503"
-    status, data, _ = await post(http, sglang.url + "/generate", {"text": "hi"}, fault)
+    status, data, _ = await call(http, sglang.url + "/generate", {"text": "hi"}, fault)
     assert status == 503 and set(data["error"]) == {"message"}
-    assert (await sim_state(http, vllm.url))["counts"]["errors"] == 1
+    assert (await sim_state(vllm.url, http))["counts"]["errors"] == 1
 
 
 async def test_fault_error_after(vllm: SimServer, sglang: SimServer, http: aiohttp.ClientSession) -> None:
     fault = {"x-sim-fault": "error_after=2"}
     body = {"messages": CHAT, "stream": True, "max_tokens": 5}
-    status, events, _ = await post(http, vllm.url + "/v1/chat/completions", body, fault)
+    status, events, _ = await call(http, vllm.url + "/v1/chat/completions", body, fault)
     assert status == 200 and events[-1] == "[DONE]"
     assert [e["choices"][0]["delta"].get("content") for e in events[1:3]] != [None, None]
     assert events[-2] == {"error": {"message": "Internal server error", "type": "InternalServerError",
                                     "param": None, "code": 500}}
     assert len(events) == 5  # role, 2 tokens, error, [DONE]
-    status, data, _ = await post(http, vllm.url + "/v1/chat/completions", {"messages": CHAT}, fault)
+    status, data, _ = await call(http, vllm.url + "/v1/chat/completions", {"messages": CHAT}, fault)
     assert status == 500 and data["error"]["type"] == "InternalServerError"
-    state = await sim_state(http, vllm.url)
+    state = await sim_state(vllm.url, http)
     assert state["counts"]["errors"] == 2 and not state["running"]
     samples = await metric_samples(http, vllm.url)
     assert metric(samples, "vllm:request_success_total", finished_reason="error") == 2
 
     # SGLang: an error before the first chunk is still a proper HTTP error (no headers were sent).
-    status, data, _ = await post(http, sglang.url + "/v1/chat/completions", body, {"x-sim-fault": "error_after=0"})
+    status, data, _ = await call(http, sglang.url + "/v1/chat/completions", body, {"x-sim-fault": "error_after=0"})
     assert status == 500 and data["object"] == "error" and data["code"] == 500
-    status, events, _ = await post(http, sglang.url + "/v1/chat/completions", body, fault)
+    status, events, _ = await call(http, sglang.url + "/v1/chat/completions", body, fault)
     assert status == 200 and events[-1] == "[DONE]"
     assert events[-2]["error"]["object"] == "error" and events[-2]["error"]["code"] == 500
 
@@ -636,7 +620,7 @@ async def test_fault_drop_after(vllm: SimServer, sglang: SimServer, http: aiohtt
         state = await wait_state(http, sim.url, lambda s: not s["running"])
         assert state["counts"]["errors"] == 1 and state["counts"]["aborted"] == 0
     with pytest.raises(aiohttp.ClientError):
-        await post(http, vllm.url + "/v1/completions", {"prompt": "x", "max_tokens": 5},
+        await call(http, vllm.url + "/v1/completions", {"prompt": "x", "max_tokens": 5},
                    {"x-sim-fault": "drop_after=1"})
 
 
@@ -648,7 +632,7 @@ async def test_fault_stall_after_then_client_gives_up(vllm: SimServer, http: aio
             await next_event(resp)
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(next_event(resp), 0.1)
-        assert (await sim_state(http, vllm.url))["running"][0]["generated"] == 2
+        assert (await sim_state(vllm.url, http))["running"][0]["generated"] == 2
     state = await wait_state(http, vllm.url, lambda s: s["counts"]["aborted"] == 1)
     assert not state["running"] and state["kv"]["used_blocks"] == 0
 
@@ -660,7 +644,7 @@ async def test_fault_slow_headers(vllm: SimServer, http: aiohttp.ClientSession) 
                                          headers={"x-sim-fault": "slow_headers=inf"}), 0.1)
     # The engine generated regardless of the withheld headers; nothing is left running.
     await wait_state(http, vllm.url, lambda s: s["counts"]["completed"] == 1 and not s["running"])
-    status, events, _ = await post(http, vllm.url + "/v1/chat/completions", body,
+    status, events, _ = await call(http, vllm.url + "/v1/chat/completions", body,
                                    {"x-sim-fault": "slow_headers=0.01"})
     assert status == 200 and events[-1] == "[DONE]"
 
@@ -668,14 +652,14 @@ async def test_fault_slow_headers(vllm: SimServer, http: aiohttp.ClientSession) 
 async def test_default_fault_probability_and_override(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine="vllm", fault="status=429")
     body = {"messages": CHAT, "max_tokens": 1}
-    assert (await post(http, sim.url + "/v1/chat/completions", body))[0] == 429
-    assert (await post(http, sim.url + "/v1/chat/completions", body, {"x-sim-fault": "none"}))[0] == 200
-    assert (await post(http, sim.url + "/v1/chat/completions", body,
+    assert (await call(http, sim.url + "/v1/chat/completions", body))[0] == 429
+    assert (await call(http, sim.url + "/v1/chat/completions", body, {"x-sim-fault": "none"}))[0] == 200
+    assert (await call(http, sim.url + "/v1/chat/completions", body,
                        {"x-sim-fault": "status=500;p=0"}))[0] == 200
-    status, data, _ = await post(http, sim.url + "/v1/chat/completions", body, {"x-sim-fault": "bogus=1"})
+    status, data, _ = await call(http, sim.url + "/v1/chat/completions", body, {"x-sim-fault": "bogus=1"})
     assert status == 400 and "unknown fault" in data["error"]["message"]
-    await post(http, sim.url + "/_sim/config", {"fault": ""})
-    assert (await post(http, sim.url + "/v1/chat/completions", body))[0] == 200
+    await call(http, sim.url + "/_sim/config", {"fault": ""})
+    assert (await call(http, sim.url + "/v1/chat/completions", body))[0] == 200
 
 
 def test_fault_spec_parsing() -> None:
@@ -712,7 +696,7 @@ async def test_client_disconnect_aborts(engine: str, make_sim: MakeSim, http: ai
 
 async def test_non_stream_disconnect_aborts(sglang: SimServer, http: aiohttp.ClientSession) -> None:
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(post(http, sglang.url + "/generate", {"text": "hi"},
+        await asyncio.wait_for(call(http, sglang.url + "/generate", {"text": "hi"},
                                     {"x-sim-fault": "stall_before_first=inf"}), 0.1)
     await wait_state(http, sglang.url, lambda s: s["counts"]["aborted"] == 1 and not s["running"])
 
@@ -763,7 +747,7 @@ async def test_sglang_health_503_while_starting(make_sim: MakeSim, http: aiohttp
 
 async def test_metrics_names_and_labels(vllm: SimServer, sglang: SimServer, http: aiohttp.ClientSession) -> None:
     for sim in (vllm, sglang):
-        await post(http, sim.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True})
+        await call(http, sim.url + "/v1/chat/completions", {"messages": CHAT, "max_tokens": 3, "stream": True})
     async with http.get(vllm.url + "/metrics") as resp:
         text = await resp.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
@@ -801,9 +785,9 @@ async def test_sglang_metrics_can_be_off(make_sim: MakeSim, http: aiohttp.Client
 
 
 async def test_sim_reset(vllm: SimServer, http: aiohttp.ClientSession) -> None:
-    await post(http, vllm.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
-    assert (await sim_state(http, vllm.url))["counts"]["completed"] == 1
-    _, state, _ = await post(http, vllm.url + "/_sim/reset", {})
+    await call(http, vllm.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    assert (await sim_state(vllm.url, http))["counts"]["completed"] == 1
+    _, state, _ = await call(http, vllm.url + "/_sim/reset", {})
     assert state["counts"] == {"started": 0, "completed": 0, "aborted": 0, "errors": 0}
     samples = await metric_samples(http, vllm.url)
     assert metric(samples, "vllm:request_success_total") == 0

@@ -14,7 +14,7 @@ import pytest
 from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import EndpointPool
 from k8s.discovery import KubernetesDiscovery
-from tests.support.waiting import wait_for
+from tests.support.waiting import until
 
 M = "model.aibrix.ai/name"
 
@@ -45,10 +45,6 @@ async def discover(emu, tmp_path):
 def names(pool: EndpointPool, model: str | None = None, ready_only: bool = False) -> set[str]:
     eps = pool.endpoints(model)
     return {e.name for e in eps if e.ready or not ready_only}
-
-
-async def until(pred, timeout: float = 3.0) -> None:
-    assert await wait_for(pred, timeout=timeout), "condition not reached in time"
 
 
 async def test_pod_lifecycle_is_reflected_in_the_pool(emu, discover):

@@ -12,6 +12,7 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.kv.wire import rank_of
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -31,19 +32,11 @@ async def _setup(sims, gateway):
                                        "data_parallel_size": 2, "stall_timeout_s": 30,
                                        "client_rank": True}}])   # these tests place prefixes themselves
     kv = gw.gw.routing.ctx.precise_index
-    await _wait(lambda: len(kv.subscribers) == 1)
+    await until(lambda: len(kv.subscribers) == 1)
     st = next(iter(kv.index.states.values()))
     await asyncio.sleep(0.3)          # the SUB sockets connect (a slow joiner misses what came before)
     client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
     return sim, pubs, gw, kv, st, client
-
-
-async def _wait(pred, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 async def _chat(client, pubs, rank: int, tag: str):
@@ -75,7 +68,7 @@ async def test_both_ranks_are_indexed_and_a_gap_replays_on_its_rank_only(sims, g
         assert [s.rank for s in subs] == [0, 1]
         await _chat(client, pubs, 0, "alpha")
         await _chat(client, pubs, 1, "beta")
-        await _wait(lambda: _indexed(st, sim))
+        await until(lambda: _indexed(st, sim))
         assert set(_by_rank(st)) == {0, 1} and len(st.emap) == sum(p.cached_blocks for p in sim.engine.pools)
         # the endpoint holds a prefix that only rank 1 reported: a second turn matches it
         r = await client.chat.completions.create(
@@ -87,7 +80,7 @@ async def test_both_ranks_are_indexed_and_a_gap_replays_on_its_rank_only(sims, g
         pubs.ranks[1].drop_next = 1          # rank 1's next batch is buffered for replay, never sent
         await _chat(client, pubs, 1, "gamma")
         await _chat(client, pubs, 1, "delta")
-        await _wait(lambda: _indexed(st, sim))
+        await until(lambda: _indexed(st, sim))
         assert [p.replays_served for p in pubs.ranks] == [0, 1]
         assert [s.expected for s in subs] == [p.seq for p in pubs.ranks]
         text = await gw.metrics_text()
@@ -101,14 +94,14 @@ async def test_a_restarted_rank_clears_its_entries_only(sims, gateway):
     try:
         await _chat(client, pubs, 0, "alpha")
         await _chat(client, pubs, 1, "beta")
-        await _wait(lambda: _indexed(st, sim))
+        await until(lambda: _indexed(st, sim))
         rank0, rank1_before = _held_by(sim, 0), _held_by(sim, 1)
         assert rank0 and rank1_before
         # rank 1 restarts: its publisher counts from 0 again (its old blocks are gone for the gateway)
         pubs.ranks[1].seq = 0
         pubs.ranks[1].buffer.clear()
         await _chat(client, pubs, 1, "a new life")
-        await _wait(lambda: _by_rank(st).get(1) == _held_by(sim, 1) - rank1_before)
+        await until(lambda: _by_rank(st).get(1) == _held_by(sim, 1) - rank1_before)
         assert _by_rank(st)[0] == rank0                     # rank 0 kept everything
         text = await gw.metrics_text()
         assert 'switchyard_kv_events_restarts_total{model="m"} 1.0' in text
@@ -126,7 +119,7 @@ async def _ranked_setup(sims, gateway, route_ranks: bool):
                                        "data_parallel_size": 2, "stall_timeout_s": 30,
                                        "route_ranks": route_ranks}}])
     kv = gw.gw.routing.ctx.precise_index
-    await _wait(lambda: len(kv.subscribers) == 1)
+    await until(lambda: len(kv.subscribers) == 1)
     st = next(iter(kv.index.states.values()))
     await asyncio.sleep(0.3)
     records: list = []
@@ -149,13 +142,13 @@ async def _workload(sim, gw, st) -> list[int]:
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
             if turn:
                 cached.append(r.usage.prompt_tokens_details.cached_tokens)
-            await _wait(lambda: _indexed(st, sim))
+            await until(lambda: _indexed(st, sim))
         shared = "shared context " + SYSTEM
         for q in range(4):
             r = await client.completions.create(model="m", prompt=f"{shared} question {q}?", max_tokens=2)
             if q:
                 cached.append(r.usage.prompt_tokens_details.cached_tokens)
-            await _wait(lambda: _indexed(st, sim))
+            await until(lambda: _indexed(st, sim))
     finally:
         await client.close()
     return cached
@@ -196,7 +189,7 @@ async def test_a_burst_on_one_new_prefix_follows_the_first_request_to_its_rank(s
     client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
     try:
         await client.completions.create(model="m", prompt="warm up " + SYSTEM[:200], max_tokens=2)
-        await _wait(lambda: _indexed(st, sim))
+        await until(lambda: _indexed(st, sim))
         # the other rank is busier by one pinned request, so a load-only choice would alternate
         shared = "a new shared document " + SYSTEM
         answers = await asyncio.gather(*(client.completions.create(

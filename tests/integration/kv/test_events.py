@@ -11,6 +11,7 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.request import CHAT, parse
+from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
 
@@ -45,14 +46,6 @@ async def clients():
         await c.close()
 
 
-async def _wait(pred, timeout: float = 5.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
-
-
 def _state(gw):
     kv = gw.gw.routing.ctx.precise_index
     return kv, next(iter(kv.index.states.values()))
@@ -74,17 +67,17 @@ async def test_events_fill_the_index_and_match_the_engine(sims, gateway, clients
     gw = await _gateway(gateway, sim)
     kv, st = _state(gw)
     client = clients(gw)
-    await _wait(lambda: sim.engine.kv_events is not None and kv.subscribers)
+    await until(lambda: sim.engine.kv_events is not None and kv.subscribers)
     await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
     r = await _chat(client, "first question")
-    await _wait(lambda: len(st.emap) > 0)
+    await until(lambda: len(st.emap) > 0)
     assert len(st.emap) == sim.engine.pool.cached_blocks
     # the gateway tokenizes like the engine: its match for the same conversation is what the engine caches
     r2 = await _chat(client, "second question")
     cached = r2.usage.prompt_tokens_details.cached_tokens
     assert cached > 0
     # the gateway's match for a third turn is what the engine then finds in its cache
-    await _wait(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "second question"}]
     ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 2}), {}, "t")
     depths, tokens, fallback = kv.match(ireq, [st.ep])
@@ -103,12 +96,12 @@ async def test_gap_is_replayed(sims, gateway, clients):
     client = clients(gw)
     await asyncio.sleep(0.3)
     await _chat(client, "one")
-    await _wait(lambda: len(st.emap) > 0)
+    await until(lambda: len(st.emap) > 0)
     pub = sim.engine.kv_events
     pub.drop_next = 1                  # the next batch is buffered for replay but never published
     await _chat(client, "two " * 60)
     await _chat(client, "three")
-    await _wait(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
     assert 'result="ok"' in await gw.metrics_text()
 
 
@@ -119,18 +112,18 @@ async def test_gap_without_replay_clears(sims, gateway, clients):
     client = clients(gw)
     await asyncio.sleep(0.3)
     await _chat(client, "one")
-    await _wait(lambda: len(st.emap) > 0)
+    await until(lambda: len(st.emap) > 0)
     sim.engine.kv_events.drop_next = 1
     await _chat(client, "two " * 60)
     await _chat(client, "three " * 60)
     # what was missed is unknown: the entries are cleared, and blocks chained on them are orphans
-    await _wait(lambda: 'result="no_replay_port"' in _render(gw))
-    await _wait(lambda: len(st.emap) == 0)
+    await until(lambda: 'result="no_replay_port"' in _render(gw))
+    await until(lambda: len(st.emap) == 0)
     assert 'kind="orphan"' in _render(gw)
     # a prompt on a new prefix is indexed again
     await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "fresh " * 80}],
                                          max_tokens=2)
-    await _wait(lambda: len(st.emap) > 0)
+    await until(lambda: len(st.emap) > 0)
 
 
 async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
@@ -141,7 +134,7 @@ async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
     await asyncio.sleep(0.3)
     for q in ("one", "two"):
         await _chat(client, q)
-    await _wait(lambda: len(st.emap) > 0)
+    await until(lambda: len(st.emap) > 0)
     before = len(st.emap)
     pub = sim.engine.kv_events
     # the engine restarts: an empty cache, and its publisher counts from 0 again
@@ -151,7 +144,7 @@ async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
     assert sim.engine.pool.flush()
     sim.engine.pool.events = pub
     await _chat(client, "a new life")
-    await _wait(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
     assert len(st.emap) < before + 5
     assert "switchyard_kv_events_restarts_total" in await gw.metrics_text()
 
@@ -163,7 +156,7 @@ async def test_stalled_publisher_falls_back_and_recovers(sims, gateway, clients)
     client = clients(gw)
     await asyncio.sleep(0.3)
     await _chat(client, "one")
-    await _wait(lambda: len(st.emap) > 0)
+    await until(lambda: len(st.emap) > 0)
     sim.engine.kv_events.paused = True
     await _chat(client, "something new " * 30)
     await asyncio.sleep(0.3)
@@ -173,7 +166,7 @@ async def test_stalled_publisher_falls_back_and_recovers(sims, gateway, clients)
     assert 'switchyard_kv_events_fallbacks_total{model="m",reason="stalled"}' in text
     assert 'switchyard_routing_fallbacks_total{reason="kv_events_fallback",strategy="prefix-cache"}' in text
     sim.engine.kv_events.resume()
-    await _wait(lambda: st.on_fallback is None)
+    await until(lambda: st.on_fallback is None)
 
 
 async def test_engine_without_events_routes_on_the_approximate_index(sims, gateway, clients):
@@ -202,7 +195,7 @@ async def test_salted_requests_go_to_their_salts_prefix_and_multimodal_falls_bac
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [endpoint(a), endpoint(b)], "tokenizer": TOK,
                          "strategy": "prefix-cache", "kv_events": {"enabled": True, "stall_timeout_s": 5.0}}])
     kv = gw.gw.routing.ctx.precise_index
-    await _wait(lambda: len(kv.subscribers) == 2)
+    await until(lambda: len(kv.subscribers) == 2)
     await asyncio.sleep(0.3)          # the SUB sockets connect
     state = {st.ep.url: st for st in kv.index.states.values()}
     pod = {a.url: state[a.url].ep.address, b.url: state[b.url].ep.address}
@@ -212,7 +205,7 @@ async def test_salted_requests_go_to_their_salts_prefix_and_multimodal_falls_bac
         await c.chat.completions.create(model="m", messages=seed, max_tokens=2,
                                         extra_body={"cache_salt": salt} if salt else None)
         await c.close()
-    await _wait(lambda: all(len(state[s.url].emap) == s.engine.pool.cached_blocks > 0 for s in (a, b)))
+    await until(lambda: all(len(state[s.url].emap) == s.engine.pool.cached_blocks > 0 for s in (a, b)))
     client = clients(gw)
 
     async def ask(text: str, salt: str | None):

@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.factories import model_block
 from tests.support.http import chat_body, post, sim_state
+from tests.support.metrics import series
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
@@ -24,19 +25,9 @@ async def sim_config(url, **cfg):
         assert r.status == 200
 
 
-def samples(text: str, name: str) -> dict[str, float]:
-    """``{labels: value}`` of one metric in a Prometheus text page."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line[len(name) + 1:].rsplit("} ", 1)
-            out[labels] = float(value)
-    return out
-
-
 def state_of(text: str, ep_url: str) -> float:
     addr = ep_url.split("//")[1]
-    return next(v for k, v in samples(text, "switchyard_breaker_state").items() if f'endpoint="{addr}"' in k)
+    return next(v for k, v in series(text, "switchyard_breaker_state").items() if f'endpoint="{addr}"' in k)
 
 
 async def test_sick_engine_is_ejected_retried_around_and_comes_back(sims, gateway):
@@ -55,8 +46,8 @@ async def test_sick_engine_is_ejected_retried_around_and_comes_back(sims, gatewa
     text = await gw.metrics_text()
     assert state_of(text, sick.url) == 1 and state_of(text, good.url) == 0
     assert any('from_state="closed"' in k and 'to_state="open"' in k
-               for k in samples(text, "switchyard_breaker_transitions_total"))
-    assert any('outcome="fault"' in k for k in samples(text, "switchyard_upstream_outcomes_total"))
+               for k in series(text, "switchyard_breaker_transitions_total"))
+    assert any('outcome="fault"' in k for k in series(text, "switchyard_upstream_outcomes_total"))
     started = (await sim_state(sick.url))["counts"]["started"]
 
     await sim_config(sick.url, fault="none")          # the engine heals
@@ -101,8 +92,8 @@ async def test_backpressure_is_retried_where_there_is_headroom_and_never_opens(s
         assert st == 200
     text = await gw.metrics_text()
     assert state_of(text, busy.url) == 0                   # 503 is "busy", not "sick"
-    assert any('outcome="backpressure"' in k for k in samples(text, "switchyard_upstream_outcomes_total"))
-    assert samples(text, "switchyard_retries_total")['model="m"'] >= 3      # each time the busy one was chosen
+    assert any('outcome="backpressure"' in k for k in series(text, "switchyard_upstream_outcomes_total"))
+    assert series(text, "switchyard_retries_total")['model="m"'] >= 3      # each time the busy one was chosen
 
     # with retries of backpressure off, the client gets the engine's 503 and its Retry-After
     gw2 = await gateway([model_block("m", "vllm", [busy.url])], health={"interval_s": 60},
@@ -120,8 +111,8 @@ async def test_client_errors_are_neither_counted_nor_retried(sims, gateway):
         st, hdrs, _ = await post(gw.url, body(), {"x-sim-fault": "status=400"})
         assert st == 400 and "x-retries" not in hdrs
     text = await gw.metrics_text()
-    assert set(samples(text, "switchyard_breaker_state").values()) == {0.0}
-    assert not samples(text, "switchyard_retries_total")
+    assert set(series(text, "switchyard_breaker_state").values()) == {0.0}
+    assert not series(text, "switchyard_retries_total")
 
 
 async def test_retry_budget_stops_retries_amplifying_an_outage(sims, gateway):
@@ -137,9 +128,9 @@ async def test_retry_budget_stops_retries_amplifying_an_outage(sims, gateway):
         retries.append(int(hdrs.get("x-retries", "0")))
     assert retries[:2] == [1, 1] and sum(retries) == 3
     text = await gw.metrics_text()
-    assert samples(text, "switchyard_retries_denied_total") == {'model="m",reason="budget"': 7.0,
+    assert series(text, "switchyard_retries_denied_total") == {'model="m",reason="budget"': 7.0,
                                                                 'model="m",reason="max_retries"': 3.0}
-    assert list(samples(text, "switchyard_retry_causes_total").values()) == [3.0]
+    assert list(series(text, "switchyard_retry_causes_total").values()) == [3.0]
 
 
 async def test_ejection_cap_never_takes_out_the_pool(sims, gateway):
@@ -150,9 +141,9 @@ async def test_ejection_cap_never_takes_out_the_pool(sims, gateway):
         st, _, _ = await post(gw.url, body())
         assert st == 500
     text = await gw.metrics_text()
-    states = samples(text, "switchyard_breaker_state")
+    states = series(text, "switchyard_breaker_state")
     assert sorted(states.values()) == [0, 0, 0, 1]        # 10 % of 4, but always one (Envoy's rule)
-    assert samples(text, "switchyard_breaker_ejections_capped_total")['model="m"'] >= 3
+    assert series(text, "switchyard_breaker_ejections_capped_total")['model="m"'] >= 3
     assert len(gw.gw.pool.ready("m")) == 3
 
 

@@ -19,8 +19,8 @@ from tests.support.edge import (
     on_both_loops,
     parse_responses,
     request,
-    wait_until,
 )
+from tests.support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
@@ -37,7 +37,7 @@ async def test_half_a_head_gets_408_and_is_counted():
         assert err["code"] == "request_timeout" and "header_timeout_s" in err["message"]
         assert ex.closed and ex.first.headers["connection"] == "close"
         assert gw.timeouts("header") == 1
-        assert await wait_until(lambda: gw.connections() == 0)
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
 
 
 @on_both_loops
@@ -122,7 +122,7 @@ async def test_many_slow_clients_are_all_cut_and_leave_nothing_open():
             *[exchange(gw.port, PROMISED_BODY + BODY[:10]) for _ in range(15)])
         assert all(ex.closed and ex.first.status == 408 for ex in results)
         assert gw.timeouts("header") == 60 and gw.timeouts("body") == 15
-        assert await wait_until(lambda: gw.connections() == 0)
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
 
 
 @on_both_loops
@@ -142,10 +142,10 @@ async def test_a_streaming_client_that_stops_reading_is_cut_and_the_engine_abort
                 st = await gw.sim_state()
                 return st if st["counts"]["aborted"] else None
 
-            state = await wait_until(aborted, timeout=30.0)
+            state = await wait_for(aborted, timeout=30.0, interval=0.01)
             assert state and state["counts"]["aborted"] == 1 and state["counts"]["completed"] == 0
             assert gw.timeouts("write_stall") == 1
-            assert await wait_until(lambda: gw.connections() == 0)
+            assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
         finally:
             s.close()
 
@@ -167,7 +167,7 @@ async def test_a_streaming_client_that_pauses_holds_the_engine_back_and_then_get
             await loop.sock_connect(s, ("127.0.0.1", gw.port))
             await loop.sock_sendall(s, request("POST", CHAT, body, close=True))
             got = bytearray(await loop.sock_recv(s, 4096))          # headers and the first chunks
-            assert await wait_until(lambda: any(c.paused for c in pool._conns), timeout=30.0)
+            assert await wait_for(lambda: any(c.paused for c in pool._conns), timeout=30.0, interval=0.01)
             assert (await gw.sim_state())["counts"]["completed"] == 0
             while chunk := await loop.sock_recv(s, 1 << 16):
                 got += chunk
@@ -197,14 +197,14 @@ async def test_connections_over_the_cap_are_closed_at_once_and_counted():
     async with edge_gateway(max_connections=3, header_timeout_s=30.0) as gw:
         held = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(3)]
         try:
-            assert await wait_until(lambda: gw.connections() == 3)
+            assert await wait_for(lambda: gw.connections() == 3, timeout=10.0, interval=0.01)
             ex = await exchange(gw.port, request("GET", "/health"))
             assert ex.closed and ex.responses == []
             s = gw.samples()
             assert s["switchyard_connections_rejected_total{}"] == 1 and s["switchyard_client_connections{}"] == 3
             _r, w = held.pop()
             w.close()
-            assert await wait_until(lambda: gw.connections() == 2)
+            assert await wait_for(lambda: gw.connections() == 2, timeout=10.0, interval=0.01)
             ex = await exchange(gw.port, request("GET", "/health", close=True))
             assert [r.status for r in ex.responses] == [200]
         finally:

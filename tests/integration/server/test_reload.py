@@ -11,13 +11,13 @@ import msgspec
 import openai
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.schema import load_config
 from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
 from gateway.server.reload import Reloader
 from tests.support.factories import model_block
 from tests.support.http import sim_state
+from tests.support.metrics import metric
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Reload me."}]
@@ -43,14 +43,6 @@ class ConfigFile:
 
     def raw(self, text: str) -> None:
         self.path.write_text(text)
-
-
-def metric(text: str, name: str, **labels) -> float | None:
-    for f in text_string_to_metric_families(text):
-        for s in f.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return None
 
 
 async def chat(client, model="m", **kw):

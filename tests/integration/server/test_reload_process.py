@@ -14,10 +14,10 @@ from collections import Counter
 import aiohttp
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.server.run import free_port
 from tests.support.http import sim_state
+from tests.support.metrics import metric
 
 CHAT = [{"role": "user", "content": "Keep the trains running."}]
 TOKEN = "admin-token-for-workers"
@@ -51,14 +51,6 @@ async def gateway_process(path, port: int, *args: str):
             proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):
             await proc.wait()
-
-
-def metric(text: str, name: str, **labels) -> float | None:
-    for f in text_string_to_metric_families(text):
-        for s in f.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return s.value
-    return None
 
 
 async def started(url: str) -> int:

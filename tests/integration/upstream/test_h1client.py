@@ -30,6 +30,7 @@ from gateway.upstream.h1client import (
 )
 from gateway.upstream.upstream import UpstreamFailure, classify
 from tests.support.factories import model_block
+from tests.support.waiting import until
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 JSON = {"Content-Type": "application/json"}
@@ -119,12 +120,6 @@ def answer(body: bytes = b'{"ok":true}', status: int = 200, extra: str = "") -> 
 async def ok(server, req, writer):
     writer.write(answer())
     await writer.drain()
-
-
-async def wait_until(predicate, guard: float = GUARD) -> None:
-    async with asyncio.timeout(guard):
-        while not predicate():
-            await asyncio.sleep(0.005)
 
 
 def free_port() -> int:
@@ -265,7 +260,7 @@ async def test_connection_close_is_honoured():
             assert await resp.read() == b'{"ok":true}'
             resp.release()
         assert eng.accepted == 2
-        await wait_until(lambda: eng.closed == 2)
+        await until(lambda: eng.closed == 2, GUARD)
         await pool.close()
 
 
@@ -341,7 +336,7 @@ async def test_max_connections_makes_requests_wait_for_a_free_connection():
     async with Engine(held) as eng:
         pool = UpstreamPool(max_connections=1)
         first = asyncio.create_task(pool.post(eng.url + "/x", b"1", JSON))
-        await wait_until(lambda: len(eng.requests) == 1)
+        await until(lambda: len(eng.requests) == 1, GUARD)
         second = asyncio.create_task(pool.post(eng.url + "/x", b"2", JSON))
         await asyncio.sleep(0)
         assert not second.done() and pool.open_connections == 1
@@ -448,7 +443,7 @@ async def test_one_timer_serves_head_deadlines_of_any_order():
     async with Engine(slow_or_silent) as eng:
         pool = UpstreamPool()
         slow = asyncio.create_task(pool.post(eng.url + "/slow", b"{}", JSON, header_timeout=30.0))
-        await wait_until(lambda: pool._heads)
+        await until(lambda: pool._heads, GUARD)
         with pytest.raises(UpstreamTimeout):
             await pool.post(eng.url + "/silent", b"{}", JSON, header_timeout=0.05)
         assert not slow.done() and len(pool._heads) == 1
@@ -501,7 +496,7 @@ async def test_a_closed_connection_is_freed_without_the_cycle_collector():
         try:
             resp.close()
             await asyncio.wait_for(eng.disconnected.wait(), GUARD)
-            await wait_until(lambda: conn() is None)
+            await until(lambda: conn() is None, GUARD)
         finally:
             gc.enable()
         await pool.close()
@@ -516,7 +511,7 @@ async def test_cancelling_the_wait_for_the_head_drops_the_connection():
     async with Engine(silent) as eng:
         pool = UpstreamPool()
         task = asyncio.create_task(pool.post(eng.url + "/x", b"{}", JSON))
-        await wait_until(lambda: len(eng.requests) == 1)
+        await until(lambda: len(eng.requests) == 1, GUARD)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -583,7 +578,7 @@ async def test_discarding_a_begun_exchange_drops_its_connection():
         resp.release()
         x = pool.begin(eng.url + "/x", b"{}", JSON)
         assert x.sent
-        await wait_until(lambda: len(eng.requests) == 2)
+        await until(lambda: len(eng.requests) == 2, GUARD)
         x.discard()
         await asyncio.wait_for(eng.disconnected.wait(), GUARD)
         assert pool.open_connections == 0
@@ -614,7 +609,7 @@ async def test_send_state_says_whether_any_of_the_request_may_have_gone_out():
         pool = UpstreamPool(max_connections=1)
         written, waiting = SendState(), SendState()
         first = asyncio.create_task(pool.post(eng.url + "/x", b"1", JSON, state=written))
-        await wait_until(lambda: len(eng.requests) == 1)
+        await until(lambda: len(eng.requests) == 1, GUARD)
         second = asyncio.create_task(pool.post(eng.url + "/x", b"2", JSON, state=waiting))
         await asyncio.sleep(0)
         first.cancel()
@@ -648,7 +643,7 @@ async def test_reading_pauses_while_the_unread_body_is_large_and_resumes_when_re
         pool = UpstreamPool()
         resp = await pool.post(eng.url + "/x", b"{}", JSON)
         conn = resp._conn
-        await wait_until(lambda: conn.paused)
+        await until(lambda: conn.paused, GUARD)
         buffered = resp._size
         assert HIGH_WATER < buffered <= HIGH_WATER + 1024 * 1024     # bounded: one read past the mark
         assert sum(sent) < size                                     # the engine is held back
@@ -702,7 +697,7 @@ async def test_a_piped_body_goes_to_the_sink_from_the_read_callback_until_unpipe
         assert await resp.pipe(sink) is None
         assert bytes(seen) == b"data: 1\n\ndata: 2\n\n"
         conn = resp._conn
-        await wait_until(lambda: conn.paused)           # buffered, bounded: nobody reads
+        await until(lambda: conn.paused, GUARD)           # buffered, bounded: nobody reads
         assert HIGH_WATER < resp._size <= HIGH_WATER + 1024 * 1024
         total = 0
         while chunk := await resp.readany():
@@ -747,7 +742,7 @@ async def _pipe_until_failure(fail: bool) -> None:
                 raise ConnectionResetError("client gone")
 
         piped = asyncio.ensure_future(resp.pipe(sink))
-        await wait_until(lambda: resp.waiting)
+        await until(lambda: resp.waiting, GUARD)
         go.set()
         if fail:
             with pytest.raises(ConnectionResetError):

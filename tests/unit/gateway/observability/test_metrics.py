@@ -7,19 +7,11 @@ import sys
 import time
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.observability.looplag import LoopLagMonitor
 from gateway.observability.metrics import GatewayMetrics, observe_all
-
-
-def samples(m: GatewayMetrics) -> dict[tuple[str, tuple], float]:
-    out = {}
-    for fam in text_string_to_metric_families(m.render().decode()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+from tests.support.metrics import sample_map
 
 
 def ep(port: int, **kw) -> Endpoint:
@@ -34,7 +26,7 @@ def test_engine_state_is_exported_from_fresh_snapshots_only():
     stale.metrics = EngineMetrics(scraped_at=now - 60, running=7, waiting=7, kv_usage=0.9)
     m = GatewayMetrics()
     m.attach_live_state(lambda: [fresh, stale, never], {}, engine_max_age=10.0)
-    got = samples(m)
+    got = sample_map(m.render())
 
     def value(name, endpoint):
         return got.get((name, (("endpoint", endpoint), ("model", "m"))))
@@ -57,7 +49,7 @@ def test_engine_state_is_exported_from_fresh_snapshots_only():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process collector reads /proc")
 def test_process_metrics_are_in_the_gateway_registry():
-    names = {k[0] for k in samples(GatewayMetrics())}
+    names = {k[0] for k in sample_map(GatewayMetrics().render())}
     assert {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
             "process_max_fds", "process_start_time_seconds"} <= names
     # registered before the first sample: the dashboards' job variable reads it
@@ -93,8 +85,8 @@ def test_observe_all_renders_as_one_observe_per_value():
     for g in gaps:
         one.itl.labels("m").observe(g)
     observe_all(batch.itl.labels("m"), gaps)
-    a = {k: v for k, v in samples(one).items() if k[0].startswith("switchyard_inter_token")}
-    b = {k: v for k, v in samples(batch).items() if k[0].startswith("switchyard_inter_token")}
+    a = {k: v for k, v in sample_map(one.render()).items() if k[0].startswith("switchyard_inter_token")}
+    b = {k: v for k, v in sample_map(batch.render()).items() if k[0].startswith("switchyard_inter_token")}
     assert a.keys() == b.keys() and a
     for k, v in a.items():
         assert b[k] == pytest.approx(v, rel=1e-12), k
@@ -110,6 +102,6 @@ def test_fleet_load_is_exported_per_endpoint():
     busy.metrics = EngineMetrics(scraped_at=now, running=9, waiting=3, gateway_in_flight=2)   # 10 from others
     m = GatewayMetrics()
     m.attach_live_state(lambda: [busy, alone], {}, fleet_load=lambda e: fleet_load(e, time.monotonic(), 10.0))
-    got = samples(m)
+    got = sample_map(m.render())
     assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8001"), ("model", "m")))] == 12
     assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8002"), ("model", "m")))] == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.pipeline.relay import WatchdogFired, _Watchdog
+from tests.support.waiting import until
 
 
 class FakeResponse:
@@ -14,13 +15,6 @@ class FakeResponse:
 
     def interrupt(self, exc: BaseException) -> None:
         self.interrupted.append(exc)
-
-
-async def until(cond, limit: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not cond() and loop.time() < end:
-        await asyncio.sleep(0.01)
 
 
 async def test_a_wait_longer_than_the_first_chunk_bound_fires_that_phase():
