@@ -1,10 +1,17 @@
 """Factories: config blocks for a gateway in front of simulated engines, Kubernetes pods for the API
-server emulator, and the small test doubles of pure code (a settable clock, a fallback counter)."""
+server emulator, parsed requests, endpoints and router contexts for pure code, and its small test
+doubles (a settable clock, a fallback counter)."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
+
+from gateway.endpoints import Endpoint
+from gateway.request import CHAT, InferenceRequest
+from routers.base import RouterContext, RoutingSettings
 
 MODEL_LABEL = "model.aibrix.ai/name"
 
@@ -56,3 +63,34 @@ class Fallbacks(Counter):
 
     def __call__(self, strategy: str, reason: str) -> None:
         self[(strategy, reason)] += 1
+
+
+def request(text: str | None = None, *, tokens: int | None = None, model: str = "m", request_id: str = "r",
+            path: str = CHAT, **fields: Any) -> InferenceRequest:
+    """A parsed request as a router sees it. ``text`` is the prompt hashed for prefixes (``"x"`` four
+    characters a token when only ``tokens`` is given); ``tokens`` the estimate (a quarter of the text's
+    length when only ``text`` is given). A test file binds its own defaults with ``functools.partial``."""
+    if text is None:
+        text = "x" * (4 * tokens) if tokens is not None else "user\nhello there"
+    if tokens is None:
+        tokens = max(1, len(text) // 4)
+    return InferenceRequest(path=path, body=b"{}", data={}, model=model, stream=False, include_usage=False,
+                            prompt_text=text, prompt_tokens_est=tokens, request_id=request_id, **fields)
+
+
+def endpoints(n: int, in_flight: Sequence[int] | None = None, *, model: str = "m",
+              url: str = "http://127.0.0.1:{port}") -> list[Endpoint]:
+    """``n`` aggregated endpoints of ``model``; ``url`` is formatted with ``port`` (9001, 9002, ...) and
+    ``n1`` (1, 2, ...); ``in_flight`` sets each one's in-flight count."""
+    eps = [Endpoint(url=url.format(port=9001 + i, n1=i + 1), model=model) for i in range(n)]
+    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
+        ep.in_flight = k
+    return eps
+
+
+def router_ctx(seed: int = 1, clock: Clock | None = None, **settings: Any) -> tuple[RouterContext, Fallbacks]:
+    """A router context with a seeded random source and a standing clock, and its fallback counter."""
+    fallbacks = Fallbacks()
+    ctx = RouterContext(rng=random.Random(seed), clock=clock or Clock(), settings=RoutingSettings(**settings),
+                        on_fallback=fallbacks)
+    return ctx, fallbacks

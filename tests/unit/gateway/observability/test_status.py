@@ -20,16 +20,9 @@ from gateway.request import CHAT, InferenceRequest
 from gateway.server.app import pool_from_config
 from gateway.server.lifecycle import Lifecycle
 from routers.base import Decision
+from tests.support.factories import Clock
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[4] / "docs" / "status.schema.json").read_text())
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def config(**blocks):

@@ -7,18 +7,11 @@ from prometheus_client import CollectorRegistry
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.resilience.outcome import Outcome
 from gateway.resilience.retry import Retries, RetryBudget, RetryConfig
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 500.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.factories import Clock
 
 
 def test_budget_is_a_floor_plus_a_share_of_recent_requests():
-    clock = Clock()
+    clock = Clock(500.0)
     cfg = RetryConfig(budget_percent=20, budget_min=2, budget_window_s=10)
     b = RetryBudget(cfg.budget_window_s, clock)
     spent = 0
@@ -32,7 +25,7 @@ def test_budget_is_a_floor_plus_a_share_of_recent_requests():
         b.spend()
         spent += 1
     assert spent == 12               # 2 + 20 % of 50
-    clock.now += 10.5                # the window moved on: requests and retries forgotten
+    clock.t += 10.5                # the window moved on: requests and retries forgotten
     assert b.allows(cfg)
     assert RetryBudget(10, clock).allows(RetryConfig(budget_min=0, budget_percent=0)) is False
 
@@ -42,7 +35,7 @@ def eps(n):
 
 
 def test_others_and_denials():
-    clock = Clock()
+    clock = Clock(500.0)
     r = Retries(lambda _m: RetryConfig(max_retries=1, budget_min=1, budget_percent=0), CollectorRegistry(),
                 clock=clock)
     a, b, c = eps(3)
