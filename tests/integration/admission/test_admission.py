@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import chat_body, post
+from tests.support.http import chat_body, openai_client, post
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
@@ -75,7 +75,7 @@ async def test_queue_order_by_class_then_round_robin_across_users(sims, gateway)
 
 async def test_full_and_timeout_answer_429_with_a_computed_retry_after(sims, gateway):
     _, gw = await capped_gateway(sims, gateway, {"queue_max": 1, "queue_timeout_s": 0.5})
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     for _ in range(4):         # requests that drained: the rate Retry-After is computed from
         await client.chat.completions.create(**body())
     blocker = await hold(gw)

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import sim_state
+from tests.support.http import openai_client, sim_state
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -30,7 +30,7 @@ async def fleet(sims, gateway):
 @pytest.mark.parametrize("model", ["llama", "qwen"])
 async def test_async_sdk_chat_stream_and_not(fleet, model):
     gw, _ = fleet
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     r = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=8)
     assert r.choices[0].message.content
     assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
@@ -71,7 +71,7 @@ async def test_sync_sdk_completions_with_usage(fleet, model):
 
 async def test_streamed_tokens_are_accounted_even_without_client_usage(fleet):
     gw, _ = fleet
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     for _ in range(2):
         stream = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=7, stream=True)
         async for _chunk in stream:
@@ -85,7 +85,7 @@ async def test_streamed_tokens_are_accounted_even_without_client_usage(fleet):
 
 async def test_response_headers_and_request_id(fleet):
     gw, (v1, v2, *_) = fleet
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     raw = await client.chat.completions.with_raw_response.create(
         model="llama", messages=CHAT, max_tokens=2, extra_headers={"x-request-id": "my-trace-42"})
     assert raw.headers["request-id"] == "my-trace-42"
@@ -129,7 +129,7 @@ async def test_models_health_ready_metrics(fleet):
         async with s.get(gw.url + "/metrics") as r:
             text = await r.text()
             assert "switchyard_requests_total" in text or "switchyard_in_flight_requests" in text
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     models = await client.models.list()
     assert {m.id for m in models.data} == {"llama", "qwen"}
     await client.close()
@@ -138,7 +138,7 @@ async def test_models_health_ready_metrics(fleet):
 async def test_embeddings(sims, gateway):
     e = await sims("vllm", "embed")
     gw = await gateway([model_block("embed", "vllm", [e.url])])
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     r = await client.embeddings.create(model="embed", input=["hello", "world"])
     assert len(r.data) == 2 and len(r.data[0].embedding) > 0
     await client.close()
@@ -199,7 +199,7 @@ async def test_oversize_body_is_413(sims, gateway):
 
 async def test_sdk_exception_classes(fleet):
     gw, _ = fleet
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     with pytest.raises(openai.NotFoundError) as ei:
         await client.chat.completions.create(model="unknown-model", messages=CHAT)
     assert ei.value.code == "model_not_found"

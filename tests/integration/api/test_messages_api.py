@@ -4,35 +4,15 @@ from __future__ import annotations
 
 import aiohttp
 import anthropic
-import orjson
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import sim_state
+from tests.support.http import anthropic_client, sim_state, sse_frames
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
 SYSTEM = "You are a railway historian. " * 20
 ALICE = "sk-alice-0123456789"
 KEYS = {"api_keys": [{"key": ALICE, "user": "alice"}]}
-
-
-def client(gw, key: str = "none") -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=gw.url, api_key=key, max_retries=0)
-
-
-def frames(raw: bytes) -> list[tuple[str | None, dict]]:
-    """(event name, data) of each frame of an Anthropic event stream."""
-    out = []
-    for block in raw.split(b"\n\n"):
-        name, data = None, None
-        for line in block.split(b"\n"):
-            if line.startswith(b"event:"):
-                name = line[6:].strip().decode()
-            elif line.startswith(b"data:"):
-                data = orjson.loads(line[5:])
-        if data is not None:
-            out.append((name, data))
-    return out
 
 
 @pytest.fixture
@@ -47,7 +27,7 @@ async def fleet(sims, gateway):
 
 async def test_sdk_create_stream_and_count_tokens(fleet):
     gw, _ = fleet
-    c = client(gw)
+    c = anthropic_client(gw)
     msg = await c.messages.create(model="llama", max_tokens=8, system="Be brief.", messages=MSGS)
     assert msg.type == "message" and msg.role == "assistant" and msg.content[0].text
     assert msg.usage.output_tokens == 8 and msg.usage.input_tokens > 0 and msg.stop_reason == "max_tokens"
@@ -74,7 +54,7 @@ async def test_sdk_create_stream_and_count_tokens(fleet):
 
 async def test_a_model_whose_engines_have_no_messages_api_is_an_anthropic_404(fleet):
     gw, (_, _, s1) = fleet
-    c = client(gw)
+    c = anthropic_client(gw)
     with pytest.raises(anthropic.NotFoundError) as ei:
         await c.messages.create(model="qwen", max_tokens=8, messages=MSGS)
     assert ei.value.body == {"type": "error", "error": {
@@ -92,7 +72,7 @@ async def test_a_mixed_model_sends_messages_only_to_engines_that_serve_them(sims
     v = await sims("vllm", "mix")
     s = await sims("sglang", "mix")
     gw = await gateway([model_block("mix", "vllm", [v.url, {"url": s.url, "engine": "sglang"}])])
-    c = client(gw)
+    c = anthropic_client(gw)
     for _ in range(6):
         r = await c.messages.with_raw_response.create(model="mix", max_tokens=2, messages=MSGS)
         assert r.headers["target-pod"] == v.url.removeprefix("http://")
@@ -101,7 +81,7 @@ async def test_a_mixed_model_sends_messages_only_to_engines_that_serve_them(sims
 
 async def test_errors_before_headers_are_anthropic_shaped(fleet):
     gw, _ = fleet
-    c = client(gw)
+    c = anthropic_client(gw)
     with pytest.raises(anthropic.BadRequestError) as ei:
         await c.messages.create(model="llama", max_tokens=0, messages=MSGS)
     assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
@@ -126,18 +106,18 @@ async def test_a_failure_after_headers_is_an_error_event(sims, gateway):
     async with aiohttp.ClientSession() as s:
         # the engine fails mid-stream: its own error event reaches the client
         async with s.post(gw.url + "/v1/messages", json=body, headers={"x-sim-fault": "error_after=3"}) as r:
-            got = frames(await r.read())
+            got = sse_frames(await r.read())
         assert got[0][0] == "message_start" and got[-1][0] == "error"
         assert got[-1][1]["type"] == "error"
         # the engine stalls: the watchdog ends the stream with an Anthropic error event
         async with s.post(gw.url + "/v1/messages", json=body, headers={"x-sim-fault": "stall_after=2:inf"}) as r:
             assert r.status == 200
-            got = frames(await r.read())
+            got = sse_frames(await r.read())
         assert [n for n, _ in got[:2]] == ["message_start", "content_block_start"]
         assert got[-1] == ("error", {"type": "error", "error": {
             "type": "timeout_error", "message": "no output from the engine for 0.3s (idle)"}})
     # the SDK raises it as an API error
-    c = client(gw)
+    c = anthropic_client(gw)
     with pytest.raises(anthropic.APIStatusError):
         async with c.messages.stream(model="llama", max_tokens=20, messages=MSGS,
                                      extra_headers={"x-sim-fault": "stall_after=2:inf"}) as stream:
@@ -149,7 +129,7 @@ async def test_a_failure_after_headers_is_an_error_event(sims, gateway):
 async def test_prefix_routing_keys_on_system_and_messages(sims, gateway):
     eps = [await sims("vllm", "llama") for _ in range(3)]
     gw = await gateway([model_block("llama", "vllm", [e.url for e in eps], strategy="prefix-cache")])
-    c = client(gw)
+    c = anthropic_client(gw)
     pods = set()
     for i in range(5):
         r = await c.messages.with_raw_response.create(
@@ -162,10 +142,10 @@ async def test_prefix_routing_keys_on_system_and_messages(sims, gateway):
 async def test_api_keys_from_x_api_key_and_bearer(sims, gateway):
     v = await sims("vllm", "llama")
     gw = await gateway([model_block("llama", "vllm", [v.url])], auth=KEYS)
-    c = client(gw, ALICE)                                   # the SDK sends x-api-key
+    c = anthropic_client(gw, ALICE)                                   # the SDK sends x-api-key
     assert (await c.messages.create(model="llama", max_tokens=3, messages=MSGS)).usage.output_tokens == 3
     await c.close()
-    bad = client(gw, "sk-wrong")
+    bad = anthropic_client(gw, "sk-wrong")
     with pytest.raises(anthropic.AuthenticationError) as ei:
         await bad.messages.create(model="llama", max_tokens=3, messages=MSGS)
     assert ei.value.body == {"type": "error", "error": {"type": "authentication_error",
@@ -184,7 +164,7 @@ async def test_an_alias_names_a_messages_model(sims, gateway):
     v = await sims("vllm", "llama-v2")
     gw = await gateway([model_block("llama-v2", "vllm", [v.url])],
                        aliases=[{"name": "claude-ish", "targets": [{"model": "llama-v2"}]}])
-    c = client(gw)
+    c = anthropic_client(gw)
     raw = await c.messages.with_raw_response.create(model="claude-ish", max_tokens=2, messages=MSGS)
     assert raw.headers["x-served-model"] == "llama-v2" and (await raw.parse()).model == "llama-v2"
     await c.close()

@@ -12,7 +12,7 @@ import pytest
 
 from enginesim.audio_api import BYTES_PER_SECOND, transcript
 from tests.support.factories import model_block
-from tests.support.http import post_json, sim_state
+from tests.support.http import openai_client, post_json, sim_state
 
 RERANK = {"query": "red apple pie", "documents": ["green pear", "a red apple pie recipe", "trains"]}
 AUDIO = bytes(range(256)) * 800          # 204,800 bytes: bigger than one socket read, one write
@@ -101,7 +101,7 @@ async def test_pass_through_is_limited_like_chat(sims, gateway):
 
 async def test_audio_with_the_openai_sdk(fleet):
     gw, v, _ = fleet
-    c = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    c = openai_client(gw)
     seconds = math.ceil(len(AUDIO) / BYTES_PER_SECOND)
     tr = await c.audio.transcriptions.create(model="llama", file=("speech.wav", AUDIO))
     # the engine hashed exactly the bytes the client sent
@@ -165,7 +165,7 @@ async def test_audio_body_limit(sims, gateway):
     async with aiohttp.ClientSession() as s:
         async with s.post(gw.url + "/v1/audio/transcriptions", data=body(), headers=ctype) as r:
             assert r.status == 413 and (await r.json())["error"]["message"] == "request body exceeds 100000 bytes"
-        c = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+        c = openai_client(gw)
         with pytest.raises(openai.APIStatusError) as ei:        # with a Content-Length: refused before reading
             await c.audio.transcriptions.create(model="llama", file=("a.wav", AUDIO))
         assert ei.value.status_code == 413
@@ -179,7 +179,7 @@ async def test_an_alias_rewrites_the_model_inside_the_form(sims, gateway):
     v = await sims("vllm", "whisper-v2")      # the engine refuses any other model name (404)
     gw = await gateway([model_block("whisper-v2", "vllm", [v.url])],
                        aliases=[{"name": "speech", "targets": [{"model": "whisper-v2"}]}])
-    c = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    c = openai_client(gw)
     raw = await c.audio.transcriptions.with_raw_response.create(model="speech", file=("a.wav", AUDIO))
     assert raw.headers["x-served-model"] == "whisper-v2"
     assert raw.parse().text == transcript(AUDIO, math.ceil(len(AUDIO) / BYTES_PER_SECOND))

@@ -12,13 +12,9 @@ from enginesim import SimConfig, start_sim
 from tests.conftest import FAST_SIM
 from tests.integration.tenancy.test_api import ALICE, BOB, KEYS
 from tests.support.factories import model_block
-from tests.support.http import sim_state
+from tests.support.http import openai_client, sim_state
 from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 from tests.support.waiting import wait_for
-
-
-def client(gw, key: str = "none") -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
 
 
 def posts(state: dict) -> list[dict]:
@@ -29,7 +25,7 @@ def posts(state: dict) -> list[dict]:
 async def test_create_and_stream_with_the_sdk_are_accounted(sims, gateway, engine):
     sim = await sims(engine, "m", enable_responses_store=True)
     gw = await gateway([model_block("m", engine, [sim.url])])
-    c = client(gw)
+    c = openai_client(gw)
     r = await c.responses.create(model="m", instructions="Be brief.", input="Hello there", max_output_tokens=6)
     assert r.status == "completed" and r.output_text and r.id.startswith("resp_")
     stream = await c.responses.create(model="m", input=[{"role": "user", "content": "Hi"}], max_output_tokens=6,
@@ -48,7 +44,7 @@ async def test_create_and_stream_with_the_sdk_are_accounted(sims, gateway, engin
 async def test_invalid_bodies_are_refused_before_routing(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])])
-    c = client(gw)
+    c = openai_client(gw)
     for kw, param in (({"input": 3}, "input"), ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
                       ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
                       ({"input": [1]}, "input[0]")):
@@ -64,7 +60,7 @@ async def test_follow_ups_reach_the_engine_that_holds_the_response(sims, gateway
     a = await sims("vllm", "m", enable_responses_store=True)
     b = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="random")])
-    c = client(gw)
+    c = openai_client(gw)
     r = await c.responses.create(model="m", input="Tell me a story", max_output_tokens=4)
     for _ in range(6):      # each on the engine that stored the previous one, whatever random picks
         r = await c.responses.create(model="m", input="go on", previous_response_id=r.id, max_output_tokens=4)
@@ -83,7 +79,7 @@ async def test_owner_gone_unknown_left_the_pool_or_not_ready(sims, gateway):
     a = await sims("vllm", "m", enable_responses_store=True)
     b = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [a.url, b.url])])
-    c = client(gw)
+    c = openai_client(gw)
     with pytest.raises(openai.NotFoundError) as ei:
         await c.responses.create(model="m", input="x", previous_response_id="resp_unknown")
     assert ei.value.body["message"] == "Response with id 'resp_unknown' not found."
@@ -112,14 +108,14 @@ async def test_previous_response_id_across_two_replicas_on_one_redis(sims, gatew
     blocks = {"state": {"redis_url": redis_server.url}, "routing": {"strategy": "random"}}
     g1 = await gateway([model_block("m", "vllm", [a.url, b.url])], **blocks)
     g2 = await gateway([model_block("m", "vllm", [a.url, b.url])], **blocks)
-    r = await client(g1).responses.create(model="m", input="Hello", max_output_tokens=3)
+    r = await openai_client(g1).responses.create(model="m", input="Hello", max_output_tokens=3)
     for i in range(4):      # alternate replicas; a stream's id is recorded before its last event
         gw = (g2, g1)[i % 2]
-        stream = await client(gw).responses.create(model="m", input="again", previous_response_id=r.id,
+        stream = await openai_client(gw).responses.create(model="m", input="again", previous_response_id=r.id,
                                                    max_output_tokens=3, stream=True)
         r = [ev async for ev in stream][-1].response
         assert r.status == "completed"
-    assert (await client(g2).responses.retrieve(r.id)).id == r.id
+    assert (await openai_client(g2).responses.retrieve(r.id)).id == r.id
     counts = sorted([len(posts(await sim_state(a.url))), len(posts(await sim_state(b.url)))])
     assert counts == [0, 5]
 
@@ -128,7 +124,7 @@ async def test_an_error_after_headers_ends_the_stream_with_response_failed(sims,
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])],
                        watchdog={"aggregated": True, "idle_timeout_s": 0.3})
-    c = client(gw)
+    c = openai_client(gw)
     for fault, code in (("drop_after=2", "upstream_incomplete"), ("stall_after=2:inf", "upstream_timeout")):
         stream = await c.responses.create(model="m", input="x", max_output_tokens=20, stream=True,
                                           extra_headers={"x-sim-fault": fault})
@@ -143,11 +139,11 @@ async def test_an_error_after_headers_ends_the_stream_with_response_failed(sims,
 async def test_tpm_is_charged_from_the_usage_of_response_completed(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"tpm": 30}}})
-    stream = await client(gw, ALICE).responses.create(model="m", input="hello", max_output_tokens=30, stream=True)
+    stream = await openai_client(gw, ALICE).responses.create(model="m", input="hello", max_output_tokens=30, stream=True)
     async for _ in stream:
         pass
     with pytest.raises(openai.RateLimitError):
-        await client(gw, ALICE).responses.create(model="m", input="hello", max_output_tokens=1)
+        await openai_client(gw, ALICE).responses.create(model="m", input="hello", max_output_tokens=1)
 
 
 async def test_gateway_history_survives_an_engine_restart(sims, gateway):
@@ -155,7 +151,7 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
     port = sim.port
     gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"},
                        auth=KEYS)
-    c = client(gw, ALICE)
+    c = openai_client(gw, ALICE)
     r1 = await c.responses.create(model="m", instructions="Be brief.", input="My name is Ada.",
                                   max_output_tokens=4)
     await sim.close()
@@ -172,7 +168,7 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
         assert items.data[1].role == "assistant" and items.data[1].content == r1.output_text
         assert (await c.responses.retrieve(r1.id)).output_text == r1.output_text
         with pytest.raises(openai.NotFoundError):           # another user's key does not see it
-            await client(gw, BOB).responses.retrieve(r1.id)
+            await openai_client(gw, BOB).responses.retrieve(r1.id)
         await c.responses.delete(r1.id)
         with pytest.raises(openai.NotFoundError):
             await c.responses.create(model="m", input="again", previous_response_id=r1.id)
@@ -183,7 +179,7 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
 async def test_gateway_history_streams_and_keeps_engines_stateless(sims, gateway):
     a = await sims("sglang", "m")
     gw = await gateway([model_block("m", "sglang", [a.url])], responses={"state": "gateway"})
-    c = client(gw)
+    c = openai_client(gw)
     stream = await c.responses.create(model="m", input="one", max_output_tokens=3, stream=True)
     first = [ev async for ev in stream][-1].response
     stream = await c.responses.create(model="m", input="two", previous_response_id=first.id, max_output_tokens=3,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import orjson
 
-from tests.integration.api.test_messages_api import frames
+from tests.support.http import sse_frames
 
 MSGS = [{"role": "user", "content": "Hello there"}]
 
@@ -15,7 +15,7 @@ async def test_vllm_messages_event_sequence_and_errors(sims):
     async with aiohttp.ClientSession() as s:
         body = {"model": "llama", "max_tokens": 3, "stream": True, "system": "Be brief.", "messages": MSGS}
         async with s.post(v.url + "/v1/messages", json=body) as r:
-            got = frames(await r.read())
+            got = sse_frames(await r.read())
         assert [n for n, _ in got] == ["message_start", "content_block_start", "content_block_delta",
                                        "content_block_delta", "content_block_delta", "content_block_stop",
                                        "message_delta", "message_stop"]

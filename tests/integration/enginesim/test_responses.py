@@ -3,18 +3,9 @@
 from __future__ import annotations
 
 import aiohttp
-import orjson
 
+from tests.support.http import sse_frames
 from tests.support.waiting import wait_for
-
-
-def frames(raw: bytes) -> list[tuple[str, dict]]:
-    out = []
-    for block in raw.split(b"\n\n"):
-        if block.strip():
-            name, data = block.split(b"\n", 1)
-            out.append((name.removeprefix(b"event: ").decode(), orjson.loads(data.removeprefix(b"data: "))))
-    return out
 
 
 async def test_vllm_stream_event_sequence_and_store(sims):
@@ -23,7 +14,7 @@ async def test_vllm_stream_event_sequence_and_store(sims):
         async with s.post(sim.url + "/v1/responses", json={"model": "m", "input": "hi", "stream": True,
                                                          "max_output_tokens": 3}) as r:
             assert r.headers["Content-Type"].startswith("text/event-stream")
-            events = frames(await r.read())
+            events = sse_frames(await r.read())
         names = [n for n, _ in events]
         assert names == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"] + ["response.output_text.delta"] * 3 + [

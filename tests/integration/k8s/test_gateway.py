@@ -9,8 +9,8 @@ import openai
 import pytest
 
 from gateway.server.app import DISCOVERY_KEY
-from tests.support.factories import model_block
-from tests.support.http import sim_state
+from tests.support.factories import model_block, sim_pod
+from tests.support.http import openai_client, sim_state
 from tests.support.waiting import wait_for
 
 M = "model.aibrix.ai/name"
@@ -22,10 +22,6 @@ def kube_block(emu, tmp_path):
     path = tmp_path / "kubeconfig"
     path.write_text(emu.kubeconfig())
     return {"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"], "retry_backoff_s": 0.05}
-
-
-def sim_pod(emu, name: str, sim, model: str, **labels) -> None:
-    emu.create_pod("llm", name, {M: model, "model.aibrix.ai/port": str(sim.port), **labels}, ip="127.0.0.1")
 
 
 async def ready_names(base: str, model: str) -> int:
@@ -43,7 +39,7 @@ async def test_chat_through_discovered_pods(emu, kube_block, sims, gateway):
     gw = await gateway([{"name": "llama", "engine": "vllm", "strategy": "least-request"}], kubernetes=kube_block)
     assert await wait_for(lambda: gw.gw.pool.ready("llama") and gw.gw.pool.ready("qwen"), timeout=3)
 
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     for model, sim in (("llama", v1), ("qwen", s1)):
         raw = await client.chat.completions.with_raw_response.create(model=model, messages=CHAT, max_tokens=4)
         r = raw.parse()
@@ -63,7 +59,7 @@ async def test_pods_coming_and_going_steer_traffic(emu, kube_block, sims, gatewa
     sim_pod(emu, "a", a, "llama")
     gw = await gateway([], kubernetes=kube_block)
     assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 1, timeout=3)
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
 
     # a stream is running on pod a when a is deleted: it finishes; new requests go to b
     stream = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=20, stream=True)
@@ -100,7 +96,7 @@ async def test_static_and_discovered_endpoints_share_the_pool(emu, kube_block, s
     gw = await gateway([model_block("llama", "vllm", [static.url], strategy="round-robin")], kubernetes=kube_block)
     assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2, timeout=3)
     assert {e.source for e in gw.gw.pool.endpoints("llama")} == {"static", "kubernetes"}
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     pods = set()
     for _ in range(4):
         raw = await client.completions.with_raw_response.create(model="llama", prompt="hi", max_tokens=2)

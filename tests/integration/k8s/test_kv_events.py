@@ -8,11 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 
-import openai
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.server.app import DISCOVERY_KEY
+from tests.support.factories import sim_pod
+from tests.support.http import openai_client
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
@@ -23,11 +24,6 @@ TOK = str(TINY_DIR)
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" for i in range(60))
 
 
-def sim_pod(emu, name: str, sim, annotation: str | None) -> None:
-    emu.create_pod("llm", name, {M: "m", "model.aibrix.ai/port": str(sim.port)}, ip="127.0.0.1",
-                   annotations={KV: annotation} if annotation is not None else {})
-
-
 async def test_annotation_subscribes_the_pod_on_its_port_and_topic(emu, tmp_path, sims, gateway, capsys):
     # a: annotated with its publisher's ports and topic; b: a bad annotation; c: none
     a = await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
@@ -35,9 +31,9 @@ async def test_annotation_subscribes_the_pod_on_its_port_and_topic(emu, tmp_path
     b = await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0)
     c = await sims("vllm", model="m", tokenizer=TOK)
     pa = a.engine.kv_events
-    sim_pod(emu, "a", a, json.dumps({"port": pa.port, "replay_port": pa.replay_port, "topic": "kv@a"}))
-    sim_pod(emu, "b", b, '{"port": "five"}')
-    sim_pod(emu, "c", c, None)
+    sim_pod(emu, "a", a, annotations={KV: json.dumps({"port": pa.port, "replay_port": pa.replay_port, "topic": "kv@a"})})
+    sim_pod(emu, "b", b, annotations={KV: '{"port": "five"}'})
+    sim_pod(emu, "c", c)
     path = tmp_path / "kubeconfig"
     path.write_text(emu.kubeconfig())
     # the model has a tokenizer and no kv_events block: the annotation alone subscribes
@@ -66,7 +62,7 @@ async def test_annotation_subscribes_the_pod_on_its_port_and_topic(emu, tmp_path
     emu.delete_pod("llm", "b")
     emu.delete_pod("llm", "c")
     assert await wait_for(lambda: [e.name for e in gw.gw.pool.endpoints("m")] == ["a"], timeout=5)
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     for q in ("one", "two"):
         r = await client.chat.completions.create(model="m", max_tokens=2, messages=[
             {"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])

@@ -12,6 +12,7 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.kv.wire import rank_of
+from tests.support.http import openai_client
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -35,7 +36,7 @@ async def _setup(sims, gateway):
     await until(lambda: len(kv.subscribers) == 1)
     st = next(iter(kv.index.states.values()))
     await asyncio.sleep(0.3)          # the SUB sockets connect (a slow joiner misses what came before)
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    client = openai_client(gw, "x")
     return sim, pubs, gw, kv, st, client
 
 
@@ -186,7 +187,7 @@ async def test_a_burst_on_one_new_prefix_follows_the_first_request_to_its_rank(s
     new blocks count as held on that rank until the rank reports them, so the rest follow it there
     (each rank's own cache would otherwise prefill the prefix again)."""
     sim, gw, st, records = await _ranked_setup(sims, gateway, route_ranks=True)
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    client = openai_client(gw, "x")
     try:
         await client.completions.create(model="m", prompt="warm up " + SYSTEM[:200], max_tokens=2)
         await until(lambda: _indexed(st, sim))

@@ -11,6 +11,7 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.request import CHAT, parse
+from tests.support.http import openai_client
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -38,7 +39,7 @@ async def clients():
     made = []
 
     def make(gw):
-        made.append(openai.AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0))
+        made.append(openai_client(gw, "x"))
         return made[-1]
 
     yield make

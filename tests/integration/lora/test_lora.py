@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import sim_state
+from tests.support.http import openai_client, sim_state
 from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "Summarise the adapter's task in one line."}]
@@ -33,7 +33,7 @@ async def test_discovered_adapter_routes_to_its_endpoint_with_the_sdk(sims, gate
     b = await sims("vllm", "m", **LORA_SIM)
     gw = await gateway([model_block("m", "vllm", [a.url, b.url])], lora=FAST_LORA)
     await wait_for(lambda: any("sql" in ep.adapters.served for ep in gw.gw.pool.endpoints()))
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     for _ in range(4):
         raw = await client.chat.completions.with_raw_response.create(model="sql", messages=MSG, max_tokens=3)
         assert raw.headers["target-pod"] == a.url.split("//")[1]

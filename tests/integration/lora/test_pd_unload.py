@@ -9,12 +9,11 @@ import asyncio
 import time
 
 import aiohttp
-import openai
 import pytest
 
 from tests.integration.lora.test_lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
 from tests.support.factories import model_block
-from tests.support.http import sim_state
+from tests.support.http import openai_client, sim_state
 from tests.support.waiting import wait_for
 
 
@@ -72,7 +71,7 @@ async def test_pd_loads_once_per_role_under_concurrency(sims, gateway, engine):
             assert st["counts"]["started"] == (8 if has else 0)
     text = await gw.metrics_text()
     assert 'switchyard_lora_loads_total{adapter="sql",model="m",result="ok"} 2.0' in text
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     reply = await client.chat.completions.create(model="sql", messages=MSG, max_tokens=3)
     assert reply.model == "sql" and reply.choices[0].message.content
     await client.close()

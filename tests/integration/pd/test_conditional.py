@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import openai
 import pytest
 
-from tests.support.http import chat_body, post, sim_state
+from tests.support.http import chat_body, openai_client, post, sim_state
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant for a gateway team. " * 40}   # ~2000 chars
 
@@ -27,7 +26,7 @@ async def completed(url) -> int:
 async def test_default_always_disaggregates_with_the_sdk(sims, gateway):
     p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
     gw = await gateway([vllm_model(p, d)])
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     raw = await client.chat.completions.with_raw_response.create(model="m", messages=[SYSTEM], max_tokens=4)
     assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
     assert raw.headers["prefill-target-pod"] == p.url.split("//")[1]

@@ -13,12 +13,11 @@ import struct
 from functools import partial
 
 import aiohttp
-import openai
 import orjson
 import pytest
 
 from tests.support.factories import pd_model, pd_pair, roleset
-from tests.support.http import chat_body, post, sim_state, sse_events
+from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
 from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
@@ -38,7 +37,7 @@ ENGINES = ["vllm", "sglang"]
 async def test_happy_path_through_the_sdk(sims, gateway, engine):
     p, d = await pd_pair(sims, engine)
     gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=6)
     assert raw.headers["prefill-target-pod"] == p.url.split("//")[1]
     assert raw.headers["target-pod"] == d.url.split("//")[1]

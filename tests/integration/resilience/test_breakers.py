@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import chat_body, post, sim_state
+from tests.support.http import chat_body, openai_client, post, sim_state
 from tests.support.metrics import series
 from tests.support.waiting import wait_for
 
@@ -35,7 +35,7 @@ async def test_sick_engine_is_ejected_retried_around_and_comes_back(sims, gatewa
     sick = await sims("vllm", "m", fault="status=500")
     gw = await gateway([model_block("m", "vllm", [sick.url, good.url])], routing={"strategy": "round-robin"},
                        health={"interval_s": 60}, breaker=FAST_BREAKER)
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     retried = 0
     for _ in range(6):                  # every client sees a 200: the sick engine's 500s are retried
         raw = await client.chat.completions.with_raw_response.create(**body())
@@ -67,7 +67,7 @@ async def test_broken_streams_count_as_faults(sims, gateway):
     sick = await sims("vllm", "m", fault="drop_after=2")
     gw = await gateway([model_block("m", "vllm", [sick.url, good.url])], routing={"strategy": "round-robin"},
                        health={"interval_s": 60}, breaker=FAST_BREAKER)
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     broken = 0
     for _ in range(8):
         try:

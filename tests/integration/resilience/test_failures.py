@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import chat_body, post, sim_state, sse_events
+from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
@@ -27,7 +27,7 @@ async def test_engine_error_before_headers_keeps_status_in_openai_shape(sims, ga
     err = orjson.loads(raw)["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert hdrs["request-id"] and hdrs["target-pod"]
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     with pytest.raises(openai.InternalServerError):
         await client.chat.completions.create(**body(), extra_headers={"x-sim-fault": "status=500"})
     await client.close()
@@ -41,7 +41,7 @@ async def test_in_stream_engine_error_reaches_the_client(sims, gateway, engine):
     assert st == 200
     events = sse_events(raw)
     assert any(isinstance(e, dict) and "error" in e for e in events)
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     stream = await client.chat.completions.create(**body(stream=True), extra_headers={"x-sim-fault": "error_after=3"})
     with pytest.raises(openai.APIError):
         async for _ in stream:

@@ -4,11 +4,10 @@ content is the unbroken run's, byte for byte (enginesim is deterministic in its 
 from __future__ import annotations
 
 import aiohttp
-import openai
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import sse_events
+from tests.support.http import openai_client, sse_events
 
 MSG = [{"role": "user", "content": "tell me a long story about gateways"}]
 
@@ -51,7 +50,7 @@ async def test_chat_stream_continues_and_matches_an_unbroken_run(sims, gateway, 
     gw, good = await setup(sims, gateway, engine, fault)
     req = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True}
     _, ref = await raw_post(good.url, "/v1/chat/completions", {**req, "stream_options": {"include_usage": True}})
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     stream = await client.chat.completions.create(**req, stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     await client.close()

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.factories import model_block
+from tests.support.http import openai_client
 
 CHAT = [{"role": "user", "content": "Which track?"}]
 ALIAS = {"name": "chat", "targets": [{"model": "llama-8b", "weight": 90}, {"model": "llama-8b-v2", "weight": 10}]}
@@ -39,7 +40,7 @@ def alias_counts(text: str) -> dict[tuple[str, str], float]:
 
 async def test_sdk_clients_stick_to_one_arm_and_see_the_served_model(canary):
     gw, records = canary
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     served: dict[str, set[str]] = {}
     for i in range(60):
         user = f"user-{i}"
@@ -70,7 +71,7 @@ async def test_sdk_clients_stick_to_one_arm_and_see_the_served_model(canary):
 
 async def test_models_lists_aliases_with_their_targets(canary):
     gw, _ = canary
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     models = {m.id: m for m in (await client.models.list()).data}
     assert {"llama-8b", "llama-8b-v2", "qwen", "chat", "mixed", "by-session"} <= set(models)
     chat = models["chat"].model_dump()
@@ -81,7 +82,7 @@ async def test_models_lists_aliases_with_their_targets(canary):
 
 async def test_session_stickiness_and_per_request_draws_across_engines(canary):
     gw, _ = canary
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     by_session = {}
     for i in range(12):
         for _ in range(2):
@@ -103,7 +104,7 @@ async def test_session_stickiness_and_per_request_draws_across_engines(canary):
 
 async def test_a_target_without_ready_endpoints_is_passed_over(canary):
     gw, _ = canary
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     v2 = gw.gw.pool.endpoints("llama-8b-v2")[0]
     v2.draining = True      # as a pod that is not ready (the health probe leaves it so)
     try:
@@ -124,7 +125,7 @@ async def test_with_api_keys_the_keys_user_decides_the_arm(sims, gateway):
                        aliases=[{"name": "ab", "targets": [{"model": "a", "weight": 1}, {"model": "b", "weight": 1}]}])
     arms = set()
     for k in keys:
-        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=k["key"], max_retries=0)
+        client = openai_client(gw, k["key"])
         seen = set()
         for claimed in ("x", "y", "z"):       # the body's user cannot move an authenticated caller
             raw = await client.chat.completions.with_raw_response.create(model="ab", messages=CHAT, max_tokens=1,
@@ -138,7 +139,7 @@ async def test_with_api_keys_the_keys_user_decides_the_arm(sims, gateway):
 
 async def test_errors_of_an_aliased_request_name_the_served_model(canary):
     gw, _ = canary
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     with pytest.raises(openai.BadRequestError) as e:
         await client.chat.completions.create(model="chat", messages=CHAT, max_tokens=-1, user="user-1")
     assert "x-served-model" not in e.value.response.headers      # refused before an alias was resolved
@@ -161,7 +162,7 @@ async def test_an_alias_of_a_pd_model_sends_both_legs_the_targets_name(sims, gat
     p, d = await pd_pair(sims, engine)
     gw = await gateway([pd_model(engine, [roleset(engine, p, d)])],
                        aliases=[{"name": "chat", "targets": [{"model": "m"}]}])
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     for stream in (False, True):
         raw = await client.chat.completions.with_raw_response.create(model="chat", messages=CHAT, max_tokens=4,
                                                                      stream=stream)
@@ -178,7 +179,7 @@ async def test_the_responses_api_through_an_alias_keeps_a_caller_on_the_model_th
     b = await sims("vllm", "b", enable_responses_store=True)
     gw = await gateway([model_block("a", "vllm", [a.url]), model_block("b", "vllm", [b.url])],
                        aliases=[{"name": "ab", "targets": [{"model": "a", "weight": 1}, {"model": "b", "weight": 1}]}])
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     served = set()
     for i in range(8):
         raw = await client.responses.with_raw_response.create(model="ab", input="Hello", max_output_tokens=3,

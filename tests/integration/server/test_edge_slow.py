@@ -20,6 +20,7 @@ from tests.support.edge import (
     parse_responses,
     request,
 )
+from tests.support.http import openai_client
 from tests.support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
@@ -272,10 +273,9 @@ async def test_kept_alive_requests_whose_head_and_body_come_in_separate_writes()
 
 @on_both_loops
 async def test_the_openai_sdk_reuses_its_connection_across_plain_and_streaming_requests():
-    import openai
 
     async with edge_gateway() as gw:
-        client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+        client = openai_client(gw)
         try:
             for _ in range(2):
                 r = await client.chat.completions.create(model="m", max_tokens=3,

@@ -16,7 +16,7 @@ from gateway.config.schema import load_config
 from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
 from gateway.server.reload import Reloader
 from tests.support.factories import model_block
-from tests.support.http import sim_state
+from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric
 from tests.support.waiting import wait_for
 
@@ -55,7 +55,7 @@ async def test_a_reload_swaps_endpoints_and_adds_an_alias_while_a_stream_in_flig
     gw = await gateway([model_block("m", "vllm", [a.url, b.url])])
     f = ConfigFile(gw, tmp_path / "gw.yaml")
     ep_a, ep_b = gw.gw.pool.endpoints("m")
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
 
     # a long stream on a (the endpoint the reload removes), in flight across the reload
     ep_b.draining = True
@@ -101,7 +101,7 @@ async def test_an_invalid_config_is_refused_and_the_old_one_keeps_serving(sims, 
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     f = ConfigFile(gw, tmp_path / "gw.yaml")
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     cases = [
         (dict(aliases=[{"name": "chat", "targets": [{"model": "gone"}]}]), "aliases[0].targets[0].model"),
         (dict(models=[model_block("m", "vllm", ["ftp://nope"])]), "models[0].endpoints[0].url"),
@@ -139,7 +139,7 @@ async def test_strategy_watchdog_and_limits_apply_to_new_requests(sims, gateway,
     keys = [{"key": "sk-reload-test-alice-0001", "user": "alice"}]
     gw = await gateway([model_block("m", "vllm", [a.url])], auth={"api_keys": keys, "admin_token": TOKEN})
     f = ConfigFile(gw, tmp_path / "gw.yaml")
-    alice = openai.AsyncOpenAI(base_url=gw.base_url, api_key=keys[0]["key"], max_retries=0)
+    alice = openai_client(gw, keys[0]["key"])
     assert (await chat(alice)).choices[0].message.content
 
     bob_key = "sk-reload-test-bob-00002"
@@ -156,7 +156,7 @@ async def test_strategy_watchdog_and_limits_apply_to_new_requests(sims, gateway,
             assert set(body["changed"]) == {"models", "auth", "limits"}
     with pytest.raises(openai.AuthenticationError):             # alice's key is gone
         await chat(alice)
-    bob = openai.AsyncOpenAI(base_url=gw.base_url, api_key=bob_key, max_retries=0)
+    bob = openai_client(gw, bob_key)
     with pytest.raises(openai.APIStatusError) as e:             # the new watchdog: b is slower than 0.1 s
         await chat(bob)
     assert e.value.status_code == 504
@@ -218,7 +218,7 @@ async def test_routing_state_carries_over_unless_routing_settings_change(sims, g
 
 
 async def test_kubernetes_endpoints_keep_working_across_a_reload(emu, sims, gateway, tmp_path):
-    from tests.integration.k8s.test_gateway import sim_pod
+    from tests.support.factories import sim_pod
 
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(emu.kubeconfig())
@@ -236,7 +236,7 @@ async def test_kubernetes_endpoints_keep_working_across_a_reload(emu, sims, gate
     assert gw.gw.pool.endpoints("llama") == [pod_ep] and pod_ep.ready
     disc = gw.runner.app[DISCOVERY_KEY]
     assert disc.kcfg.models["llama"].max_prompt_tokens == 100000
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     r = await client.chat.completions.with_raw_response.create(model="chat", messages=CHAT, max_tokens=2)
     assert r.headers["x-served-model"] == "llama" and r.headers["target-pod"] == "llama-0"
     sim_pod(emu, "llama-1", await sims("vllm", "llama"), "llama")     # discovery goes on after the reload
@@ -249,7 +249,7 @@ async def test_responses_stored_before_a_reload_are_continued_after_it(sims, gat
     sim = await sims("vllm", "m", enable_responses_store=True)
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     f = ConfigFile(gw, tmp_path / "gw.yaml")
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     first = await client.responses.create(model="m", input="Hello", max_output_tokens=3)
     other = await sims("vllm", "m", enable_responses_store=True)
     f.write(models=[model_block("m", "vllm", [sim.url, other.url])])

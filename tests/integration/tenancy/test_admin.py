@@ -11,8 +11,9 @@ import openai
 import pytest
 
 from gateway.admin_cli import main as cli
-from tests.integration.tenancy.test_api import ALICE, CHAT, client
+from tests.integration.tenancy.test_api import ALICE, CHAT
 from tests.support.factories import model_block
+from tests.support.http import openai_client
 
 TOKEN = "admin-secret-token"
 CONFIG = {"auth": {"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": TOKEN},
@@ -110,7 +111,7 @@ async def test_keys_crud_and_effect_on_requests(gw):
     status, made = await admin("POST", "/admin/keys", {"user": "dora", "name": "laptop"})
     assert status == 201 and made["key"].startswith("sk-sy-") and made["user"] == "dora"
     key, kid = made["key"], made["id"]
-    r = await client(gw, key).chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
+    r = await openai_client(gw, key).chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
     assert r.headers["x-ratelimit-limit-requests"] == "50"                  # dora: default_user limits
 
     status, own = await admin("POST", "/admin/keys", {"user": "erin", "key": "my-own-long-key-123"})
@@ -124,7 +125,7 @@ async def test_keys_crud_and_effect_on_requests(gw):
                                      "source": "store"}
     status, moved = await admin("PATCH", f"/admin/keys/{kid}", {"user": "alice"})
     assert status == 200 and moved["user"] == "alice"
-    r = await client(gw, key).chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
+    r = await openai_client(gw, key).chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
     assert r.headers["x-ratelimit-limit-requests"] == "100"                 # now alice's limits
 
     config_kid = next(k["id"] for k in (await admin("GET", "/admin/keys"))[1]["data"] if k["source"] == "config")
@@ -134,7 +135,7 @@ async def test_keys_crud_and_effect_on_requests(gw):
     status, _ = await admin("DELETE", f"/admin/keys/{kid}")
     assert status == 200
     with pytest.raises(openai.AuthenticationError):
-        await client(gw, key).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+        await openai_client(gw, key).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
     assert (await admin("GET", f"/admin/keys/{kid}"))[0] == 404
 
     # deleting a user revokes their store keys
@@ -142,7 +143,7 @@ async def test_keys_crud_and_effect_on_requests(gw):
     status, gone = await admin("DELETE", "/admin/users/erin")
     assert status == 200 and gone["keys_deleted"] == 1
     with pytest.raises(openai.AuthenticationError):
-        await client(gw, "my-own-long-key-123").chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+        await openai_client(gw, "my-own-long-key-123").chat.completions.create(model="m", messages=CHAT, max_tokens=1)
 
 
 async def test_cli(gw, monkeypatch):
@@ -165,7 +166,7 @@ async def test_cli(gw, monkeypatch):
     code, out, _ = await run("keys", "create", "--user", "fred", "--name", "ci")
     made = json.loads(out)
     assert code == 0 and made["key"].startswith("sk-sy-")
-    assert (await client(gw, made["key"]).chat.completions.create(model="m", messages=CHAT, max_tokens=1)).choices
+    assert (await openai_client(gw, made["key"]).chat.completions.create(model="m", messages=CHAT, max_tokens=1)).choices
     code, out, _ = await run("keys", "list", "--user", "fred")
     assert code == 0 and [k["id"] for k in json.loads(out)["data"]] == [made["id"]]
     code, out, _ = await run("keys", "update", made["id"], "--name", "ci-2")

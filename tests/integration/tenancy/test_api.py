@@ -11,15 +11,12 @@ import pytest
 from aiohttp import web
 
 from tests.support.factories import model_block
+from tests.support.http import openai_client
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
 ALICE, BOB = "sk-alice-0123456789", "sk-bob-0123456789"
 KEYS = {"api_keys": [{"key": ALICE, "user": "alice"}, {"key": BOB, "user": "bob"}]}
-
-
-def client(gw, key: str = ALICE) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
 
 
 async def outcomes(coros) -> list:
@@ -68,7 +65,7 @@ async def test_without_auth_the_authorization_header_reaches_the_engine(recorder
     url, seen = recorder
     gw = await gateway([model_block("m", "vllm", [url])])
     assert gw.gw.tenancy is None                       # nothing configured: no hooks at all
-    await client(gw, "engine-key").chat.completions.create(model="m", messages=CHAT)
+    await openai_client(gw, "engine-key").chat.completions.create(model="m", messages=CHAT)
     assert seen[-1]["Authorization"] == "Bearer engine-key"
 
 
@@ -76,22 +73,22 @@ async def test_missing_or_wrong_key_is_an_openai_401(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS)
     with pytest.raises(openai.AuthenticationError) as ei:
-        await client(gw, "sk-wrong").chat.completions.create(model="m", messages=CHAT)
+        await openai_client(gw, "sk-wrong").chat.completions.create(model="m", messages=CHAT)
     assert ei.value.status_code == 401
     assert ei.value.body == {"message": "Incorrect API key provided.", "type": "authentication_error",
                              "param": "api_key", "code": "invalid_api_key"}
     assert ei.value.response.headers["WWW-Authenticate"] == "Bearer"
     assert ei.value.response.headers["request-id"]
     with pytest.raises(openai.AuthenticationError):
-        await client(gw, "sk-wrong").models.list()       # listing models needs a key too
+        await openai_client(gw, "sk-wrong").models.list()       # listing models needs a key too
     async with aiohttp.ClientSession() as s:
         for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer"}):
             async with s.post(gw.base_url + "/chat/completions", json={"model": "m", "messages": CHAT},
                               headers=hdrs) as r:
                 assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
-    ok = await client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    ok = await openai_client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
     assert ok.choices[0].message.content
-    assert [m.id for m in (await client(gw, BOB).models.list()).data] == ["m"]
+    assert [m.id for m in (await openai_client(gw, BOB).models.list()).data] == ["m"]
     text = await gw.metrics_text()
     assert 'switchyard_auth_failures_total{reason="invalid"} 2.0' in text
     assert 'switchyard_auth_failures_total{reason="missing"} 3.0' in text
@@ -101,7 +98,7 @@ async def test_missing_or_wrong_key_is_an_openai_401(sims, gateway):
 async def test_the_key_decides_the_user_not_the_user_header(recorder, gateway, forward):
     url, seen = recorder
     gw = await gateway([model_block("m", "vllm", [url])], auth={**KEYS, "forward_authorization": forward})
-    await client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, extra_headers={"user": "bob"})
+    await openai_client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, extra_headers={"user": "bob"})
     hdrs = {k.lower(): v for k, v in seen[-1].items()}
     assert hdrs["user"] == "alice"                       # no impersonation through the header
     assert ("authorization" in hdrs) is forward          # the gateway key stays at the gateway by default
@@ -111,11 +108,11 @@ async def test_rpm_holds_exactly_under_a_concurrent_burst(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
                        limits={"users": {"alice": {"rpm": 5}}})
-    c = client(gw, ALICE)
+    c = openai_client(gw, ALICE)
     got = await outcomes(c.chat.completions.create(model="m", messages=CHAT, max_tokens=2) for _ in range(12))
     assert got.count(200) == 5 and got.count("RateLimitError") == 7
     # bob has no limits; alice's are hers alone
-    assert await outcomes(client(gw, BOB).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+    assert await outcomes(openai_client(gw, BOB).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
                           for _ in range(8)) == [200] * 8
     with pytest.raises(openai.RateLimitError) as ei:
         await c.chat.completions.create(model="m", messages=CHAT)
@@ -132,7 +129,7 @@ async def test_rate_limit_headers_on_every_answer(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
                        limits={"users": {"alice": {"rpm": 10, "tpm": 100000}}})
-    c = client(gw, ALICE)
+    c = openai_client(gw, ALICE)
     raw = await c.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=3)
     h = raw.headers
     assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("10", "9")
@@ -156,7 +153,7 @@ async def test_tpm_is_charged_from_streamed_usage_the_client_did_not_ask_for(sim
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
                        limits={"users": {"alice": {"tpm": 40}}})
-    c = client(gw, ALICE)
+    c = openai_client(gw, ALICE)
     stream = await c.chat.completions.create(model="m", messages=CHAT, max_tokens=30, stream=True)
     chunks = [ch async for ch in stream]
     assert all(ch.usage is None for ch in chunks)          # usage stays hidden from this client...
@@ -174,7 +171,7 @@ async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
     sim = await sims("vllm", "m", itl_ms=20.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
                        limits={"users": {"alice": {"max_concurrent": 2}}})
-    c = client(gw, ALICE)
+    c = openai_client(gw, ALICE)
     async with contextlib.AsyncExitStack() as stack:
         readers = []
         for _ in range(2):   # two streams, each past its first chunk: both surely in flight
@@ -194,7 +191,7 @@ async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
 async def test_model_rps_limit(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], limits={"models": {"m": {"rps": 2}}})
-    got = await outcomes(client(gw, "none").chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+    got = await outcomes(openai_client(gw).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
                          for _ in range(5))
     assert got.count(200) == 2 and got.count("RateLimitError") == 3
     async with aiohttp.ClientSession() as s, s.post(gw.base_url + "/chat/completions",
@@ -210,7 +207,7 @@ async def test_without_auth_the_user_header_names_the_user(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])],
                        limits={"users": {"bob": {"rpm": 1}}, "default_user": {"rpm": 2}})
-    c = client(gw, "none")
+    c = openai_client(gw)
 
     async def as_user(u):
         return await c.chat.completions.create(model="m", messages=CHAT, max_tokens=1,
@@ -225,7 +222,7 @@ async def test_the_log_line_names_the_keys_user_not_the_clients_claim(sims, gate
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS)
     with gw.gw.request_log.capture() as lines:
-        await client(gw).chat.completions.create(model="m", messages=CHAT, max_tokens=1,
+        await openai_client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, max_tokens=1,
                                                  extra_headers={"user": "mallory"}, user="mallory")
     assert [x["user"] for x in lines] == ["alice"]
 
@@ -235,7 +232,7 @@ async def test_per_user_metrics_name_only_users_the_gateway_knows(sims, gateway)
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])],
                        limits={"users": {"alice": {"rpm": 1}}, "default_user": {"rpm": 1}})
-    c = client(gw, "none")
+    c = openai_client(gw)
     got = []
     for user in ("alice", "alice", "mallory-1", "mallory-1", "mallory-2", None):
         try:

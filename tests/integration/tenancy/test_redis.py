@@ -19,8 +19,9 @@ import yaml
 from gateway.config.schema import StateConfig
 from gateway.server.run import free_port
 from gateway.tenants.redis_state import RedisState
-from tests.integration.tenancy.test_api import ALICE, CHAT, KEYS, client, outcomes
+from tests.integration.tenancy.test_api import ALICE, CHAT, KEYS, outcomes
 from tests.support.factories import model_block
+from tests.support.http import openai_client
 from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 from tests.support.waiting import wait_for
 
@@ -33,7 +34,7 @@ def state(server, **kw) -> dict:
 
 
 async def chat(gw, key=ALICE, **kw):
-    return await client(gw, key).chat.completions.create(model="m", messages=CHAT, max_tokens=1, **kw)
+    return await openai_client(gw, key).chat.completions.create(model="m", messages=CHAT, max_tokens=1, **kw)
 
 
 async def test_two_gateways_enforce_one_limit_together(sims, gateway, redis_server):
@@ -55,7 +56,7 @@ async def test_tpm_charged_from_a_stream_on_one_replica_limits_the_other(sims, g
     blocks = {"auth": KEYS, "limits": {"users": {"alice": {"tpm": 40}}}, "state": state(redis_server)}
     a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
     b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
-    stream = await client(a).chat.completions.create(model="m", messages=CHAT, max_tokens=30, stream=True)
+    stream = await openai_client(a, ALICE).chat.completions.create(model="m", messages=CHAT, max_tokens=30, stream=True)
     async for _ in stream:
         pass
     used = await wait_for(lambda: _tokens(a, "alice", above=30))
@@ -76,7 +77,7 @@ async def test_concurrency_is_counted_across_replicas(sims, gateway, redis_serve
     blocks = {"auth": KEYS, "limits": {"users": {"alice": {"max_concurrent": 1}}}, "state": state(redis_server)}
     a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
     b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
-    async with client(a).chat.completions.with_streaming_response.create(
+    async with openai_client(a, ALICE).chat.completions.with_streaming_response.create(
             model="m", messages=CHAT, max_tokens=500, stream=True) as resp:
         reader = resp.http_response.aiter_bytes()
         await reader.__anext__()
@@ -161,7 +162,7 @@ async def test_least_request_sees_the_other_replicas_in_flight(sims, gateway, re
     async with contextlib.AsyncExitStack() as stack:
         readers = []
         for _ in range(3):          # A: 2 streams on one engine, 1 on the other
-            resp = await stack.enter_async_context(client(a, "x").chat.completions.with_streaming_response.create(
+            resp = await stack.enter_async_context(openai_client(a, "x").chat.completions.with_streaming_response.create(
                 model="m", messages=CHAT, max_tokens=500, stream=True))
             readers.append(resp.http_response.aiter_bytes())
             await readers[-1].__anext__()
