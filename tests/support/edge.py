@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-import pytest
-import uvloop
 
 from enginesim import SimConfig, start_sim
 from gateway.config.schema import config_from_dict
@@ -31,26 +28,9 @@ from tests.support.http import sim_state
 from tests.support.metrics import samples
 from tests.support.waiting import wait_for
 
-LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 FAST_SIM = {"ttft_base_ms": 1.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
 # the gateway's own health probes and metric scrapes, left out of "what reached the engine"
 MONITOR = {("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/models")}   # /v1/models: LoRA discovery
-
-
-def on_both_loops(fn):
-    """Turn ``async def test_x(**params)`` into a plain test run once per event loop (a ``loop``
-    parameter is added; other parameters still come from ``parametrize``)."""
-    sig = inspect.signature(fn)
-
-    def test(loop: str, **kwargs: Any) -> None:
-        with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
-            runner.run(fn(**kwargs))
-
-    test.__signature__ = sig.replace(parameters=[
-        inspect.Parameter("loop", inspect.Parameter.POSITIONAL_OR_KEYWORD), *sig.parameters.values()])
-    for attr in ("__name__", "__qualname__", "__doc__", "__module__"):
-        setattr(test, attr, getattr(fn, attr))
-    return pytest.mark.parametrize("loop", list(LOOPS))(test)
 
 
 @dataclass

@@ -5,11 +5,15 @@ doubles (a settable clock, a fallback counter)."""
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.endpoints import Endpoint
+import msgspec
+
+from gateway.config.schema import Config, config_from_dict
+from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.request import CHAT, InferenceRequest
 from routers.base import RouterContext, RoutingSettings
 
@@ -94,3 +98,44 @@ def router_ctx(seed: int = 1, clock: Clock | None = None, **settings: Any) -> tu
     ctx = RouterContext(rng=random.Random(seed), clock=clock or Clock(), settings=RoutingSettings(**settings),
                         on_fallback=fallbacks)
     return ctx, fallbacks
+
+
+def endpoint(port: int = 1, **fields: Any) -> Endpoint:
+    """An endpoint of model ``m`` on 127.0.0.1:``port``."""
+    return Endpoint(url=f"http://127.0.0.1:{port}", model="m", **fields)
+
+
+def pd_endpoint(n: int, role: str, roleset: str = "rs", lo: int = 0, hi: int = 0, **state: Any) -> Endpoint:
+    """A vLLM endpoint 127.0.0.``n``:8000 with a P/D ``role``; ``lo``/``hi`` bound the prompts it takes;
+    ``state`` sets attributes (``metrics=`` a fresh engine snapshot's fields)."""
+    e = Endpoint(url=f"http://127.0.0.{n}:8000", model="m", engine="vllm", role=role, roleset=roleset,
+                 min_prompt_tokens=lo, max_prompt_tokens=hi)
+    metrics = state.pop("metrics", None)
+    for k, v in state.items():
+        setattr(e, k, v)
+    if metrics is not None:
+        e.metrics = EngineMetrics(scraped_at=time.monotonic(), **metrics)
+    return e
+
+
+def one_model(model: dict[str, Any]) -> Config:
+    """A config with one vLLM model ``m``; ``model`` adds or overrides its keys."""
+    return config_from_dict({"models": [{"name": "m", "engine": "vllm", **model}]}, source="<t>")
+
+
+def block_stored(hashes: list[int], parent: int | None, tokens: list[int], **fields: Any) -> dict[str, Any]:
+    """A KV event ``BlockStored`` in its map form (block size 16 unless ``fields`` say otherwise)."""
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": 16, **fields}
+
+
+def event_batch(encoding: str, events: list[Any], rank: int = 0, ts: float = 1.0) -> bytes:
+    """A KV event batch as msgpack: ``map`` (a map, as enginesim sends), else an array (as vLLM does)."""
+    if encoding == "map":
+        return msgspec.msgpack.encode({"ts": ts, "events": events, "data_parallel_rank": rank})
+    return msgspec.msgpack.encode([ts, events, rank])
+
+
+def block_stored_array(hashes: list[int], parent: int | None, tokens: list[int], *trailing: Any) -> list[Any]:
+    """``BlockStored`` in its array form; ``trailing`` are the optional fields after the block size."""
+    return ["BlockStored", hashes, parent, tokens, 16, *trailing]

@@ -15,7 +15,8 @@ import gzip
 import orjson
 import pytest
 
-from tests.support.edge import assert_openai_error, edge_gateway, exchange, on_both_loops, request
+from tests.support.edge import assert_openai_error, edge_gateway, exchange, request
+from tests.support.loops import on_both_loops
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})

@@ -16,11 +16,11 @@ from tests.support.edge import (
     assert_openai_error,
     edge_gateway,
     exchange,
-    on_both_loops,
     parse_responses,
     request,
 )
 from tests.support.http import openai_client
+from tests.support.loops import on_both_loops
 from tests.support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"

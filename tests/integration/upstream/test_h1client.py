@@ -16,7 +16,6 @@ import weakref
 import aiohttp
 import orjson
 import pytest
-import uvloop
 
 from gateway.upstream.h1client import (
     HIGH_WATER,
@@ -30,9 +29,9 @@ from gateway.upstream.h1client import (
 )
 from gateway.upstream.upstream import UpstreamFailure, classify
 from tests.support.factories import model_block
+from tests.support.loops import on_both_loops
 from tests.support.waiting import until
 
-LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 JSON = {"Content-Type": "application/json"}
 GUARD = 10.0    # a bound on waits for the server's side, so a bug fails instead of hanging
 
@@ -43,19 +42,6 @@ async def open_leg(pool, url, body, headers, header_timeout):
         return await pool.post(url, body, headers, header_timeout)
     except UpstreamError as e:
         raise classify(e, url) from None
-
-
-def on_both_loops(scenario):
-    """Run the async ``scenario`` once per event loop implementation."""
-
-    @pytest.mark.parametrize("loop", list(LOOPS))
-    def test(loop: str) -> None:
-        with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
-            runner.run(asyncio.wait_for(scenario(), 30))
-
-    test.__name__ = scenario.__name__
-    test.__doc__ = scenario.__doc__
-    return test
 
 
 class Engine:

@@ -9,9 +9,7 @@ from functools import partial
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.base import Decision, Router, RouterContext, ScoringRouter
-from routers.registry import (
-    RouterRegistry,
-)
+from routers.registry import RouterRegistry, WeightedRouter
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
 from tests.support.factories import endpoints, request
 
@@ -61,3 +59,7 @@ def dummy_registry() -> RouterRegistry:
         reg.register(name, lambda ctx, name=name: PlainRouter(name), scoring=False)
     return reg
 
+
+def weighted(parts, rng=None) -> WeightedRouter:
+    """A weighted list of routers, as ``prefix-cache:2,least-request:1`` builds."""
+    return WeightedRouter("test", parts, rng=rng)

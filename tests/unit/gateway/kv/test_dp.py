@@ -3,11 +3,13 @@ annotation), one subscriber per rank on ``port + rank``, and clearing one rank's
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.config.schema import ConfigError, config_from_dict
+from gateway.config.schema import ConfigError
 from gateway.endpoints import Endpoint
 from gateway.kv.events import KVEventsManager, Subscriber
 from gateway.kv.index import EventIndex
@@ -15,36 +17,38 @@ from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import ModelTokenizer
 from gateway.kv.wire import decode_batch, rank_of
 from k8s.pods import parse_kv_events
+from tests.support.factories import block_stored, one_model
 
 TOK = str(TINY_DIR)
 enc = msgspec.msgpack.encode
 
 
-def _config(model: dict):
-    return config_from_dict({"models": [{"name": "m", "engine": "vllm", "tokenizer": TOK,
-                                         "endpoints": ["http://127.0.0.1:8000"], **model}]}, source="<t>")
+_stored = partial(block_stored, lora_id=None, medium="GPU", lora_name=None)
+
+
+AT_ONE_ENDPOINT = {"tokenizer": TOK, "endpoints": ["http://127.0.0.1:8000"]}
 
 
 def test_data_parallel_size_defaults_to_one_and_is_validated():
     assert KVEventsConfig().data_parallel_size == 1
-    assert _config({"kv_events": {"enabled": True, "data_parallel_size": 4}}).models[0].kv_events.data_parallel_size == 4
+    assert one_model({**AT_ONE_ENDPOINT, "kv_events": {"enabled": True, "data_parallel_size": 4}}).models[0].kv_events.data_parallel_size == 4
     for block, says in (({"data_parallel_size": 0}, r"models\[0\].kv_events.data_parallel_size"),
                         ({"port": 65535, "data_parallel_size": 2}, "beyond 65535"),
                         ({"replay_port": 65534, "data_parallel_size": 3}, "replay_port 65534")):
         with pytest.raises(ConfigError, match=says):
-            _config({"kv_events": {"enabled": True, **block}})
+            one_model({**AT_ONE_ENDPOINT, "kv_events": {"enabled": True, **block}})
 
 
 def test_endpoint_entries_take_data_parallel_size_and_check_the_ports_it_spans():
-    cfg = _config({"kv_events": {"enabled": True, "port": 6000},
+    cfg = one_model({**AT_ONE_ENDPOINT, "kv_events": {"enabled": True, "port": 6000},
                    "endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"data_parallel_size": 2}}]})
     (ep,) = cfg.models[0].endpoints
     assert dict(ep.kv_events.items()) == {"data_parallel_size": 2}
     with pytest.raises(ConfigError, match=r"models\[0\].endpoints\[0\].kv_events.data_parallel_size"):
-        _config({"endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"data_parallel_size": 0}}]})
+        one_model({**AT_ONE_ENDPOINT, "endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"data_parallel_size": 0}}]})
     # the entry's ranks with the model's port (or the other way round) must stay within TCP ports
     with pytest.raises(ConfigError, match="endpoint http://127.0.0.1:8000 kv_events: port 65535"):
-        _config({"kv_events": {"enabled": True, "data_parallel_size": 2},
+        one_model({**AT_ONE_ENDPOINT, "kv_events": {"enabled": True, "data_parallel_size": 2},
                  "endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"port": 65535}}]})
 
 
@@ -69,11 +73,6 @@ def test_each_rank_subscribes_on_its_offset_ports():
     assert [x.replay_addr for x in subs] == [f"tcp://10.0.0.1:{6100 + r}" for r in range(3)]
     one = Subscriber(manager, st)
     assert (one.pub_addr, one.replay_addr, one.rank) == ("tcp://10.0.0.1:6000", "tcp://10.0.0.1:6100", None)
-
-
-def _stored(hashes, parent, tokens):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
 
 
 def test_the_port_names_the_rank_whatever_the_batch_says():

@@ -3,6 +3,8 @@ match depth per rank) and the rank choice (deepest match, then fewest in flight,
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 
 from enginesim.tiny_tokenizer import TINY_DIR
@@ -14,14 +16,13 @@ from gateway.kv.tokenization import ModelTokenizer
 from gateway.kv.wire import decode_batch
 from gateway.pipeline.ledger import Charges, RankInFlight
 from gateway.request import parse
+from tests.support.factories import block_stored
 
 enc = msgspec.msgpack.encode
 TOK = ModelTokenizer(TINY_DIR)
 
 
-def _stored(hashes, parent, tokens):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": None}
+_stored = partial(block_stored, lora_id=None, medium="GPU", lora_name=None, block_size=4)
 
 
 def _index(**kw):

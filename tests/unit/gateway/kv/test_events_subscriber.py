@@ -5,6 +5,7 @@ every message after it."""
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -13,17 +14,10 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv import events as kv_events
 from gateway.kv.events import KVEventsManager, Subscriber
 from gateway.kv.settings import KVEventsConfig
+from tests.support.factories import block_stored, event_batch
 
 enc = msgspec.msgpack.encode
-
-
-def batch(events):
-    return enc({"ts": 1.0, "events": events, "data_parallel_rank": 0})
-
-
-def stored_map(hashes, parent, tokens, **fields):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": 16, **fields}
+batch = partial(event_batch, "map")
 
 
 class _FakeSub:
@@ -53,7 +47,7 @@ def test_a_subscriber_counts_bad_messages_and_keeps_applying_the_good_ones(monke
         return [b"", seq.to_bytes(8, "big"), events if isinstance(events, bytes) else batch(events)]
 
     def stored(*hashes):
-        return [stored_map(list(hashes), None, list(range(16 * len(hashes))), medium="GPU")]
+        return [block_stored(list(hashes), None, list(range(16 * len(hashes))), medium="GPU")]
 
     apply = manager.index.apply
     calls = []
@@ -99,7 +93,7 @@ async def test_a_burst_is_applied_in_slices_the_loop_runs_between():
     sub = Subscriber(manager, manager.index.track(pool.add(Endpoint(url="http://10.0.0.1:8000", model="m")),
                                                   settings))
     n = kv_events._DRAIN + 10
-    sub._sock = _FakeSub([[b"", i.to_bytes(8, "big"), batch([stored_map([i], None, [i] * 16)])] for i in range(n)])
+    sub._sock = _FakeSub([[b"", i.to_bytes(8, "big"), batch([block_stored([i], None, [i] * 16)])] for i in range(n)])
     sub._readable()
     assert sub.expected == kv_events._DRAIN            # the rest waits for the loop's next turn
     await asyncio.sleep(0)

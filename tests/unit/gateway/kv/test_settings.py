@@ -5,16 +5,13 @@ from __future__ import annotations
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
-from gateway.config.schema import ConfigError, config_from_dict
+from gateway.config.schema import ConfigError
 from gateway.kv.events import KVEventsManager
 from gateway.kv.settings import KVEventsConfig
 from gateway.server.reload import declared_endpoints
+from tests.support.factories import one_model
 
 TOK = str(TINY_DIR)
-
-
-def _config(model: dict):
-    return config_from_dict({"models": [{"name": "m", "engine": "vllm", **model}]}, source="<t>")
 
 
 def _settings(cfg) -> dict[str, KVEventsConfig | None]:
@@ -25,7 +22,7 @@ def _settings(cfg) -> dict[str, KVEventsConfig | None]:
 
 
 def test_endpoints_on_one_host_publish_on_ports_of_their_own():
-    cfg = _config({"tokenizer": TOK, "kv_events": {"enabled": True, "replay_port": 5558, "stall_timeout_s": 3},
+    cfg = one_model({"tokenizer": TOK, "kv_events": {"enabled": True, "replay_port": 5558, "stall_timeout_s": 3},
                    "endpoints": ["http://127.0.0.1:8000",
                                  {"url": "http://127.0.0.1:8001", "kv_events": {"port": 5567, "replay_port": 5568}},
                                  {"url": "http://127.0.0.1:8002", "kv_events": {"topic": "kv@b"}}]})
@@ -37,7 +34,7 @@ def test_endpoints_on_one_host_publish_on_ports_of_their_own():
 
 
 def test_an_endpoint_entry_alone_turns_events_on_for_that_endpoint():
-    cfg = _config({"tokenizer": TOK, "rolesets": [{"name": "rs", "prefill": [
+    cfg = one_model({"tokenizer": TOK, "rolesets": [{"name": "rs", "prefill": [
         {"url": "http://127.0.0.1:8000", "kv_events": {"port": 6000}}], "decode": ["http://127.0.0.1:8001"]}]})
     assert cfg.models[0].wants_kv_events
     s = _settings(cfg)
@@ -51,9 +48,9 @@ def test_an_endpoint_entry_alone_turns_events_on_for_that_endpoint():
 ])
 def test_bad_endpoint_entries_name_the_key(entry, error):
     with pytest.raises(ConfigError, match=error.replace("[", r"\[").replace("]", r"\]")):
-        _config({"tokenizer": TOK, "endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": entry}]})
+        one_model({"tokenizer": TOK, "endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": entry}]})
 
 
 def test_an_endpoint_entry_needs_the_tokenizer():
     with pytest.raises(ConfigError, match="tokenizer"):
-        _config({"endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"port": 6000}}]})
+        one_model({"endpoints": [{"url": "http://127.0.0.1:8000", "kv_events": {"port": 6000}}]})

@@ -12,6 +12,7 @@ from gateway.kv.index import EventIndex
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import ModelTokenizer
 from gateway.kv.wire import BlockRemoved, BlockStored, WireError, decode_batch
+from tests.support.factories import block_stored, block_stored_array
 
 enc = msgspec.msgpack.encode
 SALT = [["cache_salt", "tenant-a"], None]                   # block 0 salted, block 1 not
@@ -19,16 +20,13 @@ MM = [[b"\x9f" * 32, 0], None]                              # an image hash and 
 
 
 def stored_array(hashes, parent, tokens, extra=None, rank_fields=True):
-    ev = ["BlockStored", hashes, parent, tokens, 16, None, "GPU", None, extra]
-    if rank_fields:
-        ev += [1, "sliding_window", 4096]                   # group_idx, kv_cache_spec_kind, sliding window
-    return ev
+    rank = (1, "sliding_window", 4096) if rank_fields else ()   # group_idx, kv_cache_spec_kind, sliding window
+    return block_stored_array(hashes, parent, tokens, None, "GPU", None, extra, *rank)
 
 
 def stored_map(hashes, parent, tokens, extra=None):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": extra,
-            "group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 4096}
+    return block_stored(hashes, parent, tokens, lora_id=None, medium="GPU", lora_name=None, extra_keys=extra,
+                        group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=4096)
 
 
 @pytest.mark.parametrize("extra", [SALT, MM, None])

@@ -18,41 +18,25 @@ from gateway.kv.wire import (
     _untyped_batch,
     decode_batch,
 )
+from tests.support.factories import block_stored, block_stored_array, event_batch
 
 enc = msgspec.msgpack.encode
 H32 = b"\x07" * 32
 
 
-def stored_array(hashes, parent, tokens, *trailing):
-    return ["BlockStored", hashes, parent, tokens, 16, *trailing]
-
-
-def stored_map(hashes, parent, tokens, **fields):
-    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
-            "block_size": 16, **fields}
-
-
-def batch(encoding, events, rank=0, ts=1.0):
-    """``encoding``: the batch's form then its events' (``map``: both maps, as enginesim sends;
-    ``vllm``: an array of maps, as vLLM sends today; ``array``: arrays, as older engines did)."""
-    if encoding == "map":
-        return enc({"ts": ts, "events": events, "data_parallel_rank": rank})
-    return enc([ts, events, rank])
-
-
 def events_for(encoding, tokens=tuple(range(32))):
     tokens = list(tokens)
     if encoding == "array":
-        return [stored_array([11, H32], None, tokens, None, "GPU", "ad1"), ["BlockRemoved", [11], "CPU"],
+        return [block_stored_array([11, H32], None, tokens, None, "GPU", "ad1"), ["BlockRemoved", [11], "CPU"],
                 ["AllBlocksCleared"]]
-    return [stored_map([11, H32], None, tokens, lora_id=None, medium="GPU", lora_name="ad1"),
+    return [block_stored([11, H32], None, tokens, lora_id=None, medium="GPU", lora_name="ad1"),
             {"type": "BlockRemoved", "block_hashes": [11], "medium": "CPU"}, {"type": "AllBlocksCleared"}]
 
 
 @pytest.mark.parametrize("encoding", ["map", "vllm", "array"])
 def test_each_encoding_decodes_typed_to_the_same_events(encoding):
     d = BatchDecoder()
-    b = d.decode(batch(encoding if encoding != "vllm" else "array", events_for(encoding)))
+    b = d.decode(event_batch(encoding if encoding != "vllm" else "array", events_for(encoding)))
     assert (d.typed, d.untyped) == (1, 0)
     assert b.ts == 1.0 and b.dp_rank == 0 and b.unknown == 0
     assert b.events == [BlockStored([11, H32], None, list(range(32)), 16, "ad1", "GPU"),
@@ -65,13 +49,13 @@ def test_the_decoder_follows_a_publisher_that_changes_its_events_form(encoding):
     d = BatchDecoder()
     arrays, maps = events_for("array"), events_for("map")
     for events in (arrays, maps, maps, arrays):
-        assert d.decode(batch(encoding, events)).events[1] == BlockRemoved([11], "CPU")
+        assert d.decode(event_batch(encoding, events)).events[1] == BlockRemoved([11], "CPU")
     assert (d.typed, d.untyped) == (4, 0)
 
 
 def test_missing_trailing_fields_take_their_defaults():
     d = BatchDecoder()
-    b = d.decode(enc([0, [stored_array([1], None, [0] * 16), ["BlockRemoved", [1]]]]))     # no rank either
+    b = d.decode(enc([0, [block_stored_array([1], None, [0] * 16), ["BlockRemoved", [1]]]]))     # no rank either
     assert b.events == [BlockStored([1], None, [0] * 16, 16), BlockRemoved([1])]
     assert b.dp_rank is None and d.untyped == 0
     b = d.decode(enc({"events": [{"type": "BlockRemoved", "block_hashes": [2]}]}))          # no ts, no rank
@@ -80,16 +64,16 @@ def test_missing_trailing_fields_take_their_defaults():
 
 def test_extra_trailing_fields_and_keys_are_ignored():
     d = BatchDecoder()
-    b = d.decode(enc([0, [stored_array([1], 9, [0] * 16, 4, "GPU", None, None, 0, "full", None, "newer")], 0]))
+    b = d.decode(enc([0, [block_stored_array([1], 9, [0] * 16, 4, "GPU", None, None, 0, "full", None, "newer")], 0]))
     assert b.events == [BlockStored([1], 9, [0] * 16, 16, "4", "GPU", 0, None, 4)]
-    b = d.decode(enc([0, [stored_map([1], None, [0] * 16, kv_cache_spec_kind="full", future_field=[1])]]))
+    b = d.decode(enc([0, [block_stored([1], None, [0] * 16, kv_cache_spec_kind="full", future_field=[1])]]))
     assert b.events == [BlockStored([1], None, [0] * 16, 16)] and d.untyped == 0
 
 
 @pytest.mark.parametrize("encoding", ["map", "vllm", "array"])
 def test_lora_id_names_the_adapter_without_lora_name(encoding):
-    ev = stored_array([1], None, [0] * 16, 3) if encoding == "array" else stored_map([1], None, [0] * 16, lora_id=3)
-    (b,) = decode_batch(batch("map" if encoding == "map" else "array", [ev])).events
+    ev = block_stored_array([1], None, [0] * 16, 3) if encoding == "array" else block_stored([1], None, [0] * 16, lora_id=3)
+    (b,) = decode_batch(event_batch("map" if encoding == "map" else "array", [ev])).events
     assert (b.lora_name, b.lora_id) == ("3", 3)
 
 
@@ -98,15 +82,15 @@ def test_unknown_event_types_are_skipped_and_counted(encoding):
     new = ["BlockUpdated", [1], 5] if encoding == "array" else {"type": "BlockUpdated", "block_hashes": [1]}
     known = events_for(encoding)
     d = BatchDecoder()
-    b = d.decode(batch(encoding, [known[0], new, known[1], new]))
+    b = d.decode(event_batch(encoding, [known[0], new, known[1], new]))
     assert b.unknown == 2 and [type(e) for e in b.events] == [BlockStored, BlockRemoved]
     assert d.untyped == 1
 
 
 def test_a_publisher_that_needs_the_untyped_path_goes_there_for_a_while_then_tries_again():
     d = BatchDecoder()
-    odd = batch("map", [{"type": "BlockUpdated"}])
-    good = batch("map", events_for("map"))
+    odd = event_batch("map", [{"type": "BlockUpdated"}])
+    good = event_batch("map", events_for("map"))
     d.decode(odd)
     for _ in range(64):
         assert d.decode(good).events          # decoded right, untyped
@@ -118,7 +102,7 @@ def test_a_publisher_that_needs_the_untyped_path_goes_there_for_a_while_then_tri
 @pytest.mark.parametrize("rank", [None, 0, 2])
 @pytest.mark.parametrize("encoding", ["map", "vllm", "array"])
 def test_typed_and_untyped_paths_agree_on_ranks(encoding, rank):
-    payload = batch("map" if encoding == "map" else "array", events_for(encoding)[:2], rank=rank)
+    payload = event_batch("map" if encoding == "map" else "array", events_for(encoding)[:2], rank=rank)
     for port_rank in (None, 1):
         typed = BatchDecoder().decode(payload, port_rank)
         assert typed == _untyped_batch(payload, port_rank)
@@ -171,7 +155,7 @@ def _positional(ev: dict) -> list:
 def test_well_formed_batches_decode_typed_exactly_as_untyped(events, encoding, batch_rank, port_rank):
     if encoding == "array":
         events = [_positional(ev) for ev in events]
-    payload = batch("map" if encoding == "map" else "array", events, rank=batch_rank)
+    payload = event_batch("map" if encoding == "map" else "array", events, rank=batch_rank)
     d = BatchDecoder()
     assert d.decode(payload, port_rank) == _untyped_batch(payload, port_rank)
     assert (d.typed, d.untyped) == (1, 0)

@@ -8,19 +8,16 @@ import time
 
 import pytest
 
-from gateway.endpoints import Endpoint, EngineMetrics
+from gateway.endpoints import EngineMetrics
 from gateway.observability.looplag import LoopLagMonitor
 from gateway.observability.metrics import GatewayMetrics, observe_all
+from tests.support.factories import endpoint
 from tests.support.metrics import sample_map
-
-
-def ep(port: int, **kw) -> Endpoint:
-    return Endpoint(url=f"http://127.0.0.1:{port}", model="m", **kw)
 
 
 def test_engine_state_is_exported_from_fresh_snapshots_only():
     now = time.monotonic()
-    fresh, stale, never = ep(8001, engine="sglang"), ep(8002, role="prefill", roleset="rs-1"), ep(8003)
+    fresh, stale, never = endpoint(8001, engine="sglang"), endpoint(8002, role="prefill", roleset="rs-1"), endpoint(8003)
     fresh.metrics = EngineMetrics(scraped_at=now, running=3, waiting=1, kv_usage=0.25, prefix_hit_rate=None,
                                   gen_throughput=120.0)
     stale.metrics = EngineMetrics(scraped_at=now - 60, running=7, waiting=7, kv_usage=0.9)
@@ -97,7 +94,7 @@ def test_fleet_load_is_exported_per_endpoint():
     waiting beyond this gateway's in-flight at the last fresh scrape."""
     from routers.prefix_cache import fleet_load
     now = time.monotonic()
-    busy, alone = ep(8001), ep(8002)
+    busy, alone = endpoint(8001), endpoint(8002)
     busy.in_flight, alone.in_flight = 2, 1
     busy.metrics = EngineMetrics(scraped_at=now, running=9, waiting=3, gateway_in_flight=2)   # 10 from others
     m = GatewayMetrics()

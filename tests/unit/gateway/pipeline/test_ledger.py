@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from gateway.endpoints import Endpoint
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.ledger import PendingDecode, PrefillInFlight, charge
-
-
-def ep(n: int, role: str) -> Endpoint:
-    return Endpoint(url=f"http://127.0.0.{n}:8000", model="m", engine="vllm", role=role, roleset="rs")
+from tests.support.factories import pd_endpoint as ep
 
 
 def test_tracker_charges_release_exactly_once():
