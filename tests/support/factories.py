@@ -69,7 +69,7 @@ class Fallbacks(Counter):
         self[(strategy, reason)] += 1
 
 
-def request(text: str | None = None, *, tokens: int | None = None, model: str = "m", request_id: str = "r",
+def inference_request(text: str | None = None, *, tokens: int | None = None, model: str = "m", request_id: str = "r",
             path: str = CHAT, **fields: Any) -> InferenceRequest:
     """A parsed request as a router sees it. ``text`` is the prompt hashed for prefixes (``"x"`` four
     characters a token when only ``tokens`` is given); ``tokens`` the estimate (a quarter of the text's

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import openai_client, sim_state
+from tests.support.http import chat_body, openai_client, post, sim_state
 from tests.support.waiting import wait_for
 
 MSG = [{"role": "user", "content": "Summarise the adapter's task in one line."}]
@@ -19,9 +19,9 @@ FAST_LORA = {"discovery_interval_s": 0.1}
 
 
 async def chat(gw, model: str, headers=None):
-    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", headers=headers or {},
-                                                    json={"model": model, "messages": MSG, "max_tokens": 4}) as r:
-        return r.status, r.headers, await r.json()
+    """A chat request to ``model`` (an adapter's name, or the base model): status, headers, JSON body."""
+    r = await post(gw, chat_body(MSG, model=model), headers)
+    return r.status, r.headers, r.json()
 
 
 def load_calls(state: dict) -> list[dict]:

@@ -108,7 +108,7 @@ def test_rules_parse_and_every_alert_has_severity_and_text(helm_render, tmp_path
 # -- the demo run ------------------------------------------------------------------------------
 
 
-async def traffic(gw, model: str, key: str = BOB, stream: bool = False, headers: dict | None = None,
+async def ask(gw, model: str, key: str = BOB, stream: bool = False, headers: dict | None = None,
                   max_tokens: int = 6) -> tuple[int, bytes]:
     """One request of the demo run, as ``key``'s user: status and body."""
     status, _, raw = await post(gw, chat_body([{"role": "user", "content": PROMPT}], model=model, stream=stream,
@@ -152,23 +152,23 @@ async def demo_gateway(sims, gateway):
 
 async def demo_traffic(gw) -> None:
     # the first agg-vllm request meets the dead endpoint (round-robin starts there): a retry
-    assert (await traffic(gw, "agg-vllm"))[0] == 200
+    assert (await ask(gw, "agg-vllm"))[0] == 200
     for model in ("agg-vllm", "agg-sglang", "pd-vllm", "pd-sglang"):
         for _ in range(2):                              # the same prompt twice: prefix-cache hits
-            assert (await traffic(gw, model))[0] == 200
-        status, raw = await traffic(gw, model, stream=True)
+            assert (await ask(gw, model))[0] == 200
+        status, raw = await ask(gw, model, stream=True)
         assert status == 200 and b"[DONE]" in raw
     # errors: an engine 500, a stream that breaks, a failed prefill, a stalled decode (watchdog)
-    assert (await traffic(gw, "agg-sglang", headers={"x-sim-fault": "status=500"}))[0] >= 500
-    assert b'"error"' in (await traffic(gw, "agg-vllm", stream=True, headers={"x-sim-fault": "error_after=2"}))[1]
-    assert (await traffic(gw, "pd-vllm", headers={"x-sim-fault": "prefill.status=503"}))[0] >= 500
-    assert (await traffic(gw, "pd-sglang", stream=True,
+    assert (await ask(gw, "agg-sglang", headers={"x-sim-fault": "status=500"}))[0] >= 500
+    assert b'"error"' in (await ask(gw, "agg-vllm", stream=True, headers={"x-sim-fault": "error_after=2"}))[1]
+    assert (await ask(gw, "pd-vllm", headers={"x-sim-fault": "prefill.status=503"}))[0] >= 500
+    assert (await ask(gw, "pd-sglang", stream=True,
                        headers={"x-sim-fault": "decode.stall_before_first=inf"}))[0] == 504
     # a strategy without its signal (no session id): a routing fallback
-    assert (await traffic(gw, "agg-sglang", headers={"routing-strategy": "session-affinity"}))[0] == 200
+    assert (await ask(gw, "agg-sglang", headers={"routing-strategy": "session-affinity"}))[0] == 200
     # tenants: alice's third request in the minute is refused; a wrong key is refused
-    assert [(await traffic(gw, "agg-vllm", key=ALICE))[0] for _ in range(3)] == [200, 200, 429]
-    assert (await traffic(gw, "agg-vllm", key="sk-nobody"))[0] == 401
+    assert [(await ask(gw, "agg-vllm", key=ALICE))[0] for _ in range(3)] == [200, 200, 429]
+    assert (await ask(gw, "agg-vllm", key="sk-nobody"))[0] == 401
     await leave_mid_stream(gw, "agg-vllm")
 
 

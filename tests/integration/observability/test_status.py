@@ -10,6 +10,7 @@ import aiohttp
 import jsonschema
 
 from tests.support.factories import model_block, pd_pair, roleset
+from tests.support.http import bearer, chat_body, post
 from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 from tests.support.waiting import wait_for
 
@@ -38,12 +39,8 @@ async def status(gw, token: str | None = None) -> dict:
 async def chat(gw, model: str, *, stream: bool = False, rid: str | None = None, key: str = "none",
                headers: dict[str, str] | None = None) -> int:
     """One chat completion, read to the end; its status."""
-    headers = {"Authorization": f"Bearer {key}", **({"x-request-id": rid} if rid else {}), **(headers or {})}
-    payload = {"model": model, "messages": CHAT, "max_tokens": 4, "stream": stream}
-    async with aiohttp.ClientSession() as s, s.post(gw.base_url + "/chat/completions", json=payload,
-                                                    headers=headers) as r:
-        await r.read()
-        return r.status
+    headers = {**bearer(key), **({"x-request-id": rid} if rid else {}), **(headers or {})}
+    return (await post(gw, chat_body(CHAT, model=model, stream=stream), headers)).status
 
 
 def by(items: list[dict], **match) -> dict:

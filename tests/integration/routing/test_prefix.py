@@ -9,6 +9,7 @@ import aiohttp
 
 from routers.session import encode_session_id
 from tests.support.factories import model_block
+from tests.support.http import chat_body, post
 
 # -- through the gateway -------------------------------------------------------------------------
 
@@ -18,11 +19,10 @@ LONG_SYSTEM = ("You are the dispatcher of a railway switchyard. Trains arrive fr
 
 async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], headers: dict | None = None,
                **extra) -> tuple[str, dict]:
-    body = {"model": "m", "messages": messages, "max_tokens": 4, **extra}
-    async with session.post(url + "/v1/chat/completions", json=body, headers=headers or {}) as r:
-        assert r.status == 200, await r.text()
-        data = await r.json()
-        return r.headers["target-pod"], data
+    """One turn of a conversation; which engine answered (``target-pod``) and the answer."""
+    r = await post(url, chat_body(messages, **extra), headers, http=session)
+    assert r.status == 200, r.body
+    return r.headers["target-pod"], r.json()
 
 
 async def test_gateway_sends_a_conversation_back_to_its_engine_and_leaves_it_when_overloaded(sims, gateway):

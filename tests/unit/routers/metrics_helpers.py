@@ -5,9 +5,9 @@ from __future__ import annotations
 from functools import partial
 
 from gateway.endpoints import EngineMetrics
-from tests.support.factories import endpoints, request, router_ctx
+from tests.support.factories import endpoints, inference_request, router_ctx
 
-make_req = partial(request, tokens=100)
+make_req = partial(inference_request, tokens=100)
 make_eps = endpoints
 ctx_for = partial(router_ctx, metrics_max_age_s=10.0)
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from routers.prefix_cache import PrefixCacheRouter
-from tests.support.factories import Clock, endpoints, request, router_ctx
+from tests.support.factories import Clock, endpoints, inference_request, router_ctx
 
 BLOCK = 8
 
 
-make_req = request
+make_req = inference_request
 make_eps = endpoints
 
 

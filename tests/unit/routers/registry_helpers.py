@@ -11,9 +11,9 @@ from gateway.request import InferenceRequest
 from routers.base import Decision, Router, RouterContext, ScoringRouter
 from routers.registry import RouterRegistry, WeightedRouter
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
-from tests.support.factories import endpoints, request
+from tests.support.factories import endpoints, inference_request
 
-make_req = partial(request, "user\nhello", tokens=3, request_id="req-1")
+make_req = partial(inference_request, "user\nhello", tokens=3, request_id="req-1")
 make_eps = endpoints
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from tests.support.factories import endpoints, request, router_ctx
+from tests.support.factories import endpoints, inference_request, router_ctx
 
-make_req = request
+make_req = inference_request
 make_eps = partial(endpoints, url="http://10.0.0.{n1}:8000")
 ctx_for = router_ctx

@@ -20,7 +20,7 @@ from gateway.request import CHAT, InferenceRequest
 from gateway.server.app import pool_from_config
 from gateway.server.lifecycle import Lifecycle
 from routers.base import Decision
-from tests.support.factories import Clock
+from tests.support.factories import Clock, inference_request
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[4] / "docs" / "status.schema.json").read_text())
 
@@ -45,8 +45,7 @@ def rec(rid: str, model: str = "llama", status: int = 200, **kw) -> RequestRecor
 
 
 def ireq(rid: str, model: str = "llama", user: str | None = None) -> InferenceRequest:
-    return InferenceRequest(path=CHAT, body=b"{}", data={}, model=model, stream=False, include_usage=False,
-                            prompt_text="hi", prompt_tokens_est=1, request_id=rid, user=user)
+    return inference_request("hi", tokens=1, model=model, request_id=rid, user=user)
 
 
 def test_client_chosen_model_names_share_one_window():

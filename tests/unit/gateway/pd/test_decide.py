@@ -12,8 +12,9 @@ from gateway.config.schema import config_from_dict
 from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.pd.decide import PDDecider, PDDecisionMetrics
 from gateway.pipeline.context import RequestRecord
-from gateway.request import CHAT, InferenceRequest
+from gateway.request import CHAT
 from routers.base import Decision, RouterContext
+from tests.support.factories import inference_request
 
 VLLM = SimpleNamespace(decode_runs_whole=True)
 
@@ -29,8 +30,7 @@ def setup(**pd):
 
 
 def ctx_for(p, d):
-    ireq = InferenceRequest(path=CHAT, body=b"{}", data={}, model="m", stream=False, include_usage=False,
-                            prompt_text="x" * 4000, prompt_tokens_est=1000, request_id="r")
+    ireq = inference_request(tokens=1000)
     return SimpleNamespace(ireq=ireq, decision=Decision(d, "pd", prefill=p), rec=RequestRecord("r", CHAT, 0.0),
                            after_write=[])
 
