@@ -1,7 +1,8 @@
 """Shared fixtures: simulated engines and gateways on real loopback sockets.
 
 ``sims`` starts ``enginesim`` servers in-process on free ports; ``gateway`` starts the gateway
-in front of them. After every test an autouse check waits briefly for handlers to settle, then
+in front of them; ``emu``, ``redis_server`` and ``helm_render`` bring up the fakes of
+tests/support/. Helpers (HTTP, metrics, waiting, factories) live in tests/support/, not here. After every test an autouse check waits briefly for handlers to settle, then
 asserts that every lease and in-flight gauge is back to zero.
 
 Hypothesis profiles: ``ci`` (loaded when ``CI=true``) is derandomized, keeps no example database
@@ -74,11 +75,23 @@ def pytest_runtest_makereport(item, call):
             "or add the @reproduce_failure(...) line printed above to the test (same code and Hypothesis version)")))
 
 
+# fixtures that start servers, processes or binaries on loopback: only integration tests use them
+INTEGRATION_FIXTURES = frozenset({"sims", "gateway", "emu", "redis_server", "helm_render"})
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Everything under tests/integration/ carries the ``integration`` marker."""
+    """Everything under tests/integration/ carries the ``integration`` marker; a test under tests/unit/
+    that asks for a loopback server (an engine, a gateway, redis-server, ...) is an integration test
+    in the wrong place, and the run stops and says so (``make test-unit`` must need nothing installed)."""
+    misplaced = []
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
+        elif "unit" in item.path.parts and INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("unit tests using integration fixtures (move them under tests/integration/): "
+                                + ", ".join(misplaced))
 
 
 FAST_SIM = {"ttft_base_ms": 2.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
@@ -156,6 +169,34 @@ async def emu():
     await e.start()
     yield e
     await e.close()
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free loopback port (tests/support/redis_server.py)."""
+    from tests.support.redis_server import RedisServer
+
+    srv: RedisServer | None = None
+    for _ in range(3):       # a free port can be taken between choosing and binding it
+        srv = RedisServer()
+        try:
+            srv.start()
+            break
+        except RuntimeError:
+            srv.cleanup()
+            srv = None
+    if srv is None:
+        pytest.fail("could not start redis-server on a free loopback port")
+    yield srv
+    srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def helm_render():
+    """The chart renderer's binary (tests/support/helm.py), built once per machine and Go version."""
+    from tests.support.helm import build_helm_render
+
+    return build_helm_render()
 
 
 def _idle(ep) -> bool:

@@ -10,6 +10,7 @@
 - ``enginesim``, ``edge``: helpers of the engine simulator's tests and of the edge's raw-HTTP tests.
 - The fakes: ``kube_emulator`` (a Kubernetes API server), ``otlp_receiver`` (an OpenTelemetry
   collector), ``redis_server`` (a real redis-server on a free port), ``cdp`` (a headless Chromium
-  driven over DevTools), ``promql_check`` (dashboards' queries against exported metrics).
+  driven over DevTools), ``promql_check`` (dashboards' queries against exported metrics), ``helm``
+  (the chart rendered by ``helm_render/``, a small Go program, since CI has no helm).
 - ``status_screenshot``: ``make status-screenshot``'s picture of the status page.
 """

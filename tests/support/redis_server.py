@@ -1,7 +1,7 @@
 """A real ``redis-server`` on a free loopback port, for the tenancy tests.
 
-``redis_server`` (function scope) starts one with no persistence (``--save '' --appendonly no``)
-in a temporary directory and stops it by pid at teardown. Tests can ``kill()`` it (SIGKILL, an
+The ``redis_server`` fixture (tests/conftest.py, function scope) starts one with no persistence
+(``--save '' --appendonly no``) in a temporary directory and stops it by pid at teardown. Tests can ``kill()`` it (SIGKILL, an
 outage), ``start()`` it again on the same port (recovery, empty), or ``pause()``/``resume()`` it
 (SIGSTOP/SIGCONT: a Redis that accepts connections but never answers).
 
@@ -96,18 +96,3 @@ class RedisServer:
             shutil.rmtree(self.dir)
 
 
-@pytest.fixture(name="redis_server")
-def redis_server_fixture():
-    srv: RedisServer | None = None
-    for _ in range(3):       # a free port can be taken between choosing and binding it
-        srv = RedisServer()
-        try:
-            srv.start()
-            break
-        except RuntimeError:
-            srv.cleanup()
-            srv = None
-    if srv is None:
-        pytest.fail("could not start redis-server on a free loopback port")
-    yield srv
-    srv.cleanup()

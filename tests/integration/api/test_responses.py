@@ -13,7 +13,6 @@ from tests.conftest import FAST_SIM
 from tests.integration.tenancy.test_api import ALICE, BOB, KEYS
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
-from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 from tests.support.waiting import wait_for
 
 

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from gateway.server.run import free_port
-from tests.integration.k8s.test_chart import by_kind, helm_render, render  # noqa: F401 (helm_render: a fixture)
 from tests.support.factories import model_block
+from tests.support.helm import by_kind, render
 from tests.support.http import bearer, chat_body, post
 from tests.support.promql_check import Query, check, exported, parse, plain, variable_query
 from tests.support.waiting import wait_for

@@ -11,7 +11,6 @@ import jsonschema
 
 from tests.support.factories import model_block, pd_pair, roleset
 from tests.support.http import bearer, chat_body, post
-from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 from tests.support.waiting import wait_for
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "docs" / "status.schema.json").read_text())

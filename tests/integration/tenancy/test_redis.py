@@ -22,7 +22,6 @@ from gateway.tenants.redis_state import RedisState
 from tests.integration.tenancy.test_api import ALICE, CHAT, KEYS, outcomes
 from tests.support.factories import model_block
 from tests.support.http import openai_client
-from tests.support.redis_server import redis_server_fixture  # noqa: F401  (the redis_server fixture)
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
