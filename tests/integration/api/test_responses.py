@@ -10,9 +10,9 @@ import pytest
 
 from enginesim import SimConfig, start_sim
 from tests.conftest import FAST_SIM
-from tests.integration.tenancy.test_api import ALICE, BOB, KEYS
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
+from tests.support.tenancy import ALICE, BOB, KEYS
 from tests.support.waiting import wait_for
 
 

@@ -10,22 +10,9 @@ import openai
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import chat_body, openai_client, post, sim_state
+from tests.support.http import openai_client, sim_state
+from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
 from tests.support.waiting import wait_for
-
-MSG = [{"role": "user", "content": "Summarise the adapter's task in one line."}]
-LORA_SIM = {"enable_lora": True, "max_loras": 2, "lora_load_ms": 5.0}
-FAST_LORA = {"discovery_interval_s": 0.1}
-
-
-async def chat(gw, model: str, headers=None):
-    """A chat request to ``model`` (an adapter's name, or the base model): status, headers, JSON body."""
-    r = await post(gw, chat_body(MSG, model=model), headers)
-    return r.status, r.headers, r.json()
-
-
-def load_calls(state: dict) -> list[dict]:
-    return [r for r in state["received"] if r["path"] in ("/v1/load_lora_adapter", "/load_lora_adapter")]
 
 
 async def test_discovered_adapter_routes_to_its_endpoint_with_the_sdk(sims, gateway):

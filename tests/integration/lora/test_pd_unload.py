@@ -11,9 +11,9 @@ import time
 import aiohttp
 import pytest
 
-from tests.integration.lora.test_lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
+from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
 from tests.support.waiting import wait_for
 
 

@@ -10,12 +10,10 @@ import aiohttp
 import jsonschema
 
 from tests.support.factories import model_block, pd_pair, roleset
-from tests.support.http import bearer, chat_body, post
+from tests.support.status import ADMIN, CHAT, chat
 from tests.support.waiting import wait_for
 
 SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "docs" / "status.schema.json").read_text())
-CHAT = [{"role": "user", "content": "What does a switchyard do?"}]
-ADMIN = "admin-token-0123456789"
 ALICE = "sk-alice-0123456789"
 
 
@@ -33,13 +31,6 @@ async def status(gw, token: str | None = None) -> dict:
     assert headers["Cache-Control"] == "no-store"
     jsonschema.validate(doc, SCHEMA)
     return doc
-
-
-async def chat(gw, model: str, *, stream: bool = False, rid: str | None = None, key: str = "none",
-               headers: dict[str, str] | None = None) -> int:
-    """One chat completion, read to the end; its status."""
-    headers = {**bearer(key), **({"x-request-id": rid} if rid else {}), **(headers or {})}
-    return (await post(gw, chat_body(CHAT, model=model, stream=stream), headers)).status
 
 
 def by(items: list[dict], **match) -> dict:

@@ -14,9 +14,9 @@ import os
 import pytest
 
 from gateway.demo import DEMO_ENGINES
-from tests.integration.observability.test_status import ADMIN, chat
 from tests.support.cdp import Browser, chromium_binary
 from tests.support.factories import model_block, roleset
+from tests.support.status import ADMIN, chat
 
 FAST_PAGE = {"refresh_s": 0.5}
 

@@ -9,20 +9,10 @@ import aiohttp
 
 from routers.session import encode_session_id
 from tests.support.factories import model_block
-from tests.support.http import chat_body, post
+from tests.support.routing import LONG_SYSTEM, chat
 
 # -- through the gateway -------------------------------------------------------------------------
 
-LONG_SYSTEM = ("You are the dispatcher of a railway switchyard. Trains arrive from the north and the "
-               "south; every track has a length, a set of switches and a signal. ") * 12
-
-
-async def chat(session: aiohttp.ClientSession, url: str, messages: list[dict], headers: dict | None = None,
-               **extra) -> tuple[str, dict]:
-    """One turn of a conversation; which engine answered (``target-pod``) and the answer."""
-    r = await post(url, chat_body(messages, **extra), headers, http=session)
-    assert r.status == 200, r.body
-    return r.headers["target-pod"], r.json()
 
 
 async def test_gateway_sends_a_conversation_back_to_its_engine_and_leaves_it_when_overloaded(sims, gateway):

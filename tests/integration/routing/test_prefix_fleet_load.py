@@ -9,8 +9,8 @@ import contextlib
 import aiohttp
 import pytest
 
-from tests.integration.routing.test_prefix import LONG_SYSTEM, chat
 from tests.support.factories import model_block
+from tests.support.routing import LONG_SYSTEM, chat
 
 
 @pytest.mark.parametrize("mode", ["fleet", "local"])

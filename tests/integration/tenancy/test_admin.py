@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from gateway.admin_cli import main as cli
-from tests.integration.tenancy.test_api import ALICE, CHAT
 from tests.support.factories import model_block
 from tests.support.http import openai_client
+from tests.support.tenancy import ALICE, CHAT
 
 TOKEN = "admin-secret-token"
 CONFIG = {"auth": {"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": TOKEN},

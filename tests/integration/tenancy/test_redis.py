@@ -19,9 +19,9 @@ import yaml
 from gateway.config.schema import StateConfig
 from gateway.server.run import free_port
 from gateway.tenants.redis_state import RedisState
-from tests.integration.tenancy.test_api import ALICE, CHAT, KEYS, outcomes
 from tests.support.factories import model_block
 from tests.support.http import openai_client
+from tests.support.tenancy import ALICE, CHAT, KEYS, outcomes
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
