@@ -4,19 +4,43 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEVSTAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test lint bench clean redis-server chromium status-screenshot
+.PHONY: demo test test-unit test-integration lint lock bench clean redis-server chromium status-screenshot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -U pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e .
+# Dependencies come from the lock files (exact versions, every file's hash checked); pyproject.toml keeps
+# the ranges. The project itself is installed editable on top, without resolving anything again.
+$(STAMP): pyproject.toml requirements.lock | $(BIN)/python
+	$(BIN)/pip install -q --require-hashes -r requirements.lock
+	$(BIN)/pip install -q --no-deps -e .
 	touch $@
 
-$(DEVSTAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+$(DEVSTAMP): pyproject.toml requirements-dev.lock | $(BIN)/python
+	$(BIN)/pip install -q --require-hashes -r requirements-dev.lock
+	$(BIN)/pip install -q --no-deps -e .
 	touch $@ $(STAMP)
+
+# requirements.lock (runtime) and requirements-dev.lock (runtime + the dev extra) from pyproject.toml's
+# ranges, with uv in a venv of its own. Versions already pinned are kept unless pyproject.toml rules them
+# out; `make lock UPGRADE=1` moves everything to the newest versions the ranges allow. The commands:
+#   uv pip compile pyproject.toml --generate-hashes --universal --python-version 3.11 -o requirements.lock
+#   uv pip compile pyproject.toml --extra dev --generate-hashes --universal --python-version 3.11 -o requirements-dev.lock
+# --universal writes environment markers instead of resolving for this machine only, so one lock serves
+# Linux (CI, the image) and developers' macOS alike. The bench extra (matplotlib) and the grpc extra are
+# not locked: `make bench-routing` and `make bench-lora-pd` resolve them from their ranges.
+LOCKVENV := .venv-lock
+UPGRADE ?=
+LOCK_ARGS := --custom-compile-command "make lock" --generate-hashes --universal --python-version 3.11 $(if $(UPGRADE),--upgrade)
+
+$(LOCKVENV)/bin/uv:
+	$(PY) -m venv $(LOCKVENV)
+	$(LOCKVENV)/bin/pip install -q uv
+
+lock: $(LOCKVENV)/bin/uv
+	$(LOCKVENV)/bin/uv pip compile -q pyproject.toml $(LOCK_ARGS) -o requirements.lock
+	$(LOCKVENV)/bin/uv pip compile -q pyproject.toml --extra dev $(LOCK_ARGS) -o requirements-dev.lock
 
 demo: $(STAMP)
 	$(BIN)/python -m gateway --demo
@@ -35,24 +59,31 @@ $(PROMTOOL): | $(BIN)/python
 	  apt-get download -qq prometheus 2>/dev/null || { apt-get update -qq && apt-get download -qq prometheus; }; \
 	  dpkg-deb -x prometheus_*.deb root; cp root/usr/bin/promtool $(CURDIR)/$@; cd $(CURDIR); rm -rf $$tmp; fi
 
-# the status page's browser tests drive a headless Chromium over DevTools (tests/cdp.py)
+# the status page's browser tests drive a headless Chromium over DevTools (tests/support/cdp.py)
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
 test: $(DEVSTAMP) redis-server $(PROMTOOL) chromium
 	$(BIN)/python -m pytest
 
+# the unit tests alone: pure code, no sockets to other processes, nothing from apt (seconds)
+test-unit: $(DEVSTAMP)
+	$(BIN)/python -m pytest tests/unit
+
+test-integration: $(DEVSTAMP) redis-server $(PROMTOOL) chromium
+	$(BIN)/python -m pytest tests/integration
+
 # the manual's picture of the status page (docs/status-page.png): `python -m gateway --demo` under traffic, in headless Chromium;
 # made small with pngquant when it is installed (Debian: pngquant)
 status-screenshot: $(DEVSTAMP) chromium
-	$(BIN)/python -m tests.status_screenshot docs/status-page.png
+	$(BIN)/python -m tests.support.status_screenshot docs/status-page.png
 	@! command -v pngquant >/dev/null || pngquant --force --quality 70-95 --output docs/status-page.png docs/status-page.png
 
 lint: $(DEVSTAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LOCKVENV) .pytest_cache build dist
 
 # issue #5: gateway overhead side by side with the Rust routers, every gateway at its defaults
 # (bench/README.md). `make bench-peers` installs sglang-router and vllm-router into their own venv;

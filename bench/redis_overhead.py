@@ -45,7 +45,7 @@ from gateway.config.schema import StateConfig, UserLimits  # noqa: E402
 from gateway.server.run import free_port  # noqa: E402
 from gateway.tenants.limits import AdmitQuery  # noqa: E402
 from gateway.tenants.redis_state import RedisState  # noqa: E402
-from tests.redis_server import RedisServer  # noqa: E402
+from tests.support.redis_server import RedisServer  # noqa: E402
 
 KEY = "sk-bench-0123456789abcdef"
 BIG = 10**9

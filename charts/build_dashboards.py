@@ -5,7 +5,7 @@
 
 The JSON is generated so that panels stay laid out on Grafana's 24-column grid, ids and refIds
 are unique, and every query uses the same selectors; edit this file, not the JSON
-(tests/integration/test_dashboards.py fails when they disagree, and checks every query's metric
+(tests/integration/observability/test_dashboards.py fails when they disagree, and checks every query's metric
 names against a live gateway's /metrics).
 
 Conventions: every query filters on the dashboard's ``$job`` (the Prometheus job(s) scraping the

@@ -1,7 +1,8 @@
 """Shared fixtures: simulated engines and gateways on real loopback sockets.
 
 ``sims`` starts ``enginesim`` servers in-process on free ports; ``gateway`` starts the gateway
-in front of them. After every test an autouse check waits briefly for handlers to settle, then
+in front of them; ``emu``, ``redis_server`` and ``helm_render`` bring up the fakes of
+tests/support/. Helpers (HTTP, metrics, waiting, factories) live in tests/support/, not here. After every test an autouse check waits briefly for handlers to settle, then
 asserts that every lease and in-flight gauge is back to zero.
 
 Hypothesis profiles: ``ci`` (loaded when ``CI=true``) is derandomized, keeps no example database
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 from hypothesis import HealthCheck, is_hypothesis_test, settings
 
@@ -30,6 +30,12 @@ from gateway.observability.logs import LineWriter
 from gateway.pipeline.pipeline import Pipeline
 from gateway.server.app import GATEWAY_KEY
 from gateway.server.run import start
+
+# re-exported: test files written before tests/support/ import these from here
+from tests.support.factories import model_block as model_block
+from tests.support.http import sim_state as sim_state
+from tests.support.http import sse_events as sse_events
+from tests.support.waiting import wait_for as wait_for
 
 settings.register_profile("ci", derandomize=True, print_blob=True, database=None, deadline=None,
                           max_examples=200, suppress_health_check=[HealthCheck.too_slow])
@@ -69,11 +75,23 @@ def pytest_runtest_makereport(item, call):
             "or add the @reproduce_failure(...) line printed above to the test (same code and Hypothesis version)")))
 
 
+# fixtures that start servers, processes or binaries on loopback: only integration tests use them
+INTEGRATION_FIXTURES = frozenset({"sims", "gateway", "emu", "redis_server", "helm_render"})
+
+
 def pytest_collection_modifyitems(items) -> None:
-    """Everything under tests/integration/ carries the ``integration`` marker."""
+    """Everything under tests/integration/ carries the ``integration`` marker; a test under tests/unit/
+    that asks for a loopback server (an engine, a gateway, redis-server, ...) is an integration test
+    in the wrong place, and the run stops and says so (``make test-unit`` must need nothing installed)."""
+    misplaced = []
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
+        elif "unit" in item.path.parts and INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            misplaced.append(item.nodeid)
+    if misplaced:
+        raise pytest.UsageError("unit tests using integration fixtures (move them under tests/integration/): "
+                                + ", ".join(misplaced))
 
 
 FAST_SIM = {"ttft_base_ms": 2.0, "prefill_ms_per_token": 0.0, "itl_ms": 1.0}
@@ -114,10 +132,6 @@ async def sims():
             await s.close()
 
 
-def model_block(name: str, engine: str, urls: list[str], **extra) -> dict:
-    return {"name": name, "engine": engine, "endpoints": list(urls), **extra}
-
-
 @pytest.fixture
 async def gateway():
     runners = []
@@ -148,13 +162,41 @@ async def gateway():
 
 @pytest.fixture
 async def emu():
-    """A Kubernetes API server emulator on loopback (tests/kube_emulator.py)."""
-    from tests.kube_emulator import KubeEmulator
+    """A Kubernetes API server emulator on loopback (tests/support/kube_emulator.py)."""
+    from tests.support.kube_emulator import KubeEmulator
 
     e = KubeEmulator(bookmark_interval=0.1)
     await e.start()
     yield e
     await e.close()
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free loopback port (tests/support/redis_server.py)."""
+    from tests.support.redis_server import RedisServer
+
+    srv: RedisServer | None = None
+    for _ in range(3):       # a free port can be taken between choosing and binding it
+        srv = RedisServer()
+        try:
+            srv.start()
+            break
+        except RuntimeError:
+            srv.cleanup()
+            srv = None
+    if srv is None:
+        pytest.fail("could not start redis-server on a free loopback port")
+    yield srv
+    srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def helm_render():
+    """The chart renderer's binary (tests/support/helm.py), built once per machine and Go version."""
+    from tests.support.helm import build_helm_render
+
+    return build_helm_render()
 
 
 def _idle(ep) -> bool:
@@ -188,29 +230,3 @@ async def _leases_balance():
     _live_gateways.clear()
 
 
-async def sim_state(url: str) -> dict:
-    async with aiohttp.ClientSession() as s, s.get(url + "/_sim/state") as r:
-        return await r.json()
-
-
-async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02):
-    """Poll an async or sync predicate until it is truthy; returns its last value."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        v = predicate()
-        if asyncio.iscoroutine(v):
-            v = await v
-        if v or asyncio.get_running_loop().time() > deadline:
-            return v
-        await asyncio.sleep(interval)
-
-
-def sse_events(raw: bytes) -> list:
-    """The data events of an SSE body: decoded JSON objects, and "[DONE]"."""
-    out = []
-    for block in raw.split(b"\n\n"):
-        block = block.strip()
-        if block.startswith(b"data:"):
-            data = block[5:].strip()
-            out.append("[DONE]" if data == b"[DONE]" else orjson.loads(data))
-    return out

@@ -29,7 +29,7 @@ aiohttp hooks used (3.14): ``web.Server`` subclassed (public; ``__call__`` is th
 factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``connection_lost``/
 ``data_received`` are asyncio's protocol API, ``finish_response`` and ``handle_error`` are its
 documented-in-source override points). Semi-private, and pinned by tests in
-``tests/unit/gateway/test_edge.py`` that break if aiohttp changes them: ``AppRunner._make_server`` (the
+``tests/unit/gateway/server/test_edge.py`` that break if aiohttp changes them: ``AppRunner._make_server`` (the
 runner's factory of its ``Server``), ``Server._kwargs`` (the handler keyword arguments the runner
 collected) and ``RequestHandler._request_count`` (requests parsed on this connection).
 """
@@ -214,7 +214,7 @@ class EdgeProtocol(web.RequestHandler):
     @property
     def _e_parsed(self) -> int:
         """Requests aiohttp parsed on this connection so far, parse errors included (the
-        semi-private ``RequestHandler._request_count``, pinned by tests/unit/gateway/test_edge.py)."""
+        semi-private ``RequestHandler._request_count``, pinned by tests/unit/gateway/server/test_edge.py)."""
         return self._request_count
 
     # -- connection --------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Every API the gateway parses (chat, completions, embeddings, Responses, Messages
 count_tokens, the JSON pass-through ones) is fed its valid body with one position replaced by an
 arbitrary JSON value (null, booleans, ints, huge floats, strings that look like numbers or
 booleans, lists and objects, nested): a top-level field, a message, its content, a content part,
-its type and text, a prompt's token list, an input item, ... (``tests/request_fuzz_util.py``).
+its type and text, a prompt's token list, an input item, ... (``tests/support/request_fuzz.py``).
 
 Properties, for every example:
 
@@ -39,7 +39,7 @@ from gateway.apis.responses_request import parse_responses
 from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError
 from gateway.request import parse
-from tests.request_fuzz_util import CASES, JSON_VALUES, Case, field_name, names, with_value
+from tests.support.request_fuzz import CASES, JSON_VALUES, Case, field_name, names, with_value
 
 EXAMPLES = int(os.environ.get("REQUEST_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("CI") == "true",

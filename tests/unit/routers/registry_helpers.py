@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from functools import partial
 
 from gateway.endpoints import Endpoint
-from gateway.request import CHAT, InferenceRequest
+from gateway.request import InferenceRequest
 from routers.base import Decision, Router, RouterContext, ScoringRouter
-from routers.registry import (
-    RouterRegistry,
-)
+from routers.registry import RouterRegistry, WeightedRouter
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
+from tests.support.factories import endpoints, inference_request
 
-
-def make_req(model: str = "m") -> InferenceRequest:
-    return InferenceRequest(path=CHAT, body=b"{}", data={}, model=model, stream=False, include_usage=False,
-                            prompt_text="user\nhello", prompt_tokens_est=3, request_id="req-1")
-
-
-def make_eps(n: int, model: str = "m", in_flight: Sequence[int] | None = None) -> list[Endpoint]:
-    eps = [Endpoint(url=f"http://127.0.0.1:{9001 + i}", model=model) for i in range(n)]
-    for ep, k in zip(eps, in_flight or [0] * n, strict=True):
-        ep.in_flight = k
-    return eps
+make_req = partial(inference_request, "user\nhello", tokens=3, request_id="req-1")
+make_eps = endpoints
 
 
 class FixedScorer(ScoringRouter):
@@ -68,3 +59,7 @@ def dummy_registry() -> RouterRegistry:
         reg.register(name, lambda ctx, name=name: PlainRouter(name), scoring=False)
     return reg
 
+
+def weighted(parts, rng=None) -> WeightedRouter:
+    """A weighted list of routers, as ``prefix-cache:2,least-request:1`` builds."""
+    return WeightedRouter("test", parts, rng=rng)

@@ -19,25 +19,8 @@ from tests.unit.routers.registry_helpers import (
     PlainRouter,
     make_eps,
     make_req,
+    weighted,
 )
-
-
-def weighted(parts, rng=None):
-    from routers.registry import WeightedRouter
-    return WeightedRouter("test", parts, rng=rng)
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 # -- the contract: every strategy returns a Decision; hooks and capabilities are declared -------------
 

@@ -9,7 +9,7 @@ import pytest
 from gateway.endpoints import EngineMetrics
 from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
 from routers.registry import default_registry
-from tests.strategy_util import Clock
+from tests.support.factories import Clock
 from tests.unit.routers.metrics_helpers import ctx_for, make_eps, make_req, snap
 
 # -- least-kv-cache --------------------------------------------------------------------------------
@@ -42,18 +42,18 @@ def test_least_kv_cache_counts_what_it_sent_since_the_scrape():
     eps = make_eps(2)
     eps[0].metrics = snap(kv_usage=0.10, kv_capacity_tokens=10_000)
     eps[1].metrics = snap(kv_usage=0.20, kv_capacity_tokens=10_000)
-    picks = [router.route(make_req(500), eps).endpoint for _ in range(6)]
+    picks = [router.route(make_req(tokens=500), eps).endpoint for _ in range(6)]
     # 0.10 + 500/10000 per request: the first two go to eps[0] (0.20 ties, in-flight equal at 0)
     assert picks.count(eps[0]) == 4 and picks.count(eps[1]) == 2
     eps[0].metrics = snap(t=1001.0, kv_usage=0.10, kv_capacity_tokens=10_000)   # a new scrape: reset
-    assert router.route(make_req(500), eps).endpoint is eps[0]
+    assert router.route(make_req(tokens=500), eps).endpoint is eps[0]
 
 
 @pytest.mark.parametrize("router_cls", [LeastKVCacheRouter, LeastWaitingRouter, ThroughputRouter,
                                         LeastLatencyRouter])
 def test_without_metrics_it_is_least_request_and_says_why(router_cls):
     clock = Clock()
-    ctx, fallbacks = ctx_for(clock)
+    ctx, fallbacks = ctx_for(clock=clock)
     router = router_cls(ctx)
     eps = make_eps(3, in_flight=[5, 2, 9])
     assert router.route(make_req(), eps).endpoint is eps[1]
@@ -71,7 +71,7 @@ def test_without_metrics_it_is_least_request_and_says_why(router_cls):
 
 def test_endpoints_without_fresh_metrics_are_left_out():
     clock = Clock()
-    ctx, fallbacks = ctx_for(clock)
+    ctx, fallbacks = ctx_for(clock=clock)
     router = LeastKVCacheRouter(ctx)
     eps = make_eps(3)
     eps[0].metrics = snap(t=clock.t - 20, kv_usage=0.0)      # stale, though it looks best
@@ -105,7 +105,7 @@ def test_least_waiting_picks_the_shortest_queue_and_spreads_a_burst():
 
 def test_throughput_uses_counters_over_the_window():
     clock = Clock()
-    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    ctx, _ = ctx_for(clock=clock, metrics_window_s=10.0)
     router = ThroughputRouter(ctx)
     eps = make_eps(2)
     # like AIBrix's decode case: throughput {50, 3000} → the first (lowest) endpoint
@@ -120,7 +120,7 @@ def test_throughput_uses_counters_over_the_window():
 
 def test_throughput_window_slides_and_survives_a_restart():
     clock = Clock()
-    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    ctx, _ = ctx_for(clock=clock, metrics_window_s=10.0)
     router = ThroughputRouter(ctx)
     ep = make_eps(1)
     for t, total in ((980.0, 0.0), (990.0, 1000.0), (1000.0, 1100.0)):
@@ -134,7 +134,7 @@ def test_throughput_window_slides_and_survives_a_restart():
 def test_throughput_counts_its_own_decisions_until_the_engines_show_them():
     """The engines' counters lag; what the router sent in the window counts at once, across scrapes."""
     clock = Clock()
-    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    ctx, _ = ctx_for(clock=clock, metrics_window_s=10.0)
     router = ThroughputRouter(ctx)
     eps = make_eps(2)
     for ep in eps:
@@ -142,7 +142,7 @@ def test_throughput_counts_its_own_decisions_until_the_engines_show_them():
     router.score(make_req(), eps)
     eps[0].metrics = snap(t=1000.0, prompt_tokens_total=0.0, generation_tokens_total=0.0)        # idle
     eps[1].metrics = snap(t=1000.0, prompt_tokens_total=500.0, generation_tokens_total=0.0)      # 200/s
-    picks = Counter(router.route(make_req(100), eps).endpoint for _ in range(20))
+    picks = Counter(router.route(make_req(tokens=100), eps).endpoint for _ in range(20))
     # eps[1] runs at 2 · 100 tokens/s; each decision adds 2 · 100 / 10 s = 20/s to a sent rate: eps[0]
     # takes the first 10 (up to 200/s), then eps[1] catches up with its own decisions: about even
     assert picks[eps[0]] + picks[eps[1]] == 20 and 10 <= picks[eps[0]] <= 11
@@ -175,7 +175,7 @@ def latency_snap(t: float, ttft_sum: float, ttft_count: float, q_sum: float, q_c
 
 def test_least_latency_expected_ttft_from_histogram_deltas_and_queue():
     clock = Clock()
-    ctx, _ = ctx_for(clock, metrics_window_s=10.0)
+    ctx, _ = ctx_for(clock=clock, metrics_window_s=10.0)
     router = LeastLatencyRouter(ctx)
     eps = make_eps(3)
     for ep in eps:

@@ -3,28 +3,16 @@
 from __future__ import annotations
 
 import random
-import time
 
 import orjson
 import pytest
 
-from gateway.endpoints import Endpoint, EngineMetrics
 from gateway.request import CHAT, parse
 from routers.base import NoRouteError, RouterContext
 from routers.pd import PDRouter, PDRouteSettings, in_bucket
+from tests.support.factories import pd_endpoint as ep
 
 # -- pair selection (AIBrix §9 items 11, 15, 17) ---------------------------------------------------
-
-def ep(n, role, roleset="rs", lo=0, hi=0, **state):
-    e = Endpoint(url=f"http://127.0.0.{n}:8000", model="m", engine="vllm", role=role, roleset=roleset,
-                 min_prompt_tokens=lo, max_prompt_tokens=hi)
-    metrics = state.pop("metrics", None)
-    for k, v in state.items():
-        setattr(e, k, v)
-    if metrics is not None:
-        e.metrics = EngineMetrics(scraped_at=time.monotonic(), **metrics)
-    return e
-
 
 def req(tokens=100):
     r = parse(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x " * tokens}]}), {}, "r")

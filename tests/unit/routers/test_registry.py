@@ -27,6 +27,7 @@ from tests.unit.routers.registry_helpers import (
     dummy_registry,
     make_eps,
     make_req,
+    weighted,
 )
 
 
@@ -182,10 +183,6 @@ def test_router_base_classes():
 
 
 # -- weighted combination ---------------------------------------------------------------------------
-
-
-def weighted(parts, rng=None) -> WeightedRouter:
-    return WeightedRouter("test", parts, rng=rng)
 
 
 def test_weighted_normalisation_math():

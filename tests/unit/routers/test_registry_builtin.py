@@ -15,7 +15,7 @@ from routers.base import Decision, RouterContext, RoutingSettings
 from routers.registry import StrategyError, default_registry, parse_strategy
 from routers.session import encode_session_id
 from routers.vtc import VTCRouter
-from tests.strategy_util import Clock
+from tests.support.factories import Clock
 from tests.unit.routers.strategy_helpers import make_eps, make_req
 
 # -- grammar with the real names (AIBrix §9 items 1, 2) ------------------------------------------------

@@ -30,7 +30,7 @@ def test_round_robin_cycles_per_model():
     other = make_eps(2, model="n")
     picks = [router.route(make_req(), eps).endpoint.port for _ in range(7)]
     assert picks == [9001, 9002, 9003, 9001, 9002, 9003, 9001]
-    assert [router.route(make_req("n"), other).endpoint.port for _ in range(3)] == [9001, 9002, 9001]
+    assert [router.route(make_req(model="n"), other).endpoint.port for _ in range(3)] == [9001, 9002, 9001]
     assert router.route(make_req(), eps).endpoint.port == 9002    # model m continued where it was
     # the candidate set shrinks: still a valid candidate
     assert router.route(make_req(), eps[:1]).endpoint is eps[0]

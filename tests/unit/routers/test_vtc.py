@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from routers.vtc import VTCRouter, request_tokens
-from tests.strategy_util import Clock
+from tests.support.factories import Clock
 from tests.unit.routers.strategy_helpers import ctx_for, make_eps, make_req
 
 # -- vtc-basic -----------------------------------------------------------------------------------------

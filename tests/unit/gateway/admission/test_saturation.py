@@ -7,13 +7,10 @@ import pytest
 
 from gateway.admission.saturation import UNBOUNDED, Thresholds, estimate, total_headroom, unsaturated
 from gateway.config.schema import ConfigError, config_from_dict
-from gateway.endpoints import Endpoint, EngineMetrics
+from gateway.endpoints import EngineMetrics
+from tests.support.factories import endpoint
 
 TH = Thresholds(max_waiting=2, max_kv=0.8, max_in_flight=0, max_age=5.0)
-
-
-def ep(role="aggregated", port=1):
-    return Endpoint(url=f"http://127.0.0.1:{port}", model="m", role=role)
 
 
 def scrape(e, now, running, waiting, kv=0.1):
@@ -22,7 +19,7 @@ def scrape(e, now, running, waiting, kv=0.1):
 
 
 def test_the_engine_queue_is_estimated_from_releases_and_dispatches_since_the_scrape():
-    e = ep()
+    e = endpoint()
     scrape(e, 100.0, running=4, waiting=0)
     assert estimate(e, TH, 100.0).headroom == 2          # capacity unknown: the scraped queue as is
     e.in_flight = 6
@@ -39,7 +36,7 @@ def test_the_engine_queue_is_estimated_from_releases_and_dispatches_since_the_sc
 
 
 def test_kv_usage_and_the_in_flight_cap():
-    e = ep()
+    e = endpoint()
     scrape(e, 100.0, running=1, waiting=0, kv=0.85)
     assert estimate(e, TH, 100.0).reason == "kv"
     capped = Thresholds(max_in_flight=2, engine_signals=False)
@@ -51,7 +48,7 @@ def test_kv_usage_and_the_in_flight_cap():
 
 
 def test_stale_or_missing_metrics_count_as_saturated():
-    e = ep()
+    e = endpoint()
     assert estimate(e, TH, 100.0).reason == "stale"      # never scraped
     scrape(e, 100.0, running=0, waiting=0)
     assert not estimate(e, TH, 105.0).saturated
@@ -59,7 +56,7 @@ def test_stale_or_missing_metrics_count_as_saturated():
 
 
 def test_pairs_need_room_on_both_sides_and_the_filter_keeps_endpoints_with_room():
-    p, d1, d2 = ep("prefill", 1), ep("decode", 2), ep("decode", 3)
+    p, d1, d2 = endpoint(1, role="prefill"), endpoint(2, role="decode"), endpoint(3, role="decode")
     for x in (p, d1, d2):
         scrape(x, 100.0, running=0, waiting=0)
     assert total_headroom([p, d1, d2], True, TH, 100.0) == 2

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 from gateway.apis.responses_state import MemoryStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.factories import Clock
 
 
 async def test_entries_expire_after_their_ttl():
-    clock = Clock()
+    clock = Clock(0.0)
     s = MemoryStore(ttl_s=10, max_entries=100, clock=clock)
     await s.put("a", b"1")
     clock.t = 5

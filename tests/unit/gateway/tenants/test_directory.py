@@ -8,14 +8,6 @@ from gateway.config.schema import ApiKey, AuthConfig, LimitsConfig, UserLimits
 from gateway.tenants.directory import Directory, bearer_token, key_digest, new_key
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.mark.parametrize("header,token", [("Bearer sk-1", "sk-1"), ("bearer  sk-1 ", "sk-1"), ("BEARER sk-1", "sk-1"),
                                           ("Basic abc", None), ("Bearer", None), ("Bearer ", None), ("", None),
                                           (None, None), ("sk-1", None)])

@@ -7,14 +7,6 @@ from gateway.config.schema import UserLimits
 from gateway.tenants.limits import AdmitQuery, AdmitResult, fmt_duration, rate_headers, rejection
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 @pytest.mark.parametrize("ms,text", [(0, "0s"), (-5, "0s"), (20, "20ms"), (1000, "1s"), (1500, "1.5s"),
                                      (59_999, "59.999s"), (60_000, "1m0s"), (360_000, "6m0s"), (61_250, "1m1.25s")])
 def test_reset_durations_in_openai_format(ms, text):

@@ -5,14 +5,7 @@
 from gateway.config.schema import UserLimits
 from gateway.tenants.limits import AdmitQuery, rate_headers
 from gateway.tenants.memory import MemoryState
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.support.factories import Clock
 
 
 async def test_rpm_window_is_exact_and_resets_after_its_minute():

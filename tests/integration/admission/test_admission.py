@@ -1,0 +1,157 @@
+"""Admission control on loopback: the queue's order under mixed classes and tenants, the full,
+timeout, displaced and shed paths with their Retry-After, a client leaving the queue, and
+saturation read from the engine's own queue."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from functools import partial
+
+import openai
+import orjson
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import chat_body, openai_client, post
+from tests.support.waiting import wait_for
+
+CHAT = [{"role": "user", "content": "hello there"}]
+body = partial(chat_body, CHAT)
+HOLD = {"x-sim-fault": "stall_before_first=inf"}      # runs on the engine until its client leaves
+KEYS = {"alice": "sk-alice", "bob": "sk-bob", "carol": "sk-carol", "erin": "sk-erin"}
+
+
+def queue(gw):
+    return gw.gw.admission._models["m"].queue
+
+
+async def capped_gateway(sims, gateway, admission=None, **blocks):
+    """One engine, and admission that lets one request at a time onto it."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       admission={"enabled": True, "max_in_flight_per_endpoint": 1, **(admission or {})}, **blocks)
+    return sim, gw
+
+
+async def hold(gw, **headers):
+    """A request that occupies the endpoint until the task is cancelled (its client leaves)."""
+    task = asyncio.create_task(post(gw.url, body(), {**HOLD, **headers}))
+    assert await wait_for(lambda: gw.gw.pool.endpoints("m")[0].in_flight == 1)
+    return task
+
+
+async def cancel(task):
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_queue_order_by_class_then_round_robin_across_users(sims, gateway):
+    auth = {"api_keys": [{"key": k, "user": u} for u, k in KEYS.items()]}
+    limits = {"users": {"carol": {"priority": "critical"}}}
+    _, gw = await capped_gateway(sims, gateway, auth=auth, limits=limits)
+    served: list[str] = []
+    gw.gw.observers.append(lambda rec, _d: served.append(rec.request_id) if rec.status == 200 else None)
+    blocker = await hold(gw, Authorization="Bearer sk-alice")
+    order = [("s1", "erin", "sheddable"), ("a1", "alice", None), ("a2", "alice", None), ("b1", "bob", None),
+             ("a3", "alice", "critical"),      # above alice's class: kept at standard
+             ("c1", "carol", None)]
+    tasks = []
+    for i, (rid, user, prio) in enumerate(order):
+        h = {"Authorization": f"Bearer {KEYS[user]}", "x-request-id": rid}
+        if prio:
+            h["x-priority"] = prio
+        tasks.append(asyncio.create_task(post(gw.url, body(), h)))
+        assert await wait_for(lambda n=i + 1: len(queue(gw)) == n)
+    await cancel(blocker)
+    results = await asyncio.gather(*tasks)
+    assert [st for st, _, _ in results] == [200] * len(order)
+    assert served == ["c1", "a1", "b1", "a2", "a3", "s1"]
+    text = await gw.metrics_text()
+    assert 'switchyard_admission_wait_seconds_count{model="m",outcome="dispatched",priority="critical"} 1.0' in text
+    assert 'switchyard_admission_queue_depth{model="m",priority="standard"} 0.0' in text
+
+
+async def test_full_and_timeout_answer_429_with_a_computed_retry_after(sims, gateway):
+    _, gw = await capped_gateway(sims, gateway, {"queue_max": 1, "queue_timeout_s": 0.5})
+    client = openai_client(gw)
+    for _ in range(4):         # requests that drained: the rate Retry-After is computed from
+        await client.chat.completions.create(**body())
+    blocker = await hold(gw)
+    waiting = asyncio.create_task(post(gw.url, body()))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    with pytest.raises(openai.RateLimitError) as full:
+        await client.chat.completions.create(**body())
+    r = full.value.response
+    assert full.value.code == "queue_full"
+    assert r.headers["x-error-admission"] == "queue_full"
+    assert r.headers["x-ratelimit-limit-queue"] == "1" and r.headers["x-ratelimit-remaining-queue"] == "0"
+    after = int(r.headers["Retry-After"])
+    # one request ahead at four or more per second over the 10 s window: a few seconds, not the cap
+    assert 1 <= after < 60 and int(r.headers["retry-after-ms"]) <= after * 1000
+    status, headers, raw = await waiting              # nothing freed the endpoint: it times out
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_timeout"
+    assert 1 <= int(headers["Retry-After"]) < 60
+    await cancel(blocker)
+    await client.chat.completions.create(**body())   # and the gateway serves again
+    await client.close()
+    text = await gw.metrics_text()
+    for reason in ("queue_full", "queue_timeout"):
+        assert f'switchyard_admission_shed_total{{model="m",priority="standard",reason="{reason}"}} 1.0' in text
+
+
+async def test_a_higher_class_displaces_a_sheddable_one_and_sheddable_is_shed_while_it_waits(sims, gateway):
+    _, gw = await capped_gateway(sims, gateway, {"queue_max": 1})
+    blocker = await hold(gw)
+    low = asyncio.create_task(post(gw.url, body(), {"x-priority": "sheddable"}))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    high = asyncio.create_task(post(gw.url, body()))
+    status, headers, raw = await low
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "displaced" and int(headers["Retry-After"]) >= 1
+    assert await wait_for(lambda: queue(gw).count(1) == 1)
+    status, _, raw = await post(gw.url, body(), {"x-priority": "sheddable"})
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "shed"
+    await cancel(blocker)
+    assert (await high)[0] == 200
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue(sims, gateway):
+    _, gw = await capped_gateway(sims, gateway)
+    blocker = await hold(gw)
+    waiting = asyncio.create_task(post(gw.url, body()))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    await cancel(waiting)
+    assert await wait_for(lambda: len(queue(gw)) == 0)
+    await cancel(blocker)
+    assert (await post(gw.url, body()))[0] == 200
+    assert gw.gw.admission._models["m"].granted == 0
+    text = await gw.metrics_text()
+    assert 'switchyard_admission_wait_seconds_count{model="m",outcome="cancelled",priority="standard"} 1.0' in text
+
+
+async def test_saturation_follows_the_engines_queue_between_scrapes(sims, gateway):
+    """One running slot on the engine, at most one request queued there: the third request waits
+    in the gateway, and goes as soon as one of the two ends (a release, not a scrape)."""
+    sim = await sims("vllm", "m", max_num_seqs=1)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       admission={"enabled": True, "max_waiting_per_endpoint": 1})
+    ep = gw.gw.pool.endpoints("m")[0]
+    first = await hold(gw)
+    second = asyncio.create_task(post(gw.url, body(), HOLD))
+    assert await wait_for(lambda: ep.metrics is not None and ep.metrics.waiting == 1 and ep.metrics.running == 1)
+    third = asyncio.create_task(post(gw.url, body()))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    await cancel(first)                    # its slot goes to the second; the third may queue on the engine
+    assert await wait_for(lambda: len(queue(gw)) == 0)
+    await cancel(second)
+    status, _, _ = await third
+    assert status == 200
+    text = await gw.metrics_text()
+    assert f'switchyard_endpoint_saturated{{endpoint="{ep.name}",model="m"}} 0.0' in text
+
+
+async def test_a_bad_x_priority_is_a_400(sims, gateway):
+    _, gw = await capped_gateway(sims, gateway)
+    status, _, raw = await post(gw.url, body(), {"x-priority": "urgent"})
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"

@@ -1,0 +1,255 @@
+"""The aggregated gateway as a user sees it: the real OpenAI SDK against real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.waiting import wait_for
+
+CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
+
+
+@pytest.fixture
+async def fleet(sims, gateway):
+    v1 = await sims("vllm", "llama")
+    v2 = await sims("vllm", "llama")
+    s1 = await sims("sglang", "qwen")
+    s2 = await sims("sglang", "qwen")
+    gw = await gateway([model_block("llama", "vllm", [v1.url, v2.url]),
+                        model_block("qwen", "sglang", [s1.url, s2.url])])
+    return gw, (v1, v2, s1, s2)
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen"])
+async def test_async_sdk_chat_stream_and_not(fleet, model):
+    gw, _ = fleet
+    client = openai_client(gw)
+    r = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=8)
+    assert r.choices[0].message.content
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens > 0
+
+    stream = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, stream=True)
+    text, usage_chunks, finish = [], 0, None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage_chunks += 1
+        for c in chunk.choices:
+            if c.delta.content:
+                text.append(c.delta.content)
+            finish = c.finish_reason or finish
+    assert "".join(text)
+    assert finish == "length"
+    # the client did not ask for usage: it must not see the usage chunk the gateway asked for
+    assert usage_chunks == 0
+    await client.close()
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen"])
+async def test_sync_sdk_completions_with_usage(fleet, model):
+    gw, _ = fleet
+
+    def call():  # the sync client runs in a thread while the gateway serves on this loop
+        client = openai.OpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+        r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5)
+        assert r.choices[0].text and r.usage.completion_tokens == 5
+        chunks = list(client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
+                                                stream=True, stream_options={"include_usage": True}))
+        usage = [c.usage for c in chunks if c.usage is not None]
+        assert len(usage) == 1 and usage[0].completion_tokens == 5
+        assert "".join(c.choices[0].text for c in chunks if c.choices)
+        client.close()
+
+    await asyncio.to_thread(call)
+
+
+async def test_streamed_tokens_are_accounted_even_without_client_usage(fleet):
+    gw, _ = fleet
+    client = openai_client(gw)
+    for _ in range(2):
+        stream = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=7, stream=True)
+        async for _chunk in stream:
+            pass
+    await client.close()
+    text = await gw.metrics_text()
+    assert 'switchyard_completion_tokens_total{model="llama"} 14.0' in text
+    assert 'switchyard_time_to_first_token_seconds_count{model="llama"} 2.0' in text
+    assert 'switchyard_requests_total{model="llama",status="200",strategy="least-request"} 2.0' in text
+
+
+async def test_response_headers_and_request_id(fleet):
+    gw, (v1, v2, *_) = fleet
+    client = openai_client(gw)
+    raw = await client.chat.completions.with_raw_response.create(
+        model="llama", messages=CHAT, max_tokens=2, extra_headers={"x-request-id": "my-trace-42"})
+    assert raw.headers["request-id"] == "my-trace-42"
+    assert raw.headers["x-request-id"] == "my-trace-42"
+    assert raw.headers["routing-strategy"] == "least-request"
+    assert raw.headers["target-pod"] in {v1.url.split("//")[1], v2.url.split("//")[1]}
+    body = raw.parse()
+    assert body.id == "chatcmpl-my-trace-42"      # vLLM built its id from the forwarded X-Request-Id
+
+    raw = await client.chat.completions.with_raw_response.create(
+        model="llama", messages=CHAT, max_tokens=2, extra_headers={"x-request-id": "bad id with spaces"})
+    assert raw.headers["request-id"] != "bad id with spaces" and len(raw.headers["request-id"]) == 32
+    await client.close()
+
+
+async def test_routing_strategy_header_and_round_robin(fleet):
+    gw, (v1, v2, *_) = fleet
+    pods = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(4):
+            async with s.post(gw.url + "/v1/chat/completions", headers={"routing-strategy": "round-robin"},
+                              json={"model": "llama", "messages": CHAT, "max_tokens": 1}) as r:
+                assert r.status == 200
+                assert r.headers["routing-strategy"] == "round-robin"
+                pods.append(r.headers["target-pod"])
+    assert pods[0] != pods[1] and pods[0] == pods[2] and pods[1] == pods[3]
+
+
+async def test_models_health_ready_metrics(fleet):
+    gw, _ = fleet
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/models") as r:
+            data = await r.json()
+            assert data["object"] == "list"
+            assert sorted(m["id"] for m in data["data"]) == ["llama", "qwen"]
+            assert all(m["object"] == "model" for m in data["data"])
+        async with s.get(gw.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(gw.url + "/ready") as r:
+            assert r.status == 200
+        async with s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+            assert "switchyard_requests_total" in text or "switchyard_in_flight_requests" in text
+    client = openai_client(gw)
+    models = await client.models.list()
+    assert {m.id for m in models.data} == {"llama", "qwen"}
+    await client.close()
+
+
+async def test_embeddings(sims, gateway):
+    e = await sims("vllm", "embed")
+    gw = await gateway([model_block("embed", "vllm", [e.url])])
+    client = openai_client(gw)
+    r = await client.embeddings.create(model="embed", input=["hello", "world"])
+    assert len(r.data) == 2 and len(r.data[0].embedding) > 0
+    await client.close()
+
+
+async def test_engine_metrics_are_scraped_into_snapshots(fleet):
+    gw, _ = fleet
+    eps = gw.gw.pool.endpoints()
+    ok = await wait_for(lambda: all(ep.metrics is not None for ep in eps), timeout=5)
+    assert ok
+    for ep in eps:
+        assert ep.metrics.running is not None and ep.metrics.waiting is not None
+        assert ep.metrics.kv_usage is not None
+
+
+# -- validation: a clear OpenAI-shaped error, and no engine sees anything ------------------------
+
+async def _post(url, body, headers=None):
+    async with aiohttp.ClientSession() as s, s.post(url, data=body, headers=headers or {}) as r:
+        return r.status, dict(r.headers), await r.read()
+
+
+@pytest.mark.parametrize("path,body,headers,status,marker", [
+    ("/v1/chat/completions", b"{oops", {}, 400, "x-error-request-body-processing"),
+    ("/v1/chat/completions", orjson.dumps({"messages": CHAT}), {}, 400, None),
+    ("/v1/chat/completions", orjson.dumps({"model": "llama", "messages": []}), {}, 400, None),
+    ("/v1/chat/completions", orjson.dumps({"model": "llama", "messages": CHAT}),
+     {"routing-strategy": "no-such-strategy"}, 400, "x-error-routing"),
+    ("/v1/chat/completions", orjson.dumps({"model": "llama", "messages": CHAT}),
+     {"routing-strategy": "least-request:1,bogus:2"}, 400, "x-error-routing"),
+    ("/v1/embeddings", orjson.dumps({"model": "llama", "input": [1.5]}), {}, 400, None),
+    ("/v1/chat/completions", orjson.dumps({"model": "nope", "messages": CHAT}), {}, 404,
+     "x-error-no-model-backends"),
+    ("/v1/nothing-here", b"{}", {}, 404, None),
+])
+async def test_validation_errors_touch_no_engine(fleet, path, body, headers, status, marker):
+    gw, sims_ = fleet
+    st, hdrs, raw = await _post(gw.url + path, body, {"Content-Type": "application/json", **headers})
+    assert st == status
+    err = orjson.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "request-id" in hdrs
+    if marker:
+        assert marker in {k.lower() for k in hdrs}
+    for sim in sims_:
+        assert (await sim_state(sim.url))["counts"]["started"] == 0
+
+
+async def test_oversize_body_is_413(sims, gateway):
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])], server={"max_body_bytes": 1000})
+    big = orjson.dumps({"model": "llama", "messages": [{"role": "user", "content": "x" * 5000}]})
+    st, _, raw = await _post(gw.url + "/v1/chat/completions", big, {"Content-Type": "application/json"})
+    assert st == 413
+    assert orjson.loads(raw)["error"]["type"] == "invalid_request_error"
+    assert (await sim_state(v.url))["counts"]["started"] == 0
+
+
+async def test_sdk_exception_classes(fleet):
+    gw, _ = fleet
+    client = openai_client(gw)
+    with pytest.raises(openai.NotFoundError) as ei:
+        await client.chat.completions.create(model="unknown-model", messages=CHAT)
+    assert ei.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model="llama", messages=[])
+    with pytest.raises(openai.BadRequestError):
+        await client.chat.completions.create(model="llama", messages=CHAT,
+                                             extra_headers={"routing-strategy": "nope"})
+    await client.close()
+
+
+async def test_no_ready_endpoint_is_503_with_retry_after(sims, gateway):
+    gw = await gateway([model_block("llama", "vllm", ["http://127.0.0.1:9"])],
+                       health={"interval_s": 0.05, "unhealthy_threshold": 1})
+    ep = gw.gw.pool.endpoints()[0]
+    assert await wait_for(lambda: not ep.ready, timeout=5)
+    st, hdrs, raw = await _post(gw.url + "/v1/chat/completions",
+                                orjson.dumps({"model": "llama", "messages": CHAT}),
+                                {"Content-Type": "application/json"})
+    assert st == 503 and "Retry-After" in hdrs
+    assert orjson.loads(raw)["error"]["code"] == "service_unavailable"
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready") as r:
+        assert r.status == 503
+
+
+async def test_prefix_index_size_is_exported(sims, gateway):
+    a, b = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])], routing={"strategy": "prefix-cache"})
+    long_prompt = [{"role": "user", "content": "a fairly long shared system prompt " * 200}]
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions",
+                                                    json={"model": "m", "messages": long_prompt, "max_tokens": 1}) as r:
+        assert r.status == 200
+    text = await gw.metrics_text()
+    blocks = [ln for ln in text.splitlines() if ln.startswith("switchyard_prefix_index_blocks ")]
+    assert blocks and float(blocks[0].split()[1]) > 0
+
+
+async def test_one_structured_log_line_per_request(fleet):
+    gw, _ = fleet
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", headers={"x-request-id": "log-1", "user": "ann"},
+                              json={"model": "llama", "messages": CHAT, "max_tokens": 3, "stream": True}) as r:
+                await r.read()
+            async with s.post(gw.url + "/v1/chat/completions", json={"model": "nope", "messages": CHAT}) as r:
+                await r.read()
+    lines = [e for e in logs if e["event"] == "request"]
+    assert len(lines) == 2
+    ok, bad = lines
+    assert ok["request_id"] == "log-1" and ok["model"] == "llama" and ok["user"] == "ann"
+    assert ok["status"] == 200 and ok["stream"] is True and ok["completion_tokens"] == 3
+    assert ok["ttft_ms"] > 0 and ok["duration_ms"] >= ok["ttft_ms"] and ok["endpoint"] and ok["strategy"]
+    assert bad["status"] == 404 and bad["error_class"] == "model_not_found"

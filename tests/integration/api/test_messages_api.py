@@ -1,0 +1,170 @@
+"""The Anthropic Messages API through the gateway, driven by the real ``anthropic`` SDK."""
+
+from __future__ import annotations
+
+import aiohttp
+import anthropic
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import anthropic_client, sim_state, sse_frames
+
+MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
+SYSTEM = "You are a railway historian. " * 20
+ALICE = "sk-alice-0123456789"
+KEYS = {"api_keys": [{"key": ALICE, "user": "alice"}]}
+
+
+@pytest.fixture
+async def fleet(sims, gateway):
+    v1 = await sims("vllm", "llama")
+    v2 = await sims("vllm", "llama")
+    s1 = await sims("sglang", "qwen")
+    gw = await gateway([model_block("llama", "vllm", [v1.url, v2.url]),
+                        model_block("qwen", "sglang", [s1.url])])
+    return gw, (v1, v2, s1)
+
+
+async def test_sdk_create_stream_and_count_tokens(fleet):
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    msg = await c.messages.create(model="llama", max_tokens=8, system="Be brief.", messages=MSGS)
+    assert msg.type == "message" and msg.role == "assistant" and msg.content[0].text
+    assert msg.usage.output_tokens == 8 and msg.usage.input_tokens > 0 and msg.stop_reason == "max_tokens"
+
+    async with c.messages.stream(model="llama", max_tokens=6, messages=MSGS) as stream:
+        text = [t async for t in stream.text_stream]
+        final = await stream.get_final_message()
+    assert "".join(text) == final.content[0].text and len(text) == 6
+    assert final.usage.output_tokens == 6 and final.usage.input_tokens > 0 and final.stop_reason == "max_tokens"
+
+    counted = await c.messages.count_tokens(model="llama", messages=MSGS)
+    assert counted.input_tokens == final.usage.input_tokens
+    await c.close()
+
+    text = await gw.metrics_text()
+    # accounted like chat: input from message_start, output from message_delta, TTFT at the first delta
+    assert 'switchyard_completion_tokens_total{model="llama"} 14.0' in text
+    assert f'switchyard_prompt_tokens_total{{model="llama"}} {float(msg.usage.input_tokens + final.usage.input_tokens)}' in text
+    assert 'switchyard_time_to_first_token_seconds_count{model="llama"} 1.0' in text
+    assert 'switchyard_inter_token_latency_seconds_count{model="llama"} 5.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/messages",status="200"} 2.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/messages/count_tokens",status="200"} 1.0' in text
+
+
+async def test_a_model_whose_engines_have_no_messages_api_is_an_anthropic_404(fleet):
+    gw, (_, _, s1) = fleet
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.NotFoundError) as ei:
+        await c.messages.create(model="qwen", max_tokens=8, messages=MSGS)
+    assert ei.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "The model `qwen` is served by sglang, which does not serve POST /v1/messages."}}
+    with pytest.raises(anthropic.NotFoundError):
+        await c.messages.count_tokens(model="qwen", messages=MSGS)
+    with pytest.raises(anthropic.NotFoundError) as ei:
+        await c.messages.create(model="nope", max_tokens=8, messages=MSGS)
+    assert ei.value.body["error"]["type"] == "not_found_error"
+    await c.close()
+    assert not [r for r in (await sim_state(s1.url))["received"] if r["path"].startswith("/v1/messages")]
+
+
+async def test_a_mixed_model_sends_messages_only_to_engines_that_serve_them(sims, gateway):
+    v = await sims("vllm", "mix")
+    s = await sims("sglang", "mix")
+    gw = await gateway([model_block("mix", "vllm", [v.url, {"url": s.url, "engine": "sglang"}])])
+    c = anthropic_client(gw)
+    for _ in range(6):
+        r = await c.messages.with_raw_response.create(model="mix", max_tokens=2, messages=MSGS)
+        assert r.headers["target-pod"] == v.url.removeprefix("http://")
+    await c.close()
+
+
+async def test_errors_before_headers_are_anthropic_shaped(fleet):
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        await c.messages.create(model="llama", max_tokens=0, messages=MSGS)
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
+    # the engine's own error (vLLM answers 503), re-shaped with Anthropic's type for the status
+    with pytest.raises(anthropic.InternalServerError) as ei:
+        await c.messages.create(model="llama", max_tokens=4, messages=MSGS, extra_headers={"x-sim-fault": "status=503"})
+    assert ei.value.status_code == 503
+    assert ei.value.body["error"] == {"type": "overloaded_error", "message": "Simulated fault: HTTP 503"}
+    await c.close()
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/v1/messages") as r:     # aiohttp's own 405, shaped too
+            assert r.status == 405 and (await r.json())["type"] == "error"
+        async with s.post(gw.url + "/v1/messages", data=b"{not json", headers={"content-type": "application/json"}) as r:
+            body = await r.json()
+            assert r.status == 400 and body["error"]["type"] == "invalid_request_error" and r.headers["request-id"]
+
+
+async def test_a_failure_after_headers_is_an_error_event(sims, gateway):
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])], watchdog={"idle_timeout_s": 0.3, "aggregated": True})
+    body = {"model": "llama", "max_tokens": 20, "stream": True, "messages": MSGS}
+    async with aiohttp.ClientSession() as s:
+        # the engine fails mid-stream: its own error event reaches the client
+        async with s.post(gw.url + "/v1/messages", json=body, headers={"x-sim-fault": "error_after=3"}) as r:
+            got = sse_frames(await r.read())
+        assert got[0][0] == "message_start" and got[-1][0] == "error"
+        assert got[-1][1]["type"] == "error"
+        # the engine stalls: the watchdog ends the stream with an Anthropic error event
+        async with s.post(gw.url + "/v1/messages", json=body, headers={"x-sim-fault": "stall_after=2:inf"}) as r:
+            assert r.status == 200
+            got = sse_frames(await r.read())
+        assert [n for n, _ in got[:2]] == ["message_start", "content_block_start"]
+        assert got[-1] == ("error", {"type": "error", "error": {
+            "type": "timeout_error", "message": "no output from the engine for 0.3s (idle)"}})
+    # the SDK raises it as an API error
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.APIStatusError):
+        async with c.messages.stream(model="llama", max_tokens=20, messages=MSGS,
+                                     extra_headers={"x-sim-fault": "stall_after=2:inf"}) as stream:
+            async for _ in stream.text_stream:
+                pass
+    await c.close()
+
+
+async def test_prefix_routing_keys_on_system_and_messages(sims, gateway):
+    eps = [await sims("vllm", "llama") for _ in range(3)]
+    gw = await gateway([model_block("llama", "vllm", [e.url for e in eps], strategy="prefix-cache")])
+    c = anthropic_client(gw)
+    pods = set()
+    for i in range(5):
+        r = await c.messages.with_raw_response.create(
+            model="llama", max_tokens=2, system=SYSTEM, messages=[{"role": "user", "content": f"question {i}"}])
+        pods.add(r.headers["target-pod"])
+    await c.close()
+    assert len(pods) == 1          # one long shared system prompt: one engine holds its cache
+
+
+async def test_api_keys_from_x_api_key_and_bearer(sims, gateway):
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])], auth=KEYS)
+    c = anthropic_client(gw, ALICE)                                   # the SDK sends x-api-key
+    assert (await c.messages.create(model="llama", max_tokens=3, messages=MSGS)).usage.output_tokens == 3
+    await c.close()
+    bad = anthropic_client(gw, "sk-wrong")
+    with pytest.raises(anthropic.AuthenticationError) as ei:
+        await bad.messages.create(model="llama", max_tokens=3, messages=MSGS)
+    assert ei.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                        "message": "Incorrect API key provided."}}
+    await bad.close()
+    bearer = anthropic.AsyncAnthropic(base_url=gw.url, auth_token=ALICE, max_retries=0)
+    assert (await bearer.messages.create(model="llama", max_tokens=2, messages=MSGS)).usage.output_tokens == 2
+    await bearer.close()
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/messages", json={"model": "llama"}) as r:
+        assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+    # the tokens are charged to the key's user
+    assert 'switchyard_user_tokens_total{kind="completion",user="alice"} 5.0' in await gw.metrics_text()
+
+
+async def test_an_alias_names_a_messages_model(sims, gateway):
+    v = await sims("vllm", "llama-v2")
+    gw = await gateway([model_block("llama-v2", "vllm", [v.url])],
+                       aliases=[{"name": "claude-ish", "targets": [{"model": "llama-v2"}]}])
+    c = anthropic_client(gw)
+    raw = await c.messages.with_raw_response.create(model="claude-ish", max_tokens=2, messages=MSGS)
+    assert raw.headers["x-served-model"] == "llama-v2" and (await raw.parse()).model == "llama-v2"
+    await c.close()

@@ -1,0 +1,188 @@
+"""Pass-through endpoints (rerank, score, tokenize, detokenize, audio) routed by model: real
+clients (the openai SDK for audio, aiohttp as curl would for the rest) on real sockets."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import aiohttp
+import openai
+import pytest
+
+from enginesim.audio_api import BYTES_PER_SECOND, transcript
+from tests.support.factories import model_block
+from tests.support.http import openai_client, post_json, sim_state
+
+RERANK = {"query": "red apple pie", "documents": ["green pear", "a red apple pie recipe", "trains"]}
+AUDIO = bytes(range(256)) * 800          # 204,800 bytes: bigger than one socket read, one write
+
+
+@pytest.fixture
+async def fleet(sims, gateway):
+    v = await sims("vllm", "llama")
+    s = await sims("sglang", "qwen")
+    gw = await gateway([model_block("llama", "vllm", [v.url]), model_block("qwen", "sglang", [s.url])])
+    return gw, v, s
+
+
+VLLM_CALLS = [
+    ("/v1/rerank", RERANK), ("/rerank", RERANK), ("/v2/rerank", {**RERANK, "top_n": 2}),
+    ("/v1/score", {"text_1": "red apple", "text_2": ["apple", "pear"]}), ("/score", {"text_1": "a", "text_2": "a"}),
+    ("/tokenize", {"prompt": "hello there"}), ("/detokenize", {"tokens": [1000, 1001]}),
+]
+
+
+@pytest.mark.parametrize("path,body", VLLM_CALLS)
+async def test_every_json_path_reaches_a_vllm_engine(fleet, path, body):
+    gw, v, _ = fleet
+    status, got, headers = await post_json(gw, path, {"model": "llama", **body})
+    assert status == 200, got
+    assert headers["target-pod"] == v.url.removeprefix("http://") and headers["request-id"]
+    if "rerank" in path:
+        assert got["results"][0]["document"]["text"] == "a red apple pie recipe"
+        assert len(got["results"]) == body.get("top_n", 3) and got["usage"]["prompt_tokens"] > 0
+    elif "score" in path:
+        assert got["object"] == "list" and [d["object"] for d in got["data"]] == ["score"] * len(got["data"])
+    elif path == "/tokenize":
+        assert got["count"] == len(got["tokens"]) == 4
+    else:
+        assert "prompt" in got
+    assert [r for r in (await sim_state(v.url))["received"] if r["method"] == "POST"][-1]["path"] == path
+    assert f'switchyard_path_requests_total{{path="{path}",status="200"}} 1.0' in await gw.metrics_text()
+
+
+async def test_sglang_paths_and_the_ones_it_does_not_serve(fleet):
+    gw, _, s = fleet
+    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "qwen", **RERANK})
+    assert status == 200 and got[0]["document"] == "a red apple pie recipe" and "meta_info" in got[0]
+    status, got, _ = await post_json(gw, "/v1/score", {"model": "qwen", "query": "apple", "items": ["apple", "pear"],
+                                                  "label_token_ids": [1, 2]})
+    assert status == 200 and got["object"] == "scoring" and len(got["scores"]) == 2
+    status, got, _ = await post_json(gw, "/tokenize", {"model": "qwen", "prompt": "hello there"})
+    assert status == 200 and got["count"] == 4
+    status, back, _ = await post_json(gw, "/detokenize", {"model": "qwen", "tokens": got["tokens"]})
+    assert status == 200 and back == {"text": "hello there"}
+    for path in ("/rerank", "/v2/rerank", "/score"):
+        status, got, headers = await post_json(gw, path, {"model": "qwen", **RERANK})
+        assert status == 404 and got["error"]["code"] == "unsupported_path"
+        assert got["error"]["message"] == f"The model `qwen` is served by sglang, which does not serve POST {path}."
+        assert headers["x-error-unsupported-path"] == path
+    assert {r["path"] for r in (await sim_state(s.url))["received"] if r["method"] == "POST"} == {"/v1/rerank", "/v1/score", "/tokenize",
+                                                                         "/detokenize"}
+
+
+async def test_errors_are_openai_shaped(fleet):
+    gw, _, _ = fleet
+    status, got, _ = await post_json(gw, "/v1/rerank", RERANK)
+    assert status == 400 and got["error"]["param"] == "model"
+    status, got, _ = await post_json(gw, "/tokenize", {"model": "nope", "prompt": "x"})
+    assert status == 404 and got["error"]["code"] == "model_not_found"
+    # the engine's own refusal keeps its status and message
+    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "llama", **RERANK, "top_n": -1})
+    assert status == 400 and "top_n" in got["error"]["message"] and got["error"]["type"] == "Bad Request"
+
+
+async def test_pass_through_is_limited_like_chat(sims, gateway):
+    v = await sims("vllm", "llama")
+    key = "sk-alice-0123456789"
+    gw = await gateway([model_block("llama", "vllm", [v.url])], auth={"api_keys": [{"key": key, "user": "alice"}]},
+                       limits={"users": {"alice": {"rpm": 2}}})
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+        got = []
+        for _ in range(3):
+            async with s.post(gw.url + "/v1/score", json={"model": "llama", "text_1": "a", "text_2": "b"}) as r:
+                got.append(r.status)
+        async with s.post(gw.url + "/tokenize", json={"model": "llama", "prompt": "x"},
+                          headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+    assert got == [200, 200, 429]
+
+
+async def test_audio_with_the_openai_sdk(fleet):
+    gw, v, _ = fleet
+    c = openai_client(gw)
+    seconds = math.ceil(len(AUDIO) / BYTES_PER_SECOND)
+    tr = await c.audio.transcriptions.create(model="llama", file=("speech.wav", AUDIO))
+    # the engine hashed exactly the bytes the client sent
+    assert tr.text == transcript(AUDIO, seconds)
+    assert tr.usage.seconds == seconds
+    text = await c.audio.transcriptions.create(model="llama", file=("speech.wav", AUDIO), response_format="text")
+    assert text.strip() == tr.text
+    with warnings.catch_warnings():                        # the SDK marks translations deprecated
+        warnings.simplefilter("ignore", DeprecationWarning)
+        tl = await c.audio.translations.create(model="llama", file=("speech.wav", AUDIO))
+        assert tl.text == tr.text
+        with pytest.raises(openai.NotFoundError) as ei:    # SGLang has no translation endpoint
+            await c.audio.translations.create(model="qwen", file=("speech.wav", AUDIO))
+    assert ei.value.body["code"] == "unsupported_path"
+    with pytest.raises(openai.NotFoundError):
+        await c.audio.transcriptions.create(model="nope", file=("speech.wav", AUDIO))
+    await c.close()
+    received = [r for r in (await sim_state(v.url))["received"] if r["path"].startswith("/v1/audio/")]
+    assert len(received) == 3 and len({r["bytes"] for r in received if r["path"].endswith("translations")}) == 1
+    text = await gw.metrics_text()
+    assert 'switchyard_path_requests_total{path="/v1/audio/transcriptions",status="200"} 2.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/audio/translations",status="404"} 1.0' in text
+
+
+async def test_audio_model_found_anywhere_in_the_form(fleet):
+    gw, v, _ = fleet
+    form = aiohttp.FormData()          # the file first, then the fields (curl -F order is the user's)
+    form.add_field("file", AUDIO, filename="a.wav", content_type="audio/wav")
+    form.add_field("response_format", "json")
+    form.add_field("model", "llama")
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/audio/transcriptions", data=form) as r:
+        assert r.status == 200 and (await r.json())["usage"]["seconds"] == math.ceil(len(AUDIO) / BYTES_PER_SECOND)
+        assert r.headers["target-pod"] == v.url.removeprefix("http://")
+    form = aiohttp.FormData()
+    form.add_field("file", AUDIO, filename="model", content_type="audio/wav")    # a file named "model" is no model
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/audio/transcriptions", data=form) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "model"
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/audio/transcriptions", json={"model": "llama"}) as r:
+        assert r.status == 415 and (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_audio_body_limit(sims, gateway):
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])], server={"max_body_bytes": 100_000})
+
+    async def chunks():                # no Content-Length: the limit is counted as the body arrives
+        for i in range(0, len(AUDIO), 16384):
+            yield AUDIO[i:i + 16384]
+
+    boundary = "sYbOuNdArY"
+    head = (f'--{boundary}\r\nContent-Disposition: form-data; name="model"\r\n\r\nllama\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\n').encode()
+
+    async def body():
+        yield head
+        async for c in chunks():
+            yield c
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    ctype = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/audio/transcriptions", data=body(), headers=ctype) as r:
+            assert r.status == 413 and (await r.json())["error"]["message"] == "request body exceeds 100000 bytes"
+        c = openai_client(gw)
+        with pytest.raises(openai.APIStatusError) as ei:        # with a Content-Length: refused before reading
+            await c.audio.transcriptions.create(model="llama", file=("a.wav", AUDIO))
+        assert ei.value.status_code == 413
+        small = await c.audio.transcriptions.create(model="llama", file=("a.wav", AUDIO[:50_000]))
+        assert small.usage.seconds == 2
+        await c.close()
+    assert not [r for r in (await sim_state(v.url))["received"] if r["bytes"] > 100_000]
+
+
+async def test_an_alias_rewrites_the_model_inside_the_form(sims, gateway):
+    v = await sims("vllm", "whisper-v2")      # the engine refuses any other model name (404)
+    gw = await gateway([model_block("whisper-v2", "vllm", [v.url])],
+                       aliases=[{"name": "speech", "targets": [{"model": "whisper-v2"}]}])
+    c = openai_client(gw)
+    raw = await c.audio.transcriptions.with_raw_response.create(model="speech", file=("a.wav", AUDIO))
+    assert raw.headers["x-served-model"] == "whisper-v2"
+    assert raw.parse().text == transcript(AUDIO, math.ceil(len(AUDIO) / BYTES_PER_SECOND))
+    status, got, _ = await post_json(gw, "/v1/rerank", {"model": "speech", **RERANK})
+    assert status == 200 and got["model"] == "whisper-v2"
+    await c.close()

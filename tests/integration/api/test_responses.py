@@ -1,0 +1,193 @@
+"""The Responses API through the gateway, driven by the real openai SDK against simulated vLLM and
+SGLang engines: stream and not, accounting, affinity of previous_response_id (one gateway, two
+replicas on one Redis), owner-gone errors, failures after headers, gateway-held history."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from enginesim import SimConfig, start_sim
+from tests.conftest import FAST_SIM
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.tenancy import ALICE, BOB, KEYS
+from tests.support.waiting import wait_for
+
+
+def posts(state: dict) -> list[dict]:
+    return [r for r in state["received"] if r["method"] == "POST" and r["path"] == "/v1/responses"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_create_and_stream_with_the_sdk_are_accounted(sims, gateway, engine):
+    sim = await sims(engine, "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", instructions="Be brief.", input="Hello there", max_output_tokens=6)
+    assert r.status == "completed" and r.output_text and r.id.startswith("resp_")
+    stream = await c.responses.create(model="m", input=[{"role": "user", "content": "Hi"}], max_output_tokens=6,
+                                      stream=True)
+    types = [ev.type async for ev in stream]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == "response.completed"
+    assert types.count("response.output_text.delta") == 6
+    text = await gw.metrics_text()
+    # TTFT and ITL from the stream's deltas; usage (input/output tokens) from both answers
+    assert 'switchyard_time_to_first_token_seconds_count{model="m"} 1.0' in text
+    assert 'switchyard_inter_token_latency_seconds_count{model="m"} 5.0' in text
+    assert 'switchyard_completion_tokens_total{model="m"} 12.0' in text
+    assert 'switchyard_requests_total{model="m",status="200",strategy="least-request"} 2.0' in text
+
+
+async def test_invalid_bodies_are_refused_before_routing(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    for kw, param in (({"input": 3}, "input"), ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+                      ({"input": "x", "previous_response_id": ""}, "previous_response_id"),
+                      ({"input": [1]}, "input[0]")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.responses.create(model="m", **kw)
+        assert ei.value.body["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        await c.responses.create(model="nope", input="x")
+    assert posts(await sim_state(sim.url)) == []
+
+
+async def test_follow_ups_reach_the_engine_that_holds_the_response(sims, gateway):
+    a = await sims("vllm", "m", enable_responses_store=True)
+    b = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="random")])
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="Tell me a story", max_output_tokens=4)
+    for _ in range(6):      # each on the engine that stored the previous one, whatever random picks
+        r = await c.responses.create(model="m", input="go on", previous_response_id=r.id, max_output_tokens=4)
+    counts = sorted([len(posts(await sim_state(a.url))), len(posts(await sim_state(b.url)))])
+    assert counts == [0, 7]
+    got = await c.responses.retrieve(r.id)
+    assert got.id == r.id and got.status == "completed"
+    with pytest.raises(openai.BadRequestError) as ei:        # the engine's own answer, OpenAI-shaped
+        await c.responses.cancel(r.id)
+    assert ei.value.body["message"] == "Cannot cancel a synchronous response."
+    text = await gw.metrics_text()
+    assert 'switchyard_responses_state_lookups_total{kind="affinity",result="hit"} 8.0' in text
+
+
+async def test_owner_gone_unknown_left_the_pool_or_not_ready(sims, gateway):
+    a = await sims("vllm", "m", enable_responses_store=True)
+    b = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])])
+    c = openai_client(gw)
+    with pytest.raises(openai.NotFoundError) as ei:
+        await c.responses.create(model="m", input="x", previous_response_id="resp_unknown")
+    assert ei.value.body["message"] == "Response with id 'resp_unknown' not found."
+    with pytest.raises(openai.NotFoundError):
+        await c.responses.retrieve("resp_unknown")
+    r = await c.responses.create(model="m", input="hello", max_output_tokens=2)
+    holder = a if posts(await sim_state(a.url)) else b
+    owner = next(ep for ep in gw.gw.pool.endpoints("m") if ep.url == holder.url)
+    owner.healthy = False
+    with pytest.raises(openai.InternalServerError) as ei:
+        await c.responses.create(model="m", input="more", previous_response_id=r.id)
+    assert ei.value.status_code == 503 and "is not ready" in ei.value.body["message"]
+    gw.gw.pool.remove(owner)
+    with pytest.raises(openai.ConflictError) as ei:
+        await c.responses.create(model="m", input="more", previous_response_id=r.id)
+    assert "has left the pool" in ei.value.body["message"] and ei.value.body["code"] == "response_owner_gone"
+    with pytest.raises(openai.ConflictError):
+        await c.responses.retrieve(r.id)
+    text = await gw.metrics_text()
+    assert 'switchyard_responses_owner_unavailable_total{model="m",reason="left_pool"} 2.0' in text
+
+
+async def test_previous_response_id_across_two_replicas_on_one_redis(sims, gateway, redis_server):
+    a = await sims("vllm", "m", enable_responses_store=True)
+    b = await sims("vllm", "m", enable_responses_store=True)
+    blocks = {"state": {"redis_url": redis_server.url}, "routing": {"strategy": "random"}}
+    g1 = await gateway([model_block("m", "vllm", [a.url, b.url])], **blocks)
+    g2 = await gateway([model_block("m", "vllm", [a.url, b.url])], **blocks)
+    r = await openai_client(g1).responses.create(model="m", input="Hello", max_output_tokens=3)
+    for i in range(4):      # alternate replicas; a stream's id is recorded before its last event
+        gw = (g2, g1)[i % 2]
+        stream = await openai_client(gw).responses.create(model="m", input="again", previous_response_id=r.id,
+                                                   max_output_tokens=3, stream=True)
+        r = [ev async for ev in stream][-1].response
+        assert r.status == "completed"
+    assert (await openai_client(g2).responses.retrieve(r.id)).id == r.id
+    counts = sorted([len(posts(await sim_state(a.url))), len(posts(await sim_state(b.url)))])
+    assert counts == [0, 5]
+
+
+async def test_an_error_after_headers_ends_the_stream_with_response_failed(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       watchdog={"aggregated": True, "idle_timeout_s": 0.3})
+    c = openai_client(gw)
+    for fault, code in (("drop_after=2", "upstream_incomplete"), ("stall_after=2:inf", "upstream_timeout")):
+        stream = await c.responses.create(model="m", input="x", max_output_tokens=20, stream=True,
+                                          extra_headers={"x-sim-fault": fault})
+        events = [ev async for ev in stream]
+        assert [e.type for e in events][-2:] == ["error", "response.failed"]
+        assert events[-2].code == code
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.id == events[0].response.id and failed.error.code == code
+        assert events[-1].sequence_number == events[-2].sequence_number + 1 == len(events) - 1
+
+
+async def test_tpm_is_charged_from_the_usage_of_response_completed(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"tpm": 30}}})
+    stream = await openai_client(gw, ALICE).responses.create(model="m", input="hello", max_output_tokens=30, stream=True)
+    async for _ in stream:
+        pass
+    with pytest.raises(openai.RateLimitError):
+        await openai_client(gw, ALICE).responses.create(model="m", input="hello", max_output_tokens=1)
+
+
+async def test_gateway_history_survives_an_engine_restart(sims, gateway):
+    sim = await sims("vllm", "m")           # no engine store at all: the gateway holds the history
+    port = sim.port
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"},
+                       auth=KEYS)
+    c = openai_client(gw, ALICE)
+    r1 = await c.responses.create(model="m", instructions="Be brief.", input="My name is Ada.",
+                                  max_output_tokens=4)
+    await sim.close()
+    sim2 = await start_sim(SimConfig(engine="vllm", model="m", port=port, host="127.0.0.1", **FAST_SIM))
+    try:
+        ep = gw.gw.pool.endpoints("m")[0]
+        assert await wait_for(lambda: ep.ready, timeout=10)
+        r2 = await c.responses.create(model="m", input="What is my name?", previous_response_id=r1.id,
+                                      max_output_tokens=4)
+        assert r2.status == "completed"
+        assert r2.usage.input_tokens > r1.usage.input_tokens     # the first turn was replayed
+        items = await c.responses.input_items.list(r2.id, order="asc")
+        assert [(i.role, i.content) for i in items.data][:1] == [("user", "My name is Ada.")]
+        assert items.data[1].role == "assistant" and items.data[1].content == r1.output_text
+        assert (await c.responses.retrieve(r1.id)).output_text == r1.output_text
+        with pytest.raises(openai.NotFoundError):           # another user's key does not see it
+            await openai_client(gw, BOB).responses.retrieve(r1.id)
+        await c.responses.delete(r1.id)
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.create(model="m", input="again", previous_response_id=r1.id)
+    finally:
+        await sim2.close()
+
+
+async def test_gateway_history_streams_and_keeps_engines_stateless(sims, gateway):
+    a = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [a.url])], responses={"state": "gateway"})
+    c = openai_client(gw)
+    stream = await c.responses.create(model="m", input="one", max_output_tokens=3, stream=True)
+    first = [ev async for ev in stream][-1].response
+    stream = await c.responses.create(model="m", input="two", previous_response_id=first.id, max_output_tokens=3,
+                                      stream=True)
+    second = [ev async for ev in stream][-1].response
+    assert second.status == "completed"
+    async with aiohttp.ClientSession() as s, s.get(a.url + f"/v1/responses/{second.id}") as resp:
+        assert resp.status == 404                 # the engine was told store: false
+    with pytest.raises(openai.BadRequestError):
+        await c.responses.create(model="m", input="x", background=True)
+    text = await gw.metrics_text()
+    assert 'switchyard_responses_state_writes_total{kind="history",result="ok"} 2.0' in text

@@ -1,0 +1,147 @@
+"""`python -m gateway --demo` as a newcomer runs it: the real process, answered through the SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_PD_ADAPTERS, DEMO_USERS
+from gateway.server.run import free_port
+from tests.support.otlp_receiver import OTLPReceiver
+
+MODELS = sorted({m for m, *_ in DEMO_ENGINES})
+
+
+async def test_demo_answers_every_model_streaming_and_not():
+    """Also with ``OTEL_EXPORTER_OTLP_ENDPOINT`` set, as one would to look at its traces: the
+    gateway and the simulated engines then trace to it, and a P/D request arrives as one tree with
+    each engine's span under the gateway's leg to it."""
+    rx = await OTLPReceiver().start()
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url.removesuffix("/v1/traces"),
+           "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--demo", "--port", str(port),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
+    try:
+        banner = b""
+        async with asyncio.timeout(30):
+            while b"Tracing:" not in banner:
+                line = await proc.stdout.readline()
+                if not line:
+                    pytest.fail(f"demo exited early:\n{banner.decode()}")
+                banner += line
+        assert b"curl" in banner and b"OpenAI" in banner and b"Metrics:" in banner
+        assert f"http://127.0.0.1:{port}/status ".encode() in banner
+        assert rx.url.encode() in banner
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert {m.id for m in (await client.models.list()).data} == (
+                set(MODELS) | {a["name"] for a in DEMO_ALIASES} | set(DEMO_ADAPTERS) | set(DEMO_PD_ADAPTERS))
+        for model in MODELS:
+            r = await client.chat.completions.create(model=model, max_tokens=5,
+                                                     messages=[{"role": "user", "content": "Hello!"}])
+            assert r.choices[0].message.content
+            stream = await client.chat.completions.create(model=model, max_tokens=5, stream=True,
+                                                          messages=[{"role": "user", "content": "Hello!"}])
+            assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/status.json") as r:
+            doc = await r.json()
+        assert {m["name"] for m in doc["models"]} == set(MODELS) and len(doc["endpoints"]) == len(DEMO_ENGINES)
+        assert {m["name"]: m["minute"]["requests"] for m in doc["models"]} == {m: 2 for m in MODELS}
+        assert [a["name"] for a in doc["aliases"]] == ["demo-chat"]
+        served = set()
+        for user in DEMO_USERS:
+            r = await client.chat.completions.with_raw_response.create(
+                model="demo-chat", max_tokens=2, user=user, messages=[{"role": "user", "content": "Hi"}])
+            served.add(r.headers["x-served-model"])
+        assert served == {"demo-llama", "demo-qwen"}        # the banner's 90/10 canary, both arms reached
+        # the Messages API (vLLM) and a pass-through endpoint (SGLang's rerank), as the banner shows
+        ac = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0)
+        msg = await ac.messages.create(model="demo-llama", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        assert msg.content[0].text and msg.usage.output_tokens == 4
+        await ac.close()
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/v1/rerank", json={
+                "model": "demo-qwen", "query": "red apple", "documents": ["green pear", "red apple pie"]}) as r:
+            assert r.status == 200 and (await r.json())[0]["document"] == "red apple pie"
+        # the LoRA adapters: one already loaded on a replica, one loaded on demand by this request
+        models = {m.id: m for m in (await client.models.list()).data}
+        assert {"sql-lora", "chat-lora"} <= set(models)
+        lora = await client.chat.completions.create(model="chat-lora", max_tokens=2,
+                                                    messages=[{"role": "user", "content": "Hi"}])
+        assert lora.model == "chat-lora" and lora.choices[0].message.content
+        pd_lora = await client.chat.completions.create(model="pd-lora", max_tokens=2,     # P/D: both roles load it
+                                                       messages=[{"role": "user", "content": "Hi"}])
+        assert pd_lora.model == "pd-lora" and pd_lora.choices[0].message.content
+        # KV events (demo-kv), as the banner shows: the engine that served the first turn publishes
+        # the blocks it cached, the gateway's event index holds them, and the second turn lands there
+        system = "".join(f"Rule {i}: answer in one short line. " for i in range(1, 41))
+        first = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "first question"}])
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        async with aiohttp.ClientSession() as s:
+            for _ in range(250):
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    kv = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
+                          if line.startswith("switchyard_kv_events")}
+                if kv.get('switchyard_kv_events_index_blocks{model="demo-kv"}', 0) > 0:
+                    break
+                await asyncio.sleep(0.02)
+        assert kv['switchyard_kv_events_index_blocks{model="demo-kv"}'] >= first.usage.prompt_tokens // 16
+        assert kv['switchyard_kv_events_total{kind="BlockStored",model="demo-kv"}'] >= 1
+        assert 1.0 in {v for k, v in kv.items() if k.startswith("switchyard_kv_events_endpoint_live{")}
+        second = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
+            {"role": "system", "content": system}, {"role": "user", "content": "second question"}])
+        assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+        # the same two turns under a cache_salt: a cache of their own, found by the second
+        salted = [await client.chat.completions.create(model="demo-kv", max_tokens=2, extra_body={"cache_salt": "tenant-b"},
+                                                       messages=[{"role": "system", "content": system},
+                                                                 {"role": "user", "content": f"{q} question"}])
+                  for q in ("first", "second")]
+        assert salted[0].usage.prompt_tokens_details.cached_tokens == 0
+        assert salted[1].usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+        # mid-stream continuation, as the banner shows: a replica drops every stream after 4 tokens,
+        # and each stream still ends whole (12 tokens, one usage block) on the other replica
+        async with aiohttp.ClientSession() as s:
+            await (await s.post("http://127.0.0.1:8102/_sim/config", json={"fault": "drop_after=4"})).read()
+            async def whole() -> int:
+                stream = await client.chat.completions.create(
+                    model="demo-llama", max_tokens=12, stream=True, stream_options={"include_usage": True},
+                    messages=[{"role": "user", "content": "Go"}])
+                usage = [c.usage async for c in stream if c.usage is not None]
+                assert len(usage) == 1
+                return usage[0].completion_tokens
+
+            try:    # concurrent, so least-request puts some on each replica
+                assert await asyncio.gather(*(whole() for _ in range(4))) == [12] * 4
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    migrated = [line for line in (await r.text()).splitlines()
+                                if line.startswith("switchyard_migrations_total{") and 'outcome="continued"' in line]
+                assert migrated and sum(float(line.rsplit(" ", 1)[1]) for line in migrated) >= 1
+            finally:
+                await (await s.post("http://127.0.0.1:8102/_sim/config", json={"fault": "none"})).read()
+        raw = await client.chat.completions.with_raw_response.create(
+            model="demo-qwen-pd", max_tokens=3, messages=[{"role": "user", "content": "Trace me"}])
+        assert raw.headers["x-pd-decision"].startswith("disaggregated")
+        await client.close()
+        rid = raw.headers["request-id"]
+
+        def root(r):
+            return next((s for s in r.spans if s.attributes.get("gen_ai.request.id") == rid), None)
+
+        assert await rx.wait_for(lambda r: root(r) and len(r.trace(root(r).trace_id)) >= 6, timeout=15)
+        legs = {s.span_id: s.name for s in rx.children(root(rx))}
+        engine_spans = [s for s in rx.trace(root(rx).trace_id) if s.name == "llm_request"]
+        assert sorted(legs.get(s.parent_id) for s in engine_spans) == ["decode", "prefill"]
+        assert {s.service for s in engine_spans} == {"sglang"}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(15):
+            await proc.wait()
+        await rx.close()

@@ -1,0 +1,90 @@
+"""The manual builds without a warning, and the README's relative links lead somewhere.
+
+``mkdocs build --strict`` fails on a broken link, a missing anchor or a page left out of the nav
+(see ``validation`` in mkdocs.yml), so a renamed heading or a moved page fails the suite rather
+than a reader. The README is read on GitHub, not through MkDocs: its relative links are checked
+here against the files of the repository (and the headings of the Markdown files they name).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs' toc extension (and GitHub, for these headings) gives a heading."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "")
+    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def _anchors(markdown: str) -> set[str]:
+    out: set[str] = set()
+    fenced = False
+    for line in markdown.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and (m := re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)):
+            out.add(_slug(m.group(1)))
+    return out
+
+
+def _links(markdown: str) -> list[str]:
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)     # code blocks hold no links
+    text = re.sub(r"`[^`\n]*`", "", text)                      # nor does inline code
+    return re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+
+
+def test_readme_relative_links_resolve():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    broken = []
+    for target in _links(readme):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):            # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = ROOT / unquote(path) if path else ROOT / "README.md"
+        if not file.exists():
+            broken.append(f"{target}: no file {path}")
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text(encoding="utf-8")):
+            broken.append(f"{target}: no heading #{anchor} in {path or 'README.md'}")
+    assert not broken, "README.md links that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_readme_link_checker_sees_links_and_anchors():
+    md = "# A `b` c/d\n\n[x](docs/a.md#e) `[y](no.md)` ![p](pic.png)\n```\n[z](no.md)\n```\n"
+    assert _links(md) == ["docs/a.md#e", "pic.png"]
+    assert _anchors(md) == {"a-b-cd"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None and os.environ.get("CI") != "true",
+                    reason="mkdocs is not installed (the dev extra); CI always builds the site")
+def test_docs_build_strict(tmp_path):
+    # Built from a copy, so that a checkout without the generated configuration reference (it is
+    # written from the config schema) still checks every other page, and nothing is written here.
+    work = tmp_path / "src"
+    shutil.copytree(ROOT / "docs", work / "docs")
+    shutil.copy(ROOT / "mkdocs.yml", work / "mkdocs.yml")
+    config = work / "docs" / "configuration.md"
+    if not config.exists():
+        config.write_text("# Configuration\n\nGenerated from the config schema.\n", encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=work, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    output = proc.stdout + proc.stderr
+    warnings = [line for line in output.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert proc.returncode == 0 and not warnings, f"mkdocs build --strict failed:\n{output}"

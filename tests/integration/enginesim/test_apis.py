@@ -1,0 +1,66 @@
+"""enginesim's Messages, pooling and audio surfaces, straight from the engine (no gateway)."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+
+from tests.support.http import sse_frames
+
+MSGS = [{"role": "user", "content": "Hello there"}]
+
+
+async def test_vllm_messages_event_sequence_and_errors(sims):
+    v = await sims("vllm", "llama")
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "llama", "max_tokens": 3, "stream": True, "system": "Be brief.", "messages": MSGS}
+        async with s.post(v.url + "/v1/messages", json=body) as r:
+            got = sse_frames(await r.read())
+        assert [n for n, _ in got] == ["message_start", "content_block_start", "content_block_delta",
+                                       "content_block_delta", "content_block_delta", "content_block_stop",
+                                       "message_delta", "message_stop"]
+        assert all(n == d["type"] for n, d in got)
+        start, delta = got[0][1]["message"], got[-2][1]
+        assert start["usage"] == {"input_tokens": delta["usage"]["input_tokens"], "output_tokens": 0}
+        assert delta["delta"] == {"stop_reason": "max_tokens"} and delta["usage"]["output_tokens"] == 3
+        async with s.post(v.url + "/v1/messages/count_tokens", json={"model": "llama", "system": "Be brief.",
+                                                                    "messages": MSGS}) as r:
+            n = delta["usage"]["input_tokens"]
+            assert await r.json() == {"input_tokens": n, "context_management": {"original_input_tokens": n}}
+        async with s.post(v.url + "/v1/messages", json={**body, "model": "other"}) as r:
+            assert r.status == 404 and (await r.json()) == {"type": "error", "error": {
+                "type": "NotFoundError", "message": "The model `other` does not exist."}}
+        async with s.post(v.url + "/v1/messages", json={**body, "stream": False}) as r:
+            msg = await r.json()
+        assert msg["type"] == "message" and msg["content"][0]["type"] == "text" and "stop_sequence" not in msg
+
+
+async def test_sglang_has_no_messages_api_but_its_own_pooling_surface(sims):
+    s1 = await sims("sglang", "qwen")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(s1.url + "/v1/messages", json={"model": "qwen", "max_tokens": 1, "messages": MSGS}) as r:
+            assert r.status == 404 and await r.json() == {"detail": "Not Found"}
+        async with s.post(s1.url + "/v1/tokenize", json={"prompt": ["ab", "cdefgh"]}) as r:
+            got = await r.json()
+        assert got["count"] == [1, 2] and len(got["tokens"]) == 2
+        async with s.post(s1.url + "/v1/rerank", json={"query": " ", "documents": ["a"]}) as r:
+            assert r.status == 400 and (await r.json())["object"] == "error"
+
+
+async def test_vllm_transcription_formats(sims):
+    v = await sims("vllm", "whisper")
+    audio = bytes(70_000)
+    async with aiohttp.ClientSession() as s:
+        for fmt, check in (("json", lambda b: orjson.loads(b)["usage"] == {"type": "duration", "seconds": 3}),
+                           ("text", lambda b: b and not b.startswith(b"{")),
+                           ("verbose_json", lambda b: orjson.loads(b)["duration"] == "3")):
+            form = aiohttp.FormData()
+            form.add_field("model", "whisper")
+            form.add_field("response_format", fmt)
+            form.add_field("file", audio, filename="a.wav")
+            async with s.post(v.url + "/v1/audio/transcriptions", data=form) as r:
+                assert r.status == 200 and check(await r.read())
+        form = aiohttp.FormData()
+        form.add_field("model", "whisper")
+        async with s.post(v.url + "/v1/audio/transcriptions", data=form) as r:
+            assert r.status == 400

@@ -1,0 +1,63 @@
+"""enginesim's /v1/responses on the wire, vLLM and SGLang style."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tests.support.http import sse_frames
+from tests.support.waiting import wait_for
+
+
+async def test_vllm_stream_event_sequence_and_store(sims):
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sim.url + "/v1/responses", json={"model": "m", "input": "hi", "stream": True,
+                                                         "max_output_tokens": 3}) as r:
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            events = sse_frames(await r.read())
+        names = [n for n, _ in events]
+        assert names == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"] + ["response.output_text.delta"] * 3 + [
+            "response.output_text.done", "response.content_part.done", "response.output_item.done",
+            "response.completed"]
+        assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+        assert all(d["type"] == n for n, d in events)
+        done = events[-1][1]["response"]
+        assert done["usage"]["output_tokens"] == 3 and done["status"] == "completed"
+        async with s.get(sim.url + f"/v1/responses/{done['id']}") as r:
+            assert (await r.json())["output"][0]["content"][0]["text"] == events[-4][1]["text"]
+        async with s.delete(sim.url + f"/v1/responses/{done['id']}") as r:
+            assert r.status == 405                         # vLLM serves no DELETE
+
+
+async def test_vllm_without_store_ignores_store_and_refuses_background(sims):
+    sim = await sims("vllm", "m")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sim.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+            rid = (await r.json())["id"]
+        async with s.post(sim.url + "/v1/responses", json={"model": "m", "input": "x",
+                                                         "previous_response_id": rid}) as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["message"] == f"Response with id '{rid}' not found."
+        async with s.post(sim.url + "/v1/responses", json={"model": "m", "input": "x", "background": True}) as r:
+            assert r.status == 400 and "VLLM_ENABLE_RESPONSES_API_STORE" in (await r.json())["error"]["message"]
+
+
+async def test_sglang_shapes_background_and_cancel(sims):
+    sim = await sims("sglang", "m", itl_ms=20.0)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(sim.url + "/v1/responses/bogus") as r:
+            body = await r.json()
+            assert r.status == 400 and body["object"] == "error" and body["param"] == "response_id"
+        async with s.post(sim.url + "/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 2}) as r:
+            done = await r.json()
+            assert done["usage"]["prompt_tokens"] > 0         # SGLang's chat usage in a non-streaming body
+        async with s.post(sim.url + "/v1/responses", json={"model": "m", "input": "hi", "background": True,
+                                                         "max_output_tokens": 500}) as r:
+            queued = await r.json()
+            assert queued["status"] == "queued"
+        async with s.post(sim.url + f"/v1/responses/{queued['id']}/cancel") as r:
+            assert (await r.json())["status"] == "cancelled"
+        async with s.post(sim.url + f"/v1/responses/{done['id']}/cancel") as r:
+            assert r.status == 400 and (await r.json())["message"] == "Cannot cancel a synchronous response."
+        assert await wait_for(lambda: sim.engine.num_live == 0)

@@ -1,0 +1,238 @@
+"""Pod discovery through kubernetes-asyncio against the API server emulator, on loopback.
+
+Every test builds the ``kubernetes`` config block the way a user writes it, with a kubeconfig file
+in tmp_path that points at the emulator with a bearer token. Changes are polled with a deadline of
+a few seconds (never asserted as wall time).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.config.schema import ConfigError, config_from_dict
+from gateway.endpoints import EndpointPool
+from k8s.discovery import KubernetesDiscovery
+from tests.support.waiting import until
+
+M = "model.aibrix.ai/name"
+
+
+@pytest.fixture
+async def discover(emu, tmp_path):
+    started: list[KubernetesDiscovery] = []
+
+    async def make(token: str | None = None, config_models: list[dict] | None = None, sync: bool = True,
+                   **kube) -> tuple[KubernetesDiscovery, EndpointPool]:
+        path = tmp_path / f"kubeconfig-{len(started)}"
+        path.write_text(emu.kubeconfig(token=token))
+        block = {"enabled": True, "kubeconfig": str(path), "retry_backoff_s": 0.05, **kube}
+        cfg = config_from_dict({"kubernetes": block, "models": config_models or []})
+        pool = EndpointPool()
+        d = KubernetesDiscovery(cfg.kubernetes, pool, {m.name: m for m in cfg.models})
+        await d.start()
+        started.append(d)
+        if sync:
+            assert await d.wait_synced(5), "initial list did not complete"
+        return d, pool
+
+    yield make
+    for d in started:
+        await d.stop()
+
+
+def names(pool: EndpointPool, model: str | None = None, ready_only: bool = False) -> set[str]:
+    eps = pool.endpoints(model)
+    return {e.name for e in eps if e.ready or not ready_only}
+
+
+async def test_pod_lifecycle_is_reflected_in_the_pool(emu, discover):
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"])
+    assert names(pool, "llama", ready_only=True) == {"a"}
+    ep_a = pool.endpoints("llama")[0]
+    assert (ep_a.source, ep_a.role, ep_a.url.startswith("http://10.")) == ("kubernetes", "aggregated", True)
+
+    # added not ready: known (the model exists) but gets no requests
+    emu.create_pod("llm", "b", {M: "llama"}, ready=False)
+    await until(lambda: names(pool, "llama") == {"a", "b"})
+    assert names(pool, "llama", ready_only=True) == {"a"}
+    # readied
+    emu.set_ready("llm", "b", True)
+    await until(lambda: names(pool, "llama", ready_only=True) == {"a", "b"})
+    ep_b = next(e for e in pool.endpoints("llama") if e.name == "b")
+    # made not ready, then ready again: the same endpoint object (its counters survive)
+    emu.set_ready("llm", "b", False)
+    await until(lambda: names(pool, "llama", ready_only=True) == {"a"})
+    emu.set_ready("llm", "b", True)
+    await until(lambda: names(pool, "llama", ready_only=True) == {"a", "b"})
+    assert next(e for e in pool.endpoints("llama") if e.name == "b") is ep_b
+    # terminating: out of rotation at once, in-flight requests keep their endpoint
+    ep_a.in_flight = 1                       # as if a stream were running on it
+    emu.mark_terminating("llm", "a")
+    await until(lambda: names(pool, "llama", ready_only=True) == {"b"})
+    assert ep_a.draining and ep_a.in_flight == 1
+    # deleted: gone from the pool
+    emu.delete_pod("llm", "a")
+    await until(lambda: names(pool, "llama") == {"b"})
+    ep_a.in_flight = 0
+    assert d.stats["lists"] == 1, "all of this came through the watch, no relist"
+    assert d.stats["events"] >= 6
+
+
+async def test_namespaces_and_label_selector_are_honoured(emu, discover):
+    emu.create_pod("a", "p1", {M: "llama"})
+    emu.create_pod("b", "p2", {M: "llama", "env": "prod"})
+    emu.create_pod("c", "p3", {M: "llama"})               # namespace not watched
+    emu.create_pod("a", "no-model", {"app": "db"})        # not selected by the default selector
+    emu.create_pod("b", "canary", {M: "llama", "env": "canary"})
+    d, pool = await discover(namespaces=["a", "b"], label_selector=f"{M},env!=canary")
+    assert names(pool) == {"p1", "p2"}
+    paths = {p for p, _ in emu.requests}
+    assert paths == {"/api/v1/namespaces/a/pods", "/api/v1/namespaces/b/pods"}
+    assert all(q.get("labelSelector") == f"{M},env!=canary" for _, q in emu.requests)
+    # a pod that stops matching the selector leaves; one that starts matching arrives
+    emu.set_labels("b", "p2", env="canary")
+    emu.set_labels("b", "canary", env="prod")
+    await until(lambda: names(pool) == {"p1", "canary"})
+
+
+async def test_all_namespaces_uses_the_cluster_wide_path(emu, discover):
+    emu.create_pod("x", "p1", {M: "llama"})
+    emu.create_pod("y", "p2", {M: "qwen", "model.aibrix.ai/engine": "sglang"})
+    d, pool = await discover()
+    assert names(pool) == {"p1", "p2"}
+    assert pool.endpoints("qwen")[0].engine == "sglang"
+    assert {p for p, _ in emu.requests} == {"/api/v1/pods"}
+    emu.create_pod("z", "p3", {M: "llama"})
+    await until(lambda: names(pool, "llama") == {"p1", "p3"})
+
+
+async def test_watch_uses_resource_version_and_bookmarks_and_resumes_without_relisting(emu, discover):
+    d, pool = await discover(namespaces=["llm"], watch_timeout_s=1)
+    await until(lambda: d.stats["watches"] >= 3 and d.stats["bookmarks"] >= 2, timeout=6)
+    watches = [q for _, q in emu.requests if q.get("watch") in ("true", "True")]
+    assert watches and all(q.get("allowWatchBookmarks") in ("true", "True") for q in watches)
+    assert all(q.get("resourceVersion") for q in watches)
+    emu.create_pod("llm", "late", {M: "llama"})
+    await until(lambda: names(pool) == {"late"})
+    assert d.stats["lists"] == 1 and d.stats["errors"] == 0
+
+
+async def test_a_dropped_watch_is_survived(emu, discover):
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"])
+    await until(lambda: len(emu.watchers) == 1)
+    emu.break_watches()
+    await until(lambda: d.stats["errors"] >= 1)
+    emu.create_pod("llm", "b", {M: "llama"})
+    emu.delete_pod("llm", "a")
+    await until(lambda: names(pool) == {"b"})
+    assert d.stats["lists"] >= 2
+
+
+async def test_410_gone_on_watch_forces_a_relist(emu, discover):
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], watch_timeout_s=1)
+    await until(lambda: len(emu.watchers) == 1)
+    # while the client hears nothing, a pod arrives and history is compacted: when its watch
+    # times out and resumes from its old resourceVersion, the server says 410 Gone
+    emu.partition()
+    emu.create_pod("llm", "b", {M: "llama"})
+    emu.compact()
+    await until(lambda: names(pool) == {"a", "b"}, timeout=5)
+    assert emu.stats["gone"] >= 1 and d.stats["gone"] >= 1
+    emu.heal()
+    emu.delete_pod("llm", "a")
+    await until(lambda: names(pool) == {"b"})
+
+
+async def test_410_and_500_on_list_are_retried(emu, discover):
+    emu.fail_next_lists = [410, 500]
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"])
+    assert names(pool) == {"a"}
+    assert emu.stats["lists"] == 3 and d.stats["gone"] == 1 and d.stats["errors"] == 1
+
+
+async def test_a_delete_missed_during_a_partition_is_repaired_by_the_periodic_relist(emu, discover):
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "llama"})
+    d_resync, pool_resync = await discover(namespaces=["llm"], resync_interval_s=1, watch_timeout_s=60)
+    d_never, pool_never = await discover(namespaces=["llm"], resync_interval_s=0, watch_timeout_s=60)
+    assert names(pool_resync) == names(pool_never) == {"a", "b"}
+    await until(lambda: len(emu.watchers) == 2)     # both are watching now
+
+    emu.partition()
+    emu.delete_pod("llm", "a")          # the DELETED event is lost for good
+    emu.heal()
+    # bookmarks now carry both clients past the lost event: no watch will ever replay it
+    b0 = d_never.stats["bookmarks"]
+    await until(lambda: d_never.stats["bookmarks"] >= b0 + 2)
+    await until(lambda: names(pool_resync) == {"b"}, timeout=5)
+    assert d_resync.stats["lists"] >= 2
+    # without the relist the dead pod would stay in rotation
+    assert names(pool_never, ready_only=True) == {"a", "b"}
+    assert d_never.stats["lists"] == 1
+
+
+async def test_pd_rolesets_are_assembled_from_labels(emu, discover):
+    prof = json.dumps({"profiles": {"default": {"combined": True, "promptLenBucketMaxLength": 512}}})
+    sg = {M: "qwen", "model.aibrix.ai/engine": "sglang", "model.aibrix.ai/port": "30000"}
+    emu.create_pod("llm", "rs1-prefill-0", {**sg, "role-name": "prefill", "roleset-name": "rs1"},
+                   annotations={"model.aibrix.ai/sglang-bootstrap-port": "8999"})
+    emu.create_pod("llm", "rs1-decode-0", {**sg, "role-name": "decode", "roleset-name": "rs1"})
+    emu.create_pod("llm", "rs2-prefill-0", {**sg, "role-name": "prefill", "roleset-name": "rs2"})
+    emu.create_pod("llm", "rs2-decode-0", {**sg, "role-name": "decode", "roleset-name": "rs2"})
+    emu.create_pod("llm", "rs3-all-0", {**sg, "role-name": "all", "roleset-name": "rs3"},
+                   annotations={"model.aibrix.ai/config": prof})
+    emu.create_pod("llm", "rs4-all-0", {**sg, "role-name": "all", "roleset-name": "rs4"})   # not combined: unused
+    emu.create_pod("llm", "plain-0", {**sg})
+    emu.create_pod("llm", "vllm-p", {M: "llama", "role-name": "prefill", "roleset-name": "r"})
+    emu.create_pod("llm", "vllm-x", {M: "llama", "role-name": "both", "roleset-name": "r"})  # config: combined
+    d, pool = await discover(namespaces=["llm"], config_models=[{"name": "llama"}],
+                             models={"llama": {"combined": True, "min_prompt_tokens": 100}})
+    got = {e.name: (e.role, e.roleset, e.engine, e.bootstrap_port, e.port) for e in pool.endpoints("qwen")}
+    assert got == {
+        "rs1-prefill-0": ("prefill", "rs1", "sglang", 8999, 30000),
+        "rs1-decode-0": ("decode", "rs1", "sglang", None, 30000),
+        "rs2-prefill-0": ("prefill", "rs2", "sglang", None, 30000),
+        "rs2-decode-0": ("decode", "rs2", "sglang", None, 30000),
+        "rs3-all-0": ("combined", "rs3", "sglang", None, 30000),
+        "plain-0": ("aggregated", None, "sglang", None, 30000),
+    }
+    combined = next(e for e in pool.endpoints("qwen") if e.name == "rs3-all-0")
+    assert (combined.min_prompt_tokens, combined.max_prompt_tokens) == (0, 512)
+    llama = {e.name: (e.role, e.roleset, e.min_prompt_tokens) for e in pool.endpoints("llama")}
+    assert llama == {"vllm-p": ("prefill", "r", 100), "vllm-x": ("combined", "r", 100)}
+    # a pod moving to another roleset is a new endpoint in that roleset
+    emu.set_labels("llm", "rs2-decode-0", roleset_name="rs1")
+    await until(lambda: {e.roleset for e in pool.endpoints("qwen") if e.name == "rs2-decode-0"} == {"rs1"})
+
+
+async def test_bearer_token_is_required(emu, discover):
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(token="wrong", sync=False, namespaces=["llm"])
+    await until(lambda: emu.stats["unauthorized"] >= 2)
+    assert not d.synced.is_set() and names(pool) == set() and d.stats["errors"] >= 2
+
+
+async def test_unusable_kubeconfig_fails_at_start_naming_the_key(tmp_path):
+    pool = EndpointPool()
+    cfg = config_from_dict({"kubernetes": {"enabled": True, "kubeconfig": str(tmp_path / "missing")}})
+    with pytest.raises(ConfigError) as e:
+        await KubernetesDiscovery(cfg.kubernetes, pool).start()
+    assert e.value.key_path == "kubernetes.kubeconfig"
+    (tmp_path / "bad").write_text("apiVersion: v1\nkind: Config\nclusters: []\n")
+    cfg = config_from_dict({"kubernetes": {"enabled": True, "kubeconfig": str(tmp_path / "bad")}})
+    with pytest.raises(ConfigError) as e:
+        await KubernetesDiscovery(cfg.kubernetes, pool).start()
+    assert e.value.key_path == "kubernetes.kubeconfig"
+
+
+async def test_no_kubeconfig_outside_a_cluster_says_so(monkeypatch):
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    cfg = config_from_dict({"kubernetes": {"enabled": True}})
+    with pytest.raises(ConfigError, match="in-cluster"):
+        await KubernetesDiscovery(cfg.kubernetes, EndpointPool()).start()

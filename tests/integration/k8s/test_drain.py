@@ -1,0 +1,126 @@
+"""Graceful drain as Kubernetes needs it: at SIGTERM /ready turns 503 while requests are still
+served; after ``server.drain_delay_s`` new connections are refused; streams in flight finish;
+the process exits 0. One test drives ``drain_and_stop`` in-process, one the real process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+import aiohttp
+import orjson
+import yaml
+
+from gateway.server.app import NOT_READY_KEY
+from gateway.server.run import drain_and_stop, free_port
+from tests.support.factories import model_block
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "Count the wagons."}], "stream": True}
+
+
+async def status_of(url: str) -> int | None:
+    """HTTP status on a fresh connection, or None when the connection is refused."""
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url, timeout=aiohttp.ClientTimeout(total=2)) as r:
+            return r.status
+    except aiohttp.ClientConnectorError:
+        return None
+
+
+async def read_stream(resp: aiohttp.ClientResponse) -> tuple[int, bool]:
+    """(content chunks, saw [DONE])"""
+    chunks, done = 0, False
+    async for line in resp.content:
+        line = line.strip()
+        if line == b"data: [DONE]":
+            done = True
+        elif line.startswith(b"data: "):
+            ev = orjson.loads(line[6:])
+            if ev.get("choices") and ev["choices"][0].get("delta", {}).get("content"):
+                chunks += 1
+    return chunks, done
+
+
+async def poll(pred, timeout: float = 5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        v = await pred()
+        if v or asyncio.get_running_loop().time() > deadline:
+            return v
+        await asyncio.sleep(0.05)
+
+
+async def test_drain_serves_during_the_delay_then_refuses_and_lets_streams_finish(sims, gateway):
+    sim = await sims("vllm", "m", itl_ms=25)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    app = gw.runner.app
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.base_url + "/chat/completions", json={**BODY, "max_tokens": 60}) as stream:
+            assert stream.status == 200
+            await stream.content.readline()
+            drain = asyncio.create_task(drain_and_stop(gw.runner, app, grace=10, delay=0.5))
+            await asyncio.sleep(0)
+            assert app[NOT_READY_KEY].is_set()
+            assert await status_of(gw.url + "/ready") == 503
+            # still inside the delay: a new request on a new connection is served normally
+            async with aiohttp.ClientSession() as s2:
+                async with s2.post(gw.base_url + "/chat/completions",
+                                   json={**BODY, "stream": False, "max_tokens": 2}) as r:
+                    assert r.status == 200
+            # after the delay the listener is closed
+            assert await poll(lambda: _refused(gw.url + "/health")), "listener still accepting"
+            chunks, done = await read_stream(stream)
+            assert done and chunks >= 50
+    await asyncio.wait_for(drain, 10)
+
+
+async def _refused(url: str) -> bool:
+    return await status_of(url) is None
+
+
+async def test_sigterm_on_the_real_process_drains_and_exits_0(sims, tmp_path):
+    sim = await sims("vllm", "m", itl_ms=30)
+    port = free_port()
+    cfg = {"listen": {"host": "127.0.0.1", "port": port},
+           "server": {"shutdown_grace_s": 15, "drain_delay_s": 0.5, "log_format": "json"},
+           "health": {"interval_s": 1}, "scrape": {"enabled": False},
+           "models": [{"name": "m", "engine": "vllm", "endpoints": [sim.url]}]}
+    path = tmp_path / "switchyard.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "--config", str(path), env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert await poll(lambda: _is(base + "/ready", 200), timeout=20), "gateway did not become ready"
+        async with aiohttp.ClientSession() as s:
+            for i in range(50):                             # their log lines are still buffered at SIGTERM
+                async with s.post(base + "/v1/chat/completions", json={**BODY, "stream": False, "max_tokens": 1},
+                                  headers={"x-request-id": f"before-{i}"}) as r:
+                    assert r.status == 200
+            async with s.post(base + "/v1/chat/completions", json={**BODY, "max_tokens": 60}) as stream:
+                assert stream.status == 200
+                await stream.content.readline()             # the stream is under way
+                proc.send_signal(signal.SIGTERM)
+                assert await poll(lambda: _is(base + "/ready", 503), timeout=3), "/ready did not turn 503"
+                assert await poll(lambda: _refused(base + "/health"), timeout=5), "listener still accepting"
+                chunks, done = await read_stream(stream)
+        assert done and chunks >= 50, "the in-flight stream was cut"
+        rc = await asyncio.wait_for(proc.wait(), 20)
+        out = (await proc.stdout.read()).decode()
+        assert rc == 0, out
+        assert '"draining"' in out and '"listener closed"' in out
+        lines = [orjson.loads(x) for x in out.splitlines() if '"event":"request"' in x]
+        assert [x["request_id"] for x in lines[:50]] == [f"before-{i}" for i in range(50)]
+        assert len(lines) == 51 and lines[-1]["stream"] is True      # no request line lost at SIGTERM
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _is(url: str, status: int) -> bool:
+    return await status_of(url) == status

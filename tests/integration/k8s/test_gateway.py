@@ -1,0 +1,157 @@
+"""End to end: pods in the API server emulator point at real enginesim servers on 127.0.0.1, and
+requests through the gateway reach them — with models that have no static endpoints, models the
+config does not name at all, and static endpoints next to discovered ones."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.server.app import DISCOVERY_KEY
+from tests.support.factories import model_block, sim_pod
+from tests.support.http import openai_client, sim_state
+from tests.support.waiting import wait_for
+
+M = "model.aibrix.ai/name"
+CHAT = [{"role": "user", "content": "Where do the trains go at night?"}]
+
+
+@pytest.fixture
+def kube_block(emu, tmp_path):
+    path = tmp_path / "kubeconfig"
+    path.write_text(emu.kubeconfig())
+    return {"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"], "retry_backoff_s": 0.05}
+
+
+async def ready_names(base: str, model: str) -> int:
+    async with aiohttp.ClientSession() as s, s.get(base + "/v1/models") as r:
+        data = (await r.json())["data"]
+    return next((m["ready_endpoints"] for m in data if m["id"] == model), 0)
+
+
+async def test_chat_through_discovered_pods(emu, kube_block, sims, gateway):
+    v1 = await sims("vllm", "llama")
+    s1 = await sims("sglang", "qwen")
+    sim_pod(emu, "llama-0", v1, "llama")
+    sim_pod(emu, "qwen-0", s1, "qwen", **{"model.aibrix.ai/engine": "sglang"})
+    # llama is configured without endpoints; qwen is not configured at all
+    gw = await gateway([{"name": "llama", "engine": "vllm", "strategy": "least-request"}], kubernetes=kube_block)
+    assert await wait_for(lambda: gw.gw.pool.ready("llama") and gw.gw.pool.ready("qwen"), timeout=3)
+
+    client = openai_client(gw)
+    for model, sim in (("llama", v1), ("qwen", s1)):
+        raw = await client.chat.completions.with_raw_response.create(model=model, messages=CHAT, max_tokens=4)
+        r = raw.parse()
+        assert r.choices[0].message.content and r.usage.completion_tokens == 4
+        assert raw.headers["target-pod"] == f"{model}-0"          # the pod name
+        assert (await sim_state(sim.url))["counts"]["started"] >= 1
+    ep = gw.gw.pool.endpoints("qwen")[0]
+    assert (ep.engine, ep.source) == ("sglang", "kubernetes")
+    stream = await client.chat.completions.create(model="qwen", messages=CHAT, max_tokens=5, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    await client.close()
+
+
+async def test_pods_coming_and_going_steer_traffic(emu, kube_block, sims, gateway):
+    a = await sims("vllm", "llama", itl_ms=40)
+    b = await sims("vllm", "llama")
+    sim_pod(emu, "a", a, "llama")
+    gw = await gateway([], kubernetes=kube_block)
+    assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 1, timeout=3)
+    client = openai_client(gw)
+
+    # a stream is running on pod a when a is deleted: it finishes; new requests go to b
+    stream = await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=20, stream=True)
+    first = await stream.__anext__()
+    assert first is not None
+    sim_pod(emu, "b", b, "llama")
+    emu.delete_pod("llm", "a")
+    assert await wait_for(lambda: [e.name for e in gw.gw.pool.ready("llama")] == ["b"], timeout=3)
+    rest = [c async for c in stream]
+    assert rest[-1].choices[0].finish_reason == "length"
+    before = (await sim_state(a.url))["counts"]["started"]
+    for _ in range(3):
+        raw = await client.chat.completions.with_raw_response.create(model="llama", messages=CHAT, max_tokens=2)
+        assert raw.headers["target-pod"] == "b"
+    assert (await sim_state(a.url))["counts"]["started"] == before
+
+    # b not ready: the model is still known, requests get 503 (not 404), /ready says so
+    emu.set_ready("llm", "b", False)
+    assert await wait_for(lambda: not gw.gw.pool.ready("llama"), timeout=3)
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
+    assert e.value.status_code == 503
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready") as r:
+        assert r.status == 503
+    emu.set_ready("llm", "b", True)
+    assert await wait_for(lambda: ready_names(gw.url, "llama"), timeout=3) == 1
+    await client.close()
+
+
+async def test_static_and_discovered_endpoints_share_the_pool(emu, kube_block, sims, gateway):
+    static = await sims("vllm", "llama")
+    pod = await sims("vllm", "llama")
+    sim_pod(emu, "llama-pod", pod, "llama")
+    gw = await gateway([model_block("llama", "vllm", [static.url], strategy="round-robin")], kubernetes=kube_block)
+    assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2, timeout=3)
+    assert {e.source for e in gw.gw.pool.endpoints("llama")} == {"static", "kubernetes"}
+    client = openai_client(gw)
+    pods = set()
+    for _ in range(4):
+        raw = await client.completions.with_raw_response.create(model="llama", prompt="hi", max_tokens=2)
+        pods.add(raw.headers["target-pod"])
+    assert pods == {"llama-pod", f"127.0.0.1:{static.port}"}
+    # the pod leaves; the static endpoint stays
+    emu.delete_pod("llm", "llama-pod")
+    assert await wait_for(lambda: [e.source for e in gw.gw.pool.endpoints("llama")] == ["static"], timeout=3)
+    await client.close()
+    disc = gw.runner.app[DISCOVERY_KEY]
+    assert disc.stats["lists"] == 1
+
+
+async def test_pd_pods_route_through_the_pd_strategy(emu, kube_block, sims, gateway):
+    pre = await sims("vllm", "llama", role="prefill")
+    dec = await sims("vllm", "llama", role="decode")
+    sim_pod(emu, "rs1-prefill", pre, "llama", **{"role-name": "prefill", "roleset-name": "rs1"})
+    sim_pod(emu, "rs1-decode", dec, "llama", **{"role-name": "decode", "roleset-name": "rs1"})
+    gw = await gateway([{"name": "llama", "strategy": "pd"}], kubernetes=kube_block)
+    assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2, timeout=3)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.base_url + "/chat/completions",
+                          json={"model": "llama", "messages": CHAT, "max_tokens": 3}) as r:
+            body = await r.json()
+            assert r.status == 200, body
+            assert r.headers["prefill-target-pod"] == "rs1-prefill"
+    assert body["choices"][0]["message"]["content"]
+    assert (await sim_state(pre.url))["counts"]["started"] == 1
+    assert (await sim_state(dec.url))["counts"]["started"] == 1
+
+
+async def test_discovered_pd_pods_default_to_pd_and_the_annotation_strategy_applies(emu, kube_block, sims, gateway):
+    import json
+
+    pre = await sims("vllm", "llama", role="prefill")
+    dec = await sims("vllm", "llama", role="decode")
+    sim_pod(emu, "rs1-prefill", pre, "llama", **{"role-name": "prefill", "roleset-name": "rs1"})
+    sim_pod(emu, "rs1-decode", dec, "llama", **{"role-name": "decode", "roleset-name": "rs1"})
+    a, b = await sims("vllm", "qwen"), await sims("vllm", "qwen")
+    profile = json.dumps({"defaultProfile": "default", "profiles": {"default": {"routingStrategy": "round-robin"}}})
+    for name, sim in (("qwen-a", a), ("qwen-b", b)):
+        emu.create_pod("llm", name, {M: "qwen", "model.aibrix.ai/port": str(sim.port)}, ip="127.0.0.1",
+                       annotations={"model.aibrix.ai/config": profile})
+    gw = await gateway([], kubernetes=kube_block)     # neither model is in the config
+    assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2 and len(gw.gw.pool.ready("qwen")) == 2,
+                          timeout=3)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.base_url + "/chat/completions",
+                          json={"model": "llama", "messages": CHAT, "max_tokens": 3}) as r:
+            assert r.status == 200 and r.headers["routing-strategy"] == "pd"
+            assert r.headers["prefill-target-pod"] == "rs1-prefill"
+        pods = []
+        for _ in range(4):
+            async with s.post(gw.base_url + "/chat/completions",
+                              json={"model": "qwen", "messages": CHAT, "max_tokens": 1}) as r:
+                assert r.status == 200 and r.headers["routing-strategy"] == "round-robin"
+                pods.append(r.headers["target-pod"])
+    assert pods[0] != pods[1] and pods[:2] == pods[2:]

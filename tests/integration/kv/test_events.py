@@ -1,0 +1,229 @@
+"""Precise prefix routing on KV events, on loopback: enginesim publishes vLLM's wire format, the
+gateway subscribes, tokenizes with the same tokenizer directory and routes on what engines hold."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import orjson
+import pytest
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.request import CHAT, parse
+from tests.support.http import openai_client
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.integration
+
+TOK = str(TINY_DIR)
+SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" for i in range(120))
+
+
+async def _sims(sims, n: int, **kw):
+    return [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
+                       kv_blocks=4096, **kw) for _ in range(n)]
+
+
+async def _gateway(gateway, sim, replay=True, **kv):
+    s = sim.engine.kv_events
+    block = {"enabled": True, "port": s.port, "stall_timeout_s": 5.0, **kv}
+    if replay:
+        block["replay_port"] = s.replay_port
+    return await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                           "strategy": "prefix-cache", "kv_events": block}])
+
+
+@pytest.fixture
+async def clients():
+    made = []
+
+    def make(gw):
+        made.append(openai_client(gw, "x"))
+        return made[-1]
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+def _state(gw):
+    kv = gw.gw.routing.ctx.precise_index
+    return kv, next(iter(kv.index.states.values()))
+
+
+def _render(gw) -> str:
+    return gw.gw.metrics.render().decode()
+
+
+async def _chat(client, text: str):
+    return await client.chat.completions.create(
+        model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+        max_tokens=2)
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+async def test_events_fill_the_index_and_match_the_engine(sims, gateway, clients, encoding):
+    (sim,) = await _sims(sims, 1, kv_events_encoding=encoding)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await until(lambda: sim.engine.kv_events is not None and kv.subscribers)
+    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
+    r = await _chat(client, "first question")
+    await until(lambda: len(st.emap) > 0)
+    assert len(st.emap) == sim.engine.pool.cached_blocks
+    # the gateway tokenizes like the engine: its match for the same conversation is what the engine caches
+    r2 = await _chat(client, "second question")
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    # the gateway's match for a third turn is what the engine then finds in its cache
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "second question"}]
+    ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 2}), {}, "t")
+    depths, tokens, fallback = kv.match(ireq, [st.ep])
+    assert not fallback and tokens == r2.usage.prompt_tokens
+    r3 = await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert depths[st.ep] == r3.usage.prompt_tokens_details.cached_tokens > r.usage.prompt_tokens // 2
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_index_blocks{model="m"}' in text
+    assert 'switchyard_kv_events_total{kind="BlockStored",model="m"}' in text
+
+
+async def test_gap_is_replayed(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    await _chat(client, "one")
+    await until(lambda: len(st.emap) > 0)
+    pub = sim.engine.kv_events
+    pub.drop_next = 1                  # the next batch is buffered for replay but never published
+    await _chat(client, "two " * 60)
+    await _chat(client, "three")
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    assert 'result="ok"' in await gw.metrics_text()
+
+
+async def test_gap_without_replay_clears(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim, replay=False)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    await _chat(client, "one")
+    await until(lambda: len(st.emap) > 0)
+    sim.engine.kv_events.drop_next = 1
+    await _chat(client, "two " * 60)
+    await _chat(client, "three " * 60)
+    # what was missed is unknown: the entries are cleared, and blocks chained on them are orphans
+    await until(lambda: 'result="no_replay_port"' in _render(gw))
+    await until(lambda: len(st.emap) == 0)
+    assert 'kind="orphan"' in _render(gw)
+    # a prompt on a new prefix is indexed again
+    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "fresh " * 80}],
+                                         max_tokens=2)
+    await until(lambda: len(st.emap) > 0)
+
+
+async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    for q in ("one", "two"):
+        await _chat(client, q)
+    await until(lambda: len(st.emap) > 0)
+    before = len(st.emap)
+    pub = sim.engine.kv_events
+    # the engine restarts: an empty cache, and its publisher counts from 0 again
+    pub.seq = 0
+    pub.buffer.clear()
+    sim.engine.pool.events = None
+    assert sim.engine.pool.flush()
+    sim.engine.pool.events = pub
+    await _chat(client, "a new life")
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    assert len(st.emap) < before + 5
+    assert "switchyard_kv_events_restarts_total" in await gw.metrics_text()
+
+
+async def test_stalled_publisher_falls_back_and_recovers(sims, gateway, clients):
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim, stall_timeout_s=0.2)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    await _chat(client, "one")
+    await until(lambda: len(st.emap) > 0)
+    sim.engine.kv_events.paused = True
+    await _chat(client, "something new " * 30)
+    await asyncio.sleep(0.3)
+    await _chat(client, "and more " * 30)
+    assert st.on_fallback == "stalled"
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_fallbacks_total{model="m",reason="stalled"}' in text
+    assert 'switchyard_routing_fallbacks_total{reason="kv_events_fallback",strategy="prefix-cache"}' in text
+    sim.engine.kv_events.resume()
+    await until(lambda: st.on_fallback is None)
+
+
+async def test_engine_without_events_routes_on_the_approximate_index(sims, gateway, clients):
+    sim = await sims("vllm", model="m", tokenizer=TOK)       # publishes nothing
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": 1}}])
+    client = clients(gw)
+    await _chat(client, "one")
+    r = await _chat(client, "two")
+    assert r.choices[0].message.content is not None
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_fallbacks_total{model="m",reason="no_events"} 1.0' in text
+
+
+async def test_salted_requests_go_to_their_salts_prefix_and_multimodal_falls_back(sims, gateway, clients):
+    """vLLM folds ``cache_salt`` into the first block's hash and publishes it in ``extra_keys``: engine A
+    holds the conversation unsalted, engine B under salt t1. A t1 request goes to B, an unsalted one
+    to A (each finding its prefix cached there); a request with an image is routed on the
+    approximate index, and the fallback is counted."""
+    a, b = await _sims(sims, 2)
+
+    def endpoint(sim):
+        s = sim.engine.kv_events
+        return {"url": sim.url, "kv_events": {"port": s.port, "replay_port": s.replay_port}}
+
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [endpoint(a), endpoint(b)], "tokenizer": TOK,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "stall_timeout_s": 5.0}}])
+    kv = gw.gw.routing.ctx.precise_index
+    await until(lambda: len(kv.subscribers) == 2)
+    await asyncio.sleep(0.3)          # the SUB sockets connect
+    state = {st.ep.url: st for st in kv.index.states.values()}
+    pod = {a.url: state[a.url].ep.address, b.url: state[b.url].ep.address}
+    seed = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "seed"}]
+    for sim, salt in ((a, None), (b, "t1")):            # straight to the engines, as other gateways would
+        c = openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0)
+        await c.chat.completions.create(model="m", messages=seed, max_tokens=2,
+                                        extra_body={"cache_salt": salt} if salt else None)
+        await c.close()
+    await until(lambda: all(len(state[s.url].emap) == s.engine.pool.cached_blocks > 0 for s in (a, b)))
+    client = clients(gw)
+
+    async def ask(text: str, salt: str | None):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}],
+            max_tokens=2, extra_body={"cache_salt": salt} if salt else None)
+        return raw.headers["target-pod"], raw.parse().usage.prompt_tokens_details.cached_tokens
+
+    where, cached = await ask("a salted question", "t1")
+    assert where == pod[b.url] and cached > 0
+    where, cached = await ask("a plain question", None)
+    assert where == pod[a.url] and cached > 0
+    r = await client.chat.completions.create(model="m", max_tokens=2, messages=[
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": [{"type": "text", "text": "what is on this picture?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+    assert r.choices[0].message.content is not None
+    text = await gw.metrics_text()
+    assert 'switchyard_kv_events_fallbacks_total{model="m",reason="multimodal"} 1.0' in text
+    assert 'switchyard_routing_fallbacks_total{reason="kv_events_multimodal",strategy="prefix-cache"} 1.0' in text

@@ -1,0 +1,136 @@
+"""LoRA adapters on loopback: discovery from /v1/models, adapter-aware routing, loading on demand
+under concurrency, failed loads and their cool-down, enginesim's slots, load calls and metric."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
+from tests.support.waiting import wait_for
+
+
+async def test_discovered_adapter_routes_to_its_endpoint_with_the_sdk(sims, gateway):
+    a = await sims("vllm", "m", lora_modules=("sql=org/sql-lora",), **LORA_SIM)
+    b = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])], lora=FAST_LORA)
+    await wait_for(lambda: any("sql" in ep.adapters.served for ep in gw.gw.pool.endpoints()))
+    client = openai_client(gw)
+    for _ in range(4):
+        raw = await client.chat.completions.with_raw_response.create(model="sql", messages=MSG, max_tokens=3)
+        assert raw.headers["target-pod"] == a.url.split("//")[1]
+        assert raw.headers["routing-strategy"] == "lora-affinity"
+        assert raw.parse().model == "sql"
+    models = {m.id: m for m in (await client.models.list()).data}
+    assert models["sql"].model_extra["parent"] == "m"
+    assert models["sql"].model_extra["ready_endpoints"] == 1
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.chat.completions.create(model="nope", messages=MSG, max_tokens=3)
+    assert e.value.body["code"] == "model_not_found"
+    await client.close()
+    st = await sim_state(a.url)
+    assert st["lora"]["cold_loads"] == 1 and st["counts"]["completed"] == 4
+    assert (await sim_state(b.url))["counts"]["started"] == 0
+    text = await gw.metrics_text()
+    assert 'switchyard_lora_requests_total{adapter="sql",model="m"' in text
+    assert 'switchyard_lora_adapter_endpoints{adapter="sql",model="m"} 1.0' in text
+
+
+async def test_concurrent_requests_wait_on_one_load(sims, gateway):
+    a = await sims("vllm", "m", **LORA_SIM)
+    b = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], adapters={"chat": "org/chat-lora"})],
+                       lora=FAST_LORA)
+    results = await asyncio.gather(*(chat(gw, "chat") for _ in range(8)))
+    assert [s for s, _, _ in results] == [200] * 8
+    pods = {h["target-pod"] for _, h, _ in results}
+    assert len(pods) == 1                                # all on the endpoint that loaded it
+    states = [await sim_state(a.url), await sim_state(b.url)]
+    assert sum(len(load_calls(st)) for st in states) == 1
+    assert sum("chat" in st["lora"]["registered"] for st in states) == 1
+    text = await gw.metrics_text()
+    assert 'switchyard_lora_loads_total{adapter="chat",model="m",result="ok"} 1.0' in text
+
+
+async def test_failed_load_answers_the_engine_message_and_cools_down(sims, gateway):
+    a = await sims("vllm", "m", **LORA_SIM)
+    b = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], adapters={"gone": "/nonexistent/gone-lora"})],
+                       lora=FAST_LORA)
+    first = await asyncio.gather(*(chat(gw, "gone") for _ in range(3)))   # one load, three answers
+    for status, headers, body in first:
+        assert status == 502 and headers["x-error-lora-load"] == "error"
+        assert body["error"]["code"] == "lora_load_failed"
+        assert "No adapter found for /nonexistent/gone-lora" in body["error"]["message"]
+    status, _, _ = await chat(gw, "gone")          # the other endpoint is asked once
+    assert status == 502
+    status, headers, body = await chat(gw, "gone")  # both cool down: no call at all
+    assert status == 503 and int(headers["Retry-After"]) >= 1
+    assert "No adapter found" in body["error"]["message"]
+    assert [len(load_calls(await sim_state(u))) for u in (a.url, b.url)] == [1, 1]
+
+
+async def test_sglang_adapter_load_and_lora_path(sims, gateway):
+    s = await sims("sglang", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "sglang", [s.url], adapters={"tone": "org/tone-lora"})], lora=FAST_LORA)
+    status, headers, body = await chat(gw, "tone")
+    assert status == 200, body
+    st = await sim_state(s.url)
+    assert st["lora"]["registered"] == {"tone": "org/tone-lora"} and st["lora"]["cold_loads"] == 1
+
+
+async def test_enginesim_slots_lru_metric_and_unknown_adapter(sims):
+    sim = await sims("vllm", "m", lora_modules=("a=org/a", "b=org/b", "c=org/c"), **LORA_SIM)
+    async with aiohttp.ClientSession() as s:
+        for name in ("a", "b", "a", "c", "a"):     # 2 slots: c evicts b (least recently used)
+            async with s.post(sim.url + "/v1/completions", json={"model": name, "prompt": "hi", "max_tokens": 1}) as r:
+                assert r.status == 200
+        async with s.post(sim.url + "/v1/completions", json={"model": "zz", "prompt": "hi"}) as r:
+            assert r.status == 404 and "does not exist" in (await r.json())["error"]["message"]
+        async with s.post(sim.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "x"}) as r:
+            assert r.status == 400 and "already been loaded" in (await r.json())["error"]["message"]
+        async with s.get(sim.url + "/metrics") as r:
+            text = await r.text()
+    st = (await sim_state(sim.url))["lora"]
+    assert st["cold_loads"] == 3 and st["evictions"] == 1 and list(st["slots"]) == ["c", "a"]
+    assert 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in text
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_pd_model_routes_both_legs_to_endpoints_serving_the_adapter(sims, gateway, engine):
+    """Two prefills and two decodes, the adapter on one of each: both legs go to those two; with it
+    on no decode, 503 says which role is missing."""
+    lora = ("sql=org/sql-lora",)
+    p_with = await sims(engine, "m", role="prefill", lora_modules=lora, **LORA_SIM)
+    p_without = await sims(engine, "m", role="prefill", **LORA_SIM)
+    d_with = await sims(engine, "m", role="decode", lora_modules=lora, **LORA_SIM)
+    d_without = await sims(engine, "m", role="decode", **LORA_SIM)
+    n_prefill = await sims(engine, "n", role="prefill", lora_modules=("chat=org/chat-lora",), **LORA_SIM)
+    n_decode = await sims(engine, "n", role="decode", **LORA_SIM)
+
+    def roleset(prefills, decodes):
+        if engine == "sglang":
+            prefills = [{"url": p.url, "bootstrap_port": p.bootstrap_port} for p in prefills]
+        else:
+            prefills = [p.url for p in prefills]
+        return [{"name": "rs", "prefill": prefills, "decode": [d.url for d in decodes]}]
+
+    gw = await gateway([{"name": "m", "engine": engine, "rolesets": roleset([p_with, p_without], [d_with, d_without])},
+                        {"name": "n", "engine": engine, "rolesets": roleset([n_prefill], [n_decode])}], lora=FAST_LORA)
+    await wait_for(lambda: sum(bool(ep.adapters.served) for ep in gw.gw.pool.endpoints()) == 3)
+    for _ in range(6):
+        status, headers, body = await chat(gw, "sql")
+        assert status == 200 and body["model"] == "sql", body
+        assert headers["x-pd-decision"].startswith("disaggregated")
+    for sim, served in ((p_with, 6), (d_with, 6), (p_without, 0), (d_without, 0)):
+        assert (await sim_state(sim.url))["counts"]["started"] == served
+    status, _, _ = await chat(gw, "m")                   # the base model still uses every endpoint
+    assert status == 200
+    # model n has its adapter on the prefill only: no pair serves it
+    status, _, body = await chat(gw, "chat")
+    assert status == 503 and "no ready decode endpoint of the P/D model `n`" in body["error"]["message"]

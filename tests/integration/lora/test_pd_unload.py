@@ -1,0 +1,183 @@
+"""LoRA adapters loaded on demand for P/D models (one load per missing role, shared by concurrent
+requests, failures with the engine's message) and unloaded by the gateway: to stay under
+``max_adapters_per_endpoint``, after ``idle_unload_s``, and when the engine refuses a load as full;
+never while requests for the adapter are in flight there."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
+from tests.support.waiting import wait_for
+
+
+def unload_calls(state: dict) -> list[dict]:
+    return [r for r in state["received"] if r["path"] in ("/v1/unload_lora_adapter", "/unload_lora_adapter")]
+
+
+def rolesets(engine: str, prefills, decodes) -> list[dict]:
+    if engine == "sglang":
+        p = [{"url": s.url, "bootstrap_port": s.bootstrap_port} for s in prefills]
+    else:
+        p = [s.url for s in prefills]
+    return [{"name": "rs", "prefill": p, "decode": [d.url for d in decodes]}]
+
+
+class Held:
+    """A streamed request for ``model`` held open after its first event (the engine stalls), so
+    its adapter is in flight until ``close``."""
+
+    def __init__(self, gw, model: str, fault: str = "stall_after=1:inf") -> None:
+        self.gw, self.model, self.fault = gw, model, fault
+
+    async def __aenter__(self) -> Held:
+        self.session = aiohttp.ClientSession()
+        self.resp = await self.session.post(
+            self.gw.url + "/v1/chat/completions", headers={"x-sim-fault": self.fault},
+            json={"model": self.model, "messages": MSG, "max_tokens": 50, "stream": True})
+        assert self.resp.status == 200, await self.resp.text()
+        await self.resp.content.readline()          # the first event: routed and charged
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.resp.close()
+        await self.session.close()
+        await wait_for(lambda: all(not ep.adapters.in_flight for ep in self.gw.gw.pool.endpoints()))
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_pd_loads_once_per_role_under_concurrency(sims, gateway, engine):
+    """No engine has the adapter: 8 concurrent requests share one load on a prefill and one on a
+    decode, and both legs of every request run there."""
+    prefills = [await sims(engine, "m", role="prefill", **LORA_SIM) for _ in range(2)]
+    decodes = [await sims(engine, "m", role="decode", **LORA_SIM) for _ in range(2)]
+    gw = await gateway([{"name": "m", "engine": engine, "rolesets": rolesets(engine, prefills, decodes),
+                         "adapters": {"sql": "org/sql-lora"}}], lora=FAST_LORA)
+    results = await asyncio.gather(*(chat(gw, "sql") for _ in range(8)))
+    for status, headers, body in results:
+        assert status == 200 and body["model"] == "sql", body
+        assert headers["x-pd-decision"].startswith("disaggregated")
+    for group in (prefills, decodes):
+        states = [await sim_state(s.url) for s in group]
+        assert sorted(len(load_calls(st)) for st in states) == [0, 1]       # one load, on one engine
+        for st in states:
+            has = "sql" in st["lora"]["registered"]
+            assert st["counts"]["started"] == (8 if has else 0)
+    text = await gw.metrics_text()
+    assert 'switchyard_lora_loads_total{adapter="sql",model="m",result="ok"} 2.0' in text
+    client = openai_client(gw)
+    reply = await client.chat.completions.create(model="sql", messages=MSG, max_tokens=3)
+    assert reply.model == "sql" and reply.choices[0].message.content
+    await client.close()
+    assert sum([len(load_calls(await sim_state(s.url))) for s in prefills + decodes]) == 2
+
+
+async def test_pd_load_failure_answers_the_engine_message(sims, gateway):
+    p = await sims("vllm", "m", role="prefill", **LORA_SIM)
+    d = await sims("vllm", "m", role="decode", **LORA_SIM)
+    gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": rolesets("vllm", [p], [d]),
+                         "adapters": {"gone": "/nonexistent/gone-lora"}}], lora=FAST_LORA)
+    for status, headers, body in await asyncio.gather(*(chat(gw, "gone") for _ in range(3))):
+        assert status == 502 and headers["x-error-lora-load"] == "error"
+        assert body["error"]["code"] == "lora_load_failed"
+        assert "No adapter found for /nonexistent/gone-lora" in body["error"]["message"]
+    assert [len(load_calls(await sim_state(s.url))) for s in (p, d)] == [1, 1]
+    status, headers, body = await chat(gw, "gone")      # both cool down: 503, no call
+    assert status == 503 and headers["x-error-lora-load"] == "cooldown" and int(headers["Retry-After"]) >= 1
+    assert [len(load_calls(await sim_state(s.url))) for s in (p, d)] == [1, 1]
+
+
+async def test_capacity_unloads_the_least_recent_idle_adapter(sims, gateway):
+    """Cap 1: a, then b unloads a; with b in flight, a request for a keeps b (503, nothing to
+    unload); once b is done, a unloads b."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [sim.url], adapters={"a": "org/a", "b": "org/b"})],
+                       lora={**FAST_LORA, "max_adapters_per_endpoint": 1})
+    assert (await chat(gw, "a"))[0] == 200
+    assert (await chat(gw, "b"))[0] == 200
+    st = await sim_state(sim.url)
+    assert st["lora"]["registered"] == {"b": "org/b"} and len(unload_calls(st)) == 1
+    async with Held(gw, "b"):
+        status, headers, body = await chat(gw, "a")
+        assert status == 503 and headers["x-error-lora-load"] == "full" and headers["Retry-After"] == "1"
+        assert "max_adapters_per_endpoint" in body["error"]["message"]
+        st = await sim_state(sim.url)
+        assert st["lora"]["registered"] == {"b": "org/b"} and len(unload_calls(st)) == 1
+    status, _, body = await chat(gw, "a")
+    assert status == 200 and body["model"] == "a"
+    st = await sim_state(sim.url)
+    assert st["lora"]["registered"] == {"a": "org/a"} and st["lora"]["unloads"] == 2
+    text = await gw.metrics_text()
+    for adapter in ("a", "b"):
+        assert f'switchyard_lora_unloads_total{{adapter="{adapter}",model="m",reason="capacity"}} 1.0' in text
+    assert 'switchyard_lora_loads_total{adapter="a",model="m",result="full"} 1.0' in text
+
+
+async def test_capacity_prefers_an_endpoint_with_room(sims, gateway):
+    a = await sims("vllm", "m", **LORA_SIM)
+    b = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], adapters={"x": "org/x", "y": "org/y"})],
+                       lora={**FAST_LORA, "max_adapters_per_endpoint": 1})
+    assert (await chat(gw, "x"))[0] == 200
+    assert (await chat(gw, "y"))[0] == 200
+    states = [await sim_state(s.url) for s in (a, b)]
+    assert sorted(len(st["lora"]["registered"]) for st in states) == [1, 1]
+    assert all(st["lora"]["unloads"] == 0 for st in states)
+
+
+async def test_idle_adapters_the_gateway_loaded_are_unloaded(sims, gateway):
+    sim = await sims("vllm", "m", lora_modules=("kept=org/kept",), **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [sim.url], adapters={"a": "org/a"})],
+                       lora={**FAST_LORA, "idle_unload_s": 0.2})
+    assert (await chat(gw, "a"))[0] == 200
+    unloaded = await wait_for(lambda: 'switchyard_lora_unloads_total{adapter="a",model="m",reason="idle"} 1.0'
+                              in gw.gw.metrics.render().decode())
+    assert unloaded
+    st = await sim_state(sim.url)
+    assert st["lora"]["registered"] == {"kept": "org/kept"}    # discovered, not the gateway's: stays
+    assert all("a" not in ep.adapters.served for ep in gw.gw.pool.endpoints())
+    assert (await chat(gw, "a"))[0] == 200                      # loaded again on demand
+    assert len(load_calls(await sim_state(sim.url))) == 2
+
+
+async def test_pd_adapter_in_flight_is_not_unloaded_from_either_leg(sims, gateway):
+    p = await sims("vllm", "m", role="prefill", **LORA_SIM)
+    d = await sims("vllm", "m", role="decode", **LORA_SIM)
+    gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": rolesets("vllm", [p], [d]),
+                         "adapters": {"sql": "org/sql-lora"}}], lora={**FAST_LORA, "idle_unload_s": 600})
+    lora = gw.gw.lora
+    async with Held(gw, "sql", fault="decode.stall_after=1:inf"):
+        lora.clock = lambda: time.monotonic() + 3600        # everything looks idle
+        assert await lora.unload_idle() == 0
+        assert all(["sql" in (await sim_state(s.url))["lora"]["registered"] for s in (p, d)])
+    assert await lora.unload_idle() == 2
+    for s in (p, d):
+        st = await sim_state(s.url)
+        assert st["lora"]["registered"] == {} and len(unload_calls(st)) == 1
+
+
+@pytest.mark.parametrize(("engine", "message"), [
+    ("vllm", "No free adapter slots."),
+    ("sglang", "Maximum number of loaded LoRA adapters is 1. Please unload some LoRA adapters"),
+])
+async def test_engine_full_unloads_an_idle_adapter_and_retries(sims, gateway, engine, message):
+    sim = await sims(engine, "m", max_loaded_loras=1, **LORA_SIM)
+    gw = await gateway([model_block("m", engine, [sim.url], adapters={"a": "org/a", "b": "org/b", "c": "org/c"})],
+                       lora=FAST_LORA)
+    assert (await chat(gw, "a"))[0] == 200
+    assert (await chat(gw, "b"))[0] == 200      # refused as full, a unloaded, loaded on the retry
+    st = await sim_state(sim.url)
+    assert st["lora"]["registered"] == {"b": "org/b"} and len(load_calls(st)) == 3
+    text = await gw.metrics_text()
+    assert 'switchyard_lora_unloads_total{adapter="a",model="m",reason="error"} 1.0' in text
+    async with Held(gw, "b"):                   # full again, and b is in use: the engine's message
+        status, headers, body = await chat(gw, "c")
+        assert status == 502 and headers["x-error-lora-load"] == "error"
+        assert message in body["error"]["message"]
+    assert (await sim_state(sim.url))["lora"]["registered"] == {"b": "org/b"}

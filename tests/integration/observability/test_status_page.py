@@ -1,0 +1,143 @@
+"""The status page in a real headless Chromium (Debian's ``chromium``, driven over DevTools by
+tests/support/cdp.py): it renders a demo-like gateway, follows its traffic without a reload, asks for the
+admin token when auth is on, and the browser reports no error on the way.
+
+Every wait is on a DOM condition, checked inside the page, with a bound; the page polls
+``/status.json`` every 0.5 s here (``status.refresh_s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from gateway.demo import DEMO_ENGINES
+from tests.support.cdp import Browser, chromium_binary
+from tests.support.factories import model_block, roleset
+from tests.support.status import ADMIN, chat
+
+FAST_PAGE = {"refresh_s": 0.5}
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if chromium_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (make test installs Debian's chromium)")
+        pytest.skip("chromium is not installed (make test installs Debian's chromium)")
+    b = Browser.launch()
+    yield b
+    b.close()
+
+
+@pytest.fixture
+async def page(browser):
+    p = await browser.new_page()
+    yield p
+    await p.close()
+
+
+async def demo_like(sims, gateway, **blocks):
+    """The demo's models, engines and roles (gateway/demo.py), on free ports."""
+    models: dict[str, dict] = {}
+    pending: dict[str, dict] = {}
+    for model, engine, role, _port, _kw, _entry in DEMO_ENGINES:
+        sim = await sims(engine, model, role=role)
+        m = models.setdefault(model, {"name": model, "engine": engine})
+        if role == "aggregated":
+            m.setdefault("endpoints", []).append(sim.url)
+        else:
+            pending.setdefault(model, {})[role] = sim
+            if len(pending[model]) == 2:
+                m["rolesets"] = [roleset(engine, pending[model]["prefill"], pending[model]["decode"])]
+    return await gateway(list(models.values()), status=FAST_PAGE, **blocks)
+
+
+def q(selector: str) -> str:
+    return f"document.querySelector({json.dumps(selector)})"
+
+
+def cell(model: str, field: str) -> str:
+    return q(f'#models tr[data-model="{model}"] td[data-field="{field}"]') + ".textContent"
+
+
+async def test_the_page_renders_the_demo_gateway_and_follows_its_traffic(sims, gateway, page):
+    gw = await demo_like(sims, gateway)
+    eps = gw.gw.pool.endpoints()
+    models = sorted({m for m, *_ in DEMO_ENGINES})
+    await page.navigate(gw.url + "/status")
+
+    rows = await page.wait_for(
+        "(() => { const r = [...document.querySelectorAll('#endpoints tbody tr')];"
+        f" return r.length === {len(eps)} && r.map(x => x.dataset.model + ' ' + x.dataset.endpoint); }})()")
+    assert sorted(rows) == sorted(f"{ep.model} {ep.name}" for ep in eps)
+    shown = await page.evaluate("[...document.querySelectorAll('#models tbody tr')].map(r => r.dataset.model)")
+    assert sorted(shown) == models
+    for m in models:
+        assert await page.evaluate(cell(m, "requests")) == "0"
+        assert await page.evaluate(cell(m, "ttft_p50")) == "—"
+    # the two P/D rolesets, each with its prefill and decode endpoint and their trackers
+    cards = await page.wait_for(
+        "(() => { const c = [...document.querySelectorAll('#rolesets .card')];"
+        " return c.length === 2 && c.map(x => [x.dataset.roleset,"
+        " [...x.querySelectorAll('tbody tr')].map(r => r.dataset.role + ' ' + r.dataset.endpoint)]); })()")
+    expected = {f"{ep.model}/rs-1": [] for ep in eps if ep.roleset}
+    for ep in eps:
+        if ep.roleset:
+            expected[f"{ep.model}/rs-1"].append(f"{ep.role} {ep.name}")
+    assert {k: sorted(v) for k, v in cards} == {k: sorted(v) for k, v in expected.items()}
+    # the engines' metrics arrive with the scraper
+    await page.wait_for("[...document.querySelectorAll('#endpoints td[data-field=scraped]')]"
+                        ".every(td => td.textContent.endsWith('ago'))")
+
+    for m in models:
+        for i in range(2):
+            assert await chat(gw, m, stream=True, rid=f"{m}-{i}") == 200
+    assert await chat(gw, "no-such-model", rid="missing-0") == 404
+
+    # the page follows without a reload: counts, TTFT, the decisions and the error
+    for m in models:
+        await page.wait_for(f"{cell(m, 'requests')} === '2' && {cell(m, 'ttft_p50')}.endsWith('s')")
+    assert await page.evaluate(cell("demo-llama", "errors")) == "0"
+    pd = next(ep for ep in eps if ep.model == "demo-qwen-pd" and ep.role == "prefill")
+    await page.wait_for(q('#decisions tr[data-request="demo-qwen-pd-1"] td[data-field="prefill"]')
+                        + f".textContent === {json.dumps(pd.name)}")
+    status = await page.wait_for(q('#errors tr[data-request="missing-0"] td[data-field="status"]') + ".textContent")
+    assert status == "404"
+    await page.wait_for(q("#tile-requests") + f".textContent === '{2 * len(models) + 1}'")
+    assert await page.text("#tile-errors") == "1"
+    assert page.problems == [], "\n".join(page.problems)
+
+
+async def test_with_auth_the_page_asks_for_the_admin_token(sims, gateway, page):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], status=FAST_PAGE,
+                       auth={"api_keys": [{"key": "sk-alice-0123456789", "user": "alice"}], "admin_token": ADMIN})
+    await page.navigate(gw.url + "/status")
+    await page.wait_for(f"!{q('#login')}.hidden && {q('#content')}.hidden")
+    # the only thing the browser reports is the refused poll itself
+    assert page.problems and all("401" in p for p in page.problems), page.problems
+
+    submit = q("#token-input") + ".value = %s; " + q("#login-form") + ".requestSubmit(); true"
+    await page.evaluate(submit % json.dumps("not-the-token"))
+    await page.wait_for(q("#login-error") + ".textContent.includes('refused')")
+    assert await page.evaluate("sessionStorage.length") == 0
+
+    await page.evaluate(submit % json.dumps(ADMIN))
+    await page.wait_for(f"{q('#login')}.hidden && document.querySelectorAll('#endpoints tbody tr').length === 1")
+    assert await page.evaluate("Object.values(sessionStorage)") == [ADMIN]
+
+    # "Forget token" drops it and asks again
+    await page.evaluate(q("#forget") + ".click(); true")
+    await page.wait_for(f"!{q('#login')}.hidden")
+    assert await page.evaluate("sessionStorage.length") == 0
+
+    # a token in the address is taken, kept for the tab, and removed from the address
+    page.problems.clear()
+    await page.navigate(gw.url + "/status?token=" + ADMIN)
+    await page.wait_for("document.querySelectorAll('#endpoints tbody tr').length === 1")
+    assert await page.evaluate("location.search + location.hash") == ""
+    assert await page.evaluate("Object.values(sessionStorage)") == [ADMIN]
+    assert page.problems == [], "\n".join(page.problems)

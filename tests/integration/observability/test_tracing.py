@@ -1,0 +1,260 @@
+"""Tracing end to end: the gateway and the simulated engines export OTLP/HTTP to a real receiver
+on loopback (tests/support/otlp_receiver.py), which decodes the protobuf. What a user of a trace viewer
+would see: one tree per request, engine spans under the gateway's legs, the sampling ratio,
+excluded paths, and requests unaffected by a collector that is down.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from gateway.server.run import free_port
+from tests.support.factories import pd_model, roleset
+from tests.support.http import post, sim_state
+from tests.support.otlp_receiver import OTLPReceiver, Span
+from tests.support.waiting import wait_for
+
+MSG = [{"role": "user", "content": "Trace this request through the gateway and the engines. " * 4}]
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+@pytest.fixture
+async def receiver():
+    rx = await OTLPReceiver().start()
+    yield rx
+    await rx.close()
+
+
+def traced(rx: OTLPReceiver, **over) -> dict:
+    """A ``tracing:`` block exporting to ``rx`` quickly."""
+    return {"enabled": True, "endpoint": rx.url, "batch_delay_s": 0.05, "export_timeout_s": 2.0, **over}
+
+
+def traceparent(trace_id: str = CLIENT_TRACE, span_id: str = CLIENT_SPAN, sampled: bool = True) -> str:
+    return f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
+
+
+def server_span(rx: OTLPReceiver, request_id: str) -> Span | None:
+    return next((s for s in rx.spans if s.kind == "SERVER" and s.service == "switchyard"
+                 and s.attributes.get("gen_ai.request.id") == request_id), None)
+
+
+def gateway_spans(rx: OTLPReceiver) -> list[Span]:
+    return [s for s in rx.spans if s.service == "switchyard"]
+
+
+async def flush(gw) -> None:
+    """Stop the gateway: its shutdown flushes every queued span."""
+    await gw.runner.cleanup()
+
+
+async def test_aggregated_request_is_one_tree_with_the_engine_span_under_its_leg(sims, gateway, receiver):
+    rx = receiver
+    a = await sims("vllm", "m", otlp_traces_endpoint=rx.url)
+    b = await sims("vllm", "m", otlp_traces_endpoint=rx.url)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [a.url, b.url]}], tracing=traced(rx))
+    status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "stream": True, "max_tokens": 5,
+                                         "user": "alice"}, {"traceparent": traceparent()})
+    assert status == 200
+    rid = headers["request-id"]
+    assert await rx.wait_for(lambda r: server_span(r, rid) and len(r.trace(CLIENT_TRACE)) >= 4)
+    root = server_span(rx, rid)
+    # the client's trace continues: the request span is the child of the client's span
+    assert (root.trace_id, root.parent_id, root.name) == (CLIENT_TRACE, CLIENT_SPAN, "POST /v1/chat/completions")
+    at = root.attributes
+    assert at["gen_ai.request.model"] == "m" and at["gen_ai.operation.name"] == "chat"
+    assert at["gen_ai.usage.input_tokens"] > 0 and at["gen_ai.usage.output_tokens"] == 5
+    assert at["gen_ai.usage.cache_read.input_tokens"] == 0
+    assert at["gen_ai.response.finish_reasons"] == ["length"]
+    assert at["gen_ai.latency.time_to_first_token"] > 0 and root.event("first_token") is not None
+    assert at["user.id"] == "alice" and at["http.response.status_code"] == 200
+    assert root.status == "UNSET"
+    route, leg = rx.children(root)
+    assert route.name == "route" and route.kind == "INTERNAL"
+    assert route.attributes["switchyard.route.strategy"] == "least-request"
+    assert route.attributes["switchyard.route.candidates"] == 2
+    assert route.attributes["switchyard.route.fallback"] is False
+    assert route.attributes["switchyard.route.endpoint"] == headers["target-pod"]
+    assert (leg.name, leg.kind) == ("generate", "CLIENT")
+    assert f'{leg.attributes["server.address"]}:{leg.attributes["server.port"]}' == headers["target-pod"]
+    assert leg.attributes["http.response.status_code"] == 200
+    # the engine got the leg's traceparent, and its own span hangs under the leg
+    engine = a if a.url.endswith(headers["target-pod"].split(":")[1]) else b
+    (got,) = (await sim_state(engine.url))["traceparents"]
+    assert leg.is_parent_of(got["traceparent"]) and got["request_id"] == rid
+    assert await rx.wait_for(lambda r: r.children(leg))
+    (llm,) = rx.children(leg)
+    assert (llm.name, llm.kind, llm.service) == ("llm_request", "SERVER", "vllm")
+    assert llm.attributes["gen_ai.usage.completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_pd_request_has_prefill_and_decode_legs_each_joined_by_its_engine(sims, gateway, receiver, engine):
+    rx = receiver
+    p = await sims(engine, "m", role="prefill", otlp_traces_endpoint=rx.url)
+    d = await sims(engine, "m", role="decode", otlp_traces_endpoint=rx.url)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])], tracing=traced(rx))
+    status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "stream": True, "max_tokens": 4,
+                                         "stream_options": {"include_usage": True}})
+    assert status == 200
+    rid = headers["request-id"]
+    assert await rx.wait_for(lambda r: server_span(r, rid) and len(r.trace(server_span(r, rid).trace_id)) >= 6)
+    root = server_span(rx, rid)
+    assert root.parent_id == ""             # no traceparent from the client: a new trace
+    kids = {s.name: s for s in rx.children(root)}
+    assert set(kids) == {"route", "prefill", "decode"}
+    route, prefill, decode = kids["route"], kids["prefill"], kids["decode"]
+    assert route.attributes["switchyard.route.strategy"] == "pd"
+    assert route.attributes["switchyard.route.endpoint"] == headers["target-pod"]
+    assert route.attributes["switchyard.route.prefill_endpoint"] == headers["prefill-target-pod"]
+    assert "switchyard.route.prefix_match_percent" in route.attributes
+    assert prefill.kind == decode.kind == "CLIENT"
+    for leg, pod in ((prefill, headers["prefill-target-pod"]), (decode, headers["target-pod"])):
+        assert f'{leg.attributes["server.address"]}:{leg.attributes["server.port"]}' == pod
+        assert leg.attributes["switchyard.roleset"] == "rs-1"
+    assert root.attributes["switchyard.endpoint"] == headers["target-pod"]
+    assert root.attributes["gen_ai.usage.output_tokens"] == 4
+    # each engine received its own leg's traceparent and traced under it
+    for sim, leg in ((p, prefill), (d, decode)):
+        (got,) = (await sim_state(sim.url))["traceparents"]
+        assert leg.is_parent_of(got["traceparent"]), sim.cfg.role
+    assert await rx.wait_for(lambda r: r.children(prefill) and r.children(decode))
+    (p_llm,), (d_llm,) = rx.children(prefill), rx.children(decode)
+    assert p_llm.name == d_llm.name == "llm_request" and p_llm.service == d_llm.service == engine
+    assert p_llm.attributes["enginesim.role"] == "prefill" and d_llm.attributes["enginesim.role"] == "decode"
+
+
+async def test_retry_is_a_second_leg_and_an_event(sims, gateway, receiver):
+    rx = receiver
+    sim = await sims("vllm", "m")
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [dead, sim.url]}],
+                       routing={"strategy": "round-robin"}, health={"enabled": False}, tracing=traced(rx))
+    retried = None
+    for _ in range(2):          # round-robin: one of two requests starts on the dead endpoint
+        status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 2})
+        assert status == 200
+        await rx.wait_for(lambda r, rid=headers["request-id"]: server_span(r, rid))
+        root = server_span(rx, headers["request-id"])
+        if root.attributes.get("switchyard.retries") == 1:
+            retried = root
+            break
+    assert retried is not None
+    assert retried.event("retry")["error.type"] == "connect"
+    legs = [s for s in rx.children(retried) if s.name == "generate"]
+    assert [(s.status, s.attributes.get("error.type"), s.attributes.get("switchyard.attempt")) for s in legs] == [
+        ("ERROR", "connect", None), ("UNSET", None, 2)]
+    assert [s.name for s in rx.children(retried)].count("route") == 2
+
+
+async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
+    rx = receiver
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], tracing=traced(rx),
+                       watchdog={"first_chunk_timeout_s": 0.2})
+    status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "stream": True, "max_tokens": 4},
+                                    {"x-sim-fault": "decode.stall_before_first=inf"})
+    assert status == 200          # vLLM sends its headers at once: the watchdog fires in the stream
+    rid = headers["request-id"]
+    assert await rx.wait_for(lambda r: server_span(r, rid))
+    root = server_span(rx, rid)
+    assert root.event("watchdog")["switchyard.watchdog.phase"] == "first_chunk"
+    assert root.event("abort")["switchyard.endpoint"] == headers["target-pod"]
+    assert root.status == "ERROR" and root.attributes["error.type"] == "watchdog_first_chunk"
+    decode = next(s for s in rx.children(root) if s.name == "decode")
+    assert decode.status == "ERROR"
+
+
+async def test_sampling_ratio_zero_and_one(sims, gateway, receiver):
+    rx = receiver
+    sim = await sims("vllm", "m")
+    model = [{"name": "m", "engine": "vllm", "endpoints": [sim.url]}]
+    none = await gateway(model, tracing=traced(rx, sample_ratio=0.0))
+    for _ in range(3):
+        assert (await post(none, {"model": "m", "messages": MSG, "max_tokens": 1}))[0] == 200
+    # a sampled traceparent from the client is honoured (parent-based), an unsampled one is not
+    assert (await post(none, {"model": "m", "messages": MSG, "max_tokens": 1},
+                       {"traceparent": traceparent()}))[0] == 200
+    assert (await post(none, {"model": "m", "messages": MSG, "max_tokens": 1},
+                       {"traceparent": traceparent("1" * 32, sampled=False)}))[0] == 200
+    await flush(none)
+    assert {s.trace_id for s in gateway_spans(rx)} == {CLIENT_TRACE}
+    # unsampled requests still propagate a context (flags 00), so the engine does not start its own trace
+    sent = [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]]
+    assert [int(t.rsplit("-", 1)[1], 16) & 1 for t in sent] == [0, 0, 0, 1, 0]   # the sampled flag
+    assert sent[-1].startswith("00-" + "1" * 32) and sent[-2].startswith(f"00-{CLIENT_TRACE}-")
+
+    rx.spans.clear()
+    every = await gateway(model, tracing=traced(rx, sample_ratio=1.0))
+    rids = [(await post(every, {"model": "m", "messages": MSG, "max_tokens": 1}))[1]["request-id"]
+            for _ in range(3)]
+    await flush(every)
+    assert all(server_span(rx, rid) for rid in rids)
+
+
+async def test_middle_ratio_samples_by_trace_id(sims, gateway, receiver):
+    """TraceIdRatioBased keeps a trace when the low 64 bits of its id are below ratio x 2^64: with
+    parent_based off, the client's ids (all flagged sampled) decide deterministically."""
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                       tracing=traced(rx, sample_ratio=0.5, parent_based=False))
+    low = [f"{i:016x}" + f"{i:016x}" for i in (1, 2, 0x3fff_ffff_ffff_ffff, 0x7fff_ffff_ffff_fff0)]
+    high = [f"{i:016x}" + f"{i:016x}" for i in (0x8000_0000_0000_0010, 0xc000_0000_0000_0000, 0xffff_ffff_ffff_fffe)]
+    for tid in low + high:
+        status, _, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1},
+                                  {"traceparent": traceparent(tid)})
+        assert status == 200
+    await flush(gw)
+    assert {s.trace_id for s in gateway_spans(rx) if s.kind == "SERVER"} == set(low)
+
+
+async def test_probes_and_metrics_are_not_traced(sims, gateway, receiver):
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    async with aiohttp.ClientSession() as s:
+        for path in ("/health", "/ready", "/metrics", "/status.json", "/v1/models", "/nope"):
+            async with s.get(gw.url + path) as r:
+                await r.read()
+    await flush(gw)
+    assert sorted((s.name, s.attributes["http.response.status_code"]) for s in gateway_spans(rx)) == [
+        ("GET", 404), ("GET /v1/models", 200)]
+
+
+async def test_unreachable_collector_costs_requests_nothing(sims, gateway):
+    sim = await sims("vllm", "m")
+    closed = f"http://127.0.0.1:{free_port()}/v1/traces"
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                       tracing={"enabled": True, "endpoint": closed, "batch_delay_s": 0.05, "export_timeout_s": 0.3})
+    for i in range(6):
+        status, _, body = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 3, "stream": i % 2 == 0})
+        assert status == 200 and body
+    # the exporter tried, failed, and said so in a metric
+    async def counted() -> bool:
+        text = await gw.metrics_text()
+        return "switchyard_trace_export_failures_total 0.0" not in text \
+            and 'switchyard_trace_spans_total{result="failed"}' in text
+    assert await wait_for(counted, timeout=10)
+
+
+async def test_shutdown_flushes_queued_spans(sims, gateway, receiver):
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                       tracing=traced(rx, batch_delay_s=60.0))
+    _, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1})
+    assert not rx.spans                     # still queued: the next scheduled export is a minute away
+    await flush(gw)
+    assert server_span(rx, headers["request-id"]) is not None
+    assert 'switchyard_trace_spans_total{result="exported"} 3.0' in gw.gw.metrics.render().decode()
+
+
+async def test_without_tracing_the_client_traceparent_passes_through(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}])
+    assert gw.gw.tracing is None
+    await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1}, {"traceparent": traceparent()})
+    assert [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]] == [traceparent()]

@@ -1,0 +1,156 @@
+"""Conditional disaggregation on loopback: always (the default), a short prompt run whole on the
+vLLM decode, a follow-up turn whose history the decode holds, SGLang's combined fallback and its
+no-local-path case, with the metric, the header and the engines' own counts as proof."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from tests.support.http import chat_body, openai_client, post, sim_state
+
+SYSTEM = {"role": "system", "content": "You are a careful assistant for a gateway team. " * 40}   # ~2000 chars
+
+
+def vllm_model(p, d, **pd):
+    return {"name": "m", "engine": "vllm", "rolesets": [{"name": "rs", "prefill": [p.url], "decode": [d.url]}],
+            **({"pd": pd} if pd else {})}
+
+
+async def completed(url) -> int:
+    return (await sim_state(url))["counts"]["completed"]
+
+
+async def test_default_always_disaggregates_with_the_sdk(sims, gateway):
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d)])
+    client = openai_client(gw)
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=[SYSTEM], max_tokens=4)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
+    assert raw.headers["prefill-target-pod"] == p.url.split("//")[1]
+    await client.close()
+    assert await completed(p.url) == 1 and await completed(d.url) == 1
+    assert 'switchyard_pd_decisions_total{mode="disaggregated",model="m",reason="always"} 1.0' in await gw.metrics_text()
+
+
+async def test_short_prompt_runs_whole_on_the_vllm_decode(sims, gateway):
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d, disaggregate_min_prompt_tokens=1000)])
+    status, headers, _ = await post(gw, chat_body([{"role": "user", "content": "hi"}]))
+    assert status == 200 and headers["x-pd-decision"] == "decode; reason=short_prompt"
+    assert "prefill-target-pod" not in headers and headers["target-pod"] == d.url.split("//")[1]
+    assert await completed(p.url) == 0 and await completed(d.url) == 1
+    assert (await sim_state(d.url))["pd"]["recomputed"] == 0     # no KV params: a local prefill, not a failed pull
+
+
+async def test_follow_up_turn_runs_on_the_decode_that_holds_its_history(sims, gateway):
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d, disaggregate_min_uncached_tokens=200)])
+    turn1 = [SYSTEM, {"role": "user", "content": "First question about routing?"}]
+    status, headers, _ = await post(gw, chat_body(turn1))
+    assert status == 200 and headers["x-pd-decision"] == "disaggregated; reason=uncached"
+    turn2 = turn1 + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
+    status, headers, _ = await post(gw, chat_body(turn2))
+    assert status == 200 and headers["x-pd-decision"] == "decode; reason=cached_on_decode"
+    assert await completed(p.url) == 1 and await completed(d.url) == 2
+    text = await gw.metrics_text()
+    assert 'switchyard_pd_decisions_total{mode="decode",model="m",reason="cached_on_decode"} 1.0' in text
+
+
+@pytest.mark.parametrize("with_combined", [True, False])
+async def test_sglang_runs_whole_on_a_combined_endpoint_or_disaggregates(sims, gateway, with_combined):
+    p, d = await sims("sglang", "m", role="prefill"), await sims("sglang", "m", role="decode")
+    rs = {"name": "rs", "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [d.url]}
+    c = None
+    if with_combined:
+        c = await sims("sglang", "m")
+        rs["combined"] = [c.url]
+    gw = await gateway([{"name": "m", "engine": "sglang", "rolesets": [rs],
+                         "pd": {"disaggregate_min_prompt_tokens": 1000, "combined_load_ratio": 0}}])
+    status, headers, _ = await post(gw, chat_body([{"role": "user", "content": "hi"}]))
+    assert status == 200
+    if with_combined:
+        assert headers["x-pd-decision"] == "combined; reason=short_prompt"
+        assert headers["target-pod"] == c.url.split("//")[1] and await completed(c.url) == 1
+        assert await completed(d.url) == 0
+    else:   # SGLang's decode never prefills by itself
+        assert headers["x-pd-decision"] == "disaggregated; reason=no_local_path"
+        assert await completed(p.url) == 1 and await completed(d.url) == 1
+
+
+async def test_on_kv_events_the_decode_reports_what_it_holds(sims, gateway):
+    """With the decode publishing KV events, its uncached tokens are the prompt's tokens less what
+    its engine reports holding: turn 1 is disaggregated (the decode has sent no event yet, so the
+    approximate index decides), turn 2 runs whole on the decode, decided on its events."""
+    from enginesim.tiny_tokenizer import TINY_DIR
+    tok = str(TINY_DIR)
+    p = await sims("vllm", "m", role="prefill", tokenizer=tok)
+    d = await sims("vllm", "m", role="decode", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0,
+                   kv_blocks=4096)
+    ev = d.engine.kv_events
+    gw = await gateway([{"name": "m", "engine": "vllm", "tokenizer": tok,
+                         "rolesets": [{"name": "rs", "prefill": [p.url], "decode": [
+                             {"url": d.url, "kv_events": {"port": ev.port, "replay_port": ev.replay_port}}]}],
+                         "pd": {"disaggregate_min_uncached_tokens": 200}}])
+    seen: list[dict] = []
+    gw.gw.observers.append(lambda rec, _duration: seen.append(dict(rec.extra)))
+    turn1 = [SYSTEM, {"role": "user", "content": "First question about routing?"}]
+    status, headers, _ = await post(gw, chat_body(turn1))
+    assert status == 200 and headers["x-pd-decision"] == "disaggregated; reason=uncached"
+    # the decode's engine reports the blocks the transfer filled
+    for _ in range(200):
+        if 'switchyard_kv_events_total{kind="BlockStored",model="m"}' in await gw.metrics_text():
+            break
+        await asyncio.sleep(0.02)
+    turn2 = turn1 + [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
+    status, headers, _ = await post(gw, chat_body(turn2))
+    assert status == 200 and headers["x-pd-decision"] == "decode; reason=cached_on_decode"
+    assert await completed(p.url) == 1 and await completed(d.url) == 2
+    assert [(x["pd_mode"], x["decode_uncached_source"]) for x in seen] == [("disaggregated", "approximate"),
+                                                                          ("decode", "events")]
+    first, second = (x["decode_uncached_tokens"] for x in seen)
+    assert first > 200 > second        # turn 1: nothing held; turn 2: only the new turn is missing
+
+
+async def test_the_prefill_is_chosen_on_what_its_engine_reports_holding(sims, gateway):
+    """With the prefills publishing KV events, the ``pd`` strategy's prefill choice follows what
+    each engine reports caching: prompts warmed directly on one prefill's engine (the gateway's own
+    index never saw them) are sent to that prefill, whichever it is."""
+    from enginesim.tiny_tokenizer import TINY_DIR
+    tok = str(TINY_DIR)
+    pa = await sims("vllm", "m", role="prefill", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0)
+    pb = await sims("vllm", "m", role="prefill", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0)
+    d = await sims("vllm", "m", role="decode", tokenizer=tok)
+
+    def entry(sim):
+        ev = sim.engine.kv_events
+        return {"url": sim.url, "kv_events": {"port": ev.port, "replay_port": ev.replay_port}}
+
+    gw = await gateway([{"name": "m", "engine": "vllm", "tokenizer": tok,
+                         "rolesets": [{"name": "rs", "prefill": [entry(pa), entry(pb)], "decode": [d.url]}]}])
+    prompts = [[{"role": "system", "content": f"Conversation {i}: " + "the gateway keeps its routes warm. " * 40},
+                {"role": "user", "content": "Which prefill holds this?"}] for i in range(6)]
+    warm = [pa if i % 2 == 0 else pb for i in range(6)]
+    stored = 'switchyard_kv_events_total{kind="BlockStored",model="m"}'
+
+    def stored_count(text: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(stored))
+
+    before = stored_count(await gw.metrics_text())
+    for sim, messages in zip(warm, prompts, strict=True):     # straight to the engine, not through the gateway
+        async with aiohttp.ClientSession() as s, s.post(sim.url + "/v1/chat/completions",
+                                                        json={"model": "m", "messages": messages,
+                                                              "max_tokens": 1}) as r:
+            assert r.status == 200, await r.text()
+    for _ in range(300):            # every warm-up's blocks reported and indexed
+        if stored_count(await gw.metrics_text()) >= before + 6:
+            break
+        await asyncio.sleep(0.02)
+    chosen = []
+    for messages in prompts:
+        status, headers, _ = await post(gw, chat_body(messages))
+        assert status == 200
+        chosen.append(headers["prefill-target-pod"])
+    assert chosen == [sim.url.split("//")[1] for sim in warm]

@@ -1,0 +1,375 @@
+"""P/D end to end on loopback: the gateway in front of enginesim prefill/decode engines.
+
+Every row of the failure table, for both engines where it applies, with `/_sim/state` as the
+proof that legs were cancelled or aborted, and the autouse check that every tracker is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+from functools import partial
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.support.factories import pd_model, pd_pair, roleset
+from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
+from tests.support.waiting import wait_for
+
+MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
+body = partial(chat_body, MSG, stream=False, max_tokens=8)
+
+
+async def quiet(url) -> bool:
+    """No request left running or waiting on the engine."""
+    st = await sim_state(url)
+    return not st["running"] and not st["waiting"] and not st.get("pd", {}).get("rooms_waiting")
+
+
+ENGINES = ["vllm", "sglang"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_happy_path_through_the_sdk(sims, gateway, engine):
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    client = openai_client(gw)
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=6)
+    assert raw.headers["prefill-target-pod"] == p.url.split("//")[1]
+    assert raw.headers["target-pod"] == d.url.split("//")[1]
+    assert raw.headers["routing-strategy"] == "pd"
+    r = raw.parse()
+    assert r.choices[0].message.content and r.usage.completion_tokens == 6
+
+    stream = await client.chat.completions.create(model="m", messages=MSG, max_tokens=6, stream=True)
+    text = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    assert "".join(text)
+    await client.close()
+    ps, ds = await sim_state(p.url), await sim_state(d.url)
+    assert ps["counts"]["completed"] == 2 and ds["counts"]["completed"] == 2
+    metrics = await gw.metrics_text()
+    assert 'switchyard_pd_prefill_seconds_count{model="m"} 2.0' in metrics
+    assert "switchyard_pd_kv_transfer_seconds_count" in metrics
+
+
+async def test_vllm_decode_receives_the_kv_and_counts_it_cached(sims, gateway):
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    st, _, raw = await post(gw, body())
+    assert st == 200
+    usage = orjson.loads(raw)["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0      # pulled from the prefill
+    assert (await sim_state(d.url))["pd"]["transfers"] == 1
+
+
+async def test_sglang_duplicate_controlled_key_touches_no_engine(sims, gateway):
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
+    raw = b'{"model":"m","messages":[{"role":"user","content":"x"}],"stream":false,"stream":true}'
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", data=raw,
+                                                    headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 400 and r.headers["x-error-routing"] == "true"
+        assert "duplicate" in (await r.json())["error"]["message"]
+    for sim in (p, d):
+        assert (await sim_state(sim.url))["counts"]["started"] == 0
+
+
+async def test_incomplete_roleset_uses_combined_or_fails(sims, gateway):
+    d = await sims("vllm", "m", role="decode")
+    c = await sims("vllm", "m")
+    gw = await gateway([pd_model("vllm", [{"name": "rs", "decode": [d.url], "combined": [c.url]}])])
+    st, hdrs, _ = await post(gw, body())
+    assert st == 200 and hdrs["target-pod"] == c.url.split("//")[1] and "prefill-target-pod" not in hdrs
+    gw2 = await gateway([pd_model("vllm", [{"name": "rs", "decode": [d.url]}])])
+    st, hdrs, raw = await post(gw2, body())
+    assert st == 503 and hdrs["x-error-routing"] == "true"
+
+
+async def test_no_ready_pod(gateway):
+    gw = await gateway([pd_model("vllm", [{"name": "rs", "prefill": ["http://127.0.0.1:9"],
+                                           "decode": ["http://127.0.0.1:9"]}])],
+                       health={"interval_s": 0.05, "unhealthy_threshold": 1})
+    assert await wait_for(lambda: not any(ep.ready for ep in gw.gw.pool.endpoints()), timeout=5)
+    st, _, _ = await post(gw, body())
+    assert st == 503
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_prefill_error_fails_fast(sims, gateway, engine):
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    st, hdrs, raw = await post(gw, body(stream=True), {"x-sim-fault": "prefill.status=503"})
+    assert st == 502
+    assert hdrs["x-error-pd-prefill"] == "http_status"
+    assert hdrs["prefill-target-pod"] == p.url.split("//")[1]
+    assert "503" in orjson.loads(raw)["error"]["message"]
+    if engine == "vllm":
+        assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
+    else:
+        assert await wait_for(lambda: quiet(d.url), timeout=5)              # the decode was aborted
+        assert 'switchyard_pd_aborts_total{model="m",result="ok"}' in await gw.metrics_text()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_prefill_timeout(sims, gateway, engine):
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])], pd={"prefill_timeout_s": 0.3})
+    st, hdrs, _ = await post(gw, body(), {"x-sim-fault": "prefill.hang=inf"})
+    assert st == 504 and hdrs["x-error-pd-prefill"] == "timeout"
+    assert await wait_for(lambda: quiet(p.url), timeout=5)
+    assert await wait_for(lambda: quiet(d.url), timeout=5)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_prefill_refused(sims, gateway, engine):
+    d = await sims(engine, "m", role="decode")
+    rs = {"name": "rs", "prefill": [{"url": "http://127.0.0.1:9", "bootstrap_port": 9}], "decode": [d.url]}
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    st, hdrs, raw = await post(gw, body())
+    assert st == 503 and hdrs["x-error-pd-prefill"] == "transport"
+    assert "transport" in orjson.loads(raw)["error"]["message"]
+    assert await wait_for(lambda: quiet(d.url), timeout=5)
+
+
+async def test_sglang_decode_stall_before_first_token(sims, gateway):
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
+    st, hdrs, _ = await post(gw, body(stream=True), {"x-sim-fault": "decode.stall_before_first=30"})
+    assert st == 504 and hdrs["x-error-pd-decode"] == "true"
+    assert await wait_for(lambda: quiet(d.url), timeout=5)
+    assert 'switchyard_watchdog_fires_total{model="m",phase="first_chunk"} 1.0' in await gw.metrics_text()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_decode_stall_mid_stream(sims, gateway, engine):
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])], watchdog={"idle_timeout_s": 0.3})
+    st, _, raw = await post(gw, body(stream=True, max_tokens=20), {"x-sim-fault": "decode.stall_after=3:30"})
+    assert st == 200
+    last = sse_events(raw)[-1]
+    assert last["error"]["code"] == "upstream_timeout"
+    assert await wait_for(lambda: quiet(d.url), timeout=5)
+    assert 'phase="idle"' in await gw.metrics_text()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_decode_dying_mid_stream(sims, gateway, engine):
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    st, _, raw = await post(gw, body(stream=True, max_tokens=20), {"x-sim-fault": "decode.drop_after=3"})
+    assert st == 200
+    assert sse_events(raw)[-1]["error"]["code"] == "upstream_incomplete"
+
+
+@pytest.mark.parametrize("policy,status", [("fail", 500), ("recompute", 200)])
+async def test_vllm_kv_pull_failure_policies(sims, gateway, policy, status):
+    p = await sims("vllm", "m", role="prefill")
+    d = await sims("vllm", "m", role="decode", kv_load_failure_policy=policy)
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    st, _, raw = await post(gw, body(), {"x-sim-fault": "decode.kv_pull_fail=1"})
+    assert st == status
+    if status == 500:
+        assert orjson.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_client_disconnect_during_prefill_cancels_both_legs(sims, gateway, engine):
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body(stream=True),
+                                          headers={"x-sim-fault": "prefill.hang=inf"}))
+        assert await wait_for(lambda: _busy(p.url), timeout=5)
+        task.cancel()
+    assert await wait_for(lambda: quiet(p.url), timeout=8)
+    assert await wait_for(lambda: quiet(d.url), timeout=8)
+    assert await wait_for(lambda: gw.gw.lifecycle.in_flight == 0, timeout=5)
+
+
+async def _busy(url) -> bool:
+    st = await sim_state(url)
+    return bool(st["running"] or st["waiting"])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_client_disconnect_during_decode(sims, gateway, engine):
+    p = await sims(engine, "m", role="prefill")
+    d = await sims(engine, "m", role="decode", itl_ms=50)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + "/v1/chat/completions", json=body(stream=True, max_tokens=500))
+        assert resp.status == 200
+        await resp.content.readline()
+        resp.close()
+    assert await wait_for(lambda: quiet(d.url), timeout=8)
+    assert (await sim_state(d.url))["counts"]["aborted"] >= 1
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_trackers_balance_under_concurrency(sims, gateway, engine):
+    p1, d1 = await pd_pair(sims, engine)
+    p2, d2 = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p1, d1, "a"), roleset(engine, p2, d2, "b")])])
+    results = await asyncio.gather(*(post(gw, body(stream=i % 2 == 0, max_tokens=4)) for i in range(24)))
+    assert all(st == 200 for st, _, _ in results)
+    pairs = {(h["prefill-target-pod"], h["target-pod"]) for _, h, _ in results}
+    by_rs = {p1.url.split("//")[1]: d1.url.split("//")[1], p2.url.split("//")[1]: d2.url.split("//")[1]}
+    assert all(by_rs[pp] == dd for pp, dd in pairs)       # never paired across rolesets
+
+
+async def test_vllm_decode_stall_before_first_token_after_headers(sims, gateway):
+    # vLLM sends its headers at once, so the first-chunk watchdog fires after them: a final SSE
+    # error event, and the decode connection is closed (vLLM's abort)
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
+    st, _, raw = await post(gw, body(stream=True), {"x-sim-fault": "decode.stall_before_first=30"})
+    assert st == 200
+    assert sse_events(raw)[-1]["error"]["code"] == "upstream_timeout"
+    assert await wait_for(lambda: quiet(d.url), timeout=5)
+    assert 'phase="first_chunk"' in await gw.metrics_text()
+
+
+async def _aborted(url: str, rid_prefix: str) -> bool:
+    """The engine got /abort_request for the rid and holds no request with it."""
+    st = await sim_state(url)
+    live = [x["id"] for x in st["running"] + st["waiting"] if x["id"].startswith(rid_prefix)]
+    return not live and any(a.startswith(rid_prefix) for a in st["abort_requests"])
+
+
+async def test_sglang_decode_leg_timing_out_first_is_aborted(sims, gateway):
+    """The decode leg gives up before the prefill answered (its first-byte timeout is shorter than
+    the prefill timeout): its request went out, so the decode engine gets /abort_request too, not
+    only the prefill. The decode engine notices the closed connection only after 30 s."""
+    p = await sims("sglang", "m", role="prefill")
+    d = await sims("sglang", "m", role="decode", sglang_abort_delay_s=30.0)
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], upstream={"first_byte_timeout_s": 0.3},
+                       pd={"abort_retry_delay_s": 0.5})
+    st, hdrs, _ = await post(gw, body(stream=True), {"x-sim-fault": "prefill.hang=inf", "x-request-id": "dto-1"})
+    assert st == 504 and hdrs["x-error-pd-decode"] == "true"
+    assert await wait_for(lambda: _aborted(p.url, "dto-1-"), timeout=3)
+    assert await wait_for(lambda: _aborted(d.url, "dto-1-"), timeout=3)
+
+
+class ResettingHop:
+    """A TCP hop in front of an engine (a proxy or load balancer in between). Each inference
+    request is handed to the engine on a connection of its own, which stays open, so the engine
+    keeps the request; the gateway's side of the connection is reset at once. Other requests
+    (``/abort_request``) pass through."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.held: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def start(self) -> ResettingHop:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def close(self) -> None:
+        for w in self.held:
+            w.close()
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up: asyncio.StreamWriter | None = None
+        back: asyncio.Task | None = None
+        try:
+            while data := await reader.read(65536):
+                if data.startswith(b"POST /v1/"):
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()       # RST to the gateway
+                    _, held = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+                    held.write(data)
+                    self.held.append(held)
+                    return
+                if up is None:
+                    up_reader, up = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+                    back = asyncio.create_task(self._copy(up_reader, writer))
+                up.write(data)
+        except OSError:
+            pass
+        finally:
+            if up is not None:
+                up.close()
+            if back is not None:
+                back.cancel()
+
+    @staticmethod
+    async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+        writer.close()
+
+
+@pytest.mark.parametrize("path", ["direct", "resetting_hop", "slow_connect"])
+async def test_sglang_prefill_500_aborts_every_decode_that_may_have_been_sent(sims, gateway, monkeypatch, path):
+    """The prefill answers 500 at once, 100 times. For every request, within ~3 s the decode
+    engine either got ``/abort_request`` for its rid and holds nothing for it, or never received
+    the request and the gateway logged that it never wrote a byte of it (``decode_sent=False``).
+    The decode engine notices a closed connection only after 30 s (as SGLang, late), so only an
+    abort ends a request it holds. Paths to the decode: direct; through a hop that resets the
+    gateway's connection right after taking the request (the decode leg ends on its own, racing
+    the prefill's 500); direct with a connect slower than the prefill's answer (the decode leg is
+    cancelled before it wrote anything)."""
+    from gateway.upstream.h1client import UpstreamPool
+
+    p = await sims("sglang", "m", role="prefill")
+    d = await sims("sglang", "m", role="decode", sglang_abort_delay_s=30.0)
+    decode_url = d.url
+    hop = None
+    if path == "resetting_hop":
+        hop = await ResettingHop(d.port).start()
+        decode_url = f"http://127.0.0.1:{hop.port}"
+    elif path == "slow_connect":
+        connect = UpstreamPool._connect
+
+        async def slow_connect(self, origin):
+            if origin.port == d.port:
+                await asyncio.sleep(0.02)
+            return await connect(self, origin)
+
+        monkeypatch.setattr(UpstreamPool, "_connect", slow_connect)
+    rs = {"name": "rs", "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [decode_url]}
+    # a short retry delay only keeps the teardown short (it waits for the second aborts)
+    gw = await gateway([pd_model("sglang", [rs])], health={"passive": False}, pd={"abort_retry_delay_s": 0.5})
+    n = 100
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s:
+            for i in range(n):
+                async with s.post(gw.url + "/v1/chat/completions", json=body(stream=i % 2 == 0),
+                                  headers={"x-sim-fault": "prefill.status=500", "x-request-id": f"pd500-{i}"}) as r:
+                    assert r.status == 502
+                    await r.read()
+    lines = {e["request_id"]: e for e in logs if e["event"] == "request"}
+    rids = [lines[f"pd500-{i}"]["rid"] for i in range(n)]
+
+    def unhandled(st: dict) -> list[str]:
+        live = {x["id"] for x in st["running"] + st["waiting"]}
+        aborts = set(st["abort_requests"])
+        received = live | set(st["aborted_ids"])
+        bad = []
+        for i, rid in enumerate(rids):
+            if rid in aborts and rid not in live:
+                continue                                    # (a) aborted, nothing left
+            if rid not in received and lines[f"pd500-{i}"].get("decode_sent") is False:
+                continue                                    # (b) provably never sent
+            bad.append(rid)
+        return bad
+
+    bad: list[str] = []
+    deadline = asyncio.get_running_loop().time() + 3.0
+    while asyncio.get_running_loop().time() < deadline:
+        st = await sim_state(d.url)
+        if not (bad := unhandled(st)):
+            break
+        await asyncio.sleep(0.05)
+    if hop is not None:
+        await hop.close()
+    assert not bad, f"{len(bad)}/{n} decode requests neither aborted nor provably unsent: {bad[:5]}"

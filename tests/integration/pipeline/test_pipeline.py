@@ -1,0 +1,93 @@
+"""The pipeline's own guarantees: every request goes through its router, a bug still answers,
+and client values echoed in headers never cost the client its answer."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.pipeline.relay import Relay
+from gateway.pipeline.sse import SSEScanner
+from handlers import adapter_for
+from tests.support.factories import model_block
+from tests.support.http import post, sse_events
+
+CHAT = [{"role": "user", "content": "One endpoint today, two tomorrow."}]
+
+
+async def test_one_candidate_still_goes_through_the_router(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    status, headers, _ = await post(gw.url, {"model": "m", "messages": CHAT, "max_tokens": 2},
+                                    {"routing-strategy": "session-affinity"})
+    assert status == 200
+    assert headers.get("x-session-id")                 # the session sticks from the first request
+    long_prompt = [{"role": "user", "content": "a shared system prompt " * 200}]
+    status, _, _ = await post(gw.url, {"model": "m", "messages": long_prompt, "max_tokens": 2},
+                              {"routing-strategy": "prefix-cache"})
+    assert status == 200
+    assert gw.gw.routing.ctx.prefix_index.stats()["blocks"] > 0    # the index learned the prompt
+    text = await gw.metrics_text()
+    assert 'switchyard_routing_decision_seconds_count{strategy="prefix-cache"} 1.0' in text
+
+
+@pytest.mark.parametrize("model", ["\u0000", "bad\r\nx-injected: 1", "caf\u00e9\u0007", "x" * 5000])
+async def test_a_model_name_no_header_can_carry_still_gets_its_404(sims, gateway, model):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    status, headers, body = await post(gw.url, {"model": model, "messages": CHAT})
+    assert status == 404
+    assert orjson.loads(body)["error"]["code"] == "model_not_found"
+    echoed = headers["x-error-no-model-backends"]
+    assert echoed.isascii() and echoed.isprintable() and len(echoed) <= 256
+    assert "x-injected" not in {k.lower() for k in headers}
+
+
+async def test_unsafe_strategy_header_is_escaped_in_the_answer(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    status, headers, body = await post(gw.url, {"model": "m", "messages": CHAT}, {"routing-strategy": "caf\u00e9"})
+    assert status == 400 and orjson.loads(body)["error"]["param"] == "routing-strategy"
+    assert headers["routing-strategy"].isascii()
+
+
+async def test_a_bug_before_headers_is_an_openai_500(sims, gateway, monkeypatch):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+
+    def broken(*a, **kw):
+        raise RuntimeError("a bug in routing")
+
+    monkeypatch.setattr(gw.gw.routing, "route", broken)
+    status, headers, body = await post(gw.url, {"model": "m", "messages": CHAT}, {"x-request-id": "bug-1"})
+    assert status == 500
+    assert orjson.loads(body)["error"]["code"] == "internal_error"
+    assert headers["request-id"] == "bug-1"
+    assert "switchyard_internal_errors_total 1.0" in await gw.metrics_text()
+
+
+async def test_a_bug_after_headers_ends_the_stream_with_an_error_event(sims, gateway, monkeypatch):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+
+    def broken(self, rec, scanner):
+        raise RuntimeError("a bug in accounting")
+
+    monkeypatch.setattr(Relay, "_stream_observations", broken)
+    status, _, body = await post(gw.url, {"model": "m", "messages": CHAT, "stream": True, "max_tokens": 3})
+    assert status == 200
+    events = sse_events(body)
+    assert events[-1]["error"]["code"] == "internal_error"
+    assert "switchyard_internal_errors_total 1.0" in await gw.metrics_text()
+
+
+def test_native_generate_meta_info_is_not_read_as_usage():
+    """Only OpenAI routes are relayed; one usage reading (the adapters'), none from meta_info."""
+    s = SSEScanner()
+    s.feed(b'data: {"text":"a","meta_info":{"prompt_tokens":5,"completion_tokens":1}}\n\n', 0.0)
+    assert s.usage is None
+    for engine in ("vllm", "sglang"):
+        a = adapter_for(engine)
+        assert a.usage({"meta_info": {"prompt_tokens": 5}}) is None
+        assert a.usage({"usage": {"prompt_tokens": 5, "completion_tokens": 1}}) == {"prompt_tokens": 5,
+                                                                                  "completion_tokens": 1}

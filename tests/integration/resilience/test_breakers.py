@@ -1,0 +1,167 @@
+"""Breakers and retries on loopback: a sick engine ejected and brought back, backpressure and
+client errors left alone, the retry budget, the ejection cap, and P/D pairs that skip an open side."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import aiohttp
+import openai
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import chat_body, openai_client, post, sim_state
+from tests.support.metrics import series
+from tests.support.waiting import wait_for
+
+CHAT = [{"role": "user", "content": "hello there"}]
+body = partial(chat_body, CHAT, stream=False, max_tokens=6)
+FAST_BREAKER = {"consecutive_faults": 2, "base_ejection_s": 0.3, "half_open_trials": 1, "success_threshold": 1,
+                "max_ejection_percent": 50}
+
+
+async def sim_config(url, **cfg):
+    async with aiohttp.ClientSession() as s, s.post(url + "/_sim/config", json=cfg) as r:
+        assert r.status == 200
+
+
+def state_of(text: str, ep_url: str) -> float:
+    addr = ep_url.split("//")[1]
+    return next(v for k, v in series(text, "switchyard_breaker_state").items() if f'endpoint="{addr}"' in k)
+
+
+async def test_sick_engine_is_ejected_retried_around_and_comes_back(sims, gateway):
+    good = await sims("vllm", "m")
+    sick = await sims("vllm", "m", fault="status=500")
+    gw = await gateway([model_block("m", "vllm", [sick.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker=FAST_BREAKER)
+    client = openai_client(gw)
+    retried = 0
+    for _ in range(6):                  # every client sees a 200: the sick engine's 500s are retried
+        raw = await client.chat.completions.with_raw_response.create(**body())
+        assert raw.http_response.status_code == 200
+        assert raw.headers["target-pod"] == good.url.split("//")[1]
+        retried += int(raw.headers.get("x-retries", "0"))
+    assert 1 <= retried <= 2            # until two faults in a row opened the sick one's breaker
+    text = await gw.metrics_text()
+    assert state_of(text, sick.url) == 1 and state_of(text, good.url) == 0
+    assert any('from_state="closed"' in k and 'to_state="open"' in k
+               for k in series(text, "switchyard_breaker_transitions_total"))
+    assert any('outcome="fault"' in k for k in series(text, "switchyard_upstream_outcomes_total"))
+    started = (await sim_state(sick.url))["counts"]["started"]
+
+    await sim_config(sick.url, fault="none")          # the engine heals
+
+    async def back() -> bool:
+        await client.chat.completions.create(**body())
+        return state_of(await gw.metrics_text(), sick.url) == 0
+    assert await wait_for(back, timeout=10)            # half-open after 0.3 s, one trial success closes
+    for _ in range(4):
+        await client.chat.completions.create(**body())
+    assert (await sim_state(sick.url))["counts"]["started"] >= started + 2   # it serves its share again
+    await client.close()
+
+
+async def test_broken_streams_count_as_faults(sims, gateway):
+    good = await sims("vllm", "m")
+    sick = await sims("vllm", "m", fault="drop_after=2")
+    gw = await gateway([model_block("m", "vllm", [sick.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker=FAST_BREAKER)
+    client = openai_client(gw)
+    broken = 0
+    for _ in range(8):
+        try:
+            stream = await client.chat.completions.create(**body(stream=True, max_tokens=8))
+            async for _ in stream:
+                pass
+        except openai.APIError:
+            broken += 1                 # after its first bytes a stream is not retried
+    assert broken == 2                  # two broken streams, then the breaker kept the rest away
+    assert state_of(await gw.metrics_text(), sick.url) == 1
+    await client.close()
+
+
+async def test_backpressure_is_retried_where_there_is_headroom_and_never_opens(sims, gateway):
+    good = await sims("vllm", "m")
+    busy = await sims("vllm", "m", fault="status=503")
+    gw = await gateway([model_block("m", "vllm", [busy.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 1})
+    await wait_for(lambda: all(ep.metrics is not None for ep in gw.gw.pool.endpoints()))
+    for _ in range(6):
+        st, hdrs, _ = await post(gw.url, body())
+        assert st == 200
+    text = await gw.metrics_text()
+    assert state_of(text, busy.url) == 0                   # 503 is "busy", not "sick"
+    assert any('outcome="backpressure"' in k for k in series(text, "switchyard_upstream_outcomes_total"))
+    assert series(text, "switchyard_retries_total")['model="m"'] >= 3      # each time the busy one was chosen
+
+    # with retries of backpressure off, the client gets the engine's 503 and its Retry-After
+    gw2 = await gateway([model_block("m", "vllm", [busy.url])], health={"interval_s": 60},
+                        retry={"on_backpressure": False})
+    st, hdrs, _ = await post(gw2.url, body())
+    assert st == 503 and "x-retries" not in hdrs
+
+
+async def test_client_errors_are_neither_counted_nor_retried(sims, gateway):
+    a = await sims("vllm", "m")
+    b = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])], health={"interval_s": 60},
+                       breaker={"consecutive_faults": 1})
+    for _ in range(4):
+        st, hdrs, _ = await post(gw.url, body(), {"x-sim-fault": "status=400"})
+        assert st == 400 and "x-retries" not in hdrs
+    text = await gw.metrics_text()
+    assert set(series(text, "switchyard_breaker_state").values()) == {0.0}
+    assert not series(text, "switchyard_retries_total")
+
+
+async def test_retry_budget_stops_retries_amplifying_an_outage(sims, gateway):
+    a = await sims("vllm", "m")
+    b = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])], health={"interval_s": 60},
+                       breaker={"enabled": False},
+                       retry={"budget_min": 2, "budget_percent": 10, "max_retries": 1})
+    retries = []
+    for _ in range(10):                 # both engines fail: the budget lets 2 + 10 % of 10 = 3 through
+        st, hdrs, _ = await post(gw.url, body(), {"x-sim-fault": "status=500"})
+        assert st == 500
+        retries.append(int(hdrs.get("x-retries", "0")))
+    assert retries[:2] == [1, 1] and sum(retries) == 3
+    text = await gw.metrics_text()
+    assert series(text, "switchyard_retries_denied_total") == {'model="m",reason="budget"': 7.0,
+                                                                'model="m",reason="max_retries"': 3.0}
+    assert list(series(text, "switchyard_retry_causes_total").values()) == [3.0]
+
+
+async def test_ejection_cap_never_takes_out_the_pool(sims, gateway):
+    s = [await sims("vllm", "m", fault="status=500") for _ in range(4)]
+    gw = await gateway([model_block("m", "vllm", [x.url for x in s])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 1}, retry={"enabled": False})
+    for _ in range(12):
+        st, _, _ = await post(gw.url, body())
+        assert st == 500
+    text = await gw.metrics_text()
+    states = series(text, "switchyard_breaker_state")
+    assert sorted(states.values()) == [0, 0, 0, 1]        # 10 % of 4, but always one (Envoy's rule)
+    assert series(text, "switchyard_breaker_ejections_capped_total")['model="m"'] >= 3
+    assert len(gw.gw.pool.ready("m")) == 3
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+async def test_pd_pair_choice_skips_an_open_endpoint_on_either_side(sims, gateway, side):
+    good = {r: await sims("vllm", "m", role=r) for r in ("prefill", "decode")}
+    sick = await sims("vllm", "m", role=side, fault="status=500")
+    rs = {"name": "rs-1", "prefill": [good["prefill"].url], "decode": [good["decode"].url]}
+    rs[side] = [sick.url, good[side].url]
+    gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": [rs]}], health={"interval_s": 60},
+                       breaker={"consecutive_faults": 2, "max_ejection_percent": 50})
+    for _ in range(8):
+        await post(gw.url, body())
+    assert state_of(await gw.metrics_text(), sick.url) == 1
+    started = (await sim_state(sick.url))["counts"]["started"]
+    for _ in range(6):
+        st, hdrs, _ = await post(gw.url, body())
+        assert st == 200
+        header = "prefill-target-pod" if side == "prefill" else "target-pod"
+        assert hdrs[header] == good[side].url.split("//")[1]
+    assert (await sim_state(sick.url))["counts"]["started"] == started

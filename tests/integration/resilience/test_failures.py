@@ -1,0 +1,199 @@
+"""Failure semantics before and after headers, retries, watchdog, client disconnect, drain."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
+from tests.support.waiting import wait_for
+
+CHAT = [{"role": "user", "content": "hello there"}]
+body = partial(chat_body, CHAT, stream=False, max_tokens=10)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_engine_error_before_headers_keeps_status_in_openai_shape(sims, gateway, engine):
+    sim = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    st, hdrs, raw = await post(gw.url, body(), {"x-sim-fault": "status=503"})
+    assert st == 503
+    err = orjson.loads(raw)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert hdrs["request-id"] and hdrs["target-pod"]
+    client = openai_client(gw)
+    with pytest.raises(openai.InternalServerError):
+        await client.chat.completions.create(**body(), extra_headers={"x-sim-fault": "status=500"})
+    await client.close()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_in_stream_engine_error_reaches_the_client(sims, gateway, engine):
+    sim = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    st, _, raw = await post(gw.url, body(stream=True), {"x-sim-fault": "error_after=3"})
+    assert st == 200
+    events = sse_events(raw)
+    assert any(isinstance(e, dict) and "error" in e for e in events)
+    client = openai_client(gw)
+    stream = await client.chat.completions.create(**body(stream=True), extra_headers={"x-sim-fault": "error_after=3"})
+    with pytest.raises(openai.APIError):
+        async for _ in stream:
+            pass
+    await client.close()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_engine_dropping_mid_stream_gives_a_final_error_event(sims, gateway, engine):
+    sim = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    st, _, raw = await post(gw.url, body(stream=True, max_tokens=20), {"x-sim-fault": "drop_after=3"})
+    assert st == 200
+    events = sse_events(raw)
+    assert isinstance(events[-1], dict) and "error" in events[-1]
+    assert events[-1]["error"]["code"] == "upstream_incomplete"
+    text = await gw.metrics_text()
+    assert "switchyard_upstream_errors_total" in text
+
+
+async def test_engine_dropping_non_stream_is_502(sims, gateway):
+    # a non-streaming engine sends nothing until the answer is done, so a drop is a reset before
+    # any byte: 502, after one retry elsewhere when there is an elsewhere
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    st, hdrs, raw = await post(gw.url, body(max_tokens=20), {"x-sim-fault": "drop_after=3"})
+    assert st == 502
+    assert hdrs["x-error-upstream"] == "reset"
+    assert orjson.loads(raw)["error"]["code"] == "upstream_unavailable"
+
+
+async def test_connect_refused_is_retried_on_another_endpoint(sims, gateway):
+    good = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", ["http://127.0.0.1:9", good.url])],
+                       health={"interval_s": 60}, routing={"strategy": "round-robin"})
+    for _ in range(2):
+        st, hdrs, _ = await post(gw.url, body())
+        assert st == 200
+        assert hdrs["target-pod"] == good.url.split("//")[1]
+    text = await gw.metrics_text()
+    assert 'switchyard_retries_total{model="m"} 1.0' in text       # the dead one was then taken out
+    dead = [ep for ep in gw.gw.pool.endpoints() if ep.port == 9][0]
+    assert not dead.ready
+
+
+async def test_all_endpoints_refusing_is_502(gateway):
+    gw = await gateway([model_block("m", "vllm", ["http://127.0.0.1:9"])], health={"interval_s": 60})
+    st, hdrs, raw = await post(gw.url, body())
+    assert st == 502
+    assert hdrs["x-error-upstream"] == "connect"
+    assert "cannot connect" in orjson.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize("fault", ["slow_headers=5", "stall_before_first=10"])
+async def test_no_answer_within_the_first_byte_timeout_is_504(sims, gateway, fault):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], upstream={"first_byte_timeout_s": 0.3})
+    st, _, raw = await post(gw.url, body(), {"x-sim-fault": fault})
+    assert st == 504
+    assert orjson.loads(raw)["error"]["code"] == "upstream_timeout"
+    if fault.startswith("slow_headers"):
+        return  # the sim finished generating before its slow headers; nothing left to abort
+    # the upstream leg was closed, so the engine aborted the request
+    assert await wait_for(lambda: _aborted(sim.url), timeout=5)
+
+
+async def _aborted(url) -> bool:
+    st = await sim_state(url)
+    return st["counts"]["aborted"] >= 1 and not st["running"]
+
+
+async def test_watchdog_first_chunk_on_sglang_is_504_before_headers(sims, gateway):
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url])],
+                       watchdog={"first_chunk_timeout_s": 0.3, "aggregated": True})
+    st, hdrs, raw = await post(gw.url, body(stream=True), {"x-sim-fault": "stall_before_first=10"})
+    assert st == 504
+    assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+
+
+async def test_watchdog_idle_mid_stream_sends_error_event_and_aborts(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       watchdog={"idle_timeout_s": 0.3, "first_chunk_timeout_s": 5, "aggregated": True})
+    st, _, raw = await post(gw.url, body(stream=True, max_tokens=20), {"x-sim-fault": "stall_after=3:10"})
+    assert st == 200
+    events = sse_events(raw)
+    assert "error" in events[-1] and events[-1]["error"]["code"] == "upstream_timeout"
+    assert await wait_for(lambda: _aborted(sim.url), timeout=5)
+    assert "watchdog_idle" in await gw.metrics_text()
+
+
+async def test_watchdog_response_timeout_bounds_a_non_streaming_answer(sims, gateway):
+    """Engines send a non-streaming answer's headers with its body, so the response bound must
+    cover the wait for the headers too, not only the body read."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       watchdog={"response_timeout_s": 0.3, "aggregated": True})
+    st, hdrs, raw = await post(gw.url, body(stream=False), {"x-sim-fault": "stall_before_first=10"})
+    assert st == 504 and orjson.loads(raw)["error"]["code"] == "upstream_timeout"
+    assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+
+
+async def test_watchdog_is_off_for_aggregated_legs_by_default(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], watchdog={"idle_timeout_s": 0.1})
+    st, _, raw = await post(gw.url, body(stream=True, max_tokens=5), {"x-sim-fault": "stall_after=2:0.4"})
+    assert st == 200
+    assert sse_events(raw)[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_client_disconnect_mid_stream_aborts_the_engine(sims, gateway, engine):
+    sim = await sims(engine, "m", itl_ms=50)
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + "/v1/chat/completions", json=body(stream=True, max_tokens=500))
+        assert resp.status == 200
+        await resp.content.readline()       # some bytes arrived: the stream is live
+        assert (await sim_state(sim.url))["running"]
+        resp.close()                        # the client goes away
+    assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+    assert await wait_for(lambda: gw.gw.lifecycle.in_flight == 0, timeout=5)
+    assert 'switchyard_client_cancels_total{model="m",stage="streaming"} 1.0' in await gw.metrics_text()
+
+
+async def test_client_disconnect_while_waiting_for_a_non_stream_answer(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body(),
+                                          headers={"x-sim-fault": "stall_before_first=30"}))
+        assert await wait_for(lambda: _running(sim.url), timeout=5)
+        task.cancel()
+    assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+
+
+async def _running(url) -> bool:
+    return bool((await sim_state(url))["running"])
+
+
+async def test_drain_refuses_new_requests_and_lets_streams_finish(sims, gateway):
+    sim = await sims("vllm", "m", itl_ms=20)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + "/v1/chat/completions", json=body(stream=True, max_tokens=30))
+        await resp.content.readline()
+        gw.gw.lifecycle.begin_drain()
+        async with s.get(gw.url + "/ready") as r:
+            assert r.status == 503
+        async with s.post(gw.url + "/v1/chat/completions", json=body()) as r:
+            assert r.status == 503
+        rest = await resp.read()             # the stream in flight completes normally
+        assert rest.rstrip().endswith(b"data: [DONE]")
+    assert await gw.gw.lifecycle.wait_idle(2)

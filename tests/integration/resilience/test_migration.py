@@ -1,0 +1,164 @@
+"""Mid-stream continuation on loopback: a stream whose engine dies goes on elsewhere, and its
+content is the unbroken run's, byte for byte (enginesim is deterministic in its context)."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sse_events
+
+MSG = [{"role": "user", "content": "tell me a long story about gateways"}]
+
+
+async def raw_post(url: str, path: str, payload: dict, headers: dict | None = None) -> tuple[int, list]:
+    async with aiohttp.ClientSession() as s, s.post(url + path, json=payload, headers=headers or {}) as r:
+        return r.status, sse_events(await r.read())
+
+
+def text_of(events: list, chat: bool = True) -> str:
+    out = []
+    for e in events:
+        if isinstance(e, dict) and e.get("choices"):
+            c = e["choices"][0]
+            out.append((c.get("delta") or {}).get("content") or "" if chat else c.get("text") or "")
+    return "".join(out)
+
+
+async def setup(sims, gateway, engine: str, fault: str, limit: int = 1, healthy: int = 1, **sim_kw):
+    """A model on a faulty endpoint (listed first: round-robin sends the first stream to it) and
+    ``healthy`` good ones; returns (gateway, a healthy sim for the reference run)."""
+    bad = await sims(engine, "m", fault=fault, **sim_kw)
+    good = [await sims(engine, "m", **sim_kw) for _ in range(healthy)]
+    gw = await gateway([model_block("m", engine, [bad.url] + [g.url for g in good], strategy="round-robin",
+                                    migration_limit=limit)])
+    return gw, (good[0] if good else bad)
+
+
+def migrations(text: str, outcome: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("switchyard_migrations_total{") and f'outcome="{outcome}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@pytest.mark.parametrize("engine,fault", [("vllm", "drop_after=7"), ("vllm", "error_after=7"),
+                                          ("sglang", "drop_after=7"), ("sglang", "error_after=7")])
+async def test_chat_stream_continues_and_matches_an_unbroken_run(sims, gateway, engine, fault):
+    gw, good = await setup(sims, gateway, engine, fault)
+    req = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", {**req, "stream_options": {"include_usage": True}})
+    client = openai_client(gw)
+    stream = await client.chat.completions.create(**req, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    await client.close()
+    got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert got == text_of(ref) and len(got) > 0
+    assert len({c.id for c in chunks}) == 1                       # one stream, one id
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1                                        # one usage block, both legs
+    ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    assert usage[0].completion_tokens == ref_usage["completion_tokens"] == 30
+    assert usage[0].prompt_tokens == ref_usage["prompt_tokens"]
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
+
+async def test_chat_without_max_tokens_continues_to_where_the_unbroken_answer_ends(sims, gateway):
+    """A chat that names no length runs to the rest of the context on vLLM. Its token-exact
+    continuation is a completion, whose own default is 16 tokens, so it must carry an explicit
+    null: without it the answer was cut at 16 more tokens with finish_reason "length"."""
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=3", max_model_len=64, rest_of_context=True)
+    req = {"model": "m", "messages": MSG, "stream": True}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", {**req, "stream_options": {"include_usage": True}})
+    ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    assert ref_usage["completion_tokens"] > 3 + 16                # long enough to tell the two apart
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    stream = await client.chat.completions.create(**req, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    await client.close()
+    got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert got == text_of(ref)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage[0].completion_tokens == ref_usage["completion_tokens"]
+    assert usage[0].prompt_tokens + usage[0].completion_tokens == 64     # the whole context, as unbroken
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
+
+async def test_completion_stream_continues_token_exactly_without_usage_asked(sims, gateway):
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=5")
+    req = {"model": "m", "prompt": "Once upon a time", "max_tokens": 25, "stream": True}
+    _, ref = await raw_post(good.url, "/v1/completions", req)
+    st, got = await raw_post(gw.url, "/v1/completions", req)
+    assert st == 200 and got[-1] == "[DONE]"
+    assert text_of(got, chat=False) == text_of(ref, chat=False)
+    assert not any(isinstance(e, dict) and ("usage" in e or "token_ids" in e["choices"][0]) for e in got[:-1])
+    metrics = await gw.metrics_text()
+    assert 'switchyard_completion_tokens_total{model="m"} 25.0' in metrics
+
+
+async def test_stop_strings_continue_as_text_on_vllm(sims, gateway):
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=6")
+    req = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True, "stop": ["@"]}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert text_of(got) == text_of(ref) and got[-1] == "[DONE]"
+
+
+async def test_the_limit_ends_the_stream_with_todays_error_event(sims, gateway):
+    gw, _ = await setup(sims, gateway, "vllm", "drop_after=4", limit=1, healthy=0)
+    other = await sims("vllm", "m", fault="drop_after=4")
+    gw = await gateway([model_block("m", "vllm", [gw.gw.pool.endpoints()[0].url, other.url],
+                                    strategy="round-robin", migration_limit=1)])
+    st, got = await raw_post(gw.url, "/v1/chat/completions",
+                             {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True})
+    assert st == 200 and isinstance(got[-1], dict) and got[-1]["error"]["code"] == "upstream_incomplete"
+    text = await gw.metrics_text()
+    assert migrations(text, "continued") == 1 and migrations(text, "limit") == 1
+
+
+@pytest.mark.parametrize("extra,why", [({"response_format": {"type": "json_object"}}, "response_format"),
+                                       ({"logprobs": True}, "logprobs"),
+                                       ({"seed": 7, "temperature": 0.8}, "seed"),
+                                       ({"guided_regex": "[a-z ]+"}, "guided")])
+async def test_refused_streams_get_todays_error_event(sims, gateway, extra, why):
+    gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
+    st, got = await raw_post(gw.url, "/v1/chat/completions",
+                             {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True, **extra})
+    assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1]
+    assert migrations(await gw.metrics_text(), f"refused_{why}") == 1
+
+
+async def test_migration_off_by_default(sims, gateway):
+    bad = await sims("vllm", "m", fault="drop_after=4")
+    good = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [bad.url, good.url], strategy="round-robin")])
+    st, got = await raw_post(gw.url, "/v1/chat/completions",
+                             {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True})
+    assert isinstance(got[-1], dict) and "error" in got[-1]
+    assert migrations(await gw.metrics_text(), "continued") == 0
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_dying_decode_continues_through_a_fresh_pair(sims, gateway, engine):
+    p1 = await sims(engine, "m", role="prefill")
+    d1 = await sims(engine, "m", role="decode", fault="drop_after=6")
+    p2 = await sims(engine, "m", role="prefill")
+    d2 = await sims(engine, "m", role="decode")
+    ref_sim = await sims(engine, "m")
+
+    def rs(name, p, d):
+        prefill = [{"url": p.url, "bootstrap_port": p.bootstrap_port}] if engine == "sglang" else [p.url]
+        return {"name": name, "prefill": prefill, "decode": [d.url]}
+
+    gw = await gateway([{"name": "m", "engine": engine, "rolesets": [rs("a", p1, d1), rs("b", p2, d2)],
+                         "migration_limit": 2}])
+    req = {"model": "m", "messages": MSG, "max_tokens": 24, "stream": True}
+    _, ref = await raw_post(ref_sim.url, "/v1/chat/completions", req)
+    for _ in range(2):          # whichever pair the first leg lands on, the stream completes
+        st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+        assert st == 200 and got[-1] == "[DONE]", got[-2:]
+        assert text_of(got) == text_of(ref)

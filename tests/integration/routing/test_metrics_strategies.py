@@ -1,0 +1,65 @@
+"""Metric strategies on real engine output and through the gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+
+from gateway.upstream.engine_metrics import parse_engine_metrics
+from routers.session import encode_session_id
+from tests.support.factories import model_block
+
+# -- the parser extension, on real engine output -----------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_queue_time_and_pool_size_from_a_real_exposition(sims, engine):
+    sim = await sims(engine, "m", kv_blocks=512, block_size=16)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(sim.url + "/metrics") as r:
+            first = parse_engine_metrics(await r.text(), engine, 1.0, model="m")
+        for _ in range(2):
+            async with s.post(sim.url + "/v1/completions", json={"model": "m", "prompt": "hello", "max_tokens": 2}) as r:
+                assert r.status == 200
+        async with s.get(sim.url + "/metrics") as r:
+            second = parse_engine_metrics(await r.text(), engine, 2.0, first, model="m")
+    assert second.kv_capacity_tokens == 512 * 16
+    assert second.queue_time_count == 2 and second.queue_time_sum is not None
+    assert second.queue_time_recent_mean is not None and second.queue_time_recent_mean >= 0
+    assert second.ttft_recent_mean is not None
+
+
+async def test_least_waiting_avoids_a_queued_engine_through_the_gateway(sims, gateway):
+    busy = await sims("vllm", "m", max_num_seqs=1)
+    idle = await sims("vllm", "m", max_num_seqs=1)
+    gw = await gateway([model_block("m", "vllm", [busy.url, idle.url])])
+    busy_ep = next(e for e in gw.gw.pool.endpoints() if e.url == busy.url)
+    pin = {"routing-strategy": "session-affinity", "x-session-id": encode_session_id(busy_ep.address),
+           "x-sim-fault": "stall_before_first=inf"}
+    body = {"model": "m", "prompt": "hold", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        async def hold():
+            async with s.post(gw.url + "/v1/completions", json=body, headers=pin) as r:
+                await r.read()
+        stuck = [asyncio.create_task(hold()) for _ in range(4)]     # 1 running, 3 waiting on `busy`
+        try:
+            for _ in range(300):                                    # until a scrape saw the queue
+                m = busy_ep.metrics
+                if m is not None and m.waiting == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert busy_ep.metrics.waiting == 3
+            for _ in range(4):
+                async with s.post(gw.url + "/v1/completions", json={**body, "prompt": "go"},
+                                  headers={"routing-strategy": "least-waiting"}) as r:
+                    assert r.status == 200
+                    assert r.headers["target-pod"] == idle.url.removeprefix("http://")
+        finally:
+            for t in stuck:
+                t.cancel()
+            for t in stuck:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t

@@ -1,0 +1,41 @@
+"""Routing through the gateway: session headers round-trip, invalid strategies answer 400."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from routers.session import decode_session_id
+from tests.support.factories import model_block
+
+
+async def test_session_header_round_trip_through_the_gateway(sims, gateway):
+    engines = [await sims("vllm", "m") for _ in range(3)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="session-affinity")])
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            sid, pod = r.headers["x-session-id"], r.headers["target-pod"]
+        assert decode_session_id(sid) == pod
+        for _ in range(5):
+            async with s.post(gw.url + "/v1/completions", json=body, headers={"x-session-id": sid}) as r:
+                assert r.status == 200 and r.headers["target-pod"] == pod and r.headers["x-session-id"] == sid
+        pods = set()
+        for _ in range(3):
+            async with s.post(gw.url + "/v1/completions", json=body, headers={"x-session-key": "chat-9"}) as r:
+                pods.add(r.headers["target-pod"])
+        assert len(pods) == 1
+
+
+async def test_invalid_strategy_is_400_through_the_gateway(sims, gateway):
+    e = await sims("vllm", "m")
+    f = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url, f.url])])
+    async with aiohttp.ClientSession() as s:
+        for spec in ("invalid-routing-strategy", "least-request:1,invalid-strategy:2"):
+            async with s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1},
+                              headers={"routing-strategy": spec}) as r:
+                assert r.status == 400 and r.headers["x-error-routing"] == "true"
+        async with s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1},
+                          headers={"routing-strategy": "prefix-cache:3,least-request:2,least-kv-cache:2"}) as r:
+            assert r.status == 200

@@ -1,0 +1,234 @@
+"""Hostile clients on a raw socket, against a real gateway and a simulated engine on loopback.
+
+For each classic case: the client gets an answer in OpenAI shape with a ``request-id``, or a
+clean close where HTTP allows nothing else; nothing reaches the engine that the client did not
+send as one valid request (the engine's ``/_sim/state`` lists what it received); and no header,
+target or body field makes the gateway connect anywhere outside its pool. Every test runs on the
+default event loop and on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import orjson
+import pytest
+
+from tests.support.edge import assert_openai_error, edge_gateway, exchange, request
+from tests.support.loops import on_both_loops
+
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+H = b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+SMUGGLED = request("POST", CHAT, BODY)
+
+
+def chunked(body: bytes) -> bytes:
+    return b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+
+
+# (case, bytes sent as separate writes, expected status, valid requests the engine must receive)
+CASES = [
+    # request smuggling: framing that two parsers could read differently is refused outright
+    ("cl_and_te", [H + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + SMUGGLED], 400, 0),
+    ("te_and_cl", [H + b"Transfer-Encoding: chunked\r\nContent-Length: 40\r\n\r\n0\r\n\r\n" + SMUGGLED], 400, 0),
+    ("te_chunked_twice", [H + b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n"
+                          + chunked(BODY)], 400, 0),
+    ("te_obfuscated", [H + b"Transfer-Encoding: xchunked\r\n\r\n" + chunked(BODY)], 400, 0),
+    ("te_not_last", [H + b"Transfer-Encoding: chunked, identity\r\n\r\n" + chunked(BODY)], 400, 0),
+    ("te_space_before_colon", [H + b"Transfer-Encoding : chunked\r\n\r\n" + chunked(BODY)], 400, 0),
+    ("double_content_length", [H + b"Content-Length: %d\r\nContent-Length: 5\r\n\r\n" % len(BODY) + BODY], 400, 0),
+    ("double_content_length_equal",
+     [H + b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n" % (len(BODY), len(BODY)) + BODY], 400, 0),
+    ("negative_content_length", [H + b"Content-Length: -1\r\n\r\n" + BODY], 400, 0),
+    ("plus_content_length", [H + b"Content-Length: +%d\r\n\r\n" % len(BODY) + BODY], 400, 0),
+    ("hex_content_length", [H + b"Content-Length: 0x10\r\n\r\n" + BODY], 400, 0),
+    ("huge_content_length", [H + b"Content-Length: 99999999999999999999999\r\n\r\n" + BODY], 400, 0),
+    # chunked bodies that break
+    ("bad_chunk_size", [H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + BODY + b"\r\n0\r\n\r\n"], 400, 0),
+    ("bad_chunk_size_later", [H + b"Transfer-Encoding: chunked\r\n\r\n", b"4\r\n{\"mo\r\n", b"-1\r\nxx\r\n"], 400, 0),
+    ("overflowing_chunk_size", [H + b"Transfer-Encoding: chunked\r\n\r\nfffffffffffffffffffff\r\nx\r\n"], 400, 0),
+    ("chunk_longer_than_size", [H + b"Transfer-Encoding: chunked\r\n\r\n2\r\n" + BODY + b"\r\n0\r\n\r\n"], 400, 0),
+    ("undecodable_gzip_body", [H + b"Content-Encoding: gzip\r\nContent-Length: 10\r\n\r\n0123456789"], 400, 0),
+    ("undecodable_gzip_body_later", [H + b"Content-Encoding: gzip\r\nContent-Length: 10\r\n\r\n", b"0123456789"],
+     400, 0),
+    # not a request this gateway serves
+    ("connect", [b"CONNECT evil.example:443 HTTP/1.1\r\nHost: evil.example:443\r\n\r\n"], 405, 0),
+    ("trace", [b"TRACE / HTTP/1.1\r\nHost: gateway.test\r\n\r\n"], 404, 0),
+    ("unknown_path", [request("POST", "/v1/nope", BODY)], 404, 0),
+    ("wrong_method", [request("DELETE", CHAT)], 405, 0),
+    ("malformed_request_line", [b"GARBAGE\r\n\r\n"], 400, 0),
+    ("request_line_without_version", [b"POST " + CHAT.encode() + b"\r\nHost: x\r\n\r\n"], 400, 0),
+    ("bad_http_version", [b"GET /health HTTP/7.0\r\nHost: x\r\n\r\n"], 400, 0),
+    ("bare_lf_line_endings", [b"GET /health HTTP/1.1\nHost: x\n\n"], 400, 0),
+    ("tls_client_hello", [b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40)], 400, 0),
+    ("http2_preface", [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"], 400, 0),
+    ("missing_host", [b"GET /health HTTP/1.1\r\n\r\n"], 400, 0),
+    ("two_hosts", [b"GET /health HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"], 400, 0),
+    ("nul_in_header", [b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n"], 400, 0),
+    ("obsolete_line_folding", [b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n"], 400, 0),
+    # sizes
+    ("header_60kb", [request("POST", CHAT, BODY, {"X-Big": "a" * 60_000})], 431, 0),
+    ("headers_300", [request("POST", CHAT, BODY, {f"X-H{i}": "v" for i in range(300)})], 431, 0),
+    ("routing_strategy_10000_items",
+     [request("POST", CHAT, BODY, {"routing-strategy": ",".join(["random"] * 10_000)})], 431, 0),
+    ("url_20kb", [request("GET", "/health?" + "a" * 20_000)], 431, 0),
+    ("body_over_max_by_length", [H + b"Content-Length: 5000\r\n\r\n" + b"x" * 5000], 413, 0),
+    ("body_over_max_length_only", [H + b"Content-Length: 5000000000\r\n\r\n"], 413, 0),
+    ("body_over_max_chunked", [H + b"Transfer-Encoding: chunked\r\n\r\n" + chunked(b" " * 5000)], 413, 0),
+    ("gzip_bomb", [H + b"Content-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n"
+                   + chunked(gzip.compress(b" " * 2_000_000))], 413, 0),
+]
+
+
+# answered by the app with the connection kept (the body, if any, was read to its end)
+KEPT_ALIVE = {"trace", "unknown_path", "wrong_method", "body_over_max_chunked", "gzip_bomb"}
+
+
+# the gateway every case meets: a small body limit, patient enough timeouts for the cases that
+# are not about time (bodies over the limit are lingered on until body_timeout_s)
+SERVER = {"max_body_bytes": 4096, "keepalive_timeout_s": 30.0, "header_timeout_s": 2.0, "body_timeout_s": 1.0}
+
+
+@pytest.mark.parametrize("case,parts,status,reach", CASES, ids=[c[0] for c in CASES])
+@on_both_loops
+async def test_hostile_request_gets_a_shaped_answer_and_reaches_no_engine(case, parts, status, reach):
+    async with edge_gateway(**SERVER) as gw:
+        # framing errors, and the edge's refusals, end the connection; answers of the app keep it
+        closes = case not in KEPT_ALIVE
+        ex = await exchange(gw.port, *parts, wait=8.0, until_close=closes, responses=1)
+        err = assert_openai_error(ex.first, status)
+        assert ex.first.headers.get("x-request-id") == ex.first.headers["request-id"]
+        if status == 431:
+            assert err["code"] in ("header_too_large", "too_many_headers")
+        if closes:
+            assert ex.closed, f"{case}: the connection stays open after a framing error"
+            assert len(ex.responses) == 1 and not ex.trailing, f"{case}: more than one answer: {ex.responses[1:]}"
+        got = await gw.received()
+        assert len(got) == reach and all(r["json_object"] for r in got), got
+
+
+@on_both_loops
+async def test_error_answer_keeps_the_clients_request_id():
+    async with edge_gateway(**SERVER) as gw:
+        ex = await exchange(gw.port, H + b"x-request-id: my-req-42\r\nTransfer-Encoding: chunked\r\n\r\n",
+                            b"4\r\n{\"mo\r\n", b"zz\r\n")
+        assert_openai_error(ex.first, 400)
+        assert ex.first.headers["request-id"] == "my-req-42"
+
+
+@on_both_loops
+async def test_pipelined_requests_are_answered_in_order():
+    async with edge_gateway(**SERVER) as gw:
+        other = orjson.dumps({"model": "m", "prompt": "x", "max_tokens": 1})
+        ex = await exchange(gw.port, request("GET", "/health") + request("POST", CHAT, BODY)
+                            + request("POST", "/v1/nope", b"{}") + request("POST", "/v1/completions", other)
+                            + request("GET", "/v1/models", close=True))
+        assert [r.status for r in ex.responses] == [200, 200, 404, 200, 200]
+        assert ex.responses[1].json()["object"] == "chat.completion"
+        assert_openai_error(ex.responses[2], 404)
+        assert ex.closed and not ex.trailing
+        got = await gw.received()
+        assert [r["path"] for r in got] == [CHAT, "/v1/completions"] and all(r["json_object"] for r in got)
+
+
+@on_both_loops
+async def test_pipelined_request_behind_a_broken_one_is_never_run():
+    async with edge_gateway(**SERVER) as gw:
+        ex = await exchange(gw.port, H + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}" + SMUGGLED)
+        assert_openai_error(ex.first, 400)
+        assert len(ex.responses) == 1 and ex.closed
+        assert await gw.received() == []
+
+
+@on_both_loops
+async def test_no_header_target_or_field_makes_the_gateway_connect_outside_its_pool():
+    """An absolute-form target naming another host is served by the pool (RFC 9112 §3.2.2: an
+    origin server takes the target's host over Host, and this gateway's pool over both)."""
+    dialled: list[str] = []
+
+    async def evil(reader, writer):
+        dialled.append("connected")
+        writer.close()
+
+    server = await asyncio.start_server(evil, "127.0.0.1", 0)
+    evil_host = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    evil_port = int(evil_host.split(":")[1])
+    try:
+        async with edge_gateway(**SERVER) as gw:
+            body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                 "base_url": f"http://{evil_host}", "api_base": f"http://{evil_host}/v1",
+                                 "url": f"http://{evil_host}", "endpoint": evil_host, "target-pod": evil_host,
+                                 "kv_transfer_params": {"remote_host": "127.0.0.1", "remote_port": evil_port},
+                                 "bootstrap_host": "127.0.0.1", "bootstrap_port": evil_port})
+            hostile_headers = {"Host": evil_host, "X-Forwarded-Host": evil_host, "Forwarded": f"host={evil_host}",
+                               "X-Original-URL": f"http://{evil_host}/", "X-Rewrite-URL": f"http://{evil_host}/",
+                               "target-pod": evil_host, "x-target-pod": evil_host, "routing-strategy": "random"}
+            raw = (f"POST http://{evil_host}{CHAT} HTTP/1.1\r\n".encode()
+                   + b"".join(f"{k}: {v}\r\n".encode() for k, v in hostile_headers.items())
+                   + b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                   % len(body) + body)
+            ex = await exchange(gw.port, raw)
+            assert ex.first.status == 200, ex.first.body
+            assert ex.first.headers["target-pod"] == gw.sim.url.removeprefix("http://")
+            await asyncio.sleep(0.05)
+            assert dialled == []
+            got = await gw.received()
+            assert len(got) == 1 and got[0]["path"] == CHAT and got[0]["json_object"]
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@on_both_loops
+async def test_protocol_errors_are_counted():
+    async with edge_gateway(**SERVER) as gw:
+        await exchange(gw.port, b"GARBAGE\r\n\r\n")
+        await exchange(gw.port, request("GET", "/health", headers={"X-Big": "a" * 20_000}))
+        s = gw.samples()
+        assert s["switchyard_client_protocol_errors_total{status=400}"] == 1
+        assert s["switchyard_client_protocol_errors_total{status=431}"] == 1
+
+
+@on_both_loops
+async def test_a_model_name_cannot_inject_or_break_response_headers():
+    """The model name is echoed in ``x-error-no-model-backends``: control characters must neither
+    split the header nor make the writer refuse it (which would drop the connection unanswered)."""
+    async with edge_gateway(**SERVER) as gw:
+        for model in ("m\r\nx-injected: 1", "\u0000", "\x7f\u202e"):
+            body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}]})
+            ex = await exchange(gw.port, request("POST", CHAT, body, close=True))
+            assert_openai_error(ex.first, 404)
+            assert "x-injected" not in ex.first.headers
+            assert all(k.isascii() and "\r" not in v and "\n" not in v for k, v in ex.first.raw_headers)
+
+
+@on_both_loops
+async def test_a_gzip_encoded_body_reaches_the_engine_decoded():
+    async with edge_gateway(**SERVER) as gw:
+        ex = await exchange(gw.port, request("POST", CHAT, gzip.compress(BODY), {"Content-Encoding": "gzip"},
+                                             close=True))
+        assert ex.first.status == 200, ex.first.body
+        got = await gw.received()
+        assert len(got) == 1 and got[0]["json_object"]
+
+
+@on_both_loops
+async def test_expect_100_continue_on_an_inference_path_gets_the_interim_answer_first():
+    """Inference paths are handed to their handler by the edge, without the application; a client
+    that waits for ``100 Continue`` before sending its body still gets it (curl does this)."""
+    async with edge_gateway(**SERVER) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            head = request("POST", CHAT, b"", {"Content-Length": str(len(BODY)), "Expect": "100-continue"},
+                           close=True)
+            writer.write(head)
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert interim.startswith(b"HTTP/1.1 100 Continue"), interim
+            writer.write(BODY)
+            rest = await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+        assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]
+        assert b'"chat.completion"' in rest

@@ -1,0 +1,289 @@
+"""Slow and greedy clients: each is cut by its timeout (408 in OpenAI shape where the client can
+still read it, a close otherwise), counted, and leaves nothing behind; a connection over the cap
+is closed at once; well-behaved clients are untouched. Every test runs on the default event loop
+and on uvloop. Timeouts here are short configured values; no test asserts a duration."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import orjson
+
+from gateway.server.app import GATEWAY_KEY
+from tests.support.edge import (
+    assert_openai_error,
+    edge_gateway,
+    exchange,
+    parse_responses,
+    request,
+)
+from tests.support.http import openai_client
+from tests.support.loops import on_both_loops
+from tests.support.waiting import wait_for
+
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+# an engine that streams as fast as it can, for as long as asked
+FIREHOSE = {"itl_ms": 0.0, "max_model_len": 1_000_000, "eos_probability": 0.0}
+PROMISED_BODY = request("POST", CHAT, None, {"Content-Type": "application/json", "Content-Length": "100000"})
+
+
+@on_both_loops
+async def test_half_a_head_gets_408_and_is_counted():
+    async with edge_gateway(header_timeout_s=0.3) as gw:
+        ex = await exchange(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
+        err = assert_openai_error(ex.first, 408)
+        assert err["code"] == "request_timeout" and "header_timeout_s" in err["message"]
+        assert ex.closed and ex.first.headers["connection"] == "close"
+        assert gw.timeouts("header") == 1
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+
+
+@on_both_loops
+async def test_a_connection_that_never_speaks_is_closed_without_an_answer():
+    async with edge_gateway(header_timeout_s=0.3) as gw:
+        ex = await exchange(gw.port)
+        assert ex.closed and ex.responses == [] and ex.trailing == b""
+        assert gw.timeouts("header") == 1
+
+
+@on_both_loops
+async def test_a_body_that_stops_gets_408_and_never_reaches_the_engine():
+    async with edge_gateway(body_timeout_s=0.3) as gw:
+        ex = await exchange(gw.port, PROMISED_BODY + BODY[:20])
+        err = assert_openai_error(ex.first, 408)
+        assert "body_timeout_s" in err["message"] and ex.closed
+        assert gw.timeouts("body") == 1
+        assert (await gw.sim_state())["counts"]["started"] == 0 and await gw.received() == []
+
+
+async def dribble(port: int, head: bytes, every: float, limit: int = 400) -> bytes:
+    """Send ``head``, then one body byte every ``every`` s until the server answers or closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    data = b""
+
+    async def read() -> None:
+        nonlocal data
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := await reader.read(65536):
+                data += chunk
+
+    reading = asyncio.ensure_future(read())
+    try:
+        for _ in range(limit):
+            if reading.done():
+                break
+            try:
+                writer.write(b" ")
+                await writer.drain()
+            except (ConnectionResetError, BrokenPipeError):
+                break
+            await asyncio.sleep(every)
+        await asyncio.wait_for(reading, 10)
+    finally:
+        writer.close()
+    return data
+
+
+@on_both_loops
+async def test_a_body_dribbled_byte_by_byte_hits_the_total_timeout():
+    async with edge_gateway(body_timeout_s=5.0, body_total_timeout_s=0.5) as gw:
+        resp, _ = parse_responses(await dribble(gw.port, PROMISED_BODY, every=0.05), eof=True)
+        err = assert_openai_error(resp[0], 408)
+        assert "body_total_timeout_s" in err["message"]
+        assert gw.timeouts("body_total") == 1 and gw.timeouts("body") == 0
+
+
+@on_both_loops
+async def test_an_idle_kept_alive_connection_is_closed_silently():
+    async with edge_gateway(keepalive_timeout_s=0.3, header_timeout_s=5.0) as gw:
+        ex = await exchange(gw.port, request("GET", "/health"))
+        assert [r.status for r in ex.responses] == [200] and ex.closed and ex.trailing == b""
+        assert gw.timeouts("keepalive") == 1 and gw.timeouts("header") == 0
+
+
+@on_both_loops
+async def test_half_a_head_on_a_kept_alive_connection_gets_408():
+    async with edge_gateway(keepalive_timeout_s=5.0, header_timeout_s=0.3) as gw:
+        ex = await exchange(gw.port, request("GET", "/health"), b"GET /v1/mod")
+        assert [r.status for r in ex.responses] == [200, 408] and ex.closed
+        assert_openai_error(ex.responses[1], 408)
+        assert gw.timeouts("header") == 1 and gw.timeouts("keepalive") == 0
+
+
+@on_both_loops
+async def test_many_slow_clients_are_all_cut_and_leave_nothing_open():
+    """The measurement that started this, scaled down: half heads and promised bodies that stop."""
+    async with edge_gateway(header_timeout_s=0.5, body_timeout_s=0.5) as gw:
+        results = await asyncio.gather(
+            *[exchange(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(60)],
+            *[exchange(gw.port, PROMISED_BODY + BODY[:10]) for _ in range(15)])
+        assert all(ex.closed and ex.first.status == 408 for ex in results)
+        assert gw.timeouts("header") == 60 and gw.timeouts("body") == 15
+        assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+
+
+@on_both_loops
+async def test_a_streaming_client_that_stops_reading_is_cut_and_the_engine_aborted():
+    async with edge_gateway(sim=FIREHOSE, write_stall_timeout_s=0.3) as gw:
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                             "max_tokens": 200_000, "stream": True})
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # reads nothing, fills up fast
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.sock_connect(s, ("127.0.0.1", gw.port))
+            await loop.sock_sendall(s, request("POST", CHAT, body))
+
+            async def aborted():
+                st = await gw.sim_state()
+                return st if st["counts"]["aborted"] else None
+
+            state = await wait_for(aborted, timeout=30.0, interval=0.01)
+            assert state and state["counts"]["aborted"] == 1 and state["counts"]["completed"] == 0
+            assert gw.timeouts("write_stall") == 1
+            assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+        finally:
+            s.close()
+
+
+@on_both_loops
+async def test_a_streaming_client_that_pauses_holds_the_engine_back_and_then_gets_every_byte():
+    """The relay pipes chunks from the engine to the client; a client that stops reading (within
+    the write-stall bound) makes the gateway stop reading the engine, not buffer the stream."""
+    async with edge_gateway(sim=FIREHOSE, write_stall_timeout_s=60) as gw:
+        tokens = 50_000
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
+                             "stream": True})
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.setblocking(False)
+        loop = asyncio.get_running_loop()
+        pool = gw.app[GATEWAY_KEY].upstream.pool
+        try:
+            await loop.sock_connect(s, ("127.0.0.1", gw.port))
+            await loop.sock_sendall(s, request("POST", CHAT, body, close=True))
+            got = bytearray(await loop.sock_recv(s, 4096))          # headers and the first chunks
+            assert await wait_for(lambda: any(c.paused for c in pool._conns), timeout=30.0, interval=0.01)
+            assert (await gw.sim_state())["counts"]["completed"] == 0
+            while chunk := await loop.sock_recv(s, 1 << 16):
+                got += chunk
+        finally:
+            s.close()
+        head, _, rest = bytes(got).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        events = parse_chunked(rest).split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        assert sum(1 for e in events if b'"content":"' in e) >= tokens - 1
+
+
+def parse_chunked(raw: bytes) -> bytes:
+    out, i = bytearray(), 0
+    while True:
+        j = raw.index(b"\r\n", i)
+        n = int(raw[i:j], 16)
+        if n == 0:
+            return bytes(out)
+        out += raw[j + 2:j + 2 + n]
+        assert raw[j + 2 + n:j + 4 + n] == b"\r\n"
+        i = j + 4 + n
+
+
+@on_both_loops
+async def test_connections_over_the_cap_are_closed_at_once_and_counted():
+    async with edge_gateway(max_connections=3, header_timeout_s=30.0) as gw:
+        held = [await asyncio.open_connection("127.0.0.1", gw.port) for _ in range(3)]
+        try:
+            assert await wait_for(lambda: gw.connections() == 3, timeout=10.0, interval=0.01)
+            ex = await exchange(gw.port, request("GET", "/health"))
+            assert ex.closed and ex.responses == []
+            s = gw.samples()
+            assert s["switchyard_connections_rejected_total{}"] == 1 and s["switchyard_client_connections{}"] == 3
+            _r, w = held.pop()
+            w.close()
+            assert await wait_for(lambda: gw.connections() == 2, timeout=10.0, interval=0.01)
+            ex = await exchange(gw.port, request("GET", "/health", close=True))
+            assert [r.status for r in ex.responses] == [200]
+        finally:
+            for _r, w in held:
+                w.close()
+
+
+@on_both_loops
+async def test_a_body_the_handler_is_not_reading_yet_is_not_the_clients_silence():
+    """While the app has not consumed the body, aiohttp stops reading the socket; that pause
+    must not count as a silent client (here the app waits past body_timeout_s before reading)."""
+    from aiohttp import web
+    from prometheus_client import CollectorRegistry
+
+    from gateway.server.edge import Edge, EdgeLimits, EdgeRunner
+
+    async def slow_reader(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.6)
+        return web.json_response({"read": len(await request.read())})
+
+    app = web.Application(client_max_size=8 << 20)
+    app.router.add_post("/upload", slow_reader)
+    registry = CollectorRegistry()
+    edge = Edge(EdgeLimits(body_timeout_s=0.2, body_total_timeout_s=30.0), registry)
+    runner = EdgeRunner(app, edge, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        body = b"x" * (4 << 20)
+        ex = await exchange(site.port, request("POST", "/upload", body, close=True), wait=20.0)
+        assert ex.first.status == 200 and ex.first.json() == {"read": len(body)}
+        assert registry.get_sample_value("switchyard_client_timeouts_total", {"reason": "body"}) == 0
+    finally:
+        await runner.cleanup()
+
+
+# -- well-behaved clients are untouched -------------------------------------------------------------
+
+@on_both_loops
+async def test_a_streaming_client_that_keeps_up_is_never_cut():
+    async with edge_gateway(sim=FIREHOSE, write_stall_timeout_s=0.3) as gw:
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000,
+                             "stream": True})
+        ex = await exchange(gw.port, request("POST", CHAT, body, close=True), wait=30.0)
+        assert ex.first.status == 200 and ex.first.body.endswith(b"data: [DONE]\n\n")
+        assert gw.timeouts("write_stall") == 0
+
+
+@on_both_loops
+async def test_kept_alive_requests_whose_head_and_body_come_in_separate_writes():
+    """As httpx (the OpenAI SDK) sends them: head, then body, then the next request at once."""
+    async with edge_gateway(header_timeout_s=5.0, body_timeout_s=5.0) as gw:
+        head = request("POST", CHAT, None, {"Content-Type": "application/json", "Content-Length": str(len(BODY))})
+        chunked_head = request("POST", CHAT, None, {"Content-Type": "application/json",
+                                                    "Transfer-Encoding": "chunked"})
+        ex = await exchange(gw.port, head, BODY, head, BODY, chunked_head, b"%x\r\n" % len(BODY) + BODY + b"\r\n",
+                            b"0\r\n\r\n", request("GET", "/health", close=True), pause=0.05)
+        assert [r.status for r in ex.responses] == [200, 200, 200, 200], [r.body[:200] for r in ex.responses]
+        assert ex.closed and not ex.trailing
+        s = gw.samples()
+        assert not [k for k, v in s.items() if k.startswith("switchyard_client_timeouts_total") and v]
+        assert not [k for k, v in s.items() if k.startswith("switchyard_client_protocol_errors_total") and v]
+
+
+@on_both_loops
+async def test_the_openai_sdk_reuses_its_connection_across_plain_and_streaming_requests():
+
+    async with edge_gateway() as gw:
+        client = openai_client(gw)
+        try:
+            for _ in range(2):
+                r = await client.chat.completions.create(model="m", max_tokens=3,
+                                                         messages=[{"role": "user", "content": "hi"}])
+                assert r.choices[0].message.content
+                stream = await client.chat.completions.create(model="m", max_tokens=3, stream=True,
+                                                              messages=[{"role": "user", "content": "hi"}])
+                assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        finally:
+            await client.close()
+        assert gw.samples().get("switchyard_client_protocol_errors_total{status=400}", 0) == 0

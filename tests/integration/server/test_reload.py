@@ -1,0 +1,264 @@
+"""Reload without restart, in process: what a reload changes, what it refuses, and requests in
+flight across it. (A SIGHUP to a real process under load, and every worker of ``--workers``
+reloading, are in test_reload_process.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgspec
+import openai
+import orjson
+import pytest
+
+from gateway.config.schema import load_config
+from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
+from gateway.server.reload import Reloader
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.metrics import metric
+from tests.support.waiting import wait_for
+
+CHAT = [{"role": "user", "content": "Reload me."}]
+TOKEN = "admin-token-for-reload"
+
+
+def reloader_of(gw) -> Reloader:
+    return gw.runner.app[RELOAD_KEY]
+
+
+class ConfigFile:
+    """The running gateway's config as a file the reloader reads, edited as a dict."""
+
+    def __init__(self, gw, path) -> None:
+        self.path = path
+        self.reloader = reloader_of(gw)
+        self.data = msgspec.to_builtins(self.reloader.live.config)
+        self.reloader.loader = lambda: load_config(path)
+
+    def write(self, **changes) -> None:
+        self.data.update(changes)
+        self.path.write_text(orjson.dumps(self.data).decode())     # JSON is YAML
+
+    def raw(self, text: str) -> None:
+        self.path.write_text(text)
+
+
+async def chat(client, model="m", **kw):
+    return await client.chat.completions.create(model=model, messages=CHAT, max_tokens=kw.pop("max_tokens", 3), **kw)
+
+
+async def test_a_reload_swaps_endpoints_and_adds_an_alias_while_a_stream_in_flight_finishes(sims, gateway, tmp_path):
+    a = await sims("vllm", "m", itl_ms=20.0)
+    b, c = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    ep_a, ep_b = gw.gw.pool.endpoints("m")
+    client = openai_client(gw)
+
+    # a long stream on a (the endpoint the reload removes), in flight across the reload
+    ep_b.draining = True
+    stream = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=40, stream=True)
+    ep_b.draining = False
+    first = await stream.__anext__()
+    assert ep_a.in_flight == 1
+
+    f.write(models=[model_block("m", "vllm", [b.url, c.url])],
+            aliases=[{"name": "chat", "targets": [{"model": "m", "weight": 1}]}])
+    result = f.reloader.reload("test")
+    assert (result.result, result.generation) == ("ok", 2)
+    assert result.added == [f"m {c.url}"] and result.removed == [f"m {a.url}"]
+    assert set(result.changed) == {"models", "aliases"}
+    eps = gw.gw.pool.endpoints("m")
+    assert eps[0] is ep_b and [e.url for e in eps] == [b.url, c.url]      # b kept as it was: same object
+    assert ep_a.draining and ep_a not in eps
+
+    # the stream goes on to its end on the endpoint it started on
+    text = first.choices[0].delta.content or ""
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+    assert len(text.split()) >= 30
+    assert ep_a.in_flight == 0           # its lease released on the endpoint it was charged to
+
+    before = (await sim_state(a.url))["counts"]["started"]
+    for i in range(8):
+        r = await client.chat.completions.with_raw_response.create(model="chat", messages=CHAT, max_tokens=2,
+                                                                   user=f"u{i}")
+        assert r.headers["x-served-model"] == "m"
+        await chat(client)
+    assert (await sim_state(a.url))["counts"]["started"] == before
+    assert (await sim_state(c.url))["counts"]["started"] > 0
+    assert "chat" in {m.id for m in (await client.models.list()).data}
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_config_reload_total", result="ok") == 1
+    assert metric(text, "switchyard_config_generation") == 2
+    await client.close()
+
+
+async def test_an_invalid_config_is_refused_and_the_old_one_keeps_serving(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+    cases = [
+        (dict(aliases=[{"name": "chat", "targets": [{"model": "gone"}]}]), "aliases[0].targets[0].model"),
+        (dict(models=[model_block("m", "vllm", ["ftp://nope"])]), "models[0].endpoints[0].url"),
+        (dict(routing={**f.data["routing"], "strategy": "fastest-please"}), "routing.strategy"),
+        (dict(server={**f.data["server"], "max_body_bytes": 5}), "server.max_body_bytes"),
+        (dict(listen={"host": "127.0.0.1", "port": 1}), "listen.port"),
+    ]
+    original = dict(f.data)
+    for change, path in cases:
+        f.data = dict(original)
+        f.write(**change)
+        result = f.reloader.reload("test")
+        assert result.result != "ok" and result.key_path == path, result
+        assert path in result.error
+        assert (await chat(client)).choices[0].message.content       # the old config serves
+    f.raw("models: [{name: m, endpoints: [")
+    assert f.reloader.reload("test").key_path == "<yaml>"
+    f.path.unlink()
+    assert f.reloader.reload("test").key_path == "<file>"
+    assert f.reloader.live.generation == 1 and gw.gw.pool.endpoints("m")[0].url == sim.url
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_config_reload_total", result="invalid") == 5
+    assert metric(text, "switchyard_config_reload_total", result="restart_required") == 2
+    assert metric(text, "switchyard_config_reload_total", result="ok") == 0
+    assert metric(text, "switchyard_config_last_reload_successful") == 0
+    f.data = dict(original)
+    f.write()
+    assert f.reloader.reload("test").result == "ok"
+    assert metric(await gw.metrics_text(), "switchyard_config_last_reload_successful") == 1
+    await client.close()
+
+
+async def test_strategy_watchdog_and_limits_apply_to_new_requests(sims, gateway, tmp_path):
+    a, b = await sims("vllm", "m"), await sims("vllm", "m", ttft_base_ms=400.0)
+    keys = [{"key": "sk-reload-test-alice-0001", "user": "alice"}]
+    gw = await gateway([model_block("m", "vllm", [a.url])], auth={"api_keys": keys, "admin_token": TOKEN})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    alice = openai_client(gw, keys[0]["key"])
+    assert (await chat(alice)).choices[0].message.content
+
+    bob_key = "sk-reload-test-bob-00002"
+    f.write(models=[model_block("m", "vllm", [b.url], lock_strategy="round-robin",
+                                watchdog={"response_timeout_s": 0.1, "aggregated": True})],
+            auth={**f.data["auth"], "api_keys": [{"key": bob_key, "user": "bob"}]},
+            limits={"users": {"bob": {"rpm": 1}}})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/admin/reload", headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+        async with s.post(gw.url + "/admin/reload", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            body = await r.json()
+            assert r.status == 200 and body["result"] == "ok" and body["generation"] == 2
+            assert set(body["changed"]) == {"models", "auth", "limits"}
+    with pytest.raises(openai.AuthenticationError):             # alice's key is gone
+        await chat(alice)
+    bob = openai_client(gw, bob_key)
+    with pytest.raises(openai.APIStatusError) as e:             # the new watchdog: b is slower than 0.1 s
+        await chat(bob)
+    assert e.value.status_code == 504
+    with pytest.raises(openai.RateLimitError):                  # bob's new limit: 1 request a minute
+        await chat(bob)
+    for client in (alice, bob):
+        await client.close()
+
+
+async def test_admin_reload_answers_errors_with_the_key_path(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={"admin_token": TOKEN})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    hdr = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession() as s:
+        f.write(aliases=[{"name": "m", "targets": [{"model": "m"}]}])
+        async with s.post(gw.url + "/admin/reload", headers=hdr) as r:
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["code"] == "config_invalid" and err["param"] == "aliases[0].name"
+            assert "shadow a model" in err["message"]
+        f.write(aliases=[], upstream={**f.data["upstream"], "connect_timeout_s": 1.0})
+        async with s.post(gw.url + "/admin/reload", headers=hdr) as r:
+            err = (await r.json())["error"]
+            assert r.status == 409 and err["code"] == "restart_required"
+            assert err["param"] == "upstream.connect_timeout_s"
+        f.write(upstream=f.data["upstream"] | {"connect_timeout_s": 5.0}, auth={**f.data["auth"], "admin_token": "rotated-token"})
+        async with s.post(gw.url + "/admin/reload", headers=hdr) as r:
+            assert r.status == 200
+        new_hdr = {"Authorization": "Bearer rotated-token"}
+        for path in ("/status.json", "/admin/reload"):      # the rotated token, and only it, from now on
+            async with s.request("GET" if path == "/status.json" else "POST", gw.url + path, headers=hdr) as r:
+                assert r.status == 401
+            async with s.request("GET" if path == "/status.json" else "POST", gw.url + path, headers=new_hdr) as r:
+                assert r.status == 200
+        f.reloader.loader = None
+        async with s.post(gw.url + "/admin/reload", headers=new_hdr) as r:
+            assert r.status == 409 and (await r.json())["error"]["code"] == "no_config_file"
+
+
+async def test_turning_tenancy_on_needs_a_restart(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    f.write(auth={**f.data["auth"], "api_keys": [{"key": "sk-reload-test-carol-003", "user": "carol"}]})
+    result = f.reloader.reload("test")
+    assert (result.result, result.key_path) == ("restart_required", "auth")
+
+
+async def test_routing_state_carries_over_unless_routing_settings_change(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    ctx = f.reloader.live.routing.ctx
+    f.write(aliases=[{"name": "x", "targets": [{"model": "m"}]}])
+    assert f.reloader.reload("test").result == "ok" and f.reloader.live.routing.ctx is ctx
+    f.write(routing={**f.data["routing"], "strategy": "round-robin"})
+    assert f.reloader.reload("test").result == "ok" and f.reloader.live.routing.ctx is not ctx
+    assert f.reloader.live.routing.strategy_for("m", None) == "round-robin"
+
+
+async def test_kubernetes_endpoints_keep_working_across_a_reload(emu, sims, gateway, tmp_path):
+    from tests.support.factories import sim_pod
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(emu.kubeconfig())
+    pod_sim, static = await sims("vllm", "llama"), await sims("vllm", "qwen")
+    sim_pod(emu, "llama-0", pod_sim, "llama")
+    gw = await gateway([model_block("qwen", "vllm", [static.url])],
+                       kubernetes={"enabled": True, "kubeconfig": str(kubeconfig), "namespaces": ["llm"]})
+    assert await wait_for(lambda: gw.gw.pool.ready("llama"))
+    pod_ep = gw.gw.pool.endpoints("llama")[0]
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    f.write(models=[], aliases=[{"name": "chat", "targets": [{"model": "llama"}]}],
+            kubernetes={**f.data["kubernetes"], "models": {"llama": {"max_prompt_tokens": 100000}}})
+    result = f.reloader.reload("test")
+    assert result.result == "ok" and result.removed == [f"qwen {static.url}"]
+    assert gw.gw.pool.endpoints("llama") == [pod_ep] and pod_ep.ready
+    disc = gw.runner.app[DISCOVERY_KEY]
+    assert disc.kcfg.models["llama"].max_prompt_tokens == 100000
+    client = openai_client(gw)
+    r = await client.chat.completions.with_raw_response.create(model="chat", messages=CHAT, max_tokens=2)
+    assert r.headers["x-served-model"] == "llama" and r.headers["target-pod"] == "llama-0"
+    sim_pod(emu, "llama-1", await sims("vllm", "llama"), "llama")     # discovery goes on after the reload
+    assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2)
+    assert (await asyncio.gather(*(chat(client, "chat") for _ in range(4))))[0].choices
+    await client.close()
+
+
+async def test_responses_stored_before_a_reload_are_continued_after_it(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+    first = await client.responses.create(model="m", input="Hello", max_output_tokens=3)
+    other = await sims("vllm", "m", enable_responses_store=True)
+    f.write(models=[model_block("m", "vllm", [sim.url, other.url])])
+    assert f.reloader.reload("test").result == "ok"
+    for _ in range(4):      # the id → endpoint map survived: every follow-up reaches the owner
+        r = await client.responses.create(model="m", input="Go on", max_output_tokens=3,
+                                          previous_response_id=first.id)
+        assert r.status == "completed"
+    f.write(responses={**f.data["responses"], "affinity_ttl_s": 5.0})
+    result = f.reloader.reload("test")
+    assert (result.result, result.key_path) == ("restart_required", "responses.affinity_ttl_s")
+    await client.close()

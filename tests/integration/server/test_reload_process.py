@@ -1,0 +1,187 @@
+"""Reload of a real gateway process: a SIGHUP under steady client traffic swaps endpoints with no
+failed request, and with ``--workers 2`` every worker reloads (SIGHUP to the parent, or
+``POST /admin/reload`` to any worker)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections import Counter
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.server.run import free_port
+from tests.support.http import sim_state
+from tests.support.metrics import metric
+
+CHAT = [{"role": "user", "content": "Keep the trains running."}]
+TOKEN = "admin-token-for-workers"
+
+
+def config_text(port: int, urls: list[str], *, extra: str = "") -> str:
+    eps = ", ".join(f"'{u}'" for u in urls)
+    return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+            "health: {interval_s: 0.5}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: [{eps}]}}]\n{extra}")
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(path, port: int, *args: str):
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(path), *args,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        async with aiohttp.ClientSession() as s, asyncio.timeout(30):
+            while True:
+                try:
+                    async with s.get(f"http://127.0.0.1:{port}/ready") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
+
+
+async def started(url: str) -> int:
+    return (await sim_state(url))["counts"]["started"]
+
+
+@pytest.mark.timeout(90)
+async def test_sighup_under_load_adds_an_endpoint_and_removes_another_with_no_failed_request(sims, tmp_path):
+    # streams of ~20 tokens at 5 ms each: requests are always in flight on the endpoint removed
+    a, b, c = [await sims("vllm", "m", itl_ms=5.0) for _ in range(3)]
+    port = free_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config_text(port, [a.url, b.url]))
+    async with gateway_process(path, port) as proc:
+        url = f"http://127.0.0.1:{port}"
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        outcomes: Counter[str] = Counter()
+        stop = asyncio.Event()
+
+        async def steady(i: int) -> None:
+            while not stop.is_set():
+                try:
+                    if i % 2:
+                        stream = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=20,
+                                                                      stream=True)
+                        finish = [ch.choices[0].finish_reason async for ch in stream if ch.choices]
+                        outcomes["ok" if finish[-1] == "length" else "truncated"] += 1
+                    else:
+                        r = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=5)
+                        outcomes["ok" if r.choices[0].message.content else "empty"] += 1
+                except Exception as e:      # any failure is counted, and fails the test
+                    outcomes[f"{type(e).__name__}: {e}"[:200]] += 1
+
+        clients = [asyncio.create_task(steady(i)) for i in range(6)]
+        try:
+            while outcomes["ok"] < 30:
+                await asyncio.sleep(0.02)
+            assert await started(a.url) > 0 and await started(c.url) == 0
+            path.write_text(config_text(port, [b.url, c.url]))
+            proc.send_signal(signal.SIGHUP)
+            async with aiohttp.ClientSession() as s:
+                for _ in range(500):
+                    async with s.get(url + "/metrics") as r:
+                        if metric(await r.text(), "switchyard_config_generation") == 2:
+                            break
+                    await asyncio.sleep(0.02)
+            at_reload = outcomes["ok"]
+            a_at_reload = await started(a.url)
+            while outcomes["ok"] < at_reload + 60:
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+        assert set(outcomes) == {"ok"}, outcomes
+        assert await started(c.url) > 0                    # the added endpoint takes traffic
+        assert await started(a.url) == a_at_reload         # the removed one gets none after the reload
+
+        path.write_text(config_text(port, [b.url, c.url], extra="aliases: [{name: x, targets: [{model: nope}]}]\n"))
+        proc.send_signal(signal.SIGHUP)
+        async with aiohttp.ClientSession() as s:
+            for _ in range(500):
+                async with s.get(url + "/metrics") as r:
+                    text = await r.text()
+                if metric(text, "switchyard_config_reload_total", result="invalid") == 1:
+                    break
+                await asyncio.sleep(0.02)
+        assert metric(text, "switchyard_config_reload_total", result="ok") == 1
+        assert metric(text, "switchyard_config_generation") == 2
+        assert (await client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)).choices
+        await client.close()
+        proc.send_signal(signal.SIGTERM)
+        _, err = await proc.communicate()
+    assert b"aliases[0].targets[0].model" in err and b"config reload refused" in err
+
+
+async def worker_views(port: int, want: int) -> dict[int, set[str]]:
+    """pid → the model ids its /v1/models lists, over fresh connections until ``want`` workers answered.
+    A connection the kernel reset is tried again: right after a worker is killed, the connections
+    SO_REUSEPORT had queued on its listening socket are reset when that socket closes."""
+    views: dict[int, set[str]] = {}
+    for _ in range(200):
+        conn = aiohttp.TCPConnector(limit=1)        # one connection: both answers from one worker
+        try:
+            async with aiohttp.ClientSession(connector=conn) as s:
+                async with s.get(f"http://127.0.0.1:{port}/status.json",
+                                 headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    pid = (await r.json())["gateway"]["pid"]
+                async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                    views[pid] = {m["id"] for m in (await r.json())["data"]}
+        except (aiohttp.ClientConnectionError, ConnectionResetError):
+            await asyncio.sleep(0.02)
+            continue
+        if len(views) >= want:
+            break
+    return views
+
+
+@pytest.mark.timeout(90)
+async def test_every_worker_reloads_on_sighup_and_on_admin_reload(sims, tmp_path):
+    sim = await sims("vllm", "m")
+    port = free_port()
+    path = tmp_path / "gw.yaml"
+    auth = f"auth: {{admin_token: {TOKEN}}}\n"
+    path.write_text(config_text(port, [sim.url], extra=auth))
+    async with gateway_process(path, port, "--workers", "2") as proc:
+        assert [v for v in (await worker_views(port, 2)).values()] == [{"m"}, {"m"}]
+
+        path.write_text(config_text(port, [sim.url], extra=auth + "aliases: [{name: one, targets: [{model: m}]}]\n"))
+        proc.send_signal(signal.SIGHUP)                                 # to the parent
+        for _ in range(100):
+            views = await worker_views(port, 2)
+            if all(v == {"m", "one"} for v in views.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
+
+        path.write_text(config_text(port, [sim.url], extra=auth + "aliases: [{name: two, targets: [{model: m}]}]\n"))
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                                        headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            body = await r.json()
+        assert r.status == 200 and body["result"] == "ok" and body["generation"] == 3
+        views = await worker_views(port, 2)                             # every worker, not only the one asked
+        assert len(views) == 2 and all(v == {"m", "two"} for v in views.values()), views
+
+        # a worker that dies is restarted by the parent on the config as reloaded, not as started
+        victim = next(iter(views))
+        os.kill(victim, signal.SIGKILL)
+        for _ in range(200):
+            views = await worker_views(port, 2)
+            if len(views) == 2 and victim not in views:
+                break
+            await asyncio.sleep(0.05)
+        assert victim not in views and all(v == {"m", "two"} for v in views.values()), views
+        assert proc.returncode is None

@@ -1,0 +1,187 @@
+"""The admin API and its CLI: users and keys created, read, updated and deleted at run time."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.admin_cli import main as cli
+from tests.support.factories import model_block
+from tests.support.http import openai_client
+from tests.support.tenancy import ALICE, CHAT
+
+TOKEN = "admin-secret-token"
+CONFIG = {"auth": {"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": TOKEN},
+          "limits": {"users": {"alice": {"rpm": 100}}, "default_user": {"rpm": 50}}}
+
+
+@pytest.fixture
+async def gw(sims, gateway):
+    sim = await sims("vllm", "m")
+    return await gateway([model_block("m", "vllm", [sim.url])], **CONFIG)
+
+
+class Admin:
+    def __init__(self, gw, token=TOKEN):
+        self.url, self.token = gw.url, token
+
+    async def __call__(self, method: str, path: str, body=None) -> tuple[int, dict]:
+        async with aiohttp.ClientSession() as s, s.request(
+                method, self.url + path, json=body, headers={"Authorization": f"Bearer {self.token}"}) as r:
+            return r.status, await r.json()
+
+
+async def test_admin_needs_its_own_token(gw):
+    for token in ("wrong", ALICE):              # an API key is not an admin token
+        status, body = await Admin(gw, token)("GET", "/admin/users")
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/admin/users") as r:
+        assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+
+
+async def test_no_admin_token_no_admin_api(sims, gateway):
+    sim = await sims("vllm", "m")
+    g = await gateway([model_block("m", "vllm", [sim.url])], auth={"api_keys": [{"key": ALICE, "user": "a"}]})
+    assert (await Admin(g)("GET", "/admin/users"))[0] == 404
+
+
+async def test_users_crud(gw):
+    admin = Admin(gw)
+    status, body = await admin("GET", "/admin/users")
+    assert status == 200 and body["default_user"] == {"rpm": 50, "tpm": 0, "max_concurrent": 0}
+    assert body["data"] == [{"name": "alice", "rpm": 100, "tpm": 0, "max_concurrent": 0, "source": "config",
+                             "overrides_config": False}]
+
+    status, bob = await admin("POST", "/admin/users", {"name": "bob", "rpm": 2, "tpm": 1000})
+    assert status == 201 and (bob["rpm"], bob["tpm"], bob["max_concurrent"], bob["source"]) == (2, 1000, 0, "store")
+    assert bob["usage"]["requests"] == 0 and bob["keys"] == []
+    assert (await admin("POST", "/admin/users", {"name": "bob"}))[0] == 409
+    assert (await admin("POST", "/admin/users", {"name": "alice"}))[0] == 409    # configured: use PUT
+
+    status, bob = await admin("PATCH", "/admin/users/bob", {"max_concurrent": 3})
+    assert status == 200 and (bob["rpm"], bob["tpm"], bob["max_concurrent"]) == (2, 1000, 3)
+    status, bob = await admin("PUT", "/admin/users/bob", {"rpm": 7})
+    assert status == 200 and (bob["rpm"], bob["tpm"], bob["max_concurrent"]) == (7, 0, 0)
+    status, carol = await admin("PUT", "/admin/users/carol", {"tpm": 5})
+    assert status == 201 and carol["tpm"] == 5
+
+    # a store record overrides a config user; deleting it falls back to the config
+    status, alice = await admin("PATCH", "/admin/users/alice", {"rpm": 1})
+    assert status == 200 and alice["rpm"] == 1 and alice["overrides_config"] is True
+    status, gone = await admin("DELETE", "/admin/users/alice")
+    assert status == 200 and gone["now"]["rpm"] == 100 and gone["now"]["source"] == "config"
+    assert (await admin("DELETE", "/admin/users/alice"))[0] == 409           # config: not deletable here
+
+    status, body = await admin("GET", "/admin/users")
+    assert [u["name"] for u in body["data"]] == ["alice", "bob", "carol"]
+    assert (await admin("DELETE", "/admin/users/bob"))[0] == 200
+    assert (await admin("GET", "/admin/users/bob"))[0] == 404
+    assert (await admin("PATCH", "/admin/users/bob", {"rpm": 1}))[0] == 404
+    assert (await admin("DELETE", "/admin/users/bob"))[0] == 404
+
+
+@pytest.mark.parametrize("method,path,body,param", [
+    ("POST", "/admin/users", {"name": "x", "rpm": -1}, "rpm"),
+    ("POST", "/admin/users", {"name": "x", "rpm": "10"}, "rpm"),
+    ("POST", "/admin/users", {"name": "x", "rpm": True}, "rpm"),
+    ("POST", "/admin/users", {"name": "x", "rps": 1}, "rps"),
+    ("POST", "/admin/users", {"name": "bad name"}, "name"),
+    ("POST", "/admin/users", {}, "name"),
+    ("PUT", "/admin/users/x", {"tpm": 1.5}, "tpm"),
+    ("POST", "/admin/keys", {"name": "k"}, "user"),
+    ("POST", "/admin/keys", {"user": "u", "key": "short"}, "key"),
+    ("POST", "/admin/keys", {"user": "u", "expires": 1}, "expires"),
+])
+async def test_bad_admin_input_is_a_400_naming_the_field(gw, method, path, body, param):
+    status, err = await Admin(gw)(method, path, body)
+    assert status == 400 and err["error"]["param"] == param, err
+
+
+async def test_keys_crud_and_effect_on_requests(gw):
+    admin = Admin(gw)
+    status, body = await admin("GET", "/admin/keys")
+    assert status == 200 and [(k["user"], k["source"]) for k in body["data"]] == [("alice", "config")]
+    assert "key" not in body["data"][0]                                     # never shown again
+
+    status, made = await admin("POST", "/admin/keys", {"user": "dora", "name": "laptop"})
+    assert status == 201 and made["key"].startswith("sk-sy-") and made["user"] == "dora"
+    key, kid = made["key"], made["id"]
+    r = await openai_client(gw, key).chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
+    assert r.headers["x-ratelimit-limit-requests"] == "50"                  # dora: default_user limits
+
+    status, own = await admin("POST", "/admin/keys", {"user": "erin", "key": "my-own-long-key-123"})
+    assert status == 201 and own["key"] == "my-own-long-key-123"
+    assert (await admin("POST", "/admin/keys", {"user": "x", "key": "my-own-long-key-123"}))[0] == 409
+
+    status, body = await admin("GET", "/admin/keys?user=dora")
+    assert [k["id"] for k in body["data"]] == [kid]
+    status, got = await admin("GET", f"/admin/keys/{kid}")
+    assert status == 200 and got == {"id": kid, "user": "dora", "name": "laptop", "created": made["created"],
+                                     "source": "store"}
+    status, moved = await admin("PATCH", f"/admin/keys/{kid}", {"user": "alice"})
+    assert status == 200 and moved["user"] == "alice"
+    r = await openai_client(gw, key).chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
+    assert r.headers["x-ratelimit-limit-requests"] == "100"                 # now alice's limits
+
+    config_kid = next(k["id"] for k in (await admin("GET", "/admin/keys"))[1]["data"] if k["source"] == "config")
+    assert (await admin("DELETE", f"/admin/keys/{config_kid}"))[0] == 409
+    assert (await admin("PATCH", f"/admin/keys/{config_kid}", {"user": "x"}))[0] == 409
+
+    status, _ = await admin("DELETE", f"/admin/keys/{kid}")
+    assert status == 200
+    with pytest.raises(openai.AuthenticationError):
+        await openai_client(gw, key).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+    assert (await admin("GET", f"/admin/keys/{kid}"))[0] == 404
+
+    # deleting a user revokes their store keys
+    await admin("PUT", "/admin/users/erin", {"rpm": 5})
+    status, gone = await admin("DELETE", "/admin/users/erin")
+    assert status == 200 and gone["keys_deleted"] == 1
+    with pytest.raises(openai.AuthenticationError):
+        await openai_client(gw, "my-own-long-key-123").chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+
+
+async def test_cli(gw, monkeypatch):
+    monkeypatch.delenv("SWITCHYARD_ADMIN_TOKEN", raising=False)
+
+    async def run(*argv, token=TOKEN) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        args = ["--url", gw.url] + (["--token", token] if token else []) + list(argv)
+        code = await asyncio.to_thread(cli, args, out, err)
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, _ = await run("users", "create", "fred", "--rpm", "3", "--max-concurrent", "2")
+    assert code == 0 and json.loads(out)["rpm"] == 3 and json.loads(out)["max_concurrent"] == 2
+    code, out, _ = await run("users", "update", "fred", "--tpm", "900")
+    assert code == 0 and (json.loads(out)["rpm"], json.loads(out)["tpm"]) == (3, 900)
+    code, out, _ = await run("users", "set", "fred", "--tpm", "10")
+    assert code == 0 and (json.loads(out)["rpm"], json.loads(out)["tpm"]) == (0, 10)
+    code, out, _ = await run("users", "list")
+    assert code == 0 and [u["name"] for u in json.loads(out)["data"]] == ["alice", "fred"]
+    code, out, _ = await run("keys", "create", "--user", "fred", "--name", "ci")
+    made = json.loads(out)
+    assert code == 0 and made["key"].startswith("sk-sy-")
+    assert (await openai_client(gw, made["key"]).chat.completions.create(model="m", messages=CHAT, max_tokens=1)).choices
+    code, out, _ = await run("keys", "list", "--user", "fred")
+    assert code == 0 and [k["id"] for k in json.loads(out)["data"]] == [made["id"]]
+    code, out, _ = await run("keys", "update", made["id"], "--name", "ci-2")
+    assert code == 0 and json.loads(out)["name"] == "ci-2"
+    code, out, _ = await run("keys", "get", made["id"])
+    assert code == 0 and json.loads(out)["name"] == "ci-2"
+    code, out, _ = await run("keys", "delete", made["id"])
+    assert code == 0 and json.loads(out) == {"deleted": made["id"]}
+    code, out, _ = await run("users", "get", "fred")
+    assert code == 0 and json.loads(out)["keys"] == []
+    code, _, err = await run("users", "get", "nobody")
+    assert code == 1 and "404" in err and "not found" in err
+    code, _, err = await run("users", "list", token="wrong")
+    assert code == 1 and "401" in err
+    code, _, err = await run("users", "list", token=None)
+    assert code == 2 and "no admin token" in err
+    code, _, _ = await run("users", "delete", "fred")
+    assert code == 0

@@ -1,0 +1,233 @@
+"""API keys and limits as a client sees them (in-memory state): the OpenAI SDK on real sockets."""
+
+from __future__ import annotations
+
+import contextlib
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from tests.support.factories import model_block
+from tests.support.http import openai_client
+from tests.support.tenancy import ALICE, BOB, CHAT, KEYS, outcomes
+from tests.support.waiting import wait_for
+
+
+@pytest.fixture
+async def recorder():
+    """A minimal OpenAI-compatible engine that records the headers it receives."""
+    seen: list[dict[str, str]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        body = await request.json()
+        return web.json_response({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}", seen
+    await runner.cleanup()
+
+
+async def test_without_auth_the_authorization_header_reaches_the_engine(recorder, gateway):
+    url, seen = recorder
+    gw = await gateway([model_block("m", "vllm", [url])])
+    assert gw.gw.tenancy is None                       # nothing configured: no hooks at all
+    await openai_client(gw, "engine-key").chat.completions.create(model="m", messages=CHAT)
+    assert seen[-1]["Authorization"] == "Bearer engine-key"
+
+
+async def test_missing_or_wrong_key_is_an_openai_401(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS)
+    with pytest.raises(openai.AuthenticationError) as ei:
+        await openai_client(gw, "sk-wrong").chat.completions.create(model="m", messages=CHAT)
+    assert ei.value.status_code == 401
+    assert ei.value.body == {"message": "Incorrect API key provided.", "type": "authentication_error",
+                             "param": "api_key", "code": "invalid_api_key"}
+    assert ei.value.response.headers["WWW-Authenticate"] == "Bearer"
+    assert ei.value.response.headers["request-id"]
+    with pytest.raises(openai.AuthenticationError):
+        await openai_client(gw, "sk-wrong").models.list()       # listing models needs a key too
+    async with aiohttp.ClientSession() as s:
+        for hdrs in ({}, {"Authorization": "Basic YTpi"}, {"Authorization": "Bearer"}):
+            async with s.post(gw.base_url + "/chat/completions", json={"model": "m", "messages": CHAT},
+                              headers=hdrs) as r:
+                assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+    ok = await openai_client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    assert ok.choices[0].message.content
+    assert [m.id for m in (await openai_client(gw, BOB).models.list()).data] == ["m"]
+    text = await gw.metrics_text()
+    assert 'switchyard_auth_failures_total{reason="invalid"} 2.0' in text
+    assert 'switchyard_auth_failures_total{reason="missing"} 3.0' in text
+
+
+@pytest.mark.parametrize("forward", [False, True])
+async def test_the_key_decides_the_user_not_the_user_header(recorder, gateway, forward):
+    url, seen = recorder
+    gw = await gateway([model_block("m", "vllm", [url])], auth={**KEYS, "forward_authorization": forward})
+    await openai_client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, extra_headers={"user": "bob"})
+    hdrs = {k.lower(): v for k, v in seen[-1].items()}
+    assert hdrs["user"] == "alice"                       # no impersonation through the header
+    assert ("authorization" in hdrs) is forward          # the gateway key stays at the gateway by default
+
+
+async def test_rpm_holds_exactly_under_a_concurrent_burst(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 5}}})
+    c = openai_client(gw, ALICE)
+    got = await outcomes(c.chat.completions.create(model="m", messages=CHAT, max_tokens=2) for _ in range(12))
+    assert got.count(200) == 5 and got.count("RateLimitError") == 7
+    # bob has no limits; alice's are hers alone
+    assert await outcomes(openai_client(gw, BOB).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+                          for _ in range(8)) == [200] * 8
+    with pytest.raises(openai.RateLimitError) as ei:
+        await c.chat.completions.create(model="m", messages=CHAT)
+    e = ei.value
+    assert e.body["code"] == "rate_limit_exceeded" and e.body["message"] == "user: alice has exceeded RPM: 5"
+    h = e.response.headers
+    assert h["x-error-rpm-exceeded"] == "true" and h["x-ratelimit-limit-requests"] == "5"
+    assert h["x-ratelimit-remaining-requests"] == "0"
+    assert 1 <= int(h["Retry-After"]) <= 60 and 0 < int(h["retry-after-ms"]) <= 60_000
+    assert 'switchyard_rate_limited_total{limit="rpm",model="m",user="alice"} 8.0' in await gw.metrics_text()
+
+
+async def test_rate_limit_headers_on_every_answer(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 10, "tpm": 100000}}})
+    c = openai_client(gw, ALICE)
+    raw = await c.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=3)
+    h = raw.headers
+    assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("10", "9")
+    assert h["x-ratelimit-reset-requests"].endswith("s")
+    assert (h["x-ratelimit-limit-tokens"], h["x-ratelimit-remaining-tokens"]) == ("100000", "100000")
+    usage = raw.parse().usage
+    # a stream gets them too, and the tokens of the first answer are charged by now
+    async with c.chat.completions.with_streaming_response.create(model="m", messages=CHAT, max_tokens=3,
+                                                                 stream=True) as resp:
+        assert resp.headers["x-ratelimit-remaining-requests"] == "8"
+        assert resp.headers["x-ratelimit-remaining-tokens"] == str(100000 - usage.total_tokens)
+        async for _ in resp.iter_lines():
+            pass
+    # and an error answer from the engine (max_tokens beyond the context) too
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.chat.completions.create(model="m", messages=CHAT, max_tokens=10**6)
+    assert ei.value.response.headers["x-ratelimit-remaining-requests"] == "7"
+
+
+async def test_tpm_is_charged_from_streamed_usage_the_client_did_not_ask_for(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 40}}})
+    c = openai_client(gw, ALICE)
+    stream = await c.chat.completions.create(model="m", messages=CHAT, max_tokens=30, stream=True)
+    chunks = [ch async for ch in stream]
+    assert all(ch.usage is None for ch in chunks)          # usage stays hidden from this client...
+    tenancy = gw.gw.tenancy
+    used = await wait_for(lambda: tenancy.state.usage("alice"))
+    assert used["tokens"] > 30                              # ...but prompt + 30 completion tokens count
+    with pytest.raises(openai.RateLimitError) as ei:
+        await c.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+    assert ei.value.body["message"] == "user: alice has exceeded TPM: 40"
+    assert ei.value.response.headers["x-error-tpm-exceeded"] == "true"
+    assert ei.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"max_concurrent": 2}}})
+    c = openai_client(gw, ALICE)
+    async with contextlib.AsyncExitStack() as stack:
+        readers = []
+        for _ in range(2):   # two streams, each past its first chunk: both surely in flight
+            resp = await stack.enter_async_context(c.chat.completions.with_streaming_response.create(
+                model="m", messages=CHAT, max_tokens=500, stream=True))
+            readers.append(resp.http_response.aiter_bytes())
+            await readers[-1].__anext__()
+        with pytest.raises(openai.RateLimitError) as ei:
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+        assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
+        assert "concurrent" in ei.value.body["message"]
+    # the streams were closed by the client: their slots come back
+    await wait_for(lambda: gw.gw.lifecycle.in_flight == 0)
+    await c.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+
+
+async def test_model_rps_limit(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], limits={"models": {"m": {"rps": 2}}})
+    got = await outcomes(openai_client(gw).chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+                         for _ in range(5))
+    assert got.count(200) == 2 and got.count("RateLimitError") == 3
+    async with aiohttp.ClientSession() as s, s.post(gw.base_url + "/chat/completions",
+                                                    json={"model": "m", "messages": CHAT}) as r:
+        body = await r.json()
+        assert r.status == 429 and r.headers["x-error-model-rps-exceeded"] == "true"
+        assert body["error"]["message"] == "model: m has exceeded RPS: 2"
+        assert 1 <= int(r.headers["Retry-After"]) <= 1
+
+
+async def test_without_auth_the_user_header_names_the_user(sims, gateway):
+    """AIBrix-compatible: no keys configured, the `user` header selects the limits."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       limits={"users": {"bob": {"rpm": 1}}, "default_user": {"rpm": 2}})
+    c = openai_client(gw)
+
+    async def as_user(u):
+        return await c.chat.completions.create(model="m", messages=CHAT, max_tokens=1,
+                                               extra_headers={"user": u} if u else None)
+    assert await outcomes(as_user("bob") for _ in range(2)) == [200, "RateLimitError"]
+    assert await outcomes(as_user("carol") for _ in range(3)) == [200, 200, "RateLimitError"]   # default_user
+    assert await outcomes(as_user("dan") for _ in range(2)) == [200, 200]          # own counters
+    assert await outcomes(as_user(None) for _ in range(4)) == [200] * 4            # anonymous: unlimited
+
+
+async def test_the_log_line_names_the_keys_user_not_the_clients_claim(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS)
+    with gw.gw.request_log.capture() as lines:
+        await openai_client(gw, ALICE).chat.completions.create(model="m", messages=CHAT, max_tokens=1,
+                                                 extra_headers={"user": "mallory"}, user="mallory")
+    assert [x["user"] for x in lines] == ["alice"]
+
+
+async def test_per_user_metrics_name_only_users_the_gateway_knows(sims, gateway):
+    """Without auth anyone can put anything in `user`: only configured users get their own series."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       limits={"users": {"alice": {"rpm": 1}}, "default_user": {"rpm": 1}})
+    c = openai_client(gw)
+    got = []
+    for user in ("alice", "alice", "mallory-1", "mallory-1", "mallory-2", None):
+        try:
+            await c.chat.completions.create(model="m", messages=CHAT, max_tokens=2,
+                                            extra_headers={"user": user} if user else None)
+            got.append(200)
+        except openai.RateLimitError:
+            got.append(429)
+    assert got == [200, 429, 200, 429, 200, 200]
+    text = await gw.metrics_text()
+    assert 'switchyard_rate_limited_total{limit="rpm",model="m",user="alice"} 1.0' in text
+    assert 'switchyard_rate_limited_total{limit="rpm",model="m",user="_other"} 1.0' in text
+    assert 'switchyard_user_tokens_total{kind="completion",user="alice"} 2.0' in text
+    assert 'switchyard_user_tokens_total{kind="completion",user="_other"} 4.0' in text   # mallory-1 and -2
+    assert 'switchyard_user_tokens_total{kind="completion",user="_none"} 2.0' in text
+    assert "mallory" not in text

@@ -1,0 +1,264 @@
+"""The Redis backend against a real redis-server: shared limits, outages, fleet in-flight counts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import redis.asyncio as aioredis
+import yaml
+
+from gateway.config.schema import StateConfig
+from gateway.server.run import free_port
+from gateway.tenants.redis_state import RedisState
+from tests.support.factories import model_block
+from tests.support.http import openai_client
+from tests.support.tenancy import ALICE, CHAT, KEYS, outcomes
+from tests.support.waiting import wait_for
+
+ROOT = Path(__file__).resolve().parents[3]
+FAST_STATE = {"sync_interval_s": 0.05, "replica_ttl_s": 0.5, "timeout_s": 0.2}
+
+
+def state(server, **kw) -> dict:
+    return {"redis_url": server.url, **FAST_STATE, **kw}
+
+
+async def chat(gw, key=ALICE, **kw):
+    return await openai_client(gw, key).chat.completions.create(model="m", messages=CHAT, max_tokens=1, **kw)
+
+
+async def test_two_gateways_enforce_one_limit_together(sims, gateway, redis_server):
+    sim = await sims("vllm", "m")
+    blocks = {"auth": KEYS, "limits": {"users": {"alice": {"rpm": 5}}}, "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    got = await outcomes([chat(a) for _ in range(6)] + [chat(b) for _ in range(6)])
+    assert got.count(200) == 5 and got.count("RateLimitError") == 7
+    # counters expire: nothing in Redis grows without bound
+    r = aioredis.Redis.from_url(redis_server.url)
+    ttl = await r.pttl("switchyard:rpm:alice")
+    assert 0 < ttl <= 60_000 and int(await r.get("switchyard:rpm:alice")) == 5
+    await r.aclose()
+
+
+async def test_tpm_charged_from_a_stream_on_one_replica_limits_the_other(sims, gateway, redis_server):
+    sim = await sims("vllm", "m")
+    blocks = {"auth": KEYS, "limits": {"users": {"alice": {"tpm": 40}}}, "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    stream = await openai_client(a, ALICE).chat.completions.create(model="m", messages=CHAT, max_tokens=30, stream=True)
+    async for _ in stream:
+        pass
+    used = await wait_for(lambda: _tokens(a, "alice", above=30))
+    assert used > 30
+    with pytest.raises(openai.RateLimitError) as ei:
+        await chat(b)
+    assert ei.value.body["message"] == "user: alice has exceeded TPM: 40"
+    assert ei.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+async def _tokens(gw, user, above):
+    n = (await gw.gw.tenancy.state.usage(user))["tokens"]
+    return n if n > above else 0
+
+
+async def test_concurrency_is_counted_across_replicas(sims, gateway, redis_server):
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    blocks = {"auth": KEYS, "limits": {"users": {"alice": {"max_concurrent": 1}}}, "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    async with openai_client(a, ALICE).chat.completions.with_streaming_response.create(
+            model="m", messages=CHAT, max_tokens=500, stream=True) as resp:
+        reader = resp.http_response.aiter_bytes()
+        await reader.__anext__()
+        with pytest.raises(openai.RateLimitError) as ei:
+            await chat(b)
+        assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
+    # the slot is released in Redis once A's stream is gone
+    await wait_for(lambda: _concurrent_is(a, "alice", 0))
+    assert (await chat(b)).choices
+
+
+async def _concurrent_is(gw, user, n):
+    return (await gw.gw.tenancy.state.usage(user))["concurrent"] == n
+
+
+async def _state_up(gw, up=True):
+    return gw.gw.tenancy.state.up is up
+
+
+async def test_redis_outage_fail_open_serves_counts_and_recovers(sims, gateway, redis_server):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 2}}}, state=state(redis_server))
+    assert (await chat(gw)).choices
+    redis_server.kill()
+    # the policy is open: served (unlimited) while Redis is gone, and counted
+    assert await outcomes(chat(gw) for _ in range(4)) == [200] * 4
+    assert gw.gw.tenancy.state.up is False
+    text = await gw.metrics_text()
+    assert 'switchyard_state_unavailable_total{policy="open"} 4.0' in text
+    assert "switchyard_state_up 0.0" in text
+    redis_server.start()
+    assert await wait_for(lambda: _state_up(gw), timeout=10)
+    # back to enforcing, against the fresh (empty) Redis
+    assert await outcomes(chat(gw) for _ in range(3)) == [200, 200, "RateLimitError"]
+    assert "switchyard_state_up 1.0" in await gw.metrics_text()
+
+
+async def test_redis_outage_fail_closed_answers_503_and_recovers(sims, gateway, redis_server):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 100}}},
+                       state=state(redis_server, failure_policy="closed"))
+    assert (await chat(gw)).choices
+    redis_server.kill()
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError) as ei:
+            await chat(gw)
+        assert ei.value.status_code == 503 and ei.value.body["code"] == "service_unavailable"
+        assert ei.value.response.headers["x-error-state-unavailable"] == "true"
+        assert ei.value.response.headers["Retry-After"] == "1"
+    # a user without limits needs no state: still served
+    redis_server.start()
+    assert await wait_for(lambda: _state_up(gw), timeout=10)
+    assert (await chat(gw)).choices
+
+
+async def test_a_redis_that_stops_answering_does_not_hang_requests(sims, gateway, redis_server):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 100, "max_concurrent": 5}}}, state=state(redis_server))
+    assert (await chat(gw)).choices
+    redis_server.pause()            # connections are accepted, nothing is ever answered
+    try:
+        async with asyncio.timeout(10):     # a hang detector, not a latency assertion
+            assert await outcomes(chat(gw) for _ in range(3)) == [200] * 3
+        assert gw.gw.tenancy.state.up is False
+    finally:
+        redis_server.resume()
+    assert await wait_for(lambda: _state_up(gw), timeout=10)
+    assert (await chat(gw)).choices
+    # slots taken before the freeze were released (or repaired) once Redis answered again
+    assert await wait_for(lambda: _concurrent_is(gw, "alice", 0), timeout=5)
+
+
+async def test_least_request_sees_the_other_replicas_in_flight(sims, gateway, redis_server):
+    s1 = await sims("vllm", "m", itl_ms=20.0)
+    s2 = await sims("vllm", "m", itl_ms=20.0)
+    urls = [s1.url, s2.url]
+    a = await gateway([model_block("m", "vllm", urls)], state=state(redis_server))
+    b = await gateway([model_block("m", "vllm", urls)], state=state(redis_server))
+    async with contextlib.AsyncExitStack() as stack:
+        readers = []
+        for _ in range(3):          # A: 2 streams on one engine, 1 on the other
+            resp = await stack.enter_async_context(openai_client(a, "x").chat.completions.with_streaming_response.create(
+                model="m", messages=CHAT, max_tokens=500, stream=True))
+            readers.append(resp.http_response.aiter_bytes())
+            await readers[-1].__anext__()
+        a_load = {ep.url: ep.in_flight for ep in a.gw.pool.endpoints()}
+        assert sorted(a_load.values()) == [1, 2]
+        # B learns A's counts through Redis
+        assert await wait_for(lambda: {ep.url: ep.remote_in_flight for ep in b.gw.pool.endpoints()} == a_load)
+        lighter = min(a_load, key=a_load.get).split("//")[1]
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):      # B alone would see a tie; with the fleet's view it is not one
+                async with s.post(b.base_url + "/chat/completions",
+                                  json={"model": "m", "messages": CHAT, "max_tokens": 1}) as r:
+                    assert r.status == 200 and r.headers["target-pod"] == lighter
+    assert await wait_for(lambda: all(ep.remote_in_flight == 0 for ep in b.gw.pool.endpoints()))
+
+
+async def test_admin_changes_on_one_replica_apply_on_the_other(sims, gateway, redis_server):
+    sim = await sims("vllm", "m")
+    blocks = {"auth": {"enabled": True, "admin_token": "admin-token-1"}, "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    admin = {"Authorization": "Bearer admin-token-1"}
+    async with aiohttp.ClientSession(headers=admin) as s:
+        async with s.post(a.url + "/admin/keys", json={"user": "erin"}) as r:
+            assert r.status == 201
+            created = await r.json()
+        # usable on B at once, before B's next sync could have mirrored it
+        assert (await chat(b, created["key"])).choices
+        async with s.put(a.url + "/admin/users/erin", json={"rpm": 1}) as r:
+            assert r.status == 201
+        assert await wait_for(lambda: b.gw.tenancy.directory.limits_for("erin") is not None)
+        assert await outcomes([chat(b, created["key"]), chat(b, created["key"])]) == [200, "RateLimitError"]
+        async with s.delete(a.url + f"/admin/keys/{created['id']}") as r:
+            assert r.status == 200
+    assert await wait_for(lambda: b.gw.tenancy.directory.key(created["id"]) is None
+                          and not b.gw.tenancy.directory.store_keys)
+    with pytest.raises(openai.AuthenticationError):
+        await chat(b, created["key"])
+
+
+async def test_two_gateway_processes_share_one_limit(sims, redis_server, tmp_path):
+    sim = await sims("vllm", "m")
+    ports = [free_port(), free_port()]
+    procs = []
+    for i, port in enumerate(ports):
+        cfg = {"listen": {"host": "127.0.0.1", "port": port}, "server": {"shutdown_grace_s": 2},
+               "models": [model_block("m", "vllm", [sim.url])],
+               "auth": KEYS, "limits": {"users": {"alice": {"rpm": 4}}},
+               "state": {**state(redis_server), "replica_id": f"proc-{i}"}}
+        path = tmp_path / f"gw{i}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        procs.append(subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=ROOT,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                      env={**os.environ, "PYTHONPATH": str(ROOT)}))
+    try:
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        for u in urls:
+            assert await wait_for(lambda u=u: _healthy(u), timeout=30), "gateway process did not start"
+
+        class Proc:
+            def __init__(self, url):
+                self.base_url = url + "/v1"
+        gws = [Proc(u) for u in urls]
+        got = await outcomes([chat(gws[0]) for _ in range(4)] + [chat(gws[1]) for _ in range(4)])
+        assert got.count(200) == 4 and got.count("RateLimitError") == 4
+        r = aioredis.Redis.from_url(redis_server.url)
+        assert sorted(m.decode() for m in await r.zrange("switchyard:replicas", 0, -1)) == ["proc-0", "proc-1"]
+        await r.aclose()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)        # drain without the SIGTERM delay
+        for p in procs:
+            try:
+                await asyncio.to_thread(p.wait, 15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+async def _healthy(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+async def test_a_redis_restart_leaves_no_stale_pooled_connection(redis_server):
+    """Every idle pooled connection is to the Redis that died: each is reconnected when taken from
+    the pool, so no call after the restart fails on one (a request served uncounted, or a 503)."""
+    st = RedisState(StateConfig(redis_url=redis_server.url, timeout_s=0.5))
+    try:
+        assert await asyncio.gather(*(st.client.ping() for _ in range(5))) == [True] * 5  # 5 in the pool
+        redis_server.kill()         # the kernel has queued each connection's FIN when this returns
+        await asyncio.sleep(0.05)   # a few loop turns to read them, as a serving gateway's loop would
+        redis_server.start()
+        assert await asyncio.gather(*(st.client.ping() for _ in range(5))) == [True] * 5
+    finally:
+        await st.stop()

@@ -1,0 +1,778 @@
+"""The upstream HTTP/1.1 client (gateway/upstream/h1client.py) against real loopback servers.
+
+Each scenario runs on both the default asyncio loop and uvloop (what the gateway runs on). The
+servers are small ``asyncio.start_server`` scripts, so each test says byte for byte what the engine
+does, and counts connections and disconnects on the server's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import socket
+import weakref
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.upstream.h1client import (
+    HIGH_WATER,
+    SendState,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from gateway.upstream.upstream import UpstreamFailure, classify
+from tests.support.factories import model_block
+from tests.support.loops import on_both_loops
+from tests.support.waiting import until
+
+JSON = {"Content-Type": "application/json"}
+GUARD = 10.0    # a bound on waits for the server's side, so a bug fails instead of hanging
+
+
+async def open_leg(pool, url, body, headers, header_timeout):
+    """A leg as the gateway opens it: the client's failures classified (``gateway.upstream.upstream``)."""
+    try:
+        return await pool.post(url, body, headers, header_timeout)
+    except UpstreamError as e:
+        raise classify(e, url) from None
+
+
+class Engine:
+    """A scripted HTTP/1.1 server: ``handle(server, request, writer)`` answers each request and
+    returns False to close the connection. Counts accepted and closed connections."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.accepted = 0
+        self.closed = 0
+        self.requests: list[dict] = []
+        self.disconnected = asyncio.Event()
+        self.port = 0
+
+    async def __aenter__(self) -> Engine:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.server.wait_closed(), 2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        conn_no = self.accepted
+        n = 0
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                lines = head.decode().split("\r\n")
+                method, path, _ = lines[0].split(" ")
+                headers = {k.lower(): v for k, v in (ln.split(": ", 1) for ln in lines[1:] if ln)}
+                body = await reader.readexactly(int(headers.get("content-length", 0)))
+                n += 1
+                req = {"method": method, "path": path, "headers": headers, "body": body, "conn": conn_no,
+                       "nth": n, "reader": reader}
+                self.requests.append(req)
+                if await self.handle(self, req, writer) is False:
+                    break
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+            self.closed += 1
+            self.disconnected.set()
+
+
+def answer(body: bytes = b'{"ok":true}', status: int = 200, extra: str = "") -> bytes:
+    return (f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"{extra}\r\n").encode() + body
+
+
+async def ok(server, req, writer):
+    writer.write(answer())
+    await writer.drain()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- bodies ------------------------------------------------------------------------------------
+
+
+@on_both_loops
+async def test_content_length_answer_and_the_request_on_the_wire():
+    async with Engine(ok) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/v1/chat/completions", b'{"a":1}', {**JSON, "X-Request-Id": "r1"})
+        assert resp.status == 200
+        assert resp.headers["content-type"] == resp.headers.get("Content-Type") == "application/json"
+        assert "CONTENT-TYPE" in resp.headers and "Retry-After" not in resp.headers
+        assert await resp.read() == b'{"ok":true}'
+        assert resp.at_eof()
+        resp.release()
+        req = eng.requests[0]
+        assert (req["method"], req["path"], req["body"]) == ("POST", "/v1/chat/completions", b'{"a":1}')
+        assert req["headers"]["host"] == f"127.0.0.1:{eng.port}"
+        assert req["headers"]["content-length"] == "7"
+        assert req["headers"]["x-request-id"] == "r1"
+        assert "accept-encoding" not in req["headers"]
+        await pool.close()
+
+
+@on_both_loops
+async def test_chunked_answer():
+    async def chunked(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in (b"hello ", b"chunked ", b"world"):
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    async with Engine(chunked) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        assert await resp.read() == b"hello chunked world"
+        resp.release()
+        assert pool.open_connections == 1       # a complete chunked answer keeps the connection
+        await pool.close()
+
+
+@on_both_loops
+async def test_body_delimited_by_the_end_of_the_connection():
+    async def eof_body(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
+        return False
+
+    async with Engine(eof_body) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        assert await resp.read() == b"all of it"
+        resp.release()
+        assert pool.open_connections == 0
+        await pool.close()
+
+
+@on_both_loops
+async def test_sse_stream_arrives_chunk_by_chunk():
+    """The server sends each event only after the client received the previous one."""
+    got = asyncio.Event()
+
+    async def sse(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(5):
+            event = b"data: {\"i\": %d}\n\n" % i
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await got.wait()
+            got.clear()
+        writer.write(b"0\r\n\r\n")
+
+    async with Engine(sse) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/v1/chat/completions", b"{}", JSON)
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        for i in range(5):
+            expected = b"data: {\"i\": %d}\n\n" % i
+            received = b""
+            while len(received) < len(expected):    # (TCP may split even a small write)
+                received += await resp.readany()
+            assert received == expected
+            got.set()
+        assert await resp.readany() == b""
+        assert resp.at_eof()
+        resp.release()
+        await pool.close()
+
+
+# -- keep-alive --------------------------------------------------------------------------------
+
+
+@on_both_loops
+async def test_a_fully_read_answer_returns_its_connection_for_the_next_request():
+    async with Engine(ok) as eng:
+        pool = UpstreamPool()
+        for _ in range(3):
+            resp = await pool.post(eng.url + "/x", b"{}", JSON)
+            await resp.read()
+            resp.release()
+        assert eng.accepted == 1
+        assert [r["nth"] for r in eng.requests] == [1, 2, 3]
+        await pool.close()
+
+
+@on_both_loops
+async def test_an_unread_answer_is_not_reused():
+    async with Engine(ok) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        resp.close()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        await resp.read()
+        resp.release()
+        assert eng.accepted == 2
+        await pool.close()
+
+
+@on_both_loops
+async def test_connection_close_is_honoured():
+    async def closing(server, req, writer):
+        writer.write(answer(extra="Connection: close\r\n"))
+        await writer.drain()
+        await req["reader"].read()        # the client closes it
+        return False
+
+    async with Engine(closing) as eng:
+        pool = UpstreamPool()
+        for _ in range(2):
+            resp = await pool.post(eng.url + "/x", b"{}", JSON)
+            assert await resp.read() == b'{"ok":true}'
+            resp.release()
+        assert eng.accepted == 2
+        await until(lambda: eng.closed == 2, GUARD)
+        await pool.close()
+
+
+async def drops_second(server, req, writer):
+    """An engine that answers every request but the second, on which it closes the connection."""
+    if req["nth"] == 2:
+        return False                  # closes without answering
+    writer.write(answer())
+    await writer.drain()
+
+
+@on_both_loops
+async def test_a_pooled_connection_closed_by_the_engine_is_retried_once_on_a_fresh_one():
+    """The engine drops an idle keep-alive connection just as the next request arrives on it:
+    nothing came back, so the client sends the request again on a new connection."""
+    async with Engine(drops_second) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"first", JSON)
+        await resp.read()
+        resp.release()
+        resp = await pool.post(eng.url + "/x", b"second", JSON)
+        assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+        resp.release()
+        assert eng.accepted == 2
+        assert [(r["conn"], r["body"]) for r in eng.requests] == [(1, b"first"), (1, b"second"), (2, b"second")]
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_fresh_connection_closed_before_answering_is_not_retried():
+    async def drops(server, req, writer):
+        return False
+
+    async with Engine(drops) as eng:
+        pool = UpstreamPool()
+        with pytest.raises(UpstreamDisconnected) as ei:
+            await pool.post(eng.url + "/x", b"{}", JSON)
+        assert not ei.value.received
+        assert len(eng.requests) == 1
+        with pytest.raises(UpstreamFailure) as fi:
+            await open_leg(pool, eng.url + "/x", b"{}", JSON, None)
+        assert fi.value.kind == "reset" and fi.value.retryable
+        await pool.close()
+
+
+@on_both_loops
+async def test_idle_connections_expire_after_the_keepalive_timeout():
+    async with Engine(ok) as eng:
+        pool = UpstreamPool(keepalive_timeout=0.05)
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        await resp.read()
+        resp.release()
+        assert pool.open_connections == 1
+        await asyncio.wait_for(eng.disconnected.wait(), GUARD)     # the pool closed it, the engine saw it
+        assert pool.open_connections == 0
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        await resp.read()
+        resp.release()
+        assert eng.accepted == 2
+        await pool.close()
+
+
+@on_both_loops
+async def test_max_connections_makes_requests_wait_for_a_free_connection():
+    release = asyncio.Event()
+
+    async def held(server, req, writer):
+        if req["nth"] == 1:
+            await release.wait()
+        writer.write(answer())
+        await writer.drain()
+
+    async with Engine(held) as eng:
+        pool = UpstreamPool(max_connections=1)
+        first = asyncio.create_task(pool.post(eng.url + "/x", b"1", JSON))
+        await until(lambda: len(eng.requests) == 1, GUARD)
+        second = asyncio.create_task(pool.post(eng.url + "/x", b"2", JSON))
+        await asyncio.sleep(0)
+        assert not second.done() and pool.open_connections == 1
+        release.set()
+        r1 = await first
+        await r1.read()
+        r1.release()                      # the connection goes to the waiting request
+        r2 = await second
+        await r2.read()
+        r2.release()
+        assert eng.accepted == 1 and [r["body"] for r in eng.requests] == [b"1", b"2"]
+        await pool.close()
+
+
+# -- failures ----------------------------------------------------------------------------------
+
+
+@on_both_loops
+async def test_connect_refused():
+    pool = UpstreamPool()
+    url = f"http://127.0.0.1:{free_port()}/x"
+    with pytest.raises(UpstreamConnectError):
+        await pool.post(url, b"{}", JSON)
+    with pytest.raises(UpstreamFailure) as fi:
+        await open_leg(pool, url, b"{}", JSON, 5)
+    assert fi.value.kind == "connect" and fi.value.retryable and "cannot connect" in fi.value.message
+    assert pool.open_connections == 0
+    await pool.close()
+
+
+@on_both_loops
+async def test_engine_closing_mid_body_is_an_error_after_the_bytes_it_sent():
+    async def cut(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+        return False
+
+    async def cut_chunked(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n7\r\npartial\r\n")
+        await writer.drain()
+        return False
+
+    for handle in (cut, cut_chunked):
+        async with Engine(handle) as eng:
+            pool = UpstreamPool()
+            resp = await pool.post(eng.url + "/x", b"{}", JSON)
+            assert await resp.readany() == b"partial"
+            with pytest.raises(UpstreamDisconnected) as ei:
+                await resp.readany()
+            assert ei.value.received and not resp.at_eof()
+            resp.release()                   # not reusable: closed
+            assert pool.open_connections == 0
+            await pool.close()
+
+
+@on_both_loops
+async def test_garbage_is_a_protocol_error():
+    async def garbage(server, req, writer):
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+
+    async with Engine(garbage) as eng:
+        pool = UpstreamPool()
+        with pytest.raises(UpstreamProtocolError):
+            await pool.post(eng.url + "/x", b"{}", JSON)
+        with pytest.raises(UpstreamFailure) as fi:
+            await open_leg(pool, eng.url + "/x", b"{}", JSON, None)
+        assert fi.value.kind == "protocol"
+        await pool.close()
+
+
+@on_both_loops
+async def test_no_head_within_the_header_timeout_drops_the_connection():
+    async def silent(server, req, writer):
+        await req["reader"].read()        # until the client goes away
+        return False
+
+    async with Engine(silent) as eng:
+        pool = UpstreamPool()
+        with pytest.raises(UpstreamTimeout):
+            await pool.post(eng.url + "/x", b"{}", JSON, header_timeout=0.05)
+        await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+        with pytest.raises(UpstreamFailure) as fi:
+            await open_leg(pool, eng.url + "/x", b"{}", JSON, 0.05)
+        assert fi.value.kind == "timeout" and not fi.value.retryable
+        await pool.close()
+
+
+@on_both_loops
+async def test_one_timer_serves_head_deadlines_of_any_order():
+    """A short header timeout started after a long one still fires first; the long one's exchange
+    is untouched and gets its answer; nothing stays watched afterwards."""
+    release = asyncio.Event()
+
+    async def slow_or_silent(server, req, writer):
+        if req["path"] == "/slow":
+            await release.wait()
+            writer.write(answer())
+            await writer.drain()
+            return True
+        await req["reader"].read()
+        return False
+
+    async with Engine(slow_or_silent) as eng:
+        pool = UpstreamPool()
+        slow = asyncio.create_task(pool.post(eng.url + "/slow", b"{}", JSON, header_timeout=30.0))
+        await until(lambda: pool._heads, GUARD)
+        with pytest.raises(UpstreamTimeout):
+            await pool.post(eng.url + "/silent", b"{}", JSON, header_timeout=0.05)
+        assert not slow.done() and len(pool._heads) == 1
+        release.set()
+        resp = await asyncio.wait_for(slow, GUARD)
+        assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+        resp.release()
+        assert pool._heads == {}
+        await pool.close()
+        assert pool._head_timer is None
+
+
+@on_both_loops
+async def test_close_aborts_the_request_on_the_engine():
+    """Closing a response mid-stream (client gone, watchdog) is how the engine learns to stop."""
+    async def streams(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"b\r\ndata: one\n\n\r\n")
+        await writer.drain()
+        assert await req["reader"].read() == b""   # blocks until the client drops the connection
+        return False
+
+    async with Engine(streams) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        assert await resp.readany() == b"data: one\n\n"
+        resp.close()
+        await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+        assert pool.open_connections == 0
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_closed_connection_is_freed_without_the_cycle_collector():
+    """A gateway that goes idle after many streams ended runs no full collection: a connection
+    the gateway closed must be freed by reference counting alone."""
+    async def streams(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"b\r\ndata: one\n\n\r\n")
+        await writer.drain()
+        assert await req["reader"].read() == b""
+        return False
+
+    async with Engine(streams) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        assert await resp.readany() == b"data: one\n\n"
+        conn = weakref.ref(resp._conn)
+        gc.disable()
+        try:
+            resp.close()
+            await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+            await until(lambda: conn() is None, GUARD)
+        finally:
+            gc.enable()
+        await pool.close()
+
+
+@on_both_loops
+async def test_cancelling_the_wait_for_the_head_drops_the_connection():
+    async def silent(server, req, writer):
+        await req["reader"].read()
+        return False
+
+    async with Engine(silent) as eng:
+        pool = UpstreamPool()
+        task = asyncio.create_task(pool.post(eng.url + "/x", b"{}", JSON))
+        await until(lambda: len(eng.requests) == 1, GUARD)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+        await pool.close()
+
+
+
+@on_both_loops
+async def test_begin_writes_on_an_idle_connection_before_it_returns():
+    """``begin`` on an idle keep-alive connection: the request is written before it returns (the
+    P/D legs go out before any bookkeeping); without one, ``response`` connects and writes."""
+    async with Engine(ok) as eng:
+        pool = UpstreamPool()
+        first = pool.begin(eng.url + "/x", b"first", JSON)
+        assert not first.sent                 # no connection yet
+        resp = await first.response()
+        await resp.read()
+        resp.release()
+        state = SendState()
+        second = pool.begin(eng.url + "/x", b"second", JSON, state)
+        assert second.sent and state.sent
+        resp = await second.response(5.0)
+        assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+        resp.release()
+        second.discard()                      # the answer was read: nothing to drop
+        assert eng.accepted == 1 and [r["body"] for r in eng.requests] == [b"first", b"second"]
+        assert pool.open_connections == 1
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_begun_exchange_on_a_stale_connection_is_sent_again_on_a_fresh_one():
+    async with Engine(drops_second) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"first", JSON)
+        await resp.read()
+        resp.release()
+        x = pool.begin(eng.url + "/x", b"second", JSON)
+        assert x.sent
+        resp = await x.response()
+        assert resp.status == 200 and await resp.read() == b'{"ok":true}'
+        resp.release()
+        assert [(r["conn"], r["body"]) for r in eng.requests] == [(1, b"first"), (1, b"second"), (2, b"second")]
+        await pool.close()
+
+
+@on_both_loops
+async def test_discarding_a_begun_exchange_drops_its_connection():
+    """An exchange written but never awaited (its task was cancelled before it ran) must not leave
+    the request running on the engine: ``discard`` closes its connection."""
+    async def first_only(server, req, writer):
+        if req["nth"] == 1:
+            writer.write(answer())
+            await writer.drain()
+            return None
+        await req["reader"].read()        # the second waits for the client to go
+        return False
+
+    async with Engine(first_only) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        await resp.read()
+        resp.release()
+        x = pool.begin(eng.url + "/x", b"{}", JSON)
+        assert x.sent
+        await until(lambda: len(eng.requests) == 2, GUARD)
+        x.discard()
+        await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+        assert pool.open_connections == 0
+        bad = pool.begin("ftp://127.0.0.1/x", b"{}", JSON)   # raised where post() raises it
+        with pytest.raises(UpstreamConnectError):
+            await bad.response()
+        await pool.close()
+
+
+@on_both_loops
+async def test_send_state_says_whether_any_of_the_request_may_have_gone_out():
+    """``sent`` stays False for a post that never wrote (refused; cancelled while waiting for a
+    connection) and is True once the request was handed to a connection, however it ended."""
+    release = asyncio.Event()
+
+    async def held(server, req, writer):
+        await release.wait()
+        writer.write(answer())
+        await writer.drain()
+
+    refused = SendState()
+    pool = UpstreamPool()
+    with pytest.raises(UpstreamConnectError):
+        await pool.post(f"http://127.0.0.1:{free_port()}/x", b"{}", JSON, state=refused)
+    assert not refused.sent
+    await pool.close()
+    async with Engine(held) as eng:
+        pool = UpstreamPool(max_connections=1)
+        written, waiting = SendState(), SendState()
+        first = asyncio.create_task(pool.post(eng.url + "/x", b"1", JSON, state=written))
+        await until(lambda: len(eng.requests) == 1, GUARD)
+        second = asyncio.create_task(pool.post(eng.url + "/x", b"2", JSON, state=waiting))
+        await asyncio.sleep(0)
+        first.cancel()
+        second.cancel()
+        for t in (first, second):
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert written.sent and not waiting.sent
+        assert [r["body"] for r in eng.requests] == [b"1"]
+        release.set()
+        await pool.close()
+
+
+# -- flow control ------------------------------------------------------------------------------
+
+
+@on_both_loops
+async def test_reading_pauses_while_the_unread_body_is_large_and_resumes_when_read():
+    size = 32 * 1024 * 1024
+    block = bytes(range(256)) * 256      # 64 KiB
+    sent = []
+
+    async def big(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size // len(block)):
+            writer.write(block)
+            await writer.drain()
+            sent.append(len(block))
+
+    async with Engine(big) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        conn = resp._conn
+        await until(lambda: conn.paused, GUARD)
+        buffered = resp._size
+        assert HIGH_WATER < buffered <= HIGH_WATER + 1024 * 1024     # bounded: one read past the mark
+        assert sum(sent) < size                                     # the engine is held back
+        total = len(await resp.readany())
+        assert not conn.paused                                      # resumed once read
+        while chunk := await resp.readany():
+            total += len(chunk)
+        assert total == size
+        resp.release()
+        assert pool.open_connections == 1
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_piped_body_goes_to_the_sink_from_the_read_callback_until_unpiped():
+    """``pipe``: each read reaches the sink as it arrives; after ``unpipe`` later bytes are
+    buffered for ``readany``, with reading paused above the high-water mark; the end is b""."""
+    got = asyncio.Event()
+    size = 8 * 1024 * 1024
+    block = b"x" * 65536
+
+    async def script(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(3):
+            event = b"data: %d\n\n" % i
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await got.wait()
+            got.clear()
+        for _ in range(size // len(block)):
+            writer.write(b"%x\r\n%s\r\n" % (len(block), block))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+
+    async with Engine(script) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        seen = bytearray()
+
+        def sink(data: bytes) -> None:
+            seen.extend(data)
+            got.set()
+            if len(seen) >= 2 * 9:          # the next two small events came: stop piping
+                resp.unpipe()
+
+        first = b""
+        while len(first) < 9:               # (it may come with the head, or after)
+            first += await resp.readany()
+        assert first == b"data: 0\n\n"
+        got.set()
+        assert await resp.pipe(sink) is None
+        assert bytes(seen) == b"data: 1\n\ndata: 2\n\n"
+        conn = resp._conn
+        await until(lambda: conn.paused, GUARD)           # buffered, bounded: nobody reads
+        assert HIGH_WATER < resp._size <= HIGH_WATER + 1024 * 1024
+        total = 0
+        while chunk := await resp.readany():
+            total += len(chunk)
+        assert total == size
+        resp.release()
+        assert pool.open_connections == 1
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_pipe_raises_what_its_sink_raised_and_the_failure_after_the_bytes():
+    """What the sink raises ends the pipe; an engine failure is raised after the bytes before it."""
+    for fail in (True, False):
+        await _pipe_until_failure(fail)
+
+
+async def _pipe_until_failure(fail: bool) -> None:
+    go = asyncio.Event()
+
+    async def script(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await go.wait()
+        go.clear()
+        writer.write(b"5\r\nhello\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(b"5\r\nworld\r\n")
+        await writer.drain()
+        return False                 # closes mid-body
+
+    async with Engine(script) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        seen = []
+
+        def sink(data: bytes) -> None:
+            seen.append(data)
+            go.set()
+            if fail:
+                raise ConnectionResetError("client gone")
+
+        piped = asyncio.ensure_future(resp.pipe(sink))
+        await until(lambda: resp.waiting, GUARD)
+        go.set()
+        if fail:
+            with pytest.raises(ConnectionResetError):
+                await piped
+            assert seen == [b"hello"]
+            resp.close()
+        else:
+            with pytest.raises(UpstreamDisconnected):
+                await piped
+            assert b"".join(seen) == b"helloworld"
+        await pool.close()
+
+
+# -- through the gateway ------------------------------------------------------------------------
+
+
+async def _gateway_post(url: str, payload: dict, headers: dict | None = None) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=payload,
+                                                    headers=headers or {}) as r:
+        return r.status, await r.read()
+
+
+def _chat(stream: bool, max_tokens: int = 5) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+            "max_tokens": max_tokens}
+
+
+async def test_the_gateway_reuses_an_upstream_connection_once_an_answer_was_fully_read(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    for payload, fault in ((_chat(False), None), (_chat(True), None), (_chat(False), "status=503"),
+                           (_chat(True), None)):
+        status, _ = await _gateway_post(gw.url, payload, {"x-sim-fault": fault} if fault else None)
+        assert status == (503 if fault else 200)
+    assert gw.gw.upstream.open_connections == 1      # the probes and scrapes use their own session
+
+
+async def test_the_total_timeout_bounds_the_whole_exchange(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], upstream={"total_timeout_s": 0.3})
+    status, raw = await _gateway_post(gw.url, _chat(True, 20), {"x-sim-fault": "stall_after=3:10"})
+    assert status == 200
+    last = [b for b in raw.split(b"\n\n") if b.startswith(b"data:")][-1]
+    assert orjson.loads(last[5:])["error"]["code"] == "upstream_timeout"
+    status, raw = await _gateway_post(gw.url, _chat(False), {"x-sim-fault": "stall_before_first=10"})
+    assert status == 504 and orjson.loads(raw)["error"]["code"] == "upstream_timeout"
+    assert gw.gw.upstream.open_connections == 0      # both legs were dropped: the engine aborts

@@ -1,0 +1,28 @@
+"""Waiting for a condition on a real socket's far side: bounds for slow machines, never latency assertions."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02) -> Any:
+    """Poll a sync or async predicate until it is truthy; returns its last value (falsy if time ran out)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        v = predicate()
+        if inspect.isawaitable(v):
+            v = await v
+        if v or loop.time() > deadline:
+            return v
+        await asyncio.sleep(interval)
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.01) -> Any:
+    """Like :func:`wait_for`, but the test fails when the predicate is still false after ``timeout``."""
+    v = await wait_for(predicate, timeout, interval)
+    assert v, f"condition not reached within {timeout}s"
+    return v

@@ -1,0 +1,104 @@
+"""The gateway's own registry: engine state re-exported per endpoint, the process, the loop lag."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+import pytest
+
+from gateway.endpoints import EngineMetrics
+from gateway.observability.looplag import LoopLagMonitor
+from gateway.observability.metrics import GatewayMetrics, observe_all
+from tests.support.factories import endpoint
+from tests.support.metrics import sample_map
+
+
+def test_engine_state_is_exported_from_fresh_snapshots_only():
+    now = time.monotonic()
+    fresh, stale, never = endpoint(8001, engine="sglang"), endpoint(8002, role="prefill", roleset="rs-1"), endpoint(8003)
+    fresh.metrics = EngineMetrics(scraped_at=now, running=3, waiting=1, kv_usage=0.25, prefix_hit_rate=None,
+                                  gen_throughput=120.0)
+    stale.metrics = EngineMetrics(scraped_at=now - 60, running=7, waiting=7, kv_usage=0.9)
+    m = GatewayMetrics()
+    m.attach_live_state(lambda: [fresh, stale, never], {}, engine_max_age=10.0)
+    got = sample_map(m.render())
+
+    def value(name, endpoint):
+        return got.get((name, (("endpoint", endpoint), ("model", "m"))))
+
+    assert value("switchyard_engine_running_requests", "127.0.0.1:8001") == 3
+    assert value("switchyard_engine_waiting_requests", "127.0.0.1:8001") == 1
+    assert value("switchyard_engine_kv_cache_usage_ratio", "127.0.0.1:8001") == 0.25
+    assert value("switchyard_engine_generation_tokens_per_second", "127.0.0.1:8001") == 120.0
+    # a signal the engine did not report is left out, not exported as 0
+    assert value("switchyard_engine_prefix_cache_hit_ratio", "127.0.0.1:8001") is None
+    # a snapshot routers would treat as missing is not shown as current; its age is
+    assert value("switchyard_engine_running_requests", "127.0.0.1:8002") is None
+    assert value("switchyard_engine_metrics_age_seconds", "127.0.0.1:8002") >= 60
+    assert value("switchyard_engine_metrics_age_seconds", "127.0.0.1:8003") is None     # never scraped
+    info = {dict(k[1])["endpoint"]: dict(k[1]) for k in got if k[0] == "switchyard_endpoint_info"}
+    assert info["127.0.0.1:8001"]["engine"] == "sglang" and info["127.0.0.1:8001"]["role"] == "aggregated"
+    assert info["127.0.0.1:8002"]["role"] == "prefill" and info["127.0.0.1:8002"]["roleset"] == "rs-1"
+    assert info["127.0.0.1:8003"]["roleset"] == ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process collector reads /proc")
+def test_process_metrics_are_in_the_gateway_registry():
+    names = {k[0] for k in sample_map(GatewayMetrics().render())}
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds",
+            "process_max_fds", "process_start_time_seconds"} <= names
+    # registered before the first sample: the dashboards' job variable reads it
+    assert "switchyard_event_loop_lag_seconds_count" in names
+
+
+async def test_loop_lag_sees_a_blocked_loop_and_stops():
+    seen: list[float] = []
+    mon = LoopLagMonitor(seen.append, interval=0.01)
+    mon.start()
+    await asyncio.sleep(0)            # the task has armed its first timer
+    time.sleep(0.1)                   # a callback hogging the loop: the timer cannot fire meanwhile
+    while not seen:
+        await asyncio.sleep(0.005)
+    assert seen[0] >= 0.1 - 0.01 - 0.002   # at least the block minus the interval (ms timer steps)
+    assert all(v >= 0 for v in seen)
+    await mon.stop()
+    n = len(seen)
+    await asyncio.sleep(0.03)
+    assert len(seen) == n and mon._task is None
+
+
+async def test_loop_lag_interval_zero_is_off():
+    mon = LoopLagMonitor(lambda v: None, interval=0)
+    mon.start()
+    assert mon._task is None
+    await mon.stop()
+
+
+def test_observe_all_renders_as_one_observe_per_value():
+    gaps = [0.0, 0.0005, 0.0004999, 0.001, 0.0123, 0.05, 9.99, 10.0, 10.5, 1e9, -0.25] * 3
+    one, batch = GatewayMetrics(), GatewayMetrics()
+    for g in gaps:
+        one.itl.labels("m").observe(g)
+    observe_all(batch.itl.labels("m"), gaps)
+    a = {k: v for k, v in sample_map(one.render()).items() if k[0].startswith("switchyard_inter_token")}
+    b = {k: v for k, v in sample_map(batch.render()).items() if k[0].startswith("switchyard_inter_token")}
+    assert a.keys() == b.keys() and a
+    for k, v in a.items():
+        assert b[k] == pytest.approx(v, rel=1e-12), k
+
+
+def test_fleet_load_is_exported_per_endpoint():
+    """What prefix-cache's load guards count: this gateway's in-flight plus the engine's running +
+    waiting beyond this gateway's in-flight at the last fresh scrape."""
+    from routers.prefix_cache import fleet_load
+    now = time.monotonic()
+    busy, alone = endpoint(8001), endpoint(8002)
+    busy.in_flight, alone.in_flight = 2, 1
+    busy.metrics = EngineMetrics(scraped_at=now, running=9, waiting=3, gateway_in_flight=2)   # 10 from others
+    m = GatewayMetrics()
+    m.attach_live_state(lambda: [busy, alone], {}, fleet_load=lambda e: fleet_load(e, time.monotonic(), 10.0))
+    got = sample_map(m.render())
+    assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8001"), ("model", "m")))] == 12
+    assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8002"), ("model", "m")))] == 1

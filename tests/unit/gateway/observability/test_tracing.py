@@ -1,0 +1,156 @@
+"""Tracing settings (the block, the OTEL_* variables, which wins), the disabled trace, the
+exporter's failure count, excluded paths. The traces themselves: tests/integration/observability/test_tracing.py."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from gateway.config.schema import ConfigError, config_from_dict
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import NO_LEG, NO_TRACE, CountingExporter, Tracing, TracingConfig, resolve
+
+
+def test_off_by_default_and_defaults():
+    s = resolve(TracingConfig(), env={})
+    assert not s.enabled
+    assert (s.endpoint, s.protocol, s.sample_ratio, s.parent_based, s.service_name) == (
+        "http://localhost:4318/v1/traces", "http/protobuf", 1.0, True, "switchyard")
+    assert s.exclude_paths == ("/health", "/ready", "/metrics", "/status", "/status.json")
+    assert Tracing.from_config(TracingConfig(), GatewayMetrics(), env={}) is None
+
+
+def test_an_endpoint_turns_it_on_unless_disabled():
+    assert resolve(TracingConfig(endpoint="collector:4318"), env={}).enabled
+    assert resolve(TracingConfig(), env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).enabled
+    assert not resolve(TracingConfig(), env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                                             "OTEL_SDK_DISABLED": "true"}).enabled
+    assert not resolve(TracingConfig(), env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318",
+                                             "OTEL_TRACES_EXPORTER": "none"}).enabled
+    # the file says so: it wins over the environment either way
+    assert resolve(TracingConfig(enabled=True), env={"OTEL_SDK_DISABLED": "true"}).enabled
+    assert not resolve(TracingConfig(enabled=False), env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}).enabled
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("collector:4318", "http://collector:4318/v1/traces"),
+    ("http://collector:4318", "http://collector:4318/v1/traces"),
+    ("https://collector:4318/", "https://collector:4318/v1/traces"),
+    ("http://collector:4318/otlp/v1/traces", "http://collector:4318/otlp/v1/traces"),
+])
+def test_http_endpoint_gets_the_traces_path(given, expected):
+    assert resolve(TracingConfig(endpoint=given), env={}).endpoint == expected
+
+
+def test_environment_fills_what_the_block_leaves_unset():
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://base:4318/", "OTEL_SERVICE_NAME": "gw-eu",
+           "OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    s = resolve(TracingConfig(), env=env)
+    assert (s.endpoint, s.service_name, s.sample_ratio, s.parent_based) == (
+        "http://base:4318/v1/traces", "gw-eu", 0.25, False)
+    # the signal-specific variable is a full URL, used as is, and wins over the base one
+    s = resolve(TracingConfig(), env={**env, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://t:1/custom"})
+    assert s.endpoint == "http://t:1/custom"
+    # a key in the block wins over its variable
+    s = resolve(TracingConfig(endpoint="http://mine:4318", service_name="sy", sample_ratio=0.5,
+                              parent_based=True), env=env)
+    assert (s.endpoint, s.service_name, s.sample_ratio, s.parent_based) == (
+        "http://mine:4318/v1/traces", "sy", 0.5, True)
+
+
+def test_grpc_protocol_from_block_or_environment():
+    s = resolve(TracingConfig(protocol="grpc"), env={})
+    assert (s.protocol, s.endpoint) == ("grpc", "http://localhost:4317")
+    s = resolve(TracingConfig(), env={"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                                      "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"})
+    assert (s.protocol, s.endpoint, s.enabled) == ("grpc", "http://c:4317", True)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+    ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "2"}, "OTEL_TRACES_SAMPLER_ARG"),
+    ({"OTEL_TRACES_SAMPLER": "jaeger_remote"}, "OTEL_TRACES_SAMPLER"),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "not a url"}, "OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT"),
+])
+def test_bad_environment_is_named(env, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(TracingConfig(), env=env)
+
+
+@pytest.mark.parametrize("block, path", [
+    ({"protocol": "http/json"}, "tracing.protocol"),
+    ({"sample_ratio": 1.5}, "tracing.sample_ratio"),
+    ({"sample_ratio": -0.1}, "tracing.sample_ratio"),
+    ({"endpoint": "no-port"}, "tracing.endpoint"),
+    ({"exclude_paths": ["health"]}, "tracing.exclude_paths[0]"),
+    ({"export_timeout_s": 0}, "tracing.export_timeout_s"),
+    ({"sampling": 1}, "tracing.sampling"),
+])
+def test_bad_block_names_the_key(block, path):
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"tracing": block, "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}]})
+    assert e.value.key_path == path
+
+
+def test_block_in_config():
+    c = config_from_dict({"tracing": {"enabled": True, "sample_ratio": 0.1, "exclude_paths": ["/health"]},
+                          "models": [{"name": "m", "endpoints": ["http://127.0.0.1:1"]}]})
+    assert c.tracing.enabled and c.tracing.sample_ratio == 0.1 and c.tracing.exclude_paths == ("/health",)
+
+
+def test_grpc_without_the_extra_is_a_clear_error():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
+    try:
+        import opentelemetry.exporter.otlp.proto.grpc  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"switchyard\[grpc\]"):
+            Tracing.from_config(TracingConfig(enabled=True, protocol="grpc"), GatewayMetrics(), env={})
+    else:
+        pytest.skip("the grpc extra is installed")
+
+
+def test_disabled_trace_does_nothing():
+    headers = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    leg = NO_TRACE.leg("generate", object())  # type: ignore[arg-type]
+    assert leg is NO_LEG and leg.inject(headers) is headers   # the client's traceparent passes through
+    with NO_TRACE.leg("prefill", object()) as managed:  # type: ignore[arg-type]
+        managed.responded(500)
+    NO_TRACE.route_start()
+    NO_TRACE.event("retry", {"a": 1})
+    NO_TRACE.finish(object())  # type: ignore[arg-type]
+    assert NO_TRACE.trace_id is None
+
+
+def test_excluded_paths_exact_and_prefix():
+    t = Tracing(resolve(TracingConfig(enabled=True, exclude_paths=("/health", "/admin/*")), env={}),
+                GatewayMetrics(), exporter=_Fixed(SpanExportResult.SUCCESS))
+    try:
+        assert t.excluded("/health") and t.excluded("/admin/keys") and t.excluded("/admin/")
+        assert not t.excluded("/healthz") and not t.excluded("/metrics") and not t.excluded("/v1/models")
+    finally:
+        t.provider.shutdown()
+
+
+class _Fixed(SpanExporter):
+    def __init__(self, result):
+        self.result = result
+
+    def export(self, spans):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+    def shutdown(self):
+        pass
+
+
+@pytest.mark.parametrize("inner, failed", [(_Fixed(SpanExportResult.SUCCESS), False),
+                                           (_Fixed(SpanExportResult.FAILURE), True),
+                                           (_Fixed(RuntimeError("boom")), True)])
+def test_export_failures_are_counted(inner, failed):
+    m = GatewayMetrics()
+    result = CountingExporter(inner, m).export([object(), object(), object()])
+    assert (result is SpanExportResult.FAILURE) == failed
+    text = m.render().decode()
+    assert f"switchyard_trace_export_failures_total {1.0 if failed else 0.0}" in text
+    assert f'switchyard_trace_spans_total{{result="{"failed" if failed else "exported"}"}} 3.0' in text

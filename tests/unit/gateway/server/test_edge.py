@@ -1,0 +1,134 @@
+"""The edge's pieces without sockets: config keys, the error shape, and the aiohttp internals
+gateway/server/edge.py leans on (these tests break first if an aiohttp upgrade moves them)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, TransferEncodingError
+
+from gateway.config.schema import ConfigError, config_from_dict, parse_config
+from gateway.server.edge import Edge, EdgeLimits, EdgeProtocol, EdgeRunner, EdgeServer, error_response_bytes
+
+
+def test_server_block_defaults_and_limits_follow_config():
+    cfg = config_from_dict({"models": []})
+    limits = EdgeLimits.from_config(cfg.server)
+    assert limits == EdgeLimits()      # the defaults agree in config.py and edge.py
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.body_total_timeout_s,
+            limits.keepalive_timeout_s, limits.write_stall_timeout_s) == (10.0, 30.0, 120.0, 75.0, 30.0)
+    assert (limits.max_connections, limits.max_header_bytes, limits.max_headers) == (10000, 16384, 100)
+    cfg = config_from_dict({"server": {"header_timeout_s": 0.5, "max_connections": 3, "max_headers": 20},
+                            "models": []})
+    limits = EdgeLimits.from_config(cfg.server)
+    assert (limits.header_timeout_s, limits.max_connections, limits.max_headers) == (0.5, 3, 20)
+    kw = limits.handler_kwargs()
+    assert kw["max_headers"] == 20 and kw["max_field_size"] == kw["max_line_size"] == 16384
+    # aiohttp's own keep-alive timer is only a backstop behind ours
+    assert kw["keepalive_timeout"] > limits.keepalive_timeout_s + limits.header_timeout_s
+
+
+@pytest.mark.parametrize("text,key", [
+    ("server: {header_timeout_s: -1}", "server.header_timeout_s"),
+    ("server: {body_timeout_s: soon}", "server.body_timeout_s"),
+    ("server: {max_connections: 1.5}", "server.max_connections"),
+    ("server: {max_header_bytes: 100}", "server.max_header_bytes"),
+    ("server: {max_headers: 2}", "server.max_headers"),
+    ("server: {write_stall_timeout: 3}", "server.write_stall_timeout"),
+])
+def test_server_edge_keys_are_validated_by_name(text, key):
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, source="conf.yaml")
+    assert ei.value.key_path == key
+
+
+def test_raw_error_answer_is_http_and_openai_shaped():
+    raw = error_response_bytes(408, "slow", code="request_timeout", request_id="abc")
+    head, body = raw.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "HTTP/1.1 408 Request Timeout"
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    assert headers["Connection"] == "close" and headers["request-id"] == "abc"
+    assert int(headers["Content-Length"]) == len(body)
+    err = orjson.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == "request_timeout"
+
+
+def test_classification_of_parser_errors():
+    edge = Edge(EdgeLimits(max_header_bytes=2048, max_headers=10))
+    assert edge.classify(400, LineTooLong(b"x" * 10, 2048), None)[0] == 431
+    assert edge.classify(400, BadHttpMessage("Too many headers received"), None)[0:3:2] == (431, "too_many_headers")
+    status, msg, code = edge.classify(400, TransferEncodingError("bad chunk"), None)
+    assert (status, code) == (400, "bad_request") and "bad chunk" in msg
+    assert edge.classify(500, web.RequestPayloadError("x"), None)[0] == 400
+    assert edge.classify(500, RuntimeError("boom"), None)[0:3:2] == (500, "internal_error")
+    assert edge.classify(504, None, None)[0] == 504
+
+
+# -- the aiohttp hooks edge.py relies on (semi-private in 3.14) ----------------------------------
+
+def test_aiohttp_runner_builds_its_server_in_make_server():
+    """EdgeRunner overrides BaseRunner._make_server, and reads the Server's handler kwargs."""
+    assert inspect.iscoroutinefunction(web.AppRunner._make_server)
+    assert "_make_server" in inspect.getsource(web.BaseRunner.setup)
+    init = inspect.getsource(web.Server.__init__)
+    assert "self._kwargs = kwargs" in init and "self.request_factory" in init
+    assert "self._kwargs" in inspect.getsource(web.Server.__call__)
+
+
+def test_aiohttp_request_handler_hooks_exist():
+    rh = web.RequestHandler
+    assert "_request_count" in rh.__slots__
+    assert "self._request_count += 1" in inspect.getsource(rh.data_received)
+    assert list(inspect.signature(rh.handle_error).parameters) == ["self", "request", "status", "exc", "message"]
+    assert list(inspect.signature(rh.finish_response).parameters) == ["self", "request", "resp", "start_time"]
+    # the protocol answers parse errors through handle_error, and every request via finish_response
+    assert "self.handle_error(" in inspect.getsource(rh._make_error_handler)
+    assert "self.finish_response(" in inspect.getsource(rh._handle_request)
+    # and it reads the handler and the request factory off its manager (our EdgeServer)
+    init = inspect.getsource(rh.__init__)
+    assert "manager.request_handler" in init and "manager.request_factory" in init
+    # the request factory gets the protocol, and the request's task is the connection's task
+    assert "self._request_factory(" in inspect.getsource(rh.start)
+    assert "self._task_handler or asyncio.current_task" in inspect.getsource(rh.start)
+    # flow control: the body's StreamReader pauses the protocol; aiohttp re-parses on resume
+    assert list(inspect.signature(rh.resume_reading).parameters) == ["self", "resume_parser"]
+    assert "self.data_received(b\"\")" in inspect.getsource(rh.resume_reading)
+    # a payload error after the handler: aiohttp marks the body so, which the edge must tell
+    # apart from a broken body (tests/integration/server/test_edge_slow.py has the behaviour)
+    assert "payload.set_exception(_PAYLOAD_ACCESS_ERROR)" in inspect.getsource(rh.start)
+
+
+async def test_edge_runner_makes_edge_protocols_with_the_limits():
+    edge = Edge(EdgeLimits(max_headers=20, max_header_bytes=4096))
+    runner = EdgeRunner(web.Application(), edge, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        server = runner.server
+        assert isinstance(server, EdgeServer) and server.handler_cancellation
+        proto = server()
+        assert isinstance(proto, EdgeProtocol)
+        assert (proto.max_headers, proto.max_field_size, proto.max_line_size) == (20, 4096, 4096)
+        assert proto.keepalive_timeout == edge.limits.handler_kwargs()["keepalive_timeout"]
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_client_that_keeps_up_costs_no_timer_per_chunk():
+    """Write flow control arms the stall timer only while the transport is paused."""
+    edge = Edge(EdgeLimits(write_stall_timeout_s=5.0))
+    runner = EdgeRunner(web.Application(), edge, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        proto = runner.server()
+        assert proto._e_stall is None
+        proto.pause_writing()
+        assert isinstance(proto._e_stall, asyncio.TimerHandle)
+        proto.resume_writing()
+        assert proto._e_stall is None
+    finally:
+        await runner.cleanup()
