@@ -76,7 +76,7 @@ async def test_chat_without_max_tokens_continues_to_where_the_unbroken_answer_en
     _, ref = await raw_post(good.url, "/v1/chat/completions", {**req, "stream_options": {"include_usage": True}})
     ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
     assert ref_usage["completion_tokens"] > 3 + 16                # long enough to tell the two apart
-    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0)
+    client = openai_client(gw)
     stream = await client.chat.completions.create(**req, stream_options={"include_usage": True})
     chunks = [c async for c in stream]
     await client.close()
