@@ -21,7 +21,6 @@ Config-defined keys are read-only here; a config user can be overridden (PUT) bu
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import orjson
@@ -34,7 +33,7 @@ from gateway.tenants.directory import (
     LIMIT_FIELDS,
     USER_NAME,
     KeyRecord,
-    bearer_token,
+    admin_token_valid,
     key_digest,
     limits_stored,
     new_key,
@@ -62,6 +61,13 @@ def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
     app.on_cleanup.append(stop)
     if tenancy.admin_digest is not None:
         AdminAPI(tenancy).register(app.router)
+
+
+def require_admin(request: web.Request, digest: str | None) -> None:
+    """401 unless the request carries the admin token (``digest``: its digest, None when unset)."""
+    if not admin_token_valid(request.headers.get("Authorization"), digest):
+        raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class="auth")
 
 
 def _json(status: int, payload: Any) -> web.Response:
@@ -116,12 +122,7 @@ class AdminAPI:
 
     def _guard(self, fn):
         async def handler(request: web.Request) -> web.Response:
-            token = bearer_token(request.headers.get("Authorization"))
-            digest = self.t.admin_digest or ""
-            if token is None or not hmac.compare_digest(key_digest(token), digest):
-                raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
-                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-                                   error_class="auth")
+            require_admin(request, self.t.admin_digest)
             try:
                 await self.t.refresh()
                 return await fn(request)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hmac
 import os
 import signal
 from collections.abc import Callable
@@ -53,8 +52,8 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.routing import Routing
+from gateway.server.admin import require_admin
 from gateway.tenants import Tenancy
-from gateway.tenants.directory import bearer_token, key_digest
 from gateway.tenants.service import needs_tenancy
 from routers.base import RouterContext
 from routers.registry import StrategyError, default_registry
@@ -335,11 +334,7 @@ class Reloader:
 
     async def handle_admin(self, request: web.Request) -> web.Response:
         """The admin token as for the rest of /admin (gateway/server/admin.py)."""
-        token = bearer_token(request.headers.get("Authorization"))
-        digest = self.tenancy.admin_digest if self.tenancy is not None else None
-        if token is None or not digest or not hmac.compare_digest(key_digest(token), digest):
-            raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class="auth")
+        require_admin(request, self.tenancy.admin_digest if self.tenancy is not None else None)
         if self.loader is None:
             raise GatewayError(409, "the gateway was started without a config file (--config): nothing to reload",
                                code="no_config_file", error_class="admin")
