@@ -6,9 +6,11 @@ and a status that says what happened. ``type`` follows what OpenAI clients expec
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 _TYPES = {
     400: "invalid_request_error",
@@ -29,6 +31,12 @@ def error_type(status: int) -> str:
 def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                code: Any = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": code}}
+
+
+def error_response(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> web.Response:
+    """The JSON answer of an error: ``body`` is the error in the request's API shape (``GatewayError.body_bytes``,
+    an API's ``error_body``, a normalized engine error). Every error answer the gateway builds is this one."""
+    return web.Response(status=status, body=body, headers=headers, content_type="application/json")
 
 
 class GatewayError(Exception):

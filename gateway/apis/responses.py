@@ -42,7 +42,7 @@ from gateway.apis.responses_state import MemoryStore, RedisStore, StoreUnavailab
 from gateway.apis.responses_stream import ResponsesScanner, failure_events
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.errors import GatewayError, error_response, normalize_upstream_error
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.context import (
@@ -300,7 +300,7 @@ class ResponsesApi(ApiShape):
             rec.error_class, rec.error = e.error_class, e.message
             headers = rec.response_headers()
             headers.update(e.headers)
-            return web.Response(status=e.status, body=e.body_bytes(), headers=headers, content_type="application/json")
+            return error_response(e.status, e.body_bytes(), headers)
         finally:
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
@@ -356,8 +356,7 @@ class ResponsesApi(ApiShape):
                     status, err = normalize_upstream_error(r.status, raw)
                     rec.status, rec.error_class = status, "upstream_status"
                     rec.error = str(err["error"].get("message"))[:200]
-                    return web.Response(status=status, body=orjson.dumps(err), headers=out_headers,
-                                        content_type="application/json")
+                    return error_response(status, orjson.dumps(err), out_headers)
                 rec.status = r.status
                 ctype = r.headers.get("Content-Type", "application/json")
                 if not ctype.startswith("text/event-stream"):

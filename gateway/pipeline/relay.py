@@ -26,7 +26,7 @@ from aiohttp import web
 
 from gateway.apis.base import StreamScanner
 from gateway.config.schema import UpstreamConfig, WatchdogConfig
-from gateway.errors import GatewayError, error_body, normalize_upstream_error
+from gateway.errors import GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
 from gateway.pipeline.sse import SSEScanner, usage_tokens
@@ -157,7 +157,7 @@ class Relay:
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
         if "Retry-After" in resp.headers:
             headers["Retry-After"] = resp.headers["Retry-After"]
-        return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+        return error_response(status, body, headers)
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
                       strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:

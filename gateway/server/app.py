@@ -27,7 +27,7 @@ from gateway.apis.responses import ResponsesApi, add_responses
 from gateway.apis.responses_request import RESPONSES
 from gateway.config.schema import Config
 from gateway.endpoints import EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, error_response
 from gateway.kv.events import build_kv_events
 from gateway.lora.adapters import Lora, LoraMetrics
 from gateway.observability.logs import LineWriter, RequestLog
@@ -78,10 +78,6 @@ def _json(status: int, payload, headers: dict[str, str] | None = None) -> web.Re
     return web.Response(status=status, body=orjson.dumps(payload), headers=headers, content_type="application/json")
 
 
-def _raw_json(status: int, body: bytes, headers: dict[str, str]) -> web.Response:
-    return web.Response(status=status, body=body, headers=headers, content_type="application/json")
-
-
 def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
     """The answer to an exception a handler let out: every answer is JSON in its path's API shape
     (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included.
@@ -101,14 +97,14 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
             headers = {"request-id": rid, "x-request-id": rid}
             if e.status == 405 and "Allow" in e.headers:
                 headers["Allow"] = e.headers["Allow"]
-            return _raw_json(e.status, shaped(request, err), headers)
+            return error_response(e.status, shaped(request, err), headers)
         if isinstance(e, GatewayError):
-            return _raw_json(e.status, shaped(request, e), {"request-id": rid, **e.headers})
+            return error_response(e.status, shaped(request, e), {"request-id": rid, **e.headers})
         # a bug outside the pipeline (which answers its own)
         metrics.internal_errors.inc()
         log.error("internal error", request_id=rid, path=request.path, exc_info=e)
         err = GatewayError(500, "internal gateway error", code="internal_error")
-        return _raw_json(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
+        return error_response(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
     return answer
 
 
