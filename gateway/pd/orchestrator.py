@@ -41,7 +41,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.relay import Relay
 from gateway.resilience.outcome import Outcome, of_status
 from gateway.upstream.h1client import Exchange, SendState, UpstreamResponse
-from gateway.upstream.upstream import Upstream, UpstreamFailure, upstream_headers
+from gateway.upstream.upstream import Upstream, UpstreamFailure, head_timeout, upstream_headers
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
 
 log = structlog.get_logger("switchyard.pd")
@@ -324,9 +324,7 @@ class PDOrchestrator:
 
     def _decode_header_timeout(self, ctx: RequestContext) -> float | None:
         assert ctx.ireq is not None
-        wd = self.config.watchdog_for(ctx.ireq.model)
-        limit = wd.first_chunk_timeout_s if ctx.ireq.stream else wd.response_timeout_s
-        return limit or self.config.upstream.first_byte_timeout_s or None
+        return head_timeout(self.config.upstream, self.config.watchdog_for(ctx.ireq.model), ctx.ireq.stream)
 
     def _watchdog_error(self, ctx: RequestContext, limit: float | None) -> GatewayError:
         assert ctx.ireq is not None and ctx.decision is not None

@@ -23,7 +23,7 @@ from gateway.aliases import Aliases
 from gateway.apis.base import ApiShape
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, error_response
 from gateway.kv import dp_rank
 from gateway.lora.adapters import Lora
 from gateway.observability.logs import RequestLog
@@ -42,7 +42,7 @@ from gateway.resilience.retry import Retries, discard
 from gateway.server.lifecycle import Lifecycle
 from gateway.tenants.service import Tenancy
 from gateway.upstream.h1client import UpstreamResponse
-from gateway.upstream.upstream import Upstream, UpstreamFailure, upstream_body, upstream_headers
+from gateway.upstream.upstream import Upstream, UpstreamFailure, head_timeout, upstream_body, upstream_headers
 from handlers import adapter_for
 from handlers.base import BodyError
 
@@ -215,11 +215,7 @@ class Pipeline:
         wd = cfg.watchdog_for(ireq.model)
         if not wd.aggregated:
             wd = None
-        header_timeout = cfg.upstream.first_byte_timeout_s or None
-        if wd is not None:      # engines send a non-streaming answer's headers with its body
-            limit = wd.first_chunk_timeout_s if ireq.stream else wd.response_timeout_s
-            if limit:
-                header_timeout = min(header_timeout or limit, limit)
+        header_timeout = head_timeout(cfg.upstream, wd, ireq.stream)
         ep = ctx.decision.endpoint
         tried = [ep]
         retries = self.retries
@@ -285,10 +281,10 @@ class Pipeline:
         ep = decision.endpoint
         ctx.use(ep)
         wd = self.config.watchdog_for(cont.model)
-        limit = (wd.first_chunk_timeout_s if wd.aggregated else 0.0) or self.config.upstream.first_byte_timeout_s
+        limit = head_timeout(self.config.upstream, wd if wd.aggregated else None, cont.stream)
         leg = ctx.trace.leg("generate", ep, attempt=1)
         ctx.written()
-        resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit or None,
+        resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit,
                                         cont.model)
         leg.responded(resp.status)
         return resp
@@ -303,7 +299,7 @@ class Pipeline:
         headers = rec.response_headers()
         headers.update(e.headers)
         body = ctx.api.error_body(e) if ctx.api is not None else e.body_bytes()
-        return web.Response(status=e.status, body=body, headers=headers, content_type="application/json")
+        return error_response(e.status, body, headers)
 
     async def _internal_error(self, ctx: RequestContext, e: Exception) -> web.StreamResponse:
         """A bug in the gateway. Before headers: an OpenAI-shaped 500. After them: the stream's
