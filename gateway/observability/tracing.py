@@ -529,6 +529,18 @@ def make_exporter(s: TracingSettings) -> SpanExporter:
 TRACE_KEY: Any = web.RequestKey("switchyard_trace", Trace) if hasattr(web, "RequestKey") else "switchyard_trace"
 
 
+class NoTracing:
+    """Tracing off: every request's trace is ``NO_TRACE``."""
+
+    __slots__ = ()
+
+    def of(self, request: web.Request) -> Trace:
+        return NO_TRACE
+
+
+NO_TRACING = NoTracing()
+
+
 class Tracing:
     """The app's tracer: its provider (sampler, batch processor, exporter), the middleware that
     opens each request's SERVER span, and the shutdown that flushes."""

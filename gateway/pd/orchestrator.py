@@ -90,8 +90,7 @@ class PDOrchestrator:
         if plan.log:                        # log fields: once the first leg is out
             ctx.after_write.append(partial(ctx.rec.extra.update, plan.log))
         headers = upstream_headers(ireq)
-        if ctx.migration is not None:       # a continuation elsewhere first stops this decode
-            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
+        ctx.pd_plan = plan                  # a continuation elsewhere first stops this decode (abandon)
         if plan.concurrent:
             return await self._concurrent(ctx, adapter, plan, headers)
         return await self._sequential(ctx, adapter, plan, headers)
@@ -248,8 +247,7 @@ class PDOrchestrator:
         ctx.use(ctx.decision.endpoint)
         plan = adapter.pd_plan(ireq, None, prefill=prefill, settings=self.config.pd_for(ireq.model), rng=self.rng)
         headers = upstream_headers(ireq)
-        if ctx.migration is not None:
-            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
+        ctx.pd_plan = plan
         opened = self._open_concurrent(ctx, plan, headers) if plan.concurrent else \
             self._open_sequential(ctx, adapter, plan, headers)
         return (await opened)[0]
@@ -360,6 +358,12 @@ class PDOrchestrator:
             pass
 
     # -- aborts --------------------------------------------------------------------------------
+
+    def abandon(self, ctx: RequestContext) -> None:
+        """The stream's decode failed and continues elsewhere (gateway/pipeline/migration.py): tell
+        its engine to stop. Nothing when the request's legs are not P/D ones."""
+        if ctx.pd_plan is not None:
+            self._abort_decode(ctx, ctx.pd_plan)
 
     def _abort_decode(self, ctx: RequestContext, plan: PDPlan) -> None:
         assert ctx.decision is not None

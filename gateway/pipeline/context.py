@@ -25,6 +25,7 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import NO_TRACE, Trace
 from gateway.pipeline.ledger import Charges
 from gateway.request import InferenceRequest, request_id_from
+from handlers.base import PDPlan
 from routers.base import Decision
 
 log = structlog.get_logger("switchyard.request")
@@ -103,6 +104,7 @@ class RequestContext:
     api: ApiShape | None = None                      # the request's API when not chat/completions/embeddings
     api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
     migration: Any = None                            # a stream's continuation state (gateway/pipeline/migration.py)
+    pd_plan: PDPlan | None = None                    # the P/D legs in flight (gateway/pd/orchestrator.py), to abort them
     # bookkeeping not needed to choose the endpoint or build the body (routing observers, prefix
     # index inserts, log fields): run by ``written`` once the first upstream leg is written
     after_write: list[Callable[[], None]] = field(default_factory=list)

@@ -34,8 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -55,8 +54,29 @@ from handlers.continuation import TEXT, TOKEN, Partial, continuation, first_leg,
 if TYPE_CHECKING:
     from gateway.pipeline.context import RequestContext
 
-# opens the leg that continues the stream: (the continuation request, endpoint names to avoid)
-Reopen = Callable[[InferenceRequest, set[str]], Awaitable[UpstreamResponse]]
+
+class Legs(Protocol):
+    """Who opened the stream's first leg and opens the legs that continue it (the pipeline): the
+    migration is handed one when it begins, and calls it when a leg fails."""
+
+    def abandon(self, ctx: RequestContext) -> None:
+        """The failed leg's engine is told to stop (a P/D decode), before the next leg opens."""
+
+    async def reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
+        """The leg of ``cont`` up to its response head, on an endpoint not in ``avoid``."""
+
+
+class _NoLegs:
+    """A migration nobody can continue (its legs are not the gateway's): every attempt fails."""
+
+    def abandon(self, ctx: RequestContext) -> None:
+        pass
+
+    async def reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
+        raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")
+
+
+NO_LEGS: Legs = _NoLegs()
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
            "structured_outputs", "json_schema", "regex", "ebnf", "structural_tag")
@@ -97,19 +117,18 @@ def _empty(v: Any) -> bool:
 
 
 class Migration:
-    """One stream's continuation state: set up by the pipeline (``begin``), given a way to open
-    a new leg by whoever opened the first (``reopen``), driven by the relay (``stream``)."""
+    """One stream's continuation state: set up by the pipeline (``begin``) with the ``Legs`` that
+    open the next leg, driven by the relay (``stream``)."""
 
     def __init__(self, ireq: InferenceRequest, limit: int, mode: str, default_max: int | None,
-                 refused: str | None, metrics: GatewayMetrics) -> None:
+                 refused: str | None, metrics: GatewayMetrics, legs: Legs = NO_LEGS) -> None:
         self.ireq = ireq                      # the client's request (ctx.ireq becomes the leg's)
         self.limit = limit
         self.mode = mode
         self.default_max = default_max
         self.refused = refused                # up-front refusal: the stream is relayed as today
         self.metrics = metrics
-        self.reopen: Reopen | None = None
-        self.abandon: Callable[[], None] | None = None   # tells the failed leg's engine to stop (P/D)
+        self.legs = legs
         self.avoid: set[str] = set()
         self.log: list[dict[str, Any]] = []
         data = ireq.data
@@ -142,16 +161,17 @@ class Migration:
     # -- setup ---------------------------------------------------------------------------------
 
     @classmethod
-    def begin(cls, ctx: RequestContext, limit: int, engine: str, metrics: GatewayMetrics) -> Migration | None:
-        """The stream's migration state, or None when it has none (not a stream, another API).
-        An eligible request's body is rewritten for the first leg."""
+    def begin(cls, ctx: RequestContext, limit: int, engine: str, metrics: GatewayMetrics,
+              legs: Legs) -> Migration | None:
+        """The stream's migration state, or None when it has none (not a stream, another API);
+        ``legs`` opens its continuations. An eligible request's body is rewritten for the first leg."""
         ireq = ctx.ireq
         if limit <= 0 or ireq is None or ctx.api is not None or not ireq.stream or ireq.path not in (CHAT, COMPLETIONS):
             return None
         adapter = adapter_for(engine)
         mode = adapter.continuation_mode(ireq)
         why = refusal(ireq) or (text_mode_refusal(ireq.path, ireq.data) if mode == TEXT else None)
-        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics)
+        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics, legs)
         if why is None:
             data = first_leg(ireq.data, mode)
             ctx.ireq = dataclasses.replace(ireq, data=data, body=orjson.dumps(data), include_usage=True)
@@ -283,11 +303,10 @@ class Migration:
         if why is not None:
             self._count(rec, reason, f"refused_{why}", failed_ep)
             return None
-        if len(self.log) >= self.limit or self.reopen is None:
+        if len(self.log) >= self.limit:
             self._count(rec, reason, "limit", failed_ep)
             return None
-        if self.abandon is not None:
-            self.abandon()
+        self.legs.abandon(ctx)
         self.avoid.add(failed_ep)
         self.partial.text = "".join(self._text)
         if self.partial.completion_tokens == 0 and not self.partial.text:
@@ -297,7 +316,7 @@ class Migration:
         cont = dataclasses.replace(self.ireq, path=path, data=data, body=orjson.dumps(data), include_usage=True)
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
         try:
-            resp = await self.reopen(cont, set(self.avoid))
+            resp = await self.legs.reopen(ctx, cont, set(self.avoid))
         except (GatewayError, UpstreamFailure) as e:
             self._count(rec, reason, "failed", failed_ep, str(getattr(e, "message", e))[:200])
             return None

@@ -17,40 +17,26 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gateway.admission.service import Admission
-from gateway.aliases import Aliases, AliasMetrics
-from gateway.apis.anthropic import AnthropicApi
 from gateway.apis.base import ApiShape
-from gateway.apis.metrics import PathRequests
-from gateway.apis.passthrough import AudioApi, PassthroughApi
-from gateway.apis.responses import ResponsesApi, add_responses
-from gateway.apis.responses_request import RESPONSES
+from gateway.apis.responses import add_responses
 from gateway.config.schema import Config
 from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError, error_response
-from gateway.kv.events import build_kv_events
-from gateway.lora.adapters import Lora, LoraMetrics
-from gateway.observability.logs import LineWriter, RequestLog
 from gateway.observability.looplag import LoopLagMonitor
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import add_status
 from gateway.observability.tracing import Tracing
-from gateway.pd.decide import PDDecider, PDDecisionMetrics
-from gateway.pd.orchestrator import PDOrchestrator
+from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline
-from gateway.pipeline.relay import Relay
-from gateway.pipeline.routing import Routing
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
-from gateway.resilience.breaker import Breakers
-from gateway.resilience.retry import Retries
 from gateway.server.admin import add_tenancy
 from gateway.server.lifecycle import Lifecycle
 from gateway.server.reclaim import MemoryReclaimer
-from gateway.server.reload import Live, Reloader, declared_endpoints
-from gateway.tenants import build_tenancy
+from gateway.server.reload import Build, Live, Reloader, declared_endpoints
+from gateway.tenants import Tenancy
 from gateway.upstream.monitor import Monitor
-from gateway.upstream.upstream import Upstream, make_session
+from gateway.upstream.upstream import make_session
 from k8s.discovery import KubernetesDiscovery
 from routers.prefix_cache import fleet_load
 
@@ -136,53 +122,35 @@ def _direct_routes(paths, reloader: Reloader, answer) -> dict[str, Callable]:
     return dict.fromkeys(paths, direct)
 
 
+def _builder(services: Services) -> Build:
+    """The one way a generation's pipeline is built, at start-up and at every reload."""
+    def build(config: Config, previous: Generation | None = None) -> Pipeline:
+        return Pipeline(build_generation(config, services, previous))
+    return build
+
+
 def build_app(config: Config, pool: EndpointPool | None = None,
               loader: Callable[[], Config] | None = None) -> web.Application:
     """``loader`` re-reads the config file for a reload (gateway/server/reload.py); None: no reload."""
     pool = pool if pool is not None else pool_from_config(config)
-    metrics = GatewayMetrics()
-    lifecycle = Lifecycle()
-    kv_events = build_kv_events(config, pool, metrics.registry)   # None unless a model subscribes
-    routing = Routing(config, pool, metrics, kv_events)
-    # circuit breakers hear every leg's outcome (upstream, relay); open ones are not ready
-    breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
-    routing.claims.append(breakers.on_decision)         # half-open trial slots, before the leg
-    upstream = Upstream(config.upstream, config.health, metrics, breakers)
-    relay = Relay(config.upstream, metrics, upstream.record)
-    pd = PDOrchestrator(config, upstream, relay, lifecycle.spawn, metrics, routing.ctx.rng)
-    tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants)
-    request_log = RequestLog(config.server.log_format, config.server.log_level,
-                             LineWriter(on_drop=metrics.log_lines_dropped.inc))
-    tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/tracing)
-    gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
-    gw.retries = Retries(config.retry_for, metrics.registry, config.routing.metrics_max_age_s)
-    responses = ResponsesApi(config, pool, metrics, request_log, tenancy, gw.observers)   # gateway/apis
-    gw.apis[RESPONSES] = responses
-    for api in (AnthropicApi(pool), PassthroughApi(pool), AudioApi(pool)):   # Messages, pass-through
-        gw.apis.update(dict.fromkeys(api.paths, api))
-    gw.observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
-    gw.lora = lora = Lora(config, pool, upstream, LoraMetrics(metrics.registry))   # adapters (gateway/lora/adapters.py)
-    gw.pd_decider = pd_decider = PDDecider(config, routing.ctx.prefix_index, PDDecisionMetrics(metrics.registry),
-                                             kv_events)
-    alias_metrics = AliasMetrics(metrics.registry)
-    gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
-    admission = gw.admission = Admission(config, pool, metrics)   # shared by every generation
+    s = build_services(config, pool)
+    metrics, lifecycle, lora, upstream, request_log, kv_events = (
+        s.metrics, s.lifecycle, s.lora, s.upstream, s.request_log, s.kv_events)
+    tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
+    tracing = s.tracing if isinstance(s.tracing, Tracing) else None
+    build = _builder(s)
+    gw = build(config)
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/server/reload.py)
-    reloader = Reloader(Live(config, gw), pool, metrics, alias_metrics, tenancy, loader)
-    reloader.listeners.append(lambda live: responses.reconfigure(live.config))   # its stores stay: shared
-    reloader.listeners.append(lambda live: breakers.reconfigure(live.config.breaker_for))
-    reloader.listeners.append(lambda live: setattr(gw.retries, "config_for", live.config.retry_for))
-    reloader.listeners.append(lambda live: lora.reconfigure(live.config))
-    reloader.listeners.append(lambda live: pd_decider.reconfigure(live.config, live.routing.ctx.prefix_index))
-    reloader.listeners.append(lambda live: admission.reconfigure(live.config))   # its queues stay
-    metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
+    reloader = Reloader(Live(gw), pool, metrics, build, tenancy, loader)
+    reloader.listeners.append(lambda live: s.follow(live.config))   # shared services: their state stays
+    metrics.attach_live_state(pool.endpoints, s.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s,
                               fleet_load=lambda ep: fleet_load(ep, time.monotonic(), config.routing.metrics_max_age_s))
     started_at = int(time.time())
 
     # the trace middleware is outermost, so the request span sees the status the client gets
-    answer = _error_answers(metrics, gw.apis)
+    answer = _error_answers(metrics, s.apis)
     middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(answer)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
@@ -191,13 +159,11 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     app[NOT_READY_KEY] = asyncio.Event()
 
     async def models(request: web.Request) -> web.Response:
-        if tenancy is not None:  # with auth on, listing models needs a key too
-            await tenancy.authenticate(request, None)
+        await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
         data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
                  "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
                  "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
-        aliases = reloader.live.aliases
-        for a in aliases.describe() if aliases is not None else ():   # an alias lists its targets
+        for a in reloader.live.aliases.describe():   # an alias lists its targets
             data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
                          "targets": a["targets"], "sticky": a["sticky"],
                          "ready_endpoints": sum(len(pool.ready(t["model"])) for t in a["targets"])})
@@ -220,14 +186,14 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    inference = (CHAT, COMPLETIONS, EMBEDDINGS, *gw.apis)     # gw.apis: Responses, Messages, pass-through
+    inference = (CHAT, COMPLETIONS, EMBEDDINGS, *s.apis)     # s.apis: Responses, Messages, pass-through
     for path in inference:
         app.router.add_post(path, reloader.live_handle)
     # the edge calls these paths' handler itself, skipping the application's router and middleware,
     # unless something must wrap every answer: the trace span (a middleware) or the tenants'
     # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
     app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
-    add_responses(app, responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
+    add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
@@ -238,10 +204,10 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             reloader.register(app.router)        # POST /admin/reload
     if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
         board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
-        gw.observers.append(board.on_request)
-        routing.observers.append(board.on_decision)
-        sources = StatusSources(config, pool, routing, lifecycle, gw.model_in_flight, tenancy,
-                                aliases=lambda: a.describe() if (a := reloader.live.aliases) is not None else [],
+        s.observers.append(board.on_request)
+        s.decision_observers.append(board.on_decision)
+        sources = StatusSources(config, pool, gw.routing, lifecycle, s.model_in_flight, tenancy,
+                                aliases=lambda: reloader.live.aliases.describe(),
                                 started_at=started_at)
         reloader.listeners.append(sources.follow)
         add_status(app, sources, metrics, board)
@@ -260,7 +226,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             upstream.start()
             session = make_session(config.upstream)
             mon = Monitor(pool, session, metrics, config.health, config.scrape)
-            mon.listeners.append(admission.on_endpoint)     # a scrape or health change may free room
+            mon.listeners.append(s.admission.on_endpoint)     # a scrape or health change may free room
             app[MONITOR_KEY] = mon
             mon.start()
             lora.start(session)

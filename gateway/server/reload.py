@@ -33,7 +33,6 @@ its own result.
 from __future__ import annotations
 
 import asyncio
-import copy
 import os
 import signal
 from collections.abc import Callable
@@ -46,11 +45,12 @@ import structlog
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from gateway.aliases import Aliases, AliasMetrics
+from gateway.aliases import Aliases, NoAliases
 from gateway.config.schema import Config, ConfigError
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import GatewayError
 from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.generation import Entry, Generation
 from gateway.pipeline.routing import Routing
 from gateway.server.admin import require_admin
 from gateway.tenants import Tenancy
@@ -154,30 +154,36 @@ def changed_blocks(old: Config, new: Config) -> list[str]:
     return [k for k in old.__struct_fields__ if getattr(old, k) != getattr(new, k)]
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Live:
-    """The generation new requests enter: a config and what was built from it. ``pipeline`` is a
-    ``gateway.pipeline.pipeline.Pipeline`` (only gateway.server.app imports that module); every generation's
-    pipeline shares the app's collaborators (pool, metrics, upstream, relay, tenancy, lifecycle,
-    request log) and has its own config, routing, P/D orchestrator and aliases."""
+    """The generation new requests enter: its pipeline (a ``gateway.pipeline.pipeline.Pipeline``,
+    which only gateway.server.app imports; its type here is the protocol it meets) and its number.
+    Every generation's pipeline shares the services (``gateway.pipeline.generation.Services``) and
+    has its own config, routing, P/D orchestrator and aliases."""
 
-    config: Config
-    pipeline: Any
+    pipeline: Entry
     generation: int = 1
 
     @property
-    def routing(self) -> Routing:
-        return self.pipeline.routing
+    def gen(self) -> Generation:
+        return self.pipeline.gen
 
     @property
-    def aliases(self) -> Aliases | None:
-        return self.pipeline.aliases
+    def config(self) -> Config:
+        return self.pipeline.gen.config
+
+    @property
+    def routing(self) -> Routing:
+        return self.pipeline.gen.routing
+
+    @property
+    def aliases(self) -> Aliases | NoAliases:
+        return self.pipeline.gen.aliases
 
 
-def _routing_state_kept(old: Config, new: Config) -> bool:
-    own_pd = {m.name: m.pd for m in old.models if m.pd is not None}
-    return (old.routing == new.routing and old.pd == new.pd
-            and own_pd == {m.name: m.pd for m in new.models if m.pd is not None})
+# builds a generation's pipeline from a config and the generation before it (None at start-up):
+# the app's, around ``gateway.pipeline.generation.build_generation``
+Build = Callable[[Config, Generation | None], Entry]
 
 
 def _check_strategies(config: Config) -> None:
@@ -192,25 +198,6 @@ def _check_strategies(config: Config) -> None:
             registry.get(spec)
         except StrategyError as e:
             raise ConfigError(path, str(e)) from None
-
-
-def next_pipeline(live: Live, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
-                  alias_metrics: AliasMetrics) -> Any:
-    """The pipeline for ``config``, built beside ``live``'s and sharing its collaborators; raises
-    ``ConfigError`` when a strategy the config names does not exist. Changes nothing of ``live``."""
-    old = live.pipeline
-    _check_strategies(config)
-    routing = Routing(config, pool, metrics, old.routing.ctx.precise_index)
-    if _routing_state_kept(live.config, config):
-        routing.ctx, routing.registry = old.routing.ctx, old.routing.registry
-    routing.observers = old.routing.observers          # the status board's, shared by every generation
-    routing.claims = old.routing.claims                # the breakers'
-    pd = copy.copy(old.pd)
-    pd.config, pd.rng = config, routing.ctx.rng
-    new = copy.copy(old)
-    new.config, new.routing, new.pd = config, routing, pd
-    new.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
-    return new
 
 
 class ReloadMetrics:
@@ -251,12 +238,12 @@ Listener = Callable[[Live], None]
 class Reloader:
     """Re-reads the config with ``loader`` and swaps the generation; see the module docstring."""
 
-    def __init__(self, live: Live, pool: EndpointPool, metrics: GatewayMetrics, alias_metrics: AliasMetrics,
+    def __init__(self, live: Live, pool: EndpointPool, metrics: GatewayMetrics, build: Build,
                  tenancy: Tenancy | None, loader: Callable[[], Config] | None = None) -> None:
         self.live = live
         self.pool = pool
         self.metrics = metrics
-        self.alias_metrics = alias_metrics
+        self.build = build               # the same builder as at start-up
         self.tenancy = tenancy
         self.loader = loader             # None: no config file (the demo, tests) — nothing to re-read
         self.admin = tenancy is not None and tenancy.admin_digest is not None
@@ -278,7 +265,8 @@ class Reloader:
             if path is not None:
                 return self._refused(trigger, "restart_required", path,
                                      f"{path}: changing this needs a restart; the running config is kept")
-            pipeline = next_pipeline(live, config, self.pool, self.metrics, self.alias_metrics)
+            _check_strategies(config)    # every error names its key
+            pipeline = self.build(config, live.gen)   # beside the live one: changes nothing of it
         except ConfigError as e:
             return self._refused(trigger, "invalid", e.key_path, str(e))
         except ValueError as e:          # a check no key path came with (none is known today)
@@ -288,7 +276,7 @@ class Reloader:
         added, removed = sync_pool(self.pool, config)
         if self.tenancy is not None:
             self.tenancy.reconfigure(config)
-        self.live = Live(config, pipeline, live.generation + 1)
+        self.live = Live(pipeline, live.generation + 1)
         for listener in self.listeners:
             listener(self.live)
         result = ReloadResult("ok", self.live.generation, trigger, changed=changed,

@@ -61,6 +61,7 @@ class Ticket:
 
 
 TICKET = web.RequestKey("tenancy_ticket", Ticket)
+NO_TICKET = Ticket()       # every request's, with tenancy off (``NoTenancy`` never changes it)
 
 
 NO_USER = "_none"          # the `user` label of a request that names no user
@@ -334,6 +335,25 @@ class Tenancy:
         if t is not None and t.headers:
             for k, v in t.headers.items():
                 response.headers.setdefault(k, v)
+
+
+class NoTenancy:
+    """Tenancy off (no keys, no limits, no shared state): nobody is authenticated, nothing is
+    limited or charged; the ``user`` a client names is taken as is."""
+
+    __slots__ = ()
+
+    async def authenticate(self, request: web.Request, rec: RequestRecord | None) -> Ticket:
+        return NO_TICKET
+
+    async def admit(self, t: Ticket, ireq: InferenceRequest, rec: RequestRecord) -> None:
+        pass
+
+    def settle(self, t: Ticket, rec: RequestRecord) -> None:
+        pass
+
+
+NO_TENANCY = NoTenancy()
 
 
 # the headers a client's API key arrives in (kept from engines unless auth.forward_authorization)

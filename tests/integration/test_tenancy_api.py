@@ -10,6 +10,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway.tenants.service import NO_TENANCY
 from tests.conftest import model_block, wait_for
 
 CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -66,7 +67,7 @@ async def recorder():
 async def test_without_auth_the_authorization_header_reaches_the_engine(recorder, gateway):
     url, seen = recorder
     gw = await gateway([model_block("m", "vllm", [url])])
-    assert gw.gw.tenancy is None                       # nothing configured: no hooks at all
+    assert gw.gw.tenancy is NO_TENANCY                 # nothing configured: no hooks at all
     await client(gw, "engine-key").chat.completions.create(model="m", messages=CHAT)
     assert seen[-1]["Authorization"] == "Bearer engine-key"
 
