@@ -42,11 +42,11 @@ from aiohttp import web
 from gateway.config.schema import WatchdogConfig
 from gateway.errors import GatewayError
 from gateway.observability.metrics import GatewayMetrics
-from gateway.pipeline.relay import Relay, open_sse
+from gateway.pipeline.relay import EOF_FAILURE, Relay, WatchdogFired, open_sse, stream_failure
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
 from gateway.resilience.outcome import Outcome
-from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
+from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
 from handlers import adapter_for
 from handlers.continuation import TEXT, TOKEN, Partial, continuation, first_leg, text_mode_refusal
@@ -203,29 +203,20 @@ class Migration:
                     await self._write(out, self._tail())
                     break
                 nxt = await self._next_leg(relay, ctx, error_class)
-                if nxt is None:
-                    relay._stream_observations(rec, seen)
-                    status, code = (504, "upstream_timeout") if "timeout" in error_class else (502, "upstream_incomplete")
+                if nxt is None:             # the client gets the relay's final error event
                     if error_class == "upstream_stream_error" and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
-                    await self._write(out, relay._failure(ctx, status, message, code))
-                    await out.write_eof()
-                    return out
+                    return await relay.end_stream(ctx, out, seen, (error_class, message))
                 resp = nxt
         except ConnectionResetError:
             rec.error_class = "client_cancel"
             raise asyncio.CancelledError from None
-        relay._stream_observations(rec, seen)
         if not self.client_usage:
             relay.account_usage(rec, self._merged(final=True))
         if self.log:
             rec.extra["migrations"] = self.log
-        try:
-            await out.write_eof()
-        except ConnectionResetError:
-            raise asyncio.CancelledError from None
-        return out
+        return await relay.end_stream(ctx, out, seen, None)
 
     @staticmethod
     async def _write(out: web.StreamResponse, data: bytes) -> None:
@@ -250,7 +241,7 @@ class Migration:
                     async with asyncio.timeout(limit or None):
                         chunk = await resp.readany()
                 except TimeoutError:
-                    return f"watchdog_{phase}", f"no output from the engine for {limit:g}s ({phase.replace('_', ' ')})"
+                    return stream_failure(WatchdogFired(phase, limit))
                 if not chunk:
                     break
                 phase, limit = "idle", idle_to
@@ -272,10 +263,8 @@ class Migration:
                     await out.write(data)
                 if failed:
                     return "upstream_stream_error", "in-stream error"
-        except UpstreamTimeout as e:
-            return "upstream_timeout", f"the engine did not finish the stream: {e}"
-        except UpstreamError as e:
-            return "upstream_broken", f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+        except UpstreamError as e:          # the whole-exchange timeout, or the engine's side broke
+            return stream_failure(e)
         if buf.strip():
             r = self._event(buf)
             if r is False:
@@ -285,7 +274,7 @@ class Migration:
                 await out.write(r)
         if self.done or self.finished:
             return None, ""
-        return "upstream_eof", "the engine closed the stream before it completed"
+        return EOF_FAILURE
 
     async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: str) -> UpstreamResponse | None:
         """Open the leg that continues the stream, or None (refused, limit, or it failed: the

@@ -48,6 +48,23 @@ class WatchdogFired(Exception):
         self.seconds = seconds
 
 
+# a stream's failure: (error class, message); the classes that are timeouts end it with a 504 event
+StreamFailure = tuple[str, str]
+_TIMEOUTS = frozenset({"watchdog_first_chunk", "watchdog_idle", "upstream_timeout"})
+EOF_FAILURE: StreamFailure = ("upstream_eof", "the engine closed the stream before it completed")
+
+
+def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
+    """What a leg's failure mid-stream is called, for the plain relay and a migrating stream alike:
+    a watchdog that fired, the whole-exchange timeout (``upstream.total_timeout_s``), or the
+    engine's side breaking."""
+    if isinstance(e, WatchdogFired):
+        return f"watchdog_{e.phase}", f"no output from the engine for {e.seconds:g}s ({e.phase.replace('_', ' ')})"
+    if isinstance(e, UpstreamTimeout):
+        return "upstream_timeout", f"the engine did not finish the stream: {e}"
+    return "upstream_broken", f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+
+
 class _Watchdog:
     """A stream's watchdog: each wait for the engine's next chunk is bounded (``first_chunk`` for
     the first, ``idle`` after it), by one timer per stream rather than one per chunk. The relay
@@ -228,29 +245,21 @@ class Relay:
             if tail:
                 await write(tail)
             if not scanner.done and scanner.error is None:
-                rec.error_class = "upstream_eof"
-                rec.error = "the engine closed the stream before it completed"
-                failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
+                rec.error_class, rec.error = failure = EOF_FAILURE
         except WatchdogFired as w:
             rec.watchdog = w.phase  # type: ignore[assignment]
             ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
-            rec.error_class = f"watchdog_{w.phase}"
-            rec.error = f"no output from the engine for {w.seconds:g}s ({w.phase.replace('_', ' ')})"
+            rec.error_class, rec.error = failure = stream_failure(w)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
-            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
         except UpstreamTimeout as e:
             # upstream.total_timeout_s: the whole exchange took too long
-            rec.error_class = "upstream_timeout"
-            rec.error = f"the engine did not finish the stream: {e}"
+            rec.error_class, rec.error = failure = stream_failure(e)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
-            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
         except UpstreamError as e:
             # the engine's side broke mid-stream (a client-side write failure raises
             # ConnectionResetError, handled below as a cancel)
-            rec.error_class = "upstream_broken"
-            rec.error = f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+            rec.error_class, rec.error = failure = stream_failure(e)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
-            failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
         except ConnectionResetError:
             # the client went away while we wrote: same as a disconnect
             rec.error_class = "client_cancel"
@@ -258,32 +267,40 @@ class Relay:
         finally:
             if watch is not None:
                 watch.cancel()
-        self._stream_observations(rec, scanner)
         if ctx.migration is not None and (failure is not None or scanner.error is not None):
             ctx.migration.unmigrated(rec, rec.error_class or "upstream_stream_error")   # refused: counted
-        if failure is not None:
-            try:
-                await write(failure)
-            except ConnectionResetError:
-                raise asyncio.CancelledError from None
-        elif scanner.error is not None:
+        if failure is None and scanner.error is not None:   # the engine's error event went through
             rec.error_class = "upstream_stream_error"
             msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
             rec.error = str(msg)[:200] if msg else "in-stream error"
+        return await self.end_stream(ctx, out, scanner, failure)
+
+    async def end_stream(self, ctx: RequestContext, out: web.StreamResponse, scanner: StreamScanner,
+                         failure: StreamFailure | None) -> web.StreamResponse:
+        """The end of a relayed stream, the plain relay's and a migrating stream's
+        (gateway/pipeline/migration.py): what the client received goes to the metrics; a failure
+        (recorded on the request by the caller) is the stream's last event, a 504 for a timeout and
+        a 502 otherwise; then the end. The client gone while this is written is a cancel."""
+        self.observe_stream(ctx.rec, scanner)
         try:
+            if failure is not None:
+                error_class, message = failure
+                status, code = (504, "upstream_timeout") if error_class in _TIMEOUTS else (502, "upstream_incomplete")
+                await out.write(self.failure_event(ctx, status, message, code))
             await out.write_eof()
         except ConnectionResetError:
             raise asyncio.CancelledError from None
         return out
 
     @staticmethod
-    def _failure(ctx: RequestContext, status: int, message: str, code: str) -> bytes:
+    def failure_event(ctx: RequestContext, status: int, message: str, code: str) -> bytes:
         """The event that ends a stream the gateway cannot complete, in the request's API shape."""
         if ctx.api is not None:
             return ctx.api.stream_error(ctx, status, message, code)
         return error_event(status, message, code=code)
 
-    def _stream_observations(self, rec: RequestRecord, scanner: StreamScanner) -> None:
+    def observe_stream(self, rec: RequestRecord, scanner: StreamScanner) -> None:
+        """A stream's first token, inter-token gaps, finish and usage, into the record and metrics."""
         m = self.metrics
         if scanner.first_token_at is not None:
             rec.ttft = scanner.first_token_at - rec.started
