@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.tenants.directory import admin_token_valid, key_digest
@@ -104,7 +104,7 @@ class StatusPage:
 
 def _unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer", **NO_STORE},
-                        error_class="auth")
+                        error_class=ErrorClass.AUTH)
 
 
 def add_status(app: web.Application, sources: StatusSources, metrics: GatewayMetrics,

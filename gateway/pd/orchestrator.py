@@ -34,7 +34,7 @@ from aiohttp import web
 
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint
-from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
@@ -64,7 +64,7 @@ class PrefillFailed(Exception):
                                     f"{self.message[:256]}",
                             code=f"pd_prefill_{self.failure_class}",
                             header=("x-error-pd-prefill", self.failure_class),
-                            error_class=f"pd_prefill_{self.failure_class}")
+                            error_class=ErrorClass.pd_prefill(self.failure_class))
 
 
 class PDOrchestrator:
@@ -201,7 +201,7 @@ class PDOrchestrator:
                     async with asyncio.timeout(limit):
                         resp = await asyncio.shield(decode_task)
                 except TimeoutError:
-                    self.upstream.record(decode, Outcome.FAULT, "watchdog_first_chunk")
+                    self.upstream.record(decode, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
                     raise self._watchdog_error(ctx, limit) from None
             else:
                 # the decode answered first (its headers come with its first token): the prefill's
@@ -316,7 +316,7 @@ class PDOrchestrator:
         return f.client_error(ctx.decision.prefill)
 
     def _decode_unavailable(self, ctx: RequestContext, f: UpstreamFailure) -> GatewayError:
-        ctx.rec.error_class = f"decode_{f.kind}"
+        ctx.rec.error_class = ErrorClass.decode(f.kind)
         return GatewayError(502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
                             header=("x-error-pd-decode", f.kind), error_class=ctx.rec.error_class)
 
@@ -331,7 +331,7 @@ class PDOrchestrator:
         rec.watchdog = phase
         ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": limit or 0.0})
         self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
-        rec.error_class = f"watchdog_{phase}"
+        rec.error_class = ErrorClass.watchdog(phase)
         verb = "start" if ctx.ireq.stream else "finish"
         return GatewayError(504, f"decode endpoint {ctx.decision.endpoint.name} did not {verb} responding "
                                  f"within {limit or 0:g}s",

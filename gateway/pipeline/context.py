@@ -20,6 +20,7 @@ from aiohttp import web
 
 from gateway.apis.base import ApiShape
 from gateway.endpoints import Endpoint
+from gateway.errors import ErrorClass
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import NO_TRACE, Trace
@@ -64,7 +65,7 @@ class RequestRecord:
     stream: bool = False
     headers_sent: bool = False
     watchdog: WatchdogPhase | None = None     # the watchdog phase that fired, if one did
-    error_class: str | None = None
+    error_class: ErrorClass | None = None
     error: str | None = None
     retries: int = 0
     ttft: float | None = None

@@ -40,7 +40,7 @@ import orjson
 from aiohttp import web
 
 from gateway.config.schema import WatchdogConfig
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.relay import EOF_FAILURE, Relay, WatchdogFired, open_sse, stream_failure
 from gateway.pipeline.sse import SSEScanner
@@ -73,7 +73,7 @@ class _NoLegs:
         pass
 
     async def reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
-        raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")
+        raise GatewayError(503, "no other endpoint to continue the stream on", error_class=ErrorClass.NO_ENDPOINT)
 
 
 NO_LEGS: Legs = _NoLegs()
@@ -82,8 +82,9 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "gu
            "structured_outputs", "json_schema", "regex", "ebnf", "structural_tag")
 
 # relay error classes of a failed stream → migration reason
-REASONS = {"upstream_broken": "broken", "upstream_stream_error": "stream_error", "upstream_eof": "eof",
-           "watchdog_idle": "idle_timeout", "watchdog_first_chunk": "first_chunk_timeout"}
+REASONS = {ErrorClass.UPSTREAM_BROKEN: "broken", ErrorClass.UPSTREAM_STREAM_ERROR: "stream_error",
+           ErrorClass.UPSTREAM_EOF: "eof", ErrorClass.WATCHDOG_IDLE: "idle_timeout",
+           ErrorClass.WATCHDOG_FIRST_CHUNK: "first_chunk_timeout"}
 
 
 def refusal(ireq: InferenceRequest) -> str | None:
@@ -179,9 +180,9 @@ class Migration:
 
     # -- the relay's side ----------------------------------------------------------------------
 
-    def unmigrated(self, rec, error_class: str | None) -> None:
+    def unmigrated(self, rec, error_class: ErrorClass) -> None:
         """A refused stream failed (the plain relay ran): count it."""
-        reason = REASONS.get(error_class or "")
+        reason = REASONS.get(error_class)
         if reason is not None and self.refused is not None:
             self._count(rec, reason, f"refused_{self.refused}", rec.endpoint)
 
@@ -204,13 +205,13 @@ class Migration:
                     break
                 nxt = await self._next_leg(relay, ctx, error_class)
                 if nxt is None:             # the client gets the relay's final error event
-                    if error_class == "upstream_stream_error" and isinstance(self.error, dict):
+                    if error_class == ErrorClass.UPSTREAM_STREAM_ERROR and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
                     return await relay.end_stream(ctx, out, seen, (error_class, message))
                 resp = nxt
         except ConnectionResetError:
-            rec.error_class = "client_cancel"
+            rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
         if not self.client_usage:
             relay.account_usage(rec, self._merged(final=True))
@@ -227,7 +228,7 @@ class Migration:
                 raise asyncio.CancelledError from None
 
     async def _leg(self, resp: UpstreamResponse, out: web.StreamResponse, seen: SSEScanner,
-                   wd: WatchdogConfig | None) -> tuple[str | None, str]:
+                   wd: WatchdogConfig | None) -> tuple[ErrorClass | None, str]:
         """Relay one leg; returns (None, "") when the stream completed, else the error class and
         message of its failure."""
         first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
@@ -262,13 +263,13 @@ class Migration:
                     seen.feed(data, clock())
                     await out.write(data)
                 if failed:
-                    return "upstream_stream_error", "in-stream error"
+                    return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
         except UpstreamError as e:          # the whole-exchange timeout, or the engine's side broke
             return stream_failure(e)
         if buf.strip():
             r = self._event(buf)
             if r is False:
-                return "upstream_stream_error", "in-stream error"
+                return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
             if r:
                 seen.feed(r, clock())
                 await out.write(r)
@@ -276,7 +277,7 @@ class Migration:
             return None, ""
         return EOF_FAILURE
 
-    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: str) -> UpstreamResponse | None:
+    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: ErrorClass) -> UpstreamResponse | None:
         """Open the leg that continues the stream, or None (refused, limit, or it failed: the
         relay then tells the failed endpoint's breaker, as for any stream)."""
         rec = ctx.rec

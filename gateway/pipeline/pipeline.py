@@ -20,7 +20,7 @@ import structlog
 from aiohttp import web
 
 from gateway.endpoints import Endpoint
-from gateway.errors import GatewayError, error_response
+from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.kv import dp_rank
 from gateway.pipeline.context import RequestContext, record_request, safe_header_value
 from gateway.pipeline.generation import Generation
@@ -91,7 +91,7 @@ class Pipeline:
             return self._error_response(ctx, e)
         except asyncio.CancelledError:
             rec.status = 499
-            rec.error_class = rec.error_class or "client_cancel"
+            rec.error_class = rec.error_class or ErrorClass.CLIENT_CANCEL
             self.metrics.child(self.metrics.client_cancels, rec.model,
                                "streaming" if rec.headers_sent else "before_headers").inc()
             ctx.trace.event("abort", {"switchyard.abort.by": "client"})
@@ -133,17 +133,17 @@ class Pipeline:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise GatewayError(413, f"request body exceeds {self.config.server.max_body_bytes} bytes",
-                               error_class="validation") from None
+                               error_class=ErrorClass.VALIDATION) from None
         except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
             raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
-                               error_class="validation") from None
+                               error_class=ErrorClass.VALIDATION) from None
 
     def _enter(self, model: str) -> str:
         """The model must exist (404); it counts one more request in flight until ``_leave``."""
         if not self.pool.has_model(model) and self.config.model(model) is None:
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
                                header=("x-error-no-model-backends", safe_header_value(model)),
-                               error_class="model_not_found")
+                               error_class=ErrorClass.MODEL_NOT_FOUND)
         self.model_in_flight[model] = self.model_in_flight.get(model, 0) + 1
         return model
 
@@ -161,7 +161,7 @@ class Pipeline:
             if router.chooses_pairs and not api.supports_pd:
                 raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
                                         f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
-                                   header=("x-error-routing", "true"), error_class="routing")
+                                   header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
             candidates = await api.prepare(ctx, candidates)
         if ireq.lora is not None:
             candidates = await self._adapter_serving(ctx, router, candidates)
@@ -220,7 +220,7 @@ class Pipeline:
         try:   # refused before any endpoint is chosen
             return adapter.check_pd_body(ctx.ireq)
         except BodyError as e:
-            raise GatewayError(400, str(e), header=("x-error-routing", "true"), error_class="validation") from None
+            raise GatewayError(400, str(e), header=("x-error-routing", "true"), error_class=ErrorClass.VALIDATION) from None
 
     def _client_rank(self, model: str) -> bool:
         """Whether the model lets a client's own ``X-data-parallel-rank`` through (``kv_events.client_rank``)."""
@@ -264,7 +264,7 @@ class Pipeline:
                         ctx, self.routing, self.metrics, candidates, tried, Outcome.FAULT, f.kind) is not None:
                     ep = ctx.decision.endpoint
                     continue
-                rec.error_class = f"upstream_{f.kind}"
+                rec.error_class = ErrorClass.upstream(f.kind)
                 if f.kind == "timeout":
                     raise GatewayError(504, f"upstream timeout: {f.message}", code="upstream_timeout",
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
@@ -297,7 +297,7 @@ class Pipeline:
         if candidates and cont.lora is not None:   # those serving the adapter
             candidates = await self._adapter_serving(ctx, router, candidates)
         if not candidates:
-            raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")
+            raise GatewayError(503, "no other endpoint to continue the stream on", error_class=ErrorClass.NO_ENDPOINT)
         adapter = adapter_for(candidates[0].engine)
         self.route_and_charge(ctx, rec.strategy, router, adapter, candidates, None)
         decision = ctx.decision
@@ -330,14 +330,14 @@ class Pipeline:
         """A bug in the gateway. Before headers: an OpenAI-shaped 500. After them: the stream's
         final error event. Either way the traceback is logged once and the error counted."""
         rec = ctx.rec
-        rec.error_class = "internal"
+        rec.error_class = ErrorClass.INTERNAL
         rec.error = f"{type(e).__name__}: {e}"[:200]
         self.metrics.internal_errors.inc()
         log.error("internal error", request_id=rec.request_id, exc_info=e)
         out = ctx.response
         if out is None or not out.prepared:
             return self._error_response(ctx, GatewayError(500, "internal gateway error", code="internal_error",
-                                                          error_class="internal"))
+                                                          error_class=ErrorClass.INTERNAL))
         try:
             await out.write(ctx.api.stream_error(ctx, 500, "internal gateway error", "internal_error")
                             if ctx.api is not None else error_event(500, "internal gateway error", code="internal_error"))

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from gateway.apis.base import StreamScanner
 from gateway.config.schema import UpstreamConfig, WatchdogConfig
-from gateway.errors import GatewayError, error_body, error_response, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
 from gateway.pipeline.sse import SSEScanner, usage_tokens
@@ -48,10 +48,9 @@ class WatchdogFired(Exception):
         self.seconds = seconds
 
 
-# a stream's failure: (error class, message); the classes that are timeouts end it with a 504 event
-StreamFailure = tuple[str, str]
-_TIMEOUTS = frozenset({"watchdog_first_chunk", "watchdog_idle", "upstream_timeout"})
-EOF_FAILURE: StreamFailure = ("upstream_eof", "the engine closed the stream before it completed")
+# a stream's failure: (error class, message); a timeout ends it with a 504 event, anything else a 502
+StreamFailure = tuple[ErrorClass, str]
+EOF_FAILURE: StreamFailure = (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
 
 
 def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
@@ -59,10 +58,10 @@ def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
     a watchdog that fired, the whole-exchange timeout (``upstream.total_timeout_s``), or the
     engine's side breaking."""
     if isinstance(e, WatchdogFired):
-        return f"watchdog_{e.phase}", f"no output from the engine for {e.seconds:g}s ({e.phase.replace('_', ' ')})"
+        return ErrorClass.watchdog(e.phase), f"no output from the engine for {e.seconds:g}s ({e.phase.replace('_', ' ')})"
     if isinstance(e, UpstreamTimeout):
-        return "upstream_timeout", f"the engine did not finish the stream: {e}"
-    return "upstream_broken", f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+        return ErrorClass.UPSTREAM_TIMEOUT, f"the engine did not finish the stream: {e}"
+    return ErrorClass.UPSTREAM_BROKEN, f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
 
 
 class _Watchdog:
@@ -169,7 +168,7 @@ class Relay:
             status, err = normalize_upstream_error(resp.status, raw)
             body, message = orjson.dumps(err), str(err["error"].get("message"))
         rec.status = status
-        rec.error_class = "upstream_status"
+        rec.error_class = ErrorClass.UPSTREAM_STATUS
         rec.error = message[:200]
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
         if "Retry-After" in resp.headers:
@@ -262,15 +261,15 @@ class Relay:
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
         except ConnectionResetError:
             # the client went away while we wrote: same as a disconnect
-            rec.error_class = "client_cancel"
+            rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
         finally:
             if watch is not None:
                 watch.cancel()
         if ctx.migration is not None and (failure is not None or scanner.error is not None):
-            ctx.migration.unmigrated(rec, rec.error_class or "upstream_stream_error")   # refused: counted
+            ctx.migration.unmigrated(rec, rec.error_class or ErrorClass.UPSTREAM_STREAM_ERROR)   # refused: counted
         if failure is None and scanner.error is not None:   # the engine's error event went through
-            rec.error_class = "upstream_stream_error"
+            rec.error_class = ErrorClass.UPSTREAM_STREAM_ERROR
             msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
             rec.error = str(msg)[:200] if msg else "in-stream error"
         return await self.end_stream(ctx, out, scanner, failure)
@@ -285,7 +284,7 @@ class Relay:
         try:
             if failure is not None:
                 error_class, message = failure
-                status, code = (504, "upstream_timeout") if error_class in _TIMEOUTS else (502, "upstream_incomplete")
+                status, code = (504, "upstream_timeout") if error_class.is_timeout else (502, "upstream_incomplete")
                 await out.write(self.failure_event(ctx, status, message, code))
             await out.write_eof()
         except ConnectionResetError:
@@ -325,13 +324,13 @@ class Relay:
             if isinstance(e, TimeoutError):
                 rec.watchdog = "response"
                 ctx.trace.event("watchdog", {"switchyard.watchdog.phase": "response", "switchyard.watchdog.seconds": limit})
-            rec.error_class = "watchdog_response" if isinstance(e, TimeoutError) else "upstream_timeout"
+            rec.error_class = ErrorClass.WATCHDOG_RESPONSE if isinstance(e, TimeoutError) else ErrorClass.UPSTREAM_TIMEOUT
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
             secs = limit if isinstance(e, TimeoutError) else e.seconds
             raise GatewayError(504, f"the engine did not answer within {secs:g}s", code="upstream_timeout",
                                header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
         except UpstreamError as e:
-            rec.error_class = "upstream_broken"
+            rec.error_class = ErrorClass.UPSTREAM_BROKEN
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_body").inc()
             raise GatewayError(502, f"the engine connection broke before the answer was complete: {type(e).__name__}",
                                code="upstream_incomplete", header=("x-error-upstream", "reset"),

@@ -21,7 +21,7 @@ from gateway.apis.base import ApiShape
 from gateway.apis.responses import add_responses
 from gateway.config.schema import Config
 from gateway.endpoints import EndpointPool
-from gateway.errors import GatewayError, error_response
+from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.observability.looplag import LoopLagMonitor
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
@@ -79,7 +79,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
                 return None
             msg = {404: f"unknown path {request.path}", 405: f"method {request.method} not allowed on {request.path}",
                    413: "request body too large"}.get(e.status, e.reason)
-            err = GatewayError(e.status, msg, error_class="http")
+            err = GatewayError(e.status, msg, error_class=ErrorClass.HTTP)
             headers = {"request-id": rid, "x-request-id": rid}
             if e.status == 405 and "Allow" in e.headers:
                 headers["Allow"] = e.headers["Allow"]

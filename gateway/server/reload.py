@@ -48,7 +48,7 @@ from prometheus_client import Counter, Gauge
 from gateway.aliases import Aliases, NoAliases
 from gateway.config.schema import Config, ConfigError
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.generation import Entry, Generation
 from gateway.pipeline.routing import Routing
@@ -325,7 +325,7 @@ class Reloader:
         require_admin(request, self.tenancy.admin_digest if self.tenancy is not None else None)
         if self.loader is None:
             raise GatewayError(409, "the gateway was started without a config file (--config): nothing to reload",
-                               code="no_config_file", error_class="admin")
+                               code="no_config_file", error_class=ErrorClass.ADMIN)
         if self.parent_pid is not None:
             result = await self._reload_every_worker()
         else:
@@ -334,7 +334,7 @@ class Reloader:
             return web.Response(status=200, body=orjson.dumps(result.body()), content_type="application/json")
         status, code = (409, "restart_required") if result.result == "restart_required" else (400, "config_invalid")
         raise GatewayError(status, result.error or result.result, param=result.key_path, code=code,
-                           error_class="admin")
+                           error_class=ErrorClass.ADMIN)
 
     async def _reload_every_worker(self) -> ReloadResult:
         """Ask the parent to signal every worker, this one included, and wait for this one's."""
@@ -347,7 +347,7 @@ class Reloader:
                 return await asyncio.shield(waiter)
         except TimeoutError:
             raise GatewayError(504, f"the parent process did not have this worker reload within "
-                                    f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class="admin") from None
+                                    f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class=ErrorClass.ADMIN) from None
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)
