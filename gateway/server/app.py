@@ -134,8 +134,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     """``loader`` re-reads the config file for a reload (gateway/server/reload.py); None: no reload."""
     pool = pool if pool is not None else pool_from_config(config)
     s = build_services(config, pool)
-    metrics, lifecycle, lora, upstream, request_log, kv_events = (
-        s.metrics, s.lifecycle, s.lora, s.upstream, s.request_log, s.kv_events)
+    metrics, lifecycle = s.metrics, s.lifecycle
     tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
     tracing = s.tracing if isinstance(s.tracing, Tracing) else None
     build = _builder(s)
@@ -157,6 +156,31 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     app[RELOAD_KEY] = reloader
     app[LIFECYCLE_KEY] = lifecycle
     app[NOT_READY_KEY] = asyncio.Event()
+
+    inference = (CHAT, COMPLETIONS, EMBEDDINGS, *s.apis)     # s.apis: Responses, Messages, pass-through
+    for path in inference:
+        app.router.add_post(path, reloader.live_handle)
+    # the edge calls these paths' handler itself, skipping the application's router and middleware,
+    # unless something must wrap every answer: the trace span (a middleware) or the tenants'
+    # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
+    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
+    add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
+    _add_public_routes(app, s, reloader, started_at)   # /v1/models, /health, /ready, /metrics
+    if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
+        add_tenancy(app, tenancy)
+        if tenancy.admin_digest is not None:
+            reloader.register(app.router)        # POST /admin/reload
+    if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
+        _add_status_page(app, config, s, reloader, tenancy, started_at)
+
+    if tracing is not None:     # first in, last out: flushed once everything else stopped
+        app.cleanup_ctx.append(_tracing_lifecycle(tracing))
+    app.cleanup_ctx.append(_engines(config, s, reloader))
+    return app
+
+
+def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, started_at: int) -> None:
+    pool, lifecycle, metrics, lora = s.pool, s.lifecycle, s.metrics, s.lora
 
     async def models(request: web.Request) -> web.Response:
         await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
@@ -186,31 +210,27 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    inference = (CHAT, COMPLETIONS, EMBEDDINGS, *s.apis)     # s.apis: Responses, Messages, pass-through
-    for path in inference:
-        app.router.add_post(path, reloader.live_handle)
-    # the edge calls these paths' handler itself, skipping the application's router and middleware,
-    # unless something must wrap every answer: the trace span (a middleware) or the tenants'
-    # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
-    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
-    add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_page)
-    if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
-        add_tenancy(app, tenancy)
-        if tenancy.admin_digest is not None:
-            reloader.register(app.router)        # POST /admin/reload
-    if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
-        board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
-        s.observers.append(board.on_request)
-        s.decision_observers.append(board.on_decision)
-        sources = StatusSources(config, pool, gw.routing, lifecycle, s.model_in_flight, tenancy,
-                                aliases=lambda: reloader.live.aliases.describe(),
-                                started_at=started_at)
-        reloader.listeners.append(sources.follow)
-        add_status(app, sources, metrics, board)
+
+
+def _add_status_page(app: web.Application, config: Config, s: Services, reloader: Reloader,
+                     tenancy: Tenancy | None, started_at: int) -> None:
+    pool = s.pool
+    board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
+    s.observers.append(board.on_request)
+    s.decision_observers.append(board.on_decision)
+    sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
+                            aliases=lambda: reloader.live.aliases.describe(), started_at=started_at)
+    reloader.listeners.append(sources.follow)
+    add_status(app, sources, s.metrics, board)
+
+
+def _engines(config: Config, s: Services, reloader: Reloader):
+    pool, metrics, lifecycle, upstream, lora, kv_events, request_log = (
+        s.pool, s.metrics, s.lifecycle, s.upstream, s.lora, s.kv_events, s.request_log)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
         """Discovery first (a bad kubeconfig fails start-up before anything else runs), then the
@@ -253,11 +273,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         finally:
             if disc is not None:
                 await disc.stop()
-
-    if tracing is not None:     # first in, last out: flushed once everything else stopped
-        app.cleanup_ctx.append(_tracing_lifecycle(tracing))
-    app.cleanup_ctx.append(engines)
-    return app
+    return engines
 
 
 def _tracing_lifecycle(tracing: Tracing):
