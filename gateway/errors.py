@@ -148,7 +148,7 @@ def error_type(status: int) -> str:
 
 def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                code: Any = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": code}}
+    return {"error": {"message": message, "type": type_ if type_ is not None else error_type(status), "param": param, "code": code}}
 
 
 def error_response(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> web.Response:
@@ -177,7 +177,7 @@ class GatewayError(Exception):
             ErrorClass.CLIENT if status < 500 else ErrorClass.GATEWAY)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, type_=self.type, param=self.param, code=self.code)
 
     def body_bytes(self) -> bytes:
         return orjson.dumps(self.body())
@@ -197,23 +197,17 @@ def normalize_upstream_error(status: int, body: bytes) -> tuple[int, dict[str, A
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict):
-            msg = err.get("message")
-            return status, {"error": {
-                "message": msg if isinstance(msg, str) else str(msg or f"upstream error {status}"),
-                "type": err.get("type") if isinstance(err.get("type"), str) else error_type(status),
-                "param": err.get("param"),
-                "code": err.get("code"),
-            }}
+            msg, type_ = err.get("message"), err.get("type")
+            return status, error_body(status, msg if isinstance(msg, str) else str(msg or f"upstream error {status}"),
+                                      type_=type_ if isinstance(type_, str) else None, param=err.get("param"),
+                                      code=err.get("code"))
         if isinstance(err, str):
             return status, error_body(status, err)
         if data.get("object") == "error" or "message" in data:
-            msg = data.get("message")
-            return status, {"error": {
-                "message": msg if isinstance(msg, str) else f"upstream error {status}",
-                "type": data.get("type") if isinstance(data.get("type"), str) else error_type(status),
-                "param": data.get("param"),
-                "code": data.get("code"),
-            }}
+            msg, type_ = data.get("message"), data.get("type")
+            return status, error_body(status, msg if isinstance(msg, str) else f"upstream error {status}",
+                                      type_=type_ if isinstance(type_, str) else None, param=data.get("param"),
+                                      code=data.get("code"))
         if isinstance(data.get("detail"), str):
             return status, error_body(status, data["detail"])
     text = body[:512].decode("utf-8", "replace").strip() if body else ""
