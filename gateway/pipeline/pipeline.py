@@ -1,12 +1,16 @@
 """The request pipeline: parse → admit → strategy → route+charge → forward → relay → finish.
 
 ``Pipeline.handle`` is the aiohttp handler of the inference paths and reads as the request's
-script; each stage is a collaborator wired by ``gateway.server.app``: routing (``gateway.pipeline.routing``),
-the ledger of charges (``gateway.pipeline.ledger``), the upstream legs (``gateway.upstream.upstream``), the relay
-(``gateway.pipeline.relay``), P/D orchestration (``gateway.pd.orchestrator``), tenancy (``gateway.tenants``) and the
-lifecycle (``gateway.server.lifecycle``). What the stages hand each other travels in one
-``RequestContext``; every path out of ``handle`` (answer, error, client disconnect, a bug)
-releases the charges and writes one log line.
+script. A pipeline is built from one ``Generation`` (``gateway.pipeline.generation``): its config,
+routing (``gateway.pipeline.routing``), P/D orchestration (``gateway.pd``) and aliases, with the
+services every generation shares: the upstream legs (``gateway.upstream.upstream``), the relay
+(``gateway.pipeline.relay``), tenancy (``gateway.tenants``), LoRA adapters, admission, retries,
+tracing and the lifecycle (``gateway.server.lifecycle``). A feature that is off is a no-op object
+with the same interface, so the script has no branch for it. Charges are taken by
+``route_and_charge`` (``gateway.pipeline.ledger``), for a first leg and for a stream's
+continuation (``reopen``, called by ``gateway.pipeline.migration``). What the stages hand each
+other travels in one ``RequestContext``; every path out of ``handle`` (answer, error, client
+disconnect, a bug) releases the charges and writes one log line.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The aiohttp application: it wires the collaborators and owns their lifecycle.
 
-Wiring, in the order a request meets them: tracing (a middleware, when on), tenancy, routing, the
-ledger of charges (taken by the pipeline), the upstream legs, the relay, P/D orchestration; the
-pipeline calls them and none of them calls the pipeline back. Startup and teardown are one
+The services (``gateway.pipeline.generation.build_services``) are built once; the first
+generation's pipeline and every reload's come from one builder (``_builder``, around
+``build_generation``). The pipeline calls its collaborators and none of them calls the pipeline
+back. Startup and teardown are one
 ``cleanup_ctx`` generator each, so what starts is stopped in reverse order, also when a later
 step fails.
 """

@@ -10,15 +10,17 @@ new config that changes one of those is refused as a whole, so that after a succ
 file and what runs are the same thing.
 
 A reload has two steps. *Prepare* reads and validates the file (every error names its key path),
-checks what needs a restart, and builds the new generation's routing (its strategies are
-resolved now, so a typo fails here); nothing has changed yet, and a failure leaves the old config
+checks what needs a restart, and builds the new generation with the builder start-up used
+(``gateway.pipeline.generation.build_generation``: its strategies are resolved now, so a typo
+fails here); nothing has changed yet, and a failure leaves the old config
 serving. *Commit* is one synchronous step, with no ``await`` in it, so no request sees half of it:
 
 - the endpoint pool is brought to the new config's endpoints. An endpoint the new config still
   declares identically keeps its object (health, in-flight counts, engine metrics); a removed one
   leaves the pool and drains (requests on it finish, their leases are released on it); a new one
   joins. Endpoints found by Kubernetes discovery are not the config's and are left alone;
-- discovery gets the new model settings, tenancy the new keys and limits;
+- discovery gets the new model settings, tenancy the new keys and limits, the shared services
+  (Responses, breakers, retries, LoRA, admission) the new settings (``Services.follow``);
 - the new ``Live`` generation (config, pipeline, routing, aliases) takes new requests. A request
   runs to its end on the generation it entered with: its model, strategy, watchdog and timeouts.
 
