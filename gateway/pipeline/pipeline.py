@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -34,7 +35,7 @@ from gateway.pipeline.relay import error_event
 from gateway.request import InferenceRequest, parse
 from gateway.resilience.outcome import Outcome, of_status
 from gateway.resilience.retry import discard
-from gateway.tenants.service import NO_TICKET
+from gateway.tenants.service import NO_TICKET, Ticket
 from gateway.upstream.h1client import UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure, head_timeout, upstream_body, upstream_headers
 from handlers import adapter_for
@@ -77,14 +78,7 @@ class Pipeline:
             spec = rec.strategy = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
                                                             lora=ireq.lora is not None)
             router = self.routing.router_for(spec)
-            candidates = self.routing.candidates(ireq.model, router)
-            await self.tenancy.admit(ticket, ireq, rec)   # model RPS, user RPM/TPM/concurrency (429)
-            rec.user = ireq.user                    # with auth on, the key's user (admit decides it)
-            candidates = await self._serving(ctx, spec, router, candidates)   # the API's; the adapter's
-            adapter = adapter_for(candidates[0].engine)
-            checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
-            candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)   # or queue, or 429
-            await self._tokenize(ctx, router, candidates)   # for the KV events' match
+            adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
             candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
             self._pin_rank(ctx, adapter)            # a data-parallel engine's rank
             self._begin_migration(ctx, candidates)  # a stream that may continue elsewhere
@@ -118,29 +112,22 @@ class Pipeline:
         """Body bytes → the parsed request (in its API's format); an alias names one of its
         models (gateway/aliases.py), an adapter is a request for its base model (gateway/lora)."""
         request, api = ctx.http, ctx.api
-        if api is None:
-            body = await self._read_body(request)
-            ctx.ireq = parse(request.path, body, request.headers, ctx.rec.request_id)
-        else:
-            body = await api.read_body(request, self.config.server.max_body_bytes)
-            if body is None:
-                body = await self._read_body(request)
-            ctx.ireq = api.parse(request.path, body, request.headers, ctx.rec.request_id)
+        limit = self.config.server.max_body_bytes
+        body = await api.read_body(request, limit) if api is not None else None
+        if body is None:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise GatewayError(413, f"request body exceeds {limit} bytes", error_class=ErrorClass.VALIDATION) from None
+            except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
+                raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
+                                   error_class=ErrorClass.VALIDATION) from None
+        ctx.ireq = (api.parse if api is not None else parse)(request.path, body, request.headers, ctx.rec.request_id)
         self.aliases.resolve(ctx, user)
         self.lora.resolve(ctx)
         ireq = ctx.ireq
         ctx.rec.model, ctx.rec.stream = ireq.model, ireq.stream
         return ireq
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise GatewayError(413, f"request body exceeds {self.config.server.max_body_bytes} bytes",
-                               error_class=ErrorClass.VALIDATION) from None
-        except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
-            raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
-                               error_class=ErrorClass.VALIDATION) from None
 
     def _enter(self, model: str) -> str:
         """The model must exist (404); it counts one more request in flight until ``_leave``."""
@@ -154,6 +141,27 @@ class Pipeline:
     def _leave(self, model: str, ctx: RequestContext) -> None:
         self.model_in_flight[model] -= 1
         self.admission.released(model, ctx.charges.in_flight is not None)   # freed room goes to the next waiter
+
+    async def _admit(self, ctx: RequestContext, ticket: Ticket, spec: str, router: Router
+                     ) -> tuple[EngineAdapter, Any, list[Endpoint]]:
+        """Admit: ready endpoints (503), the caller's limits (429), the endpoints that can serve the
+        request, a P/D body the engine accepts (400), room on them (admission: the queue, or 429);
+        the prompt tokenized for the KV events' match. Returns the engine's adapter, its P/D body
+        check and the candidates to route among."""
+        ireq, rec = ctx.ireq, ctx.rec
+        assert ireq is not None
+        candidates = self.routing.candidates(ireq.model, router)
+        await self.tenancy.admit(ticket, ireq, rec)   # model RPS, user RPM/TPM/concurrency (429)
+        rec.user = ireq.user                          # with auth on, the key's user (admit decides it)
+        if ctx.api is not None or ireq.lora is not None:
+            candidates = await self._serving(ctx, spec, router, candidates)
+        adapter = adapter_for(candidates[0].engine)
+        checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
+        candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
+        kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
+        if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
+            await kv.prepare(ireq, candidates)
+        return adapter, checked, candidates
 
     async def _serving(self, ctx: RequestContext, spec: str, router: Router,
                        candidates: list[Endpoint]) -> list[Endpoint]:
@@ -175,14 +183,6 @@ class Pipeline:
                                candidates: list[Endpoint]) -> list[Endpoint]:
         return (await self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
                 else await self.lora.prepare(ctx, candidates))
-
-    async def _tokenize(self, ctx: RequestContext, router: Router, candidates: list[Endpoint]) -> None:
-        """A model with KV events: the prompt is tokenized off the loop, so the match finds it cached."""
-        kv = self.routing.ctx.precise_index
-        ireq = ctx.ireq
-        assert ireq is not None
-        if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
-            await kv.prepare(ireq, candidates)
 
     def route_and_charge(self, ctx: RequestContext, spec: str, router: Router, adapter: EngineAdapter,
                          candidates: list[Endpoint], later: list[Callable[[], None]] | None) -> list[Endpoint]:
