@@ -2,9 +2,10 @@
 
 A *generation* is a config and what was built from it for the requests that enter while it is
 live: its routing (strategies and, unless the routing settings changed, the state carried over),
-its P/D orchestrator and its aliases. Everything else is a *service*, built once at start-up and
-shared by every generation: the pool, the upstream legs, the relay, tenancy, tracing, LoRA
-adapters, conditional disaggregation, admission, retries, the APIs, the request log.
+its P/D orchestrator, its P/D decider (conditional disaggregation, on that routing's prefix index)
+and its aliases. Everything else is a *service*, built once at start-up and shared by every
+generation: the pool, the upstream legs, the relay, the breakers, tenancy, tracing, LoRA adapters,
+admission, retries, the APIs, the request log.
 
 The pipeline (``gateway.pipeline.pipeline``) receives one ``Generation`` when it is built, and
 calls what it holds; a feature that is off is a no-op object with the same interface (``NO_ALIASES``,
