@@ -354,7 +354,7 @@ class ResponsesApi(ApiShape):
                 if r.status >= 400:
                     raw = await r.content.read(self.config.upstream.max_error_body_bytes)
                     status, err = normalize_upstream_error(r.status, raw)
-                    rec.status, rec.error_class = status, "upstream_status"
+                    rec.status, rec.error_class = status, ErrorClass.UPSTREAM_STATUS
                     rec.error = str(err["error"].get("message"))[:200]
                     return error_response(status, orjson.dumps(err), out_headers)
                 rec.status = r.status

@@ -53,6 +53,8 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from gateway.errors import ErrorClass
+
 if TYPE_CHECKING:
     from gateway.endpoints import Endpoint
     from gateway.observability.metrics import GatewayMetrics
@@ -278,7 +280,7 @@ class Record(Protocol):
     endpoint: str
     status: int
     stream: bool
-    error_class: str | None
+    error_class: ErrorClass | None
     retries: int
     ttft: float | None
     prompt_tokens: int | None
@@ -461,7 +463,7 @@ class RequestTrace(Trace):
         if rec.error_class:
             attrs["error.type"] = rec.error_class
             # 4xx are the client's (not an error of this server); a stream cut after a 200 is
-            if rec.status >= 500 or (rec.status < 400 and rec.error_class != "client_cancel"):
+            if rec.status >= 500 or (rec.status < 400 and rec.error_class != ErrorClass.CLIENT_CANCEL):
                 span.set_status(_ERROR)
         span.set_attributes(attrs)
         if rec.ttft is not None:
