@@ -143,6 +143,24 @@ class AliasMetrics:
                                 ["alias", "target"], registry=registry)
 
 
+class NoAliases:
+    """A config without aliases: every model name is its own."""
+
+    __slots__ = ()
+
+    def __contains__(self, name: str) -> bool:
+        return False
+
+    def describe(self) -> list[dict[str, Any]]:
+        return []
+
+    def resolve(self, ctx: RequestContext, api_user: str | None) -> None:
+        pass
+
+
+NO_ALIASES = NoAliases()
+
+
 class Aliases:
     """The aliases of one config generation; ``resolve`` is the pipeline's hook."""
 

@@ -6,9 +6,12 @@ and a status that says what happened. ``type`` follows what OpenAI clients expec
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
+from aiohttp import web
 
 _TYPES = {
     400: "invalid_request_error",
@@ -22,13 +25,136 @@ _TYPES = {
 }
 
 
+class ErrorClass(enum.StrEnum):
+    """How a request failed, in one short label: the ``error_class`` of its log line and the label
+    of the metrics that count failures. A ``StrEnum``: each value is the exact string logs and
+    metrics have always carried, and compares equal to it."""
+
+    # the request itself
+    VALIDATION = "validation"
+    HTTP = "http"                                   # aiohttp's own 404/405/413
+    ROUTING = "routing"                             # an unknown strategy, a path P/D cannot serve
+    MODEL_NOT_FOUND = "model_not_found"
+    UNSUPPORTED_PATH = "unsupported_path"
+    AUTH = "auth"
+    ADMIN = "admin"
+    RESPONSE_NOT_FOUND = "response_not_found"
+    RESPONSE_OWNER_GONE = "response_owner_gone"
+    CLIENT = "client"                               # any other 4xx
+    CLIENT_CANCEL = "client_cancel"                 # the client went away
+    # limits
+    RATE_LIMIT_MODEL_RPS = "rate_limit_model_rps"
+    RATE_LIMIT_RPM = "rate_limit_rpm"
+    RATE_LIMIT_TPM = "rate_limit_tpm"
+    RATE_LIMIT_CONCURRENCY = "rate_limit_concurrency"
+    ADMISSION_QUEUE_FULL = "admission_queue_full"
+    ADMISSION_DISPLACED = "admission_displaced"
+    ADMISSION_SHED = "admission_shed"
+    ADMISSION_QUEUE_TIMEOUT = "admission_queue_timeout"
+    # capacity and state
+    NO_ENDPOINT = "no_endpoint"
+    NO_ROUTE = "no_route"
+    DRAINING = "draining"
+    LORA_LOAD = "lora_load"
+    STATE_UNAVAILABLE = "state_unavailable"
+    RESPONSE_OWNER_UNAVAILABLE = "response_owner_unavailable"
+    # a leg before its answer's head (``UpstreamFailure.kind``), or its answer's status
+    UPSTREAM_CONNECT = "upstream_connect"
+    UPSTREAM_RESET = "upstream_reset"
+    UPSTREAM_TIMEOUT = "upstream_timeout"           # also: the whole exchange took too long
+    UPSTREAM_PROTOCOL = "upstream_protocol"
+    UPSTREAM_STATUS = "upstream_status"
+    DECODE_CONNECT = "decode_connect"
+    DECODE_RESET = "decode_reset"
+    DECODE_TIMEOUT = "decode_timeout"
+    DECODE_PROTOCOL = "decode_protocol"
+    PD_PREFILL_TIMEOUT = "pd_prefill_timeout"
+    PD_PREFILL_TRANSPORT = "pd_prefill_transport"
+    PD_PREFILL_HTTP_STATUS = "pd_prefill_http_status"
+    PD_PREFILL_BAD_RESPONSE = "pd_prefill_bad_response"
+    # an answer under way
+    UPSTREAM_BROKEN = "upstream_broken"
+    UPSTREAM_EOF = "upstream_eof"
+    UPSTREAM_STREAM_ERROR = "upstream_stream_error"
+    WATCHDOG_FIRST_CHUNK = "watchdog_first_chunk"
+    WATCHDOG_IDLE = "watchdog_idle"
+    WATCHDOG_RESPONSE = "watchdog_response"
+    # the gateway
+    INTERNAL = "internal"
+    GATEWAY = "gateway"                             # any other 5xx
+
+    @property
+    def is_watchdog(self) -> bool:
+        """The decode watchdog fired (first chunk, idle, whole answer)."""
+        return self in _WATCHDOG
+
+    @property
+    def is_timeout(self) -> bool:
+        """Something took too long: a watchdog, or no answer (or no end of it) in time."""
+        return self in _WATCHDOG or self is ErrorClass.UPSTREAM_TIMEOUT
+
+    @classmethod
+    def watchdog(cls, phase: str) -> ErrorClass:
+        """The watchdog phase that fired: ``first_chunk``, ``idle`` or ``response``."""
+        return _BY_WATCHDOG_PHASE[phase]
+
+    @classmethod
+    def upstream(cls, kind: str) -> ErrorClass:
+        """A leg that failed before its answer's head: ``connect``, ``reset``, ``timeout``, ``protocol``."""
+        return _BY_UPSTREAM_KIND[kind]
+
+    @classmethod
+    def decode(cls, kind: str) -> ErrorClass:
+        """A P/D decode leg that failed before its answer's head (the kinds of ``upstream``)."""
+        return _BY_DECODE_KIND[kind]
+
+    @classmethod
+    def pd_prefill(cls, failure: str) -> ErrorClass:
+        """A failed prefill leg: ``timeout``, ``transport``, ``http_status``, ``bad_response``."""
+        return _BY_PREFILL_FAILURE[failure]
+
+    @classmethod
+    def rate_limit(cls, reason: str) -> ErrorClass:
+        """A tenancy limit: ``model_rps``, ``rpm``, ``tpm``, ``concurrency``."""
+        return _BY_RATE_LIMIT[reason]
+
+    @classmethod
+    def admission(cls, reason: str) -> ErrorClass:
+        """Admission control shed it: ``queue_full``, ``displaced``, ``shed``, ``queue_timeout``."""
+        return _BY_ADMISSION[reason]
+
+
+_WATCHDOG = frozenset({ErrorClass.WATCHDOG_FIRST_CHUNK, ErrorClass.WATCHDOG_IDLE, ErrorClass.WATCHDOG_RESPONSE})
+
+
+E = ErrorClass
+_BY_WATCHDOG_PHASE = {"first_chunk": E.WATCHDOG_FIRST_CHUNK, "idle": E.WATCHDOG_IDLE, "response": E.WATCHDOG_RESPONSE}
+_BY_UPSTREAM_KIND = {"connect": E.UPSTREAM_CONNECT, "reset": E.UPSTREAM_RESET, "timeout": E.UPSTREAM_TIMEOUT,
+                     "protocol": E.UPSTREAM_PROTOCOL}
+_BY_DECODE_KIND = {"connect": E.DECODE_CONNECT, "reset": E.DECODE_RESET, "timeout": E.DECODE_TIMEOUT,
+                   "protocol": E.DECODE_PROTOCOL}
+_BY_PREFILL_FAILURE = {"timeout": E.PD_PREFILL_TIMEOUT, "transport": E.PD_PREFILL_TRANSPORT,
+                       "http_status": E.PD_PREFILL_HTTP_STATUS, "bad_response": E.PD_PREFILL_BAD_RESPONSE}
+_BY_RATE_LIMIT = {"model_rps": E.RATE_LIMIT_MODEL_RPS, "rpm": E.RATE_LIMIT_RPM, "tpm": E.RATE_LIMIT_TPM,
+                  "concurrency": E.RATE_LIMIT_CONCURRENCY}
+_BY_ADMISSION = {"queue_full": E.ADMISSION_QUEUE_FULL, "displaced": E.ADMISSION_DISPLACED, "shed": E.ADMISSION_SHED,
+                 "queue_timeout": E.ADMISSION_QUEUE_TIMEOUT}
+del E
+
+
 def error_type(status: int) -> str:
     return _TYPES.get(status, "api_error")
 
 
 def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                code: Any = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_ or error_type(status), "param": param, "code": code}}
+    return {"error": {"message": message, "type": type_ if type_ is not None else error_type(status), "param": param, "code": code}}
+
+
+def error_response(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> web.Response:
+    """The JSON answer of an error: ``body`` is the error in the request's API shape (``GatewayError.body_bytes``,
+    an API's ``error_body``, a normalized engine error). Every error answer the gateway builds is this one."""
+    return web.Response(status=status, body=body, headers=headers, content_type="application/json")
 
 
 class GatewayError(Exception):
@@ -36,7 +162,7 @@ class GatewayError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: Any = None,
                  type_: str | None = None, header: tuple[str, str] | None = None,
-                 headers: dict[str, str] | None = None, error_class: str | None = None) -> None:
+                 headers: dict[str, str] | None = None, error_class: ErrorClass | str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -47,10 +173,11 @@ class GatewayError(Exception):
         if header:
             self.headers[header[0]] = header[1]
         # a short label for metrics and logs (e.g. "validation", "upstream_timeout")
-        self.error_class = error_class or ("client" if status < 500 else "gateway")
+        self.error_class = ErrorClass(error_class) if error_class else (
+            ErrorClass.CLIENT if status < 500 else ErrorClass.GATEWAY)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return error_body(self.status, self.message, type_=self.type, param=self.param, code=self.code)
 
     def body_bytes(self) -> bytes:
         return orjson.dumps(self.body())
@@ -70,23 +197,17 @@ def normalize_upstream_error(status: int, body: bytes) -> tuple[int, dict[str, A
     if isinstance(data, dict):
         err = data.get("error")
         if isinstance(err, dict):
-            msg = err.get("message")
-            return status, {"error": {
-                "message": msg if isinstance(msg, str) else str(msg or f"upstream error {status}"),
-                "type": err.get("type") if isinstance(err.get("type"), str) else error_type(status),
-                "param": err.get("param"),
-                "code": err.get("code"),
-            }}
+            msg, type_ = err.get("message"), err.get("type")
+            return status, error_body(status, msg if isinstance(msg, str) else str(msg or f"upstream error {status}"),
+                                      type_=type_ if isinstance(type_, str) else None, param=err.get("param"),
+                                      code=err.get("code"))
         if isinstance(err, str):
             return status, error_body(status, err)
         if data.get("object") == "error" or "message" in data:
-            msg = data.get("message")
-            return status, {"error": {
-                "message": msg if isinstance(msg, str) else f"upstream error {status}",
-                "type": data.get("type") if isinstance(data.get("type"), str) else error_type(status),
-                "param": data.get("param"),
-                "code": data.get("code"),
-            }}
+            msg, type_ = data.get("message"), data.get("type")
+            return status, error_body(status, msg if isinstance(msg, str) else f"upstream error {status}",
+                                      type_=type_ if isinstance(type_, str) else None, param=data.get("param"),
+                                      code=data.get("code"))
         if isinstance(data.get("detail"), str):
             return status, error_body(status, data["detail"])
     text = body[:512].decode("utf-8", "replace").strip() if body else ""

@@ -38,7 +38,7 @@ from gateway.admission.config import PRIORITIES, RANK, AdmissionConfig
 from gateway.admission.queue import GRANTED, WAITING, DrainRate, FairQueue, Waiter, retry_after_s
 from gateway.admission.saturation import Thresholds, baseline, estimate, total_headroom, unsaturated
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram
 from gateway.tenants.limits import fmt_duration
 
@@ -127,7 +127,7 @@ class Admission:
         name = asked.strip().lower()
         if name not in RANK:
             raise GatewayError(400, "x-priority must be one of critical, standard, sheddable", param="x-priority",
-                               code="invalid_priority", error_class="validation")
+                               code="invalid_priority", error_class=ErrorClass.VALIDATION)
         if RANK[name] > RANK[allowed]:
             ctx.rec.extra["priority_requested"] = name      # kept at the user's class
             return RANK[allowed]
@@ -260,13 +260,13 @@ class Admission:
                    "x-ratelimit-reset-queue": fmt_duration(ms), "x-error-admission": reason}
         msg = _MESSAGES[reason].format(model=model, timeout=s.queue_timeout_s)
         return GatewayError(429, f"{msg}; retry after {math.ceil(secs)}s", code=reason, headers=headers,
-                            error_class=f"admission_{reason}")
+                            error_class=ErrorClass.admission(reason))
 
 
 def _no_endpoint(model: str) -> GatewayError:
     return GatewayError(503, f"no ready endpoint for model {model}", code="service_unavailable",
                         headers={"Retry-After": "5"}, header=("x-error-no-model-backends", "true"),
-                        error_class="no_endpoint")
+                        error_class=ErrorClass.NO_ENDPOINT)
 
 
 class _AdmissionState(Collector):

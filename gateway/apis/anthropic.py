@@ -34,7 +34,7 @@ import orjson
 
 from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
-from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
 from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object
 
@@ -60,7 +60,7 @@ def error_event(status: int, message: str) -> bytes:
 
 
 def _bad(message: str) -> GatewayError:
-    return GatewayError(400, message, header=("x-error-request-body-processing", "true"), error_class="validation")
+    return GatewayError(400, message, header=("x-error-request-body-processing", "true"), error_class=ErrorClass.VALIDATION)
 
 
 def _blocks_text(content: Any, where: str, media: list[bool]) -> str:
@@ -99,7 +99,7 @@ class AnthropicApi(EngineSpecificApi):
         model = data.get("model")
         if not isinstance(model, str) or not model:
             raise GatewayError(400, "model: Field required" if model in (None, "") else "model: Input should be a valid string",
-                               param="model", header=("x-error-no-model-backends", ""), error_class="validation")
+                               param="model", header=("x-error-no-model-backends", ""), error_class=ErrorClass.VALIDATION)
         count_only = path == COUNT_TOKENS
         stream = False           # count_tokens has no such field: the engine ignores it
         if not count_only:

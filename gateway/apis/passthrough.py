@@ -35,7 +35,7 @@ from gateway.apis.paths import (
     TOKENIZE,
 )
 from gateway.apis.serving import EngineSpecificApi
-from gateway.errors import GatewayError, error_body
+from gateway.errors import ErrorClass, GatewayError, error_body
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
 
@@ -50,12 +50,12 @@ _MAX_DEPTH = 4
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"),
-                        error_class="validation")
+                        error_class=ErrorClass.VALIDATION)
 
 
 def _no_model(message: str) -> GatewayError:
     return GatewayError(400, message, param="model", code="model_not_found",
-                        header=("x-error-no-model-backends", ""), error_class="validation")
+                        header=("x-error-no-model-backends", ""), error_class=ErrorClass.VALIDATION)
 
 
 def _texts(v: Any, depth: int = 0) -> Iterator[str]:
@@ -185,7 +185,7 @@ class AudioApi(PassthroughApi):
         into a growing bytearray, then into bytes)."""
         length = request.content_length
         if max_bytes and length is not None and length > max_bytes:
-            raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class="validation")
+            raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class=ErrorClass.VALIDATION)
         chunks: list[bytes] = []
         size = 0
         try:
@@ -197,18 +197,18 @@ class AudioApi(PassthroughApi):
                     break
                 size += len(chunk)
                 if max_bytes and size > max_bytes:
-                    raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class="validation")
+                    raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class=ErrorClass.VALIDATION)
                 chunks.append(chunk)
         except web.RequestPayloadError as e:
             raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
-                               error_class="validation") from None
+                               error_class=ErrorClass.VALIDATION) from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def parse(self, path: str, body: bytes, headers: Mapping[str, str], request_id: str) -> InferenceRequest:
         ctype = headers.get("content-type") or ""
         if not ctype.lower().startswith("multipart/form-data"):
             raise GatewayError(415, f"{path} takes a multipart/form-data body (the audio file and its fields)",
-                               header=("x-error-request-body-processing", "true"), error_class="validation")
+                               header=("x-error-request-body-processing", "true"), error_class=ErrorClass.VALIDATION)
         boundary = _boundary(ctype)
         if boundary is None:
             raise _bad("the multipart Content-Type has no boundary")

@@ -42,7 +42,7 @@ from gateway.apis.responses_state import MemoryStore, RedisStore, StoreUnavailab
 from gateway.apis.responses_stream import ResponsesScanner, failure_events
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, error_response, normalize_upstream_error
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.context import (
@@ -87,7 +87,7 @@ class ResponsesMetrics:
 
 def _not_found(rid: str) -> GatewayError:
     return GatewayError(404, f"Response with id '{rid}' not found.", param="response_id", code="response_not_found",
-                        error_class="response_not_found")
+                        error_class=ErrorClass.RESPONSE_NOT_FOUND)
 
 
 class ResponsesApi(ApiShape):
@@ -172,7 +172,7 @@ class ResponsesApi(ApiShape):
             raise GatewayError(400, "the Responses API is not served through prefill/decode disaggregation "
                                "(the engines take no kv_transfer_params on /v1/responses); use a model with "
                                "aggregated endpoints or another routing strategy", header=("x-error-routing", "true"),
-                               error_class="validation")
+                               error_class=ErrorClass.VALIDATION)
         ex = self._exchange(ctx)
         prev = ireq.data.get("previous_response_id")
         if prev is not None:
@@ -180,7 +180,7 @@ class ResponsesApi(ApiShape):
         if self.gateway_held:
             if ireq.data.get("background"):
                 raise GatewayError(400, "'background' needs responses.state: engine (the gateway holds the "
-                                   "history of completed responses only)", param="background", error_class="validation")
+                                   "history of completed responses only)", param="background", error_class=ErrorClass.VALIDATION)
             history: list[Any] = []
             if prev is not None:
                 record = await self._record(prev, rec.user)
@@ -192,13 +192,13 @@ class ResponsesApi(ApiShape):
         owner = await self._owner(prev, rec.user)
         if owner["model"] != ireq.model:
             raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
-                               "with the same model", param="previous_response_id", error_class="validation")
+                               "with the same model", param="previous_response_id", error_class=ErrorClass.VALIDATION)
         ep = self._owner_endpoint(prev, owner)
         if ep not in candidates:
             self._gone(owner["model"], "not_ready")
             raise GatewayError(503, f"the endpoint {ep.name} that holds response '{prev}' is not ready "
                                "(unhealthy or draining); retry later", code="response_owner_unavailable",
-                               headers={"Retry-After": "5"}, error_class="response_owner_unavailable")
+                               headers={"Retry-After": "5"}, error_class=ErrorClass.RESPONSE_OWNER_UNAVAILABLE)
         return [ep]
 
     async def finish(self, ctx: RequestContext) -> None:
@@ -251,7 +251,7 @@ class ResponsesApi(ApiShape):
             self.m.lookups.labels(kind, "unavailable").inc()
             raise GatewayError(503, f"the Responses state store is unreachable: {e}", code="service_unavailable",
                                headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
-                               error_class="state_unavailable") from None
+                               error_class=ErrorClass.STATE_UNAVAILABLE) from None
         value = orjson.loads(raw) if raw is not None else None
         if not isinstance(value, dict) or (self.auth_on and value.get("user") != user):
             self.m.lookups.labels(kind, "miss").inc()
@@ -276,7 +276,7 @@ class ResponsesApi(ApiShape):
         self._gone(owner["model"], "left_pool")
         raise GatewayError(409, f"Response '{rid}' is held by endpoint {owner['url']}, which has left the pool of "
                            f"model '{owner['model']}'; it can no longer be continued or retrieved",
-                           code="response_owner_gone", error_class="response_owner_gone")
+                           code="response_owner_gone", error_class=ErrorClass.RESPONSE_OWNER_GONE)
 
     # -- GET / DELETE / cancel / input_items --------------------------------------------------
 
@@ -300,7 +300,7 @@ class ResponsesApi(ApiShape):
             rec.error_class, rec.error = e.error_class, e.message
             headers = rec.response_headers()
             headers.update(e.headers)
-            return web.Response(status=e.status, body=e.body_bytes(), headers=headers, content_type="application/json")
+            return error_response(e.status, e.body_bytes(), headers)
         finally:
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
@@ -315,7 +315,7 @@ class ResponsesApi(ApiShape):
                 await self.history.delete(rid)
             except StoreUnavailable as e:
                 raise GatewayError(503, f"the Responses state store is unreachable: {e}",
-                                   code="service_unavailable", error_class="state_unavailable") from None
+                                   code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
             body: Any = {"id": rid, "object": "response", "deleted": True}
         elif action == "input_items":
             body = _input_items_page(rid, list(record.get("input") or ()), request.query)
@@ -328,7 +328,7 @@ class ResponsesApi(ApiShape):
         if self.gateway_held:           # cancel: every response the gateway holds was answered whole
             await self._record(rid, self._owner_user(user))
             raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id",
-                               error_class="validation")
+                               error_class=ErrorClass.VALIDATION)
         owner = await self._owner(rid, self._owner_user(user))
         rec.model = owner["model"]
         ep = self._owner_endpoint(rid, owner)
@@ -336,7 +336,7 @@ class ResponsesApi(ApiShape):
             self._gone(owner["model"], "not_ready")
             raise GatewayError(503, f"the endpoint {ep.name} that holds response '{rid}' is not ready "
                                "(unhealthy or draining); retry later", code="response_owner_unavailable",
-                               headers={"Retry-After": "5"}, error_class="response_owner_unavailable")
+                               headers={"Retry-After": "5"}, error_class=ErrorClass.RESPONSE_OWNER_UNAVAILABLE)
         rec.endpoint = ep.name
         return await self._proxy(rec, ep, request)
 
@@ -354,10 +354,9 @@ class ResponsesApi(ApiShape):
                 if r.status >= 400:
                     raw = await r.content.read(self.config.upstream.max_error_body_bytes)
                     status, err = normalize_upstream_error(r.status, raw)
-                    rec.status, rec.error_class = status, "upstream_status"
+                    rec.status, rec.error_class = status, ErrorClass.UPSTREAM_STATUS
                     rec.error = str(err["error"].get("message"))[:200]
-                    return web.Response(status=status, body=orjson.dumps(err), headers=out_headers,
-                                        content_type="application/json")
+                    return error_response(status, orjson.dumps(err), out_headers)
                 rec.status = r.status
                 ctype = r.headers.get("Content-Type", "application/json")
                 if not ctype.startswith("text/event-stream"):
@@ -375,10 +374,10 @@ class ResponsesApi(ApiShape):
         except (aiohttp.ClientError, TimeoutError) as e:
             if rec.headers_sent:
                 raise
-            rec.error_class = "upstream_connect"
+            rec.error_class = ErrorClass.UPSTREAM_CONNECT
             raise GatewayError(502, f"upstream unavailable: {ep.url}: {type(e).__name__}: {e}",
                                code="upstream_unavailable", header=("x-error-upstream", "connect"),
-                               error_class="upstream_connect") from None
+                               error_class=ErrorClass.UPSTREAM_CONNECT) from None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -416,7 +415,7 @@ def _input_items_page(rid: str, items: list[Any], query) -> dict[str, Any]:
         limit = min(100, max(1, int(query.get("limit", "20"))))
     except ValueError:
         raise GatewayError(400, "'limit' must be an integer between 1 and 100", param="limit",
-                           error_class="validation") from None
+                           error_class=ErrorClass.VALIDATION) from None
     page = listed[:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit}

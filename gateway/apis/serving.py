@@ -13,7 +13,7 @@ from typing import Any
 
 from gateway.apis.base import ApiShape
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from handlers import adapter_for
 
 
@@ -37,7 +37,7 @@ class EngineSpecificApi(ApiShape):
             engines = ", ".join(sorted({ep.engine for ep in eps}))
             raise GatewayError(404, f"The model `{ireq.model}` is served by {engines}, which does not serve "
                                     f"POST {ireq.path}.", code="unsupported_path",
-                               header=("x-error-unsupported-path", ireq.path), error_class="unsupported_path")
+                               header=("x-error-unsupported-path", ireq.path), error_class=ErrorClass.UNSUPPORTED_PATH)
         raise GatewayError(503, f"no ready endpoint of model {ireq.model} serves POST {ireq.path}",
                            code="service_unavailable", headers={"Retry-After": "5"},
-                           header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+                           header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)

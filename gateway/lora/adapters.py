@@ -72,7 +72,7 @@ import structlog
 from prometheus_client import Gauge
 
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
 from gateway.upstream.upstream import Upstream, UpstreamFailure
@@ -205,7 +205,7 @@ class Lora:
         what = f"ready {roles} endpoint of the P/D model" if roles else "ready endpoint of model"
         raise GatewayError(503, f"no {what} `{model}` serves the LoRA adapter `{adapter}`",
                            code="service_unavailable", headers={"Retry-After": "5"},
-                           header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+                           header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
 
     async def _shared_load(self, ctx: RequestContext, model: str, adapter: str,
                            start: Callable[[], Any]) -> Any:
@@ -272,14 +272,14 @@ class Lora:
                                         f"`{adapter}` holds {self.settings.max_adapters_per_endpoint} adapters "
                                         f"(lora.max_adapters_per_endpoint), each with requests in flight",
                                    code="lora_load_failed", headers={"Retry-After": "1"},
-                                   header=("x-error-lora-load", "full"), error_class="lora_load")
+                                   header=("x-error-lora-load", "full"), error_class=ErrorClass.LORA_LOAD)
             retry = max(1, math.ceil(min(c[0] for c in waits) - now)) if waits else 5
             last = waits[-1][1] if waits else "no ready endpoint"
             self.metrics.loads.labels(model, adapter, "cooldown").inc()
             raise GatewayError(503, f"the LoRA adapter `{adapter}` failed to load on every endpoint of `{model}` "
                                     f"recently ({last}); retrying in {retry}s",
                                code="lora_load_failed", headers={"Retry-After": str(retry)},
-                               header=("x-error-lora-load", "cooldown"), error_class="lora_load")
+                               header=("x-error-lora-load", "cooldown"), error_class=ErrorClass.LORA_LOAD)
         pending = self._pending.setdefault(id(ep), set())
         pending.add(adapter)
         try:
@@ -301,7 +301,7 @@ class Lora:
             log.warning("lora load failed", model=model, adapter=adapter, endpoint=ep.name, error=error)
             raise GatewayError(502, f"loading the LoRA adapter `{adapter}` on {ep.name} failed: {error}",
                                code="lora_load_failed", header=("x-error-lora-load", "error"),
-                               error_class="lora_load")
+                               error_class=ErrorClass.LORA_LOAD)
         ep.adapters.served[adapter] = model
         self._loaded_at[(id(ep), adapter)] = self.clock()
         self.metrics.loads.labels(model, adapter, "ok").inc()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import hmac
 import re
 import time
 from importlib import resources
@@ -25,10 +24,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import Counter, Histogram
 
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
-from gateway.tenants.directory import bearer_token, key_digest
+from gateway.tenants.directory import admin_token_valid, key_digest
 
 STATUS_KEY = web.AppKey("status_board", StatusBoard)
 
@@ -98,15 +97,14 @@ class StatusPage:
             self.m.requests.labels("unauthorized").inc()
             raise _unauthorized("the status page needs the admin token, and none is configured: "
                                 "set auth.admin_token (or auth.admin_token_env)")
-        token = bearer_token(request.headers.get("Authorization"))
-        if token is None or not hmac.compare_digest(key_digest(token), self.admin_digest):
+        if not admin_token_valid(request.headers.get("Authorization"), self.admin_digest):
             self.m.requests.labels("unauthorized").inc()
             raise _unauthorized("a valid admin token is required ('Authorization: Bearer <admin token>')")
 
 
 def _unauthorized(message: str) -> GatewayError:
     return GatewayError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer", **NO_STORE},
-                        error_class="auth")
+                        error_class=ErrorClass.AUTH)
 
 
 def add_status(app: web.Application, sources: StatusSources, metrics: GatewayMetrics,

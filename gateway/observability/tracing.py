@@ -53,6 +53,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from gateway.config.block import Block
+from gateway.errors import ErrorClass
 
 if TYPE_CHECKING:
     from gateway.endpoints import Endpoint
@@ -279,7 +280,7 @@ class Record(Protocol):
     endpoint: str
     status: int
     stream: bool
-    error_class: str | None
+    error_class: ErrorClass | None
     retries: int
     ttft: float | None
     prompt_tokens: int | None
@@ -462,7 +463,7 @@ class RequestTrace(Trace):
         if rec.error_class:
             attrs["error.type"] = rec.error_class
             # 4xx are the client's (not an error of this server); a stream cut after a 200 is
-            if rec.status >= 500 or (rec.status < 400 and rec.error_class != "client_cancel"):
+            if rec.status >= 500 or (rec.status < 400 and rec.error_class != ErrorClass.CLIENT_CANCEL):
                 span.set_status(_ERROR)
         span.set_attributes(attrs)
         if rec.ttft is not None:
@@ -528,6 +529,18 @@ def make_exporter(s: TracingSettings) -> SpanExporter:
 
 # where the middleware leaves a request's trace (aiohttp's request state; typed keys since aiohttp 3.13)
 TRACE_KEY: Any = web.RequestKey("switchyard_trace", Trace) if hasattr(web, "RequestKey") else "switchyard_trace"
+
+
+class NoTracing:
+    """Tracing off: every request's trace is ``NO_TRACE``."""
+
+    __slots__ = ()
+
+    def of(self, request: web.Request) -> Trace:
+        return NO_TRACE
+
+
+NO_TRACING = NoTracing()
 
 
 class Tracing:

@@ -34,14 +34,14 @@ from aiohttp import web
 
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint
-from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.relay import Relay
 from gateway.resilience.outcome import Outcome, of_status
 from gateway.upstream.h1client import Exchange, SendState, UpstreamResponse
-from gateway.upstream.upstream import Upstream, UpstreamFailure, upstream_headers
+from gateway.upstream.upstream import Upstream, UpstreamFailure, head_timeout, upstream_headers
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
 
 log = structlog.get_logger("switchyard.pd")
@@ -64,7 +64,7 @@ class PrefillFailed(Exception):
                                     f"{self.message[:256]}",
                             code=f"pd_prefill_{self.failure_class}",
                             header=("x-error-pd-prefill", self.failure_class),
-                            error_class=f"pd_prefill_{self.failure_class}")
+                            error_class=ErrorClass.pd_prefill(self.failure_class))
 
 
 class PDOrchestrator:
@@ -90,8 +90,7 @@ class PDOrchestrator:
         if plan.log:                        # log fields: once the first leg is out
             ctx.after_write.append(partial(ctx.rec.extra.update, plan.log))
         headers = upstream_headers(ireq)
-        if ctx.migration is not None:       # a continuation elsewhere first stops this decode
-            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
+        ctx.pd_plan = plan                  # a continuation elsewhere first stops this decode (abandon)
         if plan.concurrent:
             return await self._concurrent(ctx, adapter, plan, headers)
         return await self._sequential(ctx, adapter, plan, headers)
@@ -202,7 +201,7 @@ class PDOrchestrator:
                     async with asyncio.timeout(limit):
                         resp = await asyncio.shield(decode_task)
                 except TimeoutError:
-                    self.upstream.record(decode, Outcome.FAULT, "watchdog_first_chunk")
+                    self.upstream.record(decode, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
                     raise self._watchdog_error(ctx, limit) from None
             else:
                 # the decode answered first (its headers come with its first token): the prefill's
@@ -248,8 +247,7 @@ class PDOrchestrator:
         ctx.use(ctx.decision.endpoint)
         plan = adapter.pd_plan(ireq, None, prefill=prefill, settings=self.config.pd_for(ireq.model), rng=self.rng)
         headers = upstream_headers(ireq)
-        if ctx.migration is not None:
-            ctx.migration.abandon = lambda: self._abort_decode(ctx, plan)
+        ctx.pd_plan = plan
         opened = self._open_concurrent(ctx, plan, headers) if plan.concurrent else \
             self._open_sequential(ctx, adapter, plan, headers)
         return (await opened)[0]
@@ -318,15 +316,13 @@ class PDOrchestrator:
         return f.client_error(ctx.decision.prefill)
 
     def _decode_unavailable(self, ctx: RequestContext, f: UpstreamFailure) -> GatewayError:
-        ctx.rec.error_class = f"decode_{f.kind}"
+        ctx.rec.error_class = ErrorClass.decode(f.kind)
         return GatewayError(502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
                             header=("x-error-pd-decode", f.kind), error_class=ctx.rec.error_class)
 
     def _decode_header_timeout(self, ctx: RequestContext) -> float | None:
         assert ctx.ireq is not None
-        wd = self.config.watchdog_for(ctx.ireq.model)
-        limit = wd.first_chunk_timeout_s if ctx.ireq.stream else wd.response_timeout_s
-        return limit or self.config.upstream.first_byte_timeout_s or None
+        return head_timeout(self.config.upstream, self.config.watchdog_for(ctx.ireq.model), ctx.ireq.stream)
 
     def _watchdog_error(self, ctx: RequestContext, limit: float | None) -> GatewayError:
         assert ctx.ireq is not None and ctx.decision is not None
@@ -335,7 +331,7 @@ class PDOrchestrator:
         rec.watchdog = phase
         ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": limit or 0.0})
         self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
-        rec.error_class = f"watchdog_{phase}"
+        rec.error_class = ErrorClass.watchdog(phase)
         verb = "start" if ctx.ireq.stream else "finish"
         return GatewayError(504, f"decode endpoint {ctx.decision.endpoint.name} did not {verb} responding "
                                  f"within {limit or 0:g}s",
@@ -362,6 +358,12 @@ class PDOrchestrator:
             pass
 
     # -- aborts --------------------------------------------------------------------------------
+
+    def abandon(self, ctx: RequestContext) -> None:
+        """The stream's decode failed and continues elsewhere (gateway/pipeline/migration.py): tell
+        its engine to stop. Nothing when the request's legs are not P/D ones."""
+        if ctx.pd_plan is not None:
+            self._abort_decode(ctx, ctx.pd_plan)
 
     def _abort_decode(self, ctx: RequestContext, plan: PDPlan) -> None:
         assert ctx.decision is not None

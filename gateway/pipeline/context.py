@@ -20,11 +20,13 @@ from aiohttp import web
 
 from gateway.apis.base import ApiShape
 from gateway.endpoints import Endpoint
+from gateway.errors import ErrorClass
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import NO_TRACE, Trace
 from gateway.pipeline.ledger import Charges
 from gateway.request import InferenceRequest, request_id_from
+from handlers.base import PDPlan
 from routers.base import Decision
 
 log = structlog.get_logger("switchyard.request")
@@ -63,7 +65,7 @@ class RequestRecord:
     stream: bool = False
     headers_sent: bool = False
     watchdog: WatchdogPhase | None = None     # the watchdog phase that fired, if one did
-    error_class: str | None = None
+    error_class: ErrorClass | None = None
     error: str | None = None
     retries: int = 0
     ttft: float | None = None
@@ -103,6 +105,7 @@ class RequestContext:
     api: ApiShape | None = None                      # the request's API when not chat/completions/embeddings
     api_state: Any = None                            # what that API keeps between its hooks (gateway/apis)
     migration: Any = None                            # a stream's continuation state (gateway/pipeline/migration.py)
+    pd_plan: PDPlan | None = None                    # the P/D legs in flight (gateway/pd/orchestrator.py), to abort them
     # bookkeeping not needed to choose the endpoint or build the body (routing observers, prefix
     # index inserts, log fields): run by ``written`` once the first upstream leg is written
     after_write: list[Callable[[], None]] = field(default_factory=list)

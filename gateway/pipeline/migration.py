@@ -34,20 +34,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
 
 from gateway.config.schema import WatchdogConfig
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
-from gateway.pipeline.relay import Relay, open_sse
+from gateway.pipeline.relay import EOF_FAILURE, Relay, WatchdogFired, open_sse, stream_failure
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
 from gateway.resilience.outcome import Outcome
-from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
+from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
 from handlers import adapter_for
 from handlers.continuation import TEXT, TOKEN, Partial, continuation, first_leg, text_mode_refusal
@@ -55,15 +54,37 @@ from handlers.continuation import TEXT, TOKEN, Partial, continuation, first_leg,
 if TYPE_CHECKING:
     from gateway.pipeline.context import RequestContext
 
-# opens the leg that continues the stream: (the continuation request, endpoint names to avoid)
-Reopen = Callable[[InferenceRequest, set[str]], Awaitable[UpstreamResponse]]
+
+class Legs(Protocol):
+    """Who opened the stream's first leg and opens the legs that continue it (the pipeline): the
+    migration is handed one when it begins, and calls it when a leg fails."""
+
+    def abandon(self, ctx: RequestContext) -> None:
+        """The failed leg's engine is told to stop (a P/D decode), before the next leg opens."""
+
+    async def reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
+        """The leg of ``cont`` up to its response head, on an endpoint not in ``avoid``."""
+
+
+class _NoLegs:
+    """A migration nobody can continue (its legs are not the gateway's): every attempt fails."""
+
+    def abandon(self, ctx: RequestContext) -> None:
+        pass
+
+    async def reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
+        raise GatewayError(503, "no other endpoint to continue the stream on", error_class=ErrorClass.NO_ENDPOINT)
+
+
+NO_LEGS: Legs = _NoLegs()
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
            "structured_outputs", "json_schema", "regex", "ebnf", "structural_tag")
 
 # relay error classes of a failed stream → migration reason
-REASONS = {"upstream_broken": "broken", "upstream_stream_error": "stream_error", "upstream_eof": "eof",
-           "watchdog_idle": "idle_timeout", "watchdog_first_chunk": "first_chunk_timeout"}
+REASONS = {ErrorClass.UPSTREAM_BROKEN: "broken", ErrorClass.UPSTREAM_STREAM_ERROR: "stream_error",
+           ErrorClass.UPSTREAM_EOF: "eof", ErrorClass.WATCHDOG_IDLE: "idle_timeout",
+           ErrorClass.WATCHDOG_FIRST_CHUNK: "first_chunk_timeout"}
 
 
 def refusal(ireq: InferenceRequest) -> str | None:
@@ -97,19 +118,18 @@ def _empty(v: Any) -> bool:
 
 
 class Migration:
-    """One stream's continuation state: set up by the pipeline (``begin``), given a way to open
-    a new leg by whoever opened the first (``reopen``), driven by the relay (``stream``)."""
+    """One stream's continuation state: set up by the pipeline (``begin``) with the ``Legs`` that
+    open the next leg, driven by the relay (``stream``)."""
 
     def __init__(self, ireq: InferenceRequest, limit: int, mode: str, default_max: int | None,
-                 refused: str | None, metrics: GatewayMetrics) -> None:
+                 refused: str | None, metrics: GatewayMetrics, legs: Legs = NO_LEGS) -> None:
         self.ireq = ireq                      # the client's request (ctx.ireq becomes the leg's)
         self.limit = limit
         self.mode = mode
         self.default_max = default_max
         self.refused = refused                # up-front refusal: the stream is relayed as today
         self.metrics = metrics
-        self.reopen: Reopen | None = None
-        self.abandon: Callable[[], None] | None = None   # tells the failed leg's engine to stop (P/D)
+        self.legs = legs
         self.avoid: set[str] = set()
         self.log: list[dict[str, Any]] = []
         data = ireq.data
@@ -142,16 +162,17 @@ class Migration:
     # -- setup ---------------------------------------------------------------------------------
 
     @classmethod
-    def begin(cls, ctx: RequestContext, limit: int, engine: str, metrics: GatewayMetrics) -> Migration | None:
-        """The stream's migration state, or None when it has none (not a stream, another API).
-        An eligible request's body is rewritten for the first leg."""
+    def begin(cls, ctx: RequestContext, limit: int, engine: str, metrics: GatewayMetrics,
+              legs: Legs) -> Migration | None:
+        """The stream's migration state, or None when it has none (not a stream, another API);
+        ``legs`` opens its continuations. An eligible request's body is rewritten for the first leg."""
         ireq = ctx.ireq
         if limit <= 0 or ireq is None or ctx.api is not None or not ireq.stream or ireq.path not in (CHAT, COMPLETIONS):
             return None
         adapter = adapter_for(engine)
         mode = adapter.continuation_mode(ireq)
         why = refusal(ireq) or (text_mode_refusal(ireq.path, ireq.data) if mode == TEXT else None)
-        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics)
+        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics, legs)
         if why is None:
             data = first_leg(ireq.data, mode)
             ctx.ireq = dataclasses.replace(ireq, data=data, body=orjson.dumps(data), include_usage=True)
@@ -159,9 +180,9 @@ class Migration:
 
     # -- the relay's side ----------------------------------------------------------------------
 
-    def unmigrated(self, rec, error_class: str | None) -> None:
+    def unmigrated(self, rec, error_class: ErrorClass) -> None:
         """A refused stream failed (the plain relay ran): count it."""
-        reason = REASONS.get(error_class or "")
+        reason = REASONS.get(error_class)
         if reason is not None and self.refused is not None:
             self._count(rec, reason, f"refused_{self.refused}", rec.endpoint)
 
@@ -183,29 +204,20 @@ class Migration:
                     await self._write(out, self._tail())
                     break
                 nxt = await self._next_leg(relay, ctx, error_class)
-                if nxt is None:
-                    relay._stream_observations(rec, seen)
-                    status, code = (504, "upstream_timeout") if "timeout" in error_class else (502, "upstream_incomplete")
-                    if error_class == "upstream_stream_error" and isinstance(self.error, dict):
+                if nxt is None:             # the client gets the relay's final error event
+                    if error_class == ErrorClass.UPSTREAM_STREAM_ERROR and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
-                    await self._write(out, relay._failure(ctx, status, message, code))
-                    await out.write_eof()
-                    return out
+                    return await relay.end_stream(ctx, out, seen, (error_class, message))
                 resp = nxt
         except ConnectionResetError:
-            rec.error_class = "client_cancel"
+            rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
-        relay._stream_observations(rec, seen)
         if not self.client_usage:
             relay.account_usage(rec, self._merged(final=True))
         if self.log:
             rec.extra["migrations"] = self.log
-        try:
-            await out.write_eof()
-        except ConnectionResetError:
-            raise asyncio.CancelledError from None
-        return out
+        return await relay.end_stream(ctx, out, seen, None)
 
     @staticmethod
     async def _write(out: web.StreamResponse, data: bytes) -> None:
@@ -216,7 +228,7 @@ class Migration:
                 raise asyncio.CancelledError from None
 
     async def _leg(self, resp: UpstreamResponse, out: web.StreamResponse, seen: SSEScanner,
-                   wd: WatchdogConfig | None) -> tuple[str | None, str]:
+                   wd: WatchdogConfig | None) -> tuple[ErrorClass | None, str]:
         """Relay one leg; returns (None, "") when the stream completed, else the error class and
         message of its failure."""
         first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
@@ -230,7 +242,7 @@ class Migration:
                     async with asyncio.timeout(limit or None):
                         chunk = await resp.readany()
                 except TimeoutError:
-                    return f"watchdog_{phase}", f"no output from the engine for {limit:g}s ({phase.replace('_', ' ')})"
+                    return stream_failure(WatchdogFired(phase, limit))
                 if not chunk:
                     break
                 phase, limit = "idle", idle_to
@@ -251,23 +263,21 @@ class Migration:
                     seen.feed(data, clock())
                     await out.write(data)
                 if failed:
-                    return "upstream_stream_error", "in-stream error"
-        except UpstreamTimeout as e:
-            return "upstream_timeout", f"the engine did not finish the stream: {e}"
-        except UpstreamError as e:
-            return "upstream_broken", f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+                    return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
+        except UpstreamError as e:          # the whole-exchange timeout, or the engine's side broke
+            return stream_failure(e)
         if buf.strip():
             r = self._event(buf)
             if r is False:
-                return "upstream_stream_error", "in-stream error"
+                return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
             if r:
                 seen.feed(r, clock())
                 await out.write(r)
         if self.done or self.finished:
             return None, ""
-        return "upstream_eof", "the engine closed the stream before it completed"
+        return EOF_FAILURE
 
-    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: str) -> UpstreamResponse | None:
+    async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: ErrorClass) -> UpstreamResponse | None:
         """Open the leg that continues the stream, or None (refused, limit, or it failed: the
         relay then tells the failed endpoint's breaker, as for any stream)."""
         rec = ctx.rec
@@ -283,11 +293,10 @@ class Migration:
         if why is not None:
             self._count(rec, reason, f"refused_{why}", failed_ep)
             return None
-        if len(self.log) >= self.limit or self.reopen is None:
+        if len(self.log) >= self.limit:
             self._count(rec, reason, "limit", failed_ep)
             return None
-        if self.abandon is not None:
-            self.abandon()
+        self.legs.abandon(ctx)
         self.avoid.add(failed_ep)
         self.partial.text = "".join(self._text)
         if self.partial.completion_tokens == 0 and not self.partial.text:
@@ -297,7 +306,7 @@ class Migration:
         cont = dataclasses.replace(self.ireq, path=path, data=data, body=orjson.dumps(data), include_usage=True)
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
         try:
-            resp = await self.reopen(cont, set(self.avoid))
+            resp = await self.legs.reopen(ctx, cont, set(self.avoid))
         except (GatewayError, UpstreamFailure) as e:
             self._count(rec, reason, "failed", failed_ep, str(getattr(e, "message", e))[:200])
             return None

@@ -1,153 +1,95 @@
 """The request pipeline: parse → admit → strategy → route+charge → forward → relay → finish.
 
 ``Pipeline.handle`` is the aiohttp handler of the inference paths and reads as the request's
-script; each stage is a collaborator wired by ``gateway.server.app``: routing (``gateway.pipeline.routing``),
-the ledger of charges (``gateway.pipeline.ledger``), the upstream legs (``gateway.upstream.upstream``), the relay
-(``gateway.pipeline.relay``), P/D orchestration (``gateway.pd.orchestrator``), tenancy (``gateway.tenants``) and the
-lifecycle (``gateway.server.lifecycle``). What the stages hand each other travels in one
-``RequestContext``; every path out of ``handle`` (answer, error, client disconnect, a bug)
-releases the charges and writes one log line.
+script. A pipeline is built from one ``Generation`` (``gateway.pipeline.generation``): its config,
+routing (``gateway.pipeline.routing``), P/D orchestration (``gateway.pd``) and aliases, with the
+services every generation shares: the upstream legs (``gateway.upstream.upstream``), the relay
+(``gateway.pipeline.relay``), tenancy (``gateway.tenants``), LoRA adapters, admission, retries,
+tracing and the lifecycle (``gateway.server.lifecycle``). A feature that is off is a no-op object
+with the same interface, so the script has no branch for it. Charges are taken by
+``route_and_charge`` (``gateway.pipeline.ledger``), for a first leg and for a stream's
+continuation (``reopen``, called by ``gateway.pipeline.migration``). What the stages hand each
+other travels in one ``RequestContext``; every path out of ``handle`` (answer, error, client
+disconnect, a bug) releases the charges and writes one log line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import structlog
 from aiohttp import web
 
-from gateway.admission.service import Admission
-from gateway.aliases import Aliases
-from gateway.apis.base import ApiShape
-from gateway.config.schema import Config
-from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.endpoints import Endpoint
+from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.kv import dp_rank
-from gateway.lora.adapters import Lora
-from gateway.observability.logs import RequestLog
-from gateway.observability.metrics import GatewayMetrics
-from gateway.observability.tracing import Tracing
-from gateway.pd.decide import PDDecider
-from gateway.pd.orchestrator import PDOrchestrator
-from gateway.pipeline.context import RecordObserver, RequestContext, record_request, safe_header_value
+from gateway.pipeline.context import RequestContext, record_request, safe_header_value
+from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import charge
 from gateway.pipeline.migration import Migration
-from gateway.pipeline.relay import Relay, error_event
-from gateway.pipeline.routing import Routing
+from gateway.pipeline.relay import error_event
 from gateway.request import InferenceRequest, parse
 from gateway.resilience.outcome import Outcome, of_status
-from gateway.resilience.retry import Retries, discard
-from gateway.server.lifecycle import Lifecycle
-from gateway.tenants.service import Tenancy
+from gateway.resilience.retry import discard
+from gateway.tenants.service import NO_TICKET, Ticket
 from gateway.upstream.h1client import UpstreamResponse
-from gateway.upstream.upstream import Upstream, UpstreamFailure, upstream_body, upstream_headers
+from gateway.upstream.upstream import UpstreamFailure, head_timeout, upstream_body, upstream_headers
 from handlers import adapter_for
-from handlers.base import BodyError
+from handlers.base import BodyError, EngineAdapter
+from routers.base import Router
 
 log = structlog.get_logger("switchyard.request")
 
 
 class Pipeline:
-    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics, routing: Routing,
-                 upstream: Upstream, relay: Relay, pd: PDOrchestrator, tenancy: Tenancy | None,
-                 lifecycle: Lifecycle, request_log: RequestLog, tracing: Tracing | None = None) -> None:
-        self.config = config
-        self.pool = pool
-        self.metrics = metrics
-        self.routing = routing
-        self.upstream = upstream
-        self.relay = relay
-        self.pd = pd
-        self.tenancy = tenancy
-        self.lifecycle = lifecycle
-        self.request_log = request_log
-        self.tracing = tracing
-        self.aliases: Aliases | None = None          # set by app.py when the config has aliases
-        self.retries: Retries | None = None          # set by app.py: the retry policy and budgets
-        self.lora: Lora | None = None                # LoRA adapters (gateway/lora/adapters.py), set by app.py
-        self.pd_decider: PDDecider | None = None     # conditional disaggregation (gateway/pd/decide.py)
-        self.admission: Admission | None = None      # set by app.py: waits for room or sheds (gateway/admission)
-        self.model_in_flight: dict[str, int] = {}
-        self.observers: list[RecordObserver] = []    # told of every finished request (app.py wires them)
-        self.apis: dict[str, ApiShape] = {}          # path → its API when not chat/completions/embeddings
+    """One generation's request handler (``gateway.pipeline.generation.Generation``): ``handle`` is
+    the request's script, the methods below it its stages."""
+
+    def __init__(self, gen: Generation) -> None:
+        s = gen.services
+        self.gen = gen
+        self.config, self.routing, self.pd, self.pd_decider, self.aliases = (
+            gen.config, gen.routing, gen.pd, gen.pd_decider, gen.aliases)
+        self.pool, self.metrics, self.upstream, self.relay = s.pool, s.metrics, s.upstream, s.relay
+        self.tenancy, self.tracing, self.lora, self.admission, self.retries = (
+            s.tenancy, s.tracing, s.lora, s.admission, s.retries)
+        self.lifecycle, self.request_log, self.apis = s.lifecycle, s.request_log, s.apis
+        self.observers, self.model_in_flight = s.observers, s.model_in_flight
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ctx = RequestContext.start(request)
         rec = ctx.rec
-        if self.tracing is not None:        # the span the tracing middleware opened
-            ctx.trace = self.tracing.of(request)
-            if ctx.trace.trace_id:
-                rec.extra["trace_id"] = ctx.trace.trace_id
+        ctx.trace = self.tracing.of(request)        # the span the tracing middleware opened (or NO_TRACE)
+        if ctx.trace.trace_id:
+            rec.extra["trace_id"] = ctx.trace.trace_id
         self.lifecycle.enter()
-        ticket = None
-        model_gauge = None
+        ticket = NO_TICKET
+        model = None
         try:
-            api = ctx.api = self.apis.get(request.path)   # first: every error is in its shape
+            ctx.api = self.apis.get(request.path)   # first: every error is in its shape
             self.lifecycle.check_open()
-            if self.tenancy is not None:    # API key → user (401), before the body is read
-                ticket = await self.tenancy.authenticate(request, rec)
-            body = await api.read_body(request, self.config.server.max_body_bytes) if api is not None else None
-            ireq = ctx.ireq = (api.parse if api is not None else parse)(
-                request.path, body if body is not None else await self._read_body(request), request.headers,
-                rec.request_id)
-            if self.aliases is not None:    # an alias names one of its models (gateway/aliases.py)
-                self.aliases.resolve(ctx, ticket.user if ticket is not None else None)
-            if self.lora is not None:       # an adapter: a request for its base model (gateway/lora/adapters.py)
-                self.lora.resolve(ctx)
-            rec.model, rec.stream = ireq.model, ireq.stream
-            self._require_model(ireq.model)
-            model_gauge = ireq.model
-            self.model_in_flight[model_gauge] = self.model_in_flight.get(model_gauge, 0) + 1
+            ticket = await self.tenancy.authenticate(request, rec)   # API key → user (401), before the body
+            ireq = await self._parse(ctx, ticket.user)              # an alias or an adapter names its model
+            model = self._enter(ireq.model)         # 404 unless known; counted in flight
             spec = rec.strategy = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
                                                             lora=ireq.lora is not None)
             router = self.routing.router_for(spec)
-            candidates = self.routing.candidates(ireq.model, router)
-            if ticket is not None:          # model RPS, user RPM/TPM/concurrency (429), before routing
-                await self.tenancy.admit(ticket, ireq, rec)
-            rec.user = ireq.user            # with auth on, the key's user (admit decides it)
-            if api is not None:             # the API's state, or the endpoints whose engine serves it
-                if router.chooses_pairs and not api.supports_pd:
-                    raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
-                                            f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
-                                       header=("x-error-routing", "true"), error_class="routing")
-                candidates = await api.prepare(ctx, candidates)
-            if ireq.lora is not None and self.lora is not None:    # those serving it; loaded if none
-                candidates = (await self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
-                              else await self.lora.prepare(ctx, candidates))
-            adapter = adapter_for(candidates[0].engine)
-            checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
-            if self.admission is not None:  # room on an endpoint, else the queue or a 429
-                candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
-            if (kv := self.routing.ctx.precise_index) is not None and (router.reads_kv_events or router.chooses_pairs) \
-                    and kv.covers(ireq.model):      # tokenized off the loop, so the match finds it cached
-                await kv.prepare(ireq, candidates)
-            ctx.trace.route_start()
-            # the router's learning and observers wait in ctx.after_write until the leg is written
-            decision = ctx.decision = self.routing.route(ireq, spec, router, candidates, ctx.after_write)
-            if router.chooses_pairs and self.pd_decider is not None:   # disaggregate, or run it whole
-                candidates = self.pd_decider.decide(ctx, adapter, candidates)
-            # charged in the same synchronous step as the decision
-            ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
-            if ireq.lora is not None and self.lora is not None:
-                self.lora.charge(ctx)
-            if (kv is not None and kv.index.ranked) or dp_rank.DP_RANK_HEADER in ireq.headers:
-                dp_rank.pin(ctx, kv, adapter, self._client_rank(ireq.model))   # a data-parallel engine's rank
-            ctx.trace.routed(decision, len(candidates))
-            limit = getattr(self.config.model(ireq.model), "migration_limit", 0)
-            if limit:                       # mid-stream continuation (gateway/pipeline/migration.py)
-                ctx.migration = Migration.begin(ctx, limit, candidates[0].engine, self.metrics)
-                if ctx.migration is not None:
-                    ctx.migration.reopen = lambda cont, avoid: self._reopen(ctx, cont, avoid)
-            if decision.prefill is not None:
+            adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
+            candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
+            self._pin_rank(ctx, adapter)            # a data-parallel engine's rank
+            self._begin_migration(ctx, candidates)  # a stream that may continue elsewhere
+            if ctx.decision.prefill is not None:
                 return await self.pd.forward(ctx, adapter, checked)
             return await self.forward(ctx, candidates)
         except GatewayError as e:
             return self._error_response(ctx, e)
         except asyncio.CancelledError:
             rec.status = 499
-            rec.error_class = rec.error_class or "client_cancel"
+            rec.error_class = rec.error_class or ErrorClass.CLIENT_CANCEL
             self.metrics.child(self.metrics.client_cancels, rec.model,
                                "streaming" if rec.headers_sent else "before_headers").inc()
             ctx.trace.event("abort", {"switchyard.abort.by": "client"})
@@ -155,42 +97,134 @@ class Pipeline:
         except Exception as e:   # a bug: the client still gets an answer, the traceback is logged once
             return await self._internal_error(ctx, e)
         finally:
-            ctx.written()                   # bookkeeping of a request that ended before its leg
+            ctx.written()                           # bookkeeping of a request that ended before its leg
             ctx.charges.release()
-            if model_gauge is not None:
-                self.model_in_flight[model_gauge] -= 1
-                if self.admission is not None:   # freed room goes to the next waiter
-                    self.admission.released(model_gauge, ctx.charges.in_flight is not None)
+            if model is not None:
+                self._leave(model, ctx)
             self.lifecycle.leave()
-            if ticket is not None:          # charge usage tokens, release the concurrency slot
-                self.tenancy.settle(ticket, rec)
+            self.tenancy.settle(ticket, rec)        # charge usage tokens, release the concurrency slot
             ctx.trace.finish(rec)
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
-    # -- stages --------------------------------------------------------------------------------
+    # -- stages ---------------------------------------------------------------------------------
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise GatewayError(413, f"request body exceeds {self.config.server.max_body_bytes} bytes",
-                               error_class="validation") from None
-        except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
-            raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
-                               error_class="validation") from None
+    async def _parse(self, ctx: RequestContext, user: str | None) -> InferenceRequest:
+        """Body bytes → the parsed request (in its API's format); an alias names one of its
+        models (gateway/aliases.py), an adapter is a request for its base model (gateway/lora)."""
+        request, api = ctx.http, ctx.api
+        limit = self.config.server.max_body_bytes
+        body = await api.read_body(request, limit) if api is not None else None
+        if body is None:
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise GatewayError(413, f"request body exceeds {limit} bytes", error_class=ErrorClass.VALIDATION) from None
+            except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
+                raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",
+                                   error_class=ErrorClass.VALIDATION) from None
+        ctx.ireq = (api.parse if api is not None else parse)(request.path, body, request.headers, ctx.rec.request_id)
+        self.aliases.resolve(ctx, user)
+        self.lora.resolve(ctx)
+        ireq = ctx.ireq
+        ctx.rec.model, ctx.rec.stream = ireq.model, ireq.stream
+        return ireq
 
-    def _require_model(self, model: str) -> None:
+    def _enter(self, model: str) -> str:
+        """The model must exist (404); it counts one more request in flight until ``_leave``."""
         if not self.pool.has_model(model) and self.config.model(model) is None:
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
                                header=("x-error-no-model-backends", safe_header_value(model)),
-                               error_class="model_not_found")
+                               error_class=ErrorClass.MODEL_NOT_FOUND)
+        self.model_in_flight[model] = self.model_in_flight.get(model, 0) + 1
+        return model
+
+    def _leave(self, model: str, ctx: RequestContext) -> None:
+        self.model_in_flight[model] -= 1
+        self.admission.released(model, ctx.charges.in_flight is not None)   # freed room goes to the next waiter
+
+    async def _admit(self, ctx: RequestContext, ticket: Ticket, spec: str, router: Router
+                     ) -> tuple[EngineAdapter, Any, list[Endpoint]]:
+        """Admit: ready endpoints (503), the caller's limits (429), the endpoints that can serve the
+        request, a P/D body the engine accepts (400), room on them (admission: the queue, or 429);
+        the prompt tokenized for the KV events' match. Returns the engine's adapter, its P/D body
+        check and the candidates to route among."""
+        ireq, rec = ctx.ireq, ctx.rec
+        assert ireq is not None
+        candidates = self.routing.candidates(ireq.model, router)
+        await self.tenancy.admit(ticket, ireq, rec)   # model RPS, user RPM/TPM/concurrency (429)
+        rec.user = ireq.user                          # with auth on, the key's user (admit decides it)
+        if ctx.api is not None or ireq.lora is not None:
+            candidates = await self._serving(ctx, spec, router, candidates)
+        adapter = adapter_for(candidates[0].engine)
+        checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
+        candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
+        kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
+        if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
+            await kv.prepare(ireq, candidates)
+        return adapter, checked, candidates
+
+    async def _serving(self, ctx: RequestContext, spec: str, router: Router,
+                       candidates: list[Endpoint]) -> list[Endpoint]:
+        """The candidates that can serve the request: its API's state or the endpoints whose engine
+        serves the API; those serving its LoRA adapter (loaded if none does)."""
+        ireq, api = ctx.ireq, ctx.api
+        assert ireq is not None
+        if api is not None:
+            if router.chooses_pairs and not api.supports_pd:
+                raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
+                                        f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
+                                   header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
+            candidates = await api.prepare(ctx, candidates)
+        if ireq.lora is not None:
+            candidates = await self._adapter_serving(ctx, router, candidates)
+        return candidates
+
+    async def _adapter_serving(self, ctx: RequestContext, router: Router,
+                               candidates: list[Endpoint]) -> list[Endpoint]:
+        return (await self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
+                else await self.lora.prepare(ctx, candidates))
+
+    def route_and_charge(self, ctx: RequestContext, spec: str, router: Router, adapter: EngineAdapter,
+                         candidates: list[Endpoint], later: list[Callable[[], None]] | None) -> list[Endpoint]:
+        """Route ``ctx.ireq`` among ``candidates`` and charge the decision's endpoints in the same
+        synchronous step (the ledger's rule), for the first leg and for a continuation alike (whose
+        charges move to the new decision). A P/D decision may run whole instead (gateway/pd/decide.py).
+        ``later``: the request's ``after_write``, where the router's learning and observers wait
+        until the leg is written (None: at once). Returns the candidates a retry may use."""
+        ireq = ctx.ireq
+        assert ireq is not None
+        ctx.trace.route_start()
+        decision = ctx.decision = self.routing.route(ireq, spec, router, candidates, later)
+        if router.chooses_pairs:                # disaggregate, or run it whole
+            candidates = self.pd_decider.decide(ctx, adapter, candidates)
+        ctx.charges.release()                   # a continuation's: they move to the new decision
+        ctx.dp_rank = ctx.pd_plan = None        # of the legs before, if any
+        ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
+        self.lora.charge(ctx)                   # its endpoints' adapter, when it names one
+        ctx.trace.routed(decision, len(candidates))
+        return candidates
+
+    def _pin_rank(self, ctx: RequestContext, adapter: EngineAdapter) -> None:
+        """Pin the request to a data-parallel rank of its endpoint (gateway/kv/dp_rank.py)."""
+        kv = self.routing.ctx.precise_index
+        ireq = ctx.ireq
+        assert ireq is not None
+        if (kv is not None and kv.index.ranked) or dp_rank.DP_RANK_HEADER in ireq.headers:
+            dp_rank.pin(ctx, kv, adapter, self._client_rank(ireq.model))
+
+    def _begin_migration(self, ctx: RequestContext, candidates: list[Endpoint]) -> None:
+        """A stream of a model with ``migration_limit`` may continue on another endpoint when its
+        engine fails (gateway/pipeline/migration.py); its legs are opened by this pipeline."""
+        limit = getattr(self.config.model(ctx.rec.model), "migration_limit", 0)
+        if limit:
+            ctx.migration = Migration.begin(ctx, limit, candidates[0].engine, self.metrics, self)
 
     @staticmethod
     def _check_pd_body(adapter, ctx: RequestContext):
         try:   # refused before any endpoint is chosen
             return adapter.check_pd_body(ctx.ireq)
         except BodyError as e:
-            raise GatewayError(400, str(e), header=("x-error-routing", "true"), error_class="validation") from None
+            raise GatewayError(400, str(e), header=("x-error-routing", "true"), error_class=ErrorClass.VALIDATION) from None
 
     def _client_rank(self, model: str) -> bool:
         """Whether the model lets a client's own ``X-data-parallel-rank`` through (``kv_events.client_rank``)."""
@@ -215,16 +249,11 @@ class Pipeline:
         wd = cfg.watchdog_for(ireq.model)
         if not wd.aggregated:
             wd = None
-        header_timeout = cfg.upstream.first_byte_timeout_s or None
-        if wd is not None:      # engines send a non-streaming answer's headers with its body
-            limit = wd.first_chunk_timeout_s if ireq.stream else wd.response_timeout_s
-            if limit:
-                header_timeout = min(header_timeout or limit, limit)
+        header_timeout = head_timeout(cfg.upstream, wd, ireq.stream)
         ep = ctx.decision.endpoint
         tried = [ep]
         retries = self.retries
-        if retries is not None:         # the budget counts it once the leg is out
-            ctx.after_write.append(partial(retries.request, ireq.model))
+        ctx.after_write.append(partial(retries.request, ireq.model))   # the budget counts it once the leg is out
         while True:
             ctx.use(ep)
             leg = ctx.trace.leg("generate", ep, attempt=len(tried))
@@ -235,17 +264,17 @@ class Pipeline:
                 leg.responded(resp.status)
             except UpstreamFailure as f:
                 leg.failed(f.kind)
-                if f.retryable and retries is not None and retries.reroute(
+                if f.retryable and retries.reroute(
                         ctx, self.routing, self.metrics, candidates, tried, Outcome.FAULT, f.kind) is not None:
                     ep = ctx.decision.endpoint
                     continue
-                rec.error_class = f"upstream_{f.kind}"
+                rec.error_class = ErrorClass.upstream(f.kind)
                 if f.kind == "timeout":
                     raise GatewayError(504, f"upstream timeout: {f.message}", code="upstream_timeout",
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",
                                    header=("x-error-upstream", f.kind), error_class=rec.error_class) from None
-            if resp.status != 200 and retries is not None and (outcome := of_status(resp.status)).retryable \
+            if resp.status != 200 and (outcome := of_status(resp.status)).retryable \
                     and retries.reroute(ctx, self.routing, self.metrics, candidates, tried, outcome,
                                         f"status_{resp.status}") is not None:
                 self.metrics.child(self.metrics.upstream_errors, ireq.model, ep.name, f"status_{resp.status}").inc()
@@ -256,39 +285,35 @@ class Pipeline:
             break
         return await self.relay.answer(ctx, resp, adapter_for(ep.engine), strip_usage, wd)
 
-    async def _reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
+    # -- a stream's continuation (gateway/pipeline/migration.py calls these) ---------------------
+
+    def abandon(self, ctx: RequestContext) -> None:
+        """The stream's leg failed and continues elsewhere: a P/D decode is told to stop first."""
+        self.pd.abandon(ctx)
+
+    async def reopen(self, ctx: RequestContext, cont: InferenceRequest, avoid: set[str]) -> UpstreamResponse:
         """Open the leg that continues a stream (``cont``) on an endpoint (or P/D pair) other
-        than those in ``avoid``; the request's charges move to it."""
+        than those in ``avoid``, up to its response head; the request's charges move to it."""
         rec = ctx.rec
         router = self.routing.router_for(rec.strategy)
         candidates = [c for c in self.routing.candidates(cont.model, router) if c.name not in avoid]
         ctx.ireq = cont
-        if candidates and cont.lora is not None and self.lora is not None:   # those serving the adapter
-            candidates = (await self.lora.serving_pairs(ctx, candidates) if router.chooses_pairs
-                          else await self.lora.prepare(ctx, candidates))
+        if candidates and cont.lora is not None:   # those serving the adapter
+            candidates = await self._adapter_serving(ctx, router, candidates)
         if not candidates:
-            raise GatewayError(503, "no other endpoint to continue the stream on", error_class="no_endpoint")
+            raise GatewayError(503, "no other endpoint to continue the stream on", error_class=ErrorClass.NO_ENDPOINT)
         adapter = adapter_for(candidates[0].engine)
-        ctx.trace.route_start()
-        decision = ctx.decision = self.routing.route(cont, rec.strategy, router, candidates)
-        if router.chooses_pairs and self.pd_decider is not None:
-            candidates = self.pd_decider.decide(ctx, adapter, candidates)
-            decision = ctx.decision
-        ctx.charges.release()
-        ctx.dp_rank = None                  # the continuation goes where the engine puts it
-        ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
-        if cont.lora is not None and self.lora is not None:
-            self.lora.charge(ctx)
-        ctx.trace.routed(decision, len(candidates))
+        self.route_and_charge(ctx, rec.strategy, router, adapter, candidates, None)
+        decision = ctx.decision
         if decision.prefill is not None:
             return await self.pd.reopen(ctx, adapter)
         ep = decision.endpoint
         ctx.use(ep)
         wd = self.config.watchdog_for(cont.model)
-        limit = (wd.first_chunk_timeout_s if wd.aggregated else 0.0) or self.config.upstream.first_byte_timeout_s
+        limit = head_timeout(self.config.upstream, wd if wd.aggregated else None, cont.stream)
         leg = ctx.trace.leg("generate", ep, attempt=1)
         ctx.written()
-        resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit or None,
+        resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit,
                                         cont.model)
         leg.responded(resp.status)
         return resp
@@ -303,20 +328,20 @@ class Pipeline:
         headers = rec.response_headers()
         headers.update(e.headers)
         body = ctx.api.error_body(e) if ctx.api is not None else e.body_bytes()
-        return web.Response(status=e.status, body=body, headers=headers, content_type="application/json")
+        return error_response(e.status, body, headers)
 
     async def _internal_error(self, ctx: RequestContext, e: Exception) -> web.StreamResponse:
         """A bug in the gateway. Before headers: an OpenAI-shaped 500. After them: the stream's
         final error event. Either way the traceback is logged once and the error counted."""
         rec = ctx.rec
-        rec.error_class = "internal"
+        rec.error_class = ErrorClass.INTERNAL
         rec.error = f"{type(e).__name__}: {e}"[:200]
         self.metrics.internal_errors.inc()
         log.error("internal error", request_id=rec.request_id, exc_info=e)
         out = ctx.response
         if out is None or not out.prepared:
             return self._error_response(ctx, GatewayError(500, "internal gateway error", code="internal_error",
-                                                          error_class="internal"))
+                                                          error_class=ErrorClass.INTERNAL))
         try:
             await out.write(ctx.api.stream_error(ctx, 500, "internal gateway error", "internal_error")
                             if ctx.api is not None else error_event(500, "internal gateway error", code="internal_error"))

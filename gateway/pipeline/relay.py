@@ -26,7 +26,7 @@ from aiohttp import web
 
 from gateway.apis.base import StreamScanner
 from gateway.config.schema import UpstreamConfig, WatchdogConfig
-from gateway.errors import GatewayError, error_body, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
 from gateway.pipeline.sse import SSEScanner, usage_tokens
@@ -46,6 +46,22 @@ class WatchdogFired(Exception):
         super().__init__(phase)
         self.phase = phase
         self.seconds = seconds
+
+
+# a stream's failure: (error class, message); a timeout ends it with a 504 event, anything else a 502
+StreamFailure = tuple[ErrorClass, str]
+EOF_FAILURE: StreamFailure = (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
+
+
+def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
+    """What a leg's failure mid-stream is called, for the plain relay and a migrating stream alike:
+    a watchdog that fired, the whole-exchange timeout (``upstream.total_timeout_s``), or the
+    engine's side breaking."""
+    if isinstance(e, WatchdogFired):
+        return ErrorClass.watchdog(e.phase), f"no output from the engine for {e.seconds:g}s ({e.phase.replace('_', ' ')})"
+    if isinstance(e, UpstreamTimeout):
+        return ErrorClass.UPSTREAM_TIMEOUT, f"the engine did not finish the stream: {e}"
+    return ErrorClass.UPSTREAM_BROKEN, f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
 
 
 class _Watchdog:
@@ -152,12 +168,12 @@ class Relay:
             status, err = normalize_upstream_error(resp.status, raw)
             body, message = orjson.dumps(err), str(err["error"].get("message"))
         rec.status = status
-        rec.error_class = "upstream_status"
+        rec.error_class = ErrorClass.UPSTREAM_STATUS
         rec.error = message[:200]
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
         if "Retry-After" in resp.headers:
             headers["Retry-After"] = resp.headers["Retry-After"]
-        return web.Response(status=status, body=body, headers=headers, content_type="application/json")
+        return error_response(status, body, headers)
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
                       strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
@@ -228,62 +244,62 @@ class Relay:
             if tail:
                 await write(tail)
             if not scanner.done and scanner.error is None:
-                rec.error_class = "upstream_eof"
-                rec.error = "the engine closed the stream before it completed"
-                failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
+                rec.error_class, rec.error = failure = EOF_FAILURE
         except WatchdogFired as w:
             rec.watchdog = w.phase  # type: ignore[assignment]
             ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
-            rec.error_class = f"watchdog_{w.phase}"
-            rec.error = f"no output from the engine for {w.seconds:g}s ({w.phase.replace('_', ' ')})"
+            rec.error_class, rec.error = failure = stream_failure(w)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
-            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
         except UpstreamTimeout as e:
             # upstream.total_timeout_s: the whole exchange took too long
-            rec.error_class = "upstream_timeout"
-            rec.error = f"the engine did not finish the stream: {e}"
+            rec.error_class, rec.error = failure = stream_failure(e)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
-            failure = self._failure(ctx, 504, rec.error, code="upstream_timeout")
         except UpstreamError as e:
             # the engine's side broke mid-stream (a client-side write failure raises
             # ConnectionResetError, handled below as a cancel)
-            rec.error_class = "upstream_broken"
-            rec.error = f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
+            rec.error_class, rec.error = failure = stream_failure(e)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
-            failure = self._failure(ctx, 502, rec.error, code="upstream_incomplete")
         except ConnectionResetError:
             # the client went away while we wrote: same as a disconnect
-            rec.error_class = "client_cancel"
+            rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
         finally:
             if watch is not None:
                 watch.cancel()
-        self._stream_observations(rec, scanner)
         if ctx.migration is not None and (failure is not None or scanner.error is not None):
-            ctx.migration.unmigrated(rec, rec.error_class or "upstream_stream_error")   # refused: counted
-        if failure is not None:
-            try:
-                await write(failure)
-            except ConnectionResetError:
-                raise asyncio.CancelledError from None
-        elif scanner.error is not None:
-            rec.error_class = "upstream_stream_error"
+            ctx.migration.unmigrated(rec, rec.error_class or ErrorClass.UPSTREAM_STREAM_ERROR)   # refused: counted
+        if failure is None and scanner.error is not None:   # the engine's error event went through
+            rec.error_class = ErrorClass.UPSTREAM_STREAM_ERROR
             msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
             rec.error = str(msg)[:200] if msg else "in-stream error"
+        return await self.end_stream(ctx, out, scanner, failure)
+
+    async def end_stream(self, ctx: RequestContext, out: web.StreamResponse, scanner: StreamScanner,
+                         failure: StreamFailure | None) -> web.StreamResponse:
+        """The end of a relayed stream, the plain relay's and a migrating stream's
+        (gateway/pipeline/migration.py): what the client received goes to the metrics; a failure
+        (recorded on the request by the caller) is the stream's last event, a 504 for a timeout and
+        a 502 otherwise; then the end. The client gone while this is written is a cancel."""
+        self.observe_stream(ctx.rec, scanner)
         try:
+            if failure is not None:
+                error_class, message = failure
+                status, code = (504, "upstream_timeout") if error_class.is_timeout else (502, "upstream_incomplete")
+                await out.write(self.failure_event(ctx, status, message, code))
             await out.write_eof()
         except ConnectionResetError:
             raise asyncio.CancelledError from None
         return out
 
     @staticmethod
-    def _failure(ctx: RequestContext, status: int, message: str, code: str) -> bytes:
+    def failure_event(ctx: RequestContext, status: int, message: str, code: str) -> bytes:
         """The event that ends a stream the gateway cannot complete, in the request's API shape."""
         if ctx.api is not None:
             return ctx.api.stream_error(ctx, status, message, code)
         return error_event(status, message, code=code)
 
-    def _stream_observations(self, rec: RequestRecord, scanner: StreamScanner) -> None:
+    def observe_stream(self, rec: RequestRecord, scanner: StreamScanner) -> None:
+        """A stream's first token, inter-token gaps, finish and usage, into the record and metrics."""
         m = self.metrics
         if scanner.first_token_at is not None:
             rec.ttft = scanner.first_token_at - rec.started
@@ -308,13 +324,13 @@ class Relay:
             if isinstance(e, TimeoutError):
                 rec.watchdog = "response"
                 ctx.trace.event("watchdog", {"switchyard.watchdog.phase": "response", "switchyard.watchdog.seconds": limit})
-            rec.error_class = "watchdog_response" if isinstance(e, TimeoutError) else "upstream_timeout"
+            rec.error_class = ErrorClass.WATCHDOG_RESPONSE if isinstance(e, TimeoutError) else ErrorClass.UPSTREAM_TIMEOUT
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
             secs = limit if isinstance(e, TimeoutError) else e.seconds
             raise GatewayError(504, f"the engine did not answer within {secs:g}s", code="upstream_timeout",
                                header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
         except UpstreamError as e:
-            rec.error_class = "upstream_broken"
+            rec.error_class = ErrorClass.UPSTREAM_BROKEN
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_body").inc()
             raise GatewayError(502, f"the engine connection broke before the answer was complete: {type(e).__name__}",
                                code="upstream_incomplete", header=("x-error-upstream", "reset"),

@@ -17,7 +17,7 @@ import structlog
 
 from gateway.config.schema import Config, check_strategies
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest
 from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
@@ -77,7 +77,7 @@ class Routing:
             return self.registry.get(spec)
         except StrategyError:
             raise GatewayError(400, f"incorrect routing strategy {spec}", param="routing-strategy",
-                               header=("x-error-routing", "true"), error_class="routing") from None
+                               header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING) from None
 
     def candidates(self, model: str, router: Router) -> list[Endpoint]:
         """The ready endpoints ``router`` may choose from: only a router that chooses P/D pairs
@@ -88,7 +88,7 @@ class Routing:
             raise GatewayError(503, f"no ready endpoint for model {model}"
                                     + (" (prefill/decode endpoints need the pd strategy)" if ready else ""),
                                code="service_unavailable", headers={"Retry-After": "5"},
-                               header=("x-error-no-model-backends", "true"), error_class="no_endpoint")
+                               header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
         return candidates
 
     def route(self, ireq: InferenceRequest, spec: str, router: Router, candidates: list[Endpoint],
@@ -103,7 +103,7 @@ class Routing:
             decision = router.route(ireq, candidates) if later is None else router.decide(ireq, candidates)
         except NoRouteError as e:
             raise GatewayError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"},
-                               header=("x-error-routing", "true"), error_class="no_route") from None
+                               header=("x-error-routing", "true"), error_class=ErrorClass.NO_ROUTE) from None
         elapsed = time.perf_counter() - t
         decision.strategy = spec
         if fallbacks:

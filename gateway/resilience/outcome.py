@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import enum
 
+from gateway.errors import ErrorClass
+
 
 class Outcome(enum.Enum):
     SUCCESS = "success"
@@ -57,18 +59,20 @@ def of_failure(kind: str) -> Outcome:
 
 
 # the relay's error classes (gateway/pipeline/relay.py) once an answer's head arrived: each is a fault
-_FAULT_CLASSES = frozenset({"upstream_eof", "upstream_broken", "upstream_timeout", "upstream_stream_error"})
+_FAULT_CLASSES = frozenset({ErrorClass.UPSTREAM_EOF, ErrorClass.UPSTREAM_BROKEN, ErrorClass.UPSTREAM_TIMEOUT,
+                            ErrorClass.UPSTREAM_STREAM_ERROR}
+                           | {c for c in ErrorClass if c.is_watchdog})
 
 
-def of_answer(status: int, error_class: str | None) -> Outcome:
+def of_answer(status: int, error_class: ErrorClass | None) -> Outcome:
     """The outcome of a relayed answer, from what the relay recorded: its status and error class.
     A stream counts as a success only when it completed; a watchdog that fired, a stream the
     engine broke or closed early, or an error event inside it are faults."""
-    if error_class == "client_cancel":
+    if error_class == ErrorClass.CLIENT_CANCEL:
         return Outcome.NONE
-    if error_class is not None and (error_class in _FAULT_CLASSES or error_class.startswith("watchdog_")):
+    if error_class in _FAULT_CLASSES:
         return Outcome.FAULT
-    if error_class == "upstream_status" or status >= 400:
+    if error_class == ErrorClass.UPSTREAM_STATUS or status >= 400:
         return of_status(status)
     if status == 0:           # nothing was answered (a bug, or a cancel before any write)
         return Outcome.NONE

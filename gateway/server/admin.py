@@ -21,20 +21,19 @@ Config-defined keys are read-only here; a config user can be overridden (PUT) bu
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from gateway.config.schema import UserLimits
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.tenants import Tenancy
 from gateway.tenants.directory import (
     LIMIT_FIELDS,
     USER_NAME,
     KeyRecord,
-    bearer_token,
+    admin_token_valid,
     key_digest,
     limits_stored,
     new_key,
@@ -64,20 +63,27 @@ def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
         AdminAPI(tenancy).register(app.router)
 
 
+def require_admin(request: web.Request, digest: str | None) -> None:
+    """401 unless the request carries the admin token (``digest``: its digest, None when unset)."""
+    if not admin_token_valid(request.headers.get("Authorization"), digest):
+        raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class=ErrorClass.AUTH)
+
+
 def _json(status: int, payload: Any) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
 
 
 def _bad(message: str, param: str | None = None) -> GatewayError:
-    return GatewayError(400, message, param=param, error_class="admin")
+    return GatewayError(400, message, param=param, error_class=ErrorClass.ADMIN)
 
 
 def _not_found(what: str) -> GatewayError:
-    return GatewayError(404, f"{what} not found", code="not_found", error_class="admin")
+    return GatewayError(404, f"{what} not found", code="not_found", error_class=ErrorClass.ADMIN)
 
 
 def _conflict(message: str) -> GatewayError:
-    return GatewayError(409, message, code="conflict", type_="invalid_request_error", error_class="admin")
+    return GatewayError(409, message, code="conflict", type_="invalid_request_error", error_class=ErrorClass.ADMIN)
 
 
 def _limits(data: dict[str, Any], base: UserLimits, allowed: tuple[str, ...]) -> UserLimits:
@@ -116,18 +122,13 @@ class AdminAPI:
 
     def _guard(self, fn):
         async def handler(request: web.Request) -> web.Response:
-            token = bearer_token(request.headers.get("Authorization"))
-            digest = self.t.admin_digest or ""
-            if token is None or not hmac.compare_digest(key_digest(token), digest):
-                raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
-                                   code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
-                                   error_class="auth")
+            require_admin(request, self.t.admin_digest)
             try:
                 await self.t.refresh()
                 return await fn(request)
             except StateUnavailable as e:
                 raise GatewayError(503, f"the shared state is unreachable: {e}", code="service_unavailable",
-                                   headers={"Retry-After": "1"}, error_class="state_unavailable") from None
+                                   headers={"Retry-After": "1"}, error_class=ErrorClass.STATE_UNAVAILABLE) from None
         return handler
 
     @staticmethod

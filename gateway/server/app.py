@@ -1,8 +1,9 @@
 """The aiohttp application: it wires the collaborators and owns their lifecycle.
 
-Wiring, in the order a request meets them: tracing (a middleware, when on), tenancy, routing, the
-ledger of charges (taken by the pipeline), the upstream legs, the relay, P/D orchestration; the
-pipeline calls them and none of them calls the pipeline back. Startup and teardown are one
+The services (``gateway.pipeline.generation.build_services``) are built once; the first
+generation's pipeline and every reload's come from one builder (``_builder``, around
+``build_generation``). The pipeline calls its collaborators and none of them calls the pipeline
+back. Startup and teardown are one
 ``cleanup_ctx`` generator each, so what starts is stopped in reverse order, also when a later
 step fails.
 """
@@ -17,40 +18,26 @@ import orjson
 import structlog
 from aiohttp import web
 
-from gateway.admission.service import Admission
-from gateway.aliases import Aliases, AliasMetrics
-from gateway.apis.anthropic import AnthropicApi
 from gateway.apis.base import ApiShape
-from gateway.apis.metrics import PathRequests
-from gateway.apis.passthrough import AudioApi, PassthroughApi
-from gateway.apis.responses import ResponsesApi, add_responses
-from gateway.apis.responses_request import RESPONSES
+from gateway.apis.responses import add_responses
 from gateway.config.schema import Config
 from gateway.endpoints import EndpointPool
-from gateway.errors import GatewayError
-from gateway.kv.events import build_kv_events
-from gateway.lora.adapters import Lora, LoraMetrics
-from gateway.observability.logs import LineWriter, RequestLog
+from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.observability.looplag import LoopLagMonitor
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import add_status
 from gateway.observability.tracing import Tracing
-from gateway.pd.decide import PDDecider, PDDecisionMetrics
-from gateway.pd.orchestrator import PDOrchestrator
+from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline
-from gateway.pipeline.relay import Relay
-from gateway.pipeline.routing import Routing
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
-from gateway.resilience.breaker import Breakers
-from gateway.resilience.retry import Retries
 from gateway.server.admin import add_tenancy
 from gateway.server.lifecycle import Lifecycle
 from gateway.server.reclaim import MemoryReclaimer
-from gateway.server.reload import Live, Reloader, declared_endpoints
-from gateway.tenants import build_tenancy
+from gateway.server.reload import Build, Live, Reloader, declared_endpoints
+from gateway.tenants import Tenancy
 from gateway.upstream.monitor import Monitor
-from gateway.upstream.upstream import Upstream, make_session
+from gateway.upstream.upstream import make_session
 from k8s.discovery import KubernetesDiscovery
 from routers.prefix_cache import fleet_load
 
@@ -78,10 +65,6 @@ def _json(status: int, payload, headers: dict[str, str] | None = None) -> web.Re
     return web.Response(status=status, body=orjson.dumps(payload), headers=headers, content_type="application/json")
 
 
-def _raw_json(status: int, body: bytes, headers: dict[str, str]) -> web.Response:
-    return web.Response(status=status, body=body, headers=headers, content_type="application/json")
-
-
 def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
     """The answer to an exception a handler let out: every answer is JSON in its path's API shape
     (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included.
@@ -97,18 +80,18 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
                 return None
             msg = {404: f"unknown path {request.path}", 405: f"method {request.method} not allowed on {request.path}",
                    413: "request body too large"}.get(e.status, e.reason)
-            err = GatewayError(e.status, msg, error_class="http")
+            err = GatewayError(e.status, msg, error_class=ErrorClass.HTTP)
             headers = {"request-id": rid, "x-request-id": rid}
             if e.status == 405 and "Allow" in e.headers:
                 headers["Allow"] = e.headers["Allow"]
-            return _raw_json(e.status, shaped(request, err), headers)
+            return error_response(e.status, shaped(request, err), headers)
         if isinstance(e, GatewayError):
-            return _raw_json(e.status, shaped(request, e), {"request-id": rid, **e.headers})
+            return error_response(e.status, shaped(request, e), {"request-id": rid, **e.headers})
         # a bug outside the pipeline (which answers its own)
         metrics.internal_errors.inc()
         log.error("internal error", request_id=rid, path=request.path, exc_info=e)
         err = GatewayError(500, "internal gateway error", code="internal_error")
-        return _raw_json(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
+        return error_response(500, shaped(request, err), {"request-id": rid, "x-request-id": rid})
     return answer
 
 
@@ -140,53 +123,34 @@ def _direct_routes(paths, reloader: Reloader, answer) -> dict[str, Callable]:
     return dict.fromkeys(paths, direct)
 
 
+def _builder(services: Services) -> Build:
+    """The one way a generation's pipeline is built, at start-up and at every reload."""
+    def build(config: Config, previous: Generation | None = None) -> Pipeline:
+        return Pipeline(build_generation(config, services, previous))
+    return build
+
+
 def build_app(config: Config, pool: EndpointPool | None = None,
               loader: Callable[[], Config] | None = None) -> web.Application:
     """``loader`` re-reads the config file for a reload (gateway/server/reload.py); None: no reload."""
     pool = pool if pool is not None else pool_from_config(config)
-    metrics = GatewayMetrics()
-    lifecycle = Lifecycle()
-    kv_events = build_kv_events(config, pool, metrics.registry)   # None unless a model subscribes
-    routing = Routing(config, pool, metrics, kv_events)
-    # circuit breakers hear every leg's outcome (upstream, relay); open ones are not ready
-    breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
-    routing.claims.append(breakers.on_decision)         # half-open trial slots, before the leg
-    upstream = Upstream(config.upstream, config.health, metrics, breakers)
-    relay = Relay(config.upstream, metrics, upstream.record)
-    pd = PDOrchestrator(config, upstream, relay, lifecycle.spawn, metrics, routing.ctx.rng)
-    tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants)
-    request_log = RequestLog(config.server.log_format, config.server.log_level,
-                             LineWriter(on_drop=metrics.log_lines_dropped.inc))
-    tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/tracing)
-    gw = Pipeline(config, pool, metrics, routing, upstream, relay, pd, tenancy, lifecycle, request_log, tracing)
-    gw.retries = Retries(config.retry_for, metrics.registry, config.routing.metrics_max_age_s)
-    responses = ResponsesApi(config, pool, metrics, request_log, tenancy, gw.observers)   # gateway/apis
-    gw.apis[RESPONSES] = responses
-    for api in (AnthropicApi(pool), PassthroughApi(pool), AudioApi(pool)):   # Messages, pass-through
-        gw.apis.update(dict.fromkeys(api.paths, api))
-    gw.observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
-    gw.lora = lora = Lora(config, pool, upstream, LoraMetrics(metrics.registry))   # adapters (gateway/lora/adapters.py)
-    gw.pd_decider = pd_decider = PDDecider(config, routing.ctx.prefix_index, PDDecisionMetrics(metrics.registry),
-                                             kv_events)
-    alias_metrics = AliasMetrics(metrics.registry)
-    gw.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
-    admission = gw.admission = Admission(config, pool, metrics)   # shared by every generation
+    s = build_services(config, pool)
+    metrics, lifecycle = s.metrics, s.lifecycle
+    tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
+    tracing = s.tracing if isinstance(s.tracing, Tracing) else None
+    build = _builder(s)
+    gw = build(config)
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/server/reload.py)
-    reloader = Reloader(Live(config, gw), pool, metrics, alias_metrics, tenancy, loader)
-    reloader.listeners.append(lambda live: responses.reconfigure(live.config))   # its stores stay: shared
-    reloader.listeners.append(lambda live: breakers.reconfigure(live.config.breaker_for))
-    reloader.listeners.append(lambda live: setattr(gw.retries, "config_for", live.config.retry_for))
-    reloader.listeners.append(lambda live: lora.reconfigure(live.config))
-    reloader.listeners.append(lambda live: pd_decider.reconfigure(live.config, live.routing.ctx.prefix_index))
-    reloader.listeners.append(lambda live: admission.reconfigure(live.config))   # its queues stay
-    metrics.attach_live_state(pool.endpoints, gw.model_in_flight,
+    reloader = Reloader(Live(gw), pool, metrics, build, tenancy, loader)
+    reloader.listeners.append(lambda live: s.follow(live.config))   # shared services: their state stays
+    metrics.attach_live_state(pool.endpoints, s.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s,
                               fleet_load=lambda ep: fleet_load(ep, time.monotonic(), config.routing.metrics_max_age_s))
     started_at = int(time.time())
 
     # the trace middleware is outermost, so the request span sees the status the client gets
-    answer = _error_answers(metrics, gw.apis)
+    answer = _error_answers(metrics, s.apis)
     middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(answer)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw
@@ -194,14 +158,37 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     app[LIFECYCLE_KEY] = lifecycle
     app[NOT_READY_KEY] = asyncio.Event()
 
+    inference = (CHAT, COMPLETIONS, EMBEDDINGS, *s.apis)     # s.apis: Responses, Messages, pass-through
+    for path in inference:
+        app.router.add_post(path, reloader.live_handle)
+    # the edge calls these paths' handler itself, skipping the application's router and middleware,
+    # unless something must wrap every answer: the trace span (a middleware) or the tenants'
+    # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
+    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
+    add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
+    _add_public_routes(app, s, reloader, started_at)   # /v1/models, /health, /ready, /metrics
+    if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
+        add_tenancy(app, tenancy)
+        if tenancy.admin_digest is not None:
+            reloader.register(app.router)        # POST /admin/reload
+    if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
+        _add_status_page(app, config, s, reloader, tenancy, started_at)
+
+    if tracing is not None:     # first in, last out: flushed once everything else stopped
+        app.cleanup_ctx.append(_tracing_lifecycle(tracing))
+    app.cleanup_ctx.append(_engines(config, s, reloader))
+    return app
+
+
+def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, started_at: int) -> None:
+    pool, lifecycle, metrics, lora = s.pool, s.lifecycle, s.metrics, s.lora
+
     async def models(request: web.Request) -> web.Response:
-        if tenancy is not None:  # with auth on, listing models needs a key too
-            await tenancy.authenticate(request, None)
+        await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
         data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
                  "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
                  "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
-        aliases = reloader.live.aliases
-        for a in aliases.describe() if aliases is not None else ():   # an alias lists its targets
+        for a in reloader.live.aliases.describe():   # an alias lists its targets
             data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
                          "targets": a["targets"], "sticky": a["sticky"],
                          "ready_endpoints": sum(len(pool.ready(t["model"])) for t in a["targets"])})
@@ -224,31 +211,27 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
-    inference = (CHAT, COMPLETIONS, EMBEDDINGS, *gw.apis)     # gw.apis: Responses, Messages, pass-through
-    for path in inference:
-        app.router.add_post(path, reloader.live_handle)
-    # the edge calls these paths' handler itself, skipping the application's router and middleware,
-    # unless something must wrap every answer: the trace span (a middleware) or the tenants'
-    # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
-    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
-    add_responses(app, responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_page)
-    if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
-        add_tenancy(app, tenancy)
-        if tenancy.admin_digest is not None:
-            reloader.register(app.router)        # POST /admin/reload
-    if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
-        board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
-        gw.observers.append(board.on_request)
-        routing.observers.append(board.on_decision)
-        sources = StatusSources(config, pool, routing, lifecycle, gw.model_in_flight, tenancy,
-                                aliases=lambda: a.describe() if (a := reloader.live.aliases) is not None else [],
-                                started_at=started_at)
-        reloader.listeners.append(sources.follow)
-        add_status(app, sources, metrics, board)
+
+
+def _add_status_page(app: web.Application, config: Config, s: Services, reloader: Reloader,
+                     tenancy: Tenancy | None, started_at: int) -> None:
+    pool = s.pool
+    board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
+    s.observers.append(board.on_request)
+    s.decision_observers.append(board.on_decision)
+    sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
+                            aliases=lambda: reloader.live.aliases.describe(), started_at=started_at)
+    reloader.listeners.append(sources.follow)
+    add_status(app, sources, s.metrics, board)
+
+
+def _engines(config: Config, s: Services, reloader: Reloader):
+    pool, metrics, lifecycle, upstream, lora, kv_events, request_log = (
+        s.pool, s.metrics, s.lifecycle, s.upstream, s.lora, s.kv_events, s.request_log)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
         """Discovery first (a bad kubeconfig fails start-up before anything else runs), then the
@@ -264,7 +247,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
             upstream.start()
             session = make_session(config.upstream)
             mon = Monitor(pool, session, metrics, config.health, config.scrape)
-            mon.listeners.append(admission.on_endpoint)     # a scrape or health change may free room
+            mon.listeners.append(s.admission.on_endpoint)     # a scrape or health change may free room
             app[MONITOR_KEY] = mon
             mon.start()
             lora.start(session)
@@ -291,11 +274,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         finally:
             if disc is not None:
                 await disc.stop()
-
-    if tracing is not None:     # first in, last out: flushed once everything else stopped
-        app.cleanup_ctx.append(_tracing_lifecycle(tracing))
-    app.cleanup_ctx.append(engines)
-    return app
+    return engines
 
 
 def _tracing_lifecycle(tracing: Tracing):

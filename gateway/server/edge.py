@@ -49,7 +49,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.errors import error_body
+from gateway.errors import error_body, error_response
 from gateway.request import request_id_from
 
 log = structlog.get_logger("switchyard.edge")
@@ -475,8 +475,8 @@ class EdgeProtocol(web.RequestHandler):
         else:
             log.debug("bad request", status=status, error=text, peer=request.remote)
         rid = request_id_from(request.headers.get("x-request-id"))
-        resp = web.Response(status=status, body=orjson.dumps(error_body(status, text, type_=_error_type(status), code=code)),
-                            content_type="application/json", headers={"request-id": rid, "x-request-id": rid})
+        resp = error_response(status, orjson.dumps(error_body(status, text, type_=_error_type(status), code=code)),
+                              {"request-id": rid, "x-request-id": rid})
         resp.force_close()
         return resp
 
@@ -485,8 +485,7 @@ def _closing_error(request: web.BaseRequest, status: int, message: str, code: st
                    headers: dict[str, str] | None = None) -> web.Response:
     rid = request_id_from(request.headers.get("x-request-id"))
     body = error_body(status, message, type_=_error_type(status), code=code)
-    resp = web.Response(status=status, body=orjson.dumps(body), content_type="application/json",
-                        headers={"request-id": rid, "x-request-id": rid, **(headers or {})})
+    resp = error_response(status, orjson.dumps(body), {"request-id": rid, "x-request-id": rid, **(headers or {})})
     resp.force_close()      # Connection: close; aiohttp reads and drops an unread body a little while first
     return resp
 

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 
 
 class Lifecycle:
@@ -35,7 +35,7 @@ class Lifecycle:
     def check_open(self) -> None:
         if self.draining:
             raise GatewayError(503, "the gateway is shutting down", code="service_unavailable",
-                               headers={"Retry-After": "1", "Connection": "close"}, error_class="draining")
+                               headers={"Retry-After": "1", "Connection": "close"}, error_class=ErrorClass.DRAINING)
 
     def begin_drain(self) -> None:
         self.draining = True

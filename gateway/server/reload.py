@@ -10,15 +10,17 @@ new config that changes one of those is refused as a whole, so that after a succ
 file and what runs are the same thing.
 
 A reload has two steps. *Prepare* reads and validates the file (every error names its key path),
-checks what needs a restart, and builds the new generation's routing (its strategies are
-resolved now, so a typo fails here); nothing has changed yet, and a failure leaves the old config
+checks what needs a restart, and builds the new generation with the builder start-up used
+(``gateway.pipeline.generation.build_generation``: its strategies are resolved now, so a typo
+fails here); nothing has changed yet, and a failure leaves the old config
 serving. *Commit* is one synchronous step, with no ``await`` in it, so no request sees half of it:
 
 - the endpoint pool is brought to the new config's endpoints. An endpoint the new config still
   declares identically keeps its object (health, in-flight counts, engine metrics); a removed one
   leaves the pool and drains (requests on it finish, their leases are released on it); a new one
   joins. Endpoints found by Kubernetes discovery are not the config's and are left alone;
-- discovery gets the new model settings, tenancy the new keys and limits;
+- discovery gets the new model settings, tenancy the new keys and limits, the shared services
+  (Responses, breakers, retries, LoRA, admission) the new settings (``Services.follow``);
 - the new ``Live`` generation (config, pipeline, routing, aliases) takes new requests. A request
   runs to its end on the generation it entered with: its model, strategy, watchdog and timeouts.
 
@@ -33,8 +35,6 @@ its own result.
 from __future__ import annotations
 
 import asyncio
-import copy
-import hmac
 import os
 import signal
 from collections.abc import Callable
@@ -47,14 +47,15 @@ import structlog
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from gateway.aliases import Aliases, AliasMetrics
+from gateway.aliases import Aliases, NoAliases
 from gateway.config.schema import Config, ConfigError, check_strategies
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.generation import Entry, Generation
 from gateway.pipeline.routing import Routing
+from gateway.server.admin import require_admin
 from gateway.tenants import Tenancy
-from gateway.tenants.directory import bearer_token, key_digest
 from gateway.tenants.service import needs_tenancy
 
 log = structlog.get_logger("switchyard.reload")
@@ -153,49 +154,38 @@ def changed_blocks(old: Config, new: Config) -> list[str]:
     return [k for k in old.__struct_fields__ if getattr(old, k) != getattr(new, k)]
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Live:
-    """The generation new requests enter: a config and what was built from it. ``pipeline`` is a
-    ``gateway.pipeline.pipeline.Pipeline`` (only gateway.server.app imports that module); every generation's
-    pipeline shares the app's collaborators (pool, metrics, upstream, relay, tenancy, lifecycle,
-    request log) and has its own config, routing, P/D orchestrator and aliases."""
+    """The generation new requests enter: its pipeline (a ``gateway.pipeline.pipeline.Pipeline``,
+    which only gateway.server.app imports; its type here is the protocol it meets) and its number.
+    Every generation's pipeline shares the services (``gateway.pipeline.generation.Services``) and
+    has its own config, routing, P/D orchestrator and aliases."""
 
-    config: Config
-    pipeline: Any
+    pipeline: Entry
     generation: int = 1
 
     @property
-    def routing(self) -> Routing:
-        return self.pipeline.routing
+    def gen(self) -> Generation:
+        return self.pipeline.gen
 
     @property
-    def aliases(self) -> Aliases | None:
-        return self.pipeline.aliases
+    def config(self) -> Config:
+        return self.pipeline.gen.config
+
+    @property
+    def routing(self) -> Routing:
+        return self.pipeline.gen.routing
+
+    @property
+    def aliases(self) -> Aliases | NoAliases:
+        return self.pipeline.gen.aliases
 
 
-def _routing_state_kept(old: Config, new: Config) -> bool:
-    own_pd = {m.name: m.pd for m in old.models if m.pd is not None}
-    return (old.routing == new.routing and old.pd == new.pd
-            and own_pd == {m.name: m.pd for m in new.models if m.pd is not None})
+# builds a generation's pipeline from a config and the generation before it (None at start-up):
+# the app's, around ``gateway.pipeline.generation.build_generation``
+Build = Callable[[Config, Generation | None], Entry]
 
 
-def next_pipeline(live: Live, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
-                  alias_metrics: AliasMetrics) -> Any:
-    """The pipeline for ``config``, built beside ``live``'s and sharing its collaborators; raises
-    ``ConfigError`` when a strategy the config names does not exist. Changes nothing of ``live``."""
-    old = live.pipeline
-    check_strategies(config)
-    routing = Routing(config, pool, metrics, old.routing.ctx.precise_index)
-    if _routing_state_kept(live.config, config):
-        routing.ctx, routing.registry = old.routing.ctx, old.routing.registry
-    routing.observers = old.routing.observers          # the status board's, shared by every generation
-    routing.claims = old.routing.claims                # the breakers'
-    pd = copy.copy(old.pd)
-    pd.config, pd.rng = config, routing.ctx.rng
-    new = copy.copy(old)
-    new.config, new.routing, new.pd = config, routing, pd
-    new.aliases = Aliases(config.aliases, pool, alias_metrics) if config.aliases else None
-    return new
 
 
 class ReloadMetrics:
@@ -236,12 +226,12 @@ Listener = Callable[[Live], None]
 class Reloader:
     """Re-reads the config with ``loader`` and swaps the generation; see the module docstring."""
 
-    def __init__(self, live: Live, pool: EndpointPool, metrics: GatewayMetrics, alias_metrics: AliasMetrics,
+    def __init__(self, live: Live, pool: EndpointPool, metrics: GatewayMetrics, build: Build,
                  tenancy: Tenancy | None, loader: Callable[[], Config] | None = None) -> None:
         self.live = live
         self.pool = pool
         self.metrics = metrics
-        self.alias_metrics = alias_metrics
+        self.build = build               # the same builder as at start-up
         self.tenancy = tenancy
         self.loader = loader             # None: no config file (the demo, tests) — nothing to re-read
         self.admin = tenancy is not None and tenancy.admin_digest is not None
@@ -263,7 +253,8 @@ class Reloader:
             if path is not None:
                 return self._refused(trigger, "restart_required", path,
                                      f"{path}: changing this needs a restart; the running config is kept")
-            pipeline = next_pipeline(live, config, self.pool, self.metrics, self.alias_metrics)
+            check_strategies(config)     # every error names its key
+            pipeline = self.build(config, live.gen)   # beside the live one: changes nothing of it
         except ConfigError as e:
             return self._refused(trigger, "invalid", e.key_path, str(e))
         except ValueError as e:          # a check no key path came with (none is known today)
@@ -273,7 +264,7 @@ class Reloader:
         added, removed = sync_pool(self.pool, config)
         if self.tenancy is not None:
             self.tenancy.reconfigure(config)
-        self.live = Live(config, pipeline, live.generation + 1)
+        self.live = Live(pipeline, live.generation + 1)
         for listener in self.listeners:
             listener(self.live)
         result = ReloadResult("ok", self.live.generation, trigger, changed=changed,
@@ -319,14 +310,10 @@ class Reloader:
 
     async def handle_admin(self, request: web.Request) -> web.Response:
         """The admin token as for the rest of /admin (gateway/server/admin.py)."""
-        token = bearer_token(request.headers.get("Authorization"))
-        digest = self.tenancy.admin_digest if self.tenancy is not None else None
-        if token is None or not digest or not hmac.compare_digest(key_digest(token), digest):
-            raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
-                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class="auth")
+        require_admin(request, self.tenancy.admin_digest if self.tenancy is not None else None)
         if self.loader is None:
             raise GatewayError(409, "the gateway was started without a config file (--config): nothing to reload",
-                               code="no_config_file", error_class="admin")
+                               code="no_config_file", error_class=ErrorClass.ADMIN)
         if self.parent_pid is not None:
             result = await self._reload_every_worker()
         else:
@@ -335,7 +322,7 @@ class Reloader:
             return web.Response(status=200, body=orjson.dumps(result.body()), content_type="application/json")
         status, code = (409, "restart_required") if result.result == "restart_required" else (400, "config_invalid")
         raise GatewayError(status, result.error or result.result, param=result.key_path, code=code,
-                           error_class="admin")
+                           error_class=ErrorClass.ADMIN)
 
     async def _reload_every_worker(self) -> ReloadResult:
         """Ask the parent to signal every worker, this one included, and wait for this one's."""
@@ -348,7 +335,7 @@ class Reloader:
                 return await asyncio.shield(waiter)
         except TimeoutError:
             raise GatewayError(504, f"the parent process did not have this worker reload within "
-                                    f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class="admin") from None
+                                    f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class=ErrorClass.ADMIN) from None
         finally:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)

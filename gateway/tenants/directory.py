@@ -47,6 +47,14 @@ def bearer_token(header: str | None) -> str | None:
     return token or None
 
 
+def admin_token_valid(authorization: str | None, digest: str | None) -> bool:
+    """Whether ``Authorization: Bearer <token>`` carries the admin token whose digest is ``digest``
+    (None or empty: no admin token is configured, so nothing is valid). The one admin check of
+    /admin, /admin/reload and the status page."""
+    token = bearer_token(authorization)
+    return token is not None and bool(digest) and hmac.compare_digest(key_digest(token), digest or "")
+
+
 def presented_key(headers) -> str | None:
     """The API key a client presented: ``Authorization: Bearer <key>`` (OpenAI's clients), else
     ``x-api-key: <key>`` (Anthropic's)."""

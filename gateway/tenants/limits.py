@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from gateway.config.schema import UserLimits
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 
 USER_WINDOW_MS = 60_000
 MODEL_WINDOW_MS = 1_000
@@ -85,4 +85,4 @@ def rejection(q: AdmitQuery, r: AdmitResult, headers: dict[str, str]) -> Gateway
                              "x-error-concurrency-exceeded", CONCURRENCY_RETRY_MS)
     wait = max(wait, 1)
     out = {**headers, marker: "true", "Retry-After": str(max(1, math.ceil(wait / 1000))), "retry-after-ms": str(wait)}
-    return GatewayError(429, msg, code="rate_limit_exceeded", headers=out, error_class=f"rate_limit_{r.reason}")
+    return GatewayError(429, msg, code="rate_limit_exceeded", headers=out, error_class=ErrorClass.rate_limit(r.reason))

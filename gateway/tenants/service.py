@@ -29,7 +29,7 @@ from prometheus_client import Gauge
 
 from gateway.config.schema import Config, UserLimits
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.errors import GatewayError
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import ROUTING_BUCKETS, Counter, Histogram
 from gateway.tenants.directory import Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
@@ -61,6 +61,7 @@ class Ticket:
 
 
 TICKET = web.RequestKey("tenancy_ticket", Ticket)
+NO_TICKET = Ticket()       # every request's, with tenancy off (``NoTenancy`` never changes it)
 
 
 NO_USER = "_none"          # the `user` label of a request that names no user
@@ -235,7 +236,7 @@ class Tenancy:
             self.m.auth_failures.labels("state_unavailable").inc()
             raise GatewayError(503, "the API key cannot be verified: the shared state is unreachable",
                                code="service_unavailable", headers={"Retry-After": "1"},
-                               header=("x-error-state-unavailable", "true"), error_class="state_unavailable") from None
+                               header=("x-error-state-unavailable", "true"), error_class=ErrorClass.STATE_UNAVAILABLE) from None
         if key is None:
             if len(self._unknown) >= MAX_UNKNOWN_KEYS:
                 self._unknown.clear()
@@ -286,7 +287,7 @@ class Tenancy:
         if self.policy == "closed":
             raise GatewayError(503, "rate limits cannot be checked: the shared state is unreachable",
                                code="service_unavailable", headers={"Retry-After": "1"},
-                               header=("x-error-state-unavailable", "true"), error_class="state_unavailable")
+                               header=("x-error-state-unavailable", "true"), error_class=ErrorClass.STATE_UNAVAILABLE)
         self._fail_open_count += 1
         now = time.monotonic()
         if now - self._fail_open_logged >= FAIL_OPEN_LOG_EVERY_S:
@@ -336,13 +337,32 @@ class Tenancy:
                 response.headers.setdefault(k, v)
 
 
+class NoTenancy:
+    """Tenancy off (no keys, no limits, no shared state): nobody is authenticated, nothing is
+    limited or charged; the ``user`` a client names is taken as is."""
+
+    __slots__ = ()
+
+    async def authenticate(self, request: web.Request, rec: RequestRecord | None) -> Ticket:
+        return NO_TICKET
+
+    async def admit(self, t: Ticket, ireq: InferenceRequest, rec: RequestRecord) -> None:
+        pass
+
+    def settle(self, t: Ticket, rec: RequestRecord) -> None:
+        pass
+
+
+NO_TENANCY = NoTenancy()
+
+
 # the headers a client's API key arrives in (kept from engines unless auth.forward_authorization)
 _AUTH_HEADERS = ("authorization", "x-api-key")
 
 
 def _auth_error(message: str) -> GatewayError:
     return GatewayError(401, message, code="invalid_api_key", param="api_key",
-                        headers={"WWW-Authenticate": "Bearer"}, error_class="auth")
+                        headers={"WWW-Authenticate": "Bearer"}, error_class=ErrorClass.AUTH)
 
 
 def _redact(url: str | None) -> str | None:

@@ -25,7 +25,7 @@ import asyncio
 import aiohttp
 import orjson
 
-from gateway.config.schema import HealthConfig, UpstreamConfig
+from gateway.config.schema import HealthConfig, UpstreamConfig, WatchdogConfig
 from gateway.endpoints import Endpoint
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, usage_stream_options
@@ -95,6 +95,18 @@ def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
     if extra is not None:
         return orjson.dumps({**ireq.data, **extra}), True
     return ireq.body, False
+
+
+def head_timeout(cfg: UpstreamConfig, wd: WatchdogConfig | None, stream: bool) -> float | None:
+    """How long a leg waits for its answer's head: ``upstream.first_byte_timeout_s`` and, for a leg
+    the watchdog watches (``wd``), its first-chunk bound (a stream: engines send the head with the
+    first token) or whole-answer bound (a non-stream: the head comes with the body), whichever is
+    shorter. None: unbounded. The one computation of it, for every leg that carries the answer."""
+    first_byte = cfg.first_byte_timeout_s
+    limit = (wd.first_chunk_timeout_s if stream else wd.response_timeout_s) if wd is not None else 0.0
+    if limit and first_byte:
+        return min(limit, first_byte)
+    return limit or first_byte or None
 
 
 class Upstream:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from gateway.observability.tracing import NO_TRACING
 from gateway.server.run import free_port
 from tests.support.factories import pd_model, roleset
 from tests.support.http import post, sim_state
@@ -255,6 +256,6 @@ async def test_shutdown_flushes_queued_spans(sims, gateway, receiver):
 async def test_without_tracing_the_client_traceparent_passes_through(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}])
-    assert gw.gw.tracing is None
+    assert gw.gw.tracing is NO_TRACING
     await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1}, {"traceparent": traceparent()})
     assert [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]] == [traceparent()]

@@ -73,7 +73,7 @@ async def test_a_bug_after_headers_ends_the_stream_with_an_error_event(sims, gat
     def broken(self, rec, scanner):
         raise RuntimeError("a bug in accounting")
 
-    monkeypatch.setattr(Relay, "_stream_observations", broken)
+    monkeypatch.setattr(Relay, "observe_stream", broken)
     status, _, body = await post(gw.url, {"model": "m", "messages": CHAT, "stream": True, "max_tokens": 3})
     assert status == 200
     events = sse_events(body)

@@ -9,6 +9,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from gateway.tenants.service import NO_TENANCY
 from tests.support.factories import model_block
 from tests.support.http import openai_client
 from tests.support.tenancy import ALICE, BOB, CHAT, KEYS, outcomes
@@ -46,7 +47,7 @@ async def recorder():
 async def test_without_auth_the_authorization_header_reaches_the_engine(recorder, gateway):
     url, seen = recorder
     gw = await gateway([model_block("m", "vllm", [url])])
-    assert gw.gw.tenancy is None                       # nothing configured: no hooks at all
+    assert gw.gw.tenancy is NO_TENANCY                      # nothing configured: no hooks at all
     await openai_client(gw, "engine-key").chat.completions.create(model="m", messages=CHAT)
     assert seen[-1]["Authorization"] == "Bearer engine-key"
 

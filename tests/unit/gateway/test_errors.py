@@ -3,7 +3,7 @@
 import orjson
 import pytest
 
-from gateway.errors import GatewayError, normalize_upstream_error
+from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 
 
 @pytest.mark.parametrize("status,body,message,type_,code", [
@@ -37,3 +37,30 @@ def test_gateway_error_shape():
     assert e.body() == {"error": {"message": "slow down", "type": "rate_limit_error", "param": None,
                                   "code": "rate_limit_exceeded"}}
     assert e.headers == {"x-a": "1"}
+
+
+@pytest.mark.parametrize(("family", "names", "prefix"), [
+    (ErrorClass.upstream, ("connect", "reset", "timeout", "protocol"), "upstream_"),
+    (ErrorClass.decode, ("connect", "reset", "timeout", "protocol"), "decode_"),
+    (ErrorClass.pd_prefill, ("timeout", "transport", "http_status", "bad_response"), "pd_prefill_"),
+    (ErrorClass.watchdog, ("first_chunk", "idle", "response"), "watchdog_"),
+    (ErrorClass.rate_limit, ("model_rps", "rpm", "tpm", "concurrency"), "rate_limit_"),
+    (ErrorClass.admission, ("queue_full", "displaced", "shed", "queue_timeout"), "admission_"),
+])
+def test_error_classes_keep_the_strings_logs_and_metrics_carry(family, names, prefix):
+    for name in names:
+        c = family(name)
+        assert c == prefix + name and f"{c}" == prefix + name and str(c) == prefix + name
+        assert orjson.loads(orjson.dumps({"error_class": c})) == {"error_class": prefix + name}
+
+
+def test_watchdog_and_timeout_classes():
+    assert {c for c in ErrorClass if c.is_watchdog} == {ErrorClass.watchdog(p) for p in ("first_chunk", "idle", "response")}
+    assert ErrorClass.UPSTREAM_TIMEOUT.is_timeout and ErrorClass.WATCHDOG_IDLE.is_timeout
+    assert not ErrorClass.UPSTREAM_BROKEN.is_timeout and not ErrorClass.UPSTREAM_TIMEOUT.is_watchdog
+
+
+def test_a_class_named_by_its_string_is_the_member():
+    assert GatewayError(400, "x", error_class="validation").error_class is ErrorClass.VALIDATION
+    assert GatewayError(404, "x").error_class is ErrorClass.CLIENT
+    assert GatewayError(502, "x").error_class is ErrorClass.GATEWAY
