@@ -15,12 +15,11 @@ from __future__ import annotations
 import os
 import random
 
-import aiohttp
-import openai
 import orjson
 import pytest
 
-from tests.conftest import model_block, sse_events
+from tests.support.factories import model_block
+from tests.support.http import openai_client, post, sse_events
 from tests.support.request_fuzz import CASES, random_json, with_value
 
 CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -34,57 +33,56 @@ async def fleet(sims, gateway):
     return await gateway([model_block("m", "vllm", [v.url]), model_block("qwen", "sglang", [s.url])])
 
 
-async def post(gw, path: str, body) -> tuple[int, bytes, str]:
-    async with aiohttp.ClientSession() as http, http.post(
-            gw.url + path, data=orjson.dumps(body),
-            headers={"Content-Type": "application/json"}) as r:
-        return r.status, await r.read(), r.headers.get("Content-Type", "")
+async def send(gw, path: str, body) -> tuple[int, bytes, str]:
+    """``body`` as JSON bytes (orjson: the whole floats stay floats), and what came back."""
+    r = await post(gw, orjson.dumps(body), path=path)
+    return r.status, r.body, r.headers.get("Content-Type", "")
 
 
 @pytest.mark.parametrize("model", ["m", "qwen"])
 async def test_whole_floats_and_numeric_strings_are_served(fleet, model):
-    client = openai.AsyncOpenAI(base_url=fleet.base_url, api_key="none", max_retries=0)
+    client = openai_client(fleet)
     r = await client.chat.completions.create(model=model, messages=CHAT, max_tokens=5.0, n=1.0)   # type: ignore[arg-type]
     assert r.usage.completion_tokens == 5
     await client.close()
 
-    status, raw, _ = await post(fleet, "/v1/completions", {"model": model, "prompt": "Once upon a time",
+    status, raw, _ = await send(fleet, "/v1/completions", {"model": model, "prompt": "Once upon a time",
                                                            "max_tokens": "5", "n": 1.0})
     assert status == 200, raw
     assert orjson.loads(raw)["usage"]["completion_tokens"] == 5
 
-    status, raw, _ = await post(fleet, "/v1/completions", {"model": model, "prompt": [1.0, 2.0, 3.0], "max_tokens": 3})
+    status, raw, _ = await send(fleet, "/v1/completions", {"model": model, "prompt": [1.0, 2.0, 3.0], "max_tokens": 3})
     assert status == 200, raw
     assert orjson.loads(raw)["usage"]["prompt_tokens"] == 3
 
 
 @pytest.mark.parametrize("model", ["m", "qwen"])
 async def test_booleans_written_as_strings_and_numbers(fleet, model):
-    status, raw, ctype = await post(fleet, "/v1/chat/completions", {"model": model, "messages": CHAT,
+    status, raw, ctype = await send(fleet, "/v1/chat/completions", {"model": model, "messages": CHAT,
                                                                     "max_tokens": 4, "stream": "true"})
     assert status == 200 and ctype.startswith("text/event-stream"), raw
     events = sse_events(raw)
     assert len(events) > 1 and events[-1] == "[DONE]"
 
-    status, raw, _ = await post(fleet, "/v1/chat/completions", {
+    status, raw, _ = await send(fleet, "/v1/chat/completions", {
         "model": model, "messages": CHAT, "max_tokens": 4, "stream": 1, "stream_options": {"include_usage": "yes"}})
     assert status == 200
     usage = [e["usage"] for e in sse_events(raw)[:-1] if e.get("usage")]
     assert usage and usage[-1]["completion_tokens"] == 4
 
     # "false" passes vLLM's stream_options check as sent, and is false: a plain answer
-    status, raw, ctype = await post(fleet, "/v1/chat/completions", {
+    status, raw, ctype = await send(fleet, "/v1/chat/completions", {
         "model": model, "messages": CHAT, "max_tokens": 4, "stream": "false", "stream_options": {"include_usage": True}})
     assert status == 200 and ctype.startswith("application/json"), raw
     assert orjson.loads(raw)["usage"]["completion_tokens"] == 4
 
 
 async def test_messages_and_responses_take_whole_floats(fleet):
-    status, raw, _ = await post(fleet, "/v1/messages", {"model": "m", "max_tokens": 5.0, "messages": CHAT})
+    status, raw, _ = await send(fleet, "/v1/messages", {"model": "m", "max_tokens": 5.0, "messages": CHAT})
     assert status == 200, raw
     assert orjson.loads(raw)["usage"]["output_tokens"] == 5
 
-    status, raw, _ = await post(fleet, "/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 5.0,
+    status, raw, _ = await send(fleet, "/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 5.0,
                                                         "store": "false"})
     assert status == 200, raw
     assert orjson.loads(raw)["usage"]["output_tokens"] == 5
@@ -97,7 +95,7 @@ async def test_generated_bodies_get_no_5xx(fleet):
         for _ in range(PER_CASE):
             field = rng.choice(case.fields)
             body = with_value(case.body, field, random_json(rng))
-            status, raw, _ = await post(fleet, case.path, body)
+            status, raw, _ = await send(fleet, case.path, body)
             sent += 1
             # the simulator's 501 for what it does not model (n > 1, a batch of prompts) is an
             # engine's answer relayed, not a failure
@@ -114,8 +112,8 @@ async def test_generated_bodies_get_no_5xx(fleet):
 async def test_fields_an_api_does_not_have_reach_the_engine(fleet):
     """Embeddings have no stream, count_tokens no stream: the engines ignore the field, and the
     answer is the plain one."""
-    status, raw, ctype = await post(fleet, "/v1/embeddings", {"model": "m", "input": "hi", "stream": True})
+    status, raw, ctype = await send(fleet, "/v1/embeddings", {"model": "m", "input": "hi", "stream": True})
     assert status == 200 and ctype.startswith("application/json"), raw
     assert orjson.loads(raw)["data"]
-    status, raw, _ = await post(fleet, "/v1/messages/count_tokens", {"model": "m", "messages": CHAT, "stream": True})
+    status, raw, _ = await send(fleet, "/v1/messages/count_tokens", {"model": "m", "messages": CHAT, "stream": True})
     assert status == 200 and orjson.loads(raw)["input_tokens"] > 0, raw
