@@ -17,8 +17,9 @@ heartbeating are dropped by the next check); ``P:replicas`` zset replica id → 
 in-flight (TTL ``replica_ttl_s``); ``P:users``, ``P:keys`` (SHA-256 digest → record) and
 ``P:version`` (bumped on every directory write, so replicas reload their mirror).
 
-Standalone Redis (or a primary with replicas) only: the scripts touch keys they compute, which
-Redis Cluster does not allow.
+On a Redis Cluster every one of these keys carries the hash tag ``{P}`` (``{P}:rpm:<user>``...),
+so that a script's keys — and the per-replica keys the sync script computes — share one slot;
+elsewhere the names are as above. See gateway/state/redis.py for the client and its failover.
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ import time
 from collections.abc import Callable
 
 import orjson
-import redis.asyncio as aioredis
 import structlog
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.config.schema import StateConfig, UserLimits
+from gateway.state.redis import (
+    UNAVAILABLE,
+    close_client,
+    forget_topology,
+    redis_client,
+    shared_prefix,
+    state_mode,
+)
 from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
 
@@ -151,8 +154,9 @@ end
 return out
 """
 
-# transport failures mark the backend down; anything else is a bug in a call, not an outage
-_TRANSPORT = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+# transport failures (and a failover in progress) mark the backend down; anything else is a bug
+# in a call, not an outage
+_TRANSPORT = UNAVAILABLE
 
 
 class StateUnavailable(Exception):
@@ -172,24 +176,12 @@ class RedisState:
         self.cfg = cfg
         self.replica_id = replica_id or cfg.replica_id or default_replica_id()
         self.timeout = cfg.timeout_s
-        kw: dict = {}
-        if cfg.tls_ca_file:
-            kw["ssl_ca_certs"] = cfg.tls_ca_file
-        if cfg.password is not None:
-            kw["password"] = cfg.password
-        # Maintenance notifications stay off: with them on ("auto", the client's default) the pool
-        # skips its check for connections the server closed, so after a Redis restart every idle
-        # pooled connection would fail one call (a request served uncounted, or a 503) instead of
-        # being reconnected when it is taken from the pool.
-        self.client = aioredis.Redis.from_url(
-            cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
-            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
-            maint_notifications_config=MaintNotificationsConfig(enabled=False),
-            decode_responses=False, **kw)
+        self.mode = state_mode(cfg)
+        self.client = redis_client(cfg)
         self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE)}
         self._sync = self.client.register_script(SYNC)
         self._ttl_ms = int(cfg.replica_ttl_s * 1000)
-        p = cfg.key_prefix
+        p = shared_prefix(cfg)
         self.k_replicas = f"{p}:replicas"
         self.k_inflight_prefix = f"{p}:inflight:"
         self.k_users, self.k_keys, self.k_version = f"{p}:users", f"{p}:keys", f"{p}:version"
@@ -228,6 +220,7 @@ class RedisState:
                 # error: never let it swallow the cancel (a stop would wait for ever)
                 raise asyncio.CancelledError from None
             self._mark(False, f"{type(e).__name__}: {e}")
+            await forget_topology(self.client)
             raise StateUnavailable(str(e) or type(e).__name__) from None
         except RedisError as e:
             raise StateUnavailable(f"{type(e).__name__}: {e}") from None
@@ -243,8 +236,7 @@ class RedisState:
             await asyncio.wait(list(self._tasks), timeout=self.timeout * 4)
         for t in list(self._tasks):
             t.cancel()
-        with contextlib.suppress(Exception):
-            await self.client.aclose()
+        await close_client(self.client)
 
     # -- auto-pipelining ---------------------------------------------------------------------
     # Scripts called in the same event-loop turn (a burst of admits, the settles of finished
@@ -271,11 +263,13 @@ class RedisState:
 
     async def _pipeline(self, batch: list) -> list:
         results = await self._evalsha_all([(b[0], b[1], b[2]) for b in batch])
+        _raise_unavailable(results)
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:     # Redis restarted or flushed its scripts: load them and send those again
             for src in self._sha:
                 await self.client.script_load(src)
             again = await self._evalsha_all([(batch[i][0], batch[i][1], batch[i][2]) for i in missing])
+            _raise_unavailable(again)
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
         return results
@@ -481,3 +475,10 @@ class RedisState:
 
     async def delete_key(self, digest: str) -> None:
         await self._write(("hdel", self.k_keys, digest))
+
+def _raise_unavailable(results: list) -> None:
+    """A pipeline answered with a transport failure in place of a result (a Cluster's pipeline
+    does that): the whole batch failed as if the call had."""
+    for r in results:
+        if isinstance(r, UNAVAILABLE):
+            raise r
