@@ -45,9 +45,11 @@ lock: $(LOCKVENV)/bin/uv
 demo: $(STAMP)
 	$(BIN)/python -m gateway --demo
 
-# the tenancy tests start a real redis-server on a loopback port; CI is a fresh Debian machine (root)
+# the tenancy tests start a real redis-server on a loopback port, and a Redis Cluster and a Sentinel
+# set (`redis-server --sentinel`; the cluster is joined with redis-cli, which the package brings
+# along); CI is a fresh Debian machine (root)
 redis-server:
-	@command -v redis-server >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server)
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools)
 
 # the alert-rule tests run promtool (Prometheus's rule checker and tester). Only the binary is
 # unpacked from Debian's prometheus package: installing the package would start a Prometheus server.

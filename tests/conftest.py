@@ -1,7 +1,7 @@
 """Shared fixtures: simulated engines and gateways on real loopback sockets.
 
 ``sims`` starts ``enginesim`` servers in-process on free ports; ``gateway`` starts the gateway
-in front of them; ``emu``, ``redis_server`` and ``helm_render`` bring up the fakes of
+in front of them; ``emu``, ``redis_server``, ``redis_cluster``, ``redis_sentinel`` and ``helm_render`` bring up the fakes of
 tests/support/. Helpers (HTTP, metrics, waiting, factories) live in tests/support/, not here. After every test an autouse check waits briefly for handlers to settle, then
 asserts that every lease and in-flight gauge is back to zero.
 
@@ -76,7 +76,8 @@ def pytest_runtest_makereport(item, call):
 
 
 # fixtures that start servers, processes or binaries on loopback: only integration tests use them
-INTEGRATION_FIXTURES = frozenset({"sims", "gateway", "emu", "redis_server", "helm_render"})
+INTEGRATION_FIXTURES = frozenset({"sims", "gateway", "emu", "redis_server", "redis_cluster", "redis_sentinel",
+                                  "helm_render"})
 
 
 def pytest_collection_modifyitems(items) -> None:
@@ -189,6 +190,36 @@ def redis_server():
         pytest.fail("could not start redis-server on a free loopback port")
     yield srv
     srv.cleanup()
+
+
+@pytest.fixture
+def redis_cluster():
+    """A Redis Cluster on loopback: 3 primaries, 1 replica each (tests/support/redis_cluster.py)."""
+    from tests.support.redis_cluster import RedisCluster
+
+    c = RedisCluster()
+    try:
+        c.start()
+    except Exception:
+        c.cleanup()
+        raise
+    yield c
+    c.cleanup()
+
+
+@pytest.fixture
+def redis_sentinel():
+    """A primary, a replica and 3 Sentinels on loopback (tests/support/redis_sentinel.py)."""
+    from tests.support.redis_sentinel import RedisSentinel
+
+    s = RedisSentinel()
+    try:
+        s.start()
+    except Exception:
+        s.cleanup()
+        raise
+    yield s
+    s.cleanup()
 
 
 @pytest.fixture(scope="module")

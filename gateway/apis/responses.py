@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge
 
 from gateway.apis.base import ApiShape
 from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
-from gateway.apis.responses_state import MemoryStore, RedisStore, StoreUnavailable, redis_client
+from gateway.apis.responses_state import MemoryStore, RedisStore, StoreUnavailable
 from gateway.apis.responses_stream import ResponsesScanner, failure_events
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool
@@ -53,6 +53,7 @@ from gateway.pipeline.context import (
     safe_header_value,
 )
 from gateway.request import request_id_from
+from gateway.state.redis import redis_client
 from gateway.tenants import Tenancy
 
 log = structlog.get_logger("switchyard.responses")

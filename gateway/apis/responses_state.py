@@ -6,7 +6,8 @@ oldest entries evicted first past a count or byte cap) and ``RedisStore`` (every
 Redis, when ``state.redis_url`` is set; keys ``<state.key_prefix>:resp:<kind>:<response id>`` with
 a ``PX`` expiry, so nothing outlives its TTL). A Redis call is bounded by ``state.timeout_s`` and
 never retried; a failure raises ``StoreUnavailable`` and the caller decides (a lookup answers 503,
-a write is counted and logged).
+a write is counted and logged). Every call touches one key, so on a Redis Cluster the records
+spread over its shards (no hash tag); the client is gateway/state/redis.py's.
 """
 
 from __future__ import annotations
@@ -16,13 +17,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.maint_notifications import MaintNotificationsConfig
 
-from gateway.config.schema import StateConfig
+from gateway.state.redis import UNAVAILABLE, Client, close_client
 
 
 class StoreUnavailable(Exception):
@@ -88,27 +85,11 @@ class MemoryStore:
         pass
 
 
-def redis_client(cfg: StateConfig) -> aioredis.Redis:
-    """A client as the tenancy backend makes it (gateway/tenants/redis_state.py): socket timeouts of
-    ``state.timeout_s``, no retries, and maintenance notifications off, so that pooled connections
-    a restarted Redis closed are reconnected rather than failing one call each."""
-    assert cfg.redis_url is not None
-    kw: dict = {}
-    if cfg.tls_ca_file:
-        kw["ssl_ca_certs"] = cfg.tls_ca_file
-    if cfg.password is not None:
-        kw["password"] = cfg.password
-    return aioredis.Redis.from_url(
-        cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
-        retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
-        maint_notifications_config=MaintNotificationsConfig(enabled=False), decode_responses=False, **kw)
-
-
-_TRANSPORT = (RedisError, OSError, TimeoutError)
+_TRANSPORT = (RedisError, *UNAVAILABLE)
 
 
 class RedisStore:
-    def __init__(self, client: aioredis.Redis, prefix: str, ttl_s: float, timeout_s: float,
+    def __init__(self, client: Client, prefix: str, ttl_s: float, timeout_s: float,
                  owns_client: bool = False) -> None:
         self.client = client
         self.prefix = prefix
@@ -137,7 +118,4 @@ class RedisStore:
 
     async def close(self) -> None:
         if self.owns_client:
-            try:
-                await self.client.aclose()
-            except Exception:     # closing a client whose server is gone
-                pass
+            await close_client(self.client)

@@ -40,6 +40,7 @@ from gateway.lora.config import LoraConfig, check_adapters
 from gateway.observability.tracing import TracingConfig
 from gateway.resilience.breaker import BreakerConfig
 from gateway.resilience.retry import RetryConfig
+from gateway.state.urls import parse_redis_url
 from handlers.sglang import SGLangPDSettings
 from handlers.vllm import VLLMPDSettings
 from k8s.settings import KubernetesConfig
@@ -278,11 +279,13 @@ class LimitsConfig(Block):
 
 
 class StateConfig(Block):
-    _secret = ("password",)
-    redis_url: Annotated[str | None, Meta(description="Redis holding the state shared by replicas and workers (redis://, rediss:// for TLS, or unix://); null: state in this process only.")] = None
+    _secret = ("password", "sentinel_password")
+    redis_url: Annotated[str | None, Meta(description="Redis holding the state shared by replicas and workers; null: state in this process only. One server: redis://[:password@]host:port/db, rediss:// (TLS) or unix:///path. A Sentinel-managed primary: redis+sentinel://[:password@]host:port[,host:port...]/<service>[/<db>] (the Sentinels; rediss+sentinel:// for TLS). A Redis Cluster: redis+cluster://[:password@]host:port[,host:port...] (any of its nodes; rediss+cluster:// for TLS).")] = None
     password: Annotated[Name | None, Meta(description="Redis password; null: the URL's, if any.")] = None
     password_env: Annotated[Name | None, Meta(description="Name of an environment variable holding the Redis password (instead of password).")] = None
-    tls_ca_file: Annotated[str | None, Meta(description="CA bundle to verify a rediss:// server; null: the system's.")] = None
+    tls_ca_file: Annotated[str | None, Meta(description="CA bundle to verify the servers of a rediss://, rediss+sentinel:// or rediss+cluster:// URL; null: the system's.")] = None
+    sentinel_password: Annotated[Name | None, Meta(description="Password of the Sentinels themselves (redis+sentinel:// URLs), when they require one; null: they are asked without.")] = None
+    sentinel_password_env: Annotated[Name | None, Meta(description="Name of an environment variable holding the Sentinels' password (instead of sentinel_password).")] = None
     key_prefix: Annotated[_ID, Meta(description="Prefix of every Redis key the gateway writes.")] = "switchyard"
     timeout_s: Annotated[Positive, Meta(description="Connect and socket timeout of every Redis call, in seconds.")] = 0.25
     failure_policy: Annotated[Literal["open", "closed"], Meta(description="While Redis is unreachable: open serves without limits, closed answers 503.")] = "open"
@@ -293,13 +296,21 @@ class StateConfig(Block):
 
     def __post_init__(self) -> None:
         url = self.redis_url
-        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url: must be a redis://, rediss:// or unix:// URL, got {url!r}")
+        target = None
+        if url is not None:
+            try:
+                target = parse_redis_url(url)
+            except ValueError as e:
+                raise ValueError(f"redis_url: {e}") from None
         if self.replica_ttl_s < 2 * self.sync_interval_s:
             raise ValueError("replica_ttl_s: must be at least twice state.sync_interval_s")
-        if self.tls_ca_file is not None and not (url or "").startswith("rediss://"):
-            raise ValueError("tls_ca_file: needs a rediss:// state.redis_url")
+        if self.tls_ca_file is not None and not (target and target.tls):
+            raise ValueError("tls_ca_file: needs a rediss://, rediss+sentinel:// or rediss+cluster:// state.redis_url")
         force_setattr(self, "password", _from_env(self.password, self.password_env, "password"))
+        force_setattr(self, "sentinel_password", _from_env(self.sentinel_password, self.sentinel_password_env,
+                                                           "sentinel_password"))
+        if self.sentinel_password is not None and not (target and target.mode == "sentinel"):
+            raise ValueError("sentinel_password: needs a redis+sentinel:// or rediss+sentinel:// state.redis_url")
 
 
 class StatusConfig(Block):

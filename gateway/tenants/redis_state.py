@@ -17,8 +17,17 @@ heartbeating are dropped by the next check); ``P:replicas`` zset replica id → 
 in-flight (TTL ``replica_ttl_s``); ``P:users``, ``P:keys`` (SHA-256 digest → record) and
 ``P:version`` (bumped on every directory write, so replicas reload their mirror).
 
-Standalone Redis (or a primary with replicas) only: the scripts touch keys they compute, which
-Redis Cluster does not allow.
+On a Redis Cluster every one of these keys carries the hash tag ``{P}`` (``{P}:rpm:<user>``...),
+so that a script's keys — and the per-replica keys the sync script computes — share one slot;
+elsewhere the names are as above. See gateway/state/redis.py for the client and its failover.
+
+Failover (Sentinel, Cluster): replication is asynchronous, so a primary that dies may take with
+it the updates it acknowledged last. What this module does about the rest: requests served
+while the state was unreachable (``failure_policy: open``) and tokens it could not charge are
+tallied here and added to the shared windows once the state is back (``_reconcile``); every
+concurrency slot this replica holds is re-published then (``_repair``); directory writes wait
+for a replica's acknowledgement (``WAIT``) before the admin API answers. A standalone Redis keeps
+its old behaviour: its outage is usually a restart that lost the windows, which start afresh.
 """
 
 from __future__ import annotations
@@ -34,16 +43,19 @@ import time
 from collections.abc import Callable
 
 import orjson
-import redis.asyncio as aioredis
 import structlog
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.maint_notifications import MaintNotificationsConfig
 
 from gateway.config.schema import StateConfig, UserLimits
+from gateway.state.redis import (
+    UNAVAILABLE,
+    close_client,
+    forget_topology,
+    redis_client,
+    shared_prefix,
+    state_mode,
+)
 from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
 
@@ -151,8 +163,28 @@ end
 return out
 """
 
-# transport failures mark the backend down; anything else is a bug in a call, not an outage
-_TRANSPORT = (RedisConnectionError, RedisTimeoutError, OSError, TimeoutError)
+RECONCILE = """
+-- KEYS: windows; ARGV: for each, the count to add and the window's rest in ms (if it has no expiry)
+for i, key in ipairs(KEYS) do
+  redis.call('INCRBY', key, ARGV[2 * i - 1])
+  if redis.call('PTTL', key) < 0 then redis.call('PEXPIRE', key, ARGV[2 * i]) end
+end
+return #KEYS
+"""
+
+DIRECTORY = """
+-- KEYS: 1 users hash, 2 keys hash, 3 directory version
+-- ARGV: quadruples (op, hash 1|2, field, value): op S sets the field, D deletes it
+for i = 1, #ARGV, 4 do
+  local key = KEYS[tonumber(ARGV[i + 1])]
+  if ARGV[i] == 'S' then redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3]) else redis.call('HDEL', key, ARGV[i + 2]) end
+end
+return redis.call('INCR', KEYS[3])
+"""
+
+# transport failures (and a failover in progress) mark the backend down; anything else is a bug
+# in a call, not an outage
+_TRANSPORT = UNAVAILABLE
 
 
 class StateUnavailable(Exception):
@@ -172,24 +204,15 @@ class RedisState:
         self.cfg = cfg
         self.replica_id = replica_id or cfg.replica_id or default_replica_id()
         self.timeout = cfg.timeout_s
-        kw: dict = {}
-        if cfg.tls_ca_file:
-            kw["ssl_ca_certs"] = cfg.tls_ca_file
-        if cfg.password is not None:
-            kw["password"] = cfg.password
-        # Maintenance notifications stay off: with them on ("auto", the client's default) the pool
-        # skips its check for connections the server closed, so after a Redis restart every idle
-        # pooled connection would fail one call (a request served uncounted, or a 503) instead of
-        # being reconnected when it is taken from the pool.
-        self.client = aioredis.Redis.from_url(
-            cfg.redis_url, socket_timeout=cfg.timeout_s, socket_connect_timeout=cfg.timeout_s,
-            retry=Retry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0,
-            maint_notifications_config=MaintNotificationsConfig(enabled=False),
-            decode_responses=False, **kw)
-        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE)}
+        self.mode = state_mode(cfg)
+        # after a failover the promoted replica has what was replicated: add what was served
+        # meanwhile (standalone: as before, an outage's requests are not added afterwards)
+        self.reconcile = self.mode != "standalone"
+        self.client = redis_client(cfg)
+        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE, RECONCILE)}
         self._sync = self.client.register_script(SYNC)
         self._ttl_ms = int(cfg.replica_ttl_s * 1000)
-        p = cfg.key_prefix
+        p = shared_prefix(cfg)
         self.k_replicas = f"{p}:replicas"
         self.k_inflight_prefix = f"{p}:inflight:"
         self.k_users, self.k_keys, self.k_version = f"{p}:users", f"{p}:keys", f"{p}:version"
@@ -202,6 +225,9 @@ class RedisState:
         self._flush_scheduled = False
         self.held: dict[str, int] = {}               # concurrency slots this replica holds, by user
         self._dirty: set[str] = set()                # users whose slot count must be re-published
+        self._slot_users: set[str] = set()           # users this replica ever held a slot for
+        # counts the shared windows missed while unreachable: window key -> [count, monotonic start]
+        self._tally: dict[str, list] = {}
 
     # -- availability ------------------------------------------------------------------------
 
@@ -210,6 +236,10 @@ class RedisState:
             self.last_ok = time.monotonic()
         if up != self.up:
             self.up = up
+            if up:
+                # the state may have lost this replica's slot updates (a failover, a restart):
+                # re-publish the exact count of every user it has held slots for
+                self._dirty |= self._slot_users
             self._on_transition(up, why)
 
     async def _call(self, coro, probe: bool = False):
@@ -228,6 +258,7 @@ class RedisState:
                 # error: never let it swallow the cancel (a stop would wait for ever)
                 raise asyncio.CancelledError from None
             self._mark(False, f"{type(e).__name__}: {e}")
+            await forget_topology(self.client)
             raise StateUnavailable(str(e) or type(e).__name__) from None
         except RedisError as e:
             raise StateUnavailable(f"{type(e).__name__}: {e}") from None
@@ -243,8 +274,7 @@ class RedisState:
             await asyncio.wait(list(self._tasks), timeout=self.timeout * 4)
         for t in list(self._tasks):
             t.cancel()
-        with contextlib.suppress(Exception):
-            await self.client.aclose()
+        await close_client(self.client)
 
     # -- auto-pipelining ---------------------------------------------------------------------
     # Scripts called in the same event-loop turn (a burst of admits, the settles of finished
@@ -271,11 +301,13 @@ class RedisState:
 
     async def _pipeline(self, batch: list) -> list:
         results = await self._evalsha_all([(b[0], b[1], b[2]) for b in batch])
+        _raise_unavailable(results)
         missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if missing:     # Redis restarted or flushed its scripts: load them and send those again
             for src in self._sha:
                 await self.client.script_load(src)
             again = await self._evalsha_all([(batch[i][0], batch[i][1], batch[i][2]) for i in missing])
+            _raise_unavailable(again)
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
         return results
@@ -341,7 +373,27 @@ class RedisState:
                         model_reset_ms=int(out[7]), acquired=bool(out[8]))
         if r.acquired:
             self.held[user] = self.held.get(user, 0) + 1
+            self._slot_users.add(user)
         return r
+
+    @property
+    def unreconciled(self) -> int:
+        """Windows whose outage counts are still to be added to the shared state."""
+        return len(self._tally)
+
+    def served_unchecked(self, q: AdmitQuery) -> None:
+        """A request served without a check (``failure_policy: open``, state unreachable): count
+        it against the user's RPM window locally, to be added to the shared one once it is back."""
+        if self.reconcile and q.limits is not None and q.limits.rpm:
+            self._count_locally(self._user_keys(q.user or "")[0], 1)
+
+    def _count_locally(self, key: str, n: int) -> None:
+        now = time.monotonic()
+        entry = self._tally.get(key)
+        if entry is None or now - entry[1] >= USER_WINDOW_MS / 1000:
+            self._tally[key] = [n, now]         # a window of its own, as the shared one would be
+        else:
+            entry[0] += n
 
     def _orphan_admit(self, user: str, out: list) -> None:
         """The request left while its check was in flight: give back the slot it may have taken."""
@@ -373,23 +425,63 @@ class RedisState:
     def _settle_failed(self, user: str, tokens: int, release: bool) -> None:
         if release:
             self._dirty.add(user)           # the next good sync publishes the exact count
-        if tokens:
+        if tokens and self.reconcile:
+            self._count_locally(self._user_keys(user)[1], tokens)
+        elif tokens:
             log.warning("tokens not charged: shared state unreachable", user=user, tokens=tokens)
 
     async def _repair(self) -> None:
-        """Re-publish this replica's exact slot count for users whose release did not land."""
-        while self._dirty:
-            user = self._dirty.pop()
-            _, _, k_conc = self._user_keys(user)
+        """Re-publish this replica's exact slot count for users whose release did not land (or,
+        after an outage, every user it held slots for), in one pipeline."""
+        users, self._dirty = self._dirty, set()
+        pipe = self.client.pipeline(transaction=False)
+        for user in users:
+            k_conc = self._user_keys(user)[2]
             n = self.held.get(user, 0)
-            try:
-                if n > 0:
-                    await self._call(self.client.hset(k_conc, self.replica_id, n), probe=True)
+            if n > 0:
+                pipe.hset(k_conc, self.replica_id, n)
+            else:
+                pipe.hdel(k_conc, self.replica_id)
+        try:
+            await self._call(pipe.execute(), probe=True)
+        except StateUnavailable:
+            self._dirty |= users
+            raise
+
+    async def _reconcile(self) -> None:
+        """Add what was served while the state was unreachable to the shared windows (those whose
+        local window has not ended), in one script call."""
+        now = time.monotonic()
+        window_s = USER_WINDOW_MS / 1000
+        pending, self._tally = self._tally, {}
+        live = {k: v for k, v in pending.items() if now - v[1] < window_s}
+        if not live:
+            return
+        keys = list(live)
+        args: list = []
+        for k in keys:
+            count, start = live[k]
+            args += (count, max(1, int((start + window_s - now) * 1000)))
+        try:
+            await self._call(self._evalsha(RECONCILE, keys, args), probe=True)
+        except StateUnavailable:
+            for k, (count, start) in live.items():      # keep it for the next good sync
+                entry = self._tally.get(k)
+                if entry is None:
+                    self._tally[k] = [count, start]
                 else:
-                    await self._call(self.client.hdel(k_conc, self.replica_id), probe=True)
-            except StateUnavailable:
-                self._dirty.add(user)
-                raise
+                    entry[0] += count
+                    entry[1] = min(entry[1], start)
+            raise
+        rpm = sum(v[0] for k, v in live.items() if k.startswith(f"{self._p}:rpm:"))
+        log.info("requests served while the shared state was unreachable are now counted",
+                 requests=rpm, tokens=sum(v[0] for v in live.values()) - rpm, windows=len(keys))
+
+    async def _evalsha(self, script: str, keys: list[str], args: list):
+        try:
+            return await self.client.execute_command("EVALSHA", self._sha[script], len(keys), *keys, *args)
+        except NoScriptError:
+            return await self.client.execute_command("EVAL", script, len(keys), *keys, *args)
 
     async def usage(self, user: str) -> dict[str, int]:
         k_rpm, k_tpm, k_conc = self._user_keys(user)
@@ -426,6 +518,8 @@ class RedisState:
         remote = {out[i].decode(): int(out[i + 1]) for i in range(1, len(out) - 1, 2)}
         if self._dirty:
             await self._repair()
+        if self._tally:
+            await self._reconcile()
         return version, remote
 
     async def leave(self) -> None:
@@ -460,24 +554,47 @@ class RedisState:
         except (ValueError, TypeError, KeyError):
             return None
 
-    async def _write(self, *ops) -> None:
-        pipe = self.client.pipeline(transaction=True)
-        for name, *args in ops:
-            getattr(pipe, name)(*args)
-        pipe.incr(self.k_version)
-        await self._call(pipe.execute())
+    async def _write(self, *ops: tuple[str, int, str, bytes]) -> None:
+        """One atomic directory change (and a version bump, so replicas reload their mirror).
+        With Sentinel or a Cluster the answer waits until a replica has it (``WAIT 1``, up to
+        most of ``timeout_s``): a key the admin API has shown once must survive a failover."""
+        args: list = [x for op in ops for x in op]
+        keys = [self.k_users, self.k_keys, self.k_version]
+        await self._call(self._write_and_wait(keys, args))
+
+    async def _write_and_wait(self, keys: list[str], args: list) -> None:
+        if self.mode == "standalone":
+            await self.client.execute_command("EVAL", DIRECTORY, len(keys), *keys, *args)
+            return
+        wait_ms = max(1, int(self.timeout * 800))       # the reply must come within the socket timeout
+        pipe = self.client.pipeline(transaction=False)  # one connection: WAIT covers this write
+        pipe.execute_command("EVAL", DIRECTORY, len(keys), *keys, *args)
+        if isinstance(self.client, RedisCluster):
+            await self.client.initialize()
+            pipe.execute_command("WAIT", 1, wait_ms, target_nodes=self.client.get_node_from_key(keys[2]))
+        else:
+            pipe.execute_command("WAIT", 1, wait_ms)
+        _, acked = await pipe.execute()
+        if not acked:
+            log.warning("directory change not yet on a replica: a failover now could lose it",
+                        mode=self.mode, waited_ms=wait_ms)
 
     async def put_user(self, name: str, limits: UserLimits) -> None:
-        await self._write(("hset", self.k_users, name, orjson.dumps(limits_stored(limits))))
+        await self._write(("S", 1, name, orjson.dumps(limits_stored(limits))))
 
     async def delete_user(self, name: str, digests: list[str]) -> None:
-        ops = [("hdel", self.k_users, name)]
-        if digests:
-            ops.append(("hdel", self.k_keys, *digests))
-        await self._write(*ops)
+        await self._write(("D", 1, name, b""), *(("D", 2, d, b"") for d in digests))
 
     async def put_key(self, rec: KeyRecord) -> None:
-        await self._write(("hset", self.k_keys, rec.digest, orjson.dumps(rec.stored())))
+        await self._write(("S", 2, rec.digest, orjson.dumps(rec.stored())))
 
     async def delete_key(self, digest: str) -> None:
-        await self._write(("hdel", self.k_keys, digest))
+        await self._write(("D", 2, digest, b""))
+
+
+def _raise_unavailable(results: list) -> None:
+    """A pipeline answered with a transport failure in place of a result (a Cluster's pipeline
+    does that): the whole batch failed as if the call had."""
+    for r in results:
+        if isinstance(r, UNAVAILABLE):
+            raise r

@@ -31,6 +31,7 @@ from gateway.config.schema import Config, UserLimits
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import ROUTING_BUCKETS, Counter, Histogram
+from gateway.state.urls import redis_mode
 from gateway.tenants.directory import Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
 from gateway.tenants.memory import MemoryState
@@ -87,6 +88,9 @@ class TenancyMetrics:
         self.unavailable = Counter("switchyard_state_unavailable",
                                    "Requests that met an unreachable shared state (served if the policy is "
                                    "open, 503 if closed)", ["policy"], registry=r)
+        self.outages = Counter("switchyard_state_outages",
+                               "Times the shared state became unreachable: an outage, or a Sentinel or "
+                               "Cluster failover in progress", ["mode"], registry=r)
         self.latency = Histogram("switchyard_state_admit_seconds",
                                  "Time of the limit check (one Redis round trip with the Redis backend)",
                                  buckets=ROUTING_BUCKETS, registry=r)
@@ -156,11 +160,13 @@ class Tenancy:
 
     def _on_transition(self, up: bool, why: str) -> None:
         self.m.state_up.set(1 if up else 0)
+        mode = redis_mode(self.cfg.redis_url or "")
         if up:
-            log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url))
+            log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url), mode=mode)
         else:
+            self.m.outages.labels(mode).inc()
             log.warning("shared state unreachable; failure policy applies", policy=self.policy, error=why,
-                        redis_url=_redact(self.cfg.redis_url))
+                        redis_url=_redact(self.cfg.redis_url), mode=mode)
 
     async def refresh(self) -> None:
         """Reload the store's users and keys into the local directory."""
@@ -266,6 +272,8 @@ class Tenancy:
             r = await self.state.admit(q)
         except StateUnavailable:
             self._unavailable()
+            if isinstance(self.state, RedisState):
+                self.state.served_unchecked(q)     # (policy open: served) counted once it is back
             return
         self.m.latency.observe(time.perf_counter() - started)
         t.held = r.acquired

@@ -54,12 +54,7 @@ class RedisServer:
         return self
 
     def ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return ping(self.port)
 
     def _signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -96,3 +91,11 @@ class RedisServer:
             shutil.rmtree(self.dir)
 
 
+def ping(port: int) -> bool:
+    """Whether a Redis (server or Sentinel) on the loopback ``port`` answers PING."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False

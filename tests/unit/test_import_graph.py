@@ -337,7 +337,7 @@ def test_only_the_app_imports_the_pipeline():
 # Every module of the gateway side stands on a floor, and imports only from its own floor or below:
 #   0 domain     what routers and handlers may see: errors, the parsed request, endpoints, API paths;
 #                the routers and the engine handlers themselves
-#   1 parts      the collaborators a request uses: config, upstream, kv, resilience, lora, tenants,
+#   1 parts      the collaborators a request uses: config, state, upstream, kv, resilience, lora, tenants,
 #                admission, apis, aliases, observability's recorders, k8s, and what one request carries
 #                (pipeline.context, ledger, sse) plus the small lifecycle pieces the parts share
 #   2 request    the request's script: the pipeline, its relay, routing and continuation, and P/D
@@ -350,7 +350,7 @@ FLOORS: dict[str, int] = {
     "gateway.errors": 0, "gateway.request": 0, "gateway.endpoints": 0, "gateway.apis.paths": 0,
     "k8s": 1,
     "gateway.config": 1, "gateway.upstream": 1, "gateway.kv": 1, "gateway.resilience": 1, "gateway.lora": 1,
-    "gateway.tenants": 1, "gateway.admission": 1, "gateway.apis": 1, "gateway.aliases": 1,
+    "gateway.tenants": 1, "gateway.admission": 1, "gateway.apis": 1, "gateway.aliases": 1, "gateway.state": 1,
     "gateway.observability": 1,
     "gateway.pipeline.context": 1, "gateway.pipeline.ledger": 1, "gateway.pipeline.sse": 1,
     "gateway.server.lifecycle": 1, "gateway.server.periodic": 1,

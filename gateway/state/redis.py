@@ -1,0 +1,129 @@
+"""The one Redis client factory of the gateway, for a standalone server, a Sentinel-managed
+primary or a Redis Cluster (``state.redis_url``, read by gateway/state/urls.py).
+
+Every client has the same manners, whatever the deployment: connect and socket timeouts of
+``state.timeout_s``, no client-side retries (the caller decides what an outage means: a request
+is not held up while a client retries), TLS verified against ``state.tls_ca_file``, and
+maintenance notifications off — with them on (the client's "auto" default) a pool skips its check
+for connections the server closed, so after a restart or a failover every idle pooled connection
+would fail one call instead of being reconnected when it is taken from the pool.
+
+Failover, per mode:
+
+- Sentinel: every new connection asks the Sentinels where the primary is, and connections to a
+  primary that died are closed; one that was demoted answers READONLY, which the client turns
+  into a connection error. So the first call after the promotion reaches the new primary.
+- Cluster: a failed command makes the client read the slot map again on its next call; a failed
+  pipeline does not, so callers call :func:`forget_topology` on a transport failure.
+
+Keys that one script or one transaction touches together must share a hash slot on a Cluster:
+:func:`shared_prefix` is the key prefix for those (``{prefix}`` on a Cluster, the plain prefix
+elsewhere, so standalone and Sentinel keep their names).
+"""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.maint_notifications import MaintNotificationsConfig
+
+from gateway.config.schema import StateConfig
+from gateway.state.urls import Mode, parse_redis_url, redis_mode
+
+Client = aioredis.Redis | RedisCluster
+
+# What "the state cannot be reached now" looks like: a transport failure (Sentinel's "no primary
+# known" is one), or a Cluster in the middle of a failover (CLUSTERDOWN, TRYAGAIN, no node
+# reachable or no slot map yet). Anything else a call raises is a bug in the call, not an outage.
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    RedisConnectionError, RedisTimeoutError, OSError, TimeoutError,
+    ClusterDownError, TryAgainError, RedisClusterException)
+
+
+def state_mode(cfg: StateConfig) -> Mode:
+    assert cfg.redis_url is not None
+    return redis_mode(cfg.redis_url)
+
+
+def shared_prefix(cfg: StateConfig) -> str:
+    """The prefix of keys used together in one call: wrapped in a hash tag on a Cluster, so they
+    all live in one slot (unless the prefix carries a hash tag of its own)."""
+    p = cfg.key_prefix
+    if state_mode(cfg) != "cluster" or _has_hash_tag(p):
+        return p
+    return "{" + p + "}"
+
+
+def _has_hash_tag(key: str) -> bool:
+    start = key.find("{")
+    return start >= 0 and key.find("}", start + 2) > start
+
+
+def _common(cfg: StateConfig) -> dict:
+    return {"socket_timeout": cfg.timeout_s, "socket_connect_timeout": cfg.timeout_s,
+            "health_check_interval": 0, "decode_responses": False}
+
+
+def redis_client(cfg: StateConfig) -> Client:
+    """A client for ``state.redis_url``: ``redis.asyncio.Redis`` for a server or a Sentinel-managed
+    primary, ``redis.asyncio.RedisCluster`` for a Cluster. Connects lazily, on its first call."""
+    assert cfg.redis_url is not None
+    target = parse_redis_url(cfg.redis_url)
+    common = _common(cfg)
+    tls: dict = {"ssl_ca_certs": cfg.tls_ca_file} if cfg.tls_ca_file else {}
+    password = target.password if target.password is not None else cfg.password
+    if target.mode == "standalone":
+        kw: dict = dict(tls)
+        if cfg.password is not None:
+            kw["password"] = cfg.password
+        return aioredis.Redis.from_url(
+            cfg.redis_url, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+            maint_notifications_config=MaintNotificationsConfig(enabled=False), **common, **kw)
+    if target.mode == "cluster":
+        return RedisCluster(
+            startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], retry=Retry(NoBackoff(), 0),
+            username=target.username, password=password, ssl=target.tls, **tls,
+            maint_notifications_config=MaintNotificationsConfig(enabled=False), **common)
+    # Sentinel: the Sentinels get the same timeouts, no retries, and TLS when the scheme says so;
+    # their own password, if they have one, is state.sentinel_password.
+    sentinel_kw: dict = {**common, "retry": Retry(NoBackoff(), 0),
+                         "maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+    if target.tls:
+        sentinel_kw.update(ssl=True, **tls)
+    if cfg.sentinel_password is not None:
+        sentinel_kw["password"] = cfg.sentinel_password
+    sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
+    assert target.service is not None
+    return sentinel.master_for(
+        target.service, db=target.db, username=target.username, password=password, ssl=target.tls,
+        retry=Retry(NoBackoff(), 0), maint_notifications_config=MaintNotificationsConfig(enabled=False),
+        **common, **tls)
+
+
+async def forget_topology(client: Client) -> None:
+    """After a transport failure: make the next call find the primary again. A Cluster client
+    re-reads its slot map on its next call (only a failed single command arranges that by
+    itself); a Sentinel-managed or plain client reconnects on its own."""
+    if isinstance(client, RedisCluster):
+        try:
+            await client.aclose()       # closes its connections and marks the slot map stale
+        except Exception:               # closing sockets of a node that is gone
+            pass
+
+
+async def close_client(client: Client) -> None:
+    """Close the client's connections (and a Sentinel-managed client's connections to the
+    Sentinels, which it does not own)."""
+    sentinels = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    for c in (client, sentinels):
+        if c is not None:
+            try:
+                await c.aclose()
+            except Exception:           # closing a client whose server is gone
+                pass

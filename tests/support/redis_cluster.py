@@ -1,0 +1,193 @@
+"""A real Redis Cluster on loopback: three primaries, one replica each, for the failover tests.
+
+Six ``redis-server --cluster-enabled yes`` processes (no persistence, ``cluster-node-timeout``
+1000 ms so a dead primary is replaced within a few seconds) in one temporary directory, joined
+with ``redis-cli --cluster create --cluster-replicas 1``. ``kill_primary_of(key)`` SIGKILLs the
+primary serving a key's slot and waits until its replica has taken the slots over and every
+live node agrees; ``restart(node)`` brings a killed node back (it rejoins as a replica).
+``cleanup()`` stops every process by pid and removes the directory.
+
+``make test`` installs Debian's ``redis-server`` (which brings ``redis-cli``) when it is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from gateway.server.run import free_port
+from tests.support.redis_server import ping
+
+
+@dataclass
+class Node:
+    port: int
+    bus_port: int
+    dir: str
+    proc: subprocess.Popen | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class RedisCluster:
+    def __init__(self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+        self.server = shutil.which("redis-server")
+        self.cli = shutil.which("redis-cli")
+        if self.server is None or self.cli is None:
+            pytest.fail("redis-server and redis-cli are not installed (make test installs them: "
+                        "apt-get install redis-server)")
+        self.dir = tempfile.mkdtemp(prefix="switchyard-redis-cluster-")
+        self.node_timeout_ms = node_timeout_ms
+        self.replicas = replicas
+        self.nodes = [Node(free_port(), free_port(), f"{self.dir}/n{i}") for i in range(primaries * (1 + replicas))]
+
+    @property
+    def url(self) -> str:
+        """Two startup nodes are enough: the client learns the others from them."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:2])
+
+    # -- processes ---------------------------------------------------------------------------
+
+    def _spawn(self, node: Node, timeout: float = 10.0) -> None:
+        os.makedirs(node.dir, exist_ok=True)
+        node.proc = subprocess.Popen(
+            [self.server, "--port", str(node.port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+             "--cluster-port", str(node.bus_port), "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
+             "--save", "", "--appendonly", "no", "--dir", node.dir, "--daemonize", "no",
+             "--repl-diskless-sync-delay", "0", "--loglevel", "warning", "--protected-mode", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=node.dir)
+        deadline = time.monotonic() + timeout
+        while not ping(node.port):
+            if node.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {node.proc.returncode} (port {node.port} taken?)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on {node.port} did not answer PING")
+            time.sleep(0.01)
+
+    def start(self, timeout: float = 30.0) -> RedisCluster:
+        for n in self.nodes:
+            self._spawn(n)
+        subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+        self.wait_ok(timeout)
+        # every replica has finished its first sync, so a failover has something to promote
+        self._wait(lambda: all(self._info(n, "replication").get("master_link_status") == "up"
+                               for n in self.nodes if self.role(n) == "slave"), timeout, "replicas in sync")
+        return self
+
+    def kill(self, node: Node) -> None:
+        if node.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                node.proc.send_signal(signal.SIGKILL)
+            node.proc.wait(timeout=10)
+            node.proc = None
+
+    def restart(self, node: Node, timeout: float = 30.0) -> None:
+        """A killed node comes back with its nodes.conf and rejoins (as a replica of its successor)."""
+        assert node.proc is None
+        self._spawn(node)
+        self.wait_ok(timeout)
+
+    def cleanup(self) -> None:
+        for n in self.nodes:
+            if n.alive:
+                n.proc.send_signal(signal.SIGTERM)
+        for n in self.nodes:
+            if n.proc is not None:
+                try:
+                    n.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    n.proc.kill()
+                    n.proc.wait(timeout=5)
+                n.proc = None
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.dir)
+
+    # -- topology ----------------------------------------------------------------------------
+
+    def cli_call(self, node: Node, *args: str) -> str:
+        return subprocess.run([self.cli, "-p", str(node.port), *args], capture_output=True, text=True,
+                              timeout=5, check=False).stdout
+
+    def _info(self, node: Node, section: str) -> dict[str, str]:
+        out = self.cli_call(node, "info", section)
+        return dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+
+    def role(self, node: Node) -> str:
+        return self._info(node, "replication").get("role", "")
+
+    def keyslot(self, key: str) -> int:
+        return int(self.cli_call(self.live()[0], "cluster", "keyslot", key).strip())
+
+    def live(self) -> list[Node]:
+        return [n for n in self.nodes if n.alive]
+
+    def primary_of(self, key: str) -> Node:
+        slot = self.keyslot(key)
+        for line in self.cli_call(self.live()[0], "cluster", "nodes").splitlines():
+            f = line.split()
+            if "master" in f[2] and "fail" not in f[2] and any(_covers(r, slot) for r in f[8:]):
+                port = int(f[1].split("@")[0].rsplit(":", 1)[1])
+                return next(n for n in self.nodes if n.port == port)
+        raise AssertionError(f"no primary serves slot {slot}")
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Every live node says cluster_state:ok and agrees on who serves every slot."""
+        def agreed() -> bool:
+            live = self.live()
+            if not all(self._info_cluster(n).get("cluster_state") == "ok" for n in live):
+                return False
+            views = {self._slot_owners(n) for n in live}
+            return len(views) == 1
+        self._wait(agreed, timeout, "cluster_state:ok on every node")
+
+    def _info_cluster(self, node: Node) -> dict[str, str]:
+        out = self.cli_call(node, "cluster", "info")
+        return dict(line.strip().split(":", 1) for line in out.splitlines() if ":" in line)
+
+    def _slot_owners(self, node: Node) -> tuple:
+        rows = []
+        for line in self.cli_call(node, "cluster", "nodes").splitlines():
+            f = line.split()
+            if len(f) > 8 and "master" in f[2] and "fail" not in f[2]:
+                rows.append((f[1].split("@")[0], tuple(sorted(f[8:]))))
+        return tuple(sorted(rows))
+
+    def kill_primary_of(self, key: str, timeout: float = 30.0) -> Node:
+        """SIGKILL the primary serving ``key`` and wait until its replica serves the slot."""
+        victim = self.primary_of(key)
+        self.kill(victim)
+        self._wait(lambda: self.primary_of(key) is not victim, timeout, "a replica promoted")
+        self.wait_ok(timeout)
+        return victim
+
+    @staticmethod
+    def _wait(predicate, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if predicate():
+                    return
+            except (AssertionError, ValueError, subprocess.TimeoutExpired, IndexError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster: no {what} within {timeout}s")
+            time.sleep(0.05)
+
+
+def _covers(spec: str, slot: int) -> bool:
+    if spec.startswith("["):        # a slot being migrated
+        return False
+    lo, _, hi = spec.partition("-")
+    return int(lo) <= slot <= int(hi or lo)
