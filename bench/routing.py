@@ -65,6 +65,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import statistics
@@ -128,6 +129,22 @@ class Workload:
     max_tokens: int = 16
     users: int = 24                # vtc-basic: conversations belong to this many users
     seed: int = 1
+    # the text and the tokenizer (engines and gateway): "pseudo", short pseudo-words one token each of
+    # the shared test tokenizer; "english", English-like text (``bench.chat_bpe``) whose sizes above
+    # count words (about 1.35 tokens each) for a 32k-token BPE with Llama-3's split and chat template
+    text: str = "pseudo"
+
+
+# ``--workload``: named workloads (the default is ``Workload()``)
+WORKLOADS: dict[str, Workload] = {
+    "default": Workload(),
+    # 4 engines, a real-sized BPE tokenizer (bench/chat_bpe.py), multi-turn chats on 12 long shared
+    # system prompts (about 2,000 tokens each, Zipf popularity) and a few unique prompts: about 400
+    # streamed requests over 30 s of arrivals
+    "chat-bpe": Workload(engines=4, duration_s=30.0, warmup_s=6.0, conversation_rate=3.2, unique_rate=1.0,
+                         system_prompts=16, system_tokens=1480, user_tokens=(30, 120), unique_tokens=(450, 1300),
+                         text="english"),
+}
 
 
 # -- the schedule -----------------------------------------------------------------------------------
@@ -140,8 +157,19 @@ def _vocab() -> list[str]:
     return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 4))) for _ in range(4000)]
 
 
-def _text(rng: random.Random, vocab: list[str], tokens: int) -> str:
+def _pseudo_text(rng: random.Random, vocab: list[str], tokens: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(tokens))
+
+
+def tokenizer_dir(w: Workload) -> str:
+    """The tokenizer directory the engines and the gateway load for ``w``'s text."""
+    if w.text == "english":
+        from bench.chat_bpe import tokenizer_dir as bpe_dir
+
+        return str(bpe_dir())
+    from enginesim.tiny_tokenizer import TINY_DIR
+
+    return str(TINY_DIR)
 
 
 @dataclass
@@ -170,8 +198,17 @@ class Schedule:
 
 def make_schedule(w: Workload) -> Schedule:
     rng = random.Random(w.seed)
-    vocab = _vocab()
-    systems = [f"System prompt {i}: you are assistant number {i}. " + _text(rng, vocab, w.system_tokens)
+    if w.text == "english":
+        from bench.chat_bpe import TextSource
+
+        text = TextSource(rng).text
+    else:
+        vocab = _vocab()
+
+        def text(tokens: int) -> str:
+            return _pseudo_text(rng, vocab, tokens)
+
+    systems = [f"System prompt {i}: you are assistant number {i}. " + text(w.system_tokens)
                for i in range(w.system_prompts)]
     weights = [1.0 / (i + 1) ** w.zipf_s for i in range(w.system_prompts)]
     convs: list[Conversation] = []
@@ -181,14 +218,14 @@ def make_schedule(w: Workload) -> Schedule:
         convs.append(Conversation(
             cid=len(convs), start=t, system=rng.choices(range(w.system_prompts), weights)[0],
             user=f"user-{rng.randrange(w.users)}",
-            questions=[f"Question {k}: " + _text(rng, vocab, rng.randint(*w.user_tokens)) for k in range(turns)],
+            questions=[f"Question {k}: " + text(rng.randint(*w.user_tokens)) for k in range(turns)],
             thinks=[rng.expovariate(1.0 / w.think_s) for _ in range(turns)]))
         t += rng.expovariate(w.conversation_rate)
     singles: list[Single] = []
     t = rng.expovariate(w.unique_rate) if w.unique_rate > 0 else math.inf
     while t < w.duration_s:
         singles.append(Single(start=t, prompt=f"Unique request {len(singles)}: "
-                              + _text(rng, vocab, rng.randint(*w.unique_tokens)),
+                              + text(rng.randint(*w.unique_tokens)),
                               user=f"user-{rng.randrange(w.users)}"))
         t += rng.expovariate(w.unique_rate)
     return Schedule(systems, convs, singles)
@@ -277,10 +314,9 @@ def reachable_hit(samples: list[Sample], w: Workload, block_size: int) -> tuple[
     before this one was sent. The second figure counts any earlier-sent request (no prefill time),
     an upper bound. No routing can beat the first on this schedule; unique single-turn prompts and
     first turns with a system prompt no one sent before are misses for every strategy."""
-    from enginesim.tiny_tokenizer import TINY_DIR
     from gateway.kv.tokenization import ModelTokenizer, chain_keys
 
-    tok = ModelTokenizer(TINY_DIR)
+    tok = ModelTokenizer(tokenizer_dir(w))
     ok = sorted((s for s in samples if s.status == 200 and s.ttft is not None and s.messages), key=lambda s: s.sent)
     keyed = []
     for s in ok:
@@ -404,10 +440,11 @@ class GatewayProcesses:
     """``--gateway-process``: ``replicas`` × ``python -m gateway --config FILE --port P``, each in its
     own process group, stderr (and stdout) to the benchmark's stderr."""
 
-    def __init__(self, raw: dict, replicas: int) -> None:
+    def __init__(self, raw: dict, replicas: int, profile: str = "") -> None:
         # drain_delay_s 0: a SIGTERM stops at once (the in-process gateways are not drained at all)
         self.raw = {**raw, "server": {**raw["server"], "drain_delay_s": 0}}
         self.replicas = replicas
+        self.profile = profile          # a cProfile output path per replica (``PATH.N``), or ""
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.dir: tempfile.TemporaryDirectory | None = None
@@ -418,9 +455,10 @@ class GatewayProcesses:
         self.dir = tempfile.TemporaryDirectory(prefix="bench-routing-")
         path = Path(self.dir.name) / "gateway.yaml"
         path.write_text("# written by bench/routing.py --gateway-process\n" + json.dumps(self.raw, indent=1) + "\n")
-        for _ in range(self.replicas):
+        for n in range(self.replicas):
             port = free_port()
-            p = start_group([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port)],
+            prof = ["-m", "cProfile", "-o", f"{self.profile}.{n}"] if self.profile else []
+            p = start_group([sys.executable, *prof, "-m", "gateway", "--config", str(path), "--port", str(port)],
                             cwd=REPO, stdin=subprocess.DEVNULL, stdout=sys.stderr)
             _CHILDREN.append(p)
             self.procs.append(p)
@@ -449,6 +487,26 @@ class GatewayProcesses:
                         if ready >= engines:
                             break
                 await asyncio.sleep(0.05)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system) the processes spent so far, summed over the replicas: ``all``,
+        the event loop's thread (``loop``, the main thread) and the tokenizer threads (``tokenize``)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {"all": 0.0, "loop": 0.0, "tokenize": 0.0}
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{p.pid}/task").iterdir():
+                    with contextlib.suppress(OSError):
+                        raw = (task / "stat").read_text()
+                        name = raw[raw.index("(") + 1:raw.rindex(")")]
+                        fields = raw[raw.rindex(")") + 2:].split()
+                        t = (int(fields[11]) + int(fields[12])) / tick
+                        out["all"] += t
+                        if task.name == str(p.pid):
+                            out["loop"] += t
+                        elif name.startswith("tokenize"):
+                            out["tokenize"] += t
+        return out
 
     async def metrics(self, session: aiohttp.ClientSession) -> list[str]:
         pages = []
@@ -513,8 +571,8 @@ async def start_engines(w: Workload, em: EngineModel, events: bool, tok: str) ->
 
 
 async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
-                       routing: dict | None = None, replicas: int = 1, gateway_process: bool = False) -> Result:
-    from enginesim.tiny_tokenizer import TINY_DIR
+                       routing: dict | None = None, replicas: int = 1, gateway_process: bool = False,
+                       profile: str = "") -> Result:
     from gateway.config.schema import config_from_dict
     from gateway.server.app import GATEWAY_KEY
     from gateway.server.run import start
@@ -523,7 +581,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     wall0 = time.perf_counter()
     events = label.endswith(EVENTS)
     spec = label.removesuffix(EVENTS)
-    tok = str(TINY_DIR)
+    tok = tokenizer_dir(w)
     control = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     sims: list = []
     monitors: list = []
@@ -535,7 +593,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
         monitors = watch_subscriptions(sims) if events else []
         if gateway_process:
-            procs = GatewayProcesses(raw, replicas)
+            procs = GatewayProcesses(raw, replicas, profile)
             procs.start()
             await procs.wait_ready(control, w.engines)
             ports = procs.ports
@@ -551,8 +609,14 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         urls = [f"http://127.0.0.1:{p}/v1/chat/completions" for p in ports]
         eps_per_gw = [g[1][GATEWAY_KEY].pool.endpoints(MODEL) for g in gateways]
         engines = [s.engine for s in sims]
+        cpu0 = procs.cpu() if procs is not None else None
         samples, in_flight_samples, lags, seen = await drive(sched, w, urls, eps_per_gw, engines,
                                                              cfg.routing.metrics_max_age_s, fleet_load)
+        if procs is not None and cpu0 is not None and samples:
+            cpu = {k: v - cpu0[k] for k, v in procs.cpu().items()}
+            print(f"    gateway CPU per request: {1000 * cpu['all'] / len(samples):.2f} ms (event loop "
+                  f"{1000 * cpu['loop'] / len(samples):.2f}, tokenizer threads {1000 * cpu['tokenize'] / len(samples):.2f}) "
+                  f"over {len(samples)} requests", file=sys.stderr)
         pages = (await procs.metrics(control) if procs is not None
                  else [g[1][GATEWAY_KEY].metrics.render().decode() for g in gateways])
     finally:
@@ -730,6 +794,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, help="seconds of arrivals per strategy")
     ap.add_argument("--warmup", type=float, help="seconds of arrivals not measured")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                    help="default: 8 engines, pseudo-word prompts, the shared test tokenizer; chat-bpe: 4 engines, "
+                         "English-like chats, a 32k-token byte-level BPE built offline (bench/chat_bpe.py), "
+                         "about 400 requests")
     ap.add_argument("--plot", default=str(Path(__file__).with_name("routing.png")),
                     help="PNG path ('' to skip)")
     ap.add_argument("--json", default="", help="write the results (with raw TTFTs) to this file")
@@ -743,18 +811,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-process", action="store_true",
                     help="run each gateway replica as its own process (python -m gateway) instead of in the "
                          "benchmark's event loop; engines and load generator stay in the benchmark")
+    ap.add_argument("--gateway-profile", default="", metavar="DIR",
+                    help="with --gateway-process: run each gateway under cProfile, its stats written to "
+                         "DIR/<strategy>.<replica> when it stops (its event loop's thread only)")
     ap.add_argument("--engines-publish", choices=["always", "events"], default="always",
                     help="always (default): every run's engines publish KV events, so every strategy faces the "
                          "same engines; events: only the +events runs' engines do")
     args = ap.parse_args(argv)
     ENGINES_PUBLISH["mode"] = args.engines_publish
+    if args.gateway_profile:
+        if not args.gateway_process:
+            ap.error("--gateway-profile needs --gateway-process")
+        Path(args.gateway_profile).mkdir(parents=True, exist_ok=True)
 
     from gateway.observability.logs import configure_logging
 
     configure_logging("json", "warning")
-    w = Workload(seed=args.seed)
+    w = replace(WORKLOADS[args.workload], seed=args.seed)
     if args.quick:
-        w = replace(w, duration_s=20.0, warmup_s=6.0)
+        w = replace(w, duration_s=min(w.duration_s, 20.0), warmup_s=min(w.warmup_s, 6.0))
     if args.engines:
         w = replace(w, engines=args.engines)
     if args.duration:
@@ -786,7 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for spec in strategies:
-            r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process))
+            profile = str(Path(args.gateway_profile) / "".join(c if c.isalnum() else "_" for c in spec)) \
+                if args.gateway_profile else ""
+            r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process, profile))
             results.append(r)
             print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
                   f"hit {r.cache_hit:4.0%} (reachable {r.reachable_hit:4.0%})  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
