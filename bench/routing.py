@@ -350,12 +350,28 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
-def gateway_config(spec: str, events: bool, endpoints: list[str], tokenizer: str, routing: dict) -> dict:
+def split_label(label: str) -> tuple[str, bool, dict, dict]:
+    """A strategy label: ``SPEC[+events][@KEY=VALUE,...]`` → (spec, events, routing keys, kv_events
+    keys). The keys after ``@`` apply to that label's run only (so two settings can alternate in one
+    run): a ``kv_events`` key when the block has it, else a ``routing`` key; values are JSON."""
+    from gateway.kv.settings import KVEventsConfig
+
+    head, _, tail = label.partition("@")
+    routing: dict = {}
+    kv: dict = {}
+    for item in filter(None, tail.split(",")):
+        key, _, value = item.partition("=")
+        (kv if key in KVEventsConfig.__struct_fields__ else routing)[key] = json.loads(value)
+    return head.removesuffix(EVENTS), head.endswith(EVENTS), routing, kv
+
+
+def gateway_config(spec: str, events: bool, endpoints: list[str], tokenizer: str, routing: dict,
+                   kv_events: dict | None = None) -> dict:
     """The gateway's config, the same in both modes: ``config_from_dict`` in process, a JSON file
     (which is YAML) for ``--gateway-process``."""
     model = {"name": MODEL, "engine": "vllm", "strategy": spec, "endpoints": endpoints, "tokenizer": tokenizer}
     if events:
-        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS}
+        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS, **(kv_events or {})}
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "server": {"shutdown_grace_s": 1.0, "log_level": "warning"},
@@ -388,12 +404,26 @@ def gateway_means(pages: list[str]) -> dict[str, float]:
     sums: dict[str, list[float]] = {}
     for page in pages:
         for line in page.splitlines():
-            for name in ("switchyard_routing_decision_seconds", "switchyard_event_loop_lag_seconds"):
+            for name in ("switchyard_routing_decision_seconds", "switchyard_event_loop_lag_seconds",
+                         "switchyard_time_to_first_token_seconds"):
                 for part in ("_sum", "_count"):
                     if line.startswith(name + part):
                         acc = sums.setdefault(name, [0.0, 0.0])
                         acc[part == "_count"] += float(line.rpartition(" ")[2])
     return {name: total / n for name, (total, n) in sums.items() if n}
+
+
+def engines_ttft(sims: list) -> float | None:
+    """Mean TTFT the engines measured (request received → first token), over all of them."""
+    from prometheus_client import generate_latest
+
+    acc = [0.0, 0.0]
+    for s in sims:
+        for line in generate_latest(s.engine.metrics.registry).decode().splitlines():
+            for k, part in enumerate(("_sum", "_count")):
+                if line.startswith("vllm:time_to_first_token_seconds" + part):
+                    acc[k] += float(line.rpartition(" ")[2])
+    return acc[0] / acc[1] if acc[1] else None
 
 
 def watch_subscriptions(sims: list) -> list:
@@ -579,8 +609,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     from routers.prefix_cache import fleet_load
 
     wall0 = time.perf_counter()
-    events = label.endswith(EVENTS)
-    spec = label.removesuffix(EVENTS)
+    spec, events, routing_over, kv_over = split_label(label)
     tok = tokenizer_dir(w)
     control = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     sims: list = []
@@ -589,7 +618,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     procs: GatewayProcesses | None = None
     try:
         sims += await start_engines(w, em, events or ENGINES_PUBLISH["mode"] == "always", tok)
-        raw = gateway_config(spec, events, [s.url for s in sims], tok, routing or {})
+        raw = gateway_config(spec, events, [s.url for s in sims], tok, {**(routing or {}), **routing_over}, kv_over)
         cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
         monitors = watch_subscriptions(sims) if events else []
         if gateway_process:
@@ -619,6 +648,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
                   f"over {len(samples)} requests", file=sys.stderr)
         pages = (await procs.metrics(control) if procs is not None
                  else [g[1][GATEWAY_KEY].metrics.render().decode() for g in gateways])
+        engine_ttft = engines_ttft(sims)
     finally:
         if procs is not None:
             await procs.stop()
@@ -659,9 +689,14 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     if fb:
         print("    fallbacks: " + "; ".join(fb), file=sys.stderr)
     means = gateway_means(pages)
+    ttft = means.pop("switchyard_time_to_first_token_seconds", None)
     if means:
         print("    gateway: " + ", ".join(f"{name.removeprefix('switchyard_').removesuffix('_seconds')} mean "
                                         f"{1000 * v:.3f} ms" for name, v in means.items()), file=sys.stderr)
+    if ttft is not None and engine_ttft is not None:
+        print(f"    TTFT mean seen by the gateway {1000 * ttft:.1f} ms, by the engines {1000 * engine_ttft:.1f} ms: "
+              f"{1000 * (ttft - engine_ttft):.2f} ms in the gateway (routing, tokenizing, the leg's send, the "
+              f"first chunk's relay)", file=sys.stderr)
     return result
 
 

@@ -98,3 +98,11 @@ def test_the_chat_bpe_tokenizer_keys_chats_as_the_simulated_engine_tokenizes_the
             == sim.encode_chat(messages)
     ids = tok.encode(rendered)
     assert 3.5 < len(rendered) / len(ids) < 5.0          # characters a token, as English on Llama-3
+
+
+def test_a_label_carries_its_own_routing_and_kv_events_keys():
+    from bench.routing import split_label
+
+    assert split_label("prefix-cache") == ("prefix-cache", False, {}, {})
+    assert split_label("prefix-cache+events@prefix_min_match_tokens=0,tokenize_inline_chars=256") == \
+        ("prefix-cache", True, {"prefix_min_match_tokens": 0}, {"tokenize_inline_chars": 256})
