@@ -353,7 +353,8 @@ def _pct(sorted_values: list[float], q: float) -> float:
 def split_label(label: str) -> tuple[str, bool, dict, dict]:
     """A strategy label: ``SPEC[+events][@KEY=VALUE,...]`` → (spec, events, routing keys, kv_events
     keys). The keys after ``@`` apply to that label's run only (so two settings can alternate in one
-    run): a ``kv_events`` key when the block has it, else a ``routing`` key; values are JSON."""
+    run): a ``kv_events`` key when the block has it, else a ``routing`` key; values are JSON, or the
+    git revision of ``ref`` (``--gateway-process``: the gateway runs from that revision's tree)."""
     from gateway.kv.settings import KVEventsConfig
 
     head, _, tail = label.partition("@")
@@ -361,8 +362,29 @@ def split_label(label: str) -> tuple[str, bool, dict, dict]:
     kv: dict = {}
     for item in filter(None, tail.split(",")):
         key, _, value = item.partition("=")
+        if key == "ref":
+            kv[key] = value
+            continue
         (kv if key in KVEventsConfig.__struct_fields__ else routing)[key] = json.loads(value)
     return head.removesuffix(EVENTS), head.endswith(EVENTS), routing, kv
+
+
+_TREES: dict[str, tempfile.TemporaryDirectory] = {}     # git revision → its exported tree (``@ref=``)
+
+
+def source_tree(ref: str) -> Path:
+    """The files of git revision ``ref`` of this repository, exported once per run."""
+    import io
+    import tarfile
+
+    if ref not in _TREES:
+        d = tempfile.TemporaryDirectory(prefix="bench-routing-tree-")
+        raw = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref], check=True,
+                             capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            tar.extractall(d.name, filter="data")
+        _TREES[ref] = d
+    return Path(_TREES[ref].name)
 
 
 def gateway_config(spec: str, events: bool, endpoints: list[str], tokenizer: str, routing: dict,
@@ -470,11 +492,12 @@ class GatewayProcesses:
     """``--gateway-process``: ``replicas`` × ``python -m gateway --config FILE --port P``, each in its
     own process group, stderr (and stdout) to the benchmark's stderr."""
 
-    def __init__(self, raw: dict, replicas: int, profile: str = "") -> None:
+    def __init__(self, raw: dict, replicas: int, profile: str = "", tree: Path | None = None) -> None:
         # drain_delay_s 0: a SIGTERM stops at once (the in-process gateways are not drained at all)
         self.raw = {**raw, "server": {**raw["server"], "drain_delay_s": 0}}
         self.replicas = replicas
         self.profile = profile          # a cProfile output path per replica (``PATH.N``), or ""
+        self.tree = tree                # the source tree the gateway runs from (None: this checkout)
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.dir: tempfile.TemporaryDirectory | None = None
@@ -488,8 +511,11 @@ class GatewayProcesses:
         for n in range(self.replicas):
             port = free_port()
             prof = ["-m", "cProfile", "-o", f"{self.profile}.{n}"] if self.profile else []
+            tree = self.tree or REPO
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
             p = start_group([sys.executable, *prof, "-m", "gateway", "--config", str(path), "--port", str(port)],
-                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=sys.stderr)
+                            cwd=tree, stdin=subprocess.DEVNULL, stdout=sys.stderr, env=env)
             _CHILDREN.append(p)
             self.procs.append(p)
             self.ports.append(port)
@@ -519,23 +545,21 @@ class GatewayProcesses:
                 await asyncio.sleep(0.05)
 
     def cpu(self) -> dict[str, float]:
-        """CPU seconds (user + system) the processes spent so far, summed over the replicas: ``all``,
-        the event loop's thread (``loop``, the main thread) and the tokenizer threads (``tokenize``)."""
+        """CPU seconds (user + system) the processes spent so far, summed over the replicas: ``all``
+        and the event loop's thread (``loop``, the main thread); the rest is the other threads' (the
+        tokenizer threads, ZeroMQ's I/O thread, the tokenizers library's own pool)."""
         tick = os.sysconf("SC_CLK_TCK")
-        out = {"all": 0.0, "loop": 0.0, "tokenize": 0.0}
+        out = {"all": 0.0, "loop": 0.0}
         for p in self.procs:
             with contextlib.suppress(OSError):
                 for task in Path(f"/proc/{p.pid}/task").iterdir():
                     with contextlib.suppress(OSError):
                         raw = (task / "stat").read_text()
-                        name = raw[raw.index("(") + 1:raw.rindex(")")]
                         fields = raw[raw.rindex(")") + 2:].split()
                         t = (int(fields[11]) + int(fields[12])) / tick
                         out["all"] += t
                         if task.name == str(p.pid):
                             out["loop"] += t
-                        elif name.startswith("tokenize"):
-                            out["tokenize"] += t
         return out
 
     async def metrics(self, session: aiohttp.ClientSession) -> list[str]:
@@ -610,6 +634,9 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
 
     wall0 = time.perf_counter()
     spec, events, routing_over, kv_over = split_label(label)
+    ref = kv_over.pop("ref", None)
+    if ref is not None and not gateway_process:
+        raise SystemExit(f"{label}: @ref= needs --gateway-process")
     tok = tokenizer_dir(w)
     control = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     sims: list = []
@@ -622,7 +649,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
         monitors = watch_subscriptions(sims) if events else []
         if gateway_process:
-            procs = GatewayProcesses(raw, replicas, profile)
+            procs = GatewayProcesses(raw, replicas, profile, source_tree(ref) if ref else None)
             procs.start()
             await procs.wait_ready(control, w.engines)
             ports = procs.ports
@@ -644,8 +671,8 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         if procs is not None and cpu0 is not None and samples:
             cpu = {k: v - cpu0[k] for k, v in procs.cpu().items()}
             print(f"    gateway CPU per request: {1000 * cpu['all'] / len(samples):.2f} ms (event loop "
-                  f"{1000 * cpu['loop'] / len(samples):.2f}, tokenizer threads {1000 * cpu['tokenize'] / len(samples):.2f}) "
-                  f"over {len(samples)} requests", file=sys.stderr)
+                  f"{1000 * cpu['loop'] / len(samples):.2f}, other threads "
+                  f"{1000 * (cpu['all'] - cpu['loop']) / len(samples):.2f}) over {len(samples)} requests", file=sys.stderr)
         pages = (await procs.metrics(control) if procs is not None
                  else [g[1][GATEWAY_KEY].metrics.render().decode() for g in gateways])
         engine_ttft = engines_ttft(sims)
@@ -909,6 +936,8 @@ def main(argv: list[str] | None = None) -> int:
         for p in list(_CHILDREN):       # a run that ended before its own clean-up (Ctrl-C)
             terminate(p)
             _CHILDREN.remove(p)
+        for d in _TREES.values():
+            d.cleanup()
     total = time.perf_counter() - t0
     print(markdown(results))
     gateways = f"{args.replicas} gateway replicas" if args.replicas > 1 else "the gateway"
