@@ -12,8 +12,9 @@ A request's session (``session_of``), first found wins:
 
 * ``x-session-key`` / ``x-aibrix-session-key``, then ``x-session-id``: the client's own name for
   the conversation (per model: the same name for two models is two sessions);
-* ``previous_response_id`` (Responses): the endpoint that produced that response, recorded when
-  it was answered (``r:<id>``; ids are unique, so not per model);
+* ``previous_response_id`` (Responses; ``InferenceRequest.previous_response_id`` once the gateway
+  expanded it into the input): the endpoint that produced that response, recorded when it was
+  answered (``r:<id>``; ids are unique, so not per model);
 * ``metadata.user_id`` (Anthropic Messages): Anthropic's SDKs and agents (Claude Code puts its
   session id there) name the conversation's end user with it; one user's turns reuse their own
   context, and a user with many parallel conversations is spread by the load guards anyway.
@@ -48,7 +49,7 @@ def session_of(req: InferenceRequest) -> str | None:
     if key:
         return f"{req.model}\0s:{key}" if len(key) <= MAX_KEY_CHARS else None
     data = req.data
-    prev = data.get("previous_response_id")
+    prev = req.previous_response_id or data.get("previous_response_id")
     if prev.__class__ is str and prev:
         return RESPONSE + prev if len(prev) <= MAX_KEY_CHARS else None
     meta = data.get("metadata")

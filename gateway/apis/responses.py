@@ -191,6 +191,7 @@ class ResponsesApi(ApiShape):
             if prev is not None:
                 record = await self._record(prev, rec.user)
                 history = list(record.get("input") or ()) + output_as_input(record.get("output"))
+                self._follow(prev, record, ireq.model, candidates)
             ex.input = with_history(ireq, history)
             return candidates
         if prev is None:
@@ -226,8 +227,10 @@ class ResponsesApi(ApiShape):
             assert self.history is not None
             if not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
                 return
+            ep = ctx.decision.endpoint if ctx.decision is not None else None
             blob = orjson.dumps({"id": rid, "model": ireq.model, "user": user, "input": ex.input,
-                                 "output": final.get("output") or [], "response": final})
+                                 "output": final.get("output") or [], "response": final,
+                                 "endpoint": ep.url if ep is not None else None})
             if len(blob) > self.cfg.history.max_response_bytes:
                 self.m.writes.labels("history", "too_large").inc()
                 log.warning("response history not stored: over responses.history.max_response_bytes",
@@ -283,6 +286,17 @@ class ResponsesApi(ApiShape):
     async def _record(self, rid: str, user: str | None) -> dict[str, Any]:
         assert self.history is not None
         return await self._lookup(self.history, "history", rid, user)
+
+    def _follow(self, rid: str, record: dict[str, Any], model: str, candidates: list[Endpoint]) -> None:
+        """Gateway state: the stored response names the endpoint that produced it; the routing view
+        learns it here (routing prefers it), even before the lineage its producer shared arrives."""
+        url = record.get("endpoint")
+        if not isinstance(url, str) or record.get("model") != model or len(rid) > 256:
+            return
+        for ep in candidates:
+            if ep.url == url:
+                self.lineage.apply(RESPONSE + rid, ep, record.get("user"))
+                return
 
     def _gone(self, model: str, reason: str) -> None:
         self.metrics.child(self.m.owner_gone, model, reason).inc()

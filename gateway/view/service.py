@@ -43,7 +43,7 @@ from gateway.view.replicas import ReplicaLink
 from gateway.view.wire import Batch, Insert, Session, decode, encode, endpoint_key
 from routers.base import Decision, RouterContext
 from routers.prefix_index import PrefixIndex
-from routers.session_map import SessionMap
+from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.view")
 
@@ -138,7 +138,10 @@ class RoutingView:
 
     def _on_put(self, key: str, ep: Endpoint, tag: str | None) -> None:
         self._sessions.append(Session(key, self._key(ep), tag))
-        if not self._scheduled and self._loop is not None:
+        if key.startswith(RESPONSE):
+            # recorded as the answer goes out: sent now, before the client can ask a sibling for more
+            self._flush()
+        elif not self._scheduled and self._loop is not None:
             self._scheduled = True
             self._loop.call_soon(self._flush)
 
