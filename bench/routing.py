@@ -11,7 +11,10 @@ and the same prompts.
 --config FILE --port P``; ``--replicas N``: N processes), so the CPU it spends (tokenizing for
 KV-event routing, say) no longer delays the simulated engines' timers and the load generator, which
 stay in the benchmark's process. Its config is the one the in-process run builds, written to a
-temporary file, plus ``drain_delay_s: 0`` so a SIGTERM stops it at once. The benchmark waits until
+temporary file, plus ``drain_delay_s: 0`` so a SIGTERM stops it at once. ``--workers N`` starts each
+process with ``--workers N`` (its workers share one routing view over the local bus), ``--redis URL``
+sets ``state.redis_url`` (the replicas share the view and their in-flight counts through Redis):
+``--workers 2`` and ``--replicas 2 --redis URL`` against one worker show what sharing the view keeps. The benchmark waits until
 each process answers ``/ready`` and its ``/metrics`` shows every engine ready; with KV events, in
 both modes, until every engine's PUB socket has seen one subscriber per gateway finish its
 handshake (a ZMQ socket monitor on the engine's side). What the in-process run reads off the
@@ -404,10 +407,13 @@ class GatewayProcesses:
     """``--gateway-process``: ``replicas`` × ``python -m gateway --config FILE --port P``, each in its
     own process group, stderr (and stdout) to the benchmark's stderr."""
 
-    def __init__(self, raw: dict, replicas: int) -> None:
+    def __init__(self, raw: dict, replicas: int, workers: int = 1, redis_url: str | None = None) -> None:
         # drain_delay_s 0: a SIGTERM stops at once (the in-process gateways are not drained at all)
         self.raw = {**raw, "server": {**raw["server"], "drain_delay_s": 0}}
+        if redis_url:       # the replicas share their routing view (and in-flight counts) through Redis
+            self.raw["state"] = {"redis_url": redis_url}
         self.replicas = replicas
+        self.workers = workers
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.dir: tempfile.TemporaryDirectory | None = None
@@ -420,7 +426,8 @@ class GatewayProcesses:
         path.write_text("# written by bench/routing.py --gateway-process\n" + json.dumps(self.raw, indent=1) + "\n")
         for _ in range(self.replicas):
             port = free_port()
-            p = start_group([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port)],
+            p = start_group([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port),
+                             "--workers", str(self.workers)],
                             cwd=REPO, stdin=subprocess.DEVNULL, stdout=sys.stderr)
             _CHILDREN.append(p)
             self.procs.append(p)
@@ -513,7 +520,8 @@ async def start_engines(w: Workload, em: EngineModel, events: bool, tok: str) ->
 
 
 async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
-                       routing: dict | None = None, replicas: int = 1, gateway_process: bool = False) -> Result:
+                       routing: dict | None = None, replicas: int = 1, gateway_process: bool = False,
+                       workers: int = 1, redis_url: str | None = None) -> Result:
     from enginesim.tiny_tokenizer import TINY_DIR
     from gateway.config.schema import config_from_dict
     from gateway.server.app import GATEWAY_KEY
@@ -535,14 +543,14 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
         monitors = watch_subscriptions(sims) if events else []
         if gateway_process:
-            procs = GatewayProcesses(raw, replicas)
+            procs = GatewayProcesses(raw, replicas, workers, redis_url)
             procs.start()
             await procs.wait_ready(control, w.engines)
             ports = procs.ports
         else:
             gateways = [await start(cfg) for _ in range(replicas)]
             ports = [p for _, _, p in gateways]
-        if events and not await subscribed(sims, monitors, replicas):
+        if events and not await subscribed(sims, monitors, replicas * workers):
             print("    not every gateway subscribed to every engine's KV events within 30 s", file=sys.stderr)
         if procs is not None:
             print(f"    {replicas} gateway process{'es' if replicas > 1 else ''} ready"
@@ -581,7 +589,8 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     mean_load = statistics.fmean(per_engine) if per_engine else 0.0
     peaks = [max(row) / statistics.fmean(row) for row in in_flight_samples if sum(row) > 0]
     result = Result(
-        strategy=label + (f" ×{replicas} replicas" if replicas > 1 else ""), requests=len(ok), errors=len(measured) - len(ok),
+        strategy=label + (f" ×{replicas} replicas" if replicas > 1 else "") + (f" ×{workers} workers" if workers > 1 else ""),
+        requests=len(ok), errors=len(measured) - len(ok),
         ttft_mean_ms=statistics.fmean(ttfts) if ttfts else math.nan,
         ttft_p50_ms=_pct(ttfts, 0.5), ttft_p99_ms=_pct(ttfts, 0.99),
         throughput_rps=len(ok) / window, output_tps=sum(s.output_tokens for s in ok) / window,
@@ -743,11 +752,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-process", action="store_true",
                     help="run each gateway replica as its own process (python -m gateway) instead of in the "
                          "benchmark's event loop; engines and load generator stay in the benchmark")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="with --gateway-process: each gateway replica runs with --workers N (one routing view "
+                         "shared over the local bus)")
+    ap.add_argument("--redis", default="", metavar="URL",
+                    help="with --gateway-process: state.redis_url of every replica (the routing view and in-flight "
+                         "counts shared across replicas), e.g. redis://127.0.0.1:6379/0")
     ap.add_argument("--engines-publish", choices=["always", "events"], default="always",
                     help="always (default): every run's engines publish KV events, so every strategy faces the "
                          "same engines; events: only the +events runs' engines do")
     args = ap.parse_args(argv)
     ENGINES_PUBLISH["mode"] = args.engines_publish
+    if (args.workers > 1 or args.redis) and not args.gateway_process:
+        ap.error("--workers and --redis need --gateway-process")
 
     from gateway.observability.logs import configure_logging
 
@@ -786,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for spec in strategies:
-            r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process))
+            r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process,
+                                    args.workers, args.redis or None))
             results.append(r)
             print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
                   f"hit {r.cache_hit:4.0%} (reachable {r.reachable_hit:4.0%})  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
@@ -800,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t0
     print(markdown(results))
     gateways = f"{args.replicas} gateway replicas" if args.replicas > 1 else "the gateway"
+    if args.workers > 1:
+        gateways += f" with {args.workers} workers each" if args.replicas > 1 else f" with {args.workers} workers"
+    if args.redis:
+        gateways += " sharing Redis"
     mode = (f"{gateways} as {'their own processes' if args.replicas > 1 else 'its own process'} "
             f"(`--gateway-process`; imbalance counted at the engines)" if args.gateway_process
             else f"{gateways} in the benchmark's process and event loop")

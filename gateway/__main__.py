@@ -82,9 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
         return 2
 
-    def serve_one() -> int:
+    from gateway.view.bus import BusDirectory
+    from gateway.view.service import WorkerSlot, new_group
+    bus = BusDirectory() if workers > 1 else None      # the workers' shared routing view (gateway/view)
+    group = new_group()
+
+    def serve_one(index: int = 0) -> int:
+        slot = WorkerSlot(index, workers, bus.path, group) if bus is not None else None
         try:
-            uvloop.run(serve(config, reuse_port=workers > 1, loader=load, worker=workers > 1))
+            uvloop.run(serve(config, reuse_port=workers > 1, loader=load, worker=workers > 1, slot=slot))
         except ValueError as e:  # strategy names etc. validated at app build
             print(f"switchyard: {e}", file=sys.stderr)
             return 2
@@ -109,7 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError) as e:
             stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
 
-    return run_workers(workers, serve_one, stderr_log, on_reload=reread)
+    try:
+        return run_workers(workers, serve_one, stderr_log, on_reload=reread)
+    finally:
+        assert bus is not None
+        bus.close()
 
 
 def check_config(path: str) -> int:

@@ -65,6 +65,9 @@ class InferenceRequest:
     # content parts other than text (images, audio, video, files): the engine folds their feature
     # hashes into its KV block hashes, which the gateway cannot compute (gateway/kv/index.py)
     multimodal: bool = False
+    # Responses with the gateway holding the state: the ``previous_response_id`` it expanded into the
+    # input (and took out of the body); routing still follows the conversation by it
+    previous_response_id: str | None = None
 
     @property
     def is_embeddings(self) -> bool:

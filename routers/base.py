@@ -37,6 +37,7 @@ from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.pd_settings import PDRouteSettings
 from routers.prefix_index import PrefixIndex
+from routers.session_map import SessionMap
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 _Seconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -80,6 +81,9 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # published through shared state); "fleet" = that plus the other gateways' requests the engine
     # reported at its last fresh scrape (running + waiting beyond this gateway's own)
     prefix_load: Annotated[Literal["local", "fleet"], msgspec.Meta(description="Load compared by prefix-cache's guards: local (this gateway's requests, plus replicas' through shared state) or fleet (also other gateways' requests seen in the engine's own metrics).")] = "fleet"
+    prefix_session: Annotated[bool, msgspec.Meta(description="prefix-cache: a request that continues a session (x-session-key, x-aibrix-session-key or x-session-id header; Responses previous_response_id; Messages metadata.user_id) goes to the endpoint that served the session last, unless the load guards find it overloaded.")] = True
+    session_ttl_s: Annotated[_Seconds, msgspec.Meta(description="prefix-cache: a session not seen for this long is forgotten, in seconds.")] = 1800.0
+    session_max_entries: Annotated[int, msgspec.Meta(ge=1, description="prefix-cache: most sessions remembered (all models together); the least recently seen are forgotten.")] = 100_000
     metrics_window_s: Annotated[_Seconds, msgspec.Meta(description="Window of the rates and means of throughput and least-latency, in seconds.")] = 10.0
     vtc_window_s: Annotated[_Seconds, msgspec.Meta(description="vtc-basic: per-user token counts are kept over this sliding window, in seconds.")] = 300.0
     lora_load_weight: Annotated[_Seconds, msgspec.Meta(description="lora-affinity: weight of the in-flight load in the score (0..1).")] = 0.5
@@ -124,7 +128,8 @@ class RouterContext:
 
     ``prefix_index`` is built here from ``settings`` and ``clock``: the ``prefix-cache`` strategy
     routes by it and ``pd`` asks it for each prefill's match (``match``) and records its prefill
-    choice (``insert``); ``stats()`` feeds a gauge.
+    choice (``insert``); ``stats()`` feeds a gauge. ``sessions`` (``routers.session_map``) is where
+    ``prefix-cache`` finds the endpoint of a request's session.
     """
 
     settings: RoutingSettings = field(default_factory=RoutingSettings)
@@ -137,9 +142,18 @@ class RouterContext:
     prefix_index: PrefixIndex = field(init=False, repr=False)
     # the event index, when a model subscribes to KV events (prefix-cache routes on it then)
     precise_index: PreciseIndex | None = None
+    # session → the endpoint that served it last (routers.session_map); the gateway passes the one
+    # its shared view keeps, None: one of this context's own, from ``settings``
+    sessions: SessionMap | None = None
+    # called as on_session(model, outcome) when a request's session has an endpoint: kept (routed
+    # there), overloaded (the guards refused it) or gone (not among the ready candidates)
+    on_session: Callable[[str, str], None] = _ignore_fallback
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_index", PrefixIndex(self.settings, self.clock))
+        if self.sessions is None:
+            s = self.settings
+            object.__setattr__(self, "sessions", SessionMap(s.session_ttl_s, s.session_max_entries, self.clock))
 
 
 class Router:

@@ -174,7 +174,9 @@ def with_history(ireq: InferenceRequest, history: list[Any]) -> list[Any]:
     data = dict(ireq.data)
     full = history + input_items(data["input"])
     data["input"] = full
-    data.pop("previous_response_id", None)
+    prev = data.pop("previous_response_id", None)
+    if isinstance(prev, str):
+        ireq.previous_response_id = prev
     data["store"] = False
     ireq.data = data
     ireq.body = orjson.dumps(data)

@@ -41,6 +41,7 @@ from gateway.observability.tracing import TracingConfig
 from gateway.resilience.breaker import BreakerConfig
 from gateway.resilience.retry import RetryConfig
 from gateway.state.urls import parse_redis_url
+from gateway.view.config import ViewConfig
 from handlers.sglang import SGLangPDSettings
 from handlers.vllm import VLLMPDSettings
 from k8s.settings import KubernetesConfig
@@ -85,7 +86,7 @@ class ListenConfig(Block):
 class ServerConfig(Block):
     max_body_bytes: Annotated[Count, Meta(description="Largest request body accepted, in bytes; a larger one is refused with 413 before it is read (0: no limit).")] = 16 * 1024 * 1024
     shutdown_grace_s: Annotated[Amount, Meta(description="After SIGTERM, how long requests in flight (streams included) may still run before they are cut, in seconds.")] = 30.0
-    workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway with its own state; auto: as many as the CPUs of the cgroup's quota. --workers overrides it.")] = 1
+    workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway sharing one routing view with the others (view:); auto: as many as the CPUs of the cgroup's quota. --workers overrides it.")] = 1
     drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
     log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
     log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error; at warning or error the per-request line is not written either.")] = "info"
@@ -350,6 +351,7 @@ class Config(Block, dict=True):
     auth: Annotated[AuthConfig, Meta(description="Client API keys and the admin token.")] = AuthConfig()
     limits: Annotated[LimitsConfig, Meta(description="Per-user and per-model rate limits.")] = LimitsConfig()
     state: Annotated[StateConfig, Meta(description="State shared by gateway replicas and workers, in Redis.")] = StateConfig()
+    view: Annotated[ViewConfig, Meta(description="The routing view (prefix index, in-flight counts, sessions) shared by the workers of a gateway and, with state.redis_url, by its replicas.")] = ViewConfig()
     status: Annotated[StatusConfig, Meta(description="The live status page.")] = StatusConfig()
     tracing: Annotated[TracingConfig, Meta(description="OpenTelemetry tracing; OTEL_* environment variables fill keys left out.")] = TracingConfig()
     responses: Annotated[ResponsesConfig, Meta(description="Where the state of the Responses API (/v1/responses) lives.")] = ResponsesConfig()

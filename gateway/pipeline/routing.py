@@ -20,6 +20,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest
+from gateway.view.service import RoutingView
 from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
 from routers.registry import RouterRegistry, StrategyError, default_registry
 
@@ -32,14 +33,22 @@ WHOLE_REQUEST_ROLES = ("aggregated", "combined")
 DecisionObserver = Callable[[InferenceRequest, Decision, tuple[tuple[str, str], ...], float], None]
 
 
+def _no_session(model: str, outcome: str) -> None:
+    return None
+
+
 class Routing:
     def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
-                 precise_index: PreciseIndex | None = None) -> None:
+                 precise_index: PreciseIndex | None = None, view: RoutingView | None = None) -> None:
+        """``view``: the shared routing view (gateway/view), whose session map the strategies use
+        and which counts their session outcomes; None: a session map of this routing's own."""
         self.config = config
         self.pool = pool
         self.metrics = metrics
         self.ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
-                                 on_fallback=self._on_fallback, precise_index=precise_index)
+                                 on_fallback=self._on_fallback, precise_index=precise_index,
+                                 sessions=view.sessions if view is not None else None,
+                                 on_session=view.on_session if view is not None else _no_session)
         self.observers: list[DecisionObserver] = []
         # told of a decision in its own synchronous step, before the leg (a half-open breaker's
         # trial slot must be taken before a concurrent request routes)

@@ -38,6 +38,7 @@ from gateway.server.reload import Build, Live, Reloader, declared_endpoints
 from gateway.tenants import Tenancy
 from gateway.upstream.monitor import Monitor
 from gateway.upstream.upstream import make_session
+from gateway.view.service import RoutingView, WorkerSlot
 from k8s.discovery import KubernetesDiscovery
 from routers.prefix_cache import fleet_load
 
@@ -131,10 +132,11 @@ def _builder(services: Services) -> Build:
 
 
 def build_app(config: Config, pool: EndpointPool | None = None,
-              loader: Callable[[], Config] | None = None) -> web.Application:
-    """``loader`` re-reads the config file for a reload (gateway/server/reload.py); None: no reload."""
+              loader: Callable[[], Config] | None = None, slot: WorkerSlot | None = None) -> web.Application:
+    """``loader`` re-reads the config file for a reload (gateway/server/reload.py); None: no reload.
+    ``slot``: this process is one of ``--workers N`` (gateway/view shares the routing view)."""
     pool = pool if pool is not None else pool_from_config(config)
-    s = build_services(config, pool)
+    s = build_services(config, pool, slot)
     metrics, lifecycle = s.metrics, s.lifecycle
     tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
     tracing = s.tracing if isinstance(s.tracing, Tracing) else None
@@ -177,7 +179,19 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     if tracing is not None:     # first in, last out: flushed once everything else stopped
         app.cleanup_ctx.append(_tracing_lifecycle(tracing))
     app.cleanup_ctx.append(_engines(config, s, reloader))
+    app.cleanup_ctx.append(_shared_view(s.view))
     return app
+
+
+def _shared_view(view: RoutingView):
+    async def shared(_app: web.Application) -> AsyncIterator[None]:
+        """The routing view's bus and stream (gateway/view): started last, stopped first."""
+        await view.start()
+        try:
+            yield
+        finally:
+            await view.stop()
+    return shared
 
 
 def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, started_at: int) -> None:

@@ -1,10 +1,11 @@
 """``--workers N``: N gateway processes sharing one port through SO_REUSEPORT.
 
 The kernel spreads new connections over the workers' listening sockets, so a machine with more
-cores serves more requests. Each worker is a whole gateway with its own state: in-flight counts,
-round-robin positions, the prefix-cache index, health and metrics monitors, and (without Redis)
-rate-limit counters. Use ``state.redis_url`` to share limits and in-flight counts between workers
-as between replicas.
+cores serves more requests. Each worker is a whole gateway with its own state: round-robin
+positions, health and metrics monitors, and (without Redis) rate-limit counters. Their routing
+view (the prefix index, in-flight counts, sessions) is shared over a local bus in a private
+directory the caller creates before the fork (gateway/view). Use ``state.redis_url`` to share
+limits and in-flight counts between workers as between replicas.
 
 The parent forks the workers before any event loop exists, forwards SIGTERM/SIGINT to them (each
 drains as a single gateway does), restarts a worker that dies unexpectedly (with a short back-off),
@@ -59,10 +60,11 @@ def resolve_workers(value: int | str) -> int:
     return cpu_limit() if value == "auto" else int(value)
 
 
-def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None],
+def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], None],
                 on_reload: Callable[[], None] | None = None) -> int:
-    """Fork ``n`` processes that each call ``serve_one()`` (which must bind with SO_REUSEPORT);
-    ``on_reload`` runs in the parent at SIGHUP, before the workers are told."""
+    """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
+    a restarted worker gets its predecessor's index); ``on_reload`` runs in the parent at SIGHUP,
+    before the workers are told."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
 
@@ -74,7 +76,7 @@ def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]
             signal.signal(signal.SIGHUP, signal.SIG_IGN)    # until the worker's loop handles it
             code = 1
             try:
-                code = serve_one()
+                code = serve_one(index)
             finally:
                 os._exit(code)
         children[pid] = index
