@@ -76,15 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
     from gateway.server.run import free_port, serve
-    from gateway.server.workers import resolve_workers
+    from gateway.server.workers import WorkerInfo, resolve_workers
     workers = resolve_workers(args.workers if args.workers is not None else config.server.workers)
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
         return 2
 
-    def serve_one() -> int:
+    def serve_one(worker: WorkerInfo | None = None) -> int:
         try:
-            uvloop.run(serve(config, reuse_port=workers > 1, loader=load, worker=workers > 1))
+            uvloop.run(serve(config, reuse_port=worker is not None, loader=load, worker=worker))
         except ValueError as e:  # strategy names etc. validated at app build
             print(f"switchyard: {e}", file=sys.stderr)
             return 2
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.listen.port == 0:   # every worker must bind the same port
         listen[1] = free_port(config.listen.host)
         config = config.with_listen(*listen)
-    from gateway.server.workers import run_workers, stderr_log
+    from gateway.server.workers import RunDirectory, run_workers, stderr_log
     started = config
 
     def reread() -> None:
@@ -109,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError) as e:
             stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
 
-    return run_workers(workers, serve_one, stderr_log, on_reload=reread)
+    run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
+    try:
+        return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path)),
+                           stderr_log, on_reload=reread)
+    finally:
+        run_dir.close()
 
 
 def check_config(path: str) -> int:

@@ -11,15 +11,23 @@ drains as a single gateway does), restarts a worker that dies unexpectedly (with
 and exits when all have exited after a signal. SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent.
+
+What the workers tell each other goes through a private directory the parent creates before the
+fork (``RunDirectory``: mode 0700, removed when the parent exits): worker *i* listens there on a
+Unix socket of its own, through which a sibling answering ``/metrics`` or ``/status.json`` reads
+its figures (gateway/server/siblings.py). A restarted worker keeps its index, and so its path.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 RESTART_BACKOFF_S = 1.0
@@ -59,10 +67,38 @@ def resolve_workers(value: int | str) -> int:
     return cpu_limit() if value == "auto" else int(value)
 
 
-def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None],
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One of ``--workers N`` processes: its index (kept by a restarted worker), the count, and the
+    parent's private directory where each worker listens for its siblings."""
+
+    index: int
+    count: int
+    run_dir: str
+
+    def socket_path(self, index: int) -> str:
+        return os.path.join(self.run_dir, f"worker-{index}.sock")
+
+
+class RunDirectory:
+    """The parent's private directory (``mkdtemp``: mode 0700, so only this user's processes reach the
+    workers' sockets), removed by ``close`` (idempotent)."""
+
+    def __init__(self) -> None:
+        self.path = tempfile.mkdtemp(prefix="switchyard-")
+        if len(os.path.join(self.path, "worker-9999.sock")) >= 100:     # sun_path holds 108 bytes
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
+
+    def close(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], None],
                 on_reload: Callable[[], None] | None = None) -> int:
-    """Fork ``n`` processes that each call ``serve_one()`` (which must bind with SO_REUSEPORT);
-    ``on_reload`` runs in the parent at SIGHUP, before the workers are told."""
+    """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
+    a restarted worker gets its predecessor's index); ``on_reload`` runs in the parent at SIGHUP,
+    before the workers are told."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
 
@@ -74,7 +110,7 @@ def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]
             signal.signal(signal.SIGHUP, signal.SIG_IGN)    # until the worker's loop handles it
             code = 1
             try:
-                code = serve_one()
+                code = serve_one(index)
             finally:
                 os._exit(code)
         children[pid] = index
