@@ -139,6 +139,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     ``worker``: this process is one of ``--workers N`` (None: the whole gateway)."""
     pool = pool if pool is not None else pool_from_config(config)
     s = build_services(config, pool)
+    if worker is not None:          # admission's bounds are the gateway's: each worker takes its share
+        s.admission.set_workers(worker.count)
     metrics, lifecycle = s.metrics, s.lifecycle
     tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
     tracing = s.tracing if isinstance(s.tracing, Tracing) else None
