@@ -61,10 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     listen: list = [args.host, args.port]
+    resolved: list[int] = []      # the worker count, once known: a reload keeps it
 
     def load(deprecations: list[Deprecation] | None = None) -> Config:
         """The config file with the command line's overrides: at start and at each reload."""
         cfg = load_config(args.config, deprecations).with_listen(*listen)
+        if resolved:
+            cfg = cfg.with_workers(resolved[0])
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
 
     deprecated: list[Deprecation] = []      # logged once logging follows the config's format
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
         return 2
+    resolved.append(workers)
+    config = config.with_workers(workers)
 
     def serve_one(worker: WorkerInfo | None = None) -> int:
         try:

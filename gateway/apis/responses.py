@@ -428,7 +428,8 @@ def add_responses(app: web.Application, api: ResponsesApi) -> None:
     app.router.add_delete(RESPONSES + "/{response_id}", api.by_id)
     app.router.add_route("*", RESPONSES + "/{response_id}/{action:cancel|input_items}", _only(api))
     app.cleanup_ctx.append(api.lifecycle)
-    if api.backend == "memory" and api.config.server.workers > 1:
+    workers = api.config.server.workers          # a count once python -m gateway resolved "auto"
+    if api.backend == "memory" and isinstance(workers, int) and workers > 1:
         # each worker process has its own map: a follow-up landing on another worker finds nothing
         log.warning("responses state is per worker process with server.workers > 1: set state.redis_url "
                     "so that every worker finds every response", **api.describe())
