@@ -14,6 +14,11 @@ Three signals, each with its threshold (``admission:`` in the config):
 - **this gateway's in-flight count** on it, saturated at ``max_in_flight_per_endpoint`` (0: no cap).
   It needs no scrape, so it also works with ``scrape.enabled: false``.
 
+With ``--workers N`` each worker sees only its own requests, so the room a threshold leaves is
+shared: a worker's room is ``1/N`` of it, less what it used itself. For the engine's queue that is
+``(max_waiting - (R + W - C)) / N - (F - F0)``, for the in-flight cap ``max_in_flight / N - F``:
+added over the workers, the gateway's room, as one process would have (docs/tenancy.md).
+
 Engine metrics older than ``metrics_max_age_s`` (or none yet) make the endpoint saturated: a
 silent engine is not an idle one (fail closed, as llm-d's saturation detector does).
 
@@ -40,6 +45,7 @@ class Thresholds:
     max_in_flight: int = 0
     max_age: float = 5.0
     engine_signals: bool = True          # scrape.enabled: read the engines' own figures
+    workers: int = 1                     # --workers: each worker has 1/workers of the room
 
 
 @dataclass(slots=True)
@@ -90,7 +96,7 @@ def estimate(ep: Endpoint, th: Thresholds, now: float) -> Estimate:
     reason: str | None = None
     waiting: float | None = None
     if th.max_in_flight:
-        room, reason = th.max_in_flight - load, "in_flight"
+        room, reason = (th.max_in_flight if th.workers == 1 else th.max_in_flight / th.workers) - load, "in_flight"
     if th.engine_signals:
         b = baseline(ep)
         m = b.snapshot
@@ -98,7 +104,11 @@ def estimate(ep: Endpoint, th: Thresholds, now: float) -> Estimate:
             return Estimate(0, None, "stale")
         if m.waiting is not None:
             waiting = m.waiting if b.capacity is None else (m.running or 0) + m.waiting + load - b.in_flight - b.capacity
-            r = th.max_waiting - waiting
+            if th.workers == 1:
+                r = th.max_waiting - waiting
+            else:       # the engine's queue at the scrape is everyone's; what was sent since, this worker's
+                sent = 0 if b.capacity is None else load - b.in_flight
+                r = (th.max_waiting - (waiting - sent)) / th.workers - sent
             if r < room:
                 room, reason = r, "waiting"
         if m.kv_usage is not None and m.kv_usage >= th.max_kv:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,6 +84,7 @@ class Admission:
         self.clock = clock
         self.m = AdmissionMetrics(metrics.registry)
         self._models: dict[str, ModelQueue] = {}
+        self.workers = 1
         self.reconfigure(config)
         metrics.registry.register(_AdmissionState(self))
 
@@ -95,17 +97,27 @@ class Admission:
         for model in list(self._models):
             self._pump(model)
 
+    def set_workers(self, n: int) -> None:
+        """This process is one of ``n`` workers (``--workers``): the configured bounds are the
+        gateway's, so it takes ``1/n`` of each (docs/tenancy.md, "Several workers")."""
+        self.workers = max(1, n)
+        self.reconfigure(self.config)
+
     def settings(self, model: str) -> AdmissionConfig | None:
-        """The model's admission settings, None when admission is off for it."""
+        """The model's admission settings, None when admission is off for it; with several
+        workers, the queue bounds are this worker's share (rounded up)."""
         try:
             return self._settings[model]
         except KeyError:
             s = self.config.admission_for(model)
+            if s.enabled and self.workers > 1:
+                n = self.workers
+                s = msgspec.structs.replace(s, queue_max=-(-s.queue_max // n), queue_max_bytes=-(-s.queue_max_bytes // n))
             s = self._settings[model] = s if s.enabled else None
             if s is not None:
                 self._thresholds[model] = Thresholds(s.max_waiting_per_endpoint, s.max_kv_usage,
                                                      s.max_in_flight_per_endpoint, s.metrics_max_age_s,
-                                                     self.engine_signals)
+                                                     self.engine_signals, self.workers)
                 self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
             return s
 

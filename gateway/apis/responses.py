@@ -461,7 +461,9 @@ def add_responses(app: web.Application, api: ResponsesApi) -> None:
     app.router.add_delete(RESPONSES + "/{response_id}", api.by_id)
     app.router.add_route("*", RESPONSES + "/{response_id}/{action:cancel|input_items}", _only(api))
     app.cleanup_ctx.append(api.lifecycle)
-    if api.backend == "memory" and api.config.server.workers > 1 and (api.gateway_held or not api.config.view.workers):
+    workers = api.config.server.workers          # a count once python -m gateway resolved "auto"
+    if api.backend == "memory" and isinstance(workers, int) and workers > 1 \
+            and (api.gateway_held or not api.config.view.workers):
         # each worker process has its own store: a follow-up landing on another worker finds nothing
         # (engine mode's owners are shared through the routing view, unless view.workers is off)
         log.warning("responses state is per worker process with server.workers > 1: set state.redis_url "

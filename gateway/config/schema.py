@@ -406,6 +406,10 @@ class Config(Block, dict=True):
     def with_log_format(self, fmt: str) -> Config:
         return msgspec.structs.replace(self, server=msgspec.structs.replace(self.server, log_format=fmt))
 
+    def with_workers(self, n: int) -> Config:
+        """The worker count ``python -m gateway`` resolved (``auto``, ``--workers``) and runs."""
+        return msgspec.structs.replace(self, server=msgspec.structs.replace(self.server, workers=n))
+
 
 # -- loading ------------------------------------------------------------------------------------
 

@@ -12,6 +12,11 @@ drains as a single gateway does), restarts a worker that dies unexpectedly (with
 and exits when all have exited after a signal. SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent.
+
+What the workers tell each other goes through a private directory the parent creates before the
+fork (``gateway.server.rundir.RunDirectory``: mode 0700, removed when the parent exits): worker *i* listens there on a
+Unix socket of its own, through which a sibling answering ``/metrics`` or ``/status.json`` reads
+its figures (gateway/server/siblings.py). A restarted worker keeps its index, and so its path.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 RESTART_BACKOFF_S = 1.0
@@ -58,6 +64,19 @@ def _cgroup_quota(root: Path) -> tuple[int, int] | None:
 def resolve_workers(value: int | str) -> int:
     """``server.workers`` / ``--workers``: a count, or ``auto`` (= ``cpu_limit()``)."""
     return cpu_limit() if value == "auto" else int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One of ``--workers N`` processes: its index (kept by a restarted worker), the count, and the
+    parent's private directory where each worker listens for its siblings."""
+
+    index: int
+    count: int
+    run_dir: str
+
+    def socket_path(self, index: int) -> str:
+        return os.path.join(self.run_dir, f"worker-{index}.sock")
 
 
 def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], None],

@@ -1,7 +1,7 @@
 """The local bus: the workers of one gateway (``--workers N``) tell each other their routing facts.
 
 The parent creates a private directory (mode 0700: only this user's processes can send to the
-workers) before it forks, and removes it when it exits (``BusDirectory``). Worker *i* binds one
+workers) before it forks, and removes it when it exits (``gateway.server.rundir.RunDirectory``). Worker *i* binds one
 Unix datagram socket there, ``w<i>.sock`` (a restarted worker unlinks and binds it again), and
 sends each batch to every sibling's socket with one non-blocking ``sendto``: nothing waits on
 another process. A sibling whose receive queue is full, or that is not there (starting,
@@ -18,27 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 # a worker's receive buffer: room for a burst of batches while its loop is busy
 RCVBUF_BYTES = 4 * 1024 * 1024
-
-
-class BusDirectory:
-    """The parent's private directory of worker sockets, removed by ``close`` (idempotent)."""
-
-    def __init__(self) -> None:
-        self.path = tempfile.mkdtemp(prefix="switchyard-view-")     # mode 0700
-        if len(os.path.join(self.path, "w9999.sock")) >= 100:       # sun_path is 108 bytes
-            shutil.rmtree(self.path, ignore_errors=True)
-            self.path = tempfile.mkdtemp(prefix="sy-view-", dir="/tmp")
-
-    def close(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
 
 
 def socket_path(directory: str, index: int) -> str:

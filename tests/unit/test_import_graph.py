@@ -353,7 +353,7 @@ FLOORS: dict[str, int] = {
     "gateway.tenants": 1, "gateway.admission": 1, "gateway.apis": 1, "gateway.aliases": 1, "gateway.state": 1,
     "gateway.observability": 1, "gateway.view": 1,
     "gateway.pipeline.context": 1, "gateway.pipeline.ledger": 1, "gateway.pipeline.sse": 1,
-    "gateway.server.lifecycle": 1, "gateway.server.periodic": 1,
+    "gateway.server.lifecycle": 1, "gateway.server.periodic": 1, "gateway.server.rundir": 1,
     "gateway.pipeline": 2, "gateway.pd": 2,
     "gateway.server": 3, "gateway.observability.status": 3, "gateway.observability.status_http": 3,
     "gateway.demo": 3, "gateway.__main__": 3, "gateway.admin_cli": 3, "gateway": 3,

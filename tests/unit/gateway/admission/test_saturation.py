@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 
 from gateway.admission.saturation import UNBOUNDED, Thresholds, estimate, total_headroom, unsaturated
+from gateway.admission.service import Admission
 from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import EngineMetrics
+from gateway.observability.metrics import GatewayMetrics
+from gateway.server.app import pool_from_config
 from tests.support.factories import endpoint
 
 TH = Thresholds(max_waiting=2, max_kv=0.8, max_in_flight=0, max_age=5.0)
@@ -89,3 +92,33 @@ def test_config_defaults_model_override_and_validation():
     with pytest.raises(ConfigError, match=r"admission.enabled: needs scrape.enabled"):
         _cfg(admission={"enabled": True}, scrape={"enabled": False})
     assert _cfg(admission={"enabled": True, "max_in_flight_per_endpoint": 4}, scrape={"enabled": False})
+
+
+def test_several_workers_share_the_room_a_threshold_leaves():
+    """``--workers 2``: each worker sees only its own requests, so each takes half the room the
+    engine's queue leaves and half the in-flight cap; added up, the room of one gateway."""
+    two = Thresholds(max_waiting=6, max_kv=0.8, max_in_flight=0, max_age=5.0, workers=2)
+    e = endpoint()
+    e.in_flight = 4
+    scrape(e, 100.0, running=4, waiting=2)              # capacity 4, 2 queued: room for 4 more in all
+    assert estimate(e, TH, 100.0).headroom == 0 and estimate(e, two, 100.0).headroom == 2
+    e.in_flight = 5                                     # this worker sent one since the scrape
+    assert estimate(e, two, 100.5).headroom == 1
+    e.in_flight = 3                                     # two of its requests finished: two slots freed
+    assert estimate(e, two, 100.5).headroom == 3
+    capped = Thresholds(max_in_flight=5, engine_signals=False, workers=2)
+    e.in_flight = 2
+    assert estimate(e, capped, 100.0).headroom == 0     # 2.5 each, rounded down: at most the cap in all
+    e.in_flight = 1
+    assert estimate(e, capped, 100.0).headroom == 1
+
+
+def test_several_workers_split_the_queue_bounds():
+    cfg = config_from_dict({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:9"]}],
+                            "admission": {"enabled": True, "queue_max": 5, "queue_max_bytes": 1000}})
+    adm = Admission(cfg, pool_from_config(cfg), GatewayMetrics())
+    assert (adm.settings("m").queue_max, adm.settings("m").queue_max_bytes) == (5, 1000)
+    adm.set_workers(2)
+    s = adm.settings("m")
+    assert (s.queue_max, s.queue_max_bytes) == (3, 500)       # rounded up
+    assert adm._thresholds["m"].workers == 2

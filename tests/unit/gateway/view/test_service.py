@@ -9,7 +9,8 @@ import stat
 from gateway.config.schema import config_from_dict
 from gateway.endpoints import EndpointPool
 from gateway.observability.metrics import GatewayMetrics
-from gateway.view.bus import BusDirectory, LocalBus, sibling_paths
+from gateway.server.rundir import RunDirectory
+from gateway.view.bus import LocalBus, sibling_paths
 from gateway.view.service import RoutingView, WorkerSlot
 from routers.base import RouterContext
 from tests.support.factories import inference_request
@@ -34,7 +35,7 @@ def _worker(cfg, index: int, bus_dir: str) -> tuple[RoutingView, RouterContext, 
 
 
 async def test_insertions_sessions_and_loads_reach_the_sibling_and_are_not_sent_back():
-    d = BusDirectory()
+    d = RunDirectory()
     assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
     cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
     (a, actx, apool), (b, bctx, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
@@ -70,7 +71,7 @@ async def test_insertions_sessions_and_loads_reach_the_sibling_and_are_not_sent_
 
 
 async def test_a_missing_or_full_sibling_costs_a_counted_drop_never_a_wait():
-    d = BusDirectory()
+    d = RunDirectory()
     drops: list[str] = []
     got: list[bytes] = []
     try:
