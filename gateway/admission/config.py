@@ -32,3 +32,12 @@ class AdmissionConfig(Block):
     priority_header: Annotated[bool, Meta(description="Honour a request's x-priority header, never above its user's class.")] = True
     retry_after_max_s: Annotated[int, Meta(ge=1, description="Cap of the Retry-After computed for a shed request, in seconds.")] = 60
     drain_window_s: Annotated[float, Meta(ge=1, le=600, description="The queue's drain rate (for Retry-After) is measured over this window, in seconds.")] = 10.0
+
+
+class SLOConfig(Block):
+    """A model's default latency objectives: what a request without ``x-slo-ttft-ms`` /
+    ``x-slo-tpot-ms`` headers is held to (admission's deadlines, SLO-aware routing, the met/missed
+    counts)."""
+
+    ttft_ms: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description="Time to first token a request of this model should get, in milliseconds, unless its x-slo-ttft-ms header says otherwise (null: none).")] = None
+    tpot_ms: Annotated[Annotated[float, Meta(gt=0)] | None, Meta(description="Time per output token after the first a request of this model should get, in milliseconds, unless its x-slo-tpot-ms header says otherwise (null: none).")] = None

@@ -157,11 +157,26 @@ class Pipeline:
             candidates = await self._serving(ctx, spec, router, candidates)
         adapter = adapter_for(candidates[0].engine)
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
+        self._objectives(ireq, rec)
         candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
         kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
         if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
             await kv.prepare(ireq, candidates)
         return adapter, checked, candidates
+
+    def _objectives(self, ireq: InferenceRequest, rec) -> None:
+        """The request's latency objectives: its headers', else its model's ``slo:`` defaults."""
+        m = self.config.model(ireq.model)
+        slo = m.slo if m is not None else None
+        if slo is not None:
+            if ireq.slo_ttft_ms is None:
+                ireq.slo_ttft_ms = slo.ttft_ms
+            if ireq.slo_tpot_ms is None:
+                ireq.slo_tpot_ms = slo.tpot_ms
+        if ireq.slo_ttft_ms is not None:
+            rec.extra["slo_ttft_ms"] = ireq.slo_ttft_ms
+        if ireq.slo_tpot_ms is not None:
+            rec.extra["slo_tpot_ms"] = ireq.slo_tpot_ms
 
     async def _serving(self, ctx: RequestContext, spec: str, router: Router,
                        candidates: list[Endpoint]) -> list[Endpoint]:
