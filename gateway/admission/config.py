@@ -27,6 +27,7 @@ class AdmissionConfig(Block):
     max_waiting_per_endpoint: Annotated[int, Meta(ge=1, description="An endpoint is saturated when its engine's estimated queue would exceed this.")] = 5
     max_kv_usage: Annotated[float, Meta(gt=0, le=1, description="An endpoint is saturated when its KV-cache usage reaches this share (0..1).")] = 0.8
     max_in_flight_per_endpoint: Annotated[int, Meta(ge=0, description="An endpoint is saturated when this gateway's requests on it would exceed this (0: no cap).")] = 0
+    initial_capacity: Annotated[int, Meta(ge=1, description="Running slots assumed on an endpoint until its engine tells its cap (SGLang) or is seen queueing; raised to what it is seen running without queueing (slow start).")] = 1
     metrics_max_age_s: Annotated[float, Meta(gt=0, description="An endpoint whose engine metrics are older than this counts as saturated, in seconds.")] = 5.0
     default_priority: Annotated[Priority, Meta(description="Class of users without limits.users.NAME.priority: critical, standard or sheddable.")] = "standard"
     priority_header: Annotated[bool, Meta(description="Honour a request's x-priority header, never above its user's class.")] = True

@@ -36,7 +36,14 @@ from prometheus_client.registry import Collector
 
 from gateway.admission.config import PRIORITIES, RANK, AdmissionConfig
 from gateway.admission.queue import GRANTED, WAITING, DrainRate, FairQueue, Waiter, retry_after_s
-from gateway.admission.saturation import Thresholds, baseline, estimate, total_headroom, unsaturated
+from gateway.admission.saturation import (
+    Thresholds,
+    baseline,
+    estimate,
+    gateway_load,
+    total_headroom,
+    unsaturated,
+)
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram
@@ -105,7 +112,7 @@ class Admission:
             if s is not None:
                 self._thresholds[model] = Thresholds(s.max_waiting_per_endpoint, s.max_kv_usage,
                                                      s.max_in_flight_per_endpoint, s.metrics_max_age_s,
-                                                     self.engine_signals)
+                                                     self.engine_signals, s.initial_capacity)
                 self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
             return s
 
@@ -198,13 +205,32 @@ class Admission:
             raise _no_endpoint(model)
         return eps if pairs else unsaturated(eps, th, self.clock())
 
-    def released(self, model: str, dispatched: bool) -> None:
-        """A request of ``model`` released its charges (``dispatched``: it had taken a slot)."""
+    def dispatched(self, ctx: RequestContext) -> None:
+        """The request was routed and charged: note what its engine held then, counting it (for
+        the slow start, which learns from its TTFT)."""
+        d = ctx.decision
+        if d is None or d.prefill is not None or ctx.ireq is None or self._thresholds.get(ctx.ireq.model) is None:
+            return
+        ep = d.endpoint
+        occupied = baseline(ep).occupancy(gateway_load(ep))
+        if occupied is not None:
+            ctx.dispatched = (ep, occupied)
+
+    def released(self, model: str, ctx: RequestContext) -> None:
+        """A request of ``model`` released its charges: room for the next waiter, a tick of the drain
+        rate if it had taken a slot, and what its TTFT says of the engine's capacity."""
         mq = self._models.get(model)
         if mq is None:
             return
-        if dispatched:
+        if ctx.charges.in_flight is not None:
             mq.drain.tick(self.clock())
+        rec = ctx.rec
+        if ctx.dispatched is not None and rec.ttft is not None and ctx.decision is not None:
+            ep, occupied = ctx.dispatched
+            th = self._thresholds.get(model)
+            if ep is ctx.decision.endpoint and th is not None:
+                waited = rec.extra.get("queue_wait_ms", 0.0) / 1000
+                baseline(ep).ttft_held(max(0.0, rec.ttft - waited), occupied, th)
         self._pump(model)
 
     def on_endpoint(self, ep: Endpoint) -> None:

@@ -80,6 +80,7 @@ class Pipeline:
             router = self.routing.router_for(spec)
             adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
             candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
+            self.admission.dispatched(ctx)          # what the engine held when it went (slow start)
             self._pin_rank(ctx, adapter)            # a data-parallel engine's rank
             self._begin_migration(ctx, candidates)  # a stream that may continue elsewhere
             if ctx.decision.prefill is not None:
@@ -140,7 +141,7 @@ class Pipeline:
 
     def _leave(self, model: str, ctx: RequestContext) -> None:
         self.model_in_flight[model] -= 1
-        self.admission.released(model, ctx.charges.in_flight is not None)   # freed room goes to the next waiter
+        self.admission.released(model, ctx)     # freed room goes to the next waiter
 
     async def _admit(self, ctx: RequestContext, ticket: Ticket, spec: str, router: Router
                      ) -> tuple[EngineAdapter, Any, list[Endpoint]]:

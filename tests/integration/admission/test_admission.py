@@ -155,3 +155,23 @@ async def test_a_bad_x_priority_is_a_400(sims, gateway):
     _, gw = await capped_gateway(sims, gateway)
     status, _, raw = await post(gw.url, body(), {"x-priority": "urgent"})
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
+
+
+async def test_no_flood_before_the_engines_capacity_is_known(sims, gateway):
+    """Twelve requests at once on a fresh engine of two slots: before its capacity is known it gets
+    one slot's worth and max_waiting_per_endpoint (slow start); once it has queued (a scrape), its
+    capacity is two. Its queue never passes the threshold; the rest wait in the gateway."""
+    sim = await sims("vllm", "m", max_num_seqs=2)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       admission={"enabled": True, "max_waiting_per_endpoint": 2})
+    ep = gw.gw.pool.endpoints("m")[0]
+    assert await wait_for(lambda: ep.metrics is not None)
+    tasks = [asyncio.create_task(post(gw.url, body(), HOLD)) for _ in range(12)]
+    assert await wait_for(lambda: "m" in gw.gw.admission._models and len(queue(gw)) == 8 and ep.in_flight == 4)
+    b = ep.extra["admission_baseline"]
+    assert (b.capacity, b.source) == (2, "queued")
+    assert await wait_for(lambda: sim.engine.counts.started == 4)
+    assert sim.engine.counts.waiting_peak == 2
+    for t in tasks:
+        await cancel(t)
+    assert sim.engine.counts.waiting_peak == 2

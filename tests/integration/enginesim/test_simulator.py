@@ -801,7 +801,7 @@ async def test_sim_reset(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     await call(http, vllm.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
     assert (await sim_state(vllm.url, http))["counts"]["completed"] == 1
     _, state, _ = await call(http, vllm.url + "/_sim/reset", {})
-    assert state["counts"] == {"started": 0, "completed": 0, "aborted": 0, "errors": 0}
+    assert state["counts"] == {"started": 0, "completed": 0, "aborted": 0, "errors": 0, "waiting_peak": 0}
     samples = await metric_samples(http, vllm.url)
     assert metric(samples, "vllm:request_success_total") == 0
 
