@@ -28,7 +28,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily
@@ -53,15 +53,22 @@ if TYPE_CHECKING:
     from gateway.config.schema import Config
     from gateway.observability.metrics import GatewayMetrics
     from gateway.pipeline.context import RequestContext, RequestRecord
+    from gateway.request import InferenceRequest
 
 SHEDDABLE = RANK["sheddable"]
-REASONS = ("queue_full", "displaced", "shed", "queue_timeout")
+REASONS = ("queue_full", "displaced", "fair_share", "shed", "queue_timeout", "deadline")
+OUTPUT_WEIGHT = 2.0          # an output token costs two prompt tokens in a user's counter (VTC's weights)
+OBJECTIVES = ("ttft", "tpot")
 _MESSAGES = {
     "queue_full": "model {model} is at capacity and its admission queue is full",
     "displaced": "model {model} is at capacity and a request of a higher priority class took this "
                  "request's place in the full admission queue",
+    "fair_share": "model {model} is at capacity and a user served less took this request's place in "
+                  "the full admission queue (its user has been served the most lately)",
     "shed": "model {model} is at capacity and requests of a higher priority class are waiting; "
             "sheddable requests are refused until they are served",
+    "deadline": "model {model} is at capacity and this request's time-to-first-token objective "
+                "({slo:g} ms) cannot be met by the admission queue",
     "queue_timeout": "model {model} stayed at capacity for the {timeout:g}s this request may wait",
 }
 
@@ -74,6 +81,9 @@ class AdmissionMetrics:
                               "Time requests spent in the admission queue, by how the wait ended "
                               "(dispatched, shed, cancelled)", ["model", "priority", "outcome"],
                               buckets=LATENCY_BUCKETS, registry=registry)
+        self.slo = Counter("switchyard_slo_requests", "Requests with a latency objective, by objective (ttft, "
+                           "tpot) and outcome: met, missed, shed (refused by admission control)",
+                           ["model", "objective", "outcome"], registry=registry)
 
 
 @dataclass(slots=True)
@@ -98,6 +108,7 @@ class Admission:
         self.config = config
         self._settings: dict[str, AdmissionConfig | None] = {}
         self._thresholds: dict[str, Thresholds] = {}
+        self._by_class: dict[str, list[Thresholds]] = {}      # per class: its share of the engine queue
         self.engine_signals = config.scrape.enabled
         for model in list(self._models):
             self._pump(model)
@@ -113,6 +124,10 @@ class Admission:
                 self._thresholds[model] = Thresholds(s.max_waiting_per_endpoint, s.max_kv_usage,
                                                      s.max_in_flight_per_endpoint, s.metrics_max_age_s,
                                                      self.engine_signals, s.initial_capacity)
+                th = self._thresholds[model]
+                self._by_class[model] = [
+                    replace(th, max_waiting=s.waiting_share.limit(r, s.max_waiting_per_endpoint))
+                    for r in range(len(PRIORITIES))]
                 self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
             return s
 
@@ -144,8 +159,9 @@ class Admission:
 
     async def admit(self, ctx: RequestContext, candidates: list[Endpoint], pairs: bool) -> list[Endpoint]:
         """The candidates to route among, once there is room; raises the 429 (or 503) otherwise."""
-        assert ctx.ireq is not None
-        model = ctx.ireq.model
+        ireq = ctx.ireq
+        assert ireq is not None
+        model = ireq.model
         s = self.settings(model)
         if s is None:
             return candidates
@@ -153,29 +169,42 @@ class Admission:
         rank = self.priority_of(ctx, s)
         rec.extra["priority"] = PRIORITIES[rank]
         mq = self._models[model]
-        th = self._thresholds[model]
+        th = self._by_class[model][rank]
         q = mq.queue
         now = self.clock()
-        if not len(q) and total_headroom(candidates, pairs, th, now) - mq.granted >= 1:
-            return candidates if pairs else unsaturated(candidates, th, now)
         user = rec.user or ""
-        size = len(ctx.ireq.body)
+        cost = request_cost(ireq)
+        if not any(q.count(r) for r in range(rank, len(PRIORITIES))) \
+                and total_headroom(candidates, pairs, th, now) - mq.granted >= 1:
+            q.charge(rank, user, cost)          # served at once: its tokens count all the same
+            return candidates if pairs else unsaturated(candidates, th, now)
+        size = len(ireq.body)
+        slo = ireq.slo_ttft_ms
+        deadline = now + slo / 1000 if slo is not None else math.inf
         if rank == SHEDDABLE and q.higher_waiting(rank):
-            raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user), rec)
+            raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user, deadline=deadline, cost=cost), rec)
+        if slo is not None:                 # a deadline the queue cannot meet: told at once, not served late
+            position = q.position(rank, user, deadline=deadline, cost=cost)
+            rate = mq.drain.rate(now)
+            if rate > 0 and (position + 1) / rate > slo / 1000:
+                raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo)
         while len(q) >= s.queue_max or q.bytes + size > s.queue_max_bytes:
-            victim = q.victim(rank) if len(q) else None
+            victim, reason = (q.victim(rank), "displaced") if len(q) else (None, "")
+            if victim is None and len(q):
+                victim, reason = q.fair_victim(rank, user, cost), "fair_share"
             if victim is None:
-                raise self._rejection(model, s, mq, rank, "queue_full", q.position(rank, user), rec)
-            err = self._rejection(model, s, mq, victim.rank, "displaced", q.position(victim.rank, victim.user, victim))
+                raise self._rejection(model, s, mq, rank, "queue_full",
+                                      q.position(rank, user, deadline=deadline, cost=cost), rec)
+            err = self._rejection(model, s, mq, victim.rank, reason, q.position(victim.rank, victim.user, victim))
             q.remove(victim)
             if not victim.fut.done():
                 victim.fut.set_exception(err)
         w = Waiter(rank, user, size, now, asyncio.get_running_loop().create_future(), candidates=candidates,
-                   pairs=pairs)
+                   pairs=pairs, cost=cost, deadline=deadline)
         q.push(w)
         self._pump(model)
         try:
-            async with asyncio.timeout(s.queue_timeout_s):
+            async with asyncio.timeout(min(s.queue_timeout_s, deadline - now)):
                 await w.fut
         except TimeoutError:
             if w.state != GRANTED:          # else granted just as the time ran out: it goes
@@ -184,6 +213,8 @@ class Admission:
                 self._waited(model, rank, "shed", w)
                 if not any(ep.ready for ep in candidates):
                     raise _no_endpoint(model) from None
+                if self.clock() >= deadline and deadline - now < s.queue_timeout_s:
+                    raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo) from None
                 raise self._rejection(model, s, mq, rank, "queue_timeout", position, rec) from None
         except asyncio.CancelledError:       # the client went away (or the server stops)
             if w.state == WAITING:
@@ -219,12 +250,19 @@ class Admission:
     def released(self, model: str, ctx: RequestContext) -> None:
         """A request of ``model`` released its charges: room for the next waiter, a tick of the drain
         rate if it had taken a slot, and what its TTFT says of the engine's capacity."""
+        rec = ctx.rec
+        if ctx.ireq is not None and (ctx.ireq.slo_ttft_ms is not None or ctx.ireq.slo_tpot_ms is not None):
+            self._objectives(model, ctx)
         mq = self._models.get(model)
         if mq is None:
             return
         if ctx.charges.in_flight is not None:
             mq.drain.tick(self.clock())
-        rec = ctx.rec
+            rank = RANK.get(rec.extra.get("priority", ""))
+            if rank is not None and rec.completion_tokens is not None and ctx.ireq is not None:
+                # the user's counter was charged the expected output: now the real one
+                mq.queue.charge(rank, rec.user or "",
+                                OUTPUT_WEIGHT * (rec.completion_tokens - expected_output(ctx.ireq)))
         if ctx.dispatched is not None and rec.ttft is not None and ctx.decision is not None:
             ep, occupied = ctx.dispatched
             th = self._thresholds.get(model)
@@ -240,20 +278,50 @@ class Admission:
             baseline(ep)
             self._pump(ep.model)
 
+    def _objectives(self, model: str, ctx: RequestContext) -> None:
+        """Count whether the request met its latency objectives (and say so on its log line)."""
+        rec, ireq = ctx.rec, ctx.ireq
+        assert ireq is not None
+        outcomes: dict[str, str] = {}
+        shed = rec.status == 429 and str(rec.error_class or "").startswith("admission")
+        failed = rec.status >= 500 or (rec.status == 200 and rec.error_class is not None)
+        ttft = rec.ttft
+        if ireq.slo_ttft_ms is not None:
+            if shed:
+                outcomes["ttft"] = "shed"
+            elif failed:
+                outcomes["ttft"] = "missed"
+            elif ttft is not None:
+                outcomes["ttft"] = "met" if ttft * 1000 <= ireq.slo_ttft_ms else "missed"
+        if ireq.slo_tpot_ms is not None:
+            n = rec.completion_tokens
+            if shed:
+                outcomes["tpot"] = "shed"
+            elif failed:
+                outcomes["tpot"] = "missed"
+            elif ttft is not None and n is not None and n > 1:
+                tpot = (time.perf_counter() - rec.started - ttft) / (n - 1)
+                rec.extra["tpot_ms"] = round(tpot * 1000, 3)
+                outcomes["tpot"] = "met" if tpot * 1000 <= ireq.slo_tpot_ms else "missed"
+        for objective, outcome in outcomes.items():
+            self.m.slo.labels(model, objective, outcome).inc()
+        if outcomes:
+            rec.extra["slo_met"] = all(o == "met" for o in outcomes.values())
+
     # -- inside --------------------------------------------------------------------------------
 
     def _pump(self, model: str) -> None:
         mq = self._models.get(model)
         if mq is None or not len(mq.queue):
             return
-        th = self._thresholds.get(model)
-        if th is None:                      # admission turned off by a reload: let everyone go
-            th = Thresholds(max_waiting=1 << 30, max_kv=2.0, max_age=math.inf, engine_signals=False)
+        by_class = self._by_class.get(model)
+        if by_class is None:                # admission turned off by a reload: let everyone go
+            by_class = [Thresholds(max_waiting=1 << 30, max_kv=2.0, max_age=math.inf, engine_signals=False)] * len(PRIORITIES)
         now = self.clock()
         q = mq.queue
         while (w := q.peek()) is not None:
             eps = [ep for ep in w.candidates if ep.ready]
-            if eps and total_headroom(eps, w.pairs, th, now) - mq.granted < 1:
+            if eps and total_headroom(eps, w.pairs, by_class[w.rank], now) - mq.granted < 1:
                 return
             q.pop()
             if w.fut.done():                # its task was cancelled and has not run yet
@@ -273,7 +341,7 @@ class Admission:
         self.m.wait.labels(model, PRIORITIES[rank], outcome).observe(max(0.0, self.clock() - w.enqueued))
 
     def _rejection(self, model: str, s: AdmissionConfig, mq: ModelQueue, rank: int, reason: str,
-                   position: int, rec: RequestRecord | None = None) -> GatewayError:
+                   position: int, rec: RequestRecord | None = None, slo: float | None = None) -> GatewayError:
         rate = mq.drain.rate(self.clock())
         secs = retry_after_s(position, rate, s.retry_after_max_s)
         ms = max(1, math.ceil(secs * 1000))
@@ -284,9 +352,25 @@ class Admission:
                    "x-ratelimit-limit-queue": str(s.queue_max),
                    "x-ratelimit-remaining-queue": str(max(0, s.queue_max - len(mq.queue))),
                    "x-ratelimit-reset-queue": fmt_duration(ms), "x-error-admission": reason}
-        msg = _MESSAGES[reason].format(model=model, timeout=s.queue_timeout_s)
+        msg = _MESSAGES[reason].format(model=model, timeout=s.queue_timeout_s, slo=slo or 0.0)
         return GatewayError(429, f"{msg}; retry after {math.ceil(secs)}s", code=reason, headers=headers,
                             error_class=ErrorClass.admission(reason))
+
+
+def expected_output(ireq: InferenceRequest) -> int:
+    """The output tokens a request is expected to produce: its limit when it names one, else as many
+    as its prompt (a rough guess, corrected once the answer's usage is known)."""
+    data = ireq.data
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        v = data.get(key)
+        if type(v) is int and v >= 0:
+            return v
+    return ireq.prompt_tokens_est
+
+
+def request_cost(ireq: InferenceRequest) -> float:
+    """What serving the request adds to its user's counter: prompt tokens and twice the output."""
+    return float(ireq.prompt_tokens_est + OUTPUT_WEIGHT * expected_output(ireq))
 
 
 def _no_endpoint(model: str) -> GatewayError:
