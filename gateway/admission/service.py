@@ -59,6 +59,7 @@ SHEDDABLE = RANK["sheddable"]
 REASONS = ("queue_full", "displaced", "fair_share", "shed", "queue_timeout", "deadline")
 OUTPUT_WEIGHT = 2.0          # an output token costs two prompt tokens in a user's counter (VTC's weights)
 OBJECTIVES = ("ttft", "tpot")
+ENGINE_TTFT_ALPHA = 0.2      # weight of the newest request in the engine-side TTFT average
 _MESSAGES = {
     "queue_full": "model {model} is at capacity and its admission queue is full",
     "displaced": "model {model} is at capacity and a request of a higher priority class took this "
@@ -91,6 +92,7 @@ class ModelQueue:
     queue: FairQueue = field(default_factory=FairQueue)
     drain: DrainRate = field(default_factory=DrainRate)
     granted: int = 0                 # slots handed out whose requests have not charged yet
+    engine_ttft: float = 0.0         # recent engine-side TTFT (dispatch to first token), seconds (EWMA)
 
 
 class Admission:
@@ -180,13 +182,14 @@ class Admission:
             return candidates if pairs else unsaturated(candidates, th, now)
         size = len(ireq.body)
         slo = ireq.slo_ttft_ms
-        deadline = now + slo / 1000 if slo is not None else math.inf
+        # the request must leave the queue in time for the engine's own part of its TTFT
+        deadline = now + slo / 1000 - mq.engine_ttft if slo is not None else math.inf
         if rank == SHEDDABLE and q.higher_waiting(rank):
             raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user, deadline=deadline, cost=cost), rec)
         if slo is not None:                 # a deadline the queue cannot meet: told at once, not served late
             position = q.position(rank, user, deadline=deadline, cost=cost)
             rate = mq.drain.rate(now)
-            if rate > 0 and (position + 1) / rate > slo / 1000:
+            if deadline <= now or rate > 0 and now + (position + 1) / rate > deadline:
                 raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo)
         while len(q) >= s.queue_max or q.bytes + size > s.queue_max_bytes:
             victim, reason = (q.victim(rank), "displaced") if len(q) else (None, "")
@@ -204,7 +207,7 @@ class Admission:
         q.push(w)
         self._pump(model)
         try:
-            async with asyncio.timeout(min(s.queue_timeout_s, deadline - now)):
+            async with asyncio.timeout(max(0.0, min(s.queue_timeout_s, deadline - now))):
                 await w.fut
         except TimeoutError:
             if w.state != GRANTED:          # else granted just as the time ran out: it goes
@@ -268,7 +271,9 @@ class Admission:
             th = self._thresholds.get(model)
             if ep is ctx.decision.endpoint and th is not None:
                 waited = rec.extra.get("queue_wait_ms", 0.0) / 1000
-                baseline(ep).ttft_held(max(0.0, rec.ttft - waited), occupied, th)
+                engine_ttft = max(0.0, rec.ttft - waited)
+                baseline(ep).ttft_held(engine_ttft, occupied, th)
+                mq.engine_ttft += ENGINE_TTFT_ALPHA * (engine_ttft - mq.engine_ttft)
         self._pump(model)
 
     def on_endpoint(self, ep: Endpoint) -> None:
