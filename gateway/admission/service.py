@@ -102,6 +102,7 @@ class Admission:
         self.clock = clock
         self.m = AdmissionMetrics(metrics.registry)
         self._models: dict[str, ModelQueue] = {}
+        self.slo_counts: dict[str, dict[str, dict[str, int]]] = {}     # model → objective → outcome → count
         self.reconfigure(config)
         metrics.registry.register(_AdmissionState(self))
 
@@ -308,10 +309,37 @@ class Admission:
                 tpot = (time.perf_counter() - rec.started - ttft) / (n - 1)
                 rec.extra["tpot_ms"] = round(tpot * 1000, 3)
                 outcomes["tpot"] = "met" if tpot * 1000 <= ireq.slo_tpot_ms else "missed"
+        counts = self.slo_counts.setdefault(model, {})
         for objective, outcome in outcomes.items():
             self.m.slo.labels(model, objective, outcome).inc()
+            per = counts.setdefault(objective, {"met": 0, "missed": 0, "shed": 0})
+            per[outcome] += 1
         if outcomes:
             rec.extra["slo_met"] = all(o == "met" for o in outcomes.values())
+
+    def status(self, model: str) -> dict | None:
+        """The model's admission rows on the status page (None: admission is off for it)."""
+        s = self.settings(model)
+        slo = self.slo_counts.get(model)
+        if s is None:
+            return {"enabled": False, "slo": slo} if slo else None
+        mq, th = self._models[model], self._thresholds[model]
+        now = self.clock()
+        eps = []
+        for ep in self.pool.endpoints(model):
+            e = estimate(ep, th, now)
+            b = baseline(ep)
+            eps.append({"name": ep.name, "capacity": b.cap(th) if th.engine_signals else None,
+                        "capacity_source": b.source if th.engine_signals else None,
+                        "engine_queue": e.waiting, "headroom": min(e.headroom, 1_000_000),
+                        "saturated": e.saturated, "reason": e.reason})
+        q = mq.queue
+        return {"enabled": True,
+                "queue": {name: q.count(rank) for rank, name in enumerate(PRIORITIES)},
+                "users_waiting": {name: q.users(rank) for rank, name in enumerate(PRIORITIES)},
+                "queue_bytes": q.bytes, "queue_max": s.queue_max,
+                "drain_rate": round(mq.drain.rate(now), 3), "engine_ttft_ms": round(mq.engine_ttft * 1000, 1),
+                "endpoints": eps, "slo": slo}
 
     # -- inside --------------------------------------------------------------------------------
 
@@ -404,6 +432,10 @@ class _AdmissionState(Collector):
         room = GaugeMetricFamily("switchyard_endpoint_admission_headroom",
                                  "Requests the endpoint can take before it is saturated (capped at 1e6)",
                                  labels=["model", "endpoint"])
+        cap = GaugeMetricFamily("switchyard_endpoint_admission_capacity",
+                                "Running slots admission control counts on the endpoint, and where the figure "
+                                "comes from: queued (seen queueing), told (the engine's cap), slow_start",
+                                labels=["model", "endpoint", "source"])
         now = a.clock()
         for model, mq in list(a._models.items()):
             for rank, name in enumerate(PRIORITIES):
@@ -417,4 +449,7 @@ class _AdmissionState(Collector):
                 e = estimate(ep, th, now)
                 sat.add_metric([model, ep.name], 1 if e.saturated else 0)
                 room.add_metric([model, ep.name], min(e.headroom, 1_000_000))
-        yield from (depth, held, drain, sat, room)
+                if th.engine_signals:
+                    b = baseline(ep)
+                    cap.add_metric([model, ep.name, b.source], b.cap(th))
+        yield from (depth, held, drain, sat, room, cap)
