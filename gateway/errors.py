@@ -51,6 +51,8 @@ class ErrorClass(enum.StrEnum):
     ADMISSION_DISPLACED = "admission_displaced"
     ADMISSION_SHED = "admission_shed"
     ADMISSION_QUEUE_TIMEOUT = "admission_queue_timeout"
+    ADMISSION_FAIR_SHARE = "admission_fair_share"
+    ADMISSION_DEADLINE = "admission_deadline"
     # capacity and state
     NO_ENDPOINT = "no_endpoint"
     NO_ROUTE = "no_route"
@@ -138,7 +140,8 @@ _BY_PREFILL_FAILURE = {"timeout": E.PD_PREFILL_TIMEOUT, "transport": E.PD_PREFIL
 _BY_RATE_LIMIT = {"model_rps": E.RATE_LIMIT_MODEL_RPS, "rpm": E.RATE_LIMIT_RPM, "tpm": E.RATE_LIMIT_TPM,
                   "concurrency": E.RATE_LIMIT_CONCURRENCY}
 _BY_ADMISSION = {"queue_full": E.ADMISSION_QUEUE_FULL, "displaced": E.ADMISSION_DISPLACED, "shed": E.ADMISSION_SHED,
-                 "queue_timeout": E.ADMISSION_QUEUE_TIMEOUT}
+                 "queue_timeout": E.ADMISSION_QUEUE_TIMEOUT, "fair_share": E.ADMISSION_FAIR_SHARE,
+                 "deadline": E.ADMISSION_DEADLINE}
 del E
 
 

@@ -28,7 +28,7 @@ import yaml
 from msgspec import Meta
 from msgspec.structs import force_setattr
 
-from gateway.admission.config import AdmissionConfig, Priority
+from gateway.admission.config import AdmissionConfig, Priority, SLOConfig
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.config.block import Block
@@ -191,6 +191,7 @@ class ModelConfig(Block):
     retry: Annotated[RetryConfig | None, Meta(description="Keys laid over the global retry block for this model.")] = None
     adapters: Annotated[dict[Name, str], Meta(description="LoRA adapters of this model: adapter name (what clients write in model) to the path the engine loads it from; loaded on demand.")] = {}
     admission: Annotated[AdmissionConfig | None, Meta(description="Keys laid over the global admission block for this model.")] = None
+    slo: Annotated[SLOConfig | None, Meta(description="Default latency objectives of this model's requests (the x-slo-ttft-ms and x-slo-tpot-ms headers override them); null: none.")] = None
     tokenizer: Annotated[str | None, Meta(description="Directory of the model's Hugging Face tokenizer (tokenizer.json, tokenizer_config.json); needed by kv_events. Null: no tokenizer.")] = None
     kv_events: Annotated[KVEventsConfig | None, Meta(description="Subscribe to the engines' KV-cache events for exact prefix-cache routing; needs tokenizer.")] = None
     migration_limit: Annotated[int, Meta(ge=0, le=8, description="How many times one stream may be continued on another endpoint after its engine failed mid-stream, at most 8 (0: off).")] = 0

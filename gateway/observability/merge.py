@@ -38,6 +38,7 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_endpoint_info": MAX,
     "switchyard_endpoint_fleet_in_flight": MAX,
     "switchyard_endpoint_saturated": MAX,
+    "switchyard_endpoint_admission_capacity": MAX,
     "switchyard_engine_running_requests": MAX,
     "switchyard_engine_waiting_requests": MAX,
     "switchyard_engine_kv_cache_usage_ratio": MAX,

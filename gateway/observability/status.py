@@ -91,6 +91,8 @@ class StatusSources:
     # model aliases, once they exist: [{"name", "targets": [{"model", "weight"}], ...}]
     aliases: Callable[[], list[dict[str, Any]]] = _no_aliases
     started_at: float = field(default_factory=time.time)   # unix seconds
+    # a model's admission rows (gateway.admission.service.Admission.status), None when off
+    admission: Callable[[str], dict[str, Any] | None] = lambda _model: None
 
     def follow(self, live: Live) -> None:
         """A config reload applied (gateway/server/reload.py): read the new generation's config and routing."""
@@ -271,7 +273,7 @@ class StatusBoard:
                 "strategy": src.routing.strategy_for(name, None),
                 "lock_strategy": m.lock_strategy if m is not None else None,
                 "pd": src.pool.has_pd(name), "endpoints": len(eps), "ready_endpoints": sum(1 for ep in eps if ep.ready),
-                "in_flight": model_in_flight.get(name, 0), **traffic}
+                "in_flight": model_in_flight.get(name, 0), "admission": src.admission(name), **traffic}
 
     @staticmethod
     def _endpoint_view(ep: Endpoint, now: float, max_age: float) -> dict[str, Any]:

@@ -111,6 +111,9 @@ class RequestContext:
     after_write: list[Callable[[], None]] = field(default_factory=list)
     # (endpoint, header, value): legs to that endpoint name its data-parallel rank (gateway/kv/dp_rank.py)
     dp_rank: tuple[Endpoint, str, str] | None = None
+    # (endpoint, the engine's estimated occupancy counting this request) when it went: admission's
+    # slow start learns from its TTFT (gateway/admission/saturation.py)
+    dispatched: tuple[Endpoint, float] | None = None
 
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:

@@ -275,7 +275,8 @@ def _add_status_page(app: web.Application, config: Config, s: Services, reloader
     s.observers.append(board.on_request)
     s.decision_observers.append(board.on_decision)
     sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
-                            aliases=lambda: reloader.live.aliases.describe(), started_at=started_at)
+                            aliases=lambda: reloader.live.aliases.describe(), started_at=started_at,
+                            admission=s.admission.status)
     reloader.listeners.append(sources.follow)
     page = add_status(app, sources, s.metrics, board)
     app[STATUS_PAGE_KEY] = page

@@ -213,3 +213,30 @@ async def test_several_workers_add_up_into_one_document():
     alone = await board.document(srcs[0])
     assert alone["gateway"]["workers"] == {"count": 1, "answered": 0, "reporting": 1}
     assert alone["totals"]["requests_since_start"] == 4
+
+
+async def test_admission_rows_per_model_and_endpoint():
+    from gateway.admission.queue import Waiter
+    from gateway.admission.service import Admission
+
+    cfg = config(admission={"enabled": True, "max_waiting_per_endpoint": 2})
+    clock = Clock(1000.0)
+    board, pool = board_for(cfg, clock)
+    admission = Admission(cfg, pool, GatewayMetrics(), clock=clock)
+    src = StatusSources(cfg, pool, Routing(cfg, pool, GatewayMetrics()), Lifecycle(), {},
+                        admission=admission.status)
+    a, b = pool.endpoints("llama")
+    a.metrics = EngineMetrics(scraped_at=999.5, running=2, waiting=1, kv_usage=0.1)
+    b.metrics = EngineMetrics(scraped_at=999.5, running=0, waiting=0, kv_usage=0.0, max_running=8)
+    admission.settings("llama")
+    admission._models["llama"].queue.push(Waiter(2, "gold", 10, 1000.0))
+    admission.slo_counts["llama"] = {"ttft": {"met": 3, "missed": 1, "shed": 2}}
+    doc = await board.document(src)
+    jsonschema.validate(doc, SCHEMA)
+    view = next(m for m in doc["models"] if m["name"] == "llama")["admission"]
+    assert view["enabled"] and view["queue"] == {"critical": 1, "standard": 0, "sheddable": 0}
+    assert view["slo"]["ttft"] == {"met": 3, "missed": 1, "shed": 2}
+    rows = {e["name"]: e for e in view["endpoints"]}
+    assert (rows["127.0.0.1:8001"]["capacity"], rows["127.0.0.1:8001"]["capacity_source"]) == (2, "queued")
+    assert (rows["127.0.0.1:8002"]["capacity"], rows["127.0.0.1:8002"]["capacity_source"]) == (8, "told")
+    assert rows["127.0.0.1:8002"]["headroom"] == 10 and not rows["127.0.0.1:8002"]["saturated"]
