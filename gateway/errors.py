@@ -149,6 +149,17 @@ def error_type(status: int) -> str:
     return _TYPES.get(status, "api_error")
 
 
+def printable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a client's bytes that are not UTF-8 reach us as lone
+    surrogates (aiohttp decodes headers with ``surrogateescape``), which no JSON encoder writes, so
+    an error message quoting them would fail to be written; they become ``\\xNN`` escapes."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                code: Any = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_ if type_ is not None else error_type(status), "param": param, "code": code}}
@@ -166,6 +177,8 @@ class GatewayError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: Any = None,
                  type_: str | None = None, header: tuple[str, str] | None = None,
                  headers: dict[str, str] | None = None, error_class: ErrorClass | str | None = None) -> None:
+        if not message.isascii():
+            message = printable(message)
         super().__init__(message)
         self.status = status
         self.message = message

@@ -74,10 +74,11 @@ class Pipeline:
             self.lifecycle.check_open()
             ticket = await self.tenancy.authenticate(request, rec)   # API key → user (401), before the body
             ireq = await self._parse(ctx, ticket.user)              # an alias or an adapter names its model
-            model = self._enter(ireq.model)         # 404 unless known; counted in flight
-            spec = rec.strategy = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
-                                                            lora=ireq.lora is not None)
-            router = self.routing.router_for(spec)
+            model = rec.model = self._enter(ireq.model)   # 404 unless known; counted in flight
+            spec = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
+                                             lora=ireq.lora is not None)
+            router = self.routing.router_for(spec)  # 400 unless known
+            rec.strategy = spec                     # metric labels hold known models and strategies only
             adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
             candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
             self.admission.dispatched(ctx)          # what the engine held when it went (slow start)
@@ -127,7 +128,7 @@ class Pipeline:
         self.aliases.resolve(ctx, user)
         self.lora.resolve(ctx)
         ireq = ctx.ireq
-        ctx.rec.model, ctx.rec.stream = ireq.model, ireq.stream
+        ctx.rec.stream = ireq.stream
         return ireq
 
     def _enter(self, model: str) -> str:

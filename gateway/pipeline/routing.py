@@ -19,6 +19,7 @@ from gateway.config.schema import Config, check_strategies
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.context import safe_header_value
 from gateway.request import InferenceRequest
 from gateway.view.service import RoutingView
 from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
@@ -85,7 +86,10 @@ class Routing:
         try:
             return self.registry.get(spec)
         except StrategyError:
+            # the answer echoes the refused name (escaped); the request's record keeps no strategy,
+            # so a client's arbitrary names never become metric labels
             raise GatewayError(400, f"incorrect routing strategy {spec}", param="routing-strategy",
+                               headers={"routing-strategy": safe_header_value(spec)},
                                header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING) from None
 
     def candidates(self, model: str, router: Router) -> list[Endpoint]:
