@@ -65,6 +65,10 @@ class InferenceRequest:
     # content parts other than text (images, audio, video, files): the engine folds their feature
     # hashes into its KV block hashes, which the gateway cannot compute (gateway/kv/index.py)
     multimodal: bool = False
+    # the request's latency objectives in milliseconds (``x-slo-ttft-ms``, ``x-slo-tpot-ms``), if any:
+    # time to first token, and time per output token after the first
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     @property
     def is_embeddings(self) -> bool:
@@ -330,6 +334,26 @@ def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
     return True, bool(iu)
 
 
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
+
+
+def slo_header(headers: dict[str, str], name: str) -> float | None:
+    """A latency objective header: a positive, finite number of milliseconds, or absent; anything
+    else is a 400 that names the header."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise GatewayError(400, f"header {name} must be a positive number of milliseconds, got {raw[:64]!r}",
+                           param=name, error_class="validation")
+    return v
+
+
 def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> InferenceRequest:
     """Validate and extract. ``headers`` are the client's, lower-cased names."""
     data = load_object(body)
@@ -387,6 +411,8 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
         headers=headers,
         multimodal=media[0],
+        slo_ttft_ms=slo_header(headers, SLO_TTFT_HEADER),
+        slo_tpot_ms=slo_header(headers, SLO_TPOT_HEADER),
     )
 
 

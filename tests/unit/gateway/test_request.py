@@ -88,3 +88,21 @@ def test_request_id_kept_when_sane():
     for bad in (None, "", "has space", "x" * 200, "new\nline", "ünï"):
         rid = request_id_from(bad)
         assert rid != bad and len(rid) == 32
+
+
+def test_latency_objectives_come_from_their_headers():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    r = p(CHAT, chat, {"x-slo-ttft-ms": "250", "x-slo-tpot-ms": " 40.5 "})
+    assert (r.slo_ttft_ms, r.slo_tpot_ms) == (250.0, 40.5)
+    r = p(CHAT, chat)
+    assert r.slo_ttft_ms is None and r.slo_tpot_ms is None
+    assert p(COMPLETIONS, {"model": "m", "prompt": "x"}, {"x-slo-tpot-ms": "20"}).slo_tpot_ms == 20.0
+
+
+@pytest.mark.parametrize("header", ["x-slo-ttft-ms", "x-slo-tpot-ms"])
+@pytest.mark.parametrize("value", ["", "fast", "0", "-5", "nan", "inf", "1e400"])
+def test_a_bad_latency_objective_is_a_400_naming_its_header(header, value):
+    with pytest.raises(GatewayError) as ei:
+        p(CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {header: value})
+    assert ei.value.status == 400 and header in ei.value.message
+    assert ei.value.param == header
