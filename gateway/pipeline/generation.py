@@ -42,6 +42,7 @@ from gateway.pd.orchestrator import PDOrchestrator
 from gateway.pipeline.context import RecordObserver
 from gateway.pipeline.relay import Relay
 from gateway.pipeline.routing import DecisionObserver, Routing
+from gateway.pipeline.slo_learning import SloLearning
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.retry import Retries
 from gateway.server.lifecycle import Lifecycle
@@ -75,6 +76,7 @@ class Services:
     decision_observers: list[DecisionObserver]  # told of every routing decision (the status board)
     decision_claims: list[DecisionObserver]     # run at each decision, before the leg (the breakers' trial slots)
     model_in_flight: dict[str, int]             # requests in flight per model, for every generation
+    slo: SloLearning                            # feeds the latency models of every generation's routing
 
     def follow(self, config: Config) -> None:
         """A reload was applied: the shared services take the new config's settings (their state
@@ -105,6 +107,8 @@ def build_services(config: Config, pool: EndpointPool) -> Services:
     for api in (AnthropicApi(pool), PassthroughApi(pool), AudioApi(pool)):   # Messages, pass-through
         apis.update(dict.fromkeys(api.paths, api))
     observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
+    slo = SloLearning(metrics)                   # what routed requests saw, for the latency models
+    observers.append(slo.on_request)
     return Services(
         pool=pool, metrics=metrics, lifecycle=lifecycle, upstream=upstream, relay=relay, breakers=breakers,
         request_log=request_log, kv_events=kv_events,
@@ -116,7 +120,7 @@ def build_services(config: Config, pool: EndpointPool) -> Services:
         retries=Retries(config.retry_for, metrics.registry, config.routing.metrics_max_age_s),
         responses=responses, apis=apis, alias_metrics=AliasMetrics(metrics.registry), observers=observers,
         decision_observers=[], decision_claims=[breakers.on_decision],   # half-open trial slots, before the leg
-        model_in_flight={})
+        model_in_flight={}, slo=slo)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -144,7 +148,7 @@ def build_generation(config: Config, services: Services, previous: Generation | 
     routing state of ``previous`` carries over when ``routing_state_kept``. Changes nothing of
     ``previous``; raises ``ValueError`` when a strategy the config names does not exist."""
     s = services
-    routing = Routing(config, s.pool, s.metrics, s.kv_events)
+    routing = Routing(config, s.pool, s.metrics, s.kv_events, s.slo)
     if previous is not None and routing_state_kept(previous.config, config):
         routing.ctx, routing.registry = previous.routing.ctx, previous.routing.registry
     routing.observers, routing.claims = s.decision_observers, s.decision_claims   # shared by every generation
