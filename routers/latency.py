@@ -9,14 +9,26 @@ has finished, what the client saw (``observe``). One model per gateway lives in
 
 The model, per endpoint (an ``Endpoint`` serves one model, so it is also per model):
 
-* TTFT (ms) ≈ w · [1, waiting, running, uncached prompt ktokens, KV usage]
+* TTFT (ms) ≈ queue + w · [1, running, uncached prompt ktokens, KV usage]
 * TPOT (ms) ≈ v · [1, running + 1, KV usage, prompt ktokens]
 
-``waiting`` and ``running`` are the engine's queue and batch at its last fresh scrape, moved by
-what this gateway sent or finished there since (``EngineMetrics.gateway_in_flight``): a full engine
-(something waiting) queues the newcomers, one with room runs them. Without a fresh scrape they are
-0 and this gateway's in-flight count. The uncached tokens are the prompt's estimate less what the
-prefix index (or the engine's KV events) says the endpoint holds.
+``waiting`` and ``running`` split the requests on the endpoint now — this gateway's in-flight,
+plus other gateways' as the engine's last fresh scrape counted them (``running + waiting`` beyond
+``EngineMetrics.gateway_in_flight``), as ``prefix-cache``'s fleet load — at the largest batch the
+engine ever reported running: what exceeds it waits. Queueing is the knee of an engine's latency
+(nothing waits until the batch is full, then every request ahead costs a share of a service
+time), and this split makes it a straight line in ``waiting``; counts alone would not. An engine
+never scraped has no known batch: everything counts as running. ``queue`` is the wait that queue
+means, in ms: when the batch is full, this request waits for ``waiting + 1`` slots to free, one
+every service time / batch, the service time being the endpoint's mean time from a request's
+first token to its last (exponentially weighted like the fits). The queue is a term of known
+form, not a learnt weight: the wait behind a full batch is noisy (it depends on how far the
+running requests are), a fit of it from the few queued requests an SLO router lets through comes
+out far too low, and an endpoint the router kept out of queueing has never shown what a queue
+costs it — a learnt weight would call any queue free and let requests pile up there until the
+first of them finished. The uncached
+tokens are the prompt's estimate less what the prefix index (or the engine's KV events) says the
+endpoint holds.
 
 Why linear, and why recursive least squares with exponential forgetting (``OnlineRegression``):
 the engines' own latency is close to linear in these features over the range a router sees
@@ -49,7 +61,7 @@ MAX_ENDPOINTS = 4096
 # the prior: w = 0 with covariance PRIOR · I (a ridge penalty of 1 / PRIOR, negligible after a few samples)
 PRIOR = 1e4
 
-TTFT_FEATURES = ("intercept", "waiting", "running", "uncached_ktokens", "kv_usage")
+TTFT_FEATURES = ("intercept", "running", "uncached_ktokens", "kv_usage")
 TPOT_FEATURES = ("intercept", "running", "kv_usage", "prompt_ktokens")
 
 
@@ -113,35 +125,22 @@ class OnlineRegression:
 
 @dataclass(frozen=True, slots=True)
 class Features:
-    """A request's features on one endpoint, at the time it was routed."""
+    """A request's features on one endpoint, at the time it was routed: its expected wait for a
+    slot in ms, and the regressors of the TTFT beyond that wait and of the TPOT."""
 
+    queue_ms: float
     ttft: tuple[float, ...]
     tpot: tuple[float, ...]
 
 
 class _EndpointModel:
-    __slots__ = ("ttft", "tpot")
+    __slots__ = ("ttft", "tpot", "service_ms", "services")
 
     def __init__(self, forgetting: float) -> None:
         self.ttft = OnlineRegression(len(TTFT_FEATURES), forgetting)
         self.tpot = OnlineRegression(len(TPOT_FEATURES), forgetting)
-
-
-def engine_load(ep: Endpoint, now: float, max_age: float) -> tuple[float, float, float]:
-    """``(waiting, running, kv_usage)`` on ``ep`` now: the last fresh scrape moved by this
-    gateway's change of in-flight since (a full engine queues the newcomers, one with room runs
-    them); without a fresh scrape, ``(0, this gateway's in-flight, 0)``."""
-    m = ep.metrics
-    if m is None or m.running is None or now - m.scraped_at > max_age:
-        return 0.0, float(ep.in_flight + ep.remote_in_flight), 0.0
-    waiting = m.waiting or 0.0
-    running = m.running
-    delta = ep.in_flight - m.gateway_in_flight if m.gateway_in_flight is not None else 0
-    if waiting > 0:
-        waiting = max(0.0, waiting + delta)
-    else:
-        running = max(0.0, running + delta)
-    return waiting, running, m.kv_usage or 0.0
+        self.service_ms = 0.0           # mean time from first token to last, weighted as the fits
+        self.services = 0
 
 
 class LatencyModel:
@@ -153,13 +152,42 @@ class LatencyModel:
         self.max_age = settings.metrics_max_age_s
         self.clock = clock
         self._models: OrderedDict[Endpoint, _EndpointModel] = OrderedDict()
+        self._batch: dict[Endpoint, float] = {}     # the largest batch (running) each engine reported
+
+    def load(self, ep: Endpoint, now: float) -> tuple[float, float, float]:
+        """``(waiting, running, kv_usage)`` on ``ep`` now (see the module docstring)."""
+        total = ep.in_flight + ep.remote_in_flight
+        kv = 0.0
+        m = ep.metrics
+        if m is not None and now - m.scraped_at <= self.max_age:
+            kv = m.kv_usage or 0.0
+            if m.running is not None:
+                batch = self._batch
+                if m.running > batch.get(ep, 0.0):
+                    if len(batch) >= MAX_ENDPOINTS and ep not in batch:
+                        batch.clear()
+                    batch[ep] = m.running
+                if m.gateway_in_flight is not None:       # other gateways' requests, as the engine counted them
+                    others = m.running + (m.waiting or 0.0) - m.gateway_in_flight
+                    total = ep.in_flight + max(others, ep.remote_in_flight)
+        cap = self._batch.get(ep)
+        if not cap:
+            return 0.0, float(total), kv
+        running = min(float(total), cap)
+        return total - running, running, kv
 
     def features(self, prompt_tokens: int, ep: Endpoint, cached_tokens: float, now: float | None = None) -> Features:
         """The features of a request of ``prompt_tokens`` (estimated) whose first
         ``cached_tokens`` ``ep`` holds, if it went to ``ep`` now."""
-        waiting, running, kv = engine_load(ep, self.clock() if now is None else now, self.max_age)
+        waiting, running, kv = self.load(ep, self.clock() if now is None else now)
+        queue = 0.0
+        batch = self._batch.get(ep)
+        if batch and running >= batch:         # a full batch: this request waits for waiting + 1 slots
+            m = self._models.get(ep)
+            if m is not None:
+                queue = (waiting + 1.0) * m.service_ms / batch
         uncached = max(0.0, prompt_tokens - cached_tokens) / 1000.0
-        return Features((1.0, waiting, running, uncached, kv), (1.0, running + 1.0, kv, prompt_tokens / 1000.0))
+        return Features(queue, (1.0, running, uncached, kv), (1.0, running + 1.0, kv, prompt_tokens / 1000.0))
 
     def predict(self, ep: Endpoint, f: Features) -> tuple[float | None, float | None]:
         """Predicted ``(TTFT ms, TPOT ms)`` on ``ep``; ``None`` for a quantity with fewer than
@@ -168,12 +196,15 @@ class LatencyModel:
         if m is None:
             return None, None
         n = self.min_samples
-        ttft = max(0.0, m.ttft.predict(f.ttft)) if m.ttft.n >= n else None
+        ttft = f.queue_ms + max(0.0, m.ttft.predict(f.ttft)) if m.ttft.n >= n else None
         tpot = max(0.0, m.tpot.predict(f.tpot)) if m.tpot.n >= n else None
         return ttft, tpot
 
-    def observe(self, ep: Endpoint, f: Features, ttft_ms: float | None, tpot_ms: float | None) -> None:
-        """What a request with features ``f`` saw on ``ep`` (``None``: not observed)."""
+    def observe(self, ep: Endpoint, f: Features, ttft_ms: float | None, tpot_ms: float | None,
+                service_ms: float | None = None) -> None:
+        """What a request with features ``f`` saw on ``ep`` (``None``: not observed): its TTFT,
+        TPOT and the time from its first token to its last (how long it held its slot, bar the
+        prefill)."""
         models = self._models
         m = models.get(ep)
         if m is None:
@@ -183,9 +214,14 @@ class LatencyModel:
         else:
             models.move_to_end(ep)
         if ttft_ms is not None:
-            m.ttft.update(f.ttft, ttft_ms)
+            m.ttft.update(f.ttft, ttft_ms - f.queue_ms)
         if tpot_ms is not None:
             m.tpot.update(f.tpot, tpot_ms)
+        if service_ms is not None:
+            m.services += 1
+            # the mean of all so far, then exponentially weighted as the fits (memory 1 / (1 - forgetting))
+            a = max(1.0 - self.forgetting, 1.0 / m.services)
+            m.service_ms += a * (service_ms - m.service_ms)
 
     def ready(self, ep: Endpoint, ttft: bool, tpot: bool) -> bool:
         """Whether ``ep`` has the observations to predict the quantities asked for."""
@@ -210,6 +246,7 @@ class LatencyModel:
 
     def forget(self, ep: Endpoint) -> None:
         self._models.pop(ep, None)
+        self._batch.pop(ep, None)
 
     def __len__(self) -> int:
         return len(self._models)

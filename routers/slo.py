@@ -11,8 +11,8 @@ prefix index, or the engines' KV events, as ``prefix-cache`` reads them). Then:
    endpoint predicted too slow gets no traffic, so without it its model would never see that it
    got faster or emptier;
 2. if some candidate lacks the observations its prediction needs (``slo_min_samples``), the
-   request routes as ``prefix-cache`` would (fallback ``no_model``; reason ``slo_no_model``):
-   prefix-cache's load balancing sends every endpoint traffic, so the models fill quickly;
+   least loaded candidate (fallback ``no_model``; reason ``slo_no_model``): every endpoint gets
+   traffic, so the models fill quickly, and no queue builds on a prefix holder meanwhile;
 3. the candidates predicted to meet every objective the request states, each prediction at most
    ``(1 − slo_margin)`` × its objective, are *feasible*. Among them, those holding the longest
    prefix of the prompt (prefix affinity still counts; a holder that is too loaded is not
@@ -73,9 +73,8 @@ class SloRouter(PrefixCacheRouter):
         ttft_slo, tpot_slo = req.slo_ttft_ms, req.slo_tpot_ms
         model = self.model
         if not all(model.ready(ep, ttft_slo is not None, tpot_slo is not None) for ep in candidates):
-            self.ctx.on_fallback(self.name, "no_model")
-            ep, match = self._decide(req, candidates)
-            return ep, "slo_no_model", match
+            ep = self._fall_back(candidates, self._loads(candidates), "no_model")
+            return ep, "slo_no_model", self._match_of(req, candidates, ep)
         depths, n = self._depths(req, candidates)
         tokens = req.prompt_tokens_est
         now = self._clock()

@@ -109,18 +109,18 @@ class SloLearning:
         if ok and rec.ttft is not None and rec.completion_tokens is not None and rec.completion_tokens >= 2:
             tpot_s = (duration - rec.ttft) / (rec.completion_tokens - 1)
         if ok and p.stream and rec.ttft is not None:
-            self._learn(rec, p, tpot_s)
+            self._learn(rec, p, tpot_s, duration)
         if p.slo_ttft_ms is not None or p.slo_tpot_ms is not None:
             m = self.metrics
             m.child(m.requests, rec.model, rec.strategy, _result(rec, p, ok, tpot_s)).inc()
 
-    def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None) -> None:
+    def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, duration: float) -> None:
         assert rec.ttft is not None
         ttft_ms = (rec.started + rec.ttft - p.decided_at) * 1000.0
         if ttft_ms <= 0.0:           # the decision came after the first token (a stream's continuation)
             return
         tpot_ms = tpot_s * 1000.0 if tpot_s is not None else None
-        p.latency.observe(p.endpoint, p.features, ttft_ms, tpot_ms)
+        p.latency.observe(p.endpoint, p.features, ttft_ms, tpot_ms, (duration - rec.ttft) * 1000.0)
         m = self.metrics
         if p.ttft_ms is not None:
             m.child(m.error, rec.model, "ttft").observe(abs(ttft_ms - p.ttft_ms) / ttft_ms)

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.endpoints import EngineMetrics
 from routers.base import RoutingSettings
-from routers.latency import MAX_ENDPOINTS, Features, LatencyModel, OnlineRegression, engine_load
+from routers.latency import MAX_ENDPOINTS, Features, LatencyModel, OnlineRegression
 from tests.support.factories import Clock, endpoints
 
 
@@ -17,8 +17,9 @@ def _model(clock: Clock | None = None, **knobs) -> LatencyModel:
     return LatencyModel(RoutingSettings(**knobs), clock or Clock())
 
 
-def _ttft(x) -> float:        # the "engine": 20 ms + 150 per waiting + 5 per running + 400 per 1k uncached + 30 x KV
-    return 20 + 150 * x[1] + 5 * x[2] + 400 * x[3] + 30 * x[4]
+def _ttft(f: Features) -> float:   # the "engine": the wait, + 20 ms + 5 per running + 400 per 1k uncached + 30 x KV
+    x = f.ttft
+    return f.queue_ms + 20 + 5 * x[1] + 400 * x[2] + 30 * x[3]
 
 
 def _tpot(x) -> float:
@@ -26,9 +27,9 @@ def _tpot(x) -> float:
 
 
 def _random_features(rng: random.Random) -> Features:
-    waiting, running = rng.randint(0, 6), rng.randint(0, 32)
+    queue, running = rng.choice([0.0, 0.0, rng.uniform(0, 3000)]), rng.randint(0, 32)
     kv, uncached, prompt = rng.random(), rng.uniform(0, 4), rng.uniform(0, 8)
-    return Features((1.0, waiting, running, uncached, kv), (1.0, running + 1.0, kv, prompt))
+    return Features(queue, (1.0, running, uncached, kv), (1.0, running + 1.0, kv, prompt))
 
 
 def test_it_learns_a_linear_relation_from_observations():
@@ -36,11 +37,11 @@ def test_it_learns_a_linear_relation_from_observations():
     rng = random.Random(3)
     for _ in range(200):
         f = _random_features(rng)
-        model.observe(ep, f, _ttft(f.ttft), _tpot(f.tpot))
+        model.observe(ep, f, _ttft(f), _tpot(f.tpot))
     for _ in range(50):
         f = _random_features(rng)
         ttft, tpot = model.predict(ep, f)
-        assert ttft == pytest.approx(_ttft(f.ttft), rel=1e-3)
+        assert ttft == pytest.approx(_ttft(f), rel=1e-3)
         assert tpot == pytest.approx(_tpot(f.tpot), rel=1e-3)
     w = model.weights(ep)
     assert w["ttft"]["uncached_ktokens"] == pytest.approx(400, rel=1e-3)
@@ -101,30 +102,52 @@ def test_memory_is_bounded_per_endpoint_and_in_endpoints():
     ep = eps[-1]
     for _ in range(500):
         f = _random_features(rng)
-        model.observe(ep, f, _ttft(f.ttft), _tpot(f.tpot))
+        model.observe(ep, f, _ttft(f), _tpot(f.tpot))
     m = model._models[ep]
-    assert len(m.ttft.w) == 5 and len(m.ttft.p) == 5 and len(m.tpot.w) == 4
+    assert len(m.ttft.w) == 4 and len(m.ttft.p) == 4 and len(m.tpot.w) == 4
     model.forget(ep)
     assert model.samples(ep) == (0, 0)
 
 
-def test_the_load_is_the_last_scrape_moved_by_what_the_gateway_sent_since():
+def test_what_exceeds_the_largest_batch_the_engine_reported_waits():
     clock = Clock(100.0)
-    (ep,) = endpoints(1, [5])
-    assert engine_load(ep, clock(), 10.0) == (0.0, 5.0, 0.0)          # never scraped: the gateway's count
+    model, (ep,) = _model(clock, metrics_max_age_s=10.0), endpoints(1, [5])
+    assert model.load(ep, clock()) == (0.0, 5.0, 0.0)                 # never scraped: all running
+    # 8 running and 2 waiting at the scrape, 3 of them this gateway's: 7 are other gateways'
     ep.metrics = EngineMetrics(scraped_at=99.0, running=8, waiting=2, kv_usage=0.5, gateway_in_flight=3)
-    assert engine_load(ep, clock(), 10.0) == (4.0, 8, 0.5)             # full: the 2 newcomers queue
-    ep.metrics = EngineMetrics(scraped_at=99.0, running=3, waiting=0, kv_usage=0.2, gateway_in_flight=3)
-    assert engine_load(ep, clock(), 10.0) == (0.0, 5.0, 0.2)           # room: they run
-    ep.in_flight = 0
-    assert engine_load(ep, clock(), 10.0) == (0.0, 0.0, 0.2)
-    ep.metrics = EngineMetrics(scraped_at=80.0, running=3, waiting=4, gateway_in_flight=3)
-    assert engine_load(ep, clock(), 10.0) == (0.0, 0.0, 0.0)           # stale: the gateway's count again
+    assert model.load(ep, clock()) == (4.0, 8.0, 0.5)                 # 5 + 7 on a batch of 8
+    ep.metrics = EngineMetrics(scraped_at=99.5, running=3, waiting=0, kv_usage=0.2, gateway_in_flight=3)
+    assert model.load(ep, clock()) == (0.0, 5.0, 0.2)
+    ep.in_flight = 10
+    assert model.load(ep, clock()) == (2.0, 8.0, 0.2)                 # the batch seen before still holds
+    ep.metrics = EngineMetrics(scraped_at=80.0, running=1, waiting=0, kv_usage=0.9, gateway_in_flight=1)
+    assert model.load(ep, clock()) == (2.0, 8.0, 0.0)                 # stale: this gateway's count alone
+    model.forget(ep)
+    assert model.load(ep, clock()) == (0.0, 10.0, 0.0)
 
 
 def test_features_count_what_the_endpoint_holds_of_the_prompt():
     model, (ep,) = _model(), endpoints(1, [2])
     f = model.features(3000, ep, 1000.0)
-    assert f.ttft == (1.0, 0.0, 2.0, 2.0, 0.0)
+    assert f.queue_ms == 0.0 and f.ttft == (1.0, 2.0, 2.0, 0.0)
     assert f.tpot == (1.0, 3.0, 0.0, 3.0)
-    assert model.features(100, ep, 500.0).ttft[3] == 0.0
+    assert model.features(100, ep, 500.0).ttft[2] == 0.0
+
+
+def test_a_full_batch_makes_the_request_wait_for_slots_at_the_service_time():
+    clock = Clock(100.0)
+    model, (ep,) = _model(clock, slo_min_samples=1), endpoints(1, [0])
+    ep.metrics = EngineMetrics(scraped_at=99.0, running=4, waiting=0, gateway_in_flight=4)   # a batch of 4 seen
+    f = model.features(1000, ep, 0.0)
+    model.observe(ep, f, 100.0, 20.0, service_ms=2000.0)
+    model.observe(ep, f, 100.0, 20.0, service_ms=1000.0)      # the mean: 1500 ms a request
+    assert f.queue_ms == 0.0                                    # no service time known when it was taken
+    # 4 running, this gateway's: a request now waits for one slot, one frees every 1500 / 4 ms
+    ep.in_flight = 4
+    f = model.features(1000, ep, 0.0)
+    assert f.queue_ms == pytest.approx(375.0)
+    assert model.predict(ep, f)[0] == pytest.approx(375.0 + 100.0, rel=1e-3)   # never seen queueing: still counted
+    ep.in_flight = 6                                             # two waiting ahead: three slots
+    assert model.features(1000, ep, 0.0).queue_ms == pytest.approx(1125.0)
+    ep.in_flight = 3
+    assert model.features(1000, ep, 0.0).queue_ms == 0.0

@@ -85,10 +85,8 @@ def test_load_makes_an_endpoint_infeasible():
     teach(ctx, fast, 30, 100, 10, per_running=5)
     teach(ctx, slow, 100, 600, 30)
     model = ctx.latency
-    for waiting in (1, 2, 3, 1, 2, 3, 4):   # on fast, each request waiting ahead adds 200 ms
-        fast.metrics = EngineMetrics(scraped_at=ctx.clock(), running=4, waiting=waiting, gateway_in_flight=0)
-        model.observe(fast, model.features(1000, fast, 0.0), 130 + 200 * waiting, None)
-    fast.metrics = EngineMetrics(scraped_at=ctx.clock(), running=4, waiting=0, gateway_in_flight=0)
+    model.observe(fast, model.features(1000, fast, 0.0), None, None, service_ms=800)   # a slot frees every 200 ms
+    fast.metrics = EngineMetrics(scraped_at=ctx.clock(), running=3, waiting=0, gateway_in_flight=0)
     assert router.route(slo_req(ttft=500), [fast, slow]).endpoint is fast
     fast.metrics = EngineMetrics(scraped_at=ctx.clock(), running=4, waiting=5, gateway_in_flight=0)
     d = router.route(slo_req(ttft=800), [fast, slow])
