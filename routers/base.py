@@ -88,7 +88,7 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     slo_exploration: Annotated[float, msgspec.Meta(ge=0, le=1, description="slo: share of requests with a latency objective sent to a random endpoint instead, so the latency model keeps observing endpoints it predicts too slow.")] = 0.05
     slo_margin: Annotated[float, msgspec.Meta(ge=0, lt=1, description="slo: an endpoint is predicted to meet an objective when its predicted latency is at most (1 - this) x the objective.")] = 0.1
     slo_forgetting: Annotated[float, msgspec.Meta(gt=0, le=1, description="slo: forgetting factor of the latency model; an observation k requests old weighs this to the power k (memory about 1 / (1 - this) requests per endpoint).")] = 0.99
-    slo_min_samples: Annotated[int, msgspec.Meta(ge=1, description="slo: observations of an endpoint before its predictions are used; until every candidate has them, requests with an objective route as prefix-cache does.")] = 16
+    slo_min_samples: Annotated[int, msgspec.Meta(ge=1, description="slo: observations of an endpoint before its predictions are used; until every candidate has them, requests with an objective go to the least loaded endpoint.")] = 8
     slo_select: Annotated[Literal["pack", "spread"], msgspec.Meta(description="slo: among the endpoints predicted to meet a request's objectives (and holding no more of its prefix than the others), pack: the one with the least room left, keeping the fastest free for the tightest objectives; spread: the one with the lowest predicted latency.")] = "pack"
 
 
