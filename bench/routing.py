@@ -1,5 +1,8 @@
 """Routing quality: ``python -m bench.routing [--quick] [--strategies ...] [--seed N]``.
 
+(``--workload slo``: latency objectives met per strategy, on engines of different speeds:
+``bench/routing_slo.py``.)
+
 How much faster does each strategy make a fleet of engines than a plain load balancer? One
 process, one event loop: ``--engines`` simulated vLLM engines (``enginesim``, in-process, with a
 bounded KV pool and prefix caching), the real gateway in front of them on loopback, and an
@@ -731,7 +734,17 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", choices=["conversations", "slo"], default="conversations")
+    known, rest = pre.parse_known_args(argv)
+    if known.workload == "slo":        # latency objectives on engines of different speeds (bench/routing_slo.py)
+        from bench.routing_slo import main as slo_main
+
+        return slo_main(rest)
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=["conversations", "slo"], default="conversations",
+                    help="conversations (default): this module's workload; slo: requests with latency objectives "
+                         "on engines of different speeds, attainment per strategy (bench/routing_slo.py)")
     ap.add_argument("--quick", action="store_true",
                     help="5 strategies, 20 s of arrivals each (< 2 min; the default run takes ~10 min)")
     ap.add_argument("--strategies", nargs="+", help="strategy strings (default: all built-ins + combos)")

@@ -42,6 +42,7 @@ from gateway.pd.orchestrator import PDOrchestrator
 from gateway.pipeline.context import RecordObserver
 from gateway.pipeline.relay import Relay
 from gateway.pipeline.routing import DecisionObserver, Routing
+from gateway.pipeline.slo_learning import SloLearning
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.retry import Retries
 from gateway.server.lifecycle import Lifecycle
@@ -77,6 +78,7 @@ class Services:
     decision_claims: list[DecisionObserver]     # run at each decision, before the leg (the breakers' trial slots)
     model_in_flight: dict[str, int]             # requests in flight per model, for every generation
     view: RoutingView                           # the routing view shared with sibling workers and replicas
+    slo: SloLearning                            # feeds the latency models of every generation's routing
 
     def follow(self, config: Config) -> None:
         """A reload was applied: the shared services take the new config's settings (their state
@@ -114,6 +116,8 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
     claims = [breakers.on_decision]                   # half-open trial slots, before the leg
     if view.bus_load:
         claims.append(view.on_decision)               # siblings hear of the charge this loop turn
+    slo = SloLearning(metrics)                   # what routed requests saw, for the latency models
+    observers.append(slo.on_request)
     return Services(
         pool=pool, metrics=metrics, lifecycle=lifecycle, upstream=upstream, relay=relay, breakers=breakers,
         request_log=request_log, kv_events=kv_events,
@@ -124,7 +128,7 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
         admission=Admission(config, pool, metrics),
         retries=Retries(config.retry_for, metrics.registry, config.routing.metrics_max_age_s),
         responses=responses, apis=apis, alias_metrics=AliasMetrics(metrics.registry), observers=observers,
-        decision_observers=[], decision_claims=claims, model_in_flight={}, view=view)
+        decision_observers=[], decision_claims=claims, model_in_flight={}, view=view, slo=slo)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -152,7 +156,7 @@ def build_generation(config: Config, services: Services, previous: Generation | 
     routing state of ``previous`` carries over when ``routing_state_kept``. Changes nothing of
     ``previous``; raises ``ValueError`` when a strategy the config names does not exist."""
     s = services
-    routing = Routing(config, s.pool, s.metrics, s.kv_events, s.view)
+    routing = Routing(config, s.pool, s.metrics, s.kv_events, s.view, s.slo)
     if previous is not None and routing_state_kept(previous.config, config):
         routing.ctx, routing.registry = previous.routing.ctx, previous.routing.registry
     s.view.attach(routing.ctx)          # its index's insertions are shared, others' applied to it

@@ -20,6 +20,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.pipeline.context import safe_header_value
+from gateway.pipeline.slo_learning import NO_SLO_LEARNING, NoSloLearning, SloLearning
 from gateway.request import InferenceRequest
 from gateway.view.service import RoutingView
 from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
@@ -40,9 +41,11 @@ def _no_session(model: str, outcome: str) -> None:
 
 class Routing:
     def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
-                 precise_index: PreciseIndex | None = None, view: RoutingView | None = None) -> None:
+                 precise_index: PreciseIndex | None = None, view: RoutingView | None = None,
+                 slo: SloLearning | NoSloLearning = NO_SLO_LEARNING) -> None:
         """``view``: the shared routing view (gateway/view), whose session map the strategies use
-        and which counts their session outcomes; None: a session map of this routing's own."""
+        and which counts their session outcomes; None: a session map of this routing's own.
+        ``slo``: the latency models' learning (gateway/pipeline/slo_learning.py)."""
         self.config = config
         self.pool = pool
         self.metrics = metrics
@@ -55,6 +58,8 @@ class Routing:
         # trial slot must be taken before a concurrent request routes)
         self.claims: list[DecisionObserver] = []
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
+        # feeds the endpoints' latency models (``ctx.latency``) with every decision, before its charge
+        self.slo = slo
         self.registry: RouterRegistry = default_registry(self.ctx)
         # strategies named in config are validated now, so a typo fails at startup, not per request
         check_strategies(config, self.registry)
@@ -126,6 +131,10 @@ class Routing:
                 claim(ireq, decision, decision.fallbacks, elapsed)
             except Exception:     # as an observer's
                 log.exception("decision claim failed", request_id=ireq.request_id)
+        try:
+            self.slo.decided(ireq, decision, self.ctx.latency)
+        except Exception:         # as an observer's
+            log.exception("latency model bookkeeping failed", request_id=ireq.request_id)
         if later is None:
             self._report(ireq, decision, spec, elapsed)
         else:
