@@ -342,6 +342,7 @@ class ResponsesApi(ApiShape):
         assert self.history is not None
         record = await self._record(rid, self._owner_user(user))
         rec.model = str(record.get("model") or "-")
+        rec.model_known = True                 # the gateway stored it: a model it served
         rec.status = 200
         if action == "delete":
             try:
@@ -363,7 +364,7 @@ class ResponsesApi(ApiShape):
             raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id",
                                error_class=ErrorClass.VALIDATION)
         owner = await self._owner(rid, self._owner_user(user))
-        rec.model = owner["model"]
+        rec.model, rec.model_known = owner["model"], True
         ep = self._owner_endpoint(rid, owner)
         if not ep.ready:
             self._gone(owner["model"], "not_ready")

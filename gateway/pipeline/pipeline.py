@@ -74,7 +74,8 @@ class Pipeline:
             self.lifecycle.check_open()
             ticket = await self.tenancy.authenticate(request, rec)   # API key → user (401), before the body
             ireq = await self._parse(ctx, ticket.user)              # an alias or an adapter names its model
-            model = rec.model = self._enter(ireq.model)   # 404 unless known; counted in flight
+            model = self._enter(ireq.model)         # 404 unless known; counted in flight
+            rec.model_known = True                  # metric labels name known models only
             spec = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
                                              lora=ireq.lora is not None)
             router = self.routing.router_for(spec)  # 400 unless known
@@ -92,7 +93,7 @@ class Pipeline:
         except asyncio.CancelledError:
             rec.status = 499
             rec.error_class = rec.error_class or ErrorClass.CLIENT_CANCEL
-            self.metrics.child(self.metrics.client_cancels, rec.model,
+            self.metrics.child(self.metrics.client_cancels, rec.label_model,
                                "streaming" if rec.headers_sent else "before_headers").inc()
             ctx.trace.event("abort", {"switchyard.abort.by": "client"})
             raise
@@ -128,7 +129,7 @@ class Pipeline:
         self.aliases.resolve(ctx, user)
         self.lora.resolve(ctx)
         ireq = ctx.ireq
-        ctx.rec.stream = ireq.stream
+        ctx.rec.model, ctx.rec.stream = ireq.model, ireq.stream
         return ireq
 
     def _enter(self, model: str) -> str:
