@@ -71,6 +71,7 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import random
 import signal
 import statistics
@@ -134,6 +135,22 @@ class Workload:
     max_tokens: int = 16
     users: int = 24                # vtc-basic: conversations belong to this many users
     seed: int = 1
+    # the text and the tokenizer (engines and gateway): "pseudo", short pseudo-words one token each of
+    # the shared test tokenizer; "english", English-like text (``bench.chat_bpe``) whose sizes above
+    # count words (about 1.35 tokens each) for a 32k-token BPE with Llama-3's split and chat template
+    text: str = "pseudo"
+
+
+# ``--workload``: named workloads (the default is ``Workload()``)
+WORKLOADS: dict[str, Workload] = {
+    "default": Workload(),
+    # 4 engines, a real-sized BPE tokenizer (bench/chat_bpe.py), multi-turn chats on 12 long shared
+    # system prompts (about 2,000 tokens each, Zipf popularity) and a few unique prompts: about 400
+    # streamed requests over 30 s of arrivals
+    "chat-bpe": Workload(engines=4, duration_s=30.0, warmup_s=6.0, conversation_rate=3.2, unique_rate=1.0,
+                         system_prompts=16, system_tokens=1480, user_tokens=(30, 120), unique_tokens=(450, 1300),
+                         text="english"),
+}
 
 
 # -- the schedule -----------------------------------------------------------------------------------
@@ -146,8 +163,19 @@ def _vocab() -> list[str]:
     return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 4))) for _ in range(4000)]
 
 
-def _text(rng: random.Random, vocab: list[str], tokens: int) -> str:
+def _pseudo_text(rng: random.Random, vocab: list[str], tokens: int) -> str:
     return " ".join(rng.choice(vocab) for _ in range(tokens))
+
+
+def tokenizer_dir(w: Workload) -> str:
+    """The tokenizer directory the engines and the gateway load for ``w``'s text."""
+    if w.text == "english":
+        from bench.chat_bpe import tokenizer_dir as bpe_dir
+
+        return str(bpe_dir())
+    from enginesim.tiny_tokenizer import TINY_DIR
+
+    return str(TINY_DIR)
 
 
 @dataclass
@@ -176,8 +204,17 @@ class Schedule:
 
 def make_schedule(w: Workload) -> Schedule:
     rng = random.Random(w.seed)
-    vocab = _vocab()
-    systems = [f"System prompt {i}: you are assistant number {i}. " + _text(rng, vocab, w.system_tokens)
+    if w.text == "english":
+        from bench.chat_bpe import TextSource
+
+        text = TextSource(rng).text
+    else:
+        vocab = _vocab()
+
+        def text(tokens: int) -> str:
+            return _pseudo_text(rng, vocab, tokens)
+
+    systems = [f"System prompt {i}: you are assistant number {i}. " + text(w.system_tokens)
                for i in range(w.system_prompts)]
     weights = [1.0 / (i + 1) ** w.zipf_s for i in range(w.system_prompts)]
     convs: list[Conversation] = []
@@ -187,14 +224,14 @@ def make_schedule(w: Workload) -> Schedule:
         convs.append(Conversation(
             cid=len(convs), start=t, system=rng.choices(range(w.system_prompts), weights)[0],
             user=f"user-{rng.randrange(w.users)}",
-            questions=[f"Question {k}: " + _text(rng, vocab, rng.randint(*w.user_tokens)) for k in range(turns)],
+            questions=[f"Question {k}: " + text(rng.randint(*w.user_tokens)) for k in range(turns)],
             thinks=[rng.expovariate(1.0 / w.think_s) for _ in range(turns)]))
         t += rng.expovariate(w.conversation_rate)
     singles: list[Single] = []
     t = rng.expovariate(w.unique_rate) if w.unique_rate > 0 else math.inf
     while t < w.duration_s:
         singles.append(Single(start=t, prompt=f"Unique request {len(singles)}: "
-                              + _text(rng, vocab, rng.randint(*w.unique_tokens)),
+                              + text(rng.randint(*w.unique_tokens)),
                               user=f"user-{rng.randrange(w.users)}"))
         t += rng.expovariate(w.unique_rate)
     return Schedule(systems, convs, singles)
@@ -283,10 +320,9 @@ def reachable_hit(samples: list[Sample], w: Workload, block_size: int) -> tuple[
     before this one was sent. The second figure counts any earlier-sent request (no prefill time),
     an upper bound. No routing can beat the first on this schedule; unique single-turn prompts and
     first turns with a system prompt no one sent before are misses for every strategy."""
-    from enginesim.tiny_tokenizer import TINY_DIR
     from gateway.kv.tokenization import ModelTokenizer, chain_keys
 
-    tok = ModelTokenizer(TINY_DIR)
+    tok = ModelTokenizer(tokenizer_dir(w))
     ok = sorted((s for s in samples if s.status == 200 and s.ttft is not None and s.messages), key=lambda s: s.sent)
     keyed = []
     for s in ok:
@@ -320,12 +356,50 @@ def _pct(sorted_values: list[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
-def gateway_config(spec: str, events: bool, endpoints: list[str], tokenizer: str, routing: dict) -> dict:
+def split_label(label: str) -> tuple[str, bool, dict, dict]:
+    """A strategy label: ``SPEC[+events][@KEY=VALUE,...]`` → (spec, events, routing keys, kv_events
+    keys). The keys after ``@`` apply to that label's run only (so two settings can alternate in one
+    run): a ``kv_events`` key when the block has it, else a ``routing`` key; values are JSON, or the
+    git revision of ``ref`` (``--gateway-process``: the gateway runs from that revision's tree)."""
+    from gateway.kv.settings import KVEventsConfig
+
+    head, _, tail = label.partition("@")
+    routing: dict = {}
+    kv: dict = {}
+    for item in filter(None, tail.split(",")):
+        key, _, value = item.partition("=")
+        if key == "ref":
+            kv[key] = value
+            continue
+        (kv if key in KVEventsConfig.__struct_fields__ else routing)[key] = json.loads(value)
+    return head.removesuffix(EVENTS), head.endswith(EVENTS), routing, kv
+
+
+_TREES: dict[str, tempfile.TemporaryDirectory] = {}     # git revision → its exported tree (``@ref=``)
+
+
+def source_tree(ref: str) -> Path:
+    """The files of git revision ``ref`` of this repository, exported once per run."""
+    import io
+    import tarfile
+
+    if ref not in _TREES:
+        d = tempfile.TemporaryDirectory(prefix="bench-routing-tree-")
+        raw = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref], check=True,
+                             capture_output=True).stdout
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            tar.extractall(d.name, filter="data")
+        _TREES[ref] = d
+    return Path(_TREES[ref].name)
+
+
+def gateway_config(spec: str, events: bool, endpoints: list[str], tokenizer: str, routing: dict,
+                   kv_events: dict | None = None) -> dict:
     """The gateway's config, the same in both modes: ``config_from_dict`` in process, a JSON file
     (which is YAML) for ``--gateway-process``."""
     model = {"name": MODEL, "engine": "vllm", "strategy": spec, "endpoints": endpoints, "tokenizer": tokenizer}
     if events:
-        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS}
+        model["kv_events"] = {"enabled": True, "port": 5557, "replay_port": 5558, **KV_EVENTS, **(kv_events or {})}
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "server": {"shutdown_grace_s": 1.0, "log_level": "warning"},
@@ -358,12 +432,26 @@ def gateway_means(pages: list[str]) -> dict[str, float]:
     sums: dict[str, list[float]] = {}
     for page in pages:
         for line in page.splitlines():
-            for name in ("switchyard_routing_decision_seconds", "switchyard_event_loop_lag_seconds"):
+            for name in ("switchyard_routing_decision_seconds", "switchyard_event_loop_lag_seconds",
+                         "switchyard_time_to_first_token_seconds"):
                 for part in ("_sum", "_count"):
                     if line.startswith(name + part):
                         acc = sums.setdefault(name, [0.0, 0.0])
                         acc[part == "_count"] += float(line.rpartition(" ")[2])
     return {name: total / n for name, (total, n) in sums.items() if n}
+
+
+def engines_ttft(sims: list) -> float | None:
+    """Mean TTFT the engines measured (request received → first token), over all of them."""
+    from prometheus_client import generate_latest
+
+    acc = [0.0, 0.0]
+    for s in sims:
+        for line in generate_latest(s.engine.metrics.registry).decode().splitlines():
+            for k, part in enumerate(("_sum", "_count")):
+                if line.startswith("vllm:time_to_first_token_seconds" + part):
+                    acc[k] += float(line.rpartition(" ")[2])
+    return acc[0] / acc[1] if acc[1] else None
 
 
 def watch_subscriptions(sims: list) -> list:
@@ -410,13 +498,16 @@ class GatewayProcesses:
     """``--gateway-process``: ``replicas`` × ``python -m gateway --config FILE --port P``, each in its
     own process group, stderr (and stdout) to the benchmark's stderr."""
 
-    def __init__(self, raw: dict, replicas: int, workers: int = 1, redis_url: str | None = None) -> None:
+    def __init__(self, raw: dict, replicas: int, workers: int = 1, redis_url: str | None = None,
+                 profile: str = "", tree: Path | None = None) -> None:
         # drain_delay_s 0: a SIGTERM stops at once (the in-process gateways are not drained at all)
         self.raw = {**raw, "server": {**raw["server"], "drain_delay_s": 0}}
         if redis_url:       # the replicas share their routing view (and in-flight counts) through Redis
             self.raw["state"] = {"redis_url": redis_url}
         self.replicas = replicas
         self.workers = workers
+        self.profile = profile          # a cProfile output path per replica (``PATH.N``), or ""
+        self.tree = tree                # the source tree the gateway runs from (None: this checkout)
         self.procs: list[subprocess.Popen] = []
         self.ports: list[int] = []
         self.dir: tempfile.TemporaryDirectory | None = None
@@ -427,11 +518,15 @@ class GatewayProcesses:
         self.dir = tempfile.TemporaryDirectory(prefix="bench-routing-")
         path = Path(self.dir.name) / "gateway.yaml"
         path.write_text("# written by bench/routing.py --gateway-process\n" + json.dumps(self.raw, indent=1) + "\n")
-        for _ in range(self.replicas):
+        for n in range(self.replicas):
             port = free_port()
-            p = start_group([sys.executable, "-m", "gateway", "--config", str(path), "--port", str(port),
+            prof = ["-m", "cProfile", "-o", f"{self.profile}.{n}"] if self.profile else []
+            tree = self.tree or REPO
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
+            p = start_group([sys.executable, *prof, "-m", "gateway", "--config", str(path), "--port", str(port),
                              "--workers", str(self.workers)],
-                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=sys.stderr)
+                            cwd=tree, stdin=subprocess.DEVNULL, stdout=sys.stderr, env=env)
             _CHILDREN.append(p)
             self.procs.append(p)
             self.ports.append(port)
@@ -459,6 +554,24 @@ class GatewayProcesses:
                         if ready >= engines:
                             break
                 await asyncio.sleep(0.05)
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system) the processes spent so far, summed over the replicas: ``all``
+        and the event loop's thread (``loop``, the main thread); the rest is the other threads' (the
+        tokenizer threads, ZeroMQ's I/O thread, the tokenizers library's own pool)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {"all": 0.0, "loop": 0.0}
+        for p in self.procs:
+            with contextlib.suppress(OSError):
+                for task in Path(f"/proc/{p.pid}/task").iterdir():
+                    with contextlib.suppress(OSError):
+                        raw = (task / "stat").read_text()
+                        fields = raw[raw.rindex(")") + 2:].split()
+                        t = (int(fields[11]) + int(fields[12])) / tick
+                        out["all"] += t
+                        if task.name == str(p.pid):
+                            out["loop"] += t
+        return out
 
     async def metrics(self, session: aiohttp.ClientSession) -> list[str]:
         pages = []
@@ -524,17 +637,18 @@ async def start_engines(w: Workload, em: EngineModel, events: bool, tok: str) ->
 
 async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
                        routing: dict | None = None, replicas: int = 1, gateway_process: bool = False,
-                       workers: int = 1, redis_url: str | None = None) -> Result:
-    from enginesim.tiny_tokenizer import TINY_DIR
+                       workers: int = 1, redis_url: str | None = None, profile: str = "") -> Result:
     from gateway.config.schema import config_from_dict
     from gateway.server.app import GATEWAY_KEY
     from gateway.server.run import start
     from routers.prefix_cache import fleet_load
 
     wall0 = time.perf_counter()
-    events = label.endswith(EVENTS)
-    spec = label.removesuffix(EVENTS)
-    tok = str(TINY_DIR)
+    spec, events, routing_over, kv_over = split_label(label)
+    ref = kv_over.pop("ref", None)
+    if ref is not None and not gateway_process:
+        raise SystemExit(f"{label}: @ref= needs --gateway-process")
+    tok = tokenizer_dir(w)
     control = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     sims: list = []
     monitors: list = []
@@ -542,11 +656,11 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     procs: GatewayProcesses | None = None
     try:
         sims += await start_engines(w, em, events or ENGINES_PUBLISH["mode"] == "always", tok)
-        raw = gateway_config(spec, events, [s.url for s in sims], tok, routing or {})
+        raw = gateway_config(spec, events, [s.url for s in sims], tok, {**(routing or {}), **routing_over}, kv_over)
         cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
         monitors = watch_subscriptions(sims) if events else []
         if gateway_process:
-            procs = GatewayProcesses(raw, replicas, workers, redis_url)
+            procs = GatewayProcesses(raw, replicas, workers, redis_url, profile, source_tree(ref) if ref else None)
             procs.start()
             await procs.wait_ready(control, w.engines)
             ports = procs.ports
@@ -562,10 +676,17 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         urls = [f"http://127.0.0.1:{p}/v1/chat/completions" for p in ports]
         eps_per_gw = [g[1][GATEWAY_KEY].pool.endpoints(MODEL) for g in gateways]
         engines = [s.engine for s in sims]
+        cpu0 = procs.cpu() if procs is not None else None
         samples, in_flight_samples, lags, seen = await drive(sched, w, urls, eps_per_gw, engines,
                                                              cfg.routing.metrics_max_age_s, fleet_load)
+        if procs is not None and cpu0 is not None and samples:
+            cpu = {k: v - cpu0[k] for k, v in procs.cpu().items()}
+            print(f"    gateway CPU per request: {1000 * cpu['all'] / len(samples):.2f} ms (event loop "
+                  f"{1000 * cpu['loop'] / len(samples):.2f}, other threads "
+                  f"{1000 * (cpu['all'] - cpu['loop']) / len(samples):.2f}) over {len(samples)} requests", file=sys.stderr)
         pages = (await procs.metrics(control) if procs is not None
                  else [g[1][GATEWAY_KEY].metrics.render().decode() for g in gateways])
+        engine_ttft = engines_ttft(sims)
     finally:
         if procs is not None:
             await procs.stop()
@@ -607,9 +728,14 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     if fb:
         print("    fallbacks: " + "; ".join(fb), file=sys.stderr)
     means = gateway_means(pages)
+    ttft = means.pop("switchyard_time_to_first_token_seconds", None)
     if means:
         print("    gateway: " + ", ".join(f"{name.removeprefix('switchyard_').removesuffix('_seconds')} mean "
                                         f"{1000 * v:.3f} ms" for name, v in means.items()), file=sys.stderr)
+    if ttft is not None and engine_ttft is not None:
+        print(f"    TTFT mean seen by the gateway {1000 * ttft:.1f} ms, by the engines {1000 * engine_ttft:.1f} ms: "
+              f"{1000 * (ttft - engine_ttft):.2f} ms in the gateway (routing, tokenizing, the leg's send, the "
+              f"first chunk's relay)", file=sys.stderr)
     return result
 
 
@@ -752,6 +878,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, help="seconds of arrivals per strategy")
     ap.add_argument("--warmup", type=float, help="seconds of arrivals not measured")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
+                    help="default: 8 engines, pseudo-word prompts, the shared test tokenizer; chat-bpe: 4 engines, "
+                         "English-like chats, a 32k-token byte-level BPE built offline (bench/chat_bpe.py), "
+                         "about 400 requests")
     ap.add_argument("--plot", default=str(Path(__file__).with_name("routing.png")),
                     help="PNG path ('' to skip)")
     ap.add_argument("--json", default="", help="write the results (with raw TTFTs) to this file")
@@ -771,6 +901,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--redis", default="", metavar="URL",
                     help="with --gateway-process: state.redis_url of every replica (the routing view and in-flight "
                          "counts shared across replicas), e.g. redis://127.0.0.1:6379/0")
+    ap.add_argument("--gateway-profile", default="", metavar="DIR",
+                    help="with --gateway-process: run each gateway under cProfile, its stats written to "
+                         "DIR/<strategy>.<replica> when it stops (its event loop's thread only)")
     ap.add_argument("--engines-publish", choices=["always", "events"], default="always",
                     help="always (default): every run's engines publish KV events, so every strategy faces the "
                          "same engines; events: only the +events runs' engines do")
@@ -778,13 +911,17 @@ def main(argv: list[str] | None = None) -> int:
     ENGINES_PUBLISH["mode"] = args.engines_publish
     if (args.workers > 1 or args.redis) and not args.gateway_process:
         ap.error("--workers and --redis need --gateway-process")
+    if args.gateway_profile:
+        if not args.gateway_process:
+            ap.error("--gateway-profile needs --gateway-process")
+        Path(args.gateway_profile).mkdir(parents=True, exist_ok=True)
 
     from gateway.observability.logs import configure_logging
 
     configure_logging("json", "warning")
-    w = Workload(seed=args.seed)
+    w = replace(WORKLOADS[args.workload], seed=args.seed)
     if args.quick:
-        w = replace(w, duration_s=20.0, warmup_s=6.0)
+        w = replace(w, duration_s=min(w.duration_s, 20.0), warmup_s=min(w.warmup_s, 6.0))
     if args.engines:
         w = replace(w, engines=args.engines)
     if args.duration:
@@ -816,8 +953,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         for spec in strategies:
+            profile = str(Path(args.gateway_profile) / "".join(c if c.isalnum() else "_" for c in spec)) \
+                if args.gateway_profile else ""
             r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process,
-                                    args.workers, args.redis or None))
+                                    args.workers, args.redis or None, profile))
             results.append(r)
             print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
                   f"hit {r.cache_hit:4.0%} (reachable {r.reachable_hit:4.0%})  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
@@ -828,6 +967,8 @@ def main(argv: list[str] | None = None) -> int:
         for p in list(_CHILDREN):       # a run that ended before its own clean-up (Ctrl-C)
             terminate(p)
             _CHILDREN.remove(p)
+        for d in _TREES.values():
+            d.cleanup()
     total = time.perf_counter() - t0
     print(markdown(results))
     gateways = f"{args.replicas} gateway replicas" if args.replicas > 1 else "the gateway"

@@ -33,7 +33,18 @@ from typing import Any
 
 import orjson
 
-from bench.routing import EVENTS, MODEL, EngineModel, Sample, Workload, _pct, make_schedule, reachable_hit
+from bench.routing import (
+    EVENTS,
+    MODEL,
+    WORKLOADS,
+    EngineModel,
+    Sample,
+    Workload,
+    _pct,
+    make_schedule,
+    reachable_hit,
+    tokenizer_dir,
+)
 
 
 class Clock:
@@ -227,11 +238,10 @@ def simulate(spec: str, w: Workload, em: EngineModel, replicas: int = 1, routing
              kv_events: dict | None = None, scrape_s: float = 0.5, event_delay_ms: float = 2.0,
              tok: Any = None) -> SimResult:
     from enginesim.kvcache import root_key
-    from enginesim.tiny_tokenizer import TINY_DIR
     from gateway.kv.tokenization import ModelTokenizer
     from gateway.request import CHAT, parse
 
-    tok = tok or ModelTokenizer(TINY_DIR)
+    tok = tok or ModelTokenizer(tokenizer_dir(w))
     sched = make_schedule(w)
     clock = Clock()
     engines = [SimEngine(i, em, clock, event_delay_ms / 1000) for i in range(w.engines)]
@@ -320,15 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="20 s of arrivals (6 s warm-up), like bench.routing")
     ap.add_argument("--duration", type=float)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="default", help="as bench.routing's")
     ap.add_argument("--kv-blocks", type=int)
     ap.add_argument("--scrape-s", type=float, default=0.5, help="scrape interval (the benchmark's 0.5 s)")
     ap.add_argument("--event-delay-ms", type=float, default=2.0)
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE")
     ap.add_argument("--kv-events", nargs="*", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
-    w = Workload(seed=args.seed)
+    w: Workload = replace(WORKLOADS[args.workload], seed=args.seed)
     if args.quick:
-        w = replace(w, duration_s=20.0, warmup_s=6.0)
+        w = replace(w, duration_s=min(w.duration_s, 20.0), warmup_s=min(w.warmup_s, 6.0))
     if args.duration:
         w = replace(w, duration_s=args.duration, warmup_s=min(w.warmup_s, args.duration / 4))
     em = EngineModel() if not args.kv_blocks else EngineModel(kv_blocks=args.kv_blocks)

@@ -46,7 +46,8 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.routing import MODEL, EngineModel, Workload, _pct, _text, _vocab, gateway_config, send
+from bench.routing import MODEL, EngineModel, Workload, _pct, _vocab, gateway_config, send
+from bench.routing import _pseudo_text as _text
 
 ADMISSION = "+admission"
 ADMISSION_DEFAULTS = {"max_waiting_per_endpoint": 1, "queue_timeout_s": 1.0}

@@ -81,6 +81,7 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # the load prefix-cache's guards compare: "local" = this gateway's in-flight (plus replicas'
     # published through shared state); "fleet" = that plus the other gateways' requests the engine
     # reported at its last fresh scrape (running + waiting beyond this gateway's own)
+    prefix_min_match_tokens: Annotated[_Count, msgspec.Meta(description="prefix-cache on KV events: an endpoint holding fewer of the prompt's tokens than this is no match (a head that every prompt shares, such as the chat template's header, would otherwise draw every new prompt to the first engine holding it); 0: any cached block counts.")] = 128
     prefix_load: Annotated[Literal["local", "fleet"], msgspec.Meta(description="Load compared by prefix-cache's guards: local (this gateway's requests, plus replicas' through shared state) or fleet (also other gateways' requests seen in the engine's own metrics).")] = "fleet"
     prefix_session: Annotated[bool, msgspec.Meta(description="prefix-cache: a request that continues a session (x-session-key, x-aibrix-session-key or x-session-id header; Responses previous_response_id; Messages metadata.user_id) goes to the endpoint that served the session last, unless the load guards find it overloaded.")] = True
     session_ttl_s: Annotated[_Seconds, msgspec.Meta(description="prefix-cache: a session not seen for this long is forgotten, in seconds.")] = 1800.0

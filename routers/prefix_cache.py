@@ -66,7 +66,14 @@ def cached_depths(ctx: RouterContext, index: PrefixIndex, strategy: str, req: In
     """Match depth per endpoint (only those with a match) and the depth of a full match: in
     prompt blocks of the approximate index, or in tokens when events cover the model. Endpoints
     without live events are judged on the approximate index, scaled to tokens (a fallback counted
-    for ``strategy``)."""
+    for ``strategy``).
+
+    On events, a match shorter than ``prefix_min_match_tokens`` is no match. Engines report blocks
+    of 16 tokens, and the first of nearly every chat prompt is the same (the template's header and
+    date line, a BOS, a common first sentence): until every engine holds it, it would send every
+    new prompt to the first engine that does, whatever its load, and the system prompts that should
+    spread over the fleet pile onto one engine. The approximate index never sees it, its blocks
+    being about 128 tokens long (``prefix_block_chars``)."""
     precise = ctx.precise_index
     if precise is None or not precise.covers(req.model):
         return index.depths(req, pool)
@@ -75,13 +82,14 @@ def cached_depths(ctx: RouterContext, index: PrefixIndex, strategy: str, req: In
         ctx.on_fallback(strategy, "kv_events_multimodal" if req.multimodal else "kv_events_tokenize")
         return index.depths(req, pool)
     exact, tokens, others = found
+    floor = max(1, ctx.settings.prefix_min_match_tokens)
     if not others:
-        return {ep: d for ep, d in exact.items() if d > 0}, tokens
+        return {ep: d for ep, d in exact.items() if d >= floor}, tokens
     ctx.on_fallback(strategy, "kv_events_fallback")
     approx, n = index.depths(req, others)
     if not exact:
         return approx, n
-    depths = {ep: d for ep, d in exact.items() if d > 0}
+    depths = {ep: d for ep, d in exact.items() if d >= floor}
     if n:
         for ep, d in approx.items():
             depths[ep] = d * tokens // n

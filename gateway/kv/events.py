@@ -50,7 +50,7 @@ from prometheus_client.registry import Collector
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.index import EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
-from gateway.kv.tokenization import INLINE_CHARS, ModelTokenizer
+from gateway.kv.tokenization import AHEAD_CHARS, INLINE_CHARS, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
 from gateway.request import InferenceRequest
 
@@ -352,6 +352,7 @@ class KVEventsManager:
         self._zctx: Any = None
         self.tokenize_threads = tokenize_threads
         self._executor: ThreadPoolExecutor | None = None
+        self._ahead: set[asyncio.Task] = set()     # tokenizing what a chat's next turn will need
 
     @property
     def zctx(self) -> Any:
@@ -432,6 +433,8 @@ class KVEventsManager:
         if self._zctx is not None:
             self._zctx.term()
             self._zctx = None
+        for task in list(self._ahead):
+            task.cancel()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -492,6 +495,35 @@ class KVEventsManager:
 
     def routed(self, req: InferenceRequest, ep: Endpoint) -> None:
         self.index.routed(req, ep)
+        left = self.index.left(req)
+        if left and "messages" in req.data and self.tokenize_threads > 0:
+            self._tokenize_ahead(ep.model, left)
+
+    def _tokenize_ahead(self, model: str, segments: list[str]) -> None:
+        """A chat request keyed only as far as some engine's cache reaches left its new segments
+        (the new user message, a pasted text) untokenized: no engine could match them. Its next turn
+        resends them behind blocks the engine will then hold, and would tokenize them on the event
+        loop, on its own way to the engine. Those shorter than ``AHEAD_CHARS`` (a chat message, not a
+        long document that may never come back) are tokenized now, in the tokenizer threads, while
+        the engine prefills, so the next turn finds them cached. The keys are the same either way."""
+        tok = self.tokenizers.get(model)
+        executor = self.executor
+        if tok is None or executor is None:
+            return
+        todo = [s for s in segments if len(s) < AHEAD_CHARS and tok.needs_tokens(s)]
+        if not todo:
+            return
+        try:
+            task = asyncio.get_running_loop().create_task(self._ahead_one(tok, model, todo, executor))
+        except RuntimeError:                 # no event loop (a synchronous caller): nothing ahead
+            return
+        self._ahead.add(task)
+        task.add_done_callback(self._ahead.discard)
+
+    async def _ahead_one(self, tok: ModelTokenizer, model: str, segments: list[str], executor: ThreadPoolExecutor) -> None:
+        n = await tok.prepare(segments, executor, 0)
+        if n:
+            self.metrics.off_loop.labels(model).inc(n)
 
 
 def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsManager | None:

@@ -171,6 +171,8 @@ class EventIndex:
         self._rendered: tuple[InferenceRequest | None, list[str] | None, list[int]] = (None, None, [])
         # the last walk's depths (blocks held or pending, per endpoint), reused by ``routed``
         self._walked: tuple[list[int] | None, dict[int, int]] = (None, {})
+        # the last request keyed only as far as a cache reaches, and its segments left untokenized
+        self._left: tuple[InferenceRequest | None, list[str]] = (None, [])
         self.orphans = 0
         self.unreached: dict[str, int] = {}      # model → requests keyed only as far as a cache reaches
 
@@ -456,7 +458,15 @@ class EventIndex:
             self._memo = (req, bs, k.keys, k.tokens)
             if not k.exact:
                 self.unreached[model] = self.unreached.get(model, 0) + 1
+                if segments is not None and k.rest >= 0:
+                    self._left = (req, segments[k.rest:])
         return k
+
+    def left(self, req: InferenceRequest) -> list[str]:
+        """The segments of ``req`` its keys stopped before (no engine's cache reached them), if it
+        was the last request keyed."""
+        left = self._left
+        return left[1] if left[0] is req else []
 
     def _reaches(self, key: int) -> bool:
         """Some endpoint holds the block ``key``, or is about to (speculatively)."""

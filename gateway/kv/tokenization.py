@@ -40,6 +40,7 @@ from typing import Any
 TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
 KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
 INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
+AHEAD_CHARS = 2048                       # a chat's unreached segments this short are tokenized after routing
 PROBE_CHARS = 256                        # an uncached segment this long is probed before it is tokenized
 _PROBES_KEPT = 4096                      # segments whose probe is remembered (``prepare`` then ``match``)
 # marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
@@ -83,6 +84,7 @@ class Keys:
     keys: list[int]
     tokens: int
     exact: bool = True
+    rest: int = -1             # not exact: the index of the first segment left untokenized
 
 
 class ModelTokenizer:
@@ -190,6 +192,10 @@ class ModelTokenizer:
 
     def is_cached(self, segment: str) -> bool:
         return segment in self._segments
+
+    def needs_tokens(self, segment: str) -> bool:
+        """Neither cached nor a special token."""
+        return segment not in self._segments and segment not in self._special_ids
 
     def _segment_ids(self, segment: str) -> list[int]:
         special = self._special_ids.get(segment)
@@ -350,7 +356,7 @@ class ModelTokenizer:
                     if probed is not None:
                         self.segments_unreached += 1
                         keys.extend(probed)
-                        return Keys(keys[:], total + self._estimate(segments, j), exact=False)
+                        return Keys(keys[:], total + self._estimate(segments, j), exact=False, rest=j)
                 if defer_chars is not None and defer_chars <= len(seg) <= longest:
                     return j
             ids = self._segment_ids(seg)

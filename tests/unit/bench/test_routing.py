@@ -66,3 +66,43 @@ def test_the_process_config_file_reads_back_as_the_in_process_config():
     assert from_file.models[0].kv_events.enabled and from_file.server.drain_delay_s == 0
     assert (from_file.scrape, from_file.health, from_file.server.log_level) == \
         (in_process.scrape, in_process.health, "warning")
+
+
+def test_the_default_workload_is_unchanged_and_chat_bpe_is_about_400_requests():
+    from bench.routing import WORKLOADS, make_schedule
+
+    assert WORKLOADS["default"] == Workload()
+    w = WORKLOADS["chat-bpe"]
+    sched = make_schedule(w)
+    n = sum(len(c.questions) for c in sched.conversations) + len(sched.singles)
+    assert w.engines == 4 and 380 <= n <= 480
+    assert len({c.system for c in sched.conversations}) == w.system_prompts
+    assert make_schedule(w).systems == sched.systems                 # seeded
+
+
+def test_the_chat_bpe_tokenizer_keys_chats_as_the_simulated_engine_tokenizes_them(tmp_path):
+    import random
+
+    from bench.chat_bpe import VOCAB_SIZE, TextSource, build
+    from enginesim.hf_tokenizer import HFTokenizer
+
+    d = build(tmp_path / "tok")
+    tok, sim = ModelTokenizer(d), HFTokenizer(d)
+    assert tok.tokenizer.get_vocab_size() == VOCAB_SIZE and not tok._whole
+    text = TextSource(random.Random(3))
+    messages = [{"role": "system", "content": text.text(300)}]
+    for _ in range(3):
+        messages += [{"role": "user", "content": text.text(40)}, {"role": "assistant", "content": " " + text.text(12)}]
+        rendered = tok.render(messages)
+        assert tok.encode(rendered) == tok.tokenizer.encode(rendered, add_special_tokens=False).ids \
+            == sim.encode_chat(messages)
+    ids = tok.encode(rendered)
+    assert 3.5 < len(rendered) / len(ids) < 5.0          # characters a token, as English on Llama-3
+
+
+def test_a_label_carries_its_own_routing_and_kv_events_keys():
+    from bench.routing import split_label
+
+    assert split_label("prefix-cache") == ("prefix-cache", False, {}, {})
+    assert split_label("prefix-cache+events@prefix_min_match_tokens=0,tokenize_inline_chars=256") == \
+        ("prefix-cache", True, {"prefix_min_match_tokens": 0}, {"tokenize_inline_chars": 256})

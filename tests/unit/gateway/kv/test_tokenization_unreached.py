@@ -129,3 +129,34 @@ async def test_tokenize_unreached_keys_every_request_whole():
     assert tokens == len(_ids(tok, messages)) and tok.segments_off_loop == 1
     assert registry.get_sample_value("switchyard_kv_events_requests_unreached_total", {"model": "m"}) is None
     await mgr.close()
+
+
+async def test_a_chats_new_message_is_tokenized_after_routing_for_its_next_turn():
+    registry = CollectorRegistry()
+    mgr, tok, eps = _manager(registry)
+    ids = _ids(tok, [{"role": "system", "content": SYSTEM}])
+    full = len(ids) // BS - 1
+    st = mgr.index.states[eps[0]]
+    mgr.index.apply(st, Batch(0.0, [BlockStored(list(range(1, full + 1)), None, ids[:full * BS], BS)], 0))
+    question = _text(6, 80)                 # a chat message: past every cache, probed only
+    document = _text(7, 1500)               # too long to tokenize on the chance of a next turn
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question + "\n" + document}]
+    short = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    for msgs, ahead in ((short, True), (messages, False)):
+        req = parse(CHAT, orjson.dumps({"model": "m", "messages": msgs}), {}, "r")
+        await mgr.prepare(req, eps)
+        depths, _, _ = mgr.match(req, eps)
+        assert depths[eps[0]] > 0
+        seg = next(s for s in tok.request_segments(CHAT, {"messages": msgs})[0] if msgs[1]["content"] in s)
+        assert not tok.is_cached(seg)
+        mgr.routed(req, eps[0])
+        for task in list(mgr._ahead):
+            await task
+        assert tok.is_cached(seg) is ahead
+    # the next turn's keys are the library's, whether the message came from the cache or not
+    turn2 = short + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": _text(8, 20)}]
+    req = parse(CHAT, orjson.dumps({"model": "m", "messages": turn2}), {}, "r2")
+    segs, lead = tok.request_segments(CHAT, {"messages": turn2})
+    assert tok.block_keys(segs, lead, 7, BS, 1 << 20).keys == chain_keys(7, _ids(tok, turn2), BS)
+    assert registry.get_sample_value("switchyard_kv_events_tokenized_off_loop_total", {"model": "m"}) >= 1
+    await mgr.close()
