@@ -732,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
 
     run = uvloop.run if uvloop is not None else asyncio.run
     result = run(amain())
+    # the event loop may leave stdout non-blocking: a large result (--samples) then reached the
+    # reader cut at the pipe's 64 KiB
+    os.set_blocking(sys.stdout.fileno(), True)
     sys.stdout.write(orjson.dumps(result).decode() + "\n")
     sys.stdout.flush()
     return 0

@@ -5,12 +5,14 @@
     python bench/overhead.py --tiny --peers none   # seconds; what the test runs
 
 Every gateway runs as users run it: Switchyard at its default config (log level info, so one
-request line per request, ``log_format`` auto, which is JSON since stderr is not a TTY), one
-worker, its stderr going to a file on disk (what a container runtime's log driver does with a
+request line per request, ``log_format`` auto, which is JSON since stderr is not a TTY, as many
+worker processes as ``server.workers``' default gives on this machine; the Columns table says
+how many), its stderr going to a file on disk (what a container runtime's log driver does with a
 container's output); the Rust routers at their own default log level, stderr to a file too.
 Columns beside the headline Switchyard change one setting each (``--switchyard-variants``):
-``warning`` (no request line: what logging costs), ``console`` (the console renderer) and
-``workers2`` (``--workers 2``; the Rust routers use every core by default).
+``warning`` (no request line: what logging costs), ``console`` (the console renderer),
+``workers1`` (``--workers 1``: one process) and ``workers2`` (``--workers 2``; the Rust routers use
+every core by default).
 
 Processes, all on 127.0.0.1, each in its own process group, each stopped by pid on every exit path
 (Ctrl-C included), started in three stacks, one after the other (a stack is stopped before the
@@ -83,7 +85,24 @@ class Variant:
     argv: tuple[str, ...] = ()      # extra command-line arguments
     log_level: str = "info (default)"
     log_format: str = "auto (default) → JSON: stderr is not a TTY"
-    processes: str = "1"
+    workers: int | str | None = None    # --workers; None: server.workers' default
+
+
+def variant_workers(variant: Variant) -> tuple[int, str]:
+    """The worker processes the variant runs on this machine, and where that count comes from."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(1, str(REPO))
+    from gateway.config.schema import ServerConfig
+    from gateway.server.workers import resolve_workers
+    if variant.workers is not None:
+        return resolve_workers(variant.workers), f"`--workers {variant.workers}`"
+    default = ServerConfig().workers
+    return resolve_workers(default), f"`server.workers` default, {default}"
+
+
+def variant_processes(variant: Variant) -> str:
+    n, how = variant_workers(variant)
+    return f"1 ({how})" if n == 1 else f"{n} workers ({how}) + their parent; CPU and RSS summed"
 
 
 VARIANTS = {
@@ -92,8 +111,8 @@ VARIANTS = {
                        log_level="warning (`server.log_level`): no request line"),
     "console": Variant("switchyard-console", {"log_format": "console"},
                        log_format="console (`server.log_format`)"),
-    "workers2": Variant("switchyard-workers2", {}, ("--workers", "2"),
-                        processes="2 workers (`--workers 2`) + their parent; CPU and RSS summed"),
+    "workers1": Variant("switchyard-workers1", {}, ("--workers", "1"), workers=1),
+    "workers2": Variant("switchyard-workers2", {}, ("--workers", "2"), workers=2),
 }
 
 
@@ -169,7 +188,7 @@ class Mode:
     stream_chunks: int = 100
     ns_concurrency: tuple[int, ...] = (1, 32, 256)
     stream_concurrency: int = 64
-    variants: str = "default,warning,console,workers2"
+    variants: str = "default,workers1,warning,console,workers2"
     pd_concurrency: tuple[int, ...] = (1, 16)
     pd_tokens: int = 32
     pd_duration: float = 6.0
@@ -550,7 +569,8 @@ class Runner:
         about = {"what": "`python -m gateway`, default config" + (f" with {', '.join(f'{k}: {v}' for k, v in variant.server.items())}"
                                                                    if variant.server else "")
                  + (f", `{' '.join(variant.argv)}`" if variant.argv else ""),
-                 "log_level": variant.log_level, "log_format": variant.log_format, "processes": variant.processes,
+                 "log_level": variant.log_level, "log_format": variant.log_format, "processes": variant_processes(variant),
+                 "workers": variant_workers(variant)[0],
                  "stderr": self.stderr_kind}
         t = Target(variant.name, port, p.pid, self.report["switchyard_commit"], stack.name, "switchyard", key,
                    about=about, log=self.procs.log_path(name), pd_engines=("vllm", "sglang"))
@@ -589,9 +609,10 @@ class Runner:
                 continue
             stack.procs.append(p)
             self.report["pids"][f"{stack.name}:{t.name}"] = p.pid
-            if t.variant == "workers2":
+            n = variant_workers(VARIANTS[t.variant])[0] if t.variant in VARIANTS else 1
+            if n > 1:       # a parent and its forked workers: every process is measured
                 deadline = time.monotonic() + 10
-                while len(kids := children_of(p.pid)) < 2 and time.monotonic() < deadline:
+                while len(kids := children_of(p.pid)) < n and time.monotonic() < deadline:
                     time.sleep(0.1)
                 t.pids = [p.pid, *kids]
                 for i, k in enumerate(kids):

@@ -41,6 +41,9 @@ SCENARIOS: dict[str, str] = {
     "sick-engine": "bench.resilience_sick",
     "overload": "bench.resilience_overload",
     "mid-stream": "bench.resilience_midstream",
+    "priorities": "bench.resilience_priorities",
+    "fairness": "bench.resilience_fairness",
+    "slo-overload": "bench.resilience_slo",
 }
 
 REPO = Path(__file__).resolve().parent.parent

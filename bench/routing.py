@@ -1,5 +1,8 @@
 """Routing quality: ``python -m bench.routing [--quick] [--strategies ...] [--seed N]``.
 
+(``--workload slo``: latency objectives met per strategy, on engines of different speeds:
+``bench/routing_slo.py``.)
+
 How much faster does each strategy make a fleet of engines than a plain load balancer? One
 process, one event loop: ``--engines`` simulated vLLM engines (``enginesim``, in-process, with a
 bounded KV pool and prefix caching), the real gateway in front of them on loopback, and an
@@ -11,7 +14,10 @@ and the same prompts.
 --config FILE --port P``; ``--replicas N``: N processes), so the CPU it spends (tokenizing for
 KV-event routing, say) no longer delays the simulated engines' timers and the load generator, which
 stay in the benchmark's process. Its config is the one the in-process run builds, written to a
-temporary file, plus ``drain_delay_s: 0`` so a SIGTERM stops it at once. The benchmark waits until
+temporary file, plus ``drain_delay_s: 0`` so a SIGTERM stops it at once. ``--workers N`` starts each
+process with ``--workers N`` (its workers share one routing view over the local bus), ``--redis URL``
+sets ``state.redis_url`` (the replicas share the view and their in-flight counts through Redis):
+``--workers 2`` and ``--replicas 2 --redis URL`` against one worker show what sharing the view keeps. The benchmark waits until
 each process answers ``/ready`` and its ``/metrics`` shows every engine ready; with KV events, in
 both modes, until every engine's PUB socket has seen one subscriber per gateway finish its
 handshake (a ZMQ socket monitor on the engine's side). What the in-process run reads off the
@@ -492,10 +498,14 @@ class GatewayProcesses:
     """``--gateway-process``: ``replicas`` × ``python -m gateway --config FILE --port P``, each in its
     own process group, stderr (and stdout) to the benchmark's stderr."""
 
-    def __init__(self, raw: dict, replicas: int, profile: str = "", tree: Path | None = None) -> None:
+    def __init__(self, raw: dict, replicas: int, workers: int = 1, redis_url: str | None = None,
+                 profile: str = "", tree: Path | None = None) -> None:
         # drain_delay_s 0: a SIGTERM stops at once (the in-process gateways are not drained at all)
         self.raw = {**raw, "server": {**raw["server"], "drain_delay_s": 0}}
+        if redis_url:       # the replicas share their routing view (and in-flight counts) through Redis
+            self.raw["state"] = {"redis_url": redis_url}
         self.replicas = replicas
+        self.workers = workers
         self.profile = profile          # a cProfile output path per replica (``PATH.N``), or ""
         self.tree = tree                # the source tree the gateway runs from (None: this checkout)
         self.procs: list[subprocess.Popen] = []
@@ -514,7 +524,8 @@ class GatewayProcesses:
             tree = self.tree or REPO
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(
                 [str(tree), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])}
-            p = start_group([sys.executable, *prof, "-m", "gateway", "--config", str(path), "--port", str(port)],
+            p = start_group([sys.executable, *prof, "-m", "gateway", "--config", str(path), "--port", str(port),
+                             "--workers", str(self.workers)],
                             cwd=tree, stdin=subprocess.DEVNULL, stdout=sys.stderr, env=env)
             _CHILDREN.append(p)
             self.procs.append(p)
@@ -626,7 +637,7 @@ async def start_engines(w: Workload, em: EngineModel, events: bool, tok: str) ->
 
 async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
                        routing: dict | None = None, replicas: int = 1, gateway_process: bool = False,
-                       profile: str = "") -> Result:
+                       workers: int = 1, redis_url: str | None = None, profile: str = "") -> Result:
     from gateway.config.schema import config_from_dict
     from gateway.server.app import GATEWAY_KEY
     from gateway.server.run import start
@@ -649,14 +660,14 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
         cfg = config_from_dict(raw, source="<bench>")     # checked here in both modes
         monitors = watch_subscriptions(sims) if events else []
         if gateway_process:
-            procs = GatewayProcesses(raw, replicas, profile, source_tree(ref) if ref else None)
+            procs = GatewayProcesses(raw, replicas, workers, redis_url, profile, source_tree(ref) if ref else None)
             procs.start()
             await procs.wait_ready(control, w.engines)
             ports = procs.ports
         else:
             gateways = [await start(cfg) for _ in range(replicas)]
             ports = [p for _, _, p in gateways]
-        if events and not await subscribed(sims, monitors, replicas):
+        if events and not await subscribed(sims, monitors, replicas * workers):
             print("    not every gateway subscribed to every engine's KV events within 30 s", file=sys.stderr)
         if procs is not None:
             print(f"    {replicas} gateway process{'es' if replicas > 1 else ''} ready"
@@ -702,7 +713,8 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     mean_load = statistics.fmean(per_engine) if per_engine else 0.0
     peaks = [max(row) / statistics.fmean(row) for row in in_flight_samples if sum(row) > 0]
     result = Result(
-        strategy=label + (f" ×{replicas} replicas" if replicas > 1 else ""), requests=len(ok), errors=len(measured) - len(ok),
+        strategy=label + (f" ×{replicas} replicas" if replicas > 1 else "") + (f" ×{workers} workers" if workers > 1 else ""),
+        requests=len(ok), errors=len(measured) - len(ok),
         ttft_mean_ms=statistics.fmean(ttfts) if ttfts else math.nan,
         ttft_p50_ms=_pct(ttfts, 0.5), ttft_p99_ms=_pct(ttfts, 0.99),
         throughput_rps=len(ok) / window, output_tps=sum(s.output_tokens for s in ok) / window,
@@ -848,7 +860,17 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--workload", choices=["conversations", "slo"], default="conversations")
+    known, rest = pre.parse_known_args(argv)
+    if known.workload == "slo":        # latency objectives on engines of different speeds (bench/routing_slo.py)
+        from bench.routing_slo import main as slo_main
+
+        return slo_main(rest)
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", choices=["conversations", "slo"], default="conversations",
+                    help="conversations (default): this module's workload; slo: requests with latency objectives "
+                         "on engines of different speeds, attainment per strategy (bench/routing_slo.py)")
     ap.add_argument("--quick", action="store_true",
                     help="5 strategies, 20 s of arrivals each (< 2 min; the default run takes ~10 min)")
     ap.add_argument("--strategies", nargs="+", help="strategy strings (default: all built-ins + combos)")
@@ -873,6 +895,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gateway-process", action="store_true",
                     help="run each gateway replica as its own process (python -m gateway) instead of in the "
                          "benchmark's event loop; engines and load generator stay in the benchmark")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="with --gateway-process: each gateway replica runs with --workers N (one routing view "
+                         "shared over the local bus)")
+    ap.add_argument("--redis", default="", metavar="URL",
+                    help="with --gateway-process: state.redis_url of every replica (the routing view and in-flight "
+                         "counts shared across replicas), e.g. redis://127.0.0.1:6379/0")
     ap.add_argument("--gateway-profile", default="", metavar="DIR",
                     help="with --gateway-process: run each gateway under cProfile, its stats written to "
                          "DIR/<strategy>.<replica> when it stops (its event loop's thread only)")
@@ -881,6 +909,8 @@ def main(argv: list[str] | None = None) -> int:
                          "same engines; events: only the +events runs' engines do")
     args = ap.parse_args(argv)
     ENGINES_PUBLISH["mode"] = args.engines_publish
+    if (args.workers > 1 or args.redis) and not args.gateway_process:
+        ap.error("--workers and --redis need --gateway-process")
     if args.gateway_profile:
         if not args.gateway_process:
             ap.error("--gateway-profile needs --gateway-process")
@@ -925,7 +955,8 @@ def main(argv: list[str] | None = None) -> int:
         for spec in strategies:
             profile = str(Path(args.gateway_profile) / "".join(c if c.isalnum() else "_" for c in spec)) \
                 if args.gateway_profile else ""
-            r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process, profile))
+            r = runner(run_strategy(spec, sched, w, em, routing, args.replicas, args.gateway_process,
+                                    args.workers, args.redis or None, profile))
             results.append(r)
             print(f"  {spec:<50} mean {r.ttft_mean_ms:7.0f} ms  p50 {r.ttft_p50_ms:6.0f}  p99 {r.ttft_p99_ms:6.0f}  "
                   f"hit {r.cache_hit:4.0%} (reachable {r.reachable_hit:4.0%})  imbalance {r.imbalance:.2f} ({r.imbalance_peak:.2f})  "
@@ -941,6 +972,10 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t0
     print(markdown(results))
     gateways = f"{args.replicas} gateway replicas" if args.replicas > 1 else "the gateway"
+    if args.workers > 1:
+        gateways += f" with {args.workers} workers each" if args.replicas > 1 else f" with {args.workers} workers"
+    if args.redis:
+        gateways += " sharing Redis"
     mode = (f"{gateways} as {'their own processes' if args.replicas > 1 else 'its own process'} "
             f"(`--gateway-process`; imbalance counted at the engines)" if args.gateway_process
             else f"{gateways} in the benchmark's process and event loop")

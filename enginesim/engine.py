@@ -46,6 +46,7 @@ class Counts:
     completed: int = 0
     aborted: int = 0
     errors: int = 0
+    waiting_peak: int = 0        # the longest the waiting queue has been (after scheduling)
 
 
 class RollingStats:
@@ -237,6 +238,7 @@ class Engine:
             self.waiting.append(seq)
         seq.task = self._spawn(self._run(seq))
         self._schedule()
+        self.counts.waiting_peak = max(self.counts.waiting_peak, len(self.waiting))
 
     def _schedule(self) -> None:
         """Admit waiting requests in FIFO order while a slot and KV blocks are free."""
@@ -469,7 +471,8 @@ class Engine:
             # Staged requests (parked in a P/D queue before the scheduler) count as waiting here.
             "waiting": [s.summary() for s in [*self.staging, *self.waiting]],
             "counts": {"started": self.counts.started, "completed": self.counts.completed,
-                       "aborted": self.counts.aborted, "errors": self.counts.errors},
+                       "aborted": self.counts.aborted, "errors": self.counts.errors,
+                       "waiting_peak": self.counts.waiting_peak},
             "aborted_ids": list(self.aborted_ids),
             "abort_requests": list(self.abort_requests),
             "kv": {"total_blocks": self.pool.num_blocks, "used_blocks": self.pool.used_blocks,

@@ -141,14 +141,20 @@ class VllmMetrics:
                                       "Number of prefill tokens processed.", tokens)
         self.req_generation_tokens = hist("vllm:request_generation_tokens",
                                           "Number of generation tokens processed.", tokens)
+        # the KV pool's size, as vLLM's CacheConfig.metrics_info() exports it: blocks and block size,
+        # the group-aware size in tokens and the concurrency it allows at max_model_len. vLLM has no
+        # series for max_num_seqs: its running cap is not exported.
         info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                      ["block_size", "cache_dtype", "enable_prefix_caching", "gpu_memory_utilization",
-                      "num_cpu_blocks", "num_gpu_blocks", "prefix_caching_hash_algo", "engine"],
+                      "num_cpu_blocks", "num_gpu_blocks", "prefix_caching_hash_algo", "kv_cache_size_tokens",
+                      "kv_cache_max_concurrency", "engine"],
                      registry=r)
+        kv_tokens = cfg.kv_blocks * cfg.block_size
         info.labels(block_size=str(cfg.block_size), cache_dtype="auto",
                     enable_prefix_caching=str(cfg.enable_prefix_caching), gpu_memory_utilization="0.9",
                     num_cpu_blocks="None", num_gpu_blocks=str(cfg.kv_blocks),
-                    prefix_caching_hash_algo="sha256", engine="0").set(1)
+                    prefix_caching_hash_algo="sha256", kv_cache_size_tokens=str(kv_tokens),
+                    kv_cache_max_concurrency=str(kv_tokens / max(1, cfg.max_model_len)), engine="0").set(1)
 
     def on_admitted(self, seq: Sequence) -> None:
         labels = self._labels
@@ -239,6 +245,9 @@ class SglangMetrics:
         self.queue_time = Histogram("sglang:queue_time_seconds", "Histogram of queueing time in seconds.",
                                     tok, buckets=SGLANG_LATENCY_BUCKETS, registry=r)
         self.max_total_tokens.labels(**self._sched).set(cfg.kv_blocks * cfg.block_size)
+        # the running-requests cap and what set it (recent SGLang: requested, estimated, kv_capacity...)
+        Gauge("sglang:max_running_requests", "Maximum running requests.", [*sched, "cap_source"],
+              registry=r).labels(**self._sched, cap_source="requested").set(cfg.max_num_seqs)
         # P/D: the disaggregation queues and transfer counters (only on prefill/decode engines).
         self.pd_gauges: dict[str, Gauge] = {}
         self.pd_counters: dict[str, Counter] = {}

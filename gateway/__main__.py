@@ -61,10 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     listen: list = [args.host, args.port]
+    resolved: list[int] = []      # the worker count, once known: a reload keeps it
 
     def load(deprecations: list[Deprecation] | None = None) -> Config:
         """The config file with the command line's overrides: at start and at each reload."""
         cfg = load_config(args.config, deprecations).with_listen(*listen)
+        if resolved:
+            cfg = cfg.with_workers(resolved[0])
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
 
     deprecated: list[Deprecation] = []      # logged once logging follows the config's format
@@ -76,15 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
     from gateway.server.run import free_port, serve
-    from gateway.server.workers import resolve_workers
+    from gateway.server.workers import WorkerInfo, resolve_workers
     workers = resolve_workers(args.workers if args.workers is not None else config.server.workers)
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
         return 2
+    resolved.append(workers)
+    config = config.with_workers(workers)
 
-    def serve_one() -> int:
+    def serve_one(worker: WorkerInfo | None = None) -> int:
         try:
-            uvloop.run(serve(config, reuse_port=workers > 1, loader=load, worker=workers > 1))
+            uvloop.run(serve(config, reuse_port=worker is not None, loader=load, worker=worker))
         except ValueError as e:  # strategy names etc. validated at app build
             print(f"switchyard: {e}", file=sys.stderr)
             return 2
@@ -95,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.listen.port == 0:   # every worker must bind the same port
         listen[1] = free_port(config.listen.host)
         config = config.with_listen(*listen)
+    from gateway.server.rundir import RunDirectory
     from gateway.server.workers import run_workers, stderr_log
     started = config
 
@@ -109,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError) as e:
             stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
 
-    return run_workers(workers, serve_one, stderr_log, on_reload=reread)
+    run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
+    try:
+        return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path)),
+                           stderr_log, on_reload=reread)
+    finally:
+        run_dir.close()
 
 
 def check_config(path: str) -> int:

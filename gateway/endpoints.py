@@ -45,6 +45,7 @@ class EngineMetrics:
     queue_time_count: float | None = None
     queue_time_recent_mean: float | None = None  # mean queue time over the last scrape interval
     kv_capacity_tokens: float | None = None  # KV pool size in tokens (vLLM blocks x block size; SGLang)
+    max_running: float | None = None         # the engine's running-requests cap, where it tells (SGLang)
     # vLLM lora_requests_info, its newest series: adapters with running / waiting requests, GPU slots
     lora_running: frozenset[str] | None = None
     lora_waiting: frozenset[str] | None = None

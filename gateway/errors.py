@@ -51,6 +51,8 @@ class ErrorClass(enum.StrEnum):
     ADMISSION_DISPLACED = "admission_displaced"
     ADMISSION_SHED = "admission_shed"
     ADMISSION_QUEUE_TIMEOUT = "admission_queue_timeout"
+    ADMISSION_FAIR_SHARE = "admission_fair_share"
+    ADMISSION_DEADLINE = "admission_deadline"
     # capacity and state
     NO_ENDPOINT = "no_endpoint"
     NO_ROUTE = "no_route"
@@ -138,12 +140,24 @@ _BY_PREFILL_FAILURE = {"timeout": E.PD_PREFILL_TIMEOUT, "transport": E.PD_PREFIL
 _BY_RATE_LIMIT = {"model_rps": E.RATE_LIMIT_MODEL_RPS, "rpm": E.RATE_LIMIT_RPM, "tpm": E.RATE_LIMIT_TPM,
                   "concurrency": E.RATE_LIMIT_CONCURRENCY}
 _BY_ADMISSION = {"queue_full": E.ADMISSION_QUEUE_FULL, "displaced": E.ADMISSION_DISPLACED, "shed": E.ADMISSION_SHED,
-                 "queue_timeout": E.ADMISSION_QUEUE_TIMEOUT}
+                 "queue_timeout": E.ADMISSION_QUEUE_TIMEOUT, "fair_share": E.ADMISSION_FAIR_SHARE,
+                 "deadline": E.ADMISSION_DEADLINE}
 del E
 
 
 def error_type(status: int) -> str:
     return _TYPES.get(status, "api_error")
+
+
+def printable(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a client's bytes that are not UTF-8 reach us as lone
+    surrogates (aiohttp decodes headers with ``surrogateescape``), which no JSON encoder writes, so
+    an error message quoting them would fail to be written; they become ``\\xNN`` escapes."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,
@@ -163,6 +177,8 @@ class GatewayError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: Any = None,
                  type_: str | None = None, header: tuple[str, str] | None = None,
                  headers: dict[str, str] | None = None, error_class: ErrorClass | str | None = None) -> None:
+        if not message.isascii():
+            message = printable(message)
         super().__init__(message)
         self.status = status
         self.message = message

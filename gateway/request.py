@@ -65,6 +65,14 @@ class InferenceRequest:
     # content parts other than text (images, audio, video, files): the engine folds their feature
     # hashes into its KV block hashes, which the gateway cannot compute (gateway/kv/index.py)
     multimodal: bool = False
+    # Responses with the gateway holding the state: the ``previous_response_id`` it expanded into the
+    # input (and took out of the body); routing still follows the conversation by it
+    previous_response_id: str | None = None
+    # latency objectives in milliseconds: the x-slo-ttft-ms / x-slo-tpot-ms headers, else the model's
+    # ``slo:`` defaults (laid in by the pipeline's admit stage); admission's deadlines and SLO-aware
+    # routing read them
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     @property
     def is_embeddings(self) -> bool:
@@ -330,6 +338,32 @@ def _stream_flags(data: dict[str, Any]) -> tuple[bool, bool]:
     return True, bool(iu)
 
 
+SLO_TTFT_HEADER = "x-slo-ttft-ms"
+SLO_TPOT_HEADER = "x-slo-tpot-ms"
+
+
+def _slo_header(headers: Any, name: str) -> float | None:
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise GatewayError(400, f"{name} must be a positive number of milliseconds, got {raw[:40]!r}", param=name,
+                           code="invalid_slo", error_class="validation")
+    return v
+
+
+def slo_objectives(headers: Any) -> tuple[float | None, float | None]:
+    """A request's latency objectives from its ``x-slo-ttft-ms`` and ``x-slo-tpot-ms`` headers
+    (positive milliseconds); a bad value is a 400 naming the header. Every API's parser calls it."""
+    if SLO_TTFT_HEADER not in headers and SLO_TPOT_HEADER not in headers:
+        return None, None
+    return _slo_header(headers, SLO_TTFT_HEADER), _slo_header(headers, SLO_TPOT_HEADER)
+
+
 def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> InferenceRequest:
     """Validate and extract. ``headers`` are the client's, lower-cased names."""
     data = load_object(body)
@@ -372,6 +406,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         user = data["user"]
 
     est = exact_tokens if exact_tokens is not None else max(1, len(prompt_text) // CHARS_PER_TOKEN)
+    slo_ttft, slo_tpot = slo_objectives(headers)
     return InferenceRequest(
         path=path,
         body=body,
@@ -387,6 +422,8 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
         headers=headers,
         multimodal=media[0],
+        slo_ttft_ms=slo_ttft,
+        slo_tpot_ms=slo_tpot,
     )
 
 

@@ -19,8 +19,8 @@ two).
 * ``ScoringRouter`` adds ``polarity`` and ``score`` so a router can take part in weighted lists.
 
 A router's settings are typed: ``RoutingSettings`` (the ``routing:`` config block) for all,
-``PDRouteSettings`` per model for ``pd``. ``RouterContext`` carries them and the shared state, built
-once per gateway and never changed afterwards.
+``PDRouteSettings`` per model for ``pd``. ``RouterContext`` carries them and the shared state (the
+prefix index, the endpoints' latency models), built once per gateway and never changed afterwards.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ import msgspec
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
+from routers.latency import LatencyModel
 from routers.pd_settings import PDRouteSettings
 from routers.prefix_index import PrefixIndex
+from routers.session_map import SessionMap
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 _Seconds = Annotated[float, msgspec.Meta(ge=0)]
@@ -81,10 +83,18 @@ class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     # reported at its last fresh scrape (running + waiting beyond this gateway's own)
     prefix_min_match_tokens: Annotated[_Count, msgspec.Meta(description="prefix-cache on KV events: an endpoint holding fewer of the prompt's tokens than this is no match (a head that every prompt shares, such as the chat template's header, would otherwise draw every new prompt to the first engine holding it); 0: any cached block counts.")] = 128
     prefix_load: Annotated[Literal["local", "fleet"], msgspec.Meta(description="Load compared by prefix-cache's guards: local (this gateway's requests, plus replicas' through shared state) or fleet (also other gateways' requests seen in the engine's own metrics).")] = "fleet"
+    prefix_session: Annotated[bool, msgspec.Meta(description="prefix-cache: a request that continues a session (x-session-key, x-aibrix-session-key or x-session-id header; Responses previous_response_id; Messages metadata.user_id) goes to the endpoint that served the session last, unless the load guards find it overloaded.")] = True
+    session_ttl_s: Annotated[_Seconds, msgspec.Meta(description="prefix-cache: a session not seen for this long is forgotten, in seconds.")] = 1800.0
+    session_max_entries: Annotated[int, msgspec.Meta(ge=1, description="prefix-cache: most sessions remembered (all models together); the least recently seen are forgotten.")] = 100_000
     metrics_window_s: Annotated[_Seconds, msgspec.Meta(description="Window of the rates and means of throughput and least-latency, in seconds.")] = 10.0
     vtc_window_s: Annotated[_Seconds, msgspec.Meta(description="vtc-basic: per-user token counts are kept over this sliding window, in seconds.")] = 300.0
     lora_load_weight: Annotated[_Seconds, msgspec.Meta(description="lora-affinity: weight of the in-flight load in the score (0..1).")] = 0.5
     lora_prefix_weight: Annotated[_Seconds, msgspec.Meta(description="lora-affinity: weight of the prefix match, keyed by adapter, in the score (0..1).")] = 0.3
+    slo_exploration: Annotated[float, msgspec.Meta(ge=0, le=1, description="slo: share of requests with a latency objective sent to a random endpoint instead, so the latency model keeps observing endpoints it predicts too slow.")] = 0.05
+    slo_margin: Annotated[float, msgspec.Meta(ge=0, lt=1, description="slo: an endpoint is predicted to meet an objective when its predicted latency is at most (1 - this) x the objective.")] = 0.1
+    slo_forgetting: Annotated[float, msgspec.Meta(gt=0, le=1, description="slo: forgetting factor of the latency model; an observation k requests old weighs this to the power k (memory about 1 / (1 - this) requests per endpoint).")] = 0.99
+    slo_min_samples: Annotated[int, msgspec.Meta(ge=1, description="slo: observations of an endpoint before its predictions are used; until every candidate has them, requests with an objective go to the least loaded endpoint.")] = 8
+    slo_select: Annotated[Literal["pack", "spread"], msgspec.Meta(description="slo: among the endpoints predicted to meet a request's objectives (and holding no more of its prefix than the others), pack: the one with the least room left, keeping the fastest free for the tightest objectives; spread: the one with the lowest predicted latency.")] = "pack"
 
 
 _PD_DEFAULTS = PDRouteSettings()
@@ -125,7 +135,8 @@ class RouterContext:
 
     ``prefix_index`` is built here from ``settings`` and ``clock``: the ``prefix-cache`` strategy
     routes by it and ``pd`` asks it for each prefill's match (``match``) and records its prefill
-    choice (``insert``); ``stats()`` feeds a gauge.
+    choice (``insert``); ``stats()`` feeds a gauge. ``sessions`` (``routers.session_map``) is where
+    ``prefix-cache`` finds the endpoint of a request's session.
     """
 
     settings: RoutingSettings = field(default_factory=RoutingSettings)
@@ -136,11 +147,24 @@ class RouterContext:
     # called as on_fallback(strategy, reason) when a strategy lacks its signal and falls back
     on_fallback: Callable[[str, str], None] = _ignore_fallback
     prefix_index: PrefixIndex = field(init=False, repr=False)
+    # the endpoints' latency models (routers.latency): fed by the gateway with what requests saw,
+    # read by the ``slo`` strategy
+    latency: LatencyModel = field(init=False, repr=False)
     # the event index, when a model subscribes to KV events (prefix-cache routes on it then)
     precise_index: PreciseIndex | None = None
+    # session → the endpoint that served it last (routers.session_map); the gateway passes the one
+    # its shared view keeps, None: one of this context's own, from ``settings``
+    sessions: SessionMap | None = None
+    # called as on_session(model, outcome) when a request's session has an endpoint: kept (routed
+    # there), overloaded (the guards refused it) or gone (not among the ready candidates)
+    on_session: Callable[[str, str], None] = _ignore_fallback
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_index", PrefixIndex(self.settings, self.clock))
+        if self.sessions is None:
+            s = self.settings
+            object.__setattr__(self, "sessions", SessionMap(s.session_ttl_s, s.session_max_entries, self.clock))
+        object.__setattr__(self, "latency", LatencyModel(self.settings, self.clock))
 
 
 class Router:

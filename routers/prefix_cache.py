@@ -15,6 +15,15 @@ The router (AIBrix ``prefix-cache`` semantics, aibrix-gateway.md §1.4):
    and ``load_imbalance`` when step 1 cut the candidates);
 4. the chosen endpoint is recorded for every block of the prompt.
 
+Before all that, a request that continues a session (``routers.session_map.session_of``: a session
+header, a Responses ``previous_response_id``, Messages ``metadata.user_id``) goes to the endpoint
+that served the session last, if it is a ready candidate that passes both guards (its load is the
+least when the spread exceeds ``prefix_imbalance_abs``, and within mean + ``prefix_std_factor`` ·
+stddev over the candidates); the decision's reason is ``session``. Each such request is counted
+(``RouterContext.on_session``) as ``kept``, ``overloaded`` or ``gone``; in the last two cases the
+strategy decides as above. Every decision records the session's endpoint (``prefix_session``
+turns this off).
+
 The load (``prefix_load``): ``local`` is this gateway's in-flight count, plus what other replicas
 publish through the shared state (``remote_in_flight``). ``fleet`` (the default) also counts the
 requests other gateways sent: the engine's own ``running + waiting`` at its last scrape (fresh
@@ -46,6 +55,7 @@ from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
 from routers.base import Decision, RouterContext, ScoringRouter
 from routers.prefix_index import PrefixIndex, prefix_keys
+from routers.session_map import RESPONSE, session_of
 from routers.simple import LeastRequestRouter
 
 __all__ = ["PrefixCacheRouter", "PrefixIndex", "cached_depths", "prefix_keys"]
@@ -118,6 +128,7 @@ class PrefixCacheRouter(ScoringRouter):
         self.fleet = s.prefix_load == "fleet"
         self.max_age = s.metrics_max_age_s
         self._clock = ctx.clock
+        self.sessions = ctx.sessions if s.prefix_session else None
 
     def _loads(self, candidates: Sequence[Endpoint]) -> dict[Endpoint, float]:
         if not self.fleet:
@@ -139,20 +150,59 @@ class PrefixCacheRouter(ScoringRouter):
         self.index.insert(req, ep)
         if self.precise is not None:
             self.precise.routed(req, ep)
+        if self.sessions is not None:
+            key = session_of(req)
+            # a response id's endpoint is recorded when it is answered (the new id is not known yet)
+            if key is not None and not key.startswith(RESPONSE):
+                self.sessions.put(key, ep)
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
-        ep, match = self._decide(req, candidates)
+        ep, match, reason = self._decide(req, candidates)
         self.post_route(req, ep)
-        return Decision(ep, self.name, prefix_match=match)
+        return Decision(ep, self.name, prefix_match=match, reason=reason)
 
     def _choose(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
         return self._decide(req, candidates)[0]
 
-    def _decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> tuple[Endpoint, float | None]:
-        """The endpoint, and its match percentage when it was chosen for its match."""
+    def _session(self, req: InferenceRequest, by_ep: dict[Endpoint, float], loads: list[float],
+                 low: float, high: float) -> Endpoint | None:
+        """The endpoint of the request's session when it may take the request (counted either way)."""
+        assert self.sessions is not None
+        key = session_of(req)
+        if key is None:
+            return None
+        ep = self.sessions.get(key)
+        if ep is None:
+            return None
+        load = by_ep.get(ep)
+        if load is None:
+            outcome = "gone"
+        elif (high - low > self.imbalance_abs and load > low) or load > self._limit(loads):
+            outcome = "overloaded"
+        else:
+            self.ctx.on_session(req.model, "kept")
+            return ep
+        self.ctx.on_session(req.model, outcome)
+        return None
+
+    def _limit(self, loads: list[float]) -> float:
+        """mean + std_factor · sample stddev of ``loads``."""
+        k = len(loads)
+        mean = sum(loads) / k
+        std = math.sqrt(sum((x - mean) ** 2 for x in loads) / (k - 1)) if k > 1 else 0.0
+        return mean + self.std_factor * std
+
+    def _decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> tuple[Endpoint, float | None, str]:
+        """The endpoint, its match percentage when it was chosen for its match (or its session),
+        and the decision's reason ("session", or "")."""
         by_ep = self._loads(candidates)
         loads = list(by_ep.values())
         low, high = min(loads), max(loads)
+        if self.sessions is not None:
+            pinned = self._session(req, by_ep, loads, low, high)
+            if pinned is not None:
+                depths, n = self._depths(req, [pinned])
+                return pinned, (100.0 * depths.get(pinned, 0) / n if n else None), "session"
         pool: Sequence[Endpoint] = candidates
         guard = None
         if high - low > self.imbalance_abs:
@@ -161,11 +211,8 @@ class PrefixCacheRouter(ScoringRouter):
             guard = "load_imbalance"
         depths, n = self._depths(req, pool)
         if not depths:
-            return self._fall_back(pool, by_ep, guard or ("short_prompt" if n == 0 else "no_match")), None
-        k = len(pool)
-        mean = sum(loads) / k
-        std = math.sqrt(sum((x - mean) ** 2 for x in loads) / (k - 1)) if k > 1 else 0.0
-        limit = mean + self.std_factor * std
+            return self._fall_back(pool, by_ep, guard or ("short_prompt" if n == 0 else "no_match")), None, ""
+        limit = self._limit(loads)
         # best (depth, -load) within the limit; equal ones are picked uniformly (reservoir)
         best: Endpoint | None = None
         best_key = (-1, 0)
@@ -182,10 +229,10 @@ class PrefixCacheRouter(ScoringRouter):
                 if self._random() * ties < 1.0:
                     best = ep
         if best is None:
-            return self._fall_back(pool, by_ep, guard or "overloaded"), None
+            return self._fall_back(pool, by_ep, guard or "overloaded"), None, ""
         if guard is not None:
             self.ctx.on_fallback(self.name, guard)
-        return best, 100.0 * best_key[0] / n
+        return best, 100.0 * best_key[0] / n, ""
 
     def _fall_back(self, pool: Sequence[Endpoint], loads: dict[Endpoint, float], reason: str) -> Endpoint:
         """Least loaded (by the same load as the guards; random among equals)."""

@@ -14,11 +14,15 @@ by it and the ``pd`` strategy uses it for its prefill choice. This module import
 * One bounded LRU over all models; the chain is seeded with the model name, so models never
   share keys (what vLLM does with its root hash). ``prefix_index_blocks`` bounds the number of
   keys; ``prefix_idle_ttl_s`` forgets keys and endpoint entries no request touched for that long.
-* Hash: Python's built-in SipHash of each block's ``str`` slice, chained through a tuple hash.
-  It needs no encoding and no dependency, and is the fastest hash at hand (≈0.2 ms for 512 KB of
-  text, a 128k-token prompt); it is per process (``PYTHONHASHSEED``), which is what an index of this
-  process's own decisions needs. The chain of the last request is memoised, so a weighted list or
-  the P/D strategy asking twice hashes once.
+* Hash: XXH3-64 (``xxhash``) of each block's UTF-8 bytes, seeded with the previous block's key, so
+  a key names the whole prefix; the first block is seeded with the hash of the model name. It is
+  deterministic: every worker and every replica computes the same keys for the same prompt, so the
+  shared routing view (``gateway.view``) can carry keys between processes. It costs less than
+  Python's per-process SipHash of ``str`` slices, which it replaced (≈0.14 ms against ≈0.2 ms for
+  512 KB of text, a 128k-token prompt). The chain of the last request is memoised, so a weighted
+  list or the P/D strategy asking twice hashes once.
+* Sharing: ``on_insert`` (set by the gateway) is told of every insertion's keys and endpoint;
+  ``apply_insert`` records another process's insertion without telling ``on_insert`` again.
 * Insertion touches a prompt's blocks deepest-first, so a prefix is always at least as recent as
   anything that extends it. LRU and idle eviction then always drop the deep end of a chain first,
   the index stays *prefix-closed* (if block *i* is held by an endpoint, so are blocks 0..i), and an
@@ -31,6 +35,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
+
+from xxhash import xxh3_64_intdigest
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
@@ -48,6 +54,11 @@ _PRUNE_AT = 8
 _SLOT_COMPACT_AT = 1024
 # idle sweeps run at most this often (seconds)
 _SWEEP_EVERY_S = 1.0
+# the seed of a chain's root (the model name's hash): keys of this index apart from other XXH3 uses
+_ROOT_SEED = 0x5357_4954_4348_5944     # "SWITCHYD"
+
+# told of each insertion: (keys, endpoint) — the shared view publishes it to the other processes
+InsertListener = Callable[[list[int], Endpoint], None]
 
 
 class IndexSettings(Protocol):
@@ -67,15 +78,24 @@ def prefix_keys(text: str, model: str, block_chars: int, max_blocks: int) -> lis
     """Chained keys of the full ``block_chars`` blocks of ``text`` (at most ``max_blocks``).
 
     ``key[i]`` depends on the model and on every character of blocks 0..i; a trailing partial
-    block is not keyed (as engines only cache full blocks).
+    block is not keyed (as engines only cache full blocks). Keys are unsigned 64-bit ints, the same
+    in every process.
     """
     n = min(len(text) // block_chars, max_blocks)
-    h = hash(("switchyard.prefix", model))
+    h = xxh3_64_intdigest(model.encode(), _ROOT_SEED)
     keys = [0] * n
     b = block_chars
+    xxh = xxh3_64_intdigest
+    if text.isascii():              # one encoding, then zero-copy block views
+        view = memoryview(text.encode())
+        for i in range(n):
+            start = i * b
+            h = xxh(view[start:start + b], h)
+            keys[i] = h
+        return keys
     for i in range(n):
         start = i * b
-        h = hash((h, text[start:start + b]))
+        h = xxh(text[start:start + b].encode(), h)
         keys[i] = h
     return keys
 
@@ -105,6 +125,7 @@ class PrefixIndex:
         self._memo_keys: list[int] = []
         self._next_sweep = 0
         self.evictions = 0
+        self.on_insert: InsertListener | None = None
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -212,10 +233,22 @@ class PrefixIndex:
     # -- update ----------------------------------------------------------------------------------
 
     def insert(self, req: InferenceRequest, ep: Endpoint) -> None:
-        """Record that ``ep`` holds every block of ``req``'s prompt (``prefix-cache`` after its choice, ``pd`` for its prefill)."""
+        """Record that ``ep`` holds every block of ``req``'s prompt (``prefix-cache`` after its choice,
+        ``pd`` for its prefill); ``on_insert`` is told."""
         keys = self.keys(req)
         if not keys:
             return
+        self._insert(keys, ep)
+        if self.on_insert is not None:
+            self.on_insert(keys, ep)
+
+    def apply_insert(self, keys: Sequence[int], ep: Endpoint) -> None:
+        """Record another process's insertion (its chain of keys, as ``prefix_keys`` makes them) as
+        if made now; ``on_insert`` is not told (a fact is published once, by its maker)."""
+        if keys:
+            self._insert(keys, ep)
+
+    def _insert(self, keys: Sequence[int], ep: Endpoint) -> None:
         now = self._now_ms()
         slot = self._slot(ep)
         packed = (now << _SLOT_BITS) | slot

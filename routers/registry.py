@@ -27,6 +27,7 @@ from routers.power_of_two import PowerOfTwoRouter
 from routers.prefix_cache import PrefixCacheRouter
 from routers.session import SessionAffinityRouter
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
+from routers.slo import SloRouter
 from routers.vtc import VTCRouter
 
 MAX_WEIGHT = 1_000_000
@@ -282,4 +283,5 @@ def default_registry(ctx: RouterContext) -> RouterRegistry:
     reg.register("session-affinity", SessionAffinityRouter, scoring=True)
     reg.register("vtc-basic", VTCRouter, scoring=True)
     reg.register("lora-affinity", LoraAffinityRouter, scoring=True)
+    reg.register("slo", SloRouter, scoring=False)         # latency objectives, on the context's latency models
     return reg

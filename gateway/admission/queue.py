@@ -1,23 +1,38 @@
 """The per-model waiting queue and the drain-rate estimate (pure; the service does the waiting).
 
-Order: strictly by class (critical, then standard, then sheddable); inside a class, round-robin
-across users (one request of each user with requests waiting, in the order the users arrived,
-then again), and first come first served inside one user's requests. A user sending fifty
-requests therefore does not push a user sending one behind all fifty.
+Order: strictly by class (critical, then standard, then sheddable). Inside a class, fairly across
+users by the tokens they were served — a virtual token counter per user, as in VTC (Sheng et al.,
+"Fairness in Serving Large Language Models", OSDI '24): the next request is the one of the waiting
+user whose counter is lowest (ties: the user who started waiting first), and dispatching it adds
+its cost (prompt tokens + 2 x the expected output tokens) to that counter (one per class). A user who starts
+waiting is lifted to the lowest counter among those waiting in the class (and kept no higher than
+the highest), so time spent idle is not banked as credit and service long past is not held
+against anyone for ever. With equal costs this is round-robin, one request of each user in turn.
+Inside one user's line: earliest deadline first (``x-slo-ttft-ms`` or the model's default), then
+first come first served — fairness between users and EDF inside a user's flow, as in the Gateway
+API Inference Extension's flow control; so one user's deadlines cannot push a light user back.
+
+A full queue makes room by *eviction*, never by refusing a lighter newcomer: a request of a lower
+class goes first (``victim``); inside the class, the newest, least urgent request of the user
+with the most service (counter plus what is queued) goes when that is more than the newcomer's
+user would have with it (``fair_victim``).
 
 A request's *position* is how many dispatches happen before it under that order, assuming nobody
-else arrives: every request of a higher class, then per round of the class one request of each
-user still waiting. ``Retry-After`` is that position over the drain rate.
+else arrives: every request of a higher class, then those of its class whose start tag (counter
+plus the costs queued before them in their line) is lower. ``Retry-After`` is that position over
+the drain rate; the same estimate decides whether a deadline can be met at all.
 """
 
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from bisect import insort
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 WAITING, GRANTED, FAILED = "waiting", "granted", "failed"
+MAX_USERS = 10_000           # counters kept per model (the least recently served forgotten first)
 
 
 @dataclass(eq=False, slots=True)
@@ -30,14 +45,31 @@ class Waiter:
     state: str = WAITING
     candidates: list = field(default_factory=list)   # the endpoints it may go to
     pairs: bool = False                  # routed as a prefill/decode pair
+    cost: float = 1.0                    # tokens it will be charged (its user's counter)
+    deadline: float = math.inf           # monotonic seconds by which its first token is due
+    seq: int = 0                         # arrival order (set by the queue)
+
+    def key(self) -> tuple[float, int]:
+        return self.deadline, self.seq
+
+
+@dataclass(slots=True)
+class _Line:
+    """One user's requests of one class, earliest deadline first."""
+
+    since: int                           # when the user started waiting: the tie-break between users
+    items: list[Waiter] = field(default_factory=list)
+    cost: float = 0.0                    # the costs queued
 
 
 class FairQueue:
     def __init__(self, classes: int = 3) -> None:
-        # per class: user → that user's waiters, users in round-robin order
-        self._classes: list[OrderedDict[str, deque[Waiter]]] = [OrderedDict() for _ in range(classes)]
+        self._classes: list[dict[str, _Line]] = [{} for _ in range(classes)]
         self._counts = [0] * classes
         self.bytes = 0
+        # per class: user → tokens served (virtual)
+        self.counters: list[OrderedDict[str, float]] = [OrderedDict() for _ in range(classes)]
+        self._seq = 0
 
     def __len__(self) -> int:
         return sum(self._counts)
@@ -45,86 +77,152 @@ class FairQueue:
     def count(self, rank: int) -> int:
         return self._counts[rank]
 
+    def users(self, rank: int) -> int:
+        return len(self._classes[rank])
+
+    # -- the counters ----------------------------------------------------------------------------
+
+    def counter(self, rank: int, user: str) -> float:
+        return self.counters[rank].get(user, 0.0)
+
+    def charge(self, rank: int, user: str, tokens: float) -> None:
+        """Add served tokens to ``user``'s counter in class ``rank`` (a dispatch, or a correction
+        once the answer's real size is known)."""
+        c = self.counters[rank]
+        c[user] = max(0.0, c.get(user, 0.0) + tokens)
+        c.move_to_end(user)
+        while len(c) > MAX_USERS:
+            c.popitem(last=False)
+
+    def _lifted(self, rank: int, user: str) -> float:
+        """The counter ``user`` starts waiting with in class ``rank``."""
+        own = self.counter(rank, user)
+        lines = self._classes[rank]
+        if not lines or user in lines:
+            return own
+        waiting = [self.counter(rank, u) for u in lines]
+        return min(max(own, min(waiting)), max(waiting))
+
+    # -- in and out ------------------------------------------------------------------------------
+
     def push(self, w: Waiter) -> None:
-        users = self._classes[w.rank]
-        q = users.get(w.user)
-        if q is None:
-            q = users[w.user] = deque()
-        q.append(w)
+        lines = self._classes[w.rank]
+        self._seq += 1
+        w.seq = self._seq
+        line = lines.get(w.user)
+        if line is None:
+            lifted = self._lifted(w.rank, w.user)
+            if lifted != self.counter(w.rank, w.user):
+                self.charge(w.rank, w.user, lifted - self.counter(w.rank, w.user))
+            line = lines[w.user] = _Line(self._seq)
+        insort(line.items, w, key=Waiter.key)
+        line.cost += w.cost
         self._counts[w.rank] += 1
         self.bytes += w.size
 
+    def _next_user(self, rank: int) -> str | None:
+        lines = self._classes[rank]
+        if not lines:
+            return None
+        return min(lines, key=lambda u: (self.counter(rank, u), lines[u].since))
+
     def peek(self) -> Waiter | None:
         for rank in range(len(self._classes) - 1, -1, -1):
-            users = self._classes[rank]
-            if users:
-                return next(iter(users.values()))[0]
+            user = self._next_user(rank)
+            if user is not None:
+                return self._classes[rank][user].items[0]
         return None
 
     def pop(self) -> Waiter | None:
-        """The next request to dispatch; its user moves to the back of its class's rotation."""
+        """The next request to dispatch; its cost goes on its user's counter."""
         for rank in range(len(self._classes) - 1, -1, -1):
-            users = self._classes[rank]
-            if users:
-                user, q = next(iter(users.items()))
-                w = q.popleft()
-                if q:
-                    users.move_to_end(user)
-                else:
-                    del users[user]
-                self._forget(w)
+            user = self._next_user(rank)
+            if user is not None:
+                w = self._classes[rank][user].items[0]
+                self.remove(w)
+                self.charge(rank, user, w.cost)
                 return w
         return None
 
     def remove(self, w: Waiter) -> bool:
         """Take ``w`` out (timed out, client gone, displaced); False if it is not queued."""
-        users = self._classes[w.rank]
-        q = users.get(w.user)
-        if q is None:
+        lines = self._classes[w.rank]
+        line = lines.get(w.user)
+        if line is None:
             return False
         try:
-            q.remove(w)
+            line.items.remove(w)
         except ValueError:
             return False
-        if not q:
-            del users[w.user]
-        self._forget(w)
-        return True
-
-    def _forget(self, w: Waiter) -> None:
+        line.cost -= w.cost
+        if not line.items:
+            del lines[w.user]
         self._counts[w.rank] -= 1
         self.bytes -= w.size
+        return True
 
     def higher_waiting(self, rank: int) -> bool:
         return any(self._counts[r] for r in range(rank + 1, len(self._counts)))
 
+    # -- making room -----------------------------------------------------------------------------
+
+    def _heaviest(self, rank: int) -> tuple[str, float] | None:
+        lines = self._classes[rank]
+        if not lines:
+            return None
+        user = max(lines, key=lambda u: (self.counter(rank, u) + lines[u].cost, -lines[u].since))
+        return user, self.counter(rank, user) + lines[user].cost
+
     def victim(self, rank: int) -> Waiter | None:
-        """Whom a request of class ``rank`` may displace from a full queue: the newest request of
-        the lowest class below ``rank``, taken from the user with the most waiting."""
+        """Whom a request of class ``rank`` may displace from a full queue: the newest, least
+        urgent request of the lowest class below ``rank``, taken from its heaviest user."""
         for r in range(rank):
-            users = self._classes[r]
-            if users:
-                q = max(users.values(), key=len)
-                return q[-1]
+            heavy = self._heaviest(r)
+            if heavy is not None:
+                return self._classes[r][heavy[0]].items[-1]
         return None
 
-    def position(self, rank: int, user: str, w: Waiter | None = None) -> int:
+    def fair_victim(self, rank: int, user: str, cost: float) -> Waiter | None:
+        """Whom a newcomer of ``user`` (class ``rank``, ``cost``) may evict from a full queue inside
+        its class: the newest, least urgent request of the user with the most service, counter and
+        queued costs together, if that is more than ``user`` would have with the newcomer."""
+        heavy = self._heaviest(rank)
+        if heavy is None or heavy[0] == user:
+            return None
+        line = self._classes[rank].get(user)
+        mine = (self.counter(rank, user) if line is not None else self._lifted(rank, user)) + (line.cost if line else 0.0)
+        if heavy[1] <= mine + cost:
+            return None
+        return self._classes[rank][heavy[0]].items[-1]
+
+    # -- where one stands ------------------------------------------------------------------------
+
+    def position(self, rank: int, user: str, w: Waiter | None = None, deadline: float = math.inf,
+                 cost: float = 1.0) -> int:
         """Dispatches before ``w`` (queued), or before a request of ``user`` and class ``rank``
-        that would join now at the back of its user's line."""
+        (with ``deadline`` and ``cost``) that would join now."""
         ahead = sum(self._counts[r] for r in range(rank + 1, len(self._counts)))
-        users = self._classes[rank]
-        mine = users.get(user)
-        if w is not None and mine is not None and w in mine:
-            idx = mine.index(w)
+        lines = self._classes[rank]
+        line = lines.get(user)
+        if w is not None and line is not None and w in line.items:
+            idx = line.items.index(w)
+        elif line is not None:
+            idx = sum(1 for x in line.items if x.deadline <= deadline)
         else:
-            idx = len(mine) if mine is not None else 0
-        order = list(users)
-        me = order.index(user) if user in users else len(order)
-        for i, u in enumerate(order):
+            idx = 0
+        start = self.counter(rank, user) if line is not None else self._lifted(rank, user)
+        if line is not None:
+            start += sum(x.cost for x in line.items[:idx])
+        since = line.since if line is not None else self._seq + 1
+        for u, other in lines.items():
             if u == user:
                 continue
-            # users ahead of mine in the rotation are served once more in my round
-            ahead += min(len(users[u]), idx + 1 if i < me else idx)
+            tag = self.counter(rank, u)
+            for x in other.items:
+                if (tag, other.since) >= (start, since):
+                    break
+                ahead += 1
+                tag += x.cost
         return ahead + idx
 
 

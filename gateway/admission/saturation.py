@@ -4,15 +4,33 @@ Three signals, each with its threshold (``admission:`` in the config):
 
 - **the engine's queue**, estimated now rather than read as last scraped. A scrape says the engine
   ran ``R`` requests with ``W`` waiting while this gateway had ``F0`` requests on it; since then
-  the gateway's count moved to ``F``. Once the engine has been seen queueing, its running count at
-  that moment is its capacity ``C`` (running slots, whatever limits them: ``max_num_seqs`` or KV
-  space), and the queue now is ``R + W + (F - F0) - C``: every request sent since the scrape lands
-  in the queue or a free slot, every one finished pulls a waiting one into a slot. Negative means
-  free slots. Until the engine has been seen queueing ``C`` is unknown and ``W`` counts as is.
-  The endpoint is saturated when the estimate would pass ``max_waiting_per_endpoint``.
+  the gateway's count moved to ``F``. With ``C`` the engine's capacity (running slots, whatever
+  limits them: ``max_num_seqs`` or KV space) the queue now is ``R + W + (F - F0) - C``: every
+  request sent since the scrape lands in the queue or a free slot, every one finished pulls a
+  waiting one into a slot. Negative means free slots. The endpoint is saturated for a class when
+  the estimate would pass that class's share of ``max_waiting_per_endpoint``.
 - **KV-cache usage** as last scraped, saturated at or above ``max_kv_usage``.
 - **this gateway's in-flight count** on it, saturated at ``max_in_flight_per_endpoint`` (0: no cap).
   It needs no scrape, so it also works with ``scrape.enabled: false``.
+
+``C``, in order of trust (``Baseline.source``):
+
+- ``queued``: the engine has been seen queueing: its running count then is its capacity (raised
+  if it is later seen running more);
+- ``told``: the engine tells its running cap (SGLang's ``sglang:max_running_requests``);
+- ``slow_start``: neither yet (vLLM exports no ``max_num_seqs``; its KV pool size only bounds the
+  cap from above, so it cannot stand for it). A *window* stands for ``C``: ``initial_capacity``
+  at first, raised only to what the engine has shown it runs at once — the running count of a
+  scrape with nobody waiting, and the engine's count when a request went beyond the window whose
+  TTFT held (at most twice the best TTFT of the requests that went within it, or 50 ms above: it
+  did not queue). So the window
+  never passes the real capacity, and the engine's queue never passes ``max_waiting_per_endpoint``
+  plus what was already on it at the first scrape, before the capacity is known — no flood.
+
+With ``--workers N`` each worker sees only its own requests, so the room a threshold leaves is
+shared: a worker's room is ``1/N`` of it, less what it used itself. For the engine's queue that is
+``(max_waiting - (R + W - C)) / N - (F - F0)``, for the in-flight cap ``max_in_flight / N - F``:
+added over the workers, the gateway's room, as one process would have (docs/tenancy.md).
 
 Engine metrics older than ``metrics_max_age_s`` (or none yet) make the endpoint saturated: a
 silent engine is not an idle one (fail closed, as llm-d's saturation detector does).
@@ -40,15 +58,54 @@ class Thresholds:
     max_in_flight: int = 0
     max_age: float = 5.0
     engine_signals: bool = True          # scrape.enabled: read the engines' own figures
+    workers: int = 1                     # --workers: each worker has 1/workers of the room
+    initial_capacity: int = 1            # the slow-start window before the capacity is known
+
+
+# a request's TTFT "held" (it did not queue in the engine) within this of the best seen there
+TTFT_HELD_FACTOR = 2.0
+TTFT_HELD_SLACK_S = 0.05
 
 
 @dataclass(slots=True)
 class Baseline:
-    """What an endpoint looked like at its last scrape, from the gateway's side."""
+    """What an endpoint looked like at its last scrape, from the gateway's side, and what is known
+    of its capacity."""
 
     snapshot: EngineMetrics | None = None
     in_flight: int = 0                   # the gateway's load on it when the snapshot arrived
-    capacity: float | None = None        # running slots: the engine's running count when it last queued
+    capacity: float | None = None        # running slots: told by the engine, or its running count when it queued
+    source: str = "slow_start"           # where ``capacity`` comes from: queued | told | slow_start
+    window: float = 0.0                  # slow start: the concurrency the engine has shown it runs
+    best_ttft: float = math.inf          # the best engine-side TTFT seen on it (seconds)
+
+    def cap(self, th: Thresholds) -> float:
+        """The capacity the queue estimate subtracts: known, else the slow-start window."""
+        if self.capacity is not None:
+            return self.capacity
+        return max(float(th.initial_capacity), self.window)
+
+    def occupancy(self, load: int) -> float | None:
+        """The engine's requests now, running or waiting, as estimated from the last scrape."""
+        m = self.snapshot
+        if m is None or m.waiting is None:
+            return None
+        return (m.running or 0) + m.waiting + load - self.in_flight
+
+    def ttft_held(self, ttft: float, occupancy: float | None, th: Thresholds) -> bool:
+        """A request that went at ``occupancy`` got its first token after ``ttft`` seconds on the
+        engine. One that went within the assumed capacity did not queue: its TTFT is a reference.
+        One that went beyond it and still got about the best reference TTFT did not queue either,
+        so the engine ran that many at once: the window rises to it."""
+        if occupancy is None:
+            return False
+        if occupancy <= self.cap(th):
+            self.best_ttft = min(self.best_ttft, ttft)
+        best = self.best_ttft
+        held = best < math.inf and ttft <= max(TTFT_HELD_FACTOR * best, best + TTFT_HELD_SLACK_S)
+        if held and occupancy > self.window and self.capacity is None:
+            self.window = occupancy
+        return held
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +135,13 @@ def baseline(ep: Endpoint) -> Baseline:
         b.in_flight = gateway_load(ep)
         if m is not None and m.running is not None:
             if (m.waiting or 0) > 0:
-                b.capacity = m.running
+                b.capacity, b.source = m.running, "queued"
             elif b.capacity is not None and m.running > b.capacity:
                 b.capacity = m.running
+            elif b.capacity is None and m.max_running:
+                b.capacity, b.source = m.max_running, "told"
+            if b.capacity is None and m.waiting == 0 and m.running > b.window:
+                b.window = m.running         # it runs that many with nobody waiting
     return b
 
 
@@ -90,15 +151,20 @@ def estimate(ep: Endpoint, th: Thresholds, now: float) -> Estimate:
     reason: str | None = None
     waiting: float | None = None
     if th.max_in_flight:
-        room, reason = th.max_in_flight - load, "in_flight"
+        room, reason = (th.max_in_flight if th.workers == 1 else th.max_in_flight / th.workers) - load, "in_flight"
     if th.engine_signals:
         b = baseline(ep)
         m = b.snapshot
         if m is None or now - m.scraped_at > th.max_age:
             return Estimate(0, None, "stale")
-        if m.waiting is not None:
-            waiting = m.waiting if b.capacity is None else (m.running or 0) + m.waiting + load - b.in_flight - b.capacity
-            r = th.max_waiting - waiting
+        occupied = b.occupancy(load)
+        if occupied is not None:
+            waiting = occupied - b.cap(th)
+            if th.workers == 1:
+                r = th.max_waiting - waiting
+            else:       # the engine's queue at the scrape is everyone's; what was sent since, this worker's
+                sent = load - b.in_flight
+                r = (th.max_waiting - (waiting - sent)) / th.workers - sent
             if r < room:
                 room, reason = r, "waiting"
         if m.kv_usage is not None and m.kv_usage >= th.max_kv:

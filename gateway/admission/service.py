@@ -28,15 +28,23 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
+import msgspec
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.admission.config import PRIORITIES, RANK, AdmissionConfig
 from gateway.admission.queue import GRANTED, WAITING, DrainRate, FairQueue, Waiter, retry_after_s
-from gateway.admission.saturation import Thresholds, baseline, estimate, total_headroom, unsaturated
+from gateway.admission.saturation import (
+    Thresholds,
+    baseline,
+    estimate,
+    gateway_load,
+    total_headroom,
+    unsaturated,
+)
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram
@@ -46,15 +54,23 @@ if TYPE_CHECKING:
     from gateway.config.schema import Config
     from gateway.observability.metrics import GatewayMetrics
     from gateway.pipeline.context import RequestContext, RequestRecord
+    from gateway.request import InferenceRequest
 
 SHEDDABLE = RANK["sheddable"]
-REASONS = ("queue_full", "displaced", "shed", "queue_timeout")
+REASONS = ("queue_full", "displaced", "fair_share", "shed", "queue_timeout", "deadline")
+OUTPUT_WEIGHT = 2.0          # an output token costs two prompt tokens in a user's counter (VTC's weights)
+OBJECTIVES = ("ttft", "tpot")
+ENGINE_TTFT_ALPHA = 0.2      # weight of the newest request in the engine-side TTFT average
 _MESSAGES = {
     "queue_full": "model {model} is at capacity and its admission queue is full",
     "displaced": "model {model} is at capacity and a request of a higher priority class took this "
                  "request's place in the full admission queue",
+    "fair_share": "model {model} is at capacity and a user served less took this request's place in "
+                  "the full admission queue (its user has been served the most lately)",
     "shed": "model {model} is at capacity and requests of a higher priority class are waiting; "
             "sheddable requests are refused until they are served",
+    "deadline": "model {model} is at capacity and this request's time-to-first-token objective "
+                "({slo:g} ms) cannot be met by the admission queue",
     "queue_timeout": "model {model} stayed at capacity for the {timeout:g}s this request may wait",
 }
 
@@ -67,6 +83,9 @@ class AdmissionMetrics:
                               "Time requests spent in the admission queue, by how the wait ended "
                               "(dispatched, shed, cancelled)", ["model", "priority", "outcome"],
                               buckets=LATENCY_BUCKETS, registry=registry)
+        self.slo = Counter("switchyard_slo_requests", "Requests with a latency objective, by objective (ttft, "
+                           "tpot) and outcome: met, missed, shed (refused by admission control)",
+                           ["model", "objective", "outcome"], registry=registry)
 
 
 @dataclass(slots=True)
@@ -74,6 +93,7 @@ class ModelQueue:
     queue: FairQueue = field(default_factory=FairQueue)
     drain: DrainRate = field(default_factory=DrainRate)
     granted: int = 0                 # slots handed out whose requests have not charged yet
+    engine_ttft: float = 0.0         # recent engine-side TTFT (dispatch to first token), seconds (EWMA)
 
 
 class Admission:
@@ -83,6 +103,8 @@ class Admission:
         self.clock = clock
         self.m = AdmissionMetrics(metrics.registry)
         self._models: dict[str, ModelQueue] = {}
+        self.workers = 1
+        self.slo_counts: dict[str, dict[str, dict[str, int]]] = {}     # model → objective → outcome → count
         self.reconfigure(config)
         metrics.registry.register(_AdmissionState(self))
 
@@ -91,21 +113,36 @@ class Admission:
         self.config = config
         self._settings: dict[str, AdmissionConfig | None] = {}
         self._thresholds: dict[str, Thresholds] = {}
+        self._by_class: dict[str, list[Thresholds]] = {}      # per class: its share of the engine queue
         self.engine_signals = config.scrape.enabled
         for model in list(self._models):
             self._pump(model)
 
+    def set_workers(self, n: int) -> None:
+        """This process is one of ``n`` workers (``--workers``): the configured bounds are the
+        gateway's, so it takes ``1/n`` of each (docs/tenancy.md, "Several workers")."""
+        self.workers = max(1, n)
+        self.reconfigure(self.config)
+
     def settings(self, model: str) -> AdmissionConfig | None:
-        """The model's admission settings, None when admission is off for it."""
+        """The model's admission settings, None when admission is off for it; with several
+        workers, the queue bounds are this worker's share (rounded up)."""
         try:
             return self._settings[model]
         except KeyError:
             s = self.config.admission_for(model)
+            if s.enabled and self.workers > 1:
+                n = self.workers
+                s = msgspec.structs.replace(s, queue_max=-(-s.queue_max // n), queue_max_bytes=-(-s.queue_max_bytes // n))
             s = self._settings[model] = s if s.enabled else None
             if s is not None:
                 self._thresholds[model] = Thresholds(s.max_waiting_per_endpoint, s.max_kv_usage,
                                                      s.max_in_flight_per_endpoint, s.metrics_max_age_s,
-                                                     self.engine_signals)
+                                                     self.engine_signals, self.workers, s.initial_capacity)
+                th = self._thresholds[model]
+                self._by_class[model] = [
+                    replace(th, max_waiting=s.waiting_share.limit(r, s.max_waiting_per_endpoint))
+                    for r in range(len(PRIORITIES))]
                 self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
             return s
 
@@ -137,8 +174,9 @@ class Admission:
 
     async def admit(self, ctx: RequestContext, candidates: list[Endpoint], pairs: bool) -> list[Endpoint]:
         """The candidates to route among, once there is room; raises the 429 (or 503) otherwise."""
-        assert ctx.ireq is not None
-        model = ctx.ireq.model
+        ireq = ctx.ireq
+        assert ireq is not None
+        model = ireq.model
         s = self.settings(model)
         if s is None:
             return candidates
@@ -146,29 +184,43 @@ class Admission:
         rank = self.priority_of(ctx, s)
         rec.extra["priority"] = PRIORITIES[rank]
         mq = self._models[model]
-        th = self._thresholds[model]
+        th = self._by_class[model][rank]
         q = mq.queue
         now = self.clock()
-        if not len(q) and total_headroom(candidates, pairs, th, now) - mq.granted >= 1:
-            return candidates if pairs else unsaturated(candidates, th, now)
         user = rec.user or ""
-        size = len(ctx.ireq.body)
+        cost = request_cost(ireq)
+        if not any(q.count(r) for r in range(rank, len(PRIORITIES))) \
+                and total_headroom(candidates, pairs, th, now) - mq.granted >= 1:
+            q.charge(rank, user, cost)          # served at once: its tokens count all the same
+            return candidates if pairs else unsaturated(candidates, th, now)
+        size = len(ireq.body)
+        slo = ireq.slo_ttft_ms
+        # the request must leave the queue in time for the engine's own part of its TTFT
+        deadline = now + slo / 1000 - mq.engine_ttft if slo is not None else math.inf
         if rank == SHEDDABLE and q.higher_waiting(rank):
-            raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user), rec)
+            raise self._rejection(model, s, mq, rank, "shed", q.position(rank, user, deadline=deadline, cost=cost), rec)
+        if slo is not None:                 # a deadline the queue cannot meet: told at once, not served late
+            position = q.position(rank, user, deadline=deadline, cost=cost)
+            rate = mq.drain.rate(now)
+            if deadline <= now or rate > 0 and now + (position + 1) / rate > deadline:
+                raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo)
         while len(q) >= s.queue_max or q.bytes + size > s.queue_max_bytes:
-            victim = q.victim(rank) if len(q) else None
+            victim, reason = (q.victim(rank), "displaced") if len(q) else (None, "")
+            if victim is None and len(q):
+                victim, reason = q.fair_victim(rank, user, cost), "fair_share"
             if victim is None:
-                raise self._rejection(model, s, mq, rank, "queue_full", q.position(rank, user), rec)
-            err = self._rejection(model, s, mq, victim.rank, "displaced", q.position(victim.rank, victim.user, victim))
+                raise self._rejection(model, s, mq, rank, "queue_full",
+                                      q.position(rank, user, deadline=deadline, cost=cost), rec)
+            err = self._rejection(model, s, mq, victim.rank, reason, q.position(victim.rank, victim.user, victim))
             q.remove(victim)
             if not victim.fut.done():
                 victim.fut.set_exception(err)
         w = Waiter(rank, user, size, now, asyncio.get_running_loop().create_future(), candidates=candidates,
-                   pairs=pairs)
+                   pairs=pairs, cost=cost, deadline=deadline)
         q.push(w)
         self._pump(model)
         try:
-            async with asyncio.timeout(s.queue_timeout_s):
+            async with asyncio.timeout(max(0.0, min(s.queue_timeout_s, deadline - now))):
                 await w.fut
         except TimeoutError:
             if w.state != GRANTED:          # else granted just as the time ran out: it goes
@@ -177,6 +229,8 @@ class Admission:
                 self._waited(model, rank, "shed", w)
                 if not any(ep.ready for ep in candidates):
                     raise _no_endpoint(model) from None
+                if self.clock() >= deadline and deadline - now < s.queue_timeout_s:
+                    raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo) from None
                 raise self._rejection(model, s, mq, rank, "queue_timeout", position, rec) from None
         except asyncio.CancelledError:       # the client went away (or the server stops)
             if w.state == WAITING:
@@ -198,13 +252,41 @@ class Admission:
             raise _no_endpoint(model)
         return eps if pairs else unsaturated(eps, th, self.clock())
 
-    def released(self, model: str, dispatched: bool) -> None:
-        """A request of ``model`` released its charges (``dispatched``: it had taken a slot)."""
+    def dispatched(self, ctx: RequestContext) -> None:
+        """The request was routed and charged: note what its engine held then, counting it (for
+        the slow start, which learns from its TTFT)."""
+        d = ctx.decision
+        if d is None or d.prefill is not None or ctx.ireq is None or self._thresholds.get(ctx.ireq.model) is None:
+            return
+        ep = d.endpoint
+        occupied = baseline(ep).occupancy(gateway_load(ep))
+        if occupied is not None:
+            ctx.dispatched = (ep, occupied)
+
+    def released(self, model: str, ctx: RequestContext) -> None:
+        """A request of ``model`` released its charges: room for the next waiter, a tick of the drain
+        rate if it had taken a slot, and what its TTFT says of the engine's capacity."""
+        rec = ctx.rec
+        if ctx.ireq is not None and (ctx.ireq.slo_ttft_ms is not None or ctx.ireq.slo_tpot_ms is not None):
+            self._objectives(model, ctx)
         mq = self._models.get(model)
         if mq is None:
             return
-        if dispatched:
+        if ctx.charges.in_flight is not None:
             mq.drain.tick(self.clock())
+            rank = RANK.get(rec.extra.get("priority", ""))
+            if rank is not None and rec.completion_tokens is not None and ctx.ireq is not None:
+                # the user's counter was charged the expected output: now the real one
+                mq.queue.charge(rank, rec.user or "",
+                                OUTPUT_WEIGHT * (rec.completion_tokens - expected_output(ctx.ireq)))
+        if ctx.dispatched is not None and rec.ttft is not None and ctx.decision is not None:
+            ep, occupied = ctx.dispatched
+            th = self._thresholds.get(model)
+            if ep is ctx.decision.endpoint and th is not None:
+                waited = rec.extra.get("queue_wait_ms", 0.0) / 1000
+                engine_ttft = max(0.0, rec.ttft - waited)
+                baseline(ep).ttft_held(engine_ttft, occupied, th)
+                mq.engine_ttft += ENGINE_TTFT_ALPHA * (engine_ttft - mq.engine_ttft)
         self._pump(model)
 
     def on_endpoint(self, ep: Endpoint) -> None:
@@ -214,20 +296,77 @@ class Admission:
             baseline(ep)
             self._pump(ep.model)
 
+    def _objectives(self, model: str, ctx: RequestContext) -> None:
+        """Count whether the request met its latency objectives (and say so on its log line)."""
+        rec, ireq = ctx.rec, ctx.ireq
+        assert ireq is not None
+        outcomes: dict[str, str] = {}
+        shed = rec.status == 429 and str(rec.error_class or "").startswith("admission")
+        failed = rec.status >= 500 or (rec.status == 200 and rec.error_class is not None)
+        ttft = rec.ttft
+        if ireq.slo_ttft_ms is not None:
+            if shed:
+                outcomes["ttft"] = "shed"
+            elif failed:
+                outcomes["ttft"] = "missed"
+            elif ttft is not None:
+                outcomes["ttft"] = "met" if ttft * 1000 <= ireq.slo_ttft_ms else "missed"
+        if ireq.slo_tpot_ms is not None:
+            n = rec.completion_tokens
+            if shed:
+                outcomes["tpot"] = "shed"
+            elif failed:
+                outcomes["tpot"] = "missed"
+            elif ttft is not None and n is not None and n > 1:
+                tpot = (time.perf_counter() - rec.started - ttft) / (n - 1)
+                rec.extra["tpot_ms"] = round(tpot * 1000, 3)
+                outcomes["tpot"] = "met" if tpot * 1000 <= ireq.slo_tpot_ms else "missed"
+        counts = self.slo_counts.setdefault(model, {})
+        for objective, outcome in outcomes.items():
+            self.m.slo.labels(model, objective, outcome).inc()
+            per = counts.setdefault(objective, {"met": 0, "missed": 0, "shed": 0})
+            per[outcome] += 1
+        if outcomes:
+            rec.extra["slo_met"] = all(o == "met" for o in outcomes.values())
+
+    def status(self, model: str) -> dict | None:
+        """The model's admission rows on the status page (None: admission is off for it)."""
+        s = self.settings(model)
+        slo = self.slo_counts.get(model)
+        if s is None:
+            return {"enabled": False, "slo": slo} if slo else None
+        mq, th = self._models[model], self._thresholds[model]
+        now = self.clock()
+        eps = []
+        for ep in self.pool.endpoints(model):
+            e = estimate(ep, th, now)
+            b = baseline(ep)
+            eps.append({"name": ep.name, "capacity": b.cap(th) if th.engine_signals else None,
+                        "capacity_source": b.source if th.engine_signals else None,
+                        "engine_queue": e.waiting, "headroom": min(e.headroom, 1_000_000),
+                        "saturated": e.saturated, "reason": e.reason})
+        q = mq.queue
+        return {"enabled": True,
+                "queue": {name: q.count(rank) for rank, name in enumerate(PRIORITIES)},
+                "users_waiting": {name: q.users(rank) for rank, name in enumerate(PRIORITIES)},
+                "queue_bytes": q.bytes, "queue_max": s.queue_max,
+                "drain_rate": round(mq.drain.rate(now), 3), "engine_ttft_ms": round(mq.engine_ttft * 1000, 1),
+                "endpoints": eps, "slo": slo}
+
     # -- inside --------------------------------------------------------------------------------
 
     def _pump(self, model: str) -> None:
         mq = self._models.get(model)
         if mq is None or not len(mq.queue):
             return
-        th = self._thresholds.get(model)
-        if th is None:                      # admission turned off by a reload: let everyone go
-            th = Thresholds(max_waiting=1 << 30, max_kv=2.0, max_age=math.inf, engine_signals=False)
+        by_class = self._by_class.get(model)
+        if by_class is None:                # admission turned off by a reload: let everyone go
+            by_class = [Thresholds(max_waiting=1 << 30, max_kv=2.0, max_age=math.inf, engine_signals=False)] * len(PRIORITIES)
         now = self.clock()
         q = mq.queue
         while (w := q.peek()) is not None:
             eps = [ep for ep in w.candidates if ep.ready]
-            if eps and total_headroom(eps, w.pairs, th, now) - mq.granted < 1:
+            if eps and total_headroom(eps, w.pairs, by_class[w.rank], now) - mq.granted < 1:
                 return
             q.pop()
             if w.fut.done():                # its task was cancelled and has not run yet
@@ -247,7 +386,7 @@ class Admission:
         self.m.wait.labels(model, PRIORITIES[rank], outcome).observe(max(0.0, self.clock() - w.enqueued))
 
     def _rejection(self, model: str, s: AdmissionConfig, mq: ModelQueue, rank: int, reason: str,
-                   position: int, rec: RequestRecord | None = None) -> GatewayError:
+                   position: int, rec: RequestRecord | None = None, slo: float | None = None) -> GatewayError:
         rate = mq.drain.rate(self.clock())
         secs = retry_after_s(position, rate, s.retry_after_max_s)
         ms = max(1, math.ceil(secs * 1000))
@@ -258,9 +397,25 @@ class Admission:
                    "x-ratelimit-limit-queue": str(s.queue_max),
                    "x-ratelimit-remaining-queue": str(max(0, s.queue_max - len(mq.queue))),
                    "x-ratelimit-reset-queue": fmt_duration(ms), "x-error-admission": reason}
-        msg = _MESSAGES[reason].format(model=model, timeout=s.queue_timeout_s)
+        msg = _MESSAGES[reason].format(model=model, timeout=s.queue_timeout_s, slo=slo or 0.0)
         return GatewayError(429, f"{msg}; retry after {math.ceil(secs)}s", code=reason, headers=headers,
                             error_class=ErrorClass.admission(reason))
+
+
+def expected_output(ireq: InferenceRequest) -> int:
+    """The output tokens a request is expected to produce: its limit when it names one, else as many
+    as its prompt (a rough guess, corrected once the answer's usage is known)."""
+    data = ireq.data
+    for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        v = data.get(key)
+        if type(v) is int and v >= 0:
+            return v
+    return ireq.prompt_tokens_est
+
+
+def request_cost(ireq: InferenceRequest) -> float:
+    """What serving the request adds to its user's counter: prompt tokens and twice the output."""
+    return float(ireq.prompt_tokens_est + OUTPUT_WEIGHT * expected_output(ireq))
 
 
 def _no_endpoint(model: str) -> GatewayError:
@@ -289,6 +444,10 @@ class _AdmissionState(Collector):
         room = GaugeMetricFamily("switchyard_endpoint_admission_headroom",
                                  "Requests the endpoint can take before it is saturated (capped at 1e6)",
                                  labels=["model", "endpoint"])
+        cap = GaugeMetricFamily("switchyard_endpoint_admission_capacity",
+                                "Running slots admission control counts on the endpoint, and where the figure "
+                                "comes from: queued (seen queueing), told (the engine's cap), slow_start",
+                                labels=["model", "endpoint", "source"])
         now = a.clock()
         for model, mq in list(a._models.items()):
             for rank, name in enumerate(PRIORITIES):
@@ -302,4 +461,7 @@ class _AdmissionState(Collector):
                 e = estimate(ep, th, now)
                 sat.add_metric([model, ep.name], 1 if e.saturated else 0)
                 room.add_metric([model, ep.name], min(e.headroom, 1_000_000))
-        yield from (depth, held, drain, sat, room)
+                if th.engine_signals:
+                    b = baseline(ep)
+                    cap.add_metric([model, ep.name, b.source], b.cap(th))
+        yield from (depth, held, drain, sat, room, cap)

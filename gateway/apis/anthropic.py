@@ -36,7 +36,7 @@ from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object, slo_objectives
 
 # Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -147,6 +147,7 @@ class AnthropicApi(EngineSpecificApi):
         meta = data.get("metadata")
         if user is None and isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
             user = meta["user_id"]
+        slo_ttft, slo_tpot = slo_objectives(headers)
         return InferenceRequest(
             path=path, body=body, data=data, model=model, stream=stream,
             include_usage=True,          # a Messages stream always carries its usage
@@ -154,7 +155,7 @@ class AnthropicApi(EngineSpecificApi):
             request_id=request_id, user=user, session_id=headers.get("x-session-id"),
             session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
             headers=headers,         # type: ignore[arg-type]
-            multimodal=media[0],
+            multimodal=media[0], slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
         )
 
     def error_body(self, e: GatewayError) -> bytes:

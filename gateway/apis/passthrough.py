@@ -37,7 +37,7 @@ from gateway.apis.paths import (
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, error_body
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object, slo_objectives
 
 # keys whose strings the engine encodes, by path
 _TEXT_KEYS: dict[str, tuple[str, ...]] = {
@@ -86,12 +86,14 @@ def _request(path: str, body: bytes, data: dict[str, Any], model: str, stream: b
     user = headers.get("user")
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
+    slo_ttft, slo_tpot = slo_objectives(headers)
     return InferenceRequest(
         path=path, body=body, data=data, model=model, stream=stream, include_usage=True,
         prompt_text=prompt_text, prompt_tokens_est=max(1, est), request_id=request_id, user=user,
         session_id=headers.get("x-session-id"),
         session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
         headers=headers, content_type=content_type,        # type: ignore[arg-type]
+        slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
     )
 
 

@@ -55,6 +55,7 @@ from gateway.pipeline.context import (
 from gateway.request import request_id_from
 from gateway.state.redis import redis_client
 from gateway.tenants import Tenancy
+from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.responses")
 
@@ -108,6 +109,11 @@ class ResponsesApi(ApiShape):
         self.auth_on = config.auth.on
         self.m = ResponsesMetrics(metrics.registry)
         self.session: aiohttp.ClientSession | None = None
+        # response id → the endpoint that answered it (``r:<id>``), in both state modes: the routing
+        # view's session map (gateway/view shares it with sibling workers and replicas), where
+        # prefix-cache finds a follow-up's engine and, in engine mode with the memory backend, a
+        # sibling worker's response is found
+        self.lineage = SessionMap(cfg.affinity_ttl_s, cfg.max_affinity_entries)
         use_redis = cfg.backend == "redis" or (cfg.backend == "auto" and config.state.redis_url is not None)
         self.backend = "redis" if use_redis else "memory"
         self.owners: MemoryStore | RedisStore
@@ -186,6 +192,7 @@ class ResponsesApi(ApiShape):
             if prev is not None:
                 record = await self._record(prev, rec.user)
                 history = list(record.get("input") or ()) + output_as_input(record.get("output"))
+                self._follow(prev, record, ireq.model, candidates)
             ex.input = with_history(ireq, history)
             return candidates
         if prev is None:
@@ -215,12 +222,16 @@ class ResponsesApi(ApiShape):
         assert ireq is not None
         rec.extra["response_id"] = safe_header_value(rid)
         user = self._owner_user(rec.user)
+        if ctx.decision is not None and len(rid) <= 256:
+            self.lineage.put(RESPONSE + rid, ctx.decision.endpoint, user)
         if self.gateway_held:
             assert self.history is not None
             if not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
                 return
+            ep = ctx.decision.endpoint if ctx.decision is not None else None
             blob = orjson.dumps({"id": rid, "model": ireq.model, "user": user, "input": ex.input,
-                                 "output": final.get("output") or [], "response": final})
+                                 "output": final.get("output") or [], "response": final,
+                                 "endpoint": ep.url if ep is not None else None})
             if len(blob) > self.cfg.history.max_response_bytes:
                 self.m.writes.labels("history", "too_large").inc()
                 log.warning("response history not stored: over responses.history.max_response_bytes",
@@ -261,11 +272,32 @@ class ResponsesApi(ApiShape):
         return value
 
     async def _owner(self, rid: str, user: str | None) -> dict[str, Any]:
-        return await self._lookup(self.owners, "affinity", rid, user)
+        try:
+            return await self._lookup(self.owners, "affinity", rid, user)
+        except GatewayError as e:
+            # the memory map is this process's: a sibling worker's answer is in the shared lineage
+            if e.status != 404 or self.backend != "memory":
+                raise
+            hit = self.lineage.entry(RESPONSE + rid)
+            if hit is None or (self.auth_on and hit[1] != user):
+                raise
+            self.m.lookups.labels("affinity", "shared_view").inc()
+            return {"url": hit[0].url, "model": hit[0].model, "user": hit[1]}
 
     async def _record(self, rid: str, user: str | None) -> dict[str, Any]:
         assert self.history is not None
         return await self._lookup(self.history, "history", rid, user)
+
+    def _follow(self, rid: str, record: dict[str, Any], model: str, candidates: list[Endpoint]) -> None:
+        """Gateway state: the stored response names the endpoint that produced it; the routing view
+        learns it here (routing prefers it), even before the lineage its producer shared arrives."""
+        url = record.get("endpoint")
+        if not isinstance(url, str) or record.get("model") != model or len(rid) > 256:
+            return
+        for ep in candidates:
+            if ep.url == url:
+                self.lineage.apply(RESPONSE + rid, ep, record.get("user"))
+                return
 
     def _gone(self, model: str, reason: str) -> None:
         self.metrics.child(self.m.owner_gone, model, reason).inc()
@@ -310,6 +342,7 @@ class ResponsesApi(ApiShape):
         assert self.history is not None
         record = await self._record(rid, self._owner_user(user))
         rec.model = str(record.get("model") or "-")
+        rec.model_known = True                 # the gateway stored it: a model it served
         rec.status = 200
         if action == "delete":
             try:
@@ -331,7 +364,7 @@ class ResponsesApi(ApiShape):
             raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id",
                                error_class=ErrorClass.VALIDATION)
         owner = await self._owner(rid, self._owner_user(user))
-        rec.model = owner["model"]
+        rec.model, rec.model_known = owner["model"], True
         ep = self._owner_endpoint(rid, owner)
         if not ep.ready:
             self._gone(owner["model"], "not_ready")
@@ -429,8 +462,11 @@ def add_responses(app: web.Application, api: ResponsesApi) -> None:
     app.router.add_delete(RESPONSES + "/{response_id}", api.by_id)
     app.router.add_route("*", RESPONSES + "/{response_id}/{action:cancel|input_items}", _only(api))
     app.cleanup_ctx.append(api.lifecycle)
-    if api.backend == "memory" and api.config.server.workers > 1:
-        # each worker process has its own map: a follow-up landing on another worker finds nothing
+    workers = api.config.server.workers          # a count once python -m gateway resolved "auto"
+    if api.backend == "memory" and isinstance(workers, int) and workers > 1 \
+            and (api.gateway_held or not api.config.view.workers):
+        # each worker process has its own store: a follow-up landing on another worker finds nothing
+        # (engine mode's owners are shared through the routing view, unless view.workers is off)
         log.warning("responses state is per worker process with server.workers > 1: set state.redis_url "
                     "so that every worker finds every response", **api.describe())
 

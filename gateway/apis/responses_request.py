@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object, slo_objectives
 
 RESPONSES = "/v1/responses"
 
@@ -134,12 +134,14 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
     user = headers.get("user")
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
+    slo_ttft, slo_tpot = slo_objectives(headers)
     return InferenceRequest(
         path=path, body=body, data=data, model=model, stream=bool(stream),
         include_usage=True,             # a Responses stream always ends with its usage: nothing to inject
         prompt_text=text, prompt_tokens_est=max(1, len(text) // CHARS_PER_TOKEN), request_id=request_id,
         user=user, session_id=headers.get("x-session-id"),
-        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"), headers=headers)
+        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"), headers=headers,
+        slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
 
 
 def output_as_input(output: Any) -> list[Any]:
@@ -174,7 +176,9 @@ def with_history(ireq: InferenceRequest, history: list[Any]) -> list[Any]:
     data = dict(ireq.data)
     full = history + input_items(data["input"])
     data["input"] = full
-    data.pop("previous_response_id", None)
+    prev = data.pop("previous_response_id", None)
+    if isinstance(prev, str):
+        ireq.previous_response_id = prev
     data["store"] = False
     ireq.data = data
     ireq.body = orjson.dumps(data)

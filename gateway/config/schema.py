@@ -28,7 +28,7 @@ import yaml
 from msgspec import Meta
 from msgspec.structs import force_setattr
 
-from gateway.admission.config import AdmissionConfig, Priority
+from gateway.admission.config import AdmissionConfig, Priority, SLOConfig
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
 from gateway.config.block import Block
@@ -41,6 +41,7 @@ from gateway.observability.tracing import TracingConfig
 from gateway.resilience.breaker import BreakerConfig
 from gateway.resilience.retry import RetryConfig
 from gateway.state.urls import parse_redis_url
+from gateway.view.config import ViewConfig
 from handlers.sglang import SGLangPDSettings
 from handlers.vllm import VLLMPDSettings
 from k8s.settings import KubernetesConfig
@@ -85,7 +86,7 @@ class ListenConfig(Block):
 class ServerConfig(Block):
     max_body_bytes: Annotated[Count, Meta(description="Largest request body accepted, in bytes; a larger one is refused with 413 before it is read (0: no limit).")] = 16 * 1024 * 1024
     shutdown_grace_s: Annotated[Amount, Meta(description="After SIGTERM, how long requests in flight (streams included) may still run before they are cut, in seconds.")] = 30.0
-    workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway with its own state; auto: as many as the CPUs of the cgroup's quota. --workers overrides it.")] = 1
+    workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway sharing one routing view with the others (view:); auto: as many as the CPUs of the cgroup's quota. --workers overrides it.")] = 1
     drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
     log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
     log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error; at warning or error the per-request line is not written either.")] = "info"
@@ -190,6 +191,7 @@ class ModelConfig(Block):
     retry: Annotated[RetryConfig | None, Meta(description="Keys laid over the global retry block for this model.")] = None
     adapters: Annotated[dict[Name, str], Meta(description="LoRA adapters of this model: adapter name (what clients write in model) to the path the engine loads it from; loaded on demand.")] = {}
     admission: Annotated[AdmissionConfig | None, Meta(description="Keys laid over the global admission block for this model.")] = None
+    slo: Annotated[SLOConfig | None, Meta(description="Default latency objectives of this model's requests (the x-slo-ttft-ms and x-slo-tpot-ms headers override them); null: none.")] = None
     tokenizer: Annotated[str | None, Meta(description="Directory of the model's Hugging Face tokenizer (tokenizer.json, tokenizer_config.json); needed by kv_events. Null: no tokenizer.")] = None
     kv_events: Annotated[KVEventsConfig | None, Meta(description="Subscribe to the engines' KV-cache events for exact prefix-cache routing; needs tokenizer.")] = None
     migration_limit: Annotated[int, Meta(ge=0, le=8, description="How many times one stream may be continued on another endpoint after its engine failed mid-stream, at most 8 (0: off).")] = 0
@@ -350,6 +352,7 @@ class Config(Block, dict=True):
     auth: Annotated[AuthConfig, Meta(description="Client API keys and the admin token.")] = AuthConfig()
     limits: Annotated[LimitsConfig, Meta(description="Per-user and per-model rate limits.")] = LimitsConfig()
     state: Annotated[StateConfig, Meta(description="State shared by gateway replicas and workers, in Redis.")] = StateConfig()
+    view: Annotated[ViewConfig, Meta(description="The routing view (prefix index, in-flight counts, sessions) shared by the workers of a gateway and, with state.redis_url, by its replicas.")] = ViewConfig()
     status: Annotated[StatusConfig, Meta(description="The live status page.")] = StatusConfig()
     tracing: Annotated[TracingConfig, Meta(description="OpenTelemetry tracing; OTEL_* environment variables fill keys left out.")] = TracingConfig()
     responses: Annotated[ResponsesConfig, Meta(description="Where the state of the Responses API (/v1/responses) lives.")] = ResponsesConfig()
@@ -403,6 +406,10 @@ class Config(Block, dict=True):
 
     def with_log_format(self, fmt: str) -> Config:
         return msgspec.structs.replace(self, server=msgspec.structs.replace(self.server, log_format=fmt))
+
+    def with_workers(self, n: int) -> Config:
+        """The worker count ``python -m gateway`` resolved (``auto``, ``--workers``) and runs."""
+        return msgspec.structs.replace(self, server=msgspec.structs.replace(self.server, workers=n))
 
 
 # -- loading ------------------------------------------------------------------------------------

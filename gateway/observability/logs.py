@@ -34,6 +34,8 @@ from typing import Any
 import orjson
 import structlog
 
+from gateway.errors import printable
+
 PIPE_BUF = getattr(select, "PIPE_BUF", 4096)
 
 
@@ -190,6 +192,17 @@ def _chunks(buf: bytes | bytearray, limit: int) -> Iterator[memoryview]:
         start = cut
 
 
+def _printable(v: Any) -> Any:
+    """``v`` with every string as UTF-8 can carry it (gateway.errors.printable), at any depth."""
+    if isinstance(v, str):
+        return printable(v)
+    if isinstance(v, dict):
+        return {printable(str(k)): _printable(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_printable(x) for x in v]
+    return v
+
+
 class RequestLog:
     """The per-request line. ``emit`` takes the record's fields in their order."""
 
@@ -213,7 +226,10 @@ class RequestLog:
         fields["event"] = "request"
         fields["level"] = "info"
         fields["timestamp"] = iso
-        return orjson.dumps(fields, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        try:
+            return orjson.dumps(fields, default=str, option=orjson.OPT_APPEND_NEWLINE)
+        except TypeError:   # a client's bytes that are not UTF-8 (lone surrogates), in a field that quotes them
+            return orjson.dumps(_printable(fields), default=str, option=orjson.OPT_APPEND_NEWLINE)
 
     def _console(self, fields: dict[str, Any]) -> bytes:
         _, stamp = self._clock.stamps()

@@ -15,6 +15,12 @@ counters. What the gateway did not keep before is kept here, in fixed memory:
 Both are a few additions and at most one tuple per request. The document costs
 O(endpoints + models x buckets + rings + listed users) to build, nothing between two reads.
 
+With ``--workers N`` the worker that answers merges its siblings' parts (``StatusBoard.part``, read
+over gateway/server/siblings.py) into its document: what adds up is added (requests, in-flight
+counts, the traffic windows with their latency histograms, fallbacks), the recent decisions and
+errors are interleaved by time, and the rest (endpoints' health, engine figures, tenants) is the
+answering worker's view; ``gateway.workers`` says which worker answered and how many reported.
+
 Hooks for what does not exist yet: ``StatusSources.aliases`` (model aliases) and
 ``breaker_state`` (per-endpoint circuit breakers) answer empty / ``None`` today.
 """
@@ -85,6 +91,8 @@ class StatusSources:
     # model aliases, once they exist: [{"name", "targets": [{"model", "weight"}], ...}]
     aliases: Callable[[], list[dict[str, Any]]] = _no_aliases
     started_at: float = field(default_factory=time.time)   # unix seconds
+    # a model's admission rows (gateway.admission.service.Admission.status), None when off
+    admission: Callable[[str], dict[str, Any] | None] = lambda _model: None
 
     def follow(self, live: Live) -> None:
         """A config reload applied (gateway/server/reload.py): read the new generation's config and routing."""
@@ -142,24 +150,55 @@ class StatusBoard:
 
     # -- views ---------------------------------------------------------------------------------
 
-    def traffic(self, now: float) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-        """Each model's last minute, window and series, and the same for all requests together."""
+    def _windows(self, now: float) -> dict[str, tuple[Summary, Summary, list[int]]]:
+        """Each model's last minute, window and series."""
         s = self.settings
+        out = {}
+        for name, w in self.windows.items():
+            m, win = w.summaries(now, 60.0, s.window_s)
+            out[name] = (m, win, w.series(now))
+        return out
+
+    def traffic(self, now: float, parts: list[dict[str, Any]] = ()) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """Each model's last minute, window and series, and the same for all requests together;
+        with the ``parts`` of sibling workers added in."""
+        s = self.settings
+        windows = self._windows(now)
+        age, requests = now - self._started, self.requests
+        for p in parts:
+            for name, (rm, rw, points) in p["windows"].items():
+                have = windows.get(name)
+                if have is None:
+                    windows[name] = (_summary(rm), _summary(rw), list(points))
+                else:
+                    have[0].add(_summary(rm))
+                    have[1].add(_summary(rw))
+                    windows[name] = (have[0], have[1], [a + b for a, b in zip(have[2], points, strict=False)])
+            age, requests = max(age, p["age_s"]), requests + p["requests"]
         minute, window = Summary(), Summary()
         series = [0] * s.slots
         models: dict[str, dict[str, Any]] = {}
-        for name, w in self.windows.items():
-            m, win = w.summaries(now, 60.0, s.window_s)
-            points = w.series(now)
+        for name, (m, win, points) in windows.items():
             models[name] = {"minute": m.view(), "window": win.view(), "series": points}
             minute.add(m)
             window.add(win)
-            for i, n in enumerate(points):
+            for i, n in enumerate(points[:s.slots]):
                 series[i] += n
-        age = now - self._started
         minute.seconds, window.seconds = min(60.0, age), min(s.window_s, age)
         return models, {"minute": minute.view(), "window": window.view(), "series": series,
-                        "requests_since_start": self.requests}
+                        "requests_since_start": requests}
+
+    def part(self, src: StatusSources) -> dict[str, Any]:
+        """What this worker adds to a sibling's document (``--workers N``): JSON-ready, additive."""
+        now = self._clock()
+        return {"pid": os.getpid(), "age_s": now - self._started, "requests": self.requests,
+                "draining": src.lifecycle.draining, "in_flight": src.lifecycle.in_flight,
+                "windows": {name: (_raw(m), _raw(win), points) for name, (m, win, points) in self._windows(now).items()},
+                "model_in_flight": dict(src.model_in_flight),
+                "endpoints": [(ep.model, ep.name, ep.in_flight, ep.prefill_in_flight, ep.pending_decode,
+                               ep.token_active, ep.token_kv) for ep in src.pool.endpoints()],
+                "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()],
+                "decisions": self.recent_decisions(), "errors": self.recent_errors()}
 
     def _quiet(self) -> dict[str, Any]:
         empty = Summary().view()
@@ -182,19 +221,31 @@ class StatusBoard:
 
     # -- the document --------------------------------------------------------------------------
 
-    async def document(self, src: StatusSources) -> dict[str, Any]:
-        """``/status.json``; see the README's "Status page" for every field."""
+    async def document(self, src: StatusSources, parts: list[dict[str, Any]] = (),
+                       worker: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+        """``/status.json``; see the README's "Status page" for every field. ``parts``: the sibling
+        workers' (``part``), added in; ``worker``: (this worker's index, the number of workers)."""
         now, wall = self._clock(), self._wall()
         cfg, pool = src.config, src.pool
         eps = pool.endpoints()
         names = list(dict.fromkeys([*pool.models(), *(m.name for m in cfg.models)]))
-        traffic, totals = self.traffic(now)
+        traffic, totals = self.traffic(now, parts)
+        model_in_flight: dict[str, int] = src.model_in_flight
+        endpoints = [self._endpoint_view(ep, now, cfg.routing.metrics_max_age_s) for ep in eps]
+        fallbacks, decisions, errors = self.fallbacks, self.recent_decisions(), self.recent_errors()
+        if parts:
+            model_in_flight, fallbacks = _add_counts(model_in_flight, parts), _add_fallbacks(fallbacks, parts)
+            _add_endpoint_loads(endpoints, parts)
+            decisions = _newest([decisions, *(p["decisions"] for p in parts)], self.decisions.maxlen)
+            errors = _newest([errors, *(p["errors"] for p in parts)], self.errors.maxlen)
         return {
             "schema_version": SCHEMA_VERSION,
             "gateway": {
                 "version": _version(), "pid": os.getpid(), "now": round(wall, 3),
                 "started_at": round(src.started_at, 3), "uptime_s": round(now - self._started, 1),
-                "draining": src.lifecycle.draining, "in_flight": src.lifecycle.in_flight,
+                "workers": {"count": worker[1], "answered": worker[0], "reporting": 1 + len(parts)},
+                "draining": src.lifecycle.draining or any(p["draining"] for p in parts),
+                "in_flight": src.lifecycle.in_flight + sum(p["in_flight"] for p in parts),
                 "refresh_s": self.settings.refresh_s, "window_s": self.settings.window_s,
                 "bucket_s": self.settings.bucket_s, "scrape_interval_s": cfg.scrape.interval_s if cfg.scrape.enabled else None,
                 "health_interval_s": cfg.health.interval_s if cfg.health.enabled else None,
@@ -202,25 +253,27 @@ class StatusBoard:
                 "kubernetes": cfg.kubernetes.enabled,
             },
             "totals": {**totals, "endpoints": len(eps), "ready_endpoints": sum(1 for ep in eps if ep.ready)},
-            "models": [self._model_view(src, name, traffic.get(name) or self._quiet()) for name in names],
+            "models": [self._model_view(src, name, traffic.get(name) or self._quiet(), model_in_flight)
+                       for name in names],
             "aliases": src.aliases(),
-            "endpoints": [self._endpoint_view(ep, now, cfg.routing.metrics_max_age_s) for ep in eps],
+            "endpoints": endpoints,
             "rolesets": _rolesets(eps),
             "routing": {"fallbacks": [{"strategy": s, "reason": r, "count": n}
-                                      for (s, r), n in sorted(self.fallbacks.items())],
-                        "recent": self.recent_decisions()},
-            "errors": {"recent": self.recent_errors()},
+                                      for (s, r), n in sorted(fallbacks.items())],
+                        "recent": decisions},
+            "errors": {"recent": errors},
             "tenants": await self._tenants(src),
         }
 
-    def _model_view(self, src: StatusSources, name: str, traffic: dict[str, Any]) -> dict[str, Any]:
+    def _model_view(self, src: StatusSources, name: str, traffic: dict[str, Any],
+                    model_in_flight: dict[str, int]) -> dict[str, Any]:
         m = src.config.model(name)
         eps = src.pool.endpoints(name)
         return {"name": name, "engine": m.engine if m is not None else (eps[0].engine if eps else None),
                 "strategy": src.routing.strategy_for(name, None),
                 "lock_strategy": m.lock_strategy if m is not None else None,
                 "pd": src.pool.has_pd(name), "endpoints": len(eps), "ready_endpoints": sum(1 for ep in eps if ep.ready),
-                "in_flight": src.model_in_flight.get(name, 0), **traffic}
+                "in_flight": model_in_flight.get(name, 0), "admission": src.admission(name), **traffic}
 
     @staticmethod
     def _endpoint_view(ep: Endpoint, now: float, max_age: float) -> dict[str, Any]:
@@ -285,6 +338,61 @@ class StatusBoard:
         if state.remote:
             self._usage_cache = (now, users, usage)
         return usage
+
+
+def _raw(s: Summary) -> tuple:
+    return (s.requests, s.errors, s.prompt_tokens, s.completion_tokens, s.seconds,
+            list(s.ttft.items()), list(s.e2e.items()))
+
+
+def _summary(raw: list) -> Summary:
+    s = Summary()
+    s.requests, s.errors, s.prompt_tokens, s.completion_tokens, s.seconds = raw[:5]
+    s.ttft = {int(k): n for k, n in raw[5]}
+    s.e2e = {int(k): n for k, n in raw[6]}
+    return s
+
+
+def _add_counts(own: dict[str, int], parts: list[dict[str, Any]]) -> dict[str, int]:
+    out = dict(own)
+    for p in parts:
+        for model, n in p["model_in_flight"].items():
+            out[model] = out.get(model, 0) + n
+    return out
+
+
+def _add_fallbacks(own: dict[tuple[str, str], int], parts: list[dict[str, Any]]) -> dict[tuple[str, str], int]:
+    out = dict(own)
+    for p in parts:
+        for strategy, reason, n in p["fallbacks"]:
+            out[(strategy, reason)] = out.get((strategy, reason), 0) + n
+    return out
+
+
+def _add_endpoint_loads(views: list[dict[str, Any]], parts: list[dict[str, Any]]) -> None:
+    """The siblings' requests on each endpoint, added to this worker's (an endpoint it does not know
+    is left out: its view of the pool is what the page lists)."""
+    by_key = {(v["model"], v["name"]): v for v in views}
+    for p in parts:
+        for model, name, in_flight, prefill, pending, active, kv in p["endpoints"]:
+            v = by_key.get((model, name))
+            if v is None:
+                continue
+            v["in_flight"] += in_flight
+            # this worker's remote count holds its siblings' (the shared view, or Redis): those are
+            # the gateway's own now, so only other replicas' stay remote
+            v["remote_in_flight"] = max(0, v["remote_in_flight"] - in_flight)
+            pd = v["pd"]
+            pd["prefill_in_flight"] += prefill
+            pd["pending_decode"] += pending
+            pd["token_active"] = round(pd["token_active"] + active, 1)
+            pd["token_kv"] = round(pd["token_kv"] + kv, 1)
+
+
+def _newest(rings: list[list[dict[str, Any]]], n: int | None) -> list[dict[str, Any]]:
+    """Rings of recent entries, newest first, interleaved by time and cut to ``n``."""
+    merged = sorted((e for ring in rings for e in ring), key=lambda e: e["time"], reverse=True)
+    return merged[:n]
 
 
 def _limits(lim) -> dict[str, int]:

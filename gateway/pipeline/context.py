@@ -58,6 +58,9 @@ class RequestRecord:
     started: float
     model: str = "-"
     strategy: str = ""
+    # the model exists (the pipeline checked it): only then is ``model`` a metric label, so a
+    # client's arbitrary names are logged but never grow /metrics
+    model_known: bool = False
     user: str | None = None
     endpoint: str = ""
     prefill_endpoint: str | None = None
@@ -76,6 +79,11 @@ class RequestRecord:
     request_id_replaced: bool = False         # the client's x-request-id could not be kept
     alias: str | None = None                  # the alias the client named; ``model`` is its target
     extra: dict[str, Any] = field(default_factory=dict)   # leg details for the log line only
+
+    @property
+    def label_model(self) -> str:
+        """The model as a metric label: "-" until the model is known to exist."""
+        return self.model if self.model_known else "-"
 
     def response_headers(self) -> dict[str, str]:
         """The headers every answer carries: request id, the chosen pods, the strategy."""
@@ -111,6 +119,9 @@ class RequestContext:
     after_write: list[Callable[[], None]] = field(default_factory=list)
     # (endpoint, header, value): legs to that endpoint name its data-parallel rank (gateway/kv/dp_rank.py)
     dp_rank: tuple[Endpoint, str, str] | None = None
+    # (endpoint, the engine's estimated occupancy counting this request) when it went: admission's
+    # slow start learns from its TTFT (gateway/admission/saturation.py)
+    dispatched: tuple[Endpoint, float] | None = None
 
     @classmethod
     def start(cls, request: web.Request) -> RequestContext:
@@ -159,7 +170,7 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
             observe(rec, duration)
         except Exception:     # an observer's bug must not cost the request its log line
             log.exception("request observer failed", request_id=rec.request_id)
-    m.child(m.requests, rec.model, str(rec.status), rec.strategy).inc()
+    m.child(m.requests, rec.label_model, str(rec.status), rec.strategy).inc()
     if rec.model != "-" and rec.status < 400 and rec.status:
         m.child(m.e2e, rec.model).observe(duration)
     fields = {"request_id": rec.request_id, "path": rec.path, "model": rec.model, "user": rec.user,

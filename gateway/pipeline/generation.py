@@ -42,12 +42,14 @@ from gateway.pd.orchestrator import PDOrchestrator
 from gateway.pipeline.context import RecordObserver
 from gateway.pipeline.relay import Relay
 from gateway.pipeline.routing import DecisionObserver, Routing
+from gateway.pipeline.slo_learning import SloLearning
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.retry import Retries
 from gateway.server.lifecycle import Lifecycle
 from gateway.tenants import build_tenancy
 from gateway.tenants.service import NO_TENANCY, NoTenancy, Tenancy
 from gateway.upstream.upstream import Upstream
+from gateway.view.service import RoutingView, WorkerSlot
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -75,6 +77,8 @@ class Services:
     decision_observers: list[DecisionObserver]  # told of every routing decision (the status board)
     decision_claims: list[DecisionObserver]     # run at each decision, before the leg (the breakers' trial slots)
     model_in_flight: dict[str, int]             # requests in flight per model, for every generation
+    view: RoutingView                           # the routing view shared with sibling workers and replicas
+    slo: SloLearning                            # feeds the latency models of every generation's routing
 
     def follow(self, config: Config) -> None:
         """A reload was applied: the shared services take the new config's settings (their state
@@ -84,10 +88,12 @@ class Services:
         self.retries.config_for = config.retry_for
         self.lora.reconfigure(config)
         self.admission.reconfigure(config)
+        self.view.sessions.reconfigure(config.routing.session_ttl_s, config.routing.session_max_entries)
 
 
-def build_services(config: Config, pool: EndpointPool) -> Services:
-    """Every shared service, wired in the order a request meets them."""
+def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None = None) -> Services:
+    """Every shared service, wired in the order a request meets them. ``slot``: this process is
+    one of ``--workers N`` (its view is shared with its siblings)."""
     metrics = GatewayMetrics()
     lifecycle = Lifecycle()
     kv_events = build_kv_events(config, pool, metrics.registry)   # None unless a model subscribes
@@ -105,6 +111,13 @@ def build_services(config: Config, pool: EndpointPool) -> Services:
     for api in (AnthropicApi(pool), PassthroughApi(pool), AudioApi(pool)):   # Messages, pass-through
         apis.update(dict.fromkeys(api.paths, api))
     observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
+    view = RoutingView(config, pool, metrics, slot)   # gateway/view: one routing view for workers and replicas
+    responses.lineage = view.sessions                 # response id → the endpoint that answered it
+    claims = [breakers.on_decision]                   # half-open trial slots, before the leg
+    if view.bus_load:
+        claims.append(view.on_decision)               # siblings hear of the charge this loop turn
+    slo = SloLearning(metrics)                   # what routed requests saw, for the latency models
+    observers.append(slo.on_request)
     return Services(
         pool=pool, metrics=metrics, lifecycle=lifecycle, upstream=upstream, relay=relay, breakers=breakers,
         request_log=request_log, kv_events=kv_events,
@@ -115,8 +128,7 @@ def build_services(config: Config, pool: EndpointPool) -> Services:
         admission=Admission(config, pool, metrics),
         retries=Retries(config.retry_for, metrics.registry, config.routing.metrics_max_age_s),
         responses=responses, apis=apis, alias_metrics=AliasMetrics(metrics.registry), observers=observers,
-        decision_observers=[], decision_claims=[breakers.on_decision],   # half-open trial slots, before the leg
-        model_in_flight={})
+        decision_observers=[], decision_claims=claims, model_in_flight={}, view=view, slo=slo)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -144,9 +156,10 @@ def build_generation(config: Config, services: Services, previous: Generation | 
     routing state of ``previous`` carries over when ``routing_state_kept``. Changes nothing of
     ``previous``; raises ``ValueError`` when a strategy the config names does not exist."""
     s = services
-    routing = Routing(config, s.pool, s.metrics, s.kv_events)
+    routing = Routing(config, s.pool, s.metrics, s.kv_events, s.view, s.slo)
     if previous is not None and routing_state_kept(previous.config, config):
         routing.ctx, routing.registry = previous.routing.ctx, previous.routing.registry
+    s.view.attach(routing.ctx)          # its index's insertions are shared, others' applied to it
     routing.observers, routing.claims = s.decision_observers, s.decision_claims   # shared by every generation
     pd = PDOrchestrator(config, s.upstream, s.relay, s.lifecycle.spawn, s.metrics, routing.ctx.rng)
     decider = PDDecider(config, routing.ctx.prefix_index, s.pd_decision_metrics, s.kv_events)

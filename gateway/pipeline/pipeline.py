@@ -75,11 +75,14 @@ class Pipeline:
             ticket = await self.tenancy.authenticate(request, rec)   # API key → user (401), before the body
             ireq = await self._parse(ctx, ticket.user)              # an alias or an adapter names its model
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
-            spec = rec.strategy = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
-                                                            lora=ireq.lora is not None)
-            router = self.routing.router_for(spec)
+            rec.model_known = True                  # metric labels name known models only
+            spec = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
+                                             lora=ireq.lora is not None)
+            router = self.routing.router_for(spec)  # 400 unless known
+            rec.strategy = spec                     # metric labels hold known models and strategies only
             adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
             candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
+            self.admission.dispatched(ctx)          # what the engine held when it went (slow start)
             self._pin_rank(ctx, adapter)            # a data-parallel engine's rank
             self._begin_migration(ctx, candidates)  # a stream that may continue elsewhere
             if ctx.decision.prefill is not None:
@@ -90,7 +93,7 @@ class Pipeline:
         except asyncio.CancelledError:
             rec.status = 499
             rec.error_class = rec.error_class or ErrorClass.CLIENT_CANCEL
-            self.metrics.child(self.metrics.client_cancels, rec.model,
+            self.metrics.child(self.metrics.client_cancels, rec.label_model,
                                "streaming" if rec.headers_sent else "before_headers").inc()
             ctx.trace.event("abort", {"switchyard.abort.by": "client"})
             raise
@@ -140,7 +143,7 @@ class Pipeline:
 
     def _leave(self, model: str, ctx: RequestContext) -> None:
         self.model_in_flight[model] -= 1
-        self.admission.released(model, ctx.charges.in_flight is not None)   # freed room goes to the next waiter
+        self.admission.released(model, ctx)     # freed room goes to the next waiter
 
     async def _admit(self, ctx: RequestContext, ticket: Ticket, spec: str, router: Router
                      ) -> tuple[EngineAdapter, Any, list[Endpoint]]:
@@ -157,11 +160,26 @@ class Pipeline:
             candidates = await self._serving(ctx, spec, router, candidates)
         adapter = adapter_for(candidates[0].engine)
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
+        self._objectives(ireq, rec)
         candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
         kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
         if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
             await kv.prepare(ireq, candidates)
         return adapter, checked, candidates
+
+    def _objectives(self, ireq: InferenceRequest, rec) -> None:
+        """The request's latency objectives: its headers', else its model's ``slo:`` defaults."""
+        m = self.config.model(ireq.model)
+        slo = m.slo if m is not None else None
+        if slo is not None:
+            if ireq.slo_ttft_ms is None:
+                ireq.slo_ttft_ms = slo.ttft_ms
+            if ireq.slo_tpot_ms is None:
+                ireq.slo_tpot_ms = slo.tpot_ms
+        if ireq.slo_ttft_ms is not None:
+            rec.extra["slo_ttft_ms"] = ireq.slo_ttft_ms
+        if ireq.slo_tpot_ms is not None:
+            rec.extra["slo_tpot_ms"] = ireq.slo_tpot_ms
 
     async def _serving(self, ctx: RequestContext, spec: str, router: Router,
                        candidates: list[Endpoint]) -> list[Endpoint]:

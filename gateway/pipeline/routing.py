@@ -19,7 +19,10 @@ from gateway.config.schema import Config, check_strategies
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline.context import safe_header_value
+from gateway.pipeline.slo_learning import NO_SLO_LEARNING, NoSloLearning, SloLearning
 from gateway.request import InferenceRequest
+from gateway.view.service import RoutingView
 from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
 from routers.registry import RouterRegistry, StrategyError, default_registry
 
@@ -32,19 +35,31 @@ WHOLE_REQUEST_ROLES = ("aggregated", "combined")
 DecisionObserver = Callable[[InferenceRequest, Decision, tuple[tuple[str, str], ...], float], None]
 
 
+def _no_session(model: str, outcome: str) -> None:
+    return None
+
+
 class Routing:
     def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
-                 precise_index: PreciseIndex | None = None) -> None:
+                 precise_index: PreciseIndex | None = None, view: RoutingView | None = None,
+                 slo: SloLearning | NoSloLearning = NO_SLO_LEARNING) -> None:
+        """``view``: the shared routing view (gateway/view), whose session map the strategies use
+        and which counts their session outcomes; None: a session map of this routing's own.
+        ``slo``: the latency models' learning (gateway/pipeline/slo_learning.py)."""
         self.config = config
         self.pool = pool
         self.metrics = metrics
         self.ctx = RouterContext(settings=config.routing, pd_settings=config.pd_for,
-                                 on_fallback=self._on_fallback, precise_index=precise_index)
+                                 on_fallback=self._on_fallback, precise_index=precise_index,
+                                 sessions=view.sessions if view is not None else None,
+                                 on_session=view.on_session if view is not None else _no_session)
         self.observers: list[DecisionObserver] = []
         # told of a decision in its own synchronous step, before the leg (a half-open breaker's
         # trial slot must be taken before a concurrent request routes)
         self.claims: list[DecisionObserver] = []
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
+        # feeds the endpoints' latency models (``ctx.latency``) with every decision, before its charge
+        self.slo = slo
         self.registry: RouterRegistry = default_registry(self.ctx)
         # strategies named in config are validated now, so a typo fails at startup, not per request
         check_strategies(config, self.registry)
@@ -76,7 +91,10 @@ class Routing:
         try:
             return self.registry.get(spec)
         except StrategyError:
+            # the answer echoes the refused name (escaped); the request's record keeps no strategy,
+            # so a client's arbitrary names never become metric labels
             raise GatewayError(400, f"incorrect routing strategy {spec}", param="routing-strategy",
+                               headers={"routing-strategy": safe_header_value(spec)},
                                header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING) from None
 
     def candidates(self, model: str, router: Router) -> list[Endpoint]:
@@ -113,6 +131,10 @@ class Routing:
                 claim(ireq, decision, decision.fallbacks, elapsed)
             except Exception:     # as an observer's
                 log.exception("decision claim failed", request_id=ireq.request_id)
+        try:
+            self.slo.decided(ireq, decision, self.ctx.latency)
+        except Exception:         # as an observer's
+            log.exception("latency model bookkeeping failed", request_id=ireq.request_id)
         if later is None:
             self._report(ireq, decision, spec, elapsed)
         else:

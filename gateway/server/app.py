@@ -11,6 +11,7 @@ step fails.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -26,7 +27,7 @@ from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.observability.looplag import LoopLagMonitor
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
-from gateway.observability.status_http import add_status
+from gateway.observability.status_http import StatusPage, add_status
 from gateway.observability.tracing import Tracing
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline
@@ -35,9 +36,12 @@ from gateway.server.admin import add_tenancy
 from gateway.server.lifecycle import Lifecycle
 from gateway.server.reclaim import MemoryReclaimer
 from gateway.server.reload import Build, Live, Reloader, declared_endpoints
+from gateway.server.siblings import Siblings, lifecycle
+from gateway.server.workers import WorkerInfo
 from gateway.tenants import Tenancy
 from gateway.upstream.monitor import Monitor
 from gateway.upstream.upstream import make_session
+from gateway.view.service import RoutingView, WorkerSlot
 from k8s.discovery import KubernetesDiscovery
 from routers.prefix_cache import fleet_load
 
@@ -52,6 +56,7 @@ DISCOVERY_KEY = web.AppKey("discovery", KubernetesDiscovery)
 NOT_READY_KEY = web.AppKey("not_ready", asyncio.Event)
 # POST paths the edge hands straight to their handler (gateway/server/edge.py ``EdgeServer``)
 DIRECT_KEY = web.AppKey("direct", dict)
+STATUS_PAGE_KEY = web.AppKey("status_page", StatusPage)
 
 
 def pool_from_config(config: Config) -> EndpointPool:
@@ -130,11 +135,24 @@ def _builder(services: Services) -> Build:
     return build
 
 
+def _view_slot(worker: WorkerInfo | None) -> WorkerSlot | None:
+    """This worker's place on the shared routing view's bus: its sockets live in the parent's run
+    directory beside the siblings' ones, and the directory's name is the gateway's group (the same
+    in every worker, new at every start)."""
+    if worker is None:
+        return None
+    return WorkerSlot(worker.index, worker.count, worker.run_dir, os.path.basename(worker.run_dir))
+
+
 def build_app(config: Config, pool: EndpointPool | None = None,
-              loader: Callable[[], Config] | None = None) -> web.Application:
-    """``loader`` re-reads the config file for a reload (gateway/server/reload.py); None: no reload."""
+              loader: Callable[[], Config] | None = None, worker: WorkerInfo | None = None) -> web.Application:
+    """``loader`` re-reads the config file for a reload (gateway/server/reload.py); None: no reload.
+    ``worker``: this process is one of ``--workers N`` (None: the whole gateway); the workers share
+    the routing view (gateway/view) and answer each other's scrapes (gateway/server/siblings.py)."""
     pool = pool if pool is not None else pool_from_config(config)
-    s = build_services(config, pool)
+    s = build_services(config, pool, _view_slot(worker))
+    if worker is not None:          # admission's bounds are the gateway's: each worker takes its share
+        s.admission.set_workers(worker.count)
     metrics, lifecycle = s.metrics, s.lifecycle
     tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
     tracing = s.tracing if isinstance(s.tracing, Tracing) else None
@@ -166,21 +184,51 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
     app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
     add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
-    _add_public_routes(app, s, reloader, started_at)   # /v1/models, /health, /ready, /metrics
+    # several workers: each answers its siblings, and /metrics and /status.json show them all
+    siblings = _siblings(app, worker, s.metrics) if worker is not None else None
+    _add_public_routes(app, s, reloader, started_at, siblings)   # /v1/models, /health, /ready, /metrics
     if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
         add_tenancy(app, tenancy)
         if tenancy.admin_digest is not None:
             reloader.register(app.router)        # POST /admin/reload
     if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
-        _add_status_page(app, config, s, reloader, tenancy, started_at)
+        page = _add_status_page(app, config, s, reloader, tenancy, started_at)
+        page.siblings, page.worker = siblings, worker
 
     if tracing is not None:     # first in, last out: flushed once everything else stopped
         app.cleanup_ctx.append(_tracing_lifecycle(tracing))
     app.cleanup_ctx.append(_engines(config, s, reloader))
+    app.cleanup_ctx.append(_shared_view(s.view))
     return app
 
 
-def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, started_at: int) -> None:
+def _siblings(app: web.Application, worker: WorkerInfo, metrics: GatewayMetrics) -> Siblings:
+    """This worker's socket for its siblings (gateway/server/siblings.py): its own exposition, and its
+    part of the status page when the page is on."""
+    async def answer(kind: str) -> bytes:
+        if kind == "metrics":
+            return metrics.render()
+        page = app.get(STATUS_PAGE_KEY)
+        return orjson.dumps(page.board.part(page.sources)) if page is not None else b""
+
+    siblings = Siblings(worker, answer)
+    app.cleanup_ctx.append(lifecycle(siblings))
+    return siblings
+
+
+def _shared_view(view: RoutingView):
+    async def shared(_app: web.Application) -> AsyncIterator[None]:
+        """The routing view's bus and stream (gateway/view): started last, stopped first."""
+        await view.start()
+        try:
+            yield
+        finally:
+            await view.stop()
+    return shared
+
+
+def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, started_at: int,
+                       siblings: Siblings | None) -> None:
     pool, lifecycle, metrics, lora = s.pool, s.lifecycle, s.metrics, s.lora
 
     async def models(request: web.Request) -> web.Response:
@@ -208,7 +256,10 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         return _json(200, {"status": "ready", "models": ready_models})
 
     async def metrics_page(_request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8",
+        body = metrics.render()
+        if siblings is not None:        # the whole gateway: every worker's figures merged
+            body = await siblings.metrics(body)
+        return web.Response(body=body, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 
     app.router.add_get("/v1/models", models)
@@ -218,15 +269,18 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
 
 
 def _add_status_page(app: web.Application, config: Config, s: Services, reloader: Reloader,
-                     tenancy: Tenancy | None, started_at: int) -> None:
+                     tenancy: Tenancy | None, started_at: int) -> StatusPage:
     pool = s.pool
     board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
     s.observers.append(board.on_request)
     s.decision_observers.append(board.on_decision)
     sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
-                            aliases=lambda: reloader.live.aliases.describe(), started_at=started_at)
+                            aliases=lambda: reloader.live.aliases.describe(), started_at=started_at,
+                            admission=s.admission.status)
     reloader.listeners.append(sources.follow)
-    add_status(app, sources, s.metrics, board)
+    page = add_status(app, sources, s.metrics, board)
+    app[STATUS_PAGE_KEY] = page
+    return page
 
 
 def _engines(config: Config, s: Services, reloader: Reloader):

@@ -30,15 +30,17 @@ from aiohttp import web
 from gateway.config.schema import Config
 from gateway.server.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
 from gateway.server.edge import Edge, EdgeLimits, EdgeRunner
+from gateway.server.workers import WorkerInfo
 
 log = structlog.get_logger("switchyard.server")
 
 
 async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[], Config] | None = None,
-                ) -> tuple[web.AppRunner, web.Application, int]:
+                worker: WorkerInfo | None = None) -> tuple[web.AppRunner, web.Application, int]:
     """Start serving; returns the runner, the app and the bound port (useful with port 0).
-    ``loader`` re-reads the config file at a reload."""
-    app = build_app(config, loader=loader)
+    ``loader`` re-reads the config file at a reload; ``worker``: this process's place among
+    ``--workers N``."""
+    app = build_app(config, loader=loader, worker=worker)
     # the edge (gateway/server/edge.py): slow-client clocks, connection cap, header limits, shaped errors
     edge = Edge(EdgeLimits.from_config(config.server), app[GATEWAY_KEY].metrics.registry)
     _check_fd_limit(edge.limits.max_connections)
@@ -97,9 +99,9 @@ def tune_gc() -> None:
 
 
 async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False,
-                loader: Callable[[], Config] | None = None, worker: bool = False) -> None:
+                loader: Callable[[], Config] | None = None, worker: WorkerInfo | None = None) -> None:
     """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
-    runner, app, port = await start(config, reuse_port=reuse_port, loader=loader)
+    runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)
     tune_gc()
     log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
              kubernetes=config.kubernetes.enabled)
@@ -117,7 +119,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal, sig)
     reloader = app[RELOAD_KEY]
-    if worker:      # POST /admin/reload asks the parent, which signals every worker
+    if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
         reloader.parent_pid = os.getppid()
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)

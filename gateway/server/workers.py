@@ -1,16 +1,22 @@
 """``--workers N``: N gateway processes sharing one port through SO_REUSEPORT.
 
 The kernel spreads new connections over the workers' listening sockets, so a machine with more
-cores serves more requests. Each worker is a whole gateway with its own state: in-flight counts,
-round-robin positions, the prefix-cache index, health and metrics monitors, and (without Redis)
-rate-limit counters. Use ``state.redis_url`` to share limits and in-flight counts between workers
-as between replicas.
+cores serves more requests. Each worker is a whole gateway with its own state: round-robin
+positions, health and metrics monitors, and (without Redis) rate-limit counters. Their routing
+view (the prefix index, in-flight counts, sessions) is shared over a local bus in a private
+directory the caller creates before the fork (gateway/view). Use ``state.redis_url`` to share
+limits and in-flight counts between workers as between replicas.
 
 The parent forks the workers before any event loop exists, forwards SIGTERM/SIGINT to them (each
 drains as a single gateway does), restarts a worker that dies unexpectedly (with a short back-off),
 and exits when all have exited after a signal. SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent.
+
+What the workers tell each other goes through a private directory the parent creates before the
+fork (``gateway.server.rundir.RunDirectory``: mode 0700, removed when the parent exits): worker *i* listens there on a
+Unix socket of its own, through which a sibling answering ``/metrics`` or ``/status.json`` reads
+its figures (gateway/server/siblings.py). A restarted worker keeps its index, and so its path.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 RESTART_BACKOFF_S = 1.0
@@ -59,10 +66,24 @@ def resolve_workers(value: int | str) -> int:
     return cpu_limit() if value == "auto" else int(value)
 
 
-def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None],
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """One of ``--workers N`` processes: its index (kept by a restarted worker), the count, and the
+    parent's private directory where each worker listens for its siblings."""
+
+    index: int
+    count: int
+    run_dir: str
+
+    def socket_path(self, index: int) -> str:
+        return os.path.join(self.run_dir, f"worker-{index}.sock")
+
+
+def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], None],
                 on_reload: Callable[[], None] | None = None) -> int:
-    """Fork ``n`` processes that each call ``serve_one()`` (which must bind with SO_REUSEPORT);
-    ``on_reload`` runs in the parent at SIGHUP, before the workers are told."""
+    """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
+    a restarted worker gets its predecessor's index); ``on_reload`` runs in the parent at SIGHUP,
+    before the workers are told."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
 
@@ -74,7 +95,7 @@ def run_workers(n: int, serve_one: Callable[[], int], log: Callable[[str], None]
             signal.signal(signal.SIGHUP, signal.SIG_IGN)    # until the worker's loop handles it
             code = 1
             try:
-                code = serve_one()
+                code = serve_one(index)
             finally:
                 os._exit(code)
         children[pid] = index

@@ -65,17 +65,18 @@ def _has_hash_tag(key: str) -> bool:
     return start >= 0 and key.find("}", start + 2) > start
 
 
-def _common(cfg: StateConfig) -> dict:
-    return {"socket_timeout": cfg.timeout_s, "socket_connect_timeout": cfg.timeout_s,
+def _common(cfg: StateConfig, socket_timeout: float | None = None) -> dict:
+    return {"socket_timeout": socket_timeout or cfg.timeout_s, "socket_connect_timeout": cfg.timeout_s,
             "health_check_interval": 0, "decode_responses": False}
 
 
-def redis_client(cfg: StateConfig) -> Client:
+def redis_client(cfg: StateConfig, socket_timeout: float | None = None) -> Client:
     """A client for ``state.redis_url``: ``redis.asyncio.Redis`` for a server or a Sentinel-managed
-    primary, ``redis.asyncio.RedisCluster`` for a Cluster. Connects lazily, on its first call."""
+    primary, ``redis.asyncio.RedisCluster`` for a Cluster. Connects lazily, on its first call.
+    ``socket_timeout``: a longer read timeout than ``state.timeout_s`` (a blocking read's)."""
     assert cfg.redis_url is not None
     target = parse_redis_url(cfg.redis_url)
-    common = _common(cfg)
+    common = _common(cfg, socket_timeout)
     tls: dict = {"ssl_ca_certs": cfg.tls_ca_file} if cfg.tls_ca_file else {}
     password = target.password if target.password is not None else cfg.password
     if target.mode == "standalone":

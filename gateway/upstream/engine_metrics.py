@@ -29,7 +29,7 @@ from gateway.endpoints import ENGINES, EngineMetrics
 # field ids
 _RUNNING, _WAITING, _KV, _KV_OLD, _HITS, _QUERIES, _HITS_OLD, _QUERIES_OLD = range(8)
 _PROMPT, _GEN, _TTFT_SUM, _TTFT_COUNT, _CACHE_INFO, _HIT_RATE, _GEN_TP = range(8, 15)
-_QUEUE_SUM, _QUEUE_COUNT, _MAX_TOKENS, _LORA_INFO = range(15, 19)
+_QUEUE_SUM, _QUEUE_COUNT, _MAX_TOKENS, _LORA_INFO, _MAX_RUNNING, _KV_TOKENS = range(15, 21)
 
 _NAMES: dict[str, dict[str, int]] = {
     "vllm": {
@@ -63,12 +63,15 @@ _NAMES: dict[str, dict[str, int]] = {
         "sglang:queue_time_seconds_sum": _QUEUE_SUM,
         "sglang:queue_time_seconds_count": _QUEUE_COUNT,
         "sglang:max_total_num_tokens": _MAX_TOKENS,
+        "sglang:max_running_requests": _MAX_RUNNING,
     },
 }
 _PREFIXES = {engine: tuple(names) for engine, names in _NAMES.items()}
 _AVERAGED = frozenset((_KV, _KV_OLD, _HIT_RATE))
 # The KV pool size is per data-parallel rank: ranks are summed like counts. vLLM reports it as
-# labels of cache_config_info (num_gpu_blocks x block_size), SGLang as a gauge.
+# labels of cache_config_info (kv_cache_size_tokens since it has it, else num_gpu_blocks x
+# block_size), SGLang as a gauge. SGLang also tells its running-requests cap
+# (sglang:max_running_requests, per rank: summed); vLLM does not export max_num_seqs.
 
 
 def parse_labels(s: str) -> dict[str, str]:
@@ -154,6 +157,7 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
     matching: dict[int, list[float]] = {}    # only series whose model_name == model
     block_size: int | None = None
     gpu_blocks: float | None = None          # summed over cache_config_info series (one per rank)
+    kv_tokens: float | None = None           # cache_config_info's kv_cache_size_tokens, summed likewise
     # vLLM sets lora_requests_info to the time of its stats log, a new label set each time the
     # adapters change (old series linger): the newest series is the one with the largest value
     lora: tuple[float, dict[str, str]] | None = None
@@ -185,6 +189,9 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
             nb = info.get("num_gpu_blocks")
             if nb is not None and nb.isdigit():
                 gpu_blocks = (gpu_blocks or 0.0) + int(nb)
+            kt = info.get("kv_cache_size_tokens")
+            if kt is not None and kt.isdigit():
+                kv_tokens = (kv_tokens or 0.0) + int(kt)
             continue
         if field == _LORA_INFO:
             try:
@@ -209,6 +216,8 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
     # The model filter applies per metric: a metric with series of that model uses only those;
     # a metric with none (other served name, no model_name label) is used whole.
     all_values.update(matching)
+    if kv_tokens is not None:                # group-aware: right for hybrid models too
+        all_values[_KV_TOKENS] = [kv_tokens]
     return all_values, block_size, gpu_blocks, lora
 
 
@@ -257,10 +266,12 @@ def parse_engine_metrics(text: str, engine: str, now: float, prev: EngineMetrics
         slots = labels.get("max_lora", "")
         m.max_lora = int(slots) if slots.isdigit() else None
     if engine == "vllm":
-        if gpu_blocks is not None and block_size is not None:
+        m.kv_capacity_tokens = _combine(values, _KV_TOKENS)
+        if m.kv_capacity_tokens is None and gpu_blocks is not None and block_size is not None:
             m.kv_capacity_tokens = gpu_blocks * block_size
     else:
         m.kv_capacity_tokens = _combine(values, _MAX_TOKENS)
+        m.max_running = _combine(values, _MAX_RUNNING)
     if m.kv_capacity_tokens is None and prev is not None:
         m.kv_capacity_tokens = prev.kv_capacity_tokens
 

@@ -12,31 +12,22 @@ live node agrees; ``restart(node)`` brings a killed node back (it rejoins as a r
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass
 
 import pytest
 
 from gateway.server.run import free_port
-from tests.support.redis_server import ping
+from tests.support.redis_server import SET_FLAGS, RedisProc, stop_set, wait_until
 
 
 @dataclass
-class Node:
-    port: int
-    bus_port: int
-    dir: str
-    proc: subprocess.Popen | None = None
+class Node(RedisProc):
+    """A cluster node: a server with its cluster bus port."""
 
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    bus_port: int = 0
 
 
 class RedisCluster:
@@ -49,7 +40,13 @@ class RedisCluster:
         self.dir = tempfile.mkdtemp(prefix="switchyard-redis-cluster-")
         self.node_timeout_ms = node_timeout_ms
         self.replicas = replicas
-        self.nodes = [Node(free_port(), free_port(), f"{self.dir}/n{i}") for i in range(primaries * (1 + replicas))]
+        self.nodes = []
+        for i in range(primaries * (1 + replicas)):
+            port, bus, d = free_port(), free_port(), f"{self.dir}/n{i}"
+            self.nodes.append(Node(port, d, [
+                self.server, "--port", str(port), "--cluster-enabled", "yes", "--cluster-port", str(bus),
+                "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
+                "--dir", d, *SET_FLAGS], bus_port=bus))
 
     @property
     def url(self) -> str:
@@ -58,61 +55,29 @@ class RedisCluster:
 
     # -- processes ---------------------------------------------------------------------------
 
-    def _spawn(self, node: Node, timeout: float = 10.0) -> None:
-        os.makedirs(node.dir, exist_ok=True)
-        node.proc = subprocess.Popen(
-            [self.server, "--port", str(node.port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-port", str(node.bus_port), "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
-             "--save", "", "--appendonly", "no", "--dir", node.dir, "--daemonize", "no",
-             "--repl-diskless-sync-delay", "0", "--loglevel", "warning", "--protected-mode", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=node.dir)
-        deadline = time.monotonic() + timeout
-        while not ping(node.port):
-            if node.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {node.proc.returncode} (port {node.port} taken?)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on {node.port} did not answer PING")
-            time.sleep(0.01)
-
     def start(self, timeout: float = 30.0) -> RedisCluster:
         for n in self.nodes:
-            self._spawn(n)
+            n.spawn()
         subprocess.run([self.cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", str(self.replicas), "--cluster-yes"],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
         self.wait_ok(timeout)
         # every replica has finished its first sync, so a failover has something to promote
-        self._wait(lambda: all(self._info(n, "replication").get("master_link_status") == "up"
+        wait_until(lambda: all(self._info(n, "replication").get("master_link_status") == "up"
                                for n in self.nodes if self.role(n) == "slave"), timeout, "replicas in sync")
         return self
 
     def kill(self, node: Node) -> None:
-        if node.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                node.proc.send_signal(signal.SIGKILL)
-            node.proc.wait(timeout=10)
-            node.proc = None
+        node.kill()
 
     def restart(self, node: Node, timeout: float = 30.0) -> None:
         """A killed node comes back with its nodes.conf and rejoins (as a replica of its successor)."""
         assert node.proc is None
-        self._spawn(node)
+        node.spawn()
         self.wait_ok(timeout)
 
     def cleanup(self) -> None:
-        for n in self.nodes:
-            if n.alive:
-                n.proc.send_signal(signal.SIGTERM)
-        for n in self.nodes:
-            if n.proc is not None:
-                try:
-                    n.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    n.proc.kill()
-                    n.proc.wait(timeout=5)
-                n.proc = None
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.dir)
+        stop_set(self.nodes, self.dir)
 
     # -- topology ----------------------------------------------------------------------------
 
@@ -150,7 +115,7 @@ class RedisCluster:
                 return False
             views = {self._slot_owners(n) for n in live}
             return len(views) == 1
-        self._wait(agreed, timeout, "cluster_state:ok on every node")
+        wait_until(agreed, timeout, "cluster_state:ok on every node")
 
     def _info_cluster(self, node: Node) -> dict[str, str]:
         out = self.cli_call(node, "cluster", "info")
@@ -168,22 +133,9 @@ class RedisCluster:
         """SIGKILL the primary serving ``key`` and wait until its replica serves the slot."""
         victim = self.primary_of(key)
         self.kill(victim)
-        self._wait(lambda: self.primary_of(key) is not victim, timeout, "a replica promoted")
+        wait_until(lambda: self.primary_of(key) is not victim, timeout, "a replica promoted")
         self.wait_ok(timeout)
         return victim
-
-    @staticmethod
-    def _wait(predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if predicate():
-                    return
-            except (AssertionError, ValueError, subprocess.TimeoutExpired, IndexError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis cluster: no {what} within {timeout}s")
-            time.sleep(0.05)
 
 
 def _covers(spec: str, slot: int) -> bool:

@@ -10,33 +10,17 @@ says so itself; ``restart(node)`` brings a killed server back (the Sentinels mak
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
-from dataclasses import dataclass
 
 import pytest
 
 from gateway.server.run import free_port
-from tests.support.redis_server import ping
+from tests.support.redis_server import SET_FLAGS, RedisProc, stop_set, wait_until
 
 SERVICE = "mymaster"
-
-
-@dataclass
-class Proc:
-    port: int
-    dir: str
-    argv: list[str]
-    proc: subprocess.Popen | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 class RedisSentinel:
@@ -49,17 +33,16 @@ class RedisSentinel:
         self.dir = tempfile.mkdtemp(prefix="switchyard-redis-sentinel-")
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
-        common = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no",
-                  "--repl-diskless-sync-delay", "0", "--loglevel", "warning", "--protected-mode", "no"]
+        common = SET_FLAGS
         p0, p1 = free_port(), free_port()
-        self.servers = [Proc(p0, f"{self.dir}/r0", [self.server, "--port", str(p0), *common]),
-                        Proc(p1, f"{self.dir}/r1", [self.server, "--port", str(p1), *common,
+        self.servers = [RedisProc(p0, f"{self.dir}/r0", [self.server, "--port", str(p0), *common]),
+                        RedisProc(p1, f"{self.dir}/r1", [self.server, "--port", str(p1), *common,
                                                     "--replicaof", "127.0.0.1", str(p0)])]
         self.sentinels = []
         for i in range(sentinels):
             port = free_port()
             d = f"{self.dir}/s{i}"
-            self.sentinels.append(Proc(port, d, [self.server, f"{d}/sentinel.conf", "--sentinel"]))
+            self.sentinels.append(RedisProc(port, d, [self.server, f"{d}/sentinel.conf", "--sentinel"]))
 
     @property
     def url(self) -> str:
@@ -67,20 +50,9 @@ class RedisSentinel:
 
     # -- processes ---------------------------------------------------------------------------
 
-    def _spawn(self, p: Proc, timeout: float = 10.0) -> None:
-        os.makedirs(p.dir, exist_ok=True)
-        p.proc = subprocess.Popen(p.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=p.dir)
-        deadline = time.monotonic() + timeout
-        while not ping(p.port):
-            if p.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {p.proc.returncode} (port {p.port} taken?)")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server on {p.port} did not answer PING")
-            time.sleep(0.01)
-
     def start(self, timeout: float = 30.0) -> RedisSentinel:
         for s in self.servers:
-            self._spawn(s)
+            s.spawn()
         primary = self.servers[0].port
         for s in self.sentinels:
             os.makedirs(s.dir, exist_ok=True)
@@ -90,12 +62,12 @@ class RedisSentinel:
                         f"sentinel down-after-milliseconds {SERVICE} {self.down_after_ms}\n"
                         f"sentinel failover-timeout {SERVICE} {self.failover_timeout_ms}\n"
                         f"sentinel parallel-syncs {SERVICE} 1\n")
-            self._spawn(s)
+            s.spawn()
         # the replica is in sync and every Sentinel knows the replica and the other Sentinels: only
         # then can a failover be agreed on and carried out
-        self._wait(lambda: self._info(self.servers[1], "replication").get("master_link_status") == "up",
+        wait_until(lambda: self._info(self.servers[1], "replication").get("master_link_status") == "up",
                    timeout, "replica in sync")
-        self._wait(self._sentinels_ready, timeout, "sentinels that know each other and the replica")
+        wait_until(self._sentinels_ready, timeout, "sentinels that know each other and the replica")
         return self
 
     def _sentinels_ready(self) -> bool:
@@ -105,32 +77,15 @@ class RedisSentinel:
                 return False
         return True
 
-    def kill(self, p: Proc) -> None:
-        if p.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                p.proc.send_signal(signal.SIGKILL)
-            p.proc.wait(timeout=10)
-            p.proc = None
+    def kill(self, p: RedisProc) -> None:
+        p.kill()
 
-    def restart(self, p: Proc) -> None:
+    def restart(self, p: RedisProc) -> None:
         assert p.proc is None
-        self._spawn(p)
+        p.spawn()
 
     def cleanup(self) -> None:
-        procs = [*self.sentinels, *self.servers]
-        for p in procs:
-            if p.alive:
-                p.proc.send_signal(signal.SIGTERM)
-        for p in procs:
-            if p.proc is not None:
-                try:
-                    p.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.proc.kill()
-                    p.proc.wait(timeout=5)
-                p.proc = None
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.dir)
+        stop_set([*self.sentinels, *self.servers], self.dir)
 
     # -- roles -------------------------------------------------------------------------------
 
@@ -138,15 +93,15 @@ class RedisSentinel:
         return subprocess.run([self.cli, "-p", str(port), *args], capture_output=True, text=True,
                               timeout=5, check=False).stdout
 
-    def _info(self, p: Proc, section: str) -> dict[str, str]:
+    def _info(self, p: RedisProc, section: str) -> dict[str, str]:
         out = self._cli(p.port, "info", section)
         return dict(line.strip().split(":", 1) for line in out.splitlines() if ":" in line)
 
-    def _sentinel_master(self, s: Proc) -> dict[str, str]:
+    def _sentinel_master(self, s: RedisProc) -> dict[str, str]:
         lines = self._cli(s.port, "sentinel", "master", SERVICE).splitlines()
         return dict(zip(lines[::2], lines[1::2], strict=False))
 
-    def primary(self) -> Proc:
+    def primary(self) -> RedisProc:
         """The server every live Sentinel names as the primary, and which says it is one."""
         named = {self._cli(s.port, "sentinel", "get-master-addr-by-name", SERVICE).split()[1]
                  for s in self.sentinels if s.alive}
@@ -156,22 +111,9 @@ class RedisSentinel:
         assert p.alive and self._info(p, "replication").get("role") == "master"
         return p
 
-    def kill_primary(self, timeout: float = 30.0) -> Proc:
+    def kill_primary(self, timeout: float = 30.0) -> RedisProc:
         """SIGKILL the primary; wait until the Sentinels have promoted the replica."""
         victim = self.primary()
         self.kill(victim)
-        self._wait(lambda: self.primary() is not victim, timeout, "a promoted replica")
+        wait_until(lambda: self.primary() is not victim, timeout, "a promoted replica")
         return victim
-
-    @staticmethod
-    def _wait(predicate, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if predicate():
-                    return
-            except (AssertionError, ValueError, IndexError, StopIteration, subprocess.TimeoutExpired):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"redis sentinel: no {what} within {timeout}s")
-            time.sleep(0.05)

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -99,3 +100,75 @@ def ping(port: int) -> bool:
             return s.recv(16).startswith(b"+PONG")
     except OSError:
         return False
+
+
+# -- a set of servers (tests/support/redis_cluster.py, redis_sentinel.py) ------------------------------
+
+# what every server of a set runs with: loopback only, nothing on disk, quick first syncs
+SET_FLAGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--daemonize", "no",
+             "--repl-diskless-sync-delay", "0", "--loglevel", "warning", "--protected-mode", "no"]
+
+
+@dataclass
+class RedisProc:
+    """One process of a set (a server or a Sentinel): its port, directory and command line."""
+
+    port: int
+    dir: str
+    argv: list[str]
+    proc: subprocess.Popen | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def spawn(self, timeout: float = 10.0) -> None:
+        """Start it and wait until it answers PING."""
+        os.makedirs(self.dir, exist_ok=True)
+        self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.dir)
+        deadline = time.monotonic() + timeout
+        while not ping(self.port):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on {self.port} did not answer PING")
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def stop_set(procs: list[RedisProc], directory: str) -> None:
+    """Stop every process (SIGTERM, then SIGKILL after 5 s) and remove the set's directory."""
+    for p in procs:
+        if p.alive:
+            p.proc.send_signal(signal.SIGTERM)
+    for p in procs:
+        if p.proc is not None:
+            try:
+                p.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait(timeout=5)
+            p.proc = None
+    with contextlib.suppress(OSError):
+        shutil.rmtree(directory)
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    """Poll ``predicate`` (errors of a half-ready set count as not yet) until true, else fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if predicate():
+                return
+        except (AssertionError, ValueError, IndexError, StopIteration, subprocess.TimeoutExpired):
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {what} within {timeout}s")
+        time.sleep(0.05)

@@ -338,7 +338,7 @@ def test_only_the_app_imports_the_pipeline():
 #   0 domain     what routers and handlers may see: errors, the parsed request, endpoints, API paths;
 #                the routers and the engine handlers themselves
 #   1 parts      the collaborators a request uses: config, state, upstream, kv, resilience, lora, tenants,
-#                admission, apis, aliases, observability's recorders, k8s, and what one request carries
+#                admission, apis, aliases, observability's recorders, the shared routing view, k8s, and what one request carries
 #                (pipeline.context, ledger, sse) plus the small lifecycle pieces the parts share
 #   2 request    the request's script: the pipeline, its relay, routing and continuation, and P/D
 #   3 server     what wires and serves it all: the app, reload, edge, admin, workers, the status page,
@@ -351,9 +351,9 @@ FLOORS: dict[str, int] = {
     "k8s": 1,
     "gateway.config": 1, "gateway.upstream": 1, "gateway.kv": 1, "gateway.resilience": 1, "gateway.lora": 1,
     "gateway.tenants": 1, "gateway.admission": 1, "gateway.apis": 1, "gateway.aliases": 1, "gateway.state": 1,
-    "gateway.observability": 1,
+    "gateway.observability": 1, "gateway.view": 1,
     "gateway.pipeline.context": 1, "gateway.pipeline.ledger": 1, "gateway.pipeline.sse": 1,
-    "gateway.server.lifecycle": 1, "gateway.server.periodic": 1,
+    "gateway.server.lifecycle": 1, "gateway.server.periodic": 1, "gateway.server.rundir": 1,
     "gateway.pipeline": 2, "gateway.pd": 2,
     "gateway.server": 3, "gateway.observability.status": 3, "gateway.observability.status_http": 3,
     "gateway.demo": 3, "gateway.__main__": 3, "gateway.admin_cli": 3, "gateway": 3,

@@ -155,3 +155,106 @@ async def test_a_bad_x_priority_is_a_400(sims, gateway):
     _, gw = await capped_gateway(sims, gateway)
     status, _, raw = await post(gw.url, body(), {"x-priority": "urgent"})
     assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
+
+
+async def test_no_flood_before_the_engines_capacity_is_known(sims, gateway):
+    """Twelve requests at once on a fresh engine of two slots, standard class (its share of
+    max_waiting_per_endpoint 2 is one queued request): before its capacity is known it gets one
+    slot's worth and that one (slow start); a scrape sees two running and nobody waiting (the
+    window is two), then one waiting (the capacity is two). Its queue never passes the class's
+    share; the rest wait in the gateway."""
+    sim = await sims("vllm", "m", max_num_seqs=2)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       admission={"enabled": True, "max_waiting_per_endpoint": 2})
+    ep = gw.gw.pool.endpoints("m")[0]
+    assert await wait_for(lambda: ep.metrics is not None)
+    tasks = [asyncio.create_task(post(gw.url, body(), HOLD)) for _ in range(12)]
+    assert await wait_for(lambda: "m" in gw.gw.admission._models and len(queue(gw)) == 9 and ep.in_flight == 3)
+    b = ep.extra["admission_baseline"]
+    assert await wait_for(lambda: (b.capacity, b.source) == (2, "queued"))
+    assert await wait_for(lambda: sim.engine.counts.started == 3)
+    assert sim.engine.counts.waiting_peak == 1
+    assert len(queue(gw)) == 9
+    for t in tasks:
+        await cancel(t)
+    assert sim.engine.counts.waiting_peak == 1
+
+
+async def test_a_full_queue_evicts_the_heaviest_users_newest_not_a_light_newcomer(sims, gateway):
+    auth = {"api_keys": [{"key": k, "user": u} for u, k in KEYS.items()]}
+    _, gw = await capped_gateway(sims, gateway, {"queue_max": 2}, auth=auth)
+    served: list[str] = []
+    gw.gw.observers.append(lambda rec, _d: served.append(rec.request_id) if rec.status == 200 else None)
+    blocker = await hold(gw, Authorization="Bearer sk-erin")
+    heavy = []
+    for i in range(2):
+        heavy.append(asyncio.create_task(post(gw.url, body(), {"Authorization": "Bearer sk-alice",
+                                                               "x-request-id": f"a{i}"})))
+        assert await wait_for(lambda n=i + 1: len(queue(gw)) == n)
+    light = asyncio.create_task(post(gw.url, body(), {"Authorization": "Bearer sk-bob", "x-request-id": "b0"}))
+    status, headers, raw = await heavy[1]
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "fair_share" and int(headers["Retry-After"]) >= 1
+    status, _, raw = await post(gw.url, body(), {"Authorization": "Bearer sk-alice"})
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_full"   # alice's own newcomer
+    await cancel(blocker)
+    assert (await light)[0] == 200 and (await heavy[0])[0] == 200
+    assert served == ["a0", "b0"]
+    text = await gw.metrics_text()
+    assert 'switchyard_admission_shed_total{model="m",priority="standard",reason="fair_share"} 1.0' in text
+
+
+async def test_deadlines_earliest_first_and_shed_when_the_queue_cannot_meet_them(sims, gateway):
+    _, gw = await capped_gateway(sims, gateway)
+    served: list[str] = []
+    gw.gw.observers.append(lambda rec, _d: served.append(rec.request_id) if rec.status == 200 else None)
+    blocker = await hold(gw)
+    tasks = []
+    for i, (rid, slo) in enumerate([("none", None), ("late", "60000"), ("soon", "30000")]):
+        h = {"x-request-id": rid, **({"x-slo-ttft-ms": slo} if slo else {})}
+        tasks.append(asyncio.create_task(post(gw.url, body(), h)))
+        assert await wait_for(lambda n=i + 1: len(queue(gw)) == n)
+    await cancel(blocker)
+    assert [r[0] for r in await asyncio.gather(*tasks)] == [200, 200, 200]
+    assert served == ["soon", "late", "none"]
+    # the queue drains at a few per second: a 1 ms objective behind a held request cannot be met
+    blocker = await hold(gw)
+    waiting = asyncio.create_task(post(gw.url, body()))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    status, headers, raw = await post(gw.url, body(), {"x-slo-ttft-ms": "1"})
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "deadline" and int(headers["Retry-After"]) >= 1
+    await cancel(blocker)
+    assert (await waiting)[0] == 200
+    text = await gw.metrics_text()
+    assert 'switchyard_admission_shed_total{model="m",priority="standard",reason="deadline"} 1.0' in text
+    assert 'switchyard_slo_requests_total{model="m",objective="ttft",outcome="shed"} 1.0' in text
+
+
+async def test_objectives_met_and_missed_are_counted(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], admission={"enabled": True})
+    for slo in ("60000", "60000"):
+        assert (await post(gw.url, body(stream=True), {"x-slo-ttft-ms": slo, "x-slo-tpot-ms": "60000"}))[0] == 200
+    assert (await post(gw.url, body(stream=True), {"x-slo-ttft-ms": "0.001"}))[0] == 200
+    text = await gw.metrics_text()
+    assert 'switchyard_slo_requests_total{model="m",objective="ttft",outcome="met"} 2.0' in text
+    assert 'switchyard_slo_requests_total{model="m",objective="tpot",outcome="met"} 2.0' in text
+    assert 'switchyard_slo_requests_total{model="m",objective="ttft",outcome="missed"} 1.0' in text
+
+
+async def test_a_critical_request_finds_the_headroom_lower_classes_may_not_fill(sims, gateway):
+    """One slot; the engine queue may hold five, of which sheddable work may fill one. With the
+    gateway's queue full of sheddable requests, a critical one goes to the engine at once."""
+    sim = await sims("vllm", "m", max_num_seqs=1)
+    auth = {"api_keys": [{"key": k, "user": u} for u, k in KEYS.items()]}
+    gw = await gateway([model_block("m", "vllm", [sim.url])], admission={"enabled": True},
+                       auth=auth, limits={"users": {"carol": {"priority": "critical"},
+                                                    "erin": {"priority": "sheddable"}}})
+    ep = gw.gw.pool.endpoints("m")[0]
+    assert await wait_for(lambda: ep.metrics is not None)
+    low = [asyncio.create_task(post(gw.url, body(), {**HOLD, "Authorization": "Bearer sk-erin"})) for _ in range(5)]
+    assert await wait_for(lambda: "m" in gw.gw.admission._models and len(queue(gw)) == 3 and ep.in_flight == 2)
+    high = asyncio.create_task(post(gw.url, body(), {**HOLD, "Authorization": "Bearer sk-carol"}))
+    assert await wait_for(lambda: ep.in_flight == 3 and sim.engine.counts.started == 3)
+    assert len(queue(gw)) == 3 and queue(gw).count(0) == 3
+    for t in (*low, high):
+        await cancel(t)

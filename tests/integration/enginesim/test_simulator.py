@@ -778,6 +778,19 @@ async def test_metrics_names_and_labels(vllm: SimServer, sglang: SimServer, http
     assert metric(samples, "sglang:generation_tokens_total") == 3
 
 
+async def test_metrics_tell_the_capacity_as_the_real_engines_do(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
+    """vLLM: the KV pool in cache_config_info's labels (no series for max_num_seqs); SGLang: the KV
+    pool and the running-requests cap as gauges. What admission control reads before the engine queued."""
+    vllm = await make_sim(engine="vllm", max_num_seqs=3, kv_blocks=100, block_size=16, max_model_len=400)
+    samples = await metric_samples(http, vllm.url)
+    assert metric(samples, "vllm:cache_config_info", num_gpu_blocks="100", kv_cache_size_tokens="1600",
+                  kv_cache_max_concurrency="4.0") == 1
+    sglang = await make_sim(engine="sglang", max_num_seqs=3, kv_blocks=1000)
+    samples = await metric_samples(http, sglang.url)
+    assert metric(samples, "sglang:max_running_requests", cap_source="requested") == 3
+    assert metric(samples, "sglang:max_total_num_tokens") == 1000
+
+
 async def test_sglang_metrics_can_be_off(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine="sglang", enable_metrics=False)
     async with http.get(sim.url + "/metrics") as resp:
@@ -788,7 +801,7 @@ async def test_sim_reset(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     await call(http, vllm.url + "/v1/completions", {"prompt": "x", "max_tokens": 1})
     assert (await sim_state(vllm.url, http))["counts"]["completed"] == 1
     _, state, _ = await call(http, vllm.url + "/_sim/reset", {})
-    assert state["counts"] == {"started": 0, "completed": 0, "aborted": 0, "errors": 0}
+    assert state["counts"] == {"started": 0, "completed": 0, "aborted": 0, "errors": 0, "waiting_peak": 0}
     samples = await metric_samples(http, vllm.url)
     assert metric(samples, "vllm:request_success_total") == 0
 

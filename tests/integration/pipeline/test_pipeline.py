@@ -51,6 +51,22 @@ async def test_unsafe_strategy_header_is_escaped_in_the_answer(sims, gateway):
     assert headers["routing-strategy"].isascii()
 
 
+async def test_names_the_gateway_refuses_never_become_metric_labels(sims, gateway):
+    """A client's unknown model or strategy is answered (404, 400) and logged, but is no label
+    value: arbitrary names would grow /metrics without bound, and bytes that are not UTF-8 (a header
+    read with surrogateescape) would break its encoding for every scraper."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    for i in range(3):
+        status, _, _ = await post(gw.url, {"model": f"nope-{i}", "messages": CHAT})
+        assert status == 404
+        status, _, _ = await post(gw.url, {"model": "m", "messages": CHAT}, {"routing-strategy": f"bogus-{i}"})
+        assert status == 400
+    text = await gw.metrics_text()
+    assert "nope-" not in text and "bogus-" not in text
+    assert 'switchyard_requests_total{model="-",status="404"' in text
+
+
 async def test_a_bug_before_headers_is_an_openai_500(sims, gateway, monkeypatch):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])])

@@ -232,3 +232,15 @@ async def test_expect_100_continue_on_an_inference_path_gets_the_interim_answer_
             writer.close()
         assert rest.startswith(b"HTTP/1.1 200 "), rest[:200]
         assert b'"chat.completion"' in rest
+
+
+@on_both_loops
+async def test_header_bytes_that_are_not_utf8_are_quoted_in_a_shaped_error():
+    """aiohttp reads a header's bytes that are not UTF-8 as lone surrogates; an error quoting
+    them (an unknown routing strategy) is still written, with the bytes escaped, not a 500."""
+    async with edge_gateway(**SERVER) as gw:
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        ex = await exchange(gw.port, request("POST", "/v1/chat/completions", body,
+                                             {"routing-strategy": "least-\udcff\udcfe"}))
+        err = assert_openai_error(ex.first, 400)
+        assert "\\xff\\xfe" in err["message"]

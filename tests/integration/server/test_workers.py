@@ -1,16 +1,22 @@
-"""``--workers N``: several processes serve one port, and a SIGTERM drains them all."""
+"""``--workers N``: several processes serve one port, a SIGTERM drains them all, and ``/metrics`` and
+``/status.json`` show the whole gateway whichever worker answers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
 import signal
 import sys
 from pathlib import Path
 
 import aiohttp
+import jsonschema
 import pytest
 
 from gateway.server.run import free_port
+from tests.support.metrics import metric
 
 
 def listening_inodes(port: int) -> set[str]:
@@ -82,3 +88,107 @@ async def test_two_workers_share_the_port_and_drain(sims, tmp_path):
             code = await proc.wait()
     assert code == 0
     assert not any(Path(f"/proc/{w}").exists() for w in workers)
+
+
+SCHEMA = json.loads((Path(__file__).resolve().parents[3] / "docs" / "status.schema.json").read_text())
+
+
+def sibling_sockets(pids: list[int]) -> dict[int, str]:
+    """Each worker's socket for its siblings (gateway/server/siblings.py), found by its inode."""
+    paths = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        f = line.split()
+        if len(f) >= 8 and f[7].endswith(".sock") and "/worker-" in f[7]:
+            paths[f[6]] = f[7]
+    out = {}
+    for pid in pids:
+        found = [paths[i] for i in socket_inodes(pid) if i in paths]
+        if found:
+            out[pid] = found[0]
+    return out
+
+
+async def own_metrics(path: str) -> str:
+    """One worker's own exposition, read as a sibling reads it."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(b"metrics\n")
+    await writer.drain()
+    body = await reader.read()
+    writer.close()
+    return body.decode()
+
+
+async def fresh_get(url: str) -> tuple[int, str, dict]:
+    conn = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=conn) as s, s.get(url) as r:
+        return r.status, await r.text(), dict(r.headers)
+
+
+@pytest.mark.timeout(90)
+async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
+    sim = await sims("vllm", "m")
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    n = 24
+    try:
+        async with asyncio.timeout(30):
+            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2:
+                await asyncio.sleep(0.05)
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    if (await fresh_get(f"{base}/ready"))[0] == 200:
+                        break
+                await asyncio.sleep(0.05)
+        for _ in range(n):          # fresh connections: the kernel spreads them over both workers
+            conn = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=conn) as one, one.post(
+                    f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200
+        workers = children_of(proc.pid)
+        sockets = sibling_sockets(workers)
+        own = {pid: metric(await own_metrics(path), "switchyard_requests_total", status="200")
+               for pid, path in sockets.items()}
+        assert len(own) == 2 and all(v >= 1 for v in own.values()) and sum(own.values()) == n
+
+        for _ in range(6):          # whichever worker answers, the page is the gateway's
+            status, text, _ = await fresh_get(f"{base}/metrics")
+            assert status == 200
+            assert metric(text, "switchyard_requests_total", status="200") == n
+            assert metric(text, "switchyard_workers") == 2 and metric(text, "switchyard_workers_scraped") == 2
+            assert metric(text, "switchyard_endpoint_ready", endpoint=sim.url.removeprefix("http://")) == 1        # the same fact, not 2
+            assert text.count("# TYPE switchyard_requests_total counter") == 1
+
+            status, text, _ = await fresh_get(f"{base}/status.json")
+            doc = json.loads(text)
+            jsonschema.validate(doc, SCHEMA)
+            assert doc["gateway"]["workers"]["count"] == 2 and doc["gateway"]["workers"]["reporting"] == 2
+            assert doc["gateway"]["pid"] in workers
+            assert doc["gateway"]["workers"]["answered"] in (0, 1)
+            assert doc["totals"]["requests_since_start"] == n
+            assert doc["totals"]["window"]["requests"] == n
+            assert doc["models"][0]["window"]["requests"] == n
+
+        # a killed worker is restarted; the merged page answers throughout and then holds it again
+        victim = workers[0]
+        os.kill(victim, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            while True:
+                status, text, _ = await fresh_get(f"{base}/metrics")
+                assert status == 200
+                now = children_of(proc.pid)
+                if victim not in now and len(now) == 2 and metric(text, "switchyard_workers_scraped") == 2:
+                    break
+                await asyncio.sleep(0.1)
+        survivor = own[workers[1]]
+        assert metric(text, "switchyard_requests_total", status="200") == survivor     # the dead one's counts left with it
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            code = await proc.wait()
+    assert code == 0

@@ -88,3 +88,27 @@ def test_request_id_kept_when_sane():
     for bad in (None, "", "has space", "x" * 200, "new\nline", "ünï"):
         rid = request_id_from(bad)
         assert rid != bad and len(rid) == 32
+
+
+@pytest.mark.parametrize("path,obj", [
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    (COMPLETIONS, {"model": "m", "prompt": "hi"}),
+    (EMBEDDINGS, {"model": "m", "input": "hi"}),
+])
+def test_slo_headers_are_the_request_objectives(path, obj):
+    ireq = p(path, obj, {"x-slo-ttft-ms": "250", "x-slo-tpot-ms": " 12.5 "})
+    assert (ireq.slo_ttft_ms, ireq.slo_tpot_ms) == (250.0, 12.5)
+    ireq = p(path, obj, {"x-slo-ttft-ms": "1e3"})
+    assert (ireq.slo_ttft_ms, ireq.slo_tpot_ms) == (1000.0, None)
+    assert (p(path, obj).slo_ttft_ms, p(path, obj).slo_tpot_ms) == (None, None)
+
+
+@pytest.mark.parametrize("header,value", [("x-slo-ttft-ms", "fast"), ("x-slo-ttft-ms", "0"),
+                                          ("x-slo-tpot-ms", "-3"), ("x-slo-tpot-ms", "nan"),
+                                          ("x-slo-ttft-ms", "inf"), ("x-slo-tpot-ms", "")])
+def test_a_bad_slo_header_is_a_400_naming_it(header, value):
+    with pytest.raises(GatewayError) as ei:
+        p(CHAT, {"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {header: value})
+    e = ei.value
+    assert e.status == 400 and e.param == header and header in e.message
+    assert orjson.loads(e.body_bytes())["error"]["param"] == header

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -25,6 +30,46 @@ def test_keys_are_chained_per_block_and_ignore_the_partial_tail():
     assert prefix_keys("abcdefgh", "other-model", 8, 100)[0] != a[0]
     assert len(prefix_keys("x" * 80, "m", 8, 4)) == 4     # at most max_blocks
     assert prefix_keys("short", "m", 8, 100) == []
+
+
+def test_non_ascii_text_is_keyed_by_characters():
+    text = "é" * 16 + "ü" * 16
+    keys = prefix_keys(text, "m", 8, 100)
+    assert len(keys) == 4 and len(set(keys)) == 4
+    assert prefix_keys("é" * 8, "m", 8, 100) == keys[:1]
+
+
+_KEYS_SCRIPT = ("from routers.prefix_index import prefix_keys; "
+                "print(prefix_keys('abcdefgh' * 6 + 'élan vital' * 3, 'm', 8, 100))")
+
+
+def test_keys_are_the_same_in_processes_with_different_hash_seeds():
+    """Replicas do not share Python's hash seed: the keys they exchange must not depend on it."""
+    root = Path(__file__).resolve().parents[3]
+    outs = set()
+    for seed in ("1", "2", "random"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)}
+        outs.add(subprocess.run([sys.executable, "-c", _KEYS_SCRIPT], env=env, capture_output=True,
+                                text=True, check=True, timeout=60).stdout)
+    assert len(outs) == 1
+    assert outs.pop().strip() == str(prefix_keys("abcdefgh" * 6 + "élan vital" * 3, "m", 8, 100))
+
+
+def test_insert_tells_the_listener_and_apply_insert_does_not():
+    _, index, _, _ = setup()
+    eps = make_eps(2)
+    told: list[tuple[list[int], Endpoint]] = []
+    index.on_insert = lambda keys, ep: told.append((list(keys), ep))
+    req = make_req(SYSTEM)
+    index.insert(req, eps[0])
+    assert told == [(index.keys(req), eps[0])]
+    # another process's insertion, applied here: held, and not published again
+    _, other, _, _ = setup()
+    other.apply_insert(told[0][0], eps[1])
+    assert other.depths(make_req(SYSTEM + "more text " * 10), eps)[0] == {eps[1]: 20}
+    index.apply_insert(told[0][0], eps[1])
+    assert len(told) == 1
+    assert index.holders(req) == 2
 
 
 def test_chain_is_memoised_per_request_object():

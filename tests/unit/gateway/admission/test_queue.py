@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -56,6 +58,7 @@ def test_position_is_the_number_of_dispatches_before(entries, rank, user):
     order = drain(q)
     assert [order.index(x) for x in waiters] == positions
     probe = w(rank, user)
+    q = FairQueue()                  # draining charged the counters: the same pushes on a fresh queue
     for x in (*waiters, probe):
         q.push(x)
     assert drain(q).index(probe) == newcomer
@@ -77,3 +80,59 @@ def test_retry_after():
     assert retry_after_s(49, 10.0, 60) == 5.0         # 50 to drain at 10/s
     assert retry_after_s(10_000, 10.0, 60) == 60.0    # capped
     assert retry_after_s(3, 0.0, 60) == 60.0          # nothing drained lately: the cap
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from("abcd"), st.integers(1, 50),
+                          st.sampled_from([math.inf, 1.0, 2.0, 3.0])), max_size=30))
+def test_position_holds_with_costs_and_deadlines(entries):
+    waiters = [Waiter(r, u, 10, 0.0, cost=c, deadline=d) for r, u, c, d in entries]
+    q = FairQueue()
+    for x in waiters:
+        q.push(x)
+    positions = [q.position(x.rank, x.user, x) for x in waiters]
+    order = drain(q)
+    assert [order.index(x) for x in waiters] == positions
+
+
+def test_fairness_is_over_tokens_not_requests():
+    """A user of 1600-token requests and one of 100-token requests, both always waiting: the light
+    one is dispatched about sixteen times as often."""
+    q = FairQueue()
+    for _ in range(40):
+        q.push(Waiter(STD, "big", 10, 0.0, cost=1600))
+        q.push(Waiter(STD, "small", 10, 0.0, cost=100))
+    first = [x.user for x in (q.pop() for _ in range(34))]
+    assert first.count("big") == 2 and first.count("small") == 32
+
+
+def test_a_user_who_starts_waiting_is_lifted_to_the_others():
+    q = FairQueue()
+    q.charge(STD, "old", 10_000)                 # served long ago: not held against it for ever
+    q.push(w(STD, "a"))
+    q.charge(STD, "a", 50)
+    q.push(w(STD, "new"))                        # idle time is not banked either
+    assert q.counter(STD, "new") == 50
+    q.push(w(STD, "old"))
+    assert q.counter(STD, "old") == 50
+
+
+def test_earliest_deadline_first_inside_a_users_line():
+    q = FairQueue()
+    late, none, soon = (Waiter(STD, "a", 10, 0.0, deadline=d) for d in (9.0, math.inf, 2.0))
+    for x in (late, none, soon):
+        q.push(x)
+    assert q.position(STD, "a", deadline=5.0) == 1              # after the one due sooner only
+    assert drain(q) == [soon, late, none]
+
+
+def test_a_full_queue_evicts_from_the_heaviest_user_not_the_newcomer():
+    q = FairQueue()
+    heavy = [w(STD, "carol") for _ in range(5)]
+    for x in heavy:
+        q.push(x)
+    q.push(w(STD, "dave"))
+    assert q.fair_victim(STD, "dave", 1.0) is heavy[-1]     # the newest of carol's
+    assert q.fair_victim(STD, "carol", 1.0) is None         # carol's own newcomer: refused instead
+    assert q.fair_victim(SHED, "erin", 1.0) is None         # nobody of its class waits
+    q.charge(STD, "dave", 100)                              # dave was served far more lately
+    assert q.fair_victim(STD, "dave", 1.0) is None

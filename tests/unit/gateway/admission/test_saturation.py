@@ -4,10 +4,22 @@ stale metrics counting as saturated."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from gateway.admission.saturation import UNBOUNDED, Thresholds, estimate, total_headroom, unsaturated
+from gateway.admission.saturation import (
+    UNBOUNDED,
+    Thresholds,
+    baseline,
+    estimate,
+    total_headroom,
+    unsaturated,
+)
+from gateway.admission.service import Admission
 from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import EngineMetrics
+from gateway.observability.metrics import GatewayMetrics
+from gateway.server.app import pool_from_config
 from tests.support.factories import endpoint
 
 TH = Thresholds(max_waiting=2, max_kv=0.8, max_in_flight=0, max_age=5.0)
@@ -59,7 +71,7 @@ def test_pairs_need_room_on_both_sides_and_the_filter_keeps_endpoints_with_room(
     p, d1, d2 = endpoint(1, role="prefill"), endpoint(2, role="decode"), endpoint(3, role="decode")
     for x in (p, d1, d2):
         scrape(x, 100.0, running=0, waiting=0)
-    assert total_headroom([p, d1, d2], True, TH, 100.0) == 2
+    assert total_headroom([p, d1, d2], True, TH, 100.0) == 3     # one slot (slow start) and two waiting
     scrape(p, 100.0, running=0, waiting=0, kv=0.9)
     assert total_headroom([p, d1, d2], True, TH, 100.0) == 0
     scrape(d1, 100.0, running=0, waiting=0, kv=0.9)
@@ -89,3 +101,99 @@ def test_config_defaults_model_override_and_validation():
     with pytest.raises(ConfigError, match=r"admission.enabled: needs scrape.enabled"):
         _cfg(admission={"enabled": True}, scrape={"enabled": False})
     assert _cfg(admission={"enabled": True, "max_in_flight_per_endpoint": 4}, scrape={"enabled": False})
+
+
+def test_several_workers_share_the_room_a_threshold_leaves():
+    """``--workers 2``: each worker sees only its own requests, so each takes half the room the
+    engine's queue leaves and half the in-flight cap; added up, the room of one gateway."""
+    two = Thresholds(max_waiting=6, max_kv=0.8, max_in_flight=0, max_age=5.0, workers=2)
+    e = endpoint()
+    e.in_flight = 4
+    scrape(e, 100.0, running=4, waiting=2)              # capacity 4, 2 queued: room for 4 more in all
+    assert estimate(e, TH, 100.0).headroom == 0 and estimate(e, two, 100.0).headroom == 2
+    e.in_flight = 5                                     # this worker sent one since the scrape
+    assert estimate(e, two, 100.5).headroom == 1
+    e.in_flight = 3                                     # two of its requests finished: two slots freed
+    assert estimate(e, two, 100.5).headroom == 3
+    capped = Thresholds(max_in_flight=5, engine_signals=False, workers=2)
+    e.in_flight = 2
+    assert estimate(e, capped, 100.0).headroom == 0     # 2.5 each, rounded down: at most the cap in all
+    e.in_flight = 1
+    assert estimate(e, capped, 100.0).headroom == 1
+
+
+def test_several_workers_split_the_queue_bounds():
+    cfg = config_from_dict({"models": [{"name": "m", "endpoints": ["http://127.0.0.1:9"]}],
+                            "admission": {"enabled": True, "queue_max": 5, "queue_max_bytes": 1000}})
+    adm = Admission(cfg, pool_from_config(cfg), GatewayMetrics())
+    assert (adm.settings("m").queue_max, adm.settings("m").queue_max_bytes) == (5, 1000)
+    adm.set_workers(2)
+    s = adm.settings("m")
+    assert (s.queue_max, s.queue_max_bytes) == (3, 500)       # rounded up
+    assert adm._thresholds["m"].workers == 2
+
+
+def test_before_the_capacity_is_known_the_endpoint_gets_a_bounded_number():
+    """Slow start: one slot assumed, raised only to what the engine showed it runs at once."""
+    e = endpoint()
+    scrape(e, 100.0, running=0, waiting=0)
+    assert estimate(e, TH, 100.0).headroom == 3          # one slot and two waiting, however many come
+    e.in_flight = 3
+    assert estimate(e, TH, 100.0).saturated
+    b = baseline(e)
+    assert not b.ttft_held(0.5, 3, TH) and b.window == 0   # no reference yet: it may have queued
+    assert b.ttft_held(0.03, 1, TH) and b.best_ttft == 0.03  # the first, within the assumed slot: a reference
+    assert b.ttft_held(0.04, 2, TH) and b.window == 2        # the second did not queue: two run at once
+    assert not b.ttft_held(0.4, 3, TH) and b.window == 2     # the third queued
+    assert estimate(e, TH, 100.0).headroom == 1
+    scrape(e, 101.0, running=3, waiting=0)                 # three running, nobody waiting
+    assert b.window == 3 and b.source == "slow_start" and b.capacity is None
+    scrape(e, 102.0, running=3, waiting=1)                 # it queued: its capacity is known
+    assert (b.capacity, b.source) == (3, "queued")
+
+
+def test_an_engine_that_tells_its_running_cap_is_taken_at_its_word():
+    e = endpoint()
+    e.metrics = EngineMetrics(scraped_at=100.0, running=0, waiting=0, kv_usage=0.0, max_running=8)
+    assert estimate(e, TH, 100.0).headroom == 10
+    assert (baseline(e).capacity, baseline(e).source) == (8, "told")
+
+
+@given(st.integers(1, 6), st.integers(1, 4), st.integers(1, 3),
+       st.lists(st.sampled_from(["send", "finish", "scrape"]), max_size=80))
+def test_the_engine_queue_never_passes_the_threshold_before_the_capacity_is_known(slots, max_waiting, initial, events):
+    """A FIFO engine of ``slots`` running slots behind a gateway that sends whenever the estimate
+    has room: whatever the order of sends, completions and scrapes, its queue stays within
+    max_waiting_per_endpoint (the engine starts empty, so nothing was in flight at the first scrape)
+    as long as the initial capacity does not exceed the real one."""
+    initial = min(initial, slots)
+    th = Thresholds(max_waiting=max_waiting, max_kv=0.8, max_age=1e9, initial_capacity=initial)
+    e = endpoint()
+    running: list[tuple[int, float]] = []     # (request, occupancy when it went)
+    waiting: list[tuple[int, float]] = []
+    now = 100.0
+    e.metrics = EngineMetrics(scraped_at=now, running=0, waiting=0, kv_usage=0.0)
+    n = 0
+    for ev in events:
+        now += 0.01
+        b = baseline(e)
+        if ev == "send":
+            while not estimate(e, th, now).saturated:
+                n += 1
+                occupied = b.occupancy(e.in_flight + 1)
+                e.in_flight += 1
+                (running if len(running) < slots else waiting).append((n, occupied))
+                if len(running) <= slots and (n, occupied) in running:
+                    b.ttft_held(0.03, occupied, th)           # it got a slot at once
+                assert len(waiting) <= max_waiting
+        elif ev == "finish" and running:
+            running.pop(0)
+            e.in_flight -= 1
+            if waiting:
+                _, occupied = waiting.pop(0)
+                running.append((0, occupied))
+                b.ttft_held(0.5, occupied, th)                # it queued: a long TTFT
+        elif ev == "scrape":
+            e.metrics = EngineMetrics(scraped_at=now, running=len(running), waiting=len(waiting), kv_usage=0.0)
+            estimate(e, th, now)
+        assert len(waiting) <= max_waiting

@@ -109,3 +109,14 @@ def test_messages_scanner_in_stream_error_and_eventless_frames():
     assert sc.error == {"type": "overloaded_error", "message": "busy"} and not sc.done
 
 
+
+
+def test_messages_carry_the_slo_headers_and_refuse_a_bad_one_in_anthropic_shape():
+    body = {"model": "m", "max_tokens": 1, "messages": MESSAGES}
+    ireq = parse_messages(body, headers={"x-slo-ttft-ms": "300", "x-slo-tpot-ms": "20"})
+    assert (ireq.slo_ttft_ms, ireq.slo_tpot_ms) == (300.0, 20.0)
+    with pytest.raises(GatewayError) as ei:
+        parse_messages(body, headers={"x-slo-tpot-ms": "soon"})
+    err = orjson.loads(ANTHROPIC.error_body(ei.value))
+    assert ei.value.status == 400 and err["type"] == "error"
+    assert err["error"]["type"] == "invalid_request_error" and "x-slo-tpot-ms" in err["error"]["message"]

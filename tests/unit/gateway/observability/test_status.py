@@ -174,3 +174,69 @@ def test_config_block_defaults_and_validation():
         config(status={"refresh_s": 0.1})
     with pytest.raises(ConfigError, match=r"status\.recent: unknown key"):
         config(status={"recent": 5})
+
+
+async def test_several_workers_add_up_into_one_document():
+    """``--workers N``: the answering worker adds its siblings' parts (as read over their sockets:
+    through JSON) to its own document."""
+    cfg = config()
+    clock = Clock(1000.0)
+    wall = Clock(1.7e9)
+    boards = [board_for(cfg, clock, wall) for _ in range(2)]
+    srcs = []
+    for i, (board, pool) in enumerate(boards):
+        src = StatusSources(cfg, pool, Routing(cfg, pool, GatewayMetrics()), Lifecycle(), {"llama": i + 1})
+        pool.endpoints("llama")[0].in_flight = i + 1
+        srcs.append(src)
+        for n in range(3 + i):
+            board.on_request(rec(f"w{i}-{n}", ttft=0.01 * (i + 1)), 0.1 * (i + 1))
+            wall.t += 1
+        board.on_request(rec(f"w{i}-err", status=502, error_class="upstream"), 0.01)
+        board.on_decision(ireq(f"w{i}-d"), Decision(pool.endpoints("llama")[0], strategy="random"),
+                          (("vtc-basic", "no_user"),), 1e-5)
+    (board, _), (sibling, _) = boards
+    part = json.loads(json.dumps(sibling.part(srcs[1])))
+    doc = await board.document(srcs[0], [part], (0, 2))
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["gateway"]["workers"] == {"count": 2, "answered": 0, "reporting": 2}
+    assert doc["totals"]["requests_since_start"] == 9 and doc["totals"]["minute"]["requests"] == 9
+    assert doc["totals"]["minute"]["errors"] == 2 and doc["totals"]["minute"]["ttft_count"] == 7
+    assert doc["totals"]["minute"]["ttft_p99_ms"] == pytest.approx(20, rel=0.05)   # the sibling's slower TTFTs
+    assert sum(doc["totals"]["series"]) == 9
+    llama = next(m for m in doc["models"] if m["name"] == "llama")
+    assert llama["in_flight"] == 3 and llama["window"]["requests"] == 9
+    ep = next(e for e in doc["endpoints"] if e["name"] == "127.0.0.1:8001")
+    assert ep["in_flight"] == 3
+    assert doc["routing"]["fallbacks"] == [{"strategy": "vtc-basic", "reason": "no_user", "count": 2}]
+    assert [e["request_id"] for e in doc["errors"]["recent"]] == ["w1-err", "w0-err"]     # newest first
+    assert len(doc["routing"]["recent"]) == 2
+    alone = await board.document(srcs[0])
+    assert alone["gateway"]["workers"] == {"count": 1, "answered": 0, "reporting": 1}
+    assert alone["totals"]["requests_since_start"] == 4
+
+
+async def test_admission_rows_per_model_and_endpoint():
+    from gateway.admission.queue import Waiter
+    from gateway.admission.service import Admission
+
+    cfg = config(admission={"enabled": True, "max_waiting_per_endpoint": 2})
+    clock = Clock(1000.0)
+    board, pool = board_for(cfg, clock)
+    admission = Admission(cfg, pool, GatewayMetrics(), clock=clock)
+    src = StatusSources(cfg, pool, Routing(cfg, pool, GatewayMetrics()), Lifecycle(), {},
+                        admission=admission.status)
+    a, b = pool.endpoints("llama")
+    a.metrics = EngineMetrics(scraped_at=999.5, running=2, waiting=1, kv_usage=0.1)
+    b.metrics = EngineMetrics(scraped_at=999.5, running=0, waiting=0, kv_usage=0.0, max_running=8)
+    admission.settings("llama")
+    admission._models["llama"].queue.push(Waiter(2, "gold", 10, 1000.0))
+    admission.slo_counts["llama"] = {"ttft": {"met": 3, "missed": 1, "shed": 2}}
+    doc = await board.document(src)
+    jsonschema.validate(doc, SCHEMA)
+    view = next(m for m in doc["models"] if m["name"] == "llama")["admission"]
+    assert view["enabled"] and view["queue"] == {"critical": 1, "standard": 0, "sheddable": 0}
+    assert view["slo"]["ttft"] == {"met": 3, "missed": 1, "shed": 2}
+    rows = {e["name"]: e for e in view["endpoints"]}
+    assert (rows["127.0.0.1:8001"]["capacity"], rows["127.0.0.1:8001"]["capacity_source"]) == (2, "queued")
+    assert (rows["127.0.0.1:8002"]["capacity"], rows["127.0.0.1:8002"]["capacity_source"]) == (8, "told")
+    assert rows["127.0.0.1:8002"]["headroom"] == 10 and not rows["127.0.0.1:8002"]["saturated"]

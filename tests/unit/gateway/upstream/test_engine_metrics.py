@@ -309,3 +309,19 @@ def test_lora_requests_info_newest_series_wins():
     m = parse_engine_metrics(text, "vllm", 0.0)
     assert m.lora_running == {"a", "c"} and m.lora_waiting == {"d"} and m.max_lora == 4
     assert parse_engine_metrics("", "vllm", 0.0).lora_running is None
+
+
+def test_capacity_the_engines_tell():
+    """SGLang's running cap and KV pool; vLLM's pool from kv_cache_size_tokens when it has it."""
+    sched = 'engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+    text = sglang_text() + (f'sglang:max_running_requests{{cap_source="requested",{sched}}} 48\n'
+                            f'sglang:max_total_num_tokens{{{sched}}} 200000\n')
+    m = parse_engine_metrics(text, "sglang", now=1.0)
+    assert (m.max_running, m.kv_capacity_tokens) == (48.0, 200000.0)
+    assert parse_engine_metrics(sglang_text(), "sglang", now=1.0).max_running is None
+    text = ('vllm:cache_config_info{block_size="16",engine="0",kv_cache_max_concurrency="2.5",'
+            'kv_cache_size_tokens="10576",num_gpu_blocks="661"} 1.0\n')
+    m = parse_engine_metrics(text, "vllm", now=1.0)
+    assert m.kv_capacity_tokens == 10576 and m.max_running is None
+    m = parse_engine_metrics(text.replace('kv_cache_size_tokens="10576",', ""), "vllm", now=1.0)
+    assert m.kv_capacity_tokens == 661 * 16

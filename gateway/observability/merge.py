@@ -1,0 +1,125 @@
+"""One exposition out of several workers' (``--workers N``): ``/metrics`` shows the whole gateway.
+
+Each worker renders its own registry; the one answering a scrape reads its siblings' texts
+(gateway/server/siblings.py) and merges them here, sample by sample, by name and identical label
+set (pure; no I/O):
+
+- counters, and histograms' ``_bucket``/``_sum``/``_count``: summed, so ``rate()`` and
+  ``histogram_quantile()`` read the gateway's traffic (the event-loop lag histogram too: its
+  buckets then count every worker's late timers);
+- gauges: summed when they count something the workers hold each their own of (in-flight
+  requests, connections, queued requests, tasks, memory, file descriptors). Those that are the same
+  fact seen by every worker are not: a worker's view of an endpoint or an engine (readiness, the
+  engine's own figures, a breaker's state, an index's size) takes the largest value, and what is
+  healthy only when every worker's is (the shared state reachable, the last reload applied, the
+  config generation, the freshest engine scrape's age, a start time, ``_created``) the smallest.
+  ``GAUGE_RULES`` names every gauge that is not summed; a new gauge that is not additive belongs there.
+
+No label is added: the series keep the names and labels one process exports, so dashboards and
+alert rules read them unchanged. A series only some workers export (a model one of them has not
+served yet) is the sum over those that do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+MAX, MIN, SUM = "max", "min", "sum"
+
+# gauges that are not summed over workers (the rest are)
+GAUGE_RULES: dict[str, str] = {
+    # an endpoint or an engine as each worker sees it: the same thing N times
+    "switchyard_endpoint_ready": MAX,
+    "switchyard_endpoint_info": MAX,
+    "switchyard_endpoint_fleet_in_flight": MAX,
+    "switchyard_endpoint_saturated": MAX,
+    "switchyard_endpoint_admission_capacity": MAX,
+    "switchyard_engine_running_requests": MAX,
+    "switchyard_engine_waiting_requests": MAX,
+    "switchyard_engine_kv_cache_usage_ratio": MAX,
+    "switchyard_engine_prefix_cache_hit_ratio": MAX,
+    "switchyard_engine_generation_tokens_per_second": MAX,
+    "switchyard_engine_metrics_age_seconds": MIN,
+    "switchyard_breaker_state": MAX,
+    "switchyard_lora_adapter_endpoints": MAX,
+    "switchyard_kv_events_index_blocks": MAX,
+    "switchyard_kv_events_endpoint_live": MAX,
+    "switchyard_prefix_index_blocks": MAX,
+    "switchyard_prefix_index_capacity": MAX,
+    "switchyard_prefix_index_entries": MAX,
+    # healthy only if every worker is
+    "switchyard_state_up": MIN,
+    "switchyard_view_redis_up": MIN,
+    "switchyard_view_peers": MAX,
+    "switchyard_view_lag_recent_seconds": MAX,
+    "switchyard_config_last_reload_successful": MIN,
+    "switchyard_config_generation": MIN,
+    # the processes
+    "process_start_time_seconds": MIN,
+    "process_max_fds": MAX,
+}
+
+
+def gauge_rule(name: str) -> str:
+    if name.endswith("_created"):        # when a series started: the earliest worker's
+        return MIN
+    return GAUGE_RULES.get(name, SUM)
+
+
+def _combine(rule: str, a: float, b: float) -> float:
+    if rule == SUM:
+        return a + b
+    return max(a, b) if rule == MAX else min(a, b)
+
+
+def merge(texts: Iterable[str]) -> list[Metric]:
+    """The families of several expositions merged as the module docstring says, in the order
+    they first appear (a family's samples in the order their series first appear)."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple, list]] = {}          # family → series key → [Sample, value]
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            have = families.get(fam.name)
+            if have is None:
+                have = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                values[fam.name] = {}
+            rule = gauge_rule(fam.name) if fam.type == "gauge" else (
+                SUM if fam.type in ("counter", "histogram", "summary", "gaugehistogram") else MAX)
+            series = values[fam.name]
+            for s in fam.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                rule_s = MIN if s.name.endswith("_created") else rule
+                got = series.get(key)
+                if got is None:
+                    series[key] = [s, s.value]
+                else:
+                    got[1] = _combine(rule_s, got[1], s.value)
+    out = []
+    for name, fam in families.items():
+        fam.samples = [Sample(s.name, s.labels, v) for s, v in values[name].values()]
+        out.append(fam)
+    return out
+
+
+class _Families:
+    """What ``generate_latest`` reads: a registry that yields fixed families."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families
+
+
+def render(families: list[Metric]) -> bytes:
+    """Prometheus text format, as one process's ``/metrics`` is (HELP and TYPE once per family)."""
+    return generate_latest(_Families(families))  # type: ignore[arg-type]
+
+
+def merge_texts(texts: Iterable[str]) -> bytes:
+    return render(merge(texts))

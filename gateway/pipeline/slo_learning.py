@@ -1,0 +1,150 @@
+"""What routed requests teach the endpoints' latency models, and whether they met their objectives.
+
+The ``slo`` strategy (``routers.slo``) predicts each endpoint's TTFT and TPOT from a small online
+model per endpoint (``routers.latency``, held by the routing context). This service feeds those
+models from the gateway's own observations, for every strategy's requests:
+
+* ``decided`` runs in the routing decision's synchronous step, before the request is charged to
+  its endpoint: it takes the request's features on the chosen endpoint as they were when it was
+  routed (its queue and batch, KV usage, the prompt's estimate less the prefix match the strategy
+  reported — 0 when it reported none) and the model's prediction, and keeps them by request id;
+* ``on_request`` (a record observer) runs when the request has finished: a streamed answer's
+  TTFT, measured from the decision (the time before it — parsing, an admission queue — is not the
+  endpoint's), and its TPOT, (end − first token) / (completion tokens − 1), are what the model
+  learns, and the prediction's relative error is observed.
+
+Requests with objectives (``x-slo-ttft-ms``, ``x-slo-tpot-ms``) are counted as met or missed by
+what the client saw: the TTFT from the request's arrival at the gateway, the TPOT as above. A
+non-streamed answer has no first token to time: counted ``unmeasured``, and teaches nothing.
+
+Only whole-request decisions are learnt (a P/D pair's latency is two endpoints'). Request ids
+are what links a decision to its end: a client that reuses one id for two concurrent requests
+may pair one decision with the other's end, once; the pending table is bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.endpoints import Endpoint
+from gateway.observability.metrics import Counter, GatewayMetrics, Histogram
+from gateway.pipeline.context import RequestRecord
+from gateway.request import InferenceRequest
+from routers.base import Decision
+from routers.latency import Features, LatencyModel
+
+# decisions awaiting their request's end at most (the oldest dropped beyond)
+MAX_PENDING = 65536
+ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+RESULTS = ("met", "missed_ttft", "missed_tpot", "missed_both", "failed", "unmeasured")
+
+
+class SloMetrics:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        r = metrics.registry
+        self.child = metrics.child
+        self.requests = Counter(
+            "switchyard_slo_routing_requests", "Routed requests with latency objectives, by strategy and result: met, "
+            "missed_ttft, missed_tpot, missed_both, failed (an error answer), unmeasured (not streamed)",
+            ["model", "strategy", "result"], registry=r)
+        self.error = Histogram(
+            "switchyard_slo_routing_prediction_error_ratio", "Latency model's error on finished streamed "
+            "requests: |observed - predicted| / observed, by objective (ttft, tpot)",
+            ["model", "objective"], buckets=ERROR_BUCKETS, registry=r)
+        self.decisions = Counter(
+            "switchyard_slo_routing_decisions", "Decisions of the slo strategy for requests with objectives, by "
+            "reason: slo_feasible, slo_explore, slo_infeasible, slo_no_model", ["model", "reason"], registry=r)
+
+
+@dataclass(slots=True)
+class _Pending:
+    latency: LatencyModel            # the model the decision read (a reload may build another)
+    endpoint: Endpoint
+    features: Features
+    ttft_ms: float | None            # predicted, when the model could
+    tpot_ms: float | None
+    decided_at: float                # perf_counter seconds, as RequestRecord.started
+    stream: bool
+    slo_ttft_ms: float | None
+    slo_tpot_ms: float | None
+
+
+class SloLearning:
+    """Feeds the latency models and counts objectives met (module docstring)."""
+
+    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.metrics = SloMetrics(metrics)
+        self.clock = clock
+        self.pending: OrderedDict[str, _Pending] = OrderedDict()
+
+    def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel) -> None:
+        """A routing decision, in its synchronous step (before the charge)."""
+        slo = ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None
+        if decision.prefill is not None or ireq.is_embeddings or not (ireq.stream or slo):
+            return
+        ep = decision.endpoint
+        tokens = ireq.prompt_tokens_est
+        f = latency.features(tokens, ep, tokens * (decision.prefix_match or 0.0) / 100.0)
+        ttft, tpot = latency.predict(ep, f)
+        pending = self.pending
+        pending[ireq.request_id] = _Pending(latency, ep, f, ttft, tpot, self.clock(), ireq.stream,
+                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms)
+        pending.move_to_end(ireq.request_id)
+        if len(pending) > MAX_PENDING:
+            pending.popitem(last=False)
+        if slo and decision.reason.startswith("slo_"):
+            m = self.metrics
+            m.child(m.decisions, ireq.model, decision.reason).inc()
+
+    def on_request(self, rec: RequestRecord, duration: float) -> None:
+        """A request finished (a ``RecordObserver``)."""
+        p = self.pending.pop(rec.request_id, None)
+        if p is None:
+            return
+        ok = rec.status == 200 and rec.error_class is None
+        tpot_s = None
+        if ok and rec.ttft is not None and rec.completion_tokens is not None and rec.completion_tokens >= 2:
+            tpot_s = (duration - rec.ttft) / (rec.completion_tokens - 1)
+        if ok and p.stream and rec.ttft is not None:
+            self._learn(rec, p, tpot_s, duration)
+        if p.slo_ttft_ms is not None or p.slo_tpot_ms is not None:
+            m = self.metrics
+            m.child(m.requests, rec.model, rec.strategy, _result(rec, p, ok, tpot_s)).inc()
+
+    def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, duration: float) -> None:
+        assert rec.ttft is not None
+        ttft_ms = (rec.started + rec.ttft - p.decided_at) * 1000.0
+        if ttft_ms <= 0.0:           # the decision came after the first token (a stream's continuation)
+            return
+        tpot_ms = tpot_s * 1000.0 if tpot_s is not None else None
+        p.latency.observe(p.endpoint, p.features, ttft_ms, tpot_ms, (duration - rec.ttft) * 1000.0)
+        m = self.metrics
+        if p.ttft_ms is not None:
+            m.child(m.error, rec.model, "ttft").observe(abs(ttft_ms - p.ttft_ms) / ttft_ms)
+        if p.tpot_ms is not None and tpot_ms:
+            m.child(m.error, rec.model, "tpot").observe(abs(tpot_ms - p.tpot_ms) / tpot_ms)
+
+
+class NoSloLearning:
+    """Learning off (a ``Routing`` built on its own, in tests and benchmarks of the decision)."""
+
+    def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel) -> None:
+        return None
+
+
+NO_SLO_LEARNING = NoSloLearning()
+
+
+def _result(rec: RequestRecord, p: _Pending, ok: bool, tpot_s: float | None) -> str:
+    if not ok:
+        return "failed"
+    if not p.stream or rec.ttft is None:
+        return "unmeasured"
+    ttft_missed = p.slo_ttft_ms is not None and rec.ttft * 1000.0 > p.slo_ttft_ms
+    tpot_missed = p.slo_tpot_ms is not None and tpot_s is not None and tpot_s * 1000.0 > p.slo_tpot_ms
+    if ttft_missed:
+        return "missed_both" if tpot_missed else "missed_ttft"
+    return "missed_tpot" if tpot_missed else "met"

@@ -1,0 +1,35 @@
+"""The ``view:`` config block: how the routing view is shared between workers and replicas
+(gateway/view/service.py reads it).
+
+A module of its own so that gateway/config/schema.py can import it without importing the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from gateway.config.block import Block
+
+_Positive = Annotated[float, Meta(gt=0)]
+
+
+class ViewConfig(Block):
+    """One routing view (prefix index, in-flight counts, sessions) for all workers and replicas."""
+
+    workers: Annotated[bool, Meta(description="With server.workers > 1, the workers share their routing facts over a local bus (one Unix datagram socket per worker): prefix-index insertions, sessions, and, without state.redis_url, in-flight counts.")] = True
+    replicas: Annotated[bool, Meta(description="With state.redis_url, every process also shares its prefix-index insertions and sessions with the other replicas through a Redis stream.")] = True
+    load_interval_s: Annotated[_Positive, Meta(description="Workers: a worker's in-flight counts go to its siblings with each routing decision, and at least this often when they changed, in seconds.")] = 0.02
+    heartbeat_s: Annotated[_Positive, Meta(description="Workers: a worker re-sends its in-flight counts at least this often, changed or not, in seconds.")] = 0.25
+    peer_ttl_s: Annotated[_Positive, Meta(description="Workers: a sibling silent this long no longer counts in the in-flight view (it stopped or restarted), in seconds (at least twice heartbeat_s).")] = 1.0
+    max_datagram_bytes: Annotated[int, Meta(ge=1024, le=200_000, description="Workers: largest message on the local bus; a batch beyond it is sent in several.")] = 60_000
+    stream_maxlen: Annotated[int, Meta(ge=100, description="Replicas: entries kept in the Redis stream (approximately; each entry is one batch of facts from one process), so Redis memory stays bounded; a replica that starts or reconnects catches up on them.")] = 10_000
+    flush_interval_s: Annotated[_Positive, Meta(description="Replicas: a process's facts are written to the stream in one batch at most this often, in seconds.")] = 0.005
+    read_block_s: Annotated[_Positive, Meta(description="Replicas: longest wait of one stream read before it is issued again, in seconds.")] = 1.0
+    outbox_max: Annotated[int, Meta(ge=100, description="Replicas: most facts waiting for Redis (while it is slow or unreachable); older ones are dropped and counted.")] = 20_000
+    retry_s: Annotated[_Positive, Meta(description="Replicas: after Redis was lost, how often reconnecting is tried, in seconds.")] = 0.5
+
+    def __post_init__(self) -> None:
+        if self.peer_ttl_s < 2 * self.heartbeat_s:
+            raise ValueError("peer_ttl_s: must be at least twice view.heartbeat_s")

@@ -1,0 +1,99 @@
+"""The shared view's metrics: messages sent, received, applied and dropped, the lag, Redis's state.
+
+``source`` is ``worker`` (the local bus between the workers of one gateway) or ``replica`` (the
+Redis stream between replicas). The lag of a message is its receiver's wall clock at arrival minus
+its sender's at sending: ``switchyard_view_lag_seconds`` (histogram) and, for the last
+``LAG_WINDOW`` messages of each source, ``switchyard_view_lag_recent_seconds{quantile}`` (p50, p99).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client.core import GaugeMetricFamily
+
+from gateway.observability.metrics import Counter, GatewayMetrics, Histogram
+
+LAG_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+               0.5, 1.0, 2.5, 5.0)
+LAG_WINDOW = 4096
+SOURCES = ("worker", "replica")
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted ``values`` (nearest rank)."""
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+class ViewMetrics:
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        r = metrics.registry
+        self.gm = metrics
+        self.sent = Counter("switchyard_view_messages_sent",
+                            "Batches of routing facts sent to the other workers (one per sibling) or to Redis",
+                            ["source"], registry=r)
+        self.received = Counter("switchyard_view_messages_received",
+                                "Batches of routing facts received from the other workers or replicas", ["source"],
+                                registry=r)
+        self.dropped = Counter("switchyard_view_messages_dropped",
+                               "Batches or facts lost: peer_full / peer_down / error (a sibling's socket), "
+                               "undecodable, redis_down / outbox_full (facts waiting for Redis)",
+                               ["source", "reason"], registry=r)
+        self.applied = Counter("switchyard_view_facts_applied",
+                               "Facts from other processes applied to this one's view (insert: a prefix-index "
+                               "insertion; session; load: one sibling's in-flight counts; unknown_endpoint: "
+                               "naming an endpoint this process does not have, skipped)",
+                               ["source", "kind"], registry=r)
+        self.lag = Histogram("switchyard_view_lag_seconds",
+                             "Time from a routing fact's sending to its arrival in this process (wall clocks)",
+                             ["source"], registry=r, buckets=LAG_BUCKETS)
+        self.redis_lost = Counter("switchyard_view_redis_lost",
+                                  "Times the Redis stream of the shared view was lost (the local view goes on)",
+                                  registry=r)
+        self.sessions = Counter("switchyard_routing_session",
+                                "prefix-cache requests whose session had an endpoint: kept (routed there), "
+                                "overloaded (the load guards refused it), gone (not a ready candidate)",
+                                ["model", "outcome"], registry=r)
+        self.redis_up = 0.0
+        self.peers = 0
+        self.recent: dict[str, deque[float]] = {s: deque(maxlen=LAG_WINDOW) for s in SOURCES}
+        r.register(_LagCollector(self))
+
+    def observe_lag(self, source: str, seconds: float) -> None:
+        self.gm.child(self.lag, source).observe(seconds)
+        self.recent[source].append(seconds)
+
+    def lag_quantiles(self, source: str) -> dict[str, float] | None:
+        values = sorted(self.recent[source])
+        if not values:
+            return None
+        return {"p50": quantile(values, 0.5), "p99": quantile(values, 0.99), "samples": float(len(values))}
+
+    def session(self, model: str, outcome: str) -> None:
+        self.gm.child(self.sessions, model, outcome).inc()
+
+
+class _LagCollector:
+    """Gauges read at scrape time: the recent lag's quantiles, Redis's state, siblings heard."""
+
+    def __init__(self, m: ViewMetrics) -> None:
+        self.m = m
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        q = GaugeMetricFamily("switchyard_view_lag_recent_seconds",
+                              f"Quantiles of the lag of the last {LAG_WINDOW} routing-fact batches received",
+                              labels=["source", "quantile"])
+        for source in SOURCES:
+            found = self.m.lag_quantiles(source)
+            if found is not None:
+                q.add_metric([source, "0.5"], found["p50"])
+                q.add_metric([source, "0.99"], found["p99"])
+        yield q
+        yield GaugeMetricFamily("switchyard_view_redis_up",
+                                "1 while the shared view's Redis stream is reachable (0: down or not used)",
+                                value=self.m.redis_up)
+        yield GaugeMetricFamily("switchyard_view_peers", "Sibling workers heard from within view.peer_ttl_s",
+                                value=self.m.peers)

@@ -1,0 +1,205 @@
+"""The replica link: every process of every replica shares its routing facts through one Redis
+stream (``<state.key_prefix>:view``), when ``state.redis_url`` is set.
+
+* Writing: the facts a process learns wait in a bounded outbox (``view.outbox_max``; past it the
+  oldest are dropped and counted) and go out as one ``XADD`` per ``view.flush_interval_s`` at
+  most, one at a time, with ``MAXLEN ~ view.stream_maxlen``: Redis keeps a bounded tail.
+* Reading: a background task ``XREAD``\\ s with ``BLOCK`` from the last id it saw, on a
+  connection of its own, and hands every other process's entry to the view. Entries of this
+  process, and of its sibling workers when the local bus carries theirs, are skipped unread (each
+  entry names its sender beside its payload).
+* Catching up: at start, the whole retained tail is read and applied (oldest first, a few hundred
+  entries per event-loop turn), so a replica that starts knows the fleet's prefixes and sessions.
+  After an outage, reading resumes from the last id seen; a Redis that restarted (its ``run_id``
+  changed) is read from its beginning instead, and the facts this process queued meanwhile go out.
+* Losing Redis: any call that fails marks the link down (counted, ``switchyard_view_redis_up``
+  0); routing goes on with the local view; the link retries every ``view.retry_s``. Nothing on a
+  request's path ever awaits Redis.
+
+The Redis client is made as the tenancy backend makes its own (socket timeouts of
+``state.timeout_s``, no retries, maintenance notifications off); the reader's socket timeout is
+longer than its ``BLOCK``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+
+import structlog
+from redis.exceptions import RedisError
+
+from gateway.config.schema import StateConfig
+from gateway.state.redis import redis_client
+from gateway.view.config import ViewConfig
+from gateway.view.metrics import ViewMetrics
+from gateway.view.wire import Insert, Session, encode
+
+log = structlog.get_logger("switchyard.view")
+
+_FAILURES = (RedisError, OSError, TimeoutError)
+CATCH_UP_CHUNK = 200        # entries applied per event-loop turn while catching up
+READ_COUNT = 1000           # entries per XREAD
+
+
+class ReplicaLink:
+    """``queue`` facts for the stream; ``on_entry(payload, live)`` for every other process's entry
+    (``live``: read as it came, not while catching up)."""
+
+    def __init__(self, state: StateConfig, cfg: ViewConfig, sender: str, skip_prefix: str | None,
+                 on_entry: Callable[[bytes, bool], None], metrics: ViewMetrics) -> None:
+        self.state = state
+        self.cfg = cfg
+        self.sender = sender
+        self._sender_b = sender.encode()
+        self._skip = skip_prefix.encode() if skip_prefix else None
+        self.on_entry = on_entry
+        self.m = metrics
+        self.key = f"{state.key_prefix}:view"
+        self.writer = redis_client(state)
+        self.reader = redis_client(state, cfg.read_block_s + max(1.0, state.timeout_s * 4))
+        self.outbox: deque[Insert | Session] = deque()
+        self.up = False
+        self.last_id: bytes | None = None
+        self.run_id: str | None = None
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._down_since = 0.0
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _mark(self, up: bool, why: str = "") -> None:
+        if up == self.up:
+            return
+        self.up = up
+        self.m.redis_up = 1.0 if up else 0.0
+        if up:
+            log.info("shared routing view: redis stream reachable", stream=self.key)
+        else:
+            self.m.redis_lost.inc()
+            self._down_since = time.monotonic()
+            log.warning("shared routing view: redis stream lost; routing on the local view", error=why)
+
+    # -- writing -----------------------------------------------------------------------------
+
+    def queue(self, facts: list[Insert | Session]) -> None:
+        out = self.outbox
+        out.extend(facts)
+        over = len(out) - self.cfg.outbox_max
+        if over > 0:
+            for _ in range(over):
+                out.popleft()
+            self.m.dropped.labels("replica", "outbox_full" if self.up else "redis_down").inc(over)
+        self._wake.set()
+
+    async def _write_loop(self) -> None:
+        cfg = self.cfg
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self.up:
+                continue                  # the reader's reconnect wakes us
+            facts = list(self.outbox)
+            self.outbox.clear()
+            inserts = [f for f in facts if f.__class__ is Insert]
+            sessions = [f for f in facts if f.__class__ is not Insert]
+            payloads = encode(self.sender, time.time(), inserts, sessions, None, 512 * 1024)  # type: ignore[arg-type]
+            try:
+                pipe = self.writer.pipeline(transaction=False)
+                for p in payloads:
+                    pipe.xadd(self.key, {b"s": self._sender_b, b"b": p}, maxlen=cfg.stream_maxlen, approximate=True)
+                async with asyncio.timeout(self.state.timeout_s * 4):
+                    await pipe.execute()
+                self.m.sent.labels("replica").inc(len(payloads))
+            except _FAILURES as e:
+                self._requeue(facts)
+                self._mark(False, f"{type(e).__name__}: {e}")
+                continue
+            await asyncio.sleep(cfg.flush_interval_s)
+
+    def _requeue(self, facts: list[Insert | Session]) -> None:
+        """Facts that did not go out wait again, before newer ones (within the outbox bound)."""
+        room = self.cfg.outbox_max - len(self.outbox)
+        if room < len(facts):
+            self.m.dropped.labels("replica", "redis_down").inc(len(facts) - max(0, room))
+            facts = facts[len(facts) - max(0, room):]
+        self.outbox.extendleft(reversed(facts))
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def _connect(self) -> None:
+        """Probe Redis; a restarted one (new run_id) is read from its beginning."""
+        async with asyncio.timeout(self.state.timeout_s * 4):
+            info = await self.reader.info("server")
+        run_id = str(info.get("run_id", ""))
+        if self.run_id is not None and run_id != self.run_id:
+            self.last_id = b"0-0"
+        self.run_id = run_id
+
+    async def _catch_up(self) -> None:
+        """At start: the retained tail, oldest first, a chunk per loop turn."""
+        async with asyncio.timeout(max(2.0, self.state.timeout_s * 8)):
+            entries = await self.reader.xrevrange(self.key, count=self.cfg.stream_maxlen)
+        entries.reverse()
+        self.last_id = entries[-1][0] if entries else b"0-0"
+        for i in range(0, len(entries), CATCH_UP_CHUNK):
+            self._deliver(entries[i:i + CATCH_UP_CHUNK], False)
+            await asyncio.sleep(0)
+
+    def _deliver(self, entries: list, live: bool) -> None:
+        own, skip = self._sender_b, self._skip
+        for _id, fields in entries:
+            sender = fields.get(b"s", b"")
+            if sender == own or (skip is not None and sender.startswith(skip)):
+                continue
+            payload = fields.get(b"b")
+            if payload is not None:
+                self.on_entry(payload, live)
+
+    async def _read_loop(self) -> None:
+        block_ms = int(self.cfg.read_block_s * 1000)
+        while True:
+            try:
+                await self._connect()
+                if self.last_id is None:
+                    await self._catch_up()
+                self._mark(True)
+                self._wake.set()           # what waited in the outbox goes out
+                while True:
+                    found = await self.reader.xread({self.key: self.last_id}, count=READ_COUNT, block=block_ms)
+                    if not self.up:        # the writer lost it, and it is back
+                        self._mark(True)
+                        self._wake.set()
+                    for _key, entries in found or ():
+                        if entries:
+                            self.last_id = entries[-1][0]
+                            self._deliver(entries, True)
+                            await asyncio.sleep(0)
+            except asyncio.CancelledError:
+                raise
+            except _FAILURES as e:
+                self._mark(False, f"{type(e).__name__}: {e}")
+            except Exception:         # a bug must not stop the view's replication for good
+                log.exception("shared routing view: stream reader failed")
+                self._mark(False, "reader error")
+            await asyncio.sleep(self.cfg.retry_s)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._read_loop(), name="view-stream-read"),
+                       asyncio.create_task(self._write_loop(), name="view-stream-write")]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for c in (self.writer, self.reader):
+            with contextlib.suppress(Exception):
+                await c.aclose()

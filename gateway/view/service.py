@@ -1,0 +1,300 @@
+"""``RoutingView``: one routing view for every worker of a gateway and every replica.
+
+What a process learns while routing, it tells the others; what they tell it, it applies to its
+own view, without telling anyone again:
+
+* prefix-index insertions (``PrefixIndex.on_insert`` → ``apply_insert``): a conversation whose
+  previous turn another worker routed is found on this one;
+* sessions (``SessionMap.on_put`` → ``apply``), Responses lineage included;
+* in-flight counts, between workers, when Redis does not carry them (no ``state.redis_url``, or
+  ``state.share_in_flight: false``): each worker's absolute per-endpoint counts, at each routing
+  decision's loop turn and at least every ``view.load_interval_s`` when changed (and every
+  ``view.heartbeat_s`` regardless); the siblings' sum is each endpoint's ``remote_in_flight``, as
+  the replicas' is through Redis. A sibling silent for ``view.peer_ttl_s`` no longer counts.
+  With Redis sharing in-flight counts, every worker publishes there as a replica of its own, so
+  the bus does not carry them: no request is counted twice.
+
+Nothing waits: a decision appends its facts to this process's outbox and the batch leaves once per
+event-loop turn (``loop.call_soon``), to the siblings over the local bus (``gateway.view.bus``)
+and to the replicas over a Redis stream (``gateway.view.replicas``). With one worker and no Redis,
+the view is this process's own and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
+
+from gateway.config.schema import Config
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.observability.metrics import GatewayMetrics
+from gateway.request import InferenceRequest
+from gateway.view.bus import LocalBus
+from gateway.view.metrics import ViewMetrics
+from gateway.view.replicas import ReplicaLink
+from gateway.view.wire import Batch, Insert, Session, decode, encode, endpoint_key
+from routers.base import Decision, RouterContext
+from routers.prefix_index import PrefixIndex
+from routers.session_map import RESPONSE, SessionMap
+
+log = structlog.get_logger("switchyard.view")
+
+# endpoints are looked up by key from a map rebuilt at most this often (endpoints come and go)
+_RESOLVE_EVERY_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """This process's place among ``--workers N``: its index, the count, the parent's bus
+    directory, and the gateway's group name (the same in every worker: chosen before the fork)."""
+
+    index: int
+    count: int
+    bus_dir: str
+    group: str
+
+
+def new_group() -> str:
+    return secrets.token_hex(4)
+
+
+class RoutingView:
+    """The shared view of one process (see the module docstring)."""
+
+    def __init__(self, config: Config, pool: EndpointPool, metrics: GatewayMetrics,
+                 slot: WorkerSlot | None = None) -> None:
+        self.cfg = cfg = config.view
+        self.pool = pool
+        self.m = ViewMetrics(metrics)
+        r = config.routing
+        self.sessions = SessionMap(r.session_ttl_s, r.session_max_entries)
+        self.group = slot.group if slot is not None else new_group()
+        self.sender = f"{self.group}/{slot.index if slot is not None else 0}"
+        self.bus: LocalBus | None = None
+        if slot is not None and slot.count > 1 and cfg.workers:
+            self.bus = LocalBus(slot.bus_dir, slot.index, slot.count, self._on_bus, self._bus_drop,
+                                cfg.max_datagram_bytes)
+        st = config.state
+        self.bus_load = self.bus is not None and not (st.redis_url and st.share_in_flight)
+        self.link: ReplicaLink | None = None
+        if st.redis_url and cfg.replicas:
+            skip = f"{self.group}/" if self.bus is not None else None   # siblings' facts come by the bus
+            self.link = ReplicaLink(st, cfg, self.sender, skip, self._on_stream, self.m)
+        self.shared = self.bus is not None or self.link is not None
+        self._index: PrefixIndex | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inserts: list[Insert] = []
+        self._sessions: list[Session] = []
+        self._scheduled = False
+        self._keys: dict[Endpoint, str] = {}              # endpoint → its key (identity map)
+        self._by_key: dict[str, Endpoint] = {}
+        self._resolved_at = -1e9
+        self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
+        self._sent_load: dict[str, int] | None = None
+        self._sent_load_at = 0.0
+        self._ticker: asyncio.Task | None = None
+
+    # -- wiring --------------------------------------------------------------------------------
+
+    def attach(self, ctx: RouterContext) -> None:
+        """A generation's routing context: its index is the one remote insertions go to, and
+        its insertions are published (the last attached wins: a reload's new context)."""
+        if self._index is not None and self._index is not ctx.prefix_index:
+            self._index.on_insert = None
+        self._index = ctx.prefix_index
+        if self._loop is not None and self.shared:
+            self._index.on_insert = self._on_insert
+
+    def on_session(self, model: str, outcome: str) -> None:
+        self.m.session(model, outcome)
+
+    def on_decision(self, ireq: InferenceRequest, decision: Decision, fallbacks: Sequence, elapsed: float) -> None:
+        """A decision claim (its charge follows in the same step): the load goes out this turn."""
+        if not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self._flush)
+
+    # -- publishing ----------------------------------------------------------------------------
+
+    def _key(self, ep: Endpoint) -> str:
+        k = self._keys.get(ep)
+        if k is None:
+            k = self._keys[ep] = endpoint_key(ep)
+        return k
+
+    def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
+        self._inserts.append(Insert(self._key(ep), keys))
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._flush)        # type: ignore[union-attr]
+
+    def _on_put(self, key: str, ep: Endpoint, tag: str | None) -> None:
+        self._sessions.append(Session(key, self._key(ep), tag))
+        if key.startswith(RESPONSE):
+            # recorded as the answer goes out: sent now, before the client can ask a sibling for more
+            self._flush()
+        elif not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _load(self) -> dict[str, int]:
+        key = self._key
+        return {key(ep): ep.in_flight for ep in self.pool.endpoints() if ep.in_flight}
+
+    def _flush(self, heartbeat: bool = False) -> None:
+        self._scheduled = False
+        inserts, sessions = self._inserts, self._sessions
+        if inserts:
+            self._inserts = []
+        if sessions:
+            self._sessions = []
+        load = None
+        if self.bus_load:
+            now = time.monotonic()
+            snap = self._load()
+            if snap != self._sent_load or now - self._sent_load_at >= self.cfg.heartbeat_s:
+                load, self._sent_load, self._sent_load_at = snap, snap, now
+        bus = self.bus
+        if bus is not None and (inserts or sessions or load is not None):
+            payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes)
+            self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
+        if self.link is not None and (inserts or sessions):
+            self.link.queue([*inserts, *sessions])
+
+    async def _tick(self) -> None:
+        """Workers: the load when it changed without a decision (requests ending), the heartbeat,
+        and silent siblings forgotten."""
+        interval = self.cfg.load_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not self._scheduled:
+                    self._flush()
+                self._expire_peers()
+            except Exception:     # never let the ticker die: the siblings would see this one go silent
+                log.exception("shared routing view: tick failed")
+
+    # -- applying ------------------------------------------------------------------------------
+
+    def _resolve(self, key: str) -> Endpoint | None:
+        ep = self._by_key.get(key)
+        now = time.monotonic()
+        if now - self._resolved_at >= _RESOLVE_EVERY_S or (ep is None and now - self._resolved_at >= 0.05):
+            self._by_key = {endpoint_key(e): e for e in self.pool.endpoints()}
+            self._resolved_at = now
+            ep = self._by_key.get(key)
+        return ep
+
+    def _on_bus(self, data: bytes) -> None:
+        self._apply(data, "worker", True)
+
+    def _on_stream(self, data: bytes, live: bool) -> None:
+        self._apply(data, "replica", live)
+
+    def _bus_drop(self, reason: str) -> None:
+        self.m.gm.child(self.m.dropped, "worker", reason).inc()
+
+    def _apply(self, data: bytes, source: str, live: bool) -> None:
+        m = self.m
+        try:
+            batch: Batch = decode(data)
+        except (msgspec.DecodeError, ValueError):
+            m.gm.child(m.dropped, source, "undecodable").inc()
+            return
+        m.gm.child(m.received, source).inc()
+        if live:
+            m.observe_lag(source, max(0.0, time.time() - batch.sent))
+        unknown = 0
+        index = self._index
+        if batch.inserts and index is not None:
+            for ins in batch.inserts:
+                ep = self._resolve(ins.ep)
+                if ep is None:
+                    unknown += 1
+                    continue
+                index.apply_insert(ins.keys, ep)
+            m.gm.child(m.applied, source, "insert").inc(len(batch.inserts) - unknown)
+        if batch.sessions:
+            n = 0
+            for s in batch.sessions:
+                ep = self._resolve(s.ep)
+                if ep is None:
+                    unknown += 1
+                    continue
+                self.sessions.apply(s.key, ep, s.tag)
+                n += 1
+            m.gm.child(m.applied, source, "session").inc(n)
+        if unknown:
+            m.gm.child(m.applied, source, "unknown_endpoint").inc(unknown)
+        if batch.load is not None and self.bus_load and source == "worker":
+            self._peers[batch.sender] = (batch.load, time.monotonic())
+            m.gm.child(m.applied, source, "load").inc()
+            self._sum_peers()
+
+    def _sum_peers(self) -> None:
+        totals: dict[str, int] = {}
+        for counts, _ in self._peers.values():
+            for k, n in counts.items():
+                totals[k] = totals.get(k, 0) + n
+        key = self._key
+        for ep in self.pool.endpoints():
+            ep.remote_in_flight = totals.get(key(ep), 0)
+        self.m.peers = len(self._peers)
+
+    def _expire_peers(self) -> None:
+        if not self._peers:
+            return
+        cut = time.monotonic() - self.cfg.peer_ttl_s
+        silent = [s for s, (_, heard) in self._peers.items() if heard < cut]
+        if silent:
+            for s in silent:
+                del self._peers[s]
+            self._sum_peers()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if not self.shared:
+            return
+        self.sessions.on_put = self._on_put
+        if self._index is not None:
+            self._index.on_insert = self._on_insert
+        if self.bus is not None:
+            self.bus.open()
+            if self.bus_load:
+                self._ticker = asyncio.create_task(self._tick(), name="view-tick")
+        if self.link is not None:
+            self.link.start()
+        log.info("shared routing view", workers_bus=self.bus is not None, bus_load=self.bus_load,
+                 replicas=self.link is not None, sender=self.sender)
+
+    async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+        if self.bus is not None:
+            self.bus.close()
+        if self.link is not None:
+            await self.link.stop()
+        if self._index is not None:
+            self._index.on_insert = None
+        self.sessions.on_put = None
+        self._loop = None
+
+    def describe(self) -> dict[str, Any]:
+        """For the status page and tests: how this process shares its view, and the recent lag."""
+        return {"sender": self.sender, "workers_bus": self.bus is not None, "bus_load": self.bus_load,
+                "replicas": self.link is not None, "redis_up": bool(self.link is not None and self.link.up),
+                "siblings_heard": len(self._peers), "sessions": len(self.sessions),
+                "lag": {s: self.m.lag_quantiles(s) for s in ("worker", "replica")}}

@@ -1,0 +1,91 @@
+"""What processes tell each other about routing, on the wire (MessagePack through msgspec).
+
+One message is a ``Batch``: the facts one process learned in one event-loop turn (or, towards
+Redis, in one flush interval), with its sender's name and wall-clock send time (the receiver's
+``now - sent`` is the view's lag). Facts are plain data, endpoints named by ``endpoint_key``
+("model|url": the same in every process that has the endpoint in its pool, from config or
+discovery alike):
+
+* ``Insert``: an endpoint was sent a prompt whose prefix-index chain is ``keys``
+  (``routers.prefix_index.prefix_keys``: deterministic, so every process has the same keys);
+* ``Session``: a session's turn went to an endpoint (``routers.session_map``);
+* ``load``: the sender's in-flight count per endpoint, absolute (a lost message or a restarted
+  worker is healed by the next one); the local bus carries it, Redis does not (the tenancy
+  heartbeat does).
+
+``encode`` splits what does not fit in ``max_bytes`` over several batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from gateway.endpoints import Endpoint
+
+
+class Insert(msgspec.Struct, array_like=True):
+    ep: str
+    keys: list[int]
+
+
+class Session(msgspec.Struct, array_like=True):
+    key: str
+    ep: str
+    tag: str | None = None
+
+
+class Batch(msgspec.Struct, array_like=True):
+    sender: str                          # "<gateway group>/<worker index>"
+    sent: float                          # the sender's time.time() when it sent the batch
+    inserts: list[Insert] = []
+    sessions: list[Session] = []
+    load: dict[str, int] | None = None   # None: no load in this batch (not "all zero")
+
+
+def endpoint_key(ep: Endpoint) -> str:
+    """How processes name an endpoint to each other (as the tenancy heartbeat does)."""
+    return f"{ep.model}|{ep.url}"
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Batch)
+
+
+def decode(data: bytes) -> Batch:
+    """Raises ``msgspec.DecodeError`` (a ``ValueError``) on anything but a batch."""
+    return _decoder.decode(data)
+
+
+def _size(fact: Insert | Session) -> int:
+    """An upper bound of a fact's encoded size (9 bytes per 64-bit key)."""
+    if fact.__class__ is Insert:
+        return 16 + len(fact.ep) + 9 * len(fact.keys)      # type: ignore[union-attr]
+    return 16 + len(fact.key) + len(fact.ep) + len(fact.tag or "")   # type: ignore[union-attr]
+
+
+def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
+           load: dict[str, int] | None, max_bytes: int) -> list[bytes]:
+    """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
+    fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
+    budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
+    out: list[bytes] = []
+    ins: list[Insert] = []
+    ses: list[Session] = []
+    used = 0
+    for fact in (*inserts, *sessions):
+        n = _size(fact)
+        if used + n > budget and (ins or ses):
+            out.append(_encoder.encode(Batch(sender, sent, ins, ses, load)))
+            load = None
+            ins, ses = [], []
+            used = 0
+        if fact.__class__ is Insert:
+            ins.append(fact)         # type: ignore[arg-type]
+        else:
+            ses.append(fact)         # type: ignore[arg-type]
+        used += n
+    if ins or ses or load is not None or not out:
+        out.append(_encoder.encode(Batch(sender, sent, ins, ses, load)))
+    return out

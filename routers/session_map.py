@@ -1,0 +1,144 @@
+"""The session map: which endpoint served a session's previous turn (``SessionMap``).
+
+An agent's or a chat's next turn carries its whole conversation again; the engine that served the
+previous turn holds it in its KV cache. ``prefix-cache`` finds that engine through the prefix
+index when the prompt is indexed, but an index keyed by prompt text cannot see a session whose
+history the gateway expands itself (Responses with the gateway holding the state), whose prefix
+was evicted, or that landed on another worker a moment ago. So a request that names its session
+is sent where that session went last, unless that endpoint is overloaded (prefix-cache's guards
+decide), and the map records every decision.
+
+A request's session (``session_of``), first found wins:
+
+* ``x-session-key`` / ``x-aibrix-session-key``, then ``x-session-id``: the client's own name for
+  the conversation (per model: the same name for two models is two sessions);
+* ``previous_response_id`` (Responses; ``InferenceRequest.previous_response_id`` once the gateway
+  expanded it into the input): the endpoint that produced that response, recorded when it was
+  answered (``r:<id>``; ids are unique, so not per model);
+* ``metadata.user_id`` (Anthropic Messages): Anthropic's SDKs and agents (Claude Code puts its
+  session id there) name the conversation's end user with it; one user's turns reuse their own
+  context, and a user with many parallel conversations is spread by the load guards anyway.
+
+Bounds: at most ``max_entries`` entries, least recently recorded dropped first; an entry not
+recorded again for ``ttl_s`` is forgotten. Keys longer than ``MAX_KEY_CHARS`` are not sessions.
+
+Sharing: ``on_put`` (set by the gateway's shared view) is told of a new or changed entry, and of
+an unchanged one at most every quarter TTL (so the other processes' copies do not expire);
+``apply`` records another process's entry without telling it again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from gateway.endpoints import Endpoint
+from gateway.request import InferenceRequest
+
+MAX_KEY_CHARS = 256
+RESPONSE = "r:"          # the prefix of lineage keys: previous_response_id → the endpoint that answered
+
+# told of an entry to share: (key, endpoint, tag)
+PutListener = Callable[[str, Endpoint, "str | None"], None]
+
+
+def session_of(req: InferenceRequest) -> str | None:
+    """The request's session key in the map, or None (see the module docstring)."""
+    key = req.session_key or req.session_id
+    if key:
+        return f"{req.model}\0s:{key}" if len(key) <= MAX_KEY_CHARS else None
+    data = req.data
+    prev = req.previous_response_id or data.get("previous_response_id")
+    if prev.__class__ is str and prev:
+        return RESPONSE + prev if len(prev) <= MAX_KEY_CHARS else None
+    meta = data.get("metadata")
+    if meta.__class__ is dict:
+        uid = meta.get("user_id")
+        if uid.__class__ is str and uid and len(uid) <= MAX_KEY_CHARS:
+            return f"{req.model}\0u:{uid}"
+    return None
+
+
+class _Entry:
+    __slots__ = ("ep", "tag", "touched", "published")
+
+    def __init__(self, ep: Endpoint, tag: str | None, now: float) -> None:
+        self.ep = ep
+        self.tag = tag
+        self.touched = now
+        self.published = now
+
+
+class SessionMap:
+    """Bounded LRU with a TTL: session key → (endpoint, tag). ``tag`` is an opaque string kept
+    with the entry (the Responses API keeps the owner of a response id there)."""
+
+    def __init__(self, ttl_s: float = 1800.0, max_entries: int = 100_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.max_entries = max(1, max_entries)
+        self.clock = clock
+        self._d: OrderedDict[str, _Entry] = OrderedDict()
+        self.on_put: PutListener | None = None
+        self.evictions = 0
+
+    def reconfigure(self, ttl_s: float, max_entries: int) -> None:
+        self.ttl_s, self.max_entries = ttl_s, max(1, max_entries)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def entry(self, key: str) -> tuple[Endpoint, str | None] | None:
+        e = self._d.get(key)
+        if e is None:
+            return None
+        if self.clock() - e.touched > self.ttl_s:
+            del self._d[key]
+            return None
+        return e.ep, e.tag
+
+    def get(self, key: str) -> Endpoint | None:
+        e = self._d.get(key)
+        if e is None:
+            return None
+        if self.clock() - e.touched > self.ttl_s:
+            del self._d[key]
+            return None
+        return e.ep
+
+    def put(self, key: str, ep: Endpoint, tag: str | None = None) -> None:
+        """Record a decision of this process; ``on_put`` is told when the others need to know."""
+        now = self.clock()
+        e = self._d.get(key)
+        if e is not None and e.ep is ep and e.tag == tag:
+            e.touched = now
+            self._d.move_to_end(key)
+            if now - e.published < self.ttl_s / 4:
+                return
+            e.published = now
+        else:
+            self._store(key, _Entry(ep, tag, now))
+        if self.on_put is not None:
+            self.on_put(key, ep, tag)
+
+    def apply(self, key: str, ep: Endpoint, tag: str | None = None) -> None:
+        """Record another process's entry (not told to ``on_put``)."""
+        self._store(key, _Entry(ep, tag, self.clock()))
+
+    def _store(self, key: str, e: _Entry) -> None:
+        d = self._d
+        d[key] = e
+        d.move_to_end(key)
+        over = len(d) - self.max_entries
+        while over > 0:
+            d.popitem(last=False)
+            self.evictions += 1
+            over -= 1
+        # the oldest recorded are at the front: drop the expired ones there (amortised O(1))
+        cut = e.touched - self.ttl_s
+        while d:
+            first = next(iter(d.values()))
+            if first.touched >= cut:
+                break
+            d.popitem(last=False)

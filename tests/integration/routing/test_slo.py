@@ -1,0 +1,45 @@
+"""slo through the gateway: after a warm-up on engines of very different speed, a tight TTFT
+objective goes to the fast engine and a loose one is packed on the slow one."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+
+from tests.support.factories import model_block
+
+
+async def _stream(s: aiohttp.ClientSession, url: str, text: str, headers: dict[str, str]) -> tuple[int, str]:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4, "stream": True}
+    async with s.post(url + "/v1/chat/completions", data=orjson.dumps(body),
+                      headers={"Content-Type": "application/json", **headers}) as r:
+        await r.read()
+        return r.status, r.headers.get("target-pod", "")
+
+
+async def test_a_tight_ttft_goes_to_the_fast_engine_once_the_gateway_has_learnt_them(sims, gateway):
+    fast = await sims("vllm", "m", ttft_base_ms=5, prefill_ms_per_token=0.05, itl_ms=2)
+    slow = await sims("vllm", "m", ttft_base_ms=200, prefill_ms_per_token=1.0, itl_ms=20)
+    gw = await gateway([model_block("m", "vllm", [fast.url, slow.url], strategy="slo")],
+                       routing={"slo_min_samples": 4, "slo_exploration": 0.0})
+    fast_pod, slow_pod = (e.url.removeprefix("http://") for e in (fast, slow))
+    words = " ".join(f"w{i}" for i in range(150))
+    async with aiohttp.ClientSession() as s:
+        # warm-up: round-robin traffic; the latency models learn from every strategy's requests
+        for i in range(10):
+            status, _ = await _stream(s, gw.url, f"{i} warm-up {words}", {"routing-strategy": "round-robin"})
+            assert status == 200
+        model = gw.gw.routing.ctx.latency
+        assert all(model.samples(ep)[0] >= 4 for ep in gw.gw.pool.endpoints("m"))
+        for i in range(6):
+            status, pod = await _stream(s, gw.url, f"{i} tight {words}", {"x-slo-ttft-ms": "120"})
+            assert (status, pod) == (200, fast_pod)
+        for i in range(3):
+            status, pod = await _stream(s, gw.url, f"{i} loose {words}", {"x-slo-ttft-ms": "5000"})
+            assert (status, pod) == (200, slow_pod)                 # packed: the fast engine stays free
+        status, _ = await _stream(s, gw.url, "bad", {"x-slo-ttft-ms": "soon"})
+        assert status == 400
+    text = await gw.metrics_text()
+    assert 'switchyard_slo_routing_decisions_total{model="m",reason="slo_feasible"} 9.0' in text
+    assert 'switchyard_slo_routing_requests_total{model="m",result="met",strategy="slo"} 9.0' in text
+    assert 'switchyard_slo_routing_prediction_error_ratio_count{model="m",objective="ttft"}' in text

@@ -1,0 +1,119 @@
+"""Two gateway replicas sharing Redis route on one view: each turn of a conversation, sent to
+either replica, goes to the engine of its previous turns; a replica started later catches up;
+losing Redis is counted and costs no client an error, and the view converges again once it is back.
+
+Real ``python -m gateway`` processes and a real ``redis-server`` (the ``redis_server`` fixture).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.server.run import free_port
+from tests.integration.view.test_workers import SYSTEM, responses_chains
+from tests.support.gateway_process import gateway_process, get_new, metric_total, post_new
+from tests.support.waiting import until
+
+
+def config(port: int, urls: list[str], redis_url: str) -> str:
+    eps = ", ".join(f"'{u}'" for u in urls)
+    return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+            "health: {interval_s: 0.5}\n"
+            "routing: {strategy: prefix-cache, prefix_block_chars: 64}\n"
+            f"state: {{redis_url: '{redis_url}'}}\n"
+            "view: {retry_s: 0.1, read_block_s: 0.2}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: [{eps}]}}]\n")
+
+
+async def turn(port: int, messages: list[dict], text: str) -> str:
+    messages.append({"role": "user", "content": text})
+    status, head, body = await post_new(port, "/v1/chat/completions", {"model": "m", "messages": messages, "max_tokens": 4})
+    assert status == 200, body
+    messages.append(body["choices"][0]["message"])
+    return head["target-pod"]
+
+
+def opening(tag: str) -> list[dict]:
+    return [{"role": "system", "content": f"{tag}: {SYSTEM}"}]
+
+
+async def redis_up(port: int) -> bool:
+    return metric_total((await get_new(port, "/metrics"))[1], "switchyard_view_redis_up") == 1
+
+
+@pytest.mark.timeout(180)
+async def test_two_replicas_send_each_turn_to_the_engine_of_the_conversation(sims, tmp_path, redis_server):
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    urls = [e.url for e in engines]
+    pa, pb, pc = free_port(), free_port(), free_port()
+    for name, port in (("a", pa), ("b", pb), ("c", pc)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url))
+    async with gateway_process(tmp_path / "a.yaml", pa), gateway_process(tmp_path / "b.yaml", pb):
+        await until(lambda: redis_up(pa), timeout=20)
+        await until(lambda: redis_up(pb), timeout=20)
+        # conversations whose turns alternate between the replicas
+        same = total = 0
+        for c in range(8):
+            messages = opening(f"conversation {c}")
+            first = await turn(pa if c % 2 else pb, messages, "turn 0: where to?")
+            for t in range(1, 6):
+                total += 1
+                same += await turn((pa, pb)[t % 2], messages, f"turn {t}: and then? " * 3) == first
+        assert same >= 0.95 * total, f"{same} of {total} turns on the conversation's engine"
+
+        # a replica started later catches up on what the others learned
+        later = [opening(f"later {c}") for c in range(4)]
+        firsts = [await turn(pa, m, "turn 0: where to?") for m in later]
+        async with gateway_process(tmp_path / "c.yaml", pc):
+            await until(lambda: redis_up(pc), timeout=20)
+            caught = [await turn(pc, m, "turn 1: and then? " * 3) for m in later]
+            assert caught == firsts
+            page = (await get_new(pc, "/metrics"))[1]
+            assert metric_total(page, "switchyard_view_facts_applied_total", source="replica", kind="insert") >= 4
+
+        # Redis lost: no client error, the loss counted, the local view goes on
+        redis_server.kill()
+        outage = [opening(f"outage {c}") for c in range(3)]
+        for m in outage:
+            await turn(pa, m, "turn 0: where to?")
+            await turn(pb, m, "turn 1: and then? " * 3)
+        for port in (pa, pb):
+            await until(lambda port=port: _lost(port), timeout=20)
+
+        # Redis back (empty): the replicas reconnect and the view converges again
+        redis_server.start()
+        await until(lambda: redis_up(pa), timeout=20)
+        await until(lambda: redis_up(pb), timeout=20)
+        same = total = 0
+        for c in range(4):
+            messages = opening(f"after {c}")
+            first = await turn(pb, messages, "turn 0: where to?")
+            for t in range(1, 4):
+                total += 1
+                same += await turn((pb, pa)[t % 2], messages, f"turn {t}: and then? " * 3) == first
+        assert same >= 0.95 * total, f"{same} of {total} turns on the conversation's engine after Redis came back"
+
+
+async def _lost(port: int) -> bool:
+    page = (await get_new(port, "/metrics"))[1]
+    return metric_total(page, "switchyard_view_redis_lost_total") >= 1 and \
+        metric_total(page, "switchyard_view_redis_up") == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_responses_chain_in_gateway_state_stays_on_its_engine_across_replicas(sims, tmp_path, redis_server):
+    """Gateway state: any engine could serve a follow-up (the gateway expands the history); the
+    shared session map sends each one where the chain's cache is, whichever replica it reaches."""
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    urls = [e.url for e in engines]
+    pa, pb = free_port(), free_port()
+    for name, port in (("a", pa), ("b", pb)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url) + "responses: {state: gateway}\n")
+    async with gateway_process(tmp_path / "a.yaml", pa), gateway_process(tmp_path / "b.yaml", pb):
+        await until(lambda: redis_up(pa), timeout=20)
+        await until(lambda: redis_up(pb), timeout=20)
+        await responses_chains([pa, pb], 4, 6)
+        pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
+    kept = sum(metric_total(page, "switchyard_routing_session_total", outcome="kept") for page in pages)
+    assert kept == 4 * 5

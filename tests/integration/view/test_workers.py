@@ -1,0 +1,158 @@
+"""``--workers 2``: the workers route on one view (prefix index, sessions, in-flight counts).
+
+A real ``python -m gateway --workers 2`` in front of simulated engines; every request on a new
+connection, so the kernel spreads them over both workers. Without the shared view, a worker that
+did not route a conversation's earlier turns would not know where its prefix is, and a session's
+requests would scatter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+
+from gateway.server.run import free_port
+from tests.support.gateway_process import gateway_process, metric_total, per_worker, post_new
+from tests.support.waiting import until
+
+SYSTEM = "You are the switchyard's dispatcher; keep every train on its own track. " * 8
+
+
+def config(port: int, urls: list[str], extra: str = "") -> str:
+    eps = ", ".join(f"'{u}'" for u in urls)
+    return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+            "health: {interval_s: 0.5}\n"
+            "routing: {strategy: prefix-cache, prefix_block_chars: 64}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: [{eps}]}}]\n{extra}")
+
+
+async def converse(port: int, turns: int, tag: str, headers: dict[str, str] | None = None) -> list[str]:
+    """A conversation's turns, each on a new connection; the engine of each turn."""
+    messages = [{"role": "system", "content": f"{tag}: {SYSTEM}"}]
+    served = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"turn {turn}: which track does the {tag} train take? " * 2})
+        status, head, body = await post_new(port, "/v1/chat/completions",
+                                            {"model": "m", "messages": messages, "max_tokens": 4}, headers)
+        assert status == 200, body
+        served.append(head["target-pod"])
+        messages.append(body["choices"][0]["message"])
+    return served
+
+
+@pytest.mark.timeout(120)
+async def test_a_conversation_stays_on_the_engine_of_its_first_turn_across_workers(sims, tmp_path):
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    port = free_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines]))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        for c in range(4):
+            served = await converse(port, 6, f"conversation {c}")
+            assert len(set(served)) == 1, served          # the prefix learned on one worker, used by the other
+        pages = await per_worker(port, 2)
+    # both workers routed turns and applied the other's insertions
+    for page in pages.values():
+        assert metric_total(page, "switchyard_view_facts_applied_total", source="worker", kind="insert") > 0
+        assert metric_total(page, "switchyard_view_lag_seconds_count", source="worker") > 0
+
+
+@pytest.mark.timeout(120)
+async def test_session_keyed_requests_stay_on_one_engine_across_workers(sims, tmp_path):
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    port = free_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines]))
+    sessions, turns = 6, 6
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        for s in range(sessions):
+            served = []
+            for t in range(turns):
+                # shorter than one prefix block: only the session map can keep them together
+                status, head, body = await post_new(port, "/v1/chat/completions",
+                                                    {"model": "m", "messages": [{"role": "user", "content": f"hi {t}"}],
+                                                     "max_tokens": 2}, {"x-session-key": f"agent-{s}"})
+                assert status == 200, body
+                served.append(head["target-pod"])
+            assert len(set(served)) == 1, (s, served)
+        pages = await per_worker(port, 2)
+    # /metrics is the whole gateway's, whichever worker answers
+    assert all(metric_total(p, "switchyard_routing_session_total", outcome="kept") == sessions * (turns - 1)
+               for p in pages.values())
+    assert all(metric_total(p, "switchyard_view_facts_applied_total", source="worker", kind="session") > 0
+               for p in pages.values())
+
+
+@pytest.mark.timeout(120)
+async def test_each_worker_sees_the_requests_in_flight_on_the_other(sims, tmp_path):
+    engines = [await sims("vllm", "m", itl_ms=50.0) for _ in range(2)]
+    port = free_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines]).replace("prefix-cache", "least-request"))
+    streams = 6
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        sessions = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) for _ in range(streams)]
+        responses = []
+        try:
+            for s in sessions:     # long streams, each on its own connection: both workers hold some
+                r = await s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 json={"model": "m", "messages": [{"role": "user", "content": "go"}],
+                                       "max_tokens": 2000, "stream": True, "ignore_eos": True})
+                assert r.status == 200
+                responses.append(r)
+
+            async def everyone_sees(total: int) -> bool:
+                # the status page is the gateway's, whichever worker answers: its own requests plus
+                # its siblings', none of them counted as another replica's
+                views = await per_worker(port, 2, "/status.json")
+                counts = [sum(ep["in_flight"] for ep in v["endpoints"]) for v in views.values()]
+                remote = [sum(ep["remote_in_flight"] for ep in v["endpoints"]) for v in views.values()]
+                return all(c == total for c in counts) and not any(remote)
+
+            await until(lambda: everyone_sees(streams), timeout=20)
+            # and each worker's own routing saw its sibling's requests: the load facts it applied
+            pages = await per_worker(port, 2)
+            assert all(metric_total(p, "switchyard_view_facts_applied_total", source="worker", kind="load") > 0
+                       for p in pages.values())
+        finally:
+            for r in responses:
+                r.close()
+            for s in sessions:
+                with contextlib.suppress(Exception):
+                    await s.close()
+        await until(lambda: everyone_sees(0), timeout=20)
+        await asyncio.sleep(0)
+
+
+async def responses_chains(ports: list[int], chains: int, steps: int) -> None:
+    """Chains of ``previous_response_id``, each step on a new connection to ``ports[step % len]``;
+    every step of a chain on one engine."""
+    for chain in range(chains):
+        prev, served = None, []
+        for t in range(steps):
+            body = {"model": "m", "input": f"chain {chain} step {t}", "max_output_tokens": 4}
+            if prev is not None:
+                body["previous_response_id"] = prev
+            status, head, answer = await post_new(ports[t % len(ports)], "/v1/responses", body)
+            assert status == 200, answer
+            served.append(head["target-pod"])
+            prev = answer["id"]
+        assert len(set(served)) == 1, served
+
+
+@pytest.mark.timeout(120)
+async def test_a_responses_chain_in_engine_state_is_followed_by_either_worker(sims, tmp_path):
+    """Engine state, memory backend: the follow-up must reach the engine holding the response, and
+    the worker it lands on finds it in the shared view (a session kept)."""
+    engines = [await sims("vllm", "m", enable_responses_store=True) for _ in range(4)]
+    port = free_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines], "responses: {state: engine}\n"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        await responses_chains([port], 3, 6)
+        pages = await per_worker(port, 2)
+    assert all(metric_total(p, "switchyard_routing_session_total", outcome="kept") == 3 * 5 for p in pages.values())

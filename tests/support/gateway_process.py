@@ -1,0 +1,86 @@
+"""A real ``python -m gateway`` process, and requests each on a connection of its own.
+
+With ``--workers N`` the kernel hands each new connection to one of the workers (SO_REUSEPORT), so
+``post_new`` / ``get_new`` reach the workers at random, as clients behind a connection pool do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+
+@contextlib.asynccontextmanager
+async def gateway_process(path, port: int, *args: str, ready_workers: int = 1) -> AsyncIterator[asyncio.subprocess.Process]:
+    """Started, and ``/ready`` answered 200 by ``ready_workers`` distinct processes (``/status.json``'s
+    pid); SIGTERM at exit."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(path), *args,
+                                                stderr=asyncio.subprocess.DEVNULL)
+    try:
+        seen: set[int] = set()
+        async with asyncio.timeout(40):
+            while len(seen) < ready_workers:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    if (await get_new(port, "/ready"))[0] == 200:
+                        seen.add((await get_new(port, "/status.json"))[1]["gateway"]["pid"])
+                await asyncio.sleep(0.05)
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
+
+
+async def post_new(port: int, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+                   ) -> tuple[int, dict[str, str], Any]:
+    """One request on a new connection: (status, response headers, JSON body)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.post(f"http://127.0.0.1:{port}{path}", json=body, headers=headers or {}) as r:
+        return r.status, dict(r.headers), await r.json(content_type=None)
+
+
+async def get_new(port: int, path: str) -> tuple[int, Any]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+            s.get(f"http://127.0.0.1:{port}{path}") as r:
+        body = await r.read()
+        if r.headers.get("Content-Type", "").startswith("application/json"):
+            import orjson
+            return r.status, orjson.loads(body)
+        return r.status, body.decode()
+
+
+def metric_total(page: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples on a /metrics page whose labels include ``labels``."""
+    total = 0.0
+    for line in page.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        rest = head[len(name):]
+        if rest and rest[0] not in "{":
+            continue
+        if all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+async def per_worker(port: int, workers: int, path: str = "/metrics", timeout: float = 20.0) -> dict[int, Any]:
+    """``path`` as each of ``workers`` processes answers it: {pid: body}. A keep-alive connection
+    stays with the worker that accepted it, so ``/status.json`` then ``path`` on one connection come
+    from the same worker; new connections until every worker was met."""
+    found: dict[int, Any] = {}
+    async with asyncio.timeout(timeout):
+        while len(found) < workers:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+                async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                    pid = (await r.json())["gateway"]["pid"]
+                async with s.get(f"http://127.0.0.1:{port}{path}") as r:
+                    found[pid] = await r.json() if path.endswith(".json") else await r.text()
+    return found

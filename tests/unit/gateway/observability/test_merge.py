@@ -1,0 +1,111 @@
+"""``/metrics`` with several workers: their expositions merged into the gateway's (pure text in, text out)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config.schema import config_from_dict
+from gateway.observability.merge import GAUGE_RULES, SUM, gauge_rule, merge_texts
+from gateway.observability.metrics import GatewayMetrics
+from gateway.server.app import GATEWAY_KEY, build_app
+from tests.support.metrics import sample_map
+
+
+def worker(requests: dict[tuple[str, str], int], ttft: list[float], in_flight: int, ready: int,
+           lag: list[float] = ()) -> str:
+    """One worker's exposition: its requests, TTFTs and loop lags, its in-flight count, and how it
+    sees one endpoint ``e1``."""
+    m = GatewayMetrics()
+    for (model, status), n in requests.items():
+        m.requests.labels(model, status, "least-request").inc(n)
+    for v in ttft:
+        m.ttft.labels("m").observe(v)
+    for v in lag:
+        m.loop_lag.observe(v)
+    ep = SimpleNamespace(model="m", name="e1", engine="vllm", role="aggregated", roleset=None, in_flight=in_flight,
+                         ready=bool(ready), prefill_in_flight=0, pending_decode=0, token_active=0.0, token_kv=0.0,
+                         metrics=None)
+    m.attach_live_state(lambda: [ep], {"m": in_flight})
+    return m.render().decode()
+
+
+def value(page: bytes, name: str, **labels: str) -> float:
+    return sample_map(page)[(name, tuple(sorted(labels.items())))]
+
+
+def test_one_exposition_comes_back_unchanged():
+    text = worker({("m", "200"): 3}, [0.2], 1, 1)
+    assert merge_texts([text]).decode() == text
+
+
+def test_counters_and_histograms_add_up_by_label_set():
+    a = worker({("m", "200"): 3, ("m", "500"): 1}, [0.02, 0.3], 1, 1, lag=[0.001])
+    b = worker({("m", "200"): 4, ("x", "404"): 2}, [0.3], 2, 1, lag=[0.5])
+    page = merge_texts([a, b])
+    labels = {"strategy": "least-request"}
+    assert value(page, "switchyard_requests_total", model="m", status="200", **labels) == 7
+    assert value(page, "switchyard_requests_total", model="m", status="500", **labels) == 1   # only in a
+    assert value(page, "switchyard_requests_total", model="x", status="404", **labels) == 2   # only in b
+    ttft = "switchyard_time_to_first_token_seconds"
+    assert value(page, f"{ttft}_count", model="m") == 3
+    assert value(page, f"{ttft}_sum", model="m") == pytest.approx(0.62)
+    assert value(page, f"{ttft}_bucket", model="m", le="0.025") == 1
+    assert value(page, f"{ttft}_bucket", model="m", le="0.3") == 3
+    assert value(page, f"{ttft}_bucket", model="m", le="+Inf") == 3
+    assert value(page, "switchyard_event_loop_lag_seconds_count") == 2
+    # the _created series say when a series first started
+    created = [s.value for f in text_string_to_metric_families(a) for s in f.samples
+               if s.name == "switchyard_requests_created" and s.labels["status"] == "200"]
+    assert value(page, "switchyard_requests_created", model="m", status="200", **labels) == min(created)
+
+
+def test_gauges_add_up_or_not_as_their_meaning_says():
+    a = worker({}, [], 3, 1)
+    b = worker({}, [], 4, 0)
+    page = merge_texts([a, b])
+    assert value(page, "switchyard_in_flight_requests", model="m") == 7          # each worker's own requests
+    assert value(page, "switchyard_endpoint_in_flight_requests", endpoint="e1", model="m") == 7
+    assert value(page, "switchyard_endpoint_ready", endpoint="e1", model="m") == 1   # one endpoint, seen twice
+    starts = [s.value for t in (a, b) for f in text_string_to_metric_families(t) for s in f.samples
+              if s.name == "process_start_time_seconds"]
+    if starts:          # the process collector reads /proc
+        assert value(page, "process_start_time_seconds") == min(starts)
+        assert value(page, "process_max_fds") == max(s.value for t in (a, b) for f in text_string_to_metric_families(t)
+                                                     for s in f.samples if s.name == "process_max_fds")
+
+
+def test_each_family_is_described_once():
+    page = merge_texts([worker({("m", "200"): 1}, [0.1], 1, 1), worker({("m", "200"): 1}, [0.1], 1, 1)]).decode()
+    assert page.count("# TYPE switchyard_requests_total counter") == 1
+    assert page.count("# HELP switchyard_time_to_first_token_seconds ") == 1
+    assert page.count("# TYPE switchyard_endpoint_ready gauge") == 1
+    names = [f.name for f in text_string_to_metric_families(page)]
+    assert len(names) == len(set(names))
+
+
+# gauges that count what each worker holds of its own, and are summed
+ADDITIVE = {
+    "switchyard_in_flight_requests", "switchyard_endpoint_in_flight_requests", "switchyard_pd_prefill_in_flight",
+    "switchyard_pd_pending_decode", "switchyard_pd_token_load_active_tokens", "switchyard_pd_token_load_kv_tokens",
+    "switchyard_event_loop_tasks", "switchyard_client_connections", "switchyard_admission_queue_depth",
+    "switchyard_admission_queue_bytes", "switchyard_admission_drain_rate", "switchyard_endpoint_admission_headroom",
+    "switchyard_responses_state_entries", "process_virtual_memory_bytes", "process_resident_memory_bytes",
+    "process_open_fds",
+}
+
+
+async def test_every_gauge_the_gateway_exports_is_classified():
+    """A new gauge must say how workers' values combine: summed (listed here) or in GAUGE_RULES."""
+    cfg = config_from_dict({
+        "models": [{"name": "m", "endpoints": ["http://127.0.0.1:9"], "adapters": {"a": "/x"}}],
+        "auth": {"api_keys": [{"key": "sk-x", "user": "u"}]}, "admission": {"enabled": True}})
+    registry = build_app(cfg)[GATEWAY_KEY].metrics.registry
+    gauges = {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())
+              if f.type == "gauge" and not f.name.endswith("_created")}
+    unclassified = {g for g in gauges if g not in ADDITIVE and g not in GAUGE_RULES}
+    assert not unclassified, f"say how these combine over workers (gateway/observability/merge.py): {unclassified}"
+    assert all(gauge_rule(g) == SUM for g in ADDITIVE)

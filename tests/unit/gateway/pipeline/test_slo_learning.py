@@ -1,0 +1,93 @@
+"""Feeding the latency models from finished requests, and counting objectives met."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.observability.metrics import GatewayMetrics
+from gateway.pipeline import slo_learning
+from gateway.pipeline.context import RequestRecord
+from gateway.pipeline.slo_learning import SloLearning
+from routers.base import Decision
+from tests.support.factories import Clock, endpoints, inference_request, router_ctx
+
+
+def _setup():
+    clock = Clock(10.0)
+    ctx, _ = router_ctx(1, slo_min_samples=1)
+    metrics = GatewayMetrics()
+    return SloLearning(metrics, clock), ctx.latency, metrics, clock
+
+
+def _req(rid: str, stream: bool = True, **slo):
+    r = inference_request(tokens=1000, request_id=rid, **slo)
+    r.stream = stream
+    return r
+
+
+def _rec(rid: str, ttft: float | None, tokens: int = 11, status: int = 200, strategy: str = "slo") -> RequestRecord:
+    return RequestRecord(request_id=rid, path="/v1/chat/completions", started=9.9, model="m", strategy=strategy,
+                         status=status, ttft=ttft, completion_tokens=tokens)
+
+
+def _count(metrics: GatewayMetrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_a_streamed_answer_teaches_the_model_its_ttft_from_the_decision_and_its_tpot():
+    learning, model, metrics, clock = _setup()
+    (ep,) = endpoints(1)
+    learning.decided(_req("a"), Decision(ep, "least-request"), model)     # at 10.0; the request came at 9.9
+    learning.on_request(_rec("a", ttft=0.35), duration=0.35 + 10 * 0.02)
+    f = model.features(1000, ep, 0.0)
+    ttft, tpot = model.predict(ep, f)
+    assert ttft == pytest.approx(250.0, rel=1e-3)           # 9.9 + 0.35 - 10.0
+    assert tpot == pytest.approx(20.0, rel=1e-3)
+    assert not learning.pending
+    # the next decision is predicted: its error observed
+    learning.decided(_req("b"), Decision(ep, "least-request"), model)
+    learning.on_request(_rec("b", ttft=0.6), duration=0.8)
+    assert _count(metrics, "switchyard_slo_routing_prediction_error_ratio_count", model="m", objective="ttft") == 1
+    assert _count(metrics, "switchyard_slo_routing_prediction_error_ratio_sum", model="m",
+                  objective="ttft") == pytest.approx(0.5, rel=1e-3)   # observed 500, predicted 250
+
+
+def test_objectives_are_counted_met_or_missed_by_what_the_client_saw():
+    learning, model, metrics, _ = _setup()
+    (ep,) = endpoints(1)
+    cases = [("met", dict(slo_ttft_ms=400.0, slo_tpot_ms=30.0), _rec("1", 0.3), 0.5),
+             ("missed_ttft", dict(slo_ttft_ms=200.0), _rec("2", 0.3), 0.5),
+             ("missed_tpot", dict(slo_tpot_ms=10.0), _rec("3", 0.3), 0.5),
+             ("missed_both", dict(slo_ttft_ms=200.0, slo_tpot_ms=10.0), _rec("4", 0.3), 0.5),
+             ("failed", dict(slo_ttft_ms=200.0), _rec("5", None, status=502), 0.1)]
+    for result, slo, rec, duration in cases:
+        learning.decided(_req(rec.request_id, **slo), Decision(ep, "slo", reason="slo_feasible"), model)
+        learning.on_request(rec, duration)
+        assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="slo", result=result) == 1
+    learning.decided(_req("6", stream=False, slo_ttft_ms=100.0), Decision(ep, "slo", reason="slo_explore"), model)
+    learning.on_request(_rec("6", None), 0.5)
+    assert _count(metrics, "switchyard_slo_routing_requests_total", model="m", strategy="slo", result="unmeasured") == 1
+    assert _count(metrics, "switchyard_slo_routing_decisions_total", model="m", reason="slo_feasible") == 5
+    assert _count(metrics, "switchyard_slo_routing_decisions_total", model="m", reason="slo_explore") == 1
+    assert model.samples(ep) == (4, 4)                      # the failed and the non-streamed taught nothing
+
+
+def test_what_is_not_learnt():
+    learning, model, _, _ = _setup()
+    dec, pre = endpoints(2)
+    learning.decided(_req("pd"), Decision(dec, "pd", prefill=pre), model)           # a P/D pair
+    learning.decided(_req("plain", stream=False), Decision(dec, "least-request"), model)   # nothing to time
+    assert not learning.pending
+    learning.decided(_req("late"), Decision(dec, "slo"), model)
+    learning.on_request(_rec("late", ttft=0.05), 0.2)       # first token before the decision: a continuation
+    assert model.samples(dec) == (0, 0)
+    learning.on_request(_rec("never-routed", ttft=0.2), 0.3)
+
+
+def test_the_pending_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(slo_learning, "MAX_PENDING", 3)
+    learning, model, _, _ = _setup()
+    (ep,) = endpoints(1)
+    for i in range(5):
+        learning.decided(_req(str(i)), Decision(ep, "slo"), model)
+    assert list(learning.pending) == ["2", "3", "4"]

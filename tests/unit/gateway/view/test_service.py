@@ -1,0 +1,102 @@
+"""The view of one process, over real Unix datagram sockets: two workers in one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+
+from gateway.config.schema import config_from_dict
+from gateway.endpoints import EndpointPool
+from gateway.observability.metrics import GatewayMetrics
+from gateway.server.rundir import RunDirectory
+from gateway.view.bus import LocalBus, sibling_paths
+from gateway.view.service import RoutingView, WorkerSlot
+from routers.base import RouterContext
+from tests.support.factories import inference_request
+from tests.support.gateway_process import metric_total
+from tests.support.waiting import until
+
+URLS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+
+
+def _config(**view):
+    return config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
+                             "routing": {"prefix_block_chars": 8}, "view": view}, source="<t>")
+
+
+def _worker(cfg, index: int, bus_dir: str) -> tuple[RoutingView, RouterContext, EndpointPool]:
+    from gateway.server.app import pool_from_config
+    pool = pool_from_config(cfg)
+    view = RoutingView(cfg, pool, GatewayMetrics(), WorkerSlot(index, 2, bus_dir, "g"))
+    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
+    view.attach(ctx)
+    return view, ctx, pool
+
+
+async def test_insertions_sessions_and_loads_reach_the_sibling_and_are_not_sent_back():
+    d = RunDirectory()
+    assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
+    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
+    (a, actx, apool), (b, bctx, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    try:
+        await a.start()
+        await b.start()
+        assert [p.name for p in sibling_paths(d.path)] == ["w0.sock", "w1.sock"]
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        req = inference_request("You are a helpful switchyard assistant. " * 2)
+        actx.prefix_index.insert(req, ea[1])
+        actx.sessions.put("m\0s:agent", ea[0])
+        ea[1].in_flight = 3
+        await until(lambda: bctx.prefix_index.holders(req) == 1 and bctx.sessions.get("m\0s:agent") is eb[0]
+                    and eb[1].remote_in_flight == 3)
+        assert bctx.prefix_index.depths(req, eb)[0] == {eb[1]: len(req.prompt_text) // 8}
+        # applied facts are not published again: a's view learns nothing back, b sent only load
+        await asyncio.sleep(0.05)
+        page = a.m.gm.render().decode()
+        assert metric_total(page, "switchyard_view_facts_applied_total", kind="insert") == 0
+        assert metric_total(page, "switchyard_view_facts_applied_total", kind="session") == 0
+        assert metric_total(b.m.gm.render().decode(), "switchyard_view_facts_applied_total", kind="insert") == 1
+        assert len(actx.prefix_index) == len(bctx.prefix_index)
+        assert ea[1].remote_in_flight == 0
+        # b's counts expire once a goes silent (stopped)
+        await a.stop()
+        await until(lambda: eb[1].remote_in_flight == 0, timeout=5)
+        assert b.describe()["siblings_heard"] == 0
+    finally:
+        await a.stop()
+        await b.stop()
+        d.close()
+    assert not os.path.exists(d.path)
+
+
+async def test_a_missing_or_full_sibling_costs_a_counted_drop_never_a_wait():
+    d = RunDirectory()
+    drops: list[str] = []
+    got: list[bytes] = []
+    try:
+        bus = LocalBus(d.path, 0, 2, got.append, drops.append, 60_000)
+        bus.open()
+        assert bus.send([b"x"]) == 0 and drops == ["peer_down"]       # w1 is not there
+        peer = LocalBus(d.path, 1, 2, lambda data: None, drops.append, 60_000)
+        peer.open()
+        asyncio.get_running_loop().remove_reader(peer.sock.fileno())    # a sibling that never reads
+        sent = sum(bus.send([b"y" * 1000]) for _ in range(10_000))
+        assert 0 < sent < 10_000 and "peer_full" in drops
+        peer.close()
+        bus.close()
+    finally:
+        d.close()
+
+
+async def test_one_worker_without_redis_shares_nothing():
+    cfg = _config()
+    from gateway.server.app import pool_from_config
+    view = RoutingView(cfg, pool_from_config(cfg), GatewayMetrics())
+    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
+    view.attach(ctx)
+    await view.start()
+    try:
+        assert not view.shared and ctx.prefix_index.on_insert is None and view.sessions.on_put is None
+    finally:
+        await view.stop()

@@ -1,0 +1,32 @@
+"""The view's messages: round trip, and batches split to fit a datagram."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.view.wire import Batch, Insert, Session, decode, encode
+
+
+def test_a_batch_round_trips_with_64_bit_keys():
+    ins = [Insert("m|http://a:1", [1, 2**64 - 1, 2**63])]
+    ses = [Session("m\0s:k", "m|http://a:1", None), Session("r:resp_1", "m|http://b:1", "alice")]
+    (one,) = encode("g/0", 12.5, ins, ses, {"m|http://a:1": 3}, 60_000)
+    b = decode(one)
+    assert b == Batch("g/0", 12.5, ins, ses, {"m|http://a:1": 3})
+
+
+def test_what_does_not_fit_is_split_and_the_load_travels_once():
+    ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]   # ~1 KB each
+    out = encode("g/1", 1.0, ins, [Session("k", "e")], {"e": 1}, 4096)
+    assert len(out) > 1 and all(len(p) <= 4096 for p in out)
+    batches = [decode(p) for p in out]
+    assert [i for b in batches for i in b.inserts] == ins
+    assert [s.key for b in batches for s in b.sessions] == ["k"]
+    assert [b.load for b in batches if b.load is not None] == [{"e": 1}]
+
+
+def test_an_empty_flush_with_load_is_one_batch_and_garbage_is_refused():
+    (only,) = encode("g/0", 1.0, [], [], {}, 1000)
+    assert decode(only).load == {}
+    with pytest.raises(ValueError):
+        decode(b"\x93not a batch")

@@ -1,0 +1,96 @@
+"""The session map (TTL, LRU, publish only what others need) and prefix-cache's session preference."""
+
+from __future__ import annotations
+
+from routers.prefix_cache import PrefixCacheRouter
+from routers.session_map import RESPONSE, SessionMap, session_of
+from tests.support.factories import Clock, endpoints, inference_request, router_ctx
+
+
+def test_session_of_a_request():
+    assert session_of(inference_request(session_key="k1")) == "m\0s:k1"
+    assert session_of(inference_request(session_id="aWQ=")) == "m\0s:aWQ="
+    assert session_of(inference_request(model="other", session_key="k1")) == "other\0s:k1"   # per model
+    prev = inference_request()
+    prev.data = {"previous_response_id": "resp_1"}
+    assert session_of(prev) == RESPONSE + "resp_1"
+    msg = inference_request()
+    msg.data = {"metadata": {"user_id": "user_abc_session_1"}}
+    assert session_of(msg) == "m\0u:user_abc_session_1"
+    assert session_of(inference_request()) is None
+    assert session_of(inference_request(session_key="x" * 300)) is None       # over-long: no session
+
+
+def test_entries_expire_and_the_least_recent_go_first():
+    clock = Clock()
+    eps = endpoints(3)
+    m = SessionMap(ttl_s=10, max_entries=2, clock=clock)
+    m.put("a", eps[0])
+    m.put("b", eps[1])
+    clock.t += 5
+    m.put("a", eps[0])                   # touched: now the most recent
+    m.put("c", eps[2])                   # over the bound: "b" goes
+    assert m.get("b") is None and m.get("a") is eps[0] and m.get("c") is eps[2]
+    assert m.evictions == 1
+    clock.t += 10.5                      # "a" was touched 10.5 s ago
+    assert m.get("a") is None and m.get("c") is None
+    m.apply("d", eps[1], "alice")
+    assert m.entry("d") == (eps[1], "alice")
+
+
+def test_only_new_changed_or_aging_entries_are_published_and_applied_ones_never():
+    clock = Clock()
+    eps = endpoints(2)
+    told = []
+    m = SessionMap(ttl_s=100, clock=clock)
+    m.on_put = lambda key, ep, tag: told.append((key, ep))
+    m.put("a", eps[0])
+    m.put("a", eps[0])                   # unchanged
+    clock.t += 10
+    m.put("a", eps[0])
+    assert told == [("a", eps[0])]
+    m.put("a", eps[1])                   # changed
+    clock.t += 30                        # older than a quarter of the TTL: refreshed for the others
+    m.put("a", eps[1])
+    m.apply("b", eps[0])
+    assert told == [("a", eps[0]), ("a", eps[1]), ("a", eps[1])]
+
+
+def _router(loads, **knobs):
+    clock = Clock()
+    ctx, fallbacks = router_ctx(1, clock, prefix_block_chars=8, **knobs)
+    outcomes = []
+    object.__setattr__(ctx, "on_session", lambda model, outcome: outcomes.append(outcome))
+    return PrefixCacheRouter(ctx), endpoints(len(loads), loads), outcomes, fallbacks
+
+
+def test_a_session_goes_where_it_went_last_unless_overloaded_or_gone():
+    r, eps, outcomes, _ = _router([0, 0, 0, 0])
+    first = r.route(inference_request("hi", session_key="agent-1"), eps)
+    assert first.reason == ""
+    for _ in range(5):
+        d = r.route(inference_request("hello", session_key="agent-1"), eps)
+        assert d.endpoint is first.endpoint and d.reason == "session"
+    assert outcomes == ["kept"] * 5
+    first.endpoint.in_flight = 20         # beyond prefix_imbalance_abs (8) above the others: overloaded
+    d = r.route(inference_request("again", session_key="agent-1"), eps)
+    assert d.endpoint is not first.endpoint and d.reason == "" and outcomes[-1] == "overloaded"
+    moved = d.endpoint                    # the session follows the new decision
+    others = [ep for ep in eps if ep is not moved]
+    d = r.route(inference_request("and again", session_key="agent-1"), others)
+    assert d.endpoint is not moved and outcomes[-1] == "gone"
+
+
+def test_session_preference_can_be_turned_off():
+    r, eps, outcomes, _ = _router([0, 0, 0, 0], prefix_session=False)
+    picks = {r.route(inference_request("hi", session_key="agent-1"), eps).endpoint for _ in range(20)}
+    assert len(picks) > 1 and outcomes == []
+
+
+def test_a_response_id_is_followed_to_the_endpoint_that_answered_it():
+    r, eps, outcomes, _ = _router([0, 0, 0])
+    r.ctx.sessions.put(RESPONSE + "resp_9", eps[2])
+    req = inference_request("continue")
+    req.data = {"previous_response_id": "resp_9"}
+    d = r.route(req, eps)
+    assert d.endpoint is eps[2] and d.reason == "session" and outcomes == ["kept"]
