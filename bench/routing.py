@@ -860,17 +860,20 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    workloads = [*sorted(WORKLOADS), "conversations", "slo"]     # conversations: the default one
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--workload", choices=["conversations", "slo"], default="conversations")
+    pre.add_argument("--workload", choices=workloads, default="default")
     known, rest = pre.parse_known_args(argv)
     if known.workload == "slo":        # latency objectives on engines of different speeds (bench/routing_slo.py)
         from bench.routing_slo import main as slo_main
 
         return slo_main(rest)
     ap = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workload", choices=["conversations", "slo"], default="conversations",
-                    help="conversations (default): this module's workload; slo: requests with latency objectives "
-                         "on engines of different speeds, attainment per strategy (bench/routing_slo.py)")
+    ap.add_argument("--workload", choices=workloads, default="default",
+                    help="default (or conversations): 8 engines, pseudo-word prompts, the shared test tokenizer; "
+                         "chat-bpe: 4 engines, English-like chats, a 32k-token byte-level BPE built offline "
+                         "(bench/chat_bpe.py), about 400 requests; slo: requests with latency objectives on engines "
+                         "of different speeds, attainment per strategy (bench/routing_slo.py)")
     ap.add_argument("--quick", action="store_true",
                     help="5 strategies, 20 s of arrivals each (< 2 min; the default run takes ~10 min)")
     ap.add_argument("--strategies", nargs="+", help="strategy strings (default: all built-ins + combos)")
@@ -878,10 +881,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, help="seconds of arrivals per strategy")
     ap.add_argument("--warmup", type=float, help="seconds of arrivals not measured")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="default",
-                    help="default: 8 engines, pseudo-word prompts, the shared test tokenizer; chat-bpe: 4 engines, "
-                         "English-like chats, a 32k-token byte-level BPE built offline (bench/chat_bpe.py), "
-                         "about 400 requests")
     ap.add_argument("--plot", default=str(Path(__file__).with_name("routing.png")),
                     help="PNG path ('' to skip)")
     ap.add_argument("--json", default="", help="write the results (with raw TTFTs) to this file")
@@ -919,7 +918,7 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.observability.logs import configure_logging
 
     configure_logging("json", "warning")
-    w = replace(WORKLOADS[args.workload], seed=args.seed)
+    w = replace(WORKLOADS["default" if args.workload == "conversations" else args.workload], seed=args.seed)
     if args.quick:
         w = replace(w, duration_s=min(w.duration_s, 20.0), warmup_s=min(w.warmup_s, 6.0))
     if args.engines:

@@ -106,3 +106,15 @@ def test_a_label_carries_its_own_routing_and_kv_events_keys():
     assert split_label("prefix-cache") == ("prefix-cache", False, {}, {})
     assert split_label("prefix-cache+events@prefix_min_match_tokens=0,tokenize_inline_chars=256") == \
         ("prefix-cache", True, {"prefix_min_match_tokens": 0}, {"tokenize_inline_chars": 256})
+
+
+def test_every_workload_parses(capsys):
+    import pytest
+
+    from bench.routing import main
+
+    for argv in (["--help"], ["--workload", "chat-bpe", "--help"], ["--workload", "slo", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 0, argv
+    assert "chat-bpe" in capsys.readouterr().out
