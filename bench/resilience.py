@@ -177,6 +177,22 @@ class Harness:
         return answers
 
 
+async def read_stream(r, t0: float) -> tuple[bool, float | None]:
+    """Read a streamed answer to its end: whether it ended with ``[DONE]``, and the seconds from
+    ``t0`` to its first chunk carrying generated text (None: none came)."""
+    done, ttft, buf = False, None, b""
+    async for chunk in r.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.removeprefix(b"data: ")
+            if data == b"[DONE]":
+                done = True
+            elif ttft is None and b'"content":"' in data and b'"content":""' not in data:
+                ttft = time.perf_counter() - t0
+    return done, ttft
+
+
 def quantile(values: list[float], q: float) -> float | None:
     if not values:
         return None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from bench.resilience import Harness, quantile
+from bench.resilience import Harness, quantile, read_stream
 
 PROMPT = "tell me a story"
 
@@ -105,17 +105,7 @@ async def _chat(h: Harness, base: str, t: Tenant, slo: float | None, max_tokens:
                     res.code = str(orjson.loads(raw)["error"]["code"])
                 res.retry_after = "Retry-After" in r.headers
                 return res
-            done, buf = False, b""
-            async for chunk in r.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    data = event.removeprefix(b"data: ")
-                    if data == b"[DONE]":
-                        done = True
-                    elif res.ttft is None and b'"content":"' in data and b'"content":""' not in data:
-                        res.ttft = time.perf_counter() - t0
-            res.ok = done
+            res.ok, res.ttft = await read_stream(r, t0)
     except Exception as e:           # a broken connection: reported as such
         res.code = type(e).__name__
     return res

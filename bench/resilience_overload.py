@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from bench.resilience import Harness, quantile
+from bench.resilience import Harness, quantile, read_stream
 
 KEYS = {"high": "sk-gold", "low": "sk-free"}
 
@@ -83,17 +83,7 @@ async def _chat(h: Harness, base: str, cls: str, args) -> Result:
                 if "Retry-After" in r.headers:
                     res.retry_after = float(r.headers["Retry-After"])
                 return res
-            done, buf = False, b""
-            async for chunk in r.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    data = event.removeprefix(b"data: ")
-                    if data == b"[DONE]":
-                        done = True
-                    elif res.ttft is None and b'"content":"' in data and b'"content":""' not in data:
-                        res.ttft = time.perf_counter() - t0
-            res.ok = done
+            res.ok, res.ttft = await read_stream(r, t0)
     except Exception as e:       # a broken connection: reported as such
         res.code = type(e).__name__
     return res
