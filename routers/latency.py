@@ -96,29 +96,38 @@ class OnlineRegression:
         self.n = 0
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(w * v for w, v in zip(self.w, x, strict=True))
+        y = 0.0
+        for w, v in zip(self.w, x, strict=True):
+            y += w * v
+        return y
 
     def update(self, x: Sequence[float], y: float) -> None:
+        # plain loops over short lists: generator expressions cost more than the arithmetic here
         p, w = self.p, self.w
-        d = len(w)
-        px = [sum(row[j] * x[j] for j in range(d)) for row in p]
-        denom = self.lam + sum(x[i] * px[i] for i in range(d))
+        px = []
+        denom = self.lam
+        err = y
+        for row, xi, wi in zip(p, x, w, strict=True):
+            v = 0.0
+            for a, b in zip(row, x):
+                v += a * b
+            px.append(v)
+            denom += xi * v
+            err -= wi * xi
         if denom <= 0.0:            # only by rounding: skip rather than corrupt p
             return
-        err = y - self.predict(x)
-        k = [v / denom for v in px]
-        for i in range(d):
-            w[i] += k[i] * err
+        inv_denom = 1.0 / denom
         trace = 0.0
-        for i in range(d):
-            row, ki = p[i], k[i]
-            for j in range(d):
-                row[j] -= ki * px[j]
+        for i, row in enumerate(p):
+            ki = px[i] * inv_denom
+            w[i] += ki * err
+            for j, pj in enumerate(px):
+                row[j] -= ki * pj
             trace += row[i]
         if self.lam < 1.0 and trace / self.lam <= self.cap:
             inv = 1.0 / self.lam
             for row in p:
-                for j in range(d):
+                for j in range(len(row)):
                     row[j] *= inv
         self.n += 1
 
@@ -154,9 +163,11 @@ class LatencyModel:
         self._models: OrderedDict[Endpoint, _EndpointModel] = OrderedDict()
         self._batch: dict[Endpoint, float] = {}     # the largest batch (running) each engine reported
 
-    def load(self, ep: Endpoint, now: float) -> tuple[float, float, float]:
-        """``(waiting, running, kv_usage)`` on ``ep`` now (see the module docstring)."""
-        total = ep.in_flight + ep.remote_in_flight
+    def load(self, ep: Endpoint, now: float, in_flight: int | None = None) -> tuple[float, float, float]:
+        """``(waiting, running, kv_usage)`` on ``ep`` now (see the module docstring); ``in_flight``:
+        the gateway's own requests on ``ep`` as they were at ``now`` (default: as they are)."""
+        own = ep.in_flight if in_flight is None else in_flight
+        total = own + ep.remote_in_flight
         kv = 0.0
         m = ep.metrics
         if m is not None and now - m.scraped_at <= self.max_age:
@@ -169,17 +180,19 @@ class LatencyModel:
                     batch[ep] = m.running
                 if m.gateway_in_flight is not None:       # other gateways' requests, as the engine counted them
                     others = m.running + (m.waiting or 0.0) - m.gateway_in_flight
-                    total = ep.in_flight + max(others, ep.remote_in_flight)
+                    total = own + max(others, ep.remote_in_flight)
         cap = self._batch.get(ep)
         if not cap:
             return 0.0, float(total), kv
         running = min(float(total), cap)
         return total - running, running, kv
 
-    def features(self, prompt_tokens: int, ep: Endpoint, cached_tokens: float, now: float | None = None) -> Features:
+    def features(self, prompt_tokens: int, ep: Endpoint, cached_tokens: float, now: float | None = None,
+                 in_flight: int | None = None) -> Features:
         """The features of a request of ``prompt_tokens`` (estimated) whose first
-        ``cached_tokens`` ``ep`` holds, if it went to ``ep`` now."""
-        waiting, running, kv = self.load(ep, self.clock() if now is None else now)
+        ``cached_tokens`` ``ep`` holds, if it went to ``ep`` now (or at ``now``, when the gateway's
+        own requests on it were ``in_flight``)."""
+        waiting, running, kv = self.load(ep, self.clock() if now is None else now, in_flight)
         queue = 0.0
         batch = self._batch.get(ep)
         if batch and running >= batch:         # a full batch: this request waits for waiting + 1 slots

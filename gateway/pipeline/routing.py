@@ -131,18 +131,25 @@ class Routing:
                 claim(ireq, decision, decision.fallbacks, elapsed)
             except Exception:     # as an observer's
                 log.exception("decision claim failed", request_id=ireq.request_id)
-        try:
-            self.slo.decided(ireq, decision, self.ctx.latency)
-        except Exception:         # as an observer's
-            log.exception("latency model bookkeeping failed", request_id=ireq.request_id)
         if later is None:
+            self._slo_decided(ireq, decision, None, None)
             self._report(ireq, decision, spec, elapsed)
         else:
+            if self.slo.wants(ireq, decision):   # what the latency models read, taken now; the rest later
+                later.append(partial(self._slo_decided, ireq, decision, decision.endpoint.in_flight,
+                                     self.slo.clock()))
             if decision.learn is not None:
                 later.append(decision.learn)
                 decision.learn = None
             later.append(partial(self._report, ireq, decision, spec, elapsed))
         return decision
+
+    def _slo_decided(self, ireq: InferenceRequest, decision: Decision, in_flight: int | None,
+                     at: float | None) -> None:
+        try:
+            self.slo.decided(ireq, decision, self.ctx.latency, in_flight, at)
+        except Exception:         # as an observer's
+            log.exception("latency model bookkeeping failed", request_id=ireq.request_id)
 
     def _report(self, ireq: InferenceRequest, decision: Decision, spec: str, elapsed: float) -> None:
         self.metrics.child(self.metrics.routing, spec).observe(elapsed)

@@ -4,10 +4,13 @@ The ``slo`` strategy (``routers.slo``) predicts each endpoint's TTFT and TPOT fr
 model per endpoint (``routers.latency``, held by the routing context). This service feeds those
 models from the gateway's own observations, for every strategy's requests:
 
-* ``decided`` runs in the routing decision's synchronous step, before the request is charged to
-  its endpoint: it takes the request's features on the chosen endpoint as they were when it was
-  routed (its queue and batch, KV usage, the prompt's estimate less the prefix match the strategy
-  reported — 0 when it reported none) and the model's prediction, and keeps them by request id;
+* ``decided`` takes the request's features on the chosen endpoint as they were when it was
+  routed, before the request was charged to it (its queue and batch, KV usage, the prompt's
+  estimate less the prefix match the strategy reported — 0 when it reported none) and the model's
+  prediction, and keeps them by request id. The decision's synchronous step only notes the
+  endpoint's in-flight count and the time; the features and the prediction are computed once the
+  leg is written, off the path to the engine (about 30 µs of a lone request's time to first
+  token, ``bench/timeline.py``);
 * ``on_request`` (a record observer) runs when the request has finished: a streamed answer's
   TTFT, measured from the decision (the time before it — parsing, an admission queue — is not the
   endpoint's), and its TPOT, (end − first token) / (completion tokens − 1), are what the model
@@ -80,22 +83,33 @@ class SloLearning:
         self.clock = clock
         self.pending: OrderedDict[str, _Pending] = OrderedDict()
 
-    def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel) -> None:
-        """A routing decision, in its synchronous step (before the charge)."""
-        slo = ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None
-        if decision.prefill is not None or ireq.is_embeddings or not (ireq.stream or slo):
+    @staticmethod
+    def wants(ireq: InferenceRequest, decision: Decision) -> bool:
+        """Whether ``decided`` keeps anything of this decision: a whole request, streamed or with
+        objectives."""
+        return decision.prefill is None and not ireq.is_embeddings and (
+            ireq.stream or ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None)
+
+    def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel,
+                in_flight: int | None = None, at: float | None = None) -> None:
+        """A routing decision: its features as they were in its synchronous step, before the
+        charge. Called there, or later (once the leg is written, off the path to the engine) with
+        what the step saw: the endpoint's ``in_flight`` and the clock ``at``."""
+        if not self.wants(ireq, decision):
             return
         ep = decision.endpoint
         tokens = ireq.prompt_tokens_est
-        f = latency.features(tokens, ep, tokens * (decision.prefix_match or 0.0) / 100.0)
+        if at is None:
+            at = self.clock()
+        f = latency.features(tokens, ep, tokens * (decision.prefix_match or 0.0) / 100.0, None, in_flight)
         ttft, tpot = latency.predict(ep, f)
         pending = self.pending
-        pending[ireq.request_id] = _Pending(latency, ep, f, ttft, tpot, self.clock(), ireq.stream,
+        pending[ireq.request_id] = _Pending(latency, ep, f, ttft, tpot, at, ireq.stream,
                                             ireq.slo_ttft_ms, ireq.slo_tpot_ms)
         pending.move_to_end(ireq.request_id)
         if len(pending) > MAX_PENDING:
             pending.popitem(last=False)
-        if slo and decision.reason.startswith("slo_"):
+        if (ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None) and decision.reason.startswith("slo_"):
             m = self.metrics
             m.child(m.decisions, ireq.model, decision.reason).inc()
 
@@ -131,7 +145,12 @@ class SloLearning:
 class NoSloLearning:
     """Learning off (a ``Routing`` built on its own, in tests and benchmarks of the decision)."""
 
-    def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel) -> None:
+    @staticmethod
+    def wants(ireq: InferenceRequest, decision: Decision) -> bool:
+        return False
+
+    def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel,
+                in_flight: int | None = None, at: float | None = None) -> None:
         return None
 
 

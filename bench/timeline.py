@@ -1,0 +1,198 @@
+"""Where a lone request's time goes, on the wall clock: ``python bench/timeline.py``.
+
+At low load every request finds the CPU's caches cold, so the gateway's own steps take many
+times what they take under load (aiohttp's parser alone: about 3 µs hot, 40-60 µs after 5 ms of
+other work). This runs ``python -m gateway`` at its defaults (request log on, JSON to a file)
+behind the fast backend (``bench/fastbackend.py``), drives it with the load generator at
+concurrency 1 (``--mode stream`` paced, or ``nonstream``), and stamps ``time.perf_counter_ns``
+at the steps of each request, from the first byte read from the client to the first byte written
+back:
+
+    rx         the request's first bytes reach the edge (``EdgeProtocol.data_received``)
+    rx_done    aiohttp parsed them (its C parser, the payload's StreamReader)
+    start      aiohttp's per-connection task resumed for the request (a loop iteration later)
+    request    the ``web.Request`` is built (request factory)
+    task       the request's handler task runs (another loop iteration: Python 3.11 cannot
+               start a task eagerly)
+    handler    the pipeline's ``handle``
+    parse_in / parsed      reading and parsing the body
+    route_in / routed      routing and charging the decision
+    up_send_in / up_sent   the upstream write (the system call; on loopback it runs the receiver's
+                           TCP input too, and often lets the engine run first)
+    up_rx      the engine's first bytes arrive
+    client_write           the first bytes go to the client
+
+Prints each step's p50 and p90 in µs over the requests (the first ``--skip`` dropped). The stamps
+wrap functions from outside (``--wrappers`` shows what they cost); they move nothing in the
+gateway. Run it on a quiet machine: a busy one lengthens every step alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.procs import start_group, stop, wait_port  # noqa: E402
+from gateway.server.run import free_port  # noqa: E402
+
+PY = sys.executable
+STEPS = ("rx", "rx_done", "start", "request", "task", "handler", "parse_in", "parsed", "route_in", "routed",
+         "up_send_in", "up_sent", "up_rx", "client_write")
+
+# Runs inside the gateway process: wraps the steps, writes the stamps at exit.
+STAMPS = textwrap.dedent('''
+    import atexit, json, sys, time
+    out = sys.argv[1]
+    sys.argv = ["gateway"] + sys.argv[2:]
+    import aiohttp.http_writer as W, aiohttp.web_protocol as WP, aiohttp.web_request as WR
+    import gateway.pipeline.pipeline as P, gateway.server.edge as E, gateway.upstream.h1client as H
+    ns = time.perf_counter_ns
+    cur, rows = {}, []
+    def mark(k):
+        if k not in cur:
+            cur[k] = ns()
+    def around(cls, name, before, after=None, is_async=False):
+        f = getattr(cls, name)
+        if is_async:
+            async def w(*a, **k):
+                mark(before)
+                r = await f(*a, **k)
+                if after:
+                    mark(after)
+                return r
+        else:
+            def w(*a, **k):
+                mark(before)
+                r = f(*a, **k)
+                if after:
+                    mark(after)
+                return r
+        setattr(cls, name, w)
+    rx = E.EdgeProtocol.data_received
+    def data_received(self, data):
+        if data and self._e_phase in (E._IDLE, E._HEAD):     # a request's first bytes
+            if cur:
+                rows.append(dict(cur))
+                cur.clear()
+            mark("rx")
+            rx(self, data)
+            mark("rx_done")
+            return
+        rx(self, data)
+    E.EdgeProtocol.data_received = data_received
+    around(W.StreamWriter, "__init__", "start")            # start() builds the writer first
+    around(WR.BaseRequest, "__init__", "request")
+    around(WP.RequestHandler, "_handle_request", "task", is_async=True)
+    around(P.Pipeline, "handle", "handler", is_async=True)
+    around(P.Pipeline, "_parse", "parse_in", "parsed", is_async=True)
+    around(P.Pipeline, "route_and_charge", "route_in", "routed")
+    around(H._Conn, "send", "up_send_in", "up_sent")
+    around(H._Conn, "data_received", "up_rx")
+    around(W.StreamWriter, "_write", "client_write")
+    around(W.StreamWriter, "_writelines", "client_write")
+    def dump():
+        if cur:
+            rows.append(dict(cur))
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    atexit.register(dump)
+    from gateway.__main__ import main
+    main()
+''')
+
+
+def wrapper_cost(n: int = 200_000) -> float:
+    """µs one stamp wrapper adds to a call (hot): a bound for what the stamps themselves add."""
+    import time as _t
+    cur: dict = {}
+
+    def mark(k):
+        if k not in cur:
+            cur[k] = _t.perf_counter_ns()
+
+    def f():
+        return None
+
+    def w():
+        mark("a")
+        r = f()
+        mark("b")
+        cur.clear()
+        return r
+
+    t0 = _t.perf_counter()
+    for _ in range(n):
+        w()
+    t1 = _t.perf_counter()
+    for _ in range(n):
+        f()
+    return ((t1 - t0) - (_t.perf_counter() - t1)) / n * 1e6
+
+
+def summarize(rows: list[dict], skip: int) -> list[tuple[str, float, float, int]]:
+    full = [r for r in rows[skip:] if "rx" in r and "client_write" in r]
+    out = []
+    steps = [s for s in STEPS if all(s in r for r in full)]
+    for a, b in zip(steps, steps[1:]):
+        d = sorted((r[b] - r[a]) / 1000 for r in full)
+        if d:
+            out.append((f"{a} → {b}", statistics.median(d), d[int(len(d) * 0.9)], len(d)))
+    if full:
+        d = sorted((r["client_write"] - r["rx"]) / 1000 for r in full)
+        out.append(("rx → client_write (all)", statistics.median(d), d[int(len(d) * 0.9)], len(d)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=["stream", "nonstream"], default="stream")
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--pace-ms", type=float, default=5.0, help="stream: the backend's gap between chunks")
+    ap.add_argument("--skip", type=int, default=20, help="first requests left out (warm-up)")
+    ap.add_argument("--json", action="store_true", help="print the table as JSON")
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        be_port, gw_port = free_port(), free_port()
+        cfg, out, log = Path(d) / "gw.yaml", Path(d) / "stamps.json", Path(d) / "gw.log"
+        cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n"
+                       f"    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
+        backend = start_group([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_port(be_port, backend)
+            with open(log, "wb") as err:
+                gw = start_group([PY, "-c", STAMPS, str(out), "--config", str(cfg), "--port", str(gw_port)],
+                                 stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+            try:
+                wait_port(gw_port, gw)
+                argv = [PY, str(REPO / "bench" / "loadgen.py"), "--port", str(gw_port), "--model", "m",
+                        "--concurrency", "1", "--duration", str(a.duration), "--mode", a.mode]
+                if a.mode == "stream":
+                    argv += ["--pace-ms", str(a.pace_ms)]
+                r = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
+            finally:
+                stop(gw)
+        finally:
+            stop(backend)
+        rows = json.loads(out.read_text()) if out.exists() else []
+    table = summarize(rows, a.skip)
+    if a.json:
+        print(json.dumps({"steps": table, "loadgen": {k: r.get(k) for k in ("completed", "ttft_p50_ms", "lat_p50_ms")}}))
+        return
+    print(f"| step ({a.mode}, concurrency 1) | p50 µs | p90 µs |\n|---|---:|---:|")
+    for name, p50, p90, _ in table:
+        print(f"| {name} | {p50:.1f} | {p90:.1f} |")
+    print(f"\n{table[-1][3] if table else 0} requests; a stamp wrapper adds about {wrapper_cost():.2f} µs (hot)")
+
+
+if __name__ == "__main__":
+    main()
