@@ -142,7 +142,7 @@ def summarize(rows: list[dict], skip: int) -> list[tuple[str, float, float, int]
     full = [r for r in rows[skip:] if "rx" in r and "client_write" in r]
     out = []
     steps = [s for s in STEPS if all(s in r for r in full)]
-    for a, b in zip(steps, steps[1:]):
+    for a, b in zip(steps, steps[1:], strict=False):
         d = sorted((r[b] - r[a]) / 1000 for r in full)
         if d:
             out.append((f"{a} → {b}", statistics.median(d), d[int(len(d) * 0.9)], len(d)))

@@ -109,7 +109,7 @@ class OnlineRegression:
         err = y
         for row, xi, wi in zip(p, x, w, strict=True):
             v = 0.0
-            for a, b in zip(row, x):
+            for a, b in zip(row, x, strict=True):
                 v += a * b
             px.append(v)
             denom += xi * v
