@@ -5,10 +5,12 @@ busy (a loopback write wakes the reader, and the writer is preempted right there
 measures CPU time instead, two ways, with the fast backend (``bench/fastbackend.py``) and the
 load generator (``bench/loadgen.py``, concurrency ``--concurrency``) on 127.0.0.1:
 
-- **floor**: an aiohttp server that reads the body and answers a fixed JSON, as a low-level
-  ``web.Server`` and as a ``web.Application`` with one route and one middleware: what aiohttp
-  itself costs per request, with no upstream leg; and a bare proxy (``web.Server`` plus the
-  gateway's upstream client, ``gateway/upstream/h1client.py``, no pipeline): what forwarding costs;
+- **floor**: a server that reads the body and answers a fixed JSON, as an asyncio ``Protocol``
+  with httptools' parser (no aiohttp on the server side: what a protocol of our own could cost),
+  as aiohttp's low-level ``web.Server`` and as a ``web.Application`` with one route and one
+  middleware: what aiohttp itself costs per request, with no upstream leg; and a bare proxy (each
+  of the first two plus the gateway's upstream client, ``gateway/upstream/h1client.py``, no
+  pipeline): what forwarding costs;
 - **vllm-router**, when ``make bench-peers`` installed it: the same load through it, as the
   reference the overhead targets are stated against;
 - **gateway**: ``python -m gateway`` at its defaults (request log on, JSON to a file), with the
@@ -60,6 +62,36 @@ FLOOR = textwrap.dedent('''
                 resp.release()            # the connection goes back to the pool, as the gateway does
                 return web.Response(body=data, status=resp.status, content_type="application/json")
             await asyncio.get_running_loop().create_server(web.Server(proxy), "127.0.0.1", port)
+        elif kind in ("raw", "rawproxy"):
+            # what a protocol of our own could cost: asyncio's Protocol and httptools' parser, no
+            # aiohttp on the server side (keep-alive, Content-Length bodies only)
+            import httptools
+            HEAD = b"HTTP/1.1 200 OK\\r\\nContent-Type: application/json\\r\\nContent-Length: %d\\r\\n\\r\\n"
+            if kind == "rawproxy":
+                from gateway.upstream.h1client import UpstreamPool
+                pool = UpstreamPool(connect_timeout=5, keepalive_timeout=60, max_connections=0, total_timeout=0)
+                url = f"http://127.0.0.1:{backend}/v1/chat/completions"
+            class Raw(asyncio.Protocol):
+                def connection_made(self, transport):
+                    self.t = transport
+                    self.p = httptools.HttpRequestParser(self)
+                    self.body = []
+                def data_received(self, data):
+                    self.p.feed_data(data)
+                def on_body(self, b):
+                    self.body.append(b)
+                def on_message_complete(self):
+                    body, self.body = b"".join(self.body), []
+                    if kind == "raw":
+                        self.t.write(HEAD % len(BODY) + BODY)
+                    else:
+                        asyncio.get_running_loop().create_task(self.forward(body))
+                async def forward(self, body):
+                    resp = await pool.post(url, body, {"Content-Type": "application/json"})
+                    data = await resp.read()
+                    resp.release()
+                    self.t.write(HEAD % len(data) + data)
+            await asyncio.get_running_loop().create_server(Raw, "127.0.0.1", port)
         elif kind == "lowlevel":
             await asyncio.get_running_loop().create_server(web.Server(handler), "127.0.0.1", port)
         else:
@@ -142,7 +174,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     a = ap.parse_args()
     rows: list[tuple[str, str]] = []
-    names = {"lowlevel": "aiohttp alone, web.Server", "application": "aiohttp alone, web.Application",
+    names = {"raw": "asyncio Protocol + httptools alone (no aiohttp server)",
+             "lowlevel": "aiohttp alone, web.Server", "application": "aiohttp alone, web.Application",
+             "rawproxy": "bare proxy: Protocol + httptools + the gateway's upstream client",
              "proxy": "bare proxy: web.Server + the gateway's upstream client"}
     with tempfile.TemporaryDirectory() as d:
         be_port = free_port()
@@ -150,7 +184,7 @@ def main() -> None:
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             wait_port(be_port, backend)
-            for kind in ("lowlevel", "application", "proxy"):
+            for kind in ("raw", "lowlevel", "application", "rawproxy", "proxy"):
                 port = free_port()
                 p = subprocess.Popen([PY, "-c", FLOOR, kind, str(port), str(be_port)], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
