@@ -32,6 +32,15 @@ with KV events (``RouterContext.precise_index``), a prefill whose engine publish
 matched on what that engine reports it caches, the others on the prefix index (counted as the
 ``kv_events_fallback`` of ``pd``), as ``prefix-cache`` does.
 
+Sessions: with the ``prefix_cache`` prefill policy and ``routing.prefix_session`` on, a request that
+continues a session (an ``x-session-key``/``x-session-id`` header, Messages' ``metadata.user_id``;
+``routers.session_map.session_of``) goes to the prefill that served the session's last turn, where
+its prompt's KV is, unless that prefill is gone or loaded beyond the prefill score's load filter
+(or a fast path moved the request elsewhere); the pair's decode is the best of that roleset. The
+decision's reason is ``session``, and the outcome is counted as ``prefix-cache`` counts its own
+(``kept``, ``overloaded``, ``gone``). A Responses ``previous_response_id`` names the engine that
+answered (the decode), so P/D follows it by prefix match only.
+
 Settings: ``PDRouteSettings`` (routers/pd_settings.py), per model through ``ctx.pd_settings``.
 """
 
@@ -46,6 +55,7 @@ from gateway.request import InferenceRequest
 from routers.base import Decision, NoRouteError, Router, RouterContext
 from routers.pd_settings import PDRouteSettings
 from routers.prefix_cache import cached_depths
+from routers.session_map import RESPONSE, session_of
 
 __all__ = ["PDRouteSettings", "PDRouter", "in_bucket"]
 
@@ -69,6 +79,7 @@ class PDRouter(Router):
     def __init__(self, ctx: RouterContext) -> None:
         self.ctx = ctx
         self.max_age = ctx.settings.metrics_max_age_s
+        self.sessions = ctx.sessions if ctx.settings.prefix_session else None
 
     # -- signals -----------------------------------------------------------------------------
 
@@ -167,6 +178,10 @@ class PDRouter(Router):
                 D, P = [pinned], same
                 fast.append("decode_imbalance")
 
+        key = self._session_key(req, cfg)
+        if key is not None:
+            P, D = self._session(req, key, P, D, cfg, candidates, fast)
+
         p_scores, match = self._prefill_scores(req, P, cfg)
         d_scores = self._decode_scores(D, cfg)
         best_p: dict[str, tuple[float, Endpoint]] = {}
@@ -208,6 +223,43 @@ class PDRouter(Router):
         return Decision(d, "pd", prefill=p, uncached_tokens=uncached, prefix_match=pct,
                         learn=partial(self._learn, req, p))
 
+    def _session_key(self, req: InferenceRequest, cfg: PDRouteSettings) -> str | None:
+        if self.sessions is None or cfg.prefill_score_policy != "prefix_cache":
+            return None
+        key = session_of(req)
+        return None if key is None or key.startswith(RESPONSE) else key
+
+    def _session(self, req: InferenceRequest, key: str, P: list[Endpoint], D: list[Endpoint],
+                 cfg: PDRouteSettings, candidates: Sequence[Endpoint], fast: list[str]
+                 ) -> tuple[list[Endpoint], list[Endpoint]]:
+        """The session's prefill and its roleset's decodes, when that prefill may take the request
+        (module docstring); else ``P`` and ``D`` as they are. Counted either way."""
+        assert self.sessions is not None
+        ep = self.sessions.get(key)
+        if ep is None:
+            return P, D
+        if ep not in candidates:
+            outcome = "gone"
+        elif ep in P and ep.prefill_in_flight <= self._load_limit(P, cfg):
+            same = [d for d in D if d.roleset == ep.roleset]
+            if same:
+                self.ctx.on_session(req.model, "kept")
+                fast.append("session")
+                return [ep], same
+            outcome = "gone"
+        else:
+            outcome = "overloaded"
+        self.ctx.on_session(req.model, outcome)
+        return P, D
+
+    @staticmethod
+    def _load_limit(P: list[Endpoint], cfg: PDRouteSettings) -> float:
+        """The prefill score's load filter: mean + ``prefill_load_std_factor`` · stddev."""
+        loads = [p.prefill_in_flight for p in P]
+        mean = sum(loads) / len(loads)
+        std = math.sqrt(sum((x - mean) ** 2 for x in loads) / len(loads))
+        return mean + cfg.prefill_load_std_factor * std
+
     def _match(self, req: InferenceRequest, prefills: Sequence[Endpoint]) -> dict[Endpoint, float]:
         """Every prefill's match percentage 0..100 (see the module docstring)."""
         depths, full = cached_depths(self.ctx, self.ctx.prefix_index, "pd", req, prefills)
@@ -220,6 +272,10 @@ class PDRouter(Router):
         """The prefill computes the prompt's KV: the prefix index records it, and the event index
         expects it there until the engine's events say so."""
         self.ctx.prefix_index.insert(req, prefill)
+        if self.sessions is not None:
+            key = session_of(req)
+            if key is not None and not key.startswith(RESPONSE):
+                self.sessions.put(key, prefill)
         precise = self.ctx.precise_index
         if precise is not None and precise.covers(req.model):
             precise.routed(req, prefill)
@@ -254,10 +310,7 @@ class PDRouter(Router):
         if policy == "least_request":
             return {p: float(p.prefill_in_flight) for p in P}, match
         # prefix_cache: skip prefills far above the mean load, then trade match against load
-        loads = [p.prefill_in_flight for p in P]
-        mean = sum(loads) / len(loads)
-        std = math.sqrt(sum((x - mean) ** 2 for x in loads) / len(loads))
-        limit = mean + cfg.prefill_load_std_factor * std
+        limit = self._load_limit(P, cfg)
         kept = [p for p in P if p.prefill_in_flight <= limit] or P
         match = self._match(req, kept)
         max_load = max(1, max(p.prefill_in_flight for p in kept))

@@ -373,3 +373,32 @@ async def test_sglang_prefill_500_aborts_every_decode_that_may_have_been_sent(si
     if hop is not None:
         await hop.close()
     assert not bad, f"{len(bad)}/{n} decode requests neither aborted nor provably unsent: {bad[:5]}"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_session_keeps_its_prefill_across_turns(sims, gateway, engine):
+    """Each turn of a session (x-session-key), with a prompt that shares nothing with the last,
+    goes to the prefill that served the session's first turn; sessions spread over both rolesets."""
+    # a prefill holds each prompt for 100 ms: the six first turns, sent at once, overlap there
+    p1, p2 = [await sims(engine, "m", role="prefill", ttft_base_ms=100) for _ in range(2)]
+    d1, d2 = [await sims(engine, "m", role="decode") for _ in range(2)]
+    gw = await gateway([pd_model(engine, [roleset(engine, p1, d1, "rs-1"), roleset(engine, p2, d2, "rs-2")])])
+    client = openai_client(gw)
+    prefills: dict[str, set[str]] = {}
+
+    async def turn(t: int, s: int) -> None:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", max_tokens=2, extra_headers={"x-session-key": f"agent-{s}"},
+            messages=[{"role": "user", "content": f"turn {t} of session {s}: " + "words " * (20 + t)}])
+        prefills.setdefault(f"agent-{s}", set()).add(raw.headers["prefill-target-pod"])
+
+    await asyncio.gather(*(turn(0, s) for s in range(6)))      # at once: the first turns spread by load
+    assert len({next(iter(pods)) for pods in prefills.values()}) == 2
+    for t in range(1, 4):       # one at a time: without the session, every turn would go to the same prefill
+        for s in range(6):
+            await turn(t, s)
+    await client.close()
+    assert all(len(pods) == 1 for pods in prefills.values())
+    kept = sum(float(line.rsplit(" ", 1)[1]) for line in (await gw.metrics_text()).splitlines()
+               if line.startswith("switchyard_routing_session_total{") and 'outcome="kept"' in line)
+    assert kept == 6 * 3

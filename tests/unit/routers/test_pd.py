@@ -182,3 +182,55 @@ def test_decide_leaves_the_prefill_record_for_later_and_route_makes_it():
 def test_pair_of_different_rolesets_is_not_the_short_path():
     with pytest.raises(NoRouteError):
         router().decide(req(), [ep(1, "prefill", "a"), ep(2, "decode", "b")])
+
+
+# -- sessions ------------------------------------------------------------------------------------
+
+def _session_req(key, tokens=100):
+    r = req(tokens)
+    r.session_key = key
+    return r
+
+
+def test_a_session_goes_back_to_its_prefill_unless_it_is_overloaded_or_gone():
+    p1, d1, p2, d2 = ep(1, "prefill", "a"), ep(2, "decode", "a"), ep(3, "prefill", "b"), ep(4, "decode", "b")
+    cfg = {}
+    r = PDRouter(RouterContext(rng=random.Random(1), pd_settings=lambda m: PDRouteSettings(**cfg)))
+    outcomes = []
+    object.__setattr__(r.ctx, "on_session", lambda model, outcome: outcomes.append(outcome))
+    first = r.route(_session_req("agent-1"), [p1, d1, p2, d2])
+    assert "session" not in first.reason and outcomes == []
+    for i in range(4):          # other prompts (no prefix match) of the same session stay on its prefill
+        d = r.route(_session_req("agent-1", tokens=200 + i), [p1, d1, p2, d2])
+        assert d.prefill is first.prefill and d.reason == "session"
+        assert d.endpoint.roleset == first.prefill.roleset
+    assert outcomes == ["kept"] * 4
+    other = p2 if first.prefill is p1 else p1
+    first.prefill.prefill_in_flight, other.prefill_in_flight = 9, 0     # busier, within the load filter
+    d = r.route(_session_req("agent-1"), [p1, d1, p2, d2])              # (two prefills: 4.5 + 2 · 4.5 = 13.5)
+    assert d.prefill is first.prefill and outcomes[-1] == "kept"
+    p5, d5, p7, d7 = ep(5, "prefill", "c"), ep(6, "decode", "c"), ep(7, "prefill", "d"), ep(8, "decode", "d")
+    first.prefill.prefill_in_flight = 14       # loads 14, 0, 0, 0: within 3.5 + 2 · 6.06 = 15.6, and the
+    other.prefill_in_flight = p5.prefill_in_flight = p7.prefill_in_flight = 0   # spread 14 is below 16
+    many = [p1, d1, p2, d2, p5, d5, p7, d7]
+    assert r.route(_session_req("agent-1"), many).prefill is first.prefill and outcomes[-1] == "kept"
+    cfg["prefill_load_std_factor"] = 1.0       # 3.5 + 6.06 < 14
+    d = r.route(_session_req("agent-1"), many)
+    assert d.prefill is not first.prefill and outcomes[-1] == "overloaded"
+    moved = d.prefill           # the session follows the new decision
+    rest = [e for e in (p1, d1, p2, d2, p5, d5) if e.roleset != moved.roleset]
+    for e in rest:
+        e.prefill_in_flight = 0
+    d = r.route(_session_req("agent-1"), rest)
+    assert d.prefill is not moved and outcomes[-1] == "gone"
+
+
+def test_pd_session_preference_follows_the_prefix_session_setting_and_the_policy():
+    p1, d1, p2, d2 = ep(1, "prefill", "a"), ep(2, "decode", "a"), ep(3, "prefill", "b"), ep(4, "decode", "b")
+    for r in (PDRouter(RouterContext(rng=random.Random(1), pd_settings=lambda m: PDRouteSettings(
+                  prefill_score_policy="least_request"))),):
+        outcomes = []
+        object.__setattr__(r.ctx, "on_session", lambda model, outcome: outcomes.append(outcome))
+        for i in range(10):
+            r.route(_session_req("agent-1", tokens=100 + i), [p1, d1, p2, d2])
+        assert outcomes == []
