@@ -88,22 +88,38 @@ clean:
 	rm -rf $(VENV) $(LOCKVENV) .pytest_cache build dist
 
 # issue #5: gateway overhead side by side with the Rust routers, every gateway at its defaults
-# (bench/README.md). `make bench-peers` installs sglang-router and vllm-router into their own venv;
-# `make bench-overhead` (full mode, ~20 min: load, idle, P/D and 1,000-paced-stream scenarios, and
-# Switchyard's log-level/log-format/workers columns) measures whichever of them is installed (an
-# absent one is skipped, and the report says so); `make bench-overhead-quick` stays under 3 minutes.
+# (bench/README.md). `make bench-peers` installs sglang-router and vllm-router into their own venv,
+# and (`make bench-litellm`) the LiteLLM proxy into another (its dependencies are many and pinned
+# tightly; BENCH_LITELLM=0 leaves it out); `make bench-overhead` (full mode, ~20 min: load, idle,
+# P/D and 1,000-paced-stream scenarios, and Switchyard's log-level/log-format/workers columns)
+# measures whichever of them is installed (an absent one is skipped, and the report says so);
+# `make bench-overhead-quick` stays under 3 minutes.
 # OVERHEAD_ARGS passes options, e.g. OVERHEAD_ARGS="--scenarios pd --switchyard-variants default".
 PEERS_VENV := .venv-peers
+LITELLM_VENV := .venv-litellm
+# the newest release whose `proxy` extra pip could resolve when this was pinned (1.109.0 and later
+# require litellm-proxy-extras, litellm-enterprise or litellm-proxy releases pip did not find)
+LITELLM_VERSION := 1.108.7
+BENCH_LITELLM ?= 1
 OVERHEAD_ARGS ?=
 
-.PHONY: bench-overhead bench-overhead-quick bench-peers
+.PHONY: bench-overhead bench-overhead-quick bench-peers bench-litellm
 
-bench-peers: $(PEERS_VENV)/.installed
+bench-peers: $(PEERS_VENV)/.installed $(if $(filter 1,$(BENCH_LITELLM)),bench-litellm)
 
 $(PEERS_VENV)/.installed:
 	$(PY) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/pip install -q -U pip
 	$(PEERS_VENV)/bin/pip install -q sglang-router==0.3.2 vllm-router==0.1.17
+	touch $@
+
+bench-litellm: $(LITELLM_VENV)/.installed-$(LITELLM_VERSION)
+
+$(LITELLM_VENV)/.installed-$(LITELLM_VERSION):
+	$(PY) -m venv $(LITELLM_VENV)
+	$(LITELLM_VENV)/bin/pip install -q -U pip
+	$(LITELLM_VENV)/bin/pip install -q 'litellm[proxy]==$(LITELLM_VERSION)'
+	rm -f $(LITELLM_VENV)/.installed-*
 	touch $@
 
 bench-overhead: $(STAMP)

@@ -1,4 +1,5 @@
-"""Gateway overhead, side by side: direct to a backend, through Switchyard, through the Rust routers.
+"""Gateway overhead, side by side: direct to a backend, through Switchyard, through the peers (the Rust
+routers and the LiteLLM proxy).
 
     python bench/overhead.py --quick          # < 3 minutes
     python bench/overhead.py                  # full mode
@@ -8,7 +9,7 @@ Every gateway runs as users run it: Switchyard at its default config (log level 
 request line per request, ``log_format`` auto, which is JSON since stderr is not a TTY, as many
 worker processes as ``server.workers``' default gives on this machine; the Columns table says
 how many), its stderr going to a file on disk (what a container runtime's log driver does with a
-container's output); the Rust routers at their own default log level, stderr to a file too.
+container's output); the peers at their own default log level, stderr to a file too.
 Columns beside the headline Switchyard change one setting each (``--switchyard-variants``):
 ``warning`` (no request line: what logging costs), ``console`` (the console renderer),
 ``workers1`` (``--workers 1``: one process) and ``workers2`` (``--workers 2``; the Rust routers use
@@ -20,18 +21,25 @@ next starts):
 
 - ``agg``: one fast backend (``bench/fastbackend.py``), Switchyard in each variant, the peers
   (``sglang-router``'s ``smg launch``, ``vllm-router``) when installed in ``--peers-venv`` (``make
-  bench-peers``; an absent peer is skipped and the report says so). Scenarios ``ns1``, ``ns32``,
+  bench-peers``), the LiteLLM proxy (``litellm --config``, one worker, no database, no master key)
+  when installed in ``--litellm-venv`` (``make bench-litellm``); an absent peer is skipped and the
+  report says so. Scenarios ``ns1``, ``ns32``,
   ``ns256`` (non-streaming, closed loop at that concurrency), ``st64`` (64 unpaced streams of 100
   chunks), ``paced1`` (one stream at a time, chunks 5 ms apart: TTFT), ``idle1k``/``idle10k``
   (streams held open: memory per stream; Switchyard's variants other than the default skip these);
 - ``pd``: prefill/decode mock engines (``bench/pdbackend.py``, vLLM-style and SGLang-style),
   Switchyard with a P/D model of each engine (``pd`` strategy), ``vllm-router
-  --vllm-pd-disaggregation`` and ``smg launch --pd-disaggregation``. Scenarios ``pd-vllm-c1``,
+  --vllm-pd-disaggregation`` and ``smg launch --pd-disaggregation`` (LiteLLM has no P/D: n/a). Scenarios ``pd-vllm-c1``,
   ``pd-vllm-c16``, ``pd-sglang-c1``, ``pd-sglang-c16``: TTFT added over a client that orchestrates
   the two legs itself (``direct``);
 - ``fleet``: one fast backend listening on 4 ports (4 endpoints), Switchyard with those 4
-  endpoints, the peers with 4 worker URLs. Scenario ``fleet1k``: 1,000 concurrent streams of 40
-  chunks 1 s apart; CPU of the target over the window, CPU per relayed chunk, RSS growth.
+  endpoints, the peers with 4 worker URLs (LiteLLM: 4 ``model_list`` entries of one model). Scenario
+  ``fleet1k``: 1,000 concurrent streams of 40 chunks 1 s apart; CPU of the target over the window, CPU
+  per relayed chunk, RSS growth.
+
+LiteLLM relays a few streams a second where the others relay hundreds or thousands, so its runs of the
+scenarios that hold many streams at once are smaller (``--litellm-stream-concurrency``,
+``--litellm-fleet-streams``, ``--litellm-idle-streams``) and the report says so under each table.
 
 One load generator process per measurement (``bench/loadgen.py``). Nothing is pinned: backend,
 target and load generator share the machine's cores. Targets are measured one after another for
@@ -118,19 +126,44 @@ VARIANTS = {
 
 @dataclass(frozen=True)
 class Peer:
-    exe: str                                            # executable in the peers venv
+    exe: str                                            # executable in its venv
     dist: str                                           # its distribution (for the version)
-    agg: Callable[[int, int, list[str]], list[str]]     # (port, metrics port, worker URLs) → argv
-    pd_engine: str                                      # the P/D protocol it speaks
-    pd: Callable[[int, int, str, str], list[str]]       # (port, metrics port, prefill, decode) → argv
-    no_pd: str                                          # why it cannot run the other engine's P/D
-    levels: dict[str, str]                              # --peers-log-level → its --log-level value
+    agg: Callable[[int, int, list[str], Path], list[str]]   # (port, metrics port, worker URLs, config) → argv
+    pd_engine: str                                      # the P/D protocol it speaks ("": none)
+    pd: Callable[[int, int, str, str], list[str]] | None    # (port, metrics port, prefill, decode) → argv
+    no_pd: str                                          # why it cannot run the other engine's P/D (or any)
+    no_pd_short: str                                    # the same, for a table cell
+    levels: dict[str, str]                              # --peers-log-level → its log level value
+    what: str                                           # the Columns table's "what runs"
+    processes: str = "1 (a multi-threaded runtime)"
+    log_level: str = "info (its default)"
+    log_format: str = "its own (text)"
+    venv: str = "peers"                                 # peers (--peers-venv) | litellm (--litellm-venv)
+    install: str = "make bench-peers"
+    config: Callable[[list[str]], str] | None = None    # worker URLs → the config file it reads
+    env: dict[str, str] = field(default_factory=dict)   # added to its environment
+    level_env: str | None = None                        # the level goes in this variable, not --log-level
+    probe: str | None = None                            # a GET that answers 200 once it is up
+    start_timeout: float = 90.0
+
+
+def litellm_config(urls: list[str]) -> str:
+    """The LiteLLM proxy's config: one ``model_list`` entry per endpoint under one ``model_name``,
+    which its router balances (its default strategy, simple-shuffle); an OpenAI-compatible backend
+    (``openai/`` + ``api_base``); everything else at its defaults: no database, no callbacks. No
+    master key, so no auth, as for the other targets; since 1.108 the proxy refuses to start without
+    one unless told that is meant."""
+    out = "# written by bench/overhead.py\nmodel_list:\n"
+    for url in urls:
+        out += (f"  - model_name: {MODEL}\n    litellm_params:\n      model: openai/{MODEL}\n"
+                f"      api_base: {url}/v1\n      api_key: x\n")
+    return out + "general_settings:\n  dangerously_permit_weak_or_unset_master_key: true\n"
 
 
 PEERS = {
     "sglang-router": Peer(
         "smg", "sglang-router",
-        lambda port, mport, urls: ["launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+        lambda port, mport, urls, cfg: ["launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
                                    "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
                                    "--prometheus-port", str(mport), "--shutdown-grace-period-secs", "1"],
         "sglang",
@@ -141,10 +174,12 @@ PEERS = {
             "--shutdown-grace-period-secs", "1"],
         "its --pd-disaggregation speaks SGLang's bootstrap protocol only; it has no mode that hands "
         "vLLM's kv_transfer_params from the prefill's answer to the decode",
-        {"debug": "debug", "info": "info", "warn": "warn", "error": "error"}),
+        "SGLang P/D only",
+        {"debug": "debug", "info": "info", "warn": "warn", "error": "error"},
+        "`smg launch --policy round_robin` (P/D: `--pd-disaggregation`)"),
     "vllm-router": Peer(
         "vllm-router", "vllm-router",
-        lambda port, mport, urls: ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
+        lambda port, mport, urls, cfg: ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
                                    "--policy", "round_robin", "--prometheus-host", "127.0.0.1",
                                    "--prometheus-port", str(mport)],
         "vllm",
@@ -154,8 +189,35 @@ PEERS = {
             "--prometheus-port", str(mport)],
         "its only P/D mode, --vllm-pd-disaggregation, is vLLM's context-first protocol; it has no "
         "SGLang bootstrap mode",
-        {"debug": "debug", "info": "info", "warn": "warning", "error": "error"}),
+        "vLLM P/D only",
+        {"debug": "debug", "info": "info", "warn": "warning", "error": "error"},
+        "`vllm-router --policy round_robin` (P/D: `--vllm-pd-disaggregation`)"),
+    "litellm": Peer(
+        "litellm", "litellm",
+        lambda port, mport, urls, cfg: ["--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)],
+        "", None,
+        "it has no prefill/decode disaggregation: a model_list entry is one OpenAI-compatible endpoint",
+        "no P/D",
+        {"debug": "DEBUG", "info": "INFO", "warn": "WARNING", "error": "ERROR"},
+        "`litellm --config` (the proxy at its defaults: one worker, no database, no master key; a "
+        "`model_list` entry per endpoint, its default routing, simple-shuffle)",
+        processes="1 (uvicorn, one worker: `--num_workers` default)",
+        log_level="its default (uvicorn's access log: one line per request)",
+        venv="litellm", install="make bench-litellm", config=litellm_config,
+        # the model cost map from the package, not fetched from GitHub at every start (its only
+        # outbound call at start-up; usage telemetry is off unless configured, since 1.107)
+        env={"LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        level_env="LITELLM_LOG", probe="/health/liveliness", start_timeout=150.0),
 }
+# LiteLLM spends tens of ms of CPU on a stream and relays a few streams a second: in the scenarios
+# that hold many streams at once it gets fewer, so that its runs end in seconds, not minutes. At 64
+# concurrent unpaced streams of 100 chunks, one stream takes it about 8 s, longer than the window:
+# it runs at 16, after a warm-up long enough for the first streams to end.
+LITELLM_STREAM_CONCURRENCY = 16
+LITELLM_STREAM_WARMUP = 3.0     # seconds, at least
+LITELLM_STREAM_WINDOW = 2.0     # seconds, at least
+LITELLM_FLEET_STREAMS = 100
+LITELLM_IDLE_STREAMS = 250
 
 
 @dataclass
@@ -264,11 +326,13 @@ class Procs:
     def log_path(self, name: str) -> Path:
         return self.logdir / f"{name}.log"
 
-    def start(self, name: str, argv: list[str], *, stdin=None, stdout=None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], *, stdin=None, stdout=None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_path(name), "ab")
         self.logs.append(log)
         p = subprocess.Popen(argv, cwd=REPO, stdin=stdin, stdout=stdout if stdout is not None else log,
-                             stderr=log, start_new_session=True, preexec_fn=_die_with_parent)
+                             stderr=log, start_new_session=True, preexec_fn=_die_with_parent,
+                             env={**os.environ, **env} if env else None)
         self.procs.append(p)
         return p
 
@@ -345,11 +409,19 @@ def backend_release(port: int) -> int | None:
         return None
 
 
-def wait_ready(name: str, p: subprocess.Popen, port: int, timeout: float, model: str = MODEL) -> None:
-    """Until a small chat completion through ``port`` answers 200."""
+def wait_ready(name: str, p: subprocess.Popen, port: int, timeout: float, model: str = MODEL,
+               probe: str | None = None) -> None:
+    """Until a small chat completion through ``port`` answers 200; with ``probe``, first until a GET of
+    that path does (a slow start-up is then not a stream of failing completions). Both within ``timeout``."""
     body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "ready?"}],
                          "max_tokens": 4, "stream": False})
     deadline = time.monotonic() + timeout
+    while probe and time.monotonic() < deadline:
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode} during start-up (see its log)")
+        if http_request(port, "GET", probe, timeout=5.0)[0] == 200:
+            break
+        time.sleep(0.2)
     while time.monotonic() < deadline:
         if p.poll() is not None:
             raise RuntimeError(f"{name} exited with {p.returncode} during start-up (see its log)")
@@ -531,15 +603,18 @@ class Runner:
     """Starts the stacks, runs the scenarios, fills the report."""
 
     def __init__(self, args: argparse.Namespace, mode: Mode, procs: Procs, report: dict, present: list[str],
-                 venv: Path, say: Callable[[str], None]) -> None:
+                 venvs: dict[str, Path], say: Callable[[str], None]) -> None:
         self.args = args
         self.mode = mode
         self.procs = procs
         self.report = report
         self.present = present
-        self.venv = venv
+        self.venvs = venvs
         self.say = say
-        self.versions = {name: peer_version(venv, PEERS[name].dist) for name in present}
+        self.versions = {name: peer_version(venvs[PEERS[name].venv], PEERS[name].dist) for name in present}
+        # streams a target holds at once in the fleet and idle scenarios, when fewer than the scenario's
+        self.caps = {"litellm": {"fleet": args.litellm_fleet_streams, "idle": args.litellm_idle_streams,
+                                 "stream": args.litellm_stream_concurrency}}
         self.stderr_kind = f"a file on {fs_type(procs.logdir)}"
 
     # -- starting ------------------------------------------------------------------------------
@@ -554,11 +629,48 @@ class Runner:
         wait_listening(name, p, ports[0], 15)
         stack.backend_pid, stack.backend_port, stack.backend_ports = p.pid, ports[0], ports
 
-    def _peer_level(self, peer: Peer) -> tuple[list[str], str]:
+    def _peer_level(self, peer: Peer) -> tuple[list[str], dict[str, str], str]:
         lvl = self.args.peers_log_level
         if lvl == "default":
-            return [], "info (its default)"
-        return ["--log-level", peer.levels[lvl]], f"{peer.levels[lvl]} (`--log-level`)"
+            return [], {}, peer.log_level
+        if peer.level_env:
+            return [], {peer.level_env: peer.levels[lvl]}, f"{peer.levels[lvl]} (`{peer.level_env}`)"
+        return ["--log-level", peer.levels[lvl]], {}, f"{peer.levels[lvl]} (`--log-level`)"
+
+    @staticmethod
+    def _scenario_streams(sc: Scenario) -> int:
+        """Streams the scenario holds at once (0: not a scenario of many streams)."""
+        if sc.mode == "idle":
+            return sc.idle_n
+        if sc.mode == "fleet":
+            return sc.streams
+        return sc.concurrency if sc.mode == "stream" and not sc.pace_ms else 0
+
+    def streams_for(self, t: Target, sc: Scenario) -> int:
+        """The streams ``t`` holds at once in an idle, fleet or unpaced stream scenario: the scenario's,
+        or fewer, the target's cap."""
+        n = self._scenario_streams(sc)
+        cap = self.caps.get(t.name, {}).get(sc.mode)
+        return min(n, cap) if cap and n else n
+
+    def timing(self, t: Target, sc: Scenario) -> tuple[int, float, float]:
+        """(concurrency, warm-up, window) of a load or P/D run of ``t``."""
+        m = self.mode
+        duration = m.pd_duration if sc.mode == "pd" else m.duration
+        n = self.streams_for(t, sc)
+        if sc.mode == "stream" and 0 < n < sc.concurrency:
+            return n, max(m.warmup, LITELLM_STREAM_WARMUP), max(duration, LITELLM_STREAM_WINDOW)
+        return sc.concurrency, m.warmup, duration
+
+    def _note_cap(self, t: Target, sc: Scenario) -> None:
+        n, full = self.streams_for(t, sc), self._scenario_streams(sc)
+        capped = self.report["capped"]
+        if n < full and not any(c["scenario"] == sc.name and c["target"] == t.name for c in capped):
+            c = {"scenario": sc.name, "target": t.name, "streams": n, "of": full,
+                 "option": f"--{t.name}-{'stream-concurrency' if sc.mode == 'stream' else sc.mode + '-streams'}"}
+            if sc.mode == "stream":
+                _, c["warmup_s"], c["window_s"] = self.timing(t, sc)
+            capped.append(c)
 
     def _starting_switchyard(self, stack: Stack, variant: Variant, key: str, models: str) -> tuple[Target, subprocess.Popen]:
         port = free_port()
@@ -576,19 +688,25 @@ class Runner:
                    about=about, log=self.procs.log_path(name), pd_engines=("vllm", "sglang"))
         return t, p
 
+    def _peer_argv(self, stack: Stack, name: str, port: int, mport: int, urls: list[str]) -> list[str]:
+        """The peer's arguments in the agg and fleet stacks (its config file written first, if it reads one)."""
+        peer = PEERS[name]
+        cfg = self.procs.logdir / f"{stack.name}-{name}.yaml"
+        if peer.config is not None:
+            cfg.write_text(peer.config(urls))
+        return peer.agg(port, mport, urls, cfg)
+
     def _starting_peer(self, stack: Stack, name: str, argv_tail: list[str]) -> tuple[Target, subprocess.Popen]:
         peer = PEERS[name]
-        level_argv, level = self._peer_level(peer)
+        level_argv, level_env, level = self._peer_level(peer)
         pname = f"{stack.name}-{name}"
-        p = self.procs.start(pname, [str(self.venv / "bin" / peer.exe), *argv_tail, *level_argv])
-        pd_flag = "--pd-disaggregation" if peer.pd_engine == "sglang" else "--vllm-pd-disaggregation"
-        about = {"what": f"`{peer.exe}{' launch' if peer.exe == 'smg' else ''} --policy round_robin` "
-                         f"(P/D: `{pd_flag}`)",
-                 "log_level": level, "log_format": "its own (text)", "processes": "1 (a multi-threaded runtime)",
+        p = self.procs.start(pname, [str(self.venvs[peer.venv] / "bin" / peer.exe), *argv_tail, *level_argv],
+                             env={**peer.env, **level_env})
+        about = {"what": peer.what, "log_level": level, "log_format": peer.log_format, "processes": peer.processes,
                  "stderr": self.stderr_kind}
         t = Target(name, 0, p.pid, self.versions.get(name, ""), stack.name, "peer",
                    about=about, log=self.procs.log_path(pname),
-                   pd_engines=(peer.pd_engine,) if stack.name == "pd" else ())
+                   pd_engines=(peer.pd_engine,) if stack.name == "pd" and peer.pd_engine else ())
         return t, p
 
     def ready(self, stack: Stack) -> None:
@@ -596,7 +714,9 @@ class Runner:
         starting, stack.starting = stack.starting, []
         for t, p, model in starting:
             try:
-                wait_ready(t.name, p, t.port, 90, model)
+                peer = PEERS.get(t.name) if t.kind == "peer" else None
+                wait_ready(t.name, p, t.port, peer.start_timeout if peer else 90, model,
+                           peer.probe if peer else None)
             except RuntimeError as e:
                 if t.kind != "peer":
                     raise
@@ -639,7 +759,7 @@ class Runner:
                 starting.append((t, p, MODEL))
         for name in self.present:
             port, mport = free_port(), free_port()
-            t, p = self._starting_peer(st, name, PEERS[name].agg(port, mport, [url]))
+            t, p = self._starting_peer(st, name, self._peer_argv(st, name, port, mport, [url]))
             t.port = port
             starting.append((t, p, MODEL))
         st.starting = starting
@@ -669,7 +789,7 @@ class Runner:
             starting.append((t, p, f"pd-{sorted(engines, reverse=True)[0]}"))
         for name in self.present:
             peer = PEERS[name]
-            if peer.pd_engine not in engines:
+            if peer.pd is None or peer.pd_engine not in engines:
                 continue
             _, pport, dport = st.pd_backends[peer.pd_engine]
             port, mport = free_port(), free_port()
@@ -692,7 +812,7 @@ class Runner:
             starting.append((t, p, MODEL))
         for name in self.present:
             port, mport = free_port(), free_port()
-            t, p = self._starting_peer(st, name, PEERS[name].agg(port, mport, urls))
+            t, p = self._starting_peer(st, name, self._peer_argv(st, name, port, mport, urls))
             t.port = port
             starting.append((t, p, MODEL))
         st.starting = starting
@@ -719,7 +839,6 @@ class Runner:
     # -- running -------------------------------------------------------------------------------
 
     def loadgen_argv(self, t: Target, sc: Scenario, stack: Stack) -> list[str]:
-        m = self.mode
         argv = [sys.executable, str(BENCH / "loadgen.py"), "--mode", "stream" if sc.mode == "pd" else sc.mode,
                 "--max-tokens", str(sc.max_tokens)]
         backend_pid = stack.backend_pid
@@ -739,12 +858,12 @@ class Runner:
         if sc.pace_ms:
             argv += ["--pace-ms", f"{sc.pace_ms:g}"]
         if sc.mode == "idle":
-            return argv + ["--idle-n", str(sc.idle_n), "--hold-timeout", "20"]
+            return argv + ["--idle-n", str(self.streams_for(t, sc)), "--hold-timeout", "20"]
         if sc.mode == "fleet":
-            argv += ["--streams", str(sc.streams), "--ramp", f"{sc.ramp_s:g}", "--settle", f"{SETTLE:g}"]
+            argv += ["--streams", str(self.streams_for(t, sc)), "--ramp", f"{sc.ramp_s:g}", "--settle", f"{SETTLE:g}"]
         else:
-            duration = m.pd_duration if sc.mode == "pd" else m.duration
-            argv += ["--concurrency", str(sc.concurrency), "--warmup", f"{m.warmup:g}",
+            concurrency, warmup, duration = self.timing(t, sc)
+            argv += ["--concurrency", str(concurrency), "--warmup", f"{warmup:g}",
                      "--duration", f"{duration:g}", "--samples"]
         argv += ["--cpu-pid", f"backend={backend_pid}"]
         for pid in (t.pids or ([t.pid] if t.pid is not None else [])):
@@ -752,8 +871,8 @@ class Runner:
         return argv
 
     def run_load(self, t: Target, sc: Scenario, stack: Stack) -> dict:
-        m = self.mode
-        limit = (m.pd_duration if sc.mode == "pd" else m.duration) + m.warmup + 60
+        _, warmup, duration = self.timing(t, sc)
+        limit = duration + warmup + 60
         if sc.mode == "fleet":
             limit = sc.ramp_s + sc.interval_s * (sc.max_tokens + 3) + 120
         p = self.procs.start("loadgen", self.loadgen_argv(t, sc, stack), stdout=subprocess.PIPE)
@@ -777,9 +896,10 @@ class Runner:
         buf = bytearray()
         res: dict = {"rss_before": rss0, "measured_pid": "target" if t.pid is not None else "backend"}
         try:
-            line = read_line(p, buf, time.monotonic() + 30 + sc.idle_n / 100)
+            n = self.streams_for(t, sc)
+            line = read_line(p, buf, time.monotonic() + 30 + n / 100)
             if line is None:
-                res["failed"] = f"{sc.idle_n} idle streams not established in time"
+                res["failed"] = f"{n} idle streams not established in time"
                 return res
             held = orjson.loads(line)
             res.update(held=held["held"], failed_streams=held["failed"], open_s=held["open_s"],
@@ -833,6 +953,7 @@ class Runner:
                         t.rss["after_load"] = rss_sum(t.measured(stack.backend_pid))
                 for t in targets:
                     say(f"{sc.name}: {t.name}")
+                    self._note_cap(t, sc)
                     r = results[sc.name][t.name] = self.run_idle(t, sc, stack)
                     if "failed" in r:
                         say(f"  {r['failed']}")
@@ -845,6 +966,7 @@ class Runner:
                 continue
             if sc.mode == "fleet":
                 for t in targets:
+                    self._note_cap(t, sc)
                     before = backend_stats(stack.backend_port).get("by_port", {})
                     r = results[sc.name][t.name] = self.run_load(t, sc, stack)
                     after = backend_stats(stack.backend_port).get("by_port", {})
@@ -853,7 +975,7 @@ class Runner:
                         say(f"{sc.name}: {t.name}: {r['failed']}")
                         continue
                     cpu = r["cpu_s"].get("target")
-                    say(f"{sc.name}: {t.name}: {r['completed']}/{sc.streams} streams in {r['window_s']:.1f}s, "
+                    say(f"{sc.name}: {t.name}: {r['completed']}/{self.streams_for(t, sc)} streams in {r['window_s']:.1f}s, "
                         f"target CPU {'—' if cpu is None else f'{cpu:.2f}'} s, {r['events']} chunks, "
                         f"errors {r['errors']}")
                 continue
@@ -863,6 +985,7 @@ class Runner:
             for rnd in range(rounds):
                 k = rnd % len(targets)
                 for t in targets[k:] + targets[:k]:
+                    self._note_cap(t, sc)
                     w0 = self._pd_counters(stack, sc)
                     r = self.run_load(t, sc, stack)
                     if sc.mode == "pd":
@@ -985,9 +1108,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--tiny", dest="mode", action="store_const", const="tiny", help="seconds; for tests")
     p.set_defaults(mode="full")
     p.add_argument("--peers", default="auto",
-                   help="auto (those installed in --peers-venv), none, or a comma list of "
+                   help="auto (those installed in --peers-venv and --litellm-venv), none, or a comma list of "
                         + ", ".join(PEERS))
-    p.add_argument("--peers-venv", default=str(REPO / ".venv-peers"))
+    p.add_argument("--peers-venv", default=str(REPO / ".venv-peers"), help="the Rust routers' venv (make bench-peers)")
+    p.add_argument("--litellm-venv", default=str(REPO / ".venv-litellm"), help="LiteLLM's venv (make bench-litellm)")
+    p.add_argument("--litellm-stream-concurrency", type=int, default=LITELLM_STREAM_CONCURRENCY,
+                   help=f"LiteLLM's concurrency in the unpaced stream scenario (default {LITELLM_STREAM_CONCURRENCY}, "
+                        f"after at least {LITELLM_STREAM_WARMUP:g} s of warm-up, with a window of at least "
+                        f"{LITELLM_STREAM_WINDOW:g} s; 0: the scenario's)")
+    p.add_argument("--litellm-fleet-streams", type=int, default=LITELLM_FLEET_STREAMS,
+                   help=f"streams LiteLLM gets in the many-paced-streams scenario (default {LITELLM_FLEET_STREAMS}; "
+                        "0: the scenario's)")
+    p.add_argument("--litellm-idle-streams", type=int, default=LITELLM_IDLE_STREAMS,
+                   help=f"idle streams LiteLLM holds at most (default {LITELLM_IDLE_STREAMS:,}; 0: the scenario's)")
     p.add_argument("--peers-log-level", default="default", choices=("default", "debug", "info", "warn", "error"),
                    help="the peers' --log-level (default: theirs, info)")
     p.add_argument("--no-switchyard", action="store_true", help="measure only direct and the peers")
@@ -1084,7 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = kept
 
     # which peers
-    venv = Path(args.peers_venv)
+    venvs = {"peers": Path(args.peers_venv), "litellm": Path(args.litellm_venv)}
     wanted_peers = list(PEERS) if args.peers in ("auto", "all") else \
         [] if args.peers == "none" else [x.strip() for x in args.peers.split(",") if x.strip()]
     absent: list[str] = []
@@ -1093,11 +1226,11 @@ def main(argv: list[str] | None = None) -> int:
         if name not in PEERS:
             print(f"unknown peer {name!r}; known: {list(PEERS)}", file=sys.stderr)
             return 2
-        exe = venv / "bin" / PEERS[name].exe
+        exe = venvs[PEERS[name].venv] / "bin" / PEERS[name].exe
         if exe.exists():
             present.append(name)
         else:
-            absent.append(f"{name} (no {exe}; `make bench-peers` installs it)")
+            absent.append(f"{name} (no {exe}; `{PEERS[name].install}` installs it)")
     if args.peers == "none":
         notes.append("peers not requested (--peers none)")
 
@@ -1114,16 +1247,14 @@ def main(argv: list[str] | None = None) -> int:
                           "token_ms": mode.pd_token_ms, "tokens": mode.pd_tokens, "rounds": mode.pd_rounds,
                           "duration": mode.pd_duration, "bootstrap_port": BOOTSTRAP_PORT}},
         "scenarios": [{**vars(s), "kind": s.kind} for s in scenarios], "absent": absent, "notes": notes,
-        "skipped": [], "targets": [], "results": {}, "rounds": {}, "pids": {},
+        "skipped": [], "capped": [], "targets": [], "results": {}, "rounds": {}, "pids": {},
     }
     for name in present:
         peer = PEERS[name]
-        other = {"vllm": "sglang", "sglang": "vllm"}[peer.pd_engine]
-        if any(s.mode == "pd" and s.engine == other for s in scenarios):
-            report["skipped"].append({"kind": "pd", "target": name,
-                                      "scenarios": ", ".join(s.name for s in scenarios
-                                                             if s.mode == "pd" and s.engine == other),
-                                      "why": peer.no_pd})
+        other = [s.name for s in scenarios if s.mode == "pd" and s.engine != peer.pd_engine]
+        if other:
+            report["skipped"].append({"kind": "pd", "target": name, "scenarios": ", ".join(other),
+                                      "why": peer.no_pd, "short": peer.no_pd_short})
 
     with contextlib.ExitStack() as exits:
         if args.logdir:
@@ -1140,7 +1271,7 @@ def main(argv: list[str] | None = None) -> int:
         for sig in prev:
             signal.signal(sig, on_signal)
         try:
-            runner = Runner(args, mode, procs, report, present, venv, say)
+            runner = Runner(args, mode, procs, report, present, venvs, say)
             agg = [s for s in scenarios if s.kind == "load"] + [s for s in scenarios if s.kind == "idle"]
             pd = [s for s in scenarios if s.kind == "pd"]
             fleet = [s for s in scenarios if s.kind == "fleet"]

@@ -135,13 +135,23 @@ def _columns(report: dict, L: list[str]) -> None:
                  f"{a.get('processes', '—')} | {a.get('stderr', '—')} | {written} |")
     L.append("")
     L.append("Switchyard's config is its defaults except `listen`, `models`, `routing.strategy: round-robin` "
-             "(what the peers run; the P/D models use `pd`), `server.shutdown_grace_s: 1` and "
+             "(what the Rust routers run; the P/D models use `pd`), `server.shutdown_grace_s: 1` and "
              "`server.drain_delay_s: 0` (a quick stop), and the column's one setting. Every gateway's stderr "
              "goes to a file on disk, as a container runtime's log driver writes a container's output; "
              "/dev/null would make logging look cheaper than it is where users run it. Request log written: "
              "the growth of the column's stderr files over its scenarios divided by the requests it served, "
              "warm-ups included.")
     L.append("")
+    if any(t["name"] == "litellm" for t in report["targets"]):
+        L.append("LiteLLM's config is a `model_list` with one entry per endpoint under the one model name "
+                 "(`model: openai/<name>`, `api_base: <endpoint>/v1`, `api_key: x`), which its router balances "
+                 "(its default strategy, simple-shuffle: random, where the Rust routers run round-robin), and "
+                 "`general_settings.dangerously_permit_weak_or_unset_master_key: true` (no master key, hence no "
+                 "auth, as for the other targets; it refuses to start without a key otherwise); started with "
+                 "`LITELLM_LOCAL_MODEL_COST_MAP=True` (its model cost map from the package instead of fetched "
+                 "from GitHub at start-up). Everything else at its defaults: one worker, no database, no "
+                 "callbacks, usage telemetry off.")
+        L.append("")
 
 
 def _load_tables(report: dict, L: list[str]) -> None:
@@ -171,6 +181,12 @@ def _load_tables(report: dict, L: list[str]) -> None:
     L.append("")
     L.append("req/s counts streams for the streaming scenarios; latency is the whole answer (the whole "
              "stream); TTFT is the time to the first SSE `data:` event.")
+    for sc in load_scs:
+        for c in _capped(report, sc["name"]):
+            L.append(f"{c['target']} ran `{sc['name']}` at {c['streams']:,} concurrent streams, not {c['of']:,} "
+                     f"(`{c['option']}`), after {c.get('warmup_s', 0):g} s of warm-up with a {c.get('window_s', 0):g} s "
+                     f"window: at {c['of']:,} one stream takes it longer than the window. Its streams/s is what its "
+                     "CPU allows at either concurrency; its latency and TTFT are at the lower concurrency.")
     L.append("")
     if "direct" in names and len(names) > 1:
         L.append("### Added over direct (ms)")
@@ -270,6 +286,7 @@ def _pd_tables(report: dict, L: list[str]) -> None:
     L.append("| scenario | target | streams | TTFT p50 ms | TTFT p99 ms | +TTFT p50 | +TTFT p99 | "
              "latency p50 ms | target CPU µs/stream | P/D on the wire | errors |")
     L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    skipped = report.get("skipped", [])
     for sc in scs:
         r = res.get(sc["name"], {})
         d = r.get("direct", {})
@@ -285,11 +302,15 @@ def _pd_tables(report: dict, L: list[str]) -> None:
                      f"{fmt(a.get('ttft_p99_ms'), 2)} | {fmt(diff('ttft_p50_ms'), 2)} | {fmt(diff('ttft_p99_ms'), 2)} | "
                      f"{fmt(a.get('lat_p50_ms'), 1)} | {fmt(a.get('target_cpu_us_per_req'), 0)} | "
                      f"{_wire(sc, a.get('wire'))} | {a['errors']} |")
+        for s in skipped:   # a peer that has no P/D mode for this engine: a row that says so
+            if s.get("kind") == "pd" and sc["name"] in s.get("scenarios", "").split(", ") and s["target"] not in r:
+                L.append(f"| {sc['name']} | {s['target']} | n/a{': ' + s['short'] if s.get('short') else ''} "
+                         "| | | | | | | | |")
     L.append("")
-    for s in report.get("skipped", []):
+    for s in skipped:
         if s.get("kind") == "pd":
             L.append(f"- {s['target']} skipped in {s['scenarios']}: {s['why']}")
-    if any(s.get("kind") == "pd" for s in report.get("skipped", [])):
+    if any(s.get("kind") == "pd" for s in skipped):
         L.append("")
 
 
@@ -349,6 +370,11 @@ def _fleet_table(report: dict, L: list[str]) -> None:
                      f"{fmt(a.get('cpu_s', {}).get('backend'), 2)} | "
                      f"{' / '.join(str(v) for v in spread) if spread else '—'} |")
         L.append("")
+        for c in _capped(report, sc["name"]):
+            L.append(f"- {c['target']} ran {c['streams']:,} of the {c['of']:,} streams (`{c['option']}`; the whole burst "
+                     "would saturate it and run the scenario far past its window): the same ramp and chunk "
+                     "interval, so its CPU per relayed chunk and its gaps compare; its CPU seconds, RSS growth "
+                     "and TTFT are for the smaller burst.")
         for s in report.get("skipped", []):
             if s.get("kind") == "fleet":
                 L.append(f"- {s['target']} skipped: {s['why']}")
@@ -389,6 +415,10 @@ def _memory_tables(report: dict, L: list[str]) -> None:
     L.append("Direct's row is the fast backend's own memory (a reference, not a gateway). "
              "KB/stream = (RSS held − RSS before) / streams held; a gateway holds two sockets per stream. "
              "After close: once the clients left and the backend ended any stream still open.")
+    for s in idle_scs:
+        for c in _capped(report, s["name"]):
+            L.append(f"{c['target']} held {c['streams']:,} of the {c['of']:,} streams in `{s['name']}` "
+                     f"(`{c['option']}`): opening each costs it about as much CPU as a whole request.")
     L.append("")
     mem_pairs = [("switchyard", p) for p in peers] if "switchyard" in names else []
     if mem_pairs:
@@ -424,6 +454,11 @@ def _memory_tables(report: dict, L: list[str]) -> None:
                     cells.append(f"{left:,} of {held:,} still open after {waited:.1f} s")
             L.append(f"| {n} | " + " | ".join(cells) + " |")
         L.append("")
+
+
+def _capped(report: dict, scenario: str) -> list[dict]:
+    """The targets that ran fewer streams than the scenario's in it (LiteLLM, bench/overhead.py's caps)."""
+    return [c for c in report.get("capped", []) if c.get("scenario") == scenario]
 
 
 def _div(a, b):

@@ -3,7 +3,8 @@
 Speed is never asserted here (bench/ measures it); only that every scenario kind (load, idle,
 prefill/decode, many paced streams) produced figures for every column that takes part, that the
 report states each column's log settings, that an absent peer is reported as absent, and that every
-process the benchmark started is gone.
+process the benchmark started is gone. The peers' columns (LiteLLM's with its smaller runs and its
+n/a P/D rows) are checked on a report made up here, so no peer needs to be installed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import orjson
 import pytest
 
 REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO / "bench"))
+import overhead  # noqa: E402
+from overhead_report import goals, render  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +28,7 @@ def tiny_run(tmp_path_factory) -> tuple[dict, str, str]:
     out = tmp_path_factory.mktemp("overhead")
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "overhead.py"), "--tiny", "--peers", "auto",
-         "--peers-venv", str(out / "no-such-venv"), "--out", str(out)],
+         "--peers-venv", str(out / "no-such-venv"), "--litellm-venv", str(out / "no-such-venv"), "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = orjson.loads((out / "overhead-latest.json").read_bytes())
@@ -119,8 +123,8 @@ def test_report_is_markdown_with_ratios_and_goals(tiny_run):
 def test_absent_peers_are_named(tiny_run):
     data, md, _ = tiny_run
     absent = " ".join(data["absent"])
-    assert "sglang-router" in absent and "vllm-router" in absent
-    assert "Absent:" in md and "make bench-peers" in md
+    assert "sglang-router" in absent and "vllm-router" in absent and "litellm" in absent
+    assert "Absent:" in md and "make bench-peers" in md and "make bench-litellm" in md
 
 
 def test_no_process_left_behind(tiny_run):
@@ -137,3 +141,141 @@ def _someone_else(pid: int) -> bool:
     except OSError:
         return True
     return b"sy-overhead-" not in cmd and b"bench/fastbackend.py" not in cmd and b"bench/pdbackend.py" not in cmd
+
+
+# -- the peers' columns, on a made-up report ------------------------------------------------------------
+
+def test_peers_option_accepts_litellm(tmp_path):
+    args = overhead.parse_args(["--quick", "--peers", "vllm-router,sglang-router,litellm",
+                                "--litellm-venv", str(tmp_path), "--litellm-fleet-streams", "50"])
+    assert args.peers.split(",") == ["vllm-router", "sglang-router", "litellm"]
+    assert args.litellm_venv == str(tmp_path) and args.litellm_fleet_streams == 50
+    assert args.litellm_idle_streams == overhead.LITELLM_IDLE_STREAMS
+    assert set(overhead.PEERS) == {"sglang-router", "vllm-router", "litellm"}
+    lite = overhead.PEERS["litellm"]
+    assert lite.venv == "litellm" and lite.pd is None and lite.probe == "/health/liveliness"
+
+
+def test_litellm_config_balances_one_model_over_the_endpoints(tmp_path):
+    import yaml
+    urls = ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
+    cfg = yaml.safe_load(overhead.litellm_config(urls))
+    assert [m["model_name"] for m in cfg["model_list"]] == [overhead.MODEL] * 2
+    assert [m["litellm_params"] for m in cfg["model_list"]] == [
+        {"model": f"openai/{overhead.MODEL}", "api_base": f"{u}/v1", "api_key": "x"} for u in urls]
+    assert cfg["general_settings"] == {"dangerously_permit_weak_or_unset_master_key": True}   # no master key
+    argv = overhead.PEERS["litellm"].agg(4000, 4001, urls, tmp_path / "c.yaml")
+    assert argv == ["--config", str(tmp_path / "c.yaml"), "--host", "127.0.0.1", "--port", "4000"]
+
+
+PEER_NAMES = ("sglang-router", "vllm-router", "litellm")
+
+
+def _load(rps: float, cpu: float | None, stream: bool) -> dict:
+    return {"rounds": 1, "failed_rounds": [], "completed": int(rps), "errors": 0, "rps": rps, "events_per_s": rps,
+            "lat_p50_ms": 1.0, "lat_p99_ms": 2.0, "ttft_p50_ms": 0.5 if stream else None,
+            "ttft_p99_ms": 0.9 if stream else None, "backend_cpu_us_per_req": 10.0,
+            **({"target_cpu_us_per_req": cpu} if cpu is not None else {})}
+
+
+def _fake_report() -> dict:
+    """What bench/overhead.py writes for a quick run with the three peers, figures made up."""
+    mb = 1024 * 1024
+    scenarios = [
+        {"name": "ns32", "title": "non-streaming, concurrency 32", "mode": "nonstream", "concurrency": 32},
+        {"name": "st64", "title": "streaming, 64 streams × 100 chunks", "mode": "stream", "concurrency": 64},
+        {"name": "paced1", "title": "paced stream", "mode": "stream", "concurrency": 1, "pace_ms": 5.0},
+        {"name": "idle1k", "title": "1,000 idle streams held open", "mode": "idle", "idle_n": 1000},
+        {"name": "pd-vllm-c1", "title": "vLLM P/D", "mode": "pd", "engine": "vllm", "concurrency": 1},
+        {"name": "pd-sglang-c1", "title": "SGLang P/D", "mode": "pd", "engine": "sglang", "concurrency": 1},
+        {"name": "fleet1k", "title": "1,000 paced streams", "mode": "fleet", "streams": 1000, "interval_s": 0.5,
+         "ramp_s": 0.5},
+    ]
+    names = ("direct", "switchyard", *PEER_NAMES)
+    targets = []
+    for stack in ("agg", "pd", "fleet"):
+        for n in names:
+            if stack == "pd" and n == "litellm":
+                continue
+            targets.append({"name": n, "stack": stack, "kind": "direct" if n == "direct" else
+                            "switchyard" if n == "switchyard" else "peer",
+                            "variant": "default" if n == "switchyard" else None, "version": "1",
+                            "rss": {"start": 50 * mb, "after_load": 60 * mb, "end": 70 * mb},
+                            "about": {"what": n}, "log": {"bytes": 100, "lines": 1, "requests": 1}})
+    res: dict = {}
+    for sc in scenarios[:3]:
+        stream = sc["mode"] == "stream"
+        res[sc["name"]] = {n: _load(10.0 if n == "litellm" else 1000.0, None if n == "direct" else 100.0, stream)
+                           for n in names}
+    res["idle1k"] = {n: {"held": 250 if n == "litellm" else 1000, "rss_held": 80 * mb, "bytes_per_stream": 20480.0,
+                         "rss_after_close": 70 * mb, "upstream_held_after_close": 0, "upstream_wait_s": 0.1}
+                     for n in names}
+    for sc, peer in (("pd-vllm-c1", "vllm-router"), ("pd-sglang-c1", "sglang-router")):
+        res[sc] = {n: {**_load(5.0, None if n == "direct" else 900.0, True), "wire": {}}
+                   for n in ("direct", "switchyard", peer)}
+    res["fleet1k"] = {n: {"completed": 100 if n == "litellm" else 1000, "errors": 0, "window_s": 5.0, "events": 900,
+                          "cpu_s": {"backend": 0.3, **({} if n == "direct" else {"target": 1.0})},
+                          "rss_before": {"target": 50 * mb, "backend": 20 * mb},
+                          "rss_peak": {"target": 60 * mb, "backend": 21 * mb},
+                          "rss_after": {"target": 55 * mb, "backend": 20 * mb}, "ttft_p50_ms": 500.0,
+                          "ttft_p99_ms": 510.0, "gap_p50_ms": 500.0, "gap_p99_ms": 501.0, "gap_max_ms": 505.0,
+                          "by_port": [250, 250, 250, 250]} for n in names}
+    report = {
+        "date": "2026-12-01 00:00 UTC", "mode": "quick", "loadavg_before": "0.1", "loadavg_after": "0.2",
+        "machine": {"cpu": "cpu", "cores": 2, "affinity": 2, "memory": "1 GiB", "kernel": "6", "python": "3.11"},
+        "params": {"rounds": 1, "duration": 1.0, "warmup": 0.3, "upstream_wait_s": 2.0,
+                   "pd": {"prefill_ms": 20, "transfer_ms": 2, "token_ms": 5, "tokens": 32, "rounds": 1,
+                          "duration": 2.5}},
+        "scenarios": scenarios, "absent": [], "notes": [], "targets": targets, "results": res, "elapsed_s": 170.0,
+        "skipped": [
+            {"kind": "pd", "target": "sglang-router", "scenarios": "pd-vllm-c1", "why": "SGLang only",
+             "short": overhead.PEERS["sglang-router"].no_pd_short},
+            {"kind": "pd", "target": "vllm-router", "scenarios": "pd-sglang-c1", "why": "vLLM only",
+             "short": overhead.PEERS["vllm-router"].no_pd_short},
+            {"kind": "pd", "target": "litellm", "scenarios": "pd-vllm-c1, pd-sglang-c1",
+             "why": overhead.PEERS["litellm"].no_pd, "short": overhead.PEERS["litellm"].no_pd_short}],
+        "capped": [
+            {"scenario": "st64", "target": "litellm", "streams": 16, "of": 64, "option": "--litellm-stream-concurrency",
+             "warmup_s": 3.0, "window_s": 2.0},
+            {"scenario": "idle1k", "target": "litellm", "streams": 250, "of": 1000,
+             "option": "--litellm-idle-streams"},
+            {"scenario": "fleet1k", "target": "litellm", "streams": 100, "of": 1000,
+             "option": "--litellm-fleet-streams"}],
+    }
+    report["goals"] = goals(report)
+    return report
+
+
+def _rows(md: str, heading: str) -> list[str]:
+    part = md.split(heading, 1)[1].split("\n### ", 1)[0]
+    return [line for line in part.splitlines() if line.startswith("|")]
+
+
+def test_litellm_column_renders_beside_the_rust_routers():
+    md = render(_fake_report())
+    for line in md.splitlines():
+        if line.startswith("|"):
+            assert line.endswith("|"), line
+    load = _rows(md, "### Throughput, latency, CPU")
+    for sc in ("ns32", "st64", "paced1"):   # req/s, streams/s, paced TTFT, CPU per request
+        for peer in PEER_NAMES:
+            assert any(r.startswith(f"| {sc} | {peer} | ") for r in load), (sc, peer)
+    ratios = _rows(md, "### Ratios")
+    assert "switchyard / litellm" in ratios[0] and "litellm / direct" in ratios[0]
+    assert "switchyard / vllm-router" in ratios[0]
+    memory = _rows(md, "### Memory")
+    assert any(r.startswith("| litellm | ") for r in memory) and "switchyard / litellm" in "".join(memory)
+    fleet = _rows(md, "### Many paced streams")
+    assert any(r.startswith("| litellm | 100 |") for r in fleet)
+    # its smaller runs are said under each table
+    assert "litellm ran `st64` at 16 concurrent streams, not 64 (`--litellm-stream-concurrency`)" in md
+    assert "litellm held 250 of the 1,000 streams in `idle1k`" in md
+    assert "litellm ran 100 of the 1,000 streams (`--litellm-fleet-streams`" in md
+    # P/D: a row that says n/a, in both engines' scenarios, and why
+    pd = _rows(md, "### Prefill/decode")
+    for sc in ("pd-vllm-c1", "pd-sglang-c1"):
+        row = next(r for r in pd if r.startswith(f"| {sc} | litellm | "))
+        assert "n/a: no P/D" in row and row.count("|") == pd[0].count("|"), row
+    assert any(r.startswith("| pd-vllm-c1 | sglang-router | n/a") for r in pd)
+    assert "- litellm skipped in pd-vllm-c1, pd-sglang-c1: it has no prefill/decode disaggregation" in md
+    assert "LiteLLM's config is a `model_list`" in md
