@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from gateway.request import CHAT, parse
-from routers.base import NoRouteError, RouterContext
+from routers.base import NoRouteError, RouterContext, RoutingSettings
 from routers.pd import PDRouter, PDRouteSettings, in_bucket
 from tests.support.factories import pd_endpoint as ep
 
@@ -225,12 +225,15 @@ def test_a_session_goes_back_to_its_prefill_unless_it_is_overloaded_or_gone():
     assert d.prefill is not moved and outcomes[-1] == "gone"
 
 
-def test_pd_session_preference_follows_the_prefix_session_setting_and_the_policy():
+@pytest.mark.parametrize("settings, pd", [({"prefix_session": False}, {}),
+                                          ({}, {"prefill_score_policy": "least_request"})])
+def test_pd_session_preference_follows_the_prefix_session_setting_and_the_policy(settings, pd):
     p1, d1, p2, d2 = ep(1, "prefill", "a"), ep(2, "decode", "a"), ep(3, "prefill", "b"), ep(4, "decode", "b")
-    for r in (PDRouter(RouterContext(rng=random.Random(1), pd_settings=lambda m: PDRouteSettings(
-                  prefill_score_policy="least_request"))),):
-        outcomes = []
-        object.__setattr__(r.ctx, "on_session", lambda model, outcome: outcomes.append(outcome))
-        for i in range(10):
-            r.route(_session_req("agent-1", tokens=100 + i), [p1, d1, p2, d2])
-        assert outcomes == []
+    r = PDRouter(RouterContext(rng=random.Random(1), settings=RoutingSettings(**settings),
+                               pd_settings=lambda m: PDRouteSettings(**pd)))
+    outcomes = []
+    object.__setattr__(r.ctx, "on_session", lambda model, outcome: outcomes.append(outcome))
+    for i in range(10):
+        d = r.route(_session_req("agent-1", tokens=100 + i), [p1, d1, p2, d2])
+        assert "session" not in d.reason
+    assert outcomes == []
