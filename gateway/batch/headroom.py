@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from gateway.admission.saturation import Thresholds, baseline, gateway_load
+from gateway.admission.saturation import baseline, gateway_load
 from gateway.endpoints import Endpoint
 
 
@@ -60,4 +60,15 @@ def model_room(eps: Sequence[Endpoint], capacity: int, reserve: int, max_kv: flo
     return sum(endpoint_room(ep, capacity, reserve, max_kv, max_age, engine_signals, now) for ep in eps)
 
 
-__all__ = ["Thresholds", "endpoint_room", "model_room"]
+
+def free_slots(ep: Endpoint, capacity: int, engine_signals: bool) -> float:
+    """Running slots ``ep`` has free now (negative: requests wait in its queue), on the same view."""
+    cap, occupied = float(capacity), float(gateway_load(ep) + ep.remote_in_flight)
+    if engine_signals:
+        b = baseline(ep)
+        if b.capacity is not None:
+            cap = b.capacity
+        est = b.occupancy(gateway_load(ep))
+        if est is not None and est > occupied:
+            occupied = est
+    return cap - occupied

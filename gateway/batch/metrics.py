@@ -3,8 +3,8 @@
 - ``switchyard_batches{status}``: batches in the store by status (the runner's view, refreshed at
   each poll; workers that do not run batches export none);
 - ``switchyard_batch_lines_total{model, outcome}``: lines answered (``completed``: a 200; ``failed``:
-  anything else, including the unanswered lines of a cancelled or expired batch) and tries that
-  will be tried again (``retried``);
+  anything else, including the unanswered lines of a cancelled or expired batch), tries that
+  will be tried again (``retried``) and lines stopped for an interactive request (``preempted``);
 - ``switchyard_batch_lines_in_flight{model}``: lines running now;
 - ``switchyard_batch_queue_age_seconds``: age of the oldest unfinished batch (0: none);
 - ``switchyard_batches_finished_total{status}``: batches that reached a final state.

@@ -36,7 +36,7 @@ import structlog
 
 from gateway.batch import files as batch_files
 from gateway.batch.config import BatchConfig
-from gateway.batch.headroom import model_room
+from gateway.batch.headroom import free_slots, model_room
 from gateway.batch.jsonl import Line, endpoint_mismatch, read_chunk
 from gateway.batch.line_request import LineRequest
 from gateway.batch.metrics import BatchMetrics
@@ -87,6 +87,10 @@ class BatchRunner:
         self.next_start: dict[str, float] = {}       # model → earliest start of its next line (rate cap)
         self.wake = asyncio.Event()
         self._seq = 0
+        self.lines_on: dict[str, dict[str, asyncio.Task]] = {}     # endpoint → request id → its line's task
+        self.placed: dict[str, str] = {}                            # request id → endpoint
+        self.preempted: set[str] = set()
+        self._tasks_by_rid: dict[str, asyncio.Task] = {}
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -349,21 +353,47 @@ class BatchRunner:
         self.m.in_flight(model, 1)
         if self.cfg.max_lines_per_s:
             self.next_start[model] = max(now, self.next_start.get(model, now)) + 1.0 / self.cfg.max_lines_per_s
-        task = asyncio.ensure_future(self._run_line(job, line, attempts, model))
+        rid = "batch_req_" + secrets.token_hex(16)
+        task = asyncio.ensure_future(self._run_line(job, line, attempts, model, rid))
         job.tasks.add(task)
+        self._tasks_by_rid[rid] = task
 
         def ended(t: asyncio.Task) -> None:
             job.tasks.discard(t)
+            self._tasks_by_rid.pop(rid, None)
+            self.preempted.discard(rid)
+            ep = self.placed.pop(rid, None)
+            if ep is not None:
+                self.lines_on.get(ep, {}).pop(rid, None)
             self.in_flight[model] -= 1
             self.m.in_flight(model, -1)
             self.wake.set()
         task.add_done_callback(ended)
 
-    async def _run_line(self, job: _Job, line: Line, attempts: int, model: str) -> None:
+    # -- preemption: an interactive request that would wait in an engine's queue takes a batch line's slot
+
+    def on_decision(self, ireq: Any, decision: Any, _fallbacks: Any, _elapsed: float) -> None:
+        """A routing decision (a claim: before the request is charged). A batch line's tells where it
+        runs; an interactive request that would find no free slot on its endpoint stops the newest
+        batch line there, which goes back to the queue (uncounted)."""
+        ep = decision.endpoint
+        rid = ireq.request_id
+        task = self._tasks_by_rid.get(rid)
+        if task is not None:
+            self.placed[rid] = ep.name
+            self.lines_on.setdefault(ep.name, {})[rid] = task
+            return
+        running = self.lines_on.get(ep.name)
+        if not running or free_slots(ep, self.cfg.endpoint_capacity, self.engine_signals()) >= 1:
+            return
+        victim = next(reversed(running))
+        self.preempted.add(victim)
+        running.pop(victim).cancel()
+
+    async def _run_line(self, job: _Job, line: Line, attempts: int, model: str, rid: str) -> None:
         body = dict(line.body)
         body.pop("stream", None)            # a batch line's answer is one body
         body.pop("stream_options", None)
-        rid = "batch_req_" + secrets.token_hex(16)
         headers = {"content-type": "application/json", "x-priority": "sheddable", "x-request-id": rid}
         keys: dict[Any, Any] = {LOG_FIELDS: {"batch_id": job.id, "custom_id": line.custom_id}}
         if job.owner:
@@ -374,7 +404,13 @@ class BatchRunner:
             resp = await self.submit(req)
             status, raw = resp.status, _body_of(resp)
         except asyncio.CancelledError:
-            raise
+            if rid not in self.preempted:
+                raise
+            self.preempted.discard(rid)     # gave its slot to an interactive request: again, uncounted
+            self._seq += 1
+            heapq.heappush(job.waiting, (self.clock(), self._seq, line, attempts))
+            self.m.lines(model, "preempted")
+            return
         except Exception as e:      # the handler answers every error itself; this is a bug
             log.exception("batch line failed in the gateway", batch_id=job.id, custom_id=line.custom_id)
             status, raw = 500, orjson.dumps({"error": {"message": f"internal gateway error: {type(e).__name__}",

@@ -84,7 +84,10 @@ class BatchService:
         """This process runs the batches (holds the directory's lock)."""
         return self.lock.fd is not None
 
-    def lifecycle(self, submit: Submit):
+    def lifecycle(self, submit: Submit, claims: list):
+        """``claims``: the routing decisions' claims, where the runner learns where its lines run and
+        preempts one for an interactive request that would otherwise wait in an engine's queue."""
+        self.claims = claims
         async def batches(_app: web.Application) -> AsyncIterator[None]:
             await self.db.open()
             await asyncio.to_thread(batch_files.prepare, self.db.dir)
@@ -92,6 +95,8 @@ class BatchService:
             try:
                 yield
             finally:
+                if self.runner is not None and self.runner.on_decision in claims:
+                    claims.remove(self.runner.on_decision)
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
@@ -105,6 +110,7 @@ class BatchService:
             await asyncio.sleep(LOCK_RETRY_S)
         log.info("running batches", dir=self.db.dir, pid=os.getpid())
         self.runner = BatchRunner(self.cfg, self.db, submit, self.pool, self.metrics, **self._signals)
+        self.claims.append(self.runner.on_decision)
         sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
         try:
             await self.runner.run()

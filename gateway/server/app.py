@@ -203,7 +203,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     app.cleanup_ctx.append(_engines(config, s, reloader))
     app.cleanup_ctx.append(_shared_view(s.view))
     if batch is not None:       # started last (the engines' clients are up), stopped first
-        app.cleanup_ctx.append(batch.lifecycle(lambda line: reloader.live.pipeline.handle(line)))
+        app.cleanup_ctx.append(batch.lifecycle(lambda line: reloader.live.pipeline.handle(line), s.decision_claims))
     return app
 
 
