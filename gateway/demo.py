@@ -11,6 +11,8 @@ there.
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.config.schema import config_from_dict
@@ -62,7 +64,8 @@ DEMO_ALIASES = [{"name": "demo-chat", "sticky": "user",
 DEMO_ADMISSION = {"enabled": True, "max_in_flight_per_endpoint": 4, "queue_max": 16, "queue_timeout_s": 10}
 
 
-def demo_config(host: str | None, port: int | None, log_format: str = "auto") -> dict:
+def demo_config(host: str | None, port: int | None, log_format: str = "auto", batch_dir: str | None = None) -> dict:
+    """``batch_dir``: where the Files and Batches API keeps its files and jobs (None: batch off)."""
     models: dict[str, dict] = {}
     for model, engine, role, eport, _sim, entry in DEMO_ENGINES:
         m = models.setdefault(model, {"name": model, "engine": engine})
@@ -88,6 +91,7 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto") ->
         "models": list(models.values()),
         "aliases": DEMO_ALIASES,
         "lora": DEMO_LORA,
+        **({"batch": {"enabled": True, "dir": batch_dir, "poll_interval_s": 0.1}} if batch_dir else {}),
     }
 
 
@@ -138,6 +142,15 @@ print(c.responses.create(model='demo-llama', input='More', previous_response_id=
   curl -sD - -o /dev/null http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-llama-pd","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' | grep -i '^x-pd-decision'
 
+A batch (OpenAI's Files and Batches API): it runs as the lowest priority class, on idle slots only:
+  python -c "from openai import OpenAI; import json, time; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
+rows = [json.dumps(dict(custom_id='q%d' % i, method='POST', url='/v1/chat/completions', body=dict(model='demo-llama', \\
+max_tokens=8, messages=[dict(role='user', content='Question %d' % i)]))) for i in range(3)]; \\
+f = c.files.create(file=('in.jsonl', '\\n'.join(rows).encode()), purpose='batch'); \\
+b = c.batches.create(input_file_id=f.id, endpoint='/v1/chat/completions', completion_window='24h'); \\
+[time.sleep(0.2) for _ in iter(lambda: c.batches.retrieve(b.id).status in ('completed', 'failed'), True)]; \\
+print(c.files.content(c.batches.retrieve(b.id).output_file_id).text)"
+
 Breakers and retries: make a demo-llama replica sick (its /health stays fine), send traffic, watch
 its breaker open (x-retries shows the 500s retried elsewhere), then heal it:
   curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"status=500;p=0.5|drop_after=4;p=0.2"}}}}' >/dev/null
@@ -184,15 +197,17 @@ async def run_demo(host: str | None = None, port: int | None = None, log_format:
     traces = resolve(TracingConfig())
     sim_traces = traces.endpoint if traces.enabled and traces.protocol == "http/protobuf" else ""
     sims = []
+    batch_dir = tempfile.mkdtemp(prefix="switchyard-demo-batch-")     # the demo's batches end with it
     try:
         for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
             sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
                                                   host="127.0.0.1", seed=eport, otlp_traces_endpoint=sim_traces,
                                                   enable_responses_store=True, **kw)))
-        cfg = config_from_dict(demo_config(host, port, log_format), source="<demo>")
+        cfg = config_from_dict(demo_config(host, port, log_format, batch_dir), source="<demo>")
         note = TRACING_ON.format(endpoint=traces.endpoint) if traces.enabled else TRACING_OFF
         await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note, users=" ".join(DEMO_USERS)))
     finally:
         for s in sims:
             with contextlib.suppress(Exception):
                 await s.close()
+        shutil.rmtree(batch_dir, ignore_errors=True)

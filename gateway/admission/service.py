@@ -252,6 +252,11 @@ class Admission:
             raise _no_endpoint(model)
         return eps if pairs else unsaturated(eps, th, self.clock())
 
+    def waiting(self, model: str) -> int:
+        """Requests of ``model`` waiting in its queue now (the batch runner leaves room to them)."""
+        mq = self._models.get(model)
+        return len(mq.queue) if mq is not None else 0
+
     def dispatched(self, ctx: RequestContext) -> None:
         """The request was routed and charged: note what its engine held then, counting it (for
         the slow start, which learns from its TTFT)."""

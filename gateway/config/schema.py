@@ -31,6 +31,7 @@ from msgspec.structs import force_setattr
 from gateway.admission.config import AdmissionConfig, Priority, SLOConfig
 from gateway.aliases import AliasConfig, check_aliases
 from gateway.apis.responses_config import ResponsesConfig
+from gateway.batch.config import BatchConfig
 from gateway.config.block import Block
 from gateway.config.deprecated import MOVED_PD_KEYS, RETRY_FLAG, Deprecation, log_deprecations
 from gateway.config.strict import StrictError, convert, did_you_mean, laid_over, without_nulls
@@ -358,6 +359,7 @@ class Config(Block, dict=True):
     responses: Annotated[ResponsesConfig, Meta(description="Where the state of the Responses API (/v1/responses) lives.")] = ResponsesConfig()
     lora: Annotated[LoraConfig, Meta(description="LoRA adapters: discovery, routing of adapter requests, loading and unloading on demand.")] = LoraConfig()
     admission: Annotated[AdmissionConfig, Meta(description="Admission control: queue or shed requests by priority class while every endpoint is saturated; a model may lay its own keys over these.")] = AdmissionConfig()
+    batch: Annotated[BatchConfig, Meta(description="OpenAI's Files and Batches API (/v1/files, /v1/batches): batches run as the lowest priority class on idle engine capacity, and resume after a restart.")] = BatchConfig()
 
     def __post_init__(self) -> None:
         seen: set[str] = set()

@@ -52,6 +52,9 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_prefix_index_blocks": MAX,
     "switchyard_prefix_index_capacity": MAX,
     "switchyard_prefix_index_entries": MAX,
+    # the batch job store as the worker that runs batches sees it (the others export none)
+    "switchyard_batches": MAX,
+    "switchyard_batch_queue_age_seconds": MAX,
     # healthy only if every worker is
     "switchyard_state_up": MIN,
     "switchyard_view_redis_up": MIN,

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cache
 from importlib.metadata import PackageNotFoundError, version
@@ -93,6 +93,8 @@ class StatusSources:
     started_at: float = field(default_factory=time.time)   # unix seconds
     # a model's admission rows (gateway.admission.service.Admission.status), None when off
     admission: Callable[[str], dict[str, Any] | None] = lambda _model: None
+    # the batch section (gateway.batch.service.BatchService.status), None when batch is off
+    batch: Callable[[], Awaitable[dict[str, Any]]] | None = None
 
     def follow(self, live: Live) -> None:
         """A config reload applied (gateway/server/reload.py): read the new generation's config and routing."""
@@ -263,6 +265,7 @@ class StatusBoard:
                         "recent": decisions},
             "errors": {"recent": errors},
             "tenants": await self._tenants(src),
+            **({"batch": await src.batch()} if src.batch is not None else {}),
         }
 
     def _model_view(self, src: StatusSources, name: str, traffic: dict[str, Any],

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from gateway.apis.base import ApiShape
 from gateway.apis.responses import add_responses
+from gateway.batch.service import BatchService
 from gateway.config.schema import Config
 from gateway.endpoints import EndpointPool
 from gateway.errors import ErrorClass, GatewayError, error_response
@@ -57,6 +58,7 @@ NOT_READY_KEY = web.AppKey("not_ready", asyncio.Event)
 # POST paths the edge hands straight to their handler (gateway/server/edge.py ``EdgeServer``)
 DIRECT_KEY = web.AppKey("direct", dict)
 STATUS_PAGE_KEY = web.AppKey("status_page", StatusPage)
+BATCH_KEY = web.AppKey("batch", BatchService)
 
 
 def pool_from_config(config: Config) -> EndpointPool:
@@ -191,15 +193,31 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         add_tenancy(app, tenancy)
         if tenancy.admin_digest is not None:
             reloader.register(app.router)        # POST /admin/reload
+    batch = _add_batch(app, config, s, reloader) if config.batch.enabled else None
     if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
-        page = _add_status_page(app, config, s, reloader, tenancy, started_at)
+        page = _add_status_page(app, config, s, reloader, tenancy, started_at, batch)
         page.siblings, page.worker = siblings, worker
 
     if tracing is not None:     # first in, last out: flushed once everything else stopped
         app.cleanup_ctx.append(_tracing_lifecycle(tracing))
     app.cleanup_ctx.append(_engines(config, s, reloader))
     app.cleanup_ctx.append(_shared_view(s.view))
+    if batch is not None:       # started last (the engines' clients are up), stopped first
+        app.cleanup_ctx.append(batch.lifecycle(lambda line: reloader.live.pipeline.handle(line), s.decision_claims))
     return app
+
+
+def _add_batch(app: web.Application, config: Config, s: Services, reloader: Reloader) -> BatchService:
+    """``/v1/files`` and ``/v1/batches`` (gateway/batch): every worker answers them; the worker that
+    holds the batch directory's lock runs the lines through the live generation's pipeline."""
+    lifecycle = s.lifecycle
+    batch = BatchService(config.batch, s.tenancy, s.pool, s.metrics.registry,
+                         engine_signals=lambda: reloader.live.config.scrape.enabled,
+                         metrics_max_age=lambda: reloader.live.config.routing.metrics_max_age_s,
+                         admission_waiting=s.admission.waiting, draining=lambda: lifecycle.draining)
+    batch.api.add_routes(app)
+    app[BATCH_KEY] = batch
+    return batch
 
 
 def _siblings(app: web.Application, worker: WorkerInfo, metrics: GatewayMetrics) -> Siblings:
@@ -269,14 +287,14 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
 
 
 def _add_status_page(app: web.Application, config: Config, s: Services, reloader: Reloader,
-                     tenancy: Tenancy | None, started_at: int) -> StatusPage:
+                     tenancy: Tenancy | None, started_at: int, batch: BatchService | None) -> StatusPage:
     pool = s.pool
     board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
     s.observers.append(board.on_request)
     s.decision_observers.append(board.on_decision)
     sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
                             aliases=lambda: reloader.live.aliases.describe(), started_at=started_at,
-                            admission=s.admission.status)
+                            admission=s.admission.status, batch=batch.status if batch is not None else None)
     reloader.listeners.append(sources.follow)
     page = add_status(app, sources, s.metrics, board)
     app[STATUS_PAGE_KEY] = page

@@ -81,10 +81,11 @@ class EdgeLimits:
     max_header_bytes: int = 16384
     max_headers: int = 100
     max_body_bytes: int = 16 * 1024 * 1024
+    upload_max_bytes: int = 0          # POST /v1/files (batch.max_file_bytes and its multipart); 0: as any body
 
     @classmethod
     def from_config(cls, server: Any) -> EdgeLimits:
-        return cls(**{name: getattr(server, name) for name in cls.__dataclass_fields__})
+        return cls(**{name: getattr(server, name) for name in cls.__dataclass_fields__ if hasattr(server, name)})
 
     def handler_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for aiohttp's ``RequestHandler`` (through the runner)."""
@@ -94,6 +95,9 @@ class EdgeLimits:
         backstop = ka + hd + 60.0 if ka and hd else 10.0 ** 7
         return {"keepalive_timeout": backstop, "max_line_size": self.max_header_bytes,
                 "max_field_size": self.max_header_bytes, "max_headers": self.max_headers}
+
+
+UPLOAD_PATH = "/v1/files"      # a batch input file may be larger than an inference body (gateway/batch)
 
 
 class EdgeMetrics:
@@ -497,9 +501,9 @@ def connect_refused(request: web.BaseRequest) -> web.Response:
                           "method_not_allowed", {"Allow": "GET, POST"})
 
 
-def body_too_large(request: web.BaseRequest, limit: int) -> web.Response:
+def body_too_large(request: web.BaseRequest, limit: int, key: str = "server.max_body_bytes") -> web.Response:
     """A Content-Length above ``server.max_body_bytes`` is refused at once, not after reading it."""
-    return _closing_error(request, 413, f"request body exceeds {limit} bytes (server.max_body_bytes)",
+    return _closing_error(request, 413, f"request body exceeds {limit} bytes ({key})",
                           "body_too_large")
 
 
@@ -531,6 +535,7 @@ class EdgeServer(web.Server):
         self.request_factory = request_factory
         app_handler = self.request_handler
         max_body = edge.limits.max_body_bytes or float("inf")
+        max_upload = edge.limits.upload_max_bytes
         direct = direct or {}
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
@@ -538,7 +543,10 @@ class EdgeServer(web.Server):
                 return connect_refused(request)
             length = request.content_length
             if length is not None and length > max_body:   # refused before a byte of it is read
-                return body_too_large(request, max_body)
+                if not (max_upload and request.path == UPLOAD_PATH):
+                    return body_too_large(request, max_body)
+                if length > max_upload:
+                    return body_too_large(request, max_upload, "batch.max_file_bytes")
             broken = request.content.exception()
             if broken is not None:          # the body came with the head and does not decode
                 request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer

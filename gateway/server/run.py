@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import os
 import signal
@@ -27,6 +28,7 @@ from collections.abc import Callable
 import structlog
 from aiohttp import web
 
+from gateway.batch.api import MULTIPART_SLACK
 from gateway.config.schema import Config
 from gateway.server.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
 from gateway.server.edge import Edge, EdgeLimits, EdgeRunner
@@ -42,7 +44,10 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
     ``--workers N``."""
     app = build_app(config, loader=loader, worker=worker)
     # the edge (gateway/server/edge.py): slow-client clocks, connection cap, header limits, shaped errors
-    edge = Edge(EdgeLimits.from_config(config.server), app[GATEWAY_KEY].metrics.registry)
+    limits = EdgeLimits.from_config(config.server)
+    if config.batch.enabled:        # an upload to /v1/files may be larger than an inference body
+        limits = dataclasses.replace(limits, upload_max_bytes=config.batch.max_file_bytes + MULTIPART_SLACK)
+    edge = Edge(limits, app[GATEWAY_KEY].metrics.registry)
     _check_fd_limit(edge.limits.max_connections)
     runner = EdgeRunner(app, edge, app[DIRECT_KEY], handler_cancellation=True, access_log=None,
                         shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop

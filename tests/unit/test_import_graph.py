@@ -351,7 +351,7 @@ FLOORS: dict[str, int] = {
     "k8s": 1,
     "gateway.config": 1, "gateway.upstream": 1, "gateway.kv": 1, "gateway.resilience": 1, "gateway.lora": 1,
     "gateway.tenants": 1, "gateway.admission": 1, "gateway.apis": 1, "gateway.aliases": 1, "gateway.state": 1,
-    "gateway.observability": 1, "gateway.view": 1,
+    "gateway.observability": 1, "gateway.view": 1, "gateway.batch": 1,
     "gateway.pipeline.context": 1, "gateway.pipeline.ledger": 1, "gateway.pipeline.sse": 1,
     "gateway.server.lifecycle": 1, "gateway.server.periodic": 1, "gateway.server.rundir": 1,
     "gateway.pipeline": 2, "gateway.pd": 2,

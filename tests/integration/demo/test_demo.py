@@ -10,10 +10,12 @@ import sys
 import aiohttp
 import anthropic
 import openai
+import orjson
 import pytest
 
 from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_PD_ADAPTERS, DEMO_USERS
 from gateway.server.run import free_port
+from tests.support.batch import run_to_end
 from tests.support.otlp_receiver import OTLPReceiver
 
 MODELS = sorted({m for m, *_ in DEMO_ENGINES})
@@ -70,6 +72,16 @@ async def test_demo_answers_every_model_streaming_and_not():
         async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/v1/rerank", json={
                 "model": "demo-qwen", "query": "red apple", "documents": ["green pear", "red apple pie"]}) as r:
             assert r.status == 200 and (await r.json())[0]["document"] == "red apple pie"
+        # a batch, as the banner shows: uploaded, run on idle slots, its output read back
+        rows = b"".join(orjson.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/chat/completions",
+                                      "body": {"model": "demo-llama", "max_tokens": 4,
+                                               "messages": [{"role": "user", "content": f"Question {i}"}]}}) + b"\n"
+                        for i in range(3))
+        f = await client.files.create(file=("in.jsonl", rows), purpose="batch")
+        b = await client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        b = await run_to_end(client, b.id)
+        assert b.status == "completed" and b.request_counts.completed == 3
+        assert len((await client.files.content(b.output_file_id)).content.splitlines()) == 3
         # the LoRA adapters: one already loaded on a replica, one loaded on demand by this request
         models = {m.id: m for m in (await client.models.list()).data}
         assert {"sql-lora", "chat-lora"} <= set(models)

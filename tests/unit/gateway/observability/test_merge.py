@@ -94,7 +94,7 @@ ADDITIVE = {
     "switchyard_event_loop_tasks", "switchyard_client_connections", "switchyard_admission_queue_depth",
     "switchyard_admission_queue_bytes", "switchyard_admission_drain_rate", "switchyard_endpoint_admission_headroom",
     "switchyard_responses_state_entries", "process_virtual_memory_bytes", "process_resident_memory_bytes",
-    "process_open_fds",
+    "process_open_fds", "switchyard_batch_lines_in_flight",
 }
 
 
@@ -102,7 +102,8 @@ async def test_every_gauge_the_gateway_exports_is_classified():
     """A new gauge must say how workers' values combine: summed (listed here) or in GAUGE_RULES."""
     cfg = config_from_dict({
         "models": [{"name": "m", "endpoints": ["http://127.0.0.1:9"], "adapters": {"a": "/x"}}],
-        "auth": {"api_keys": [{"key": "sk-x", "user": "u"}]}, "admission": {"enabled": True}})
+        "auth": {"api_keys": [{"key": "sk-x", "user": "u"}]}, "admission": {"enabled": True},
+        "batch": {"enabled": True}})
     registry = build_app(cfg)[GATEWAY_KEY].metrics.registry
     gauges = {f.name for f in text_string_to_metric_families(generate_latest(registry).decode())
               if f.type == "gauge" and not f.name.endswith("_created")}

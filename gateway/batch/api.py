@@ -1,0 +1,283 @@
+"""``/v1/files`` and ``/v1/batches``: OpenAI's Files and Batches API, in OpenAI's shapes.
+
+Every worker answers these (the job store is shared by every process on ``batch.dir``); one of them
+runs the batches (``gateway.batch.service``). With API keys on, files and batches belong to the
+user whose key created them: another user's are answered 404, as unknown ones. Errors are OpenAI's
+``{"error": {...}}`` with a 4xx that says what is wrong; an upload is checked while it arrives and
+refused whole (nothing stored) when a line is not a batch request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from gateway.batch import files as batch_files
+from gateway.batch.config import BatchConfig
+from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError
+from gateway.batch.store import ACTIVE, BatchDb, BatchStore, now_s
+from gateway.errors import ErrorClass, GatewayError
+from gateway.tenants.service import NoTenancy, Tenancy
+
+CHUNK = 256 * 1024
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+MULTIPART_SLACK = 64 * 1024        # boundaries and the purpose field around the file's bytes
+MAX_METADATA = 16
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> GatewayError:
+    return GatewayError(status, message, param=param, code=code, error_class=ErrorClass.VALIDATION)
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise _bad(f"{name} must be an integer", name) from None
+    if not lo <= v <= hi:
+        raise _bad(f"{name} must be between {lo} and {hi}", name)
+    return v
+
+
+class BatchApi:
+    def __init__(self, cfg: BatchConfig, db: BatchDb, tenancy: Tenancy | NoTenancy,
+                 on_change=lambda: None) -> None:
+        self.cfg, self.db, self.tenancy = cfg, db, tenancy
+        self.on_change = on_change          # wakes this process's runner, if it runs batches
+
+    def add_routes(self, app: web.Application) -> None:
+        r = app.router
+        r.add_post("/v1/files", self.upload)
+        r.add_get("/v1/files", self.list_files)
+        r.add_get("/v1/files/{file_id}", self.get_file)
+        r.add_delete("/v1/files/{file_id}", self.delete_file)
+        r.add_get("/v1/files/{file_id}/content", self.content)
+        r.add_post("/v1/batches", self.create_batch)
+        r.add_get("/v1/batches", self.list_batches)
+        r.add_get("/v1/batches/{batch_id}", self.get_batch)
+        r.add_post("/v1/batches/{batch_id}/cancel", self.cancel_batch)
+
+    async def _caller(self, request: web.Request) -> tuple[str, str | None]:
+        """(the owner of what this request creates, the owner to filter by: None with auth off)."""
+        t = await self.tenancy.authenticate(request, None)
+        if isinstance(self.tenancy, Tenancy) and self.tenancy.auth_on:
+            return t.user or "", t.user or ""
+        return "", None
+
+    # -- files --------------------------------------------------------------------------------
+
+    async def upload(self, request: web.Request) -> web.Response:
+        owner, _ = await self._caller(request)
+        cfg = self.cfg
+        if not request.content_type.startswith("multipart/form-data"):
+            raise _bad("expected a multipart/form-data body with the fields 'file' and 'purpose'", "file")
+        length = request.content_length
+        if length is not None and length > cfg.max_file_bytes + MULTIPART_SLACK:
+            raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
+                       "file_too_large", 413)
+        tmp = batch_files.temp_path(self.db.dir)
+        purpose: str | None = None
+        got: tuple[str, int, int] | None = None       # (filename, bytes, lines)
+        try:
+            try:
+                reader = await request.multipart()
+                while (part := await reader.next()) is not None:
+                    if not isinstance(part, aiohttp.BodyPartReader):
+                        raise _bad("nested multipart bodies are not accepted", "file")
+                    if part.name == "purpose":
+                        raw = await part.read()
+                        purpose = bytes(raw[:64]).decode("utf-8", "replace").strip()
+                    elif part.name == "file" and got is None:
+                        got = await self._receive(part, tmp)
+                    else:
+                        while await part.read_chunk(CHUNK):
+                            pass
+            except (aiohttp.ClientPayloadError, web.HTTPException, ValueError, AssertionError,
+                    asyncio.IncompleteReadError, ConnectionError) as e:
+                if isinstance(e, GatewayError):
+                    raise
+                raise _bad(f"the upload could not be read whole (truncated or malformed multipart body): "
+                           f"{type(e).__name__}", "file", "truncated_upload") from None
+            if got is None:
+                raise _bad("missing multipart field 'file'", "file", "missing_required_parameter")
+            if purpose is None:
+                raise _bad("missing multipart field 'purpose'", "purpose", "missing_required_parameter")
+            if purpose != "batch":
+                raise _bad(f"purpose {purpose!r} is not served here: only 'batch'", "purpose", "invalid_value")
+            filename, size, lines = got
+            file_id = batch_files.new_file_id()
+            await asyncio.to_thread(batch_files.publish, self.db.dir, tmp, file_id)
+            f = batch_files.file_object(file_id, filename, "batch", size, cfg.file_ttl_s)
+            await self.db.run(BatchStore.add_file, f, owner, lines)
+            return _json(f)
+        finally:
+            await asyncio.to_thread(_unlink, tmp)
+
+    async def _receive(self, part: aiohttp.BodyPartReader, tmp: str) -> tuple[str, int, int]:
+        """The file part to ``tmp``, checked line by line as it arrives (a thread writes and checks)."""
+        name = part.filename
+        if name is None:
+            raise _bad("the 'file' field must be a file (with a filename)", "file")
+        problem = batch_files.filename_problem(name)
+        if problem:
+            raise _bad(problem, "file", "invalid_filename")
+        cfg = self.cfg
+        check = LineCheck(cfg.max_lines, cfg.max_line_bytes)
+        size = 0
+        f = await asyncio.to_thread(open, tmp, "wb")
+        try:
+            while chunk := await part.read_chunk(CHUNK):
+                size += len(chunk)
+                if size > cfg.max_file_bytes:
+                    raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
+                               "file_too_large", 413)
+                await asyncio.to_thread(_write_checked, f, check, chunk)
+            lines = await asyncio.to_thread(check.finish)
+        except LineError as e:
+            raise _bad(f"invalid batch input file: {e.message}", e.param or "file", e.code) from None
+        finally:
+            await asyncio.to_thread(f.close)
+        return name, size, lines
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        _, who = await self._caller(request)
+        limit = _int_param(request, "limit", 10_000, 1, 10_000)
+        order = request.query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise _bad("order must be asc or desc", "order")
+        data, more = await self.db.run(BatchStore.list_files, who, request.query.get("purpose"), order,
+                                       request.query.get("after"), limit)
+        return _json(_list(data, more))
+
+    async def _file(self, request: web.Request) -> dict[str, Any]:
+        _, who = await self._caller(request)
+        fid = request.match_info["file_id"]
+        f = await self.db.run(BatchStore.get_file, fid, who) if batch_files.valid_id(fid) else None
+        if f is None:
+            raise GatewayError(404, f"No such File object: {fid}", param="id", code="file_not_found")
+        return f
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        return _json(await self._file(request))
+
+    async def content(self, request: web.Request) -> web.StreamResponse:
+        f = await self._file(request)
+        return web.FileResponse(batch_files.path_of(self.db.dir, f["id"]),
+                                headers={"Content-Type": "application/octet-stream"})
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        f = await self._file(request)
+        if any(b["input_file_id"] == f["id"] for b in await self.db.run(BatchStore.active_batches)):
+            raise _bad(f"file {f['id']} is the input of a batch still running; cancel the batch first", "id",
+                       "file_in_use")
+        await self.db.run(BatchStore.delete_file, f["id"])
+        await asyncio.to_thread(batch_files.remove, self.db.dir, f["id"])
+        return _json({"id": f["id"], "object": "file", "deleted": True})
+
+    # -- batches ------------------------------------------------------------------------------
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        owner, who = await self._caller(request)
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            raise _bad("the body is not valid JSON", None, "invalid_json") from None
+        if not isinstance(body, dict):
+            raise _bad("the body must be a JSON object", None, "invalid_json")
+        fid = body.get("input_file_id")
+        if not isinstance(fid, str) or not fid:
+            raise _bad("input_file_id is required", "input_file_id", "missing_required_parameter")
+        endpoint = body.get("endpoint")
+        if endpoint not in ENDPOINTS:
+            raise _bad(f"endpoint must be one of {', '.join(ENDPOINTS)}", "endpoint", "invalid_value")
+        window = body.get("completion_window")
+        if window not in COMPLETION_WINDOWS:
+            raise _bad("completion_window must be '24h'", "completion_window", "invalid_value")
+        metadata = body.get("metadata")
+        if metadata is not None and not _metadata_ok(metadata):
+            raise _bad(f"metadata must be an object of at most {MAX_METADATA} string values (keys up to 64 "
+                       "characters, values up to 512)", "metadata", "invalid_value")
+        f = await self.db.run(BatchStore.get_file, fid, who) if batch_files.valid_id(fid) else None
+        if f is None:
+            raise _bad(f"No such File object: {fid}", "input_file_id", "file_not_found")
+        if f["purpose"] != "batch":
+            raise _bad(f"file {fid} was not uploaded with purpose 'batch'", "input_file_id", "invalid_file_purpose")
+        now = now_s()
+        doc = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint, "errors": None,
+               "input_file_id": fid, "completion_window": window, "status": "validating",
+               "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+               "expires_at": now + COMPLETION_WINDOWS[window], "finalizing_at": None, "completed_at": None,
+               "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
+               "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                         "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
+        await self.db.run(BatchStore.add_batch, doc, owner)
+        self.on_change()
+        return _json(doc)
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        _, who = await self._caller(request)
+        limit = _int_param(request, "limit", 20, 1, 100)
+        data, more = await self.db.run(BatchStore.list_batches, who, request.query.get("after"), limit)
+        return _json(_list(data, more))
+
+    async def _batch(self, request: web.Request) -> tuple[str, dict[str, Any]]:
+        _, who = await self._caller(request)
+        bid = request.match_info["batch_id"]
+        doc = await self.db.run(BatchStore.get_batch, bid, who)
+        if doc is None:
+            raise GatewayError(404, f"No such Batch object: {bid}", param="batch_id", code="batch_not_found")
+        return bid, doc
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        return _json((await self._batch(request))[1])
+
+    async def cancel_batch(self, request: web.Request) -> web.Response:
+        bid, doc = await self._batch(request)
+        now = now_s()
+
+        def cancel(d: dict[str, Any]) -> bool:
+            if d["status"] in ("validating", "in_progress"):
+                d.update(status="cancelling", cancelling_at=now)
+                return True
+            return False
+        doc = await self.db.run(BatchStore.update_batch, bid, cancel) or doc
+        if doc["status"] not in ACTIVE or doc["status"] == "finalizing":
+            raise _bad(f"Cannot cancel a batch with status {doc['status']}", "batch_id", "invalid_batch_state")
+        self.on_change()
+        return _json(doc)
+
+
+def _metadata_ok(m: Any) -> bool:
+    return (isinstance(m, dict) and len(m) <= MAX_METADATA
+            and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in m.items()))
+
+
+def _write_checked(f, check: LineCheck, chunk: bytes) -> None:
+    check.feed(chunk)
+    f.write(chunk)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

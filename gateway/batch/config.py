@@ -1,0 +1,28 @@
+"""The ``batch:`` block: OpenAI's Files and Batches API, run at the lowest priority (docs/batch.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from gateway.config.block import Block
+
+
+class BatchConfig(Block):
+    """Off by default: ``/v1/files`` and ``/v1/batches`` then answer 404."""
+
+    enabled: Annotated[bool, Meta(description="Serve /v1/files and /v1/batches and run batches on idle engine capacity, as the lowest priority class.")] = False
+    dir: Annotated[str, Meta(min_length=1, description="Directory of uploads, results and the job store (SQLite); a restart with the same dir resumes unfinished batches. Created if missing.")] = "./switchyard-batch"
+    max_file_bytes: Annotated[int, Meta(ge=1, description="Largest uploaded file, in bytes; a larger upload is refused with 413.")] = 200 * 1024 * 1024
+    max_lines: Annotated[int, Meta(ge=1, description="Most requests (lines) in one batch input file; more is refused with 400 at upload.")] = 50_000
+    max_line_bytes: Annotated[int, Meta(ge=64, description="Longest line of a batch input file, in bytes; longer is refused with 400 at upload.")] = 1024 * 1024
+    max_concurrency: Annotated[int, Meta(ge=1, description="Most batch lines in flight per model, whatever the headroom.")] = 32
+    max_lines_per_s: Annotated[float, Meta(ge=0, description="Most batch lines started per second per model (0: no rate cap).")] = 0.0
+    endpoint_capacity: Annotated[int, Meta(ge=1, description="Running slots assumed on an endpoint whose engine has not told its cap (SGLang does) nor been seen queueing (admission's capacity view); batch lines fill only free slots.")] = 8
+    reserve_slots: Annotated[int, Meta(ge=0, description="Running slots per endpoint batch lines leave free for interactive requests that arrive.")] = 1
+    max_kv_usage: Annotated[float, Meta(gt=0, le=1, description="No batch line goes to an endpoint whose KV-cache usage is at or above this share (0..1).")] = 0.7
+    max_attempts: Annotated[int, Meta(ge=1, description="Attempts of a line that fails retryably (5xx, timeouts, broken connections) before it goes to the error file; a 429 (limits, admission) waits and is not counted.")] = 3
+    retry_backoff_s: Annotated[float, Meta(gt=0, description="First wait before a line is tried again, doubled at each attempt (capped at 30 s), in seconds.")] = 1.0
+    file_ttl_s: Annotated[int, Meta(ge=0, description="Uploaded, output and error files expire this long after their creation and are removed from disk, in seconds (0: never).")] = 30 * 24 * 3600
+    poll_interval_s: Annotated[float, Meta(gt=0, description="How often the runner looks for new, cancelled or expired batches and for headroom, in seconds.")] = 0.2

@@ -1,0 +1,121 @@
+"""Files on disk under ``batch.dir``: ``files/<id>`` holds a file's bytes, ``tmp/`` uploads in progress.
+
+A file's path is made of its id alone (``file-`` and 24 random hex digits): the client's filename is
+only a label, checked (no path separators, no ``..``, no control characters) and never joined to a
+path. A file appears under ``files/`` by an atomic rename once it is whole and checked, so a
+process killed mid-upload leaves at most a temporary file, removed at the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from gateway.batch.store import now_s
+
+_ID = re.compile(r"\Afile-[0-9a-f]{24}\Z")
+_BAD_NAME = re.compile(r"[\x00-\x1f\x7f/\\]")
+MAX_FILENAME = 255
+
+
+def new_file_id() -> str:
+    return "file-" + secrets.token_hex(12)
+
+
+def valid_id(file_id: str) -> bool:
+    return _ID.match(file_id) is not None
+
+
+def path_of(directory: str, file_id: str) -> str:
+    if not valid_id(file_id):
+        raise ValueError(f"not a file id: {file_id!r}")
+    return os.path.join(directory, "files", file_id)
+
+
+def filename_problem(name: str) -> str | None:
+    """Why ``name`` is not accepted as a filename (None: it is)."""
+    if not name or len(name) > MAX_FILENAME:
+        return f"filename must have 1 to {MAX_FILENAME} characters"
+    if _BAD_NAME.search(name) or name in (".", "..") or name.startswith(".."):
+        return "filename must be a plain name: no path separators, no '..', no control characters"
+    return None
+
+
+def prepare(directory: str) -> None:
+    """The directory's layout; temporary files of uploads cut short by a previous process removed."""
+    for sub in ("files", "tmp"):
+        os.makedirs(os.path.join(directory, sub), exist_ok=True)
+    tmp = os.path.join(directory, "tmp")
+    for name in os.listdir(tmp):
+        try:
+            os.unlink(os.path.join(tmp, name))
+        except OSError:
+            pass
+
+
+def temp_path(directory: str) -> str:
+    return os.path.join(directory, "tmp", "upload-" + secrets.token_hex(8))
+
+
+def file_object(file_id: str, filename: str, purpose: str, size: int, ttl_s: int) -> dict[str, Any]:
+    created = now_s()
+    return {"id": file_id, "object": "file", "bytes": size, "created_at": created, "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": created + ttl_s if ttl_s else None,
+            "status_details": None}
+
+
+def publish(directory: str, tmp: str, file_id: str) -> None:
+    """The checked upload becomes the file (fsynced, then renamed into place)."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path_of(directory, file_id))
+
+
+def write_lines(directory: str, filename: str, lines: Iterable[bytes], ttl_s: int) -> dict[str, Any]:
+    """A batch's output or error file from its lines (streamed: one line in memory at a time)."""
+    file_id = new_file_id()
+    tmp = temp_path(directory)
+    size = 0
+    with open(tmp, "wb") as f:
+        for line in lines:
+            f.write(line)
+            f.write(b"\n")
+            size += len(line) + 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path_of(directory, file_id))
+    return file_object(file_id, filename, "batch_output", size, ttl_s)
+
+
+def remove(directory: str, file_id: str) -> None:
+    try:
+        os.unlink(path_of(directory, file_id))
+    except (OSError, ValueError):
+        pass
+
+
+STRAY_AGE_S = 600.0
+
+
+def strays(directory: str, known: set[str]) -> list[str]:
+    """Files on disk the store does not know (their process died between the disk and the store),
+    older than ``STRAY_AGE_S``: a file is renamed into place just before the store learns of it."""
+    base = os.path.join(directory, "files")
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    old = time.time() - STRAY_AGE_S
+    out = []
+    for n in names:
+        if valid_id(n) and n not in known:
+            try:
+                if os.stat(os.path.join(base, n)).st_mtime < old:
+                    out.append(n)
+            except OSError:
+                pass
+    return out

@@ -1,0 +1,468 @@
+"""The batch runner: one per ``batch.dir``, it moves batches through their states and runs their lines.
+
+``validating`` → ``in_progress`` → ``finalizing`` → ``completed``; or ``failed`` (validation),
+``cancelling`` → ``cancelled``, ``expired`` (``expires_at`` passed). Every state change is written
+to the store before it is acted on, so a runner that dies anywhere resumes from the store.
+
+Lines go through the gateway's own inference handler (``Submit``: the live generation's
+pipeline, called in-process with a ``LineRequest``) as the ``sheddable`` class, on behalf of the
+batch's owner, only while ``headroom.model_room`` finds free slots, under ``max_concurrency`` and
+``max_lines_per_s`` per model. An answer is stored keyed by ``(batch, custom_id)`` (results are
+committed in small groups; a line whose answer was not committed when the process died is run
+again, and a line stored twice is kept once). A 429 (the owner's limits, admission shedding) waits
+and is tried again without counting; a 5xx or a timeout is tried again up to ``max_attempts``;
+anything else is the line's answer (a 4xx goes to the error file).
+
+The output and error files are written at the end by streaming the stored lines in input order,
+so memory stays flat whatever the batch's size; every input line has exactly one line in one of
+them (the unanswered lines of a cancelled or expired batch say so in the error file).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import os
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import structlog
+
+from gateway.batch import files as batch_files
+from gateway.batch.config import BatchConfig
+from gateway.batch.headroom import free_slots, model_room
+from gateway.batch.jsonl import Line, endpoint_mismatch, read_chunk
+from gateway.batch.line_request import LineRequest
+from gateway.batch.metrics import BatchMetrics
+from gateway.batch.store import BatchDb, BatchStore, Result, now_s
+from gateway.endpoints import EndpointPool
+from gateway.pipeline.context import LOG_FIELDS
+from gateway.tenants.service import ACTING_FOR
+
+log = structlog.get_logger("switchyard.batch")
+
+# the handler a line is submitted to: the live generation's pipeline (gateway/server/app.py)
+Submit = Callable[[LineRequest], Awaitable[Any]]
+RETRY_STATUSES = frozenset({408, 500, 502, 503, 504})
+MAX_BACKOFF_S = 30.0
+FLUSH_LINES = 256
+
+
+@dataclass(slots=True)
+class _Job:
+    doc: dict[str, Any]
+    path: str
+    owner: str
+    offset: int = 0
+    line_no: int = 0
+    eof: bool = False
+    ready: deque[tuple[Line, int]] = field(default_factory=deque)     # (line, attempts so far)
+    waiting: list[tuple[float, int, Line, int]] = field(default_factory=list)   # heap: (due, seq, line, attempts)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    results: list[Result] = field(default_factory=list)
+    stopping: str | None = None          # cancelled | expired: no new line goes
+    reading: bool = False                # a chunk of input lines is being read
+
+    @property
+    def id(self) -> str:
+        return self.doc["id"]
+
+
+class BatchRunner:
+    def __init__(self, cfg: BatchConfig, db: BatchDb, submit: Submit, pool: EndpointPool, metrics: BatchMetrics,
+                 *, engine_signals: Callable[[], bool], metrics_max_age: Callable[[], float],
+                 admission_waiting: Callable[[str], int], draining: Callable[[], bool] = lambda: False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg, self.db, self.submit, self.pool, self.m = cfg, db, submit, pool, metrics
+        self.engine_signals, self.max_age, self.admission_waiting = engine_signals, metrics_max_age, admission_waiting
+        self.clock, self.draining = clock, draining
+        self.jobs: dict[str, _Job] = {}
+        self.in_flight: dict[str, int] = {}          # model → lines in flight
+        self.next_start: dict[str, float] = {}       # model → earliest start of its next line (rate cap)
+        self.wake = asyncio.Event()
+        self._seq = 0
+        self.lines_on: dict[str, dict[str, asyncio.Task]] = {}     # endpoint → request id → its line's task
+        self.placed: dict[str, str] = {}                            # request id → endpoint
+        self.preempted: set[str] = set()
+        self._tasks_by_rid: dict[str, asyncio.Task] = {}
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Until cancelled: refresh from the store, dispatch, flush; woken by finished lines."""
+        last_refresh = -1.0
+        try:
+            while True:
+                now = self.clock()
+                if now - last_refresh >= self.cfg.poll_interval_s:
+                    last_refresh = now
+                    await self._refresh()
+                self._dispatch()
+                await self._flush_all()
+                await self._finish_ready()
+                self.wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._next_wait()):
+                        await self.wake.wait()
+        finally:
+            await self._stop_lines()
+
+    def _next_wait(self) -> float:
+        wait = self.cfg.poll_interval_s
+        now = self.clock()
+        for job in self.jobs.values():
+            if job.waiting:
+                wait = min(wait, max(0.0, job.waiting[0][0] - now))
+        return wait
+
+    async def _stop_lines(self) -> None:
+        """Shutting down: lines in flight are cancelled (they run again after a restart); what was
+        answered is committed."""
+        tasks = [t for job in self.jobs.values() for t in job.tasks]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(self._flush_all())
+
+    # -- batches ------------------------------------------------------------------------------
+
+    async def _refresh(self) -> None:
+        docs = await self.db.run(BatchStore.active_batches)
+        seen = set()
+        now = now_s()
+        for doc in docs:
+            bid = doc["id"]
+            seen.add(bid)
+            job = self.jobs.get(bid)
+            if job is None:
+                owner = await self.db.run(BatchStore.batch_owner, bid) or ""
+                job = self.jobs[bid] = _Job(doc, batch_files.path_of(self.db.dir, doc["input_file_id"]), owner)
+            else:
+                job.doc = doc
+            status = doc["status"]
+            if status == "validating":
+                await self._validate(job)
+            elif status in ("in_progress", "finalizing") and doc.get("expires_at") and now >= doc["expires_at"]:
+                self._halt(job, "expired")
+            elif status == "cancelling":
+                self._halt(job, "cancelled")
+        for bid in list(self.jobs):
+            if bid not in seen and not self.jobs[bid].tasks:
+                del self.jobs[bid]
+        await self._overview()
+
+    async def _overview(self) -> None:
+        self.m.set_overview(await self.db.run(BatchStore.status_counts),
+                            min((j.doc["created_at"] for j in self.jobs.values()), default=None))
+
+    async def _validate(self, job: _Job) -> None:
+        doc = job.doc
+        try:
+            total, errors = await asyncio.to_thread(endpoint_mismatch, job.path, doc["endpoint"])
+        except OSError as e:
+            total, errors = 0, [{"code": "file_unreadable", "message": f"the input file cannot be read: {e.strerror}",
+                                 "param": "input_file_id", "line": None}]
+        now = now_s()
+
+        def change(d: dict[str, Any]) -> bool:
+            if d["status"] != "validating":
+                return False
+            d["request_counts"]["total"] = total
+            if errors:
+                d.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
+            else:
+                d.update(status="in_progress", in_progress_at=now)
+            return True
+        job.doc = await self.db.run(BatchStore.update_batch, job.id, change) or job.doc
+        log.info("batch validated", batch_id=job.id, status=job.doc["status"], lines=total)
+        if job.doc["status"] == "failed":
+            self.m.batch_done("failed")
+            await self._overview()
+
+    def _halt(self, job: _Job, why: str) -> None:
+        """No new line goes; those in flight are cancelled and run no more."""
+        if job.stopping is None:
+            job.stopping = why
+            job.ready.clear()
+            job.waiting.clear()
+            for t in job.tasks:
+                t.cancel()
+
+    async def _finish_ready(self) -> None:
+        for job in list(self.jobs.values()):
+            if job.tasks or job.results:
+                continue
+            status = job.doc["status"]
+            if job.stopping is not None:
+                await self._finalize(job, job.stopping)
+            elif status == "finalizing" or (status == "in_progress" and job.eof and not job.ready and not job.waiting):
+                await self._finalize(job, "completed")
+
+    async def _finalize(self, job: _Job, final: str) -> None:
+        """Write the output and error files by streaming the stored lines, then the final state."""
+        bid, doc = job.id, job.doc
+        now = now_s()
+        if final == "completed" and doc["status"] == "in_progress":
+            def to_finalizing(d: dict[str, Any]) -> bool:
+                if d["status"] != "in_progress":
+                    return False
+                d.update(status="finalizing", finalizing_at=now)
+                return True
+            job.doc = doc = await self.db.run(BatchStore.update_batch, bid, to_finalizing) or doc
+            if doc["status"] != "finalizing":
+                return          # cancelled meanwhile: the next refresh halts it
+        if final != "completed":
+            await self._unanswered(job, "batch_cancelled" if final == "cancelled" else "batch_expired")
+        out_id, err_id = await asyncio.to_thread(self._write_outputs, bid, job.owner)
+        now = now_s()
+
+        def done(d: dict[str, Any]) -> bool:
+            if d["status"] in ("completed", "failed", "expired", "cancelled"):
+                return False
+            d.update(status=final, output_file_id=out_id, error_file_id=err_id)
+            d[{"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]] = now
+            return True
+        job.doc = await self.db.run(BatchStore.update_batch, bid, done) or doc
+        await self.db.run(BatchStore.drop_results, bid)
+        self.jobs.pop(bid, None)
+        self.m.batch_done(final)
+        await self._overview()
+        counts = job.doc["request_counts"]
+        log.info("batch finished", batch_id=bid, status=job.doc["status"], completed=counts["completed"],
+                 failed=counts["failed"], output_file_id=out_id, error_file_id=err_id)
+
+    async def _unanswered(self, job: _Job, code: str) -> None:
+        """A cancelled or expired batch: each line never answered gets its error line."""
+        message = "the batch was cancelled before this request ran" if code == "batch_cancelled" \
+            else "the batch expired before this request ran"
+        offset, line_no = 0, 0
+        while True:
+            lines, offset, line_no = await asyncio.to_thread(read_chunk, job.path, offset, line_no, 1024)
+            if not lines:
+                return
+            answered = await self.db.run(BatchStore.answered_in, job.id, lines[0].line_no, lines[-1].line_no)
+            missing = [Result(ln.custom_id, ln.line_no, False, _output_line(ln.custom_id, None, None, None,
+                                                                             {"code": code, "message": message}))
+                       for ln in lines if ln.line_no not in answered]
+            if missing:
+                self.m.lines("-", "failed", len(missing))
+                await self.db.run(BatchStore.record, job.id, missing)
+
+    def _write_outputs(self, bid: str, owner: str) -> tuple[str | None, str | None]:
+        """On a thread of its own (the store's thread serves the API meanwhile): reads through a
+        second connection, as any worker's reader does."""
+        store = BatchStore(os.path.join(self.db.dir, "batches.sqlite3"))
+        try:
+            ids = []
+            for ok, name in ((True, "output"), (False, "error")):
+                if not store.count_results(bid, ok):
+                    ids.append(None)
+                    continue
+                f = batch_files.write_lines(self.db.dir, f"batch_{bid}_{name}.jsonl", store.result_lines(bid, ok),
+                                            self.cfg.file_ttl_s)
+                store.add_file(f, owner)
+                ids.append(f["id"])
+            return ids[0], ids[1]
+        finally:
+            store.close()
+
+    # -- lines --------------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        """Start every line that has room, oldest batch first."""
+        if self.draining():         # the gateway stops: lines wait for the next start
+            return
+        now = self.clock()
+        room: dict[str, int] = {}
+        for job in list(self.jobs.values()):
+            if job.doc["status"] != "in_progress" or job.stopping is not None:
+                continue
+            while job.waiting and job.waiting[0][0] <= now:
+                _, _, line, attempts = heapq.heappop(job.waiting)
+                job.ready.appendleft((line, attempts))
+            while True:
+                if not job.ready and not job.eof:
+                    self._read_ahead(job)
+                    break
+                if not job.ready:
+                    break
+                line, attempts = job.ready[0]
+                model = line.body.get("model")
+                model = model if isinstance(model, str) else ""
+                if not self._may_start(model, room, now):
+                    break
+                job.ready.popleft()
+                self._start(job, line, attempts, model, now)
+
+    def _may_start(self, model: str, room: dict[str, int], now: float) -> bool:
+        cfg = self.cfg
+        if self.in_flight.get(model, 0) >= cfg.max_concurrency:
+            return False
+        if cfg.max_lines_per_s and self.next_start.get(model, 0.0) > now:
+            return False
+        if model not in room:
+            eps = self.pool.ready(model) if model and self.pool.has_model(model) else []
+            if not eps:                     # an unknown model (or none ready): the handler answers it
+                room[model] = cfg.max_concurrency
+            elif self.admission_waiting(model):
+                room[model] = 0             # interactive requests wait for room: none for a batch
+            else:
+                room[model] = model_room(eps, cfg.endpoint_capacity, cfg.reserve_slots, cfg.max_kv_usage,
+                                         self.max_age(), self.engine_signals(), now)
+        if room[model] < 1:
+            return False
+        room[model] -= 1
+        return True
+
+    def _read_ahead(self, job: _Job) -> None:
+        """The next chunk of input lines, read on a thread; lines already answered are skipped."""
+        if job.reading:
+            return
+        job.reading = True
+        task = asyncio.ensure_future(self._read(job))
+        job.tasks.add(task)
+
+        def read(t: asyncio.Task) -> None:
+            job.tasks.discard(t)
+            job.reading = False
+            if not t.cancelled() and t.exception() is not None:
+                log.error("batch input unreadable", batch_id=job.id, exc_info=t.exception())
+                job.eof = True
+            self.wake.set()
+        task.add_done_callback(read)
+
+    async def _read(self, job: _Job) -> None:
+        lines, job.offset, job.line_no = await asyncio.to_thread(read_chunk, job.path, job.offset, job.line_no)
+        if not lines:
+            job.eof = True
+            return
+        answered = await self.db.run(BatchStore.answered_in, job.id, lines[0].line_no, lines[-1].line_no)
+        done_here = {r[1] for r in job.results}
+        job.ready.extend((ln, 0) for ln in lines if ln.line_no not in answered and ln.line_no not in done_here)
+
+    def _start(self, job: _Job, line: Line, attempts: int, model: str, now: float) -> None:
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        self.m.in_flight(model, 1)
+        if self.cfg.max_lines_per_s:
+            self.next_start[model] = max(now, self.next_start.get(model, now)) + 1.0 / self.cfg.max_lines_per_s
+        rid = "batch_req_" + secrets.token_hex(16)
+        task = asyncio.ensure_future(self._run_line(job, line, attempts, model, rid))
+        job.tasks.add(task)
+        self._tasks_by_rid[rid] = task
+
+        def ended(t: asyncio.Task) -> None:
+            job.tasks.discard(t)
+            self._tasks_by_rid.pop(rid, None)
+            self.preempted.discard(rid)
+            ep = self.placed.pop(rid, None)
+            if ep is not None:
+                self.lines_on.get(ep, {}).pop(rid, None)
+            self.in_flight[model] -= 1
+            self.m.in_flight(model, -1)
+            self.wake.set()
+        task.add_done_callback(ended)
+
+    # -- preemption: an interactive request that would wait in an engine's queue takes a batch line's slot
+
+    def on_decision(self, ireq: Any, decision: Any, _fallbacks: Any, _elapsed: float) -> None:
+        """A routing decision (a claim: before the request is charged). A batch line's tells where it
+        runs; an interactive request that would find no free slot on its endpoint stops the newest
+        batch line there, which goes back to the queue (uncounted)."""
+        ep = decision.endpoint
+        rid = ireq.request_id
+        task = self._tasks_by_rid.get(rid)
+        if task is not None:
+            self.placed[rid] = ep.name
+            self.lines_on.setdefault(ep.name, {})[rid] = task
+            return
+        running = self.lines_on.get(ep.name)
+        if not running or free_slots(ep, self.cfg.endpoint_capacity, self.engine_signals()) >= 1:
+            return
+        victim = next(reversed(running))
+        self.preempted.add(victim)
+        running.pop(victim).cancel()
+
+    async def _run_line(self, job: _Job, line: Line, attempts: int, model: str, rid: str) -> None:
+        body = dict(line.body)
+        body.pop("stream", None)            # a batch line's answer is one body
+        body.pop("stream_options", None)
+        headers = {"content-type": "application/json", "x-priority": "sheddable", "x-request-id": rid}
+        keys: dict[Any, Any] = {LOG_FIELDS: {"batch_id": job.id, "custom_id": line.custom_id}}
+        if job.owner:
+            keys[ACTING_FOR] = job.owner
+            headers["user"] = job.owner
+        req = LineRequest(line.url, orjson.dumps(body), headers, keys)
+        try:
+            resp = await self.submit(req)
+            status, raw = resp.status, _body_of(resp)
+        except asyncio.CancelledError:
+            if rid not in self.preempted:
+                raise
+            self.preempted.discard(rid)     # gave its slot to an interactive request: again, uncounted
+            self._seq += 1
+            heapq.heappush(job.waiting, (self.clock(), self._seq, line, attempts))
+            self.m.lines(model, "preempted")
+            return
+        except Exception as e:      # the handler answers every error itself; this is a bug
+            log.exception("batch line failed in the gateway", batch_id=job.id, custom_id=line.custom_id)
+            status, raw = 500, orjson.dumps({"error": {"message": f"internal gateway error: {type(e).__name__}",
+                                                       "type": "server_error", "param": None, "code": "internal_error"}})
+        free = status == 429 or (status == 503 and self.draining())     # not the line's fault
+        if free or (status in RETRY_STATUSES and attempts + 1 < self.cfg.max_attempts):
+            counted = attempts if free else attempts + 1
+            delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * (2 ** max(0, counted - 1)))
+            self._seq += 1
+            heapq.heappush(job.waiting, (self.clock() + delay, self._seq, line, counted))
+            self.m.lines(model, "retried")
+            return
+        try:
+            parsed = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            parsed = raw.decode("utf-8", "replace")
+        ok = status == 200
+        usage = _usage(parsed) if ok else (0, 0, 0)
+        out = _output_line(line.custom_id, status, rid, parsed, None)
+        job.results.append(Result(line.custom_id, line.line_no, ok, out, usage))
+        self.m.lines(model, "completed" if ok else "failed")
+
+    async def _flush_all(self) -> None:
+        for job in list(self.jobs.values()):
+            if job.results:
+                results, job.results = job.results, []
+                doc = await self.db.run(BatchStore.record, job.id, results)
+                if doc is not None:
+                    job.doc["request_counts"] = doc["request_counts"]
+
+
+def _body_of(resp: Any) -> bytes:
+    body = getattr(resp, "body", None)
+    if isinstance(body, bytes | bytearray):
+        return bytes(body)
+    return b""
+
+
+def _usage(body: Any) -> tuple[int, int, int]:
+    u = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(u, dict):
+        return (0, 0, 0)
+    p, c = u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") or 0 if isinstance(details, dict) else 0
+    return (int(p) if isinstance(p, int) else 0, int(c) if isinstance(c, int) else 0,
+            int(cached) if isinstance(cached, int) else 0)
+
+
+def _output_line(custom_id: str, status: int | None, request_id: str | None, body: Any,
+                 error: dict[str, Any] | None) -> bytes:
+    """A line of the output or error file, in OpenAI's shape."""
+    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
+    return orjson.dumps({"id": "batch_req_" + secrets.token_hex(12), "custom_id": custom_id,
+                         "response": response, "error": error})

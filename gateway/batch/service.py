@@ -1,0 +1,140 @@
+"""``BatchService``: the Files and Batches API of every worker, and the runner of one.
+
+Every process of the gateway on a ``batch.dir`` answers the API from the shared job store. The
+batches run in one process only: the one holding an exclusive ``flock`` on ``<dir>/runner.lock``.
+The others try again every few seconds, so when the holder dies (even by SIGKILL: the kernel
+releases its lock) another worker, or the restarted gateway, takes over and resumes from the
+store. Two gateways pointed at one directory on one host behave the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+from collections.abc import AsyncIterator, Callable
+
+import structlog
+from aiohttp import web
+
+from gateway.batch import files as batch_files
+from gateway.batch.api import BatchApi
+from gateway.batch.config import BatchConfig
+from gateway.batch.metrics import BatchMetrics
+from gateway.batch.runner import BatchRunner, Submit
+from gateway.batch.store import BatchDb, BatchStore, now_s
+from gateway.endpoints import EndpointPool
+from gateway.tenants.service import NoTenancy, Tenancy
+
+log = structlog.get_logger("switchyard.batch")
+
+LOCK_RETRY_S = 2.0
+SWEEP_EVERY_S = 60.0
+
+
+class DirLock:
+    """An exclusive, non-blocking ``flock`` on a file; the kernel releases it when the process dies."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd: int | None = None
+
+    def try_acquire(self) -> bool:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+class BatchService:
+    def __init__(self, cfg: BatchConfig, tenancy: Tenancy | NoTenancy, pool: EndpointPool, registry,
+                 *, engine_signals: Callable[[], bool], metrics_max_age: Callable[[], float],
+                 admission_waiting: Callable[[str], int], draining: Callable[[], bool]) -> None:
+        self.cfg = cfg
+        self.db = BatchDb(os.path.abspath(cfg.dir))
+        self.metrics = BatchMetrics(registry)
+        self.api = BatchApi(cfg, self.db, tenancy, self._wake)
+        self.pool = pool
+        self._signals = dict(engine_signals=engine_signals, metrics_max_age=metrics_max_age,
+                             admission_waiting=admission_waiting, draining=draining)
+        self.runner: BatchRunner | None = None
+        self.lock = DirLock(os.path.join(self.db.dir, "runner.lock"))
+        self._task: asyncio.Task | None = None
+
+    def _wake(self) -> None:
+        if self.runner is not None:
+            self.runner.wake.set()
+
+    @property
+    def running(self) -> bool:
+        """This process runs the batches (holds the directory's lock)."""
+        return self.lock.fd is not None
+
+    def lifecycle(self, submit: Submit, claims: list):
+        """``claims``: the routing decisions' claims, where the runner learns where its lines run and
+        preempts one for an interactive request that would otherwise wait in an engine's queue."""
+        self.claims = claims
+        async def batches(_app: web.Application) -> AsyncIterator[None]:
+            await self.db.open()
+            await asyncio.to_thread(batch_files.prepare, self.db.dir)
+            self._task = asyncio.create_task(self._hold(submit), name="batch-runner")
+            try:
+                yield
+            finally:
+                if self.runner is not None and self.runner.on_decision in claims:
+                    claims.remove(self.runner.on_decision)
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+                self.lock.release()
+                await self.db.close()
+        return batches
+
+    async def _hold(self, submit: Submit) -> None:
+        """Wait for the directory's lock, then run the batches (and sweep expired files) until stopped."""
+        while not await asyncio.to_thread(self.lock.try_acquire):
+            await asyncio.sleep(LOCK_RETRY_S)
+        log.info("running batches", dir=self.db.dir, pid=os.getpid())
+        self.runner = BatchRunner(self.cfg, self.db, submit, self.pool, self.metrics, **self._signals)
+        self.claims.append(self.runner.on_decision)
+        sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
+        try:
+            await self.runner.run()
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+
+    async def _sweep(self) -> None:
+        """Expired files leave the store and the disk; so do files on disk the store forgot."""
+        while True:
+            try:
+                for fid in await self.db.run(BatchStore.expired_files, now_s()):
+                    await self.db.run(BatchStore.delete_file, fid)
+                    await asyncio.to_thread(batch_files.remove, self.db.dir, fid)
+                known = await self.db.run(BatchStore.file_ids)
+                for fid in await asyncio.to_thread(batch_files.strays, self.db.dir, known):
+                    await asyncio.to_thread(batch_files.remove, self.db.dir, fid)
+            except Exception:
+                log.exception("batch file sweep failed")
+            await asyncio.sleep(SWEEP_EVERY_S)
+
+    async def status(self) -> dict:
+        """The status page's batch section."""
+        counts = await self.db.run(BatchStore.status_counts) if self.db.store is not None else {}
+        return {"enabled": True, "runs_here": self.running, "batches": counts,
+                "lines_in_flight": sum(self.metrics.lines_in_flight.values())}

@@ -1,0 +1,275 @@
+"""The job store: files, batches and answered lines in one SQLite database under ``batch.dir``.
+
+Durability is SQLite's: WAL journal, each change one transaction. A batch line's answer is a row
+keyed by ``(batch_id, custom_id)`` and inserted with ``INSERT OR IGNORE``, so a line answered twice
+(a restart re-runs the lines whose answers were not committed yet) is stored, counted and written
+out once. The batch object is kept as its OpenAI JSON document beside an indexed status; every
+change to it is a read-modify-write inside ``BEGIN IMMEDIATE``, so the runner's counts and another
+worker's cancel never overwrite each other.
+
+Everything here is synchronous and runs on one thread per process (``BatchDb``): the event loop
+never waits on the disk, and this process has one writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import orjson
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, filename TEXT NOT NULL, purpose TEXT NOT NULL,
+    bytes INTEGER NOT NULL, created_at INTEGER NOT NULL, expires_at INTEGER, lines INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS files_by_owner ON files (owner, created_at);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
+    doc BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, created_at);
+CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
+CREATE TABLE IF NOT EXISTS results (
+    batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, line_no INTEGER NOT NULL, ok INTEGER NOT NULL,
+    line BLOB NOT NULL, PRIMARY KEY (batch_id, custom_id)
+);
+CREATE INDEX IF NOT EXISTS results_by_line ON results (batch_id, line_no);
+"""
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+class Result(tuple):
+    """One answered line: (custom_id, line_no, ok, the output line's bytes, usage triple)."""
+
+    __slots__ = ()
+
+    def __new__(cls, custom_id: str, line_no: int, ok: bool, line: bytes,
+                usage: tuple[int, int, int] = (0, 0, 0)) -> Result:
+        return tuple.__new__(cls, (custom_id, line_no, ok, line, usage))
+
+
+class BatchStore:
+    """The database; every method is one transaction (or one read)."""
+
+    def __init__(self, path: str) -> None:
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")     # WAL: a process killed loses no commit
+        self.db.execute("PRAGMA busy_timeout=30000")     # other workers write too
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            out = fn(db)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+        return out
+
+    # -- files --------------------------------------------------------------------------------
+
+    def add_file(self, f: dict[str, Any], owner: str, lines: int = 0) -> None:
+        self._tx(lambda db: db.execute(
+            "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, expires_at, lines)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (f["id"], owner, f["filename"], f["purpose"], f["bytes"], f["created_at"], f["expires_at"], lines)))
+
+    def get_file(self, file_id: str, owner: str | None) -> dict[str, Any] | None:
+        """The file object, None when unknown or (with ``owner``) someone else's."""
+        row = self.db.execute("SELECT id, owner, filename, purpose, bytes, created_at, expires_at, lines"
+                              " FROM files WHERE id = ?", (file_id,)).fetchone()
+        if row is None or (owner is not None and row[1] != owner):
+            return None
+        return _file(row)
+
+    def list_files(self, owner: str | None, purpose: str | None, order: str, after: str | None,
+                   limit: int) -> tuple[list[dict[str, Any]], bool]:
+        where, args = ["1=1"], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        if purpose:
+            where.append("purpose = ?")
+            args.append(purpose)
+        cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
+        if after:
+            row = self.db.execute("SELECT created_at FROM files WHERE id = ?", (after,)).fetchone()
+            if row is not None:
+                where.append(f"(created_at, id) {cmp} (?, ?)")
+                args += [row[0], after]
+        rows = self.db.execute(
+            "SELECT id, owner, filename, purpose, bytes, created_at, expires_at, lines FROM files"
+            f" WHERE {' AND '.join(where)} ORDER BY created_at {direction}, id {direction} LIMIT ?",
+            (*args, limit + 1)).fetchall()
+        return [_file(r) for r in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> bool:
+        return self._tx(lambda db: db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0)
+
+    def expired_files(self, now: int) -> list[str]:
+        return [r[0] for r in self.db.execute(
+            "SELECT id FROM files WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))]
+
+    def file_ids(self) -> set[str]:
+        return {r[0] for r in self.db.execute("SELECT id FROM files")}
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def add_batch(self, doc: dict[str, Any], owner: str) -> None:
+        self._tx(lambda db: db.execute(
+            "INSERT INTO batches (id, owner, status, created_at, doc) VALUES (?, ?, ?, ?, ?)",
+            (doc["id"], owner, doc["status"], doc["created_at"], orjson.dumps(doc))))
+
+    def get_batch(self, batch_id: str, owner: str | None) -> dict[str, Any] | None:
+        row = self.db.execute("SELECT owner, doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        if row is None or (owner is not None and row[0] != owner):
+            return None
+        return orjson.loads(row[1])
+
+    def batch_owner(self, batch_id: str) -> str | None:
+        row = self.db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] if row is not None else None
+
+    def list_batches(self, owner: str | None, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        where, args = ["1=1"], []
+        if owner is not None:
+            where.append("owner = ?")
+            args.append(owner)
+        if after:
+            row = self.db.execute("SELECT created_at FROM batches WHERE id = ?", (after,)).fetchone()
+            if row is not None:
+                where.append("(created_at, id) < (?, ?)")
+                args += [row[0], after]
+        rows = self.db.execute(f"SELECT doc FROM batches WHERE {' AND '.join(where)}"
+                               " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+        return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit
+
+    def active_batches(self) -> list[dict[str, Any]]:
+        marks = ",".join("?" * len(ACTIVE))
+        return [orjson.loads(r[0]) for r in self.db.execute(
+            f"SELECT doc FROM batches WHERE status IN ({marks}) ORDER BY created_at, id", ACTIVE)]
+
+    def status_counts(self) -> dict[str, int]:
+        return dict(self.db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall())
+
+    def update_batch(self, batch_id: str, change: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """Apply ``change`` to the stored document (it returns whether it changed anything); the
+        document as stored afterwards, None when the batch is unknown."""
+        def tx(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute("SELECT doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                return None
+            doc = orjson.loads(row[0])
+            if change(doc):
+                db.execute("UPDATE batches SET status = ?, doc = ? WHERE id = ?",
+                           (doc["status"], orjson.dumps(doc), batch_id))
+            return doc
+        return self._tx(tx)
+
+    # -- answered lines -----------------------------------------------------------------------
+
+    def record(self, batch_id: str, results: list[Result]) -> dict[str, Any] | None:
+        """Store answered lines (one per custom_id: a line already stored is skipped) and count
+        those that were new in the batch's document, in one transaction."""
+        def tx(db: sqlite3.Connection) -> dict[str, Any] | None:
+            ok = failed = p = c = cached = 0
+            for custom_id, line_no, good, line, usage in results:
+                cur = db.execute("INSERT OR IGNORE INTO results (batch_id, custom_id, line_no, ok, line)"
+                                 " VALUES (?, ?, ?, ?, ?)", (batch_id, custom_id, line_no, int(good), line))
+                if cur.rowcount:
+                    if good:
+                        ok += 1
+                    else:
+                        failed += 1
+                    p, c, cached = p + usage[0], c + usage[1], cached + usage[2]
+            row = db.execute("SELECT doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                return None
+            doc = orjson.loads(row[0])
+            if ok or failed:
+                counts = doc["request_counts"]
+                counts["completed"] += ok
+                counts["failed"] += failed
+                u = doc["usage"]
+                u["input_tokens"] += p
+                u["output_tokens"] += c
+                u["total_tokens"] += p + c
+                u["input_tokens_details"]["cached_tokens"] += cached
+                db.execute("UPDATE batches SET doc = ? WHERE id = ?", (orjson.dumps(doc), batch_id))
+            return doc
+        return self._tx(tx)
+
+    def answered_in(self, batch_id: str, first: int, last: int) -> set[int]:
+        """The line numbers in ``[first, last]`` that have an answer."""
+        return {r[0] for r in self.db.execute(
+            "SELECT line_no FROM results WHERE batch_id = ? AND line_no BETWEEN ? AND ?", (batch_id, first, last))}
+
+    def result_lines(self, batch_id: str, ok: bool) -> Iterator[bytes]:
+        """The stored output (or error) lines in input order, read lazily: memory stays flat."""
+        cur = self.db.execute("SELECT line FROM results WHERE batch_id = ? AND ok = ? ORDER BY line_no",
+                              (batch_id, int(ok)))
+        while rows := cur.fetchmany(512):
+            for (line,) in rows:
+                yield line
+
+    def count_results(self, batch_id: str, ok: bool) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM results WHERE batch_id = ? AND ok = ?",
+                               (batch_id, int(ok))).fetchone()[0]
+
+    def drop_results(self, batch_id: str) -> None:
+        """A finished batch's lines, once its output and error files are written."""
+        self._tx(lambda db: db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,)))
+
+
+def _file(row: tuple) -> dict[str, Any]:
+    fid, _owner, filename, purpose, size, created, expires, _lines = row
+    return {"id": fid, "object": "file", "bytes": size, "created_at": created, "filename": filename,
+            "purpose": purpose, "status": "processed", "expires_at": expires, "status_details": None}
+
+
+class BatchDb:
+    """The store on its own thread: ``await db.run(BatchStore.method, *args)``. One thread, so this
+    process has one writer and calls are applied in the order they were made."""
+
+    def __init__(self, directory: str) -> None:
+        self.dir = directory
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-store")
+        self.store: BatchStore | None = None
+
+    async def open(self) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        self.store = await self.call(BatchStore, os.path.join(self.dir, "batches.sqlite3"))
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def run(self, method: Callable[..., T], *args: Any) -> T:
+        """``method`` (a ``BatchStore`` method, unbound) on the store."""
+        assert self.store is not None
+        return await self.call(method, self.store, *args)
+
+    async def close(self) -> None:
+        if self.store is not None:
+            store, self.store = self.store, None
+            await self.call(store.close)
+        self._pool.shutdown(wait=True)
+
+
+def now_s() -> int:
+    return int(time.time())

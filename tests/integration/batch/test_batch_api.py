@@ -1,0 +1,248 @@
+"""The Files and Batches API end to end, driven by the openai SDK against simulated vLLM and SGLang
+engines: chat, completions and embeddings batches, refused lines in the error file, cancel,
+ownership with API keys, and hostile uploads answered 4xx in OpenAI's shape."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.support.batch import jsonl, run_to_end
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.tenancy import ALICE, BOB, KEYS
+from tests.support.waiting import until
+
+BODIES = {
+    "/v1/chat/completions": lambda i: {"model": "m", "messages": [{"role": "user", "content": f"Say {i}"}],
+                                       "max_tokens": 3},
+    "/v1/completions": lambda i: {"model": "m", "prompt": f"Count to {i}", "max_tokens": 3},
+    "/v1/embeddings": lambda i: {"model": "m", "input": f"text {i}"},
+}
+
+
+def lines(endpoint: str, n: int, **over: Any) -> list[dict[str, Any]]:
+    return [{"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": BODIES[endpoint](i), **over}
+            for i in range(n)]
+
+
+def batch_cfg(tmp_path) -> dict[str, Any]:
+    return {"enabled": True, "dir": str(tmp_path / "batch"), "poll_interval_s": 0.05, "retry_backoff_s": 0.05}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("endpoint", list(BODIES))
+async def test_a_batch_runs_through_the_sdk(sims, gateway, tmp_path, engine, endpoint):
+    sim = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(lines(endpoint, 5))), purpose="batch")
+    assert f.id.startswith("file-") and f.object == "file" and f.purpose == "batch" and f.filename == "in.jsonl"
+    assert (await c.files.retrieve(f.id)).bytes == f.bytes
+    b = await c.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h",
+                               metadata={"job": "nightly"})
+    assert b.status == "validating" and b.id.startswith("batch_") and b.metadata == {"job": "nightly"}
+    b = await run_to_end(c, b.id)
+    assert b.status == "completed", b
+    if engine == "sglang" and endpoint == "/v1/embeddings":
+        # the SGLang simulator serves no embeddings (a generative model): the engine's 404 is each line's answer
+        assert (b.request_counts.total, b.request_counts.failed, b.output_file_id) == (5, 5, None)
+        errs = [orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines()]
+        assert sorted(e["custom_id"] for e in errs) == [f"req-{i}" for i in range(5)]
+        assert {e["response"]["status_code"] for e in errs} == {404}
+        return
+    assert b.request_counts.total == 5 and b.request_counts.completed == 5 and b.request_counts.failed == 0
+    assert b.in_progress_at and b.finalizing_at and b.completed_at and b.error_file_id is None
+    out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == [f"req-{i}" for i in range(5)]
+    for o in out:
+        assert o["error"] is None and o["response"]["status_code"] == 200
+        assert o["response"]["request_id"].startswith("batch_req_")
+        body = o["response"]["body"]
+        assert body["object"] == ("list" if endpoint == "/v1/embeddings" else
+                                  "chat.completion" if endpoint == "/v1/chat/completions" else "text_completion")
+    assert b.usage is not None and b.usage.input_tokens > 0
+    got = [r for r in (await sim_state(sim.url))["received"] if r["path"] == endpoint]
+    assert len(got) == 5
+    text = await gw.metrics_text()
+    assert 'switchyard_batch_lines_total{model="m",outcome="completed"} 5.0' in text
+    assert 'switchyard_batches{status="completed"} 1.0' in text
+    listed = await c.batches.list(limit=10)
+    assert [x.id for x in listed.data] == [b.id]
+
+
+async def test_refused_lines_go_to_the_error_file(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 3)
+    rows[1]["body"]["model"] = "no-such-model"
+    rows[2]["body"]["max_tokens"] = -1          # the engine refuses it
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 2)
+    out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
+    err = {e["custom_id"]: e for e in (orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines())}
+    assert [o["custom_id"] for o in out] == ["req-0"]
+    assert err["req-1"]["response"]["status_code"] == 404
+    assert err["req-1"]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert err["req-2"]["response"]["status_code"] == 400
+
+
+async def test_a_line_whose_url_is_not_the_endpoint_fails_the_batch(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 2) + lines("/v1/embeddings", 1)
+    rows[2]["custom_id"] = "emb"
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "failed" and b.failed_at
+    assert [(e.code, e.line, e.param) for e in b.errors.data] == [("mismatched_url", 3, "url")]
+    assert (await sim_state(sim.url))["received"] == [] or all(
+        r["path"] != "/v1/chat/completions" for r in (await sim_state(sim.url))["received"])
+
+
+async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m", itl_ms=50.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch={**batch_cfg(tmp_path), "max_concurrency": 1})
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 20)
+    for r in rows:
+        r["body"]["max_tokens"] = 20
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    await until(lambda: _received(sim.url), timeout=20)
+    cancelling = await c.batches.cancel(b.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    b = await run_to_end(c, b.id)
+    assert b.status == "cancelled" and b.cancelled_at
+    counts = b.request_counts
+    assert counts.total == 20 and counts.completed + counts.failed == 20 and counts.completed < 20
+    errs = [orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines()]
+    assert {e["error"]["code"] for e in errs} == {"batch_cancelled"}
+    done = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()] \
+        if b.output_file_id else []
+    assert sorted(o["custom_id"] for o in done + errs) == sorted(r["custom_id"] for r in rows)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.batches.cancel(b.id)
+    assert ei.value.body["code"] == "invalid_batch_state"
+
+
+async def _received(url: str) -> bool:
+    return any(r["path"] == "/v1/chat/completions" for r in (await sim_state(url))["received"])
+
+
+async def test_files_and_batches_belong_to_their_creator(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path), auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 1_000_000}}})
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+    f = await alice.files.create(file=("in.jsonl", jsonl(lines("/v1/chat/completions", 2))), purpose="batch")
+    b = await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for call in (bob.files.retrieve(f.id), bob.files.content(f.id), bob.files.delete(f.id),
+                 bob.batches.retrieve(b.id), bob.batches.cancel(b.id)):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    with pytest.raises(openai.BadRequestError) as ei:
+        await bob.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert ei.value.body["code"] == "file_not_found"
+    assert (await bob.files.list()).data == [] and (await bob.batches.list()).data == []
+    with pytest.raises(openai.AuthenticationError):
+        await openai_client(gw, "sk-wrong").files.list()
+    b = await run_to_end(alice, b.id)
+    assert b.status == "completed" and b.request_counts.completed == 2
+    # the lines ran as alice: her token counter was charged
+    text = await gw.metrics_text()
+    assert 'switchyard_user_tokens_total{kind="prompt",user="alice"}' in text
+    assert {x.id for x in (await alice.files.list()).data} == {f.id, b.output_file_id}
+    deleted = await alice.files.delete(b.output_file_id)
+    assert deleted.deleted and deleted.id == b.output_file_id
+    with pytest.raises(openai.NotFoundError):
+        await alice.files.retrieve(b.output_file_id)
+
+
+async def _post_raw(gw, path: str, data: bytes, content_type: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.post(gw.url + path, data=data,
+                                                    headers={"Content-Type": content_type}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def _multipart(fields: list[tuple[str, str | None, bytes]], boundary: str = "xyzBOUNDARY", close: bool = True) -> bytes:
+    out = io.BytesIO()
+    for name, filename, value in fields:
+        out.write(f"--{boundary}\r\n".encode())
+        disp = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename is not None else "")
+        out.write(f"Content-Disposition: {disp}\r\n\r\n".encode())
+        out.write(value + b"\r\n")
+    if close:
+        out.write(f"--{boundary}--\r\n".encode())
+    return out.getvalue()
+
+
+GOOD = jsonl(lines("/v1/chat/completions", 2))
+
+
+@pytest.mark.parametrize(("case", "fields", "status", "code"), [
+    ("wrong purpose", [("purpose", None, b"fine-tune"), ("file", "a.jsonl", GOOD)], 400, "invalid_value"),
+    ("missing file", [("purpose", None, b"batch")], 400, "missing_required_parameter"),
+    ("missing purpose", [("file", "a.jsonl", GOOD)], 400, "missing_required_parameter"),
+    ("path traversal", [("purpose", None, b"batch"), ("file", "../../etc/passwd", GOOD)], 400, "invalid_filename"),
+    ("not utf-8", [("purpose", None, b"batch"), ("file", "a.jsonl", b'{"custom_id": "\xff"}\n')], 400,
+     "invalid_encoding"),
+    ("invalid json", [("purpose", None, b"batch"), ("file", "a.jsonl", b'{"custom_id": \n')], 400, "invalid_json"),
+    ("body not an object", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(
+        [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": [1]}]))], 400, "invalid_value"),
+    ("duplicate custom_id", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(
+        lines("/v1/chat/completions", 2, custom_id="same")))], 400, "duplicate_custom_id"),
+    ("too many lines", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(lines("/v1/chat/completions", 4)))],
+     400, "too_many_lines"),
+    ("line too long", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(
+        [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"x": "y" * 5000}}]))],
+     400, "line_too_long"),
+    ("too large", [("purpose", None, b"batch"), ("file", "a.jsonl", GOOD * 200)], 413, "file_too_large"),
+    ("empty", [("purpose", None, b"batch"), ("file", "a.jsonl", b"\n")], 400, "empty_file"),
+])
+async def test_hostile_uploads_are_refused_in_openai_shape(sims, gateway, tmp_path, case, fields, status, code):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch={**batch_cfg(tmp_path), "max_lines": 3, "max_line_bytes": 4096, "max_file_bytes": 20_000})
+    got, body = await _post_raw(gw, "/v1/files", _multipart(fields), "multipart/form-data; boundary=xyzBOUNDARY")
+    assert (got, body["error"]["code"]) == (status, code), body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert (await openai_client(gw).files.list()).data == []
+    assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+
+
+async def test_truncated_and_malformed_uploads_and_bad_batch_requests(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    truncated = _multipart([("purpose", None, b"batch"), ("file", "a.jsonl", GOOD)], close=False)[:-10]
+    status, body = await _post_raw(gw, "/v1/files", truncated, "multipart/form-data; boundary=xyzBOUNDARY")
+    assert status == 400 and body["error"]["code"] in ("truncated_upload", "invalid_json"), body
+    status, body = await _post_raw(gw, "/v1/files", b'{"purpose": "batch"}', "application/json")
+    assert status == 400 and body["error"]["param"] == "file"
+    f = await c.files.create(file=("in.jsonl", GOOD), purpose="batch")
+    for kw, param, code in (({"input_file_id": "file-000000000000000000000000"}, "input_file_id", "file_not_found"),
+                            ({"input_file_id": "../etc"}, "input_file_id", "file_not_found"),
+                            ({"endpoint": "/v1/responses"}, "endpoint", "invalid_value"),
+                            ({"completion_window": "1h"}, "completion_window", "invalid_value"),
+                            ({"metadata": {"k": "v" * 600}}, "metadata", "invalid_value")):
+        args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **kw}
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.batches.create(**args)
+        assert (ei.value.body["param"], ei.value.body["code"]) == (param, code)
+    for call in (c.files.retrieve("file-nope"), c.batches.retrieve("batch_nope"), c.batches.cancel("batch_nope")):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    status, body = await _post_raw(gw, "/v1/batches", b"[1", "application/json")
+    assert status == 400 and body["error"]["code"] == "invalid_json"

@@ -1,0 +1,82 @@
+"""A real gateway process running a batch: killed with SIGKILL mid-batch and started again on the same
+``batch.dir``, it resumes, and the output holds exactly one line per custom_id; with ``--workers 2``
+exactly one worker runs the batches while both answer the API."""
+
+from __future__ import annotations
+
+import signal
+
+import openai
+import orjson
+import pytest
+
+from gateway.server.run import free_port
+from tests.support.batch import jsonl, run_to_end
+from tests.support.gateway_process import gateway_process, per_worker
+from tests.support.http import sim_state
+from tests.support.waiting import until
+
+N = 60
+
+
+def config_text(port: int, url: str, batch_dir: str) -> str:
+    return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+            "health: {interval_s: 0.5}\nscrape: {interval_s: 0.2}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n"
+            f"batch: {{enabled: true, dir: '{batch_dir}', poll_interval_s: 0.05, max_concurrency: 4}}\n")
+
+
+def rows(n: int) -> list[dict]:
+    return [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"Item {i}"}], "max_tokens": 5}}
+            for i in range(n)]
+
+
+@pytest.mark.timeout(120)
+async def test_a_batch_survives_sigkill_and_answers_each_line_once(sims, tmp_path):
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch")))
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    async with gateway_process(cfg, port) as proc:
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(N))), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+        async def some_answered() -> bool:
+            got = await c.batches.retrieve(b.id)
+            return got.request_counts is not None and got.request_counts.completed >= 10
+
+        await until(some_answered, timeout=60, interval=0.02)
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    async with gateway_process(cfg, port):
+        done = await run_to_end(c, b.id)
+        assert done.status == "completed", done
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (N, N, 0)
+        out = [orjson.loads(x) for x in (await c.files.content(done.output_file_id)).content.splitlines()]
+        ids = [o["custom_id"] for o in out]
+        assert sorted(ids) == sorted(f"line-{i}" for i in range(N)) and len(ids) == len(set(ids))
+        assert ids == [f"line-{i}" for i in range(N)]      # in input order
+    received = [r for r in (await sim_state(sim.url))["received"] if r["path"] == "/v1/chat/completions"]
+    assert len(received) >= N          # lines cut by the kill ran again; none is written twice
+
+
+@pytest.mark.timeout(120)
+async def test_with_two_workers_one_runs_batches_and_both_answer(sims, tmp_path):
+    sim = await sims("vllm", "m")
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch")))
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        pages = await per_worker(port, 2, "/status.json")
+        runs = sorted(p["batch"]["runs_here"] for p in pages.values())
+        assert runs == [False, True]
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(8))), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        done = await run_to_end(c, b.id)
+        assert done.status == "completed" and done.request_counts.completed == 8
+        for _ in range(4):          # new connections reach either worker: each knows the batch
+            assert (await c.batches.retrieve(b.id)).status == "completed"

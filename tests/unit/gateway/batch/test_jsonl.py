@@ -1,0 +1,56 @@
+"""Batch input files: the upload's line checks, fed in arbitrary chunks, and reading lines back."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.batch.jsonl import LineCheck, LineError, endpoint_mismatch, read_chunk
+
+
+def row(cid: str, url: str = "/v1/chat/completions", **over) -> bytes:
+    return orjson.dumps({"custom_id": cid, "method": "POST", "url": url, "body": {"model": "m"}, **over}) + b"\n"
+
+
+def check(data: bytes, step: int, max_lines: int = 10, max_line_bytes: int = 1000) -> int:
+    c = LineCheck(max_lines, max_line_bytes)
+    for i in range(0, len(data), step):
+        c.feed(data[i:i + step])
+    return c.finish()
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_a_good_file_counts_its_requests_whatever_the_chunking(step):
+    data = row("a") + b"\n" + row("b") + row("c").rstrip(b"\n")    # a blank line, no final newline
+    assert check(data, step) == 3
+
+
+@pytest.mark.parametrize(("data", "line", "code"), [
+    (row("a") + b"\xff\xfe\n", 2, "invalid_encoding"),
+    (row("a") + b"{nope\n", 2, "invalid_json"),
+    (b"[1, 2]\n", 1, "invalid_json"),
+    (row("a") + row("a"), 2, "duplicate_custom_id"),
+    (row(""), 1, "missing_required_parameter"),
+    (row("a", method="GET"), 1, "invalid_value"),
+    (row("a", url="/v1/files"), 1, "invalid_url"),
+    (row("a", body="text"), 1, "invalid_value"),
+    (b"".join(row(f"r{i}") for i in range(11)), 11, "too_many_lines"),
+    (row("a", body={"x": "y" * 2000}), 1, "line_too_long"),
+    (b"\n\n", 0, "empty_file"),
+])
+@pytest.mark.parametrize("step", [2, 4096])
+def test_a_bad_line_is_named(data, line, code, step):
+    with pytest.raises(LineError) as ei:
+        check(data, step)
+    assert (ei.value.line, ei.value.code) == (line, code)
+
+
+def test_lines_read_back_in_chunks_with_their_numbers(tmp_path):
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(row("a") + b"\n" + row("b") + row("c", url="/v1/embeddings"))
+    lines, offset, n = read_chunk(str(p), 0, 0, 2)
+    assert [(ln.line_no, ln.custom_id) for ln in lines] == [(1, "a"), (3, "b")]
+    rest, _, _ = read_chunk(str(p), offset, n, 2)
+    assert [(ln.line_no, ln.custom_id) for ln in rest] == [(4, "c")]
+    total, errors = endpoint_mismatch(str(p), "/v1/chat/completions")
+    assert total == 3 and [(e["line"], e["code"]) for e in errors] == [(4, "mismatched_url")]

@@ -1,0 +1,49 @@
+"""The job store: one answer per (batch, custom_id) however often a line is answered, counts that
+follow, lists with OpenAI's cursors, and output lines streamed in input order."""
+
+from __future__ import annotations
+
+from gateway.batch.store import BatchStore, Result
+
+
+def doc(bid: str, created: int = 100, status: str = "in_progress") -> dict:
+    return {"id": bid, "status": status, "created_at": created, "request_counts": {"total": 3, "completed": 0, "failed": 0},
+            "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
+
+
+def test_a_line_answered_twice_is_stored_and_counted_once(tmp_path):
+    s = BatchStore(str(tmp_path / "db"))
+    s.add_batch(doc("b1"), "alice")
+    s.record("b1", [Result("x", 2, True, b'{"x":1}', (3, 4, 1)), Result("y", 1, False, b'{"y":1}')])
+    d = s.record("b1", [Result("x", 2, True, b'{"x":2}', (3, 4, 1)), Result("z", 3, True, b'{"z":1}', (1, 1, 0))])
+    assert d["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert d["usage"]["input_tokens"] == 4 and d["usage"]["total_tokens"] == 9
+    assert list(s.result_lines("b1", True)) == [b'{"x":1}', b'{"z":1}']      # input order, the first answer
+    assert list(s.result_lines("b1", False)) == [b'{"y":1}']
+    assert s.answered_in("b1", 1, 2) == {1, 2}
+    # a second connection (another worker) sees the same
+    assert BatchStore(str(tmp_path / "db")).get_batch("b1", "alice")["request_counts"]["completed"] == 2
+
+
+def test_ownership_and_cursor_pagination(tmp_path):
+    s = BatchStore(str(tmp_path / "db"))
+    for i in range(5):
+        s.add_batch(doc(f"b{i}", created=100 + i), "alice" if i % 2 == 0 else "bob")
+    assert s.get_batch("b1", "alice") is None and s.get_batch("b1", "bob") is not None
+    page, more = s.list_batches("alice", None, 2)
+    assert [d["id"] for d in page] == ["b4", "b2"] and more
+    page, more = s.list_batches("alice", "b2", 2)
+    assert [d["id"] for d in page] == ["b0"] and not more
+    assert len(s.list_batches(None, None, 10)[0]) == 5
+
+
+def test_updates_are_read_modify_write(tmp_path):
+    s = BatchStore(str(tmp_path / "db"))
+    s.add_batch(doc("b1"), "")
+    other = BatchStore(str(tmp_path / "db"))
+    other.update_batch("b1", lambda d: d.update(status="cancelling") or True)
+    d = s.record("b1", [Result("x", 1, True, b"{}")])
+    assert d["status"] == "cancelling" and d["request_counts"]["completed"] == 1
+    assert [b["id"] for b in s.active_batches()] == ["b1"]
+    assert s.status_counts() == {"cancelling": 1}
