@@ -34,6 +34,7 @@ from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tracing import trace_headers
+from enginesim.vllm_api import embed, embedding_inputs
 from enginesim.wire import SseWriter, json_response, read_json
 
 OPENAI = ErrorStyle.SGLANG_OPENAI
@@ -57,6 +58,7 @@ class SglangApi:
             web.put("/generate", self.generate),
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
+            web.post("/v1/embeddings", self.embeddings),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model:.+}", self.model),
             web.get("/health", self.health),
@@ -132,6 +134,27 @@ class SglangApi:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, "completions")
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """SGLang's ``/v1/embeddings`` (an embedding model's): the vectors of ``input``, its
+        OpenAI-shaped list with usage."""
+        try:
+            body = await read_json(request, require_json=False)
+            self._check_alive()
+            inputs = embedding_inputs(body.get("input"))
+            dims = body.get("dimensions") or self.cfg.embedding_dim
+            if not isinstance(dims, int) or isinstance(dims, bool) or dims < 1:
+                raise ApiError(400, "dimensions must be a positive integer", param="dimensions")
+        except ApiError as exc:
+            return exc.response(OPENAI)
+        data, total = [], 0
+        for i, item in enumerate(inputs):
+            ids = item if isinstance(item, list) else self.engine.tokenizer.encode(item)
+            total += len(ids)
+            data.append({"embedding": embed(ids, dims, self.cfg.seed), "index": i, "object": "embedding"})
+        return json_response({"data": data, "model": body.get("model") or self.cfg.served_name, "object": "list",
+                              "usage": {"prompt_tokens": total, "total_tokens": total, "completion_tokens": 0,
+                                        "prompt_tokens_details": None}})
 
     async def _openai(self, request: web.Request, kind: str) -> web.StreamResponse:
         try:

@@ -276,7 +276,7 @@ class VllmApi:
             body = await read_json(request, require_json=True)
             self._check_model(body.get("model"))
             self._check_alive()
-            inputs = _embedding_inputs(body.get("input"))
+            inputs = embedding_inputs(body.get("input"))
             dims = body.get("dimensions") or self.cfg.embedding_dim
             if not isinstance(dims, int) or isinstance(dims, bool) or dims < 1:
                 raise ApiError(400, "dimensions must be a positive integer", type_="BadRequestError",
@@ -292,7 +292,7 @@ class VllmApi:
         for i, item in enumerate(inputs):
             ids = item if isinstance(item, list) else self.engine.tokenizer.encode(item)
             total += len(ids)
-            vector = _embed(ids, dims, self.cfg.seed)
+            vector = embed(ids, dims, self.cfg.seed)
             emb: Any = vector
             if fmt == "base64":
                 emb = base64.b64encode(array("f", vector).tobytes()).decode()
@@ -398,7 +398,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _embedding_inputs(value: Any) -> list[str | list[int]]:
+def embedding_inputs(value: Any) -> list[str | list[int]]:
     if isinstance(value, str):
         return [value]
     ids = token_id_list(value, "input")
@@ -420,7 +420,7 @@ def _embedding_inputs(value: Any) -> list[str | list[int]]:
                    "token ids", type_="Bad Request", param="input")
 
 
-def _embed(ids: list[int], dims: int, seed: int) -> list[float]:
+def embed(ids: list[int], dims: int, seed: int) -> list[float]:
     """A unit vector determined by the token ids: same text, same embedding."""
     digest = hashlib.blake2b(ids_bytes(ids), digest_size=16, key=str(seed).encode()).digest()
     rng = random.Random(int.from_bytes(digest, "little"))

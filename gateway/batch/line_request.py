@@ -23,8 +23,11 @@ class LineRequest(dict):
     transport = None
     protocol = None
 
-    def __init__(self, path: str, body: bytes, headers: dict[str, str], keys: dict[Any, Any]) -> None:
+    def __init__(self, path: str, body: bytes, headers: dict[str, str], keys: dict[Any, Any], *,
+                 log_fields: dict[str, Any] | None = None, acting_for: str | None = None) -> None:
         super().__init__(keys)
+        self.log_fields = log_fields        # added to the line's log line (its batch_id, custom_id)
+        self.acting_for = acting_for        # the batch's owner, when API keys are on (gateway/tenants)
         self.path = path
         self._body = body
         self.headers = CIMultiDictProxy(CIMultiDict(headers))

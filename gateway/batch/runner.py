@@ -42,8 +42,6 @@ from gateway.batch.line_request import LineRequest
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.store import BatchDb, BatchStore, Result, now_s
 from gateway.endpoints import EndpointPool
-from gateway.pipeline.context import LOG_FIELDS
-from gateway.tenants.service import ACTING_FOR
 
 log = structlog.get_logger("switchyard.batch")
 
@@ -395,11 +393,10 @@ class BatchRunner:
         body.pop("stream", None)            # a batch line's answer is one body
         body.pop("stream_options", None)
         headers = {"content-type": "application/json", "x-priority": "sheddable", "x-request-id": rid}
-        keys: dict[Any, Any] = {LOG_FIELDS: {"batch_id": job.id, "custom_id": line.custom_id}}
         if job.owner:
-            keys[ACTING_FOR] = job.owner
             headers["user"] = job.owner
-        req = LineRequest(line.url, orjson.dumps(body), headers, keys)
+        req = LineRequest(line.url, orjson.dumps(body), headers, {},
+                          log_fields={"batch_id": job.id, "custom_id": line.custom_id}, acting_for=job.owner or None)
         try:
             resp = await self.submit(req)
             status, raw = resp.status, _body_of(resp)

@@ -101,10 +101,6 @@ class RequestRecord:
         return h
 
 
-# fields a request made in-process adds to its log line (a batch line's batch_id and custom_id)
-LOG_FIELDS = web.RequestKey("log_fields", dict)
-
-
 @dataclass(slots=True)
 class RequestContext:
     http: web.Request
@@ -133,7 +129,9 @@ class RequestContext:
         rid = request_id_from(given)
         rec = RequestRecord(request_id=rid, path=request.path, started=time.perf_counter(),
                             request_id_replaced=given is not None and given != rid)
-        fields = request.get(LOG_FIELDS)
+        # a request made in-process (a batch line, gateway/batch/line_request.py) adds fields to its
+        # log line; an attribute, not a request key: aiohttp's mapping misses by raising KeyError
+        fields = getattr(request, "log_fields", None)
         if fields:
             rec.extra.update(fields)
         return cls(http=request, rec=rec)

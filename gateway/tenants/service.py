@@ -62,9 +62,6 @@ class Ticket:
 
 
 TICKET = web.RequestKey("tenancy_ticket", Ticket)
-# a request the gateway makes itself on a user's behalf (a batch line, gateway/batch): the user it
-# acts for. Set in-process only: no header or body can set it, so it cannot be forged by a client.
-ACTING_FOR = web.RequestKey("acting_for", str)
 NO_TICKET = Ticket()       # every request's, with tenancy off (``NoTenancy`` never changes it)
 
 
@@ -221,7 +218,9 @@ class Tenancy:
         request[TICKET] = t
         if not self.auth_on:
             return t
-        owner = request.get(ACTING_FOR)
+        # a request the gateway makes itself on a user's behalf (a batch line, gateway/batch): the user
+        # it acts for, an attribute set in-process only, so no header or body can forge it
+        owner = getattr(request, "acting_for", None)
         if owner is not None:           # the gateway's own request for the user who made the batch
             t.user, t.key_id = owner, "batch"
             return t

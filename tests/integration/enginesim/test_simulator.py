@@ -213,6 +213,16 @@ async def test_vllm_embeddings(vllm: SimServer, http: aiohttp.ClientSession) -> 
     assert len(base64.b64decode(b64["data"][0]["embedding"])) == 8 * 4
 
 
+async def test_sglang_embeddings(sglang: SimServer, http: aiohttp.ClientSession) -> None:
+    status, data, _ = await call(http, sglang.url + "/v1/embeddings", {"input": ["hello world", "hello world", "x"]})
+    assert status == 200 and data["object"] == "list"
+    vecs = [d["embedding"] for d in data["data"]]
+    assert [d["index"] for d in data["data"]] == [0, 1, 2] and vecs[0] == vecs[1] != vecs[2]
+    assert data["usage"]["prompt_tokens"] == data["usage"]["total_tokens"] > 0
+    status, data, _ = await call(http, sglang.url + "/v1/embeddings", {"input": "x", "dimensions": -1})
+    assert status == 400
+
+
 async def test_vllm_models_card(vllm: SimServer, http: aiohttp.ClientSession) -> None:
     async with http.get(vllm.url + "/v1/models") as resp:
         data = await resp.json()
