@@ -38,7 +38,7 @@ from prometheus_client import Counter, Gauge
 
 from gateway.apis.base import ApiShape
 from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
-from gateway.apis.responses_state import MemoryStore, RedisStore, StoreUnavailable
+from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
 from gateway.apis.responses_stream import ResponsesScanner, failure_events
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool
@@ -74,7 +74,8 @@ class Exchange:
 class ResponsesMetrics:
     def __init__(self, registry) -> None:
         self.lookups = Counter("switchyard_responses_state_lookups",
-                               "Responses state lookups (kind: affinity map or history) by result",
+                               "Responses state lookups (kind: affinity map or history) by result (sibling: "
+                               "found in another worker's memory, also counted as a hit)",
                                ["kind", "result"], registry=registry)
         self.writes = Counter("switchyard_responses_state_writes",
                               "Responses state writes by result (too_large: over history.max_response_bytes)",
@@ -116,8 +117,8 @@ class ResponsesApi(ApiShape):
         self.lineage = SessionMap(cfg.affinity_ttl_s, cfg.max_affinity_entries)
         use_redis = cfg.backend == "redis" or (cfg.backend == "auto" and config.state.redis_url is not None)
         self.backend = "redis" if use_redis else "memory"
-        self.owners: MemoryStore | RedisStore
-        self.history: MemoryStore | RedisStore | None = None
+        self.owners: MemoryStore | RedisStore | WorkerStore
+        self.history: MemoryStore | RedisStore | WorkerStore | None = None
         if use_redis:
             st = config.state
             client = redis_client(st)
@@ -132,6 +133,26 @@ class ResponsesApi(ApiShape):
                 h = cfg.history
                 self.history = MemoryStore(h.ttl_s, 1 << 62, h.max_total_bytes)
                 self.m.entries.labels("history").set_function(lambda: len(self.history))
+
+    def share_with_siblings(self, ask: AskSiblings) -> None:
+        """Several workers (gateway/server/siblings.py): the memory backend's misses are asked of the
+        other workers, and deletes reach them, so a response is found whichever worker a request
+        reaches. Redis is shared already."""
+        if self.backend != "memory":
+            return
+        if isinstance(self.owners, MemoryStore):
+            self.owners = WorkerStore(self.owners, "owner", ask, self.m.lookups.labels("affinity", "sibling").inc)
+        if isinstance(self.history, MemoryStore):
+            self.history = WorkerStore(self.history, "hist", ask, self.m.lookups.labels("history", "sibling").inc)
+
+    async def answer_sibling(self, question: str) -> bytes:
+        """A sibling worker's ``rget|rdel <owner|hist> <response id>`` about this worker's entries."""
+        op, _, rest = question.partition(" ")
+        name, _, key = rest.partition(" ")
+        store = {"owner": self.owners, "hist": self.history}.get(name)
+        if op not in ("rget", "rdel") or not isinstance(store, WorkerStore) or not key:
+            return b""
+        return await store.answer(op, key)
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded config (gateway/server/reload.py): whether ids belong to users follows ``auth``; the
@@ -462,13 +483,6 @@ def add_responses(app: web.Application, api: ResponsesApi) -> None:
     app.router.add_delete(RESPONSES + "/{response_id}", api.by_id)
     app.router.add_route("*", RESPONSES + "/{response_id}/{action:cancel|input_items}", _only(api))
     app.cleanup_ctx.append(api.lifecycle)
-    workers = api.config.server.workers          # a count once python -m gateway resolved "auto"
-    if api.backend == "memory" and isinstance(workers, int) and workers > 1 \
-            and (api.gateway_held or not api.config.view.workers):
-        # each worker process has its own store: a follow-up landing on another worker finds nothing
-        # (engine mode's owners are shared through the routing view, unless view.workers is off)
-        log.warning("responses state is per worker process with server.workers > 1: set state.redis_url "
-                    "so that every worker finds every response", **api.describe())
 
 
 def _only(api: ResponsesApi):

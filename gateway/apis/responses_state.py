@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
@@ -83,6 +83,62 @@ class MemoryStore:
 
     async def close(self) -> None:
         pass
+
+
+# asks the gateway's other workers one question (gateway/server/siblings.py ``Siblings.ask``):
+# their answers by worker index, an empty answer left out
+AskSiblings = Callable[[str], Awaitable[dict[int, bytes]]]
+
+
+class WorkerStore:
+    """A ``MemoryStore`` of one worker whose misses are asked of the gateway's other workers
+    (``server.workers`` > 1): a response is kept by the worker that answered it, and found by
+    whichever worker a follow-up, a ``GET`` or a ``DELETE`` reaches. A delete goes to every worker.
+    A sibling that does not answer within the siblings' timeout (0.5 s) counts as not having it."""
+
+    def __init__(self, local: MemoryStore, name: str, ask: AskSiblings,
+                 found_elsewhere: Callable[[], None] = lambda: None) -> None:
+        self.local = local
+        self.name = name
+        self.ask = ask
+        self.found_elsewhere = found_elsewhere      # counts a value another worker held
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+    async def put(self, key: str, value: bytes) -> None:
+        await self.local.put(key, value)
+
+    async def get(self, key: str) -> bytes | None:
+        value = await self.local.get(key)
+        if value is not None or not sibling_key_ok(key):
+            return value
+        answers = await self.ask(f"rget {self.name} {key}")
+        value = next(iter(answers.values()), None)
+        if value is not None:
+            self.found_elsewhere()
+        return value
+
+    async def delete(self, key: str) -> bool:
+        here = await self.local.delete(key)
+        if not sibling_key_ok(key):
+            return here
+        answers = await self.ask(f"rdel {self.name} {key}")
+        return here or any(a == b"1" for a in answers.values())
+
+    async def close(self) -> None:
+        await self.local.close()
+
+    async def answer(self, op: str, key: str) -> bytes:
+        """A sibling's question about this worker's own entries."""
+        if op == "rget":
+            return await self.local.get(key) or b""
+        return b"1" if await self.local.delete(key) else b""
+
+
+def sibling_key_ok(key: str) -> bool:
+    """Whether ``key`` can travel in a siblings' question line (printable, no spaces, bounded)."""
+    return 0 < len(key) <= 256 and key.isprintable() and " " not in key
 
 
 _TRANSPORT = (RedisError, *UNAVAILABLE)

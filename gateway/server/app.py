@@ -187,7 +187,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
     add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     # several workers: each answers its siblings, and /metrics and /status.json show them all
-    siblings = _siblings(app, worker, s.metrics) if worker is not None else None
+    siblings = _siblings(app, worker, s) if worker is not None else None
     _add_public_routes(app, s, reloader, started_at, siblings)   # /v1/models, /health, /ready, /metrics
     if tenancy is not None:      # x-ratelimit-* on every answer, state lifecycle, /admin API
         add_tenancy(app, tenancy)
@@ -220,16 +220,21 @@ def _add_batch(app: web.Application, config: Config, s: Services, reloader: Relo
     return batch
 
 
-def _siblings(app: web.Application, worker: WorkerInfo, metrics: GatewayMetrics) -> Siblings:
-    """This worker's socket for its siblings (gateway/server/siblings.py): its own exposition, and its
-    part of the status page when the page is on."""
+def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings:
+    """This worker's socket for its siblings (gateway/server/siblings.py): its own exposition, its
+    part of the status page when the page is on, and its entries of the Responses memory backend."""
+    metrics, responses = s.metrics, s.responses
+
     async def answer(kind: str) -> bytes:
         if kind == "metrics":
             return metrics.render()
+        if kind.startswith(("rget ", "rdel ")):
+            return await responses.answer_sibling(kind)
         page = app.get(STATUS_PAGE_KEY)
         return orjson.dumps(page.board.part(page.sources)) if page is not None else b""
 
     siblings = Siblings(worker, answer)
+    responses.share_with_siblings(siblings.ask)
     app.cleanup_ctx.append(lifecycle(siblings))
     return siblings
 

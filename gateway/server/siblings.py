@@ -3,8 +3,9 @@
 
 Worker *i* listens on ``worker-<i>.sock`` in the parent's private directory (gateway/server/workers.py
 ``RunDirectory``, mode 0700). A sibling connects, sends one line naming what it wants
-(``metrics``: this worker's own exposition; ``status``: its part of the status page), reads the
-answer to the end of the stream, and the connection closes. The worker that answers a scrape asks
+(``metrics``: this worker's own exposition; ``status``: its part of the status page; ``rget`` or
+``rdel`` and a response id: an entry of the Responses memory backend, which each worker keeps for
+the responses it answered), reads the answer to the end of the stream, and the connection closes. The worker that answers a scrape asks
 all its siblings at once and waits at most ``timeout`` (0.5 s) in all: a worker that is restarting
 or whose event loop is stuck is left out of that answer rather than holding it up. For
 ``/metrics``, its last answer is used in its place when there is one (so the gateway's counters do
@@ -30,7 +31,10 @@ log = structlog.get_logger("switchyard.siblings")
 
 TIMEOUT_S = 0.5
 KINDS = (b"metrics", b"status")
-MAX_REQUEST = 64
+# questions with an argument: the Responses memory backend's ``rget|rdel <store> <response id>``
+# (gateway/apis/responses_state.py ``WorkerStore``)
+QUESTIONS = (b"rget ", b"rdel ")
+MAX_REQUEST = 320
 
 
 class Siblings:
@@ -65,7 +69,7 @@ class Siblings:
         try:
             async with asyncio.timeout(5.0):
                 kind = (await reader.readline())[:MAX_REQUEST].strip()
-                if kind in KINDS:
+                if kind in KINDS or kind.startswith(QUESTIONS):
                     writer.write(await self._answer(kind.decode()))
                     await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
@@ -87,7 +91,8 @@ class Siblings:
             writer.close()
 
     async def ask(self, kind: str) -> dict[int, bytes]:
-        """The siblings that answered ``kind`` within the timeout, by index (an empty answer is none)."""
+        """The siblings that answered ``kind`` (one line: ``metrics``, ``status``, or a question of
+        ``QUESTIONS``) within the timeout, by index (an empty answer is none)."""
         tasks = {i: asyncio.ensure_future(self._ask_one(path, kind)) for i, path in self.peers.items()}
         if tasks:
             await asyncio.wait(tasks.values(), timeout=self.timeout)

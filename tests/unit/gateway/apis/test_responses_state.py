@@ -29,3 +29,30 @@ async def test_count_and_byte_caps_evict_the_oldest():
     await b.put("c", b"1")
     assert await b.get("a") is None and b.bytes == 6
     assert await b.delete("b") and not await b.delete("b") and b.bytes == 1
+
+
+# -- several workers: a worker's misses are asked of the others ---------------------------------
+
+async def test_a_worker_store_asks_its_siblings_on_a_miss_and_deletes_everywhere():
+    from gateway.apis.responses_state import WorkerStore
+
+    other = WorkerStore(MemoryStore(60, 100), "hist", ask=None)       # the sibling's own store
+    await other.local.put("resp_1", b'{"id": "resp_1"}')
+    asked: list[str] = []
+    found: list[int] = []
+
+    async def ask(question: str) -> dict[int, bytes]:
+        asked.append(question)
+        op, name, key = question.split(" ")
+        answer = await other.answer(op, key) if name == "hist" else b""
+        return {1: answer} if answer else {}
+
+    mine = WorkerStore(MemoryStore(60, 100), "hist", ask, lambda: found.append(1))
+    await mine.put("resp_0", b"mine")
+    assert await mine.get("resp_0") == b"mine" and asked == []          # its own: nobody asked
+    assert await mine.get("resp_1") == b'{"id": "resp_1"}' and asked == ["rget hist resp_1"] and found == [1]
+    assert await mine.get("resp_2") is None                              # nobody has it
+    assert await mine.get("has space") is None and asked[-1] == "rget hist resp_2"   # not a question line
+    assert await mine.delete("resp_1") is True and await other.local.get("resp_1") is None
+    assert await mine.delete("resp_1") is False
+    assert len(mine) == 1
