@@ -33,6 +33,12 @@ LOCK_RETRY_S = 2.0
 SWEEP_EVERY_S = 60.0
 
 
+def sweep_interval(file_ttl_s: float) -> float:
+    """Seconds between sweeps: a minute, or a quarter of a short ``file_ttl_s`` (at least 1 s), so a
+    file outlives its expiry by at most that much."""
+    return min(SWEEP_EVERY_S, max(1.0, file_ttl_s / 4)) if file_ttl_s > 0 else SWEEP_EVERY_S
+
+
 class DirLock:
     """An exclusive, non-blocking ``flock`` on a file; the kernel releases it when the process dies."""
 
@@ -131,7 +137,7 @@ class BatchService:
                     await asyncio.to_thread(batch_files.remove, self.db.dir, fid)
             except Exception:
                 log.exception("batch file sweep failed")
-            await asyncio.sleep(SWEEP_EVERY_S)
+            await asyncio.sleep(sweep_interval(self.cfg.file_ttl_s))
 
     async def status(self) -> dict:
         """The status page's batch section."""

@@ -239,3 +239,60 @@ async def test_truncated_and_malformed_uploads_and_bad_batch_requests(sims, gate
             await call
     status, body = await _post_raw(gw, "/v1/batches", b"[1", "application/json")
     assert status == 400 and body["error"]["code"] == "invalid_json"
+
+
+async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(sims, gateway, tmp_path):
+    """``completion_window`` is 24 h: the test moves the stored batch's ``expires_at`` into the past
+    (as 24 hours passing would) while its lines run on a slow engine."""
+    import sqlite3
+
+    sim = await sims("vllm", "m", itl_ms=50.0)
+    cfg = batch_cfg(tmp_path)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**cfg, "max_concurrency": 1})
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 20)
+    for r in rows:
+        r["body"]["max_tokens"] = 20
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.expires_at == b.created_at + 24 * 3600
+    await until(lambda: _received(sim.url), timeout=20)
+
+    def age() -> None:       # the runner rewrites the doc as lines finish: set it until it is seen
+        with sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"), timeout=5) as db:
+            doc = orjson.loads(db.execute("SELECT doc FROM batches WHERE id = ?", (b.id,)).fetchone()[0])
+            if doc["status"] == "in_progress":
+                doc["expires_at"] = doc["created_at"] - 1
+                db.execute("UPDATE batches SET doc = ? WHERE id = ?", (orjson.dumps(doc), b.id))
+
+    async def expired() -> bool:
+        age()
+        return (await c.batches.retrieve(b.id)).status == "expired"
+
+    await until(expired, timeout=20)
+    b = await c.batches.retrieve(b.id)
+    assert b.expired_at and b.request_counts.total == 20 and b.request_counts.completed < 20
+    errs = [orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines()]
+    assert errs and {e["error"]["code"] for e in errs} == {"batch_expired"}
+    done = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()] \
+        if b.output_file_id else []
+    assert sorted(o["custom_id"] for o in done + errs) == sorted(r["custom_id"] for r in rows)
+
+
+async def test_files_past_their_ttl_leave_the_store_and_the_disk(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**batch_cfg(tmp_path), "file_ttl_s": 2})
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(lines("/v1/chat/completions", 2))), purpose="batch")
+    assert f.expires_at == f.created_at + 2
+    on_disk = tmp_path / "batch" / "files" / f.id
+    assert on_disk.exists()
+
+    async def gone() -> bool:
+        try:
+            await c.files.retrieve(f.id)
+        except openai.NotFoundError:
+            return not on_disk.exists()
+        return False
+
+    await until(gone, timeout=15)
