@@ -155,7 +155,13 @@ class UpstreamResponse:
     def _flush(self) -> None:
         """Hand what the last read brought to the sink (one call per read, however many body
         chunks it held). Whatever the sink raises ends the ``pipe`` with that exception."""
-        data = self._take()
+        chunks = self._chunks                   # ``_take``, inline: this runs once per relayed read
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        self._size = 0
+        conn = self._conn
+        if conn is not None and conn.paused:
+            conn.resume()
         try:
             self._sink(data)        # type: ignore[misc]
         except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
