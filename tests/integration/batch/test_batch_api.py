@@ -77,9 +77,14 @@ async def test_refused_lines_go_to_the_error_file(sims, gateway, tmp_path):
     rows[1]["body"]["model"] = "no-such-model"
     rows[2]["body"]["max_tokens"] = -1          # the engine refuses it
     f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
-    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                                    completion_window="24h")).id)
+    with gw.gw.request_log.capture() as logs:
+        b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                        completion_window="24h")).id)
     assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 2)
+    # each line's request log line names its batch and its custom_id, refused lines too
+    logged = {e["custom_id"]: e for e in logs if e["event"] == "request" and e.get("batch_id") == b.id}
+    assert sorted(logged) == ["req-0", "req-1", "req-2"]
+    assert (logged["req-0"]["status"], logged["req-1"]["status"], logged["req-2"]["status"]) == (200, 404, 400)
     out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
     err = {e["custom_id"]: e for e in (orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines())}
     assert [o["custom_id"] for o in out] == ["req-0"]
@@ -103,7 +108,9 @@ async def test_a_line_whose_url_is_not_the_endpoint_fails_the_batch(sims, gatewa
         r["path"] != "/v1/chat/completions" for r in (await sim_state(sim.url))["received"])
 
 
-async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway, tmp_path):
+async def _slow_batch(sims, gateway, tmp_path):
+    """A 20-line batch on a slow engine, one line at a time, once its first line reached the engine:
+    (client, input rows, batch)."""
     sim = await sims("vllm", "m", itl_ms=50.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])],
                        batch={**batch_cfg(tmp_path), "max_concurrency": 1})
@@ -114,17 +121,27 @@ async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway,
     f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     await until(lambda: _received(sim.url), timeout=20)
+    return c, rows, b
+
+
+async def _every_line_once(c, b, rows, code: str) -> None:
+    """Each input line is in the output file or, with error ``code``, in the error file: once."""
+    errs = [orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines()]
+    assert errs and {e["error"]["code"] for e in errs} == {code}
+    done = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()] \
+        if b.output_file_id else []
+    assert sorted(o["custom_id"] for o in done + errs) == sorted(r["custom_id"] for r in rows)
+
+
+async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway, tmp_path):
+    c, rows, b = await _slow_batch(sims, gateway, tmp_path)
     cancelling = await c.batches.cancel(b.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     b = await run_to_end(c, b.id)
     assert b.status == "cancelled" and b.cancelled_at
     counts = b.request_counts
     assert counts.total == 20 and counts.completed + counts.failed == 20 and counts.completed < 20
-    errs = [orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines()]
-    assert {e["error"]["code"] for e in errs} == {"batch_cancelled"}
-    done = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()] \
-        if b.output_file_id else []
-    assert sorted(o["custom_id"] for o in done + errs) == sorted(r["custom_id"] for r in rows)
+    await _every_line_once(c, b, rows, "batch_cancelled")
     with pytest.raises(openai.BadRequestError) as ei:
         await c.batches.cancel(b.id)
     assert ei.value.body["code"] == "invalid_batch_state"
@@ -246,17 +263,8 @@ async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(s
     (as 24 hours passing would) while its lines run on a slow engine."""
     import sqlite3
 
-    sim = await sims("vllm", "m", itl_ms=50.0)
-    cfg = batch_cfg(tmp_path)
-    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**cfg, "max_concurrency": 1})
-    c = openai_client(gw)
-    rows = lines("/v1/chat/completions", 20)
-    for r in rows:
-        r["body"]["max_tokens"] = 20
-    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
-    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    c, rows, b = await _slow_batch(sims, gateway, tmp_path)
     assert b.expires_at == b.created_at + 24 * 3600
-    await until(lambda: _received(sim.url), timeout=20)
 
     def age() -> None:       # the runner rewrites the doc as lines finish: set it until it is seen
         with sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"), timeout=5) as db:
@@ -272,11 +280,7 @@ async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(s
     await until(expired, timeout=20)
     b = await c.batches.retrieve(b.id)
     assert b.expired_at and b.request_counts.total == 20 and b.request_counts.completed < 20
-    errs = [orjson.loads(x) for x in (await c.files.content(b.error_file_id)).content.splitlines()]
-    assert errs and {e["error"]["code"] for e in errs} == {"batch_expired"}
-    done = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()] \
-        if b.output_file_id else []
-    assert sorted(o["custom_id"] for o in done + errs) == sorted(r["custom_id"] for r in rows)
+    await _every_line_once(c, b, rows, "batch_expired")
 
 
 async def test_files_past_their_ttl_leave_the_store_and_the_disk(sims, gateway, tmp_path):
