@@ -300,3 +300,28 @@ async def test_files_past_their_ttl_leave_the_store_and_the_disk(sims, gateway, 
         return False
 
     await until(gone, timeout=15)
+
+
+async def test_an_engine_that_dies_mid_batch_costs_no_line(sims, gateway, tmp_path):
+    """The lines in flight on an engine that stops are retried (a broken connection is retryable)
+    on the other one: every line is answered once, none fails."""
+    a = await sims("vllm", "m", itl_ms=30.0)
+    b_sim = await sims("vllm", "m", itl_ms=30.0)
+    gw = await gateway([model_block("m", "vllm", [a.url, b_sim.url])],
+                       batch={**batch_cfg(tmp_path), "max_concurrency": 4})
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 24)
+    for r in rows:
+        r["body"]["max_tokens"] = 8
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    await until(lambda: _received(a.url), timeout=20)
+    await a.close()                        # mid-line: its connections drop
+    b = await run_to_end(c, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (24, 0)
+    out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(r["custom_id"] for r in rows)
+    assert b.error_file_id is None
+    text = await gw.metrics_text()       # the pipeline moved the broken lines to the other engine
+    retried = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith('switchyard_retries_total{model="m"}')]
+    assert retried and retried[0] >= 1
