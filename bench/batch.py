@@ -188,7 +188,7 @@ async def run(a: argparse.Namespace) -> dict:
             if alone["ttft_p99_ms"] and beside["ttft_p99_ms"] else None,
             "batch_lines_per_s_idle": round(idle_lps, 2), "batch_lines_per_s_beside": round(beside_lps, 2),
             "batch_lines_per_s_idle_bound": round(slots_lps, 2),
-            "left_by_interactive_lines_per_s": round((1 - a.load) * capacity_rps(a), 2),
+            "left_by_interactive_lines_per_s": round(max(0.0, 1 - a.load) * capacity_rps(a), 2),
         }
     finally:
         for p in reversed(procs):
