@@ -31,7 +31,7 @@ from aiohttp import web
 from gateway.batch.api import MULTIPART_SLACK
 from gateway.config.schema import Config
 from gateway.server.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
-from gateway.server.edge import Edge, EdgeLimits, EdgeRunner
+from gateway.server.edge import Edge, EdgeLimits, EdgeRunner, inline_request_handlers
 from gateway.server.workers import WorkerInfo
 
 log = structlog.get_logger("switchyard.server")
@@ -49,6 +49,7 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
         limits = dataclasses.replace(limits, upload_max_bytes=config.batch.max_file_bytes + MULTIPART_SLACK)
     edge = Edge(limits, app[GATEWAY_KEY].metrics.registry)
     _check_fd_limit(edge.limits.max_connections)
+    inline_request_handlers(asyncio.get_running_loop())    # Python 3.11: no task hop per request
     runner = EdgeRunner(app, edge, app[DIRECT_KEY], handler_cancellation=True, access_log=None,
                         shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop
     await runner.setup()

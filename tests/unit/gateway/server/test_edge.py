@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
+import sys
+from pathlib import Path
 
 import orjson
 import pytest
@@ -12,7 +15,15 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, TransferEncodingError
 
 from gateway.config.schema import ConfigError, config_from_dict, parse_config
-from gateway.server.edge import Edge, EdgeLimits, EdgeProtocol, EdgeRunner, EdgeServer, error_response_bytes
+from gateway.server.edge import (
+    Edge,
+    EdgeLimits,
+    EdgeProtocol,
+    EdgeRunner,
+    EdgeServer,
+    error_response_bytes,
+    inline_request_handlers,
+)
 
 
 def test_server_block_defaults_and_limits_follow_config():
@@ -132,3 +143,83 @@ async def test_a_client_that_keeps_up_costs_no_timer_per_chunk():
         assert proto._e_stall is None
     finally:
         await runner.cleanup()
+
+
+def test_aiohttp_starts_each_request_as_a_task_it_awaits_at_once():
+    """What ``inline_request_handlers`` relies on (Python 3.11): the connection task creates the
+    request's task from ``_handle_request`` with ``loop.create_task`` and awaits it right away."""
+    src = inspect.getsource(web.RequestHandler.start)
+    assert "coro = self._handle_request(request, start, request_handler)" in src
+    assert "task = loop.create_task(coro)" in src
+    assert "resp, reset = await task" in src
+    assert inspect.iscoroutinefunction(web.RequestHandler._handle_request)
+
+
+def test_no_context_variables_in_the_gateway():
+    """The handler runs in the connection's task, so a ContextVar set by one request would be seen
+    by the next on the same connection: the gateway's own code sets none."""
+    root = Path(__file__).resolve().parents[4]
+    pattern = re.compile(r"\bContextVar\b|contextvars|bind_contextvars")
+    found = [str(p.relative_to(root)) for d in ("gateway", "routers", "handlers")
+             for p in (root / d).rglob("*.py") if pattern.search(p.read_text())]
+    assert found == []
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="3.12 starts the request's task eagerly")
+async def test_the_handler_runs_in_the_connection_task_and_a_disconnect_cancels_it():
+    loop = asyncio.get_running_loop()
+    assert inline_request_handlers(loop)
+    try:
+        assert not inline_request_handlers(loop)        # never over a factory already there
+        seen: dict[str, object] = {}
+        entered, gone = asyncio.Event(), asyncio.Event()
+
+        async def handler(request: web.Request) -> web.StreamResponse:
+            seen["task"] = asyncio.current_task()
+            seen["request_task"] = request.task
+            if request.path == "/hang":
+                entered.set()
+                try:
+                    await asyncio.sleep(30)
+                except asyncio.CancelledError:
+                    gone.set()
+                    raise
+            return web.Response(text="ok")
+
+        async def other() -> str:
+            return "a task"
+
+        t = asyncio.create_task(other())            # every other task is a real task
+        assert isinstance(t, asyncio.Task) and await t == "a task"
+        app = web.Application()
+        app.router.add_get("/ok", handler)
+        app.router.add_get("/hang", handler)
+        runner = EdgeRunner(app, Edge(EdgeLimits()), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            tasks = []
+            for _ in range(2):                        # kept alive: the same connection task each time
+                writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+                await writer.drain()
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200")
+                await reader.readexactly(2)
+                assert seen["task"] is seen["request_task"]
+                tasks.append(seen["task"])
+            assert tasks[0] is tasks[1]
+            writer.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+            await writer.drain()
+            async with asyncio.timeout(5):
+                await entered.wait()
+            assert seen["task"] is tasks[0]
+            writer.close()                            # the client goes: the handler is cancelled
+            async with asyncio.timeout(5):
+                await gone.wait()
+        finally:
+            await runner.cleanup()
+    finally:
+        loop.set_task_factory(None)
