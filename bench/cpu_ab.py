@@ -18,6 +18,8 @@ Scenarios (``--scenarios``):
 - ``st64``: 64 unpaced streams of 100 chunks: CPU per relayed chunk, streams/s;
 - ``fleet``: ``--fleet-streams`` paced streams of ``--fleet-chunks`` chunks ``--fleet-interval``
   s apart (the shape of ``bench/overhead.py``'s ``fleet1k``, shorter): CPU per relayed chunk.
+- ``paced1``: one stream at a time, 20 chunks 5 ms apart (``bench/overhead.py``'s ``paced1``):
+  TTFT p50 added over the backend reached directly, measured in the same round.
 
 Prints every run and the medians, and the ratio new / base.
 """
@@ -69,10 +71,16 @@ def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
     return p, port
 
 
-def run(scenario: str, port: int, pid: int, backend_ports: list[int], a: argparse.Namespace) -> tuple[float, float]:
-    """(CPU µs per request or chunk, requests or streams per second) of one measured run."""
-    argv = [PY, str(REPO / "bench" / "loadgen.py"), "--port", str(port), "--model", "m", "--cpu-pid", f"target={pid}"]
-    if scenario == "ns32":
+def run(scenario: str, port: int, pid: int | None, backend_ports: list[int], a: argparse.Namespace) -> tuple[float, float]:
+    """(CPU µs per request or chunk, requests or streams per second) of one measured run; for
+    ``paced1``, (CPU µs per chunk, TTFT p50 in ms). ``pid`` None: the backend reached directly."""
+    argv = [PY, str(REPO / "bench" / "loadgen.py"), "--port", str(port), "--model", "m"]
+    if pid is not None:
+        argv += ["--cpu-pid", f"target={pid}"]
+    if scenario == "paced1":
+        argv += ["--mode", "stream", "--concurrency", "1", "--max-tokens", "20", "--pace-ms", "5",
+                 "--duration", f"{a.duration:g}", "--warmup", "0.5"]
+    elif scenario == "ns32":
         argv += ["--mode", "nonstream", "--concurrency", "32", "--duration", f"{a.duration:g}", "--warmup", "0.5"]
     elif scenario == "st64":
         argv += ["--mode", "stream", "--concurrency", "64", "--max-tokens", "100", "--duration", f"{a.duration:g}",
@@ -82,6 +90,9 @@ def run(scenario: str, port: int, pid: int, backend_ports: list[int], a: argpars
                  "--pace-ms", f"{a.fleet_interval * 1000:g}", "--ramp", f"{a.fleet_interval:g}", "--settle", "0.2"]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     r = orjson.loads(out.strip().splitlines()[-1])
+    if scenario == "paced1":
+        cpu = r["cpu_s"]["target"] / r["events"] * 1e6 if pid is not None else 0.0
+        return cpu, r["ttft_p50_ms"]
     cpu = r["cpu_s"]["target"]
     if scenario == "ns32":
         return cpu / r["total_completed"] * 1e6, r["rps"]
@@ -120,17 +131,33 @@ def main() -> None:
                 gws[name] = start_gateway(tree, name, urls, work, env)
             results: dict[str, dict[str, list[tuple[float, float]]]] = {}
             for sc in a.scenarios.split(","):
-                results[sc] = {"base": [], "new": []}
+                results[sc] = {"base": [], "new": [], "direct": []}
                 for i in range(a.rounds):
                     order = ("base", "new") if i % 2 == 0 else ("new", "base")
+                    if sc == "paced1":      # TTFT is read against the backend reached directly
+                        _, ttft = run(sc, backend_ports[0], None, backend_ports, a)
+                        results[sc]["direct"].append((0.0, ttft))
                     for name in order:
                         proc, port = gws[name]
                         cpu, rate = run(sc, port, proc.pid, backend_ports, a)
                         results[sc][name].append((cpu, rate))
-                        print(f"{sc} round {i + 1} {name}: {cpu:.1f} µs, {rate:,.0f}/s", file=sys.stderr, flush=True)
-            unit = {"ns32": "CPU per request", "st64": "CPU per chunk", "fleet": "CPU per chunk"}
+                        if sc == "paced1":
+                            print(f"{sc} round {i + 1} {name}: {cpu:.1f} µs, TTFT p50 {rate:.3f} ms "
+                                  f"(direct {ttft:.3f} ms)", file=sys.stderr, flush=True)
+                        else:
+                            print(f"{sc} round {i + 1} {name}: {cpu:.1f} µs, {rate:,.0f}/s", file=sys.stderr, flush=True)
+            unit = {"ns32": "CPU per request", "st64": "CPU per chunk", "fleet": "CPU per chunk", "paced1": "CPU per chunk"}
             print(f"| scenario | base ({a.base}) | new | new / base |\n|---|---:|---:|---:|")
             for sc, r in results.items():
+                if sc == "paced1":
+                    d = [t for _, t in r["direct"]]
+                    added = {name: [t - dt for (_, t), dt in zip(r[name], d, strict=True)] for name in ("base", "new")}
+                    b, n = statistics.median(added["base"]), statistics.median(added["new"])
+                    print(f"| paced1: TTFT p50 added over direct, median of {a.rounds} | {b:.3f} ms | {n:.3f} ms | "
+                          f"{n - b:+.3f} ms |")
+                    print(f"| paced1: ranges | {min(added['base']):.3f}-{max(added['base']):.3f} ms | "
+                          f"{min(added['new']):.3f}-{max(added['new']):.3f} ms | |")
+                    continue
                 b = statistics.median(c for c, _ in r["base"])
                 n = statistics.median(c for c, _ in r["new"])
                 br = statistics.median(x for _, x in r["base"])

@@ -189,21 +189,23 @@ class Relay:
         idle_to = wd.idle_timeout_s if wd is not None else 0.0
         failure: bytes | None = None
         watch: _Watchdog | None = None
-        # Once the first bytes (and the headers with them) went out through aiohttp, the rest is
-        # piped: each read from the engine is scanned and written to the client from the upstream
-        # connection's read callback, framed as aiohttp frames a chunk, with no task wake-up per
-        # chunk. When the client stops keeping up (its transport pauses writing) the pipe ends,
-        # the task waits for the client to drain (the watchdog does not count it) and pipes again.
+        # aiohttp's StreamResponse sends its headers in ``prepare``, so with chunked framing the body
+        # is piped from the first chunk on: each read from the engine is scanned and written to the
+        # client from the upstream connection's read callback, framed as aiohttp frames a chunk,
+        # with no task wake-up per chunk (the first one included: it is the stream's TTFT). When
+        # the client stops keeping up (its transport pauses writing) the pipe ends, the task waits
+        # for the client to drain (the watchdog does not count it) and pipes again.
         http = ctx.http
         proto, transport = http.protocol, http.transport
         pipe_ok = out.headers.get("Transfer-Encoding") == "chunked" and transport is not None
-        sent = False
         drain = http.writer.drain
         pipe = resp.pipe
         unpipe = resp.unpipe
         time_now = asyncio.get_running_loop().time
+        first = False           # the watchdog still bounds the wait for the first chunk
 
         def sink(chunk: bytes) -> None:
+            nonlocal first
             data = feed(chunk, clock())
             if data:
                 if transport.is_closing():
@@ -212,32 +214,38 @@ class Relay:
                 if proto.writing_paused:
                     unpipe()
             if watch is not None:
+                if first:
+                    first = False
+                    watch.first_chunk_came()
                 watch.since = time_now()
 
         try:
             if first_to or idle_to:
                 watch = _Watchdog(resp, first_to, idle_to)
-                chunk = await readany()
-                watch.first_chunk_came()
-            else:
-                chunk = await readany()
-            while chunk:
-                data = feed(chunk, clock())
-                if data:
-                    await write(data)
-                    sent = pipe_ok
-                while sent:
+                first = True
+            sent = pipe_ok
+            while True:
+                if sent:
                     if proto.writing_paused:
                         await drain()
                     if watch is not None:
                         watch.since = time_now()
                     chunk = await pipe(sink)
-                    if chunk is not None:
-                        break
+                    if chunk is None:       # unpiped, nothing buffered: drain, then pipe again
+                        continue
                 else:
-                    if watch is not None:
+                    if watch is not None and not first:
                         watch.since = time_now()
                     chunk = await readany()
+                if first:
+                    first = False
+                    watch.first_chunk_came()    # type: ignore[union-attr]
+                if not chunk:
+                    break
+                data = feed(chunk, clock())
+                if data:
+                    await write(data)
+                    sent = pipe_ok
             tail = scanner.finish()
             if api is not None and scanner.done:    # its state is kept before its last event goes out
                 await api.finish(ctx)

@@ -107,3 +107,32 @@ def test_native_generate_meta_info_is_not_read_as_usage():
         assert a.usage({"meta_info": {"prompt_tokens": 5}}) is None
         assert a.usage({"usage": {"prompt_tokens": 5, "completion_tokens": 1}}) == {"prompt_tokens": 5,
                                                                                   "completion_tokens": 1}
+
+
+async def test_a_stream_is_piped_from_its_first_chunk(sims, gateway, monkeypatch):
+    """The SSE headers go out in ``prepare``; from then on every chunk, the first one included,
+    is written from the engine connection's read callback: the relay never waits in ``readany``
+    for a stream that keeps up, and the first-chunk watchdog still sees its chunk come."""
+    from gateway.upstream.h1client import UpstreamResponse
+
+    reads = []
+    readany = UpstreamResponse.readany
+
+    async def counting_readany(self):
+        data = await readany(self)
+        if data:                    # b"" at the end is how a pipe learns the answer ended
+            reads.append(data)
+        return data
+
+    monkeypatch.setattr(UpstreamResponse, "readany", counting_readany)
+    sim = await sims("vllm", "m", ttft_base_ms=30.0, itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       watchdog={"first_chunk_timeout_s": 5, "idle_timeout_s": 5})
+    status, _, body = await post(gw.url, {"model": "m", "messages": CHAT, "max_tokens": 6, "stream": True})
+    assert status == 200
+    events = sse_events(body)
+    assert events[-1] == "[DONE]" and len(events) >= 7
+    assert reads == []
+    text = await gw.metrics_text()
+    assert "watchdog" not in "".join(line for line in text.splitlines()
+                                     if line.startswith("switchyard_upstream_errors_total"))
