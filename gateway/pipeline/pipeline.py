@@ -119,7 +119,13 @@ class Pipeline:
         body = await api.read_body(request, limit) if api is not None else None
         if body is None:
             try:
-                body = await request.read()
+                content = request.content
+                if content.is_eof():        # the whole body came with the head: no await, one buffer
+                    body = content.read_nowait()
+                    if limit and len(body) > limit:     # a chunked body (a Content-Length is checked at the edge)
+                        raise web.HTTPRequestEntityTooLarge(limit, len(body))
+                else:
+                    body = await request.read()
             except web.HTTPRequestEntityTooLarge:
                 raise GatewayError(413, f"request body exceeds {limit} bytes", error_class=ErrorClass.VALIDATION) from None
             except web.RequestPayloadError as e:     # broken chunking, an undecodable Content-Encoding
