@@ -40,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import structlog
@@ -352,7 +353,7 @@ class KVEventsManager:
         self._zctx: Any = None
         self.tokenize_threads = tokenize_threads
         self._executor: ThreadPoolExecutor | None = None
-        self._ahead: set[asyncio.Task] = set()     # tokenizing what a chat's next turn will need
+        self._ahead: set[asyncio.Future] = set()   # tokenizing what a chat's next turn will need
 
     @property
     def zctx(self) -> Any:
@@ -433,8 +434,9 @@ class KVEventsManager:
         if self._zctx is not None:
             self._zctx.term()
             self._zctx = None
-        for task in list(self._ahead):
-            task.cancel()
+        for fut in list(self._ahead):         # what lands after this is not stored
+            if not fut.done():
+                fut.set_result(0)
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -514,14 +516,17 @@ class KVEventsManager:
         if not todo:
             return
         try:
-            task = asyncio.get_running_loop().create_task(self._ahead_one(tok, model, todo, executor))
+            fut = tok.ahead(todo, executor)
         except RuntimeError:                 # no event loop (a synchronous caller): nothing ahead
             return
-        self._ahead.add(task)
-        task.add_done_callback(self._ahead.discard)
+        if fut is None:
+            return
+        self._ahead.add(fut)
+        fut.add_done_callback(partial(self._ahead_done, model))
 
-    async def _ahead_one(self, tok: ModelTokenizer, model: str, segments: list[str], executor: ThreadPoolExecutor) -> None:
-        n = await tok.prepare(segments, executor, 0)
+    def _ahead_done(self, model: str, fut: asyncio.Future) -> None:
+        self._ahead.discard(fut)
+        n = 0 if fut.cancelled() else fut.result()
         if n:
             self.metrics.off_loop.labels(model).inc(n)
 

@@ -27,6 +27,7 @@ directory in the standard layout: ``tokenizer.json`` (read by the ``tokenizers``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections import OrderedDict
@@ -281,6 +282,51 @@ class ModelTokenizer:
         for fut in waits:
             await asyncio.shield(fut)
         return done
+
+    def ahead(self, segments: Sequence[str], executor: Executor) -> asyncio.Future | None:
+        """Tokenize ``segments`` (those uncached and not under way) in ``executor`` with no task on
+        the loop: the thread's result is stored by one callback the loop runs (``_stored_ahead``).
+        Returns a future of the loop that resolves to how many segments were stored (0 on an
+        encode error), or ``None`` when there is nothing to do. The segments are marked under way
+        meanwhile, so a request's ``prepare`` awaits them instead of tokenizing them twice."""
+        cache, special, pending = self._segments, self._special_ids, self._pending
+        longest = self._token_cache_chars // 4
+        todo = list(dict.fromkeys(s for s in segments if s not in cache and s not in special
+                                  and s not in pending and len(s) <= longest))
+        if not todo:
+            return None
+        loop = asyncio.get_running_loop()
+        mine = loop.create_future()
+        for seg in todo:
+            pending[seg] = mine
+        try:
+            job = executor.submit(self._encode_all, todo)
+        except RuntimeError:                 # the executor is shut down
+            self._stored_ahead(todo, mine, None)
+            return mine
+
+        def landed(job: Any) -> None:        # in the thread
+            out = None if job.cancelled() or job.exception() is not None else job.result()
+            with contextlib.suppress(RuntimeError):      # the loop is closed: nothing to store
+                loop.call_soon_threadsafe(self._stored_ahead, todo, mine, out)
+
+        job.add_done_callback(landed)
+        return mine
+
+    def _stored_ahead(self, todo: list[str], mine: asyncio.Future, out: list[list[int]] | None) -> None:
+        pending = self._pending
+        for seg in todo:
+            if pending.get(seg) is mine:
+                del pending[seg]
+        n = 0
+        if out is not None and not mine.done():
+            n = len(todo)
+            self.segment_misses += n
+            self.segments_off_loop += n
+            for seg, ids in zip(todo, out, strict=True):
+                self._store(seg, ids)
+        if not mine.done():
+            mine.set_result(n)
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``, cached by segment (equal to the library's own encode)."""

@@ -4,6 +4,7 @@ the ones the whole segment starts with; a segment an engine's cache reaches is t
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import orjson
@@ -160,3 +161,33 @@ async def test_a_chats_new_message_is_tokenized_after_routing_for_its_next_turn(
     assert tok.block_keys(segs, lead, 7, BS, 1 << 20).keys == chain_keys(7, _ids(tok, turn2), BS)
     assert registry.get_sample_value("switchyard_kv_events_tokenized_off_loop_total", {"model": "m"}) >= 1
     await mgr.close()
+
+
+async def test_tokenizing_ahead_stores_once_and_an_error_or_a_late_result_stores_nothing():
+    from concurrent.futures import ThreadPoolExecutor
+
+    tok = ModelTokenizer(TINY_DIR)
+    executor = ThreadPoolExecutor(1)
+    a, b = _text(20, 40), _text(21, 40)
+    fut = tok.ahead([a, b, a], executor)
+    assert fut is not None and tok.ahead([a], executor) is None     # under way: not twice
+    assert await fut == 2
+    assert tok._segment_ids(a) == tok.tokenizer.encode(a, add_special_tokens=False).ids
+    assert tok.is_cached(b) and not tok._pending and tok.segments_off_loop == 2
+    assert tok.ahead([a, b], executor) is None                       # cached: nothing to do
+
+    def broken(segments):
+        raise RuntimeError("encode failed")
+
+    tok._encode_all = broken                                          # an encode error: left uncached
+    c = _text(22, 40)
+    assert await tok.ahead([c], executor) == 0
+    assert not tok.is_cached(c) and not tok._pending
+    del tok._encode_all
+    fut = tok.ahead([c], executor)                                    # resolved before it lands (closing)
+    fut.set_result(0)
+    while tok._pending:
+        await asyncio.sleep(0.001)
+    assert not tok.is_cached(c)
+    executor.shutdown()
+    assert tok.ahead([c], executor) is not None and not tok._pending  # a shut executor: nothing under way
