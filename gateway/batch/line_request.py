@@ -1,10 +1,10 @@
 """A batch line as the pipeline's handler reads a request, made in-process: no socket, no HTTP hop.
 
-The inference handler reads little of an aiohttp request: the path, the headers, the body, its
-per-request mapping (the tenancy ticket, the trace) and the peer address. ``LineRequest`` offers
-exactly that, so a line runs through the same stages a client's request does (tenancy, aliases,
-admission, routing and charges, breakers and retries, the relay, usage and the log line) and its
-answer comes back as the handler's ``web.Response``. A line never streams (``stream`` is removed
+The inference handler reads little of an aiohttp request: the path, the headers, the body (its
+``content`` or ``read()``), its per-request mapping (the tenancy ticket, the trace) and the peer
+address. ``LineRequest`` offers exactly that, so a line runs through the same stages a client's
+request does (tenancy, aliases, admission, routing and charges, breakers and retries, the relay,
+usage and the log line) and its answer comes back as the handler's ``web.Response``. A line never streams (``stream`` is removed
 from its body), so nothing writes to a transport.
 """
 
@@ -13,6 +13,25 @@ from __future__ import annotations
 from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
+
+
+class _WholeBody:
+    """The body as aiohttp's ``StreamReader`` shows one that arrived whole with its head (the
+    pipeline takes such a body with ``read_nowait``, gateway/pipeline/pipeline.py ``_parse``)."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def is_eof(self) -> bool:
+        return True
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        return self._body
+
+    def exception(self) -> None:
+        return None
 
 
 class LineRequest(dict):
@@ -30,6 +49,7 @@ class LineRequest(dict):
         self.acting_for = acting_for        # the batch's owner, when API keys are on (gateway/tenants)
         self.path = path
         self._body = body
+        self.content = _WholeBody(body)
         self.headers = CIMultiDictProxy(CIMultiDict(headers))
 
     @property
