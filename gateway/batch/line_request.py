@@ -4,8 +4,8 @@ The inference handler reads little of an aiohttp request: the path, the headers,
 ``content`` or ``read()``), its per-request mapping (the tenancy ticket, the trace) and the peer
 address. ``LineRequest`` offers exactly that, so a line runs through the same stages a client's
 request does (tenancy, aliases, admission, routing and charges, breakers and retries, the relay,
-usage and the log line) and its answer comes back as the handler's ``web.Response``. A line never streams (``stream`` is removed
-from its body), so nothing writes to a transport.
+usage and the log line) and its answer comes back as the handler's ``web.Response``. A line
+never streams (``stream`` is removed from its body), so nothing writes to a transport.
 """
 
 from __future__ import annotations
