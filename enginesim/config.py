@@ -73,6 +73,9 @@ class SimConfig:
         0.0, "vLLM: refuse connections for this long; SGLang: /health and /health_generate 503")
     fault: str = _knob("", "default fault spec for every request (see enginesim/README.md)")
     sse_keepalive_s: float = _knob(0.0, "vLLM --sse-keep-alive-interval; 0 disables keep-alive frames")
+    keepalive_timeout_s: float = _knob(
+        5.0, "an idle kept-alive HTTP connection is closed after this many seconds (uvicorn's "
+        "timeout_keep_alive, 5 s in vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) and SGLang); 0: never")
     sglang_abort_delay_s: float = _knob(
         0.1, "SGLang: delay between client disconnect and abort (real: ~2 s stream, <=4 s non-stream)")
     enable_request_id_headers: bool = _knob(False, "vLLM --enable-request-id-headers: echo X-Request-Id")
@@ -142,7 +145,7 @@ class SimConfig:
             raise ValueError(f"kv_load_failure_policy must be 'fail' or 'recompute', "
                              f"not {self.kv_load_failure_policy!r}")
         for name in ("ttft_base_ms", "prefill_ms_per_token", "itl_ms", "itl_jitter_ms",
-                     "itl_growth_per_running", "startup_delay_s", "sse_keepalive_s",
+                     "itl_growth_per_running", "startup_delay_s", "sse_keepalive_s", "keepalive_timeout_s",
                      "sglang_abort_delay_s", "kv_blocks", "block_size", "default_max_tokens", "port",
                      "kv_transfer_ms_per_token", "side_channel_port", "kv_lease_s", "bootstrap_port",
                      "bootstrap_timeout_s", "waiting_timeout_s", "lora_load_ms", "max_loaded_loras"):

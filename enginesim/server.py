@@ -212,7 +212,8 @@ async def start_sim(cfg: SimConfig) -> SimServer:
     """Start one engine in the current event loop; port 0 binds a free port."""
     app = build_app(cfg)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=_SHUTDOWN_TIMEOUT_S)
+                           shutdown_timeout=_SHUTDOWN_TIMEOUT_S,
+                           keepalive_timeout=cfg.keepalive_timeout_s or 10.0 ** 7)
     await runner.setup()
     try:
         sock = _bind(cfg.host, cfg.port)

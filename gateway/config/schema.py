@@ -117,6 +117,7 @@ class UpstreamConfig(Block):
     retry_on_connect_error: Annotated[bool, Meta(description="Deprecated (removed in 0.3.0): false turns every retry off; use retry.enabled instead.", extra_json_schema={"deprecated": True})] = True
     max_connections: Annotated[Count, Meta(description="Connections to engines, all endpoints together, per worker process (0: no cap).")] = 0
     keepalive_timeout_s: Annotated[Amount, Meta(description="An idle pooled connection to an engine is closed after this many seconds.")] = 60.0
+    warm_connections: Annotated[Count, Meta(description="Idle connections per engine the pool opens again when the engine closes them (vLLM and SGLang close an idle kept-alive connection after 5 s), so the first request after a lull does not wait for a connect; only for an engine that served a request within keepalive_timeout_s (0: off).")] = 1
     max_error_body_bytes: Annotated[Count, Meta(description="Most bytes of an engine's error answer read and passed on to the client.")] = 65536
 
 

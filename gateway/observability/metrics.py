@@ -197,6 +197,10 @@ class GatewayMetrics:
                                        ["model", "endpoint", "error_class"], registry=r)
         self.retries = Counter("switchyard_retries", "Requests retried on another endpoint", ["model"],
                                registry=r)
+        self.upstream_reopened = Counter(
+            "switchyard_upstream_connections_reopened",
+            "Pooled connections to engines opened again after the engine closed them while idle "
+            "(upstream.warm_connections), by outcome (opened, failed)", ["outcome"], registry=r)
         self.internal_errors = Counter("switchyard_internal_errors",
                                        "Unexpected exceptions in the request path (bugs); each is logged with its traceback",
                                        registry=r)

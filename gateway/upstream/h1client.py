@@ -272,6 +272,7 @@ class _Conn(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.idle_since = 0.0
+        self.opened_at = 0.0
         self.deadline: asyncio.TimerHandle | None = None
 
     # -- an exchange -----------------------------------------------------------------------
@@ -349,6 +350,7 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.opened_at = self.loop.time()
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):
@@ -385,7 +387,11 @@ class _Conn(asyncio.Protocol):
         if not was_closed:
             self.pool._forget(self)
         resp = self.resp
-        if resp is None or resp._eof or resp._exc is not None:
+        if resp is None:
+            if not was_closed:          # the engine closed it while it idled
+                self.pool._idle_lost(self)
+            return
+        if resp._eof or resp._exc is not None:
             return
         if resp.status and not self.length_known:
             self.on_message_complete()      # a body delimited by the connection's end: complete
@@ -507,12 +513,17 @@ class UpstreamPool:
     """
 
     def __init__(self, *, connect_timeout: float = 5.0, keepalive_timeout: float = 60.0,
-                 max_connections: int = 0, total_timeout: float = 0.0) -> None:
+                 max_connections: int = 0, total_timeout: float = 0.0, warm_connections: int = 0,
+                 on_reopen: Callable[[bool], None] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         self.connect_timeout = connect_timeout
         self.keepalive_timeout = keepalive_timeout
         self.max_connections = max_connections
         self.total_timeout = total_timeout
+        self.warm_connections = warm_connections
+        self.on_reopen = on_reopen                  # told of each reopen: (opened?)
+        self.reopen_min_age = 1.0                   # a connection closed younger is not replaced
+        self._reopening: dict[_Origin, asyncio.Task] = {}
         self._idle: dict[_Origin, deque[_Conn]] = {}
         self._conns: set[_Conn] = set()          # every open connection (idle or busy)
         self._connecting = 0
@@ -531,7 +542,8 @@ class UpstreamPool:
     def from_config(cls, cfg) -> UpstreamPool:
         """From an ``UpstreamConfig``."""
         return cls(connect_timeout=cfg.connect_timeout_s, keepalive_timeout=cfg.keepalive_timeout_s,
-                   max_connections=cfg.max_connections, total_timeout=cfg.total_timeout_s)
+                   max_connections=cfg.max_connections, total_timeout=cfg.total_timeout_s,
+                   warm_connections=cfg.warm_connections)
 
     @property
     def open_connections(self) -> int:
@@ -722,6 +734,61 @@ class UpstreamPool:
         if self._waiters:
             self._wake_waiter()
 
+    # -- warm connections ------------------------------------------------------------------
+    # vLLM and SGLang (uvicorn, ``timeout_keep_alive`` 5 s) close a kept-alive connection after a
+    # few idle seconds, far sooner than this pool would: without a reopen, the first request after
+    # a lull pays a connect (a round trip, and a loop iteration) before its bytes go out.
+
+    def _idle_lost(self, conn: _Conn) -> None:
+        """The engine closed ``conn`` while it idled: open another in its place, in the background,
+        while the origin has fewer than ``warm_connections`` idle and served a request within
+        ``keepalive_timeout`` (the reopened connection keeps that time: the chain ends where this
+        pool's own idle horizon would have ended the first one). A connection the engine closed
+        within a second of opening is not replaced (an engine that keeps nothing alive, or one going
+        down), nor is any while a reopen to its origin is under way."""
+        warm = self.warm_connections
+        if not warm or self._closed:
+            return
+        origin, now = conn.origin, self.loop.time()
+        if now - conn.idle_since >= self.keepalive_timeout or now - conn.opened_at < self.reopen_min_age \
+                or origin in self._reopening:
+            return
+        idle = self._idle.get(origin)
+        if idle is not None and sum(1 for c in idle if not c.closed) >= warm:
+            return
+        cap = self.max_connections
+        if cap and len(self._conns) + self._connecting >= cap:
+            return
+        self._reopening[origin] = self.loop.create_task(self._reopen(origin, conn.idle_since))
+
+    async def _reopen(self, origin: _Origin, idle_since: float) -> None:
+        try:
+            conn = await self._connect(origin)
+        except (UpstreamConnectError, OSError):
+            if self.on_reopen is not None:
+                self.on_reopen(False)
+            return
+        finally:
+            self._reopening.pop(origin, None)
+        if self._closed:
+            conn.abort()
+            return
+        conn.idle_since = idle_since
+        dq = self._idle.get(origin)
+        if dq is None:
+            dq = self._idle[origin] = deque()
+        i = 0                           # the deque runs oldest idle first
+        while i < len(dq) and dq[i].idle_since <= idle_since:
+            i += 1
+        dq.insert(i, conn)
+        if self._sweep is None:
+            self._sweep = self.loop.call_later(max(0.0, idle_since + self.keepalive_timeout - self.loop.time()),
+                                               self._expire)
+        if self.on_reopen is not None:
+            self.on_reopen(True)
+        if self._waiters:
+            self._wake_waiter()
+
     def _forget(self, conn: _Conn) -> None:
         """A connection closed (by us or the engine): its slot is free."""
         self._conns.discard(conn)
@@ -754,6 +821,9 @@ class UpstreamPool:
     async def close(self) -> None:
         """Close every connection, idle or busy (at shutdown, after the requests finished)."""
         self._closed = True
+        for task in list(self._reopening.values()):
+            task.cancel()
+        self._reopening.clear()
         if self._sweep is not None:
             self._sweep.cancel()
             self._sweep = None

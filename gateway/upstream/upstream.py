@@ -120,6 +120,8 @@ class Upstream:
 
     def start(self) -> None:
         self.pool = UpstreamPool.from_config(self.cfg)
+        opened, failed = (self.metrics.upstream_reopened.labels(o) for o in ("opened", "failed"))
+        self.pool.on_reopen = lambda ok: (opened if ok else failed).inc()
 
     async def close(self) -> None:
         if self.pool is not None:

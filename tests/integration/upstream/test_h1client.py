@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import socket
+import time
 import weakref
 
 import aiohttp
@@ -48,8 +49,10 @@ class Engine:
     """A scripted HTTP/1.1 server: ``handle(server, request, writer)`` answers each request and
     returns False to close the connection. Counts accepted and closed connections."""
 
-    def __init__(self, handle) -> None:
+    def __init__(self, handle, idle_timeout: float | None = None) -> None:
         self.handle = handle
+        self.idle_timeout = idle_timeout        # close a kept-alive connection idle this long
+        self.accepted_at: list[float] = []
         self.accepted = 0
         self.closed = 0
         self.requests: list[dict] = []
@@ -72,13 +75,14 @@ class Engine:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.accepted += 1
+        self.accepted_at.append(time.monotonic())
         conn_no = self.accepted
         n = 0
         try:
             while True:
                 try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, ConnectionError):
+                    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.idle_timeout)
+                except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
                     break
                 lines = head.decode().split("\r\n")
                 method, path, _ = lines[0].split(" ")
@@ -776,3 +780,97 @@ async def test_the_total_timeout_bounds_the_whole_exchange(sims, gateway):
     status, raw = await _gateway_post(gw.url, _chat(False), {"x-sim-fault": "stall_before_first=10"})
     assert status == 504 and orjson.loads(raw)["error"]["code"] == "upstream_timeout"
     assert gw.gw.upstream.open_connections == 0      # both legs were dropped: the engine aborts
+
+
+# -- warm connections: an idle connection the engine closes is opened again -------------------
+
+
+async def _one(pool: UpstreamPool, url: str) -> None:
+    resp = await pool.post(url + "/x", b"{}", JSON)
+    await resp.read()
+    resp.release()
+
+
+@on_both_loops
+async def test_an_idle_connection_the_engine_closes_is_opened_again_for_the_next_request():
+    """vLLM and SGLang close a kept-alive connection after 5 idle seconds: the pool opens another
+    at once, so the next request is written on a connection that was open before it came."""
+    reopened: list[bool] = []
+    async with Engine(ok, idle_timeout=1.0) as eng:
+        pool = UpstreamPool(warm_connections=1, keepalive_timeout=30, on_reopen=reopened.append)
+        pool.reopen_min_age = 0.2
+        await _one(pool, eng.url)
+        await until(lambda: eng.accepted == 2)             # closed by the engine, opened again
+        await until(lambda: reopened == [True])
+        sent_at = time.monotonic()
+        await _one(pool, eng.url)
+        last = eng.requests[-1]
+        assert eng.accepted_at[last["conn"] - 1] < sent_at   # written on a connection opened before
+        assert [r["conn"] for r in eng.requests] == [1, 2]
+        await pool.close()
+
+
+@on_both_loops
+async def test_without_warm_connections_nothing_is_opened_after_the_engine_closes_one():
+    async with Engine(ok, idle_timeout=0.3) as eng:
+        pool = UpstreamPool(warm_connections=0, keepalive_timeout=30)
+        pool.reopen_min_age = 0.1
+        await _one(pool, eng.url)
+        await asyncio.wait_for(eng.disconnected.wait(), GUARD)
+        await asyncio.sleep(0.3)
+        assert eng.accepted == 1 and pool.open_connections == 0
+        await pool.close()
+
+
+@on_both_loops
+async def test_reopening_stops_at_the_pools_own_idle_horizon_and_for_a_connection_closed_at_once():
+    async with Engine(ok, idle_timeout=0.3) as eng:
+        pool = UpstreamPool(warm_connections=1, keepalive_timeout=1.0)
+        pool.reopen_min_age = 0.1
+        await _one(pool, eng.url)
+        await asyncio.sleep(2.0)            # past the pool's 1 s horizon since the last request
+        settled = eng.accepted
+        assert 2 <= settled <= 4            # reopened while within it, then let go
+        await asyncio.sleep(0.8)
+        assert eng.accepted == settled and pool.open_connections == 0
+        await pool.close()
+
+    async def close_after_answer(server, req, writer):
+        writer.write(answer())
+        await writer.drain()
+        return False
+
+    async with Engine(close_after_answer) as eng:     # keeps nothing alive: no reopen loop
+        pool = UpstreamPool(warm_connections=1, keepalive_timeout=30)
+        await _one(pool, eng.url)
+        await asyncio.sleep(0.3)
+        assert eng.accepted == 1
+        await pool.close()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_after_a_lull_the_openai_client_is_answered_on_a_connection_the_gateway_kept_warm(sims, gateway, engine):
+    """The simulated engine closes idle connections as vLLM and SGLang do (here after 1.2 s, not
+    5 s); the gateway opens one again, and the request after the lull is written on it."""
+    from openai import AsyncOpenAI
+
+    sim = await sims(engine, "m", keepalive_timeout_s=1.2)
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    pool = gw.gw.upstream.pool
+    client = AsyncOpenAI(base_url=gw.base_url, api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    try:
+        first = await client.chat.completions.create(model="m", max_tokens=2, messages=msgs)
+        assert first.choices[0].message.content
+        [before] = list(pool._conns)
+        await until(lambda: pool._conns and before not in pool._conns)     # closed by the engine, opened again
+        [warm] = list(pool._conns)
+        second = await client.chat.completions.create(model="m", max_tokens=2, messages=msgs)
+        assert second.choices[0].message.content
+        assert list(pool._conns) == [warm]          # no connect for the request after the lull
+        text = await gw.metrics_text()
+        [value] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith('switchyard_upstream_connections_reopened_total{outcome="opened"}')]
+        assert value >= 1
+    finally:
+        await client.close()
