@@ -110,49 +110,30 @@ class PDOrchestrator:
         prefill_start = time.perf_counter()
         decode_x: Exchange | None = None
         leg: Leg | None = None
-        early: list[tuple[Exchange, Leg]] = []      # the decode, begun from the prefill's read callback
-
-        def decode_now(answer: UpstreamResponse) -> None:
-            """The whole prefill answer is here: write the decode leg before the task wakes. A bad
-            answer is left to the task, which reads it again and says why."""
-            if answer.status != 200:
-                return
-            body = adapter.decode_body(ireq, answer.peek(), prefill=prefill, settings=settings)
-            dleg = ctx.trace.leg("decode", decode)
-            early.append((self.upstream.begin(decode, ireq.path, body, dleg.inject(headers)), dleg))
-
         try:
             bad: BadPrefillAnswer | None = None
             with ctx.trace.leg("prefill", prefill) as pleg:
                 x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
                     ctx.leg_headers(prefill, headers)))
-                x.when_answered(decode_now)
                 ctx.written()               # the routing bookkeeping, once the prefill is out
                 status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
                 if status == 200:
                     # the decode is written first; the prefill's bookkeeping follows it
-                    if early:
-                        decode_x, leg = early[0]
+                    try:
+                        body = adapter.decode_body(ireq, raw, prefill=prefill, settings=settings)
+                    except BadPrefillAnswer as e:
+                        bad = e
                     else:
-                        try:
-                            body = adapter.decode_body(ireq, raw, prefill=prefill, settings=settings)
-                        except BadPrefillAnswer as e:
-                            bad = e
-                        else:
-                            leg = ctx.trace.leg("decode", decode)
-                            decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers))
+                        leg = ctx.trace.leg("decode", decode)
+                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers))
                 self._prefill_answered(ctx, pleg, status, raw, prefill_start, prefill_end)
             if bad is not None:
                 raise PrefillFailed("bad_response", str(bad))
         except PrefillFailed as f:
-            for dx, _ in early:             # begun early, and the prefill is refused after all
-                dx.discard()
             raise self._prefill_failed(ctx, f, "before_response") from None
         except BaseException:
             if decode_x is not None:
                 decode_x.discard()
-            elif early:
-                early[0][0].discard()
             raise
         finally:
             ctx.charges.prefill_done()

@@ -111,8 +111,7 @@ class UpstreamResponse:
     """One answer being read. The body arrives in ``_chunks`` (fed by the connection's parser) and
     leaves through ``readany``; errors are raised only after the bytes received before them."""
 
-    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter", "_sink",
-                 "_done")
+    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter", "_sink")
 
     def __init__(self, conn: _Conn) -> None:
         self.status = 0
@@ -125,8 +124,6 @@ class UpstreamResponse:
         self._exc: BaseException | None = None  # raised once the buffer is drained
         self._waiter: asyncio.Future | None = None
         self._sink: Callable[[bytes], None] | None = None   # ``pipe``: body bytes go here as they come
-        # ``Exchange.when_answered``: called from the read callback once the whole answer is here
-        self._done: Callable[[UpstreamResponse], None] | None = None
 
     # -- fed by the connection -------------------------------------------------------------
 
@@ -235,11 +232,6 @@ class UpstreamResponse:
             parts.append(chunk)
             size += len(chunk)
         return b"".join(parts)[:limit]
-
-    def peek(self) -> bytes:
-        """The body buffered so far, left in place for ``read``."""
-        chunks = self._chunks
-        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def at_eof(self) -> bool:
         """The whole body arrived and was read."""
@@ -454,20 +446,13 @@ class _Conn(asyncio.Protocol):
             self.deadline.cancel()
             self.deadline = None
         resp._eof = True
-        done = resp._done
-        if done is not None:
-            resp._done = None
-            try:
-                done(resp)
-            except Exception:       # noqa: BLE001 - the reader sees the answer as it is, and decides
-                pass
         resp._wake()
 
 
 class Exchange:
     """A POST begun by ``UpstreamPool.begin``: written already (``conn`` set) or not yet."""
 
-    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error", "done")
+    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error")
 
     def __init__(self, pool: UpstreamPool, url: str, origin: _Origin | None, data: bytes | tuple[bytes, bytes],
                  state: SendState | None) -> None:
@@ -480,21 +465,6 @@ class Exchange:
         self.stale = False                 # the idle connection it was given had closed
         self.resp: UpstreamResponse | None = None
         self.error: UpstreamError | None = None
-        self.done: Callable[[UpstreamResponse], None] | None = None
-
-    def when_answered(self, fn: Callable[[UpstreamResponse], None]) -> None:
-        """Call ``fn(answer)`` from the connection's read callback as soon as the whole answer has
-        arrived, before the task awaiting it wakes (P/D: the decode leg is written from there).
-        Whatever ``fn`` raises is dropped; the answer is read as usual either way."""
-        self.done = fn
-        conn = self.conn
-        if conn is not None and conn.resp is not None:
-            conn.resp._done = fn
-
-    def _send(self, conn: _Conn) -> None:
-        conn.send(self.data, self.state)
-        if self.done is not None:
-            conn.resp._done = self.done     # type: ignore[union-attr]
 
     @property
     def sent(self) -> bool:
@@ -513,7 +483,7 @@ class Exchange:
         else:
             conn, reused = await pool._acquire(origin)
             self.conn = conn
-            self._send(conn)
+            conn.send(self.data, self.state)
         if conn is not None:
             try:
                 self.resp = await conn.head(header_timeout)
@@ -522,8 +492,7 @@ class Exchange:
                 if not reused or e.received:
                     raise
         self.conn = conn = await pool._connect(origin)
-        self._send(conn)
-        self.resp = await conn.head(header_timeout)
+        self.resp = await conn.exchange(self.data, header_timeout, self.state)
         return self.resp
 
     def discard(self) -> None:

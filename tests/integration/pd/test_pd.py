@@ -66,47 +66,6 @@ async def test_vllm_decode_receives_the_kv_and_counts_it_cached(sims, gateway):
     assert (await sim_state(d.url))["pd"]["transfers"] == 1
 
 
-async def test_the_vllm_decode_is_written_from_the_prefill_answers_read_callback(sims, gateway, monkeypatch):
-    """The decode leg goes out as soon as the prefill's answer is whole, from the prefill
-    connection's read callback, before the request's task wakes; a prefill that answers an error
-    begins no decode there."""
-    from gateway.upstream.h1client import Exchange
-    from gateway.upstream.upstream import Upstream
-
-    begun: list[str] = []
-    in_callback: list[list[str]] = []
-    real_begin, real_when = Upstream.begin, Exchange.when_answered
-
-    def begin(self, ep, path, body, headers, state=None):
-        begun.append(ep.name)
-        return real_begin(self, ep, path, body, headers, state)
-
-    def when_answered(self, fn):
-        def spy(answer):
-            before = len(begun)
-            try:
-                fn(answer)
-            finally:
-                in_callback.append(begun[before:])
-        real_when(self, spy)
-
-    monkeypatch.setattr(Upstream, "begin", begin)
-    monkeypatch.setattr(Exchange, "when_answered", when_answered)
-    p, d = await pd_pair(sims, "vllm")
-    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
-    for stream in (False, True):
-        st, _, raw = await post(gw, chat_body(MSG, stream=stream, max_tokens=4))
-        assert st == 200
-    dname = d.url.split("//")[1]
-    assert in_callback == [[dname], [dname]]
-    assert begun == [p.url.split("//")[1], dname] * 2       # no second decode from the task
-
-    gw2 = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
-    in_callback.clear()
-    st, _, _ = await post(gw2, body(), {"x-sim-fault": "prefill.status=503"})
-    assert st >= 500 and in_callback in ([[]], [])            # a refused prefill: no decode at all
-
-
 async def test_sglang_duplicate_controlled_key_touches_no_engine(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
