@@ -800,13 +800,12 @@ async def test_an_idle_connection_the_engine_closes_is_opened_again_for_the_next
         pool = UpstreamPool(warm_connections=1, keepalive_timeout=30, on_reopen=reopened.append)
         pool.reopen_min_age = 0.2
         await _one(pool, eng.url)
-        await until(lambda: eng.accepted == 2)             # closed by the engine, opened again
-        await until(lambda: reopened == [True])
+        await until(lambda: eng.accepted >= 2)             # closed by the engine, opened again
+        await until(lambda: reopened and all(reopened))
         sent_at = time.monotonic()
         await _one(pool, eng.url)
         last = eng.requests[-1]
-        assert eng.accepted_at[last["conn"] - 1] < sent_at   # written on a connection opened before
-        assert [r["conn"] for r in eng.requests] == [1, 2]
+        assert last["conn"] >= 2 and eng.accepted_at[last["conn"] - 1] < sent_at   # opened before it was sent
         await pool.close()
 
 
@@ -849,11 +848,20 @@ async def test_reopening_stops_at_the_pools_own_idle_horizon_and_for_a_connectio
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-async def test_after_a_lull_the_openai_client_is_answered_on_a_connection_the_gateway_kept_warm(sims, gateway, engine):
+async def test_after_a_lull_the_openai_client_is_answered_on_a_connection_the_gateway_kept_warm(
+        sims, gateway, engine, monkeypatch):
     """The simulated engine closes idle connections as vLLM and SGLang do (here after 1.2 s, not
     5 s); the gateway opens one again, and the request after the lull is written on it."""
     from openai import AsyncOpenAI
 
+    connects: list[int] = []            # every connect, the pool's reopens included
+    real_connect = UpstreamPool._connect
+
+    async def connect(self, origin):
+        connects.append(1)
+        return await real_connect(self, origin)
+
+    monkeypatch.setattr(UpstreamPool, "_connect", connect)
     sim = await sims(engine, "m", keepalive_timeout_s=1.2)
     gw = await gateway([model_block("m", engine, [sim.url])])
     pool = gw.gw.upstream.pool
@@ -864,13 +872,12 @@ async def test_after_a_lull_the_openai_client_is_answered_on_a_connection_the_ga
         assert first.choices[0].message.content
         [before] = list(pool._conns)
         await until(lambda: pool._conns and before not in pool._conns)     # closed by the engine, opened again
-        [warm] = list(pool._conns)
         second = await client.chat.completions.create(model="m", max_tokens=2, messages=msgs)
         assert second.choices[0].message.content
-        assert list(pool._conns) == [warm]          # no connect for the request after the lull
         text = await gw.metrics_text()
-        [value] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith('switchyard_upstream_connections_reopened_total{outcome="opened"}')]
-        assert value >= 1
+        [reopened] = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith('switchyard_upstream_connections_reopened_total{outcome="opened"}')]
+        assert reopened >= 1
+        assert len(connects) - reopened == 1        # only the first request's leg connected
     finally:
         await client.close()
