@@ -33,6 +33,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
+import structlog
+
+log = structlog.get_logger("switchyard.upstream")
 
 # unread body bytes above which reading from the engine pauses; it resumes when the reader takes
 # them (``readany`` hands out everything buffered, so the buffer is then empty)
@@ -764,7 +767,8 @@ class UpstreamPool:
     async def _reopen(self, origin: _Origin, idle_since: float) -> None:
         try:
             conn = await self._connect(origin)
-        except (UpstreamConnectError, OSError):
+        except (UpstreamConnectError, OSError) as e:
+            log.info("engine connection not reopened", endpoint=origin.host_header, error=str(e) or type(e).__name__)
             if self.on_reopen is not None:
                 self.on_reopen(False)
             return

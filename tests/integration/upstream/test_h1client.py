@@ -822,6 +822,21 @@ async def test_without_warm_connections_nothing_is_opened_after_the_engine_close
 
 
 @on_both_loops
+async def test_a_reopen_the_engine_refuses_is_counted_and_not_retried():
+    reopened: list[bool] = []
+    async with Engine(ok, idle_timeout=0.4) as eng:
+        pool = UpstreamPool(warm_connections=1, keepalive_timeout=30, on_reopen=reopened.append)
+        pool.reopen_min_age = 0.05
+        await _one(pool, eng.url)
+        await asyncio.sleep(0.2)            # older than reopen_min_age when it goes
+        eng.server.close()                  # no longer listening; the kept connection goes now or when idle
+        await until(lambda: reopened == [False])
+        await asyncio.sleep(0.3)
+        assert reopened == [False] and eng.accepted == 1 and pool.open_connections == 0
+        await pool.close()
+
+
+@on_both_loops
 async def test_reopening_stops_at_the_pools_own_idle_horizon_and_for_a_connection_closed_at_once():
     async with Engine(ok, idle_timeout=0.3) as eng:
         pool = UpstreamPool(warm_connections=1, keepalive_timeout=1.0)
