@@ -100,8 +100,9 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
     # circuit breakers hear every leg's outcome (upstream, relay); open ones are not ready
     breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
     upstream = Upstream(config.upstream, config.health, metrics, breakers)
-    relay = Relay(config.upstream, metrics, upstream.record)
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants); None: off
+    # a complete answer is written whole unless the tenants' x-ratelimit-* headers join every answer
+    relay = Relay(config.upstream, metrics, upstream.record, whole=tenancy is None)
     request_log = RequestLog(config.server.log_format, config.server.log_level,
                              LineWriter(on_drop=metrics.log_lines_dropped.inc))
     tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/observability/tracing.py)

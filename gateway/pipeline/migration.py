@@ -189,7 +189,7 @@ class Migration:
     async def stream(self, relay: Relay, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
                      wd: WatchdogConfig | None) -> web.StreamResponse:
         rec = ctx.rec
-        out = await open_sse(ctx, headers)
+        out = await open_sse(ctx, headers, relay.whole)
         seen = SSEScanner()      # what the client receives: first token, gaps, finish
         try:
             while True:

@@ -31,10 +31,12 @@ from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
 from gateway.pipeline.sse import SSEScanner, usage_tokens
 from gateway.resilience.outcome import Outcome, of_answer, of_status
+from gateway.server.whole import open_stream, write_whole
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from handlers.base import EngineAdapter
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
 def error_event(status: int, message: str, code: str | int | None = None, type_: str | None = None) -> bytes:
@@ -110,12 +112,17 @@ class _Watchdog:
             self.handle = None
 
 
-async def open_sse(ctx: RequestContext, headers: dict[str, str]) -> web.StreamResponse:
-    """Send the client the headers of a 200 event stream; from here on, errors are events."""
-    out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
-    out.content_type = "text/event-stream"
-    out.charset = "utf-8"
-    await out.prepare(ctx.http)
+async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = False) -> web.StreamResponse:
+    """Send the client the headers of a 200 event stream; from here on, errors are events.
+    ``whole``: the head may be written by the gateway itself (gateway/server/whole.py)."""
+    written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE) if whole else None
+    if written is not None:
+        out: web.StreamResponse = written      # type: ignore[assignment]   # the relay's part of its API
+    else:
+        out = web.StreamResponse(status=200, headers={**headers, **SSE_HEADERS})
+        out.content_type = "text/event-stream"
+        out.charset = "utf-8"
+        await out.prepare(ctx.http)
     ctx.response = out
     ctx.rec.headers_sent = True
     ctx.rec.status = 200
@@ -124,10 +131,11 @@ async def open_sse(ctx: RequestContext, headers: dict[str, str]) -> web.StreamRe
 
 class Relay:
     def __init__(self, cfg: UpstreamConfig, metrics: GatewayMetrics,
-                 record: Callable[..., None] | None = None) -> None:
+                 record: Callable[..., None] | None = None, *, whole: bool = False) -> None:
         self.cfg = cfg
         self.metrics = metrics
         self.record = record        # (endpoint, Outcome, cause): gateway.upstream.upstream.Upstream.record
+        self.whole = whole          # complete answers may be written whole (gateway/server/whole.py)
 
     async def answer(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,
                      strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
@@ -181,7 +189,7 @@ class Relay:
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
         api = ctx.api
         scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
-        out = await open_sse(ctx, headers)
+        out = await open_sse(ctx, headers, self.whole)
         readany = resp.readany
         write = out.write
         feed = scanner.feed
@@ -356,6 +364,10 @@ class Relay:
                 choices = data.get("choices")
                 if isinstance(choices, list) and choices and isinstance(choices[0], dict):
                     rec.finish_reason = choices[0].get("finish_reason")
+        if self.whole:
+            written = write_whole(ctx.http, 200, headers, ctype, body)
+            if written is not None:
+                return written      # type: ignore[return-value]    # what aiohttp reads of a response
         r = web.Response(status=200, body=body, headers=headers)
         r.headers["Content-Type"] = ctype
         return r

@@ -1,0 +1,158 @@
+"""Answers written whole: the status line, the headers and the body of a complete answer in one
+write to the client's transport, without building aiohttp's response objects; and the head of an
+event stream the same way, its chunks framed as aiohttp frames them.
+
+A non-streaming answer is complete when the handler has it, so there is nothing for aiohttp's
+``web.Response`` to do but serialize it: a header multidict, ``prepare`` (keep-alive, length,
+``Date``, ``Server``), a header serializer, a payload writer and ``write_eof``, a few dozen µs of
+CPU per request under load and more at low load, when every cache is cold. ``write_whole`` writes
+the same bytes itself and hands back a ``WrittenAnswer``: what aiohttp's request handler reads of
+an answer after the handler returns (``prepare`` and ``write_eof``, which have nothing left to do,
+its status and whether the connection stays open).
+
+An event stream's head (``open_stream``) is written the same way, and its ``WrittenStream``
+frames each chunk for HTTP/1.1 chunked transfer, waits for a client that stops reading (the
+transport's flow control, as aiohttp's ``drain``) and writes the last chunk once.
+
+Both decline (return None, and the caller builds a ``web.Response``) where aiohttp's framing rules
+would differ or the answer must pass through the application: a request that is not HTTP/1.1, a
+transport already closing, a header value with a line break (aiohttp refuses those), and any
+request that is not aiohttp's own (the batch runner's in-process requests read the response back).
+The caller offers it only when nothing else adds to every answer (the tenants' ``x-ratelimit-*``
+headers are a response-prepare signal: gateway/server/app.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+
+_SERVER = f"\r\nServer: {SERVER_SOFTWARE}\r\n".encode("ascii")
+_REASONS = {200: "OK"}
+_COPY_BELOW = 16384     # smaller bodies are joined to the head; larger ones go out with writev
+
+
+class WrittenAnswer:
+    """An answer ``write_whole`` has sent: what aiohttp's ``RequestHandler`` needs of it once the
+    handler returns (``finish_response`` prepares it and writes its end, ``start`` reads
+    ``keep_alive``), with nothing left to send."""
+
+    __slots__ = ("status", "keep_alive", "body_length")
+
+    prepared = True
+
+    def __init__(self, status: int, keep_alive: bool, body_length: int) -> None:
+        self.status = status
+        self.keep_alive = keep_alive
+        self.body_length = body_length
+
+    async def prepare(self, request: Any) -> None:
+        return None
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"<WrittenAnswer {self.status} {self.body_length} bytes>"
+
+
+def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, ...]) -> tuple[bytes, bool] | None:
+    """The response head and whether the connection stays open; None when aiohttp must frame it."""
+    if type(request) is not web.Request or request.version != HttpVersion11:
+        return None
+    transport = request.transport
+    reason = _REASONS.get(status)
+    if transport is None or transport.is_closing() or reason is None:
+        return None
+    lines = [f"{k}: {v}" for k, v in headers.items()]
+    lines += extra
+    lines.append(f"Date: {rfc822_formatted_time()}")
+    keep_alive = request.keep_alive
+    if not keep_alive:
+        lines.append("Connection: close")
+    text = "\r\n".join(lines)
+    breaks = len(lines) - 1
+    if text.count("\n") != breaks or text.count("\r") != breaks:    # a line break inside a value
+        return None
+    return b"".join((b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()), text.encode("utf-8"), _SERVER, b"\r\n")), keep_alive
+
+
+def write_whole(request: Any, status: int, headers: dict[str, str], content_type: str,
+                body: bytes) -> WrittenAnswer | None:
+    """Send ``status``, ``headers`` (plus Content-Type, Content-Length, Date, Server and, when the
+    client asked to close, ``Connection: close``) and ``body`` to the client in one write.
+
+    Returns None, having written nothing, when the answer must go through ``web.Response``."""
+    made = _head(request, status, headers, (f"Content-Type: {content_type}", f"Content-Length: {len(body)}"))
+    if made is None:
+        return None
+    head, keep_alive = made
+    transport = request.transport
+    if len(body) < _COPY_BELOW:
+        transport.write(head + body)
+    else:
+        transport.writelines((head, body))
+    request.writer.output_size += len(head) + len(body)     # the edge reads it: something went out
+    return WrittenAnswer(status, keep_alive, len(body))
+
+
+class WrittenStream(WrittenAnswer):
+    """An event stream whose head ``open_stream`` sent: its chunks, then its end, written by the
+    relay. ``headers`` are those the head carried."""
+
+    __slots__ = ("headers", "_transport", "_writer", "_protocol", "_ended")
+
+    def __init__(self, request: web.Request, headers: dict[str, str], keep_alive: bool) -> None:
+        super().__init__(200, keep_alive, 0)
+        self.headers = headers
+        self._transport = request.transport
+        self._writer = request.writer
+        self._protocol = request.protocol
+        self._ended = False
+
+    def _send(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")
+        transport.write(data)
+        self._writer.output_size += len(data)
+
+    async def write(self, data: bytes) -> None:
+        if self._ended:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if data:
+            self.body_length += len(data)
+            self._send(b"%x\r\n%b\r\n" % (len(data), data))
+            if self._protocol.writing_paused:     # the client stopped reading: wait as aiohttp's drain does
+                await self._writer.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._ended:
+            return
+        if data:
+            await self.write(data)
+        self._ended = True
+        self._send(b"0\r\n\r\n")
+        if self._protocol.writing_paused:
+            await self._writer.drain()
+
+    def __repr__(self) -> str:
+        return f"<WrittenStream {self.body_length} bytes{' ended' if self._ended else ''}>"
+
+
+def open_stream(request: Any, headers: dict[str, str], content_type: str) -> WrittenStream | None:
+    """Send the head of a 200 answer streamed in chunks (``headers`` plus Content-Type,
+    Transfer-Encoding, Date, Server and, when the client asked to close, ``Connection: close``).
+
+    Returns None, having written nothing, when the stream must go through ``web.StreamResponse``."""
+    made = _head(request, 200, headers, (f"Content-Type: {content_type}", "Transfer-Encoding: chunked"))
+    if made is None:
+        return None
+    head, keep_alive = made
+    out = WrittenStream(request, headers, keep_alive)
+    out._send(head)
+    headers["Transfer-Encoding"] = "chunked"
+    return out

@@ -1,0 +1,187 @@
+"""Answers the gateway writes itself (gateway/server/whole.py): a complete answer's head and body in
+one write, an event stream's head and chunks, byte for byte what aiohttp's responses would send
+(apart from the date and the request id), on a kept-alive connection, and aiohttp's own responses
+wherever its framing differs (HTTP/1.0) or the application adds to every answer (tenants)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import openai
+import orjson
+import pytest
+
+from gateway.pipeline.relay import Relay
+from gateway.server.whole import WrittenAnswer, WrittenStream, open_stream, write_whole
+from tests.support.factories import model_block
+from tests.support.http import openai_client
+from tests.support.tenancy import ALICE, KEYS
+
+CHAT = [{"role": "user", "content": "Write the answer in one go."}]
+
+
+def _request(body: dict, *, version: str = "1.1", close: bool = False, rid: str = "r-1") -> bytes:
+    data = orjson.dumps(body)
+    head = (f"POST /v1/chat/completions HTTP/{version}\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nx-request-id: {rid}\r\n")
+    if close:
+        head += "Connection: close\r\n"
+    return head.encode() + b"\r\n" + data
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[str, dict[str, str], bytes]:
+    """One HTTP/1.x answer off the wire: its status line, headers (lower-cased names) and body
+    (de-chunked)."""
+    head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode()
+    status, *lines = head[:-4].split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines:
+        k, v = line.split(": ", 1)
+        assert k.lower() not in headers, f"{k} twice"
+        headers[k.lower()] = v
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    else:
+        assert headers["transfer-encoding"] == "chunked"
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            chunk = await reader.readexactly(size + 2)
+            assert chunk.endswith(b"\r\n")
+            if size == 0:
+                break
+            body += chunk[:-2]
+    return status, headers, body
+
+
+async def _exchange(port: int, *requests: bytes) -> list[tuple[str, dict[str, str], bytes]]:
+    """Send each request on one connection in turn; the answers, then whether the server closed it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        out = []
+        for r in requests:
+            writer.write(r)
+            out.append(await _answer(reader))
+        return out
+    finally:
+        writer.close()
+
+
+def _comparable(headers: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k not in ("date",)}
+
+
+@pytest.fixture
+def written(monkeypatch):
+    """The answers the pipeline handed back to aiohttp, in order."""
+    seen: list[object] = []
+    answer = Relay.answer
+
+    async def recording(self, *a, **kw):
+        out = await answer(self, *a, **kw)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(Relay, "answer", recording)
+    return seen
+
+
+async def test_answers_are_written_whole_and_match_what_aiohttp_would_send(sims, gateway, written):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    plain = {"model": "m", "messages": CHAT, "max_tokens": 4, "temperature": 0}
+    stream = {**plain, "stream": True}
+    got = await _exchange(gw.port, _request(plain), _request(stream), _request(plain, close=True))
+    assert [type(w) for w in written] == [WrittenAnswer, WrittenStream, WrittenAnswer]
+    (s1, h1, b1), (s2, h2, b2), (s3, h3, b3) = got
+    assert s1 == s2 == s3 == "HTTP/1.1 200 OK"
+    assert orjson.loads(b1)["object"] == "chat.completion" and b1 == b3
+    assert b2.endswith(b"data: [DONE]\n\n") and b'"chat.completion.chunk"' in b2
+    assert h1["content-length"] == str(len(b1)) and h1["content-type"] == "application/json"
+    assert h2["content-type"] == "text/event-stream; charset=utf-8" and h2["cache-control"] == "no-cache"
+    assert "connection" not in h1 and "connection" not in h2 and h3["connection"] == "close"
+    assert h1["request-id"] == h1["x-request-id"] == "r-1" and h1["date"] and h1["server"].startswith("Python/")
+
+    # the same three exchanges through aiohttp's responses: the same status, headers and bodies
+    written.clear()
+    gw.gw.relay.whole = False
+    again = await _exchange(gw.port, _request(plain), _request(stream), _request(plain, close=True))
+    assert not any(isinstance(w, WrittenAnswer) for w in written)
+    for (s, h, b), (s0, h0, b0) in zip(got, again, strict=True):
+        assert (s, _comparable(h)) == (s0, _comparable(h0))
+        assert b == b0 or b.count(b"data: ") == b0.count(b"data: ")     # stream ids differ per request
+
+
+async def test_a_closed_answer_closes_the_connection(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(_request({"model": "m", "messages": CHAT, "max_tokens": 2}, close=True))
+        status, headers, _ = await _answer(reader)
+        assert status == "HTTP/1.1 200 OK" and headers["connection"] == "close"
+        assert await asyncio.wait_for(reader.read(), 10) == b""        # and the server closed it
+    finally:
+        writer.close()
+
+
+async def test_http_1_0_and_tenants_get_aiohttps_responses(sims, gateway, written):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    [(status, headers, body)] = await _exchange(gw.port, _request({"model": "m", "messages": CHAT, "max_tokens": 2},
+                                                                  version="1.0"))
+    assert status == "HTTP/1.0 200 OK" and orjson.loads(body)["object"] == "chat.completion"
+    assert not isinstance(written[-1], WrittenAnswer)
+    # with API keys, every answer carries the tenants' headers: aiohttp's prepare signal adds them
+    tgw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"rpm": 10}}})
+    raw = await openai_client(tgw, ALICE).chat.completions.with_raw_response.create(model="m", messages=CHAT,
+                                                                                     max_tokens=2)
+    assert raw.headers["x-ratelimit-limit-requests"] == "10"
+    assert not isinstance(written[-1], WrittenAnswer)
+
+
+async def test_the_openai_client_reads_written_answers(sims, gateway, written):
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url])])
+    c = openai_client(gw)
+    r = await c.chat.completions.create(model="m", messages=CHAT, max_tokens=5)
+    assert r.choices[0].message.content and r.usage.completion_tokens == 5
+    text = ""
+    async for ev in await c.chat.completions.create(model="m", messages=CHAT, max_tokens=5, stream=True):
+        if ev.choices:
+            text += ev.choices[0].delta.content or ""
+    assert text
+    with pytest.raises(openai.NotFoundError):
+        await c.chat.completions.create(model="nope", messages=CHAT)
+    assert [type(w) for w in written] == [WrittenAnswer, WrittenStream]
+
+
+class _Transport:
+    def __init__(self):
+        self.out = b""
+
+    def is_closing(self):
+        return False
+
+    def write(self, data):
+        self.out += data
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+
+def test_a_value_with_a_line_break_is_left_to_aiohttp():
+    """aiohttp refuses a header value with CR or LF; so does the whole writer, by writing nothing."""
+    from aiohttp.test_utils import make_mocked_request
+
+    t = _Transport()
+    req = make_mocked_request("POST", "/v1/chat/completions", transport=t, writer=SimpleNamespace(output_size=0))
+    for bad in ("a\r\nx-injected: 1", "a\nb", "a\rb"):
+        assert write_whole(req, 200, {"x": bad}, "application/json", b"{}") is None
+        assert open_stream(req, {"x": bad}, "text/event-stream") is None
+    assert write_whole(req, 201, {}, "application/json", b"{}") is None      # only 200s are written whole
+    assert t.out == b""
+    w = write_whole(req, 200, {"x": "fine"}, "application/json", b"{}")
+    assert isinstance(w, WrittenAnswer) and t.out.startswith(b"HTTP/1.1 200 OK\r\nx: fine\r\n")
+    assert t.out.endswith(b"\r\n\r\n{}") and req.writer.output_size == len(t.out)
