@@ -25,7 +25,7 @@ import structlog
 from aiohttp import web
 
 from gateway.endpoints import Endpoint
-from gateway.errors import ErrorClass, GatewayError, error_response
+from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
 from gateway.pipeline.context import RequestContext, record_request, safe_header_value
 from gateway.pipeline.generation import Generation
@@ -344,7 +344,7 @@ class Pipeline:
 
     # -- error answers -------------------------------------------------------------------------
 
-    def _error_response(self, ctx: RequestContext, e: GatewayError) -> web.Response:
+    def _error_response(self, ctx: RequestContext, e: GatewayError) -> web.StreamResponse:
         rec = ctx.rec
         rec.status = e.status
         rec.error_class = rec.error_class or e.error_class
@@ -352,7 +352,7 @@ class Pipeline:
         headers = rec.response_headers()
         headers.update(e.headers)
         body = ctx.api.error_body(e) if ctx.api is not None else e.body_bytes()
-        return error_response(e.status, body, headers)
+        return self.relay.error_answer(ctx, e.status, body, headers)
 
     async def _internal_error(self, ctx: RequestContext, e: Exception) -> web.StreamResponse:
         """A bug in the gateway. Before headers: an OpenAI-shaped 500. After them: the stream's

@@ -30,8 +30,8 @@ from gateway.errors import ErrorClass, GatewayError, error_body, error_response,
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
 from gateway.pipeline.sse import SSEScanner, usage_tokens
+from gateway.pipeline.whole import open_stream, write_whole
 from gateway.resilience.outcome import Outcome, of_answer, of_status
-from gateway.server.whole import open_stream, write_whole
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from handlers.base import EngineAdapter
 
@@ -114,7 +114,7 @@ class _Watchdog:
 
 async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = False) -> web.StreamResponse:
     """Send the client the headers of a 200 event stream; from here on, errors are events.
-    ``whole``: the head may be written by the gateway itself (gateway/server/whole.py)."""
+    ``whole``: the head may be written by the gateway itself (gateway/pipeline/whole.py)."""
     written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE) if whole else None
     if written is not None:
         out: web.StreamResponse = written      # type: ignore[assignment]   # the relay's part of its API
@@ -135,7 +135,7 @@ class Relay:
         self.cfg = cfg
         self.metrics = metrics
         self.record = record        # (endpoint, Outcome, cause): gateway.upstream.upstream.Upstream.record
-        self.whole = whole          # complete answers may be written whole (gateway/server/whole.py)
+        self.whole = whole          # complete answers may be written whole (gateway/pipeline/whole.py)
 
     async def answer(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,
                      strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
@@ -167,7 +167,15 @@ class Relay:
                            else of_answer(rec.status, rec.error_class))
                 self.record(ctx.decision.endpoint, outcome, rec.error_class or "")
 
-    async def _error(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str]) -> web.Response:
+    def error_answer(self, ctx: RequestContext, status: int, body: bytes, headers: dict[str, str]) -> web.StreamResponse:
+        """An error answer (``body``: the error in the request's API shape), written whole when it may be."""
+        if self.whole:
+            written = write_whole(ctx.http, status, headers, "application/json", body)
+            if written is not None:
+                return written      # type: ignore[return-value]
+        return error_response(status, body, headers)
+
+    async def _error(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str]) -> web.StreamResponse:
         rec = ctx.rec
         raw = await resp.read_limited(self.cfg.max_error_body_bytes)
         if ctx.api is not None:       # in the request's API shape (Anthropic's on /v1/messages)
@@ -181,7 +189,7 @@ class Relay:
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
         if "Retry-After" in resp.headers:
             headers["Retry-After"] = resp.headers["Retry-After"]
-        return error_response(status, body, headers)
+        return self.error_answer(ctx, status, body, headers)
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
                       strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:

@@ -1,6 +1,7 @@
-"""Answers written whole: the status line, the headers and the body of a complete answer in one
-write to the client's transport, without building aiohttp's response objects; and the head of an
-event stream the same way, its chunks framed as aiohttp frames them.
+"""Answers written whole: the status line, the headers and the body of a complete answer (an
+engine's answer, or an error) in one write to the client's transport, without building aiohttp's
+response objects; and the head of an event stream the same way, its chunks framed as aiohttp
+frames them.
 
 A non-streaming answer is complete when the handler has it, so there is nothing for aiohttp's
 ``web.Response`` to do but serialize it: a header multidict, ``prepare`` (keep-alive, length,
@@ -24,6 +25,7 @@ headers are a response-prepare signal: gateway/server/app.py).
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -31,7 +33,8 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 
 _SERVER = f"\r\nServer: {SERVER_SOFTWARE}\r\n".encode("ascii")
-_REASONS = {200: "OK"}
+# the statuses an answer with a body may carry, with aiohttp's reason phrases
+_REASONS = {s.value: s.phrase for s in HTTPStatus if s.value >= 200 and s.value not in (204, 205, 304)}
 _COPY_BELOW = 16384     # smaller bodies are joined to the head; larger ones go out with writev
 
 

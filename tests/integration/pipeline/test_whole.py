@@ -1,4 +1,4 @@
-"""Answers the gateway writes itself (gateway/server/whole.py): a complete answer's head and body in
+"""Answers the gateway writes itself (gateway/pipeline/whole.py): a complete answer's head and body in
 one write, an event stream's head and chunks, byte for byte what aiohttp's responses would send
 (apart from the date and the request id), on a kept-alive connection, and aiohttp's own responses
 wherever its framing differs (HTTP/1.0) or the application adds to every answer (tenants)."""
@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from gateway.pipeline.relay import Relay
-from gateway.server.whole import WrittenAnswer, WrittenStream, open_stream, write_whole
+from gateway.pipeline.whole import WrittenAnswer, WrittenStream, open_stream, write_whole
 from tests.support.factories import model_block
 from tests.support.http import openai_client
 from tests.support.tenancy import ALICE, KEYS
@@ -113,6 +113,32 @@ async def test_answers_are_written_whole_and_match_what_aiohttp_would_send(sims,
         assert b == b0 or b.count(b"data: ") == b0.count(b"data: ")     # stream ids differ per request
 
 
+async def test_error_answers_are_written_whole_too(sims, gateway, monkeypatch):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    wrote = []
+    from gateway.pipeline import relay as relay_module
+    whole = relay_module.write_whole
+
+    def recording(*a, **kw):
+        out = whole(*a, **kw)
+        wrote.append(out)
+        return out
+
+    monkeypatch.setattr(relay_module, "write_whole", recording)
+    unknown = _request({"model": "nope", "messages": CHAT})
+    too_long = _request({"model": "m", "messages": CHAT, "max_tokens": 10**9})     # the engine's 400
+    got = await _exchange(gw.port, unknown, too_long)
+    assert [type(w) for w in wrote] == [WrittenAnswer, WrittenAnswer]
+    gw.gw.relay.whole = False
+    again = await _exchange(gw.port, unknown, too_long)
+    assert len(wrote) == 2
+    for (s, h, b), (s0, h0, b0) in zip(got, again, strict=True):
+        assert (s, _comparable(h), b) == (s0, _comparable(h0), b0)
+    assert got[0][0] == "HTTP/1.1 404 Not Found" and orjson.loads(got[0][2])["error"]["code"] == "model_not_found"
+    assert got[1][0] == "HTTP/1.1 400 Bad Request"
+
+
 async def test_a_closed_answer_closes_the_connection(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])])
@@ -180,7 +206,7 @@ def test_a_value_with_a_line_break_is_left_to_aiohttp():
     for bad in ("a\r\nx-injected: 1", "a\nb", "a\rb"):
         assert write_whole(req, 200, {"x": bad}, "application/json", b"{}") is None
         assert open_stream(req, {"x": bad}, "text/event-stream") is None
-    assert write_whole(req, 201, {}, "application/json", b"{}") is None      # only 200s are written whole
+    assert write_whole(req, 204, {}, "application/json", b"{}") is None      # no body may follow a 204
     assert t.out == b""
     w = write_whole(req, 200, {"x": "fine"}, "application/json", b"{}")
     assert isinstance(w, WrittenAnswer) and t.out.startswith(b"HTTP/1.1 200 OK\r\nx: fine\r\n")
