@@ -17,10 +17,13 @@ transport's flow control, as aiohttp's ``drain``) and writes the last chunk once
 
 Both decline (return None, and the caller builds a ``web.Response``) where aiohttp's framing rules
 would differ or the answer must pass through the application: a request that is not HTTP/1.1, a
-transport already closing, a header value with a line break (aiohttp refuses those), and any
-request that is not aiohttp's own (the batch runner's in-process requests read the response back).
-The caller offers it only when nothing else adds to every answer (the tenants' ``x-ratelimit-*``
-headers are a response-prepare signal: gateway/server/app.py).
+status no body may follow, a transport already closing (``open_stream`` raises there, as aiohttp's
+``prepare`` does), and any request that is neither aiohttp's own nor the edge's fast lane's (the
+batch runner's in-process requests read the response back). A header line with a line break in
+it is not sent (aiohttp answers 500 instead; the gateway's header values are made safe before
+they get here, so this is a last guard, not a path). The caller offers them only when nothing
+else adds to every answer (the tenants' ``x-ratelimit-*`` headers are a response-prepare signal:
+gateway/server/app.py).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 
 _SERVER = f"\r\nServer: {SERVER_SOFTWARE}\r\n".encode("ascii")
-# the statuses an answer with a body may carry, with aiohttp's reason phrases
-_REASONS = {s.value: s.phrase for s in HTTPStatus if s.value >= 200 and s.value not in (204, 205, 304)}
+_REASONS = {s.value: s.phrase for s in HTTPStatus}     # aiohttp's reason phrases (none for other codes)
+_EMPTY = (204, 205, 304)                                # statuses no body may follow: aiohttp frames those
 _COPY_BELOW = 16384     # smaller bodies are joined to the head; larger ones go out with writev
 
 
@@ -62,13 +65,20 @@ class WrittenAnswer:
         return f"<WrittenAnswer {self.status} {self.body_length} bytes>"
 
 
+_WRITABLE: set[type] = {web.Request}      # request classes whose transport and writer are aiohttp's, or act alike
+
+
+def writes_for(cls: type) -> None:
+    """Let answers to requests of ``cls`` be written whole (the edge's fast lane, gateway/server/lane.py)."""
+    _WRITABLE.add(cls)
+
+
 def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, ...]) -> tuple[bytes, bool] | None:
     """The response head and whether the connection stays open; None when aiohttp must frame it."""
-    if type(request) is not web.Request or request.version != HttpVersion11:
+    if type(request) not in _WRITABLE or request.version != HttpVersion11:
         return None
     transport = request.transport
-    reason = _REASONS.get(status)
-    if transport is None or transport.is_closing() or reason is None:
+    if transport is None or transport.is_closing() or not 200 <= status < 600 or status in _EMPTY:
         return None
     lines = [f"{k}: {v}" for k, v in headers.items()]
     lines += extra
@@ -78,8 +88,9 @@ def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, 
         lines.append("Connection: close")
     text = "\r\n".join(lines)
     breaks = len(lines) - 1
-    if text.count("\n") != breaks or text.count("\r") != breaks:    # a line break inside a value
-        return None
+    if text.count("\n") != breaks or text.count("\r") != breaks:    # a line break inside a value: not sent
+        text = "\r\n".join(line for line in lines if "\r" not in line and "\n" not in line)
+    reason = _REASONS.get(status, "")
     return b"".join((b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()), text.encode("utf-8"), _SERVER, b"\r\n")), keep_alive
 
 
@@ -153,6 +164,8 @@ def open_stream(request: Any, headers: dict[str, str], content_type: str) -> Wri
     Returns None, having written nothing, when the stream must go through ``web.StreamResponse``."""
     made = _head(request, 200, headers, (f"Content-Type: {content_type}", "Transfer-Encoding: chunked"))
     if made is None:
+        if type(request) in _WRITABLE and request.transport is not None and request.transport.is_closing():
+            raise ConnectionResetError("Cannot write to closing transport")     # as aiohttp's prepare
         return None
     head, keep_alive = made
     out = WrittenStream(request, headers, keep_alive)

@@ -47,11 +47,13 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.errors import error_body, error_response
-from gateway.request import request_id_from
+from gateway.pipeline.whole import WrittenAnswer, write_whole
+from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
+from gateway.server import lane
 
 log = structlog.get_logger("switchyard.edge")
 
@@ -125,9 +127,12 @@ class _ConnectionGauge(Collector):
     def __init__(self, edge: Edge) -> None:
         self._edge = edge
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("switchyard_client_connections", "Open client connections",
                                 value=self._edge.connections)
+        yield CounterMetricFamily("switchyard_client_requests_fast_lane",
+                                  "Requests the edge's fast lane took off the connection (gateway/server/lane.py); "
+                                  "the others went through aiohttp's request path", value=self._edge.lane_requests)
 
 
 def error_response_bytes(status: int, message: str, *, code: str, request_id: str | None = None) -> bytes:
@@ -149,6 +154,7 @@ class Edge:
     def __init__(self, limits: EdgeLimits, registry: CollectorRegistry | None = None) -> None:
         self.limits = limits
         self.connections = 0
+        self.lane_requests = 0
         self.metrics = EdgeMetrics(registry if registry is not None else CollectorRegistry(), self)
 
     def classify(self, status: int, exc: BaseException | None, message: str | None) -> tuple[int, str, str]:
@@ -196,7 +202,7 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_stall", "_e_rx_head", "_e_pipelined",
                  "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop")
+                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -215,6 +221,9 @@ class EdgeProtocol(web.RequestHandler):
         self._e_body_end = 0.0
         self._e_counted = False
         self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
+        self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
+        self._lane_held: list[bytes] = []   # bytes that came while it ran
+        self._lane_server = manager if isinstance(manager, EdgeServer) and manager.lane_paths else None
 
     @property
     def _e_parsed(self) -> int:
@@ -243,6 +252,9 @@ class EdgeProtocol(web.RequestHandler):
         self._edge.connections -= 1
         self._e_cancel_timers()
         self._e_request = self._e_payload = None
+        lane, self._lane, self._lane_held = self._lane, None, []
+        if lane is not None and lane.task is not None and not lane.task.done():
+            lane.task.cancel()          # the client went away: as aiohttp cancels its handler
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -256,9 +268,17 @@ class EdgeProtocol(web.RequestHandler):
             else:
                 super().data_received(data)
             return
+        if self._lane is not None:      # a lane request runs: its successor waits its turn
+            self._e_pipelined = True
+            self._lane_held.append(data)
+            if sum(map(len, self._lane_held)) > lane.HOLD_BYTES and self.transport is not None:
+                self.transport.pause_reading()
+            return
         if phase == _IDLE:              # first byte of the next request: the head clock starts
             self._e_enter_head(self._e_loop.time())
             phase = _HEAD
+        if phase == _HEAD and self._lane_server is not None and not self._e_rx_head and self._lane_take(data):
+            return
         if phase == _HEAD:
             self._e_rx_head = True
             parsed = self._e_parsed
@@ -286,6 +306,68 @@ class EdgeProtocol(web.RequestHandler):
         if phase == _BUSY:
             self._e_pipelined = True
         super().data_received(data)
+
+    # -- the fast lane (gateway/server/lane.py) ----------------------------------------------
+
+    def _lane_take(self, data: bytes) -> bool:
+        """Run ``data`` on the fast lane when it is one plain request and the connection has
+        nothing of aiohttp's in flight; False leaves it to aiohttp."""
+        if self._messages or self._e_parsed != self._e_started or self._payload_parser is not None \
+                or self._upgraded or self._force_close or self._close or self.transport is None:
+            return False
+        server = self._lane_server
+        lim = self._edge.limits
+        got = lane.parse(data, server.lane_paths, lim.max_header_bytes, lim.max_headers,
+                         lim.max_body_bytes or float("inf"))
+        if got is None:
+            return False
+        path, headers, body, keep_alive = got
+        request = lane.LaneRequest(path, headers, body, keep_alive, self)
+        self._request_count += 1            # parsed and started, as aiohttp counts its own
+        self._e_started += 1
+        self._e_pipelined = False
+        self._e_request = request
+        self._e_payload = None
+        self._e_phase = _BUSY
+        self._next_keepalive_close_time = self._e_loop.time() + 10.0 ** 9    # aiohttp's backstop waits
+        self._lane = request
+        self._edge.lane_requests += 1
+        self._request_in_progress = True    # a graceful shutdown waits for it (aiohttp's shutdown)
+        request.task = self._e_loop.create_task(self._lane_run(request, server.direct[path]))
+        return True
+
+    async def _lane_run(self, request: Any, handler: Any) -> None:
+        keep = False
+        try:
+            resp = await handler(request)
+            if not isinstance(resp, WrittenAnswer) and isinstance(resp, web.Response):
+                resp = _written(request, resp)  # an answer from outside the pipeline (the error middleware's)
+            if isinstance(resp, WrittenAnswer):
+                await resp.write_eof()          # a stream's last chunk, when the relay left it
+                keep = resp.keep_alive
+            # else: nothing could be written, which only a closing transport prevents
+        except Exception as e:     # the direct handler answers what the pipeline raises; this is a bug
+            log.error("internal error", path=request.path, exc_info=e)
+        finally:
+            self._request_in_progress = False
+            waiter = self._handler_waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            if self._lane is request:
+                self._lane = None
+                self._lane_done(keep)
+
+    def _lane_done(self, keep: bool) -> None:
+        self._e_request = None
+        if not keep or self.transport is None or self._force_close or self._close:
+            self.force_close()
+            return
+        self._next_keepalive_close_time = self._e_loop.time() + self._keepalive_timeout
+        self._e_after_request()
+        held, self._lane_held = self._lane_held, []
+        if held:
+            self.transport.resume_reading()
+            self.data_received(b"".join(held))
 
     def pause_reading(self) -> None:
         self._e_read_paused = True
@@ -515,6 +597,13 @@ def _peer(transport: asyncio.BaseTransport | None) -> str | None:
     return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else None
 
 
+def _written(request: Any, resp: web.Response) -> WrittenAnswer | None:
+    """A ``web.Response`` for a fast-lane request, written whole (its body is bytes: a JSON error)."""
+    headers = {k: v for k, v in resp.headers.items() if k not in (hdrs.CONTENT_TYPE, hdrs.CONTENT_LENGTH)}
+    body = resp.body if isinstance(resp.body, bytes) else b""
+    return write_whole(request, resp.status, headers, resp.content_type, body)
+
+
 class EdgeServer(web.Server):
     """aiohttp's low-level server, making ``EdgeProtocol`` connections."""
 
@@ -538,6 +627,9 @@ class EdgeServer(web.Server):
         max_body = edge.limits.max_body_bytes or float("inf")
         max_upload = edge.limits.upload_max_bytes
         direct = direct or {}
+        self.direct = direct
+        # the fast lane takes chat, completions and embeddings (JSON bodies the pipeline parses itself)
+        self.lane_paths = {p.encode(): p for p in (CHAT, COMPLETIONS, EMBEDDINGS) if p in direct}
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy

@@ -114,6 +114,27 @@ def test_aiohttp_request_handler_hooks_exist():
     assert "payload.set_exception(_PAYLOAD_ACCESS_ERROR)" in inspect.getsource(rh.start)
 
 
+def test_aiohttp_state_the_fast_lane_keeps_in_step():
+    """The fast lane (gateway/server/lane.py) takes a request beside aiohttp's protocol: it reads and
+    sets these of its state, with the meaning pinned here."""
+    rh = web.RequestHandler
+    for name in ("_messages", "_payload_parser", "_upgraded", "_force_close", "_close", "_request_count",
+                 "_next_keepalive_close_time", "_keepalive_timeout", "_request_in_progress", "_handler_waiter"):
+        assert any(name in vars(c).get("__slots__", ()) for c in rh.__mro__), name
+    # the keep-alive backstop closes an idle connection once its close time passed: pushed on while a lane
+    # request runs, set again after it
+    keepalive = inspect.getsource(rh._process_keepalive)
+    assert "close_time = self._next_keepalive_close_time" in keepalive and "self.force_close()" in keepalive
+    # a graceful shutdown waits for a request in progress on _handler_waiter, which the lane resolves
+    shutdown = inspect.getsource(rh.shutdown)
+    assert "if self._request_in_progress:" in shutdown and "await self._handler_waiter" in shutdown
+    # aiohttp's own data path refuses bytes once the connection is closing (the lane does too)
+    assert "if self._force_close or self._close:" in inspect.getsource(rh.data_received)
+    # a client that stops reading: the lane's writer waits as aiohttp's StreamWriter does
+    from aiohttp.base_protocol import BaseProtocol
+    assert "_paused" in BaseProtocol.__slots__ and callable(BaseProtocol._drain_helper)
+
+
 async def test_edge_runner_makes_edge_protocols_with_the_limits():
     edge = Edge(EdgeLimits(max_headers=20, max_header_bytes=4096))
     runner = EdgeRunner(web.Application(), edge, handler_cancellation=True, access_log=None)

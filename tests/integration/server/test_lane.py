@@ -1,0 +1,140 @@
+"""The edge's fast lane (gateway/server/lane.py): which requests it takes, that answers keep the
+order of their requests on a connection, and that a client leaving still stops the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import aiohttp
+import orjson
+
+from tests.integration.pipeline.test_whole import _answer
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.waiting import wait_for
+
+CHAT = [{"role": "user", "content": "Take the fast lane."}]
+PATH = "/v1/chat/completions"
+
+
+def _req(body: dict | bytes, *, rid: str, path: str = PATH, version: str = "1.1",
+         extra: str = "", framing: str = "length") -> bytes:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    head = f"POST {path} HTTP/{version}\r\nHost: gw\r\nContent-Type: application/json\r\nx-request-id: {rid}\r\n{extra}"
+    if framing == "chunked":
+        return (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)
+    return (head + f"Content-Length: {len(data)}\r\n\r\n").encode() + data
+
+
+def _lane(gw) -> int:
+    return gw.runner.server.edge.lane_requests
+
+
+async def test_plain_requests_take_the_lane_on_a_kept_alive_connection(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        for i, stream in enumerate((False, True, False)):
+            writer.write(_req({"model": "m", "messages": CHAT, "max_tokens": 3, "stream": stream}, rid=f"k-{i}"))
+            status, headers, body = await _answer(reader)
+            assert status == "HTTP/1.1 200 OK" and headers["request-id"] == f"k-{i}"
+            assert body.endswith(b"data: [DONE]\n\n") if stream else orjson.loads(body)["object"] == "chat.completion"
+    finally:
+        writer.close()
+    assert _lane(gw) == 3
+    # and the SDK's requests take it too (embeddings and completions among them)
+    c = openai_client(gw)
+    await c.completions.create(model="m", prompt="hello", max_tokens=2)
+    await c.embeddings.create(model="m", input="hello")
+    assert _lane(gw) == 5
+
+
+async def test_what_the_lane_leaves_to_aiohttp_is_answered_as_before(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    plain = {"model": "m", "messages": CHAT, "max_tokens": 2}
+    cases = {
+        "http/1.0": _req(plain, rid="a", version="1.0"),
+        "query string": _req(plain, rid="b", path=PATH + "?x=1"),
+        "chunked body": _req(plain, rid="c", framing="chunked"),
+        "gzip body": _req(gzip.compress(orjson.dumps(plain)), rid="d", extra="Content-Encoding: gzip\r\n"),
+        "two requests in one write": _req(plain, rid="e1") + _req(plain, rid="e2"),
+    }
+    for name, raw in cases.items():
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(raw)
+            answers = [await _answer(reader) for _ in range(2 if name.startswith("two") else 1)]
+        finally:
+            writer.close()
+        for status, _, body in answers:
+            assert status.endswith("200 OK"), (name, status, body[:200])
+            assert orjson.loads(body)["object"] == "chat.completion", name
+        if name.startswith("two"):
+            assert [h["request-id"] for _, h, _ in answers] == ["e1", "e2"]
+    # a head and its body in two writes: aiohttp's parser joins them
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        raw = _req(plain, rid="f")
+        cut = raw.index(b"\r\n\r\n") + 4
+        writer.write(raw[:cut])
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(raw[cut:])
+        status, _, _ = await _answer(reader)
+        assert status == "HTTP/1.1 200 OK"
+    finally:
+        writer.close()
+    assert _lane(gw) == 0
+
+
+async def test_a_request_sent_while_one_runs_is_answered_after_it(sims, gateway):
+    """Bytes of a next request that come while a lane request runs wait for its answer."""
+    sim = await sims("vllm", "m", ttft_base_ms=150.0, itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(_req({"model": "m", "messages": CHAT, "max_tokens": 4, "stream": True}, rid="first"))
+        await writer.drain()
+        assert await wait_for(lambda: _lane(gw) == 1, timeout=5)
+        writer.write(_req({"model": "m", "messages": CHAT, "max_tokens": 2}, rid="second"))
+        first = await _answer(reader)
+        second = await _answer(reader)
+    finally:
+        writer.close()
+    assert first[1]["request-id"] == "first" and first[2].endswith(b"data: [DONE]\n\n")
+    assert second[1]["request-id"] == "second" and orjson.loads(second[2])["object"] == "chat.completion"
+
+
+async def test_a_client_leaving_a_lane_stream_stops_the_engine(sims, gateway):
+    sim = await sims("vllm", "m", itl_ms=50)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + PATH, json={"model": "m", "messages": CHAT, "max_tokens": 500, "stream": True})
+        assert resp.status == 200
+        await resp.content.readline()
+        assert _lane(gw) == 1 and (await sim_state(sim.url))["running"]
+        resp.close()
+
+    async def aborted() -> bool:
+        st = await sim_state(sim.url)
+        return st["counts"]["aborted"] >= 1 and not st["running"]
+
+    assert await wait_for(aborted, timeout=8)
+    assert await wait_for(lambda: gw.gw.lifecycle.in_flight == 0, timeout=5)
+    assert 'switchyard_client_cancels_total{model="m",stage="streaming"} 1.0' in await gw.metrics_text()
+
+
+async def test_a_graceful_stop_lets_a_lane_stream_finish(sims, gateway):
+    sim = await sims("vllm", "m", itl_ms=20)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(gw.url + PATH, json={"model": "m", "messages": CHAT, "max_tokens": 30, "stream": True})
+        await resp.content.readline()
+        assert _lane(gw) == 1
+        stopping = asyncio.create_task(gw.runner.server.shutdown(10))
+        rest = await resp.read()
+        await stopping
+    assert rest.rstrip().endswith(b"data: [DONE]")
