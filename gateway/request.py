@@ -44,6 +44,29 @@ def request_id_from(header_value: str | None) -> str:
 _random_bits = random.Random(os.urandom(16)).getrandbits
 
 
+class WholeBody:
+    """A request body as aiohttp's ``StreamReader`` shows one that arrived whole with its head (the
+    pipeline takes such a body with ``read_nowait``, gateway/pipeline/pipeline.py ``_parse``): for
+    requests made without aiohttp's parser (the edge's fast lane, the batch runner's lines)."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    def is_eof(self) -> bool:
+        return True
+
+    def read_nowait(self, n: int = -1) -> bytes:
+        return self._body
+
+    def exception(self) -> None:
+        return None
+
+    def feed_eof(self) -> None:
+        return None
+
+
 @dataclass(slots=True)
 class InferenceRequest:
     path: str

@@ -14,24 +14,7 @@ from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-
-class _WholeBody:
-    """The body as aiohttp's ``StreamReader`` shows one that arrived whole with its head (the
-    pipeline takes such a body with ``read_nowait``, gateway/pipeline/pipeline.py ``_parse``)."""
-
-    __slots__ = ("_body",)
-
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-
-    def is_eof(self) -> bool:
-        return True
-
-    def read_nowait(self, n: int = -1) -> bytes:
-        return self._body
-
-    def exception(self) -> None:
-        return None
+from gateway.request import WholeBody
 
 
 class LineRequest(dict):
@@ -49,7 +32,7 @@ class LineRequest(dict):
         self.acting_for = acting_for        # the batch's owner, when API keys are on (gateway/tenants)
         self.path = path
         self._body = body
-        self.content = _WholeBody(body)
+        self.content = WholeBody(body)
         self.headers = CIMultiDictProxy(CIMultiDict(headers))
 
     @property

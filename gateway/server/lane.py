@@ -32,32 +32,12 @@ from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.pipeline import whole
+from gateway.request import WholeBody
 
 HOLD_BYTES = 65536      # bytes of a next request held while one runs, before reading pauses
 
 # headers that make a request aiohttp's to handle (framing, encodings, protocol switches)
 _DECLINE = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
-
-
-class LaneBody:
-    """The body as aiohttp's ``StreamReader`` shows one that came whole with its head."""
-
-    __slots__ = ("_body",)
-
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-
-    def is_eof(self) -> bool:
-        return True
-
-    def read_nowait(self, n: int = -1) -> bytes:
-        return self._body
-
-    def exception(self) -> None:
-        return None
-
-    def feed_eof(self) -> None:
-        return None
 
 
 class LaneWriter:
@@ -89,7 +69,7 @@ class LaneRequest(dict):
         super().__init__()
         self.path = path
         self.headers = headers
-        self.content = LaneBody(body)
+        self.content = WholeBody(body)
         self.content_length = len(body)
         self.keep_alive = keep_alive
         self.protocol = protocol
