@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Callable
 
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from gateway.config.schema import StateConfig
 from gateway.state.redis import redis_client
@@ -40,7 +40,8 @@ from gateway.view.wire import Insert, Session, encode
 
 log = structlog.get_logger("switchyard.view")
 
-_FAILURES = (RedisError, OSError, TimeoutError)
+_FAILURES = (RedisError, OSError, TimeoutError, RedisClusterException)   # no Cluster node reachable: down, not a bug
+STOP_WAIT_S = 2.0           # how long stop() waits for a loop to end, and for a client to close
 CATCH_UP_CHUNK = 200        # entries applied per event-loop turn while catching up
 READ_COUNT = 1000           # entries per XREAD
 
@@ -115,6 +116,7 @@ class ReplicaLink:
                     await pipe.execute()
                 self.m.sent.labels("replica").inc(len(payloads))
             except _FAILURES as e:
+                _stop_if_cancelled()
                 self._requeue(facts)
                 self._mark(False, f"{type(e).__name__}: {e}")
                 continue
@@ -181,8 +183,10 @@ class ReplicaLink:
             except asyncio.CancelledError:
                 raise
             except _FAILURES as e:
+                _stop_if_cancelled()
                 self._mark(False, f"{type(e).__name__}: {e}")
             except Exception:         # a bug must not stop the view's replication for good
+                _stop_if_cancelled()
                 log.exception("shared routing view: stream reader failed")
                 self._mark(False, "reader error")
             await asyncio.sleep(self.cfg.retry_s)
@@ -194,12 +198,25 @@ class ReplicaLink:
                        asyncio.create_task(self._write_loop(), name="view-stream-write")]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        """End both loops and close the clients, within a bound: a Redis that is gone (or a client
+        library that turns a cancel into an error of its own) must not hold a gateway's stop."""
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        self._tasks = []
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+            if pending:
+                log.warning("shared routing view: a stream loop did not end when stopped",
+                            tasks=sorted(t.get_name() for t in pending))
         for c in (self.writer, self.reader):
             with contextlib.suppress(Exception):
-                await c.aclose()
+                async with asyncio.timeout(STOP_WAIT_S):
+                    await c.aclose()
+
+
+def _stop_if_cancelled() -> None:
+    """Re-raise a cancel that a client library caught and turned into an error of its own (the
+    task still counts it as requested): a loop must end when it is stopped, not retry."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
