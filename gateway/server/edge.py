@@ -85,6 +85,7 @@ class EdgeLimits:
     max_headers: int = 100
     max_body_bytes: int = 16 * 1024 * 1024
     upload_max_bytes: int = 0          # POST /v1/files (batch.max_file_bytes and its multipart); 0: as any body
+    fast_lane: bool = True             # gateway/server/lane.py
 
     @classmethod
     def from_config(cls, server: Any) -> EdgeLimits:
@@ -629,7 +630,8 @@ class EdgeServer(web.Server):
         direct = direct or {}
         self.direct = direct
         # the fast lane takes chat, completions and embeddings (JSON bodies the pipeline parses itself)
-        self.lane_paths = {p.encode(): p for p in (CHAT, COMPLETIONS, EMBEDDINGS) if p in direct}
+        self.lane_paths = ({p.encode(): p for p in (CHAT, COMPLETIONS, EMBEDDINGS) if p in direct}
+                           if edge.limits.fast_lane else {})
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy

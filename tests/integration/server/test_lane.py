@@ -138,3 +138,12 @@ async def test_a_graceful_stop_lets_a_lane_stream_finish(sims, gateway):
         rest = await resp.read()
         await stopping
     assert rest.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_server_fast_lane_false_leaves_every_request_to_aiohttp(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"fast_lane": False})
+    c = openai_client(gw)
+    r = await c.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    assert r.choices[0].message.content
+    assert _lane(gw) == 0 and "switchyard_client_requests_fast_lane_total 0.0" in await gw.metrics_text()
