@@ -9,18 +9,22 @@ at the steps of each request, from the first byte read from the client to the fi
 back:
 
     rx         the request's first bytes reach the edge (``EdgeProtocol.data_received``)
-    rx_done    aiohttp parsed them (its C parser, the payload's StreamReader)
-    start      aiohttp's per-connection task resumed for the request (a loop iteration later)
-    request    the ``web.Request`` is built (request factory)
+    rx_done    aiohttp parsed them (its C parser, the payload's StreamReader), or the fast lane
+               parsed them and made the request's task (gateway/server/lane.py)
+    start      aiohttp's per-connection task resumed for the request (a loop iteration later;
+               not on the fast lane)
+    request    the ``web.Request`` is built (request factory; not on the fast lane)
     task       the request's handler runs (in the connection's task on Python 3.11,
-               ``gateway/server/edge.py`` ``inline_request_handlers``; eagerly on 3.12)
+               ``gateway/server/edge.py`` ``inline_request_handlers``; eagerly on 3.12), or the
+               fast lane's task starts
     handler    the pipeline's ``handle``
     parse_in / parsed      reading and parsing the body
     route_in / routed      routing and charging the decision
     up_send_in / up_sent   the upstream write (the system call; on loopback it runs the receiver's
                            TCP input too, and often lets the engine run first)
     up_rx      the engine's first bytes arrive
-    client_write           the first bytes go to the client
+    client_write           the first bytes go to the client (aiohttp's writer, or an answer
+                           written whole, gateway/pipeline/whole.py)
 
 Prints each step's p50 and p90 in µs over the requests (the first ``--skip`` dropped). The stamps
 wrap functions from outside (``--wrappers`` shows what they cost); they move nothing in the
@@ -96,6 +100,7 @@ STAMPS = textwrap.dedent('''
         mark("task")                          # (gateway/server/edge.py inline_request_handlers)
         return await handle_request(*a, **k)
     WP.RequestHandler._handle_request = _handle_request
+    around(E.EdgeProtocol, "_lane_run", "task", is_async=True)     # the fast lane's task (gateway/server/lane.py)
     around(P.Pipeline, "handle", "handler", is_async=True)
     around(P.Pipeline, "_parse", "parse_in", "parsed", is_async=True)
     around(P.Pipeline, "route_and_charge", "route_in", "routed")
@@ -103,6 +108,9 @@ STAMPS = textwrap.dedent('''
     around(H._Conn, "data_received", "up_rx")
     around(W.StreamWriter, "_write", "client_write")
     around(W.StreamWriter, "_writelines", "client_write")
+    import gateway.pipeline.relay as RL, gateway.pipeline.whole as WH
+    around(WH.WrittenStream, "_send", "client_write")              # answers written whole
+    RL.write_whole = WH.write_whole = (lambda f: lambda *a, **k: (mark("client_write"), f(*a, **k))[1])(WH.write_whole)
     def dump():
         if cur:
             rows.append(dict(cur))
