@@ -499,20 +499,25 @@ class KVEventsManager:
         self.index.routed(req, ep)
         left = self.index.left(req)
         if left and "messages" in req.data and self.tokenize_threads > 0:
-            self._tokenize_ahead(ep.model, left)
+            self._tokenize_ahead(ep.model, left, _final_text(req.data["messages"]))
 
-    def _tokenize_ahead(self, model: str, segments: list[str]) -> None:
+    def _tokenize_ahead(self, model: str, segments: list[str], final: str | None = None) -> None:
         """A chat request keyed only as far as some engine's cache reaches left its new segments
-        (the new user message, a pasted text) untokenized: no engine could match them. Its next turn
-        resends them behind blocks the engine will then hold, and would tokenize them on the event
-        loop, on its own way to the engine. Those shorter than ``AHEAD_CHARS`` (a chat message, not a
-        long document that may never come back) are tokenized now, in the tokenizer threads, while
-        the engine prefills, so the next turn finds them cached. The keys are the same either way."""
+        (the new user message, a pasted text, a system prompt this gateway has not seen an engine
+        hold yet) untokenized: no engine could match them. The next request that resends them (the
+        next turn, another chat on the same system prompt) meets them behind blocks an engine will
+        then hold, and would tokenize them on its own way to the engine: on the event loop, or
+        awaiting the tokenizer thread for a long one. So they are tokenized now, in the tokenizer
+        threads, while the engine prefills: those shorter than ``AHEAD_CHARS`` (a chat message), and
+        longer ones that come before the chat's final message (``final``, its text: a system prompt,
+        a conversation's history, which a next request resends), not the final message itself when
+        it is long (a pasted document that may never come back). The keys are the same either way."""
         tok = self.tokenizers.get(model)
         executor = self.executor
         if tok is None or executor is None:
             return
-        todo = [s for s in segments if len(s) < AHEAD_CHARS and tok.needs_tokens(s)]
+        todo = [s for s in segments if (len(s) < AHEAD_CHARS or (final is not None and final not in s))
+                and tok.needs_tokens(s)]
         if not todo:
             return
         try:
@@ -529,6 +534,16 @@ class KVEventsManager:
         n = 0 if fut.cancelled() else fut.result()
         if n:
             self.metrics.off_loop.labels(model).inc(n)
+
+
+def _final_text(messages: Any) -> str | None:
+    """The text of a chat's final message when it is one string (None otherwise: then no long
+    segment is tokenized ahead, as any of them may be that message)."""
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        content = messages[-1].get("content")
+        if isinstance(content, str) and content:
+            return content
+    return None
 
 
 def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsManager | None:

@@ -43,6 +43,7 @@ KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → key
 INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
 AHEAD_CHARS = 2048                       # a chat's unreached segments this short are tokenized after routing
 PROBE_CHARS = 256                        # an uncached segment this long is probed before it is tokenized
+DEEP_PROBE_BLOCKS = 4                    # a probe held throughout is taken this many blocks further once
 _PROBES_KEPT = 4096                      # segments whose probe is remembered (``prepare`` then ``match``)
 # marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
 # ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
@@ -427,15 +428,18 @@ class ModelTokenizer:
         if keys and not reach(keys[-1]):
             return []                        # the chain is held nowhere before this segment
         need = block_size - len(tail)        # tokens to complete the block under way
-        probe = self._probe(seg, need)
-        if probe is None:
-            return None
-        ids = tail + probe
-        n = min(len(ids) // block_size, room)
-        out = _chain(keys[-1] if keys else root, [], ids, block_size, n).keys
-        if not out or all(reach(k) for k in out):
-            return None                      # held as far as the probe goes: the engine may hold more
-        return out
+        for want in (need, need + DEEP_PROBE_BLOCKS * block_size):
+            probe = self._probe(seg, want)
+            if probe is None:
+                return None
+            ids = tail + probe
+            n = min(len(ids) // block_size, room)
+            out = _chain(keys[-1] if keys else root, [], ids, block_size, n).keys
+            if out and not all(reach(k) for k in out):
+                return out
+            # held as far as the probe goes: the engine may hold more, or the segment only opens as
+            # others do (a form's preamble, "Summarize the following:"); once, a deeper probe tells
+        return None
 
     def _probe(self, seg: str, need: int) -> list[int] | None:
         """Ids of ``seg``'s first characters, at least ``need`` of them if it can: the text cut at a

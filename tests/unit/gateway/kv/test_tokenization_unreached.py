@@ -191,3 +191,55 @@ async def test_tokenizing_ahead_stores_once_and_an_error_or_a_late_result_stores
     assert not tok.is_cached(c)
     executor.shutdown()
     assert tok.ahead([c], executor) is not None and not tok._pending  # a shut executor: nothing under way
+
+
+def test_a_prompt_that_only_opens_as_held_ones_do_is_probed_deeper_not_tokenized_whole():
+    """Prompts that share an opening (a form's preamble, "Summarize the following: ...") longer than
+    the first probe: the probe is held throughout, so it is taken further once; past the opening no
+    engine holds the prompt, and it is not tokenized whole."""
+    tok = ModelTokenizer(TINY_DIR)
+    tok.encode(SYSTEM)                          # the ratio of characters to tokens is known
+    opening = "Summarize the following text. " + _text(9, 15)     # about 50 tokens
+    held_prompt = [{"role": "user", "content": opening + " " + _text(10, 600)}]
+    held = set(chain_keys(7, _ids(tok, held_prompt), BS))
+    messages = [{"role": "user", "content": opening + " " + _text(11, 1500)}]
+    segs, lead = tok.request_segments(CHAT, {"messages": messages})
+    exact = chain_keys(7, _ids(tok, messages), BS)
+    k = tok.block_keys(segs, lead, 7, BS, 1 << 20, reach=held.__contains__)
+    assert not k.exact and k.keys == exact[:len(k.keys)]
+    assert exact[len(k.keys) - 1] not in held    # the keys stop at the first block past the opening
+    assert not tok.is_cached(max(segs, key=len)) and tok.segments_unreached == 1
+
+
+async def test_a_long_system_prompt_is_tokenized_ahead_the_final_long_message_is_not():
+    """A chat's long system prompt no engine holds yet is left untokenized by its first request,
+    and tokenized in the thread after routing, so the next chat on it (once an engine holds it)
+    is keyed with no wait for the thread; the long final message is not tokenized ahead."""
+    registry = CollectorRegistry()
+    mgr, tok, eps = _manager(registry)
+    document = _text(12, 1500)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": document}]
+    req = parse(CHAT, orjson.dumps({"model": "m", "messages": messages}), {}, "r")
+    await mgr.prepare(req, eps)
+    mgr.match(req, eps)
+    segs = tok.request_segments(CHAT, {"messages": messages})[0]
+    system = next(s for s in segs if SYSTEM in s)
+    doc = next(s for s in segs if document in s)
+    assert len(system) > 2048 and not tok.is_cached(system) and not tok.is_cached(doc)
+    mgr.routed(req, eps[0])
+    for task in list(mgr._ahead):
+        await task
+    assert tok.is_cached(system) and not tok.is_cached(doc)
+    assert tok._segment_ids(system) == tok.tokenizer.encode(system, add_special_tokens=False).ids
+    # an engine prefills it and reports it: the next chat on the system prompt hops to no thread
+    ids = _ids(tok, messages[:1])
+    full = len(ids) // BS
+    mgr.index.apply(mgr.index.states[eps[1]],
+                    Batch(0.0, [BlockStored(list(range(1, full + 1)), None, ids[:full * BS], BS)], 0))
+    before = tok.segments_off_loop
+    req2 = parse(CHAT, orjson.dumps({"model": "m", "messages": [messages[0], {"role": "user", "content": "hi"}]}),
+                 {}, "r2")
+    await mgr.prepare(req2, eps)
+    depths, _, _ = mgr.match(req2, eps)
+    assert tok.segments_off_loop == before and depths[eps[1]] > depths[eps[0]]
+    await mgr.close()
