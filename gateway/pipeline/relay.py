@@ -219,14 +219,20 @@ class Relay:
         unpipe = resp.unpipe
         time_now = asyncio.get_running_loop().time
         first = False           # the watchdog still bounds the wait for the first chunk
+        # the engine's bytes go to the client as they came (the scanner only watches them): each
+        # read is then written before it is scanned, so the scan adds nothing to its latency
+        passthrough = api is None and not strip_usage
 
         def sink(chunk: bytes) -> None:
             nonlocal first
-            data = feed(chunk, clock())
+            now = clock()
+            data = chunk if passthrough else feed(chunk, now)
             if data:
                 if transport.is_closing():
                     raise ConnectionResetError("Cannot write to closing transport")
                 transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                if passthrough:
+                    feed(chunk, now)
                 if proto.writing_paused:
                     unpipe()
             if watch is not None:
@@ -258,10 +264,13 @@ class Relay:
                     watch.first_chunk_came()    # type: ignore[union-attr]
                 if not chunk:
                     break
-                data = feed(chunk, clock())
+                now = clock()
+                data = chunk if passthrough else feed(chunk, now)
                 if data:
                     await write(data)
                     sent = pipe_ok
+                if passthrough:
+                    feed(chunk, now)
             tail = scanner.finish()
             if api is not None and scanner.done:    # its state is kept before its last event goes out
                 await api.finish(ctx)
