@@ -219,19 +219,20 @@ class Relay:
         unpipe = resp.unpipe
         time_now = asyncio.get_running_loop().time
         first = False           # the watchdog still bounds the wait for the first chunk
-        # the engine's bytes go to the client as they came (the scanner only watches them): each
-        # read is then written before it is scanned, so the scan adds nothing to its latency
-        passthrough = api is None and not strip_usage
+        # a read the scanner passes on as it came (it only watches it: no usage to strip there,
+        # no API to translate) is written before it is scanned, so the scan adds nothing to its latency
+        passes = scanner.passes if api is None else None
 
         def sink(chunk: bytes) -> None:
             nonlocal first
             now = clock()
-            data = chunk if passthrough else feed(chunk, now)
+            early = passes is not None and passes(chunk)
+            data = chunk if early else feed(chunk, now)
             if data:
                 if transport.is_closing():
                     raise ConnectionResetError("Cannot write to closing transport")
                 transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-                if passthrough:
+                if early:
                     feed(chunk, now)
                 if proto.writing_paused:
                     unpipe()
@@ -265,11 +266,12 @@ class Relay:
                 if not chunk:
                     break
                 now = clock()
-                data = chunk if passthrough else feed(chunk, now)
+                early = passes is not None and passes(chunk)
+                data = chunk if early else feed(chunk, now)
                 if data:
                     await write(data)
                     sent = pipe_ok
-                if passthrough:
+                if early:
                     feed(chunk, now)
             tail = scanner.finish()
             if api is not None and scanner.done:    # its state is kept before its last event goes out

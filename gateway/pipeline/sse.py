@@ -257,6 +257,14 @@ class SSEScanner:
             self._mark(now)
         return chunk
 
+    def passes(self, chunk: bytes) -> bool:
+        """Whether ``feed`` will return ``chunk`` itself, so the relay may write it before the scan:
+        always, unless usage is stripped; then for whole events with nothing held from before and
+        no usage in them (a usage-only event is the one thing stripping drops)."""
+        if not self.strip_usage:
+            return True
+        return not self._buf and chunk.endswith(b"\n\n") and chunk.find(b'"usage"') < 0
+
     def finish(self) -> bytes:
         """End of upstream: scan a trailing event that lacked its blank line, and return whatever
         bytes are still held back (empty unless ``strip_usage``)."""
