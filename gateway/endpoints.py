@@ -137,9 +137,15 @@ class EndpointPool:
 
     def __init__(self) -> None:
         self._by_model: dict[str, list[Endpoint]] = {}
+        # per model, what the routing step asks of its endpoints on every request, kept as they come
+        # and go (an endpoint's role and annotations are fixed once it is added: a changed pod is a
+        # new endpoint): whether it has prefill/decode endpoints, and their strategy hint
+        self._pd: set[str] = set()
+        self._hints: dict[str, str] = {}
 
     def add(self, ep: Endpoint) -> Endpoint:
         self._by_model.setdefault(ep.model, []).append(ep)
+        self._summarize(ep.model)
         return ep
 
     def remove(self, ep: Endpoint) -> None:
@@ -147,7 +153,20 @@ class EndpointPool:
         eps = self._by_model.get(ep.model)
         if eps and ep in eps:
             eps.remove(ep)
+            self._summarize(ep.model)
         ep.draining = True
+
+    def _summarize(self, model: str) -> None:
+        eps = self._by_model.get(model, ())
+        if any(ep.role in ("prefill", "decode") for ep in eps):
+            self._pd.add(model)
+        else:
+            self._pd.discard(model)
+        hint = next((h for ep in eps if (h := ep.extra.get("routing_strategy"))), None)
+        if hint:
+            self._hints[model] = hint
+        else:
+            self._hints.pop(model, None)
 
     def models(self) -> list[str]:
         return [m for m, eps in self._by_model.items() if eps]
@@ -162,16 +181,12 @@ class EndpointPool:
 
     def has_pd(self, model: str) -> bool:
         """Whether the model has prefill/decode endpoints (static rolesets or discovered pods)."""
-        return any(ep.role in ("prefill", "decode") for ep in self._by_model.get(model, ()))
+        return model in self._pd
 
     def strategy_hint(self, model: str) -> str | None:
         """A routing strategy the model's endpoints carry (Kubernetes: the ``routingStrategy`` of
         the pods' ``model.aibrix.ai/config`` annotation); the first one found wins."""
-        for ep in self._by_model.get(model, ()):
-            hint = ep.extra.get("routing_strategy")
-            if hint:
-                return hint
-        return None
+        return self._hints.get(model)
 
     def ready(self, model: str) -> list[Endpoint]:
         return [ep for ep in self._by_model.get(model, ()) if ep.ready]
