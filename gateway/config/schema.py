@@ -100,7 +100,7 @@ class ServerConfig(Block):
     max_connections: Annotated[Count, Meta(description="Open client connections per worker; past it a new connection is closed at once (0: no cap).")] = 10000
     max_header_bytes: Annotated[int, Meta(ge=1024, description="Longest request line, and longest single header field, in bytes; longer gets 431.")] = 16384
     max_headers: Annotated[int, Meta(ge=8, description="Most header fields in one request; more gets 431.")] = 100
-    fast_lane: Annotated[bool, Meta(description="Take a plain HTTP/1.1 JSON POST to chat, completions or embeddings (head and Content-Length body in one read, nothing else in flight on its connection) off the connection with httptools, without aiohttp's request path; every other request goes through aiohttp as with false. Counted in switchyard_client_requests_fast_lane_total.")] = True
+    fast_lane: Annotated[bool, Meta(description="Take a plain HTTP/1.1 POST to an inference path with a JSON body (chat, completions, embeddings, Messages, Responses, the JSON pass-through paths; head and Content-Length body in one read, nothing else in flight on its connection) off the connection with httptools, without aiohttp's request path; every other request goes through aiohttp as with false. Counted in switchyard_client_requests_fast_lane_total.")] = True
     loop_lag_interval_s: Annotated[Amount, Meta(description="How often the event loop's lag is sampled into switchyard_event_loop_lag_seconds, in seconds (0: off).")] = 0.5
     reclaim_min_drop: Annotated[Count, Meta(description="After requests in flight fell this far below their peak, run a garbage collection and give freed memory back to the system, once per burst (0: off).")] = 1000
 

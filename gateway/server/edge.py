@@ -50,9 +50,10 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.apis.paths import AUDIO_PATHS
 from gateway.errors import error_body, error_response
 from gateway.pipeline.whole import WrittenAnswer, write_whole
-from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
+from gateway.request import request_id_from
 from gateway.server import lane
 
 log = structlog.get_logger("switchyard.edge")
@@ -629,8 +630,10 @@ class EdgeServer(web.Server):
         max_upload = edge.limits.upload_max_bytes
         direct = direct or {}
         self.direct = direct
-        # the fast lane takes chat, completions and embeddings (JSON bodies the pipeline parses itself)
-        self.lane_paths = ({p.encode(): p for p in (CHAT, COMPLETIONS, EMBEDDINGS) if p in direct}
+        # the fast lane takes every inference path whose body the pipeline reads whole (chat,
+        # completions, embeddings, Messages, Responses, the JSON pass-through paths); not the audio
+        # uploads, whose API reads a multipart body piece by piece
+        self.lane_paths = ({p.encode(): p for p in direct if p not in AUDIO_PATHS}
                            if edge.limits.fast_lane else {})
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:

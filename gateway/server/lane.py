@@ -1,8 +1,8 @@
 """The fast lane: a plain inference request taken off the connection without aiohttp's request path.
 
 Most requests a gateway sees are alike: an HTTP/1.1 ``POST`` of a JSON body with a
-``Content-Length``, head and body in one read, on a kept-alive connection that has nothing else
-in flight. For those, aiohttp's path to the handler (its parser's message and header objects, a
+``Content-Length`` (chat, completions, embeddings, Messages, Responses, the JSON pass-through
+paths), head and body in one read, on a kept-alive connection that has nothing else in flight. For those, aiohttp's path to the handler (its parser's message and header objects, a
 ``URL``, a ``StreamReader``, a ``StreamWriter``, ``web.Request``, its per-connection task's turn,
 and ``finish_response`` after it) is most of what the gateway spends before its own work, and
 more at low load, when every cache is cold. ``EdgeProtocol`` offers such a read to ``take``: it

@@ -11,7 +11,7 @@ import orjson
 
 from tests.integration.pipeline.test_whole import _answer
 from tests.support.factories import model_block
-from tests.support.http import openai_client, sim_state
+from tests.support.http import anthropic_client, openai_client, sim_state
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Take the fast lane."}]
@@ -49,6 +49,35 @@ async def test_plain_requests_take_the_lane_on_a_kept_alive_connection(sims, gat
     await c.completions.create(model="m", prompt="hello", max_tokens=2)
     await c.embeddings.create(model="m", input="hello")
     assert _lane(gw) == 5
+
+
+async def test_messages_responses_and_json_pass_through_take_the_lane_audio_does_not(sims, gateway):
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    a = anthropic_client(gw)
+    msg = await a.messages.create(model="m", max_tokens=4, messages=CHAT)
+    async with a.messages.stream(model="m", max_tokens=3, messages=CHAT) as stream:
+        text = [t async for t in stream.text_stream]
+    counted = await a.messages.count_tokens(model="m", messages=CHAT)
+    await a.close()
+    assert msg.usage.output_tokens == 4 and len(text) == 3 and counted.input_tokens > 0
+    assert _lane(gw) == 3
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="Hello there", max_output_tokens=3)
+    follow = await c.responses.create(model="m", input="Go on", max_output_tokens=3, previous_response_id=r.id)
+    assert r.status == follow.status == "completed" and follow.output_text
+    assert (await c.responses.retrieve(r.id)).id == r.id          # a GET: aiohttp's
+    assert _lane(gw) == 5
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/rerank", json={"model": "m", "query": "apple", "documents": ["a", "b"]}) as resp:
+            assert resp.status == 200 and (await resp.json())["results"]
+        form = aiohttp.FormData()
+        form.add_field("model", "m")
+        form.add_field("file", b"RIFF....WAVEfmt ", filename="a.wav", content_type="audio/wav")
+        async with s.post(gw.url + "/v1/audio/transcriptions", data=form) as resp:
+            assert resp.status == 200, await resp.text()
+    assert _lane(gw) == 6                                           # the rerank; not the upload
+    await c.close()
 
 
 async def test_what_the_lane_leaves_to_aiohttp_is_answered_as_before(sims, gateway):
