@@ -204,7 +204,8 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_stall", "_e_rx_head", "_e_pipelined",
                  "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server")
+                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part", "_lane_need",
+                 "_lane_rid")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -225,6 +226,11 @@ class EdgeProtocol(web.RequestHandler):
         self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
         self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
         self._lane_held: list[bytes] = []   # bytes that came while it ran
+        # a lane request whose head came before its body: the bytes so far, the length it will have,
+        # its x-request-id (for a 408 when its body stops coming)
+        self._lane_part: bytearray | None = None
+        self._lane_need = 0
+        self._lane_rid: str | None = None
         self._lane_server = manager if isinstance(manager, EdgeServer) and manager.lane_paths else None
 
     @property
@@ -254,6 +260,8 @@ class EdgeProtocol(web.RequestHandler):
         self._edge.connections -= 1
         self._e_cancel_timers()
         self._e_request = self._e_payload = None
+        if self._lane_part is not None:
+            self._lane_unhold()
         lane, self._lane, self._lane_held = self._lane, None, []
         if lane is not None and lane.task is not None and not lane.task.done():
             lane.task.cancel()          # the client went away: as aiohttp cancels its handler
@@ -269,6 +277,9 @@ class EdgeProtocol(web.RequestHandler):
                     self._e_phase = _READY
             else:
                 super().data_received(data)
+            return
+        if self._lane_part is not None:     # the body of a lane request whose head came first
+            self._lane_more(data)
             return
         if self._lane is not None:      # a lane request runs: its successor waits its turn
             self._e_pipelined = True
@@ -311,18 +322,19 @@ class EdgeProtocol(web.RequestHandler):
 
     # -- the fast lane (gateway/server/lane.py) ----------------------------------------------
 
-    def _lane_take(self, data: bytes) -> bool:
+    def _lane_take(self, data: bytes, begun: bool = False) -> bool:
         """Run ``data`` on the fast lane when it is one plain request and the connection has
-        nothing of aiohttp's in flight; False leaves it to aiohttp."""
+        nothing of aiohttp's in flight; False leaves it to aiohttp. ``begun``: its head came before
+        a graceful stop began, which then waits for it (as for a request of aiohttp's)."""
         if self._messages or self._e_parsed != self._e_started or self._payload_parser is not None \
-                or self._upgraded or self._force_close or self._close or self.transport is None:
+                or self._upgraded or (self._force_close and not begun) or self._close or self.transport is None:
             return False
         server = self._lane_server
         lim = self._edge.limits
         got = lane.parse(data, server.lane_paths, lim.max_header_bytes, lim.max_headers,
                          lim.max_body_bytes or float("inf"))
         if got is None:
-            return False
+            return self._lane_wait(data, server, lim)
         path, headers, body, keep_alive = got
         request = lane.LaneRequest(path, headers, body, keep_alive, self)
         self._request_count += 1            # parsed and started, as aiohttp counts its own
@@ -337,6 +349,64 @@ class EdgeProtocol(web.RequestHandler):
         self._request_in_progress = True    # a graceful shutdown waits for it (aiohttp's shutdown)
         request.task = self._e_loop.create_task(self._lane_run(request, server.direct[path]))
         return True
+
+    def _lane_wait(self, data: bytes, server: EdgeServer, lim: EdgeLimits) -> bool:
+        """Hold ``data`` when it is the whole head of a lane request and part of its body (a client
+        that writes them apart, as the openai SDK's httpx does), to take the request on the lane
+        once the rest is in. The body's clocks run meanwhile, as they would for aiohttp's request."""
+        want = lane.expected(data, server.lane_paths, lim.max_header_bytes, lim.max_headers,
+                             lim.max_body_bytes or float("inf"))
+        if want is None:
+            return False
+        self._lane_need, self._lane_rid = want
+        self._lane_part = bytearray(data)
+        self._request_in_progress = True    # a graceful stop waits for it, as for aiohttp's requests
+        now = self._e_last_rx = self._e_loop.time()
+        self._e_body_end = now + lim.body_total_timeout_s if lim.body_total_timeout_s else float("inf")
+        self._next_keepalive_close_time = now + 10.0 ** 9    # aiohttp's backstop takes it for idle
+        deadline = self._e_body_deadline()
+        if deadline != float("inf"):
+            self._e_arm(deadline)
+        return True
+
+    def _lane_more(self, data: bytes) -> None:
+        """More of a held request: on the lane once it is whole; aiohttp's, with every byte so far,
+        when more came than its length (a next request behind it) or the lane declines it."""
+        part = self._lane_part
+        assert part is not None
+        part += data
+        self._e_last_rx = self._e_loop.time()
+        if len(part) < self._lane_need:
+            return
+        self._lane_part = None
+        whole = bytes(part)
+        if len(whole) == self._lane_need and self._lane_take(whole, begun=True):
+            return                          # a graceful stop waits on for it (``_lane_run``)
+        self._lane_unhold()
+        self._e_rx_head = True
+        parsed = self._e_parsed
+        super().data_received(whole)
+        if self._e_parsed != parsed:
+            self._e_phase = _READY
+
+    def _lane_stalled(self, now: float) -> None:
+        """The body of a held request stopped coming: the deadline moves with each read, and when
+        it passes the client gets the 408 aiohttp's request would get."""
+        self._e_deadline = self._e_body_deadline()
+        if now < self._e_deadline:
+            self._e_timer = self._e_loop.call_at(self._e_deadline, self._e_fire)
+            return
+        self._lane_unhold()
+        reason = "body_total" if now >= self._e_body_end else "body"
+        self._e_timeout(reason, answer=True, request_id=request_id_from(self._lane_rid))
+
+    def _lane_unhold(self) -> None:
+        """The held request is no longer held (whole, timed out, or its client gone)."""
+        self._lane_part = None
+        self._request_in_progress = False
+        waiter = self._handler_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def _lane_run(self, request: Any, handler: Any) -> None:
         keep = False
@@ -455,6 +525,9 @@ class EdgeProtocol(web.RequestHandler):
         if self.transport is None:
             return
         now = self._e_loop.time()
+        if self._lane_part is not None:
+            self._lane_stalled(now)
+            return
         phase = self._e_phase
         if phase == _BODY:
             payload = self._e_payload
@@ -494,11 +567,11 @@ class EdgeProtocol(web.RequestHandler):
                 code="bad_body", request_id=rid))
         self._e_close()
 
-    def _e_timeout(self, reason: str, *, answer: bool) -> None:
+    def _e_timeout(self, reason: str, *, answer: bool, request_id: str | None = None) -> None:
         edge = self._edge
         edge.metrics.timeout(reason)
-        rid = None
-        if reason in ("body", "body_total"):    # only while nothing of a response went out
+        rid = request_id
+        if reason in ("body", "body_total") and rid is None:    # only while nothing of a response went out
             rid = self._e_unanswered_request_id()
             answer = rid is not None
         log.info("client timeout", reason=reason, peer=_peer(self.transport), answered=answer)

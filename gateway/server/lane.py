@@ -2,17 +2,21 @@
 
 Most requests a gateway sees are alike: an HTTP/1.1 ``POST`` of a JSON body with a
 ``Content-Length`` (chat, completions, embeddings, Messages, Responses, the JSON pass-through
-paths), head and body in one read, on a kept-alive connection that has nothing else in flight. For those, aiohttp's path to the handler (its parser's message and header objects, a
+paths) on a kept-alive connection that has nothing else in flight. For those, aiohttp's path to
+the handler (its parser's message and header objects, a
 ``URL``, a ``StreamReader``, a ``StreamWriter``, ``web.Request``, its per-connection task's turn,
 and ``finish_response`` after it) is most of what the gateway spends before its own work, and
 more at low load, when every cache is cold. ``EdgeProtocol`` offers such a read to ``take``: it
 parses it with httptools (the parser uvicorn uses, in C), and when every condition below holds it
 builds a ``LaneRequest`` (what the pipeline reads of a request) and runs the inference path's
 handler in a task of its own, whose answer the pipeline writes whole (gateway/pipeline/whole.py).
+A read that holds the whole head and only part of the body (clients that write them apart, as the
+openai SDK's httpx does: at low load the gateway reads them apart) is held until the body is in
+(``expected``; bodies up to ``HOLD_BODY``), with the body's clocks running as for aiohttp's request.
 
 Anything else goes to aiohttp exactly as before, parsed from the same bytes: another method or
-path, a query string, HTTP/1.0, a body that is chunked, compressed, incomplete or followed by
-more bytes, ``Expect``, ``Upgrade``, a head near the edge's header limits, a body over
+path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than ``HOLD_BODY``
+while it comes after its head, or followed by more bytes, ``Expect``, ``Upgrade``, a head near the edge's header limits, a body over
 ``server.max_body_bytes``, a connection with a request of aiohttp's in flight, or any byte the
 parser refuses. aiohttp's answers to those (431, 413, 400 in OpenAI shape, 100 Continue) are
 therefore unchanged; the lane only ever takes what aiohttp would have handed to the same handler.
@@ -35,6 +39,7 @@ from gateway.pipeline import whole
 from gateway.request import WholeBody
 
 HOLD_BYTES = 65536      # bytes of a next request held while one runs, before reading pauses
+HOLD_BODY = 1 << 20     # the largest body the lane waits for when it comes after its head
 
 # headers that make a request aiohttp's to handle (framing, encodings, protocol switches)
 _DECLINE = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
@@ -135,10 +140,10 @@ class _Parse:
         self.keep_alive = self.parser.should_keep_alive()     # llhttp resets it once the message is over
 
 
-def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
-          max_body: float) -> tuple[str, CIMultiDictProxy[str], bytes, bool] | None:
-    """(path, headers, body, keep-alive) of ``data`` when it is exactly one plain request to one of
-    ``paths`` that the lane may take; None otherwise (aiohttp then parses the same bytes)."""
+def _head(data: bytes, paths: dict[bytes, str], max_head: int,
+          max_headers: int) -> tuple[_Parse, str, int, list[bytes]] | None:
+    """httptools' reading of ``data`` when it holds one whole head the lane may take (its body
+    complete or not): the callbacks' record, the path, where the head ends, the lowered names."""
     if not data.startswith(b"POST /"):
         return None
     end = data.find(b"\r\n\r\n")
@@ -150,7 +155,7 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
         p.feed_data(data)
     except httptools.HttpParserError:
         return None
-    if not cb.complete or cb.messages != 1 or p.get_http_version() != "1.1" or p.should_upgrade():
+    if cb.messages != 1 or p.get_http_version() != "1.1" or p.should_upgrade():
         return None
     path = paths.get(cb.url)
     names = cb.names
@@ -159,6 +164,42 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
     lowered = [n.lower() for n in names]
     if not _DECLINE.isdisjoint(lowered) or lowered.count(b"content-length") != 1:
         return None
+    return cb, path, end, lowered
+
+
+def expected(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
+             max_body: float) -> tuple[int, str | None] | None:
+    """When ``data`` is the whole head of a request the lane may take and only part of its body
+    (a client that writes the head and the body apart, as httpx does), the length the request will
+    have once its body is in, and its ``x-request-id``; None otherwise. Bodies over ``HOLD_BODY``
+    bytes are left to aiohttp, which reads them as they come."""
+    got = _head(data, paths, max_head, max_headers)
+    if got is None:
+        return None
+    cb, _, end, lowered = got
+    if cb.complete:
+        return None
+    length = cb.values[lowered.index(b"content-length")]
+    if not length.isdigit():
+        return None
+    n = int(length)
+    if n > max_body or n > HOLD_BODY or len(data) >= end + 4 + n:
+        return None
+    rid = cb.values[lowered.index(b"x-request-id")] if b"x-request-id" in lowered else None
+    return end + 4 + n, None if rid is None else rid.decode("utf-8", "surrogateescape")
+
+
+def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
+          max_body: float) -> tuple[str, CIMultiDictProxy[str], bytes, bool] | None:
+    """(path, headers, body, keep-alive) of ``data`` when it is exactly one plain request to one of
+    ``paths`` that the lane may take; None otherwise (aiohttp then parses the same bytes)."""
+    got = _head(data, paths, max_head, max_headers)
+    if got is None:
+        return None
+    cb, path, end, _ = got
+    if not cb.complete:
+        return None
+    names = cb.names
     body = cb.body[0] if len(cb.body) == 1 else b"".join(cb.body)
     if len(body) > max_body or end + 4 + len(body) != len(data):
         return None

@@ -103,20 +103,93 @@ async def test_what_the_lane_leaves_to_aiohttp_is_answered_as_before(sims, gatew
             assert orjson.loads(body)["object"] == "chat.completion", name
         if name.startswith("two"):
             assert [h["request-id"] for _, h, _ in answers] == ["e1", "e2"]
-    # a head and its body in two writes: aiohttp's parser joins them
+    assert _lane(gw) == 0
+
+
+async def _send_apart(gw, pieces: list[bytes], answers: int = 1) -> list[tuple[str, dict[str, str], bytes]]:
+    """``pieces`` written one by one, 30 ms apart (each reaches the gateway in a read of its own)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
     try:
-        raw = _req(plain, rid="f")
-        cut = raw.index(b"\r\n\r\n") + 4
-        writer.write(raw[:cut])
-        await writer.drain()
-        await asyncio.sleep(0.05)
-        writer.write(raw[cut:])
-        status, _, _ = await _answer(reader)
-        assert status == "HTTP/1.1 200 OK"
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.03)
+        return [await _answer(reader) for _ in range(answers)]
     finally:
         writer.close()
-    assert _lane(gw) == 0
+
+
+def _cut(raw: bytes, *body_cuts: int) -> list[bytes]:
+    """``raw`` cut after its head and at ``body_cuts`` bytes into its body."""
+    start = raw.index(b"\r\n\r\n") + 4
+    cuts = [start, *(start + c for c in body_cuts)]
+    return [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+
+
+async def test_a_body_that_comes_after_its_head_is_waited_for_on_the_lane(sims, gateway, monkeypatch):
+    """Clients that write a request's head and body apart (the openai SDK's httpx does, and at low
+    load the gateway reads them apart) take the lane once the body is in; what the lane does not
+    wait for is aiohttp's, answered as before."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    plain = {"model": "m", "messages": CHAT, "max_tokens": 2}
+    (status, headers, body), = await _send_apart(gw, _cut(_req(plain, rid="f1")))
+    assert status == "HTTP/1.1 200 OK" and headers["request-id"] == "f1" and orjson.loads(body)["choices"]
+    stream = {**plain, "stream": True}
+    (status, _, body), = await _send_apart(gw, _cut(_req(stream, rid="f2"), 5, 20, 40))
+    assert status == "HTTP/1.1 200 OK" and body.endswith(b"data: [DONE]\n\n")
+    assert _lane(gw) == 2
+    # the rest of the body and a next request in one read: both aiohttp's, answered in order
+    first, second = _req(plain, rid="g1"), _req(plain, rid="g2")
+    pieces = _cut(first)
+    answers = await _send_apart(gw, [pieces[0], pieces[1] + second], answers=2)
+    assert [(s, h["request-id"]) for s, h, _ in answers] == [("HTTP/1.1 200 OK", "g1"), ("HTTP/1.1 200 OK", "g2")]
+    # a body larger than the lane waits for: aiohttp's
+    monkeypatch.setattr("gateway.server.lane.HOLD_BODY", 64)
+    (status, _, _), = await _send_apart(gw, _cut(_req(plain, rid="h")))
+    assert status == "HTTP/1.1 200 OK"
+    assert _lane(gw) == 2
+    monkeypatch.undo()
+    # the openai SDK, one request at a time with pauses between: every one on the lane
+    c = openai_client(gw)
+    for i in range(8):
+        await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi " * (i + 1)}], max_tokens=2)
+        await asyncio.sleep(0.02)
+    assert _lane(gw) == 10
+    await c.close()
+
+
+async def test_a_held_body_that_stops_coming_gets_a_408_and_a_stop_waits_for_one_that_comes(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"body_timeout_s": 0.3})
+    raw = _req({"model": "m", "messages": CHAT, "max_tokens": 2}, rid="stall-1")
+    head_and_some = raw[:raw.index(b"\r\n\r\n") + 10]
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(head_and_some)
+        status, headers, body = await _answer(reader)
+        assert status == "HTTP/1.1 408 Request Timeout" and headers["x-request-id"] == "stall-1"
+        assert orjson.loads(body)["error"]["code"] == "request_timeout"
+        assert await reader.read() == b""                 # and the connection is closed
+    finally:
+        writer.close()
+    assert 'switchyard_client_timeouts_total{reason="body"} 1.0' in await gw.metrics_text()
+    # a graceful stop that begins while a body is held waits for it, and it is answered
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        raw = _req({"model": "m", "messages": CHAT, "max_tokens": 2}, rid="stop-1")
+        writer.write(head_and_some := raw[:raw.index(b"\r\n\r\n") + 10])
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        stopping = asyncio.create_task(gw.runner.server.shutdown(10))
+        await asyncio.sleep(0.05)
+        writer.write(raw[len(head_and_some):])
+        status, headers, _ = await _answer(reader)
+        await stopping
+    finally:
+        writer.close()
+    assert status == "HTTP/1.1 200 OK" and headers["request-id"] == "stop-1"
+    assert _lane(gw) == 1
 
 
 async def test_a_request_sent_while_one_runs_is_answered_after_it(sims, gateway):
