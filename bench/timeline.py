@@ -25,6 +25,10 @@ back:
     up_rx      the engine's first bytes arrive
     client_write           the first bytes go to the client (aiohttp's writer, or an answer
                            written whole, gateway/pipeline/whole.py)
+    chunk_rx / chunk_out   a stream's first chunk: the engine's read that brings it (after the
+                           stream's head went out) and the relay done with it (written to the
+                           client, scanned): the part of a paced stream's TTFT the gateway adds
+                           after the engine answers
 
 Prints each step's p50 and p90 in µs over the requests (the first ``--skip`` dropped). The stamps
 wrap functions from outside (``--wrappers`` shows what they cost); they move nothing in the
@@ -50,7 +54,7 @@ from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
 STEPS = ("rx", "rx_done", "start", "request", "task", "handler", "parse_in", "parsed", "route_in", "routed",
-         "up_send_in", "up_sent", "up_rx", "client_write")
+         "up_send_in", "up_sent", "up_rx", "client_write", "chunk_rx", "chunk_out")
 
 # Runs inside the gateway process: wraps the steps, writes the stamps at exit.
 STAMPS = textwrap.dedent('''
@@ -111,6 +115,18 @@ STAMPS = textwrap.dedent('''
     import gateway.pipeline.relay as RL, gateway.pipeline.whole as WH
     around(WH.WrittenStream, "_send", "client_write")              # answers written whole
     RL.write_whole = WH.write_whole = (lambda f: lambda *a, **k: (mark("client_write"), f(*a, **k))[1])(WH.write_whole)
+    data_received = H._Conn.data_received
+    def upstream_read(self, data):          # a read after the stream's head went out: its first chunk
+        if "client_write" in cur:
+            mark("chunk_rx")
+        return data_received(self, data)
+    H._Conn.data_received = upstream_read
+    flush = H.UpstreamResponse._flush
+    def flushed(self):
+        flush(self)
+        if "chunk_rx" in cur:
+            mark("chunk_out")
+    H.UpstreamResponse._flush = flushed
     def dump():
         if cur:
             rows.append(dict(cur))
@@ -152,6 +168,8 @@ def wrapper_cost(n: int = 200_000) -> float:
 
 def summarize(rows: list[dict], skip: int) -> list[tuple[str, float, float, int]]:
     full = [r for r in rows[skip:] if "rx" in r and "client_write" in r]
+    if any("chunk_out" in r for r in full):         # streams: those whose first chunk was stamped
+        full = [r for r in full if "chunk_out" in r]
     out = []
     steps = [s for s in STEPS if all(s in r for r in full)]
     for a, b in zip(steps, steps[1:], strict=False):
