@@ -159,6 +159,25 @@ async def test_a_body_that_comes_after_its_head_is_waited_for_on_the_lane(sims, 
     await c.close()
 
 
+async def test_a_client_that_leaves_while_its_body_is_held_leaves_nothing_behind(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    edge = gw.runner.server.edge
+    raw = _req({"model": "m", "messages": CHAT, "max_tokens": 2}, rid="gone")
+    for _ in range(3):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(raw[:raw.index(b"\r\n\r\n") + 10])
+        await writer.drain()
+        assert await wait_for(lambda: edge.connections == 1)
+        writer.close()
+        assert await wait_for(lambda: edge.connections == 0)
+    assert [r for r in (await sim_state(sim.url))["received"] if r["method"] == "POST"] == []
+    assert _lane(gw) == 0
+    # the connection slot and the lane are free: the next client is answered on it
+    (status, _, _), = await _send_apart(gw, _cut(raw))
+    assert status == "HTTP/1.1 200 OK" and _lane(gw) == 1
+
+
 async def test_a_held_body_that_stops_coming_gets_a_408_and_a_stop_waits_for_one_that_comes(sims, gateway):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], server={"body_timeout_s": 0.3})
