@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -32,19 +31,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.procs import stop, wait_port  # noqa: E402
+from bench.procs import cpu_seconds as cpu_of  # noqa: E402
+from bench.procs import start_group, stop, wait_port  # noqa: E402
 from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def lane_count(port: int) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     for line in text.splitlines():
@@ -123,13 +114,13 @@ def main() -> None:
     a = ap.parse_args()
     be_port = free_port()
     if a.client == "sdk":
-        backend = subprocess.Popen([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        backend = start_group([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     else:
-        backend = subprocess.Popen([PY, "-m", "enginesim", "--engine", a.engine, "--port", str(be_port), "--model", "m",
-                                    "--ttft-base-ms", "0", "--itl-ms", "0", "--itl-jitter-ms", "0",
-                                    "--prefill-ms-per-token", "0"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+        backend = start_group([PY, "-m", "enginesim", "--engine", a.engine, "--port", str(be_port), "--model", "m",
+                               "--ttft-base-ms", "0", "--itl-ms", "0", "--itl-jitter-ms", "0",
+                               "--prefill-ms-per-token", "0"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     procs = [backend]
     try:
         wait_port(be_port, backend)
@@ -139,8 +130,8 @@ def main() -> None:
                 cfg, port = Path(d) / f"{lane}.yaml", free_port()
                 cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\n  fast_lane: {lane}\n"
                                f"models:\n  - name: m\n    engine: {a.engine}\n    endpoints: [http://127.0.0.1:{be_port}]\n")
-                p = subprocess.Popen([PY, "-m", "gateway", "--config", str(cfg), "--port", str(port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=REPO)
+                p = start_group([PY, "-m", "gateway", "--config", str(cfg), "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
                 procs.append(p)
                 wait_port(port, p)
                 gws[name] = (port, p.pid)

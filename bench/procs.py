@@ -1,5 +1,5 @@
 """Process helpers the benchmark scripts share: start a process in its own group, wait for a port,
-stop a process group."""
+stop a process group, read a process's CPU time."""
 
 from __future__ import annotations
 
@@ -70,3 +70,14 @@ def terminate(p: subprocess.Popen, grace: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         signal_group(p, signal.SIGKILL)
         p.wait(5)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, all its threads (``/proc/PID/stat``, in
+    clock ticks of usually 10 ms)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK

@@ -35,11 +35,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.procs import cpu_seconds as cpu_of  # noqa: E402
 from bench.procs import stop, wait_port  # noqa: E402
 from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
-TICK = os.sysconf("SC_CLK_TCK")
 
 FLOOR = textwrap.dedent('''
     import asyncio, sys, uvloop
@@ -146,12 +146,6 @@ STAGES = textwrap.dedent('''
     from gateway.__main__ import main
     main()
 ''')
-
-
-def cpu_of(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 def load(port: int, duration: float, concurrency: int) -> dict:
