@@ -204,8 +204,7 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_stall", "_e_rx_head", "_e_pipelined",
                  "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part", "_lane_need",
-                 "_lane_rid")
+                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -226,11 +225,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
         self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
         self._lane_held: list[bytes] = []   # bytes that came while it ran
-        # a lane request whose head came before its body: the bytes so far, the length it will have,
-        # its x-request-id (for a 408 when its body stops coming)
-        self._lane_part: bytearray | None = None
-        self._lane_need = 0
-        self._lane_rid: str | None = None
+        self._lane_part: lane.Pending | None = None     # a lane request whose body is still coming
         self._lane_server = manager if isinstance(manager, EdgeServer) and manager.lane_paths else None
 
     @property
@@ -261,7 +256,8 @@ class EdgeProtocol(web.RequestHandler):
         self._e_cancel_timers()
         self._e_request = self._e_payload = None
         if self._lane_part is not None:
-            self._lane_unhold()
+            self._lane_part = None
+            self._lane_released()
         lane, self._lane, self._lane_held = self._lane, None, []
         if lane is not None and lane.task is not None and not lane.task.done():
             lane.task.cancel()          # the client went away: as aiohttp cancels its handler
@@ -322,19 +318,31 @@ class EdgeProtocol(web.RequestHandler):
 
     # -- the fast lane (gateway/server/lane.py) ----------------------------------------------
 
-    def _lane_take(self, data: bytes, begun: bool = False) -> bool:
-        """Run ``data`` on the fast lane when it is one plain request and the connection has
-        nothing of aiohttp's in flight; False leaves it to aiohttp. ``begun``: its head came before
-        a graceful stop began, which then waits for it (as for a request of aiohttp's)."""
-        if self._messages or self._e_parsed != self._e_started or self._payload_parser is not None \
-                or self._upgraded or (self._force_close and not begun) or self._close or self.transport is None:
+    def _lane_take(self, data: bytes) -> bool:
+        """Run ``data`` on the fast lane when it is one plain request (or hold it when its body is
+        still coming) and the connection has nothing of aiohttp's in flight; False leaves it to
+        aiohttp."""
+        if not self._lane_open(begun=False):
             return False
-        server = self._lane_server
         lim = self._edge.limits
-        got = lane.parse(data, server.lane_paths, lim.max_header_bytes, lim.max_headers,
+        got = lane.parse(data, self._lane_server.lane_paths, lim.max_header_bytes, lim.max_headers,
                          lim.max_body_bytes or float("inf"))
         if got is None:
-            return self._lane_wait(data, server, lim)
+            return False
+        if isinstance(got, lane.Pending):
+            self._lane_wait(got, lim)
+        else:
+            self._lane_start(got)
+        return True
+
+    def _lane_open(self, begun: bool) -> bool:
+        """Whether the connection may run a request on the lane: nothing of aiohttp's in flight, not
+        closing. ``begun``: the request's head came before a graceful stop began, which then waits
+        for it (as for a request of aiohttp's)."""
+        return not (self._messages or self._e_parsed != self._e_started or self._payload_parser is not None
+                    or self._upgraded or (self._force_close and not begun) or self._close or self.transport is None)
+
+    def _lane_start(self, got: lane.Parsed) -> None:
         path, headers, body, keep_alive = got
         request = lane.LaneRequest(path, headers, body, keep_alive, self)
         self._request_count += 1            # parsed and started, as aiohttp counts its own
@@ -347,19 +355,13 @@ class EdgeProtocol(web.RequestHandler):
         self._lane = request
         self._edge.lane_requests += 1
         self._request_in_progress = True    # a graceful shutdown waits for it (aiohttp's shutdown)
-        request.task = self._e_loop.create_task(self._lane_run(request, server.direct[path]))
-        return True
+        request.task = self._e_loop.create_task(self._lane_run(request, self._lane_server.direct[path]))
 
-    def _lane_wait(self, data: bytes, server: EdgeServer, lim: EdgeLimits) -> bool:
-        """Hold ``data`` when it is the whole head of a lane request and part of its body (a client
-        that writes them apart, as the openai SDK's httpx does), to take the request on the lane
-        once the rest is in. The body's clocks run meanwhile, as they would for aiohttp's request."""
-        want = lane.expected(data, server.lane_paths, lim.max_header_bytes, lim.max_headers,
-                             lim.max_body_bytes or float("inf"))
-        if want is None:
-            return False
-        self._lane_need, self._lane_rid = want
-        self._lane_part = bytearray(data)
+    def _lane_wait(self, pending: lane.Pending, lim: EdgeLimits) -> None:
+        """Hold a lane request whose whole head came and part of its body (a client that writes them
+        apart, as the openai SDK's httpx does), to take it on the lane once the rest is in. The
+        body's clocks run meanwhile, as they would for aiohttp's request."""
+        self._lane_part = pending
         self._request_in_progress = True    # a graceful stop waits for it, as for aiohttp's requests
         now = self._e_last_rx = self._e_loop.time()
         self._e_body_end = now + lim.body_total_timeout_s if lim.body_total_timeout_s else float("inf")
@@ -367,25 +369,24 @@ class EdgeProtocol(web.RequestHandler):
         deadline = self._e_body_deadline()
         if deadline != float("inf"):
             self._e_arm(deadline)
-        return True
 
     def _lane_more(self, data: bytes) -> None:
         """More of a held request: on the lane once it is whole; aiohttp's, with every byte so far,
         when more came than its length (a next request behind it) or the lane declines it."""
-        part = self._lane_part
-        assert part is not None
-        part += data
+        pending = self._lane_part
+        assert pending is not None
         self._e_last_rx = self._e_loop.time()
-        if len(part) < self._lane_need:
+        got = pending.more(data, self._edge.limits.max_body_bytes or float("inf"))
+        if got is pending:
             return
         self._lane_part = None
-        whole = bytes(part)
-        if len(whole) == self._lane_need and self._lane_take(whole, begun=True):
-            return                          # a graceful stop waits on for it (``_lane_run``)
-        self._lane_unhold()
+        if got is not None and self._lane_open(begun=True):
+            self._lane_start(got)       # a graceful stop waits on for it (``_lane_run``)
+            return
+        self._lane_released()
         self._e_rx_head = True
         parsed = self._e_parsed
-        super().data_received(whole)
+        super().data_received(bytes(pending.data))
         if self._e_parsed != parsed:
             self._e_phase = _READY
 
@@ -396,13 +397,15 @@ class EdgeProtocol(web.RequestHandler):
         if now < self._e_deadline:
             self._e_timer = self._e_loop.call_at(self._e_deadline, self._e_fire)
             return
-        self._lane_unhold()
+        pending, self._lane_part = self._lane_part, None
+        rid = pending.rid if pending is not None else None
+        self._lane_released()
         reason = "body_total" if now >= self._e_body_end else "body"
-        self._e_timeout(reason, answer=True, request_id=request_id_from(self._lane_rid))
+        self._e_timeout(reason, answer=True, request_id=request_id_from(rid))
 
-    def _lane_unhold(self) -> None:
-        """The held request is no longer held (whole, timed out, or its client gone)."""
-        self._lane_part = None
+    def _lane_released(self) -> None:
+        """No lane request is in progress any more (answered, let go, timed out, or its client
+        gone): a graceful stop waiting for it goes on."""
         self._request_in_progress = False
         waiter = self._handler_waiter
         if waiter is not None and not waiter.done():
@@ -421,10 +424,7 @@ class EdgeProtocol(web.RequestHandler):
         except Exception as e:     # the direct handler answers what the pipeline raises; this is a bug
             log.error("internal error", path=request.path, exc_info=e)
         finally:
-            self._request_in_progress = False
-            waiter = self._handler_waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(None)
+            self._lane_released()
             if self._lane is request:
                 self._lane = None
                 self._lane_done(keep)

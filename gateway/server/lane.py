@@ -12,7 +12,7 @@ builds a ``LaneRequest`` (what the pipeline reads of a request) and runs the inf
 handler in a task of its own, whose answer the pipeline writes whole (gateway/pipeline/whole.py).
 A read that holds the whole head and only part of the body (clients that write them apart, as the
 openai SDK's httpx does: at low load the gateway reads them apart) is held until the body is in
-(``expected``; bodies up to ``HOLD_BODY``), with the body's clocks running as for aiohttp's request.
+(``Pending``; bodies up to ``HOLD_BODY``), with the body's clocks running as for aiohttp's request.
 
 Anything else goes to aiohttp exactly as before, parsed from the same bytes: another method or
 path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than ``HOLD_BODY``
@@ -167,18 +167,47 @@ def _head(data: bytes, paths: dict[bytes, str], max_head: int,
     return cb, path, end, lowered
 
 
-def expected(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
-             max_body: float) -> tuple[int, str | None] | None:
-    """When ``data`` is the whole head of a request the lane may take and only part of its body
-    (a client that writes the head and the body apart, as httpx does), the length the request will
-    have once its body is in, and its ``x-request-id``; None otherwise. Bodies over ``HOLD_BODY``
-    bytes are left to aiohttp, which reads them as they come."""
+class Pending:
+    """A lane request whose whole head came and whose body is still coming (a client that writes
+    the head and the body apart, as httpx does): its parser, fed as the rest comes, and every byte
+    so far, for aiohttp when the lane lets it go."""
+
+    __slots__ = ("cb", "path", "end", "need", "rid", "data")
+
+    def __init__(self, cb: _Parse, path: str, end: int, need: int, rid: str | None, data: bytes) -> None:
+        self.cb, self.path, self.end, self.need, self.rid = cb, path, end, need, rid
+        self.data = bytearray(data)
+
+    def more(self, data: bytes, max_body: float) -> Parsed | Pending | None:
+        """``data`` added: itself while the body is still short, the request once it is whole, None
+        when the lane lets it go (more bytes than its length: a next request behind it)."""
+        self.data += data
+        if len(self.data) > self.need:
+            return None
+        try:
+            self.cb.parser.feed_data(data)
+        except httptools.HttpParserError:
+            return None
+        if len(self.data) < self.need:
+            return self
+        return _whole(self.cb, self.path, self.end, self.need, max_body)
+
+
+Parsed = tuple[str, CIMultiDictProxy[str], bytes, bool]
+
+
+def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
+          max_body: float) -> Parsed | Pending | None:
+    """(path, headers, body, keep-alive) of ``data`` when it is exactly one plain request to one of
+    ``paths`` that the lane may take; a ``Pending`` when it is the whole head of one and part of its
+    body (bodies up to ``HOLD_BODY``; larger ones are aiohttp's, which reads them as they come);
+    None otherwise (aiohttp then parses the same bytes)."""
     got = _head(data, paths, max_head, max_headers)
     if got is None:
         return None
-    cb, _, end, lowered = got
+    cb, path, end, lowered = got
     if cb.complete:
-        return None
+        return _whole(cb, path, end, len(data), max_body)
     length = cb.values[lowered.index(b"content-length")]
     if not length.isdigit():
         return None
@@ -186,24 +215,17 @@ def expected(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: i
     if n > max_body or n > HOLD_BODY or len(data) >= end + 4 + n:
         return None
     rid = cb.values[lowered.index(b"x-request-id")] if b"x-request-id" in lowered else None
-    return end + 4 + n, None if rid is None else rid.decode("utf-8", "surrogateescape")
+    return Pending(cb, path, end, end + 4 + n, None if rid is None else rid.decode("utf-8", "surrogateescape"), data)
 
 
-def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
-          max_body: float) -> tuple[str, CIMultiDictProxy[str], bytes, bool] | None:
-    """(path, headers, body, keep-alive) of ``data`` when it is exactly one plain request to one of
-    ``paths`` that the lane may take; None otherwise (aiohttp then parses the same bytes)."""
-    got = _head(data, paths, max_head, max_headers)
-    if got is None:
+def _whole(cb: _Parse, path: str, end: int, size: int, max_body: float) -> Parsed | None:
+    """The request ``cb`` read, when it is one complete message of ``size`` bytes."""
+    if not cb.complete or cb.messages != 1:
         return None
-    cb, path, end, _ = got
-    if not cb.complete:
-        return None
-    names = cb.names
     body = cb.body[0] if len(cb.body) == 1 else b"".join(cb.body)
-    if len(body) > max_body or end + 4 + len(body) != len(data):
+    if len(body) > max_body or end + 4 + len(body) != size:
         return None
     headers = CIMultiDict()
-    for name, value in zip(names, cb.values, strict=True):
+    for name, value in zip(cb.names, cb.values, strict=True):
         headers.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
     return path, CIMultiDictProxy(headers), body, cb.keep_alive
