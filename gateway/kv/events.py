@@ -441,6 +441,22 @@ class KVEventsManager:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
 
+    # -- sibling workers (gateway.view.service) ----------------------------------------------------
+
+    def on_tokens(self, hook: Callable[[str, str, list[int]], None] | None) -> None:
+        """``hook(model, segment, ids)`` for each segment one of the tokenizers tokenizes and caches
+        (``None``: no more). A tokenizer shared by several models names the first of them."""
+        done: set[int] = set()
+        for model, tok in self.tokenizers.items():
+            if id(tok) not in done:
+                done.add(id(tok))
+                tok.on_store = None if hook is None else partial(hook, model)
+
+    def adopt_tokens(self, model: str, segment: str, ids: list[int]) -> bool:
+        """A sibling's tokenized segment, cached here; whether it was new (an unknown model: no)."""
+        tok = self.tokenizers.get(model)
+        return tok is not None and tok.adopt(segment, ids)
+
     # -- the router's view (routers.prefix_cache.PreciseIndex) --------------------------------------
 
     def covers(self, model: str) -> bool:

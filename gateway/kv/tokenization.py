@@ -14,7 +14,9 @@ directory in the standard layout: ``tokenizer.json`` (read by the ``tokenizers``
 * Cached by segment: the ``tokenizers`` library splits the text at added (special) tokens before
   anything else, so the text between two of them tokenizes on its own. The template puts special
   tokens between messages, so a long shared system prompt is one segment, tokenized once and then
-  found in an LRU cache (bounded in characters); only the new turn is tokenized.
+  found in an LRU cache (bounded in characters); only the new turn is tokenized. With several
+  workers, what one worker tokenizes reaches its siblings' caches (``on_store``, ``adopt``), so a
+  conversation whose next turn another worker takes is not tokenized again there.
 * Block keys are cached too (``ModelTokenizer.block_keys``): the chained keys of the blocks a
   prefix of segments fills, so a 128k-token conversation hashes only its new turn.
 * Off the event loop (``ModelTokenizer.prepare``): before routing, the segments of at least
@@ -44,6 +46,7 @@ INLINE_CHARS = 1024                      # shorter uncached segments are tokeniz
 AHEAD_CHARS = 2048                       # a chat's unreached segments this short are tokenized after routing
 PROBE_CHARS = 256                        # an uncached segment this long is probed before it is tokenized
 DEEP_PROBE_BLOCKS = 4                    # a probe held throughout is taken this many blocks further once
+SHARE_CHARS = 32                         # segments this long that are tokenized are shared with sibling workers
 _PROBES_KEPT = 4096                      # segments whose probe is remembered (``prepare`` then ``match``)
 # marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
 # ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
@@ -148,6 +151,9 @@ class ModelTokenizer:
         self._seen_chars = 0                 # characters and tokens tokenized so far: the ratio that
         self._seen_tokens = 0                # estimates a segment left untokenized
         self._pending: dict[str, asyncio.Future] = {}    # segment → its tokenization under way
+        # told of each segment of SHARE_CHARS or more cached here (its ids tokenized here, not adopted):
+        # the shared view sends them to the sibling workers (gateway.view.service)
+        self.on_store: Callable[[str, list[int]], None] | None = None
 
     # -- text --------------------------------------------------------------------------------------
 
@@ -214,14 +220,27 @@ class ModelTokenizer:
         return ids
 
     def _store(self, segment: str, ids: list[int]) -> None:
+        if self._keep(segment, ids):
+            hook = self.on_store
+            if hook is not None and len(segment) >= SHARE_CHARS:
+                hook(segment, ids)
+
+    def _keep(self, segment: str, ids: list[int]) -> bool:
         self._seen_chars += len(segment)
         self._seen_tokens += len(ids)
-        if len(segment) <= self._token_cache_chars // 4 and segment not in self._segments:
-            self._segments[segment] = ids
-            self._segment_chars += len(segment)
-            while self._segment_chars > self._token_cache_chars:
-                old, _ = self._segments.popitem(last=False)
-                self._segment_chars -= len(old)
+        if len(segment) > self._token_cache_chars // 4 or segment in self._segments:
+            return False
+        self._segments[segment] = ids
+        self._segment_chars += len(segment)
+        while self._segment_chars > self._token_cache_chars:
+            old, _ = self._segments.popitem(last=False)
+            self._segment_chars -= len(old)
+        return True
+
+    def adopt(self, segment: str, ids: list[int]) -> bool:
+        """Cache ids another process tokenized (a sibling worker's ``on_store``), without telling
+        ``on_store`` again; whether they were new here."""
+        return self._keep(segment, ids)
 
     def _encode_all(self, segments: list[str]) -> list[list[int]]:
         """Runs in the executor: no cache is touched here. The batch call, not ``encode``: the

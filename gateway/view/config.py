@@ -20,6 +20,7 @@ class ViewConfig(Block):
 
     workers: Annotated[bool, Meta(description="With server.workers > 1, the workers share their routing facts over a local bus (one Unix datagram socket per worker): prefix-index insertions, sessions, and, without state.redis_url, in-flight counts.")] = True
     replicas: Annotated[bool, Meta(description="With state.redis_url, every process also shares its prefix-index insertions and sessions with the other replicas through a Redis stream.")] = True
+    share_tokens: Annotated[bool, Meta(description="Workers, with KV-events routing: the token ids of the prompt segments one worker tokenizes go to its siblings, so a conversation continued on another worker, or a system prompt met there first, is not tokenized again (they leave with the next batch, or within load_interval_s).")] = True
     load_interval_s: Annotated[_Positive, Meta(description="Workers: a worker's in-flight counts go to its siblings with each routing decision, and at least this often when they changed, in seconds.")] = 0.02
     heartbeat_s: Annotated[_Positive, Meta(description="Workers: a worker re-sends its in-flight counts at least this often, changed or not, in seconds.")] = 0.25
     peer_ttl_s: Annotated[_Positive, Meta(description="Workers: a sibling silent this long no longer counts in the in-flight view (it stopped or restarted), in seconds (at least twice heartbeat_s).")] = 1.0

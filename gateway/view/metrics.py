@@ -37,11 +37,13 @@ class ViewMetrics:
                                 registry=r)
         self.dropped = Counter("switchyard_view_messages_dropped",
                                "Batches or facts lost: peer_full / peer_down / error (a sibling's socket), "
-                               "undecodable, redis_down / outbox_full (facts waiting for Redis)",
+                               "undecodable, redis_down / outbox_full (facts waiting for Redis), too_large (a tokenized "
+                               "segment beyond view.max_datagram_bytes, not shared)",
                                ["source", "reason"], registry=r)
         self.applied = Counter("switchyard_view_facts_applied",
                                "Facts from other processes applied to this one's view (insert: a prefix-index "
-                               "insertion; session; load: one sibling's in-flight counts; unknown_endpoint: "
+                               "insertion; session; load: one sibling's in-flight counts; tokens: a sibling's tokenized "
+                               "prompt segment new to this worker; unknown_endpoint: "
                                "naming an endpoint this process does not have, skipped)",
                                ["source", "kind"], registry=r)
         self.lag = Histogram("switchyard_view_lag_seconds",

@@ -12,7 +12,12 @@ own view, without telling anyone again:
   ``view.heartbeat_s`` regardless); the siblings' sum is each endpoint's ``remote_in_flight``, as
   the replicas' is through Redis. A sibling silent for ``view.peer_ttl_s`` no longer counts.
   With Redis sharing in-flight counts, every worker publishes there as a replica of its own, so
-  the bus does not carry them: no request is counted twice.
+  the bus does not carry them: no request is counted twice;
+* between workers, with KV-events routing (``view.share_tokens``), the token ids of the prompt
+  segments a worker tokenized (``KVEventsManager.on_tokens`` → ``adopt_tokens``): a conversation
+  whose next turn the kernel gives the other worker, or a system prompt the other worker meets
+  first, is not tokenized again there. They are not urgent (the next turn is seconds away), so they
+  ride with the next batch, or leave within ``view.load_interval_s``.
 
 Nothing waits: a decision appends its facts to this process's outbox and the batch leaves once per
 event-loop turn (``loop.call_soon``), to the siblings over the local bus (``gateway.view.bus``)
@@ -40,7 +45,7 @@ from gateway.request import InferenceRequest
 from gateway.view.bus import LocalBus
 from gateway.view.metrics import ViewMetrics
 from gateway.view.replicas import ReplicaLink
-from gateway.view.wire import Batch, Insert, Session, decode, encode, endpoint_key
+from gateway.view.wire import Batch, Insert, Session, Tokens, decode, encode, endpoint_key, tokens_size
 from routers.base import Decision, RouterContext
 from routers.prefix_index import PrefixIndex
 from routers.session_map import RESPONSE, SessionMap
@@ -90,6 +95,10 @@ class RoutingView:
             self.link = ReplicaLink(st, cfg, self.sender, skip, self._on_stream, self.m)
         self.shared = self.bus is not None or self.link is not None
         self._index: PrefixIndex | None = None
+        self._kv: Any = None                 # the KV-events manager whose tokenizers are shared
+        self.share_tokens = self.bus is not None and cfg.share_tokens
+        self._tokens: list[Tokens] = []
+        self._tokens_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inserts: list[Insert] = []
         self._sessions: list[Session] = []
@@ -112,6 +121,12 @@ class RoutingView:
         self._index = ctx.prefix_index
         if self._loop is not None and self.shared:
             self._index.on_insert = self._on_insert
+        kv = ctx.precise_index if hasattr(ctx.precise_index, "on_tokens") else None
+        if self._kv is not None and self._kv is not kv:
+            self._kv.on_tokens(None)
+        self._kv = kv
+        if kv is not None and self._loop is not None and self.share_tokens:
+            kv.on_tokens(self._on_tokens)
 
     def on_session(self, model: str, outcome: str) -> None:
         self.m.session(model, outcome)
@@ -145,17 +160,30 @@ class RoutingView:
             self._scheduled = True
             self._loop.call_soon(self._flush)
 
+    def _on_tokens(self, model: str, segment: str, ids: list[int]) -> None:
+        if tokens_size(model, segment, ids) > self.cfg.max_datagram_bytes - 256:
+            self.m.gm.child(self.m.dropped, "worker", "too_large").inc()     # a datagram of its own, too big
+            return
+        self._tokens.append(Tokens(model, segment, ids))
+        if not self._scheduled and self._tokens_timer is None:
+            self._tokens_timer = self._loop.call_later(self.cfg.load_interval_s, self._flush)  # type: ignore[union-attr]
+
     def _load(self) -> dict[str, int]:
         key = self._key
         return {key(ep): ep.in_flight for ep in self.pool.endpoints() if ep.in_flight}
 
     def _flush(self, heartbeat: bool = False) -> None:
         self._scheduled = False
-        inserts, sessions = self._inserts, self._sessions
+        inserts, sessions, tokens = self._inserts, self._sessions, self._tokens
         if inserts:
             self._inserts = []
         if sessions:
             self._sessions = []
+        if tokens:
+            self._tokens = []
+        if self._tokens_timer is not None:
+            self._tokens_timer.cancel()
+            self._tokens_timer = None
         load = None
         if self.bus_load:
             now = time.monotonic()
@@ -163,8 +191,8 @@ class RoutingView:
             if snap != self._sent_load or now - self._sent_load_at >= self.cfg.heartbeat_s:
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
-        if bus is not None and (inserts or sessions or load is not None):
-            payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes)
+        if bus is not None and (inserts or sessions or tokens or load is not None):
+            payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
         if self.link is not None and (inserts or sessions):
             self.link.queue([*inserts, *sessions])
@@ -234,6 +262,12 @@ class RoutingView:
             m.gm.child(m.applied, source, "session").inc(n)
         if unknown:
             m.gm.child(m.applied, source, "unknown_endpoint").inc(unknown)
+        if batch.tokens and self._kv is not None and source == "worker":
+            adopt = self._kv.adopt_tokens
+            n = 0
+            for t in batch.tokens:
+                n += adopt(t.model, t.segment, t.ids)
+            m.gm.child(m.applied, source, "tokens").inc(n)
         if batch.load is not None and self.bus_load and source == "worker":
             self._peers[batch.sender] = (batch.load, time.monotonic())
             m.gm.child(m.applied, source, "load").inc()
@@ -268,6 +302,8 @@ class RoutingView:
         self.sessions.on_put = self._on_put
         if self._index is not None:
             self._index.on_insert = self._on_insert
+        if self._kv is not None and self.share_tokens:
+            self._kv.on_tokens(self._on_tokens)
         if self.bus is not None:
             self.bus.open()
             if self.bus_load:
@@ -289,6 +325,12 @@ class RoutingView:
             await self.link.stop()
         if self._index is not None:
             self._index.on_insert = None
+        if self._kv is not None:
+            self._kv.on_tokens(None)
+        if self._tokens_timer is not None:
+            self._tokens_timer.cancel()
+            self._tokens_timer = None
+        self._tokens = []
         self.sessions.on_put = None
         self._loop = None
 

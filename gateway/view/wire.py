@@ -11,7 +11,10 @@ discovery alike):
 * ``Session``: a session's turn went to an endpoint (``routers.session_map``);
 * ``load``: the sender's in-flight count per endpoint, absolute (a lost message or a restarted
   worker is healed by the next one); the local bus carries it, Redis does not (the tenancy
-  heartbeat does).
+  heartbeat does);
+* ``Tokens``: a prompt segment the sender tokenized for KV-events routing, with its token ids
+  (``gateway.kv.tokenization``), so a sibling that meets the segment does not tokenize it again;
+  the local bus only.
 
 ``encode`` splits what does not fit in ``max_bytes`` over several batches.
 """
@@ -36,12 +39,19 @@ class Session(msgspec.Struct, array_like=True):
     tag: str | None = None
 
 
+class Tokens(msgspec.Struct, array_like=True):
+    model: str
+    segment: str
+    ids: list[int]
+
+
 class Batch(msgspec.Struct, array_like=True):
     sender: str                          # "<gateway group>/<worker index>"
     sent: float                          # the sender's time.time() when it sent the batch
     inserts: list[Insert] = []
     sessions: list[Session] = []
     load: dict[str, int] | None = None   # None: no load in this batch (not "all zero")
+    tokens: list[Tokens] = []
 
 
 def endpoint_key(ep: Endpoint) -> str:
@@ -58,34 +68,46 @@ def decode(data: bytes) -> Batch:
     return _decoder.decode(data)
 
 
-def _size(fact: Insert | Session) -> int:
+def tokens_size(model: str, segment: str, ids: list[int]) -> int:
+    """About a ``Tokens`` fact's encoded size (its text's characters, 5 bytes per id)."""
+    return 16 + len(model) + len(segment) + 5 * len(ids)
+
+
+def _size(fact: Insert | Session | Tokens) -> int:
     """An upper bound of a fact's encoded size (9 bytes per 64-bit key)."""
-    if fact.__class__ is Insert:
+    cls = fact.__class__
+    if cls is Insert:
         return 16 + len(fact.ep) + 9 * len(fact.keys)      # type: ignore[union-attr]
+    if cls is Tokens:
+        return tokens_size(fact.model, fact.segment, fact.ids)     # type: ignore[union-attr]
     return 16 + len(fact.key) + len(fact.ep) + len(fact.tag or "")   # type: ignore[union-attr]
 
 
 def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
-           load: dict[str, int] | None, max_bytes: int) -> list[bytes]:
+           load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = ()) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
     out: list[bytes] = []
     ins: list[Insert] = []
     ses: list[Session] = []
+    tok: list[Tokens] = []
     used = 0
-    for fact in (*inserts, *sessions):
+    for fact in (*inserts, *sessions, *tokens):
         n = _size(fact)
-        if used + n > budget and (ins or ses):
-            out.append(_encoder.encode(Batch(sender, sent, ins, ses, load)))
+        if used + n > budget and (ins or ses or tok):
+            out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok)))
             load = None
-            ins, ses = [], []
+            ins, ses, tok = [], [], []
             used = 0
-        if fact.__class__ is Insert:
+        cls = fact.__class__
+        if cls is Insert:
             ins.append(fact)         # type: ignore[arg-type]
-        else:
+        elif cls is Session:
             ses.append(fact)         # type: ignore[arg-type]
+        else:
+            tok.append(fact)         # type: ignore[arg-type]
         used += n
-    if ins or ses or load is not None or not out:
-        out.append(_encoder.encode(Batch(sender, sent, ins, ses, load)))
+    if ins or ses or tok or load is not None or not out:
+        out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok)))
     return out

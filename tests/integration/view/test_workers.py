@@ -156,3 +156,53 @@ async def test_a_responses_chain_in_engine_state_is_followed_by_either_worker(si
         await responses_chains([port], 3, 6)
         pages = await per_worker(port, 2)
     assert all(metric_total(p, "switchyard_routing_session_total", outcome="kept") == 3 * 5 for p in pages.values())
+
+
+@pytest.mark.timeout(120)
+async def test_on_kv_events_a_worker_finds_the_tokens_its_sibling_made(sims, tmp_path):
+    """KV-events routing, the openai SDK asking for no keep-alive (the kernel picks a worker per call):
+    the prompt segments one worker tokenized reach the other's token cache, and a conversation
+    stays on the engine that holds it whichever worker takes each turn."""
+    import openai
+
+    from enginesim.tiny_tokenizer import TINY_DIR
+
+    tok = str(TINY_DIR)
+    engines = [await sims("vllm", model="m", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0,
+                          kv_blocks=4096) for _ in range(2)]
+    port = free_port()
+    path = tmp_path / "gw.yaml"
+    eps = ", ".join(f"'{e.url}'" for e in engines)
+    eps = ", ".join(f"{{url: '{e.url}', kv_events: {{port: {e.engine.kv_events.port}, "
+                    f"replay_port: {e.engine.kv_events.replay_port}}}}}" for e in engines)
+    path.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+        "health: {interval_s: 0.5}\n"
+        f"models: [{{name: m, engine: vllm, strategy: prefix-cache, tokenizer: '{tok}', endpoints: [{eps}],\n"
+        "  kv_events: {enabled: true, stall_timeout_s: 5.0}}]\n")
+    system = "You are the yard master; " + " ".join(f"track {i} takes freight {i % 7}" for i in range(150))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                                    default_headers={"Connection": "close"})
+        try:
+            await asyncio.sleep(0.5)                       # both workers' SUB sockets connect
+            for c in range(3):
+                messages = [{"role": "system", "content": f"conversation {c}. {system}"}]
+                served = []
+                for turn in range(6):
+                    messages.append({"role": "user", "content": f"turn {turn}: where does train {c} go next?"})
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model="m", messages=messages, max_tokens=4)
+                    served.append(raw.headers["target-pod"])
+                    messages.append({"role": "assistant", "content": raw.parse().choices[0].message.content})
+                assert len(set(served)) == 1, served
+        finally:
+            await client.close()
+        pages = await per_worker(port, 2)
+    # a worker cached segments its sibling tokenized, and both routed on events (no fallback to the
+    # approximate index for want of tokens)
+    assert sum(metric_total(p, "switchyard_view_facts_applied_total", source="worker", kind="tokens")
+               for p in pages.values()) > 0
+    assert all(metric_total(p, "switchyard_kv_events_fallbacks_total", reason="tokenize_error") == 0
+               for p in pages.values())

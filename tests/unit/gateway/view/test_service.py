@@ -100,3 +100,72 @@ async def test_one_worker_without_redis_shares_nothing():
         assert not view.shared and ctx.prefix_index.on_insert is None and view.sessions.on_put is None
     finally:
         await view.stop()
+
+
+def _kv_worker(cfg, index: int, bus_dir: str):
+    """A worker with KV-events routing: its own manager and tokenizer (the tiny one), as each
+    worker process has."""
+    from prometheus_client import CollectorRegistry
+
+    from enginesim.tiny_tokenizer import TINY_DIR
+    from gateway.kv.events import KVEventsManager
+    from gateway.kv.settings import KVEventsConfig
+    from gateway.kv.tokenization import ModelTokenizer
+
+    view, _, pool = _worker(cfg, index, bus_dir)
+    kv = KVEventsManager(lambda model: KVEventsConfig(enabled=True), pool, CollectorRegistry(),
+                         {"m": ModelTokenizer(TINY_DIR)})
+    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions, precise_index=kv)
+    view.attach(ctx)
+    return view, kv
+
+
+async def test_a_segment_one_worker_tokenized_is_cached_in_the_sibling_and_not_sent_back():
+    d = RunDirectory()
+    cfg = _config(load_interval_s=0.01)
+    (a, akv), (b, bkv) = _kv_worker(cfg, 0, d.path), _kv_worker(cfg, 1, d.path)
+    ta, tb = akv.tokenizers["m"], bkv.tokenizers["m"]
+    system = "You are the switchyard assistant; answer in one line. " * 40
+    try:
+        await a.start()
+        await b.start()
+        ids = ta.encode(system)                  # worker a tokenizes a system prompt (and "x", too short)
+        ta.encode("x")
+        assert not tb.is_cached(system)
+        await until(lambda: tb.is_cached(system))
+        misses = tb.segment_misses
+        assert tb.encode(system) == ids and tb.segment_misses == misses      # found, not tokenized again
+        assert not tb.is_cached("x")                                          # short ones are not sent
+        await asyncio.sleep(0.05)
+        assert metric_total(b.m.gm.render().decode(), "switchyard_view_facts_applied_total", kind="tokens") == 1
+        # adopted, not told again: a hears nothing back
+        assert metric_total(a.m.gm.render().decode(), "switchyard_view_facts_applied_total", kind="tokens") == 0
+        # a segment too large for one datagram stays where it was tokenized, counted
+        huge = "switchyard " * 8000
+        ta.encode(huge)
+        await asyncio.sleep(0.05)
+        assert not tb.is_cached(huge)
+        assert metric_total(a.m.gm.render().decode(), "switchyard_view_messages_dropped_total",
+                            reason="too_large") == 1
+    finally:
+        await a.stop()
+        await b.stop()
+        d.close()
+    assert ta.on_store is None and tb.on_store is None
+
+
+async def test_share_tokens_off_sends_no_tokens():
+    d = RunDirectory()
+    cfg = _config(load_interval_s=0.01, share_tokens=False)
+    (a, akv), (b, bkv) = _kv_worker(cfg, 0, d.path), _kv_worker(cfg, 1, d.path)
+    try:
+        await a.start()
+        await b.start()
+        assert akv.tokenizers["m"].on_store is None
+        akv.tokenizers["m"].encode("A system prompt long enough to be shared. " * 10)
+        await asyncio.sleep(0.1)
+        assert len(bkv.tokenizers["m"]._segments) == 0
+    finally:
+        await a.stop()
+        await b.stop()
+        d.close()
