@@ -79,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
     from gateway.server.run import free_port, serve
-    from gateway.server.workers import WorkerInfo, resolve_workers
-    workers = resolve_workers(args.workers if args.workers is not None else config.server.workers)
+    from gateway.server.workers import WorkerInfo, auto_count, auto_workers
+    workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
         return 2
+    if single is not None:
+        import structlog
+        structlog.get_logger("switchyard").warning(
+            "workers: auto runs one worker", reason=f"{single} are kept per process without state.redis_url",
+            cpus=auto_count())
     resolved.append(workers)
     config = config.with_workers(workers)
 

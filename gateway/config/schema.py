@@ -87,7 +87,7 @@ class ListenConfig(Block):
 class ServerConfig(Block):
     max_body_bytes: Annotated[Count, Meta(description="Largest request body accepted, in bytes; a larger one is refused with 413 before it is read (0: no limit).")] = 16 * 1024 * 1024
     shutdown_grace_s: Annotated[Amount, Meta(description="After SIGTERM, how long requests in flight (streams included) may still run before they are cut, in seconds.")] = 30.0
-    workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway sharing one routing view with the others (view:); auto: as many as the CPUs of the cgroup's quota. --workers overrides it.")] = 1
+    workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway sharing one routing view with the others (view:); auto: as many as the CPUs of the cgroup's quota (and at most one per 256 MiB of its memory limit), or 1 when limits or the admin API are configured without state.redis_url (their counters and keys would be per process). --workers overrides it.")] = "auto"
     drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
     log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
     log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error; at warning or error the per-request line is not written either.")] = "info"

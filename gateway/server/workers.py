@@ -21,6 +21,8 @@ its figures (gateway/server/siblings.py). A restarted worker keeps its index, an
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import sys
@@ -28,8 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 RESTART_BACKOFF_S = 1.0
+WORKER_MEMORY_BYTES = 256 * 1024 * 1024    # auto: the cgroup's memory limit leaves each worker this much
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -61,9 +65,74 @@ def _cgroup_quota(root: Path) -> tuple[int, int] | None:
     return (quota, period) if quota > 0 and period > 0 else None
 
 
+def memory_limit(root: Path = CGROUP_ROOT) -> int | None:
+    """The cgroup's memory limit in bytes (v2 ``memory.max``, v1 ``memory.limit_in_bytes``: what a
+    Kubernetes memory limit sets), or None when there is none or it cannot be read."""
+    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text == "max":
+            return None
+        try:
+            n = int(text)
+        except ValueError:
+            return None
+        return n if 0 < n < 1 << 60 else None        # v1 writes a huge number for "no limit"
+    return None
+
+
+def auto_count(root: Path = CGROUP_ROOT) -> int:
+    """``auto``: a worker per CPU (``cpu_limit``), and no more than the cgroup's memory limit gives
+    ``WORKER_MEMORY_BYTES`` each (a pod with a memory limit and no CPU limit on a large node would
+    otherwise start a worker per node CPU)."""
+    n = cpu_limit(root)
+    mem = memory_limit(root)
+    if mem is not None:
+        n = min(n, max(1, mem // WORKER_MEMORY_BYTES))
+    return n
+
+
 def resolve_workers(value: int | str) -> int:
-    """``server.workers`` / ``--workers``: a count, or ``auto`` (= ``cpu_limit()``)."""
-    return cpu_limit() if value == "auto" else int(value)
+    """``server.workers`` / ``--workers``: a count, or ``auto`` (``auto_count()``)."""
+    return auto_count() if value == "auto" else int(value)
+
+
+def per_process_state(config: Any) -> str | None:
+    """What of ``config`` each worker would keep for itself, without ``state.redis_url`` to hold it
+    for all: rate limits (each worker would count apart, so a user would get N times the limit)
+    and the admin API's users and keys (one created through one worker is unknown to the others).
+    ``None`` when nothing: then ``auto`` may start a worker per CPU."""
+    if config.state.redis_url:
+        return None
+    lim = config.limits
+    why = []
+    if (any(u.any for u in lim.users.values()) or (lim.default_user is not None and lim.default_user.any)
+            or any(m.rps for m in lim.models.values())):
+        why.append("rate limits")
+    if config.auth.admin_token:
+        why.append("the admin API's users and keys")
+    return " and ".join(why) or None
+
+
+def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
+    """The worker count to run, and why ``auto`` ran one worker on a machine with more CPUs."""
+    n = resolve_workers(value)
+    if value == "auto" and n > 1:
+        why = per_process_state(config)
+        if why is not None:
+            return 1, why
+    return n, None
+
+
+def _die_with_parent(parent: int) -> bool:
+    """Ask for SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing); False
+    when the parent is already gone."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)       # PR_SET_PDEATHSIG = 1
+    return os.getppid() == parent
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +156,18 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
 
+    parent = os.getpid()
+
     def spawn(index: int) -> None:
         pid = os.fork()
         if pid == 0:  # the worker
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)    # until the worker's loop handles it
+            # a parent killed outright (SIGKILL, OOM) cannot forward a signal: the kernel sends the
+            # worker SIGTERM then, and it drains as at a stop, instead of serving on unsupervised
+            if not _die_with_parent(parent):
+                os._exit(0)
             code = 1
             try:
                 code = serve_one(index)

@@ -64,7 +64,7 @@ async def test_sighup_under_load_adds_an_endpoint_and_removes_another_with_no_fa
     port = free_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config_text(port, [a.url, b.url]))
-    async with gateway_process(path, port) as proc:
+    async with gateway_process(path, port, "--workers", "1") as proc:
         url = f"http://127.0.0.1:{port}"
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         outcomes: Counter[str] = Counter()

@@ -192,3 +192,70 @@ async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
         async with asyncio.timeout(20):
             code = await proc.wait()
     assert code == 0
+
+
+async def _started_workers(cfg: Path, port: int) -> tuple[int, str]:
+    """``python -m gateway --config cfg`` with no worker count: the workers it ran (status page),
+    and its stderr."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(30), aiohttp.ClientSession() as s:
+            while True:
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                        if r.status == 200:
+                            count = (await r.json())["gateway"]["workers"]["count"]
+                            break
+                await asyncio.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    return count, err.decode()
+
+
+@pytest.mark.timeout(90)
+async def test_by_default_a_worker_per_cpu_unless_limits_would_be_per_process(sims, tmp_path):
+    from gateway.server.workers import auto_count
+
+    sim = await sims("vllm", "m")
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    base = (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    cfg.write_text(base + "server: {drain_delay_s: 0, shutdown_grace_s: 5}\n")
+    count, err = await _started_workers(cfg, port)
+    assert count == auto_count()
+    assert "auto runs one worker" not in err
+    # rate limits kept in each process would multiply by the workers: auto runs one, and says why
+    cfg.write_text(base + "server: {drain_delay_s: 0, shutdown_grace_s: 5}\n"
+                   "limits: {users: {alice: {rpm: 60}}}\n")
+    count, err = await _started_workers(cfg, port)
+    assert count == 1
+    if auto_count() > 1:                   # (one CPU: one worker anyway, nothing to say)
+        line = next(json.loads(x) for x in err.splitlines() if "auto runs one worker" in x)
+        assert line["level"] == "warning" and "rate limits" in line["reason"] and line["cpus"] == auto_count()
+
+
+@pytest.mark.timeout(60)
+async def test_workers_stop_when_their_parent_is_killed_outright(sims, tmp_path):
+    """SIGKILL (or the OOM killer) gives the parent no chance to forward a signal: the workers get
+    SIGTERM from the kernel and stop, rather than serve on unsupervised."""
+    sim = await sims("vllm", "m")
+    port = free_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
+    async with asyncio.timeout(20):
+        while len(kids := children_of(proc.pid)) < 2 or len(listening_inodes(port)) < 2:
+            await asyncio.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    await proc.wait()
+    async with asyncio.timeout(15):
+        while any(Path(f"/proc/{k}").exists() and "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2]
+                  for k in kids):
+            await asyncio.sleep(0.05)
+    assert not listening_inodes(port)

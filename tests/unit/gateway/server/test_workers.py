@@ -1,4 +1,5 @@
-"""``server.workers: auto``: the CPUs of the cgroup's quota, capped by the CPUs the process may use."""
+"""``server.workers: auto``: the CPUs of the cgroup's quota, capped by the CPUs the process may use
+and by the cgroup's memory limit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import pytest
 
 from gateway.config.schema import ConfigError, load_config
-from gateway.server.workers import cpu_limit, resolve_workers
+from gateway.server.workers import WORKER_MEMORY_BYTES, auto_count, cpu_limit, memory_limit, resolve_workers
 
 AFFINITY = len(os.sched_getaffinity(0))
 
@@ -46,7 +47,26 @@ def test_cgroup_v1_unlimited(tmp_path):
 
 
 def test_resolve():
-    assert resolve_workers(3) == 3 and resolve_workers("auto") == cpu_limit()
+    assert resolve_workers(3) == 3 and resolve_workers("auto") == auto_count()
+
+
+def test_a_memory_limit_caps_auto_at_one_worker_per_share(tmp_path):
+    (tmp_path / "cpu.max").write_text("max 100000\n")              # no CPU limit: every allowed CPU
+    (tmp_path / "memory.max").write_text(f"{2 * WORKER_MEMORY_BYTES + 5}\n")
+    assert memory_limit(tmp_path) == 2 * WORKER_MEMORY_BYTES + 5
+    assert auto_count(tmp_path) == min(2, AFFINITY)
+    (tmp_path / "memory.max").write_text(f"{WORKER_MEMORY_BYTES // 2}\n")
+    assert auto_count(tmp_path) == 1                                 # never fewer than one
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory_limit(tmp_path) is None and auto_count(tmp_path) == AFFINITY
+
+
+def test_cgroup_v1_memory_limit(tmp_path):
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")   # v1's "none"
+    assert memory_limit(tmp_path) is None
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text(f"{WORKER_MEMORY_BYTES}\n")
+    assert memory_limit(tmp_path) == WORKER_MEMORY_BYTES and auto_count(tmp_path) == 1
 
 
 def test_config_accepts_auto_and_counts_only(tmp_path):
@@ -55,7 +75,30 @@ def test_config_accepts_auto_and_counts_only(tmp_path):
     f.write_text(base + "server:\n  workers: auto\n")
     assert load_config(str(f)).server.workers == "auto"
     f.write_text(base)
+    assert load_config(str(f)).server.workers == "auto"          # the default
+    f.write_text(base + "server:\n  workers: 1\n")
     assert load_config(str(f)).server.workers == 1
     f.write_text(base + "server:\n  workers: many\n")
     with pytest.raises(ConfigError, match="server.workers"):
         load_config(str(f))
+
+
+def test_auto_runs_one_worker_where_limits_or_admin_keys_would_be_per_process(monkeypatch):
+    from gateway.config.schema import config_from_dict
+    from gateway.server import workers as w
+
+    monkeypatch.setattr(w, "auto_count", lambda root=None: 4)
+    base = {"models": [{"name": "m", "engine": "vllm", "endpoints": ["http://127.0.0.1:9"]}]}
+
+    def run(extra, value="auto"):
+        return w.auto_workers(value, config_from_dict({**base, **extra}, source="<t>"))
+
+    assert run({}) == (4, None)
+    assert run({"limits": {"users": {"u": {"rpm": 10}}}}) == (1, "rate limits")
+    assert run({"limits": {"default_user": {"max_concurrent": 2}}}) == (1, "rate limits")
+    assert run({"limits": {"models": {"m": {"rps": 5}}}}) == (1, "rate limits")
+    assert run({"limits": {"users": {"u": {"priority": "critical"}}}}) == (4, None)     # a class, not a limit
+    assert run({"auth": {"admin_token": "t0ken"}}) == (1, "the admin API's users and keys")
+    # Redis holds them for every worker; an explicit count is the operator's choice
+    assert run({"auth": {"admin_token": "t0ken"}, "state": {"redis_url": "redis://127.0.0.1:1/0"}}) == (4, None)
+    assert run({"auth": {"admin_token": "t0ken"}}, 3) == (3, None)
