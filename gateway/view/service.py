@@ -28,7 +28,6 @@ the view is this process's own and nothing is sent.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import secrets
 import time
 from collections.abc import Sequence
@@ -109,7 +108,7 @@ class RoutingView:
         self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
         self._sent_load: dict[str, int] | None = None
         self._sent_load_at = 0.0
-        self._ticker: asyncio.Task | None = None
+        self._tick_at: asyncio.TimerHandle | None = None
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -132,10 +131,13 @@ class RoutingView:
         self.m.session(model, outcome)
 
     def on_decision(self, ireq: InferenceRequest, decision: Decision, fallbacks: Sequence, elapsed: float) -> None:
-        """A decision claim (its charge follows in the same step): the load goes out this turn."""
+        """A decision claim (its charge follows in the same step): the load goes out this turn, and
+        the ticker runs at ``load_interval_s`` until the load is back to nothing."""
         if not self._scheduled and self._loop is not None:
             self._scheduled = True
             self._loop.call_soon(self._flush)
+            if self.bus_load:
+                self._arm(self.cfg.load_interval_s)
 
     # -- publishing ----------------------------------------------------------------------------
 
@@ -188,7 +190,7 @@ class RoutingView:
         if self.bus_load:
             now = time.monotonic()
             snap = self._load()
-            if snap != self._sent_load or now - self._sent_load_at >= self.cfg.heartbeat_s:
+            if snap != self._sent_load or now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01:   # (a timer may fire a hair early)
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
         if bus is not None and (inserts or sessions or tokens or load is not None):
@@ -197,18 +199,32 @@ class RoutingView:
         if self.link is not None and (inserts or sessions):
             self.link.queue([*inserts, *sessions])
 
-    async def _tick(self) -> None:
+    def _arm(self, delay: float) -> None:
+        """The next tick within ``delay`` (an earlier one already armed stands)."""
+        loop = self._loop
+        if loop is None:
+            return
+        when = loop.time() + delay
+        h = self._tick_at
+        if h is not None:
+            if h.when() <= when:
+                return
+            h.cancel()
+        self._tick_at = loop.call_at(when, self._tick)
+
+    def _tick(self) -> None:
         """Workers: the load when it changed without a decision (requests ending), the heartbeat,
-        and silent siblings forgotten."""
-        interval = self.cfg.load_interval_s
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                if not self._scheduled:
-                    self._flush()
-                self._expire_peers()
-            except Exception:     # never let the ticker die: the siblings would see this one go silent
-                log.exception("shared routing view: tick failed")
+        and silent siblings forgotten. Every ``load_interval_s`` while this worker had requests in
+        flight at its last report (they end without a decision), else every ``heartbeat_s``: an
+        idle worker wakes four times a second, not fifty (a decision arms the short interval)."""
+        self._tick_at = None
+        try:
+            if not self._scheduled:
+                self._flush()
+            self._expire_peers()
+        except Exception:     # never let the ticker die: the siblings would see this one go silent
+            log.exception("shared routing view: tick failed")
+        self._arm(self.cfg.load_interval_s if self._sent_load else self.cfg.heartbeat_s)
 
     # -- applying ------------------------------------------------------------------------------
 
@@ -307,18 +323,16 @@ class RoutingView:
         if self.bus is not None:
             self.bus.open()
             if self.bus_load:
-                self._ticker = asyncio.create_task(self._tick(), name="view-tick")
+                self._arm(self.cfg.load_interval_s)
         if self.link is not None:
             self.link.start()
         log.info("shared routing view", workers_bus=self.bus is not None, bus_load=self.bus_load,
                  replicas=self.link is not None, sender=self.sender)
 
     async def stop(self) -> None:
-        if self._ticker is not None:
-            self._ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._ticker
-            self._ticker = None
+        if self._tick_at is not None:
+            self._tick_at.cancel()
+            self._tick_at = None
         if self.bus is not None:
             self.bus.close()
         if self.link is not None:

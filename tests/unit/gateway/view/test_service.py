@@ -169,3 +169,28 @@ async def test_share_tokens_off_sends_no_tokens():
         await a.stop()
         await b.stop()
         d.close()
+
+
+async def test_an_idle_worker_ticks_at_the_heartbeat_and_a_request_ending_is_heard_at_once():
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.2, peer_ttl_s=1.0, load_interval_s=0.01)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    try:
+        await a.start()
+        await b.start()
+        await asyncio.sleep(0.1)
+        ticks = []
+        expire = a._expire_peers
+        a._expire_peers = lambda: (ticks.append(1), expire())      # once a tick
+        await asyncio.sleep(0.6)
+        assert 1 <= len(ticks) <= 5                # at the heartbeat (0.2 s), not every 10 ms
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        ea[0].in_flight = 1                        # a request routed: its decision arms the short interval
+        a.on_decision(None, None, (), 0.0)
+        await until(lambda: eb[0].remote_in_flight == 1, timeout=1)
+        ea[0].in_flight = 0                        # it ends, with no decision: heard within the interval
+        await until(lambda: eb[0].remote_in_flight == 0, timeout=0.15)
+    finally:
+        await a.stop()
+        await b.stop()
+        d.close()
