@@ -89,7 +89,7 @@ def main() -> None:
             for p, s in zip(ports, sims, strict=True):
                 wait_port(p, s)
             with open(d / "gw.log", "wb") as log:
-                gw = start_group([sys.executable, "-m", "gateway", "--config", str(cfg), "--port", str(gport)],
+                gw = start_group([sys.executable, "-m", "gateway", "--config", str(cfg), "--port", str(gport), "--workers", "1"],
                                  stdout=log, stderr=log)
             wait_port(gport, gw)
             r = asyncio.run(run(a.lines, d, gport, gw.pid))

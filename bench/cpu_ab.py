@@ -65,7 +65,7 @@ def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
                    f"routing: {{strategy: round-robin}}\n"
                    f"models:\n  - name: m\n    engine: vllm\n    endpoints: [{', '.join(urls)}]\n")
     with open(workdir / f"{name}.log", "wb") as err:
-        p = subprocess.Popen([PY, "-m", "gateway", "--config", str(cfg)], cwd=tree, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen([PY, "-m", "gateway", "--config", str(cfg), "--workers", "1"], cwd=tree, stdout=subprocess.DEVNULL,
                              stderr=err, start_new_session=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", **(env or {})})
     wait_ready(name, p, port, 60, "m")
     return p, port

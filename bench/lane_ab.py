@@ -130,7 +130,7 @@ def main() -> None:
                 cfg, port = Path(d) / f"{lane}.yaml", free_port()
                 cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\n  fast_lane: {lane}\n"
                                f"models:\n  - name: m\n    engine: {a.engine}\n    endpoints: [http://127.0.0.1:{be_port}]\n")
-                p = start_group([PY, "-m", "gateway", "--config", str(cfg), "--port", str(port)],
+                p = start_group([PY, "-m", "gateway", "--config", str(cfg), "--port", str(port), "--workers", "1"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
                 procs.append(p)
                 wait_port(port, p)

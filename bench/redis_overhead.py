@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = free_port()
                 path = tmp / f"{mode}.yaml"
                 path.write_text(yaml.safe_dump(config(port, f"http://127.0.0.1:{bport}", mode, redis.url)))
-                gw = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=REPO,
+                gw = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--workers", "1"], cwd=REPO,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
                 procs.append(gw)
                 try:

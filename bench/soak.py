@@ -549,7 +549,7 @@ async def soak(st: Settings) -> dict:
         gport = free_port()
         cfg_path = st.out / "switchyard.yaml"
         cfg_path.write_text(gateway_config(gport, st, models))
-        gw = procs.start("gateway", [sys.executable, "-m", "gateway", "--config", str(cfg_path)])
+        gw = procs.start("gateway", [sys.executable, "-m", "gateway", "--config", str(cfg_path), "--workers", "1"])
         base = f"http://127.0.0.1:{gport}"
         if not await wait_http(session, base + "/ready", gw, 30):
             raise SetupError(f"the gateway did not become ready (see {st.out}/gateway.log)")

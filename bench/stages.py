@@ -13,7 +13,7 @@ load generator (``bench/loadgen.py``, concurrency ``--concurrency``) on 127.0.0.
   pipeline): what forwarding costs;
 - **vllm-router**, when ``make bench-peers`` installed it: the same load through it, as the
   reference the overhead targets are stated against;
-- **gateway**: ``python -m gateway`` at its defaults (request log on, JSON to a file), with the
+- **gateway**: ``python -m gateway`` at its defaults but one worker (request log on, JSON to a file; the process measured), with the
   pipeline's stages wrapped in thread-CPU timers (``time.thread_time``, which a preemption does
   not inflate). The wrapping adds about a microsecond per stage.
 
@@ -206,7 +206,7 @@ def main() -> None:
             cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n"
                            f"    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
             with open(log, "wb") as err:
-                gw = subprocess.Popen([PY, "-c", STAGES, str(out), "--config", str(cfg), "--port", str(gw_port)],
+                gw = subprocess.Popen([PY, "-c", STAGES, str(out), "--config", str(cfg), "--port", str(gw_port), "--workers", "1"],
                                       stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, cwd=REPO)
             try:
                 wait_port(gw_port, gw)

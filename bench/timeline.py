@@ -2,7 +2,7 @@
 
 At low load every request finds the CPU's caches cold, so the gateway's own steps take many
 times what they take under load (aiohttp's parser alone: about 3 µs hot, 40-60 µs after 5 ms of
-other work). This runs ``python -m gateway`` at its defaults (request log on, JSON to a file)
+other work). This runs ``python -m gateway`` at its defaults but one worker (request log on, JSON to a file)
 behind the fast backend (``bench/fastbackend.py``), drives it with the load generator at
 concurrency 1 (``--mode stream`` paced, or ``nonstream``), and stamps ``time.perf_counter_ns``
 at the steps of each request, from the first byte read from the client to the first byte written
@@ -200,7 +200,7 @@ def main() -> None:
         try:
             wait_port(be_port, backend)
             with open(log, "wb") as err:
-                gw = start_group([PY, "-c", STAMPS, str(out), "--config", str(cfg), "--port", str(gw_port)],
+                gw = start_group([PY, "-c", STAMPS, str(out), "--config", str(cfg), "--port", str(gw_port), "--workers", "1"],
                                  stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
             try:
                 wait_port(gw_port, gw)
