@@ -497,6 +497,25 @@ def rss_sum(pids: list[int]) -> int:
     return -1 if any(v < 0 for v in values) else sum(values)
 
 
+def pss_bytes(pid: int) -> int:
+    """A process's proportional set size (``/proc/PID/smaps_rollup``): each page it shares counted
+    as its share. Summed over a parent and its forked workers it counts their shared pages once,
+    where their RSS counts them once per process. -1 when unreadable."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+def pss_sum(pids: list[int]) -> int:
+    values = [pss_bytes(p) for p in pids]
+    return -1 if any(v < 0 for v in values) else sum(values)
+
+
 def peer_version(venv: Path, dist: str) -> str:
     try:
         out = subprocess.run([str(venv / "bin" / "python"), "-c",
@@ -826,6 +845,7 @@ class Runner:
     def stop(self, stack: Stack) -> None:
         for t in stack.targets:
             t.rss.setdefault("end", rss_sum(t.measured(stack.backend_pid)))
+            t.rss.setdefault("end_pss", pss_sum(t.measured(stack.backend_pid)))
         time.sleep(0.2)   # let buffered log lines reach the files
         for t in stack.targets:
             if t.log is not None:

@@ -395,8 +395,8 @@ def _memory_tables(report: dict, L: list[str]) -> None:
     for s in idle_scs:
         head += f" {s['name']}: held MB | {s['name']}: KB/stream | {s['name']}: after close MB |"
         sep += "---:|---:|---:|"
-    L.append(head + " RSS after the whole run MB |")
-    L.append(sep + "---:|")
+    L.append(head + " RSS after the whole run MB | PSS after the whole run MB |")
+    L.append(sep + "---:|---:|")
     for t in targets:
         n = t["name"]
         row = f"| {n}{' (backend)' if n == 'direct' else ''} | {fmt(_div(t['rss'].get('start'), mb), 1)} | " \
@@ -410,9 +410,13 @@ def _memory_tables(report: dict, L: list[str]) -> None:
             row += (f" {fmt(_div(a.get('rss_held'), mb), 1)}{bad} | "
                     f"{fmt(_div(a.get('bytes_per_stream'), 1024), 1)} | "
                     f"{fmt(_div(a.get('rss_after_close'), mb), 1)} |")
-        L.append(row + f" {fmt(_div(t['rss'].get('end'), mb), 1)} |")
+        pss = t["rss"].get("end_pss")
+        L.append(row + f" {fmt(_div(t['rss'].get('end'), mb), 1)} | {fmt(_div(pss, mb), 1)} |")
     L.append("")
-    L.append("Direct's row is the fast backend's own memory (a reference, not a gateway). "
+    L.append("RSS of several processes (a parent and its workers) is their sum, which counts the pages "
+             "they share after the fork once per process; PSS counts each shared page as each process's share, "
+             "so its sum is what they hold together. "
+             "Direct's row is the fast backend's own memory (a reference, not a gateway). "
              "KB/stream = (RSS held − RSS before) / streams held; a gateway holds two sockets per stream. "
              "After close: once the clients left and the backend ended any stream still open.")
     for s in idle_scs:
