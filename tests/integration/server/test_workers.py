@@ -45,14 +45,19 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
+def one_engine_config(tmp_path: Path, port: int, url: str, grace: float) -> Path:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   f"server: {{drain_delay_s: 0, shutdown_grace_s: {grace}, log_level: warning}}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
+    return cfg
+
+
 @pytest.mark.timeout(60)
 async def test_two_workers_share_the_port_and_drain(sims, tmp_path):
     sim = await sims("vllm", "m")
     port = free_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=5)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.PIPE)
     try:
@@ -128,10 +133,7 @@ async def fresh_get(url: str) -> tuple[int, str, dict]:
 async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
     sim = await sims("vllm", "m")
     port = free_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=5)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
@@ -243,10 +245,7 @@ async def test_workers_stop_when_their_parent_is_killed_outright(sims, tmp_path)
     SIGTERM from the kernel and stop, rather than serve on unsupervised."""
     sim = await sims("vllm", "m")
     port = free_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=2)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
     async with asyncio.timeout(20):
