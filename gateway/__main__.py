@@ -87,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     if single is not None:
         import structlog
         structlog.get_logger("switchyard").warning(
-            "workers: auto runs one worker", reason=f"{single} are kept per process without state.redis_url",
-            cpus=auto_count())
+            "workers: auto runs fewer workers than CPUs", workers=workers, reason=single, cpus=auto_count())
     resolved.append(workers)
     config = config.with_workers(workers)
 

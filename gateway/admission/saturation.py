@@ -28,9 +28,14 @@ Three signals, each with its threshold (``admission:`` in the config):
   plus what was already on it at the first scrape, before the capacity is known — no flood.
 
 With ``--workers N`` each worker sees only its own requests, so the room a threshold leaves is
-shared: a worker's room is ``1/N`` of it, less what it used itself. For the engine's queue that is
-``(max_waiting - (R + W - C)) / N - (F - F0)``, for the in-flight cap ``max_in_flight / N - F``:
-added over the workers, the gateway's room, as one process would have (docs/tenancy.md).
+shared: a worker's room is its share of it, less what it used itself. For the engine's queue that
+is ``share(max_waiting - (R + W - C - (F - F0))) - (F - F0)``, for the in-flight cap
+``share(max_in_flight) - F``. A share is whole: the room's ``T`` slots are dealt out as
+``(T + k) // N`` with ``k`` this worker's turn on the endpoint, so the shares add up to exactly
+``T``, the gateway's room as one process would have it (docs/tenancy.md), and a room smaller than
+``N`` is not cut into fractions that each round down to nothing (a ``max_waiting`` of 1 over two
+workers left the engine's queue empty, its slots idle between scrapes). Which worker gets a
+remainder differs from endpoint to endpoint.
 
 Engine metrics older than ``metrics_max_age_s`` (or none yet) make the endpoint saturated: a
 silent engine is not an idle one (fail closed, as llm-d's saturation detector does).
@@ -42,6 +47,7 @@ nothing here needs a timer: the queue is pumped on exactly those two events.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -49,6 +55,7 @@ from gateway.endpoints import Endpoint, EngineMetrics
 
 UNBOUNDED = 1 << 30          # the headroom of an endpoint no threshold limits
 _KEY = "admission_baseline"  # where an endpoint keeps its Baseline (Endpoint.extra)
+_SALT = "admission_salt"     # an endpoint's turn offset among the workers (Endpoint.extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +65,8 @@ class Thresholds:
     max_in_flight: int = 0
     max_age: float = 5.0
     engine_signals: bool = True          # scrape.enabled: read the engines' own figures
-    workers: int = 1                     # --workers: each worker has 1/workers of the room
+    workers: int = 1                     # --workers: each worker has its share of the room
+    index: int = 0                       # this worker's index among them
     initial_capacity: int = 1            # the slow-start window before the capacity is known
 
 
@@ -145,13 +153,24 @@ def baseline(ep: Endpoint) -> Baseline:
     return b
 
 
+def share(room: float, th: Thresholds, ep: Endpoint) -> int:
+    """This worker's whole share of ``room`` slots (floored) dealt over the workers: ``(T + k) // N``
+    with ``k`` the worker's turn on this endpoint, so the shares add up to ``T``."""
+    t = math.floor(room)
+    n = th.workers
+    salt = ep.extra.get(_SALT)
+    if salt is None:
+        salt = ep.extra[_SALT] = zlib.crc32(ep.url.encode())    # the same in every worker
+    return (t + (th.index + salt) % n) // n
+
+
 def estimate(ep: Endpoint, th: Thresholds, now: float) -> Estimate:
     load = gateway_load(ep)
     room: float = math.inf
     reason: str | None = None
     waiting: float | None = None
     if th.max_in_flight:
-        room, reason = (th.max_in_flight if th.workers == 1 else th.max_in_flight / th.workers) - load, "in_flight"
+        room, reason = (th.max_in_flight if th.workers == 1 else share(th.max_in_flight, th, ep)) - load, "in_flight"
     if th.engine_signals:
         b = baseline(ep)
         m = b.snapshot
@@ -164,7 +183,7 @@ def estimate(ep: Endpoint, th: Thresholds, now: float) -> Estimate:
                 r = th.max_waiting - waiting
             else:       # the engine's queue at the scrape is everyone's; what was sent since, this worker's
                 sent = load - b.in_flight
-                r = (th.max_waiting - (waiting - sent)) / th.workers - sent
+                r = share(th.max_waiting - (waiting - sent), th, ep) - sent
             if r < room:
                 room, reason = r, "waiting"
         if m.kv_usage is not None and m.kv_usage >= th.max_kv:

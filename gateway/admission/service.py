@@ -104,6 +104,7 @@ class Admission:
         self.m = AdmissionMetrics(metrics.registry)
         self._models: dict[str, ModelQueue] = {}
         self.workers = 1
+        self.worker_index = 0
         self.slo_counts: dict[str, dict[str, dict[str, int]]] = {}     # model → objective → outcome → count
         self.reconfigure(config)
         metrics.registry.register(_AdmissionState(self))
@@ -118,10 +119,11 @@ class Admission:
         for model in list(self._models):
             self._pump(model)
 
-    def set_workers(self, n: int) -> None:
-        """This process is one of ``n`` workers (``--workers``): the configured bounds are the
-        gateway's, so it takes ``1/n`` of each (docs/tenancy.md, "Several workers")."""
+    def set_workers(self, n: int, index: int = 0) -> None:
+        """This process is worker ``index`` of ``n`` (``--workers``): the configured bounds are the
+        gateway's, so it takes its share of each (docs/tenancy.md, "Several workers")."""
         self.workers = max(1, n)
+        self.worker_index = index
         self.reconfigure(self.config)
 
     def settings(self, model: str) -> AdmissionConfig | None:
@@ -138,7 +140,8 @@ class Admission:
             if s is not None:
                 self._thresholds[model] = Thresholds(s.max_waiting_per_endpoint, s.max_kv_usage,
                                                      s.max_in_flight_per_endpoint, s.metrics_max_age_s,
-                                                     self.engine_signals, self.workers, s.initial_capacity)
+                                                     self.engine_signals, self.workers, self.worker_index,
+                                                     s.initial_capacity)
                 th = self._thresholds[model]
                 self._by_class[model] = [
                     replace(th, max_waiting=s.waiting_share.limit(r, s.max_waiting_per_endpoint))

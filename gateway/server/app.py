@@ -154,7 +154,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     pool = pool if pool is not None else pool_from_config(config)
     s = build_services(config, pool, _view_slot(worker))
     if worker is not None:          # admission's bounds are the gateway's: each worker takes its share
-        s.admission.set_workers(worker.count)
+        s.admission.set_workers(worker.count, worker.index)
     metrics, lifecycle = s.metrics, s.lifecycle
     tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
     tracing = s.tracing if isinstance(s.tracing, Tracing) else None

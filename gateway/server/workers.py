@@ -117,12 +117,19 @@ def per_process_state(config: Any) -> str | None:
 
 
 def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
-    """The worker count to run, and why ``auto`` ran one worker on a machine with more CPUs."""
+    """The worker count to run, and why ``auto`` ran fewer workers than the machine's CPUs: one
+    when state would be per process (``per_process_state``), and no more than the smallest
+    ``admission.max_in_flight_per_endpoint`` (each worker takes a whole share of that cap: with more
+    workers than it, some would have none on an endpoint)."""
     n = resolve_workers(value)
     if value == "auto" and n > 1:
         why = per_process_state(config)
         if why is not None:
-            return 1, why
+            return 1, f"{why} are kept per process without state.redis_url"
+        blocks = [config.admission, *(m.admission for m in config.models if getattr(m, "admission", None))]
+        caps = [a.max_in_flight_per_endpoint for a in blocks if a.enabled and a.max_in_flight_per_endpoint]
+        if caps and min(caps) < n:
+            return min(caps), f"admission.max_in_flight_per_endpoint is {min(caps)}: a worker's share of it is whole"
     return n, None
 
 

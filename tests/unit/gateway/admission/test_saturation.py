@@ -115,11 +115,39 @@ def test_several_workers_share_the_room_a_threshold_leaves():
     assert estimate(e, two, 100.5).headroom == 1
     e.in_flight = 3                                     # two of its requests finished: two slots freed
     assert estimate(e, two, 100.5).headroom == 3
-    capped = Thresholds(max_in_flight=5, engine_signals=False, workers=2)
+    # the cap of 5 dealt over two workers: 3 and 2, never more than the cap in all
     e.in_flight = 2
-    assert estimate(e, capped, 100.0).headroom == 0     # 2.5 each, rounded down: at most the cap in all
-    e.in_flight = 1
-    assert estimate(e, capped, 100.0).headroom == 1
+    rooms = [estimate(e, Thresholds(max_in_flight=5, engine_signals=False, workers=2, index=i), 100.0).headroom
+             for i in range(2)]
+    assert sorted(rooms) == [0, 1]
+
+
+def test_a_room_smaller_than_the_workers_is_dealt_whole_not_cut_to_nothing():
+    """``max_waiting_per_endpoint: 1`` over two workers: half a slot each rounded down to none left
+    the engine's queue empty and its running slots idle between scrapes. Dealt whole, one worker
+    may keep one request waiting; together they never pass the bound."""
+    e = endpoint()
+    e.in_flight = 4
+    one = [Thresholds(max_waiting=1, max_kv=0.8, max_in_flight=0, max_age=5.0, workers=2, index=i) for i in range(2)]
+    scrape(e, 100.0, running=4, waiting=0)              # capacity 4 (told), none waiting: room 1 in all
+    e.metrics = EngineMetrics(scraped_at=100.0, running=4, waiting=0, kv_usage=0.1, max_running=4)
+    for th in one:
+        estimate(e, th, 100.0)
+    assert sorted(estimate(e, th, 100.0).headroom for th in one) == [0, 1]
+    # an in-flight cap of 1 over two workers: one of them may use the endpoint, not neither
+    e2 = endpoint()
+    caps = [Thresholds(max_in_flight=1, engine_signals=False, workers=2, index=i) for i in range(2)]
+    assert sorted(estimate(e2, th, 100.0).headroom for th in caps) == [0, 1]
+
+
+@given(st.integers(-20, 200), st.integers(1, 9), st.integers(1, 65535))
+def test_the_workers_shares_add_up_to_the_room(room, workers, port):
+    from gateway.admission.saturation import share
+    from gateway.endpoints import Endpoint
+
+    ep = Endpoint(url=f"http://10.0.0.1:{port}", model="m")
+    shares = [share(room, Thresholds(workers=workers, index=i), ep) for i in range(workers)]
+    assert sum(shares) == room and max(shares) - min(shares) <= 1
 
 
 def test_several_workers_split_the_queue_bounds():

@@ -94,11 +94,17 @@ def test_auto_runs_one_worker_where_limits_or_admin_keys_would_be_per_process(mo
         return w.auto_workers(value, config_from_dict({**base, **extra}, source="<t>"))
 
     assert run({}) == (4, None)
-    assert run({"limits": {"users": {"u": {"rpm": 10}}}}) == (1, "rate limits")
-    assert run({"limits": {"default_user": {"max_concurrent": 2}}}) == (1, "rate limits")
-    assert run({"limits": {"models": {"m": {"rps": 5}}}}) == (1, "rate limits")
+    per_process = "{} are kept per process without state.redis_url"
+    assert run({"limits": {"users": {"u": {"rpm": 10}}}}) == (1, per_process.format("rate limits"))
+    assert run({"limits": {"default_user": {"max_concurrent": 2}}}) == (1, per_process.format("rate limits"))
+    assert run({"limits": {"models": {"m": {"rps": 5}}}}) == (1, per_process.format("rate limits"))
     assert run({"limits": {"users": {"u": {"priority": "critical"}}}}) == (4, None)     # a class, not a limit
-    assert run({"auth": {"admin_token": "t0ken"}}) == (1, "the admin API's users and keys")
+    assert run({"auth": {"admin_token": "t0ken"}}) == (1, per_process.format("the admin API's users and keys"))
+    # an in-flight cap per endpoint below the CPUs: no more workers than it (each takes a whole share)
+    n, why = run({"admission": {"enabled": True, "max_in_flight_per_endpoint": 3}})
+    assert n == 3 and "max_in_flight_per_endpoint is 3" in why
+    assert run({"admission": {"enabled": False, "max_in_flight_per_endpoint": 3}}) == (4, None)
+    assert run({"admission": {"enabled": True, "max_in_flight_per_endpoint": 8}}) == (4, None)
     # Redis holds them for every worker; an explicit count is the operator's choice
     assert run({"auth": {"admin_token": "t0ken"}, "state": {"redis_url": "redis://127.0.0.1:1/0"}}) == (4, None)
     assert run({"auth": {"admin_token": "t0ken"}}, 3) == (3, None)
