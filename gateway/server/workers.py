@@ -117,19 +117,20 @@ def per_process_state(config: Any) -> str | None:
 
 
 def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
-    """The worker count to run, and why ``auto`` ran fewer workers than the machine's CPUs: one
-    when state would be per process (``per_process_state``), and no more than the smallest
-    ``admission.max_in_flight_per_endpoint`` (each worker takes a whole share of that cap: with more
-    workers than it, some would have none on an endpoint)."""
+    """The worker count to run, and why ``auto`` ran one worker on a machine with more CPUs: state
+    that would be per process (``per_process_state``), or admission control, whose priority is
+    strict within a process only (each worker queues its own clients' requests and takes a share of
+    the engines' room: a critical request waiting in one worker does not hold back a sheddable one
+    another worker has room for; at three times capacity two workers shed critical requests one
+    worker serves)."""
     n = resolve_workers(value)
     if value == "auto" and n > 1:
         why = per_process_state(config)
         if why is not None:
             return 1, f"{why} are kept per process without state.redis_url"
         blocks = [config.admission, *(m.admission for m in config.models if getattr(m, "admission", None))]
-        caps = [a.max_in_flight_per_endpoint for a in blocks if a.enabled and a.max_in_flight_per_endpoint]
-        if caps and min(caps) < n:
-            return min(caps), f"admission.max_in_flight_per_endpoint is {min(caps)}: a worker's share of it is whole"
+        if any(a.enabled for a in blocks):
+            return 1, "admission's priority classes are strict within one process only"
     return n, None
 
 

@@ -100,11 +100,13 @@ def test_auto_runs_one_worker_where_limits_or_admin_keys_would_be_per_process(mo
     assert run({"limits": {"models": {"m": {"rps": 5}}}}) == (1, per_process.format("rate limits"))
     assert run({"limits": {"users": {"u": {"priority": "critical"}}}}) == (4, None)     # a class, not a limit
     assert run({"auth": {"admin_token": "t0ken"}}) == (1, per_process.format("the admin API's users and keys"))
-    # an in-flight cap per endpoint below the CPUs: no more workers than it (each takes a whole share)
-    n, why = run({"admission": {"enabled": True, "max_in_flight_per_endpoint": 3}})
-    assert n == 3 and "max_in_flight_per_endpoint is 3" in why
+    # admission's priority is strict within a process: one worker, whichever block enables it
+    adm = (1, "admission's priority classes are strict within one process only")
+    assert run({"admission": {"enabled": True}}) == adm
+    model = {"name": "m", "engine": "vllm", "endpoints": ["http://127.0.0.1:9"], "admission": {"enabled": True}}
+    assert run({"models": [model]}) == adm
     assert run({"admission": {"enabled": False, "max_in_flight_per_endpoint": 3}}) == (4, None)
-    assert run({"admission": {"enabled": True, "max_in_flight_per_endpoint": 8}}) == (4, None)
+    assert run({"admission": {"enabled": True}}, 2) == (2, None)          # an explicit count: shares
     # Redis holds them for every worker; an explicit count is the operator's choice
     assert run({"auth": {"admin_token": "t0ken"}, "state": {"redis_url": "redis://127.0.0.1:1/0"}}) == (4, None)
     assert run({"auth": {"admin_token": "t0ken"}}, 3) == (3, None)
