@@ -113,6 +113,7 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
         apis.update(dict.fromkeys(api.paths, api))
     observers.append(PathRequests(metrics.registry).on_request)   # switchyard_path_requests_total
     view = RoutingView(config, pool, metrics, slot)   # gateway/view: one routing view for workers and replicas
+    view.attach_breakers(breakers)                    # a sibling's ejections are this worker's too
     responses.lineage = view.sessions                 # response id → the endpoint that answered it
     claims = [breakers.on_decision]                   # half-open trial slots, before the leg
     if view.bus_load:

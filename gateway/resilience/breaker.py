@@ -13,6 +13,12 @@ States: **closed** (serving), **open** (ejected: routers see the endpoint as not
 - half-open lets ``half_open_trials`` requests through at a time; ``success_threshold`` successes
   close it, one fault opens it again (a longer ejection).
 
+With several workers (``--workers N``) each keeps its own breakers, fed by its own legs, and tells
+its siblings what it decided (``on_change``, gateway/view): an ejection is adopted for the time the
+sibling set (``adopt_open``), a close after the sibling's trials passed closes here too
+(``adopt_close``). So a sick engine is ejected by the first worker to see enough faults, not by
+each after its own share of them.
+
 ``max_ejection_percent`` bounds the ejected share of an endpoint's group (the model's endpoints of
 the same kind: whole-request, prefill or decode). As in Envoy, one ejection is always allowed, but
 never of the group's last ready endpoint: a breaker never empties a pool. A refused ejection is
@@ -164,6 +170,8 @@ class Breakers:
         self.metrics.states = BreakerStates(self)
         registry.register(self.metrics.states)
         self._children: dict[tuple, Any] = {}
+        # told of each local open (ep, open_for, ejections) and close (ep, 0.0, 0): the sibling workers
+        self.on_change: Callable[[Endpoint, float, int], None] | None = None
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -259,6 +267,41 @@ class Breakers:
         log.warning("breaker opened", model=ep.model, endpoint=ep.name, reason=reason, ejections=b.ejections,
                     open_for_s=b.open_for, window_faults=faults, window_outcomes=total)
         self._schedule(b, b.open_for, lambda: self._half_open(ep, b))
+        if self.on_change is not None:
+            self.on_change(ep, b.open_for, b.ejections)
+
+    def adopt_open(self, ep: Endpoint, open_for: float, ejections: int) -> bool:
+        """A sibling worker ejected ``ep`` for ``open_for`` seconds: so does this one (unless it is
+        open already, or the ejection would empty its group here); whether it did."""
+        cfg = self.config_for(ep.model)
+        if not cfg.enabled or open_for <= 0:
+            return False
+        b = self.breaker(ep)
+        if b.state == OPEN:
+            return False
+        if b.state == CLOSED and not self._may_eject(ep):
+            self._child(self.metrics.capped, ep.model).inc()
+            return False
+        now = self.clock()
+        b.ejections = max(b.ejections, ejections)
+        b.open_for = open_for
+        b.opened_at = now
+        b.consecutive = b.trials_out = b.trial_successes = 0
+        b.clear_window()
+        self._move(ep, b, OPEN)
+        ep.ejected = True
+        log.warning("breaker opened", model=ep.model, endpoint=ep.name, reason="sibling", ejections=b.ejections,
+                    open_for_s=open_for)
+        self._schedule(b, open_for, lambda: self._half_open(ep, b))
+        return True
+
+    def adopt_close(self, ep: Endpoint) -> bool:
+        """A sibling's trials found ``ep`` healthy: its breaker here closes too; whether it was open."""
+        entry = self._by_ep.get(id(ep))
+        if entry is None or entry[0] is not ep or entry[1].state == CLOSED:
+            return False
+        self._close(ep, entry[1], self.clock(), told=True)
+        return True
 
     def _half_open(self, ep: Endpoint, b: Breaker) -> None:
         if b.state != OPEN or self.state(ep) != OPEN:
@@ -299,14 +342,16 @@ class Breakers:
                 return
         ep.ejected = b.trials_out >= cfg.half_open_trials
 
-    def _close(self, ep: Endpoint, b: Breaker, now: float) -> None:
+    def _close(self, ep: Endpoint, b: Breaker, now: float, told: bool = False) -> None:
         b.consecutive = b.trials_out = b.trial_successes = 0
         b.closed_at = now
         b.clear_window()
         self._cancel(b)
         self._move(ep, b, CLOSED)
         ep.ejected = False
-        log.info("breaker closed", model=ep.model, endpoint=ep.name)
+        log.info("breaker closed", model=ep.model, endpoint=ep.name, by_sibling=told)
+        if self.on_change is not None and not told:
+            self.on_change(ep, 0.0, 0)
 
     # -- plumbing ------------------------------------------------------------------------------
 

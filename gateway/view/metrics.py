@@ -42,7 +42,8 @@ class ViewMetrics:
                                ["source", "reason"], registry=r)
         self.applied = Counter("switchyard_view_facts_applied",
                                "Facts from other processes applied to this one's view (insert: a prefix-index "
-                               "insertion; session; load: one sibling's in-flight counts; tokens: a sibling's tokenized "
+                               "insertion; session; load: one sibling's in-flight counts; breaker: a sibling's ejection or "
+                               "close adopted; tokens: a sibling's tokenized "
                                "prompt segment new to this worker; unknown_endpoint: "
                                "naming an endpoint this process does not have, skipped)",
                                ["source", "kind"], registry=r)

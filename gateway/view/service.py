@@ -17,7 +17,10 @@ own view, without telling anyone again:
   segments a worker tokenized (``KVEventsManager.on_tokens`` → ``adopt_tokens``): a conversation
   whose next turn the kernel gives the other worker, or a system prompt the other worker meets
   first, is not tokenized again there. They are not urgent (the next turn is seconds away), so they
-  ride with the next batch, or leave within ``view.load_interval_s``.
+  ride with the next batch, or leave within ``view.load_interval_s``;
+* between workers, circuit breakers' ejections and closes (``Breakers.on_change`` →
+  ``adopt_open`` / ``adopt_close``): a sick engine is ejected in every worker once one has seen
+  enough faults.
 
 Nothing waits: a decision appends its facts to this process's outbox and the batch leaves once per
 event-loop turn (``loop.call_soon``), to the siblings over the local bus (``gateway.view.bus``)
@@ -44,7 +47,7 @@ from gateway.request import InferenceRequest
 from gateway.view.bus import LocalBus
 from gateway.view.metrics import ViewMetrics
 from gateway.view.replicas import ReplicaLink
-from gateway.view.wire import Batch, Insert, Session, Tokens, decode, encode, endpoint_key, tokens_size
+from gateway.view.wire import Batch, Eject, Insert, Session, Tokens, decode, encode, endpoint_key, tokens_size
 from routers.base import Decision, RouterContext
 from routers.prefix_index import PrefixIndex
 from routers.session_map import RESPONSE, SessionMap
@@ -98,6 +101,8 @@ class RoutingView:
         self.share_tokens = self.bus is not None and cfg.share_tokens
         self._tokens: list[Tokens] = []
         self._tokens_timer: asyncio.TimerHandle | None = None
+        self._breakers: Any = None           # this process's circuit breakers (gateway.resilience.breaker)
+        self._ejects: list[Eject] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inserts: list[Insert] = []
         self._sessions: list[Session] = []
@@ -126,6 +131,19 @@ class RoutingView:
         self._kv = kv
         if kv is not None and self._loop is not None and self.share_tokens:
             kv.on_tokens(self._on_tokens)
+
+    def attach_breakers(self, breakers: Any) -> None:
+        """This process's circuit breakers: their opens and closes go to the siblings, the
+        siblings' are adopted."""
+        self._breakers = breakers
+        if self._loop is not None and self.bus is not None:
+            breakers.on_change = self._on_breaker
+
+    def _on_breaker(self, ep: Endpoint, open_for: float, ejections: int) -> None:
+        self._ejects.append(Eject(self._key(ep), open_for, ejections))
+        if not self._scheduled and self._loop is not None:
+            self._scheduled = True
+            self._loop.call_soon(self._flush)
 
     def on_session(self, model: str, outcome: str) -> None:
         self.m.session(model, outcome)
@@ -176,7 +194,9 @@ class RoutingView:
 
     def _flush(self, heartbeat: bool = False) -> None:
         self._scheduled = False
-        inserts, sessions, tokens = self._inserts, self._sessions, self._tokens
+        inserts, sessions, tokens, ejects = self._inserts, self._sessions, self._tokens, self._ejects
+        if ejects:
+            self._ejects = []
         if inserts:
             self._inserts = []
         if sessions:
@@ -193,8 +213,9 @@ class RoutingView:
             if snap != self._sent_load or now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01:   # (a timer may fire a hair early)
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
-        if bus is not None and (inserts or sessions or tokens or load is not None):
-            payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens)
+        if bus is not None and (inserts or sessions or tokens or ejects or load is not None):
+            payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens,
+                              ejects)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
         if self.link is not None and (inserts or sessions):
             self.link.queue([*inserts, *sessions])
@@ -276,6 +297,17 @@ class RoutingView:
                 self.sessions.apply(s.key, ep, s.tag)
                 n += 1
             m.gm.child(m.applied, source, "session").inc(n)
+        if batch.breakers and self._breakers is not None and source == "worker":
+            n = 0
+            for f in batch.breakers:
+                ep = self._resolve(f.ep)
+                if ep is None:
+                    unknown += 1
+                elif f.open_for > 0:
+                    n += self._breakers.adopt_open(ep, f.open_for, f.ejections)
+                else:
+                    n += self._breakers.adopt_close(ep)
+            m.gm.child(m.applied, source, "breaker").inc(n)
         if unknown:
             m.gm.child(m.applied, source, "unknown_endpoint").inc(unknown)
         if batch.tokens and self._kv is not None and source == "worker":
@@ -321,6 +353,8 @@ class RoutingView:
         if self._kv is not None and self.share_tokens:
             self._kv.on_tokens(self._on_tokens)
         if self.bus is not None:
+            if self._breakers is not None:
+                self._breakers.on_change = self._on_breaker
             self.bus.open()
             if self.bus_load:
                 self._arm(self.cfg.load_interval_s)
@@ -341,6 +375,8 @@ class RoutingView:
             self._index.on_insert = None
         if self._kv is not None:
             self._kv.on_tokens(None)
+        if self._breakers is not None:
+            self._breakers.on_change = None
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None

@@ -14,7 +14,10 @@ discovery alike):
   heartbeat does);
 * ``Tokens``: a prompt segment the sender tokenized for KV-events routing, with its token ids
   (``gateway.kv.tokenization``), so a sibling that meets the segment does not tokenize it again;
-  the local bus only.
+  the local bus only;
+* ``Eject``: the sender's circuit breaker ejected an endpoint for ``open_for`` seconds (0: closed it
+  after its trials passed); the siblings do the same (``gateway.resilience.breaker``). The local
+  bus only.
 
 ``encode`` splits what does not fit in ``max_bytes`` over several batches.
 """
@@ -45,6 +48,12 @@ class Tokens(msgspec.Struct, array_like=True):
     ids: list[int]
 
 
+class Eject(msgspec.Struct, array_like=True):
+    ep: str
+    open_for: float                      # 0: closed
+    ejections: int = 0
+
+
 class Batch(msgspec.Struct, array_like=True):
     sender: str                          # "<gateway group>/<worker index>"
     sent: float                          # the sender's time.time() when it sent the batch
@@ -52,6 +61,7 @@ class Batch(msgspec.Struct, array_like=True):
     sessions: list[Session] = []
     load: dict[str, int] | None = None   # None: no load in this batch (not "all zero")
     tokens: list[Tokens] = []
+    breakers: list[Eject] = []
 
 
 def endpoint_key(ep: Endpoint) -> str:
@@ -84,7 +94,8 @@ def _size(fact: Insert | Session | Tokens) -> int:
 
 
 def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
-           load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = ()) -> list[bytes]:
+           load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
+           breakers: Sequence[Eject] = ()) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
@@ -92,13 +103,13 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
     ins: list[Insert] = []
     ses: list[Session] = []
     tok: list[Tokens] = []
-    used = 0
+    used = 64 * len(breakers)               # a few, small: they go in the first batch
     for fact in (*inserts, *sessions, *tokens):
         n = _size(fact)
-        if used + n > budget and (ins or ses or tok):
-            out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok)))
+        if used + n > budget and (ins or ses or tok or breakers):
+            out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok, list(breakers))))
             load = None
-            ins, ses, tok = [], [], []
+            ins, ses, tok, breakers = [], [], [], ()
             used = 0
         cls = fact.__class__
         if cls is Insert:
@@ -108,6 +119,6 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
         else:
             tok.append(fact)         # type: ignore[arg-type]
         used += n
-    if ins or ses or tok or load is not None or not out:
-        out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok)))
+    if ins or ses or tok or breakers or load is not None or not out:
+        out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok, list(breakers))))
     return out

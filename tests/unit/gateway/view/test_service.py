@@ -194,3 +194,46 @@ async def test_an_idle_worker_ticks_at_the_heartbeat_and_a_request_ending_is_hea
         await a.stop()
         await b.stop()
         d.close()
+
+
+async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_a_close_closes_it():
+    from prometheus_client import CollectorRegistry
+
+    from gateway.resilience.breaker import CLOSED, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.outcome import Outcome
+
+    d = RunDirectory()
+    cfg = _config()
+    bcfg = BreakerConfig(consecutive_faults=3, base_ejection_s=30.0)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
+    a.attach_breakers(abr)
+    b.attach_breakers(bbr)
+    try:
+        await a.start()
+        await b.start()
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        for _ in range(3):                                  # worker a sees the faults
+            abr.record(ea[0], Outcome.FAULT)
+        assert abr.state(ea[0]) == OPEN and ea[0].ejected
+        await until(lambda: bbr.state(eb[0]) == OPEN)       # b ejects it without a fault of its own
+        assert eb[0].ejected and not eb[1].ejected
+        assert bbr.breaker(eb[0]).open_for == abr.breaker(ea[0]).open_for == 30.0
+        # the last ready endpoint is never ejected, by a sibling either
+        for _ in range(3):
+            abr.record(ea[1], Outcome.FAULT)
+        await asyncio.sleep(0.05)
+        assert bbr.state(eb[1]) == CLOSED and not eb[1].ejected
+        # a's trials pass: b closes too, before its own ejection time is over
+        abr._close(ea[0], abr.breaker(ea[0]), abr.clock())
+        await until(lambda: bbr.state(eb[0]) == CLOSED)
+        assert not eb[0].ejected
+        page = b.m.gm.render().decode()
+        assert metric_total(page, "switchyard_view_facts_applied_total", kind="breaker") == 2
+        # adopted, not told back: a heard nothing
+        assert metric_total(a.m.gm.render().decode(), "switchyard_view_facts_applied_total", kind="breaker") == 0
+    finally:
+        await a.stop()
+        await b.stop()
+        d.close()
+    assert abr.on_change is None and bbr.on_change is None
