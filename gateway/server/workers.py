@@ -122,7 +122,8 @@ def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
     strict within a process only (each worker queues its own clients' requests and takes a share of
     the engines' room: a critical request waiting in one worker does not hold back a sheddable one
     another worker has room for; at three times capacity two workers shed critical requests one
-    worker serves)."""
+    worker serves), or LoRA adapters the gateway loads and unloads on demand (decided on one
+    process's requests in flight)."""
     n = resolve_workers(value)
     if value == "auto" and n > 1:
         why = per_process_state(config)
@@ -131,6 +132,9 @@ def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
         blocks = [config.admission, *(m.admission for m in config.models if getattr(m, "admission", None))]
         if any(a.enabled for a in blocks):
             return 1, "admission's priority classes are strict within one process only"
+        if any(m.adapters for m in config.models):
+            return 1, ("LoRA adapters are loaded and unloaded on what one process has in flight "
+                       "(another worker could unload an adapter this one serves)")
     return n, None
 
 

@@ -107,6 +107,10 @@ def test_auto_runs_one_worker_where_limits_or_admin_keys_would_be_per_process(mo
     assert run({"models": [model]}) == adm
     assert run({"admission": {"enabled": False, "max_in_flight_per_endpoint": 3}}) == (4, None)
     assert run({"admission": {"enabled": True}}, 2) == (2, None)          # an explicit count: shares
+    # adapters loaded and unloaded on demand: one worker
+    lora = {"name": "m", "engine": "vllm", "endpoints": ["http://127.0.0.1:9"], "adapters": {"sql": "/a/sql"}}
+    n, why = run({"models": [lora]})
+    assert n == 1 and "LoRA adapters" in why
     # Redis holds them for every worker; an explicit count is the operator's choice
     assert run({"auth": {"admin_token": "t0ken"}, "state": {"redis_url": "redis://127.0.0.1:1/0"}}) == (4, None)
     assert run({"auth": {"admin_token": "t0ken"}}, 3) == (3, None)
