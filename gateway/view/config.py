@@ -18,7 +18,7 @@ _Positive = Annotated[float, Meta(gt=0)]
 class ViewConfig(Block):
     """One routing view (prefix index, in-flight counts, sessions) for all workers and replicas."""
 
-    workers: Annotated[bool, Meta(description="With server.workers > 1, the workers share their routing facts over a local bus (one Unix datagram socket per worker): prefix-index insertions, sessions, and, without state.redis_url, in-flight counts.")] = True
+    workers: Annotated[bool, Meta(description="With server.workers > 1, the workers share their routing facts over a local bus (one Unix datagram socket per worker): prefix-index insertions, sessions, circuit breakers' ejections and closes, tokenized prompt segments (share_tokens), and, without state.redis_url, in-flight counts.")] = True
     replicas: Annotated[bool, Meta(description="With state.redis_url, every process also shares its prefix-index insertions and sessions with the other replicas through a Redis stream.")] = True
     share_tokens: Annotated[bool, Meta(description="Workers, with KV-events routing: the token ids of the prompt segments one worker tokenizes go to its siblings, so a conversation continued on another worker, or a system prompt met there first, is not tokenized again (they leave with the next batch, or within load_interval_s).")] = True
     load_interval_s: Annotated[_Positive, Meta(description="Workers: a worker's in-flight counts go to its siblings with each routing decision, and at least this often when they changed, in seconds (a worker with nothing in flight wakes only every heartbeat_s).")] = 0.02
