@@ -258,17 +258,22 @@ class Breakers:
         if b.state == CLOSED and b.ejections:   # one ejection forgotten per base time spent closed
             b.ejections = max(0, b.ejections - int((now - b.closed_at) / cfg.base_ejection_s))
         b.ejections += 1
-        b.open_for = min(cfg.max_ejection_s, cfg.base_ejection_s * b.ejections)
+        self._eject(ep, b, now, min(cfg.max_ejection_s, cfg.base_ejection_s * b.ejections), reason,
+                    window_faults=faults, window_outcomes=total)
+        if self.on_change is not None:
+            self.on_change(ep, b.open_for, b.ejections)
+
+    def _eject(self, ep: Endpoint, b: Breaker, now: float, open_for: float, reason: str, **logged: Any) -> None:
+        """Open ``b`` for ``open_for`` seconds: ``ep`` is not ready until it goes half-open."""
+        b.open_for = open_for
         b.opened_at = now
         b.consecutive = b.trials_out = b.trial_successes = 0
         b.clear_window()
         self._move(ep, b, OPEN)
         ep.ejected = True
         log.warning("breaker opened", model=ep.model, endpoint=ep.name, reason=reason, ejections=b.ejections,
-                    open_for_s=b.open_for, window_faults=faults, window_outcomes=total)
-        self._schedule(b, b.open_for, lambda: self._half_open(ep, b))
-        if self.on_change is not None:
-            self.on_change(ep, b.open_for, b.ejections)
+                    open_for_s=open_for, **logged)
+        self._schedule(b, open_for, lambda: self._half_open(ep, b))
 
     def adopt_open(self, ep: Endpoint, open_for: float, ejections: int) -> bool:
         """A sibling worker ejected ``ep`` for ``open_for`` seconds: so does this one (unless it is
@@ -282,17 +287,8 @@ class Breakers:
         if b.state == CLOSED and not self._may_eject(ep):
             self._child(self.metrics.capped, ep.model).inc()
             return False
-        now = self.clock()
         b.ejections = max(b.ejections, ejections)
-        b.open_for = open_for
-        b.opened_at = now
-        b.consecutive = b.trials_out = b.trial_successes = 0
-        b.clear_window()
-        self._move(ep, b, OPEN)
-        ep.ejected = True
-        log.warning("breaker opened", model=ep.model, endpoint=ep.name, reason="sibling", ejections=b.ejections,
-                    open_for_s=open_for)
-        self._schedule(b, open_for, lambda: self._half_open(ep, b))
+        self._eject(ep, b, self.clock(), open_for, "sibling")
         return True
 
     def adopt_close(self, ep: Endpoint) -> bool:

@@ -129,8 +129,7 @@ def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
         why = per_process_state(config)
         if why is not None:
             return 1, f"{why} are kept per process without state.redis_url"
-        blocks = [config.admission, *(m.admission for m in config.models if getattr(m, "admission", None))]
-        if any(a.enabled for a in blocks):
+        if config.admission.enabled or any(config.admission_for(m.name).enabled for m in config.models):
             return 1, "admission's priority classes are strict within one process only"
         if any(m.adapters for m in config.models):
             return 1, ("LoRA adapters are loaded and unloaded on what one process has in flight "

@@ -141,9 +141,7 @@ class RoutingView:
 
     def _on_breaker(self, ep: Endpoint, open_for: float, ejections: int) -> None:
         self._ejects.append(Eject(self._key(ep), open_for, ejections))
-        if not self._scheduled and self._loop is not None:
-            self._scheduled = True
-            self._loop.call_soon(self._flush)
+        self._soon()
 
     def on_session(self, model: str, outcome: str) -> None:
         self.m.session(model, outcome)
@@ -151,13 +149,18 @@ class RoutingView:
     def on_decision(self, ireq: InferenceRequest, decision: Decision, fallbacks: Sequence, elapsed: float) -> None:
         """A decision claim (its charge follows in the same step): the load goes out this turn, and
         the ticker runs at ``load_interval_s`` until the load is back to nothing."""
-        if not self._scheduled and self._loop is not None:
-            self._scheduled = True
-            self._loop.call_soon(self._flush)
-            if self.bus_load:
-                self._arm(self.cfg.load_interval_s)
+        if self._soon() and self.bus_load:
+            self._arm(self.cfg.load_interval_s)
 
     # -- publishing ----------------------------------------------------------------------------
+
+    def _soon(self) -> bool:
+        """The outbox leaves at the end of this loop turn; whether this call scheduled it."""
+        if self._scheduled or self._loop is None:
+            return False
+        self._scheduled = True
+        self._loop.call_soon(self._flush)
+        return True
 
     def _key(self, ep: Endpoint) -> str:
         k = self._keys.get(ep)
@@ -167,18 +170,15 @@ class RoutingView:
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))
-        if not self._scheduled:
-            self._scheduled = True
-            self._loop.call_soon(self._flush)        # type: ignore[union-attr]
+        self._soon()
 
     def _on_put(self, key: str, ep: Endpoint, tag: str | None) -> None:
         self._sessions.append(Session(key, self._key(ep), tag))
         if key.startswith(RESPONSE):
             # recorded as the answer goes out: sent now, before the client can ask a sibling for more
             self._flush()
-        elif not self._scheduled and self._loop is not None:
-            self._scheduled = True
-            self._loop.call_soon(self._flush)
+        else:
+            self._soon()
 
     def _on_tokens(self, model: str, segment: str, ids: list[int]) -> None:
         if tokens_size(model, segment, ids) > self.cfg.max_datagram_bytes - 256:
