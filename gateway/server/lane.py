@@ -6,9 +6,9 @@ paths) on a kept-alive connection that has nothing else in flight. For those, ai
 the handler (its parser's message and header objects, a
 ``URL``, a ``StreamReader``, a ``StreamWriter``, ``web.Request``, its per-connection task's turn,
 and ``finish_response`` after it) is most of what the gateway spends before its own work, and
-more at low load, when every cache is cold. ``EdgeProtocol`` offers such a read to ``take``: it
-parses it with httptools (the parser uvicorn uses, in C), and when every condition below holds it
-builds a ``LaneRequest`` (what the pipeline reads of a request) and runs the inference path's
+more at low load, when every cache is cold. ``EdgeProtocol`` offers such a read to ``parse``: it
+reads the head with two regular expressions over its text (below), and when every condition below
+holds it builds a ``LaneRequest`` (what the pipeline reads of a request) and runs the inference path's
 handler in a task of its own, whose answer the pipeline writes whole (gateway/pipeline/whole.py).
 A read that holds the whole head and only part of the body (clients that write them apart, as the
 openai SDK's httpx does: at low load the gateway reads them apart) is held until the body is in
@@ -17,8 +17,8 @@ openai SDK's httpx does: at low load the gateway reads them apart) is held until
 Anything else goes to aiohttp exactly as before, parsed from the same bytes: another method or
 path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than ``HOLD_BODY``
 while it comes after its head, or followed by more bytes, ``Expect``, ``Upgrade``, a head near the edge's header limits, a body over
-``server.max_body_bytes``, a connection with a request of aiohttp's in flight, or any byte the
-parser refuses. aiohttp's answers to those (431, 413, 400 in OpenAI shape, 100 Continue) are
+``server.max_body_bytes``, a connection with a request of aiohttp's in flight, or a head that is
+not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line). aiohttp's answers to those (431, 413, 400 in OpenAI shape, 100 Continue) are
 therefore unchanged; the lane only ever takes what aiohttp would have handed to the same handler.
 
 While a lane request runs, bytes of a next request are held (and reading paused past 64 KiB) and
@@ -29,9 +29,9 @@ A client that disconnects cancels the lane's task as it cancels aiohttp's handle
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
-import httptools
 from aiohttp.http import HttpVersion11
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -42,7 +42,7 @@ HOLD_BYTES = 65536      # bytes of a next request held while one runs, before re
 HOLD_BODY = 1 << 20     # the largest body the lane waits for when it comes after its head
 
 # headers that make a request aiohttp's to handle (framing, encodings, protocol switches)
-_DECLINE = frozenset((b"transfer-encoding", b"content-encoding", b"expect", b"upgrade", b"http2-settings"))
+_DECLINE = frozenset(("transfer-encoding", "content-encoding", "expect", "upgrade", "http2-settings"))
 
 
 class LaneWriter:
@@ -107,75 +107,62 @@ class LaneRequest(dict):
 whole.writes_for(LaneRequest)
 
 
-class _Parse:
-    """httptools' callbacks: the one message of a read, or why the lane declines it."""
-
-    __slots__ = ("parser", "url", "names", "values", "body", "complete", "messages", "keep_alive")
-
-    def __init__(self) -> None:
-        self.url = b""
-        self.names: list[bytes] = []
-        self.values: list[bytes] = []
-        self.body: list[bytes] = []
-        self.complete = False
-        self.messages = 0
-        self.keep_alive = False
-        self.parser: Any = None
-
-    def on_message_begin(self) -> None:
-        self.messages += 1
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.names.append(name)
-        self.values.append(value)
-
-    def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        self.keep_alive = self.parser.should_keep_alive()     # llhttp resets it once the message is over
+# A head the lane may take, read by two regular expressions (C) over its decoded text rather than
+# a parser calling back into Python once per header: at low load, when every cache is cold, those
+# callbacks were most of the lane's cost. The header block must be lines of a token, a colon and
+# a value of visible characters, spaces and tabs (and bytes above ASCII, which aiohttp accepts
+# too), each ended by CRLF; a control byte, a bare CR or LF, a space before the colon or a folded
+# line fails it, and aiohttp, which parses the same bytes, answers it.
+_TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
+_BLOCK = re.compile(r"(?:" + _TOKEN + r":[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+_FIELD = re.compile(r"(" + _TOKEN + r"):[ \t]*([^\r\n]*?)[ \t]*\r\n")
 
 
 def _head(data: bytes, paths: dict[bytes, str], max_head: int,
-          max_headers: int) -> tuple[_Parse, str, int, list[bytes]] | None:
-    """httptools' reading of ``data`` when it holds one whole head the lane may take (its body
-    complete or not): the callbacks' record, the path, where the head ends, the lowered names."""
+          max_headers: int) -> tuple[str, int, list[tuple[str, str]], list[str]] | None:
+    """The path, where the head ends, the header fields and their lowered names, when ``data``
+    holds one whole head the lane may take (its body complete or not)."""
     if not data.startswith(b"POST /"):
         return None
     end = data.find(b"\r\n\r\n")
     if end < 0 or end + 4 > max_head:
         return None
-    cb = _Parse()
-    p = cb.parser = httptools.HttpRequestParser(cb)
-    try:
-        p.feed_data(data)
-    except httptools.HttpParserError:
+    line = data.find(b"\r\n")
+    target, _, version = data[5:line].partition(b" ")
+    path = paths.get(target)
+    if path is None or version != b"HTTP/1.1":
         return None
-    if cb.messages != 1 or p.get_http_version() != "1.1" or p.should_upgrade():
+    block = data[line + 2:end + 2].decode("utf-8", "surrogateescape")
+    if _BLOCK.fullmatch(block) is None:
         return None
-    path = paths.get(cb.url)
-    names = cb.names
-    if path is None or len(names) > max_headers:
+    fields = _FIELD.findall(block)
+    if len(fields) > max_headers:
         return None
-    lowered = [n.lower() for n in names]
-    if not _DECLINE.isdisjoint(lowered) or lowered.count(b"content-length") != 1:
+    lowered = [name.lower() for name, _ in fields]
+    if not _DECLINE.isdisjoint(lowered) or lowered.count("content-length") != 1:
         return None
-    return cb, path, end, lowered
+    return path, end, fields, lowered
+
+
+def _keep_alive(fields: list[tuple[str, str]], lowered: list[str]) -> bool:
+    """HTTP/1.1 keeps the connection open unless a ``Connection`` header lists ``close``."""
+    if "connection" not in lowered:
+        return True
+    return not any(name == "connection" and "close" in (t.strip() for t in value.lower().split(","))
+                   for name, (_, value) in zip(lowered, fields, strict=True))
 
 
 class Pending:
     """A lane request whose whole head came and whose body is still coming (a client that writes
-    the head and the body apart, as httpx does): its parser, fed as the rest comes, and every byte
-    so far, for aiohttp when the lane lets it go."""
+    the head and the body apart, as httpx does): its head, read once, and every byte so far, for
+    aiohttp when the lane lets it go."""
 
-    __slots__ = ("cb", "path", "end", "need", "rid", "data")
+    __slots__ = ("path", "headers", "keep_alive", "start", "need", "rid", "data")
 
-    def __init__(self, cb: _Parse, path: str, end: int, need: int, rid: str | None, data: bytes) -> None:
-        self.cb, self.path, self.end, self.need, self.rid = cb, path, end, need, rid
+    def __init__(self, path: str, headers: CIMultiDictProxy[str], keep_alive: bool, start: int, need: int,
+                 data: bytes) -> None:
+        self.path, self.headers, self.keep_alive, self.start, self.need = path, headers, keep_alive, start, need
+        self.rid: str | None = headers.get("x-request-id")
         self.data = bytearray(data)
 
     def more(self, data: bytes, max_body: float) -> Parsed | Pending | None:
@@ -184,13 +171,9 @@ class Pending:
         self.data += data
         if len(self.data) > self.need:
             return None
-        try:
-            self.cb.parser.feed_data(data)
-        except httptools.HttpParserError:
-            return None
         if len(self.data) < self.need:
             return self
-        return _whole(self.cb, self.path, self.end, self.need, max_body)
+        return self.path, self.headers, bytes(self.data[self.start:]), self.keep_alive
 
 
 Parsed = tuple[str, CIMultiDictProxy[str], bytes, bool]
@@ -205,27 +188,17 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
     got = _head(data, paths, max_head, max_headers)
     if got is None:
         return None
-    cb, path, end, lowered = got
-    if cb.complete:
-        return _whole(cb, path, end, len(data), max_body)
-    length = cb.values[lowered.index(b"content-length")]
-    if not length.isdigit():
+    path, end, fields, lowered = got
+    length = fields[lowered.index("content-length")][1]
+    if not length.isascii() or not length.isdigit():
         return None
     n = int(length)
-    if n > max_body or n > HOLD_BODY or len(data) >= end + 4 + n:
+    start = end + 4
+    if n > max_body or len(data) > start + n:
         return None
-    rid = cb.values[lowered.index(b"x-request-id")] if b"x-request-id" in lowered else None
-    return Pending(cb, path, end, end + 4 + n, None if rid is None else rid.decode("utf-8", "surrogateescape"), data)
-
-
-def _whole(cb: _Parse, path: str, end: int, size: int, max_body: float) -> Parsed | None:
-    """The request ``cb`` read, when it is one complete message of ``size`` bytes."""
-    if not cb.complete or cb.messages != 1:
+    headers = CIMultiDictProxy(CIMultiDict(fields))
+    if len(data) == start + n:
+        return path, headers, data[start:], _keep_alive(fields, lowered)
+    if n > HOLD_BODY:
         return None
-    body = cb.body[0] if len(cb.body) == 1 else b"".join(cb.body)
-    if len(body) > max_body or end + 4 + len(body) != size:
-        return None
-    headers = CIMultiDict()
-    for name, value in zip(cb.names, cb.values, strict=True):
-        headers.add(name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
-    return path, CIMultiDictProxy(headers), body, cb.keep_alive
+    return Pending(path, headers, _keep_alive(fields, lowered), start, start + n, data)
