@@ -204,7 +204,8 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_stall", "_e_rx_head", "_e_pipelined",
                  "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part")
+                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part", "_lane_task",
+                 "_lane_next", "_lane_wake")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -226,6 +227,9 @@ class EdgeProtocol(web.RequestHandler):
         self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
         self._lane_held: list[bytes] = []   # bytes that came while it ran
         self._lane_part: lane.Pending | None = None     # a lane request whose body is still coming
+        self._lane_task: asyncio.Task | None = None     # the connection's lane task (``_lane_serve``)
+        self._lane_next: Any = None     # the request it runs next: (request, handler)
+        self._lane_wake: asyncio.Future | None = None   # what it waits on for one, between requests
         self._lane_server = manager if isinstance(manager, EdgeServer) and manager.lane_paths else None
 
     @property
@@ -258,9 +262,11 @@ class EdgeProtocol(web.RequestHandler):
         if self._lane_part is not None:
             self._lane_part = None
             self._lane_released()
-        lane, self._lane, self._lane_held = self._lane, None, []
-        if lane is not None and lane.task is not None and not lane.task.done():
-            lane.task.cancel()          # the client went away: as aiohttp cancels its handler
+        self._lane = self._lane_next = None
+        self._lane_held = []
+        task, self._lane_task = self._lane_task, None
+        if task is not None and not task.done():
+            task.cancel()               # the client went away: as aiohttp cancels its handler
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -355,7 +361,16 @@ class EdgeProtocol(web.RequestHandler):
         self._lane = request
         self._edge.lane_requests += 1
         self._request_in_progress = True    # a graceful shutdown waits for it (aiohttp's shutdown)
-        request.task = self._e_loop.create_task(self._lane_run(request, self._lane_server.direct[path]))
+        handler = self._lane_server.direct[path]
+        task = self._lane_task
+        if task is None or task.done():
+            request.task = self._lane_task = self._e_loop.create_task(self._lane_serve(request, handler))
+            return
+        request.task = task                 # the connection's lane task runs it next
+        self._lane_next = (request, handler)
+        wake = self._lane_wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     def _lane_wait(self, pending: lane.Pending, lim: EdgeLimits) -> None:
         """Hold a lane request whose whole head came and part of its body (a client that writes them
@@ -410,6 +425,27 @@ class EdgeProtocol(web.RequestHandler):
         waiter = self._handler_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    async def _lane_serve(self, request: Any, handler: Any) -> None:
+        """The connection's lane task: its lane requests one after the other, as aiohttp runs a
+        connection's requests in one task. A task made per request cost tens of µs at low load
+        (cold caches); waking this one costs a future. It ends with the connection (cancelled by
+        ``connection_lost``, as a request's handler is when its client goes away)."""
+        loop = self._e_loop
+        while True:
+            await self._lane_run(request, handler)
+            if self._lane_next is None:
+                if self.transport is None or self._lane_task is not asyncio.current_task():
+                    return
+                wake = self._lane_wake = loop.create_future()
+                try:
+                    await wake
+                finally:
+                    self._lane_wake = None
+            nxt, self._lane_next = self._lane_next, None
+            if nxt is None:
+                return
+            request, handler = nxt
 
     async def _lane_run(self, request: Any, handler: Any) -> None:
         keep = False
