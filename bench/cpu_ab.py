@@ -7,7 +7,7 @@
 Meant for changes to the hot path on a shared, noisy machine: both gateways run at the same time,
 from their own source trees (``--base REF`` is exported with ``git archive`` into a temporary
 directory; the other is this checkout), at their default config (log level info, JSON log line
-to a file, breakers on, one worker) behind one fast backend (``bench/fastbackend.py``) listening on
+to a file, breakers on, one worker unless ``--workers``) behind one fast backend (``bench/fastbackend.py``) listening on
 4 ports. The load generator (``bench/loadgen.py``) drives them in turn, ``base, new, new, base,
 ...`` so a drift in the machine's load hits both alike, and reads each gateway's CPU from its
 threads' ``schedstat`` over exactly the measured window.
@@ -40,7 +40,7 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.overhead import wait_ready  # noqa: E402
+from bench.overhead import children_of, wait_ready  # noqa: E402
 from bench.procs import stop, wait_port  # noqa: E402
 from gateway.server.run import free_port  # noqa: E402
 
@@ -57,7 +57,7 @@ def export(ref: str, into: Path) -> Path:
 
 
 def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
-                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
+                  env: dict[str, str] | None = None, workers: int = 1) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -65,7 +65,7 @@ def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
                    f"routing: {{strategy: round-robin}}\n"
                    f"models:\n  - name: m\n    engine: vllm\n    endpoints: [{', '.join(urls)}]\n")
     with open(workdir / f"{name}.log", "wb") as err:
-        p = subprocess.Popen([PY, "-m", "gateway", "--config", str(cfg), "--workers", "1"], cwd=tree, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen([PY, "-m", "gateway", "--config", str(cfg), "--workers", str(workers)], cwd=tree, stdout=subprocess.DEVNULL,
                              stderr=err, start_new_session=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", **(env or {})})
     wait_ready(name, p, port, 60, "m")
     return p, port
@@ -73,10 +73,12 @@ def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
 
 def run(scenario: str, port: int, pid: int | None, backend_ports: list[int], a: argparse.Namespace) -> tuple[float, float]:
     """(CPU µs per request or chunk, requests or streams per second) of one measured run; for
-    ``paced1``, (CPU µs per chunk, TTFT p50 in ms). ``pid`` None: the backend reached directly."""
+    ``paced1``, (CPU µs per chunk, TTFT p50 in ms). ``pid`` None: the backend reached directly;
+    else the gateway's process, whose workers' CPU is counted with its own."""
     argv = [PY, str(REPO / "bench" / "loadgen.py"), "--port", str(port), "--model", "m"]
     if pid is not None:
-        argv += ["--cpu-pid", f"target={pid}"]
+        for p in (pid, *children_of(pid)):
+            argv += ["--cpu-pid", f"target={p}"]
     if scenario == "paced1":
         argv += ["--mode", "stream", "--concurrency", "1", "--max-tokens", "20", "--pace-ms", "5",
                  "--duration", f"{a.duration:g}", "--warmup", "0.5"]
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--fleet-streams", type=int, default=1000)
     ap.add_argument("--fleet-chunks", type=int, default=10)
     ap.add_argument("--fleet-interval", type=float, default=0.5)
+    ap.add_argument("--workers", type=int, default=1, help="worker processes of each gateway (their CPU summed)")
     ap.add_argument("--base-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of the base gateway's process, e.g. PYTHONMALLOC=malloc")
     ap.add_argument("--new-env", nargs="*", default=[], metavar="KEY=VALUE", help="the same for the new one")
@@ -128,7 +131,7 @@ def main() -> None:
             urls = [f"http://127.0.0.1:{p}" for p in backend_ports]
             for name, tree in trees.items():
                 env = dict(kv.split("=", 1) for kv in (a.base_env if name == "base" else a.new_env))
-                gws[name] = start_gateway(tree, name, urls, work, env)
+                gws[name] = start_gateway(tree, name, urls, work, env, a.workers)
             results: dict[str, dict[str, list[tuple[float, float]]]] = {}
             for sc in a.scenarios.split(","):
                 results[sc] = {"base": [], "new": [], "direct": []}
