@@ -118,6 +118,7 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
     claims = [breakers.on_decision]                   # half-open trial slots, before the leg
     if view.bus_load:
         claims.append(view.on_decision)               # siblings hear of the charge this loop turn
+        observers.append(view.on_request)             # and of its release within view.load_interval_s
     slo = SloLearning(metrics)                   # what routed requests saw, for the latency models
     observers.append(slo.on_request)
     return Services(

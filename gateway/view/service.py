@@ -233,11 +233,17 @@ class RoutingView:
             h.cancel()
         self._tick_at = loop.call_at(when, self._tick)
 
+    def on_request(self, rec: Any, duration: float) -> None:
+        """A request ended (the pipeline's record observer), its charges released: its load goes
+        out within ``load_interval_s``, the only change to the load a decision does not announce."""
+        self._arm(self.cfg.load_interval_s)
+
     def _tick(self) -> None:
         """Workers: the load when it changed without a decision (requests ending), the heartbeat,
-        and silent siblings forgotten. Every ``load_interval_s`` while this worker had requests in
-        flight at its last report (they end without a decision), else every ``heartbeat_s``: an
-        idle worker wakes four times a second, not fifty (a decision arms the short interval)."""
+        and silent siblings forgotten. Armed within ``load_interval_s`` by a decision and by a
+        request's end, else every ``heartbeat_s``: a worker whose requests are idle or in flight
+        with nothing starting or ending (a thousand slow streams) wakes four times a second, not
+        fifty."""
         self._tick_at = None
         try:
             if not self._scheduled:
@@ -245,7 +251,7 @@ class RoutingView:
             self._expire_peers()
         except Exception:     # never let the ticker die: the siblings would see this one go silent
             log.exception("shared routing view: tick failed")
-        self._arm(self.cfg.load_interval_s if self._sent_load else self.cfg.heartbeat_s)
+        self._arm(self.cfg.heartbeat_s)
 
     # -- applying ------------------------------------------------------------------------------
 

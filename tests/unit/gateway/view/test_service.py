@@ -171,7 +171,7 @@ async def test_share_tokens_off_sends_no_tokens():
         d.close()
 
 
-async def test_an_idle_worker_ticks_at_the_heartbeat_and_a_request_ending_is_heard_at_once():
+async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_which_is_heard_at_once():
     d = RunDirectory()
     cfg = _config(heartbeat_s=0.2, peer_ttl_s=1.0, load_interval_s=0.01)
     (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
@@ -183,12 +183,16 @@ async def test_an_idle_worker_ticks_at_the_heartbeat_and_a_request_ending_is_hea
         expire = a._expire_peers
         a._expire_peers = lambda: (ticks.append(1), expire())      # once a tick
         await asyncio.sleep(0.6)
-        assert 1 <= len(ticks) <= 5                # at the heartbeat (0.2 s), not every 10 ms
+        assert 1 <= len(ticks) <= 5                # idle: at the heartbeat (0.2 s), not every 10 ms
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         ea[0].in_flight = 1                        # a request routed: its decision arms the short interval
         a.on_decision(None, None, (), 0.0)
         await until(lambda: eb[0].remote_in_flight == 1, timeout=1)
+        ticks.clear()
+        await asyncio.sleep(0.6)                   # in flight, nothing starting or ending: the heartbeat
+        assert 1 <= len(ticks) <= 5 and eb[0].remote_in_flight == 1
         ea[0].in_flight = 0                        # it ends, with no decision: heard within the interval
+        a.on_request(None, 0.0)                    # (the pipeline's record observer)
         await until(lambda: eb[0].remote_in_flight == 0, timeout=0.15)
     finally:
         await a.stop()
