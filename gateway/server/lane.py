@@ -64,6 +64,9 @@ class LaneWriter:
 class LaneRequest(dict):
     """What the inference path reads of an ``aiohttp.web.Request``; the mapping holds request keys."""
 
+    __slots__ = ("path", "headers", "content", "content_length", "keep_alive", "protocol", "transport", "writer",
+                 "task")
+
     method = "POST"
     version = HttpVersion11
     query: dict[str, str] = {}
