@@ -3,6 +3,7 @@
     python bench/cpu_ab.py --base main                 # main against this tree
     python bench/cpu_ab.py --base HEAD~3 --rounds 7 --scenarios ns32,fleet
     python bench/cpu_ab.py --base HEAD --new-env PYTHONMALLOC=malloc      # one tree, two environments
+    python bench/cpu_ab.py --base HEAD --new-python ../other-venv/bin/python   # one tree, two interpreters
 
 Meant for changes to the hot path on a shared, noisy machine: both gateways run at the same time,
 from their own source trees (``--base REF`` is exported with ``git archive`` into a temporary
@@ -57,7 +58,7 @@ def export(ref: str, into: Path) -> Path:
 
 
 def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
-                  env: dict[str, str] | None = None, workers: int = 1) -> tuple[subprocess.Popen, int]:
+                  env: dict[str, str] | None = None, workers: int = 1, python: str = PY) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -65,7 +66,7 @@ def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
                    f"routing: {{strategy: round-robin}}\n"
                    f"models:\n  - name: m\n    engine: vllm\n    endpoints: [{', '.join(urls)}]\n")
     with open(workdir / f"{name}.log", "wb") as err:
-        p = subprocess.Popen([PY, "-m", "gateway", "--config", str(cfg), "--workers", str(workers)], cwd=tree, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen([python, "-m", "gateway", "--config", str(cfg), "--workers", str(workers)], cwd=tree, stdout=subprocess.DEVNULL,
                              stderr=err, start_new_session=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", **(env or {})})
     wait_ready(name, p, port, 60, "m")
     return p, port
@@ -113,6 +114,9 @@ def main() -> None:
     ap.add_argument("--fleet-chunks", type=int, default=10)
     ap.add_argument("--fleet-interval", type=float, default=0.5)
     ap.add_argument("--workers", type=int, default=1, help="worker processes of each gateway (their CPU summed)")
+    ap.add_argument("--base-python", default=PY, help="the interpreter that runs the base gateway (its "
+                    "packages must import: a venv made with it from requirements.lock)")
+    ap.add_argument("--new-python", default=PY, help="the same for the new one")
     ap.add_argument("--base-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of the base gateway's process, e.g. PYTHONMALLOC=malloc")
     ap.add_argument("--new-env", nargs="*", default=[], metavar="KEY=VALUE", help="the same for the new one")
@@ -131,7 +135,8 @@ def main() -> None:
             urls = [f"http://127.0.0.1:{p}" for p in backend_ports]
             for name, tree in trees.items():
                 env = dict(kv.split("=", 1) for kv in (a.base_env if name == "base" else a.new_env))
-                gws[name] = start_gateway(tree, name, urls, work, env, a.workers)
+                gws[name] = start_gateway(tree, name, urls, work, env, a.workers,
+                                          a.base_python if name == "base" else a.new_python)
             results: dict[str, dict[str, list[tuple[float, float]]]] = {}
             for sc in a.scenarios.split(","):
                 results[sc] = {"base": [], "new": [], "direct": []}

@@ -63,6 +63,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from collections.abc import Callable
@@ -1104,8 +1105,17 @@ def machine_info() -> dict:
             if line.startswith("MemTotal"):
                 mem = f"{int(line.split()[1]) / 1048576:.1f} GiB"
     return {"cpu": cpu, "cores": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "memory": mem,
-            "kernel": platform.release(), "python": platform.python_version(),
+            "kernel": platform.release(), "python": platform.python_version(), "python_build": python_build(),
             "hostname": platform.node()}
+
+
+def python_build() -> str:
+    """The interpreter's build options that move its speed (the gateway's CPU is mostly the
+    interpreter's): what its ``configure`` was given, as ``sysconfig`` records it."""
+    args = sysconfig.get_config_var("CONFIG_ARGS") or ""
+    opts = [f"{flag}{'' if flag in args else ' absent'}" for flag in ("--enable-optimizations", "--with-lto")]
+    shared = "libpython shared (--enable-shared)" if sysconfig.get_config_var("Py_ENABLE_SHARED") else "libpython static"
+    return f"{shared}, configure flags {', '.join(opts)}"
 
 
 # -- main --------------------------------------------------------------------------------------------

@@ -81,7 +81,8 @@ def _header(report: dict, L: list[str]) -> None:
     L.append(f"## Switchyard overhead benchmark — {report['date']} ({report['mode']} mode)")
     L.append("")
     L.append(f"Machine: {m['cpu']}, {m['cores']} cores ({m['affinity']} usable), {m['memory']}, "
-             f"Linux {m['kernel']}, Python {m['python']}. Load average before/after: "
+             f"Linux {m['kernel']}, Python {m['python']}"
+             + (f" ({m['python_build']})" if m.get("python_build") else "") + ". Load average before/after: "
              f"{report['loadavg_before']} / {report['loadavg_after']}.")
     L.append("Backend, target and load generator share the cores (nothing pinned); the backend is "
              "`bench/fastbackend.py` (pre-encoded answers, ~10 µs of CPU per request). CPU per request: "
