@@ -16,7 +16,8 @@ openai SDK's httpx does: at low load the gateway reads them apart) is held until
 
 Anything else goes to aiohttp exactly as before, parsed from the same bytes: another method or
 path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than ``HOLD_BODY``
-while it comes after its head, or followed by more bytes, ``Expect``, ``Upgrade``, a head near the edge's header limits, a body over
+while it comes after its head, or followed by more bytes, ``Expect``, ``Upgrade``, a head without
+exactly one ``Host`` (aiohttp's 400), a head near the edge's header limits, a body over
 ``server.max_body_bytes``, a connection with a request of aiohttp's in flight, or a head that is
 not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line). aiohttp's answers to those (431, 413, 400 in OpenAI shape, 100 Continue) are
 therefore unchanged; the lane only ever takes what aiohttp would have handed to the same handler.
@@ -142,8 +143,8 @@ def _head(data: bytes, paths: dict[bytes, str], max_head: int,
     if len(fields) > max_headers:
         return None
     lowered = [name.lower() for name, _ in fields]
-    if not _DECLINE.isdisjoint(lowered) or lowered.count("content-length") != 1:
-        return None
+    if not _DECLINE.isdisjoint(lowered) or lowered.count("content-length") != 1 or lowered.count("host") != 1:
+        return None                     # (an HTTP/1.1 request without one Host is aiohttp's 400)
     return path, end, fields, lowered
 
 

@@ -106,6 +106,22 @@ async def test_what_the_lane_leaves_to_aiohttp_is_answered_as_before(sims, gatew
     assert _lane(gw) == 0
 
 
+async def test_a_request_without_one_host_is_left_to_aiohttp_which_refuses_it(sims, gateway):
+    """HTTP/1.1 asks for exactly one Host: aiohttp answers 400 without one, in OpenAI's shape, and
+    the lane leaves such a request to it rather than serve it."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    raw = _req({"model": "m", "messages": CHAT, "max_tokens": 2}, rid="no-host").replace(b"Host: gw\r\n", b"")
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(raw)
+        status, _, body = await _answer(reader)
+    finally:
+        writer.close()
+    assert status.split()[1] == "400" and orjson.loads(body)["error"]["type"] == "invalid_request_error"
+    assert _lane(gw) == 0 and [r for r in (await sim_state(sim.url))["received"] if r["method"] == "POST"] == []
+
+
 async def _send_apart(gw, pieces: list[bytes], answers: int = 1) -> list[tuple[str, dict[str, str], bytes]]:
     """``pieces`` written one by one, 30 ms apart (each reaches the gateway in a read of its own)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)

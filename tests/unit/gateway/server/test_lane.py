@@ -3,7 +3,11 @@ every head it leaves to aiohttp (which then parses the same bytes and answers as
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
 
 from gateway.server import lane
 
@@ -12,8 +16,9 @@ BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 
 
 def _raw(*headers: str, body: bytes = BODY, line: str = "POST /v1/chat/completions HTTP/1.1",
-         length: str | None = None) -> bytes:
-    fields = [*headers, f"Content-Length: {len(body) if length is None else length}"]
+         length: str | None = None, host: bool = True) -> bytes:
+    fields = [*(["Host: gw"] if host and not any(h.lower().startswith("host:") for h in headers) else []),
+              *headers, f"Content-Length: {len(body) if length is None else length}"]
     return ("\r\n".join([line, *fields]) + "\r\n\r\n").encode("utf-8", "surrogateescape") + body
 
 
@@ -27,6 +32,7 @@ def test_a_plain_request_is_taken_whole_with_its_headers_as_sent():
     assert path == "/v1/chat/completions" and body == BODY and keep_alive
     assert headers["host"] == "gw" and headers["X-REQUEST-ID"] == "abc" and headers["accept"] == ""
     assert list(headers) == ["Host", "X-Request-Id", "Accept", "Content-Length"]
+    assert _parse(_raw("X-Request-Id: abc"))[1]["host"] == "gw"
 
 
 def test_connection_close_is_kept_whatever_its_case_or_its_company():
@@ -55,6 +61,7 @@ def test_bytes_above_ascii_in_a_value_are_carried_as_aiohttp_carries_them():
     _raw("Expect: 100-continue"),
     _raw("Upgrade: h2c"),
     _raw("Content-Length: 3"),                      # two lengths
+    _raw(host=False), _raw("Host: a", "Host: b"),   # HTTP/1.1 without one Host: aiohttp's 400
     _raw(length="+57"), _raw(length="5 7"), _raw(length="٥٧"),
     _raw(line="POST /v1/chat/completions HTTP/1.0"),
     _raw(line="POST /v1/chat/completions?x=1 HTTP/1.1"),
@@ -91,3 +98,68 @@ def test_a_body_that_comes_after_its_head_is_held_until_it_is_whole():
     # a body longer than the lane holds is aiohttp's from the start
     big = _raw("Host: gw", body=b"x" * (lane.HOLD_BODY + 1))
     assert _parse(big[:big.index(b"\r\n\r\n") + 10]) is None
+
+
+# -- the lane reads what aiohttp reads --------------------------------------------------------------
+
+_TOKEN_CHARS = "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_names = st.one_of(
+    st.text(_TOKEN_CHARS, min_size=1, max_size=12),
+    st.text(_TOKEN_CHARS, min_size=1, max_size=12),
+    st.text(_TOKEN_CHARS + " :\t\x00\x7f\xe9{}()/\"", min_size=0, max_size=12),     # often not a token
+    st.sampled_from(["Connection", "connection", "Transfer-Encoding", "Expect", "Content-Length", "X-Request-Id", "Host"]),
+)
+_values = st.one_of(
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=20),
+    st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7e), max_size=20),
+    st.text(" \t\r\n\x00\x01\x0b\x7fab,\xe9\xff", max_size=10),                        # whitespace, controls, obs-text
+    st.sampled_from(["close", "Close", "keep-alive", "close, upgrade", "closed", "5", "+5", " 5 "]),
+)
+
+
+def _aiohttp_reading(data: bytes):
+    """What aiohttp's own parser (the C one the edge runs) makes of ``data``: (headers, body,
+    keep-alive) of its one complete message, or None when it refuses it or finds anything else."""
+    import asyncio
+
+    from aiohttp.base_protocol import BaseProtocol
+    from aiohttp.http_exceptions import HttpProcessingError
+    from aiohttp.http_parser import HttpRequestParser
+
+    loop = asyncio.new_event_loop()
+    try:
+        parser = HttpRequestParser(BaseProtocol(loop), loop, 2 ** 16, max_line_size=8190, max_field_size=8190,
+                                   max_headers=128)
+        try:
+            messages, upgraded, tail = parser.feed_data(data)
+        except HttpProcessingError:
+            return None
+        if len(messages) != 1 or upgraded or tail:
+            return None
+        msg, payload = messages[0]
+        if not payload.is_eof():
+            return None
+        return list(msg.headers.items()), payload.read_nowait(), not msg.should_close
+    finally:
+        loop.close()
+
+
+@settings(max_examples=int(os.environ.get("LANE_EXAMPLES", "400")), deadline=None, derandomize=os.environ.get("CI") == "true")
+@given(fields=st.lists(st.tuples(_names, _values), max_size=6), body=st.binary(max_size=40))
+def test_what_the_lane_takes_aiohttp_reads_alike(fields, body):
+    """Property: a head the lane takes whole is one aiohttp reads as one complete request, with the
+    same headers, body and keep-alive (the lane only takes what aiohttp would hand the handler)."""
+    lines = [f"{n}: {v}" for n, v in fields]
+    head = "\r\n".join(["POST /v1/chat/completions HTTP/1.1", "Host: gw", *lines, f"Content-Length: {len(body)}"])
+    data = (head + "\r\n\r\n").encode("utf-8", "surrogateescape") + body
+    got = lane.parse(data, PATHS, 8190, 128, float("inf"))
+    event("taken by the lane" if isinstance(got, tuple) else "left to aiohttp")
+    if not isinstance(got, tuple):
+        return                                  # declined (or held for its body): aiohttp's to read
+    theirs = _aiohttp_reading(data)
+    assert theirs is not None, data
+    headers, their_body, keep_alive = theirs
+    # names compare without case: aiohttp spells the headers it knows its own way ("CONNECTION" is
+    # "Connection" there), the lane as the client sent them; both are case-insensitive mappings
+    assert [(k.lower(), v) for k, v in got[1].items()] == [(k.lower(), v) for k, v in headers]
+    assert got[2] == their_body and got[3] == keep_alive
