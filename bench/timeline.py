@@ -9,8 +9,10 @@ at the steps of each request, from the first byte read from the client to the fi
 back:
 
     rx         the request's first bytes reach the edge (``EdgeProtocol.data_received``)
+    lane_parse_in / lane_parsed   the fast lane reading the request's head and body
+               (gateway/server/lane.py ``parse``; not for aiohttp's requests)
     rx_done    aiohttp parsed them (its C parser, the payload's StreamReader), or the fast lane
-               parsed them and made the request's task (gateway/server/lane.py)
+               parsed them and handed the request to the connection's lane task
     start      aiohttp's per-connection task resumed for the request (a loop iteration later;
                not on the fast lane)
     request    the ``web.Request`` is built (request factory; not on the fast lane)
@@ -20,6 +22,10 @@ back:
     handler    the pipeline's ``handle``
     parse_in / parsed      reading and parsing the body
     route_in / routed      routing and charging the decision
+    forward    the pipeline's leg begins (``Pipeline.forward``; after the decision's bookkeeping)
+    leg_body / leg_headers the leg's body and headers made (gateway/upstream/upstream.py)
+    leg_begin  the upstream client asked to begin the exchange
+    encode_in / encoded    the upstream request's head encoded (gateway/upstream/h1client.py)
     up_send_in / up_sent   the upstream write (the system call; on loopback it runs the receiver's
                            TCP input too, and often lets the engine run first)
     up_rx      the engine's first bytes arrive
@@ -53,7 +59,8 @@ from bench.procs import start_group, stop, wait_port  # noqa: E402
 from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
-STEPS = ("rx", "rx_done", "start", "request", "task", "handler", "parse_in", "parsed", "route_in", "routed",
+STEPS = ("rx", "lane_parse_in", "lane_parsed", "rx_done", "start", "request", "task", "handler", "parse_in", "parsed", "route_in", "routed",
+         "forward", "leg_body", "leg_headers", "leg_begin", "encode_in", "encoded",
          "up_send_in", "up_sent", "up_rx", "client_write", "chunk_rx", "chunk_out")
 
 # Runs inside the gateway process: wraps the steps, writes the stamps at exit.
@@ -109,6 +116,26 @@ STAMPS = textwrap.dedent('''
     around(P.Pipeline, "_parse", "parse_in", "parsed", is_async=True)
     around(P.Pipeline, "route_and_charge", "route_in", "routed")
     around(H._Conn, "send", "up_send_in", "up_sent")
+    import gateway.server.lane as L
+    parse = L.parse
+    def lane_parse(*a, **k):
+        mark("lane_parse_in")
+        r = parse(*a, **k)
+        mark("lane_parsed")
+        return r
+    E.lane.parse = lane_parse
+    around(P.Pipeline, "forward", "forward", is_async=True)
+    for fname, step in (("upstream_body", "leg_body"), ("upstream_headers", "leg_headers")):
+        def after(f=getattr(P, fname), step=step):
+            def w(*a, **k):
+                r = f(*a, **k)
+                mark(step)
+                return r
+            return w
+        setattr(P, fname, after())
+    import gateway.upstream.upstream as U
+    around(U.Upstream, "begin", "leg_begin")
+    around(H.UpstreamPool, "_encode", "encode_in", "encoded")
     around(H._Conn, "data_received", "up_rx")
     around(W.StreamWriter, "_write", "client_write")
     around(W.StreamWriter, "_writelines", "client_write")
