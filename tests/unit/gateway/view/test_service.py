@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 
@@ -34,14 +35,25 @@ def _worker(cfg, index: int, bus_dir: str) -> tuple[RoutingView, RouterContext, 
     return view, ctx, pool
 
 
+@contextlib.asynccontextmanager
+async def _running(d: RunDirectory, *views: RoutingView):
+    """The views started, then stopped with their run directory, however the test ends."""
+    try:
+        for v in views:
+            await v.start()
+        yield
+    finally:
+        for v in views:
+            await v.stop()
+        d.close()
+
+
 async def test_insertions_sessions_and_loads_reach_the_sibling_and_are_not_sent_back():
     d = RunDirectory()
     assert stat.S_IMODE(os.stat(d.path).st_mode) == 0o700
     cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
     (a, actx, apool), (b, bctx, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
-    try:
-        await a.start()
-        await b.start()
+    async with _running(d, a, b):
         assert [p.name for p in sibling_paths(d.path)] == ["w0.sock", "w1.sock"]
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         req = inference_request("You are a helpful switchyard assistant. " * 2)
@@ -63,10 +75,6 @@ async def test_insertions_sessions_and_loads_reach_the_sibling_and_are_not_sent_
         await a.stop()
         await until(lambda: eb[1].remote_in_flight == 0, timeout=5)
         assert b.describe()["siblings_heard"] == 0
-    finally:
-        await a.stop()
-        await b.stop()
-        d.close()
     assert not os.path.exists(d.path)
 
 
@@ -126,9 +134,7 @@ async def test_a_segment_one_worker_tokenized_is_cached_in_the_sibling_and_not_s
     (a, akv), (b, bkv) = _kv_worker(cfg, 0, d.path), _kv_worker(cfg, 1, d.path)
     ta, tb = akv.tokenizers["m"], bkv.tokenizers["m"]
     system = "You are the switchyard assistant; answer in one line. " * 40
-    try:
-        await a.start()
-        await b.start()
+    async with _running(d, a, b):
         ids = ta.encode(system)                  # worker a tokenizes a system prompt (and "x", too short)
         ta.encode("x")
         assert not tb.is_cached(system)
@@ -147,10 +153,6 @@ async def test_a_segment_one_worker_tokenized_is_cached_in_the_sibling_and_not_s
         assert not tb.is_cached(huge)
         assert metric_total(a.m.gm.render().decode(), "switchyard_view_messages_dropped_total",
                             reason="too_large") == 1
-    finally:
-        await a.stop()
-        await b.stop()
-        d.close()
     assert ta.on_store is None and tb.on_store is None
 
 
@@ -158,26 +160,18 @@ async def test_share_tokens_off_sends_no_tokens():
     d = RunDirectory()
     cfg = _config(load_interval_s=0.01, share_tokens=False)
     (a, akv), (b, bkv) = _kv_worker(cfg, 0, d.path), _kv_worker(cfg, 1, d.path)
-    try:
-        await a.start()
-        await b.start()
+    async with _running(d, a, b):
         assert akv.tokenizers["m"].on_store is None
         akv.tokenizers["m"].encode("A system prompt long enough to be shared. " * 10)
         await asyncio.sleep(0.1)
         assert len(bkv.tokenizers["m"]._segments) == 0
-    finally:
-        await a.stop()
-        await b.stop()
-        d.close()
 
 
 async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_which_is_heard_at_once():
     d = RunDirectory()
     cfg = _config(heartbeat_s=0.2, peer_ttl_s=1.0, load_interval_s=0.01)
     (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
-    try:
-        await a.start()
-        await b.start()
+    async with _running(d, a, b):
         await asyncio.sleep(0.1)
         ticks = []
         expire = a._expire_peers
@@ -194,10 +188,6 @@ async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_w
         ea[0].in_flight = 0                        # it ends, with no decision: heard within the interval
         a.on_request(None, 0.0)                    # (the pipeline's record observer)
         await until(lambda: eb[0].remote_in_flight == 0, timeout=0.15)
-    finally:
-        await a.stop()
-        await b.stop()
-        d.close()
 
 
 async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_a_close_closes_it():
@@ -213,9 +203,7 @@ async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_
     abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
     a.attach_breakers(abr)
     b.attach_breakers(bbr)
-    try:
-        await a.start()
-        await b.start()
+    async with _running(d, a, b):
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         for _ in range(3):                                  # worker a sees the faults
             abr.record(ea[0], Outcome.FAULT)
@@ -236,8 +224,4 @@ async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_
         assert metric_total(page, "switchyard_view_facts_applied_total", kind="breaker") == 2
         # adopted, not told back: a heard nothing
         assert metric_total(a.m.gm.render().decode(), "switchyard_view_facts_applied_total", kind="breaker") == 0
-    finally:
-        await a.stop()
-        await b.stop()
-        d.close()
     assert abr.on_change is None and bbr.on_change is None
