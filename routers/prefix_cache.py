@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
@@ -157,9 +158,20 @@ class PrefixCacheRouter(ScoringRouter):
                 self.sessions.put(key, ep)
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        decision = self.decide(req, candidates)
+        learn, decision.learn = decision.learn, None
+        if learn is not None:
+            learn()
+        return decision
+
+    def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        """``route`` with its learning (``post_route``: the prompt's record in the index, on KV events
+        its speculative blocks and the tokenizing ahead of its unreached segments, the session's
+        endpoint) left in ``Decision.learn``: none of it changes this choice, and for a long prompt
+        it costs about as much as the choice, so the gateway runs it once the leg is written (in
+        the same synchronous step, before any other request is routed)."""
         ep, match, reason = self._decide(req, candidates)
-        self.post_route(req, ep)
-        return Decision(ep, self.name, prefix_match=match, reason=reason)
+        return Decision(ep, self.name, prefix_match=match, reason=reason, learn=partial(self.post_route, req, ep))
 
     def _choose(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Endpoint:
         return self._decide(req, candidates)[0]

@@ -16,6 +16,7 @@ import math
 import random
 import re
 from collections.abc import Callable, Collection, Sequence
+from functools import partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
@@ -166,6 +167,14 @@ class WeightedRouter(ScoringRouter):
         return total
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        decision = self.decide(req, candidates)
+        learn, decision.learn = decision.learn, None
+        if learn is not None:
+            learn()
+        return decision
+
+    def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        """``route`` with the parts' learning (``post_route`` of each) left in ``Decision.learn``."""
         total = self.score(req, candidates)
         best_i = 0
         best = total[0]
@@ -180,12 +189,14 @@ class WeightedRouter(ScoringRouter):
                 if rand() * ties < 1.0:
                     best_i = i
         ep = candidates[best_i]
-        for router in self._learners:
-            router.post_route(req, ep)
-        decision = Decision(ep, self.name)
+        decision = Decision(ep, self.name, learn=partial(self._learn, req, ep) if self._learners else None)
         for router in self._headers:      # e.g. session-affinity's x-session-id for the chosen endpoint
             decision.headers.update(router.response_headers(req, ep))
         return decision
+
+    def _learn(self, req: InferenceRequest, ep: Endpoint) -> None:
+        for router in self._learners:
+            router.post_route(req, ep)
 
 
 def _polarity_most(router: ScoringRouter) -> bool:

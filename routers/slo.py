@@ -33,6 +33,7 @@ A request without objectives routes exactly as ``prefix-cache`` does (its fallba
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
@@ -56,12 +57,12 @@ class SloRouter(PrefixCacheRouter):
         self.keep = 1.0 - s.slo_margin
         self.pack = s.slo_select == "pack"
 
-    def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+    def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
+        """As ``prefix-cache``'s: the learning left in ``Decision.learn`` (``route`` runs it at once)."""
         if req.slo_ttft_ms is None and req.slo_tpot_ms is None:
-            return super().route(req, candidates)
+            return super().decide(req, candidates)
         ep, reason, match = self._slo_decide(req, candidates)
-        self.post_route(req, ep)
-        return Decision(ep, self.name, reason=reason, prefix_match=match)
+        return Decision(ep, self.name, reason=reason, prefix_match=match, learn=partial(self.post_route, req, ep))
 
     def _slo_decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]
                     ) -> tuple[Endpoint, str, float | None]:

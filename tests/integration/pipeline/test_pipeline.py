@@ -8,6 +8,7 @@ import pytest
 
 from gateway.pipeline.relay import Relay
 from gateway.pipeline.sse import SSEScanner
+from gateway.upstream.upstream import Upstream
 from handlers import adapter_for
 from tests.support.factories import model_block
 from tests.support.http import post, sse_events
@@ -29,6 +30,25 @@ async def test_one_candidate_still_goes_through_the_router(sims, gateway):
     assert gw.gw.routing.ctx.prefix_index.stats()["blocks"] > 0    # the index learned the prompt
     text = await gw.metrics_text()
     assert 'switchyard_routing_decision_seconds_count{strategy="prefix-cache"} 1.0' in text
+
+
+@pytest.mark.parametrize("strategy", ["prefix-cache", "prefix-cache:2,least-request:1"])
+async def test_the_leg_goes_out_before_the_prefix_index_records_the_prompt(sims, gateway, monkeypatch, strategy):
+    """The prompt's record in the index changes nothing in the choice it follows, so it waits until
+    the leg is written: a long prompt's hashing is not on its way to the engine."""
+    sims_ = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_])])
+    order: list[str] = []
+    index = gw.gw.routing.ctx.prefix_index
+    insert, begin = index.insert, Upstream.begin
+    monkeypatch.setattr(index, "insert", lambda *a: (order.append("record"), insert(*a))[1])
+    monkeypatch.setattr(Upstream, "begin", lambda self, *a: (order.append("leg"), begin(self, *a))[1])
+    long_prompt = [{"role": "user", "content": "a shared system prompt " * 200}]
+    status, _, _ = await post(gw.url, {"model": "m", "messages": long_prompt, "max_tokens": 2},
+                              {"routing-strategy": strategy})
+    assert status == 200
+    assert order == ["leg", "record"]
+    assert index.stats()["blocks"] > 0
 
 
 @pytest.mark.parametrize("model", ["\u0000", "bad\r\nx-injected: 1", "caf\u00e9\u0007", "x" * 5000])

@@ -185,3 +185,30 @@ def test_prefix_load_is_validated():
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"prefix_load": "global"}, RoutingSettings)
+
+
+
+def test_decide_leaves_the_record_for_later_and_route_makes_it_at_once():
+    """``decide`` chooses as ``route`` does; its learning (the prompt's record) waits in
+    ``Decision.learn`` until the gateway has written the leg, and changes nothing until it runs."""
+    router, index, _, _ = setup()
+    eps = make_eps(3, in_flight=[0, 0, 0])
+    decision = router.decide(make_req(SYSTEM), eps)
+    assert decision.learn is not None
+    assert index.match(make_req(SYSTEM), eps) == dict.fromkeys(eps, 0.0)      # nothing recorded yet
+    decision.learn()
+    assert index.match(make_req(SYSTEM), eps)[decision.endpoint] == 100.0
+    routed = router.route(make_req(SYSTEM + "user: more "), eps)             # route learns in the call
+    assert routed.learn is None
+    assert routed.endpoint is decision.endpoint
+    assert index.stats()["blocks"] == 21
+
+
+def test_a_weighted_list_leaves_its_parts_learning_for_later():
+    ctx = RouterContext(rng=random.Random(3), settings=RoutingSettings(prefix_block_chars=BLOCK))
+    weighted = default_registry(ctx).get("prefix-cache:2,least-request:1")
+    eps = make_eps(2, in_flight=[0, 0])
+    decision = weighted.decide(make_req(SYSTEM), eps)
+    assert ctx.prefix_index.match(make_req(SYSTEM), eps) == dict.fromkeys(eps, 0.0)
+    decision.learn()
+    assert ctx.prefix_index.match(make_req(SYSTEM), eps)[decision.endpoint] == 100.0
