@@ -4,6 +4,7 @@
     python bench/cpu_ab.py --base HEAD~3 --rounds 7 --scenarios ns32,fleet
     python bench/cpu_ab.py --base HEAD --new-env PYTHONMALLOC=malloc      # one tree, two environments
     python bench/cpu_ab.py --base HEAD --new-python ../other-venv/bin/python   # one tree, two interpreters
+    python bench/cpu_ab.py --base HEAD --new-config 'view: {workers: false}'  # one tree, two configs
 
 Meant for changes to the hot path on a shared, noisy machine: both gateways run at the same time,
 from their own source trees (``--base REF`` is exported with ``git archive`` into a temporary
@@ -58,13 +59,15 @@ def export(ref: str, into: Path) -> Path:
 
 
 def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
-                  env: dict[str, str] | None = None, workers: int = 1, python: str = PY) -> tuple[subprocess.Popen, int]:
+                  env: dict[str, str] | None = None, workers: int = 1, python: str = PY,
+                  extra: str = "") -> tuple[subprocess.Popen, int]:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
                    f"server: {{shutdown_grace_s: 1, drain_delay_s: 0}}\n"
                    f"routing: {{strategy: round-robin}}\n"
-                   f"models:\n  - name: m\n    engine: vllm\n    endpoints: [{', '.join(urls)}]\n")
+                   f"models:\n  - name: m\n    engine: vllm\n    endpoints: [{', '.join(urls)}]\n"
+                   + (extra.rstrip("\n") + "\n" if extra else ""))
     with open(workdir / f"{name}.log", "wb") as err:
         p = subprocess.Popen([python, "-m", "gateway", "--config", str(cfg), "--workers", str(workers)], cwd=tree, stdout=subprocess.DEVNULL,
                              stderr=err, start_new_session=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", **(env or {})})
@@ -120,6 +123,10 @@ def main() -> None:
     ap.add_argument("--base-env", nargs="*", default=[], metavar="KEY=VALUE",
                     help="environment of the base gateway's process, e.g. PYTHONMALLOC=malloc")
     ap.add_argument("--new-env", nargs="*", default=[], metavar="KEY=VALUE", help="the same for the new one")
+    ap.add_argument("--base-config", default="", metavar="YAML",
+                    help="top-level config blocks added to the base gateway's config, e.g. 'view: {workers: false}' "
+                         "(not listen, server, routing or models, which the benchmark writes)")
+    ap.add_argument("--new-config", default="", metavar="YAML", help="the same for the new one")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
@@ -136,7 +143,8 @@ def main() -> None:
             for name, tree in trees.items():
                 env = dict(kv.split("=", 1) for kv in (a.base_env if name == "base" else a.new_env))
                 gws[name] = start_gateway(tree, name, urls, work, env, a.workers,
-                                          a.base_python if name == "base" else a.new_python)
+                                          a.base_python if name == "base" else a.new_python,
+                                          a.base_config if name == "base" else a.new_config)
             results: dict[str, dict[str, list[tuple[float, float]]]] = {}
             for sc in a.scenarios.split(","):
                 results[sc] = {"base": [], "new": [], "direct": []}
