@@ -22,6 +22,7 @@ class ViewConfig(Block):
     replicas: Annotated[bool, Meta(description="With state.redis_url, every process also shares its prefix-index insertions and sessions with the other replicas through a Redis stream.")] = True
     share_tokens: Annotated[bool, Meta(description="Workers, with KV-events routing: the token ids of the prompt segments one worker tokenizes go to its siblings, so a conversation continued on another worker, or a system prompt met there first, is not tokenized again (they leave with the next batch, or within load_interval_s).")] = True
     load_interval_s: Annotated[_Positive, Meta(description="Workers: a worker's in-flight counts go to its siblings with each routing decision, and within this many seconds of a request's end (a worker where nothing starts or ends wakes only every heartbeat_s).")] = 0.02
+    flush_delay_s: Annotated[float, Meta(ge=0, le=1, description="Workers: after a message to the siblings, the next one that a routing decision, a prefix-index insertion or a session calls for waits until this many seconds have passed, and carries everything that came meanwhile (a burst of requests then costs a message every flush_delay_s, not one per loop turn; a lone request's facts still leave at once); 0: every loop turn that has something sends it.")] = 0.002
     heartbeat_s: Annotated[_Positive, Meta(description="Workers: a worker re-sends its in-flight counts at least this often, changed or not, in seconds.")] = 0.25
     peer_ttl_s: Annotated[_Positive, Meta(description="Workers: a sibling silent this long no longer counts in the in-flight view (it stopped or restarted), in seconds (at least twice heartbeat_s).")] = 1.0
     max_datagram_bytes: Annotated[int, Meta(ge=1024, le=200_000, description="Workers: largest message on the local bus; a batch beyond it is sent in several.")] = 60_000
@@ -34,3 +35,5 @@ class ViewConfig(Block):
     def __post_init__(self) -> None:
         if self.peer_ttl_s < 2 * self.heartbeat_s:
             raise ValueError("peer_ttl_s: must be at least twice view.heartbeat_s")
+        if self.flush_delay_s > self.load_interval_s:
+            raise ValueError("flush_delay_s: must be at most view.load_interval_s")

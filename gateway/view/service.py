@@ -113,6 +113,7 @@ class RoutingView:
         self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
         self._sent_load: dict[str, int] | None = None
         self._sent_load_at = 0.0
+        self._flushed_at = -1e9              # loop time of the last message to the siblings
         self._tick_at: asyncio.TimerHandle | None = None
 
     # -- wiring --------------------------------------------------------------------------------
@@ -147,9 +148,10 @@ class RoutingView:
         self.m.session(model, outcome)
 
     def on_decision(self, ireq: InferenceRequest, decision: Decision, fallbacks: Sequence, elapsed: float) -> None:
-        """A decision claim (its charge follows in the same step): the load goes out this turn, and
-        the ticker runs at ``load_interval_s`` until the load is back to nothing."""
-        if self._soon() and self.bus_load:
+        """A decision claim (its charge follows in the same step): the load goes out this turn, or
+        within ``flush_delay_s`` of the last message when one left less than that ago (``_later``),
+        and the ticker runs at ``load_interval_s`` until the load is back to nothing."""
+        if self._later() and self.bus_load:
             self._arm(self.cfg.load_interval_s)
 
     # -- publishing ----------------------------------------------------------------------------
@@ -162,6 +164,23 @@ class RoutingView:
         self._loop.call_soon(self._flush)
         return True
 
+    def _later(self) -> bool:
+        """The outbox leaves at the end of this loop turn, unless a message left less than
+        ``flush_delay_s`` ago: then when that much time has passed (the ticker flushes), with
+        whatever came meanwhile. A burst of decisions (a thousand streams starting at once) then
+        costs each sibling a message every ``flush_delay_s``, not one a loop turn; a lone decision
+        still leaves at once. Whether this call scheduled the flush this turn."""
+        loop = self._loop
+        if self._scheduled or loop is None:
+            return False
+        delay = self.cfg.flush_delay_s
+        if delay:
+            wait = self._flushed_at + delay - loop.time()
+            if wait > 0:
+                self._arm(wait)
+                return False
+        return self._soon()
+
     def _key(self, ep: Endpoint) -> str:
         k = self._keys.get(ep)
         if k is None:
@@ -170,7 +189,7 @@ class RoutingView:
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))
-        self._soon()
+        self._later()
 
     def _on_put(self, key: str, ep: Endpoint, tag: str | None) -> None:
         self._sessions.append(Session(key, self._key(ep), tag))
@@ -178,7 +197,7 @@ class RoutingView:
             # recorded as the answer goes out: sent now, before the client can ask a sibling for more
             self._flush()
         else:
-            self._soon()
+            self._later()
 
     def _on_tokens(self, model: str, segment: str, ids: list[int]) -> None:
         if tokens_size(model, segment, ids) > self.cfg.max_datagram_bytes - 256:
@@ -217,6 +236,8 @@ class RoutingView:
             payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens,
                               ejects)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
+            if self._loop is not None:
+                self._flushed_at = self._loop.time()
         if self.link is not None and (inserts or sessions):
             self.link.queue([*inserts, *sessions])
 

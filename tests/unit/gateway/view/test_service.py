@@ -190,6 +190,34 @@ async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_w
         await until(lambda: eb[0].remote_in_flight == 0, timeout=0.15)
 
 
+async def test_a_burst_of_decisions_leaves_in_one_message_per_flush_delay_and_a_lone_one_at_once():
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=2.0, peer_ttl_s=4.0, load_interval_s=1.0, flush_delay_s=0.3)
+    (a, actx, apool), (b, bctx, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        await asyncio.sleep(0.05)
+        sent = lambda: metric_total(a.m.gm.render().decode(), "switchyard_view_messages_sent_total")  # noqa: E731
+        before = sent()
+        ea[0].in_flight = 1                        # a lone decision: its message leaves this turn
+        a.on_decision(None, None, (), 0.0)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert sent() == before + 1
+        await until(lambda: eb[0].remote_in_flight == 1, timeout=0.2)
+        for i in range(2, 12):                     # a burst, one decision a loop turn, and an insertion
+            ea[0].in_flight = i
+            a.on_decision(None, None, (), 0.0)
+            await asyncio.sleep(0)
+        actx.prefix_index.insert(inference_request("A burst of agents shares this prompt. " * 2), ea[1])
+        await asyncio.sleep(0.01)
+        assert sent() == before + 1                # held: less than flush_delay_s since the last
+        assert eb[0].remote_in_flight == 1
+        await until(lambda: eb[0].remote_in_flight == 11 and len(bctx.prefix_index) == len(actx.prefix_index),
+                    timeout=1.0)
+        assert sent() == before + 2                # everything the burst made, in one message
+
+
 async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_a_close_closes_it():
     from prometheus_client import CollectorRegistry
 
