@@ -67,6 +67,15 @@ class Decision:
     learn: Callable[[], None] | None = None
 
 
+def learnt(decision: Decision) -> Decision:
+    """``decision`` with the learning its router left in ``Decision.learn`` done now: the ``route``
+    of a router whose ``decide`` defers it is ``learnt(self.decide(req, candidates))``."""
+    learn, decision.learn = decision.learn, None
+    if learn is not None:
+        learn()
+    return decision
+
+
 class RoutingSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """The knobs of the built-in strategies, with their defaults. The gateway's ``routing:``
     config block (``gateway.config.schema.RoutingConfig``) is this class plus the default strategy."""

@@ -52,7 +52,7 @@ from functools import partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import Decision, NoRouteError, Router, RouterContext
+from routers.base import Decision, NoRouteError, Router, RouterContext, learnt
 from routers.pd_settings import PDRouteSettings
 from routers.prefix_cache import cached_depths
 from routers.session_map import RESPONSE, session_of
@@ -113,12 +113,7 @@ class PDRouter(Router):
     # -- the decision ------------------------------------------------------------------------
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
-        decision = self.decide(req, candidates)
-        learn = decision.learn
-        if learn is not None:
-            decision.learn = None
-            learn()
-        return decision
+        return learnt(self.decide(req, candidates))
 
     def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         """``route`` with the prefix index's record of the chosen prefill left in ``learn``."""

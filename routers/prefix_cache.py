@@ -54,7 +54,7 @@ from functools import partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import Decision, RouterContext, ScoringRouter
+from routers.base import Decision, RouterContext, ScoringRouter, learnt
 from routers.prefix_index import PrefixIndex, prefix_keys
 from routers.session_map import RESPONSE, session_of
 from routers.simple import LeastRequestRouter
@@ -158,11 +158,7 @@ class PrefixCacheRouter(ScoringRouter):
                 self.sessions.put(key, ep)
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
-        decision = self.decide(req, candidates)
-        learn, decision.learn = decision.learn, None
-        if learn is not None:
-            learn()
-        return decision
+        return learnt(self.decide(req, candidates))
 
     def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         """``route`` with its learning (``post_route``: the prompt's record in the index, on KV events

@@ -20,7 +20,7 @@ from functools import partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
-from routers.base import Decision, Router, RouterContext, ScoringRouter
+from routers.base import Decision, Router, RouterContext, ScoringRouter, learnt
 from routers.lora import LoraAffinityRouter
 from routers.metrics_based import LeastKVCacheRouter, LeastLatencyRouter, LeastWaitingRouter, ThroughputRouter
 from routers.pd import PDRouter
@@ -167,11 +167,7 @@ class WeightedRouter(ScoringRouter):
         return total
 
     def route(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
-        decision = self.decide(req, candidates)
-        learn, decision.learn = decision.learn, None
-        if learn is not None:
-            learn()
-        return decision
+        return learnt(self.decide(req, candidates))
 
     def decide(self, req: InferenceRequest, candidates: Sequence[Endpoint]) -> Decision:
         """``route`` with the parts' learning (``post_route`` of each) left in ``Decision.learn``."""
