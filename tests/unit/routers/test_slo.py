@@ -182,3 +182,15 @@ def test_it_is_registered_and_routes_alone():
     reg = default_registry(ctx)
     assert isinstance(reg.get("slo"), SloRouter)
     assert reg.get("least-request:1,slo:1") is reg.get("slo")
+
+
+def test_a_decision_with_objectives_leaves_its_record_for_after_the_leg():
+    router, ctx, (fast, slow), _ = setup(slo_exploration=0.0)
+    teach(ctx, fast, 30, 100, 10)
+    teach(ctx, slow, 100, 600, 30)
+    req = slo_req(ttft=300)
+    d = router.decide(req, [fast, slow])
+    assert d.endpoint is fast and d.reason == "slo_feasible" and d.learn is not None
+    assert ctx.prefix_index.match(req, [fast, slow]) == {fast: 0.0, slow: 0.0}   # not recorded yet
+    d.learn()
+    assert ctx.prefix_index.match(req, [fast, slow])[fast] == 100.0
