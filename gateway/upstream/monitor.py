@@ -6,6 +6,10 @@
 - The scraper polls each endpoint's ``/metrics`` into an ``EngineMetrics`` snapshot for routers.
 
 Both probe all endpoints concurrently each round and never let one slow engine delay the others.
+With several workers sharing the routing view (``view.share_monitoring``), a worker probes and
+scrapes only the endpoints it watches (``share.watches``), tells its siblings (``told_probe``,
+``told_scrape``) and adopts theirs (``adopt_probe``, ``adopt_scrape``): each engine is probed and
+scraped once per interval by the whole gateway.
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 import structlog
 
 from gateway.config.schema import HealthConfig, ScrapeConfig
-from gateway.endpoints import Endpoint, EndpointPool
+from gateway.endpoints import Endpoint, EndpointPool, EngineMetrics
 from gateway.observability.metrics import GatewayMetrics
 from gateway.upstream.engine_metrics import parse_engine_metrics
 
@@ -37,6 +42,8 @@ class Monitor:
         self.health = health
         self.scrape = scrape
         self._tasks: list[asyncio.Task] = []
+        # the shared routing view when the workers share monitoring (gateway/view/service.py), else None
+        self.share: Any = None
         # told of an endpoint right after its snapshot or its health changed (admission control)
         self.listeners: list[Callable[[Endpoint], None]] = []
 
@@ -71,6 +78,10 @@ class Monitor:
 
     async def probe_all(self) -> None:
         eps = self.pool.endpoints()
+        share = self.share
+        if share is not None:
+            stale = 2 * self.health.interval_s + self.health.timeout_s
+            eps = [ep for ep in eps if share.watches(ep, "probe", stale)]
         if eps:
             await asyncio.gather(*(self.probe(ep) for ep in eps))
 
@@ -85,7 +96,13 @@ class Monitor:
             ok = False
         self.metrics.child(self.metrics.health_probes, ep.model, ep.name, "ok" if ok else "fail").inc()
         self.apply_probe(ep, ok)
+        if self.share is not None:
+            self.share.told_probe(ep, ok)
         return ok
+
+    def adopt_probe(self, ep: Endpoint, ok: bool) -> None:
+        """The outcome of a probe a sibling worker made of ``ep`` (it watches it)."""
+        self.apply_probe(ep, ok)
 
     def apply_probe(self, ep: Endpoint, ok: bool) -> None:
         was = ep.healthy
@@ -107,10 +124,15 @@ class Monitor:
 
     async def scrape_all(self) -> None:
         eps = self.pool.endpoints()
+        share = self.share
+        if share is not None:
+            stale = 2 * self.scrape.interval_s + self.scrape.timeout_s
+            eps = [ep for ep in eps if share.watches(ep, "scrape", stale)]
         if eps:
             await asyncio.gather(*(self.scrape_one(ep) for ep in eps))
 
     async def scrape_one(self, ep: Endpoint) -> None:
+        snapshot, known = None, 0
         try:
             before = ep.in_flight
             async with asyncio.timeout(self.scrape.timeout_s):
@@ -118,14 +140,25 @@ class Monitor:
                     if r.status != 200:
                         raise aiohttp.ClientResponseError(r.request_info, (), status=r.status)
                     ours = max(before, ep.in_flight)
+                    known = ours + ep.remote_in_flight
                     text = await r.text()
-            ep.metrics = parse_engine_metrics(text, ep.engine, time.monotonic(), ep.metrics, model=ep.model)
+            snapshot = ep.metrics = parse_engine_metrics(text, ep.engine, time.monotonic(), ep.metrics, model=ep.model)
             ep.metrics.gateway_in_flight = ours
             self._tell(ep)
             result = "ok"
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError):
             result = "fail"
         self.metrics.child(self.metrics.scrapes, ep.model, ep.name, result).inc()
+        if self.share is not None:
+            self.share.told_scrape(ep, snapshot, known)
+
+    def adopt_scrape(self, ep: Endpoint, snapshot: EngineMetrics, known: int) -> None:
+        """A snapshot a sibling worker scraped of ``ep`` (it watches it), when it knew of ``known``
+        in-flight requests there (its own and its ``remote_in_flight``, which counts this worker's):
+        this worker's own share of them is what it does not count as remote now."""
+        snapshot.gateway_in_flight = known - ep.remote_in_flight
+        ep.metrics = snapshot
+        self._tell(ep)
 
     def _tell(self, ep: Endpoint) -> None:
         for listener in self.listeners:

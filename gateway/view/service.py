@@ -20,7 +20,15 @@ own view, without telling anyone again:
   ride with the next batch, or leave within ``view.load_interval_s``;
 * between workers, circuit breakers' ejections and closes (``Breakers.on_change`` →
   ``adopt_open`` / ``adopt_close``): a sick engine is ejected in every worker once one has seen
-  enough faults.
+  enough faults;
+* between workers, with ``view.share_monitoring``, health probes and engine scrapes: each endpoint
+  has one watcher among the workers (a hash of its key), which probes and scrapes it and sends
+  every outcome and snapshot (``Monitor`` → ``told_probe`` / ``told_scrape`` → the siblings'
+  ``Monitor.adopt_probe`` / ``adopt_scrape``); the others skip it while they hear from the
+  watcher, and probe and scrape it themselves when they have not for two intervals plus the
+  timeout (the watcher restarting). A snapshot carries the in-flight requests its sender knew of
+  at the scrape, so each worker can tell its own requests from other gateways' in the engine's
+  counts (``EngineMetrics.gateway_in_flight``).
 
 Nothing waits: a decision appends its facts to this process's outbox and the batch leaves once per
 event-loop turn (``loop.call_soon``), to the siblings over the local bus (``gateway.view.bus``)
@@ -33,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,13 +50,27 @@ import msgspec
 import structlog
 
 from gateway.config.schema import Config
-from gateway.endpoints import Endpoint, EndpointPool
+from gateway.endpoints import Endpoint, EndpointPool, EngineMetrics
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest
 from gateway.view.bus import LocalBus
 from gateway.view.metrics import ViewMetrics
 from gateway.view.replicas import ReplicaLink
-from gateway.view.wire import Batch, Eject, Insert, Session, Tokens, decode, encode, endpoint_key, tokens_size
+from gateway.view.wire import (
+    Batch,
+    Eject,
+    Insert,
+    Probe,
+    Scrape,
+    Session,
+    Tokens,
+    decode,
+    decode_snapshot,
+    encode,
+    encode_snapshot,
+    endpoint_key,
+    tokens_size,
+)
 from routers.base import Decision, RouterContext
 from routers.prefix_index import PrefixIndex
 from routers.session_map import RESPONSE, SessionMap
@@ -84,6 +107,8 @@ class RoutingView:
         r = config.routing
         self.sessions = SessionMap(r.session_ttl_s, r.session_max_entries)
         self.group = slot.group if slot is not None else new_group()
+        self.worker_index = slot.index if slot is not None else 0
+        self.worker_count = slot.count if slot is not None else 1
         self.sender = f"{self.group}/{slot.index if slot is not None else 0}"
         self.bus: LocalBus | None = None
         if slot is not None and slot.count > 1 and cfg.workers:
@@ -103,6 +128,11 @@ class RoutingView:
         self._tokens_timer: asyncio.TimerHandle | None = None
         self._breakers: Any = None           # this process's circuit breakers (gateway.resilience.breaker)
         self._ejects: list[Eject] = []
+        self._monitor: Any = None            # this process's prober and scraper (gateway.upstream.monitor)
+        self.share_monitoring = self.bus is not None and cfg.share_monitoring
+        self._probes: list[Probe] = []
+        self._scrapes: list[Scrape] = []
+        self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape", endpoint key) → heard at
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inserts: list[Insert] = []
         self._sessions: list[Session] = []
@@ -139,6 +169,39 @@ class RoutingView:
         self._breakers = breakers
         if self._loop is not None and self.bus is not None:
             breakers.on_change = self._on_breaker
+
+    def attach_monitor(self, monitor: Any) -> None:
+        """This process's health prober and scraper: with ``share_monitoring``, it probes and
+        scrapes the endpoints this worker watches (``watches``), tells the siblings, and adopts
+        their outcomes for the others."""
+        self._monitor = monitor
+        if self.share_monitoring:
+            monitor.share = self
+
+    def watcher(self, ep: Endpoint) -> int:
+        """The worker that probes and scrapes ``ep`` (the same in every worker)."""
+        return zlib.crc32(self._key(ep).encode()) % self.worker_count
+
+    def watches(self, ep: Endpoint, kind: str, stale_after: float) -> bool:
+        """Whether this worker probes (``kind`` "probe") or scrapes ("scrape") ``ep`` now: it is
+        the endpoint's watcher, or it has not heard the watcher's outcome for ``stale_after`` s."""
+        if self.watcher(ep) == self.worker_index:
+            return True
+        heard = self._heard_watcher.get((kind, self._key(ep)))
+        return heard is None or time.monotonic() - heard > stale_after
+
+    def told_probe(self, ep: Endpoint, ok: bool) -> None:
+        """This worker probed ``ep``: the siblings learn the outcome if it is the watcher."""
+        if self.watcher(ep) == self.worker_index:
+            self._probes.append(Probe(self._key(ep), ok))
+            self._later()
+
+    def told_scrape(self, ep: Endpoint, snapshot: EngineMetrics | None, known: int) -> None:
+        """This worker scraped ``ep`` (``snapshot`` None: the scrape failed), knowing of ``known``
+        in-flight requests on it: the siblings learn it if this is the watcher."""
+        if self.watcher(ep) == self.worker_index:
+            self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot else b""))
+            self._later()
 
     def _on_breaker(self, ep: Endpoint, open_for: float, ejections: int) -> None:
         self._ejects.append(Eject(self._key(ep), open_for, ejections))
@@ -222,6 +285,11 @@ class RoutingView:
             self._sessions = []
         if tokens:
             self._tokens = []
+        probes, scrapes = self._probes, self._scrapes
+        if probes:
+            self._probes = []
+        if scrapes:
+            self._scrapes = []
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None
@@ -232,9 +300,9 @@ class RoutingView:
             if snap != self._sent_load or now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01:   # (a timer may fire a hair early)
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
-        if bus is not None and (inserts or sessions or tokens or ejects or load is not None):
+        if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or load is not None):
             payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens,
-                              ejects)
+                              ejects, probes, scrapes)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if self._loop is not None:
                 self._flushed_at = self._loop.time()
@@ -335,6 +403,9 @@ class RoutingView:
                 else:
                     n += self._breakers.adopt_close(ep)
             m.gm.child(m.applied, source, "breaker").inc(n)
+        if (batch.probes or batch.scrapes) and self._monitor is not None and self.share_monitoring \
+                and source == "worker":
+            unknown += self._adopt_monitoring(batch)
         if unknown:
             m.gm.child(m.applied, source, "unknown_endpoint").inc(unknown)
         if batch.tokens and self._kv is not None and source == "worker":
@@ -347,6 +418,39 @@ class RoutingView:
             self._peers[batch.sender] = (batch.load, time.monotonic())
             m.gm.child(m.applied, source, "load").inc()
             self._sum_peers()
+
+    def _adopt_monitoring(self, batch: Batch) -> int:
+        """A watcher's probes and scrapes, adopted; returns how many named an unknown endpoint."""
+        m, mon, heard = self.m, self._monitor, self._heard_watcher
+        now = time.monotonic()
+        unknown = probes = scrapes = 0
+        for p in batch.probes:
+            ep = self._resolve(p.ep)
+            if ep is None:
+                unknown += 1
+                continue
+            heard[("probe", p.ep)] = now
+            mon.adopt_probe(ep, p.ok)
+            probes += 1
+        for sc in batch.scrapes:
+            ep = self._resolve(sc.ep)
+            if ep is None:
+                unknown += 1
+                continue
+            heard[("scrape", sc.ep)] = now
+            if sc.snapshot:
+                try:
+                    snap = decode_snapshot(sc.snapshot)
+                except (msgspec.DecodeError, ValueError):
+                    m.gm.child(m.dropped, "worker", "undecodable").inc()
+                    continue
+                mon.adopt_scrape(ep, snap, sc.known)
+            scrapes += 1
+        if probes:
+            m.gm.child(m.applied, "worker", "probe").inc(probes)
+        if scrapes:
+            m.gm.child(m.applied, "worker", "scrape").inc(scrapes)
+        return unknown
 
     def _sum_peers(self) -> None:
         totals: dict[str, int] = {}
@@ -388,7 +492,7 @@ class RoutingView:
         if self.link is not None:
             self.link.start()
         log.info("shared routing view", workers_bus=self.bus is not None, bus_load=self.bus_load,
-                 replicas=self.link is not None, sender=self.sender)
+                 replicas=self.link is not None, sender=self.sender, share_monitoring=self.share_monitoring)
 
     async def stop(self) -> None:
         if self._tick_at is not None:
@@ -404,6 +508,8 @@ class RoutingView:
             self._kv.on_tokens(None)
         if self._breakers is not None:
             self._breakers.on_change = None
+        if self._monitor is not None:
+            self._monitor.share = None
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None
@@ -416,4 +522,7 @@ class RoutingView:
         return {"sender": self.sender, "workers_bus": self.bus is not None, "bus_load": self.bus_load,
                 "replicas": self.link is not None, "redis_up": bool(self.link is not None and self.link.up),
                 "siblings_heard": len(self._peers), "sessions": len(self.sessions),
+                "share_monitoring": self.share_monitoring,
+                "watching": sum(1 for ep in self.pool.endpoints() if self.watcher(ep) == self.worker_index)
+                if self.share_monitoring else None,
                 "lag": {s: self.m.lag_quantiles(s) for s in ("worker", "replica")}}

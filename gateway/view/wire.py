@@ -17,7 +17,11 @@ discovery alike):
   the local bus only;
 * ``Eject``: the sender's circuit breaker ejected an endpoint for ``open_for`` seconds (0: closed it
   after its trials passed); the siblings do the same (``gateway.resilience.breaker``). The local
-  bus only.
+  bus only;
+* ``Probe`` and ``Scrape``: the outcome of a health probe, and an engine's ``/metrics`` snapshot
+  (``EngineMetrics``, MessagePack-encoded as the sender made it), from the worker that watches the
+  endpoint (``view.share_monitoring``), with ``known``: the in-flight requests the sender knew of
+  on the endpoint when the engine answered (its own and ``remote_in_flight``). The local bus only.
 
 ``encode`` splits what does not fit in ``max_bytes`` over several batches.
 """
@@ -28,7 +32,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from gateway.endpoints import Endpoint
+from gateway.endpoints import Endpoint, EngineMetrics
 
 
 class Insert(msgspec.Struct, array_like=True):
@@ -54,6 +58,17 @@ class Eject(msgspec.Struct, array_like=True):
     ejections: int = 0
 
 
+class Probe(msgspec.Struct, array_like=True):
+    ep: str
+    ok: bool
+
+
+class Scrape(msgspec.Struct, array_like=True):
+    ep: str
+    known: int                           # the sender's own in-flight at the scrape + its remote_in_flight
+    snapshot: bytes                      # EngineMetrics, MessagePack (``encode_snapshot``)
+
+
 class Batch(msgspec.Struct, array_like=True):
     sender: str                          # "<gateway group>/<worker index>"
     sent: float                          # the sender's time.time() when it sent the batch
@@ -62,6 +77,8 @@ class Batch(msgspec.Struct, array_like=True):
     load: dict[str, int] | None = None   # None: no load in this batch (not "all zero")
     tokens: list[Tokens] = []
     breakers: list[Eject] = []
+    probes: list[Probe] = []
+    scrapes: list[Scrape] = []
 
 
 def endpoint_key(ep: Endpoint) -> str:
@@ -71,6 +88,16 @@ def endpoint_key(ep: Endpoint) -> str:
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Batch)
+_snapshot_decoder = msgspec.msgpack.Decoder(EngineMetrics)
+
+
+def encode_snapshot(m: EngineMetrics) -> bytes:
+    return _encoder.encode(m)
+
+
+def decode_snapshot(data: bytes) -> EngineMetrics:
+    """Raises ``msgspec.DecodeError`` (a ``ValueError``) on anything but a snapshot."""
+    return _snapshot_decoder.decode(data)
 
 
 def decode(data: bytes) -> Batch:
@@ -83,9 +110,13 @@ def tokens_size(model: str, segment: str, ids: list[int]) -> int:
     return 16 + len(model) + len(segment) + 5 * len(ids)
 
 
-def _size(fact: Insert | Session | Tokens) -> int:
+def _size(fact: Insert | Session | Tokens | Probe | Scrape) -> int:
     """An upper bound of a fact's encoded size (9 bytes per 64-bit key)."""
     cls = fact.__class__
+    if cls is Scrape:
+        return 24 + len(fact.ep) + len(fact.snapshot)      # type: ignore[union-attr]
+    if cls is Probe:
+        return 8 + len(fact.ep)                            # type: ignore[union-attr]
     if cls is Insert:
         return 16 + len(fact.ep) + 9 * len(fact.keys)      # type: ignore[union-attr]
     if cls is Tokens:
@@ -95,30 +126,32 @@ def _size(fact: Insert | Session | Tokens) -> int:
 
 def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
            load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
-           breakers: Sequence[Eject] = ()) -> list[bytes]:
+           breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
+           scrapes: Sequence[Scrape] = ()) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
     out: list[bytes] = []
-    ins: list[Insert] = []
-    ses: list[Session] = []
-    tok: list[Tokens] = []
+    lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: []}
+    some = False
     used = 64 * len(breakers)               # a few, small: they go in the first batch
-    for fact in (*inserts, *sessions, *tokens):
+
+    def batch() -> bytes:
+        return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
+                                     list(breakers), lists[Probe], lists[Scrape]))
+
+    for fact in (*inserts, *sessions, *tokens, *probes, *scrapes):
         n = _size(fact)
-        if used + n > budget and (ins or ses or tok or breakers):
-            out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok, list(breakers))))
+        if used + n > budget and (some or breakers):
+            out.append(batch())
             load = None
-            ins, ses, tok, breakers = [], [], [], ()
+            lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: []}
+            breakers = ()
             used = 0
-        cls = fact.__class__
-        if cls is Insert:
-            ins.append(fact)         # type: ignore[arg-type]
-        elif cls is Session:
-            ses.append(fact)         # type: ignore[arg-type]
-        else:
-            tok.append(fact)         # type: ignore[arg-type]
+            some = False
+        lists[fact.__class__].append(fact)
+        some = True
         used += n
-    if ins or ses or tok or breakers or load is not None or not out:
-        out.append(_encoder.encode(Batch(sender, sent, ins, ses, load, tok, list(breakers))))
+    if any(lists.values()) or breakers or load is not None or not out:
+        out.append(batch())
     return out
