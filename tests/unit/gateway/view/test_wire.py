@@ -30,3 +30,21 @@ def test_an_empty_flush_with_load_is_one_batch_and_garbage_is_refused():
     assert decode(only).load == {}
     with pytest.raises(ValueError):
         decode(b"\x93not a batch")
+
+
+def test_probes_and_engine_snapshots_round_trip_and_are_split_to_fit():
+    from gateway.endpoints import EngineMetrics
+    from gateway.view.wire import Probe, Scrape, decode_snapshot, encode_snapshot
+
+    snap = EngineMetrics(scraped_at=123.25, running=3.0, waiting=1.0, kv_usage=0.5, block_size=16,
+                         lora_running=frozenset({"a", "b"}), gateway_in_flight=2)
+    assert decode_snapshot(encode_snapshot(snap)) == snap
+    scrapes = [Scrape(f"m|http://e:{i}", i, encode_snapshot(snap)) for i in range(40)]
+    probes = [Probe(f"m|http://e:{i}", i % 2 == 0) for i in range(40)]
+    out = encode("g/0", 1.0, [], [], None, 2048, probes=probes, scrapes=scrapes)
+    assert len(out) > 1 and all(len(p) <= 2048 for p in out)
+    batches = [decode(p) for p in out]
+    assert [p for b in batches for p in b.probes] == probes
+    assert [s for b in batches for s in b.scrapes] == scrapes
+    with pytest.raises(ValueError):
+        decode_snapshot(b"\x93\x01\x02\x03")
