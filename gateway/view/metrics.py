@@ -98,5 +98,6 @@ class _LagCollector:
         yield GaugeMetricFamily("switchyard_view_redis_up",
                                 "1 while the shared view's Redis stream is reachable (0: down or not used)",
                                 value=self.m.redis_up)
-        yield GaugeMetricFamily("switchyard_view_peers", "Sibling workers heard from within view.peer_ttl_s",
+        yield GaugeMetricFamily("switchyard_view_peers", "Sibling workers whose in-flight counts this worker holds (heard within view.peer_ttl_s; a "
+                                "sibling with nothing in flight says so once and drops out)",
                                 value=self.m.peers)

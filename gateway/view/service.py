@@ -297,7 +297,8 @@ class RoutingView:
         if self.bus_load:
             now = time.monotonic()
             snap = self._load()
-            if snap != self._sent_load or now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01:   # (a timer may fire a hair early)
+            # changed, or the heartbeat of counts the siblings hold (none at rest: "nothing" was said once)
+            if snap != self._sent_load or (snap and now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01):   # (a timer may fire a hair early)
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
         if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or load is not None):
@@ -330,9 +331,11 @@ class RoutingView:
     def _tick(self) -> None:
         """Workers: the load when it changed without a decision (requests ending), the heartbeat,
         and silent siblings forgotten. Armed within ``load_interval_s`` by a decision and by a
-        request's end, else every ``heartbeat_s``: a worker whose requests are idle or in flight
-        with nothing starting or ending (a thousand slow streams) wakes four times a second, not
-        fifty."""
+        request's end, else every ``heartbeat_s`` while there are counts to keep alive (this
+        worker's, sent, or a sibling's, held): a worker whose requests are in flight with nothing
+        starting or ending (a thousand slow streams) wakes four times a second, not fifty, and a
+        gateway at rest not at all (with N workers the heartbeats were N x (N - 1) messages a
+        second times four)."""
         self._tick_at = None
         try:
             if not self._scheduled:
@@ -340,7 +343,8 @@ class RoutingView:
             self._expire_peers()
         except Exception:     # never let the ticker die: the siblings would see this one go silent
             log.exception("shared routing view: tick failed")
-        self._arm(self.cfg.heartbeat_s)
+        if self.bus_load and (self._sent_load or self._peers):
+            self._arm(self.cfg.heartbeat_s)
 
     # -- applying ------------------------------------------------------------------------------
 
@@ -415,7 +419,12 @@ class RoutingView:
                 n += adopt(t.model, t.segment, t.ids)
             m.gm.child(m.applied, source, "tokens").inc(n)
         if batch.load is not None and self.bus_load and source == "worker":
-            self._peers[batch.sender] = (batch.load, time.monotonic())
+            if batch.load:
+                self._peers[batch.sender] = (batch.load, time.monotonic())
+                if self._tick_at is None:          # held counts expire if their sender goes silent
+                    self._arm(self.cfg.heartbeat_s)
+            else:                                  # nothing in flight there: nothing to hold or expire
+                self._peers.pop(batch.sender, None)
             m.gm.child(m.applied, source, "load").inc()
             self._sum_peers()
 

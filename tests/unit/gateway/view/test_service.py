@@ -177,7 +177,8 @@ async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_w
         expire = a._expire_peers
         a._expire_peers = lambda: (ticks.append(1), expire())      # once a tick
         await asyncio.sleep(0.6)
-        assert 1 <= len(ticks) <= 5                # idle: at the heartbeat (0.2 s), not every 10 ms
+        assert ticks == []                         # at rest, nothing in flight anywhere: no tick at all
+        assert a._tick_at is None and b._tick_at is None
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         ea[0].in_flight = 1                        # a request routed: its decision arms the short interval
         a.on_decision(None, None, (), 0.0)
@@ -188,6 +189,12 @@ async def test_a_worker_ticks_at_the_heartbeat_unless_a_request_starts_or_ends_w
         ea[0].in_flight = 0                        # it ends, with no decision: heard within the interval
         a.on_request(None, 0.0)                    # (the pipeline's record observer)
         await until(lambda: eb[0].remote_in_flight == 0, timeout=0.15)
+        # both at rest again: the sibling drops what it held, and neither wakes any more
+        await until(lambda: a._tick_at is None and b._tick_at is None and b.describe()["siblings_heard"] == 0,
+                    timeout=1)
+        ticks.clear()
+        await asyncio.sleep(0.5)
+        assert ticks == []
 
 
 async def test_a_burst_of_decisions_leaves_in_one_message_per_flush_delay_and_a_lone_one_at_once():
