@@ -126,6 +126,8 @@ class Lora:
         self._unloading: set[tuple[int, str]] = set()
         self._task: asyncio.Task | None = None
         self._idle_task: asyncio.Task | None = None
+        # the shared routing view when the workers share discovery (view.share_monitoring), else None
+        self.share: Any = None
 
     def reconfigure(self, config: Config) -> None:
         self.config = config
@@ -450,6 +452,10 @@ class Lora:
 
     async def discover(self, session: aiohttp.ClientSession) -> None:
         eps = self.pool.endpoints()
+        share = self.share
+        if share is not None:       # the endpoints this worker watches; the siblings tell of the others
+            stale = 2 * self.settings.discovery_interval_s + (self.config.scrape.timeout_s or 2.0)
+            eps = [ep for ep in eps if share.watches(ep, "models", stale)]
         if eps:
             await asyncio.gather(*(self._discover_one(session, ep) for ep in eps))
         counts: dict[tuple[str, str], int] = {}
@@ -461,17 +467,22 @@ class Lora:
 
     async def _discover_one(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
         asked = self.clock()
+        found = None
         try:
             async with asyncio.timeout(self.config.scrape.timeout_s or 2.0):
                 async with session.get(ep.url + "/v1/models") as r:
-                    if r.status != 200:
-                        return
-                    data = orjson.loads(await r.read())
+                    if r.status == 200:
+                        found = served_adapters(orjson.loads(await r.read()), ep.model)
         except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
-            return
-        found = served_adapters(data, ep.model)
-        if found is None:
-            return
+            pass
+        if self.share is not None:
+            self.share.told_models(ep, asked, found)
+        if found is not None:
+            self.adopt_models(ep, asked, dict(found))
+
+    def adopt_models(self, ep: Endpoint, asked: float, found: dict[str, str]) -> None:
+        """``ep``'s adapters as its ``/v1/models`` listed them when asked at ``asked`` (this
+        worker's clock, or the sibling's that watches it: ``time.monotonic`` is the machine's)."""
         # an adapter the gateway loaded while the list was on its way stays; one it unloaded (or is
         # unloading) meanwhile stays out
         for a, m in ep.adapters.served.items():

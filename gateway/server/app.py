@@ -328,6 +328,7 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             s.view.attach_monitor(mon)                         # one worker probes and scrapes each engine
             app[MONITOR_KEY] = mon
             mon.start()
+            s.view.attach_lora(lora)                           # and reads its LoRA adapters
             lora.start(session)
             lag = LoopLagMonitor(metrics.loop_lag.observe, config.server.loop_lag_interval_s)
             lag.start()

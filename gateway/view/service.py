@@ -22,8 +22,8 @@ own view, without telling anyone again:
   ``adopt_open`` / ``adopt_close``): a sick engine is ejected in every worker once one has seen
   enough faults;
 * between workers, with ``view.share_monitoring``, health probes and engine scrapes: each endpoint
-  has one watcher among the workers (a hash of its key), which probes and scrapes it and sends
-  every outcome and snapshot (``Monitor`` → ``told_probe`` / ``told_scrape`` → the siblings'
+  has one watcher among the workers (a hash of its key), which probes and scrapes it (and reads
+  its LoRA adapters, ``Lora.discover``) and sends every outcome and snapshot (``Monitor`` → ``told_probe`` / ``told_scrape`` → the siblings'
   ``Monitor.adopt_probe`` / ``adopt_scrape``); the others skip it while they hear from the
   watcher, and probe and scrape it themselves when they have not for two intervals plus the
   timeout (the watcher restarting). A snapshot carries the in-flight requests its sender knew of
@@ -62,6 +62,7 @@ from gateway.view.wire import (
     Insert,
     Probe,
     Scrape,
+    Served,
     Session,
     Tokens,
     decode,
@@ -132,6 +133,8 @@ class RoutingView:
         self.share_monitoring = self.bus is not None and cfg.share_monitoring
         self._probes: list[Probe] = []
         self._scrapes: list[Scrape] = []
+        self._served: list[Served] = []
+        self._lora: Any = None               # this process's LoRA stage, whose discovery is shared
         self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape", endpoint key) → heard at
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inserts: list[Insert] = []
@@ -178,6 +181,13 @@ class RoutingView:
         if self.share_monitoring:
             monitor.share = self
 
+    def attach_lora(self, lora: Any) -> None:
+        """This process's LoRA stage: with ``share_monitoring``, its discovery reads ``/v1/models``
+        of the endpoints this worker watches, and adopts the siblings' reads of the others."""
+        self._lora = lora
+        if self.share_monitoring:
+            lora.share = self
+
     def watcher(self, ep: Endpoint) -> int:
         """The worker that probes and scrapes ``ep`` (the same in every worker)."""
         return zlib.crc32(self._key(ep).encode()) % self.worker_count
@@ -201,6 +211,13 @@ class RoutingView:
         in-flight requests on it: the siblings learn it if this is the watcher."""
         if self.watcher(ep) == self.worker_index:
             self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot else b""))
+            self._later()
+
+    def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None) -> None:
+        """This worker read ``ep``'s LoRA adapters (None: no answer): the siblings learn them if it
+        is the watcher."""
+        if self.watcher(ep) == self.worker_index:
+            self._served.append(Served(self._key(ep), asked, adapters))
             self._later()
 
     def _on_breaker(self, ep: Endpoint, open_for: float, ejections: int) -> None:
@@ -290,6 +307,9 @@ class RoutingView:
             self._probes = []
         if scrapes:
             self._scrapes = []
+        served = self._served
+        if served:
+            self._served = []
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None
@@ -301,9 +321,10 @@ class RoutingView:
             if snap != self._sent_load or (snap and now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01):   # (a timer may fire a hair early)
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
-        if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or load is not None):
+        if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served
+                                or load is not None):
             payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens,
-                              ejects, probes, scrapes)
+                              ejects, probes, scrapes, served)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if self._loop is not None:
                 self._flushed_at = self._loop.time()
@@ -407,8 +428,7 @@ class RoutingView:
                 else:
                     n += self._breakers.adopt_close(ep)
             m.gm.child(m.applied, source, "breaker").inc(n)
-        if (batch.probes or batch.scrapes) and self._monitor is not None and self.share_monitoring \
-                and source == "worker":
+        if (batch.probes or batch.scrapes or batch.served) and self.share_monitoring and source == "worker":
             unknown += self._adopt_monitoring(batch)
         if unknown:
             m.gm.child(m.applied, source, "unknown_endpoint").inc(unknown)
@@ -433,7 +453,7 @@ class RoutingView:
         m, mon, heard = self.m, self._monitor, self._heard_watcher
         now = time.monotonic()
         unknown = probes = scrapes = 0
-        for p in batch.probes:
+        for p in batch.probes if mon is not None else ():
             ep = self._resolve(p.ep)
             if ep is None:
                 unknown += 1
@@ -441,7 +461,7 @@ class RoutingView:
             heard[("probe", p.ep)] = now
             mon.adopt_probe(ep, p.ok)
             probes += 1
-        for sc in batch.scrapes:
+        for sc in batch.scrapes if mon is not None else ():
             ep = self._resolve(sc.ep)
             if ep is None:
                 unknown += 1
@@ -455,6 +475,18 @@ class RoutingView:
                     continue
                 mon.adopt_scrape(ep, snap, sc.known)
             scrapes += 1
+        served = 0
+        for sv in batch.served if self._lora is not None else ():
+            ep = self._resolve(sv.ep)
+            if ep is None:
+                unknown += 1
+                continue
+            heard[("models", sv.ep)] = now
+            if sv.adapters is not None:
+                self._lora.adopt_models(ep, sv.asked, sv.adapters)
+            served += 1
+        if served:
+            m.gm.child(m.applied, "worker", "models").inc(served)
         if probes:
             m.gm.child(m.applied, "worker", "probe").inc(probes)
         if scrapes:
@@ -519,6 +551,8 @@ class RoutingView:
             self._breakers.on_change = None
         if self._monitor is not None:
             self._monitor.share = None
+        if self._lora is not None:
+            self._lora.share = None
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None

@@ -21,7 +21,9 @@ discovery alike):
 * ``Probe`` and ``Scrape``: the outcome of a health probe, and an engine's ``/metrics`` snapshot
   (``EngineMetrics``, MessagePack-encoded as the sender made it), from the worker that watches the
   endpoint (``view.share_monitoring``), with ``known``: the in-flight requests the sender knew of
-  on the endpoint when the engine answered (its own and ``remote_in_flight``). The local bus only.
+  on the endpoint when the engine answered (its own and ``remote_in_flight``); ``Served``: the LoRA
+  adapters the endpoint's ``/v1/models`` listed when the watcher asked (None: no answer). The
+  local bus only.
 
 ``encode`` splits what does not fit in ``max_bytes`` over several batches.
 """
@@ -69,6 +71,12 @@ class Scrape(msgspec.Struct, array_like=True):
     snapshot: bytes                      # EngineMetrics, MessagePack (``encode_snapshot``)
 
 
+class Served(msgspec.Struct, array_like=True):
+    ep: str
+    asked: float                         # the watcher's time.monotonic() when it asked (the same clock in every worker)
+    adapters: dict[str, str] | None      # adapter → its base model; None: the endpoint did not answer
+
+
 class Batch(msgspec.Struct, array_like=True):
     sender: str                          # "<gateway group>/<worker index>"
     sent: float                          # the sender's time.time() when it sent the batch
@@ -79,6 +87,7 @@ class Batch(msgspec.Struct, array_like=True):
     breakers: list[Eject] = []
     probes: list[Probe] = []
     scrapes: list[Scrape] = []
+    served: list[Served] = []
 
 
 def endpoint_key(ep: Endpoint) -> str:
@@ -110,9 +119,11 @@ def tokens_size(model: str, segment: str, ids: list[int]) -> int:
     return 16 + len(model) + len(segment) + 5 * len(ids)
 
 
-def _size(fact: Insert | Session | Tokens | Probe | Scrape) -> int:
+def _size(fact: Insert | Session | Tokens | Probe | Scrape | Served) -> int:
     """An upper bound of a fact's encoded size (9 bytes per 64-bit key)."""
     cls = fact.__class__
+    if cls is Served:
+        return 24 + len(fact.ep) + sum(len(a) + len(b) + 8 for a, b in (fact.adapters or {}).items())  # type: ignore[union-attr]
     if cls is Scrape:
         return 24 + len(fact.ep) + len(fact.snapshot)      # type: ignore[union-attr]
     if cls is Probe:
@@ -127,25 +138,25 @@ def _size(fact: Insert | Session | Tokens | Probe | Scrape) -> int:
 def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
            load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
            breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
-           scrapes: Sequence[Scrape] = ()) -> list[bytes]:
+           scrapes: Sequence[Scrape] = (), served: Sequence[Served] = ()) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
     out: list[bytes] = []
-    lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: []}
+    lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
     some = False
     used = 64 * len(breakers)               # a few, small: they go in the first batch
 
     def batch() -> bytes:
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
-                                     list(breakers), lists[Probe], lists[Scrape]))
+                                     list(breakers), lists[Probe], lists[Scrape], lists[Served]))
 
-    for fact in (*inserts, *sessions, *tokens, *probes, *scrapes):
+    for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
         if used + n > budget and (some or breakers):
             out.append(batch())
             load = None
-            lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: []}
+            lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
             breakers = ()
             used = 0
             some = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import aiohttp
 import pytest
@@ -209,27 +210,31 @@ async def test_on_kv_events_a_worker_finds_the_tokens_its_sibling_made(sims, tmp
 
 
 @pytest.mark.timeout(120)
-async def test_two_workers_probe_and_scrape_each_engine_once_per_interval_not_once_per_worker(sims, tmp_path):
+async def test_two_workers_probe_scrape_and_read_each_engines_adapters_once_per_interval_not_once_per_worker(
+        sims, tmp_path):
     from enginesim.server import RECEIVED_KEY
-    engines = [await sims("vllm", "m") for _ in range(3)]
+    engines = [await sims("vllm", "m", enable_lora=True, lora_modules=(f"ad{i}=/loras/ad{i}",)) for i in range(3)]
     port = free_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, [e.url for e in engines])
-                    .replace("health: {interval_s: 0.5}", "health: {interval_s: 0.2}\nscrape: {interval_s: 0.2}"))
+                    .replace("health: {interval_s: 0.5}", "health: {interval_s: 0.2}\nscrape: {interval_s: 0.2}\n"
+                             "lora: {discovery_interval_s: 0.2}"))
     window, interval = 2.0, 0.2
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         await asyncio.sleep(1.0)                 # each worker's first round is its own; then the watcher's alone
         for e in engines:
             e.app[RECEIVED_KEY].clear()
         await asyncio.sleep(window)
-        got = [(sum(r["path"] == "/metrics" for r in e.app[RECEIVED_KEY]),
-                sum(r["path"] == "/health" for r in e.app[RECEIVED_KEY])) for e in engines]
+        got = [{p: sum(r["path"] == p for r in e.app[RECEIVED_KEY]) for p in ("/metrics", "/health", "/v1/models")}
+               for e in engines]
         pages = await per_worker(port, 2)
+        listed = await per_worker(port, 2, "/v1/models")
     # one round per interval (10 here) reaches each engine, where each worker's own rounds made 20
     rounds = window / interval
-    for scrapes, probes in got:
-        assert 2 <= scrapes <= rounds + 3, got
-        assert 2 <= probes <= rounds + 3, got
-    for page in pages.values():                   # each worker adopted its sibling's snapshots and probes
-        assert metric_total(page, "switchyard_view_facts_applied_total", source="worker", kind="scrape") > 0
-        assert metric_total(page, "switchyard_view_facts_applied_total", source="worker", kind="probe") > 0
+    for counts in got:
+        assert all(2 <= n <= rounds + 3 for n in counts.values()), got
+    for page in pages.values():                   # each worker adopted its sibling's snapshots, probes and lists
+        for kind in ("scrape", "probe", "models"):
+            assert metric_total(page, "switchyard_view_facts_applied_total", source="worker", kind=kind) > 0, kind
+    for answer in listed.values():                # every worker knows every engine's adapter, asked or told
+        assert {"ad0", "ad1", "ad2"} <= {m["id"] for m in json.loads(answer)["data"]}, answer
