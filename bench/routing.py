@@ -99,6 +99,7 @@ QUICK_STRATEGIES = ["random", "least-request", "least-kv-cache", "prefix-cache",
 RECOMMENDED = "prefix-cache"
 EVENTS = "+events"        # suffix: the strategy with KV events on (engines publish, the gateway subscribes)
 KV_EVENTS: dict = {}      # extra kv_events keys (--kv-events KEY=VALUE)
+VIEW: dict = {}        # the gateways' view block (--view), e.g. flush_delay_s
 # which runs' engines publish KV events (--engines-publish): "always", the same engines for every
 # strategy (a fleet configured for events publishes whatever the gateway routes by), or "events",
 # only under the +events strategies (their engines then do work the others' do not)
@@ -407,6 +408,7 @@ def gateway_config(spec: str, events: bool, endpoints: list[str], tokenizer: str
         "scrape": {"interval_s": 0.5},
         "routing": dict(routing),
         "models": [model],
+        **({"view": dict(VIEW)} if VIEW else {}),
     }
 
 
@@ -891,6 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, help="KV blocks per engine (16 tokens each; default 1536)")
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE",
                     help="routing config knobs for the gateway, e.g. prefix_std_factor=2")
+    ap.add_argument("--view", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="view config knobs for the gateway (with --workers or --replicas), e.g. flush_delay_s=0.01")
     ap.add_argument("--gateway-process", action="store_true",
                     help="run each gateway replica as its own process (python -m gateway) instead of in the "
                          "benchmark's event loop; engines and load generator stay in the benchmark")
@@ -933,6 +937,9 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.routing:
         key, _, value = item.partition("=")
         routing[key] = json.loads(value)
+    for item in args.view:
+        key, _, value = item.partition("=")
+        VIEW[key] = json.loads(value)
     for item in args.kv_events:
         key, _, value = item.partition("=")
         KV_EVENTS[key] = json.loads(value)
