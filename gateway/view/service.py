@@ -210,7 +210,7 @@ class RoutingView:
         """This worker scraped ``ep`` (``snapshot`` None: the scrape failed), knowing of ``known``
         in-flight requests on it: the siblings learn it if this is the watcher."""
         if self.watcher(ep) == self.worker_index:
-            self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot else b""))
+            self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot is not None else b""))
             self._later()
 
     def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None) -> None:
