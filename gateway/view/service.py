@@ -449,49 +449,44 @@ class RoutingView:
             self._sum_peers()
 
     def _adopt_monitoring(self, batch: Batch) -> int:
-        """A watcher's probes and scrapes, adopted; returns how many named an unknown endpoint."""
-        m, mon, heard = self.m, self._monitor, self._heard_watcher
+        """A watcher's probes, scrapes and adapter lists, adopted (each endpoint's watcher then
+        counts as heard); returns how many named an unknown endpoint."""
+        m, mon, lora, heard = self.m, self._monitor, self._lora, self._heard_watcher
         now = time.monotonic()
-        unknown = probes = scrapes = 0
-        for p in batch.probes if mon is not None else ():
-            ep = self._resolve(p.ep)
-            if ep is None:
-                unknown += 1
-                continue
-            heard[("probe", p.ep)] = now
-            mon.adopt_probe(ep, p.ok)
-            probes += 1
-        for sc in batch.scrapes if mon is not None else ():
-            ep = self._resolve(sc.ep)
-            if ep is None:
-                unknown += 1
-                continue
-            heard[("scrape", sc.ep)] = now
-            if sc.snapshot:
-                try:
-                    snap = decode_snapshot(sc.snapshot)
-                except (msgspec.DecodeError, ValueError):
-                    m.gm.child(m.dropped, "worker", "undecodable").inc()
+        unknown = 0
+        for kind, facts, adopt in (("probe", batch.probes if mon is not None else (), self._adopt_probe),
+                                   ("scrape", batch.scrapes if mon is not None else (), self._adopt_scrape),
+                                   ("models", batch.served if lora is not None else (), self._adopt_served)):
+            n = 0
+            for fact in facts:
+                ep = self._resolve(fact.ep)
+                if ep is None:
+                    unknown += 1
                     continue
-                mon.adopt_scrape(ep, snap, sc.known)
-            scrapes += 1
-        served = 0
-        for sv in batch.served if self._lora is not None else ():
-            ep = self._resolve(sv.ep)
-            if ep is None:
-                unknown += 1
-                continue
-            heard[("models", sv.ep)] = now
-            if sv.adapters is not None:
-                self._lora.adopt_models(ep, sv.asked, sv.adapters)
-            served += 1
-        if served:
-            m.gm.child(m.applied, "worker", "models").inc(served)
-        if probes:
-            m.gm.child(m.applied, "worker", "probe").inc(probes)
-        if scrapes:
-            m.gm.child(m.applied, "worker", "scrape").inc(scrapes)
+                heard[(kind, fact.ep)] = now
+                n += adopt(ep, fact)
+            if n:
+                m.gm.child(m.applied, "worker", kind).inc(n)
         return unknown
+
+    def _adopt_probe(self, ep: Endpoint, p: Probe) -> int:
+        self._monitor.adopt_probe(ep, p.ok)
+        return 1
+
+    def _adopt_scrape(self, ep: Endpoint, sc: Scrape) -> int:
+        if sc.snapshot:                      # empty: the watcher's scrape failed (heard all the same)
+            try:
+                snap = decode_snapshot(sc.snapshot)
+            except (msgspec.DecodeError, ValueError):
+                self.m.gm.child(self.m.dropped, "worker", "undecodable").inc()
+                return 0
+            self._monitor.adopt_scrape(ep, snap, sc.known)
+        return 1
+
+    def _adopt_served(self, ep: Endpoint, sv: Served) -> int:
+        if sv.adapters is not None:          # None: the endpoint did not answer the watcher
+            self._lora.adopt_models(ep, sv.asked, sv.adapters)
+        return 1
 
     def _sum_peers(self) -> None:
         totals: dict[str, int] = {}
