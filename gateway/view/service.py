@@ -249,7 +249,9 @@ class RoutingView:
         ``flush_delay_s`` ago: then when that much time has passed (the ticker flushes), with
         whatever came meanwhile. A burst of decisions (a thousand streams starting at once) then
         costs each sibling a message every ``flush_delay_s``, not one a loop turn; a lone decision
-        still leaves at once. Whether this call scheduled the flush this turn."""
+        still leaves at once. For in-flight counts and monitoring facts; prefix-index insertions
+        and sessions are not held (``_soon``): a fast agent's next turn may reach the sibling within
+        the delay. Whether this call scheduled the flush this turn."""
         loop = self._loop
         if self._scheduled or loop is None:
             return False
@@ -269,7 +271,7 @@ class RoutingView:
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))
-        self._later()
+        self._soon()        # not held by flush_delay_s: an agent's next turn may come within it
 
     def _on_put(self, key: str, ep: Endpoint, tag: str | None) -> None:
         self._sessions.append(Session(key, self._key(ep), tag))
@@ -277,7 +279,7 @@ class RoutingView:
             # recorded as the answer goes out: sent now, before the client can ask a sibling for more
             self._flush()
         else:
-            self._later()
+            self._soon()    # at the end of this turn, not held: an agent's next turn may come within the delay
 
     def _on_tokens(self, model: str, segment: str, ids: list[int]) -> None:
         if tokens_size(model, segment, ids) > self.cfg.max_datagram_bytes - 256:
