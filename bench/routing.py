@@ -443,6 +443,31 @@ def gateway_means(pages: list[str]) -> dict[str, float]:
     return {name: total / n for name, (total, n) in sums.items() if n}
 
 
+def view_lag(pages: list[str]) -> dict[str, dict[str, object]]:
+    """The shared view's lag (a batch's sending to its applying) per source ("worker", "replica"),
+    from the gateways' ``/metrics`` pages: the batches counted and their mean over all the pages,
+    and each page's p50 and p99 of its last batches (``switchyard_view_lag_recent_seconds``)."""
+    out: dict[str, dict[str, object]] = {}
+    for page in pages:
+        for line in page.splitlines():
+            if not line.startswith("switchyard_view_lag_"):
+                continue
+            key, _, value = line.rpartition(" ")
+            source = key.partition('source="')[2].partition('"')[0]
+            if not source:
+                continue
+            acc = out.setdefault(source, {"sum": 0.0, "count": 0.0, "p50": [], "p99": []})
+            if key.startswith("switchyard_view_lag_seconds_sum"):
+                acc["sum"] += float(value)              # type: ignore[operator]
+            elif key.startswith("switchyard_view_lag_seconds_count"):
+                acc["count"] += float(value)            # type: ignore[operator]
+            elif key.startswith("switchyard_view_lag_recent_seconds"):
+                q = "p50" if 'quantile="0.5"' in key else "p99" if 'quantile="0.99"' in key else None
+                if q:
+                    acc[q].append(float(value))         # type: ignore[union-attr]
+    return {k: v for k, v in out.items() if v["count"]}
+
+
 def engines_ttft(sims: list) -> float | None:
     """Mean TTFT the engines measured (request received → first token), over all of them."""
     from prometheus_client import generate_latest
@@ -734,6 +759,11 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     if means:
         print("    gateway: " + ", ".join(f"{name.removeprefix('switchyard_').removesuffix('_seconds')} mean "
                                         f"{1000 * v:.3f} ms" for name, v in means.items()), file=sys.stderr)
+    for source, lag in view_lag(pages).items():
+        print(f"    view lag from {source}s (send -> apply): {lag['count']:.0f} batches, mean "
+              f"{1000 * lag['sum'] / lag['count']:.2f} ms; recent p50 "      # type: ignore[operator]
+              + " / ".join(f"{1000 * v:.2f}" for v in lag["p50"]) + " ms, p99 "   # type: ignore[union-attr]
+              + " / ".join(f"{1000 * v:.2f}" for v in lag["p99"]) + " ms (per gateway)", file=sys.stderr)  # type: ignore[union-attr]
     if ttft is not None and engine_ttft is not None:
         print(f"    TTFT mean seen by the gateway {1000 * ttft:.1f} ms, by the engines {1000 * engine_ttft:.1f} ms: "
               f"{1000 * (ttft - engine_ttft):.2f} ms in the gateway (routing, tokenizing, the leg's send, the "
