@@ -21,12 +21,12 @@ own view, without telling anyone again:
 * between workers, circuit breakers' ejections and closes (``Breakers.on_change`` →
   ``adopt_open`` / ``adopt_close``): a sick engine is ejected in every worker once one has seen
   enough faults;
-* between workers, with ``view.share_monitoring``, health probes and engine scrapes: each endpoint
-  has one watcher among the workers (a hash of its key), which probes and scrapes it (and reads
-  its LoRA adapters, ``Lora.discover``) and sends every outcome and snapshot (``Monitor`` → ``told_probe`` / ``told_scrape`` → the siblings'
-  ``Monitor.adopt_probe`` / ``adopt_scrape``); the others skip it while they hear from the
-  watcher, and probe and scrape it themselves when they have not for two intervals plus the
-  timeout (the watcher restarting). A snapshot carries the in-flight requests its sender knew of
+* between workers, with ``view.share_monitoring``, health probes, engine scrapes and LoRA
+  adapter lists: each endpoint has one watcher among the workers (a hash of its key), which
+  probes, scrapes and asks it and sends every outcome, snapshot and list (``told_probe``,
+  ``told_scrape``, ``told_models`` → the siblings' ``Monitor.adopt_probe``, ``adopt_scrape``,
+  ``Lora.adopt_models``); the others skip it while they hear from the watcher, and do the reads
+  themselves when they have not for two intervals plus the timeout (the watcher restarting). A snapshot carries the in-flight requests its sender knew of
   at the scrape, so each worker can tell its own requests from other gateways' in the engine's
   counts (``EngineMetrics.gateway_in_flight``).
 
@@ -135,7 +135,7 @@ class RoutingView:
         self._scrapes: list[Scrape] = []
         self._served: list[Served] = []
         self._lora: Any = None               # this process's LoRA stage, whose discovery is shared
-        self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape", endpoint key) → heard at
+        self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape" | "models", endpoint key) → heard at
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inserts: list[Insert] = []
         self._sessions: list[Session] = []
@@ -189,34 +189,38 @@ class RoutingView:
             lora.share = self
 
     def watcher(self, ep: Endpoint) -> int:
-        """The worker that probes and scrapes ``ep`` (the same in every worker)."""
+        """The worker that probes, scrapes and asks ``ep`` (the same in every worker)."""
         return zlib.crc32(self._key(ep).encode()) % self.worker_count
 
+    def _watching(self, ep: Endpoint) -> bool:
+        return self.watcher(ep) == self.worker_index
+
     def watches(self, ep: Endpoint, kind: str, stale_after: float) -> bool:
-        """Whether this worker probes (``kind`` "probe") or scrapes ("scrape") ``ep`` now: it is
-        the endpoint's watcher, or it has not heard the watcher's outcome for ``stale_after`` s."""
-        if self.watcher(ep) == self.worker_index:
+        """Whether this worker probes (``kind`` "probe"), scrapes ("scrape") or asks for the
+        adapters of ("models") ``ep`` now: it is the endpoint's watcher, or it has not heard the
+        watcher's outcome for ``stale_after`` s."""
+        if self._watching(ep):
             return True
         heard = self._heard_watcher.get((kind, self._key(ep)))
         return heard is None or time.monotonic() - heard > stale_after
 
     def told_probe(self, ep: Endpoint, ok: bool) -> None:
         """This worker probed ``ep``: the siblings learn the outcome if it is the watcher."""
-        if self.watcher(ep) == self.worker_index:
+        if self._watching(ep):
             self._probes.append(Probe(self._key(ep), ok))
             self._later()
 
     def told_scrape(self, ep: Endpoint, snapshot: EngineMetrics | None, known: int) -> None:
         """This worker scraped ``ep`` (``snapshot`` None: the scrape failed), knowing of ``known``
         in-flight requests on it: the siblings learn it if this is the watcher."""
-        if self.watcher(ep) == self.worker_index:
+        if self._watching(ep):
             self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot is not None else b""))
             self._later()
 
     def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None) -> None:
         """This worker read ``ep``'s LoRA adapters (None: no answer): the siblings learn them if it
         is the watcher."""
-        if self.watcher(ep) == self.worker_index:
+        if self._watching(ep):
             self._served.append(Served(self._key(ep), asked, adapters))
             self._later()
 
@@ -563,6 +567,6 @@ class RoutingView:
                 "replicas": self.link is not None, "redis_up": bool(self.link is not None and self.link.up),
                 "siblings_heard": len(self._peers), "sessions": len(self.sessions),
                 "share_monitoring": self.share_monitoring,
-                "watching": sum(1 for ep in self.pool.endpoints() if self.watcher(ep) == self.worker_index)
+                "watching": sum(1 for ep in self.pool.endpoints() if self._watching(ep))
                 if self.share_monitoring else None,
                 "lag": {s: self.m.lag_quantiles(s) for s in ("worker", "replica")}}

@@ -144,7 +144,6 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
     out: list[bytes] = []
     lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
-    some = False
     used = 64 * len(breakers)               # a few, small: they go in the first batch
 
     def batch() -> bytes:
@@ -153,15 +152,13 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
 
     for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
-        if used + n > budget and (some or breakers):
+        if used + n > budget and (breakers or any(lists.values())):
             out.append(batch())
             load = None
             lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
             breakers = ()
             used = 0
-            some = False
         lists[fact.__class__].append(fact)
-        some = True
         used += n
     if any(lists.values()) or breakers or load is not None or not out:
         out.append(batch())
