@@ -24,7 +24,7 @@ from gateway.errors import ErrorClass
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import NO_TRACE, Trace
-from gateway.pipeline.ledger import Charges
+from gateway.pipeline.ledger import NO_CHARGES, Charges
 from gateway.request import InferenceRequest, request_id_from
 from handlers.base import PDPlan
 from routers.base import Decision
@@ -107,7 +107,7 @@ class RequestContext:
     rec: RequestRecord
     ireq: InferenceRequest | None = None
     decision: Decision | None = None
-    charges: Charges = field(default_factory=Charges)
+    charges: Charges = NO_CHARGES                     # replaced by the routing decision's (gateway/pipeline/ledger.py)
     response: web.StreamResponse | None = None       # set once the response headers went out
     trace: Trace = NO_TRACE                          # the request's trace (gateway.observability.tracing); no-op when off
     api: ApiShape | None = None                      # the request's API when not chat/completions/embeddings

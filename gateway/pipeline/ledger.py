@@ -120,7 +120,7 @@ class RankInFlight(Charge):
         self.counts[self.rank] += int(amount)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Charges:
     """Every charge of one request. The P/D orchestration releases the prefill-side ones early
     (when the prefill ends, when the decode leg starts); ``release`` takes back whatever is left."""
@@ -153,10 +153,19 @@ class Charges:
             self.adapter = AdapterInFlight(ep, self.adapter.adapter)
 
     def release(self) -> None:
-        for c in (self.in_flight, self.prefill, self.pending_decode, self.token_active, self.token_kv, self.adapter,
-                  self.rank):
+        c = self.in_flight
+        if c is not None and not c.released:
+            c.released = True
+            c._add(c.endpoint, -c.amount)
+        if self.prefill is None and self.adapter is None and self.rank is None and self.pending_decode is None \
+                and self.token_active is None and self.token_kv is None:
+            return                      # an aggregated request's one charge (the usual case)
+        for c in (self.prefill, self.pending_decode, self.token_active, self.token_kv, self.adapter, self.rank):
             if c is not None:
                 c.release()
+
+
+NO_CHARGES = Charges()      # a request's charges before it is routed: none (never mutated; routing replaces it)
 
 
 def charge(endpoint: Endpoint, prefill: Endpoint | None = None, prefill_tokens: float = 0.0) -> Charges:

@@ -102,8 +102,11 @@ class SendState:
         self.sent = False
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class _Origin:
+    """One per base URL (``UpstreamPool._split`` keeps them), so compared and hashed by identity:
+    the idle pools are looked up by origin on every request."""
+
     scheme: str
     host: str
     port: int
@@ -611,8 +614,9 @@ class UpstreamPool:
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise UpstreamConnectError(f"unsupported upstream URL {base!r}")
             origin = _Origin(u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80), u.netloc)
-            if len(self._origins) >= 4096:     # endpoints come and go (Kubernetes): keep the cache bounded
-                self._origins.clear()
+            if len(self._origins) >= 4096:     # endpoints come and go (Kubernetes): keep the cache bounded,
+                # keeping the origins connections are held under (they are keys by identity)
+                self._origins = {b: o for b, o in self._origins.items() if self._idle.get(o) or o in self._reopening}
             self._origins[base] = origin
         return origin, path
 

@@ -223,6 +223,27 @@ async def test_a_fully_read_answer_returns_its_connection_for_the_next_request()
 
 
 @on_both_loops
+async def test_an_idle_connection_is_still_reused_after_the_origin_cache_overflows():
+    """Idle pools are keyed by origin by identity: when thousands of other endpoints have come and
+    gone (Kubernetes), the cache of origins is cut, but an origin with an idle connection stays,
+    so its next request reuses that connection instead of opening another."""
+    async with Engine(ok) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        await resp.read()
+        resp.release()
+        for i in range(4200):                       # endpoints seen once, never connected to
+            pool._split(f"http://10.0.{i // 250}.{i % 250}:8000/v1/x")
+        assert len(pool._origins) < 4200
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        await resp.read()
+        resp.release()
+        assert eng.accepted == 1
+        assert [r["nth"] for r in eng.requests] == [1, 2]
+        await pool.close()
+
+
+@on_both_loops
 async def test_an_unread_answer_is_not_reused():
     async with Engine(ok) as eng:
         pool = UpstreamPool()
