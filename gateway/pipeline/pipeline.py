@@ -29,7 +29,7 @@ from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
 from gateway.pipeline.context import RequestContext, record_request, safe_header_value
 from gateway.pipeline.generation import Generation
-from gateway.pipeline.ledger import charge
+from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
 from gateway.pipeline.relay import error_event
 from gateway.request import InferenceRequest, parse
@@ -221,7 +221,8 @@ class Pipeline:
         decision = ctx.decision = self.routing.route(ireq, spec, router, candidates, later)
         if router.chooses_pairs:                # disaggregate, or run it whole
             candidates = self.pd_decider.decide(ctx, adapter, candidates)
-        ctx.charges.release()                   # a continuation's: they move to the new decision
+        if ctx.charges is not NO_CHARGES:
+            ctx.charges.release()               # a continuation's: they move to the new decision
         ctx.dp_rank = ctx.pd_plan = None        # of the legs before, if any
         ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
         self.lora.charge(ctx)                   # its endpoints' adapter, when it names one

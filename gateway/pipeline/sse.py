@@ -142,6 +142,8 @@ def _data_of(ev: bytes | bytearray) -> bytes | None:
 
 
 def _nonneg_int(v: Any) -> int:
+    if type(v) is int:          # the usual case (not a bool: its type is bool)
+        return v if v > 0 else 0
     if isinstance(v, bool):
         return 0
     if isinstance(v, int):

@@ -166,6 +166,7 @@ class Breakers:
         self.clock = clock
         self._call_later = call_later
         self._by_ep: dict[int, tuple[Endpoint, Breaker]] = {}
+        self._half_opens: set[int] = set()       # id() of the endpoints whose breaker is half-open
         self.metrics = BreakerMetrics(registry)
         self.metrics.states = BreakerStates(self)
         registry.register(self.metrics.states)
@@ -194,6 +195,8 @@ class Breakers:
 
     def on_decision(self, _ireq, decision, _fallbacks, _elapsed) -> None:
         """A ``Routing`` decision observer: a half-open endpoint it names uses a trial slot."""
+        if not self._half_opens:    # the usual case: no breaker is half-open
+            return
         for ep in (decision.endpoint, decision.prefill):
             if ep is not None:
                 b = self._by_ep.get(id(ep))
@@ -354,6 +357,10 @@ class Breakers:
     def _move(self, ep: Endpoint, b: Breaker, to: str) -> None:
         self._child(self.metrics.transitions, ep.model, ep.name, b.state, to).inc()
         b.state = to
+        if to == HALF_OPEN:
+            self._half_opens.add(id(ep))
+        else:
+            self._half_opens.discard(id(ep))
         ep.extra["breaker"] = to        # the status page's column (gateway/observability/status.py)
 
     def _schedule(self, b: Breaker, delay: float, fn: Callable[[], None]) -> None:
@@ -370,6 +377,7 @@ class Breakers:
     def reset(self, ep: Endpoint) -> None:
         """Forget ``ep``'s breaker (it left the pool, or breakers were turned off)."""
         entry = self._by_ep.pop(id(ep), None)
+        self._half_opens.discard(id(ep))
         if entry is not None:
             self._cancel(entry[1])
             if entry[0] is ep:

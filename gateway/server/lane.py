@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from operator import itemgetter
 from typing import Any
 
 from aiohttp.http import HttpVersion11
@@ -121,6 +122,7 @@ whole.writes_for(LaneRequest)
 # line fails it, and aiohttp, which parses the same bytes, answers it.
 _TOKEN = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"
 _BLOCK = re.compile(r"(?:" + _TOKEN + r":[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+_NAME = itemgetter(0)
 _FIELD = re.compile(r"(" + _TOKEN + r"):[ \t]*([^\r\n]*?)[ \t]*\r\n")
 
 
@@ -144,7 +146,7 @@ def _head(data: bytes, paths: dict[bytes, str], max_head: int,
     fields = _FIELD.findall(block)
     if len(fields) > max_headers:
         return None
-    lowered = [name.lower() for name, _ in fields]
+    lowered = list(map(str.lower, map(_NAME, fields)))     # in C, no Python frame per header
     if not _DECLINE.isdisjoint(lowered) or lowered.count("content-length") != 1 or lowered.count("host") != 1:
         return None                     # (an HTTP/1.1 request without one Host is aiohttp's 400)
     return path, end, fields, lowered

@@ -41,6 +41,7 @@ log = structlog.get_logger("switchyard.upstream")
 # them (``readany`` hands out everything buffered, so the buffer is then empty)
 HIGH_WATER = 256 * 1024
 # bodies up to this size go out in one buffer with their head (one write); larger ones beside it
+_FIELD = "%s: %s\r\n"
 _JOIN_MAX = 64 * 1024
 
 
@@ -597,7 +598,7 @@ class UpstreamPool:
 
     def _encode(self, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[_Origin, bytes | tuple[bytes, bytes]]:
         origin, path = self._split(url)
-        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        lines = "".join(map(_FIELD.__mod__, headers.items()))    # formatted in C, no Python frame per header
         if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
             raise ValueError("a header name or value contains a line break")
         head = (f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Length: {len(body)}\r\n"
