@@ -96,12 +96,62 @@ class OnlineRegression:
         self.n = 0
 
     def predict(self, x: Sequence[float]) -> float:
+        w = self.w
+        if len(w) == 4 and len(x) == 4:     # the gateway's models (unrolled, the same sums in the same order)
+            return 0.0 + w[0] * x[0] + w[1] * x[1] + w[2] * x[2] + w[3] * x[3]
         y = 0.0
-        for w, v in zip(self.w, x, strict=True):
-            y += w * v
+        for wi, v in zip(w, x, strict=True):
+            y += wi * v
         return y
 
     def update(self, x: Sequence[float], y: float) -> None:
+        if len(self.w) == 4 and len(x) == 4:
+            self._update4(x, y)
+        else:
+            self._update(x, y)
+
+    def _update4(self, x: Sequence[float], y: float) -> None:
+        """``_update`` for four features, unrolled onto local variables: every stream's end runs two
+        of these (TTFT and TPOT), and the loops cost several times the arithmetic. The same
+        operations in the same order, so the same floats (tests/unit/routers/test_latency.py holds
+        it to that)."""
+        p, w = self.p, self.w
+        x0, x1, x2, x3 = x
+        (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33) = p
+        v0 = 0.0 + a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
+        v1 = 0.0 + a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
+        v2 = 0.0 + a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
+        v3 = 0.0 + a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
+        lam = self.lam
+        denom = lam + x0 * v0 + x1 * v1 + x2 * v2 + x3 * v3
+        err = y - w[0] * x0 - w[1] * x1 - w[2] * x2 - w[3] * x3
+        if denom <= 0.0:            # only by rounding: skip rather than corrupt p
+            return
+        inv_denom = 1.0 / denom
+        k0, k1, k2, k3 = v0 * inv_denom, v1 * inv_denom, v2 * inv_denom, v3 * inv_denom
+        w[0] += k0 * err
+        w[1] += k1 * err
+        w[2] += k2 * err
+        w[3] += k3 * err
+        a00, a01, a02, a03 = a00 - k0 * v0, a01 - k0 * v1, a02 - k0 * v2, a03 - k0 * v3
+        a10, a11, a12, a13 = a10 - k1 * v0, a11 - k1 * v1, a12 - k1 * v2, a13 - k1 * v3
+        a20, a21, a22, a23 = a20 - k2 * v0, a21 - k2 * v1, a22 - k2 * v2, a23 - k2 * v3
+        a30, a31, a32, a33 = a30 - k3 * v0, a31 - k3 * v1, a32 - k3 * v2, a33 - k3 * v3
+        trace = 0.0 + a00 + a11 + a22 + a33
+        if lam < 1.0 and trace / lam <= self.cap:
+            inv = 1.0 / lam
+            p[0] = [a00 * inv, a01 * inv, a02 * inv, a03 * inv]
+            p[1] = [a10 * inv, a11 * inv, a12 * inv, a13 * inv]
+            p[2] = [a20 * inv, a21 * inv, a22 * inv, a23 * inv]
+            p[3] = [a30 * inv, a31 * inv, a32 * inv, a33 * inv]
+        else:
+            p[0] = [a00, a01, a02, a03]
+            p[1] = [a10, a11, a12, a13]
+            p[2] = [a20, a21, a22, a23]
+            p[3] = [a30, a31, a32, a33]
+        self.n += 1
+
+    def _update(self, x: Sequence[float], y: float) -> None:
         # plain loops over short lists: generator expressions cost more than the arithmetic here
         p, w = self.p, self.w
         px = []

@@ -151,3 +151,21 @@ def test_a_full_batch_makes_the_request_wait_for_slots_at_the_service_time():
     assert model.features(1000, ep, 0.0).queue_ms == pytest.approx(1125.0)
     ep.in_flight = 3
     assert model.features(1000, ep, 0.0).queue_ms == 0.0
+
+
+def test_four_features_unrolled_give_the_loops_floats_exactly():
+    """The gateway's models have four features; their update and prediction are unrolled, and
+    must give exactly what the general loops give, forgetting and the trace cap included."""
+    rng = random.Random(13)
+    for forgetting in (1.0, 0.99, 0.9):
+        fast, loops = OnlineRegression(4, forgetting), OnlineRegression(4, forgetting)
+        for n in range(3000):
+            x = (1.0, float(rng.randint(0, 32)), rng.uniform(0, 4), 0.0 if n < 1500 or n % 3 else rng.random())
+            y = 20 + 5 * x[1] + 400 * x[2] + rng.gauss(0, 3)
+            fast.update(x, y)
+            loops._update(x, y)
+            summed = 0.0
+            for wi, v in zip(loops.w, x, strict=True):
+                summed += wi * v
+            assert fast.predict(x) == summed
+        assert fast.w == loops.w and fast.p == loops.p and fast.n == loops.n
