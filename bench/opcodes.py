@@ -14,7 +14,7 @@ this script sends ``--requests`` requests one after the other on one keep-alive 
 - **calls**: Python frames entered or resumed (a coroutine's resume counts again);
 - the files and functions with the most opcodes.
 
-The count is the same from run to run (within a few opcodes a request, from timers that fire or
+The count is the same from run to run (within about 1%, from timers that fire or
 not), so ``--base REF`` (a tree exported with ``git archive``, as ``bench/cpu_ab.py`` does) gives an
 exact A/B of a hot-path change, to report beside the CPU time it saves. Tracing makes the gateway
 some fifty times slower: timers that fire on the clock (the request log's flush, the view's ticks)
