@@ -47,6 +47,8 @@ log = structlog.get_logger("switchyard.tenancy")
 MAX_BACKOFF_S = 2.0
 MAX_UNKNOWN_KEYS = 10_000
 FAIL_OPEN_LOG_EVERY_S = 10.0
+START_RETRY_S = 1.0          # start-up: how long a failing first sync is tried again
+START_RETRY_GAP_S = 0.1
 
 
 @dataclass(slots=True)
@@ -121,6 +123,7 @@ class Tenancy:
         self.state = state
         self.m.state_up.set(1 if state.up else 0)
         self._version: str | None = None
+        self._sync_error = ""       # why the last sync failed, for the log
         self._unknown: set[str] = set()            # digests the store did not know (until it changes)
         self._sync_task: asyncio.Task | None = None
         self._fail_open_count = 0
@@ -144,9 +147,17 @@ class Tenancy:
         if not self.state.remote:
             await self.refresh()
             return
-        if not await self.sync_once():
+        # a Redis that refuses for a moment (restarting beside the gateway, a failover under way)
+        # is tried again for up to a second before the gateway serves without it; a Redis that
+        # does not answer at all has used that second already
+        deadline = time.monotonic() + START_RETRY_S
+        ok = await self.sync_once()
+        while not ok and time.monotonic() < deadline:
+            await asyncio.sleep(START_RETRY_GAP_S)
+            ok = await self.sync_once()
+        if not ok:
             log.warning("shared state unreachable at start; failure policy applies until it is back",
-                        redis_url=_redact(self.cfg.redis_url), policy=self.policy)
+                        redis_url=_redact(self.cfg.redis_url), policy=self.policy, error=self._sync_error)
         self._sync_task = asyncio.create_task(self._sync_loop(), name="tenancy-sync")
 
     async def stop(self) -> None:
@@ -199,7 +210,8 @@ class Tenancy:
             version, remote = await state.sync(published)
             if version != self._version:
                 await self.refresh()
-        except StateUnavailable:
+        except StateUnavailable as e:
+            self._sync_error = str(e)
             if share and time.monotonic() - state.last_ok > self.cfg.replica_ttl_s:
                 self._apply_remote({})      # the others' counts are stale by now
             return False

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -134,6 +135,30 @@ async def test_redis_outage_fail_closed_answers_503_and_recovers(sims, gateway, 
     # a user without limits needs no state: still served
     redis_server.start()
     assert await wait_for(lambda: _state_up(gw), timeout=10)
+    assert (await chat(gw)).choices
+
+
+async def test_a_gateway_started_while_redis_restarts_waits_for_it_briefly_and_serves(sims, gateway, redis_server,
+                                                                                      monkeypatch):
+    """Redis refuses connections for a moment as the gateway starts (both restarted together): the
+    gateway tries its first sync again (for up to a second; here five, so a slow machine's Redis
+    start does not outlast it) instead of answering 503 (failure policy closed) until its next
+    heartbeat, here 2 s later."""
+    from gateway.tenants import service
+
+    monkeypatch.setattr(service, "START_RETRY_S", 5.0)
+    sim = await sims("vllm", "m")
+    redis_server.kill()
+    loop = asyncio.get_running_loop()
+    back = loop.run_in_executor(None, lambda: (time.sleep(0.3), redis_server.start()))
+    try:
+        gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                           limits={"users": {"alice": {"rpm": 100}}},
+                           state=state(redis_server, failure_policy="closed", sync_interval_s=2.0,
+                                       replica_ttl_s=4.0))
+    finally:
+        await back
+    assert gw.gw.tenancy.state.up is True
     assert (await chat(gw)).choices
 
 
