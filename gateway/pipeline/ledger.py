@@ -153,10 +153,8 @@ class Charges:
             self.adapter = AdapterInFlight(ep, self.adapter.adapter)
 
     def release(self) -> None:
-        c = self.in_flight
-        if c is not None and not c.released:
-            c.released = True
-            c._add(c.endpoint, -c.amount)
+        if self.in_flight is not None:
+            self.in_flight.release()
         if self.prefill is None and self.adapter is None and self.rank is None and self.pending_decode is None \
                 and self.token_active is None and self.token_kv is None:
             return                      # an aggregated request's one charge (the usual case)

@@ -41,8 +41,8 @@ log = structlog.get_logger("switchyard.upstream")
 # them (``readany`` hands out everything buffered, so the buffer is then empty)
 HIGH_WATER = 256 * 1024
 # bodies up to this size go out in one buffer with their head (one write); larger ones beside it
-_FIELD = "%s: %s\r\n"
 _JOIN_MAX = 64 * 1024
+_FIELD = "%s: %s\r\n"    # one header line of a request head
 
 
 class UpstreamError(Exception):
