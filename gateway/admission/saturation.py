@@ -7,8 +7,10 @@ Three signals, each with its threshold (``admission:`` in the config):
   the gateway's count moved to ``F``. With ``C`` the engine's capacity (running slots, whatever
   limits them: ``max_num_seqs`` or KV space) the queue now is ``R + W + (F - F0) - C``: every
   request sent since the scrape lands in the queue or a free slot, every one finished pulls a
-  waiting one into a slot. Negative means free slots. The endpoint is saturated for a class when
-  the estimate would pass that class's share of ``max_waiting_per_endpoint``.
+  waiting one into a slot. Negative means free slots. The engine holds at least this gateway's
+  own ``F`` (a request sent just before a scrape may reach it after it counted), so the occupancy
+  is ``max(R + W + F - F0, F)``. The endpoint is saturated for a class when the estimate would
+  pass that class's share of ``max_waiting_per_endpoint``.
 - **KV-cache usage** as last scraped, saturated at or above ``max_kv_usage``.
 - **this gateway's in-flight count** on it, saturated at ``max_in_flight_per_endpoint`` (0: no cap).
   It needs no scrape, so it also works with ``scrape.enabled: false``.
@@ -94,11 +96,16 @@ class Baseline:
         return max(float(th.initial_capacity), self.window)
 
     def occupancy(self, load: int) -> float | None:
-        """The engine's requests now, running or waiting, as estimated from the last scrape."""
+        """The engine's requests now, running or waiting, as estimated from the last scrape, and
+        never fewer than this gateway's own ``load`` on it: a request sent just before a scrape
+        can reach the engine after it counted, so the scrape's ``R + W`` leaves it out while the
+        gateway's count at the scrape has it (the estimate would be one short, one request too many
+        would go)."""
         m = self.snapshot
         if m is None or m.waiting is None:
             return None
-        return (m.running or 0) + m.waiting + load - self.in_flight
+        est = (m.running or 0) + m.waiting + load - self.in_flight
+        return est if est >= load else load
 
     def ttft_held(self, ttft: float, occupancy: float | None, th: Thresholds) -> bool:
         """A request that went at ``occupancy`` got its first token after ``ttft`` seconds on the

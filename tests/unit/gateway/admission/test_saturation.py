@@ -47,6 +47,23 @@ def test_the_engine_queue_is_estimated_from_releases_and_dispatches_since_the_sc
     assert estimate(e, TH, 101.6).saturated
 
 
+def test_a_request_still_on_its_way_when_the_engine_counted_is_not_lost():
+    """The gateway sent its third request; the engine answered the scrape before it arrived, so it
+    counted two running and nobody waiting while the gateway had three on it. The engine holds at
+    least the gateway's three: with a window of two it has one waiting, the whole share."""
+    e = endpoint()
+    scrape(e, 100.0, running=2, waiting=0)               # the window rises to two
+    e.in_flight = 3
+    scrape(e, 100.5, running=2, waiting=0)               # the third was in transit
+    b = baseline(e)
+    assert b.occupancy(3) == 3 and b.occupancy(4) == 4
+    est = estimate(e, Thresholds(max_waiting=1, max_age=5.0), 100.5)
+    assert est.waiting == 1 and est.saturated
+    assert estimate(e, TH, 100.5).headroom == 1          # a share of two leaves room for one more
+    e.in_flight = 1                                      # two finished since: the estimate holds
+    assert baseline(e).occupancy(1) == 1
+
+
 def test_kv_usage_and_the_in_flight_cap():
     e = endpoint()
     scrape(e, 100.0, running=1, waiting=0, kv=0.85)
