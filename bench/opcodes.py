@@ -86,9 +86,12 @@ TRACED = textwrap.dedent('''
 ''')
 
 
-def _body(stream: bool) -> bytes:
-    return json.dumps({"model": "m", "stream": stream, "max_tokens": 8,
-                       "messages": [{"role": "user", "content": "hello there, how are you?"}]}).encode()
+def _body(stream: bool, pace_ms: float = 0.0, usage: bool = False) -> bytes:
+    text = "hello there, how are you?" + (f" bench-pace-ms={pace_ms:g}" if pace_ms else "")
+    body = {"model": "m", "stream": stream, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+    if stream and usage:
+        body["stream_options"] = {"include_usage": True}
+    return json.dumps(body).encode()
 
 
 def _send(conn: http.client.HTTPConnection, body: bytes) -> None:
@@ -99,7 +102,8 @@ def _send(conn: http.client.HTTPConnection, body: bytes) -> None:
         raise RuntimeError(f"the gateway answered {resp.status}")
 
 
-def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int) -> dict:
+def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pace_ms: float = 0.0,
+          usage: bool = False) -> dict:
     """Opcodes and calls per request of the gateway in ``tree``, by function."""
     with tempfile.TemporaryDirectory() as d:
         be_port, gw_port = free_port(), free_port()
@@ -117,7 +121,7 @@ def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int) ->
                                       start_new_session=True)
             wait_ready("gateway", gw, gw_port, 60, "m")
             pids = children_of(gw.pid) if workers > 1 else [gw.pid]
-            body = _body(stream)
+            body = _body(stream, pace_ms, usage)
             conn = http.client.HTTPConnection("127.0.0.1", gw_port, timeout=30)
             for _ in range(warmup):
                 _send(conn, body)
@@ -165,16 +169,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--mode", choices=("nonstream", "stream"), default="nonstream")
     ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--pace-ms", type=float, default=0.0,
+                    help="stream: the backend's gap between chunks (0: all at once, often one read; "
+                         "1: one read per event, piped as a paced engine's tokens are)")
+    ap.add_argument("--include-usage", action="store_true",
+                    help="stream: the client asks for usage (stream_options), so the gateway strips none")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     stream = a.mode == "stream"
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as d:
         if a.base:
-            runs[f"base ({a.base})"] = count(export(a.base, Path(d)), a.requests, a.warmup, stream, a.workers)
-        runs["this tree"] = count(REPO, a.requests, a.warmup, stream, a.workers)
+            runs[f"base ({a.base})"] = count(export(a.base, Path(d)), a.requests, a.warmup, stream, a.workers,
+                                             a.pace_ms, a.include_usage)
+        runs["this tree"] = count(REPO, a.requests, a.warmup, stream, a.workers, a.pace_ms, a.include_usage)
     names = list(runs)
-    print(f"{a.mode}, {a.requests} requests one at a time on one connection, {a.workers} worker(s), per request:\n")
+    paced = (f", chunks {a.pace_ms:g} ms apart" if stream and a.pace_ms else "") + \
+        (", usage asked" if stream and a.include_usage else "")
+    print(f"{a.mode}{paced}, {a.requests} requests one at a time on one connection, {a.workers} worker(s), per request:\n")
     print("| | " + " | ".join(names) + (" | change |" if len(names) > 1 else " |"))
     print("|---|" + "---:|" * (len(names) + (len(names) > 1)))
     for what in ("ops", "calls"):

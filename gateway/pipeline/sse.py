@@ -211,12 +211,12 @@ class SSEScanner:
     def feed(self, chunk: bytes, now: float) -> bytes:
         """Scan ``chunk`` (received at ``now``) and return the bytes to forward for it."""
         self._now = now
-        if self.strip_usage:
-            return self._feed_strip(chunk, now)
         buf = self._buf
         end = len(chunk) - 2
-        if not buf and chunk.endswith(b"\n\n") and chunk.find(b"\n") == end:
-            # the usual chunk: exactly one whole event, nothing held from before
+        if not buf and chunk.endswith(b"\n\n") and chunk.find(b"\n") == end \
+                and not (self.strip_usage and chunk.find(b'"usage"', 0, end) >= 0):
+            # the usual chunk: exactly one whole event, nothing held from before (and, when usage
+            # is stripped, no usage in it: it is not the usage-only event, so it passes as is)
             if chunk.startswith(b"data:") and chunk.find(b"[DONE]", 5, end) < 0:
                 # ``_event`` on its payload ``chunk[5:end]``, without copying it out (one token's
                 # event: the relay's most frequent call)
@@ -232,6 +232,8 @@ class SSEScanner:
             if self._event(chunk, 0, end) & _CONTENT:
                 self._mark(now)
             return chunk
+        if self.strip_usage:
+            return self._feed_strip(chunk, now)
         if buf:
             pos = len(buf) - 2 if len(buf) > 2 else 0
             buf += chunk

@@ -435,7 +435,8 @@ class EdgeProtocol(web.RequestHandler):
         while True:
             await self._lane_run(request, handler)
             if self._lane_next is None:
-                if self.transport is None or self._lane_task is not asyncio.current_task():
+                # the loop named: without it asyncio looks the running loop up, a getpid() system call
+                if self.transport is None or self._lane_task is not asyncio.current_task(loop):
                     return
                 wake = self._lane_wake = loop.create_future()
                 try:

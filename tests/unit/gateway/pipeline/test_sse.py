@@ -277,6 +277,24 @@ def test_feed_with_strip_returns_the_same_object_when_nothing_changes():
     assert s.feed(VLLM_HEL, 0.0) is VLLM_HEL
 
 
+def test_strip_one_event_per_read_observes_as_one_read_of_all():
+    """A paced engine's reads are one event each: stripping scans them on the single-event path
+    (no usage in them), and the usage-only one on the stripping path; what goes out and what is
+    observed are those of the whole stream read at once."""
+    events = [VLLM_ROLE, VLLM_HEL, VLLM_LO, VLLM_USAGE, DONE]
+    whole, out_whole = scan(b"".join(events), strip=True)
+    s = SSEScanner(strip_usage=True)
+    outs = []
+    for i, ev in enumerate(events):
+        out = s.feed(ev, float(i))
+        assert out is ev or ev is VLLM_USAGE
+        outs.append(out)
+    assert b"".join(outs) + s.finish() == out_whole == b"".join(e for e in events if e is not VLLM_USAGE)
+    assert (s.events, s.token_events, s.done, s.usage, s.finish_reason) == \
+        (whole.events, whole.token_events, whole.done, whole.usage, whole.finish_reason)
+    assert s.first_token_at == 1.0 and s.itl == [1.0]
+
+
 # -- timing --------------------------------------------------------------------------------------
 
 
