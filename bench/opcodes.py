@@ -86,9 +86,9 @@ TRACED = textwrap.dedent('''
 ''')
 
 
-def _body(stream: bool, pace_ms: float = 0.0, usage: bool = False) -> bytes:
+def _body(stream: bool, pace_ms: float = 0.0, usage: bool = False, max_tokens: int = 8) -> bytes:
     text = "hello there, how are you?" + (f" bench-pace-ms={pace_ms:g}" if pace_ms else "")
-    body = {"model": "m", "stream": stream, "max_tokens": 8, "messages": [{"role": "user", "content": text}]}
+    body = {"model": "m", "stream": stream, "max_tokens": max_tokens, "messages": [{"role": "user", "content": text}]}
     if stream and usage:
         body["stream_options"] = {"include_usage": True}
     return json.dumps(body).encode()
@@ -103,7 +103,7 @@ def _send(conn: http.client.HTTPConnection, body: bytes) -> None:
 
 
 def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pace_ms: float = 0.0,
-          usage: bool = False) -> dict:
+          usage: bool = False, max_tokens: int = 8) -> dict:
     """Opcodes and calls per request of the gateway in ``tree``, by function."""
     with tempfile.TemporaryDirectory() as d:
         be_port, gw_port = free_port(), free_port()
@@ -121,7 +121,7 @@ def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pa
                                       start_new_session=True)
             wait_ready("gateway", gw, gw_port, 60, "m")
             pids = children_of(gw.pid) if workers > 1 else [gw.pid]
-            body = _body(stream, pace_ms, usage)
+            body = _body(stream, pace_ms, usage, max_tokens)
             conn = http.client.HTTPConnection("127.0.0.1", gw_port, timeout=30)
             for _ in range(warmup):
                 _send(conn, body)
@@ -172,6 +172,7 @@ def main() -> None:
     ap.add_argument("--pace-ms", type=float, default=0.0,
                     help="stream: the backend's gap between chunks (0: all at once, often one read; "
                          "1: one read per event, piped as a paced engine's tokens are)")
+    ap.add_argument("--max-tokens", type=int, default=8, help="stream: the events a stream has (the backend's chunks)")
     ap.add_argument("--include-usage", action="store_true",
                     help="stream: the client asks for usage (stream_options), so the gateway strips none")
     ap.add_argument("--top", type=int, default=25)
@@ -181,11 +182,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         if a.base:
             runs[f"base ({a.base})"] = count(export(a.base, Path(d)), a.requests, a.warmup, stream, a.workers,
-                                             a.pace_ms, a.include_usage)
-        runs["this tree"] = count(REPO, a.requests, a.warmup, stream, a.workers, a.pace_ms, a.include_usage)
+                                             a.pace_ms, a.include_usage, a.max_tokens)
+        runs["this tree"] = count(REPO, a.requests, a.warmup, stream, a.workers, a.pace_ms, a.include_usage, a.max_tokens)
     names = list(runs)
     paced = (f", chunks {a.pace_ms:g} ms apart" if stream and a.pace_ms else "") + \
-        (", usage asked" if stream and a.include_usage else "")
+        (", usage asked" if stream and a.include_usage else "") + (f", {a.max_tokens} tokens" if stream else "")
     print(f"{a.mode}{paced}, {a.requests} requests one at a time on one connection, {a.workers} worker(s), per request:\n")
     print("| | " + " | ".join(names) + (" | change |" if len(names) > 1 else " |"))
     print("|---|" + "---:|" * (len(names) + (len(names) > 1)))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -113,6 +113,10 @@ class Counter(_Family):
         yield fam
 
 
+# from this many values on, ``observe_many`` sorts them and cuts at the bounds
+_SORT_FROM = 16
+
+
 class _HistogramChild:
     __slots__ = ("bounds", "counts", "sum", "created")
 
@@ -127,12 +131,28 @@ class _HistogramChild:
         self.sum += amount
 
     def observe_many(self, values: Iterable[float]) -> None:
+        """Every value observed, as ``observe`` would (a stream's inter-token gaps, at its end).
+        A long list is sorted once and cut at the bounds (one ``bisect`` per bucket until the
+        values run out, in C), not looked up value by value: a 500-token stream's gaps cost a
+        few dozen interpreter steps, not thousands."""
+        vals = values if isinstance(values, list) else list(values)
         counts, bounds = self.counts, self.bounds
-        s = 0.0
-        for v in values:
-            counts[bisect_left(bounds, v)] += 1
-            s += v
-        self.sum += s
+        if len(vals) < _SORT_FROM:
+            for v in vals:
+                counts[bisect_left(bounds, v)] += 1
+        else:
+            ordered = sorted(vals)
+            n, lo = len(ordered), 0
+            for i, b in enumerate(bounds):
+                hi = bisect_right(ordered, b, lo)       # the values <= b (Prometheus's le)
+                if hi > lo:
+                    counts[i] += hi - lo
+                    if hi == n:
+                        break
+                    lo = hi
+            else:
+                counts[-1] += n - lo                    # above the last bound: +Inf
+        self.sum += sum(vals)
 
 
 class Histogram(_Family):

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.observability.metrics import LATENCY_BUCKETS, Counter, Histogram, observe_all
+from gateway.observability.metrics import ITL_BUCKETS, LATENCY_BUCKETS, Counter, Histogram, observe_all
 
 
 def _text(registry: CollectorRegistry) -> list[str]:
@@ -57,6 +57,27 @@ def test_observe_all_equals_one_observe_per_value():
     for v in values:
         b.labels("x").observe(v)
     assert _text(reg_a) == _text(reg_b)
+
+
+@given(st.lists(st.one_of(st.sampled_from(ITL_BUCKETS), st.floats(-1, 50, allow_nan=False),
+                          st.just(float("inf"))), max_size=300))
+def test_observe_many_counts_as_one_observe_per_value_short_or_long(values):
+    """A stream's gaps observed at once (sorted and cut at the bounds from 16 on) land in the same
+    buckets as observed one by one; the sum adds each batch's sum, in the values' order."""
+    a = Histogram("g_seconds", "g", ["m"], registry=CollectorRegistry(), buckets=ITL_BUCKETS).labels("x")
+    b = Histogram("g_seconds", "g", ["m"], registry=CollectorRegistry(), buckets=ITL_BUCKETS).labels("x")
+    a.observe_many(values)
+    a.observe_many(iter(values[:3]))
+    for v in values + values[:3]:
+        b.observe(v)
+    assert a.counts == b.counts
+    total = 0.0
+    for batch in (values, values[:3]):
+        s = 0.0
+        for v in batch:
+            s += v
+        total += s
+    assert a.sum == total
 
 
 def test_unlabelled_series_and_created_samples_are_exported():
