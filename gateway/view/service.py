@@ -97,6 +97,12 @@ def new_group() -> str:
     return secrets.token_hex(4)
 
 
+
+def watcher_of(key: str, workers: int) -> int:
+    """The index of the worker, of ``workers``, that watches the endpoint named ``key``
+    (``wire.endpoint_key``): a hash of the name, so every worker agrees without talking."""
+    return zlib.crc32(key.encode()) % workers
+
 class RoutingView:
     """The shared view of one process (see the module docstring)."""
 
@@ -190,7 +196,7 @@ class RoutingView:
 
     def watcher(self, ep: Endpoint) -> int:
         """The worker that probes, scrapes and asks ``ep`` (the same in every worker)."""
-        return zlib.crc32(self._key(ep).encode()) % self.worker_count
+        return watcher_of(self._key(ep), self.worker_count)
 
     def _watching(self, ep: Endpoint) -> bool:
         return self.watcher(ep) == self.worker_index

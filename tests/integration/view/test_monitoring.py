@@ -109,8 +109,13 @@ async def test_each_engine_is_scraped_and_probed_by_its_watcher_alone_and_both_w
                    for i, w in enumerate((a, b)) for ep in w.eps())
         received = sum(_scrapes_received(e) for e in engines)
         assert abs(received - made) <= 4, (received, made)
-        page = b.metrics.render().decode()
-        assert metric_total(page, "switchyard_view_facts_applied_total", kind="probe") > 0
+        # a worker that watches some engine but not all adopts its sibling's probes of the rest
+        # (the watchers come from a hash of the engines' random ports: one worker may watch all)
+        for i, w in enumerate((a, b)):
+            applied = metric_total(w.metrics.render().decode(), "switchyard_view_facts_applied_total",
+                                   kind="probe")
+            if any(owner != i for owner in watcher.values()):
+                assert applied > 0, (i, watcher)
 
 
 async def test_without_sharing_every_worker_scrapes_every_engine(sims):

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from gateway.server.run import free_port
+from gateway.view.service import watcher_of
 from tests.support.gateway_process import gateway_process, metric_total, per_worker, post_new
 from tests.support.waiting import until
 
@@ -233,8 +234,12 @@ async def test_two_workers_probe_scrape_and_read_each_engines_adapters_once_per_
     rounds = window / interval
     for counts in got:
         assert all(2 <= n <= rounds + 3 for n in counts.values()), got
-    for page in pages.values():                   # each worker adopted its sibling's snapshots, probes and lists
-        for kind in ("scrape", "probe", "models"):
-            assert metric_total(page, "switchyard_view_facts_applied_total", source="worker", kind=kind) > 0, kind
+    # each worker adopted its sibling's snapshots, probes and lists; when one worker happens to watch
+    # all three engines (a hash of their random ports), only its sibling has any to adopt
+    split = len({watcher_of(f"m|{e.url}", 2) for e in engines}) == 2
+    for kind in ("scrape", "probe", "models"):
+        applied = [metric_total(page, "switchyard_view_facts_applied_total", source="worker", kind=kind)
+                   for page in pages.values()]
+        assert (all if split else any)(n > 0 for n in applied), (kind, applied)
     for answer in listed.values():                # every worker knows every engine's adapter, asked or told
         assert {"ad0", "ad1", "ad2"} <= {m["id"] for m in json.loads(answer)["data"]}, answer
