@@ -76,7 +76,7 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 from loadgen import cpu_seconds_precise, percentile, rss_bytes  # noqa: E402
-from overhead_report import goals, render  # noqa: E402
+from overhead_report import goals, open_targets, render  # noqa: E402
 
 MODEL = "m"
 SETTLE = 0.5   # seconds between a change in idle streams and the RSS reading
@@ -1341,6 +1341,7 @@ def main(argv: list[str] | None = None) -> int:
     report["loadavg_after"] = loadavg()
     report["elapsed_s"] = time.monotonic() - t_begin
     report["goals"] = goals(report)
+    report["open_targets"] = open_targets(report)
     md = render(report)
     report["markdown"] = md
     (outdir / f"overhead-{stamp}.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))

@@ -65,6 +65,18 @@ def render(report: dict) -> str:
         _fleet_table(report, L)
     if "idle" in kinds or agg_targets(report):
         _memory_tables(report, L)
+    L.append("### Targets of the open issues (Switchyard at its defaults)")
+    L.append("")
+    L.append("Issue 24 asks for non-streaming throughput at concurrency 32 at least vllm-router's; issue 27 "
+             "for the latency added to a lone stream, the P/D orchestrator's and the CPU per relayed chunk "
+             "and per request, each against the same run's figures.")
+    L.append("")
+    L.append("| issue | target | measured | goal | met |")
+    L.append("|---|---|---:|---|---|")
+    for row in report.get("open_targets") or open_targets(report):
+        met = {True: "yes", False: "**no**", None: "n/a"}[row["met"]]
+        L.append(f"| {row['issue']} | {row['what']} | {row['measured']} | {row['goal']} | {met} |")
+    L.append("")
     L.append("### Issue #5 targets (Switchyard)")
     L.append("")
     L.append("| target | measured | goal | met |")
@@ -362,7 +374,7 @@ def _fleet_table(report: dict, L: list[str]) -> None:
             cpu = a.get("cpu_s", {}).get("target")
             rss0, peak, rss1 = (a.get(k, {}).get(who) for k in ("rss_before", "rss_peak", "rss_after"))
             grow = None if rss0 is None or peak is None or rss0 < 0 or peak < 0 else (peak - rss0) / MB
-            per_chunk = None if cpu is None or not a.get("events") else cpu / a["events"] * 1e6
+            per_chunk = _per_chunk(a)
             spread = a.get("by_port")
             L.append(f"| {n} | {a['completed']:,} | {a['errors']} | {fmt(a.get('window_s'), 1)} | {fmt(cpu, 2)} | "
                      f"{fmt(per_chunk, 1)} | {fmt(_div(rss0, MB), 1)} | {fmt(_div(peak, MB), 1)} | {fmt(grow, 1)} | "
@@ -468,6 +480,48 @@ def _capped(report: dict, scenario: str) -> list[dict]:
 
 def _div(a, b):
     return None if a is None or a < 0 else a / b
+
+
+def _per_chunk(a: dict) -> float | None:
+    """CPU µs per relayed chunk of one target in the many-paced-streams scenario."""
+    cpu = a.get("cpu_s", {}).get("target")
+    return None if cpu is None or not a.get("events") else cpu / a["events"] * 1e6
+
+
+def open_targets(report: dict) -> list[dict]:
+    """The "done when" figures of the open issues 24 and 27, from one run: each measured against
+    the same run's vllm-router or direct figures (None when the run lacks them)."""
+    res = report["results"]
+    out = []
+
+    def g(scn, tgt, key):
+        return res.get(scn, {}).get(tgt, {}).get(key)
+
+    def add(issue, what, value, goal, ok, unit):
+        out.append({"issue": issue, "what": what, "measured": "—" if value is None else f"{value:.3g}{unit}",
+                    "goal": goal, "met": None if value is None else bool(ok(value)), "value": value})
+
+    def added(scn, tgt):
+        a, d = g(scn, tgt, "ttft_p50_ms"), g(scn, "direct", "ttft_p50_ms")
+        return None if a is None or d is None else a - d
+
+    add(24, "non-streaming c=32 req/s / vllm-router's", ratio(g("ns32", "switchyard", "rps"), g("ns32", "vllm-router", "rps")),
+        "≥ 1.0×", lambda v: v >= 1.0, "×")
+    sy, vr = added("paced1", "switchyard"), added("paced1", "vllm-router")
+    add(27, "paced-stream TTFT added p50, minus vllm-router's", None if sy is None or vr is None else sy - vr,
+        "≤ +0.15 ms", lambda v: v <= 0.15, " ms")
+    for sc in report["scenarios"]:
+        if sc["mode"] == "pd":
+            add(27, f"P/D TTFT added p50, {sc['name']}", added(sc["name"], "switchyard"), "≤ 0.3 ms",
+                lambda v: v <= 0.3, " ms")
+    fleet = next((sc["name"] for sc in report["scenarios"] if sc["mode"] == "fleet"), None)
+    if fleet is not None:
+        sy_c, vr_c = (_per_chunk(res.get(fleet, {}).get(t, {})) for t in ("switchyard", "vllm-router"))
+        add(27, f"CPU per relayed chunk ({fleet}) / vllm-router's", ratio(sy_c, vr_c), "≤ 1.0×", lambda v: v <= 1.0, "×")
+    add(27, "CPU per request (ns32) / vllm-router's", ratio(g("ns32", "switchyard", "target_cpu_us_per_req"),
+                                                          g("ns32", "vllm-router", "target_cpu_us_per_req")),
+        "≤ 1.5×", lambda v: v <= 1.5, "×")
+    return out
 
 
 def goals(report: dict) -> list[dict]:

@@ -20,7 +20,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "bench"))
 import overhead  # noqa: E402
-from overhead_report import goals, render  # noqa: E402
+from overhead_report import goals, open_targets, render  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_report_is_markdown_with_ratios_and_goals(tiny_run):
     assert data["markdown"] == md
     for heading in ("### Columns", "### Throughput, latency, CPU", "### Added over direct (ms)", "### Ratios",
                     "### What Switchyard's settings cost", "### Prefill/decode", "### Many paced streams",
-                    "### Memory", "### Issue #5 targets"):
+                    "### Memory", "### Targets of the open issues", "### Issue #5 targets"):
         assert heading in md
     assert "| switchyard / direct |" in md and "| ns1 | CPU µs/req |" in md
     for line in md.splitlines():
@@ -249,6 +249,30 @@ def _fake_report() -> dict:
 def _rows(md: str, heading: str) -> list[str]:
     part = md.split(heading, 1)[1].split("\n### ", 1)[0]
     return [line for line in part.splitlines() if line.startswith("|")]
+
+
+def test_the_open_issues_targets_are_checked_against_the_same_runs_figures():
+    report = _fake_report()
+    res = report["results"]
+    res["ns32"]["switchyard"]["rps"] = 1200.0           # vllm-router's: 1,000
+    res["ns32"]["switchyard"]["target_cpu_us_per_req"] = 160.0       # vllm-router's: 100
+    res["paced1"]["switchyard"]["ttft_p50_ms"] = 0.6    # added 0.1 over direct (0.5); vllm-router's 0
+    res["pd-vllm-c1"]["switchyard"]["ttft_p50_ms"] = 0.7      # direct's 0.5: +0.2
+    res["pd-sglang-c1"]["switchyard"]["ttft_p50_ms"] = 0.9    # +0.4
+    res["fleet1k"]["switchyard"]["cpu_s"]["target"] = 0.9     # 1.0 µs a chunk against vllm-router's 1.11
+    rows = {r["what"]: r for r in open_targets(report)}
+    assert [r["issue"] for r in rows.values()] == [24, 27, 27, 27, 27, 27]
+    got = {w: (round(r["value"], 3), r["met"]) for w, r in rows.items()}
+    assert got == {"non-streaming c=32 req/s / vllm-router's": (1.2, True),
+                   "paced-stream TTFT added p50, minus vllm-router's": (0.1, True),
+                   "P/D TTFT added p50, pd-vllm-c1": (0.2, True),
+                   "P/D TTFT added p50, pd-sglang-c1": (0.4, False),
+                   "CPU per relayed chunk (fleet1k) / vllm-router's": (0.9, True),
+                   "CPU per request (ns32) / vllm-router's": (1.6, False)}
+    del res["fleet1k"]["vllm-router"]                   # a run without the peer: not judged
+    assert {r["met"] for r in open_targets(report) if "chunk" in r["what"]} == {None}
+    md = render(report)
+    assert "| 27 | P/D TTFT added p50, pd-sglang-c1 | 0.4 ms | ≤ 0.3 ms | **no** |" in md
 
 
 def test_litellm_column_renders_beside_the_rust_routers():
