@@ -97,11 +97,11 @@ def new_group() -> str:
     return secrets.token_hex(4)
 
 
-
 def watcher_of(key: str, workers: int) -> int:
     """The index of the worker, of ``workers``, that watches the endpoint named ``key``
     (``wire.endpoint_key``): a hash of the name, so every worker agrees without talking."""
     return zlib.crc32(key.encode()) % workers
+
 
 class RoutingView:
     """The shared view of one process (see the module docstring)."""
