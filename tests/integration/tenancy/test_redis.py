@@ -37,7 +37,8 @@ def state(server, **kw) -> dict:
 
 
 async def chat(gw, key=ALICE, **kw):
-    return await openai_client(gw, key).chat.completions.create(model="m", messages=CHAT, max_tokens=1, **kw)
+    async with openai_client(gw, key) as client:    # closed here, not by the collector on a later test's loop
+        return await client.chat.completions.create(model="m", messages=CHAT, max_tokens=1, **kw)
 
 
 async def test_two_gateways_enforce_one_limit_together(sims, gateway, redis_server):
@@ -242,9 +243,10 @@ async def test_two_gateway_processes_share_one_limit(sims, redis_server, tmp_pat
                "state": {**state(redis_server), "replica_id": f"proc-{i}"}}
         path = tmp_path / f"gw{i}.yaml"
         path.write_text(yaml.safe_dump(cfg))
-        procs.append(subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=ROOT,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      env={**os.environ, "PYTHONPATH": str(ROOT)}))
+        with open(tmp_path / f"gw{i}.log", "wb") as out:
+            procs.append(subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path)], cwd=ROOT,
+                                          stdout=out, stderr=subprocess.STDOUT,
+                                          env={**os.environ, "PYTHONPATH": str(ROOT)}))
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         for u in urls:
@@ -255,9 +257,8 @@ async def test_two_gateway_processes_share_one_limit(sims, redis_server, tmp_pat
                 self.base_url = url + "/v1"
         gws = [Proc(u) for u in urls]
         got = await outcomes([chat(gws[0]) for _ in range(4)] + [chat(gws[1]) for _ in range(4)])
-        assert got.count(200) == 4 and got.count("RateLimitError") == 4
         r = aioredis.Redis.from_url(redis_server.url)
-        assert sorted(m.decode() for m in await r.zrange("switchyard:replicas", 0, -1)) == ["proc-0", "proc-1"]
+        replicas = sorted(m.decode() for m in await r.zrange("switchyard:replicas", 0, -1))
         await r.aclose()
     finally:
         for p in procs:
@@ -269,6 +270,22 @@ async def test_two_gateway_processes_share_one_limit(sims, redis_server, tmp_pat
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+    # checked once the processes have stopped, so that their logs are whole if it fails
+    assert got.count(200) == 4 and got.count("RateLimitError") == 4, _unusual(tmp_path, 2)
+    assert replicas == ["proc-0", "proc-1"]
+
+
+def _unusual(tmp_path: Path, n: int) -> str:
+    """What the gateway processes wrote that a passing run does not: answers other than 200 and
+    429, warnings, errors, a worker's restart (to tell a failure's cause from its log alone)."""
+    lines = []
+    for i in range(n):
+        for line in (tmp_path / f"gw{i}.log").read_text(errors="replace").splitlines():
+            if '"status":200,' in line or '"status":429,' in line \
+                    or ('"level":"info"' in line and '"event":"request"' not in line):
+                continue
+            lines.append(f"gw{i}: {line}")
+    return "\n".join(lines)[-8000:]
 
 
 async def _healthy(url: str) -> bool:
