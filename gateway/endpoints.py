@@ -100,6 +100,9 @@ class Endpoint:
     token_kv: float = 0.0          # prompt tokens whose KV this endpoint holds for live requests
     consecutive_failures: int = 0
     consecutive_successes: int = 0
+    # workers sharing monitoring: the last probe outcome that counted, as (this worker's own probe,
+    # ok, monotonic time); one round probed by two workers counts once (gateway/upstream/monitor.py)
+    last_probe: tuple[bool, bool, float] | None = None
     metrics: EngineMetrics | None = None
     adapters: AdapterState = field(default_factory=AdapterState)   # LoRA adapters (gateway/lora/adapters.py)
     extra: dict = field(default_factory=dict)

@@ -95,14 +95,37 @@ class Monitor:
         except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         self.metrics.child(self.metrics.health_probes, ep.model, ep.name, "ok" if ok else "fail").inc()
-        self.apply_probe(ep, ok)
-        if self.share is not None:
+        if self.share is None:
+            self.apply_probe(ep, ok)
+        else:
+            if self._counts(ep, ok, own=True):
+                self.apply_probe(ep, ok)
             self.share.told_probe(ep, ok)
         return ok
 
     def adopt_probe(self, ep: Endpoint, ok: bool) -> None:
         """The outcome of a probe a sibling worker made of ``ep`` (it watches it)."""
-        self.apply_probe(ep, ok)
+        if self._counts(ep, ok, own=False):
+            self.apply_probe(ep, ok)
+
+    def _counts(self, ep: Endpoint, ok: bool, own: bool) -> bool:
+        """Whether an outcome counts toward ``ep``'s thresholds, with workers sharing monitoring.
+
+        A worker that has not heard ``ep``'s watcher (at start, or while the watcher is silent)
+        probes it itself, and the watcher's outcome of the same round may come as well: two
+        outcomes of one round, which must not count as two rounds in a row (one slow round would
+        then take the endpoint out with ``unhealthy_threshold: 2``). An outcome from the other
+        source than the last one, within a probe timeout plus half an interval of it, is of the
+        same round: it counts only when it is a success after a failure (the engine answered one
+        of them). Outcomes from one source are a round apart and always count."""
+        now = time.monotonic()
+        last = ep.last_probe
+        if last is not None and last[0] != own \
+                and now - last[2] < self.health.timeout_s + self.health.interval_s / 2 \
+                and not (ok and not last[1]):
+            return False
+        ep.last_probe = (own, ok, now)
+        return True
 
     def apply_probe(self, ep: Endpoint, ok: bool) -> None:
         was = ep.healthy

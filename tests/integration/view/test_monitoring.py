@@ -163,3 +163,26 @@ async def test_a_silent_watcher_is_replaced_by_its_sibling_until_it_is_heard_aga
         took = {ep.url: left.made("scrape", ep) for ep in theirs}
         await until(lambda: all(left.made("scrape", ep) >= took[ep.url] + 3 for ep in theirs), timeout=5)
         await until(lambda: all(left.made("probe", ep) >= 1 for ep in theirs), timeout=5)
+
+
+async def test_one_failed_round_probed_by_both_workers_counts_once(sims):
+    """At start every worker probes every engine, and a non-watcher adopts its watcher's outcome of
+    the same round as well: one failed round must not count twice and take the engine out with
+    ``unhealthy_threshold: 2``. Two failed rounds do."""
+    engine = (await _engines(sims, n=1))[0]
+    engine.engine.dead = True                   # /health answers 503
+    cfg = _config([engine.url], interval=3.0, timeout=0.5)      # the next round 3 s later
+    async with _workers(cfg) as (a, b):
+        watcher, other = (a, b) if a.view.watcher(a.eps()[0]) == 0 else (b, a)
+        ep = other.eps()[0]
+
+        def adopted() -> float:
+            return metric_total(other.metrics.render().decode(), "switchyard_view_facts_applied_total", kind="probe")
+        # the first round: the non-watcher's own probe and the watcher's, both failed
+        await until(lambda: watcher.made("probe", watcher.eps()[0]) >= 1 and other.made("probe", ep) >= 1
+                    and adopted() >= 1, timeout=2.5)
+        assert ep.consecutive_failures == 1 and ep.healthy
+        assert watcher.eps()[0].consecutive_failures == 1 and watcher.eps()[0].healthy
+        # the watcher's next round fails too: two rounds in a row take it out in both workers
+        await until(lambda: not ep.healthy and not watcher.eps()[0].healthy, timeout=5)
+        assert other.made("probe", ep) == 1       # the non-watcher probed once: at start, before it heard
