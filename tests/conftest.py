@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import random
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import aiohttp.web_app
 import pytest
 from hypothesis import HealthCheck, is_hypothesis_test, settings
 
@@ -52,6 +54,13 @@ def pytest_configure(config):
         settings.load_profile(profile)
     if not settings.default.derandomize and config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = str(random.SystemRandom().randrange(1 << 32))
+
+
+def pytest_collection_finish(session):
+    # what the imports and the collection built lives as long as the session: out of the
+    # collector's full passes, which would otherwise walk it again every time
+    gc.collect()
+    gc.freeze()
 
 
 def _reproduce_hint(config) -> str:
@@ -261,3 +270,16 @@ async def _leases_balance():
     _live_gateways.clear()
 
 
+@pytest.fixture(autouse=True)
+def _release_finished_apps():
+    """aiohttp keeps each handler composed with its application's middlewares in an LRU cache of
+    1,024 entries (``aiohttp.web_app._cached_build_middleware``), and an entry holds its handler's
+    application: every gateway and simulated engine a test started (an engine with its KV block
+    pool, tens of thousands of objects) stayed alive for hundreds of tests after it. The session's
+    full garbage collections then grew to seconds (3 s by the end of the suite), stalling the
+    event loop that serves the in-process engines: a gateway process's health probes of one timed
+    out. Emptied after each test."""
+    yield
+    cache = getattr(aiohttp.web_app, "_cached_build_middleware", None)
+    if cache is not None and hasattr(cache, "cache_clear"):
+        cache.cache_clear()
