@@ -28,13 +28,6 @@ from enginesim.tokenizer import ids_bytes
 
 
 @dataclass(eq=False)
-class _Block:
-    block_id: int
-    ref: int = 0
-    hash: bytes | None = None
-
-
-@dataclass(eq=False)
 class Allocation:
     """The blocks one request holds. ``hit_blocks`` leading blocks came from the prefix cache."""
 
@@ -57,7 +50,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # per block: the requests holding it and its prefix hash (None: holds nothing reusable); two
+        # lists, not an object per block, so a pool is two objects to the garbage collector
+        self._ref: list[int] = [0] * num_blocks
+        self._hash: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
         # ref == 0 blocks, eviction order first; value unused.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -100,7 +96,7 @@ class BlockPool:
         hit = self.match(hashes, num_tokens)
         hit_ids = [self._cached[h] for h in hashes[:hit]]
         fresh = self.blocks_for(num_tokens) - hit
-        reusable_free = sum(1 for b in hit_ids if self._blocks[b].ref == 0)
+        reusable_free = sum(1 for b in hit_ids if self._ref[b] == 0)
         if fresh > len(self._free) - reusable_free:
             return None
         alloc = Allocation(hashes=hashes, hit_blocks=hit)
@@ -133,9 +129,9 @@ class BlockPool:
                 self._stored(alloc, run)
                 run = []
                 continue
-            block = self._blocks[alloc.block_ids[i]]
-            block.hash = h
-            self._cached[h] = block.block_id
+            b = alloc.block_ids[i]
+            self._hash[b] = h
+            self._cached[h] = b
             run.append(i)
         self._stored(alloc, run)
 
@@ -156,12 +152,12 @@ class BlockPool:
 
     def free(self, alloc: Allocation) -> None:
         """Drop the request's references. Tail blocks become the first eviction candidates."""
+        ref = self._ref
         for b in reversed(alloc.block_ids):
-            block = self._blocks[b]
-            block.ref -= 1
-            if block.ref == 0:
+            ref[b] -= 1
+            if ref[b] == 0:
                 self._free[b] = None
-                if block.hash is None:
+                if self._hash[b] is None:
                     self._free.move_to_end(b, last=False)  # nothing to keep: reuse first
         alloc.block_ids.clear()
 
@@ -169,28 +165,26 @@ class BlockPool:
         """Forget every cached prefix; refused (``False``) while any block is in use."""
         if self.used_blocks:
             return False
-        for block in self._blocks:
-            block.hash = None
+        self._hash = [None] * self.num_blocks
         self._cached.clear()
         if self.events is not None:
             self.events.cleared()
         return True
 
     def _take(self, b: int) -> None:
-        block = self._blocks[b]
-        if block.ref == 0:
+        if self._ref[b] == 0:
             del self._free[b]
-        block.ref += 1
+        self._ref[b] += 1
 
     def _take_fresh(self) -> int:
         b, _ = self._free.popitem(last=False)
-        block = self._blocks[b]
-        if block.hash is not None:
-            del self._cached[block.hash]
+        h = self._hash[b]
+        if h is not None:
+            del self._cached[h]
             if self.events is not None:
-                self.events.removed([block.hash])
-            block.hash = None
-        block.ref = 1
+                self.events.removed([h])
+            self._hash[b] = None
+        self._ref[b] = 1
         return b
 
     # -- statistics ---------------------------------------------------------------------------
