@@ -95,11 +95,9 @@ class Monitor:
         except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         self.metrics.child(self.metrics.health_probes, ep.model, ep.name, "ok" if ok else "fail").inc()
-        if self.share is None:
+        if self.share is None or self._counts(ep, ok, own=True):
             self.apply_probe(ep, ok)
-        else:
-            if self._counts(ep, ok, own=True):
-                self.apply_probe(ep, ok)
+        if self.share is not None:
             self.share.told_probe(ep, ok)
         return ok
 
