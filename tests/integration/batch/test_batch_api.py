@@ -267,11 +267,18 @@ async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(s
     assert b.expires_at == b.created_at + 24 * 3600
 
     def age() -> None:       # the runner rewrites the doc as lines finish: set it until it is seen
-        with sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"), timeout=5) as db:
+        # read and write in one transaction, as the store does: between a plain read and the
+        # write, the runner may finish the batch, and the write would put it back in progress
+        db = sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"), timeout=5, isolation_level=None)
+        try:
+            db.execute("BEGIN IMMEDIATE")
             doc = orjson.loads(db.execute("SELECT doc FROM batches WHERE id = ?", (b.id,)).fetchone()[0])
             if doc["status"] == "in_progress":
                 doc["expires_at"] = doc["created_at"] - 1
                 db.execute("UPDATE batches SET doc = ? WHERE id = ?", (orjson.dumps(doc), b.id))
+            db.execute("COMMIT")
+        finally:
+            db.close()
 
     async def expired() -> bool:
         age()
