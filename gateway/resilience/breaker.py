@@ -9,7 +9,10 @@ States: **closed** (serving), **open** (ejected: routers see the endpoint as not
   is enough: nothing listens there.
 - open → half-open after the ejection time: ``base_ejection_s`` × the number of times the endpoint
   was ejected (one less for every ``base_ejection_s`` it then stayed closed), at most
-  ``max_ejection_s``.
+  ``max_ejection_s``; or as soon as the health probes, having found the endpoint down since the
+  breaker opened, find it up again (``on_health``: an engine that crashed and was restarted gets its
+  trials once it answers ``/health``, not after the rest of an ejection that grows with each crash).
+  An engine that answers its probes all along while it fails requests is not cut short this way.
 - half-open lets ``half_open_trials`` requests through at a time; ``success_threshold`` successes
   close it, one fault opens it again (a longer ejection).
 
@@ -93,6 +96,7 @@ class Breaker:
     trials_out: int = 0                # half-open trial requests in flight
     trial_successes: int = 0
     last_event: float = 0.0            # last half-open dispatch or outcome (the stuck-trial guard)
+    down_seen: bool = False            # open, and the health probes found the endpoint down since
     faults: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     total: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     stamps: list[int] = field(default_factory=lambda: [-1] * _BUCKETS)
@@ -271,6 +275,7 @@ class Breakers:
         b.open_for = open_for
         b.opened_at = now
         b.consecutive = b.trials_out = b.trial_successes = 0
+        b.down_seen = not ep.healthy
         b.clear_window()
         self._move(ep, b, OPEN)
         ep.ejected = True
@@ -302,14 +307,29 @@ class Breakers:
         self._close(ep, entry[1], self.clock(), told=True)
         return True
 
-    def _half_open(self, ep: Endpoint, b: Breaker) -> None:
+    def _half_open(self, ep: Endpoint, b: Breaker, reason: str = "ejection_over") -> None:
         if b.state != OPEN or self.state(ep) != OPEN:
             return
         b.trials_out = b.trial_successes = 0
         b.last_event = self.clock()
         self._move(ep, b, HALF_OPEN)
         ep.ejected = False
-        log.info("breaker half-open", model=ep.model, endpoint=ep.name)
+        log.info("breaker half-open", model=ep.model, endpoint=ep.name, reason=reason)
+
+    def on_health(self, ep: Endpoint) -> None:
+        """A monitor listener (a health change or a scrape of ``ep``): an open breaker whose endpoint
+        the probes found down goes half-open once they find it up again."""
+        entry = self._by_ep.get(id(ep))
+        if entry is None or entry[0] is not ep:
+            return
+        b = entry[1]
+        if b.state != OPEN:
+            return
+        if not ep.healthy:
+            b.down_seen = True
+        elif b.down_seen:
+            self._cancel(b)
+            self._half_open(ep, b, reason="health")
 
     # -- half-open -----------------------------------------------------------------------------
 

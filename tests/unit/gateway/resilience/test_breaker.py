@@ -175,6 +175,51 @@ def test_a_refused_connection_opens_at_once_with_passive_health():
     assert br2.state(x) == CLOSED
 
 
+def test_an_engine_the_probes_found_down_and_then_up_goes_half_open_before_its_ejection_ends():
+    br, (a, *_), t = setup(consecutive_faults=5, base_ejection_s=10, success_threshold=1)
+    br.record(a, F, "connect")              # the engine died: its port refuses
+    br.on_health(a)                         # a scrape or a probe that still finds it up: nothing
+    assert br.state(a) == OPEN
+    a.healthy = False                       # the probes take it out
+    br.on_health(a)
+    t.advance(2)
+    assert br.state(a) == OPEN
+    a.healthy = True                        # restarted: it answers /health again
+    br.on_health(a)
+    assert br.state(a) == HALF_OPEN and a.ready
+    t.advance(10)                           # the ejection's own timer, cancelled, changes nothing
+    assert br.state(a) == HALF_OPEN
+    decide(br, a)
+    feed(br, a, [S])
+    assert br.state(a) == CLOSED
+
+
+def test_an_engine_that_answers_its_probes_while_failing_requests_stays_out_its_ejection():
+    br, (a, *_), t = setup(consecutive_faults=2, base_ejection_s=10)
+    feed(br, a, [F, F])                     # 500s while /health stays fine
+    for _ in range(5):
+        br.on_health(a)                     # probes and scrapes: healthy all along
+        t.advance(1)
+    assert br.state(a) == OPEN
+    t.advance(5)
+    assert br.state(a) == HALF_OPEN
+
+
+def test_a_breaker_opened_while_the_probes_had_the_engine_out_goes_half_open_when_it_is_back():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=10)
+    a.healthy = False                       # the probes first
+    br.on_health(a)                         # no breaker open yet: nothing to remember
+    br.record(a, F, "reset")                # then a leg sent before, cut: the breaker opens
+    assert br.state(a) == OPEN
+    a.healthy = True
+    br.on_health(a)
+    assert br.state(a) == HALF_OPEN
+    feed(br, a, [F])                        # its trial fails: open again, for longer, until the
+    assert br.state(a) == OPEN and br.breaker(a).open_for == 20     # probes see it down again
+    br.on_health(a)
+    assert br.state(a) == OPEN
+
+
 def test_groups_are_per_role():
     pool = EndpointPool()
     pre = [pool.add(Endpoint(url=f"http://127.0.0.1:{9100 + i}", model="m", role="prefill")) for i in range(2)]
