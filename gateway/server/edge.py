@@ -202,7 +202,7 @@ def _short(text: str | None, limit: int = 200) -> str:
 class EdgeProtocol(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
 
-    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_stall", "_e_rx_head", "_e_pipelined",
+    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head", "_e_pipelined",
                  "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part", "_lane_task",
                  "_lane_next", "_lane_wake")
@@ -213,7 +213,9 @@ class EdgeProtocol(web.RequestHandler):
         self._e_loop = loop
         self._e_phase = _HEAD
         self._e_deadline = 0.0
-        self._e_timer: asyncio.TimerHandle | None = None
+        self._e_timer: asyncio.Handle | None = None
+        self._e_timer_at = 0.0          # when ``_e_timer`` fires (uvloop's handle for a delay under
+                                        # half a millisecond is a plain ``Handle``, without ``when()``)
         self._e_stall: asyncio.TimerHandle | None = None
         self._e_rx_head = False         # a byte of the awaited head arrived
         self._e_pipelined = False       # bytes of a next request arrived while the handler ran
@@ -410,6 +412,7 @@ class EdgeProtocol(web.RequestHandler):
         it passes the client gets the 408 aiohttp's request would get."""
         self._e_deadline = self._e_body_deadline()
         if now < self._e_deadline:
+            self._e_timer_at = self._e_deadline
             self._e_timer = self._e_loop.call_at(self._e_deadline, self._e_fire)
             return
         pending, self._lane_part = self._lane_part, None
@@ -552,9 +555,10 @@ class EdgeProtocol(web.RequestHandler):
         self._e_deadline = deadline
         timer = self._e_timer
         if timer is not None:
-            if timer.when() <= deadline:
+            if self._e_timer_at <= deadline:
                 return
             timer.cancel()
+        self._e_timer_at = deadline
         self._e_timer = self._e_loop.call_at(deadline, self._e_fire)
 
     def _e_fire(self) -> None:
@@ -577,6 +581,7 @@ class EdgeProtocol(web.RequestHandler):
         if phase in (_READY, _BUSY):
             return
         if now < self._e_deadline:
+            self._e_timer_at = self._e_deadline
             self._e_timer = self._e_loop.call_at(self._e_deadline, self._e_fire)
             return
         if phase == _IDLE:

@@ -153,7 +153,9 @@ class RoutingView:
         self._sent_load: dict[str, int] | None = None
         self._sent_load_at = 0.0
         self._flushed_at = -1e9              # loop time of the last message to the siblings
-        self._tick_at: asyncio.TimerHandle | None = None
+        self._tick_at: asyncio.Handle | None = None
+        self._tick_when = 0.0       # when ``_tick_at`` fires (uvloop's handle for a delay under half a
+                                    # millisecond is a plain ``Handle``, without ``when()``)
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -351,9 +353,10 @@ class RoutingView:
         when = loop.time() + delay
         h = self._tick_at
         if h is not None:
-            if h.when() <= when:
+            if self._tick_when <= when:
                 return
             h.cancel()
+        self._tick_when = when
         self._tick_at = loop.call_at(when, self._tick)
 
     def on_request(self, rec: Any, duration: float) -> None:

@@ -38,6 +38,7 @@ class EdgeGateway:
     port: int
     app: Any
     sim: Any
+    runner: Any = None          # the aiohttp runner: its server's live connections (their protocols)
 
     @property
     def url(self) -> str:
@@ -83,7 +84,7 @@ async def edge_gateway(sim: dict[str, Any] | None = None, **server: Any) -> Asyn
                                 "server": {"shutdown_grace_s": 2.0, **server},
                                 "models": [{"name": "m", "engine": "vllm", "endpoints": [engine.url]}]})
         runner, app, port = await start(cfg)
-        gw = EdgeGateway(port=port, app=app, sim=engine)
+        gw = EdgeGateway(port=port, app=app, sim=engine, runner=runner)
         yield gw
         assert await wait_for(lambda: not gw.busy(), timeout=10.0, interval=0.01), f"still in flight after the test: {gw.busy()}"
     finally:

@@ -115,6 +115,33 @@ async def test_half_a_head_on_a_kept_alive_connection_gets_408():
 
 
 @on_both_loops
+async def test_a_deadline_armed_a_hair_ahead_and_then_moved_leaves_the_connection_serving():
+    """uvloop hands back a plain ``Handle``, without ``when()``, for a timer set less than half a
+    millisecond ahead, as when a deadline's timer fires a float's hair early and re-arms it. The
+    next read then moved the deadline by asking the handle its time: an exception in the
+    connection's callback, which closed it under the client's request."""
+    async with edge_gateway(keepalive_timeout_s=5.0, header_timeout_s=5.0) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(request("GET", "/health"))
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            await asyncio.sleep(0.05)           # the answer is out: the connection idles
+            (proto,) = gw.runner.server.connections
+            loop = asyncio.get_running_loop()
+            proto._e_arm(loop.time() + 1e-9)    # what the early timer's re-arm does
+            proto._e_arm(loop.time() + 5.0)     # what the next read does
+            await asyncio.sleep(0.05)
+            writer.write(request("POST", CHAT, BODY, {"Content-Type": "application/json"}))
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        finally:
+            writer.close()
+        assert head.startswith(b"HTTP/1.1 200")
+
+
+@on_both_loops
 async def test_many_slow_clients_are_all_cut_and_leave_nothing_open():
     """The measurement that started this, scaled down: half heads and promised bodies that stop."""
     async with edge_gateway(header_timeout_s=0.5, body_timeout_s=0.5) as gw:

@@ -16,6 +16,7 @@ from gateway.view.service import RoutingView, WorkerSlot
 from routers.base import RouterContext
 from tests.support.factories import inference_request
 from tests.support.gateway_process import metric_total
+from tests.support.loops import on_both_loops
 from tests.support.waiting import until
 
 URLS = ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
@@ -231,6 +232,23 @@ async def test_a_burst_of_decisions_leaves_in_one_message_per_flush_delay_and_a_
         await until(lambda: len(bctx.prefix_index) == len(actx.prefix_index) and eb[0].remote_in_flight == 12
                     and bctx.sessions.get("m\0s:agent-fast") is eb[1], timeout=0.1)
         assert sent() == before + 1                # one message, at the end of the turn
+
+
+@on_both_loops
+async def test_a_tick_armed_a_hair_ahead_is_moved_by_the_next_request_without_an_error():
+    """uvloop hands back a plain ``Handle``, without ``when()``, for a timer less than half a
+    millisecond ahead: a burst's decision lands there when the last message left almost exactly
+    ``flush_delay_s`` ago. The next request's end then failed in its record observer (and a
+    decision in its claim), with a traceback each, until the tick ran."""
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=2.0, peer_ttl_s=4.0, load_interval_s=0.02)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    async with _running(d, a, b):
+        a._arm(1e-9)
+        apool.endpoints("m")[0].in_flight = 1
+        a.on_request(None, 0.0)                 # arms the tick within load_interval_s
+        a.on_decision(None, None, (), 0.0)
+        await until(lambda: bpool.endpoints("m")[0].remote_in_flight == 1, timeout=2.0)
 
 
 async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_a_close_closes_it():
