@@ -33,13 +33,14 @@ import structlog
 from aiohttp import web
 
 from gateway.config.schema import Config
-from gateway.endpoints import Endpoint
+from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.relay import Relay
 from gateway.resilience.outcome import Outcome, of_status
+from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamResponse
 from gateway.upstream.upstream import Upstream, UpstreamFailure, head_timeout, upstream_headers
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
@@ -72,13 +73,15 @@ class PDOrchestrator:
     tasks that outlive the request (aborts), the config and the metrics."""
 
     def __init__(self, config: Config, upstream: Upstream, relay: Relay, spawn: Spawn,
-                 metrics: GatewayMetrics, rng: random.Random) -> None:
+                 metrics: GatewayMetrics, rng: random.Random, pool: EndpointPool, retries: Retries) -> None:
         self.config = config
         self.upstream = upstream
         self.relay = relay
         self.spawn = spawn
         self.metrics = metrics
         self.rng = rng
+        self.pool = pool
+        self.retries = retries
 
     async def forward(self, ctx: RequestContext, adapter: EngineAdapter, checked: Any) -> web.StreamResponse:
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
@@ -91,6 +94,7 @@ class PDOrchestrator:
             ctx.after_write.append(partial(ctx.rec.extra.update, plan.log))
         headers = upstream_headers(ireq)
         ctx.pd_plan = plan                  # a continuation elsewhere first stops this decode (abandon)
+        ctx.after_write.append(partial(self.retries.request, ireq.model))   # the retry budget counts it
         if plan.concurrent:
             return await self._concurrent(ctx, adapter, plan, headers)
         return await self._sequential(ctx, adapter, plan, headers)
@@ -141,11 +145,23 @@ class PDOrchestrator:
         decode_start = time.perf_counter()
         ctx.charges.decode_started()
         limit = self._decode_header_timeout(ctx)
-        try:
-            resp = await self._open_decode(ctx, decode_x, limit)
-        except GatewayError:
-            self._abort_decode(ctx, plan)
-            raise
+        tried = [decode]
+        while True:
+            try:
+                resp = await self.upstream.opened(decode, decode_x, limit, ireq.model)
+                break
+            except UpstreamFailure as f:
+                leg.failed(f.kind)
+                if f.kind == "connect":     # nothing of it went out, and the KV waits: another decode
+                    again = self._other_decode(ctx, tried)
+                    if again is not None:
+                        decode = again
+                        ctx.use(decode)
+                        leg = ctx.trace.leg("decode", decode, attempt=len(tried))
+                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers))
+                        continue
+                self._abort_decode(ctx, plan)
+                raise self._decode_error(ctx, f, limit) from None
         leg.responded(resp.status)
         return resp, prefill_start, prefill_end, decode_start
 
@@ -184,30 +200,50 @@ class PDOrchestrator:
             decode, decode_x, self.config.upstream.first_byte_timeout_s or None, ireq.model))
         # a task cancelled before its first step never reaches the connection: drop it then
         prefill_task.add_done_callback(lambda _: prefill_x.discard())
-        decode_task.add_done_callback(lambda _: decode_x.discard())
+        decode_task.add_done_callback(lambda _, x=decode_x: x.discard())
         ctx.charges.decode_started()
         resp: UpstreamResponse | None = None
+        tried = [decode]
         try:
-            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill_task.done():
-                exc = prefill_task.exception()
-                if isinstance(exc, PrefillFailed):
-                    raise self._prefill_failed(ctx, exc, "before_response")    # the decode ends below
-                if exc is not None:
-                    raise exc
-                # prefill done: the decode holds the KV; arm the watchdog on its first answer
-                limit = self._decode_header_timeout(ctx)
-                try:
-                    async with asyncio.timeout(limit):
-                        resp = await asyncio.shield(decode_task)
-                except TimeoutError:
-                    self.upstream.record(decode, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
-                    raise self._watchdog_error(ctx, limit) from None
-            else:
+            while True:
+                await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task.done():
+                    exc = prefill_task.exception()
+                    if isinstance(exc, PrefillFailed):
+                        raise self._prefill_failed(ctx, exc, "before_response")    # the decode ends below
+                    if exc is not None:
+                        raise exc
+                    # prefill done: the decode holds the KV; arm the watchdog on its first answer
+                    limit = self._decode_header_timeout(ctx)
+                    try:
+                        async with asyncio.timeout(limit):
+                            resp = await asyncio.shield(decode_task)
+                    except TimeoutError:
+                        self.upstream.record(decode, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
+                        raise self._watchdog_error(ctx, limit) from None
+                    break
+                failure = None if decode_task.cancelled() else decode_task.exception()
+                if isinstance(failure, UpstreamFailure) and failure.kind == "connect" and not decode_sent.sent:
+                    # nothing of the decode went out; the prefill waits for a decode to take its
+                    # KV by the bootstrap room: another decode of the roleset, with the same body
+                    again = self._other_decode(ctx, tried)
+                    if again is not None:
+                        leg.failed(failure.kind)
+                        decode = again
+                        ctx.use(decode)
+                        decode_sent = SendState()
+                        leg = ctx.trace.leg("decode", decode, attempt=len(tried))
+                        decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers),
+                                                       decode_sent)
+                        decode_task = asyncio.create_task(self.upstream.opened(
+                            decode, decode_x, self.config.upstream.first_byte_timeout_s or None, ireq.model))
+                        decode_task.add_done_callback(lambda _, x=decode_x: x.discard())
+                        continue
                 # the decode answered first (its headers come with its first token): the prefill's
                 # answer may still be on its way; let it finish in the background
                 resp = decode_task.result()
                 self.spawn(self._late_prefill(ctx, prefill_task))
+                break
         except UpstreamFailure as f:
             self._abort(ctx, prefill, plan.abort)
             if f.kind == "timeout":
@@ -282,14 +318,18 @@ class PDOrchestrator:
             _, err = normalize_upstream_error(status, raw)
             raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
 
-    async def _open_decode(self, ctx: RequestContext, x: Exchange, limit: float | None) -> UpstreamResponse:
-        assert ctx.ireq is not None and ctx.decision is not None
-        try:
-            return await self.upstream.opened(ctx.decision.endpoint, x, limit, ctx.ireq.model)
-        except UpstreamFailure as f:
-            if f.kind == "timeout":   # the watchdog: no answer from the decode in time
-                raise self._watchdog_error(ctx, limit) from None
-            raise self._decode_unavailable(ctx, f) from None
+    def _decode_error(self, ctx: RequestContext, f: UpstreamFailure, limit: float | None) -> GatewayError:
+        if f.kind == "timeout":     # the watchdog: no answer from the decode in time
+            return self._watchdog_error(ctx, limit)
+        return self._decode_unavailable(ctx, f)
+
+    def _other_decode(self, ctx: RequestContext, tried: list[Endpoint]) -> Endpoint | None:
+        """Another decode endpoint of the prefill's roleset for a decode leg that could not be sent
+        (gateway/resilience/retry.py ``redecode``), or None."""
+        assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
+        roleset = ctx.decision.prefill.roleset
+        decodes = [e for e in self.pool.endpoints(ctx.ireq.model) if e.role == "decode" and e.roleset == roleset]
+        return self.retries.redecode(ctx, self.metrics, decodes, tried, "connect")
 
     async def _relay_decode(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
                             resp: UpstreamResponse, prefill_start: float, prefill_end: float | None,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Annotated
 
 from msgspec import Meta
@@ -155,12 +156,7 @@ class Retries:
         others = self.others(ireq.model, outcome, tried[-1], rec.retries, candidates, tried)
         if others is None:
             return None
-        rec.retries += 1
-        causes = rec.extra.setdefault("retry_causes", [])
-        causes.append(cause)
-        metrics.child(metrics.retries, ireq.model).inc()
-        self.metrics.causes.labels(ireq.model, cause).inc()
-        ctx.trace.event("retry", {"error.type": cause, "switchyard.endpoint": tried[-1].name})
+        self._count(ctx, metrics, tried[-1], cause)
         ctx.trace.route_start()
         ctx.decision = routing.route(ireq, rec.strategy, routing.router_for(rec.strategy), others)
         ctx.trace.routed(ctx.decision, len(others))
@@ -168,6 +164,33 @@ class Retries:
         tried.append(ep)
         ctx.charges.move_in_flight(ep)
         return ep
+
+    def redecode(self, ctx: RequestContext, metrics: GatewayMetrics, decodes: Sequence[Endpoint],
+                 tried: list[Endpoint], cause: str) -> Endpoint | None:
+        """P/D: the decode leg to the last endpoint in ``tried`` could not be sent (its connection
+        was refused), while the prefill's KV waits to be read: the least loaded other ready one of
+        ``decodes`` (the prefill's roleset) takes it, charged and made the decision's decode; or
+        ``None``, under the same rules and budget as ``reroute``."""
+        assert ctx.ireq is not None and ctx.decision is not None
+        others = self.others(ctx.ireq.model, Outcome.FAULT, tried[-1], ctx.rec.retries, decodes, tried)
+        if others is None:
+            return None
+        self._count(ctx, metrics, tried[-1], cause)
+        ep = min(others, key=lambda e: e.in_flight + e.remote_in_flight)
+        ctx.decision = replace(ctx.decision, endpoint=ep)
+        tried.append(ep)
+        ctx.charges.move_in_flight(ep)
+        return ep
+
+    def _count(self, ctx: RequestContext, metrics: GatewayMetrics, failed: Endpoint, cause: str) -> None:
+        """A retry of the request, on its record, its trace and the metrics."""
+        assert ctx.ireq is not None
+        model, rec = ctx.ireq.model, ctx.rec
+        rec.retries += 1
+        rec.extra.setdefault("retry_causes", []).append(cause)
+        metrics.child(metrics.retries, model).inc()
+        self.metrics.causes.labels(model, cause).inc()
+        ctx.trace.event("retry", {"error.type": cause, "switchyard.endpoint": failed.name})
 
 
 async def discard(resp: UpstreamResponse, limit: int) -> None:

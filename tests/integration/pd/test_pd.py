@@ -135,6 +135,35 @@ async def test_prefill_refused(sims, gateway, engine):
     assert await wait_for(lambda: quiet(d.url), timeout=5)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_that_refuses_the_leg_hands_it_to_another_decode_of_the_roleset(sims, gateway, engine, stream):
+    """A decode engine that died (its port refuses) while the probes have not noticed: the prefill's
+    KV waits (vLLM: the prefill ran; SGLang: it waits for a decode of its bootstrap room), and the
+    decode leg, of which nothing went out, goes to the roleset's other decode. One retry, counted;
+    the client gets its whole answer."""
+    p, d = await pd_pair(sims, engine)
+    rs = {**roleset(engine, p, d, name="rs"), "decode": ["http://127.0.0.1:9", d.url]}
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    seen = []
+    for _ in range(20):             # until a pair names the dead decode (its breaker then opens)
+        st, hdrs, raw = await post(gw, body(stream=stream))
+        seen.append((st, hdrs.get("x-retries")))
+        if hdrs.get("x-retries"):
+            break
+    assert seen[-1] == (200, "1") and all(st == 200 for st, _ in seen), seen
+    assert hdrs["target-pod"] == d.url.split("//")[1]
+    if stream:
+        assert sse_events(raw)[-1] == "[DONE]"
+    else:
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == 8
+    ds = await sim_state(d.url)
+    assert ds["counts"]["completed"] == len(seen)
+    metrics = await gw.metrics_text()
+    assert 'switchyard_retry_causes_total{cause="connect",model="m"} 1.0' in metrics
+    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+
+
 async def test_sglang_decode_stall_before_first_token(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
