@@ -51,21 +51,29 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], asyncio.Task]
 
 
 class PrefillFailed(Exception):
-    """Classes: timeout, transport, http_status, bad_response."""
+    """Classes: timeout, transport, http_status, bad_response. ``kind``: the upstream failure's
+    (``connect`` for a refused connection) when there was one."""
 
-    def __init__(self, failure_class: str, message: str, status: int | None = None) -> None:
+    def __init__(self, failure_class: str, message: str, status: int | None = None, kind: str = "") -> None:
         super().__init__(message)
         self.failure_class = failure_class
         self.message = message
         self.status = status
+        self.kind = kind
 
     def client_error(self, prefill: Endpoint) -> GatewayError:
         status = {"http_status": 502, "bad_response": 502, "timeout": 504}.get(self.failure_class, 503)
-        return GatewayError(status, f"prefill request to {prefill.name} failed ({self.failure_class}): "
+        return (PrefillRefused if self.kind == "connect" else GatewayError)(status, f"prefill request to {prefill.name} failed ({self.failure_class}): "
                                     f"{self.message[:256]}",
                             code=f"pd_prefill_{self.failure_class}",
                             header=("x-error-pd-prefill", self.failure_class),
                             error_class=ErrorClass.pd_prefill(self.failure_class))
+
+
+class PrefillRefused(GatewayError):
+    """The prefill refused the connection: nothing of the request reached an engine that will act
+    on it (SGLang's decode leg, sent alongside, is aborted), so the pipeline may choose the pair
+    again (gateway/pipeline/pipeline.py ``_forward_pd``)."""
 
 
 class PDOrchestrator:
@@ -300,7 +308,7 @@ class PDOrchestrator:
             status, raw = await self.upstream.answer(ctx.decision.prefill, x, ireq.model, timeout)
         except UpstreamFailure as f:
             ctx.rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
-            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message) from None
+            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message, kind=f.kind) from None
         return status, raw, time.perf_counter()
 
     def _prefill_answered(self, ctx: RequestContext, leg: Leg, status: int, raw: bytes, start: float,

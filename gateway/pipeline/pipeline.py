@@ -27,6 +27,7 @@ from aiohttp import web
 from gateway.endpoints import Endpoint
 from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
+from gateway.pd.orchestrator import PrefillRefused
 from gateway.pipeline.context import RequestContext, record_request, safe_header_value
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
@@ -86,7 +87,7 @@ class Pipeline:
             self._pin_rank(ctx, adapter)            # a data-parallel engine's rank
             self._begin_migration(ctx, candidates)  # a stream that may continue elsewhere
             if ctx.decision.prefill is not None:
-                return await self.pd.forward(ctx, adapter, checked)
+                return await self._forward_pd(ctx, spec, router, adapter, checked, candidates)
             return await self.forward(ctx, candidates)
         except GatewayError as e:
             return self._error_response(ctx, e)
@@ -263,6 +264,30 @@ class Pipeline:
         if d is None or d.prefill is None or ireq is None:
             return 0.0
         return self.config.pd_for(ireq.model).token_request_cost + (d.uncached_tokens or ireq.prompt_tokens_est)
+
+    async def _forward_pd(self, ctx: RequestContext, spec: str, router: Router, adapter: EngineAdapter,
+                          checked: Any, candidates: list[Endpoint]) -> web.StreamResponse:
+        """A P/D request's legs. A prefill that refused the connection (its engine died; nothing of
+        the request went out that an engine will act on) is left out and the pair chosen again
+        among the other candidates, within the retry budget (gateway/resilience/retry.py)."""
+        assert ctx.ireq is not None
+        tried: list[Endpoint] = []
+        while True:
+            try:
+                return await self.pd.forward(ctx, adapter, checked)
+            except PrefillRefused:
+                assert ctx.decision is not None and ctx.decision.prefill is not None
+                dead = ctx.decision.prefill
+                tried.append(dead)
+                others = [c for c in candidates if c not in tried]
+                if self.retries.others(ctx.ireq.model, Outcome.FAULT, dead, ctx.rec.retries,
+                                       [c for c in others if c.role == "prefill"], tried) is None:
+                    raise
+                self.retries.count(ctx, self.metrics, dead, "prefill_connect")
+                candidates = self.route_and_charge(ctx, spec, router, adapter, others, ctx.after_write)
+                self._pin_rank(ctx, adapter)
+                if ctx.decision.prefill is None:    # the decider runs it whole this time
+                    return await self.forward(ctx, candidates)
 
     async def forward(self, ctx: RequestContext, candidates: list[Endpoint]) -> web.StreamResponse:
         """Open the aggregated leg, retrying elsewhere (gateway/resilience/retry.py) while the client has seen

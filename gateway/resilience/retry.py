@@ -156,7 +156,7 @@ class Retries:
         others = self.others(ireq.model, outcome, tried[-1], rec.retries, candidates, tried)
         if others is None:
             return None
-        self._count(ctx, metrics, tried[-1], cause)
+        self.count(ctx, metrics, tried[-1], cause)
         ctx.trace.route_start()
         ctx.decision = routing.route(ireq, rec.strategy, routing.router_for(rec.strategy), others)
         ctx.trace.routed(ctx.decision, len(others))
@@ -175,14 +175,14 @@ class Retries:
         others = self.others(ctx.ireq.model, Outcome.FAULT, tried[-1], ctx.rec.retries, decodes, tried)
         if others is None:
             return None
-        self._count(ctx, metrics, tried[-1], cause)
+        self.count(ctx, metrics, tried[-1], cause)
         ep = min(others, key=lambda e: e.in_flight + e.remote_in_flight)
         ctx.decision = replace(ctx.decision, endpoint=ep)
         tried.append(ep)
         ctx.charges.move_in_flight(ep)
         return ep
 
-    def _count(self, ctx: RequestContext, metrics: GatewayMetrics, failed: Endpoint, cause: str) -> None:
+    def count(self, ctx: RequestContext, metrics: GatewayMetrics, failed: Endpoint, cause: str) -> None:
         """A retry of the request, on its record, its trace and the metrics."""
         assert ctx.ireq is not None
         model, rec = ctx.ireq.model, ctx.rec

@@ -164,6 +164,35 @@ async def test_a_decode_that_refuses_the_leg_hands_it_to_another_decode_of_the_r
     assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_prefill_that_refuses_the_leg_is_left_out_and_the_pair_chosen_again(sims, gateway, engine, stream):
+    """A prefill engine that died (its port refuses): nothing of the request went out that an
+    engine acts on (SGLang's decode leg, sent alongside, is aborted), so the pair is chosen again
+    without it. One retry, counted; the client gets its whole answer."""
+    p, d = await pd_pair(sims, engine)
+    rs = roleset(engine, p, d, name="rs")
+    dead = {"url": "http://127.0.0.1:9", "bootstrap_port": 9} if engine == "sglang" else "http://127.0.0.1:9"
+    rs["prefill"] = [dead, *rs["prefill"]]
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    seen = []
+    for _ in range(20):             # until a pair names the dead prefill (its breaker then opens)
+        st, hdrs, raw = await post(gw, body(stream=stream))
+        seen.append((st, hdrs.get("x-retries")))
+        if hdrs.get("x-retries"):
+            break
+    assert seen[-1] == (200, "1") and all(st == 200 for st, _ in seen), seen
+    assert hdrs["prefill-target-pod"] == p.url.split("//")[1]
+    if stream:
+        assert sse_events(raw)[-1] == "[DONE]"
+    else:
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == 8
+    assert (await sim_state(d.url))["counts"]["completed"] == len(seen)
+    metrics = await gw.metrics_text()
+    assert 'switchyard_retry_causes_total{cause="prefill_connect",model="m"} 1.0' in metrics
+    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+
+
 async def test_sglang_decode_stall_before_first_token(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
