@@ -54,26 +54,34 @@ class PrefillFailed(Exception):
     """Classes: timeout, transport, http_status, bad_response. ``kind``: the upstream failure's
     (``connect`` for a refused connection) when there was one."""
 
-    def __init__(self, failure_class: str, message: str, status: int | None = None, kind: str = "") -> None:
+    def __init__(self, failure_class: str, message: str, status: int | None = None, kind: str = "",
+                 retryable: bool = False) -> None:
         super().__init__(message)
         self.failure_class = failure_class
         self.message = message
         self.status = status
         self.kind = kind
+        self.retryable = retryable      # refused, or reset with nothing received
 
     def client_error(self, prefill: Endpoint) -> GatewayError:
         status = {"http_status": 502, "bad_response": 502, "timeout": 504}.get(self.failure_class, 503)
-        return (PrefillRefused if self.kind == "connect" else GatewayError)(status, f"prefill request to {prefill.name} failed ({self.failure_class}): "
-                                    f"{self.message[:256]}",
-                            code=f"pd_prefill_{self.failure_class}",
-                            header=("x-error-pd-prefill", self.failure_class),
-                            error_class=ErrorClass.pd_prefill(self.failure_class))
+        err = (PairFailed if self.retryable else GatewayError)(
+            status, f"prefill request to {prefill.name} failed ({self.failure_class}): {self.message[:256]}",
+            code=f"pd_prefill_{self.failure_class}", header=("x-error-pd-prefill", self.failure_class),
+            error_class=ErrorClass.pd_prefill(self.failure_class))
+        if isinstance(err, PairFailed):
+            err.endpoint, err.cause = prefill, f"prefill_{self.kind}"
+        return err
 
 
-class PrefillRefused(GatewayError):
-    """The prefill refused the connection: nothing of the request reached an engine that will act
-    on it (SGLang's decode leg, sent alongside, is aborted), so the pipeline may choose the pair
-    again (gateway/pipeline/pipeline.py ``_forward_pd``)."""
+class PairFailed(GatewayError):
+    """A P/D leg failed before the client saw anything: its connection was refused, or reset with
+    nothing received (its engine died). The legs were closed and aborted as for any failure, so the
+    pipeline may choose the pair again without ``endpoint`` (gateway/pipeline/pipeline.py
+    ``_forward_pd``); ``cause`` is the retry's cause. Unretried, it is the client's error answer."""
+
+    endpoint: Endpoint | None = None
+    cause: str = ""
 
 
 class PDOrchestrator:
@@ -308,7 +316,8 @@ class PDOrchestrator:
             status, raw = await self.upstream.answer(ctx.decision.prefill, x, ireq.model, timeout)
         except UpstreamFailure as f:
             ctx.rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
-            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message, kind=f.kind) from None
+            raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message, kind=f.kind,
+                                retryable=f.retryable) from None
         return status, raw, time.perf_counter()
 
     def _prefill_answered(self, ctx: RequestContext, leg: Leg, status: int, raw: bytes, start: float,
@@ -364,9 +373,14 @@ class PDOrchestrator:
         return f.client_error(ctx.decision.prefill)
 
     def _decode_unavailable(self, ctx: RequestContext, f: UpstreamFailure) -> GatewayError:
+        assert ctx.decision is not None
         ctx.rec.error_class = ErrorClass.decode(f.kind)
-        return GatewayError(502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
-                            header=("x-error-pd-decode", f.kind), error_class=ctx.rec.error_class)
+        err = (PairFailed if f.retryable else GatewayError)(
+            502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
+            header=("x-error-pd-decode", f.kind), error_class=ctx.rec.error_class)
+        if isinstance(err, PairFailed):
+            err.endpoint, err.cause = ctx.decision.endpoint, f"decode_{f.kind}"
+        return err
 
     def _decode_header_timeout(self, ctx: RequestContext) -> float | None:
         assert ctx.ireq is not None

@@ -27,7 +27,7 @@ from aiohttp import web
 from gateway.endpoints import Endpoint
 from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
-from gateway.pd.orchestrator import PrefillRefused
+from gateway.pd.orchestrator import PairFailed
 from gateway.pipeline.context import RequestContext, record_request, safe_header_value
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
@@ -267,23 +267,26 @@ class Pipeline:
 
     async def _forward_pd(self, ctx: RequestContext, spec: str, router: Router, adapter: EngineAdapter,
                           checked: Any, candidates: list[Endpoint]) -> web.StreamResponse:
-        """A P/D request's legs. A prefill that refused the connection (its engine died; nothing of
-        the request went out that an engine will act on) is left out and the pair chosen again
-        among the other candidates, within the retry budget (gateway/resilience/retry.py)."""
+        """A P/D request's legs. A leg whose connection was refused, or reset with nothing received
+        (its engine died), before the client saw anything (``PairFailed``): the endpoint is left
+        out and the pair chosen again among the other candidates, within the retry budget
+        (gateway/resilience/retry.py)."""
         assert ctx.ireq is not None
         tried: list[Endpoint] = []
         while True:
             try:
                 return await self.pd.forward(ctx, adapter, checked)
-            except PrefillRefused:
-                assert ctx.decision is not None and ctx.decision.prefill is not None
-                dead = ctx.decision.prefill
-                tried.append(dead)
+            except PairFailed as e:
+                failed = e.endpoint
+                assert failed is not None
+                tried.append(failed)
                 others = [c for c in candidates if c not in tried]
-                if self.retries.others(ctx.ireq.model, Outcome.FAULT, dead, ctx.rec.retries,
-                                       [c for c in others if c.role == "prefill"], tried) is None:
+                if self.retries.others(ctx.ireq.model, Outcome.FAULT, failed, ctx.rec.retries,
+                                       [c for c in others if c.role in (failed.role, "combined")], tried) is None:
                     raise
-                self.retries.count(ctx, self.metrics, dead, "prefill_connect")
+                self.retries.count(ctx, self.metrics, failed, e.cause)
+                ctx.rec.error_class = None              # of the failed try: the retry's answer says its own
+                ctx.rec.extra.pop("prefill_failure", None)
                 candidates = self.route_and_charge(ctx, spec, router, adapter, others, ctx.after_write)
                 self._pin_rank(ctx, adapter)
                 if ctx.decision.prefill is None:    # the decider runs it whole this time

@@ -193,6 +193,44 @@ async def test_a_prefill_that_refuses_the_leg_is_left_out_and_the_pair_chosen_ag
     assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
 
 
+@contextlib.asynccontextmanager
+async def _hangs_up():
+    """An engine that dies on every request: it reads the request and closes the connection."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_that_hangs_up_before_answering_has_the_pair_chosen_again(sims, gateway, engine):
+    """The decode leg went out and its engine closed the connection with nothing sent back (it
+    died): the prefill is aborted (SGLang) or its KV left (vLLM), and the request runs again on a
+    pair without that decode, before the client saw anything."""
+    p, d = await pd_pair(sims, engine)
+    async with _hangs_up() as dead:
+        rs = {**roleset(engine, p, d, name="rs"), "decode": [dead, d.url]}
+        gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60},
+                           breaker={"consecutive_faults": 100, "fault_rate": 0})
+        seen = []
+        for _ in range(20):             # until a pair names the dead decode
+            st, hdrs, raw = await post(gw, body(stream=True))
+            seen.append((st, hdrs.get("x-retries")))
+            if hdrs.get("x-retries"):
+                break
+        assert seen[-1] == (200, "1") and all(st == 200 for st, _ in seen), seen
+        assert hdrs["target-pod"] == d.url.split("//")[1] and sse_events(raw)[-1] == "[DONE]"
+        metrics = await gw.metrics_text()
+        assert 'switchyard_retry_causes_total{cause="decode_reset",model="m"} 1.0' in metrics
+        assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+
+
 async def test_sglang_decode_stall_before_first_token(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
