@@ -44,6 +44,7 @@ SCENARIOS: dict[str, str] = {
     "priorities": "bench.resilience_priorities",
     "fairness": "bench.resilience_fairness",
     "slo-overload": "bench.resilience_slo",
+    "engine-death": "bench.resilience_death",
 }
 
 REPO = Path(__file__).resolve().parent.parent
@@ -59,6 +60,7 @@ class Answer:
     ttft: float | None = None        # seconds to the first content token
     latency: float = 0.0
     endpoint: str = ""
+    prefill: str = ""                # P/D: the prefill endpoint (``prefill-target-pod``)
     retries: int = 0
     error: str = ""
     started: float = 0.0
@@ -134,6 +136,7 @@ class Harness:
             async with self.session.post(base + "/v1/chat/completions", json=body, headers=headers or {}) as r:
                 a.status = r.status
                 a.endpoint = r.headers.get("target-pod", "")
+                a.prefill = r.headers.get("prefill-target-pod", "")
                 a.retries = int(r.headers.get("x-retries", "0"))
                 if r.status != 200:
                     a.error = f"status {r.status}"
