@@ -20,10 +20,16 @@ The pipeline follows AIBrix's P/D selection, with its signals taken from what th
    ``least_request``: running + pending), each roleset keeping its best of each.
 7. Pair score ``prefill/max_prefill + decode/max_decode``; lowest wins.
 
-Signals: "running" is the engine's own ``num_requests_running`` when its metrics are fresh, else
-the in-flight count of every gateway replica (this one's plus ``remote_in_flight``, published by
-the others through the shared state, as ``least-request`` counts it; counted as a fallback);
-pending decodes (chosen, leg not started) are always added. A combined endpoint's load is the same
+Signals: "running" is, when the engine's metrics are fresh, this gateway's live in-flight count on
+the decode plus what the engine's last scrape counted beyond this gateway's own requests then
+(``num_requests_running`` less ``EngineMetrics.gateway_in_flight``: other gateways' requests), or
+what other replicas publish (``remote_in_flight``) when that is more: ``prefix-cache``'s fleet load.
+A scrape is up to ``scrape.interval_s`` old, and its raw count sent every decision of that interval
+to the decode that was the least loaded at the scrape (a burst of 32 streams all on one of two
+decodes). Without fresh metrics it is the in-flight count of every gateway replica (this one's plus
+``remote_in_flight``, as ``least-request`` counts it; counted as a fallback) plus the pending
+decodes (chosen, leg not started); a snapshot without the gateway's count (a test's) is read raw,
+plus the pending decodes. A combined endpoint's load is the same
 in-flight count plus the engine's waiting queue. A prefill's load is this gateway's prefill calls
 in progress (replicas publish in-flight counts, which only decode and whole-request endpoints
 carry). Free KV is ``100 − 100·kv_usage`` (missing: 100). Throughput missing: that term is 0.
@@ -86,6 +92,11 @@ class PDRouter(Router):
     def _running(self, ep: Endpoint) -> float:
         m = ep.fresh_metrics(self.max_age)
         if m is not None and m.running is not None:
+            if m.gateway_in_flight is not None:
+                # the scrape is up to an interval old: what this gateway sent since (or saw end) is
+                # counted live, the rest of the fleet's as the engine counted it then
+                others = m.running - m.gateway_in_flight
+                return ep.in_flight + (others if others > ep.remote_in_flight else ep.remote_in_flight)
             return m.running + ep.pending_decode
         return _in_flight(ep) + ep.pending_decode
 

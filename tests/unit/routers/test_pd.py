@@ -124,6 +124,28 @@ def test_combined_wins_when_clearly_less_loaded():
     assert router().route(req(), [p, d, c]).prefill is p
 
 
+def test_between_two_scrapes_decodes_are_loaded_by_what_this_gateway_sent_since_not_all_on_one():
+    """The engines' running counts are up to a scrape interval old. Charging each decision to its
+    decode (as the gateway does) must move the next ones: a burst is spread over the decodes, not
+    all sent to the one that was the least loaded at the last scrape."""
+    p = ep(1, "prefill")
+    # scraped when this gateway had 4 and 20 requests on them (the engines counted the same)
+    d0 = ep(10, "decode", in_flight=4, metrics={"running": 4, "gateway_in_flight": 4})
+    d1 = ep(11, "decode", in_flight=20, metrics={"running": 20, "gateway_in_flight": 20})
+    r = router()
+    got = []
+    for _ in range(40):
+        dec = r.route(req(), [p, d0, d1])
+        dec.endpoint.in_flight += 1         # the decision's charge
+        got.append(dec.endpoint)
+    assert got[:16] == [d0] * 16            # d0 first, while it is the less loaded
+    assert d0.in_flight - d1.in_flight in (-1, 0, 1) and got.count(d1) == 12
+    # what the engine counted beyond this gateway's own (another gateway's) still counts
+    d2 = ep(12, "decode", in_flight=0, metrics={"running": 30, "gateway_in_flight": 0})
+    d3 = ep(13, "decode", in_flight=10, metrics={"running": 10, "gateway_in_flight": 10})
+    assert router().route(req(), [p, d2, d3]).endpoint is d3
+
+
 def test_other_replicas_in_flight_requests_count_as_load():
     """With shared state, requests other gateway replicas have on an endpoint (``remote_in_flight``)
     load it as much as this replica's own, as for least-request."""
