@@ -135,6 +135,28 @@ async def test_prefill_refused(sims, gateway, engine):
     assert await wait_for(lambda: quiet(d.url), timeout=5)
 
 
+async def _until_retried(gw, p, d, stream: bool, cause: str) -> dict[str, str]:
+    """Requests until one is retried (a pair named the dead engine; its breaker, if on, then opens
+    it): every answer whole, the retried one once, on the live pair; the engines left with nothing
+    running. Returns the retried answer's headers."""
+    seen = []
+    for _ in range(20):
+        st, hdrs, raw = await post(gw, body(stream=stream))
+        seen.append((st, hdrs.get("x-retries")))
+        if hdrs.get("x-retries"):
+            break
+    assert seen[-1] == (200, "1") and all(st == 200 for st, _ in seen), seen
+    assert hdrs["target-pod"] == d.url.split("//")[1] and hdrs["prefill-target-pod"] == p.url.split("//")[1]
+    if stream:
+        assert sse_events(raw)[-1] == "[DONE]"
+    else:
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == 8
+    assert (await sim_state(d.url))["counts"]["completed"] == len(seen)
+    assert f'switchyard_retry_causes_total{{cause="{cause}",model="m"}} 1.0' in await gw.metrics_text()
+    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+    return hdrs
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("engine", ENGINES)
 async def test_a_decode_that_refuses_the_leg_hands_it_to_another_decode_of_the_roleset(sims, gateway, engine, stream):
@@ -145,23 +167,7 @@ async def test_a_decode_that_refuses_the_leg_hands_it_to_another_decode_of_the_r
     p, d = await pd_pair(sims, engine)
     rs = {**roleset(engine, p, d, name="rs"), "decode": ["http://127.0.0.1:9", d.url]}
     gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
-    seen = []
-    for _ in range(20):             # until a pair names the dead decode (its breaker then opens)
-        st, hdrs, raw = await post(gw, body(stream=stream))
-        seen.append((st, hdrs.get("x-retries")))
-        if hdrs.get("x-retries"):
-            break
-    assert seen[-1] == (200, "1") and all(st == 200 for st, _ in seen), seen
-    assert hdrs["target-pod"] == d.url.split("//")[1]
-    if stream:
-        assert sse_events(raw)[-1] == "[DONE]"
-    else:
-        assert orjson.loads(raw)["usage"]["completion_tokens"] == 8
-    ds = await sim_state(d.url)
-    assert ds["counts"]["completed"] == len(seen)
-    metrics = await gw.metrics_text()
-    assert 'switchyard_retry_causes_total{cause="connect",model="m"} 1.0' in metrics
-    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+    await _until_retried(gw, p, d, stream, "connect")
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -175,22 +181,7 @@ async def test_a_prefill_that_refuses_the_leg_is_left_out_and_the_pair_chosen_ag
     dead = {"url": "http://127.0.0.1:9", "bootstrap_port": 9} if engine == "sglang" else "http://127.0.0.1:9"
     rs["prefill"] = [dead, *rs["prefill"]]
     gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
-    seen = []
-    for _ in range(20):             # until a pair names the dead prefill (its breaker then opens)
-        st, hdrs, raw = await post(gw, body(stream=stream))
-        seen.append((st, hdrs.get("x-retries")))
-        if hdrs.get("x-retries"):
-            break
-    assert seen[-1] == (200, "1") and all(st == 200 for st, _ in seen), seen
-    assert hdrs["prefill-target-pod"] == p.url.split("//")[1]
-    if stream:
-        assert sse_events(raw)[-1] == "[DONE]"
-    else:
-        assert orjson.loads(raw)["usage"]["completion_tokens"] == 8
-    assert (await sim_state(d.url))["counts"]["completed"] == len(seen)
-    metrics = await gw.metrics_text()
-    assert 'switchyard_retry_causes_total{cause="prefill_connect",model="m"} 1.0' in metrics
-    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+    await _until_retried(gw, p, d, stream, "prefill_connect")
 
 
 @contextlib.asynccontextmanager
@@ -218,17 +209,7 @@ async def test_a_decode_that_hangs_up_before_answering_has_the_pair_chosen_again
         rs = {**roleset(engine, p, d, name="rs"), "decode": [dead, d.url]}
         gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60},
                            breaker={"consecutive_faults": 100, "fault_rate": 0})
-        seen = []
-        for _ in range(20):             # until a pair names the dead decode
-            st, hdrs, raw = await post(gw, body(stream=True))
-            seen.append((st, hdrs.get("x-retries")))
-            if hdrs.get("x-retries"):
-                break
-        assert seen[-1] == (200, "1") and all(st == 200 for st, _ in seen), seen
-        assert hdrs["target-pod"] == d.url.split("//")[1] and sse_events(raw)[-1] == "[DONE]"
-        metrics = await gw.metrics_text()
-        assert 'switchyard_retry_causes_total{cause="decode_reset",model="m"} 1.0' in metrics
-        assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+        await _until_retried(gw, p, d, True, "decode_reset")
 
 
 async def test_sglang_decode_stall_before_first_token(sims, gateway):
