@@ -29,6 +29,7 @@ from collections.abc import Callable, Coroutine
 from functools import partial
 from typing import Any
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -41,7 +42,7 @@ from gateway.pipeline.context import RequestContext
 from gateway.pipeline.relay import Relay
 from gateway.resilience.outcome import Outcome, of_status
 from gateway.resilience.retry import Retries
-from gateway.upstream.h1client import Exchange, SendState, UpstreamResponse
+from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import Upstream, UpstreamFailure, head_timeout, upstream_headers
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
 
@@ -353,8 +354,11 @@ class PDOrchestrator:
                             decode_start: float) -> web.StreamResponse:
         assert ctx.ireq is not None
         rec = ctx.rec
+        wd = self.config.watchdog_for(rec.model)
         try:
-            out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, self.config.watchdog_for(rec.model))
+            if ctx.ireq.stream and resp.status == 200:
+                await self._first_bytes(ctx, plan, resp, wd.first_chunk_timeout_s)
+            out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, wd)
         except asyncio.CancelledError:
             self._abort_decode(ctx, plan)
             raise
@@ -363,6 +367,42 @@ class PDOrchestrator:
             self._abort_decode(ctx, plan)
         self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
         return out
+
+    async def _first_bytes(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse, limit: float) -> None:
+        """A streamed decode's first bytes, awaited before the client's head goes out (vLLM answers
+        its head at once, before the KV is even read) and put back for the relay. A decode that
+        fails before them, one that breaks, ends empty or opens with a server error event (its KV
+        pull failed: the prefill died), is a ``PairFailed``: the client has seen nothing, so the
+        pipeline may choose the pair again. No first bytes within the first-chunk watchdog: 504."""
+        assert ctx.decision is not None
+        decode = ctx.decision.endpoint
+        cause = ""
+        try:
+            async with asyncio.timeout(limit or None):
+                first = await resp.readany()
+        except TimeoutError:
+            resp.close()
+            self._abort_decode(ctx, plan)
+            self.upstream.record(decode, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
+            raise self._watchdog_error(ctx, limit) from None
+        except UpstreamError as e:
+            first, cause, message = b"", "decode_broken", f"decode endpoint {decode.name} broke before its first token: {e}"
+        else:
+            if not first:
+                cause, message = "decode_empty", f"decode endpoint {decode.name} ended its stream before its first token"
+            elif first.startswith(b"data: {\"error\"") and (server_error := _server_error_event(first)) is not None:
+                cause, message = "decode_error", f"decode endpoint {decode.name} failed before its first token: {server_error}"
+        if not cause:
+            resp.unread(first)
+            return
+        resp.close()
+        self._abort_decode(ctx, plan)
+        self.upstream.record(decode, Outcome.FAULT, cause)
+        ctx.rec.error_class = ErrorClass.decode("reset")
+        err = PairFailed(502, message[:512], code="upstream_unavailable", header=("x-error-pd-decode", cause),
+                         error_class=ctx.rec.error_class)
+        err.endpoint, err.cause = decode, cause
+        raise err
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -477,3 +517,19 @@ class PDOrchestrator:
                 if not spec.retry_delay_s:
                     return
                 await asyncio.sleep(spec.retry_delay_s)
+
+
+def _server_error_event(data: bytes) -> str | None:
+    """The message of a stream's opening event when it is a server error (``{"error": {...}}`` with
+    a 5xx code or a server error type, as vLLM sends for a failed KV pull), else None."""
+    event = data.split(b"\n\n", 1)[0].removeprefix(b"data: ")
+    try:
+        err = orjson.loads(event).get("error")
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(err, dict):
+        return None
+    code = err.get("code")
+    if (isinstance(code, int) and code >= 500) or err.get("type") in ("InternalServerError", "server_error"):
+        return str(err.get("message", ""))[:256]
+    return None

@@ -217,6 +217,13 @@ class UpstreamResponse:
                 return None
         return await self.readany()
 
+    def unread(self, data: bytes) -> None:
+        """Put ``data``, bytes ``readany`` returned, back in front of what is buffered: the next
+        reader (or ``pipe``) gets them first."""
+        if data:
+            self._chunks.insert(0, data)
+            self._size += len(data)
+
     def unpipe(self) -> None:
         """End a ``pipe`` (from its sink: the client stopped keeping up); later bytes are buffered,
         with reading from the engine paused above ``HIGH_WATER``, for ``readany``."""

@@ -299,15 +299,42 @@ async def test_trackers_balance_under_concurrency(sims, gateway, engine):
 
 
 async def test_vllm_decode_stall_before_first_token_after_headers(sims, gateway):
-    # vLLM sends its headers at once, so the first-chunk watchdog fires after them: a final SSE
-    # error event, and the decode connection is closed (vLLM's abort)
+    # vLLM sends its headers at once; the gateway waits for the decode's first bytes before the
+    # client's head goes out, so the first-chunk watchdog answers 504 (as for SGLang, whose head
+    # comes with its first token), and the decode connection is closed (vLLM's abort)
     p, d = await pd_pair(sims, "vllm")
     gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
-    st, _, raw = await post(gw, body(stream=True), {"x-sim-fault": "decode.stall_before_first=30"})
-    assert st == 200
-    assert sse_events(raw)[-1]["error"]["code"] == "upstream_timeout"
+    st, hdrs, raw = await post(gw, body(stream=True), {"x-sim-fault": "decode.stall_before_first=30"})
+    assert st == 504 and hdrs["x-error-pd-decode"] == "true"
+    assert orjson.loads(raw)["error"]["code"] == "upstream_timeout"
     assert await wait_for(lambda: quiet(d.url), timeout=5)
     assert 'phase="first_chunk"' in await gw.metrics_text()
+
+
+async def test_a_vllm_decode_whose_kv_pull_fails_before_its_first_token_has_the_pair_chosen_again(sims, gateway):
+    """vLLM answers a stream's head at once; when its KV pull then fails (the prefill died, its
+    blocks expired) it sends a server error event before any token. The client has seen nothing
+    yet: the request runs again on a pair without that decode."""
+    p = await sims("vllm", "m", role="prefill")
+    bad = await sims("vllm", "m", role="decode", fault="kv_pull_fail=1")
+    d = await sims("vllm", "m", role="decode")
+    rs = {"name": "rs", "prefill": [p.url], "decode": [bad.url, d.url]}
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
+    await _until_retried(gw, p, d, True, "decode_error")
+    assert await wait_for(lambda: quiet(bad.url), timeout=5)
+
+
+async def test_a_kv_pull_that_fails_on_every_decode_is_retried_within_max_retries_and_then_answered_502(
+        sims, gateway):
+    p, d = await pd_pair(sims, "vllm")
+    d2 = await sims("vllm", "m", role="decode")
+    rs = {"name": "rs", "prefill": [p.url], "decode": [d.url, d2.url]}
+    gw = await gateway([pd_model("vllm", [rs])], breaker={"enabled": False})
+    st, hdrs, raw = await post(gw, body(stream=True), {"x-sim-fault": "decode.kv_pull_fail=1"})
+    assert st == 502 and hdrs["x-error-pd-decode"] == "decode_error" and hdrs["x-retries"] == "1"
+    assert "before its first token" in orjson.loads(raw)["error"]["message"]
+    for url in (p.url, d.url, d2.url):
+        assert await wait_for(lambda url=url: quiet(url), timeout=5)
 
 
 async def _aborted(url: str, rid_prefix: str) -> bool:
