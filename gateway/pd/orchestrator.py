@@ -77,11 +77,14 @@ class PrefillFailed(Exception):
 
 class PairFailed(GatewayError):
     """A P/D leg failed before the client saw anything: its connection was refused, or reset with
-    nothing received (its engine died). The legs were closed and aborted as for any failure, so the
-    pipeline may choose the pair again without ``endpoint`` (gateway/pipeline/pipeline.py
-    ``_forward_pd``); ``cause`` is the retry's cause. Unretried, it is the client's error answer."""
+    nothing received (its engine died), or its stream failed before its first token. The legs were
+    closed and aborted as for any failure, so the pipeline may choose the pair again without
+    ``endpoint``, and without ``suspect`` too while another endpoint of its role is ready
+    (gateway/pipeline/pipeline.py ``_forward_pd``); ``cause`` is the retry's cause. Unretried, it is
+    the client's error answer."""
 
     endpoint: Endpoint | None = None
+    suspect: Endpoint | None = None     # decode_error: the prefill whose KV the decode could not read
     cause: str = ""
 
 
@@ -402,6 +405,8 @@ class PDOrchestrator:
         err = PairFailed(502, message[:512], code="upstream_unavailable", header=("x-error-pd-decode", cause),
                          error_class=ctx.rec.error_class)
         err.endpoint, err.cause = decode, cause
+        if cause == "decode_error":         # most likely the prefill's KV, not the decode, failed
+            err.suspect = ctx.decision.prefill
         raise err
 
     # -- failures ------------------------------------------------------------------------------

@@ -277,9 +277,12 @@ class Pipeline:
             try:
                 return await self.pd.forward(ctx, adapter, checked)
             except PairFailed as e:
-                failed = e.endpoint
+                failed, suspect = e.endpoint, e.suspect
                 assert failed is not None
                 tried.append(failed)
+                if suspect is not None and any(c.role == suspect.role and c.ready and c is not suspect
+                                               and c not in tried for c in candidates):
+                    tried.append(suspect)
                 others = [c for c in candidates if c not in tried]
                 if self.retries.others(ctx.ireq.model, Outcome.FAULT, failed, ctx.rec.retries,
                                        [c for c in others if c.role in (failed.role, "combined")], tried) is None:

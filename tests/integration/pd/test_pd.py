@@ -324,6 +324,29 @@ async def test_a_vllm_decode_whose_kv_pull_fails_before_its_first_token_has_the_
     assert await wait_for(lambda: quiet(bad.url), timeout=5)
 
 
+async def test_a_kv_pull_failure_runs_again_on_another_prefill_as_well_when_there_is_one(sims, gateway):
+    """A decode that could not read the KV most likely met a failed prefill: the new pair leaves
+    both out (the prefill's prefix match would otherwise bring the request back to it)."""
+    p1, p2 = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="prefill")
+    bad = await sims("vllm", "m", role="decode", fault="kv_pull_fail=1")
+    d = await sims("vllm", "m", role="decode")
+    rs = {"name": "rs", "prefill": [p1.url, p2.url], "decode": [bad.url, d.url]}
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
+
+    async def prefilled() -> list[int]:
+        return [(await sim_state(p.url))["counts"]["completed"] for p in (p1, p2)]
+
+    for _ in range(20):             # until a pair names the decode that fails its pulls
+        before = await prefilled()
+        st, hdrs, _ = await post(gw, body(stream=True))
+        assert st == 200
+        if hdrs.get("x-retries"):
+            break
+    after = await prefilled()
+    assert hdrs["x-retries"] == "1" and hdrs["target-pod"] == d.url.split("//")[1]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]     # each prefill once
+
+
 async def test_a_kv_pull_that_fails_on_every_decode_is_retried_within_max_retries_and_then_answered_502(
         sims, gateway):
     p, d = await pd_pair(sims, "vllm")
