@@ -359,6 +359,8 @@ class PDOrchestrator:
         rec = ctx.rec
         wd = self.config.watchdog_for(rec.model)
         try:
+            if resp.status >= 500 and of_status(resp.status) is Outcome.FAULT:
+                await self._failed_status(ctx, resp)
             if ctx.ireq.stream and resp.status == 200:
                 await self._first_bytes(ctx, plan, resp, wd.first_chunk_timeout_s)
             out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, wd)
@@ -408,6 +410,28 @@ class PDOrchestrator:
         if cause == "decode_error":         # most likely the prefill's KV, not the decode, failed
             err.suspect = ctx.decision.prefill
         raise err
+
+    async def _failed_status(self, ctx: RequestContext, resp: UpstreamResponse) -> None:
+        """The decode answered a server error (a 5xx other than 503; SGLang's when the KV transfer
+        failed: the prefill died): a ``PairFailed`` carrying the engine's error, as for an aggregated
+        leg, which is retried on another endpoint. The engine ended the request itself: no abort."""
+        assert ctx.decision is not None
+        decode, status = ctx.decision.endpoint, resp.status
+        try:
+            raw = await resp.read_limited(self.config.upstream.max_error_body_bytes)
+        except UpstreamError:
+            raw = b""
+        finally:
+            resp.close()
+        self.upstream.record(decode, Outcome.FAULT, f"status_{status}")
+        self.metrics.child(self.metrics.upstream_errors, ctx.rec.model, decode.name, f"status_{status}").inc()
+        status, err = normalize_upstream_error(status, raw)
+        e = err["error"]
+        ctx.rec.error_class = ErrorClass.UPSTREAM_STATUS
+        failed = PairFailed(status, str(e.get("message") or f"decode answered {status}"), code=e.get("code"),
+                            type_=e.get("type"), error_class=ErrorClass.UPSTREAM_STATUS)
+        failed.endpoint, failed.suspect, failed.cause = decode, ctx.decision.prefill, f"decode_status_{status}"
+        raise failed
 
     # -- failures ------------------------------------------------------------------------------
 

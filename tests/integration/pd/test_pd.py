@@ -347,6 +347,19 @@ async def test_a_kv_pull_failure_runs_again_on_another_prefill_as_well_when_ther
     assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1]     # each prefill once
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_that_answers_500_has_the_pair_chosen_again(sims, gateway, engine, stream):
+    """A decode's server error (SGLang's answer when the KV transfer failed: its prefill died) comes
+    before anything reached the client: retried on another pair, as an aggregated leg's 500 is."""
+    p = await sims(engine, "m", role="prefill")
+    bad = await sims(engine, "m", role="decode", fault="status=500")
+    d = await sims(engine, "m", role="decode")
+    rs = {**roleset(engine, p, d, name="rs"), "decode": [bad.url, d.url]}
+    gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
+    await _until_retried(gw, p, d, stream, "decode_status_500")
+
+
 async def test_a_kv_pull_that_fails_on_every_decode_is_retried_within_max_retries_and_then_answered_502(
         sims, gateway):
     p, d = await pd_pair(sims, "vllm")
