@@ -128,7 +128,11 @@ async def _case(h, case: str, args) -> dict[str, Any]:
     before = [a for a in answers if a.started + a.latency < killed]
     share = sum(1 for a in before if victim_name in (a.endpoint, a.prefill)) / max(1, len(before))
     s = summarize(answers)
+    other = [a for a in failed if not in_flight_at_kill(a)]
     return {"victim": f"{victim_role} ({victim_name})", "requests": s["requests"],
+            "other_failures": [{"sent_s": round(a.started - killed, 3), "ended_s": round(a.started + a.latency - killed, 3),
+                                "status": a.status, "error": a.error, "endpoint": a.endpoint, "prefill": a.prefill}
+                               for a in other][:10],
             "failed_in_flight_at_kill": sum(1 for a in failed if in_flight_at_kill(a)),
             "failed_other": sum(1 for a in failed if not in_flight_at_kill(a)),
             "in_flight_at_kill": sum(1 for a in answers if in_flight_at_kill(a)),
