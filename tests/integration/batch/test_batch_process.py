@@ -4,6 +4,7 @@ exactly one worker runs the batches while both answer the API."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 
 import openai
@@ -51,6 +52,10 @@ async def test_a_batch_survives_sigkill_and_answers_each_line_once(sims, tmp_pat
         await until(some_answered, timeout=60, interval=0.02)
         proc.send_signal(signal.SIGKILL)
         await proc.wait()
+        # its workers get SIGTERM from the kernel (they die with their parent) and close their
+        # listeners; until they have, a connection may still land in one's backlog and be reset
+        # as it closes, under the new gateway's client
+        await until(lambda: _refused(port), timeout=20, interval=0.05)
     async with gateway_process(cfg, port):
         done = await run_to_end(c, b.id)
         assert done.status == "completed", done
@@ -80,3 +85,15 @@ async def test_with_two_workers_one_runs_batches_and_both_answer(sims, tmp_path)
         assert done.status == "completed" and done.request_counts.completed == 8
         for _ in range(4):          # new connections reach either worker: each knows the batch
             assert (await c.batches.retrieve(b.id)).status == "completed"
+
+
+async def _refused(port: int) -> bool:
+    """Nothing listens on ``port`` any more."""
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    writer.close()
+    return False
