@@ -66,13 +66,13 @@ class PrefillFailed(Exception):
 
     def client_error(self, prefill: Endpoint) -> GatewayError:
         status = {"http_status": 502, "bad_response": 502, "timeout": 504}.get(self.failure_class, 503)
-        err = (PairFailed if self.retryable else GatewayError)(
-            status, f"prefill request to {prefill.name} failed ({self.failure_class}): {self.message[:256]}",
-            code=f"pd_prefill_{self.failure_class}", header=("x-error-pd-prefill", self.failure_class),
-            error_class=ErrorClass.pd_prefill(self.failure_class))
-        if isinstance(err, PairFailed):
-            err.endpoint, err.cause = prefill, f"prefill_{self.kind}"
-        return err
+        message = f"prefill request to {prefill.name} failed ({self.failure_class}): {self.message[:256]}"
+        kw: dict[str, Any] = {"code": f"pd_prefill_{self.failure_class}",
+                              "header": ("x-error-pd-prefill", self.failure_class),
+                              "error_class": ErrorClass.pd_prefill(self.failure_class)}
+        if self.retryable:
+            return PairFailed(status, message, endpoint=prefill, cause=f"prefill_{self.kind}", **kw)
+        return GatewayError(status, message, **kw)
 
 
 class PairFailed(GatewayError):
@@ -83,9 +83,12 @@ class PairFailed(GatewayError):
     (gateway/pipeline/pipeline.py ``_forward_pd``); ``cause`` is the retry's cause. Unretried, it is
     the client's error answer."""
 
-    endpoint: Endpoint | None = None
-    suspect: Endpoint | None = None     # decode_error: the prefill whose KV the decode could not read
-    cause: str = ""
+    def __init__(self, status: int, message: str, *, endpoint: Endpoint, cause: str,
+                 suspect: Endpoint | None = None, **kw: Any) -> None:
+        super().__init__(status, message, **kw)
+        self.endpoint = endpoint
+        self.cause = cause
+        self.suspect = suspect          # a KV failure: the prefill whose KV the decode could not read
 
 
 class PDOrchestrator:
@@ -404,12 +407,11 @@ class PDOrchestrator:
         self._abort_decode(ctx, plan)
         self.upstream.record(decode, Outcome.FAULT, cause)
         ctx.rec.error_class = ErrorClass.decode("reset")
-        err = PairFailed(502, message[:512], code="upstream_unavailable", header=("x-error-pd-decode", cause),
+        raise PairFailed(502, message[:512], endpoint=decode, cause=cause,
+                         # a server error event: most likely the prefill's KV, not the decode, failed
+                         suspect=ctx.decision.prefill if cause == "decode_error" else None,
+                         code="upstream_unavailable", header=("x-error-pd-decode", cause),
                          error_class=ctx.rec.error_class)
-        err.endpoint, err.cause = decode, cause
-        if cause == "decode_error":         # most likely the prefill's KV, not the decode, failed
-            err.suspect = ctx.decision.prefill
-        raise err
 
     async def _failed_status(self, ctx: RequestContext, resp: UpstreamResponse) -> None:
         """The decode answered a server error (a 5xx other than 503; SGLang's when the KV transfer
@@ -428,10 +430,9 @@ class PDOrchestrator:
         status, err = normalize_upstream_error(status, raw)
         e = err["error"]
         ctx.rec.error_class = ErrorClass.UPSTREAM_STATUS
-        failed = PairFailed(status, str(e.get("message") or f"decode answered {status}"), code=e.get("code"),
-                            type_=e.get("type"), error_class=ErrorClass.UPSTREAM_STATUS)
-        failed.endpoint, failed.suspect, failed.cause = decode, ctx.decision.prefill, f"decode_status_{status}"
-        raise failed
+        raise PairFailed(status, str(e.get("message") or f"decode answered {status}"), endpoint=decode,
+                         cause=f"decode_status_{status}", suspect=ctx.decision.prefill, code=e.get("code"),
+                         type_=e.get("type"), error_class=ErrorClass.UPSTREAM_STATUS)
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -444,12 +445,12 @@ class PDOrchestrator:
     def _decode_unavailable(self, ctx: RequestContext, f: UpstreamFailure) -> GatewayError:
         assert ctx.decision is not None
         ctx.rec.error_class = ErrorClass.decode(f.kind)
-        err = (PairFailed if f.retryable else GatewayError)(
-            502, f"decode endpoint unavailable: {f.message}", code="upstream_unavailable",
-            header=("x-error-pd-decode", f.kind), error_class=ctx.rec.error_class)
-        if isinstance(err, PairFailed):
-            err.endpoint, err.cause = ctx.decision.endpoint, f"decode_{f.kind}"
-        return err
+        message = f"decode endpoint unavailable: {f.message}"
+        kw: dict[str, Any] = {"code": "upstream_unavailable", "header": ("x-error-pd-decode", f.kind),
+                              "error_class": ctx.rec.error_class}
+        if f.retryable:
+            return PairFailed(502, message, endpoint=ctx.decision.endpoint, cause=f"decode_{f.kind}", **kw)
+        return GatewayError(502, message, **kw)
 
     def _decode_header_timeout(self, ctx: RequestContext) -> float | None:
         assert ctx.ireq is not None

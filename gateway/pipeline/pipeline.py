@@ -267,10 +267,11 @@ class Pipeline:
 
     async def _forward_pd(self, ctx: RequestContext, spec: str, router: Router, adapter: EngineAdapter,
                           checked: Any, candidates: list[Endpoint]) -> web.StreamResponse:
-        """A P/D request's legs. A leg whose connection was refused, or reset with nothing received
-        (its engine died), before the client saw anything (``PairFailed``): the endpoint is left
-        out and the pair chosen again among the other candidates, within the retry budget
-        (gateway/resilience/retry.py)."""
+        """A P/D request's legs. A leg that failed before the client saw anything in a way another
+        pair may not (``PairFailed``: refused, closed with nothing received, a decode's 5xx or a
+        failure before its first token): its endpoint is left out, and its suspect too while another
+        of that role is ready, and the pair chosen again among the other candidates, within the
+        retry budget (gateway/resilience/retry.py)."""
         assert ctx.ireq is not None
         tried: list[Endpoint] = []
         while True:
@@ -278,7 +279,6 @@ class Pipeline:
                 return await self.pd.forward(ctx, adapter, checked)
             except PairFailed as e:
                 failed, suspect = e.endpoint, e.suspect
-                assert failed is not None
                 tried.append(failed)
                 if suspect is not None and any(c.role == suspect.role and c.ready and c is not suspect
                                                and c not in tried for c in candidates):

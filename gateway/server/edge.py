@@ -202,8 +202,8 @@ def _short(text: str | None, limit: int = 200) -> str:
 class EdgeProtocol(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol, with the edge's clocks, cap and error shape."""
 
-    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head", "_e_pipelined",
-                 "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
+    __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head",
+                 "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part", "_lane_task",
                  "_lane_next", "_lane_wake")
 
@@ -412,8 +412,7 @@ class EdgeProtocol(web.RequestHandler):
         it passes the client gets the 408 aiohttp's request would get."""
         self._e_deadline = self._e_body_deadline()
         if now < self._e_deadline:
-            self._e_timer_at = self._e_deadline
-            self._e_timer = self._e_loop.call_at(self._e_deadline, self._e_fire)
+            self._e_arm(self._e_deadline)
             return
         pending, self._lane_part = self._lane_part, None
         rid = pending.rid if pending is not None else None
@@ -581,8 +580,7 @@ class EdgeProtocol(web.RequestHandler):
         if phase in (_READY, _BUSY):
             return
         if now < self._e_deadline:
-            self._e_timer_at = self._e_deadline
-            self._e_timer = self._e_loop.call_at(self._e_deadline, self._e_fire)
+            self._e_arm(self._e_deadline)
             return
         if phase == _IDLE:
             self._e_timeout("keepalive", answer=False)
