@@ -30,7 +30,7 @@ from gateway.errors import ErrorClass, GatewayError, error_body, error_response,
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
 from gateway.pipeline.sse import SSEScanner, usage_tokens
-from gateway.pipeline.whole import open_stream, write_whole
+from gateway.pipeline.whole import WrittenStream, open_stream, write_whole
 from gateway.resilience.outcome import Outcome, of_answer, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from handlers.base import EngineAdapter
@@ -112,10 +112,12 @@ class _Watchdog:
             self.handle = None
 
 
-async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = False) -> web.StreamResponse:
+async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = False,
+                   hold: bool = False) -> web.StreamResponse:
     """Send the client the headers of a 200 event stream; from here on, errors are events.
-    ``whole``: the head may be written by the gateway itself (gateway/pipeline/whole.py)."""
-    written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE) if whole else None
+    ``whole``: the head may be written by the gateway itself (gateway/pipeline/whole.py);
+    ``hold``: it may then wait for the first write, to go out with it (``open_stream``)."""
+    written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE, hold) if whole else None
     if written is not None:
         out: web.StreamResponse = written      # type: ignore[assignment]   # the relay's part of its API
     else:
@@ -197,7 +199,10 @@ class Relay:
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
         api = ctx.api
         scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
-        out = await open_sse(ctx, headers, self.whole)
+        # the first bytes already here (a P/D decode's, read before the head): the head goes out
+        # with them, in one write, when the gateway writes it itself
+        out = await open_sse(ctx, headers, self.whole, resp.buffered)
+        holding = isinstance(out, WrittenStream) and out.holding
         readany = resp.readany
         write = out.write
         feed = scanner.feed
@@ -247,7 +252,7 @@ class Relay:
             if first_to or idle_to:
                 watch = _Watchdog(resp, first_to, idle_to)
                 first = True
-            sent = pipe_ok
+            sent = pipe_ok and not holding    # a held head goes out through ``write``, not the pipe
             while True:
                 if sent:
                     if proto.writing_paused:
@@ -272,6 +277,8 @@ class Relay:
                 if data:
                     await write(data)
                     sent = pipe_ok
+                elif holding:               # nothing of the first read for the client: the head alone
+                    out.send_head()         # type: ignore[attr-defined]
                 if early:
                     feed(chunk, now)
             tail = scanner.finish()

@@ -13,7 +13,10 @@ its status and whether the connection stays open).
 
 An event stream's head (``open_stream``) is written the same way, and its ``WrittenStream``
 frames each chunk for HTTP/1.1 chunked transfer, waits for a client that stops reading (the
-transport's flow control, as aiohttp's ``drain``) and writes the last chunk once.
+transport's flow control, as aiohttp's ``drain``) and writes the last chunk once. When the stream's
+first bytes are already in hand (a P/D decode's, awaited before the head), the head may be held
+and go out in the same write as the first chunk: one system call and one wake-up of the client
+instead of two, on the way to its first token.
 
 Both decline (return None, and the caller builds a ``web.Response``) where aiohttp's framing rules
 would differ or the answer must pass through the application: a request that is not HTTP/1.1, a
@@ -118,7 +121,7 @@ class WrittenStream(WrittenAnswer):
     """An event stream whose head ``open_stream`` sent: its chunks, then its end, written by the
     relay. ``headers`` are those the head carried."""
 
-    __slots__ = ("headers", "_transport", "_writer", "_protocol", "_ended")
+    __slots__ = ("headers", "_transport", "_writer", "_protocol", "_ended", "_held")
 
     def __init__(self, request: web.Request, headers: dict[str, str], keep_alive: bool) -> None:
         super().__init__(200, keep_alive, 0)
@@ -127,13 +130,27 @@ class WrittenStream(WrittenAnswer):
         self._writer = request.writer
         self._protocol = request.protocol
         self._ended = False
+        self._held: bytes | None = None    # the head, until the first write (``open_stream``'s ``hold``)
 
     def _send(self, data: bytes) -> None:
         transport = self._transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("Cannot write to closing transport")
+        if self._held is not None:
+            data = self._held + data
+            self._held = None
         transport.write(data)
         self._writer.output_size += len(data)
+
+    @property
+    def holding(self) -> bool:
+        """The head waits for the first write (``open_stream``'s ``hold``)."""
+        return self._held is not None
+
+    def send_head(self) -> None:
+        """Send a held head now, alone (nothing to write with it); nothing when none is held."""
+        if self._held is not None:
+            self._send(b"")
 
     async def write(self, data: bytes) -> None:
         if self._ended:
@@ -158,9 +175,11 @@ class WrittenStream(WrittenAnswer):
         return f"<WrittenStream {self.body_length} bytes{' ended' if self._ended else ''}>"
 
 
-def open_stream(request: Any, headers: dict[str, str], content_type: str) -> WrittenStream | None:
+def open_stream(request: Any, headers: dict[str, str], content_type: str, hold: bool = False) -> WrittenStream | None:
     """Send the head of a 200 answer streamed in chunks (``headers`` plus Content-Type,
     Transfer-Encoding, Date, Server and, when the client asked to close, ``Connection: close``).
+    ``hold``: the head goes out with the first write instead (its caller writes, or calls
+    ``send_head``, before it waits for anything).
 
     Returns None, having written nothing, when the stream must go through ``web.StreamResponse``."""
     made = _head(request, 200, headers, (f"Content-Type: {content_type}", "Transfer-Encoding: chunked"))
@@ -170,6 +189,9 @@ def open_stream(request: Any, headers: dict[str, str], content_type: str) -> Wri
         return None
     head, keep_alive = made
     out = WrittenStream(request, headers, keep_alive)
-    out._send(head)
+    if hold:
+        out._held = head
+    else:
+        out._send(head)
     headers["Transfer-Encoding"] = "chunked"
     return out

@@ -217,6 +217,11 @@ class UpstreamResponse:
                 return None
         return await self.readany()
 
+    @property
+    def buffered(self) -> bool:
+        """Body bytes wait to be read: ``readany`` returns them without waiting."""
+        return bool(self._chunks)
+
     def unread(self, data: bytes) -> None:
         """Put ``data``, bytes ``readany`` returned, back in front of what is buffered: the next
         reader (or ``pipe``) gets them first."""

@@ -232,3 +232,77 @@ def test_a_header_line_with_a_line_break_is_not_sent():
     assert isinstance(s, WrittenStream) and b"y: kept" in t.out and b"a\nb" not in t.out
     assert t.out.startswith(b"HTTP/1.1 200 OK\r\ny: kept\r\n") or b"HTTP/1.1 200 OK\r\ny: kept\r\n" in t.out
     assert req.writer.output_size > 0
+
+
+def test_a_held_head_goes_out_with_the_first_write():
+    """``open_stream(hold=True)`` writes nothing; the first chunk carries the head in the same
+    write, and an answer with nothing to write sends the head alone, or with its end."""
+    from aiohttp.test_utils import make_mocked_request
+
+    class Writes(_Transport):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[bytes] = []
+
+        def write(self, data):
+            self.calls.append(bytes(data))
+            super().write(data)
+
+    proto = SimpleNamespace(writing_paused=False)
+    for finish in ("chunk", "send_head", "eof"):
+        t = Writes()
+        req = make_mocked_request("POST", "/v1/chat/completions", transport=t, writer=SimpleNamespace(output_size=0))
+        s = open_stream(req, {"y": "kept"}, "text/event-stream", hold=True)
+        s._protocol = proto                     # a client reading along: no drain
+        assert isinstance(s, WrittenStream) and s.holding and t.calls == [] and req.writer.output_size == 0
+        if finish == "chunk":
+            asyncio.run(s.write(b"data: 1\n\n"))
+            asyncio.run(s.write(b"data: 2\n\n"))
+            assert len(t.calls) == 2 and t.calls[0].startswith(b"HTTP/1.1 200 OK\r\ny: kept\r\n")
+            assert t.calls[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n") and t.calls[1] == b"9\r\ndata: 2\n\n\r\n"
+        elif finish == "send_head":
+            s.send_head()
+            s.send_head()                       # once only
+            assert len(t.calls) == 1 and t.calls[0].endswith(b"\r\n\r\n")
+        else:
+            asyncio.run(s.write_eof())
+            assert len(t.calls) == 1 and t.calls[0].endswith(b"\r\n\r\n0\r\n\r\n")
+        assert not s.holding and req.writer.output_size == len(t.out)
+    t = Writes()
+    req = make_mocked_request("POST", "/v1/chat/completions", transport=t, writer=SimpleNamespace(output_size=0))
+    s = open_stream(req, {}, "text/event-stream")
+    assert not s.holding and len(t.calls) == 1          # not held: the head at once
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_pd_streams_head_goes_out_with_its_first_token_and_an_aggregated_ones_at_once(
+        sims, gateway, engine, monkeypatch):
+    """A P/D stream's head waits for the decode's first bytes (gateway/pd/orchestrator.py), so it
+    goes to the client in the same write as the first event: the client wakes once for its first
+    token. An aggregated stream's head still goes out as soon as the engine's does, before the
+    first token."""
+    from tests.support.factories import pd_model, pd_pair, roleset
+
+    sent: list[bytes] = []
+    send = WrittenStream._send
+
+    def recording(self, data):
+        held = getattr(self, "_held", None)      # the head this write carries, if held
+        sent.append(held + data if held is not None else data)
+        send(self, data)
+
+    monkeypatch.setattr(WrittenStream, "_send", recording)
+    p, d = await pd_pair(sims, engine)
+    agg = await sims("vllm", "a", ttft_base_ms=30.0, itl_ms=5.0)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)]), model_block("a", "vllm", [agg.url])])
+    for model in ("m", "a"):
+        sent.clear()
+        [(status, headers, body)] = await _exchange(gw.port, _request(
+            {"model": model, "messages": CHAT, "stream": True, "max_tokens": 4}))
+        assert status == "HTTP/1.1 200 OK" and body.endswith(b"data: [DONE]\n\n")
+        head, _, first = sent[0].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        if model == "m":
+            assert first.split(b"\r\n", 1)[-1].startswith(b"data: {"), sent[0]  # the first event, same write
+        else:
+            assert first == b"", sent[0]                                        # the head alone, at once
