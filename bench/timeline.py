@@ -36,6 +36,22 @@ back:
                            client, scanned): the part of a paced stream's TTFT the gateway adds
                            after the engine answers
 
+``--mode pd-vllm`` / ``pd-sglang``: a P/D stream behind the P/D mock engines
+(``bench/pdbackend.py``: prefill 20 ms, KV transfer 2 ms, a token every 5 ms), with the P/D steps
+stamped as well; a step that happens once per leg is numbered (``up_sent`` the prefill's write,
+``up_sent#2`` the decode's for vLLM), and the steps are listed in the order of their median time
+from ``rx``, each with its median gap to the one before:
+
+    route_in / routed     routing and charging (``r_route``: the strategy's ``route``;
+                          ``match``: the ``pd`` router's prefix match; ``pdd``: conditional P/D)
+    plan_in / plan_out    the engine adapter's P/D plan (the legs' bodies)
+    leg_begin / leg_begun a leg handed to the upstream client (written there when a connection idles)
+    up_rx / up_rx_done    an engine's bytes read and parsed (prefill answer, decode head, chunks)
+    dbody_in / dbody_out  vLLM: the decode's body from the prefill's answer
+    pf_acct_in / _out     the prefill's bookkeeping (breaker, trace, metrics), after the decode's write
+    first_bytes_in / _out the decode's first bytes awaited before the client's head
+    client_write          a write to the client (the head and the first event go out together)
+
 Prints each step's p50 and p90 in µs over the requests (the first ``--skip`` dropped). The stamps
 wrap functions from outside (``--wrappers`` shows what they cost); they move nothing in the
 gateway. Run it on a quiet machine: a busy one lengthens every step alike.
@@ -45,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -65,16 +82,22 @@ STEPS = ("rx", "lane_parse_in", "lane_parsed", "rx_done", "start", "request", "t
 
 # Runs inside the gateway process: wraps the steps, writes the stamps at exit.
 STAMPS = textwrap.dedent('''
-    import atexit, json, sys, time
+    import atexit, json, os, sys, time
     out = sys.argv[1]
     sys.argv = ["gateway"] + sys.argv[2:]
     import aiohttp.http_writer as W, aiohttp.web_protocol as WP, aiohttp.web_request as WR
     import gateway.pipeline.pipeline as P, gateway.server.edge as E, gateway.upstream.h1client as H
     ns = time.perf_counter_ns
     cur, rows = {}, []
+    PD = os.environ.get("TIMELINE_PD") == "1"
     def mark(k):
         if k not in cur:
             cur[k] = ns()
+        elif PD:                          # a step of each leg: numbered
+            for i in range(2, 6):
+                if f"{k}#{i}" not in cur:
+                    cur[f"{k}#{i}"] = ns()
+                    return
     def around(cls, name, before, after=None, is_async=False):
         f = getattr(cls, name)
         if is_async:
@@ -134,9 +157,11 @@ STAMPS = textwrap.dedent('''
             return w
         setattr(P, fname, after())
     import gateway.upstream.upstream as U
-    around(U.Upstream, "begin", "leg_begin")
+    if not PD:
+        around(U.Upstream, "begin", "leg_begin")
     around(H.UpstreamPool, "_encode", "encode_in", "encoded")
-    around(H._Conn, "data_received", "up_rx")
+    if not PD:
+        around(H._Conn, "data_received", "up_rx")
     around(W.StreamWriter, "_write", "client_write")
     around(W.StreamWriter, "_writelines", "client_write")
     import gateway.pipeline.relay as RL, gateway.pipeline.whole as WH
@@ -147,13 +172,28 @@ STAMPS = textwrap.dedent('''
         if "client_write" in cur:
             mark("chunk_rx")
         return data_received(self, data)
-    H._Conn.data_received = upstream_read
     flush = H.UpstreamResponse._flush
     def flushed(self):
         flush(self)
         if "chunk_rx" in cur:
             mark("chunk_out")
-    H.UpstreamResponse._flush = flushed
+    if not PD:
+        H._Conn.data_received = upstream_read
+        H.UpstreamResponse._flush = flushed
+    else:
+        import gateway.pd.orchestrator as O, gateway.pipeline.routing as R, gateway.pd.decide as D
+        import routers.pd as RP, handlers.vllm as HV, handlers.sglang as HS
+        around(R.Routing, "route", "r_route_in", "r_route_out")
+        around(RP.PDRouter, "_match", "match_in", "match_out")
+        around(D.PDDecider, "decide", "pdd_in", "pdd_out")
+        around(U.Upstream, "begin", "leg_begin", "leg_begun")
+        for A in (HV.VLLMAdapter, HS.SGLangAdapter):
+            around(A, "pd_plan", "plan_in", "plan_out")
+        around(HV.VLLMAdapter, "decode_body", "dbody_in", "dbody_out")
+        around(O.PDOrchestrator, "_prefill_answered", "pf_acct_in", "pf_acct_out")
+        around(O.PDOrchestrator, "_first_bytes", "first_bytes_in", "first_bytes_out", is_async=True)
+        around(H._Conn, "data_received", "up_rx", "up_rx_done")
+        around(O.PDOrchestrator, "forward", "pd_forward", is_async=True)
     def dump():
         if cur:
             rows.append(dict(cur))
@@ -209,39 +249,77 @@ def summarize(rows: list[dict], skip: int) -> list[tuple[str, float, float, int]
     return out
 
 
+def summarize_pd(rows: list[dict], skip: int) -> list[tuple[str, float, float, int]]:
+    """P/D: every step stamped in all the requests, in the order of its median time from ``rx``,
+    each with its gap to the step before; last, ``rx`` to the first write to the client."""
+    full = [r for r in rows[skip:] if "rx" in r and "client_write" in r and "first_bytes_out" in r]
+    if not full:
+        return []
+    keys = [k for k in full[0] if all(k in r for r in full)]
+    at = {k: statistics.median(r[k] - r["rx"] for r in full) for k in keys}
+    keys.sort(key=at.__getitem__)
+    out = []
+    for a, b in zip(keys, keys[1:], strict=False):
+        d = sorted((r[b] - r[a]) / 1000 for r in full)
+        out.append((f"{a} → {b}", statistics.median(d), d[int(len(d) * 0.9)], len(d)))
+    d = sorted((r["client_write"] - r["rx"]) / 1000 for r in full)
+    out.append(("rx → client_write (all)", statistics.median(d), d[int(len(d) * 0.9)], len(d)))
+    return out
+
+
+def pd_config(style: str, pport: int, dport: int) -> str:
+    boot = "        bootstrap_port: 8998\n" if style == "sglang" else ""
+    return (f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n    engine: {style}\n"
+            f"    strategy: pd\n    rolesets:\n      - name: rs-0\n{boot}"
+            f"        prefill: [http://127.0.0.1:{pport}]\n        decode: [http://127.0.0.1:{dport}]\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=["stream", "nonstream"], default="stream")
+    ap.add_argument("--mode", choices=["stream", "nonstream", "pd-vllm", "pd-sglang"], default="stream")
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--pace-ms", type=float, default=5.0, help="stream: the backend's gap between chunks")
     ap.add_argument("--skip", type=int, default=20, help="first requests left out (warm-up)")
     ap.add_argument("--json", action="store_true", help="print the table as JSON")
     a = ap.parse_args()
+    pd = a.mode.startswith("pd-")
     with tempfile.TemporaryDirectory() as d:
         be_port, gw_port = free_port(), free_port()
         cfg, out, log = Path(d) / "gw.yaml", Path(d) / "stamps.json", Path(d) / "gw.log"
-        cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n"
-                       f"    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
-        backend = start_group([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if pd:
+            dport = free_port()
+            cfg.write_text(pd_config(a.mode[3:], be_port, dport))
+            backend = start_group([PY, str(REPO / "bench" / "pdbackend.py"), "--style", a.mode[3:], "--model", "m",
+                                   "--prefill-port", str(be_port), "--decode-port", str(dport), "--ready", ""],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        else:
+            cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n"
+                           f"    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
+            backend = start_group([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             wait_port(be_port, backend)
+            if pd:
+                wait_port(dport, backend)
             with open(log, "wb") as err:
                 gw = start_group([PY, "-c", STAMPS, str(out), "--config", str(cfg), "--port", str(gw_port), "--workers", "1"],
-                                 stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+                                 stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+                                 env={**os.environ, "TIMELINE_PD": "1" if pd else "0"})
             try:
                 wait_port(gw_port, gw)
                 argv = [PY, str(REPO / "bench" / "loadgen.py"), "--port", str(gw_port), "--model", "m",
-                        "--concurrency", "1", "--duration", str(a.duration), "--mode", a.mode]
+                        "--concurrency", "1", "--duration", str(a.duration), "--mode", "stream" if pd else a.mode]
                 if a.mode == "stream":
                     argv += ["--pace-ms", str(a.pace_ms)]
+                if pd:
+                    argv += ["--max-tokens", "8"]
                 r = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout)
             finally:
                 stop(gw)
         finally:
             stop(backend)
         rows = json.loads(out.read_text()) if out.exists() else []
-    table = summarize(rows, a.skip)
+    table = summarize_pd(rows, a.skip) if pd else summarize(rows, a.skip)
     if a.json:
         print(json.dumps({"steps": table, "loadgen": {k: r.get(k) for k in ("completed", "ttft_p50_ms", "lat_p50_ms")}}))
         return
