@@ -364,9 +364,11 @@ class PDOrchestrator:
         try:
             if resp.status >= 500 and of_status(resp.status) is Outcome.FAULT:
                 await self._failed_status(ctx, resp)
+            ahead = None
             if ctx.ireq.stream and resp.status == 200:
+                ahead = self.relay.head_ahead(ctx, resp)    # made while the KV moves, off the first token's way
                 await self._first_bytes(ctx, plan, resp, wd.first_chunk_timeout_s)
-            out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, wd)
+            out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, wd, ahead)
         except asyncio.CancelledError:
             self._abort_decode(ctx, plan)
             raise

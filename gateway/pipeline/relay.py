@@ -30,7 +30,7 @@ from gateway.errors import ErrorClass, GatewayError, error_body, error_response,
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
 from gateway.pipeline.sse import SSEScanner, usage_tokens
-from gateway.pipeline.whole import WrittenStream, open_stream, write_whole
+from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.resilience.outcome import Outcome, of_answer, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
 from handlers.base import EngineAdapter
@@ -112,12 +112,30 @@ class _Watchdog:
             self.handle = None
 
 
+class HeadAhead:
+    """A 200 event stream's headers and head, made while its first bytes are awaited
+    (``Relay.head_ahead``). Used within ``FRESH_S`` of being made (its ``Date`` stays right)."""
+
+    __slots__ = ("headers", "made", "at")
+
+    FRESH_S = 1.0
+
+    def __init__(self, headers: dict[str, str], made: tuple[bytes, bool], at: float) -> None:
+        self.headers = headers
+        self.made = made
+        self.at = at
+
+
 async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = False,
-                   hold: bool = False) -> web.StreamResponse:
+                   hold: bool = False, ahead: HeadAhead | None = None) -> web.StreamResponse:
     """Send the client the headers of a 200 event stream; from here on, errors are events.
     ``whole``: the head may be written by the gateway itself (gateway/pipeline/whole.py);
-    ``hold``: it may then wait for the first write, to go out with it (``open_stream``)."""
-    written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE, hold) if whole else None
+    ``hold``: it may then wait for the first write, to go out with it (``open_stream``);
+    ``ahead``: the headers and head, made already (``Relay.head_ahead``)."""
+    if ahead is not None:
+        written = open_stream(ctx.http, ahead.headers, SSE_TYPE, hold, ahead.made)
+    else:
+        written = open_stream(ctx.http, {**headers, **SSE_HEADERS}, SSE_TYPE, hold) if whole else None
     if written is not None:
         out: web.StreamResponse = written      # type: ignore[assignment]   # the relay's part of its API
     else:
@@ -139,21 +157,38 @@ class Relay:
         self.record = record        # (endpoint, Outcome, cause): gateway.upstream.upstream.Upstream.record
         self.whole = whole          # complete answers may be written whole (gateway/pipeline/whole.py)
 
+    def _headers(self, ctx: RequestContext) -> dict[str, str]:
+        headers = ctx.rec.response_headers()
+        if ctx.decision is not None:
+            headers.update(ctx.decision.headers)
+        return headers
+
+    def head_ahead(self, ctx: RequestContext, resp: UpstreamResponse) -> HeadAhead | None:
+        """The client's headers and head for ``resp``'s event stream, made now, while its first
+        bytes are awaited (a P/D decode's KV transfer), for ``answer``: the first token then finds
+        them made. None when the gateway does not write the head itself, or ``resp`` is no stream."""
+        if not self.whole or resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return None
+        headers = {**self._headers(ctx), **SSE_HEADERS}
+        made = stream_head(ctx.http, headers, SSE_TYPE)
+        return None if made is None else HeadAhead(headers, made, time.monotonic())
+
     async def answer(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,
-                     strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
-        """The client's answer from an engine's response: its error, its stream or its body."""
+                     strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None) -> web.StreamResponse:
+        """The client's answer from an engine's response: its error, its stream or its body.
+        ``ahead``: its stream's headers and head, made while its first bytes were awaited."""
         cancelled = False
         try:
-            headers = ctx.rec.response_headers()
-            if ctx.decision is not None:
-                headers.update(ctx.decision.headers)
+            if ahead is not None and time.monotonic() - ahead.at > HeadAhead.FRESH_S:
+                ahead = None        # made too long ago: its Date would be off
+            headers = ahead.headers if ahead is not None else self._headers(ctx)
             if resp.status != 200:
                 return await self._error(ctx, resp, headers)
             ctype = resp.headers.get("Content-Type", "application/json")
             if ctype.startswith("text/event-stream"):
                 if ctx.migration is not None and ctx.migration.active:    # gateway/pipeline/migration.py
                     return await ctx.migration.stream(self, ctx, resp, headers, wd)
-                return await self._stream(ctx, resp, headers, strip_usage, wd)
+                return await self._stream(ctx, resp, headers, strip_usage, wd, ahead)
             return await self._body(ctx, resp, adapter, headers, ctype, wd)
         except asyncio.CancelledError:
             cancelled = True
@@ -194,14 +229,14 @@ class Relay:
         return self.error_answer(ctx, status, body, headers)
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
-                      strip_usage: bool, wd: WatchdogConfig | None) -> web.StreamResponse:
+                      strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None) -> web.StreamResponse:
         rec = ctx.rec
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
         api = ctx.api
         scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
         # the first bytes already here (a P/D decode's, read before the head): the head goes out
         # with them, in one write, when the gateway writes it itself
-        out = await open_sse(ctx, headers, self.whole, resp.buffered)
+        out = await open_sse(ctx, headers, self.whole, resp.buffered, ahead)
         holding = isinstance(out, WrittenStream) and out.holding
         readany = resp.readany
         write = out.write

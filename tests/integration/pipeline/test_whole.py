@@ -306,3 +306,39 @@ async def test_a_pd_streams_head_goes_out_with_its_first_token_and_an_aggregated
             assert first.split(b"\r\n", 1)[-1].startswith(b"data: {"), sent[0]  # the first event, same write
         else:
             assert first == b"", sent[0]                                        # the head alone, at once
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_a_pd_streams_head_is_made_while_its_first_bytes_are_awaited_and_remade_when_stale(
+        sims, gateway, engine, monkeypatch):
+    """The head a P/D stream's client gets is made while the decode's KV moves (``Relay.head_ahead``),
+    so the first token does not wait for it; it is the head the relay would make then, and one
+    made more than ``HeadAhead.FRESH_S`` earlier is made again (its ``Date`` would be off)."""
+    import gateway.pipeline.relay as relay_mod
+    import gateway.pipeline.whole as whole_mod
+    from tests.support.factories import pd_model, pd_pair, roleset
+
+    made: list[bytes] = []
+    stream_head = whole_mod.stream_head
+
+    def counting(*a, **kw):
+        out = stream_head(*a, **kw)
+        made.append(out[0])
+        return out
+
+    monkeypatch.setattr(relay_mod, "stream_head", counting)
+    monkeypatch.setattr(whole_mod, "stream_head", counting)
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    heads = []
+    for fresh in (relay_mod.HeadAhead.FRESH_S, 0.0):
+        monkeypatch.setattr(relay_mod.HeadAhead, "FRESH_S", fresh)
+        made.clear()
+        [(status, headers, body)] = await _exchange(gw.port, _request(
+            {"model": "m", "messages": CHAT, "stream": True, "max_tokens": 4}, rid="same"))
+        assert status == "HTTP/1.1 200 OK" and body.endswith(b"data: [DONE]\n\n")
+        assert len(made) == (1 if fresh else 2)       # made ahead, and again only when stale
+        heads.append(_comparable(headers))
+    assert heads[0] == heads[1]
+    assert {"prefill-target-pod", "target-pod", "routing-strategy", "cache-control", "x-accel-buffering",
+            "transfer-encoding", "content-type", "request-id"} <= set(heads[0])
