@@ -5,6 +5,7 @@
     python bench/cpu_ab.py --base HEAD --new-env PYTHONMALLOC=malloc      # one tree, two environments
     python bench/cpu_ab.py --base HEAD --new-python ../other-venv/bin/python   # one tree, two interpreters
     python bench/cpu_ab.py --base HEAD --new-config 'view: {workers: false}'  # one tree, two configs
+    python bench/cpu_ab.py --base main --api-key sk-1 --base-config "$T" --new-config "$T"   # both with tenants
 
 Meant for changes to the hot path on a shared, noisy machine: both gateways run at the same time,
 from their own source trees (``--base REF`` is exported with ``git archive`` into a temporary
@@ -60,7 +61,7 @@ def export(ref: str, into: Path) -> Path:
 
 def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
                   env: dict[str, str] | None = None, workers: int = 1, python: str = PY,
-                  extra: str = "") -> tuple[subprocess.Popen, int]:
+                  extra: str = "", api_key: str | None = None) -> tuple[subprocess.Popen, int]:
     port = free_port()
     cfg = workdir / f"{name}.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -71,7 +72,7 @@ def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
     with open(workdir / f"{name}.log", "wb") as err:
         p = subprocess.Popen([python, "-m", "gateway", "--config", str(cfg), "--workers", str(workers)], cwd=tree, stdout=subprocess.DEVNULL,
                              stderr=err, start_new_session=True, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin", **(env or {})})
-    wait_ready(name, p, port, 60, "m")
+    wait_ready(name, p, port, 60, "m", api_key=api_key)
     return p, port
 
 
@@ -83,6 +84,8 @@ def run(scenario: str, port: int, pid: int | None, backend_ports: list[int], a: 
     if pid is not None:
         for p in (pid, *children_of(pid)):
             argv += ["--cpu-pid", f"target={p}"]
+        if a.api_key:
+            argv += ["--api-key", a.api_key]
     if scenario == "paced1":
         argv += ["--mode", "stream", "--concurrency", "1", "--max-tokens", "20", "--pace-ms", "5",
                  "--duration", f"{a.duration:g}", "--warmup", "0.5"]
@@ -116,6 +119,8 @@ def main() -> None:
     ap.add_argument("--fleet-streams", type=int, default=1000)
     ap.add_argument("--fleet-chunks", type=int, default=10)
     ap.add_argument("--fleet-interval", type=float, default=0.5)
+    ap.add_argument("--api-key", default=None, help="sent by the load generator to both gateways (for a "
+                    "--base-config/--new-config with tenants' keys); not to the backend reached directly")
     ap.add_argument("--workers", type=int, default=1, help="worker processes of each gateway (their CPU summed)")
     ap.add_argument("--base-python", default=PY, help="the interpreter that runs the base gateway (its "
                     "packages must import: a venv made with it from requirements.lock)")
@@ -144,7 +149,7 @@ def main() -> None:
                 env = dict(kv.split("=", 1) for kv in (a.base_env if name == "base" else a.new_env))
                 gws[name] = start_gateway(tree, name, urls, work, env, a.workers,
                                           a.base_python if name == "base" else a.new_python,
-                                          a.base_config if name == "base" else a.new_config)
+                                          a.base_config if name == "base" else a.new_config, a.api_key)
             results: dict[str, dict[str, list[tuple[float, float]]]] = {}
             for sc in a.scenarios.split(","):
                 results[sc] = {"base": [], "new": [], "direct": []}

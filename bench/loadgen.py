@@ -141,10 +141,11 @@ def build_payload(model: str, stream: bool, max_tokens: int, pace_ms: float, hol
     return payload
 
 
-def http_post(host: str, port: int, path: str, payload: dict) -> bytes:
+def http_post(host: str, port: int, path: str, payload: dict, api_key: str | None = None) -> bytes:
     body = orjson.dumps(payload)
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
     return (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Accept: */*\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+            f"Accept: */*\r\n{auth}Content-Length: {len(body)}\r\n\r\n").encode() + body
 
 
 def build_request(host: str, port: int, path: str, model: str, stream: bool, max_tokens: int,
@@ -401,7 +402,7 @@ class Gen:
         self.stream = stream
         self.payload = build_payload(args.model, stream, args.max_tokens, args.pace_ms, args.mode == "idle",
                                      args.usage)
-        self.req = http_post(args.host, args.port[0], args.path, self.payload)
+        self.req = http_post(args.host, args.port[0], args.path, self.payload, args.api_key)
         self.ports = itertools.cycle(args.port)
         self.pd = args.pd
         self.prefill_port = args.prefill_port
@@ -688,6 +689,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="repeat to spread connections over several ports (endpoints)")
     p.add_argument("--path", default="/v1/chat/completions")
     p.add_argument("--model", default="m")
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (a gateway with tenants)")
     p.add_argument("--mode", choices=("nonstream", "stream", "idle", "fleet"), default="nonstream")
     p.add_argument("--pd", choices=("vllm", "sglang"), help="orchestrate P/D itself: --port is the decode")
     p.add_argument("--prefill-port", type=int, help="--pd: the prefill's port")

@@ -368,12 +368,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http_request(port: int, method: str, path: str, body: bytes = b"", timeout: float = 2.0) -> tuple[int, bytes]:
+def http_request(port: int, method: str, path: str, body: bytes = b"", timeout: float = 2.0,
+                 api_key: str | None = None) -> tuple[int, bytes]:
     """One blocking HTTP/1.1 exchange on a fresh connection: (status, body); (0, b"") on failure."""
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                      f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+                      f"{auth}Connection: close\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
             data = b""
             while True:
                 chunk = s.recv(65536)
@@ -411,7 +413,7 @@ def backend_release(port: int) -> int | None:
 
 
 def wait_ready(name: str, p: subprocess.Popen, port: int, timeout: float, model: str = MODEL,
-               probe: str | None = None) -> None:
+               probe: str | None = None, api_key: str | None = None) -> None:
     """Until a small chat completion through ``port`` answers 200; with ``probe``, first until a GET of
     that path does (a slow start-up is then not a stream of failing completions). Both within ``timeout``."""
     body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "ready?"}],
@@ -426,7 +428,7 @@ def wait_ready(name: str, p: subprocess.Popen, port: int, timeout: float, model:
     while time.monotonic() < deadline:
         if p.poll() is not None:
             raise RuntimeError(f"{name} exited with {p.returncode} during start-up (see its log)")
-        if http_request(port, "POST", "/v1/chat/completions", body, timeout=5.0)[0] == 200:
+        if http_request(port, "POST", "/v1/chat/completions", body, timeout=5.0, api_key=api_key)[0] == 200:
             return
         time.sleep(0.1)
     raise RuntimeError(f"{name} not ready on port {port} after {timeout:g}s")

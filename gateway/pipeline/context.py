@@ -78,6 +78,7 @@ class RequestRecord:
     finish_reason: str | None = None
     request_id_replaced: bool = False         # the client's x-request-id could not be kept
     alias: str | None = None                  # the alias the client named; ``model`` is its target
+    rate_headers: dict[str, str] | None = None   # the tenant's x-ratelimit-* (gateway/tenants), once admitted
     extra: dict[str, Any] = field(default_factory=dict)   # leg details for the log line only
 
     @property
@@ -86,8 +87,11 @@ class RequestRecord:
         return self.model if self.model_known else "-"
 
     def response_headers(self) -> dict[str, str]:
-        """The headers every answer carries: request id, the chosen pods, the strategy."""
+        """The headers every answer carries: request id, the chosen pods, the strategy, and the
+        tenant's ``x-ratelimit-*`` once its limits were checked (what an answer sets itself wins)."""
         h = {"request-id": self.request_id, "x-request-id": self.request_id}
+        if self.rate_headers:
+            h.update(self.rate_headers)
         if self.endpoint:
             h["target-pod"] = self.endpoint
         if self.strategy:

@@ -101,8 +101,8 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
     breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
     upstream = Upstream(config.upstream, config.health, metrics, breakers)
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants); None: off
-    # a complete answer is written whole unless the tenants' x-ratelimit-* headers join every answer
-    relay = Relay(config.upstream, metrics, upstream.record, whole=tenancy is None)
+    # a complete answer is written whole (the tenants' x-ratelimit-* headers are in the request's record)
+    relay = Relay(config.upstream, metrics, upstream.record, whole=True)
     request_log = RequestLog(config.server.log_format, config.server.log_level,
                              LineWriter(on_drop=metrics.log_lines_dropped.inc))
     tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/observability/tracing.py)

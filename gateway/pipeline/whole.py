@@ -24,9 +24,9 @@ status no body may follow, a transport already closing (``open_stream`` raises t
 ``prepare`` does), and any request that is neither aiohttp's own nor the edge's fast lane's (the
 batch runner's in-process requests read the response back). A header line with a line break in
 it is not sent (aiohttp answers 500 instead; the gateway's header values are made safe before
-they get here, so this is a last guard, not a path). The caller offers them only when nothing
-else adds to every answer (the tenants' ``x-ratelimit-*`` headers are a response-prepare signal:
-gateway/server/app.py).
+they get here, so this is a last guard, not a path). Nothing is added to an answer after it is
+written here: the tenants' ``x-ratelimit-*`` headers come with the headers the caller passes
+(``RequestRecord.response_headers``).
 """
 
 from __future__ import annotations

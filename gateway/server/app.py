@@ -182,9 +182,9 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     for path in inference:
         app.router.add_post(path, reloader.live_handle)
     # the edge calls these paths' handler itself, skipping the application's router and middleware,
-    # unless something must wrap every answer: the trace span (a middleware) or the tenants'
-    # x-ratelimit-* headers (a response-prepare signal, which needs the application's match info)
-    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None and tenancy is None else {}
+    # unless the trace span (a middleware) must wrap every answer. The tenants' x-ratelimit-* headers
+    # need neither: the pipeline's answers take them from the request's record
+    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None else {}
     add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     # several workers: each answers its siblings, and /metrics and /status.json show them all
     siblings = _siblings(app, worker, s) if worker is not None else None

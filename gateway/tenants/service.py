@@ -12,8 +12,11 @@
   (streams included: the gateway always asks engines for usage) and releases the concurrency
   slot, exactly once per request.
 
-``on_response_prepare`` (an aiohttp signal) adds the ``x-ratelimit-*`` headers to whatever answer
-the request gets — a relayed stream, a body or an error — without touching the relay.
+The ``x-ratelimit-*`` headers, once the limits were checked, go in the request's record
+(``rec.rate_headers``), whose ``response_headers`` every answer of the pipeline starts from: a
+relayed stream, a body or an error, written by the gateway itself or by aiohttp. For an answer the
+application makes without them, ``on_response_prepare`` (an aiohttp signal) adds whatever is
+missing.
 """
 
 from __future__ import annotations
@@ -296,7 +299,7 @@ class Tenancy:
         self.m.latency.observe(time.perf_counter() - started)
         t.held = r.acquired
         if limits is not None:
-            t.headers = rate_headers(limits, r)
+            t.headers = rec.rate_headers = rate_headers(limits, r)     # on every answer (RequestRecord.response_headers)
         if r.reason is not None:
             self.m.rate_limited.labels(ireq.model, r.reason, self._user_label(t)).inc()
             raise rejection(q, r, t.headers or {})

@@ -1,7 +1,7 @@
 """Answers the gateway writes itself (gateway/pipeline/whole.py): a complete answer's head and body in
 one write, an event stream's head and chunks, byte for byte what aiohttp's responses would send
 (apart from the date and the request id), on a kept-alive connection, and aiohttp's own responses
-wherever its framing differs (HTTP/1.0) or the application adds to every answer (tenants)."""
+wherever its framing differs (HTTP/1.0); a tenant's answers carry its x-ratelimit-* headers once."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ from tests.support.tenancy import ALICE, KEYS
 CHAT = [{"role": "user", "content": "Write the answer in one go."}]
 
 
-def _request(body: dict, *, version: str = "1.1", close: bool = False, rid: str = "r-1") -> bytes:
+def _request(body: dict, *, version: str = "1.1", close: bool = False, rid: str = "r-1", key: str | None = None) -> bytes:
     data = orjson.dumps(body)
     head = (f"POST /v1/chat/completions HTTP/{version}\r\nHost: gw\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(data)}\r\nx-request-id: {rid}\r\n")
     if close:
         head += "Connection: close\r\n"
+    if key is not None:
+        head += f"Authorization: Bearer {key}\r\n"
     return head.encode() + b"\r\n" + data
 
 
@@ -165,19 +167,53 @@ async def test_a_closed_answer_closes_the_connection(sims, gateway):
         writer.close()
 
 
-async def test_http_1_0_and_tenants_get_aiohttps_responses(sims, gateway, written):
+async def test_http_1_0_gets_aiohttps_responses(sims, gateway, written):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])])
     [(status, headers, body)] = await _exchange(gw.port, _request({"model": "m", "messages": CHAT, "max_tokens": 2},
                                                                   version="1.0"))
     assert status == "HTTP/1.0 200 OK" and orjson.loads(body)["object"] == "chat.completion"
     assert not isinstance(written[-1], WrittenAnswer)
-    # with API keys, every answer carries the tenants' headers: aiohttp's prepare signal adds them
-    tgw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"rpm": 10}}})
-    raw = await openai_client(tgw, ALICE).chat.completions.with_raw_response.create(model="m", messages=CHAT,
-                                                                                     max_tokens=2)
-    assert raw.headers["x-ratelimit-limit-requests"] == "10"
-    assert not isinstance(written[-1], WrittenAnswer)
+
+
+async def test_tenants_answers_are_written_whole_on_the_fast_lane_with_their_rate_headers_once(sims, gateway, written,
+                                                                                                monkeypatch):
+    """With API keys and limits, a tenant's answers (a body, a stream, a 429) are written by the
+    gateway itself from the fast lane, and each carries the tenant's x-ratelimit-* headers once
+    (``_answer`` fails on a header sent twice); a request refused before its limits were checked
+    (no key) carries none."""
+    error_answer = Relay.error_answer
+
+    def recording(self, *a, **kw):
+        out = error_answer(self, *a, **kw)
+        written.append(out)
+        return out
+
+    monkeypatch.setattr(Relay, "error_answer", recording)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"rpm": 4}}})
+    # the openai SDK reads them as it reads OpenAI's
+    raw = await openai_client(gw, ALICE).chat.completions.with_raw_response.create(model="m", messages=CHAT,
+                                                                                    max_tokens=2)
+    assert raw.headers["x-ratelimit-limit-requests"] == "4" and raw.headers["x-ratelimit-remaining-requests"] == "3"
+    chat = {"model": "m", "messages": CHAT, "max_tokens": 2}
+    answers = await _exchange(gw.port, _request(chat, key=ALICE, rid="a-1"),
+                              _request({**chat, "stream": True}, key=ALICE, rid="a-2"),
+                              _request(chat, key=ALICE, rid="a-3"),
+                              _request(chat, key=ALICE, rid="a-4"),     # the fourth in a minute: 429
+                              _request(chat, rid="a-5"))                # no key: 401
+    statuses = [a[0] for a in answers]
+    assert statuses == ["HTTP/1.1 200 OK"] * 3 + ["HTTP/1.1 429 Too Many Requests", "HTTP/1.1 401 Unauthorized"]
+    remaining = [h.get("x-ratelimit-remaining-requests") for _, h, _ in answers]
+    assert remaining == ["2", "1", "0", "0", None]
+    for _, h, _ in answers[:4]:
+        assert h["x-ratelimit-limit-requests"] == "4" and "x-ratelimit-reset-requests" in h
+    assert answers[1][1]["content-type"].startswith("text/event-stream") and answers[1][2].endswith(b"data: [DONE]\n\n")
+    assert orjson.loads(answers[3][2])["error"]["code"] == "rate_limit_exceeded"
+    assert "retry-after" in answers[3][1]
+    assert [type(w) for w in written] == [WrittenAnswer, WrittenAnswer, WrittenStream, WrittenAnswer, WrittenAnswer,
+                                          WrittenAnswer]
+    assert gw.runner.server.edge.lane_requests == 6
 
 
 async def test_the_openai_client_reads_written_answers(sims, gateway, written):
