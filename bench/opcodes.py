@@ -94,8 +94,11 @@ def _body(stream: bool, pace_ms: float = 0.0, usage: bool = False, max_tokens: i
     return json.dumps(body).encode()
 
 
-def _send(conn: http.client.HTTPConnection, body: bytes) -> None:
-    conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+def _send(conn: http.client.HTTPConnection, body: bytes, api_key: str | None = None) -> None:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    conn.request("POST", "/v1/chat/completions", body, headers)
     resp = conn.getresponse()
     resp.read()
     if resp.status != 200:
@@ -103,7 +106,7 @@ def _send(conn: http.client.HTTPConnection, body: bytes) -> None:
 
 
 def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pace_ms: float = 0.0,
-          usage: bool = False, max_tokens: int = 8) -> dict:
+          usage: bool = False, max_tokens: int = 8, extra: str = "", api_key: str | None = None) -> dict:
     """Opcodes and calls per request of the gateway in ``tree``, by function."""
     with tempfile.TemporaryDirectory() as d:
         be_port, gw_port = free_port(), free_port()
@@ -111,7 +114,8 @@ def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pa
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         cfg, out = Path(d) / "gw.yaml", Path(d) / "ops"
         cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nrouting:\n  strategy: round-robin\n"
-                       f"models:\n  - name: m\n    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
+                       f"models:\n  - name: m\n    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n"
+                       + (extra.rstrip("\n") + "\n" if extra else ""))
         gw = None
         try:
             wait_port(be_port, backend)
@@ -119,17 +123,17 @@ def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pa
                 gw = subprocess.Popen([PY, "-c", TRACED, str(out), "--config", str(cfg), "--port", str(gw_port),
                                        "--workers", str(workers)], cwd=tree, stdout=subprocess.DEVNULL, stderr=log,
                                       start_new_session=True)
-            wait_ready("gateway", gw, gw_port, 60, "m")
+            wait_ready("gateway", gw, gw_port, 60, "m", api_key=api_key)
             pids = children_of(gw.pid) if workers > 1 else [gw.pid]
             body = _body(stream, pace_ms, usage, max_tokens)
             conn = http.client.HTTPConnection("127.0.0.1", gw_port, timeout=30)
             for _ in range(warmup):
-                _send(conn, body)
+                _send(conn, body, api_key)
             for pid in pids:
                 os.kill(pid, signal.SIGUSR1)
             time.sleep(0.3)
             for _ in range(requests):
-                _send(conn, body)
+                _send(conn, body, api_key)
             for pid in pids:
                 os.kill(pid, signal.SIGUSR2)
             deadline = time.monotonic() + 30
@@ -175,6 +179,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8, help="stream: the events a stream has (the backend's chunks)")
     ap.add_argument("--include-usage", action="store_true",
                     help="stream: the client asks for usage (stream_options), so the gateway strips none")
+    ap.add_argument("--config", default="", metavar="YAML",
+                    help="top-level config blocks added to both gateways' config (not server, routing or models)")
+    ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (with tenants' keys in --config)")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
     stream = a.mode == "stream"
@@ -182,8 +189,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         if a.base:
             runs[f"base ({a.base})"] = count(export(a.base, Path(d)), a.requests, a.warmup, stream, a.workers,
-                                             a.pace_ms, a.include_usage, a.max_tokens)
-        runs["this tree"] = count(REPO, a.requests, a.warmup, stream, a.workers, a.pace_ms, a.include_usage, a.max_tokens)
+                                             a.pace_ms, a.include_usage, a.max_tokens, a.config, a.api_key)
+        runs["this tree"] = count(REPO, a.requests, a.warmup, stream, a.workers, a.pace_ms, a.include_usage, a.max_tokens,
+                                  a.config, a.api_key)
     names = list(runs)
     paced = (f", chunks {a.pace_ms:g} ms apart" if stream and a.pace_ms else "") + \
         (", usage asked" if stream and a.include_usage else "") + (f", {a.max_tokens} tokens" if stream else "")
