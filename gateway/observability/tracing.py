@@ -37,7 +37,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
@@ -577,40 +577,52 @@ class Tracing:
         """The trace the middleware opened for ``request`` (``NO_TRACE`` on an excluded path)."""
         return request.get(TRACE_KEY, NO_TRACE)
 
+    async def serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                    route: str | None) -> web.StreamResponse:
+        """``handler``'s answer to ``request`` inside the request's SERVER span (named after
+        ``route``, the path's pattern), which sees the status the client gets."""
+        path = request.path
+        if self.excluded(path):
+            return await handler(request)
+        # few attributes: each one costs the exporter thread a few µs to encode, on every request
+        attrs: dict[str, Any] = {"http.request.method": request.method, "url.path": path}
+        if request.remote:
+            attrs["client.address"] = request.remote
+        span = self.tracer.start_span(f"{request.method} {route}" if route else request.method,
+                                      context=_PROPAGATOR.extract(request.headers), kind=SpanKind.SERVER,
+                                      attributes=attrs)
+        rt = request[TRACE_KEY] = RequestTrace(self, span)
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            rt.close(status)
+
     @property
     def middleware(self):
-        tracer = self.tracer
-        extract = _PROPAGATOR.extract
-
+        """The span of a request the application routes (its route's pattern names it)."""
         @web.middleware
         async def trace_middleware(request: web.Request, handler):
-            path = request.path
-            if self.excluded(path):
-                return await handler(request)
             resource = request.match_info.route.resource
-            route = resource.canonical if resource is not None else None
-            # few attributes: each one costs the exporter thread a few µs to encode, on every request
-            attrs: dict[str, Any] = {"http.request.method": request.method, "url.path": path}
-            if request.remote:
-                attrs["client.address"] = request.remote
-            span = tracer.start_span(f"{request.method} {route}" if route else request.method,
-                                     context=extract(request.headers), kind=SpanKind.SERVER, attributes=attrs)
-            rt = request[TRACE_KEY] = RequestTrace(self, span)
-            status = 500
-            try:
-                response = await handler(request)
-                status = response.status
-                return response
-            except web.HTTPException as e:
-                status = e.status
-                raise
-            except asyncio.CancelledError:
-                status = 499
-                raise
-            finally:
-                rt.close(status)
+            return await self.serve(request, handler, resource.canonical if resource is not None else None)
 
         return trace_middleware
+
+    def direct(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]):
+        """``handler`` with its request's span, for an inference path the edge calls without the
+        application (gateway/server/edge.py): the path is its own route."""
+        async def traced(request: web.Request) -> web.StreamResponse:
+            return await self.serve(request, handler, request.path)
+
+        return traced
 
     def describe(self) -> dict[str, Any]:
         s = self.settings

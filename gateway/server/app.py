@@ -115,10 +115,10 @@ def _error_middleware(answer):
     return error_middleware
 
 
-def _direct_routes(paths, reloader: Reloader, answer) -> dict[str, Callable]:
+def _direct_routes(paths, reloader: Reloader, answer, tracing: Tracing | None) -> dict[str, Callable]:
     """The inference paths' handler as the edge calls it without the application (gateway/server/edge.py
     ``EdgeServer``): the live generation's pipeline, and the error middleware's answer for what
-    escapes it."""
+    escapes it; with tracing, inside the request's span, as the application's middleware runs them."""
     async def direct(request: web.Request) -> web.StreamResponse:
         try:
             return await reloader.live.pipeline.handle(request)
@@ -127,7 +127,7 @@ def _direct_routes(paths, reloader: Reloader, answer) -> dict[str, Callable]:
             if resp is None:
                 raise
             return resp
-    return dict.fromkeys(paths, direct)
+    return dict.fromkeys(paths, tracing.direct(direct) if tracing is not None else direct)
 
 
 def _builder(services: Services) -> Build:
@@ -181,10 +181,10 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     inference = (CHAT, COMPLETIONS, EMBEDDINGS, *s.apis)     # s.apis: Responses, Messages, pass-through
     for path in inference:
         app.router.add_post(path, reloader.live_handle)
-    # the edge calls these paths' handler itself, skipping the application's router and middleware,
-    # unless the trace span (a middleware) must wrap every answer. The tenants' x-ratelimit-* headers
-    # need neither: the pipeline's answers take them from the request's record
-    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer) if tracing is None else {}
+    # the edge calls these paths' handler itself, skipping the application's router and middleware
+    # (the trace span wraps it there as the middleware does here); the tenants' x-ratelimit-* headers
+    # come from the request's record, not the application
+    app[DIRECT_KEY] = _direct_routes(inference, reloader, answer, tracing)
     add_responses(app, s.responses)    # GET/DELETE /v1/responses/{id}, cancel, input_items
     # several workers: each answers its siblings, and /metrics and /status.json show them all
     siblings = _siblings(app, worker, s) if worker is not None else None

@@ -59,6 +59,7 @@ async def test_aggregated_request_is_one_tree_with_the_engine_span_under_its_leg
     status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "stream": True, "max_tokens": 5,
                                          "user": "alice"}, {"traceparent": traceparent()})
     assert status == 200
+    assert gw.runner.server.edge.lane_requests == 1     # traced on the edge's fast lane, as untraced requests are
     rid = headers["request-id"]
     assert await rx.wait_for(lambda r: server_span(r, rid) and len(r.trace(CLIENT_TRACE)) >= 4)
     root = server_span(rx, rid)
