@@ -908,7 +908,11 @@ class Runner:
         lines = out.strip().splitlines()
         if p.returncode != 0 or not lines:
             return {"failed": f"load generator exited with {p.returncode} against {t.name}"}
-        r = orjson.loads(lines[-1])
+        try:
+            r = orjson.loads(lines[-1])
+        except orjson.JSONDecodeError as e:     # one measurement lost, not the whole run
+            return {"failed": f"load generator's result against {t.name} unreadable "
+                              f"({len(out)} bytes, {len(lines)} lines): {e}"}
         t.requests += r.get("total_completed", 0)
         return r
 
