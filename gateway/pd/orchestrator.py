@@ -137,14 +137,37 @@ class PDOrchestrator:
         prefill_start = time.perf_counter()
         decode_x: Exchange | None = None
         leg: Leg | None = None
+        early: list[tuple[Leg, bytes, Exchange]] = []   # the decode, when written from the prefill's read
+
+        def write_decode(resp: UpstreamResponse) -> None:
+            """The decode written from the read that completes the prefill's 200, before this task
+            wakes for it: the KV transfer starts one loop turn sooner. Anything unusual (another
+            status, an answer without ``kv_transfer_params``) is left to the task, which reads the
+            same answer."""
+            if resp.status != 200:
+                return
+            try:
+                body = adapter.decode_body(ireq, resp.whole_body(), prefill=prefill, settings=settings)
+                dleg = ctx.trace.leg("decode", decode)
+                early.append((dleg, body, self.upstream.begin(decode, ireq.path, body, dleg.inject(headers))))
+            except Exception:       # noqa: BLE001 - the task does it again, and reports what fails
+                return
+
         try:
             bad: BadPrefillAnswer | None = None
             with ctx.trace.leg("prefill", prefill) as pleg:
                 x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
                     ctx.leg_headers(prefill, headers)))
+                told = x.tell_at_eof(write_decode)
                 ctx.written()               # the routing bookkeeping, once the prefill is out
-                status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
-                if status == 200:
+                try:
+                    status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
+                finally:
+                    if told:
+                        x.tell_at_eof(None)
+                    if early:               # written already: the task takes it over (and discards it on failure)
+                        leg, body, decode_x = early.pop()
+                if status == 200 and decode_x is None:
                     # the decode is written first; the prefill's bookkeeping follows it
                     try:
                         body = adapter.decode_body(ireq, raw, prefill=prefill, settings=settings)
@@ -157,6 +180,8 @@ class PDOrchestrator:
             if bad is not None:
                 raise PrefillFailed("bad_response", str(bad))
         except PrefillFailed as f:
+            if decode_x is not None:        # (a decode written early for an answer that then failed)
+                decode_x.discard()
             raise self._prefill_failed(ctx, f, "before_response") from None
         except BaseException:
             if decode_x is not None:

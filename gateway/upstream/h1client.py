@@ -118,7 +118,8 @@ class UpstreamResponse:
     """One answer being read. The body arrives in ``_chunks`` (fed by the connection's parser) and
     leaves through ``readany``; errors are raised only after the bytes received before them."""
 
-    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter", "_sink")
+    __slots__ = ("status", "headers", "_conn", "_loop", "_chunks", "_size", "_eof", "_exc", "_waiter", "_sink",
+                 "on_eof")
 
     def __init__(self, conn: _Conn) -> None:
         self.status = 0
@@ -131,6 +132,8 @@ class UpstreamResponse:
         self._exc: BaseException | None = None  # raised once the buffer is drained
         self._waiter: asyncio.Future | None = None
         self._sink: Callable[[bytes], None] | None = None   # ``pipe``: body bytes go here as they come
+        # told of the whole answer from the read that completes it, before its reader wakes (once)
+        self.on_eof: Callable[[UpstreamResponse], None] | None = None
 
     # -- fed by the connection -------------------------------------------------------------
 
@@ -174,6 +177,13 @@ class UpstreamResponse:
         except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
             self._sink = None
             self._wake(e)
+
+    def whole_body(self) -> bytes:
+        """The whole body of a complete answer (``on_eof``), left for its reader as well."""
+        chunks = self._chunks
+        if len(chunks) > 1:
+            chunks[:] = [b"".join(chunks)]
+        return chunks[0] if chunks else b""
 
     def _take(self) -> bytes:
         """Everything buffered, as one bytes; a connection paused for a full buffer reads again."""
@@ -466,6 +476,10 @@ class _Conn(asyncio.Protocol):
             self.deadline = None
         resp._eof = True
         resp._wake()
+        told = resp.on_eof
+        if told is not None:
+            resp.on_eof = None
+            told(resp)
 
 
 class Exchange:
@@ -489,6 +503,17 @@ class Exchange:
     def sent(self) -> bool:
         """The request was written when the exchange began."""
         return self.conn is not None
+
+    def tell_at_eof(self, told: Callable[[UpstreamResponse], None] | None) -> bool:
+        """``told(response)`` from the read that completes the answer, before ``response`` wakes
+        its reader; only for an exchange written when it began (False otherwise: nothing is set).
+        None takes it back. ``told`` runs inside the connection's read callback: it must not raise."""
+        conn = self.conn
+        resp = conn.resp if conn is not None else None
+        if resp is None or resp._eof:
+            return False
+        resp.on_eof = told
+        return True
 
     async def response(self, header_timeout: float | None = None) -> UpstreamResponse:
         """The answer's head, as ``UpstreamPool.post`` returns it (the same failures, and the same

@@ -66,6 +66,34 @@ async def test_vllm_decode_receives_the_kv_and_counts_it_cached(sims, gateway):
     assert (await sim_state(d.url))["pd"]["transfers"] == 1
 
 
+async def test_a_vllm_decode_is_written_from_the_read_that_completes_the_prefills_answer(sims, gateway, monkeypatch):
+    """On a kept-alive prefill connection the decode leg is begun from that connection's read
+    callback (no task runs there), before the request's task wakes for the answer; on a new
+    prefill connection (the first request) the task begins it. The answers are the same."""
+    from handlers.vllm import VLLMAdapter
+    where: list[asyncio.Task | None] = []
+    decode_body = VLLMAdapter.decode_body
+
+    def recording(self, *a, **kw):
+        where.append(asyncio.current_task())
+        return decode_body(self, *a, **kw)
+
+    monkeypatch.setattr(VLLMAdapter, "decode_body", recording)
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    for _ in range(2):
+        r = await client.chat.completions.create(model="m", messages=MSG, max_tokens=6)
+        assert r.choices[0].message.content and r.usage.completion_tokens == 6
+        assert r.usage.prompt_tokens_details.cached_tokens > 0          # the KV came from the prefill
+    stream = await client.chat.completions.create(model="m", messages=MSG, max_tokens=6, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    await client.close()
+    assert where[0] is not None                 # the first prefill's connection was new: the task
+    assert where[1:] == [None, None]            # then from the prefill's read, once per request
+    assert (await sim_state(d.url))["pd"]["transfers"] == 3
+
+
 async def test_sglang_duplicate_controlled_key_touches_no_engine(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
