@@ -158,13 +158,12 @@ class PDOrchestrator:
             with ctx.trace.leg("prefill", prefill) as pleg:
                 x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
                     ctx.leg_headers(prefill, headers)))
-                told = x.tell_at_eof(write_decode)
+                x.tell_at_eof(write_decode)
                 ctx.written()               # the routing bookkeeping, once the prefill is out
                 try:
                     status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
                 finally:
-                    if told:
-                        x.tell_at_eof(None)
+                    x.tell_at_eof(None)
                     if early:               # written already: the task takes it over (and discards it on failure)
                         leg, body, decode_x = early.pop()
                 if status == 200 and decode_x is None:

@@ -485,7 +485,7 @@ class _Conn(asyncio.Protocol):
 class Exchange:
     """A POST begun by ``UpstreamPool.begin``: written already (``conn`` set) or not yet."""
 
-    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error")
+    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error", "told")
 
     def __init__(self, pool: UpstreamPool, url: str, origin: _Origin | None, data: bytes | tuple[bytes, bytes],
                  state: SendState | None) -> None:
@@ -498,22 +498,28 @@ class Exchange:
         self.stale = False                 # the idle connection it was given had closed
         self.resp: UpstreamResponse | None = None
         self.error: UpstreamError | None = None
+        self.told: Callable[[UpstreamResponse], None] | None = None    # ``tell_at_eof``
 
     @property
     def sent(self) -> bool:
         """The request was written when the exchange began."""
         return self.conn is not None
 
-    def tell_at_eof(self, told: Callable[[UpstreamResponse], None] | None) -> bool:
+    def tell_at_eof(self, told: Callable[[UpstreamResponse], None] | None) -> None:
         """``told(response)`` from the read that completes the answer, before ``response`` wakes
-        its reader; only for an exchange written when it began (False otherwise: nothing is set).
-        None takes it back. ``told`` runs inside the connection's read callback: it must not raise."""
+        its reader, whether the request went out when the exchange began or goes out in
+        ``response`` (on a new connection, or again after a reused one turned out closed). None
+        takes it back. ``told`` runs inside the connection's read callback: it must not raise."""
+        self.told = told
         conn = self.conn
         resp = conn.resp if conn is not None else None
-        if resp is None or resp._eof:
-            return False
-        resp.on_eof = told
-        return True
+        if resp is not None and not resp._eof:
+            resp.on_eof = told
+
+    def _send(self, conn: _Conn) -> None:
+        conn.send(self.data, self.state)
+        if self.told is not None:
+            conn.resp.on_eof = self.told     # type: ignore[union-attr]
 
     async def response(self, header_timeout: float | None = None) -> UpstreamResponse:
         """The answer's head, as ``UpstreamPool.post`` returns it (the same failures, and the same
@@ -527,7 +533,7 @@ class Exchange:
         else:
             conn, reused = await pool._acquire(origin)
             self.conn = conn
-            conn.send(self.data, self.state)
+            self._send(conn)
         if conn is not None:
             try:
                 self.resp = await conn.head(header_timeout)
@@ -536,7 +542,8 @@ class Exchange:
                 if not reused or e.received:
                     raise
         self.conn = conn = await pool._connect(origin)
-        self.resp = await conn.exchange(self.data, header_timeout, self.state)
+        self._send(conn)
+        self.resp = await conn.head(header_timeout)
         return self.resp
 
     def discard(self) -> None:
