@@ -49,7 +49,9 @@ from ``rx``, each with its median gap to the one before:
     up_rx / up_rx_done    an engine's bytes read and parsed (prefill answer, decode head, chunks)
     dbody_in / dbody_out  vLLM: the decode's body from the prefill's answer
     pf_acct_in / _out     the prefill's bookkeeping (breaker, trace, metrics), after the decode's write
-    first_bytes_in / _out the decode's first bytes awaited before the client's head
+    gate_in / gate_out    the decode's first bytes checked by the relay, before the client's
+                          head goes out with them (``first_bytes_in`` / ``_out`` where the
+                          orchestrator awaits them instead: a head aiohttp writes)
     client_write          a write to the client (the head and the first event go out together)
 
 Prints each step's p50 and p90 in µs over the requests (the first ``--skip`` dropped). The stamps
@@ -192,6 +194,13 @@ STAMPS = textwrap.dedent('''
         around(HV.VLLMAdapter, "decode_body", "dbody_in", "dbody_out")
         around(O.PDOrchestrator, "_prefill_answered", "pf_acct_in", "pf_acct_out")
         around(O.PDOrchestrator, "_first_bytes", "first_bytes_in", "first_bytes_out", is_async=True)
+        gate = O._first_event_error
+        def gated(first, gate=gate):
+            mark("gate_in")
+            r = gate(first)
+            mark("gate_out")
+            return r
+        O._first_event_error = gated
         around(H._Conn, "data_received", "up_rx", "up_rx_done")
         around(O.PDOrchestrator, "forward", "pd_forward", is_async=True)
     def dump():
@@ -252,7 +261,7 @@ def summarize(rows: list[dict], skip: int) -> list[tuple[str, float, float, int]
 def summarize_pd(rows: list[dict], skip: int) -> list[tuple[str, float, float, int]]:
     """P/D: every step stamped in all the requests, in the order of its median time from ``rx``,
     each with its gap to the step before; last, ``rx`` to the first write to the client."""
-    full = [r for r in rows[skip:] if "rx" in r and "client_write" in r and "first_bytes_out" in r]
+    full = [r for r in rows[skip:] if "rx" in r and "client_write" in r and ("first_bytes_out" in r or "gate_out" in r)]
     if not full:
         return []
     keys = [k for k in full[0] if all(k in r for r in full)]

@@ -39,7 +39,7 @@ from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.relay import Relay
+from gateway.pipeline.relay import FirstBytesFailed, Relay
 from gateway.resilience.outcome import Outcome, of_status
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
@@ -389,10 +389,22 @@ class PDOrchestrator:
             if resp.status >= 500 and of_status(resp.status) is Outcome.FAULT:
                 await self._failed_status(ctx, resp)
             ahead = None
+            gate = None
             if ctx.ireq.stream and resp.status == 200:
                 ahead = self.relay.head_ahead(ctx, resp)    # made while the KV moves, off the first token's way
-                await self._first_bytes(ctx, plan, resp, wd.first_chunk_timeout_s)
-            out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, wd, ahead)
+                if ahead is not None and not (ctx.migration is not None and ctx.migration.active):
+                    # the relay is ready before the first token, which its read callback checks
+                    # and writes with the head, with no wake-up of this task on its way
+                    gate = _first_event_error
+                else:
+                    await self._first_bytes(ctx, plan, resp, wd.first_chunk_timeout_s)
+            try:
+                out = await self.relay.answer(ctx, resp, adapter, plan.strip_usage, wd, ahead, gate)
+            except FirstBytesFailed as f:
+                if f.kind == "timeout":
+                    raise self._first_bytes_late(ctx, plan, resp, f.detail) from None   # type: ignore[arg-type]
+                cause, message = self._first_bytes_cause(ctx, f)
+                raise self._first_bytes_bad(ctx, plan, resp, cause, message) from None
         except asyncio.CancelledError:
             self._abort_decode(ctx, plan)
             raise
@@ -404,40 +416,62 @@ class PDOrchestrator:
 
     async def _first_bytes(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse, limit: float) -> None:
         """A streamed decode's first bytes, awaited before the client's head goes out (vLLM answers
-        its head at once, before the KV is even read) and put back for the relay. A decode that
-        fails before them, one that breaks, ends empty or opens with a server error event (its KV
-        pull failed: the prefill died), is a ``PairFailed``: the client has seen nothing, so the
-        pipeline may choose the pair again. No first bytes within the first-chunk watchdog: 504."""
-        assert ctx.decision is not None
-        decode = ctx.decision.endpoint
-        cause = ""
+        its head at once, before the KV is even read) and put back for the relay, when the relay
+        cannot check them itself (``Relay.answer``'s gate: an answer aiohttp writes, a stream that
+        may migrate). A decode that fails before them, one that breaks, ends empty or opens with a
+        server error event (its KV pull failed: the prefill died), is a ``PairFailed``: the client
+        has seen nothing, so the pipeline may choose the pair again. No first bytes within the
+        first-chunk watchdog: 504."""
         try:
             async with asyncio.timeout(limit or None):
                 first = await resp.readany()
         except TimeoutError:
-            resp.close()
-            self._abort_decode(ctx, plan)
-            self.upstream.record(decode, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
-            raise self._watchdog_error(ctx, limit) from None
+            raise self._first_bytes_late(ctx, plan, resp, limit) from None
         except UpstreamError as e:
-            first, cause, message = b"", "decode_broken", f"decode endpoint {decode.name} broke before its first token: {e}"
+            first, failed = b"", FirstBytesFailed("broken", e)
         else:
-            if not first:
-                cause, message = "decode_empty", f"decode endpoint {decode.name} ended its stream before its first token"
-            elif first.startswith(b"data: {\"error\"") and (server_error := _server_error_event(first)) is not None:
-                cause, message = "decode_error", f"decode endpoint {decode.name} failed before its first token: {server_error}"
-        if not cause:
+            failed = FirstBytesFailed("empty") if not first else None
+            if first and (server_error := _first_event_error(first)) is not None:
+                failed = FirstBytesFailed("refused", server_error)
+        if failed is None:
             resp.unread(first)
             return
+        cause, message = self._first_bytes_cause(ctx, failed)
+        raise self._first_bytes_bad(ctx, plan, resp, cause, message)
+
+    def _first_bytes_cause(self, ctx: RequestContext, f: FirstBytesFailed) -> tuple[str, str]:
+        """The cause and message of a decode that failed before its first token."""
+        assert ctx.decision is not None
+        name = ctx.decision.endpoint.name
+        if f.kind == "broken":
+            return "decode_broken", f"decode endpoint {name} broke before its first token: {f.detail}"
+        if f.kind == "empty":
+            return "decode_empty", f"decode endpoint {name} ended its stream before its first token"
+        return "decode_error", f"decode endpoint {name} failed before its first token: {f.detail}"
+
+    def _first_bytes_late(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse,
+                          limit: float | None) -> GatewayError:
+        """No first bytes within the first-chunk watchdog: the decode is stopped, the client gets 504."""
+        assert ctx.decision is not None
+        resp.close()
+        self._abort_decode(ctx, plan)
+        self.upstream.record(ctx.decision.endpoint, Outcome.FAULT, ErrorClass.WATCHDOG_FIRST_CHUNK)
+        return self._watchdog_error(ctx, limit)
+
+    def _first_bytes_bad(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse, cause: str,
+                         message: str) -> PairFailed:
+        """A decode that failed before its first token: stopped, and a pair the pipeline may choose again."""
+        assert ctx.decision is not None
+        decode = ctx.decision.endpoint
         resp.close()
         self._abort_decode(ctx, plan)
         self.upstream.record(decode, Outcome.FAULT, cause)
         ctx.rec.error_class = ErrorClass.decode("reset")
-        raise PairFailed(502, message[:512], endpoint=decode, cause=cause,
-                         # a server error event: most likely the prefill's KV, not the decode, failed
-                         suspect=ctx.decision.prefill if cause == "decode_error" else None,
-                         code="upstream_unavailable", header=("x-error-pd-decode", cause),
-                         error_class=ctx.rec.error_class)
+        return PairFailed(502, message[:512], endpoint=decode, cause=cause,
+                          # a server error event: most likely the prefill's KV, not the decode, failed
+                          suspect=ctx.decision.prefill if cause == "decode_error" else None,
+                          code="upstream_unavailable", header=("x-error-pd-decode", cause),
+                          error_class=ctx.rec.error_class)
 
     async def _failed_status(self, ctx: RequestContext, resp: UpstreamResponse) -> None:
         """The decode answered a server error (a 5xx other than 503; SGLang's when the KV transfer
@@ -573,6 +607,14 @@ class PDOrchestrator:
                 if not spec.retry_delay_s:
                     return
                 await asyncio.sleep(spec.retry_delay_s)
+
+
+def _first_event_error(first: bytes) -> str | None:
+    """A decode's first bytes that open with a server error event (its KV pull failed: the
+    prefill died): that error's message; None for anything else."""
+    if first.startswith(b"data: {\"error\""):
+        return _server_error_event(first)
+    return None
 
 
 def _server_error_event(data: bytes) -> str | None:

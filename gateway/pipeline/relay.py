@@ -50,6 +50,26 @@ class WatchdogFired(Exception):
         self.seconds = seconds
 
 
+class FirstBytesFailed(Exception):
+    """A gated stream (``Relay.answer``'s ``gate``: a P/D decode) failed before its first bytes
+    passed the gate, so the client has seen nothing of it. ``kind``: ``timeout`` (``detail``: the
+    seconds waited), ``broken`` (the ``UpstreamError``), ``empty`` (it ended), ``refused`` (what
+    the gate returned)."""
+
+    def __init__(self, kind: str, detail: object = None) -> None:
+        super().__init__(kind)
+        self.kind = kind
+        self.detail = detail
+
+
+# a gated stream's check of its first bytes: None to begin the answer with them, else why not
+Gate = Callable[[bytes], object]
+
+def _unstarted(refused: object, failed: FirstBytesFailed) -> FirstBytesFailed:
+    """Why a gated stream did not begin: the gate's word on its first bytes, when it said one."""
+    return failed if refused is None else FirstBytesFailed("refused", refused)
+
+
 # a stream's failure: (error class, message); a timeout ends it with a 504 event, anything else a 502
 StreamFailure = tuple[ErrorClass, str]
 EOF_FAILURE: StreamFailure = (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
@@ -127,11 +147,12 @@ class HeadAhead:
 
 
 async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = False,
-                   hold: bool = False, ahead: HeadAhead | None = None) -> web.StreamResponse:
+                   hold: bool = False, ahead: HeadAhead | None = None, begin: bool = True) -> web.StreamResponse:
     """Send the client the headers of a 200 event stream; from here on, errors are events.
     ``whole``: the head may be written by the gateway itself (gateway/pipeline/whole.py);
     ``hold``: it may then wait for the first write, to go out with it (``open_stream``);
-    ``ahead``: the headers and head, made already (``Relay.head_ahead``)."""
+    ``ahead``: the headers and head, made already (``Relay.head_ahead``); ``begin``: False for a
+    held head whose answer begins later (``began``), when its first bytes are known good."""
     if ahead is not None:
         written = open_stream(ctx.http, ahead.headers, SSE_TYPE, hold, ahead.made)
     else:
@@ -143,10 +164,16 @@ async def open_sse(ctx: RequestContext, headers: dict[str, str], whole: bool = F
         out.content_type = "text/event-stream"
         out.charset = "utf-8"
         await out.prepare(ctx.http)
+    if begin:
+        began(ctx, out)
+    return out
+
+
+def began(ctx: RequestContext, out: web.StreamResponse) -> None:
+    """The client's answer is ``out``, a 200 event stream: from here on, errors are events."""
     ctx.response = out
     ctx.rec.headers_sent = True
     ctx.rec.status = 200
-    return out
 
 
 class Relay:
@@ -174,13 +201,17 @@ class Relay:
         return None if made is None else HeadAhead(headers, made, time.monotonic())
 
     async def answer(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,
-                     strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None) -> web.StreamResponse:
+                     strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None,
+                     gate: Gate | None = None) -> web.StreamResponse:
         """The client's answer from an engine's response: its error, its stream or its body.
-        ``ahead``: its stream's headers and head, made while its first bytes were awaited."""
-        cancelled = False
+        ``ahead``: its stream's headers and head, made while its first bytes were awaited.
+        ``gate``: with ``ahead``, the stream's first bytes must pass it before the client sees
+        anything (a P/D decode's, checked in the read that brings them: ``_stream``); else
+        ``FirstBytesFailed`` is raised, and the caller decides the answer."""
+        cancelled = unstarted = False
         try:
-            if ahead is not None and time.monotonic() - ahead.at > HeadAhead.FRESH_S:
-                ahead = None        # made too long ago: its Date would be off
+            if ahead is not None and gate is None and time.monotonic() - ahead.at > HeadAhead.FRESH_S:
+                ahead = None        # made too long ago: its Date would be off (behind a gate: checked then)
             headers = ahead.headers if ahead is not None else self._headers(ctx)
             if resp.status != 200:
                 return await self._error(ctx, resp, headers)
@@ -188,17 +219,20 @@ class Relay:
             if ctype.startswith("text/event-stream"):
                 if ctx.migration is not None and ctx.migration.active:    # gateway/pipeline/migration.py
                     return await ctx.migration.stream(self, ctx, resp, headers, wd)
-                return await self._stream(ctx, resp, headers, strip_usage, wd, ahead)
+                return await self._stream(ctx, resp, headers, strip_usage, wd, ahead, gate)
             return await self._body(ctx, resp, adapter, headers, ctype, wd)
         except asyncio.CancelledError:
             cancelled = True
+            raise
+        except FirstBytesFailed:        # its caller tells the breaker
+            unstarted = True
             raise
         finally:
             if resp.at_eof():
                 resp.release()
             else:
                 resp.close()
-            if self.record is not None and ctx.decision is not None:
+            if self.record is not None and ctx.decision is not None and not unstarted:
                 rec = ctx.rec
                 outcome = (Outcome.NONE if cancelled else of_status(resp.status) if resp.status != 200
                            else of_answer(rec.status, rec.error_class))
@@ -229,15 +263,35 @@ class Relay:
         return self.error_answer(ctx, status, body, headers)
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
-                      strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None) -> web.StreamResponse:
+                      strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None,
+                      gate: Gate | None = None) -> web.StreamResponse:
         rec = ctx.rec
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
         api = ctx.api
         scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
-        # the first bytes already here (a P/D decode's, read before the head): the head goes out
-        # with them, in one write, when the gateway writes it itself
-        out = await open_sse(ctx, headers, self.whole, resp.buffered, ahead)
+        # the first bytes already here (a P/D decode's, read before the head), or a gate for them:
+        # the head goes out with them, in one write, when the gateway writes it itself; behind a
+        # gate the answer begins only once they pass it (until then the client has seen nothing)
+        out = await open_sse(ctx, headers, self.whole, resp.buffered or gate is not None, ahead, gate is None)
         holding = isinstance(out, WrittenStream) and out.holding
+        gating = gate is not None
+        assert not gating or holding, "a gated stream's head is held until its first bytes pass"
+        refused: object = None          # what the gate said of first bytes it turned down
+        held_at = ahead.at if ahead is not None else time.monotonic()
+
+        def opened(first_bytes: bytes) -> bool:
+            """Whether a gated stream's first bytes pass its gate; then its answer begins."""
+            nonlocal gating, refused
+            why = gate(first_bytes)     # type: ignore[misc]
+            if why is not None:
+                refused = why
+                return False
+            gating = False
+            if time.monotonic() - held_at > HeadAhead.FRESH_S:     # a long KV transfer: its Date anew
+                out.renew_head(ctx.http, SSE_TYPE)      # type: ignore[attr-defined]
+            began(ctx, out)
+            return True
+
         readany = resp.readany
         write = out.write
         feed = scanner.feed
@@ -266,17 +320,26 @@ class Relay:
 
         def sink(chunk: bytes) -> None:
             nonlocal first
+            held = gating               # a gated stream's first bytes: the gate, then the head with them
+            if held and not opened(chunk):
+                unpipe()                # turned down: nothing written, the task raises
+                return
             now = clock()
             early = always or (passes is not None and passes(chunk))
             data = chunk if early else feed(chunk, now)
             if data:
                 if transport.is_closing():
                     raise ConnectionResetError("Cannot write to closing transport")
-                transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+                if held:
+                    out.send(data)      # type: ignore[attr-defined]
+                else:
+                    transport.write(b"%x\r\n%b\r\n" % (len(data), data))
                 if early:
                     feed(chunk, now)
                 if proto.writing_paused:
                     unpipe()
+            elif held:
+                out.send_head()         # type: ignore[attr-defined]   # nothing of it for the client
             if watch is not None:
                 if first:
                     first = False
@@ -287,7 +350,8 @@ class Relay:
             if first_to or idle_to:
                 watch = _Watchdog(resp, first_to, idle_to)
                 first = True
-            sent = pipe_ok and not holding    # a held head goes out through ``write``, not the pipe
+            # a held head goes out through ``write``, not the pipe, unless the sink sees it first
+            sent = pipe_ok and (gating or not holding)
             while True:
                 if sent:
                     if proto.writing_paused:
@@ -295,6 +359,8 @@ class Relay:
                     if watch is not None:
                         watch.since = time_now()
                     chunk = await pipe(sink)
+                    if refused is not None:     # the sink turned the first bytes down
+                        raise FirstBytesFailed("refused", refused)
                     if chunk is None:       # unpiped, nothing buffered: drain, then pipe again
                         continue
                 else:
@@ -304,6 +370,11 @@ class Relay:
                 if first:
                     first = False
                     watch.first_chunk_came()    # type: ignore[union-attr]
+                if gating:
+                    if not chunk:
+                        raise FirstBytesFailed("empty")
+                    if not opened(chunk):
+                        raise FirstBytesFailed("refused", refused)
                 if not chunk:
                     break
                 now = clock()
@@ -324,17 +395,23 @@ class Relay:
             if not scanner.done and scanner.error is None:
                 rec.error_class, rec.error = failure = EOF_FAILURE
         except WatchdogFired as w:
+            if gating:
+                raise _unstarted(refused, FirstBytesFailed("timeout", w.seconds)) from None
             rec.watchdog = w.phase  # type: ignore[assignment]
             ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
             rec.error_class, rec.error = failure = stream_failure(w)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
         except UpstreamTimeout as e:
             # upstream.total_timeout_s: the whole exchange took too long
+            if gating:
+                raise _unstarted(refused, FirstBytesFailed("broken", e)) from None
             rec.error_class, rec.error = failure = stream_failure(e)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
         except UpstreamError as e:
             # the engine's side broke mid-stream (a client-side write failure raises
             # ConnectionResetError, handled below as a cancel)
+            if gating:
+                raise _unstarted(refused, FirstBytesFailed("broken", e)) from None
             rec.error_class, rec.error = failure = stream_failure(e)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
         except ConnectionResetError:

@@ -152,6 +152,20 @@ class WrittenStream(WrittenAnswer):
         if self._held is not None:
             self._send(b"")
 
+    def send(self, data: bytes) -> None:
+        """Write ``data`` as one chunk now, after a held head in the same write (the relay's read
+        callback: no wait here for a client that stopped reading, its caller watches for that)."""
+        self.body_length += len(data)
+        self._send(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def renew_head(self, request: Any, content_type: str) -> None:
+        """Make a held head again (its ``Date`` now), for a first write long after it was made."""
+        if self._held is not None:
+            headers = {k: v for k, v in self.headers.items() if k != "Transfer-Encoding"}
+            made = stream_head(request, headers, content_type)
+            if made is not None:
+                self._held = made[0]
+
     async def write(self, data: bytes) -> None:
         if self._ended:
             raise RuntimeError("Cannot call write() after write_eof()")

@@ -93,6 +93,41 @@ async def test_a_vllm_decode_is_written_from_the_read_that_completes_the_prefill
     assert (await sim_state(d.url))["pd"]["transfers"] == 3
 
 
+async def test_a_vllm_pd_streams_first_token_goes_out_from_the_read_that_brings_it(sims, gateway, monkeypatch):
+    """vLLM's decode answers its head before its KV is read: the relay is made ready then, and the
+    decode connection's read callback that brings the first token checks it and writes it with the
+    client's head, in one write, with no task running (none wakes on the first token's way). The
+    streams are whole, and so are non-streamed answers beside them."""
+    from gateway.pipeline.whole import WrittenStream
+    firsts: list[tuple[asyncio.Task | None, bytes]] = []
+    send = WrittenStream._send
+
+    def recording(self, data):
+        if self.holding:
+            firsts.append((asyncio.current_task(), self._held + data))
+        return send(self, data)
+
+    monkeypatch.setattr(WrittenStream, "_send", recording)
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    client = openai_client(gw)
+    for _ in range(3):
+        stream = await client.chat.completions.create(model="m", messages=MSG, max_tokens=6, stream=True,
+                                                      stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 6
+    r = await client.chat.completions.create(model="m", messages=MSG, max_tokens=6)
+    assert r.usage.completion_tokens == 6
+    await client.close()
+    assert len(firsts) == 3
+    for task, data in firsts:
+        assert task is None                                     # the decode's read callback
+        head, _, first = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"data: {" in first     # the head and the first event
+    assert (await sim_state(d.url))["pd"]["transfers"] == 4
+
+
 async def test_sglang_duplicate_controlled_key_touches_no_engine(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
@@ -349,6 +384,20 @@ async def test_a_vllm_decode_whose_kv_pull_fails_before_its_first_token_has_the_
     gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
     await _until_retried(gw, p, d, True, "decode_error")
     assert await wait_for(lambda: quiet(bad.url), timeout=5)
+
+
+async def test_a_vllm_decode_that_dies_after_its_head_and_before_its_first_token_has_the_pair_chosen_again(
+        sims, gateway):
+    """vLLM's head came (the relay is ready and waits for the first token in the decode's read
+    callback), then the engine drops the connection: the client has seen nothing, so the request
+    runs again on a pair without that decode, and the client gets its whole stream."""
+    p = await sims("vllm", "m", role="prefill")
+    bad = await sims("vllm", "m", role="decode", fault="drop_after=0")
+    d = await sims("vllm", "m", role="decode")
+    rs = {"name": "rs", "prefill": [p.url], "decode": [bad.url, d.url]}
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60})
+    hdrs = await _until_retried(gw, p, d, True, "decode_broken")
+    assert hdrs["content-type"].startswith("text/event-stream")
 
 
 async def test_a_kv_pull_failure_runs_again_on_another_prefill_as_well_when_there_is_one(sims, gateway):
