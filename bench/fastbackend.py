@@ -23,6 +23,10 @@ JSON (sglang-router drops unknown fields and renames ``max_tokens``; it keeps me
 - ``bench-hold`` anywhere in the body → the headers and one chunk, then nothing until the client
   goes away (for idle-stream memory measurements).
 
+A stream's headers go out at once, as vLLM's OpenAI server sends them; with ``--head-with-first``
+they go out with its first chunk instead, as SGLang's does (it awaits the first chunk before it
+answers, so that an early error is still an HTTP error).
+
 ``GET`` anything (``/health``, ``/v1/models``, ``/server_info``, ``/model_info``, ``/metrics``, ...)
 answers 200 with a small JSON body, which is what the routers probe at start-up.
 
@@ -70,6 +74,7 @@ class Responses:
         self.default_chunks = default_chunks
         self.max_chunks = max_chunks
         self.pace_s = pace_ms / 1000.0
+        self.head_with_first = False    # a stream's head waits for its first chunk (SGLang), or goes at once (vLLM)
         content = " ".join(["token"] * words)
         body = orjson.dumps({
             "id": "chatcmpl-bench", "object": "chat.completion", "created": 1700000000, "model": model,
@@ -135,7 +140,7 @@ class Responses:
 class Stream:
     """One streaming response in progress: writes its chunks on a schedule, stops when the peer leaves."""
 
-    __slots__ = ("proto", "left", "pace", "usage", "n", "handle", "hold", "ended", "first")
+    __slots__ = ("proto", "left", "pace", "usage", "n", "handle", "hold", "ended", "first", "headed")
 
     def __init__(self, proto: HTTPProtocol, n: int, pace: float, usage: bool, hold: bool,
                  first: float | None = None) -> None:
@@ -148,11 +153,13 @@ class Stream:
         self.ended = False
         self.first = pace if first is None else first   # headers → first chunk (< 0: not yet known)
         self.handle: asyncio.Handle | asyncio.TimerHandle | None = None
+        self.headed = False
 
     def start(self) -> None:
         p = self.proto
         p.r.streams += 1
-        p.transport.write(p.r.stream_head)
+        if self.hold or not p.r.head_with_first:
+            self.head()
         if self.hold:
             p.transport.write(p.r.first)   # one chunk, then nothing until the client goes away
             self.left = 1                  # or until /bench/release: then the last chunk and [DONE]
@@ -160,6 +167,12 @@ class Stream:
             return
         if self.first >= 0:
             self.first_in(self.first)
+
+    def head(self) -> None:
+        """Write the response head (at once, or with the first chunk: ``--head-with-first``)."""
+        if not self.headed:
+            self.headed = True
+            self.proto.transport.write(self.proto.r.stream_head)
 
     def first_in(self, delay: float) -> None:
         """Schedule the first chunk ``delay`` seconds from now (the rest follow every ``pace``)."""
@@ -190,6 +203,9 @@ class Stream:
                 data += r.usage(self.n)
             data += r.done
         self.left = left - 1
+        if not self.headed:         # SGLang's way: the head goes out with the first chunk
+            self.headed = True
+            data = r.stream_head + data
         p.transport.write(data)
         if self.left <= 0:
             self.end()
@@ -377,11 +393,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=100, help="stream chunks when the body has no max_tokens")
     p.add_argument("--max-chunks", type=int, default=100000)
     p.add_argument("--pace-ms", type=float, default=0.0, help="default pause between stream chunks")
+    p.add_argument("--head-with-first", action="store_true",
+                   help="a stream's head goes out with its first chunk, as SGLang's OpenAI server sends it "
+                        "(default: at once, as vLLM's)")
     p.add_argument("--ready", default="fastbackend listening on port {port}",
                    help="line printed to stdout once listening ('' for none)")
     args = p.parse_args(argv)
     raise_nofile()
     responses = Responses(args.model, args.words, args.chunks, args.max_chunks, args.pace_ms)
+    responses.head_with_first = args.head_with_first
     run = uvloop.run if uvloop is not None else asyncio.run
     try:
         run(serve(args.host, args.port or [9000], responses, args.ready or None))

@@ -21,8 +21,9 @@ target sees the same granularity).
 
 - both legs must carry ``bootstrap_host``, ``bootstrap_port`` and ``bootstrap_room`` (else 400);
   the two legs of one request meet by room, in either order;
-- decode: headers at once; first token at max(its own arrival, prefill arrival + ``--prefill-ms``)
-  + ``--transfer-ms``, then one every ``--token-ms``. A decode whose prefill never comes ends
+- decode: headers with its first token (SGLang's OpenAI server sends none before it), at
+  max(its own arrival, prefill arrival + ``--prefill-ms``) + ``--transfer-ms``, then one every
+  ``--token-ms``. A decode whose prefill never comes ends
   with an error event after ``--wait-s``;
 - prefill: answered (one token, JSON or a one-chunk stream, as the body asks) at max(prefill
   arrival + ``--prefill-ms``, decode arrival) + ``--transfer-ms``, i.e. once the decode took the
@@ -77,6 +78,7 @@ class PDResponses(Responses):
                  token_s: float, wait_s: float) -> None:
         super().__init__(model, words=1, default_chunks=chunks, max_chunks=100000, pace_ms=0.0)
         self.style = style
+        self.head_with_first = style == "sglang"    # SGLang's streams: the head comes with the first token
         self.prefill_s = prefill_s
         self.transfer_s = transfer_s
         self.token_s = token_s
@@ -254,7 +256,7 @@ class PDProtocol(HTTPProtocol):
         room.decode_at = now
         r.pd["decode_bootstrap"] += 1
         if room.prefill_at is None:
-            self._answer(data, -1.0)             # headers now; the first token once the prefill came
+            self._answer(data, -1.0)             # headers and first token once the prefill came
             room.decode = self.stream
             return True
         self._answer(data, max(now, room.prefill_at + r.prefill_s) + r.transfer_s - now)
@@ -286,6 +288,7 @@ class PDProtocol(HTTPProtocol):
             if isinstance(st, Stream):
                 p = st.proto
                 if p.transport is not None and not p.transport.is_closing():
+                    st.head()
                     ev = b'data: {"error": {"message": "KV transfer: no prefill came", "code": 500}}\n\n'
                     p.transport.write(b"%x\r\n" % len(ev) + ev + b"\r\n" + r.done)
                     st.end()
