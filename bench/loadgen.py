@@ -120,6 +120,13 @@ def group_sum(read, pids: list[int]) -> float:
     return -1 if any(v < 0 for v in values) else sum(values)
 
 
+def gone_pids(pids: dict[str, list[int]], cpu0: dict[str, float], cpu1: dict[str, float]) -> dict[str, list[int]]:
+    """For each group whose CPU could not be read at the start or the end of the window, its
+    processes that are gone now (a measured process that exited: its group has no CPU figure)."""
+    return {name: [pid for pid in ps if not os.path.exists(f"/proc/{pid}/stat")]
+            for name, ps in pids.items() if cpu0[name] < 0 or cpu1[name] < 0}
+
+
 def percentile(sorted_values: list[float], q: float) -> float | None:
     """Nearest-rank percentile (q in 0..100) of an already sorted list."""
     if not sorted_values:
@@ -541,6 +548,7 @@ async def run_closed_loop(gen: Gen, args: argparse.Namespace) -> dict:
         "ttft_p50_ms": _ms(percentile(ttft, 50)), "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "cpu_s": {name: (cpu1[name] - cpu0[name]) if cpu0[name] >= 0 and cpu1[name] >= 0 else None
                   for name in pids},
+        "gone": gone_pids(pids, cpu0, cpu1),
         "cpu_stat_s": {name: (tick1[name] - tick0[name]) if tick0[name] >= 0 and tick1[name] >= 0 else None
                        for name in pids},
         "loadgen_cpu_s": (self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime),
@@ -666,6 +674,7 @@ async def run_fleet(gen: Gen, args: argparse.Namespace) -> dict:
         "gap_max_ms": _ms(gaps[-1] if gaps else None),
         "cpu_s": {name: (cpu1[name] - cpu0[name]) if cpu0[name] >= 0 and cpu1[name] >= 0 else None
                   for name in pids},
+        "gone": gone_pids(pids, cpu0, cpu1),
         "rss_before": rss0, "rss_peak": peak, "rss_after": rss_end,
         "loadgen_cpu_s": (self1.ru_utime + self1.ru_stime) - (self0.ru_utime + self0.ru_stime),
         "total_completed": gen.total_completed,

@@ -1087,6 +1087,9 @@ def aggregate(runs: list[dict]) -> dict:
         ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
         loadgen_cpu_s=sum(r["loadgen_cpu_s"] for r in ok),
     )
+    gone = sorted({pid for r in ok for ps in r.get("gone", {}).values() for pid in ps})
+    if any(r.get("gone") for r in ok):      # a measured process could not be read: which, if it exited
+        agg["unmeasured"] = {"groups": sorted({g for r in ok for g in r.get("gone", {})}), "gone_pids": gone}
     for who in ("target", "backend"):
         cpu = [r["cpu_s"].get(who) for r in ok]
         if all(c is not None for c in cpu) and completed:
