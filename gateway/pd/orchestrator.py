@@ -39,7 +39,7 @@ from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.relay import FirstBytesFailed, Relay
+from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay
 from gateway.resilience.outcome import Outcome, of_status
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
@@ -214,11 +214,17 @@ class PDOrchestrator:
 
     async def _concurrent(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
                           headers: dict[str, str]) -> web.StreamResponse:
-        resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers)
-        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start)
+        ahead: list[HeadAhead | None] = []
+        resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers, ahead)
+        return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start,
+                                        ahead[0] if ahead else None)
 
-    async def _open_concurrent(self, ctx: RequestContext, plan: PDPlan, headers: dict[str, str]
+    async def _open_concurrent(self, ctx: RequestContext, plan: PDPlan, headers: dict[str, str],
+                               ahead: list[HeadAhead | None] | None = None
                                ) -> tuple[UpstreamResponse, float, float | None, float]:
+        """Both legs, up to the decode's head. ``ahead``: gets the client's stream head, made once
+        the legs are written (SGLang's decode sends its head with its first token, which then finds
+        it made)."""
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
         assert plan.decode_body is not None
         ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
@@ -231,6 +237,8 @@ class PDOrchestrator:
         decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent)
         prefill_start = decode_start = time.perf_counter()
         ctx.written()                       # the routing bookkeeping, once both legs are out
+        if ahead is not None and ireq.stream and ctx.migration is None:
+            ahead.append(self.relay.stream_ahead(ctx))
         prefill_end: list[float] = []
 
         async def run_prefill() -> None:
@@ -278,6 +286,8 @@ class PDOrchestrator:
                         leg.failed(failure.kind)
                         decode = again
                         ctx.use(decode)
+                        if ahead:
+                            ahead[0] = self.relay.stream_ahead(ctx)     # its headers name this decode
                         decode_sent = SendState()
                         leg = ctx.trace.leg("decode", decode, attempt=len(tried))
                         decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers),
@@ -381,7 +391,7 @@ class PDOrchestrator:
 
     async def _relay_decode(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
                             resp: UpstreamResponse, prefill_start: float, prefill_end: float | None,
-                            decode_start: float) -> web.StreamResponse:
+                            decode_start: float, made: HeadAhead | None = None) -> web.StreamResponse:
         assert ctx.ireq is not None
         rec = ctx.rec
         wd = self.config.watchdog_for(rec.model)
@@ -391,7 +401,7 @@ class PDOrchestrator:
             ahead = None
             gate = None
             if ctx.ireq.stream and resp.status == 200:
-                ahead = self.relay.head_ahead(ctx, resp)    # made while the KV moves, off the first token's way
+                ahead = self.relay.head_ahead(ctx, resp, made)  # made while the KV moves, off the first token's way
                 if ahead is not None and not (ctx.migration is not None and ctx.migration.active):
                     # the relay is ready before the first token, which its read callback checks
                     # and writes with the head, with no wake-up of this task on its way

@@ -315,6 +315,9 @@ class Pipeline:
             leg = ctx.trace.leg("generate", ep, attempt=len(tried))
             x = self.upstream.begin(ep, ireq.path, body, leg.inject(ctx.leg_headers(ep, headers)))
             ctx.written()                   # the leg is out: now the routing bookkeeping
+            # a stream's head for the client, made while the engine computes (an engine that sends
+            # its own head with the first token, SGLang, then finds it made); not before a connect
+            ahead = self.relay.stream_ahead(ctx) if ireq.stream and x.sent and ctx.migration is None else None
             try:
                 resp = await self.upstream.opened(ep, x, header_timeout, ireq.model)
                 leg.responded(resp.status)
@@ -339,7 +342,7 @@ class Pipeline:
                 ep = ctx.decision.endpoint
                 continue
             break
-        return await self.relay.answer(ctx, resp, adapter_for(ep.engine), strip_usage, wd)
+        return await self.relay.answer(ctx, resp, adapter_for(ep.engine), strip_usage, wd, ahead)
 
     # -- a stream's continuation (gateway/pipeline/migration.py calls these) ---------------------
 

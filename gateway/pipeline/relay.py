@@ -190,11 +190,21 @@ class Relay:
             headers.update(ctx.decision.headers)
         return headers
 
-    def head_ahead(self, ctx: RequestContext, resp: UpstreamResponse) -> HeadAhead | None:
+    def head_ahead(self, ctx: RequestContext, resp: UpstreamResponse, made: HeadAhead | None = None) -> HeadAhead | None:
         """The client's headers and head for ``resp``'s event stream, made now, while its first
         bytes are awaited (a P/D decode's KV transfer), for ``answer``: the first token then finds
-        them made. None when the gateway does not write the head itself, or ``resp`` is no stream."""
+        them made; ``made``: those ``stream_ahead`` made already. None when the gateway does not
+        write the head itself, or ``resp`` is no stream."""
         if not self.whole or resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            return None
+        return made if made is not None else self.stream_ahead(ctx)
+
+    def stream_ahead(self, ctx: RequestContext) -> HeadAhead | None:
+        """The client's headers and head for a 200 event stream, made before the engine answers
+        (its leg is written, the engine computes): an engine that sends its head with its first
+        token (SGLang) then finds them made. ``answer`` uses them for a 200 event stream only. None
+        when the gateway does not write the head itself."""
+        if not self.whole:
             return None
         headers = {**self._headers(ctx), **SSE_HEADERS}
         made = stream_head(ctx.http, headers, SSE_TYPE)
@@ -204,18 +214,20 @@ class Relay:
                      strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None,
                      gate: Gate | None = None) -> web.StreamResponse:
         """The client's answer from an engine's response: its error, its stream or its body.
-        ``ahead``: its stream's headers and head, made while its first bytes were awaited.
+        ``ahead``: its stream's headers and head, made while its head or first bytes were awaited
+        (``stream_ahead``, ``head_ahead``); used for a 200 event stream only.
         ``gate``: with ``ahead``, the stream's first bytes must pass it before the client sees
         anything (a P/D decode's, checked in the read that brings them: ``_stream``); else
         ``FirstBytesFailed`` is raised, and the caller decides the answer."""
         cancelled = unstarted = False
         try:
-            if ahead is not None and gate is None and time.monotonic() - ahead.at > HeadAhead.FRESH_S:
-                ahead = None        # made too long ago: its Date would be off (behind a gate: checked then)
+            ctype = resp.headers.get("Content-Type", "application/json")
+            if ahead is not None and (resp.status != 200 or not ctype.startswith("text/event-stream") or (
+                    gate is None and time.monotonic() - ahead.at > HeadAhead.FRESH_S)):
+                ahead = None        # no stream, or made too long ago: its Date would be off (behind a gate: checked then)
             headers = ahead.headers if ahead is not None else self._headers(ctx)
             if resp.status != 200:
                 return await self._error(ctx, resp, headers)
-            ctype = resp.headers.get("Content-Type", "application/json")
             if ctype.startswith("text/event-stream"):
                 if ctx.migration is not None and ctx.migration.active:    # gateway/pipeline/migration.py
                     return await ctx.migration.stream(self, ctx, resp, headers, wd)

@@ -378,3 +378,54 @@ async def test_a_pd_streams_head_is_made_while_its_first_bytes_are_awaited_and_r
     assert heads[0] == heads[1]
     assert {"prefill-target-pod", "target-pod", "routing-strategy", "cache-control", "x-accel-buffering",
             "transfer-encoding", "content-type", "request-id"} <= set(heads[0])
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+async def test_a_streams_head_is_made_while_the_engine_computes_and_names_the_endpoint_that_answered(
+        sims, gateway, engine, monkeypatch):
+    """An aggregated stream's head for the client is made once the leg is written on a kept-alive
+    connection, before the engine's own head comes (SGLang sends it with the first token, which
+    then finds it made), and made again for each leg: the head names the endpoint that answered,
+    with ``x-retries`` after a 503 sent the stream elsewhere. An engine's error is answered with
+    the plain error headers."""
+    import gateway.upstream.h1client as h1
+    order: list[str] = []
+    stream_ahead, on_headers = Relay.stream_ahead, h1._Conn.on_headers_complete
+
+    def ahead(self, ctx):
+        order.append("made")
+        return stream_ahead(self, ctx)
+
+    def engine_head(self):
+        order.append(f"engine {self.parser.get_status_code()}")
+        return on_headers(self)
+
+    monkeypatch.setattr(Relay, "stream_ahead", ahead)
+    monkeypatch.setattr(h1._Conn, "on_headers_complete", engine_head)
+    busy = await sims(engine, "m", fault="status=503")
+    live = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [busy.url, live.url])], routing={"strategy": "round-robin"},
+                       breaker={"consecutive_faults": 100, "fault_rate": 0})
+    client = openai_client(gw)
+    retried = 0
+    for i in range(6):
+        order.clear()
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT, max_tokens=4, stream=True)
+        assert raw.headers["target-pod"] == live.url.split("//")[1]
+        assert "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+        if i < 2:
+            continue                    # the connections to both engines are new: the head is made after
+        if raw.headers.get("x-retries"):
+            retried += 1
+            assert raw.headers["x-retries"] == "1" and order == ["made", "engine 503", "made", "engine 200"], order
+        else:
+            assert order == ["made", "engine 200"], order
+    assert retried >= 1
+    order.clear()
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="m", messages=CHAT, max_tokens=4, stream=True,
+                                             extra_headers={"x-sim-fault": "status=400"})
+    assert e.value.response.headers["content-type"].startswith("application/json")
+    assert "cache-control" not in e.value.response.headers       # not the stream's headers
+    await client.close()
