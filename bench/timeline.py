@@ -290,7 +290,8 @@ def main() -> None:
     ap.add_argument("--pace-ms", type=float, default=5.0, help="stream: the backend's gap between chunks")
     ap.add_argument("--skip", type=int, default=20, help="first requests left out (warm-up)")
     ap.add_argument("--head-with-first", action="store_true",
-                    help="stream: the backend sends a stream's head with its first chunk, as SGLang does")
+                    help="stream: the backend sends a stream's head with its first chunk, as SGLang does "
+                         "(and the gateway's model says engine: sglang)")
     ap.add_argument("--json", action="store_true", help="print the table as JSON")
     a = ap.parse_args()
     pd = a.mode.startswith("pd-")
@@ -304,8 +305,9 @@ def main() -> None:
                                    "--prefill-port", str(be_port), "--decode-port", str(dport), "--ready", ""],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         else:
+            engine = "sglang" if a.head_with_first else "vllm"     # the engine whose wire the backend plays
             cfg.write_text(f"server:\n  drain_delay_s: 0\n  shutdown_grace_s: 1\nmodels:\n  - name: m\n"
-                           f"    engine: vllm\n    endpoints: [http://127.0.0.1:{be_port}]\n")
+                           f"    engine: {engine}\n    endpoints: [http://127.0.0.1:{be_port}]\n")
             backend = start_group([PY, str(REPO / "bench" / "fastbackend.py"), "--port", str(be_port),
                                    *(["--head-with-first"] if a.head_with_first else [])],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -78,6 +78,10 @@ class EngineAdapter(Protocol):
     # whether a decode endpoint computes a prompt itself when asked without the P/D fields
     decode_runs_whole: bool
 
+    # whether a stream's head comes with its first token (SGLang's server awaits it before it
+    # answers), rather than at once (vLLM's): the relay then takes the stream from that read
+    head_with_first_token: bool
+
     # the request header that pins a request to one data-parallel rank of the engine (gateway/kv/dp_rank.py)
     dp_rank_header: str
 

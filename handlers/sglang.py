@@ -203,6 +203,9 @@ class SGLangAdapter:
 
     # a decode-mode server takes only requests with a bootstrap room: it never prefills by itself
     decode_runs_whole = False
+    # its OpenAI server awaits a stream's first chunk before it sends the head (an early error is
+    # still an HTTP error)
+    head_with_first_token = True
     # OpenAIServingBase.extract_routed_dp_rank_from_header (sglang/srt/entrypoints/openai): the header
     # wins over the body's routed_dp_rank (older releases: data_parallel_rank) and the
     # DataParallelController sends the request to that rank's scheduler

@@ -121,6 +121,7 @@ class VLLMAdapter:
 
     # a decode without kv_transfer_params prefills the prompt itself (vLLM's proxy relies on it)
     decode_runs_whole = True
+    head_with_first_token = False   # a stream's head goes out at once, before its first token
     # OpenAIServing._get_data_parallel_rank (vllm/entrypoints/openai): an int in this header pins the
     # request to that engine core of a --data-parallel-size engine, past its internal load balancer
     dp_rank_header = "X-data-parallel-rank"

@@ -32,12 +32,12 @@ from gateway.pipeline.context import RequestContext, record_request, safe_header
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
-from gateway.pipeline.relay import error_event
+from gateway.pipeline.relay import FirstBytesFailed, error_event
 from gateway.request import InferenceRequest, parse
 from gateway.resilience.outcome import Outcome, of_status
 from gateway.resilience.retry import discard
 from gateway.tenants.service import NO_TICKET, Ticket
-from gateway.upstream.h1client import UpstreamResponse
+from gateway.upstream.h1client import Exchange, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure, head_timeout, upstream_body, upstream_headers
 from handlers import adapter_for
 from handlers.base import BodyError, EngineAdapter
@@ -311,6 +311,7 @@ class Pipeline:
         retries = self.retries
         ctx.after_write.append(partial(retries.request, ireq.model))   # the budget counts it once the leg is out
         while True:
+            adapter = adapter_for(ep.engine)
             ctx.use(ep)
             leg = ctx.trace.leg("generate", ep, attempt=len(tried))
             x = self.upstream.begin(ep, ireq.path, body, leg.inject(ctx.leg_headers(ep, headers)))
@@ -318,6 +319,18 @@ class Pipeline:
             # a stream's head for the client, made while the engine computes (an engine that sends
             # its own head with the first token, SGLang, then finds it made); not before a connect
             ahead = self.relay.stream_ahead(ctx) if ireq.stream and x.sent and ctx.migration is None else None
+            if ahead is not None and adapter.head_with_first_token:
+                # and taken from the read that brings that head: the first token goes to the client
+                # from there; anything but a 200 event stream is answered below, as it came
+                early = x.before_head(header_timeout)
+                if early is not None:
+                    try:
+                        return await self.relay.stream_from_head(ctx, early, strip_usage, wd, ahead,
+                                                                 partial(_head_came, x, leg))
+                    except FirstBytesFailed:
+                        pass
+                    finally:
+                        x.head_came()
             try:
                 resp = await self.upstream.opened(ep, x, header_timeout, ireq.model)
                 leg.responded(resp.status)
@@ -342,7 +355,7 @@ class Pipeline:
                 ep = ctx.decision.endpoint
                 continue
             break
-        return await self.relay.answer(ctx, resp, adapter_for(ep.engine), strip_usage, wd, ahead)
+        return await self.relay.answer(ctx, resp, adapter, strip_usage, wd, ahead)
 
     # -- a stream's continuation (gateway/pipeline/migration.py calls these) ---------------------
 
@@ -408,3 +421,10 @@ class Pipeline:
         except ConnectionResetError:
             pass
         return out
+
+
+def _head_came(x: Exchange, leg: Any, resp: UpstreamResponse) -> None:
+    """A stream taken from the read that brought its engine's head: the head's bound ends, and
+    the leg's trace notes the status (``Pipeline.forward``)."""
+    x.head_came()
+    leg.responded(resp.status)

@@ -240,15 +240,48 @@ class Relay:
             unstarted = True
             raise
         finally:
-            if resp.at_eof():
-                resp.release()
-            else:
-                resp.close()
-            if self.record is not None and ctx.decision is not None and not unstarted:
-                rec = ctx.rec
-                outcome = (Outcome.NONE if cancelled else of_status(resp.status) if resp.status != 200
-                           else of_answer(rec.status, rec.error_class))
-                self.record(ctx.decision.endpoint, outcome, rec.error_class or "")
+            self._settle(ctx, resp, cancelled, unstarted)
+
+    async def stream_from_head(self, ctx: RequestContext, resp: UpstreamResponse, strip_usage: bool,
+                               wd: WatchdogConfig | None, ahead: HeadAhead,
+                               on_head: Callable[[UpstreamResponse], None]) -> web.StreamResponse:
+        """``answer`` for a stream whose engine sends its head with its first token (SGLang), taken
+        from the read that brings them, before ``resp``'s head has come: the head and the first
+        event go to the client from that read (its client head ``ahead``, made already), with no
+        task woken on the first token's way; ``on_head(resp)`` from there. When what comes is not a
+        200 event stream, or nothing does (a failure, an empty answer), ``FirstBytesFailed`` with
+        ``resp`` as it came (nothing read from it, nothing recorded): the caller answers it as usual."""
+        def gate(first: bytes) -> object:
+            if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return "not a 200 event stream"
+            on_head(resp)
+            return None
+
+        try:
+            out = await self._stream(ctx, resp, ahead.headers, strip_usage, wd, ahead, gate, before_head=True)
+        except FirstBytesFailed:
+            raise                       # the caller's, with ``resp`` untouched
+        except asyncio.CancelledError:
+            self._settle(ctx, resp, True, False)
+            raise
+        except BaseException:
+            self._settle(ctx, resp, False, False)
+            raise
+        self._settle(ctx, resp, False, False)
+        return out
+
+    def _settle(self, ctx: RequestContext, resp: UpstreamResponse, cancelled: bool, unstarted: bool) -> None:
+        """An answer relayed, or given up: the connection back to the pool when it was read to the
+        end (closed otherwise: the engine stops), and how it ended told to the endpoint's breaker."""
+        if resp.at_eof():
+            resp.release()
+        else:
+            resp.close()
+        if self.record is not None and ctx.decision is not None and not unstarted:
+            rec = ctx.rec
+            outcome = (Outcome.NONE if cancelled else of_status(resp.status) if resp.status != 200
+                       else of_answer(rec.status, rec.error_class))
+            self.record(ctx.decision.endpoint, outcome, rec.error_class or "")
 
     def error_answer(self, ctx: RequestContext, status: int, body: bytes, headers: dict[str, str]) -> web.StreamResponse:
         """An error answer (``body``: the error in the request's API shape), written whole when it may be."""
@@ -276,7 +309,9 @@ class Relay:
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],
                       strip_usage: bool, wd: WatchdogConfig | None, ahead: HeadAhead | None = None,
-                      gate: Gate | None = None) -> web.StreamResponse:
+                      gate: Gate | None = None, before_head: bool = False) -> web.StreamResponse:
+        """``before_head``: ``resp``'s head has not come (``stream_from_head``): the watchdog starts
+        once the first bytes passed the gate, and bytes it turns down are left in ``resp``."""
         rec = ctx.rec
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
         api = ctx.api
@@ -293,7 +328,7 @@ class Relay:
 
         def opened(first_bytes: bytes) -> bool:
             """Whether a gated stream's first bytes pass its gate; then its answer begins."""
-            nonlocal gating, refused
+            nonlocal gating, refused, watch
             why = gate(first_bytes)     # type: ignore[misc]
             if why is not None:
                 refused = why
@@ -302,6 +337,8 @@ class Relay:
             if time.monotonic() - held_at > HeadAhead.FRESH_S:     # a long KV transfer: its Date anew
                 out.renew_head(ctx.http, SSE_TYPE)      # type: ignore[attr-defined]
             began(ctx, out)
+            if before_head and idle_to:     # the first chunk came with the head: the idle bound from here
+                watch = _Watchdog(resp, 0.0, idle_to)
             return True
 
         readany = resp.readany
@@ -334,7 +371,8 @@ class Relay:
             nonlocal first
             held = gating               # a gated stream's first bytes: the gate, then the head with them
             if held and not opened(chunk):
-                unpipe()                # turned down: nothing written, the task raises
+                resp.unread(chunk)      # turned down: nothing written, the bytes left, the task raises
+                unpipe()
                 return
             now = clock()
             early = always or (passes is not None and passes(chunk))
@@ -359,7 +397,7 @@ class Relay:
                 watch.since = time_now()
 
         try:
-            if first_to or idle_to:
+            if (first_to or idle_to) and not before_head:
                 watch = _Watchdog(resp, first_to, idle_to)
                 first = True
             # a held head goes out through ``write``, not the pipe, unless the sink sees it first
@@ -372,6 +410,8 @@ class Relay:
                         watch.since = time_now()
                     chunk = await pipe(sink)
                     if refused is not None:     # the sink turned the first bytes down
+                        if chunk:
+                            resp.unread(chunk)
                         raise FirstBytesFailed("refused", refused)
                     if chunk is None:       # unpiped, nothing buffered: drain, then pipe again
                         continue
@@ -386,6 +426,7 @@ class Relay:
                     if not chunk:
                         raise FirstBytesFailed("empty")
                     if not opened(chunk):
+                        resp.unread(chunk)
                         raise FirstBytesFailed("refused", refused)
                 if not chunk:
                     break

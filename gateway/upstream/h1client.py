@@ -546,6 +546,27 @@ class Exchange:
         self.resp = await conn.head(header_timeout)
         return self.resp
 
+    def before_head(self, header_timeout: float | None) -> UpstreamResponse | None:
+        """The response that the request written when the exchange began will come in, before its
+        head arrives: for a reader that takes the answer from the read that brings the head
+        (``UpstreamResponse.pipe``). Its head is bounded by ``header_timeout`` as ``response``
+        bounds it, until ``head_came``. None when the request is not out yet or its head came.
+        ``response`` still gives the head, or the failure, afterwards."""
+        conn = self.conn
+        if conn is None or self.stale or conn.resp is None or conn.sent_waiter is None or conn.sent_waiter.done():
+            return None
+        if header_timeout:
+            conn.pool._await_head(conn, header_timeout)
+        return conn.resp
+
+    def head_came(self) -> None:
+        """The head ``before_head`` waits for came (or nobody waits for it any more): no bound on it."""
+        conn = self.conn
+        if conn is not None:
+            conn.pool._heads.pop(conn, None)
+            if conn.resp is not None and conn.resp.status:
+                self.resp = conn.resp
+
     def discard(self) -> None:
         """Drop a connection whose answer nobody will read (``response`` never reached the head)."""
         conn = self.conn

@@ -89,14 +89,16 @@ def _same_body(a: bytes, b: bytes) -> bool:
 def written(monkeypatch):
     """The answers the pipeline handed back to aiohttp, in order."""
     seen: list[object] = []
-    answer = Relay.answer
 
-    async def recording(self, *a, **kw):
-        out = await answer(self, *a, **kw)
-        seen.append(out)
-        return out
+    def recorded(method):
+        async def recording(self, *a, **kw):
+            out = await method(self, *a, **kw)
+            seen.append(out)
+            return out
+        return recording
 
-    monkeypatch.setattr(Relay, "answer", recording)
+    monkeypatch.setattr(Relay, "answer", recorded(Relay.answer))
+    monkeypatch.setattr(Relay, "stream_from_head", recorded(Relay.stream_from_head))   # SGLang's streams
     return seen
 
 
@@ -429,3 +431,53 @@ async def test_a_streams_head_is_made_while_the_engine_computes_and_names_the_en
     assert e.value.response.headers["content-type"].startswith("application/json")
     assert "cache-control" not in e.value.response.headers       # not the stream's headers
     await client.close()
+
+
+async def test_an_sglang_streams_first_token_goes_out_from_the_read_that_brings_its_head(sims, gateway, monkeypatch):
+    """SGLang sends a stream's head with its first token: on a kept-alive connection the relay is
+    ready before they come, and the read that brings them writes the client's head and first event,
+    in one write, with no task running. What is not a 200 event stream is answered as before: an
+    engine's 400 is the client's 400, a head that does not come within the first-chunk bound is a
+    504 (the engine's request aborted), and the connections serve the next stream."""
+    from tests.support.http import sim_state
+    from tests.support.waiting import wait_for
+    firsts: list[tuple[asyncio.Task | None, bytes]] = []
+    send = WrittenStream._send
+
+    def recording(self, data):
+        if self.holding:
+            firsts.append((asyncio.current_task(), self._held + data))
+        return send(self, data)
+
+    monkeypatch.setattr(WrittenStream, "_send", recording)
+    sim = await sims("sglang", "m")
+    gw = await gateway([model_block("m", "sglang", [sim.url])],
+                       watchdog={"first_chunk_timeout_s": 0.5, "aggregated": True})
+    client = openai_client(gw)
+
+    async def streamed(**kw) -> str:
+        stream = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=5, stream=True, **kw)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    assert await streamed()                     # the engine's connection opens: the usual path
+    firsts.clear()
+    for _ in range(2):
+        assert await streamed(stream_options={"include_usage": True})
+    assert len(firsts) == 2
+    for task, data in firsts:
+        assert task is None                                         # the engine connection's read callback
+        head, _, first = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"text/event-stream" in head and b"data: {" in first
+    with pytest.raises(openai.BadRequestError):
+        await streamed(extra_headers={"x-sim-fault": "status=400"})
+    with pytest.raises(openai.APIStatusError) as e:
+        await streamed(extra_headers={"x-sim-fault": "stall_before_first=10"})
+    assert e.value.status_code == 504
+    assert await wait_for(lambda: _sim_aborted(sim_state, sim.url), timeout=8)
+    assert await streamed()
+    await client.close()
+
+
+async def _sim_aborted(sim_state, url) -> bool:
+    st = await sim_state(url)
+    return st["counts"]["aborted"] >= 1 and not st["running"]
