@@ -215,16 +215,59 @@ class PDOrchestrator:
     async def _concurrent(self, ctx: RequestContext, adapter: EngineAdapter, plan: PDPlan,
                           headers: dict[str, str]) -> web.StreamResponse:
         ahead: list[HeadAhead | None] = []
-        resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers, ahead)
+        # SGLang's decode sends its head with its first token: its relay waits for that read in a
+        # task of its own, and writes both to the client from it (``Relay.stream_early``)
+        early: list[asyncio.Task] | None = [] if adapter.head_with_first_token else None
+        try:
+            resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers, ahead,
+                                                                                         early)
+        except BaseException:
+            for t in early or ():
+                await _stopped(t)
+            raise
+        if early:
+            out = await self._early_decode(ctx, plan, resp, early[0], prefill_start, prefill_end, decode_start)
+            if out is not None:
+                return out
         return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start,
                                         ahead[0] if ahead else None)
 
+    async def _early_decode(self, ctx: RequestContext, plan: PDPlan, resp: UpstreamResponse, task: asyncio.Task,
+                            prefill_start: float, prefill_end: float | None, decode_start: float
+                            ) -> web.StreamResponse | None:
+        """The decode's stream as its early relay relays it (``_concurrent``), with ``_relay_decode``'s
+        bookkeeping; None when that relay did not begin (not a 200 event stream, a server error
+        event, nothing, or another response than ``resp``): ``_relay_decode`` answers from ``resp``,
+        whose bytes it left as they came."""
+        rec = ctx.rec
+        try:
+            out = await asyncio.shield(task)
+        except FirstBytesFailed:
+            return None
+        except asyncio.CancelledError:
+            await _stopped(task)
+            self._abort_decode(ctx, plan)
+            self.relay.settle(ctx, resp, True, False)
+            raise
+        except BaseException:
+            self.relay.settle(ctx, resp, False, False)
+            raise
+        self.relay.settle(ctx, resp, False, False)
+        if rec.watchdog is not None:
+            self.metrics.child(self.metrics.watchdog_fires, rec.model, rec.watchdog).inc()
+            self._abort_decode(ctx, plan)
+        self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
+        return out
+
     async def _open_concurrent(self, ctx: RequestContext, plan: PDPlan, headers: dict[str, str],
-                               ahead: list[HeadAhead | None] | None = None
+                               ahead: list[HeadAhead | None] | None = None,
+                               early: list[asyncio.Task] | None = None
                                ) -> tuple[UpstreamResponse, float, float | None, float]:
         """Both legs, up to the decode's head. ``ahead``: gets the client's stream head, made once
         the legs are written (SGLang's decode sends its head with its first token, which then finds
-        it made)."""
+        it made). ``early``: gets the decode's relay, begun then in a task that waits for the read
+        that brings that head (on a kept-alive connection), and the client's head and first event
+        go out from there; a prefill that fails once it began is a late one (``_late_prefill``)."""
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
         assert plan.decode_body is not None
         ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
@@ -239,6 +282,12 @@ class PDOrchestrator:
         ctx.written()                       # the routing bookkeeping, once both legs are out
         if ahead is not None and ireq.stream and ctx.migration is None:
             ahead.append(self.relay.stream_ahead(ctx))
+            if early is not None and ahead[0] is not None:
+                before = decode_x.before_head(None)     # the decode task's wait bounds the head
+                if before is not None:
+                    early.append(asyncio.create_task(self.relay.stream_early(
+                        ctx, before, plan.strip_usage, self.config.watchdog_for(ireq.model), ahead[0],
+                        _first_event_error)))
         prefill_end: list[float] = []
 
         async def run_prefill() -> None:
@@ -262,6 +311,12 @@ class PDOrchestrator:
         try:
             while True:
                 await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+                if prefill_task.done() and ctx.rec.headers_sent:
+                    # the early relay began the client's stream with the decode's first token: the
+                    # decode holds the KV, whatever the prefill's answer says (a late one)
+                    resp = await asyncio.shield(decode_task)
+                    self.spawn(self._late_prefill(ctx, prefill_task))
+                    break
                 if prefill_task.done():
                     exc = prefill_task.exception()
                     if isinstance(exc, PrefillFailed):
@@ -617,6 +672,13 @@ class PDOrchestrator:
                 if not spec.retry_delay_s:
                     return
                 await asyncio.sleep(spec.retry_delay_s)
+
+
+async def _stopped(task: asyncio.Task) -> None:
+    """Cancel ``task`` and wait until it is over, whatever it ends with."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 def _first_event_error(first: bytes) -> str | None:

@@ -240,7 +240,7 @@ class Relay:
             unstarted = True
             raise
         finally:
-            self._settle(ctx, resp, cancelled, unstarted)
+            self.settle(ctx, resp, cancelled, unstarted)
 
     async def stream_from_head(self, ctx: RequestContext, resp: UpstreamResponse, strip_usage: bool,
                                wd: WatchdogConfig | None, ahead: HeadAhead,
@@ -251,26 +251,35 @@ class Relay:
         task woken on the first token's way; ``on_head(resp)`` from there. When what comes is not a
         200 event stream, or nothing does (a failure, an empty answer), ``FirstBytesFailed`` with
         ``resp`` as it came (nothing read from it, nothing recorded): the caller answers it as usual."""
-        def gate(first: bytes) -> object:
-            if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                return "not a 200 event stream"
+        def came(first: bytes) -> object:
             on_head(resp)
             return None
 
         try:
-            out = await self._stream(ctx, resp, ahead.headers, strip_usage, wd, ahead, gate, before_head=True)
+            out = await self.stream_early(ctx, resp, strip_usage, wd, ahead, came)
         except FirstBytesFailed:
             raise                       # the caller's, with ``resp`` untouched
         except asyncio.CancelledError:
-            self._settle(ctx, resp, True, False)
+            self.settle(ctx, resp, True, False)
             raise
         except BaseException:
-            self._settle(ctx, resp, False, False)
+            self.settle(ctx, resp, False, False)
             raise
-        self._settle(ctx, resp, False, False)
+        self.settle(ctx, resp, False, False)
         return out
 
-    def _settle(self, ctx: RequestContext, resp: UpstreamResponse, cancelled: bool, unstarted: bool) -> None:
+    async def stream_early(self, ctx: RequestContext, resp: UpstreamResponse, strip_usage: bool,
+                           wd: WatchdogConfig | None, ahead: HeadAhead, gate: Gate) -> web.StreamResponse:
+        """The relay of ``stream_from_head`` without its end's bookkeeping (``settle``, the
+        caller's): ``gate`` checks the first bytes once the head came and is a 200 event stream."""
+        def head_then(first: bytes) -> object:
+            if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return "not a 200 event stream"
+            return gate(first)
+
+        return await self._stream(ctx, resp, ahead.headers, strip_usage, wd, ahead, head_then, before_head=True)
+
+    def settle(self, ctx: RequestContext, resp: UpstreamResponse, cancelled: bool, unstarted: bool) -> None:
         """An answer relayed, or given up: the connection back to the pool when it was read to the
         end (closed otherwise: the engine stops), and how it ended told to the endpoint's breaker."""
         if resp.at_eof():
@@ -328,7 +337,7 @@ class Relay:
 
         def opened(first_bytes: bytes) -> bool:
             """Whether a gated stream's first bytes pass its gate; then its answer begins."""
-            nonlocal gating, refused, watch
+            nonlocal gating, refused
             why = gate(first_bytes)     # type: ignore[misc]
             if why is not None:
                 refused = why
@@ -337,9 +346,13 @@ class Relay:
             if time.monotonic() - held_at > HeadAhead.FRESH_S:     # a long KV transfer: its Date anew
                 out.renew_head(ctx.http, SSE_TYPE)      # type: ignore[attr-defined]
             began(ctx, out)
-            if before_head and idle_to:     # the first chunk came with the head: the idle bound from here
-                watch = _Watchdog(resp, 0.0, idle_to)
             return True
+
+        def watch_idle() -> None:
+            """Before the head (``before_head``) the first chunk came with it: the idle bound from here."""
+            nonlocal watch
+            if idle_to:
+                watch = _Watchdog(resp, 0.0, idle_to)
 
         readany = resp.readany
         write = out.write
@@ -390,6 +403,8 @@ class Relay:
                     unpipe()
             elif held:
                 out.send_head()         # type: ignore[attr-defined]   # nothing of it for the client
+            if held and before_head:
+                watch_idle()            # after the first write: off the first token's way
             if watch is not None:
                 if first:
                     first = False
@@ -428,6 +443,8 @@ class Relay:
                     if not opened(chunk):
                         resp.unread(chunk)
                         raise FirstBytesFailed("refused", refused)
+                    if before_head:
+                        watch_idle()
                 if not chunk:
                     break
                 now = clock()

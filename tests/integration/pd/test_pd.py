@@ -128,6 +128,45 @@ async def test_a_vllm_pd_streams_first_token_goes_out_from_the_read_that_brings_
     assert (await sim_state(d.url))["pd"]["transfers"] == 4
 
 
+async def test_an_sglang_pd_streams_first_token_goes_out_from_the_decodes_read(sims, gateway, monkeypatch):
+    """SGLang's decode sends its head with its first token: once both legs are written, the
+    decode's relay waits for that read (on a kept-alive connection), and the read writes the
+    client's head and first event, in one write, with no task running, before the request's task
+    hears of the decode's head or the prefill's answer. The streams are whole, with their usage."""
+    from gateway.pipeline.whole import WrittenStream
+    firsts: list[tuple[asyncio.Task | None, bytes]] = []
+    send = WrittenStream._send
+
+    def recording(self, data):
+        if self.holding:
+            firsts.append((asyncio.current_task(), self._held + data))
+        return send(self, data)
+
+    monkeypatch.setattr(WrittenStream, "_send", recording)
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
+    client = openai_client(gw)
+
+    async def streamed() -> list:
+        stream = await client.chat.completions.create(model="m", messages=MSG, max_tokens=6, stream=True,
+                                                      stream_options={"include_usage": True})
+        return [c async for c in stream]
+
+    await streamed()                    # the engines' connections open: the usual path
+    firsts.clear()
+    for _ in range(2):
+        chunks = await streamed()
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].usage.completion_tokens == 6
+    await client.close()
+    assert len(firsts) == 2
+    for task, data in firsts:
+        assert task is None                                     # the decode connection's read callback
+        head, _, first = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK") and b"data: {" in first
+    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+
+
 async def test_sglang_duplicate_controlled_key_touches_no_engine(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
