@@ -119,7 +119,9 @@ STAMPS = textwrap.dedent('''
         setattr(cls, name, w)
     rx = E.EdgeProtocol.data_received
     def data_received(self, data):
-        if data and self._e_phase in (E._IDLE, E._HEAD):     # a request's first bytes
+        # a request's first bytes; or, at concurrency 1, bytes that come while the request before
+        # still finishes after its answer went out (the edge holds them until it is over)
+        if data and (self._e_phase in (E._IDLE, E._HEAD) or (self._e_phase == E._BUSY and "client_write" in cur)):
             if cur:
                 rows.append(dict(cur))
                 cur.clear()
