@@ -217,16 +217,24 @@ class PDOrchestrator:
         ahead: list[HeadAhead | None] = []
         # SGLang's decode sends its head with its first token: its relay waits for that read in a
         # task of its own, and writes both to the client from it (``Relay.stream_early``)
-        early: list[asyncio.Task] | None = [] if adapter.head_with_first_token else None
+        early: list[tuple[asyncio.Task, UpstreamResponse]] | None = [] if adapter.head_with_first_token else None
         try:
             resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers, ahead,
                                                                                          early)
+        except asyncio.CancelledError:
+            if early and _relayed(early[0][0]):     # the whole stream went out before this task woke
+                task, relayed = early[0]
+                self.relay.settle(ctx, relayed, False, False)
+                return _whole_answer(task)
+            for t, _ in early or ():
+                await _stopped(t)
+            raise
         except BaseException:
-            for t in early or ():
+            for t, _ in early or ():
                 await _stopped(t)
             raise
         if early:
-            out = await self._early_decode(ctx, plan, resp, early[0], prefill_start, prefill_end, decode_start)
+            out = await self._early_decode(ctx, plan, resp, early[0][0], prefill_start, prefill_end, decode_start)
             if out is not None:
                 return out
         return await self._relay_decode(ctx, adapter, plan, resp, prefill_start, prefill_end, decode_start,
@@ -245,10 +253,12 @@ class PDOrchestrator:
         except FirstBytesFailed:
             return None
         except asyncio.CancelledError:
-            await _stopped(task)
-            self._abort_decode(ctx, plan)
-            self.relay.settle(ctx, resp, True, False)
-            raise
+            if not _relayed(task):
+                await _stopped(task)
+                self._abort_decode(ctx, plan)
+                self.relay.settle(ctx, resp, True, False)
+                raise
+            out = _whole_answer(task)   # the stream had ended: its client left after the last byte
         except BaseException:
             self.relay.settle(ctx, resp, False, False)
             raise
@@ -261,7 +271,7 @@ class PDOrchestrator:
 
     async def _open_concurrent(self, ctx: RequestContext, plan: PDPlan, headers: dict[str, str],
                                ahead: list[HeadAhead | None] | None = None,
-                               early: list[asyncio.Task] | None = None
+                               early: list[tuple[asyncio.Task, UpstreamResponse]] | None = None
                                ) -> tuple[UpstreamResponse, float, float | None, float]:
         """Both legs, up to the decode's head. ``ahead``: gets the client's stream head, made once
         the legs are written (SGLang's decode sends its head with its first token, which then finds
@@ -285,9 +295,9 @@ class PDOrchestrator:
             if early is not None and ahead[0] is not None:
                 before = decode_x.before_head(None)     # the decode task's wait bounds the head
                 if before is not None:
-                    early.append(asyncio.create_task(self.relay.stream_early(
+                    early.append((asyncio.create_task(self.relay.stream_early(
                         ctx, before, plan.strip_usage, self.config.watchdog_for(ireq.model), ahead[0],
-                        _first_event_error)))
+                        _first_event_error)), before))
         prefill_end: list[float] = []
 
         async def run_prefill() -> None:
@@ -364,7 +374,7 @@ class PDOrchestrator:
         except asyncio.CancelledError:
             # the client went away: stop both legs, and tell the engine (it may notice a closed
             # connection only seconds later); the decode's abort is decided below
-            if not prefill_task.done():
+            if not prefill_task.done() and not (early and _relayed(early[0][0])):
                 self._abort(ctx, prefill, plan.abort)
             raise
         finally:
@@ -378,7 +388,8 @@ class PDOrchestrator:
                 for t in (prefill_task, decode_task):
                     with contextlib.suppress(BaseException):
                         await t
-                self._end_unrelayed_decode(ctx, plan, decode_task, decode_sent)
+                if not (early and _relayed(early[0][0])):   # (an early relay's stream is whole: no abort)
+                    self._end_unrelayed_decode(ctx, plan, decode_task, decode_sent)
         leg.responded(resp.status)
         if resp.status != 200 and not prefill_task.done():
             self._abort(ctx, prefill, plan.abort)    # the prefill would wait for a decode that gave up
@@ -672,6 +683,20 @@ class PDOrchestrator:
                 if not spec.retry_delay_s:
                     return
                 await asyncio.sleep(spec.retry_delay_s)
+
+
+def _relayed(task: asyncio.Task) -> bool:
+    """Whether an early relay's task relayed its stream to the end."""
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
+def _whole_answer(task: asyncio.Task) -> web.StreamResponse:
+    """An early relay's stream that ended before the request's task, cancelled since (its client
+    left after the last byte), woke for it: the answer is whole, the cancel is not the client's."""
+    current = asyncio.current_task()
+    if current is not None:
+        current.uncancel()
+    return task.result()
 
 
 async def _stopped(task: asyncio.Task) -> None:
