@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from tests.support.factories import pd_model, pd_pair, roleset
+from tests.support.first_writes import assert_written_from_reads, record_first_writes
 from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
 from tests.support.waiting import wait_for
 
@@ -98,16 +99,7 @@ async def test_a_vllm_pd_streams_first_token_goes_out_from_the_read_that_brings_
     decode connection's read callback that brings the first token checks it and writes it with the
     client's head, in one write, with no task running (none wakes on the first token's way). The
     streams are whole, and so are non-streamed answers beside them."""
-    from gateway.pipeline.whole import WrittenStream
-    firsts: list[tuple[asyncio.Task | None, bytes]] = []
-    send = WrittenStream._send
-
-    def recording(self, data):
-        if self.holding:
-            firsts.append((asyncio.current_task(), self._held + data))
-        return send(self, data)
-
-    monkeypatch.setattr(WrittenStream, "_send", recording)
+    firsts = record_first_writes(monkeypatch)
     p, d = await pd_pair(sims, "vllm")
     gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
     client = openai_client(gw)
@@ -120,11 +112,7 @@ async def test_a_vllm_pd_streams_first_token_goes_out_from_the_read_that_brings_
     r = await client.chat.completions.create(model="m", messages=MSG, max_tokens=6)
     assert r.usage.completion_tokens == 6
     await client.close()
-    assert len(firsts) == 3
-    for task, data in firsts:
-        assert task is None                                     # the decode's read callback
-        head, _, first = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200 OK") and b"data: {" in first     # the head and the first event
+    assert_written_from_reads(firsts, 3)                       # from the decode's reads
     assert (await sim_state(d.url))["pd"]["transfers"] == 4
 
 
@@ -133,16 +121,7 @@ async def test_an_sglang_pd_streams_first_token_goes_out_from_the_decodes_read(s
     decode's relay waits for that read (on a kept-alive connection), and the read writes the
     client's head and first event, in one write, with no task running, before the request's task
     hears of the decode's head or the prefill's answer. The streams are whole, with their usage."""
-    from gateway.pipeline.whole import WrittenStream
-    firsts: list[tuple[asyncio.Task | None, bytes]] = []
-    send = WrittenStream._send
-
-    def recording(self, data):
-        if self.holding:
-            firsts.append((asyncio.current_task(), self._held + data))
-        return send(self, data)
-
-    monkeypatch.setattr(WrittenStream, "_send", recording)
+    firsts = record_first_writes(monkeypatch)
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
     client = openai_client(gw)
@@ -159,11 +138,7 @@ async def test_an_sglang_pd_streams_first_token_goes_out_from_the_decodes_read(s
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert chunks[-1].usage.completion_tokens == 6
     await client.close()
-    assert len(firsts) == 2
-    for task, data in firsts:
-        assert task is None                                     # the decode connection's read callback
-        head, _, first = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200 OK") and b"data: {" in first
+    assert_written_from_reads(firsts, 2)                       # from the decode's reads
     assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
 
 

@@ -15,6 +15,7 @@ import pytest
 from gateway.pipeline.relay import Relay
 from gateway.pipeline.whole import WrittenAnswer, WrittenStream, open_stream, write_whole
 from tests.support.factories import model_block
+from tests.support.first_writes import assert_written_from_reads, record_first_writes
 from tests.support.http import openai_client
 from tests.support.tenancy import ALICE, KEYS
 
@@ -441,15 +442,7 @@ async def test_an_sglang_streams_first_token_goes_out_from_the_read_that_brings_
     504 (the engine's request aborted), and the connections serve the next stream."""
     from tests.support.http import sim_state
     from tests.support.waiting import wait_for
-    firsts: list[tuple[asyncio.Task | None, bytes]] = []
-    send = WrittenStream._send
-
-    def recording(self, data):
-        if self.holding:
-            firsts.append((asyncio.current_task(), self._held + data))
-        return send(self, data)
-
-    monkeypatch.setattr(WrittenStream, "_send", recording)
+    firsts = record_first_writes(monkeypatch)
     sim = await sims("sglang", "m")
     gw = await gateway([model_block("m", "sglang", [sim.url])],
                        watchdog={"first_chunk_timeout_s": 0.5, "aggregated": True})
@@ -463,11 +456,7 @@ async def test_an_sglang_streams_first_token_goes_out_from_the_read_that_brings_
     firsts.clear()
     for _ in range(2):
         assert await streamed(stream_options={"include_usage": True})
-    assert len(firsts) == 2
-    for task, data in firsts:
-        assert task is None                                         # the engine connection's read callback
-        head, _, first = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200 OK") and b"text/event-stream" in head and b"data: {" in first
+    assert_written_from_reads(firsts, 2)                       # from the engine connection's reads
     with pytest.raises(openai.BadRequestError):
         await streamed(extra_headers={"x-sim-fault": "status=400"})
     with pytest.raises(openai.APIStatusError) as e:
