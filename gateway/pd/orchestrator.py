@@ -221,15 +221,11 @@ class PDOrchestrator:
         try:
             resp, prefill_start, prefill_end, decode_start = await self._open_concurrent(ctx, plan, headers, ahead,
                                                                                          early)
-        except asyncio.CancelledError:
-            if early and _relayed(early[0][0]):     # the whole stream went out before this task woke
-                task, relayed = early[0]
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) and early and _relayed(early[0][0]):
+                task, relayed = early[0]        # the whole stream went out before this task woke
                 self.relay.settle(ctx, relayed, False, False)
                 return _whole_answer(task)
-            for t, _ in early or ():
-                await _stopped(t)
-            raise
-        except BaseException:
             for t, _ in early or ():
                 await _stopped(t)
             raise

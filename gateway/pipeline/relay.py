@@ -51,8 +51,8 @@ class WatchdogFired(Exception):
 
 
 class FirstBytesFailed(Exception):
-    """A gated stream (``Relay.answer``'s ``gate``: a P/D decode) failed before its first bytes
-    passed the gate, so the client has seen nothing of it. ``kind``: ``timeout`` (``detail``: the
+    """A gated stream (``Relay.answer``'s ``gate``: a P/D decode; ``Relay.stream_from_head``) failed
+    before its first bytes passed the gate, so the client has seen nothing of it. ``kind``: ``timeout`` (``detail``: the
     seconds waited), ``broken`` (the ``UpstreamError``), ``empty`` (it ended), ``refused`` (what
     the gate returned)."""
 
@@ -255,18 +255,18 @@ class Relay:
             on_head(resp)
             return None
 
+        cancelled = untouched = False
         try:
-            out = await self.stream_early(ctx, resp, strip_usage, wd, ahead, came)
+            return await self.stream_early(ctx, resp, strip_usage, wd, ahead, came)
         except FirstBytesFailed:
-            raise                       # the caller's, with ``resp`` untouched
+            untouched = True            # the caller's, with ``resp`` as it came
+            raise
         except asyncio.CancelledError:
-            self.settle(ctx, resp, True, False)
+            cancelled = True
             raise
-        except BaseException:
-            self.settle(ctx, resp, False, False)
-            raise
-        self.settle(ctx, resp, False, False)
-        return out
+        finally:
+            if not untouched:
+                self.settle(ctx, resp, cancelled, False)
 
     async def stream_early(self, ctx: RequestContext, resp: UpstreamResponse, strip_usage: bool,
                            wd: WatchdogConfig | None, ahead: HeadAhead, gate: Gate) -> web.StreamResponse:

@@ -170,8 +170,7 @@ class WrittenStream(WrittenAnswer):
         if self._ended:
             raise RuntimeError("Cannot call write() after write_eof()")
         if data:
-            self.body_length += len(data)
-            self._send(b"%x\r\n%b\r\n" % (len(data), data))
+            self.send(data)
             if self._protocol.writing_paused:     # the client stopped reading: wait as aiohttp's drain does
                 await self._writer.drain()
 
