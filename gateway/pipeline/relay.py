@@ -399,7 +399,7 @@ class Relay:
                     transport.write(b"%x\r\n%b\r\n" % (len(data), data))
                 if early:
                     feed(chunk, now)
-                if proto.writing_paused:
+                if proto._paused:       # ``writing_paused``'s flag (aiohttp's BaseProtocol), read once a chunk
                     unpipe()
             elif held:
                 out.send_head()         # type: ignore[attr-defined]   # nothing of it for the client

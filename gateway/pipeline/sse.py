@@ -182,8 +182,8 @@ class SSEScanner:
     """
 
     __slots__ = (
-        "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "itl_count",
-        "itl_sum", "itl_max", "usage", "finish_reason", "error", "done", "events",
+        "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason",
+        "error", "done", "events",
         "_buf", "_sent", "_skip", "_now",
     )
 
@@ -193,9 +193,6 @@ class SSEScanner:
         self.last_token_at: float | None = None
         self.token_events = 0                      # events that carried generated content
         self.itl: list[float] = []                 # gaps between content chunks, up to ITL_KEEP
-        self.itl_count = 0                         # all gaps, even those beyond ITL_KEEP
-        self.itl_sum = 0.0
-        self.itl_max = 0.0
         self.usage: dict | None = None             # the last usage object seen
         self.finish_reason: str | None = None
         self.error: dict | None = None             # in-stream `data: {"error": ...}`
@@ -376,14 +373,8 @@ class SSEScanner:
         last = self.last_token_at
         if last is None:
             self.first_token_at = now
-        else:
-            gap = now - last
-            self.itl_count += 1
-            self.itl_sum += gap
-            if gap > self.itl_max:
-                self.itl_max = gap
-            if len(self.itl) < ITL_KEEP:
-                self.itl.append(gap)
+        elif len(self.itl) < ITL_KEEP:
+            self.itl.append(now - last)
         self.last_token_at = now
 
     def _event(self, data: bytes | bytearray, start: int, end: int) -> int:

@@ -309,15 +309,16 @@ def test_itl_gaps_between_content_chunks():
     assert s.token_events == 4
     assert s.drain_itl() == [1.0, 2.0]
     assert s.itl == [] and s.drain_itl() == []
-    assert (s.itl_count, s.itl_sum, s.itl_max) == (2, 3.0, 2.0)
 
 
-def test_itl_list_is_capped_but_counted():
+def test_itl_list_is_capped_between_drains():
     s = SSEScanner()
     for t in range(ITL_KEEP + 10):
         s.feed(VLLM_HEL, float(t))
-    assert len(s.itl) == ITL_KEEP
-    assert s.itl_count == ITL_KEEP + 9
+    assert len(s.itl) == ITL_KEEP and s.last_token_at == ITL_KEEP + 9
+    assert len(s.drain_itl()) == ITL_KEEP
+    s.feed(VLLM_HEL, ITL_KEEP + 10.5)
+    assert s.itl == [1.5]
 
 
 def test_oversized_event_passes_through_unscanned(monkeypatch):
