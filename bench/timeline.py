@@ -172,18 +172,14 @@ STAMPS = textwrap.dedent('''
     around(WH.WrittenStream, "_send", "client_write")              # answers written whole
     RL.write_whole = WH.write_whole = (lambda f: lambda *a, **k: (mark("client_write"), f(*a, **k))[1])(WH.write_whole)
     data_received = H._Conn.data_received
-    def upstream_read(self, data):          # a read after the stream's head went out: its first chunk
-        if "client_write" in cur:
-            mark("chunk_rx")
-        return data_received(self, data)
-    flush = H.UpstreamResponse._flush
-    def flushed(self):
-        flush(self)
-        if "chunk_rx" in cur:
-            mark("chunk_out")
+    def upstream_read(self, data):          # a read after the stream's head went out: its first chunk,
+        if "client_write" not in cur:       # relayed (written and scanned) by the time the read returns
+            return data_received(self, data)
+        mark("chunk_rx")
+        data_received(self, data)
+        mark("chunk_out")
     if not PD:
         H._Conn.data_received = upstream_read
-        H.UpstreamResponse._flush = flushed
     else:
         import gateway.pd.orchestrator as O, gateway.pipeline.routing as R, gateway.pd.decide as D
         import routers.pd as RP, handlers.vllm as HV, handlers.sglang as HS

@@ -162,22 +162,6 @@ class UpstreamResponse:
         itself is unchanged, and nothing happens when no reader waits."""
         self._wake(exc)
 
-    def _flush(self) -> None:
-        """Hand what the last read brought to the sink (one call per read, however many body
-        chunks it held). Whatever the sink raises ends the ``pipe`` with that exception."""
-        chunks = self._chunks                   # ``_take``, inline: this runs once per relayed read
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        self._chunks = []
-        self._size = 0
-        conn = self._conn
-        if conn is not None and conn.paused:
-            conn.resume()
-        try:
-            self._sink(data)        # type: ignore[misc]
-        except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
-            self._sink = None
-            self._wake(e)
-
     def whole_body(self) -> bytes:
         """The whole body of a complete answer (``on_eof``), left for its reader as well."""
         chunks = self._chunks
@@ -396,8 +380,20 @@ class _Conn(asyncio.Protocol):
             self._fail(UpstreamProtocolError(f"invalid HTTP response: {e}"))
             return
         resp = self.resp
-        if resp is not None and resp._sink is not None and resp._chunks:
-            resp._flush()
+        if resp is not None and (sink := resp._sink) is not None and (chunks := resp._chunks):
+            # piped: what this read brought goes to the sink in one call, however many body chunks
+            # it held (``_take`` inline: this runs once per relayed read); whatever the sink raises
+            # ends the ``pipe`` with that exception
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            resp._chunks = []
+            resp._size = 0
+            if self.paused:
+                self.resume()
+            try:
+                sink(data)
+            except Exception as e:      # noqa: BLE001 - raised in the piping task, where it belongs
+                resp._sink = None
+                resp._wake(e)
 
     def connection_lost(self, exc: Exception | None) -> None:
         try:
