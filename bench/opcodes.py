@@ -129,11 +129,16 @@ def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pa
             conn = http.client.HTTPConnection("127.0.0.1", gw_port, timeout=30)
             for _ in range(warmup):
                 _send(conn, body, api_key)
+            # a request's bookkeeping (its record, log line, breakers) runs after its answer went
+            # out: the last warm-up's must end before the count starts, and the last counted
+            # request's before it stops, or a request's tail is counted once too often or too few
+            time.sleep(0.3)
             for pid in pids:
                 os.kill(pid, signal.SIGUSR1)
-            time.sleep(0.3)
+            time.sleep(0.2)
             for _ in range(requests):
                 _send(conn, body, api_key)
+            time.sleep(0.3)
             for pid in pids:
                 os.kill(pid, signal.SIGUSR2)
             deadline = time.monotonic() + 30
