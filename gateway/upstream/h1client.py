@@ -455,12 +455,13 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         resp = self.resp
         resp._chunks.append(body)
+        if resp._sink is not None:  # piped: handed over once the whole read is parsed (no count:
+            return                  # nothing stays buffered past this read, so nothing to pause for)
         resp._size += len(body)
         if resp._size > HIGH_WATER and not self.paused and not self.closed:
             self.paused = True
             self.transport.pause_reading()
-        if resp._sink is None:      # piped: handed over once the whole read is parsed
-            resp._wake()
+        resp._wake()
 
     def on_message_complete(self) -> None:
         resp = self.resp
