@@ -19,7 +19,8 @@ path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than 
 while it comes after its head, or followed by more bytes, ``Expect``, ``Upgrade``, a head without
 exactly one ``Host`` (aiohttp's 400), a head near the edge's header limits, a body over
 ``server.max_body_bytes``, a connection with a request of aiohttp's in flight, or a head that is
-not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line).
+not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line,
+a value ending in a space or a tab).
 aiohttp's answers to those (431, 413, 400 in OpenAI shape, 100 Continue) are therefore
 unchanged; the lane only ever takes what aiohttp would have handed to the same handler (a
 property test holds it to that: tests/unit/gateway/server/test_lane.py).
