@@ -478,6 +478,11 @@ class EdgeProtocol(web.RequestHandler):
         held, self._lane_held = self._lane_held, []
         if held:
             self.transport.resume_reading()
+            # they begin the next request, which the lane may take too: a client that sends it as
+            # soon as the last byte of its answer arrives finds the request's own bookkeeping still
+            # running (an SGLang P/D stream ends in its relay's task, a loop turn before the
+            # handler's), and aiohttp's path costs such a request ~0.3 ms at low load
+            self._e_rx_head = False
             self.data_received(b"".join(held))
 
     def pause_reading(self) -> None:
