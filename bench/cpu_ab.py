@@ -99,6 +99,8 @@ def run(scenario: str, port: int, pid: int | None, backend_ports: list[int], a: 
                  "--pace-ms", f"{a.fleet_interval * 1000:g}", "--ramp", f"{a.fleet_interval:g}", "--settle", "0.2"]
     out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
     r = orjson.loads(out.strip().splitlines()[-1])
+    if r.get("errors"):         # a gateway that fails requests has no CPU figure worth reporting
+        raise RuntimeError(f"{scenario}: {r['errors']} requests failed on port {port}: {r.get('error_samples')}")
     if scenario == "paced1":
         cpu = r["cpu_s"]["target"] / r["events"] * 1e6 if pid is not None else 0.0
         return cpu, r["ttft_p50_ms"]
