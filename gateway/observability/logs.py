@@ -4,8 +4,11 @@ The request line is what users rely on, and at high request rates its cost is th
 largest after the sockets, so it skips structlog's processor chain: ``RequestLog.emit`` renders
 the record's fields once (orjson for JSON, a plain formatter for the console) and hands the bytes
 to a ``LineWriter``. The writer never blocks the event loop: lines collect in a buffer that a
-short timer hands to one writer thread, which writes them to stderr in chunks no larger than
-``PIPE_BUF`` cut at line ends (so worker processes sharing a pipe never interleave inside a line).
+short timer hands to one writer thread, which writes them to stderr: to a pipe (a container's
+stderr) in chunks no larger than ``PIPE_BUF`` cut at line ends, so worker processes sharing it never
+interleave inside a line; to a regular file in one write a batch (Linux keeps the file position
+locked across a write, so the workers' batches do not interleave either). The request path takes
+no lock: what is pending is counted by the loop's thread and the writer's, each its own counter.
 The buffer is one ``bytearray`` the lines are copied into: orjson's output keeps its whole working
 buffer (4 KB or more for a 400-byte line), so holding the lines themselves through a burst of
 requests ending at once (10,000 idle streams whose clients leave) would hold tens of MB.
@@ -25,6 +28,7 @@ import logging
 import os
 import queue
 import select
+import stat
 import sys
 import threading
 import time
@@ -103,21 +107,27 @@ class LineWriter:
         self.on_drop = on_drop
         self.dropped = 0
         self._buf = bytearray()
-        self._pending = 0                  # bytes buffered or queued and not yet written
+        # bytes handed to the thread, and bytes it wrote: each is written by one thread only (the
+        # loop's, the writer's), so what is pending needs no lock on the request path
+        self._queued = 0
+        self._written = 0
+        self._chunk = 0                    # the largest write (see _chunk_limit); 0: not known yet
         self._timer: asyncio.TimerHandle | None = None
         self._queue: queue.SimpleQueue[bytearray | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+
+    @property
+    def _pending(self) -> int:
+        """Bytes buffered or queued and not yet written."""
+        return len(self._buf) + self._queued - self._written
 
     def write(self, line: bytes) -> None:
-        if self._pending > self.max_pending_bytes:
+        if len(self._buf) + self._queued - self._written > self.max_pending_bytes:
             self.dropped += 1
             if self.on_drop is not None:
                 self.on_drop(1)
             return
         self._buf += line                  # a copy: the caller's bytes are freed now (see module doc)
-        with self._lock:
-            self._pending += len(line)
         if self._timer is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -134,6 +144,7 @@ class LineWriter:
         if not self._buf:
             return
         batch, self._buf = self._buf, bytearray()
+        self._queued += len(batch)
         if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="switchyard-log", daemon=True)
             self._thread.start()
@@ -150,12 +161,24 @@ class LineWriter:
             self._thread.join(timeout)
         self._thread = None
 
+    def _chunk_limit(self) -> int:
+        """The largest write: ``PIPE_BUF`` where only that much is written whole (a pipe, a socket,
+        a terminal: a container's stderr), so worker processes sharing it never interleave inside
+        a line; a batch in one write to a regular file, where a write is never interleaved with
+        another process's on the same open file (Linux keeps the file position locked across it)."""
+        try:
+            regular = stat.S_ISREG(os.fstat(self.fd).st_mode)
+        except OSError:
+            regular = False
+        return 1 << 30 if regular else PIPE_BUF
+
     def _run(self) -> None:
+        if not self._chunk:
+            self._chunk = self._chunk_limit()
         while (batch := self._queue.get()) is not None:
-            for chunk in _chunks(batch, PIPE_BUF):
+            for chunk in _chunks(batch, self._chunk):
                 self._write_all(chunk)
-                with self._lock:
-                    self._pending -= len(chunk)
+                self._written += len(chunk)
             batch = chunk = None           # not held while the thread waits for the next batch
 
     def _write_all(self, data: bytes) -> None:

@@ -126,3 +126,49 @@ def test_a_stalled_reader_bounds_the_buffer_and_counts_what_it_drops():
     reader.join(5)
     os.close(r)
     assert len(got[0]) == (1000 - writer.dropped) * 1000 and got[0].endswith(b"\n")
+
+
+def test_a_pipe_is_written_within_pipe_buf_and_a_regular_file_a_batch_at_once(tmp_path):
+    r, w = os.pipe()
+    f = os.open(tmp_path / "log", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert LineWriter(fd=w)._chunk_limit() == PIPE_BUF
+        assert LineWriter(fd=f)._chunk_limit() > 16 << 20      # any batch the bound lets through
+    finally:
+        for fd in (r, w, f):
+            os.close(fd)
+
+
+def test_writers_sharing_a_regular_file_keep_every_line_whole(tmp_path):
+    # two workers' writers on one inherited stderr (one open file, as a fork shares it), each
+    # writing its batches in one write from its own thread
+    path = tmp_path / "log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    fd2 = os.dup(fd)
+    writers = [LineWriter(fd=fd), LineWriter(fd=fd2)]
+    for i in range(3000):
+        for k, wr in enumerate(writers):
+            wr._buf += b'{"worker":%d,"i":%d,"pad":"%s"}\n' % (k, i, b"p" * (i % 700))
+            if i % 97 == 0:
+                wr.flush()
+    for wr in writers:
+        wr.close()
+    os.close(fd)
+    os.close(fd2)
+    lines = path.read_bytes().splitlines()
+    got = [orjson.loads(x) for x in lines]
+    for k in (0, 1):
+        assert [g["i"] for g in got if g["worker"] == k] == list(range(3000))
+
+
+def test_what_is_pending_counts_the_buffer_and_the_unwritten_batches():
+    r, w = os.pipe()
+    writer = LineWriter(fd=w, max_pending_bytes=10_000)
+    writer._buf += b"a" * 99 + b"\n"
+    assert writer._pending == 100
+    writer.flush()                          # handed to the thread; the pipe takes it
+    writer.close(timeout=5)
+    assert writer._pending == 0
+    os.close(w)
+    assert read_all(r) == b"a" * 99 + b"\n"
+    os.close(r)
