@@ -24,9 +24,14 @@ back, each on top of the one before:
   with several workers);
 - ``parse``: the request parsed as the pipeline parses it (``Pipeline._parse``: validation, the
   prompt for routing, aliases and adapters);
-- ``route``: routed as the pipeline routes it (the model counted in flight, strategy, router,
-  ``_admit``: candidates, tenancy's and admission's checks; ``route_and_charge``: the decision,
-  its histogram, observers and charges);
+- ``strategy``: the model counted in flight, its strategy and router (``_enter``,
+  ``strategy_for``, ``router_for``), the endpoint still the next in turn;
+- ``admit``: ``_admit`` (the ready candidates, tenancy's and admission's checks, the engine's
+  adapter, the latency objectives);
+- ``route``: ``route_and_charge`` (the router's decision, its histogram and observers, the
+  charges) and admission's note of the dispatch;
+- ``upstream``: the leg opened as the pipeline opens it (``Upstream.begin`` and ``opened`` with
+  the pipeline's upstream body and headers), the answer still read and written by the step;
 - ``forward``: forwarded and answered by ``Pipeline.forward`` (upstream headers and body, retries
   and breakers, ``Relay.answer``: usage accounting, the head): the pipeline without the script's
   outer frame;
@@ -58,7 +63,8 @@ from bench.procs import stop, wait_port  # noqa: E402
 from gateway.server.run import free_port  # noqa: E402
 
 PY = sys.executable
-STEPS = ("floor", "context", "record", "render", "log", "observers", "parse", "route", "forward", "full")
+STEPS = ("floor", "context", "record", "render", "log", "observers", "parse", "strategy", "admit", "route",
+         "upstream", "forward", "full")
 
 # Runs as the gateway's process: installs the step's handler, then starts the gateway as
 # ``python -m gateway`` would (forked workers inherit the class as patched).
@@ -70,6 +76,7 @@ BOOT = textwrap.dedent('''
     from gateway.pipeline.context import RequestContext, record_request
     from gateway.pipeline.whole import write_whole
     from gateway.tenants.service import NO_TICKET
+    from gateway.upstream.upstream import upstream_body, upstream_headers
 
     step, STEPS = sys.argv[1], sys.argv[2].split(",")
     level = STEPS.index(step)
@@ -97,22 +104,37 @@ BOOT = textwrap.dedent('''
             else:
                 body = request.content.read_nowait()
                 model = orjson.loads(body)["model"]
-            if has("route"):
+            if has("strategy"):
                 counted = self._enter(model)
                 rec.model_known = True
                 spec = self.routing.strategy_for(model, request.headers.get("routing-strategy"), lora=False)
                 router = self.routing.router_for(spec)
                 rec.strategy = spec
-                adapter, _, candidates = await self._admit(ctx, NO_TICKET, spec, router)
-                candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
-                self.admission.dispatched(ctx)
-                ep = ctx.decision.endpoint
+                if has("admit"):
+                    adapter, _, candidates = await self._admit(ctx, NO_TICKET, spec, router)
+                else:
+                    candidates = self.pool.endpoints(model)
+                if has("route"):
+                    candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
+                    self.admission.dispatched(ctx)
+                    ep = ctx.decision.endpoint
+                else:
+                    self._turn = i = (getattr(self, "_turn", -1) + 1) % len(candidates)
+                    ep = candidates[i]
                 try:
                     if has("forward"):
                         return await self.forward(ctx, candidates)
-                    x = self.upstream.pool.begin(ep.url + request.path, body, {"Content-Type": "application/json"})
-                    ctx.written()
-                    resp = await x.response(None)
+                    if has("upstream"):
+                        ireq = ctx.ireq
+                        ctx.use(ep)
+                        x = self.upstream.begin(ep, ireq.path, upstream_body(ireq)[0],
+                                                ctx.leg_headers(ep, upstream_headers(ireq)))
+                        ctx.written()
+                        resp = await self.upstream.opened(ep, x, None, ireq.model)
+                    else:
+                        x = self.upstream.pool.begin(ep.url + request.path, body, {"Content-Type": "application/json"})
+                        ctx.written()
+                        resp = await x.response(None)
                     data = await resp.read()
                     resp.release()
                 finally:

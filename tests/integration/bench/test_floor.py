@@ -8,9 +8,9 @@ from bench import floor
 
 
 def test_every_step_answers_and_is_measured(capsys):
-    assert floor.main(["--steps", "floor,record,log,forward,full", "--rounds", "1", "--duration", "0.5"]) == 0
+    assert floor.main(["--steps", "floor,record,log,admit,upstream,forward,full", "--rounds", "1", "--duration", "0.5"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "µs (" in line]
-    assert [r.split(" | ")[0].lstrip("| ") for r in rows] == ["floor", "record", "log", "forward", "full"]
+    assert [r.split(" | ")[0].lstrip("| ") for r in rows] == ["floor", "record", "log", "admit", "upstream", "forward", "full"]
     for r in rows:
         cpu, rate = re.search(r"\| ([\d.]+) µs \(.*\| ([\d,]+) \|$", r).groups()
         assert float(cpu) > 0 and int(rate.replace(",", "")) > 0
