@@ -175,6 +175,10 @@ class Breakers:
         self.metrics.states = BreakerStates(self)
         registry.register(self.metrics.states)
         self._children: dict[tuple, Any] = {}
+        # the usual outcome, a success on a closed breaker, recorded without the general path's
+        # lookups: per endpoint, (the endpoint, its success counter, its breaker, the bucket length);
+        # taken by ``record`` once breakers are on for its model, dropped by ``reset`` and ``reconfigure``
+        self._success: dict[int, tuple[Endpoint, Any, Breaker, float]] = {}
         # told of each local open (ep, open_for, ejections) and close (ep, 0.0, 0): the sibling workers
         self.on_change: Callable[[Endpoint, float, int], None] | None = None
 
@@ -210,11 +214,22 @@ class Breakers:
     def record(self, ep: Endpoint, outcome: Outcome, cause: str = "") -> None:
         """One classified outcome of a leg to ``ep``. ``cause``: ``connect`` for a refused
         connection (opens at once with ``health.passive``), else free text for the log."""
-        self._child(self.metrics.outcomes, ep.model, ep.name, outcome.value).inc()
+        if outcome is Outcome.SUCCESS:
+            known = self._success.get(id(ep))
+            if known is not None and known[0] is ep and known[2].state == CLOSED:
+                known[1].inc()
+                b = known[2]
+                b.consecutive = 0
+                b.count(False, self.clock(), known[3])
+                return
+        counter = self._child(self.metrics.outcomes, ep.model, ep.name, outcome.value)
+        counter.inc()
         cfg = self.config_for(ep.model)
         if not cfg.enabled:
             return
         b = self.breaker(ep)
+        if outcome is Outcome.SUCCESS:
+            self._success[id(ep)] = (ep, counter, b, cfg.window_s / _BUCKETS)
         now = self.clock()
         if b.state == HALF_OPEN:
             self._trial_outcome(ep, b, cfg, outcome, now, cause)
@@ -397,6 +412,7 @@ class Breakers:
     def reset(self, ep: Endpoint) -> None:
         """Forget ``ep``'s breaker (it left the pool, or breakers were turned off)."""
         entry = self._by_ep.pop(id(ep), None)
+        self._success.pop(id(ep), None)
         self._half_opens.discard(id(ep))
         if entry is not None:
             self._cancel(entry[1])
@@ -407,6 +423,7 @@ class Breakers:
     def reconfigure(self, config_for: Callable[[str], BreakerConfig]) -> None:
         """A reload: new settings; a breaker whose model turned breakers off closes now."""
         self.config_for = config_for
+        self._success.clear()                  # a model's breakers may be off now, or its window other
         for ep, b in list(self._by_ep.values()):
             if b.state != CLOSED and not config_for(ep.model).enabled:
                 self._close(ep, b, self.clock())

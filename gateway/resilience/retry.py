@@ -71,7 +71,11 @@ class RetryBudget:
         return sum(self.requests[j] for j in live), sum(self.retries[j] for j in live)
 
     def request(self) -> None:
-        self.requests[self._slot()] += 1
+        tick = int(self.clock() / self.bucket_s)      # ``_slot``, inline: this runs once per request
+        i = tick % _BUCKETS
+        if self.stamps[i] != tick:
+            self.stamps[i], self.requests[i], self.retries[i] = tick, 0, 0
+        self.requests[i] += 1
 
     def allows(self, cfg: RetryConfig) -> bool:
         requests, retries = self._sums()
@@ -117,8 +121,11 @@ class Retries:
         return entry[1]
 
     def request(self, model: str) -> None:
-        """A request entered the retry-capable path: it adds to the model's budget."""
-        self.budget(model).request()
+        """A request entered the retry-capable path: it adds to the model's budget. Its window is
+        checked where the budget is read (``others``), not here on every request: after a reload
+        that changes ``budget_window_s`` the next retry decision starts a new budget."""
+        entry = self._budgets.get(model)
+        (entry[1] if entry is not None else self.budget(model)).request()
 
     def others(self, model: str, outcome: Outcome, failed: Endpoint, retries: int,
                candidates: Sequence[Endpoint], tried: Sequence[Endpoint]) -> list[Endpoint] | None:

@@ -277,3 +277,43 @@ def test_config_blocks_global_and_per_model():
         config_from_dict({"retry": {"tries": 1}})
     off = config_from_dict({"upstream": {"retry_on_connect_error": False}})
     assert not off.retry_for("m").enabled
+
+
+def _outcomes(br) -> dict[tuple[str, str], float]:
+    return {(s.labels["endpoint"], s.labels["outcome"]): s.value
+            for f in br.metrics.outcomes.collect() for s in f.samples if s.name.endswith("_total")}
+
+
+def test_successes_on_a_closed_breaker_count_alike_on_the_short_path_and_the_general_one():
+    br, (a, b, *_), t = setup(consecutive_faults=3, fault_rate=0.5, min_requests=4, window_s=10)
+    feed(br, a, [S] * 5)                   # the first takes the general path, the rest the short one
+    feed(br, a, [F, F])
+    feed(br, a, [S])                       # a success resets the faults in a row
+    feed(br, a, [F, F])
+    assert br.state(a) == CLOSED
+    feed(br, a, [F])                       # 3 in a row
+    assert br.state(a) == OPEN
+    feed(br, a, [S])                       # a late answer on an open breaker changes nothing
+    assert br.state(a) == OPEN and not a.ready
+    assert _outcomes(br)[(a.name, "success")] == 7 and _outcomes(br)[(a.name, "fault")] == 5
+    t.advance(3600)                        # half-open, then a trial's success closes it
+    decide(br, a)
+    feed(br, a, [S] * 5)
+    assert br.state(a) == CLOSED
+    for _ in range(3):                     # closed again: the window and the faults in a row still count
+        feed(br, a, [S, F])
+    assert br.state(a) == CLOSED
+    feed(br, a, [F, F, F])
+    assert br.state(a) == OPEN
+
+
+def test_a_reload_that_turns_breakers_off_reaches_the_short_path_too():
+    br, (a, *_), t = setup(consecutive_faults=2, fault_rate=0)
+    feed(br, a, [S, S])
+    off = BreakerConfig(enabled=False, consecutive_faults=2, fault_rate=0)
+    br.reconfigure(lambda _m: off)
+    feed(br, a, [S, F, F, F])              # counted, never judged
+    assert br.state(a) == CLOSED and a.ready
+    assert _outcomes(br)[(a.name, "success")] == 3
+    br.reset(a)                            # the endpoint left: nothing of it is kept
+    assert id(a) not in br._success
