@@ -59,6 +59,15 @@ def export(ref: str, into: Path) -> Path:
     return into
 
 
+def start_backend(n: int = 4) -> tuple[subprocess.Popen, list[int]]:
+    """The fast backend (``bench/fastbackend.py``) on ``n`` free ports, and those ports."""
+    ports = [free_port() for _ in range(n)]
+    argv = [PY, str(REPO / "bench" / "fastbackend.py")]
+    for p in ports:
+        argv += ["--port", str(p)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True), ports
+
+
 def start_gateway(tree: Path, name: str, urls: list[str], workdir: Path,
                   env: dict[str, str] | None = None, workers: int = 1, python: str = PY,
                   extra: str = "", api_key: str | None = None) -> tuple[subprocess.Popen, int]:
@@ -138,11 +147,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         trees = {"base": export(a.base, work / "base"), "new": Path(a.new) if a.new else REPO}
-        backend_ports = [free_port() for _ in range(4)]
-        bargv = [PY, str(REPO / "bench" / "fastbackend.py")]
-        for p in backend_ports:
-            bargv += ["--port", str(p)]
-        backend = subprocess.Popen(bargv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        backend, backend_ports = start_backend()
         gws: dict[str, tuple[subprocess.Popen, int]] = {}
         try:
             wait_port(backend_ports[0], backend)

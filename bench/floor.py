@@ -57,7 +57,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.cpu_ab import run  # noqa: E402
+from bench.cpu_ab import run, start_backend  # noqa: E402
 from bench.overhead import wait_ready  # noqa: E402
 from bench.procs import stop, wait_port  # noqa: E402
 from gateway.server.run import free_port  # noqa: E402
@@ -198,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     a.api_key = None
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
-        ports = [free_port() for _ in range(4)]
-        argv_b = [PY, str(REPO / "bench" / "fastbackend.py")]
-        for p in ports:
-            argv_b += ["--port", str(p)]
-        backend = subprocess.Popen(argv_b, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        backend, ports = start_backend()
         gws: dict[str, tuple[subprocess.Popen, int]] = {}
         try:
             wait_port(ports[0], backend)
