@@ -122,7 +122,7 @@ class LineWriter:
         return len(self._buf) + self._queued - self._written
 
     def write(self, line: bytes) -> None:
-        if len(self._buf) + self._queued - self._written > self.max_pending_bytes:
+        if self._pending > self.max_pending_bytes:
             self.dropped += 1
             if self.on_drop is not None:
                 self.on_drop(1)

@@ -71,11 +71,7 @@ class RetryBudget:
         return sum(self.requests[j] for j in live), sum(self.retries[j] for j in live)
 
     def request(self) -> None:
-        tick = int(self.clock() / self.bucket_s)      # ``_slot``, inline: this runs once per request
-        i = tick % _BUCKETS
-        if self.stamps[i] != tick:
-            self.stamps[i], self.requests[i], self.retries[i] = tick, 0, 0
-        self.requests[i] += 1
+        self.requests[self._slot()] += 1
 
     def allows(self, cfg: RetryConfig) -> bool:
         requests, retries = self._sums()
@@ -120,10 +116,14 @@ class Retries:
             entry = self._budgets[model] = (window, RetryBudget(window, self.clock))
         return entry[1]
 
+    def reconfigure(self, config_for: Callable[[str], RetryConfig]) -> None:
+        """A reload: new settings; a model whose ``budget_window_s`` changed starts a new budget
+        (the others keep theirs), so ``request`` needs no look at the config."""
+        self.config_for = config_for
+        self._budgets = {m: e for m, e in self._budgets.items() if config_for(m).budget_window_s == e[0]}
+
     def request(self, model: str) -> None:
-        """A request entered the retry-capable path: it adds to the model's budget. Its window is
-        checked where the budget is read (``others``), not here on every request: after a reload
-        that changes ``budget_window_s`` the next retry decision starts a new budget."""
+        """A request entered the retry-capable path: it adds to the model's budget."""
         entry = self._budgets.get(model)
         (entry[1] if entry is not None else self.budget(model)).request()
 

@@ -63,3 +63,21 @@ def test_backpressure_goes_only_where_there_is_headroom():
     off = Retries(lambda _m: RetryConfig(on_backpressure=False), CollectorRegistry())
     assert off.others("m", Outcome.BACKPRESSURE, busy, 0, [busy, idle], [busy]) is None
     assert off.others("m", Outcome.FAULT, busy, 0, [busy, idle], [busy]) == [idle]
+
+
+def test_a_reload_keeps_a_budget_whose_window_is_unchanged_and_starts_one_whose_window_changed():
+    clock = Clock(500.0)
+    ten = RetryConfig(budget_percent=10, budget_min=0, budget_window_s=10)
+    r = Retries(lambda _m: ten, CollectorRegistry(), clock=clock)
+    a, b = eps(2)
+    for _ in range(20):
+        r.request("m")
+    assert r.others("m", Outcome.FAULT, a, 0, [a, b], [a]) == [b]     # 10 % of 20 requests: 2 retries
+    r.reconfigure(lambda _m: RetryConfig(budget_percent=10, budget_min=0, budget_window_s=10))
+    assert r.others("m", Outcome.FAULT, a, 0, [a, b], [a]) == [b]     # the same window: the counts stay
+    assert r.others("m", Outcome.FAULT, a, 0, [a, b], [a]) is None
+    r.reconfigure(lambda _m: RetryConfig(budget_percent=10, budget_min=0, budget_window_s=30))
+    for _ in range(10):
+        r.request("m")                                                 # counted in the new window's budget
+    assert r.others("m", Outcome.FAULT, a, 0, [a, b], [a]) == [b]
+    assert r.others("m", Outcome.FAULT, a, 0, [a, b], [a]) is None
