@@ -183,8 +183,10 @@ return redis.call('INCR', KEYS[3])
 """
 
 # transport failures (and a failover in progress) mark the backend down; anything else is a bug
-# in a call, not an outage
-_TRANSPORT = UNAVAILABLE
+# in a call, not an outage. The client library raises AttributeError when a connection is closed
+# under a call that is sending on it (after a failure a Cluster client's connections are all
+# closed at once, forget_topology): that is a lost connection too.
+_TRANSPORT = (*UNAVAILABLE, AttributeError)
 
 
 class StateUnavailable(Exception):
@@ -444,7 +446,7 @@ class RedisState:
                 pipe.hdel(k_conc, self.replica_id)
         try:
             await self._call(pipe.execute(), probe=True)
-        except StateUnavailable:
+        except BaseException:               # kept for the next good sync, whatever went wrong
             self._dirty |= users
             raise
 
@@ -464,8 +466,8 @@ class RedisState:
             args += (count, max(1, int((start + window_s - now) * 1000)))
         try:
             await self._call(self._evalsha(RECONCILE, keys, args), probe=True)
-        except StateUnavailable:
-            for k, (count, start) in live.items():      # keep it for the next good sync
+        except BaseException:       # keep it for the next good sync, whatever went wrong
+            for k, (count, start) in live.items():
                 entry = self._tally.get(k)
                 if entry is None:
                     self._tally[k] = [count, start]

@@ -17,9 +17,10 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from gateway.config.schema import StateConfig
+from gateway.config.schema import StateConfig, UserLimits
 from gateway.server.run import free_port
-from gateway.tenants.redis_state import RedisState
+from gateway.tenants.limits import AdmitQuery
+from gateway.tenants.redis_state import RECONCILE, RedisState, StateUnavailable
 from tests.support.factories import model_block
 from tests.support.http import openai_client
 from tests.support.tenancy import ALICE, CHAT, KEYS, outcomes
@@ -313,5 +314,38 @@ async def test_a_redis_restart_leaves_no_stale_pooled_connection(redis_server):
         await asyncio.sleep(0.05)   # a few loop turns to read them, as a serving gateway's loop would
         redis_server.start()
         assert await asyncio.gather(*(st.client.ping() for _ in range(5))) == [True] * 5
+    finally:
+        await st.stop()
+
+
+async def test_requests_counted_during_an_outage_survive_a_reconcile_that_breaks(redis_server):
+    """What was served while the state was unreachable is added once it is back. A reconcile call
+    that breaks in the client library (it raises AttributeError when a connection is closed under
+    a call sending on it, as a Cluster client does after a failure) keeps the counts for the next
+    sync and marks the state down; it must not drop them."""
+    st = RedisState(StateConfig(redis_url=redis_server.url, timeout_s=0.5))
+    st.reconcile = True                 # as with a Cluster or Sentinel; standalone does not reconcile
+    q = AdmitQuery("alice", UserLimits(rpm=1000), "m")
+    real = st.client.execute_command
+    broken = []
+
+    async def once_broken(*args, **kw):
+        if args[:2] == ("EVALSHA", st._sha[RECONCILE]) and not broken:
+            broken.append(args)
+            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+        return await real(*args, **kw)
+
+    st.client.execute_command = once_broken
+    try:
+        await st.sync(None)             # up
+        for _ in range(7):
+            st.served_unchecked(q)
+        assert st.unreconciled == 1
+        with pytest.raises(StateUnavailable):
+            await st.sync(None)
+        assert broken and not st.up and st.unreconciled == 1    # kept, and counted as an outage
+        await st.sync(None)
+        assert st.up and st.unreconciled == 0
+        assert int(await st.client.get(st._user_keys("alice")[0])) == 7
     finally:
         await st.stop()
