@@ -164,12 +164,15 @@ return out
 """
 
 RECONCILE = """
--- KEYS: windows; ARGV: for each, the count to add and the window's rest in ms (if it has no expiry)
-for i, key in ipairs(KEYS) do
-  redis.call('INCRBY', key, ARGV[2 * i - 1])
-  if redis.call('PTTL', key) < 0 then redis.call('PEXPIRE', key, ARGV[2 * i]) end
+-- KEYS: 1 this batch's marker, then windows; ARGV: 1 the marker's life in ms, then for each window
+-- the count to add and the window's rest in ms (if it has no expiry). A batch sent again (its
+-- answer was lost) finds its marker and adds nothing twice.
+if not redis.call('SET', KEYS[1], 1, 'NX', 'PX', ARGV[1]) then return 0 end
+for i = 2, #KEYS do
+  redis.call('INCRBY', KEYS[i], ARGV[2 * i - 2])
+  if redis.call('PTTL', KEYS[i]) < 0 then redis.call('PEXPIRE', KEYS[i], ARGV[2 * i - 1]) end
 end
-return #KEYS
+return #KEYS - 1
 """
 
 DIRECTORY = """
@@ -230,6 +233,12 @@ class RedisState:
         self._slot_users: set[str] = set()           # users this replica ever held a slot for
         # counts the shared windows missed while unreachable: window key -> [count, monotonic start]
         self._tally: dict[str, list] = {}
+        # tallies handed to a reconcile whose answer did not come: sent again as they were, under
+        # their marker, until one answer comes (so a batch Redis ran but whose answer was lost is
+        # not added twice): [(marker key, {window key: [count, start]})]
+        self._unsent: list[tuple[str, dict[str, list]]] = []
+        self._batch = 0
+        self._nonce = secrets.token_hex(4)          # markers of a restarted replica are new ones
 
     # -- availability ------------------------------------------------------------------------
 
@@ -381,7 +390,7 @@ class RedisState:
     @property
     def unreconciled(self) -> int:
         """Windows whose outage counts are still to be added to the shared state."""
-        return len(self._tally)
+        return len(self._tally) + sum(len(b) for _, b in self._unsent)
 
     def served_unchecked(self, q: AdmitQuery) -> None:
         """A request served without a check (``failure_policy: open``, state unreachable): count
@@ -452,32 +461,27 @@ class RedisState:
 
     async def _reconcile(self) -> None:
         """Add what was served while the state was unreachable to the shared windows (those whose
-        local window has not ended), in one script call."""
-        now = time.monotonic()
+        local window has not ended), one script call a batch. A batch whose call fails is kept
+        and sent again, with its marker, at the next good sync."""
         window_s = USER_WINDOW_MS / 1000
-        pending, self._tally = self._tally, {}
-        live = {k: v for k, v in pending.items() if now - v[1] < window_s}
-        if not live:
-            return
-        keys = list(live)
-        args: list = []
-        for k in keys:
-            count, start = live[k]
-            args += (count, max(1, int((start + window_s - now) * 1000)))
-        try:
-            await self._call(self._evalsha(RECONCILE, keys, args), probe=True)
-        except BaseException:       # keep it for the next good sync, whatever went wrong
-            for k, (count, start) in live.items():
-                entry = self._tally.get(k)
-                if entry is None:
-                    self._tally[k] = [count, start]
-                else:
-                    entry[0] += count
-                    entry[1] = min(entry[1], start)
-            raise
-        rpm = sum(v[0] for k, v in live.items() if k.startswith(f"{self._p}:rpm:"))
-        log.info("requests served while the shared state was unreachable are now counted",
-                 requests=rpm, tokens=sum(v[0] for v in live.values()) - rpm, windows=len(keys))
+        if self._tally:
+            self._batch += 1
+            marker = f"{self._p}:reconciled:{self.replica_id}:{self._nonce}:{self._batch}"
+            self._unsent.append((marker, self._tally))
+            self._tally = {}
+        while self._unsent:
+            marker, batch = self._unsent[0]
+            now = time.monotonic()
+            live = {k: v for k, v in batch.items() if now - v[1] < window_s}
+            if live:
+                args: list = [USER_WINDOW_MS]
+                for count, start in live.values():
+                    args += (count, max(1, int((start + window_s - now) * 1000)))
+                await self._call(self._evalsha(RECONCILE, [marker, *live], args), probe=True)
+                rpm = sum(v[0] for k, v in live.items() if k.startswith(f"{self._p}:rpm:"))
+                log.info("requests served while the shared state was unreachable are now counted",
+                         requests=rpm, tokens=sum(v[0] for v in live.values()) - rpm, windows=len(live))
+            self._unsent.pop(0)
 
     async def _evalsha(self, script: str, keys: list[str], args: list):
         try:
@@ -520,7 +524,7 @@ class RedisState:
         remote = {out[i].decode(): int(out[i + 1]) for i in range(1, len(out) - 1, 2)}
         if self._dirty:
             await self._repair()
-        if self._tally:
+        if self._tally or self._unsent:
             await self._reconcile()
         return version, remote
 

@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 import yaml
 
 from gateway.config.schema import StateConfig, UserLimits
@@ -318,34 +319,41 @@ async def test_a_redis_restart_leaves_no_stale_pooled_connection(redis_server):
         await st.stop()
 
 
-async def test_requests_counted_during_an_outage_survive_a_reconcile_that_breaks(redis_server):
-    """What was served while the state was unreachable is added once it is back. A reconcile call
-    that breaks in the client library (it raises AttributeError when a connection is closed under
-    a call sending on it, as a Cluster client does after a failure) keeps the counts for the next
-    sync and marks the state down; it must not drop them."""
+async def test_requests_counted_during_an_outage_are_added_once_whatever_breaks(redis_server):
+    """What was served while the state was unreachable is added once it is back, exactly once:
+    - a reconcile call that breaks before it is sent (the client library raises AttributeError
+      when a connection is closed under a call sending on it, as a Cluster client does after a
+      failure) keeps the counts for the next sync and marks the state down;
+    - one that Redis ran but whose answer was lost is sent again and adds nothing twice."""
     st = RedisState(StateConfig(redis_url=redis_server.url, timeout_s=0.5))
     st.reconcile = True                 # as with a Cluster or Sentinel; standalone does not reconcile
     q = AdmitQuery("alice", UserLimits(rpm=1000), "m")
     real = st.client.execute_command
-    broken = []
+    faults: list[str] = []
 
-    async def once_broken(*args, **kw):
-        if args[:2] == ("EVALSHA", st._sha[RECONCILE]) and not broken:
-            broken.append(args)
-            raise AttributeError("'NoneType' object has no attribute 'writelines'")
+    async def faulty(*args, **kw):
+        if args[:2] == ("EVALSHA", st._sha[RECONCILE]) and faults:
+            fault = faults.pop(0)
+            if fault == "unsent":
+                raise AttributeError("'NoneType' object has no attribute 'writelines'")
+            await real(*args, **kw)     # "lost": Redis runs it, the answer never arrives
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
         return await real(*args, **kw)
 
-    st.client.execute_command = once_broken
+    st.client.execute_command = faulty
+    rpm_key = st._user_keys("alice")[0]
     try:
         await st.sync(None)             # up
-        for _ in range(7):
-            st.served_unchecked(q)
-        assert st.unreconciled == 1
-        with pytest.raises(StateUnavailable):
+        for fault, served, total in (("unsent", 7, 7), ("lost", 5, 12)):
+            for _ in range(served):
+                st.served_unchecked(q)
+            assert st.unreconciled == 1
+            faults.append(fault)
+            with pytest.raises(StateUnavailable):
+                await st.sync(None)
+            assert not faults and not st.up and st.unreconciled == 1    # kept, and an outage
             await st.sync(None)
-        assert broken and not st.up and st.unreconciled == 1    # kept, and counted as an outage
-        await st.sync(None)
-        assert st.up and st.unreconciled == 0
-        assert int(await st.client.get(st._user_keys("alice")[0])) == 7
+            assert st.up and st.unreconciled == 0
+            assert int(await st.client.get(rpm_key)) == total
     finally:
         await st.stop()
