@@ -41,9 +41,12 @@ Client = aioredis.Redis | RedisCluster
 # What "the state cannot be reached now" looks like: a transport failure (Sentinel's "no primary
 # known" is one), or a Cluster in the middle of a failover (CLUSTERDOWN, TRYAGAIN, no node
 # reachable or no slot map yet). Anything else a call raises is a bug in the call, not an outage.
+# The client library raises AttributeError when a connection is closed under a call that is
+# sending on it: a Cluster client closes all its connections when one call fails, so a failover
+# can meet calls of others half-way. That is a lost connection like any other.
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, OSError, TimeoutError,
-    ClusterDownError, TryAgainError, RedisClusterException)
+    ClusterDownError, TryAgainError, RedisClusterException, AttributeError)
 
 
 def state_mode(cfg: StateConfig) -> Mode:

@@ -186,10 +186,8 @@ return redis.call('INCR', KEYS[3])
 """
 
 # transport failures (and a failover in progress) mark the backend down; anything else is a bug
-# in a call, not an outage. The client library raises AttributeError when a connection is closed
-# under a call that is sending on it (after a failure a Cluster client's connections are all
-# closed at once, forget_topology): that is a lost connection too.
-_TRANSPORT = (*UNAVAILABLE, AttributeError)
+# in a call, not an outage
+_TRANSPORT = UNAVAILABLE
 
 
 class StateUnavailable(Exception):

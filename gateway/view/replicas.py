@@ -30,17 +30,17 @@ from collections import deque
 from collections.abc import Callable
 
 import structlog
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisError
 
 from gateway.config.schema import StateConfig
-from gateway.state.redis import redis_client
+from gateway.state.redis import UNAVAILABLE, redis_client
 from gateway.view.config import ViewConfig
 from gateway.view.metrics import ViewMetrics
 from gateway.view.wire import Insert, Session, encode
 
 log = structlog.get_logger("switchyard.view")
 
-_FAILURES = (RedisError, OSError, TimeoutError, RedisClusterException)   # no Cluster node reachable: down, not a bug
+_FAILURES = (RedisError, *UNAVAILABLE)     # no Cluster node reachable, a connection lost: down, not a bug
 STOP_WAIT_S = 2.0           # how long stop() waits for a loop to end, and for a client to close
 CATCH_UP_CHUNK = 200        # entries applied per event-loop turn while catching up
 READ_COUNT = 1000           # entries per XREAD
@@ -119,6 +119,12 @@ class ReplicaLink:
                 _stop_if_cancelled()
                 self._requeue(facts)
                 self._mark(False, f"{type(e).__name__}: {e}")
+                continue
+            except Exception:         # a bug must not stop this replica's inserts for good
+                _stop_if_cancelled()
+                log.exception("shared routing view: stream writer failed")
+                self._requeue(facts)
+                self._mark(False, "writer error")
                 continue
             await asyncio.sleep(cfg.flush_interval_s)
 
