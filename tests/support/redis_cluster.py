@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.server.run import free_port
+from tests.support.ports import listen_port
 from tests.support.redis_server import SET_FLAGS, RedisProc, stop_set, wait_until
 
 
@@ -42,7 +42,7 @@ class RedisCluster:
         self.replicas = replicas
         self.nodes = []
         for i in range(primaries * (1 + replicas)):
-            port, bus, d = free_port(), free_port(), f"{self.dir}/n{i}"
+            port, bus, d = listen_port(), listen_port(), f"{self.dir}/n{i}"
             self.nodes.append(Node(port, d, [
                 self.server, "--port", str(port), "--cluster-enabled", "yes", "--cluster-port", str(bus),
                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),

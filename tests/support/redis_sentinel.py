@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from gateway.server.run import free_port
+from tests.support.ports import listen_port
 from tests.support.redis_server import SET_FLAGS, RedisProc, stop_set, wait_until
 
 SERVICE = "mymaster"
@@ -34,13 +34,13 @@ class RedisSentinel:
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
         common = SET_FLAGS
-        p0, p1 = free_port(), free_port()
+        p0, p1 = listen_port(), listen_port()
         self.servers = [RedisProc(p0, f"{self.dir}/r0", [self.server, "--port", str(p0), *common]),
                         RedisProc(p1, f"{self.dir}/r1", [self.server, "--port", str(p1), *common,
                                                     "--replicaof", "127.0.0.1", str(p0)])]
         self.sentinels = []
         for i in range(sentinels):
-            port = free_port()
+            port = listen_port()
             d = f"{self.dir}/s{i}"
             self.sentinels.append(RedisProc(port, d, [self.server, f"{d}/sentinel.conf", "--sentinel"]))
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.server.run import free_port
+from tests.support.ports import listen_port
 
 
 class RedisServer:
@@ -30,7 +30,7 @@ class RedisServer:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.fail("redis-server is not installed (make test installs it: apt-get install redis-server)")
-        self.port = port or free_port()
+        self.port = port or listen_port()
         self.dir = tempfile.mkdtemp(prefix="switchyard-redis-")
         self.proc: subprocess.Popen | None = None
 

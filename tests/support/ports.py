@@ -1,0 +1,51 @@
+"""Listening ports for the servers the tests start and restart (Redis, its Cluster and Sentinels).
+
+``free_port()`` asks the kernel for a port of the ephemeral range, where the kernel also picks the
+local ports of outgoing connections. A server that dies and is started again on its port (a
+failover test's killed primary, a Redis restart) can then find the port taken in between by one
+of the many connections a test makes, and fail to start. ``listen_port()`` picks ports below that
+range, which ``connect()`` never takes, each one once per test run, and checks that it can be
+bound now (as a server binds: with ``SO_REUSEADDR``, so a port left in TIME_WAIT counts as free).
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+_given: set[int] = set()
+_rng = random.Random()
+
+
+def _ephemeral() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999            # Linux's default
+
+
+def _pool() -> range:
+    lo, hi = _ephemeral()
+    if lo - 10_000 >= 2_000:           # below the range (the usual case): 10000 .. lo - 1
+        return range(10_000, lo)
+    return range(hi + 1, 65_536)       # else above it
+
+
+def listen_port(host: str = "127.0.0.1") -> int:
+    """A port no other server of this run was given, outside the ephemeral range, free now."""
+    pool = _pool()
+    for _ in range(1_000):
+        port = _rng.randrange(pool.start, pool.stop)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    raise RuntimeError(f"no free port in {pool.start}..{pool.stop - 1}")
