@@ -7,11 +7,13 @@
 - ``factories``: config blocks (models, P/D rolesets, one-model configs), pods for the Kubernetes
   emulator, requests, endpoints and router contexts for pure code, KV events, a settable clock.
 - ``loops``: run a test once on asyncio's loop and once on uvloop.
+- ``ports``: ``listen_port`` for a server a test starts and may restart on its port (below the
+  kernel's ephemeral range, so no outgoing connection takes it meanwhile).
 - ``enginesim``, ``edge``: helpers of the engine simulator's tests and of the edge's raw-HTTP tests;
   ``tenancy``, ``lora``, ``routing``, ``status``: what several test files of one feature share (keys,
   prompts, a request), so that no test module imports another.
 - The fakes: ``kube_emulator`` (a Kubernetes API server), ``otlp_receiver`` (an OpenTelemetry
-  collector), ``redis_server`` (a real redis-server on a free port), ``cdp`` (a headless Chromium
+  collector), ``redis_server`` (a real redis-server on a ``listen_port``), ``cdp`` (a headless Chromium
   driven over DevTools), ``promql_check`` (dashboards' queries against exported metrics), ``helm``
   (the chart rendered by ``helm_render/``, a small Go program, since CI has no helm).
 - ``status_screenshot``: ``make status-screenshot``'s picture of the status page.
