@@ -17,9 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from redis.exceptions import RedisError
-
-from gateway.state.redis import UNAVAILABLE, Client, close_client
+from gateway.state.redis import CALL_FAILED, Client, close_client
 
 
 class StoreUnavailable(Exception):
@@ -141,9 +139,6 @@ def sibling_key_ok(key: str) -> bool:
     return 0 < len(key) <= 256 and key.isprintable() and " " not in key
 
 
-_TRANSPORT = (RedisError, *UNAVAILABLE)
-
-
 class RedisStore:
     def __init__(self, client: Client, prefix: str, ttl_s: float, timeout_s: float,
                  owns_client: bool = False) -> None:
@@ -157,7 +152,7 @@ class RedisStore:
         try:
             async with asyncio.timeout(self.timeout):
                 return await coro
-        except _TRANSPORT as e:
+        except CALL_FAILED as e:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise asyncio.CancelledError from None

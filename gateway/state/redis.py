@@ -28,7 +28,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, TryAgainError
+from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
@@ -47,6 +47,9 @@ Client = aioredis.Redis | RedisCluster
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, OSError, TimeoutError,
     ClusterDownError, TryAgainError, RedisClusterException, AttributeError)
+# For a store that answers "not now" to any failed call (the Responses records, the routing view's
+# stream): the outages above, and any error Redis answered.
+CALL_FAILED: tuple[type[BaseException], ...] = (RedisError, *UNAVAILABLE)
 
 
 def state_mode(cfg: StateConfig) -> Mode:

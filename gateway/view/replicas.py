@@ -30,17 +30,15 @@ from collections import deque
 from collections.abc import Callable
 
 import structlog
-from redis.exceptions import RedisError
 
 from gateway.config.schema import StateConfig
-from gateway.state.redis import UNAVAILABLE, redis_client
+from gateway.state.redis import CALL_FAILED, redis_client
 from gateway.view.config import ViewConfig
 from gateway.view.metrics import ViewMetrics
 from gateway.view.wire import Insert, Session, encode
 
 log = structlog.get_logger("switchyard.view")
 
-_FAILURES = (RedisError, *UNAVAILABLE)     # no Cluster node reachable, a connection lost: down, not a bug
 STOP_WAIT_S = 2.0           # how long stop() waits for a loop to end, and for a client to close
 CATCH_UP_CHUNK = 200        # entries applied per event-loop turn while catching up
 READ_COUNT = 1000           # entries per XREAD
@@ -115,7 +113,7 @@ class ReplicaLink:
                 async with asyncio.timeout(self.state.timeout_s * 4):
                     await pipe.execute()
                 self.m.sent.labels("replica").inc(len(payloads))
-            except _FAILURES as e:
+            except CALL_FAILED as e:     # no Cluster node reachable, a connection lost: down, not a bug
                 _stop_if_cancelled()
                 self._requeue(facts)
                 self._mark(False, f"{type(e).__name__}: {e}")
@@ -188,7 +186,7 @@ class ReplicaLink:
                             await asyncio.sleep(0)
             except asyncio.CancelledError:
                 raise
-            except _FAILURES as e:
+            except CALL_FAILED as e:     # no Cluster node reachable, a connection lost: down, not a bug
                 _stop_if_cancelled()
                 self._mark(False, f"{type(e).__name__}: {e}")
             except Exception:         # a bug must not stop the view's replication for good
