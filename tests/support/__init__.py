@@ -7,8 +7,9 @@
 - ``factories``: config blocks (models, P/D rolesets, one-model configs), pods for the Kubernetes
   emulator, requests, endpoints and router contexts for pure code, KV events, a settable clock.
 - ``loops``: run a test once on asyncio's loop and once on uvloop.
-- ``ports``: ``listen_port`` for a server a test starts and may restart on its port (below the
-  kernel's ephemeral range, so no outgoing connection takes it meanwhile).
+- ``ports``: ``listen_port`` for a server a test starts in a process of its own or restarts on its
+  port (below the kernel's ephemeral range, so no outgoing connection takes it meanwhile, and never
+  given twice in a run, so two processes that have not bound yet never share one).
 - ``enginesim``, ``edge``: helpers of the engine simulator's tests and of the edge's raw-HTTP tests;
   ``tenancy``, ``lora``, ``routing``, ``status``: what several test files of one feature share (keys,
   prompts, a request), so that no test module imports another.

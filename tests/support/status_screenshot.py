@@ -21,8 +21,8 @@ import sys
 import aiohttp
 
 from gateway.demo import DEMO_ENGINES
-from gateway.server.run import free_port
 from tests.support.cdp import Browser
+from tests.support.ports import listen_port
 
 MODELS = sorted({m for m, *_ in DEMO_ENGINES})
 PROMPTS = ["What does a switchyard do?", "Explain prefill and decode in two sentences.",
@@ -80,7 +80,7 @@ async def traffic(url: str, seconds: float, seed: int = 7) -> None:
 
 
 async def main(out: str, seconds: float) -> None:
-    port = free_port()
+    port = listen_port()
     proc = await start_demo(port)
     browser = Browser.launch()
     url = f"http://127.0.0.1:{port}"

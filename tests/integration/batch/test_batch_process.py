@@ -11,10 +11,10 @@ import openai
 import orjson
 import pytest
 
-from gateway.server.run import free_port
 from tests.support.batch import jsonl, run_to_end
 from tests.support.gateway_process import gateway_process, per_worker
 from tests.support.http import sim_state
+from tests.support.ports import listen_port
 from tests.support.waiting import until
 
 N = 60
@@ -37,7 +37,7 @@ def rows(n: int) -> list[dict]:
 @pytest.mark.timeout(120)
 async def test_a_batch_survives_sigkill_and_answers_each_line_once(sims, tmp_path):
     sim = await sims("vllm", "m", itl_ms=20.0)
-    port = free_port()
+    port = listen_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch")))
     c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
@@ -71,7 +71,7 @@ async def test_a_batch_survives_sigkill_and_answers_each_line_once(sims, tmp_pat
 @pytest.mark.timeout(120)
 async def test_with_two_workers_one_runs_batches_and_both_answer(sims, tmp_path):
     sim = await sims("vllm", "m")
-    port = free_port()
+    port = listen_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch")))
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):

@@ -14,9 +14,9 @@ import orjson
 import pytest
 
 from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_PD_ADAPTERS, DEMO_USERS
-from gateway.server.run import free_port
 from tests.support.batch import run_to_end
 from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.ports import listen_port
 
 MODELS = sorted({m for m, *_ in DEMO_ENGINES})
 
@@ -26,7 +26,7 @@ async def test_demo_answers_every_model_streaming_and_not():
     gateway and the simulated engines then trace to it, and a P/D request arrives as one tree with
     each engine's span under the gateway's leg to it."""
     rx = await OTLPReceiver().start()
-    port = free_port()
+    port = listen_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": rx.url.removesuffix("/v1/traces"),
            "OTEL_BSP_SCHEDULE_DELAY": "100"}
     proc = await asyncio.create_subprocess_exec(

@@ -14,8 +14,9 @@ import orjson
 import yaml
 
 from gateway.server.app import NOT_READY_KEY
-from gateway.server.run import drain_and_stop, free_port
+from gateway.server.run import drain_and_stop
 from tests.support.factories import model_block
+from tests.support.ports import listen_port
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "Count the wagons."}], "stream": True}
 
@@ -82,7 +83,7 @@ async def _refused(url: str) -> bool:
 
 async def test_sigterm_on_the_real_process_drains_and_exits_0(sims, tmp_path):
     sim = await sims("vllm", "m", itl_ms=30)
-    port = free_port()
+    port = listen_port()
     cfg = {"listen": {"host": "127.0.0.1", "port": port},
            "server": {"shutdown_grace_s": 15, "drain_delay_s": 0.5, "log_format": "json"},
            "health": {"interval_s": 1}, "scrape": {"enabled": False},

@@ -15,9 +15,9 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.server.run import free_port
 from tests.support.http import sim_state
 from tests.support.metrics import metric
+from tests.support.ports import listen_port
 
 CHAT = [{"role": "user", "content": "Keep the trains running."}]
 TOKEN = "admin-token-for-workers"
@@ -61,7 +61,7 @@ async def started(url: str) -> int:
 async def test_sighup_under_load_adds_an_endpoint_and_removes_another_with_no_failed_request(sims, tmp_path):
     # streams of ~20 tokens at 5 ms each: requests are always in flight on the endpoint removed
     a, b, c = [await sims("vllm", "m", itl_ms=5.0) for _ in range(3)]
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config_text(port, [a.url, b.url]))
     async with gateway_process(path, port, "--workers", "1") as proc:
@@ -151,7 +151,7 @@ async def worker_views(port: int, want: int) -> dict[int, set[str]]:
 @pytest.mark.timeout(90)
 async def test_every_worker_reloads_on_sighup_and_on_admin_reload(sims, tmp_path):
     sim = await sims("vllm", "m")
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     auth = f"auth: {{admin_token: {TOKEN}}}\n"
     path.write_text(config_text(port, [sim.url], extra=auth))

@@ -15,8 +15,8 @@ import aiohttp
 import jsonschema
 import pytest
 
-from gateway.server.run import free_port
 from tests.support.metrics import metric
+from tests.support.ports import listen_port
 
 
 def listening_inodes(port: int) -> set[str]:
@@ -56,7 +56,7 @@ def one_engine_config(tmp_path: Path, port: int, url: str, grace: float) -> Path
 @pytest.mark.timeout(60)
 async def test_two_workers_share_the_port_and_drain(sims, tmp_path):
     sim = await sims("vllm", "m")
-    port = free_port()
+    port = listen_port()
     cfg = one_engine_config(tmp_path, port, sim.url, grace=5)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.PIPE)
@@ -132,7 +132,7 @@ async def fresh_get(url: str) -> tuple[int, str, dict]:
 @pytest.mark.timeout(90)
 async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
     sim = await sims("vllm", "m")
-    port = free_port()
+    port = listen_port()
     cfg = one_engine_config(tmp_path, port, sim.url, grace=5)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.PIPE)
@@ -221,7 +221,7 @@ async def test_by_default_a_worker_per_cpu_unless_limits_would_be_per_process(si
     from gateway.server.workers import auto_count
 
     sim = await sims("vllm", "m")
-    port = free_port()
+    port = listen_port()
     cfg = tmp_path / "gw.yaml"
     base = (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
             f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
@@ -245,7 +245,7 @@ async def test_workers_stop_when_their_parent_is_killed_outright(sims, tmp_path)
     """SIGKILL (or the OOM killer) gives the parent no chance to forward a signal: the workers get
     SIGTERM from the kernel and stop, rather than serve on unsupervised."""
     sim = await sims("vllm", "m")
-    port = free_port()
+    port = listen_port()
     cfg = one_engine_config(tmp_path, port, sim.url, grace=2)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.DEVNULL)

@@ -19,11 +19,11 @@ import redis.exceptions
 import yaml
 
 from gateway.config.schema import StateConfig, UserLimits
-from gateway.server.run import free_port
 from gateway.tenants.limits import AdmitQuery
 from gateway.tenants.redis_state import RECONCILE, RedisState, StateUnavailable
 from tests.support.factories import model_block
 from tests.support.http import openai_client
+from tests.support.ports import listen_port
 from tests.support.tenancy import ALICE, CHAT, KEYS, outcomes
 from tests.support.waiting import wait_for
 
@@ -236,7 +236,7 @@ async def test_admin_changes_on_one_replica_apply_on_the_other(sims, gateway, re
 
 async def test_two_gateway_processes_share_one_limit(sims, redis_server, tmp_path):
     sim = await sims("vllm", "m")
-    ports = [free_port(), free_port()]
+    ports = [listen_port(), listen_port()]
     procs = []
     for i, port in enumerate(ports):
         cfg = {"listen": {"host": "127.0.0.1", "port": port}, "server": {"shutdown_grace_s": 2},

@@ -21,8 +21,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from gateway.server.run import free_port
 from tests.support.gateway_process import per_worker
+from tests.support.ports import listen_port
 from tests.support.waiting import until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -83,11 +83,11 @@ def _health_changes(log: Path) -> list[tuple[str, bool]]:
 
 
 async def test_an_engine_killed_under_load_is_taken_out_and_back_once_by_both_workers(tmp_path):
-    ports = [free_port() for _ in range(3)]
+    ports = [listen_port() for _ in range(3)]
     names = [f"127.0.0.1:{p}" for p in ports]
     urls = [f"http://{n}" for n in names]
     engines = [_engine(p, tmp_path / f"engine{i}.log") for i, p in enumerate(ports)]
-    gw_port = free_port()
+    gw_port = listen_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {gw_port}}}\n"
                    "health: {interval_s: 0.2, timeout_s: 2.0}\n"

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.server.run import free_port
 from tests.integration.view.test_workers import SYSTEM, responses_chains
 from tests.support.gateway_process import gateway_process, get_new, metric_total, post_new
+from tests.support.ports import listen_port
 from tests.support.waiting import until
 
 
@@ -46,7 +46,7 @@ async def redis_up(port: int) -> bool:
 async def test_two_replicas_send_each_turn_to_the_engine_of_the_conversation(sims, tmp_path, redis_server):
     engines = [await sims("vllm", "m") for _ in range(4)]
     urls = [e.url for e in engines]
-    pa, pb, pc = free_port(), free_port(), free_port()
+    pa, pb, pc = listen_port(), listen_port(), listen_port()
     for name, port in (("a", pa), ("b", pb), ("c", pc)):
         (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url))
     async with gateway_process(tmp_path / "a.yaml", pa), gateway_process(tmp_path / "b.yaml", pb):
@@ -107,7 +107,7 @@ async def test_a_responses_chain_in_gateway_state_stays_on_its_engine_across_rep
     shared session map sends each one where the chain's cache is, whichever replica it reaches."""
     engines = [await sims("vllm", "m") for _ in range(4)]
     urls = [e.url for e in engines]
-    pa, pb = free_port(), free_port()
+    pa, pb = listen_port(), listen_port()
     for name, port in (("a", pa), ("b", pb)):
         (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url) + "responses: {state: gateway}\n")
     async with gateway_process(tmp_path / "a.yaml", pa), gateway_process(tmp_path / "b.yaml", pb):

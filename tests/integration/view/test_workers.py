@@ -15,9 +15,9 @@ import json
 import aiohttp
 import pytest
 
-from gateway.server.run import free_port
 from gateway.view.service import watcher_of
 from tests.support.gateway_process import gateway_process, metric_total, per_worker, post_new
+from tests.support.ports import listen_port
 from tests.support.waiting import until
 
 SYSTEM = "You are the switchyard's dispatcher; keep every train on its own track. " * 8
@@ -49,7 +49,7 @@ async def converse(port: int, turns: int, tag: str, headers: dict[str, str] | No
 @pytest.mark.timeout(120)
 async def test_a_conversation_stays_on_the_engine_of_its_first_turn_across_workers(sims, tmp_path):
     engines = [await sims("vllm", "m") for _ in range(4)]
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, [e.url for e in engines]))
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
@@ -66,7 +66,7 @@ async def test_a_conversation_stays_on_the_engine_of_its_first_turn_across_worke
 @pytest.mark.timeout(120)
 async def test_session_keyed_requests_stay_on_one_engine_across_workers(sims, tmp_path):
     engines = [await sims("vllm", "m") for _ in range(4)]
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, [e.url for e in engines]))
     sessions, turns = 6, 6
@@ -92,7 +92,7 @@ async def test_session_keyed_requests_stay_on_one_engine_across_workers(sims, tm
 @pytest.mark.timeout(120)
 async def test_each_worker_sees_the_requests_in_flight_on_the_other(sims, tmp_path):
     engines = [await sims("vllm", "m", itl_ms=50.0) for _ in range(2)]
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, [e.url for e in engines]).replace("prefix-cache", "least-request"))
     streams = 6
@@ -151,7 +151,7 @@ async def test_a_responses_chain_in_engine_state_is_followed_by_either_worker(si
     """Engine state, memory backend: the follow-up must reach the engine holding the response, and
     the worker it lands on finds it in the shared view (a session kept)."""
     engines = [await sims("vllm", "m", enable_responses_store=True) for _ in range(4)]
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, [e.url for e in engines], "responses: {state: engine}\n"))
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
@@ -172,7 +172,7 @@ async def test_on_kv_events_a_worker_finds_the_tokens_its_sibling_made(sims, tmp
     tok = str(TINY_DIR)
     engines = [await sims("vllm", model="m", tokenizer=tok, kv_events_port=0, kv_events_replay_port=0,
                           kv_blocks=4096) for _ in range(2)]
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     eps = ", ".join(f"'{e.url}'" for e in engines)
     eps = ", ".join(f"{{url: '{e.url}', kv_events: {{port: {e.engine.kv_events.port}, "
@@ -215,7 +215,7 @@ async def test_two_workers_probe_scrape_and_read_each_engines_adapters_once_per_
         sims, tmp_path):
     from enginesim.server import RECEIVED_KEY
     engines = [await sims("vllm", "m", enable_lora=True, lora_modules=(f"ad{i}=/loras/ad{i}",)) for i in range(3)]
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, [e.url for e in engines])
                     .replace("health: {interval_s: 0.5}", "health: {interval_s: 0.2}\nscrape: {interval_s: 0.2}\n"

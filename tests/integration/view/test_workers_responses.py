@@ -12,8 +12,8 @@ import httpx2
 import openai
 import pytest
 
-from gateway.server.run import free_port
 from tests.support.gateway_process import gateway_process, metric_total, per_worker
+from tests.support.ports import listen_port
 
 
 def config(port: int, url: str, state: str) -> str:
@@ -33,7 +33,7 @@ def client(port: int) -> openai.AsyncOpenAI:
 @pytest.mark.parametrize("state", ["gateway", "engine"])
 async def test_every_worker_finds_every_response(sims, tmp_path, state):
     engine = await sims("vllm", "m", enable_responses_store=True)     # engine mode: it keeps them
-    port = free_port()
+    port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, engine.url, state))
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
