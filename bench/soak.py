@@ -39,7 +39,6 @@ import random
 import re
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -56,6 +55,10 @@ except ImportError:  # pragma: no cover
     uvloop = None
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gateway.server.run import free_port  # noqa: E402  (bench.resilience imports it from here)
+
 IN_FLIGHT_GAUGES = ("switchyard_in_flight_requests{", "switchyard_endpoint_in_flight_requests{",
                     "switchyard_pd_prefill_in_flight{", "switchyard_pd_pending_decode{",
                     "switchyard_pd_token_load_active_tokens{", "switchyard_pd_token_load_kv_tokens{")
@@ -114,12 +117,6 @@ class Procs:
         for log in self.logs:
             with contextlib.suppress(OSError):
                 log.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def raise_nofile() -> int:

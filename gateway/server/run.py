@@ -158,7 +158,17 @@ def _check_fd_limit(max_connections: int) -> None:
                     nofile=soft, max_connections=max_connections)
 
 
+_given_ports: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port the kernel says is free now, and that this process was not given before: the port is
+    let go at once, so two calls made before either port is bound could otherwise return the same."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _given_ports:
+            _given_ports.add(port)
+            return port
+    return port
