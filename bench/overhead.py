@@ -78,6 +78,10 @@ sys.path.insert(0, str(BENCH))
 from loadgen import cpu_seconds_precise, percentile, rss_bytes  # noqa: E402
 from overhead_report import goals, open_targets, render  # noqa: E402
 
+if str(REPO) not in sys.path:
+    sys.path.insert(1, str(REPO))
+from gateway.server.run import free_port  # noqa: E402  (each port once: several are picked before any binds)
+
 MODEL = "m"
 SETTLE = 0.5   # seconds between a change in idle streams and the RSS reading
 UPSTREAM_WAIT = 2.0   # how long a target may take to close its upstream legs once its clients left
@@ -360,12 +364,6 @@ class Procs:
         for log in self.logs:
             with contextlib.suppress(OSError):
                 log.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_request(port: int, method: str, path: str, body: bytes = b"", timeout: float = 2.0,
