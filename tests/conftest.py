@@ -245,6 +245,15 @@ def _idle(ep) -> bool:
 
 
 @pytest.fixture(autouse=True)
+async def _sdk_clients_closed():
+    """The SDK clients a test made with ``openai_client`` / ``anthropic_client`` are closed after it,
+    on its own loop (tests/support/http.py)."""
+    yield
+    from tests.support.http import close_sdk_clients
+    await close_sdk_clients()
+
+
+@pytest.fixture(autouse=True)
 async def _leases_balance():
     """Every lease and in-flight gauge returns to zero after each test."""
     _live_gateways.clear()

@@ -63,13 +63,30 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+# the SDK clients a test made, closed after it (tests/conftest.py): a client left to the garbage
+# collector closes its connections from a loop that is gone, and logs that it could not
+_sdk_clients: list[openai.AsyncOpenAI | anthropic.AsyncAnthropic] = []
+
+
 def openai_client(gw: Any, key: str = "none") -> openai.AsyncOpenAI:
     """The OpenAI SDK against a gateway, without the SDK's own retries (a test sees every answer)."""
-    return openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=key, max_retries=0)
+    _sdk_clients.append(client)
+    return client
 
 
 def anthropic_client(gw: Any, key: str = "none") -> anthropic.AsyncAnthropic:
-    return anthropic.AsyncAnthropic(base_url=gw.url, api_key=key, max_retries=0)
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=key, max_retries=0)
+    _sdk_clients.append(client)
+    return client
+
+
+async def close_sdk_clients() -> None:
+    """Close the SDK clients made by ``openai_client`` and ``anthropic_client`` since the last call."""
+    while _sdk_clients:
+        client = _sdk_clients.pop()
+        with contextlib.suppress(Exception):
+            await client.close()
 
 
 async def sim_state(url: str, http: aiohttp.ClientSession | None = None) -> dict[str, Any]:
