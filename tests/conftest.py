@@ -35,6 +35,7 @@ from gateway.server.run import start
 
 # re-exported: test files written before tests/support/ import these from here
 from tests.support.factories import model_block as model_block
+from tests.support.http import close_sdk_clients
 from tests.support.http import sim_state as sim_state
 from tests.support.http import sse_events as sse_events
 from tests.support.waiting import wait_for as wait_for
@@ -249,7 +250,6 @@ async def _sdk_clients_closed():
     """The SDK clients a test made with ``openai_client`` / ``anthropic_client`` are closed after it,
     on its own loop (tests/support/http.py)."""
     yield
-    from tests.support.http import close_sdk_clients
     await close_sdk_clients()
 
 

@@ -2,13 +2,11 @@
 Redis, its Cluster and Sentinels).
 
 ``free_port()`` asks the kernel for a port of the ephemeral range, where the kernel also picks the
-local ports of outgoing connections, and lets the port go at once. Two faults follow:
-
-- a server that dies and is started again on its port (a failover test's killed primary, a Redis
-  restart) can find the port taken in between by one of the many connections a test makes;
-- a test that picks several ports before its processes bind them (engines, then the gateway in
-  front of them) can be given the same port twice, since nothing holds the first one yet: the
-  gateway then fails to bind, and the test talks to an engine in its place.
+local ports of outgoing connections, and lets the port go at once. It never gives one process the
+same port twice (two ports picked before either process binds would otherwise collide, and a test
+would talk to an engine in its gateway's place), but a server that dies and is started again on
+its port (a failover test's killed primary, a Redis restart) can still find the port taken in
+between by one of the many connections a test makes, and so can a process slow to bind.
 
 ``listen_port()`` picks ports below that range, which ``connect()`` never takes, each one once per
 test run, and checks that it can be bound now (as a server binds: with ``SO_REUSEADDR``, so a port
