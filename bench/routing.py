@@ -7,8 +7,8 @@ How much faster does each strategy make a fleet of engines than a plain load bal
 process, one event loop: ``--engines`` simulated vLLM engines (``enginesim``, in-process, with a
 bounded KV pool and prefix caching), the real gateway in front of them on loopback, and an
 open-loop load generator that measures TTFT at the client (request sent → first chunk carrying
-generated text). Every strategy gets fresh engines (cold caches), the same seeded arrival schedule
-and the same prompts.
+generated text). Every strategy gets fresh engines (cold KV caches, their tokenizers' segment
+caches emptied), the same seeded arrival schedule and the same prompts.
 
 ``--gateway-process`` runs the gateway as users run it, in its own process (``python -m gateway
 --config FILE --port P``; ``--replicas N``: N processes), so the CPU it spends (tokenizing for
@@ -665,6 +665,7 @@ async def start_engines(w: Workload, em: EngineModel, events: bool, tok: str) ->
 async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel,
                        routing: dict | None = None, replicas: int = 1, gateway_process: bool = False,
                        workers: int = 1, redis_url: str | None = None, profile: str = "") -> Result:
+    from enginesim.hf_tokenizer import forget_segments
     from gateway.config.schema import config_from_dict
     from gateway.server.app import GATEWAY_KEY
     from gateway.server.run import start
@@ -676,6 +677,7 @@ async def run_strategy(label: str, sched: Schedule, w: Workload, em: EngineModel
     if ref is not None and not gateway_process:
         raise SystemExit(f"{label}: @ref= needs --gateway-process")
     tok = tokenizer_dir(w)
+    forget_segments()         # every strategy's engines start with cold tokenizer caches, not only the first's
     control = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     sims: list = []
     monitors: list = []

@@ -30,6 +30,16 @@ def load(directory: str | Path) -> HFTokenizer:
     return tok
 
 
+def forget_segments() -> None:
+    """Empty the segment caches of every tokenizer this process loaded (``load``), so simulators
+    started after it tokenize every prompt as engines started in a fresh process would.
+    ``bench/routing.py`` calls it before each strategy's engines start: the first strategy's engines
+    would otherwise tokenize every prompt while the later ones find them cached, which costs the
+    first run CPU the others do not spend on the same cores."""
+    for tok in _LOADED.values():
+        tok.forget_segments()
+
+
 def _special(value: Any) -> str:
     if isinstance(value, dict):
         value = value.get("content")
@@ -66,6 +76,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
+
+    def forget_segments(self) -> None:
+        self._cache.clear()
+        self._cached_chars = 0
 
     def _encode_plain(self, text: str) -> list[int]:
         if self._split is None:

@@ -132,3 +132,18 @@ def test_the_views_lag_is_read_per_source_from_the_gateways_pages():
     assert list(lag) == ["replica"]                     # a source with no batch is left out
     assert lag["replica"]["count"] == 200 and lag["replica"]["sum"] == 1.0
     assert lag["replica"]["p50"] == [0.002, 0.002] and lag["replica"]["p99"] == [0.009, 0.009]
+
+
+def test_each_strategys_engines_tokenize_with_an_empty_segment_cache():
+    """Simulators in one process share a tokenizer per directory, and with it a cache of tokenized
+    prompt segments: without emptying it, the first strategy's engines tokenized every prompt while
+    the later ones found them cached, CPU that slowed the first run alone."""
+    from enginesim.hf_tokenizer import forget_segments, load
+
+    sim = load(TINY_DIR)
+    assert load(TINY_DIR) is sim                      # shared by the engines of a process
+    ids = sim.encode_chat([SYSTEM, {"role": "user", "content": "question one"}])
+    assert sim._cache
+    forget_segments()
+    assert not sim._cache and sim._cached_chars == 0
+    assert sim.encode_chat([SYSTEM, {"role": "user", "content": "question one"}]) == ids
