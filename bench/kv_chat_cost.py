@@ -9,7 +9,8 @@ arrival order, go through what the pipeline runs for a request of a model with `
 of a chat's next turn (awaited before the next request, as a think time would let it finish). The
 engines are simulated in the index: the chosen endpoint reports its prompt's blocks stored
 (``EventIndex.apply`` of one ``BlockStored``) before the next request, so every request meets the
-index state the benchmark's would. Answers are a dozen words of the same text.
+index state the benchmark's would. Answers are a dozen words of the same text, told to the router
+as the relay tells them (``kv_events.tokenize_answers``: tokenized ahead of the next turn).
 
 Per request it prints the event loop thread's CPU (``time.thread_time``) split into prepare, route
 and the ahead task's steps on the loop, the event apply apart, and the other threads' CPU
@@ -29,9 +30,9 @@ import time
 import orjson
 
 
-def requests(w, sched, tok) -> list[tuple[bytes, dict[str, str], list[int]]]:
+def requests(w, sched, tok, answer_words: int = 12) -> list[tuple[bytes, dict[str, str], list[int], str]]:
     """The benchmark's requests in arrival order (a turn 0.3 s plus its think time after the one
-    before): (body, headers, the prompt's token ids as the engine has them)."""
+    before): (body, headers, the prompt's token ids as the engine has them, the answer)."""
     from bench.chat_bpe import TextSource
 
     timed: list[tuple[float, int, int]] = []       # (time, conversation or -1 - single, turn)
@@ -58,13 +59,14 @@ def requests(w, sched, tok) -> list[tuple[bytes, dict[str, str], list[int]]]:
                     "max_tokens": 16, "stream": True}
             headers = {}
         ids = tok.tokenizer.encode(tok.render(body["messages"]), add_special_tokens=False).ids
-        out.append((orjson.dumps(body), headers, ids))
+        answer = answers.text(answer_words)
+        out.append((orjson.dumps(body), headers, ids, answer))
         if cid >= 0:
-            msgs.append({"role": "assistant", "content": answers.text(12)})
+            msgs.append({"role": "assistant", "content": answer})
     return out
 
 
-async def one_pass(tok_dir: str, w, reqs) -> dict[str, float]:
+async def one_pass(tok_dir: str, w, reqs, answers: bool = True, answer_blocks: bool = False) -> dict[str, float]:
     from prometheus_client import CollectorRegistry
 
     from gateway.endpoints import Endpoint
@@ -78,7 +80,7 @@ async def one_pass(tok_dir: str, w, reqs) -> dict[str, float]:
     from routers.prefix_cache import PrefixCacheRouter
 
     tok = ModelTokenizer(tok_dir)
-    cfg = KVEventsConfig(enabled=True)
+    cfg = KVEventsConfig(enabled=True, tokenize_answers=answers)
     m = KVEventsManager(lambda model: cfg, None, CollectorRegistry(), {"m": tok})  # type: ignore[arg-type]
     eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in range(w.engines)]
     states = {ep: m.index.track(ep, cfg) for ep in eps}
@@ -86,15 +88,19 @@ async def one_pass(tok_dir: str, w, reqs) -> dict[str, float]:
         m.index.apply(st, Batch(0.0, [BlockStored([], None, [], 16)], 0))
     router = PrefixCacheRouter(RouterContext(precise_index=m, rng=random.Random(1)))
     tt = time.thread_time
-    totals = {"prepare": 0.0, "route": 0.0, "ahead": 0.0, "apply": 0.0, "threads": 0.0}
+    totals = {"prepare": 0.0, "route": 0.0, "ahead": 0.0, "apply": 0.0, "threads": 0.0, "prepare_wall": 0.0}
+    wall = time.perf_counter
     digest = hashlib.sha1()
-    for n, (body, headers, ids) in enumerate(reqs):
+    for n, (body, headers, ids, answer) in enumerate(reqs):
         req = parse(CHAT, body, headers, f"r{n}")
-        p0, t0 = time.process_time(), tt()
+        p0, t0, w0 = time.process_time(), tt(), wall()
         await m.prepare(req, eps)
         t1 = tt()
+        totals["prepare_wall"] += wall() - w0
         d = router.route(req, eps)
         t2 = tt()
+        if req.answered is not None:          # the relay tells the answer once it is relayed
+            req.answered(answer)
         for task in list(m._ahead):
             await task
         await asyncio.sleep(0)
@@ -106,6 +112,8 @@ async def one_pass(tok_dir: str, w, reqs) -> dict[str, float]:
         totals["threads"] += (p1 - p0) - (t3 - t0)
         digest.update(d.endpoint.url.encode())
         # the engine stores the prompt's blocks: one BlockStored, its hashes our keys
+        if answer_blocks:     # the engine caches the answer's blocks too (vLLM does, once they fill)
+            ids = ids + tok.tokenizer.encode(answer.strip(), add_special_tokens=False).ids
         keys = chain_keys(request_root(req, "m", 16), ids, 16)
         batch = Batch(0.0, [BlockStored(keys, None, ids[:len(keys) * 16], 16)], 0)
         a0 = tt()
@@ -123,6 +131,11 @@ async def one_pass(tok_dir: str, w, reqs) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.kv_chat_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--passes", type=int, default=5)
+    ap.add_argument("--answer-words", type=int, default=12, help="words in each answer (default 12)")
+    ap.add_argument("--answer-blocks", action="store_true",
+                    help="the chosen engine reports the answer's blocks stored too (as vLLM caches them)")
+    ap.add_argument("--answers", choices=["on", "off"], default="on",
+                    help="kv_events.tokenize_answers: the answers tokenized ahead of the next turn (default on)")
     args = ap.parse_args(argv)
 
     import uvloop
@@ -134,15 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.kv.tokenization import ModelTokenizer
 
     tok_dir = tokenizer_dir(w)
-    reqs = requests(w, sched, ModelTokenizer(tok_dir))
+    reqs = requests(w, sched, ModelTokenizer(tok_dir), args.answer_words)
     best: dict[str, float] | None = None
     for _ in range(args.passes):
-        r = uvloop.run(one_pass(tok_dir, w, reqs))
+        r = uvloop.run(one_pass(tok_dir, w, reqs, args.answers == "on", args.answer_blocks))
         if best is None or r["loop"] < best["loop"]:
             best = r
     assert best is not None
     print(f"{best['n']} requests, best of {args.passes} passes, ms per request: loop {best['loop']:.3f} "
-          f"(prepare {best['prepare']:.3f}, route {best['route']:.3f}, ahead {best['ahead']:.3f}); "
+          f"(prepare {best['prepare']:.3f} of {best['prepare_wall']:.3f} wall, route {best['route']:.3f}, ahead {best['ahead']:.3f}); "
           f"event apply {best['apply']:.3f}; other threads {best['threads']:.3f}; decisions {best['digest']}")
     return 0
 

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,9 @@ class InferenceRequest:
     # routing read them
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # told the answer's text once a chat's answer is relayed whole (set by the KV-events router, which
+    # tokenizes it ahead of the conversation's next turn: gateway/kv/events.py)
+    answered: Callable[[str | None], None] | None = None
 
     @property
     def is_embeddings(self) -> bool:

@@ -53,7 +53,7 @@ from gateway.kv.index import EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import AHEAD_CHARS, INLINE_CHARS, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
-from gateway.request import InferenceRequest
+from gateway.request import CHAT, InferenceRequest
 
 log = structlog.get_logger("switchyard.kv_events")
 
@@ -85,6 +85,11 @@ class KVEventsMetrics:
         self.off_loop = Counter("switchyard_kv_events_tokenized_off_loop",
                                 "Prompt segments tokenized in the tokenizer threads (not on the event loop)",
                                 ["model"], registry=registry)
+        self.answers = Counter("switchyard_kv_events_answers",
+                               "Chat answers relayed whole and tokenized ahead of the next turn: tokenized, "
+                               "cached (already), unknown_form (the chat template's form for an assistant "
+                               "message was not recognized), not_text (tool calls, several choices, no text)",
+                               ["model", "outcome"], registry=registry)
 
 
 class _IndexCollector(Collector):
@@ -354,6 +359,8 @@ class KVEventsManager:
         self.tokenize_threads = tokenize_threads
         self._executor: ThreadPoolExecutor | None = None
         self._ahead: set[asyncio.Future] = set()   # tokenizing what a chat's next turn will need
+        self._closed = False
+        self._answer_hooks: dict[str, Callable[[str | None], None]] = {}   # model → its ``answered``
 
     @property
     def zctx(self) -> Any:
@@ -437,6 +444,7 @@ class KVEventsManager:
         for fut in list(self._ahead):         # what lands after this is not stored
             if not fut.done():
                 fut.set_result(0)
+        self._closed = True                   # no executor made again for a late answer or turn
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -464,7 +472,7 @@ class KVEventsManager:
 
     @property
     def executor(self) -> ThreadPoolExecutor | None:
-        if self._executor is None and self.tokenize_threads > 0:
+        if self._executor is None and self.tokenize_threads > 0 and not self._closed:
             self._executor = ThreadPoolExecutor(self.tokenize_threads, thread_name_prefix="tokenize")
         return self._executor
 
@@ -513,9 +521,36 @@ class KVEventsManager:
 
     def routed(self, req: InferenceRequest, ep: Endpoint) -> None:
         self.index.routed(req, ep)
-        left = self.index.left(req)
-        if left and "messages" in req.data and self.tokenize_threads > 0:
-            self._tokenize_ahead(ep.model, left, _final_text(req.data["messages"]))
+        if "messages" in req.data and self.tokenize_threads > 0:
+            left = self.index.left(req)
+            if left:
+                self._tokenize_ahead(ep.model, left, _final_text(req.data["messages"]))
+            st = self.settings(ep.model)
+            # a chat completion's answer, of one choice (``n`` above 1: several answers, none sent back whole)
+            if req.path == CHAT and (st is None or st.tokenize_answers) and req.data.get("n") in (None, 1):
+                hook = self._answer_hooks.get(ep.model)
+                if hook is None:
+                    hook = self._answer_hooks[ep.model] = partial(self.answered, ep.model)
+                req.answered = hook
+
+    def answered(self, model: str, text: str | None) -> None:
+        """A chat request routed here got its whole answer, ``text`` (``None``: not one text, e.g. tool
+        calls): the conversation's next turn sends it back as an assistant message behind blocks the
+        engine then holds, and would tokenize it on its way to the engine (on the loop, or awaiting
+        the tokenizer thread for a long one). So the segment the chat template makes of it is
+        tokenized now, in the tokenizer threads, while the client reads and writes its next message."""
+        tok = self.tokenizers.get(model)
+        if tok is None or self.executor is None:
+            return
+        seg = tok.answer_segment(text) if text else None
+        if seg is None:
+            self.metrics.answers.labels(model, "not_text" if not text else "unknown_form").inc()
+            return
+        if not tok.needs_tokens(seg):
+            self.metrics.answers.labels(model, "cached").inc()
+            return
+        if self._submit_ahead(model, tok, [seg]):
+            self.metrics.answers.labels(model, "tokenized").inc()
 
     def _tokenize_ahead(self, model: str, segments: list[str], final: str | None = None) -> None:
         """A chat request keyed only as far as some engine's cache reaches left its new segments
@@ -529,21 +564,27 @@ class KVEventsManager:
         a conversation's history, which a next request resends), not the final message itself when
         it is long (a pasted document that may never come back). The keys are the same either way."""
         tok = self.tokenizers.get(model)
-        executor = self.executor
-        if tok is None or executor is None:
+        if tok is None or self.executor is None:
             return
         todo = [s for s in segments if (len(s) < AHEAD_CHARS or (final is not None and final not in s))
                 and tok.needs_tokens(s)]
-        if not todo:
-            return
+        if todo:
+            self._submit_ahead(model, tok, todo)
+
+    def _submit_ahead(self, model: str, tok: ModelTokenizer, todo: list[str]) -> bool:
+        """``todo`` to the tokenizer threads, cached when done; whether anything went."""
+        executor = self.executor
+        if executor is None:
+            return False
         try:
             fut = tok.ahead(todo, executor)
         except RuntimeError:                 # no event loop (a synchronous caller): nothing ahead
-            return
+            return False
         if fut is None:
-            return
+            return False
         self._ahead.add(fut)
         fut.add_done_callback(partial(self._ahead_done, model))
+        return True
 
     def _ahead_done(self, model: str, fut: asyncio.Future) -> None:
         self._ahead.discard(fut)

@@ -44,6 +44,10 @@ class KVEventsConfig(Block):
     # by default such a segment is only probed and its tokens estimated from its characters
     tokenize_unreached: Annotated[bool, Meta(description="Tokenize every segment of a request, also those no engine holds (exact prompt token counts for conditional P/D, at more CPU); by default their tokens are estimated from their characters.")] = False
 
+    # a chat's answer, once relayed whole, is tokenized in the tokenizer threads as the next turn will
+    # hold it (the chat template's form around an assistant message), so that turn finds it cached
+    tokenize_answers: Annotated[bool, Meta(description="Tokenize a chat's relayed answer in the tokenizer threads once it ends, as the conversation's next turn will send it back, so that turn does not tokenize it on its way to the engine (needs tokenize_threads > 0).")] = True
+
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
 

@@ -154,6 +154,7 @@ class ModelTokenizer:
         # told of each segment of SHARE_CHARS or more cached here (its ids tokenized here, not adopted):
         # the shared view sends them to the sibling workers (gateway.view.service)
         self.on_store: Callable[[str, list[int]], None] | None = None
+        self._answer_form: tuple[str, str, bool] | None | bool = False     # False: not learned yet
 
     # -- text --------------------------------------------------------------------------------------
 
@@ -176,6 +177,56 @@ class ModelTokenizer:
         if self._first_differs and out and out[0] not in self._special_ids:
             out[0] = _FIRST + out[0]
         return out
+
+    def answer_segment(self, answer: str) -> str | None:
+        """The segment a chat's next turn will hold for ``answer``, the assistant message it sends
+        back: the text the chat template puts around an assistant message's content up to the
+        special tokens on either side, with the content as the template writes it (trimmed or not).
+        ``None`` when the template's form for it was not recognized (``_learn_answer_form``), or the
+        answer holds a special token's text (it would span several segments)."""
+        form = self._answer_form
+        if form is False:
+            form = self._answer_form = self._learn_answer_form()
+        if not form or (self._split is not None and self._split.search(answer)):
+            return None
+        before, after, trimmed = form      # type: ignore[misc]
+        return before + (answer.strip() if trimmed else answer) + after
+
+    def _learn_answer_form(self) -> tuple[str, str, bool] | None:
+        """How the template writes an assistant message between two user messages (the shape of a
+        conversation's next turn): (text before the content, text after it, whether it is trimmed)
+        within the content's segment. ``None`` when the content does not have a segment of its own
+        (no special token between it and the user messages), when the template changes it otherwise,
+        or when it cannot render this conversation."""
+        if self._template is None or self._split is None or self._whole:
+            return None
+        user, mark, again = "\x02u\x02", "\x02a\x02", "\x02v\x02"
+
+        def segment(content: str) -> str | None:
+            msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": content},
+                    {"role": "user", "content": again}]
+            try:
+                text = self.render(msgs)
+            except Exception:            # a template may refuse this shape (or raise its own errors)
+                return None
+            found = [s for s in self.segments(text) if mark in s]
+            if text.count(mark) != 1 or len(found) != 1:
+                return None
+            s = found[0]
+            return None if user in s or again in s or s.startswith(_FIRST) else s
+
+        plain = segment(mark)
+        if plain is None:
+            return None
+        i = plain.index(mark)
+        before, after = plain[:i], plain[i + len(mark):]
+        padded = " \n" + mark + "\n "
+        spaced = segment(padded)
+        if spaced == before + padded + after:
+            return before, after, False
+        if spaced == plain:
+            return before, after, True
+        return None
 
     def _encode_one(self, segment: str) -> list[int]:
         if self._first_differs and segment.startswith(_FIRST):

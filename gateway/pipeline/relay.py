@@ -29,7 +29,7 @@ from gateway.config.schema import UpstreamConfig, WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
-from gateway.pipeline.sse import SSEScanner, usage_tokens
+from gateway.pipeline.sse import SSEScanner, answer_text, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.resilience.outcome import Outcome, of_answer, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -357,6 +357,11 @@ class Relay:
         readany = resp.readany
         write = out.write
         feed = scanner.feed
+        # a chat whose answer the KV-events router tokenizes ahead of the next turn: its bytes are kept
+        told = ctx.ireq.answered if ctx.ireq is not None else None
+        kept = _Kept(feed) if told is not None else None
+        if kept is not None:
+            feed = kept
         first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
         idle_to = wd.idle_timeout_s if wd is not None else 0.0
         failure: bytes | None = None
@@ -497,7 +502,10 @@ class Relay:
             rec.error_class = ErrorClass.UPSTREAM_STREAM_ERROR
             msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
             rec.error = str(msg)[:200] if msg else "in-stream error"
-        return await self.end_stream(ctx, out, scanner, failure)
+        out = await self.end_stream(ctx, out, scanner, failure)
+        if kept is not None and failure is None and scanner.error is None and scanner.done and kept.room >= 0:
+            told(kept.text())       # type: ignore[misc]
+        return out
 
     async def end_stream(self, ctx: RequestContext, out: web.StreamResponse, scanner: StreamScanner,
                          failure: StreamFailure | None) -> web.StreamResponse:
@@ -573,6 +581,9 @@ class Relay:
                 choices = data.get("choices")
                 if isinstance(choices, list) and choices and isinstance(choices[0], dict):
                     rec.finish_reason = choices[0].get("finish_reason")
+                told = ctx.ireq.answered if ctx.ireq is not None else None
+                if told is not None:        # after the answer is written
+                    asyncio.get_running_loop().call_soon(told, message_text(data))
         if self.whole:
             written = write_whole(ctx.http, 200, headers, ctype, body)
             if written is not None:
@@ -590,6 +601,9 @@ class Relay:
         if isinstance(data, dict):
             self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
             await ctx.api.finish(ctx)
+            told = ctx.ireq.answered if ctx.ireq is not None else None
+            if told is not None:            # the engine's chat answer, before the API's translation
+                asyncio.get_running_loop().call_soon(told, message_text(data))
 
     def account_usage(self, rec: RequestRecord, usage: dict | None) -> None:
         if not usage:
@@ -603,3 +617,29 @@ class Relay:
             m.child(m.completion_tokens, rec.model).inc(c)
         if cached:
             m.child(m.cached_tokens, rec.model).inc(cached)
+
+
+ANSWER_BYTES = 1 << 20      # a stream kept for its answer's text up to this many bytes (then not kept)
+
+
+class _Kept:
+    """A scanner's ``feed`` that also keeps the stream's bytes, for the answer's text at its end
+    (``text``); past ``ANSWER_BYTES`` it keeps nothing more (``room`` negative: no text)."""
+
+    __slots__ = ("chunks", "room", "_feed")
+
+    def __init__(self, feed: Callable[[bytes, float], bytes]) -> None:
+        self.chunks: list[bytes] = []
+        self.room = ANSWER_BYTES
+        self._feed = feed
+
+    def __call__(self, chunk: bytes, now: float) -> bytes:
+        room = self.room = self.room - len(chunk)
+        if room >= 0:
+            self.chunks.append(chunk)
+        elif self.chunks:
+            self.chunks = []
+        return self._feed(chunk, now)
+
+    def text(self) -> str | None:
+        return answer_text(b"".join(self.chunks)) if self.room >= 0 else None

@@ -141,6 +141,41 @@ def _data_of(ev: bytes | bytearray) -> bytes | None:
     return parts[0] if len(parts) == 1 else b"\n".join(parts)
 
 
+# a content string as the engine wrote it, escapes kept (the unrolled form: one class run at a time)
+_DELTA_TEXT = re.compile(rb'"content"[ \t]*:[ \t]*"([^"\\]*(?:\\.[^"\\]*)*)"')
+
+
+def answer_text(stream: bytes) -> str | None:
+    """The assistant message a chat completion stream of one choice (its raw SSE bytes) amounts to:
+    its ``content`` strings joined as the engine wrote them, their escapes decoded once (a character
+    escaped as a surrogate pair split over two deltas comes out whole). ``None`` when it is not one
+    plain text: a tool call, no content. A JSON string holds no bare quote, so ``"content":"`` in
+    the bytes is always that key opening its value (``"reasoning_content"`` is another key)."""
+    if b'"tool_calls"' in stream:
+        return None
+    parts = _DELTA_TEXT.findall(stream)
+    if not parts:
+        return None
+    try:
+        text = orjson.loads(b'"' + b"".join(parts) + b'"')
+    except orjson.JSONDecodeError:
+        return None
+    return text if isinstance(text, str) and text else None
+
+
+def message_text(data: Any) -> str | None:
+    """The assistant message of a whole chat completion (``choices[0].message.content``); ``None``
+    when it is not one plain text (several choices, a tool call, no content)."""
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    msg = choices[0].get("message")
+    if not isinstance(msg, dict) or msg.get("tool_calls"):
+        return None
+    c = msg.get("content")
+    return c if isinstance(c, str) and c else None
+
+
 def _nonneg_int(v: Any) -> int:
     if type(v) is int:          # the usual case (not a bool: its type is bool)
         return v if v > 0 else 0

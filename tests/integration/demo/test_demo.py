@@ -108,6 +108,8 @@ async def test_demo_answers_every_model_streaming_and_not():
         assert kv['switchyard_kv_events_index_blocks{model="demo-kv"}'] >= first.usage.prompt_tokens // 16
         assert kv['switchyard_kv_events_total{kind="BlockStored",model="demo-kv"}'] >= 1
         assert 1.0 in {v for k, v in kv.items() if k.startswith("switchyard_kv_events_endpoint_live{")}
+        # its answer, tokenized ahead of the conversation's next turn
+        assert kv.get('switchyard_kv_events_answers_total{model="demo-kv",outcome="tokenized"}', 0) >= 1
         second = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "second question"}])
         assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2

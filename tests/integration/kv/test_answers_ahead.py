@@ -1,0 +1,89 @@
+"""A chat's answer is tokenized ahead of its next turn (``kv_events.tokenize_answers``): once the
+gateway relayed it whole, streamed or not, the segment the chat template makes of it is tokenized
+in the tokenizer thread, so the next turn, sending it back, finds it cached and keys as the engine
+caches; off, nothing is tokenized ahead of it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from tests.support.http import openai_client
+from tests.support.metrics import metric
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.integration
+
+TOK = str(TINY_DIR)
+SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" for i in range(120))
+
+
+async def _setup(sims, gateway, **kv):
+    sim = await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_blocks=4096)
+    s = sim.engine.kv_events
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": s.port, **kv}}])
+    kv_manager = gw.gw.routing.ctx.precise_index
+    await until(lambda: kv_manager.subscribers)
+    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
+    return sim, gw, kv_manager
+
+
+async def _ask(client, messages, stream: bool) -> tuple[str, int, int]:
+    """(the answer's text, prompt tokens, cached prompt tokens) through the OpenAI SDK."""
+    if stream:
+        parts, usage = [], None
+        out = await client.chat.completions.create(model="m", messages=messages, max_tokens=12, stream=True,
+                                                   stream_options={"include_usage": True})
+        async for chunk in out:
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        assert usage is not None
+        return "".join(parts), usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens
+    r = await client.chat.completions.create(model="m", messages=messages, max_tokens=12)
+    return r.choices[0].message.content, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_next_turn_finds_the_answer_tokenized(sims, gateway, stream):
+    sim, gw, kv = await _setup(sims, gateway)
+    tok = kv.tokenizers["m"]
+    async with openai_client(gw, "x") as client:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "first question"}]
+        answer, _, _ = await _ask(client, messages, stream)
+        assert answer
+        seg = tok.answer_segment(answer)
+        await until(lambda: tok.is_cached(seg))
+        page = await gw.metrics_text()
+        assert metric(page, "switchyard_kv_events_answers_total", model="m", outcome="tokenized") == 1
+        # the next turn sends it back: it is one of that turn's segments, and not tokenized on its way
+        tokenized: list[str] = []
+        encode = tok._encode_one
+
+        def spy(segment: str) -> list[int]:
+            tokenized.append(segment)
+            return encode(segment)
+
+        tok._encode_one = spy
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "second question"}]
+        segments = tok.segments(tok.render(messages))
+        assert seg in segments
+        _, prompt, cached = await _ask(client, messages, stream)
+        assert seg not in tokenized
+        # keyed as the engine caches: its blocks through the answer were found where they are
+        assert cached >= len(tok.encode(tok.render(messages[:3]))) // 16 * 16 - 16 > 0
+        assert prompt == len(tok.encode(tok.render(messages)))
+
+
+async def test_off_nothing_is_tokenized_ahead_of_the_next_turn(sims, gateway):
+    sim, gw, kv = await _setup(sims, gateway, tokenize_answers=False)
+    tok = kv.tokenizers["m"]
+    async with openai_client(gw, "x") as client:
+        answer, _, _ = await _ask(client, [{"role": "user", "content": "first question"}], True)
+        await asyncio.sleep(0.3)
+        assert not tok.is_cached(tok.answer_segment(answer))
+        assert metric(await gw.metrics_text(), "switchyard_kv_events_answers_total") == 0

@@ -1,0 +1,172 @@
+"""A chat's answer tokenized ahead of its next turn: the segment the chat template makes of an
+assistant message is learned from the template, and predicted for an answer's text exactly as the
+next turn's render cuts it; templates whose form is not recognized predict nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.kv.tokenization import ModelTokenizer
+from gateway.pipeline.sse import answer_text, message_text
+
+CORPUS = ["hello world how are you", "fine thanks and you hello there", "the quick brown fox jumps"] * 40
+SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+           "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+# no special token between an answer and the user messages around it: no segment of its own
+PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+# writes an assistant message otherwise than as its content (upper-cased)
+CHANGED = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+           "{{ m['content'] | upper if m['role'] == 'assistant' else m['content'] }}<|eot_id|>{% endfor %}")
+REFUSES = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no assistant') }}"
+           "{% endif %}[INST]{{ m['content'] }}[/INST]{% endfor %}")
+
+
+def _dir(tmp_path, template: str):
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    tok.add_special_tokens([AddedToken(t) for t in SPECIALS])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+    return ModelTokenizer(tmp_path)
+
+
+def _next_turn_segments(tok: ModelTokenizer, answer: str) -> list[str]:
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"},
+            {"role": "assistant", "content": answer}, {"role": "user", "content": "and you"}]
+    segs = tok.segments(tok.render(msgs))
+    return segs
+
+
+ANSWERS = ["fine thanks", "  fine thanks\n", "the quick\n\nbrown fox", "x"]
+
+
+@pytest.mark.parametrize("template, form", [
+    (LLAMA3, ("\n\n", "", True)),
+    (MISTRAL, ("", "", False)),
+])
+def test_the_predicted_segment_is_the_one_the_next_turn_renders(tmp_path, template, form):
+    tok = _dir(tmp_path, template)
+    assert tok._learn_answer_form() == form
+    for answer in ANSWERS:
+        seg = tok.answer_segment(answer)
+        assert seg is not None and seg in _next_turn_segments(tok, answer)
+
+
+def test_the_projects_tokenizer_chatml_form():
+    tok = ModelTokenizer(TINY_DIR)
+    assert tok._learn_answer_form() == ("assistant\n", "", False)
+    for answer in ANSWERS:
+        assert tok.answer_segment(answer) in _next_turn_segments(tok, answer)
+
+
+@pytest.mark.parametrize("template", [PLAIN, CHANGED, REFUSES])
+def test_a_form_not_recognized_predicts_nothing(tmp_path, template):
+    tok = _dir(tmp_path, template)
+    assert tok.answer_segment("fine thanks") is None
+    assert tok._answer_form is None          # learned once
+
+
+def test_an_answer_holding_a_special_tokens_text_predicts_nothing(tmp_path):
+    tok = _dir(tmp_path, LLAMA3)
+    assert tok.answer_segment("fine <|eot_id|> thanks") is None
+    assert tok.answer_segment("fine thanks") == "\n\nfine thanks"
+
+
+def _sse(*events) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def _delta(**d):
+    return {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": d, "finish_reason": None}]}
+
+
+def test_a_streams_answer_is_its_content_deltas_joined():
+    raw = _sse(_delta(role="assistant", content=""), _delta(content="Hel"), _delta(content='lo "you"\n'),
+               {"id": "c", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+    assert answer_text(raw) == 'Hello "you"\n'
+    assert answer_text(raw.replace(b"\n\n", b"\r\n\r\n")) == 'Hello "you"\n'
+    assert answer_text(_sse(_delta(role="assistant"))) is None                 # no text
+    assert answer_text(_sse(_delta(content="a"), _delta(tool_calls=[{"index": 0, "id": "t"}]))) is None
+    spaced = b'data: {"choices": [{"index": 0, "delta": {"content": "a b"}}]}\n\n'
+    assert answer_text(spaced + spaced) == "a ba b"
+    assert answer_text(b'data: {"choices":[{"index":0,"delta":{"content":"a\\x"}}]}\n\n') is None  # a bad escape
+    # a character escaped as a surrogate pair split over two deltas; reasoning and logprobs are not the answer
+    split = [b'data: {"choices":[{"index":0,"delta":{"content":"ok \\ud83d"}}]}\n\n',
+             b'data: {"choices":[{"index":0,"delta":{"reasoning_content":"hm","content":"\\ude00!"},'
+             b'"logprobs":{"content":[{"token":"x","logprob":-1}]}}]}\n\n']
+    assert answer_text(b"".join(split)) == "ok \U0001f600!"
+
+
+def test_a_whole_answers_text():
+    ok = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "fine"}}]}
+    assert message_text(ok) == "fine"
+    assert message_text({"choices": [{"message": {"content": None, "tool_calls": [{"id": "t"}]}}]}) is None
+    assert message_text({"choices": [ok["choices"][0], ok["choices"][0]]}) is None
+    assert message_text({"choices": []}) is None and message_text([]) is None
+
+
+def test_a_stream_is_kept_for_its_answer_only_up_to_its_bound(monkeypatch):
+    from gateway.pipeline import relay
+
+    monkeypatch.setattr(relay, "ANSWER_BYTES", 200)
+    seen: list[bytes] = []
+    kept = relay._Kept(lambda chunk, now: seen.append(chunk) or chunk)
+    events = [_sse(_delta(content="ab"))[:-14], b"data: [DONE]\n\n"]
+    assert [kept(e, 0.0) for e in events] == events == seen          # what the scanner returns, unchanged
+    assert kept.text() == "ab"
+    big = relay._Kept(lambda chunk, now: chunk)
+    for _ in range(5):
+        big(_sse(_delta(content="x" * 40))[:-14], 0.0)
+    assert big.room < 0 and big.chunks == [] and big.text() is None   # past the bound: nothing kept
+
+
+async def test_only_a_chat_of_one_choice_is_told_its_answer_and_the_answer_is_counted():
+    import orjson
+    from prometheus_client import CollectorRegistry
+
+    from gateway.endpoints import Endpoint, EndpointPool
+    from gateway.kv.events import KVEventsManager
+    from gateway.kv.settings import KVEventsConfig
+    from gateway.request import CHAT, COMPLETIONS, parse
+
+    registry = CollectorRegistry()
+    cfg = {"on": KVEventsConfig(enabled=True), "off": KVEventsConfig(enabled=True, tokenize_answers=False)}
+    tok = ModelTokenizer(TINY_DIR)
+    mgr = KVEventsManager(lambda m: cfg[m], EndpointPool(), registry, {"on": tok, "off": tok}, tokenize_threads=1)
+    on, off = Endpoint(url="http://a:1", model="on"), Endpoint(url="http://b:1", model="off")
+
+    def req(path, ep, **body):
+        r = parse(path, orjson.dumps({"model": ep.model, **body}), {}, "r")
+        mgr.routed(r, ep)
+        return r
+
+    msgs = [{"role": "user", "content": "hi"}]
+    told = req(CHAT, on, messages=msgs)
+    assert told.answered is not None
+    assert req(CHAT, on, messages=msgs, n=2).answered is None          # several answers
+    assert req(CHAT, off, messages=msgs).answered is None              # tokenize_answers: false
+    assert req(COMPLETIONS, on, prompt="hi").answered is None          # not a chat
+    told.answered("fine, thanks")
+    told.answered(None)
+    await asyncio.gather(*mgr._ahead)
+    assert tok.is_cached(tok.answer_segment("fine, thanks"))
+    told.answered("fine, thanks")                                       # the same answer again: cached
+
+    def count(outcome):
+        return registry.get_sample_value("switchyard_kv_events_answers_total", {"model": "on", "outcome": outcome})
+
+    assert (count("tokenized"), count("not_text"), count("cached")) == (1, 1, 1)
+    await mgr.close()
+    told.answered("after the close")                                    # no thread is made again for it
+    assert mgr._executor is None
