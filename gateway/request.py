@@ -97,9 +97,9 @@ class InferenceRequest:
     # routing read them
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
-    # told the answer's text once a chat's answer is relayed whole (set by the KV-events router, which
-    # tokenizes it ahead of the conversation's next turn: gateway/kv/events.py)
-    answered: Callable[[str | None], None] | None = None
+    # told the answer's text (``None``, and why not, when there is none) once a chat's answer is relayed
+    # whole (set by the KV-events router, which tokenizes it ahead of the next turn: gateway/kv/events.py)
+    answered: Callable[..., None] | None = None
 
     @property
     def is_embeddings(self) -> bool:

@@ -88,7 +88,8 @@ class KVEventsMetrics:
         self.answers = Counter("switchyard_kv_events_answers",
                                "Chat answers relayed whole and tokenized ahead of the next turn: tokenized, "
                                "cached (already), unknown_form (the chat template's form for an assistant "
-                               "message was not recognized), not_text (tool calls, several choices, no text)",
+                               "message was not recognized), not_text (a tool call, no text), too_long "
+                               "(over 256 KiB of text)",
                                ["model", "outcome"], registry=registry)
 
 
@@ -360,7 +361,7 @@ class KVEventsManager:
         self._executor: ThreadPoolExecutor | None = None
         self._ahead: set[asyncio.Future] = set()   # tokenizing what a chat's next turn will need
         self._closed = False
-        self._answer_hooks: dict[str, Callable[[str | None], None]] = {}   # model → its ``answered``
+        self._answer_hooks: dict[str, Callable[..., None]] = {}   # model → its ``answered``
 
     @property
     def zctx(self) -> Any:
@@ -533,18 +534,19 @@ class KVEventsManager:
                     hook = self._answer_hooks[ep.model] = partial(self.answered, ep.model)
                 req.answered = hook
 
-    def answered(self, model: str, text: str | None) -> None:
+    def answered(self, model: str, text: str | None, why: str = "not_text") -> None:
         """A chat request routed here got its whole answer, ``text`` (``None``: not one text, e.g. tool
         calls): the conversation's next turn sends it back as an assistant message behind blocks the
         engine then holds, and would tokenize it on its way to the engine (on the loop, or awaiting
         the tokenizer thread for a long one). So the segment the chat template makes of it is
-        tokenized now, in the tokenizer threads, while the client reads and writes its next message."""
+        tokenized now, in the tokenizer threads, while the client reads and writes its next message.
+        Without a text, ``why`` is counted (``not_text``, ``too_long``)."""
         tok = self.tokenizers.get(model)
         if tok is None or self.executor is None:
             return
         seg = tok.answer_segment(text) if text else None
         if seg is None:
-            self.metrics.answers.labels(model, "not_text" if not text else "unknown_form").inc()
+            self.metrics.answers.labels(model, why if not text else "unknown_form").inc()
             return
         if not tok.needs_tokens(seg):
             self.metrics.answers.labels(model, "cached").inc()

@@ -29,7 +29,7 @@ from gateway.config.schema import UpstreamConfig, WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord
-from gateway.pipeline.sse import SSEScanner, answer_text, message_text, usage_tokens
+from gateway.pipeline.sse import AnswerText, SSEScanner, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.resilience.outcome import Outcome, of_answer, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -503,8 +503,10 @@ class Relay:
             msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
             rec.error = str(msg)[:200] if msg else "in-stream error"
         out = await self.end_stream(ctx, out, scanner, failure)
-        if kept is not None and failure is None and scanner.error is None and scanner.done and kept.room >= 0:
-            told(kept.text())       # type: ignore[misc]
+        if kept is not None and failure is None and scanner.error is None and scanner.done:
+            answer = kept.answer
+            text = answer.text()
+            told(text, answer.gone or "not_text")       # type: ignore[misc]
         return out
 
     async def end_stream(self, ctx: RequestContext, out: web.StreamResponse, scanner: StreamScanner,
@@ -619,27 +621,15 @@ class Relay:
             m.child(m.cached_tokens, rec.model).inc(cached)
 
 
-ANSWER_BYTES = 1 << 20      # a stream kept for its answer's text up to this many bytes (then not kept)
-
-
 class _Kept:
-    """A scanner's ``feed`` that also keeps the stream's bytes, for the answer's text at its end
-    (``text``); past ``ANSWER_BYTES`` it keeps nothing more (``room`` negative: no text)."""
+    """A scanner's ``feed`` that also collects the stream's answer (``answer``) as it passes."""
 
-    __slots__ = ("chunks", "room", "_feed")
+    __slots__ = ("answer", "_feed")
 
     def __init__(self, feed: Callable[[bytes, float], bytes]) -> None:
-        self.chunks: list[bytes] = []
-        self.room = ANSWER_BYTES
+        self.answer = AnswerText()
         self._feed = feed
 
     def __call__(self, chunk: bytes, now: float) -> bytes:
-        room = self.room = self.room - len(chunk)
-        if room >= 0:
-            self.chunks.append(chunk)
-        elif self.chunks:
-            self.chunks = []
+        self.answer.add(chunk)
         return self._feed(chunk, now)
-
-    def text(self) -> str | None:
-        return answer_text(b"".join(self.chunks)) if self.room >= 0 else None

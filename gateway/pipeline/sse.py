@@ -145,15 +145,20 @@ def _data_of(ev: bytes | bytearray) -> bytes | None:
 _DELTA_TEXT = re.compile(rb'"content"[ \t]*:[ \t]*"([^"\\]*(?:\\.[^"\\]*)*)"')
 
 
-def answer_text(stream: bytes) -> str | None:
-    """The assistant message a chat completion stream of one choice (its raw SSE bytes) amounts to:
-    its ``content`` strings joined as the engine wrote them, their escapes decoded once (a character
-    escaped as a surrogate pair split over two deltas comes out whole). ``None`` when it is not one
-    plain text: a tool call, no content. A JSON string holds no bare quote, so ``"content":"`` in
-    the bytes is always that key opening its value (``"reasoning_content"`` is another key)."""
-    if b'"tool_calls"' in stream:
+def _content_parts(data: bytes) -> list[bytes] | None:
+    """The ``content`` strings of the events in ``data`` as the engine wrote them (escapes kept);
+    ``None`` for a tool call. A JSON string holds no bare quote, so ``"content":"`` in the bytes is
+    always that key opening its value (``"reasoning_content"`` is another key), and the value ends
+    at the first quote after it that no backslash escapes. (One regex pass: about 1 µs for a token's
+    event; a loop over ``split`` pieces costs as much.)"""
+    if b'"tool_calls"' in data:
         return None
-    parts = _DELTA_TEXT.findall(stream)
+    return _DELTA_TEXT.findall(data)
+
+
+def _joined_text(parts: list[bytes]) -> str | None:
+    """The strings joined, their escapes decoded once (a character escaped as a surrogate pair
+    split over two deltas comes out whole); ``None`` when empty or not a JSON string's content."""
     if not parts:
         return None
     try:
@@ -161,6 +166,72 @@ def answer_text(stream: bytes) -> str | None:
     except orjson.JSONDecodeError:
         return None
     return text if isinstance(text, str) and text else None
+
+
+def answer_text(stream: bytes) -> str | None:
+    """The assistant message a chat completion stream of one choice (its raw SSE bytes) amounts to:
+    its ``content`` deltas joined. ``None`` when it is not one plain text: a tool call, no content."""
+    parts = _content_parts(stream)
+    return None if parts is None else _joined_text(parts)
+
+
+class AnswerText:
+    """A chat completion stream's answer, collected as the stream passes (``add`` each read): the
+    ``content`` strings of its complete events are taken out every ``RAW_BYTES`` of stream, so what
+    it holds is the answer's text and at most about that much of the stream. ``gone`` says why there
+    will be no text: ``not_text`` (a tool call), ``too_long`` (past ``MAX_BYTES`` of text)."""
+
+    RAW_BYTES = 16 * 1024
+    MAX_BYTES = 256 * 1024
+
+    __slots__ = ("_raw", "_size", "_parts", "_held", "gone")
+
+    def __init__(self) -> None:
+        self._raw: list[bytes] = []
+        self._size = 0
+        self._parts: list[bytes] = []
+        self._held = 0
+        self.gone: str | None = None
+
+    def add(self, chunk: bytes) -> None:
+        if self.gone is None:
+            self._raw.append(chunk)
+            self._size += len(chunk)
+            if self._size > self.RAW_BYTES:
+                self._take(False)
+
+    def _take(self, end: bool) -> None:
+        raw = b"".join(self._raw)
+        if end:
+            cut = len(raw)
+        else:                           # through the last complete event; the rest waits for more
+            lf, crlf = raw.rfind(b"\n\n"), raw.rfind(b"\n\r\n")
+            cut = max(lf + 2 if lf >= 0 else 0, crlf + 3 if crlf >= 0 else 0)
+        rest = raw[cut:]
+        parts = _content_parts(raw[:cut]) if cut else []
+        if parts is None:
+            self._drop("not_text")
+            return
+        self._parts += parts
+        self._held += sum(map(len, parts))
+        self._raw, self._size = ([rest] if rest else []), len(rest)
+        if self._held + self._size > self.MAX_BYTES:
+            self._drop("too_long")
+
+    def _drop(self, why: str) -> None:
+        self.gone = why
+        self._raw, self._parts, self._size, self._held = [], [], 0, 0
+
+    def text(self) -> str | None:
+        """The answer's text once the stream ended (``None``: see ``gone``, or no content)."""
+        if self.gone is None:
+            self._take(True)
+        if self.gone is not None:
+            return None
+        text = _joined_text(self._parts)
+        if text is None:
+            self.gone = "not_text"
+        return text
 
 
 def message_text(data: Any) -> str | None:

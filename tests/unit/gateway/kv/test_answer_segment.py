@@ -116,19 +116,34 @@ def test_a_whole_answers_text():
     assert message_text({"choices": []}) is None and message_text([]) is None
 
 
-def test_a_stream_is_kept_for_its_answer_only_up_to_its_bound(monkeypatch):
+def test_a_streams_answer_is_collected_as_it_passes_holding_little_of_the_stream(monkeypatch):
     from gateway.pipeline import relay
+    from gateway.pipeline.sse import AnswerText
 
-    monkeypatch.setattr(relay, "ANSWER_BYTES", 200)
+    monkeypatch.setattr(AnswerText, "RAW_BYTES", 300)
+    monkeypatch.setattr(AnswerText, "MAX_BYTES", 2000)
+    words = [f"w{i} " for i in range(40)] + ["\U0001f600"]
+    raw = _sse(*(_delta(content=w) for w in words))
     seen: list[bytes] = []
     kept = relay._Kept(lambda chunk, now: seen.append(chunk) or chunk)
-    events = [_sse(_delta(content="ab"))[:-14], b"data: [DONE]\n\n"]
-    assert [kept(e, 0.0) for e in events] == events == seen          # what the scanner returns, unchanged
-    assert kept.text() == "ab"
-    big = relay._Kept(lambda chunk, now: chunk)
-    for _ in range(5):
-        big(_sse(_delta(content="x" * 40))[:-14], 0.0)
-    assert big.room < 0 and big.chunks == [] and big.text() is None   # past the bound: nothing kept
+    reads = [raw[i:i + 37] for i in range(0, len(raw), 37)]       # reads cut anywhere, events split
+    assert [kept(r, 0.0) for r in reads] == reads == seen           # what the scanner returns, unchanged
+    a = kept.answer
+    assert a._size <= 300 + 37 and a._parts                           # taken out as it went
+    assert a.text() == "".join(words) and a.gone is None
+    # a tool call after the first taking out: no text, and nothing held
+    tool = AnswerText()
+    for r in (raw[:400], _sse(_delta(tool_calls=[{"index": 0, "id": "t"}]))):
+        tool.add(r)
+    assert tool.text() is None and tool.gone == "not_text" and not tool._parts
+    # past the bound: nothing more held, and why
+    big = AnswerText()
+    for _ in range(12):
+        big.add(_sse(_delta(content="x" * 200))[:-14])
+    assert big.gone == "too_long" and big.text() is None and not big._raw and not big._parts
+    empty = AnswerText()
+    empty.add(_sse(_delta(role="assistant")))
+    assert empty.text() is None and empty.gone == "not_text"
 
 
 async def test_only_a_chat_of_one_choice_is_told_its_answer_and_the_answer_is_counted():
@@ -159,6 +174,7 @@ async def test_only_a_chat_of_one_choice_is_told_its_answer_and_the_answer_is_co
     assert req(COMPLETIONS, on, prompt="hi").answered is None          # not a chat
     told.answered("fine, thanks")
     told.answered(None)
+    told.answered(None, "too_long")
     await asyncio.gather(*mgr._ahead)
     assert tok.is_cached(tok.answer_segment("fine, thanks"))
     told.answered("fine, thanks")                                       # the same answer again: cached
@@ -166,7 +182,7 @@ async def test_only_a_chat_of_one_choice_is_told_its_answer_and_the_answer_is_co
     def count(outcome):
         return registry.get_sample_value("switchyard_kv_events_answers_total", {"model": "on", "outcome": outcome})
 
-    assert (count("tokenized"), count("not_text"), count("cached")) == (1, 1, 1)
+    assert (count("tokenized"), count("not_text"), count("cached"), count("too_long")) == (1, 1, 1, 1)
     await mgr.close()
     told.answered("after the close")                                    # no thread is made again for it
     assert mgr._executor is None
