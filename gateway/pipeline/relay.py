@@ -357,7 +357,7 @@ class Relay:
         readany = resp.readany
         write = out.write
         feed = scanner.feed
-        # a chat whose answer the KV-events router tokenizes ahead of the next turn: its bytes are kept
+        # a chat whose answer the KV-events router tokenizes ahead of the next turn: collected as it passes
         told = ctx.ireq.answered if ctx.ireq is not None else None
         kept = _Kept(feed) if told is not None else None
         if kept is not None:
@@ -603,9 +603,6 @@ class Relay:
         if isinstance(data, dict):
             self.account_usage(ctx.rec, ctx.api.body_usage(ctx, data))
             await ctx.api.finish(ctx)
-            told = ctx.ireq.answered if ctx.ireq is not None else None
-            if told is not None:            # the engine's chat answer, before the API's translation
-                asyncio.get_running_loop().call_soon(told, message_text(data))
 
     def account_usage(self, rec: RequestRecord, usage: dict | None) -> None:
         if not usage:
