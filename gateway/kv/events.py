@@ -362,6 +362,7 @@ class KVEventsManager:
         self._ahead: set[asyncio.Future] = set()   # tokenizing what a chat's next turn will need
         self._closed = False
         self._answer_hooks: dict[str, Callable[..., None]] = {}   # model → its ``answered``
+        self._forms_told: set[str] = set()         # models whose template's answer form was logged
 
     @property
     def zctx(self) -> Any:
@@ -545,6 +546,15 @@ class KVEventsManager:
         if tok is None or self.executor is None:
             return
         seg = tok.answer_segment(text) if text else None
+        if text and model not in self._forms_told:    # once a model: what its template's answers look like
+            self._forms_told.add(model)
+            form = tok.answer_form
+            if form is None:
+                log.warning("kv events: the chat template's form for an assistant message was not recognized; "
+                            "answers are not tokenized ahead of the next turn", model=model)
+            else:
+                log.info("kv events: answers tokenized ahead of the next turn", model=model,
+                         before=form[0], after=form[1], trimmed=form[2])
         if seg is None:
             self.metrics.answers.labels(model, why if not text else "unknown_form").inc()
             return

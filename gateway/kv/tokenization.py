@@ -184,13 +184,19 @@ class ModelTokenizer:
         special tokens on either side, with the content as the template writes it (trimmed or not).
         ``None`` when the template's form for it was not recognized (``_learn_answer_form``), or the
         answer holds a special token's text (it would span several segments)."""
-        form = self._answer_form
-        if form is False:
-            form = self._answer_form = self._learn_answer_form()
-        if not form or (self._split is not None and self._split.search(answer)):
+        form = self.answer_form
+        if form is None or (self._split is not None and self._split.search(answer)):
             return None
-        before, after, trimmed = form      # type: ignore[misc]
+        before, after, trimmed = form
         return before + (answer.strip() if trimmed else answer) + after
+
+    @property
+    def answer_form(self) -> tuple[str, str, bool] | None:
+        """(text before an answer's content, after it, whether it is trimmed) in its segment, learned
+        from the template on first use; ``None`` when not recognized."""
+        if self._answer_form is False:
+            self._answer_form = self._learn_answer_form()
+        return self._answer_form or None      # type: ignore[return-value]
 
     def _learn_answer_form(self) -> tuple[str, str, bool] | None:
         """How the template writes an assistant message between two user messages (the shape of a

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import pytest
+import structlog
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from enginesim.tiny_tokenizer import TINY_DIR
@@ -74,7 +75,7 @@ def test_the_projects_tokenizer_chatml_form():
 def test_a_form_not_recognized_predicts_nothing(tmp_path, template):
     tok = _dir(tmp_path, template)
     assert tok.answer_segment("fine thanks") is None
-    assert tok._answer_form is None          # learned once
+    assert tok._answer_form is None and tok.answer_form is None         # learned once
 
 
 def test_an_answer_holding_a_special_tokens_text_predicts_nothing(tmp_path):
@@ -172,7 +173,11 @@ async def test_only_a_chat_of_one_choice_is_told_its_answer_and_the_answer_is_co
     assert req(CHAT, on, messages=msgs, n=2).answered is None          # several answers
     assert req(CHAT, off, messages=msgs).answered is None              # tokenize_answers: false
     assert req(COMPLETIONS, on, prompt="hi").answered is None          # not a chat
-    told.answered("fine, thanks")
+    with structlog.testing.capture_logs() as logs:
+        told.answered("fine, thanks")
+        told.answered("fine, thanks!")
+    said = [e for e in logs if e["event"].startswith("kv events: answers tokenized ahead")]
+    assert len(said) == 1 and said[0]["before"] == "assistant\n" and said[0]["trimmed"] is False   # once a model
     told.answered(None)
     told.answered(None, "too_long")
     await asyncio.gather(*mgr._ahead)
@@ -182,7 +187,26 @@ async def test_only_a_chat_of_one_choice_is_told_its_answer_and_the_answer_is_co
     def count(outcome):
         return registry.get_sample_value("switchyard_kv_events_answers_total", {"model": "on", "outcome": outcome})
 
-    assert (count("tokenized"), count("not_text"), count("cached"), count("too_long")) == (1, 1, 1, 1)
+    assert (count("tokenized"), count("not_text"), count("cached"), count("too_long")) == (2, 1, 1, 1)
     await mgr.close()
     told.answered("after the close")                                    # no thread is made again for it
     assert mgr._executor is None
+
+
+async def test_a_template_not_recognized_is_said_once_and_counted(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from gateway.endpoints import EndpointPool
+    from gateway.kv.events import KVEventsManager
+    from gateway.kv.settings import KVEventsConfig
+
+    registry = CollectorRegistry()
+    cfg = KVEventsConfig(enabled=True)
+    mgr = KVEventsManager(lambda m: cfg, EndpointPool(), registry, {"m": _dir(tmp_path, PLAIN)}, tokenize_threads=1)
+    with structlog.testing.capture_logs() as logs:
+        mgr.answered("m", "fine thanks")
+        mgr.answered("m", "fine thanks again")
+    assert [e["log_level"] for e in logs if "not recognized" in e["event"]] == ["warning"]
+    assert registry.get_sample_value("switchyard_kv_events_answers_total",
+                                     {"model": "m", "outcome": "unknown_form"}) == 2
+    await mgr.close()
