@@ -168,13 +168,6 @@ def _joined_text(parts: list[bytes]) -> str | None:
     return text if isinstance(text, str) and text else None
 
 
-def answer_text(stream: bytes) -> str | None:
-    """The assistant message a chat completion stream of one choice (its raw SSE bytes) amounts to:
-    its ``content`` deltas joined. ``None`` when it is not one plain text: a tool call, no content."""
-    parts = _content_parts(stream)
-    return None if parts is None else _joined_text(parts)
-
-
 class AnswerText:
     """A chat completion stream's answer, collected as the stream passes (``add`` each read): the
     ``content`` strings of its complete events are taken out every ``RAW_BYTES`` of stream, so what

@@ -13,7 +13,7 @@ from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.kv.tokenization import ModelTokenizer
-from gateway.pipeline.sse import answer_text, message_text
+from gateway.pipeline.sse import AnswerText, message_text
 
 CORPUS = ["hello world how are you", "fine thanks and you hello there", "the quick brown fox jumps"] * 40
 SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
@@ -84,6 +84,13 @@ def test_an_answer_holding_a_special_tokens_text_predicts_nothing(tmp_path):
     assert tok.answer_segment("fine thanks") == "\n\nfine thanks"
 
 
+def answer_text(stream: bytes) -> str | None:
+    """A whole stream's answer, as the relay collects it."""
+    answer = AnswerText()
+    answer.add(stream)
+    return answer.text()
+
+
 def _sse(*events) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
@@ -119,8 +126,6 @@ def test_a_whole_answers_text():
 
 def test_a_streams_answer_is_collected_as_it_passes_holding_little_of_the_stream(monkeypatch):
     from gateway.pipeline import relay
-    from gateway.pipeline.sse import AnswerText
-
     monkeypatch.setattr(AnswerText, "RAW_BYTES", 300)
     monkeypatch.setattr(AnswerText, "MAX_BYTES", 2000)
     words = [f"w{i} " for i in range(40)] + ["\U0001f600"]
