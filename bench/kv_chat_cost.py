@@ -10,7 +10,8 @@ of a chat's next turn (awaited before the next request, as a think time would le
 engines are simulated in the index: the chosen endpoint reports its prompt's blocks stored
 (``EventIndex.apply`` of one ``BlockStored``) before the next request, so every request meets the
 index state the benchmark's would. Answers are a dozen words of the same text, told to the router
-as the relay tells them (``kv_events.tokenize_answers``: tokenized ahead of the next turn).
+as the relay tells them (``kv_events.tokenize_answers``: tokenized ahead of the next turn). Plain
+chats are put together from their shape (``kv_events.chat_shapes``; ``--shapes off`` renders each).
 
 Per request it prints the event loop thread's CPU (``time.thread_time``) split into prepare, route
 and the ahead task's steps on the loop, the event apply apart, and the other threads' CPU
@@ -66,7 +67,8 @@ def requests(w, sched, tok, answer_words: int = 12) -> list[tuple[bytes, dict[st
     return out
 
 
-async def one_pass(tok_dir: str, w, reqs, answers: bool = True, answer_blocks: bool = False) -> dict[str, float]:
+async def one_pass(tok_dir: str, w, reqs, answers: bool = True, answer_blocks: bool = False,
+                   shapes: bool = True) -> dict[str, float]:
     from prometheus_client import CollectorRegistry
 
     from gateway.endpoints import Endpoint
@@ -80,7 +82,8 @@ async def one_pass(tok_dir: str, w, reqs, answers: bool = True, answer_blocks: b
     from routers.prefix_cache import PrefixCacheRouter
 
     tok = ModelTokenizer(tok_dir)
-    cfg = KVEventsConfig(enabled=True, tokenize_answers=answers)
+    cfg = KVEventsConfig(enabled=True, tokenize_answers=answers, chat_shapes=shapes)
+    tok.shapes_off = tok.shapes_off or not shapes      # as build_kv_events applies it
     m = KVEventsManager(lambda model: cfg, None, CollectorRegistry(), {"m": tok})  # type: ignore[arg-type]
     eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in range(w.engines)]
     states = {ep: m.index.track(ep, cfg) for ep in eps}
@@ -136,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the chosen engine reports the answer's blocks stored too (as vLLM caches them)")
     ap.add_argument("--answers", choices=["on", "off"], default="on",
                     help="kv_events.tokenize_answers: the answers tokenized ahead of the next turn (default on)")
+    ap.add_argument("--shapes", choices=["on", "off"], default="on",
+                    help="kv_events.chat_shapes: plain chats put together from their shape, not rendered (default on)")
     args = ap.parse_args(argv)
 
     import uvloop
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     reqs = requests(w, sched, ModelTokenizer(tok_dir), args.answer_words)
     best: dict[str, float] | None = None
     for _ in range(args.passes):
-        r = uvloop.run(one_pass(tok_dir, w, reqs, args.answers == "on", args.answer_blocks))
+        r = uvloop.run(one_pass(tok_dir, w, reqs, args.answers == "on", args.answer_blocks, args.shapes == "on"))
         if best is None or r["loop"] < best["loop"]:
             best = r
     assert best is not None

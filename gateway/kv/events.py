@@ -91,6 +91,19 @@ class KVEventsMetrics:
                                "message was not recognized), not_text (a tool call, no text), too_long "
                                "(over 256 KiB of text)",
                                ["model", "outcome"], registry=registry)
+        self._children: dict[tuple[str, ...], Any] = {}     # per-request counters' children, looked up once
+
+    def off_loop_of(self, model: str) -> Any:
+        c = self._children.get(("off_loop", model))
+        if c is None:
+            c = self._children[("off_loop", model)] = self.off_loop.labels(model)
+        return c
+
+    def answer(self, model: str, outcome: str) -> None:
+        c = self._children.get((model, outcome))
+        if c is None:
+            c = self._children[(model, outcome)] = self.answers.labels(model, outcome)
+        c.inc()
 
 
 class _IndexCollector(Collector):
@@ -115,9 +128,19 @@ class _IndexCollector(Collector):
             "probed, not tokenized", labels=["model"])
         for model, n in self.index.unreached.items():
             unreached.add_metric([model], n)
+        renders = CounterMetricFamily(
+            "switchyard_kv_events_chat_renders",
+            "Chats keyed on events, by how their prompt was made: shape (put together from the pieces "
+            "the chat template rendered once for their sequence of roles), template (rendered), "
+            "mismatch (a check found the shape's prompt different; shapes then off for the model)",
+            labels=["model", "how"])
+        for model, tok in _first_names(self.index.tokenizers).items():
+            for how, n in tok.renders.items():
+                renders.add_metric([model, how], n)
         yield blocks
         yield live
         yield unreached
+        yield renders
 
 
 class Subscriber:
@@ -363,6 +386,8 @@ class KVEventsManager:
         self._closed = False
         self._answer_hooks: dict[str, Callable[..., None]] = {}   # model → its ``answered``
         self._forms_told: set[str] = set()         # models whose template's answer form was logged
+        for model, tok in _first_names(tokenizers).items():
+            tok.on_mismatch = partial(self._shapes_differ, model)
 
     @property
     def zctx(self) -> Any:
@@ -377,6 +402,11 @@ class KVEventsManager:
         if endpoint:
             log.warning("kv events: endpoint on the approximate index", model=model, endpoint=endpoint,
                         reason=reason)
+
+    @staticmethod
+    def _shapes_differ(model: str) -> None:
+        log.warning("kv events: a chat put together from its shape differed from the chat template's "
+                    "rendering; every chat of this model is now rendered with the template", model=model)
 
     def endpoint_settings(self, ep: Endpoint) -> KVEventsConfig | None:
         base = self.settings(ep.model)
@@ -456,11 +486,8 @@ class KVEventsManager:
     def on_tokens(self, hook: Callable[[str, str, list[int]], None] | None) -> None:
         """``hook(model, segment, ids)`` for each segment one of the tokenizers tokenizes and caches
         (``None``: no more). A tokenizer shared by several models names the first of them."""
-        done: set[int] = set()
-        for model, tok in self.tokenizers.items():
-            if id(tok) not in done:
-                done.add(id(tok))
-                tok.on_store = None if hook is None else partial(hook, model)
+        for model, tok in _first_names(self.tokenizers).items():
+            tok.on_store = None if hook is None else partial(hook, model)
 
     def adopt_tokens(self, model: str, segment: str, ids: list[int]) -> bool:
         """A sibling's tokenized segment, cached here; whether it was new (an unknown model: no)."""
@@ -512,7 +539,7 @@ class KVEventsManager:
             seg = segments[need]
             n = await tok.prepare([seg], executor, inline)
             if n:
-                self.metrics.off_loop.labels(model).inc(n)
+                self.metrics.off_loop_of(model).inc(n)
             index.rendered(req, segments, lead)       # another request may have rendered meanwhile
             if not tok.is_cached(seg):                 # an encode error: left to the match, which counts it
                 return
@@ -556,13 +583,13 @@ class KVEventsManager:
                 log.info("kv events: answers tokenized ahead of the next turn", model=model,
                          before=form[0], after=form[1], trimmed=form[2])
         if seg is None:
-            self.metrics.answers.labels(model, why if not text else "unknown_form").inc()
+            self.metrics.answer(model, why if not text else "unknown_form")
             return
         if not tok.needs_tokens(seg):
-            self.metrics.answers.labels(model, "cached").inc()
+            self.metrics.answer(model, "cached")
             return
         if self._submit_ahead(model, tok, [seg]):
-            self.metrics.answers.labels(model, "tokenized").inc()
+            self.metrics.answer(model, "tokenized")
 
     def _tokenize_ahead(self, model: str, segments: list[str], final: str | None = None) -> None:
         """A chat request keyed only as far as some engine's cache reaches left its new segments
@@ -602,7 +629,18 @@ class KVEventsManager:
         self._ahead.discard(fut)
         n = 0 if fut.cancelled() else fut.result()
         if n:
-            self.metrics.off_loop.labels(model).inc(n)
+            self.metrics.off_loop_of(model).inc(n)
+
+
+def _first_names(tokenizers: dict[str, ModelTokenizer]) -> dict[str, ModelTokenizer]:
+    """Each tokenizer once, under the first model that names it."""
+    out: dict[str, ModelTokenizer] = {}
+    seen: set[int] = set()
+    for model, tok in tokenizers.items():
+        if id(tok) not in seen:
+            seen.add(id(tok))
+            out[model] = tok
+    return out
 
 
 def _final_text(messages: Any) -> str | None:
@@ -626,5 +664,10 @@ def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsM
         return None
     by_model = {m.name: m.kv_events for m in config.models}
     threads = max((s.tokenize_threads for s in by_model.values() if s is not None), default=1)
-    return KVEventsManager(lambda model: by_model.get(model), pool, registry, load_tokenizers(dirs),
+    tokenizers = load_tokenizers(dirs)
+    for model, tok in tokenizers.items():          # a tokenizer shared by models: off if any says so
+        s = by_model.get(model)
+        if s is not None and not s.chat_shapes:
+            tok.shapes_off = True
+    return KVEventsManager(lambda model: by_model.get(model), pool, registry, tokenizers,
                            tokenize_threads=threads)

@@ -48,6 +48,10 @@ class KVEventsConfig(Block):
     # hold it (the chat template's form around an assistant message), so that turn finds it cached
     tokenize_answers: Annotated[bool, Meta(description="Tokenize a chat's relayed answer in the tokenizer threads once it ends, as the conversation's next turn will send it back, so that turn does not tokenize it on its way to the engine (needs tokenize_threads > 0).")] = True
 
+    # a plain chat (messages of a role and a text each) is put together from the pieces its chat
+    # template rendered once for that sequence of roles, instead of rendering the template each time
+    chat_shapes: Annotated[bool, Meta(description="Put a plain chat's prompt (each message a role and a text) together from the pieces the chat template rendered once for its sequence of roles, instead of rendering the template for every request; the first chat of each sequence and one in 64 are also rendered and compared, and a difference turns this off for the model (false: render every chat).")] = True
+
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)
 

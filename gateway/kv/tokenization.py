@@ -48,10 +48,18 @@ PROBE_CHARS = 256                        # an uncached segment this long is prob
 DEEP_PROBE_BLOCKS = 4                    # a probe held throughout is taken this many blocks further once
 SHARE_CHARS = 32                         # segments this long that are tokenized are shared with sibling workers
 _PROBES_KEPT = 4096                      # segments whose probe is remembered (``prepare`` then ``match``)
+SHAPES_KEPT = 1024                       # chat shapes (sequences of roles) whose pieces are kept
+CHECK_EVERY = 64                         # one chat in this many put together by its shape is also rendered
 # marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
 # ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
 # the text after a special token (a user text that starts with it only shifts its routing keys)
 _FIRST = "\x00"
+_MARK = re.compile("\x02(\\d+)\x02")      # a placeholder content in a chat's shape (``_learn_shape``)
+
+
+# a chat's shape (``ModelTokenizer._learn_shape``): its segments with placeholders, the segments
+# that hold one content, those that hold several, whether each content is trimmed
+_Shape = tuple[list[str], list[tuple[int, str, int, str]], list[tuple[int, list[Any]]], tuple[bool, ...]]
 
 
 class TokenizerError(ValueError):
@@ -155,6 +163,16 @@ class ModelTokenizer:
         # the shared view sends them to the sibling workers (gateway.view.service)
         self.on_store: Callable[[str, list[int]], None] | None = None
         self._answer_form: tuple[str, str, bool] | None | bool = False     # False: not learned yet
+        # a plain chat put together from its shape's pieces (``chat_segments``)
+        self._shapes: OrderedDict[tuple[str, ...], _Shape | None] = OrderedDict()
+        self.shapes_off = self._template is None or self._split is None or self._whole
+        self._check_in = 1
+        self.renders = {"shape": 0, "template": 0, "mismatch": 0}    # chats keyed, by how they were rendered
+        self.on_mismatch: Callable[[], None] | None = None          # told when a check turns shapes off
+        # a content's screening for special tokens: their first characters found by ``in`` (memchr)
+        starts = {t[:1] for t in added}
+        self._special_starts = tuple(starts) if len(starts) <= 4 else None
+        self._token_ends: tuple[set[str], set[str]] | None = None   # special tokens' proper heads, tails
 
     # -- text --------------------------------------------------------------------------------------
 
@@ -177,6 +195,125 @@ class ModelTokenizer:
         if self._first_differs and out and out[0] not in self._special_ids:
             out[0] = _FIRST + out[0]
         return out
+
+    # -- a chat by its shape ------------------------------------------------------------------------
+
+    def chat_segments(self, messages: Any) -> list[str] | None:
+        """The segments of a plain chat (every message exactly a ``role`` and a string ``content``),
+        put together from the pieces the template rendered once for its shape, the sequence of its
+        roles, with placeholders as contents (``_learn_shape``): the same segments as ``segments(
+        render(messages))`` without rendering the template or scanning the whole text for special
+        tokens. ``None`` when the chat is not plain, the template's shape was not recognized, a
+        content is empty or holds a special token's text, or shapes are off (``shapes_off``).
+
+        Checked: the first chat of each shape, and one in ``CHECK_EVERY``, is also rendered whole
+        and compared. A template that writes some contents otherwise than its placeholders (one
+        that rewrites earlier answers, say) differs at some point; shapes are then off for good
+        (counted in ``renders["mismatch"]``, ``on_mismatch`` told) and every chat is rendered."""
+        if self.shapes_off or type(messages) is not list or not messages:
+            return None
+        roles: list[str] = []
+        contents: list[str] = []
+        for m in messages:
+            if type(m) is not dict or len(m) != 2:
+                return None
+            role, content = m.get("role"), m.get("content")
+            if type(role) is not str or type(content) is not str:
+                return None
+            roles.append(role)
+            contents.append(content)
+        key = tuple(roles)
+        shapes = self._shapes
+        shape = shapes.get(key, False)
+        if shape is False:
+            shape = shapes[key] = self._learn_shape(key)
+            if len(shapes) > SHAPES_KEPT:
+                shapes.popitem(last=False)
+            if shape is not None:
+                self._check_in = 1           # a new shape's first chat is checked
+        if shape is None:
+            return None
+        base, slots, spread, trims = shape
+        starts, split = self._special_starts, self._split
+        one = starts[0] if starts is not None and len(starts) == 1 else None
+        for i, trim in enumerate(trims):
+            c = contents[i].strip() if trim else contents[i]
+            if not c:
+                return None
+            if (one in c if one is not None else starts is None or any(x in c for x in starts)) \
+                    and split.search(c):     # type: ignore[union-attr]
+                return None
+            contents[i] = c
+        out = base[:]
+        for at, before, i, after in slots:
+            out[at] = before + contents[i] + after
+        for at, parts in spread:
+            out[at] = "".join([x if x.__class__ is str else contents[x] for x in parts])
+        self._check_in -= 1
+        if self._check_in <= 0:
+            self._check_in = CHECK_EVERY
+            if out != self.segments(self.render(messages)):
+                self.shapes_off = True
+                self.renders["mismatch"] += 1
+                if self.on_mismatch is not None:
+                    self.on_mismatch()
+                return None
+        self.renders["shape"] += 1
+        return out
+
+    def _learn_shape(self, roles: tuple[str, ...]) -> _Shape | None:
+        """The pieces of a chat whose roles are ``roles``: its segments rendered with placeholders as
+        contents; where a segment holds one content, ``(place, before, i, after)`` (message i's
+        content between two texts); where it holds several, ``(place, [texts and message indices])``;
+        and whether the template trims each content. ``None`` when the template refuses the shape, or does not write each
+        placeholder once, as it was given (or trimmed) and away from text that could make a special
+        token with it."""
+        n = len(roles)
+        marks = [f"\x02{i}\x02" for i in range(n)]
+        padded = [" \n" + m + "\n " for m in marks]
+        try:
+            text = self.render([{"role": r, "content": m} for r, m in zip(roles, marks, strict=True)])
+            spaced = self.render([{"role": r, "content": m} for r, m in zip(roles, padded, strict=True)])
+        except Exception:                # a template may refuse a shape (or raise its own errors)
+            return None
+        trims = []
+        for m, pad in zip(marks, padded, strict=True):
+            if text.count(m) != 1:
+                return None
+            trims.append(pad not in spaced)
+        expect = text
+        for m, pad, trim in zip(marks, padded, trims, strict=True):
+            if not trim:
+                expect = expect.replace(m, pad)
+        if expect != spaced:             # trimmed otherwise than whole, or written differently
+            return None
+        longest = max(map(len, self._special_ids))
+        for m in marks:
+            at = text.index(m)
+            if not self._apart(text[max(0, at - longest):at], text[at + len(m):at + len(m) + longest]):
+                return None
+        base: list[str] = []
+        slots: list[tuple[int, str, int, str]] = []
+        spread: list[tuple[int, list[Any]]] = []
+        for at, seg in enumerate(self.segments(text)):
+            parts = _MARK.split(seg)     # texts at even places, message indices at odd ones
+            base.append(seg)
+            if len(parts) == 3:
+                slots.append((at, parts[0], int(parts[1]), parts[2]))
+            elif len(parts) > 3:
+                spread.append((at, [int(x) if i % 2 else x for i, x in enumerate(parts) if x]))
+        return base, slots, spread, tuple(trims)
+
+    def _apart(self, before: str, after: str) -> bool:
+        """No special token's text could start in the text ``before`` a content and end in the
+        content, or start in the content and end in the text ``after`` it (the content would then be
+        split where its placeholder was not)."""
+        if self._token_ends is None:
+            self._token_ends = ({t[:k] for t in self._special_ids for k in range(1, len(t))},
+                                {t[k:] for t in self._special_ids for k in range(1, len(t))})
+        heads, tails = self._token_ends
+        return not any(before[-k:] in heads for k in range(1, len(before) + 1)) and \
+            not any(after[:k] in tails for k in range(1, len(after) + 1))
 
     def answer_segment(self, answer: str) -> str | None:
         """The segment a chat's next turn will hold for ``answer``, the assistant message it sends
@@ -422,6 +559,11 @@ class ModelTokenizer:
             kwargs = data.get("chat_template_kwargs")
             if isinstance(kwargs, dict):
                 extra.update({k: v for k, v in kwargs.items() if isinstance(k, str) and k != "messages"})
+            if not extra and not self.shapes_off:
+                segments = self.chat_segments(data["messages"])
+                if segments is not None:
+                    return segments, []
+            self.renders["template"] += 1
             return self.segments(self.render(data["messages"], **extra)), []
         prompt = data.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:

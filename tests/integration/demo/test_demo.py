@@ -110,6 +110,9 @@ async def test_demo_answers_every_model_streaming_and_not():
         assert 1.0 in {v for k, v in kv.items() if k.startswith("switchyard_kv_events_endpoint_live{")}
         # its answer, tokenized ahead of the conversation's next turn
         assert kv.get('switchyard_kv_events_answers_total{model="demo-kv",outcome="tokenized"}', 0) >= 1
+        # keyed from the chat's shape, the template rendered once for it (and checked)
+        assert kv.get('switchyard_kv_events_chat_renders_total{how="shape",model="demo-kv"}', 0) >= 1
+        assert kv.get('switchyard_kv_events_chat_renders_total{how="mismatch",model="demo-kv"}') == 0
         second = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "second question"}])
         assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2

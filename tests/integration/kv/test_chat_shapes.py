@@ -1,0 +1,75 @@
+"""A plain chat keyed on KV events is put together from its shape (``kv_events.chat_shapes``), not
+rendered with the chat template for every request: through the OpenAI SDK, a conversation's turns
+are keyed as the engine caches them and counted by how their prompt was made; off, every chat is
+rendered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from tests.support.http import openai_client
+from tests.support.metrics import metric
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.integration
+
+TOK = str(TINY_DIR)
+SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" for i in range(120))
+
+
+async def _setup(sims, gateway, **kv):
+    sim = await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_blocks=4096)
+    s = sim.engine.kv_events
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
+                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": s.port, **kv}}])
+    kv_manager = gw.gw.routing.ctx.precise_index
+    await until(lambda: kv_manager.subscribers)
+    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
+    return gw, kv_manager
+
+
+async def _conversation(client, tok, turns: int) -> list[tuple[int, int]]:
+    """(prompt tokens, cached prompt tokens) of each turn of one conversation."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    out = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": f"question number {i} about kqz"})
+        r = await client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+        assert r.usage.prompt_tokens == len(tok.encode(tok.render(messages)))
+        out.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+    return out
+
+
+@pytest.mark.parametrize("shapes", [True, False])
+async def test_a_conversation_is_keyed_from_its_shape(sims, gateway, shapes):
+    gw, kv = await _setup(sims, gateway, chat_shapes=shapes)
+    tok = kv.tokenizers["m"]
+    made: list[tuple[list[str] | None, list[str]]] = []
+    shape = tok.chat_segments
+
+    def spy(messages):
+        got = shape(messages)
+        made.append((got, tok.segments(tok.render(messages))))
+        return got
+
+    tok.chat_segments = spy
+    async with openai_client(gw, "x") as client:
+        turns = await _conversation(client, tok, 4)
+    # each turn the gateway keyed (events: once to prepare, once to match) was the template's own
+    assert made if shapes else not made
+    assert all(got == rendered for got, rendered in made)
+    # every later turn found the earlier turn's blocks on the engine
+    for (before, _), (_, cached) in zip(turns, turns[1:], strict=False):
+        assert cached >= before // 16 * 16 - 16
+    page = await gw.metrics_text()
+    by_shape = metric(page, "switchyard_kv_events_chat_renders_total", model="m", how="shape") or 0
+    rendered = metric(page, "switchyard_kv_events_chat_renders_total", model="m", how="template") or 0
+    assert metric(page, "switchyard_kv_events_chat_renders_total", model="m", how="mismatch") == 0
+    if shapes:
+        assert by_shape >= 4 and rendered == 0 and tok.renders["shape"] == by_shape
+    else:
+        assert by_shape == 0 and rendered >= 4 and tok.shapes_off

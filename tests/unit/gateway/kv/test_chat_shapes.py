@@ -1,0 +1,163 @@
+"""A plain chat put together from its shape (``ModelTokenizer.chat_segments``): the chat template is
+rendered once for each sequence of roles, with placeholders as contents, and later chats of that
+sequence are made from the pieces. The segments are the template's own, checked against a full
+render at each shape's first chat and one chat in 64; a template that writes a content otherwise
+than its placeholder is found out and every chat of it is rendered from then on."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+
+from bench.chat_bpe import tokenizer_dir as bpe_dir
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.kv import tokenization
+from gateway.kv.tokenization import CHECK_EVERY, ModelTokenizer
+
+CORPUS = ["hello world how are you", "fine thanks and you hello there", "the quick brown fox jumps"] * 40
+SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# the system message trimmed and folded into the last user message; the others as given
+MISTRAL = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] | trim %}"
+           "{% set msgs = messages[1:] %}{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
+           "{% for m in msgs %}{% if m['role'] == 'user' %}[INST] {% if loop.last and sys %}{{ sys }}\n\n"
+           "{% endif %}{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+# no special token anywhere: the whole chat is one segment holding every content
+PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+# rewrites an answer's content (keeps what follows a marker), as reasoning templates drop thoughts
+REWRITES = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
+            "{% if m['role'] == 'assistant' %}{{ m['content'].split('DONE:')[-1] }}{% else %}{{ m['content'] }}"
+            "{% endif %}<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>")
+REFUSES = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no assistant') }}"
+           "{% endif %}[INST]{{ m['content'] }}[/INST]{% endfor %}")
+# a content right after text that begins a special token: the two could make one
+HALF_TOKEN = "{% for m in messages %}<|eot{{ m['content'] }}<|eot_id|>{% endfor %}"
+# trims the user's content only from the right
+RSTRIP = "{% for m in messages %}<|eot_id|>{{ m['role'] }}\n{{ m['content'] | trim if m['role'] == 'system' else m['content'].rstrip() }}{% endfor %}<|eot_id|>"
+
+
+def _dir(tmp_path, template: str, scheme: str = "always") -> ModelTokenizer:
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
+    tok.add_special_tokens([AddedToken(t) for t in SPECIALS])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+    return ModelTokenizer(tmp_path)
+
+
+TEXTS = ["hello there", "  fine thanks\n", "the quick\n\nbrown fox", "x", "a <b>bold</b> claim < 3",
+         "naïve café ünïcode ☃", "tabs\tand\r\nreturns ", "[INST is not <|a special|> token"]
+
+
+def _chats(rng: random.Random, n: int) -> list[list[dict]]:
+    out = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": rng.choice(TEXTS)}] if rng.random() < 0.7 else []
+        for _ in range(rng.randint(1, 5)):
+            msgs += [{"role": "user", "content": rng.choice(TEXTS)},
+                     {"role": "assistant", "content": rng.choice(TEXTS)}]
+        out.append(msgs[:-1])
+    return out
+
+
+def _same(tok: ModelTokenizer, msgs: list[dict]) -> list[str] | None:
+    got = tok.chat_segments(msgs)
+    if got is not None:
+        assert got == tok.segments(tok.render(msgs))
+    return got
+
+
+@pytest.mark.parametrize("template, scheme", [(LLAMA3, "always"), (MISTRAL, "always"), (PLAIN, "always"),
+                                              (PLAIN, "first"), (RSTRIP, "always")])
+def test_a_chat_made_from_its_shape_is_the_templates(tmp_path, template, scheme):
+    tok = _dir(tmp_path, template, scheme)
+    made = [_same(tok, msgs) for msgs in _chats(random.Random(7), 300)]
+    if template is RSTRIP:            # trimmed on one side only: not a form it knows, every chat rendered
+        assert made == [None] * 300 and tok.renders["shape"] == 0
+        return
+    assert all(m is not None for m in made)
+    assert tok.renders == {"shape": 300, "template": 0, "mismatch": 0} and not tok.shapes_off
+
+
+@pytest.mark.parametrize("directory", [TINY_DIR, None])
+def test_the_projects_tokenizers(directory):
+    """The tiny ChatML tokenizer the tests use, and the benchmark's Llama-3-style BPE."""
+    tok = ModelTokenizer(directory or bpe_dir())
+    for msgs in _chats(random.Random(3), 200):
+        assert _same(tok, msgs) is not None
+    assert tok.renders["mismatch"] == 0
+
+
+def test_request_segments_uses_the_shape_and_renders_the_rest(tmp_path):
+    tok = _dir(tmp_path, LLAMA3)
+    plain = {"messages": [{"role": "user", "content": "hello there"}]}
+    assert tok.request_segments("/v1/chat/completions", plain) == (tok.segments(tok.render(plain["messages"])), [])
+    assert tok.renders == {"shape": 1, "template": 0, "mismatch": 0}
+    # not plain: a name, parts, a tool, template kwargs, a content holding a special token, an empty one
+    others = [
+        {"messages": [{"role": "user", "content": "hello", "name": "bob"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]},
+        {"messages": [{"role": "user", "content": "hello"}], "tools": []},
+        {"messages": [{"role": "user", "content": "hello"}], "chat_template_kwargs": {"x": 1}},
+        {"messages": [{"role": "user", "content": "hi <|eot_id|> there"}]},
+        {"messages": [{"role": "user", "content": " \n "}]},
+    ]
+    for body in others:
+        segments, _ = tok.request_segments("/v1/chat/completions", body)
+        assert segments == tok.segments(tok.render(body["messages"], **({"tools": []} if "tools" in body else
+                                                                       body.get("chat_template_kwargs", {}))))
+    assert tok.renders == {"shape": 1, "template": len(others), "mismatch": 0}
+
+
+@pytest.mark.parametrize("template", [REFUSES, HALF_TOKEN])
+def test_a_shape_not_recognized_is_rendered(tmp_path, template):
+    tok = _dir(tmp_path, template)
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"},
+            {"role": "user", "content": "and you"}]
+    assert tok.chat_segments(msgs) is None
+    assert tok._shapes[("user", "assistant", "user")] is None          # learned once
+    assert tok.chat_segments(msgs) is None
+
+
+def test_a_template_that_rewrites_a_content_is_found_out(tmp_path, monkeypatch):
+    tok = _dir(tmp_path, REWRITES)
+    told: list[bool] = []
+    tok.on_mismatch = lambda: told.append(True)
+    first = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"},
+             {"role": "user", "content": "and you"}]
+    assert _same(tok, first) is not None              # the shape's first chat: checked, and the same
+    rewritten = [dict(m) for m in first]
+    rewritten[1]["content"] = "thinking DONE: fine"
+    # the chats between two checks are made from the shape, unchecked: their segments differ from
+    # the template's (only their routing keys are off; what the engine gets is the client's chat)
+    for _ in range(CHECK_EVERY - 1):
+        assert tok.chat_segments(rewritten) != tok.segments(tok.render(rewritten))
+    assert not tok.shapes_off and not told
+    # the next one is checked: shapes are off for good, and every chat is rendered
+    assert tok.chat_segments(rewritten) is None
+    assert tok.shapes_off and told == [True] and tok.renders["mismatch"] == 1
+    assert tok.chat_segments(first) is None
+    assert tok.request_segments("/v1/chat/completions", {"messages": rewritten})[0] == \
+        tok.segments(tok.render(rewritten))
+
+
+def test_shapes_kept_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenization, "SHAPES_KEPT", 4)
+    tok = _dir(tmp_path, LLAMA3)
+    for n in range(1, 12):
+        assert _same(tok, [{"role": "user", "content": "hello"}] * n) is not None
+    assert len(tok._shapes) == 4
+
+
+def test_a_tokenizer_without_a_template_has_no_shapes(tmp_path):
+    _dir(tmp_path, LLAMA3)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    tok = ModelTokenizer(tmp_path)
+    assert tok.shapes_off and tok.chat_segments([{"role": "user", "content": "hello"}]) is None
