@@ -166,7 +166,11 @@ class EventIndex:
         self._pending: dict[int, int] = {}        # our key → slots holding it speculatively
         self._pending_until: dict[tuple[int, int], float] = {}
         self._pending_q: deque[tuple[float, int, list[int]]] = deque()
-        self._memo: tuple[InferenceRequest | None, int, list[int], int] = (None, 0, [], 0)
+        self._memo: tuple[InferenceRequest | None, int, list[int], int, int] = (None, 0, [], 0, 0)
+        # keys held or pending anywhere, by the key they chain on: parent → how many, key → parent
+        # (a request's keys stop where nothing chains on: no engine can match deeper)
+        self._children: dict[int, int] = {}
+        self._parent_of: dict[int, int] = {}
         # the last request's rendered segments (``segments``), so ``prepare`` and ``match`` render once
         self._rendered: tuple[InferenceRequest | None, list[str] | None, list[int]] = (None, None, [])
         # the last walk's depths (blocks held or pending, per endpoint), reused by ``routed``
@@ -219,6 +223,7 @@ class EventIndex:
         st.expect_since = None
         st.on_fallback = None
         media, emap, owned, holders = st.media, st.emap, st.owned, self._holders
+        pending, leave = self._pending, self._leave
         ranked = st.rank_keys
         not_rank = ~(1 << (rank or 0))
         others = ~(1 << st.slot)
@@ -255,6 +260,8 @@ class EventIndex:
                         holders[key] = mask
                     else:
                         holders.pop(key, None)
+                        if key not in pending:
+                            leave(key)
             elif cls is BlockStored:
                 stored += 1
                 orphans += self._stored(st, ev)     # type: ignore[arg-type]
@@ -297,7 +304,7 @@ class EventIndex:
             for bh in hashes:
                 media[bh] |= bit
             return 0
-        owned, holders, sbit = st.owned, self._holders, st.bit
+        owned, holders, sbit, pending = st.owned, self._holders, st.bit, self._pending
         get, owned_get, holders_get = emap.get, owned.get, holders.get
         it = iter(ev.token_ids)
         extra = ev.extra_keys           # vLLM sends one entry per block, None where it has none
@@ -306,6 +313,7 @@ class EventIndex:
         for bh, block, x in zip(hashes, zip(*repeat(it, bs), strict=False), folds, strict=False):
             if x is not None:                 # cache_salt, multimodal features: see fold_extras
                 h = hash((h, x))
+            p = h                             # what the block's tokens chain on (its parent, for _enter)
             h = hash((h, block))              # as gateway.kv.tokenization chains a request's blocks
             old = get(bh)
             if old is not None:
@@ -318,7 +326,10 @@ class EventIndex:
             k = owned_get(h, 0)
             owned[h] = k + 1
             if not k:
-                holders[h] = holders_get(h, 0) | sbit
+                mask = holders_get(h, 0)
+                holders[h] = mask | sbit
+                if not mask and h not in pending:
+                    self._enter(h, p)
         limit = st.settings.max_blocks_per_endpoint
         while len(emap) > limit:
             self._drop(st, next(iter(emap)))
@@ -354,16 +365,20 @@ class EventIndex:
             self._holders[key] = mask
         else:
             self._holders.pop(key, None)
+            if key not in self._pending:
+                self._leave(key)
 
     def clear(self, st: EndpointState) -> None:
         """Forget everything ``st``'s engine holds (AllBlocksCleared, a restart, removal)."""
-        holders, bit = self._holders, st.bit
+        holders, bit, pending = self._holders, st.bit, self._pending
         for key in st.owned:
             mask = holders.get(key, 0) & ~bit
             if mask:
                 holders[key] = mask
             else:
                 holders.pop(key, None)
+                if key not in pending:
+                    self._leave(key)
         st.emap.clear()
         st.media.clear()
         st.owned.clear()
@@ -453,9 +468,9 @@ class EventIndex:
         reach = None if st is not None and st.tokenize_unreached else self._reaches
         k = tok.block_keys(segments, lead, root, bs,
                            st.max_request_blocks if st is not None else 1 << 20, reach,
-                           defer_chars=defer_chars)
+                           defer_chars=defer_chars, extends=None if reach is None else self._children.__contains__)
         if isinstance(k, Keys):
-            self._memo = (req, bs, k.keys, k.tokens)
+            self._memo = (req, bs, k.keys, k.tokens, root)
             if not k.exact:
                 self.unreached[model] = self.unreached.get(model, 0) + 1
                 if segments is not None and k.rest >= 0:
@@ -561,10 +576,15 @@ class EventIndex:
         if ttl <= 0:
             return
         until = now + ttl
-        pending, pend_until, slot = self._pending, self._pending_until, st.slot
+        pending, pend_until, slot, holders = self._pending, self._pending_until, st.slot, self._holders
+        parent = keys[first_new - 1] if first_new else memo[4]
         for k in new:
-            pending[k] = pending.get(k, 0) | bit
+            m = pending.get(k, 0)
+            if not m and k not in holders:
+                self._enter(k, parent)
+            pending[k] = m | bit
             pend_until[(k, slot)] = until
+            parent = k
         self._pending_q.append((until, slot, new))
 
     def rank_depths(self, req: InferenceRequest, ep: Endpoint) -> list[int] | None:
@@ -648,7 +668,7 @@ class EventIndex:
         q = self._pending_q
         if not q or q[0][0] > now:
             return
-        pending, pend_until = self._pending, self._pending_until
+        pending, pend_until, holders = self._pending, self._pending_until, self._holders
         while q and q[0][0] <= now:
             until, slot, keys = q.popleft()
             others = ~(1 << slot)
@@ -660,14 +680,31 @@ class EventIndex:
                         pending[k] = mask
                     else:
                         pending.pop(k, None)
+                        if k not in holders:
+                            self._leave(k)
 
     def _unpend(self, key: int, slot: int) -> None:
         self._pending_until.pop((key, slot), None)
         mask = self._pending.get(key, 0) & ~(1 << slot)
         if mask:
             self._pending[key] = mask
-        else:
-            self._pending.pop(key, None)
+        elif self._pending.pop(key, None) is not None and key not in self._holders:
+            self._leave(key)
+
+    def _enter(self, key: int, parent: int) -> None:
+        """``key``, chained on ``parent``, is now held or pending somewhere (it was neither)."""
+        self._parent_of[key] = parent
+        self._children[parent] = self._children.get(parent, 0) + 1
+
+    def _leave(self, key: int) -> None:
+        """``key`` is neither held nor pending anywhere any more."""
+        parent = self._parent_of.pop(key, None)
+        if parent is not None:
+            n = self._children[parent] - 1
+            if n:
+                self._children[parent] = n
+            else:
+                del self._children[parent]
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = self.clock()

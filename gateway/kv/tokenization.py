@@ -576,7 +576,8 @@ class ModelTokenizer:
 
     def block_keys(self, segments: list[str] | None, lead: list[int], root: int, block_size: int,
                    max_blocks: int, reach: Callable[[int], bool] | None = None,
-                   probe_chars: int = PROBE_CHARS, defer_chars: int | None = None) -> Keys | int:
+                   probe_chars: int = PROBE_CHARS, defer_chars: int | None = None,
+                   extends: Callable[[int], bool] | None = None) -> Keys | int:
         """Chained keys of the full blocks of the request's tokens: ``key[i] = hash((key[i-1],
         block tokens))`` from ``root``. The chain state after each prefix of segments is cached, so
         only the segments after the longest known prefix are tokenized and hashed.
@@ -586,6 +587,12 @@ class ModelTokenizer:
         chain before it is held nowhere, or the blocks its first characters complete (``_probe``) are
         not, no engine can match deeper, so the keys end there (``Keys.exact`` false). A long unique
         prompt then costs a probe of a few dozen tokens instead of its whole tokenization.
+        With ``extends`` too (does some engine hold, or is about to hold, a block chained on this
+        key), an uncached segment of any length is not tokenized when nothing is held past the
+        last full block before it: no engine can match deeper, so the keys end there as well. A
+        conversation's new message, behind blocks only its own engine holds, then costs nothing.
+        (Not before the first full block: there, on a cold index, the probe's blocks are what a burst
+        on a new prefix follows until the engine reports them.)
         With ``defer_chars``, an uncached segment that long which must be tokenized is not: its
         index is returned instead, for ``prepare`` to tokenize it off the loop."""
         if segments is None:                 # token ids given
@@ -616,6 +623,9 @@ class ModelTokenizer:
         for j in range(start, len(segments)):
             seg = segments[j]
             if seg not in cache and seg not in special:
+                if extends is not None and keys and len(keys) < max_blocks and not extends(keys[-1]):
+                    self.segments_unreached += 1
+                    return Keys(keys[:], total + self._estimate(segments, j), exact=False, rest=j)
                 if reach is not None and len(seg) >= probe_chars and len(keys) < max_blocks:
                     probed = self._beyond_reach(keys, tail, seg, root, block_size, max_blocks - len(keys), reach)
                     if probed is not None:
