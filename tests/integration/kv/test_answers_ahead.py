@@ -11,6 +11,7 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from tests.support.http import openai_client
+from tests.support.kv import events_gateway
 from tests.support.metrics import metric
 from tests.support.waiting import until
 
@@ -21,14 +22,7 @@ SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" fo
 
 
 async def _setup(sims, gateway, **kv):
-    sim = await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_blocks=4096)
-    s = sim.engine.kv_events
-    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
-                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": s.port, **kv}}])
-    kv_manager = gw.gw.routing.ctx.precise_index
-    await until(lambda: kv_manager.subscribers)
-    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
-    return sim, gw, kv_manager
+    return await events_gateway(sims, gateway, TOK, **kv)
 
 
 async def _ask(client, messages, stream: bool) -> tuple[str, int, int]:

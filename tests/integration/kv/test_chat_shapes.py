@@ -5,30 +5,17 @@ rendered."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from tests.support.http import openai_client
+from tests.support.kv import events_gateway
 from tests.support.metrics import metric
-from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
 
 TOK = str(TINY_DIR)
 SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" for i in range(120))
-
-
-async def _setup(sims, gateway, **kv):
-    sim = await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_blocks=4096)
-    s = sim.engine.kv_events
-    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": TOK,
-                         "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": s.port, **kv}}])
-    kv_manager = gw.gw.routing.ctx.precise_index
-    await until(lambda: kv_manager.subscribers)
-    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
-    return gw, kv_manager
 
 
 async def _conversation(client, tok, turns: int) -> list[tuple[int, int]]:
@@ -46,7 +33,7 @@ async def _conversation(client, tok, turns: int) -> list[tuple[int, int]]:
 
 @pytest.mark.parametrize("shapes", [True, False])
 async def test_a_conversation_is_keyed_from_its_shape(sims, gateway, shapes):
-    gw, kv = await _setup(sims, gateway, chat_shapes=shapes)
+    _, gw, kv = await events_gateway(sims, gateway, TOK, chat_shapes=shapes)
     tok = kv.tokenizers["m"]
     made: list[tuple[list[str] | None, list[str]]] = []
     shape = tok.chat_segments

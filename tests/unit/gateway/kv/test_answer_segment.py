@@ -9,37 +9,19 @@ import json
 
 import pytest
 import structlog
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.kv.tokenization import ModelTokenizer
 from gateway.pipeline.sse import AnswerText, message_text
+from tests.support.kv import LLAMA3, PLAIN, REFUSES, toy_tokenizer
 
-CORPUS = ["hello world how are you", "fine thanks and you hello there", "the quick brown fox jumps"] * 40
-SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
            "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
-# no special token between an answer and the user messages around it: no segment of its own
-PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 # writes an assistant message otherwise than as its content (upper-cased)
 CHANGED = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
            "{{ m['content'] | upper if m['role'] == 'assistant' else m['content'] }}<|eot_id|>{% endfor %}")
-REFUSES = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no assistant') }}"
-           "{% endif %}[INST]{{ m['content'] }}[/INST]{% endfor %}")
-
-
 def _dir(tmp_path, template: str):
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
-    tok.add_special_tokens([AddedToken(t) for t in SPECIALS])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
-    return ModelTokenizer(tmp_path)
+    return toy_tokenizer(tmp_path, template)
 
 
 def _next_turn_segments(tok: ModelTokenizer, answer: str) -> list[str]:

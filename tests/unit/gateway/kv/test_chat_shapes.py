@@ -10,31 +10,22 @@ import json
 import random
 
 import pytest
-from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 from bench.chat_bpe import tokenizer_dir as bpe_dir
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.kv import tokenization
 from gateway.kv.tokenization import CHECK_EVERY, ModelTokenizer
+from tests.support.kv import LLAMA3, PLAIN, REFUSES, toy_tokenizer
 
-CORPUS = ["hello world how are you", "fine thanks and you hello there", "the quick brown fox jumps"] * 40
-SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-          "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
-          "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 # the system message trimmed and folded into the last user message; the others as given
 MISTRAL = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] | trim %}"
            "{% set msgs = messages[1:] %}{% else %}{% set sys = '' %}{% set msgs = messages %}{% endif %}"
            "{% for m in msgs %}{% if m['role'] == 'user' %}[INST] {% if loop.last and sys %}{{ sys }}\n\n"
            "{% endif %}{{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
-# no special token anywhere: the whole chat is one segment holding every content
-PLAIN = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 # rewrites an answer's content (keeps what follows a marker), as reasoning templates drop thoughts
 REWRITES = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>"
             "{% if m['role'] == 'assistant' %}{{ m['content'].split('DONE:')[-1] }}{% else %}{{ m['content'] }}"
             "{% endif %}<|eot_id|>{% endfor %}<|start_header_id|>assistant<|end_header_id|>")
-REFUSES = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ raise_exception('no assistant') }}"
-           "{% endif %}[INST]{{ m['content'] }}[/INST]{% endfor %}")
 # a content right after text that begins a special token: the two could make one
 HALF_TOKEN = "{% for m in messages %}<|eot{{ m['content'] }}<|eot_id|>{% endfor %}"
 # trims the user's content only from the right
@@ -42,14 +33,7 @@ RSTRIP = "{% for m in messages %}<|eot_id|>{{ m['role'] }}\n{{ m['content'] | tr
 
 
 def _dir(tmp_path, template: str, scheme: str = "always") -> ModelTokenizer:
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme)
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"]))
-    tok.add_special_tokens([AddedToken(t) for t in SPECIALS])
-    tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
-    return ModelTokenizer(tmp_path)
+    return toy_tokenizer(tmp_path, template, scheme)
 
 
 TEXTS = ["hello there", "  fine thanks\n", "the quick\n\nbrown fox", "x", "a <b>bold</b> claim < 3",

@@ -19,16 +19,15 @@ from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import ModelTokenizer, chain_keys
 from gateway.kv.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
 from gateway.request import CHAT, parse
+from tests.support.kv import text, words
 
 BS = 16
-_rng = random.Random(11)
-WORDS = ["".join(_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_rng.randint(1, 7))) for _ in range(400)]
-SYSTEM = "You are a helpful assistant. " + " ".join(_rng.choice(WORDS) for _ in range(300))
+WORDS = words(11, 400)
+SYSTEM = "You are a helpful assistant. " + text(WORDS, 1012, 300)
 
 
-def _text(seed: int, words: int) -> str:
-    r = random.Random(seed)
-    return " ".join(r.choice(WORDS) for _ in range(words))
+def _text(seed: int, n: int) -> str:
+    return text(WORDS, seed, n)
 
 
 class Clock:

@@ -5,7 +5,6 @@ the ones the whole segment starts with; a segment an engine's cache reaches is t
 from __future__ import annotations
 
 import asyncio
-import random
 
 import orjson
 from hypothesis import given, settings
@@ -19,17 +18,16 @@ from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import ModelTokenizer, chain_keys
 from gateway.kv.wire import Batch, BlockStored
 from gateway.request import CHAT, parse
+from tests.support.kv import text, words
 
 BS = 16
 TOK = ModelTokenizer(TINY_DIR)
-_rng = random.Random(5)
-WORDS = ["".join(_rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(_rng.randint(1, 7))) for _ in range(500)]
-SYSTEM = "You are a helpful assistant. " + " ".join(_rng.choice(WORDS) for _ in range(600))
+WORDS = words(5, 500)
+SYSTEM = "You are a helpful assistant. " + text(WORDS, 1006, 600)
 
 
-def _text(seed: int, words: int) -> str:
-    r = random.Random(seed)
-    return " ".join(r.choice(WORDS) for _ in range(words))
+def _text(seed: int, n: int) -> str:
+    return text(WORDS, seed, n)
 
 
 def _ids(tok, messages):
