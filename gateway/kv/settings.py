@@ -50,7 +50,7 @@ class KVEventsConfig(Block):
 
     # a plain chat (messages of a role and a text each) is put together from the pieces its chat
     # template rendered once for that sequence of roles, instead of rendering the template each time
-    chat_shapes: Annotated[bool, Meta(description="Put a plain chat's prompt (each message a role and a text) together from the pieces the chat template rendered once for its sequence of roles, instead of rendering the template for every request; the first chat of each sequence and one in 64 are also rendered and compared, and a difference turns this off for the model (false: render every chat).")] = True
+    chat_shapes: Annotated[bool, Meta(description="Put a plain chat's prompt (each message a role and a text, at most 128 messages) together from the pieces the chat template rendered once for its sequence of roles (learned at the sequence's second chat), instead of rendering the template for every request; the first chat put together of each sequence and one in 64 are also rendered and compared, and a difference turns this off for the model (false: render every chat).")] = True
 
     def __post_init__(self) -> None:
         check_rank_ports(self.port, self.replay_port, self.data_parallel_size)

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import re
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -48,13 +49,15 @@ PROBE_CHARS = 256                        # an uncached segment this long is prob
 DEEP_PROBE_BLOCKS = 4                    # a probe held throughout is taken this many blocks further once
 SHARE_CHARS = 32                         # segments this long that are tokenized are shared with sibling workers
 _PROBES_KEPT = 4096                      # segments whose probe is remembered (``prepare`` then ``match``)
-SHAPES_KEPT = 1024                       # chat shapes (sequences of roles) whose pieces are kept
+SHAPES_KEPT = 512                        # chat shapes (sequences of roles) whose pieces are kept
+SHAPE_MESSAGES = 128                     # a longer chat is rendered (its shape would not be met again)
 CHECK_EVERY = 64                         # one chat in this many put together by its shape is also rendered
 # marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
 # ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
 # the text after a special token (a user text that starts with it only shifts its routing keys)
 _FIRST = "\x00"
 _MARK = re.compile("\x02(\\d+)\x02")      # a placeholder content in a chat's shape (``_learn_shape``)
+_PADDED = re.compile("( \n)?\x02(\\d+)\x02(\n )?")   # ... padded, as the template wrote it
 
 
 # a chat's shape (``ModelTokenizer._learn_shape``): its segments with placeholders, the segments
@@ -165,6 +168,8 @@ class ModelTokenizer:
         self._answer_form: tuple[str, str, bool] | None | bool = False     # False: not learned yet
         # a plain chat put together from its shape's pieces (``chat_segments``)
         self._shapes: OrderedDict[tuple[str, ...], _Shape | None] = OrderedDict()
+        self._once: OrderedDict[tuple[str, ...], None] = OrderedDict()     # shapes met once, not learned
+        self._apart_memo: dict[tuple[str, str], bool] = {}
         self.shapes_off = self._template is None or self._split is None or self._whole
         self._check_in = 1
         self.renders = {"shape": 0, "template": 0, "mismatch": 0}    # chats keyed, by how they were rendered
@@ -206,11 +211,12 @@ class ModelTokenizer:
         tokens. ``None`` when the chat is not plain, the template's shape was not recognized, a
         content is empty or holds a special token's text, or shapes are off (``shapes_off``).
 
-        Checked: the first chat of each shape, and one in ``CHECK_EVERY``, is also rendered whole
+        A shape is learned at its second chat (the first is rendered). Checked: the first chat put
+        together from each shape, and one in ``CHECK_EVERY``, is also rendered whole
         and compared. A template that writes some contents otherwise than its placeholders (one
         that rewrites earlier answers, say) differs at some point; shapes are then off for good
         (counted in ``renders["mismatch"]``, ``on_mismatch`` told) and every chat is rendered."""
-        if self.shapes_off or type(messages) is not list or not messages:
+        if self.shapes_off or type(messages) is not list or not messages or len(messages) > SHAPE_MESSAGES:
             return None
         roles: list[str] = []
         contents: list[str] = []
@@ -226,6 +232,15 @@ class ModelTokenizer:
         shapes = self._shapes
         shape = shapes.get(key, False)
         if shape is False:
+            # learned at its second chat: a shape met once (or a stream of made-up ones) costs the
+            # template's render as before, not the learning's two renders and checks
+            once = self._once
+            if key not in once:
+                once[key] = None
+                if len(once) > 4 * SHAPES_KEPT:
+                    once.popitem(last=False)
+                return None
+            del once[key]
             shape = shapes[key] = self._learn_shape(key)
             if len(shapes) > SHAPES_KEPT:
                 shapes.popitem(last=False)
@@ -269,35 +284,35 @@ class ModelTokenizer:
         placeholder once, as it was given (or trimmed) and away from text that could make a special
         token with it."""
         n = len(roles)
-        marks = [f"\x02{i}\x02" for i in range(n)]
-        padded = [" \n" + m + "\n " for m in marks]
         try:
-            text = self.render([{"role": r, "content": m} for r, m in zip(roles, marks, strict=True)])
-            spaced = self.render([{"role": r, "content": m} for r, m in zip(roles, padded, strict=True)])
+            text = self.render([{"role": r, "content": f"\x02{i}\x02"} for i, r in enumerate(roles)])
+            spaced = self.render([{"role": r, "content": f" \n\x02{i}\x02\n "} for i, r in enumerate(roles)])
         except Exception:                # a template may refuse a shape (or raise its own errors)
             return None
-        trims = []
-        for m, pad in zip(marks, padded, strict=True):
-            if text.count(m) != 1:
-                return None
-            trims.append(pad not in spaced)
-        expect = text
-        for m, pad, trim in zip(marks, padded, trims, strict=True):
-            if not trim:
-                expect = expect.replace(m, pad)
-        if expect != spaced:             # trimmed otherwise than whole, or written differently
+        # one pass over each text (a chat of many messages must not cost a pass per message)
+        seen = [int(m.group(1)) for m in _MARK.finditer(text)]
+        if len(seen) != n or set(seen) != set(range(n)):    # each placeholder written once
+            return None
+        trims = [True] * n
+        for m in _PADDED.finditer(spaced):
+            left, right, i = m.group(1), m.group(3), int(m.group(2))
+            if (left is None) != (right is None) or i >= n:
+                return None              # trimmed on one side only (or not a placeholder of ours)
+            trims[i] = left is None
+        expect = _MARK.sub(lambda m: m.group(0) if trims[int(m.group(1))] else f" \n{m.group(0)}\n ", text)
+        if expect != spaced:             # written differently with the padding
             return None
         longest = max(map(len, self._special_ids))
-        for m in marks:
-            at = text.index(m)
-            if not self._apart(text[max(0, at - longest):at], text[at + len(m):at + len(m) + longest]):
+        for m in _MARK.finditer(text):
+            at, end = m.span()
+            if not self._apart(text[max(0, at - longest):at], text[end:end + longest]):
                 return None
         base: list[str] = []
         slots: list[tuple[int, str, int, str]] = []
         spread: list[tuple[int, list[Any]]] = []
         for at, seg in enumerate(self.segments(text)):
             parts = _MARK.split(seg)     # texts at even places, message indices at odd ones
-            base.append(seg)
+            base.append(sys.intern(seg) if len(parts) == 1 else seg)    # shapes share their texts
             if len(parts) == 3:
                 slots.append((at, parts[0], int(parts[1]), parts[2]))
             elif len(parts) > 3:
@@ -308,12 +323,19 @@ class ModelTokenizer:
         """No special token's text could start in the text ``before`` a content and end in the
         content, or start in the content and end in the text ``after`` it (the content would then be
         split where its placeholder was not)."""
+        memo = self._apart_memo
+        found = memo.get((before, after))
+        if found is not None:
+            return found
         if self._token_ends is None:
             self._token_ends = ({t[:k] for t in self._special_ids for k in range(1, len(t))},
                                 {t[k:] for t in self._special_ids for k in range(1, len(t))})
         heads, tails = self._token_ends
-        return not any(before[-k:] in heads for k in range(1, len(before) + 1)) and \
+        found = not any(before[-k:] in heads for k in range(1, len(before) + 1)) and \
             not any(after[:k] in tails for k in range(1, len(after) + 1))
+        if len(memo) < 4096:             # the texts around contents: a few per template
+            memo[(before, after)] = found
+        return found
 
     def answer_segment(self, answer: str) -> str | None:
         """The segment a chat's next turn will hold for ``answer``, the assistant message it sends

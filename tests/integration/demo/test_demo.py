@@ -15,6 +15,7 @@ import pytest
 
 from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_PD_ADAPTERS, DEMO_USERS
 from tests.support.batch import run_to_end
+from tests.support.metrics import metric
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.ports import listen_port
 
@@ -110,12 +111,14 @@ async def test_demo_answers_every_model_streaming_and_not():
         assert 1.0 in {v for k, v in kv.items() if k.startswith("switchyard_kv_events_endpoint_live{")}
         # its answer, tokenized ahead of the conversation's next turn
         assert kv.get('switchyard_kv_events_answers_total{model="demo-kv",outcome="tokenized"}', 0) >= 1
-        # keyed from the chat's shape, the template rendered once for it (and checked)
-        assert kv.get('switchyard_kv_events_chat_renders_total{how="shape",model="demo-kv"}', 0) >= 1
-        assert kv.get('switchyard_kv_events_chat_renders_total{how="mismatch",model="demo-kv"}') == 0
         second = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=[
             {"role": "system", "content": system}, {"role": "user", "content": "second question"}])
         assert second.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens // 2
+        # the second chat of that shape (system, user) was put together from it, and checked
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            page = await r.text()
+        assert metric(page, "switchyard_kv_events_chat_renders_total", model="demo-kv", how="shape") >= 1
+        assert metric(page, "switchyard_kv_events_chat_renders_total", model="demo-kv", how="mismatch") == 0
         # the same two turns under a cache_salt: a cache of their own, found by the second
         salted = [await client.chat.completions.create(model="demo-kv", max_tokens=2, extra_body={"cache_salt": "tenant-b"},
                                                        messages=[{"role": "system", "content": system},

@@ -1,8 +1,9 @@
-"""A plain chat put together from its shape (``ModelTokenizer.chat_segments``): the chat template is
-rendered once for each sequence of roles, with placeholders as contents, and later chats of that
-sequence are made from the pieces. The segments are the template's own, checked against a full
-render at each shape's first chat and one chat in 64; a template that writes a content otherwise
-than its placeholder is found out and every chat of it is rendered from then on."""
+"""A plain chat put together from its shape (``ModelTokenizer.chat_segments``): at the second chat of a
+sequence of roles the chat template renders that sequence once, with placeholders as contents, and
+that chat and later ones of the sequence are made from the pieces. The segments are the template's
+own, checked against a full render at each shape's first chat made and one chat in 64; a template
+that writes a content otherwise than its placeholder is found out and every chat of it is rendered
+from then on."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from bench.chat_bpe import tokenizer_dir as bpe_dir
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.kv import tokenization
-from gateway.kv.tokenization import CHECK_EVERY, ModelTokenizer
+from gateway.kv.tokenization import CHECK_EVERY, SHAPE_MESSAGES, ModelTokenizer
 from tests.support.kv import LLAMA3, PLAIN, REFUSES, toy_tokenizer
 
 # the system message trimmed and folded into the last user message; the others as given
@@ -58,16 +59,23 @@ def _same(tok: ModelTokenizer, msgs: list[dict]) -> list[str] | None:
     return got
 
 
+def _shape(msgs: list[dict]) -> tuple[str, ...]:
+    return tuple(m["role"] for m in msgs)
+
+
 @pytest.mark.parametrize("template, scheme", [(LLAMA3, "always"), (MISTRAL, "always"), (PLAIN, "always"),
                                               (PLAIN, "first"), (RSTRIP, "always")])
 def test_a_chat_made_from_its_shape_is_the_templates(tmp_path, template, scheme):
     tok = _dir(tmp_path, template, scheme)
-    made = [_same(tok, msgs) for msgs in _chats(random.Random(7), 300)]
+    chats = _chats(random.Random(7), 300)
+    made = [_same(tok, msgs) for msgs in chats]
     if template is RSTRIP:            # trimmed on one side only: not a form it knows, every chat rendered
         assert made == [None] * 300 and tok.renders["shape"] == 0
         return
-    assert all(m is not None for m in made)
-    assert tok.renders == {"shape": 300, "template": 0, "mismatch": 0} and not tok.shapes_off
+    # every chat but the first of its shape (learned at the second)
+    firsts = {_shape(msgs): i for i, msgs in reversed(list(enumerate(chats)))}
+    assert [m is None for m in made] == [firsts[_shape(msgs)] == i for i, msgs in enumerate(chats)]
+    assert tok.renders["shape"] == 300 - len(firsts) and tok.renders["mismatch"] == 0 and not tok.shapes_off
 
 
 @pytest.mark.parametrize("directory", [TINY_DIR, None])
@@ -75,6 +83,7 @@ def test_the_projects_tokenizers(directory):
     """The tiny ChatML tokenizer the tests use, and the benchmark's Llama-3-style BPE."""
     tok = ModelTokenizer(directory or bpe_dir())
     for msgs in _chats(random.Random(3), 200):
+        tok.chat_segments(msgs)                   # the first of its shape: rendered
         assert _same(tok, msgs) is not None
     assert tok.renders["mismatch"] == 0
 
@@ -82,8 +91,9 @@ def test_the_projects_tokenizers(directory):
 def test_request_segments_uses_the_shape_and_renders_the_rest(tmp_path):
     tok = _dir(tmp_path, LLAMA3)
     plain = {"messages": [{"role": "user", "content": "hello there"}]}
-    assert tok.request_segments("/v1/chat/completions", plain) == (tok.segments(tok.render(plain["messages"])), [])
-    assert tok.renders == {"shape": 1, "template": 0, "mismatch": 0}
+    for _ in range(2):                            # rendered, then put together from its shape
+        assert tok.request_segments("/v1/chat/completions", plain) == (tok.segments(tok.render(plain["messages"])), [])
+    assert tok.renders == {"shape": 1, "template": 1, "mismatch": 0}
     # not plain: a name, parts, a tool, template kwargs, a content holding a special token, an empty one
     others = [
         {"messages": [{"role": "user", "content": "hello", "name": "bob"}]},
@@ -97,7 +107,7 @@ def test_request_segments_uses_the_shape_and_renders_the_rest(tmp_path):
         segments, _ = tok.request_segments("/v1/chat/completions", body)
         assert segments == tok.segments(tok.render(body["messages"], **({"tools": []} if "tools" in body else
                                                                        body.get("chat_template_kwargs", {}))))
-    assert tok.renders == {"shape": 1, "template": len(others), "mismatch": 0}
+    assert tok.renders == {"shape": 1, "template": 1 + len(others), "mismatch": 0}
 
 
 @pytest.mark.parametrize("template", [REFUSES, HALF_TOKEN])
@@ -105,6 +115,7 @@ def test_a_shape_not_recognized_is_rendered(tmp_path, template):
     tok = _dir(tmp_path, template)
     msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"},
             {"role": "user", "content": "and you"}]
+    assert tok.chat_segments(msgs) is None and not tok._shapes          # met once: rendered
     assert tok.chat_segments(msgs) is None
     assert tok._shapes[("user", "assistant", "user")] is None          # learned once
     assert tok.chat_segments(msgs) is None
@@ -116,7 +127,8 @@ def test_a_template_that_rewrites_a_content_is_found_out(tmp_path, monkeypatch):
     tok.on_mismatch = lambda: told.append(True)
     first = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine"},
              {"role": "user", "content": "and you"}]
-    assert _same(tok, first) is not None              # the shape's first chat: checked, and the same
+    assert tok.chat_segments(first) is None           # met once: rendered
+    assert _same(tok, first) is not None              # the shape's first chat made: checked, and the same
     rewritten = [dict(m) for m in first]
     rewritten[1]["content"] = "thinking DONE: fine"
     # the chats between two checks are made from the shape, unchecked: their segments differ from
@@ -132,10 +144,34 @@ def test_a_template_that_rewrites_a_content_is_found_out(tmp_path, monkeypatch):
         tok.segments(tok.render(rewritten))
 
 
+def test_a_chat_of_many_messages_is_rendered(tmp_path):
+    """Past ``SHAPE_MESSAGES`` a chat is rendered: its shape would hardly be met again, and its pieces
+    would hold as many slots."""
+    tok = _dir(tmp_path, LLAMA3)
+    many = [{"role": "user" if i % 2 else "assistant", "content": f"hello {i}"} for i in range(SHAPE_MESSAGES + 1)]
+    assert tok.chat_segments(many) is None and tok.chat_segments(many) is None and not tok._shapes
+    assert tok.chat_segments(many[1:]) is None and _same(tok, many[1:]) is not None
+
+
+def test_a_shape_is_learned_at_its_second_chat(tmp_path, monkeypatch):
+    """Shapes met once are remembered, boundedly, and learned only when met again: a stream of shapes
+    each sent once costs the template's render, as without shapes."""
+    monkeypatch.setattr(tokenization, "SHAPES_KEPT", 2)
+    tok = _dir(tmp_path, LLAMA3)
+    learned: list[tuple] = []
+    learn = tok._learn_shape
+    tok._learn_shape = lambda roles: learned.append(roles) or learn(roles)
+    for n in range(1, 30):
+        assert tok.chat_segments([{"role": "user", "content": "hello"}] * n) is None
+    assert not learned and len(tok._once) == 8
+    assert _same(tok, [{"role": "user", "content": "hello"}] * 29) is not None and learned == [("user",) * 29]
+
+
 def test_shapes_kept_are_bounded(tmp_path, monkeypatch):
     monkeypatch.setattr(tokenization, "SHAPES_KEPT", 4)
     tok = _dir(tmp_path, LLAMA3)
     for n in range(1, 12):
+        assert tok.chat_segments([{"role": "user", "content": "hello"}] * n) is None
         assert _same(tok, [{"role": "user", "content": "hello"}] * n) is not None
     assert len(tok._shapes) == 4
 
