@@ -224,8 +224,8 @@ class ModelTokenizer:
             if type(m) is not dict or len(m) != 2:
                 return None
             role, content = m.get("role"), m.get("content")
-            if type(role) is not str or type(content) is not str:
-                return None
+            if type(role) is not str or type(content) is not str or len(role) > 32:
+                return None              # (a long role is no role a template knows; shapes keep roles)
             roles.append(role)
             contents.append(content)
         key = tuple(roles)

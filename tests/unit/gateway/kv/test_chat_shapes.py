@@ -102,6 +102,7 @@ def test_request_segments_uses_the_shape_and_renders_the_rest(tmp_path):
         {"messages": [{"role": "user", "content": "hello"}], "chat_template_kwargs": {"x": 1}},
         {"messages": [{"role": "user", "content": "hi <|eot_id|> there"}]},
         {"messages": [{"role": "user", "content": " \n "}]},
+        {"messages": [{"role": "u" * 33, "content": "hello"}]},
     ]
     for body in others:
         segments, _ = tok.request_segments("/v1/chat/completions", body)
@@ -151,6 +152,10 @@ def test_a_chat_of_many_messages_is_rendered(tmp_path):
     many = [{"role": "user" if i % 2 else "assistant", "content": f"hello {i}"} for i in range(SHAPE_MESSAGES + 1)]
     assert tok.chat_segments(many) is None and tok.chat_segments(many) is None and not tok._shapes
     assert tok.chat_segments(many[1:]) is None and _same(tok, many[1:]) is not None
+    # nor is a role longer than any a template knows kept in a shape's key
+    odd = [{"role": "u" * 33, "content": "hello"}]
+    assert tok.chat_segments(odd) is None and tok.chat_segments(odd) is None
+    assert not any(len(r) > 32 for key in [*tok._shapes, *tok._once] for r in key)
 
 
 def test_a_shape_is_learned_at_its_second_chat(tmp_path, monkeypatch):
