@@ -168,7 +168,7 @@ class ModelTokenizer:
         self._answer_form: tuple[str, str, bool] | None | bool = False     # False: not learned yet
         # a plain chat put together from its shape's pieces (``chat_segments``)
         self._shapes: OrderedDict[tuple[str, ...], _Shape | None] = OrderedDict()
-        self._once: OrderedDict[tuple[str, ...], None] = OrderedDict()     # shapes met once, not learned
+        self._once: OrderedDict[int, None] = OrderedDict()     # hashes of the shapes met once, not learned
         self._apart_memo: dict[tuple[str, str], bool] = {}
         self.shapes_off = self._template is None or self._split is None or self._whole
         self._check_in = 1
@@ -234,13 +234,13 @@ class ModelTokenizer:
         if shape is False:
             # learned at its second chat: a shape met once (or a stream of made-up ones) costs the
             # template's render as before, not the learning's two renders and checks
-            once = self._once
-            if key not in once:
-                once[key] = None
+            once, h = self._once, hash(key)  # by hash: a collision only learns a shape early
+            if h not in once:
+                once[h] = None
                 if len(once) > 4 * SHAPES_KEPT:
                     once.popitem(last=False)
                 return None
-            del once[key]
+            del once[h]
             shape = shapes[key] = self._learn_shape(key)
             if len(shapes) > SHAPES_KEPT:
                 shapes.popitem(last=False)
