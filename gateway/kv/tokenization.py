@@ -56,8 +56,8 @@ CHECK_EVERY = 64                         # one chat in this many put together by
 # ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
 # the text after a special token (a user text that starts with it only shifts its routing keys)
 _FIRST = "\x00"
-_MARK = re.compile("\x02(\\d+)\x02")      # a placeholder content in a chat's shape (``_learn_shape``)
-_PADDED = re.compile("( \n)?\x02(\\d+)\x02(\n )?")   # ... padded, as the template wrote it
+_MARK = re.compile("\x02p(\\d+)\x02")      # a placeholder content in a chat's shape (``_learn_shape``)
+_PADDED = re.compile("( \n)?\x02p(\\d+)\x02(\n )?")   # ... padded, as the template wrote it
 
 
 # a chat's shape (``ModelTokenizer._learn_shape``): its segments with placeholders, the segments
@@ -281,12 +281,13 @@ class ModelTokenizer:
         contents; where a segment holds one content, ``(place, before, i, after)`` (message i's
         content between two texts); where it holds several, ``(place, [texts and message indices])``;
         and whether the template trims each content. ``None`` when the template refuses the shape, or does not write each
-        placeholder once, as it was given (or trimmed) and away from text that could make a special
-        token with it."""
+        placeholder (``\x02p<i>\x02``: a letter in it, so a template that changes a content's case
+        does not write it as given) once, as it was given (or trimmed) and away from text that
+        could make a special token with it."""
         n = len(roles)
         try:
-            text = self.render([{"role": r, "content": f"\x02{i}\x02"} for i, r in enumerate(roles)])
-            spaced = self.render([{"role": r, "content": f" \n\x02{i}\x02\n "} for i, r in enumerate(roles)])
+            text = self.render([{"role": r, "content": f"\x02p{i}\x02"} for i, r in enumerate(roles)])
+            spaced = self.render([{"role": r, "content": f" \n\x02p{i}\x02\n "} for i, r in enumerate(roles)])
         except Exception:                # a template may refuse a shape (or raise its own errors)
             return None
         # one pass over each text (a chat of many messages must not cost a pass per message)
@@ -360,37 +361,17 @@ class ModelTokenizer:
     def _learn_answer_form(self) -> tuple[str, str, bool] | None:
         """How the template writes an assistant message between two user messages (the shape of a
         conversation's next turn): (text before the content, text after it, whether it is trimmed)
-        within the content's segment. ``None`` when the content does not have a segment of its own
-        (no special token between it and the user messages), when the template changes it otherwise,
-        or when it cannot render this conversation."""
+        within the content's segment, read off that shape (``_learn_shape``). ``None`` when the
+        shape is not recognized, or the content does not have a segment of its own (no special
+        token between it and the user messages) or is the text's first piece."""
         if self._template is None or self._split is None or self._whole:
             return None
-        user, mark, again = "\x02u\x02", "\x02a\x02", "\x02v\x02"
-
-        def segment(content: str) -> str | None:
-            msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": content},
-                    {"role": "user", "content": again}]
-            try:
-                text = self.render(msgs)
-            except Exception:            # a template may refuse this shape (or raise its own errors)
-                return None
-            found = [s for s in self.segments(text) if mark in s]
-            if text.count(mark) != 1 or len(found) != 1:
-                return None
-            s = found[0]
-            return None if user in s or again in s or s.startswith(_FIRST) else s
-
-        plain = segment(mark)
-        if plain is None:
+        shape = self._learn_shape(("user", "assistant", "user"))
+        if shape is None:
             return None
-        i = plain.index(mark)
-        before, after = plain[:i], plain[i + len(mark):]
-        padded = " \n" + mark + "\n "
-        spaced = segment(padded)
-        if spaced == before + padded + after:
-            return before, after, False
-        if spaced == plain:
-            return before, after, True
+        for _, before, i, after in shape[1]:
+            if i == 1:
+                return None if before.startswith(_FIRST) else (before, after, shape[3][1])
         return None
 
     def _encode_one(self, segment: str) -> list[int]:
