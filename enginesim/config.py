@@ -56,6 +56,10 @@ class SimConfig:
     kv_blocks: int = _knob(0, "KV pool size in blocks (0: 65536 tokens' worth)")
     block_size: int = _knob(0, "tokens per KV block (0: 16 for vLLM, 1 for SGLang's page size)")
     enable_prefix_caching: bool = _knob(True, "automatic prefix caching (vLLM) / radix cache (SGLang)")
+    cache_output_blocks: bool = _knob(
+        False, "also cache a request's generated tokens, a block once it fills (as vLLM and SGLang do, "
+        "and report it in KV events), so a conversation's next turn can hit its answer too; off: "
+        "only the blocks a prefill computed are cached")
     report_cached_tokens: bool = _knob(
         True, "report prompt_tokens_details.cached_tokens (vLLM --enable-prompt-tokens-details, "
         "SGLang --enable-cache-report)")

@@ -348,7 +348,12 @@ class Engine:
         self.stats.token(now)
         self.metrics.on_token(seq, itl)
         if seq.alloc is not None:
-            self.pools[seq.rank].grow(seq.alloc, seq.prompt_tokens + seq.completion_tokens)
+            pool = self.pools[seq.rank]
+            pool.grow(seq.alloc, seq.prompt_tokens + seq.completion_tokens)
+            # the KV of every token but the newest is computed: a block of them that fills is cached
+            computed = seq.prompt_tokens + seq.completion_tokens - 1
+            if self.cfg.cache_output_blocks and computed % pool.block_size == 0 and computed > seq.prompt_tokens:
+                pool.extend(seq.alloc, seq.prompt_ids, seq.output_ids, computed, seq.cache_root)
 
         params = seq.params
         finish: str | None = None

@@ -35,6 +35,7 @@ class Allocation:
     block_ids: list[int] = field(default_factory=list)
     hit_blocks: int = 0
     committed: bool = False
+    extended: bool = False               # generated blocks cached too (``BlockPool.extend``)
     token_ids: Sequence[int] = ()        # the prompt, for KV events
     lora_name: str | None = None
     cache_salt: str | None = None
@@ -135,7 +136,44 @@ class BlockPool:
             run.append(i)
         self._stored(alloc, run)
 
-    def _stored(self, alloc: Allocation, run: list[int]) -> None:
+    def extend(self, alloc: Allocation, prompt_ids: Sequence[int], output_ids: Sequence[int], computed: int,
+               root: bytes) -> None:
+        """Cache the full blocks of the first ``computed`` tokens of the prompt and its output (those
+        whose KV is computed) past those already hashed, as vLLM caches a block of generated tokens
+        once it fills; a block another request cached first keeps that copy."""
+        if not alloc.committed or not self.enable_caching:
+            return
+        bs = self.block_size
+        n = min(computed // bs, len(alloc.block_ids))
+        first = len(alloc.hashes)
+        if n <= first:
+            return
+        if not alloc.extended:                # the sequence's own list of prompt hashes stays as it was
+            alloc.hashes = list(alloc.hashes)
+            alloc.extended = True
+        lo, hi, p = first * bs, n * bs, len(prompt_ids)
+        span = list(prompt_ids[lo:hi]) + list(output_ids[max(0, lo - p):max(0, hi - p)])
+        data = ids_bytes(span)
+        parent = alloc.hashes[-1] if alloc.hashes else root
+        run: list[int] = []
+        for i in range(first, n):
+            h = hashlib.blake2b(parent, digest_size=16)
+            h.update(data[(i - first) * bs * 8:(i - first + 1) * bs * 8])
+            parent = h.digest()
+            alloc.hashes.append(parent)
+            if parent in self._cached:
+                self._stored(alloc, run, span, lo)
+                run = []
+                continue
+            b = alloc.block_ids[i]
+            self._hash[b] = parent
+            self._cached[parent] = b
+            run.append(i)
+        self._stored(alloc, run, span, lo)
+
+    def _stored(self, alloc: Allocation, run: list[int], tokens: Sequence[int] | None = None, at: int = 0) -> None:
+        """Report ``run``'s blocks stored; their token ids from ``tokens`` (which starts at token ``at``),
+        else from the prompt's."""
         if not run or self.events is None:
             return
         first, bs = run[0], self.block_size
@@ -147,8 +185,9 @@ class BlockPool:
             lora, salt = alloc.lora_name, alloc.cache_salt
             kw["extra_keys"] = [(*((lora,) if lora else ()), *((salt,) if salt and i == 0 else ())) or None
                                 for i in run]
+        ids = alloc.token_ids if tokens is None else tokens
         self.events.stored([alloc.hashes[i] for i in run], parent,
-                           list(alloc.token_ids[first * bs:(run[-1] + 1) * bs]), bs, alloc.lora_name, **kw)
+                           list(ids[first * bs - at:(run[-1] + 1) * bs - at]), bs, alloc.lora_name, **kw)
 
     def free(self, alloc: Allocation) -> None:
         """Drop the request's references. Tail blocks become the first eviction candidates."""
