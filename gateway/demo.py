@@ -32,14 +32,16 @@ DEMO_ENGINES = [
     ("demo-qwen-pd", "sglang", "prefill", 8131, {"bootstrap_port": 8998}, {"bootstrap_port": 8998}),
     ("demo-qwen-pd", "sglang", "decode", 8132, {}, {}),
     # KV events: each engine publishes on its own ports (vLLM --kv-events-config), named by its
-    # endpoint entry; both share the small tokenizer the gateway renders and tokenizes prompts with
+    # endpoint entry; both share the small tokenizer the gateway renders and tokenizes prompts with,
+    # and cache the blocks their answers fill, as vLLM does (a conversation's next turn hits them)
     ("demo-kv", "vllm", "aggregated", 8141,
-     {"tokenizer": str(TINY_DIR), "kv_events_port": 8145, "kv_events_replay_port": 8146},
+     {"tokenizer": str(TINY_DIR), "kv_events_port": 8145, "kv_events_replay_port": 8146, "cache_output_blocks": True},
      {"kv_events": {"port": 8145, "replay_port": 8146}}),
     # the second is data-parallel (two ranks, each its own cache, rank r publishing on port + r):
     # the gateway pins each request to the rank holding its prefix (X-data-parallel-rank)
     ("demo-kv", "vllm", "aggregated", 8142,
-     {"tokenizer": str(TINY_DIR), "kv_events_port": 8147, "kv_events_replay_port": 8149, "data_parallel_size": 2},
+     {"tokenizer": str(TINY_DIR), "kv_events_port": 8147, "kv_events_replay_port": 8149, "data_parallel_size": 2,
+      "cache_output_blocks": True},
      {"kv_events": {"port": 8147, "replay_port": 8149, "data_parallel_size": 2}}),
 ]
 
@@ -173,13 +175,14 @@ caching the first (cached_tokens in its usage); then the same two turns under a 
 tenant's own cache (the engine folds the salt into its block hashes and names it in its events, so
 the first salted turn finds nothing cached and the second finds the first); the gateway's event
 index is in the metrics, and so are the answers it tokenized ahead of a conversation's next turn
-and the chats it put together from their shape instead of rendering the chat template:
+(and, once a next turn sent one back, whether the engine held it: answers_met) and the chats it put
+together from their shape instead of rendering the chat template:
   sys=$(for i in $(seq 40); do printf 'Rule %s: answer in one short line. ' $i; done)
   for salt in '' ',"cache_salt":"tenant-b"'; do for q in first second; do curl -s http://{host}:{{port}}/v1/chat/completions \\
        -H 'Content-Type: application/json' -d '{{{{"model":"demo-kv"'"$salt"',"max_tokens":4,"messages":[{{{{"role":"system","content":"'"$sys"'"}}}},{{{{"role":"user","content":"'$q' question"}}}}]}}}}' \\
        | grep -o '"cached_tokens":[0-9]*'; done; done
   curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_kv_events_index_blocks' -e '^switchyard_kv_events_endpoint_live' \\
-       -e '^switchyard_kv_events_total' -e '^switchyard_kv_events_answers_total' -e '^switchyard_kv_events_chat_renders_total'
+       -e '^switchyard_kv_events_total' -e '^switchyard_kv_events_answers' -e '^switchyard_kv_events_chat_renders_total'
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C

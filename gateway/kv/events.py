@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.index import EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
-from gateway.kv.tokenization import AHEAD_CHARS, INLINE_CHARS, ModelTokenizer
+from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, INLINE_CHARS, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
 from gateway.request import CHAT, InferenceRequest
 
@@ -89,7 +89,8 @@ class KVEventsMetrics:
                                "Chat answers relayed whole and tokenized ahead of the next turn: tokenized, "
                                "cached (already), unknown_form (the chat template's form for an assistant "
                                "message was not recognized), not_text (a tool call, no text), too_long "
-                               "(over 256 KiB of text)",
+                               "(over 256 KiB of text), paused (not collected: the model's last next turns "
+                               "found their answers held by no engine)",
                                ["model", "outcome"], registry=registry)
         self._children: dict[tuple[str, ...], Any] = {}     # per-request counters' children, looked up once
 
@@ -134,13 +135,21 @@ class _IndexCollector(Collector):
             "the chat template rendered once for their sequence of roles), template (rendered), "
             "mismatch (a check found the shape's prompt different; shapes then off for the model)",
             labels=["model", "how"])
+        met = CounterMetricFamily(
+            "switchyard_kv_events_answers_met",
+            "Answers tokenized ahead, met again in the conversation's next turn, by whether an engine held "
+            "(or was about to hold) the block with the answer's first generated tokens: held, not_held",
+            labels=["model", "outcome"])
         for model, tok in _first_names(self.index.tokenizers).items():
             for how, n in tok.renders.items():
                 renders.add_metric([model, how], n)
+            for outcome, n in tok.answers_met.items():
+                met.add_metric([model, outcome], n)
         yield blocks
         yield live
         yield unreached
         yield renders
+        yield met
 
 
 class Subscriber:
@@ -386,6 +395,7 @@ class KVEventsManager:
         self._closed = False
         self._answer_hooks: dict[str, Callable[..., None]] = {}   # model → its ``answered``
         self._forms_told: set[str] = set()         # models whose template's answer form was logged
+        self._answers_paused: set[str] = set()     # models whose answers are not tokenized ahead (logged)
         for model, tok in _first_names(tokenizers).items():
             tok.on_mismatch = partial(self._shapes_differ, model)
 
@@ -556,11 +566,35 @@ class KVEventsManager:
                 self._tokenize_ahead(ep.model, left, _final_text(req.data["messages"]))
             st = self.settings(ep.model)
             # a chat completion's answer, of one choice (``n`` above 1: several answers, none sent back whole)
-            if req.path == CHAT and (st is None or st.tokenize_answers) and req.data.get("n") in (None, 1):
+            if req.path == CHAT and (st is None or st.tokenize_answers) and req.data.get("n") in (None, 1) \
+                    and self._answers_wanted(ep.model, st):
                 hook = self._answer_hooks.get(ep.model)
                 if hook is None:
                     hook = self._answer_hooks[ep.model] = partial(self.answered, ep.model)
                 req.answered = hook
+
+    def _answers_wanted(self, model: str, st: KVEventsConfig | None) -> bool:
+        """Whether this chat's answer is to be collected and tokenized ahead: not while the model's
+        next turns keep finding their answers held by no engine (``ModelTokenizer.answers_paused``),
+        but for one in ``ANSWER_SAMPLE`` (counted ``paused``); the pause and its end are logged."""
+        tok = self.tokenizers.get(model)
+        if tok is None:
+            return True
+        limit = st.answers_unheld_limit if st is not None else ANSWERS_UNHELD
+        paused = tok.answers_paused(limit)
+        if paused != (model in self._answers_paused):
+            if paused:
+                self._answers_paused.add(model)
+                log.info("kv events: answers no longer tokenized ahead: the last next turns found no engine "
+                         "holding their answer's first generated block", model=model, turns=limit,
+                         sample=f"1 in {ANSWER_SAMPLE}")
+            else:
+                self._answers_paused.discard(model)
+                log.info("kv events: answers tokenized ahead again: a next turn found its answer held", model=model)
+        if tok.answers_wanted(limit):
+            return True
+        self.metrics.answer(model, "paused")
+        return False
 
     def answered(self, model: str, text: str | None, why: str = "not_text") -> None:
         """A chat request routed here got its whole answer, ``text`` (``None``: not one text, e.g. tool
@@ -586,9 +620,11 @@ class KVEventsManager:
             self.metrics.answer(model, why if not text else "unknown_form")
             return
         if not tok.needs_tokens(seg):
+            tok.expect_answer(seg)
             self.metrics.answer(model, "cached")
             return
         if self._submit_ahead(model, tok, [seg]):
+            tok.expect_answer(seg)
             self.metrics.answer(model, "tokenized")
 
     def _tokenize_ahead(self, model: str, segments: list[str], final: str | None = None) -> None:

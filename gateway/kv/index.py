@@ -468,7 +468,8 @@ class EventIndex:
         reach = None if st is not None and st.tokenize_unreached else self._reaches
         k = tok.block_keys(segments, lead, root, bs,
                            st.max_request_blocks if st is not None else 1 << 20, reach,
-                           defer_chars=defer_chars, extends=None if reach is None else self._children.__contains__)
+                           defer_chars=defer_chars, extends=None if reach is None else self._children.__contains__,
+                           held=self._reaches)
         if isinstance(k, Keys):
             self._memo = (req, bs, k.keys, k.tokens, root)
             if not k.exact:

@@ -48,6 +48,9 @@ class KVEventsConfig(Block):
     # hold it (the chat template's form around an assistant message), so that turn finds it cached
     tokenize_answers: Annotated[bool, Meta(description="Tokenize a chat's relayed answer in the tokenizer threads once it ends, as the conversation's next turn will send it back, so that turn does not tokenize it on its way to the engine (needs tokenize_threads > 0).")] = True
 
+    # the answers' tokenizing pauses while the next turns keep finding them held by no engine
+    answers_unheld_limit: Annotated[int, Meta(ge=0, description="After this many next turns in a row found no engine holding the block with their answer's first generated tokens (an engine that does not cache what it generates, a template that rewrites earlier answers), answers are tokenized ahead only one in 16, until a next turn finds its answer held (0: every answer, always).")] = 64
+
     # a plain chat (messages of a role and a text each) is put together from the pieces its chat
     # template rendered once for that sequence of roles, instead of rendering the template each time
     chat_shapes: Annotated[bool, Meta(description="Put a plain chat's prompt (each message a role and a text, at most 128 messages) together from the pieces the chat template rendered once for its sequence of roles (learned at the sequence's second chat), instead of rendering the template for every request; the first chat put together of each sequence and one in 64 are also rendered and compared, and a difference turns this off for the model (false: render every chat).")] = True

@@ -52,6 +52,9 @@ _PROBES_KEPT = 4096                      # segments whose probe is remembered (`
 SHAPES_KEPT = 512                        # chat shapes (sequences of roles) whose pieces are kept
 SHAPE_MESSAGES = 128                     # a longer chat is rendered (its shape would not be met again)
 CHECK_EVERY = 64                         # one chat in this many put together by its shape is also rendered
+ANSWERS_KEPT = 4096                      # answers tokenized ahead whose next turn is still awaited
+ANSWERS_UNHELD = 64                      # next turns in a row with their answer held nowhere: answers paused
+ANSWER_SAMPLE = 16                       # while paused, one answer in this many is tokenized ahead still
 # marks a text's first segment for a tokenizer that treats it apart: a Metaspace pre-tokenizer with
 # ``prepend_scheme: first`` (Llama-2, Mistral) prepends "▁" to the first piece of a text only, not to
 # the text after a special token (a user text that starts with it only shifts its routing keys)
@@ -178,6 +181,13 @@ class ModelTokenizer:
         starts = {t[:1] for t in added}
         self._special_starts = tuple(starts) if len(starts) <= 4 else None
         self._token_ends: tuple[set[str], set[str]] | None = None   # special tokens' proper heads, tails
+        # the answers tokenized ahead (hashes of their pieces) until a next turn sends one back: is the
+        # block with its first tokens held by an engine then? (``answers_wanted``)
+        self._answers: dict[int, None] = {}
+        self.answers_met = {"held": 0, "not_held": 0}
+        self._unheld_run = 0                 # next turns in a row whose answer's block was held nowhere
+        self._answer_lead_n: int | None = None
+        self._answer_draws = 0
 
     # -- text --------------------------------------------------------------------------------------
 
@@ -373,6 +383,49 @@ class ModelTokenizer:
             if i == 1:
                 return None if before.startswith(_FIRST) else (before, after, shape[3][1])
         return None
+
+    def expect_answer(self, segment: str) -> None:
+        """``segment``, an answer's piece, was tokenized ahead: the first request to send it back
+        tells whether an engine held the block with its first generated tokens (``block_keys``)."""
+        answers = self._answers
+        if len(answers) >= ANSWERS_KEPT:
+            del answers[next(iter(answers))]
+        answers[hash(segment)] = None
+
+    def _answer_lead(self) -> int:
+        """The token in an answer's piece that is surely one the engine generated: past the text the
+        template writes before the content (which the turn's generation prompt held already), and one
+        more, in case that text's last token merged with the content's first."""
+        lead = self._answer_lead_n
+        if lead is None:
+            form = self.answer_form
+            lead = self._answer_lead_n = (len(self._encode_one(form[0])) if form and form[0] else 0) + 1
+        return lead
+
+    def _answer_met(self, held: bool) -> None:
+        if held:
+            self.answers_met["held"] += 1
+            self._unheld_run = 0
+        else:
+            self.answers_met["not_held"] += 1
+            self._unheld_run += 1
+
+    def answers_paused(self, limit: int) -> bool:
+        """Whether the last ``limit`` next turns that sent back an answer tokenized ahead found the
+        block with its first tokens held by no engine (0: never paused). An engine that does not cache
+        what it generates, or a chat template that changes the earlier answers (dropping a reasoning
+        block), or tokens the engine generated otherwise than the text tokenizes, make that block
+        one no engine holds: tokenizing answers ahead would then cost the relay and the thread for
+        nothing."""
+        return 0 < limit <= self._unheld_run
+
+    def answers_wanted(self, limit: int) -> bool:
+        """Whether to tokenize the next answer ahead: yes unless ``answers_paused``; while paused, one
+        in ``ANSWER_SAMPLE``, so that a next turn finding its answer held ends the pause."""
+        if not self.answers_paused(limit):
+            return True
+        self._answer_draws += 1
+        return self._answer_draws % ANSWER_SAMPLE == 0
 
     def _encode_one(self, segment: str) -> list[int]:
         if self._first_differs and segment.startswith(_FIRST):
@@ -580,7 +633,8 @@ class ModelTokenizer:
     def block_keys(self, segments: list[str] | None, lead: list[int], root: int, block_size: int,
                    max_blocks: int, reach: Callable[[int], bool] | None = None,
                    probe_chars: int = PROBE_CHARS, defer_chars: int | None = None,
-                   extends: Callable[[int], bool] | None = None) -> Keys | int:
+                   extends: Callable[[int], bool] | None = None,
+                   held: Callable[[int], bool] | None = None) -> Keys | int:
         """Chained keys of the full blocks of the request's tokens: ``key[i] = hash((key[i-1],
         block tokens))`` from ``root``. The chain state after each prefix of segments is cached, so
         only the segments after the longest known prefix are tokenized and hashed.
@@ -597,7 +651,10 @@ class ModelTokenizer:
         (Not before the first full block: there, on a cold index, the probe's blocks are what a burst
         on a new prefix follows until the engine reports them.)
         With ``defer_chars``, an uncached segment that long which must be tokenized is not: its
-        index is returned instead, for ``prepare`` to tokenize it off the loop."""
+        index is returned instead, for ``prepare`` to tokenize it off the loop.
+        With ``held`` (as ``reach``), an answer tokenized ahead (``expect_answer``) met here for the
+        first time tells ``answers_paused`` whether the block with its first generated tokens is held
+        (when the keys reach that far)."""
         if segments is None:                 # token ids given
             return _chain(root, [], lead, block_size, max_blocks)
         ident = (root, block_size, tuple(lead))
@@ -623,11 +680,18 @@ class ModelTokenizer:
             keys = ref if len(ref) == n else ref[:n]
             tail = list(tail0)
         cache, special, longest = self._segments, self._special_ids, self._token_cache_chars // 4
+        answers = self._answers if held is not None else None
         for j in range(start, len(segments)):
             seg = segments[j]
+            mark = -1
+            if answers and hash(seg) in answers:     # an answer tokenized ahead, sent back: watch its first block
+                del answers[hash(seg)]
+                mark = (total + self._answer_lead()) // block_size
             if seg not in cache and seg not in special:
                 if extends is not None and keys and len(keys) < max_blocks and not extends(keys[-1]):
                     self.segments_unreached += 1
+                    if mark >= 0:                # nothing held past the blocks before the answer
+                        self._answer_met(False)
                     return Keys(keys[:], total + self._estimate(segments, j), exact=False, rest=j)
                 if reach is not None and len(seg) >= probe_chars and len(keys) < max_blocks:
                     probed = self._beyond_reach(keys, tail, seg, root, block_size, max_blocks - len(keys), reach)
@@ -648,6 +712,8 @@ class ModelTokenizer:
                     h = hash((h, block))
                     keys.append(h)
                 tail = tail[n * block_size:]
+            if 0 <= mark < len(keys) and held is not None:
+                self._answer_met(held(keys[mark]))
             self._remember(idents[j], keys, tail, total)
         return Keys(keys[:], total)
 

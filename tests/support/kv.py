@@ -50,11 +50,12 @@ def text(vocabulary: list[str], seed: int, n: int) -> str:
     return " ".join(rng.choice(vocabulary) for _ in range(n))
 
 
-async def events_gateway(sims: Any, gateway: Any, tokenizer: str, **kv: Any) -> tuple[Any, Any, Any]:
-    """(engine, gateway, its KV-events manager): one vLLM enginesim engine publishing KV events and a
-    gateway routing model ``m`` with ``prefix-cache`` on them, ``kv`` laid over its ``kv_events``;
-    returns once the gateway is subscribed."""
-    sim = await sims("vllm", model="m", tokenizer=tokenizer, kv_events_port=0, kv_blocks=4096)
+async def events_gateway(sims: Any, gateway: Any, tokenizer: str, engine: dict[str, Any] | None = None,
+                         **kv: Any) -> tuple[Any, Any, Any]:
+    """(engine, gateway, its KV-events manager): one vLLM enginesim engine publishing KV events (with
+    ``engine``'s settings) and a gateway routing model ``m`` with ``prefix-cache`` on them, ``kv``
+    laid over its ``kv_events``; returns once the gateway is subscribed."""
+    sim = await sims("vllm", model="m", tokenizer=tokenizer, kv_events_port=0, kv_blocks=4096, **(engine or {}))
     s = sim.engine.kv_events
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url], "tokenizer": tokenizer,
                          "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": s.port, **kv}}])

@@ -119,6 +119,25 @@ async def test_demo_answers_every_model_streaming_and_not():
             page = await r.text()
         assert metric(page, "switchyard_kv_events_chat_renders_total", model="demo-kv", how="shape") >= 1
         assert metric(page, "switchyard_kv_events_chat_renders_total", model="demo-kv", how="mismatch") == 0
+        # a conversation's next turn sends its answer back: the engine cached the blocks the answer
+        # filled (as vLLM does), and the gateway, which took the answer to tokenize ahead (counted
+        # when it does), found it held
+        turn = [{"role": "system", "content": system}, {"role": "user", "content": "third question"}]
+        third = await client.chat.completions.create(model="demo-kv", max_tokens=40, messages=turn)
+        turn += [{"role": "assistant", "content": third.choices[0].message.content},
+                 {"role": "user", "content": "and then?"}]
+        async with aiohttp.ClientSession() as s:
+            for _ in range(250):
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    page = await r.text()
+                if metric(page, "switchyard_kv_events_answers_total", model="demo-kv", outcome="tokenized") >= 2:
+                    break
+                await asyncio.sleep(0.02)
+        fourth = await client.chat.completions.create(model="demo-kv", max_tokens=2, messages=turn)
+        assert fourth.usage.prompt_tokens_details.cached_tokens > third.usage.prompt_tokens
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            page = await r.text()
+        assert metric(page, "switchyard_kv_events_answers_met_total", model="demo-kv", outcome="held") >= 1
         # the same two turns under a cache_salt: a cache of their own, found by the second
         salted = [await client.chat.completions.create(model="demo-kv", max_tokens=2, extra_body={"cache_salt": "tenant-b"},
                                                        messages=[{"role": "system", "content": system},

@@ -81,3 +81,59 @@ async def test_off_nothing_is_tokenized_ahead_of_the_next_turn(sims, gateway):
         await asyncio.sleep(0.3)
         assert not tok.is_cached(tok.answer_segment(answer))
         assert metric(await gw.metrics_text(), "switchyard_kv_events_answers_total") == 0
+
+
+async def test_answers_pause_while_no_engine_holds_them(sims, gateway):
+    """enginesim caches a prompt's blocks, not what it generates: each next turn finds its answer's
+    first generated block held nowhere, and after ``answers_unheld_limit`` such turns the answers are
+    no longer collected and tokenized ahead (one in 16 still is). The client's answers are unchanged."""
+    import structlog
+
+    sim, gw, kv = await _setup(sims, gateway, answers_unheld_limit=2)
+    tok = kv.tokenizers["m"]
+    messages = [{"role": "system", "content": SYSTEM}]
+    with structlog.testing.capture_logs() as logs:
+        async with openai_client(gw, "x") as client:
+            for i in range(5):
+                messages.append({"role": "user", "content": f"question number {i} about rule {i}"})
+                r = await client.chat.completions.create(model="m", messages=messages, max_tokens=40,
+                                                         extra_body={"ignore_eos": True})
+                answer = r.choices[0].message.content
+                assert answer and r.usage.completion_tokens == 40
+                messages.append({"role": "assistant", "content": answer})
+                page = await gw.metrics_text()
+                if metric(page, "switchyard_kv_events_answers_total", outcome="paused") == 0:
+                    seg = tok.answer_segment(answer)
+                    await until(lambda seg=seg: tok.is_cached(seg))      # the next turn meets it cached
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="not_held") == 2
+    assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="held") == 0
+    assert metric(page, "switchyard_kv_events_answers_total", model="m", outcome="tokenized") == 2
+    assert metric(page, "switchyard_kv_events_answers_total", model="m", outcome="paused") == 3
+    assert [e for e in logs if e["event"].startswith("kv events: answers no longer tokenized ahead")]
+
+
+async def test_answers_held_by_an_engine_that_caches_what_it_generates(sims, gateway):
+    """enginesim with ``cache_output_blocks`` caches a block of generated tokens once it fills, as vLLM
+    does, and reports it: each next turn finds its answer held, hits the cache through it, and the
+    answers go on being tokenized ahead."""
+    sim, gw, kv = await _setup(sims, gateway, engine={"cache_output_blocks": True}, answers_unheld_limit=2)
+    tok = kv.tokenizers["m"]
+    messages = [{"role": "system", "content": SYSTEM}]
+    async with openai_client(gw, "x") as client:
+        for i in range(5):
+            messages.append({"role": "user", "content": f"question number {i} about rule {i}"})
+            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=40,
+                                                     extra_body={"ignore_eos": True})
+            answer = r.choices[0].message.content
+            if i:       # the engine held the last turn's prompt and answer: hit through the answer's blocks
+                through = len(tok.encode(tok.render(messages[:-1])))
+                assert r.usage.prompt_tokens_details.cached_tokens >= through // 16 * 16 - 16
+            messages.append({"role": "assistant", "content": answer})
+            seg = tok.answer_segment(answer)
+            await until(lambda seg=seg: tok.is_cached(seg))
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="held") == 4
+    assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="not_held") == 0
+    assert metric(page, "switchyard_kv_events_answers_total", model="m", outcome="tokenized") == 5
+    assert metric(page, "switchyard_kv_events_answers_total", model="m", outcome="paused") == 0
