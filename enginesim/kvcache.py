@@ -123,18 +123,23 @@ class BlockPool:
         alloc.committed = True
         if not self.enable_caching:
             return
+        self._cache(alloc, range(alloc.hit_blocks, len(alloc.hashes)))
+
+    def _cache(self, alloc: Allocation, blocks: range, tokens: Sequence[int] | None = None, at: int = 0) -> None:
+        """Cache ``alloc``'s ``blocks`` (indexes into its hashes) and report them, in runs of
+        consecutive blocks; ``tokens`` as ``_stored`` takes them."""
         run: list[int] = []                  # blocks newly cached, consecutive, for one BlockStored
-        for i in range(alloc.hit_blocks, len(alloc.hashes)):
+        for i in blocks:
             h = alloc.hashes[i]
             if h in self._cached:  # a concurrent request computed it first; keep that copy
-                self._stored(alloc, run)
+                self._stored(alloc, run, tokens, at)
                 run = []
                 continue
             b = alloc.block_ids[i]
             self._hash[b] = h
             self._cached[h] = b
             run.append(i)
-        self._stored(alloc, run)
+        self._stored(alloc, run, tokens, at)
 
     def extend(self, alloc: Allocation, prompt_ids: Sequence[int], output_ids: Sequence[int], computed: int,
                root: bytes) -> None:
@@ -153,23 +158,8 @@ class BlockPool:
             alloc.extended = True
         lo, hi, p = first * bs, n * bs, len(prompt_ids)
         span = list(prompt_ids[lo:hi]) + list(output_ids[max(0, lo - p):max(0, hi - p)])
-        data = ids_bytes(span)
-        parent = alloc.hashes[-1] if alloc.hashes else root
-        run: list[int] = []
-        for i in range(first, n):
-            h = hashlib.blake2b(parent, digest_size=16)
-            h.update(data[(i - first) * bs * 8:(i - first + 1) * bs * 8])
-            parent = h.digest()
-            alloc.hashes.append(parent)
-            if parent in self._cached:
-                self._stored(alloc, run, span, lo)
-                run = []
-                continue
-            b = alloc.block_ids[i]
-            self._hash[b] = parent
-            self._cached[parent] = b
-            run.append(i)
-        self._stored(alloc, run, span, lo)
+        alloc.hashes.extend(self.block_hashes(span, alloc.hashes[-1] if alloc.hashes else root))
+        self._cache(alloc, range(first, n), span, lo)
 
     def _stored(self, alloc: Allocation, run: list[int], tokens: Sequence[int] | None = None, at: int = 0) -> None:
         """Report ``run``'s blocks stored; their token ids from ``tokens`` (which starts at token ``at``),

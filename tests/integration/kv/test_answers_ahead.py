@@ -83,6 +83,28 @@ async def test_off_nothing_is_tokenized_ahead_of_the_next_turn(sims, gateway):
         assert metric(await gw.metrics_text(), "switchyard_kv_events_answers_total") == 0
 
 
+async def _converse(gw, tok, turns: int, check=None) -> None:
+    """``turns`` turns of one conversation through the OpenAI SDK, each answer 40 tokens sent back in
+    the next turn; each answer taken ahead is awaited in the tokenizer's cache before the next turn
+    (which then meets it cached), as a client's think time lets it land. ``check(turn, response,
+    messages sent)`` sees each answer."""
+    messages = [{"role": "system", "content": SYSTEM}]
+    async with openai_client(gw, "x") as client:
+        for i in range(turns):
+            messages.append({"role": "user", "content": f"question number {i} about rule {i}"})
+            tokenized = metric(await gw.metrics_text(), "switchyard_kv_events_answers_total", outcome="tokenized")
+            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=40,
+                                                     extra_body={"ignore_eos": True})
+            answer = r.choices[0].message.content
+            assert answer and r.usage.completion_tokens == 40
+            if check is not None:
+                check(i, r, messages)
+            messages.append({"role": "assistant", "content": answer})
+            if metric(await gw.metrics_text(), "switchyard_kv_events_answers_total", outcome="tokenized") > tokenized:
+                seg = tok.answer_segment(answer)
+                await until(lambda seg=seg: tok.is_cached(seg))
+
+
 async def test_answers_pause_while_no_engine_holds_them(sims, gateway):
     """enginesim caches a prompt's blocks, not what it generates: each next turn finds its answer's
     first generated block held nowhere, and after ``answers_unheld_limit`` such turns the answers are
@@ -90,21 +112,8 @@ async def test_answers_pause_while_no_engine_holds_them(sims, gateway):
     import structlog
 
     sim, gw, kv = await _setup(sims, gateway, answers_unheld_limit=2)
-    tok = kv.tokenizers["m"]
-    messages = [{"role": "system", "content": SYSTEM}]
     with structlog.testing.capture_logs() as logs:
-        async with openai_client(gw, "x") as client:
-            for i in range(5):
-                messages.append({"role": "user", "content": f"question number {i} about rule {i}"})
-                r = await client.chat.completions.create(model="m", messages=messages, max_tokens=40,
-                                                         extra_body={"ignore_eos": True})
-                answer = r.choices[0].message.content
-                assert answer and r.usage.completion_tokens == 40
-                messages.append({"role": "assistant", "content": answer})
-                page = await gw.metrics_text()
-                if metric(page, "switchyard_kv_events_answers_total", outcome="paused") == 0:
-                    seg = tok.answer_segment(answer)
-                    await until(lambda seg=seg: tok.is_cached(seg))      # the next turn meets it cached
+        await _converse(gw, kv.tokenizers["m"], 5)
     page = await gw.metrics_text()
     assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="not_held") == 2
     assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="held") == 0
@@ -119,19 +128,13 @@ async def test_answers_held_by_an_engine_that_caches_what_it_generates(sims, gat
     answers go on being tokenized ahead."""
     sim, gw, kv = await _setup(sims, gateway, engine={"cache_output_blocks": True}, answers_unheld_limit=2)
     tok = kv.tokenizers["m"]
-    messages = [{"role": "system", "content": SYSTEM}]
-    async with openai_client(gw, "x") as client:
-        for i in range(5):
-            messages.append({"role": "user", "content": f"question number {i} about rule {i}"})
-            r = await client.chat.completions.create(model="m", messages=messages, max_tokens=40,
-                                                     extra_body={"ignore_eos": True})
-            answer = r.choices[0].message.content
-            if i:       # the engine held the last turn's prompt and answer: hit through the answer's blocks
-                through = len(tok.encode(tok.render(messages[:-1])))
-                assert r.usage.prompt_tokens_details.cached_tokens >= through // 16 * 16 - 16
-            messages.append({"role": "assistant", "content": answer})
-            seg = tok.answer_segment(answer)
-            await until(lambda seg=seg: tok.is_cached(seg))
+
+    def hit_through_the_answer(turn: int, r, messages) -> None:
+        if turn:    # the engine held the last turn's prompt and answer: a hit through the answer's blocks
+            through = len(tok.encode(tok.render(messages[:-1])))
+            assert r.usage.prompt_tokens_details.cached_tokens >= through // 16 * 16 - 16
+
+    await _converse(gw, tok, 5, hit_through_the_answer)
     page = await gw.metrics_text()
     assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="held") == 4
     assert metric(page, "switchyard_kv_events_answers_met_total", model="m", outcome="not_held") == 0
