@@ -117,6 +117,7 @@ class EngineModel:
     kv_blocks: int = 1536          # × 16 tokens = 24k tokens per engine
     block_size: int = 16
     max_model_len: int = 32768
+    cache_output_blocks: bool = False  # the engines cache the blocks their answers fill (vLLM does)
 
 
 @dataclass(frozen=True)
@@ -923,6 +924,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=1,
                     help="gateway replicas in front of the same engines, each request sent to a random one")
     ap.add_argument("--kv-blocks", type=int, help="KV blocks per engine (16 tokens each; default 1536)")
+    ap.add_argument("--engines-cache-output", action="store_true",
+                    help="the engines also cache the blocks their answers fill, as vLLM and SGLang do "
+                         "(enginesim cache_output_blocks; by default they cache prompts only)")
     ap.add_argument("--routing", nargs="*", default=[], metavar="KEY=VALUE",
                     help="routing config knobs for the gateway, e.g. prefix_std_factor=2")
     ap.add_argument("--view", nargs="*", default=[], metavar="KEY=VALUE",
@@ -964,7 +968,8 @@ def main(argv: list[str] | None = None) -> int:
                     else min(w.warmup_s, args.duration / 4))
     elif args.warmup is not None:
         w = replace(w, warmup_s=args.warmup)
-    em = EngineModel() if not args.kv_blocks else EngineModel(kv_blocks=args.kv_blocks)
+    em = EngineModel(**({"kv_blocks": args.kv_blocks} if args.kv_blocks else {}),
+                     cache_output_blocks=args.engines_cache_output)
     routing: dict = {}
     for item in args.routing:
         key, _, value = item.partition("=")
@@ -1019,7 +1024,8 @@ def main(argv: list[str] | None = None) -> int:
             else f"{gateways} in the benchmark's process and event loop")
     print(f"\n{w.engines} engines, {w.duration_s:.0f} s of arrivals per strategy ({w.warmup_s:.0f} s warm-up), "
           f"seed {w.seed}; {mode}; engines publishing KV events "
-          f"{'in every run' if args.engines_publish == 'always' else 'only under +events'}; total run {total:.0f} s")
+          f"{'in every run' if args.engines_publish == 'always' else 'only under +events'}"
+          f"{', caching their answers' if args.engines_cache_output else ''}; total run {total:.0f} s")
     if args.plot:
         try:
             plot(results, Path(args.plot), f"Switchyard routing benchmark: {w.engines} simulated vLLM engines, "
