@@ -101,9 +101,9 @@ class KVEventsMetrics:
         return c
 
     def answer(self, model: str, outcome: str) -> None:
-        c = self._children.get((model, outcome))
+        c = self._children.get(("answers", model, outcome))
         if c is None:
-            c = self._children[(model, outcome)] = self.answers.labels(model, outcome)
+            c = self._children[("answers", model, outcome)] = self.answers.labels(model, outcome)
         c.inc()
 
 
