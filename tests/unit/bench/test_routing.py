@@ -147,3 +147,19 @@ def test_each_strategys_engines_tokenize_with_an_empty_segment_cache():
     forget_segments()
     assert not sim._cache and sim._cached_chars == 0
     assert sim.encode_chat([SYSTEM, {"role": "user", "content": "question one"}]) == ids
+
+
+async def test_engines_cache_their_answers_with_the_flag():
+    """``--engines-cache-output``: the benchmark's engines cache the blocks their answers fill."""
+    from dataclasses import replace
+
+    from bench.routing import EngineModel, start_engines
+
+    w = Workload(engines=1)
+    for em, want in ((EngineModel(), False), (replace(EngineModel(), cache_output_blocks=True), True)):
+        sims = await start_engines(w, em, False, str(TINY_DIR))
+        try:
+            assert sims[0].engine.cfg.cache_output_blocks is want
+        finally:
+            for s in sims:
+                await s.close()
