@@ -68,7 +68,7 @@ def requests(w, sched, tok, answer_words: int = 12) -> list[tuple[bytes, dict[st
 
 
 async def one_pass(tok_dir: str, w, reqs, answers: bool = True, answer_blocks: bool = False,
-                   shapes: bool = True) -> dict[str, float]:
+                   shapes: bool = True, fast: bool = True, inline: int | None = None) -> dict[str, float]:
     from prometheus_client import CollectorRegistry
 
     from gateway.endpoints import Endpoint
@@ -81,8 +81,9 @@ async def one_pass(tok_dir: str, w, reqs, answers: bool = True, answer_blocks: b
     from routers.base import RouterContext
     from routers.prefix_cache import PrefixCacheRouter
 
-    tok = ModelTokenizer(tok_dir)
-    cfg = KVEventsConfig(enabled=True, tokenize_answers=answers, chat_shapes=shapes)
+    tok = ModelTokenizer(tok_dir, fast=fast)
+    cfg = KVEventsConfig(enabled=True, tokenize_answers=answers, chat_shapes=shapes, fast_tokenizer=fast,
+                         tokenize_inline_chars=inline)
     tok.shapes_off = tok.shapes_off or not shapes      # as build_kv_events applies it
     m = KVEventsManager(lambda model: cfg, None, CollectorRegistry(), {"m": tok})  # type: ignore[arg-type]
     eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in range(w.engines)]
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="kv_events.tokenize_answers: the answers tokenized ahead of the next turn (default on)")
     ap.add_argument("--shapes", choices=["on", "off"], default="on",
                     help="kv_events.chat_shapes: plain chats put together from their shape, not rendered (default on)")
+    ap.add_argument("--fast", choices=["on", "off"], default="on",
+                    help="kv_events.fast_tokenizer: tiktoken in the tokenizers library's place (default on)")
+    ap.add_argument("--inline", type=int, default=None, help="kv_events.tokenize_inline_chars (default: null)")
     args = ap.parse_args(argv)
 
     import uvloop
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     reqs = requests(w, sched, ModelTokenizer(tok_dir), args.answer_words)
     best: dict[str, float] | None = None
     for _ in range(args.passes):
-        r = uvloop.run(one_pass(tok_dir, w, reqs, args.answers == "on", args.answer_blocks, args.shapes == "on"))
+        r = uvloop.run(one_pass(tok_dir, w, reqs, args.answers == "on", args.answer_blocks, args.shapes == "on",
+                                    args.fast == "on", args.inline))
         if best is None or r["loop"] < best["loop"]:
             best = r
     assert best is not None

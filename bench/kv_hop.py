@@ -1,7 +1,8 @@
 """Tokenizing a prompt piece on the event loop against a hop to the tokenizer thread:
-``python -m bench.kv_hop [--tokenizer DIR]``.
+``python -m bench.kv_hop [--tokenizer DIR] [--fast on|off]``.
 
-``kv_events.tokenize_inline_chars`` (default 1024) decides which uncached pieces of a request
+``kv_events.tokenize_inline_chars`` (null: 1024 with the tokenizers library, 4096 with tiktoken,
+``kv_events.fast_tokenizer``; ``--fast off`` measures the library) decides which uncached pieces of a request
 ``KVEventsManager.prepare`` sends to the tokenizer threads instead of tokenizing them on the event
 loop. This measures both sides per piece size, with the chat-bpe tokenizer (``bench/chat_bpe.py``:
 32k tokens, Llama-3's split) by default, on English-like text it has not seen (its word cache warm,
@@ -31,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.kv_hop", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", default="", help="a tokenizer directory (default: the chat-bpe one)")
     ap.add_argument("--rounds", type=int, default=60, help="hops per size and loop state")
+    ap.add_argument("--fast", choices=["on", "off"], default="on",
+                    help="kv_events.fast_tokenizer: tiktoken where it encodes alike (default on)")
     args = ap.parse_args(argv)
 
     import uvloop
@@ -38,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     from bench.chat_bpe import TextSource, tokenizer_dir
     from gateway.kv.tokenization import ModelTokenizer
 
-    tok = ModelTokenizer(args.tokenizer or tokenizer_dir())
+    tok = ModelTokenizer(args.tokenizer or tokenizer_dir(), fast=args.fast == "on")
+    print(f"encoder: {'tiktoken' if tok.fast else 'tokenizers'}")
     src = TextSource(random.Random(5))
     for _ in range(200):
         tok._encode_one(src.text(300))

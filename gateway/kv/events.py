@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.index import EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
-from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, INLINE_CHARS, ModelTokenizer
+from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
 from gateway.request import CHAT, InferenceRequest
 
@@ -140,7 +140,17 @@ class _IndexCollector(Collector):
             "Answers tokenized ahead, met again in the conversation's next turn, by whether an engine held "
             "(or was about to hold) the block with the answer's first generated tokens: held, not_held",
             labels=["model", "outcome"])
+        fast = GaugeMetricFamily(
+            "switchyard_kv_events_fast_tokenizer",
+            "1 while the model's prompts are encoded by tiktoken, 0 by the tokenizers library", labels=["model"])
+        checks = CounterMetricFamily(
+            "switchyard_kv_events_fast_tokenizer_checks",
+            "Segments encoded by tiktoken and checked against the tokenizers library (the first 32, then one "
+            "in 256), by outcome: agreed, differed (tiktoken then off for the model)", labels=["model", "outcome"])
         for model, tok in _first_names(self.index.tokenizers).items():
+            fast.add_metric([model], 1.0 if tok.fast else 0.0)
+            for outcome, n in tok.fast_checks.items():
+                checks.add_metric([model, outcome], n)
             for how, n in tok.renders.items():
                 renders.add_metric([model, how], n)
             for outcome, n in tok.answers_met.items():
@@ -150,6 +160,8 @@ class _IndexCollector(Collector):
         yield unreached
         yield renders
         yield met
+        yield fast
+        yield checks
 
 
 class Subscriber:
@@ -398,6 +410,9 @@ class KVEventsManager:
         self._answers_paused: set[str] = set()     # models whose answers are not tokenized ahead (logged)
         for model, tok in _first_names(tokenizers).items():
             tok.on_mismatch = partial(self._shapes_differ, model)
+            tok.on_fast_differs = partial(self._fast_differs, model)
+            log.info("kv events: tokenizer loaded", model=model, encoder="tiktoken" if tok.fast else "tokenizers",
+                     why=None if tok.fast else tok.fast_why)
 
     @property
     def zctx(self) -> Any:
@@ -412,6 +427,12 @@ class KVEventsManager:
         if endpoint:
             log.warning("kv events: endpoint on the approximate index", model=model, endpoint=endpoint,
                         reason=reason)
+
+    @staticmethod
+    def _fast_differs(model: str) -> None:
+        log.warning("kv events: tiktoken encoded a segment differently from the tokenizer's library; the "
+                    "model's prompts are tokenized by the library from now on, and its cached tokens were dropped",
+                    model=model)
 
     @staticmethod
     def _shapes_differ(model: str) -> None:
@@ -529,7 +550,7 @@ class KVEventsManager:
         if segments is None:
             return
         st = self.settings(model)
-        inline = st.tokenize_inline_chars if st is not None else INLINE_CHARS
+        inline = tok.inline_chars(st.tokenize_inline_chars if st is not None else None)
         bs = self.index.block_size(candidates)
         if bs is None:                       # no live events among the candidates: nothing to match
             return
@@ -647,16 +668,28 @@ class KVEventsManager:
             self._submit_ahead(model, tok, todo)
 
     def _submit_ahead(self, model: str, tok: ModelTokenizer, todo: list[str]) -> bool:
-        """``todo`` to the tokenizer threads, cached when done; whether anything went."""
+        """``todo`` to the tokenizer threads, cached when done; whether anything went. With tiktoken
+        (``fast_tokenizer``), those shorter than the inline limit are tokenized here and now instead:
+        they cost the loop less than the hop to a thread and back."""
         executor = self.executor
         if executor is None:
             return False
+        now = False
+        if tok.fast:
+            st = self.settings(model)
+            inline = tok.inline_chars(st.tokenize_inline_chars if st is not None else None)
+            short = [s for s in todo if len(s) < inline]
+            if short:
+                now = tok.tokenize_now(short) > 0
+                if len(short) == len(todo):
+                    return now
+                todo = [s for s in todo if len(s) >= inline]
         try:
             fut = tok.ahead(todo, executor)
         except RuntimeError:                 # no event loop (a synchronous caller): nothing ahead
-            return False
+            return now
         if fut is None:
-            return False
+            return now
         self._ahead.add(fut)
         fut.add_done_callback(partial(self._ahead_done, model))
         return True
@@ -700,7 +733,7 @@ def build_kv_events(config: Any, pool: EndpointPool, registry: Any) -> KVEventsM
         return None
     by_model = {m.name: m.kv_events for m in config.models}
     threads = max((s.tokenize_threads for s in by_model.values() if s is not None), default=1)
-    tokenizers = load_tokenizers(dirs)
+    tokenizers = load_tokenizers(dirs, {m for m, s in by_model.items() if s is not None and not s.fast_tokenizer})
     for model, tok in tokenizers.items():          # a tokenizer shared by models: off if any says so
         s = by_model.get(model)
         if s is not None and not s.chat_shapes:

@@ -34,16 +34,21 @@ import json
 import re
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from itertools import islice, repeat
 from pathlib import Path
 from typing import Any
 
+from gateway.kv.fast_bpe import CHECK_EVERY, CHECK_FIRST, fast_encoder
+
 TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
 KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
 INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
+FAST_INLINE_CHARS = 4096                 # ... when tiktoken encodes them (about the same time: ~0.2 ms)
+FAST_CHECK_FIRST = CHECK_FIRST           # tiktoken's first segments checked against the library
+FAST_CHECK_EVERY = CHECK_EVERY           # then one in this many
 AHEAD_CHARS = 2048                       # a chat's unreached segments this short are tokenized after routing
 PROBE_CHARS = 256                        # an uncached segment this long is probed before it is tokenized
 DEEP_PROBE_BLOCKS = 4                    # a probe held throughout is taken this many blocks further once
@@ -111,7 +116,7 @@ class ModelTokenizer:
     loop; only ``prepare`` hands text to another thread, and stores the ids back on the loop."""
 
     def __init__(self, directory: str | Path, *, token_cache_chars: int = TOKEN_CACHE_CHARS,
-                 key_cache_blocks: int = KEY_CACHE_BLOCKS) -> None:
+                 key_cache_blocks: int = KEY_CACHE_BLOCKS, fast: bool = True) -> None:
         from tokenizers import Tokenizer
 
         d = Path(directory)
@@ -146,6 +151,7 @@ class ModelTokenizer:
         self._encode_batch = _batch_call(rest) if rest is not None else self._encode_batch_first
         self._first_differs = rest is not None
         self._whole = False
+        self._fast: Callable[[str], list[int]] | None = None     # set below, once the pieces are known to agree
         if not self._pieces_agree(template if isinstance(template, str) else ""):
             # the pieces do not add up to the whole text's ids (e.g. a special token that strips the
             # spaces around it): tokenize every text whole, uncached by segment, but right
@@ -188,6 +194,16 @@ class ModelTokenizer:
         self._unheld_run = 0                 # next turns in a row whose answer's block was held nowhere
         self._answer_lead_n: int | None = None
         self._answer_draws = 0
+        # tiktoken in the library's place where it encodes alike (``gateway.kv.fast_bpe``), checked on
+        # the first segments and one in CHECK_EVERY; the first difference turns it off for good
+        self.fast_why = "off (kv_events.fast_tokenizer)"
+        self.fast_checks = {"agreed": 0, "differed": 0}
+        self._fast_n = 0
+        self._fast_stale = False             # a check differed: what it encoded is dropped on the loop
+        self._generation = 0                 # bumped when cached ids are dropped (thread results landing later)
+        self.on_fast_differs: Callable[[], None] | None = None
+        if fast:
+            self._use_fast()
 
     # -- text --------------------------------------------------------------------------------------
 
@@ -427,10 +443,63 @@ class ModelTokenizer:
         self._answer_draws += 1
         return self._answer_draws % ANSWER_SAMPLE == 0
 
+    def _use_fast(self) -> None:
+        if self._whole or self._first_differs:
+            self.fast_why = "the tokenizer treats a text's pieces apart"
+            return
+        try:
+            spec = json.loads((self.directory / "tokenizer.json").read_text())
+        except (OSError, ValueError) as e:
+            self.fast_why = str(e)
+            return
+        self._fast, why = fast_encoder(spec, self._library_ids)
+        self.fast_why = why or "tiktoken"
+
+    @property
+    def fast(self) -> bool:
+        """Whether segments are encoded by tiktoken (``gateway.kv.fast_bpe``) rather than the library."""
+        return self._fast is not None
+
+    def _library_ids(self, segment: str) -> list[int]:
+        return self._encode_batch([segment], add_special_tokens=False)[0].ids
+
     def _encode_one(self, segment: str) -> list[int]:
+        fast = self._fast
+        if fast is not None:
+            ids = fast(segment)
+            n = self._fast_n = self._fast_n + 1
+            if n <= FAST_CHECK_FIRST or n % FAST_CHECK_EVERY == 0:
+                return self._check_fast(segment, ids)
+            return ids
         if self._first_differs and segment.startswith(_FIRST):
             return self._encode_batch_first([segment[1:]], add_special_tokens=False)[0].ids
         return self._encode_batch([segment], add_special_tokens=False)[0].ids
+
+    def _check_fast(self, segment: str, ids: list[int]) -> list[int]:
+        """``ids`` (tiktoken's) when the library agrees; else the library's, and tiktoken off: the
+        segments it encoded are dropped from the caches on the loop (``_drop_fast``), so keys made
+        from them are made again."""
+        library = self._library_ids(segment)
+        if library == ids:
+            self.fast_checks["agreed"] += 1
+            return ids
+        self.fast_checks["differed"] += 1
+        self._fast = None
+        self.fast_why = "differed from the library"
+        self._fast_stale = True
+        return library
+
+    def _drop_fast(self) -> None:
+        """On the loop, after a check differed: every cached id and key goes (they may hold tiktoken's)."""
+        self._fast_stale = False
+        self._generation += 1
+        self._segments.clear()
+        self._segment_chars = 0
+        self._prefixes.clear()
+        self._prefix_blocks = 0
+        self._probes.clear()
+        if self.on_fast_differs is not None:
+            self.on_fast_differs()
 
     def _pieces_agree(self, template: str) -> bool:
         """Whether tokenizing a text piece by piece (cut at special tokens) gives the library's ids
@@ -534,8 +603,11 @@ class ModelTokenizer:
             mine = loop.create_future()
             for seg in todo:
                 pending[seg] = mine
+            generation = self._generation
             try:
                 out = await asyncio.wrap_future(executor.submit(self._encode_all, list(todo)))
+                if self._fast_stale or generation != self._generation:
+                    out = None               # encoded while tiktoken was found to differ: made again inline
             except Exception:                # left to the inline path, which counts the error
                 out = None
             finally:
@@ -553,6 +625,26 @@ class ModelTokenizer:
             await asyncio.shield(fut)
         return done
 
+    def inline_chars(self, configured: int | None) -> int:
+        """Uncached segments shorter than this are tokenized on the loop (``tokenize_inline_chars``;
+        ``None``: as many characters as take about 0.2 ms with this tokenizer's encoder)."""
+        if configured is not None:
+            return configured
+        return FAST_INLINE_CHARS if self._fast is not None else INLINE_CHARS
+
+    def tokenize_now(self, segments: Sequence[str]) -> int:
+        """Tokenize and cache ``segments`` (those uncached and not under way) on the loop; how many.
+        An encode error leaves a segment uncached."""
+        n = 0
+        for seg in segments:
+            if self.needs_tokens(seg) and seg not in self._pending:
+                try:
+                    self._segment_ids(seg)
+                except Exception:
+                    continue
+                n += 1
+        return n
+
     def ahead(self, segments: Sequence[str], executor: Executor) -> asyncio.Future | None:
         """Tokenize ``segments`` (those uncached and not under way) in ``executor`` with no task on
         the loop: the thread's result is stored by one callback the loop runs (``_stored_ahead``).
@@ -569,26 +661,30 @@ class ModelTokenizer:
         mine = loop.create_future()
         for seg in todo:
             pending[seg] = mine
+        generation = self._generation
         try:
             job = executor.submit(self._encode_all, todo)
         except RuntimeError:                 # the executor is shut down
-            self._stored_ahead(todo, mine, None)
+            self._stored_ahead(todo, mine, generation, None)
             return mine
 
         def landed(job: Any) -> None:        # in the thread
             out = None if job.cancelled() or job.exception() is not None else job.result()
             with contextlib.suppress(RuntimeError):      # the loop is closed: nothing to store
-                loop.call_soon_threadsafe(self._stored_ahead, todo, mine, out)
+                loop.call_soon_threadsafe(self._stored_ahead, todo, mine, generation, out)
 
         job.add_done_callback(landed)
         return mine
 
-    def _stored_ahead(self, todo: list[str], mine: asyncio.Future, out: list[list[int]] | None) -> None:
+    def _stored_ahead(self, todo: list[str], mine: asyncio.Future, generation: int,
+                      out: list[list[int]] | None) -> None:
         pending = self._pending
         for seg in todo:
             if pending.get(seg) is mine:
                 del pending[seg]
         n = 0
+        if self._fast_stale or generation != self._generation:
+            out = None                       # encoded while tiktoken was found to differ
         if out is not None and not mine.done():
             n = len(todo)
             self.segment_misses += n
@@ -657,6 +753,8 @@ class ModelTokenizer:
         (when the keys reach that far)."""
         if segments is None:                 # token ids given
             return _chain(root, [], lead, block_size, max_blocks)
+        if self._fast_stale:
+            self._drop_fast()
         ident = (root, block_size, tuple(lead))
         state: tuple[list[int], int, list[int], int] | None = None
         start = 0
@@ -828,15 +926,19 @@ def chain_keys(root: int, token_ids: Sequence[int], block_size: int) -> list[int
     return _chain(root, [], list(token_ids), block_size, len(token_ids)).keys
 
 
-def load_tokenizers(dirs: dict[str, str]) -> dict[str, ModelTokenizer]:
-    """model → its tokenizer; a directory that cannot be read is an error naming the model."""
+def load_tokenizers(dirs: dict[str, str], slow: Collection[str] = ()) -> dict[str, ModelTokenizer]:
+    """model → its tokenizer; a directory that cannot be read is an error naming the model. The
+    models in ``slow`` (``kv_events.fast_tokenizer: false``) keep the library's encoder, and so does
+    any other model that shares their tokenizer directory."""
     out: dict[str, ModelTokenizer] = {}
     cache: dict[str, ModelTokenizer] = {}
+    keys = {model: str(Path(d).resolve()) for model, d in dirs.items()}
+    slow_keys = {keys[m] for m in slow if m in keys}
     for model, d in dirs.items():
-        key = str(Path(d).resolve())
+        key = keys[model]
         if key not in cache:
             try:
-                cache[key] = ModelTokenizer(d)
+                cache[key] = ModelTokenizer(d, fast=key not in slow_keys)
             except TokenizerError as e:
                 raise TokenizerError(f"models[{model}].tokenizer: {e}") from None
         out[model] = cache[key]
