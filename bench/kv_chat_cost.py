@@ -68,7 +68,7 @@ def requests(w, sched, tok, answer_words: int = 12) -> list[tuple[bytes, dict[st
 
 
 async def one_pass(tok_dir: str, w, reqs, answers: bool = True, answer_blocks: bool = False,
-                   shapes: bool = True, fast: bool = True, inline: int | None = None) -> dict[str, float]:
+                   shapes: bool = True, fast: bool = True, inline: int = 1024) -> dict[str, float]:
     from prometheus_client import CollectorRegistry
 
     from gateway.endpoints import Endpoint
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="kv_events.chat_shapes: plain chats put together from their shape, not rendered (default on)")
     ap.add_argument("--fast", choices=["on", "off"], default="on",
                     help="kv_events.fast_tokenizer: tiktoken in the tokenizers library's place (default on)")
-    ap.add_argument("--inline", type=int, default=None, help="kv_events.tokenize_inline_chars (default: null)")
+    ap.add_argument("--inline", type=int, default=1024, help="kv_events.tokenize_inline_chars (default 1024)")
     args = ap.parse_args(argv)
 
     import uvloop

@@ -1,11 +1,11 @@
 """Tokenizing a prompt piece on the event loop against a hop to the tokenizer thread:
 ``python -m bench.kv_hop [--tokenizer DIR] [--fast on|off]``.
 
-``kv_events.tokenize_inline_chars`` (null: 1024 with the tokenizers library, 4096 with tiktoken,
-``kv_events.fast_tokenizer``; ``--fast off`` measures the library) decides which uncached pieces of a request
+``kv_events.tokenize_inline_chars`` (default 1024) decides which uncached pieces of a request
 ``KVEventsManager.prepare`` sends to the tokenizer threads instead of tokenizing them on the event
 loop. This measures both sides per piece size, with the chat-bpe tokenizer (``bench/chat_bpe.py``:
-32k tokens, Llama-3's split) by default, on English-like text it has not seen (its word cache warm,
+32k tokens, Llama-3's split) by default, encoded by tiktoken (``kv_events.fast_tokenizer``; ``--fast
+off``: by the tokenizers library), on English-like text it has not seen (its word cache warm,
 as a running gateway's is):
 
 * *inline*: CPU time of ``ModelTokenizer._encode_one`` on the calling thread (what the loop would

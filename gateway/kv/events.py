@@ -51,7 +51,7 @@ from prometheus_client.registry import Collector
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.index import EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
-from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, ModelTokenizer
+from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, INLINE_CHARS, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
 from gateway.request import CHAT, InferenceRequest
 
@@ -550,7 +550,7 @@ class KVEventsManager:
         if segments is None:
             return
         st = self.settings(model)
-        inline = tok.inline_chars(st.tokenize_inline_chars if st is not None else None)
+        inline = st.tokenize_inline_chars if st is not None else INLINE_CHARS
         bs = self.index.block_size(candidates)
         if bs is None:                       # no live events among the candidates: nothing to match
             return
@@ -668,28 +668,16 @@ class KVEventsManager:
             self._submit_ahead(model, tok, todo)
 
     def _submit_ahead(self, model: str, tok: ModelTokenizer, todo: list[str]) -> bool:
-        """``todo`` to the tokenizer threads, cached when done; whether anything went. With tiktoken
-        (``fast_tokenizer``), those shorter than the inline limit are tokenized here and now instead:
-        they cost the loop less than the hop to a thread and back."""
+        """``todo`` to the tokenizer threads, cached when done; whether anything went."""
         executor = self.executor
         if executor is None:
             return False
-        now = False
-        if tok.fast:
-            st = self.settings(model)
-            inline = tok.inline_chars(st.tokenize_inline_chars if st is not None else None)
-            short = [s for s in todo if len(s) < inline]
-            if short:
-                now = tok.tokenize_now(short) > 0
-                if len(short) == len(todo):
-                    return now
-                todo = [s for s in todo if len(s) >= inline]
         try:
             fut = tok.ahead(todo, executor)
         except RuntimeError:                 # no event loop (a synchronous caller): nothing ahead
-            return now
+            return False
         if fut is None:
-            return now
+            return False
         self._ahead.add(fut)
         fut.add_done_callback(partial(self._ahead_done, model))
         return True

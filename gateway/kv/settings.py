@@ -38,7 +38,7 @@ class KVEventsConfig(Block):
     # a hop costs the request two handovers of the GIL, each up to the interpreter's switch interval
     # (5 ms) while the loop is busy, more than such a segment costs the loop.
     tokenize_threads: Annotated[int, Meta(ge=0, le=16, description="Threads tokenizing requests off the event loop, one pool per gateway sized by the largest value over the models (0: on the loop).")] = 1
-    tokenize_inline_chars: Annotated[Annotated[int, Meta(ge=0)] | None, Meta(description="Prompt segments shorter than this many characters are tokenized on the event loop; with tiktoken (fast_tokenizer) so are a chat's new messages and answers shorter than this, tokenized ahead of the next turn. null: 1024 with the tokenizers library, 4096 with tiktoken (about 0.2 ms either way).")] = None
+    tokenize_inline_chars: Annotated[int, Meta(ge=0, description="Prompt segments shorter than this many characters are tokenized on the event loop.")] = 1024
     # tokenize every segment of a request, also those no engine's cache reaches (exact prompt token
     # counts for conditional P/D's thresholds, at the CPU cost of tokenizing every new prompt whole);
     # by default such a segment is only probed and its tokens estimated from its characters

@@ -46,7 +46,6 @@ from gateway.kv.fast_bpe import CHECK_EVERY, CHECK_FIRST, fast_encoder
 TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
 KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
 INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
-FAST_INLINE_CHARS = 4096                 # ... when tiktoken encodes them (about the same time: ~0.2 ms)
 FAST_CHECK_FIRST = CHECK_FIRST           # tiktoken's first segments checked against the library
 FAST_CHECK_EVERY = CHECK_EVERY           # then one in this many
 AHEAD_CHARS = 2048                       # a chat's unreached segments this short are tokenized after routing
@@ -624,26 +623,6 @@ class ModelTokenizer:
         for fut in waits:
             await asyncio.shield(fut)
         return done
-
-    def inline_chars(self, configured: int | None) -> int:
-        """Uncached segments shorter than this are tokenized on the loop (``tokenize_inline_chars``;
-        ``None``: as many characters as take about 0.2 ms with this tokenizer's encoder)."""
-        if configured is not None:
-            return configured
-        return FAST_INLINE_CHARS if self._fast is not None else INLINE_CHARS
-
-    def tokenize_now(self, segments: Sequence[str]) -> int:
-        """Tokenize and cache ``segments`` (those uncached and not under way) on the loop; how many.
-        An encode error leaves a segment uncached."""
-        n = 0
-        for seg in segments:
-            if self.needs_tokens(seg) and seg not in self._pending:
-                try:
-                    self._segment_ids(seg)
-                except Exception:
-                    continue
-                n += 1
-        return n
 
     def ahead(self, segments: Sequence[str], executor: Executor) -> asyncio.Future | None:
         """Tokenize ``segments`` (those uncached and not under way) in ``executor`` with no task on

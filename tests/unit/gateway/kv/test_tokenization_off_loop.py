@@ -14,7 +14,7 @@ from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.events import KVEventsManager
 from gateway.kv.settings import KVEventsConfig
-from gateway.kv.tokenization import FAST_INLINE_CHARS, INLINE_CHARS, ModelTokenizer, chain_keys
+from gateway.kv.tokenization import INLINE_CHARS, ModelTokenizer, chain_keys
 from gateway.request import CHAT, parse
 
 SYSTEM = "You are number 4. " + "kqz lo abc the of " * 100
@@ -91,7 +91,7 @@ def _live(mgr, ep, tok, ids, bs=16):
 async def test_manager_prepares_once_rendered_and_counts_off_loop_segments():
     registry = CollectorRegistry()
     tok = ModelTokenizer(TINY_DIR)
-    cfg = KVEventsConfig(enabled=True, tokenize_inline_chars=INLINE_CHARS)     # the system prompt is past it
+    cfg = KVEventsConfig(enabled=True)
     mgr = KVEventsManager(lambda m: cfg, EndpointPool(), registry, {"m": tok}, tokenize_threads=1)
     ep = Endpoint(url="http://a:1", model="m")
     # the engine holds the conversation's system prompt (the gateway never tokenized it): the long
@@ -121,11 +121,7 @@ def test_tokenize_settings_are_validated():
         msgspec.convert({"tokenize_threads": -1}, KVEventsConfig)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"tokenize_inline_chars": -5}, KVEventsConfig)
-    assert KVEventsConfig().tokenize_threads == 1 and KVEventsConfig().tokenize_inline_chars is None
-    # null: about 0.2 ms of encoding, by the encoder in use
-    assert ModelTokenizer(TINY_DIR).inline_chars(None) == FAST_INLINE_CHARS == 4096
-    assert ModelTokenizer(TINY_DIR, fast=False).inline_chars(None) == INLINE_CHARS == 1024
-    assert ModelTokenizer(TINY_DIR).inline_chars(300) == 300
+    assert KVEventsConfig().tokenize_threads == 1 and KVEventsConfig().tokenize_inline_chars == INLINE_CHARS == 1024
 
 
 def test_the_thread_encodes_with_a_batch_call_and_gets_the_same_ids():

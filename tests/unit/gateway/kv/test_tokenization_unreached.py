@@ -79,10 +79,8 @@ def test_the_chain_held_into_the_probe_but_not_past_it():
     assert k.exact and k.keys == exact
 
 
-def _manager(registry, fast=False, **kw):
-    """The library's encoder by default: these tests follow segments to the tokenizer thread, where
-    tiktoken's shorter inline limit would keep them on the loop."""
-    tok = ModelTokenizer(TINY_DIR, fast=fast)
+def _manager(registry, **kw):
+    tok = ModelTokenizer(TINY_DIR)
     cfg = KVEventsConfig(enabled=True, speculative_ttl_s=0, **kw)
     mgr = KVEventsManager(lambda m: cfg, EndpointPool(), registry, {"m": tok}, tokenize_threads=1)
     eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in (1, 2)]
@@ -242,24 +240,4 @@ async def test_a_long_system_prompt_is_tokenized_ahead_the_final_long_message_is
     await mgr.prepare(req2, eps)
     depths, _, _ = mgr.match(req2, eps)
     assert tok.segments_off_loop == before and depths[eps[1]] > depths[eps[0]]
-    await mgr.close()
-
-
-async def test_with_tiktoken_a_chats_new_message_is_tokenized_on_the_loop_right_after_routing():
-    registry = CollectorRegistry()
-    mgr, tok, eps = _manager(registry, fast=True)
-    assert tok.fast
-    ids = _ids(tok, [{"role": "system", "content": SYSTEM}])
-    full = len(ids) // BS - 1
-    mgr.index.apply(mgr.index.states[eps[0]], Batch(0.0, [BlockStored(list(range(1, full + 1)), None, ids[:full * BS], BS)], 0))
-    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": _text(6, 80)}]
-    req = parse(CHAT, orjson.dumps({"model": "m", "messages": msgs}), {}, "r")
-    await mgr.prepare(req, eps)
-    mgr.match(req, eps)
-    seg = next(s for s in tok.request_segments(CHAT, {"messages": msgs})[0] if msgs[1]["content"] in s)
-    assert not tok.is_cached(seg)
-    mgr.routed(req, eps[0])
-    assert tok.is_cached(seg) and not mgr._ahead          # no hop to the thread, nothing awaited
-    assert tok._segments[seg] == tok.tokenizer.encode(seg, add_special_tokens=False).ids
-    assert registry.get_sample_value("switchyard_kv_events_tokenized_off_loop_total", {"model": "m"}) is None
     await mgr.close()
