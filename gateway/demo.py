@@ -175,14 +175,16 @@ caching the first (cached_tokens in its usage); then the same two turns under a 
 tenant's own cache (the engine folds the salt into its block hashes and names it in its events, so
 the first salted turn finds nothing cached and the second finds the first); the gateway's event
 index is in the metrics, and so are the answers it tokenized ahead of a conversation's next turn
-(and, once a next turn sent one back, whether the engine held it: answers_met) and the chats it put
-together from their shape instead of rendering the chat template:
+(and, once a next turn sent one back, whether the engine held it: answers_met), the chats it put
+together from their shape instead of rendering the chat template, and whether tiktoken encodes
+the model's prompts (fast_tokenizer, with its checks against the tokenizers library):
   sys=$(for i in $(seq 40); do printf 'Rule %s: answer in one short line. ' $i; done)
   for salt in '' ',"cache_salt":"tenant-b"'; do for q in first second; do curl -s http://{host}:{{port}}/v1/chat/completions \\
        -H 'Content-Type: application/json' -d '{{{{"model":"demo-kv"'"$salt"',"max_tokens":4,"messages":[{{{{"role":"system","content":"'"$sys"'"}}}},{{{{"role":"user","content":"'$q' question"}}}}]}}}}' \\
        | grep -o '"cached_tokens":[0-9]*'; done; done
   curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_kv_events_index_blocks' -e '^switchyard_kv_events_endpoint_live' \\
-       -e '^switchyard_kv_events_total' -e '^switchyard_kv_events_answers' -e '^switchyard_kv_events_chat_renders_total'
+       -e '^switchyard_kv_events_total' -e '^switchyard_kv_events_answers' -e '^switchyard_kv_events_chat_renders_total' \\
+       -e '^switchyard_kv_events_fast_tokenizer'
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C

@@ -119,6 +119,9 @@ async def test_demo_answers_every_model_streaming_and_not():
             page = await r.text()
         assert metric(page, "switchyard_kv_events_chat_renders_total", model="demo-kv", how="shape") >= 1
         assert metric(page, "switchyard_kv_events_chat_renders_total", model="demo-kv", how="mismatch") == 0
+        assert metric(page, "switchyard_kv_events_fast_tokenizer", model="demo-kv") == 1      # tiktoken, checked
+        assert metric(page, "switchyard_kv_events_fast_tokenizer_checks_total", model="demo-kv", outcome="agreed") >= 1
+        assert metric(page, "switchyard_kv_events_fast_tokenizer_checks_total", model="demo-kv", outcome="differed") == 0
         # a conversation's next turn sends its answer back: the engine cached the blocks the answer
         # filled (as vLLM does), and the gateway, which took the answer to tokenize ahead (counted
         # when it does), found it held
