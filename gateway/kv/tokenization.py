@@ -41,13 +41,13 @@ from itertools import islice, repeat
 from pathlib import Path
 from typing import Any
 
-from gateway.kv.fast_bpe import CHECK_EVERY, CHECK_FIRST, fast_encoder
+from gateway.kv.fast_bpe import CHECK_EVERY as FAST_CHECK_EVERY
+from gateway.kv.fast_bpe import CHECK_FIRST as FAST_CHECK_FIRST
+from gateway.kv.fast_bpe import fast_encoder
 
 TOKEN_CACHE_CHARS = 64 * 1024 * 1024     # text held by the segment → token ids cache
 KEY_CACHE_BLOCKS = 4 * 1024 * 1024       # block keys held by the prefix → keys cache
 INLINE_CHARS = 1024                      # shorter uncached segments are tokenized on the loop
-FAST_CHECK_FIRST = CHECK_FIRST           # tiktoken's first segments checked against the library
-FAST_CHECK_EVERY = CHECK_EVERY           # then one in this many
 AHEAD_CHARS = 2048                       # a chat's unreached segments this short are tokenized after routing
 PROBE_CHARS = 256                        # an uncached segment this long is probed before it is tokenized
 DEEP_PROBE_BLOCKS = 4                    # a probe held throughout is taken this many blocks further once
@@ -488,6 +488,11 @@ class ModelTokenizer:
         self._fast_stale = True
         return library
 
+    def _dropped_since(self, generation: int) -> bool:
+        """Whether ids encoded since ``generation`` may hold tiktoken's from before a check differed
+        (then they are not stored)."""
+        return self._fast_stale or generation != self._generation
+
     def _drop_fast(self) -> None:
         """On the loop, after a check differed: every cached id and key goes (they may hold tiktoken's)."""
         self._fast_stale = False
@@ -605,8 +610,8 @@ class ModelTokenizer:
             generation = self._generation
             try:
                 out = await asyncio.wrap_future(executor.submit(self._encode_all, list(todo)))
-                if self._fast_stale or generation != self._generation:
-                    out = None               # encoded while tiktoken was found to differ: made again inline
+                if self._dropped_since(generation):
+                    out = None               # made again inline
             except Exception:                # left to the inline path, which counts the error
                 out = None
             finally:
@@ -662,8 +667,8 @@ class ModelTokenizer:
             if pending.get(seg) is mine:
                 del pending[seg]
         n = 0
-        if self._fast_stale or generation != self._generation:
-            out = None                       # encoded while tiktoken was found to differ
+        if self._dropped_since(generation):
+            out = None
         if out is not None and not mine.done():
             n = len(todo)
             self.segment_misses += n
