@@ -120,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
 
     run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
+    from gateway.server.heartbeat import Heartbeats
+    beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)
     try:
-        return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path)),
-                           stderr_log, on_reload=reread)
+        return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats)),
+                           stderr_log, on_reload=reread, heartbeats=beats,
+                           stall_timeout=lambda: config.server.worker_stall_timeout_s)
     finally:
         run_dir.close()
 

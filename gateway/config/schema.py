@@ -88,6 +88,7 @@ class ServerConfig(Block):
     max_body_bytes: Annotated[Count, Meta(description="Largest request body accepted, in bytes; a larger one is refused with 413 before it is read (0: no limit).")] = 16 * 1024 * 1024
     shutdown_grace_s: Annotated[Amount, Meta(description="After SIGTERM, how long requests in flight (streams included) may still run before they are cut, in seconds.")] = 30.0
     workers: Annotated[Count | Literal["auto"], Meta(description="Processes serving the same port (SO_REUSEPORT), each a whole gateway sharing one routing view with the others (view:); auto: as many as the CPUs of the cgroup's quota (and at most one per 256 MiB of its memory limit), or 1 when admission is enabled (its priority is strict within one process), a model lists LoRA adapters to load on demand, or limits or the admin API are configured without state.redis_url (their counters and keys would be per process). --workers overrides it.")] = "auto"
+    worker_stall_timeout_s: Annotated[Amount, Meta(description="With several workers: a worker whose event loop has not run for this long (a blocking call, a deadlock, a stopped process) is killed and restarted by the parent, since the kernel keeps handing it new connections it would never answer, in seconds (0: never; else at least 2). Start-up is not judged. Counted in switchyard_worker_restarts_total{reason=\"stalled\"}.")] = 20.0
     drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
     log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
     log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error; at warning or error the per-request line is not written either.")] = "info"
@@ -103,6 +104,12 @@ class ServerConfig(Block):
     fast_lane: Annotated[bool, Meta(description="Take a plain HTTP/1.1 POST to an inference path with a JSON body (chat, completions, embeddings, Messages, Responses, the JSON pass-through paths; a Content-Length body, waited for when it comes after its head, up to 1 MiB; nothing else in flight on its connection) off the connection, read by the edge's own fast lane without aiohttp's request path; every other request goes through aiohttp as with false. Counted in switchyard_client_requests_fast_lane_total.")] = True
     loop_lag_interval_s: Annotated[Amount, Meta(description="How often the event loop's lag is sampled into switchyard_event_loop_lag_seconds, in seconds (0: off).")] = 0.5
     reclaim_min_drop: Annotated[Count, Meta(description="After requests in flight fell this far below their peak, run a garbage collection and give freed memory back to the system, once per burst (0: off).")] = 1000
+
+    def __post_init__(self) -> None:
+        # a worker's loop ticks every 0.5 s (gateway/server/heartbeat.py BEAT_S): a shorter limit
+        # would kill a worker for one late timer
+        if 0 < self.worker_stall_timeout_s < 2:
+            raise ValueError("worker_stall_timeout_s: must be 0 (never) or at least 2 seconds")
 
 
 class RoutingConfig(RoutingSettings):

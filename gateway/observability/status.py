@@ -224,9 +224,10 @@ class StatusBoard:
     # -- the document --------------------------------------------------------------------------
 
     async def document(self, src: StatusSources, parts: list[dict[str, Any]] = (),
-                       worker: tuple[int, int] = (0, 1)) -> dict[str, Any]:
+                       worker: tuple[int, int] = (0, 1), restarts: dict[str, int] | None = None) -> dict[str, Any]:
         """``/status.json``; see the README's "Status page" for every field. ``parts``: the sibling
-        workers' (``part``), added in; ``worker``: (this worker's index, the number of workers)."""
+        workers' (``part``), added in; ``worker``: (this worker's index, the number of workers);
+        ``restarts``: the parent's restarts of workers by reason (gateway/server/heartbeat.py)."""
         now, wall = self._clock(), self._wall()
         cfg, pool = src.config, src.pool
         eps = pool.endpoints()
@@ -245,7 +246,8 @@ class StatusBoard:
             "gateway": {
                 "version": _version(), "pid": os.getpid(), "now": round(wall, 3),
                 "started_at": round(src.started_at, 3), "uptime_s": round(now - self._started, 1),
-                "workers": {"count": worker[1], "answered": worker[0], "reporting": 1 + len(parts)},
+                "workers": {"count": worker[1], "answered": worker[0], "reporting": 1 + len(parts),
+                            "restarts": restarts or {"exited": 0, "stalled": 0}},
                 "draining": src.lifecycle.draining or any(p["draining"] for p in parts),
                 "in_flight": src.lifecycle.in_flight + sum(p["in_flight"] for p in parts),
                 "refresh_s": self.settings.refresh_s, "window_s": self.settings.window_s,

@@ -90,7 +90,9 @@ class StatusPage:
         else:       # the siblings' parts first (their wait is not this worker's build time)
             parts = [orjson.loads(b) for b in (await self.siblings.ask("status")).values()]
             started = time.perf_counter()
-            doc = await self.board.document(self.sources, parts, (self.worker.index, self.worker.count))
+            beats = self.worker.heartbeats
+            doc = await self.board.document(self.sources, parts, (self.worker.index, self.worker.count),
+                                            beats.restarts() if beats is not None else None)
         body = orjson.dumps(doc)
         self.m.build.observe(time.perf_counter() - started)
         self.m.requests.labels("ok").inc()

@@ -129,6 +129,9 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
         reloader.parent_pid = os.getppid()
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
+    beat = worker.beat() if worker is not None else None      # the parent restarts a worker whose loop stalls
+    if beat is not None:
+        beat.start()
     try:
         await stop.wait()
     finally:
@@ -143,6 +146,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             log.warning("second signal: stopping now")
             with contextlib.suppress(Exception):
                 await runner.cleanup()
+        if beat is not None:
+            beat.stop()
         log.info("stopped")
 
 

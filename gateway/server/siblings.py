@@ -22,7 +22,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from gateway.observability.merge import merge, render
 from gateway.server.workers import WorkerInfo
@@ -116,7 +116,17 @@ class Siblings:
         scraped = GaugeMetricFamily("switchyard_workers_scraped",
                                     "Workers whose figures this /metrics answer holds fresh (the others: their "
                                     "last answer, or nothing)", value=1 + len(answers))
-        return render([*families, workers, scraped])
+        extra = [workers, scraped]
+        beats = self.worker.heartbeats
+        if beats is not None:           # the parent's count (gateway/server/heartbeat.py): the gateway's, not summed
+            restarts = CounterMetricFamily("switchyard_worker_restarts",
+                                           "Workers the parent started again: after one exited, or after it killed "
+                                           "one whose event loop stalled (server.worker_stall_timeout_s)",
+                                           labels=["reason"])
+            for reason, n in beats.restarts().items():
+                restarts.add_metric([reason], n)
+            extra.append(restarts)
+        return render([*families, *extra])
 
 
 def lifecycle(siblings: Siblings) -> Callable:

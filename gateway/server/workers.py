@@ -9,7 +9,9 @@ limits and in-flight counts between workers as between replicas.
 
 The parent forks the workers before any event loop exists, forwards SIGTERM/SIGINT to them (each
 drains as a single gateway does), restarts a worker that dies unexpectedly (with a short back-off),
-and exits when all have exited after a signal. SIGHUP is forwarded too: every worker reloads the
+kills and restarts one whose event loop stopped ticking its heartbeat for
+``server.worker_stall_timeout_s`` (gateway/server/heartbeat.py), and exits when all have exited
+after a signal. SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent.
 
@@ -32,7 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gateway.server.heartbeat import Beat, Heartbeats, Watchdog
+
 RESTART_BACKOFF_S = 1.0
+WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers (with heartbeats)
 WORKER_MEMORY_BYTES = 256 * 1024 * 1024    # auto: the cgroup's memory limit leaves each worker this much
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -154,22 +159,33 @@ class WorkerInfo:
     index: int
     count: int
     run_dir: str
+    heartbeats: Heartbeats | None = None     # ticked by this worker's loop, watched by the parent
+
+    def beat(self) -> Beat | None:
+        """This worker's heartbeat (gateway/server/heartbeat.py), not yet started; None without one."""
+        return None if self.heartbeats is None else Beat(self.heartbeats, self.index)
 
     def socket_path(self, index: int) -> str:
         return os.path.join(self.run_dir, f"worker-{index}.sock")
 
 
 def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], None],
-                on_reload: Callable[[], None] | None = None) -> int:
+                on_reload: Callable[[], None] | None = None, heartbeats: Heartbeats | None = None,
+                stall_timeout: Callable[[], float] = lambda: 0.0) -> int:
     """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
     a restarted worker gets its predecessor's index); ``on_reload`` runs in the parent at SIGHUP,
-    before the workers are told."""
+    before the workers are told. With ``heartbeats`` (which the workers tick), a worker that stops
+    ticking for ``stall_timeout()`` seconds (0: never) is killed and restarted
+    (gateway/server/heartbeat.py)."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
+    watchdog = Watchdog(heartbeats, stall_timeout, log) if heartbeats is not None else None
 
     parent = os.getpid()
 
     def spawn(index: int) -> None:
+        if watchdog is not None:
+            watchdog.spawning(index)
         pid = os.fork()
         if pid == 0:  # the worker
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -185,6 +201,8 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
             finally:
                 os._exit(code)
         children[pid] = index
+        if watchdog is not None:
+            watchdog.spawned(pid, index)
 
     def forward(sig: int, _frame) -> None:
         nonlocal stopping
@@ -213,16 +231,27 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
     worst = 0
     while children:
         try:
-            pid, status = os.wait()
+            pid, status = os.wait() if watchdog is None else os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             break
         except InterruptedError:
             continue
+        if pid == 0:                    # the watchdog's poll: no child ended
+            assert watchdog is not None
+            watchdog.check()
+            time.sleep(WATCH_POLL_S)
+            continue
         index = children.pop(pid, None)
+        reason = watchdog.gone(pid) if watchdog is not None else "exited"
         code = os.waitstatus_to_exitcode(status)
         worst = max(worst, code if code > 0 else 0)
         if index is not None and not stopping:
-            log(f"worker {index} (pid {pid}) exited with {code}; restarting")
+            if heartbeats is not None:
+                heartbeats.restarted(reason)
+            if reason == "stalled":
+                log(f"worker {index} (pid {pid}) killed, its event loop stalled; restarting")
+            else:
+                log(f"worker {index} (pid {pid}) exited with {code}; restarting")
             time.sleep(RESTART_BACKOFF_S)
             if not stopping:
                 spawn(index)

@@ -269,3 +269,101 @@ def alive(pids: list[int]) -> bool:
         if state not in ("Z", "X"):
             return True
     return False
+
+
+def worker_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_whose_loop_stalls_is_killed_and_restarted(sims, tmp_path):
+    """A stopped worker (SIGSTOP: its event loop runs no more, as when a call blocks it) would keep
+    taking its share of new connections and answer none. The parent sees its heartbeat stop, kills
+    it, starts a new one, and counts it; every client, the openai SDK's included, is then answered."""
+    import openai
+
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning, worker_stall_timeout_s: 2}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    stopped = None
+    try:
+        async with asyncio.timeout(20):
+            while len(children_of(proc.pid)) < 2 or len(listening_inodes(port)) < 2:
+                await asyncio.sleep(0.05)
+            while (await fresh_get(url + "/ready"))[0] != 200:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(3)                  # longer than the stall timeout: healthy workers stay
+        before = children_of(proc.pid)
+        assert len(before) == 2
+        _, text, _ = await fresh_get(url + "/metrics")
+        assert metric(text, "switchyard_worker_restarts_total", reason="stalled") == 0
+        stopped = before[0]
+        os.kill(stopped, signal.SIGSTOP)
+        async with asyncio.timeout(15):         # killed (no longer a live process) and replaced
+            while worker_state(stopped) not in (None, "Z", "X"):
+                await asyncio.sleep(0.05)
+            while len(kids := children_of(proc.pid)) < 2 or stopped in kids or len(listening_inodes(port)) < 2:
+                await asyncio.sleep(0.05)
+        stopped = None
+        async with asyncio.timeout(20):         # the new worker serves (both listeners answer /ready)
+            for _ in range(20):
+                while (await fresh_get(url + "/ready"))[0] != 200:
+                    await asyncio.sleep(0.05)
+        for _ in range(16):                     # fresh connections: the kernel spreads them over both
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=10)
+            try:
+                done = await client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                assert done.choices[0].message.content
+            finally:
+                await client.close()
+        _, text, _ = await fresh_get(url + "/metrics")
+        assert metric(text, "switchyard_worker_restarts_total", reason="stalled") == 1
+        assert metric(text, "switchyard_worker_restarts_total", reason="exited") == 0
+        status, body, _ = await fresh_get(url + "/status.json")
+        assert status == 200
+        doc = json.loads(body)
+        jsonschema.validate(doc, SCHEMA)
+        assert doc["gateway"]["workers"]["restarts"] == {"exited": 0, "stalled": 1}
+        await page_shows_the_restart(url)
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
+        err = (await proc.stderr.read()).decode()
+    assert "has not run its event loop" in err and "killed, its event loop stalled; restarting" in err
+
+
+async def page_shows_the_restart(url: str) -> None:
+    """The status page, in a real headless Chromium, names the restart in its heading."""
+    from tests.support.cdp import Browser, chromium_binary
+
+    if chromium_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (make test installs Debian's chromium)")
+        return
+    browser = Browser.launch()
+    try:
+        page = await browser.new_page()
+        try:
+            await page.navigate(url + "/status")
+            meta = await page.wait_for("(() => { const t = document.querySelector('#meta').textContent;"
+                                       " return t.includes('workers restarted') && t; })()")
+            assert "2 workers" in meta and "workers restarted: 1 stalled" in meta
+            assert page.problems == [], "\n".join(page.problems)
+        finally:
+            await page.close()
+    finally:
+        browser.close()

@@ -196,9 +196,10 @@ async def test_several_workers_add_up_into_one_document():
                           (("vtc-basic", "no_user"),), 1e-5)
     (board, _), (sibling, _) = boards
     part = json.loads(json.dumps(sibling.part(srcs[1])))
-    doc = await board.document(srcs[0], [part], (0, 2))
+    doc = await board.document(srcs[0], [part], (0, 2), {"exited": 1, "stalled": 0})
     jsonschema.validate(doc, SCHEMA)
-    assert doc["gateway"]["workers"] == {"count": 2, "answered": 0, "reporting": 2}
+    assert doc["gateway"]["workers"] == {"count": 2, "answered": 0, "reporting": 2,
+                                         "restarts": {"exited": 1, "stalled": 0}}
     assert doc["totals"]["requests_since_start"] == 9 and doc["totals"]["minute"]["requests"] == 9
     assert doc["totals"]["minute"]["errors"] == 2 and doc["totals"]["minute"]["ttft_count"] == 7
     assert doc["totals"]["minute"]["ttft_p99_ms"] == pytest.approx(20, rel=0.05)   # the sibling's slower TTFTs
@@ -211,7 +212,8 @@ async def test_several_workers_add_up_into_one_document():
     assert [e["request_id"] for e in doc["errors"]["recent"]] == ["w1-err", "w0-err"]     # newest first
     assert len(doc["routing"]["recent"]) == 2
     alone = await board.document(srcs[0])
-    assert alone["gateway"]["workers"] == {"count": 1, "answered": 0, "reporting": 1}
+    assert alone["gateway"]["workers"] == {"count": 1, "answered": 0, "reporting": 1,
+                                           "restarts": {"exited": 0, "stalled": 0}}
     assert alone["totals"]["requests_since_start"] == 4
 
 

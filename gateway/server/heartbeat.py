@@ -1,0 +1,140 @@
+"""Workers' heartbeats: the parent of ``--workers N`` restarts a worker whose event loop stopped.
+
+With SO_REUSEPORT the kernel hands every worker its share of new connections whatever the worker is
+doing. A worker whose event loop is stuck (a call that blocks, a lock that never comes free, a
+process stopped by a signal) keeps taking connections it never answers, and a liveness probe that
+happens to reach a healthy sibling keeps passing, so nothing would ever restart it.
+
+So each worker's event loop ticks a counter every ``BEAT_S`` in memory it shares with its parent (an
+anonymous shared mapping the parent makes before it forks: one 8-byte slot per worker, then the
+restart counts). The parent reads the counters while it waits for its children; a worker that has
+ticked at least once (start-up is not judged) and has not ticked for
+``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
+SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
+starts it again as it restarts a worker that exits. The restarts are counted by reason
+(``exited``, ``stalled``) in the same mapping, which every worker reads for ``/metrics``
+(``switchyard_worker_restarts_total``) and the status page.
+
+Only the worker writes its slot and only the parent the counts. The parent decides on whether a
+slot changed, never on its value, so a read that catches a write half done can only look like a
+tick (which delays a kill by one poll), never like a stall.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+BEAT_S = 0.5                    # how often a worker's loop ticks (server.worker_stall_timeout_s is 0 or >= 2)
+REASONS = ("exited", "stalled")
+_MASK = (1 << 64) - 1
+
+
+class Heartbeats:
+    """The shared counters: a tick count per worker, then the parent's restarts by reason."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._map = mmap.mmap(-1, 8 * (workers + len(REASONS)))    # anonymous and shared across fork
+        self._slots = memoryview(self._map).cast("Q")
+
+    def tick(self, index: int) -> None:
+        """Worker ``index``'s loop ran (called by that worker only)."""
+        self._slots[index] = (self._slots[index] + 1) & _MASK
+
+    def ticks(self, index: int) -> int:
+        return self._slots[index]
+
+    def reset(self, index: int) -> None:
+        """Before worker ``index`` is started (again): no tick yet."""
+        self._slots[index] = 0
+
+    def restarted(self, reason: str) -> None:
+        """The parent restarted a worker for ``reason`` (one of ``REASONS``)."""
+        at = self.workers + REASONS.index(reason)
+        self._slots[at] = (self._slots[at] + 1) & _MASK
+
+    def restarts(self) -> dict[str, int]:
+        return {r: self._slots[self.workers + i] for i, r in enumerate(REASONS)}
+
+
+class Beat:
+    """A worker's side: tick its slot from its event loop every ``BEAT_S`` until ``stop``."""
+
+    def __init__(self, heartbeats: Heartbeats, index: int) -> None:
+        self.heartbeats = heartbeats
+        self.index = index
+        self._handle: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._tick()
+
+    def _tick(self) -> None:
+        self.heartbeats.tick(self.index)
+        assert self._loop is not None
+        self._handle = self._loop.call_later(BEAT_S, self._tick)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+@dataclass(slots=True)
+class _Watched:
+    index: int
+    last: int = 0
+    since: float = 0.0          # the parent's clock when ``last`` was read first
+    beaten: bool = False        # ticked at least once: past its start-up
+    killed: bool = False
+
+
+class Watchdog:
+    """The parent's side: which children stopped ticking, and the kill of those."""
+
+    def __init__(self, heartbeats: Heartbeats, timeout: Callable[[], float], log: Callable[[str], None],
+                 clock: Callable[[], float] = time.monotonic,
+                 kill: Callable[[int, int], None] = os.kill) -> None:
+        self.heartbeats = heartbeats
+        self.timeout = timeout
+        self.log = log
+        self.clock = clock
+        self.kill = kill
+        self._children: dict[int, _Watched] = {}
+
+    def spawning(self, index: int) -> None:
+        """Before worker ``index`` is forked: its slot starts at no tick."""
+        self.heartbeats.reset(index)
+
+    def spawned(self, pid: int, index: int) -> None:
+        self._children[pid] = _Watched(index, since=self.clock())
+
+    def gone(self, pid: int) -> str:
+        """``pid`` was reaped: why it ended (``stalled`` when this watchdog killed it)."""
+        w = self._children.pop(pid, None)
+        return "stalled" if w is not None and w.killed else "exited"
+
+    def check(self) -> None:
+        timeout = self.timeout()
+        now = self.clock()
+        for pid, w in self._children.items():
+            ticks = self.heartbeats.ticks(w.index)
+            if ticks != w.last:
+                w.last, w.since, w.beaten = ticks, now, True
+                continue
+            if not w.beaten or w.killed or timeout <= 0 or now - w.since < timeout:
+                continue
+            self.log(f"worker {w.index} (pid {pid}) has not run its event loop for {now - w.since:.1f} s "
+                     f"(server.worker_stall_timeout_s {timeout:g}); killing it")
+            w.killed = True
+            try:
+                self.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

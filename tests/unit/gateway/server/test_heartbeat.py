@@ -1,0 +1,158 @@
+"""The workers' heartbeats and the parent's watchdog (gateway/server/heartbeat.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from gateway.server.heartbeat import BEAT_S, Beat, Heartbeats, Watchdog
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watchdog(timeout: float = 5.0):
+    beats, clock, killed, logged = Heartbeats(2), Clock(), [], []
+    dog = Watchdog(beats, lambda: timeout, logged.append, clock=clock, kill=lambda pid, sig: killed.append((pid, sig)))
+    return beats, clock, dog, killed, logged
+
+
+def test_a_worker_that_stops_ticking_is_killed_once_and_reported_stalled():
+    beats, clock, dog, killed, logged = watchdog()
+    dog.spawning(0)
+    dog.spawned(1000, 0)
+    beats.tick(0)
+    dog.check()                                  # ticked: past its start-up
+    clock.now += 4.9
+    dog.check()
+    assert killed == []
+    clock.now += 0.2
+    dog.check()
+    assert killed == [(1000, signal.SIGKILL)]
+    assert "worker 0 (pid 1000)" in logged[0] and "5.1 s" in logged[0]
+    clock.now += 10
+    dog.check()                                  # not killed twice
+    assert len(killed) == 1
+    assert dog.gone(1000) == "stalled"
+
+
+def test_ticks_keep_a_worker_alive_and_start_up_is_not_judged():
+    beats, clock, dog, killed, _ = watchdog()
+    dog.spawning(1)
+    dog.spawned(2000, 1)
+    clock.now += 60                              # no tick yet: still starting
+    dog.check()
+    assert killed == []
+    for _ in range(20):
+        beats.tick(1)
+        clock.now += 3
+        dog.check()
+    assert killed == []
+    assert dog.gone(2000) == "exited"
+    assert dog.gone(2000) == "exited"            # unknown pid
+
+
+def test_timeout_zero_never_kills_and_a_reload_can_change_it():
+    beats, clock, killed, logged = Heartbeats(1), Clock(), [], []
+    timeout = [0.0]
+    dog = Watchdog(beats, lambda: timeout[0], logged.append, clock=clock, kill=lambda p, s: killed.append(p))
+    dog.spawning(0)
+    dog.spawned(7, 0)
+    beats.tick(0)
+    dog.check()
+    clock.now += 1000
+    dog.check()
+    assert killed == []
+    timeout[0] = 3.0
+    dog.check()
+    assert killed == [7]
+
+
+def test_a_restarted_worker_starts_from_no_tick():
+    beats, clock, dog, killed, _ = watchdog()
+    dog.spawning(0)
+    dog.spawned(1, 0)
+    beats.tick(0)
+    dog.check()
+    dog.gone(1)
+    dog.spawning(0)                               # its successor, same slot
+    assert beats.ticks(0) == 0
+    dog.spawned(2, 0)
+    clock.now += 60
+    dog.check()
+    assert killed == []
+
+
+def test_a_vanished_pid_is_not_an_error():
+    beats, clock, _, _, logged = watchdog()
+
+    def gone(pid, sig):
+        raise ProcessLookupError
+
+    dog = Watchdog(beats, lambda: 2.0, logged.append, clock=clock, kill=gone)
+    dog.spawning(0)
+    dog.spawned(5, 0)
+    beats.tick(0)
+    dog.check()
+    clock.now += 3
+    dog.check()
+    assert dog.gone(5) == "stalled"
+
+
+def test_restart_counts_by_reason():
+    beats = Heartbeats(3)
+    assert beats.restarts() == {"exited": 0, "stalled": 0}
+    beats.restarted("stalled")
+    beats.restarted("exited")
+    beats.restarted("stalled")
+    assert beats.restarts() == {"exited": 1, "stalled": 2}
+    with pytest.raises(ValueError):
+        beats.restarted("bored")
+
+
+def test_a_forked_child_ticks_where_the_parent_reads():
+    beats = Heartbeats(2)
+    pid = os.fork()
+    if pid == 0:                                  # the child: tick slot 1 three times, then go
+        try:
+            for _ in range(3):
+                beats.tick(1)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert beats.ticks(1) == 3 and beats.ticks(0) == 0
+
+
+async def test_the_beat_ticks_from_the_event_loop_until_stopped():
+    beats = Heartbeats(1)
+    beat = Beat(beats, 0)
+    beat.start()
+    assert beats.ticks(0) == 1                    # at once, then every BEAT_S
+    await asyncio.sleep(BEAT_S * 2.5)
+    assert beats.ticks(0) >= 2
+    beat.stop()
+    seen = beats.ticks(0)
+    await asyncio.sleep(BEAT_S * 1.5)
+    assert beats.ticks(0) == seen
+
+
+@pytest.mark.parametrize("value,ok", [(0, True), (2, True), (20.5, True), (1, False), (0.5, False), (-1, False)])
+def test_the_stall_timeout_is_zero_or_at_least_two_seconds(value, ok):
+    from gateway.config.schema import ConfigError, config_from_dict
+
+    raw = {"server": {"worker_stall_timeout_s": value},
+           "models": [{"name": "m", "engine": "vllm", "endpoints": ["http://127.0.0.1:1"]}]}
+    if ok:
+        assert config_from_dict(raw).server.worker_stall_timeout_s == value
+    else:
+        with pytest.raises(ConfigError, match="server.worker_stall_timeout_s"):
+            config_from_dict(raw)
