@@ -15,6 +15,12 @@ starts it again as it restarts a worker that exits. The restarts are counted by 
 (``exited``, ``stalled``) in the same mapping, which every worker reads for ``/metrics``
 (``switchyard_worker_restarts_total``) and the status page.
 
+The first tick also tells the parent that a worker got past its start-up (it ticks once it
+listens). A worker that fails before any worker of the gateway ever ticked (the port taken, a config
+the app refuses) stops the gateway with its exit code, as one process would, instead of being
+started again every second by a parent that looks alive; a worker that fails its start-up later is
+started again with a growing back-off.
+
 Only the worker writes its slot and only the parent the counts. The parent decides on whether a
 slot changed, never on its value, so a read that catches a write half done can only look like a
 tick (which delays a kill by one poll), never like a stall.
@@ -108,6 +114,7 @@ class Watchdog:
         self.clock = clock
         self.kill = kill
         self._children: dict[int, _Watched] = {}
+        self.served = False             # some worker has ticked: the gateway got past its start-up
 
     def spawning(self, index: int) -> None:
         """Before worker ``index`` is forked: its slot starts at no tick."""
@@ -116,10 +123,16 @@ class Watchdog:
     def spawned(self, pid: int, index: int) -> None:
         self._children[pid] = _Watched(index, since=self.clock())
 
-    def gone(self, pid: int) -> str:
-        """``pid`` was reaped: why it ended (``stalled`` when this watchdog killed it)."""
+    def gone(self, pid: int) -> tuple[str, bool]:
+        """``pid`` was reaped: why it ended (``stalled`` when this watchdog killed it, else
+        ``exited``), and whether it had ticked (got past its start-up; its slot is read once more,
+        since a tick may have come after the last poll)."""
         w = self._children.pop(pid, None)
-        return "stalled" if w is not None and w.killed else "exited"
+        if w is None:
+            return "exited", True
+        ticked = w.beaten or self.heartbeats.ticks(w.index) != 0
+        self.served = self.served or ticked
+        return ("stalled" if w.killed else "exited"), ticked
 
     def check(self) -> None:
         timeout = self.timeout()
@@ -128,6 +141,7 @@ class Watchdog:
             ticks = self.heartbeats.ticks(w.index)
             if ticks != w.last:
                 w.last, w.since, w.beaten = ticks, now, True
+                self.served = True
                 continue
             if not w.beaten or w.killed or timeout <= 0 or now - w.since < timeout:
                 continue

@@ -10,8 +10,9 @@ limits and in-flight counts between workers as between replicas.
 The parent forks the workers before any event loop exists, forwards SIGTERM/SIGINT to them (each
 drains as a single gateway does), restarts a worker that dies unexpectedly (with a short back-off),
 kills and restarts one whose event loop stopped ticking its heartbeat for
-``server.worker_stall_timeout_s`` (gateway/server/heartbeat.py), and exits when all have exited
-after a signal. SIGHUP is forwarded too: every worker reloads the
+``server.worker_stall_timeout_s`` (gateway/server/heartbeat.py), stops with a worker's exit code
+when that worker fails before the gateway ever served (as one process would), and exits when all
+have exited after a signal. SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent.
 
@@ -29,6 +30,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,7 @@ from typing import Any
 from gateway.server.heartbeat import Beat, Heartbeats, Watchdog
 
 RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0    # a worker whose start-ups keep failing: 1, 2, 4, ... s, at most this
 WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers (with heartbeats)
 WORKER_MEMORY_BYTES = 256 * 1024 * 1024    # auto: the cgroup's memory limit leaves each worker this much
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -175,8 +178,10 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
     """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
     a restarted worker gets its predecessor's index); ``on_reload`` runs in the parent at SIGHUP,
     before the workers are told. With ``heartbeats`` (which the workers tick), a worker that stops
-    ticking for ``stall_timeout()`` seconds (0: never) is killed and restarted
-    (gateway/server/heartbeat.py)."""
+    ticking for ``stall_timeout()`` seconds (0: never) is killed and restarted, and a worker that
+    fails before any worker ever ticked stops the gateway with its exit code
+    (gateway/server/heartbeat.py). A worker whose start-ups keep failing is started again after
+    1, 2, 4, ... s (at most ``RESTART_BACKOFF_MAX_S``); one that got past its start-up, after 1 s."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
     watchdog = Watchdog(heartbeats, stall_timeout, log) if heartbeats is not None else None
@@ -198,6 +203,12 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
             code = 1
             try:
                 code = serve_one(index)
+            except SystemExit:
+                pass
+            except BaseException:       # as the interpreter would print it before exiting (os._exit does not)
+                with contextlib.suppress(Exception):
+                    traceback.print_exc()
+                    sys.stderr.flush()
             finally:
                 os._exit(code)
         children[pid] = index
@@ -229,32 +240,49 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
         spawn(i)
     log(f"started {n} workers: {sorted(children)}")
     worst = 0
-    while children:
+    pending: dict[int, float] = {}      # worker index → when to start it again (time.monotonic)
+    failed: dict[int, int] = {}         # worker index → start-ups in a row that ended before its first tick
+    while children or (pending and not stopping):
         try:
-            pid, status = os.wait() if watchdog is None else os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            break
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:       # none left, a restart still pending
+            pid, status = 0, 0
         except InterruptedError:
             continue
-        if pid == 0:                    # the watchdog's poll: no child ended
-            assert watchdog is not None
-            watchdog.check()
-            time.sleep(WATCH_POLL_S)
+        if pid == 0:                    # the poll: no child ended
+            if watchdog is not None:
+                watchdog.check()
+            now = time.monotonic()
+            for index, due in list(pending.items()):
+                if stopping:
+                    pending.clear()
+                elif now >= due:
+                    del pending[index]
+                    spawn(index)
+            if children or pending:
+                time.sleep(WATCH_POLL_S)
             continue
         index = children.pop(pid, None)
-        reason = watchdog.gone(pid) if watchdog is not None else "exited"
+        reason, ticked = watchdog.gone(pid) if watchdog is not None else ("exited", True)
         code = os.waitstatus_to_exitcode(status)
         worst = max(worst, code if code > 0 else 0)
-        if index is not None and not stopping:
-            if heartbeats is not None:
-                heartbeats.restarted(reason)
-            if reason == "stalled":
-                log(f"worker {index} (pid {pid}) killed, its event loop stalled; restarting")
-            else:
-                log(f"worker {index} (pid {pid}) exited with {code}; restarting")
-            time.sleep(RESTART_BACKOFF_S)
-            if not stopping:
-                spawn(index)
+        if index is None or stopping:
+            continue
+        if watchdog is not None and not ticked and code > 0 and not watchdog.served:
+            # the gateway's own start-up failed (the port taken, a config the app refuses): stop
+            # with that code, as one process would, rather than look alive and start it forever
+            log(f"worker {index} (pid {pid}) exited with {code} before the gateway started serving; stopping")
+            forward(signal.SIGTERM, None)
+            continue
+        if heartbeats is not None:
+            heartbeats.restarted(reason)
+        failed[index] = 0 if ticked else failed.get(index, 0) + 1
+        backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, failed[index] - 1))
+        if reason == "stalled":
+            log(f"worker {index} (pid {pid}) killed, its event loop stalled; restarting in {backoff:g} s")
+        else:
+            log(f"worker {index} (pid {pid}) exited with {code}; restarting in {backoff:g} s")
+        pending[index] = time.monotonic() + backoff
     return worst
 
 

@@ -329,11 +329,20 @@ async def test_a_worker_whose_loop_stalls_is_killed_and_restarted(sims, tmp_path
         _, text, _ = await fresh_get(url + "/metrics")
         assert metric(text, "switchyard_worker_restarts_total", reason="stalled") == 1
         assert metric(text, "switchyard_worker_restarts_total", reason="exited") == 0
-        status, body, _ = await fresh_get(url + "/status.json")
-        assert status == 200
-        doc = json.loads(body)
+        # a worker that dies (here SIGKILL) is restarted too, and counted apart
+        crashed = children_of(proc.pid)[0]
+        os.kill(crashed, signal.SIGKILL)
+        async with asyncio.timeout(15):
+            while len(kids := children_of(proc.pid)) < 2 or crashed in kids or len(listening_inodes(port)) < 2:
+                await asyncio.sleep(0.05)
+            while True:
+                status, body, _ = await fresh_get(url + "/status.json")
+                doc = json.loads(body) if status == 200 else {}
+                if doc and doc["gateway"]["workers"]["reporting"] == 2:
+                    break
+                await asyncio.sleep(0.05)
         jsonschema.validate(doc, SCHEMA)
-        assert doc["gateway"]["workers"]["restarts"] == {"exited": 0, "stalled": 1}
+        assert doc["gateway"]["workers"]["restarts"] == {"exited": 1, "stalled": 1}
         await page_shows_the_restart(url)
     finally:
         if stopped is not None:
@@ -343,7 +352,32 @@ async def test_a_worker_whose_loop_stalls_is_killed_and_restarted(sims, tmp_path
         async with asyncio.timeout(20):
             await proc.wait()
         err = (await proc.stderr.read()).decode()
-    assert "has not run its event loop" in err and "killed, its event loop stalled; restarting" in err
+    assert "has not run its event loop" in err and "killed, its event loop stalled; restarting in 1 s" in err
+    assert f"(pid {crashed}) exited with -9; restarting in 1 s" in err
+
+
+@pytest.mark.timeout(60)
+async def test_a_gateway_whose_workers_cannot_start_exits_as_one_process_would(tmp_path):
+    """The port is taken by another program: every worker fails to bind. The parent stops with the
+    workers' exit code, as a single process does, instead of starting them again forever."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = one_engine_config(tmp_path, port, "http://127.0.0.1:9", grace=1)
+        for workers in ("2", "1"):
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                        "--workers", workers, stderr=asyncio.subprocess.PIPE)
+            async with asyncio.timeout(30):
+                err = (await proc.stderr.read()).decode()
+                code = await proc.wait()
+            assert code == 1, err
+            assert "address already in use" in err
+            if workers == "2":
+                assert "before the gateway started serving; stopping" in err
+                assert "restarting" not in err
 
 
 async def page_shows_the_restart(url: str) -> None:
@@ -361,7 +395,7 @@ async def page_shows_the_restart(url: str) -> None:
             await page.navigate(url + "/status")
             meta = await page.wait_for("(() => { const t = document.querySelector('#meta').textContent;"
                                        " return t.includes('workers restarted') && t; })()")
-            assert "2 workers" in meta and "workers restarted: 1 stalled" in meta
+            assert "2 workers" in meta and "workers restarted: 1 stalled, 1 exited" in meta
             assert page.problems == [], "\n".join(page.problems)
         finally:
             await page.close()

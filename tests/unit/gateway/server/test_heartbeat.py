@@ -41,7 +41,7 @@ def test_a_worker_that_stops_ticking_is_killed_once_and_reported_stalled():
     clock.now += 10
     dog.check()                                  # not killed twice
     assert len(killed) == 1
-    assert dog.gone(1000) == "stalled"
+    assert dog.gone(1000) == ("stalled", True)
 
 
 def test_ticks_keep_a_worker_alive_and_start_up_is_not_judged():
@@ -56,8 +56,8 @@ def test_ticks_keep_a_worker_alive_and_start_up_is_not_judged():
         clock.now += 3
         dog.check()
     assert killed == []
-    assert dog.gone(2000) == "exited"
-    assert dog.gone(2000) == "exited"            # unknown pid
+    assert dog.gone(2000) == ("exited", True)
+    assert dog.gone(2000) == ("exited", True)    # unknown pid
 
 
 def test_timeout_zero_never_kills_and_a_reload_can_change_it():
@@ -104,7 +104,7 @@ def test_a_vanished_pid_is_not_an_error():
     dog.check()
     clock.now += 3
     dog.check()
-    assert dog.gone(5) == "stalled"
+    assert dog.gone(5) == ("stalled", True)
 
 
 def test_restart_counts_by_reason():
@@ -156,3 +156,15 @@ def test_the_stall_timeout_is_zero_or_at_least_two_seconds(value, ok):
     else:
         with pytest.raises(ConfigError, match="server.worker_stall_timeout_s"):
             config_from_dict(raw)
+
+
+def test_the_watchdog_knows_whether_a_worker_and_the_gateway_got_past_start_up():
+    beats, clock, dog, _, _ = watchdog()
+    dog.spawning(0)
+    dog.spawned(1, 0)
+    dog.spawning(1)
+    dog.spawned(2, 1)
+    dog.check()
+    assert dog.gone(1) == ("exited", False) and not dog.served      # ended before its first tick
+    beats.tick(1)                                # ticked after the last poll, then ended
+    assert dog.gone(2) == ("exited", True) and dog.served
