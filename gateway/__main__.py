@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         listen[1] = free_port(config.listen.host)
         config = config.with_listen(*listen)
     from gateway.server.rundir import RunDirectory
-    from gateway.server.workers import run_workers, stderr_log
+    from gateway.server.workers import parent_log, run_workers
     started = config
 
     def reread() -> None:
@@ -117,14 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             check_offline(started, config, new)
             config = new
         except (ConfigError, ValueError) as e:
-            stderr_log(f"config reload refused, restarted workers keep the running config: {e}")
+            parent_log("config reload refused, restarted workers keep the running config", "error", error=str(e))
 
     run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
     from gateway.server.heartbeat import Heartbeats
     beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)
     try:
         return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats)),
-                           stderr_log, on_reload=reread, heartbeats=beats,
+                           parent_log, on_reload=reread, heartbeats=beats,
                            stall_timeout=lambda: config.server.worker_stall_timeout_s)
     finally:
         run_dir.close()

@@ -105,7 +105,7 @@ class _Watched:
 class Watchdog:
     """The parent's side: which children stopped ticking, and the kill of those."""
 
-    def __init__(self, heartbeats: Heartbeats, timeout: Callable[[], float], log: Callable[[str], None],
+    def __init__(self, heartbeats: Heartbeats, timeout: Callable[[], float], log: Callable[..., None],
                  clock: Callable[[], float] = time.monotonic,
                  kill: Callable[[int, int], None] = os.kill) -> None:
         self.heartbeats = heartbeats
@@ -145,8 +145,8 @@ class Watchdog:
                 continue
             if not w.beaten or w.killed or timeout <= 0 or now - w.since < timeout:
                 continue
-            self.log(f"worker {w.index} (pid {pid}) has not run its event loop for {now - w.since:.1f} s "
-                     f"(server.worker_stall_timeout_s {timeout:g}); killing it")
+            self.log("worker's event loop stalled; killing it", "error", worker=w.index, pid=pid,
+                     stalled_s=round(now - w.since, 1), worker_stall_timeout_s=timeout)
             w.killed = True
             try:
                 self.kill(pid, signal.SIGKILL)

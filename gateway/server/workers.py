@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from gateway.server.heartbeat import Beat, Heartbeats, Watchdog
 
 RESTART_BACKOFF_S = 1.0
@@ -172,7 +174,7 @@ class WorkerInfo:
         return os.path.join(self.run_dir, f"worker-{index}.sock")
 
 
-def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], None],
+def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None],
                 on_reload: Callable[[], None] | None = None, heartbeats: Heartbeats | None = None,
                 stall_timeout: Callable[[], float] = lambda: 0.0) -> int:
     """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
@@ -238,7 +240,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
     signal.signal(signal.SIGHUP, reload)
     for i in range(n):
         spawn(i)
-    log(f"started {n} workers: {sorted(children)}")
+    log("workers started", "info", count=n, pids=sorted(children))
     worst = 0
     pending: dict[int, float] = {}      # worker index → when to start it again (time.monotonic)
     failed: dict[int, int] = {}         # worker index → start-ups in a row that ended before its first tick
@@ -271,20 +273,19 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[[str], No
         if watchdog is not None and not ticked and code > 0 and not watchdog.served:
             # the gateway's own start-up failed (the port taken, a config the app refuses): stop
             # with that code, as one process would, rather than look alive and start it forever
-            log(f"worker {index} (pid {pid}) exited with {code} before the gateway started serving; stopping")
+            log("worker failed before the gateway started serving; stopping", "error", worker=index, pid=pid,
+                code=code)
             forward(signal.SIGTERM, None)
             continue
         if heartbeats is not None:
             heartbeats.restarted(reason)
         failed[index] = 0 if ticked else failed.get(index, 0) + 1
         backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, failed[index] - 1))
-        if reason == "stalled":
-            log(f"worker {index} (pid {pid}) killed, its event loop stalled; restarting in {backoff:g} s")
-        else:
-            log(f"worker {index} (pid {pid}) exited with {code}; restarting in {backoff:g} s")
+        log("worker restarting", "warning", worker=index, pid=pid, reason=reason, code=code, restart_in_s=backoff)
         pending[index] = time.monotonic() + backoff
     return worst
 
 
-def stderr_log(msg: str) -> None:
-    print(f"switchyard: {msg}", file=sys.stderr, flush=True)
+def parent_log(event: str, level: str = "info", **fields: Any) -> None:
+    """The parent's lines, in the config's log format (structlog, configured before the fork)."""
+    getattr(structlog.get_logger("switchyard.workers"), level)(event, **fields)

@@ -352,8 +352,21 @@ async def test_a_worker_whose_loop_stalls_is_killed_and_restarted(sims, tmp_path
         async with asyncio.timeout(20):
             await proc.wait()
         err = (await proc.stderr.read()).decode()
-    assert "has not run its event loop" in err and "killed, its event loop stalled; restarting in 1 s" in err
-    assert f"(pid {crashed}) exited with -9; restarting in 1 s" in err
+    events = parent_events(err)
+    assert [(e["worker"], e["pid"]) for e in events["worker's event loop stalled; killing it"]] == [(0, before[0])]
+    assert events["worker's event loop stalled; killing it"][0]["level"] == "error"
+    restarts = [(e["pid"], e["reason"], e["code"], e["restart_in_s"]) for e in events["worker restarting"]]
+    assert restarts == [(before[0], "stalled", -9, 1.0), (crashed, "exited", -9, 1.0)]
+
+
+def parent_events(err: str) -> dict[str, list[dict]]:
+    """The JSON lines of stderr (the parent's and the workers'), by event."""
+    out: dict[str, list[dict]] = {}
+    for line in err.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            out.setdefault(d.get("event", ""), []).append(d)
+    return out
 
 
 @pytest.mark.timeout(60)
@@ -376,8 +389,9 @@ async def test_a_gateway_whose_workers_cannot_start_exits_as_one_process_would(t
             assert code == 1, err
             assert "address already in use" in err
             if workers == "2":
-                assert "before the gateway started serving; stopping" in err
-                assert "restarting" not in err
+                events = parent_events(err)
+                assert events["worker failed before the gateway started serving; stopping"][0]["code"] == 1
+                assert "worker restarting" not in events
 
 
 async def page_shows_the_restart(url: str) -> None:

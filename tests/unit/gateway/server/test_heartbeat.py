@@ -19,9 +19,14 @@ class Clock:
         return self.now
 
 
+class Log(list):
+    def __call__(self, event: str, level: str = "info", **fields) -> None:
+        self.append((event, level, fields))
+
+
 def watchdog(timeout: float = 5.0):
-    beats, clock, killed, logged = Heartbeats(2), Clock(), [], []
-    dog = Watchdog(beats, lambda: timeout, logged.append, clock=clock, kill=lambda pid, sig: killed.append((pid, sig)))
+    beats, clock, killed, logged = Heartbeats(2), Clock(), [], Log()
+    dog = Watchdog(beats, lambda: timeout, logged, clock=clock, kill=lambda pid, sig: killed.append((pid, sig)))
     return beats, clock, dog, killed, logged
 
 
@@ -37,7 +42,8 @@ def test_a_worker_that_stops_ticking_is_killed_once_and_reported_stalled():
     clock.now += 0.2
     dog.check()
     assert killed == [(1000, signal.SIGKILL)]
-    assert "worker 0 (pid 1000)" in logged[0] and "5.1 s" in logged[0]
+    assert logged == [("worker's event loop stalled; killing it", "error",
+                       {"worker": 0, "pid": 1000, "stalled_s": 5.1, "worker_stall_timeout_s": 5.0})]
     clock.now += 10
     dog.check()                                  # not killed twice
     assert len(killed) == 1
@@ -61,9 +67,9 @@ def test_ticks_keep_a_worker_alive_and_start_up_is_not_judged():
 
 
 def test_timeout_zero_never_kills_and_a_reload_can_change_it():
-    beats, clock, killed, logged = Heartbeats(1), Clock(), [], []
+    beats, clock, killed, logged = Heartbeats(1), Clock(), [], Log()
     timeout = [0.0]
-    dog = Watchdog(beats, lambda: timeout[0], logged.append, clock=clock, kill=lambda p, s: killed.append(p))
+    dog = Watchdog(beats, lambda: timeout[0], logged, clock=clock, kill=lambda p, s: killed.append(p))
     dog.spawning(0)
     dog.spawned(7, 0)
     beats.tick(0)
@@ -97,7 +103,7 @@ def test_a_vanished_pid_is_not_an_error():
     def gone(pid, sig):
         raise ProcessLookupError
 
-    dog = Watchdog(beats, lambda: 2.0, logged.append, clock=clock, kill=gone)
+    dog = Watchdog(beats, lambda: 2.0, logged, clock=clock, kill=gone)
     dog.spawning(0)
     dog.spawned(5, 0)
     beats.tick(0)
