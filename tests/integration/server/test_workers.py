@@ -415,3 +415,52 @@ async def page_shows_the_restart(url: str) -> None:
             await page.close()
     finally:
         browser.close()
+
+
+RESTARTS_SCRIPT = r"""
+import json, os, sys, time
+from gateway.server.heartbeat import Heartbeats
+from gateway.server.workers import run_workers
+
+beats = Heartbeats(1)
+
+def serve_one(index):
+    # the first worker serves (ticks) for a moment, then dies; every later one fails its start-up
+    if not os.path.exists(sys.argv[1]):
+        open(sys.argv[1], "w").close()
+        beats.tick(index)
+        time.sleep(0.6)
+        return 3
+    return 4
+
+def log(event, level="info", **fields):
+    print(json.dumps({"event": event, "level": level, "t": time.monotonic(), **fields}), flush=True)
+
+sys.exit(run_workers(1, serve_one, log, heartbeats=beats, stall_timeout=lambda: 0.0))
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growing_back_off(tmp_path):
+    """Only a failure before the gateway ever served stops it: a worker that served and then keeps
+    failing its start-ups is started again after 1, 1, 2, 4 s, and the parent stays up."""
+    script = tmp_path / "restarts.py"
+    script.write_text(RESTARTS_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), str(tmp_path / "served"),
+                                                stdout=asyncio.subprocess.PIPE, env=env)
+    events: list[dict] = []
+    try:
+        async with asyncio.timeout(30):
+            while len([e for e in events if e["event"] == "worker restarting"]) < 4:
+                line = await proc.stdout.readline()
+                assert line, "the parent ended"
+                events.append(json.loads(line))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
+    restarts = [e for e in events if e["event"] == "worker restarting"]
+    assert [(e["code"], e["reason"], e["restart_in_s"]) for e in restarts] == [
+        (3, "exited", 1.0), (4, "exited", 1.0), (4, "exited", 2.0), (4, "exited", 4.0)]
+    assert not [e for e in events if "stopping" in e["event"]]
