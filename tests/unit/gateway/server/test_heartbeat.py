@@ -66,7 +66,7 @@ def test_ticks_keep_a_worker_alive_and_start_up_is_not_judged():
     assert dog.gone(2000) == ("exited", True)    # unknown pid
 
 
-def test_timeout_zero_never_kills_and_a_reload_can_change_it():
+def test_timeout_zero_never_kills_and_the_timeout_is_read_at_each_check():
     beats, clock, killed, logged = Heartbeats(1), Clock(), [], Log()
     timeout = [0.0]
     dog = Watchdog(beats, lambda: timeout[0], logged, clock=clock, kill=lambda p, s: killed.append(p))
