@@ -42,7 +42,7 @@ from gateway.server.heartbeat import Beat, Heartbeats, Watchdog
 
 RESTART_BACKOFF_S = 1.0
 RESTART_BACKOFF_MAX_S = 30.0    # a worker whose start-ups keep failing: 1, 2, 4, ... s, at most this
-WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers (with heartbeats)
+WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers and due restarts
 WORKER_MEMORY_BYTES = 256 * 1024 * 1024    # auto: the cgroup's memory limit leaves each worker this much
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
