@@ -24,9 +24,12 @@ class Log(list):
         self.append((event, level, fields))
 
 
-def watchdog(timeout: float = 5.0):
+def watchdog(timeout=5.0, kill=None):
+    """A watchdog over two slots with a fake clock; ``timeout`` a number or a callable, ``kill`` a
+    stand-in for ``os.kill`` (by default one that records ``(pid, signal)``)."""
     beats, clock, killed, logged = Heartbeats(2), Clock(), [], Log()
-    dog = Watchdog(beats, lambda: timeout, logged, clock=clock, kill=lambda pid, sig: killed.append((pid, sig)))
+    dog = Watchdog(beats, timeout if callable(timeout) else lambda: timeout, logged, clock=clock,
+                   kill=kill or (lambda pid, sig: killed.append((pid, sig))))
     return beats, clock, dog, killed, logged
 
 
@@ -67,9 +70,8 @@ def test_ticks_keep_a_worker_alive_and_start_up_is_not_judged():
 
 
 def test_timeout_zero_never_kills_and_the_timeout_is_read_at_each_check():
-    beats, clock, killed, logged = Heartbeats(1), Clock(), [], Log()
     timeout = [0.0]
-    dog = Watchdog(beats, lambda: timeout[0], logged, clock=clock, kill=lambda p, s: killed.append(p))
+    beats, clock, dog, killed, _ = watchdog(lambda: timeout[0])
     dog.spawning(0)
     dog.spawned(7, 0)
     beats.tick(0)
@@ -79,7 +81,7 @@ def test_timeout_zero_never_kills_and_the_timeout_is_read_at_each_check():
     assert killed == []
     timeout[0] = 3.0
     dog.check()
-    assert killed == [7]
+    assert killed == [(7, signal.SIGKILL)]
 
 
 def test_a_restarted_worker_starts_from_no_tick():
@@ -98,12 +100,10 @@ def test_a_restarted_worker_starts_from_no_tick():
 
 
 def test_a_vanished_pid_is_not_an_error():
-    beats, clock, _, _, logged = watchdog()
-
     def gone(pid, sig):
         raise ProcessLookupError
 
-    dog = Watchdog(beats, lambda: 2.0, logged, clock=clock, kill=gone)
+    beats, clock, dog, _, _ = watchdog(2.0, kill=gone)
     dog.spawning(0)
     dog.spawned(5, 0)
     beats.tick(0)
