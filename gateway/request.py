@@ -40,9 +40,17 @@ def request_id_from(header_value: str | None) -> str:
     return f"{_random_bits(128):032x}"
 
 
-# Request ids need to be unique, not secret: a PRNG seeded from the OS once is enough and costs
-# no system call per request (os.urandom does).
-_random_bits = random.Random(os.urandom(16)).getrandbits
+# Request ids need to be unique, not secret: a PRNG seeded from the OS once per process is enough
+# and costs no system call per request (os.urandom does). Seeded again in every forked process: the
+# workers of one gateway (``server.workers``) would otherwise draw the same ids, each the parent's
+# copy of one generator.
+def _seed() -> None:
+    global _random_bits
+    _random_bits = random.Random(os.urandom(16)).getrandbits
+
+
+_seed()
+os.register_at_fork(after_in_child=_seed)
 
 
 class WholeBody:

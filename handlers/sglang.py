@@ -51,6 +51,16 @@ _NONCE = os.urandom(4).hex()
 _COUNTER = itertools.count(1)
 
 
+def _new_nonce() -> None:
+    """A forked process (a worker of ``server.workers``) draws its own nonce: two workers with the
+    parent's would make the same rids, and an abort of one request would stop another's."""
+    global _NONCE, _COUNTER
+    _NONCE, _COUNTER = os.urandom(4).hex(), itertools.count(1)
+
+
+os.register_at_fork(after_in_child=_new_nonce)
+
+
 class BodyError(_BodyError):
     """The body cannot be split into top-level members (not a JSON object, or a duplicate
     controlled key)."""

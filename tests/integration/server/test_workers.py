@@ -147,16 +147,21 @@ async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
                     if (await fresh_get(f"{base}/ready"))[0] == 200:
                         break
                 await asyncio.sleep(0.05)
+        ids, completion_ids = set(), set()
         for _ in range(n):          # fresh connections: the kernel spreads them over both workers
             conn = aiohttp.TCPConnector(force_close=True)
             async with aiohttp.ClientSession(connector=conn) as one, one.post(
                     f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}) as r:
                 assert r.status == 200
+                ids.add(r.headers["x-request-id"])
+                completion_ids.add((await r.json())["id"])
         workers = children_of(proc.pid)
         sockets = sibling_sockets(workers)
         own = {pid: metric(await own_metrics(path), "switchyard_requests_total", status="200")
                for pid, path in sockets.items()}
         assert len(own) == 2 and all(v >= 1 for v in own.values()) and sum(own.values()) == n
+        # each worker draws its own request ids (and the engine's completion ids follow them)
+        assert len(ids) == n and len(completion_ids) == n
 
         for _ in range(6):          # whichever worker answers, the page is the gateway's
             status, text, _ = await fresh_get(f"{base}/metrics")

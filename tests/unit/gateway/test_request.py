@@ -5,6 +5,7 @@ import pytest
 
 from gateway.errors import GatewayError
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, parse, request_id_from
+from tests.support.fork import drawn_in_child
 
 
 def p(path, obj, headers=None):
@@ -88,6 +89,14 @@ def test_request_id_kept_when_sane():
     for bad in (None, "", "has space", "x" * 200, "new\nline", "ünï"):
         rid = request_id_from(bad)
         assert rid != bad and len(rid) == 32
+
+
+def test_request_ids_of_a_forked_worker_are_its_own():
+    """Two workers forked from one parent draw different ids (each had the parent's generator)."""
+    child = drawn_in_child(lambda: request_id_from(None))
+    mine = [request_id_from(None) for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(mine)
+    assert child != drawn_in_child(lambda: request_id_from(None))   # a restarted worker's too
 
 
 @pytest.mark.parametrize("path,obj", [

@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from handlers import sglang as sg
+from tests.support.fork import drawn_in_child
 
 # -- SGLang payloads -------------------------------------------------------------------------------
 
@@ -105,6 +106,14 @@ def test_rids_are_fixed_width_and_never_prefixes():
     assert all(len(r) == len("abc-") + 16 for r in rids)
     assert len(set(rids)) == 1000
     assert not any(a != b and b.startswith(a) for a in rids[:50] for b in rids)
+
+
+def test_rids_of_a_forked_worker_are_its_own():
+    """Two workers forked from one parent make different rids: SGLang's /abort_request of one
+    request must not stop another worker's."""
+    child = drawn_in_child(lambda: sg.new_rid("abc"))
+    mine = [sg.new_rid("abc") for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(mine)
 
 
 def test_bootstrap_host_ipv6():
