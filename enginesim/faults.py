@@ -11,6 +11,10 @@ turns the default off for one request). Keys:
 - ``stall_after=N:S``       hang S seconds (``inf`` = forever) after N tokens
 - ``drop_after=N``          abort the TCP connection after N tokens: no final chunk, no ``[DONE]``
 - ``slow_headers=S``        wait S seconds before sending the response headers
+- ``stall_at_end=S``        a stream: hold its end S seconds (``inf`` = forever) after its last event
+                            (``[DONE]``, ``message_stop``, ``response.completed``)
+- ``drop_at_end=1``         a stream: abort the TCP connection after its last event, instead of
+                            ending the body (the peer has every event, then sees a reset)
 - ``hang=S``                hold the request S seconds (``inf`` = forever) before anything else
                             happens to it: no prefill, no P/D rendezvous, no KV pull or pin
 - ``kv_pull_fail=1``        P/D: this request's KV transfer fails (vLLM decode: the pull; SGLang
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 ROLES = ("aggregated", "prefill", "decode")
 KEYS = ("status", "error_after", "stall_before_first", "stall_after", "drop_after", "slow_headers",
-        "hang", "kv_pull_fail", "p")
+        "hang", "kv_pull_fail", "stall_at_end", "drop_at_end", "p")
 
 
 class FaultSpecError(ValueError):
@@ -53,15 +57,18 @@ class FaultSpec:
     slow_headers: float | None = None
     hang: float | None = None
     kv_pull_fail: bool = False
+    stall_at_end: float | None = None
+    drop_at_end: bool = False
     probability: float = 1.0
     otherwise: FaultSpec | None = None     # the next ``|`` alternative, tried when this one's roll misses
 
     @property
     def active(self) -> bool:
         """True when the spec (or one of its alternatives) would change anything about a request."""
-        return self.kv_pull_fail or any(
+        return self.kv_pull_fail or self.drop_at_end or any(
             v is not None for v in (self.status, self.error_after, self.stall_before_first,
-                                    self.stall_after, self.drop_after, self.slow_headers, self.hang)) \
+                                    self.stall_after, self.drop_after, self.slow_headers, self.hang,
+                                    self.stall_at_end)) \
             or (self.otherwise is not None and self.otherwise.active)
 
     def roll(self, draw) -> FaultSpec | None:
@@ -117,14 +124,14 @@ def _value(key: str, raw: str) -> tuple[str, object]:
         return key, status
     if key in ("error_after", "drop_after"):
         return key, _count(key, raw)
-    if key in ("stall_before_first", "slow_headers", "hang"):
+    if key in ("stall_before_first", "slow_headers", "hang", "stall_at_end"):
         return key, _seconds(key, raw)
     if key == "stall_after":
         n, colon, secs = raw.partition(":")
         if not colon:
             raise FaultSpecError(f"stall_after: expected N:SECONDS, got {raw!r}")
         return key, (_count(key, n.strip()), _seconds(key, secs.strip()))
-    if key == "kv_pull_fail":
+    if key in ("kv_pull_fail", "drop_at_end"):
         return key, _flag(key, raw)
     if key == "p":
         try:

@@ -77,6 +77,19 @@ async def slow_headers(engine: Engine, fault: FaultSpec) -> None:
             await engine.stopping.wait()
 
 
+async def at_end(engine: Engine, request: web.Request, fault: FaultSpec) -> None:
+    """A stream's faults after its last event: ``stall_at_end=S`` holds its end back (a server
+    shutdown cuts the wait short), ``drop_at_end=1`` then aborts the connection (``Dropped``)."""
+    if fault.stall_at_end:
+        delay = None if math.isinf(fault.stall_at_end) else fault.stall_at_end
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):
+                await engine.stopping.wait()
+    if fault.drop_at_end:
+        drop_connection(request)
+        raise Dropped
+
+
 def _maybe_drop(engine: Engine, request: web.Request, seq: Sequence, out: StepOutput, sent: int) -> None:
     drop_after = seq.fault.drop_after
     if drop_after is not None and out.token_ids and sent >= drop_after:

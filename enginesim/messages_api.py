@@ -35,6 +35,7 @@ from enginesim.engine import Engine
 from enginesim.errors import ApiError, vllm_type
 from enginesim.frontend import (
     Dropped,
+    at_end,
     check_fault_status,
     collect,
     outputs,
@@ -219,6 +220,7 @@ class MessagesApi:
             "type": "message_delta", "delta": {"stop_reason": _STOP_REASONS.get(seq.finish_reason or "", "end_turn")},
             "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}))
         await resp.write(_frame("message_stop", {"type": "message_stop"}))
+        await at_end(self.engine, request, seq.fault)
         await resp.write_eof()
         return resp
 

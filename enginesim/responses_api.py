@@ -43,7 +43,14 @@ from aiohttp import web
 
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
-from enginesim.frontend import Dropped, check_fault_status, request_dp_rank, request_fault, slow_headers
+from enginesim.frontend import (
+    Dropped,
+    at_end,
+    check_fault_status,
+    request_dp_rank,
+    request_fault,
+    slow_headers,
+)
 from enginesim.protocol import bool_field, lax_int
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
@@ -335,6 +342,7 @@ class ResponsesApi:
         if started:                                 # the stream's message id is the stored one
             final["output"][0]["id"] = item_id
         await send("response.completed", {"response": final})
+        await at_end(self.engine, request, seq.fault)
         await writer.response.write_eof()
         return writer.response
 

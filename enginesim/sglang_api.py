@@ -14,6 +14,7 @@ import time
 import uuid
 from contextlib import aclosing
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -23,6 +24,7 @@ from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import (
     Dropped,
+    at_end,
     check_fault_status,
     collect,
     outputs,
@@ -252,7 +254,7 @@ class SglangApi:
             usage = self._usage(seq)
             await writer.send({"id": seq.id, "object": obj, "created": seq.created, "model": model,
                                "choices": [], "usage": usage if chat else _drop_none(usage)})
-        return await writer.done()
+        return await writer.done(partial(at_end, self.engine, request, seq.fault))
 
     # -- native /generate -----------------------------------------------------------------------
 
@@ -344,7 +346,7 @@ class SglangApi:
                 if out.token_ids or finishing:
                     # Cumulative: every event carries everything generated so far.
                     await writer.send(self._generate_body(seq, text, ids, final=finishing))
-        return await writer.done()
+        return await writer.done(partial(at_end, self.engine, request, seq.fault))
 
     # -- control and info -----------------------------------------------------------------------
 

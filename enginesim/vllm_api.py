@@ -15,6 +15,7 @@ import time
 import uuid
 from array import array
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +25,7 @@ from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle, internal_error
 from enginesim.frontend import (
     Dropped,
+    at_end,
     check_fault_status,
     collect,
     outputs,
@@ -239,7 +241,7 @@ class VllmApi:
                                "model": seq.lora or self.cfg.served_name, "choices": [],
                                "usage": _drop_none(self._usage(seq, final=True)),
                                "system_fingerprint": self.fingerprint})
-        return await writer.done()
+        return await writer.done(partial(at_end, self.engine, request, seq.fault))
 
     def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
                      has_usage_chunk: bool, token_ids: bool = False,

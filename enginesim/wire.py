@@ -7,6 +7,7 @@ the ``StreamingResponse``), which is the main timing difference a gateway sees b
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -71,9 +72,12 @@ class SseWriter:
         await self.start()
         await self.response.write(KEEPALIVE_FRAME)
 
-    async def done(self) -> web.StreamResponse:
+    async def done(self, before_end: Callable[[], Awaitable[None]] | None = None) -> web.StreamResponse:
+        """``[DONE]``, then ``before_end`` (a stream's faults at its end), then the end of the body."""
         await self.start()
         await self.response.write(DONE_FRAME)
+        if before_end is not None:
+            await before_end()
         await self.response.write_eof()
         return self.response
 

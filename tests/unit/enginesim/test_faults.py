@@ -30,3 +30,11 @@ def test_role_prefixes_in_alternatives_and_none():
     spec = parse_fault("decode.status=503|prefill.hang=1", role="prefill")
     assert spec.status is None and spec.otherwise.hang == 1.0
     assert parse_fault("none") is NO_FAULT
+
+
+def test_faults_at_a_streams_end():
+    spec = parse_fault("stall_at_end=inf")
+    assert spec.active and spec.stall_at_end == float("inf") and not spec.drop_at_end
+    spec = parse_fault("drop_at_end=1;p=0.5")
+    assert spec.active and spec.drop_at_end and spec.probability == 0.5
+    assert not parse_fault("drop_at_end=0").active
