@@ -67,6 +67,9 @@ class RequestRecord:
     status: int = 0
     stream: bool = False
     headers_sent: bool = False
+    # the client has the whole answer (a stream's terminal event went out): a disconnect after it,
+    # while the engine's end is awaited, is no cancel
+    delivered: bool = False
     watchdog: WatchdogPhase | None = None     # the watchdog phase that fired, if one did
     error_class: ErrorClass | None = None
     error: str | None = None

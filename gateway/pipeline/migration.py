@@ -202,6 +202,7 @@ class Migration:
                         resp.close()
                 if error_class is None:
                     await self._write(out, self._tail())
+                    rec.delivered = True    # the client has the whole answer
                     break
                 nxt = await self._next_leg(relay, ctx, error_class)
                 if nxt is None:             # the client gets the relay's final error event
@@ -213,8 +214,9 @@ class Migration:
         except ConnectionResetError:
             rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
-        if not self.client_usage:
-            relay.account_usage(rec, self._merged(final=True))
+        # the legs' usage, summed: counted whether or not the client asked for it (its usage block
+        # is written by the tail, past the scanner that sees what the client receives)
+        relay.account_usage(rec, self._merged(final=True))
         if self.log:
             rec.extra["migrations"] = self.log
         return await relay.end_stream(ctx, out, seen, None)
@@ -242,6 +244,8 @@ class Migration:
                     async with asyncio.timeout(limit or None):
                         chunk = await resp.readany()
                 except TimeoutError:
+                    if self.done:             # the engine's [DONE] came: its end is not awaited further
+                        break
                     return stream_failure(WatchdogFired(phase, limit))
                 if not chunk:
                     break
@@ -265,6 +269,8 @@ class Migration:
                 if failed:
                     return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
         except UpstreamError as e:          # the whole-exchange timeout, or the engine's side broke
+            if self.done:                   # after its [DONE]: the answer is whole
+                return None, ""
             return stream_failure(e)
         if buf.strip():
             r = self._event(buf)

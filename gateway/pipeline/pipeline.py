@@ -92,6 +92,10 @@ class Pipeline:
         except GatewayError as e:
             return self._error_response(ctx, e)
         except asyncio.CancelledError:
+            if rec.delivered:                       # the client left after the answer's end: complete
+                if rec.error_class == ErrorClass.CLIENT_CANCEL:
+                    rec.error_class = None
+                raise
             rec.status = 499
             rec.error_class = rec.error_class or ErrorClass.CLIENT_CANCEL
             self.metrics.child(self.metrics.client_cancels, rec.label_model,

@@ -422,46 +422,53 @@ class Relay:
                 first = True
             # a held head goes out through ``write``, not the pipe, unless the sink sees it first
             sent = pipe_ok and (gating or not holding)
-            while True:
-                if sent:
-                    if proto.writing_paused:
-                        await drain()
-                    if watch is not None:
-                        watch.since = time_now()
-                    chunk = await pipe(sink)
-                    if refused is not None:     # the sink turned the first bytes down
-                        if chunk:
+            try:
+                while True:
+                    if sent:
+                        if proto.writing_paused:
+                            await drain()
+                        if watch is not None:
+                            watch.since = time_now()
+                        chunk = await pipe(sink)
+                        if refused is not None:     # the sink turned the first bytes down
+                            if chunk:
+                                resp.unread(chunk)
+                            raise FirstBytesFailed("refused", refused)
+                        if chunk is None:       # unpiped, nothing buffered: drain, then pipe again
+                            continue
+                    else:
+                        if watch is not None and not first:
+                            watch.since = time_now()
+                        chunk = await readany()
+                    if first:
+                        first = False
+                        watch.first_chunk_came()    # type: ignore[union-attr]
+                    if gating:
+                        if not chunk:
+                            raise FirstBytesFailed("empty")
+                        if not opened(chunk):
                             resp.unread(chunk)
-                        raise FirstBytesFailed("refused", refused)
-                    if chunk is None:       # unpiped, nothing buffered: drain, then pipe again
-                        continue
-                else:
-                    if watch is not None and not first:
-                        watch.since = time_now()
-                    chunk = await readany()
-                if first:
-                    first = False
-                    watch.first_chunk_came()    # type: ignore[union-attr]
-                if gating:
+                            raise FirstBytesFailed("refused", refused)
+                        if before_head:
+                            watch_idle()
                     if not chunk:
-                        raise FirstBytesFailed("empty")
-                    if not opened(chunk):
-                        resp.unread(chunk)
-                        raise FirstBytesFailed("refused", refused)
-                    if before_head:
-                        watch_idle()
-                if not chunk:
-                    break
-                now = clock()
-                early = always or (passes is not None and passes(chunk))
-                data = chunk if early else feed(chunk, now)
-                if data:
-                    await write(data)
-                    sent = pipe_ok
-                elif holding:               # nothing of the first read for the client: the head alone
-                    out.send_head()         # type: ignore[attr-defined]
-                if early:
-                    feed(chunk, now)
+                        break
+                    now = clock()
+                    early = always or (passes is not None and passes(chunk))
+                    data = chunk if early else feed(chunk, now)
+                    if data:
+                        await write(data)
+                        sent = pipe_ok
+                    elif holding:               # nothing of the first read for the client: the head alone
+                        out.send_head()         # type: ignore[attr-defined]
+                    if early:
+                        feed(chunk, now)
+            except (WatchdogFired, UpstreamError) as e:
+                if gating or not scanner.done:
+                    raise
+                # the answer's terminal event came first ([DONE], or its API's): the answer is
+                # complete, and the engine's end that failed after it is no failure of the answer's
+                rec.extra["after_end"] = e.phase if isinstance(e, WatchdogFired) else "broken"
             tail = scanner.finish()
             if api is not None and scanner.done:    # its state is kept before its last event goes out
                 await api.finish(ctx)
@@ -469,6 +476,8 @@ class Relay:
                 await write(tail)
             if not scanner.done and scanner.error is None:
                 rec.error_class, rec.error = failure = EOF_FAILURE
+            elif scanner.done:
+                rec.delivered = True    # the client has the whole answer
         except WatchdogFired as w:
             if gating:
                 raise _unstarted(refused, FirstBytesFailed("timeout", w.seconds)) from None
@@ -493,6 +502,13 @@ class Relay:
             # the client went away while we wrote: same as a disconnect
             rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
+        except asyncio.CancelledError:
+            # the client left once it had the answer's terminal event, while the engine's end was
+            # awaited (a client that stops reading at [DONE] and closes): the answer is complete
+            if scanner.done and api is None and not gating:
+                rec.delivered = True
+                self.observe_stream(rec, scanner)
+            raise
         finally:
             if watch is not None:
                 watch.cancel()
@@ -523,7 +539,7 @@ class Relay:
                 await out.write(self.failure_event(ctx, status, message, code))
             await out.write_eof()
         except ConnectionResetError:
-            raise asyncio.CancelledError from None
+            raise asyncio.CancelledError from None     # (an answer delivered whole stays so: ``rec.delivered``)
         return out
 
     @staticmethod
