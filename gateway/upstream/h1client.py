@@ -418,9 +418,9 @@ class _Conn(asyncio.Protocol):
             return
         if resp._eof or resp._exc is not None:
             return
-        if resp.status and not self.length_known:
+        if resp.status and not self.length_known and exc is None:
             self.on_message_complete()      # a body delimited by the connection's end: complete
-            return
+            return                          # (not when a reset cut it: then it is incomplete)
         why = f"connection reset ({exc.strerror or exc})" if isinstance(exc, OSError) else "connection closed"
         when = "while reading the answer" if self.headers_waiter is None else "before answering"
         self._fail(UpstreamDisconnected(f"{why} {when}", self.received))

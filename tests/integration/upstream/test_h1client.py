@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gc
 import socket
+import struct
 import time
 import weakref
 
@@ -169,6 +170,28 @@ async def test_body_delimited_by_the_end_of_the_connection():
         pool = UpstreamPool()
         resp = await pool.post(eng.url + "/x", b"{}", JSON)
         assert await resp.read() == b"all of it"
+        resp.release()
+        assert pool.open_connections == 0
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_body_delimited_by_the_connection_and_cut_by_a_reset_is_incomplete():
+    """Only a clean end delimits such a body: a reset (RST) cuts it, as it cuts any other."""
+    async def reset_body(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{\"choices\": [")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()                    # linger 0: the peer sees a reset
+        return False
+
+    async with Engine(reset_body) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        with pytest.raises(UpstreamDisconnected) as ei:
+            await resp.read()
+        assert ei.value.received and "reset" in str(ei.value) and not resp.at_eof()
         resp.release()
         assert pool.open_connections == 0
         await pool.close()
