@@ -53,6 +53,23 @@ _seed()
 os.register_at_fork(after_in_child=_seed)
 
 
+def header_text(value: str | None) -> str | None:
+    """A header's value as text every part can encode (UTF-8 in msgpack, Redis, hashes, the log):
+    bytes that are not UTF-8, which the HTTP parsers hold as surrogate escapes, become ``\\xNN``,
+    so the value stays the client's, distinct and the same from request to request."""
+    if value is None or value.isascii():
+        return value
+    return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def caller_headers(headers: Any) -> tuple[str | None, str | None, str | None]:
+    """The caller's names in the request's headers, as ``header_text``: ``user``, ``x-session-id``,
+    and the session key (``x-session-key``, else AIBrix's ``x-aibrix-session-key``)."""
+    get = headers.get
+    return (header_text(get("user")), header_text(get("x-session-id")),
+            header_text(get("x-session-key") or get("x-aibrix-session-key")))
+
+
 class WholeBody:
     """A request body as aiohttp's ``StreamReader`` shows one that arrived whole with its head (the
     pipeline takes such a body with ``read_nowait``, gateway/pipeline/pipeline.py ``_parse``): for
@@ -436,7 +453,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
     else:
         prompt_text, exact_tokens = _embedding_input(data)
 
-    user = headers.get("user")
+    user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
 
@@ -453,8 +470,8 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         prompt_tokens_est=est,
         request_id=request_id,
         user=user,
-        session_id=headers.get("x-session-id"),
-        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
+        session_id=session_id,
+        session_key=session_key,
         headers=headers,
         multimodal=media[0],
         slo_ttft_ms=slo_ttft,

@@ -36,7 +36,15 @@ from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object, slo_objectives
+from gateway.request import (
+    CHARS_PER_TOKEN,
+    InferenceRequest,
+    caller_headers,
+    lax_bool,
+    lax_int,
+    load_object,
+    slo_objectives,
+)
 
 # Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -143,7 +151,7 @@ class AnthropicApi(EngineSpecificApi):
             parts.append(role)
             parts.append(_blocks_text(msg["content"], f"messages.{i}.content", media))
         prompt_text = "\n".join(parts)
-        user = headers.get("user")
+        user, session_id, session_key = caller_headers(headers)
         meta = data.get("metadata")
         if user is None and isinstance(meta, dict) and isinstance(meta.get("user_id"), str):
             user = meta["user_id"]
@@ -152,8 +160,7 @@ class AnthropicApi(EngineSpecificApi):
             path=path, body=body, data=data, model=model, stream=stream,
             include_usage=True,          # a Messages stream always carries its usage
             prompt_text=prompt_text, prompt_tokens_est=max(1, len(prompt_text) // CHARS_PER_TOKEN),
-            request_id=request_id, user=user, session_id=headers.get("x-session-id"),
-            session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
+            request_id=request_id, user=user, session_id=session_id, session_key=session_key,
             headers=headers,         # type: ignore[arg-type]
             multimodal=media[0], slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
         )

@@ -37,7 +37,7 @@ from gateway.apis.paths import (
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, error_body
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, load_object, slo_objectives
+from gateway.request import CHARS_PER_TOKEN, InferenceRequest, caller_headers, load_object, slo_objectives
 
 # keys whose strings the engine encodes, by path
 _TEXT_KEYS: dict[str, tuple[str, ...]] = {
@@ -83,15 +83,14 @@ def _token_count(v: Any) -> int | None:
 
 def _request(path: str, body: bytes, data: dict[str, Any], model: str, stream: bool, prompt_text: str,
              est: int, headers: Mapping[str, str], request_id: str, content_type: str) -> InferenceRequest:
-    user = headers.get("user")
+    user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
     slo_ttft, slo_tpot = slo_objectives(headers)
     return InferenceRequest(
         path=path, body=body, data=data, model=model, stream=stream, include_usage=True,
         prompt_text=prompt_text, prompt_tokens_est=max(1, est), request_id=request_id, user=user,
-        session_id=headers.get("x-session-id"),
-        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"),
+        session_id=session_id, session_key=session_key,
         headers=headers, content_type=content_type,        # type: ignore[arg-type]
         slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
     )
@@ -172,8 +171,13 @@ def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTE
 
 
 def _boundary(ctype: str) -> bytes | None:
+    """The multipart boundary, or None (none, or not ASCII: RFC 2046 allows letters, digits and
+    a few marks only)."""
     m = _BOUNDARY_PARAM.search(ctype)
-    return (m.group(1) or m.group(2)).encode("latin-1") if m else None
+    if m is None:
+        return None
+    b = m.group(1) or m.group(2)
+    return b.encode("ascii") if b.isascii() else None
 
 
 class AudioApi(PassthroughApi):
@@ -213,7 +217,7 @@ class AudioApi(PassthroughApi):
                                header=("x-error-request-body-processing", "true"), error_class=ErrorClass.VALIDATION)
         boundary = _boundary(ctype)
         if boundary is None:
-            raise _bad("the multipart Content-Type has no boundary")
+            raise _bad("the multipart Content-Type has no boundary (or one that is not ASCII)")
         fields = form_fields(body, boundary)
         model = fields.get("model")
         if not model:

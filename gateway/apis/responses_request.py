@@ -17,7 +17,15 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, lax_bool, lax_int, load_object, slo_objectives
+from gateway.request import (
+    CHARS_PER_TOKEN,
+    InferenceRequest,
+    caller_headers,
+    lax_bool,
+    lax_int,
+    load_object,
+    slo_objectives,
+)
 
 RESPONSES = "/v1/responses"
 
@@ -131,7 +139,7 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
         if v < 1:
             raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
     text = prompt_text(data)
-    user = headers.get("user")
+    user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
     slo_ttft, slo_tpot = slo_objectives(headers)
@@ -139,8 +147,7 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
         path=path, body=body, data=data, model=model, stream=bool(stream),
         include_usage=True,             # a Responses stream always ends with its usage: nothing to inject
         prompt_text=text, prompt_tokens_est=max(1, len(text) // CHARS_PER_TOKEN), request_id=request_id,
-        user=user, session_id=headers.get("x-session-id"),
-        session_key=headers.get("x-session-key") or headers.get("x-aibrix-session-key"), headers=headers,
+        user=user, session_id=session_id, session_key=session_key, headers=headers,
         slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
 
 

@@ -126,7 +126,11 @@ class BatchApi:
             file_id = batch_files.new_file_id()
             await asyncio.to_thread(batch_files.publish, self.db.dir, tmp, file_id)
             f = batch_files.file_object(file_id, filename, "batch", size, cfg.file_ttl_s)
-            await self.db.run(BatchStore.add_file, f, owner, lines)
+            try:
+                await self.db.run(BatchStore.add_file, f, owner, lines)
+            except BaseException:           # not stored: the published file goes too (no orphan)
+                await asyncio.shield(asyncio.to_thread(_unlink, batch_files.path_of(self.db.dir, file_id)))
+                raise
             return _json(f)
         finally:
             await asyncio.to_thread(_unlink, tmp)

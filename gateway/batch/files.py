@@ -42,6 +42,11 @@ def filename_problem(name: str) -> str | None:
         return f"filename must have 1 to {MAX_FILENAME} characters"
     if _BAD_NAME.search(name) or name in (".", "..") or name.startswith(".."):
         return "filename must be a plain name: no path separators, no '..', no control characters"
+    if not name.isascii():
+        try:
+            name.encode()
+        except UnicodeEncodeError:      # bytes that are not UTF-8, held by the parser as surrogates
+            return "filename must be UTF-8 text"
     return None
 
 

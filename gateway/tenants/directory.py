@@ -28,7 +28,8 @@ LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent")
 
 
 def key_digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    # a header's bytes that are not UTF-8 (surrogate escapes) hash as they came: no key matches them
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def new_key() -> str:
