@@ -28,7 +28,7 @@ from gateway.apis.base import StreamScanner
 from gateway.config.schema import UpstreamConfig, WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
-from gateway.pipeline.context import RequestContext, RequestRecord
+from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_value
 from gateway.pipeline.sse import AnswerText, SSEScanner, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.resilience.outcome import Outcome, of_answer, of_status
@@ -228,7 +228,10 @@ class Relay:
             headers = ahead.headers if ahead is not None else self._headers(ctx)
             if resp.status != 200:
                 return await self._error(ctx, resp, headers)
-            if ctype.startswith("text/event-stream"):
+            sse = ctype.startswith("text/event-stream")
+            if ctx.ireq is not None and sse != ctx.ireq.stream:
+                self._mismatch(ctx, ctype)
+            if sse:
                 if ctx.migration is not None and ctx.migration.active:    # gateway/pipeline/migration.py
                     return await ctx.migration.stream(self, ctx, resp, headers, wd)
                 return await self._stream(ctx, resp, headers, strip_usage, wd, ahead, gate)
@@ -241,6 +244,18 @@ class Relay:
             raise
         finally:
             self.settle(ctx, resp, cancelled, unstarted)
+
+    def _mismatch(self, ctx: RequestContext, ctype: str) -> None:
+        """A 200 whose framing is not the one asked for (an event stream to a request that wants
+        the body whole, or a body to one that wants a stream): no client of either kind could read
+        it, so it is the engine's protocol fault, a 502, before anything reached the client."""
+        rec = ctx.rec
+        wanted = "a stream" if ctx.ireq is not None and ctx.ireq.stream else "a whole body"
+        rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
+        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
+        raise GatewayError(502, f"upstream answered a request for {wanted} with Content-Type "
+                                f"{safe_header_value(ctype)[:80]!r}", code="upstream_bad_response",
+                           header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
 
     async def stream_from_head(self, ctx: RequestContext, resp: UpstreamResponse, strip_usage: bool,
                                wd: WatchdogConfig | None, ahead: HeadAhead,
