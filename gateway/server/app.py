@@ -225,9 +225,11 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
     part of the status page when the page is on, and its entries of the Responses memory backend."""
     metrics, responses = s.metrics, s.responses
 
+    siblings: Siblings
+
     async def answer(kind: str) -> bytes:
         if kind == "metrics":
-            return metrics.render()
+            return siblings.own(metrics.render())
         if kind.startswith(("rget ", "rdel ")):
             return await responses.answer_sibling(kind)
         page = app.get(STATUS_PAGE_KEY)
@@ -281,7 +283,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
     async def metrics_page(_request: web.Request) -> web.Response:
         body = metrics.render()
         if siblings is not None:        # the whole gateway: every worker's figures merged
-            body = await siblings.metrics(body)
+            body = await siblings.metrics(siblings.own(body))
         return web.Response(body=body, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 

@@ -11,6 +11,12 @@ or whose event loop is stuck is left out of that answer rather than holding it u
 ``/metrics``, its last answer is used in its place when there is one (so the gateway's counters do
 not dip for one scrape), and ``switchyard_workers_scraped`` says how many answered.
 
+A worker that dies takes its counts with it, and the sums would fall by them: Prometheus reads a
+fall as a reset and counts everything the other workers had counted again. So each worker keeps
+what it last reported (to a scrape it answered or to a sibling's question) in
+``metrics-<i>.prom`` beside its socket, and a restarted worker adds its predecessor's counters,
+histograms and summaries (not its gauges) to its own: the sums never fall below what a scrape saw.
+
 Only built with several workers: one process opens no socket and runs no task for this.
 """
 
@@ -23,8 +29,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.observability.merge import merge, render
+from gateway.observability.merge import merge, merge_texts, render
 from gateway.server.workers import WorkerInfo
 
 log = structlog.get_logger("switchyard.siblings")
@@ -49,13 +56,30 @@ class Siblings:
         self.timeout = timeout
         self._server: asyncio.AbstractServer | None = None
         self._last: dict[int, bytes] = {}            # a sibling's last /metrics answer
+        self.reported_path = os.path.join(os.path.dirname(self.path), f"metrics-{worker.index}.prom")
+        self._carried: str | None = None             # the counts of this index's earlier workers
 
     # -- this worker's side ----------------------------------------------------------------------
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):      # a restarted worker takes its predecessor's path
             os.unlink(self.path)
+        self._carried = carried_counts(self.reported_path)
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
+
+    def own(self, text: bytes) -> bytes:
+        """This worker's exposition as it reports it: its own, plus what its predecessors counted;
+        kept as the last reported (written aside, then renamed: a reader never sees half)."""
+        if self._carried is not None:
+            text = merge_texts([text.decode(), self._carried])
+        tmp = self.reported_path + ".tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(text)
+            os.replace(tmp, self.reported_path)
+        except OSError:             # the directory gone (the parent is stopping): nothing to carry
+            pass
+        return text
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -127,6 +151,24 @@ class Siblings:
                 restarts.add_metric([reason], n)
             extra.append(restarts)
         return render([*families, *extra])
+
+
+def carried_counts(path: str) -> str | None:
+    """The counters, histograms and summaries of the exposition a dead worker last reported (its
+    file at ``path``), as text; None when there is none. Its gauges held what that process held,
+    gone with it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return None
+    try:
+        families = [fam for fam in text_string_to_metric_families(text)
+                    if fam.type in ("counter", "histogram", "summary")]
+    except Exception:               # a damaged file: start from zero, as before
+        log.warning("a dead worker's reported metrics could not be read", path=path)
+        return None
+    return render(families).decode() if families else None
 
 
 def lifecycle(siblings: Siblings) -> Callable:

@@ -181,19 +181,28 @@ async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
             assert doc["totals"]["window"]["requests"] == n
             assert doc["models"][0]["window"]["requests"] == n
 
-        # a killed worker is restarted; the merged page answers throughout and then holds it again
+        # a killed worker is restarted; the merged page answers throughout and then holds it again,
+        # its sums never below what a scrape saw: the new worker carries on from its predecessor's
+        # last reported counts (a fall would read as a reset, and rate() would count it all again)
         victim = workers[0]
         os.kill(victim, signal.SIGKILL)
         async with asyncio.timeout(30):
             while True:
                 status, text, _ = await fresh_get(f"{base}/metrics")
                 assert status == 200
+                assert metric(text, "switchyard_requests_total", status="200") == n
                 now = children_of(proc.pid)
                 if victim not in now and len(now) == 2 and metric(text, "switchyard_workers_scraped") == 2:
                     break
                 await asyncio.sleep(0.1)
-        survivor = own[workers[1]]
-        assert metric(text, "switchyard_requests_total", status="200") == survivor     # the dead one's counts left with it
+        for _ in range(4):              # and it counts on from there
+            conn = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=conn) as one, one.post(
+                    f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200
+        for _ in range(4):
+            text = (await fresh_get(f"{base}/metrics"))[1]
+            assert metric(text, "switchyard_requests_total", status="200") == n + 4
     finally:
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):

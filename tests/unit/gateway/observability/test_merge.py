@@ -110,3 +110,22 @@ async def test_every_gauge_the_gateway_exports_is_classified():
     unclassified = {g for g in gauges if g not in ADDITIVE and g not in GAUGE_RULES}
     assert not unclassified, f"say how these combine over workers (gateway/observability/merge.py): {unclassified}"
     assert all(gauge_rule(g) == SUM for g in ADDITIVE)
+
+
+def test_a_restarted_worker_carries_its_predecessors_counts_not_its_gauges(tmp_path):
+    """What a dead worker last reported: its counters and histograms go on in its successor's
+    exposition (the gateway's sums never fall), its gauges (what that process held) do not."""
+    from gateway.server.siblings import carried_counts
+
+    path = tmp_path / "metrics-0.prom"
+    assert carried_counts(str(path)) is None
+    path.write_text(worker({("m", "200"): 5}, [0.2, 0.4], in_flight=3, ready=1))
+    carried = carried_counts(str(path))
+    assert carried is not None
+    fresh = worker({("m", "200"): 1}, [0.1], in_flight=1, ready=1)
+    page = merge_texts([fresh, carried])
+    assert value(page, "switchyard_requests_total", model="m", status="200", strategy="least-request") == 6
+    assert value(page, "switchyard_time_to_first_token_seconds_count", model="m") == 3
+    assert value(page, "switchyard_in_flight_requests", model="m") == 1      # the living worker's only
+    path.write_text("not an exposition {{{")
+    assert carried_counts(str(path)) is None
