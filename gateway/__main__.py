@@ -107,15 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server.rundir import RunDirectory
     from gateway.server.workers import parent_log, run_workers
     started = config
+    generation = 1                # as the workers count it: +1 per reload applied
 
     def reread() -> None:
         """SIGHUP in the parent: a worker started from now on (a restart) gets the new config."""
-        nonlocal config
+        nonlocal config, generation
         from gateway.server.reload import check_offline
         try:
             new = load()
             check_offline(started, config, new)
             config = new
+            generation += 1
         except (ConfigError, ValueError) as e:
             parent_log("config reload refused, restarted workers keep the running config", "error", error=str(e))
 
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.server.heartbeat import Heartbeats
     beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)
     try:
-        return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats)),
+        return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats,
+                                                                       generation)),
                            parent_log, on_reload=reread, heartbeats=beats,
                            stall_timeout=lambda: config.server.worker_stall_timeout_s)
     finally:

@@ -161,7 +161,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     build = _builder(s)
     gw = build(config)
     # new requests enter the live generation's pipeline; a reload swaps it (gateway/server/reload.py)
-    reloader = Reloader(Live(gw), pool, metrics, build, tenancy, loader)
+    reloader = Reloader(Live(gw, worker.generation if worker is not None else 1), pool, metrics, build, tenancy,
+                        loader)
     reloader.listeners.append(lambda live: s.follow(live.config))   # shared services: their state stays
     metrics.attach_live_state(pool.endpoints, s.model_in_flight,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),

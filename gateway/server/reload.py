@@ -236,6 +236,7 @@ class Reloader:
         self.loader = loader             # None: no config file (the demo, tests) — nothing to re-read
         self.admin = tenancy is not None and tenancy.admin_digest is not None
         self.m = ReloadMetrics(metrics.registry)
+        self.m.generation.set(live.generation)
         self.listeners: list[Listener] = []
         self.last: ReloadResult | None = None
         self.parent_pid: int | None = None       # set in a --workers worker: reloads go through the parent

@@ -165,6 +165,9 @@ class WorkerInfo:
     count: int
     run_dir: str
     heartbeats: Heartbeats | None = None     # ticked by this worker's loop, watched by the parent
+    # the config generation it starts with: a worker restarted after reloads runs the reloaded
+    # config, and says so (``switchyard_config_generation``) as its siblings do
+    generation: int = 1
 
     def beat(self) -> Beat | None:
         """This worker's heartbeat (gateway/server/heartbeat.py), not yet started; None without one."""

@@ -185,3 +185,8 @@ async def test_every_worker_reloads_on_sighup_and_on_admin_reload(sims, tmp_path
             await asyncio.sleep(0.05)
         assert victim not in views and all(v == {"m", "two"} for v in views.values()), views
         assert proc.returncode is None
+        for _ in range(4):      # and says so: the gateway's generation (the smallest of its workers') is 3
+            conn = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+            assert metric(text, "switchyard_config_generation") == 3 and metric(text, "switchyard_workers_scraped") == 2
