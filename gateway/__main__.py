@@ -23,6 +23,16 @@ def _workers_arg(v: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {v!r}") from None
 
 
+def _port_arg(v: str) -> int:
+    try:
+        port = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {v!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535 (0: any free port), got {port}")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m gateway", description="Switchyard LLM inference gateway")
     src = p.add_mutually_exclusive_group(required=True)
@@ -35,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="print the config file's JSON Schema and exit")
     p.add_argument("--version", action="version", version=f"switchyard {version()}")
     p.add_argument("--host", help="listen host (overrides listen.host)")
-    p.add_argument("--port", type=int, help="listen port (overrides listen.port)")
+    p.add_argument("--port", type=_port_arg, help="listen port (overrides listen.port)")
     p.add_argument("--log-format", choices=("auto", "json", "console"), help="overrides server.log_format")
     p.add_argument("--workers", type=_workers_arg,
                    help="processes sharing the port via SO_REUSEPORT, or 'auto' for the CPUs of the cgroup's "
@@ -78,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
-    from gateway.server.run import free_port, serve
+    from gateway.server.run import ListenError, free_port, serve
     from gateway.server.workers import WorkerInfo, auto_count, auto_workers
     workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:
@@ -97,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # strategy names etc. validated at app build
             print(f"switchyard: {e}", file=sys.stderr)
             return 2
+        except ListenError as e:  # the port taken, the host unknown: one line, as a config error
+            print(f"switchyard: {e}", file=sys.stderr)
+            return 1
         return 0
 
     if workers == 1:

@@ -37,6 +37,10 @@ from gateway.server.workers import WorkerInfo
 log = structlog.get_logger("switchyard.server")
 
 
+class ListenError(Exception):
+    """The gateway could not open its listening socket (the port taken, the host unknown)."""
+
+
 async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[], Config] | None = None,
                 worker: WorkerInfo | None = None) -> tuple[web.AppRunner, web.Application, int]:
     """Start serving; returns the runner, the app and the bound port (useful with port 0).
@@ -57,8 +61,10 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
                        backlog=1024)
     try:
         await site.start()
-    except BaseException:      # e.g. the port is taken: close what startup opened, then report
+    except BaseException as e:      # e.g. the port is taken: close what startup opened, then report
         await runner.cleanup()
+        if isinstance(e, OSError):
+            raise ListenError(f"cannot listen on {config.listen.host}:{config.listen.port}: {e}") from None
         raise
     port = config.listen.port
     server = site._server

@@ -139,3 +139,15 @@ def test_check_config_starts_nothing(tmp_path):
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
     assert "OK (2 models)" in done.stdout and "loaded: []" in done.stdout
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_outside_0_to_65535_is_refused_on_the_command_line(tmp_path, capsys, port):
+    """As ``listen.port`` in the file is: not wrapped around to another port, no traceback."""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(GOOD)
+    with pytest.raises(SystemExit) as ei:
+        main(["--config", str(cfg), "--port", port])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --port" in err and "Traceback" not in err
