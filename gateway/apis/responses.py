@@ -179,7 +179,8 @@ class ResponsesApi(ApiShape):
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = ctx.api_state if isinstance(ctx.api_state, Exchange) else None
-        return failure_events(ex.scanner if ex is not None else None, ctx.rec.model, status, message, code)
+        return failure_events(ex.scanner if ex is not None else None, ctx.rec.model, status, message, code,
+                              ctx.rec.request_id)
 
     def body_usage(self, ctx: RequestContext, data: dict[str, Any]) -> dict | None:
         self._exchange(ctx).body = data

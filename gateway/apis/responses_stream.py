@@ -172,14 +172,15 @@ class ResponsesScanner:
 
 
 def failure_events(scanner: ResponsesScanner | None, model: str, status: int, message: str,
-                   code: str | None) -> bytes:
+                   code: str | None, request_id: str = "") -> bytes:
     """What ends a Responses stream the gateway cannot complete: an ``error`` event, then
     ``response.failed`` carrying the response as created, now failed (sequence numbers go on from
-    the engine's)."""
+    the engine's). A stream that failed before ``response.created`` names none: its response gets
+    an id of the gateway's (``resp_`` and the request id), as a client's ``Response`` needs one."""
     seq = scanner.events if scanner is not None else 0
+    rid = scanner.response_id if scanner is not None else None
     snap = dict(scanner.snapshot) if scanner is not None and scanner.snapshot else {
-        "id": scanner.response_id if scanner is not None else None, "object": "response", "model": model,
-        "output": []}
+        "id": rid or f"resp_{request_id}", "object": "response", "model": model, "output": []}
     snap.update(status="failed", error={"code": code or "server_error", "message": message})
     error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": seq}
     failed = {"type": "response.failed", "sequence_number": seq + 1, "response": snap}

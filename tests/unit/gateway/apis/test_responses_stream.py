@@ -82,3 +82,10 @@ def test_failure_events_continue_the_engines_sequence():
     assert err["sequence_number"] == 4 and failed["sequence_number"] == 5
     assert failed["response"]["id"] == "resp_1" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "upstream_timeout", "message": "no output"}
+
+
+def test_a_stream_that_failed_before_its_response_was_created_names_one():
+    for scanner in (None, ResponsesScanner()):
+        raw = failure_events(scanner, "m", 504, "no output", "upstream_timeout", "abc123")
+        failed = orjson.loads([b for b in raw.split(b"\n\n") if b][1].split(b"data: ", 1)[1])
+        assert failed["response"]["id"] == "resp_abc123" and failed["response"]["status"] == "failed"
