@@ -286,6 +286,7 @@ class _Conn(asyncio.Protocol):
         self.paused = False
         self.idle_since = 0.0
         self.opened_at = 0.0
+        self.idled = 0.0             # how long it had idled when taken for its current exchange
         self.deadline: asyncio.TimerHandle | None = None
 
     # -- an exchange -----------------------------------------------------------------------
@@ -536,7 +537,7 @@ class Exchange:
                 self.resp = await conn.head(header_timeout)
                 return self.resp
             except UpstreamDisconnected as e:
-                if not reused or e.received:
+                if not resendable(conn, reused, e):
                     raise
         self.conn = conn = await pool._connect(origin)
         self._send(conn)
@@ -571,12 +572,27 @@ class Exchange:
             conn.abort()
 
 
+# A reused connection that closes with nothing received is sent again on a fresh one only when it
+# had idled this long: then the engine's server closed it at its keep-alive timeout (uvicorn's, which
+# vLLM and SGLang run, is 5 s) as the request went out, and had not read it. One that idled less
+# was open on the engine's side: the engine read the request and went away with it (it died, or
+# dropped the connection), and sending it again would run it twice: a P/D decode's KV pull or
+# bootstrap room is used once. That failure is the caller's (a retry elsewhere, or a 502).
+RESEND_IDLE_S = 1.0
+
+
+def resendable(conn: _Conn | None, reused: bool, e: UpstreamDisconnected) -> bool:
+    """Whether a request that ``conn`` lost (``e``) goes again on a fresh connection."""
+    return reused and not e.received and (conn is None or conn.idled >= RESEND_IDLE_S)
+
+
 class UpstreamPool:
     """Keep-alive connections to the engines, for all upstream legs of one gateway.
 
     Idle connections are kept per origin and reused newest first (the oldest expire); a request on
     a reused connection that the engine had closed while it idled (a keep-alive race: nothing came
-    back) is sent again once on a fresh connection. ``max_connections`` (0: unlimited) caps open
+    back, after an idle time its keep-alive timeout may have ended: ``RESEND_IDLE_S``) is sent
+    again once on a fresh connection. ``max_connections`` (0: unlimited) caps open
     connections in total; a request beyond it first closes an idle connection to another origin,
     else waits for one to come free.
     """
@@ -630,7 +646,7 @@ class UpstreamPool:
         try:
             return await conn.exchange(data, header_timeout, state)
         except UpstreamDisconnected as e:
-            if not reused or e.received:
+            if not resendable(conn, reused, e):
                 raise
         # the engine had closed the idle connection: nothing was received, so sending again is safe
         conn = await self._connect(origin)
@@ -717,6 +733,9 @@ class UpstreamPool:
             if conn.idle_since < oldest_ok:
                 conn.abort()
                 continue
+            # since its last answer, or since it was opened (a warm reopen keeps the idle_since of
+            # the connection it replaced, for the expiry): what the engine's keep-alive timer counts
+            conn.idled = self.loop.time() - max(conn.idle_since, conn.opened_at)
             return conn
         return None
 

@@ -288,6 +288,25 @@ async def test_a_decode_that_hangs_up_before_answering_has_the_pair_chosen_again
         await _until_retried(gw, p, d, True, "decode_reset")
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_that_dies_with_the_leg_on_a_kept_alive_connection_is_not_sent_it_again(
+        sims, gateway, engine):
+    """The decode leg goes out on a connection kept alive from the request before (it idled a few
+    ms: the engine had it open, and read the leg) and the engine closes it with nothing sent back.
+    The leg is not written again on a fresh connection (a vLLM decode's KV pull, an SGLang bootstrap
+    room, is used once): with no other decode, the client gets the promised 502 at once."""
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])], health={"interval_s": 60},
+                       breaker={"consecutive_faults": 100, "fault_rate": 0})
+    st, _, _ = await post(gw, body())           # leaves a kept-alive connection to the decode
+    assert st == 200
+    before = (await sim_state(d.url))["counts"]["started"]
+    st, hdrs, raw = await asyncio.wait_for(post(gw, body(), {"x-sim-fault": "decode.drop_after=0"}), 20)
+    assert st == 502 and hdrs["x-error-pd-decode"] == "reset", raw[:300]
+    assert (await sim_state(d.url))["counts"]["started"] == before + 1       # the leg ran once
+    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+
+
 async def test_sglang_decode_stall_before_first_token(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})

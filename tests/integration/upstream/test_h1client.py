@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 import pytest
 
+from gateway.upstream import h1client
 from gateway.upstream.h1client import (
     HIGH_WATER,
     SendState,
@@ -306,8 +307,15 @@ async def drops_second(server, req, writer):
     await writer.drain()
 
 
+@pytest.fixture
+def short_resend_idle(monkeypatch):
+    """``RESEND_IDLE_S`` made short: a connection that idled 0.1 s counts as one whose keep-alive
+    timeout may have ended."""
+    monkeypatch.setattr(h1client, "RESEND_IDLE_S", 0.05)
+
+
 @on_both_loops
-async def test_a_pooled_connection_closed_by_the_engine_is_retried_once_on_a_fresh_one():
+async def test_a_pooled_connection_closed_by_the_engine_is_retried_once_on_a_fresh_one(short_resend_idle):
     """The engine drops an idle keep-alive connection just as the next request arrives on it:
     nothing came back, so the client sends the request again on a new connection."""
     async with Engine(drops_second) as eng:
@@ -315,11 +323,31 @@ async def test_a_pooled_connection_closed_by_the_engine_is_retried_once_on_a_fre
         resp = await pool.post(eng.url + "/x", b"first", JSON)
         await resp.read()
         resp.release()
+        await asyncio.sleep(0.1)        # idle long enough for an engine's keep-alive timeout
         resp = await pool.post(eng.url + "/x", b"second", JSON)
         assert resp.status == 200 and await resp.read() == b'{"ok":true}'
         resp.release()
         assert eng.accepted == 2
         assert [(r["conn"], r["body"]) for r in eng.requests] == [(1, b"first"), (1, b"second"), (2, b"second")]
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_connection_that_had_idled_briefly_and_closes_unanswered_is_not_sent_again():
+    """A reused connection the engine had open (it idled less than ``RESEND_IDLE_S``): the engine
+    read the request and went away with it. Sending it again would run it twice (a P/D decode's
+    KV pull is used once), so the failure is the caller's, as on a fresh connection."""
+    async with Engine(drops_second) as eng:
+        pool = UpstreamPool()
+        for send in (lambda b: pool.post(eng.url + "/x", b, JSON), lambda b: pool.begin(eng.url + "/x", b, JSON).response()):
+            resp = await pool.post(eng.url + "/x", b"first", JSON)
+            await resp.read()
+            resp.release()
+            with pytest.raises(UpstreamDisconnected) as ei:
+                await send(b"second")
+            assert not ei.value.received
+            assert [r["body"] for r in eng.requests].count(b"second") == 1
+            eng.requests.clear()
         await pool.close()
 
 
@@ -578,12 +606,13 @@ async def test_begin_writes_on_an_idle_connection_before_it_returns():
 
 
 @on_both_loops
-async def test_a_begun_exchange_on_a_stale_connection_is_sent_again_on_a_fresh_one():
+async def test_a_begun_exchange_on_a_stale_connection_is_sent_again_on_a_fresh_one(short_resend_idle):
     async with Engine(drops_second) as eng:
         pool = UpstreamPool()
         resp = await pool.post(eng.url + "/x", b"first", JSON)
         await resp.read()
         resp.release()
+        await asyncio.sleep(0.1)
         x = pool.begin(eng.url + "/x", b"second", JSON)
         assert x.sent
         resp = await x.response()
