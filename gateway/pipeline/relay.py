@@ -518,10 +518,11 @@ class Relay:
             rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
         except asyncio.CancelledError:
-            # the client left once it had the answer's terminal event, while the engine's end was
-            # awaited (a client that stops reading at [DONE] and closes): the answer is complete
-            if scanner.done and api is None and not gating:
-                rec.delivered = True
+            if not gating:
+                # the client left once it had the answer's terminal event, while the engine's end
+                # was awaited (a client that stops reading at [DONE] and closes): the answer is
+                # complete. Either way what it received is recorded: its TTFT, its gaps
+                rec.delivered = scanner.done and api is None
                 self.observe_stream(rec, scanner)
             raise
         finally:

@@ -166,7 +166,9 @@ async def test_client_disconnect_mid_stream_aborts_the_engine(sims, gateway, eng
         resp.close()                        # the client goes away
     assert await wait_for(lambda: _aborted(sim.url), timeout=8)
     assert await wait_for(lambda: gw.gw.lifecycle.in_flight == 0, timeout=5)
-    assert 'switchyard_client_cancels_total{model="m",stage="streaming"} 1.0' in await gw.metrics_text()
+    text = await gw.metrics_text()
+    assert 'switchyard_client_cancels_total{model="m",stage="streaming"} 1.0' in text
+    assert 'switchyard_time_to_first_token_seconds_count{model="m"} 1.0' in text     # it had its first token
 
 
 async def test_client_disconnect_while_waiting_for_a_non_stream_answer(sims, gateway):
