@@ -17,6 +17,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.batch import files as batch_files
 from gateway.batch.config import BatchConfig
@@ -111,7 +112,7 @@ class BatchApi:
                         while await part.read_chunk(CHUNK):
                             pass
             except (aiohttp.ClientPayloadError, web.HTTPException, ValueError, AssertionError,
-                    asyncio.IncompleteReadError, ConnectionError) as e:
+                    asyncio.IncompleteReadError, ConnectionError, HttpProcessingError) as e:
                 if isinstance(e, GatewayError):
                     raise
                 raise _bad(f"the upload could not be read whole (truncated or malformed multipart body): "
