@@ -154,6 +154,9 @@ class NoAliases:
     def describe(self) -> list[dict[str, Any]]:
         return []
 
+    def targets_of(self, name: str) -> tuple[str, ...] | None:
+        return None
+
     def resolve(self, ctx: RequestContext, api_user: str | None) -> None:
         pass
 
@@ -177,6 +180,11 @@ class Aliases:
 
     def describe(self) -> list[dict[str, Any]]:
         return [a.describe() for a in self.by_name.values()]
+
+    def targets_of(self, name: str) -> tuple[str, ...] | None:
+        """The models alias ``name`` may send a request to; None when ``name`` is no alias."""
+        alias = self.by_name.get(name)
+        return alias.models if alias is not None else None
 
     def choose(self, alias: Alias, key: str | None) -> str:
         u = self.rng.random() if key is None else hash_point(alias.name, key)

@@ -50,6 +50,7 @@ Submit = Callable[[LineRequest], Awaitable[Any]]
 RETRY_STATUSES = frozenset({408, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
 FLUSH_LINES = 256
+HELD_BACK = 1024       # lines of models without room a dispatch steps over to reach other models
 
 
 @dataclass(slots=True)
@@ -64,8 +65,9 @@ class _Job:
     waiting: list[tuple[float, int, Line, int]] = field(default_factory=list)   # heap: (due, seq, line, attempts)
     tasks: set[asyncio.Task] = field(default_factory=set)
     results: list[Result] = field(default_factory=list)
-    stopping: str | None = None          # cancelled | expired: no new line goes
+    stopping: str | None = None          # cancelled | expired | failed: no new line goes
     reading: bool = False                # a chunk of input lines is being read
+    unreadable: str | None = None        # why the input could not be read on (the batch fails)
 
     @property
     def id(self) -> str:
@@ -76,10 +78,14 @@ class BatchRunner:
     def __init__(self, cfg: BatchConfig, db: BatchDb, submit: Submit, pool: EndpointPool, metrics: BatchMetrics,
                  *, engine_signals: Callable[[], bool], metrics_max_age: Callable[[], float],
                  admission_waiting: Callable[[str], int], draining: Callable[[], bool] = lambda: False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 targets: Callable[[str], tuple[str, ...] | None] | None = None) -> None:
         self.cfg, self.db, self.submit, self.pool, self.m = cfg, db, submit, pool, metrics
         self.engine_signals, self.max_age, self.admission_waiting = engine_signals, metrics_max_age, admission_waiting
         self.clock, self.draining = clock, draining
+        # the models a line's ``model`` runs on (an alias's targets, an adapter's base model); None:
+        # no such model, the handler answers it
+        self.targets = targets or (lambda name: (name,) if self.pool.has_model(name) else None)
         self.jobs: dict[str, _Job] = {}
         self.in_flight: dict[str, int] = {}          # model → lines in flight
         self.next_start: dict[str, float] = {}       # model → earliest start of its next line (rate cap)
@@ -217,7 +223,7 @@ class BatchRunner:
             job.doc = doc = await self.db.run(BatchStore.update_batch, bid, to_finalizing) or doc
             if doc["status"] != "finalizing":
                 return          # cancelled meanwhile: the next refresh halts it
-        if final != "completed":
+        if final in ("cancelled", "expired"):
             await self._unanswered(job, "batch_cancelled" if final == "cancelled" else "batch_expired")
         out_id, err_id = await asyncio.to_thread(self._write_outputs, bid, job.owner)
         now = now_s()
@@ -226,7 +232,13 @@ class BatchRunner:
             if d["status"] in ("completed", "failed", "expired", "cancelled"):
                 return False
             d.update(status=final, output_file_id=out_id, error_file_id=err_id)
-            d[{"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[final]] = now
+            d[{"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at",
+               "failed": "failed_at"}[final]] = now
+            counts = d["request_counts"]    # a batch cancelled before it was validated: its lines
+            counts["total"] = max(counts["total"], counts["completed"] + counts["failed"])
+            if final == "failed":
+                d["errors"] = {"object": "list", "data": [{"code": "file_unreadable", "message": job.unreadable,
+                                                           "param": "input_file_id", "line": None}]}
             return True
         job.doc = await self.db.run(BatchStore.update_batch, bid, done) or doc
         await self.db.run(BatchStore.drop_results, bid)
@@ -286,19 +298,28 @@ class BatchRunner:
             while job.waiting and job.waiting[0][0] <= now:
                 _, _, line, attempts = heapq.heappop(job.waiting)
                 job.ready.appendleft((line, attempts))
+            # lines in input order, but a line whose model has no room now does not hold back
+            # the lines of other models behind it: it waits in place (up to HELD_BACK lines)
+            held: list[tuple[Line, int]] = []
+            full: set[str] = set()
             while True:
-                if not job.ready and not job.eof:
-                    self._read_ahead(job)
-                    break
                 if not job.ready:
+                    if not job.eof and len(held) < HELD_BACK:
+                        self._read_ahead(job)
                     break
                 line, attempts = job.ready[0]
                 model = line.body.get("model")
                 model = model if isinstance(model, str) else ""
-                if not self._may_start(model, room, now):
-                    break
+                if model in full or not self._may_start(model, room, now):
+                    full.add(model)
+                    held.append(job.ready.popleft())
+                    if len(held) >= HELD_BACK:
+                        break
+                    continue
                 job.ready.popleft()
                 self._start(job, line, attempts, model, now)
+            if held:
+                job.ready.extendleft(reversed(held))
 
     def _may_start(self, model: str, room: dict[str, int], now: float) -> bool:
         cfg = self.cfg
@@ -307,18 +328,25 @@ class BatchRunner:
         if cfg.max_lines_per_s and self.next_start.get(model, 0.0) > now:
             return False
         if model not in room:
-            eps = self.pool.ready(model) if model and self.pool.has_model(model) else []
-            if not eps:                     # an unknown model (or none ready): the handler answers it
+            targets = self.targets(model) if model else None
+            if targets is None:             # no such model: the handler answers it
                 room[model] = cfg.max_concurrency
-            elif self.admission_waiting(model):
-                room[model] = 0             # interactive requests wait for room: none for a batch
-            else:
-                room[model] = model_room(eps, cfg.endpoint_capacity, cfg.reserve_slots, cfg.max_kv_usage,
-                                         self.max_age(), self.engine_signals(), now)
+            else:                           # where it may run, the least room (an alias's targets)
+                room[model] = min(self._room(t, now) for t in targets)
         if room[model] < 1:
             return False
         room[model] -= 1
         return True
+
+    def _room(self, model: str, now: float) -> int:
+        """Lines ``model``'s engines take now: none while none is ready (its lines wait for one),
+        nor while interactive requests wait in its admission queue."""
+        cfg = self.cfg
+        eps = self.pool.ready(model)
+        if not eps or self.admission_waiting(model):
+            return 0
+        return model_room(eps, cfg.endpoint_capacity, cfg.reserve_slots, cfg.max_kv_usage,
+                          self.max_age(), self.engine_signals(), now)
 
     def _read_ahead(self, job: _Job) -> None:
         """The next chunk of input lines, read on a thread; lines already answered are skipped."""
@@ -332,8 +360,11 @@ class BatchRunner:
             job.tasks.discard(t)
             job.reading = False
             if not t.cancelled() and t.exception() is not None:
-                log.error("batch input unreadable", batch_id=job.id, exc_info=t.exception())
-                job.eof = True
+                e = t.exception()
+                log.error("batch input unreadable", batch_id=job.id, exc_info=e)
+                job.eof = True          # the lines not read are not known: the batch fails, saying why
+                job.unreadable = f"the input file could not be read on: {getattr(e, 'strerror', None) or e}"
+                self._halt(job, "failed")
             self.wake.set()
         task.add_done_callback(read)
 

@@ -69,14 +69,15 @@ class DirLock:
 class BatchService:
     def __init__(self, cfg: BatchConfig, tenancy: Tenancy | NoTenancy, pool: EndpointPool, registry,
                  *, engine_signals: Callable[[], bool], metrics_max_age: Callable[[], float],
-                 admission_waiting: Callable[[str], int], draining: Callable[[], bool]) -> None:
+                 admission_waiting: Callable[[str], int], draining: Callable[[], bool],
+                 targets: Callable[[str], tuple[str, ...] | None] | None = None) -> None:
         self.cfg = cfg
         self.db = BatchDb(os.path.abspath(cfg.dir))
         self.metrics = BatchMetrics(registry)
         self.api = BatchApi(cfg, self.db, tenancy, self._wake)
         self.pool = pool
         self._signals = dict(engine_signals=engine_signals, metrics_max_age=metrics_max_age,
-                             admission_waiting=admission_waiting, draining=draining)
+                             admission_waiting=admission_waiting, draining=draining, targets=targets)
         self.runner: BatchRunner | None = None
         self.lock = DirLock(os.path.join(self.db.dir, "runner.lock"))
         self._task: asyncio.Task | None = None
@@ -129,7 +130,10 @@ class BatchService:
         """Expired files leave the store and the disk; so do files on disk the store forgot."""
         while True:
             try:
+                inputs = {b["input_file_id"] for b in await self.db.run(BatchStore.active_batches)}
                 for fid in await self.db.run(BatchStore.expired_files, now_s()):
+                    if fid in inputs:       # a running batch reads it: it goes once the batch ends
+                        continue
                     await self.db.run(BatchStore.delete_file, fid)
                     await asyncio.to_thread(batch_files.remove, self.db.dir, fid)
                 known = await self.db.run(BatchStore.file_ids)

@@ -211,11 +211,26 @@ def build_app(config: Config, pool: EndpointPool | None = None,
 def _add_batch(app: web.Application, config: Config, s: Services, reloader: Reloader) -> BatchService:
     """``/v1/files`` and ``/v1/batches`` (gateway/batch): every worker answers them; the worker that
     holds the batch directory's lock runs the lines through the live generation's pipeline."""
-    lifecycle = s.lifecycle
-    batch = BatchService(config.batch, s.tenancy, s.pool, s.metrics.registry,
+    lifecycle, pool, lora = s.lifecycle, s.pool, s.lora
+
+    def targets(name: str) -> tuple[str, ...] | None:
+        """The models a batch line naming ``name`` runs on, as the pipeline resolves it: the model,
+        an alias's targets, an adapter's base model; None for no such model (a 404 line)."""
+        if pool.has_model(name) or reloader.live.config.model(name) is not None:
+            return (name,)
+        aliased = reloader.live.aliases.targets_of(name)
+        if aliased is not None:
+            return aliased
+        base = lora.base_of(name)
+        return (base,) if base is not None else None
+
+    batch = BatchService(config.batch, s.tenancy, pool, s.metrics.registry,
                          engine_signals=lambda: reloader.live.config.scrape.enabled,
                          metrics_max_age=lambda: reloader.live.config.routing.metrics_max_age_s,
-                         admission_waiting=s.admission.waiting, draining=lambda: lifecycle.draining)
+                         admission_waiting=s.admission.waiting,
+                         # from the drain's start (the listener stays open through its delay)
+                         draining=lambda: lifecycle.draining or app[NOT_READY_KEY].is_set(),
+                         targets=targets)
     batch.api.add_routes(app)
     app[BATCH_KEY] = batch
     return batch

@@ -1,0 +1,132 @@
+"""Where and when a batch's lines start, and how a batch ends when things around it go wrong: a line
+that names an alias meets the headroom of the alias's targets; a model with no ready endpoint holds
+its lines (they wait, not fail); a model without room does not hold back the lines of other models
+in the same file; an input file whose time is up is kept while a batch reads it; a batch cancelled
+before it was validated counts its lines; a malformed part header of an upload is a 400."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.support.batch import jsonl, run_to_end
+from tests.support.factories import model_block
+from tests.support.http import openai_client, sim_state
+from tests.support.waiting import until
+
+# two lines a model's endpoint at a time: capacity 3, one slot kept for interactive requests
+ROOM = {"endpoint_capacity": 3, "reserve_slots": 1}
+
+
+def cfg(tmp_path, **over: Any) -> dict[str, Any]:
+    return {"enabled": True, "dir": str(tmp_path / "batch"), "poll_interval_s": 0.05, "retry_backoff_s": 0.05,
+            **ROOM, **over}
+
+
+def rows(models: list[str], max_tokens: int = 3) -> list[dict[str, Any]]:
+    return [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": m, "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": max_tokens}}
+            for i, m in enumerate(models)]
+
+
+async def create(c, data: list[dict[str, Any]]):
+    f = await c.files.create(file=("in.jsonl", jsonl(data)), purpose="batch")
+    return await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+
+async def test_lines_that_name_an_alias_meet_its_targets_headroom(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path),
+                       aliases=[{"name": "fast", "targets": [{"model": "m"}]}])
+    c = openai_client(gw)
+    b = await create(c, rows(["fast"] * 10, max_tokens=15))
+    most = 0
+
+    async def done() -> bool:
+        nonlocal most
+        state = await sim_state(sim.url)
+        most = max(most, len(state["running"]) + len(state["waiting"]))
+        return (await c.batches.retrieve(b.id)).status == "completed"
+
+    await until(done, timeout=30, interval=0.02)
+    b = await c.batches.retrieve(b.id)
+    assert (b.request_counts.completed, b.request_counts.failed) == (10, 0)
+    assert 1 <= most <= 2, most          # the engine never held more than the alias's target's room
+
+
+async def test_a_model_with_no_ready_endpoint_holds_its_lines_until_one_is_back(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(gw)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(sim.url + "/_sim/config", json={"dead": True}) as r:
+            assert r.status == 200
+        await until(lambda: not gw.gw.pool.ready("m"), timeout=10)
+        b = await create(c, rows(["m"] * 6))
+        await asyncio.sleep(1.0)              # not ready: the lines wait, none fails
+        now = await c.batches.retrieve(b.id)
+        assert now.status == "in_progress" and now.request_counts.failed == 0
+        async with s.post(sim.url + "/_sim/config", json={"dead": False}) as r:
+            assert r.status == 200
+    b = await run_to_end(c, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (6, 0)
+
+
+async def test_a_model_without_room_does_not_hold_back_another_models_lines(sims, gateway, tmp_path):
+    slow = await sims("vllm", "slow", itl_ms=40.0)
+    fast = await sims("vllm", "fast")
+    gw = await gateway([model_block("slow", "vllm", [slow.url]), model_block("fast", "vllm", [fast.url])],
+                       batch=cfg(tmp_path))
+    c = openai_client(gw)
+    data = rows(["slow", "fast"] * 8, max_tokens=3)
+    for r in data:
+        if r["body"]["model"] == "slow":
+            r["body"]["max_tokens"] = 40      # 1.6 s a line, two at a time: 6.4 s for the eight
+    b = await create(c, data)
+
+    async def fast_done() -> bool:
+        return (await sim_state(fast.url))["counts"]["completed"] >= 8
+
+    await until(fast_done, timeout=30, interval=0.02)
+    assert (await sim_state(slow.url))["counts"]["completed"] <= 2     # the fast lines did not wait for them
+    b = await run_to_end(c, b.id)
+    assert (b.request_counts.completed, b.request_counts.failed) == (16, 0)
+
+
+async def test_an_input_file_past_its_ttl_is_kept_while_its_batch_runs(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m", itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, file_ttl_s=2))
+    c = openai_client(gw)
+    n = 300                                   # more than one read of the input (256 lines)
+    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=6))), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    b = await run_to_end(c, b.id, timeout=90)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.total) == (n, n)
+    assert b.completed_at - b.created_at > 2   # the file's time was up while the batch read it
+
+
+async def test_a_batch_cancelled_before_it_was_validated_counts_its_lines(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, poll_interval_s=2.0))
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 7))
+    await c.batches.cancel(b.id)              # before the runner's next look at the store
+    b = await run_to_end(c, b.id)
+    assert b.status == "cancelled"
+    counts = b.request_counts
+    assert counts.total == 7 and counts.completed + counts.failed == 7
+
+
+@pytest.mark.parametrize("header", [b'Content-Disposition: form-data; name="file"; filename="a\x01.jsonl"',
+                                    b"Content-Disposition form-data no colon"])
+async def test_a_malformed_part_header_is_a_400(sims, gateway, tmp_path, header):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    body = (b'--XB\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b"--XB\r\n" + header + b"\r\n\r\n" + jsonl(rows(["m"])) + b"\r\n--XB--\r\n")
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/files", data=body,
+                                                    headers={"Content-Type": "multipart/form-data; boundary=XB"}) as r:
+        assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
