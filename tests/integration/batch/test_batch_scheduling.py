@@ -130,3 +130,25 @@ async def test_a_malformed_part_header_is_a_400(sims, gateway, tmp_path, header)
     async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/files", data=body,
                                                     headers={"Content-Type": "multipart/form-data; boundary=XB"}) as r:
         assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_an_input_that_cannot_be_read_on_fails_the_batch_and_says_why(sims, gateway, tmp_path, monkeypatch):
+    from gateway.batch import runner
+
+    monkeypatch.setattr(runner, "HELD_BACK", 8)      # reads stop 8 lines past the ones with room
+    sim = await sims("vllm", "m", itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(gw)
+    n = 300                                   # the second read of the input (after 256 lines) fails
+    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=10))), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    async def started() -> bool:
+        return (await c.batches.retrieve(b.id)).status == "in_progress"
+
+    await until(started, timeout=20)
+    (tmp_path / "batch" / "files" / f.id).unlink()         # the disk lost it
+    b = await run_to_end(c, b.id, timeout=120)
+    assert b.status == "failed" and b.failed_at and b.errors.data[0].code == "file_unreadable"
+    answered = b.request_counts.completed + b.request_counts.failed
+    assert 0 < answered <= 256 and b.output_file_id
