@@ -4,8 +4,8 @@ What a reload changes, for requests that arrive after it: the models and their e
 aliases, routing strategies and their settings, ``pd`` and ``watchdog`` settings, API keys, user
 and model limits, the admin token, and ``kubernetes.models``. What needs a restart: ``listen``,
 ``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``status``, ``tracing``,
-``responses`` (its stores), the rest of ``kubernetes``, and turning tenancy or the admin API on
-when the gateway started without them. A
+``responses`` (its stores), the rest of ``kubernetes``, a model's ``kv_events`` (its subscriptions
+and tokenizer), and turning tenancy or the admin API on when the gateway started without them. A
 new config that changes one of those is refused as a whole, so that after a successful reload the
 file and what runs are the same thing.
 
@@ -132,10 +132,24 @@ def restart_needed(old: Config, new: Config, *, tenancy: bool, admin: bool) -> s
                         msgspec.structs.replace(new.kubernetes, models={}), "kubernetes")
     if found:
         return found
+    found = _kv_events_change(old, new)
+    if found:
+        return found
     if not tenancy and needs_tenancy(new):
         return "auth" if new.auth.on or new.auth.admin_token else "limits"
     if not admin and new.auth.admin_token:
         return "auth.admin_token"
+    return None
+
+
+def _kv_events_change(old: Config, new: Config) -> str | None:
+    """``models[i].kv_events`` of a model that is in both and whose events block changed, or that
+    gained one: the subscriptions and tokenizers are set up at start (a model that leaves takes its
+    endpoints' subscriptions with it)."""
+    before = {m.name: m.kv_events for m in old.models}
+    for i, m in enumerate(new.models):
+        if m.name in before and before[m.name] != m.kv_events or m.name not in before and m.kv_events is not None:
+            return f"models[{i}].kv_events"
     return None
 
 

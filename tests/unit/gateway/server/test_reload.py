@@ -68,3 +68,27 @@ def test_sync_pool_leaves_discovered_endpoints_alone():
     pod = pool.add(Endpoint(url="http://10.1.0.1:8000", model="m", source="kubernetes", name="pod-0"))
     added, removed = sync_pool(pool, cfg(models="[]", extra="kubernetes: {enabled: true}"))
     assert not added and len(removed) == 2 and pool.endpoints() == [pod]
+
+
+def _kv(name: str, url: str, events: str | None) -> str:
+    from enginesim.tiny_tokenizer import TINY_DIR
+
+    ev = f", tokenizer: '{TINY_DIR}', kv_events: {events}" if events else ""
+    return f"{{name: {name}, endpoints: [{url}]{ev}}}"
+
+
+M, K = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+
+
+@pytest.mark.parametrize(("before", "after", "path"), [
+    ([("m", M, "{enabled: true, port: 5557}")], [("m", M, "{enabled: true, port: 5560}")], "models[0].kv_events"),
+    ([("m", M, "{enabled: true}")], [("m", M, None)], "models[0].kv_events"),
+    ([("m", M, None)], [("m", M, None), ("k", K, "{enabled: true}")], "models[1].kv_events"),
+    ([("m", M, None), ("k", K, "{enabled: true}")], [("m", M, None)], None),     # it leaves: nothing to keep
+])
+def test_a_models_kv_events_change_needs_a_restart(before, after, path):
+    """The subscriptions and the tokenizer are set up at start: a reload that would change them
+    is refused, not accepted and left unapplied."""
+    def models(ms):
+        return "[" + ", ".join(_kv(*m) for m in ms) + "]"
+    assert restart_needed(cfg(models=models(before)), cfg(models=models(after)), tenancy=False, admin=False) == path
