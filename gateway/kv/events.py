@@ -59,6 +59,14 @@ log = structlog.get_logger("switchyard.kv_events")
 
 SYNC_INTERVAL_S = 1.0
 _DRAIN = 256              # messages one reader callback applies before yielding to the loop
+# what a replay takes in (an engine's replay buffer holds its recent batches; more than this is
+# not a replay): frames and bytes; beyond either it stops, incomplete
+REPLAY_MAX_FRAMES = 20_000
+REPLAY_MAX_BYTES = 64 << 20
+# messages held while a replay is under way (an engine whose replay never answers, with a gap in
+# every other message, filled it without end): beyond this they are dropped, the publisher's
+# entries cleared, and its stream taken up again as at first contact
+BACKLOG_MAX = 4096
 # switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
 _KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
 
@@ -178,6 +186,7 @@ class Subscriber:
         self._counted: dict[str, Any] = {}         # kind -> its switchyard_kv_events_total child
         self._sock: Any = None
         self._backlog: deque[tuple[int, bytes]] = deque()   # messages for the task (a replay is due or under way)
+        self._overflowed = False                   # the backlog overflowed: dropped, started again
         self._wake: asyncio.Future | None = None
         s = st.settings
         host = st.ep.host
@@ -240,6 +249,12 @@ class Subscriber:
                         self._bad(e)
                     except Exception:
                         self._failed(seq)
+                    if self._overflowed:        # what came meanwhile was dropped: take it up again
+                        self._overflowed = False
+                        backlog.clear()
+                        self.clear()
+                        self.expected = None
+                        break
                     backlog.popleft()
                 self._readable()
         finally:
@@ -276,6 +291,9 @@ class Subscriber:
                     raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
                 seq = seq_of(frames[1])
                 if backlog or self._replay_first(seq):
+                    if len(backlog) >= BACKLOG_MAX:
+                        self._overflow()
+                        continue
                     backlog.append((seq, frames[2]))
                     if self._wake is not None and not self._wake.done():
                         self._wake.set_result(None)
@@ -285,6 +303,13 @@ class Subscriber:
                 self._bad(e)
             except Exception:
                 self._failed(seq)
+
+    def _overflow(self) -> None:
+        if not self._overflowed:
+            self._overflowed = True
+            self.m.metrics.errors.labels(self.st.ep.model).inc()
+            log.warning("kv events: too many messages wait for a replay; dropped, entries cleared",
+                        endpoint=self.st.ep.name, rank=self.rank, held=len(self._backlog))
 
     def _bad(self, e: WireError) -> None:
         self.m.metrics.errors.labels(self.st.ep.model).inc()
@@ -323,8 +348,8 @@ class Subscriber:
                         rank=self.rank, seq=seq, expected=self.expected)
             self.m.metrics.restarts.labels(self.st.ep.model).inc()
             self.clear()
+        self.expected = seq + 1     # received: one that does not decode is skipped, not a gap
         self.apply(self.decoder.decode(payload, self.rank))
-        self.expected = seq + 1
 
     def apply(self, batch: Batch) -> None:
         done = self.m.index.apply(self.st, batch, self.rank)
@@ -353,24 +378,42 @@ class Subscriber:
         if self.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(self.replay_addr)
+        # the batches ``start .. until-1`` in order, each once; what else comes is not kept. The
+        # first contact (``first``) replays from 0: the engine sends what its buffer still holds,
+        # from where it begins. Bounded in frames, bytes and time: frames already received resolve
+        # ``recv`` without a loop turn, so the deadline is checked here, and the loop let run
         got: list[tuple[int, bytes]] = []
         result = "ok"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.st.settings.replay_timeout_s
+        nxt: int | None = None if first else start        # the seq the next kept frame must have
+        size = n = 0
         try:
             await sock.send_multipart([b"", start.to_bytes(8, "big")])
             async with asyncio.timeout(self.st.settings.replay_timeout_s):
                 while True:
                     frames = await sock.recv_multipart()
+                    n += 1
+                    if n % 256 == 0:
+                        if loop.time() > deadline:
+                            raise TimeoutError
+                        await asyncio.sleep(0)
                     seq = seq_of(frames[-2])
                     if seq == END_SEQ:
                         break
-                    if seq < until:
-                        got.append((seq, frames[-1]))
+                    if not start <= seq < until or (nxt is not None and seq != nxt):
+                        continue                    # out of range, repeated or out of order
+                    got.append((seq, frames[-1]))
+                    nxt = seq + 1
+                    size += len(frames[-1])
+                    if len(got) > REPLAY_MAX_FRAMES or size > REPLAY_MAX_BYTES:
+                        result = "too_large"
+                        break
         except (TimeoutError, WireError, IndexError):
             result = "failed"
         finally:
             sock.close(0)
-        seqs = [s for s, _ in got]
-        complete = result == "ok" and seqs == list(range(start, until))
+        complete = result == "ok" and nxt == until and bool(got) and got[0][0] == start
         if not complete and result == "ok":
             result = "incomplete"
         if not complete and not first:
@@ -378,10 +421,11 @@ class Subscriber:
             log.warning("kv events: replay could not fill the gap; entries cleared", endpoint=self.st.ep.name,
                         rank=self.rank, missed_from=start, to=until, result=result)
         if complete or first:
-            for s, payload in got:
-                if s >= start:
-                    with contextlib.suppress(WireError):
-                        self.apply(self.decoder.decode(payload, self.rank))
+            for i, (_, payload) in enumerate(got):
+                with contextlib.suppress(WireError):
+                    self.apply(self.decoder.decode(payload, self.rank))
+                if i % 256 == 255:
+                    await asyncio.sleep(0)          # other requests' turns between long stretches
         self.m.metrics.replays.labels(model, result).inc()
 
 

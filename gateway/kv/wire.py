@@ -155,8 +155,9 @@ def _from_array(ev: Any) -> Event:
         lora_name = ev.lora_name
         if lora_name is None and ev.lora_id is not None:
             lora_name = str(ev.lora_id)
-        return BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, lora_name,
-                           ev.medium, ev.group_idx, ev.extra_keys, ev.lora_id)
+        extra = ev.extra_keys
+        return BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, _block_size(ev.block_size), lora_name,
+                           ev.medium, ev.group_idx, extra if extra is None else _extra(extra), ev.lora_id)
     return AllBlocksCleared()
 
 
@@ -197,9 +198,14 @@ def _typed_batch(raw: Any, arrays: bool, rank: int | None) -> Batch:
     if arrays:
         events = [_from_array(ev) for ev in events]
     else:
-        for ev in events:                   # the rare lora_id without lora_name (engines before lora_name)
-            if ev.__class__ is BlockStored and ev.lora_id is not None and ev.lora_name is None:
-                ev.lora_name = str(ev.lora_id)
+        for ev in events:
+            if ev.__class__ is BlockStored:
+                if ev.lora_id is not None and ev.lora_name is None:    # engines before lora_name
+                    ev.lora_name = str(ev.lora_id)
+                if ev.extra_keys is not None:
+                    _extra(ev.extra_keys)
+                if ev.block_size <= 0:
+                    _block_size(ev.block_size)
     batch_rank = raw.data_parallel_rank
     tag = rank if rank is not None else batch_rank
     if tag:
@@ -271,11 +277,27 @@ def _name(v: Any, field: str) -> str | None:
     raise WireError(f"{field} must be a string or null")
 
 
+_SCALARS = (str, int, float, bytes, bool)
+
+
 def _extra(v: Any) -> list | None:
+    """``extra_keys``: per block, null or an array of scalars and arrays (what the engine hashed)."""
     if v is None:
         return None
-    if not isinstance(v, list):
-        raise WireError("extra_keys must be an array or null")
+    if not isinstance(v, list) or not all(e is None or (e.__class__ is list and _plain(e)) for e in v):
+        raise WireError("extra_keys must be an array of arrays (or nulls) of plain values")
+    return v
+
+
+def _plain(v: list) -> bool:
+    return all(isinstance(x, _SCALARS) or x is None or (x.__class__ is list and _plain(x)) for x in v)
+
+
+def _block_size(v: Any) -> int:
+    if v.__class__ is float and v.is_integer():
+        v = int(v)
+    if v.__class__ is not int or v <= 0:
+        raise WireError(f"block_size must be a positive integer, got {v!r}"[:80])
     return v
 
 
@@ -288,7 +310,7 @@ def _stored(hashes: Any, parent: Any, tokens: Any, block_size: Any, lora_id: Any
     lora_name = _name(lora_name, "lora_name")
     if lora_name is None and lora_id is not None:      # engines before lora_name: the id names it
         lora_name = str(lora_id)
-    return BlockStored(_hashes(hashes), _hash(parent), _tokens(tokens), int(block_size), lora_name,
+    return BlockStored(_hashes(hashes), _hash(parent), _tokens(tokens), _block_size(block_size), lora_name,
                        _name(medium, "medium"), group_idx, _extra(extra), lora_id)
 
 

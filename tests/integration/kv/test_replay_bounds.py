@@ -1,0 +1,142 @@
+"""What an engine's KV-event stream cannot make the gateway do, whatever it sends: a replay socket
+(a real ZeroMQ ROUTER on loopback) that floods repeated or out-of-range batches and never ends, or
+an engine met with a very high first sequence number, costs a bounded replay; messages the index
+cannot use are counted and skipped without clearing it; messages piling up behind a replay that
+never answers are dropped past a bound, and the stream taken up again."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+from functools import partial
+
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+
+from gateway.endpoints import Endpoint, EndpointPool
+from gateway.kv import events as kv_events
+from gateway.kv.events import KVEventsManager, Subscriber
+from gateway.kv.settings import KVEventsConfig
+from tests.support.factories import block_stored, event_batch
+from tests.support.ports import listen_port
+
+batch = partial(event_batch, "map")
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def subscriber(replay_port: int | None = None, timeout: float = 0.5) -> tuple[Subscriber, CollectorRegistry]:
+    settings = KVEventsConfig(enabled=True, port=listen_port(), replay_port=replay_port, replay_timeout_s=timeout)
+    pool = EndpointPool()
+    registry = CollectorRegistry()
+    manager = KVEventsManager(lambda model: settings, pool, registry, {})
+    ep = pool.add(Endpoint(url="http://127.0.0.1:8000", model="m"))
+    return Subscriber(manager, manager.index.track(ep, settings)), registry
+
+
+async def replay_server(port: int, answer) -> asyncio.Task:
+    """A ROUTER socket that answers each replay request with ``answer(send)``."""
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+
+    async def serve() -> None:
+        try:
+            while True:
+                ident, _, _start = await sock.recv_multipart()
+                await answer(lambda seq, payload, ident=ident: sock.send_multipart(
+                    [ident, b"", seq.to_bytes(8, "big", signed=True), payload]))
+        finally:
+            sock.close(0)
+    return asyncio.create_task(serve())
+
+
+def stored(*hashes: int) -> bytes:
+    return batch([block_stored(list(hashes), None, list(range(16 * len(hashes))))])
+
+
+async def test_a_replay_that_floods_and_never_ends_is_bounded_and_keeps_nothing_it_did_not_ask_for():
+    port = listen_port()
+
+    async def flood(send) -> None:
+        junk = b"x" * 4096
+        for i in range(60_000):                 # seq 0 again and again, and seqs out of range: no end
+            await send(0 if i % 2 else 10_000 + i, junk)
+
+    server = await replay_server(port, flood)
+    try:
+        sub, registry = subscriber(port)
+        sub.m.index.apply(sub.st, sub.decoder.decode(stored(1, 2)))
+        await asyncio.wait_for(sub.replay(5, 9), 30)          # a hang guard, not a timing
+        assert registry.get_sample_value("switchyard_kv_events_replays_total",
+                                         {"model": "m", "result": "failed"}) == 1
+        assert not sub.st.emap                  # the gap could not be filled: cleared
+    finally:
+        server.cancel()
+
+
+async def test_a_first_contact_far_into_an_engines_life_replays_what_its_buffer_holds():
+    """An engine met at seq 30,000,000: the replay from 0 brings its buffer's last batches; the
+    check that they are whole costs no list of thirty million numbers."""
+    port = listen_port()
+
+    async def recent(send) -> None:
+        for seq in range(29_999_998, 30_000_000):
+            await send(seq, stored(seq % 1000 + 1))
+        await send(-1, b"")
+
+    server = await replay_server(port, recent)
+    try:
+        sub, registry = subscriber(port)
+        tracemalloc.start()
+        try:
+            await asyncio.wait_for(sub.replay(0, 30_000_000, first=True), 30)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 32 << 20, peak
+        assert registry.get_sample_value("switchyard_kv_events_replays_total",
+                                         {"model": "m", "result": "incomplete"}) == 1
+        assert sorted(sub.st.emap) == [999, 1000]      # what the buffer held is learned
+    finally:
+        server.cancel()
+
+
+class _FakeSub:
+    def __init__(self, messages):
+        self.messages = list(messages)
+
+    def getsockopt(self, opt):
+        return zmq.POLLIN if self.messages and opt == zmq.EVENTS else 0
+
+    def recv_multipart(self, flags=0):
+        return self.messages.pop(0)
+
+
+@pytest.mark.parametrize("event", [
+    block_stored([7], None, list(range(16)), block_size=float("inf")),
+    block_stored([7], None, list(range(16)), block_size=0),
+    block_stored([7], None, list(range(16)), extra_keys=[7]),
+    block_stored([7], None, list(range(16)), extra_keys=[[{"a": 1}]]),
+])
+def test_an_event_whose_values_make_no_sense_is_counted_and_skipped_and_the_entries_stay(event):
+    sub, registry = subscriber()
+    sub._sock = _FakeSub([[b"", (0).to_bytes(8, "big"), stored(1, 2)],
+                          [b"", (1).to_bytes(8, "big"), batch([event])],
+                          [b"", (2).to_bytes(8, "big"), stored(3)]])
+    sub._readable()
+    assert sorted(sub.st.emap) == [1, 2, 3] and sub.expected == 3
+    assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
+
+
+def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch):
+    monkeypatch.setattr(kv_events, "BACKLOG_MAX", 4)
+    sub, registry = subscriber(listen_port())
+    sub.expected = 1
+    removed = batch([{"type": "BlockRemoved", "block_hashes": [1]}])
+    sub._sock = _FakeSub([[b"", i.to_bytes(8, "big"), removed] for i in (3, 4, 5, 6, 7, 8, 9)])
+    sub._readable()                             # 3 needs a replay: it and what follows wait, up to 4
+    assert [seq for seq, _ in sub._backlog] == [3, 4, 5, 6] and sub._overflowed
+    assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
