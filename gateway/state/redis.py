@@ -23,6 +23,8 @@ elsewhere, so standalone and Sentinel keep their names).
 
 from __future__ import annotations
 
+import asyncio
+
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
@@ -37,6 +39,7 @@ from gateway.config.schema import StateConfig
 from gateway.state.urls import Mode, parse_redis_url, redis_mode
 
 Client = aioredis.Redis | RedisCluster
+FORGET_TIMEOUT_S = 2.0        # closing a Cluster client whose nodes are gone, at most
 
 # What "the state cannot be reached now" looks like: a transport failure (Sentinel's "no primary
 # known" is one), or a Cluster in the middle of a failover (CLUSTERDOWN, TRYAGAIN, no node
@@ -119,7 +122,8 @@ async def forget_topology(client: Client) -> None:
     itself); a Sentinel-managed or plain client reconnects on its own."""
     if isinstance(client, RedisCluster):
         try:
-            await client.aclose()       # closes its connections and marks the slot map stale
+            async with asyncio.timeout(FORGET_TIMEOUT_S):     # a node that is gone must not hold the caller
+                await client.aclose()   # closes its connections and marks the slot map stale
         except Exception:               # closing sockets of a node that is gone
             pass
 

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import structlog
 
 from gateway.config.schema import StateConfig
-from gateway.state.redis import CALL_FAILED, redis_client
+from gateway.state.redis import CALL_FAILED, forget_topology, redis_client
 from gateway.view.config import ViewConfig
 from gateway.view.metrics import ViewMetrics
 from gateway.view.wire import Insert, Session, encode
@@ -117,6 +117,9 @@ class ReplicaLink:
                 _stop_if_cancelled()
                 self._requeue(facts)
                 self._mark(False, f"{type(e).__name__}: {e}")
+                # a failed pipeline leaves a Cluster client on its old slot map (a promoted
+                # replica would never be written to): read it again on the next call
+                await forget_topology(self.writer)
                 continue
             except Exception:         # a bug must not stop this replica's inserts for good
                 _stop_if_cancelled()
@@ -189,6 +192,7 @@ class ReplicaLink:
             except CALL_FAILED as e:     # no Cluster node reachable, a connection lost: down, not a bug
                 _stop_if_cancelled()
                 self._mark(False, f"{type(e).__name__}: {e}")
+                await forget_topology(self.reader)      # a Cluster's slot map read again, as the writer's
             except Exception:         # a bug must not stop the view's replication for good
                 _stop_if_cancelled()
                 log.exception("shared routing view: stream reader failed")
