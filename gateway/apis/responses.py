@@ -58,6 +58,7 @@ from gateway.tenants import Tenancy
 from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.responses")
+UNREACHABLE_LOG_S = 10.0
 
 _PD_ROLES = ("prefill", "decode")
 
@@ -110,6 +111,8 @@ class ResponsesApi(ApiShape):
         self.auth_on = config.auth.on
         self.m = ResponsesMetrics(metrics.registry)
         self.session: aiohttp.ClientSession | None = None
+        self._unreachable_at = -UNREACHABLE_LOG_S      # the store's failures, logged at most this often
+        self._unreachable_quiet = 0
         # response id → the endpoint that answered it (``r:<id>``), in both state modes: the routing
         # view's session map (gateway/view shares it with sibling workers and replicas), where
         # prefix-cache finds a follow-up's engine and, in engine mode with the memory backend, a
@@ -274,16 +277,27 @@ class ResponsesApi(ApiShape):
             await store.put(rid, blob)
         except StoreUnavailable as e:
             self.m.writes.labels(kind, "unavailable").inc()
-            log.warning("responses state not written", kind=kind, response_id=rid, error=str(e))
+            self._unreachable(e, "responses state not written")
             return
         self.m.writes.labels(kind, "ok").inc()
+
+    def _unreachable(self, e: Exception, event: str = "responses state store unreachable") -> None:
+        """The store's failure, logged (its address and error are the operator's, not the client's):
+        once every ``UNREACHABLE_LOG_S`` while it lasts, with how many went unlogged since."""
+        now = time.monotonic()
+        if now - self._unreachable_at < UNREACHABLE_LOG_S:
+            self._unreachable_quiet += 1
+            return
+        log.warning(event, error=str(e), since_last=self._unreachable_quiet)
+        self._unreachable_at, self._unreachable_quiet = now, 0
 
     async def _lookup(self, store, kind: str, rid: str, user: str | None) -> dict[str, Any]:
         try:
             raw = await store.get(rid)
         except StoreUnavailable as e:
             self.m.lookups.labels(kind, "unavailable").inc()
-            raise GatewayError(503, f"the Responses state store is unreachable: {e}", code="service_unavailable",
+            self._unreachable(e)
+            raise GatewayError(503, "the Responses state store is unreachable", code="service_unavailable",
                                headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
                                error_class=ErrorClass.STATE_UNAVAILABLE) from None
         value = orjson.loads(raw) if raw is not None else None
@@ -370,7 +384,8 @@ class ResponsesApi(ApiShape):
             try:
                 await self.history.delete(rid)
             except StoreUnavailable as e:
-                raise GatewayError(503, f"the Responses state store is unreachable: {e}",
+                self._unreachable(e)
+                raise GatewayError(503, "the Responses state store is unreachable",
                                    code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
             body: Any = {"id": rid, "object": "response", "deleted": True}
         elif action == "input_items":

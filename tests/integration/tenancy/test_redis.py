@@ -357,3 +357,17 @@ async def test_requests_counted_during_an_outage_are_added_once_whatever_breaks(
             assert int(await st.client.get(rpm_key)) == total
     finally:
         await st.stop()
+
+
+async def test_a_responses_store_outage_is_a_503_that_names_no_address(sims, gateway, redis_server):
+    """The store's address and its client's error are the operator's (logged), not the client's."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], state=state(redis_server),
+                       responses={"state": "gateway"})
+    async with openai_client(gw) as c:
+        r = await c.responses.create(model="m", input="Hello", max_output_tokens=3)
+        redis_server.kill()
+        with pytest.raises(openai.InternalServerError) as ei:
+            await c.responses.retrieve(r.id)
+    assert ei.value.status_code == 503 and ei.value.body["code"] == "service_unavailable"
+    assert "127.0.0.1" not in ei.value.body["message"] and "Error" not in ei.value.body["message"]
