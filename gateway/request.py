@@ -66,8 +66,10 @@ def caller_headers(headers: Any) -> tuple[str | None, str | None, str | None]:
     """The caller's names in the request's headers, as ``header_text``: ``user``, ``x-session-id``,
     and the session key (``x-session-key``, else AIBrix's ``x-aibrix-session-key``)."""
     get = headers.get
-    return (header_text(get("user")), header_text(get("x-session-id")),
-            header_text(get("x-session-key") or get("x-aibrix-session-key")))
+    user, sid, key = get("user"), get("x-session-id"), get("x-session-key") or get("x-aibrix-session-key")
+    if user is None and sid is None and key is None:        # the usual request: no call more
+        return None, None, None
+    return header_text(user), header_text(sid), header_text(key)
 
 
 class WholeBody:
