@@ -152,3 +152,25 @@ async def test_an_input_that_cannot_be_read_on_fails_the_batch_and_says_why(sims
     assert b.status == "failed" and b.failed_at and b.errors.data[0].code == "file_unreadable"
     answered = b.request_counts.completed + b.request_counts.failed
     assert 0 < answered <= 256 and b.output_file_id
+
+
+async def test_no_line_starts_once_a_drain_begins(sims, gateway, tmp_path):
+    """From the SIGTERM's drain on, through its delay (the listener still open): the line in flight
+    finishes, no other starts; the rest is for the next start (or another worker)."""
+    from gateway.server.run import drain_and_stop
+
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_concurrency=1))
+    c = openai_client(gw)
+    await create(c, rows(["m"] * 20, max_tokens=10))
+
+    async def started() -> bool:
+        return (await sim_state(sim.url))["counts"]["started"] >= 2
+
+    await until(started, timeout=20)
+    drain = asyncio.create_task(drain_and_stop(gw.runner, gw.runner.app, 5.0, delay=1.5))
+    await asyncio.sleep(0.3)                    # the line running at the drain's start is let finish
+    at_drain = (await sim_state(sim.url))["counts"]["started"]
+    await asyncio.sleep(0.9)                    # still within the delay: the listener is open
+    assert (await sim_state(sim.url))["counts"]["started"] == at_drain
+    await drain
