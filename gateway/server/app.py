@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from gateway.apis.base import ApiShape
 from gateway.apis.responses import add_responses
@@ -30,6 +30,7 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import StatusPage, add_status
 from gateway.observability.tracing import Tracing
+from gateway.pipeline.context import safe_header_value
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
 from gateway.pipeline.pipeline import Pipeline
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
@@ -115,6 +116,23 @@ def _error_middleware(answer):
     return error_middleware
 
 
+async def _expect(request: web.Request) -> web.Response | None:
+    """``Expect: 100-continue`` answered as aiohttp answers it (the interim answer, then the body is
+    read); any other expectation a 417 in OpenAI's shape, as every error the gateway writes."""
+    expect = request.headers.get("Expect", "")
+    if request.version != HttpVersion11:
+        return
+    if expect.lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0          # the answer's own bytes are counted from here
+        return
+    e = GatewayError(417, f"unknown Expect: {safe_header_value(expect)[:64]!r}; only 100-continue is served",
+                     param="Expect", code="expectation_failed", error_class=ErrorClass.VALIDATION)
+    rid = request_id_from(request.headers.get("x-request-id"))
+    return web.Response(status=417, body=e.body_bytes(), content_type="application/json",   # the answer
+                        headers={"request-id": rid, "x-request-id": rid, "Connection": "close"})
+
+
 def _direct_routes(paths, reloader: Reloader, answer, tracing: Tracing | None) -> dict[str, Callable]:
     """The inference paths' handler as the edge calls it without the application (gateway/server/edge.py
     ``EdgeServer``): the live generation's pipeline, and the error middleware's answer for what
@@ -181,7 +199,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
 
     inference = (CHAT, COMPLETIONS, EMBEDDINGS, *s.apis)     # s.apis: Responses, Messages, pass-through
     for path in inference:
-        app.router.add_post(path, reloader.live_handle)
+        app.router.add_post(path, reloader.live_handle, expect_handler=_expect)
     # the edge calls these paths' handler itself, skipping the application's router and middleware
     # (the trace span wraps it there as the middleware does here); the tenants' x-ratelimit-* headers
     # come from the request's record, not the application

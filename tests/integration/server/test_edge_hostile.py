@@ -235,6 +235,14 @@ async def test_expect_100_continue_on_an_inference_path_gets_the_interim_answer_
 
 
 @on_both_loops
+async def test_an_expectation_other_than_100_continue_is_a_shaped_417():
+    async with edge_gateway(**SERVER) as gw:
+        ex = await exchange(gw.port, request("POST", CHAT, BODY, {"Expect": "200-ok"}, close=True))
+        err = assert_openai_error(ex.first, 417)
+        assert err["code"] == "expectation_failed" and err["param"] == "Expect"
+
+
+@on_both_loops
 async def test_header_bytes_that_are_not_utf8_are_quoted_in_a_shaped_error():
     """aiohttp reads a header's bytes that are not UTF-8 as lone surrogates; an error quoting
     them (an unknown routing strategy) is still written, with the bytes escaped, not a 500."""
