@@ -339,6 +339,10 @@ class EdgeProtocol(web.RequestHandler):
             return False
         if isinstance(got, lane.Pending):
             self._lane_wait(got, lim)
+        elif isinstance(got, lane.Split):     # what follows waits its turn, as if it came meanwhile
+            self._lane_start(got.first)
+            self._e_pipelined = True
+            self._lane_held.append(got.rest)
         else:
             self._lane_start(got)
         return True

@@ -16,7 +16,7 @@ openai SDK's httpx does: at low load the gateway reads them apart) is held until
 
 Anything else goes to aiohttp exactly as before, parsed from the same bytes: another method or
 path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than ``HOLD_BODY``
-while it comes after its head, or followed by more bytes, ``Expect``, ``Upgrade``, a head without
+while it comes after its head, or followed by more than ``HOLD_BYTES``, ``Expect``, ``Upgrade``, a head without
 exactly one ``Host`` (aiohttp's 400), a head near the edge's header limits, a body over
 ``server.max_body_bytes``, a connection with a request of aiohttp's in flight, or a head that is
 not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line,
@@ -26,7 +26,11 @@ unchanged; the lane only ever takes what aiohttp would have handed to the same h
 property test holds it to that: tests/unit/gateway/server/test_lane.py).
 
 While a lane request runs, bytes of a next request are held (and reading paused past 64 KiB) and
-given to the connection once the answer is out, so answers keep the order of their requests.
+given to the connection once the answer is out, so answers keep the order of their requests. A
+read that holds a whole request and bytes after it (pipelined requests, or a request and junk)
+is one of those: the first runs on the lane, the rest is held (``Split``). aiohttp's parser, given
+such a read, drops the requests it parsed when a later part fails, so a request followed by junk
+would get no answer; this way it gets its answer, and the junk its 400.
 A client that disconnects cancels the lane's task as it cancels aiohttp's handler.
 """
 
@@ -192,12 +196,22 @@ class Pending:
 Parsed = tuple[str, CIMultiDictProxy[str], bytes, bool]
 
 
+class Split:
+    """A whole lane request (``first``) and the bytes that came after it in the same read (``rest``)."""
+
+    __slots__ = ("first", "rest")
+
+    def __init__(self, first: Parsed, rest: bytes) -> None:
+        self.first, self.rest = first, rest
+
+
 def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
-          max_body: float) -> Parsed | Pending | None:
+          max_body: float) -> Parsed | Pending | Split | None:
     """(path, headers, body, keep-alive) of ``data`` when it is exactly one plain request to one of
-    ``paths`` that the lane may take; a ``Pending`` when it is the whole head of one and part of its
-    body (bodies up to ``HOLD_BODY``; larger ones are aiohttp's, which reads them as they come);
-    None otherwise (aiohttp then parses the same bytes)."""
+    ``paths`` that the lane may take; a ``Split`` when more bytes (up to ``HOLD_BYTES``) follow
+    that request; a ``Pending`` when it is the whole head of one and part of its body (bodies up
+    to ``HOLD_BODY``; larger ones are aiohttp's, which reads them as they come); None otherwise
+    (aiohttp then parses the same bytes)."""
     got = _head(data, paths, max_head, max_headers)
     if got is None:
         return None
@@ -207,11 +221,13 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
         return None
     n = int(length)
     start = end + 4
-    if n > max_body or len(data) > start + n:
+    if n > max_body or len(data) > start + n + HOLD_BYTES:
         return None
     headers = CIMultiDictProxy(CIMultiDict(fields))
     if len(data) == start + n:
         return path, headers, data[start:], _keep_alive(fields, lowered)
+    if len(data) > start + n:
+        return Split((path, headers, data[start:start + n], _keep_alive(fields, lowered)), data[start + n:])
     if n > HOLD_BODY:
         return None
     return Pending(path, headers, _keep_alive(fields, lowered), start, start + n, data)

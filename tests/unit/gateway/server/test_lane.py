@@ -76,11 +76,17 @@ def test_bytes_above_ascii_in_a_value_are_carried_as_aiohttp_carries_them():
     _raw(line="POST  /v1/chat/completions HTTP/1.1"),
     _raw(line="PUT /v1/chat/completions HTTP/1.1"),
     _raw(line="POST /v1/chat/completions HTTP/1.1 "),
-    _raw() + b"POST",                               # bytes of a next request behind it
-    _raw(body=BODY + b" ", length=str(len(BODY))),
 ])
 def test_anything_else_is_left_to_aiohttp(data):
     assert _parse(data) is None
+
+
+@pytest.mark.parametrize("rest", [b"POST", b" ", _raw()])
+def test_bytes_after_a_whole_request_wait_their_turn(rest):
+    """A read with a whole request and more: the request is taken, the rest held for after it."""
+    got = _parse(_raw() + rest)
+    assert isinstance(got, lane.Split) and got.first[2] == BODY and got.rest == rest
+    assert _parse(_raw() + b"x" * (lane.HOLD_BYTES + 1)) is None     # past the hold: aiohttp's, as before
 
 
 def test_limits_leave_it_to_aiohttp_which_answers_them():
