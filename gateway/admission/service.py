@@ -368,6 +368,8 @@ class Admission:
         if mq is None or not len(mq.queue):
             return
         by_class = self._by_class.get(model)
+        if by_class is None and self.settings(model) is not None:   # a reload forgot them: read again
+            by_class = self._by_class.get(model)
         if by_class is None:                # admission turned off by a reload: let everyone go
             by_class = [Thresholds(max_waiting=1 << 30, max_kv=2.0, max_age=math.inf, engine_signals=False)] * len(PRIORITIES)
         now = self.clock()

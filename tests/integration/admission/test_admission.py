@@ -258,3 +258,20 @@ async def test_a_critical_request_finds_the_headroom_lower_classes_may_not_fill(
     assert len(queue(gw)) == 3 and queue(gw).count(0) == 3
     for t in (*low, high):
         await cancel(t)
+
+
+async def test_a_reload_keeps_the_queue_waiting(sims, gateway):
+    """``Settings apply on reload; queues are kept``: a reload (here of the same file) must not
+    let every queued request onto the engine at once."""
+    from gateway.server.app import RELOAD_KEY
+
+    _, gw = await capped_gateway(sims, gateway)
+    blocker = await hold(gw)
+    waiting = [asyncio.create_task(post(gw.url, body())) for _ in range(4)]
+    assert await wait_for(lambda: len(queue(gw)) == 4)
+    reloader = gw.runner.app[RELOAD_KEY]
+    assert reloader.reload("test", reloader.live.config).result == "ok"
+    await asyncio.sleep(0.2)
+    assert len(queue(gw)) == 4 and gw.gw.pool.endpoints("m")[0].in_flight == 1     # still one at a time
+    await cancel(blocker)
+    assert [st for st, _, _ in await asyncio.gather(*waiting)] == [200] * 4
