@@ -58,6 +58,7 @@ class Routing:
         # trial slot must be taken before a concurrent request routes)
         self.claims: list[DecisionObserver] = []
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
+        self._hints: dict[str, bool] = {}               # discovered strategy hints: usable or not
         # feeds the endpoints' latency models (``ctx.latency``) with every decision, before its charge
         self.slo = slo
         self.registry: RouterRegistry = default_registry(self.ctx)
@@ -81,11 +82,28 @@ class Routing:
         if m is not None and m.strategy:
             return m.strategy
         hint = self.pool.strategy_hint(model)
-        if hint:
+        if hint and self._usable_hint(hint):
             return hint
         if (m is not None and m.rolesets) or self.pool.has_pd(model):
             return "pd"
         return self.config.routing.strategy
+
+    def _usable_hint(self, hint: str) -> bool:
+        """Whether a discovered pod's ``routingStrategy`` names strategies of this gateway (an
+        operator's annotation, not the client's choice: an unknown one is logged once and the
+        default routes, rather than every request being refused)."""
+        ok = self._hints.get(hint)
+        if ok is None:
+            try:
+                self.registry.get(hint)
+                ok = True
+            except StrategyError as e:
+                ok = False
+                log.warning("a discovered pod's routingStrategy is not a strategy of this gateway; "
+                            "the model's default routes", strategy=safe_header_value(hint), error=str(e))
+            if len(self._hints) < 256:
+                self._hints[hint] = ok
+        return ok
 
     def router_for(self, spec: str) -> Router:
         try:

@@ -155,3 +155,40 @@ async def test_discovered_pd_pods_default_to_pd_and_the_annotation_strategy_appl
                 assert r.status == 200 and r.headers["routing-strategy"] == "round-robin"
                 pods.append(r.headers["target-pod"])
     assert pods[0] != pods[1] and pods[:2] == pods[2:]
+
+
+async def test_an_annotation_strategy_this_gateway_lacks_is_not_the_clients_error(emu, kube_block, sims, gateway):
+    """A pod's ``routingStrategy`` that names no strategy here (an AIBrix one, a typo): logged,
+    and the model's default routes; no request is refused for the operator's annotation."""
+    import json
+
+    sim = await sims("vllm", "qwen")
+    profile = json.dumps({"defaultProfile": "default", "profiles": {"default": {"routingStrategy": "least-busy-time"}}})
+    emu.create_pod("llm", "qwen-a", {M: "qwen", "model.aibrix.ai/port": str(sim.port)}, ip="127.0.0.1",
+                   annotations={"model.aibrix.ai/config": profile})
+    gw = await gateway([], kubernetes=kube_block)
+    assert await wait_for(lambda: len(gw.gw.pool.ready("qwen")) == 1, timeout=3)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(2):
+            async with s.post(gw.base_url + "/chat/completions",
+                              json={"model": "qwen", "messages": CHAT, "max_tokens": 1}) as r:
+                assert r.status == 200 and r.headers["routing-strategy"] == "least-request"
+
+
+async def test_a_pod_whose_annotations_cannot_be_read_stops_no_other_pod(emu, kube_block, sims, gateway):
+    """Malformed annotations (a profile named by a list, JSON nested past reading) skip that pod,
+    or its events; the other pods come and go as before."""
+    good = await sims("vllm", "qwen")
+    deep = "[" * 50000 + "]" * 50000
+    emu.create_pod("llm", "bad-profile", {M: "qwen", "model.aibrix.ai/port": "9"}, ip="127.0.0.1",
+                   annotations={"model.aibrix.ai/config": '{"defaultProfile": ["a"], "profiles": {"a": {}}}'})
+    emu.create_pod("llm", "deep-profile", {M: "qwen", "model.aibrix.ai/port": "9"}, ip="127.0.0.1",
+                   annotations={"model.aibrix.ai/config": deep})
+    emu.create_pod("llm", "deep-events", {M: "qwen", "model.aibrix.ai/port": str(good.port)}, ip="127.0.0.1",
+                   annotations={"switchyard.io/kv-events": deep})
+    gw = await gateway([], kubernetes=kube_block)
+    assert await wait_for(lambda: [ep.name for ep in gw.gw.pool.ready("qwen")] == ["deep-events"], timeout=5)
+    emu.create_pod("llm", "late", {M: "qwen", "model.aibrix.ai/port": str(good.port)}, ip="127.0.0.1")
+    assert await wait_for(lambda: len(gw.gw.pool.ready("qwen")) == 2, timeout=5)
+    emu.delete_pod("llm", "deep-events")
+    assert await wait_for(lambda: [ep.name for ep in gw.gw.pool.ready("qwen")] == ["late"], timeout=5)
