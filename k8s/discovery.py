@@ -44,6 +44,7 @@ from k8s.pods import ANNO_KV_EVENTS, PodView, Skipped, map_pod, pod_key
 log = structlog.get_logger("switchyard.k8s")
 
 MAX_BACKOFF_S = 30.0
+HEALTHY_WATCH_S = 60.0    # a watch that held this long before failing: the retries start over
 LIST_TIMEOUT_S = 60.0
 
 
@@ -157,12 +158,15 @@ class KubernetesDiscovery:
     async def _run(self, scope: str | None) -> None:
         first = self.kcfg.retry_backoff_s
         backoff = first
+        loop = asyncio.get_running_loop()
         while True:
+            watching = None
             try:
                 rv = await self._list(scope)
-                backoff = first
+                watching = loop.time()
                 await self._watch(scope, rv)
                 self.stats["resyncs"] += 1
+                backoff = first             # a watch that ended as watches do: the API is well
             except asyncio.CancelledError:
                 raise
             except Gone:
@@ -170,6 +174,10 @@ class KubernetesDiscovery:
                 log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*")
             except Exception as e:  # API down, connection broken, a bug: back off, relist
                 self.stats["errors"] += 1
+                # a list that succeeds does not make the API well: a watch that keeps failing at
+                # once (a 500, a 429) backs off as a failing list does, until one holds a while
+                if watching is not None and loop.time() - watching >= HEALTHY_WATCH_S:
+                    backoff = first
                 delay = backoff * random.uniform(0.8, 1.2)
                 log.warning("kubernetes list/watch failed; relisting", namespace=scope or "*",
                             error=f"{type(e).__name__}: {e}".strip(), retry_in_s=round(delay, 2))
@@ -264,7 +272,10 @@ class KubernetesDiscovery:
         self._scope_keys[scope] = seen
 
     def _apply(self, key: str, obj: Mapping[str, Any]) -> None:
-        view = map_pod(obj, self.models, self.kcfg.models)
+        try:
+            view = map_pod(obj, self.models, self.kcfg.models)
+        except Exception as e:          # one pod the mapping cannot read must not stop the others
+            view = Skipped(key, f"not understood: {type(e).__name__}: {str(e)[:200]}")
         if isinstance(view, Skipped):
             if self._skipped.get(key) != view.reason:
                 log.info("kubernetes pod not used", pod=key, reason=view.reason)

@@ -114,8 +114,8 @@ def parse_profile(text: str | None) -> dict[str, Any]:
         return {}
     try:
         doc = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"annotation {ANNO_CONFIG} is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:      # (nested too deep to read)
+        raise ValueError(f"annotation {ANNO_CONFIG} is not JSON: {type(e).__name__}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"annotation {ANNO_CONFIG} must be a JSON object")
     profiles = doc.get("profiles")
@@ -124,6 +124,8 @@ def parse_profile(text: str | None) -> dict[str, Any]:
     if not isinstance(profiles, dict) or not all(isinstance(p, dict) for p in profiles.values()):
         raise ValueError(f"annotation {ANNO_CONFIG}: 'profiles' must map names to objects")
     name = doc.get("defaultProfile") or "default"
+    if not isinstance(name, str):
+        raise ValueError(f"annotation {ANNO_CONFIG}: defaultProfile must be a string")
     profile = profiles.get(name)
     if profile is None and len(profiles) == 1:
         profile = next(iter(profiles.values()))
@@ -234,7 +236,7 @@ def parse_kv_events(value: str | None) -> tuple[tuple[str, Any], ...] | None:
         return ()
     try:
         data = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ValueError(f"annotation {ANNO_KV_EVENTS} is neither true/false nor JSON") from None
     if not isinstance(data, dict):
         raise ValueError(f"annotation {ANNO_KV_EVENTS} must be true, false or a JSON object")

@@ -20,6 +20,7 @@ Test knobs: ``partition()`` drops events (and bookmarks) on their way to live wa
 events are lost for good, as on a broken proxy; ``heal()`` ends it, and the next bookmark moves
 the clients past what they missed. ``break_watches()`` aborts every watch connection mid-stream.
 ``compact()`` forgets history: a watch resuming from an older resourceVersion gets 410.
+``fail_watches = 500`` answers every watch with that status while lists go on working.
 ``fail_next_lists`` makes the next list calls fail with the given HTTP statuses.
 """
 
@@ -73,6 +74,7 @@ class KubeEmulator:
         self.watchers: list[_Watcher] = []
         self.partitioned = False
         self.fail_next_lists: list[int] = []
+        self.fail_watches: int | None = None      # every watch answered with this status (lists work)
         self.stats: Counter[str] = Counter()
         self.requests: list[tuple[str, dict[str, str]]] = []
         self._ips = itertools.count(2)
@@ -233,6 +235,9 @@ class KubeEmulator:
             return self._error(400, "BadRequest", f"unable to parse requirement: {e}")
         ns = request.match_info.get("ns")
         if q.get("watch") in _TRUE:
+            if self.fail_watches is not None:
+                self.stats["failed_watches"] += 1
+                return self._error(self.fail_watches, "InternalError", f"injected failure {self.fail_watches}")
             return await self._watch(request, ns, selector)
         self.stats["lists"] += 1
         if self.fail_next_lists:

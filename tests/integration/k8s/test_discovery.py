@@ -7,6 +7,7 @@ a few seconds (never asserted as wall time).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -236,3 +237,15 @@ async def test_no_kubeconfig_outside_a_cluster_says_so(monkeypatch):
     cfg = config_from_dict({"kubernetes": {"enabled": True}})
     with pytest.raises(ConfigError, match="in-cluster"):
         await KubernetesDiscovery(cfg.kubernetes, EndpointPool()).start()
+
+
+async def test_watches_that_keep_failing_back_off_though_the_lists_succeed(emu, discover):
+    """``retry_backoff_s`` doubles up to 30 s: a watch refused at once (a 500, a 429) after each
+    successful list is an API error like any other, so the relists slow down rather than go on
+    at the first delay."""
+    emu.fail_watches = 500
+    d, _ = await discover()
+    await asyncio.sleep(2.0)
+    # at 0.05 s a try the two seconds held some 40 relists; doubling from 0.05 s holds about 6
+    assert 3 <= emu.stats["failed_watches"] <= 10, emu.stats
+    emu.fail_watches = None
