@@ -63,3 +63,19 @@ async def events_gateway(sims: Any, gateway: Any, tokenizer: str, engine: dict[s
     await until(lambda: manager.subscribers)
     await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
     return sim, gw, manager
+
+
+class FakeSub:
+    """A ZeroMQ SUB socket holding some messages, as ``gateway.kv.events.Subscriber._readable``
+    reads one (``getsockopt(EVENTS)``, ``recv_multipart``)."""
+
+    def __init__(self, messages):
+        self.messages = list(messages)
+
+    def getsockopt(self, opt):
+        import zmq
+
+        return zmq.POLLIN if self.messages and opt == zmq.EVENTS else 0
+
+    def recv_multipart(self, flags=0):
+        return self.messages.pop(0)

@@ -20,6 +20,7 @@ from gateway.kv import events as kv_events
 from gateway.kv.events import KVEventsManager, Subscriber
 from gateway.kv.settings import KVEventsConfig
 from tests.support.factories import block_stored, event_batch
+from tests.support.kv import FakeSub
 from tests.support.ports import listen_port
 
 batch = partial(event_batch, "map")
@@ -104,17 +105,6 @@ async def test_a_first_contact_far_into_an_engines_life_replays_what_its_buffer_
         server.cancel()
 
 
-class _FakeSub:
-    def __init__(self, messages):
-        self.messages = list(messages)
-
-    def getsockopt(self, opt):
-        return zmq.POLLIN if self.messages and opt == zmq.EVENTS else 0
-
-    def recv_multipart(self, flags=0):
-        return self.messages.pop(0)
-
-
 @pytest.mark.parametrize("event", [
     block_stored([7], None, list(range(16)), block_size=float("inf")),
     block_stored([7], None, list(range(16)), block_size=0),
@@ -123,7 +113,7 @@ class _FakeSub:
 ])
 def test_an_event_whose_values_make_no_sense_is_counted_and_skipped_and_the_entries_stay(event):
     sub, registry = subscriber()
-    sub._sock = _FakeSub([[b"", (0).to_bytes(8, "big"), stored(1, 2)],
+    sub._sock = FakeSub([[b"", (0).to_bytes(8, "big"), stored(1, 2)],
                           [b"", (1).to_bytes(8, "big"), batch([event])],
                           [b"", (2).to_bytes(8, "big"), stored(3)]])
     sub._readable()
@@ -136,7 +126,7 @@ def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch
     sub, registry = subscriber(listen_port())
     sub.expected = 1
     removed = batch([{"type": "BlockRemoved", "block_hashes": [1]}])
-    sub._sock = _FakeSub([[b"", i.to_bytes(8, "big"), removed] for i in (3, 4, 5, 6, 7, 8, 9)])
+    sub._sock = FakeSub([[b"", i.to_bytes(8, "big"), removed] for i in (3, 4, 5, 6, 7, 8, 9)])
     sub._readable()                             # 3 needs a replay: it and what follows wait, up to 4
     assert [seq for seq, _ in sub._backlog] == [3, 4, 5, 6] and sub._overflowed
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1

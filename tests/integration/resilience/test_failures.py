@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
 from tests.support.metrics import metric
 from tests.support.waiting import wait_for
@@ -202,38 +203,24 @@ async def test_drain_refuses_new_requests_and_lets_streams_finish(sims, gateway)
     assert await gw.gw.lifecycle.wait_idle(2)
 
 
-async def _wrong_framing_engine():
+async def _wrong_framing(request):
     """An engine that answers a stream request with a JSON body and a whole-body request with an
     event stream (a proxy in front of it that rewrites the request, say)."""
     from aiohttp import web
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        data = await request.json()
-        if data.get("stream"):
-            return web.json_response({"id": "x", "object": "chat.completion", "choices": [
-                {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n')
-        await resp.write_eof()
-        return resp
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    data = await request.json()
+    if data.get("stream"):
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n')
+    await resp.write_eof()
+    return resp
 
 
 async def test_an_answer_framed_otherwise_than_asked_is_a_502(gateway):
-    runner, url = await _wrong_framing_engine()
-    try:
+    async with fake_engine(_wrong_framing) as url:
         gw = await gateway([model_block("m", "vllm", [url])])
         client = openai_client(gw)
         with pytest.raises(openai.InternalServerError) as ei:       # a stream that would read as empty
@@ -248,5 +235,3 @@ async def test_an_answer_framed_otherwise_than_asked_is_a_502(gateway):
         text = await gw.metrics_text()
         assert metric(text, "switchyard_requests_total", status="502") == 2
         assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == 2
-    finally:
-        await runner.cleanup()

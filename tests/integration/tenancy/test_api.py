@@ -11,6 +11,7 @@ from aiohttp import web
 
 from gateway.tenants.service import NO_TENANCY
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client
 from tests.support.tenancy import ALICE, BOB, CHAT, KEYS, outcomes
 from tests.support.waiting import wait_for
@@ -29,19 +30,8 @@ async def recorder():
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
 
-    async def health(_request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}", seen
-    await runner.cleanup()
+    async with fake_engine(chat) as url:
+        yield url, seen
 
 
 async def test_without_auth_the_authorization_header_reaches_the_engine(recorder, gateway):

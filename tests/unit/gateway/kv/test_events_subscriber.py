@@ -15,24 +15,10 @@ from gateway.kv import events as kv_events
 from gateway.kv.events import KVEventsManager, Subscriber
 from gateway.kv.settings import KVEventsConfig
 from tests.support.factories import block_stored, event_batch
+from tests.support.kv import FakeSub
 
 enc = msgspec.msgpack.encode
 batch = partial(event_batch, "map")
-
-
-class _FakeSub:
-    """A SUB socket holding some messages (what ``Subscriber._readable`` reads)."""
-
-    def __init__(self, messages):
-        self.messages = list(messages)
-
-    def getsockopt(self, opt):
-        import zmq
-
-        return zmq.POLLIN if self.messages and opt == zmq.EVENTS else 0
-
-    def recv_multipart(self, flags=0):
-        return self.messages.pop(0)
 
 
 def test_a_subscriber_counts_bad_messages_and_keeps_applying_the_good_ones(monkeypatch):
@@ -59,7 +45,7 @@ def test_a_subscriber_counts_bad_messages_and_keeps_applying_the_good_ones(monke
         return apply(st, b, rank)
 
     monkeypatch.setattr(manager.index, "apply", apply_failing_once)
-    sub._sock = _FakeSub([
+    sub._sock = FakeSub([
         msg(0, stored(1, 2)),
         [b"", b"\x00" * 8],                                        # two frames
         [b"", b"\x00", batch([])],                          # a sequence frame of one byte
@@ -81,7 +67,7 @@ def test_a_gap_goes_to_the_subscriber_task_with_everything_after_it():
     sub = Subscriber(manager, manager.index.track(pool.add(Endpoint(url="http://10.0.0.1:8000", model="m")),
                                                   settings))
     removed = batch([{"type": "BlockRemoved", "block_hashes": [1]}])
-    sub._sock = _FakeSub([[b"", i.to_bytes(8, "big"), removed] for i in (0, 1, 3, 4)])
+    sub._sock = FakeSub([[b"", i.to_bytes(8, "big"), removed] for i in (0, 1, 3, 4)])
     sub._readable()
     assert sub.expected == 2 and [seq for seq, _ in sub._backlog] == [3, 4]
 
@@ -93,7 +79,7 @@ async def test_a_burst_is_applied_in_slices_the_loop_runs_between():
     sub = Subscriber(manager, manager.index.track(pool.add(Endpoint(url="http://10.0.0.1:8000", model="m")),
                                                   settings))
     n = kv_events._DRAIN + 10
-    sub._sock = _FakeSub([[b"", i.to_bytes(8, "big"), batch([block_stored([i], None, [i] * 16)])] for i in range(n)])
+    sub._sock = FakeSub([[b"", i.to_bytes(8, "big"), batch([block_stored([i], None, [i] * 16)])] for i in range(n)])
     sub._readable()
     assert sub.expected == kv_events._DRAIN            # the rest waits for the loop's next turn
     await asyncio.sleep(0)
