@@ -158,6 +158,15 @@ class Admission:
             return entry.priority
         return lim.default_user.priority if lim.default_user is not None else None
 
+    def check_priority(self, ctx: RequestContext, model: str) -> None:
+        """A bad ``x-priority`` refused before anything else is charged for the request (the
+        user's request window): ``priority_of`` checks it again once the user is known."""
+        s = self.settings(model)
+        if s is not None and s.priority_header:
+            asked = ctx.http.headers.get("x-priority")
+            if asked is not None and asked.strip().lower() not in RANK:
+                raise _bad_priority()
+
     def priority_of(self, ctx: RequestContext, s: AdmissionConfig) -> int:
         """The user's class, or the ``x-priority`` header's when it is no higher."""
         allowed = self.user_priority(ctx.rec.user) or s.default_priority
@@ -166,8 +175,7 @@ class Admission:
             return RANK[allowed]
         name = asked.strip().lower()
         if name not in RANK:
-            raise GatewayError(400, "x-priority must be one of critical, standard, sheddable", param="x-priority",
-                               code="invalid_priority", error_class=ErrorClass.VALIDATION)
+            raise _bad_priority()
         if RANK[name] > RANK[allowed]:
             ctx.rec.extra["priority_requested"] = name      # kept at the user's class
             return RANK[allowed]
@@ -475,3 +483,8 @@ class _AdmissionState(Collector):
                     b = baseline(ep)
                     cap.add_metric([model, ep.name, b.source], b.cap(th))
         yield from (depth, held, drain, sat, room, cap)
+
+
+def _bad_priority() -> GatewayError:
+    return GatewayError(400, "x-priority must be one of critical, standard, sheddable", param="x-priority",
+                        code="invalid_priority", error_class=ErrorClass.VALIDATION)

@@ -165,6 +165,8 @@ class Pipeline:
         ireq, rec = ctx.ireq, ctx.rec
         assert ireq is not None
         candidates = self.routing.candidates(ireq.model, router)
+        if "x-priority" in ctx.http.headers:          # a bad one is refused before the user's window counts it
+            self.admission.check_priority(ctx, ireq.model)
         await self.tenancy.admit(ticket, ireq, rec)   # model RPS, user RPM/TPM/concurrency (429)
         rec.user = ireq.user                          # with auth on, the key's user (admit decides it)
         if ctx.api is not None or ireq.lora is not None:

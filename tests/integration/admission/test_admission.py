@@ -151,10 +151,15 @@ async def test_saturation_follows_the_engines_queue_between_scrapes(sims, gatewa
     assert f'switchyard_endpoint_saturated{{endpoint="{ep.name}",model="m"}} 0.0' in text
 
 
-async def test_a_bad_x_priority_is_a_400(sims, gateway):
-    _, gw = await capped_gateway(sims, gateway)
-    status, _, raw = await post(gw.url, body(), {"x-priority": "urgent"})
-    assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
+async def test_a_bad_x_priority_is_a_400_that_costs_the_user_nothing(sims, gateway):
+    auth = {"api_keys": [{"key": KEYS["alice"], "user": "alice"}]}
+    _, gw = await capped_gateway(sims, gateway, auth=auth, limits={"users": {"alice": {"rpm": 10}}})
+    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+    for _ in range(3):
+        status, _, raw = await post(gw.url, body(), {**alice, "x-priority": "urgent"})
+        assert status == 400 and orjson.loads(raw)["error"]["param"] == "x-priority"
+    status, headers, _ = await post(gw.url, body(), alice)
+    assert status == 200 and headers["x-ratelimit-remaining-requests"] == "9"    # the refused ones not counted
 
 
 async def test_no_flood_before_the_engines_capacity_is_known(sims, gateway):
