@@ -404,6 +404,8 @@ class Pipeline:
         rec.error_class = rec.error_class or e.error_class
         rec.error = e.message
         headers = rec.response_headers()
+        if ctx.decision is not None:            # what routing said of it (x-pd-decision, ...) too
+            headers.update(ctx.decision.headers)
         headers.update(e.headers)
         body = ctx.api.error_body(e) if ctx.api is not None else e.body_bytes()
         return self.relay.error_answer(ctx, e.status, body, headers)

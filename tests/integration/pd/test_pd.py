@@ -182,6 +182,7 @@ async def test_prefill_error_fails_fast(sims, gateway, engine):
     assert st == 502
     assert hdrs["x-error-pd-prefill"] == "http_status"
     assert hdrs["prefill-target-pod"] == p.url.split("//")[1]
+    assert hdrs["x-pd-decision"].startswith("disaggregated")      # what routing decided, as on a 200
     assert "503" in orjson.loads(raw)["error"]["message"]
     if engine == "vllm":
         assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
