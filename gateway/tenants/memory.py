@@ -97,6 +97,15 @@ class MemoryState:
                 r.acquired = True
         return r
 
+    def uncount(self, user: str, counted: tuple[float | None, float | None, str]) -> None:
+        """A request counted in the user's RPM window and the model's RPS window (ending at the
+        given monotonic times) that no engine saw: the count back, in the windows it was counted in."""
+        rpm_end, rps_end, model = counted
+        for kind, name, end in (("rpm", user, rpm_end), ("rps", model, rps_end)):
+            w = self._windows.get((kind, name))
+            if end is not None and w is not None and abs(w[1] - end) < 0.05 and w[0] > 0:
+                w[0] -= 1
+
     def settle(self, user: str, tokens: int, release: bool) -> None:
         if tokens > 0:
             self._add("tpm", user, tokens, USER_WINDOW_MS, self._clock())

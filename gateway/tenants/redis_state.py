@@ -134,6 +134,14 @@ end
 return 1
 """
 
+UNCOUNT = """
+-- KEYS: windows to give one count back to (the user's RPM, the model's RPS), while they last
+for i = 1, #KEYS do
+  if tonumber(redis.call('GET', KEYS[i]) or '0') > 0 then redis.call('DECR', KEYS[i]) end
+end
+return 1
+"""
+
 SYNC = """
 -- KEYS: 1 replicas zset, 2 this replica's in-flight hash, 3 directory version
 -- ARGV: 1 replica id, 2 replica ttl ms, 3 in-flight key prefix, 4 share (1/0), 5.. endpoint, count pairs
@@ -212,7 +220,7 @@ class RedisState:
         # meanwhile (standalone: as before, an outage's requests are not added afterwards)
         self.reconcile = self.mode != "standalone"
         self.client = redis_client(cfg)
-        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE, RECONCILE)}
+        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT)}
         self._sync = self.client.register_script(SYNC)
         self._ttl_ms = int(cfg.replica_ttl_s * 1000)
         p = shared_prefix(cfg)
@@ -409,6 +417,23 @@ class RedisState:
         if out[8]:
             self._settle(user, 0, True)
 
+    def uncount(self, user: str, counted: tuple[float | None, float | None, str]) -> None:
+        """A request no engine saw gives its count back to the shared windows it was counted in,
+        while they last (in the background). Not while the state is down: a count made then is
+        reconciled later, and one that is lost costs the user one request of a window."""
+        if not self.up:
+            return
+        rpm_end, rps_end, model = counted
+        now = time.monotonic()
+        keys = []
+        if rpm_end is not None and now < rpm_end - 0.05:
+            keys.append(self._user_keys(user)[0])
+        if rps_end is not None and now < rps_end - 0.05:
+            keys.append(f"{self._p}:rps:{model}")
+        if keys:
+            fut = self._submit(UNCOUNT, keys, [])
+            fut.add_done_callback(_retrieved)
+
     def settle(self, user: str, tokens: int, release: bool) -> None:
         """Charge tokens and release a slot in the background: the answer is already on its way."""
         if release:
@@ -602,3 +627,9 @@ def _raise_unavailable(results: list) -> None:
     for r in results:
         if isinstance(r, UNAVAILABLE):
             raise r
+
+
+def _retrieved(fut: asyncio.Future) -> None:
+    """A background call's outcome read (a failure gives back nothing, as documented)."""
+    if not fut.cancelled():
+        fut.exception()

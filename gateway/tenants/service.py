@@ -65,6 +65,9 @@ class Ticket:
     held: bool = False                   # holds a concurrency slot in the state backend
     headers: dict[str, str] | None = None
     est_tokens: int = 0                  # prompt estimate, charged if the usage never arrives
+    # the request windows it was counted in: (user's RPM window ends, model's RPS window ends, model),
+    # monotonic times (None: not counted there); given back when no engine ever saw the request
+    counted: tuple[float | None, float | None, str] | None = None
 
 
 TICKET = web.RequestKey("tenancy_ticket", Ticket)
@@ -304,6 +307,11 @@ class Tenancy:
         if r.reason is not None:
             self.m.rate_limited.labels(ireq.model, r.reason, self._user_label(t)).inc()
             raise rejection(q, r, t.headers or {})
+        now = time.monotonic()
+        rpm_end = now + r.requests_reset_ms / 1000 if limits is not None and limits.rpm else None
+        rps_end = now + r.model_reset_ms / 1000 if rps else None
+        if rpm_end is not None or rps_end is not None:
+            t.counted = (rpm_end, rps_end, ireq.model)
 
     def _user_label(self, t: Ticket) -> str:
         if t.user is None:
@@ -348,6 +356,11 @@ class Tenancy:
                                                        self.m.user_tokens.labels(user, "completion"))
             tokens[0].inc(rec.prompt_tokens or 0)
             tokens[1].inc(rec.completion_tokens or 0)
+        counted, t.counted = t.counted, None
+        if counted is not None and not rec.endpoint and rec.status >= 400:
+            # refused before any engine saw it (shed by admission, a P/D body refused, its client
+            # gone while it queued): it gives back its count in the request windows
+            self.state.uncount(t.user or "", counted)
         lim = t.limits
         if lim is None:
             return

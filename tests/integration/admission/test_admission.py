@@ -280,3 +280,42 @@ async def test_a_reload_keeps_the_queue_waiting(sims, gateway):
     assert len(queue(gw)) == 4 and gw.gw.pool.endpoints("m")[0].in_flight == 1     # still one at a time
     await cancel(blocker)
     assert [st for st, _, _ in await asyncio.gather(*waiting)] == [200] * 4
+
+
+async def _shed_costs_nothing(gw) -> None:
+    alice = {"Authorization": f"Bearer {KEYS['alice']}"}
+    blocker = await hold(gw, **alice)                   # counted: it reached the engine
+    waiting = asyncio.create_task(post(gw.url, body(), alice))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    for _ in range(3):                                  # the queue is full: shed, 429
+        status, _, raw = await post(gw.url, body(), alice)
+        assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_full"
+    await cancel(blocker)
+    assert (await waiting)[0] == 200                    # counted: it ran
+    for _ in range(20):                                 # the refunds land in the background
+        status, headers, _ = await post(gw.url, body(), alice)
+        assert status == 200
+        if headers["x-ratelimit-remaining-requests"] == "7":
+            break
+        await asyncio.sleep(0.05)
+    # ten a minute: the blocker, the one that waited and this one; the three shed ones given back
+    assert headers["x-ratelimit-remaining-requests"] == "7"
+
+
+async def test_a_request_admission_sheds_costs_the_user_nothing(sims, gateway):
+    """A request refused before any engine saw it gives back its count in the user's request
+    window: a client that obeys a shed's Retry-After has lost nothing of its RPM."""
+    auth = {"api_keys": [{"key": KEYS["alice"], "user": "alice"}]}
+    _, gw = await capped_gateway(sims, gateway, {"queue_max": 1}, auth=auth,
+                                 limits={"users": {"alice": {"rpm": 10}}})
+    await _shed_costs_nothing(gw)
+
+
+async def test_a_request_admission_sheds_costs_the_user_nothing_on_shared_state(sims, gateway, redis_server):
+    from tests.support.redis_failover import FAST_STATE
+
+    auth = {"api_keys": [{"key": KEYS["alice"], "user": "alice"}]}
+    _, gw = await capped_gateway(sims, gateway, {"queue_max": 1}, auth=auth,
+                                 limits={"users": {"alice": {"rpm": 10}}},
+                                 state={"redis_url": redis_server.url, **FAST_STATE})
+    await _shed_costs_nothing(gw)
