@@ -337,14 +337,14 @@ class EdgeProtocol(web.RequestHandler):
                          lim.max_body_bytes or float("inf"))
         if got is None:
             return False
-        if isinstance(got, lane.Pending):
+        if got.__class__ is tuple:              # one whole request: the usual read, checked first
+            self._lane_start(got)
+        elif got.__class__ is lane.Pending:
             self._lane_wait(got, lim)
-        elif isinstance(got, lane.Split):     # what follows waits its turn, as if it came meanwhile
+        else:                                   # a Split: what follows waits its turn, as if it came meanwhile
             self._lane_start(got.first)
             self._e_pipelined = True
             self._lane_held.append(got.rest)
-        else:
-            self._lane_start(got)
         return True
 
     def _lane_open(self, begun: bool) -> bool:
