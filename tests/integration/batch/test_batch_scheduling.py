@@ -98,14 +98,15 @@ async def test_a_model_without_room_does_not_hold_back_another_models_lines(sims
 
 async def test_an_input_file_past_its_ttl_is_kept_while_its_batch_runs(sims, gateway, tmp_path):
     sim = await sims("vllm", "m", itl_ms=5.0)
-    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, file_ttl_s=2))
+    # one line at a time, 3 tokens 5 ms apart: the 300 lines take more than the file's 2 s
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, file_ttl_s=2, max_concurrency=1))
     c = openai_client(gw)
     n = 300                                   # more than one read of the input (256 lines)
-    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=6))), purpose="batch")
+    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=3))), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     b = await run_to_end(c, b.id, timeout=90)
     assert b.status == "completed" and (b.request_counts.completed, b.request_counts.total) == (n, n)
-    assert b.completed_at - b.created_at > 2   # the file's time was up while the batch read it
+    assert f.expires_at < b.completed_at      # the file's time was up while the batch read it
 
 
 async def test_a_batch_cancelled_before_it_was_validated_counts_its_lines(sims, gateway, tmp_path):
