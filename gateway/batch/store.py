@@ -14,6 +14,7 @@ never waits on the disk, and this process has one writer.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import sqlite3
 import time
@@ -62,11 +63,21 @@ class BatchStore:
     """The database; every method is one transaction (or one read)."""
 
     def __init__(self, path: str) -> None:
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")     # WAL: a process killed loses no commit
-        self.db.execute("PRAGMA busy_timeout=30000")     # other workers write too
-        self.db.executescript(SCHEMA)
+        # Workers open the same database at the same moment. Turning a new file to WAL and creating
+        # the tables read first and then write outside ``BEGIN IMMEDIATE``, and SQLite answers
+        # "database is locked" at once (no busy wait) to one of two connections that both try
+        # that, so the opening steps take turns under an exclusive flock beside the database.
+        with open(path + ".open-lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)         # released when the file closes
+            self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30.0)
+            try:
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=NORMAL")     # WAL: a process killed loses no commit
+                self.db.execute("PRAGMA busy_timeout=30000")     # other workers write too
+                self.db.executescript(SCHEMA)
+            except BaseException:
+                self.db.close()
+                raise
 
     def close(self) -> None:
         self.db.close()

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,22 +21,30 @@ import aiohttp
 async def gateway_process(path, port: int, *args: str, ready_workers: int = 1) -> AsyncIterator[asyncio.subprocess.Process]:
     """Started, and ``/ready`` answered 200 by ``ready_workers`` distinct processes (``/status.json``'s
     pid); SIGTERM at exit."""
+    err = tempfile.TemporaryFile()        # its log, shown when it does not come up
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(path), *args,
-                                                stderr=asyncio.subprocess.DEVNULL)
+                                                stderr=err)
     try:
         seen: set[int] = set()
-        async with asyncio.timeout(40):
-            while len(seen) < ready_workers:
-                with contextlib.suppress(aiohttp.ClientError, OSError):
-                    if (await get_new(port, "/ready"))[0] == 200:
-                        seen.add((await get_new(port, "/status.json"))[1]["gateway"]["pid"])
-                await asyncio.sleep(0.05)
+        try:
+            async with asyncio.timeout(40):
+                while len(seen) < ready_workers:
+                    with contextlib.suppress(aiohttp.ClientError, OSError):
+                        if (await get_new(port, "/ready"))[0] == 200:
+                            seen.add((await get_new(port, "/status.json"))[1]["gateway"]["pid"])
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            err.seek(0)
+            tail = err.read()[-6000:].decode(errors="replace")
+            raise AssertionError(f"the gateway did not come up ({len(seen)} of {ready_workers} workers ready,"
+                                 f" exit code {proc.returncode}); its log ends:\n{tail}") from None
         yield proc
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):
             await proc.wait()
+        err.close()
 
 
 async def post_new(port: int, path: str, body: dict[str, Any], headers: dict[str, str] | None = None

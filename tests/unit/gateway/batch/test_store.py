@@ -47,3 +47,33 @@ def test_updates_are_read_modify_write(tmp_path):
     assert d["status"] == "cancelling" and d["request_counts"]["completed"] == 1
     assert [b["id"] for b in s.active_batches()] == ["b1"]
     assert s.status_counts() == {"cancelling": 1}
+
+
+def _open_at_once(path: str, barrier, answers) -> None:
+    barrier.wait()
+    try:
+        BatchStore(path).close()
+        answers.put("")
+    except Exception as e:             # noqa: BLE001 - the answer is what the test reads
+        answers.put(repr(e))
+
+
+def test_workers_opening_a_new_database_at_the_same_moment_all_open_it(tmp_path):
+    """Two connections that both turn a new file to WAL (or create the tables) at once: SQLite
+    answers one of them "database is locked" without waiting, and a worker then failed to start.
+    Six processes, released together by a barrier, ten new databases."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    failures = []
+    for round_ in range(10):
+        barrier, answers = ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_open_at_once, args=(str(tmp_path / f"db{round_}"), barrier, answers))
+                 for _ in range(6)]
+        for p in procs:
+            p.start()
+        failures += [a for a in (answers.get(timeout=30) for _ in procs) if a]
+        for p in procs:
+            p.join(timeout=30)
+    assert failures == []
+    s = BatchStore(str(tmp_path / "db0"))
+    assert s.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
