@@ -145,6 +145,10 @@ class EndpointPool:
         # new endpoint): whether it has prefill/decode endpoints, and their strategy hint
         self._pd: set[str] = set()
         self._hints: dict[str, str] = {}
+        # endpoints taken out, with the monotonic time they were, until what is kept per endpoint
+        # elsewhere (metric series, breakers) has been let go (gateway/observability/metrics.py
+        # ``RetiredSeries``)
+        self.retired: list[tuple[Endpoint, float]] = []
 
     def add(self, ep: Endpoint) -> Endpoint:
         self._by_model.setdefault(ep.model, []).append(ep)
@@ -157,7 +161,11 @@ class EndpointPool:
         if eps and ep in eps:
             eps.remove(ep)
             self._summarize(ep.model)
+            self.retired.append((ep, time.monotonic()))
         ep.draining = True
+
+    def live_names(self, model: str) -> set[str]:
+        return {ep.name for ep in self._by_model.get(model, ())}
 
     def _summarize(self, model: str) -> None:
         eps = self._by_model.get(model, ())

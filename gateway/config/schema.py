@@ -103,6 +103,7 @@ class ServerConfig(Block):
     max_headers: Annotated[int, Meta(ge=8, description="Most header fields in one request; more gets 431.")] = 100
     fast_lane: Annotated[bool, Meta(description="Take a plain HTTP/1.1 POST to an inference path with a JSON body (chat, completions, embeddings, Messages, Responses, the JSON pass-through paths; a Content-Length body, waited for when it comes after its head, up to 1 MiB; nothing else in flight on its connection) off the connection, read by the edge's own fast lane without aiohttp's request path; every other request goes through aiohttp as with false. Counted in switchyard_client_requests_fast_lane_total.")] = True
     loop_lag_interval_s: Annotated[Amount, Meta(description="How often the event loop's lag is sampled into switchyard_event_loop_lag_seconds, in seconds (0: off).")] = 0.5
+    removed_endpoint_series_s: Annotated[Amount, Meta(description="How long the Prometheus series labelled with an endpoint (switchyard_upstream_errors_total, switchyard_health_probes_total, switchyard_engine_scrapes_total, switchyard_breaker_transitions_total, switchyard_upstream_outcomes_total) are still exported after the endpoint left the pool (a pod deleted, a reload) and its last request ended, so scrapes see its last counts; then they are dropped, in seconds.")] = 300.0
     reclaim_min_drop: Annotated[Count, Meta(description="After requests in flight fell this far below their peak, run a garbage collection and give freed memory back to the system, once per burst (0: off).")] = 1000
 
     def __post_init__(self) -> None:

@@ -25,6 +25,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from gateway.server.periodic import Periodic
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -63,6 +65,17 @@ class _Family(Collector):
 
     def _new_child(self) -> Any:
         raise NotImplementedError
+
+    def forget(self, model: str, endpoint: str) -> int:
+        """Drop the series of one endpoint (labels ``model`` and ``endpoint``); how many went."""
+        try:
+            mi, ei = self._labelnames.index("model"), self._labelnames.index("endpoint")
+        except ValueError:
+            return 0
+        gone = [k for k in self._children if k[mi] == model and k[ei] == endpoint]
+        for k in gone:
+            del self._children[k]
+        return len(gone)
 
     def _series(self) -> list[tuple[tuple[str, ...], Any]]:
         return [((), self._single)] if self._single is not None else list(self._children.items())
@@ -269,6 +282,26 @@ class GatewayMetrics:
         self.migrations = Counter("switchyard_migrations", "Mid-stream failures of streams with migration on, "
                                   "by reason and outcome", ["model", "reason", "outcome"], registry=r)
         self._children: dict[tuple, object] = {}
+        # the families labelled by endpoint, whose series go some time after their endpoint did
+        # (``RetiredSeries``); other parts add theirs (the breakers')
+        self.per_endpoint: list[_Family] = [self.upstream_errors, self.health_probes, self.scrapes]
+        self._caches: list[dict[tuple, object]] = [self._children]
+
+    def add_per_endpoint(self, families: Iterable[_Family], cache: dict[tuple, object]) -> None:
+        """Families of another part labelled (model, endpoint, ...) and its cache of their children,
+        keyed as ``child`` keys them: forgotten with the endpoint."""
+        self.per_endpoint.extend(families)
+        self._caches.append(cache)
+
+    def forget_endpoint(self, model: str, endpoint: str) -> int:
+        """Drop every series labelled with this endpoint, and the cached children that wrote them
+        (a child left cached would count into a series no longer exported)."""
+        n = sum(f.forget(model, endpoint) for f in self.per_endpoint)
+        ids = {id(f) for f in self.per_endpoint}
+        for cache in self._caches:
+            for key in [k for k in cache if k[0] in ids and k[1][:2] == (model, endpoint)]:
+                del cache[key]
+        return n
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],
                           prefix_stats: Callable[[], dict[str, int]] | None = None,
@@ -407,3 +440,45 @@ class LiveState(Collector):
                 if v is not None:
                     fam.add_metric([ep.model, ep.name], v)
             yield fam
+
+
+class RetiredSeries(Periodic):
+    """Lets go of what is kept per endpoint once an endpoint has left the pool (a pod deleted, a
+    reload) and its last request ended, ``keep_s`` later: its metric series (so a fleet whose pods
+    come and go does not export, and hold, a series per pod it ever had) and its breaker. Until
+    then a scrape still sees its last counts. An endpoint of the same name back in the pool (a pod
+    changed in place) keeps the series. Swept every ``interval_s`` by a task of its own."""
+
+    task_name = "switchyard-retired-series"
+
+    def __init__(self, pool, metrics: GatewayMetrics, keep_s: float,
+                 forgetters: Iterable[Callable[[Any], None]] = ()) -> None:
+        self.pool = pool
+        self.metrics = metrics
+        self.keep_s = keep_s
+        self.interval_s = min(30.0, max(0.2, keep_s / 4))
+        self.forgetters = list(forgetters)          # told of each endpoint let go (breakers.reset)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Let go of the endpoints whose time is up; how many."""
+        retired = self.pool.retired
+        if not retired:
+            return 0
+        now = time.monotonic() if now is None else now
+        kept, done = [], 0
+        for ep, at in retired:
+            if now - at < self.keep_s or ep.in_flight > 0:
+                kept.append((ep, at))
+                continue
+            done += 1
+            if ep.name not in self.pool.live_names(ep.model):
+                self.metrics.forget_endpoint(ep.model, ep.name)
+            for forget in self.forgetters:
+                forget(ep)
+        retired[:] = kept
+        return done
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.sweep()

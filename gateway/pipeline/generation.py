@@ -99,6 +99,7 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
     kv_events = build_kv_events(config, pool, metrics.registry)   # None unless a model subscribes
     # circuit breakers hear every leg's outcome (upstream, relay); open ones are not ready
     breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
+    metrics.add_per_endpoint((breakers.metrics.transitions, breakers.metrics.outcomes), breakers.children)
     upstream = Upstream(config.upstream, config.health, metrics, breakers)
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants); None: off
     # a complete answer is written whole (the tenants' x-ratelimit-* headers are in the request's record)

@@ -174,7 +174,7 @@ class Breakers:
         self.metrics = BreakerMetrics(registry)
         self.metrics.states = BreakerStates(self)
         registry.register(self.metrics.states)
-        self._children: dict[tuple, Any] = {}
+        self.children: dict[tuple, Any] = {}
         # the usual outcome, a success on a closed breaker, recorded without the general path's
         # lookups: per endpoint, (the endpoint, its success counter, its breaker, the bucket length);
         # taken by ``record`` once breakers are on for its model, dropped by ``reset`` and ``reconfigure``
@@ -430,7 +430,7 @@ class Breakers:
 
     def _child(self, metric, *labels: str):
         key = (id(metric), labels)
-        c = self._children.get(key)
+        c = self.children.get(key)
         if c is None:
-            c = self._children[key] = metric.labels(*labels)
+            c = self.children[key] = metric.labels(*labels)
         return c

@@ -26,7 +26,7 @@ from gateway.config.schema import Config
 from gateway.endpoints import EndpointPool
 from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.observability.looplag import LoopLagMonitor
-from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics, RetiredSeries
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import StatusPage, add_status
 from gateway.observability.tracing import Tracing
@@ -372,6 +372,8 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             reclaimer = MemoryReclaimer(lambda: lifecycle.in_flight, config.server.reclaim_min_drop,
                                         on_reclaim=metrics.memory_reclaims.inc)
             reclaimer.start()
+            retired = RetiredSeries(pool, metrics, config.server.removed_endpoint_series_s, [s.breakers.reset])
+            retired.start()
             if kv_events is not None:
                 await kv_events.start()
             try:
@@ -379,6 +381,7 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             finally:
                 await lag.stop()
                 await reclaimer.stop()
+                await retired.stop()
                 await lora.stop()
                 if kv_events is not None:
                     await kv_events.close()

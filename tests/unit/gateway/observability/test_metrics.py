@@ -104,3 +104,41 @@ def test_fleet_load_is_exported_per_endpoint():
     got = sample_map(m.render())
     assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8001"), ("model", "m")))] == 12
     assert got[("switchyard_endpoint_fleet_in_flight", (("endpoint", "127.0.0.1:8002"), ("model", "m")))] == 1
+
+
+def test_an_endpoint_that_left_keeps_its_series_until_its_time_is_up_and_a_namesake_keeps_them():
+    from gateway.endpoints import EndpointPool
+    from gateway.observability.metrics import RetiredSeries
+    from gateway.resilience.breaker import BreakerConfig, Breakers, Outcome
+
+    pool, m = EndpointPool(), GatewayMetrics()
+    breakers = Breakers(pool, lambda _m: BreakerConfig(),
+                        m.registry, call_later=lambda _d, _f: None)
+    m.add_per_endpoint((breakers.metrics.transitions, breakers.metrics.outcomes), breakers.children)
+    a, b = pool.add(endpoint(1, name="a")), pool.add(endpoint(2, name="b"))
+    for ep in (a, b):
+        m.child(m.upstream_errors, "m", ep.name, "timeout").inc()
+        breakers.record(ep, Outcome.SUCCESS)
+    sweeper = RetiredSeries(pool, m, keep_s=60.0, forgetters=[breakers.reset])
+
+    def endpoints_exported() -> set[str]:
+        return {dict(labels).get("endpoint") for (name, labels) in sample_map(m.render())
+                if name in ("switchyard_upstream_errors_total", "switchyard_upstream_outcomes_total")}
+
+    pool.remove(a)
+    at = pool.retired[0][1]
+    a.in_flight = 1
+    assert sweeper.sweep(at + 61) == 0 and endpoints_exported() == {"a", "b"}      # its request runs
+    a.in_flight = 0
+    assert sweeper.sweep(at + 59) == 0 and endpoints_exported() == {"a", "b"}      # within the grace
+    assert sweeper.sweep(at + 61) == 1 and endpoints_exported() == {"b"} and pool.retired == []
+    # a counter cached before counts into the exported series again, not into a dropped one
+    m.child(m.upstream_errors, "m", "a", "timeout").inc()
+    assert m.child(m.upstream_errors, "m", "a", "timeout").value == 1
+    # a pod changed in place: a new endpoint of the same name; the old one's breaker goes, the series stay
+    b2 = endpoint(3, name="b")
+    pool.remove(b)
+    pool.add(b2)
+    breakers.record(b2, Outcome.SUCCESS)
+    assert sweeper.sweep(pool.retired[0][1] + 61) == 1
+    assert "b" in endpoints_exported() and id(b) not in breakers._by_ep and id(b2) in breakers._by_ep
