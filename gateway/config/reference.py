@@ -218,8 +218,8 @@ like the JSON Schema that `python -m gateway --print-config-schema` prints.
    `POST /admin/reload` (with `auth.admin_token`). A reload applies to requests that arrive after
    it: models and endpoints, aliases, strategies and their settings, `pd`, `watchdog`, `breaker`,
    `retry`, `admission`, API keys, limits and `kubernetes.models`. Changing `listen`, `server`,
-   `upstream`, `health`, `scrape`, `state`, `status`, `tracing`, `responses` or the rest of
-   `kubernetes` needs a restart: such a file is refused as a whole and the running config keeps
+   `upstream`, `health`, `scrape`, `state`, `view`, `status`, `tracing`, `responses`, `batch` or
+   the rest of `kubernetes` needs a restart: such a file is refused as a whole and the running config keeps
    serving. An invalid file is refused the same way.
 
 Editors that read JSON Schema (VS Code with the YAML extension, and others using

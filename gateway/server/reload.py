@@ -3,8 +3,9 @@
 What a reload changes, for requests that arrive after it: the models and their endpoints,
 aliases, routing strategies and their settings, ``pd`` and ``watchdog`` settings, API keys, user
 and model limits, the admin token, and ``kubernetes.models``. What needs a restart: ``listen``,
-``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``status``, ``tracing``,
-``responses`` (its stores), the rest of ``kubernetes``, a model's ``kv_events`` (its subscriptions
+``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``view`` (the workers' bus and
+the replicas' stream), ``status``, ``tracing``, ``responses`` (its stores), ``batch`` (its routes,
+job store and runner), the rest of ``kubernetes``, a model's ``kv_events`` (its subscriptions
 and tokenizer), and turning tenancy or the admin API on when the gateway started without them. A
 new config that changes one of those is refused as a whole, so that after a successful reload the
 file and what runs are the same thing.
@@ -61,7 +62,8 @@ from gateway.tenants.service import needs_tenancy
 log = structlog.get_logger("switchyard.reload")
 
 # blocks read once at start: changing them needs a restart
-RESTART_BLOCKS = ("listen", "server", "upstream", "health", "scrape", "state", "status", "tracing", "responses")
+RESTART_BLOCKS = ("listen", "server", "upstream", "health", "scrape", "state", "view", "status", "tracing",
+                  "responses", "batch")
 RESULTS = ("ok", "invalid", "restart_required")
 WORKER_RELOAD_TIMEOUT_S = 10.0
 

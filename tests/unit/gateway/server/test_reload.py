@@ -28,6 +28,9 @@ def cfg(extra: str = "", models: str | None = None):
     ("state: {key_prefix: other}", "state.key_prefix"),
     ("kubernetes: {enabled: true}", "kubernetes.enabled"),
     ("tracing: {enabled: true}", "tracing.enabled"),
+    ("batch: {enabled: true}", "batch.enabled"),         # its routes and runner are set up at start
+    ("batch: {max_concurrency: 4}", "batch.max_concurrency"),
+    ("view: {workers: false}", "view.workers"),           # the workers' bus is opened at start
     ("limits: {users: {a: {rpm: 1}}}", "limits"),
     ("auth: {api_keys: [{key: sk-0123456789abcdef, user: a}]}", "auth"),
     ("kubernetes: {models: {m: {max_prompt_tokens: 10}}}", None),     # discovery's model settings reload
