@@ -55,6 +55,7 @@ def test_a_valid_file_is_ok_with_its_model_count(tmp_path, capsys):
     ("models: [{name: a, endpoints: [http://x:1], pd: {sglang: {abort_timeout: 1}}}]",
      "models[0].pd.sglang.abort_timeout: unknown key (did you mean 'abort_timeout_s'?)"),
     ("server: {max_body_bytes: -1}", "server.max_body_bytes: Expected `int` >= 0"),
+    ("server: {workers: 0}", "server.workers: Expected `int` >= 1"),   # a start would refuse it
     ("models: [{name: a}]", "models[0]: model 'a' needs 'endpoints' or 'rolesets'"),
 ])
 def test_an_error_names_the_file_and_the_key(tmp_path, capsys, text, expected):
