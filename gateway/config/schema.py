@@ -22,6 +22,7 @@ import re
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 import yaml
@@ -178,6 +179,13 @@ class EndpointConfig(Block):
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: must be an http(s):// URL, got {self.url!r}")
+        try:                # what gateway.endpoints.Endpoint will parse: a host, a port that is a number
+            parts = urlsplit(self.url)
+            parts.port      # noqa: B018 (raises ValueError for a port that is not 0..65535)
+        except ValueError as e:
+            raise ValueError(f"url: {e}, in {self.url!r}") from None
+        if not parts.hostname:
+            raise ValueError(f"url: has no host, in {self.url!r}")
         force_setattr(self, "url", self.url.rstrip("/"))
 
 

@@ -57,6 +57,13 @@ def test_a_valid_file_is_ok_with_its_model_count(tmp_path, capsys):
     ("server: {max_body_bytes: -1}", "server.max_body_bytes: Expected `int` >= 0"),
     ("server: {workers: 0}", "server.workers: Expected `int` >= 1"),   # a start would refuse it
     ("models: [{name: a}]", "models[0]: model 'a' needs 'endpoints' or 'rolesets'"),
+    # URLs a start would refuse (gateway.endpoints.Endpoint parses them)
+    ("models: [{name: a, endpoints: ['http://x:port']}]",
+     "models[0].endpoints[0].url: Port could not be cast to integer value as 'port', in 'http://x:port'"),
+    ("models: [{name: a, endpoints: ['http://x:99999']}]",
+     "models[0].endpoints[0].url: Port out of range 0-65535, in 'http://x:99999'"),
+    ("models: [{name: a, rolesets: [{decode: ['http://:8000']}]}]",
+     "models[0].rolesets[0].decode[0].url: has no host, in 'http://:8000'"),
 ])
 def test_an_error_names_the_file_and_the_key(tmp_path, capsys, text, expected):
     rc, out, err = check(tmp_path, text, capsys)
