@@ -52,6 +52,7 @@ from routers.base import RouterContext, RoutingSettings
 from routers.pd import PDRouteSettings
 from routers.registry import RouterRegistry, StrategyError, default_registry
 
+LOG_LEVELS = ("debug", "info", "warning", "warn", "error", "critical")
 Count = Annotated[int, Meta(ge=0)]
 Amount = Annotated[float, Meta(ge=0)]            # seconds, ratios, weights
 Positive = Annotated[float, Meta(gt=0)]
@@ -92,7 +93,7 @@ class ServerConfig(Block):
     worker_stall_timeout_s: Annotated[Amount, Meta(description="With several workers: a worker whose event loop has not run for this long (a blocking call, a deadlock, a stopped process) is killed and restarted by the parent, since the kernel keeps handing it new connections it would never answer, in seconds (0: never; else at least 2). Start-up is not judged. Counted in switchyard_worker_restarts_total{reason=\"stalled\"}.")] = 20.0
     drain_delay_s: Annotated[Amount, Meta(description="After SIGTERM, how long new connections are still accepted while /ready answers 503, so load balancers can take the gateway out first, in seconds (at most shutdown_grace_s; SIGINT skips it).")] = 5.0
     log_format: Annotated[Literal["auto", "json", "console"], Meta(description="Format of log lines: json, console, or auto (console when stderr is a terminal, else JSON). --log-format overrides it.")] = "auto"
-    log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error; at warning or error the per-request line is not written either.")] = "info"
+    log_level: Annotated[str, Meta(description="Lowest level logged: debug, info, warning or error (any case; warn and critical are taken too); at warning or error the per-request line is not written either.")] = "info"
     # the edge (gateway/server/edge.py): slow clients, connection cap, header limits; 0 disables a timeout
     header_timeout_s: Annotated[Amount, Meta(description="Longest time from accepting a connection (or from the first byte of a next request on a kept-alive one) to a complete request head; then 408 and close, in seconds (0: no limit).")] = 10.0
     body_timeout_s: Annotated[Amount, Meta(description="Longest silence between two reads of a request body; then 408 and close, in seconds (0: no limit).")] = 30.0
@@ -112,6 +113,8 @@ class ServerConfig(Block):
         # would kill a worker for one late timer
         if 0 < self.worker_stall_timeout_s < 2:
             raise ValueError("worker_stall_timeout_s: must be 0 (never) or at least 2 seconds")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level: must be one of debug, info, warning or error, got {self.log_level!r}")
 
 
 class RoutingConfig(RoutingSettings):
@@ -133,8 +136,8 @@ class UpstreamConfig(Block):
 
 class HealthConfig(Block):
     enabled: Annotated[bool, Meta(description="Probe every endpoint's /health periodically; an endpoint failing the probes is taken out of routing.")] = True
-    interval_s: Annotated[Amount, Meta(description="Time between two probe rounds, in seconds.")] = 5.0
-    timeout_s: Annotated[Amount, Meta(description="Longest wait for one probe's answer, in seconds.")] = 2.0
+    interval_s: Annotated[Positive, Meta(description="Time between two probe rounds, in seconds (more than 0; enabled: false turns the probes off).")] = 5.0
+    timeout_s: Annotated[Positive, Meta(description="Longest wait for one probe's answer, in seconds.")] = 2.0
     unhealthy_threshold: Annotated[Count, Meta(description="Failed probes in a row before an endpoint counts as not ready.")] = 2
     healthy_threshold: Annotated[Count, Meta(description="Successful probes in a row before a not-ready endpoint is ready again.")] = 1
     passive: Annotated[bool, Meta(description="A refused connection to an endpoint opens its circuit breaker at once, without waiting for the probes.")] = True
@@ -142,8 +145,8 @@ class HealthConfig(Block):
 
 class ScrapeConfig(Block):
     enabled: Annotated[bool, Meta(description="Read every endpoint's Prometheus /metrics periodically (queue, KV-cache usage, throughput) for the strategies and admission control that use engine load.")] = True
-    interval_s: Annotated[Amount, Meta(description="Time between two scrape rounds, in seconds.")] = 2.0
-    timeout_s: Annotated[Amount, Meta(description="Longest wait for one scrape, in seconds.")] = 2.0
+    interval_s: Annotated[Positive, Meta(description="Time between two scrape rounds, in seconds (more than 0; enabled: false turns scraping off).")] = 2.0
+    timeout_s: Annotated[Positive, Meta(description="Longest wait for one scrape, in seconds.")] = 2.0
 
 
 class WatchdogConfig(Block):
@@ -186,6 +189,14 @@ class EndpointConfig(Block):
             raise ValueError(f"url: {e}, in {self.url!r}") from None
         if not parts.hostname:
             raise ValueError(f"url: has no host, in {self.url!r}")
+        if parts.username is not None or parts.password is not None:
+            # the gateway sends no credentials from a URL, and would show them on the status page
+            raise ValueError("url: must not carry a user name or password (they are not sent to the engine),"
+                             f" in {parts.scheme}://…@{parts.hostname}")
+        if parts.path.rstrip("/").endswith("/v1"):
+            raise ValueError(f"url: give the engine's root, without /v1 (the gateway adds the API path), in {self.url!r}")
+        if parts.query or parts.fragment:
+            raise ValueError(f"url: must not have a query or fragment, in {self.url!r}")
         force_setattr(self, "url", self.url.rstrip("/"))
 
 
@@ -444,9 +455,36 @@ def load_config(path: str | Path, deprecations: list[Deprecation] | None = None)
     return parse_config(text, source=str(path), deprecations=deprecations)
 
 
+class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """YAML's safe loader, refusing a key written twice in one mapping (YAML would keep the last
+    silently: a second ``server:`` block would drop the first)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            first = seen.get(key)
+        except TypeError:            # an unhashable key: the constructor says so below
+            continue
+        if first is not None:
+            raise yaml.constructor.ConstructorError(
+                "while reading a mapping", node.start_mark,
+                f"found the key {key!r} a second time (first {first.start_mark.line + 1}:{first.start_mark.column + 1})",
+                key_node.start_mark)
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def parse_config(text: str, source: str | None = None, deprecations: list[Deprecation] | None = None) -> Config:
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)     # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise ConfigError("<yaml>", f"invalid YAML: {e}", source) from None
     return config_from_dict(raw, source, deprecations)

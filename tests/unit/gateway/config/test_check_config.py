@@ -64,6 +64,16 @@ def test_a_valid_file_is_ok_with_its_model_count(tmp_path, capsys):
      "models[0].endpoints[0].url: Port out of range 0-65535, in 'http://x:99999'"),
     ("models: [{name: a, rolesets: [{decode: ['http://:8000']}]}]",
      "models[0].rolesets[0].decode[0].url: has no host, in 'http://:8000'"),
+    # URLs a start would take and then fail every request on, or show a password for
+    ("models: [{name: a, endpoints: ['http://x:8000/v1']}]",
+     "models[0].endpoints[0].url: give the engine's root, without /v1 (the gateway adds the API path)"),
+    ("models: [{name: a, endpoints: ['http://user:secret@x:8000']}]",
+     "models[0].endpoints[0].url: must not carry a user name or password (they are not sent to the engine),"
+     " in http://…@x"),
+    # a typo that fell back to info; an interval that made the probes run back to back
+    ("server: {log_level: eror}", "server.log_level: must be one of debug, info, warning or error, got 'eror'"),
+    ("health: {interval_s: 0}", "health.interval_s: Expected `float` > 0.0"),
+    ("scrape: {interval_s: 0}", "scrape.interval_s: Expected `float` > 0.0"),
 ])
 def test_an_error_names_the_file_and_the_key(tmp_path, capsys, text, expected):
     rc, out, err = check(tmp_path, text, capsys)
@@ -159,3 +169,18 @@ def test_a_port_outside_0_to_65535_is_refused_on_the_command_line(tmp_path, caps
     assert ei.value.code == 2
     err = capsys.readouterr().err
     assert "argument --port" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text,key", [
+    ("server: {shutdown_grace_s: 1}\nserver: {log_level: info}\n", "'server'"),
+    ("routing: {strategy: random}\nrouting: {strategy: least-request}\n", "'routing'"),
+])
+def test_a_key_written_twice_is_an_error_not_the_last_one_silently(tmp_path, capsys, text, key):
+    """YAML keeps the last of two equal keys: the first ``server:`` block would be dropped unseen."""
+    rc, out, err = check(tmp_path, text, capsys)
+    assert rc == 2 and out == ""
+    assert f"found the key {key} a second time" in err, err
+
+
+def test_a_log_level_in_any_case_is_taken(tmp_path, capsys):
+    assert check(tmp_path, "server: {log_level: WARNING}", capsys)[0] == 0

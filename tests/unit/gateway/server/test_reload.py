@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from gateway.config.schema import ConfigError, parse_config
 from gateway.server.app import pool_from_config
@@ -16,8 +17,10 @@ models:
 
 
 def cfg(extra: str = "", models: str | None = None):
+    """BASE (or its models replaced), with the top-level blocks of ``extra`` in place of its own."""
     text = BASE if models is None else "listen: {host: 127.0.0.1, port: 8888}\nmodels: " + models + "\n"
-    return parse_config(text + extra)
+    raw = {**yaml.safe_load(text), **(yaml.safe_load(extra) or {})}
+    return parse_config(yaml.safe_dump(raw))
 
 
 @pytest.mark.parametrize(("extra", "path"), [
