@@ -215,8 +215,10 @@ class Migration:
             rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
         # the legs' usage, summed: counted whether or not the client asked for it (its usage block
-        # is written by the tail, past the scanner that sees what the client receives)
-        relay.account_usage(rec, self._merged(final=True))
+        # is written by the tail, past the scanner that sees what the client receives). It is
+        # counted once, by end_stream: the scanner's own usage (the per-chunk usage a client with
+        # continuous_usage_stats receives) is replaced, not counted beside it
+        seen.usage = self._merged(final=True)
         if self.log:
             rec.extra["migrations"] = self.log
         return await relay.end_stream(ctx, out, seen, None)

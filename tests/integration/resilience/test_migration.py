@@ -100,6 +100,22 @@ async def test_completion_stream_continues_token_exactly_without_usage_asked(sim
     assert 'switchyard_completion_tokens_total{model="m"} 25.0' in metrics
 
 
+@pytest.mark.parametrize("fault", ["none", "drop_after=5"])
+async def test_continuous_usage_stats_are_counted_once(sims, gateway, fault):
+    """A client asking for usage on every chunk receives it in every event the gateway re-encodes;
+    the stream's tokens were counted both from the legs' sum and from what the client received."""
+    gw, _ = await setup(sims, gateway, "vllm", fault)
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True,
+           "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]"
+    final = [e["usage"] for e in got if isinstance(e, dict) and e.get("usage")][-1]
+    assert final["completion_tokens"] == 20
+    metrics = await gw.metrics_text()
+    assert 'switchyard_completion_tokens_total{model="m"} 20.0' in metrics
+    assert f'switchyard_prompt_tokens_total{{model="m"}} {float(final["prompt_tokens"])}' in metrics
+
+
 async def test_stop_strings_continue_as_text_on_vllm(sims, gateway):
     gw, good = await setup(sims, gateway, "vllm", "drop_after=6")
     req = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True, "stop": ["@"]}
