@@ -246,8 +246,8 @@ class Migration:
                     async with asyncio.timeout(limit or None):
                         chunk = await resp.readany()
                 except TimeoutError:
-                    if self.done:             # the engine's [DONE] came: its end is not awaited further
-                        break
+                    if self.done or self.finished:    # the answer is whole ([DONE], or its finish_reason
+                        break                         # came): the engine's end is not awaited further
                     return stream_failure(WatchdogFired(phase, limit))
                 if not chunk:
                     break
@@ -271,8 +271,8 @@ class Migration:
                 if failed:
                     return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
         except UpstreamError as e:          # the whole-exchange timeout, or the engine's side broke
-            if self.done:                   # after its [DONE]: the answer is whole
-                return None, ""
+            if self.done or self.finished:  # after its [DONE] or its finish_reason: the answer is whole,
+                return None, ""             # and a continuation would add to a finished answer
             return stream_failure(e)
         if buf.strip():
             r = self._event(buf)

@@ -3,10 +3,15 @@ content is the unbroken run's, byte for byte (enginesim is deterministic in its 
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client, sse_events
 
 MSG = [{"role": "user", "content": "tell me a long story about gateways"}]
@@ -114,6 +119,42 @@ async def test_continuous_usage_stats_are_counted_once(sims, gateway, fault):
     metrics = await gw.metrics_text()
     assert 'switchyard_completion_tokens_total{model="m"} 20.0' in metrics
     assert f'switchyard_prompt_tokens_total{{model="m"}} {float(final["prompt_tokens"])}' in metrics
+
+
+@pytest.mark.parametrize("end", ["reset", "stall"])
+async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway, end):
+    """The engine sent the chunk carrying finish_reason, then broke (or stalled past the idle
+    watchdog) before [DONE]: the answer is whole. It was continued on another engine, so the
+    client got a finish_reason "stop", more text, and a second finish_reason."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, (word, fin) in enumerate([(" alpha", None), (" beta", "stop")]):
+            ev = {"id": "chatcmpl-f", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": fin,
+                               "token_ids": [100 + i]}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": 4 + i}}
+            if i == 0:
+                ev["prompt_token_ids"] = [1, 2, 3]
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        if end == "reset":
+            request.transport.abort()
+        else:
+            await asyncio.sleep(10)
+        return resp
+
+    good = await sims("vllm", "m")
+    async with fake_engine(chat) as bad:
+        gw = await gateway([model_block("m", "vllm", [bad, good.url], strategy="round-robin", migration_limit=1,
+                                        watchdog={"idle_timeout_s": 0.5, "aggregated": True})])
+        st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                 {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == " alpha beta"
+    fins = [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
+            and e["choices"][0].get("finish_reason")]
+    assert fins == ["stop"]
+    assert migrations(await gw.metrics_text(), "continued") == 0
 
 
 async def test_stop_strings_continue_as_text_on_vllm(sims, gateway):
