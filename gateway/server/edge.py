@@ -50,7 +50,8 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.apis.paths import AUDIO_PATHS
+from gateway.apis.anthropic import anthropic_error
+from gateway.apis.paths import ANTHROPIC_PATHS, AUDIO_PATHS
 from gateway.errors import error_body, error_response
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
@@ -695,7 +696,10 @@ class EdgeProtocol(web.RequestHandler):
 def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
                    headers: dict[str, str] | None = None) -> web.Response:
     rid = request_id_from(request.headers.get("x-request-id"))
-    body = error_body(status, message, type_=_error_type(status), code=code)
+    if request.path in ANTHROPIC_PATHS:      # Anthropic's clients read their own shape
+        body = anthropic_error(status, message)
+    else:
+        body = error_body(status, message, type_=_error_type(status), code=code)
     resp = error_response(status, orjson.dumps(body), {"request-id": rid, "x-request-id": rid, **(headers or {})})
     resp.force_close()      # Connection: close; aiohttp reads and drops an unread body a little while first
     return resp

@@ -99,6 +99,20 @@ async def test_errors_before_headers_are_anthropic_shaped(fleet):
             assert r.status == 400 and body["error"]["type"] == "invalid_request_error" and r.headers["request-id"]
 
 
+async def test_a_body_over_the_limit_is_an_anthropic_413(sims, gateway):
+    """A Content-Length over server.max_body_bytes is refused by the edge before the body is read;
+    that answer was OpenAI-shaped on /v1/messages, where a chunked body's 413 was Anthropic's."""
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])], server={"max_body_bytes": 2000})
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.APIStatusError) as ei:
+        await c.messages.create(model="llama", max_tokens=4, messages=[{"role": "user", "content": "x" * 5000}])
+    await c.close()
+    assert ei.value.status_code == 413
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "request_too_large"
+    assert ei.value.response.headers["request-id"]
+
+
 async def test_a_failure_after_headers_is_an_error_event(sims, gateway):
     v = await sims("vllm", "llama")
     gw = await gateway([model_block("llama", "vllm", [v.url])], watchdog={"idle_timeout_s": 0.3, "aggregated": True})
