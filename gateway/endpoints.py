@@ -10,7 +10,7 @@ Routers, handlers and discovery import this module; it imports nothing of the da
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -90,6 +90,7 @@ class Endpoint:
     # live state
     healthy: bool = True           # last active probe / passive marking result
     draining: bool = False         # removed from discovery: no new requests, in-flight continue
+    removed: bool = False          # it left the pool: what is kept per endpoint must not keep it
     ejected: bool = False          # its circuit breaker is open (gateway/resilience/breaker.py)
     in_flight: int = 0             # gateway requests currently charged to this endpoint
     remote_in_flight: int = 0      # other gateway replicas' in-flight here (gateway/tenants, via Redis)
@@ -145,12 +146,15 @@ class EndpointPool:
         # new endpoint): whether it has prefill/decode endpoints, and their strategy hint
         self._pd: set[str] = set()
         self._hints: dict[str, str] = {}
-        # endpoints taken out, with the monotonic time they were, until what is kept per endpoint
-        # elsewhere (metric series, breakers) has been let go (gateway/observability/metrics.py
-        # ``RetiredSeries``)
+        # told of each endpoint that left the pool (pods come and go for months): the state kept
+        # per endpoint elsewhere (its circuit breaker) is dropped then, not kept for ever
+        self.removal_listeners: list[Callable[[Endpoint], None]] = []
+        # and the endpoints taken out, with the monotonic time they were, until their metric series
+        # go too, later (gateway/observability/metrics.py ``RetiredSeries``)
         self.retired: list[tuple[Endpoint, float]] = []
 
     def add(self, ep: Endpoint) -> Endpoint:
+        ep.removed = False
         self._by_model.setdefault(ep.model, []).append(ep)
         self._summarize(ep.model)
         return ep
@@ -158,11 +162,14 @@ class EndpointPool:
     def remove(self, ep: Endpoint) -> None:
         """Take an endpoint out of rotation. In-flight requests keep their reference and finish."""
         eps = self._by_model.get(ep.model)
+        ep.draining = True
         if eps and ep in eps:
             eps.remove(ep)
             self._summarize(ep.model)
+            ep.removed = True
             self.retired.append((ep, time.monotonic()))
-        ep.draining = True
+            for listener in self.removal_listeners:
+                listener(ep)
 
     def live_names(self, model: str) -> set[str]:
         return {ep.name for ep in self._by_model.get(model, ())}

@@ -35,6 +35,17 @@ from routers.simple import LeastRequestRouter
 # (snapshot the counts apply to, requests sent since, prompt tokens sent since)
 _Sent = list
 
+_PRUNE_AT = 64      # a per-endpoint dict is swept of removed endpoints when it outgrows twice this or its last size
+
+
+def _prune(d: dict[Endpoint, object]) -> int:
+    """Drop the endpoints that left the pool (Kubernetes pods come and go for months: a dict keyed
+    by endpoint must not keep every one it ever saw); returns the size that triggers the next sweep.
+    Called when a new endpoint enters ``d``, so amortised O(1) per insertion."""
+    for ep in [ep for ep in d if ep.removed]:
+        del d[ep]
+    return max(_PRUNE_AT, 2 * len(d))
+
 
 class MetricRouter(ScoringRouter):
     """Shared machinery: freshness, the sent-since-snapshot correction, tie-breaking, fallback.
@@ -53,6 +64,7 @@ class MetricRouter(ScoringRouter):
         self._random = ctx.rng.random
         self._fallback = LeastRequestRouter(ctx)
         self._sent: dict[Endpoint, _Sent] = {}
+        self._sweep_at = _PRUNE_AT       # the size of ``_sent`` at which ``_prune`` sweeps it
 
     def value(self, ep: Endpoint, m: EngineMetrics, sent: _Sent | None) -> float | None:
         raise NotImplementedError
@@ -131,6 +143,8 @@ class MetricRouter(ScoringRouter):
             return
         sent = self._sent.get(ep)
         if sent is None or sent[0] is not m:
+            if sent is None and len(self._sent) >= self._sweep_at:
+                self._sweep_at = _prune(self._sent)
             self._sent[ep] = [m, 1, req.prompt_tokens_est]
         else:
             sent[1] += 1
@@ -237,6 +251,7 @@ class WindowedRouter(MetricRouter):
         super().__init__(ctx)
         self.window_s = ctx.settings.metrics_window_s
         self._windows: dict[Endpoint, _Window] = {}
+        self._windows_at = _PRUNE_AT
 
     def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
         raise NotImplementedError
@@ -244,6 +259,8 @@ class WindowedRouter(MetricRouter):
     def derived(self, ep: Endpoint, m: EngineMetrics) -> tuple:
         w = self._windows.get(ep)
         if w is None:
+            if len(self._windows) >= self._windows_at:
+                self._windows_at = _prune(self._windows)
             w = self._windows[ep] = _Window()
         if w.derived_for is m:
             return w.derived
@@ -295,6 +312,7 @@ class ThroughputRouter(WindowedRouter):
     def __init__(self, ctx: RouterContext) -> None:
         super().__init__(ctx)
         self._demand: dict[Endpoint, _Demand] = {}
+        self._demand_at = _PRUNE_AT
         self._now = 0.0
 
     def derive(self, first: EngineMetrics, last: EngineMetrics) -> tuple:
@@ -337,6 +355,8 @@ class ThroughputRouter(WindowedRouter):
     def post_route(self, req: InferenceRequest, ep: Endpoint) -> None:
         d = self._demand.get(ep)
         if d is None:
+            if len(self._demand) >= self._demand_at:
+                self._demand_at = _prune(self._demand)
             d = self._demand[ep] = _Demand()
         tokens = 2.0 * req.prompt_tokens_est + _max_tokens(req)
         d.events.append((self.clock(), tokens))

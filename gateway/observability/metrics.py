@@ -443,21 +443,19 @@ class LiveState(Collector):
 
 
 class RetiredSeries(Periodic):
-    """Lets go of what is kept per endpoint once an endpoint has left the pool (a pod deleted, a
-    reload) and its last request ended, ``keep_s`` later: its metric series (so a fleet whose pods
-    come and go does not export, and hold, a series per pod it ever had) and its breaker. Until
+    """Drops the metric series of an endpoint that left the pool (a pod deleted, a reload) once its
+    last request ended and ``keep_s`` later, so a fleet whose pods come and go does not export, and
+    hold, a series per pod it ever had (its breaker went when it left: ``Breakers.reset``). Until
     then a scrape still sees its last counts. An endpoint of the same name back in the pool (a pod
     changed in place) keeps the series. Swept every ``interval_s`` by a task of its own."""
 
     task_name = "switchyard-retired-series"
 
-    def __init__(self, pool, metrics: GatewayMetrics, keep_s: float,
-                 forgetters: Iterable[Callable[[Any], None]] = ()) -> None:
+    def __init__(self, pool, metrics: GatewayMetrics, keep_s: float) -> None:
         self.pool = pool
         self.metrics = metrics
         self.keep_s = keep_s
         self.interval_s = min(30.0, max(0.2, keep_s / 4))
-        self.forgetters = list(forgetters)          # told of each endpoint let go (breakers.reset)
 
     def sweep(self, now: float | None = None) -> int:
         """Let go of the endpoints whose time is up; how many."""
@@ -473,8 +471,6 @@ class RetiredSeries(Periodic):
             done += 1
             if ep.name not in self.pool.live_names(ep.model):
                 self.metrics.forget_endpoint(ep.model, ep.name)
-            for forget in self.forgetters:
-                forget(ep)
         retired[:] = kept
         return done
 

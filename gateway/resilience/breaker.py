@@ -181,13 +181,17 @@ class Breakers:
         self._success: dict[int, tuple[Endpoint, Any, Breaker, float]] = {}
         # told of each local open (ep, open_for, ejections) and close (ep, 0.0, 0): the sibling workers
         self.on_change: Callable[[Endpoint, float, int], None] | None = None
+        pool.removal_listeners.append(self.reset)    # an endpoint that left the pool: its breaker goes
 
     # -- reading -------------------------------------------------------------------------------
 
     def breaker(self, ep: Endpoint) -> Breaker:
         entry = self._by_ep.get(id(ep))
         if entry is None or entry[0] is not ep:
-            entry = self._by_ep[id(ep)] = (ep, Breaker(closed_at=self.clock()))
+            b = Breaker(closed_at=self.clock())
+            if ep.removed:          # it left the pool (``reset``): a late outcome keeps nothing of it
+                return b
+            entry = self._by_ep[id(ep)] = (ep, b)
         return entry[1]
 
     def state(self, ep: Endpoint) -> str:
@@ -225,7 +229,7 @@ class Breakers:
         counter = self._child(self.metrics.outcomes, ep.model, ep.name, outcome.value)
         counter.inc()
         cfg = self.config_for(ep.model)
-        if not cfg.enabled:
+        if not cfg.enabled or ep.removed:      # removed: the answer of a request that was on it
             return
         b = self.breaker(ep)
         if outcome is Outcome.SUCCESS:
@@ -302,7 +306,7 @@ class Breakers:
         """A sibling worker ejected ``ep`` for ``open_for`` seconds: so does this one (unless it is
         open already, or the ejection would empty its group here); whether it did."""
         cfg = self.config_for(ep.model)
-        if not cfg.enabled or open_for <= 0:
+        if not cfg.enabled or open_for <= 0 or ep.removed:
             return False
         b = self.breaker(ep)
         if b.state == OPEN:

@@ -372,7 +372,7 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             reclaimer = MemoryReclaimer(lambda: lifecycle.in_flight, config.server.reclaim_min_drop,
                                         on_reclaim=metrics.memory_reclaims.inc)
             reclaimer.start()
-            retired = RetiredSeries(pool, metrics, config.server.removed_endpoint_series_s, [s.breakers.reset])
+            retired = RetiredSeries(pool, metrics, config.server.removed_endpoint_series_s)
             retired.start()
             if kv_events is not None:
                 await kv_events.start()

@@ -213,3 +213,29 @@ def test_metric_strategies_combine():
     # kv → [0, 1, 0.625]; waiting → [1, 0, 5/6]; halves summed
     assert router.score(make_req(), eps) == pytest.approx([0.5, 0.5, (0.625 + 5 / 6) / 2])
     assert router.route(make_req(), eps).endpoint is eps[2]
+
+
+@pytest.mark.parametrize("router_cls", [LeastKVCacheRouter, LeastWaitingRouter, ThroughputRouter,
+                                        LeastLatencyRouter])
+def test_endpoints_that_left_the_pool_are_not_kept(router_cls):
+    """Pods come and go for months: what a router keeps per endpoint stays bounded by the live ones."""
+    from gateway.endpoints import EndpointPool
+
+    clock = Clock()
+    ctx, _ = ctx_for(clock=clock, metrics_window_s=10.0)
+    router = router_cls(ctx)
+    pool = EndpointPool()
+    for rollout in range(100):          # 100 rollouts of 5 pods each
+        eps = [pool.add(ep) for ep in make_eps(5, url=f"http://10.0.{rollout}.{{n1}}:8000")]
+        for ep in eps:
+            ep.metrics = snap(t=clock.t, kv_usage=0.1, waiting=0.0, prompt_tokens_total=0.0,
+                              generation_tokens_total=0.0, ttft_sum=0.0, ttft_count=0.0)
+        for _ in range(3):
+            router.route(make_req(), eps)
+        for ep in eps:
+            pool.remove(ep)
+        clock.t += 1.0
+    kept = [d for d in (router._sent, getattr(router, "_windows", None), getattr(router, "_demand", None))
+            if d is not None]
+    assert all(len(d) <= 128 for d in kept), [len(d) for d in kept]
+    assert any(kept)                    # the router did keep state per endpoint while they were there

@@ -119,7 +119,7 @@ def test_an_endpoint_that_left_keeps_its_series_until_its_time_is_up_and_a_names
     for ep in (a, b):
         m.child(m.upstream_errors, "m", ep.name, "timeout").inc()
         breakers.record(ep, Outcome.SUCCESS)
-    sweeper = RetiredSeries(pool, m, keep_s=60.0, forgetters=[breakers.reset])
+    sweeper = RetiredSeries(pool, m, keep_s=60.0)
 
     def endpoints_exported() -> set[str]:
         return {dict(labels).get("endpoint") for (name, labels) in sample_map(m.render())
@@ -135,7 +135,7 @@ def test_an_endpoint_that_left_keeps_its_series_until_its_time_is_up_and_a_names
     # a counter cached before counts into the exported series again, not into a dropped one
     m.child(m.upstream_errors, "m", "a", "timeout").inc()
     assert m.child(m.upstream_errors, "m", "a", "timeout").value == 1
-    # a pod changed in place: a new endpoint of the same name; the old one's breaker goes, the series stay
+    # a pod changed in place: a new endpoint of the same name; the old one's breaker went, the series stay
     b2 = endpoint(3, name="b")
     pool.remove(b)
     pool.add(b2)

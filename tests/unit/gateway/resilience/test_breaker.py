@@ -317,3 +317,22 @@ def test_a_reload_that_turns_breakers_off_reaches_the_short_path_too():
     assert _outcomes(br)[(a.name, "success")] == 3
     br.reset(a)                            # the endpoint left: nothing of it is kept
     assert id(a) not in br._success
+
+
+def test_an_endpoint_that_left_the_pool_leaves_no_breaker_behind():
+    """Pods come and go for months: nothing of a removed endpoint is kept, also when answers of the
+    requests that were on it come afterwards, or a sibling worker's ejection of it."""
+    br, (a, b, *_), t = setup(consecutive_faults=2, fault_rate=0)
+    feed(br, a, [S, F, F])
+    feed(br, b, [S])
+    assert br.state(a) == OPEN and id(a) in br._by_ep and id(b) in br._success
+    br.pool.remove(a)
+    br.pool.remove(b)
+    assert not br._by_ep and not br._success and not br._half_opens
+    assert not a.ejected and "breaker" not in a.extra
+    feed(br, a, [F, F, S])
+    feed(br, b, [S, F])
+    assert not br.adopt_open(a, 10.0, 1)
+    assert not br._by_ep and not br._success
+    assert not [e for e in t.pending if not e[2]]          # its ejection timer was cancelled
+    assert _outcomes(br)[(a.name, "fault")] == 4           # the outcomes are still counted
