@@ -554,10 +554,14 @@ class Tracing:
         sampler = ParentBased(ratio) if settings.parent_based else ratio
         self.provider = TracerProvider(sampler=sampler,
                                        resource=Resource.create({"service.name": settings.service_name}))
+        # the SDK refuses a queue smaller than its export batch (512 unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE
+        # says otherwise): a smaller queue exports batches of its own size
+        queue = settings.max_queue_size or BatchSpanProcessor._default_max_queue_size()
         self.processor = BatchSpanProcessor(
             CountingExporter(exporter or make_exporter(settings), metrics),
             max_queue_size=settings.max_queue_size,
-            schedule_delay_millis=settings.batch_delay_s * 1000 if settings.batch_delay_s else None)
+            schedule_delay_millis=settings.batch_delay_s * 1000 if settings.batch_delay_s else None,
+            max_export_batch_size=max(1, min(BatchSpanProcessor._default_max_export_batch_size(), queue)))
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("switchyard")
         self._exact = frozenset(p for p in settings.exclude_paths if not p.endswith("*"))

@@ -154,3 +154,14 @@ def test_export_failures_are_counted(inner, failed):
     text = m.render().decode()
     assert f"switchyard_trace_export_failures_total {1.0 if failed else 0.0}" in text
     assert f'switchyard_trace_spans_total{{result="{"failed" if failed else "exported"}"}} 3.0' in text
+
+
+def test_a_queue_smaller_than_the_sdk_batch_is_accepted():
+    # the SDK refuses max_export_batch_size (512) > max_queue_size: the gateway failed to start
+    t = Tracing(resolve(TracingConfig(enabled=True, max_queue_size=100), env={}),
+                GatewayMetrics(), exporter=_Fixed(SpanExportResult.SUCCESS))
+    try:
+        assert t.processor._batch_processor._max_export_batch_size == 100
+    finally:
+        t.provider.shutdown()
+
