@@ -36,6 +36,7 @@ import asyncio
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ DEFAULT_EXCLUDED = ("/health", "/ready", "/metrics", "/status", "/status.json") 
 DEFAULT_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
 DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 TRACES_PATH = "/v1/traces"
+DEFAULT_EXPORT_TIMEOUT_S = 10.0     # the OTLP exporters' own default (OTEL_EXPORTER_OTLP_TRACES_TIMEOUT)
 
 # the W3C headers a leg's own context replaces (the client's pass through untouched when tracing is off)
 _TRACE_HEADERS = frozenset({"traceparent", "tracestate"})
@@ -634,6 +636,48 @@ class Tracing:
                 "parent_based": s.parent_based, "service_name": s.service_name,
                 "exclude_paths": list(s.exclude_paths)}
 
-    async def close(self) -> None:
-        """Flush what is queued and stop the export thread (in a thread: an export blocks)."""
-        await asyncio.to_thread(self.provider.shutdown)
+    def flush_timeout(self, env: Mapping[str, str] | None = None) -> float:
+        """How long the shutdown's flush may take: one export call's bound (``export_timeout_s``,
+        else the exporter's variables, else its default)."""
+        if self.settings.export_timeout_s:
+            return self.settings.export_timeout_s
+        env = os.environ if env is None else env
+        for var in ("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT"):
+            try:
+                if env.get(var) and float(env[var]) > 0:
+                    return float(env[var])
+            except ValueError:
+                pass
+        return DEFAULT_EXPORT_TIMEOUT_S
+
+    async def close(self, timeout: float | None = None) -> None:
+        """Flush what is queued and stop the export thread, for at most ``timeout`` seconds (default
+        ``flush_timeout()``): a collector that is down or hangs loses the spans still queued instead
+        of holding up the exit (the SDK would wait up to 30 s, one export after another). The flush
+        runs in a daemon thread of its own, so neither a flush cut short nor a second signal that
+        cancels this leaves a thread the interpreter waits for at exit."""
+        timeout = self.flush_timeout() if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def finished() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        def flush() -> None:
+            try:
+                self.provider.shutdown()
+            except Exception:
+                _log.exception("tracing shutdown raised")
+            finally:
+                try:
+                    loop.call_soon_threadsafe(finished)
+                except RuntimeError:        # the loop closed meanwhile
+                    pass
+
+        threading.Thread(target=flush, name="switchyard-trace-flush", daemon=True).start()
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except TimeoutError:
+            _log.warning("tracing: queued spans not exported within %.1f s; dropped", timeout)
+            self.processor.span_exporter.shutdown()      # stops the exporter's retries

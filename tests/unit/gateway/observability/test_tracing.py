@@ -3,6 +3,10 @@ exporter's failure count, excluded paths. The traces themselves: tests/integrati
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import pytest
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
@@ -165,3 +169,32 @@ def test_a_queue_smaller_than_the_sdk_batch_is_accepted():
     finally:
         t.provider.shutdown()
 
+
+class _Hanging(SpanExporter):
+    """A collector that never answers: export blocks until the exporter is shut down."""
+
+    def __init__(self):
+        self.stop = threading.Event()
+        self.calls = 0
+
+    def export(self, spans):
+        self.calls += 1
+        self.stop.wait(60)
+        return SpanExportResult.FAILURE
+
+    def shutdown(self):
+        self.stop.set()
+
+
+async def test_close_is_bounded_by_the_export_timeout_when_the_collector_hangs():
+    hanging = _Hanging()
+    t = Tracing(resolve(TracingConfig(enabled=True, export_timeout_s=0.5, batch_delay_s=0.01), env={}),
+                GatewayMetrics(), exporter=hanging)
+    for _ in range(3):
+        t.tracer.start_span("x").end()
+    while not hanging.calls:            # the export thread is stuck in the collector
+        await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    await t.close()
+    assert time.monotonic() - t0 < 3.0      # was ~30 s: the SDK joins its export thread that long
+    assert hanging.stop.is_set()            # the exporter was told to stop retrying
