@@ -47,7 +47,7 @@ from msgspec import Meta
 from opentelemetry import trace as otel
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -72,6 +72,10 @@ DEFAULT_EXCLUDED = ("/health", "/ready", "/metrics", "/status", "/status.json") 
 DEFAULT_HTTP_ENDPOINT = "http://localhost:4318/v1/traces"
 DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 TRACES_PATH = "/v1/traces"
+# longest string attribute kept (longer ones are cut): a client's own values (its "user") must not
+# make a span, and the batch that carries it, too large to export (the exporter drops a whole batch
+# over 64 MB); OTEL_(SPAN_)ATTRIBUTE_VALUE_LENGTH_LIMIT set in the environment wins
+MAX_ATTRIBUTE_LENGTH = 4096
 DEFAULT_EXPORT_TIMEOUT_S = 10.0     # the OTLP exporters' own default (OTEL_EXPORTER_OTLP_TRACES_TIMEOUT)
 
 # the W3C headers a leg's own context replaces (the client's pass through untouched when tracing is off)
@@ -554,7 +558,10 @@ class Tracing:
         self.settings = settings
         ratio = TraceIdRatioBased(settings.sample_ratio)
         sampler = ParentBased(ratio) if settings.parent_based else ratio
-        self.provider = TracerProvider(sampler=sampler,
+        length_vars = ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT")
+        limits = SpanLimits() if any(v in os.environ for v in length_vars) else \
+            SpanLimits(max_attribute_length=MAX_ATTRIBUTE_LENGTH, max_span_attribute_length=MAX_ATTRIBUTE_LENGTH)
+        self.provider = TracerProvider(sampler=sampler, span_limits=limits,
                                        resource=Resource.create({"service.name": settings.service_name}))
         # the SDK refuses a queue smaller than its export batch (512 unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE
         # says otherwise): a smaller queue exports batches of its own size

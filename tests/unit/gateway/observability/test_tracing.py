@@ -12,7 +12,15 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from gateway.config.schema import ConfigError, config_from_dict
 from gateway.observability.metrics import GatewayMetrics
-from gateway.observability.tracing import NO_LEG, NO_TRACE, CountingExporter, Tracing, TracingConfig, resolve
+from gateway.observability.tracing import (
+    MAX_ATTRIBUTE_LENGTH,
+    NO_LEG,
+    NO_TRACE,
+    CountingExporter,
+    Tracing,
+    TracingConfig,
+    resolve,
+)
 
 
 def test_off_by_default_and_defaults():
@@ -198,3 +206,30 @@ async def test_close_is_bounded_by_the_export_timeout_when_the_collector_hangs()
     await t.close()
     assert time.monotonic() - t0 < 3.0      # was ~30 s: the SDK joins its export thread that long
     assert hanging.stop.is_set()            # the exporter was told to stop retrying
+
+
+class _Keep(SpanExporter):
+    def __init__(self):
+        self.spans = []
+
+    def export(self, spans):
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+
+def test_a_client_value_cannot_make_a_span_too_large_to_export():
+    # a 15 MB "user" made user.id 15 MB: five such requests and the batch (other requests' spans
+    # with it) went over the exporter's 64 MB and was dropped whole
+    keep = _Keep()
+    t = Tracing(resolve(TracingConfig(enabled=True), env={}), GatewayMetrics(), exporter=keep)
+    span = t.tracer.start_span("x")
+    span.set_attribute("user.id", "u" * 1_000_000)
+    span.add_event("retry", {"error.type": "e" * 1_000_000})
+    span.end()
+    t.provider.shutdown()
+    (got,) = keep.spans
+    assert len(got.attributes["user.id"]) == MAX_ATTRIBUTE_LENGTH
+    assert len(got.events[0].attributes["error.type"]) == MAX_ATTRIBUTE_LENGTH
