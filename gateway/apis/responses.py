@@ -68,6 +68,7 @@ class Exchange:
     """What one ``POST /v1/responses`` keeps between its hooks."""
 
     input: list[Any] = field(default_factory=list)      # the full input sent (gateway-held history)
+    store: bool = True                                   # the client's ``store`` (the engine is sent false)
     scanner: ResponsesScanner | None = None
     body: dict[str, Any] | None = None                   # a non-streaming answer
 
@@ -213,6 +214,7 @@ class ResponsesApi(ApiShape):
             if ireq.data.get("background"):
                 raise GatewayError(400, "'background' needs responses.state: engine (the gateway holds the "
                                    "history of completed responses only)", param="background", error_class=ErrorClass.VALIDATION)
+            ex.store = ireq.data.get("store") is not False
             history: list[Any] = []
             if prev is not None:
                 record = await self._record(prev, rec.user)
@@ -251,7 +253,7 @@ class ResponsesApi(ApiShape):
             self.lineage.put(RESPONSE + rid, ctx.decision.endpoint, user)
         if self.gateway_held:
             assert self.history is not None
-            if not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
+            if not ex.store or not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
                 return
             ep = ctx.decision.endpoint if ctx.decision is not None else None
             blob = orjson.dumps({"id": rid, "model": ireq.model, "user": user, "input": ex.input,

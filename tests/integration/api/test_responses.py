@@ -191,3 +191,20 @@ async def test_gateway_history_streams_and_keeps_engines_stateless(sims, gateway
         await c.responses.create(model="m", input="x", background=True)
     text = await gw.metrics_text()
     assert 'switchyard_responses_state_writes_total{kind="history",result="ok"} 2.0' in text
+
+
+async def test_gateway_history_keeps_nothing_of_a_store_false_response(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="do not keep this", store=False, max_output_tokens=3)
+    assert r.status == "completed"
+    with pytest.raises(openai.NotFoundError) as ei:
+        await c.responses.retrieve(r.id)
+    assert ei.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        await c.responses.create(model="m", input="and?", previous_response_id=r.id, max_output_tokens=3)
+    kept = await c.responses.create(model="m", input="keep this", max_output_tokens=3)     # store defaults to true
+    assert (await c.responses.retrieve(kept.id)).id == kept.id
+    text = await gw.metrics_text()
+    assert 'switchyard_responses_state_writes_total{kind="history",result="ok"} 1.0' in text
