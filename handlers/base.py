@@ -109,6 +109,11 @@ class EngineAdapter(Protocol):
         """Members a request body needs, beyond ``model``, to run on adapter ``name``."""
         ...
 
+    def lora_missing(self, status: int, message: str, name: str) -> bool:
+        """Whether the engine's error answer (``status``, its message) to a request for adapter
+        ``name`` says the engine does not have that adapter (restarted, or unloaded by another)."""
+        ...
+
     # -- mid-stream continuation (gateway/pipeline/migration.py) ------------------------------------------
 
     def continuation_mode(self, ireq: InferenceRequest) -> str:

@@ -242,6 +242,10 @@ class SGLangAdapter:
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {"lora_path": name}      # SGLang picks the adapter by its name in lora_path
 
+    def lora_missing(self, status: int, message: str, name: str) -> bool:
+        # the tokenizer manager's refusal of a lora_path it has not loaded
+        return status in (400, 404) and name in message and "not loaded" in message
+
     def continuation_mode(self, ireq: InferenceRequest) -> str:
         """Text: a chat continues its final assistant message (``continue_final_message``), a
         completion its prompt. SGLang's token fields on the OpenAI surface (``return_token_ids``,

@@ -157,6 +157,10 @@ class VLLMAdapter:
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {}        # vLLM serves an adapter under its own name in ``model``
 
+    def lora_missing(self, status: int, message: str, name: str) -> bool:
+        # the serving layer's check of ``model``: "The model `sql` does not exist."
+        return status == 404 and f"`{name}`" in message and "does not exist" in message
+
     def continuation_mode(self, ireq: InferenceRequest) -> str:
         """Token-exact (``return_token_ids`` + a prompt of ids) unless the continuation must go
         through the chat parsers (tools) or the stream may hold text back (stop strings: vLLM

@@ -411,6 +411,26 @@ class Lora:
             if len(recent) > _RECENT_KEPT:
                 del recent[next(iter(recent))]
 
+    def settle(self, ctx: RequestContext) -> None:
+        """A request for an adapter that its engine answered it does not have (restarted without
+        it, or unloaded by another gateway): the adapter leaves that endpoint's served set, so the
+        next request loads it again (or, not in the config, is told no endpoint serves it) instead
+        of meeting the same error until the next discovery round (never, with discovery off)."""
+        ireq, d, rec = ctx.ireq, ctx.decision, ctx.rec
+        if ireq is None or ireq.lora is None or d is None or rec.status is None or rec.status < 400:
+            return
+        adapter, message = ireq.lora, rec.error or ""
+        for ep in (d.endpoint, d.prefill):
+            if ep is None or ep.adapters.served.get(adapter) is None or (id(ep), adapter) in self._unloading:
+                continue
+            if not adapter_for(ep.engine).lora_missing(rec.status, message, adapter):
+                continue
+            del ep.adapters.served[adapter]
+            self._loaded_at.pop((id(ep), adapter), None)
+            self._unloaded_at[(id(ep), adapter)] = self.clock()    # a discovery answer on its way is older
+            log.warning("lora adapter missing on its endpoint", model=ep.model, adapter=adapter,
+                        endpoint=ep.name, error=message)
+
     # -- discovery -----------------------------------------------------------------------------
 
     def start(self, session: aiohttp.ClientSession) -> None:

@@ -75,6 +75,28 @@ async def test_failed_load_answers_the_engine_message_and_cools_down(sims, gatew
     assert [len(load_calls(await sim_state(u))) for u in (a.url, b.url)] == [1, 1]
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_adapter_the_engine_lost_is_loaded_again(sims, gateway, engine):
+    """The engine drops an adapter the gateway loaded there (a restart, another gateway's unload):
+    its error answers the request that meets it, and the next request loads the adapter again,
+    with discovery off (it would otherwise never be found missing)."""
+    s = await sims(engine, "m", **LORA_SIM)
+    gw = await gateway([model_block("m", engine, [s.url], adapters={"tone": "org/tone-lora"})],
+                       lora={"discovery_interval_s": 0})
+    assert (await chat(gw, "tone"))[0] == 200
+    unload = "/v1/unload_lora_adapter" if engine == "vllm" else "/unload_lora_adapter"
+    async with aiohttp.ClientSession() as session, \
+            session.post(s.url + unload, json={"lora_name": "tone"}) as r:
+        assert r.status == 200
+    status, _, body = await chat(gw, "tone")        # the engine's own error, once
+    assert status in (400, 404) and "tone" in body["error"]["message"]
+    for _ in range(2):
+        status, _, body = await chat(gw, "tone")
+        assert status == 200, body
+    st = await sim_state(s.url)
+    assert len(load_calls(st)) == 2 and st["lora"]["registered"] == {"tone": "org/tone-lora"}
+
+
 async def test_sglang_adapter_load_and_lora_path(sims, gateway):
     s = await sims("sglang", "m", **LORA_SIM)
     gw = await gateway([model_block("m", "sglang", [s.url], adapters={"tone": "org/tone-lora"})], lora=FAST_LORA)
