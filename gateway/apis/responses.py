@@ -26,7 +26,7 @@ it are answered 404, as for an unknown id.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +88,16 @@ class ResponsesMetrics:
                                   ["model", "reason"], registry=registry)
         self.entries = Gauge("switchyard_responses_state_entries",
                              "Entries held by the in-memory Responses state, by kind", ["kind"], registry=registry)
+
+
+async def _as_previous(lookup: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """A lookup of a request's ``previous_response_id``: its 404 names that field, as OpenAI's does."""
+    try:
+        return await lookup
+    except GatewayError as e:
+        if e.status == 404:
+            e.param = "previous_response_id"
+        raise
 
 
 def _not_found(rid: str) -> GatewayError:
@@ -217,14 +227,14 @@ class ResponsesApi(ApiShape):
             ex.store = ireq.data.get("store") is not False
             history: list[Any] = []
             if prev is not None:
-                record = await self._record(prev, rec.user)
+                record = await _as_previous(self._record(prev, rec.user))
                 history = list(record.get("input") or ()) + output_as_input(record.get("output"))
                 self._follow(prev, record, ireq.model, candidates)
             ex.input = with_history(ireq, history)
             return candidates
         if prev is None:
             return candidates
-        owner = await self._owner(prev, rec.user)
+        owner = await _as_previous(self._owner(prev, rec.user))
         if owner["model"] != ireq.model:
             raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
                                "with the same model", param="previous_response_id", error_class=ErrorClass.VALIDATION)

@@ -208,3 +208,16 @@ async def test_gateway_history_keeps_nothing_of_a_store_false_response(sims, gat
     assert (await c.responses.retrieve(kept.id)).id == kept.id
     text = await gw.metrics_text()
     assert 'switchyard_responses_state_writes_total{kind="history",result="ok"} 1.0' in text
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_an_unknown_previous_response_id_names_that_field(sims, gateway, state):
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state})
+    c = openai_client(gw)
+    with pytest.raises(openai.NotFoundError) as ei:
+        await c.responses.create(model="m", input="x", previous_response_id="resp_unknown", max_output_tokens=3)
+    assert ei.value.body["param"] == "previous_response_id" and ei.value.body["code"] == "response_not_found"
+    with pytest.raises(openai.NotFoundError) as ei:     # GET names the path's id
+        await c.responses.retrieve("resp_unknown")
+    assert ei.value.body["param"] == "response_id"
