@@ -106,7 +106,8 @@ class Pipeline:
             return await self._internal_error(ctx, e)
         finally:
             ctx.written()                           # bookkeeping of a request that ended before its leg
-            self.lora.settle(ctx)                   # an engine that said it lacks the request's adapter
+            if ctx.ireq is not None and ctx.ireq.lora is not None:
+                self.lora.settle(ctx)               # an engine that said it lacks the request's adapter
             ctx.charges.release()
             if model is not None:
                 self._leave(model, ctx)
