@@ -392,8 +392,10 @@ class BatchRunner:
             self._tasks_by_rid.pop(rid, None)
             self.preempted.discard(rid)
             ep = self.placed.pop(rid, None)
-            if ep is not None:
-                self.lines_on.get(ep, {}).pop(rid, None)
+            if ep is not None and (on := self.lines_on.get(ep)) is not None:
+                on.pop(rid, None)
+                if not on:              # endpoints come and go: no empty entry kept per name
+                    del self.lines_on[ep]
             self.in_flight[model] -= 1
             self.m.in_flight(model, -1)
             self.wake.set()

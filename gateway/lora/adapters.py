@@ -124,6 +124,9 @@ class Lora:
         self._unloaded_at: dict[tuple[int, str], float] = {}
         self._pending: dict[int, set[str]] = {}                # id(ep) -> adapters being loaded there
         self._unloading: set[tuple[int, str]] = set()
+        # keyed by id(ep): an endpoint that left the pool leaves them, or a new one at its address
+        # would inherit its cooldowns and its loads
+        pool.removal_listeners.append(self._forget)
         self._task: asyncio.Task | None = None
         self._idle_task: asyncio.Task | None = None
         # the shared routing view when the workers share discovery (view.share_monitoring), else None
@@ -410,6 +413,13 @@ class Lora:
             recent[adapter] = now
             if len(recent) > _RECENT_KEPT:
                 del recent[next(iter(recent))]
+
+    def _forget(self, ep: Endpoint) -> None:
+        i = id(ep)
+        for d in (self._cooldown, self._loaded_at, self._unloaded_at):
+            for key in [k for k in d if k[0] == i]:
+                del d[key]
+        self._pending.pop(i, None)
 
     def settle(self, ctx: RequestContext) -> None:
         """A request for an adapter that its engine answered it does not have (restarted without

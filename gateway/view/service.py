@@ -148,6 +148,7 @@ class RoutingView:
         self._scheduled = False
         self._keys: dict[Endpoint, str] = {}              # endpoint → its key (identity map)
         self._by_key: dict[str, Endpoint] = {}
+        pool.removal_listeners.append(self._forget)       # pods come and go: nothing kept of a gone one
         self._resolved_at = -1e9
         self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
         self._sent_load: dict[str, int] | None = None
@@ -278,8 +279,17 @@ class RoutingView:
     def _key(self, ep: Endpoint) -> str:
         k = self._keys.get(ep)
         if k is None:
-            k = self._keys[ep] = endpoint_key(ep)
+            k = endpoint_key(ep)
+            if not ep.removed:                  # a request still on a removed one: not kept again
+                self._keys[ep] = k
         return k
+
+    def _forget(self, ep: Endpoint) -> None:
+        """``ep`` left the pool: its key, and when its watcher was last heard of."""
+        k = self._keys.pop(ep, None) or endpoint_key(ep)
+        if not any(endpoint_key(e) == k for e in self.pool.endpoints(ep.model)):   # not back under its key
+            for kind in ("probe", "scrape", "models"):
+                self._heard_watcher.pop((kind, k), None)
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))

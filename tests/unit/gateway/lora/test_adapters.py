@@ -63,3 +63,13 @@ def test_a_pd_charge_counts_on_both_legs_until_released():
     charge.release()
     charge.release()
     assert p.adapters.in_flight == {} and d.adapters.in_flight == {}
+
+
+def test_an_endpoint_that_left_the_pool_leaves_no_cooldown_or_load_behind():
+    """They are keyed by id(): a new endpoint at a freed address would inherit them."""
+    lora, (ep, other) = make()
+    for d in (lora._loaded_at, lora._unloaded_at):
+        d[(id(ep), "a")] = d[(id(other), "a")] = 1.0
+    lora._cooldown[(id(ep), "b")] = (200.0, "failed")
+    lora.pool.remove(ep)
+    assert [k[0] for k in (*lora._loaded_at, *lora._unloaded_at, *lora._cooldown)] == [id(other)] * 2

@@ -286,3 +286,20 @@ async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_
         # adopted, not told back: a heard nothing
         assert metric_total(a.m.gm.render().decode(), "switchyard_view_facts_applied_total", kind="breaker") == 0
     assert abr.on_change is None and bbr.on_change is None
+
+
+def test_an_endpoint_that_left_the_pool_is_not_kept_by_the_view():
+    """Pods come and go for months: the view's endpoint keys and watcher times of a gone one go
+    with it, and a request still on it when it left does not bring its key back."""
+    import time
+
+    from gateway.server.app import pool_from_config
+    cfg = _config()
+    pool = pool_from_config(cfg)
+    view = RoutingView(cfg, pool, GatewayMetrics())
+    ep, kept = pool.endpoints("m")[:2]
+    for e in (ep, kept):
+        view._heard_watcher[("probe", view._key(e))] = time.monotonic()
+    pool.remove(ep)
+    view._key(ep)                           # its last request, ending
+    assert list(view._keys) == [kept] and [k for _, k in view._heard_watcher] == [view._key(kept)]
