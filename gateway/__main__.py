@@ -6,12 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-import uvloop
+from gateway.server import hup
 
-from gateway.config.deprecated import Deprecation, log_deprecations
-from gateway.config.schema import Config, ConfigError, load_config
-from gateway.observability.logs import configure_logging
-from gateway.version import version
+if __name__ == "__main__":
+    hup.hold()      # before the imports: a SIGHUP while the gateway starts is a reload once it runs
+
+import uvloop  # noqa: E402
+
+from gateway.config.deprecated import Deprecation, log_deprecations  # noqa: E402
+from gateway.config.schema import Config, ConfigError, load_config  # noqa: E402
+from gateway.observability.logs import configure_logging  # noqa: E402
+from gateway.version import version  # noqa: E402
 
 
 def _workers_arg(v: str) -> int | str:
@@ -110,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         except ListenError as e:  # the port taken, the host unknown: one line, as a config error
             print(f"switchyard: {e}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C before the loop handles it: stopped, without a traceback
+            return 130
         return 0
 
     if workers == 1:

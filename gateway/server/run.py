@@ -30,6 +30,7 @@ from aiohttp import web
 
 from gateway.batch.api import MULTIPART_SLACK
 from gateway.config.schema import Config
+from gateway.server import hup
 from gateway.server.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
 from gateway.server.edge import Edge, EdgeLimits, EdgeRunner, inline_request_handlers
 from gateway.server.workers import WorkerInfo
@@ -135,6 +136,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
         reloader.parent_pid = os.getppid()
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
+    if hup.take():              # one came while the gateway started (gateway/server/hup.py)
+        reloader.on_signal()
     beat = worker.beat() if worker is not None else None      # the parent restarts a worker whose loop stalls
     if beat is not None:
         beat.start()

@@ -38,6 +38,7 @@ from typing import Any
 
 import structlog
 
+from gateway.server import hup
 from gateway.server.heartbeat import Beat, Heartbeats, Watchdog
 
 RESTART_BACKOFF_S = 1.0
@@ -196,11 +197,20 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     def spawn(index: int) -> None:
         if watchdog is not None:
             watchdog.spawning(index)
-        pid = os.fork()
+        # SIGHUP held back across the fork: the child must not run the parent's handler (it would
+        # forward the signal to its siblings) before it has its own
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        pid = -1
+        try:
+            pid = os.fork()
+        finally:
+            if pid != 0:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         if pid == 0:  # the worker
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)    # until the worker's loop handles it
+            hup.hold()          # noted until the worker's loop handles it, then a reload (gateway/server/hup.py)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
             # a parent killed outright (SIGKILL, OOM) cannot forward a signal: the kernel sends the
             # worker SIGTERM then, and it drains as at a stop, instead of serving on unsupervised
             if not _die_with_parent(parent):
@@ -241,6 +251,8 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGHUP, reload)
+    if hup.take():              # one came while the gateway started: the workers start on the new file
+        reload(signal.SIGHUP, None)
     for i in range(n):
         spawn(i)
     log("workers started", "info", count=n, pids=sorted(children))

@@ -190,3 +190,54 @@ async def test_every_worker_reloads_on_sighup_and_on_admin_reload(sims, tmp_path
             async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
                 text = await r.text()
             assert metric(text, "switchyard_config_generation") == 3 and metric(text, "switchyard_workers_scraped") == 2
+
+
+def _catches_sighup(pid: int) -> bool:
+    """The process has a handler for SIGHUP (``SigCgt`` in /proc: bit 0 is signal 1)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & 1)
+    except OSError:
+        pass
+    return False
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_sighup_while_the_gateway_starts_is_a_reload_once_it_runs(sims, tmp_path, workers):
+    """SIGHUP's default action ends a process: one that came while the gateway was still importing
+    and building its app killed it, and one a worker got before its loop handled it was lost while
+    the parent had taken the new file. Here it comes as soon as the process has any handler for it
+    (long before it serves), after the file changed: the gateway lives, and every worker serves
+    the new file's model."""
+    sim = await sims("vllm", "m")
+    sim2 = await sims("vllm", "m2")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, [sim.url]))
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", workers, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with asyncio.timeout(30):
+            while not _catches_sighup(proc.pid):
+                await asyncio.sleep(0.001)
+        cfg.write_text(config_text(port, [sim.url]).replace("name: m,", "name: m2,").replace(sim.url, sim2.url))
+        proc.send_signal(signal.SIGHUP)
+        seen: dict[int, set[str]] = {}
+        async with asyncio.timeout(40):
+            while len(seen) < int(workers) or any(ids != {"m2"} for ids in seen.values()):
+                assert proc.returncode is None, "the gateway died of the SIGHUP"
+                with contextlib.suppress(aiohttp.ClientError, OSError):
+                    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+                        async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                            pid = (await r.json())["gateway"]["pid"]
+                        async with s.get(f"http://127.0.0.1:{port}/v1/models") as r:
+                            seen[pid] = {m["id"] for m in (await r.json())["data"]}
+                await asyncio.sleep(0.05)
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
