@@ -173,4 +173,7 @@ def check_config(path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:       # Ctrl-C before a signal handler of ours: stopped, no traceback
+        sys.exit(130)
