@@ -167,8 +167,12 @@ class Migration:
         """The stream's migration state, or None when it has none (not a stream, another API);
         ``legs`` opens its continuations. An eligible request's body is rewritten for the first leg."""
         ireq = ctx.ireq
-        if limit <= 0 or ireq is None or ctx.api is not None or not ireq.stream or ireq.path not in (CHAT, COMPLETIONS):
+        if limit <= 0 or ireq is None or not ireq.stream:
             return None
+        if ctx.api is not None or ireq.path not in (CHAT, COMPLETIONS):
+            # Messages, Responses, the pass-through paths: their events are not rebuilt across legs,
+            # so such a stream ends with its API's error event, counted as refused_api
+            return cls(ireq, limit, TEXT, None, "api", metrics, legs)
         adapter = adapter_for(engine)
         mode = adapter.continuation_mode(ireq)
         why = refusal(ireq) or (text_mode_refusal(ireq.path, ireq.data) if mode == TEXT else None)

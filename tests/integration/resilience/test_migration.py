@@ -219,3 +219,19 @@ async def test_dying_decode_continues_through_a_fresh_pair(sims, gateway, engine
         st, got = await raw_post(gw.url, "/v1/chat/completions", req)
         assert st == 200 and got[-1] == "[DONE]", got[-2:]
         assert text_of(got) == text_of(ref)
+
+
+async def test_a_messages_stream_is_not_continued_and_the_refusal_is_counted(sims, gateway):
+    """Messages (and Responses) events are not rebuilt across legs: such a stream on a model with
+    migration_limit ends with its API's error event, as without it, and is counted as refused."""
+    import anthropic
+
+    gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="none", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError):
+        async with client.messages.stream(model="m", max_tokens=30,
+                                          messages=[{"role": "user", "content": "Tell me about trains."}]) as s:
+            async for _ in s:
+                pass
+    assert migrations(await gw.metrics_text(), "refused_api") == 1
+    await client.close()
