@@ -36,6 +36,7 @@ WatchdogPhase = Literal["first_chunk", "idle", "response"]
 # bytes a header value may carry as is: visible ASCII and space (RFC 9110 field-vchar without obs-text)
 _UNSAFE = re.compile(r"[^\x20-\x7e]")
 MAX_ECHO_CHARS = 256
+MAX_LOG_CHARS = 1024       # a client-written value in the request log line (user, model, error)
 
 
 def safe_header_value(value: str) -> str:
@@ -199,4 +200,18 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
         fields["alias"] = rec.alias
     if rec.extra:
         fields.update(rec.extra)
+    # what a client wrote, bounded: a body's `user` of megabytes, or an unknown model's name (and
+    # the error that repeats it), would otherwise make a log line of megabytes
+    user = rec.user
+    if user is not None and len(user) > MAX_LOG_CHARS:
+        fields["user"] = _cut(user)
+    if rec.status >= 400:
+        for k in ("model", "strategy", "error"):
+            v = fields[k]
+            if isinstance(v, str) and len(v) > MAX_LOG_CHARS:
+                fields[k] = _cut(v)
     request_log.emit(fields)
+
+
+def _cut(v: str) -> str:
+    return f"{v[:MAX_LOG_CHARS]}… ({len(v)} characters)"

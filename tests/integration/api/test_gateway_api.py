@@ -253,3 +253,19 @@ async def test_one_structured_log_line_per_request(fleet):
     assert ok["status"] == 200 and ok["stream"] is True and ok["completion_tokens"] == 3
     assert ok["ttft_ms"] > 0 and ok["duration_ms"] >= ok["ttft_ms"] and ok["endpoint"] and ok["strategy"]
     assert bad["status"] == 404 and bad["error_class"] == "model_not_found"
+
+
+async def test_a_client_written_value_of_megabytes_makes_a_bounded_log_line(fleet):
+    """A body's ``user`` or an unknown model's name is the client's to choose: logged whole, one
+    request made a log line of megabytes (and the error line repeats the model's name)."""
+    gw, _ = fleet
+    client = openai_client(gw)
+    with gw.gw.request_log.capture() as logs:
+        await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2, user="u" * 300_000)
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(model="x" * 300_000, messages=CHAT, max_tokens=2)
+    await client.close()
+    ok, bad = [e for e in logs if e["event"] == "request"]
+    assert ok["status"] == 200 and ok["user"].startswith("u" * 1024) and ok["user"].endswith("(300000 characters)")
+    assert bad["status"] == 404 and len(bad["model"]) < 1100 and len(bad["error"]) < 1100
+    assert len(orjson.dumps(ok)) < 3000 and len(orjson.dumps(bad)) < 4000
