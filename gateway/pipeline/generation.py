@@ -162,7 +162,7 @@ def build_generation(config: Config, services: Services, previous: Generation | 
     s = services
     routing = Routing(config, s.pool, s.metrics, s.kv_events, s.view, s.slo)
     if previous is not None and routing_state_kept(previous.config, config):
-        routing.ctx, routing.registry = previous.routing.ctx, previous.routing.registry
+        routing.keep_state(previous.routing)
     s.view.attach(routing.ctx)          # its index's insertions are shared, others' applied to it
     routing.observers, routing.claims = s.decision_observers, s.decision_claims   # shared by every generation
     pd = PDOrchestrator(config, s.upstream, s.relay, s.lifecycle.spawn, s.metrics, routing.ctx.rng, s.pool, s.retries)

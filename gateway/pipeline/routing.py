@@ -65,6 +65,13 @@ class Routing:
         # strategies named in config are validated now, so a typo fails at startup, not per request
         check_strategies(config, self.registry)
 
+    def keep_state(self, previous: Routing) -> None:
+        """Take over ``previous``'s routing state at a reload that keeps it: its context (prefix
+        index, positions, pins) and routers, and the list its context's ``on_fallback`` reports
+        into, so fallbacks reported while this routing decides still reach its decisions."""
+        self.ctx, self.registry = previous.ctx, previous.registry
+        self._fallbacks = previous._fallbacks
+
     def _on_fallback(self, strategy: str, reason: str) -> None:
         self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()
         self._fallbacks.append((strategy, reason))

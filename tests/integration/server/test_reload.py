@@ -217,6 +217,24 @@ async def test_routing_state_carries_over_unless_routing_settings_change(sims, g
     assert f.reloader.live.routing.strategy_for("m", None) == "round-robin"
 
 
+async def test_fallbacks_reach_the_decisions_after_a_reload_that_keeps_the_routing_state(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url], strategy="vtc-basic")])
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    seen: list[tuple[str, tuple]] = []
+    f.reloader.live.routing.observers.append(lambda ireq, d, fallbacks, s: seen.append((d.strategy, fallbacks)))
+    client = openai_client(gw)
+    await chat(client)                              # no user: vtc-basic falls back
+    assert seen[-1] == ("vtc-basic", (("vtc-basic", "no_user"),))
+
+    ctx = f.reloader.live.routing.ctx
+    f.write(models=[model_block("m", "vllm", [sim.url], strategy="session-affinity")])
+    assert f.reloader.reload("test").result == "ok" and f.reloader.live.routing.ctx is ctx
+    await chat(client)                              # no session header: session-affinity falls back
+    await wait_for(lambda: len(seen) == 2)
+    assert seen[-1] == ("session-affinity", (("session-affinity", "no_session"),))
+
+
 async def test_kubernetes_endpoints_keep_working_across_a_reload(emu, sims, gateway, tmp_path):
     from tests.support.factories import sim_pod
 
