@@ -103,6 +103,17 @@ def parse_strategy(spec: str, known: Collection[str] | None = None) -> list[tupl
     return entries
 
 
+def canonical_strategy(entries: Sequence[tuple[str, int]]) -> str:
+    """The one spelling of parsed ``entries`` (``parse_strategy``): one name alone whatever its
+    weight; a list with its weights divided by their greatest common divisor, a weight of 1
+    left out. Every spelling of a strategy (case, spaces, weights of one name) is the same
+    string, so a client's spelling never makes a metric label of its own."""
+    if len(entries) == 1:
+        return entries[0][0]
+    g = math.gcd(*(w for _, w in entries))
+    return ",".join(name if w == g else f"{name}:{w // g}" for name, w in entries)
+
+
 class WeightedRouter(ScoringRouter):
     """A weighted combination of scoring routers (AIBrix's multi-strategy router).
 
@@ -215,7 +226,7 @@ class RouterRegistry:
         self._factories: dict[str, RouterFactory] = {}
         self._scoring: dict[str, bool] = {}
         self._instances: dict[str, Router] = {}
-        self._cache: dict[str, Router] = {}
+        self._cache: dict[str, tuple[str, Router]] = {}     # spec → (its canonical spelling, router)
 
     def register(self, name: str, factory: RouterFactory, *, scoring: bool) -> None:
         """Declare strategy ``name``; ``scoring=True`` if its router is a ``ScoringRouter`` and may
@@ -240,13 +251,19 @@ class RouterRegistry:
 
     def get(self, spec: str) -> Router:
         """The router for strategy string ``spec``; raises ``StrategyError`` if it is invalid."""
-        router = self._cache.get(spec)
-        if router is None:
-            router = self._build(spec)
+        return self.resolve(spec)[1]
+
+    def resolve(self, spec: str) -> tuple[str, Router]:
+        """``spec``'s canonical spelling (``canonical_strategy``) and its router; raises
+        ``StrategyError`` if it is invalid."""
+        found = self._cache.get(spec)
+        if found is None:
+            entries = self.validate(spec)
+            found = (canonical_strategy(entries), self._build(spec, entries))
             if len(self._cache) >= MAX_CACHED_SPECS:
                 del self._cache[next(iter(self._cache))]
-            self._cache[spec] = router
-        return router
+            self._cache[spec] = found
+        return found
 
     def validate(self, spec: str) -> list[tuple[str, int]]:
         """Parse and check ``spec`` without building anything (config validation)."""
@@ -266,8 +283,7 @@ class RouterRegistry:
             self._instances[name] = router
         return router
 
-    def _build(self, spec: str) -> Router:
-        entries = self.validate(spec)
+    def _build(self, spec: str, entries: list[tuple[str, int]]) -> Router:
         if len(entries) == 1:
             return self._instance(entries[0][0])
         parts = [(self._instance(name), weight) for name, weight in entries]

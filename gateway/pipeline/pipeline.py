@@ -79,7 +79,7 @@ class Pipeline:
             rec.model_known = True                  # metric labels name known models only
             spec = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
                                              lora=ireq.lora is not None)
-            router = self.routing.router_for(spec)  # 400 unless known
+            spec, router = self.routing.resolve(spec)   # 400 unless known; one spelling per strategy
             rec.strategy = spec                     # metric labels hold known models and strategies only
             adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
             candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)

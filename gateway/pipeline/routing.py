@@ -113,8 +113,13 @@ class Routing:
         return ok
 
     def router_for(self, spec: str) -> Router:
+        return self.resolve(spec)[1]
+
+    def resolve(self, spec: str) -> tuple[str, Router]:
+        """``spec``'s canonical spelling (what metric labels, the log line and the answer's
+        ``routing-strategy`` carry) and its router; a 400 for an invalid one."""
         try:
-            return self.registry.get(spec)
+            return self.registry.resolve(spec)
         except StrategyError:
             # the answer echoes the refused name (escaped); the request's record keeps no strategy,
             # so a client's arbitrary names never become metric labels

@@ -39,3 +39,26 @@ async def test_invalid_strategy_is_400_through_the_gateway(sims, gateway):
         async with s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1},
                           headers={"routing-strategy": "prefix-cache:3,least-request:2,least-kv-cache:2"}) as r:
             assert r.status == 200
+
+
+async def test_every_spelling_of_a_strategy_is_one_label_one_log_value_and_one_header(sims, gateway):
+    e = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url])])
+    spellings = {"least-request": "least-request", "Least-Request": "least-request",
+                 " LEAST-REQUEST ": "least-request", "least-request:7": "least-request",
+                 "least-request,random:0": "least-request",
+                 "Prefix-Cache:4, least-request:2": "prefix-cache:2,least-request",
+                 "prefix-cache:2,least-request:1": "prefix-cache:2,least-request"}
+    async with aiohttp.ClientSession() as s:
+        for spec, canonical in spellings.items():
+            async with s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1},
+                              headers={"routing-strategy": spec}) as r:
+                assert r.status == 200 and r.headers["routing-strategy"] == canonical, spec
+        async with s.get(gw.url + "/metrics") as r:
+            page = await r.text()
+    labels = {line.split('strategy="')[1].split('"')[0] for line in page.splitlines()
+              if line.startswith("switchyard_requests_total{")}
+    assert labels == {"least-request", "prefix-cache:2,least-request"}
+    decisions = {line.split('strategy="')[1].split('"')[0] for line in page.splitlines()
+                 if line.startswith("switchyard_routing_decision_seconds_count{")}
+    assert decisions == labels

@@ -273,3 +273,14 @@ def test_property_decision_is_a_candidate(in_flight, spec, scores, seed, polarit
         assert any(chosen is ep for ep in eps)
     if spec == "least-request":
         assert chosen.in_flight == min(in_flight)
+
+
+def test_every_spelling_of_a_strategy_resolves_to_one_canonical_name():
+    reg = dummy_registry()
+    assert reg.resolve("least-request") == ("least-request", reg.get("least-request"))
+    for spec in ("LEAST-REQUEST", " least-request ", "least-request:5", "least-request,random:0"):
+        assert reg.resolve(spec) == ("least-request", reg.get("least-request")), spec
+    assert reg.resolve("Prefix-Cache:4, least-request:2")[0] == "prefix-cache:2,least-request"
+    assert reg.resolve("prefix-cache:2,least-request")[0] == "prefix-cache:2,least-request"
+    assert reg.resolve("prefix-cache:3,least-request:3")[0] == "prefix-cache,least-request"
+    assert reg.resolve("least-request:1,pd")[0] == "pd"
