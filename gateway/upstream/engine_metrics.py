@@ -205,8 +205,8 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
             value = float(value_text)
         except ValueError:
             continue
-        if not math.isfinite(value):
-            continue
+        if not math.isfinite(value) or value < 0:    # every figure read here is a count, a ratio or a
+            continue                                 # counter: a negative one is broken, left out
         all_values.setdefault(field, []).append(value)
         if model is not None and "model_name=" in label_text:
             # cheap check first; the exact parse handles escapes and look-alike labels

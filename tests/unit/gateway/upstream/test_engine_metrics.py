@@ -110,6 +110,13 @@ def test_vllm_single_scrape():
     assert m.prompt_throughput is None and m.gen_throughput is None and m.ttft_recent_mean is None
 
 
+def test_a_negative_figure_is_left_out_not_read():
+    """An engine reporting -5 waiting or a KV usage of -1 (a bug, a broken exporter) would win every
+    least-waiting or least-kv-cache decision; such a figure counts as not reported."""
+    m = parse_engine_metrics(vllm_text(waiting=-5.0, kv=-1.0), "vllm", now=100.0)
+    assert (m.running, m.waiting, m.kv_usage) == (3.0, None, None)
+
+
 def test_vllm_rates_from_two_scrapes():
     first = parse_engine_metrics(vllm_text(), "vllm", now=100.0)
     second = parse_engine_metrics(
