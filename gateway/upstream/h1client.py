@@ -287,6 +287,7 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.opened_at = 0.0
         self.idled = 0.0             # how long it had idled when taken for its current exchange
+        self.sent_at = 0.0           # when its current request was written (``resendable``)
         self.deadline: asyncio.TimerHandle | None = None
 
     # -- an exchange -----------------------------------------------------------------------
@@ -305,6 +306,7 @@ class _Conn(asyncio.Protocol):
         self.headers_waiter = self.sent_waiter = self.loop.create_future()
         if state is not None:
             state.sent = True
+        self.sent_at = self.loop.time()
         try:
             if type(data) is tuple:
                 self.transport.writelines(data)
@@ -579,11 +581,18 @@ class Exchange:
 # dropped the connection), and sending it again would run it twice: a P/D decode's KV pull or
 # bootstrap room is used once. That failure is the caller's (a retry elsewhere, or a 502).
 RESEND_IDLE_S = 1.0
+# ... and only when the close came this soon after the request was written: an engine that closed
+# the connection at its keep-alive timeout had its close on the way as the request went out, so the
+# close arrives within a round trip. A close that comes later is an engine that read the request and
+# worked on it (a non-streaming answer's head comes with its body) before it went away: sending it
+# again would run it twice.
+RESEND_WITHIN_S = 0.5
 
 
 def resendable(conn: _Conn | None, reused: bool, e: UpstreamDisconnected) -> bool:
     """Whether a request that ``conn`` lost (``e``) goes again on a fresh connection."""
-    return reused and not e.received and (conn is None or conn.idled >= RESEND_IDLE_S)
+    return reused and not e.received and (
+        conn is None or (conn.idled >= RESEND_IDLE_S and conn.loop.time() - conn.sent_at < RESEND_WITHIN_S))
 
 
 class UpstreamPool:

@@ -352,6 +352,36 @@ async def test_a_connection_that_had_idled_briefly_and_closes_unanswered_is_not_
 
 
 @on_both_loops
+async def test_a_connection_that_closes_long_after_the_request_went_out_is_not_sent_again(short_resend_idle,
+                                                                                          monkeypatch):
+    """A reused connection that had idled long enough for a keep-alive timeout, but the engine read
+    the request and worked on it before the connection dropped with no answer (its worker died):
+    that is no keep-alive race, and sending the request again would run it twice."""
+    monkeypatch.setattr(h1client, "RESEND_WITHIN_S", 0.1, raising=False)
+
+    async def works_then_dies(server, req, writer):
+        if req["nth"] == 2:
+            await asyncio.sleep(0.3)      # generating, then gone
+            return False
+        writer.write(answer())
+        await writer.drain()
+
+    async with Engine(works_then_dies) as eng:
+        pool = UpstreamPool()
+        for send in (lambda b: pool.post(eng.url + "/x", b, JSON), lambda b: pool.begin(eng.url + "/x", b, JSON).response()):
+            resp = await pool.post(eng.url + "/x", b"first", JSON)
+            await resp.read()
+            resp.release()
+            await asyncio.sleep(0.1)        # idle long enough for an engine's keep-alive timeout
+            with pytest.raises(UpstreamDisconnected) as ei:
+                await send(b"second")
+            assert not ei.value.received
+            assert [r["body"] for r in eng.requests].count(b"second") == 1
+            eng.requests.clear()
+        await pool.close()
+
+
+@on_both_loops
 async def test_a_fresh_connection_closed_before_answering_is_not_retried():
     async def drops(server, req, writer):
         return False
