@@ -317,6 +317,14 @@ class Relay:
 
     async def _error(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str]) -> web.StreamResponse:
         rec = ctx.rec
+        if resp.status < 300 or resp.status == 304:
+            # a success other than 200 (201, 203, ...) or a status no body may follow (204, 205, 304):
+            # relayed with its status, an error body would read as a success (or, bodiless, not be
+            # written at all); no client of these APIs can read it, so it is the engine's protocol fault
+            rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
+            raise GatewayError(502, f"upstream answered with status {resp.status}", code="upstream_bad_response",
+                               header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
         raw = await resp.read_limited(self.cfg.max_error_body_bytes)
         if ctx.api is not None:       # in the request's API shape (Anthropic's on /v1/messages)
             status, body, message = ctx.api.upstream_error(resp.status, raw)

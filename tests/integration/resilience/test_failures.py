@@ -235,3 +235,31 @@ async def test_an_answer_framed_otherwise_than_asked_is_a_502(gateway):
         text = await gw.metrics_text()
         assert metric(text, "switchyard_requests_total", status="502") == 2
         assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == 2
+
+
+@pytest.mark.parametrize("status", [201, 203, 204, 205, 304])
+async def test_a_status_other_than_200_below_the_errors_is_a_502(gateway, status):
+    """An engine's 2xx other than 200, or 304: relayed with its status, the error body made of it
+    read as a success with no choices (2xx), or could not be written at all (204, 205, 304: the
+    client's connection was closed with no answer)."""
+    from aiohttp import web
+
+    async def odd_status(request):
+        await request.read()
+        if status in (204, 205, 304):
+            return web.Response(status=status)
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}, status=status)
+
+    async with fake_engine(odd_status) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        client = openai_client(gw)
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as ei:
+                answer = await client.chat.completions.create(**body(stream=stream))
+                if stream:
+                    async for _ in answer:
+                        pass
+            assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_bad_response"
+            assert str(status) in ei.value.body["message"]
+            assert ei.value.response.headers["x-error-upstream"] == "protocol"
