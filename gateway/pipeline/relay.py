@@ -75,6 +75,20 @@ StreamFailure = tuple[ErrorClass, str]
 EOF_FAILURE: StreamFailure = (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
 
 
+def coding_of(resp: UpstreamResponse) -> str | None:
+    """The content or transfer coding (other than chunked) an engine's answer is in, None when its
+    bytes are the content itself. The relay passes bytes through as they came and sends the client
+    no ``Content-Encoding``, so an answer in a coding is one no client could read."""
+    h = resp.headers
+    ce = h.get("Content-Encoding")
+    if ce is not None and ce.strip().lower() not in ("", "identity"):
+        return ce
+    te = h.get("Transfer-Encoding")
+    if te is not None and any(c.strip() not in ("", "chunked", "identity") for c in te.lower().split(",")):
+        return te
+    return None
+
+
 def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
     """What a leg's failure mid-stream is called, for the plain relay and a migrating stream alike:
     a watchdog that fired, the whole-exchange timeout (``upstream.total_timeout_s``), or the
@@ -231,6 +245,8 @@ class Relay:
             sse = ctype.startswith("text/event-stream")
             if ctx.ireq is not None and sse != ctx.ireq.stream:
                 self._mismatch(ctx, ctype)
+            if (coding := coding_of(resp)) is not None:
+                self._coded(ctx, coding)
             if sse:
                 if ctx.migration is not None and ctx.migration.active:    # gateway/pipeline/migration.py
                     return await ctx.migration.stream(self, ctx, resp, headers, wd)
@@ -255,6 +271,16 @@ class Relay:
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
         raise GatewayError(502, f"upstream answered a request for {wanted} with Content-Type "
                                 f"{safe_header_value(ctype)[:80]!r}", code="upstream_bad_response",
+                           header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
+
+    def _coded(self, ctx: RequestContext, coding: str) -> None:
+        """A 200 in a content or transfer coding (``coding_of``): its bytes relayed would be
+        unreadable, so it is the engine's protocol fault, a 502, before anything reached the client."""
+        rec = ctx.rec
+        rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
+        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
+        raise GatewayError(502, f"upstream answered in a coding the gateway does not decode: "
+                                f"{safe_header_value(coding)[:80]!r}", code="upstream_bad_response",
                            header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
 
     async def stream_from_head(self, ctx: RequestContext, resp: UpstreamResponse, strip_usage: bool,
@@ -290,6 +316,8 @@ class Relay:
         def head_then(first: bytes) -> object:
             if resp.status != 200 or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
                 return "not a 200 event stream"
+            if coding_of(resp) is not None:
+                return "in a content coding"
             return gate(first)
 
         return await self._stream(ctx, resp, ahead.headers, strip_usage, wd, ahead, head_then, before_head=True)

@@ -1,8 +1,9 @@
 """The upstream: every leg to an engine, and the outcome of each told to the endpoint's breaker.
 
 Data-plane legs (aggregated, prefill, decode, aborts) go through ``gateway.upstream.h1client.UpstreamPool``:
-keep-alive connections, one write per request, no ``Accept-Encoding`` (engines answer uncompressed
-and relayed bytes need no re-encoding), connect and total timeouts from config. The first-byte
+keep-alive connections, one write per request, ``Accept-Encoding: identity`` (engines answer
+uncompressed and relayed bytes need no re-encoding; with no ``Accept-Encoding`` at all any coding would
+be acceptable, RFC 9110 §12.5.3, and a compressing proxy in front of an engine could use one), connect and total timeouts from config. The first-byte
 (response head) timeout is given per leg, because P/D legs and watchdogs use their own.
 
 A leg that fails before a response status arrived raises ``UpstreamFailure`` with its kind; the
@@ -81,7 +82,7 @@ def classify(e: UpstreamError, url: str) -> UpstreamFailure:
 
 
 def upstream_headers(ireq: InferenceRequest) -> dict[str, str]:
-    h = {"Content-Type": ireq.content_type, "X-Request-Id": ireq.request_id}
+    h = {"Content-Type": ireq.content_type, "X-Request-Id": ireq.request_id, "Accept-Encoding": "identity"}
     for name, v in ireq.headers.items():
         if name.lower() not in _DROP_HEADERS:
             h[name] = v

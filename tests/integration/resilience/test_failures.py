@@ -237,6 +237,44 @@ async def test_an_answer_framed_otherwise_than_asked_is_a_502(gateway):
         assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == 2
 
 
+async def test_an_answer_in_a_content_coding_is_a_502_and_engines_are_asked_for_identity(gateway):
+    """The gateway relays an answer's bytes as they came, with no Content-Encoding of its own: a
+    gzip-coded answer (a compressing proxy in front of an engine) reached the client as a 200 whose
+    body no client could read. Engines are asked for none (``Accept-Encoding: identity``; without
+    the header any coding is acceptable), and one that codes anyway is the engine's protocol fault."""
+    import gzip
+
+    from aiohttp import web
+
+    asked: list[str | None] = []
+
+    async def gzipped(request):
+        data = await request.json()
+        asked.append(request.headers.get("Accept-Encoding"))
+        if data.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Content-Encoding": "gzip"})
+            await resp.prepare(request)
+            await resp.write(gzip.compress(b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n'))
+            await resp.write_eof()
+            return resp
+        raw = orjson.dumps({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})
+        return web.Response(body=gzip.compress(raw), headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+
+    async with fake_engine(gzipped) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        client = openai_client(gw)
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as ei:
+                answer = await client.chat.completions.create(**body(stream=stream))
+                if stream:
+                    async for _ in answer:
+                        pass
+            assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_bad_response"
+            assert "gzip" in ei.value.body["message"]
+            assert ei.value.response.headers["x-error-upstream"] == "protocol"
+        assert asked == ["identity", "identity"]
+
 @pytest.mark.parametrize("status", [201, 203, 204, 205, 304])
 async def test_a_status_other_than_200_below_the_errors_is_a_502(gateway, status):
     """An engine's 2xx other than 200, or 304: relayed with its status, the error body made of it
