@@ -144,10 +144,11 @@ async def test_an_input_that_cannot_be_read_on_fails_the_batch_and_says_why(sims
     f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=10))), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
 
-    async def started() -> bool:
-        return (await c.batches.retrieve(b.id)).status == "in_progress"
+    async def first_read() -> bool:             # a line answered: the first 256 lines were read
+        got = await c.batches.retrieve(b.id)
+        return got.request_counts is not None and got.request_counts.completed > 0
 
-    await until(started, timeout=20)
+    await until(first_read, timeout=20, interval=0.01)
     (tmp_path / "batch" / "files" / f.id).unlink()         # the disk lost it
     b = await run_to_end(c, b.id, timeout=120)
     assert b.status == "failed" and b.failed_at and b.errors.data[0].code == "file_unreadable"
