@@ -191,7 +191,8 @@ class AudioApi(PassthroughApi):
         into a growing bytearray, then into bytes)."""
         length = request.content_length
         if max_bytes and length is not None and length > max_bytes:
-            raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class=ErrorClass.VALIDATION)
+            raise GatewayError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large",
+                                   error_class=ErrorClass.VALIDATION)
         chunks: list[bytes] = []
         size = 0
         try:
@@ -203,7 +204,8 @@ class AudioApi(PassthroughApi):
                     break
                 size += len(chunk)
                 if max_bytes and size > max_bytes:
-                    raise GatewayError(413, f"request body exceeds {max_bytes} bytes", error_class=ErrorClass.VALIDATION)
+                    raise GatewayError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large",
+                                   error_class=ErrorClass.VALIDATION)
                 chunks.append(chunk)
         except web.RequestPayloadError as e:
             raise GatewayError(400, f"the request body could not be read: {e}", code="bad_body",

@@ -8,6 +8,7 @@ import warnings
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from enginesim.audio_api import BYTES_PER_SECOND, transcript
@@ -164,7 +165,9 @@ async def test_audio_body_limit(sims, gateway):
     ctype = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
     async with aiohttp.ClientSession() as s:
         async with s.post(gw.url + "/v1/audio/transcriptions", data=body(), headers=ctype) as r:
-            assert r.status == 413 and (await r.json())["error"]["message"] == "request body exceeds 100000 bytes"
+            err = (await r.json())["error"]
+            assert r.status == 413 and err["message"] == "request body exceeds 100000 bytes"
+            assert err["code"] == "body_too_large"          # as with a Content-Length over the limit
         c = openai_client(gw)
         with pytest.raises(openai.APIStatusError) as ei:        # with a Content-Length: refused before reading
             await c.audio.transcriptions.create(model="llama", file=("a.wav", AUDIO))
@@ -173,6 +176,24 @@ async def test_audio_body_limit(sims, gateway):
         assert small.usage.seconds == 2
         await c.close()
     assert not [r for r in (await sim_state(v.url))["received"] if r["bytes"] > 100_000]
+
+
+@pytest.mark.parametrize("path,body", [("/v1/rerank", {"query": "q", "documents": ["x" * 1000] * 200}),
+                                       ("/v1/embeddings", {"input": ["x" * 1000] * 200})])
+async def test_a_chunked_json_body_over_the_limit_is_body_too_large(sims, gateway, path, body):
+    """Without a Content-Length the limit is found while reading: the same 413 code as the edge's."""
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])], server={"max_body_bytes": 100_000})
+    raw = orjson.dumps({"model": "llama", **body})
+
+    async def chunks():
+        for i in range(0, len(raw), 16384):
+            yield raw[i:i + 16384]
+
+    async with aiohttp.ClientSession() as s, s.post(gw.url + path, data=chunks(),
+                                                    headers={"Content-Type": "application/json"}) as r:
+        err = (await r.json())["error"]
+        assert r.status == 413 and err["code"] == "body_too_large" and err["type"] == "invalid_request_error"
 
 
 async def test_an_alias_rewrites_the_model_inside_the_form(sims, gateway):
