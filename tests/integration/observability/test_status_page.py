@@ -141,3 +141,33 @@ async def test_with_auth_the_page_asks_for_the_admin_token(sims, gateway, page):
     assert await page.evaluate("location.search + location.hash") == ""
     assert await page.evaluate("Object.values(sessionStorage)") == [ADMIN]
     assert page.problems == [], "\n".join(page.problems)
+
+
+# The page's poll timer is recorded and run at once (time is not waited for), and its fetch can be
+# made to fail as when the gateway is down.
+POLL_CLOCK = """window.__delays = []; window.__down = false;
+const __setTimeout = window.setTimeout, __fetch = window.fetch;
+window.setTimeout = function (fn, ms, ...rest) {
+  if (fn && fn.name === "poll") { window.__delays.push(ms); ms = 20; }
+  return __setTimeout.call(this, fn, ms, ...rest);
+};
+window.fetch = function (...args) {
+  return window.__down ? Promise.reject(new TypeError("Failed to fetch")) : __fetch.apply(this, args);
+};"""
+
+
+async def test_a_gateway_that_is_down_is_never_polled_more_often_than_refresh_s(sims, gateway, page):
+    """The backoff after failed polls lengthens the wait; with a refresh_s above its 10 s cap it
+    used to shorten it (every 10 s while down, every 30 s while up)."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], status={"refresh_s": 30})
+    await page.send("Page.addScriptToEvaluateOnNewDocument", source=POLL_CLOCK)
+    await page.navigate(gw.url + "/status")
+    await page.wait_for("window.__delays.length >= 3")
+    assert set((await page.evaluate("window.__delays"))[1:]) == {30000}      # up: every refresh_s
+    up = await page.evaluate("window.__down = true; window.__delays.length")
+    await page.wait_for(f"window.__delays.length >= {up + 5} && " + q("#live-text") + ".textContent.includes('retrying')")
+    down = (await page.evaluate("window.__delays"))[up:]
+    assert min(down) >= 30000, down
+    await page.evaluate("window.__down = false; true")     # back up: polled at refresh_s again
+    await page.wait_for(q("#live-text") + ".textContent.startsWith('updated')")
