@@ -290,8 +290,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
                        siblings: Siblings | None) -> None:
     pool, lifecycle, metrics, lora = s.pool, s.lifecycle, s.metrics, s.lora
 
-    async def models(request: web.Request) -> web.Response:
-        await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
+    def model_entries() -> list[dict]:
         data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
                  "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
                  "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
@@ -301,7 +300,23 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
                          "ready_endpoints": sum(len(pool.ready(t["model"])) for t in a["targets"])})
         for a in lora.describe():       # LoRA adapters, with their parent (base) model
             data.append({"id": a.pop("id"), "object": "model", "created": started_at, "owned_by": "switchyard", **a})
-        return _json(200, {"object": "list", "data": data})
+        return data
+
+    async def models(request: web.Request) -> web.Response:
+        await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
+        return _json(200, {"object": "list", "data": model_entries()})
+
+    async def model(request: web.Request) -> web.Response:
+        """One entry of the list (OpenAI's retrieve; SGLang serves it too): the id is the rest of
+        the path, so a name with slashes (``org/model``, or ``org%2Fmodel``) is one id."""
+        await s.tenancy.authenticate(request, None)
+        name = request.match_info["model_id"]
+        for entry in model_entries():
+            if entry["id"] == name:
+                return _json(200, entry)
+        raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found",
+                           header=("x-error-no-model-backends", safe_header_value(name)),
+                           error_class=ErrorClass.MODEL_NOT_FOUND)
 
     async def health(_request: web.Request) -> web.Response:
         return _json(200, {"status": "ok"})
@@ -322,6 +337,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
                             headers={"X-Content-Type-Options": "nosniff"})
 
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model_id:.+}", model)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_page)

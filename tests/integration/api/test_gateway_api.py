@@ -135,6 +135,29 @@ async def test_models_health_ready_metrics(fleet):
     await client.close()
 
 
+async def test_one_model_is_retrieved_by_its_id(sims, gateway):
+    """GET /v1/models/{id}, the openai SDK's ``models.retrieve``: a model, an alias, a name with a
+    slash (as is or percent-encoded) or not ASCII; an unknown id is OpenAI's 404."""
+    v = await sims("vllm", "org/llama")
+    s = await sims("sglang", "qwen-ü")
+    gw = await gateway([model_block("org/llama", "vllm", [v.url]), model_block("qwen-ü", "sglang", [s.url])],
+                       aliases=[{"name": "chat", "targets": [{"model": "org/llama"}]}])
+    client = openai_client(gw)
+    listed = {m.id: m for m in (await client.models.list()).data}
+    for name in ("org/llama", "chat", "qwen-ü"):
+        got = await client.models.retrieve(name)
+        assert got == listed[name]
+    with pytest.raises(openai.NotFoundError) as ei:
+        await client.models.retrieve("org/nope")
+    assert ei.value.body["code"] == "model_not_found" and ei.value.body["param"] == "model"
+    await client.close()
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/v1/models/org%2Fllama") as r:
+            assert r.status == 200 and (await r.json())["id"] == "org/llama"
+        async with http.get(gw.url + "/v1/models/nope") as r:
+            assert r.status == 404 and r.headers["x-error-no-model-backends"] == "nope"
+
+
 async def test_embeddings(sims, gateway):
     e = await sims("vllm", "embed")
     gw = await gateway([model_block("embed", "vllm", [e.url])])
