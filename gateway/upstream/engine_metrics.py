@@ -11,7 +11,9 @@ commas, ``}`` and escaped quotes) but only when a label is needed (``model_name`
 Rules:
 
 * Several label sets for one metric (data-parallel ranks, ``is_streaming``, ...) are combined:
-  counts and counters are summed; ratios (KV usage, SGLang's cache hit rate) are averaged.
+  counts and counters are summed; ratios (KV usage, SGLang's cache hit rate) are averaged. A
+  series with a non-empty ``priority`` label is left out: it is SGLang's per-priority breakdown
+  of the total it also reports under ``priority=""``.
 * With ``model`` given, series whose ``model_name`` label equals it are used; if none match, all
   series are (an engine serving one model under another served name still reports something).
 * ``NaN`` and infinite samples are ignored, as are optional timestamps and comment lines.
@@ -149,6 +151,14 @@ def _adapters(labels: dict[str, str], name: str) -> frozenset[str]:
     return frozenset(a for a in labels.get(name, "").split(",") if a)
 
 
+def _total_series(label_text: str) -> bool:
+    """Whether a series labelled ``priority`` is a total: with ``--enable-priority-scheduling``
+    SGLang reports running and queued requests under ``priority=""`` (the total) and again under
+    ``priority="<n>"`` for each priority (``_log_gauge_queue_count``); summing both counted each
+    request twice."""
+    return parse_labels(label_text).get("priority", "") == ""
+
+
 def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[float]], int | None, float | None,
                                                                tuple[float, dict[str, str]] | None]:
     names = _NAMES[engine]
@@ -201,6 +211,8 @@ def _scan(text: str, engine: str, model: str | None) -> tuple[dict[int, list[flo
             if math.isfinite(stamp) and (lora is None or stamp >= lora[0]):
                 lora = (stamp, parse_labels(label_text))
             continue
+        if 'priority="' in label_text and not _total_series(label_text):
+            continue                 # SGLang's per-priority breakdown of a total it also reports
         try:
             value = float(value_text)
         except ValueError:

@@ -200,6 +200,23 @@ def test_sglang_single_scrape():
     assert m.block_size is None and m.prefix_queries_total is None
 
 
+def test_sglang_priority_breakdown_is_not_counted_twice():
+    # --enable-priority-scheduling (SGLang 0.5.23, metrics_collector._log_gauge_queue_count): the
+    # total under priority="", then one series per priority seen; only the total counts
+    lab = 'engine_type="unified",model_name="qwen",moe_ep_rank="0",pp_rank="0",priority="{}",tp_rank="0"'
+    text = "\n".join([
+        f"sglang:num_running_reqs{{{lab.format('')}}} 5.0",
+        f"sglang:num_running_reqs{{{lab.format('0')}}} 3.0",
+        f"sglang:num_running_reqs{{{lab.format('10')}}} 2.0",
+        f"sglang:num_queue_reqs{{{lab.format('')}}} 1.0",
+        f"sglang:num_queue_reqs{{{lab.format('10')}}} 1.0",
+        f"sglang:token_usage{{{lab.format('')}}} 0.25",
+    ]) + "\n"
+    for model in (None, "qwen"):
+        m = parse_engine_metrics(text, "sglang", now=1.0, model=model)
+        assert (m.running, m.waiting, m.kv_usage) == (5.0, 1.0, 0.25)
+
+
 def test_sglang_rates_and_dp_ranks():
     first = parse_engine_metrics(sglang_text(with_gen_tp=False), "sglang", now=10.0)
     second = parse_engine_metrics(
