@@ -110,6 +110,8 @@ def refusal(ireq: InferenceRequest) -> str | None:
             return "seed"     # a seeded sample: its draws cannot be resumed mid-way
     if d.get("presence_penalty") or d.get("frequency_penalty"):
         return "penalty"
+    if d.get("include_reasoning") is False:
+        return "reasoning"    # hidden by the engine's reasoning parser, which a continuation would not run
     return None
 
 
@@ -340,8 +342,11 @@ class Migration:
             return "tool_calls"
         if self.reasoning:
             return "reasoning"
-        if self.mode == TOKEN and self.partial.prompt_ids is None and (self.partial.completion_tokens or self._text):
-            return "no_token_ids"        # the engine did not return them: nothing token-exact to send
+        if self.mode == TOKEN and (self.partial.completion_tokens or self._text) and (
+                self.partial.prompt_ids is None or not self.partial.token_ids):
+            # the engine did not return them (vLLM sends no token_ids at all while it hides a
+            # reasoning parser's output): nothing token-exact to send
+            return "no_token_ids"
         return None
 
     def _count(self, rec, reason: str, outcome: str, endpoint: str, detail: str | None = None) -> None:

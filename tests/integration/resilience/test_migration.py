@@ -12,7 +12,7 @@ from aiohttp import web
 
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
-from tests.support.http import openai_client, sse_events
+from tests.support.http import openai_client, sim_state, sse_events
 
 MSG = [{"role": "user", "content": "tell me a long story about gateways"}]
 
@@ -155,6 +155,44 @@ async def test_an_answer_whose_finish_reason_came_is_not_continued(sims, gateway
             and e["choices"][0].get("finish_reason")]
     assert fins == ["stop"]
     assert migrations(await gw.metrics_text(), "continued") == 0
+
+
+async def test_a_stream_whose_chunks_carry_no_token_ids_is_not_continued_from_its_prompt(sims, gateway):
+    """vLLM sends prompt_token_ids on the first chunk but no token_ids on any chunk while its
+    reasoning parser hides the reasoning (include_reasoning false on the server's side): continued
+    token-exactly, the next engine got the prompt alone and started the answer over after text the
+    client had. Such a stream is refused (no_token_ids) and ends with today's error event."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate([" alpha", " beta"]):
+            ev = {"id": "chatcmpl-h", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": 5 * (i + 1), "total_tokens": 8 + 5 * i}}
+            if i == 0:
+                ev["prompt_token_ids"] = [1, 2, 3]
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        request.transport.abort()
+        return resp
+
+    good = await sims("vllm", "m")
+    async with fake_engine(chat) as bad:
+        gw = await gateway([model_block("m", "vllm", [bad, good.url], strategy="round-robin", migration_limit=1)])
+        st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                 {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+    assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1], got[-2:]
+    assert text_of(got) == " alpha beta"
+    assert migrations(await gw.metrics_text(), "refused_no_token_ids") == 1
+    assert (await sim_state(good.url))["counts"]["started"] == 0
+
+
+async def test_include_reasoning_false_is_refused_up_front(sims, gateway):
+    """Its reasoning is hidden by the engine's parser, which a continuation (a completion) would not run."""
+    gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
+    st, got = await raw_post(gw.url, "/v1/chat/completions", {"model": "m", "messages": MSG, "max_tokens": 30,
+                                                              "stream": True, "include_reasoning": False})
+    assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1]
+    assert migrations(await gw.metrics_text(), "refused_reasoning") == 1
 
 
 async def test_stop_strings_continue_as_text_on_vllm(sims, gateway):
