@@ -96,6 +96,10 @@ class SimConfig:
     max_loaded_loras: int = _knob(
         0, "registered adapters allowed; a load beyond is refused with the engine's error (SGLang "
         "--max-loaded-loras; vLLM's plain manager at --max-cpu-loras); 0: no cap")
+    lora_full_evicts: bool = _knob(
+        False, "at max_loaded_loras a load succeeds and the least recently used adapter without running "
+        "requests is unloaded instead (SGLang 0.5.23 and later; its answer's loaded_adapters then "
+        "lacks the evicted one), rather than being refused")
     lora_load_ms: float = _knob(
         50.0, "cold load: time an adapter takes to enter a free (or evicted, LRU) GPU slot")
     # -- P/D disaggregation --------------------------------------------------------------------

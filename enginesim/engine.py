@@ -114,7 +114,8 @@ class Engine:
         self.lora: LoraSlots | None = None
         if cfg.enable_lora:
             self.lora = LoraSlots(cfg.max_loras, cfg.lora_load_ms,
-                                  dict(m.split("=", 1) for m in cfg.lora_modules), cfg.max_loaded_loras)
+                                  dict(m.split("=", 1) for m in cfg.lora_modules), cfg.max_loaded_loras,
+                                  evict_when_full=cfg.lora_full_evicts)
         self.ready = False
         self.dead = False
         self.closing = False

@@ -13,7 +13,8 @@ load/unload calls, and vLLM's ``lora_requests_info`` gauge.
   load LoRA adapter ... Maximum number of loaded LoRA adapters is N. Please unload some LoRA
   adapters before loading new ones.", 400; vLLM's plain ``WorkerLoRAManager`` at ``--max-cpu-loras``:
   "No free adapter slots.", 400 BadRequestError; vLLM's default LRU manager evicts from its CPU
-  cache instead, which the simulator does not model).
+  cache instead, which the simulator does not model). With ``lora_full_evicts`` the load succeeds
+  and the least recently used adapter without running requests is unloaded, as SGLang 0.5.23 does.
 - A running request's adapter must sit in one of ``max_loras`` GPU slots. An adapter not in a slot
   takes a free one, or evicts the least recently used adapter no running request uses, and costs
   ``lora_load_ms`` (the cold load) before its prefill; when every slot is held by adapters in use,
@@ -47,9 +48,12 @@ class LoraFull(LoraError):
 
 
 class LoraSlots:
-    def __init__(self, max_loras: int, load_ms: float, modules: dict[str, str], max_loaded: int = 0) -> None:
+    def __init__(self, max_loras: int, load_ms: float, modules: dict[str, str], max_loaded: int = 0,
+                 evict_when_full: bool = False) -> None:
         self.max_loras = max_loras
         self.max_loaded = max_loaded                            # registered adapters allowed (0: no cap)
+        self.evict_when_full = evict_when_full                  # at the cap: unload the LRU one, not refuse
+        self.used: dict[str, float] = {}                        # adapter -> when a request last took it
         self.load_s = load_ms / 1000.0
         self.registered: dict[str, str] = dict(modules)        # name -> path
         self.slots: OrderedDict[str, int] = OrderedDict()      # resident adapter -> running users (LRU order)
@@ -70,7 +74,10 @@ class LoraSlots:
         if os.path.isabs(path) and not os.path.exists(path):
             raise LoraError(404, f"No adapter found for {path}", "NotFoundError")
         if self.max_loaded and len(self.registered) >= self.max_loaded:
-            raise LoraFull(name, path, self.max_loaded)
+            idle = [a for a in self.registered if not self.slots.get(a)]
+            if not self.evict_when_full or not idle:
+                raise LoraFull(name, path, self.max_loaded)
+            self.unload(min(idle, key=lambda a: self.used.get(a, 0.0)))    # SGLang's LRU eviction
         self.registered[name] = path
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -78,6 +85,7 @@ class LoraSlots:
         if not isinstance(name, str) or name not in self.registered:
             raise LoraError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
         del self.registered[name]
+        self.used.pop(name, None)
         self.unloads += 1
         if self.slots.get(name) == 0:
             del self.slots[name]
@@ -87,6 +95,7 @@ class LoraSlots:
 
     async def acquire(self, name: str) -> None:
         """Hold a slot for ``name`` for one running request; cold-load it first if needed."""
+        self.used[name] = time.monotonic()
         while True:
             if name in self.slots:
                 self.slots[name] += 1

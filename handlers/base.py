@@ -105,6 +105,11 @@ class EngineAdapter(Protocol):
         """Whether a load's error (``lora_load_error``) says the engine holds as many adapters as it may."""
         ...
 
+    def lora_loaded(self, answer: bytes) -> set[str] | None:
+        """The adapters a successful load's answer says the engine holds now (None: it does not
+        say): an engine that made room by unloading another tells it this way."""
+        ...
+
     def lora_fields(self, name: str) -> dict[str, Any]:
         """Members a request body needs, beyond ``model``, to run on adapter ``name``."""
         ...

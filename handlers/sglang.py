@@ -239,6 +239,16 @@ class SGLangAdapter:
         # adapters is N. Please unload some LoRA adapters before loading new ones.")
         return "Maximum number of loaded LoRA adapters" in error
 
+    def lora_loaded(self, answer: bytes) -> set[str] | None:
+        # ``{success, error_message, loaded_adapters: {name: path}}``; since 0.5.23 a load at
+        # --max-loaded-loras succeeds and unloads the least recently used adapter, named only by
+        # its absence here
+        try:
+            loaded = orjson.loads(answer).get("loaded_adapters")
+        except (orjson.JSONDecodeError, AttributeError):
+            return None
+        return {str(a) for a in loaded} if isinstance(loaded, dict | list) else None
+
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {"lora_path": name}      # SGLang picks the adapter by its name in lora_path
 

@@ -154,6 +154,9 @@ class VLLMAdapter:
         # manager, vLLM's default, evicts from that cache instead and never answers this)
         return "No free adapter slots" in error
 
+    def lora_loaded(self, answer: bytes) -> set[str] | None:
+        return None      # a plain-text "Success: ..." answer
+
     def lora_fields(self, name: str) -> dict[str, Any]:
         return {}        # vLLM serves an adapter under its own name in ``model``
 

@@ -102,7 +102,8 @@ class LoraMetrics:
                                       buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self.unloads = Counter("switchyard_lora_unloads", "Adapters the gateway unloaded, by reason (capacity: "
                                "room for another under max_adapters_per_endpoint, idle: idle_unload_s, error: "
-                               "the engine refused a load as full)", ["model", "adapter", "reason"],
+                               "the engine refused a load as full; engine: the engine unloaded it itself to make room, seen in a "
+                               "load's answer)", ["model", "adapter", "reason"],
                                registry=registry)
         self.serving = Gauge("switchyard_lora_adapter_endpoints", "Endpoints serving each known adapter",
                              ["model", "adapter"], registry=registry)
@@ -317,16 +318,34 @@ class Lora:
         """The engine's load call; ``None`` when the adapter is there now, else the engine's message."""
         engine = adapter_for(ep.engine)
         start = self.clock()
-        error = await self._engine_call(ep, model, engine.lora_load(adapter, path), engine.lora_load_error)
+        answer: list[bytes] = []
+        error = await self._engine_call(ep, model, engine.lora_load(adapter, path), engine.lora_load_error, answer)
         self.metrics.load_seconds.labels(model).observe(self.clock() - start)
+        if error is None and answer and (held := engine.lora_loaded(answer[0])) is not None:
+            self._evicted(ep, held | {adapter})
         return error
 
+    def _evicted(self, ep: Endpoint, held: set[str]) -> None:
+        """The engine holds only ``held`` now: an adapter the gateway thought it served there that
+        is not among them was unloaded by the engine to make room (SGLang at --max-loaded-loras), and
+        leaves the served set, so its next request loads it again instead of meeting the engine's
+        "not loaded" error."""
+        for a in [a for a in ep.adapters.served if a not in held and (id(ep), a) not in self._unloading]:
+            model = ep.adapters.served.pop(a)
+            self._loaded_at.pop((id(ep), a), None)
+            self._unloaded_at[(id(ep), a)] = self.clock()
+            self.metrics.unloads.labels(model, a, "engine").inc()
+            log.info("lora adapter unloaded by its engine", model=model, adapter=a, endpoint=ep.name)
+
     async def _engine_call(self, ep: Endpoint, model: str, call: tuple[str, bytes],
-                           judge: Callable[[int, bytes], str | None]) -> str | None:
-        """POST an adapter call to ``ep``; ``None`` when ``judge`` finds the answer fine, else why not."""
+                           judge: Callable[[int, bytes], str | None], answer: list[bytes] | None = None) -> str | None:
+        """POST an adapter call to ``ep``; ``None`` when ``judge`` finds the answer fine, else why not.
+        ``answer`` gets the answer's bytes."""
         try:
             status, raw = await self.upstream.fetch(ep, call[0], call[1], {"Content-Type": "application/json"},
                                                     model, self.settings.load_timeout_s)
+            if answer is not None:
+                answer.append(raw)
             return judge(status, raw)
         except UpstreamFailure as f:
             return f.message

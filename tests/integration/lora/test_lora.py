@@ -97,6 +97,22 @@ async def test_an_adapter_the_engine_lost_is_loaded_again(sims, gateway, engine)
     assert len(load_calls(st)) == 2 and st["lora"]["registered"] == {"tone": "org/tone-lora"}
 
 
+async def test_an_adapter_sglang_unloaded_to_make_room_is_loaded_again_without_an_error(sims, gateway):
+    """SGLang 0.5.23 at --max-loaded-loras loads a new adapter and unloads its least recently used
+    one itself, saying so only in the answer's loaded_adapters. Read, the evicted adapter leaves that
+    endpoint, so its next request loads it again instead of getting SGLang's "not loaded" 400."""
+    s = await sims("sglang", "m", **LORA_SIM, max_loaded_loras=1, lora_full_evicts=True)
+    gw = await gateway([model_block("m", "sglang", [s.url], adapters={"tone": "org/tone-lora",
+                                                                       "terse": "org/terse-lora"})],
+                       lora={"discovery_interval_s": 0})
+    for name in ("tone", "terse", "tone", "terse"):
+        status, _, body = await chat(gw, name)
+        assert status == 200, (name, body)
+    st = await sim_state(s.url)
+    assert len(load_calls(st)) == 4 and list(st["lora"]["registered"]) == ["terse"]
+    assert 'reason="engine"' in await gw.metrics_text()
+
+
 async def test_sglang_adapter_load_and_lora_path(sims, gateway):
     s = await sims("sglang", "m", **LORA_SIM)
     gw = await gateway([model_block("m", "sglang", [s.url], adapters={"tone": "org/tone-lora"})], lora=FAST_LORA)
