@@ -11,7 +11,8 @@ vLLM's ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq"
 * ``BlockStored{block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name, extra_keys}`` when a prefill's full prompt blocks enter the prefix cache (``extra_keys``:
   one entry per block, as vLLM folds them into its hashes: the LoRA's name, the ``cache_salt`` on the
-  first block, else null; a simulated SGLang sends none), ``BlockRemoved`` when a
+  first block, else null; a simulated SGLang sends none, and names a salted request's salt as
+  ``cache_salt`` instead, map encoding only, as SGLang 0.5.23 does), ``BlockRemoved`` when a
   cached block is evicted, ``AllBlocksCleared`` on a cache reset; block hashes are ints, the low 64
   bits of the pool's block hash, as vLLM sends them by default;
 * a ROUTER socket on ``--kv-events-replay-port`` answers an 8-byte start seq with every buffered
@@ -118,7 +119,7 @@ class KVEventPublisher:
     # -- events ------------------------------------------------------------------------------------
 
     def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
-               lora_name: str | None, extra_keys: list | None = None) -> None:
+               lora_name: str | None, extra_keys: list | None = None, cache_salt: str | None = None) -> None:
         ints = [engine_hash(h) for h in hashes]
         par = engine_hash(parent) if parent is not None else None
         if self.array:
@@ -130,6 +131,8 @@ class KVEventPublisher:
                   "block_size": block_size, "lora_id": None, "medium": "GPU", "lora_name": lora_name}
             if extra_keys is not None:
                 ev["extra_keys"] = extra_keys
+            if cache_salt is not None:
+                ev["cache_salt"] = cache_salt       # SGLang (map encoding): the storing request's salt
         self._add(ev)
 
     def removed(self, hashes: list[bytes]) -> None:

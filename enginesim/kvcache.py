@@ -175,6 +175,8 @@ class BlockPool:
             lora, salt = alloc.lora_name, alloc.cache_salt
             kw["extra_keys"] = [(*((lora,) if lora else ()), *((salt,) if salt and i == 0 else ())) or None
                                 for i in run]
+        elif alloc.cache_salt:
+            kw["cache_salt"] = alloc.cache_salt      # SGLang names the salt on every event of its namespace
         ids = alloc.token_ids if tokens is None else tokens
         self.events.stored([alloc.hashes[i] for i in run], parent,
                            list(ids[first * bs - at:(run[-1] + 1) * bs - at]), bs, alloc.lora_name, **kw)

@@ -70,8 +70,9 @@ def root_key(model: str, lora: str | None, block_size: int) -> int:
 # so a leading entry equal to the event's ``lora_name`` (older engines: ``lora_id``) is dropped; what is
 # left is folded into the parent key before the block is chained, ``hash((hash((parent, extras)),
 # tokens))``. A block without extras keeps ``hash((parent, tokens))``, so plain traffic keys as before.
-# SGLang's events carry no extras: its radix tree keeps a request's ``extra_key``/``cache_salt`` (and
-# adapter) namespace apart, but its published hashes and events chain over token ids alone.
+# SGLang's events carry no extras; its radix tree keeps a request's ``cache_salt`` namespace apart and
+# names the salt on each ``BlockStored`` (``cache_salt``, 0.5.23): folded into the root of a chain
+# that starts there, as vLLM's salt on the first block is, so both key a salted request alike.
 
 def fold_extras(key: int, extras: tuple) -> int:
     """``key`` with a block's extras folded in (the block's tokens are chained on the result)."""
@@ -287,6 +288,9 @@ class EventIndex:
         emap = st.emap
         if ev.parent_block_hash is None:
             h = root_key(st.ep.model, ev.lora_name, bs)
+            salt = ev.cache_salt        # SGLang names it on the event; vLLM among the first block's extras
+            if salt and not (ev.extra_keys and ev.extra_keys[0]):
+                h = fold_extras(h, (salt,))
         else:
             parent = emap.get(ev.parent_block_hash)
             if parent is None:            # its chain start was never seen (subscribed late, a lost gap)

@@ -69,6 +69,7 @@ class BlockStored(Struct, tag_field="type", tag=True, gc=False):
     group_idx: int | None = None
     extra_keys: list | None = None      # per block: the extras the engine hashed with its tokens, or None
     lora_id: int | None = None          # engines before lora_name: the id names the adapter
+    cache_salt: str | None = None       # SGLang: the salt of the request that stored them (its namespace)
 
 
 class BlockRemoved(Struct, tag_field="type", tag=True, gc=False):

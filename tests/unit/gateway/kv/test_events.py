@@ -276,6 +276,45 @@ def test_a_salted_request_keys_as_the_simulated_vllm_publishes_its_blocks(encodi
     assert match("ad", cache_salt="t1") == {eps[0]: 0, eps[1]: 0, eps[2]: full}
 
 
+def test_a_salted_request_keys_as_the_simulated_sglang_publishes_its_blocks():
+    """SGLang names the storing request's ``cache_salt`` on its events (no per-block extras): a
+    salted request finds exactly its salt's blocks, an unsalted one none of them, and the reverse."""
+    import orjson
+
+    from enginesim.kv_events import KVEventPublisher
+    from enginesim.kvcache import BlockPool
+    from enginesim.kvcache import root_key as sim_root
+    from gateway.kv.wire import BatchDecoder
+    from gateway.request import COMPLETIONS
+
+    tok, idx, eps, states = _index()
+    pub = KVEventPublisher("127.0.0.1", 0, -1, "", "map")
+    try:
+        pool = BlockPool(64, 16)
+        pool.events = pub                                        # extra_keys off: SGLang's events
+        ids = list(range(100, 180))
+        stored = [("t1", states[0]), (None, states[1])]
+        for salt, _ in stored:
+            alloc = pool.allocate(pool.block_hashes(ids, sim_root("m\0", salt or "")), len(ids))
+            alloc.token_ids, alloc.lora_name, alloc.cache_salt = ids, None, salt
+            pool.commit(alloc)
+        decoder = BatchDecoder()
+        for (_, payload), (_, st) in zip(pub.buffer, stored, strict=True):
+            idx.apply(st, decoder.decode(payload))
+    finally:
+        pub.close_sockets()
+
+    def match(**extra):
+        body = {"model": "m", "prompt": ids + [1, 2], **extra}
+        got = idx.match(parse(COMPLETIONS, orjson.dumps(body), {}, "r"), eps[:2])[0]
+        return [got.get(ep, 0) for ep in eps[:2]]
+
+    full = 5 * 16
+    assert match(cache_salt="t1") == [full, 0]
+    assert match() == [0, full]
+    assert match(cache_salt="t2") == [0, 0]
+
+
 def test_a_multimodal_request_is_not_keyed_and_counts_the_fallback():
     import orjson
 
