@@ -162,7 +162,11 @@ class AdminAPI:
         if self.dir.user_source(name) is not None:
             raise _conflict(f"user {name} exists (PUT /admin/users/{name} replaces it)")
         limits = _limits(data, UserLimits(), LIMIT_FIELDS)
-        await self.t.state.put_user(name, limits)
+        # a config user has no store record yet; either way the store decides, atomically, so two
+        # creates of one name (on two replicas, or interleaved in one) cannot both succeed
+        if not await self.t.state.put_user(name, limits, only="absent"):
+            await self.t.refresh()
+            raise _conflict(f"user {name} exists (PUT /admin/users/{name} replaces it)")
         await self.t.refresh()
         return await self._user_answer(name, 201)
 
@@ -237,7 +241,9 @@ class AdminAPI:
         if self.dir.key(digest) is not None:
             raise _conflict("this key already exists")
         rec = KeyRecord(digest=digest, user=user, name=name, created=now())
-        await self.t.state.put_key(rec)
+        if not await self.t.state.put_key(rec, only="absent"):      # created meanwhile elsewhere
+            await self.t.refresh()
+            raise _conflict("this key already exists")
         await self.t.refresh()
         return _json(201, {**rec.public(), "key": plain})
 
@@ -260,7 +266,9 @@ class AdminAPI:
             else:
                 raise _bad(f"unknown field '{k}' (known: user, name)", k)
         rec = KeyRecord(digest=key.digest, user=user, name=name, created=key.created)
-        await self.t.state.put_key(rec)
+        if not await self.t.state.put_key(rec, only="present"):     # revoked meanwhile: stays revoked
+            await self.t.refresh()
+            raise _not_found(f"key {key.id}")
         await self.t.refresh()
         return _json(200, self.dir.store_keys[key.digest].public())
 

@@ -144,9 +144,13 @@ class MemoryState:
     async def get_key(self, digest: str) -> KeyRecord | None:
         return self.keys.get(digest)
 
-    async def put_user(self, name: str, limits: UserLimits) -> None:
+    async def put_user(self, name: str, limits: UserLimits, only: str | None = None) -> bool:
+        """As the Redis backend's: ``only="absent"``/``"present"`` makes the write conditional."""
+        if only is not None and (name in self.users) != (only == "present"):
+            return False
         self.users[name] = limits
         self.version += 1
+        return True
 
     async def delete_user(self, name: str, digests: list[str]) -> None:
         self.users.pop(name, None)
@@ -154,9 +158,12 @@ class MemoryState:
             self.keys.pop(d, None)
         self.version += 1
 
-    async def put_key(self, rec: KeyRecord) -> None:
+    async def put_key(self, rec: KeyRecord, only: str | None = None) -> bool:
+        if only is not None and (rec.digest in self.keys) != (only == "present"):
+            return False
         self.keys[rec.digest] = rec
         self.version += 1
+        return True
 
     async def delete_key(self, digest: str) -> None:
         self.keys.pop(digest, None)

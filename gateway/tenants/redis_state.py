@@ -185,10 +185,20 @@ return #KEYS - 1
 
 DIRECTORY = """
 -- KEYS: 1 users hash, 2 keys hash, 3 directory version
--- ARGV: quadruples (op, hash 1|2, field, value): op S sets the field, D deletes it
+-- ARGV: quadruples (op, hash 1|2, field, value): op S sets the field, D deletes it, N sets it only
+-- if it is absent (a create), X only if it is present (a change). When an N or X condition fails
+-- nothing is written and the answer is -1: the admin API's check and its write are one step, so
+-- two creates cannot both succeed and a change cannot bring back what a delete just removed.
+for i = 1, #ARGV, 4 do
+  local op = ARGV[i]
+  if op == 'N' or op == 'X' then
+    local present = redis.call('HEXISTS', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]) == 1
+    if present == (op == 'N') then return -1 end
+  end
+end
 for i = 1, #ARGV, 4 do
   local key = KEYS[tonumber(ARGV[i + 1])]
-  if ARGV[i] == 'S' then redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3]) else redis.call('HDEL', key, ARGV[i + 2]) end
+  if ARGV[i] == 'D' then redis.call('HDEL', key, ARGV[i + 2]) else redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3]) end
 end
 return redis.call('INCR', KEYS[3])
 """
@@ -583,18 +593,18 @@ class RedisState:
         except (ValueError, TypeError, KeyError):
             return None
 
-    async def _write(self, *ops: tuple[str, int, str, bytes]) -> None:
-        """One atomic directory change (and a version bump, so replicas reload their mirror).
+    async def _write(self, *ops: tuple[str, int, str, bytes]) -> bool:
+        """One atomic directory change (and a version bump, so replicas reload their mirror);
+        False, and nothing written, when a condition (``N``: absent, ``X``: present) failed.
         With Sentinel or a Cluster the answer waits until a replica has it (``WAIT 1``, up to
         most of ``timeout_s``): a key the admin API has shown once must survive a failover."""
         args: list = [x for op in ops for x in op]
         keys = [self.k_users, self.k_keys, self.k_version]
-        await self._call(self._write_and_wait(keys, args))
+        return int(await self._call(self._write_and_wait(keys, args))) >= 0
 
-    async def _write_and_wait(self, keys: list[str], args: list) -> None:
+    async def _write_and_wait(self, keys: list[str], args: list):
         if self.mode == "standalone":
-            await self.client.execute_command("EVAL", DIRECTORY, len(keys), *keys, *args)
-            return
+            return await self.client.execute_command("EVAL", DIRECTORY, len(keys), *keys, *args)
         wait_ms = max(1, int(self.timeout * 800))       # the reply must come within the socket timeout
         pipe = self.client.pipeline(transaction=False)  # one connection: WAIT covers this write
         pipe.execute_command("EVAL", DIRECTORY, len(keys), *keys, *args)
@@ -603,22 +613,29 @@ class RedisState:
             pipe.execute_command("WAIT", 1, wait_ms, target_nodes=self.client.get_node_from_key(keys[2]))
         else:
             pipe.execute_command("WAIT", 1, wait_ms)
-        _, acked = await pipe.execute()
-        if not acked:
+        written, acked = await pipe.execute()
+        if not acked and int(written) >= 0:
             log.warning("directory change not yet on a replica: a failover now could lose it",
                         mode=self.mode, waited_ms=wait_ms)
+        return written
 
-    async def put_user(self, name: str, limits: UserLimits) -> None:
-        await self._write(("S", 1, name, orjson.dumps(limits_stored(limits))))
+    async def put_user(self, name: str, limits: UserLimits, only: str | None = None) -> bool:
+        """Set the user's record; ``only="absent"`` (create) or ``"present"`` (change) makes it
+        conditional on the store's current state, atomically: False when that does not hold."""
+        return await self._write((_OP[only], 1, name, orjson.dumps(limits_stored(limits))))
 
     async def delete_user(self, name: str, digests: list[str]) -> None:
         await self._write(("D", 1, name, b""), *(("D", 2, d, b"") for d in digests))
 
-    async def put_key(self, rec: KeyRecord) -> None:
-        await self._write(("S", 2, rec.digest, orjson.dumps(rec.stored())))
+    async def put_key(self, rec: KeyRecord, only: str | None = None) -> bool:
+        """Set the key's record; ``only`` as for ``put_user``."""
+        return await self._write((_OP[only], 2, rec.digest, orjson.dumps(rec.stored())))
 
     async def delete_key(self, digest: str) -> None:
         await self._write(("D", 2, digest, b""))
+
+
+_OP = {None: "S", "absent": "N", "present": "X"}      # a directory write's condition → its op
 
 
 def _raise_unavailable(results: list) -> None:

@@ -19,6 +19,7 @@ import redis.exceptions
 import yaml
 
 from gateway.config.schema import StateConfig, UserLimits
+from gateway.tenants.directory import key_digest
 from gateway.tenants.limits import AdmitQuery
 from gateway.tenants.redis_state import RECONCILE, RedisState, StateUnavailable
 from tests.support.factories import model_block
@@ -371,3 +372,41 @@ async def test_a_responses_store_outage_is_a_503_that_names_no_address(sims, gat
             await c.responses.retrieve(r.id)
     assert ei.value.status_code == 503 and ei.value.body["code"] == "service_unavailable"
     assert "127.0.0.1" not in ei.value.body["message"] and "Error" not in ei.value.body["message"]
+
+
+async def test_admin_creates_and_changes_are_decided_by_the_store_not_a_stale_mirror(sims, gateway, redis_server):
+    """The admin API checks and writes in one step on the store: a replica whose mirror has not
+    seen another's create or revoke yet (two admin calls racing) answers 409 / 404, instead of a
+    second 201 that overwrote the first or a rename that brought a revoked key back."""
+    sim = await sims("vllm", "m")
+    blocks = {"auth": {"enabled": True, "admin_token": "admin-token-1"}, "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    admin = {"Authorization": "Bearer admin-token-1"}
+    async with aiohttp.ClientSession(headers=admin) as s:
+        async with s.post(a.url + "/admin/keys", json={"user": "mallory"}) as r:
+            created = await r.json()
+        assert await wait_for(lambda: b.gw.tenancy.directory.key_by_id(created["id"]) is not None)
+
+        async def stale() -> None:       # B's mirror stops following the store: the race, held open
+            pass
+        b.gw.tenancy.refresh = stale
+        async with s.delete(a.url + f"/admin/keys/{created['id']}") as r:
+            assert r.status == 200
+        async with s.patch(b.url + f"/admin/keys/{created['id']}", json={"name": "renamed"}) as r:
+            assert r.status == 404
+        async with s.post(a.url + "/admin/users", json={"name": "erin", "rpm": 10}) as r:
+            assert r.status == 201
+        async with s.post(b.url + "/admin/users", json={"name": "erin", "rpm": 99}) as r:
+            assert r.status == 409
+        async with s.post(a.url + "/admin/keys", json={"user": "alice", "key": "sk-same-text-0000001"}) as r:
+            assert r.status == 201
+        async with s.post(b.url + "/admin/keys", json={"user": "mallory", "key": "sk-same-text-0000001"}) as r:
+            assert r.status == 409
+    r = aioredis.Redis.from_url(redis_server.url)
+    assert not [d for d in await r.hkeys("switchyard:keys") if d.decode().startswith(created["id"])]
+    assert yaml.safe_load(await r.hget("switchyard:users", "erin"))["rpm"] == 10
+    assert yaml.safe_load(await r.hget("switchyard:keys", key_digest("sk-same-text-0000001")))["user"] == "alice"
+    await r.aclose()
+    with pytest.raises(openai.AuthenticationError):         # revoked, and stays so
+        await chat(a, created["key"])
