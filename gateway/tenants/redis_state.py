@@ -171,6 +171,25 @@ end
 return out
 """
 
+USAGE = """
+-- KEYS: 1 rpm window, 2 tpm window, 3 concurrency hash, 4 replicas zset; ARGV: 1 replica id, 2 replica ttl ms
+-- The user's windows and requests in flight, counting (as ADMIT does) only replicas still heartbeating.
+local t = redis.call('TIME')
+local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[2])
+local cn = 0
+local h = redis.call('HGETALL', KEYS[3])
+for i = 1, #h, 2 do
+  local alive = h[i] == ARGV[1]
+  if not alive then
+    local s = redis.call('ZSCORE', KEYS[4], h[i])
+    alive = s and tonumber(s) >= oldest
+  end
+  if alive then cn = cn + tonumber(h[i + 1]) end
+end
+return {redis.call('GET', KEYS[1]) or '0', redis.call('PTTL', KEYS[1]),
+        redis.call('GET', KEYS[2]) or '0', redis.call('PTTL', KEYS[2]), cn}
+"""
+
 RECONCILE = """
 -- KEYS: 1 this batch's marker, then windows; ARGV: 1 the marker's life in ms, then for each window
 -- the count to add and the window's rest in ms (if it has no expiry). A batch sent again (its
@@ -230,7 +249,7 @@ class RedisState:
         # meanwhile (standalone: as before, an outage's requests are not added afterwards)
         self.reconcile = self.mode != "standalone"
         self.client = redis_client(cfg)
-        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT)}
+        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT, USAGE)}
         self._sync = self.client.register_script(SYNC)
         self._ttl_ms = int(cfg.replica_ttl_s * 1000)
         p = shared_prefix(cfg)
@@ -523,13 +542,16 @@ class RedisState:
             return await self.client.execute_command("EVAL", script, len(keys), *keys, *args)
 
     async def usage(self, user: str) -> dict[str, int]:
+        # the slots of a replica that stopped heartbeating (killed with requests in flight) are not
+        # counted, as the limit check does not count them: they would stay in the hash until the
+        # user's next admitted request
         k_rpm, k_tpm, k_conc = self._user_keys(user)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.get(k_rpm).pttl(k_rpm).get(k_tpm).pttl(k_tpm).hvals(k_conc)
-        req, req_ttl, tok, tok_ttl, conc = await self._call(pipe.execute())
-        return {"requests": int(req or 0), "requests_reset_ms": max(0, int(req_ttl)) if req else 0,
-                "tokens": int(tok or 0), "tokens_reset_ms": max(0, int(tok_ttl)) if tok else 0,
-                "concurrent": sum(int(v) for v in conc)}
+        req, req_ttl, tok, tok_ttl, conc = await self._call(
+            self._evalsha(USAGE, [k_rpm, k_tpm, k_conc, self.k_replicas], [self.replica_id, self._ttl_ms]))
+        req, tok = int(req), int(tok)
+        return {"requests": req, "requests_reset_ms": max(0, int(req_ttl)) if req else 0,
+                "tokens": tok, "tokens_reset_ms": max(0, int(tok_ttl)) if tok else 0,
+                "concurrent": int(conc)}
 
     async def peek(self, users: list[str]) -> dict[str, dict[str, int]]:
         """Fleet-wide RPM/TPM window usage of several users in one ``MGET`` (the status page);

@@ -410,3 +410,21 @@ async def test_admin_creates_and_changes_are_decided_by_the_store_not_a_stale_mi
     await r.aclose()
     with pytest.raises(openai.AuthenticationError):         # revoked, and stays so
         await chat(a, created["key"])
+
+
+async def test_usage_does_not_count_the_slots_of_a_replica_that_died(sims, gateway, redis_server):
+    """A replica killed with requests in flight leaves its slots in the user's concurrency hash;
+    the limit check skips them once it stops heartbeating, and so does the admin API's usage."""
+    sim = await sims("vllm", "m")
+    blocks = {"auth": {**KEYS, "admin_token": "admin-token-1"},
+              "limits": {"users": {"alice": {"max_concurrent": 3}}}, "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    r = aioredis.Redis.from_url(redis_server.url)
+    await r.zadd("switchyard:replicas", {"dead-replica": 1})       # last heard of long ago
+    await r.hset("switchyard:conc:alice", "dead-replica", 2)
+    await r.aclose()
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer admin-token-1"}) as s, \
+            s.get(a.url + "/admin/users/alice") as resp:
+        assert resp.status == 200
+        assert (await resp.json())["usage"]["concurrent"] == 0
+    assert (await a.gw.tenancy.state.usage("alice"))["concurrent"] == 0
