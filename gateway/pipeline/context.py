@@ -79,6 +79,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None
+    streamed_events: int = 0                  # a relayed stream's events that carried generated content
     finish_reason: str | None = None
     request_id_replaced: bool = False         # the client's x-request-id could not be kept
     alias: str | None = None                  # the alias the client named; ``model`` is its target

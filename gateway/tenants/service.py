@@ -370,8 +370,9 @@ class Tenancy:
                 tokens = (rec.prompt_tokens or 0) + (rec.completion_tokens or 0)
             elif rec.endpoint and rec.status in (200, 499):
                 # the engine worked but no usage came back (client left mid-stream): charge the
-                # prompt estimate rather than nothing, so cancelling is not a way around TPM
-                tokens = t.est_tokens
+                # prompt estimate and a token for each generated chunk the client was sent, so
+                # dropping a stream just before its end is not a way around TPM
+                tokens = t.est_tokens + rec.streamed_events
         release, t.held = t.held, False
         if tokens or release:
             self.state.settle(t.user or "", tokens, release)

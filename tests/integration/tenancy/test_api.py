@@ -140,6 +140,31 @@ async def test_tpm_is_charged_from_streamed_usage_the_client_did_not_ask_for(sim
     assert ei.value.response.headers["x-ratelimit-remaining-tokens"] == "0"
 
 
+async def test_a_stream_dropped_before_its_end_is_charged_what_the_client_was_sent(sims, gateway):
+    """No usage comes back from a stream the client drops, so the gateway counts the generated
+    chunks it relayed: reading all but the end of a long stream is not a way around TPM."""
+    sim = await sims("vllm", "m", itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 1000}}})
+    body = {"model": "m", "messages": CHAT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {ALICE}"}) as r:
+            assert r.status == 200
+            got = 0
+            async for line in r.content:
+                got += line.startswith(b"data:") and b'"content"' in line
+                if got >= 150:
+                    break
+            r.connection.transport.abort()           # gone before the end (and the usage)
+    state = gw.gw.tenancy.state
+
+    async def charged():
+        tokens = (await state.usage("alice"))["tokens"]
+        return tokens if tokens >= 150 else 0
+    assert await wait_for(charged) >= 150, await state.usage("alice")
+
+
 async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
     sim = await sims("vllm", "m", itl_ms=20.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
