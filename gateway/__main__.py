@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
     from gateway.server.run import ListenError, free_port, serve
-    from gateway.server.workers import WorkerInfo, auto_count, auto_workers
+    from gateway.server.workers import WorkerInfo, auto_count, auto_workers, per_process_state
     workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         import structlog
         structlog.get_logger("switchyard").warning(
             "workers: auto runs fewer workers than CPUs", workers=workers, reason=single, cpus=auto_count())
+    elif workers > 1 and (apart := per_process_state(config)) is not None:
+        # asked for by number: run as asked, but say what each worker keeps apart
+        import structlog
+        structlog.get_logger("switchyard").warning(
+            "workers: each keeps its own state without state.redis_url", workers=workers,
+            kept_apart=apart, effect="a user gets up to workers x each limit, and an admin-API key or "
+                                     "user created through one worker is unknown to the others")
     resolved.append(workers)
     config = config.with_workers(workers)
 
