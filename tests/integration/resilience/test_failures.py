@@ -263,17 +263,22 @@ async def test_an_answer_in_a_content_coding_is_a_502_and_engines_are_asked_for_
 
     async with fake_engine(gzipped) as url:
         gw = await gateway([model_block("m", "vllm", [url])])
-        client = openai_client(gw)
-        for stream in (False, True):
-            with pytest.raises(openai.InternalServerError) as ei:
-                answer = await client.chat.completions.create(**body(stream=stream))
-                if stream:
-                    async for _ in answer:
-                        pass
-            assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_bad_response"
-            assert "gzip" in ei.value.body["message"]
-            assert ei.value.response.headers["x-error-upstream"] == "protocol"
+        await _a_protocol_502_both_ways(openai_client(gw), "gzip")
         assert asked == ["identity", "identity"]
+
+
+async def _a_protocol_502_both_ways(client, said: str) -> None:
+    """A request and a stream each get a 502 upstream_bad_response naming ``said``."""
+    for stream in (False, True):
+        with pytest.raises(openai.InternalServerError) as ei:
+            answer = await client.chat.completions.create(**body(stream=stream))
+            if stream:
+                async for _ in answer:
+                    pass
+        assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_bad_response"
+        assert said in ei.value.body["message"]
+        assert ei.value.response.headers["x-error-upstream"] == "protocol"
+
 
 @pytest.mark.parametrize("status", [201, 203, 204, 205, 304])
 async def test_a_status_other_than_200_below_the_errors_is_a_502(gateway, status):
@@ -291,13 +296,4 @@ async def test_a_status_other_than_200_below_the_errors_is_a_502(gateway, status
 
     async with fake_engine(odd_status) as url:
         gw = await gateway([model_block("m", "vllm", [url])])
-        client = openai_client(gw)
-        for stream in (False, True):
-            with pytest.raises(openai.InternalServerError) as ei:
-                answer = await client.chat.completions.create(**body(stream=stream))
-                if stream:
-                    async for _ in answer:
-                        pass
-            assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_bad_response"
-            assert str(status) in ei.value.body["message"]
-            assert ei.value.response.headers["x-error-upstream"] == "protocol"
+        await _a_protocol_502_both_ways(openai_client(gw), str(status))

@@ -211,12 +211,17 @@ async def test_least_request_sees_the_other_replicas_in_flight(sims, gateway, re
     assert await wait_for(lambda: all(ep.remote_in_flight == 0 for ep in b.gw.pool.endpoints()))
 
 
-async def test_admin_changes_on_one_replica_apply_on_the_other(sims, gateway, redis_server):
+async def _two_admin_replicas(sims, gateway, redis_server):
+    """Two replicas with the admin API on one Redis, and the admin's headers."""
     sim = await sims("vllm", "m")
     blocks = {"auth": {"enabled": True, "admin_token": "admin-token-1"}, "state": state(redis_server)}
     a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
     b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
-    admin = {"Authorization": "Bearer admin-token-1"}
+    return a, b, {"Authorization": "Bearer admin-token-1"}
+
+
+async def test_admin_changes_on_one_replica_apply_on_the_other(sims, gateway, redis_server):
+    a, b, admin = await _two_admin_replicas(sims, gateway, redis_server)
     async with aiohttp.ClientSession(headers=admin) as s:
         async with s.post(a.url + "/admin/keys", json={"user": "erin"}) as r:
             assert r.status == 201
@@ -378,11 +383,7 @@ async def test_admin_creates_and_changes_are_decided_by_the_store_not_a_stale_mi
     """The admin API checks and writes in one step on the store: a replica whose mirror has not
     seen another's create or revoke yet (two admin calls racing) answers 409 / 404, instead of a
     second 201 that overwrote the first or a rename that brought a revoked key back."""
-    sim = await sims("vllm", "m")
-    blocks = {"auth": {"enabled": True, "admin_token": "admin-token-1"}, "state": state(redis_server)}
-    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
-    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
-    admin = {"Authorization": "Bearer admin-token-1"}
+    a, b, admin = await _two_admin_replicas(sims, gateway, redis_server)
     async with aiohttp.ClientSession(headers=admin) as s:
         async with s.post(a.url + "/admin/keys", json={"user": "mallory"}) as r:
             created = await r.json()
