@@ -79,11 +79,11 @@ def coding_of(resp: UpstreamResponse) -> str | None:
     """The content or transfer coding (other than chunked) an engine's answer is in, None when its
     bytes are the content itself. The relay passes bytes through as they came and sends the client
     no ``Content-Encoding``, so an answer in a coding is one no client could read."""
-    h = resp.headers
-    ce = h.get("Content-Encoding")
+    h = resp.headers                      # names stored lower-cased (h1client.Headers): plain dict reads
+    ce = dict.get(h, "content-encoding")
     if ce is not None and ce.strip().lower() not in ("", "identity"):
         return ce
-    te = h.get("Transfer-Encoding")
+    te = dict.get(h, "transfer-encoding")
     if te is not None and any(c.strip() not in ("", "chunked", "identity") for c in te.lower().split(",")):
         return te
     return None
