@@ -125,6 +125,7 @@ class Lora:
         self._unloaded_at: dict[tuple[int, str], float] = {}
         self._pending: dict[int, set[str]] = {}                # id(ep) -> adapters being loaded there
         self._unloading: set[tuple[int, str]] = set()
+        self._down: set[int] = set()                            # id(ep) of endpoints the probes found down
         # keyed by id(ep): an endpoint that left the pool leaves them, or a new one at its address
         # would inherit its cooldowns and its loads
         pool.removal_listeners.append(self._forget)
@@ -433,8 +434,28 @@ class Lora:
             if len(recent) > _RECENT_KEPT:
                 del recent[next(iter(recent))]
 
+    def on_health(self, ep: Endpoint) -> None:
+        """A monitor listener: an endpoint the probes found down and now up again may be an engine
+        that restarted, without the adapters this gateway loaded there. They leave its served set,
+        so the next request for one loads it again (an engine that still has it answers "already
+        loaded", which counts as loaded) instead of getting the engine's "not loaded" error."""
+        i = id(ep)
+        if not ep.healthy:
+            self._down.add(i)
+            return
+        if i not in self._down:
+            return
+        self._down.discard(i)
+        for a in [a for a in ep.adapters.served if (i, a) in self._loaded_at and not ep.adapters.in_flight.get(a)]:
+            model = ep.adapters.served.pop(a)
+            self._loaded_at.pop((i, a), None)
+            self._unloaded_at[(i, a)] = self.clock()     # a discovery answer on its way is older
+            log.info("lora adapter to load again after its endpoint was down", model=model, adapter=a,
+                     endpoint=ep.name)
+
     def _forget(self, ep: Endpoint) -> None:
         i = id(ep)
+        self._down.discard(i)
         for d in (self._cooldown, self._loaded_at, self._unloaded_at):
             for key in [k for k in d if k[0] == i]:
                 del d[key]

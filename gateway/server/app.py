@@ -378,6 +378,7 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             mon = Monitor(pool, session, metrics, config.health, config.scrape)
             mon.listeners.append(s.admission.on_endpoint)     # a scrape or health change may free room
             mon.listeners.append(s.breakers.on_health)        # a restarted engine's trials start when it is up
+            mon.listeners.append(lora.on_health)              # and the adapters loaded there are loaded again
             s.view.attach_monitor(mon)                         # one worker probes and scrapes each engine
             app[MONITOR_KEY] = mon
             mon.start()

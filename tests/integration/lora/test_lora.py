@@ -97,6 +97,32 @@ async def test_an_adapter_the_engine_lost_is_loaded_again(sims, gateway, engine)
     assert len(load_calls(st)) == 2 and st["lora"]["registered"] == {"tone": "org/tone-lora"}
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_engine_seen_down_and_up_again_gets_its_adapters_loaded_again_without_an_error(sims, gateway,
+                                                                                               engine):
+    """An engine that restarted (the probes saw it down, then up) has lost the adapters the gateway
+    loaded there: they are loaded again by the next request, which gets its answer, not the
+    engine's "not loaded" error."""
+    s = await sims(engine, "m", **LORA_SIM)
+    gw = await gateway([model_block("m", engine, [s.url], adapters={"tone": "org/tone-lora"})],
+                       lora={"discovery_interval_s": 0}, health={"interval_s": 0.1, "timeout_s": 0.5})
+    assert (await chat(gw, "tone"))[0] == 200
+    ep = gw.gw.pool.endpoints("m")[0]
+    unload = "/v1/unload_lora_adapter" if engine == "vllm" else "/unload_lora_adapter"
+    async with aiohttp.ClientSession() as session:
+        async with session.post(s.url + "/_sim/config", json={"dead": True}) as r:
+            assert r.status == 200
+        assert await wait_for(lambda: not ep.healthy, timeout=10)
+        async with session.post(s.url + unload, json={"lora_name": "tone"}) as r:     # restarted without it
+            assert r.status == 200
+        async with session.post(s.url + "/_sim/config", json={"dead": False}) as r:
+            assert r.status == 200
+    assert await wait_for(lambda: ep.healthy, timeout=10)
+    status, _, body = await chat(gw, "tone")
+    assert status == 200, body
+    assert len(load_calls(await sim_state(s.url))) == 2
+
+
 async def test_an_adapter_sglang_unloaded_to_make_room_is_loaded_again_without_an_error(sims, gateway):
     """SGLang 0.5.23 at --max-loaded-loras loads a new adapter and unloads its least recently used
     one itself, saying so only in the answer's loaded_adapters. Read, the evicted adapter leaves that
