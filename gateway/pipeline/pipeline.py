@@ -107,7 +107,10 @@ class Pipeline:
         finally:
             ctx.written()                           # bookkeeping of a request that ended before its leg
             if ctx.ireq is not None and ctx.ireq.lora is not None:
-                self.lora.settle(ctx)               # an engine that said it lacks the request's adapter
+                try:                                # an engine that said it lacks the request's adapter
+                    self.lora.settle(ctx)
+                except Exception:                   # a bug here must not keep the request's charges
+                    log.exception("lora settle failed", request_id=ctx.rec.request_id)
             ctx.charges.release()
             if model is not None:
                 self._leave(model, ctx)
