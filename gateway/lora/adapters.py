@@ -332,11 +332,17 @@ class Lora:
         leaves the served set, so its next request loads it again instead of meeting the engine's
         "not loaded" error."""
         for a in [a for a in ep.adapters.served if a not in held and (id(ep), a) not in self._unloading]:
-            model = ep.adapters.served.pop(a)
-            self._loaded_at.pop((id(ep), a), None)
-            self._unloaded_at[(id(ep), a)] = self.clock()
+            model = self._not_served(ep, a)
             self.metrics.unloads.labels(model, a, "engine").inc()
             log.info("lora adapter unloaded by its engine", model=model, adapter=a, endpoint=ep.name)
+
+    def _not_served(self, ep: Endpoint, adapter: str) -> str:
+        """``adapter`` is no longer on ``ep`` as the gateway sees it (the next request loads it
+        again); its base model."""
+        model = ep.adapters.served.pop(adapter)
+        self._loaded_at.pop((id(ep), adapter), None)
+        self._unloaded_at[(id(ep), adapter)] = self.clock()     # a discovery answer on its way is older
+        return model
 
     async def _engine_call(self, ep: Endpoint, model: str, call: tuple[str, bytes],
                            judge: Callable[[int, bytes], str | None], answer: list[bytes] | None = None) -> str | None:
@@ -447,11 +453,8 @@ class Lora:
             return
         self._down.discard(i)
         for a in [a for a in ep.adapters.served if (i, a) in self._loaded_at and not ep.adapters.in_flight.get(a)]:
-            model = ep.adapters.served.pop(a)
-            self._loaded_at.pop((i, a), None)
-            self._unloaded_at[(i, a)] = self.clock()     # a discovery answer on its way is older
-            log.info("lora adapter to load again after its endpoint was down", model=model, adapter=a,
-                     endpoint=ep.name)
+            log.info("lora adapter to load again after its endpoint was down", model=self._not_served(ep, a),
+                     adapter=a, endpoint=ep.name)
 
     def _forget(self, ep: Endpoint) -> None:
         i = id(ep)
@@ -475,9 +478,7 @@ class Lora:
                 continue
             if not adapter_for(ep.engine).lora_missing(rec.status, message, adapter):
                 continue
-            del ep.adapters.served[adapter]
-            self._loaded_at.pop((id(ep), adapter), None)
-            self._unloaded_at[(id(ep), adapter)] = self.clock()    # a discovery answer on its way is older
+            self._not_served(ep, adapter)
             log.warning("lora adapter missing on its endpoint", model=ep.model, adapter=adapter,
                         endpoint=ep.name, error=message)
 
