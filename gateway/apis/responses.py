@@ -479,14 +479,29 @@ class ResponsesApi(ApiShape):
                 await self.history.close()
 
 
+def _listed_message(item: dict[str, Any]) -> None:
+    """A message item as OpenAI lists it: ``content`` a list of parts (``input_text``, or
+    ``output_text`` for an assistant turn), never the bare string an input may give, and a status."""
+    content = item.get("content")
+    if isinstance(content, str):
+        if item.get("role") == "assistant":
+            item["content"] = [{"type": "output_text", "text": content, "annotations": []}]
+        else:
+            item["content"] = [{"type": "input_text", "text": content}]
+    item.setdefault("status", "completed")
+
+
 def _input_items_page(rid: str, items: list[Any], query) -> dict[str, Any]:
     """``input_items`` as OpenAI lists them: ``order`` (desc by default), ``limit`` (1-100,
-    default 20), ``after`` an item id. Items stored without an id get a stable one."""
+    default 20), ``after`` an item id. Items stored without an id get a stable one; messages are
+    listed with their content as parts (``_listed_message``)."""
     listed = []
     for i, item in enumerate(items):
         item = dict(item) if isinstance(item, dict) else {"content": item}
         item.setdefault("id", f"{rid}-item-{i}")
         item.setdefault("type", "message")
+        if item["type"] == "message":
+            _listed_message(item)
         listed.append(item)
     if query.get("order", "desc") != "asc":
         listed.reverse()

@@ -163,8 +163,8 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
         assert r2.status == "completed"
         assert r2.usage.input_tokens > r1.usage.input_tokens     # the first turn was replayed
         items = await c.responses.input_items.list(r2.id, order="asc")
-        assert [(i.role, i.content) for i in items.data][:1] == [("user", "My name is Ada.")]
-        assert items.data[1].role == "assistant" and items.data[1].content == r1.output_text
+        assert [(i.role, i.content[0].text) for i in items.data][:1] == [("user", "My name is Ada.")]
+        assert items.data[1].role == "assistant" and items.data[1].content[0].text == r1.output_text
         assert (await c.responses.retrieve(r1.id)).output_text == r1.output_text
         with pytest.raises(openai.NotFoundError):           # another user's key does not see it
             await openai_client(gw, BOB).responses.retrieve(r1.id)
@@ -221,3 +221,22 @@ async def test_an_unknown_previous_response_id_names_that_field(sims, gateway, s
     with pytest.raises(openai.NotFoundError) as ei:     # GET names the path's id
         await c.responses.retrieve("resp_unknown")
     assert ei.value.body["param"] == "response_id"
+
+
+async def test_gateway_history_lists_input_messages_with_content_parts(sims, gateway):
+    """input_items lists a message's content as parts, as OpenAI does (ResponseInputMessageItem,
+    ResponseOutputMessage), whether the input gave a string or parts, and a replayed answer too."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"})
+    c = openai_client(gw)
+    r1 = await c.responses.create(model="m", input="Hello", max_output_tokens=3)
+    r2 = await c.responses.create(model="m", previous_response_id=r1.id, max_output_tokens=3, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "and then?"}]}])
+    items = (await c.responses.input_items.list(r2.id, order="asc")).data
+    assert [(i.type, i.role, i.status) for i in items] == [
+        ("message", "user", "completed"), ("message", "assistant", "completed"),
+        ("message", "developer", "completed"), ("message", "user", "completed")]
+    assert [[(p.type, p.text) for p in i.content] for i in items] == [
+        [("input_text", "Hello")], [("output_text", r1.output_text)], [("input_text", "Be brief.")],
+        [("input_text", "and then?")]]
