@@ -19,6 +19,7 @@ send a follow-up to another replica. Every byte still reaches the client, in ord
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import orjson
@@ -176,13 +177,23 @@ def failure_events(scanner: ResponsesScanner | None, model: str, status: int, me
     """What ends a Responses stream the gateway cannot complete: an ``error`` event, then
     ``response.failed`` carrying the response as created, now failed (sequence numbers go on from
     the engine's). A stream that failed before ``response.created`` names none: its response gets
-    an id of the gateway's (``resp_`` and the request id), as a client's ``Response`` needs one."""
+    an id of the gateway's (``resp_`` and the request id), as a client's ``Response`` needs one, and
+    a ``response.created`` of it goes first, since a Responses stream opens with one (the openai
+    SDK's ``responses.stream()`` refuses any other first event)."""
     seq = scanner.events if scanner is not None else 0
     rid = scanner.response_id if scanner is not None else None
-    snap = dict(scanner.snapshot) if scanner is not None and scanner.snapshot else {
-        "id": rid or f"resp_{request_id}", "object": "response", "model": model, "output": []}
+    created = b""
+    if scanner is not None and scanner.snapshot:
+        snap = dict(scanner.snapshot)
+    else:
+        snap = {"id": rid or f"resp_{request_id}", "object": "response", "created_at": int(time.time()),
+                "model": model, "status": "in_progress", "output": []}
+        opened = {"type": "response.created", "sequence_number": seq, "response": snap}
+        created = b"event: response.created\ndata: " + orjson.dumps(opened) + b"\n\n"
+        seq += 1
+        snap = dict(snap)
     snap.update(status="failed", error={"code": code or "server_error", "message": message})
     error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": seq}
     failed = {"type": "response.failed", "sequence_number": seq + 1, "response": snap}
-    return (b"event: error\ndata: " + orjson.dumps(error) + b"\n\nevent: response.failed\ndata: "
+    return (created + b"event: error\ndata: " + orjson.dumps(error) + b"\n\nevent: response.failed\ndata: "
             + orjson.dumps(failed) + b"\n\n")

@@ -87,5 +87,11 @@ def test_failure_events_continue_the_engines_sequence():
 def test_a_stream_that_failed_before_its_response_was_created_names_one():
     for scanner in (None, ResponsesScanner()):
         raw = failure_events(scanner, "m", 504, "no output", "upstream_timeout", "abc123")
-        failed = orjson.loads([b for b in raw.split(b"\n\n") if b][1].split(b"data: ", 1)[1])
+        blocks = [b for b in raw.split(b"\n\n") if b]
+        # a Responses stream opens with response.created (the openai SDK's stream() helper needs it)
+        assert [b.split(b"\n")[0] for b in blocks] == [b"event: response.created", b"event: error",
+                                                        b"event: response.failed"]
+        created, err, failed = (orjson.loads(b.split(b"data: ", 1)[1]) for b in blocks)
+        assert [e["sequence_number"] for e in (created, err, failed)] == [0, 1, 2]
+        assert created["response"]["id"] == "resp_abc123" and created["response"]["status"] == "in_progress"
         assert failed["response"]["id"] == "resp_abc123" and failed["response"]["status"] == "failed"
