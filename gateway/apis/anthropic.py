@@ -71,10 +71,17 @@ def _bad(message: str) -> GatewayError:
     return GatewayError(400, message, header=("x-error-request-body-processing", "true"), error_class=ErrorClass.VALIDATION)
 
 
-def _blocks_text(content: Any, where: str, media: list[bool]) -> str:
+# Claude Code's attribution line, a text block of ``system`` carrying a per-request hash; vLLM drops
+# such blocks before rendering (vllm/entrypoints/anthropic/serving.py), so the prefix must too
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _blocks_text(content: Any, where: str, media: list[bool], system: bool = False) -> str:
     """The text of a message's ``content``: a string, or a list of content blocks whose text
     (``text`` blocks, and the string content of ``tool_result`` blocks) is what the prefix holds.
-    An ``image`` or ``document`` block sets ``media[0]`` (the request is multimodal)."""
+    An ``image`` or ``document`` block sets ``media[0]`` (the request is multimodal). In a system
+    prompt, text blocks holding Claude Code's attribution line are left out, as the engine leaves
+    them out of what it renders."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -90,7 +97,8 @@ def _blocks_text(content: Any, where: str, media: list[bool]) -> str:
         if block["type"] == "text":
             if not isinstance(text, str):
                 raise _bad(f"{where}.{i}.text: Input should be a valid string")
-            out.append(text)
+            if not (system and text.startswith(_BILLING_HEADER)):
+                out.append(text)
         elif block["type"] == "tool_result" and isinstance(block.get("content"), str):
             out.append(block["content"])
         elif block["type"] in ("image", "document"):
@@ -134,7 +142,7 @@ class AnthropicApi(EngineSpecificApi):
         media = [False]
         system = data.get("system")
         if system is not None:
-            parts.append(_blocks_text(system, "system", media))
+            parts.append(_blocks_text(system, "system", media, system=True))
         messages = data.get("messages")
         if not isinstance(messages, list):
             raise _bad("messages: Field required" if messages is None else "messages: Input should be a valid list")
@@ -149,7 +157,7 @@ class AnthropicApi(EngineSpecificApi):
             if "content" not in msg:
                 raise _bad(f"messages.{i}.content: Field required")
             parts.append(role)
-            parts.append(_blocks_text(msg["content"], f"messages.{i}.content", media))
+            parts.append(_blocks_text(msg["content"], f"messages.{i}.content", media, system=role == "system"))
         prompt_text = "\n".join(parts)
         user, session_id, session_key = caller_headers(headers)
         meta = data.get("metadata")

@@ -32,6 +32,24 @@ def test_messages_parse_keys_the_prefix_on_system_then_messages():
                           headers={"user": "h"}).user == "h"
 
 
+def test_claude_codes_per_request_attribution_block_is_not_part_of_the_prefix():
+    """Claude Code sends ``x-anthropic-billing-header: ...; cch=<hash>`` as the first system block, a
+    new hash per request; vLLM drops it before rendering, so keying the prefix on it would scatter
+    conversations that share a system prompt (and the engine's cache) over every endpoint."""
+    def prompt(system, messages=MESSAGES):
+        return parse_messages({"model": "m", "max_tokens": 5, "system": system, "messages": messages}).prompt_text
+    plain = prompt([{"type": "text", "text": "SYS", "cache_control": {"type": "ephemeral"}}])
+    for cch in ("a1b2c", "f00d9"):
+        billing = {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.0; cc_entrypoint=cli; cch={cch};"}
+        assert prompt([billing, {"type": "text", "text": "SYS", "cache_control": {"type": "ephemeral"}}]) == plain
+        # in a system message inside messages too, as vLLM folds those into the system prompt
+        sys_msg = [{"role": "system", "content": [billing]}, *MESSAGES]
+        assert prompt("SYS", sys_msg) == prompt("SYS", [{"role": "system", "content": []}, *MESSAGES])
+    # only system text is filtered: a user who types the words keeps them
+    said = [{"role": "user", "content": [{"type": "text", "text": "x-anthropic-billing-header: hi"}]}]
+    assert "x-anthropic-billing-header: hi" in prompt("SYS", said)
+
+
 @pytest.mark.parametrize("body,message", [
     ({"messages": MESSAGES, "max_tokens": 1}, "model: Field required"),
     ({"model": "m", "messages": MESSAGES}, "max_tokens: Field required"),
