@@ -19,7 +19,9 @@ import orjson
 import structlog
 from aiohttp import HttpVersion11, web
 
+from gateway.apis.anthropic import anthropic_error
 from gateway.apis.base import ApiShape
+from gateway.apis.paths import ANTHROPIC_PATHS
 from gateway.apis.responses import add_responses
 from gateway.batch.service import BatchService
 from gateway.config.schema import Config
@@ -118,7 +120,8 @@ def _error_middleware(answer):
 
 async def _expect(request: web.Request) -> web.Response | None:
     """``Expect: 100-continue`` answered as aiohttp answers it (the interim answer, then the body is
-    read); any other expectation a 417 in OpenAI's shape, as every error the gateway writes."""
+    read); any other expectation a 417 in OpenAI's shape, as every error the gateway writes (Anthropic's
+    on the Messages paths)."""
     expect = request.headers.get("Expect", "")
     if request.version != HttpVersion11:
         return
@@ -129,7 +132,8 @@ async def _expect(request: web.Request) -> web.Response | None:
     e = GatewayError(417, f"unknown Expect: {safe_header_value(expect)[:64]!r}; only 100-continue is served",
                      param="Expect", code="expectation_failed", error_class=ErrorClass.VALIDATION)
     rid = request_id_from(request.headers.get("x-request-id"))
-    return web.Response(status=417, body=e.body_bytes(), content_type="application/json",   # the answer
+    body = orjson.dumps(anthropic_error(417, e.message)) if request.path in ANTHROPIC_PATHS else e.body_bytes()
+    return web.Response(status=417, body=body, content_type="application/json",   # the answer
                         headers={"request-id": rid, "x-request-id": rid, "Connection": "close"})
 
 

@@ -9,7 +9,7 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   next request on a kept-alive connection), the idle kept-alive connection
   (``keepalive_timeout_s``), and the body (``body_timeout_s`` between reads,
   ``body_total_timeout_s`` in all). A head or body that times out gets a 408 in OpenAI shape
-  when the client can still read one (nothing of a response went out yet), then the connection
+  (Anthropic's on the Messages paths) when the client can still read one (nothing of a response went out yet), then the connection
   closes; an idle connection is closed silently, as HTTP clients expect of kept-alive
   connections (a 408 there would race with the client's next request).
 - **Clients that stop reading.** ``pause_writing``/``resume_writing`` (asyncio's flow control,
@@ -22,8 +22,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   descriptors and memory exactly when they are short.
 - **Errors aiohttp answers itself.** A request line or header that the parser refuses, or a body
   whose framing breaks, never reaches the app's middleware: aiohttp's ``RequestHandler`` answers
-  through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape,
-  with ``request-id``, and with 431 for header fields that are too large or too many.
+  through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape
+  (aiohttp gives it no path), with ``request-id``, and with 431 for header fields that are too large or too many.
 
 aiohttp hooks used (3.14): ``web.Server`` subclassed (public; ``__call__`` is the protocol
 factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``connection_lost``/
@@ -138,11 +138,20 @@ class _ConnectionGauge(Collector):
                                   "the others went through aiohttp's request path", value=self._edge.lane_requests)
 
 
-def error_response_bytes(status: int, message: str, *, code: str, request_id: str | None = None) -> bytes:
+def _shaped_body(path: str | None, status: int, message: str, type_: str | None, code: str) -> bytes:
+    """An error body in the shape the path's clients read: Anthropic's on the Messages paths."""
+    if path in ANTHROPIC_PATHS:
+        return orjson.dumps(anthropic_error(status, message))
+    return orjson.dumps(error_body(status, message, type_=type_, code=code))
+
+
+def error_response_bytes(status: int, message: str, *, code: str, request_id: str | None = None,
+                         path: str | None = None) -> bytes:
     """A complete HTTP/1.1 error answer with ``Connection: close``, written straight to a transport
-    when no aiohttp response object exists (a head that never completed, a body that stalled)."""
+    when no aiohttp response object exists (a head that never completed, a body that stalled);
+    ``path``: the request's, when its head was read."""
     rid = request_id or request_id_from(None)
-    body = orjson.dumps(error_body(status, message, type_="invalid_request_error", code=code))
+    body = _shaped_body(path, status, message, "invalid_request_error", code)
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
             "Content-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n"
@@ -423,7 +432,8 @@ class EdgeProtocol(web.RequestHandler):
         rid = pending.rid if pending is not None else None
         self._lane_released()
         reason = "body_total" if now >= self._e_body_end else "body"
-        self._e_timeout(reason, answer=True, request_id=request_id_from(rid))
+        self._e_timeout(reason, answer=True, request_id=request_id_from(rid),
+                        path=pending.path if pending is not None else None)
 
     def _lane_released(self) -> None:
         """No lane request is in progress any more (answered, let go, timed out, or its client
@@ -607,6 +617,10 @@ class EdgeProtocol(web.RequestHandler):
             return None
         return request_id_from(request.headers.get("x-request-id"))
 
+    def _e_request_path(self) -> str | None:
+        request = self._e_request
+        return request.path if request is not None else None
+
     def _e_broken_body(self) -> None:
         self._edge.metrics.protocol_errors.labels("400").inc()
         rid = self._e_unanswered_request_id()
@@ -614,10 +628,11 @@ class EdgeProtocol(web.RequestHandler):
         if rid is not None:
             self.transport.write(error_response_bytes(
                 400, "malformed request body: its chunked framing or content encoding is broken",
-                code="bad_body", request_id=rid))
+                code="bad_body", request_id=rid, path=self._e_request_path()))
         self._e_close()
 
-    def _e_timeout(self, reason: str, *, answer: bool, request_id: str | None = None) -> None:
+    def _e_timeout(self, reason: str, *, answer: bool, request_id: str | None = None,
+                   path: str | None = None) -> None:
         edge = self._edge
         edge.metrics.timeout(reason)
         rid = request_id
@@ -633,7 +648,8 @@ class EdgeProtocol(web.RequestHandler):
                     "body": "no byte of the request body arrived for",
                     "body_total": "the request body was not received within"}[reason]
             self.transport.write(error_response_bytes(
-                408, f"{what} {seconds:g} s (server.{reason}_timeout_s)", code="request_timeout", request_id=rid))
+                408, f"{what} {seconds:g} s (server.{reason}_timeout_s)", code="request_timeout", request_id=rid,
+                path=path or self._e_request_path()))
         self._e_close()
 
     def _e_close(self) -> None:
@@ -696,11 +712,8 @@ class EdgeProtocol(web.RequestHandler):
 def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
                    headers: dict[str, str] | None = None) -> web.Response:
     rid = request_id_from(request.headers.get("x-request-id"))
-    if request.path in ANTHROPIC_PATHS:      # Anthropic's clients read their own shape
-        body = anthropic_error(status, message)
-    else:
-        body = error_body(status, message, type_=_error_type(status), code=code)
-    resp = error_response(status, orjson.dumps(body), {"request-id": rid, "x-request-id": rid, **(headers or {})})
+    body = _shaped_body(request.path, status, message, _error_type(status), code)   # Anthropic's on its paths
+    resp = error_response(status, body, {"request-id": rid, "x-request-id": rid, **(headers or {})})
     resp.force_close()      # Connection: close; aiohttp reads and drops an unread body a little while first
     return resp
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import aiohttp
 import anthropic
+import orjson
 import pytest
 
+from gateway.apis.anthropic import error_type as anthropic_error_type
+from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block
 from tests.support.http import anthropic_client, sim_state, sse_frames
 
@@ -182,3 +185,27 @@ async def test_an_alias_names_a_messages_model(sims, gateway):
     raw = await c.messages.with_raw_response.create(model="claude-ish", max_tokens=2, messages=MSGS)
     assert raw.headers["x-served-model"] == "llama-v2" and (await raw.parse()).model == "llama-v2"
     await c.close()
+
+
+async def test_errors_the_edge_writes_itself_are_anthropic_shaped_on_messages_paths(sims, gateway):
+    """An unknown ``Expect``, a body that stalls: answered before the pipeline, these were
+    OpenAI-shaped on /v1/messages too."""
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])],
+                       server={"body_timeout_s": 0.3})
+    body = orjson.dumps({"model": "llama", "max_tokens": 3, "messages": MSGS})
+    cases = {
+        417: [request("POST", "/v1/messages", body, {"Expect": "teapot"})],
+        408: [request("POST", "/v1/messages", None, {"Content-Type": "application/json",
+                                                     "Content-Length": str(len(body) + 50)}) + body],
+    }
+    for status, parts in cases.items():
+        got = await exchange(gw.port, *parts, wait=10)
+        resp = got.first
+        assert resp.status == status, (status, resp.body)
+        assert resp.json() == {"type": "error", "error": {"type": anthropic_error_type(status),
+                                                          "message": resp.json()["error"]["message"]}}, resp.body
+        assert resp.headers["request-id"]
+    # other paths keep OpenAI's shape
+    got = await exchange(gw.port, request("POST", "/v1/chat/completions", body, {"Expect": "teapot"}))
+    assert_openai_error(got.first, 417)
