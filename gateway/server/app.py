@@ -79,8 +79,13 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
     """The answer to an exception a handler let out: every answer is JSON in its path's API shape
     (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included.
     Returns None for what must propagate (a redirect, a cancellation)."""
+    anthropic = apis.get("/v1/messages")
+
     def shaped(request: web.Request, err: GatewayError) -> bytes:
-        api = apis.get(request.path)
+        path = request.path
+        api = apis.get(path)
+        if api is None and anthropic is not None and path.startswith("/v1/messages/"):
+            api = anthropic             # a Messages path the gateway does not serve (batches): the SDK's shape
         return api.error_body(err) if api is not None else err.body_bytes()
 
     def answer(request: web.Request, e: Exception) -> web.Response | None:

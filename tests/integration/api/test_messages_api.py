@@ -209,3 +209,16 @@ async def test_errors_the_edge_writes_itself_are_anthropic_shaped_on_messages_pa
     # other paths keep OpenAI's shape
     got = await exchange(gw.port, request("POST", "/v1/chat/completions", body, {"Expect": "teapot"}))
     assert_openai_error(got.first, 417)
+
+
+async def test_a_messages_path_the_gateway_does_not_serve_is_an_anthropic_404(fleet):
+    """The SDK's ``messages.batches`` calls land on ``/v1/messages/batches``: a 404 in Anthropic's
+    shape, which the SDK reads as such; other unknown paths keep OpenAI's."""
+    gw, _ = fleet
+    client = anthropic_client(gw)
+    with pytest.raises(anthropic.NotFoundError) as ei:
+        await client.messages.batches.list()
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "not_found_error"
+    await client.close()
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/v1/nothing/here") as r:
+        assert r.status == 404 and "type" not in await r.json()
