@@ -171,3 +171,23 @@ async def test_a_gateway_that_is_down_is_never_polled_more_often_than_refresh_s(
     assert min(down) >= 30000, down
     await page.evaluate("window.__down = false; true")     # back up: polled at refresh_s again
     await page.wait_for(q("#live-text") + ".textContent.startsWith('updated')")
+
+
+async def test_long_model_and_endpoint_names_leave_every_column_in_view(sims, gateway, page):
+    """A Hugging Face model id and a Service's DNS name pushed 8 of the 12 endpoint columns (the
+    breaker, load, KV and scrape figures) out of a 1280 px window; the names are cut now, whole in
+    their tooltips."""
+    model = "neuralmagic/Meta-Llama-3.1-70B-Instruct-quantized.w4a16-long-context-finetune"
+    host = "llama-70b-instruct-decode-0.llama-70b-instruct-decode.inference-production.svc.cluster.local"
+    sim = await sims("vllm", model)
+    gw = await gateway([model_block(model, "vllm", [sim.url, f"http://{host}:8000"])], status=FAST_PAGE)
+    await page.navigate(gw.url + "/status")
+    await page.wait_for(q("#endpoints tbody tr") + " !== null")
+    for table in ("#models", "#endpoints"):
+        out = await page.evaluate(f"[...document.querySelectorAll('{table} thead th')]"
+                                  ".filter(th => th.getBoundingClientRect().right > window.innerWidth)"
+                                  ".map(th => th.textContent)")
+        assert out == [], (table, out)
+    titles = await page.evaluate("[...document.querySelectorAll('#endpoints .clip')].map(e => e.title)")
+    assert model in titles and any(host in t for t in titles)
+    assert page.problems == []
