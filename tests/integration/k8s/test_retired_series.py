@@ -37,7 +37,8 @@ async def test_a_deleted_pods_series_go_after_its_last_request_and_the_grace(emu
     kube.write_text(emu.kubeconfig())
     gw = await gateway([], kubernetes={"enabled": True, "kubeconfig": str(kube), "namespaces": ["llm"],
                                        "retry_backoff_s": 0.05},
-                       server={"removed_endpoint_series_s": 0.3})
+                       server={"removed_endpoint_series_s": 0.3},
+                       routing={"strategy": "round-robin"})       # each pod gets requests, so series
     assert await wait_for(lambda: len(gw.gw.pool.ready("llama")) == 2, timeout=5)
     client = openai_client(gw)
     for _ in range(4):
