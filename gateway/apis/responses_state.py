@@ -54,6 +54,9 @@ class MemoryStore:
             self._drop(key)
 
     async def put(self, key: str, value: bytes) -> None:
+        # a copy of the value's own length: orjson.dumps answers a short value in a buffer of about
+        # 4 KiB, which an entry kept for its TTL would hold (an affinity entry: ~60 bytes of JSON)
+        value = bytes(memoryview(value))
         now = self.clock()
         self._expire(now)
         if key in self._d:
