@@ -73,6 +73,11 @@ def _unstarted(refused: object, failed: FirstBytesFailed) -> FirstBytesFailed:
 # a stream's failure: (error class, message); a timeout ends it with a 504 event, anything else a 502
 StreamFailure = tuple[ErrorClass, str]
 EOF_FAILURE: StreamFailure = (ErrorClass.UPSTREAM_EOF, "the engine closed the stream before it completed")
+# once the answer's terminal event ([DONE], message_stop, response.completed) went through, how long
+# the engine's own end of the body is awaited before the client's stream is ended without it (an
+# engine ends right after that event; one that stalls there would hold a client that reads to the
+# end, as the SDKs do, whatever the watchdog)
+END_GRACE_S = 1.0
 
 
 def coding_of(resp: UpstreamResponse) -> str | None:
@@ -144,6 +149,15 @@ class _Watchdog:
         if self.handle is not None:
             self.handle.cancel()
             self.handle = None
+
+    def end_within(self, seconds: float) -> None:
+        """The answer's terminal event went through: each wait from now on is bounded by
+        ``seconds`` (unless a shorter idle bound is set already)."""
+        if self.phase == "idle" and 0 < self.idle <= seconds:
+            return
+        self.phase, self.limit, self.idle = "idle", seconds, seconds
+        self.cancel()
+        self.handle = self.loop.call_at(self.loop.time() + seconds, self._check)
 
 
 class HeadAhead:
@@ -405,6 +419,16 @@ class Relay:
             if idle_to:
                 watch = _Watchdog(resp, 0.0, idle_to)
 
+        ended = False           # the terminal event went through: the engine's end within END_GRACE_S
+
+        def after_end() -> None:
+            nonlocal watch, ended
+            ended = True
+            if watch is None:
+                watch = _Watchdog(resp, 0.0, END_GRACE_S)
+            else:
+                watch.end_within(END_GRACE_S)
+
         readany = resp.readany
         write = out.write
         feed = scanner.feed
@@ -466,6 +490,8 @@ class Relay:
                     first = False
                     watch.first_chunk_came()
                 watch.since = time_now()
+            if not ended and scanner.done:
+                after_end()
 
         try:
             if (first_to or idle_to) and not before_head:
@@ -514,6 +540,8 @@ class Relay:
                         out.send_head()         # type: ignore[attr-defined]
                     if early:
                         feed(chunk, now)
+                    if not ended and scanner.done:
+                        after_end()
             except (WatchdogFired, UpstreamError) as e:
                 if gating or not scanner.done:
                     raise

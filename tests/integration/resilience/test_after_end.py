@@ -120,3 +120,26 @@ async def test_a_continuable_stream_is_not_continued_after_its_end(sims, gateway
     assert metric(m, "switchyard_migrations_total") == 0 and metric(m, "switchyard_upstream_errors_total") == 0
     assert metric(m, "switchyard_completion_tokens_total", model="m") == 6
     assert metric(m, "switchyard_prompt_tokens_total", model="m") == events[-2]["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_engine_that_stalls_after_its_last_event_does_not_hold_the_client(sims, gateway, engine):
+    """With no watchdog (aggregated legs are not watched by default), an engine that sent
+    ``[DONE]`` and then stalled before ending its body held a client that reads the body to its
+    end (curl, a proxy, an HTTP library without SSE parsing) for as long as the engine stalled. The
+    engine's end is now awaited ``END_GRACE_S`` at most: the client gets its whole answer and its
+    end."""
+    import asyncio
+
+    sim = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [sim.url])])
+    with gw.gw.request_log.capture() as logs:
+        async with asyncio.timeout(20):         # the engine stalls 60 s
+            st, _, raw = await post(gw.url, body(), {"x-sim-fault": "stall_at_end=60"})
+        assert await wait_for(lambda: any(e["event"] == "request" for e in logs), timeout=5)
+    events = sse_events(raw)
+    assert st == 200 and events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["status"] == 200 and line["after_end"] == "idle" and line["error_class"] is None
+    m = await gw.metrics_text()
+    assert metric(m, "switchyard_upstream_errors_total") == 0
