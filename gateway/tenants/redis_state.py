@@ -61,7 +61,27 @@ from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, 
 
 log = structlog.get_logger("switchyard.tenancy")
 
-ADMIT = """
+# The requests in flight a user's concurrency hash (replica id -> count) holds on replicas still
+# heartbeating (their entry in the replicas zset younger than the ttl); ``drop``: forget the others.
+_LIVE_SLOTS = """
+local function live_slots(hash, replicas, me, ttl_ms, drop)
+  local t = redis.call('TIME')
+  local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - ttl_ms
+  local n = 0
+  local h = redis.call('HGETALL', hash)
+  for i = 1, #h, 2 do
+    local alive = h[i] == me
+    if not alive then
+      local s = redis.call('ZSCORE', replicas, h[i])
+      alive = s and tonumber(s) >= oldest
+    end
+    if alive then n = n + tonumber(h[i + 1]) elseif drop then redis.call('HDEL', hash, h[i]) end
+  end
+  return n
+end
+"""
+
+ADMIT = _LIVE_SLOTS + """
 -- KEYS: 1 rpm window, 2 tpm window, 3 concurrency hash, 4 model rps window, 5 replicas zset
 -- ARGV: 1 rpm, 2 tpm, 3 max_concurrent, 4 rps, 5 replica id, 6 replica ttl ms, 7 user window ms,
 --       8 model window ms
@@ -88,20 +108,7 @@ local rn, rt = window(KEYS[1], rpm, win)
 local tn, tt = window(KEYS[2], tpm, win)
 local mn, mt = window(KEYS[4], rps, mwin)
 local cn = 0
-if conc > 0 then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local oldest = now - tonumber(ARGV[6])
-  local h = redis.call('HGETALL', KEYS[3])
-  for i = 1, #h, 2 do
-    local alive = h[i] == ARGV[5]
-    if not alive then
-      local s = redis.call('ZSCORE', KEYS[5], h[i])
-      alive = s and tonumber(s) >= oldest
-    end
-    if alive then cn = cn + tonumber(h[i + 1]) else redis.call('HDEL', KEYS[3], h[i]) end
-  end
-end
+if conc > 0 then cn = live_slots(KEYS[3], KEYS[5], ARGV[5], tonumber(ARGV[6]), true) end
 local reason = ''
 if rps > 0 and mn >= rps then reason = 'model_rps'
 elseif rpm > 0 and rn >= rpm then reason = 'rpm'
@@ -171,21 +178,10 @@ end
 return out
 """
 
-USAGE = """
+USAGE = _LIVE_SLOTS + """
 -- KEYS: 1 rpm window, 2 tpm window, 3 concurrency hash, 4 replicas zset; ARGV: 1 replica id, 2 replica ttl ms
 -- The user's windows and requests in flight, counting (as ADMIT does) only replicas still heartbeating.
-local t = redis.call('TIME')
-local oldest = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(ARGV[2])
-local cn = 0
-local h = redis.call('HGETALL', KEYS[3])
-for i = 1, #h, 2 do
-  local alive = h[i] == ARGV[1]
-  if not alive then
-    local s = redis.call('ZSCORE', KEYS[4], h[i])
-    alive = s and tonumber(s) >= oldest
-  end
-  if alive then cn = cn + tonumber(h[i + 1]) end
-end
+local cn = live_slots(KEYS[3], KEYS[4], ARGV[1], tonumber(ARGV[2]), false)
 return {redis.call('GET', KEYS[1]) or '0', redis.call('PTTL', KEYS[1]),
         redis.call('GET', KEYS[2]) or '0', redis.call('PTTL', KEYS[2]), cn}
 """
