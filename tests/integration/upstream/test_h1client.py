@@ -332,23 +332,32 @@ async def test_a_pooled_connection_closed_by_the_engine_is_retried_once_on_a_fre
         await pool.close()
 
 
+async def _second_request_lost_once(eng, idle_s: float = 0.0) -> None:
+    """A first request answered, then (``idle_s`` later) a second on the kept-alive connection that
+    the engine loses: by ``post`` and by ``begin``, the caller gets the loss, and the engine saw the
+    second request once."""
+    pool = UpstreamPool()
+    for send in (lambda b: pool.post(eng.url + "/x", b, JSON), lambda b: pool.begin(eng.url + "/x", b, JSON).response()):
+        resp = await pool.post(eng.url + "/x", b"first", JSON)
+        await resp.read()
+        resp.release()
+        if idle_s:
+            await asyncio.sleep(idle_s)
+        with pytest.raises(UpstreamDisconnected) as ei:
+            await send(b"second")
+        assert not ei.value.received
+        assert [r["body"] for r in eng.requests].count(b"second") == 1
+        eng.requests.clear()
+    await pool.close()
+
+
 @on_both_loops
 async def test_a_connection_that_had_idled_briefly_and_closes_unanswered_is_not_sent_again():
     """A reused connection the engine had open (it idled less than ``RESEND_IDLE_S``): the engine
     read the request and went away with it. Sending it again would run it twice (a P/D decode's
     KV pull is used once), so the failure is the caller's, as on a fresh connection."""
     async with Engine(drops_second) as eng:
-        pool = UpstreamPool()
-        for send in (lambda b: pool.post(eng.url + "/x", b, JSON), lambda b: pool.begin(eng.url + "/x", b, JSON).response()):
-            resp = await pool.post(eng.url + "/x", b"first", JSON)
-            await resp.read()
-            resp.release()
-            with pytest.raises(UpstreamDisconnected) as ei:
-                await send(b"second")
-            assert not ei.value.received
-            assert [r["body"] for r in eng.requests].count(b"second") == 1
-            eng.requests.clear()
-        await pool.close()
+        await _second_request_lost_once(eng)
 
 
 @on_both_loops
@@ -367,18 +376,7 @@ async def test_a_connection_that_closes_long_after_the_request_went_out_is_not_s
         await writer.drain()
 
     async with Engine(works_then_dies) as eng:
-        pool = UpstreamPool()
-        for send in (lambda b: pool.post(eng.url + "/x", b, JSON), lambda b: pool.begin(eng.url + "/x", b, JSON).response()):
-            resp = await pool.post(eng.url + "/x", b"first", JSON)
-            await resp.read()
-            resp.release()
-            await asyncio.sleep(0.1)        # idle long enough for an engine's keep-alive timeout
-            with pytest.raises(UpstreamDisconnected) as ei:
-                await send(b"second")
-            assert not ei.value.received
-            assert [r["body"] for r in eng.requests].count(b"second") == 1
-            eng.requests.clear()
-        await pool.close()
+        await _second_request_lost_once(eng, idle_s=0.1)   # idle long enough for an engine's keep-alive timeout
 
 
 @on_both_loops
