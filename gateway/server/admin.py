@@ -6,8 +6,8 @@ Routes exist only when ``auth.admin_token`` (or ``auth.admin_token_env``) is con
     POST   /admin/users                 create {name, rpm, tpm, max_concurrent} (409 if it exists)
     GET    /admin/users/{name}          one user, with current window usage and key ids
     PUT    /admin/users/{name}          create or replace (a store record overrides a config user)
-    PATCH  /admin/users/{name}          change some limits
-    DELETE /admin/users/{name}          delete the store record and the user's store keys
+    PATCH  /admin/users/{name}          change some limits (merged into the store's record, atomically)
+    DELETE /admin/users/{name}          delete the store record and every store key of the user, atomically
     GET    /admin/keys[?user=NAME]      list keys (never the key itself)
     POST   /admin/keys                  create {user, name?, key?}: the answer shows the key once
     GET    /admin/keys/{id}             one key
@@ -86,16 +86,21 @@ def _conflict(message: str) -> GatewayError:
     return GatewayError(409, message, code="conflict", type_="invalid_request_error", error_class=ErrorClass.ADMIN)
 
 
-def _limits(data: dict[str, Any], base: UserLimits, allowed: tuple[str, ...]) -> UserLimits:
-    out = limits_stored(base)
+def _changes(data: dict[str, Any]) -> dict[str, int]:
+    """The limits a body sets, checked: a 400 naming the first field that is not one or not valid."""
+    out = {}
     for key, v in data.items():
-        if key not in allowed:
-            raise _bad(f"unknown field '{key}' (known: {', '.join(allowed)})", key)
-        if key in LIMIT_FIELDS:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise _bad(f"'{key}' must be a non-negative integer (0: unlimited)", key)
-            out[key] = v
-    return UserLimits(**out)
+        if key not in LIMIT_FIELDS:
+            raise _bad(f"unknown field '{key}' (known: {', '.join(LIMIT_FIELDS)})", key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _bad(f"'{key}' must be a non-negative integer (0: unlimited)", key)
+        out[key] = v
+    return out
+
+
+def _limits(data: dict[str, Any]) -> UserLimits:
+    """A whole record: the fields a body gives, 0 (unlimited) for the others."""
+    return UserLimits(**_changes(data))
 
 
 def _user_name(v: Any, param: str = "name") -> str:
@@ -151,7 +156,8 @@ class AdminAPI:
 
     async def _user_answer(self, name: str, status: int = 200) -> web.Response:
         view = self.dir.user_view(name)
-        assert view is not None
+        if view is None:                    # deleted meanwhile, by a request that ran after this one
+            raise _not_found(f"user {name}")
         view["usage"] = await self.t.state.usage(name)
         view["keys"] = [k.id for k in self.dir.keys(name)]
         return _json(status, view)
@@ -161,7 +167,7 @@ class AdminAPI:
         name = _user_name(data.pop("name", None))
         if self.dir.user_source(name) is not None:
             raise _conflict(f"user {name} exists (PUT /admin/users/{name} replaces it)")
-        limits = _limits(data, UserLimits(), LIMIT_FIELDS)
+        limits = _limits(data)
         # a config user has no store record yet; either way the store decides, atomically, so two
         # creates of one name (on two replicas, or interleaved in one) cannot both succeed
         if not await self.t.state.put_user(name, limits, only="absent"):
@@ -181,19 +187,23 @@ class AdminAPI:
         data = await self._body(request)
         data.pop("name", None)
         created = self.dir.user_source(name) is None
-        await self.t.state.put_user(name, _limits(data, UserLimits(), LIMIT_FIELDS))
+        await self.t.state.put_user(name, _limits(data))
         await self.t.refresh()
         return await self._user_answer(name, 201 if created else 200)
 
     async def patch_user(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        src = self.dir.user_source(name)
-        if src is None:
+        if self.dir.user_source(name) is None:
             raise _not_found(f"user {name}")
         data = await self._body(request)
         data.pop("name", None)
-        base = self.dir.store_users[name] if src == "store" else self.dir.config_users[name]
-        await self.t.state.put_user(name, _limits(data, base, LIMIT_FIELDS))
+        changes = _changes(data)
+        # the store sets the fields in the record as it is when the change runs (a configured
+        # user's limits if it has none), so two PATCHes of one user, on two replicas or
+        # interleaved in one, both land; a user deleted meanwhile stays deleted
+        if changes and not await self.t.state.patch_user(name, changes, self.dir.config_users.get(name)):
+            await self.t.refresh()
+            raise _not_found(f"user {name}")
         await self.t.refresh()
         return await self._user_answer(name)
 
@@ -204,11 +214,13 @@ class AdminAPI:
             raise _not_found(f"user {name}")
         if src == "config":
             raise _conflict(f"user {name} is defined in the config file; edit the config to remove it")
-        digests = [k.digest for k in self.dir.keys(name) if k.source == "store"]
-        await self.t.state.delete_user(name, digests)
+        # the store deletes the record and every key of the user it holds when the delete runs,
+        # a key made a moment ago on another replica included
+        deleted = await self.t.state.delete_user(name)
         await self.t.refresh()
-        return _json(200, {"deleted": name, "keys_deleted": len(digests),
-                           "now": self.dir.user_view(name)})
+        if deleted is None:                 # deleted meanwhile
+            raise _not_found(f"user {name}")
+        return _json(200, {"deleted": name, "keys_deleted": deleted, "now": self.dir.user_view(name)})
 
     # -- keys --------------------------------------------------------------------------------
 

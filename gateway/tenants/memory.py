@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from gateway.config.schema import UserLimits
-from gateway.tenants.directory import KeyRecord
+from gateway.tenants.directory import KeyRecord, limits_stored
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
 
 SWEEP_S = 10.0
@@ -152,11 +152,24 @@ class MemoryState:
         self.version += 1
         return True
 
-    async def delete_user(self, name: str, digests: list[str]) -> None:
-        self.users.pop(name, None)
-        for d in digests:
-            self.keys.pop(d, None)
+    async def patch_user(self, name: str, changes: dict[str, int], base: UserLimits | None) -> bool:
+        """As the Redis backend's: read and written with no await between."""
+        cur = self.users.get(name, base)
+        if cur is None:
+            return False
+        self.users[name] = UserLimits(**{**limits_stored(cur), **changes})
         self.version += 1
+        return True
+
+    async def delete_user(self, name: str) -> int | None:
+        """As the Redis backend's: the record and every key of the user, or None without a record."""
+        if self.users.pop(name, None) is None:
+            return None
+        gone = [d for d, k in self.keys.items() if k.user == name]
+        for d in gone:
+            del self.keys[d]
+        self.version += 1
+        return len(gone)
 
     async def put_key(self, rec: KeyRecord, only: str | None = None) -> bool:
         if only is not None and (rec.digest in self.keys) != (only == "present"):

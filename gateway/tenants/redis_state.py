@@ -201,21 +201,57 @@ return #KEYS - 1
 DIRECTORY = """
 -- KEYS: 1 users hash, 2 keys hash, 3 directory version
 -- ARGV: quadruples (op, hash 1|2, field, value): op S sets the field, D deletes it, N sets it only
--- if it is absent (a create), X only if it is present (a change). When an N or X condition fails
--- nothing is written and the answer is -1: the admin API's check and its write are one step, so
--- two creates cannot both succeed and a change cannot bring back what a delete just removed.
+-- if it is absent (a create), X only if it is present (a change), R deletes it only if it is
+-- present; P merges value, {"set": {name: integer}, "base": record or absent}, into the field's
+-- record, the base standing for a record that is absent (a configured user), and only if one of the
+-- two is there; K deletes every record of the keys hash whose user is the field. When a condition
+-- fails nothing is written and the answer is -1, else {version, records K deleted}. Every read a
+-- change depends on is made here, in the step that writes it: two creates cannot both succeed, a
+-- change cannot bring back what a delete just removed, two changes of one record both land, and a
+-- user's delete takes every key the user has when it runs, one made a moment ago elsewhere included.
+local function merged(key, field, value)
+  local patch = cjson.decode(value)
+  local cur = redis.call('HGET', key, field)
+  local rec
+  if cur then rec = cjson.decode(cur) elseif type(patch.base) == 'table' then rec = patch.base else return nil end
+  for k, v in pairs(patch.set) do rec[k] = v end
+  local names, parts = {}, {}
+  for k in pairs(rec) do names[#names + 1] = k end
+  table.sort(names)
+  for _, k in ipairs(names) do parts[#parts + 1] = string.format('"%s":%d', k, rec[k]) end
+  return '{' .. table.concat(parts, ',') .. '}'
+end
+
+local writes = {}
 for i = 1, #ARGV, 4 do
-  local op = ARGV[i]
-  if op == 'N' or op == 'X' then
-    local present = redis.call('HEXISTS', KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2]) == 1
-    if present == (op == 'N') then return -1 end
+  local op, key, field, value = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2], ARGV[i + 3]
+  if op == 'N' or op == 'X' or op == 'R' then
+    if (redis.call('HEXISTS', key, field) == 1) == (op == 'N') then return -1 end
+  elseif op == 'P' then
+    value = merged(key, field, value)
+    if not value then return -1 end
+  end
+  writes[#writes + 1] = {op, key, field, value}
+end
+local removed = 0
+for _, w in ipairs(writes) do
+  local op, key, field, value = w[1], w[2], w[3], w[4]
+  if op == 'D' or op == 'R' then
+    redis.call('HDEL', key, field)
+  elseif op == 'K' then
+    local h = redis.call('HGETALL', KEYS[2])
+    for i = 1, #h, 2 do
+      local ok, rec = pcall(cjson.decode, h[i + 1])
+      if ok and type(rec) == 'table' and rec.user == field then
+        redis.call('HDEL', KEYS[2], h[i])
+        removed = removed + 1
+      end
+    end
+  else
+    redis.call('HSET', key, field, value)
   end
 end
-for i = 1, #ARGV, 4 do
-  local key = KEYS[tonumber(ARGV[i + 1])]
-  if ARGV[i] == 'D' then redis.call('HDEL', key, ARGV[i + 2]) else redis.call('HSET', key, ARGV[i + 2], ARGV[i + 3]) end
-end
-return redis.call('INCR', KEYS[3])
+return {redis.call('INCR', KEYS[3]), removed}
 """
 
 # transport failures (and a failover in progress) mark the backend down; anything else is a bug
@@ -611,14 +647,16 @@ class RedisState:
         except (ValueError, TypeError, KeyError):
             return None
 
-    async def _write(self, *ops: tuple[str, int, str, bytes]) -> bool:
-        """One atomic directory change (and a version bump, so replicas reload their mirror);
-        False, and nothing written, when a condition (``N``: absent, ``X``: present) failed.
+    async def _write(self, *ops: tuple[str, int, str, bytes]) -> int | None:
+        """One atomic directory change (and a version bump, so replicas reload their mirror): the
+        number of key records a ``K`` op deleted, or None, and nothing written, when a condition
+        (``N``: absent, ``X``, ``R``: present, ``P``: a record or a base to patch) failed.
         With Sentinel or a Cluster the answer waits until a replica has it (``WAIT 1``, up to
         most of ``timeout_s``): a key the admin API has shown once must survive a failover."""
         args: list = [x for op in ops for x in op]
         keys = [self.k_users, self.k_keys, self.k_version]
-        return int(await self._call(self._write_and_wait(keys, args))) >= 0
+        out = await self._call(self._write_and_wait(keys, args))
+        return int(out[1]) if isinstance(out, list) else None
 
     async def _write_and_wait(self, keys: list[str], args: list):
         if self.mode == "standalone":
@@ -632,7 +670,7 @@ class RedisState:
         else:
             pipe.execute_command("WAIT", 1, wait_ms)
         written, acked = await pipe.execute()
-        if not acked and int(written) >= 0:
+        if not acked and isinstance(written, list):
             log.warning("directory change not yet on a replica: a failover now could lose it",
                         mode=self.mode, waited_ms=wait_ms)
         return written
@@ -640,14 +678,23 @@ class RedisState:
     async def put_user(self, name: str, limits: UserLimits, only: str | None = None) -> bool:
         """Set the user's record; ``only="absent"`` (create) or ``"present"`` (change) makes it
         conditional on the store's current state, atomically: False when that does not hold."""
-        return await self._write((_OP[only], 1, name, orjson.dumps(limits_stored(limits))))
+        return await self._write((_OP[only], 1, name, orjson.dumps(limits_stored(limits)))) is not None
 
-    async def delete_user(self, name: str, digests: list[str]) -> None:
-        await self._write(("D", 1, name, b""), *(("D", 2, d, b"") for d in digests))
+    async def patch_user(self, name: str, changes: dict[str, int], base: UserLimits | None) -> bool:
+        """Set some of the user's limits in its record as the store has it when the change runs
+        (``base``: the record to start from if it has none, a configured user's); False, and
+        nothing written, when there is neither."""
+        patch = {"set": changes, **({"base": limits_stored(base)} if base is not None else {})}
+        return await self._write(("P", 1, name, orjson.dumps(patch))) is not None
+
+    async def delete_user(self, name: str) -> int | None:
+        """Delete the user's record and every key of the user the store holds when it runs: how
+        many keys, or None when the store had no record of the user."""
+        return await self._write(("R", 1, name, b""), ("K", 2, name, b""))
 
     async def put_key(self, rec: KeyRecord, only: str | None = None) -> bool:
         """Set the key's record; ``only`` as for ``put_user``."""
-        return await self._write((_OP[only], 2, rec.digest, orjson.dumps(rec.stored())))
+        return await self._write((_OP[only], 2, rec.digest, orjson.dumps(rec.stored()))) is not None
 
     async def delete_key(self, digest: str) -> None:
         await self._write(("D", 2, digest, b""))

@@ -185,3 +185,26 @@ async def test_cli(gw, monkeypatch):
     assert code == 2 and "no admin token" in err
     code, _, _ = await run("users", "delete", "fred")
     assert code == 0
+
+
+async def test_concurrent_changes_of_one_user_all_land(gw):
+    """Fifty PATCHes of one user at once, each setting one field, and a DELETE racing key creates:
+    every field ends set by one of its PATCHes, and the delete's count and the keys left add up."""
+    admin = Admin(gw)
+    fields = ("rpm", "tpm", "max_concurrent")
+    assert (await admin("PATCH", "/admin/users/alice", {}))[1]["source"] == "config"     # nothing written
+    got = await asyncio.gather(*(admin("PATCH", "/admin/users/alice", {fields[i % 3]: 100 + i}) for i in range(50)))
+    assert {status for status, _ in got} == {200}
+    status, final = await admin("GET", "/admin/users/alice")
+    for i, f in enumerate(fields):
+        assert final[f] in {100 + j for j in range(i, 50, 3)}, final
+
+    await admin("PUT", "/admin/users/gus", {"rpm": 1})
+    made = [admin("POST", "/admin/keys", {"user": "gus"}) for _ in range(20)]
+    got = await asyncio.gather(*made[:10], admin("DELETE", "/admin/users/gus"), *made[10:])
+    assert all(status == 201 for status, _ in got[:10] + got[11:])
+    status, gone = got[10]
+    status, left = await admin("GET", "/admin/keys?user=gus")
+    assert gone["keys_deleted"] + len(left["data"]) == 20
+    assert (await admin("PATCH", "/admin/users/gus", {"rpm": 2}))[0] == 404
+    assert (await admin("DELETE", "/admin/users/gus"))[0] == 404

@@ -429,3 +429,73 @@ async def test_usage_does_not_count_the_slots_of_a_replica_that_died(sims, gatew
         assert resp.status == 200
         assert (await resp.json())["usage"]["concurrent"] == 0
     assert (await a.gw.tenancy.state.usage("alice"))["concurrent"] == 0
+
+
+async def _frozen(gw) -> None:
+    """The replica's mirror stops following the store: a race between two admin calls, held open."""
+    async def stale() -> None:
+        pass
+    gw.gw.tenancy.refresh = stale
+
+
+async def test_patches_of_one_user_on_two_replicas_all_land(sims, gateway, redis_server):
+    """A PATCH sets its fields in the record as the store holds it when the change runs, not in a
+    copy its replica read earlier: concurrent PATCHes of one user, each setting another field, on
+    two replicas, leave every field set (a read-modify-write put back the other fields' old values)."""
+    a, b, admin = await _two_admin_replicas(sims, gateway, redis_server)
+    fields = ("rpm", "tpm", "max_concurrent")
+    async with aiohttp.ClientSession(headers=admin) as s:
+        async with s.put(a.url + "/admin/users/pat", json={}) as r:
+            assert r.status == 201
+        assert await wait_for(lambda: b.gw.tenancy.directory.user_source("pat") == "store")
+        await _frozen(b)                # B's copy of pat is all zeros from here on
+        async with s.patch(a.url + "/admin/users/pat", json={"rpm": 7}) as r:
+            assert r.status == 200
+        async with s.patch(b.url + "/admin/users/pat", json={"tpm": 9}) as r:
+            assert r.status == 200
+        async with s.get(a.url + "/admin/users/pat") as r:
+            assert (await r.json())["rpm"] == 7
+
+        async def patch(i: int) -> int:
+            async with s.patch((a, b)[i % 2].url + "/admin/users/pat", json={fields[i % 3]: 100 + i}) as r:
+                return r.status
+        assert set(await asyncio.gather(*(patch(i) for i in range(50)))) == {200}
+        async with s.get(a.url + "/admin/users/pat") as r:
+            final = await r.json()
+    # each field holds what one of its PATCHes set; none is back at 0
+    for i, f in enumerate(fields):
+        assert final[f] in {100 + j for j in range(i, 50, 3)}, final
+    r = aioredis.Redis.from_url(redis_server.url)
+    assert set(yaml.safe_load(await r.hget("switchyard:users", "pat"))) == set(fields)
+    await r.aclose()
+
+
+async def test_a_users_delete_takes_the_key_another_replica_just_made(sims, gateway, redis_server):
+    """DELETE /admin/users/{name} removes every key of the user the store holds when it runs, not
+    the keys its replica's copy knew: a key made on another replica a moment before is revoked
+    too, and a PATCH or a second DELETE after it is a 404, not a user brought back."""
+    a, b, admin = await _two_admin_replicas(sims, gateway, redis_server)
+    async with aiohttp.ClientSession(headers=admin) as s:
+        async with s.put(a.url + "/admin/users/dan", json={"rpm": 5}) as r:
+            assert r.status == 201
+        assert await wait_for(lambda: b.gw.tenancy.directory.user_source("dan") == "store")
+        await _frozen(b)                # B does not see the keys A makes
+        made = []
+        for _ in range(3):
+            async with s.post(a.url + "/admin/keys", json={"user": "dan"}) as r:
+                assert r.status == 201
+                made.append(await r.json())
+        async with s.delete(b.url + "/admin/users/dan") as r:
+            assert r.status == 200 and (await r.json())["keys_deleted"] == 3
+        async with s.patch(b.url + "/admin/users/dan", json={"rpm": 1}) as r:
+            assert r.status == 404
+        async with s.delete(b.url + "/admin/users/dan") as r:
+            assert r.status == 404
+        async with s.get(a.url + "/admin/keys?user=dan") as r:
+            assert (await r.json())["data"] == []
+    r = aioredis.Redis.from_url(redis_server.url)
+    assert await r.hgetall("switchyard:keys") == {} and await r.hgetall("switchyard:users") == {}
+    await r.aclose()
+    for k in made:
+        with pytest.raises(openai.AuthenticationError):
+            await chat(a, k["key"])
