@@ -25,6 +25,7 @@ it are answered 404, as for an unknown id.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
@@ -388,6 +389,7 @@ class ResponsesApi(ApiShape):
     async def _from_history(self, rec: RequestRecord, rid: str, action: str, user: str | None,
                             request: web.Request) -> web.Response:
         assert self.history is not None
+        page = _page_query(request.query) if action == "input_items" else None
         record = await self._record(rid, self._owner_user(user))
         rec.model = str(record.get("model") or "-")
         rec.model_known = True                 # the gateway stored it: a model it served
@@ -400,8 +402,8 @@ class ResponsesApi(ApiShape):
                 raise GatewayError(503, "the Responses state store is unreachable",
                                    code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
             body: Any = {"id": rid, "object": "response", "deleted": True}
-        elif action == "input_items":
-            body = _input_items_page(rid, list(record.get("input") or ()), request.query)
+        elif page is not None:
+            body = _input_items_page(rid, list(record.get("input") or ()), page)
         else:
             body = record.get("response") or {"id": rid, "object": "response"}
         return web.Response(body=orjson.dumps(body), headers=rec.response_headers(), content_type="application/json")
@@ -491,10 +493,54 @@ def _listed_message(item: dict[str, Any]) -> None:
     item.setdefault("status", "completed")
 
 
-def _input_items_page(rid: str, items: list[Any], query) -> dict[str, Any]:
-    """``input_items`` as OpenAI lists them: ``order`` (desc by default), ``limit`` (1-100,
-    default 20), ``after`` an item id. Items stored without an id get a stable one; messages are
-    listed with their content as parts (``_listed_message``)."""
+@dataclass(frozen=True, slots=True)
+class _Page:
+    limit: int = 20
+    order: str = "desc"
+    after: str | None = None
+    before: str | None = None
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def _shown(value: str) -> str:
+    """A client's value in an error message, a long one cut in its middle, as OpenAI cuts it."""
+    return value if len(value) <= 40 else f"{value[:18]}...{value[-18:]}"
+
+
+def _page_query(query) -> _Page:
+    """``input_items``' query as OpenAI reads it: ``limit`` an integer from 1 to 100 (default 20),
+    ``order`` asc or desc (default desc), ``after``/``before`` item ids; another value is OpenAI's
+    400 naming the parameter, never clamped or read as the default."""
+    limit = query.get("limit")
+    if limit is not None:
+        if not _INTEGER.fullmatch(limit):
+            raise _query_error(f"Invalid type for 'limit': expected an integer, but got '{_shown(limit)}' instead.",
+                               "limit", "invalid_type")
+        n = int(limit) if len(limit) <= 12 else int(limit[:12])      # its sign and size are what count
+        if n < 1:
+            raise _query_error("Invalid 'limit': integer below minimum value. Expected a value >= 1, but got "
+                               f"{_shown(limit)} instead.", "limit", "integer_below_min_value")
+        if n > 100:
+            raise _query_error("Invalid 'limit': integer above maximum value. Expected a value <= 100, but got "
+                               f"{_shown(limit)} instead.", "limit", "integer_above_max_value")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise _query_error(f"Invalid value: '{_shown(order)}'. Supported values are: 'asc' and 'desc'.",
+                           "order", "invalid_value")
+    return _Page(int(limit) if limit is not None else 20, order, query.get("after"), query.get("before"))
+
+
+def _query_error(message: str, param: str, code: str) -> GatewayError:
+    return GatewayError(400, message, param=param, code=code, error_class=ErrorClass.VALIDATION)
+
+
+def _input_items_page(rid: str, items: list[Any], page: _Page) -> dict[str, Any]:
+    """``input_items`` as OpenAI lists them: in ``page.order``, at most ``page.limit`` items, those
+    after the item ``page.after`` and before ``page.before`` (alone, the page just before it); an id
+    that is not one of the items is a 400 naming its parameter. Items stored without an id get a
+    stable one; messages are listed with their content as parts (``_listed_message``)."""
     listed = []
     for i, item in enumerate(items):
         item = dict(item) if isinstance(item, dict) else {"content": item}
@@ -503,20 +549,25 @@ def _input_items_page(rid: str, items: list[Any], query) -> dict[str, Any]:
         if item["type"] == "message":
             _listed_message(item)
         listed.append(item)
-    if query.get("order", "desc") != "asc":
+    if page.order == "desc":
         listed.reverse()
-    after = query.get("after")
-    if after:
-        ids = [it["id"] for it in listed]
-        listed = listed[ids.index(after) + 1:] if after in ids else []
-    try:
-        limit = min(100, max(1, int(query.get("limit", "20"))))
-    except ValueError:
-        raise GatewayError(400, "'limit' must be an integer between 1 and 100", param="limit",
-                           error_class=ErrorClass.VALIDATION) from None
-    page = listed[:limit]
-    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit}
+    ids = [it["id"] for it in listed]
+    start, end = 0, len(listed)
+    for param, cursor in (("after", page.after), ("before", page.before)):
+        if cursor is None:
+            continue
+        if cursor not in ids:
+            raise _query_error(f"Invalid '{param}': response '{rid}' has no input item with id '{_shown(cursor)}'.",
+                               param, "invalid_value")
+        if param == "after":
+            start = ids.index(cursor) + 1
+        else:
+            end = ids.index(cursor)
+    listed = listed[start:max(start, end)]
+    more = len(listed) > page.limit
+    data = listed[-page.limit:] if page.before is not None and page.after is None else listed[:page.limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": more}
 
 
 def add_responses(app: web.Application, api: ResponsesApi) -> None:

@@ -223,6 +223,44 @@ async def test_an_unknown_previous_response_id_names_that_field(sims, gateway, s
     assert ei.value.body["param"] == "response_id"
 
 
+async def test_input_items_page_parameters_out_of_range_are_openais_400(sims, gateway):
+    """limit (1-100), order (asc, desc) and the after/before cursors of input_items: a value out of
+    range, of another type or naming no item is the 400 OpenAI answers, naming the parameter, not
+    a page clamped or read some other way; good values page as the SDK walks them."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", max_output_tokens=2,
+                                 input=[{"role": "user", "content": f"turn {i}"} for i in range(5)])
+    bad = [({"limit": 0}, "limit", "integer_below_min_value"), ({"limit": -3}, "limit", "integer_below_min_value"),
+           ({"limit": 101}, "limit", "integer_above_max_value"),
+           ({"extra_query": {"limit": "9" * 40}}, "limit", "integer_above_max_value"),
+           ({"extra_query": {"limit": "2.5"}}, "limit", "invalid_type"),
+           ({"extra_query": {"limit": "ten"}}, "limit", "invalid_type"),
+           ({"extra_query": {"order": "up"}}, "order", "invalid_value"),
+           ({"extra_query": {"order": "ASC"}}, "order", "invalid_value"),
+           ({"after": "no-such-item"}, "after", "invalid_value"),
+           ({"extra_query": {"before": "no-such-item"}}, "before", "invalid_value")]
+    for kw, param, code in bad:
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.responses.input_items.list(r.id, **kw)
+        assert (ei.value.body["type"], ei.value.body["param"], ei.value.body["code"]) == (
+            "invalid_request_error", param, code), kw
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.responses.input_items.list(r.id, limit=1000)
+    assert ei.value.body["message"] == ("Invalid 'limit': integer above maximum value. Expected a value <= 100, "
+                                        "but got 1000 instead.")
+
+    texts = [i.content[0].text async for i in c.responses.input_items.list(r.id, order="asc", limit=2)]
+    assert texts == [f"turn {i}" for i in range(5)]                   # the SDK's pages, by `after`
+    ids = [i.id for i in (await c.responses.input_items.list(r.id, limit=100)).data]
+    assert len(ids) == 5
+    page = await c.responses.input_items.list(r.id, limit=2, extra_query={"before": ids[3]})
+    assert [i.id for i in page.data] == ids[1:3] and page.has_more      # the page just before it
+    page = await c.responses.input_items.list(r.id, after=ids[0], extra_query={"before": ids[3]})
+    assert [i.id for i in page.data] == ids[1:3] and not page.has_more
+
+
 async def test_gateway_history_lists_input_messages_with_content_parts(sims, gateway):
     """input_items lists a message's content as parts, as OpenAI does (ResponseInputMessageItem,
     ResponseOutputMessage), whether the input gave a string or parts, and a replayed answer too."""
