@@ -43,6 +43,9 @@ from gateway.tenants.redis_state import StateUnavailable
 
 TENANCY_KEY = web.AppKey("tenancy", Tenancy)
 MIN_KEY_LENGTH = 16
+# the largest limit: past 2**53 a number is not exact in the store's scripts (Lua's doubles) nor
+# in JSON readers that use doubles, so a larger one would be kept as another number
+MAX_LIMIT = 2**53 - 1
 
 
 def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
@@ -92,8 +95,8 @@ def _changes(data: dict[str, Any]) -> dict[str, int]:
     for key, v in data.items():
         if key not in LIMIT_FIELDS:
             raise _bad(f"unknown field '{key}' (known: {', '.join(LIMIT_FIELDS)})", key)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise _bad(f"'{key}' must be a non-negative integer (0: unlimited)", key)
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LIMIT:
+            raise _bad(f"'{key}' must be an integer from 0 (unlimited) to {MAX_LIMIT}", key)
         out[key] = v
     return out
 

@@ -93,6 +93,8 @@ async def test_users_crud(gw):
     ("POST", "/admin/users", {"name": "bad name"}, "name"),
     ("POST", "/admin/users", {}, "name"),
     ("PUT", "/admin/users/x", {"tpm": 1.5}, "tpm"),
+    ("PUT", "/admin/users/x", {"tpm": 2**63}, "tpm"),
+    ("PATCH", "/admin/users/alice", {"rpm": 2**53}, "rpm"),
     ("POST", "/admin/keys", {"name": "k"}, "user"),
     ("POST", "/admin/keys", {"user": "u", "key": "short"}, "key"),
     ("POST", "/admin/keys", {"user": "u", "expires": 1}, "expires"),

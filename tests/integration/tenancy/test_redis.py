@@ -455,6 +455,8 @@ async def test_patches_of_one_user_on_two_replicas_all_land(sims, gateway, redis
             assert r.status == 200
         async with s.get(a.url + "/admin/users/pat") as r:
             assert (await r.json())["rpm"] == 7
+        async with s.patch(a.url + "/admin/users/pat", json={"rpm": 2**63}) as r:   # not exact in the store's
+            assert r.status == 400 and (await r.json())["error"]["param"] == "rpm"  # script: refused, not wrapped
 
         async def patch(i: int) -> int:
             async with s.patch((a, b)[i % 2].url + "/admin/users/pat", json={fields[i % 3]: 100 + i}) as r:
