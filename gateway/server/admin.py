@@ -21,6 +21,7 @@ Config-defined keys are read-only here; a config user can be overridden (PUT) bu
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -43,6 +44,10 @@ from gateway.tenants.redis_state import StateUnavailable
 
 TENANCY_KEY = web.AppKey("tenancy", Tenancy)
 MIN_KEY_LENGTH = 16
+MAX_KEY_LENGTH = 1024
+# what a client can send in an Authorization or x-api-key header: visible ASCII (no space, no control
+# character, nothing a header's encoding could change), and no longer than a header line may be
+KEY_TEXT = re.compile(rf"[\x21-\x7e]{{{MIN_KEY_LENGTH},{MAX_KEY_LENGTH}}}")
 # the largest limit: past 2**53 a number is not exact in the store's scripts (Lua's doubles) nor
 # in JSON readers that use doubles, so a larger one would be kept as another number
 MAX_LIMIT = 2**53 - 1
@@ -249,9 +254,9 @@ class AdminAPI:
         plain = data.get("key")
         if plain is None:
             plain = new_key()
-        elif not isinstance(plain, str) or len(plain) < MIN_KEY_LENGTH or any(c.isspace() for c in plain):
-            raise _bad(f"'key' must be a string of at least {MIN_KEY_LENGTH} characters without spaces "
-                       "(omit it to have one generated)", "key")
+        elif not isinstance(plain, str) or not KEY_TEXT.fullmatch(plain):
+            raise _bad(f"'key' must be {MIN_KEY_LENGTH} to {MAX_KEY_LENGTH} visible ASCII characters, no space or "
+                       "control character, as a client can send it in a header (omit it to have one generated)", "key")
         digest = key_digest(plain)
         if self.dir.key(digest) is not None:
             raise _conflict("this key already exists")

@@ -97,6 +97,10 @@ async def test_users_crud(gw):
     ("PATCH", "/admin/users/alice", {"rpm": 2**53}, "rpm"),
     ("POST", "/admin/keys", {"name": "k"}, "user"),
     ("POST", "/admin/keys", {"user": "u", "key": "short"}, "key"),
+    ("POST", "/admin/keys", {"user": "u", "key": "sk-nul-0123456789\u0000x"}, "key"),     # no client can send these
+    ("POST", "/admin/keys", {"user": "u", "key": "sk-esc-0123456789\u001bx"}, "key"),
+    ("POST", "/admin/keys", {"user": "u", "key": "sk-\u00e9\u00e9\u00e9-0123456789"}, "key"),
+    ("POST", "/admin/keys", {"user": "u", "key": "sk-" + "k" * 1022}, "key"),
     ("POST", "/admin/keys", {"user": "u", "expires": 1}, "expires"),
 ])
 async def test_bad_admin_input_is_a_400_naming_the_field(gw, method, path, body, param):
