@@ -22,8 +22,10 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   descriptors and memory exactly when they are short.
 - **Errors aiohttp answers itself.** A request line or header that the parser refuses, or a body
   whose framing breaks, never reaches the app's middleware: aiohttp's ``RequestHandler`` answers
-  through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape
-  (aiohttp gives it no path), with ``request-id``, and with 431 for header fields that are too large or too many.
+  through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape,
+  Anthropic's for a request to a Messages path (aiohttp gives it no path for a request it could not
+  parse: the edge keeps the first bytes of the head it reads, ``_e_line``, and reads the path from
+  them), with ``request-id``, and with 431 for header fields that are too large or too many.
 
 aiohttp hooks used (3.14): ``web.Server`` subclassed (public; ``__call__`` is the protocol
 factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``connection_lost``/
@@ -31,12 +33,15 @@ factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``conne
 documented-in-source override points). Semi-private, and pinned by tests in
 ``tests/unit/gateway/server/test_edge.py`` that break if aiohttp changes them: ``AppRunner._make_server`` (the
 runner's factory of its ``Server``), ``Server._kwargs`` (the handler keyword arguments the runner
-collected) and ``RequestHandler._request_count`` (requests parsed on this connection).
+collected), ``RequestHandler._request_count`` (requests parsed on this connection) and
+``web_protocol.ERROR`` (the message of the request aiohttp hands ``handle_error`` for a head it
+could not parse).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,6 +51,7 @@ import orjson
 import structlog
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import ERROR as _UNPARSED
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -67,6 +73,12 @@ _IDLE = 1      # kept-alive, no byte of a next request yet
 _READY = 2     # a complete head is queued, the handler is about to start
 _BODY = 3      # the handler runs and the body is still arriving
 _BUSY = 4      # the handler runs, the body is complete: only the write-stall clock applies
+
+# how many first bytes of a request head the edge keeps (``_e_line``): enough for the method and a
+# Messages path, to answer a head that does not parse in its API's shape
+_LINE_KEEP = 64
+# the path of a request line's target, when the kept bytes hold it whole (a space or a query after it)
+_LINE_PATH = re.compile(rb"[!-~]+ (/[^ ?]*)[ ?]")
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
@@ -214,8 +226,8 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop", "_lane", "_lane_held", "_lane_server", "_lane_part", "_lane_task",
-                 "_lane_next", "_lane_wake")
+                 "_e_read_paused", "_e_loop", "_e_line", "_e_unparsed", "_lane", "_lane_held", "_lane_server",
+                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -236,6 +248,8 @@ class EdgeProtocol(web.RequestHandler):
         self._e_body_end = 0.0
         self._e_counted = False
         self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
+        self._e_line = b""              # the first bytes of the head aiohttp is parsing (``_LINE_KEEP``)
+        self._e_unparsed = False        # the request started last is aiohttp's for a head it could not parse
         self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
         self._lane_held: list[bytes] = []   # bytes that came while it ran
         self._lane_part: lane.Pending | None = None     # a lane request whose body is still coming
@@ -307,6 +321,8 @@ class EdgeProtocol(web.RequestHandler):
         if phase == _HEAD and self._lane_server is not None and not self._e_rx_head and self._lane_take(data):
             return
         if phase == _HEAD:
+            if len(self._e_line) < _LINE_KEEP:     # a head for aiohttp: its request line, for its errors
+                self._e_line += data[:_LINE_KEEP]
             self._e_rx_head = True
             parsed = self._e_parsed
             super().data_received(data)
@@ -332,6 +348,8 @@ class EdgeProtocol(web.RequestHandler):
             return
         if phase == _BUSY:
             self._e_pipelined = True
+        if len(self._e_line) < _LINE_KEEP:         # the head of a next request
+            self._e_line += data[:_LINE_KEEP]
         super().data_received(data)
 
     # -- the fast lane (gateway/server/lane.py) ----------------------------------------------
@@ -372,6 +390,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_pipelined = False
         self._e_request = request
         self._e_payload = None
+        self._e_line = b""
         self._e_phase = _BUSY
         self._next_keepalive_close_time = self._e_loop.time() + 10.0 ** 9    # aiohttp's backstop waits
         self._lane = request
@@ -416,6 +435,7 @@ class EdgeProtocol(web.RequestHandler):
             return
         self._lane_released()
         self._e_rx_head = True
+        self._e_line = bytes(pending.data[:_LINE_KEEP])
         parsed = self._e_parsed
         super().data_received(bytes(pending.data))
         if self._e_parsed != parsed:
@@ -512,13 +532,17 @@ class EdgeProtocol(web.RequestHandler):
 
     # -- requests ----------------------------------------------------------------------------
 
-    def e_request_started(self, request: web.BaseRequest, payload: Any) -> None:
-        """Called by ``EdgeServer``'s request factory as the handler is about to run."""
+    def e_request_started(self, request: web.BaseRequest, payload: Any, unparsed: bool = False) -> None:
+        """Called by ``EdgeServer``'s request factory as the handler is about to run; ``unparsed``:
+        the request stands for a head or body aiohttp could not parse (its handler is ``handle_error``)."""
         self._e_started += 1
         self._e_pipelined = False
         self._e_rx_head = False
         self._e_request = request
         self._e_payload = payload
+        self._e_unparsed = unparsed
+        if not unparsed:                # its head parsed: the next head's bytes are kept anew
+            self._e_line = b""
         lim = self._edge.limits
         if payload.is_eof() or not (lim.body_timeout_s or lim.body_total_timeout_s):
             self._e_phase = _BUSY
@@ -703,10 +727,17 @@ class EdgeProtocol(web.RequestHandler):
         else:
             log.debug("bad request", status=status, error=text, peer=request.remote)
         rid = request_id_from(request.headers.get("x-request-id"))
-        resp = error_response(status, orjson.dumps(error_body(status, text, type_=_error_type(status), code=code)),
+        path = self._e_line_path() if self._e_unparsed else request.path
+        resp = error_response(status, _shaped_body(path, status, text, _error_type(status), code),
                               {"request-id": rid, "x-request-id": rid})
         resp.force_close()
         return resp
+
+    def _e_line_path(self) -> str | None:
+        """The target path of the head kept in ``_e_line`` (a head aiohttp could not parse), when
+        its first bytes hold it whole."""
+        m = _LINE_PATH.match(self._e_line)
+        return m.group(1).decode("latin-1") if m is not None else None
 
 
 def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
@@ -760,7 +791,7 @@ class EdgeServer(web.Server):
         def request_factory(message, payload, protocol, writer, task):
             request = inner(message, payload, protocol, writer, task)
             if isinstance(protocol, EdgeProtocol):
-                protocol.e_request_started(request, payload)
+                protocol.e_request_started(request, payload, message is _UNPARSED)
             return request
 
         self.request_factory = request_factory

@@ -211,6 +211,78 @@ async def test_errors_the_edge_writes_itself_are_anthropic_shaped_on_messages_pa
     assert_openai_error(got.first, 417)
 
 
+def _anthropic_error(resp, status: int) -> dict:
+    assert resp.status == status, (status, resp.body)
+    assert resp.headers["request-id"] and resp.headers["content-type"].startswith("application/json")
+    body = resp.json()
+    assert body == {"type": "error", "error": {"type": anthropic_error_type(status),
+                                               "message": body["error"]["message"]}}, resp.body
+    return body["error"]
+
+
+_MSG_HEAD = b"POST /v1/messages HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+_MSG_BODY = orjson.dumps({"model": "llama", "max_tokens": 2, "messages": MSGS})
+
+
+def _chunked(body: bytes) -> bytes:
+    return b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+
+
+# a Messages request whose head or body aiohttp's parser refuses: (case, bytes, status)
+_UNPARSED = [
+    ("cl_and_te", _MSG_HEAD + b"Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400),
+    ("double_content_length", _MSG_HEAD + b"Content-Length: %d\r\nContent-Length: 5\r\n\r\n" % len(_MSG_BODY)
+     + _MSG_BODY, 400),
+    ("negative_content_length", _MSG_HEAD + b"Content-Length: -1\r\n\r\n" + _MSG_BODY, 400),
+    ("bad_chunk_size", _MSG_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + _MSG_BODY + b"\r\n0\r\n\r\n", 400),
+    ("chunk_longer_than_size", _MSG_HEAD + b"Transfer-Encoding: chunked\r\n\r\n2\r\n" + _MSG_BODY
+     + b"\r\n0\r\n\r\n", 400),
+    ("obsolete_line_folding", _MSG_HEAD + b"X-A: a\r\n b\r\nContent-Length: %d\r\n\r\n" % len(_MSG_BODY)
+     + _MSG_BODY, 400),
+    ("nul_in_header", _MSG_HEAD + b"X-A: a\x00b\r\nContent-Length: %d\r\n\r\n" % len(_MSG_BODY) + _MSG_BODY, 400),
+    ("two_hosts", _MSG_HEAD + b"Host: b\r\nContent-Length: %d\r\n\r\n" % len(_MSG_BODY) + _MSG_BODY, 400),
+    ("header_60kb", request("POST", "/v1/messages", _MSG_BODY, {"X-Big": "a" * 60_000}), 431),
+    ("headers_300", request("POST", "/v1/messages", _MSG_BODY, {f"X-H{i}": "v" for i in range(300)}), 431),
+    ("target_20kb", request("POST", "/v1/messages?" + "a" * 20_000, _MSG_BODY), 431),
+    ("count_tokens_bad_chunk", b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: gw\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+]
+
+
+async def test_a_messages_request_the_parser_refuses_gets_an_anthropic_error(sims, gateway):
+    """aiohttp answers a head or a body it cannot parse through the edge's ``handle_error``, with a
+    request that has no path: those answers were OpenAI-shaped on /v1/messages, where the SDK reads
+    Anthropic's. The edge keeps the first bytes of the head for them; other paths keep OpenAI's."""
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])])
+    for case, raw, status in _UNPARSED:
+        got = await exchange(gw.port, raw, wait=10)
+        err = _anthropic_error(got.first, status)
+        assert err["message"], case
+        assert got.closed and len(got.responses) == 1, case
+    # the head of a next request on a kept-alive connection, after one the lane answered
+    got = await exchange(gw.port, request("POST", "/v1/messages", _MSG_BODY),
+                         _MSG_HEAD + b"Content-Length: -1\r\n\r\n", wait=10)
+    assert got.responses[0].status == 200
+    _anthropic_error(got.responses[1], 400)
+    # the head sent a few bytes at a time
+    got = await exchange(gw.port, b"POST /v1/", b"messages HTTP/1.1\r\n", b"Host: gw\r\nContent-Length: x\r\n\r\n",
+                         wait=10)
+    _anthropic_error(got.first, 400)
+    # other paths keep OpenAI's shape
+    got = await exchange(gw.port, _MSG_HEAD.replace(b"/v1/messages", b"/v1/chat/completions")
+                         + b"Content-Length: -1\r\n\r\n", wait=10)
+    assert_openai_error(got.first, 400)
+    # the SDK reads a 431 as Anthropic's error
+    client = anthropic_client(gw)
+    with pytest.raises(anthropic.APIStatusError) as ei:
+        await client.messages.create(model="llama", max_tokens=2, messages=MSGS, extra_headers={"X-Big": "a" * 60_000})
+    assert ei.value.status_code == 431
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
+    assert await sim_state(v.url) is not None and not [
+        r for r in (await sim_state(v.url))["received"] if r["path"] == "/v1/messages"][1:]
+
+
 async def test_a_messages_path_the_gateway_does_not_serve_is_an_anthropic_404(fleet):
     """The SDK's ``messages.batches`` calls land on ``/v1/messages/batches``: a 404 in Anthropic's
     shape, which the SDK reads as such; other unknown paths keep OpenAI's."""

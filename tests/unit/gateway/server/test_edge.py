@@ -11,7 +11,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from aiohttp import web
+from aiohttp import web, web_protocol
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong, TransferEncodingError
 
 from gateway.config.schema import ConfigError, config_from_dict, parse_config
@@ -99,6 +99,9 @@ def test_aiohttp_request_handler_hooks_exist():
     assert list(inspect.signature(rh.finish_response).parameters) == ["self", "request", "resp", "start_time"]
     # the protocol answers parse errors through handle_error, and every request via finish_response
     assert "self.handle_error(" in inspect.getsource(rh._make_error_handler)
+    # with the module's ERROR as the request's message (the edge tells such a request by it)
+    assert "message = ERROR" in inspect.getsource(rh.start)
+    assert web_protocol.ERROR.method == "UNKNOWN"
     assert "self.finish_response(" in inspect.getsource(rh._handle_request)
     # and it reads the handler and the request factory off its manager (our EdgeServer)
     init = inspect.getsource(rh.__init__)
