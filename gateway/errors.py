@@ -76,6 +76,7 @@ class ErrorClass(enum.StrEnum):
     PD_PREFILL_BAD_RESPONSE = "pd_prefill_bad_response"
     # an answer under way
     UPSTREAM_BROKEN = "upstream_broken"
+    UPSTREAM_TOO_LARGE = "upstream_too_large"       # a whole answer over upstream.max_response_bytes
     UPSTREAM_EOF = "upstream_eof"
     UPSTREAM_STREAM_ERROR = "upstream_stream_error"
     WATCHDOG_FIRST_CHUNK = "watchdog_first_chunk"

@@ -132,6 +132,7 @@ class UpstreamConfig(Block):
     keepalive_timeout_s: Annotated[Amount, Meta(description="An idle pooled connection to an engine is closed after this many seconds.")] = 60.0
     warm_connections: Annotated[Count, Meta(description="Idle connections per engine the pool opens again when the engine closes them (vLLM and SGLang close an idle kept-alive connection after 5 s), so the first request after a lull does not wait for a connect; only for an engine that served a request within keepalive_timeout_s (0: off).")] = 1
     max_error_body_bytes: Annotated[Count, Meta(description="Most bytes of an engine's error answer read and passed on to the client.")] = 65536
+    max_response_bytes: Annotated[Count, Meta(description="Largest answer the gateway reads whole (a non-streaming answer, a pass-through path's body, a prefill leg's answer), in bytes: a larger one (by its Content-Length, or once that many bytes came) is a 502 upstream_too_large and its engine connection is closed. The default holds a 32k-token chat answer with 20 top logprobs per token (about 40 MB of vLLM's JSON) and a batch of 2048 float embeddings of 3072 dimensions (about 90 MB); streams are relayed as they come and are not bounded by it (0: no limit).")] = 128 << 20
 
 
 class HealthConfig(Block):

@@ -32,7 +32,7 @@ from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_
 from gateway.pipeline.sse import AnswerText, SSEScanner, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.resilience.outcome import Outcome, of_answer, of_status
-from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout
+from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
 from handlers.base import EngineAdapter
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -646,12 +646,21 @@ class Relay:
                     headers: dict[str, str], ctype: str, wd: WatchdogConfig | None) -> web.Response:
         rec = ctx.rec
         limit = wd.response_timeout_s if wd is not None else 0.0
+        most = self.cfg.max_response_bytes
         try:
             if limit:
                 async with asyncio.timeout(limit):
-                    body = await resp.read()
+                    body = await resp.read(most)
             else:
-                body = await resp.read()
+                body = await resp.read(most)
+        except UpstreamTooLarge as e:
+            # not read on: ``settle`` closes the connection (the engine stops), and nothing of it is held
+            rec.error_class = ErrorClass.UPSTREAM_TOO_LARGE
+            rec.extra["upstream_bytes"] = e.declared if e.declared is not None else e.received
+            self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "too_large").inc()
+            raise GatewayError(502, f"the engine's answer is larger than {e.limit} bytes (upstream.max_response_bytes)",
+                               code="upstream_too_large", header=("x-error-upstream", "too_large"),
+                               error_class=rec.error_class) from None
         except (TimeoutError, UpstreamTimeout) as e:
             if isinstance(e, TimeoutError):
                 rec.watchdog = "response"

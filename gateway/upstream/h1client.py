@@ -68,6 +68,18 @@ class UpstreamProtocolError(UpstreamError):
     """The engine's bytes are not a valid HTTP/1.1 response."""
 
 
+class UpstreamTooLarge(UpstreamError):
+    """A body read whole (``UpstreamResponse.read`` with a limit) is larger than the limit: said by
+    its ``Content-Length`` (``received`` 0: nothing of it was read), or seen as it came."""
+
+    def __init__(self, limit: int, received: int, declared: int | None = None) -> None:
+        size = f"{declared} bytes (its Content-Length)" if declared is not None else f"over {limit} bytes"
+        super().__init__(f"the answer is {size}, more than {limit}")
+        self.limit = limit
+        self.received = received
+        self.declared = declared
+
+
 class UpstreamTimeout(UpstreamError):
     """No response head within the header timeout, or the whole exchange exceeded the total timeout."""
 
@@ -230,10 +242,22 @@ class UpstreamResponse:
             self._sink = None
             self._wake()
 
-    async def read(self) -> bytes:
-        """The whole body."""
+    async def read(self, limit: int = 0) -> bytes:
+        """The whole body. With ``limit`` (bytes; 0: none), ``UpstreamTooLarge`` as soon as the body
+        is known to be larger: from its ``Content-Length`` before a byte of it is read, else once
+        that many bytes came (what was read of it is dropped; reading from the engine pauses above
+        ``HIGH_WATER`` unread, so no more than that is held beyond the limit)."""
+        if limit:
+            declared = dict.get(self.headers, "content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise UpstreamTooLarge(limit, 0, int(declared))
         parts = []
+        size = 0
         while chunk := await self.readany():
+            size += len(chunk)
+            if limit and size > limit:
+                parts.clear()
+                raise UpstreamTooLarge(limit, size)
             parts.append(chunk)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -193,7 +193,7 @@ class Upstream:
             async with asyncio.timeout(timeout):
                 resp = await x.response()
                 try:
-                    raw = await resp.read()
+                    raw = await resp.read(self.cfg.max_response_bytes)
                 finally:
                     resp.release()      # back to the pool when fully read; closed (engine aborts) otherwise
             return resp.status, raw

@@ -297,3 +297,67 @@ async def test_a_status_other_than_200_below_the_errors_is_a_502(gateway, status
     async with fake_engine(odd_status) as url:
         gw = await gateway([model_block("m", "vllm", [url])])
         await _a_protocol_502_both_ways(openai_client(gw), str(status))
+
+
+MiB = 1 << 20
+
+
+async def test_an_answer_larger_than_max_response_bytes_is_a_502_and_is_not_held(gateway):
+    """A non-streaming answer is read whole before it is written: an engine (or a proxy before
+    it) that answered without end, or with a body of hundreds of MB, was held in the gateway's
+    memory as it came. Past ``upstream.max_response_bytes`` the client gets a 502
+    upstream_too_large, the engine's connection is closed (what it sends stops), and little more
+    than the limit was ever held; a Content-Length over the limit is refused before a byte of
+    the body is read."""
+    import tracemalloc
+
+    from aiohttp import web
+
+    sent: list[int] = []
+
+    async def huge(request):
+        await request.read()
+        size = request.headers.get("x-size")
+        if size is None:
+            return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        if size != "endless":
+            resp.content_length = int(size)
+        await resp.prepare(request)
+        n = 0
+        try:
+            while n < 64 * MiB:             # "endless", within what a test may send
+                await resp.write(b" " * (256 << 10))
+                n += 256 << 10
+        except ConnectionError:
+            pass
+        sent.append(n)
+        return resp
+
+    async with fake_engine(huge) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], upstream={"max_response_bytes": 2 * MiB})
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            with gw.gw.request_log.capture() as logs:
+                for i, size in enumerate(("endless", str(100 * MiB))):
+                    tracemalloc.start()
+                    try:
+                        async with s.post(gw.url + "/v1/chat/completions", json=body(), headers={"x-size": size}) as r:
+                            status, err, marker = r.status, await r.json(), r.headers.get("x-error-upstream")
+                        _, peak = tracemalloc.get_traced_memory()
+                    finally:
+                        tracemalloc.stop()
+                    assert status == 502 and err["error"]["code"] == "upstream_too_large", (size, err)
+                    assert "upstream.max_response_bytes" in err["error"]["message"] and marker == "too_large"
+                    assert peak < 8 * MiB, f"{peak} bytes held for an answer cut at 2 MiB"
+                    assert await wait_for(lambda i=i: len(sent) == i + 1, timeout=10)
+                    assert sent[i] < 64 * MiB          # the engine stopped: its connection was closed
+                # the client's keep-alive connection serves the next request
+                async with s.post(gw.url + "/v1/chat/completions", json=body()) as r:
+                    assert r.status == 200 and (await r.json())["choices"][0]["message"]["content"] == "hi"
+                assert await wait_for(lambda: sum(e["event"] == "request" for e in logs) == 3, timeout=5)
+            lines = [e for e in logs if e["event"] == "request"]
+            assert [e["error_class"] for e in lines] == ["upstream_too_large", "upstream_too_large", None]
+            assert lines[0]["upstream_bytes"] > 2 * MiB and lines[1]["upstream_bytes"] == 100 * MiB
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_upstream_errors_total", error_class="too_large") == 2
