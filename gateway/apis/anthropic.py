@@ -35,7 +35,7 @@ import orjson
 from gateway.apis.paths import ANTHROPIC_PATHS, COUNT_TOKENS
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
-from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode
 from gateway.request import (
     CHARS_PER_TOKEN,
     InferenceRequest,
@@ -233,7 +233,7 @@ class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
     __slots__ = ("first_token_at", "last_token_at", "itl", "usage", "finish_reason", "error", "done",
-                 "_start_usage", "_buf", "_skip", "_now")
+                 "_start_usage", "_buf", "_skip", "_now", "_cr")
 
     def __init__(self) -> None:
         self.first_token_at: float | None = None
@@ -247,6 +247,7 @@ class MessagesScanner:
         self._buf = bytearray()     # the current incomplete event
         self._skip = False          # the current event outgrew MAX_EVENT_BYTES: not scanned
         self._now = 0.0
+        self._cr = False            # lines end with bare CRs: read as LFs (gateway/pipeline/sse.py ``as_lf``)
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         self._now = now
@@ -259,11 +260,14 @@ class MessagesScanner:
             data, pos = chunk, 0
         else:
             return chunk
+        if not self._cr:
+            self._cr = cr_mode(data, max(pos - 1, 0))
+        scan = as_lf(data) if self._cr else data
         start = 0
-        for m in _BOUNDARY.finditer(data, pos):
+        for m in _BOUNDARY.finditer(scan, pos):
             if self._skip:
                 self._skip = False
-            elif self._event(data, start, m.start()):
+            elif self._event(scan, start, m.start()):
                 self._mark(now)
             start = m.end()
         if data is buf:
@@ -277,7 +281,7 @@ class MessagesScanner:
 
     def finish(self) -> bytes:
         buf, self._buf = self._buf, bytearray()
-        ev = bytes(buf).rstrip(b"\r\n")
+        ev = (as_lf(buf) if self._cr else bytes(buf)).rstrip(b"\r\n")
         if ev and not self._skip and self._event(ev, 0, len(ev)):
             self._mark(self._now)
         return b""

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES
+from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
 TERMINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -67,6 +67,7 @@ class ResponsesScanner:
         self._buf = bytearray()                # the incomplete event (already forwarded)
         self._held = bytearray()               # the terminal event and whatever follows it
         self._skip = False
+        self._cr = False                       # lines end with bare CRs: read as LFs (``as_lf``)
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         if self.done:
@@ -75,12 +76,15 @@ class ResponsesScanner:
         old = len(self._buf)
         self._buf += chunk
         data = self._buf
+        if not self._cr:
+            self._cr = cr_mode(data, max(0, old - 3))
+        scan = as_lf(data) if self._cr else data
         start = 0
         cut = -1
-        for m in _BOUNDARY.finditer(data, max(0, old - 2)):
+        for m in _BOUNDARY.finditer(scan, max(0, old - 2)):
             if self._skip:
                 self._skip = False
-            elif self._event(bytes(data[start:m.start()]), now):
+            elif self._event(bytes(scan[start:m.start()]), now):
                 cut = start
                 break
             start = m.end()
@@ -97,7 +101,7 @@ class ResponsesScanner:
 
     def finish(self) -> bytes:
         if not self.done and self._buf and not self._skip:
-            ev = bytes(self._buf).strip(b"\r\n")
+            ev = (as_lf(self._buf) if self._cr else bytes(self._buf)).strip(b"\r\n")
             if ev:
                 self._event(ev, 0.0)
         self._buf = bytearray()

@@ -30,7 +30,10 @@ Framing accepted: events end at a blank line (``\\n\\n``, ``\\r\\n\\r\\n`` and m
 CRLF line ends). ``data:`` with or without a space; several ``data:`` lines are joined with
 ``\\n``; comment frames (``: keep-alive``), ``event:``, ``id:`` and ``retry:`` lines are ignored.
 A trailing event without its blank line is still scanned by ``finish()``. Bare-CR line ends (legal
-in SSE, never sent by vLLM or SGLang) are not recognised as boundaries.
+in SSE, never sent by vLLM or SGLang): once a CR not followed by LF is seen (``cr_mode``), the
+scanner reads a copy of the bytes in which each bare CR is an LF (``as_lf``, the same length, so
+every offset is the original's) and passes on the original bytes; the usual chunk's path (one
+event ending in ``\n\n``) never meets one and is unchanged.
 """
 
 from __future__ import annotations
@@ -49,6 +52,23 @@ MAX_EVENT_BYTES = 8 << 20
 ITL_KEEP = 4096
 
 _BOUNDARY = re.compile(rb"\n\r?\n")
+# a CR that no LF follows: a line ended by a bare CR, or, at the end of a read, a CR whose LF may
+# come with the next one (either way a line ends there)
+_CR_ALONE = re.compile(rb"\r(?!\n)")
+
+
+def cr_mode(data: bytes | bytearray, pos: int = 0) -> bool:
+    """Whether ``data`` from ``pos`` holds a CR that no LF follows: from then on the stream is read
+    with its bare CRs as LFs (a CRLF stream whose read ended between CR and LF is read so too,
+    which changes nothing of what is found in it)."""
+    return data.find(b"\r", pos) >= 0 and _CR_ALONE.search(data, pos) is not None
+
+
+def as_lf(data: bytes | bytearray) -> bytes:
+    """``data`` with each bare CR made an LF (CRLF kept): the same length, so offsets carry over.
+    A CR that ends ``data`` counts as bare (in a stream of CR line ends it is; the LF of a CRLF
+    split there comes with the next read, which is scanned with it again)."""
+    return _CR_ALONE.sub(b"\n", data)
 _WS = frozenset(b" \t\r\n")
 _COLON, _LBRACKET, _RBRACKET = 0x3A, 0x5B, 0x5D
 
@@ -283,7 +303,7 @@ class SSEScanner:
     __slots__ = (
         "strip_usage", "first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason",
         "error", "done", "events",
-        "_buf", "_sent", "_skip", "_now",
+        "_buf", "_sent", "_skip", "_now", "_cr", "_lf_owed",
     )
 
     def __init__(self, strip_usage: bool = False) -> None:
@@ -301,6 +321,8 @@ class SSEScanner:
         self._sent = 0             # strip mode: how many leading bytes of _buf went out already
         self._skip = False         # the current event outgrew MAX_EVENT_BYTES: do not scan it
         self._now = 0.0
+        self._cr = False           # the stream ends lines with bare CRs: scanned as LFs (``as_lf``)
+        self._lf_owed = False      # strip mode: a dropped usage chunk ended with the CR of a read, whose LF may come next
 
     # -- public -------------------------------------------------------------------------------
 
@@ -339,13 +361,16 @@ class SSEScanner:
             pos = 0
         else:
             return chunk
+        if not self._cr:
+            self._cr = cr_mode(data, max(pos - 1, 0))
+        scan = as_lf(data) if self._cr else data
         start = 0
         flags = 0
-        for m in _BOUNDARY.finditer(data, pos):
+        for m in _BOUNDARY.finditer(scan, pos):
             if self._skip:
                 self._skip = False
             else:
-                flags |= self._event(data, start, m.start())
+                flags |= self._event(scan, start, m.start())
             start = m.end()
         if data is buf:
             del buf[:start]
@@ -363,7 +388,7 @@ class SSEScanner:
         no usage in them (a usage-only event is the one thing stripping drops)."""
         if not self.strip_usage:
             return True
-        return not self._buf and chunk.endswith(b"\n\n") and chunk.find(b'"usage"') < 0
+        return not self._buf and chunk.endswith(b"\n\n") and chunk.find(b'"usage"') < 0 and not self._lf_owed
 
     def finish(self) -> bytes:
         """End of upstream: scan a trailing event that lacked its blank line, and return whatever
@@ -377,7 +402,7 @@ class SSEScanner:
         if self._skip:
             self._skip = False
         else:
-            ev = bytes(buf).rstrip(b"\r\n")
+            ev = (as_lf(buf) if self._cr else bytes(buf)).rstrip(b"\r\n")
             if ev:
                 flags = self._event(ev, 0, len(ev))
         if flags & _CONTENT:
@@ -404,6 +429,10 @@ class SSEScanner:
     # -- internals ----------------------------------------------------------------------------
 
     def _feed_strip(self, chunk: bytes, now: float) -> bytes:
+        if self._lf_owed:           # the LF of the CRLF that ended the usage chunk dropped: dropped with it
+            self._lf_owed = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
         buf = self._buf
         if buf:
             old = len(buf)
@@ -416,16 +445,19 @@ class SSEScanner:
             pos = cursor = 0
         else:
             return chunk
+        if not self._cr:
+            self._cr = cr_mode(data, max(pos - 1, 0))
+        scan = as_lf(data) if self._cr else data       # read for events; the bytes passed on are ``data``'s
         out: list[bytes | bytearray] | None = None
         start = 0
         flags = 0
-        for m in _BOUNDARY.finditer(data, pos):
+        for m in _BOUNDARY.finditer(scan, pos):
             end = m.end()
             if self._skip:
                 self._skip = False
                 f = 0
             else:
-                f = self._event(data, start, m.start())
+                f = self._event(scan, start, m.start())
                 flags |= f
             if f & _USAGE_ONLY:
                 cut = _after_blank_lines(data, start, m.start())   # keep stray blank lines before it
@@ -435,11 +467,13 @@ class SSEScanner:
                     if cursor < cut:
                         out.append(data[cursor:cut])
                     cursor = end
+                    if end == len(data) and data[end - 1] == 0x0D:
+                        self._lf_owed = True       # its last CR may be a CRLF's, split by the read
             start = end
         n = len(data)
         # the incomplete event is held while it could be the usage chunk; blank lines before it are not
         lead = _after_blank_lines(data, start, n)
-        held = lead < n and cursor <= lead and _could_be_usage(data, lead)
+        held = lead < n and cursor <= lead and _could_be_usage(scan, lead)
         stop = lead if held else n
         if data is chunk and cursor == 0 and stop == n and out is None:
             result: bytes = chunk

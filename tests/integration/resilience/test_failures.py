@@ -361,3 +361,44 @@ async def test_an_answer_larger_than_max_response_bytes_is_a_502_and_is_not_held
             assert lines[0]["upstream_bytes"] > 2 * MiB and lines[1]["upstream_bytes"] == 100 * MiB
     text = await gw.metrics_text()
     assert metric(text, "switchyard_upstream_errors_total", error_class="too_large") == 2
+
+
+async def test_a_stream_whose_lines_end_in_bare_crs_is_read_as_any_other(gateway):
+    """SSE lets a line end in CR, LF or CRLF. An engine ending its lines with bare CRs had its
+    whole stream taken for one unfinished event: no usage, no finish reason, no [DONE], so a
+    complete answer ended with an upstream_incomplete error event, and the usage chunk the gateway
+    asked for on the client's behalf reached the client."""
+    from aiohttp import web
+
+    chunks = [{"id": "c", "object": "chat.completion.chunk", "model": "m",
+               "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]} for w in ("Hel", "lo")]
+    chunks.append({"id": "c", "object": "chat.completion.chunk", "model": "m",
+                   "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+
+    async def cr_stream(request):
+        data = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        events = list(chunks)
+        if (data.get("stream_options") or {}).get("include_usage"):
+            events.append({"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+                           "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}})
+        for e in events:
+            await resp.write(b"data: " + orjson.dumps(e) + b"\r\r")
+        await resp.write(b": done\rdata: [DONE]\r\r")
+        await resp.write_eof()
+        return resp
+
+    async with fake_engine(cr_stream) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(**body(stream=True))
+        got = [c async for c in stream]
+        assert "".join(c.choices[0].delta.content or "" for c in got if c.choices) == "Hello"
+        assert got[-1].choices[0].finish_reason == "stop" and all(c.usage is None for c in got)
+        st, _, raw = await post(gw.url, body(stream=True))
+        assert st == 200 and raw.endswith(b"data: [DONE]\r\r") and b'"usage"' not in raw and b"error" not in raw
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_requests_total", status="200") == 2
+    assert metric(text, "switchyard_completion_tokens_total", model="m") == 4
+    assert metric(text, "switchyard_upstream_errors_total") == 0

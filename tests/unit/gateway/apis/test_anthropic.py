@@ -103,15 +103,18 @@ STREAM = b"".join([
 ])
 
 
-@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=12, unique=True))
-def test_messages_scanner_sees_the_same_stream_however_it_is_split(cuts):
+@given(st.lists(st.integers(min_value=1, max_value=len(STREAM) - 1), max_size=12, unique=True),
+       st.sampled_from([b"\n", b"\r\n", b"\r"]))
+def test_messages_scanner_sees_the_same_stream_however_it_is_split(cuts, line_end):
+    """... and whatever its line ends: LF, CRLF, or bare CR (legal in SSE)."""
+    stream = STREAM.replace(b"\n", line_end)
     sc = MessagesScanner()
     out, prev = [], 0
-    for t, cut in enumerate(sorted(cuts) + [len(STREAM)]):
-        out.append(sc.feed(STREAM[prev:cut], float(t)))
+    for t, cut in enumerate(sorted(cuts) + [len(stream)]):
+        out.append(sc.feed(stream[prev:cut], float(t)))
         prev = cut
     out.append(sc.finish())
-    assert b"".join(out) == STREAM          # bytes pass through unchanged
+    assert b"".join(out) == stream          # bytes pass through unchanged
     assert sc.done and sc.error is None and sc.finish_reason == "end_turn"
     # input tokens from message_start (cache reads included), output from message_delta
     assert sc.usage == {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}}

@@ -58,16 +58,18 @@ def test_an_error_event_and_a_failed_response_are_errors():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(min_value=1, max_value=len(b"".join(stream())) - 1), max_size=12))
-def test_bytes_pass_unchanged_and_in_order_however_the_stream_is_cut(cuts):
-    raw = b"".join(stream())
+@given(st.lists(st.integers(min_value=1, max_value=len(b"".join(stream())) - 1), max_size=12),
+       st.sampled_from([b"\n", b"\r\n", b"\r"]))
+def test_bytes_pass_unchanged_and_in_order_however_the_stream_is_cut(cuts, line_end):
+    """... whatever its line ends: LF, CRLF, or bare CR (legal in SSE)."""
+    raw = b"".join(stream()).replace(b"\n", line_end)
     points = sorted(set(cuts))
     chunks = [raw[i:j] for i, j in zip([0, *points], [*points, len(raw)], strict=True)]
     s = ResponsesScanner()
     out = b"".join(s.feed(c, 0.0) for c in chunks) + s.finish()
     assert out == raw
     assert s.done and s.usage == DONE["usage"]
-    assert raw.index(b"event: response.completed") >= len(out) - len(stream()[-1])
+    assert raw.index(b"event: response.completed") >= len(out) - len(stream()[-1].replace(b"\n", line_end))
 
 
 def test_failure_events_continue_the_engines_sequence():
