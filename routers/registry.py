@@ -114,6 +114,16 @@ def canonical_strategy(entries: Sequence[tuple[str, int]]) -> str:
     return ",".join(name if w == g else f"{name}:{w // g}" for name, w in entries)
 
 
+def strategy_label(spelling: str) -> str:
+    """The strategy as a metric label: a canonical spelling (``canonical_strategy``) without its
+    weights, its names sorted (``least-request,prefix-cache``). The weights are the client's to
+    vary (the ``routing-strategy`` header), so with them every weighting a client sent would be a
+    series of its own; without them there are at most as many labels as sets of strategy names."""
+    if "," not in spelling:
+        return spelling
+    return ",".join(sorted(item.split(":", 1)[0] for item in spelling.split(",")))
+
+
 class WeightedRouter(ScoringRouter):
     """A weighted combination of scoring routers (AIBrix's multi-strategy router).
 

@@ -28,6 +28,7 @@ from gateway.pipeline.ledger import NO_CHARGES, Charges
 from gateway.request import InferenceRequest, request_id_from
 from handlers.base import PDPlan
 from routers.base import Decision
+from routers.registry import strategy_label
 
 log = structlog.get_logger("switchyard.request")
 
@@ -90,6 +91,11 @@ class RequestRecord:
     def label_model(self) -> str:
         """The model as a metric label: "-" until the model is known to exist."""
         return self.model if self.model_known else "-"
+
+    @property
+    def label_strategy(self) -> str:
+        """The strategy as a metric label: its names without the weights (``strategy_label``)."""
+        return strategy_label(self.strategy)
 
     def response_headers(self) -> dict[str, str]:
         """The headers every answer carries: request id, the chosen pods, the strategy, and the
@@ -184,7 +190,7 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
             observe(rec, duration)
         except Exception:     # an observer's bug must not cost the request its log line
             log.exception("request observer failed", request_id=rec.request_id)
-    m.child(m.requests, rec.label_model, str(rec.status), rec.strategy).inc()
+    m.child(m.requests, rec.label_model, str(rec.status), rec.label_strategy).inc()
     if rec.model != "-" and rec.status < 400 and rec.status:
         m.child(m.e2e, rec.model).observe(duration)
     fields = {"request_id": rec.request_id, "path": rec.path, "model": rec.model, "user": rec.user,

@@ -24,7 +24,7 @@ from gateway.pipeline.slo_learning import NO_SLO_LEARNING, NoSloLearning, SloLea
 from gateway.request import InferenceRequest
 from gateway.view.service import RoutingView
 from routers.base import Decision, NoRouteError, PreciseIndex, Router, RouterContext
-from routers.registry import RouterRegistry, StrategyError, default_registry
+from routers.registry import RouterRegistry, StrategyError, default_registry, strategy_label
 
 log = structlog.get_logger("switchyard.routing")
 
@@ -182,7 +182,7 @@ class Routing:
             log.exception("latency model bookkeeping failed", request_id=ireq.request_id)
 
     def _report(self, ireq: InferenceRequest, decision: Decision, spec: str, elapsed: float) -> None:
-        self.metrics.child(self.metrics.routing, spec).observe(elapsed)
+        self.metrics.child(self.metrics.routing, strategy_label(spec)).observe(elapsed)
         if self.observers:
             reported = decision.fallbacks
             for observe in self.observers:

@@ -126,7 +126,7 @@ class SloLearning:
             self._learn(rec, p, tpot_s, duration)
         if p.slo_ttft_ms is not None or p.slo_tpot_ms is not None:
             m = self.metrics
-            m.child(m.requests, rec.model, rec.strategy, _result(rec, p, ok, tpot_s)).inc()
+            m.child(m.requests, rec.model, rec.label_strategy, _result(rec, p, ok, tpot_s)).inc()
 
     def _learn(self, rec: RequestRecord, p: _Pending, tpot_s: float | None, duration: float) -> None:
         assert rec.ttft is not None

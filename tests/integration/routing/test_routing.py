@@ -41,7 +41,11 @@ async def test_invalid_strategy_is_400_through_the_gateway(sims, gateway):
             assert r.status == 200
 
 
-async def test_every_spelling_of_a_strategy_is_one_label_one_log_value_and_one_header(sims, gateway):
+def _label_values(page: str, metric: str) -> set[str]:
+    return {line.split('strategy="')[1].split('"')[0] for line in page.splitlines() if line.startswith(metric + "{")}
+
+
+async def test_every_spelling_of_a_strategy_is_one_log_value_and_one_header_and_its_names_one_label(sims, gateway):
     e = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [e.url])])
     spellings = {"least-request": "least-request", "Least-Request": "least-request",
@@ -56,9 +60,26 @@ async def test_every_spelling_of_a_strategy_is_one_label_one_log_value_and_one_h
                 assert r.status == 200 and r.headers["routing-strategy"] == canonical, spec
         async with s.get(gw.url + "/metrics") as r:
             page = await r.text()
-    labels = {line.split('strategy="')[1].split('"')[0] for line in page.splitlines()
-              if line.startswith("switchyard_requests_total{")}
-    assert labels == {"least-request", "prefix-cache:2,least-request"}
-    decisions = {line.split('strategy="')[1].split('"')[0] for line in page.splitlines()
-                 if line.startswith("switchyard_routing_decision_seconds_count{")}
-    assert decisions == labels
+    labels = _label_values(page, "switchyard_requests_total")
+    assert labels == {"least-request", "least-request,prefix-cache"}
+    assert _label_values(page, "switchyard_routing_decision_seconds_count") == labels
+
+
+async def test_weights_and_order_a_client_varies_make_no_strategy_label_of_their_own(sims, gateway):
+    e = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url])])
+    specs = [f"prefix-cache:{i},least-request:{i + 1}" for i in range(1, 31)]
+    specs += [f"least-request:{i + 1},prefix-cache:{i}" for i in range(1, 11)]
+    seen = set()
+    async with aiohttp.ClientSession() as s:
+        for spec in specs:
+            async with s.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1},
+                              headers={"routing-strategy": spec, "x-slo-ttft-ms": "60000"}) as r:
+                assert r.status == 200
+                seen.add(r.headers["routing-strategy"])      # the answer still says which weights routed
+        async with s.get(gw.url + "/metrics") as r:
+            page = await r.text()
+    assert len(seen) == len(specs)
+    for metric in ("switchyard_requests_total", "switchyard_routing_decision_seconds_count",
+                   "switchyard_slo_routing_requests_total"):
+        assert _label_values(page, metric) == {"least-request,prefix-cache"}, metric

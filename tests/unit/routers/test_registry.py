@@ -18,6 +18,7 @@ from routers.registry import (
     WeightedRouter,
     default_registry,
     parse_strategy,
+    strategy_label,
 )
 from routers.simple import LeastRequestRouter, RandomRouter, RoundRobinRouter
 from tests.unit.routers.registry_helpers import (
@@ -284,3 +285,13 @@ def test_every_spelling_of_a_strategy_resolves_to_one_canonical_name():
     assert reg.resolve("prefix-cache:2,least-request")[0] == "prefix-cache:2,least-request"
     assert reg.resolve("prefix-cache:3,least-request:3")[0] == "prefix-cache,least-request"
     assert reg.resolve("least-request:1,pd")[0] == "pd"
+
+
+def test_the_metric_label_of_a_strategy_is_its_names_sorted_without_weights():
+    reg = dummy_registry()
+    labels = {strategy_label(reg.resolve(spec)[0])
+              for spec in ("prefix-cache:2,least-request", "least-request:9,prefix-cache:4",
+                           "prefix-cache,least-request", "Least-Request:3, PREFIX-CACHE:1")}
+    assert labels == {"least-request,prefix-cache"}
+    assert strategy_label(reg.resolve("least-request:7")[0]) == "least-request"
+    assert strategy_label("pd") == "pd"
