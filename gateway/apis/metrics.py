@@ -3,7 +3,9 @@
 ``switchyard_requests_total`` counts by model, status and strategy; a model that serves chat,
 Messages, rerank and tokenize in one fleet needs the split by API as well. The counter is fed by
 a pipeline observer (``Pipeline.observers``), so the request path itself is untouched. Only
-routed paths reach the pipeline, so the label's values are a fixed, small set.
+routed paths reach the pipeline, and a path that holds an id (``GET /v1/responses/{id}``) counts
+under its route's template (``RequestRecord.label_path``), so the label's values are a fixed, small
+set.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ class PathRequests:
         self._children: dict[tuple[str, int], object] = {}
 
     def on_request(self, rec: RequestRecord, _duration: float) -> None:
-        key = (rec.path, rec.status)
+        path = rec.label_path
+        key = (path, rec.status)
         c = self._children.get(key)
         if c is None:
-            c = self._children[key] = self.counter.labels(rec.path, str(rec.status))
+            c = self._children[key] = self.counter.labels(path, str(rec.status))
         c.inc()  # type: ignore[attr-defined]

@@ -60,6 +60,8 @@ from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.responses")
 UNREACHABLE_LOG_S = 10.0
+# the route of a stored response's calls, and their path label in the metrics (with /cancel, /input_items)
+BY_ID = RESPONSES + "/{response_id}"
 
 _PD_ROLES = ("prefill", "decode")
 
@@ -368,6 +370,7 @@ class ResponsesApi(ApiShape):
         given = request.headers.get("x-request-id")
         request_id = request_id_from(given)
         rec = RequestRecord(request_id=request_id, path=request.path, started=time.perf_counter(),
+                            route=BY_ID + ("/" + action if action in ("cancel", "input_items") else ""),
                             request_id_replaced=given is not None and given != request_id)
         rec.extra["response_id"] = safe_header_value(rid)
         try:
@@ -573,9 +576,9 @@ def _input_items_page(rid: str, items: list[Any], page: _Page) -> dict[str, Any]
 def add_responses(app: web.Application, api: ResponsesApi) -> None:
     """The calls on a stored response, and the state's lifecycle (POST /v1/responses itself is a
     pipeline path: app.py registers it with the pipeline's other inference paths)."""
-    app.router.add_get(RESPONSES + "/{response_id}", api.by_id)
-    app.router.add_delete(RESPONSES + "/{response_id}", api.by_id)
-    app.router.add_route("*", RESPONSES + "/{response_id}/{action:cancel|input_items}", _only(api))
+    app.router.add_get(BY_ID, api.by_id)
+    app.router.add_delete(BY_ID, api.by_id)
+    app.router.add_route("*", BY_ID + "/{action:cancel|input_items}", _only(api))
     app.cleanup_ctx.append(api.lifecycle)
 
 

@@ -58,6 +58,9 @@ class RequestRecord:
     request_id: str
     path: str
     started: float
+    # the path as a metric label when the path holds an id (a stored response's calls): its route's
+    # template, so every id a client tries does not make a series (``label_path``)
+    route: str | None = None
     model: str = "-"
     strategy: str = ""
     # the model exists (the pipeline checked it): only then is ``model`` a metric label, so a
@@ -91,6 +94,11 @@ class RequestRecord:
     def label_model(self) -> str:
         """The model as a metric label: "-" until the model is known to exist."""
         return self.model if self.model_known else "-"
+
+    @property
+    def label_path(self) -> str:
+        """The path as a metric label: the route's template where the path holds an id."""
+        return self.route or self.path
 
     @property
     def label_strategy(self) -> str:

@@ -278,3 +278,28 @@ async def test_gateway_history_lists_input_messages_with_content_parts(sims, gat
     assert [[(p.type, p.text) for p in i.content] for i in items] == [
         [("input_text", "Hello")], [("output_text", r1.output_text)], [("input_text", "Be brief.")],
         [("input_text", "and then?")]]
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_the_ids_a_client_asks_for_count_under_their_route_not_a_path_each(sims, gateway, state):
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="hello", max_output_tokens=2)
+    assert (await c.responses.retrieve(r.id)).id == r.id
+    for i in range(20):
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.retrieve(f"resp_missing{i}")
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.delete(f"resp_missing{i}")
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.input_items.list(f"resp_missing{i}")
+        with pytest.raises(openai.NotFoundError):
+            await c.responses.cancel(f"resp_missing{i}")
+    text = await gw.metrics_text()
+    paths = {line.split('path="')[1].split('"')[0] for line in text.splitlines()
+             if line.startswith("switchyard_path_requests_total{")}
+    assert paths == {"/v1/responses", "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items",
+                     "/v1/responses/{response_id}/cancel"}
+    assert 'switchyard_path_requests_total{path="/v1/responses/{response_id}",status="200"} 1.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/responses/{response_id}",status="404"} 40.0' in text
