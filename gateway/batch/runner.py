@@ -310,6 +310,10 @@ class BatchRunner:
                 line, attempts = job.ready[0]
                 model = line.body.get("model")
                 model = model if isinstance(model, str) else ""
+                if model and model not in room and model not in full and self.targets(model) is None:
+                    # no such model (the handler answers it 404): such lines are capped and counted
+                    # together, not each model name the file made up on its own, in a dict and a series
+                    model = ""
                 if model in full or not self._may_start(model, room, now):
                     full.add(model)
                     held.append(job.ready.popleft())

@@ -93,6 +93,24 @@ async def test_refused_lines_go_to_the_error_file(sims, gateway, tmp_path):
     assert err["req-2"]["response"]["status_code"] == 400
 
 
+async def test_lines_naming_models_that_do_not_exist_count_under_one_label(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 31)
+    for i, row in enumerate(rows[1:]):
+        row["body"]["model"] = f"made-up-{i}"
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 30)
+    text = await gw.metrics_text()
+    for metric in ("switchyard_batch_lines_total", "switchyard_batch_lines_in_flight"):
+        labels = {line.split('model="')[1].split('"')[0] for line in text.splitlines() if line.startswith(metric + "{")}
+        assert labels == {"m", "-"}, metric
+    assert 'switchyard_batch_lines_total{model="-",outcome="failed"} 30.0' in text
+
+
 async def test_a_line_whose_url_is_not_the_endpoint_fails_the_batch(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
