@@ -22,6 +22,7 @@ served yet) is the sum over those that do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from prometheus_client.exposition import generate_latest
@@ -74,17 +75,29 @@ def gauge_rule(name: str) -> str:
     return GAUGE_RULES.get(name, SUM)
 
 
-def _combine(rule: str, a: float, b: float) -> float:
+def _sum(values: list[float]) -> float:
+    """The values' sum rounded once (``math.fsum``): the same whatever the order or grouping of the
+    parts, so a sum of parts that did not fall does not fall either (an answer that added a+b where
+    the one before added b+a could be an ulp lower, and Prometheus reads any fall as a reset)."""
+    if len(values) == 1:
+        return values[0]
+    try:
+        return math.fsum(values)
+    except (OverflowError, ValueError):
+        return sum(values)
+
+
+def _combine(rule: str, values: list[float]) -> float:
     if rule == SUM:
-        return a + b
-    return max(a, b) if rule == MAX else min(a, b)
+        return _sum(values)
+    return max(values) if rule == MAX else min(values)
 
 
 def merge(texts: Iterable[str]) -> list[Metric]:
     """The families of several expositions merged as the module docstring says, in the order
     they first appear (a family's samples in the order their series first appear)."""
     families: dict[str, Metric] = {}
-    values: dict[str, dict[tuple, list]] = {}          # family → series key → [Sample, value]
+    values: dict[str, dict[tuple, list]] = {}          # family → series key → [Sample, rule, values]
     for text in texts:
         for fam in text_string_to_metric_families(text):
             have = families.get(fam.name)
@@ -99,12 +112,12 @@ def merge(texts: Iterable[str]) -> list[Metric]:
                 rule_s = MIN if s.name.endswith("_created") else rule
                 got = series.get(key)
                 if got is None:
-                    series[key] = [s, s.value]
+                    series[key] = [s, rule_s, [s.value]]
                 else:
-                    got[1] = _combine(rule_s, got[1], s.value)
+                    got[2].append(s.value)
     out = []
     for name, fam in families.items():
-        fam.samples = [Sample(s.name, s.labels, v) for s, v in values[name].values()]
+        fam.samples = [Sample(s.name, s.labels, _combine(rule, vs)) for s, rule, vs in values[name].values()]
         out.append(fam)
     return out
 

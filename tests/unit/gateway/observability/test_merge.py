@@ -129,3 +129,20 @@ def test_a_restarted_worker_carries_its_predecessors_counts_not_its_gauges(tmp_p
     assert value(page, "switchyard_in_flight_requests", model="m") == 1      # the living worker's only
     path.write_text("not an exposition {{{")
     assert carried_counts(str(path)) is None
+
+
+def counter_page(values: dict[str, float]) -> str:
+    """An exposition of one counter, ``switchyard_engine_scrapes_total``, by endpoint."""
+    m = GatewayMetrics()
+    for ep, v in values.items():
+        m.scrapes.labels("m", ep, "ok").inc(v)
+    return m.render().decode()
+
+
+def test_sums_do_not_depend_on_the_order_the_workers_are_read_in():
+    """Whichever worker answers, its own exposition comes first: a float sum that depended on the
+    order could come out an ulp lower than the scrape before, and Prometheus reads that as a reset."""
+    a, b, c = (counter_page({"e1": v}) for v in (0.1, 0.2, 0.3))
+    sums = {value(merge_texts(order), "switchyard_engine_scrapes_total", model="m", endpoint="e1", result="ok")
+            for order in ([a, b, c], [b, c, a], [c, b, a])}
+    assert sums == {0.6}
