@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from fractions import Fraction
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.metrics_core import Metric
@@ -75,37 +76,55 @@ def gauge_rule(name: str) -> str:
     return GAUGE_RULES.get(name, SUM)
 
 
-def _sum(values: list[float]) -> float:
+def _sum(values: list[float], upward: bool) -> float:
     """The values' sum rounded once (``math.fsum``): the same whatever the order or grouping of the
     parts, so a sum of parts that did not fall does not fall either (an answer that added a+b where
-    the one before added b+a could be an ulp lower, and Prometheus reads any fall as a reset)."""
+    the one before added b+a could be an ulp lower, and Prometheus reads any fall as a reset).
+    ``upward``: never below the exact sum (what a restarted worker carries stands for several
+    parts added later to others, and must not come out below them)."""
     if len(values) == 1:
         return values[0]
     try:
-        return math.fsum(values)
+        total = math.fsum(values)
     except (OverflowError, ValueError):
         return sum(values)
+    if upward and math.isfinite(total) and Fraction(total) < sum(map(Fraction, values)):
+        total = math.nextafter(total, math.inf)
+    return total
 
 
-def _combine(rule: str, values: list[float]) -> float:
+def _combine(rule: str, values: list[float], upward: bool) -> float:
     if rule == SUM:
-        return _sum(values)
+        return _sum(values, upward)
     return max(values) if rule == MAX else min(values)
 
 
-def merge(texts: Iterable[str]) -> list[Metric]:
-    """The families of several expositions merged as the module docstring says, in the order
-    they first appear (a family's samples in the order their series first appear)."""
+COUNTED = ("counter", "histogram", "summary")
+
+
+def parse(text: str) -> list[Metric]:
+    return list(text_string_to_metric_families(text))
+
+
+def counts_only(families: Iterable[Metric]) -> list[Metric]:
+    """The counters, histograms and summaries (what a process counted, not what it held)."""
+    return [fam for fam in families if fam.type in COUNTED]
+
+
+def merge(parts: Iterable[str | list[Metric]], upward: bool = False) -> list[Metric]:
+    """The families of several expositions (texts, or their families parsed) merged as the module
+    docstring says, in the order they first appear (a family's samples in the order their series
+    first appear). ``upward``: sums never below the exact sum (``_sum``)."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple, list]] = {}          # family → series key → [Sample, rule, values]
-    for text in texts:
-        for fam in text_string_to_metric_families(text):
+    for part in parts:
+        for fam in (text_string_to_metric_families(part) if isinstance(part, str) else part):
             have = families.get(fam.name)
             if have is None:
                 have = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
                 values[fam.name] = {}
             rule = gauge_rule(fam.name) if fam.type == "gauge" else (
-                SUM if fam.type in ("counter", "histogram", "summary", "gaugehistogram") else MAX)
+                SUM if fam.type in (*COUNTED, "gaugehistogram") else MAX)
             series = values[fam.name]
             for s in fam.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))
@@ -117,7 +136,7 @@ def merge(texts: Iterable[str]) -> list[Metric]:
                     got[2].append(s.value)
     out = []
     for name, fam in families.items():
-        fam.samples = [Sample(s.name, s.labels, _combine(rule, vs)) for s, rule, vs in values[name].values()]
+        fam.samples = [Sample(s.name, s.labels, _combine(rule, vs, upward)) for s, rule, vs in values[name].values()]
         out.append(fam)
     return out
 
@@ -137,5 +156,5 @@ def render(families: list[Metric]) -> bytes:
     return generate_latest(_Families(families))  # type: ignore[arg-type]
 
 
-def merge_texts(texts: Iterable[str]) -> bytes:
+def merge_texts(texts: Iterable[str | list[Metric]]) -> bytes:
     return render(merge(texts))

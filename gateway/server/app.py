@@ -341,7 +341,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
     async def metrics_page(_request: web.Request) -> web.Response:
         body = metrics.render()
         if siblings is not None:        # the whole gateway: every worker's figures merged
-            body = await siblings.metrics(siblings.own(body))
+            body = await siblings.metrics(body)
         return web.Response(body=body, content_type="text/plain", charset="utf-8",
                             headers={"X-Content-Type-Options": "nosniff"})
 

@@ -8,14 +8,19 @@ Worker *i* listens on ``worker-<i>.sock`` in the parent's private directory (gat
 the responses it answered), reads the answer to the end of the stream, and the connection closes. The worker that answers a scrape asks
 all its siblings at once and waits at most ``timeout`` (0.5 s) in all: a worker that is restarting
 or whose event loop is stuck is left out of that answer rather than holding it up. For
-``/metrics``, its last answer is used in its place when there is one (so the gateway's counters do
-not dip for one scrape), and ``switchyard_workers_scraped`` says how many answered.
+``/metrics``, what it last reported is used in its place (below), and ``switchyard_workers_scraped``
+says how many answered.
 
 A worker that dies takes its counts with it, and the sums would fall by them: Prometheus reads a
 fall as a reset and counts everything the other workers had counted again. So each worker keeps
 what it last reported (to a scrape it answered or to a sibling's question) in
-``metrics-<i>.prom`` beside its socket, and a restarted worker adds its predecessor's counters,
-histograms and summaries (not its gauges) to its own: the sums never fall below what a scrape saw.
+``metrics-<i>.prom`` beside its socket: its own exposition, then (after the line ``CARRIED``) the
+counters, histograms and summaries of the earlier workers of its index. The worker answering a
+scrape reads that file for a sibling that does not answer: all of it for one that is slow (its
+gauges are still what it holds), only the counts for one that is gone (its socket refuses: dead or
+not yet started again; what it held went with it). A restarted worker carries its predecessor's
+counts on in its own reports, so the sums never fall below what a scrape saw, whichever worker
+answered it.
 
 Only built with several workers: one process opens no socket and runs no task for this.
 """
@@ -29,9 +34,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.metrics_core import Metric
 
-from gateway.observability.merge import merge, merge_texts, render
+from gateway.observability.merge import counts_only, merge, parse, render
 from gateway.server.workers import WorkerInfo
 
 log = structlog.get_logger("switchyard.siblings")
@@ -42,6 +47,10 @@ KINDS = (b"metrics", b"status")
 # (gateway/apis/responses_state.py ``WorkerStore``)
 QUESTIONS = (b"rget ", b"rdel ")
 MAX_REQUEST = 320
+# in a worker's report, the line between its own exposition and the counts of its index's earlier workers
+CARRIED = b"# carried: the counts of this worker's predecessors\n"
+# a sibling that refused (or dropped) the connection is gone; one that did not answer in time is slow
+GONE = (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BrokenPipeError)
 
 
 class Siblings:
@@ -55,31 +64,31 @@ class Siblings:
         self._answer = answer
         self.timeout = timeout
         self._server: asyncio.AbstractServer | None = None
-        self._last: dict[int, bytes] = {}            # a sibling's last /metrics answer
-        self.reported_path = os.path.join(os.path.dirname(self.path), f"metrics-{worker.index}.prom")
-        self._carried: str | None = None             # the counts of this index's earlier workers
+        self.reported_path = self.report_path(worker.index)
+        self._carried: list[Metric] = []             # the counts of this index's earlier workers
+        self._carried_text = b""
+
+    def report_path(self, index: int) -> str:
+        return os.path.join(self.worker.run_dir, f"metrics-{index}.prom")
 
     # -- this worker's side ----------------------------------------------------------------------
 
     async def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):      # a restarted worker takes its predecessor's path
             os.unlink(self.path)
-        self._carried = carried_counts(self.reported_path)
+        self._set_carried(gone_counts(self.reported_path))
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
 
+    def _set_carried(self, families: list[Metric]) -> None:
+        self._carried = families
+        self._carried_text = render(families) if families else b""
+
     def own(self, text: bytes) -> bytes:
-        """This worker's exposition as it reports it: its own, plus what its predecessors counted;
+        """This worker's report: its own exposition ``text``, then what its predecessors counted;
         kept as the last reported (written aside, then renamed: a reader never sees half)."""
-        if self._carried is not None:
-            text = merge_texts([text.decode(), self._carried])
-        tmp = self.reported_path + ".tmp"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(text)
-            os.replace(tmp, self.reported_path)
-        except OSError:             # the directory gone (the parent is stopping): nothing to carry
-            pass
-        return text
+        report = text + CARRIED + self._carried_text if self._carried_text else text
+        _write(self.reported_path, report)
+        return report
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -114,27 +123,52 @@ class Siblings:
         finally:
             writer.close()
 
-    async def ask(self, kind: str) -> dict[int, bytes]:
-        """The siblings that answered ``kind`` (one line: ``metrics``, ``status``, or a question of
-        ``QUESTIONS``) within the timeout, by index (an empty answer is none)."""
+    async def _gather(self, kind: str) -> tuple[dict[int, bytes], set[int]]:
+        """The siblings' answers to ``kind`` within the timeout, by index, and the siblings that are
+        gone (refused or dropped the connection: dead, or not started again yet)."""
         tasks = {i: asyncio.ensure_future(self._ask_one(path, kind)) for i, path in self.peers.items()}
         if tasks:
             await asyncio.wait(tasks.values(), timeout=self.timeout)
-        out = {}
+        out, gone = {}, set()
         for i, t in tasks.items():
             if not t.done():
                 t.cancel()
             elif not t.cancelled() and t.exception() is None and t.result():
                 out[i] = t.result()
-        return out
+            elif not t.cancelled() and isinstance(t.exception(), GONE):
+                gone.add(i)
+        return out, gone
+
+    async def ask(self, kind: str) -> dict[int, bytes]:
+        """The siblings that answered ``kind`` (one line: ``metrics``, ``status``, or a question of
+        ``QUESTIONS``) within the timeout, by index (an empty answer is none)."""
+        return (await self._gather(kind))[0]
 
     async def metrics(self, own: bytes) -> bytes:
-        """The gateway's exposition: this worker's ``own`` merged with its siblings'."""
-        answers = await self.ask("metrics")
-        self._last.update(answers)
-        texts = [own.decode()]
-        texts += [(answers.get(i) or self._last[i]).decode() for i in self.peers if i in answers or i in self._last]
-        families = merge(texts)
+        """The gateway's exposition: this worker's ``own`` (its registry's) merged with its
+        siblings' and the counts carried from the dead."""
+        self.own(own)
+        answers, gone = await self._gather("metrics")
+        living: list[list[Metric]] = [parse(own.decode())]
+        carried: list[list[Metric]] = [self._carried]
+        for i in self.peers:
+            report = answers.get(i)
+            if report is None:          # slow or gone: what it last reported
+                report = _read(self.report_path(i))
+                if report is None:
+                    continue
+            mine, _, before = report.partition(CARRIED)
+            try:
+                fams = parse(mine.decode())
+                carried.append(parse(before.decode()))
+            except Exception:           # a damaged file: left out
+                log.warning("a worker's reported metrics could not be read", worker=i)
+                continue
+            if i in gone:
+                carried.append(counts_only(fams))
+            else:
+                living.append(fams)
+        families = merge([*living, *carried])
         workers = GaugeMetricFamily("switchyard_workers", "Worker processes of this gateway (server.workers)",
                                     value=self.worker.count)
         scraped = GaugeMetricFamily("switchyard_workers_scraped",
@@ -153,22 +187,37 @@ class Siblings:
         return render([*families, *extra])
 
 
-def carried_counts(path: str) -> str | None:
-    """The counters, histograms and summaries of the exposition a dead worker last reported (its
-    file at ``path``), as text; None when there is none. Its gauges held what that process held,
-    gone with it."""
+def _write(path: str, data: bytes) -> None:
+    tmp = path + ".tmp"
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:             # the directory gone (the parent is stopping): nothing to carry
+        pass
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
     except OSError:
         return None
+
+
+def gone_counts(path: str) -> list[Metric]:
+    """The counters, histograms and summaries of the report a gone worker last made (its file at
+    ``path``, see ``Siblings.own``): its own and those it carried. Its gauges held what that
+    process held, gone with it. Empty when there is none."""
+    report = _read(path)
+    if report is None:
+        return []
+    mine, _, before = report.partition(CARRIED)
     try:
-        families = [fam for fam in text_string_to_metric_families(text)
-                    if fam.type in ("counter", "histogram", "summary")]
+        return merge([counts_only(parse(mine.decode())), parse(before.decode())], upward=True)
     except Exception:               # a damaged file: start from zero, as before
         log.warning("a dead worker's reported metrics could not be read", path=path)
-        return None
-    return render(families).decode() if families else None
+        return []
 
 
 def lifecycle(siblings: Siblings) -> Callable:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
 from types import SimpleNamespace
 
 import pytest
@@ -9,7 +10,7 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.schema import config_from_dict
-from gateway.observability.merge import GAUGE_RULES, SUM, gauge_rule, merge_texts
+from gateway.observability.merge import GAUGE_RULES, SUM, gauge_rule, merge, merge_texts, parse
 from gateway.observability.metrics import GatewayMetrics
 from gateway.server.app import GATEWAY_KEY, build_app
 from tests.support.metrics import sample_map
@@ -113,22 +114,24 @@ async def test_every_gauge_the_gateway_exports_is_classified():
 
 
 def test_a_restarted_worker_carries_its_predecessors_counts_not_its_gauges(tmp_path):
-    """What a dead worker last reported: its counters and histograms go on in its successor's
-    exposition (the gateway's sums never fall), its gauges (what that process held) do not."""
-    from gateway.server.siblings import carried_counts
+    """What a dead worker last reported (its own exposition, then what it carried): its counters and
+    histograms go on in its successor's exposition (the gateway's sums never fall), its gauges (what
+    that process held) do not."""
+    from gateway.server.siblings import CARRIED, gone_counts
 
     path = tmp_path / "metrics-0.prom"
-    assert carried_counts(str(path)) is None
-    path.write_text(worker({("m", "200"): 5}, [0.2, 0.4], in_flight=3, ready=1))
-    carried = carried_counts(str(path))
-    assert carried is not None
+    assert gone_counts(str(path)) == []
+    earlier = merge_texts([worker({("m", "200"): 2}, [0.3], in_flight=0, ready=1)]).decode()
+    path.write_bytes(worker({("m", "200"): 5}, [0.2, 0.4], in_flight=3, ready=1).encode() + CARRIED
+                     + merge_texts([[f for f in parse(earlier) if f.type != "gauge"]]))
+    carried = gone_counts(str(path))
     fresh = worker({("m", "200"): 1}, [0.1], in_flight=1, ready=1)
     page = merge_texts([fresh, carried])
-    assert value(page, "switchyard_requests_total", model="m", status="200", strategy="least-request") == 6
-    assert value(page, "switchyard_time_to_first_token_seconds_count", model="m") == 3
+    assert value(page, "switchyard_requests_total", model="m", status="200", strategy="least-request") == 8
+    assert value(page, "switchyard_time_to_first_token_seconds_count", model="m") == 4
     assert value(page, "switchyard_in_flight_requests", model="m") == 1      # the living worker's only
     path.write_text("not an exposition {{{")
-    assert carried_counts(str(path)) is None
+    assert gone_counts(str(path)) == []
 
 
 def counter_page(values: dict[str, float]) -> str:
@@ -146,3 +149,12 @@ def test_sums_do_not_depend_on_the_order_the_workers_are_read_in():
     sums = {value(merge_texts(order), "switchyard_engine_scrapes_total", model="m", endpoint="e1", result="ok")
             for order in ([a, b, c], [b, c, a], [c, b, a])}
     assert sums == {0.6}
+
+
+def test_what_a_restarted_worker_carries_is_never_below_the_parts_it_stands_for():
+    """Its predecessor's own counts and what that one carried, added once: rounded up, since the
+    gateway's sum had them as two parts and must not come out an ulp lower with one."""
+    (fam,) = [f for f in merge([counter_page({"e1": 0.1}), counter_page({"e1": 0.2})], upward=True)
+              if f.name == "switchyard_engine_scrapes"]
+    total = next(s.value for s in fam.samples if s.name.endswith("_total"))
+    assert Fraction(total) >= Fraction(0.1) + Fraction(0.2)

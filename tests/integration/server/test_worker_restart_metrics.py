@@ -1,0 +1,140 @@
+"""``--workers 2``: a worker killed outright (SIGKILL) and started again by the parent. The gateway's
+counters and histograms never fall (Prometheus would read a fall as a reset, and ``rate()`` and
+``increase()`` would count everything the other workers counted again), whichever worker answers
+each scrape, and the dead worker's gauges leave with it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.server.test_workers import children_of
+from tests.support.gateway_process import gateway_process, get_new, post_new
+from tests.support.metrics import metric
+from tests.support.ports import listen_port
+
+COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}
+
+
+def counts(page: str) -> dict[tuple, float]:
+    """Every counter, histogram and summary sample of a page (not ``_created``)."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(page) if fam.type in ("counter", "histogram", "summary")
+            for s in fam.samples if not s.name.endswith("_created")}
+
+
+class Pages:
+    """The scrapes seen so far; each one's counts at least the previous one's, series by series."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple, float] = {}
+
+    def saw(self, page: str) -> str:
+        now = counts(page)
+        fell = {k: (self.last[k], v) for k, v in now.items() if k in self.last and v < self.last[k]}
+        assert not fell, f"counters fell from one scrape to the next: {sorted(fell.items())[:8]}"
+        self.last = now
+        return page
+
+
+class Worker:
+    """A kept-alive connection that reached one worker (the kernel keeps a connection with the
+    worker that accepted it): ``pid`` is that worker's."""
+
+    def __init__(self, session: aiohttp.ClientSession, pid: int, base: str) -> None:
+        self.session, self.pid, self.base = session, pid, base
+
+    async def get(self, path: str) -> str:
+        async with self.session.get(self.base + path) as r:
+            assert r.status == 200
+            return await r.text()
+
+
+async def connections(port: int, n: int, stack: contextlib.AsyncExitStack, *pids: int) -> list[Worker]:
+    """``n`` kept-alive connections, to different workers when ``pids`` is empty, else one to each of ``pids``."""
+    base = f"http://127.0.0.1:{port}"
+    found: dict[int, Worker] = {}
+    wanted = set(pids)
+    async with asyncio.timeout(20):
+        while len(found) < n:
+            s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            async with s.get(base + "/status.json") as r:
+                pid = (await r.json())["gateway"]["pid"]
+            if pid in found or (wanted and pid not in wanted):
+                await s.close()
+                continue
+            found[pid] = Worker(await stack.enter_async_context(s), pid, base)
+    return [found[p] for p in pids] if pids else list(found.values())
+
+
+def config(path: Path, port: int, urls: list[str]) -> Path:
+    path.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                    "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning, removed_endpoint_series_s: 0.5}\n"
+                    "routing: {strategy: round-robin}\n"
+                    "health: {interval_s: 0.2}\n"
+                    f"models: [{{name: m, engine: vllm, endpoints: [{', '.join(repr(u) for u in urls)}]}}]\n")
+    return path
+
+
+async def restarted(proc, victim: int, port: int, pages: Pages) -> str:
+    """Scrapes on fresh connections until the parent started the victim again and both workers
+    answer; each scrape checked against the one before."""
+    async with asyncio.timeout(30):
+        while True:
+            status, text = await get_new(port, "/metrics")
+            assert status == 200
+            pages.saw(text)
+            now = children_of(proc.pid)
+            if victim not in now and len(now) == 2 and metric(text, "switchyard_workers_scraped") == 2:
+                return text
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.timeout(120)
+async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(sims, tmp_path):
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = config(tmp_path / "gw.yaml", port, [sim.url])
+    pages = Pages()
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        for _ in range(10):
+            assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
+        survivor, victim = await connections(port, 2, stack)
+        (stream_on_victim,) = await connections(port, 1, stack, victim.pid)
+        # a stream in flight on the victim, as its sibling sees it when it answers a scrape
+        body = {**COMPLETION, "max_tokens": 2000, "stream": True}
+        async with stream_on_victim.session.post(stream_on_victim.base + "/v1/completions", json=body) as streaming:
+            assert streaming.status == 200
+            await streaming.content.readline()
+            page = pages.saw(await survivor.get("/metrics"))
+            assert metric(page, "switchyard_in_flight_requests", model="m") == 1
+            # more traffic, then the victim answers the last scrape
+            for _ in range(10):
+                assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
+            before = pages.saw(await victim.get("/metrics"))
+            assert metric(before, "switchyard_requests_total", status="200") == 20
+            os.kill(victim.pid, signal.SIGKILL)
+            with contextlib.suppress(aiohttp.ClientError):
+                await streaming.read()
+
+        # the survivor answers for the gateway: the victim's counts as it last reported them, not
+        # as the survivor last heard them; none of what it held (its stream)
+        page = pages.saw(await survivor.get("/metrics"))
+        assert metric(page, "switchyard_requests_total", status="200") == 20
+        assert metric(page, "switchyard_in_flight_requests", model="m") == 0
+
+        await restarted(proc, victim.pid, port, pages)
+        for _ in range(6):
+            assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
+        for _ in range(6):          # whichever worker answers, the new one counting on from its predecessor
+            page = pages.saw((await get_new(port, "/metrics"))[1])
+            assert metric(page, "switchyard_requests_total", status="200") == 26
+            assert metric(page, "switchyard_e2e_request_latency_seconds_count", model="m") == 26
