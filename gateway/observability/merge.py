@@ -111,6 +111,31 @@ def counts_only(families: Iterable[Metric]) -> list[Metric]:
     return [fam for fam in families if fam.type in COUNTED]
 
 
+def endpoints_of(families: Iterable[Metric]) -> set[tuple[str, str]]:
+    """The (model, endpoint) of every sample labelled with both."""
+    return {(s.labels["model"], s.labels["endpoint"]) for fam in families for s in fam.samples
+            if "endpoint" in s.labels and "model" in s.labels}
+
+
+def without_endpoints(families: Iterable[Metric], keep: set[tuple[str, str]]) -> list[Metric]:
+    """``families`` without the counters', histograms' and summaries' samples (and their
+    ``_created``) labelled with a (model, endpoint) not in ``keep`` (gauges are left as they are)."""
+    out = []
+    for fam in families:
+        if fam.type not in COUNTED and not fam.name.endswith("_created"):
+            out.append(fam)
+            continue
+        samples = [s for s in fam.samples if "endpoint" not in s.labels or "model" not in s.labels
+                   or (s.labels["model"], s.labels["endpoint"]) in keep]
+        if len(samples) == len(fam.samples):
+            out.append(fam)
+        elif samples:
+            kept = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            kept.samples = samples
+            out.append(kept)
+    return out
+
+
 def merge(parts: Iterable[str | list[Metric]], upward: bool = False) -> list[Metric]:
     """The families of several expositions (texts, or their families parsed) merged as the module
     docstring says, in the order they first appear (a family's samples in the order their series

@@ -286,6 +286,9 @@ class GatewayMetrics:
         # (``RetiredSeries``); other parts add theirs (the breakers')
         self.per_endpoint: list[_Family] = [self.upstream_errors, self.health_probes, self.scrapes]
         self._caches: list[dict[tuple, object]] = [self._children]
+        # told (model, endpoint) when an endpoint's series are dropped (with several workers, the
+        # counts a restarted worker carries from its predecessors: gateway/server/siblings.py)
+        self.forget_listeners: list[Callable[[str, str], None]] = []
 
     def add_per_endpoint(self, families: Iterable[_Family], cache: dict[tuple, object]) -> None:
         """Families of another part labelled (model, endpoint, ...) and its cache of their children,
@@ -301,6 +304,8 @@ class GatewayMetrics:
         for cache in self._caches:
             for key in [k for k in cache if k[0] in ids and k[1][:2] == (model, endpoint)]:
                 del cache[key]
+        for listener in self.forget_listeners:
+            listener(model, endpoint)
         return n
 
     def attach_live_state(self, endpoints: Callable[[], Iterable], model_in_flight: dict[str, int],

@@ -278,7 +278,13 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
         page = app.get(STATUS_PAGE_KEY)
         return orjson.dumps(page.board.part(page.sources)) if page is not None else b""
 
-    siblings = Siblings(worker, answer)
+    pool = s.pool
+
+    def endpoints() -> set[tuple[str, str]]:
+        return {(ep.model, ep.name) for ep in pool.endpoints()} | {(ep.model, ep.name) for ep, _ in pool.retired}
+
+    siblings = Siblings(worker, answer, endpoints=endpoints)
+    metrics.forget_listeners.append(siblings.forget)
     responses.share_with_siblings(siblings.ask)
     app.cleanup_ctx.append(lifecycle(siblings))
     return siblings

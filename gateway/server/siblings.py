@@ -22,6 +22,13 @@ not yet started again; what it held went with it). A restarted worker carries it
 counts on in its own reports, so the sums never fall below what a scrape saw, whichever worker
 answered it.
 
+An endpoint's counts are in the answer while the answering worker has the endpoint (in its pool,
+or gone from it for less than ``server.removed_endpoint_series_s``: ``RetiredSeries``), every
+worker's and every carried part alike: the workers drop a removed endpoint's series each on its
+own sweep, and the sum of those who had not yet would fall before the series went; and a carried
+part or a dead worker's would bring the endpoint back. A worker that drops an endpoint's series
+drops the ones it carries too.
+
 Only built with several workers: one process opens no socket and runs no task for this.
 """
 
@@ -36,7 +43,7 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from gateway.observability.merge import counts_only, merge, parse, render
+from gateway.observability.merge import counts_only, endpoints_of, merge, parse, render, without_endpoints
 from gateway.server.workers import WorkerInfo
 
 log = structlog.get_logger("switchyard.siblings")
@@ -57,11 +64,13 @@ class Siblings:
     """This worker's socket for its siblings, and its questions to them."""
 
     def __init__(self, worker: WorkerInfo, answer: Callable[[str], Awaitable[bytes]],
-                 timeout: float = TIMEOUT_S) -> None:
+                 timeout: float = TIMEOUT_S, endpoints: Callable[[], set[tuple[str, str]]] | None = None) -> None:
         self.worker = worker
         self.path = worker.socket_path(worker.index)
         self.peers = {i: worker.socket_path(i) for i in range(worker.count) if i != worker.index}
         self._answer = answer
+        # the (model, endpoint) this worker has series of: its pool's, and those that left it lately
+        self.endpoints = endpoints
         self.timeout = timeout
         self._server: asyncio.AbstractServer | None = None
         self.reported_path = self.report_path(worker.index)
@@ -82,6 +91,13 @@ class Siblings:
     def _set_carried(self, families: list[Metric]) -> None:
         self._carried = families
         self._carried_text = render(families) if families else b""
+
+    def forget(self, model: str, endpoint: str) -> None:
+        """This worker dropped an endpoint's series (gateway/observability/metrics.py
+        ``RetiredSeries``): the ones it carries go too."""
+        if (model, endpoint) in endpoints_of(self._carried):
+            keep = endpoints_of(self._carried) - {(model, endpoint)}
+            self._set_carried(without_endpoints(self._carried, keep))
 
     def own(self, text: bytes) -> bytes:
         """This worker's report: its own exposition ``text``, then what its predecessors counted;
@@ -168,7 +184,9 @@ class Siblings:
                 carried.append(counts_only(fams))
             else:
                 living.append(fams)
-        families = merge([*living, *carried])
+        known = (self.endpoints() if self.endpoints is not None
+                 else set().union(*(endpoints_of(fams) for fams in living)))
+        families = merge([without_endpoints(fams, known) for fams in (*living, *carried)])
         workers = GaugeMetricFamily("switchyard_workers", "Worker processes of this gateway (server.workers)",
                                     value=self.worker.count)
         scraped = GaugeMetricFamily("switchyard_workers_scraped",

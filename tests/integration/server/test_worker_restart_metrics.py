@@ -1,7 +1,8 @@
 """``--workers 2``: a worker killed outright (SIGKILL) and started again by the parent. The gateway's
 counters and histograms never fall (Prometheus would read a fall as a reset, and ``rate()`` and
 ``increase()`` would count everything the other workers counted again), whichever worker answers
-each scrape, and the dead worker's gauges leave with it."""
+each scrape; the dead worker's gauges leave with it; and the counts a restarted worker carries do
+not bring back an endpoint removed since."""
 
 from __future__ import annotations
 
@@ -138,3 +139,40 @@ async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(si
             page = pages.saw((await get_new(port, "/metrics"))[1])
             assert metric(page, "switchyard_requests_total", status="200") == 26
             assert metric(page, "switchyard_e2e_request_latency_seconds_count", model="m") == 26
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_does_not_bring_back_a_removed_endpoint(sims, tmp_path):
+    a, b = await sims("vllm", "m"), await sims("vllm", "m")
+    gone = b.url.removeprefix("http://")
+    port = listen_port()
+    cfg = config(tmp_path / "gw.yaml", port, [a.url, b.url])
+    pages = Pages()
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        for _ in range(20):         # round-robin: both engines, from both workers
+            assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
+        victim, survivor = await connections(port, 2, stack)
+        pages.saw(await survivor.get("/metrics"))        # both report their counts of both engines
+        page = pages.saw(await victim.get("/metrics"))
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=gone) > 0
+        os.kill(victim.pid, signal.SIGKILL)
+        page = await restarted(proc, victim.pid, port, pages)
+        assert metric(page, "switchyard_upstream_outcomes_total", endpoint=gone) > 0    # carried on
+
+        # B leaves the pool; its series go 0.5 s later, each worker's on a sweep of its own, all
+        # at once for a scraper (on one kept-alive connection, as Prometheus scrapes)
+        (scraper,) = await connections(port, 1, stack)
+        config(cfg, port, [a.url])
+        proc.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(20):
+            while True:
+                page = pages.saw(await scraper.get("/metrics"))
+                if gone not in page:
+                    break
+                await asyncio.sleep(0.05)
+        for _ in range(6):
+            assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
+            page = pages.saw(await scraper.get("/metrics"))
+            assert gone not in page
+            assert metric(page, "switchyard_requests_total", status="200") >= 20

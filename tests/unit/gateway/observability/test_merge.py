@@ -10,7 +10,16 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.schema import config_from_dict
-from gateway.observability.merge import GAUGE_RULES, SUM, gauge_rule, merge, merge_texts, parse
+from gateway.observability.merge import (
+    GAUGE_RULES,
+    SUM,
+    endpoints_of,
+    gauge_rule,
+    merge,
+    merge_texts,
+    parse,
+    without_endpoints,
+)
 from gateway.observability.metrics import GatewayMetrics
 from gateway.server.app import GATEWAY_KEY, build_app
 from tests.support.metrics import sample_map
@@ -158,3 +167,11 @@ def test_what_a_restarted_worker_carries_is_never_below_the_parts_it_stands_for(
               if f.name == "switchyard_engine_scrapes"]
     total = next(s.value for s in fam.samples if s.name.endswith("_total"))
     assert Fraction(total) >= Fraction(0.1) + Fraction(0.2)
+
+
+def test_series_of_endpoints_no_one_exports_are_left_out():
+    fams = parse(counter_page({"e1": 3, "e2": 4}))
+    assert endpoints_of(fams) == {("m", "e1"), ("m", "e2")}
+    kept = without_endpoints(fams, {("m", "e1")})
+    assert endpoints_of(kept) == {("m", "e1")}
+    assert endpoints_of(fams) == {("m", "e1"), ("m", "e2")}       # the input is left as it was
