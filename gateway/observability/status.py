@@ -202,6 +202,18 @@ class StatusBoard:
                 "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()],
                 "decisions": self.recent_decisions(), "errors": self.recent_errors()}
 
+    def counts(self) -> dict[str, Any]:
+        """The counts since start (``--workers N``: kept aside by each worker, so that neither a
+        restarted worker nor a sibling answering while it is gone loses them; see ``carry``)."""
+        return {"requests": self.requests, "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()]}
+
+    def carry(self, counts: dict[str, Any]) -> None:
+        """Go on from the counts since start of this worker's predecessor (``counts``)."""
+        self.requests += _count(counts.get("requests"))
+        for fb in counts.get("fallbacks") or ():
+            if isinstance(fb, list) and len(fb) == 3 and all(isinstance(x, str) for x in fb[:2]):
+                self.fallbacks[(fb[0], fb[1])] = self.fallbacks.get((fb[0], fb[1]), 0) + _count(fb[2])
+
     def _quiet(self) -> dict[str, Any]:
         empty = Summary().view()
         return {"minute": empty, "window": empty, "series": [0] * self.settings.slots}
@@ -224,10 +236,12 @@ class StatusBoard:
     # -- the document --------------------------------------------------------------------------
 
     async def document(self, src: StatusSources, parts: list[dict[str, Any]] = (),
-                       worker: tuple[int, int] = (0, 1), restarts: dict[str, int] | None = None) -> dict[str, Any]:
+                       worker: tuple[int, int] = (0, 1), restarts: dict[str, int] | None = None,
+                       kept: list[dict[str, Any]] = ()) -> dict[str, Any]:
         """``/status.json``; see the README's "Status page" for every field. ``parts``: the sibling
         workers' (``part``), added in; ``worker``: (this worker's index, the number of workers);
-        ``restarts``: the parent's restarts of workers by reason (gateway/server/heartbeat.py)."""
+        ``restarts``: the parent's restarts of workers by reason (gateway/server/heartbeat.py);
+        ``kept``: the counts since start (``counts``) last kept by the siblings that did not answer."""
         now, wall = self._clock(), self._wall()
         cfg, pool = src.config, src.pool
         eps = pool.endpoints()
@@ -236,6 +250,9 @@ class StatusBoard:
         model_in_flight: dict[str, int] = src.model_in_flight
         endpoints = [self._endpoint_view(ep, now, cfg.routing.metrics_max_age_s) for ep in eps]
         fallbacks, decisions, errors = self.fallbacks, self.recent_decisions(), self.recent_errors()
+        if kept:                # a sibling restarting or stuck: its counts since start as it last kept them
+            totals["requests_since_start"] += sum(_count(k.get("requests")) for k in kept)
+            fallbacks = _add_fallbacks(fallbacks, [{"fallbacks": k.get("fallbacks") or ()} for k in kept])
         if parts:
             model_in_flight, fallbacks = _add_counts(model_in_flight, parts), _add_fallbacks(fallbacks, parts)
             _add_endpoint_loads(endpoints, parts)
@@ -358,6 +375,10 @@ def _summary(raw: list) -> Summary:
     return s
 
 
+def _count(n: Any) -> int:
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
 def _add_counts(own: dict[str, int], parts: list[dict[str, Any]]) -> dict[str, int]:
     out = dict(own)
     for p in parts:
@@ -370,7 +391,7 @@ def _add_fallbacks(own: dict[tuple[str, str], int], parts: list[dict[str, Any]])
     out = dict(own)
     for p in parts:
         for strategy, reason, n in p["fallbacks"]:
-            out[(strategy, reason)] = out.get((strategy, reason), 0) + n
+            out[(strategy, reason)] = out.get((strategy, reason), 0) + _count(n)
     return out
 
 

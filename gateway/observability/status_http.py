@@ -88,11 +88,13 @@ class StatusPage:
             started = time.perf_counter()
             doc = await self.board.document(self.sources)
         else:       # the siblings' parts first (their wait is not this worker's build time)
-            parts = [orjson.loads(b) for b in (await self.siblings.ask("status")).values()]
+            answers, kept = await self.siblings.status_parts()
+            parts = [orjson.loads(b) for b in answers]
             started = time.perf_counter()
+            self.siblings.keep_status(self.board.counts())
             beats = self.worker.heartbeats
             doc = await self.board.document(self.sources, parts, (self.worker.index, self.worker.count),
-                                            beats.restarts() if beats is not None else None)
+                                            beats.restarts() if beats is not None else None, kept)
         body = orjson.dumps(doc)
         self.m.build.observe(time.perf_counter() - started)
         self.m.requests.labels("ok").inc()

@@ -225,6 +225,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     if config.status.enabled:    # /status and /status.json; its board watches requests and decisions
         page = _add_status_page(app, config, s, reloader, tenancy, started_at, batch)
         page.siblings, page.worker = siblings, worker
+        if siblings is not None:    # a restarted worker's counts since start go on from its predecessor's
+            siblings.carry_status = page.board.carry
 
     if tracing is not None:     # first in, last out: flushed once everything else stopped
         app.cleanup_ctx.append(_tracing_lifecycle(tracing))
@@ -276,7 +278,11 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
         if kind.startswith(("rget ", "rdel ")):
             return await responses.answer_sibling(kind)
         page = app.get(STATUS_PAGE_KEY)
-        return orjson.dumps(page.board.part(page.sources)) if page is not None else b""
+        if page is None:
+            return b""
+        part = page.board.part(page.sources)
+        siblings.keep_status(page.board.counts())
+        return orjson.dumps(part)
 
     pool = s.pool
 

@@ -29,6 +29,9 @@ own sweep, and the sum of those who had not yet would fall before the series wen
 part or a dead worker's would bring the endpoint back. A worker that drops an endpoint's series
 drops the ones it carries too.
 
+The status page's counts since start (requests, fallbacks) are kept the same way, in
+``status-<i>.json``.
+
 Only built with several workers: one process opens no socket and runs no task for this.
 """
 
@@ -39,6 +42,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import orjson
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
@@ -74,8 +78,12 @@ class Siblings:
         self.timeout = timeout
         self._server: asyncio.AbstractServer | None = None
         self.reported_path = self.report_path(worker.index)
+        self.status_path = os.path.join(worker.run_dir, f"status-{worker.index}.json")
         self._carried: list[Metric] = []             # the counts of this index's earlier workers
         self._carried_text = b""
+        # the status page's counts since start (``StatusBoard.carry``): told those of this index's
+        # earlier workers at start
+        self.carry_status: Callable[[dict], None] | None = None
 
     def report_path(self, index: int) -> str:
         return os.path.join(self.worker.run_dir, f"metrics-{index}.prom")
@@ -86,6 +94,10 @@ class Siblings:
         with contextlib.suppress(FileNotFoundError):      # a restarted worker takes its predecessor's path
             os.unlink(self.path)
         self._set_carried(gone_counts(self.reported_path))
+        if self.carry_status is not None:
+            counts = _read_json(self.status_path)
+            if counts is not None:
+                self.carry_status(counts)
         self._server = await asyncio.start_unix_server(self._serve, path=self.path)
 
     def _set_carried(self, families: list[Metric]) -> None:
@@ -105,6 +117,10 @@ class Siblings:
         report = text + CARRIED + self._carried_text if self._carried_text else text
         _write(self.reported_path, report)
         return report
+
+    def keep_status(self, counts: dict) -> None:
+        """The status page's counts since start as this worker last reported them."""
+        _write(self.status_path, orjson.dumps(counts))
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -159,6 +175,14 @@ class Siblings:
         """The siblings that answered ``kind`` (one line: ``metrics``, ``status``, or a question of
         ``QUESTIONS``) within the timeout, by index (an empty answer is none)."""
         return (await self._gather(kind))[0]
+
+    async def status_parts(self) -> tuple[list[bytes], list[dict]]:
+        """The siblings' parts of the status page, and the counts since start last reported by
+        those that did not answer (``keep_status``)."""
+        answers, _ = await self._gather("status")
+        kept = [_read_json(os.path.join(self.worker.run_dir, f"status-{i}.json")) for i in self.peers
+                if i not in answers]
+        return list(answers.values()), [k for k in kept if k is not None]
 
     async def metrics(self, own: bytes) -> bytes:
         """The gateway's exposition: this worker's ``own`` (its registry's) merged with its
@@ -221,6 +245,17 @@ def _read(path: str) -> bytes | None:
             return f.read()
     except OSError:
         return None
+
+
+def _read_json(path: str) -> dict | None:
+    data = _read(path)
+    if data is None:
+        return None
+    try:
+        doc = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def gone_counts(path: str) -> list[Metric]:

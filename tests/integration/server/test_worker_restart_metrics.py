@@ -1,8 +1,8 @@
 """``--workers 2``: a worker killed outright (SIGKILL) and started again by the parent. The gateway's
 counters and histograms never fall (Prometheus would read a fall as a reset, and ``rate()`` and
 ``increase()`` would count everything the other workers counted again), whichever worker answers
-each scrape; the dead worker's gauges leave with it; and the counts a restarted worker carries do
-not bring back an endpoint removed since."""
+each scrape; the dead worker's gauges leave with it; the status page's counts since start do not
+fall; and the counts a restarted worker carries do not bring back an endpoint removed since."""
 
 from __future__ import annotations
 
@@ -56,6 +56,10 @@ class Worker:
         async with self.session.get(self.base + path) as r:
             assert r.status == 200
             return await r.text()
+
+    async def status(self) -> dict:
+        async with self.session.get(self.base + "/status.json") as r:
+            return await r.json()
 
 
 async def connections(port: int, n: int, stack: contextlib.AsyncExitStack, *pids: int) -> list[Worker]:
@@ -117,11 +121,12 @@ async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(si
             await streaming.content.readline()
             page = pages.saw(await survivor.get("/metrics"))
             assert metric(page, "switchyard_in_flight_requests", model="m") == 1
-            # more traffic, then the victim answers the last scrape
+            # more traffic, then the victim answers the last scrape and the status page itself
             for _ in range(10):
                 assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
             before = pages.saw(await victim.get("/metrics"))
             assert metric(before, "switchyard_requests_total", status="200") == 20
+            assert (await victim.status())["totals"]["requests_since_start"] == 20
             os.kill(victim.pid, signal.SIGKILL)
             with contextlib.suppress(aiohttp.ClientError):
                 await streaming.read()
@@ -131,6 +136,7 @@ async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(si
         page = pages.saw(await survivor.get("/metrics"))
         assert metric(page, "switchyard_requests_total", status="200") == 20
         assert metric(page, "switchyard_in_flight_requests", model="m") == 0
+        assert (await survivor.status())["totals"]["requests_since_start"] == 20
 
         await restarted(proc, victim.pid, port, pages)
         for _ in range(6):
@@ -139,6 +145,8 @@ async def test_counts_never_fall_when_the_worker_that_answered_last_is_killed(si
             page = pages.saw((await get_new(port, "/metrics"))[1])
             assert metric(page, "switchyard_requests_total", status="200") == 26
             assert metric(page, "switchyard_e2e_request_latency_seconds_count", model="m") == 26
+            doc = (await get_new(port, "/status.json"))[1]
+            assert doc["totals"]["requests_since_start"] == 26
 
 
 @pytest.mark.timeout(120)

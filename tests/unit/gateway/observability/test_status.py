@@ -216,6 +216,18 @@ async def test_several_workers_add_up_into_one_document():
                                            "restarts": {"exited": 0, "stalled": 0}}
     assert alone["totals"]["requests_since_start"] == 4
 
+    # the sibling gone (killed, not started again yet): its counts since start as it last kept them
+    kept = json.loads(json.dumps(sibling.counts()))
+    doc = await board.document(srcs[0], [], (0, 2), None, [kept])
+    assert doc["gateway"]["workers"]["reporting"] == 1
+    assert doc["totals"]["requests_since_start"] == 9
+    assert doc["routing"]["fallbacks"] == [{"strategy": "vtc-basic", "reason": "no_user", "count": 2}]
+    # and its replacement goes on from them
+    successor, _ = board_for(cfg, clock, wall)
+    successor.carry(kept)
+    successor.carry({"requests": "x", "fallbacks": [["a"], 3]})     # what it cannot read, it leaves
+    assert json.loads(json.dumps(successor.counts())) == kept
+
 
 async def test_admission_rows_per_model_and_endpoint():
     from gateway.admission.queue import Waiter
