@@ -22,12 +22,12 @@ not yet started again; what it held went with it). A restarted worker carries it
 counts on in its own reports, so the sums never fall below what a scrape saw, whichever worker
 answered it.
 
-An endpoint's counts are in the answer while the answering worker has the endpoint (in its pool,
-or gone from it for less than ``server.removed_endpoint_series_s``: ``RetiredSeries``), every
-worker's and every carried part alike: the workers drop a removed endpoint's series each on its
-own sweep, and the sum of those who had not yet would fall before the series went; and a carried
-part or a dead worker's would bring the endpoint back. A worker that drops an endpoint's series
-drops the ones it carries too.
+An endpoint's counts are in the answer while every living worker has the endpoint (in its pool,
+or gone from it for less than ``server.removed_endpoint_series_s``: ``RetiredSeries``; each says
+which in its report, ``ENDPOINTS``), every worker's and every carried part alike: the workers drop
+a removed endpoint's series each on its own sweep, and once one has, the sum of the others would
+fall before the series went; and a carried part or a dead worker's would bring the endpoint back.
+A worker that drops an endpoint's series drops the ones it carries too.
 
 The status page's counts since start (requests, fallbacks) are kept the same way, in
 ``status-<i>.json``.
@@ -60,6 +60,9 @@ QUESTIONS = (b"rget ", b"rdel ")
 MAX_REQUEST = 320
 # in a worker's report, the line between its own exposition and the counts of its index's earlier workers
 CARRIED = b"# carried: the counts of this worker's predecessors\n"
+# in a worker's own part, the (model, endpoint) it has series of, as a JSON list of pairs (a comment
+# to the exposition's parser)
+ENDPOINTS = b"# endpoints: "
 # a sibling that refused (or dropped) the connection is gone; one that did not answer in time is slow
 GONE = (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BrokenPipeError)
 
@@ -112,8 +115,11 @@ class Siblings:
             self._set_carried(without_endpoints(self._carried, keep))
 
     def own(self, text: bytes) -> bytes:
-        """This worker's report: its own exposition ``text``, then what its predecessors counted;
-        kept as the last reported (written aside, then renamed: a reader never sees half)."""
+        """This worker's report: its own exposition ``text`` and the endpoints it has series of, then
+        what its predecessors counted; kept as the last reported (written aside, then renamed: a
+        reader never sees half)."""
+        if self.endpoints is not None:
+            text += ENDPOINTS + orjson.dumps(sorted(self.endpoints())) + b"\n"
         report = text + CARRIED + self._carried_text if self._carried_text else text
         _write(self.reported_path, report)
         return report
@@ -191,6 +197,7 @@ class Siblings:
         answers, gone = await self._gather("metrics")
         living: list[list[Metric]] = [parse(own.decode())]
         carried: list[list[Metric]] = [self._carried]
+        known = self.endpoints() if self.endpoints is not None else None
         for i in self.peers:
             report = answers.get(i)
             if report is None:          # slow or gone: what it last reported
@@ -208,8 +215,13 @@ class Siblings:
                 carried.append(counts_only(fams))
             else:
                 living.append(fams)
-        known = (self.endpoints() if self.endpoints is not None
-                 else set().union(*(endpoints_of(fams) for fams in living)))
+                theirs = _endpoints_in(mine)
+                if known is not None and theirs is not None:
+                    # shown while every living worker has it: the workers drop a removed
+                    # endpoint's series each on its own sweep, and once one has, the sum would fall
+                    known &= theirs
+        if known is None:
+            known = set().union(*(endpoints_of(fams) for fams in living))
         families = merge([without_endpoints(fams, known) for fams in (*living, *carried)])
         workers = GaugeMetricFamily("switchyard_workers", "Worker processes of this gateway (server.workers)",
                                     value=self.worker.count)
@@ -227,6 +239,19 @@ class Siblings:
                 restarts.add_metric([reason], n)
             extra.append(restarts)
         return render([*families, *extra])
+
+
+def _endpoints_in(part: bytes) -> set[tuple[str, str]] | None:
+    """The (model, endpoint) a worker's own part says it has series of (``ENDPOINTS``); None when it
+    says nothing."""
+    at = part.rfind(ENDPOINTS)
+    if at < 0:
+        return None
+    line = part[at + len(ENDPOINTS):part.find(b"\n", at)]
+    try:
+        return {(m, e) for m, e in orjson.loads(line)}
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return None
 
 
 def _write(path: str, data: bytes) -> None:

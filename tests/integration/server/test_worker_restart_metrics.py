@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 from pathlib import Path
@@ -169,16 +170,20 @@ async def test_a_restarted_worker_does_not_bring_back_a_removed_endpoint(sims, t
         assert metric(page, "switchyard_upstream_outcomes_total", endpoint=gone) > 0    # carried on
 
         # B leaves the pool; its series go 0.5 s later, each worker's on a sweep of its own, all
-        # at once for a scraper (on one kept-alive connection, as Prometheus scrapes)
+        # at once for a scraper, whichever worker answers: one on a kept-alive connection (as
+        # Prometheus scrapes) and one on new connections, in turn
         (scraper,) = await connections(port, 1, stack)
         config(cfg, port, [a.url])
         proc.send_signal(signal.SIGHUP)
         async with asyncio.timeout(20):
-            while True:
-                page = pages.saw(await scraper.get("/metrics"))
-                if gone not in page:
+            went = False
+            for turn in itertools.count():
+                page = pages.saw(await scraper.get("/metrics") if turn % 2 else (await get_new(port, "/metrics"))[1])
+                assert not went or gone not in page, "a removed endpoint's series came back"
+                went = gone not in page
+                if went and turn > 40:
                     break
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(0.02)
         for _ in range(6):
             assert (await post_new(port, "/v1/completions", COMPLETION))[0] == 200
             page = pages.saw(await scraper.get("/metrics"))
