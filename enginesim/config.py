@@ -139,6 +139,11 @@ class SimConfig:
         1, "vLLM --data-parallel-size: N ranks behind one endpoint, each with its own KV cache pool and KV-event "
         "publisher (rank r on kv-events port + r, replay port + r); a request runs on the rank its "
         "X-data-parallel-rank header names, else on the least loaded (one scheduler queue still)")
+    # -- authentication ------------------------------------------------------------------------
+    api_key: str = _knob(
+        "", "--api-key: requests without 'Authorization: Bearer KEY' get 401 {\"error\": \"Unauthorized\"} "
+        "on the routes the engine protects (vLLM: /v1/*; SGLang: every route but /health* and /metrics); "
+        "empty: none")
     # -- tracing -------------------------------------------------------------------------------
     otlp_traces_endpoint: str = _knob(
         "", "vLLM --otlp-traces-endpoint: emit an llm_request span per request, under the request's "

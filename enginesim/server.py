@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import secrets
 import socket
 from typing import Any
 
@@ -33,6 +34,7 @@ from enginesim.wire import json_response, read_json
 ENGINE_KEY = web.AppKey("enginesim_engine", Engine)
 CONFIG_KEY = web.AppKey("enginesim_config", SimConfig)
 RECEIVED_KEY = web.AppKey("enginesim_received", collections.deque)
+REFUSED_KEY = web.AppKey("enginesim_refused", collections.deque)
 TRACEPARENTS_KEY = web.AppKey("enginesim_traceparents", collections.deque)
 
 # how many received requests `/_sim/state` remembers (a test hook, not an access log)
@@ -50,17 +52,22 @@ def build_app(cfg: SimConfig) -> web.Application:
     engine = Engine(cfg)
     received: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECEIVED_KEPT)
     traceparents: collections.deque[dict[str, Any]] = collections.deque(maxlen=_TRACEPARENTS_KEPT)
-    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_recorder(received, traceparents)])
+    refused: collections.deque[dict[str, Any]] = collections.deque(maxlen=_RECEIVED_KEPT)
+    middlewares = [_recorder(received, traceparents)]
+    if cfg.api_key:
+        middlewares.insert(0, _api_key_check(cfg, refused))
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app[ENGINE_KEY] = engine
     app[CONFIG_KEY] = cfg
     app[RECEIVED_KEY] = received
+    app[REFUSED_KEY] = refused
     app[TRACEPARENTS_KEY] = traceparents
     api: VllmApi | SglangApi = VllmApi(engine) if cfg.engine == "vllm" else SglangApi(engine)
     app.add_routes(api.routes())
     app.add_routes(ResponsesApi(engine).routes())     # /v1/responses, in the engine's own style
     app.add_routes(more_routes(engine))     # Messages, rerank, score, tokenize, audio
     app.add_routes(engine.role.routes())
-    app.add_routes(_sim_routes(engine, received, traceparents))
+    app.add_routes(_sim_routes(engine, received, traceparents, refused))
 
     async def on_startup(_: web.Application) -> None:
         await engine.start()
@@ -75,6 +82,43 @@ def build_app(cfg: SimConfig) -> web.Application:
     app.on_shutdown.append(on_shutdown)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def protected(engine: str, path: str) -> bool:
+    """Whether the engine started with --api-key wants the key on ``path``: vLLM's authentication
+    middleware guards the paths under /v1 (its /health, /metrics, /tokenize, /ping... are open);
+    SGLang's guards every path but those starting with /health or /metrics."""
+    if path.startswith("/_sim/"):
+        return False
+    if engine == "vllm":
+        return path.startswith("/v1")
+    return not path.startswith(("/health", "/metrics"))
+
+
+def _key_matches(engine: str, header: str | None, key: str) -> bool:
+    """vLLM takes the scheme in any case and compares what follows its first space; SGLang
+    compares the whole header with ``Bearer <key>``."""
+    if header is None:
+        return False
+    if engine == "vllm":
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(errors="surrogateescape"), key.encode())
+    return secrets.compare_digest(header.encode(errors="surrogateescape"), f"Bearer {key}".encode())
+
+
+def _api_key_check(cfg: SimConfig, refused: collections.deque) -> Any:
+    """--api-key: a request to a protected path without the key is answered 401 with the body
+    both engines send, before any handler (nor the recorder) sees it; ``refused`` remembers it."""
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method != "OPTIONS" and protected(cfg.engine, request.path) \
+                and not _key_matches(cfg.engine, request.headers.get("Authorization"), cfg.api_key):
+            refused.append({"method": request.method, "path": request.path_qs})
+            return json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
 
 
 def _recorder(received: collections.deque, traceparents: collections.deque) -> Any:
@@ -112,18 +156,19 @@ def _recorder(received: collections.deque, traceparents: collections.deque) -> A
     return record
 
 
-def _sim_routes(engine: Engine, received: collections.deque,
-                traceparents: collections.deque) -> list[web.RouteDef]:
+def _sim_routes(engine: Engine, received: collections.deque, traceparents: collections.deque,
+                refused: collections.deque) -> list[web.RouteDef]:
     """Test-only introspection and control, under ``/_sim/``."""
 
     async def state(request: web.Request) -> web.Response:
         return json_response({**engine.snapshot(), "received": list(received),
-                              "traceparents": list(traceparents)})
+                              "traceparents": list(traceparents), "refused": list(refused)})
 
     async def reset(request: web.Request) -> web.Response:
         engine.reset()
         received.clear()
         traceparents.clear()
+        refused.clear()
         return json_response(engine.snapshot())
 
     async def configure(request: web.Request) -> web.Response:

@@ -316,6 +316,41 @@ async def test_dead_engine(vllm: SimServer, http: aiohttp.ClientSession) -> None
         assert resp.status == 200
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_api_key_protects_the_engines_routes(engine: str, make_sim: MakeSim,
+                                                   http: aiohttp.ClientSession) -> None:
+    """--api-key: the routes each engine guards answer 401 {"error": "Unauthorized"} without the
+    key; /health and /metrics stay open on both; vLLM leaves paths outside /v1 open and takes the
+    scheme in any case, SGLang guards its own routes too and compares the header whole."""
+    sim = await make_sim(engine=engine, model="m", api_key="k-123")
+    guarded = ["/v1/models"] + (["/get_model_info"] if engine == "sglang" else [])
+    for path in guarded:
+        for header in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "k-123"}):
+            async with http.get(sim.url + path, headers=header) as r:
+                assert (r.status, await r.json()) == (401, {"error": "Unauthorized"}), (path, header)
+        async with http.get(sim.url + path, headers={"Authorization": "Bearer k-123"}) as r:
+            assert r.status == 200, path
+    async with http.get(sim.url + "/v1/models", headers={"Authorization": "bearer k-123"}) as r:
+        assert r.status == (200 if engine == "vllm" else 401)
+    for path in ("/health", "/metrics"):
+        async with http.get(sim.url + path) as r:
+            assert r.status == 200, path
+    body = {"model": "m", "messages": CHAT, "max_tokens": 2}
+    async with http.post(sim.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 401
+    status, _, _ = await call(http, sim.url + "/v1/chat/completions", body, {"Authorization": "Bearer k-123"})
+    assert status == 200
+    if engine == "vllm":
+        async with http.post(sim.url + "/tokenize", json={"model": "m", "prompt": "hi"}) as r:
+            assert r.status == 200
+    else:
+        async with http.post(sim.url + "/abort_request", json={"rid": "x"}) as r:
+            assert r.status == 401
+    state = await sim_state(sim.url, http)
+    assert {"method": "POST", "path": "/v1/chat/completions"} in state["refused"]
+    assert [e["path"] for e in state["received"]].count("/v1/chat/completions") == 1
+
+
 async def test_vllm_keepalive_frames(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine="vllm", sse_keepalive_s=0.01)
     body = {"messages": CHAT, "stream": True}
