@@ -85,6 +85,9 @@ class Endpoint:
     max_prompt_tokens: int = 0     # 0: no upper bound
     source: str = "static"         # static | kubernetes
     name: str = ""                 # pod name for Kubernetes; host:port otherwise
+    # the key the engine was started with (``api_key`` of its model or endpoint): sent on every
+    # request to it (``engine_headers``); kept out of the repr, hence out of logs and tracebacks
+    api_key: str | None = field(default=None, repr=False)
     host: str = ""
     port: int = 0
     # live state
@@ -134,6 +137,20 @@ class Endpoint:
         if m is None or m.age(now) > max_age:
             return None
         return m
+
+
+# the headers a client's API key arrives in: never sent to an engine the gateway has a key for
+CLIENT_KEY_HEADERS = frozenset({"authorization", "x-api-key"})
+
+
+def engine_headers(ep: Endpoint, headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` for a request to ``ep``: unchanged when the gateway has no key for its engine,
+    else with ``Authorization: Bearer <key>`` in place of any key of the client's."""
+    if ep.api_key is None:
+        return headers
+    out = {k: v for k, v in headers.items() if k.lower() not in CLIENT_KEY_HEADERS}
+    out["Authorization"] = "Bearer " + ep.api_key
+    return out
 
 
 class EndpointPool:

@@ -114,6 +114,13 @@ class KubernetesDiscovery:
         namespaces and selector stay as started; the pods found so far stay in the pool."""
         self.kcfg = msgspec.structs.replace(self.kcfg, models=kcfg.models)
         self.models = {m.name: m for m in models}
+        for t in self._tracked.values():            # a model's engine key applies at once
+            t.ep.api_key = self._api_key(t.view.model)
+
+    def _api_key(self, model: str) -> str | None:
+        """The key of the engines of ``model`` (its block's ``api_key``), or None."""
+        mc = self.models.get(model)
+        return mc.api_key if mc is not None else None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -294,6 +301,7 @@ class KubernetesDiscovery:
         ep = Endpoint(url=view.url, model=view.model, engine=view.engine, role=view.role, roleset=view.roleset,
                       bootstrap_port=view.bootstrap_port, min_prompt_tokens=view.min_prompt_tokens,
                       max_prompt_tokens=view.max_prompt_tokens, source="kubernetes", name=view.name,
+                      api_key=self._api_key(view.model),
                       extra={"namespace": view.namespace, "pod": view.key, "uid": view.uid,
                              "metrics_url": view.metrics_url, "routing_strategy": view.routing_strategy,
                              "kv_events": view.kv_events, "kv_events_error": view.kv_events_error})

@@ -42,7 +42,7 @@ from gateway.apis.responses_request import RESPONSES, output_as_input, parse_res
 from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
 from gateway.apis.responses_stream import ResponsesScanner, failure_events
 from gateway.config.schema import Config
-from gateway.endpoints import Endpoint, EndpointPool
+from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError, error_response, normalize_upstream_error
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import GatewayMetrics
@@ -437,7 +437,7 @@ class ResponsesApi(ApiShape):
             headers["Content-Type"] = "application/json"
         try:
             async with self.session.request(request.method, ep.url + request.path_qs, data=body,
-                                            headers=headers) as r:
+                                            headers=engine_headers(ep, headers)) as r:
                 out_headers = rec.response_headers()
                 if r.status >= 400:
                     raw = await r.content.read(self.config.upstream.max_error_body_bytes)

@@ -81,6 +81,21 @@ def _from_env(inline: str | None, env: str | None, key: str) -> str | None:
     return os.environ[env]
 
 
+# what an engine's API key may be: what goes after ``Authorization: Bearer`` as it is, visible
+# ASCII without spaces (vLLM splits the header at its first space, SGLang compares it whole)
+_ENGINE_KEY = re.compile(r"[\x21-\x7e]+")
+
+
+def _engine_key(inline: str | None, env: str | None) -> str | None:
+    """An engine's API key (``api_key`` or ``api_key_env``), checked; errors never show it."""
+    key = _from_env(inline, env, "api_key")
+    if key is not None and not _ENGINE_KEY.fullmatch(key):
+        where = f"api_key_env: the value of {env}" if env is not None else "api_key"
+        raise ValueError(f"{where}: must be visible ASCII characters without spaces (it is sent as "
+                         "Authorization: Bearer <key>)")
+    return key
+
+
 class ListenConfig(Block):
     host: Annotated[str, Meta(description="Address to listen on; 0.0.0.0 listens on every IPv4 interface. --host overrides it.")] = "127.0.0.1"
     port: Annotated[Port, Meta(description="TCP port to listen on; 0 picks a free port. --port overrides it.")] = 8888
@@ -172,15 +187,26 @@ class PDConfig(PDRouteSettings):
     sglang: Annotated[SGLangPDSettings, Meta(description="Settings for SGLang prefill/decode pairs.")] = SGLangPDSettings()
 
 
+_API_KEY_DOC = ("API key the engine was started with (vLLM --api-key or VLLM_API_KEY, SGLang --api-key): every "
+                "request the gateway sends it, its own calls included (aborts, LoRA loads, the P/D legs), carries "
+                "Authorization: Bearer <key> in place of any key of the client's (health probes and /metrics scrapes "
+                "go without: neither engine guards those); never logged or shown")
+_API_KEY_ENV_DOC = "Name of an environment variable holding api_key (instead of api_key), so the file holds no secret"
+
+
 class EndpointConfig(Block):
+    _secret = ("api_key",)
     url: Annotated[str, Meta(description="Base URL of the engine's OpenAI-compatible server, http:// or https://.")]
     engine: Annotated[Engine | None, Meta(description="Engine of this endpoint; null: the model's engine.")] = None
     bootstrap_port: Annotated[Port | None, Meta(description="SGLang prefill: the KV bootstrap port; null: the roleset's, else pd.sglang.default_bootstrap_port.")] = None
     min_prompt_tokens: Annotated[Count, Meta(description="P/D prompt-length bucket: this endpoint takes prompts of at least this many tokens.")] = 0
     max_prompt_tokens: Annotated[Count, Meta(description="P/D prompt-length bucket: this endpoint takes prompts of at most this many tokens (0: no upper bound).")] = 0
     kv_events: Annotated[KVEventsEndpointConfig | None, Meta(description="This engine's KV-event publisher, laid over the model's kv_events block; giving it subscribes to this endpoint's events.")] = None
+    api_key: Annotated[Name | None, Meta(description=f"{_API_KEY_DOC}; null: the model's api_key.")] = None
+    api_key_env: Annotated[Name | None, Meta(description=f"{_API_KEY_ENV_DOC}.")] = None
 
     def __post_init__(self) -> None:
+        force_setattr(self, "api_key", _engine_key(self.api_key, self.api_key_env))
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url: must be an http(s):// URL, got {self.url!r}")
         try:                # what gateway.endpoints.Endpoint will parse: a host, a port that is a number
@@ -210,6 +236,7 @@ class RolesetConfig(Block):
 
 
 class ModelConfig(Block):
+    _secret = ("api_key",)
     name: Annotated[Name, Meta(description="The model's name, as clients write it in the request's model field.")]
     engine: Annotated[Engine, Meta(description="Engine serving the model's endpoints: vllm or sglang.")] = "vllm"
     strategy: Annotated[str | None, Meta(description="This model's default routing strategy (a name or a weighted list); null: the pods' annotation, else pd for a model with prefill/decode endpoints, else routing.strategy.")] = None
@@ -226,8 +253,11 @@ class ModelConfig(Block):
     tokenizer: Annotated[str | None, Meta(description="Directory of the model's Hugging Face tokenizer (tokenizer.json, tokenizer_config.json); needed by kv_events. Null: no tokenizer.")] = None
     kv_events: Annotated[KVEventsConfig | None, Meta(description="Subscribe to the engines' KV-cache events for exact prefix-cache routing; needs tokenizer.")] = None
     migration_limit: Annotated[int, Meta(ge=0, le=8, description="How many times one stream may be continued on another endpoint after its engine failed mid-stream, at most 8 (0: off).")] = 0
+    api_key: Annotated[Name | None, Meta(description=f"{_API_KEY_DOC}. For every endpoint of the model, the pods Kubernetes discovery finds included; an endpoint's own api_key wins. Null: the engines need none (the client's Authorization passes only as auth.forward_authorization says).")] = None
+    api_key_env: Annotated[Name | None, Meta(description=f"{_API_KEY_ENV_DOC}; a Kubernetes Secret given to the gateway's pod as an environment variable.")] = None
 
     def __post_init__(self) -> None:
+        force_setattr(self, "api_key", _engine_key(self.api_key, self.api_key_env))
         if self.kv_events is not None and self.kv_events.enabled and not self.tokenizer:
             raise ValueError("kv_events.enabled: needs the model's tokenizer directory (tokenizer: <dir>)")
         if self.wants_kv_events and not self.tokenizer:

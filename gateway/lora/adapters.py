@@ -71,7 +71,7 @@ import orjson
 import structlog
 from prometheus_client import Gauge
 
-from gateway.endpoints import Endpoint, EndpointPool
+from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
@@ -541,7 +541,7 @@ class Lora:
         found = None
         try:
             async with asyncio.timeout(self.config.scrape.timeout_s or 2.0):
-                async with session.get(ep.url + "/v1/models") as r:
+                async with session.get(ep.url + "/v1/models", headers=engine_headers(ep, {})) as r:
                     if r.status == 200:
                         found = served_adapters(orjson.loads(await r.read()), ep.model)
         except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):

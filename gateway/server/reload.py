@@ -76,6 +76,7 @@ def declared_endpoints(config: Config) -> list[Endpoint]:
         out.append(Endpoint(url=e.url, model=m.name, engine=e.engine or m.engine, role=role, roleset=roleset,
                             bootstrap_port=e.bootstrap_port or bootstrap_port,
                             min_prompt_tokens=e.min_prompt_tokens, max_prompt_tokens=e.max_prompt_tokens,
+                            api_key=e.api_key or m.api_key,
                             extra={"kv_events": e.kv_events.items()} if e.kv_events is not None else {}))
 
     for m in config.models:
@@ -103,7 +104,7 @@ def sync_pool(pool: EndpointPool, config: Config) -> tuple[list[Endpoint], list[
     for ep in declared_endpoints(config):
         kept = have.get(_identity(ep))
         if kept:
-            kept.pop(0)
+            kept.pop(0).api_key = ep.api_key        # a new key applies at once, the endpoint's state kept
         else:
             added.append(pool.add(ep))
     removed = [ep for eps in have.values() for ep in eps]

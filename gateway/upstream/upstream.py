@@ -14,7 +14,9 @@ answer ended, ``fetch`` the status of a whole-answer leg (prefill); ``gateway.re
 each outcome means.
 
 The body and headers an engine receives are shaped here too: the client's bytes unchanged unless
-usage must be asked for, and the client's headers minus hop-by-hop and the gateway's own.
+usage must be asked for, and the client's headers minus hop-by-hop and the gateway's own; every
+leg to an engine the gateway has a key for (``Endpoint.api_key``) carries that key instead of the
+client's (``gateway.endpoints.engine_headers``).
 
 The monitor (health probes, ``/metrics`` scrapes) is not hot and keeps a small aiohttp session.
 """
@@ -27,7 +29,7 @@ import aiohttp
 import orjson
 
 from gateway.config.schema import HealthConfig, UpstreamConfig, WatchdogConfig
-from gateway.endpoints import Endpoint
+from gateway.endpoints import Endpoint, engine_headers
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, usage_stream_options
 from gateway.resilience.breaker import Breakers
@@ -150,7 +152,7 @@ class Upstream:
         assert self.pool is not None
         url = ep.url + path
         try:
-            return await self.pool.post(url, body, headers, header_timeout, state)
+            return await self.pool.post(url, body, engine_headers(ep, headers), header_timeout, state)
         except UpstreamError as e:
             f = classify(e, url)
             self.failed(ep, model, f.kind)
@@ -174,7 +176,7 @@ class Upstream:
         (else by ``opened``/``answer``). The exchange must then be awaited with ``opened`` or
         ``answer``, or dropped with ``Exchange.discard``."""
         assert self.pool is not None
-        return self.pool.begin(ep.url + path, body, headers, state)
+        return self.pool.begin(ep.url + path, body, engine_headers(ep, headers), state)
 
     async def opened(self, ep: Endpoint, x: Exchange, header_timeout: float | None, model: str) -> UpstreamResponse:
         """``open`` for a begun exchange: its response status and headers."""

@@ -139,3 +139,48 @@ def test_null_means_the_default():
     c = parse_config("listen:\nauth:\nmodels: [{name: a, endpoints: [http://x:1], strategy: null, pd: null}]")
     assert c.listen.port == 8888 and not c.auth.on and c.model("a").strategy is None
     assert c.pd_for("a") is c.pd
+
+
+# -- engines' API keys -------------------------------------------------------------------------
+
+ENGINE_KEYS = """
+models:
+  - name: m
+    api_key_env: SY_TEST_ENGINE_KEY
+    endpoints:
+      - http://127.0.0.1:1
+      - {url: "http://127.0.0.1:2", api_key: other-engine-key}
+  - name: n
+    endpoints: [http://127.0.0.1:3]
+"""
+
+
+def test_engine_keys_from_the_file_or_the_environment_never_in_a_repr(monkeypatch):
+    from gateway.server.reload import declared_endpoints
+    monkeypatch.setenv("SY_TEST_ENGINE_KEY", "engine-secret")
+    c = parse_config(ENGINE_KEYS)
+    assert c.model("m").api_key == "engine-secret" and c.model("n").api_key is None
+    assert [e.api_key for e in c.model("m").endpoints] == [None, "other-engine-key"]
+    # an endpoint takes its own key, else its model's
+    assert [(ep.url, ep.api_key) for ep in declared_endpoints(c)] == [
+        ("http://127.0.0.1:1", "engine-secret"), ("http://127.0.0.1:2", "other-engine-key"),
+        ("http://127.0.0.1:3", None)]
+    shown = repr(c) + repr(declared_endpoints(c))
+    assert "engine-secret" not in shown and "other-engine-key" not in shown
+
+
+@pytest.mark.parametrize("text,key", [
+    ("models: [{name: m, endpoints: [http://h:1], api_key: a-secret, api_key_env: B}]", "models[0].api_key_env"),
+    ("models: [{name: m, endpoints: [http://h:1], api_key_env: SY_TEST_SURELY_UNSET}]", "models[0].api_key_env"),
+    ("models: [{name: m, endpoints: [http://h:1], api_key: ''}]", "models[0].api_key"),
+    ("models: [{name: m, endpoints: [http://h:1], api_key: 'two words-secret'}]", "models[0].api_key"),
+    ("models: [{name: m, endpoints: [http://h:1], api_key: \"line\\nbreak-secret\"}]", "models[0].api_key"),
+    ("models: [{name: m, endpoints: [{url: 'http://h:1', api_key: \"tab\\tsecret\"}]}]",
+     "models[0].endpoints[0].api_key"),
+    ("models: [{name: m, endpoints: [{url: 'http://h:1', api_key: 5}]}]", "models[0].endpoints[0].api_key"),
+])
+def test_a_bad_engine_key_names_its_key_and_does_not_show_it(text, key):
+    with pytest.raises(ConfigError) as ei:
+        parse_config(text, source="conf.yaml")
+    assert ei.value.key_path == key, str(ei.value)
+    assert "secret" not in str(ei.value)
