@@ -66,6 +66,7 @@ class ErrorClass(enum.StrEnum):
     UPSTREAM_TIMEOUT = "upstream_timeout"           # also: the whole exchange took too long
     UPSTREAM_PROTOCOL = "upstream_protocol"
     UPSTREAM_STATUS = "upstream_status"
+    UPSTREAM_AUTH = "upstream_auth"                 # the engine refused the gateway's key for it (401, 403)
     DECODE_CONNECT = "decode_connect"
     DECODE_RESET = "decode_reset"
     DECODE_TIMEOUT = "decode_timeout"

@@ -54,8 +54,10 @@ from gateway.pipeline.context import (
     safe_header_value,
 )
 from gateway.request import request_id_from
+from gateway.resilience.outcome import key_refused
 from gateway.state.redis import redis_client
 from gateway.tenants import Tenancy
+from gateway.upstream.upstream import engine_key_refused, key_refused_error
 from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.responses")
@@ -439,6 +441,10 @@ class ResponsesApi(ApiShape):
             async with self.session.request(request.method, ep.url + request.path_qs, data=body,
                                             headers=engine_headers(ep, headers)) as r:
                 out_headers = rec.response_headers()
+                if key_refused(r.status, ep.api_key is not None):
+                    engine_key_refused(self.metrics, ep, ep.model, r.status, request.path)
+                    rec.error_class = ErrorClass.UPSTREAM_AUTH
+                    raise key_refused_error(r.status)
                 if r.status >= 400:
                     raw = await r.content.read(self.config.upstream.max_error_body_bytes)
                     status, err = normalize_upstream_error(r.status, raw)

@@ -40,10 +40,16 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay
-from gateway.resilience.outcome import Outcome, of_status
+from gateway.resilience.outcome import Outcome, key_refused, of_status
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
-from gateway.upstream.upstream import Upstream, UpstreamFailure, head_timeout, upstream_headers
+from gateway.upstream.upstream import (
+    Upstream,
+    UpstreamFailure,
+    engine_key_refused,
+    head_timeout,
+    upstream_headers,
+)
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
 
 log = structlog.get_logger("switchyard.pd")
@@ -430,10 +436,16 @@ class PDOrchestrator:
         assert ctx.decision is not None and ctx.decision.prefill is not None
         rec = ctx.rec
         rec.extra["prefill_ms"] = round((end - start) * 1000, 3)
-        self.upstream.record(ctx.decision.prefill, of_status(status), f"status_{status}")
+        prefill = ctx.decision.prefill
+        keyed = prefill.api_key is not None
+        self.upstream.record(prefill, of_status(status, keyed), f"status_{status}")
         leg.responded(status)
         self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(end - start)
         rec.extra["prefill_status"] = status
+        if key_refused(status, keyed):      # the gateway's key is wrong: its body is not passed on
+            engine_key_refused(self.metrics, prefill, rec.model, status, ctx.ireq.path if ctx.ireq else "")
+            raise PrefillFailed("http_status", f"the engine refused the gateway's credentials for it (status {status})",
+                                status)
         if status != 200:
             _, err = normalize_upstream_error(status, raw)
             raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)

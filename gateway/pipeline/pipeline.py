@@ -34,11 +34,17 @@ from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
 from gateway.pipeline.relay import FirstBytesFailed, error_event
 from gateway.request import InferenceRequest, parse
-from gateway.resilience.outcome import Outcome, of_status
+from gateway.resilience.outcome import Outcome, key_refused, of_status
 from gateway.resilience.retry import discard
 from gateway.tenants.service import NO_TICKET, Ticket
 from gateway.upstream.h1client import Exchange, UpstreamResponse
-from gateway.upstream.upstream import UpstreamFailure, head_timeout, upstream_body, upstream_headers
+from gateway.upstream.upstream import (
+    UpstreamFailure,
+    engine_key_refused,
+    head_timeout,
+    upstream_body,
+    upstream_headers,
+)
 from handlers import adapter_for
 from handlers.base import BodyError, EngineAdapter
 from routers.base import Router
@@ -358,10 +364,13 @@ class Pipeline:
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",
                                    header=("x-error-upstream", f.kind), error_class=rec.error_class) from None
-            if resp.status != 200 and (outcome := of_status(resp.status)).retryable \
+            if resp.status != 200 and (outcome := of_status(resp.status, ep.api_key is not None)).retryable \
                     and retries.reroute(ctx, self.routing, self.metrics, candidates, tried, outcome,
                                         f"status_{resp.status}") is not None:
-                self.metrics.child(self.metrics.upstream_errors, ireq.model, ep.name, f"status_{resp.status}").inc()
+                if key_refused(resp.status, ep.api_key is not None):
+                    engine_key_refused(self.metrics, ep, ireq.model, resp.status, ireq.path)
+                else:
+                    self.metrics.child(self.metrics.upstream_errors, ireq.model, ep.name, f"status_{resp.status}").inc()
                 self.upstream.record(ep, outcome, f"status_{resp.status}")
                 await discard(resp, cfg.upstream.max_error_body_bytes)
                 ep = ctx.decision.endpoint

@@ -31,8 +31,9 @@ from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_value
 from gateway.pipeline.sse import AnswerText, SSEScanner, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
-from gateway.resilience.outcome import Outcome, of_answer, of_status
+from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
+from gateway.upstream.upstream import engine_key_refused, key_refused_error
 from handlers.base import EngineAdapter
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -344,10 +345,10 @@ class Relay:
         else:
             resp.close()
         if self.record is not None and ctx.decision is not None and not unstarted:
-            rec = ctx.rec
-            outcome = (Outcome.NONE if cancelled else of_status(resp.status) if resp.status != 200
-                       else of_answer(rec.status, rec.error_class))
-            self.record(ctx.decision.endpoint, outcome, rec.error_class or "")
+            rec, ep = ctx.rec, ctx.decision.endpoint
+            outcome = (Outcome.NONE if cancelled else of_status(resp.status, ep.api_key is not None)
+                       if resp.status != 200 else of_answer(rec.status, rec.error_class))
+            self.record(ep, outcome, rec.error_class or "")
 
     def error_answer(self, ctx: RequestContext, status: int, body: bytes, headers: dict[str, str]) -> web.StreamResponse:
         """An error answer (``body``: the error in the request's API shape), written whole when it may be."""
@@ -367,6 +368,13 @@ class Relay:
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
             raise GatewayError(502, f"upstream answered with status {resp.status}", code="upstream_bad_response",
                                header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
+        ep = ctx.decision.endpoint if ctx.decision is not None else None
+        if ep is not None and key_refused(resp.status, ep.api_key is not None):
+            # the gateway's key for the engine is wrong: the operator's to fix, so a 502, and the
+            # engine's body (which may echo what it was sent) is not passed on
+            engine_key_refused(self.metrics, ep, rec.model, resp.status, ctx.ireq.path if ctx.ireq is not None else "")
+            rec.error_class = ErrorClass.UPSTREAM_AUTH
+            raise key_refused_error(resp.status)
         raw = await resp.read_limited(self.cfg.max_error_body_bytes)
         if ctx.api is not None:       # in the request's API shape (Anthropic's on /v1/messages)
             status, body, message = ctx.api.upstream_error(resp.status, raw)

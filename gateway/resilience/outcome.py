@@ -7,6 +7,7 @@ Every leg to an engine ends in one of four outcomes, and only faults count again
 | ``fault`` | connect refused or reset, 5xx other than 503, a broken stream, a watchdog or header timeout | counts |
 | ``backpressure`` | 429, 503: the engine is alive but busy | neutral |
 | ``client_error`` | 4xx other than 429: the request's own fault | neutral |
+| ``fault`` | 401, 403 from an engine the gateway sends its key (``api_key``): the key refused | counts |
 | ``success`` | a complete answer | closes |
 
 A leg that ends because the client went away says nothing about the engine: ``none``.
@@ -39,16 +40,23 @@ class Outcome(enum.Enum):
 
 
 BACKPRESSURE_STATUSES = frozenset({429, 503})
+AUTH_STATUSES = frozenset({401, 403})
 
 
-def of_status(status: int) -> Outcome:
-    """An engine's HTTP answer status."""
+def key_refused(status: int, keyed: bool) -> bool:
+    """An engine that was sent the gateway's key for it (``keyed``) refused it: a wrong key, the
+    endpoint's fault whatever the request (another endpoint may have the right one)."""
+    return keyed and status in AUTH_STATUSES
+
+
+def of_status(status: int, keyed: bool = False) -> Outcome:
+    """An engine's HTTP answer status; ``keyed``: the leg carried the gateway's key for the engine."""
     if status < 400:
         return Outcome.SUCCESS
     if status in BACKPRESSURE_STATUSES:
         return Outcome.BACKPRESSURE
     if status < 500:
-        return Outcome.CLIENT_ERROR
+        return Outcome.FAULT if key_refused(status, keyed) else Outcome.CLIENT_ERROR
     return Outcome.FAULT
 
 

@@ -24,16 +24,20 @@ The monitor (health probes, ``/metrics`` scrapes) is not hot and keeps a small a
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 
 import aiohttp
 import orjson
+import structlog
 
 from gateway.config.schema import HealthConfig, UpstreamConfig, WatchdogConfig
 from gateway.endpoints import Endpoint, engine_headers
+from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, usage_stream_options
 from gateway.resilience.breaker import Breakers
-from gateway.resilience.outcome import Outcome, of_failure, of_status
+from gateway.resilience.outcome import Outcome, key_refused, of_failure, of_status
 from gateway.upstream.h1client import (
     Exchange,
     SendState,
@@ -44,6 +48,13 @@ from gateway.upstream.h1client import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+
+log = structlog.get_logger("switchyard.upstream")
+
+# an engine refusing the gateway's key is logged once per endpoint in this many seconds (with the
+# count since): a wrong key fails every request sent there
+KEY_REFUSED_LOG_EVERY_S = 10.0
+_KEY_REFUSED = "key_refused"        # Endpoint.extra: (monotonic time last logged, refusals since)
 
 # client headers that are not forwarded to engines: hop-by-hop headers, the ones the gateway sets
 # itself (the body goes out decoded, so its content-encoding too), and the gateway's own routing
@@ -89,6 +100,30 @@ def upstream_headers(ireq: InferenceRequest) -> dict[str, str]:
         if name.lower() not in _DROP_HEADERS:
             h[name] = v
     return h
+
+
+def engine_key_refused(metrics: GatewayMetrics, ep: Endpoint, model: str, status: int, path: str) -> None:
+    """``ep``'s engine answered 401 or 403 to a request that carried the gateway's key for it:
+    counted (``switchyard_upstream_errors_total{error_class="upstream_auth"}``) and logged for the
+    operator (the key is wrong, or the engine's was changed). Neither the key nor the engine's
+    answer is logged."""
+    metrics.child(metrics.upstream_errors, model, ep.name, ErrorClass.UPSTREAM_AUTH).inc()
+    now = time.monotonic()
+    last, since = ep.extra.get(_KEY_REFUSED, (-math.inf, 0))
+    if now - last < KEY_REFUSED_LOG_EVERY_S:
+        ep.extra[_KEY_REFUSED] = (last, since + 1)
+        return
+    ep.extra[_KEY_REFUSED] = (now, 0)
+    log.warning("engine refused the gateway's api_key", model=model, endpoint=ep.name, status=status, path=path,
+                refused_since_last=since)
+
+
+def key_refused_error(status: int) -> GatewayError:
+    """The client's answer when the engine refused the gateway's key: a 502 (the gateway's
+    configuration, not the client's key), never the engine's own body."""
+    return GatewayError(502, f"the engine refused the gateway's credentials for it (status {status})",
+                        code="upstream_auth_failed", header=("x-error-upstream", "auth"),
+                        error_class=ErrorClass.UPSTREAM_AUTH)
 
 
 def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
@@ -164,8 +199,11 @@ class Upstream:
         ``UpstreamFailure`` (kind ``timeout`` when the time ran out). With ``report`` (not for
         aborts) the outcome goes to the endpoint's breaker."""
         status, raw = await self.answer(ep, self.begin(ep, path, body, headers), model, timeout, report)
+        keyed = ep.api_key is not None
+        if key_refused(status, keyed):
+            engine_key_refused(self.metrics, ep, model, status, path)
         if report:
-            self.record(ep, of_status(status), f"status_{status}")
+            self.record(ep, of_status(status, keyed), f"status_{status}")
         return status, raw
 
     # -- a leg in two steps: written now, awaited later (P/D: the legs go out before any bookkeeping)

@@ -17,6 +17,7 @@ import structlog
 from tests.support.factories import model_block, pd_model, pd_pair, roleset
 from tests.support.http import anthropic_client, bearer, openai_client, post, sim_state
 from tests.support.lora import FAST_LORA, LORA_SIM, load_calls
+from tests.support.metrics import metric
 from tests.support.status import ADMIN
 from tests.support.waiting import wait_for
 
@@ -111,6 +112,16 @@ async def test_a_lora_load_and_the_adapter_discovery_carry_the_key(sims, gateway
     assert await refused(sim) == []
 
 
+async def test_a_stored_response_is_read_from_its_engine_with_the_key(sims, gateway):
+    sim = await sims("vllm", "m", api_key=KEY, enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url], api_key=KEY)])
+    client = openai_client(gw)
+    r = await client.responses.create(model="m", input="Tell me a story", max_output_tokens=4)
+    got = await client.responses.retrieve(r.id)        # GET /v1/responses/{id} on the engine that holds it
+    assert got.id == r.id and got.status == "completed"
+    assert await refused(sim) == []
+
+
 async def test_discovered_pods_take_their_models_key(emu, sims, gateway, tmp_path):
     from tests.support.factories import sim_pod
     sim = await sims("sglang", "qwen", api_key=KEY)
@@ -126,10 +137,65 @@ async def test_discovered_pods_take_their_models_key(emu, sims, gateway, tmp_pat
     assert await refused(sim) == []
 
 
-@pytest.mark.parametrize("given", [KEY])
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_wrong_key_is_a_502_the_operator_sees(sims, gateway, engine):
+    """Not the engine's 401 (the client's key is not the one refused): a 502, counted, and a
+    warning that names the endpoint, once for the two refusals in a row."""
+    sim = await sims(engine, "m", api_key=KEY)
+    gw = await gateway([model_block("m", engine, [sim.url], api_key="not-the-engines-key")])
+    client = openai_client(gw)
+    with structlog.testing.capture_logs() as logs:
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+        with pytest.raises(openai.APIStatusError):
+            await client.chat.completions.create(model="m", messages=CHAT, max_tokens=2, stream=True)
+    assert e.value.status_code == 502 and e.value.code == "upstream_auth_failed"
+    assert e.value.response.headers["x-error-upstream"] == "auth"
+    assert "Unauthorized" not in e.value.message            # the engine's body is not passed on
+    warned = [x for x in logs if x["event"] == "engine refused the gateway's api_key"]
+    assert len(warned) == 1 and warned[0]["status"] == 401 and warned[0]["endpoint"] == gw.gw.pool.endpoints("m")[0].name
+    assert (f'switchyard_upstream_errors_total{{endpoint="{warned[0]["endpoint"]}",error_class="upstream_auth",'
+            f'model="m"}} 2.0') in await gw.metrics_text()
+    if engine == "sglang":
+        return
+    # Anthropic-shaped on /v1/messages
+    r = await post(gw, {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                   path="/v1/messages")
+    assert r.status == 502 and orjson.loads(r.body)["type"] == "error"
+
+
+async def test_a_wrong_key_on_a_vllm_prefill_is_a_502_without_the_engines_body(sims, gateway):
+    p, d = await pd_pair(sims, "vllm", api_key=KEY)
+    rs = {"name": "rs-1", "prefill": [{"url": p.url, "api_key": "not-the-engines-key"}], "decode": [d.url]}
+    gw = await gateway([pd_model("vllm", [rs], api_key=KEY)])
+    with pytest.raises(openai.APIStatusError) as e:
+        await openai_client(gw).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    assert e.value.status_code == 502 and e.value.code == "pd_prefill_http_status"
+    assert "refused the gateway's credentials" in e.value.message and "Unauthorized" not in e.value.message
+    prefill = next(ep for ep in gw.gw.pool.endpoints("m") if ep.role == "prefill")
+    assert metric(await gw.metrics_text(), "switchyard_upstream_errors_total", endpoint=prefill.name,
+                  error_class="upstream_auth", model="m") == 1
+    assert not [r for r in (await sim_state(d.url))["received"] if r["path"].startswith("/v1/chat")]  # no decode
+
+
+async def test_a_wrong_key_on_one_endpoint_is_retried_on_another(sims, gateway):
+    """The refusal is that endpoint's fault, not the request's: retried where the key is right."""
+    good = await sims("vllm", "m", api_key=KEY)
+    bad = await sims("vllm", "m", api_key="rotated-on-this-engine")
+    gw = await gateway([model_block("m", "vllm", [good.url, bad.url], api_key=KEY)],
+                       routing={"strategy": "round-robin"})
+    client = openai_client(gw)
+    for _ in range(4):
+        r = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    assert (await sim_state(good.url))["counts"]["completed"] == 4
+    assert await refused(good) == [] and await refused(bad)
+
+
+@pytest.mark.parametrize("given", [KEY, "wrong-" + KEY])
 async def test_the_key_is_shown_nowhere(sims, gateway, given):
     """Not in the log lines, metrics, status page, models list, answers, nor a repr of the config or
-    the endpoints; ``given``: the gateway's key for the engine."""
+    the endpoints; ``given``: the gateway's key for the engine, right or refused."""
     sim = await sims("vllm", "m", api_key=KEY)
     gw = await gateway([model_block("m", "vllm", [sim.url], api_key=given)], auth={"admin_token": ADMIN})
     with structlog.testing.capture_logs() as logs, gw.gw.request_log.capture() as lines:

@@ -16,6 +16,18 @@ def test_status(status, outcome):
     assert of_status(status) is outcome
 
 
+@pytest.mark.parametrize(("status", "unkeyed", "keyed"), [
+    (401, Outcome.CLIENT_ERROR, Outcome.FAULT), (403, Outcome.CLIENT_ERROR, Outcome.FAULT),
+    (400, Outcome.CLIENT_ERROR, Outcome.CLIENT_ERROR), (200, Outcome.SUCCESS, Outcome.SUCCESS),
+    (429, Outcome.BACKPRESSURE, Outcome.BACKPRESSURE),
+])
+def test_an_engine_refusing_the_gateways_key_is_its_fault(status, unkeyed, keyed):
+    """A 401 or 403 is the client's own when the gateway sent no key of its own; when it sent the
+    engine's api_key, that key was refused: the endpoint's fault, retried elsewhere."""
+    assert (of_status(status), of_status(status, keyed=True)) == (unkeyed, keyed)
+    assert keyed.retryable is (keyed is not Outcome.SUCCESS and keyed is not Outcome.CLIENT_ERROR)
+
+
 @pytest.mark.parametrize("kind", ["connect", "reset", "timeout", "protocol"])
 def test_failures_before_an_answer_are_faults(kind):
     assert of_failure(kind) is Outcome.FAULT
