@@ -75,6 +75,7 @@ from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
+from gateway.resilience.outcome import key_refused
 from gateway.upstream.upstream import Upstream, UpstreamFailure
 from handlers import adapter_for
 
@@ -351,6 +352,8 @@ class Lora:
         try:
             status, raw = await self.upstream.fetch(ep, call[0], call[1], {"Content-Type": "application/json"},
                                                     model, self.settings.load_timeout_s)
+            if key_refused(status, ep.api_key is not None):     # counted and logged by the fetch
+                return f"the engine refused the gateway's credentials for it (status {status})"
             if answer is not None:
                 answer.append(raw)
             return judge(status, raw)

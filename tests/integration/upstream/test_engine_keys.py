@@ -178,6 +178,18 @@ async def test_a_wrong_key_on_a_vllm_prefill_is_a_502_without_the_engines_body(s
     assert not [r for r in (await sim_state(d.url))["received"] if r["path"].startswith("/v1/chat")]  # no decode
 
 
+async def test_a_lora_load_refused_for_a_wrong_key_says_so(sims, gateway):
+    sim = await sims("vllm", "m", api_key=KEY, **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [sim.url], api_key="not-the-engines-key",
+                                    adapters={"sql": "org/sql-lora"})], lora=FAST_LORA)
+    with pytest.raises(openai.APIStatusError) as e:
+        await openai_client(gw).chat.completions.create(model="sql", messages=CHAT, max_tokens=2)
+    assert e.value.status_code == 502
+    assert "refused the gateway's credentials" in e.value.message and "Unauthorized" not in e.value.message
+    assert {"method": "POST", "path": "/v1/load_lora_adapter"} in await refused(sim)
+    assert metric(await gw.metrics_text(), "switchyard_upstream_errors_total", error_class="upstream_auth") >= 1
+
+
 async def test_a_wrong_key_on_one_endpoint_is_retried_on_another(sims, gateway):
     """The refusal is that endpoint's fault, not the request's: retried where the key is right."""
     good = await sims("vllm", "m", api_key=KEY)
