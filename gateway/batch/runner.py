@@ -224,7 +224,12 @@ class BatchRunner:
             if doc["status"] != "finalizing":
                 return          # cancelled meanwhile: the next refresh halts it
         if final in ("cancelled", "expired"):
-            await self._unanswered(job, "batch_cancelled" if final == "cancelled" else "batch_expired")
+            try:
+                await self._unanswered(job, "batch_cancelled" if final == "cancelled" else "batch_expired")
+            except OSError as e:        # the lines never answered cannot be named: the batch fails, saying why
+                log.error("batch input unreadable", batch_id=bid, exc_info=e)
+                job.unreadable = f"the input file could not be read on: {e.strerror or e}"
+                final = "failed"
         out_id, err_id = await asyncio.to_thread(self._write_outputs, bid, job.owner)
         now = now_s()
 

@@ -2,7 +2,8 @@
 that names an alias meets the headroom of the alias's targets; a model with no ready endpoint holds
 its lines (they wait, not fail); a model without room does not hold back the lines of other models
 in the same file; an input file whose time is up is kept while a batch reads it; a batch cancelled
-before it was validated counts its lines; a malformed part header of an upload is a 400."""
+before it was validated counts its lines; one cancelled once its input cannot be read fails, and the
+runner goes on; a malformed part header of an upload is a 400."""
 
 from __future__ import annotations
 
@@ -154,6 +155,31 @@ async def test_an_input_that_cannot_be_read_on_fails_the_batch_and_says_why(sims
     assert b.status == "failed" and b.failed_at and b.errors.data[0].code == "file_unreadable"
     answered = b.request_counts.completed + b.request_counts.failed
     assert 0 < answered <= 256 and b.output_file_id
+
+
+async def test_a_batch_cancelled_once_its_input_cannot_be_read_fails_and_the_runner_goes_on(sims, gateway, tmp_path):
+    """A cancelled batch names each line it never ran in its error file, reading its input again:
+    when the input is lost, it ends ``failed`` saying why, and the next batch runs."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_concurrency=1))
+    c = openai_client(gw)
+    # one line at a time of 10 tokens: the first read's 256 lines keep the runner busy long after the cancel
+    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * 300, max_tokens=10))), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    async def first_answered() -> bool:
+        got = await c.batches.retrieve(b.id)
+        return got.request_counts is not None and got.request_counts.completed > 0
+
+    await until(first_answered, timeout=20, interval=0.01)
+    (tmp_path / "batch" / "files" / f.id).unlink()         # the disk lost it
+    assert (await c.batches.cancel(b.id)).status == "cancelling"
+    b = await run_to_end(c, b.id, timeout=30)
+    assert b.status == "failed" and b.failed_at and b.cancelling_at
+    assert [e.code for e in b.errors.data] == ["file_unreadable"]
+    assert 0 < b.request_counts.completed < 300 and b.output_file_id
+    after = await run_to_end(c, (await create(c, rows(["m"] * 2))).id, timeout=30)
+    assert after.status == "completed" and after.request_counts.completed == 2
 
 
 async def test_no_line_starts_once_a_drain_begins(sims, gateway, tmp_path):
