@@ -423,12 +423,19 @@ class BatchRunner:
             self.placed[rid] = ep.name
             self.lines_on.setdefault(ep.name, {})[rid] = task
             return
-        running = self.lines_on.get(ep.name)
-        if not running or free_slots(ep, self.cfg.endpoint_capacity, self.engine_signals()) >= 1:
-            return
+        if ep.name in self.lines_on and free_slots(ep, self.cfg.endpoint_capacity, self.engine_signals()) < 1:
+            self.preempt(ep.name)
+
+    def preempt(self, endpoint: str) -> bool:
+        """The newest batch line on ``endpoint`` stops and goes back to the queue (uncounted), for an
+        interactive request routed there with no free slot (here, or in a sibling worker)."""
+        running = self.lines_on.get(endpoint)
+        if not running:
+            return False
         victim = next(reversed(running))
         self.preempted.add(victim)
         running.pop(victim).cancel()
+        return True
 
     async def _run_line(self, job: _Job, line: Line, attempts: int, model: str, rid: str) -> None:
         body = dict(line.body)

@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import os
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -21,10 +22,11 @@ from aiohttp import web
 from gateway.batch import files as batch_files
 from gateway.batch.api import BatchApi
 from gateway.batch.config import BatchConfig
+from gateway.batch.headroom import free_slots
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.runner import BatchRunner, Submit
 from gateway.batch.store import BatchDb, BatchStore, now_s
-from gateway.endpoints import EndpointPool
+from gateway.endpoints import Endpoint, EndpointPool
 from gateway.tenants.service import NoTenancy, Tenancy
 
 log = structlog.get_logger("switchyard.batch")
@@ -81,6 +83,7 @@ class BatchService:
         self.runner: BatchRunner | None = None
         self.lock = DirLock(os.path.join(self.db.dir, "runner.lock"))
         self._task: asyncio.Task | None = None
+        self.tell_siblings: Callable[[Endpoint], None] | None = None
 
     def _wake(self) -> None:
         if self.runner is not None:
@@ -91,10 +94,14 @@ class BatchService:
         """This process runs the batches (holds the directory's lock)."""
         return self.lock.fd is not None
 
-    def lifecycle(self, submit: Submit, claims: list):
+    def lifecycle(self, submit: Submit, claims: list, tell_siblings: Callable[[Endpoint], None] | None = None):
         """``claims``: the routing decisions' claims, where the runner learns where its lines run and
-        preempts one for an interactive request that would otherwise wait in an engine's queue."""
-        self.claims = claims
+        preempts one for an interactive request that would otherwise wait in an engine's queue.
+        ``tell_siblings``: with ``--workers N``, how a worker that does not run batches asks the one
+        that does for a slot its interactive request found taken (``sibling_preempt`` there)."""
+        self.tell_siblings = tell_siblings
+        claims.append(self.on_decision)
+
         async def batches(_app: web.Application) -> AsyncIterator[None]:
             await self.db.open()
             await asyncio.to_thread(batch_files.prepare, self.db.dir)
@@ -102,8 +109,8 @@ class BatchService:
             try:
                 yield
             finally:
-                if self.runner is not None and self.runner.on_decision in claims:
-                    claims.remove(self.runner.on_decision)
+                if self.on_decision in claims:
+                    claims.remove(self.on_decision)
                 self._task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
@@ -117,7 +124,6 @@ class BatchService:
             await asyncio.sleep(LOCK_RETRY_S)
         log.info("running batches", dir=self.db.dir, pid=os.getpid())
         self.runner = BatchRunner(self.cfg, self.db, submit, self.pool, self.metrics, **self._signals)
-        self.claims.append(self.runner.on_decision)
         sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
         try:
             await self.runner.run()
@@ -125,6 +131,25 @@ class BatchService:
             sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
+
+    def on_decision(self, ireq: Any, decision: Any, fallbacks: Any, elapsed: float) -> None:
+        """A routing decision's claim. Where batches run, the runner's (its lines' places, and
+        preemption); in a sibling worker, an interactive request routed to an endpoint with no free
+        slot, where that worker's lines may run (requests of other processes are on it), asks it
+        to stop one."""
+        runner = self.runner
+        if runner is not None:
+            runner.on_decision(ireq, decision, fallbacks, elapsed)
+            return
+        ep = decision.endpoint
+        if (self.tell_siblings is not None and ep.remote_in_flight > 0
+                and free_slots(ep, self.cfg.endpoint_capacity, self._signals["engine_signals"]()) < 1):
+            self.tell_siblings(ep)
+
+    def sibling_preempt(self, ep: Endpoint) -> bool:
+        """A sibling worker's interactive request found no free slot on ``ep``: the newest batch line
+        there stops, if this worker runs batches and has one there."""
+        return self.runner is not None and self.runner.preempt(ep.name)
 
     async def _sweep(self) -> None:
         """Expired files leave the store and the disk; so do files on disk the store forgot."""

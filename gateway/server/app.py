@@ -233,7 +233,10 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     app.cleanup_ctx.append(_engines(config, s, reloader))
     app.cleanup_ctx.append(_shared_view(s.view))
     if batch is not None:       # started last (the engines' clients are up), stopped first
-        app.cleanup_ctx.append(batch.lifecycle(lambda line: reloader.live.pipeline.handle(line), s.decision_claims))
+        tell = s.view.tell_preempt if s.view.bus is not None else None     # --workers N: the runner is one of them
+        s.view.on_preempt = batch.sibling_preempt
+        app.cleanup_ctx.append(batch.lifecycle(lambda line: reloader.live.pipeline.handle(line), s.decision_claims,
+                                               tell))
     return app
 
 

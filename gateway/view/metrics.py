@@ -75,7 +75,8 @@ class ViewMetrics:
                                "Facts from other processes applied to this one's view (insert: a prefix-index "
                                "insertion; session; load: one sibling's in-flight counts; breaker: a sibling's ejection or "
                                "close adopted; tokens: a sibling's tokenized "
-                               "prompt segment new to this worker; unknown_endpoint: "
+                               "prompt segment new to this worker; preempt: a batch line stopped for a sibling's "
+                               "interactive request; unknown_endpoint: "
                                "naming an endpoint this process does not have, skipped)",
                                ["source", "kind"], registry=r)
         self.lag = Histogram("switchyard_view_lag_seconds",

@@ -28,7 +28,10 @@ own view, without telling anyone again:
   ``Lora.adopt_models``); the others skip it while they hear from the watcher, and do the reads
   themselves when they have not for two intervals plus the timeout (the watcher restarting). A snapshot carries the in-flight requests its sender knew of
   at the scrape, so each worker can tell its own requests from other gateways' in the engine's
-  counts (``EngineMetrics.gateway_in_flight``).
+  counts (``EngineMetrics.gateway_in_flight``);
+* between workers, an interactive request routed to an endpoint with no free slot
+  (``tell_preempt``): the worker that runs batches stops its newest batch line there
+  (``on_preempt``), as it does for its own requests (``gateway.batch``).
 
 Nothing waits: a decision appends its facts to this process's outbox and the batch leaves once per
 event-loop turn (``loop.call_soon``), to the siblings over the local bus (``gateway.view.bus``)
@@ -42,7 +45,7 @@ import asyncio
 import secrets
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +143,8 @@ class RoutingView:
         self._probes: list[Probe] = []
         self._scrapes: list[Scrape] = []
         self._served: list[Served] = []
+        self._preempts: list[str] = []
+        self.on_preempt: Callable[[Endpoint], Any] | None = None   # a sibling asks for a batch line's slot here
         self._lora: Any = None               # this process's LoRA stage, whose discovery is shared
         self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape" | "models", endpoint key) → heard at
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -232,6 +237,13 @@ class RoutingView:
         if self._watching(ep):
             self._served.append(Served(self._key(ep), asked, adapters))
             self._later()
+
+    def tell_preempt(self, ep: Endpoint) -> None:
+        """An interactive request was routed to ``ep`` with no free slot: the siblings learn it at
+        the end of this turn (not held: it waits in the engine's queue until a batch line stops)."""
+        if self.bus is not None:
+            self._preempts.append(self._key(ep))
+            self._soon()
 
     def _on_breaker(self, ep: Endpoint, open_for: float, ejections: int) -> None:
         self._ejects.append(Eject(self._key(ep), open_for, ejections))
@@ -334,6 +346,9 @@ class RoutingView:
         served = self._served
         if served:
             self._served = []
+        preempt = self._preempts
+        if preempt:
+            self._preempts = []
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None
@@ -345,10 +360,10 @@ class RoutingView:
             if snap != self._sent_load or (snap and now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01):   # (a timer may fire a hair early)
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
-        if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served
+        if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served or preempt
                                 or load is not None):
             payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens,
-                              ejects, probes, scrapes, served)
+                              ejects, probes, scrapes, served, preempt)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if self._loop is not None:
                 self._flushed_at = self._loop.time()
@@ -472,6 +487,15 @@ class RoutingView:
                 self._peers.pop(batch.sender, None)
             m.gm.child(m.applied, source, "load").inc()
             self._sum_peers()
+        if batch.preempt and self.on_preempt is not None and source == "worker":
+            n = 0
+            for key in batch.preempt:       # after the load: the sender's request is counted here
+                ep = self._resolve(key)
+                if ep is None:
+                    m.gm.child(m.applied, source, "unknown_endpoint").inc()
+                elif self.on_preempt(ep):
+                    n += 1
+            m.gm.child(m.applied, source, "preempt").inc(n)
 
     def _adopt_monitoring(self, batch: Batch) -> int:
         """A watcher's probes, scrapes and adapter lists, adopted (each endpoint's watcher then

@@ -23,7 +23,10 @@ discovery alike):
   endpoint (``view.share_monitoring``), with ``known``: the in-flight requests the sender knew of
   on the endpoint when the engine answered (its own and ``remote_in_flight``); ``Served``: the LoRA
   adapters the endpoint's ``/v1/models`` listed when the watcher asked (None: no answer). The
-  local bus only.
+  local bus only;
+* ``preempt``: endpoints where the sender routed an interactive request that found no free slot
+  while a sibling's batch lines may run there; the worker that runs batches stops its newest line
+  on each (``gateway.batch``). The local bus only.
 
 ``encode`` splits what does not fit in ``max_bytes`` over several batches.
 """
@@ -88,6 +91,7 @@ class Batch(msgspec.Struct, array_like=True):
     probes: list[Probe] = []
     scrapes: list[Scrape] = []
     served: list[Served] = []
+    preempt: list[str] = []              # endpoint keys: an interactive request found no free slot there
 
 
 def endpoint_key(ep: Endpoint) -> str:
@@ -138,28 +142,28 @@ def _size(fact: Insert | Session | Tokens | Probe | Scrape | Served) -> int:
 def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
            load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
            breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
-           scrapes: Sequence[Scrape] = (), served: Sequence[Served] = ()) -> list[bytes]:
+           scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = ()) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
     out: list[bytes] = []
     lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
-    used = 64 * len(breakers)               # a few, small: they go in the first batch
+    used = 64 * len(breakers) + sum(len(k) + 8 for k in preempt)    # a few, small: in the first batch
 
     def batch() -> bytes:
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
-                                     list(breakers), lists[Probe], lists[Scrape], lists[Served]))
+                                     list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt)))
 
     for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
-        if used + n > budget and (breakers or any(lists.values())):
+        if used + n > budget and (breakers or preempt or any(lists.values())):
             out.append(batch())
             load = None
             lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
-            breakers = ()
+            breakers = preempt = ()
             used = 0
         lists[fact.__class__].append(fact)
         used += n
-    if any(lists.values()) or breakers or load is not None or not out:
+    if any(lists.values()) or breakers or preempt or load is not None or not out:
         out.append(batch())
     return out

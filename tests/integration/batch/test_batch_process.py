@@ -1,12 +1,14 @@
 """A real gateway process running a batch: killed with SIGKILL mid-batch and started again on the same
 ``batch.dir``, it resumes, and the output holds exactly one line per custom_id; with ``--workers 2``
-exactly one worker runs the batches while both answer the API."""
+exactly one worker runs the batches while both answer the API, and the other worker's interactive
+requests preempt its lines."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -20,17 +22,17 @@ from tests.support.waiting import until
 N = 60
 
 
-def config_text(port: int, url: str, batch_dir: str) -> str:
+def config_text(port: int, url: str, batch_dir: str, batch: str = "max_concurrency: 4") -> str:
     return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
             "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
             "health: {interval_s: 0.5}\nscrape: {interval_s: 0.2}\n"
             f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n"
-            f"batch: {{enabled: true, dir: '{batch_dir}', poll_interval_s: 0.05, max_concurrency: 4}}\n")
+            f"batch: {{enabled: true, dir: '{batch_dir}', poll_interval_s: 0.05, {batch}}}\n")
 
 
-def rows(n: int) -> list[dict]:
+def rows(n: int, max_tokens: int = 5) -> list[dict]:
     return [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-             "body": {"model": "m", "messages": [{"role": "user", "content": f"Item {i}"}], "max_tokens": 5}}
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"Item {i}"}], "max_tokens": max_tokens}}
             for i in range(n)]
 
 
@@ -87,6 +89,18 @@ async def test_with_two_workers_one_runs_batches_and_both_answer(sims, tmp_path)
             assert (await c.batches.retrieve(b.id)).status == "completed"
 
 
+async def _session_on_worker(port: int, runs_batches: bool) -> aiohttp.ClientSession:
+    """A session whose one keep-alive connection is with a worker that runs the batches, or not
+    (a connection stays with the worker that accepted it)."""
+    async with asyncio.timeout(20):
+        while True:
+            s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                if (await r.json())["batch"]["runs_here"] == runs_batches:
+                    return s
+            await s.close()
+
+
 async def _refused(port: int) -> bool:
     """Nothing listens on ``port`` any more."""
     try:
@@ -97,3 +111,36 @@ async def _refused(port: int) -> bool:
         return False
     writer.close()
     return False
+
+
+@pytest.mark.timeout(120)
+async def test_an_interactive_request_of_the_other_worker_takes_a_batch_lines_slot(sims, tmp_path):
+    """With ``--workers 2`` one worker runs the batch lines; an interactive request the other one
+    routes to an engine they fill stops the newest of them (it goes back to the queue), as a request
+    of the runner's own does, instead of waiting in the engine's queue for a line to end."""
+    sim = await sims("vllm", "m", itl_ms=20.0, max_num_seqs=2)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    # the lines take both of the engine's slots, 10 s each
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch"),
+                               "max_concurrency: 2, endpoint_capacity: 2, reserve_slots: 0"))
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(4, max_tokens=500))), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+        async def full() -> bool:
+            return len((await sim_state(sim.url))["running"]) == 2
+
+        await until(full, timeout=30)
+        async with await _session_on_worker(port, runs_batches=False) as s, \
+                s.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                       json={"model": "m", "messages": [{"role": "user", "content": "now"}], "max_tokens": 3}) as r:
+            assert r.status == 200
+        state = await sim_state(sim.url)
+        # it was answered with the lines still running: one of them gave it its slot
+        assert [i for i in state["aborted_ids"] if "batch_req_" in i], state["counts"]
+        await c.batches.cancel(b.id)
+        done = await run_to_end(c, b.id)
+        counts = done.request_counts
+        assert done.status == "cancelled" and counts.completed + counts.failed == counts.total == 4

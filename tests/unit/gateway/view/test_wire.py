@@ -48,3 +48,13 @@ def test_probes_and_engine_snapshots_round_trip_and_are_split_to_fit():
     assert [s for b in batches for s in b.scrapes] == scrapes
     with pytest.raises(ValueError):
         decode_snapshot(b"\x93\x01\x02\x03")
+
+
+def test_preemption_requests_travel_once_in_the_first_batch():
+    ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]
+    out = encode("g/1", 1.0, ins, [], None, 4096, preempt=["m|http://a:1", "m|http://a:1"])
+    batches = [decode(p) for p in out]
+    assert len(batches) > 1 and batches[0].preempt == ["m|http://a:1", "m|http://a:1"]
+    assert all(b.preempt == [] for b in batches[1:])
+    (alone,) = encode("g/1", 1.0, [], [], None, 4096, preempt=["m|http://b:2"])
+    assert decode(alone).preempt == ["m|http://b:2"]
