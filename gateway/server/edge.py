@@ -99,6 +99,7 @@ class EdgeLimits:
     max_headers: int = 100
     max_body_bytes: int = 16 * 1024 * 1024
     upload_max_bytes: int = 0          # POST /v1/files (batch.max_file_bytes and its multipart); 0: as any body
+    upload_file_bytes: int = 0         # batch.max_file_bytes itself, which an upload's 413 names
     fast_lane: bool = True             # gateway/server/lane.py
 
     @classmethod
@@ -150,11 +151,12 @@ class _ConnectionGauge(Collector):
                                   "the others went through aiohttp's request path", value=self._edge.lane_requests)
 
 
-def _shaped_body(path: str | None, status: int, message: str, type_: str | None, code: str) -> bytes:
+def _shaped_body(path: str | None, status: int, message: str, type_: str | None, code: str,
+                 param: str | None = None) -> bytes:
     """An error body in the shape the path's clients read: Anthropic's on the Messages paths."""
     if path in ANTHROPIC_PATHS:
         return orjson.dumps(anthropic_error(status, message))
-    return orjson.dumps(error_body(status, message, type_=type_, code=code))
+    return orjson.dumps(error_body(status, message, type_=type_, code=code, param=param))
 
 
 def error_response_bytes(status: int, message: str, *, code: str, request_id: str | None = None,
@@ -741,9 +743,9 @@ class EdgeProtocol(web.RequestHandler):
 
 
 def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
-                   headers: dict[str, str] | None = None) -> web.Response:
+                   headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
     rid = request_id_from(request.headers.get("x-request-id"))
-    body = _shaped_body(request.path, status, message, _error_type(status), code)   # Anthropic's on its paths
+    body = _shaped_body(request.path, status, message, _error_type(status), code, param)   # Anthropic's on its paths
     resp = error_response(status, body, {"request-id": rid, "x-request-id": rid, **(headers or {})})
     resp.force_close()      # Connection: close; aiohttp reads and drops an unread body a little while first
     return resp
@@ -760,6 +762,13 @@ def body_too_large(request: web.BaseRequest, limit: int, key: str = "server.max_
     """A Content-Length above ``server.max_body_bytes`` is refused at once, not after reading it."""
     return _closing_error(request, 413, f"request body exceeds {limit} bytes ({key})",
                           "body_too_large")
+
+
+def file_too_large(request: web.BaseRequest, limit: int) -> web.Response:
+    """An upload whose Content-Length cannot hold a file within ``batch.max_file_bytes``: refused at
+    once, with the answer the Files API gives a file found too large as it arrives."""
+    return _closing_error(request, 413, f"the file exceeds batch.max_file_bytes ({limit} bytes)",
+                          "file_too_large", param="file")
 
 
 def _peer(transport: asyncio.BaseTransport | None) -> str | None:
@@ -814,7 +823,7 @@ class EdgeServer(web.Server):
                 if not (max_upload and request.path == UPLOAD_PATH):
                     return body_too_large(request, max_body)
                 if length > max_upload:
-                    return body_too_large(request, max_upload, "batch.max_file_bytes")
+                    return file_too_large(request, edge.limits.upload_file_bytes)
             broken = request.content.exception()
             if broken is not None:          # the body came with the head and does not decode
                 request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer

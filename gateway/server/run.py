@@ -51,7 +51,8 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
     # the edge (gateway/server/edge.py): slow-client clocks, connection cap, header limits, shaped errors
     limits = EdgeLimits.from_config(config.server)
     if config.batch.enabled:        # an upload to /v1/files may be larger than an inference body
-        limits = dataclasses.replace(limits, upload_max_bytes=config.batch.max_file_bytes + MULTIPART_SLACK)
+        limits = dataclasses.replace(limits, upload_max_bytes=config.batch.max_file_bytes + MULTIPART_SLACK,
+                                     upload_file_bytes=config.batch.max_file_bytes)
     edge = Edge(limits, app[GATEWAY_KEY].metrics.registry)
     _check_fd_limit(edge.limits.max_connections)
     inline_request_handlers(asyncio.get_running_loop())    # Python 3.11: no task hop per request

@@ -250,6 +250,32 @@ async def test_hostile_uploads_are_refused_in_openai_shape(sims, gateway, tmp_pa
     assert list((tmp_path / "batch" / "tmp").iterdir()) == []
 
 
+async def test_a_file_too_large_is_one_413_whether_its_length_is_told_or_not(sims, gateway, tmp_path):
+    """An upload whose Content-Length already says its file cannot fit is refused before it is read
+    (at the edge), a chunked one once its bytes pass the limit (by the Files API): one answer."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"max_body_bytes": 65_536},
+                       batch={**batch_cfg(tmp_path), "max_file_bytes": 100_000})
+    big = jsonl(lines("/v1/chat/completions", 3000))
+    assert len(big) > 200_000
+    with pytest.raises(openai.APIStatusError) as ei:
+        await openai_client(gw).files.create(file=("in.jsonl", big), purpose="batch")
+    told = (ei.value.status_code, ei.value.body)
+    body = _multipart([("purpose", None, b"batch"), ("file", "in.jsonl", big)])
+
+    async def pieces():
+        for i in range(0, len(body), 16_384):
+            yield body[i:i + 16_384]
+
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/files", data=pieces(),
+                                                    headers={"Content-Type": "multipart/form-data; boundary=xyzBOUNDARY"}) as r:
+        chunked = (r.status, (await r.json())["error"])
+    assert told == chunked
+    assert told[0] == 413 and (told[1]["code"], told[1]["param"]) == ("file_too_large", "file")
+    assert "batch.max_file_bytes (100000 bytes)" in told[1]["message"]
+    assert (await openai_client(gw).files.list()).data == []
+
+
 async def test_truncated_and_malformed_uploads_and_bad_batch_requests(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
