@@ -7,7 +7,9 @@
   will be tried again (``retried``) and lines stopped for an interactive request (``preempted``);
 - ``switchyard_batch_lines_in_flight{model}``: lines running now;
 - ``switchyard_batch_queue_age_seconds``: age of the oldest unfinished batch (0: none);
-- ``switchyard_batches_finished_total{status}``: batches that reached a final state.
+- ``switchyard_batches_finished_total{status}``: batches that reached a final state;
+- ``switchyard_batch_runner_failures_total``: times the runner failed on a fault of its own and was
+  started again from the job store.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class BatchMetrics(Collector):
                                    "tries to be tried again (retried)", ["model", "outcome"], registry=registry)
         self.finished = Counter("switchyard_batches_finished", "Batches that reached a final state",
                                 ["status"], registry=registry)
+        self.failures = Counter("switchyard_batch_runner_failures", "Times the batch runner failed on a fault "
+                                "of its own (logged) and was started again from the job store", registry=registry)
         self.running = False                  # this process runs the batches
         self.counts: dict[str, int] = {}
         self.oldest: float | None = None      # created_at of the oldest unfinished batch (unix seconds)
@@ -44,6 +48,9 @@ class BatchMetrics(Collector):
     def in_flight(self, model: str, delta: int) -> None:
         key = model or "-"
         self.lines_in_flight[key] = self.lines_in_flight.get(key, 0) + delta
+
+    def runner_failed(self) -> None:
+        self.failures.inc()
 
     def batch_done(self, status: str) -> None:
         self.finished.labels(status).inc()

@@ -32,6 +32,8 @@ from gateway.tenants.service import NoTenancy, Tenancy
 log = structlog.get_logger("switchyard.batch")
 
 LOCK_RETRY_S = 2.0
+# a runner that failed is started again after this, doubling to the most while it keeps failing
+RESTART_S, RESTART_MAX_S = 1.0, 60.0
 SWEEP_EVERY_S = 60.0
 
 
@@ -123,14 +125,28 @@ class BatchService:
         while not await asyncio.to_thread(self.lock.try_acquire):
             await asyncio.sleep(LOCK_RETRY_S)
         log.info("running batches", dir=self.db.dir, pid=os.getpid())
-        self.runner = BatchRunner(self.cfg, self.db, submit, self.pool, self.metrics, **self._signals)
-        sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
-        try:
-            await self.runner.run()
-        finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+        failures = 0
+        while True:
+            self.runner = BatchRunner(self.cfg, self.db, submit, self.pool, self.metrics, **self._signals)
+            sweeper = asyncio.create_task(self._sweep(), name="batch-sweeper")
+            began = asyncio.get_running_loop().time()
+            try:
+                await self.runner.run()
+                return
+            except Exception:
+                # a fault the runner does not handle (a full disk while writing a batch's output, a
+                # bug): its lines in flight were stopped (``BatchRunner.run``), so a runner started
+                # again from the job store runs them again, as after a restart
+                ran = asyncio.get_running_loop().time() - began
+                failures = 1 if ran >= RESTART_MAX_S else failures + 1
+                wait = min(RESTART_MAX_S, RESTART_S * 2 ** (failures - 1))
+                self.metrics.runner_failed()
+                log.exception("the batch runner failed; started again from the job store", retry_in_s=wait)
+            finally:
+                sweeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sweeper
+            await asyncio.sleep(wait)
 
     def on_decision(self, ireq: Any, decision: Any, fallbacks: Any, elapsed: float) -> None:
         """A routing decision's claim. Where batches run, the runner's (its lines' places, and

@@ -202,3 +202,40 @@ async def test_no_line_starts_once_a_drain_begins(sims, gateway, tmp_path):
     await asyncio.sleep(0.9)                    # still within the delay: the listener is open
     assert (await sim_state(sim.url))["counts"]["started"] == at_drain
     await drain
+
+
+async def test_a_runner_that_fails_is_started_again_and_answers_every_line_once(sims, gateway, tmp_path, caplog):
+    """A fault the runner does not handle (here the disk full when it writes answered lines) is
+    logged and counted, and a runner started again from the job store answers the rest: every
+    line once."""
+    import errno
+
+    import orjson
+
+    from gateway.server.app import BATCH_KEY
+    from tests.support.metrics import metric
+
+    sim = await sims("vllm", "m", itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_concurrency=2))
+    service = gw.runner.app[BATCH_KEY]
+    await until(lambda: service.runner is not None, timeout=10)
+    first = service.runner
+    real = first._flush_all
+    calls = 0
+
+    async def disk_full() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        await real()
+
+    first._flush_all = disk_full
+    c = openai_client(gw)
+    b = await run_to_end(c, (await create(c, rows(["m"] * 30))).id, timeout=60)
+    assert service.runner is not first and calls >= 5
+    assert b.status == "completed" and b.request_counts.completed == 30 and b.request_counts.failed == 0
+    out = [orjson.loads(line) for line in (await c.files.content(b.output_file_id)).content.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(30))
+    page = await gw.metrics_text()
+    assert metric(page, "switchyard_batch_runner_failures_total") == 1
