@@ -76,6 +76,8 @@ class PrefillFailed(Exception):
         kw: dict[str, Any] = {"code": f"pd_prefill_{self.failure_class}",
                               "header": ("x-error-pd-prefill", self.failure_class),
                               "error_class": ErrorClass.pd_prefill(self.failure_class)}
+        if status == 503:       # no prefill left to try: as the 503 of a model with no ready endpoint
+            kw["headers"] = {"Retry-After": "5"}
         if self.retryable:
             return PairFailed(status, message, endpoint=prefill, cause=f"prefill_{self.kind}", **kw)
         return GatewayError(status, message, **kw)

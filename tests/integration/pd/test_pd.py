@@ -208,6 +208,7 @@ async def test_prefill_refused(sims, gateway, engine):
     gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60})
     st, hdrs, raw = await post(gw, body())
     assert st == 503 and hdrs["x-error-pd-prefill"] == "transport"
+    assert hdrs["Retry-After"] == "5"          # a 503 tells when to come back, as every 429 and 503 does
     assert "transport" in orjson.loads(raw)["error"]["message"]
     assert await wait_for(lambda: quiet(d.url), timeout=5)
 
