@@ -64,6 +64,7 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_view_lag_recent_seconds": MAX,
     "switchyard_config_last_reload_successful": MIN,
     "switchyard_config_generation": MIN,
+    "switchyard_kv_events_fast_tokenizer": MIN,      # 1 only while every worker encodes with tiktoken
     # the processes
     "process_start_time_seconds": MIN,
     "process_max_fds": MAX,

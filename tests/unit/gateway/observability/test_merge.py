@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,6 +24,8 @@ from gateway.observability.merge import (
 from gateway.observability.metrics import GatewayMetrics
 from gateway.server.app import GATEWAY_KEY, build_app
 from tests.support.metrics import sample_map
+
+TINY_TOKENIZER = Path(__file__).resolve().parents[4] / "enginesim" / "tokenizer_data" / "tiny"
 
 
 def worker(requests: dict[tuple[str, str], int], ttft: list[float], in_flight: int, ready: int,
@@ -111,7 +114,9 @@ ADDITIVE = {
 async def test_every_gauge_the_gateway_exports_is_classified():
     """A new gauge must say how workers' values combine: summed (listed here) or in GAUGE_RULES."""
     cfg = config_from_dict({
-        "models": [{"name": "m", "endpoints": ["http://127.0.0.1:9"], "adapters": {"a": "/x"}}],
+        "models": [{"name": "m", "endpoints": ["http://127.0.0.1:9"], "adapters": {"a": "/x"}},
+                   {"name": "k", "endpoints": ["http://127.0.0.1:9"], "tokenizer": str(TINY_TOKENIZER),
+                    "kv_events": {"enabled": True}}],
         "auth": {"api_keys": [{"key": "sk-x", "user": "u"}]}, "admission": {"enabled": True},
         "batch": {"enabled": True}})
     registry = build_app(cfg)[GATEWAY_KEY].metrics.registry
