@@ -47,6 +47,7 @@ class Waiter:
     pairs: bool = False                  # routed as a prefill/decode pair
     cost: float = 1.0                    # tokens it will be charged (its user's counter)
     deadline: float = math.inf           # monotonic seconds by which its first token is due
+    slo_ms: float | None = None          # the TTFT objective its deadline comes from
     seq: int = 0                         # arrival order (set by the queue)
 
     def key(self) -> tuple[float, int]:

@@ -227,7 +227,7 @@ class Admission:
             if not victim.fut.done():
                 victim.fut.set_exception(err)
         w = Waiter(rank, user, size, now, asyncio.get_running_loop().create_future(), candidates=candidates,
-                   pairs=pairs, cost=cost, deadline=deadline)
+                   pairs=pairs, cost=cost, deadline=deadline, slo_ms=slo)
         q.push(w)
         self._pump(model)
         try:
@@ -383,6 +383,13 @@ class Admission:
         now = self.clock()
         q = mq.queue
         while (w := q.peek()) is not None:
+            if w.deadline <= now and not w.fut.done() and (s := self.settings(model)) is not None:
+                # its deadline passed before its timer ran (a busy event loop ran the release that
+                # frees a slot first): shed now, never served late
+                err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), slo=w.slo_ms)
+                q.pop()
+                w.fut.set_exception(err)
+                continue
             eps = [ep for ep in w.candidates if ep.ready]
             if eps and total_headroom(eps, w.pairs, by_class[w.rank], now) - mq.granted < 1:
                 return

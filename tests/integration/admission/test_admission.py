@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from functools import partial
 
 import openai
@@ -229,6 +230,28 @@ async def test_deadlines_earliest_first_and_shed_when_the_queue_cannot_meet_them
     assert status == 429 and orjson.loads(raw)["error"]["code"] == "deadline" and int(headers["Retry-After"]) >= 1
     await cancel(blocker)
     assert (await waiting)[0] == 200
+    text = await gw.metrics_text()
+    assert 'switchyard_admission_shed_total{model="m",priority="standard",reason="deadline"} 1.0' in text
+    assert 'switchyard_slo_requests_total{model="m",objective="ttft",outcome="shed"} 1.0' in text
+
+
+async def test_a_waiter_whose_deadline_passed_before_its_timer_ran_is_shed_not_served_late(sims, gateway):
+    """A busy event loop can run the release that frees a slot before the timer of a waiter whose
+    deadline has just passed (seen at three times capacity: waits of 503 ms on a 500 ms objective).
+    The admission clock is moved past the deadline while the loop's timer is still far off (no
+    scrapes: the in-flight cap alone says when there is room, so the clock does not age them)."""
+    sim, gw = await capped_gateway(sims, gateway, scrape={"enabled": False})
+    blocker = await hold(gw)
+    waiting = asyncio.create_task(post(gw.url, body(), {"x-slo-ttft-ms": "60000"}))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    gw.gw.admission.clock = lambda: time.monotonic() + 3600
+    await cancel(blocker)                                # room, after the deadline
+    status, headers, raw = await waiting
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "deadline" and int(headers["Retry-After"]) >= 1
+    assert sim.engine.counts.started == 1                # only the blocker reached the engine
+    assert len(queue(gw)) == 0 and gw.gw.admission._models["m"].granted == 0
+    gw.gw.admission.clock = time.monotonic
+    assert (await post(gw.url, body()))[0] == 200        # and the next request is served
     text = await gw.metrics_text()
     assert 'switchyard_admission_shed_total{model="m",priority="standard",reason="deadline"} 1.0' in text
     assert 'switchyard_slo_requests_total{model="m",objective="ttft",outcome="shed"} 1.0' in text
