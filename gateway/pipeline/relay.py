@@ -37,6 +37,9 @@ from gateway.upstream.upstream import engine_key_refused, key_refused_error
 from handlers.base import EngineAdapter
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# the Retry-After of an engine's 429 or 503 relayed without one, in seconds: a full queue drains in
+# about a second; an engine unavailable waits as long as the gateway's own 503s say
+ENGINE_RETRY_AFTER = {429: "1", 503: "5"}
 SSE_TYPE = "text/event-stream; charset=utf-8"
 
 
@@ -387,6 +390,8 @@ class Relay:
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, f"status_{status}").inc()
         if "Retry-After" in resp.headers:
             headers["Retry-After"] = resp.headers["Retry-After"]
+        elif status in (429, 503):      # the engine named no wait: every 429 and 503 names one
+            headers["Retry-After"] = ENGINE_RETRY_AFTER[status]
         return self.error_answer(ctx, status, body, headers)
 
     async def _stream(self, ctx: RequestContext, resp: UpstreamResponse, headers: dict[str, str],

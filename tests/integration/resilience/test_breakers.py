@@ -100,6 +100,9 @@ async def test_backpressure_is_retried_where_there_is_headroom_and_never_opens(s
                         retry={"on_backpressure": False})
     st, hdrs, _ = await post(gw2.url, body())
     assert st == 503 and "x-retries" not in hdrs
+    assert hdrs["Retry-After"] == "5"           # the engine named none: the gateway's, as on its own 503s
+    st, hdrs, _ = await post(gw2.url, body(), {"x-sim-fault": "status=429"})
+    assert st == 429 and hdrs["Retry-After"] == "1"
 
 
 async def test_client_errors_are_neither_counted_nor_retried(sims, gateway):
