@@ -222,6 +222,7 @@ class ResponsesApi(ApiShape):
                                "aggregated endpoints or another routing strategy", header=("x-error-routing", "true"),
                                error_class=ErrorClass.VALIDATION)
         ex = self._exchange(ctx)
+        ex.store = ireq.data.get("store") is not False
         prev = ireq.data.get("previous_response_id")
         if prev is not None:
             rec.extra["previous_response_id"] = safe_header_value(prev)
@@ -229,7 +230,6 @@ class ResponsesApi(ApiShape):
             if ireq.data.get("background"):
                 raise GatewayError(400, "'background' needs responses.state: engine (the gateway holds the "
                                    "history of completed responses only)", param="background", error_class=ErrorClass.VALIDATION)
-            ex.store = ireq.data.get("store") is not False
             history: list[Any] = []
             if prev is not None:
                 record = await _as_previous(self._record(prev, rec.user))
@@ -264,11 +264,15 @@ class ResponsesApi(ApiShape):
         assert ireq is not None
         rec.extra["response_id"] = safe_header_value(rid)
         user = self._owner_user(rec.user)
+        if not ex.store:
+            # nothing kept, so nothing to continue: no lineage either, which the memory backend's
+            # owner lookup falls back to and would send a follow-up or a GET to the engine
+            return
         if ctx.decision is not None and len(rid) <= 256:
             self.lineage.put(RESPONSE + rid, ctx.decision.endpoint, user)
         if self.gateway_held:
             assert self.history is not None
-            if not ex.store or not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
+            if not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
                 return
             ep = ctx.decision.endpoint if ctx.decision is not None else None
             blob = orjson.dumps({"id": rid, "model": ireq.model, "user": user, "input": ex.input,
@@ -281,7 +285,7 @@ class ResponsesApi(ApiShape):
                 return
             await self._write(self.history, "history", rid, blob)
             return
-        if ireq.data.get("store") is False or ctx.decision is None:
+        if ctx.decision is None:
             return
         ep = ctx.decision.endpoint
         await self._write(self.owners, "affinity", rid,

@@ -210,6 +210,25 @@ async def test_gateway_history_keeps_nothing_of_a_store_false_response(sims, gat
     assert 'switchyard_responses_state_writes_total{kind="history",result="ok"} 1.0' in text
 
 
+async def test_a_store_false_response_is_unknown_to_the_gateway_in_engine_state(sims, gateway):
+    """store: false in engine state: the gateway records no owner for the id, so a follow-up and a
+    GET are the gateway's 404 response_not_found naming the field, never sent to the engine (whose
+    own 404 carried neither the code nor the param)."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="do not keep this", store=False, max_output_tokens=3)
+    with pytest.raises(openai.NotFoundError) as ei:
+        await c.responses.create(model="m", input="and?", previous_response_id=r.id, max_output_tokens=3)
+    assert (ei.value.body["code"], ei.value.body["param"]) == ("response_not_found", "previous_response_id")
+    with pytest.raises(openai.NotFoundError) as ei:
+        await c.responses.retrieve(r.id)
+    assert (ei.value.body["code"], ei.value.body["param"]) == ("response_not_found", "response_id")
+    state = await sim_state(sim.url)
+    assert len(posts(state)) == 1 and [q for q in state["received"] if q["method"] == "GET"
+                                       and q["path"].startswith("/v1/responses")] == []
+
+
 @pytest.mark.parametrize("state", ["engine", "gateway"])
 async def test_an_unknown_previous_response_id_names_that_field(sims, gateway, state):
     sim = await sims("vllm", "m", enable_responses_store=True)
