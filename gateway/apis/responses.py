@@ -153,12 +153,19 @@ class ResponsesApi(ApiShape):
                 self.history = MemoryStore(h.ttl_s, 1 << 62, h.max_total_bytes)
                 self.m.entries.labels("history").set_function(lambda: len(self.history))
 
-    def share_with_siblings(self, ask: AskSiblings) -> None:
+    def share_with_siblings(self, ask: AskSiblings, workers: int) -> None:
         """Several workers (gateway/server/siblings.py): the memory backend's misses are asked of the
         other workers, and deletes reach them, so a response is found whichever worker a request
-        reaches. Redis is shared already."""
+        reaches. Its bounds are the gateway's, so each of the ``workers`` keeps its share of them
+        (a history share never below one record of ``max_response_bytes``). Redis is shared already."""
         if self.backend != "memory":
             return
+        n = max(1, workers)
+        if isinstance(self.owners, MemoryStore):
+            self.owners.max_entries = -(-self.cfg.max_affinity_entries // n)
+        if isinstance(self.history, MemoryStore):
+            h = self.cfg.history
+            self.history.max_bytes = max(-(-h.max_total_bytes // n), h.max_response_bytes)
         if isinstance(self.owners, MemoryStore):
             self.owners = WorkerStore(self.owners, "owner", ask, self.m.lookups.labels("affinity", "sibling").inc)
         if isinstance(self.history, MemoryStore):

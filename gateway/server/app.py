@@ -294,7 +294,7 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
 
     siblings = Siblings(worker, answer, endpoints=endpoints)
     metrics.forget_listeners.append(siblings.forget)
-    responses.share_with_siblings(siblings.ask)
+    responses.share_with_siblings(siblings.ask, worker.count)
     app.cleanup_ctx.append(lifecycle(siblings))
     return siblings
 

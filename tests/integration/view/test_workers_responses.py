@@ -16,11 +16,11 @@ from tests.support.gateway_process import gateway_process, metric_total, per_wor
 from tests.support.ports import listen_port
 
 
-def config(port: int, url: str, state: str) -> str:
+def config(port: int, url: str, responses: str) -> str:
     return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
             "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
             "health: {interval_s: 0.5}\n"
-            f"responses: {{state: {state}}}\n"
+            f"responses: {responses}\n"
             f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
 
 
@@ -35,7 +35,7 @@ async def test_every_worker_finds_every_response(sims, tmp_path, state):
     engine = await sims("vllm", "m", enable_responses_store=True)     # engine mode: it keeps them
     port = listen_port()
     path = tmp_path / "gw.yaml"
-    path.write_text(config(port, engine.url, state))
+    path.write_text(config(port, engine.url, f"{{state: {state}}}"))
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         c = client(port)
         ids = []
@@ -63,3 +63,23 @@ async def test_every_worker_finds_every_response(sims, tmp_path, state):
     found = sum(metric_total(p, "switchyard_responses_state_lookups_total", kind=kind, result="sibling")
                 for p in pages.values())
     assert found > 0
+
+
+@pytest.mark.timeout(120)
+async def test_the_history_bound_is_the_gateways_not_each_workers(sims, tmp_path):
+    """history.max_total_bytes bounds what the gateway holds: with two workers each keeps half of
+    it, where each kept all of it and the gateway twice the bound."""
+    engine = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, engine.url, "{state: gateway, history: {max_response_bytes: 16384, "
+                                             "max_total_bytes: 131072}}"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        c = client(port)
+        for i in range(100):            # a record holds its input: each over 4100 bytes
+            await c.responses.create(model="m", input=f"{i:03d} " + "p" * 4100, max_output_tokens=1)
+        await c.close()
+        pages = await per_worker(port, 2)
+    held = [metric_total(p, "switchyard_responses_state_entries", kind="history") for p in pages.values()]
+    assert held[0] == held[1]            # the gateway's sum, whichever worker answered
+    assert held[0] * 4100 <= 131072
