@@ -15,7 +15,8 @@ Routes exist only when ``auth.admin_token`` (or ``auth.admin_token_env``) is con
     DELETE /admin/keys/{id}             revoke
 
 Writes go to the state backend (Redis: visible to every replica within ``state.sync_interval_s``);
-every admin request first reloads the directory, so it always acts on the store's current state.
+every admin request first brings the directory up to date (with Redis, by what changed since its
+version), so it always acts on the store's current state.
 Config-defined keys are read-only here; a config user can be overridden (PUT) but not deleted.
 """
 

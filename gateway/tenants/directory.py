@@ -100,7 +100,7 @@ def limits_stored(limits: UserLimits) -> dict[str, int]:
 
 class Directory:
     """The local view of keys and users. Lookups are dict reads; the store part is replaced as a
-    whole when the backend says it changed (Redis) or edited in place (memory, admin writes)."""
+    whole when read whole, or has the records that changed since put in place (Redis)."""
 
     def __init__(self, auth: AuthConfig, limits: LimitsConfig) -> None:
         self.reconfigure(auth, limits)
@@ -135,6 +135,20 @@ class Directory:
     def replace_store(self, users: dict[str, UserLimits], keys: dict[str, KeyRecord]) -> None:
         self.store_users = users
         self.store_keys = keys
+
+    def apply_store(self, users: dict[str, UserLimits | None], keys: dict[str, KeyRecord | None]) -> None:
+        """What changed in the store since the mirror was read: each record as it is now, None
+        for one deleted."""
+        for name, lim in users.items():
+            if lim is None:
+                self.store_users.pop(name, None)
+            else:
+                self.store_users[name] = lim
+        for digest, rec in keys.items():
+            if rec is None:
+                self.store_keys.pop(digest, None)
+            else:
+                self.store_keys[digest] = rec
 
     # -- admin views -------------------------------------------------------------------------
 

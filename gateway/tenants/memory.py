@@ -138,8 +138,8 @@ class MemoryState:
 
     # -- directory store ---------------------------------------------------------------------
 
-    async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord]]:
-        return str(self.version), dict(self.users), dict(self.keys)
+    async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord], None]:
+        return str(self.version), dict(self.users), dict(self.keys), None
 
     async def get_key(self, digest: str) -> KeyRecord | None:
         return self.keys.get(digest)

@@ -15,7 +15,9 @@ Keys (``P`` = ``state.key_prefix``), all with an expiry except the directory:
 heartbeating are dropped by the next check); ``P:replicas`` zset replica id → last heartbeat
 (Redis server time, so replica clocks do not matter); ``P:inflight:<replica>`` hash endpoint →
 in-flight (TTL ``replica_ttl_s``); ``P:users``, ``P:keys`` (SHA-256 digest → record) and
-``P:version`` (bumped on every directory write, so replicas reload their mirror).
+``P:version`` (bumped on every directory write) and ``P:dirlog`` (the change log: a zset of the
+fields each version changed, scored by version, trimmed to the last ``LOG_VERSIONS``), so a replica
+whose mirror is a few versions behind reads only what changed since, not the whole directory.
 
 On a Redis Cluster every one of these keys carries the hash tag ``{P}`` (``{P}:rpm:<user>``...),
 so that a script's keys — and the per-replica keys the sync script computes — share one slot;
@@ -199,8 +201,9 @@ return #KEYS - 1
 """
 
 DIRECTORY = """
--- KEYS: 1 users hash, 2 keys hash, 3 directory version
--- ARGV: quadruples (op, hash 1|2, field, value): op S sets the field, D deletes it, N sets it only
+-- KEYS: 1 users hash, 2 keys hash, 3 directory version, 4 change log
+-- ARGV: 1 this write's tag (random), 2 the versions the log keeps, then quadruples
+-- (op, hash 1|2, field, value): op S sets the field, D deletes it, N sets it only
 -- if it is absent (a create), X only if it is present (a change), R deletes it only if it is
 -- present; P merges value, {"set": {name: integer}, "base": record or absent}, into the field's
 -- record, the base standing for a record that is absent (a configured user), and only if one of the
@@ -209,6 +212,9 @@ DIRECTORY = """
 -- change depends on is made here, in the step that writes it: two creates cannot both succeed, a
 -- change cannot bring back what a delete just removed, two changes of one record both land, and a
 -- user's delete takes every key the user has when it runs, one made a moment ago elsewhere included.
+-- The new version goes in the change log with every field it wrote or deleted, as members
+-- '<version>:<tag>:<hash>:<field>' (and '<version>:<tag>:0:', so that no version is missing from it),
+-- and versions older than the log keeps are dropped from it.
 local function merged(key, field, value)
   local patch = cjson.decode(value)
   local cur = redis.call('HGET', key, field)
@@ -223,7 +229,7 @@ local function merged(key, field, value)
 end
 
 local writes = {}
-for i = 1, #ARGV, 4 do
+for i = 3, #ARGV, 4 do
   local op, key, field, value = ARGV[i], KEYS[tonumber(ARGV[i + 1])], ARGV[i + 2], ARGV[i + 3]
   if op == 'N' or op == 'X' or op == 'R' then
     if (redis.call('HEXISTS', key, field) == 1) == (op == 'N') then return -1 end
@@ -231,13 +237,15 @@ for i = 1, #ARGV, 4 do
     value = merged(key, field, value)
     if not value then return -1 end
   end
-  writes[#writes + 1] = {op, key, field, value}
+  writes[#writes + 1] = {op, key, field, value, ARGV[i + 1]}
 end
 local removed = 0
+local changed = {}
 for _, w in ipairs(writes) do
   local op, key, field, value = w[1], w[2], w[3], w[4]
   if op == 'D' or op == 'R' then
     redis.call('HDEL', key, field)
+    changed[#changed + 1] = w[5] .. ':' .. field
   elseif op == 'K' then
     local h = redis.call('HGETALL', KEYS[2])
     for i = 1, #h, 2 do
@@ -245,14 +253,57 @@ for _, w in ipairs(writes) do
       if ok and type(rec) == 'table' and rec.user == field then
         redis.call('HDEL', KEYS[2], h[i])
         removed = removed + 1
+        changed[#changed + 1] = '2:' .. h[i]
       end
     end
   else
     redis.call('HSET', key, field, value)
+    changed[#changed + 1] = w[5] .. ':' .. field
   end
 end
-return {redis.call('INCR', KEYS[3]), removed}
+local version = redis.call('INCR', KEYS[3])
+local head = version .. ':' .. ARGV[1] .. ':'
+local members = {version, head .. '0:'}
+for _, c in ipairs(changed) do
+  members[#members + 1] = version
+  members[#members + 1] = head .. c
+  if #members >= 1000 then redis.call('ZADD', KEYS[4], unpack(members)); members = {} end
+end
+if #members > 0 then redis.call('ZADD', KEYS[4], unpack(members)) end
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', version - tonumber(ARGV[2]))
+return {version, removed}
 """
+
+CHANGES = """
+-- KEYS: 1 users hash, 2 keys hash, 3 directory version, 4 change log
+-- ARGV: 1 the version the caller's mirror has, 2 the most log entries it takes
+-- Returns {version} when the caller is not behind, {version, 'far'} when more changed since its
+-- version than it takes, else {version, entry, value, ...}: every log entry scored from the
+-- caller's version up (its own version's too, so that it can tell the store's history is the one
+-- it read), each with its field's value now (nil: deleted, or the caller's own version's entry).
+-- Whether the log holds every version since the caller's is for the caller to see.
+local version = tonumber(redis.call('GET', KEYS[3]) or '0')
+local since = tonumber(ARGV[1])
+local out = {tostring(version)}
+if version <= since then return out end
+if redis.call('ZCOUNT', KEYS[4], since, version) > tonumber(ARGV[2]) then
+  out[2] = 'far'
+  return out
+end
+for _, entry in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], since, version)) do
+  local v, h, field = string.match(entry, '^(%d+):[^:]*:(%d):(.*)$')
+  local value = false
+  if v and h ~= '0' and tonumber(v) > since then value = redis.call('HGET', KEYS[tonumber(h)], field) or false end
+  out[#out + 1] = entry
+  out[#out + 1] = value
+end
+return out
+"""
+
+# the versions the directory's change log keeps, and the most entries a replica reads from it: a
+# mirror further behind (after an outage, or a user's delete of thousands of keys) is read whole
+LOG_VERSIONS = 1000
+MAX_CHANGES = 2000
 
 # transport failures (and a failover in progress) mark the backend down; anything else is a bug
 # in a call, not an outage
@@ -281,13 +332,15 @@ class RedisState:
         # meanwhile (standalone: as before, an outage's requests are not added afterwards)
         self.reconcile = self.mode != "standalone"
         self.client = redis_client(cfg)
-        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT, USAGE)}
+        self._sha = {src: hashlib.sha1(src.encode()).hexdigest()
+                     for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT, USAGE, CHANGES)}
         self._sync = self.client.register_script(SYNC)
         self._ttl_ms = int(cfg.replica_ttl_s * 1000)
         p = shared_prefix(cfg)
         self.k_replicas = f"{p}:replicas"
         self.k_inflight_prefix = f"{p}:inflight:"
         self.k_users, self.k_keys, self.k_version = f"{p}:users", f"{p}:keys", f"{p}:version"
+        self.k_log = f"{p}:dirlog"
         self._p = p
         self.up = False
         self.last_ok = 0.0                          # monotonic time of the last successful call
@@ -624,10 +677,12 @@ class RedisState:
 
     # -- directory store ---------------------------------------------------------------------
 
-    async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord]]:
+    async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord], str | None]:
+        """The whole directory: its version, users, keys, and the tag of the write that made that
+        version (None when the change log does not have it)."""
         pipe = self.client.pipeline(transaction=True)
-        pipe.get(self.k_version).hgetall(self.k_users).hgetall(self.k_keys)
-        version, users_raw, keys_raw = await self._call(pipe.execute(), probe=True)
+        pipe.get(self.k_version).hgetall(self.k_users).hgetall(self.k_keys).zrevrange(self.k_log, 0, 0)
+        version, users_raw, keys_raw, last = await self._call(pipe.execute(), probe=True)
         users, keys = {}, {}
         for name, data in users_raw.items():
             with contextlib.suppress(ValueError, TypeError, KeyError):
@@ -636,7 +691,61 @@ class RedisState:
             with contextlib.suppress(ValueError, TypeError, KeyError):
                 d = digest.decode()
                 keys[d] = KeyRecord.from_stored(d, orjson.loads(data))
-        return (version or b"0").decode(), users, keys
+        version = (version or b"0").decode()
+        tag = None
+        if last:
+            v, _, rest = last[0].decode().partition(":")
+            if v == version:
+                tag = rest.partition(":")[0]
+        return version, users, keys, tag
+
+    async def directory_changes(self, since: str, tag: str | None) -> tuple[
+            str, dict[str, UserLimits | None], dict[str, KeyRecord | None], str | None] | None:
+        """What changed in the directory since version ``since`` (whose write's tag is ``tag``, if
+        known), read from the change log with each changed field's value now, in one step: the
+        version, the users and keys changed (None: deleted) and the new version's tag. None when
+        the log cannot say: the mirror is too far behind, a version since is missing from the log
+        (trimmed, or written by a replica that keeps no log), or the store's version ``since`` may
+        not be the one the mirror read (its tag differs or is unknown: the store may have lost
+        writes and made others since, a restart between two syncs); then the caller reads the
+        whole directory."""
+        out = await self._call(self._evalsha(CHANGES, [self.k_users, self.k_keys, self.k_version, self.k_log],
+                                             [since, MAX_CHANGES]), probe=True)
+        version = out[0].decode()
+        if version == since:
+            return version, {}, {}, tag
+        if not since.isdigit() or int(version) < int(since) or out[1:2] == [b"far"]:
+            return None
+        first = int(since)
+        seen: set[int] = set()
+        own: set[str] = set()
+        new_tag: str | None = None
+        users: dict[str, UserLimits | None] = {}
+        keys: dict[str, KeyRecord | None] = {}
+        for i in range(1, len(out) - 1, 2):
+            v_text, etag, h, field = out[i].decode().split(":", 3)
+            v = int(v_text)
+            if v == first:
+                own.add(etag)
+                continue
+            seen.add(v)
+            if v == int(version):
+                new_tag = etag
+            data = out[i + 1]
+            if h == "1":
+                users[field] = None
+                if data is not None:
+                    with contextlib.suppress(ValueError, TypeError, KeyError):
+                        users[field] = limits_from_stored(orjson.loads(data))
+            elif h == "2":
+                keys[field] = None
+                if data is not None:
+                    with contextlib.suppress(ValueError, TypeError, KeyError):
+                        keys[field] = KeyRecord.from_stored(field, orjson.loads(data))
+        # a mirror of version 0 had nothing to lose; any other must be of the history the log tells
+        if seen != set(range(first + 1, int(version) + 1)) or (first and (tag is None or own != {tag})):
+            return None
+        return version, users, keys, new_tag
 
     async def get_key(self, digest: str) -> KeyRecord | None:
         data = await self._call(self.client.hget(self.k_keys, digest))
@@ -653,8 +762,8 @@ class RedisState:
         (``N``: absent, ``X``, ``R``: present, ``P``: a record or a base to patch) failed.
         With Sentinel or a Cluster the answer waits until a replica has it (``WAIT 1``, up to
         most of ``timeout_s``): a key the admin API has shown once must survive a failover."""
-        args: list = [x for op in ops for x in op]
-        keys = [self.k_users, self.k_keys, self.k_version]
+        args: list = [secrets.token_hex(4), LOG_VERSIONS, *(x for op in ops for x in op)]
+        keys = [self.k_users, self.k_keys, self.k_version, self.k_log]
         out = await self._call(self._write_and_wait(keys, args))
         return int(out[1]) if isinstance(out, list) else None
 

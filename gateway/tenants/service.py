@@ -129,7 +129,11 @@ class Tenancy:
                      else MemoryState())
         self.state = state
         self.m.state_up.set(1 if state.up else 0)
-        self._version: str | None = None
+        self._version: str | None = None          # the store's directory version the mirror has
+        self._tag: str | None = None              # ... and the tag of the write that made it
+        self._reload_all = False                  # read the whole directory next (after an outage)
+        self._mirrored = 0                        # counts the mirror's updates
+        self._refreshing = asyncio.Lock()
         self._sync_error = ""       # why the last sync failed, for the log
         self._unknown: set[str] = set()            # digests the store did not know (until it changes)
         self._sync_task: asyncio.Task | None = None
@@ -180,6 +184,9 @@ class Tenancy:
         self.m.state_up.set(1 if up else 0)
         mode = redis_mode(self.cfg.redis_url or "")
         if up:
+            # a store that was unreachable may have lost writes and made others since (a restart,
+            # a failover): its change log cannot be trusted against the mirror, read it whole
+            self._reload_all = True
             log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url), mode=mode)
         else:
             self.m.outages.labels(mode).inc()
@@ -187,11 +194,28 @@ class Tenancy:
                         redis_url=_redact(self.cfg.redis_url), mode=mode)
 
     async def refresh(self) -> None:
-        """Reload the store's users and keys into the local directory."""
-        version, users, keys = await self.state.load_directory()
-        self.directory.replace_store(users, keys)
-        self._version = version
-        self._unknown.clear()
+        """Bring the local directory to the store's current users and keys: with Redis, the
+        records changed since the mirror's version, read from the store's change log, so that
+        the cost of a change does not grow with the number of keys; the whole directory at start,
+        after an outage, or when the log cannot say what changed. One at a time, so that an
+        older read is never put in place over a newer one."""
+        async with self._refreshing:
+            state = self.state
+            if isinstance(state, RedisState) and self._version is not None and not self._reload_all:
+                changes = await state.directory_changes(self._version, self._tag)
+                if changes is not None and not self._reload_all:
+                    version, users, keys, tag = changes
+                    self.directory.apply_store(users, keys)
+                    self._unknown.difference_update(keys)
+                    self._version, self._tag = version, tag
+                    self._mirrored += 1
+                    return
+            self._reload_all = False
+            version, users, keys, tag = await state.load_directory()
+            self.directory.replace_store(users, keys)
+            self._version, self._tag = version, tag
+            self._mirrored += 1
+            self._unknown.clear()
 
     async def _sync_loop(self) -> None:
         interval = self.cfg.sync_interval_s
@@ -215,7 +239,7 @@ class Tenancy:
                       if share else None)
         try:
             version, remote = await state.sync(published)
-            if version != self._version:
+            if version != self._version or self._reload_all:
                 await self.refresh()
         except StateUnavailable as e:
             self._sync_error = str(e)
@@ -261,6 +285,7 @@ class Tenancy:
         """A key created on another replica in the last sync interval is not mirrored yet."""
         if digest in self._unknown:
             return None
+        mirrored = self._mirrored
         try:
             key = await self.state.get_key(digest)
         except StateUnavailable:
@@ -273,7 +298,10 @@ class Tenancy:
                 self._unknown.clear()
             self._unknown.add(digest)
             return None
-        self.directory.store_keys[digest] = key
+        if self._mirrored == mirrored:
+            # kept only if the mirror was not updated meanwhile: a delete it took in while this
+            # read was on its way must not be undone by it (the change log would not say it again)
+            self.directory.store_keys[digest] = key
         return key
 
     # -- hook 2: admit -----------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import orjson
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
@@ -501,3 +502,115 @@ async def test_a_users_delete_takes_the_key_another_replica_just_made(sims, gate
     for k in made:
         with pytest.raises(openai.AuthenticationError):
             await chat(a, k["key"])
+
+
+async def _store_keys(r, n: int, logged: bool = False) -> None:
+    """``n`` key records written straight into the store and the directory's version bumped once:
+    as a replica of an older release writes (no change log), or ``logged`` as one change."""
+    pipe = r.pipeline(transaction=False)
+    for i in range(n):
+        pipe.hset("switchyard:keys", f"{i:064x}", orjson.dumps({"user": f"u{i % 100}", "name": "", "created": 1.0}))
+    await pipe.execute()
+    version = await r.incr("switchyard:version")
+    if logged:
+        await r.zadd("switchyard:dirlog", {f"{version}:seed:0:": version})
+
+
+class _DirectoryReads:
+    """Counts the whole-directory reads (``HGETALL`` of the keys hash by a client, not by a script)
+    the Redis server runs while it is open, by ``MONITOR``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.count = 0
+        self.marked = False
+
+    async def __aenter__(self) -> _DirectoryReads:
+        self._r = aioredis.Redis.from_url(self.url)
+        self._monitor = await self._r.monitor().__aenter__()
+        self._task = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        while True:
+            cmd = await self._monitor.next_command()
+            self.marked = self.marked or cmd["command"] == "ECHO directory-reads-mark"
+            if cmd["client_type"] != "lua" and cmd["command"].upper().startswith("HGETALL SWITCHYARD:KEYS"):
+                self.count += 1
+
+    async def mark(self) -> None:
+        """Wait until the monitor has read what the server ran so far (up to a command of our own)."""
+        await self._r.execute_command("ECHO", "directory-reads-mark")
+        assert await wait_for(lambda: self.marked, timeout=10)
+
+    async def __aexit__(self, *exc) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self._monitor.__aexit__(*exc)
+        await self._r.aclose()
+
+
+async def test_a_directory_change_is_mirrored_without_reading_every_key(sims, gateway, redis_server):
+    """With thousands of keys in the store, a key created, changed or revoked through the admin API
+    reaches every replica's mirror by what changed, not by a read of the whole directory in every
+    process (each such read grew with the keys: at 20,000, 100 ms and more of each process's event
+    loop per change, Redis calls that timed out, and limits that went open under a stream of creates)."""
+    r = aioredis.Redis.from_url(redis_server.url)
+    await _store_keys(r, 3000, logged=True)
+    a, b, admin = await _two_admin_replicas(sims, gateway, redis_server)
+    assert len(b.gw.tenancy.directory.store_keys) == 3000          # read whole at start
+    made = []
+    async with _DirectoryReads(redis_server.url) as reads, aiohttp.ClientSession(headers=admin) as s:
+        for i in range(10):
+            async with s.post(a.url + "/admin/keys", json={"user": f"new{i}"}) as resp:
+                assert resp.status == 201
+                made.append(await resp.json())
+        async with s.put(a.url + "/admin/users/new0", json={"rpm": 1}) as resp:
+            assert resp.status == 201
+        async with s.patch(a.url + f"/admin/keys/{made[1]['id']}", json={"user": "new0"}) as resp:
+            assert resp.status == 200
+        async with s.delete(a.url + f"/admin/keys/{made[2]['id']}") as resp:
+            assert resp.status == 200
+        async with s.delete(a.url + "/admin/users/new0") as resp:
+            assert resp.status == 200 and (await resp.json())["keys_deleted"] == 2
+        d = b.gw.tenancy.directory
+        assert await wait_for(lambda: len(d.store_keys) == 3000 + 7 and d.user_source("new0") is None)
+        await reads.mark()
+        assert reads.count == 0
+    for gone in made[:3]:
+        with pytest.raises(openai.AuthenticationError):
+            await chat(b, gone["key"])
+    assert (await chat(b, made[3]["key"])).choices
+    assert d.key(key_digest(made[3]["key"])).user == "new3"
+    await r.aclose()
+
+
+async def test_a_mirror_is_read_whole_when_the_change_log_cannot_say_what_changed(sims, gateway, redis_server):
+    """A replica follows the store's change log only while the log holds every version since its
+    mirror's, of the history it read: a change written without a log entry (a replica of an older
+    release) or a store that lost its data and was written again (a restart) has the mirror read
+    whole, so a key the store no longer holds does not stay valid in it."""
+    a, b, admin = await _two_admin_replicas(sims, gateway, redis_server)
+    r = aioredis.Redis.from_url(redis_server.url)
+    d = b.gw.tenancy.directory
+    async with aiohttp.ClientSession(headers=admin) as s:
+        async with s.post(a.url + "/admin/keys", json={"user": "erin"}) as resp:
+            lost = await resp.json()
+        assert await wait_for(lambda: d.key(key_digest(lost["key"])) is not None)
+        await _store_keys(r, 2)                         # no log entry: read whole
+        assert await wait_for(lambda: len(d.store_keys) == 3)
+        redis_server.kill()
+        redis_server.start()                            # empty: the key is gone from the store
+        await r.aclose()
+        r = aioredis.Redis.from_url(redis_server.url)
+        assert await wait_for(lambda: a.gw.tenancy.state.up, timeout=10)
+        for _ in range(3):                              # the version passes the mirror's again
+            async with s.post(a.url + "/admin/keys", json={"user": "frank"}) as resp:
+                assert resp.status == 201
+                kept = await resp.json()
+    assert await wait_for(lambda: d.key(key_digest(lost["key"])) is None and len(d.store_keys) == 3, timeout=10)
+    with pytest.raises(openai.AuthenticationError):
+        await chat(b, lost["key"])
+    assert (await chat(b, kept["key"])).choices
+    await r.aclose()
