@@ -232,12 +232,13 @@ def _parse_event(ev: bytes | bytearray) -> tuple[bytes | None, bytes | None]:
 class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
-    __slots__ = ("first_token_at", "last_token_at", "itl", "usage", "finish_reason", "error", "done",
+    __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
                  "_start_usage", "_buf", "_skip", "_now", "_cr")
 
     def __init__(self) -> None:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.token_events = 0       # content_block_delta events
         self.itl: list[float] = []
         self.usage: dict | None = None
         self.finish_reason: str | None = None
@@ -291,6 +292,7 @@ class MessagesScanner:
         return gaps
 
     def _mark(self, now: float) -> None:
+        self.token_events += 1
         if self.last_token_at is None:
             self.first_token_at = now
         elif len(self.itl) < ITL_KEEP:

@@ -55,6 +55,7 @@ class ResponsesScanner:
     def __init__(self) -> None:
         self.first_token_at: float | None = None
         self.last_delta_at: float | None = None
+        self.token_events = 0                  # ``*.delta`` events
         self.itl: list[float] = []
         self.usage: dict | None = None
         self.finish_reason: str | None = None
@@ -131,6 +132,7 @@ class ResponsesScanner:
             if not isinstance(name, str):
                 return False
         if name.endswith(".delta"):
+            self.token_events += 1
             if self.first_token_at is None:
                 self.first_token_at = now
             if self.last_delta_at is not None and len(self.itl) < ITL_KEEP:

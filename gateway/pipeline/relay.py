@@ -652,7 +652,7 @@ class Relay:
             if gaps:
                 observe_all(m.child(m.itl, rec.model), gaps)
         rec.finish_reason = scanner.finish_reason
-        rec.streamed_events = getattr(scanner, "token_events", 0)
+        rec.streamed_events = scanner.token_events
         self.account_usage(rec, scanner.usage)
 
     async def _body(self, ctx: RequestContext, resp: UpstreamResponse, adapter: EngineAdapter,

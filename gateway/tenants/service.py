@@ -395,7 +395,12 @@ class Tenancy:
         tokens = 0
         if lim.tpm:
             if rec.prompt_tokens is not None or rec.completion_tokens is not None:
-                tokens = (rec.prompt_tokens or 0) + (rec.completion_tokens or 0)
+                completion = rec.completion_tokens or 0
+                if not rec.delivered and rec.streamed_events > completion:
+                    # a stream cut before its final usage, whose usage so far came early (a Messages
+                    # stream's message_start: the prompt, no output yet): the chunks sent count too
+                    completion = rec.streamed_events
+                tokens = (rec.prompt_tokens or 0) + completion
             elif rec.endpoint and rec.status in (200, 499):
                 # the engine worked but no usage came back (client left mid-stream): charge the
                 # prompt estimate and a token for each generated chunk the client was sent, so

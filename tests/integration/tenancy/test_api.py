@@ -165,6 +165,36 @@ async def test_a_stream_dropped_before_its_end_is_charged_what_the_client_was_se
     assert await wait_for(charged) >= 150, await state.usage("alice")
 
 
+@pytest.mark.parametrize(("path", "body", "delta"), [
+    ("/v1/messages", {"messages": CHAT, "max_tokens": 400}, b"event: content_block_delta"),
+    ("/v1/responses", {"input": "hello there", "max_output_tokens": 400}, b"event: response.output_text.delta"),
+])
+async def test_a_messages_or_responses_stream_dropped_before_its_end_is_charged_what_was_sent(
+        sims, gateway, path, body, delta):
+    """As a chat stream: a Messages stream's usage before its end is message_start's (the prompt,
+    no output) and a Responses stream's none, so the deltas relayed are what counts. Both were
+    charged the prompt alone, so reading all but a long answer's last event cost no output tokens."""
+    sim = await sims("vllm", "m", itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 1000}}})
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + path, json={"model": "m", "stream": True, **body},
+                          headers={"Authorization": f"Bearer {ALICE}"}) as r:
+            assert r.status == 200
+            got = 0
+            async for line in r.content:
+                got += line.startswith(delta)
+                if got >= 150:
+                    break
+            r.connection.transport.abort()           # gone before the end (and the final usage)
+    state = gw.gw.tenancy.state
+
+    async def charged():
+        tokens = (await state.usage("alice"))["tokens"]
+        return tokens if tokens >= 150 else 0
+    assert await wait_for(charged) >= 150, await state.usage("alice")
+
+
 async def test_concurrency_limit_counts_requests_in_flight(sims, gateway):
     sim = await sims("vllm", "m", itl_ms=20.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
