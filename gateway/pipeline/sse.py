@@ -347,6 +347,11 @@ class SSEScanner:
                         or _FINISH_RE.search(chunk, 5, end) is not None:
                     self._decode(chunk[5:end])
                 return chunk
+            if self._lf_owed:
+                # b"\n\n" after a dropped usage chunk whose read ended in its CRLF's CR: that LF is
+                # the chunk's, dropped with it (``_feed_strip``); ``[DONE]``, a comment, a blank line
+                # come here, a token's event never does
+                return self._feed_strip(chunk, now)
             if self._event(chunk, 0, end) & _CONTENT:
                 self._mark(now)
             return chunk
