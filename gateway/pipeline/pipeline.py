@@ -36,6 +36,7 @@ from gateway.pipeline.relay import FirstBytesFailed, error_event
 from gateway.request import InferenceRequest, parse
 from gateway.resilience.outcome import Outcome, key_refused, of_status
 from gateway.resilience.retry import discard
+from gateway.server.lifecycle import shutting_down
 from gateway.tenants.service import NO_TICKET, Ticket
 from gateway.upstream.h1client import Exchange, UpstreamResponse
 from gateway.upstream.upstream import (
@@ -73,7 +74,9 @@ class Pipeline:
         ctx.trace = self.tracing.of(request)        # the span the tracing middleware opened (or NO_TRACE)
         if ctx.trace.trace_id:
             rec.extra["trace_id"] = ctx.trace.trace_id
-        self.lifecycle.enter()
+        # a client's request (a batch line has no connection): ended by the lifecycle's cut
+        task = request.task if request.transport is not None else None
+        self.lifecycle.enter(task)
         ticket = NO_TICKET
         model = None
         try:
@@ -102,6 +105,8 @@ class Pipeline:
                 if rec.error_class == ErrorClass.CLIENT_CANCEL:
                     rec.error_class = None
                 raise
+            if self.lifecycle.was_cut(task):        # the gateway stops: the client is told so
+                return await self._cut(ctx, task)
             rec.status = 499
             rec.error_class = rec.error_class or ErrorClass.CLIENT_CANCEL
             self.metrics.child(self.metrics.client_cancels, rec.label_model,
@@ -120,7 +125,7 @@ class Pipeline:
             ctx.charges.release()
             if model is not None:
                 self._leave(model, ctx)
-            self.lifecycle.leave()
+            self.lifecycle.leave(task)
             self.tenancy.settle(ticket, rec)        # charge usage tokens, release the concurrency slot
             ctx.trace.finish(rec)
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
@@ -424,6 +429,25 @@ class Pipeline:
         headers.update(e.headers)
         body = ctx.api.error_body(e) if ctx.api is not None else e.body_bytes()
         return self.relay.error_answer(ctx, e.status, body, headers)
+
+    async def _cut(self, ctx: RequestContext, task: asyncio.Task | None) -> web.StreamResponse:
+        """A request still running when the gateway stops (the grace period over, or a second
+        signal): the 503 of a gateway shutting down, or a stream's last event saying so, in the
+        request's API shape, instead of a connection closed in the middle of the answer."""
+        if task is not None:
+            task.uncancel()                         # the cut is answered here
+        e = shutting_down()
+        rec, out = ctx.rec, ctx.response
+        rec.error_class, rec.error = e.error_class, e.message
+        if out is None or not out.prepared:
+            return self._error_response(ctx, e)
+        try:
+            await out.write(ctx.api.stream_error(ctx, e.status, e.message, e.code)
+                            if ctx.api is not None else error_event(e.status, e.message, code=e.code))
+            await out.write_eof()
+        except ConnectionResetError:
+            pass
+        return out
 
     async def _internal_error(self, ctx: RequestContext, e: Exception) -> web.StreamResponse:
         """A bug in the gateway. Before headers: an OpenAI-shaped 500. After them: the stream's

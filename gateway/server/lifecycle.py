@@ -1,7 +1,10 @@
 """The gateway's lifecycle: requests in flight, drain, and the tasks that outlive a request.
 
 ``enter``/``leave`` bracket every request so that a drain can wait for the last one; after
-``begin_drain`` new requests on kept-alive connections get 503 with ``Connection: close``.
+``begin_drain`` new requests on kept-alive connections get 503 with ``Connection: close``. When the
+grace period is over (or a second signal stops the gateway at once), ``cut`` ends the clients'
+requests still running: each answers the 503 of a gateway shutting down, a stream as its last
+event, before the connections close.
 ``spawn`` runs fire-and-forget work (aborts, a late prefill's result) that must outlive the
 request that started it: each task stays referenced until done and is awaited at shutdown.
 """
@@ -15,27 +18,54 @@ from typing import Any
 from gateway.errors import ErrorClass, GatewayError
 
 
+def shutting_down() -> GatewayError:
+    """The answer of a request the gateway will not serve because it stops."""
+    return GatewayError(503, "the gateway is shutting down", code="service_unavailable",
+                        headers={"Retry-After": "1", "Connection": "close"}, error_class=ErrorClass.DRAINING)
+
+
 class Lifecycle:
     def __init__(self) -> None:
         self.draining = False
+        self.cutting = False
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._background: set[asyncio.Task] = set()
+        self._clients: set[asyncio.Task] = set()      # the tasks of the clients' requests in flight
 
-    def enter(self) -> None:
+    def enter(self, task: asyncio.Task | None = None) -> None:
+        """``task``: the task a client's request runs in, which ``cut`` may end (None: a request of
+        the gateway's own, a batch line, which its runner stops)."""
         self.in_flight += 1
         self._idle.clear()
+        if task is not None:
+            self._clients.add(task)
 
-    def leave(self) -> None:
+    def leave(self, task: asyncio.Task | None = None) -> None:
         self.in_flight -= 1
+        if task is not None:
+            self._clients.discard(task)
         if self.in_flight == 0:
             self._idle.set()
 
+    def cut(self) -> int:
+        """End every client request still in flight now: its task is cancelled, and the pipeline,
+        seeing ``cutting``, answers it as a gateway shutting down (gateway/pipeline/pipeline.py)
+        while its connection is still open. Returns how many were cut."""
+        self.cutting = True
+        tasks = [t for t in self._clients if not t.done()]
+        for t in tasks:
+            t.cancel()
+        return len(tasks)
+
+    def was_cut(self, task: asyncio.Task | None) -> bool:
+        """Whether ``task``, a client's request, was cancelled by ``cut`` (not by its client)."""
+        return self.cutting and task is not None and task in self._clients
+
     def check_open(self) -> None:
         if self.draining:
-            raise GatewayError(503, "the gateway is shutting down", code="service_unavailable",
-                               headers={"Retry-After": "1", "Connection": "close"}, error_class=ErrorClass.DRAINING)
+            raise shutting_down()
 
     def begin_drain(self) -> None:
         self.draining = True

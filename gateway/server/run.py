@@ -8,9 +8,11 @@ SIGTERM, and load balancers learn of it a few seconds later):
    connections are refused, and a request arriving on a kept-alive connection gets 503 with
    ``Connection: close``;
 3. requests in flight, streams included, may finish until ``server.shutdown_grace_s`` after the
-   SIGTERM; then the remaining ones are cut, and the process exits 0.
+   SIGTERM; then the remaining ones are cut (each client told: a 503, or a stream's last event),
+   and the process exits 0.
 
-SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once. SIGHUP reloads the
+SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once, cutting the
+requests in flight the same way. SIGHUP reloads the
 config file (gateway/server/reload.py).
 """
 
@@ -92,8 +94,9 @@ async def drain_and_stop(runner: web.AppRunner, app: web.Application, grace: flo
     log.info("listener closed", in_flight=lifecycle.in_flight)
     finished = await lifecycle.wait_idle(max(0.0, deadline - loop.time()))
     if not finished:
-        log.warning("grace period over; closing remaining requests", in_flight=lifecycle.in_flight)
-    await runner.cleanup()
+        log.warning("grace period over; closing remaining requests", in_flight=lifecycle.in_flight,
+                    cut=lifecycle.cut())
+    await runner.cleanup()      # waits a moment for the cut requests' last words
 
 
 # The cyclic collector's young generation is collected after this many allocations (Python's
@@ -153,7 +156,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
         try:
             await drain
         except asyncio.CancelledError:
-            log.warning("second signal: stopping now")
+            log.warning("second signal: stopping now", in_flight=app[LIFECYCLE_KEY].in_flight,
+                        cut=app[LIFECYCLE_KEY].cut())
             with contextlib.suppress(Exception):
                 await runner.cleanup()
         if beat is not None:
