@@ -7,7 +7,7 @@ happens to reach a healthy sibling keeps passing, so nothing would ever restart 
 
 So each worker's event loop ticks a counter every ``BEAT_S`` in memory it shares with its parent (an
 anonymous shared mapping the parent makes before it forks: one 8-byte slot per worker, then the
-restart counts). The parent reads the counters while it waits for its children; a worker that has
+restart counts, then the stop signals the parent got). The parent reads the counters while it waits for its children; a worker that has
 ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
@@ -46,7 +46,7 @@ class Heartbeats:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._map = mmap.mmap(-1, 8 * (workers + len(REASONS)))    # anonymous and shared across fork
+        self._map = mmap.mmap(-1, 8 * (workers + len(REASONS) + 1))    # anonymous and shared across fork
         self._slots = memoryview(self._map).cast("Q")
 
     def tick(self, index: int) -> None:
@@ -67,6 +67,16 @@ class Heartbeats:
 
     def restarts(self) -> dict[str, int]:
         return {r: self._slots[self.workers + i] for i, r in enumerate(REASONS)}
+
+    def stopping(self) -> None:
+        """The parent got a stop signal (SIGTERM, SIGINT), and passes it on to the workers."""
+        at = self.workers + len(REASONS)
+        self._slots[at] = (self._slots[at] + 1) & _MASK
+
+    def stops(self) -> int:
+        """How many stop signals the parent got: a worker tells the parent's second signal from
+        the same one reaching it twice (gateway/server/run.py)."""
+        return self._slots[self.workers + len(REASONS)]
 
 
 class Beat:

@@ -12,7 +12,9 @@ SIGTERM, and load balancers learn of it a few seconds later):
    and the process exits 0.
 
 SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once, cutting the
-requests in flight the same way. SIGHUP reloads the
+requests in flight the same way. A worker of ``--workers N`` may get one stop twice: from whoever
+signalled the whole process group (Ctrl-C in a terminal, systemd stopping the service's cgroup) and
+from its parent, which passes every stop on; that is one signal (``second_signal``). SIGHUP reloads the
 config file (gateway/server/reload.py).
 """
 
@@ -150,9 +152,15 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     finally:
         delay = config.server.drain_delay_s if received and received[0] == signal.SIGTERM else 0.0
         drain = asyncio.ensure_future(drain_and_stop(runner, app, config.server.shutdown_grace_s, delay=delay))
+
+        def again(sig: signal.Signals) -> None:
+            received.append(sig)
+            if second_signal(len(received), worker):
+                drain.cancel()
+
         for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal: stop now
             with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, drain.cancel)
+                loop.add_signal_handler(sig, again, sig)
         try:
             await drain
         except asyncio.CancelledError:
@@ -163,6 +171,17 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
         if beat is not None:
             beat.stop()
         log.info("stopped")
+
+
+def second_signal(received: int, worker: WorkerInfo | None) -> bool:
+    """Whether the ``received``-th stop signal (the 2nd or later) stops the gateway at once. A
+    worker whose parent's signal reached its whole process group gets that signal twice, directly
+    and passed on by the parent: it stops at once when the parent got a second one, or when it got
+    two more than the parent passed on (it was signalled itself, twice)."""
+    parent = worker.parent_stops() if worker is not None else None
+    if parent is None:
+        return True
+    return parent >= 2 or received - parent >= 2
 
 
 def _check_fd_limit(max_connections: int) -> None:

@@ -174,6 +174,10 @@ class WorkerInfo:
         """This worker's heartbeat (gateway/server/heartbeat.py), not yet started; None without one."""
         return None if self.heartbeats is None else Beat(self.heartbeats, self.index)
 
+    def parent_stops(self) -> int | None:
+        """How many stop signals the parent got so far (None: not known here)."""
+        return None if self.heartbeats is None else self.heartbeats.stops()
+
     def socket_path(self, index: int) -> str:
         return os.path.join(self.run_dir, f"worker-{index}.sock")
 
@@ -233,6 +237,8 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     def forward(sig: int, _frame) -> None:
         nonlocal stopping
         stopping = True
+        if heartbeats is not None:      # counted before it reaches them: a worker tells a second stop from a copy
+            heartbeats.stopping()
         for pid in list(children):
             try:
                 os.kill(pid, sig)

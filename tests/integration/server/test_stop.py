@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 
@@ -102,3 +103,56 @@ async def test_requests_still_running_when_the_gateway_stops_are_told_so(sims, t
     assert len(requests) == 3
     assert {x["error_class"] for x in requests} == {"draining"}       # not the client's cancel
     assert sorted(x["status"] for x in requests) == [200, 200, 503]   # two streams under way, one whole answer
+
+
+@pytest.mark.timeout(90)
+async def test_one_signal_to_the_whole_process_group_drains_and_a_second_stops(sims, tmp_path):
+    """Ctrl-C in a terminal (or systemd stopping the service's cgroup) signals the parent and every
+    worker, and the parent passes the signal on: each worker gets it twice, which is one stop (the
+    stream finishes within the grace), not the second signal that stops at once."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 60, log_format: json}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", stderr=log_file, start_new_session=True)
+    oc = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    try:
+        async with asyncio.timeout(40):
+            while True:
+                try:
+                    if (await get_new(port, "/ready"))[0] == 200:
+                        break
+                except OSError:
+                    pass
+                await asyncio.sleep(0.05)
+        finished = await oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=100, stream=True)
+        cut = await oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=LONG, stream=True)
+        await first_event(finished)
+        await first_event(cut)
+        os.killpg(proc.pid, signal.SIGINT)         # the group: the parent and both workers
+        async with asyncio.timeout(30):
+            chunks = [c async for c in finished]
+        assert chunks[-1].choices[0].finish_reason == "length"     # the whole answer, after the signal
+        assert proc.returncode is None              # the long stream goes on within the grace
+        os.killpg(proc.pid, signal.SIGINT)         # a second Ctrl-C: stop now
+        async with asyncio.timeout(30):
+            cut_end = await rest_of(cut)
+            code = await proc.wait()
+        assert isinstance(cut_end, openai.APIError) and "shutting down" in str(cut_end), cut_end
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await oc.close()
+    assert code == 0
+    text = log_path.read_text()
+    assert "Traceback" not in text
+    stops = [json.loads(raw) for raw in text.splitlines() if "second signal" in raw]
+    assert [x["cut"] for x in stops if x["cut"]] == [1]     # the worker with the long stream, at the second

@@ -174,3 +174,18 @@ def test_the_watchdog_knows_whether_a_worker_and_the_gateway_got_past_start_up()
     assert dog.gone(1) == ("exited", False) and not dog.served      # ended before its first tick
     beats.tick(1)                                # ticked after the last poll, then ended
     assert dog.gone(2) == ("exited", True) and dog.served
+
+
+def test_a_stop_signal_reaching_a_worker_twice_is_one_and_the_parents_second_stops_at_once():
+    from gateway.server.run import second_signal
+    from gateway.server.workers import WorkerInfo
+    beats = Heartbeats(2)
+    worker = WorkerInfo(0, 2, "/nonexistent", beats)
+    beats.stopping()                                # the parent got Ctrl-C, and passes it on
+    assert beats.stops() == 1 and beats.restarts() == {"exited": 0, "stalled": 0}
+    assert not second_signal(2, worker)             # the terminal's copy and the parent's: one stop
+    beats.stopping()                                # a second Ctrl-C
+    assert second_signal(3, worker)
+    alone = WorkerInfo(1, 2, "/nonexistent", Heartbeats(2))
+    assert second_signal(2, alone)                  # signalled itself twice, the parent never
+    assert second_signal(2, None)                   # one process
