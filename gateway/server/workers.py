@@ -42,6 +42,7 @@ from gateway.server import hup
 from gateway.server.heartbeat import Beat, Heartbeats, Watchdog
 
 RESTART_BACKOFF_S = 1.0
+HELD_AT_FORK = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}   # the signals the parent handles
 RESTART_BACKOFF_MAX_S = 30.0    # a worker whose start-ups keep failing: 1, 2, 4, ... s, at most this
 WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers and due restarts
 WORKER_MEMORY_BYTES = 256 * 1024 * 1024    # auto: the cgroup's memory limit leaves each worker this much
@@ -201,20 +202,23 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     def spawn(index: int) -> None:
         if watchdog is not None:
             watchdog.spawning(index)
-        # SIGHUP held back across the fork: the child must not run the parent's handler (it would
-        # forward the signal to its siblings) before it has its own
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        # the signals the parent handles held back across the fork: the child must not run the
+        # parent's handlers (they would forward the signal to its siblings) before it has its own,
+        # and the parent's must not run before the child is among those they forward to
+        signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_FORK)
         pid = -1
         try:
             pid = os.fork()
+            if pid > 0:
+                children[pid] = index
         finally:
             if pid != 0:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
         if pid == 0:  # the worker
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             hup.hold()          # noted until the worker's loop handles it, then a reload (gateway/server/hup.py)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
             # a parent killed outright (SIGKILL, OOM) cannot forward a signal: the kernel sends the
             # worker SIGTERM then, and it drains as at a stop, instead of serving on unsupervised
             if not _die_with_parent(parent):
@@ -230,7 +234,6 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
                     sys.stderr.flush()
             finally:
                 os._exit(code)
-        children[pid] = index
         if watchdog is not None:
             watchdog.spawned(pid, index)
 

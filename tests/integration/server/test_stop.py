@@ -6,6 +6,7 @@ middle of the answer and a line blaming the client."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -156,3 +157,42 @@ async def test_one_signal_to_the_whole_process_group_drains_and_a_second_stops(s
     assert "Traceback" not in text
     stops = [json.loads(raw) for raw in text.splitlines() if "second signal" in raw]
     assert [x["cut"] for x in stops if x["cut"]] == [1]     # the worker with the long stream, at the second
+
+
+# the gateway's entry point, with a SIGTERM sent to the parent the moment its first fork returns
+# there: the worker it made must still be told to stop (signals are held across the fork)
+_TERM_AT_FORK = """
+import os, runpy, signal, sys
+real_fork = os.fork
+def fork():
+    pid = real_fork()
+    if pid:
+        os.fork = real_fork
+        os.kill(os.getpid(), signal.SIGTERM)
+    return pid
+os.fork = fork
+sys.argv = ["gateway", *sys.argv[1:]]
+runpy.run_module("gateway", run_name="__main__")
+"""
+
+
+@pytest.mark.timeout(60)
+async def test_a_stop_signal_that_comes_while_a_worker_is_forked_reaches_it(tmp_path):
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                   "models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9']}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _TERM_AT_FORK, "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.PIPE)
+    err = b""
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(30):
+                _, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode is not None, "the gateway waited on a worker that was never told to stop"
+    assert b"Traceback" not in err
