@@ -647,6 +647,7 @@ class UpstreamPool:
         self._connecting = 0
         self._waiters: deque[asyncio.Future] = deque()
         self._origins: dict[str, _Origin] = {}
+        self._targets: dict[str, tuple[_Origin, str]] = {}     # a URL's origin and head start (``_target``)
         self._sweep: asyncio.TimerHandle | None = None
         # exchanges waiting for their response head: conn → (deadline, seconds), all watched by one
         # timer set for the earliest deadline (not a timer per request)
@@ -708,14 +709,25 @@ class UpstreamPool:
         return x
 
     def _encode(self, url: str, body: bytes, headers: Mapping[str, str]) -> tuple[_Origin, bytes | tuple[bytes, bytes]]:
-        origin, path = self._split(url)
+        target = self._targets.get(url)
+        if target is None:
+            target = self._target(url)
+        origin, start = target
         lines = "".join(map(_FIELD.__mod__, headers.items()))    # formatted in C, no Python frame per header
         if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
             raise ValueError("a header name or value contains a line break")
-        head = (f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\nContent-Length: {len(body)}\r\n"
-                f"{lines}\r\n").encode("utf-8", "surrogateescape")
+        head = f"{start}Content-Length: {len(body)}\r\n{lines}\r\n".encode("utf-8", "surrogateescape")
         # a large body (an audio upload) is handed over beside its head, not copied onto it
         return origin, (head + body if len(body) <= _JOIN_MAX else (head, body))
+
+    def _target(self, url: str) -> tuple[_Origin, str]:
+        """``url``'s origin and the start of a request's head to it (the request line and Host),
+        kept per URL (an endpoint's few paths), not split and formatted again for every request."""
+        origin, path = self._split(url)
+        if len(self._targets) >= 4096:      # paths that hold ids (a stored response's): keep it bounded
+            self._targets.clear()
+        target = self._targets[url] = (origin, f"POST {path} HTTP/1.1\r\nHost: {origin.host_header}\r\n")
+        return target
 
     def _split(self, url: str) -> tuple[_Origin, str]:
         i = url.find("/", url.find("//") + 2)
@@ -729,6 +741,7 @@ class UpstreamPool:
             if len(self._origins) >= 4096:     # endpoints come and go (Kubernetes): keep the cache bounded,
                 # keeping the origins connections are held under (they are keys by identity)
                 self._origins = {b: o for b, o in self._origins.items() if self._idle.get(o) or o in self._reopening}
+                self._targets.clear()           # they hold origins: none of those dropped is used again
             self._origins[base] = origin
         return origin, path
 
