@@ -263,6 +263,8 @@ def message_text(data: Any) -> str | None:
 def _nonneg_int(v: Any) -> int:
     if type(v) is int:          # the usual case (not a bool: its type is bool)
         return v if v > 0 else 0
+    if v is None:               # absent (cached tokens, mostly)
+        return 0
     if isinstance(v, bool):
         return 0
     if isinstance(v, int):
