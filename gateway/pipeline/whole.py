@@ -39,7 +39,8 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 
 _SERVER = f"\r\nServer: {SERVER_SOFTWARE}\r\n".encode("ascii")
-_REASONS = {s.value: s.phrase for s in HTTPStatus}     # aiohttp's reason phrases (none for other codes)
+# each status's line with aiohttp's reason phrase, made once (other codes have none)
+_STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 _EMPTY = (204, 205, 304)                                # statuses no body may follow: aiohttp frames those
 _COPY_BELOW = 16384     # smaller bodies are joined to the head; larger ones go out with writev
 _FIELD = "%s: %s"
@@ -94,8 +95,8 @@ def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, 
     breaks = len(lines) - 1
     if text.count("\n") != breaks or text.count("\r") != breaks:    # a line break inside a value: not sent
         text = "\r\n".join(line for line in lines if "\r" not in line and "\n" not in line)
-    reason = _REASONS.get(status, "")
-    return b"".join((b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()), text.encode("utf-8"), _SERVER, b"\r\n")), keep_alive
+    status_line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
+    return b"".join((status_line, text.encode("utf-8"), _SERVER, b"\r\n")), keep_alive
 
 
 def write_whole(request: Any, status: int, headers: dict[str, str], content_type: str,
