@@ -300,9 +300,9 @@ class GatewayMetrics:
         """Drop every series labelled with this endpoint, and the cached children that wrote them
         (a child left cached would count into a series no longer exported)."""
         n = sum(f.forget(model, endpoint) for f in self.per_endpoint)
-        ids = {id(f) for f in self.per_endpoint}
+        families = set(self.per_endpoint)
         for cache in self._caches:
-            for key in [k for k in cache if k[0] in ids and k[1][:2] == (model, endpoint)]:
+            for key in [k for k in cache if k[0] in families and k[1][:2] == (model, endpoint)]:
                 del cache[key]
         for listener in self.forget_listeners:
             listener(model, endpoint)
@@ -315,8 +315,8 @@ class GatewayMetrics:
         self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load))
 
     def child(self, metric, *labels: str):
-        """A cached labelled child: one dict lookup on the hot path."""
-        key = (id(metric), labels)
+        """A cached labelled child: one dict lookup on the hot path (a family hashes by identity)."""
+        key = (metric, labels)
         c = self._children.get(key)
         if c is None:
             c = self._children[key] = metric.labels(*labels)

@@ -433,7 +433,7 @@ class Breakers:
                 self._close(ep, b, self.clock())
 
     def _child(self, metric, *labels: str):
-        key = (id(metric), labels)
+        key = (metric, labels)          # as GatewayMetrics.child keys its own (forget_endpoint reads both)
         c = self.children.get(key)
         if c is None:
             c = self.children[key] = metric.labels(*labels)

@@ -10,7 +10,7 @@ import pytest
 
 from gateway.endpoints import EngineMetrics
 from gateway.observability.looplag import LoopLagMonitor
-from gateway.observability.metrics import GatewayMetrics, observe_all
+from gateway.observability.metrics import Counter, GatewayMetrics, observe_all
 from tests.support.factories import endpoint
 from tests.support.metrics import sample_map
 
@@ -142,3 +142,21 @@ def test_an_endpoint_that_left_keeps_its_series_until_its_time_is_up_and_a_names
     breakers.record(b2, Outcome.SUCCESS)
     assert sweeper.sweep(pool.retired[0][1] + 61) == 1
     assert "b" in endpoints_exported() and id(b) not in breakers._by_ep and id(b2) in breakers._by_ep
+
+
+def test_forgetting_an_endpoint_drops_its_series_and_the_cached_children_that_wrote_them():
+    m = GatewayMetrics()
+    gone = m.child(m.upstream_errors, "m", "a:1", "connect")
+    kept = m.child(m.upstream_errors, "m", "b:1", "connect")
+    requests = m.child(m.requests, "m", "200", "random")
+    gone.inc()
+    kept.inc()
+    outcomes = Counter("t_outcomes", "per endpoint", ["model", "endpoint", "outcome"], registry=m.registry)
+    cache: dict = {}
+    m.add_per_endpoint([outcomes], cache)
+    cache[(outcomes, ("m", "a:1", "success"))] = outcomes.labels("m", "a:1", "success")
+    assert m.forget_endpoint("m", "a:1") == 2
+    assert cache == {}
+    assert m.child(m.upstream_errors, "m", "a:1", "connect") is not gone        # a new series, from 0
+    assert m.child(m.upstream_errors, "m", "b:1", "connect") is kept
+    assert m.child(m.requests, "m", "200", "random") is requests
