@@ -438,11 +438,11 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         # max_tokens of 0, vLLM a completions one with echo)
         limits = ("max_tokens", "max_completion_tokens") if path == CHAT else ("max_tokens",)
         for key in limits:
-            v = _int_field(data, key)
+            v = _int_field(data, key) if key in data else None     # an absent field reads as None
             if v is not None and v < 0:
                 raise _bad(f"'{key}' must be a non-negative integer, got {v}", key)
         # ``n: int`` in both engines' CompletionRequest; chat's is Optional in vLLM's
-        n = _int_field(data, "n", nullable=path == CHAT)
+        n = _int_field(data, "n", nullable=path == CHAT) if "n" in data else None
         if n is not None and n < 0:
             raise _bad(f"'n' must be a non-negative integer, got {n}", "n")
 
