@@ -83,8 +83,7 @@ class LaneRequest(dict):
 
     def __init__(self, path: str, headers: CIMultiDictProxy[str], body: bytes, keep_alive: bool,
                  protocol: Any) -> None:
-        super().__init__()
-        self.path = path
+        self.path = path                    # the mapping starts empty (dict.__new__): no dict.__init__ to run
         self.headers = headers
         self.content = WholeBody(body)
         self.content_length = len(body)
