@@ -19,11 +19,12 @@ import asyncio
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 from aiohttp import web
 
+from gateway.config.schema import WatchdogConfig
 from gateway.endpoints import Endpoint
 from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
@@ -53,6 +54,16 @@ from routers.base import Router
 log = structlog.get_logger("switchyard.request")
 
 
+class ModelLegs(NamedTuple):
+    """What a model's aggregated legs read of the config: worked out once per model and generation
+    (``Pipeline.legs``), not per request."""
+
+    watchdog: WatchdogConfig | None         # the model's watchdog; None when it does not watch aggregated legs
+    head_timeout: float | None              # the bound on a non-streamed leg's response head (``head_timeout``)
+    stream_head_timeout: float | None       # on a streamed leg's
+    migration_limit: int                    # the model's ``migration_limit`` (0: a stream does not continue)
+
+
 class Pipeline:
     """One generation's request handler (``gateway.pipeline.generation.Generation``): ``handle`` is
     the request's script, the methods below it its stages."""
@@ -67,6 +78,7 @@ class Pipeline:
             s.tenancy, s.tracing, s.lora, s.admission, s.retries)
         self.lifecycle, self.request_log, self.apis = s.lifecycle, s.request_log, s.apis
         self.observers, self.model_in_flight = s.observers, s.model_in_flight
+        self._legs: dict[str, ModelLegs] = {}
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         ctx = RequestContext.start(request)
@@ -261,10 +273,25 @@ class Pipeline:
         if (kv is not None and kv.index.ranked) or dp_rank.DP_RANK_HEADER in ireq.headers:
             dp_rank.pin(ctx, kv, adapter, self._client_rank(ireq.model))
 
+    def legs(self, model: str) -> ModelLegs:
+        """``model``'s ``ModelLegs``, kept for the pipeline's life (its config does not change)."""
+        legs = self._legs.get(model)
+        if legs is None:
+            wd = self.config.watchdog_for(model)
+            if not wd.aggregated:
+                wd = None
+            up = self.config.upstream
+            legs = ModelLegs(wd, head_timeout(up, wd, False), head_timeout(up, wd, True),
+                             getattr(self.config.model(model), "migration_limit", 0))
+            if len(self._legs) >= 4096:     # models come and go (Kubernetes): keep it bounded
+                self._legs.clear()
+            self._legs[model] = legs
+        return legs
+
     def _begin_migration(self, ctx: RequestContext, candidates: list[Endpoint]) -> None:
         """A stream of a model with ``migration_limit`` may continue on another endpoint when its
         engine fails (gateway/pipeline/migration.py); its legs are opened by this pipeline."""
-        limit = getattr(self.config.model(ctx.rec.model), "migration_limit", 0)
+        limit = self.legs(ctx.rec.model).migration_limit
         if limit:
             ctx.migration = Migration.begin(ctx, limit, candidates[0].engine, self.metrics, self)
 
@@ -325,10 +352,9 @@ class Pipeline:
         ireq, rec, cfg = ctx.ireq, ctx.rec, self.config
         body, strip_usage = upstream_body(ireq)
         headers = upstream_headers(ireq)
-        wd = cfg.watchdog_for(ireq.model)
-        if not wd.aggregated:
-            wd = None
-        header_timeout = head_timeout(cfg.upstream, wd, ireq.stream)
+        legs = self.legs(ireq.model)
+        wd = legs.watchdog
+        header_timeout = legs.stream_head_timeout if ireq.stream else legs.head_timeout
         ep = ctx.decision.endpoint
         tried = [ep]
         retries = self.retries
@@ -407,8 +433,8 @@ class Pipeline:
             return await self.pd.reopen(ctx, adapter)
         ep = decision.endpoint
         ctx.use(ep)
-        wd = self.config.watchdog_for(cont.model)
-        limit = head_timeout(self.config.upstream, wd if wd.aggregated else None, cont.stream)
+        legs = self.legs(cont.model)
+        limit = legs.stream_head_timeout if cont.stream else legs.head_timeout
         leg = ctx.trace.leg("generate", ep, attempt=1)
         ctx.written()
         resp = await self.upstream.open(ep, cont.path, cont.body, leg.inject(upstream_headers(cont)), limit,
