@@ -10,7 +10,7 @@ Routers, handlers and discovery import this module; it imports nothing of the da
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -223,8 +223,12 @@ class EndpointPool:
         the pods' ``model.aibrix.ai/config`` annotation); the first one found wins."""
         return self._hints.get(model)
 
-    def ready(self, model: str) -> list[Endpoint]:
-        return [ep for ep in self._by_model.get(model, ()) if ep.ready]
+    def ready(self, model: str, roles: Collection[str] | None = None) -> list[Endpoint]:
+        """The model's ready endpoints; with ``roles``, those of these roles only (one pass)."""
+        eps = self._by_model.get(model, ())
+        if roles is None:
+            return [ep for ep in eps if ep.ready]
+        return [ep for ep in eps if ep.ready and ep.role in roles]
 
     def __iter__(self) -> Iterable[Endpoint]:
         return iter(self.endpoints())

@@ -130,11 +130,10 @@ class Routing:
     def candidates(self, model: str, router: Router) -> list[Endpoint]:
         """The ready endpoints ``router`` may choose from: only a router that chooses P/D pairs
         may use prefill and decode endpoints; the others need whole-request ones."""
-        ready = self.pool.ready(model)
-        candidates = ready if router.chooses_pairs else [ep for ep in ready if ep.role in WHOLE_REQUEST_ROLES]
+        candidates = self.pool.ready(model, None if router.chooses_pairs else WHOLE_REQUEST_ROLES)
         if not candidates:
             raise GatewayError(503, f"no ready endpoint for model {model}"
-                                    + (" (prefill/decode endpoints need the pd strategy)" if ready else ""),
+                                    + (" (prefill/decode endpoints need the pd strategy)" if self.pool.ready(model) else ""),
                                code="service_unavailable", headers={"Retry-After": "5"},
                                header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
         return candidates
