@@ -249,13 +249,14 @@ def _int_field(data: dict[str, Any], key: str, nullable: bool = True) -> int | N
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
 
 
-def _text_of_content(content: Any, where: str, media: list[bool]) -> str:
-    """Message content is a string, null, or a list of parts; text parts contribute their text.
-    A part of another type sets ``media[0]``."""
+def _text_of_content(content: Any, i: int, media: list[bool]) -> str:
+    """Message ``i``'s content is a string, null, or a list of parts; text parts contribute their
+    text. A part of another type sets ``media[0]``."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    where = f"messages[{i}].content"        # named only past the usual string
     if isinstance(content, list):
         out = []
         for i, part in enumerate(content):
@@ -291,7 +292,7 @@ def _chat_prompt(data: dict[str, Any], media: list[bool]) -> str:
         if not isinstance(role, str):
             raise _bad(f"'messages[{i}].role' is a required string", f"messages[{i}].role")
         parts.append(role)
-        parts.append(_text_of_content(msg.get("content"), f"messages[{i}].content", media))
+        parts.append(_text_of_content(msg.get("content"), i, media))
     return "\n".join(parts)
 
 
