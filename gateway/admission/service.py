@@ -271,6 +271,8 @@ class Admission:
     def dispatched(self, ctx: RequestContext) -> None:
         """The request was routed and charged: note what its engine held then, counting it (for
         the slow start, which learns from its TTFT)."""
+        if not self._thresholds:        # admission is off for every model that came
+            return
         d = ctx.decision
         if d is None or d.prefill is not None or ctx.ireq is None or self._thresholds.get(ctx.ireq.model) is None:
             return
