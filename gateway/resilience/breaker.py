@@ -108,7 +108,8 @@ class Breaker:
         i = tick % _BUCKETS
         if self.stamps[i] != tick:
             self.stamps[i], self.faults[i], self.total[i] = tick, 0, 0
-        self.faults[i] += fault
+        if fault:
+            self.faults[i] += 1
         self.total[i] += 1
         return tick
 
