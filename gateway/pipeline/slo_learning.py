@@ -87,8 +87,8 @@ class SloLearning:
     def wants(ireq: InferenceRequest, decision: Decision) -> bool:
         """Whether ``decided`` keeps anything of this decision: a whole request, streamed or with
         objectives."""
-        return decision.prefill is None and not ireq.is_embeddings and (
-            ireq.stream or ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None)
+        return (ireq.stream or ireq.slo_ttft_ms is not None or ireq.slo_tpot_ms is not None) and (
+            decision.prefill is None and not ireq.is_embeddings)     # a non-streamed request without them: at once
 
     def decided(self, ireq: InferenceRequest, decision: Decision, latency: LatencyModel,
                 in_flight: int | None = None, at: float | None = None) -> None:
