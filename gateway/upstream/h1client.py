@@ -465,8 +465,9 @@ class _Conn(asyncio.Protocol):
         if key == "content-length" or (key == "transfer-encoding" and "chunked" in val.lower()):
             self.length_known = True
         h = self.resp.headers
-        prev = dict.get(h, key)
-        dict.__setitem__(h, key, val if prev is None else f"{prev}, {val}")
+        if dict.__contains__(h, key):   # a repeated name: its values joined
+            val = f"{dict.__getitem__(h, key)}, {val}"
+        dict.__setitem__(h, key, val)
 
     def on_headers_complete(self) -> None:
         resp = self.resp
@@ -771,7 +772,8 @@ class UpstreamPool:
         idle = self._idle.get(origin)
         if not idle:
             return None
-        oldest_ok = self.loop.time() - self.keepalive_timeout
+        now = self.loop.time()
+        oldest_ok = now - self.keepalive_timeout
         while idle:
             conn = idle.pop()
             if conn.closed or conn.transport.is_closing():
@@ -781,7 +783,7 @@ class UpstreamPool:
                 continue
             # since its last answer, or since it was opened (a warm reopen keeps the idle_since of
             # the connection it replaced, for the expiry): what the engine's keep-alive timer counts
-            conn.idled = self.loop.time() - max(conn.idle_since, conn.opened_at)
+            conn.idled = now - max(conn.idle_since, conn.opened_at)
             return conn
         return None
 
