@@ -253,7 +253,7 @@ class Relay:
         ``FirstBytesFailed`` is raised, and the caller decides the answer."""
         cancelled = unstarted = False
         try:
-            ctype = resp.headers.get("Content-Type", "application/json")
+            ctype = dict.get(resp.headers, "content-type", "application/json")     # names stored lower-cased (coding_of)
             if ahead is not None and (resp.status != 200 or not ctype.startswith("text/event-stream") or (
                     gate is None and time.monotonic() - ahead.at > HeadAhead.FRESH_S)):
                 ahead = None        # no stream, or made too long ago: its Date would be off (behind a gate: checked then)
