@@ -94,8 +94,17 @@ def _body(stream: bool, pace_ms: float = 0.0, usage: bool = False, max_tokens: i
     return json.dumps(body).encode()
 
 
-def _send(conn: http.client.HTTPConnection, body: bytes, api_key: str | None = None) -> None:
-    headers = {"Content-Type": "application/json"}
+# the header fields the openai SDK (Python, 1.x) sends with a chat completion, besides Host,
+# Accept-Encoding, Content-Length and Content-Type: ``--sdk-headers``
+SDK_HEADERS = {"Accept": "application/json", "User-Agent": "OpenAI/Python 1.54.0", "Authorization": "Bearer sk-bench",
+               "X-Stainless-Lang": "python", "X-Stainless-Package-Version": "1.54.0", "X-Stainless-OS": "Linux",
+               "X-Stainless-Arch": "x64", "X-Stainless-Runtime": "CPython", "X-Stainless-Runtime-Version": "3.11.7",
+               "X-Stainless-Async": "false", "X-Stainless-Retry-Count": "0", "X-Stainless-Read-Timeout": "600",
+               "Connection": "keep-alive"}
+
+
+def _send(conn: http.client.HTTPConnection, body: bytes, api_key: str | None = None, sdk: bool = False) -> None:
+    headers = {"Content-Type": "application/json", **(SDK_HEADERS if sdk else {})}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     conn.request("POST", "/v1/chat/completions", body, headers)
@@ -106,7 +115,8 @@ def _send(conn: http.client.HTTPConnection, body: bytes, api_key: str | None = N
 
 
 def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pace_ms: float = 0.0,
-          usage: bool = False, max_tokens: int = 8, extra: str = "", api_key: str | None = None) -> dict:
+          usage: bool = False, max_tokens: int = 8, extra: str = "", api_key: str | None = None,
+          sdk: bool = False) -> dict:
     """Opcodes and calls per request of the gateway in ``tree``, by function."""
     with tempfile.TemporaryDirectory() as d:
         be_port, gw_port = free_port(), free_port()
@@ -128,7 +138,7 @@ def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pa
             body = _body(stream, pace_ms, usage, max_tokens)
             conn = http.client.HTTPConnection("127.0.0.1", gw_port, timeout=30)
             for _ in range(warmup):
-                _send(conn, body, api_key)
+                _send(conn, body, api_key, sdk)
             # a request's bookkeeping (its record, log line, breakers) runs after its answer went
             # out: the last warm-up's must end before the count starts, and the last counted
             # request's before it stops, or a request's tail is counted once too often or too few
@@ -137,7 +147,7 @@ def count(tree: Path, requests: int, warmup: int, stream: bool, workers: int, pa
                 os.kill(pid, signal.SIGUSR1)
             time.sleep(0.2)
             for _ in range(requests):
-                _send(conn, body, api_key)
+                _send(conn, body, api_key, sdk)
             time.sleep(0.3)
             for pid in pids:
                 os.kill(pid, signal.SIGUSR2)
@@ -186,6 +196,8 @@ def main() -> None:
                     help="stream: the client asks for usage (stream_options), so the gateway strips none")
     ap.add_argument("--config", default="", metavar="YAML",
                     help="top-level config blocks added to both gateways' config (not server, routing or models)")
+    ap.add_argument("--sdk-headers", action="store_true",
+                    help="send the header fields the openai SDK sends (17 in all, where the default is 4)")
     ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (with tenants' keys in --config)")
     ap.add_argument("--top", type=int, default=25)
     a = ap.parse_args()
@@ -194,12 +206,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         if a.base:
             runs[f"base ({a.base})"] = count(export(a.base, Path(d)), a.requests, a.warmup, stream, a.workers,
-                                             a.pace_ms, a.include_usage, a.max_tokens, a.config, a.api_key)
+                                             a.pace_ms, a.include_usage, a.max_tokens, a.config, a.api_key,
+                                             a.sdk_headers)
         runs["this tree"] = count(REPO, a.requests, a.warmup, stream, a.workers, a.pace_ms, a.include_usage, a.max_tokens,
-                                  a.config, a.api_key)
+                                  a.config, a.api_key, a.sdk_headers)
     names = list(runs)
     paced = (f", chunks {a.pace_ms:g} ms apart" if stream and a.pace_ms else "") + \
-        (", usage asked" if stream and a.include_usage else "") + (f", {a.max_tokens} tokens" if stream else "")
+        (", usage asked" if stream and a.include_usage else "") + (f", {a.max_tokens} tokens" if stream else "") + \
+        (", the openai SDK's header fields" if a.sdk_headers else "")
     print(f"{a.mode}{paced}, {a.requests} requests one at a time on one connection, {a.workers} worker(s), per request:\n")
     print("| | " + " | ".join(names) + (" | change |" if len(names) > 1 else " |"))
     print("|---|" + "---:|" * (len(names) + (len(names) > 1)))
