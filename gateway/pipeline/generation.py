@@ -101,6 +101,7 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
     breakers = Breakers(pool, config.breaker_for, metrics.registry, passive=config.health.passive)
     metrics.add_per_endpoint((breakers.metrics.transitions, breakers.metrics.outcomes), breakers.children)
     upstream = Upstream(config.upstream, config.health, metrics, breakers)
+    upstream.follow(pool)                    # an engine that leaves the pool: its connections go
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants); None: off
     # a complete answer is written whole (the tenants' x-ratelimit-* headers are in the request's record)
     relay = Relay(config.upstream, metrics, upstream.record, whole=True)

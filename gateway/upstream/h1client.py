@@ -644,6 +644,9 @@ class UpstreamPool:
         self.reopen_min_age = 1.0                   # a connection closed younger is not replaced
         self._reopening: dict[_Origin, asyncio.Task] = {}
         self._idle: dict[_Origin, deque[_Conn]] = {}
+        # origins of engines that left the pool with connections still busy: those close when their
+        # answer ends, and none is opened again (``retire``)
+        self._retired: set[_Origin] = set()
         self._conns: set[_Conn] = set()          # every open connection (idle or busy)
         self._connecting = 0
         self._waiters: deque[asyncio.Future] = deque()
@@ -854,10 +857,33 @@ class UpstreamPool:
             self._head_due = nxt
             self._head_timer = self.loop.call_at(nxt, self._check_heads)
 
+    def retire(self, base: str) -> None:
+        """The engine at ``base`` (its URL; a path is ignored) left the pool: its idle connections close,
+        a busy one once its answer ends, and the pool opens none again for it (``_idle_lost``).
+        The engine coming back gets a new origin."""
+        i = base.find("/", base.find("//") + 2)
+        origin = self._origins.pop(base if i < 0 else base[:i], None)
+        if origin is None:
+            return
+        for url in [u for u, (o, _) in self._targets.items() if o is origin]:
+            del self._targets[url]
+        task = self._reopening.pop(origin, None)
+        if task is not None:
+            task.cancel()
+        for conn in self._idle.pop(origin, ()):
+            conn.abort()
+        if any(c.origin is origin for c in self._conns):
+            self._retired.add(origin)
+
     def _put_idle(self, conn: _Conn) -> None:
         conn.resp = None
         if self._closed or not self.keepalive_timeout:
             conn.abort()
+            return
+        if self._retired and conn.origin in self._retired:
+            conn.abort()
+            if not any(c.origin is conn.origin for c in self._conns if c is not conn):
+                self._retired.discard(conn.origin)
             return
         if conn.paused:
             conn.resume()
@@ -887,6 +913,8 @@ class UpstreamPool:
         if not warm or self._closed:
             return
         origin, now = conn.origin, self.loop.time()
+        if origin in self._retired or self._origins.get(f"{origin.scheme}://{origin.host_header}") is not origin:
+            return                      # its engine left the pool (``retire``)
         if now - conn.idle_since >= self.keepalive_timeout or now - conn.opened_at < self.reopen_min_age \
                 or origin in self._reopening:
             return

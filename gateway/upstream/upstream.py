@@ -34,7 +34,7 @@ import orjson
 import structlog
 
 from gateway.config.schema import HealthConfig, UpstreamConfig, WatchdogConfig
-from gateway.endpoints import Endpoint, engine_headers
+from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest, usage_stream_options
@@ -169,6 +169,15 @@ class Upstream:
     async def close(self) -> None:
         if self.pool is not None:
             await self.pool.close()
+
+    def follow(self, endpoints: EndpointPool) -> None:
+        """Told of each endpoint that leaves ``endpoints``: once no endpoint left has its URL, its
+        engine's connections close (idle ones now, busy ones when their answer ends) and none is
+        opened again to keep it warm."""
+        def left(ep: Endpoint) -> None:
+            if self.pool is not None and all(e.url != ep.url for e in endpoints.endpoints()):
+                self.pool.retire(ep.url)
+        endpoints.removal_listeners.append(left)
 
     @property
     def open_connections(self) -> int:

@@ -57,6 +57,16 @@ async def test_a_reload_swaps_endpoints_and_adds_an_alias_while_a_stream_in_flig
     ep_a, ep_b = gw.gw.pool.endpoints("m")
     client = openai_client(gw)
 
+    pool = gw.gw.upstream.pool
+    gone = a.url.removeprefix("http://")
+
+    def kept_to_a() -> bool:
+        return any(conn.origin.host_header == gone for conn in pool._conns)
+
+    for _ in range(4):
+        await chat(client)
+    assert kept_to_a()                   # a kept-alive connection to a
+
     # a long stream on a (the endpoint the reload removes), in flight across the reload
     ep_b.draining = True
     stream = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=40, stream=True)
@@ -81,6 +91,8 @@ async def test_a_reload_swaps_endpoints_and_adds_an_alias_while_a_stream_in_flig
             text += chunk.choices[0].delta.content or ""
     assert len(text.split()) >= 30
     assert ep_a.in_flight == 0           # its lease released on the endpoint it was charged to
+    # and no connection to a is kept (nor opened again to keep it warm) once its answers ended
+    assert await wait_for(lambda: not kept_to_a(), timeout=3)
 
     before = (await sim_state(a.url))["counts"]["started"]
     for i in range(8):
