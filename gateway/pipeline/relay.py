@@ -114,9 +114,15 @@ class _Watchdog:
     the first, ``idle`` after it), by one timer per stream rather than one per chunk. The relay
     notes when each wait starts (``since``); the timer, when due, checks the wait in progress and
     either interrupts it with ``WatchdogFired`` or sets itself for that wait's deadline. Time spent
-    writing to the client is not counted, as no wait is in progress then."""
+    writing to the client is not counted, as no wait is in progress then.
 
-    __slots__ = ("resp", "loop", "phase", "limit", "idle", "since", "handle")
+    The bound is on the silence the gateway could watch: a check that the event loop ran late
+    (held up past the deadline by a full garbage collection, a starved CPU) does not fire at once.
+    The engine's bytes that came meanwhile are not read yet (uvloop runs its due timers before it
+    polls the sockets), and an engine in the gateway's own process was held as well, so the wait
+    is given as long again as the check was late (up to its bound), once, before it fails."""
+
+    __slots__ = ("resp", "loop", "phase", "limit", "idle", "since", "handle", "at", "excused")
 
     def __init__(self, resp: UpstreamResponse, first_to: float, idle_to: float) -> None:
         """The first wait is bounded by ``first_to``, or by ``idle_to`` when that is 0 (one is not)."""
@@ -125,14 +131,20 @@ class _Watchdog:
         self.phase, self.limit = ("first_chunk", first_to) if first_to else ("idle", idle_to)
         self.idle = idle_to
         self.since = self.loop.time()
-        self.handle: asyncio.TimerHandle | None = self.loop.call_at(self.since + (first_to or idle_to), self._check)
+        self.excused = -1.0         # the wait (its ``since``) that a late check gave more time
+        self.handle: asyncio.TimerHandle | None = None
+        self._arm(self.since + (first_to or idle_to))
+
+    def _arm(self, when: float) -> None:
+        self.at = when              # when the check is due: how late it ran is what the loop was held
+        self.handle = self.loop.call_at(when, self._check)
 
     def first_chunk_came(self) -> None:
         """From now on each wait is bounded by the idle timeout (the timer is set anew for it)."""
         self.phase, self.limit = "idle", self.idle
         self.cancel()
         if self.idle:
-            self.handle = self.loop.call_at(self.loop.time() + self.idle, self._check)
+            self._arm(self.loop.time() + self.idle)
 
     def _check(self) -> None:
         self.handle = None
@@ -143,11 +155,16 @@ class _Watchdog:
         if self.resp.waiting:
             due = self.since + limit
             if now >= due:
+                late = now - self.at
+                if late > 0 and self.excused != self.since:     # the loop was held: see above
+                    self.excused = self.since
+                    self._arm(now + min(late, limit))
+                    return
                 self.resp.interrupt(WatchdogFired(self.phase, limit))
                 return
         else:               # no wait in progress: the next one starts no sooner than now
             due = now + limit
-        self.handle = self.loop.call_at(due, self._check)
+        self._arm(due)
 
     def cancel(self) -> None:
         if self.handle is not None:
@@ -161,7 +178,7 @@ class _Watchdog:
             return
         self.phase, self.limit, self.idle = "idle", seconds, seconds
         self.cancel()
-        self.handle = self.loop.call_at(self.loop.time() + seconds, self._check)
+        self._arm(self.loop.time() + seconds)
 
 
 class HeadAhead:
