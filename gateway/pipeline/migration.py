@@ -42,7 +42,7 @@ from aiohttp import web
 from gateway.config.schema import WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
-from gateway.pipeline.relay import EOF_FAILURE, Relay, WatchdogFired, open_sse, stream_failure
+from gateway.pipeline.relay import EOF_FAILURE, Relay, Watchdog, WatchdogFired, open_sse, stream_failure
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
 from gateway.resilience.outcome import Outcome
@@ -243,21 +243,27 @@ class Migration:
         message of its failure."""
         first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
         idle_to = wd.idle_timeout_s if wd is not None else 0.0
-        phase, limit = ("first_chunk", first_to) if first_to else ("idle", idle_to)
+        # the relay's watchdog: a wait fails when no bytes came, not when a timer ends the read (a
+        # timer due in the loop iteration that read the engine's next bytes cancelled the read after them)
+        watch = Watchdog(resp, first_to, idle_to) if first_to or idle_to else None
+        first = watch is not None
         buf = b""
         clock = time.perf_counter
         try:
             while True:
+                if watch is not None and not first:
+                    watch.since = watch.loop.time()
                 try:
-                    async with asyncio.timeout(limit or None):
-                        chunk = await resp.readany()
-                except TimeoutError:
+                    chunk = await resp.readany()
+                except WatchdogFired as w:
                     if self.done or self.finished:    # the answer is whole ([DONE], or its finish_reason
                         break                         # came): the engine's end is not awaited further
-                    return stream_failure(WatchdogFired(phase, limit))
+                    return stream_failure(w)
                 if not chunk:
                     break
-                phase, limit = "idle", idle_to
+                if first:
+                    first = False
+                    watch.first_chunk_came()        # type: ignore[union-attr]
                 buf += chunk
                 parts = buf.replace(b"\r\n", b"\n").split(b"\n\n")
                 buf = parts.pop()
@@ -280,6 +286,9 @@ class Migration:
             if self.done or self.finished:  # after its [DONE] or its finish_reason: the answer is whole,
                 return None, ""             # and a continuation would add to a finished answer
             return stream_failure(e)
+        finally:
+            if watch is not None:
+                watch.cancel()
         if buf.strip():
             r = self._event(buf)
             if r is False:

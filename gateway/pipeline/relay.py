@@ -109,8 +109,8 @@ def stream_failure(e: WatchdogFired | UpstreamError) -> StreamFailure:
     return ErrorClass.UPSTREAM_BROKEN, f"the engine connection broke mid-stream: {type(e).__name__}: {e}"
 
 
-class _Watchdog:
-    """A stream's watchdog: each wait for the engine's next chunk is bounded (``first_chunk`` for
+class Watchdog:
+    """A stream's watchdog (the plain relay's, and each leg's of a migrating stream): each wait for the engine's next chunk is bounded (``first_chunk`` for
     the first, ``idle`` after it), by one timer per stream rather than one per chunk. The relay
     notes when each wait starts (``since``); the timer, when due, checks the wait in progress and
     either interrupts it with ``WatchdogFired`` or sets itself for that wait's deadline. Time spent
@@ -447,7 +447,7 @@ class Relay:
             """Before the head (``before_head``) the first chunk came with it: the idle bound from here."""
             nonlocal watch
             if idle_to:
-                watch = _Watchdog(resp, 0.0, idle_to)
+                watch = Watchdog(resp, 0.0, idle_to)
 
         ended = False           # the terminal event went through: the engine's end within END_GRACE_S
 
@@ -455,7 +455,7 @@ class Relay:
             nonlocal watch, ended
             ended = True
             if watch is None:
-                watch = _Watchdog(resp, 0.0, END_GRACE_S)
+                watch = Watchdog(resp, 0.0, END_GRACE_S)
             else:
                 watch.end_within(END_GRACE_S)
 
@@ -470,7 +470,7 @@ class Relay:
         first_to = wd.first_chunk_timeout_s if wd is not None else 0.0
         idle_to = wd.idle_timeout_s if wd is not None else 0.0
         failure: bytes | None = None
-        watch: _Watchdog | None = None
+        watch: Watchdog | None = None
         # aiohttp's StreamResponse sends its headers in ``prepare``, so with chunked framing the body
         # is piped from the first chunk on: each read from the engine is scanned and written to the
         # client from the upstream connection's read callback, framed as aiohttp frames a chunk,
@@ -525,7 +525,7 @@ class Relay:
 
         try:
             if (first_to or idle_to) and not before_head:
-                watch = _Watchdog(resp, first_to, idle_to)
+                watch = Watchdog(resp, first_to, idle_to)
                 first = True
             # a held head goes out through ``write``, not the pipe, unless the sink sees it first
             sent = pipe_ok and (gating or not holding)

@@ -131,3 +131,19 @@ async def test_a_stream_the_loop_was_held_in_is_not_the_engines_silence(where):
     assert events[-2]["usage"]["completion_tokens"] == 6
     assert metric(m, "switchyard_watchdog_fires_total") == 0
     assert metric(m, "switchyard_upstream_errors_total") == 0
+
+
+@pytest.mark.parametrize("where", list(ENGINES))
+@on_both_loops
+async def test_a_continuable_stream_the_loop_was_held_in_is_not_continued(where):
+    """With ``migration_limit``, a fire would continue the stream on the other engine: the engine
+    that went on sending (or was held with the gateway) keeps it, and its usage is counted once."""
+    async with ENGINES[where]() as a, ENGINES[where]() as b, gateway([a, b], migration_limit=1) as (port, gw):
+        events = await stream_holding_the_loop(port)
+        assert await wait_for(lambda: gw.lifecycle.in_flight == 0, timeout=8)
+        m = gw.metrics.render()
+    assert events[-1] == "[DONE]" and not any(isinstance(e, dict) and "error" in e for e in events)
+    assert events[-2]["usage"]["completion_tokens"] == 6
+    assert metric(m, "switchyard_migrations_total") == 0
+    assert metric(m, "switchyard_upstream_errors_total") == 0
+    assert metric(m, "switchyard_completion_tokens_total", model="m") == 6
