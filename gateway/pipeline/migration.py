@@ -42,7 +42,15 @@ from aiohttp import web
 from gateway.config.schema import WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
-from gateway.pipeline.relay import EOF_FAILURE, Relay, Watchdog, WatchdogFired, open_sse, stream_failure
+from gateway.pipeline.relay import (
+    END_GRACE_S,
+    EOF_FAILURE,
+    Relay,
+    Watchdog,
+    WatchdogFired,
+    open_sse,
+    stream_failure,
+)
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
 from gateway.resilience.outcome import Outcome
@@ -156,6 +164,7 @@ class Migration:
         self.finished = False
         self.done = False
         self.error: Any = None
+        self.after_end: str | None = None     # how the last leg's engine ended after its answer did
 
     @property
     def active(self) -> bool:
@@ -207,6 +216,8 @@ class Migration:
                     else:
                         resp.close()
                 if error_class is None:
+                    if self.after_end is not None:      # as the plain relay notes it
+                        rec.extra["after_end"] = self.after_end
                     await self._write(out, self._tail())
                     rec.delivered = True    # the client has the whole answer
                     break
@@ -247,6 +258,7 @@ class Migration:
         # timer due in the loop iteration that read the engine's next bytes cancelled the read after them)
         watch = Watchdog(resp, first_to, idle_to) if first_to or idle_to else None
         first = watch is not None
+        ended = False           # its [DONE] came: the engine's end is awaited END_GRACE_S at most
         buf = b""
         clock = time.perf_counter
         try:
@@ -257,7 +269,8 @@ class Migration:
                     chunk = await resp.readany()
                 except WatchdogFired as w:
                     if self.done or self.finished:    # the answer is whole ([DONE], or its finish_reason
-                        break                         # came): the engine's end is not awaited further
+                        self.after_end = w.phase      # came): the engine's end is not awaited further
+                        break
                     return stream_failure(w)
                 if not chunk:
                     break
@@ -282,9 +295,18 @@ class Migration:
                     await out.write(data)
                 if failed:
                     return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
+                if self.done and not ended:
+                    # as the plain relay does: an engine that stalls after its last event does not
+                    # hold a client that reads the body to its end, watchdog or not
+                    ended = True
+                    if watch is None:
+                        watch = Watchdog(resp, 0.0, END_GRACE_S)
+                    else:
+                        watch.end_within(END_GRACE_S)
         except UpstreamError as e:          # the whole-exchange timeout, or the engine's side broke
             if self.done or self.finished:  # after its [DONE] or its finish_reason: the answer is whole,
-                return None, ""             # and a continuation would add to a finished answer
+                self.after_end = "broken"   # and a continuation would add to a finished answer
+                return None, ""
             return stream_failure(e)
         finally:
             if watch is not None:

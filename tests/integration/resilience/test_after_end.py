@@ -122,17 +122,19 @@ async def test_a_continuable_stream_is_not_continued_after_its_end(sims, gateway
     assert metric(m, "switchyard_prompt_tokens_total", model="m") == events[-2]["usage"]["prompt_tokens"]
 
 
+@pytest.mark.parametrize("migration_limit", [0, 1])
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-async def test_an_engine_that_stalls_after_its_last_event_does_not_hold_the_client(sims, gateway, engine):
+async def test_an_engine_that_stalls_after_its_last_event_does_not_hold_the_client(sims, gateway, engine,
+                                                                                   migration_limit):
     """With no watchdog (aggregated legs are not watched by default), an engine that sent
     ``[DONE]`` and then stalled before ending its body held a client that reads the body to its
     end (curl, a proxy, an HTTP library without SSE parsing) for as long as the engine stalled. The
     engine's end is now awaited ``END_GRACE_S`` at most: the client gets its whole answer and its
-    end."""
+    end. A continuable stream (``migration_limit``) too, whose legs the migration relays."""
     import asyncio
 
     sim = await sims(engine, "m")
-    gw = await gateway([model_block("m", engine, [sim.url])])
+    gw = await gateway([model_block("m", engine, [sim.url], migration_limit=migration_limit)])
     with gw.gw.request_log.capture() as logs:
         async with asyncio.timeout(20):         # the engine stalls 60 s
             st, _, raw = await post(gw.url, body(), {"x-sim-fault": "stall_at_end=60"})
