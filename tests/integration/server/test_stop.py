@@ -23,6 +23,18 @@ from tests.support.ports import listen_port
 LONG = 5000         # tokens: a stream far longer than any grace here
 
 
+async def ready(port: int) -> None:
+    """Until the gateway on ``port`` answers ``/ready`` with 200 (its log is the test's to read)."""
+    async with asyncio.timeout(40):
+        while True:
+            try:
+                if (await get_new(port, "/ready"))[0] == 200:
+                    return
+            except OSError:
+                pass
+            await asyncio.sleep(0.05)
+
+
 async def first_event(stream) -> object:
     it = stream.__aiter__()
     return await it.__anext__()
@@ -56,14 +68,7 @@ async def test_requests_still_running_when_the_gateway_stops_are_told_so(sims, t
     oc = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
     ac = anthropic.AsyncAnthropic(base_url=base, api_key="none", max_retries=0)
     try:
-        async with asyncio.timeout(40):
-            while True:
-                try:
-                    if (await get_new(port, "/ready"))[0] == 200:
-                        break
-                except OSError:
-                    pass
-                await asyncio.sleep(0.05)
+        await ready(port)
         chat = await oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=LONG, stream=True)
         messages = await ac.messages.create(model="m", messages=[{"role": "user", "content": "hi"}],
@@ -123,14 +128,7 @@ async def test_one_signal_to_the_whole_process_group_drains_and_a_second_stops(s
                                                     "--workers", "2", stderr=log_file, start_new_session=True)
     oc = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     try:
-        async with asyncio.timeout(40):
-            while True:
-                try:
-                    if (await get_new(port, "/ready"))[0] == 200:
-                        break
-                except OSError:
-                    pass
-                await asyncio.sleep(0.05)
+        await ready(port)
         finished = await oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=100, stream=True)
         cut = await oc.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
