@@ -172,3 +172,37 @@ def test_what_is_pending_counts_the_buffer_and_the_unwritten_batches():
     os.close(w)
     assert read_all(r) == b"a" * 99 + b"\n"
     os.close(r)
+
+
+def test_each_gateway_line_is_one_write_on_an_unbuffered_stderr(monkeypatch):
+    """With PYTHONUNBUFFERED (as container images often set) stderr writes through to its file at
+    every call: a line and its newline written apart let another worker's line in between, two
+    JSON objects on one line. Each line goes out in one write."""
+    import structlog
+
+    from gateway.observability.logs import configure_logging
+
+    class Raw(io.RawIOBase):
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b) -> int:
+            self.writes.append(bytes(b))
+            return len(b)
+
+    raw = Raw()
+    saved = structlog.get_config()
+    monkeypatch.setattr("sys.stderr", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
+    try:
+        configure_logging("json", "info")
+        log = structlog.get_logger("test")
+        log.warning("second signal: stopping now", in_flight=2)
+        log.info("another line")
+    finally:
+        structlog.configure(**saved)
+    assert len(raw.writes) == 2
+    assert all(w.endswith(b"\n") and w.count(b"\n") == 1 for w in raw.writes)
+    assert orjson.loads(raw.writes[0])["event"] == "second signal: stopping now"
