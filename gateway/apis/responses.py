@@ -441,6 +441,30 @@ class ResponsesApi(ApiShape):
         rec.endpoint = ep.name
         return await self._proxy(rec, ep, request)
 
+    async def _read_bounded(self, rec: RequestRecord, ep: Endpoint, r: aiohttp.ClientResponse) -> bytes:
+        """The engine's whole answer, at most ``upstream.max_response_bytes`` of it (as the pipeline
+        reads a whole answer): a larger one is a 502 upstream_too_large, and its connection goes
+        when the caller's ``async with`` leaves it unread."""
+        most = self.config.upstream.max_response_bytes
+        declared = r.content_length
+        if not most or (declared is not None and declared <= most):
+            return await r.read()
+        got = bytearray()
+        if declared is None:
+            async for chunk in r.content.iter_any():
+                got += chunk
+                if len(got) > most:
+                    break
+            else:
+                return bytes(got)
+        rec.error_class = ErrorClass.UPSTREAM_TOO_LARGE
+        rec.extra["upstream_bytes"] = declared if declared is not None else len(got)
+        self.metrics.child(self.metrics.upstream_errors, ep.model, ep.name, "too_large").inc()
+        r.close()
+        raise GatewayError(502, f"the engine's answer is larger than {most} bytes (upstream.max_response_bytes)",
+                           code="upstream_too_large", header=("x-error-upstream", "too_large"),
+                           error_class=rec.error_class)
+
     async def _proxy(self, rec: RequestRecord, ep: Endpoint, request: web.Request) -> web.StreamResponse:
         """The same call on the owning engine; its answer relayed (errors in OpenAI's shape)."""
         assert self.session is not None
@@ -465,7 +489,8 @@ class ResponsesApi(ApiShape):
                 rec.status = r.status
                 ctype = r.headers.get("Content-Type", "application/json")
                 if not ctype.startswith("text/event-stream"):
-                    resp = web.Response(status=r.status, body=await r.read(), headers=out_headers)
+                    data = await self._read_bounded(rec, ep, r)
+                    resp = web.Response(status=r.status, body=data, headers=out_headers)
                     resp.headers["Content-Type"] = ctype
                     return resp
                 out = web.StreamResponse(status=r.status, headers={**out_headers, "Cache-Control": "no-cache"})

@@ -322,3 +322,26 @@ async def test_the_ids_a_client_asks_for_count_under_their_route_not_a_path_each
                      "/v1/responses/{response_id}/cancel"}
     assert 'switchyard_path_requests_total{path="/v1/responses/{response_id}",status="200"} 1.0' in text
     assert 'switchyard_path_requests_total{path="/v1/responses/{response_id}",status="404"} 40.0' in text
+
+
+async def test_a_stored_response_larger_than_max_response_bytes_is_a_502_when_retrieved(sims, gateway):
+    """A retrieve goes to the engine holding the response and is read whole, as any whole answer:
+    past ``upstream.max_response_bytes`` it is the same 502 upstream_too_large, not held."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], upstream={"max_response_bytes": 4096})
+    c = openai_client(gw)
+    big_id = None
+    async with await c.responses.create(model="m", input="Tell me a long story", max_output_tokens=1500,
+                                        stream=True) as stream:     # a stream is relayed, not read whole
+        async for event in stream:
+            if event.type == "response.completed":
+                big_id = event.response.id
+    assert big_id is not None
+    with pytest.raises(openai.APIStatusError) as ei:
+        await c.responses.retrieve(big_id)
+    assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_too_large"
+    assert ei.value.response.headers["x-error-upstream"] == "too_large"
+    small = await c.responses.create(model="m", input="hi", max_output_tokens=2, stream=False)
+    assert (await c.responses.retrieve(small.id)).id == small.id
+    text = await gw.metrics_text()
+    assert 'error_class="too_large"' in text
