@@ -57,7 +57,7 @@ from gateway.request import request_id_from
 from gateway.resilience.outcome import key_refused
 from gateway.state.redis import redis_client
 from gateway.tenants import Tenancy
-from gateway.upstream.upstream import engine_key_refused, key_refused_error
+from gateway.upstream.upstream import engine_key_refused, key_refused_error, too_large_error
 from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.responses")
@@ -461,9 +461,7 @@ class ResponsesApi(ApiShape):
         rec.extra["upstream_bytes"] = declared if declared is not None else len(got)
         self.metrics.child(self.metrics.upstream_errors, ep.model, ep.name, "too_large").inc()
         r.close()
-        raise GatewayError(502, f"the engine's answer is larger than {most} bytes (upstream.max_response_bytes)",
-                           code="upstream_too_large", header=("x-error-upstream", "too_large"),
-                           error_class=rec.error_class)
+        raise too_large_error(most)
 
     async def _proxy(self, rec: RequestRecord, ep: Endpoint, request: web.Request) -> web.StreamResponse:
         """The same call on the owning engine; its answer relayed (errors in OpenAI's shape)."""

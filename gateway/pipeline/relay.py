@@ -33,7 +33,7 @@ from gateway.pipeline.sse import AnswerText, SSEScanner, message_text, usage_tok
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
-from gateway.upstream.upstream import engine_key_refused, key_refused_error
+from gateway.upstream.upstream import engine_key_refused, key_refused_error, too_large_error
 from handlers.base import EngineAdapter
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -688,9 +688,7 @@ class Relay:
             rec.error_class = ErrorClass.UPSTREAM_TOO_LARGE
             rec.extra["upstream_bytes"] = e.declared if e.declared is not None else e.received
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "too_large").inc()
-            raise GatewayError(502, f"the engine's answer is larger than {e.limit} bytes (upstream.max_response_bytes)",
-                               code="upstream_too_large", header=("x-error-upstream", "too_large"),
-                               error_class=rec.error_class) from None
+            raise too_large_error(e.limit) from None
         except (TimeoutError, UpstreamTimeout) as e:
             if isinstance(e, TimeoutError):
                 rec.watchdog = "response"

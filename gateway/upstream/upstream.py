@@ -131,6 +131,13 @@ def key_refused_error(status: int) -> GatewayError:
                         error_class=ErrorClass.UPSTREAM_AUTH)
 
 
+def too_large_error(limit: int) -> GatewayError:
+    """The client's answer when the engine's answer, read whole, passed ``upstream.max_response_bytes``."""
+    return GatewayError(502, f"the engine's answer is larger than {limit} bytes (upstream.max_response_bytes)",
+                        code="upstream_too_large", header=("x-error-upstream", "too_large"),
+                        error_class=ErrorClass.UPSTREAM_TOO_LARGE)
+
+
 def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
     """The body to send, and whether the gateway injected ``include_usage`` (to strip later).
     The original bytes go out unchanged unless usage must be asked for."""
