@@ -17,7 +17,9 @@ heartbeating are dropped by the next check); ``P:replicas`` zset replica id → 
 in-flight (TTL ``replica_ttl_s``); ``P:users``, ``P:keys`` (SHA-256 digest → record) and
 ``P:version`` (bumped on every directory write) and ``P:dirlog`` (the change log: a zset of the
 fields each version changed, scored by version, trimmed to the last ``LOG_VERSIONS``), so a replica
-whose mirror is a few versions behind reads only what changed since, not the whole directory.
+whose mirror is a few versions behind reads only what changed since, not the whole directory;
+``P:keyindex`` (the keys by user, for a user's delete) and ``P:keyindex:at`` (the version it is
+current at).
 
 On a Redis Cluster every one of these keys carries the hash tag ``{P}`` (``{P}:rpm:<user>``...),
 so that a script's keys — and the per-replica keys the sync script computes — share one slot;
@@ -201,13 +203,16 @@ return #KEYS - 1
 """
 
 DIRECTORY = """
--- KEYS: 1 users hash, 2 keys hash, 3 directory version, 4 change log
+-- KEYS: 1 users hash, 2 keys hash, 3 directory version, 4 change log, 5 the keys' index by user
+-- (a zset of '<user> <digest>', every score 0, read by lexical range), 6 the directory version the
+-- index was last made current at
 -- ARGV: 1 this write's tag (random), 2 the versions the log keeps, then quadruples
 -- (op, hash 1|2, field, value): op S sets the field, D deletes it, N sets it only
 -- if it is absent (a create), X only if it is present (a change), R deletes it only if it is
 -- present; P merges value, {"set": {name: integer}, "base": record or absent}, into the field's
 -- record, the base standing for a record that is absent (a configured user), and only if one of the
--- two is there; K deletes every record of the keys hash whose user is the field. When a condition
+-- two is there; K deletes every record of the keys hash whose user is the field (found in the index,
+-- not by a read of every key: a user's delete costs the user's keys, not the directory's). When a condition
 -- fails nothing is written and the answer is -1, else {version, records K deleted}. Every read a
 -- change depends on is made here, in the step that writes it: two creates cannot both succeed, a
 -- change cannot bring back what a delete just removed, two changes of one record both land, and a
@@ -215,6 +220,30 @@ DIRECTORY = """
 -- The new version goes in the change log with every field it wrote or deleted, as members
 -- '<version>:<tag>:<hash>:<field>' (and '<version>:<tag>:0:', so that no version is missing from it),
 -- and versions older than the log keeps are dropped from it.
+-- The index is kept by every write of this script; a directory written by anything else since the
+-- index's version (a replica of an older release, a restore) has it made again from the keys hash
+-- first, once, so that a user's delete never misses a key.
+local function owner(value)
+  local ok, rec = pcall(cjson.decode, value)
+  if ok and type(rec) == 'table' and type(rec.user) == 'string' then return rec.user end
+  return ''
+end
+local function index_current()
+  if redis.call('GET', KEYS[6]) == (redis.call('GET', KEYS[3]) or '0') then return end
+  redis.call('DEL', KEYS[5])
+  local h = redis.call('HGETALL', KEYS[2])
+  local members = {}
+  for i = 1, #h, 2 do
+    members[#members + 1] = 0
+    members[#members + 1] = owner(h[i + 1]) .. ' ' .. h[i]
+    if #members >= 1000 then redis.call('ZADD', KEYS[5], unpack(members)); members = {} end
+  end
+  if #members > 0 then redis.call('ZADD', KEYS[5], unpack(members)) end
+end
+local function unindex(field)
+  local old = redis.call('HGET', KEYS[2], field)
+  if old then redis.call('ZREM', KEYS[5], owner(old) .. ' ' .. field) end
+end
 local function merged(key, field, value)
   local patch = cjson.decode(value)
   local cur = redis.call('HGET', key, field)
@@ -239,29 +268,35 @@ for i = 3, #ARGV, 4 do
   end
   writes[#writes + 1] = {op, key, field, value, ARGV[i + 1]}
 end
+index_current()
 local removed = 0
 local changed = {}
 for _, w in ipairs(writes) do
   local op, key, field, value = w[1], w[2], w[3], w[4]
-  if op == 'D' or op == 'R' then
-    redis.call('HDEL', key, field)
-    changed[#changed + 1] = w[5] .. ':' .. field
-  elseif op == 'K' then
-    local h = redis.call('HGETALL', KEYS[2])
-    for i = 1, #h, 2 do
-      local ok, rec = pcall(cjson.decode, h[i + 1])
-      if ok and type(rec) == 'table' and rec.user == field then
-        redis.call('HDEL', KEYS[2], h[i])
-        removed = removed + 1
-        changed[#changed + 1] = '2:' .. h[i]
+  if op == 'K' then
+    for _, m in ipairs(redis.call('ZRANGEBYLEX', KEYS[5], '[' .. field .. ' ', '(' .. field .. '!')) do
+      local digest = string.sub(m, #field + 2)
+      if not string.find(digest, ' ', 1, true) then    -- not a record of a user 'field <more>'
+        redis.call('ZREM', KEYS[5], m)
+        if redis.call('HDEL', KEYS[2], digest) == 1 then
+          removed = removed + 1
+          changed[#changed + 1] = '2:' .. digest
+        end
       end
     end
   else
-    redis.call('HSET', key, field, value)
+    if key == KEYS[2] then unindex(field) end
+    if op == 'D' or op == 'R' then
+      redis.call('HDEL', key, field)
+    else
+      redis.call('HSET', key, field, value)
+      if key == KEYS[2] then redis.call('ZADD', KEYS[5], 0, owner(value) .. ' ' .. field) end
+    end
     changed[#changed + 1] = w[5] .. ':' .. field
   end
 end
 local version = redis.call('INCR', KEYS[3])
+redis.call('SET', KEYS[6], version)
 local head = version .. ':' .. ARGV[1] .. ':'
 local members = {version, head .. '0:'}
 for _, c in ipairs(changed) do
@@ -341,6 +376,7 @@ class RedisState:
         self.k_inflight_prefix = f"{p}:inflight:"
         self.k_users, self.k_keys, self.k_version = f"{p}:users", f"{p}:keys", f"{p}:version"
         self.k_log = f"{p}:dirlog"
+        self.k_key_index, self.k_key_index_at = f"{p}:keyindex", f"{p}:keyindex:at"
         self._p = p
         self.up = False
         self.last_ok = 0.0                          # monotonic time of the last successful call
@@ -763,7 +799,7 @@ class RedisState:
         With Sentinel or a Cluster the answer waits until a replica has it (``WAIT 1``, up to
         most of ``timeout_s``): a key the admin API has shown once must survive a failover."""
         args: list = [secrets.token_hex(4), LOG_VERSIONS, *(x for op in ops for x in op)]
-        keys = [self.k_users, self.k_keys, self.k_version, self.k_log]
+        keys = [self.k_users, self.k_keys, self.k_version, self.k_log, self.k_key_index, self.k_key_index_at]
         out = await self._call(self._write_and_wait(keys, args))
         return int(out[1]) if isinstance(out, list) else None
 
