@@ -107,6 +107,15 @@ def _changes(data: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def _path_user(data: dict[str, Any], name: str) -> None:
+    """A body's ``name`` on ``/admin/users/{name}`` may repeat the path's, never name another user:
+    a user is not renamed (its keys and counters are under its name), and a PATCH or PUT that
+    looked like a rename must not change the path's user instead."""
+    if "name" in data and data.pop("name") != name:
+        raise _bad(f"'name' in the body must be the path's user, '{name}': a user cannot be renamed "
+                   "(create the new user, move its keys with PATCH /admin/keys/{id}, delete the old one)", "name")
+
+
 def _limits(data: dict[str, Any]) -> UserLimits:
     """A whole record: the fields a body gives, 0 (unlimited) for the others."""
     return UserLimits(**_changes(data))
@@ -194,7 +203,7 @@ class AdminAPI:
     async def put_user(self, request: web.Request) -> web.Response:
         name = _user_name(request.match_info["name"])
         data = await self._body(request)
-        data.pop("name", None)
+        _path_user(data, name)
         created = self.dir.user_source(name) is None
         await self.t.state.put_user(name, _limits(data))
         await self.t.refresh()
@@ -205,7 +214,7 @@ class AdminAPI:
         if self.dir.user_source(name) is None:
             raise _not_found(f"user {name}")
         data = await self._body(request)
-        data.pop("name", None)
+        _path_user(data, name)
         changes = _changes(data)
         # the store sets the fields in the record as it is when the change runs (a configured
         # user's limits if it has none), so two PATCHes of one user, on two replicas or

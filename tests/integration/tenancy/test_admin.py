@@ -95,6 +95,8 @@ async def test_users_crud(gw):
     ("PUT", "/admin/users/x", {"tpm": 1.5}, "tpm"),
     ("PUT", "/admin/users/x", {"tpm": 2**63}, "tpm"),
     ("PATCH", "/admin/users/alice", {"rpm": 2**53}, "rpm"),
+    ("PATCH", "/admin/users/alice", {"name": "bob", "rpm": 1}, "name"),    # not a rename
+    ("PUT", "/admin/users/x", {"name": "y", "rpm": 1}, "name"),
     ("POST", "/admin/keys", {"name": "k"}, "user"),
     ("POST", "/admin/keys", {"user": "u", "key": "short"}, "key"),
     ("POST", "/admin/keys", {"user": "u", "key": "sk-nul-0123456789\u0000x"}, "key"),     # no client can send these
