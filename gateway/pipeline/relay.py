@@ -31,6 +31,7 @@ from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_value
 from gateway.pipeline.sse import AnswerText, SSEScanner, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
+from gateway.request import ROUTED_PATHS
 from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
 from gateway.upstream.upstream import engine_key_refused, key_refused_error, too_large_error
@@ -306,6 +307,17 @@ class Relay:
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
         raise GatewayError(502, f"upstream answered a request for {wanted} with Content-Type "
                                 f"{safe_header_value(ctype)[:80]!r}", code="upstream_bad_response",
+                           header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
+
+    def _not_an_object(self, ctx: RequestContext, ctype: str) -> None:
+        """A whole 200 to a chat, completion or embedding request that is not a JSON object (a
+        proxy's page in front of the engine, a body cut short yet framed as whole): no SDK could
+        read it, so it is the engine's protocol fault, a 502, before anything reached the client."""
+        rec = ctx.rec
+        rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
+        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
+        raise GatewayError(502, f"upstream answered 200 with a body that is not a JSON object (Content-Type "
+                                f"{safe_header_value(ctype)[:80]!r})", code="upstream_bad_response",
                            header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
 
     def _coded(self, ctx: RequestContext, coding: str) -> None:
@@ -704,14 +716,20 @@ class Relay:
             raise GatewayError(502, f"the engine connection broke before the answer was complete: {type(e).__name__}",
                                code="upstream_incomplete", header=("x-error-upstream", "reset"),
                                error_class=rec.error_class) from None
+        data = None
+        if ctx.api is None:
+            routed = ctx.ireq is not None and ctx.ireq.path in ROUTED_PATHS
+            if routed or b'"usage"' in body:
+                try:
+                    data = orjson.loads(body)
+                except orjson.JSONDecodeError:
+                    data = None
+                if routed and not isinstance(data, dict):
+                    self._not_an_object(ctx, ctype)
         rec.status = 200
         if ctx.api is not None:           # another API's body: its own usage and state
             await self._api_body(ctx, body)
-        elif b'"usage"' in body:
-            try:
-                data = orjson.loads(body)
-            except orjson.JSONDecodeError:
-                data = None
+        elif data is not None:
             if isinstance(data, dict):
                 self.account_usage(rec, adapter.usage(data))
                 choices = data.get("choices")

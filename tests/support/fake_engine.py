@@ -10,13 +10,15 @@ from aiohttp import web
 
 
 @contextlib.asynccontextmanager
-async def fake_engine(chat: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[str]:
-    """The engine's base URL while the block runs."""
+async def fake_engine(chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                      paths: tuple[str, ...] = ("/v1/chat/completions",)) -> AsyncIterator[str]:
+    """The engine's base URL while the block runs; ``chat`` answers POSTs to ``paths``."""
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({})
 
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
+    for path in paths:
+        app.router.add_post(path, chat)
     app.router.add_get("/health", health)
     runner = web.AppRunner(app)
     await runner.setup()

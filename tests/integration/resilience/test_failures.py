@@ -402,3 +402,32 @@ async def test_a_stream_whose_lines_end_in_bare_crs_is_read_as_any_other(gateway
     assert metric(text, "switchyard_requests_total", status="200") == 2
     assert metric(text, "switchyard_completion_tokens_total", model="m") == 4
     assert metric(text, "switchyard_upstream_errors_total") == 0
+
+
+@pytest.mark.parametrize("ctype,raw", [
+    ("text/html", b"<html><body>502 Bad Gateway</body></html>"),       # a proxy's page in front of the engine
+    ("application/json", b'{"id": "x", "choices": [{"index": 0, "mess'),   # cut short, yet framed as whole
+    ("application/json", b'["not", "an", "object"]'),
+])
+async def test_a_whole_answer_that_is_not_a_json_object_is_a_502(gateway, ctype, raw):
+    """A 200 to a chat, completion or embedding request whose body is not a JSON object was relayed
+    as a success that no SDK could read, and counted as one; it is the engine's protocol fault."""
+    from aiohttp import web
+
+    async def not_json(request):
+        await request.read()
+        return web.Response(body=raw, headers={"Content-Type": ctype})
+
+    async with fake_engine(not_json, ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        client = openai_client(gw)
+        for call in (client.chat.completions.create(**body()),
+                     client.completions.create(model="m", prompt="hi", max_tokens=4),
+                     client.embeddings.create(model="m", input="hi")):
+            with pytest.raises(openai.InternalServerError) as ei:
+                await call
+            assert ei.value.status_code == 502 and ei.value.body["code"] == "upstream_bad_response"
+            assert ei.value.response.headers["x-error-upstream"] == "protocol"
+        text = await gw.metrics_text()
+        assert metric(text, "switchyard_requests_total", status="502") == 3
+        assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == 3
