@@ -1,4 +1,5 @@
-"""The manual builds without a warning, and the README's relative links lead somewhere.
+"""The manual builds without a warning, the README's relative links lead somewhere, and the config
+snippets a reader copies from either are ones the gateway takes without a complaint.
 
 ``mkdocs build --strict`` fails on a broken link, a missing anchor or a page left out of the nav
 (see ``validation`` in mkdocs.yml), so a renamed heading or a moved page fails the suite rather
@@ -88,3 +89,68 @@ def test_docs_build_strict(tmp_path):
     output = proc.stdout + proc.stderr
     warnings = [line for line in output.splitlines() if line.startswith(("WARNING", "ERROR"))]
     assert proc.returncode == 0 and not warnings, f"mkdocs build --strict failed:\n{output}"
+
+
+# --- the manual's config snippets ------------------------------------------------------------------
+
+def _yaml_blocks(markdown: str) -> list[tuple[int, str]]:
+    """Each ```yaml block of a page with the line it starts on."""
+    return [(markdown[:m.start()].count("\n") + 1, m.group(1))
+            for m in re.finditer(r"^```ya?ml\n(.*?)^```", markdown, re.S | re.M)]
+
+
+def _snippet_validator():
+    """The config's JSON Schema, with a key the schema marks ``deprecated`` counted as an error: a
+    snippet a reader copies should not earn a deprecation warning from ``--check-config``."""
+    import jsonschema
+
+    from gateway.config.json_schema import config_schema
+
+    def deprecated(validator, flag, instance, schema):
+        if flag:
+            yield jsonschema.ValidationError("deprecated: " + schema.get("description", ""))
+
+    cls = jsonschema.validators.extend(jsonschema.Draft202012Validator, {"deprecated": deprecated})
+    return cls, config_schema()
+
+
+def _snippet_errors(cls, schema: dict, data: object) -> list[str]:
+    """What is wrong with ``data``, each error at the key it is about (the deepest of an anyOf's)."""
+    out = []
+    for e in cls(schema).iter_errors(data):
+        while e.context:          # an anyOf (a block or null): the branch that got furthest in
+            e = max(e.context, key=lambda c: (len(c.absolute_path), c.validator != "type"))
+        out.append(f"{'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}")
+    return out
+
+
+def test_config_snippets_in_the_manual_are_valid_and_current():
+    """Every YAML block of the README and docs/ is a config (or a model's part of one, for the
+    blocks that show a model's keys alone) the schema accepts, with no key it marks deprecated."""
+    import yaml
+
+    cls, schema = _snippet_validator()
+    defs = schema["$defs"]
+    # a model's keys shown alone (an endpoint's kv_events, say) need not repeat its name
+    schema["$defs"]["ModelPart"] = {k: v for k, v in defs["ModelConfig"].items() if k != "required"}
+    kinds = {name: {**schema, "$ref": f"#/$defs/{name}"} for name in ("Config", "ModelPart")}
+    wrong = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for line, block in _yaml_blocks(page.read_text(encoding="utf-8")):
+            where = f"{page.relative_to(ROOT)}:{line}"
+            data = yaml.safe_load(block)
+            kind = next((k for k in kinds if isinstance(data, dict) and set(data) <= set(defs[k]["properties"])),
+                        None)
+            if kind is None:
+                wrong.append(f"{where}: neither a config nor a model's keys")
+                continue
+            wrong += [f"{where}: {error}" for error in _snippet_errors(cls, kinds[kind], data)]
+    assert not wrong, "config snippets in the manual that the gateway would refuse or warn about:\n" + "\n".join(wrong)
+
+
+def test_the_snippet_check_sees_a_deprecated_key_and_a_wrong_value():
+    cls, schema = _snippet_validator()
+    errors = _snippet_errors(cls, schema, {"upstream": {"retry_on_connect_error": True}, "server": {"workers": "many"}})
+    assert len(errors) == 2
+    assert any(e.startswith("upstream.retry_on_connect_error: deprecated:") for e in errors), errors
+    assert any(e.startswith("server.workers: ") for e in errors), errors
