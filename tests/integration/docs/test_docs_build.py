@@ -154,3 +154,40 @@ def test_the_snippet_check_sees_a_deprecated_key_and_a_wrong_value():
     assert len(errors) == 2
     assert any(e.startswith("upstream.retry_on_connect_error: deprecated:") for e in errors), errors
     assert any(e.startswith("server.workers: ") for e in errors), errors
+
+
+# --- the architecture page's file map --------------------------------------------------------------
+
+def _file_map() -> dict[str, str]:
+    """The rows of the architecture page's table of gateway/: module or package → its job."""
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    return dict(re.findall(r"^\| `(gateway/[^`]*)` \| (.*) \|$", page, re.M))
+
+
+def test_the_architecture_file_map_matches_the_tree():
+    """Every module and package of gateway/ has its row; every file a row names is there."""
+    rows = _file_map()
+    gateway = ROOT / "gateway"
+    present = {f"gateway/{p.name}" for p in gateway.glob("*.py") if p.name != "__init__.py"}
+    present |= {f"gateway/{p.name}/" for p in gateway.iterdir()
+                if p.is_dir() and not p.name.startswith(("_", "."))}
+    assert not present - set(rows), f"parts of gateway/ the architecture page leaves out: {sorted(present - set(rows))}"
+    assert not set(rows) - present, f"rows of the architecture page for nothing: {sorted(set(rows) - present)}"
+    missing = [f"{row}{name}" for row, job in rows.items() if row.endswith("/")
+               for name in re.findall(r"`([\w.]+\.(?:py|html))`", job) if not (ROOT / row / name).exists()]
+    assert not missing, f"files the architecture page names that are not there: {missing}"
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`((?:gateway|routers|handlers|k8s|enginesim|tests)/[\w/.]*\.py)`", page))
+    assert not [p for p in named if not (ROOT / p).exists()], f"no such file: {[p for p in named if not (ROOT / p).exists()]}"
+
+
+def test_a_package_row_names_each_of_its_modules_when_it_names_any():
+    """A row that lists its package's files (server/, pipeline/, ...) lists them all."""
+    for row, job in _file_map().items():
+        if not row.endswith("/"):
+            continue
+        named = set(re.findall(r"`([\w.]+\.py)`", job))
+        if not named:
+            continue
+        modules = {p.name for p in (ROOT / row).glob("*.py") if p.name != "__init__.py"}
+        assert modules <= named, f"{row}: the architecture page's row leaves out {sorted(modules - named)}"
