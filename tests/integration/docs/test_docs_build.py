@@ -191,3 +191,30 @@ def test_a_package_row_names_each_of_its_modules_when_it_names_any():
             continue
         modules = {p.name for p in (ROOT / row).glob("*.py") if p.name != "__init__.py"}
         assert modules <= named, f"{row}: the architecture page's row leaves out {sorted(modules - named)}"
+
+
+# --- the status page's example document ------------------------------------------------------------
+
+def test_the_status_json_example_is_valid_for_its_schema():
+    """The observability page's trimmed /status.json is one the schema accepts: a field the
+    document gained (or lost) shows in the example too. A ``{"...": ...}`` object stands for the
+    same fields as its sibling ``minute``."""
+    import json
+
+    import jsonschema
+
+    page = (ROOT / "docs" / "observability.md").read_text(encoding="utf-8")
+    example = json.loads(re.search(r"^```json\n(.*?)^```", page, re.S | re.M).group(1))
+
+    def filled(node):
+        if isinstance(node, dict):
+            out = {k: filled(v) for k, v in node.items()}
+            if isinstance(out.get("window"), dict) and "..." in out["window"]:
+                out["window"] = out["minute"]
+            return out
+        return [filled(x) for x in node] if isinstance(node, list) else node
+
+    schema = json.loads((ROOT / "docs" / "status.schema.json").read_text(encoding="utf-8"))
+    errors = [f"{'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}"
+              for e in jsonschema.Draft202012Validator(schema).iter_errors(filled(example))]
+    assert not errors, "docs/observability.md's /status.json example:\n" + "\n".join(errors)
