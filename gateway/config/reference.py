@@ -217,10 +217,11 @@ like the JSON Schema that `python -m gateway --print-config-schema` prints.
 4. Change it while it runs: edit the file, then send `SIGHUP` (`kill -HUP <pid>`) or call
    `POST /admin/reload` (with `auth.admin_token`). A reload applies to requests that arrive after
    it: models and endpoints, aliases, strategies and their settings, `pd`, `watchdog`, `breaker`,
-   `retry`, `admission`, API keys, limits and `kubernetes.models`. Changing `listen`, `server`,
-   `upstream`, `health`, `scrape`, `state`, `view`, `status`, `tracing`, `responses`, `batch` or
-   the rest of `kubernetes` needs a restart: such a file is refused as a whole and the running config keeps
-   serving. An invalid file is refused the same way.
+   `retry`, `admission`, `lora`, API keys, limits and `kubernetes.models`. Changing `listen`,
+   `server`, `upstream`, `health`, `scrape`, `state`, `view`, `status`, `tracing`, `responses`,
+   `batch`, the rest of `kubernetes` or a model's `kv_events`, or turning on API keys, limits or
+   the admin API on a gateway that started without them, needs a restart: such a file is refused
+   as a whole and the running config keeps serving. An invalid file is refused the same way.
 
 Editors that read JSON Schema (VS Code with the YAML extension, and others using
 yaml-language-server) complete and check keys as you type:

@@ -41,3 +41,23 @@ def test_the_page_starts_with_what_a_user_does_and_its_headings_are_plain_text()
     for needed in ("--check-config", "SIGHUP", "--print-config-schema", "removed in 0.3.0",
                    "examples/full.yaml", "`least-request`"):
         assert needed in page.replace("\n", " ") or needed in page
+
+
+def test_the_reload_step_names_what_reloads_and_what_needs_a_restart():
+    """Step 4 of the page accounts for every top-level block: applied on reload or refused until a
+    restart, as gateway/server/reload.py decides (a block it leaves out would surprise a reader
+    either way)."""
+    from gateway.server.reload import RESTART_BLOCKS
+
+    page = PAGE.read_text()
+    step = " ".join(re.search(r"^4\. Change it while it runs:(.*?)^\S", page, re.S | re.M).group(1).split())
+    applied, _, refused = step.partition("Changing")
+    for block in RESTART_BLOCKS:
+        assert f"`{block}`" in refused, f"step 4 does not say {block} needs a restart"
+    assert "`kv_events`" in refused and "turning on API keys, limits or the admin API" in refused
+    # what reload.py applies: every other block (routing: "strategies and their settings"; auth: keys)
+    words = {"models": "models and endpoints", "aliases": "aliases", "routing": "strategies and their settings",
+             "auth": "API keys", "limits": "limits", "kubernetes": "`kubernetes.models`"}
+    for block in Walk(config_schema()).defs["Config"]["properties"]:
+        if block not in RESTART_BLOCKS:
+            assert words.get(block, f"`{block}`") in applied, f"step 4 does not say what a reload does with {block}"
