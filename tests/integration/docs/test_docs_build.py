@@ -1,9 +1,9 @@
-"""The manual builds without a warning, the README's relative links lead somewhere, and the config
+"""The manual builds without a warning, the READMEs' relative links lead somewhere, and the config
 snippets a reader copies from either are ones the gateway takes without a complaint.
 
 ``mkdocs build --strict`` fails on a broken link, a missing anchor or a page left out of the nav
 (see ``validation`` in mkdocs.yml), so a renamed heading or a moved page fails the suite rather
-than a reader. The README is read on GitHub, not through MkDocs: its relative links are checked
+than a reader. The READMEs are read on GitHub, not through MkDocs: their relative links are checked
 here against the files of the repository (and the headings of the Markdown files they name).
 """
 
@@ -49,19 +49,21 @@ def _links(markdown: str) -> list[str]:
     return re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
 
 
-def test_readme_relative_links_resolve():
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+@pytest.mark.parametrize("name", ["README.md", "enginesim/README.md", "bench/README.md"])
+def test_readme_relative_links_resolve(name):
+    """The READMEs read on GitHub: each relative link from the file's own folder."""
+    page = ROOT / name
     broken = []
-    for target in _links(readme):
+    for target in _links(page.read_text(encoding="utf-8")):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):            # http:, https:, mailto:
             continue
         path, _, anchor = target.partition("#")
-        file = ROOT / unquote(path) if path else ROOT / "README.md"
+        file = (page.parent / unquote(path)).resolve() if path else page
         if not file.exists():
             broken.append(f"{target}: no file {path}")
         elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text(encoding="utf-8")):
-            broken.append(f"{target}: no heading #{anchor} in {path or 'README.md'}")
-    assert not broken, "README.md links that lead nowhere:\n" + "\n".join(broken)
+            broken.append(f"{target}: no heading #{anchor} in {path or name}")
+    assert not broken, f"{name} links that lead nowhere:\n" + "\n".join(broken)
 
 
 def test_readme_link_checker_sees_links_and_anchors():
