@@ -220,3 +220,15 @@ def test_the_status_json_example_is_valid_for_its_schema():
     errors = [f"{'.'.join(map(str, e.absolute_path)) or '(top)'}: {e.message[:200]}"
               for e in jsonschema.Draft202012Validator(schema).iter_errors(filled(example))]
     assert not errors, "docs/observability.md's /status.json example:\n" + "\n".join(errors)
+
+
+def test_the_architecture_layout_names_every_top_level_folder():
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = re.search(r"^## Layout\n\n```\n(.*?)^```", page, re.S | re.M).group(1)
+    listed = set(re.findall(r"^([\w.-]+)/ ", block, re.M))
+    tracked = subprocess.run(["git", "ls-tree", "-d", "--name-only", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True)
+    if tracked.returncode != 0:
+        pytest.skip("not a git checkout")
+    folders = {d for d in tracked.stdout.split() if not d.startswith(".")}
+    assert listed == folders, f"layout: missing {sorted(folders - listed)}, not there {sorted(listed - folders)}"
