@@ -27,6 +27,10 @@ adapted from vLLM's):
 * ``status`` is ``completed`` even when ``max_output_tokens`` cut the answer (both engines set
   ``incomplete`` only on their harmony path); cancel of a finished response is 400
   ``Cannot cancel a synchronous response.``
+* ``background`` with ``stream`` (vLLM): the stream's events are made by the background task and
+  kept; the POST's answer follows them, and ``GET /v1/responses/{id}?stream=true&starting_after=N``
+  replays those after sequence number N and follows the rest, so a client that left resumes. A
+  reader that leaves does not stop the response. SGLang answers a background request whole.
 * Default output length: the simulator's chat default (``--default-max-tokens``), not the engines'
   rest-of-context, so an unbounded request stays short.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -73,6 +78,30 @@ def _message(item: Any) -> dict[str, Any]:
     return {"role": item.get("role", "user"), "content": content_text(item.get("content"))}
 
 
+class _EventLog:
+    """A background stream's frames, in order, and a wake-up for the readers that follow it."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.closed = False
+        self._changed = asyncio.Event()
+
+    async def append(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait(self) -> None:
+        await self._changed.wait()
+
+
 class ResponsesApi:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -83,6 +112,7 @@ class ResponsesApi:
         self.response_store: dict[str, dict[str, Any]] = {}
         self.msg_store: dict[str, list[dict[str, Any]]] = {}
         self.background: dict[str, tuple[Sequence, asyncio.Task]] = {}
+        self.event_logs: dict[str, _EventLog] = {}     # background streams' events (vLLM keeps them all)
 
     def routes(self) -> list[web.RouteDef]:
         return [web.post("/v1/responses", self.create),
@@ -189,7 +219,7 @@ class ResponsesApi:
             self.msg_store[rid] = messages
         engine.submit(seq)
         if background:
-            return await self._background(body, seq, max_tokens)
+            return await self._background(request, body, seq, max_tokens, stream and not self.sglang)
         try:
             if stream:
                 return await self._stream(request, body, seq, max_tokens, store)
@@ -291,13 +321,22 @@ class ResponsesApi:
         writer = SseWriter(request, charset="utf-8")
         await slow_headers(self.engine, seq.fault)
         await writer.start()
+        await self._events(body, seq, max_tokens, store, writer.response.write, request)
+        await at_end(self.engine, request, seq.fault)
+        await writer.response.write_eof()
+        return writer.response
+
+    async def _events(self, body: dict[str, Any], seq: Sequence, max_tokens: int, store: bool,
+                      emit: Callable[[bytes], Awaitable[Any]], request: web.Request | None) -> None:
+        """The stream's frames, each handed to ``emit``; ``request``: the client connection a fault
+        or an engine failure breaks (None: a background stream's, which has none)."""
         seqno = 0
 
         async def send(kind: str, event: dict[str, Any]) -> None:
             nonlocal seqno
             frame = {"type": kind, "sequence_number": seqno, **event}
             seqno += 1
-            await writer.response.write(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(frame) + b"\n\n")
+            await emit(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(frame) + b"\n\n")
 
         initial = self._response(body, seq, max_tokens, "in_progress", [], None)
         await send("response.created", {"response": initial})
@@ -309,13 +348,14 @@ class ResponsesApi:
             out = await seq.channel.get(self.cfg.sse_keepalive_s or None)
             if out is None:
                 continue
-            if drop_after is not None and out.token_ids and sent >= drop_after:
+            if drop_after is not None and out.token_ids and sent >= drop_after and request is not None:
                 self.engine.fail(seq, f"Simulated connection drop after {sent} tokens")
                 drop_connection(request)
                 raise Dropped
             sent += len(out.token_ids)
             if out.finish_reason in ("error", "abort") or out.status is not None:
-                drop_connection(request)          # the generator raises: Starlette breaks the response
+                if request is not None:
+                    drop_connection(request)      # the generator raises: Starlette breaks the response
                 raise Dropped
             if out.text:
                 if not started:
@@ -342,19 +382,30 @@ class ResponsesApi:
         if started:                                 # the stream's message id is the stored one
             final["output"][0]["id"] = item_id
         await send("response.completed", {"response": final})
-        await at_end(self.engine, request, seq.fault)
-        await writer.response.write_eof()
-        return writer.response
 
     # -- background ---------------------------------------------------------------------------
 
-    async def _background(self, body: dict[str, Any], seq: Sequence, max_tokens: int) -> web.Response:
+    async def _background(self, request: web.Request, body: dict[str, Any], seq: Sequence, max_tokens: int,
+                          stream: bool) -> web.StreamResponse:
         queued = self._response(body, seq, max_tokens, "queued", [], None)
         self.response_store[seq.id] = queued
+        log = _EventLog() if stream else None
+        if log is not None:
+            self.event_logs[seq.id] = log
 
         async def run() -> None:
             if self.sglang:
                 queued["status"] = "in_progress"
+            if log is not None:         # vLLM: the stream's events are made here and kept for its readers
+                queued["status"] = "in_progress"
+                try:
+                    await self._events(body, seq, max_tokens, True, log.append, None)
+                except Dropped:
+                    if queued["status"] not in ("completed", "cancelled"):
+                        queued["status"] = "failed"
+                finally:
+                    log.close()
+                return
             text, ok = await self._drain(seq)
             if ok:
                 self._finished(body, seq, max_tokens, text, True, responses_usage=not self.sglang)
@@ -364,7 +415,25 @@ class ResponsesApi:
         task = asyncio.get_running_loop().create_task(run())
         self.background[seq.id] = (seq, task)
         task.add_done_callback(lambda _t: self.background.pop(seq.id, None))
+        if log is not None:
+            return await self._follow(request, log, -1)
         return json_response(queued)
+
+    async def _follow(self, request: web.Request, log: _EventLog, after: int) -> web.StreamResponse:
+        """A background stream's events after sequence number ``after``, as they come, to its end;
+        a reader that leaves stops only its own copy (the response goes on)."""
+        writer = SseWriter(request, charset="utf-8")
+        await writer.start()
+        i = after + 1
+        while True:
+            while i < len(log.frames):
+                await writer.response.write(log.frames[i])
+                i += 1
+            if log.closed:
+                break
+            await log.wait()
+        await writer.response.write_eof()
+        return writer.response
 
     # -- GET / cancel -------------------------------------------------------------------------
 
@@ -375,8 +444,17 @@ class ResponsesApi:
             resp = self.response_store.get(rid)
             if resp is None:
                 raise self._not_found(rid)
+            log = self.event_logs.get(rid) if request.query.get("stream") == "true" and not self.sglang else None
+            if request.query.get("stream") == "true" and not self.sglang and log is None:
+                raise ApiError(400, "Cannot stream a response that was not created with background=true and "
+                               "stream=true.", type_="invalid_request_error")
+            after = request.query.get("starting_after", "-1")
+            if log is not None and not after.lstrip("-").isdigit():
+                raise ApiError(400, "starting_after must be an integer", type_="invalid_request_error")
         except ApiError as exc:
             return exc.response(self.style)
+        if log is not None:
+            return await self._follow(request, log, int(after))
         return json_response(resp)
 
     async def cancel(self, request: web.Request) -> web.Response:
