@@ -25,10 +25,12 @@ it are answered 404, as for an unknown id.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -127,6 +129,7 @@ class ResponsesApi(ApiShape):
         self.auth_on = config.auth.on
         self.m = ResponsesMetrics(metrics.registry)
         self.session: aiohttp.ClientSession | None = None
+        self._early: set[asyncio.Task] = set()         # owners written at a background stream's first event
         self._unreachable_at = -UNREACHABLE_LOG_S      # the store's failures, logged at most this often
         self._unreachable_quiet = 0
         # response id → the endpoint that answered it (``r:<id>``), in both state modes: the routing
@@ -200,8 +203,20 @@ class ResponsesApi(ApiShape):
         return ctx.api_state
 
     def scanner(self, ctx: RequestContext) -> ResponsesScanner:
-        s = self._exchange(ctx).scanner = ResponsesScanner()
+        ex = self._exchange(ctx)
+        created = None
+        if not self.gateway_held and ex.store and ctx.ireq is not None and ctx.ireq.data.get("background") is True:
+            # a background stream goes on on its engine when its client leaves, and is resumed by a
+            # GET (``?stream=true&starting_after=``): its owner is known from its first event, not
+            # only once it ends on this connection
+            created = partial(self._owner_early, ctx)
+        s = ex.scanner = ResponsesScanner(created)
         return s
+
+    def _owner_early(self, ctx: RequestContext, rid: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._record_owner(ctx, rid))
+        self._early.add(task)
+        task.add_done_callback(self._early.discard)
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = ctx.api_state if isinstance(ctx.api_state, Exchange) else None
@@ -275,10 +290,10 @@ class ResponsesApi(ApiShape):
             # nothing kept, so nothing to continue: no lineage either, which the memory backend's
             # owner lookup falls back to and would send a follow-up or a GET to the engine
             return
-        if ctx.decision is not None and len(rid) <= 256:
-            self.lineage.put(RESPONSE + rid, ctx.decision.endpoint, user)
         if self.gateway_held:
             assert self.history is not None
+            if ctx.decision is not None and len(rid) <= 256:
+                self.lineage.put(RESPONSE + rid, ctx.decision.endpoint, user)
             if not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
                 return
             ep = ctx.decision.endpoint if ctx.decision is not None else None
@@ -292,9 +307,16 @@ class ResponsesApi(ApiShape):
                 return
             await self._write(self.history, "history", rid, blob)
             return
-        if ctx.decision is None:
+        await self._record_owner(ctx, rid)
+
+    async def _record_owner(self, ctx: RequestContext, rid: str) -> None:
+        """Engine state: the endpoint that holds response ``rid`` (it answered ``ctx``), for the
+        follow-ups and the GETs that must reach it."""
+        if ctx.decision is None or not rid or len(rid) > 256:
             return
         ep = ctx.decision.endpoint
+        user = self._owner_user(ctx.rec.user)
+        self.lineage.put(RESPONSE + rid, ep, user)
         await self._write(self.owners, "affinity", rid,
                           orjson.dumps({"url": ep.url, "model": ep.model, "user": user}))
 
@@ -518,6 +540,8 @@ class ResponsesApi(ApiShape):
         try:
             yield
         finally:
+            if self._early:                 # owners being written: a resume GET must find them
+                await asyncio.wait(set(self._early), timeout=self.config.state.timeout_s + 1)
             await self.session.close()
             await self.owners.close()
             if self.history is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -52,7 +53,8 @@ def _fields(ev: bytes) -> tuple[str | None, bytes | None]:
 class ResponsesScanner:
     """One upstream Responses stream. ``feed``/``finish`` return the bytes to forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_created: Callable[[str], None] | None = None) -> None:
+        self.on_created = on_created           # called once with the id ``response.created`` gives
         self.first_token_at: float | None = None
         self.last_delta_at: float | None = None
         self.token_events = 0                  # ``*.delta`` events
@@ -162,6 +164,9 @@ class ResponsesScanner:
             self.response_id = resp["id"]
         if name == "response.created":
             self.snapshot = resp
+            if self.on_created is not None and self.response_id is not None:
+                created, self.on_created = self.on_created, None
+                created(self.response_id)
             return False
         self.final = resp
         usage = resp.get("usage")

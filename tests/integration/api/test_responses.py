@@ -345,3 +345,31 @@ async def test_a_stored_response_larger_than_max_response_bytes_is_a_502_when_re
     assert (await c.responses.retrieve(small.id)).id == small.id
     text = await gw.metrics_text()
     assert 'error_class="too_large"' in text
+
+
+async def test_a_background_stream_its_client_left_is_resumed_through_the_gateway(sims, gateway):
+    """Engine state, ``background`` with ``stream``: the response goes on on its engine when its
+    client leaves, and the client resumes it with a GET (``stream=true&starting_after=N``). The
+    gateway recorded the response's owner only at the stream's terminal event on the client's own
+    connection, so the resume, reaching it before that or after the client left, was its 404."""
+    sim = await sims("vllm", "m", enable_responses_store=True, itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    c = openai_client(gw)
+    stream = await c.responses.create(model="m", input="tell me a long story", background=True, stream=True,
+                                      max_output_tokens=40)
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if event.type == "response.output_text.delta":
+            break
+    await stream.close()                        # the client leaves after its first token
+    rid, last = seen[0].response.id, seen[-1].sequence_number
+    rest = await c.responses.retrieve(rid, stream=True, starting_after=last)
+    events = [event async for event in rest]
+    assert [e.sequence_number for e in events] == list(range(last + 1, last + 1 + len(events)))
+    assert events[-1].type == "response.completed" and events[-1].response.id == rid
+    deltas = "".join(e.delta for e in seen + events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text and events[-1].response.usage.output_tokens == 40
+    assert (await c.responses.retrieve(rid)).status == "completed"
+    again = await c.responses.retrieve(rid, stream=True, starting_after=-1)    # the whole stream, from the start
+    assert [e.sequence_number async for e in again][0] == 0
