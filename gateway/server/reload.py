@@ -1,8 +1,9 @@
 """Reload without restart: ``SIGHUP`` and ``POST /admin/reload`` re-read the config file.
 
 What a reload changes, for requests that arrive after it: the models and their endpoints,
-aliases, routing strategies and their settings, ``pd`` and ``watchdog`` settings, API keys, user
-and model limits, the admin token, and ``kubernetes.models``. What needs a restart: ``listen``,
+aliases, routing strategies and their settings, ``pd``, ``watchdog``, ``breaker``, ``retry``,
+``admission`` and ``lora`` settings, API keys, user and model limits, the admin token, and
+``kubernetes.models``. What needs a restart: ``listen``,
 ``server``, ``upstream``, ``health``, ``scrape``, ``state``, ``view`` (the workers' bus and
 the replicas' stream), ``status``, ``tracing``, ``responses`` (its stores), ``batch`` (its routes,
 job store and runner), the rest of ``kubernetes``, a model's ``kv_events`` (its subscriptions
