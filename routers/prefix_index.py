@@ -282,6 +282,63 @@ class PrefixIndex:
             self._next_sweep = now + int(_SWEEP_EVERY_S * 1000)
             self.sweep(now / 1000)
 
+    def export(self) -> tuple[dict[int, Endpoint], list[list[int]]]:
+        """The index as a sibling catching up merges it (``merge``): its endpoints by slot, and every
+        live block, least recently touched first, as ``[key, slot, at_ms, slot, at_ms, ...]`` (the
+        times on the index's clock). O(size)."""
+        cut = self._now_ms() - self.idle_ttl_ms
+        rows = []
+        add = rows.append
+        bits, mask = _SLOT_BITS, _SLOT_MASK
+        for k, held in self._blocks.items():
+            if held.__class__ is int:
+                if held >> bits >= cut:
+                    add([k, held & mask, held >> bits])
+            else:
+                row = [k]
+                for slot, at in held.items():
+                    if at >= cut:
+                        row += (slot, at)
+                if len(row) > 1:
+                    add(row)
+        return {slot: ep for ep, slot in self._slots.items()}, rows
+
+    def merge(self, rows: Sequence[Sequence[int]], endpoints: dict[int, Endpoint]) -> int:
+        """Another process's blocks as ``export`` gave them, its slots named by ``endpoints`` (a slot
+        not there is skipped): each holder's touch kept unless this index knows a later one.
+        ``on_insert`` is not told. Returns the block-endpoint entries merged."""
+        cut = self._now_ms() - self.idle_ttl_ms
+        mine = {theirs: self._slot(ep) for theirs, ep in endpoints.items()}
+        blocks = self._blocks
+        get = blocks.get
+        bits, mask = _SLOT_BITS, _SLOT_MASK
+        n = 0
+        for row in rows:
+            key = row[0]
+            for j in range(1, len(row) - 1, 2):
+                slot, at = mine.get(row[j]), row[j + 1]
+                if slot is None or at < cut:
+                    continue
+                n += 1
+                held = get(key)
+                if held is None:
+                    blocks[key] = (at << bits) | slot
+                elif held.__class__ is int:
+                    if (held & mask) == slot or (held >> bits) < cut:
+                        if (held & mask) != slot or (held >> bits) < at:
+                            blocks[key] = (at << bits) | slot
+                    else:
+                        blocks[key] = {held & mask: held >> bits, slot: at}
+                elif held.get(slot, _NEVER) < at:
+                    held[slot] = at
+        over = len(blocks) - self.capacity
+        if over > 0:
+            self.evictions += over
+            pop = blocks.popitem
+            for _ in range(over):
+                pop(last=False)
+        return n
+
     def sweep(self, now: float | None = None) -> int:
         """Drop blocks idle for longer than the TTL (oldest first); returns how many."""
         now_ms = self._now_ms() if now is None else int(now * 1000)

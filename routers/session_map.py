@@ -126,6 +126,23 @@ class SessionMap:
         """Record another process's entry (not told to ``on_put``)."""
         self._store(key, _Entry(ep, tag, self.clock()))
 
+    def export(self) -> list[tuple[str, Endpoint, str | None, float]]:
+        """Every live entry, least recently recorded first: (key, endpoint, tag, when recorded on
+        this map's clock), what a sibling catching up merges (``merge``). O(size)."""
+        cut = self.clock() - self.ttl_s
+        return [(k, e.ep, e.tag, e.touched) for k, e in self._d.items() if e.touched >= cut]
+
+    def merge(self, key: str, ep: Endpoint, tag: str | None, touched: float) -> bool:
+        """Another process's entry as it holds it (``export``), kept unless this map recorded the key
+        later (not told to ``on_put``); whether it was kept."""
+        e = self._d.get(key)
+        if (e is not None and e.touched >= touched) or self.clock() - touched > self.ttl_s:
+            return False
+        entry = _Entry(ep, tag, touched)
+        entry.published = touched
+        self._store(key, entry)
+        return True
+
     def _store(self, key: str, e: _Entry) -> None:
         d = self._d
         d[key] = e

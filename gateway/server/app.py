@@ -278,6 +278,8 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
     async def answer(kind: str) -> bytes:
         if kind == "metrics":
             return siblings.own(metrics.render())
+        if kind == "view":
+            return s.view.snapshot()
         if kind.startswith(("rget ", "rdel ")):
             return await responses.answer_sibling(kind)
         page = app.get(STATUS_PAGE_KEY)
@@ -295,6 +297,8 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
     siblings = Siblings(worker, answer, endpoints=endpoints)
     metrics.forget_listeners.append(siblings.forget)
     responses.share_with_siblings(siblings.ask, worker.count)
+    if s.view.bus is not None:      # a worker that starts, or missed a sibling's batches, catches up
+        s.view.ask_sibling = siblings.ask_worker
     app.cleanup_ctx.append(lifecycle(siblings))
     return siblings
 

@@ -3,7 +3,8 @@
 
 Worker *i* listens on ``worker-<i>.sock`` in the parent's private directory (gateway/server/workers.py
 ``RunDirectory``, mode 0700). A sibling connects, sends one line naming what it wants
-(``metrics``: this worker's own exposition; ``status``: its part of the status page; ``rget`` or
+(``metrics``: this worker's own exposition; ``status``: its part of the status page; ``view``: its
+whole routing view, for a sibling catching up (gateway/view/service.py); ``rget`` or
 ``rdel`` and a response id: an entry of the Responses memory backend, which each worker keeps for
 the responses it answered), reads the answer to the end of the stream, and the connection closes. The worker that answers a scrape asks
 all its siblings at once and waits at most ``timeout`` (0.5 s) in all: a worker that is restarting
@@ -53,7 +54,7 @@ from gateway.server.workers import WorkerInfo
 log = structlog.get_logger("switchyard.siblings")
 
 TIMEOUT_S = 0.5
-KINDS = (b"metrics", b"status")
+KINDS = (b"metrics", b"status", b"view")
 # questions with an argument: the Responses memory backend's ``rget|rdel <store> <response id>``
 # (gateway/apis/responses_state.py ``WorkerStore``)
 QUESTIONS = (b"rget ", b"rdel ")
@@ -176,6 +177,20 @@ class Siblings:
             elif not t.cancelled() and isinstance(t.exception(), GONE):
                 gone.add(i)
         return out, gone
+
+    async def ask_worker(self, index: int, kind: str, timeout: float) -> bytes | None:
+        """Sibling ``index``'s answer to ``kind``: b"" when it did not answer within ``timeout``
+        (stuck, or broke off), None when it is not there (dead, or not started yet)."""
+        path = self.peers.get(index)
+        if path is None:
+            return None
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._ask_one(path, kind)
+        except GONE:
+            return None
+        except (OSError, TimeoutError):
+            return b""
 
     async def ask(self, kind: str) -> dict[int, bytes]:
         """The siblings that answered ``kind`` (one line: ``metrics``, ``status``, or a question of

@@ -5,8 +5,9 @@ workers) before it forks, and removes it when it exits (``gateway.server.rundir.
 Unix datagram socket there, ``w<i>.sock`` (a restarted worker unlinks and binds it again), and
 sends each batch to every sibling's socket with one non-blocking ``sendto``: nothing waits on
 another process. A sibling whose receive queue is full, or that is not there (starting,
-restarting), misses that batch, which is counted; every fact is either idempotent (an insertion,
-a session) or absolute (in-flight counts), so the next batch heals it.
+restarting), misses that batch, which is counted: in-flight counts are absolute, so the next
+batch heals them, and a worker that missed insertions or sessions catches up from the sender
+(``RoutingView.catch_up``; ``refused`` tells the sender a sibling missed one).
 
 Datagrams keep message boundaries, need no framing, connection or reconnection, and the kernel
 copies them between processes in a few microseconds; a worker reads every queued datagram when
@@ -45,6 +46,7 @@ class LocalBus:
         self.sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.sent = 0
+        self.refused = 0          # datagrams a living sibling refused in the last ``send`` (its queue full)
 
     def open(self) -> None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -75,7 +77,7 @@ class LocalBus:
         s = self.sock
         if s is None:
             return 0
-        sent = 0
+        sent = refused = 0
         for peer in self.peers:
             for p in payloads:
                 try:
@@ -83,12 +85,15 @@ class LocalBus:
                     sent += 1
                 except BlockingIOError:                           # the sibling's queue is full
                     self.on_drop("peer_full")
+                    refused += 1
                 except (FileNotFoundError, ConnectionRefusedError):   # not there (yet, or any more)
                     self.on_drop("peer_down")
                     break
                 except OSError:                                   # e.g. EMSGSIZE
                     self.on_drop("error")
+                    refused += 1
         self.sent += sent
+        self.refused = refused
         return sent
 
     def _readable(self) -> None:

@@ -79,6 +79,11 @@ class ViewMetrics:
                                "interactive request; unknown_endpoint: "
                                "naming an endpoint this process does not have, skipped)",
                                ["source", "kind"], registry=r)
+        self.catch_ups = Counter("switchyard_view_catch_ups",
+                                 "A worker asked a sibling for its whole view (sessions, prefix index): reason start (it "
+                                 "started) or gap (it missed batches of the sibling's insertions or sessions); result "
+                                 "applied, or failed (no answer in time)",
+                                 ["reason", "result"], registry=r)
         self.lag = Histogram("switchyard_view_lag_seconds",
                              "Time from a routing fact's sending to its arrival in this process (wall clocks)",
                              ["source"], registry=r, buckets=LAG_BUCKETS)

@@ -33,6 +33,16 @@ own view, without telling anyone again:
   (``tell_preempt``): the worker that runs batches stops its newest batch line there
   (``on_preempt``), as it does for its own requests (``gateway.batch``).
 
+Catching up, between workers: a count heals with the next batch, an insertion or a session is sent
+once. So a worker that starts (a restart after a crash or a stalled loop) asks its siblings for
+their whole view (``snapshot``, over the siblings' stream socket: ``ask_sibling``) before it serves,
+and one that missed a sibling's batches (its receive queue was full: the worker was stopped or
+busy; the batches are numbered, ``wire.Batch.seq``) asks that sibling once it notices the gap. A
+sender whose batch a sibling refused sends its number again every ``view.heartbeat_s`` until one
+gets through, so the gap is noticed even when nothing more happens. What is merged keeps its time
+(``time.monotonic``, the same clock in every worker): nothing newer is overwritten, and nothing
+lives longer than its TTL.
+
 Nothing waits: a decision appends its facts to this process's outbox and the batch leaves once per
 event-loop turn (``loop.call_soon``), to the siblings over the local bus (``gateway.view.bus``)
 and to the replicas over a Redis stream (``gateway.view.replicas``). With one worker and no Redis,
@@ -42,10 +52,11 @@ the view is this process's own and nothing is sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,10 +79,13 @@ from gateway.view.wire import (
     Served,
     Session,
     Tokens,
+    ViewSnapshot,
     decode,
     decode_snapshot,
-    encode,
+    decode_view,
+    encode_numbered,
     encode_snapshot,
+    encode_view,
     endpoint_key,
     tokens_size,
 )
@@ -83,6 +97,10 @@ log = structlog.get_logger("switchyard.view")
 
 # endpoints are looked up by key from a map rebuilt at most this often (endpoints come and go)
 _RESOLVE_EVERY_S = 1.0
+# catching up: how long a sibling's whole view may take to come, and how often one sibling is asked
+CATCH_UP_TIMEOUT_S = 2.0
+CATCH_UP_EVERY_S = 1.0
+MERGE_CHUNK = 5000
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +180,16 @@ class RoutingView:
         self._tick_at: asyncio.Handle | None = None
         self._tick_when = 0.0       # when ``_tick_at`` fires (uvloop's handle for a delay under half a
                                     # millisecond is a plain ``Handle``, without ``when()``)
+        # catching up (workers): this process's batches are numbered; a gap in a sibling's is noticed
+        self.run = secrets.randbits(31) | 1               # this process among its index's incarnations
+        self._seq = 0                                     # batches with insertions or sessions sent
+        self._owe = False                                 # a sibling refused one: its number is sent again
+        self._heard_seq: dict[str, tuple[int, int]] = {}  # sibling → (run, seq) heard or caught up to
+        # asks sibling ``index`` one question with a timeout (gateway/server/siblings.py); None: alone
+        self.ask_sibling: Callable[[int, str, float], Awaitable[bytes | None]] | None = None
+        self._pulls: dict[int, asyncio.Task] = {}
+        self._want_pull: dict[int, str] = {}
+        self._pull_after: dict[int, float] = {}
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -361,10 +389,18 @@ class RoutingView:
                 load, self._sent_load, self._sent_load_at = snap, snap, now
         bus = self.bus
         if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served or preempt
-                                or load is not None):
-            payloads = encode(self.sender, time.time(), inserts, sessions, load, self.cfg.max_datagram_bytes, tokens,
-                              ejects, probes, scrapes, served, preempt)
+                                or load is not None or (heartbeat and self._owe)):
+            payloads, self._seq = encode_numbered(self.sender, time.time(), inserts, sessions, load,
+                                                  self.cfg.max_datagram_bytes, tokens, ejects, probes, scrapes, served,
+                                                  preempt, self.run, self._seq)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
+            if bus.refused:
+                # a sibling missed facts, or the number that tells it so: say it again on the heartbeat
+                if inserts or sessions or self._owe:
+                    self._owe = True
+                    self._arm(self.cfg.heartbeat_s)
+            else:
+                self._owe = False
             if self._loop is not None:
                 self._flushed_at = self._loop.time()
         if self.link is not None and (inserts or sessions):
@@ -400,11 +436,11 @@ class RoutingView:
         self._tick_at = None
         try:
             if not self._scheduled:
-                self._flush()
+                self._flush(heartbeat=True)
             self._expire_peers()
         except Exception:     # never let the ticker die: the siblings would see this one go silent
             log.exception("shared routing view: tick failed")
-        if self.bus_load and (self._sent_load or self._peers):
+        if (self.bus_load and (self._sent_load or self._peers)) or self._owe:
             self._arm(self.cfg.heartbeat_s)
 
     # -- applying ------------------------------------------------------------------------------
@@ -437,6 +473,8 @@ class RoutingView:
         m.gm.child(m.received, source).inc()
         if live:
             m.observe_lag(source, max(0.0, time.time() - batch.sent))
+        if batch.run and source == "worker":
+            self._check_seq(batch)
         unknown = 0
         index = self._index
         if batch.inserts and index is not None:
@@ -496,6 +534,104 @@ class RoutingView:
                 elif self.on_preempt(ep):
                     n += 1
             m.gm.child(m.applied, source, "preempt").inc(n)
+
+    # -- catching up --------------------------------------------------------------------------
+
+    def _check_seq(self, batch: Batch) -> None:
+        """A sibling's batch number: a jump means batches with insertions or sessions were lost on
+        the way here (this worker's queue was full), so the sibling is asked for its whole view."""
+        facts = 1 if batch.inserts or batch.sessions else 0
+        heard = self._heard_seq.get(batch.sender)
+        if heard is not None and heard[0] == batch.run:
+            if batch.seq <= heard[1]:        # sent before what a catch-up brought
+                return
+            missed = batch.seq > heard[1] + facts
+        else:                                # first heard of this incarnation: had it sent any before?
+            missed = batch.seq > facts
+        self._heard_seq[batch.sender] = (batch.run, batch.seq)
+        if missed:
+            index = batch.sender.rpartition("/")[2]
+            if index.isdigit() and int(index) != self.worker_index:
+                self._pull(int(index), "gap")
+
+    def _pull(self, index: int, reason: str) -> None:
+        """Sibling ``index``'s whole view, asked for in the background (once a second at most)."""
+        if self.ask_sibling is None or self._loop is None or index >= self.worker_count:
+            return
+        self._want_pull[index] = reason
+        task = self._pulls.get(index)
+        if task is None or task.done():
+            self._pulls[index] = self._loop.create_task(self._puller(index))
+
+    async def _puller(self, index: int) -> None:
+        while index in self._want_pull:
+            wait = self._pull_after.get(index, 0.0) - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            reason = self._want_pull.pop(index, "gap")
+            self._pull_after[index] = time.monotonic() + CATCH_UP_EVERY_S
+            await self.catch_up(index, reason)
+
+    async def catch_up(self, index: int, reason: str) -> bool:
+        """Sibling ``index``'s sessions and prefix index merged into this view (each entry kept
+        unless this view knows a later one); whether it answered."""
+        ask = self.ask_sibling
+        if ask is None:
+            return False
+        data = await ask(index, "view", CATCH_UP_TIMEOUT_S)
+        if data is None:                     # not there (yet): nothing to learn, nothing lost
+            return False
+        try:
+            snap = decode_view(data) if data else None
+        except (msgspec.DecodeError, ValueError):
+            snap = None
+        if snap is None:
+            self.m.gm.child(self.m.catch_ups, reason, "failed").inc()
+            return False
+        await self._merge(snap, f"{self.group}/{index}")
+        self.m.gm.child(self.m.catch_ups, reason, "applied").inc()
+        return True
+
+    async def _merge(self, snap: ViewSnapshot, sender: str) -> None:
+        """A sibling's whole view merged, ``MERGE_CHUNK`` entries per loop turn (a full view is a few
+        hundred thousand: the requests in flight here go on meanwhile)."""
+        eps = [self._resolve(k) for k in snap.eps]
+        merge_session = self.sessions.merge
+        n = blocks = 0
+        rows = snap.sessions
+        for at in range(0, len(rows), MERGE_CHUNK):
+            for key, i, tag, touched in rows[at:at + MERGE_CHUNK]:
+                ep = eps[i] if 0 <= i < len(eps) else None
+                if ep is not None and merge_session(key, ep, tag, touched):
+                    n += 1
+            await asyncio.sleep(0)
+        slots = {slot: ep for slot, ep in ((s, self._resolve(k)) for s, k in snap.slots.items()) if ep is not None}
+        rows = snap.blocks
+        for at in range(0, len(rows), MERGE_CHUNK):
+            index = self._index          # a reload may have attached another meanwhile
+            if index is None:
+                break
+            blocks += index.merge(rows[at:at + MERGE_CHUNK], slots)
+            await asyncio.sleep(0)
+        heard = self._heard_seq.get(sender)
+        if heard is None or heard[0] != snap.run or heard[1] < snap.seq:
+            self._heard_seq[sender] = (snap.run, snap.seq)
+        log.info("shared routing view: caught up with a sibling", sibling=sender, sessions=n, blocks=blocks)
+
+    def snapshot(self) -> bytes:
+        """This worker's whole view for a sibling catching up (``catch_up``): its live sessions and
+        prefix-index blocks with their times, and its batch number. O(view size), once per ask."""
+        live = [ep for ep in self.pool.endpoints() if not ep.removed]
+        pos = {ep: i for i, ep in enumerate(live)}
+        get = pos.get
+        sessions = [(key, get(ep, -1), tag, touched) for key, ep, tag, touched in self.sessions.export()]
+        slots: dict[int, str] = {}
+        blocks: list[list[int]] = []
+        if self._index is not None:
+            by_slot, blocks = self._index.export()
+            slots = {slot: self._key(ep) for slot, ep in by_slot.items() if ep in pos}
+        return encode_view(ViewSnapshot(self.run, self._seq, [self._key(ep) for ep in live], sessions, slots,
+                                        blocks))
 
     def _adopt_monitoring(self, batch: Batch) -> int:
         """A watcher's probes, scrapes and adapter lists, adopted (each endpoint's watcher then
@@ -574,12 +710,24 @@ class RoutingView:
             self.bus.open()
             if self.bus_load:
                 self._arm(self.cfg.load_interval_s)
+            if self.ask_sibling is not None:
+                # a restarted worker knows the sessions and prefixes its siblings know before it serves
+                # (at the gateway's start there is nothing to learn, and a sibling not up yet refuses at once)
+                await asyncio.gather(*(self.catch_up(i, "start") for i in range(self.worker_count)
+                                       if i != self.worker_index))
         if self.link is not None:
             self.link.start()
         log.info("shared routing view", workers_bus=self.bus is not None, bus_load=self.bus_load,
                  replicas=self.link is not None, sender=self.sender, share_monitoring=self.share_monitoring)
 
     async def stop(self) -> None:
+        self._want_pull.clear()
+        for task in self._pulls.values():
+            task.cancel()
+        for task in self._pulls.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._pulls.clear()
         if self._tick_at is not None:
             self._tick_at.cancel()
             self._tick_at = None

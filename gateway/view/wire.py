@@ -26,7 +26,12 @@ discovery alike):
   local bus only;
 * ``preempt``: endpoints where the sender routed an interactive request that found no free slot
   while a sibling's batch lines may run there; the worker that runs batches stops its newest line
-  on each (``gateway.batch``). The local bus only.
+  on each (``gateway.batch``). The local bus only;
+* ``run`` and ``seq`` (the local bus): the sender's process (a random number, new at each start) and
+  how many batches with insertions or sessions it has sent so far, this one included. A sibling
+  that sees the count jump missed some (its queue was full: stopped, or busy) and asks the sender
+  for its whole view (``ViewSnapshot``, over the siblings' stream socket), since an insertion or a
+  session, unlike a count, is not sent again.
 
 ``encode`` splits what does not fit in ``max_bytes`` over several batches.
 """
@@ -92,6 +97,21 @@ class Batch(msgspec.Struct, array_like=True):
     scrapes: list[Scrape] = []
     served: list[Served] = []
     preempt: list[str] = []              # endpoint keys: an interactive request found no free slot there
+    run: int = 0                         # the sender's process (random, new at each start); 0: not numbered
+    seq: int = 0                         # batches with inserts or sessions the sender has sent, this one included
+
+
+class ViewSnapshot(msgspec.Struct, array_like=True):
+    """A worker's whole view, for a sibling catching up (it started, or missed batches): its
+    sessions and prefix-index blocks with their times on ``time.monotonic`` (the machine's clock,
+    the same in every worker), and ``run``/``seq`` as its next batch would carry them."""
+
+    run: int
+    seq: int
+    eps: list[str] = []                  # endpoint keys, referred to by position in ``sessions``
+    sessions: list[tuple[str, int, str | None, float]] = []     # key, endpoint, tag, last recorded
+    slots: dict[int, str] = {}           # the prefix index's endpoints by slot
+    blocks: list[list[int]] = []         # [block key, slot, at_ms, slot, at_ms, ...]
 
 
 def endpoint_key(ep: Endpoint) -> str:
@@ -102,6 +122,16 @@ def endpoint_key(ep: Endpoint) -> str:
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Batch)
 _snapshot_decoder = msgspec.msgpack.Decoder(EngineMetrics)
+_view_decoder = msgspec.msgpack.Decoder(ViewSnapshot)
+
+
+def encode_view(snap: ViewSnapshot) -> bytes:
+    return _encoder.encode(snap)
+
+
+def decode_view(data: bytes) -> ViewSnapshot:
+    """Raises ``msgspec.DecodeError`` (a ``ValueError``) on anything but a view snapshot."""
+    return _view_decoder.decode(data)
 
 
 def encode_snapshot(m: EngineMetrics) -> bytes:
@@ -145,14 +175,30 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
            scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = ()) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
+    return encode_numbered(sender, sent, inserts, sessions, load, max_bytes, tokens, breakers, probes, scrapes,
+                           served, preempt)[0]
+
+
+def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
+                    load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
+                    breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
+                    scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
+                    run: int = 0, seq: int = 0) -> tuple[list[bytes], int]:
+    """``encode``, each batch carrying ``run`` and its number (``seq``, counting the batches with
+    insertions or sessions; with ``run`` 0 nothing is numbered); returns the batches and the last
+    number given."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
     out: list[bytes] = []
     lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
     used = 64 * len(breakers) + sum(len(k) + 8 for k in preempt)    # a few, small: in the first batch
 
     def batch() -> bytes:
+        nonlocal seq
+        if run and (lists[Insert] or lists[Session]):
+            seq += 1
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
-                                     list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt)))
+                                     list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt),
+                                     run, seq))
 
     for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
@@ -166,4 +212,4 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
         used += n
     if any(lists.values()) or breakers or preempt or load is not None or not out:
         out.append(batch())
-    return out
+    return out, seq

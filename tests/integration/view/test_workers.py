@@ -11,6 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -243,3 +246,107 @@ async def test_two_workers_probe_scrape_and_read_each_engines_adapters_once_per_
         assert (all if split else any)(n > 0 for n in applied), (kind, applied)
     for answer in listed.values():                # every worker knows every engine's adapter, asked or told
         assert {"ad0", "ad1", "ad2"} <= {m["id"] for m in json.loads(answer)["data"]}, answer
+
+
+async def first_turns(port: int, tags: list[str]) -> dict[str, tuple[str, list[dict]]]:
+    """Each conversation's first turn (a session-keyed one-liner and a prompt of its own): its engine
+    and its messages so far."""
+    out = {}
+    for tag in tags:
+        messages = [{"role": "system", "content": f"{tag}: {SYSTEM}"}, {"role": "user", "content": f"where does {tag} go?"}]
+        status, head, body = await post_new(port, "/v1/chat/completions",
+                                            {"model": "m", "messages": messages, "max_tokens": 4}, {"x-session-key": tag})
+        assert status == 200, body
+        out[tag] = (head["target-pod"], [*messages, body["choices"][0]["message"]])
+    return out
+
+
+async def moved_on_next_turns(port: int, started: dict[str, tuple[str, list[dict]]], turns: int) -> list[str]:
+    """The conversations whose next turns (each on a new connection) went elsewhere than their first:
+    a session's one-liner (only the session map knows it) and the prompt's next turn (the prefix index)."""
+    moved = []
+    for tag, (engine, messages) in started.items():
+        for t in range(turns):
+            status, head, body = await post_new(port, "/v1/chat/completions",
+                                                {"model": "m", "messages": [{"role": "user", "content": f"hi {t}"}],
+                                                 "max_tokens": 2}, {"x-session-key": tag})
+            assert status == 200, body
+            if head["target-pod"] != engine:
+                moved.append(f"{tag} session turn {t}: {engine} -> {head['target-pod']}")
+            longer = [*messages, {"role": "user", "content": f"and turn {t} of {tag}?"}]
+            status, head, body = await post_new(port, "/v1/chat/completions",
+                                                {"model": "m", "messages": longer, "max_tokens": 2})
+            assert status == 200, body
+            if head["target-pod"] != engine:
+                moved.append(f"{tag} prompt turn {t}: {engine} -> {head['target-pod']}")
+    return moved
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_catches_up_on_the_sessions_and_prefixes_its_siblings_know(sims, tmp_path):
+    """A worker killed outright and started again by the parent knows, before it serves, where the
+    conversations routed before its death went: without that, the next turns it took scattered."""
+    from tests.integration.server.test_workers import children_of
+
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines]))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2) as proc:
+        started = await first_turns(port, [f"agent {i}" for i in range(10)])
+        assert len({engine for engine, _ in started.values()}) > 1
+        victim = children_of(proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+
+        async def back() -> bool:
+            now = children_of(proc.pid)
+            return victim not in now and len(now) == 2 and len(await per_worker(port, 2, "/status.json")) == 2
+
+        await until(back, timeout=30)
+        moved = await moved_on_next_turns(port, started, 2)
+        assert not moved, moved
+        pages = await per_worker(port, 2)
+    assert all(metric_total(p, "switchyard_view_catch_ups_total", reason="start", result="applied") >= 1
+               for p in pages.values())
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_stopped_while_its_sibling_routes_catches_up_on_what_it_missed(sims, tmp_path):
+    """A worker whose event loop does not run (SIGSTOP here; a long stall alike) lets its bus queue
+    fill, and its sibling's insertions and sessions beyond it are lost on the way: once it runs
+    again it notices the gap in the sibling's batches and catches up, so the conversations the
+    sibling routed meanwhile stay on their engines whichever worker takes their next turns."""
+    from tests.integration.server.test_workers import children_of
+
+    queue = int(Path("/proc/sys/net/unix/max_dgram_qlen").read_text())
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [e.url for e in engines]))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2) as proc:
+        victim = children_of(proc.pid)[0]
+        os.kill(victim, signal.SIGSTOP)
+        started: dict[str, tuple[str, list[dict]]] = {}
+        waiting = []
+        try:
+            # each first turn on a new connection: those the kernel hands the stopped worker wait for
+            # it, the others are routed by its sibling, a batch of facts each
+            async def begin(tag: str) -> None:
+                started.update(await first_turns(port, [tag]))
+
+            n = 0
+            while len(started) < 3 * queue:
+                waiting.append(asyncio.ensure_future(begin(f"conversation {n}")))
+                n += 1
+                await asyncio.sleep(0.02)
+            served_meanwhile = dict(started)
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        await asyncio.gather(*waiting)
+        page = (await per_worker(port, 2)).popitem()[1]
+        assert metric_total(page, "switchyard_view_messages_dropped_total", reason="peer_full") > 0
+        moved = await moved_on_next_turns(port, served_meanwhile, 1)
+        assert not moved, moved
+        pages = await per_worker(port, 2)
+    assert all(metric_total(p, "switchyard_view_catch_ups_total", reason="gap", result="applied") >= 1
+               for p in pages.values())

@@ -191,3 +191,31 @@ def test_endpoint_slots_are_released_when_no_block_mentions_them(monkeypatch):
     assert len(index) == 40
     depths, _ = index.depths(make_req(f"{29:03d}" + SYSTEM[3:]), [ep])
     assert depths == {ep: 20}
+
+
+def test_a_siblings_blocks_are_merged_with_their_times_and_never_over_a_later_touch():
+    clock = Clock()
+    eps = make_eps(3)
+    _, theirs, _, _ = setup(clock=clock, prefix_idle_ttl_s=10)
+    _, mine, _, _ = setup(clock=clock, prefix_idle_ttl_s=10)
+    told = []
+    mine.on_insert = lambda keys, ep: told.append(keys)
+    req, other = make_req(SYSTEM), make_req("Another prompt that is long enough. " * 2)
+    theirs.insert(req, eps[0])
+    clock.t += 4
+    theirs.insert(other, eps[1])
+    mine.insert(other, eps[2])
+    told.clear()
+    by_slot, rows = theirs.export()
+    assert len(rows) == len(theirs) and set(by_slot.values()) == {eps[0], eps[1]}
+    assert mine.merge(rows, by_slot) == len(rows)
+    assert told == []
+    assert mine.depths(req, eps)[0] == {eps[0]: len(SYSTEM) // BLOCK}
+    assert mine.depths(other, eps)[0] == {eps[1]: len(other.prompt_text) // BLOCK, eps[2]: len(other.prompt_text) // BLOCK}
+    clock.t += 6.5                          # req's blocks keep the sibling's time: 10.5 s idle now
+    assert mine.depths(req, eps)[0] == {}
+    assert mine.depths(other, eps)[0] != {}
+    # what is idle past the TTL is neither exported nor merged
+    assert all(len(row) > 1 for row in theirs.export()[1]) and len(theirs.export()[1]) == len(theirs.keys(other))
+    stale = [[k, 0, int((clock.t - 11) * 1000)] for k in theirs.keys(make_req("Yet another long prompt here. " * 2))]
+    assert mine.merge(stale, {0: eps[0]}) == 0

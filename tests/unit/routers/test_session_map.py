@@ -94,3 +94,27 @@ def test_a_response_id_is_followed_to_the_endpoint_that_answered_it():
     req.data = {"previous_response_id": "resp_9"}
     d = r.route(req, eps)
     assert d.endpoint is eps[2] and d.reason == "session" and outcomes == ["kept"]
+
+
+def test_a_siblings_entries_are_merged_with_their_times_and_never_over_a_later_one():
+    clock = Clock()
+    eps = endpoints(3)
+    theirs, mine = SessionMap(ttl_s=10, clock=clock), SessionMap(ttl_s=10, clock=clock)
+    told = []
+    mine.on_put = lambda *fact: told.append(fact)
+    theirs.put("old", eps[0])
+    clock.t += 4
+    theirs.put("a", eps[0], "alice")
+    theirs.put("b", eps[1])
+    clock.t += 1
+    mine.put("b", eps[2])                  # this map recorded "b" after the sibling did
+    told.clear()
+    clock.t += 6                           # "old" is 11 s old: expired, not exported
+    exported = theirs.export()
+    assert [k for k, *_ in exported] == ["a", "b"]
+    kept = [mine.merge(*entry) for entry in exported]
+    assert kept == [True, False]
+    assert mine.entry("a") == (eps[0], "alice") and mine.get("b") is eps[2]
+    assert told == []                      # a sibling's fact is not published again
+    clock.t += 3.5                         # "a" keeps the sibling's time: 10.5 s old now, "b" 9.5
+    assert mine.get("a") is None and mine.get("b") is eps[2]

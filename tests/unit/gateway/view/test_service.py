@@ -303,3 +303,68 @@ def test_an_endpoint_that_left_the_pool_is_not_kept_by_the_view():
     pool.remove(ep)
     view._key(ep)                           # its last request, ending
     assert list(view._keys) == [kept] and [k for _, k in view._heard_watcher] == [view._key(kept)]
+
+
+async def test_a_worker_that_missed_batches_notices_the_gap_and_catches_up_from_the_sender():
+    """b stops reading its bus (a stopped or stuck worker): a's batches beyond its queue are refused
+    and lost. Once b reads again, a's next number (sent again on the heartbeat, though nothing else
+    happens) shows the gap, and b asks a for its whole view."""
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
+    (a, actx, apool), (b, bctx, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    asked = []
+
+    async def ask(view, index, kind, timeout):      # the siblings' stream socket (gateway/server/siblings.py)
+        asked.append((index, kind))
+        return view.snapshot()
+
+    a.ask_sibling = lambda index, kind, timeout: ask(b, index, kind, timeout)
+    b.ask_sibling = lambda index, kind, timeout: ask(a, index, kind, timeout)
+    async with _running(d, a, b):
+        assert asked == [(1, "view"), (0, "view")]       # each asked the other at start
+        asked.clear()
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(b.bus.sock.fileno())          # b reads nothing: its queue fills
+        reqs = [inference_request(f"conversation {i}: you are a helpful switchyard assistant.") for i in range(300)]
+        for i, req in enumerate(reqs):
+            actx.prefix_index.insert(req, ea[i % 2])
+            actx.sessions.put(f"m\0s:agent {i}", ea[i % 2])
+            await asyncio.sleep(0)                        # a batch each
+        await until(lambda: metric_total(a.m.gm.render().decode(), "switchyard_view_messages_dropped_total",
+                                         reason="peer_full") > 0)
+        assert asked == []
+        loop.add_reader(b.bus.sock.fileno(), b.bus._readable)     # b runs again
+        await until(lambda: all(bctx.sessions.get(f"m\0s:agent {i}") is eb[i % 2] for i in range(300)), timeout=5)
+        def depths(ctx, eps, req):
+            return {eps.index(ep): n for ep, n in ctx.prefix_index.depths(req, eps)[0].items()}
+
+        assert all(depths(bctx, eb, req) == depths(actx, ea, req) and depths(bctx, eb, req)[i % 2] == len(req.prompt_text) // 8
+                   for i, req in enumerate(reqs))
+        assert asked == [(0, "view")]
+        page = b.m.gm.render().decode()
+        assert metric_total(page, "switchyard_view_catch_ups_total", reason="gap", result="applied") == 1
+        # caught up: the next batches are in sequence, nothing more is asked
+        actx.sessions.put("m\0s:later", ea[0])
+        await until(lambda: bctx.sessions.get("m\0s:later") is eb[0])
+        await asyncio.sleep(0.2)
+        assert asked == [(0, "view")] and not a._owe
+
+
+async def test_a_sibling_that_is_not_there_is_not_a_failed_catch_up_and_one_that_does_not_answer_is():
+    d = RunDirectory()
+    cfg = _config()
+    (a, _, _) = _worker(cfg, 0, d.path)
+    answers = iter([None, None, b""])      # at start, then twice here
+
+    async def ask(index, kind, timeout):
+        return next(answers)
+
+    a.ask_sibling = ask
+    async with _running(d, a):
+        assert not await a.catch_up(1, "gap")
+        page = a.m.gm.render().decode()
+        assert metric_total(page, "switchyard_view_catch_ups_total") == 0
+        assert not await a.catch_up(1, "gap")
+        page = a.m.gm.render().decode()
+        assert metric_total(page, "switchyard_view_catch_ups_total", reason="gap", result="failed") == 1

@@ -58,3 +58,20 @@ def test_preemption_requests_travel_once_in_the_first_batch():
     assert all(b.preempt == [] for b in batches[1:])
     (alone,) = encode("g/1", 1.0, [], [], None, 4096, preempt=["m|http://b:2"])
     assert decode(alone).preempt == ["m|http://b:2"]
+
+
+def test_batches_with_insertions_or_sessions_are_numbered_and_a_view_snapshot_round_trips():
+    from gateway.view.wire import ViewSnapshot, decode_view, encode_numbered, encode_view
+
+    ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]
+    out, seq = encode_numbered("g/1", 1.0, ins, [], {"e": 1}, 4096, run=7, seq=41)
+    batches = [decode(p) for p in out]
+    assert [b.seq for b in batches] == list(range(42, 42 + len(out))) and seq == 41 + len(out)
+    assert {b.run for b in batches} == {7}
+    (load_only,), same = encode_numbered("g/1", 1.0, [], [], {"e": 2}, 4096, run=7, seq=seq)
+    assert same == seq and decode(load_only).seq == seq        # a count alone takes no number
+    snap = ViewSnapshot(7, seq, ["m|http://a:1"], [("m\0s:k", 0, None, 12.5)], {3: "m|http://a:1"},
+                        [[2**64 - 1, 3, 1234]])
+    assert decode_view(encode_view(snap)) == snap
+    with pytest.raises(ValueError):
+        decode_view(b"\x93not a view")
