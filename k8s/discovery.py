@@ -181,6 +181,8 @@ class KubernetesDiscovery:
                 log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*")
             except Exception as e:  # API down, connection broken, a bug: back off, relist
                 self.stats["errors"] += 1
+                if isinstance(e, ApiError) and e.status == 401:
+                    await self._read_credentials_again()
                 # a list that succeeds does not make the API well: a watch that keeps failing at
                 # once (a 500, a 429) backs off as a failing list does, until one holds a while
                 if watching is not None and loop.time() - watching >= HEALTHY_WATCH_S:
@@ -190,6 +192,25 @@ class KubernetesDiscovery:
                             error=f"{type(e).__name__}: {e}".strip(), retry_in_s=round(delay, 2))
                 await asyncio.sleep(delay)
                 backoff = min(backoff * 2, max(MAX_BACKOFF_S, first))
+
+    async def _read_credentials_again(self) -> None:
+        """A 401: the token this client holds was refused, most likely rotated (a projected
+        service-account token, a kubeconfig's ``tokenFile`` or its ``token`` rewritten). The
+        credentials are read again from where they came, so the next try sends the new token;
+        kubernetes-asyncio reads a kubeconfig's token once, and the service account's file at most
+        once a minute. What cannot be read now leaves the client as it was."""
+        live = self._api_client.configuration
+        try:
+            fresh = await load_client_configuration(self.kcfg)
+        except ConfigError as e:
+            log.warning("kubernetes credentials could not be read again", error=str(e))
+            return
+        if fresh.api_key != live.api_key:
+            self.stats["credentials_reread"] += 1
+            log.info("kubernetes credentials changed; retrying with them")
+        live.api_key = dict(fresh.api_key)
+        live.api_key_prefix = dict(fresh.api_key_prefix)
+        live.refresh_api_key_hook = fresh.refresh_api_key_hook
 
     def _call(self, scope: str | None, **kwargs):
         kwargs["label_selector"] = self.kcfg.label_selector

@@ -218,6 +218,36 @@ async def test_bearer_token_is_required(emu, discover):
     assert not d.synced.is_set() and names(pool) == set() and d.stats["errors"] >= 2
 
 
+async def test_a_token_rotated_on_disk_is_read_again_after_a_401(emu, tmp_path):
+    """A kubeconfig whose user reads its token from a file (as a projected service-account token
+    is): the file and the server's token change together, the next request is refused, and
+    discovery goes on with the new token rather than being refused for ever."""
+    token = tmp_path / "token"
+    token.write_text("first-token")
+    emu.token = "first-token"
+    kube = json.loads(emu.kubeconfig())
+    kube["users"][0]["user"] = {"tokenFile": str(token)}
+    path = tmp_path / "kubeconfig"
+    path.write_text(json.dumps(kube))
+    cfg = config_from_dict({"kubernetes": {"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"],
+                                           "retry_backoff_s": 0.05}})
+    pool = EndpointPool()
+    d = KubernetesDiscovery(cfg.kubernetes, pool)
+    await d.start()
+    try:
+        emu.create_pod("llm", "a", {M: "llama"})
+        assert await d.wait_synced(5)
+        await until(lambda: names(pool) == {"a"})
+        emu.token = "second-token"
+        token.write_text("second-token")
+        emu.break_watches()
+        emu.create_pod("llm", "b", {M: "llama"})
+        await until(lambda: names(pool) == {"a", "b"})
+        assert emu.stats["unauthorized"] >= 1 and d.stats["credentials_reread"] == 1
+    finally:
+        await d.stop()
+
+
 async def test_unusable_kubeconfig_fails_at_start_naming_the_key(tmp_path):
     pool = EndpointPool()
     cfg = config_from_dict({"kubernetes": {"enabled": True, "kubeconfig": str(tmp_path / "missing")}})
