@@ -44,7 +44,7 @@ from k8s.pods import ANNO_KV_EVENTS, PodView, Skipped, map_pod, pod_key
 log = structlog.get_logger("switchyard.k8s")
 
 MAX_BACKOFF_S = 30.0
-HEALTHY_WATCH_S = 60.0    # a watch that held this long before failing: the retries start over
+HEALTHY_WATCH_S = 60.0    # a watch that held this long (or brought a line) before failing: the retries start over
 LIST_TIMEOUT_S = 60.0
 
 
@@ -104,6 +104,7 @@ class KubernetesDiscovery:
         self._skipped: dict[str, str] = {}
         self._scope_keys: dict[str | None, set[str]] = {s: set() for s in self.scopes}
         self._listed: set[str | None] = set()
+        self._heard: dict[str | None, float] = {}  # per scope, the loop time of its watch's last line
         self._tasks: list[asyncio.Task] = []
         self._api_client: Any = None
         self._core: Any = None
@@ -184,8 +185,11 @@ class KubernetesDiscovery:
                 if isinstance(e, ApiError) and e.status == 401:
                     await self._read_credentials_again()
                 # a list that succeeds does not make the API well: a watch that keeps failing at
-                # once (a 500, a 429) backs off as a failing list does, until one holds a while
-                if watching is not None and loop.time() - watching >= HEALTHY_WATCH_S:
+                # once (a 500, a 429) backs off as a failing list does, until one holds a while or
+                # brings an event or a bookmark (a proxy that cuts every stream after a few seconds
+                # would otherwise leave the pool unwatched for up to 30 s out of every 30-odd)
+                if watching is not None and (loop.time() - watching >= HEALTHY_WATCH_S
+                                             or self._heard.get(scope, -1.0) >= watching):
                     backoff = first
                 delay = backoff * random.uniform(0.8, 1.2)
                 log.warning("kubernetes list/watch failed; relisting", namespace=scope or "*",
@@ -275,6 +279,7 @@ class KubernetesDiscovery:
     # -- applying state ----------------------------------------------------------------------
 
     def _on_event(self, scope: str | None, etype: str, obj: Mapping[str, Any]) -> None:
+        self._heard[scope] = asyncio.get_running_loop().time()
         if etype == "BOOKMARK":
             self.stats["bookmarks"] += 1
             return

@@ -283,3 +283,24 @@ async def test_watches_that_keep_failing_back_off_though_the_lists_succeed(emu, 
     first, fifth = delays()[0], delays()[4]
     # doubled four times from 0.05 s (each ±20 %): about 16 times the first, never near it
     assert fifth >= 8 * first, delays()
+
+
+async def test_watches_cut_after_they_brought_bookmarks_are_retried_at_the_first_delay(emu, discover):
+    """A proxy that cuts every watch stream a few seconds in: each watch was served (it brought
+    bookmarks) before it broke, so the retry is at ``retry_backoff_s`` every time, not doubled up
+    to 30 s as for an API that refuses watches, during which no change would be seen."""
+    import structlog
+
+    with structlog.testing.capture_logs() as logs:
+        d, pool = await discover(namespaces=["llm"])
+        delays = lambda: [e["retry_in_s"] for e in logs if "retry_in_s" in e]     # noqa: E731
+        for cut in range(5):
+            await until(lambda: len(emu.watchers) == 1)
+            b0 = d.stats["bookmarks"]
+            await until(lambda b0=b0: d.stats["bookmarks"] > b0)
+            emu.break_watches()
+            await until(lambda cut=cut: len(delays()) == cut + 1)
+        emu.create_pod("llm", "late", {M: "llama"})
+        await until(lambda: names(pool) == {"late"})
+    # each at 0.05 s ±20 %; doubling would have made the fifth about 16 times the first
+    assert max(delays()) <= 1.5 * min(delays()), delays()
