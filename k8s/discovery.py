@@ -177,23 +177,29 @@ class KubernetesDiscovery:
                 backoff = first             # a watch that ended as watches do: the API is well
             except asyncio.CancelledError:
                 raise
-            except Gone:
-                self.stats["gone"] += 1
-                log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*")
-            except Exception as e:  # API down, connection broken, a bug: back off, relist
-                self.stats["errors"] += 1
+            except Exception as e:  # API down, connection broken, 410 Gone, a bug: relist
+                gone = isinstance(e, Gone)
+                self.stats["gone" if gone else "errors"] += 1
                 if isinstance(e, ApiError) and e.status == 401:
                     await self._read_credentials_again()
                 # a list that succeeds does not make the API well: a watch that keeps failing at
-                # once (a 500, a 429) backs off as a failing list does, until one holds a while or
-                # brings an event or a bookmark (a proxy that cuts every stream after a few seconds
-                # would otherwise leave the pool unwatched for up to 30 s out of every 30-odd)
+                # once (a 500, a 429, a 410 right after the list) backs off as a failing list
+                # does, until one holds a while or brings an event or a bookmark (a proxy that
+                # cuts every stream after a few seconds would otherwise leave the pool unwatched
+                # for up to 30 s out of every 30-odd)
                 if watching is not None and (loop.time() - watching >= HEALTHY_WATCH_S
                                              or self._heard.get(scope, -1.0) >= watching):
                     backoff = first
+                    if gone:            # a watch that had been served outlived its resourceVersion
+                        log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*")
+                        continue
                 delay = backoff * random.uniform(0.8, 1.2)
-                log.warning("kubernetes list/watch failed; relisting", namespace=scope or "*",
-                            error=f"{type(e).__name__}: {e}".strip(), retry_in_s=round(delay, 2))
+                if gone:
+                    log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*",
+                             retry_in_s=round(delay, 2))
+                else:
+                    log.warning("kubernetes list/watch failed; relisting", namespace=scope or "*",
+                                error=f"{type(e).__name__}: {e}".strip(), retry_in_s=round(delay, 2))
                 await asyncio.sleep(delay)
                 backoff = min(backoff * 2, max(MAX_BACKOFF_S, first))
 

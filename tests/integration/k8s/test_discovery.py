@@ -304,3 +304,21 @@ async def test_watches_cut_after_they_brought_bookmarks_are_retried_at_the_first
         await until(lambda: names(pool) == {"late"})
     # each at 0.05 s ±20 %; doubling would have made the fifth about 16 times the first
     assert max(delays()) <= 1.5 * min(delays()), delays()
+
+
+async def test_watches_gone_right_after_each_list_back_off(emu, discover):
+    """An API server that answers every watch from a fresh list's resourceVersion with 410 Gone (a
+    watch cache behind the list it served): the relists back off as for any failing watch, not
+    list after list as fast as it answers, with a log line each."""
+    import structlog
+
+    emu.fail_watches = 410
+    with structlog.testing.capture_logs() as logs:
+        d, _ = await discover(namespaces=["llm"])
+        delays = lambda: [e["retry_in_s"] for e in logs if "retry_in_s" in e]     # noqa: E731
+        await until(lambda: len(delays()) >= 5, timeout=20)
+        lists = emu.stats["lists"]
+    emu.fail_watches = None
+    assert d.stats["gone"] >= 5 and lists <= len(delays()) + 1
+    first, fifth = delays()[0], delays()[4]
+    assert fifth >= 8 * first, delays()
