@@ -282,15 +282,29 @@ class PrefixIndex:
             self._next_sweep = now + int(_SWEEP_EVERY_S * 1000)
             self.sweep(now / 1000)
 
-    def export(self) -> tuple[dict[int, Endpoint], list[list[int]]]:
+    def block_keys(self) -> list[int]:
+        """The blocks' keys as they are now, a copy (one list of ints: nothing new for the collector
+        to track), for ``export`` to read in parts while the index goes on changing."""
+        return list(self._blocks)
+
+    def slots(self) -> dict[int, Endpoint]:
+        """The index's endpoints by slot."""
+        return {slot: ep for ep, slot in self._slots.items()}
+
+    def export(self, keys: list[int] | None = None) -> tuple[dict[int, Endpoint], list[list[int]]]:
         """The index as a sibling catching up merges it (``merge``): its endpoints by slot, and every
-        live block, least recently touched first, as ``[key, slot, at_ms, slot, at_ms, ...]`` (the
+        live block (of ``keys``, a part of what ``block_keys()`` gave, those still here; or of the
+        whole index), least recently touched first, as ``[key, slot, at_ms, slot, at_ms, ...]`` (the
         times on the index's clock). O(size)."""
         cut = self._now_ms() - self.idle_ttl_ms
         rows = []
         add = rows.append
         bits, mask = _SLOT_BITS, _SLOT_MASK
-        for k, held in self._blocks.items():
+        blocks = self._blocks
+        pairs = blocks.items() if keys is None else ((k, blocks.get(k)) for k in keys)
+        for k, held in pairs:
+            if held is None:                 # gone since the keys were taken
+                continue
             if held.__class__ is int:
                 if held >> bits >= cut:
                     add([k, held & mask, held >> bits])
@@ -301,7 +315,7 @@ class PrefixIndex:
                         row += (slot, at)
                 if len(row) > 1:
                     add(row)
-        return {slot: ep for ep, slot in self._slots.items()}, rows
+        return self.slots(), rows
 
     def merge(self, rows: Sequence[Sequence[int]], endpoints: dict[int, Endpoint]) -> int:
         """Another process's blocks as ``export`` gave them, its slots named by ``endpoints`` (a slot

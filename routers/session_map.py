@@ -126,11 +126,20 @@ class SessionMap:
         """Record another process's entry (not told to ``on_put``)."""
         self._store(key, _Entry(ep, tag, self.clock()))
 
-    def export(self) -> list[tuple[str, Endpoint, str | None, float]]:
-        """Every live entry, least recently recorded first: (key, endpoint, tag, when recorded on
-        this map's clock), what a sibling catching up merges (``merge``). O(size)."""
+    def keys(self) -> list[str]:
+        """The map's keys as they are now, a copy (one list of the keys themselves: nothing new for
+        the collector to track), for ``export`` to read in parts while the map goes on changing."""
+        return list(self._d)
+
+    def export(self, keys: list[str] | None = None) -> list[tuple[str, Endpoint, str | None, float]]:
+        """Every live entry (of ``keys``, a part of what ``keys()`` gave, those still here; or of
+        the whole map), least recently recorded first: (key, endpoint, tag, when recorded on this
+        map's clock), what a sibling catching up merges (``merge``). O(size)."""
         cut = self.clock() - self.ttl_s
-        return [(k, e.ep, e.tag, e.touched) for k, e in self._d.items() if e.touched >= cut]
+        if keys is None:
+            return [(k, e.ep, e.tag, e.touched) for k, e in self._d.items() if e.touched >= cut]
+        get = self._d.get
+        return [(k, e.ep, e.tag, e.touched) for k in keys if (e := get(k)) is not None and e.touched >= cut]
 
     def merge(self, key: str, ep: Endpoint, tag: str | None, touched: float) -> bool:
         """Another process's entry as it holds it (``export``), kept unless this map recorded the key

@@ -279,7 +279,7 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
         if kind == "metrics":
             return siblings.own(metrics.render())
         if kind == "view":
-            return s.view.snapshot()
+            return await s.view.snapshot()
         if kind.startswith(("rget ", "rdel ")):
             return await responses.answer_sibling(kind)
         page = app.get(STATUS_PAGE_KEY)

@@ -56,7 +56,7 @@ import contextlib
 import secrets
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +82,12 @@ from gateway.view.wire import (
     ViewSnapshot,
     decode,
     decode_snapshot,
-    decode_view,
     encode_numbered,
     encode_snapshot,
     encode_view,
     endpoint_key,
     tokens_size,
+    view_parts,
 )
 from routers.base import Decision, RouterContext
 from routers.prefix_index import PrefixIndex
@@ -100,7 +100,7 @@ _RESOLVE_EVERY_S = 1.0
 # catching up: how long a sibling's whole view may take to come, and how often one sibling is asked
 CATCH_UP_TIMEOUT_S = 2.0
 CATCH_UP_EVERY_S = 1.0
-MERGE_CHUNK = 5000
+VIEW_PART = 2000          # entries in a part of a whole view: made, and merged, one part a loop turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -582,56 +582,65 @@ class RoutingView:
         if data is None:                     # not there (yet): nothing to learn, nothing lost
             return False
         try:
-            snap = decode_view(data) if data else None
+            merged = await self._merge(view_parts(data), f"{self.group}/{index}") if data else False
         except (msgspec.DecodeError, ValueError):
-            snap = None
-        if snap is None:
-            self.m.gm.child(self.m.catch_ups, reason, "failed").inc()
-            return False
-        await self._merge(snap, f"{self.group}/{index}")
-        self.m.gm.child(self.m.catch_ups, reason, "applied").inc()
-        return True
+            merged = False
+        self.m.gm.child(self.m.catch_ups, reason, "applied" if merged else "failed").inc()
+        return merged
 
-    async def _merge(self, snap: ViewSnapshot, sender: str) -> None:
-        """A sibling's whole view merged, ``MERGE_CHUNK`` entries per loop turn (a full view is a few
-        hundred thousand: the requests in flight here go on meanwhile)."""
-        eps = [self._resolve(k) for k in snap.eps]
+    async def _merge(self, parts: Iterator[ViewSnapshot], sender: str) -> bool:
+        """A sibling's whole view merged as its parts are decoded, one part (at most ``VIEW_PART``
+        entries) per loop turn: a full view is a few hundred thousand, and the requests in flight
+        here go on meanwhile. False when it had no part; a part that does not decode raises."""
+        head = next(parts, None)
+        if head is None:
+            return False
+        eps = [self._resolve(k) for k in head.eps]
+        slots = {slot: ep for slot, ep in ((s, self._resolve(k)) for s, k in head.slots.items()) if ep is not None}
         merge_session = self.sessions.merge
         n = blocks = 0
-        rows = snap.sessions
-        for at in range(0, len(rows), MERGE_CHUNK):
-            for key, i, tag, touched in rows[at:at + MERGE_CHUNK]:
+        part: ViewSnapshot | None = head
+        while part is not None:
+            for key, i, tag, touched in part.sessions:
                 ep = eps[i] if 0 <= i < len(eps) else None
                 if ep is not None and merge_session(key, ep, tag, touched):
                     n += 1
-            await asyncio.sleep(0)
-        slots = {slot: ep for slot, ep in ((s, self._resolve(k)) for s, k in snap.slots.items()) if ep is not None}
-        rows = snap.blocks
-        for at in range(0, len(rows), MERGE_CHUNK):
             index = self._index          # a reload may have attached another meanwhile
-            if index is None:
-                break
-            blocks += index.merge(rows[at:at + MERGE_CHUNK], slots)
+            if index is not None and part.blocks:
+                blocks += index.merge(part.blocks, slots)
             await asyncio.sleep(0)
+            part = next(parts, None)
         heard = self._heard_seq.get(sender)
-        if heard is None or heard[0] != snap.run or heard[1] < snap.seq:
-            self._heard_seq[sender] = (snap.run, snap.seq)
+        if heard is None or heard[0] != head.run or heard[1] < head.seq:
+            self._heard_seq[sender] = (head.run, head.seq)
         log.info("shared routing view: caught up with a sibling", sibling=sender, sessions=n, blocks=blocks)
+        return True
 
-    def snapshot(self) -> bytes:
-        """This worker's whole view for a sibling catching up (``catch_up``): its live sessions and
-        prefix-index blocks with their times, and its batch number. O(view size), once per ask."""
+    async def snapshot(self) -> bytes:
+        """This worker's whole view for a sibling catching up (``catch_up``): its batch number, then
+        its live sessions and prefix-index blocks with their times, ``VIEW_PART`` entries a part
+        and a loop turn (what changes meanwhile reaches the sibling in the batches after that
+        number too, and the merge keeps the later of two times). O(view size), once per ask."""
         live = [ep for ep in self.pool.endpoints() if not ep.removed]
         pos = {ep: i for i, ep in enumerate(live)}
         get = pos.get
-        sessions = [(key, get(ep, -1), tag, touched) for key, ep, tag, touched in self.sessions.export()]
-        slots: dict[int, str] = {}
-        blocks: list[list[int]] = []
-        if self._index is not None:
-            by_slot, blocks = self._index.export()
-            slots = {slot: self._key(ep) for slot, ep in by_slot.items() if ep in pos}
-        return encode_view(ViewSnapshot(self.run, self._seq, [self._key(ep) for ep in live], sessions, slots,
-                                        blocks))
+        index = self._index
+        slots = {slot: self._key(ep) for slot, ep in index.slots().items() if ep in pos} if index is not None else {}
+        out = bytearray(encode_view(ViewSnapshot(self.run, self._seq, [self._key(ep) for ep in live], [], slots)))
+        keys = self.sessions.keys()
+        for at in range(0, len(keys), VIEW_PART):
+            await asyncio.sleep(0)
+            rows = [(key, get(ep, -1), tag, touched)
+                    for key, ep, tag, touched in self.sessions.export(keys[at:at + VIEW_PART])]
+            if rows:
+                out += encode_view(ViewSnapshot(0, 0, sessions=rows))
+        blocks = index.block_keys() if index is not None else []
+        for at in range(0, len(blocks), VIEW_PART):
+            await asyncio.sleep(0)
+            rows = index.export(blocks[at:at + VIEW_PART])[1]      # type: ignore[union-attr]
+            if rows:
+                out += encode_view(ViewSnapshot(0, 0, blocks=rows))
+        return bytes(out)
 
     def _adopt_monitoring(self, batch: Batch) -> int:
         """A watcher's probes, scrapes and adapter lists, adopted (each endpoint's watcher then

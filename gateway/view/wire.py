@@ -38,7 +38,7 @@ discovery alike):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -126,12 +126,36 @@ _view_decoder = msgspec.msgpack.Decoder(ViewSnapshot)
 
 
 def encode_view(snap: ViewSnapshot) -> bytes:
-    return _encoder.encode(snap)
+    """One part of a whole view, framed: its length (4 bytes, big-endian), then the part. A view
+    goes as several parts, the first with ``run``, ``seq``, ``eps`` and ``slots``, the others with
+    some of its rows each, so that neither end holds its loop for the whole of it."""
+    data = _encoder.encode(snap)
+    return len(data).to_bytes(4, "big") + data
+
+
+def view_parts(data: bytes) -> Iterator[ViewSnapshot]:
+    """The parts of a whole view (``encode_view``), decoded one at a time as they are read. Raises
+    ``msgspec.DecodeError`` (a ``ValueError``) on anything but view parts (a cut one included)."""
+    view = memoryview(data)
+    at = 0
+    while at < len(view):
+        if at + 4 > len(view):
+            raise msgspec.DecodeError("a view part cut short")
+        n = int.from_bytes(view[at:at + 4], "big")
+        if at + 4 + n > len(view):
+            raise msgspec.DecodeError("a view part cut short")
+        yield _view_decoder.decode(view[at + 4:at + 4 + n])
+        at += 4 + n
 
 
 def decode_view(data: bytes) -> ViewSnapshot:
-    """Raises ``msgspec.DecodeError`` (a ``ValueError``) on anything but a view snapshot."""
-    return _view_decoder.decode(data)
+    """A whole view's parts (``encode_view``) as one snapshot (tests, small views)."""
+    parts = list(view_parts(data))
+    if not parts:
+        raise msgspec.DecodeError("no view part")
+    head = parts[0]
+    return ViewSnapshot(head.run, head.seq, head.eps, [r for p in parts for r in p.sessions], head.slots,
+                        [r for p in parts for r in p.blocks])
 
 
 def encode_snapshot(m: EngineMetrics) -> bytes:

@@ -316,7 +316,7 @@ async def test_a_worker_that_missed_batches_notices_the_gap_and_catches_up_from_
 
     async def ask(view, index, kind, timeout):      # the siblings' stream socket (gateway/server/siblings.py)
         asked.append((index, kind))
-        return view.snapshot()
+        return await view.snapshot()
 
     a.ask_sibling = lambda index, kind, timeout: ask(b, index, kind, timeout)
     b.ask_sibling = lambda index, kind, timeout: ask(a, index, kind, timeout)
@@ -368,3 +368,46 @@ async def test_a_sibling_that_is_not_there_is_not_a_failed_catch_up_and_one_that
         assert not await a.catch_up(1, "gap")
         page = a.m.gm.render().decode()
         assert metric_total(page, "switchyard_view_catch_ups_total", reason="gap", result="failed") == 1
+
+
+async def test_a_whole_view_is_made_and_merged_a_part_per_loop_turn():
+    """A full view is a few hundred thousand entries: the worker that answers a sibling's catch-up,
+    and the one that merges it, go on serving between its parts (made whole, 100,000 sessions and
+    131,072 blocks held the answering worker's loop for 0.3 s, long enough for the bus queue of the
+    asker to fill and for each to ask the other again)."""
+    from gateway.view.service import VIEW_PART
+    from gateway.view.wire import view_parts
+
+    d = RunDirectory()
+    cfg = _config()
+    (a, actx, apool), (b, bctx, _) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    eps = apool.endpoints("m")
+    n = 3 * VIEW_PART + 7
+    for i in range(n):
+        a.sessions.put(f"m\0s:session-{i}", eps[i % len(eps)], None)
+    for c in range(n // 64 + 1):
+        actx.prefix_index.apply_insert([(c * 64 + j) * 2654435761 % 2**64 for j in range(64)], eps[c % len(eps)])
+    turns = 0
+
+    async def ticker():
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    tick = asyncio.create_task(ticker())
+    try:
+        await asyncio.sleep(0)
+        turns = 0
+        data = await a.snapshot()
+        made = turns
+        parts = list(view_parts(data))
+        assert all(len(p.sessions) + len(p.blocks) <= VIEW_PART for p in parts) and len(parts) >= 7
+        turns = 0
+        assert await b._merge(iter(parts), "g/0")
+        merged = turns
+    finally:
+        tick.cancel()
+        d.close()
+    assert made >= 6 and merged >= 6, (made, merged)
+    assert len(b.sessions) == n and len(bctx.prefix_index) == len(actx.prefix_index)

@@ -75,3 +75,20 @@ def test_batches_with_insertions_or_sessions_are_numbered_and_a_view_snapshot_ro
     assert decode_view(encode_view(snap)) == snap
     with pytest.raises(ValueError):
         decode_view(b"\x93not a view")
+
+
+def test_a_view_goes_in_parts_decoded_one_at_a_time_and_a_cut_part_is_refused():
+    from gateway.view.wire import ViewSnapshot, decode_view, encode_view, view_parts
+
+    head = encode_view(ViewSnapshot(7, 3, ["m|http://a:1"], [], {0: "m|http://a:1"}))
+    rest = [encode_view(ViewSnapshot(0, 0, sessions=[(f"k{i}", 0, None, 1.0)])) for i in range(3)]
+    rest.append(encode_view(ViewSnapshot(0, 0, blocks=[[5, 0, 99]])))
+    data = head + b"".join(rest)
+    parts = view_parts(data)
+    assert next(parts).run == 7                          # read before the rest is decoded
+    assert [p.sessions[0][0] for p in list(parts)[:3]] == ["k0", "k1", "k2"]
+    whole = decode_view(data)
+    assert (whole.run, whole.seq, len(whole.sessions), whole.blocks) == (7, 3, 3, [[5, 0, 99]])
+    for cut in (data[:-1], data[:2]):
+        with pytest.raises(ValueError):
+            list(view_parts(cut))
