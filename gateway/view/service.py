@@ -99,7 +99,7 @@ log = structlog.get_logger("switchyard.view")
 _RESOLVE_EVERY_S = 1.0
 # catching up: how long a sibling's whole view may take to come, and how often one sibling is asked
 CATCH_UP_TIMEOUT_S = 2.0
-CATCH_UP_EVERY_S = 1.0
+CATCH_UP_EVERY_S = 10.0   # a sibling asked again no sooner: a whole view costs both ends 0.1-0.3 s of CPU at full size
 VIEW_PART = 2000          # entries in a part of a whole view: made, and merged, one part a loop turn
 
 
@@ -555,7 +555,7 @@ class RoutingView:
                 self._pull(int(index), "gap")
 
     def _pull(self, index: int, reason: str) -> None:
-        """Sibling ``index``'s whole view, asked for in the background (once a second at most)."""
+        """Sibling ``index``'s whole view, asked for in the background (once every ``CATCH_UP_EVERY_S`` at most)."""
         if self.ask_sibling is None or self._loop is None or index >= self.worker_count:
             return
         self._want_pull[index] = reason
