@@ -545,14 +545,19 @@ class EdgeProtocol(web.RequestHandler):
         self._e_unparsed = unparsed
         if not unparsed:                # its head parsed: the next head's bytes are kept anew
             self._e_line = b""
-        lim = self._edge.limits
-        if payload.is_eof() or not (lim.body_timeout_s or lim.body_total_timeout_s):
+        if payload.is_eof():
             self._e_phase = _BUSY
             return
+        # the body is still coming: its bytes are this request's, with or without a clock on them
+        # (were the connection taken for idle once the answer is out, the lane would read them as a
+        # next request while aiohttp's parser reads them as the body it discards)
         self._e_phase = _BODY
+        lim = self._edge.limits
         now = self._e_last_rx = self._e_loop.time()
         self._e_body_end = now + lim.body_total_timeout_s if lim.body_total_timeout_s else float("inf")
-        self._e_arm(self._e_body_deadline())
+        deadline = self._e_body_deadline()
+        if deadline != float("inf"):
+            self._e_arm(deadline)
 
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:

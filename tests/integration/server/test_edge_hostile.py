@@ -15,7 +15,7 @@ import gzip
 import orjson
 import pytest
 
-from tests.support.edge import assert_openai_error, edge_gateway, exchange, request
+from tests.support.edge import assert_openai_error, edge_gateway, exchange, parse_responses, request
 from tests.support.loops import on_both_loops
 
 CHAT = "/v1/chat/completions"
@@ -139,6 +139,33 @@ async def test_pipelined_request_behind_a_broken_one_is_never_run():
         ex = await exchange(gw.port, H + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}" + SMUGGLED)
         assert_openai_error(ex.first, 400)
         assert len(ex.responses) == 1 and ex.closed
+        assert await gw.received() == []
+
+
+@on_both_loops
+async def test_a_body_still_coming_after_its_answer_is_never_run_as_a_request_with_the_body_clocks_off():
+    """A POST answered at its head (a 404) leaves its declared body to be read and dropped; with
+    both body timeouts off that body is still the request's, not a next request for the fast lane."""
+    async with edge_gateway(**{**SERVER, "body_timeout_s": 0, "body_total_timeout_s": 0}) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(b"POST /v1/nope HTTP/1.1\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(SMUGGLED))
+            data = b""
+            while not parse_responses(data, eof=False)[0]:      # the 404 is out before its body comes
+                chunk = await asyncio.wait_for(reader.read(65536), 10.0)
+                assert chunk, "closed before the 404"
+                data += chunk
+            writer.write(SMUGGLED)                              # the declared body: a whole chat request
+            await writer.drain()
+            writer.write(request("GET", "/health", close=True))
+            while chunk := await asyncio.wait_for(reader.read(65536), 10.0):
+                data += chunk
+        finally:
+            writer.close()
+        got, rest = parse_responses(data, eof=True)
+        assert [r.status for r in got] == [404, 200] and not rest, [(r.status, r.body[:80]) for r in got]
+        assert_openai_error(got[0], 404)
         assert await gw.received() == []
 
 
