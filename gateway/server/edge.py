@@ -50,6 +50,7 @@ from typing import Any
 import orjson
 import structlog
 from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import ERROR as _UNPARSED
 from prometheus_client import CollectorRegistry, Counter
@@ -803,6 +804,11 @@ class EdgeServer(web.Server):
         inner = self.request_factory
 
         def request_factory(message, payload, protocol, writer, task):
+            if message.version < HttpVersion11 and not message.should_close and hdrs.TRANSFER_ENCODING in message.headers:
+                # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (an
+                # HTTP/1.0 hop before us may have read its body otherwise), so the connection
+                # closes after its answer, whatever its Connection header asked for
+                message = message._replace(should_close=True)
             request = inner(message, payload, protocol, writer, task)
             if isinstance(protocol, EdgeProtocol):
                 protocol.e_request_started(request, payload, message is _UNPARSED)

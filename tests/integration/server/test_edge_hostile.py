@@ -170,6 +170,19 @@ async def test_a_body_still_coming_after_its_answer_is_never_run_as_a_request_wi
 
 
 @on_both_loops
+async def test_an_http10_request_with_transfer_encoding_is_answered_and_its_connection_closed():
+    """RFC 9112 §6.1: HTTP/1.0 with Transfer-Encoding is faulty framing (an HTTP/1.0 hop may have
+    read the body otherwise): served, then closed, whatever Connection asked; nothing behind it runs."""
+    async with edge_gateway(**SERVER) as gw:
+        head = (b"POST " + CHAT.encode() + b" HTTP/1.0\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+                b"Connection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n")
+        ex = await exchange(gw.port, head + chunked(BODY) + SMUGGLED, wait=5.0)
+        assert [r.status for r in ex.responses] == [200] and ex.closed and not ex.trailing
+        assert "keep-alive" not in ex.first.headers.get("connection", "").lower()
+        assert len(await gw.received()) == 1
+
+
+@on_both_loops
 async def test_no_header_target_or_field_makes_the_gateway_connect_outside_its_pool():
     """An absolute-form target naming another host is served by the pool (RFC 9112 §3.2.2: an
     origin server takes the target's host over Host, and this gateway's pool over both)."""
