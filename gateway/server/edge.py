@@ -764,6 +764,14 @@ def connect_refused(request: web.BaseRequest) -> web.Response:
                           "method_not_allowed", {"Allow": "GET, POST"})
 
 
+def content_length_refused(request: web.BaseRequest) -> web.Response:
+    """A ``Content-Length`` of more digits than Python converts to an int (4300: zeros in front of
+    a small length, which the parser read as that length): refused as any malformed
+    ``Content-Length`` is, where reading it raised in the handler and answered 500."""
+    return _closing_error(request, 400, "malformed HTTP request: the Content-Length has too many digits",
+                          "bad_request")
+
+
 def body_too_large(request: web.BaseRequest, limit: int, key: str = "server.max_body_bytes") -> web.Response:
     """A Content-Length above ``server.max_body_bytes`` is refused at once, not after reading it."""
     return _closing_error(request, 413, f"request body exceeds {limit} bytes ({key})",
@@ -829,7 +837,11 @@ class EdgeServer(web.Server):
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
                 return connect_refused(request)
-            length = request.content_length
+            try:
+                length = request.content_length
+            except ValueError:              # more digits than int() converts (leading zeros the parser took)
+                edge.metrics.protocol_errors.labels("400").inc()
+                return content_length_refused(request)
             if length is not None and length > max_body:   # refused before a byte of it is read
                 if not (max_upload and request.path == UPLOAD_PATH):
                     return body_too_large(request, max_body)

@@ -218,7 +218,10 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
     length = fields[lowered.index("content-length")][1]
     if not length.isascii() or not length.isdigit():
         return None
-    n = int(length)
+    try:
+        n = int(length)
+    except ValueError:                  # more digits than int() converts: aiohttp's path refuses it
+        return None
     start = end + 4
     if n > max_body or len(data) > start + n + HOLD_BYTES:
         return None

@@ -45,6 +45,12 @@ CASES = [
     ("plus_content_length", [H + b"Content-Length: +%d\r\n\r\n" % len(BODY) + BODY], 400, 0),
     ("hex_content_length", [H + b"Content-Length: 0x10\r\n\r\n" + BODY], 400, 0),
     ("huge_content_length", [H + b"Content-Length: 99999999999999999999999\r\n\r\n" + BODY], 400, 0),
+    # zeros before a small length, more digits than int() converts: the lane's head and aiohttp's
+    ("content_length_of_4400_digits", [H + b"Content-Length: " + b"0" * 4400 + b"%d\r\n\r\n" % len(BODY) + BODY],
+     400, 0),
+    ("content_length_of_4400_digits_with_a_query",
+     [H.replace(b" HTTP/1.1", b"?x=1 HTTP/1.1") + b"Content-Length: " + b"0" * 4400 + b"%d\r\n\r\n" % len(BODY)
+      + BODY], 400, 0),
     # chunked bodies that break
     ("bad_chunk_size", [H + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" + BODY + b"\r\n0\r\n\r\n"], 400, 0),
     ("bad_chunk_size_later", [H + b"Transfer-Encoding: chunked\r\n\r\n", b"4\r\n{\"mo\r\n", b"-1\r\nxx\r\n"], 400, 0),

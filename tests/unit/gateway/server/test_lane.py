@@ -70,6 +70,7 @@ def test_bytes_above_ascii_in_a_value_are_carried_as_aiohttp_carries_them():
     _raw("Content-Length: 3"),                      # two lengths
     _raw(host=False), _raw("Host: a", "Host: b"),   # HTTP/1.1 without one Host: aiohttp's 400
     _raw(length="+57"), _raw(length="5 7"), _raw(length="٥٧"),
+    _raw(length="0" * 4400 + str(len(BODY))),     # more digits than int() converts
     _raw(line="POST /v1/chat/completions HTTP/1.0"),
     _raw(line="POST /v1/chat/completions?x=1 HTTP/1.1"),
     _raw(line="POST /v1/models HTTP/1.1"),
