@@ -148,7 +148,7 @@ del E
 
 
 def error_type(status: int) -> str:
-    return _TYPES.get(status, "api_error")
+    return _TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
 
 
 def printable(text: str) -> str:

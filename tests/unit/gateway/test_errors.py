@@ -64,3 +64,12 @@ def test_a_class_named_by_its_string_is_the_member():
     assert GatewayError(400, "x", error_class="validation").error_class is ErrorClass.VALIDATION
     assert GatewayError(404, "x").error_class is ErrorClass.CLIENT
     assert GatewayError(502, "x").error_class is ErrorClass.GATEWAY
+
+
+@pytest.mark.parametrize("status", [405, 408, 409, 411, 417, 422, 431])
+def test_a_client_error_of_any_4xx_status_is_an_invalid_request_error(status):
+    """A 405 (a GET on /v1/chat/completions), 409 (the admin API's conflicts), 431, or an engine's
+    untyped 422 was typed ``api_error``, which names the server's fault, as a 5xx does."""
+    assert GatewayError(status, "x").body()["error"]["type"] == "invalid_request_error"
+    assert normalize_upstream_error(status, b'{"detail": "nope"}')[1]["error"]["type"] == "invalid_request_error"
+    assert GatewayError(502, "x").body()["error"]["type"] == "api_error"
