@@ -260,6 +260,7 @@ class Migration:
         first = watch is not None
         ended = False           # its [DONE] came: the engine's end is awaited END_GRACE_S at most
         buf = b""
+        cr_ended = False        # the last read ended in a CR (a line's end, or half a CRLF)
         clock = time.perf_counter
         try:
             while True:
@@ -277,8 +278,14 @@ class Migration:
                 if first:
                     first = False
                     watch.first_chunk_came()        # type: ignore[union-attr]
+                # a line ends in CRLF, LF or a bare CR (SSE allows all three): each is read as an LF;
+                # a CR that ends a read ends its line, and the LF of its CRLF, if the next read
+                # brings one, is dropped
+                if cr_ended and chunk[:1] == b"\n":
+                    chunk = chunk[1:]
+                cr_ended = chunk[-1:] == b"\r"
                 buf += chunk
-                parts = buf.replace(b"\r\n", b"\n").split(b"\n\n")
+                parts = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n\n")
                 buf = parts.pop()
                 emitted = []
                 failed = False

@@ -273,3 +273,33 @@ async def test_a_messages_stream_is_not_continued_and_the_refusal_is_counted(sim
                 pass
     assert migrations(await gw.metrics_text(), "refused_api") == 1
     await client.close()
+
+
+async def test_a_stream_in_bare_cr_lines_continues_as_any_other(sims, gateway):
+    """SSE lets a line end in CR, LF or CRLF. The continuation's reader split events only at blank
+    lines of LFs, so a stream of bare-CR lines was one unfinished event to it: what the first
+    engine had sent before it broke never reached the client, and the continuation was refused."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, word in enumerate([" alpha", " beta"]):
+            ev = {"id": "chatcmpl-cr", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None,
+                               "token_ids": [100 + i]}]}
+            if i == 0:
+                ev["prompt_token_ids"] = [1, 2, 3]
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\r\r")
+        request.transport.abort()
+        return resp
+
+    good = await sims("vllm", "m")
+    async with fake_engine(chat) as bad:
+        gw = await gateway([model_block("m", "vllm", [bad, good.url], strategy="round-robin", migration_limit=1)])
+        st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                 {"model": "m", "messages": MSG, "max_tokens": 6, "stream": True})
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got).startswith(" alpha beta") and len(text_of(got)) > len(" alpha beta")
+    fins = [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
+            and e["choices"][0].get("finish_reason")]
+    assert fins == ["length"]
+    assert migrations(await gw.metrics_text(), "continued") == 1
