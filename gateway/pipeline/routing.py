@@ -133,7 +133,8 @@ class Routing:
         candidates = self.pool.ready(model, None if router.chooses_pairs else WHOLE_REQUEST_ROLES)
         if not candidates:
             raise GatewayError(503, f"no ready endpoint for model {model}"
-                                    + (" (prefill/decode endpoints need the pd strategy)" if self.pool.ready(model) else ""),
+                                    + (" (prefill/decode endpoints need the pd strategy)" if self.pool.ready(model)
+                                       else not_ready_why(self.pool.endpoints(model))),
                                code="service_unavailable", headers={"Retry-After": "5"},
                                header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
         return candidates
@@ -189,3 +190,17 @@ class Routing:
                     observe(ireq, decision, reported, elapsed)
                 except Exception:     # an observer's bug must not fail the request
                     log.exception("decision observer failed", request_id=ireq.request_id)
+
+
+def not_ready_why(eps: list[Endpoint]) -> str:
+    """Why none of a model's endpoints is ready, for its 503's message: how many fail their health
+    probes, drain, or have their circuit breaker open (engine faults, a refused engine key
+    included), so the client and the operator see the cause, not only its effect."""
+    if not eps:
+        return " (it has no endpoints)"
+    why = [f"{n} {what}" for n, what in (
+        (sum(1 for e in eps if not e.healthy), "failing health probes"),
+        (sum(1 for e in eps if e.draining), "draining"),
+        (sum(1 for e in eps if e.ejected), "with an open circuit breaker after engine faults"))
+        if n]
+    return f" (of {len(eps)} endpoints: {', '.join(why)})" if why else ""

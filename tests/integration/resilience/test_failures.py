@@ -431,3 +431,26 @@ async def test_a_whole_answer_that_is_not_a_json_object_is_a_502(gateway, ctype,
         text = await gw.metrics_text()
         assert metric(text, "switchyard_requests_total", status="502") == 3
         assert metric(text, "switchyard_upstream_errors_total", error_class="protocol") == 3
+
+
+async def test_a_model_with_no_ready_endpoint_is_told_why(sims, gateway):
+    """The 503 said "no ready endpoint" and no more: a client and an operator reading it could not
+    tell an engine that is down from one draining or ejected by its breaker."""
+    from tests.support.ports import listen_port
+    from tests.support.waiting import wait_for
+
+    up = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [f"http://127.0.0.1:{listen_port()}"]),
+                        model_block("n", "vllm", [up.url])],
+                       health={"interval_s": 0.1, "timeout_s": 0.5})
+    down = gw.gw.pool.endpoints("m")[0]
+    assert await wait_for(lambda: not down.healthy)
+    client = openai_client(gw)
+    with pytest.raises(openai.APIStatusError) as ei:
+        await client.chat.completions.create(**body())
+    assert ei.value.status_code == 503
+    assert ei.value.message.endswith("no ready endpoint for model m (of 1 endpoints: 1 failing health probes)")
+    gw.gw.pool.endpoints("n")[0].ejected = True                   # as its breaker does
+    with pytest.raises(openai.APIStatusError) as ei:
+        await client.chat.completions.create(**{**body(), "model": "n"})
+    assert "(of 1 endpoints: 1 with an open circuit breaker after engine faults)" in ei.value.message
