@@ -8,7 +8,9 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    ``resourceVersion``;
 2. **watch** from that resourceVersion with bookmarks, applying ADDED / MODIFIED / DELETED as they
    come; a watch that ends cleanly (its server-side timeout) is resumed from the last
-   resourceVersion seen, events or bookmarks alike;
+   resourceVersion seen, events or bookmarks alike, and so is one that brought nothing, not even
+   a bookmark, for ``watch_idle_timeout_s``: its connection is taken for dead (a peer gone without
+   a FIN or RST says nothing until the request's own timeout, minutes later);
 3. **relist** when the watch says 410 Gone (the resourceVersion was compacted away), when the
    connection breaks or the API errs (after a capped exponential backoff), and every
    ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
@@ -270,9 +272,24 @@ class KubernetesDiscovery:
                 _request_timeout=aiohttp.ClientTimeout(total=timeout + 15, sock_connect=10))
             self.stats["watches"] += 1
             watch = Watch(return_type="object")    # events as plain dicts, as lists are read
+            idle = self.kcfg.watch_idle_timeout_s or None
             try:
                 async with watch:
-                    async for event in watch.stream(fn, *args, **kw):
+                    stream = watch.stream(fn, *args, **kw)
+                    while True:
+                        quiet = asyncio.timeout(idle)
+                        try:
+                            async with quiet:
+                                event = await anext(stream)
+                        except StopAsyncIteration:
+                            break
+                        except TimeoutError:
+                            if not quiet.expired():
+                                raise               # the request's own timeout
+                            self.stats["idle_watches"] += 1
+                            log.warning("kubernetes watch brought nothing; watching again", namespace=scope or "*",
+                                        idle_s=idle)
+                            break
                         if not isinstance(event, dict) or "type" not in event:
                             raise ApiError(0, f"unexpected watch line: {str(event)[:200]}")
                         self._on_event(scope, event["type"], event.get("raw_object") or {})

@@ -19,6 +19,9 @@ kubernetes-asyncio (and client-go) speak:
 Test knobs: ``partition()`` drops events (and bookmarks) on their way to live watchers — the
 events are lost for good, as on a broken proxy; ``heal()`` ends it, and the next bookmark moves
 the clients past what they missed. ``break_watches()`` aborts every watch connection mid-stream.
+``silence_watches()`` makes every open watch connection go quiet for good, as one whose peer
+vanished without a FIN or RST (a NAT entry expired, the node was cut off): nothing more is sent on
+it, not even the end its ``timeoutSeconds`` would bring; watches opened after it are served.
 ``compact()`` forgets history: a watch resuming from an older resourceVersion gets 410.
 ``fail_watches = 500`` answers every watch with that status while lists go on working.
 ``fail_next_lists`` makes the next list calls fail with the given HTTP statuses.
@@ -58,6 +61,7 @@ class _Watcher:
     selector: tuple
     bookmarks: bool
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    silent: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 _BREAK = object()
@@ -84,14 +88,14 @@ class KubeEmulator:
 
     # -- server ------------------------------------------------------------------------------
 
-    async def start(self) -> str:
+    async def start(self, port: int = 0) -> str:
         app = web.Application()
         app.router.add_get("/api/v1/pods", self._collection)
         app.router.add_get("/api/v1/namespaces/{ns}/pods", self._collection)
         app.router.add_get("/api/v1/namespaces/{ns}/pods/{name}", self._get)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         self.url = f"http://127.0.0.1:{port}"
@@ -181,6 +185,10 @@ class KubeEmulator:
         for w in list(self.watchers):
             w.queue.put_nowait(_BREAK)
 
+    def silence_watches(self) -> None:
+        for w in list(self.watchers):
+            w.silent.set()
+
     def compact(self) -> None:
         """Forget all history up to now: watches from an older resourceVersion get 410."""
         self.compacted_rv = self.rv
@@ -267,6 +275,11 @@ class KubeEmulator:
         await resp.prepare(request)
 
         async def send(ev: dict) -> None:
+            if w.silent.is_set():
+                self.stats["silenced_watches"] += 1
+                with contextlib.suppress(ValueError):
+                    self.watchers.remove(w)
+                await asyncio.Event().wait()        # the connection stays open, and says nothing
             await resp.write(json.dumps(ev).encode() + b"\n")
 
         if rv not in ("", "0") and int(rv) < self.compacted_rv:
@@ -299,6 +312,8 @@ class KubeEmulator:
             for ev in backlog:
                 await send(ev)
             while True:
+                if w.silent.is_set():           # says nothing more, and does not end at its timeout
+                    await send({})
                 now = loop.time()
                 if now >= deadline:
                     break

@@ -132,6 +132,23 @@ async def test_a_dropped_watch_is_survived(emu, discover):
     assert d.stats["lists"] >= 2
 
 
+async def test_a_watch_that_goes_quiet_without_a_word_is_opened_again(emu, discover):
+    """A watch connection whose peer vanished without a FIN or RST (a NAT entry expired) brings
+    nothing more, not even its server-side end: after ``watch_idle_timeout_s`` with no event and
+    no bookmark it is opened again from the last resourceVersion, which brings what it missed,
+    with no relist; a watch that brings bookmarks is left alone."""
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0, watch_idle_timeout_s=0.5)
+    await until(lambda: d.stats["bookmarks"] >= 10)            # ten bookmarks at 0.1 s: twice the idle bound
+    assert (d.stats["watches"], d.stats["idle_watches"]) == (1, 0)
+    emu.silence_watches()
+    emu.create_pod("llm", "b", {M: "llama"})
+    await until(lambda: names(pool) == {"a", "b"})
+    assert d.stats["idle_watches"] == 1 and d.stats["watches"] == 2
+    assert d.stats["lists"] == 1 and d.stats["errors"] == 0
+    assert emu.stats["silenced_watches"] == 1
+
+
 async def test_410_gone_on_watch_forces_a_relist(emu, discover):
     emu.create_pod("llm", "a", {M: "llama"})
     d, pool = await discover(namespaces=["llm"], watch_timeout_s=1)
