@@ -38,9 +38,11 @@ from typing import Any
 import aiohttp
 import msgspec
 import structlog
+from prometheus_client import CollectorRegistry
 
 from gateway.config.schema import ConfigError, KubernetesConfig, ModelConfig
 from gateway.endpoints import Endpoint, EndpointPool
+from k8s.metrics import DiscoveryMetrics, status_result, transport_result
 from k8s.pods import ANNO_KV_EVENTS, PodView, Skipped, map_pod, pod_key
 
 log = structlog.get_logger("switchyard.k8s")
@@ -95,7 +97,7 @@ class KubernetesDiscovery:
     """Feeds ``pool`` with the pods that ``kcfg`` selects; see the module docstring."""
 
     def __init__(self, kcfg: KubernetesConfig, pool: EndpointPool,
-                 models: Mapping[str, ModelConfig] | None = None) -> None:
+                 models: Mapping[str, ModelConfig] | None = None, registry: CollectorRegistry | None = None) -> None:
         self.kcfg = kcfg
         self.pool = pool
         self.models = dict(models or {})
@@ -110,6 +112,7 @@ class KubernetesDiscovery:
         self._tasks: list[asyncio.Task] = []
         self._api_client: Any = None
         self._core: Any = None
+        self.metrics = DiscoveryMetrics(registry, self.scopes, self._pod_counts)
 
     def reconfigure(self, kcfg: KubernetesConfig, models: Iterable[ModelConfig]) -> None:
         """A reloaded config (gateway/server/reload.py): the model blocks (a pod's default engine) and
@@ -163,6 +166,12 @@ class KubernetesDiscovery:
         """The endpoints this discovery currently holds in the pool (routable or not)."""
         return [t.ep for t in self._tracked.values()]
 
+    def _pod_counts(self) -> tuple[dict[tuple[str, str], int], int]:
+        """The pods held, by (model, routable or not_routable), and how many are skipped."""
+        counts: Counter[tuple[str, str]] = Counter(
+            (t.view.model, "routable" if t.view.routable else "not_routable") for t in self._tracked.values())
+        return dict(counts), len(self._skipped)
+
     # -- the loop ----------------------------------------------------------------------------
 
     async def _run(self, scope: str | None) -> None:
@@ -182,6 +191,8 @@ class KubernetesDiscovery:
             except Exception as e:  # API down, connection broken, 410 Gone, a bug: relist
                 gone = isinstance(e, Gone)
                 self.stats["gone" if gone else "errors"] += 1
+                self.metrics.ended("list" if watching is None else "watch", "gone" if gone else
+                                   status_result(e.status) if isinstance(e, ApiError) else transport_result(e))
                 if isinstance(e, ApiError) and e.status == 401:
                     await self._read_credentials_again()
                 # a list that succeeds does not make the API well: a watch that keeps failing at
@@ -245,6 +256,8 @@ class KubernetesDiscovery:
             raise ApiError(status, _status_message(body))
         data = json.loads(body)
         self.stats["lists"] += 1
+        self.metrics.ended("list", "ok")
+        self.metrics.heard(scope)
         self._reconcile(scope, data.get("items") or [])
         if scope not in self._listed:
             self._listed.add(scope)
@@ -282,11 +295,14 @@ class KubernetesDiscovery:
                             async with quiet:
                                 event = await anext(stream)
                         except StopAsyncIteration:
+                            self.metrics.ended("watch", "ok")
+                            self.metrics.heard(scope)
                             break
                         except TimeoutError:
                             if not quiet.expired():
                                 raise               # the request's own timeout
                             self.stats["idle_watches"] += 1
+                            self.metrics.ended("watch", "idle")
                             log.warning("kubernetes watch brought nothing; watching again", namespace=scope or "*",
                                         idle_s=idle)
                             break
@@ -303,6 +319,7 @@ class KubernetesDiscovery:
 
     def _on_event(self, scope: str | None, etype: str, obj: Mapping[str, Any]) -> None:
         self._heard[scope] = asyncio.get_running_loop().time()
+        self.metrics.heard(scope)
         if etype == "BOOKMARK":
             self.stats["bookmarks"] += 1
             return

@@ -54,6 +54,8 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_prefix_index_blocks": MAX,
     "switchyard_prefix_index_capacity": MAX,
     "switchyard_prefix_index_entries": MAX,
+    "switchyard_kubernetes_pods": MAX,
+    "switchyard_kubernetes_pods_skipped": MAX,
     # the batch job store as the worker that runs batches sees it (the others export none)
     "switchyard_batches": MAX,
     "switchyard_batch_queue_age_seconds": MAX,
@@ -64,6 +66,7 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_view_lag_recent_seconds": MAX,
     "switchyard_config_last_reload_successful": MIN,
     "switchyard_config_generation": MIN,
+    "switchyard_kubernetes_last_sync_timestamp_seconds": MIN,   # the worker that heard from the API the longest ago
     "switchyard_kv_events_fast_tokenizer": MIN,      # 1 only while every worker encodes with tiktoken
     # the processes
     "process_start_time_seconds": MIN,

@@ -396,7 +396,8 @@ def _engines(config: Config, s: Services, reloader: Reloader):
         background tasks last."""
         disc = None
         if config.kubernetes.enabled:
-            disc = KubernetesDiscovery(config.kubernetes, pool, {m.name: m for m in config.models})
+            disc = KubernetesDiscovery(config.kubernetes, pool, {m.name: m for m in config.models},
+                                       registry=metrics.registry)
             await disc.start()
             app[DISCOVERY_KEY] = disc
             reloader.listeners.append(lambda live: disc.reconfigure(live.config.kubernetes, live.config.models))

@@ -7,12 +7,16 @@ a few seconds (never asserted as wall time).
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config.schema import ConfigError, config_from_dict
 from gateway.endpoints import EndpointPool
+from gateway.server.run import free_port
 from k8s.discovery import KubernetesDiscovery
 from tests.support.waiting import until
 
@@ -24,13 +28,14 @@ async def discover(emu, tmp_path):
     started: list[KubernetesDiscovery] = []
 
     async def make(token: str | None = None, config_models: list[dict] | None = None, sync: bool = True,
+                   registry: CollectorRegistry | None = None, kubeconfig: str | None = None,
                    **kube) -> tuple[KubernetesDiscovery, EndpointPool]:
         path = tmp_path / f"kubeconfig-{len(started)}"
-        path.write_text(emu.kubeconfig(token=token))
+        path.write_text(kubeconfig or emu.kubeconfig(token=token))
         block = {"enabled": True, "kubeconfig": str(path), "retry_backoff_s": 0.05, **kube}
         cfg = config_from_dict({"kubernetes": block, "models": config_models or []})
         pool = EndpointPool()
-        d = KubernetesDiscovery(cfg.kubernetes, pool, {m.name: m for m in cfg.models})
+        d = KubernetesDiscovery(cfg.kubernetes, pool, {m.name: m for m in cfg.models}, registry=registry)
         await d.start()
         started.append(d)
         if sync:
@@ -339,3 +344,68 @@ async def test_watches_gone_right_after_each_list_back_off(emu, discover):
     assert d.stats["gone"] >= 5 and lists <= len(delays()) + 1
     first, fifth = delays()[0], delays()[4]
     assert fifth >= 8 * first, delays()
+
+
+def samples(registry: CollectorRegistry, name: str) -> dict[tuple, float]:
+    """``name``'s samples in the registry's exposition, by their label values."""
+    return {tuple(v for _, v in sorted(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in fam.samples if s.name == name}
+
+
+async def test_list_and_watch_requests_are_counted_by_how_they_ended(emu, discover):
+    """``switchyard_kubernetes_requests_total{verb, result}``: the API's refusals by kind, a watch
+    broken mid-stream, a watch's clean end, and an API server nobody answers at."""
+    reg = CollectorRegistry()
+    emu.fail_next_lists = [503, 403, 429]
+    d, _ = await discover(namespaces=["llm"], registry=reg, watch_timeout_s=1)
+    requests = lambda: samples(reg, "switchyard_kubernetes_requests_total")     # noqa: E731
+    got = requests()
+    assert len(got) == 2 * 12 and {k: v for k, v in got.items() if v} == {
+        ("server_error", "list"): 1, ("forbidden", "list"): 1, ("throttled", "list"): 1, ("ok", "list"): 1}
+    await until(lambda: requests()[("ok", "watch")] >= 1, timeout=5)          # the watch's server-side end
+    await until(lambda: len(emu.watchers) == 1)
+    emu.break_watches()
+    await until(lambda: requests()[("disconnected", "watch")] == 1)
+    emu.fail_watches = 401
+    await until(lambda: requests()[("unauthorized", "watch")] >= 1)
+    emu.fail_watches = None
+    assert d.stats["lists"] == requests()[("ok", "list")]
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    reg2 = CollectorRegistry()
+    await discover(registry=reg2, sync=False, kubeconfig=emu.kubeconfig().replace(emu.url, nobody))
+    await until(lambda: samples(reg2, "switchyard_kubernetes_requests_total")[("connect", "list")] >= 1)
+    assert samples(reg2, "switchyard_kubernetes_last_sync_timestamp_seconds") == {("*",): 0.0}
+
+
+async def test_the_last_sync_time_and_the_pods_are_exported(emu, discover):
+    """``switchyard_kubernetes_last_sync_timestamp_seconds`` moves with every list and watch line
+    (bookmarks too) and stops while the watch is silent; ``switchyard_kubernetes_pods`` counts the
+    pods by model and state, ``..._pods_skipped`` the ones not routed to."""
+    import time
+
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "llama"}, ready=False)
+    emu.create_pod("llm", "c", {M: "qwen"})
+    emu.create_pod("llm", "odd", {M: "llama", "model.aibrix.ai/engine": "trtllm"})
+    emu.create_pod("other", "x", {M: "llama"})
+    before = time.time()
+    d, _ = await discover(namespaces=["llm", "other"], registry=reg, resync_interval_s=0)
+    sync = lambda: samples(reg, "switchyard_kubernetes_last_sync_timestamp_seconds")     # noqa: E731
+    assert set(sync()) == {("llm",), ("other",)} and min(sync().values()) >= before
+    assert samples(reg, "switchyard_kubernetes_pods") == {
+        ("llama", "routable"): 2, ("llama", "not_routable"): 1, ("qwen", "routable"): 1}
+    assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 1}
+    emu.set_ready("llm", "b", True)
+    emu.delete_pod("llm", "c")
+    await until(lambda: samples(reg, "switchyard_kubernetes_pods") == {("llama", "routable"): 3})
+    first = sync()[("llm",)]
+    await until(lambda: sync()[("llm",)] > first)                # bookmarks
+    emu.silence_watches()
+    await until(lambda: emu.stats["silenced_watches"] == 2)
+    quiet = sync()
+    b0 = d.stats["bookmarks"]
+    await asyncio.sleep(1.0)                                     # ten bookmark intervals
+    assert sync() == quiet and d.stats["bookmarks"] == b0

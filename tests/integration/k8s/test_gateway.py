@@ -192,3 +192,32 @@ async def test_a_pod_whose_annotations_cannot_be_read_stops_no_other_pod(emu, ku
     assert await wait_for(lambda: len(gw.gw.pool.ready("qwen")) == 2, timeout=5)
     emu.delete_pod("llm", "deep-events")
     assert await wait_for(lambda: [ep.name for ep in gw.gw.pool.ready("qwen")] == ["late"], timeout=5)
+
+
+@pytest.mark.timeout(90)
+async def test_discovery_metrics_of_two_workers_merge_into_one_exposition(emu, sims, tmp_path):
+    """Each worker of ``--workers 2`` runs its own discovery (its own list and watch) and exports its
+    metrics; the merged ``/metrics`` sums the requests (the API server served both), shows each pod
+    once (the same pods seen twice) and the older of the two last-sync times."""
+    from tests.support.gateway_process import gateway_process, get_new, metric_total
+    from tests.support.ports import listen_port
+
+    sim = await sims("vllm", "llama")
+    sim_pod(emu, "llama-0", sim, "llama")
+    emu.create_pod("llm", "llama-1", {M: "llama"}, ready=False)
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(emu.kubeconfig())
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                   f"kubernetes: {{enabled: true, kubeconfig: '{kubeconfig}', namespaces: [llm]}}\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        assert await wait_for(lambda: len(emu.watchers) == 2, timeout=10), "one watch per worker"
+        page = (await get_new(port, "/metrics"))[1]
+        assert metric_total(page, "switchyard_kubernetes_requests_total", verb="list", result="ok") == 2
+        assert emu.stats["lists"] == 2
+        assert metric_total(page, "switchyard_kubernetes_pods", model="llama", state="routable") == 1
+        assert metric_total(page, "switchyard_kubernetes_pods", model="llama", state="not_routable") == 1
+        synced = metric_total(page, "switchyard_kubernetes_last_sync_timestamp_seconds", watched_namespace="llm")
+        assert synced > 0 and page.count("switchyard_kubernetes_last_sync_timestamp_seconds{") == 1

@@ -180,3 +180,27 @@ def test_series_of_endpoints_no_one_exports_are_left_out():
     kept = without_endpoints(fams, {("m", "e1")})
     assert endpoints_of(kept) == {("m", "e1")}
     assert endpoints_of(fams) == {("m", "e1"), ("m", "e2")}       # the input is left as it was
+
+
+def test_discovery_metrics_of_workers_merge_as_one_discovery_seen_by_each():
+    """Every worker runs its own discovery: their list and watch requests add up (the API server
+    served each), a pod counts once (each worker holds the same pods), and the last sync is the
+    worker that heard from the API server the longest ago (one stuck worker is not hidden by the
+    other's fresh time)."""
+    from prometheus_client import CollectorRegistry
+
+    from k8s.metrics import DiscoveryMetrics
+
+    def one(last: float, routable: int, lists: int) -> str:
+        reg = CollectorRegistry()
+        m = DiscoveryMetrics(reg, ["llm"], lambda: ({("llama", "routable"): routable}, 1))
+        for _ in range(lists):
+            m.ended("list", "ok")
+        m.last_sync["llm"] = last
+        return generate_latest(reg).decode()
+
+    got = sample_map(merge_texts([one(1000.0, 2, 3), one(1300.0, 2, 1)]).decode())
+    assert got[("switchyard_kubernetes_requests_total", (("result", "ok"), ("verb", "list")))] == 4
+    assert got[("switchyard_kubernetes_pods", (("model", "llama"), ("state", "routable")))] == 2
+    assert got[("switchyard_kubernetes_pods_skipped", ())] == 1
+    assert got[("switchyard_kubernetes_last_sync_timestamp_seconds", (("watched_namespace", "llm"),))] == 1000.0
