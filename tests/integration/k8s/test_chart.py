@@ -231,7 +231,8 @@ def test_dashboards_configmap_and_prometheus_rule(helm_render, tmp_path):
     assert rule["metadata"]["labels"]["release"] == "prometheus"
     rules = [r for g in rule["spec"]["groups"] for r in g["rules"]]
     assert [r["alert"] for r in rules] == ["SwitchyardHighErrorRatio", "SwitchyardTimeToFirstTokenHigh",
-                                           "SwitchyardNoReadyEndpoint", "SwitchyardInternalErrors"]
+                                           "SwitchyardNoReadyEndpoint", "SwitchyardDiscoveryStale",
+                                           "SwitchyardInternalErrors"]
     for r in rules:
         assert set(r) <= RULE_KEYS and ("alert" in r) != ("record" in r)
         assert "for" not in r or PROM_DURATION.match(r["for"])
@@ -242,6 +243,14 @@ def test_dashboards_configmap_and_prometheus_rule(helm_render, tmp_path):
     assert err["labels"] == {"severity": "critical"}
     assert "{{ $labels.model }}" in err["annotations"]["description"]     # left for Prometheus to fill in
     assert by_name["SwitchyardTimeToFirstTokenHigh"]["expr"].rstrip().endswith("> 1.5")
+
+    stale = by_name["SwitchyardDiscoveryStale"]
+    assert stale["expr"].rstrip().endswith("> 600") and stale["for"] == "5m"
+    # a gateway without discovery exports no such series: no such alert
+    off = by_kind(render(helm_render, {"discovery": {"enabled": False}, "prometheusRule": {"enabled": True}},
+                         tmp=tmp_path))
+    assert "SwitchyardDiscoveryStale" not in [r["alert"] for g in off["PrometheusRule"][0]["spec"]["groups"]
+                                             for r in g["rules"]]
 
     # off by default
     kinds = by_kind(render(helm_render, tmp=tmp_path))

@@ -4,7 +4,8 @@ Every PromQL expression of the dashboards (charts/switchyard/dashboards/*.json: 
 variables) and of the rendered PrometheusRule is parsed by a real PromQL parser, and every series
 name and label it relies on is compared with the /metrics of a gateway under demo traffic:
 aggregated vLLM and SGLang models, vLLM and SGLang P/D models, tenants with a limit, errors,
-streams, a retry, a routing fallback, a client that leaves, a watchdog fire. A renamed metric or
+streams, a retry, a routing fallback, a client that leaves, a watchdog fire, and Kubernetes
+discovery. A renamed metric or
 label then fails here instead of showing "No data" on someone's screen (tests/support/promql_check.py).
 """
 
@@ -99,7 +100,8 @@ def test_rules_parse_and_every_alert_has_severity_and_text(helm_render, tmp_path
     docs = render(helm_render, ALL_ON, tmp=tmp_path)
     rules = [r for rule in by_kind(docs)["PrometheusRule"] for g in rule["spec"]["groups"] for r in g["rules"]]
     assert [r["alert"] for r in rules] == ["SwitchyardHighErrorRatio", "SwitchyardTimeToFirstTokenHigh",
-                                           "SwitchyardNoReadyEndpoint", "SwitchyardWatchdogFiring"]
+                                           "SwitchyardNoReadyEndpoint", "SwitchyardWatchdogFiring",
+                                           "SwitchyardDiscoveryStale"]
     for r in rules:
         parse(r["expr"])
         assert r["labels"]["severity"] and r["annotations"]["summary"] and r["annotations"]["description"]
@@ -127,9 +129,10 @@ async def leave_mid_stream(gw, model: str) -> None:
         r.close()
 
 
-async def demo_gateway(sims, gateway):
+async def demo_gateway(sims, gateway, emu, tmp_path):
     """The four kinds of model, tenants with a limit, one dead endpoint (health probes at a long
-    interval, so the first request to it is a connect failure and a retry)."""
+    interval, so the first request to it is a connect failure and a retry), and Kubernetes
+    discovery against the API server emulator (which has no pods)."""
     agg_vllm = await sims("vllm", "agg-vllm")
     agg_sglang = await sims("sglang", "agg-sglang")
     vp = await sims("vllm", "pd-vllm", role="prefill")
@@ -145,7 +148,10 @@ async def demo_gateway(sims, gateway):
          "rolesets": [{"name": "rs-1", "prefill": [{"url": sp.url, "bootstrap_port": sp.bootstrap_port}],
                        "decode": [sd.url]}]},
     ]
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(emu.kubeconfig())
     return await gateway(models, health={"interval_s": 30.0},
+                         kubernetes={"enabled": True, "kubeconfig": str(kubeconfig), "namespaces": ["llm"]},
                          auth={"api_keys": [{"key": BOB, "user": "bob"}, {"key": ALICE, "user": "alice"}]},
                          limits={"users": {"alice": {"rpm": 2}}})
 
@@ -174,15 +180,16 @@ async def demo_traffic(gw) -> None:
 
 WAIT_FOR = ("switchyard_client_cancels_total", "switchyard_watchdog_fires_total", "switchyard_pd_aborts_total",
             "switchyard_engine_running_requests", "switchyard_engine_prefix_cache_hit_ratio",
-            "switchyard_engine_generation_tokens_per_second", "switchyard_event_loop_lag_seconds_count")
+            "switchyard_engine_generation_tokens_per_second", "switchyard_event_loop_lag_seconds_count",
+            "switchyard_kubernetes_last_sync_timestamp_seconds")
 
 
-async def test_every_series_the_dashboards_and_alerts_query_is_exported(sims, gateway, helm_render, tmp_path):  # noqa: F811
+async def test_every_series_the_dashboards_and_alerts_query_is_exported(sims, gateway, emu, helm_render, tmp_path):  # noqa: F811
     docs = await asyncio.to_thread(render, helm_render, ALL_ON, tmp=tmp_path)
     queries = dashboard_queries(dashboard_files()) + rule_queries(docs)
     assert len(queries) > 60
 
-    gw = await demo_gateway(sims, gateway)
+    gw = await demo_gateway(sims, gateway, emu, tmp_path)
     await demo_traffic(gw)
 
     async def scrape():
@@ -310,6 +317,32 @@ RULE_TESTS = {
                                         "10m: an engine stopped sending tokens."}}
                     for model, phase in (("m", "idle"), ("n", "first_chunk"))]},
                 {"eval_time": "25m", "alertname": "SwitchyardWatchdogFiring", "exp_alerts": []},
+            ],
+        },
+        {   # instance a hears from the API server every minute; b's last sync stands still from 5m
+            # (its watch stuck, its lists refused); c never synced (0 from its start); both alert
+            "interval": "1m",
+            "input_series": [
+                {"series": f'switchyard_kubernetes_last_sync_timestamp_seconds{{{SEL}, instance="a", '
+                           'watched_namespace="llm"}', "values": "0+60x40"},
+                {"series": f'switchyard_kubernetes_last_sync_timestamp_seconds{{{SEL}, instance="b", '
+                           'watched_namespace="llm"}', "values": "0+60x5 300x35"},
+                {"series": f'switchyard_kubernetes_last_sync_timestamp_seconds{{{SEL}, instance="c", '
+                           'watched_namespace="*"}', "values": "0x40"},
+            ],
+            "alert_rule_test": [
+                # (promtool's clock starts at 0: c's age is the time since then)
+                {"eval_time": "12m", "alertname": "SwitchyardDiscoveryStale", "exp_alerts": []},  # pending
+                {"eval_time": "25m", "alertname": "SwitchyardDiscoveryStale", "exp_alerts": [
+                    {"exp_labels": {"severity": "warning", "namespace": "llm", "job": "sy", "instance": inst,
+                                    "watched_namespace": ns},
+                     "exp_annotations": {
+                         "summary": "Switchyard's Kubernetes discovery has not heard from the API server",
+                         "description": f"Discovery of {inst} (job sy) has had no list, watch event or bookmark for "
+                                        f"pods in namespace {ns} for {ago}: pods that come, go or turn unready "
+                                        "there are not seen. See switchyard_kubernetes_requests_total by result "
+                                        "and the gateway's log."}}
+                    for inst, ns, ago in (("b", "llm", "20m 0s"), ("c", "*", "25m 0s"))]},
             ],
         },
     ],
