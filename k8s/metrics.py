@@ -19,7 +19,6 @@ of the pods (as every per-model series is).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Iterable
 
@@ -55,7 +54,7 @@ def transport_result(e: BaseException) -> str:
     ``timeout``, ``disconnected`` (the connection broke while the answer came), else ``error``."""
     if isinstance(e, aiohttp.ClientConnectorError):
         return "connect"
-    if isinstance(e, asyncio.TimeoutError):
+    if isinstance(e, TimeoutError):
         return "timeout"
     if isinstance(e, aiohttp.ClientPayloadError | aiohttp.ServerDisconnectedError | aiohttp.ClientOSError
                   | ConnectionError):
