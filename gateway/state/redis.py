@@ -46,10 +46,12 @@ FORGET_TIMEOUT_S = 2.0        # closing a Cluster client whose nodes are gone, a
 # reachable or no slot map yet). Anything else a call raises is a bug in the call, not an outage.
 # The client library raises AttributeError when a connection is closed under a call that is
 # sending on it: a Cluster client closes all its connections when one call fails, so a failover
-# can meet calls of others half-way. That is a lost connection like any other.
+# can meet calls of others half-way. On uvloop (the gateway's loop) a call that writes to such a
+# connection before the client has dropped it meets uvloop's RuntimeError ("the handler is
+# closed") instead. Either is a lost connection like any other.
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     RedisConnectionError, RedisTimeoutError, OSError, TimeoutError,
-    ClusterDownError, TryAgainError, RedisClusterException, AttributeError)
+    ClusterDownError, TryAgainError, RedisClusterException, AttributeError, RuntimeError)
 # For a store that answers "not now" to any failed call (the Responses records, the routing view's
 # stream): the outages above, and any error Redis answered.
 CALL_FAILED: tuple[type[BaseException], ...] = (RedisError, *UNAVAILABLE)

@@ -17,9 +17,12 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
+import uvloop
 import yaml
 
+from gateway.apis.responses_state import RedisStore, StoreUnavailable
 from gateway.config.schema import StateConfig, UserLimits
+from gateway.state.redis import redis_client
 from gateway.tenants.directory import key_digest
 from gateway.tenants.limits import AdmitQuery
 from gateway.tenants.redis_state import RECONCILE, RedisState, StateUnavailable
@@ -364,6 +367,43 @@ async def test_requests_counted_during_an_outage_are_added_once_whatever_breaks(
             assert int(await st.client.get(rpm_key)) == total
     finally:
         await st.stop()
+
+
+def test_a_connection_closed_under_a_call_is_an_outage_on_uvloop(redis_server):
+    """A Cluster client closes every connection when one call fails, so other calls can be half-way
+    on one: on uvloop, the gateway's loop, a write to it raises uvloop's RuntimeError ("the handler
+    is closed"). The Responses store takes that as the store unreachable (its record not written,
+    the answer unaffected, where it was a 500) and the tenancy backend as an outage."""
+    async def run() -> None:
+        cfg = StateConfig(redis_url=redis_server.url, timeout_s=0.5)
+        store = RedisStore(redis_client(cfg), "t:resp:", 60, cfg.timeout_s, owns_client=True)
+        st = RedisState(cfg)
+        try:
+            await store.put("a", b"1")
+            await st.sync(None)
+            assert st.up
+            _close_under(store.client)
+            with pytest.raises(StoreUnavailable):
+                await store.put("b", b"2")
+            _close_under(st.client)
+            with pytest.raises(StateUnavailable):
+                await st.sync(None)
+            assert not st.up
+            await st.sync(None)                              # and the next call reconnects
+            assert st.up
+        finally:
+            await store.close()
+            await st.stop()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
+
+
+def _close_under(client) -> None:
+    """Close a client's pooled connections under it, before the loop tells the client (its next
+    call, made at once, writes to them)."""
+    for conn in client.connection_pool._available_connections:
+        conn._writer.transport.close()
 
 
 async def test_a_responses_store_outage_is_a_503_that_names_no_address(sims, gateway, redis_server):
