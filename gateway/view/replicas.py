@@ -13,8 +13,12 @@ stream (``<state.key_prefix>:view``), when ``state.redis_url`` is set.
   After an outage, reading resumes from the last id seen; a Redis that restarted (its ``run_id``
   changed) is read from its beginning instead, and the facts this process queued meanwhile go out.
 * Losing Redis: any call that fails marks the link down (counted, ``switchyard_view_redis_up``
-  0); routing goes on with the local view; the link retries every ``view.retry_s``. Nothing on a
-  request's path ever awaits Redis.
+  0, logged once); routing goes on with the local view; the link retries every ``view.retry_s``.
+  It is up again only once the stream itself answers: the reader's probe reads the stream's key
+  (a Cluster node answers ``INFO`` while the stream's slot is down), and a writer that failed
+  tries again by itself and brings it up with its first write that lands (a Redis that refuses
+  writes, out of memory, still serves reads). So an outage is one loss and one line, not one each
+  ``retry_s``. Nothing on a request's path ever awaits Redis.
 
 The Redis client is made as the tenancy backend makes its own (socket timeouts of
 ``state.timeout_s``, no retries, maintenance notifications off); the reader's socket timeout is
@@ -65,6 +69,7 @@ class ReplicaLink:
         self.last_id: bytes | None = None
         self.run_id: str | None = None
         self._wake = asyncio.Event()
+        self._write_failed = False        # the writer lost the link: it tries again by itself
         self._tasks: list[asyncio.Task] = []
         self._down_since = 0.0
 
@@ -99,9 +104,11 @@ class ReplicaLink:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not self.up:
+            if not self.up and not self._write_failed:
                 continue                  # the reader's reconnect wakes us
             facts = list(self.outbox)
+            if not facts:
+                continue
             self.outbox.clear()
             inserts = [f for f in facts if f.__class__ is Insert]
             sessions = [f for f in facts if f.__class__ is not Insert]
@@ -116,18 +123,33 @@ class ReplicaLink:
             except CALL_FAILED as e:     # no Cluster node reachable, a connection lost: down, not a bug
                 _stop_if_cancelled()
                 self._requeue(facts)
-                self._mark(False, f"{type(e).__name__}: {e}")
+                self._write_down(f"{type(e).__name__}: {e}")
                 # a failed pipeline leaves a Cluster client on its old slot map (a promoted
                 # replica would never be written to): read it again on the next call
                 await forget_topology(self.writer)
+                await self._retry_later()
                 continue
             except Exception:         # a bug must not stop this replica's inserts for good
                 _stop_if_cancelled()
                 log.exception("shared routing view: stream writer failed")
                 self._requeue(facts)
-                self._mark(False, "writer error")
+                self._write_down("writer error")
+                await self._retry_later()
                 continue
+            if self._write_failed:
+                self._write_failed = False
+                self._mark(True)
             await asyncio.sleep(cfg.flush_interval_s)
+
+    def _write_down(self, why: str) -> None:
+        self._write_failed = True
+        self._mark(False, why)
+
+    async def _retry_later(self) -> None:
+        """A writer that lost the link tries again after ``view.retry_s``, whatever the reader
+        sees: reads can go on where writes fail (a Redis out of memory refuses writes only)."""
+        await asyncio.sleep(self.cfg.retry_s)
+        self._wake.set()
 
     def _requeue(self, facts: list[Insert | Session]) -> None:
         """Facts that did not go out wait again, before newer ones (within the outbox bound)."""
@@ -143,6 +165,8 @@ class ReplicaLink:
         """Probe Redis; a restarted one (new run_id) is read from its beginning."""
         async with asyncio.timeout(self.state.timeout_s * 4):
             info = await self.reader.info("server")
+            # the stream's own key: a Cluster node answers INFO while the stream's slot is down
+            await self.reader.exists(self.key)
         run_id = str(info.get("run_id", ""))
         if self.run_id is not None and run_id != self.run_id:
             self.last_id = b"0-0"
@@ -175,13 +199,11 @@ class ReplicaLink:
                 await self._connect()
                 if self.last_id is None:
                     await self._catch_up()
-                self._mark(True)
+                if not self._write_failed:     # else the writer's next write that lands does
+                    self._mark(True)
                 self._wake.set()           # what waited in the outbox goes out
                 while True:
                     found = await self.reader.xread({self.key: self.last_id}, count=READ_COUNT, block=block_ms)
-                    if not self.up:        # the writer lost it, and it is back
-                        self._mark(True)
-                        self._wake.set()
                     for _key, entries in found or ():
                         if entries:
                             self.last_id = entries[-1][0]

@@ -68,3 +68,62 @@ async def test_the_shared_routing_view_comes_back_after_its_primary_is_killed(si
 
     await until(b_reads_on, timeout=FAILOVER_S)
     assert metric(await a.metrics_text(), "switchyard_view_redis_up") == 1
+
+
+async def test_the_shared_routing_view_is_lost_once_while_its_slot_is_down(redis_cluster):
+    """Both nodes serving the view stream's slot die: the Cluster is down while its other nodes
+    still answer INFO, which was the reader's whole probe, so every retry_s the link came up and
+    was lost again (a loss counted, a warning and an info line each time). Now it is lost once and
+    stays down, and is up again by itself once the slot is served."""
+    import structlog
+
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.view.config import ViewConfig
+    from gateway.view.metrics import ViewMetrics
+    from gateway.view.replicas import ReplicaLink
+    from tests.support.redis_failover import FAILOVER_S
+    from tests.support.waiting import until
+
+    state = StateConfig(redis_url=redis_cluster.url, timeout_s=0.5)
+    link = ReplicaLink(state, ViewConfig(retry_s=0.05, read_block_s=0.1), "a", None, lambda p, live: None,
+                       ViewMetrics(GatewayMetrics()))
+    link.start()
+    try:
+        await until(lambda: link.up, timeout=FAILOVER_S)
+        primary = redis_cluster.primary_of(link.key)
+        shard = [primary, *_replicas_of(redis_cluster, primary)]
+        live = [n for n in redis_cluster.nodes if n not in shard]
+        with structlog.testing.capture_logs() as logs:
+            for n in shard:
+                redis_cluster.kill(n)
+            await until(lambda: not link.up, timeout=FAILOVER_S)
+            await until(lambda: all(redis_cluster._info_cluster(n).get("cluster_state") == "fail" for n in live),
+                        timeout=FAILOVER_S)
+            # the reader tries again and again, each time on new connections to the live nodes
+            before = _connections(redis_cluster, live)
+            await until(lambda: _connections(redis_cluster, live) > before + 20, timeout=FAILOVER_S)
+        assert not link.up and link.m.redis_lost._single.value == 1
+        assert [e["event"] for e in logs if "redis stream" in e["event"]] == [
+            "shared routing view: redis stream lost; routing on the local view"]
+        for n in shard:
+            await asyncio.to_thread(redis_cluster.restart, n)
+        await until(lambda: link.up, timeout=FAILOVER_S)
+        assert link.m.redis_lost._single.value == 1
+    finally:
+        await link.stop()
+
+
+def _replicas_of(cluster, primary) -> list:
+    rows = [line.split() for line in cluster.cli_call(primary, "cluster", "nodes").splitlines()]
+    me = next(f[0] for f in rows if "myself" in f[2])
+    ports = {int(f[1].split("@")[0].rsplit(":", 1)[1]) for f in rows if f[3] == me}
+    return [n for n in cluster.nodes if n.port in ports]
+
+
+def _connections(cluster, nodes) -> int:
+    total = 0
+    for n in nodes:
+        out = cluster.cli_call(n, "info", "stats")
+        total += int(next(line.split(":")[1] for line in out.splitlines()
+                          if line.startswith("total_connections_received:")))
+    return total

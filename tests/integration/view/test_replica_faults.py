@@ -52,3 +52,48 @@ async def test_a_write_that_breaks_in_the_client_is_sent_again_and_the_writer_go
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_a_redis_that_refuses_writes_is_one_loss_not_one_each_retry(redis_server):
+    """A Redis out of memory (maxmemory, noeviction) refuses the stream's XADD and still serves
+    XREAD. The link is lost once, logged once, and up again by itself with the first write that
+    lands; where the reader's next read marked it up and the writer's next try down again, a loss,
+    a warning and an info line every read_block_s for as long as Redis was full."""
+    import redis.asyncio as aioredis
+    import structlog
+
+    got_b: list[bytes] = []
+    a, b = _link(redis_server.url, "a", []), _link(redis_server.url, "b", got_b)
+    admin = aioredis.Redis.from_url(redis_server.url)
+
+    async def refused() -> int:
+        stats = await admin.info("errorstats")
+        return int(stats.get("errorstat_OOM", {}).get("count", 0))
+
+    a.start()
+    b.start()
+    try:
+        await until(lambda: a.up and b.up, timeout=10)
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.config_set("maxmemory", 1)
+        with structlog.testing.capture_logs() as logs:
+            a.queue([Session("conversation-1", "http://e1")])
+            for _ in range(10):             # the writer tries again, reads go on meanwhile
+                n = await refused()
+                await until(lambda n=n: _refused_more(refused, n), timeout=10)
+        assert not a.up and a.m.redis_lost._single.value == 1
+        assert [e["event"] for e in logs if "redis stream" in e["event"]] == [
+            "shared routing view: redis stream lost; routing on the local view"]
+        await admin.config_set("maxmemory", 0)
+        await until(lambda: any(b"conversation-1" in p for p in got_b), timeout=10)
+        await until(lambda: a.up, timeout=10)
+        assert a.m.redis_lost._single.value == 1
+    finally:
+        await admin.config_set("maxmemory", 0)
+        await admin.aclose()
+        await a.stop()
+        await b.stop()
+
+
+async def _refused_more(refused, n: int) -> bool:
+    return await refused() > n
