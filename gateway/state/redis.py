@@ -14,7 +14,10 @@ Failover, per mode:
   primary that died are closed; one that was demoted answers READONLY, which the client turns
   into a connection error. So the first call after the promotion reaches the new primary.
 - Cluster: a failed command makes the client read the slot map again on its next call; a failed
-  pipeline does not, so callers call :func:`forget_topology` on a transport failure.
+  pipeline does not, so callers call :func:`forget_topology` on a transport failure. A Cluster
+  client's nodes keep pools of their own, which hand out a connection without the check a
+  server's pool makes (one the server closed, by a restart or a failover, would fail its next
+  call): its connections make that check before each send (:class:`CheckedConnection`).
 
 Keys that one script or one transaction touches together must share a hash slot on a Cluster:
 :func:`shared_prefix` is the key prefix for those (``{prefix}`` on a Cluster, the plain prefix
@@ -27,6 +30,7 @@ import asyncio
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
@@ -98,10 +102,12 @@ def redis_client(cfg: StateConfig, socket_timeout: float | None = None) -> Clien
             cfg.redis_url, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
             maint_notifications_config=MaintNotificationsConfig(enabled=False), **common, **kw)
     if target.mode == "cluster":
-        return RedisCluster(
+        cluster = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], retry=Retry(NoBackoff(), 0),
             username=target.username, password=password, ssl=target.tls, **tls,
             maint_notifications_config=MaintNotificationsConfig(enabled=False), **common)
+        _check_taken_connections(cluster, CheckedSSLConnection if target.tls else CheckedConnection)
+        return cluster
     # Sentinel: the Sentinels get the same timeouts, no retries, and TLS when the scheme says so;
     # their own password, if they have one, is state.sentinel_password.
     sentinel_kw: dict = {**common, "retry": Retry(NoBackoff(), 0),
@@ -116,6 +122,35 @@ def redis_client(cfg: StateConfig, socket_timeout: float | None = None) -> Clien
         target.service, db=target.db, username=target.username, password=password, ssl=target.tls,
         retry=Retry(NoBackoff(), 0), maint_notifications_config=MaintNotificationsConfig(enabled=False),
         **common, **tls)
+
+
+class _CheckBeforeSend:
+    """A connection that, before it sends, checks it is still open, as a server's pool checks a
+    connection it hands out: one the server closed (it restarted, or failed over) is reconnected,
+    instead of failing the call that took it. (Only the close: an answer waiting unread is not a
+    fault here, the client writes its handshake's commands before it reads their answers.)"""
+
+    async def send_packed_command(self, command, check_health: bool = True) -> None:
+        reader, writer = self._reader, self._writer             # type: ignore[attr-defined]
+        if reader is not None and writer is not None and (reader.at_eof() or writer.transport.is_closing()):
+            await self.disconnect()                             # type: ignore[attr-defined]
+        await super().send_packed_command(command, check_health)   # type: ignore[misc]
+
+
+class CheckedConnection(_CheckBeforeSend, Connection):
+    pass
+
+
+class CheckedSSLConnection(_CheckBeforeSend, SSLConnection):
+    pass
+
+
+def _check_taken_connections(client: RedisCluster, cls: type[Connection]) -> None:
+    """Every node the client knows now (its startup nodes) or learns later makes ``cls``
+    connections (the client has no argument for it: it picks Connection or SSLConnection)."""
+    client.nodes_manager.connection_kwargs["connection_class"] = cls
+    for node in (*client.startup_nodes, *client.nodes_manager.startup_nodes.values()):
+        node.connection_class = cls
 
 
 async def forget_topology(client: Client) -> None:

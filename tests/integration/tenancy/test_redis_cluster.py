@@ -127,3 +127,30 @@ def _connections(cluster, nodes) -> int:
         total += int(next(line.split(":")[1] for line in out.splitlines()
                           if line.startswith("total_connections_received:")))
     return total
+
+
+async def test_stored_responses_work_at_once_after_the_whole_cluster_restarted(sims, gateway, redis_cluster):
+    """Every node of the Cluster restarts while the gateway is idle. A Cluster client's node pools
+    handed out the connections the old servers had closed, so the first call on each failed: a
+    follow-up got a 503 and a new response went unstored, with the Cluster long healthy again.
+    Connections are now checked before they send, as a server's pool checks them."""
+    from tests.support.http import openai_client
+    from tests.support.redis_failover import FAST_STATE
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"},
+                       state={"redis_url": redis_cluster.url, **FAST_STATE, "timeout_s": 5.0})
+    client = openai_client(gw)
+    for _ in range(12):                 # connections to every primary, pooled
+        r = await client.responses.create(model="m", input="Hello", max_output_tokens=2)
+        assert (await client.responses.retrieve(r.id)).id == r.id
+    for n in redis_cluster.nodes:
+        redis_cluster.kill(n)
+    for n in redis_cluster.nodes:
+        await asyncio.to_thread(n.spawn)
+    await asyncio.to_thread(redis_cluster.wait_ok)
+    for _ in range(12):                 # nothing was kept (no persistence): new ones, stored and read
+        r = await client.responses.create(model="m", input="Hello again", max_output_tokens=2)
+        follow = await client.responses.create(model="m", input="And?", max_output_tokens=2,
+                                               previous_response_id=r.id)
+        assert (await client.responses.retrieve(follow.id)).id == follow.id
