@@ -214,7 +214,10 @@ class ReplicaLink:
             except CALL_FAILED as e:     # no Cluster node reachable, a connection lost: down, not a bug
                 _stop_if_cancelled()
                 self._mark(False, f"{type(e).__name__}: {e}")
-                await forget_topology(self.reader)      # a Cluster's slot map read again, as the writer's
+                # a Cluster's slot map read again, by the writer too: it writes to the same node,
+                # and would meet the dead one with its first facts after the reader is back
+                await forget_topology(self.reader)
+                await forget_topology(self.writer)
             except Exception:         # a bug must not stop the view's replication for good
                 _stop_if_cancelled()
                 log.exception("shared routing view: stream reader failed")

@@ -154,3 +154,37 @@ async def test_stored_responses_work_at_once_after_the_whole_cluster_restarted(s
         follow = await client.responses.create(model="m", input="And?", max_output_tokens=2,
                                                previous_response_id=r.id)
         assert (await client.responses.retrieve(follow.id)).id == follow.id
+
+
+async def test_a_failover_of_the_view_stream_is_one_loss(redis_cluster):
+    """The primary of the view stream's slot dies and its replica is promoted, while the link has
+    nothing to write. The reader loses it and comes back on the new slot map; the writer, whose
+    own client still had the old one, met the dead node with its first facts afterwards and lost
+    the link a second time. Now a reader that loses the stream has the writer read the map too."""
+    from gateway.observability.metrics import GatewayMetrics
+    from gateway.view.config import ViewConfig
+    from gateway.view.metrics import ViewMetrics
+    from gateway.view.replicas import ReplicaLink
+    from gateway.view.wire import Session
+    from tests.support.redis_failover import FAILOVER_S
+    from tests.support.waiting import until
+
+    got: list[bytes] = []
+    state = StateConfig(redis_url=redis_cluster.url, timeout_s=0.5)
+    a, b = (ReplicaLink(state, ViewConfig(retry_s=0.05, read_block_s=0.1), name, None,
+                        lambda p, live, mine=mine: mine.append(p), ViewMetrics(GatewayMetrics()))
+            for name, mine in (("a", []), ("b", got)))
+    a.start()
+    b.start()
+    try:
+        await until(lambda: a.up and b.up, timeout=FAILOVER_S)
+        a.queue([Session("before", "http://e1")])          # the writer's connection is pooled
+        await until(lambda: any(b"before" in p for p in got), timeout=FAILOVER_S)
+        await asyncio.to_thread(redis_cluster.kill_primary_of, a.key)
+        await until(lambda: a.up, timeout=FAILOVER_S)      # the reader is back on the promoted replica
+        a.queue([Session("after", "http://e2")])
+        await until(lambda: any(b"after" in p for p in got), timeout=FAILOVER_S)
+        assert a.up and a.m.redis_lost._single.value == 1
+    finally:
+        await a.stop()
+        await b.stop()
