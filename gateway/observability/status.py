@@ -17,7 +17,7 @@ O(endpoints + models x buckets + rings + listed users) to build, nothing between
 
 With ``--workers N`` the worker that answers merges its siblings' parts (``StatusBoard.part``, read
 over gateway/server/siblings.py) into its document: what adds up is added (requests, in-flight
-counts, the traffic windows with their latency histograms, fallbacks), the recent decisions and
+counts, a user's included, the traffic windows with their latency histograms, fallbacks), the recent decisions and
 errors are interleaved by time, and the rest (endpoints' health, engine figures, tenants) is the
 answering worker's view; ``gateway.workers`` says which worker answered and how many reported.
 
@@ -200,6 +200,7 @@ class StatusBoard:
                 "endpoints": [(ep.model, ep.name, ep.in_flight, ep.prefill_in_flight, ep.pending_decode,
                                ep.token_active, ep.token_kv) for ep in src.pool.endpoints()],
                 "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()],
+                "user_in_flight": src.tenancy.state.slots() if src.tenancy is not None else {},
                 "decisions": self.recent_decisions(), "errors": self.recent_errors()}
 
     def counts(self) -> dict[str, Any]:
@@ -283,7 +284,7 @@ class StatusBoard:
                                       for (s, r), n in sorted(fallbacks.items())],
                         "recent": decisions},
             "errors": {"recent": errors},
-            "tenants": await self._tenants(src),
+            "tenants": await self._tenants(src, parts),
             **({"batch": await src.batch()} if src.batch is not None else {}),
         }
 
@@ -314,7 +315,7 @@ class StatusBoard:
                 "pd": {"prefill_in_flight": ep.prefill_in_flight, "pending_decode": ep.pending_decode,
                        "token_active": round(ep.token_active, 1), "token_kv": round(ep.token_kv, 1)}}
 
-    async def _tenants(self, src: StatusSources) -> dict[str, Any]:
+    async def _tenants(self, src: StatusSources, parts: list[dict[str, Any]] = ()) -> dict[str, Any]:
         t = src.tenancy
         auth = src.config.auth
         out: dict[str, Any] = {"enabled": t is not None, "auth": auth.on, "backend": None, "state_up": None,
@@ -341,8 +342,12 @@ class StatusBoard:
         usage: dict[str, dict[str, int]] = {}
         if rows and state.up:
             usage = await self._peek(state, tuple(r["name"] for r in rows))
+        # requests in flight are the gateway's: this worker's slots now (not as a cached read
+        # had them) and its siblings', as the in-flight counts above are added up
+        held = _add_slots(state.slots(), parts)
         for r in rows:
-            r["usage"] = usage.get(r["name"])
+            u = usage.get(r["name"])
+            r["usage"] = None if u is None else {**u, "concurrent": held.get(r["name"], 0)}
         out["users"] = rows
         return out
 
@@ -384,6 +389,14 @@ def _add_counts(own: dict[str, int], parts: list[dict[str, Any]]) -> dict[str, i
     for p in parts:
         for model, n in p["model_in_flight"].items():
             out[model] = out.get(model, 0) + n
+    return out
+
+
+def _add_slots(own: dict[str, int], parts: list[dict[str, Any]]) -> dict[str, int]:
+    out = dict(own)
+    for p in parts:
+        for user, n in (p.get("user_in_flight") or {}).items():
+            out[user] = out.get(user, 0) + _count(n)
     return out
 
 

@@ -129,6 +129,10 @@ class MemoryState:
         return {u: {"requests": self._read("rpm", u, now)[0], "tokens": self._read("tpm", u, now)[0],
                     "concurrent": self._concurrent.get(u, 0)} for u in users}
 
+    def slots(self) -> dict[str, int]:
+        """The requests in flight this process holds, by user (those with a concurrency limit)."""
+        return dict(self._concurrent)
+
     def active_users(self, limit: int) -> list[str]:
         """Users with a live RPM/TPM window or a request in flight, at most ``limit``, sorted."""
         now = self._clock()

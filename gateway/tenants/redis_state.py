@@ -684,6 +684,10 @@ class RedisState:
         return {u: {"requests": int(vals[2 * i] or 0), "tokens": int(vals[2 * i + 1] or 0),
                     "concurrent": self.held.get(u, 0)} for i, u in enumerate(users)}
 
+    def slots(self) -> dict[str, int]:
+        """The concurrency slots this replica (this process) holds, by user."""
+        return {u: n for u, n in self.held.items() if n > 0}
+
     # -- fleet sync --------------------------------------------------------------------------
 
     async def sync(self, in_flight: dict[str, int] | None) -> tuple[str, dict[str, int]]:

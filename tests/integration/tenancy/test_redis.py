@@ -696,3 +696,87 @@ async def test_a_mirror_is_read_whole_when_the_change_log_cannot_say_what_change
         await chat(b, lost["key"])
     assert (await chat(b, kept["key"])).choices
     await r.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_the_status_page_of_a_gateway_with_workers_shows_all_its_requests_in_flight_for_a_user(
+        sims, redis_server, tmp_path):
+    """With ``--workers 2`` each worker holds its own users' slots; the page, whichever worker
+    answers it, shows the gateway's: its workers' added up, as it adds up their in-flight counts."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    admin = {"Authorization": "Bearer admin-token-0123"}
+    cfg = {"listen": {"host": "127.0.0.1", "port": port}, "server": {"shutdown_grace_s": 1, "drain_delay_s": 0},
+           "models": [model_block("m", "vllm", [sim.url])],
+           "auth": {**KEYS, "admin_token": admin["Authorization"].removeprefix("Bearer ")},
+           "limits": {"users": {"alice": {"max_concurrent": 10}}}, "state": state(redis_server)}
+    path = tmp_path / "gw0.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": "m", "messages": CHAT, "max_tokens": 4, "stream": True}
+    held = {"Authorization": f"Bearer {ALICE}", "x-sim-fault": "stall_before_first=inf"}
+
+    async def pid_of(s: aiohttp.ClientSession) -> int | None:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with s.get(f"{base}/status.json", headers=admin) as r:
+                if r.status == 200:
+                    return (await r.json())["gateway"]["pid"]
+        return None
+
+    async def pages() -> list[dict]:
+        out = []
+        for _ in range(8):          # new connections: the kernel hands them to either worker
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                    s.get(f"{base}/status.json", headers=admin) as r:
+                out.append(await r.json())
+        return out
+
+    with open(tmp_path / "gw0.log", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "gateway", "--config", str(path), "--workers", "2"], cwd=ROOT,
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    sessions: list[aiohttp.ClientSession] = []
+    streams = []
+    try:
+        # three streams held by the engine: two on one worker, one on the other (a keep-alive
+        # connection stays with the worker that accepted it, which its status page names)
+        on: dict[int, int] = {}         # the first worker met takes two, the other one
+        async with asyncio.timeout(40):
+            while sorted(on.values()) != [1, 2]:
+                s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+                pid = await pid_of(s)
+                if pid is None or on.get(pid, 0) >= (2 if not on or pid == next(iter(on)) else 1):
+                    await s.close()
+                    await asyncio.sleep(0.05)
+                    continue
+                sessions.append(s)
+                r = await s.post(f"{base}/v1/chat/completions", json=body, headers=held)
+                assert r.status == 200
+                streams.append(r)
+                on[pid] = on.get(pid, 0) + 1
+        async with asyncio.timeout(10):
+            while len(sim.engine.running) + len(sim.engine.waiting) < 3:
+                await asyncio.sleep(0.05)
+        seen = set()
+        for doc in await pages():
+            assert doc["gateway"]["workers"]["reporting"] == 2
+            seen.add(doc["gateway"]["pid"])
+            alice = next(u for u in doc["tenants"]["users"] if u["name"] == "alice")
+            assert alice["usage"]["concurrent"] == 3, (doc["gateway"]["pid"], on, alice)
+        assert seen <= set(on)
+        for r in streams:
+            r.close()
+        async with asyncio.timeout(10):     # and back to none once they end
+            while any(next(u for u in d["tenants"]["users"] if u["name"] == "alice")["usage"]["concurrent"]
+                      for d in await pages()):
+                await asyncio.sleep(0.1)
+    finally:
+        for r in streams:
+            r.close()
+        for s in sessions:
+            await s.close()
+        proc.send_signal(signal.SIGINT)
+        try:
+            await asyncio.to_thread(proc.wait, 15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
