@@ -272,12 +272,7 @@ class PrefixIndex:
                     for s in [s for s, t in held.items() if t < cut]:
                         del held[s]
                 held[slot] = now
-        over = len(blocks) - self.capacity
-        if over > 0:
-            self.evictions += over
-            pop = blocks.popitem
-            for _ in range(over):
-                pop(last=False)
+        self._evict_over()
         if now >= self._next_sweep:
             self._next_sweep = now + int(_SWEEP_EVERY_S * 1000)
             self.sweep(now / 1000)
@@ -345,13 +340,18 @@ class PrefixIndex:
                         blocks[key] = {held & mask: held >> bits, slot: at}
                 elif held.get(slot, _NEVER) < at:
                     held[slot] = at
+        self._evict_over()
+        return n
+
+    def _evict_over(self) -> None:
+        """Blocks past the capacity go, least recently touched first."""
+        blocks = self._blocks
         over = len(blocks) - self.capacity
         if over > 0:
             self.evictions += over
             pop = blocks.popitem
             for _ in range(over):
                 pop(last=False)
-        return n
 
     def sweep(self, now: float | None = None) -> int:
         """Drop blocks idle for longer than the TTL (oldest first); returns how many."""

@@ -300,35 +300,32 @@ class Relay:
     def _mismatch(self, ctx: RequestContext, ctype: str) -> None:
         """A 200 whose framing is not the one asked for (an event stream to a request that wants
         the body whole, or a body to one that wants a stream): no client of either kind could read
-        it, so it is the engine's protocol fault, a 502, before anything reached the client."""
-        rec = ctx.rec
+        it."""
         wanted = "a stream" if ctx.ireq is not None and ctx.ireq.stream else "a whole body"
-        rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
-        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
-        raise GatewayError(502, f"upstream answered a request for {wanted} with Content-Type "
-                                f"{safe_header_value(ctype)[:80]!r}", code="upstream_bad_response",
-                           header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
+        self._protocol_fault(ctx, f"upstream answered a request for {wanted} with Content-Type "
+                                  f"{safe_header_value(ctype)[:80]!r}")
 
     def _not_an_object(self, ctx: RequestContext, ctype: str) -> None:
         """A whole 200 to a chat, completion or embedding request that is not a JSON object (a
         proxy's page in front of the engine, a body cut short yet framed as whole): no SDK could
-        read it, so it is the engine's protocol fault, a 502, before anything reached the client."""
-        rec = ctx.rec
-        rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
-        self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
-        raise GatewayError(502, f"upstream answered 200 with a body that is not a JSON object (Content-Type "
-                                f"{safe_header_value(ctype)[:80]!r})", code="upstream_bad_response",
-                           header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
+        read it."""
+        self._protocol_fault(ctx, f"upstream answered 200 with a body that is not a JSON object (Content-Type "
+                                  f"{safe_header_value(ctype)[:80]!r})")
 
     def _coded(self, ctx: RequestContext, coding: str) -> None:
         """A 200 in a content or transfer coding (``coding_of``): its bytes relayed would be
-        unreadable, so it is the engine's protocol fault, a 502, before anything reached the client."""
+        unreadable."""
+        self._protocol_fault(ctx, f"upstream answered in a coding the gateway does not decode: "
+                                  f"{safe_header_value(coding)[:80]!r}")
+
+    def _protocol_fault(self, ctx: RequestContext, message: str) -> None:
+        """A 200 no client could read: the engine's protocol fault, a 502 upstream_bad_response,
+        before anything reached the client; counted under ``protocol``."""
         rec = ctx.rec
         rec.error_class = ErrorClass.UPSTREAM_PROTOCOL
         self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "protocol").inc()
-        raise GatewayError(502, f"upstream answered in a coding the gateway does not decode: "
-                                f"{safe_header_value(coding)[:80]!r}", code="upstream_bad_response",
-                           header=("x-error-upstream", "protocol"), error_class=ErrorClass.UPSTREAM_PROTOCOL)
+        raise GatewayError(502, message, code="upstream_bad_response", header=("x-error-upstream", "protocol"),
+                           error_class=ErrorClass.UPSTREAM_PROTOCOL)
 
     async def stream_from_head(self, ctx: RequestContext, resp: UpstreamResponse, strip_usage: bool,
                                wd: WatchdogConfig | None, ahead: HeadAhead,
