@@ -306,6 +306,22 @@ def gateway_board() -> Board:
     b.graph("Shared state reachable", [(f"switchyard_state_up{{{J}}}", "{{instance}}")], "short",
             "1 while the shared state backend (Redis) is reachable from each gateway replica.", w=12, max_=1)
 
+    b.row("Kubernetes discovery")
+    b.graph("Discovery requests / s by result",
+            [(rate("switchyard_kubernetes_requests_total", J, "verb, result"), "{{verb}} {{result}}")], "reqps",
+            "Lists and watches of pods by how they ended: ok, and the failures by kind (unauthorized, "
+            "forbidden, gone, idle, connect, timeout, ...). Empty without kubernetes discovery.")
+    b.graph("Time since the API server was last heard",
+            [(f"time() - max by (instance, watched_namespace) "
+              f"(switchyard_kubernetes_last_sync_timestamp_seconds{{{J}}})", "{{instance}} {{watched_namespace}}")],
+            "s", "Per replica and watched namespace (* for all): seconds since a list, a watch event or a "
+                 "bookmark came. It grows while discovery cannot reach the API server; the chart's "
+                 "SwitchyardDiscoveryStale alert fires past 10 minutes.")
+    b.graph("Discovered pods by model",
+            [(f"max by (model, state) (switchyard_kubernetes_pods{{{J}}})", "{{model}} {{state}}")], "short",
+            "Pods discovery found, by model: routable (ready, with a model label and a port) or not.",
+            stack=True)
+
     b.row("Gateway process")
     b.graph("CPU", [(f"rate(process_cpu_seconds_total{{{J}}}[{RI}])", "{{instance}}")], "percentunit",
             "CPU time per second of each gateway process (1 = one core; one process uses at most one).",

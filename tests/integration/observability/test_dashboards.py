@@ -132,7 +132,8 @@ async def leave_mid_stream(gw, model: str) -> None:
 async def demo_gateway(sims, gateway, emu, tmp_path):
     """The four kinds of model, tenants with a limit, one dead endpoint (health probes at a long
     interval, so the first request to it is a connect failure and a retry), and Kubernetes
-    discovery against the API server emulator (which has no pods)."""
+    discovery against the API server emulator (one pod of another model, not ready: discovered,
+    not routed to)."""
     agg_vllm = await sims("vllm", "agg-vllm")
     agg_sglang = await sims("sglang", "agg-sglang")
     vp = await sims("vllm", "pd-vllm", role="prefill")
@@ -150,6 +151,7 @@ async def demo_gateway(sims, gateway, emu, tmp_path):
     ]
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(emu.kubeconfig())
+    emu.create_pod("llm", "k8s-engine-0", {"model.aibrix.ai/name": "k8s-model"}, ready=False)
     return await gateway(models, health={"interval_s": 30.0},
                          kubernetes={"enabled": True, "kubeconfig": str(kubeconfig), "namespaces": ["llm"]},
                          auth={"api_keys": [{"key": BOB, "user": "bob"}, {"key": ALICE, "user": "alice"}]},
