@@ -272,7 +272,8 @@ class PrefixIndex:
                     for s in [s for s, t in held.items() if t < cut]:
                         del held[s]
                 held[slot] = now
-        self._evict_over()
+        if len(blocks) > self.capacity:
+            self._evict_over()
         if now >= self._next_sweep:
             self._next_sweep = now + int(_SWEEP_EVERY_S * 1000)
             self.sweep(now / 1000)
@@ -340,7 +341,8 @@ class PrefixIndex:
                         blocks[key] = {held & mask: held >> bits, slot: at}
                 elif held.get(slot, _NEVER) < at:
                     held[slot] = at
-        self._evict_over()
+        if len(blocks) > self.capacity:
+            self._evict_over()
         return n
 
     def _evict_over(self) -> None:
