@@ -41,6 +41,24 @@ async def setup(sims, gateway, engine: str, fault: str, limit: int = 1, healthy:
     return gw, (good[0] if good else bad)
 
 
+async def two_words_then_break(request: web.Request, cid: str, end: bytes, extra) -> web.StreamResponse:
+    """A vLLM-like stream of " alpha", " beta" (the first chunk with prompt_token_ids), each event
+    ended by ``end``, then a reset. ``extra(i)``: fields for chunk ``i`` (``token_ids`` go in its
+    choice, anything else in the chunk)."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for i, word in enumerate([" alpha", " beta"]):
+        choice = {"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None}
+        ev = {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
+        for k, v in extra(i).items():
+            (choice if k == "token_ids" else ev)[k] = v
+        if i == 0:
+            ev["prompt_token_ids"] = [1, 2, 3]
+        await resp.write(b"data: " + json.dumps(ev).encode() + end)
+    request.transport.abort()
+    return resp
+
+
 def migrations(text: str, outcome: str) -> float:
     total = 0.0
     for line in text.splitlines():
@@ -163,17 +181,8 @@ async def test_a_stream_whose_chunks_carry_no_token_ids_is_not_continued_from_it
     token-exactly, the next engine got the prompt alone and started the answer over after text the
     client had. Such a stream is refused (no_token_ids) and ends with today's error event."""
     async def chat(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i, word in enumerate([" alpha", " beta"]):
-            ev = {"id": "chatcmpl-h", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                  "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None}],
-                  "usage": {"prompt_tokens": 3, "completion_tokens": 5 * (i + 1), "total_tokens": 8 + 5 * i}}
-            if i == 0:
-                ev["prompt_token_ids"] = [1, 2, 3]
-            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
-        request.transport.abort()
-        return resp
+        return await two_words_then_break(request, "chatcmpl-h", b"\n\n", lambda i: {
+            "usage": {"prompt_tokens": 3, "completion_tokens": 5 * (i + 1), "total_tokens": 8 + 5 * i}})
 
     good = await sims("vllm", "m")
     async with fake_engine(chat) as bad:
@@ -280,17 +289,7 @@ async def test_a_stream_in_bare_cr_lines_continues_as_any_other(sims, gateway):
     lines of LFs, so a stream of bare-CR lines was one unfinished event to it: what the first
     engine had sent before it broke never reached the client, and the continuation was refused."""
     async def chat(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i, word in enumerate([" alpha", " beta"]):
-            ev = {"id": "chatcmpl-cr", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                  "choices": [{"index": 0, "delta": {"content": word}, "logprobs": None, "finish_reason": None,
-                               "token_ids": [100 + i]}]}
-            if i == 0:
-                ev["prompt_token_ids"] = [1, 2, 3]
-            await resp.write(b"data: " + json.dumps(ev).encode() + b"\r\r")
-        request.transport.abort()
-        return resp
+        return await two_words_then_break(request, "chatcmpl-cr", b"\r\r", lambda i: {"token_ids": [100 + i]})
 
     good = await sims("vllm", "m")
     async with fake_engine(chat) as bad:
