@@ -312,11 +312,12 @@ class ResponsesApi(ApiShape):
     async def _record_owner(self, ctx: RequestContext, rid: str) -> None:
         """Engine state: the endpoint that holds response ``rid`` (it answered ``ctx``), for the
         follow-ups and the GETs that must reach it."""
-        if ctx.decision is None or not rid or len(rid) > 256:
+        if ctx.decision is None or not rid:
             return
         ep = ctx.decision.endpoint
         user = self._owner_user(ctx.rec.user)
-        self.lineage.put(RESPONSE + rid, ep, user)
+        if len(rid) <= 256:                 # the session map's key bound
+            self.lineage.put(RESPONSE + rid, ep, user)
         await self._write(self.owners, "affinity", rid,
                           orjson.dumps({"url": ep.url, "model": ep.model, "user": user}))
 
