@@ -52,7 +52,9 @@ async def chat(client, model="m", **kw):
 async def test_a_reload_swaps_endpoints_and_adds_an_alias_while_a_stream_in_flight_finishes(sims, gateway, tmp_path):
     a = await sims("vllm", "m", itl_ms=20.0)
     b, c = await sims("vllm", "m"), await sims("vllm", "m")
-    gw = await gateway([model_block("m", "vllm", [a.url, b.url])])
+    # round-robin: the first requests reach a for sure (least-request breaks ties at random, and all
+    # four went to b in 1 run of 16)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="round-robin")])
     f = ConfigFile(gw, tmp_path / "gw.yaml")
     ep_a, ep_b = gw.gw.pool.endpoints("m")
     client = openai_client(gw)
@@ -74,7 +76,7 @@ async def test_a_reload_swaps_endpoints_and_adds_an_alias_while_a_stream_in_flig
     first = await stream.__anext__()
     assert ep_a.in_flight == 1
 
-    f.write(models=[model_block("m", "vllm", [b.url, c.url])],
+    f.write(models=[model_block("m", "vllm", [b.url, c.url], strategy="round-robin")],
             aliases=[{"name": "chat", "targets": [{"model": "m", "weight": 1}]}])
     result = f.reloader.reload("test")
     assert (result.result, result.generation) == ("ok", 2)
