@@ -146,6 +146,11 @@ class Siblings:
                     await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            # the loop is ending (a stop, a failed start). The task ends quietly: on Python 3.11 the
+            # stream server asks a cancelled handler for its exception from a callback, and that
+            # prints "Exception in callback" and a traceback on every worker's way out
+            pass
         except Exception:
             log.exception("answering a sibling failed")
         finally:
