@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
-from gateway.state.redis import CALL_FAILED, Client, close_client
+from gateway.state.redis import CALL_FAILED, Client, close_client, held_loop_timeout
 
 
 class StoreUnavailable(Exception):
@@ -153,7 +153,7 @@ class RedisStore:
 
     async def _call(self, coro):
         try:
-            async with asyncio.timeout(self.timeout):
+            async with held_loop_timeout(self.timeout):
                 return await coro
         except CALL_FAILED as e:
             task = asyncio.current_task()

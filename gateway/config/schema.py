@@ -350,7 +350,7 @@ class StateConfig(Block):
     sentinel_password: Annotated[Name | None, Meta(description="Password of the Sentinels themselves (redis+sentinel:// URLs), when they require one; null: they are asked without.")] = None
     sentinel_password_env: Annotated[Name | None, Meta(description="Name of an environment variable holding the Sentinels' password (instead of sentinel_password).")] = None
     key_prefix: Annotated[_ID, Meta(description="Prefix of every Redis key the gateway writes.")] = "switchyard"
-    timeout_s: Annotated[Positive, Meta(description="Connect and socket timeout of every Redis call, in seconds.")] = 0.25
+    timeout_s: Annotated[Positive, Meta(description="Connect and socket timeout of every Redis call, in seconds. A deadline that passed while the gateway's own loop was held (a timer more than 50 ms late: the answer may be waiting unread) gives the call the same time again, once.")] = 0.25
     failure_policy: Annotated[Literal["open", "closed"], Meta(description="While Redis is unreachable: open serves without limits, closed answers 503.")] = "open"
     sync_interval_s: Annotated[Positive, Meta(description="How often a replica publishes its heartbeat and in-flight counts and refreshes the key directory, in seconds.")] = 0.1
     replica_ttl_s: Annotated[Positive, Meta(description="A replica silent this long no longer counts, in seconds (at least twice sync_interval_s).")] = 1.0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 
 import redis.asyncio as aioredis
+import redis.asyncio.connection as _redis_connection
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
@@ -59,6 +60,42 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 # For a store that answers "not now" to any failed call (the Responses records, the routing view's
 # stream): the outages above, and any error Redis answered.
 CALL_FAILED: tuple[type[BaseException], ...] = (RedisError, *UNAVAILABLE)
+
+
+# A timer that fires this much later than its deadline means the loop was held meanwhile
+LATE_S = 0.05
+
+
+class HeldLoopTimeout(asyncio.Timeout):
+    """``asyncio.timeout`` that does not blame Redis for the loop's own stall. A loop held past a
+    call's deadline (a long callback, a collector pause, a stopped process) runs the due timer
+    before it reads its sockets, so an answer that came meanwhile would lie unread while the call
+    times out and the state is marked down. A timer that fires more than ``LATE_S`` late gives the
+    call its whole delay again, once, counted from when the loop ran again; a Redis that does not
+    answer still times out, after at most twice the delay."""
+
+    def __init__(self, delay: float | None) -> None:
+        self._delay = delay
+        self._held = False
+        super().__init__(None if delay is None else asyncio.get_running_loop().time() + delay)
+
+    def _on_timeout(self) -> None:
+        loop = asyncio.get_running_loop()
+        when = self.when()
+        if not self._held and self._delay is not None and when is not None and loop.time() - when > LATE_S:
+            self._held = True
+            self.reschedule(loop.time() + self._delay)
+            return
+        super()._on_timeout()            # type: ignore[misc]
+
+
+def held_loop_timeout(delay: float | None) -> HeldLoopTimeout:
+    return HeldLoopTimeout(delay)
+
+
+# the client library's socket timeouts (each read, each connect) are this one: the gateway runs no
+# other Redis client
+_redis_connection.async_timeout = held_loop_timeout   # type: ignore[attr-defined]
 
 
 def state_mode(cfg: StateConfig) -> Mode:

@@ -56,6 +56,7 @@ from gateway.state.redis import (
     UNAVAILABLE,
     close_client,
     forget_topology,
+    held_loop_timeout,
     redis_client,
     shared_prefix,
     state_mode,
@@ -416,7 +417,7 @@ class RedisState:
             raise StateUnavailable("redis is marked down")
         try:
             # belt and braces: the socket timeouts bound each read, this bounds the whole call
-            async with asyncio.timeout(self.timeout * 4):
+            async with held_loop_timeout(self.timeout * 4):
                 out = await coro
         except _TRANSPORT as e:
             task = asyncio.current_task()

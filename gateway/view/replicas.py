@@ -36,7 +36,7 @@ from collections.abc import Callable
 import structlog
 
 from gateway.config.schema import StateConfig
-from gateway.state.redis import CALL_FAILED, forget_topology, redis_client
+from gateway.state.redis import CALL_FAILED, forget_topology, held_loop_timeout, redis_client
 from gateway.view.config import ViewConfig
 from gateway.view.metrics import ViewMetrics
 from gateway.view.wire import Insert, Session, encode
@@ -117,7 +117,7 @@ class ReplicaLink:
                 pipe = self.writer.pipeline(transaction=False)
                 for p in payloads:
                     pipe.xadd(self.key, {b"s": self._sender_b, b"b": p}, maxlen=cfg.stream_maxlen, approximate=True)
-                async with asyncio.timeout(self.state.timeout_s * 4):
+                async with held_loop_timeout(self.state.timeout_s * 4):
                     await pipe.execute()
                 self.m.sent.labels("replica").inc(len(payloads))
             except CALL_FAILED as e:     # no Cluster node reachable, a connection lost: down, not a bug
@@ -163,7 +163,7 @@ class ReplicaLink:
 
     async def _connect(self) -> None:
         """Probe Redis; a restarted one (new run_id) is read from its beginning."""
-        async with asyncio.timeout(self.state.timeout_s * 4):
+        async with held_loop_timeout(self.state.timeout_s * 4):
             info = await self.reader.info("server")
             # the stream's own key: a Cluster node answers INFO while the stream's slot is down
             await self.reader.exists(self.key)
@@ -174,7 +174,7 @@ class ReplicaLink:
 
     async def _catch_up(self) -> None:
         """At start: the retained tail, oldest first, a chunk per loop turn."""
-        async with asyncio.timeout(max(2.0, self.state.timeout_s * 8)):
+        async with held_loop_timeout(max(2.0, self.state.timeout_s * 8)):
             entries = await self.reader.xrevrange(self.key, count=self.cfg.stream_maxlen)
         entries.reverse()
         self.last_id = entries[-1][0] if entries else b"0-0"
