@@ -554,8 +554,10 @@ def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Dep
 
 def check_strategies(config: Config, registry: RouterRegistry | None = None, source: str | None = None) -> None:
     """Every strategy the config names exists: ``routing.strategy``, ``lora.strategy`` and each
-    model's ``strategy`` and ``lock_strategy``. The one check the loader, the routing of a new
-    generation and a reload all run; ``ConfigError`` names the key and suggests a near name.
+    model's ``strategy`` and ``lock_strategy``; and that a model with only prefill/decode
+    endpoints (no Kubernetes discovery to find others) is not given one that routes whole
+    requests. The one check the loader, the routing of a new generation and a reload all run;
+    ``ConfigError`` names the key and suggests a near name.
     ``registry``: the one that will serve (its routers are built now), else the built-in one."""
     if registry is None:
         registry = default_registry(RouterContext(settings=config.routing, pd_settings=config.pd_for))
@@ -568,6 +570,17 @@ def check_strategies(config: Config, registry: RouterRegistry | None = None, sou
             registry.get(spec)
         except StrategyError as e:
             raise ConfigError(path, f"{e}{_suggestion(spec, registry)}", source) from None
+    if config.kubernetes.enabled:          # pods found later may serve whole requests
+        return
+    for i, m in enumerate(config.models):
+        if not m.rolesets or m.endpoints or any(rs.combined for rs in m.rolesets):
+            continue
+        key = "lock_strategy" if m.lock_strategy else "strategy"
+        spec = getattr(m, key)
+        if spec and not registry.get(spec).chooses_pairs:
+            raise ConfigError(f"models[{i}].{key}", f"{spec!r} routes whole requests, and model {m.name!r} has only "
+                              "prefill/decode endpoints (every request would be refused 503): use pd, or leave the "
+                              "key out", source)
 
 
 def _suggestion(spec: str, registry: RouterRegistry) -> str:

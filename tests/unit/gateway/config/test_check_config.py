@@ -57,6 +57,14 @@ def test_a_valid_file_is_ok_with_its_model_count(tmp_path, capsys):
     ("server: {max_body_bytes: -1}", "server.max_body_bytes: Expected `int` >= 0"),
     ("server: {workers: 0}", "server.workers: Expected `int` >= 1"),   # a start would refuse it
     ("models: [{name: a}]", "models[0]: model 'a' needs 'endpoints' or 'rolesets'"),
+    # a model with only prefill/decode endpoints and a strategy that routes whole requests: every
+    # request would be refused 503
+    ("models: [{name: a, strategy: least-request, rolesets: [{prefill: ['http://x:1'], decode: ['http://x:2']}]}]",
+     "models[0].strategy: 'least-request' routes whole requests, and model 'a' has only prefill/decode "
+     "endpoints (every request would be refused 503): use pd, or leave the key out"),
+    ("models: [{name: a, lock_strategy: 'random', rolesets: [{prefill: ['http://x:1'], decode: ['http://x:2']}]}]",
+     "models[0].lock_strategy: 'random' routes whole requests, and model 'a' has only prefill/decode "
+     "endpoints (every request would be refused 503): use pd, or leave the key out"),
     # URLs a start would refuse (gateway.endpoints.Endpoint parses them)
     ("models: [{name: a, endpoints: ['http://x:port']}]",
      "models[0].endpoints[0].url: Port could not be cast to integer value as 'port', in 'http://x:port'"),
@@ -203,3 +211,21 @@ def test_several_workers_by_number_with_state_per_process_say_so_at_start(tmp_pa
     assert done.returncode == 0, done.stderr
     assert "each keeps its own state without state.redis_url" in done.stderr
     assert "the admin API's users and keys" in done.stderr
+
+
+@pytest.mark.parametrize("text", [
+    # whole-request endpoints beside the pairs: the strategy routes to those
+    "models: [{name: a, strategy: least-request, endpoints: ['http://x:3'], "
+    "rolesets: [{prefill: ['http://x:1'], decode: ['http://x:2']}]}]",
+    "models: [{name: a, strategy: least-request, "
+    "rolesets: [{prefill: ['http://x:1'], decode: ['http://x:2'], combined: ['http://x:3']}]}]",
+    # pods Kubernetes finds may serve whole requests
+    "kubernetes: {enabled: true}\nmodels: [{name: a, strategy: least-request, "
+    "rolesets: [{prefill: ['http://x:1'], decode: ['http://x:2']}]}]",
+    # the lock wins, so the strategy under it is never used
+    "models: [{name: a, lock_strategy: pd, strategy: random, "
+    "rolesets: [{prefill: ['http://x:1'], decode: ['http://x:2']}]}]",
+])
+def test_a_whole_request_strategy_on_a_model_with_somewhere_to_route_it_is_taken(tmp_path, capsys, text):
+    rc, out, err = check(tmp_path, text, capsys)
+    assert rc == 0, err
