@@ -479,3 +479,41 @@ async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growi
     assert [(e["code"], e["reason"], e["restart_in_s"]) for e in restarts] == [
         (3, "exited", 1.0), (4, "exited", 1.0), (4, "exited", 2.0), (4, "exited", 4.0)]
     assert not [e for e in events if "stopping" in e["event"]]
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_killed_during_the_drain_makes_the_gateway_exit_non_zero(sims, tmp_path):
+    """A stop during which a worker died of a signal (the OOM killer's SIGKILL) lost whatever that
+    worker had in flight: the gateway's exit code says so (128 + the signal), as a shell's would."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 3, shutdown_grace_s: 6, log_level: warning}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.PIPE)
+    try:
+        async with asyncio.timeout(20):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    status, _, _ = await fresh_get(f"http://127.0.0.1:{port}/ready")
+                    if status == 200 and len(children_of(proc.pid)) == 2:
+                        break
+                await asyncio.sleep(0.05)
+        workers = children_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):           # the drain has begun: /ready says 503
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    if (await fresh_get(f"http://127.0.0.1:{port}/ready"))[0] == 503:
+                        break
+                await asyncio.sleep(0.05)
+        os.kill(workers[0], signal.SIGKILL)
+        async with asyncio.timeout(20):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 128 + signal.SIGKILL
