@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import json
 import os
 import random
+import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ from k8s.pods import ANNO_KV_EVENTS, PodView, Skipped, map_pod, pod_key
 log = structlog.get_logger("switchyard.k8s")
 
 MAX_BACKOFF_S = 30.0
+MAX_LISTED = 20           # pods named on the status page per list (not routable, skipped); the rest are counted
 HEALTHY_WATCH_S = 60.0    # a watch that held this long (or brought a line) before failing: the retries start over
 LIST_TIMEOUT_S = 60.0
 
@@ -93,6 +96,22 @@ class _Tracked:
     ep: Endpoint
 
 
+@dataclass(slots=True)
+class WatchState:
+    """Where one namespace's loop is, for the status page: ``listing`` (its first list, until one
+    succeeds), ``watching``, ``relisting`` (a resync, a 410, or the next try after a failure) or
+    ``backing_off`` (waiting ``retry_at`` out after ``last_error``). Times are unix seconds."""
+
+    state: str = "listing"
+    since: float = 0.0
+    retry_at: float | None = None
+    # the last failed list or watch: (verb, result as in switchyard_kubernetes_requests_total, message, time)
+    last_error: tuple[str, str, str, float] | None = None
+
+    def enter(self, state: str, retry_at: float | None = None) -> None:
+        self.state, self.since, self.retry_at = state, time.time(), retry_at
+
+
 class KubernetesDiscovery:
     """Feeds ``pool`` with the pods that ``kcfg`` selects; see the module docstring."""
 
@@ -109,6 +128,7 @@ class KubernetesDiscovery:
         self._scope_keys: dict[str | None, set[str]] = {s: set() for s in self.scopes}
         self._listed: set[str | None] = set()
         self._heard: dict[str | None, float] = {}  # per scope, the loop time of its watch's last line
+        self.watch_states: dict[str | None, WatchState] = {s: WatchState(since=time.time()) for s in self.scopes}
         self._tasks: list[asyncio.Task] = []
         self._api_client: Any = None
         self._core: Any = None
@@ -172,17 +192,47 @@ class KubernetesDiscovery:
             (t.view.model, "routable" if t.view.routable else "not_routable") for t in self._tracked.values())
         return dict(counts), len(self._skipped)
 
+    def status(self) -> dict[str, Any]:
+        """This discovery as the status page shows it (JSON-ready): its pods (those not routable
+        and the skipped ones named, with why, up to ``MAX_LISTED`` each), its requests to the API
+        server by how they ended, and each watched namespace's loop with when it last heard from
+        the API server. O(pods) to make, and only when the page asks."""
+        routable = 0
+        unready: list[tuple[str, str, str]] = []
+        for key, t in self._tracked.items():
+            if t.view.routable:
+                routable += 1
+            else:
+                unready.append((key, t.view.model, t.view.not_routable_reason))
+        sync = self.metrics.last_sync
+        watches = []
+        for scope, w in self.watch_states.items():
+            err = w.last_error
+            heard = sync.get(scope or "*") or None
+            watches.append({"namespace": scope or "*", "state": w.state, "since": round(w.since, 3),
+                            "retry_at": None if w.retry_at is None else round(w.retry_at, 3),
+                            "last_sync": None if heard is None else round(heard, 3),
+                            "last_error": None if err is None else {"verb": err[0], "result": err[1], "message": err[2],
+                                                                    "time": round(err[3], 3)}})
+        return {"pods": {"routable": routable, "not_routable": len(unready), "skipped": len(self._skipped)},
+                "not_routable": [{"pod": k, "model": m, "reason": r} for k, m, r in heapq.nsmallest(MAX_LISTED, unready)],
+                "skipped": [{"pod": k, "reason": r} for k, r in heapq.nsmallest(MAX_LISTED, self._skipped.items())],
+                "requests": self.metrics.counts(), "watches": watches}
+
     # -- the loop ----------------------------------------------------------------------------
 
     async def _run(self, scope: str | None) -> None:
         first = self.kcfg.retry_backoff_s
         backoff = first
         loop = asyncio.get_running_loop()
+        state = self.watch_states[scope]
         while True:
             watching = None
+            state.enter("relisting" if scope in self._listed else "listing")
             try:
                 rv = await self._list(scope)
                 watching = loop.time()
+                state.enter("watching")
                 await self._watch(scope, rv)
                 self.stats["resyncs"] += 1
                 backoff = first             # a watch that ended as watches do: the API is well
@@ -191,8 +241,11 @@ class KubernetesDiscovery:
             except Exception as e:  # API down, connection broken, 410 Gone, a bug: relist
                 gone = isinstance(e, Gone)
                 self.stats["gone" if gone else "errors"] += 1
-                self.metrics.ended("list" if watching is None else "watch", "gone" if gone else
-                                   status_result(e.status) if isinstance(e, ApiError) else transport_result(e))
+                verb = "list" if watching is None else "watch"
+                result = ("gone" if gone else status_result(e.status) if isinstance(e, ApiError)
+                          else transport_result(e))
+                self.metrics.ended(verb, result)
+                state.last_error = (verb, result, _error_text(e), time.time())
                 if isinstance(e, ApiError) and e.status == 401:
                     await self._read_credentials_again()
                 # a list that succeeds does not make the API well: a watch that keeps failing at
@@ -207,6 +260,7 @@ class KubernetesDiscovery:
                         log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*")
                         continue
                 delay = backoff * random.uniform(0.8, 1.2)
+                state.enter("backing_off", time.time() + delay)
                 if gone:
                     log.info("kubernetes resourceVersion expired; relisting", namespace=scope or "*",
                              retry_in_s=round(delay, 2))
@@ -400,6 +454,14 @@ class KubernetesDiscovery:
         self.pool.remove(cur.ep)
         log.info("kubernetes endpoint removed", pod=key, model=cur.view.model, url=cur.view.url, reason=reason,
                  in_flight=cur.ep.in_flight)
+
+
+def _error_text(e: BaseException) -> str:
+    """A failed request's error for the status page: its type and message, cut to 300 characters."""
+    if isinstance(e, Gone):
+        return "410 Gone: the resourceVersion is too old"
+    text = f"{type(e).__name__}: {e}".strip().removesuffix(":")
+    return text if len(text) <= 300 else text[:300] + "…"
 
 
 def _status_message(body: bytes) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import aiohttp
 from prometheus_client import CollectorRegistry
@@ -80,6 +81,10 @@ class DiscoveryMetrics:
 
     def ended(self, verb: str, result: str) -> None:
         self._children[(verb, result)].inc()
+
+    def counts(self) -> list[list[Any]]:
+        """The requests counted so far, as ``[verb, result, count]`` (none of the zeros)."""
+        return [[verb, result, int(c.value)] for (verb, result), c in self._children.items() if c.value]
 
     def heard(self, scope: str | None) -> None:
         self.last_sync[_scope(scope)] = time.time()

@@ -18,7 +18,8 @@ O(endpoints + models x buckets + rings + listed users) to build, nothing between
 With ``--workers N`` the worker that answers merges its siblings' parts (``StatusBoard.part``, read
 over gateway/server/siblings.py) into its document: what adds up is added (requests, in-flight
 counts, a user's included, the traffic windows with their latency histograms, fallbacks), the recent decisions and
-errors are interleaved by time, and the rest (endpoints' health, engine figures, tenants) is the
+errors are interleaved by time, each worker's discovery (its watches, its pods) is listed apart,
+and the rest (endpoints' health, engine figures, tenants, the pods out of rotation) is the
 answering worker's view; ``gateway.workers`` says which worker answered and how many reported.
 
 Hooks for what does not exist yet: ``StatusSources.aliases`` (model aliases) and
@@ -36,7 +37,7 @@ from functools import cache
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from gateway.config.schema import Config, StatusConfig
+from gateway.config.schema import Config, KubernetesConfig, StatusConfig
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.observability.window import Summary, TimeWindow
 from gateway.pipeline.routing import Routing
@@ -95,6 +96,8 @@ class StatusSources:
     admission: Callable[[str], dict[str, Any] | None] = lambda _model: None
     # the batch section (gateway.batch.service.BatchService.status), None when batch is off
     batch: Callable[[], Awaitable[dict[str, Any]]] | None = None
+    # this worker's Kubernetes discovery (k8s.discovery.KubernetesDiscovery.status), None without one
+    discovery: Callable[[], dict[str, Any] | None] = lambda: None
 
     def follow(self, live: Live) -> None:
         """A config reload applied (gateway/server/reload.py): read the new generation's config and routing."""
@@ -190,10 +193,11 @@ class StatusBoard:
         return models, {"minute": minute.view(), "window": window.view(), "series": series,
                         "requests_since_start": requests}
 
-    def part(self, src: StatusSources) -> dict[str, Any]:
-        """What this worker adds to a sibling's document (``--workers N``): JSON-ready, additive."""
+    def part(self, src: StatusSources, index: int = 0) -> dict[str, Any]:
+        """What this worker (of index ``index``) adds to a sibling's document (``--workers N``):
+        JSON-ready, additive."""
         now = self._clock()
-        return {"pid": os.getpid(), "age_s": now - self._started, "requests": self.requests,
+        return {"pid": os.getpid(), "worker": index, "age_s": now - self._started, "requests": self.requests,
                 "draining": src.lifecycle.draining, "in_flight": src.lifecycle.in_flight,
                 "windows": {name: (_raw(m), _raw(win), points) for name, (m, win, points) in self._windows(now).items()},
                 "model_in_flight": dict(src.model_in_flight),
@@ -201,7 +205,8 @@ class StatusBoard:
                                ep.token_active, ep.token_kv) for ep in src.pool.endpoints()],
                 "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()],
                 "user_in_flight": src.tenancy.state.slots() if src.tenancy is not None else {},
-                "decisions": self.recent_decisions(), "errors": self.recent_errors()}
+                "decisions": self.recent_decisions(), "errors": self.recent_errors(),
+                "discovery": src.discovery()}
 
     def counts(self) -> dict[str, Any]:
         """The counts since start (``--workers N``: kept aside by each worker, so that neither a
@@ -285,6 +290,7 @@ class StatusBoard:
                         "recent": decisions},
             "errors": {"recent": errors},
             "tenants": await self._tenants(src, parts),
+            "discovery": _discovery(cfg, eps, src.discovery(), worker[0], parts, wall),
             **({"batch": await src.batch()} if src.batch is not None else {}),
         }
 
@@ -365,6 +371,50 @@ class StatusBoard:
         if state.remote:
             self._usage_cache = (now, users, usage)
         return usage
+
+
+def stale_after_s(kcfg: KubernetesConfig) -> float:
+    """How long discovery may go without hearing from the API server before the page calls it
+    stale: twice the longest a healthy one goes (a watch's server-side end, or the resync's list)."""
+    return 2 * max(kcfg.watch_timeout_s, kcfg.resync_interval_s)
+
+
+def _discovery(cfg: Config, eps: list[Endpoint], own: dict[str, Any] | None, index: int,
+               parts: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """Where the endpoint list comes from and, with Kubernetes, how fresh it is. Each worker runs
+    its own discovery: its watches are listed per worker, the requests to the API server are added
+    up and the last sync is the oldest of them (as ``/metrics`` merges them), and the pods are the
+    answering worker's, whose pool the endpoints table shows."""
+    kcfg = cfg.kubernetes
+    out: dict[str, Any] = {"source": "kubernetes" if kcfg.enabled else "static",
+                           "static_endpoints": sum(1 for ep in eps if ep.source == "static"), "kubernetes": None}
+    if not kcfg.enabled:
+        return out
+    bound = stale_after_s(kcfg)
+    reports = [(index, os.getpid(), own)] + [(p.get("worker", -1), p["pid"], p.get("discovery")) for p in parts]
+    workers, requests, syncs = [], {}, []
+    for i, pid, d in sorted(reports, key=lambda r: r[0]):
+        if d is None:        # its discovery not started yet
+            continue
+        watches = []
+        for w in d["watches"]:
+            last = w["last_sync"]
+            age = None if last is None else round(max(0.0, wall - last), 1)
+            syncs.append(last)
+            watches.append({**w, "last_sync_age_s": age, "stale": age is None or age > bound})
+        workers.append({"worker": i, "pid": pid, "pods": d["pods"], "watches": watches})
+        for verb, result, n in d["requests"]:
+            requests[(verb, result)] = requests.get((verb, result), 0) + _count(n)
+    last = None if not syncs or None in syncs else min(syncs)
+    age = None if last is None else round(max(0.0, wall - last), 1)
+    mine = own or {"pods": {"routable": 0, "not_routable": 0, "skipped": 0}, "not_routable": [], "skipped": []}
+    out["kubernetes"] = {
+        "namespaces": list(kcfg.namespaces), "label_selector": kcfg.label_selector, "stale_after_s": bound,
+        "last_sync": last, "last_sync_age_s": age, "stale": age is None or age > bound,
+        "pods": mine["pods"], "not_routable": mine["not_routable"], "skipped": mine["skipped"],
+        "requests": [{"verb": v, "result": r, "count": n} for (v, r), n in sorted(requests.items())],
+        "workers": workers}
+    return out
 
 
 def _raw(s: Summary) -> tuple:

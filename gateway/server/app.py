@@ -285,7 +285,7 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
         page = app.get(STATUS_PAGE_KEY)
         if page is None:
             return b""
-        part = page.board.part(page.sources)
+        part = page.board.part(page.sources, worker.index)
         siblings.keep_status(page.board.counts())
         return orjson.dumps(part)
 
@@ -379,7 +379,8 @@ def _add_status_page(app: web.Application, config: Config, s: Services, reloader
     s.decision_observers.append(board.on_decision)
     sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
                             aliases=lambda: reloader.live.aliases.describe(), started_at=started_at,
-                            admission=s.admission.status, batch=batch.status if batch is not None else None)
+                            admission=s.admission.status, batch=batch.status if batch is not None else None,
+                            discovery=lambda: disc.status() if (disc := app.get(DISCOVERY_KEY)) is not None else None)
     reloader.listeners.append(sources.follow)
     page = add_status(app, sources, s.metrics, board)
     app[STATUS_PAGE_KEY] = page

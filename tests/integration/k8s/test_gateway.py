@@ -198,7 +198,8 @@ async def test_a_pod_whose_annotations_cannot_be_read_stops_no_other_pod(emu, ku
 async def test_discovery_metrics_of_two_workers_merge_into_one_exposition(emu, sims, tmp_path):
     """Each worker of ``--workers 2`` runs its own discovery (its own list and watch) and exports its
     metrics; the merged ``/metrics`` sums the requests (the API server served both), shows each pod
-    once (the same pods seen twice) and the older of the two last-sync times."""
+    once (the same pods seen twice) and the older of the two last-sync times; the status page lists
+    both workers' discovery and adds their requests up as /metrics does."""
     from tests.support.gateway_process import gateway_process, get_new, metric_total
     from tests.support.ports import listen_port
 
@@ -221,3 +222,12 @@ async def test_discovery_metrics_of_two_workers_merge_into_one_exposition(emu, s
         assert metric_total(page, "switchyard_kubernetes_pods", model="llama", state="not_routable") == 1
         synced = metric_total(page, "switchyard_kubernetes_last_sync_timestamp_seconds", watched_namespace="llm")
         assert synced > 0 and page.count("switchyard_kubernetes_last_sync_timestamp_seconds{") == 1
+        # the status page: each worker's discovery listed, the requests added up as /metrics adds them
+        code, doc = await get_new(port, "/status.json")
+        assert code == 200
+        k = doc["discovery"]["kubernetes"]
+        assert [(w["worker"], w["pods"], [x["namespace"] for x in w["watches"]]) for w in k["workers"]] == [
+            (i, {"routable": 1, "not_routable": 1, "skipped": 0}, ["llm"]) for i in (0, 1)]
+        assert doc["gateway"]["pid"] in {w["pid"] for w in k["workers"]} and k["workers"][0]["pid"] != k["workers"][1]["pid"]
+        assert next(r["count"] for r in k["requests"] if (r["verb"], r["result"]) == ("list", "ok")) == 2
+        assert k["last_sync"] == min(x["last_sync"] for w in k["workers"] for x in w["watches"])

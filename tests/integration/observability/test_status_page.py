@@ -15,7 +15,7 @@ import pytest
 
 from gateway.demo import DEMO_ENGINES
 from tests.support.cdp import Browser, chromium_binary
-from tests.support.factories import model_block, roleset
+from tests.support.factories import model_block, roleset, sim_pod
 from tests.support.status import ADMIN, chat
 
 FAST_PAGE = {"refresh_s": 0.5}
@@ -88,6 +88,9 @@ async def test_the_page_renders_the_demo_gateway_and_follows_its_traffic(sims, g
         if ep.roleset:
             expected[f"{ep.model}/rs-1"].append(f"{ep.role} {ep.name}")
     assert {k: sorted(v) for k, v in cards} == {k: sorted(v) for k, v in expected.items()}
+    # nothing discovered: the endpoints are the config's
+    assert await page.evaluate(q("#discovery-source") + ".dataset.source") == "static"
+    assert await page.evaluate(q("#discovery-k8s") + ".hidden") is True
     # the engines' metrics arrive with the scraper
     await page.wait_for("[...document.querySelectorAll('#endpoints td[data-field=scraped]')]"
                         ".every(td => td.textContent.endsWith('ago'))")
@@ -191,3 +194,34 @@ async def test_long_model_and_endpoint_names_leave_every_column_in_view(sims, ga
     titles = await page.evaluate("[...document.querySelectorAll('#endpoints .clip')].map(e => e.title)")
     assert model in titles and any(host in t for t in titles)
     assert page.problems == []
+
+
+async def test_the_discovery_section_shows_kubernetes_fresh_then_stale(emu, sims, gateway, page, tmp_path):
+    """Pods from the API server emulator: the watch, the last sync and the pods out of rotation with
+    why; once the API server stops answering, the section turns stale and names the error."""
+    sim = await sims("vllm", "llama")
+    sim_pod(emu, "llama-0", sim, "llama")
+    emu.create_pod("llm", "llama-1", {"model.aibrix.ai/name": "llama"}, ready=False)
+    emu.create_pod("llm", "odd", {"model.aibrix.ai/name": "llama", "model.aibrix.ai/engine": "trtllm"})
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(emu.kubeconfig())
+    gw = await gateway([], status=FAST_PAGE, kubernetes={
+        "enabled": True, "kubeconfig": str(kubeconfig), "namespaces": ["llm"], "retry_backoff_s": 0.05,
+        "watch_timeout_s": 2, "resync_interval_s": 0})
+    await page.navigate(gw.url + "/status")
+    watch = '#discovery-watches tr[data-worker="0"][data-namespace="llm"] td[data-field="%s"]'
+    await page.wait_for(q(watch % "state") + ".textContent === 'watching' && "
+                        + q("#discovery-fresh") + ".textContent === 'fresh'")
+    assert await page.evaluate(q("#discovery-source") + ".dataset.source") == "kubernetes"
+    assert "namespaces llm" in await page.text("#discovery-note")
+    assert [await page.text(f'#discovery-watches td[data-field="{f}"]') for f in ("routable", "not_routable", "skipped")] \
+        == ["1", "1", "1"]
+    pods = await page.evaluate("[...document.querySelectorAll('#discovery-pods tbody tr')]"
+                               ".map(r => [r.dataset.pod, r.dataset.state, r.querySelector('[data-field=reason]').textContent])")
+    assert pods[0] == ["llm/llama-1", "not routable", "not ready"]
+    assert pods[1][:2] == ["llm/odd", "skipped"] and "trtllm" in pods[1][2]
+
+    await emu.close()
+    await page.wait_for(q("#discovery-fresh") + ".textContent === 'stale' && "
+                        + q(watch % "error") + ".textContent.includes('list connect')", timeout=15)
+    assert page.problems == [], "\n".join(page.problems)
