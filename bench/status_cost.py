@@ -9,7 +9,9 @@
    ``log_level: warning``).
 2. When the page polls: building ``/status.json`` (``StatusBoard.document`` + ``orjson.dumps``) for
    pools of 8, 64 and 512 endpoints, every model's window full (traffic in all 30 buckets, many
-   distinct latencies) and both rings full; CPU time per build and the document's size.
+   distinct latencies) and both rings full; CPU time per build and the document's size. The 512
+   endpoints again as pods a Kubernetes discovery holds (one in eight not ready, and as many
+   skipped), for what the page's discovery section adds.
 
 The garbage collector stays on, as in the gateway. Markdown on stdout.
 """
@@ -26,7 +28,7 @@ import orjson
 
 from gateway.config.schema import config_from_dict
 from gateway.endpoints import EngineMetrics
-from gateway.observability.logs import RequestLog
+from gateway.observability.logs import RequestLog, configure_logging
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.pipeline.context import RequestRecord, record_request
@@ -34,6 +36,7 @@ from gateway.pipeline.routing import Routing
 from gateway.request import CHAT, InferenceRequest
 from gateway.server.app import pool_from_config
 from gateway.server.lifecycle import Lifecycle
+from k8s.discovery import KubernetesDiscovery
 from routers.base import Decision
 
 
@@ -56,6 +59,29 @@ def setup(endpoints: int, models: int):
     board = StatusBoard(cfg.status, pool.has_model, clock=lambda: clock[0])
     routing = Routing(cfg, pool, GatewayMetrics())
     src = StatusSources(cfg, pool, routing, Lifecycle(), {})
+    return cfg, pool, board, src, clock
+
+
+def discovered(endpoints: int, models: int):
+    """``setup``'s pool, discovered from pods (not started: the pods are handed to it as a list)."""
+    cfg = config_from_dict({"kubernetes": {"enabled": True, "namespaces": ["llm"]},
+                            "models": [{"name": f"model-{m}"} for m in range(models)]})
+    pool = pool_from_config(cfg)
+    disc = KubernetesDiscovery(cfg.kubernetes, pool, {m.name: m for m in cfg.models})
+    pods = []
+    for i in range(endpoints + endpoints // 8):
+        labels = {"model.aibrix.ai/name": f"model-{i % models}"}
+        if i >= endpoints:
+            labels["model.aibrix.ai/engine"] = "trtllm"          # skipped
+        ready = i % 8 != 7
+        pods.append({"metadata": {"name": f"pod-{i}", "namespace": "llm", "uid": str(i), "labels": labels},
+                     "status": {"podIP": f"10.1.{i // 250}.{i % 250}", "phase": "Running",
+                                "conditions": [{"type": "Ready", "status": str(ready)}]}})
+    disc._reconcile("llm", pods)
+    disc.metrics.heard("llm")
+    clock = [10_000.0]
+    board = StatusBoard(cfg.status, pool.has_model, clock=lambda: clock[0])
+    src = StatusSources(cfg, pool, Routing(cfg, pool, GatewayMetrics()), Lifecycle(), {}, discovery=disc.status)
     return cfg, pool, board, src, clock
 
 
@@ -89,6 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
+    configure_logging("json", "warning")        # discovery's line per pod added
     n, rounds = (20_000, 3) if args.quick else (200_000, 7)
     quiet = RequestLog(level="warning")      # record_request without its log line, as at log_level: warning
     rng = random.Random(1)
@@ -113,8 +140,8 @@ def main() -> None:
         print(f"| {name} | {ns:,.0f} |")
 
     print("\n| `/status.json` build | models | endpoints | CPU ms per build (median) | bytes |\n|---|---:|---:|---:|---:|")
-    for endpoints, models in ((8, 4), (64, 8), (512, 16)):
-        _, pool, board, src, clock = setup(endpoints, models)
+    for endpoints, models, make in ((8, 4, setup), (64, 8, setup), (512, 16, setup), (512, 16, discovered)):
+        _, pool, board, src, clock = make(endpoints, models)
         fill(board, pool, clock, rng)
         loop = asyncio.new_event_loop()
         times = []
@@ -124,7 +151,8 @@ def main() -> None:
             size = len(orjson.dumps(loop.run_until_complete(board.document(src))))
             times.append(time.thread_time() - t)
         loop.close()
-        print(f"| full windows and rings | {models} | {endpoints} | {statistics.median(times) * 1000:.2f} | {size:,} |")
+        what = "full windows and rings" + (", pods from Kubernetes" if make is discovered else "")
+        print(f"| {what} | {models} | {endpoints} | {statistics.median(times) * 1000:.2f} | {size:,} |")
 
 
 if __name__ == "__main__":
