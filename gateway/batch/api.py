@@ -22,7 +22,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway.batch import files as batch_files
 from gateway.batch.config import BatchConfig
 from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError
-from gateway.batch.store import ACTIVE, BatchDb, BatchStore, now_s
+from gateway.batch.store import ACTIVE, BatchDb, BatchStore, UnknownCursor, now_s
 from gateway.errors import ErrorClass, GatewayError
 from gateway.tenants.service import NoTenancy, Tenancy
 
@@ -168,8 +168,8 @@ class BatchApi:
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise _bad("order must be asc or desc", "order")
-        data, more = await self.db.run(BatchStore.list_files, who, request.query.get("purpose"), order,
-                                       request.query.get("after"), limit)
+        data, more = await self._page(BatchStore.list_files, who, request.query.get("purpose"), order,
+                                      request.query.get("after"), limit)
         return _json(_list(data, more))
 
     async def _file(self, request: web.Request) -> dict[str, Any]:
@@ -241,8 +241,18 @@ class BatchApi:
     async def list_batches(self, request: web.Request) -> web.Response:
         _, who = await self._caller(request)
         limit = _int_param(request, "limit", 20, 1, 100)
-        data, more = await self.db.run(BatchStore.list_batches, who, request.query.get("after"), limit)
+        data, more = await self._page(BatchStore.list_batches, who, request.query.get("after"), limit)
         return _json(_list(data, more))
+
+    async def _page(self, method, *args: Any) -> tuple[list[dict[str, Any]], bool]:
+        """A list's page; an ``after`` that names none of the caller's objects is a 400 naming it
+        (read as no cursor, it would start the list over: objects the caller already paged past
+        would come again as if they came after it)."""
+        try:
+            return await self.db.run(method, *args)
+        except UnknownCursor as e:
+            raise _bad(f"Invalid 'after': no object with id '{str(e)[:64]}' to list after.", "after",
+                       "invalid_value") from None
 
     async def _batch(self, request: web.Request) -> tuple[str, dict[str, Any]]:
         _, who = await self._caller(request)

@@ -49,6 +49,11 @@ ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
+class UnknownCursor(Exception):
+    """A list's ``after`` that names no object the caller may list (unknown, deleted, another
+    user's): a cursor that cannot say where the page starts."""
+
+
 class Result(tuple):
     """One answered line: (custom_id, line_no, ok, the output line's bytes, usage triple)."""
 
@@ -120,10 +125,11 @@ class BatchStore:
             args.append(purpose)
         cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         if after:
-            row = self.db.execute("SELECT created_at FROM files WHERE id = ?", (after,)).fetchone()
-            if row is not None:
-                where.append(f"(created_at, id) {cmp} (?, ?)")
-                args += [row[0], after]
+            row = self.db.execute("SELECT owner, created_at FROM files WHERE id = ?", (after,)).fetchone()
+            if row is None or (owner is not None and row[0] != owner):
+                raise UnknownCursor(after)
+            where.append(f"(created_at, id) {cmp} (?, ?)")
+            args += [row[1], after]
         rows = self.db.execute(
             "SELECT id, owner, filename, purpose, bytes, created_at, expires_at, lines FROM files"
             f" WHERE {' AND '.join(where)} ORDER BY created_at {direction}, id {direction} LIMIT ?",
@@ -163,10 +169,11 @@ class BatchStore:
             where.append("owner = ?")
             args.append(owner)
         if after:
-            row = self.db.execute("SELECT created_at FROM batches WHERE id = ?", (after,)).fetchone()
-            if row is not None:
-                where.append("(created_at, id) < (?, ?)")
-                args += [row[0], after]
+            row = self.db.execute("SELECT owner, created_at FROM batches WHERE id = ?", (after,)).fetchone()
+            if row is None or (owner is not None and row[0] != owner):
+                raise UnknownCursor(after)
+            where.append("(created_at, id) < (?, ?)")
+            args += [row[1], after]
         rows = self.db.execute(f"SELECT doc FROM batches WHERE {' AND '.join(where)}"
                                " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit + 1)).fetchall()
         return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit

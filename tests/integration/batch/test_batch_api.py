@@ -376,3 +376,22 @@ async def test_an_engine_that_dies_mid_batch_costs_no_line(sims, gateway, tmp_pa
     text = await gw.metrics_text()       # the pipeline moved the broken lines to the other engine
     retried = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith('switchyard_retries_total{model="m"}')]
     assert retried and retried[0] >= 1
+
+
+async def test_a_cursor_that_names_no_object_of_the_caller_is_a_400(sims, gateway, tmp_path):
+    """``after`` must name an object of the caller's list: an unknown id (a typo, a deleted object,
+    another user's) is a 400 naming the parameter, where it was ignored and the first page came
+    again, which a paginator reads as more objects."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path), auth=KEYS)
+    alice, bob = openai_client(gw, ALICE), openai_client(gw, BOB)
+    f = await alice.files.create(file=("in.jsonl", GOOD), purpose="batch")
+    b = await alice.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert (await alice.files.list(after=f.id)).data == [] and (await alice.batches.list(after=b.id)).data == []
+    for call in (lambda: alice.files.list(after="file-000000000000000000000000"),
+                 lambda: alice.batches.list(after="batch_nope"),
+                 lambda: bob.files.list(after=f.id), lambda: bob.batches.list(after=b.id)):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await call()
+        assert (ei.value.body["param"], ei.value.body["code"]) == ("after", "invalid_value")
+        assert ei.value.body["type"] == "invalid_request_error"
