@@ -6,7 +6,8 @@ line, those four fields, ``custom_id`` unique, the line and line-count limits; a
 naming the line, and nothing is stored. What depends on the batch (each line's ``url`` equals the
 batch's ``endpoint``) is checked when the batch is validated (``endpoint_mismatch``); it fails the
 batch with ``errors.data`` naming the line, as OpenAI does. Blank lines are skipped; line numbers
-are the file's own, from 1.
+are the file's own, from 1. A UTF-8 byte order mark opening the file (Windows tools write one) is
+not part of its first line; anywhere else it is a line's bytes, so not JSON.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import orjson
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_CUSTOM_ID = 512
+BOM = b"\xef\xbb\xbf"
 CHUNK_LINES = 256
 
 
@@ -75,7 +77,7 @@ class LineCheck:
             self._line(data[start:end])
             start = end + 1
         self.buf = data[start:]
-        if len(self.buf) > self.max_line_bytes:
+        if len(self.buf) > self.max_line_bytes + (len(BOM) if self.line_no == 0 else 0):
             raise LineError(self.line_no + 1, f"line {self.line_no + 1} is longer than {self.max_line_bytes} bytes",
                             "line_too_long")
 
@@ -91,6 +93,8 @@ class LineCheck:
     def _line(self, raw: bytes) -> None:
         self.line_no += 1
         n = self.line_no
+        if n == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
         if len(raw) > self.max_line_bytes:
             raise LineError(n, f"line {n} is longer than {self.max_line_bytes} bytes", "line_too_long")
         if not raw.strip():
@@ -129,6 +133,8 @@ def read_chunk(path: str, offset: int, line_no: int, n: int = CHUNK_LINES) -> tu
                 break
             offset += len(raw)
             line_no += 1
+            if line_no == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM):]
             if not raw.strip():
                 continue
             try:

@@ -395,3 +395,19 @@ async def test_a_cursor_that_names_no_object_of_the_caller_is_a_400(sims, gatewa
             await call()
         assert (ei.value.body["param"], ei.value.body["code"]) == ("after", "invalid_value")
         assert ei.value.body["type"] == "invalid_request_error"
+
+
+async def test_a_file_written_by_a_windows_tool_runs(sims, gateway, tmp_path):
+    """A UTF-8 byte order mark and CRLF line ends, as Windows tools write JSONL: accepted, and every
+    line runs (the first one too)."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    data = b"\xef\xbb\xbf" + jsonl(lines("/v1/chat/completions", 3)).replace(b"\n", b"\r\n")
+    f = await c.files.create(file=("in.jsonl", data), purpose="batch")
+    assert f.bytes == len(data) and (await c.files.content(f.id)).content == data
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and (b.request_counts.total, b.request_counts.completed) == (3, 3), b
+    out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
+    assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-2"]

@@ -54,3 +54,32 @@ def test_lines_read_back_in_chunks_with_their_numbers(tmp_path):
     assert [(ln.line_no, ln.custom_id) for ln in rest] == [(4, "c")]
     total, errors = endpoint_mismatch(str(p), "/v1/chat/completions")
     assert total == 3 and [(e["line"], e["code"]) for e in errors] == [(4, "mismatched_url")]
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+@pytest.mark.parametrize("step", [1, 2, 4, 4096])
+def test_a_file_that_opens_with_a_utf8_bom_is_read_without_it(tmp_path, step):
+    """Windows tools (Notepad, PowerShell's UTF8 encoding, Excel's CSV/UTF-8) open a UTF-8 file
+    with a byte order mark: it is not part of the first line, wherever the upload's chunks split it."""
+    data = BOM + row("a").replace(b"\n", b"\r\n") + row("b").replace(b"\n", b"\r\n")
+    assert check(data, step) == 2
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(data)
+    lines, _, _ = read_chunk(str(p), 0, 0)
+    assert [(ln.line_no, ln.custom_id) for ln in lines] == [(1, "a"), (2, "b")]
+    assert endpoint_mismatch(str(p), "/v1/chat/completions") == (2, [])
+
+
+@pytest.mark.parametrize(("data", "line", "code"), [
+    (row("a") + BOM + row("b"), 2, "invalid_json"),      # only the file's first bytes may be one
+    (BOM + BOM + row("a"), 1, "invalid_json"),
+    (BOM, 0, "empty_file"),
+    (BOM + b"\r\n", 0, "empty_file"),
+])
+@pytest.mark.parametrize("step", [1, 4096])
+def test_a_bom_anywhere_but_the_start_is_still_refused(data, line, code, step):
+    with pytest.raises(LineError) as ei:
+        check(data, step)
+    assert (ei.value.line, ei.value.code) == (line, code)
