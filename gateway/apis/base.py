@@ -78,6 +78,10 @@ class ApiShape:
         """The bytes that end a stream the gateway cannot complete (after headers went out)."""
         raise NotImplementedError
 
+    async def failed(self, ctx: Any) -> None:
+        """After ``stream_error`` made a stream's last bytes, before they are written: what the
+        failure leaves (the Responses API keeps the failed response)."""
+
     def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
         """Usage of a non-streaming answer (decoded JSON object); may note what ``finish`` needs."""
         usage = data.get("usage")

@@ -42,7 +42,7 @@ from prometheus_client import Counter, Gauge
 from gateway.apis.base import ApiShape
 from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
 from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
-from gateway.apis.responses_stream import ResponsesScanner, failure_events
+from gateway.apis.responses_stream import ResponsesScanner, failure
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError, error_response, normalize_upstream_error
@@ -78,6 +78,7 @@ class Exchange:
     store: bool = True                                   # the client's ``store`` (the engine is sent false)
     scanner: ResponsesScanner | None = None
     body: dict[str, Any] | None = None                   # a non-streaming answer
+    failed: dict[str, Any] | None = None                 # the response as a stream the gateway failed ended it
 
 
 class ResponsesMetrics:
@@ -105,6 +106,14 @@ async def _as_previous(lookup: Awaitable[dict[str, Any]]) -> dict[str, Any]:
         if e.status == 404:
             e.param = "previous_response_id"
         raise
+
+
+def _not_failed(rid: str, response: Any) -> None:
+    """A follow-up's previous response must not have failed: its output is cut short or missing."""
+    if isinstance(response, dict) and response.get("status") == "failed":
+        raise GatewayError(400, f"Previous response with id '{rid}' failed; it cannot be continued. Send the "
+                           "conversation again without it.", param="previous_response_id",
+                           code="invalid_value", error_class=ErrorClass.VALIDATION)
 
 
 def _not_found(rid: str) -> GatewayError:
@@ -219,9 +228,30 @@ class ResponsesApi(ApiShape):
         task.add_done_callback(self._early.discard)
 
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
-        ex = ctx.api_state if isinstance(ctx.api_state, Exchange) else None
-        return failure_events(ex.scanner if ex is not None else None, ctx.rec.model, status, message, code,
-                              ctx.rec.request_id)
+        ex = self._exchange(ctx)
+        events, ex.failed = failure(ex.scanner, ctx.rec.model, status, message, code, ctx.rec.request_id)
+        return events
+
+    async def failed(self, ctx: RequestContext) -> None:
+        """A stream the gateway ended with ``response.failed``: that failed response is kept, as
+        OpenAI keeps a response that failed, so a GET of its id says so (gateway state: its history
+        record; engine state: the affinity record, since the engine never learnt of the failure).
+        A background response is its engine's: it goes on there, and its engine answers for it."""
+        ex = ctx.api_state
+        if not isinstance(ex, Exchange) or ex.failed is None or not ex.store or ctx.ireq is None:
+            return
+        snap = ex.failed
+        rid = snap.get("id")
+        if not isinstance(rid, str) or not rid:
+            return
+        ctx.rec.extra["response_id"] = safe_header_value(rid)
+        if self.gateway_held:
+            await self._keep(ctx, rid, snap)
+        elif ctx.ireq.data.get("background") is not True:
+            ep = ctx.decision.endpoint if ctx.decision is not None else None
+            await self._write(self.owners, "affinity", rid, orjson.dumps(
+                {"url": ep.url if ep is not None else None, "model": ctx.ireq.model,
+                 "user": self._owner_user(ctx.rec.user), "failed": snap}))
 
     def body_usage(self, ctx: RequestContext, data: dict[str, Any]) -> dict | None:
         self._exchange(ctx).body = data
@@ -255,6 +285,7 @@ class ResponsesApi(ApiShape):
             history: list[Any] = []
             if prev is not None:
                 record = await _as_previous(self._record(prev, rec.user))
+                _not_failed(prev, record.get("response"))
                 history = list(record.get("input") or ()) + output_as_input(record.get("output"))
                 self._follow(prev, record, ireq.model, candidates)
             ex.input = with_history(ireq, history)
@@ -262,6 +293,7 @@ class ResponsesApi(ApiShape):
         if prev is None:
             return candidates
         owner = await _as_previous(self._owner(prev, rec.user))
+        _not_failed(prev, owner.get("failed"))
         if owner["model"] != ireq.model:
             raise GatewayError(400, f"Response '{prev}' was produced by model '{owner['model']}'; continue it "
                                "with the same model", param="previous_response_id", error_class=ErrorClass.VALIDATION)
@@ -294,20 +326,25 @@ class ResponsesApi(ApiShape):
             assert self.history is not None
             if ctx.decision is not None and len(rid) <= 256:
                 self.lineage.put(RESPONSE + rid, ctx.decision.endpoint, user)
-            if not isinstance(final, dict) or final.get("status") not in ("completed", "incomplete"):
-                return
-            ep = ctx.decision.endpoint if ctx.decision is not None else None
-            blob = orjson.dumps({"id": rid, "model": ireq.model, "user": user, "input": ex.input,
-                                 "output": final.get("output") or [], "response": final,
-                                 "endpoint": ep.url if ep is not None else None})
-            if len(blob) > self.cfg.history.max_response_bytes:
-                self.m.writes.labels("history", "too_large").inc()
-                log.warning("response history not stored: over responses.history.max_response_bytes",
-                            response_id=rid, bytes=len(blob), request_id=rec.request_id)
-                return
-            await self._write(self.history, "history", rid, blob)
+            if isinstance(final, dict) and final.get("status") in ("completed", "incomplete", "failed"):
+                await self._keep(ctx, rid, final)
             return
         await self._record_owner(ctx, rid)
+
+    async def _keep(self, ctx: RequestContext, rid: str, final: dict[str, Any]) -> None:
+        """Gateway state: the history record of response ``rid``, as it ended (``final``)."""
+        assert self.history is not None and ctx.ireq is not None
+        ex = self._exchange(ctx)
+        ep = ctx.decision.endpoint if ctx.decision is not None else None
+        blob = orjson.dumps({"id": rid, "model": ctx.ireq.model, "user": self._owner_user(ctx.rec.user),
+                             "input": ex.input, "output": final.get("output") or [], "response": final,
+                             "endpoint": ep.url if ep is not None else None})
+        if len(blob) > self.cfg.history.max_response_bytes:
+            self.m.writes.labels("history", "too_large").inc()
+            log.warning("response history not stored: over responses.history.max_response_bytes",
+                        response_id=rid, bytes=len(blob), request_id=ctx.rec.request_id)
+            return
+        await self._write(self.history, "history", rid, blob)
 
     async def _record_owner(self, ctx: RequestContext, rid: str) -> None:
         """Engine state: the endpoint that holds response ``rid`` (it answered ``ctx``), for the
@@ -455,6 +492,8 @@ class ResponsesApi(ApiShape):
                                error_class=ErrorClass.VALIDATION)
         owner = await self._owner(rid, self._owner_user(user))
         rec.model, rec.model_known = owner["model"], True
+        if isinstance(owner.get("failed"), dict):
+            return await self._failed_call(rec, rid, owner["failed"], request)
         ep = self._owner_endpoint(rid, owner)
         if not ep.ready:
             self._gone(owner["model"], "not_ready")
@@ -463,6 +502,30 @@ class ResponsesApi(ApiShape):
                                headers={"Retry-After": "5"}, error_class=ErrorClass.RESPONSE_OWNER_UNAVAILABLE)
         rec.endpoint = ep.name
         return await self._proxy(rec, ep, request)
+
+    async def _failed_call(self, rec: RequestRecord, rid: str, failed: dict[str, Any],
+                           request: web.Request) -> web.Response:
+        """Engine state, a call on a response the gateway failed (its engine never learnt of it):
+        answered from the affinity record, which holds the failed response and not its input."""
+        action = request.match_info.get("action") or request.method.lower()
+        if action == "cancel":
+            raise GatewayError(400, "Cannot cancel a synchronous response.", param="response_id",
+                               error_class=ErrorClass.VALIDATION)
+        if action == "input_items":
+            raise GatewayError(404, f"The input items of response '{rid}' are not kept: it failed before its "
+                               "engine stored it.", param="response_id", code="response_not_found",
+                               error_class=ErrorClass.RESPONSE_NOT_FOUND)
+        body: Any = failed
+        if action == "delete":
+            try:
+                await self.owners.delete(rid)
+            except StoreUnavailable as e:
+                self._unreachable(e)
+                raise GatewayError(503, "the Responses state store is unreachable",
+                                   code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
+            body = {"id": rid, "object": "response", "deleted": True}
+        rec.status = 200
+        return web.Response(body=orjson.dumps(body), headers=rec.response_headers(), content_type="application/json")
 
     async def _read_bounded(self, rec: RequestRecord, ep: Endpoint, r: aiohttp.ClientResponse) -> bytes:
         """The engine's whole answer, at most ``upstream.max_response_bytes`` of it (as the pipeline

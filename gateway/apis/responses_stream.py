@@ -185,12 +185,19 @@ class ResponsesScanner:
 
 def failure_events(scanner: ResponsesScanner | None, model: str, status: int, message: str,
                    code: str | None, request_id: str = "") -> bytes:
+    """The events of ``failure`` alone."""
+    return failure(scanner, model, status, message, code, request_id)[0]
+
+
+def failure(scanner: ResponsesScanner | None, model: str, status: int, message: str,
+            code: str | None, request_id: str = "") -> tuple[bytes, dict]:
     """What ends a Responses stream the gateway cannot complete: an ``error`` event, then
     ``response.failed`` carrying the response as created, now failed (sequence numbers go on from
     the engine's). A stream that failed before ``response.created`` names none: its response gets
     an id of the gateway's (``resp_`` and the request id), as a client's ``Response`` needs one, and
     a ``response.created`` of it goes first, since a Responses stream opens with one (the openai
-    SDK's ``responses.stream()`` refuses any other first event)."""
+    SDK's ``responses.stream()`` refuses any other first event). With them, the failed response,
+    which the gateway keeps as the response's last state."""
     seq = scanner.events if scanner is not None else 0
     rid = scanner.response_id if scanner is not None else None
     created = b""
@@ -207,4 +214,4 @@ def failure_events(scanner: ResponsesScanner | None, model: str, status: int, me
     error = {"type": "error", "code": code, "message": message, "param": None, "sequence_number": seq}
     failed = {"type": "response.failed", "sequence_number": seq + 1, "response": snap}
     return (created + b"event: error\ndata: " + orjson.dumps(error) + b"\n\nevent: response.failed\ndata: "
-            + orjson.dumps(failed) + b"\n\n")
+            + orjson.dumps(failed) + b"\n\n"), snap

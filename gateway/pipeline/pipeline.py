@@ -468,8 +468,12 @@ class Pipeline:
         if out is None or not out.prepared:
             return self._error_response(ctx, e)
         try:
-            await out.write(ctx.api.stream_error(ctx, e.status, e.message, e.code)
-                            if ctx.api is not None else error_event(e.status, e.message, code=e.code))
+            if ctx.api is not None:
+                last = ctx.api.stream_error(ctx, e.status, e.message, e.code)
+                await ctx.api.failed(ctx)
+            else:
+                last = error_event(e.status, e.message, code=e.code)
+            await out.write(last)
             await out.write_eof()
         except ConnectionResetError:
             pass
@@ -488,8 +492,12 @@ class Pipeline:
             return self._error_response(ctx, GatewayError(500, "internal gateway error", code="internal_error",
                                                           error_class=ErrorClass.INTERNAL))
         try:
-            await out.write(ctx.api.stream_error(ctx, 500, "internal gateway error", "internal_error")
-                            if ctx.api is not None else error_event(500, "internal gateway error", code="internal_error"))
+            if ctx.api is not None:
+                last = ctx.api.stream_error(ctx, 500, "internal gateway error", "internal_error")
+                await ctx.api.failed(ctx)
+            else:
+                last = error_event(500, "internal gateway error", code="internal_error")
+            await out.write(last)
             await out.write_eof()
         except ConnectionResetError:
             pass

@@ -655,7 +655,10 @@ class Relay:
             if failure is not None:
                 error_class, message = failure
                 status, code = (504, "upstream_timeout") if error_class.is_timeout else (502, "upstream_incomplete")
-                await out.write(self.failure_event(ctx, status, message, code))
+                last = self.failure_event(ctx, status, message, code)
+                if ctx.api is not None:
+                    await ctx.api.failed(ctx)
+                await out.write(last)
             await out.write_eof()
         except ConnectionResetError:
             raise asyncio.CancelledError from None     # (an answer delivered whole stays so: ``rec.delivered``)

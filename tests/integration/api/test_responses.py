@@ -373,3 +373,39 @@ async def test_a_background_stream_its_client_left_is_resumed_through_the_gatewa
     assert (await c.responses.retrieve(rid)).status == "completed"
     again = await c.responses.retrieve(rid, stream=True, starting_after=-1)    # the whole stream, from the start
     assert [e.sequence_number async for e in again][0] == 0
+
+
+@pytest.mark.parametrize("backend", ["memory", "redis"])
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_a_stream_the_gateway_failed_is_kept_as_failed(sims, gateway, redis_server, state, backend):
+    """A stream that failed after its headers (the engine broke, the watchdog fired) ended with
+    response.failed: a GET of its id answers that failed response with its error, as OpenAI keeps a
+    failed response, and a follow-up on it is a 400 naming previous_response_id, where both were
+    404s (nothing was kept of it)."""
+    sim = await sims("vllm", "m")
+    blocks = {"state": {"redis_url": redis_server.url}} if backend == "redis" else {}
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state, "backend": backend},
+                       watchdog={"aggregated": True, "idle_timeout_s": 0.3}, auth=KEYS, **blocks)
+    c = openai_client(gw, ALICE)
+    for fault, code in (("drop_after=2", "upstream_incomplete"), ("stall_after=2:inf", "upstream_timeout")):
+        stream = await c.responses.create(model="m", input="x", max_output_tokens=20, stream=True,
+                                          extra_headers={"x-sim-fault": fault})
+        failed = [ev async for ev in stream][-1].response
+        assert failed.status == "failed"
+        got = await c.responses.retrieve(failed.id)
+        assert got.id == failed.id and got.status == "failed", got
+        assert (got.error.code, got.error.message) == (code, failed.error.message)
+        with pytest.raises(openai.NotFoundError):           # another user's key does not see it
+            await openai_client(gw, BOB).responses.retrieve(failed.id)
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.responses.create(model="m", input="go on", previous_response_id=failed.id, max_output_tokens=3)
+        assert ei.value.body["param"] == "previous_response_id" and "failed" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        await c.responses.cancel(failed.id)
+    await c.responses.delete(failed.id)
+    with pytest.raises(openai.NotFoundError):
+        await c.responses.retrieve(failed.id)
+    with pytest.raises(openai.NotFoundError):                # store: false keeps nothing, failed or not
+        stream = await c.responses.create(model="m", input="x", max_output_tokens=20, stream=True, store=False,
+                                          extra_headers={"x-sim-fault": "drop_after=2"})
+        await c.responses.retrieve([ev async for ev in stream][-1].response.id)
