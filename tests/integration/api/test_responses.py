@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import aiohttp
 import openai
+import orjson
 import pytest
+from aiohttp import web
 
 from enginesim import SimConfig, start_sim
 from tests.conftest import FAST_SIM
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client, sim_state
 from tests.support.tenancy import ALICE, BOB, KEYS
 from tests.support.waiting import wait_for
@@ -409,3 +412,39 @@ async def test_a_stream_the_gateway_failed_is_kept_as_failed(sims, gateway, redi
         stream = await c.responses.create(model="m", input="x", max_output_tokens=20, stream=True, store=False,
                                           extra_headers={"x-sim-fault": "drop_after=2"})
         await c.responses.retrieve([ev async for ev in stream][-1].response.id)
+
+
+def _failed_response(rid: str) -> dict:
+    return {"id": rid, "object": "response", "created_at": 1, "model": "m", "status": "failed", "output": [],
+            "error": {"code": "server_error", "message": "the engine failed"}}
+
+
+async def _failing_engine(request: web.Request) -> web.StreamResponse:
+    """An engine whose responses fail on its side: a stream's response.failed, a body's status failed."""
+    body = await request.json()
+    rid = "resp_" + ("stream" if body.get("stream") else "whole")
+    if not body.get("stream"):
+        return web.json_response(_failed_response(rid))
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    created = {**_failed_response(rid), "status": "in_progress", "error": None}
+    for seq, (name, resp) in enumerate((("response.created", created), ("response.failed", _failed_response(rid)))):
+        await out.write(f"event: {name}\ndata: ".encode() + orjson.dumps(
+            {"type": name, "sequence_number": seq, "response": resp}) + b"\n\n")
+    await out.write_eof()
+    return out
+
+
+async def test_gateway_history_keeps_a_response_its_engine_failed(gateway):
+    """Gateway state: a response the engine ended failed (response.failed, or a body whose status
+    is failed) is kept as it ended, so a GET answers it failed with the engine's error."""
+    async with fake_engine(_failing_engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": "gateway"})
+        c = openai_client(gw)
+        whole = await c.responses.create(model="m", input="whole")
+        stream = await c.responses.create(model="m", input="streamed", stream=True)
+        streamed = [ev async for ev in stream][-1].response
+        for r in (whole, streamed):
+            assert r.status == "failed"
+            got = await c.responses.retrieve(r.id)
+            assert (got.id, got.status, got.error.code) == (r.id, "failed", "server_error")
