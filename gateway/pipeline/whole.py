@@ -31,6 +31,7 @@ written here: the tenants' ``x-ratelimit-*`` headers come with the headers the c
 
 from __future__ import annotations
 
+import contextlib
 from http import HTTPStatus
 from typing import Any
 
@@ -51,20 +52,27 @@ class WrittenAnswer:
     handler returns (``finish_response`` prepares it and writes its end, ``start`` reads
     ``keep_alive``), with nothing left to send."""
 
-    __slots__ = ("status", "keep_alive", "body_length")
+    __slots__ = ("status", "keep_alive", "body_length", "_writer")
 
     prepared = True
 
-    def __init__(self, status: int, keep_alive: bool, body_length: int) -> None:
+    def __init__(self, status: int, keep_alive: bool, body_length: int, writer: Any = None) -> None:
         self.status = status
         self.keep_alive = keep_alive
         self.body_length = body_length
+        self._writer = writer           # set when the answer left the client's transport over its limit
 
     async def prepare(self, request: Any) -> None:
         return None
 
     async def write_eof(self, data: bytes = b"") -> None:
-        return None
+        writer = self._writer
+        if writer is not None:
+            # the client is not reading: its connection's next request (pipelined behind this
+            # one) waits until it does, as after aiohttp's own write; else a client that sends
+            # requests and reads no answer has the gateway run them all and hold their answers
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
 
     def __repr__(self) -> str:
         return f"<WrittenAnswer {self.status} {self.body_length} bytes>"
@@ -114,8 +122,9 @@ def write_whole(request: Any, status: int, headers: dict[str, str], content_type
         transport.write(head + body)
     else:
         transport.writelines((head, body))
-    request.writer.output_size += len(head) + len(body)     # the edge reads it: something went out
-    return WrittenAnswer(status, keep_alive, len(body))
+    writer = request.writer
+    writer.output_size += len(head) + len(body)     # the edge reads it: something went out
+    return WrittenAnswer(status, keep_alive, len(body), writer if request.protocol.writing_paused else None)
 
 
 class WrittenStream(WrittenAnswer):
