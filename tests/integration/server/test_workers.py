@@ -489,7 +489,7 @@ async def test_a_worker_killed_during_the_drain_makes_the_gateway_exit_non_zero(
     port = listen_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 3, shutdown_grace_s: 6, log_level: warning}\n"
+                   "server: {drain_delay_s: 8, shutdown_grace_s: 10, log_level: warning}\n"
                    f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.PIPE)
@@ -509,8 +509,10 @@ async def test_a_worker_killed_during_the_drain_makes_the_gateway_exit_non_zero(
                     if (await fresh_get(f"http://127.0.0.1:{port}/ready"))[0] == 503:
                         break
                 await asyncio.sleep(0.05)
+        # still draining (not exited and waiting to be reaped), so its death is the signal's
+        assert Path(f"/proc/{workers[0]}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
         os.kill(workers[0], signal.SIGKILL)
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(30):
             code = await proc.wait()
     finally:
         if proc.returncode is None:
