@@ -321,7 +321,9 @@ class Pipeline:
         pair may not (``PairFailed``: refused, closed with nothing received, a decode's 5xx or a
         failure before its first token): its endpoint is left out, and its suspect too while another
         of that role is ready, and the pair chosen again among the other candidates, within the
-        retry budget (gateway/resilience/retry.py)."""
+        retry budget (gateway/resilience/retry.py). The other candidates are those ready now: an
+        endpoint that was out when the request was routed (a restart, a breaker's trials taken) and
+        is back when its pair fails may take the retry."""
         assert ctx.ireq is not None
         tried: list[Endpoint] = []
         while True:
@@ -330,6 +332,7 @@ class Pipeline:
             except PairFailed as e:
                 failed, suspect = e.endpoint, e.suspect
                 tried.append(failed)
+                candidates = self._ready_since(ctx, candidates)
                 if suspect is not None and any(c.role == suspect.role and c.ready and c is not suspect
                                                and c not in tried for c in candidates):
                     tried.append(suspect)
@@ -344,6 +347,17 @@ class Pipeline:
                 self._pin_rank(ctx, adapter)
                 if ctx.decision.prefill is None:    # the decider runs it whole this time
                     return await self.forward(ctx, candidates)
+
+    def _ready_since(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
+        """A P/D request's candidates, and its model's endpoints that became ready since they were
+        taken. Not when its API or its LoRA adapter chose among them (the endpoints serving it)."""
+        ireq = ctx.ireq
+        assert ireq is not None
+        if ctx.api is not None or ireq.lora is not None:
+            return candidates
+        known = set(candidates)
+        back = [ep for ep in self.pool.ready(ireq.model) if ep not in known]
+        return candidates + back if back else candidates
 
     async def forward(self, ctx: RequestContext, candidates: list[Endpoint]) -> web.StreamResponse:
         """Open the aggregated leg, retrying elsewhere (gateway/resilience/retry.py) while the client has seen

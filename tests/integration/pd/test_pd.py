@@ -15,11 +15,13 @@ from functools import partial
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.support.factories import pd_model, pd_pair, roleset
+from tests.support.fake_engine import fake_engine
 from tests.support.first_writes import assert_written_from_reads, record_first_writes
 from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 MSG = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
 body = partial(chat_body, MSG, stream=False, max_tokens=8)
@@ -288,6 +290,62 @@ async def test_a_decode_that_hangs_up_before_answering_has_the_pair_chosen_again
         gw = await gateway([pd_model(engine, [rs])], health={"interval_s": 60},
                            breaker={"consecutive_faults": 100, "fault_rate": 0})
         await _until_retried(gw, p, d, True, "decode_reset")
+
+
+async def _ready(gw, url: str) -> bool:
+    """The gateway's ``switchyard_endpoint_ready`` for the endpoint at ``url``."""
+    name = url.split("//")[1]
+    for line in (await gw.metrics_text()).splitlines():
+        if line.startswith("switchyard_endpoint_ready{") and f'endpoint="{name}"' in line:
+            return line.endswith(" 1.0")
+    return False
+
+
+async def _set_dead(url: str, dead: bool) -> None:
+    async with aiohttp.ClientSession() as s, s.post(url + "/_sim/config", json={"dead": dead}) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_ready_again_since_the_request_was_routed_takes_its_retry(sims, gateway, engine, stream):
+    """A request routed while the roleset's other decode was out (its probes failing: a restart,
+    a breaker's trials taken) runs on the one decode left; that decode dies with the leg in it
+    after the other is back. The pair is chosen again among the endpoints ready now, not those
+    of the moment it was routed: the client gets its whole answer from the decode that came back."""
+    p, d2 = await pd_pair(sims, engine)
+    got, release = asyncio.Event(), asyncio.Event()
+
+    async def dies_with_the_leg(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        got.set()
+        await release.wait()
+        request.transport.abort()                   # nothing sent back: its engine died
+        return web.Response()
+
+    async with fake_engine(dies_with_the_leg) as d1:
+        rs = {**roleset(engine, p, d2, name="rs"), "decode": [d1, d2.url]}
+        gw = await gateway([pd_model(engine, [rs])], breaker={"consecutive_faults": 100, "fault_rate": 0})
+        await _set_dead(d2.url, True)
+        await until(lambda: _not_ready(gw, d2.url))
+        sent = asyncio.create_task(post(gw, body(stream=stream)))
+        await asyncio.wait_for(got.wait(), 10)     # on the only ready decode
+        await _set_dead(d2.url, False)
+        await until(lambda: _ready(gw, d2.url))
+        release.set()
+        st, hdrs, raw = await asyncio.wait_for(sent, 20)
+    assert st == 200 and hdrs["x-retries"] == "1", raw[:300]
+    assert hdrs["target-pod"] == d2.url.split("//")[1]
+    if stream:
+        assert sse_events(raw)[-1] == "[DONE]"
+    else:
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == 8
+    assert 'switchyard_retry_causes_total{cause="decode_reset",model="m"} 1.0' in await gw.metrics_text()
+    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d2.url), timeout=5)
+
+
+async def _not_ready(gw, url: str) -> bool:
+    return not await _ready(gw, url)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
