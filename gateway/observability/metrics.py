@@ -275,7 +275,8 @@ class GatewayMetrics:
         # tracing (gateway/observability/tracing.py): what the OTLP exporter could not deliver, after its retries
         self.trace_export_failures = Counter("switchyard_trace_export_failures",
                                              "Span batches the OTLP exporter failed to deliver", registry=r)
-        self.trace_spans = Counter("switchyard_trace_spans", "Spans handed to the OTLP exporter, by result",
+        self.trace_spans = Counter("switchyard_trace_spans", "Spans by what became of them (exported, failed: "
+                                   "the exporter could not deliver them, dropped: the export queue was full)",
                                    ["result"], registry=r)
         # mid-stream continuation (gateway/pipeline/migration.py): each failed leg of a stream that had
         # migration on, by what failed it and what the gateway did (continued, refused_<why>, ...)

@@ -22,8 +22,9 @@ path costs a few no-op method calls per request.
 Spans go through the SDK's batch processor (a queue and one exporter thread; a full queue drops
 spans, never blocks a request) to an OTLP exporter: HTTP/protobuf by default, gRPC with the
 ``grpc`` extra. Export failures are counted (``switchyard_trace_export_failures_total``) as well as
-logged by the SDK. The provider belongs to the app (no global tracer provider) and is shut down,
-flushing what is queued, when the app stops.
+logged by the SDK, and so are the spans a full queue drops (``switchyard_trace_spans_total``). The
+provider belongs to the app (no global tracer provider) and is shut down, flushing what is queued,
+when the app stops.
 
 Settings: the ``tracing:`` block (``TracingConfig``), and the standard ``OTEL_*`` variables for
 every key the block leaves unset (``resolve``): a key written in the file wins over the
@@ -521,6 +522,25 @@ class CountingExporter(SpanExporter):
         return self.inner.force_flush(timeout_millis)
 
 
+class CountingProcessor(BatchSpanProcessor):
+    """The SDK's batch processor, with the spans a full queue drops counted: the SDK logs the first
+    drop of every 20 s and counts nothing, so a collector that is down or slow lost spans unseen by
+    the metrics (``result="dropped"``)."""
+
+    def __init__(self, exporter: SpanExporter, metrics: GatewayMetrics, **kwargs: Any) -> None:
+        super().__init__(exporter, **kwargs)
+        self._dropped = metrics.child(metrics.trace_spans, "dropped")
+        self._queue = getattr(self._batch_processor, "_queue", None)      # a deque of the queue's bound
+        self._bound = getattr(self._batch_processor, "_max_queue_size", 0)
+
+    def on_end(self, span: Any) -> None:
+        queue = self._queue
+        # as the SDK decides: a sampled span meeting a full queue pushes the oldest one out
+        if queue is not None and len(queue) >= self._bound and span.context and span.context.trace_flags.sampled:
+            self._dropped.inc()
+        super().on_end(span)
+
+
 def make_exporter(s: TracingSettings) -> SpanExporter:
     if s.protocol == "grpc":
         try:
@@ -566,8 +586,8 @@ class Tracing:
         # the SDK refuses a queue smaller than its export batch (512 unless OTEL_BSP_MAX_EXPORT_BATCH_SIZE
         # says otherwise): a smaller queue exports batches of its own size
         queue = settings.max_queue_size or BatchSpanProcessor._default_max_queue_size()
-        self.processor = BatchSpanProcessor(
-            CountingExporter(exporter or make_exporter(settings), metrics),
+        self.processor = CountingProcessor(
+            CountingExporter(exporter or make_exporter(settings), metrics), metrics,
             max_queue_size=settings.max_queue_size,
             schedule_delay_millis=settings.batch_delay_s * 1000 if settings.batch_delay_s else None,
             max_export_batch_size=max(1, min(BatchSpanProcessor._default_max_export_batch_size(), queue)))

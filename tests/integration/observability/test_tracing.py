@@ -6,6 +6,9 @@ excluded paths, and requests unaffected by a collector that is down.
 
 from __future__ import annotations
 
+import asyncio
+import re
+
 import aiohttp
 import pytest
 
@@ -240,6 +243,36 @@ async def test_unreachable_collector_costs_requests_nothing(sims, gateway):
         return "switchyard_trace_export_failures_total 0.0" not in text \
             and 'switchyard_trace_spans_total{result="failed"}' in text
     assert await wait_for(counted, timeout=10)
+
+
+async def test_spans_a_full_queue_drops_are_counted(sims, gateway):
+    # a collector that takes the connection and the export and never answers: the exporter holds
+    # its batch of 4 until export_timeout_s while the 4-span queue fills and overflows
+    held: list[asyncio.StreamWriter] = []
+
+    async def never_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+        await reader.read()
+
+    collector = await asyncio.start_server(never_answer, "127.0.0.1", 0)
+    port = collector.sockets[0].getsockname()[1]
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}],
+                       tracing={"enabled": True, "endpoint": f"http://127.0.0.1:{port}/v1/traces",
+                                "batch_delay_s": 0.05, "export_timeout_s": 3.0, "max_queue_size": 4})
+    try:
+        await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1})
+        assert await wait_for(lambda: bool(held), timeout=10)       # its spans' export is held
+        for _ in range(10):             # 3 spans each: 30 spans for a queue of 4
+            status, _, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1})
+            assert status == 200
+        text = gw.gw.metrics.render().decode()
+        dropped = re.search(r'switchyard_trace_spans_total\{result="dropped"\} (\S+)', text)
+        assert dropped is not None and float(dropped.group(1)) >= 30 - 2 * 4
+    finally:
+        for w in held:
+            w.close()
+        collector.close()
 
 
 async def test_shutdown_flushes_queued_spans(sims, gateway, receiver):
