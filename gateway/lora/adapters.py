@@ -24,7 +24,9 @@ with an adapter to unload, below), and among those with a free slot (fewer activ
 - concurrent requests for the same adapter wait on the one load (its outcome is theirs);
 - a failed load answers 502 ``lora_load_failed`` with the engine's message, and that endpoint is
   not asked to load that adapter again for ``lora.failure_cooldown_s``; while every endpoint is
-  cooling down, 503 with a Retry-After;
+  cooling down, 503 with a Retry-After. A load the engine refuses as full, with no adapter of this
+  gateway to unload there, goes on to the next endpoint and cools none down (a slot may free at any
+  moment); the 502 is the last refusal's when every endpoint refused;
 - a name that is neither a model, an alias nor a known adapter is 404 ``model_not_found``.
 
 A P/D model's adapter requests (``serving_pairs``) are routed by ``pd`` among the endpoints that
@@ -64,7 +66,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import aiohttp
 import orjson
@@ -270,24 +272,55 @@ class Lora:
         return min(free or usable, key=lambda ep: (ep.in_flight + ep.remote_in_flight, len(ep.adapters.served)))
 
     async def _load(self, model: str, adapter: str, path: str, candidates: list[Endpoint]) -> Endpoint:
-        ep = self.target(candidates, adapter)
-        if ep is None:
-            now = self.clock()
-            waits = [c for e in candidates if (c := self._cooling(e, adapter, now)) is not None]
-            if not waits and any(e.ready for e in candidates) and self.settings.max_adapters_per_endpoint:
-                self.metrics.loads.labels(model, adapter, "full").inc()
-                raise GatewayError(503, f"every ready endpoint of `{model}` that could load the LoRA adapter "
-                                        f"`{adapter}` holds {self.settings.max_adapters_per_endpoint} adapters "
-                                        f"(lora.max_adapters_per_endpoint), each with requests in flight",
-                                   code="lora_load_failed", headers={"Retry-After": "1"},
-                                   header=("x-error-lora-load", "full"), error_class=ErrorClass.LORA_LOAD)
-            retry = max(1, math.ceil(min(c[0] for c in waits) - now)) if waits else 5
-            last = waits[-1][1] if waits else "no ready endpoint"
-            self.metrics.loads.labels(model, adapter, "cooldown").inc()
-            raise GatewayError(503, f"the LoRA adapter `{adapter}` failed to load on every endpoint of `{model}` "
-                                    f"recently ({last}); retrying in {retry}s",
-                               code="lora_load_failed", headers={"Retry-After": str(retry)},
-                               header=("x-error-lora-load", "cooldown"), error_class=ErrorClass.LORA_LOAD)
+        refused: list[Endpoint] = []        # refused the load as full, with nothing to unload there
+        while True:
+            target = self.target([c for c in candidates if all(c is not r for r in refused)], adapter)
+            if target is None:
+                if refused:
+                    break           # the last refusal is the answer
+                self._no_target(model, adapter, candidates)
+            ep = target
+            error = await self._load_on(ep, model, adapter, path)
+            if error is None:
+                ep.adapters.served[adapter] = model
+                self._loaded_at[(id(ep), adapter)] = self.clock()
+                self.metrics.loads.labels(model, adapter, "ok").inc()
+                log.info("lora adapter loaded", model=model, adapter=adapter, endpoint=ep.name)
+                return ep
+            self.metrics.loads.labels(model, adapter, "error").inc()
+            log.warning("lora load failed", model=model, adapter=adapter, endpoint=ep.name, error=error)
+            if not adapter_for(ep.engine).lora_full(error):
+                self._cooldown[(id(ep), adapter)] = (self.clock() + self.settings.failure_cooldown_s, error)
+                break
+            # full of adapters this gateway may not unload (another gateway's, or in use): a slot
+            # may free at any time, so no cooldown, but another endpoint may have room now
+            refused.append(ep)
+        raise GatewayError(502, f"loading the LoRA adapter `{adapter}` on {ep.name} failed: {error}",
+                           code="lora_load_failed", header=("x-error-lora-load", "error"),
+                           error_class=ErrorClass.LORA_LOAD)
+
+    def _no_target(self, model: str, adapter: str, candidates: list[Endpoint]) -> NoReturn:
+        """No endpoint may be asked to load ``adapter``: raise the 503 that says why."""
+        now = self.clock()
+        waits = [c for e in candidates if (c := self._cooling(e, adapter, now)) is not None]
+        if not waits and any(e.ready for e in candidates) and self.settings.max_adapters_per_endpoint:
+            self.metrics.loads.labels(model, adapter, "full").inc()
+            raise GatewayError(503, f"every ready endpoint of `{model}` that could load the LoRA adapter "
+                                    f"`{adapter}` holds {self.settings.max_adapters_per_endpoint} adapters "
+                                    f"(lora.max_adapters_per_endpoint), each with requests in flight",
+                               code="lora_load_failed", headers={"Retry-After": "1"},
+                               header=("x-error-lora-load", "full"), error_class=ErrorClass.LORA_LOAD)
+        retry = max(1, math.ceil(min(c[0] for c in waits) - now)) if waits else 5
+        last = waits[-1][1] if waits else "no ready endpoint"
+        self.metrics.loads.labels(model, adapter, "cooldown").inc()
+        raise GatewayError(503, f"the LoRA adapter `{adapter}` failed to load on every endpoint of `{model}` "
+                                f"recently ({last}); retrying in {retry}s",
+                           code="lora_load_failed", headers={"Retry-After": str(retry)},
+                           header=("x-error-lora-load", "cooldown"), error_class=ErrorClass.LORA_LOAD)
+
+    async def _load_on(self, ep: Endpoint, model: str, adapter: str, path: str) -> str | None:
+        """Load ``adapter`` on ``ep``, unloading one first to stay under the cap and once more when
+        the engine refuses it as full; ``None`` when it is there, else the engine's message."""
         pending = self._pending.setdefault(id(ep), set())
         pending.add(adapter)
         try:
@@ -303,18 +336,7 @@ class Lora:
             pending.discard(adapter)
             if not pending and self._pending.get(id(ep)) is pending:
                 del self._pending[id(ep)]
-        if error is not None:
-            self._cooldown[(id(ep), adapter)] = (self.clock() + self.settings.failure_cooldown_s, error)
-            self.metrics.loads.labels(model, adapter, "error").inc()
-            log.warning("lora load failed", model=model, adapter=adapter, endpoint=ep.name, error=error)
-            raise GatewayError(502, f"loading the LoRA adapter `{adapter}` on {ep.name} failed: {error}",
-                               code="lora_load_failed", header=("x-error-lora-load", "error"),
-                               error_class=ErrorClass.LORA_LOAD)
-        ep.adapters.served[adapter] = model
-        self._loaded_at[(id(ep), adapter)] = self.clock()
-        self.metrics.loads.labels(model, adapter, "ok").inc()
-        log.info("lora adapter loaded", model=model, adapter=adapter, endpoint=ep.name)
-        return ep
+        return error
 
     async def _load_call(self, ep: Endpoint, model: str, adapter: str, path: str) -> str | None:
         """The engine's load call; ``None`` when the adapter is there now, else the engine's message."""

@@ -181,3 +181,34 @@ async def test_engine_full_unloads_an_idle_adapter_and_retries(sims, gateway, en
         assert status == 502 and headers["x-error-lora-load"] == "error"
         assert message in body["error"]["message"]
     assert (await sim_state(sim.url))["lora"]["registered"] == {"b": "org/b"}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_engine_full_of_adapters_it_may_not_unload_cools_nothing_down(sims, gateway, engine):
+    """The engine's one slot holds another gateway's adapter (not in this config): the load is
+    refused as full, and once that adapter is unloaded the next request loads its own at once,
+    where the refusal kept the endpoint in failure_cooldown_s (60 s) for the adapter."""
+    sim = await sims(engine, "m", max_loaded_loras=1, lora_modules=("other=org/other",), **LORA_SIM)
+    gw = await gateway([model_block("m", engine, [sim.url], adapters={"a": "org/a"})], lora=FAST_LORA)
+    status, headers, _ = await chat(gw, "a")
+    assert status == 502 and headers["x-error-lora-load"] == "error"
+    async with aiohttp.ClientSession() as s:        # the other gateway unloads its adapter
+        path = "/v1/unload_lora_adapter" if engine == "vllm" else "/unload_lora_adapter"
+        async with s.post(sim.url + path, json={"lora_name": "other"}) as r:
+            assert r.status == 200
+    assert (await chat(gw, "a"))[0] == 200
+    assert (await sim_state(sim.url))["lora"]["registered"] == {"a": "org/a"}
+
+
+async def test_engine_full_sends_the_load_to_an_endpoint_with_room(sims, gateway):
+    """Of two engines, the one the gateway asks first is full of another gateway's adapters: the
+    same request's load goes on to the other, and the next request for the adapter is not refused."""
+    full = await sims("vllm", "m", max_loaded_loras=1, lora_modules=("other=org/other",), **LORA_SIM)
+    free = await sims("vllm", "m", max_loaded_loras=1, **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [full.url, free.url], adapters={"a": "org/a"})],
+                       lora={**FAST_LORA, "discovery_interval_s": 0})
+    # the gateway does not know of "other" (no discovery): the full engine is as good a target as the free one
+    for _ in range(4):
+        assert (await chat(gw, "a"))[0] == 200
+    assert (await sim_state(free.url))["lora"]["registered"] == {"a": "org/a"}
+    assert (await sim_state(full.url))["lora"]["registered"] == {"other": "org/other"}
