@@ -78,7 +78,7 @@ from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
 from gateway.resilience.outcome import key_refused
-from gateway.upstream.upstream import Upstream, UpstreamFailure
+from gateway.upstream.upstream import Upstream, UpstreamFailure, engine_key_refused
 from handlers import adapter_for
 
 if TYPE_CHECKING:
@@ -569,6 +569,8 @@ class Lora:
                 async with session.get(ep.url + "/v1/models", headers=engine_headers(ep, {})) as r:
                     if r.status == 200:
                         found = served_adapters(orjson.loads(await r.read()), ep.model)
+                    elif key_refused(r.status, ep.api_key is not None):
+                        engine_key_refused(self.upstream.metrics, ep, ep.model, r.status, "/v1/models")
         except (TimeoutError, aiohttp.ClientError, OSError, orjson.JSONDecodeError):
             pass
         if self.share is not None:

@@ -24,6 +24,7 @@ from tests.support.waiting import wait_for
 KEY = "engine-key-4f1d9c"
 CHAT = [{"role": "user", "content": "Which track does the night train take?"}]
 ENGINES = ["vllm", "sglang"]
+NO_DISCOVERY = {"discovery_interval_s": 0}      # no periodic GET /v1/models for adapters
 
 
 async def refused(*sims) -> list[dict]:
@@ -142,7 +143,8 @@ async def test_a_wrong_key_is_a_502_the_operator_sees(sims, gateway, engine):
     """Not the engine's 401 (the client's key is not the one refused): a 502, counted, and a
     warning that names the endpoint, once for the two refusals in a row."""
     sim = await sims(engine, "m", api_key=KEY)
-    gw = await gateway([model_block("m", engine, [sim.url], api_key="not-the-engines-key")])
+    # no adapter discovery: its refusals would be counted too (a test of their own below)
+    gw = await gateway([model_block("m", engine, [sim.url], api_key="not-the-engines-key")], lora=NO_DISCOVERY)
     client = openai_client(gw)
     with structlog.testing.capture_logs() as logs:
         with pytest.raises(openai.APIStatusError) as e:
@@ -167,7 +169,7 @@ async def test_a_wrong_key_is_a_502_the_operator_sees(sims, gateway, engine):
 async def test_a_wrong_key_on_a_vllm_prefill_is_a_502_without_the_engines_body(sims, gateway):
     p, d = await pd_pair(sims, "vllm", api_key=KEY)
     rs = {"name": "rs-1", "prefill": [{"url": p.url, "api_key": "not-the-engines-key"}], "decode": [d.url]}
-    gw = await gateway([pd_model("vllm", [rs], api_key=KEY)])
+    gw = await gateway([pd_model("vllm", [rs], api_key=KEY)], lora=NO_DISCOVERY)
     with pytest.raises(openai.APIStatusError) as e:
         await openai_client(gw).chat.completions.create(model="m", messages=CHAT, max_tokens=2)
     assert e.value.status_code == 502 and e.value.code == "pd_prefill_http_status"
@@ -188,6 +190,20 @@ async def test_a_lora_load_refused_for_a_wrong_key_says_so(sims, gateway):
     assert "refused the gateway's credentials" in e.value.message and "Unauthorized" not in e.value.message
     assert {"method": "POST", "path": "/v1/load_lora_adapter"} in await refused(sim)
     assert metric(await gw.metrics_text(), "switchyard_upstream_errors_total", error_class="upstream_auth") >= 1
+
+
+async def test_the_adapter_discovery_refused_for_a_wrong_key_is_counted(sims, gateway):
+    """The periodic GET /v1/models meets the wrong key before any client asks for an adapter: the
+    operator sees it in the metric as for a client's request, not only as adapters never found."""
+    sim = await sims("vllm", "m", api_key=KEY, **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [sim.url], api_key="not-the-engines-key",
+                                    adapters={"sql": "org/sql-lora"})], lora=FAST_LORA)
+
+    async def counted() -> bool:
+        return metric(await gw.metrics_text(), "switchyard_upstream_errors_total", error_class="upstream_auth") >= 1
+
+    assert await wait_for(counted, timeout=5)
+    assert {"method": "GET", "path": "/v1/models"} in await refused(sim)
 
 
 async def test_a_wrong_key_on_one_endpoint_is_retried_on_another(sims, gateway):
