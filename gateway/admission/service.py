@@ -263,6 +263,20 @@ class Admission:
             raise _no_endpoint(model)
         return eps if pairs else unsaturated(eps, th, self.clock())
 
+    def with_room(self, ctx: RequestContext, eps: list[Endpoint]) -> list[Endpoint]:
+        """Of ``eps``, endpoints a retry may add to the request's candidates (ready since they were
+        taken), those admission would have let it go to: every one when admission is off for its
+        model, else those not saturated for its class."""
+        assert ctx.ireq is not None
+        if not eps:
+            return eps
+        s = self.settings(ctx.ireq.model)
+        if s is None:
+            return eps
+        rank = RANK.get(ctx.rec.extra.get("priority", ""), RANK[s.default_priority])
+        th, now = self._by_class[ctx.ireq.model][rank], self.clock()
+        return [ep for ep in eps if not estimate(ep, th, now).saturated]
+
     def waiting(self, model: str) -> int:
         """Requests of ``model`` waiting in its queue now (the batch runner leaves room to them)."""
         mq = self._models.get(model)

@@ -28,12 +28,14 @@ from gateway.config.schema import WatchdogConfig
 from gateway.endpoints import Endpoint
 from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
+from gateway.pd.decide import WHOLE_ROLES
 from gateway.pd.orchestrator import PairFailed
 from gateway.pipeline.context import RequestContext, record_request, safe_header_value
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
 from gateway.pipeline.relay import FirstBytesFailed, error_event
+from gateway.pipeline.routing import WHOLE_REQUEST_ROLES
 from gateway.request import InferenceRequest, parse
 from gateway.resilience.outcome import Outcome, key_refused, of_status
 from gateway.resilience.retry import discard
@@ -50,6 +52,7 @@ from gateway.upstream.upstream import (
 from handlers import adapter_for
 from handlers.base import BodyError, EngineAdapter
 from routers.base import Router
+from routers.pd import in_bucket
 
 log = structlog.get_logger("switchyard.request")
 
@@ -359,9 +362,32 @@ class Pipeline:
         back = [ep for ep in self.pool.ready(ireq.model) if ep not in known]
         return candidates + back if back else candidates
 
+    def _whole_ready_since(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
+        """A whole request's candidates, and the endpoints that became ready since they were taken
+        and that the rules which narrowed them let in: whole-request endpoints of its model with
+        room for it (admission), those of its prompt's bucket when the P/D decider runs it whole on
+        combined endpoints. None when its API or its LoRA adapter chose among them (the endpoints
+        serving it), nor when it runs whole on the decode the P/D decider chose."""
+        ireq = ctx.ireq
+        assert ireq is not None
+        if ctx.api is not None or ireq.lora is not None:
+            return candidates
+        if self.routing.router_for(ctx.rec.strategy).chooses_pairs:
+            if not all(c.role in WHOLE_ROLES for c in candidates):
+                return candidates
+            n = ireq.prompt_tokens_est
+            back = [ep for ep in self.pool.ready(ireq.model, WHOLE_ROLES) if in_bucket(ep, n)]
+        else:
+            back = self.pool.ready(ireq.model, WHOLE_REQUEST_ROLES)
+        known = set(candidates)
+        back = self.admission.with_room(ctx, [ep for ep in back if ep not in known])
+        return candidates + back if back else candidates
+
     async def forward(self, ctx: RequestContext, candidates: list[Endpoint]) -> web.StreamResponse:
         """Open the aggregated leg, retrying elsewhere (gateway/resilience/retry.py) while the client has seen
-        nothing of a fault or a push-back, and relay it."""
+        nothing of a fault or a push-back, and relay it. The retry chooses among the endpoints ready
+        then: one that was out when the request was routed (a restart, a breaker's trials taken)
+        and is back may take it, under the rules that narrowed the candidates (``_whole_ready_since``)."""
         assert ctx.ireq is not None and ctx.decision is not None
         ireq, rec, cfg = ctx.ireq, ctx.rec, self.config
         body, strip_usage = upstream_body(ireq)
@@ -399,6 +425,8 @@ class Pipeline:
                 leg.responded(resp.status)
             except UpstreamFailure as f:
                 leg.failed(f.kind)
+                if f.retryable:
+                    candidates = self._whole_ready_since(ctx, candidates)
                 if f.retryable and retries.reroute(
                         ctx, self.routing, self.metrics, candidates, tried, Outcome.FAULT, f.kind) is not None:
                     ep = ctx.decision.endpoint
@@ -410,8 +438,8 @@ class Pipeline:
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",
                                    header=("x-error-upstream", f.kind), error_class=rec.error_class) from None
             if resp.status != 200 and (outcome := of_status(resp.status, ep.api_key is not None)).retryable \
-                    and retries.reroute(ctx, self.routing, self.metrics, candidates, tried, outcome,
-                                        f"status_{resp.status}") is not None:
+                    and retries.reroute(ctx, self.routing, self.metrics, self._whole_ready_since(ctx, candidates),
+                                        tried, outcome, f"status_{resp.status}") is not None:
                 if key_refused(resp.status, ep.api_key is not None):
                     engine_key_refused(self.metrics, ep, ireq.model, resp.status, ireq.path)
                 else:

@@ -9,12 +9,13 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
 from tests.support.metrics import metric
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
 body = partial(chat_body, CHAT, stream=False, max_tokens=10)
@@ -454,3 +455,49 @@ async def test_a_model_with_no_ready_endpoint_is_told_why(sims, gateway):
     with pytest.raises(openai.APIStatusError) as ei:
         await client.chat.completions.create(**{**body(), "model": "n"})
     assert "(of 1 endpoints: 1 with an open circuit breaker after engine faults)" in ei.value.message
+
+
+async def _set_dead(url: str, dead: bool) -> None:
+    async with aiohttp.ClientSession() as s, s.post(url + "/_sim/config", json={"dead": dead}) as r:
+        assert r.status == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_endpoint_ready_again_since_the_request_was_routed_takes_its_retry(sims, gateway, stream):
+    """A request routed while the model's other endpoint was out (its probes failing: a restart, a
+    breaker's trials taken) goes to the one endpoint left, whose engine dies with it unanswered
+    after the other is back. The retry is chosen among the endpoints ready now, not those of the
+    moment it was routed: the client gets its answer from the endpoint that came back, where it
+    got a 502 (``no_endpoint``)."""
+    got, release = asyncio.Event(), asyncio.Event()
+
+    async def dies_with_the_leg(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        got.set()
+        await release.wait()
+        assert request.transport is not None
+        request.transport.abort()                   # nothing sent back: its engine died
+        return web.Response()
+
+    b = await sims("vllm", "m")
+    async with fake_engine(dies_with_the_leg) as a:
+        gw = await gateway([model_block("m", "vllm", [a, b.url])], health={"interval_s": 0.1},
+                           breaker={"consecutive_faults": 100, "fault_rate": 0})
+        back = next(ep for ep in gw.gw.pool.endpoints("m") if ep.url == b.url)
+        await _set_dead(b.url, True)
+        await until(lambda: not back.ready)
+        sent = asyncio.create_task(post(gw.url, body(stream=stream)))
+        await asyncio.wait_for(got.wait(), 10)      # on the only ready endpoint
+        await _set_dead(b.url, False)
+        await until(lambda: back.ready)
+        release.set()
+        st, hdrs, raw = await asyncio.wait_for(sent, 20)
+    assert st == 200 and hdrs["x-retries"] == "1", raw[:300]
+    assert hdrs["target-pod"] == b.url.split("//")[1]
+    if stream:
+        assert sse_events(raw)[-1] == "[DONE]"
+    else:
+        assert orjson.loads(raw)["usage"]["completion_tokens"] == 10
+    text = await gw.metrics_text()
+    assert 'switchyard_retry_causes_total{cause="reset",model="m"} 1.0' in text
+    assert "switchyard_retries_denied_total{" not in text
