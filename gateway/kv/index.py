@@ -37,7 +37,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, repeat
+from itertools import accumulate, chain, islice, repeat
 from operator import and_
 from typing import Any, NamedTuple
 
@@ -334,9 +334,12 @@ class EventIndex:
                 holders[h] = mask | sbit
                 if not mask and h not in pending:
                     self._enter(h, p)
-        limit = st.settings.max_blocks_per_endpoint
-        while len(emap) > limit:
-            self._drop(st, next(iter(emap)))
+        over = len(emap) - st.settings.max_blocks_per_endpoint
+        if over > 0:
+            # the oldest in one pass: a dict keeps the slots of what was deleted at its head until
+            # it is resized, and a lookup of its first key per block walked them again each time
+            for bh in list(islice(emap, over)):
+                self._drop(st, bh)
         return 0
 
     @staticmethod

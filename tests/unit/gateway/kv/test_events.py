@@ -330,3 +330,28 @@ def test_a_multimodal_request_is_not_keyed_and_counts_the_fallback():
     text_only = parse(CHAT, orjson.dumps({"model": "m", "messages": [{"role": "user", "content": parts[:1]}]}),
                       {}, "r")
     assert not text_only.multimodal and idx.match(text_only, eps) is not None and calls == ["multimodal"]
+
+
+class _WalkCountingDict(dict):
+    """A dict that counts the walks started over its keys (each one passes the deleted slots at its
+    head again, until the dict is resized)."""
+
+    walks = 0
+
+    def __iter__(self):
+        self.walks += 1
+        return super().__iter__()
+
+
+def test_an_endpoint_over_its_block_bound_drops_its_oldest_in_one_walk():
+    tok, idx, eps, states = _index()
+    small = KVEventsConfig(enabled=True, max_blocks_per_endpoint=100)
+    st = idx.track(Endpoint(url="http://10.0.0.9:8000", model="m"), small)
+    st.emap = _WalkCountingDict()
+    idx.apply(st, Batch(0, [BlockStored(list(range(1, 401)), None, list(range(400 * 16)), 16)], 0))
+    # the 300 oldest dropped, the 100 newest kept; one walk over the entries, not one per block dropped
+    assert list(st.emap) == list(range(301, 401))
+    assert len(st.owned) == 100 and idx.blocks() == 100
+    assert st.emap.walks == 2          # the eviction's, and the list() above
+    idx.apply(st, Batch(0, [BlockStored(list(range(401, 451)), 400, list(range(50 * 16)), 16)], 0))
+    assert list(st.emap) == list(range(351, 451)) and st.emap.walks == 4
