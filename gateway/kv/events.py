@@ -7,7 +7,9 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.
 * Reading costs the event loop little: the socket is a plain one whose descriptor the loop watches;
   its reader callback receives, decodes (typed, ``gateway.kv.wire``) and applies every message
   already there in one go, with no future or task switch per message. A malformed message is
-  counted (``switchyard_kv_events_decode_errors_total``) and skipped; nothing stops the stream.
+  counted (``switchyard_kv_events_decode_errors_total``) and skipped; nothing stops the stream. A
+  message over ``MAX_MESSAGE_BYTES`` is refused by the socket, which drops the connection; the
+  subscriber connects again, and what it missed is a gap.
 * Sequence numbers: the next message must carry the next number. On a gap the subscriber asks the
   engine's replay socket (a DEALER to ``replay_port``: the start seq as 8 bytes big-endian; frames
   ``(seq, payload)`` back, ending with seq -1) for what it missed and applies it in order. Without
@@ -67,6 +69,13 @@ REPLAY_MAX_BYTES = 64 << 20
 # every other message, filled it without end): beyond this they are dropped, the publisher's
 # entries cleared, and its stream taken up again as at first contact
 BACKLOG_MAX = 4096
+# the largest message taken from an engine (a live batch, or one batch of a replay). An engine step's
+# events are tens of KB (a 128k-token prefill's BlockStored is about 0.5 MB); a larger message is
+# refused by the socket itself, which drops the connection before holding it in memory, so what
+# the engine sent meanwhile is a gap (replayed, or the entries cleared). A 32 MB message of 1.2M
+# blocks held a worker's loop for 13 s and 600 MB of memory, and a 200 MB one for longer than
+# worker_stall_timeout_s
+MAX_MESSAGE_BYTES = 8 << 20
 # switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
 _KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
 
@@ -224,6 +233,7 @@ class Subscriber:
         sock = zmq.Socket(self.m.zctx, zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 100_000)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if self.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.SUBSCRIBE, self.st.settings.topic.encode())
@@ -233,6 +243,8 @@ class Subscriber:
         self._sock = sock
         self._wake = loop.create_future()
         loop.add_reader(fd, self._readable)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        rejoin = loop.create_task(self._rejoin(sock, monitor), name=f"kv-events rejoin {self.name}")
         log.info("kv events subscribed", endpoint=self.st.ep.name, model=self.st.ep.model, address=self.pub_addr,
                  rank=self.rank)
         try:
@@ -258,9 +270,25 @@ class Subscriber:
                     backlog.popleft()
                 self._readable()
         finally:
+            rejoin.cancel()
             loop.remove_reader(fd)
             self._sock = None
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(0)
             sock.close(0)
+
+    async def _rejoin(self, sock: Any, monitor: Any) -> None:
+        """Connect again after each disconnect: libzmq reconnects by itself after a connection
+        error (the engine went away), not after a protocol error, which a message over
+        ``MAX_MESSAGE_BYTES`` is; without this, one such message ended the stream for good."""
+        import zmq
+
+        while True:
+            await monitor.recv_multipart()       # a disconnect: the only event asked for
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disconnect(self.pub_addr)
+            sock.connect(self.pub_addr)
 
     def _readable(self) -> None:
         """Receive and apply what the socket holds (at most ``_DRAIN`` messages, then again soon)."""
@@ -375,6 +403,7 @@ class Subscriber:
             return
         sock = self.m.zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         if self.ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(self.replay_addr)

@@ -130,3 +130,48 @@ def test_messages_piling_up_behind_a_replay_are_dropped_past_a_bound(monkeypatch
     sub._readable()                             # 3 needs a replay: it and what follows wait, up to 4
     assert [seq for seq, _ in sub._backlog] == [3, 4, 5, 6] and sub._overflowed
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 1
+
+
+async def test_a_message_over_the_size_bound_is_never_taken_in_and_the_stream_goes_on(monkeypatch):
+    """An engine that publishes a message larger than any step's events (here over a bound made
+    small for the test) has its connection dropped by the socket before the message is held in
+    memory or applied; what it missed meanwhile is a gap (no replay port here: cleared), and the
+    messages after it are applied."""
+    monkeypatch.setattr(kv_events, "MAX_MESSAGE_BYTES", 64 << 10, raising=False)
+    port = listen_port()
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    settings = KVEventsConfig(enabled=True, port=port, replay_port=None)
+    pool = EndpointPool()
+    registry = CollectorRegistry()
+    manager = KVEventsManager(lambda model: settings, pool, registry, {})
+    ep = pool.add(Endpoint(url="http://127.0.0.1:8000", model="m"))
+    sub = Subscriber(manager, manager.index.track(ep, settings))
+    sub.start()
+    big = list(range(100, 100 + 8192))                     # 8192 blocks, about 200 KB
+    seen_big = False
+    try:
+        seq = 0
+        while not sub.st.emap:                             # the SUB socket connects (a slow joiner)
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), stored(1, 2)])
+            seq += 1
+            await asyncio.sleep(0.05)
+        await pub.send_multipart([b"", seq.to_bytes(8, "big"), stored(*big)])
+        seq += 1
+        for _ in range(200):                               # a hang guard, not a timing
+            await pub.send_multipart([b"", seq.to_bytes(8, "big"), stored(5000 + seq)])
+            seq += 1
+            await asyncio.sleep(0.05)
+            seen_big = seen_big or 100 in sub.st.emap
+            if any(h >= 5000 for h in sub.st.emap):
+                break
+        assert not seen_big and 100 not in sub.st.emap
+        assert any(h >= 5000 for h in sub.st.emap)         # the stream goes on after it
+        assert registry.get_sample_value("switchyard_kv_events_replays_total",
+                                         {"model": "m", "result": "no_replay_port"}) == 1
+    finally:
+        await sub.stop()
+        pub.close(0)
+        await manager.close()
