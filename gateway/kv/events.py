@@ -76,6 +76,8 @@ BACKLOG_MAX = 4096
 # blocks held a worker's loop for 13 s and 600 MB of memory, and a 200 MB one for longer than
 # worker_stall_timeout_s
 MAX_MESSAGE_BYTES = 8 << 20
+# a malformed message is counted every time, and warned of at most once in this many seconds
+BAD_LOG_EVERY_S = 10.0
 # switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
 _KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
 
@@ -196,6 +198,8 @@ class Subscriber:
         self._sock: Any = None
         self._backlog: deque[tuple[int, bytes]] = deque()   # messages for the task (a replay is due or under way)
         self._overflowed = False                   # the backlog overflowed: dropped, started again
+        self._bad_logged_at = -float("inf")        # the last "bad message" warning (time.monotonic)
+        self._bad_since = 0                         # bad messages since, not warned of one by one
         self._wake: asyncio.Future | None = None
         s = st.settings
         host = st.ep.host
@@ -341,7 +345,15 @@ class Subscriber:
 
     def _bad(self, e: WireError) -> None:
         self.m.metrics.errors.labels(self.st.ep.model).inc()
-        log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e))
+        # a publisher sending nothing but such messages would write a line each: one per
+        # BAD_LOG_EVERY_S, with how many came since
+        now = time.monotonic()
+        if now - self._bad_logged_at < BAD_LOG_EVERY_S:
+            self._bad_since += 1
+            return
+        log.warning("kv events: bad message", endpoint=self.st.ep.name, rank=self.rank, error=str(e),
+                    bad_since_last=self._bad_since)
+        self._bad_logged_at, self._bad_since = now, 0
 
     def _failed(self, seq: int | None) -> None:
         """A message that could not be applied (a bug, not the wire): what this publisher reported

@@ -175,3 +175,23 @@ async def test_a_message_over_the_size_bound_is_never_taken_in_and_the_stream_go
         await sub.stop()
         pub.close(0)
         await manager.close()
+
+
+def test_bad_messages_are_each_counted_and_warned_of_once_in_ten_seconds(monkeypatch):
+    """A publisher that sends nothing but malformed messages fills no log: the first is warned of,
+    then one line per 10 s with how many came since; the metric counts every one."""
+    import structlog
+
+    from gateway.kv.wire import WireError
+
+    now = [1000.0]
+    monkeypatch.setattr(kv_events.time, "monotonic", lambda: now[0])
+    sub, registry = subscriber()
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(100):
+            sub._bad(WireError("2 frames, expected 3"))
+        now[0] += 11
+        sub._bad(WireError("2 frames, expected 3"))
+    warned = [x for x in logs if x["event"] == "kv events: bad message"]
+    assert [w.get("bad_since_last") for w in warned] == [0, 99]     # the 99 between the two lines
+    assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 101
