@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             check_offline(started, config, new)
             config = new
             generation += 1
+            beats.reloaded(generation)      # before the workers are told: each takes this number
         except (ConfigError, ValueError) as e:
             parent_log("config reload refused, restarted workers keep the running config", "error", error=str(e))
 

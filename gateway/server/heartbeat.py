@@ -7,7 +7,8 @@ happens to reach a healthy sibling keeps passing, so nothing would ever restart 
 
 So each worker's event loop ticks a counter every ``BEAT_S`` in memory it shares with its parent (an
 anonymous shared mapping the parent makes before it forks: one 8-byte slot per worker, then the
-restart counts, then the stop signals the parent got). The parent reads the counters while it waits for its children; a worker that has
+restart counts, then the stop signals the parent got, then the config generation the parent
+counts). The parent reads the counters while it waits for its children; a worker that has
 ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
@@ -20,6 +21,11 @@ listens). A worker that fails before any worker of the gateway ever ticked (the 
 the app refuses) stops the gateway with its exit code, as one process would, instead of being
 started again every second by a parent that looks alive; a worker that fails its start-up later is
 started again with a growing back-off.
+
+The config generation is the parent's count of the reloads it applied (1 at start): SIGHUPs sent
+close together reach the parent and each worker a different number of times (a signal that comes
+while one of the same is pending is one), so a worker that counted the reloads it ran itself fell
+behind its siblings for good; each takes the parent's number instead (gateway/server/reload.py).
 
 Only the worker writes its slot and only the parent the counts. The parent decides on whether a
 slot changed, never on its value, so a read that catches a write half done can only look like a
@@ -46,8 +52,9 @@ class Heartbeats:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._map = mmap.mmap(-1, 8 * (workers + len(REASONS) + 1))    # anonymous and shared across fork
+        self._map = mmap.mmap(-1, 8 * (workers + len(REASONS) + 2))    # anonymous and shared across fork
         self._slots = memoryview(self._map).cast("Q")
+        self._slots[self.workers + len(REASONS) + 1] = 1
 
     def tick(self, index: int) -> None:
         """Worker ``index``'s loop ran (called by that worker only)."""
@@ -77,6 +84,14 @@ class Heartbeats:
         """How many stop signals the parent got: a worker tells the parent's second signal from
         the same one reaching it twice (gateway/server/run.py)."""
         return self._slots[self.workers + len(REASONS)]
+
+    def reloaded(self, generation: int) -> None:
+        """The parent applied a reload: its config generation is now ``generation``."""
+        self._slots[self.workers + len(REASONS) + 1] = generation
+
+    def generation(self) -> int:
+        """The parent's config generation, which a worker takes at its next reload."""
+        return self._slots[self.workers + len(REASONS) + 1]
 
 
 class Beat:

@@ -31,7 +31,8 @@ the ``routing`` and ``pd`` settings are unchanged, and starts afresh when they c
 
 With ``--workers N`` the parent forwards ``SIGHUP`` to every worker (gateway/server/workers.py); a worker
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
-its own result.
+its own result. A worker's generation is then the parent's count of applied reloads (in the
+workers' shared memory, gateway/server/heartbeat.py), not its own.
 """
 
 from __future__ import annotations
@@ -258,6 +259,8 @@ class Reloader:
         self.listeners: list[Listener] = []
         self.last: ReloadResult | None = None
         self.parent_pid: int | None = None       # set in a --workers worker: reloads go through the parent
+        # set in a --workers worker: the parent's count of applied reloads (gateway/server/heartbeat.py)
+        self.parent_generation: Callable[[], int] | None = None
         self._waiters: list[asyncio.Future[ReloadResult]] = []   # POST /admin/reload in a worker
 
     def reload(self, trigger: str, config: Config | None = None) -> ReloadResult:
@@ -283,7 +286,7 @@ class Reloader:
         added, removed = sync_pool(self.pool, config)
         if self.tenancy is not None:
             self.tenancy.reconfigure(config)
-        self.live = Live(pipeline, live.generation + 1)
+        self.live = Live(pipeline, self._next_generation(live.generation))
         for listener in self.listeners:
             listener(self.live)
         result = ReloadResult("ok", self.live.generation, trigger, changed=changed,
@@ -296,6 +299,14 @@ class Reloader:
                  endpoints_added=result.added, endpoints_removed=result.removed,
                  draining_in_flight=sum(ep.in_flight for ep in removed))
         return self._finish(result)
+
+    def _next_generation(self, current: int) -> int:
+        """+1, or in a --workers worker the parent's count: SIGHUPs sent close together reach the
+        parent and each worker a different number of times (one that comes while another is pending
+        is one), and a count of its own left a worker behind its siblings for good."""
+        if self.parent_generation is None:
+            return current + 1
+        return max(current, self.parent_generation())
 
     def _refused(self, trigger: str, result: str, key_path: str | None, error: str) -> ReloadResult:
         self.m.reloads.labels(result).inc()

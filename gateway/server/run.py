@@ -140,6 +140,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     reloader = app[RELOAD_KEY]
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
         reloader.parent_pid = os.getppid()
+        if worker.heartbeats is not None:       # the generation is the parent's count, the same in every worker
+            reloader.parent_generation = worker.heartbeats.generation
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     if hup.take():              # one came while the gateway started (gateway/server/hup.py)

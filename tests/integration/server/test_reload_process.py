@@ -241,3 +241,50 @@ async def test_a_sighup_while_the_gateway_starts_is_a_reload_once_it_runs(sims, 
             proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):
             await proc.wait()
+
+
+async def pinned_workers(port: int, want: int) -> dict[int, aiohttp.ClientSession]:
+    """pid → a session whose one kept-alive connection reaches that worker."""
+    sessions: dict[int, aiohttp.ClientSession] = {}
+    for _ in range(200):
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        async with s.get(f"http://127.0.0.1:{port}/status.json", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            pid = (await r.json())["gateway"]["pid"]
+        if pid in sessions:
+            await s.close()
+        else:
+            sessions[pid] = s
+        if len(sessions) >= want:
+            break
+    return sessions
+
+
+@pytest.mark.timeout(90)
+async def test_workers_agree_on_the_generation_after_sighups_sent_close_together(sims, tmp_path):
+    """SIGHUPs sent a few milliseconds apart are applied a different number of times by the parent
+    and by each worker (a signal that comes while one of the same is pending is one); the workers
+    still count the same generation, the parent's, so switchyard_config_generation (the smallest
+    of theirs) does not show one of them behind for good."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n"))
+    async with gateway_process(path, port, "--workers", "2") as proc:
+        for i in range(100):
+            proc.send_signal(signal.SIGHUP)
+            await asyncio.sleep(0.001 * (i % 4))
+        await asyncio.sleep(1.0)
+        sessions = await pinned_workers(port, 2)
+        try:
+            answered = []
+            for s in sessions.values():     # each reloads every worker, and answers with its own generation
+                async with s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                  headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    answered.append((await r.json())["generation"])
+        finally:
+            for s in sessions.values():
+                await s.close()
+        assert len(answered) == 2 and answered[1] == answered[0] + 1, answered
+        conn = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            assert metric(await r.text(), "switchyard_config_generation") == answered[1]
