@@ -471,13 +471,7 @@ class ResponsesApi(ApiShape):
         rec.model_known = True                 # the gateway stored it: a model it served
         rec.status = 200
         if action == "delete":
-            try:
-                await self.history.delete(rid)
-            except StoreUnavailable as e:
-                self._unreachable(e)
-                raise GatewayError(503, "the Responses state store is unreachable",
-                                   code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
-            body: Any = {"id": rid, "object": "response", "deleted": True}
+            body: Any = await self._deleted(self.history, rid)
         elif page is not None:
             body = _input_items_page(rid, list(record.get("input") or ()), page)
         else:
@@ -517,15 +511,20 @@ class ResponsesApi(ApiShape):
                                error_class=ErrorClass.RESPONSE_NOT_FOUND)
         body: Any = failed
         if action == "delete":
-            try:
-                await self.owners.delete(rid)
-            except StoreUnavailable as e:
-                self._unreachable(e)
-                raise GatewayError(503, "the Responses state store is unreachable",
-                                   code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
-            body = {"id": rid, "object": "response", "deleted": True}
+            body = await self._deleted(self.owners, rid)
         rec.status = 200
         return web.Response(body=orjson.dumps(body), headers=rec.response_headers(), content_type="application/json")
+
+    async def _deleted(self, store: Any, rid: str) -> dict[str, Any]:
+        """``rid`` deleted from ``store`` (the gateway's history, or the engines' affinity records):
+        the deletion's answer, or the 503 of a store that cannot be reached."""
+        try:
+            await store.delete(rid)
+        except StoreUnavailable as e:
+            self._unreachable(e)
+            raise GatewayError(503, "the Responses state store is unreachable",
+                               code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
+        return {"id": rid, "object": "response", "deleted": True}
 
     async def _read_bounded(self, rec: RequestRecord, ep: Endpoint, r: aiohttp.ClientResponse) -> bytes:
         """The engine's whole answer, at most ``upstream.max_response_bytes`` of it (as the pipeline
