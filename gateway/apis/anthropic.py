@@ -18,6 +18,7 @@ the same pipeline as chat. What differs from OpenAI, and lives here:
   ``content_block_delta`` is the first token (TTFT); each one after it is an inter-token gap.
   ``message_start`` carries the input tokens, ``message_delta`` the output tokens and the stop
   reason, ``message_stop`` ends the stream. Only those three and ``error`` are JSON-decoded.
+  An event goes out once it is whole (its blank line came), never in part.
 
 Token counts follow Anthropic: ``input_tokens`` excludes prompt tokens read from or written to
 the prompt cache (``cache_read_input_tokens``, ``cache_creation_input_tokens``), so the prompt
@@ -233,7 +234,7 @@ class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
     __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
-                 "_start_usage", "_buf", "_skip", "_now", "_cr")
+                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr")
 
     def __init__(self) -> None:
         self.first_token_at: float | None = None
@@ -246,12 +247,18 @@ class MessagesScanner:
         self.done = False
         self._start_usage: dict[str, Any] = {}
         self._buf = bytearray()     # the current incomplete event
+        self._pending = bytearray()  # the bytes of it not forwarded yet
         self._skip = False          # the current event outgrew MAX_EVENT_BYTES: not scanned
         self._now = 0.0
         self._cr = False            # lines end with bare CRs: read as LFs (gateway/pipeline/sse.py ``as_lf``)
 
     def feed(self, chunk: bytes, now: float) -> bytes:
+        """What of the bytes read so far goes to the client: every complete event. An event's
+        first part waits here for its end, so that a stream the engine breaks in the middle of an
+        event ends with the gateway's error event, not with half a frame glued to it (which the
+        SDK would read as one event: a JSON error, or a ``ping`` that swallows the error)."""
         self._now = now
+        pending = self._pending
         buf = self._buf
         if buf:
             pos = len(buf) - 2 if len(buf) > 2 else 0
@@ -276,16 +283,33 @@ class MessagesScanner:
         elif start < len(chunk):
             self._buf = bytearray(chunk[start:])
         if len(self._buf) > MAX_EVENT_BYTES:
-            self._skip = True
+            self._skip = True           # not scanned, and not held either: forwarded as it comes
             del self._buf[:-2]
-        return chunk
+        if self._skip:
+            if pending:
+                out, self._pending = bytes(pending) + chunk, bytearray()
+                return out
+            return chunk
+        keep = len(self._buf)           # the incomplete event: the tail of what came
+        if not pending:
+            if not keep:
+                return chunk
+            self._pending = bytearray(chunk[len(chunk) - keep:])
+            return chunk[:len(chunk) - keep]
+        pending += chunk
+        out = bytes(pending[:len(pending) - keep])
+        del pending[:len(pending) - keep]
+        return out
 
     def finish(self) -> bytes:
+        """The stream's last bytes, when they end it (or carry the engine's error) without a blank
+        line after them; an incomplete event is dropped, since the stream ends in an error event."""
         buf, self._buf = self._buf, bytearray()
+        held, self._pending = bytes(self._pending), bytearray()
         ev = (as_lf(buf) if self._cr else bytes(buf)).rstrip(b"\r\n")
         if ev and not self._skip and self._event(ev, 0, len(ev)):
             self._mark(self._now)
-        return b""
+        return held if self.done or self.error is not None else b""
 
     def drain_itl(self) -> list[float]:
         gaps, self.itl = self.itl, []

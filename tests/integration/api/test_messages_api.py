@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
+import aiohttp.web
 import anthropic
 import orjson
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from gateway.apis.anthropic import error_type as anthropic_error_type
 from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import anthropic_client, sim_state, sse_frames
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -294,3 +298,65 @@ async def test_a_messages_path_the_gateway_does_not_serve_is_an_anthropic_404(fl
     await client.close()
     async with aiohttp.ClientSession() as s, s.get(gw.url + "/v1/nothing/here") as r:
         assert r.status == 404 and "type" not in await r.json()
+
+
+def _messages_events() -> list[bytes]:
+    """A Messages stream with a text block and a tool_use block, framed as the engines frame it."""
+    def ev(name: str, data: dict) -> bytes:
+        return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **data}) + b"\n\n"
+    return [
+        ev("message_start", {"message": {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                                         "model": "llama", "stop_reason": None, "stop_sequence": None,
+                                         "usage": {"input_tokens": 10, "output_tokens": 0}}}),
+        ev("ping", {}),
+        ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+        ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Let me look."}}),
+        ev("content_block_stop", {"index": 0}),
+        ev("content_block_start", {"index": 1, "content_block": {"type": "tool_use", "id": "toolu_1",
+                                                                 "name": "get_weather", "input": {}}}),
+        ev("content_block_delta", {"index": 1, "delta": {"type": "input_json_delta", "partial_json": '{"city": '}}),
+        ev("content_block_delta", {"index": 1, "delta": {"type": "input_json_delta", "partial_json": '"Paris"}'}}),
+        ev("content_block_stop", {"index": 1}),
+        ev("message_delta", {"delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 7}}),
+        ev("message_stop", {}),
+    ]
+
+
+async def _cut_messages_engine(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+    """Streams the events above; ``x-cut: N`` breaks the connection half way through event N."""
+    await request.read()
+    resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    cut = int(request.headers.get("x-cut", "-1"))
+    for i, event in enumerate(_messages_events()):
+        if i == cut:
+            await resp.write(event[:len(event) // 2])
+            await asyncio.sleep(0.05)
+            request.transport.abort()
+            return resp
+        await resp.write(event)
+    await resp.write_eof()
+    return resp
+
+
+async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_a_clean_error_event(gateway):
+    """The half event an engine sent before its connection broke never reaches the client: the
+    stream the SDK reads ends with the gateway's error event, which it raises, rather than a
+    mangled frame (a JSON error, or a ping frame that swallowed the error: a silent success)."""
+    tools = [{"name": "get_weather", "description": "the weather", "input_schema": {"type": "object"}}]
+    async with fake_engine(_cut_messages_engine, paths=("/v1/messages",)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        c = anthropic_client(gw)
+        async with c.messages.stream(model="llama", max_tokens=50, messages=MSGS, tools=tools) as stream:
+            final = await stream.get_final_message()
+        assert final.stop_reason == "tool_use" and final.content[1].input == {"city": "Paris"}
+        for cut in (1, 4, 7, 9, 10):
+            seen = []
+            with pytest.raises(anthropic.APIStatusError) as ei:
+                async with c.messages.stream(model="llama", max_tokens=50, messages=MSGS, tools=tools,
+                                             extra_headers={"x-cut": str(cut)}) as stream:
+                    async for event in stream:
+                        seen.append(event.type)
+            assert ei.value.body["error"]["type"] == "api_error", (cut, ei.value.body)
+            assert "mid-stream" in ei.value.body["error"]["message"]
+            assert seen[0] == "message_start"

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from gateway.apis.anthropic import AnthropicApi, MessagesScanner
 from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError
+from gateway.pipeline.sse import MAX_EVENT_BYTES
 
 ANTHROPIC = AnthropicApi(EndpointPool())
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "image", "source": {}}]}]
@@ -113,12 +114,26 @@ def test_messages_scanner_sees_the_same_stream_however_it_is_split(cuts, line_en
     for t, cut in enumerate(sorted(cuts) + [len(stream)]):
         out.append(sc.feed(stream[prev:cut], float(t)))
         prev = cut
+        # whole events only: an event's start waits for its end (a read that ends between the CR
+        # and the LF of a CRLF has its CR read as a line end, which ends the event as well)
+        sent = b"".join(out)
+        assert not sent or sent.endswith(line_end * 2) or sent.endswith(b"\r\n\r")
     out.append(sc.finish())
     assert b"".join(out) == stream          # bytes pass through unchanged
     assert sc.done and sc.error is None and sc.finish_reason == "end_turn"
     # input tokens from message_start (cache reads included), output from message_delta
     assert sc.usage == {"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 5}}
     assert sc.first_token_at is not None and len(sc.drain_itl()) == 2
+
+
+def test_messages_scanner_forwards_an_event_over_the_scan_limit_as_it_comes():
+    sc = MessagesScanner()
+    start = _frame("message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 1}}})
+    huge = b'event: content_block_delta\ndata: {"type":"content_block_delta","delta":{"text":"' + b"x" * MAX_EVENT_BYTES
+    assert sc.feed(start + huge[:100], 1.0) == start            # the event's start waits ...
+    assert sc.feed(huge[100:], 2.0) == huge[:100] + huge[100:]  # ... until it outgrows the limit
+    assert sc.feed(b'"}}\n\n' + STREAM[:10], 3.0) == b'"}}\n\n'
+    assert sc.finish() == b""               # an incomplete last event is not forwarded
 
 
 def test_messages_scanner_in_stream_error_and_eventless_frames():
