@@ -13,7 +13,9 @@ that line) and decodes the few events it needs:
 
 The terminal event is *held back* until the upstream ends, so that the gateway can record what the
 response created (its owner, or its history) before a client that saw ``response.completed`` can
-send a follow-up to another replica. Every byte still reaches the client, in order.
+send a follow-up to another replica. Every byte still reaches the client, in order, an event once it
+is whole: the start of one that never ended (its engine's connection broke) is not passed on, so
+the gateway's failure events are not glued to it.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ class ResponsesScanner:
         self.response_id: str | None = None
         self.snapshot: dict | None = None      # response.created's response object
         self.final: dict | None = None         # the terminal event's response object
-        self._buf = bytearray()                # the incomplete event (already forwarded)
+        self._buf = bytearray()                # the incomplete event, forwarded once it is whole
+        self._sent = 0                         # bytes at its head already forwarded (an outsized event's)
         self._held = bytearray()               # the terminal event and whatever follows it
         self._skip = False
         self._cr = False                       # lines end with bare CRs: read as LFs (``as_lf``)
@@ -76,6 +79,7 @@ class ResponsesScanner:
         if self.done:
             self._held += chunk
             return b""
+        sent = self._sent
         old = len(self._buf)
         self._buf += chunk
         data = self._buf
@@ -83,33 +87,51 @@ class ResponsesScanner:
             self._cr = cr_mode(data, max(0, old - 3))
         scan = as_lf(data) if self._cr else data
         start = 0
-        cut = -1
         for m in _BOUNDARY.finditer(scan, max(0, old - 2)):
             if self._skip:
                 self._skip = False
             elif self._event(bytes(scan[start:m.start()]), now):
-                cut = start
-                break
+                # the terminal event and whatever follows it are held; the events before it go
+                # (a boundary found here ends past ``old``, so past what was sent of an outsized event)
+                out = bytes(data[sent:start])
+                self._held += data[start:]
+                self._buf = bytearray()
+                self._sent = 0
+                return out
             start = m.end()
-        if cut >= 0:                           # hold the terminal event's unsent bytes and the rest
-            keep = max(cut, old) - old
-            self._held += chunk[keep:]
-            self._buf = bytearray()
-            return chunk[:keep]
+        if start == len(data) and not old:     # the usual read: whole events, nothing before it
+            data.clear()
+            return chunk
+        out = bytes(data[sent:start]) if start else b""
         del data[:start]
+        if start:
+            sent = 0
         if len(data) > MAX_EVENT_BYTES:        # not scanned, still forwarded
             self._skip = True
-            del data[:-2]
-        return chunk
+        if self._skip:                         # forwarded as it comes
+            out += data[sent:]
+            if len(data) > MAX_EVENT_BYTES:
+                del data[:-2]
+            sent = len(data)
+        self._sent = sent
+        return out
 
     def finish(self) -> bytes:
+        """What is left to forward: the held terminal event and what followed it, or a last event
+        that came without its blank line when it ends the stream or is an error. The start of an
+        event that never ended is dropped: the stream ends in the gateway's failure events."""
+        tail = b""
         if not self.done and self._buf and not self._skip:
             ev = (as_lf(self._buf) if self._cr else bytes(self._buf)).strip(b"\r\n")
-            if ev:
-                self._event(ev, 0.0)
+            events = self.events
+            if ev and (self._event(ev, 0.0) or self.error is not None):
+                tail = bytes(self._buf[self._sent:])
+            else:
+                self.events = events           # not sent: the failure's sequence numbers go on from the last sent
         self._buf = bytearray()
+        self._sent = 0
         held, self._held = bytes(self._held), bytearray()
-        return held
+        return tail + held
 
     def drain_itl(self) -> list[float]:
         gaps, self.itl = self.itl, []

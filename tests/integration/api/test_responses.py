@@ -4,6 +4,8 @@ replicas on one Redis), owner-gone errors, failures after headers, gateway-held 
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import orjson
@@ -448,3 +450,68 @@ async def test_gateway_history_keeps_a_response_its_engine_failed(gateway):
             assert r.status == "failed"
             got = await c.responses.retrieve(r.id)
             assert (got.id, got.status, got.error.code) == (r.id, "failed", "server_error")
+
+
+def _function_call_events() -> list[bytes]:
+    """A Responses stream whose output is one function call, framed as the engines frame it."""
+    item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather", "arguments": "",
+            "status": "in_progress"}
+    done = {**item, "arguments": '{"city":"Paris"}', "status": "completed"}
+    resp = {"id": "resp_cut1", "object": "response", "created_at": 1, "model": "m", "status": "in_progress",
+            "output": []}
+    usage = {"input_tokens": 10, "output_tokens": 7, "total_tokens": 17,
+             "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+    events = [("response.created", {"response": resp}), ("response.in_progress", {"response": resp}),
+              ("response.output_item.added", {"output_index": 0, "item": item}),
+              ("response.function_call_arguments.delta", {"output_index": 0, "item_id": "fc_1", "delta": '{"city":'}),
+              ("response.function_call_arguments.delta", {"output_index": 0, "item_id": "fc_1", "delta": '"Paris"}'}),
+              ("response.function_call_arguments.done", {"output_index": 0, "item_id": "fc_1",
+                                                         "arguments": '{"city":"Paris"}'}),
+              ("response.output_item.done", {"output_index": 0, "item": done}),
+              ("response.completed", {"response": {**resp, "status": "completed", "output": [done], "usage": usage}})]
+    return [b"event: " + name.encode() + b"\ndata: "
+            + orjson.dumps({"type": name, "sequence_number": i, **data}) + b"\n\n"
+            for i, (name, data) in enumerate(events)]
+
+
+async def _cut_responses_engine(request: web.Request) -> web.StreamResponse:
+    """Streams the events above; ``x-cut: N`` breaks the connection half way through event N."""
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    cut = int(request.headers.get("x-cut", "-1"))
+    for i, event in enumerate(_function_call_events()):
+        if i == cut:
+            await resp.write(event[:len(event) // 2])
+            await asyncio.sleep(0.05)
+            request.transport.abort()
+            return resp
+        await resp.write(event)
+    await resp.write_eof()
+    return resp
+
+
+async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_response_failed(gateway):
+    """The half event an engine sent before its connection broke never reaches the client: the
+    SDK reads the stream up to the gateway's error and response.failed events, rather than
+    raising a JSON error on a frame that glued the half event to them."""
+    async with fake_engine(_cut_responses_engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        c = openai_client(gw)
+        async with c.responses.stream(model="m", input="weather?") as stream:
+            final = await stream.get_final_response()
+        assert final.status == "completed" and final.output[0].arguments == '{"city":"Paris"}'
+        for cut in (0, 1, 3, 4, 7):
+            events = [ev async for ev in await c.responses.create(model="m", input="weather?", stream=True,
+                                                                  extra_headers={"x-cut": str(cut)})]
+            assert [ev.type for ev in events][-2:] == ["error", "response.failed"], cut
+            # cut inside response.created: the gateway's own opens the stream (its id, resp_<request id>)
+            assert events[0].type == "response.created" and (events[-1].response.id == "resp_cut1") == (cut > 0)
+            assert events[-1].response.id == events[0].response.id
+            assert events[-1].response.error.code == "upstream_incomplete"
+            assert [ev.sequence_number for ev in events] == list(range(len(events)))
+            seen = []
+            async with c.responses.stream(model="m", input="weather?", extra_headers={"x-cut": str(cut)}) as stream:
+                async for ev in stream:
+                    seen.append(ev.type)
+            assert seen[-1] == "response.failed"

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.apis.responses_stream import ResponsesScanner, failure_events
+from gateway.pipeline.sse import MAX_EVENT_BYTES
 
 
 def ev(kind: str, named: bool = True, **fields) -> bytes:
@@ -66,7 +67,13 @@ def test_bytes_pass_unchanged_and_in_order_however_the_stream_is_cut(cuts, line_
     points = sorted(set(cuts))
     chunks = [raw[i:j] for i, j in zip([0, *points], [*points, len(raw)], strict=True)]
     s = ResponsesScanner()
-    out = b"".join(s.feed(c, 0.0) for c in chunks) + s.finish()
+    sent = b""
+    for c in chunks:
+        sent += s.feed(c, 0.0)
+        # whole events only: an event's start waits for its end (a read that ends between the CR
+        # and the LF of a CRLF has its CR read as a line end, which ends the event as well)
+        assert not sent or sent.endswith(line_end * 2) or sent.endswith(b"\r\n\r")
+    out = sent + s.finish()
     assert out == raw
     assert s.done and s.usage == DONE["usage"]
     assert raw.index(b"event: response.completed") >= len(out) - len(stream()[-1].replace(b"\n", line_end))
@@ -97,3 +104,25 @@ def test_a_stream_that_failed_before_its_response_was_created_names_one():
         assert [e["sequence_number"] for e in (created, err, failed)] == [0, 1, 2]
         assert created["response"]["id"] == "resp_abc123" and created["response"]["status"] == "in_progress"
         assert failed["response"]["id"] == "resp_abc123" and failed["response"]["status"] == "failed"
+
+
+def test_an_event_cut_short_by_the_engine_is_not_forwarded():
+    """An engine whose stream ends in the middle of an event: that half event is not passed on
+    (the stream ends in the gateway's failure events), and their sequence numbers go on from the
+    last event the client was sent."""
+    s = ResponsesScanner()
+    events = stream()
+    sent = b"".join(s.feed(chunk, 0.0) for chunk in events[:3]) + s.feed(events[3][:20], 0.0)
+    assert sent == b"".join(events[:3])
+    assert s.finish() == b"" and not s.done
+    err = orjson.loads(failure_events(s, "m", 502, "cut", "upstream_incomplete").split(b"data: ", 1)[1].split(b"\n")[0])
+    assert err["sequence_number"] == 3
+
+
+def test_an_event_over_the_scan_limit_is_forwarded_as_it_comes():
+    s = ResponsesScanner()
+    huge = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","delta":"' + b"x" * MAX_EVENT_BYTES
+    assert s.feed(stream()[0] + huge[:100], 0.0) == stream()[0]     # the event's start waits ...
+    assert s.feed(huge[100:], 0.0) == huge[:100] + huge[100:]       # ... until it outgrows the limit
+    assert s.feed(b'"}\n\n' + stream()[1][:10], 0.0) == b'"}\n\n'
+    assert s.finish() == b""
