@@ -243,6 +243,18 @@ class DrainRate:
         if self._first is None:
             self._first = now
 
+    def resize(self, window_s: float) -> None:
+        """Measure over ``window_s`` from now on (a reload), keeping the seconds counted that both
+        windows hold."""
+        window = max(1, int(math.ceil(window_s)))
+        if window == self.window:
+            return
+        buckets = [0] * window
+        if self._last is not None:
+            for sec in range(self._last - min(window, self.window) + 1, self._last + 1):
+                buckets[sec % window] = self._buckets[sec % self.window]
+        self.window, self._buckets = window, buckets
+
     def rate(self, now: float) -> float:
         self._advance(now)
         if self._first is None:

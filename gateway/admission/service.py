@@ -146,7 +146,8 @@ class Admission:
                 self._by_class[model] = [
                     replace(th, max_waiting=s.waiting_share.limit(r, s.max_waiting_per_endpoint))
                     for r in range(len(PRIORITIES))]
-                self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
+                mq = self._models.setdefault(model, ModelQueue(drain=DrainRate(s.drain_window_s)))
+                mq.drain.resize(s.drain_window_s)          # a reload may have changed it
             return s
 
     # -- priority ------------------------------------------------------------------------------

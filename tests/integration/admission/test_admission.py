@@ -342,3 +342,29 @@ async def test_a_request_admission_sheds_costs_the_user_nothing_on_shared_state(
                                  limits={"users": {"alice": {"rpm": 10}}},
                                  state={"redis_url": redis_server.url, **FAST_STATE})
     await _shed_costs_nothing(gw)
+
+
+async def test_a_reload_that_changes_drain_window_s_measures_the_drain_over_the_new_window(sims, gateway):
+    """``Settings apply on reload``: the drain rate a queue already had is measured over the
+    reloaded ``drain_window_s`` too, not over the window the model's first request found."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    _, gw = await capped_gateway(sims, gateway, {"queue_max": 0, "drain_window_s": 1})
+    client = openai_client(gw)
+    await client.chat.completions.create(**body())           # the model's queue exists, its window 1 s
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    wider = msgspec.structs.replace(config, admission=msgspec.structs.replace(config.admission, drain_window_s=60))
+    assert reloader.reload("test", wider).result == "ok"
+    for _ in range(4):
+        await client.chat.completions.create(**body())
+    await asyncio.sleep(2.2)          # out of a 1 s window, well inside a 60 s one
+    blocker = await hold(gw)
+    with pytest.raises(openai.RateLimitError) as full:
+        await client.chat.completions.create(**body())
+    # five requests finished in the last 60 s: a rate, so not the cap that says nothing drained
+    assert int(full.value.response.headers["Retry-After"]) < 60
+    await cancel(blocker)
+    await client.close()

@@ -75,6 +75,21 @@ def test_drain_rate_over_its_window():
     assert d.rate(125.0) == 0.0
 
 
+def test_drain_rate_resized_keeps_the_seconds_both_windows_hold():
+    d = DrainRate(2)
+    for sec in (100.0, 101.0):
+        d.tick(sec, 3)
+    d.resize(60)                             # a reload widened the window
+    for i in range(5):
+        d.tick(102.0 + i)
+    assert d.rate(110.0) == 11 / 10          # 6 kept + 5 new, since the first tick 10 s ago
+    d = DrainRate(10)
+    for i in range(6):
+        d.tick(100.0 + i)
+    d.resize(3)                              # narrowed: seconds 103..105 are kept, 100..102 are not
+    assert d.rate(105.5) == 3 / 3
+
+
 def test_retry_after():
     assert retry_after_s(0, 10.0, 60) == 1.0          # at least a second
     assert retry_after_s(49, 10.0, 60) == 5.0         # 50 to drain at 10/s
