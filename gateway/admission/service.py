@@ -117,6 +117,9 @@ class Admission:
         self._by_class: dict[str, list[Thresholds]] = {}      # per class: its share of the engine queue
         self.engine_signals = config.scrape.enabled
         for model in list(self._models):
+            # read again now, not at the model's next request: a scrape before it must re-base its
+            # endpoints (``on_endpoint``) with the gateway's load at that scrape
+            self.settings(model)
             self._pump(model)
 
     def set_workers(self, n: int, index: int = 0) -> None:

@@ -368,3 +368,32 @@ async def test_a_reload_that_changes_drain_window_s_measures_the_drain_over_the_
     assert int(full.value.response.headers["Retry-After"]) < 60
     await cancel(blocker)
     await client.close()
+
+
+async def test_after_a_reload_a_scrape_still_rebases_the_engines_queue(sims, gateway):
+    """A scrape taken after a reload and before the model's next request records the gateway's
+    load at that scrape, as before the reload: requests that end afterwards free their room at
+    once, not only at the next scrape."""
+    from gateway.server.app import RELOAD_KEY
+
+    sim = await sims("vllm", "m", max_num_seqs=1)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], scrape={"interval_s": 2.0},
+                       admission={"enabled": True, "max_waiting_per_endpoint": 1, "metrics_max_age_s": 30})
+    ep = gw.gw.pool.endpoints("m")[0]
+    first = await hold(gw)
+    second = asyncio.create_task(post(gw.url, body(), HOLD))
+    assert await wait_for(lambda: ep.metrics is not None and (ep.metrics.running, ep.metrics.waiting) == (1, 1),
+                          timeout=10)
+    reloader = gw.runner.app[RELOAD_KEY]
+    assert reloader.reload("test", reloader.live.config).result == "ok"
+    before = ep.metrics
+    assert await wait_for(lambda: ep.metrics is not before, timeout=10)     # a scrape after the reload
+    snap = ep.metrics
+    assert (snap.running, snap.waiting) == (1, 1)
+    await cancel(first)
+    await cancel(second)
+    assert await wait_for(lambda: ep.in_flight == 0)
+    row = gw.gw.admission.status("m")["endpoints"][0]
+    assert ep.metrics is snap, "a scrape came in between: the check says nothing"
+    # the engine was left with both requests the gateway had on it at the scrape: it is idle now
+    assert not row["saturated"] and row["engine_queue"] <= 0
