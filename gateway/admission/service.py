@@ -407,18 +407,20 @@ class Admission:
                 # its deadline passed before its timer ran (a busy event loop ran the release that
                 # frees a slot first): shed now, never served late
                 err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), slo=w.slo_ms)
-                q.pop()
+                q.remove(w)                 # shed, not served: nothing on its user's counter
                 w.fut.set_exception(err)
+                continue
+            if w.fut.done():                # its task was cancelled and has not run yet: not served
+                q.remove(w)
                 continue
             eps = [ep for ep in w.candidates if ep.ready]
             if eps and total_headroom(eps, w.pairs, by_class[w.rank], now) - mq.granted < 1:
                 return
-            q.pop()
-            if w.fut.done():                # its task was cancelled and has not run yet
-                continue
             if not eps:
+                q.remove(w)
                 w.fut.set_exception(_no_endpoint(model))
                 continue
+            q.pop()                         # dispatched: its cost goes on its user's counter
             w.state = GRANTED
             mq.granted += 1
             w.fut.set_result(None)

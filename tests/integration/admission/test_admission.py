@@ -242,12 +242,14 @@ async def test_a_waiter_whose_deadline_passed_before_its_timer_ran_is_shed_not_s
     scrapes: the in-flight cap alone says when there is room, so the clock does not age them)."""
     sim, gw = await capped_gateway(sims, gateway, scrape={"enabled": False})
     blocker = await hold(gw)
+    served = queue(gw).counter(1, "")                    # the blocker's cost, on the user's counter
     waiting = asyncio.create_task(post(gw.url, body(), {"x-slo-ttft-ms": "60000"}))
     assert await wait_for(lambda: len(queue(gw)) == 1)
     gw.gw.admission.clock = lambda: time.monotonic() + 3600
     await cancel(blocker)                                # room, after the deadline
     status, headers, raw = await waiting
     assert status == 429 and orjson.loads(raw)["error"]["code"] == "deadline" and int(headers["Retry-After"]) >= 1
+    assert queue(gw).counter(1, "") == served            # shed, not served: its user is not charged for it
     assert sim.engine.counts.started == 1                # only the blocker reached the engine
     assert len(queue(gw)) == 0 and gw.gw.admission._models["m"].granted == 0
     gw.gw.admission.clock = time.monotonic
