@@ -336,6 +336,15 @@ end
 return out
 """
 
+WHOLE_DIRECTORY = """
+-- KEYS: 1 directory version, 2 users hash, 3 keys hash, 4 change log
+-- Returns {version (false: none yet), users hash, keys hash, the log's newest entry (or none)}, read
+-- in one step. A script, not a transaction: the Cluster client runs each command of a transaction
+-- in a thread with an event loop of its own, which can wait for a lock the caller's loop holds.
+return {redis.call('GET', KEYS[1]) or false, redis.call('HGETALL', KEYS[2]), redis.call('HGETALL', KEYS[3]),
+        redis.call('ZREVRANGE', KEYS[4], 0, 0)}
+"""
+
 # the versions the directory's change log keeps, and the most entries a replica reads from it: a
 # mirror further behind (after an outage, or a user's delete of thousands of keys) is read whole
 LOG_VERSIONS = 1000
@@ -369,7 +378,7 @@ class RedisState:
         self.reconcile = self.mode != "standalone"
         self.client = redis_client(cfg)
         self._sha = {src: hashlib.sha1(src.encode()).hexdigest()
-                     for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT, USAGE, CHANGES)}
+                     for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT, USAGE, CHANGES, WHOLE_DIRECTORY)}
         self._sync = self.client.register_script(SYNC)
         self._ttl_ms = int(cfg.replica_ttl_s * 1000)
         p = shared_prefix(cfg)
@@ -711,7 +720,8 @@ class RedisState:
 
     async def leave(self) -> None:
         """On shutdown: stop counting in the others' view at once instead of after the TTL."""
-        pipe = self.client.pipeline(transaction=True)
+        # not a transaction (see WHOLE_DIRECTORY): the two keys need not change in one step
+        pipe = self.client.pipeline(transaction=False)
         pipe.zrem(self.k_replicas, self.replica_id).delete(self.k_inflight_prefix + self.replica_id)
         with contextlib.suppress(StateUnavailable):
             await self._call(pipe.execute())
@@ -721,9 +731,10 @@ class RedisState:
     async def load_directory(self) -> tuple[str, dict[str, UserLimits], dict[str, KeyRecord], str | None]:
         """The whole directory: its version, users, keys, and the tag of the write that made that
         version (None when the change log does not have it)."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.get(self.k_version).hgetall(self.k_users).hgetall(self.k_keys).zrevrange(self.k_log, 0, 0)
-        version, users_raw, keys_raw, last = await self._call(pipe.execute(), probe=True)
+        version, users_flat, keys_flat, last = await self._call(
+            self._evalsha(WHOLE_DIRECTORY, [self.k_version, self.k_users, self.k_keys, self.k_log], []), probe=True)
+        users_raw = dict(zip(users_flat[::2], users_flat[1::2], strict=True))
+        keys_raw = dict(zip(keys_flat[::2], keys_flat[1::2], strict=True))
         users, keys = {}, {}
         for name, data in users_raw.items():
             with contextlib.suppress(ValueError, TypeError, KeyError):

@@ -192,3 +192,36 @@ async def test_a_failover_of_the_view_stream_is_one_loss(redis_cluster):
     finally:
         await a.stop()
         await b.stop()
+
+
+def test_the_directory_read_and_the_farewell_while_the_slot_map_is_read_again(redis_cluster):
+    """After a failure the client reads the slot map again on its next call. A whole-directory read
+    (the first sync after an outage does one) or a replica's farewell on shutdown that comes while
+    another call is reading it gets its answer: a transaction on the Cluster client ran each of
+    its commands in a thread with an event loop of its own, which waited for the map's lock held by
+    the caller's loop while that loop waited for the thread (the worker hung for good; when the
+    lock had been waited for before, the sync failed with a traceback instead)."""
+    import threading
+
+    from gateway.state.redis import forget_topology
+    from gateway.tenants.redis_state import RedisState
+    from tests.support.redis_failover import FAILOVER_S
+
+    async def scenario() -> tuple:
+        st = RedisState(StateConfig(redis_url=redis_cluster.url, timeout_s=2.0))
+        try:
+            await st.load_directory()
+            await forget_topology(st.client)
+            _, directory = await asyncio.gather(st.sync(None), st.load_directory())
+            await forget_topology(st.client)
+            await asyncio.gather(st.sync(None), st.leave())
+            return directory
+        finally:
+            await st.stop()
+
+    got: dict = {}
+    # its own thread (a daemon, as are the threads it starts), so that a hung loop fails the test
+    runner = threading.Thread(target=lambda: got.update(directory=asyncio.run(scenario())), daemon=True)
+    runner.start()
+    runner.join(FAILOVER_S)
+    assert got == {"directory": ("0", {}, {}, None)}
