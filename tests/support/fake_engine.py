@@ -3,6 +3,7 @@ a free loopback port with ``/health`` answered, and the test's own ``/v1/chat/co
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -28,3 +29,25 @@ async def fake_engine(chat: Callable[[web.Request], Awaitable[web.StreamResponse
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+def cutting_stream(events: Callable[[], list[bytes]]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An engine handler that streams ``events()``; a request with ``x-cut: N`` gets half of
+    event N, then its connection broken (a stream the engine breaks in the middle of an event)."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        cut = int(request.headers.get("x-cut", "-1"))
+        for i, event in enumerate(events()):
+            if i == cut:
+                await resp.write(event[:len(event) // 2])
+                await asyncio.sleep(0.05)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+    return handler

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import aiohttp.web
 import anthropic
@@ -13,7 +11,7 @@ import pytest
 from gateway.apis.anthropic import error_type as anthropic_error_type
 from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block
-from tests.support.fake_engine import fake_engine
+from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import anthropic_client, sim_state, sse_frames
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -322,21 +320,7 @@ def _messages_events() -> list[bytes]:
     ]
 
 
-async def _cut_messages_engine(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
-    """Streams the events above; ``x-cut: N`` breaks the connection half way through event N."""
-    await request.read()
-    resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    cut = int(request.headers.get("x-cut", "-1"))
-    for i, event in enumerate(_messages_events()):
-        if i == cut:
-            await resp.write(event[:len(event) // 2])
-            await asyncio.sleep(0.05)
-            request.transport.abort()
-            return resp
-        await resp.write(event)
-    await resp.write_eof()
-    return resp
+_cut_messages_engine = cutting_stream(_messages_events)
 
 
 async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_a_clean_error_event(gateway):

@@ -4,8 +4,6 @@ replicas on one Redis), owner-gone errors, failures after headers, gateway-held 
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import openai
 import orjson
@@ -15,7 +13,7 @@ from aiohttp import web
 from enginesim import SimConfig, start_sim
 from tests.conftest import FAST_SIM
 from tests.support.factories import model_block
-from tests.support.fake_engine import fake_engine
+from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import openai_client, sim_state
 from tests.support.tenancy import ALICE, BOB, KEYS
 from tests.support.waiting import wait_for
@@ -474,21 +472,7 @@ def _function_call_events() -> list[bytes]:
             for i, (name, data) in enumerate(events)]
 
 
-async def _cut_responses_engine(request: web.Request) -> web.StreamResponse:
-    """Streams the events above; ``x-cut: N`` breaks the connection half way through event N."""
-    await request.read()
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    cut = int(request.headers.get("x-cut", "-1"))
-    for i, event in enumerate(_function_call_events()):
-        if i == cut:
-            await resp.write(event[:len(event) // 2])
-            await asyncio.sleep(0.05)
-            request.transport.abort()
-            return resp
-        await resp.write(event)
-    await resp.write_eof()
-    return resp
+_cut_responses_engine = cutting_stream(_function_call_events)
 
 
 async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_response_failed(gateway):
