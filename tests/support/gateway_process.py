@@ -9,12 +9,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+
+
+async def interrupt(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Stop gateway processes as Ctrl-C does (a drain without the SIGTERM delay), each waited for
+    up to ``timeout`` seconds, then killed."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            await asyncio.to_thread(p.wait, timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @contextlib.asynccontextmanager

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from gateway.tenants.directory import key_digest
 from gateway.tenants.limits import AdmitQuery
 from gateway.tenants.redis_state import RECONCILE, RedisState, StateUnavailable
 from tests.support.factories import model_block
+from tests.support.gateway_process import interrupt
 from tests.support.http import openai_client
 from tests.support.ports import listen_port
 from tests.support.tenancy import ALICE, CHAT, KEYS, outcomes
@@ -278,15 +278,7 @@ async def test_two_gateway_processes_share_one_limit(sims, redis_server, tmp_pat
         replicas = await wait_for(both_registered, timeout=10)
         await r.aclose()
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)        # drain without the SIGTERM delay
-        for p in procs:
-            try:
-                await asyncio.to_thread(p.wait, 15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        await interrupt(procs, 15)
     # checked once the processes have stopped, so that their logs are whole if it fails
     assert got.count(200) == 4 and got.count("RateLimitError") == 4, _unusual(tmp_path, 2)
     assert replicas, "the two gateway processes are not both registered as replicas"
@@ -774,9 +766,4 @@ async def test_the_status_page_of_a_gateway_with_workers_shows_all_its_requests_
             r.close()
         for s in sessions:
             await s.close()
-        proc.send_signal(signal.SIGINT)
-        try:
-            await asyncio.to_thread(proc.wait, 15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        await interrupt([proc], 15)

@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from tests.support.gateway_process import per_worker
+from tests.support.gateway_process import interrupt, per_worker
 from tests.support.ports import listen_port
 from tests.support.waiting import until
 
@@ -125,13 +125,8 @@ async def test_an_engine_killed_under_load_is_taken_out_and_back_once_by_both_wo
         stop.set()
         await asyncio.gather(*clients)
     finally:
-        if gw is not None and gw.poll() is None:
-            gw.send_signal(signal.SIGINT)
-            try:
-                await asyncio.to_thread(gw.wait, 20)
-            except subprocess.TimeoutExpired:
-                gw.kill()
-                gw.wait()
+        if gw is not None:
+            await interrupt([gw], 20)
         for e in engines:
             with contextlib.suppress(ProcessLookupError):
                 e.kill()
