@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from gateway.config.schema import StateConfig, UserLimits
 from gateway.state.redis import redis_client
 from gateway.tenants.directory import key_digest
 from gateway.tenants.limits import AdmitQuery
-from gateway.tenants.redis_state import RECONCILE, RedisState, StateUnavailable
+from gateway.tenants.redis_state import RECONCILE, WHOLE_DIRECTORY, RedisState, StateUnavailable
 from tests.support.factories import model_block
 from tests.support.gateway_process import interrupt
 from tests.support.http import openai_client
@@ -548,9 +549,14 @@ async def _store_keys(r, n: int, logged: bool = False) -> None:
         await r.zadd("switchyard:dirlog", {f"{version}:seed:0:": version})
 
 
+# a mirror's whole read of the directory, as MONITOR shows the client's command
+_WHOLE_READ = "EVALSHA " + hashlib.sha1(WHOLE_DIRECTORY.encode()).hexdigest().upper()
+
+
 class _DirectoryReads:
-    """Counts the whole-directory reads (``HGETALL`` of the keys hash by a client, or with ``by_script`` by a script)
-    the Redis server runs while it is open, by ``MONITOR``."""
+    """Counts the whole-directory reads the Redis server runs while it is open, by ``MONITOR``: a
+    mirror's (the ``WHOLE_DIRECTORY`` script, or an ``HGETALL`` of the keys hash by a client), or
+    with ``by_script`` an ``HGETALL`` of the keys hash inside any script."""
 
     def __init__(self, url: str, by_script: bool = False) -> None:
         self.url = url
@@ -568,9 +574,13 @@ class _DirectoryReads:
         while True:
             cmd = await self._monitor.next_command()
             self.marked = self.marked or cmd["command"] == "ECHO directory-reads-mark"
-            if (cmd["client_type"] == "lua") == self.by_script \
-                    and cmd["command"].upper().startswith("HGETALL SWITCHYARD:KEYS"):
-                self.count += 1
+            command = cmd["command"].upper()
+            if self.by_script:
+                counted = cmd["client_type"] == "lua" and command.startswith("HGETALL SWITCHYARD:KEYS")
+            else:
+                counted = cmd["client_type"] != "lua" and (command.startswith("HGETALL SWITCHYARD:KEYS")
+                                                           or command.startswith(_WHOLE_READ))
+            self.count += counted
 
     async def mark(self) -> None:
         """Wait until the monitor has read what the server ran so far (up to a command of our own)."""
