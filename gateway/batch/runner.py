@@ -179,10 +179,10 @@ class BatchRunner:
         def change(d: dict[str, Any]) -> bool:
             if d["status"] != "validating":
                 return False
-            d["request_counts"]["total"] = total
-            if errors:
+            if errors:      # refused whole: no line of it is a request (OpenAI counts none either)
                 d.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
             else:
+                d["request_counts"]["total"] = total
                 d.update(status="in_progress", in_progress_at=now)
             return True
         job.doc = await self.db.run(BatchStore.update_batch, job.id, change) or job.doc

@@ -122,6 +122,8 @@ async def test_a_line_whose_url_is_not_the_endpoint_fails_the_batch(sims, gatewa
                                                     completion_window="24h")).id)
     assert b.status == "failed" and b.failed_at
     assert [(e.code, e.line, e.param) for e in b.errors.data] == [("mismatched_url", 3, "url")]
+    # a batch refused whole holds no requests, as OpenAI counts one that failed validation
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (0, 0, 0)
     assert (await sim_state(sim.url))["received"] == [] or all(
         r["path"] != "/v1/chat/completions" for r in (await sim_state(sim.url))["received"])
 
