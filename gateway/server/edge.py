@@ -764,6 +764,23 @@ def connect_refused(request: web.BaseRequest) -> web.Response:
                           "method_not_allowed", {"Allow": "GET, POST"})
 
 
+_METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def methods_served(router: web.UrlDispatcher) -> str:
+    """The ``Allow`` of an ``OPTIONS *``: every method a route of ``router`` serves (aiohttp's GET
+    routes serve HEAD too), and OPTIONS, which the edge answers for the server as a whole."""
+    methods = {route.method for route in router.routes() if route.method != hdrs.METH_ANY} | {"OPTIONS"}
+    return ", ".join(sorted(methods, key=lambda m: (_METHOD_ORDER.index(m) if m in _METHOD_ORDER else 99, m)))
+
+
+def server_options(request: web.BaseRequest, allow: str) -> web.Response:
+    """RFC 9110 §9.3.7: ``OPTIONS *`` asks about the server in general, not about a resource: a 200
+    with the methods it serves and no content; the connection stays open for the next request."""
+    rid = request_id_from(request.headers.get("x-request-id"))
+    return web.Response(status=200, headers={"Allow": allow, "request-id": rid, "x-request-id": rid})
+
+
 def content_length_refused(request: web.BaseRequest) -> web.Response:
     """A ``Content-Length`` of more digits than Python converts to an int (4300: zeros in front of
     a small length, which the parser read as that length): refused as any malformed
@@ -803,7 +820,7 @@ class EdgeServer(web.Server):
     """aiohttp's low-level server, making ``EdgeProtocol`` connections."""
 
     def __init__(self, handler: Any, *, edge: Edge, loop: asyncio.AbstractEventLoop | None = None,
-                 direct: dict[str, Any] | None = None, **kwargs: Any) -> None:
+                 direct: dict[str, Any] | None = None, allow: str, **kwargs: Any) -> None:
         super().__init__(handler, loop=loop, **kwargs)
         self.edge = edge
         self._edge_loop = loop or asyncio.get_running_loop()
@@ -837,6 +854,8 @@ class EdgeServer(web.Server):
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
                 return connect_refused(request)
+            if request.method == "OPTIONS" and request.raw_path == "*":    # about the server, not a path
+                return server_options(request, allow)
             try:
                 length = request.content_length
             except ValueError:              # more digits than int() converts (leading zeros the parser took)
@@ -879,7 +898,8 @@ class EdgeRunner(web.AppRunner):
         # the base implementation; its Server's handler kwargs (``_kwargs``) carry what the runner
         # and the app collected (limits, access log, debug, handler_args).
         base = await super()._make_server()
-        return EdgeServer(base.request_handler, edge=self.edge, direct=self.direct, request_factory=base.request_factory,
+        return EdgeServer(base.request_handler, edge=self.edge, direct=self.direct,
+                          allow=methods_served(self._app.router), request_factory=base.request_factory,
                           handler_cancellation=base.handler_cancellation, **base._kwargs)
 
 

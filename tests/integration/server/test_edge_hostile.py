@@ -298,3 +298,20 @@ async def test_header_bytes_that_are_not_utf8_are_quoted_in_a_shaped_error():
                                              {"routing-strategy": "least-\udcff\udcfe"}))
         err = assert_openai_error(ex.first, 400)
         assert "\\xff\\xfe" in err["message"]
+
+
+@on_both_loops
+async def test_options_asterisk_is_answered_with_the_methods_served_and_the_connection_kept():
+    """RFC 9110 §9.3.7: ``OPTIONS *`` asks about the server, not a resource; it is answered 200 with
+    the methods the gateway's routes serve, and the next request on the connection is served."""
+    async with edge_gateway(**SERVER) as gw:
+        ex = await exchange(gw.port, request("OPTIONS", "*"), request("POST", CHAT, BODY),
+                            request("OPTIONS", "*") + request("GET", "/v1/models", close=True))
+        assert [r.status for r in ex.responses] == [200, 200, 200, 200], [(r.status, r.body[:80]) for r in ex.responses]
+        for answer in (ex.responses[0], ex.responses[2]):
+            assert {m.strip() for m in answer.headers["allow"].split(",")} == {"GET", "HEAD", "POST", "DELETE", "OPTIONS"}
+            assert answer.headers["content-length"] == "0" and answer.body == b""
+            assert answer.headers["request-id"]
+        assert ex.responses[1].json()["object"] == "chat.completion"
+        assert ex.responses[3].json()["object"] == "list"
+        assert ex.closed and not ex.trailing
