@@ -116,6 +116,15 @@ def _not_failed(rid: str, response: Any) -> None:
                            code="invalid_value", error_class=ErrorClass.VALIDATION)
 
 
+def _not_streamed(query) -> None:
+    """A GET with ``stream=true`` replays a background stream's events; a response the gateway
+    answers itself (a failed one, gateway-held history) was never one, as a background response is
+    left to its engine: refused as OpenAI and vLLM refuse it, where its JSON read as an empty stream."""
+    if query.get("stream", "").lower() in ("true", "1", "yes", "on"):
+        raise GatewayError(400, "This response cannot be streamed because it was not created with "
+                           "background=true.", param="stream", error_class=ErrorClass.VALIDATION)
+
+
 def _not_found(rid: str) -> GatewayError:
     return GatewayError(404, f"Response with id '{rid}' not found.", param="response_id", code="response_not_found",
                         error_class=ErrorClass.RESPONSE_NOT_FOUND)
@@ -475,6 +484,7 @@ class ResponsesApi(ApiShape):
         elif page is not None:
             body = _input_items_page(rid, list(record.get("input") or ()), page)
         else:
+            _not_streamed(request.query)
             body = record.get("response") or {"id": rid, "object": "response"}
         return web.Response(body=orjson.dumps(body), headers=rec.response_headers(), content_type="application/json")
 
@@ -512,6 +522,8 @@ class ResponsesApi(ApiShape):
         body: Any = failed
         if action == "delete":
             body = await self._deleted(self.owners, rid)
+        else:
+            _not_streamed(request.query)
         rec.status = 200
         return web.Response(body=orjson.dumps(body), headers=rec.response_headers(), content_type="application/json")
 

@@ -499,3 +499,28 @@ async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_error_and_re
                 async for ev in stream:
                     seen.append(ev.type)
             assert seen[-1] == "response.failed"
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_streaming_a_response_not_created_in_the_background_is_refused_in_either_state_mode(
+        sims, gateway, state):
+    """GET ?stream=true replays a background stream only; of any other response (OpenAI and vLLM
+    answer a 400 naming stream) the gateway's own records, a failed response's or gateway-held
+    history's, are refused the same way, where they answered the JSON object, which the openai SDK
+    read as a stream of no events."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": state})
+    c = openai_client(gw)
+    stream = await c.responses.create(model="m", input="x", max_output_tokens=20, stream=True,
+                                      extra_headers={"x-sim-fault": "drop_after=2"})
+    failed = [ev async for ev in stream][-1].response
+    done = await c.responses.create(model="m", input="x", max_output_tokens=3)
+    assert (failed.status, done.status) == ("failed", "completed")
+    # engine state: the completed one is its engine's to answer (its own 400), the failed one the gateway's
+    for rid, ours in ((failed.id, True), (done.id, state == "gateway")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            [ev async for ev in await c.responses.retrieve(rid, stream=True)]
+        if ours:
+            assert ei.value.body["param"] == "stream" and "background=true" in ei.value.body["message"]
+    assert (await c.responses.retrieve(failed.id, extra_query={"stream": "false"})).status == "failed"
+    assert (await c.responses.retrieve(done.id)).status == "completed"
