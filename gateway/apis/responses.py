@@ -116,13 +116,14 @@ def _not_failed(rid: str, response: Any) -> None:
                            code="invalid_value", error_class=ErrorClass.VALIDATION)
 
 
-def _not_streamed(query) -> None:
+def _not_streamed(query: Any) -> None:
     """A GET with ``stream=true`` replays a background stream's events; a response the gateway
     answers itself (a failed one, gateway-held history) was never one, as a background response is
     left to its engine: refused as OpenAI and vLLM refuse it, where its JSON read as an empty stream."""
     if query.get("stream", "").lower() in ("true", "1", "yes", "on"):
-        raise GatewayError(400, "This response cannot be streamed because it was not created with "
-                           "background=true.", param="stream", error_class=ErrorClass.VALIDATION)
+        raise GatewayError(400, "stream=true replays a response's events only when it was created with "
+                           "background=true; leave stream out to read this one.", param="stream",
+                           error_class=ErrorClass.VALIDATION)
 
 
 def _not_found(rid: str) -> GatewayError:
