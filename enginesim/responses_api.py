@@ -24,8 +24,11 @@ adapted from vLLM's):
 * Usage is ``input_tokens``/``output_tokens`` (+ details) for vLLM; SGLang's non-streaming body
   keeps its chat ``UsageInfo`` (``prompt_tokens``/``completion_tokens``) and converts it only in
   ``response.completed``.
-* ``status`` is ``completed`` even when ``max_output_tokens`` cut the answer (both engines set
-  ``incomplete`` only on their harmony path); cancel of a finished response is 400
+* An answer that ``max_output_tokens`` (or the context) cut short: vLLM says ``status: "incomplete"``
+  with ``incomplete_details: {"reason": "max_output_tokens"}`` (its message item stays
+  ``completed``), in the body and in the stream's last response, whose event is still
+  ``response.completed`` (OpenAI's is ``response.incomplete``); SGLang says ``completed`` (it sets
+  ``incomplete`` on its gpt-oss path only). Cancel of a finished response is 400
   ``Cannot cancel a synchronous response.``
 * ``background`` with ``stream`` (vLLM): the stream's events are made by the background task and
   kept; the POST's answer follows them, and ``GET /v1/responses/{id}?stream=true&starting_after=N``
@@ -272,8 +275,11 @@ class ResponsesApi:
     def _finished(self, body: dict[str, Any], seq: Sequence, max_tokens: int, text: str, store: bool,
                   responses_usage: bool = True) -> dict[str, Any]:
         output = [self._message_item(f"msg_{uuid.uuid4().hex}", text)] if text else []
-        resp = self._response(body, seq, max_tokens, "completed", output,
+        cut = seq.finish_reason == "length" and not self.sglang
+        resp = self._response(body, seq, max_tokens, "incomplete" if cut else "completed", output,
                               self._usage(seq, responses_shape=responses_usage))
+        if cut:
+            resp["incomplete_details"] = {"reason": "max_output_tokens"}
         if store:
             stored = self.response_store.get(seq.id)
             if stored is None or stored.get("status") != "cancelled":

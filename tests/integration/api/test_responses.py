@@ -29,7 +29,8 @@ async def test_create_and_stream_with_the_sdk_are_accounted(sims, gateway, engin
     gw = await gateway([model_block("m", engine, [sim.url])])
     c = openai_client(gw)
     r = await c.responses.create(model="m", instructions="Be brief.", input="Hello there", max_output_tokens=6)
-    assert r.status == "completed" and r.output_text and r.id.startswith("resp_")
+    assert r.output_text and r.id.startswith("resp_")
+    assert r.status == ("incomplete" if engine == "vllm" else "completed")     # SGLang says completed
     stream = await c.responses.create(model="m", input=[{"role": "user", "content": "Hi"}], max_output_tokens=6,
                                       stream=True)
     types = [ev.type async for ev in stream]
@@ -41,6 +42,28 @@ async def test_create_and_stream_with_the_sdk_are_accounted(sims, gateway, engin
     assert 'switchyard_inter_token_latency_seconds_count{model="m"} 5.0' in text
     assert 'switchyard_completion_tokens_total{model="m"} 12.0' in text
     assert 'switchyard_requests_total{model="m",status="200",strategy="least-request"} 2.0' in text
+
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_an_answer_max_output_tokens_cut_is_incomplete_and_kept_so(sims, gateway, state):
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    eos = await sims("vllm", "eos", enable_responses_store=True, eos_probability=1.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url]), model_block("eos", "vllm", [eos.url])],
+                       responses={"state": state})
+    c = openai_client(gw)
+    r = await c.responses.create(model="m", input="Tell me a story", max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens" and r.output_text
+    stream = await c.responses.create(model="m", input="go on", previous_response_id=r.id, max_output_tokens=3,
+                                      stream=True)
+    last = [ev async for ev in stream][-1]
+    # vLLM ends the stream with response.completed whose response is incomplete (OpenAI: response.incomplete)
+    assert last.response.status == "incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+    got = await c.responses.retrieve(last.response.id)
+    assert got.status == "incomplete" and got.incomplete_details.reason == "max_output_tokens"
+    # an answer that ended before its budget (an EOS) is complete
+    done = await c.responses.create(model="eos", input="Tell me a story", max_output_tokens=3)
+    assert done.status == "completed" and done.incomplete_details is None
 
 
 async def test_invalid_bodies_are_refused_before_routing(sims, gateway):
@@ -69,7 +92,7 @@ async def test_follow_ups_reach_the_engine_that_holds_the_response(sims, gateway
     counts = sorted([len(posts(await sim_state(a.url))), len(posts(await sim_state(b.url)))])
     assert counts == [0, 7]
     got = await c.responses.retrieve(r.id)
-    assert got.id == r.id and got.status == "completed"
+    assert got.id == r.id and got.status == "incomplete"
     with pytest.raises(openai.BadRequestError) as ei:        # the engine's own answer, OpenAI-shaped
         await c.responses.cancel(r.id)
     assert ei.value.body["message"] == "Cannot cancel a synchronous response."
@@ -116,7 +139,7 @@ async def test_previous_response_id_across_two_replicas_on_one_redis(sims, gatew
         stream = await openai_client(gw).responses.create(model="m", input="again", previous_response_id=r.id,
                                                    max_output_tokens=3, stream=True)
         r = [ev async for ev in stream][-1].response
-        assert r.status == "completed"
+        assert r.status == "incomplete"
     assert (await openai_client(g2).responses.retrieve(r.id)).id == r.id
     counts = sorted([len(posts(await sim_state(a.url))), len(posts(await sim_state(b.url)))])
     assert counts == [0, 5]
@@ -163,7 +186,7 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
         assert await wait_for(lambda: ep.ready, timeout=10)
         r2 = await c.responses.create(model="m", input="What is my name?", previous_response_id=r1.id,
                                       max_output_tokens=4)
-        assert r2.status == "completed"
+        assert r2.status == "incomplete"
         assert r2.usage.input_tokens > r1.usage.input_tokens     # the first turn was replayed
         items = await c.responses.input_items.list(r2.id, order="asc")
         assert [(i.role, i.content[0].text) for i in items.data][:1] == [("user", "My name is Ada.")]
@@ -201,7 +224,7 @@ async def test_gateway_history_keeps_nothing_of_a_store_false_response(sims, gat
     gw = await gateway([model_block("m", "vllm", [sim.url])], responses={"state": "gateway"})
     c = openai_client(gw)
     r = await c.responses.create(model="m", input="do not keep this", store=False, max_output_tokens=3)
-    assert r.status == "completed"
+    assert r.status == "incomplete"
     with pytest.raises(openai.NotFoundError) as ei:
         await c.responses.retrieve(r.id)
     assert ei.value.body["code"] == "response_not_found"
@@ -373,7 +396,7 @@ async def test_a_background_stream_its_client_left_is_resumed_through_the_gatewa
     assert events[-1].type == "response.completed" and events[-1].response.id == rid
     deltas = "".join(e.delta for e in seen + events if e.type == "response.output_text.delta")
     assert deltas == events[-1].response.output_text and events[-1].response.usage.output_tokens == 40
-    assert (await c.responses.retrieve(rid)).status == "completed"
+    assert (await c.responses.retrieve(rid)).status == "incomplete"
     again = await c.responses.retrieve(rid, stream=True, starting_after=-1)    # the whole stream, from the start
     assert [e.sequence_number async for e in again][0] == 0
 

@@ -23,7 +23,8 @@ async def test_vllm_stream_event_sequence_and_store(sims):
         assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
         assert all(d["type"] == n for n, d in events)
         done = events[-1][1]["response"]
-        assert done["usage"]["output_tokens"] == 3 and done["status"] == "completed"
+        assert done["usage"]["output_tokens"] == 3 and done["status"] == "incomplete"
+        assert done["incomplete_details"] == {"reason": "max_output_tokens"}
         async with s.get(sim.url + f"/v1/responses/{done['id']}") as r:
             assert (await r.json())["output"][0]["content"][0]["text"] == events[-4][1]["text"]
         async with s.delete(sim.url + f"/v1/responses/{done['id']}") as r:
