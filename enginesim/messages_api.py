@@ -5,14 +5,17 @@ messages), runs it, and converts the answer. What a gateway sees, reproduced her
 
 - Non-streaming: ``{"id", "type": "message", "role": "assistant", "content": [{"type": "text",
   "text"}], "model", "stop_reason", "usage": {"input_tokens", "output_tokens"}}``; ``None``
-  fields are left out (no ``stop_sequence``). The id is the chat completion's (``chatcmpl-…``).
-  ``stop_reason``: ``end_turn`` for a stop (EOS or a stop sequence), ``max_tokens`` for length.
+  fields are left out. The id is the chat completion's (``chatcmpl-…``). ``stop_reason``:
+  ``end_turn`` for EOS, ``max_tokens`` for length, and for a stop string of the request's
+  ``stop_sequences`` (the chat choice's ``stop_reason`` a string) ``stop_sequence``, with the
+  matched string in ``stop_sequence`` (left out otherwise).
 - Streaming: headers as soon as the request is admitted (as for chat), then, each frame as
   ``event: <type>`` + ``data: {...}``: ``message_start`` (with the first output; ``usage``
   carries ``input_tokens`` and ``output_tokens: 0``), ``content_block_start`` (index 0, an empty
   text block) before the first text, one ``content_block_delta`` (``text_delta``) per output,
-  ``content_block_stop``, ``message_delta`` (``stop_reason`` and the cumulative usage, input
-  tokens included), ``message_stop``. No ``ping`` frames, no ``[DONE]``.
+  ``content_block_stop``, ``message_delta`` (``stop_reason``, ``stop_sequence``: the matched string
+  or null, and the cumulative usage, input tokens included), ``message_stop``. No ``ping`` frames,
+  no ``[DONE]``.
 - Errors: ``{"type": "error", "error": {"type", "message"}}`` where ``type`` is vLLM's exception
   name (``NotFoundError``, ``BadRequestError``) and the status is the error's. A failure
   mid-stream is ``event: error`` with ``{"type": "error", "error": {"type": "internal_error",
@@ -50,6 +53,15 @@ from enginesim.tracing import trace_headers
 from enginesim.wire import json_response, read_json
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _stop(seq: Sequence) -> tuple[str, str | None]:
+    """The Anthropic stop reason of a finished sequence, and the stop sequence it matched: a stop
+    string ends it with ``stop_sequence`` (an EOS, whose stop reason is a token id, with
+    ``end_turn``)."""
+    if seq.finish_reason == "stop" and isinstance(seq.stop_reason, str):
+        return "stop_sequence", seq.stop_reason
+    return _STOP_REASONS.get(seq.finish_reason or "", "end_turn"), None
 
 
 def _error_response(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
@@ -180,9 +192,10 @@ class MessagesApi:
         out: dict[str, Any] = {"id": seq.id, "type": "message", "role": "assistant", "content": content,
                                "model": self.cfg.served_name,
                                "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}
-        reason = _STOP_REASONS.get(seq.finish_reason or "")
-        if reason:
-            out["stop_reason"] = reason
+        if seq.finish_reason in _STOP_REASONS:
+            out["stop_reason"], matched = _stop(seq)
+            if matched is not None:
+                out["stop_sequence"] = matched
         return json_response(out)
 
     async def _stream(self, request: web.Request, seq: Sequence) -> web.StreamResponse:
@@ -216,8 +229,9 @@ class MessagesApi:
                         "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}}))
         if block_open:
             await resp.write(_frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        reason, matched = _stop(seq)
         await resp.write(_frame("message_delta", {
-            "type": "message_delta", "delta": {"stop_reason": _STOP_REASONS.get(seq.finish_reason or "", "end_turn")},
+            "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
             "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}))
         await resp.write(_frame("message_stop", {"type": "message_stop"}))
         await at_end(self.engine, request, seq.fault)

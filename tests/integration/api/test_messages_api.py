@@ -57,6 +57,28 @@ async def test_sdk_create_stream_and_count_tokens(fleet):
     assert 'switchyard_path_requests_total{path="/v1/messages/count_tokens",status="200"} 1.0' in text
 
 
+
+async def test_a_stop_sequence_that_ended_the_answer_is_named(fleet):
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    full = await c.messages.create(model="llama", max_tokens=8, messages=MSGS)
+    text = full.content[0].text
+    stop = " " + text.split(" ")[3]                 # the text starts with a space
+    msg = await c.messages.create(model="llama", max_tokens=8, messages=MSGS, stop_sequences=[stop, "never"])
+    assert msg.content[0].text == text[:text.index(stop)]
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
+    async with c.messages.stream(model="llama", max_tokens=8, messages=MSGS, stop_sequences=[stop]) as stream:
+        final = await stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == stop
+    assert final.content[0].text == text[:text.index(stop)]
+    # a stop sequence that never came: the budget ended it, and no sequence is named
+    async with c.messages.stream(model="llama", max_tokens=8, messages=MSGS, stop_sequences=["never"]) as stream:
+        final = await stream.get_final_message()
+    assert final.stop_reason == "max_tokens" and final.stop_sequence is None
+    text = await gw.metrics_text()
+    assert 'switchyard_path_requests_total{path="/v1/messages",status="200"} 4.0' in text
+
+
 async def test_a_model_whose_engines_have_no_messages_api_is_an_anthropic_404(fleet):
     gw, (_, _, s1) = fleet
     c = anthropic_client(gw)

@@ -22,7 +22,8 @@ async def test_vllm_messages_event_sequence_and_errors(sims):
         assert all(n == d["type"] for n, d in got)
         start, delta = got[0][1]["message"], got[-2][1]
         assert start["usage"] == {"input_tokens": delta["usage"]["input_tokens"], "output_tokens": 0}
-        assert delta["delta"] == {"stop_reason": "max_tokens"} and delta["usage"]["output_tokens"] == 3
+        assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
+        assert delta["usage"]["output_tokens"] == 3
         async with s.post(v.url + "/v1/messages/count_tokens", json={"model": "llama", "system": "Be brief.",
                                                                     "messages": MSGS}) as r:
             n = delta["usage"]["input_tokens"]
