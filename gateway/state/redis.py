@@ -27,6 +27,7 @@ elsewhere, so standalone and Sentinel keep their names).
 from __future__ import annotations
 
 import asyncio
+import re
 
 import redis.asyncio as aioredis
 import redis.asyncio.connection as _redis_connection
@@ -35,7 +36,15 @@ from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterDownError, RedisClusterException, RedisError, TryAgainError
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.maint_notifications import MaintNotificationsConfig
@@ -60,6 +69,24 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 # For a store that answers "not now" to any failed call (the Responses records, the routing view's
 # stream): the outages above, and any error Redis answered.
 CALL_FAILED: tuple[type[BaseException], ...] = (RedisError, *UNAVAILABLE)
+
+# the codes of the refusals the client library has no class for, as they open the error's text
+_REFUSED = re.compile(r"(?:^|\W)(MISCONF|NOREPLICAS) ")
+
+
+def write_refused(e: BaseException) -> str | None:
+    """Why a Redis that still answers reads refused a write, or None when ``e`` is no such
+    refusal: ``oom`` (``maxmemory`` reached under the ``noeviction`` policy), ``readonly`` (a
+    replica), ``misconf`` (an RDB save failed and ``stop-writes-on-bgsave-error`` holds writes) or
+    ``noreplicas`` (fewer replicas in reach than ``min-replicas-to-write``). A script's write
+    refused so fails the script with the same error."""
+    if isinstance(e, OutOfMemoryError):
+        return "oom"
+    if isinstance(e, ReadOnlyError):
+        return "readonly"
+    if isinstance(e, ResponseError) and (m := _REFUSED.search(str(e))):
+        return m.group(1).lower()
+    return None
 
 
 # A timer that fires this much later than its deadline means the loop was held meanwhile

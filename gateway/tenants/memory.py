@@ -23,6 +23,8 @@ SWEEP_S = 10.0
 class MemoryState:
     remote = False
     up = True
+    healthy = True
+    down_reason = None
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

@@ -7,7 +7,12 @@ socket timeouts of ``state.timeout_s`` and no client-side retries.
 
 Availability: the first failed call marks the backend *down*; while down, the hot path does not
 touch Redis at all (the caller applies ``state.failure_policy`` at once), and only the periodic
-sync probes it, with exponential backoff. The first successful sync marks it *up* again.
+sync probes it, with exponential backoff. The first successful sync marks it *up* again. A Redis
+that answers but refuses writes (out of memory, a replica, a failed RDB save, too few replicas of
+its own) is *refusing*: the
+hot path still asks it (a read-only check, a user already at a limit, is answered as before) and
+meets the refusal as an unreachable state, and the first sync whose heartbeat write lands ends it.
+Either way the backend is *healthy* only when it is up and not refusing.
 
 Keys (``P`` = ``state.key_prefix``), all with an expiry except the directory:
 ``P:rpm:<user>``, ``P:tpm:<user>``, ``P:rps:<model>`` windows (PEXPIRE at first hit);
@@ -60,6 +65,7 @@ from gateway.state.redis import (
     redis_client,
     shared_prefix,
     state_mode,
+    write_refused,
 )
 from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
@@ -356,7 +362,19 @@ _TRANSPORT = UNAVAILABLE
 
 
 class StateUnavailable(Exception):
-    """The shared state could not be reached (or is marked down); the caller applies the policy."""
+    """The shared state could not be reached (or is marked down); the caller applies the policy.
+    ``reason``: ``unreachable``, or what a Redis that answered said: ``oom``, ``readonly``,
+    ``misconf``, ``noreplicas`` (it refuses writes, see gateway/state/redis.py ``write_refused``),
+    ``error`` (another error)."""
+
+    def __init__(self, message: str = "", reason: str = "unreachable") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _answered(e: BaseException) -> StateUnavailable:
+    """A Redis error answered to a call, as the caller sees it."""
+    return StateUnavailable(f"{type(e).__name__}: {e}", write_refused(e) or "error")
 
 
 def default_replica_id() -> str:
@@ -367,7 +385,7 @@ class RedisState:
     remote = True
 
     def __init__(self, cfg: StateConfig, replica_id: str | None = None,
-                 on_transition: Callable[[bool, str], None] | None = None) -> None:
+                 on_transition: Callable[[bool, str, str], None] | None = None) -> None:
         assert cfg.redis_url is not None
         self.cfg = cfg
         self.replica_id = replica_id or cfg.replica_id or default_replica_id()
@@ -389,8 +407,10 @@ class RedisState:
         self.k_key_index, self.k_key_index_at = f"{p}:keyindex", f"{p}:keyindex:at"
         self._p = p
         self.up = False
+        self.refused = ""                           # why Redis refuses writes (oom, readonly, ...)
+        self._healthy = False                       # what on_transition last said
         self.last_ok = 0.0                          # monotonic time of the last successful call
-        self._on_transition = on_transition or (lambda up, why: None)
+        self._on_transition = on_transition or (lambda healthy, why, reason: None)
         self._tasks: set[asyncio.Task] = set()
         self._queue: list[tuple] = []               # scripts waiting for this loop turn's pipeline
         self._flush_scheduled = False
@@ -408,22 +428,47 @@ class RedisState:
 
     # -- availability ------------------------------------------------------------------------
 
+    @property
+    def healthy(self) -> bool:
+        """Reachable and taking writes: what ``switchyard_state_up`` says."""
+        return self.up and not self.refused
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the state is not healthy (``unreachable``, or a refusal: ``oom``, ``readonly``,
+        ``misconf``, ``noreplicas``), or None."""
+        return self.refused or (None if self.up else "unreachable")
+
     def _mark(self, up: bool, why: str = "") -> None:
         if up:
             self.last_ok = time.monotonic()
+        else:
+            self.refused = ""                   # what it last answered is no news of it now
         if up != self.up:
             self.up = up
             if up:
                 # the state may have lost this replica's slot updates (a failover, a restart):
                 # re-publish the exact count of every user it has held slots for
                 self._dirty |= self._slot_users
-            self._on_transition(up, why)
+        self._tell(why)
+
+    def _refusing(self, reason: str, why: str) -> None:
+        """Redis answered a write with a refusal: unhealthy until a sync's heartbeat lands."""
+        if reason != self.refused:
+            self.refused = reason
+            self._tell(why)
+
+    def _tell(self, why: str = "") -> None:
+        healthy = self.healthy
+        if healthy != self._healthy:
+            self._healthy = healthy
+            self._on_transition(healthy, why, self.down_reason or "")
 
     async def _call(self, coro, probe: bool = False):
         """Await one Redis call; a transport failure marks the backend down."""
         if not self.up and not probe:
             coro.close()
-            raise StateUnavailable("redis is marked down")
+            raise StateUnavailable("redis is marked down", self.down_reason or "unreachable")
         try:
             # belt and braces: the socket timeouts bound each read, this bounds the whole call
             async with held_loop_timeout(self.timeout * 4):
@@ -438,7 +483,10 @@ class RedisState:
             await forget_topology(self.client)
             raise StateUnavailable(str(e) or type(e).__name__) from None
         except RedisError as e:
-            raise StateUnavailable(f"{type(e).__name__}: {e}") from None
+            err = _answered(e)
+            if err.reason != "error":
+                self._refusing(err.reason, str(err))
+            raise err from None
         self._mark(True)
         return out
 
@@ -524,7 +572,10 @@ class RedisState:
                 if orphan is not None and not isinstance(r, Exception):
                     orphan(r)
             elif isinstance(r, Exception):
-                fut.set_exception(StateUnavailable(f"{type(r).__name__}: {r}"))
+                err = _answered(r)
+                if err.reason != "error":
+                    self._refusing(err.reason, str(err))
+                fut.set_exception(err)
             else:
                 fut.set_result(r)
 
@@ -536,7 +587,7 @@ class RedisState:
 
     async def admit(self, q: AdmitQuery) -> AdmitResult:
         if not self.up:
-            raise StateUnavailable("redis is marked down")
+            raise StateUnavailable("redis is marked down", self.down_reason or "unreachable")
         lim = q.limits
         user = q.user or ""
         k_rpm, k_tpm, k_conc = self._user_keys(user)
@@ -710,6 +761,9 @@ class RedisState:
             keys=[self.k_replicas, self.k_inflight_prefix + self.replica_id, self.k_version],
             args=[self.replica_id, self._ttl_ms, self.k_inflight_prefix,
                   1 if in_flight is not None else 0, *flat]), probe=True)
+        if self.refused:                # the heartbeat's write landed: Redis takes writes again
+            self.refused = ""
+            self._tell()
         version = out[0].decode()
         remote = {out[i].decode(): int(out[i + 1]) for i in range(1, len(out) - 1, 2)}
         if self._dirty:

@@ -92,14 +92,17 @@ class TenancyMetrics:
         self.user_tokens = Counter("switchyard_user_tokens",
                                    "Tokens the engines reported for each user's requests (prompt, completion)",
                                    ["user", "kind"], registry=r)
-        self.state_up = Gauge("switchyard_state_up", "1 when the shared state backend is reachable",
-                              registry=r)
+        self.state_up = Gauge("switchyard_state_up",
+                              "1 when the shared state backend is reachable and takes writes", registry=r)
         self.unavailable = Counter("switchyard_state_unavailable",
                                    "Requests that met an unreachable shared state (served if the policy is "
-                                   "open, 503 if closed)", ["policy"], registry=r)
+                                   "open, 503 if closed), by why: unreachable, or Redis refusing writes (oom, "
+                                   "readonly, misconf, noreplicas) or answering another error", ["policy", "reason"],
+                                   registry=r)
         self.outages = Counter("switchyard_state_outages",
-                               "Times the shared state became unreachable: an outage, or a Sentinel or "
-                               "Cluster failover in progress", ["mode"], registry=r)
+                               "Times the shared state became unreachable or started refusing writes: an "
+                               "outage, a Sentinel or Cluster failover in progress, a full or read-only Redis",
+                               ["mode"], registry=r)
         self.latency = Histogram("switchyard_state_admit_seconds",
                                  "Time of the limit check (one Redis round trip with the Redis backend)",
                                  buckets=ROUTING_BUCKETS, registry=r)
@@ -128,7 +131,7 @@ class Tenancy:
             state = (RedisState(self.cfg, on_transition=self._on_transition) if self.cfg.redis_url
                      else MemoryState())
         self.state = state
-        self.m.state_up.set(1 if state.up else 0)
+        self.m.state_up.set(1 if state.healthy else 0)
         self._version: str | None = None          # the store's directory version the mirror has
         self._tag: str | None = None              # ... and the tag of the write that made it
         self._reload_all = False                  # read the whole directory next (after an outage)
@@ -180,7 +183,7 @@ class Tenancy:
             await self.state.leave()
         await self.state.stop()
 
-    def _on_transition(self, up: bool, why: str) -> None:
+    def _on_transition(self, up: bool, why: str, reason: str = "") -> None:
         self.m.state_up.set(1 if up else 0)
         mode = redis_mode(self.cfg.redis_url or "")
         if up:
@@ -188,6 +191,10 @@ class Tenancy:
             # a failover): its change log cannot be trusted against the mirror, read it whole
             self._reload_all = True
             log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url), mode=mode)
+        elif reason and reason != "unreachable":
+            self.m.outages.labels(mode).inc()
+            log.warning("shared state refuses writes; failure policy applies", policy=self.policy, reason=reason,
+                        error=why, redis_url=_redact(self.cfg.redis_url), mode=mode)
         else:
             self.m.outages.labels(mode).inc()
             log.warning("shared state unreachable; failure policy applies", policy=self.policy, error=why,
@@ -323,8 +330,8 @@ class Tenancy:
         started = time.perf_counter()
         try:
             r = await self.state.admit(q)
-        except StateUnavailable:
-            self._unavailable()
+        except StateUnavailable as e:
+            self._unavailable(e.reason)
             if isinstance(self.state, RedisState):
                 self.state.served_unchecked(q)     # (policy open: served) counted once it is back
             return
@@ -348,8 +355,8 @@ class Tenancy:
             return t.user
         return OTHER_USER
 
-    def _unavailable(self) -> None:
-        self.m.unavailable.labels(self.policy).inc()
+    def _unavailable(self, reason: str) -> None:
+        self.m.unavailable.labels(self.policy, reason).inc()
         if self.policy == "closed":
             raise GatewayError(503, "rate limits cannot be checked: the shared state is unreachable",
                                code="service_unavailable", headers={"Retry-After": "1"},
@@ -358,7 +365,7 @@ class Tenancy:
         now = time.monotonic()
         if now - self._fail_open_logged >= FAIL_OPEN_LOG_EVERY_S:
             log.warning("serving without rate limits: shared state unreachable (failure_policy: open)",
-                        requests=self._fail_open_count)
+                        requests=self._fail_open_count, reason=reason)
             self._fail_open_logged, self._fail_open_count = now, 0
 
     def _engine_headers(self, headers, user: str | None) -> CIMultiDict[str]:

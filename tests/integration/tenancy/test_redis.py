@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -119,7 +120,7 @@ async def test_redis_outage_fail_open_serves_counts_and_recovers(sims, gateway, 
     assert await outcomes(chat(gw) for _ in range(4)) == [200] * 4
     assert gw.gw.tenancy.state.up is False
     text = await gw.metrics_text()
-    assert 'switchyard_state_unavailable_total{policy="open"} 4.0' in text
+    assert 'switchyard_state_unavailable_total{policy="open",reason="unreachable"} 4.0' in text
     assert "switchyard_state_up 0.0" in text
     redis_server.start()
     assert await wait_for(lambda: _state_up(gw), timeout=10)
@@ -145,6 +146,79 @@ async def test_redis_outage_fail_closed_answers_503_and_recovers(sims, gateway, 
     redis_server.start()
     assert await wait_for(lambda: _state_up(gw), timeout=10)
     assert (await chat(gw)).choices
+
+
+async def _refuse_writes(r, server, refusal: str) -> None:
+    """Make a running redis-server refuse writes and still answer reads, as one in production does."""
+    if refusal == "oom":
+        await r.config_set("maxmemory-policy", "noeviction")
+        await r.config_set("maxmemory", 1)
+    elif refusal == "readonly":
+        await r.replicaof("127.0.0.1", listen_port())      # a replica of a primary that is not there
+    elif refusal == "noreplicas":
+        await r.config_set("min-replicas-to-write", 1)     # and it has none
+    else:   # misconf: an RDB save fails (its directory is gone) with stop-writes-on-bgsave-error
+        await r.config_set("save", "3600 1")
+        shutil.rmtree(server.dir)
+        await r.bgsave()
+
+        async def save_failed() -> bool:
+            return (await r.info("persistence"))["rdb_last_bgsave_status"] == "err"
+        assert await wait_for(save_failed)
+
+
+async def _take_writes(r, refusal: str) -> None:
+    if refusal == "oom":
+        await r.config_set("maxmemory", 0)
+    elif refusal == "readonly":
+        await r.replicaof("NO", "ONE")
+    elif refusal == "noreplicas":
+        await r.config_set("min-replicas-to-write", 0)
+    else:
+        await r.config_set("stop-writes-on-bgsave-error", "no")
+        await r.config_set("save", "")          # a Redis that cannot save does not stop on SIGTERM
+
+
+async def _state_up_metric(gw, value: float) -> bool:
+    return f"switchyard_state_up {value}" in await gw.metrics_text()
+
+
+@pytest.mark.parametrize(("refusal", "policy"), [("oom", "open"), ("readonly", "closed"), ("misconf", "open"),
+                                                    ("noreplicas", "open")])
+async def test_a_redis_that_refuses_writes_is_down_with_its_reason_and_clients_get_the_policy(
+        sims, gateway, redis_server, refusal, policy):
+    """A Redis that answers reads but refuses writes (out of memory, a replica, a failed save, a
+    primary without the replicas it requires) counts no request: the gateway shows it as down,
+    says why, answers clients as in an outage, and is back on the shared windows, which kept
+    their counts, once Redis takes writes again."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"rpm": 2}}},
+                       state=state(redis_server, failure_policy=policy))
+    assert (await chat(gw)).choices
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await _refuse_writes(r, redis_server, refusal)
+        for _ in range(3):
+            if policy == "open":
+                assert (await chat(gw)).choices
+            else:
+                with pytest.raises(openai.InternalServerError) as ei:
+                    await chat(gw)
+                assert ei.value.status_code == 503 and ei.value.body["code"] == "service_unavailable"
+                assert ei.value.response.headers["x-error-state-unavailable"] == "true"
+                assert ei.value.response.headers["Retry-After"] == "1"
+        text = await gw.metrics_text()
+        assert "switchyard_state_up 0.0" in text
+        assert f'switchyard_state_unavailable_total{{policy="{policy}",reason="{refusal}"}} 3.0' in text
+        assert 'switchyard_state_outages_total{mode="standalone"} 1.0' in text
+        await _take_writes(r, refusal)
+        assert await wait_for(lambda: _state_up_metric(gw, 1.0), timeout=10)
+        # the window kept its count from before: one more request, then the limit
+        assert await outcomes(chat(gw) for _ in range(2)) == [200, "RateLimitError"]
+    finally:
+        with contextlib.suppress(redis.exceptions.RedisError):
+            await _take_writes(r, refusal)      # a Redis that cannot save does not stop on SIGTERM
+        await r.aclose()
 
 
 async def test_a_gateway_started_while_redis_restarts_waits_for_it_briefly_and_serves(sims, gateway, redis_server,
