@@ -325,13 +325,14 @@ class StatusBoard:
         t = src.tenancy
         auth = src.config.auth
         out: dict[str, Any] = {"enabled": t is not None, "auth": auth.on, "backend": None, "state_up": None,
-                               "default_user": None, "model_rps": {}, "users": [], "truncated": 0}
+                               "state_down_reason": None, "default_user": None, "model_rps": {}, "users": [], "truncated": 0}
         if t is None:
             return out
         d = t.directory
         state = t.state
         out["backend"] = "redis" if state.remote else "memory"
-        out["state_up"] = state.up
+        out["state_up"] = state.healthy
+        out["state_down_reason"] = state.down_reason
         if d.default_user is not None:
             out["default_user"] = _limits(d.default_user)
         out["model_rps"] = dict(t.model_rps)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import aiohttp
 import jsonschema
+import redis.asyncio as aioredis
 
 from tests.support.factories import model_block, pd_pair, roleset
 from tests.support.status import ADMIN, CHAT, chat
@@ -213,3 +214,37 @@ async def test_tenants_with_redis(sims, gateway, redis_server):
     await wait_for(lambda: not a.gw.tenancy.state.up or None, timeout=5)
     t = (await status(a, token=ADMIN))["tenants"]
     assert t["state_up"] is False and by(t["users"], name="alice")["usage"] is None
+    assert t["state_down_reason"] == "unreachable"
+
+
+async def test_tenants_say_why_a_redis_that_refuses_writes_is_down(sims, gateway, redis_server):
+    """A Redis out of memory is down on the page, which says so; it still answers the usage read."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       auth={"api_keys": [{"key": ALICE, "user": "alice"}], "admin_token": ADMIN},
+                       limits={"users": {"alice": {"rpm": 60}}},
+                       state={"redis_url": redis_server.url, "sync_interval_s": 0.05})
+    assert await chat(gw, "m", key=ALICE) == 200
+    t = (await status(gw, token=ADMIN))["tenants"]
+    assert t["state_up"] is True and t["state_down_reason"] is None
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await r.config_set("maxmemory-policy", "noeviction")
+        await r.config_set("maxmemory", 1)
+        assert await chat(gw, "m", key=ALICE) == 200           # failure_policy open: served, not counted
+
+        async def down() -> dict | None:
+            t = (await status(gw, token=ADMIN))["tenants"]
+            return t if t["state_up"] is False else None
+        t = await wait_for(down, timeout=5)
+        assert t["state_down_reason"] == "oom" and by(t["users"], name="alice")["usage"]["requests"] == 1
+        await r.config_set("maxmemory", 0)
+
+        async def back() -> dict | None:
+            t = (await status(gw, token=ADMIN))["tenants"]
+            return t if t["state_up"] is True else None
+        t = await wait_for(back, timeout=10)
+        assert t["state_down_reason"] is None
+    finally:
+        await r.config_set("maxmemory", 0)
+        await r.aclose()

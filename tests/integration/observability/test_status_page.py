@@ -12,6 +12,7 @@ import json
 import os
 
 import pytest
+import redis.asyncio as aioredis
 
 from gateway.demo import DEMO_ENGINES
 from tests.support.cdp import Browser, chromium_binary
@@ -224,4 +225,27 @@ async def test_the_discovery_section_shows_kubernetes_fresh_then_stale(emu, sims
     await emu.close()
     await page.wait_for(q("#discovery-fresh") + ".textContent === 'stale' && "
                         + q(watch % "error") + ".textContent.includes('list connect')", timeout=15)
+    assert page.problems == [], "\n".join(page.problems)
+
+
+async def test_the_tenants_line_says_why_the_shared_state_is_down(sims, gateway, page, redis_server):
+    """A Redis out of memory is reachable but takes no writes: the page says which, and clears it."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], status=FAST_PAGE,
+                       auth={"api_keys": [{"key": "sk-alice-0123456789", "user": "alice"}], "admin_token": ADMIN},
+                       limits={"users": {"alice": {"rpm": 60}}},
+                       state={"redis_url": redis_server.url, "sync_interval_s": 0.05})
+    await page.navigate(gw.url + "/status?token=" + ADMIN)
+    note = q("#tenants-note") + ".textContent"
+    await page.wait_for(f"{note}.includes('counters in redis') && !{note}.includes('(')")
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await r.config_set("maxmemory-policy", "noeviction")
+        await r.config_set("maxmemory", 1)
+        await page.wait_for(f"{note}.includes('counters in redis (REFUSES WRITES: out of memory)')")
+        await r.config_set("maxmemory", 0)
+        await page.wait_for(f"{note}.includes('counters in redis') && !{note}.includes('REFUSES')")
+    finally:
+        await r.config_set("maxmemory", 0)
+        await r.aclose()
     assert page.problems == [], "\n".join(page.problems)
