@@ -303,8 +303,10 @@ def gateway_board() -> Board:
             "Requests refused by API-key auth: missing or invalid key, or a key that could not be verified.")
     b.graph("Limit check latency", p50_p99("switchyard_state_admit_seconds", J, "instance", "{{instance}}"), "s",
             "The rate-limit check before routing (one Redis round trip with the Redis backend).", w=12)
-    b.graph("Shared state reachable", [(f"switchyard_state_up{{{J}}}", "{{instance}}")], "short",
-            "1 while the shared state backend (Redis) is reachable from each gateway replica.", w=12, max_=1)
+    b.graph("Shared state up", [(f"switchyard_state_up{{{J}}}", "{{instance}}")], "short",
+            "1 while the shared state backend (Redis) is reachable from each gateway replica and takes its "
+            "writes (0 also while Redis refuses them: out of memory, read-only, a failed save; "
+            "switchyard_state_unavailable_total{reason} says which).", w=12, max_=1)
 
     b.row("Kubernetes discovery")
     b.graph("Discovery requests / s by result",
