@@ -76,6 +76,8 @@ class ScrapeSource(Protocol):
     @property
     def stats(self) -> RollingRates: ...
     @property
+    def started_at(self) -> float: ...
+    @property
     def role(self) -> RoleGauges: ...
 
 
@@ -108,6 +110,11 @@ class VllmMetrics:
             return Histogram(name, doc, names, buckets=buckets, registry=r)
 
         self.lora_info: Gauge | None = None
+        # vLLM serves prometheus_client's default registry, whose process collector reports the
+        # server's start (unix seconds): here the simulator's own start, so a restart changes it.
+        # SGLang's /metrics is a multiprocess registry with no process collector: it has none
+        self.start_time = Gauge("process_start_time_seconds",
+                                "Start time of the process since unix epoch in seconds.", registry=r)
         self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
         self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
@@ -196,6 +203,7 @@ class VllmMetrics:
                                        ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
                                        registry=self.registry)
             self.lora_info.labels(**lora.info_labels()).set(time.time())
+        self.start_time.set(engine.started_at)
         self.running.labels(**labels).set(len(engine.running))
         self.waiting.labels(**labels).set(len(engine.waiting))
         self.kv_usage.labels(**labels).set(engine.pool.usage)

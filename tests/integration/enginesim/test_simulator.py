@@ -836,6 +836,22 @@ async def test_metrics_tell_the_capacity_as_the_real_engines_do(make_sim: MakeSi
     assert metric(samples, "sglang:max_total_num_tokens") == 1000
 
 
+async def test_vllm_metrics_tell_the_process_start_time(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
+    """vLLM serves prometheus_client's default registry, whose process collector reports the
+    server's start: each simulator its own, kept across /_sim/reset. SGLang's multiprocess registry
+    has no process collector, so none."""
+    first = await make_sim(engine="vllm")
+    second = await make_sim(engine="vllm")
+    started = metric(await metric_samples(http, first.url), "process_start_time_seconds")
+    assert abs(started - first.engine.started_at) < 1e-6
+    assert abs(metric(await metric_samples(http, second.url), "process_start_time_seconds")
+               - second.engine.started_at) < 1e-6
+    await call(http, first.url + "/_sim/reset", {})
+    assert metric(await metric_samples(http, first.url), "process_start_time_seconds") == started
+    sglang = await make_sim(engine="sglang")
+    assert not any(k.startswith("process_") for k in await metric_samples(http, sglang.url))
+
+
 async def test_sglang_metrics_can_be_off(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     sim = await make_sim(engine="sglang", enable_metrics=False)
     async with http.get(sim.url + "/metrics") as resp:
