@@ -53,6 +53,8 @@ class EngineMetrics:
     # this gateway's in-flight count on the endpoint when the engine answered the scrape (the larger
     # of the counts before and after): running + waiting beyond it are other gateways' requests
     gateway_in_flight: int | None = None
+    # the engine server's start (``process_start_time_seconds``, unix seconds), where it reports it
+    start_time: float | None = None
 
     def age(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.scraped_at

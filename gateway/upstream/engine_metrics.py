@@ -17,6 +17,9 @@ Rules:
 * With ``model`` given, series whose ``model_name`` label equals it are used; if none match, all
   series are (an engine serving one model under another served name still reports something).
 * ``NaN`` and infinite samples are ignored, as are optional timestamps and comment lines.
+* ``process_start_time_seconds`` (the engine server's start, where its registry has a process
+  collector) is kept as ``start_time``: a change between scrapes is a restarted engine
+  (``gateway.upstream.monitor``).
 * Rates need two scrapes: with ``prev`` the token throughputs are Δcounter/Δt, the vLLM prefix
   hit rate is Δhits/Δqueries and the recent TTFT mean is Δsum/Δcount. A counter that went down
   (engine restart) is read the Prometheus way: the new value is the increase since the reset.
@@ -32,6 +35,12 @@ from gateway.endpoints import ENGINES, EngineMetrics
 _RUNNING, _WAITING, _KV, _KV_OLD, _HITS, _QUERIES, _HITS_OLD, _QUERIES_OLD = range(8)
 _PROMPT, _GEN, _TTFT_SUM, _TTFT_COUNT, _CACHE_INFO, _HIT_RATE, _GEN_TP = range(8, 15)
 _QUEUE_SUM, _QUEUE_COUNT, _MAX_TOKENS, _LORA_INFO, _MAX_RUNNING, _KV_TOKENS = range(15, 21)
+_START = 21
+
+# prometheus_client's process collector: the engine server's start, unix seconds. vLLM serves the
+# default registry, which has it (with one API server; several share a multiprocess registry,
+# which has not); SGLang's /metrics is a multiprocess registry: none
+_START_NAME = "process_start_time_seconds"
 
 _NAMES: dict[str, dict[str, int]] = {
     "vllm": {
@@ -51,6 +60,7 @@ _NAMES: dict[str, dict[str, int]] = {
         "vllm:lora_requests_info": _LORA_INFO,
         "vllm:request_queue_time_seconds_sum": _QUEUE_SUM,
         "vllm:request_queue_time_seconds_count": _QUEUE_COUNT,
+        _START_NAME: _START,
     },
     "sglang": {
         "sglang:num_running_reqs": _RUNNING,
@@ -66,6 +76,7 @@ _NAMES: dict[str, dict[str, int]] = {
         "sglang:queue_time_seconds_count": _QUEUE_COUNT,
         "sglang:max_total_num_tokens": _MAX_TOKENS,
         "sglang:max_running_requests": _MAX_RUNNING,
+        _START_NAME: _START,
     },
 }
 _PREFIXES = {engine: tuple(names) for engine, names in _NAMES.items()}
@@ -269,6 +280,10 @@ def parse_engine_metrics(text: str, engine: str, now: float, prev: EngineMetrics
     m.ttft_sum = _combine(values, _TTFT_SUM)
     m.ttft_count = _combine(values, _TTFT_COUNT)
     m.block_size = block_size if block_size is not None else (prev.block_size if prev else None)
+    starts = values.get(_START)
+    # the newest of several (there is one): a restart makes every one newer. Carried over when a
+    # scrape lacks it, so the next one that has it is compared with the last known
+    m.start_time = max(starts) if starts else (prev.start_time if prev is not None else None)
     m.queue_time_sum = _combine(values, _QUEUE_SUM)
     m.queue_time_count = _combine(values, _QUEUE_COUNT)
     if lora is not None:

@@ -349,3 +349,14 @@ def test_capacity_the_engines_tell():
     assert m.kv_capacity_tokens == 10576 and m.max_running is None
     m = parse_engine_metrics(text.replace('kv_cache_size_tokens="10576",', ""), "vllm", now=1.0)
     assert m.kv_capacity_tokens == 661 * 16
+
+
+def test_process_start_time_is_read_and_carried_when_absent():
+    start = ("# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
+             "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.76401234567e+09\n")
+    m = parse_engine_metrics(vllm_text() + start, "vllm", 100.0)
+    assert m.start_time == 1764012345.67
+    assert parse_engine_metrics(vllm_text(), "vllm", 105.0, prev=m).start_time == 1764012345.67
+    assert parse_engine_metrics(vllm_text(), "vllm", 100.0).start_time is None
+    # an engine that reports it though its kind usually does not (SGLang with a process collector)
+    assert parse_engine_metrics("process_start_time_seconds 12.5\n", "sglang", 1.0).start_time == 12.5
