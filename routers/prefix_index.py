@@ -126,6 +126,9 @@ class PrefixIndex:
         self._next_sweep = 0
         self.evictions = 0
         self.on_insert: InsertListener | None = None
+        # endpoint → when (ms) its entries were dropped (``forget``): a sibling's entry merged later
+        # (``merge``) that is older is not taken; kept while such an entry could still be live
+        self._cleared: dict[Endpoint, int] = {}
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -319,6 +322,8 @@ class PrefixIndex:
         ``on_insert`` is not told. Returns the block-endpoint entries merged."""
         cut = self._now_ms() - self.idle_ttl_ms
         mine = {theirs: self._slot(ep) for theirs, ep in endpoints.items()}
+        cleared = self._cleared
+        floors = {theirs: cleared[ep] for theirs, ep in endpoints.items() if ep in cleared} if cleared else None
         blocks = self._blocks
         get = blocks.get
         bits, mask = _SLOT_BITS, _SLOT_MASK
@@ -327,7 +332,7 @@ class PrefixIndex:
             key = row[0]
             for j in range(1, len(row) - 1, 2):
                 slot, at = mine.get(row[j]), row[j + 1]
-                if slot is None or at < cut:
+                if slot is None or at < cut or (floors and at < floors.get(row[j], _NEVER)):
                     continue
                 n += 1
                 held = get(key)
@@ -368,10 +373,15 @@ class PrefixIndex:
             del blocks[k]
             dropped += 1
         self.evictions += dropped
+        if self._cleared:
+            for ep in [ep for ep, at in self._cleared.items() if at < cut]:
+                del self._cleared[ep]
         return dropped
 
     def forget(self, ep: Endpoint) -> None:
-        """Remove an endpoint from every block (e.g. its engine restarted and lost its cache)."""
+        """Remove an endpoint from every block (its engine restarted and lost its cache); what a
+        sibling's whole view brings of it from before now is not taken (``merge``). O(size)."""
+        self._cleared[ep] = self._now_ms()
         slot = self._slots.get(ep)
         if slot is None:
             return

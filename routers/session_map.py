@@ -126,6 +126,15 @@ class SessionMap:
         """Record another process's entry (not told to ``on_put``)."""
         self._store(key, _Entry(ep, tag, self.clock()))
 
+    def forget(self, ep: Endpoint) -> int:
+        """Drop the sessions whose last turn went to ``ep`` (its engine restarted: the conversation's
+        cache there is gone), not the lineage of the responses it answered (``RESPONSE`` keys: an
+        engine that stores responses is where they are asked for). Returns how many. O(size)."""
+        gone = [k for k, e in self._d.items() if e.ep is ep and not k.startswith(RESPONSE)]
+        for k in gone:
+            del self._d[k]
+        return len(gone)
+
     def keys(self) -> list[str]:
         """The map's keys as they are now, a copy (one list of the keys themselves: nothing new for
         the collector to track), for ``export`` to read in parts while the map goes on changing."""

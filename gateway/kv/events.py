@@ -18,7 +18,9 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.
 * On its first message the subscriber replays from 0 when it can, to learn what the engine cached
   before the gateway started.
 * A sequence number lower than expected means a new publisher: the engine restarted, and its
-  entries are cleared.
+  entries are cleared. A restarted engine that publishes nothing (no request came) is found by
+  the scraper instead, its start time having changed (``engine_restarted``): its entries are
+  cleared then, and its streams taken up again as at first contact.
 * Every endpoint of an enabled model is synced with the pool once a second: a new endpoint gets a
   subscriber, a removed one loses its subscriber and its entries.
 * Data parallelism (``data_parallel_size`` N > 1): the engine behind the endpoint runs N ranks, and
@@ -192,6 +194,9 @@ class Subscriber:
         self.st = st
         self.rank = rank
         self.expected: int | None = None
+        # when (unix seconds) this stream was last taken up as an engine's new one: its first contact,
+        # or a sequence going back; an engine that started before then is the one it follows
+        self.fresh_at: float | None = None
         self.task: asyncio.Task | None = None
         self.decoder = BatchDecoder()              # remembers which typed decoder this engine's batches fit
         self._counted: dict[str, Any] = {}         # kind -> its switchyard_kv_events_total child
@@ -383,11 +388,13 @@ class Subscriber:
         """Message ``seq``, whatever had to be replayed before it done: a restart, then the batch."""
         if self.expected is None:
             self.expected = seq
+            self.fresh_at = time.time()
         elif seq < self.expected:
             log.warning("kv events: engine restarted (sequence started again)", endpoint=self.st.ep.name,
                         rank=self.rank, seq=seq, expected=self.expected)
             self.m.metrics.restarts.labels(self.st.ep.model).inc()
             self.clear()
+            self.fresh_at = time.time()
         self.expected = seq + 1     # received: one that does not decode is skipped, not a gap
         self.apply(self.decoder.decode(payload, self.rank))
 
@@ -596,6 +603,25 @@ class KVEventsManager:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
+
+    def engine_restarted(self, ep: Endpoint) -> None:
+        """``ep``'s engine restarted (its scraped start time changed, ``gateway.upstream.monitor``):
+        its entries are cleared and its streams taken up again as at first contact, unless every one
+        of them already began anew after the engine's new start (the new engine's first events came
+        first, a sequence going back: cleared then, and what came since is the new engine's)."""
+        subs = self.subscribers.get(ep)
+        st = self.index.states.get(ep)
+        if not subs or st is None:
+            return
+        started = ep.metrics.start_time if ep.metrics is not None else None
+        if started is not None and all(sub.fresh_at is not None and sub.fresh_at >= started for sub in subs):
+            return
+        log.info("kv events: engine restarted (its start time changed); entries cleared", endpoint=ep.name,
+                 model=ep.model)
+        self.index.clear(st)
+        for sub in subs:
+            sub.expected = None        # its next message is a first contact: replayed from 0, not a restart
+            sub.fresh_at = None
 
     # -- sibling workers (gateway.view.service) ----------------------------------------------------
 

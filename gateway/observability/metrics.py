@@ -249,6 +249,11 @@ class GatewayMetrics:
                                      ["model", "endpoint", "result"], registry=r)
         self.scrapes = Counter("switchyard_engine_scrapes", "Engine /metrics scrapes by result",
                                ["model", "endpoint", "result"], registry=r)
+        self.engine_restarts = Counter("switchyard_engine_restarts",
+                                       "Engines whose process_start_time_seconds changed between two scrapes: "
+                                       "restarted, their cache empty; the endpoint's prefix-index and KV-event "
+                                       "entries and sessions were dropped",
+                                       ["model", "endpoint"], registry=r)
         # P/D
         self.pd_prefill_time = Histogram("switchyard_pd_prefill_seconds", "Prefill leg duration", ["model"],
                                          buckets=LATENCY_BUCKETS, registry=r)
@@ -285,7 +290,8 @@ class GatewayMetrics:
         self._children: dict[tuple, object] = {}
         # the families labelled by endpoint, whose series go some time after their endpoint did
         # (``RetiredSeries``); other parts add theirs (the breakers')
-        self.per_endpoint: list[_Family] = [self.upstream_errors, self.health_probes, self.scrapes]
+        self.per_endpoint: list[_Family] = [self.upstream_errors, self.health_probes, self.scrapes,
+                                            self.engine_restarts]
         self._caches: list[dict[tuple, object]] = [self._children]
         # told (model, endpoint) when an endpoint's series are dropped (with several workers, the
         # counts a restarted worker carries from its predecessors: gateway/server/siblings.py)

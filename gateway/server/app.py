@@ -410,6 +410,9 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             mon.listeners.append(s.breakers.on_health)        # a restarted engine's trials start when it is up
             mon.listeners.append(lora.on_health)              # and the adapters loaded there are loaded again
             s.view.attach_monitor(mon)                         # one worker probes and scrapes each engine
+            mon.restart_listeners.append(s.view.engine_restarted)     # a restarted engine's cache is gone:
+            if s.kv_events is not None:                                # what it held is forgotten
+                mon.restart_listeners.append(s.kv_events.engine_restarted)
             app[MONITOR_KEY] = mon
             mon.start()
             s.view.attach_lora(lora)                           # and reads its LoRA adapters

@@ -4,6 +4,10 @@
   configured number of consecutive failures / successes (passive marking on connect failures
   happens in the pipeline; the prober is what brings an endpoint back).
 - The scraper polls each endpoint's ``/metrics`` into an ``EngineMetrics`` snapshot for routers.
+  A snapshot whose ``start_time`` (the engine's ``process_start_time_seconds``) differs from the
+  last one known of that endpoint, scraped or adopted, even after scrapes that failed while it was
+  down, is a restarted engine: its cache is empty, so ``restart_listeners`` drop what the gateway
+  believed it held (prefix index, KV-event entries, sessions). A start time first seen is none.
 
 Both probe all endpoints concurrently each round and never let one slow engine delay the others.
 With several workers sharing the routing view (``view.share_monitoring``), a worker probes and
@@ -31,6 +35,10 @@ from gateway.upstream.engine_metrics import parse_engine_metrics
 log = structlog.get_logger("switchyard.monitor")
 
 HEALTH_PATH = {"vllm": "/health", "sglang": "/health"}
+# a start time that moved by more than this is a restart: prometheus_client computes it from the
+# kernel's boot time, which moves by a second when the clock is stepped, and an engine takes longer
+# than that to restart and load a model
+RESTART_MIN_S = 1.0
 
 
 class Monitor:
@@ -46,6 +54,8 @@ class Monitor:
         self.share: Any = None
         # told of an endpoint right after its snapshot or its health changed (admission control)
         self.listeners: list[Callable[[Endpoint], None]] = []
+        # told of an endpoint whose engine restarted (its start time changed): what it cached is gone
+        self.restart_listeners: list[Callable[[Endpoint], None]] = []
 
     def start(self) -> None:
         if self.health.enabled:
@@ -163,8 +173,10 @@ class Monitor:
                     ours = max(before, ep.in_flight)
                     known = ours + ep.remote_in_flight
                     text = await r.text()
-            snapshot = ep.metrics = parse_engine_metrics(text, ep.engine, time.monotonic(), ep.metrics, model=ep.model)
+            prev = ep.metrics
+            snapshot = ep.metrics = parse_engine_metrics(text, ep.engine, time.monotonic(), prev, model=ep.model)
             ep.metrics.gateway_in_flight = ours
+            self._restarted(ep, prev, snapshot, own=True)
             self._tell(ep)
             result = "ok"
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError, UnicodeDecodeError):
@@ -178,8 +190,30 @@ class Monitor:
         in-flight requests there (its own and its ``remote_in_flight``, which counts this worker's):
         this worker's own share of them is what it does not count as remote now."""
         snapshot.gateway_in_flight = known - ep.remote_in_flight
+        prev = ep.metrics
+        if snapshot.start_time is None and prev is not None:     # as parse_engine_metrics carries it
+            snapshot.start_time = prev.start_time
         ep.metrics = snapshot
+        self._restarted(ep, prev, snapshot, own=False)
         self._tell(ep)
+
+    def _restarted(self, ep: Endpoint, prev: EngineMetrics | None, snapshot: EngineMetrics, own: bool) -> None:
+        """Tell ``restart_listeners`` when ``snapshot`` names another start of the engine than
+        ``prev`` did. Counted and logged by the worker that scraped it (``own``), so once for the
+        gateway when the workers share monitoring; every worker drops its own view of the engine."""
+        was = prev.start_time if prev is not None else None
+        now = snapshot.start_time
+        if was is None or now is None or abs(now - was) <= RESTART_MIN_S:
+            return
+        if own:
+            self.metrics.child(self.metrics.engine_restarts, ep.model, ep.name).inc()
+            log.warning("engine restarted; its cache is gone, what it held forgotten", model=ep.model,
+                        endpoint=ep.name, started=now, was_started=was)
+        for listener in self.restart_listeners:
+            try:
+                listener(ep)
+            except Exception:   # a listener's bug must not stop monitoring
+                log.exception("monitor restart listener failed", endpoint=ep.name)
 
     def _tell(self, ep: Endpoint) -> None:
         for listener in self.listeners:

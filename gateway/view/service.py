@@ -331,6 +331,18 @@ class RoutingView:
             for kind in ("probe", "scrape", "models"):
                 self._heard_watcher.pop((kind, k), None)
 
+    def engine_restarted(self, ep: Endpoint) -> None:
+        """``ep``'s engine restarted (the monitor saw its start time change) and its cache is gone:
+        this process's prefix index and sessions forget it. Each worker and each replica does so on
+        its own scrape or on the one its watcher sent it, as each drops an endpoint that left the
+        pool, so nothing is sent; a whole view a sibling sends later brings back nothing of it from
+        before (``PrefixIndex.merge``)."""
+        if self._index is not None:
+            self._index.forget(ep)
+        dropped = self.sessions.forget(ep)
+        log.info("shared routing view: a restarted engine forgotten", endpoint=ep.name, model=ep.model,
+                 sessions=dropped)
+
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))
         self._soon()        # not held by flush_delay_s: an agent's next turn may come within it

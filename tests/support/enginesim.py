@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import orjson
 
+from enginesim import SimConfig, SimServer, start_sim
 from tests.support.http import sim_state
 from tests.support.metrics import samples
 from tests.support.waiting import until
@@ -73,3 +76,18 @@ async def call(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
         return resp.status, (await resp.json() if resp.content_type == "application/json" else raw.decode()), resp
 
 
+
+
+async def restart_sim(sim: SimServer, min_uptime_s: float = 1.5) -> SimServer:
+    """``sim`` stopped and a new engine started on its ports (HTTP and KV events) with its settings:
+    an engine process that restarted, its cache empty and its ``process_start_time_seconds`` its
+    own. The old one is first left up ``min_uptime_s`` so the two starts are told apart (the gateway
+    takes a move of a second or less for the clock being stepped). The caller closes the new one."""
+    await until(lambda: time.time() - sim.engine.started_at > min_uptime_s, timeout=min_uptime_s + 5)
+    cfg: SimConfig = sim.cfg
+    kv = sim.engine.kv_events
+    ports = {"port": sim.port}
+    if kv is not None:
+        ports.update(kv_events_port=kv.port, kv_events_replay_port=kv.replay_port or -1)
+    await sim.close()
+    return await start_sim(dataclasses.replace(cfg, **ports))

@@ -11,7 +11,9 @@ import pytest
 
 from enginesim.tiny_tokenizer import TINY_DIR
 from gateway.request import CHAT, parse
+from tests.support.enginesim import restart_sim
 from tests.support.http import openai_client
+from tests.support.metrics import metric
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.integration
@@ -148,6 +150,34 @@ async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
     await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
     assert len(st.emap) < before + 5
     assert "switchyard_kv_events_restarts_total" in await gw.metrics_text()
+
+
+async def test_restarted_engine_that_publishes_nothing_is_cleared_from_its_scrapes(sims, gateway, clients):
+    """A restarted engine sent no request publishes no event, so its sequence never goes back: the
+    scrape that reads its new process_start_time_seconds clears its entries, and its stream is
+    taken up again as at first contact (not a second restart)."""
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await asyncio.sleep(0.3)
+    for q in ("one", "two"):
+        await _chat(client, q)
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks > 0)
+    await until(lambda: st.ep.metrics is not None and st.ep.metrics.start_time == sim.engine.started_at)
+    restarted = await restart_sim(sim)
+    try:
+        await until(lambda: st.ep.metrics.start_time == restarted.engine.started_at)
+        assert len(st.emap) == 0
+        assert restarted.engine.kv_events.seq == 0          # it published nothing
+        await asyncio.sleep(0.3)                            # the SUB socket connects to the new publisher
+        await _chat(client, "a new life")
+        await until(lambda: 0 < len(st.emap) == restarted.engine.pool.cached_blocks)
+        text = await gw.metrics_text()
+        assert metric(text, "switchyard_engine_restarts_total", model="m") == 1
+        assert metric(text, "switchyard_kv_events_restarts_total", model="m") == 0
+    finally:
+        await restarted.close()
 
 
 async def test_stalled_publisher_falls_back_and_recovers(sims, gateway, clients):

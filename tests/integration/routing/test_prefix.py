@@ -8,8 +8,11 @@ import contextlib
 import aiohttp
 
 from routers.session import encode_session_id
+from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
+from tests.support.metrics import metric
 from tests.support.routing import LONG_SYSTEM, chat
+from tests.support.waiting import until
 
 # -- through the gateway -------------------------------------------------------------------------
 
@@ -53,3 +56,44 @@ async def test_gateway_sends_a_conversation_back_to_its_engine_and_leaves_it_whe
             for t in stuck:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await t
+
+
+async def test_a_restarted_engine_is_no_longer_a_match_for_the_cache_it_lost(sims, gateway):
+    """An engine that restarts loses its prefix cache. The gateway reads that from its scrapes
+    (process_start_time_seconds moved), with no request to it in between: the next turn of a
+    conversation it held is no match there, and what the gateway knew of it is dropped."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [e.url for e in engines], strategy="prefix-cache")])
+    messages = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Where is train 7?"}]
+    restarted = None
+    async with aiohttp.ClientSession() as s:
+        holder, _ = await chat(s, gw.url, messages)
+        for turn in range(2):
+            messages += [{"role": "assistant", "content": "On track 3."},
+                         {"role": "user", "content": f"And train {turn}?"}]
+            pod, data = await chat(s, gw.url, messages)
+            assert pod == holder and data["usage"]["prompt_tokens_details"]["cached_tokens"] > 200
+        sim = next(e for e in engines if holder.endswith(f":{e.port}"))
+        ep = next(e for e in gw.gw.pool.endpoints() if e.name == holder)
+        await until(lambda: ep.metrics is not None and ep.metrics.start_time == sim.engine.started_at)
+        index = gw.gw.routing.ctx.prefix_index
+        assert index.stats()["entries"] > 0
+        try:
+            restarted = await restart_sim(sim)
+            # scraped after the restart; nothing was sent to the engine meanwhile
+            await until(lambda: ep.metrics.start_time == restarted.engine.started_at)
+            assert restarted.engine.counts.started == 0
+            assert index.stats()["entries"] == 0          # the other engine was never sent the prompt
+            text = await gw.metrics_text()
+            assert metric(text, "switchyard_engine_restarts_total", model="m", endpoint=holder) == 1
+            misses = metric(text, "switchyard_routing_fallbacks_total", strategy="prefix-cache", reason="no_match")
+            messages += [{"role": "assistant", "content": "On track 3."}, {"role": "user", "content": "And now?"}]
+            await chat(s, gw.url, messages)
+            text = await gw.metrics_text()
+            # routed as a prompt no engine holds, not to the restarted engine for its cache
+            assert metric(text, "switchyard_routing_fallbacks_total", strategy="prefix-cache",
+                          reason="no_match") == misses + 1
+            assert metric(text, "switchyard_engine_restarts_total", model="m", endpoint=holder) == 1
+        finally:
+            if restarted is not None:
+                await restarted.close()

@@ -131,6 +131,30 @@ def test_forget_an_endpoint():
     assert len(index) == 5
 
 
+def test_a_forgotten_endpoint_is_not_brought_back_by_a_siblings_older_blocks():
+    """Its engine restarted: a sibling's whole view sent later still names it on the blocks it held
+    before, which must stay forgotten; what the sibling touched there since is taken."""
+    clock = Clock()
+    eps = make_eps(2)
+    _, theirs, _, _ = setup(clock=clock, prefix_idle_ttl_s=60)
+    _, mine, _, _ = setup(clock=clock, prefix_idle_ttl_s=60)
+    old, new = make_req(SYSTEM), make_req("A prompt sent after the restart, long enough. " * 2)
+    for index in (theirs, mine):
+        index.insert(old, eps[0])
+        index.insert(old, eps[1])
+    clock.t += 1
+    mine.forget(eps[0])
+    clock.t += 1
+    theirs.insert(new, eps[0])
+    by_slot, rows = theirs.export()
+    mine.merge(rows, by_slot)
+    assert mine.depths(old, eps)[0] == {eps[1]: len(SYSTEM) // BLOCK}
+    assert mine.depths(new, eps)[0] == {eps[0]: len(new.prompt_text) // BLOCK}
+    clock.t += 61                           # past the TTL nothing older is live anyway: the mark goes
+    mine.sweep()
+    assert mine._cleared == {}
+
+
 def test_stats_for_a_gauge():
     _, index, _, _ = setup(prefix_index_blocks=100)
     eps = make_eps(2)

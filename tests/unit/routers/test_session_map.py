@@ -118,3 +118,14 @@ def test_a_siblings_entries_are_merged_with_their_times_and_never_over_a_later_o
     assert told == []                      # a sibling's fact is not published again
     clock.t += 3.5                         # "a" keeps the sibling's time: 10.5 s old now, "b" 9.5
     assert mine.get("a") is None and mine.get("b") is eps[2]
+
+
+def test_forgetting_an_endpoint_drops_its_sessions_not_its_responses_lineage():
+    eps = endpoints(2)
+    m = SessionMap()
+    m.put("m\0s:a", eps[0])
+    m.put("m\0s:b", eps[1])
+    m.put(RESPONSE + "resp_1", eps[0], "owner")
+    assert m.forget(eps[0]) == 1
+    assert m.get("m\0s:a") is None and m.get("m\0s:b") is eps[1]
+    assert m.entry(RESPONSE + "resp_1") == (eps[0], "owner")
