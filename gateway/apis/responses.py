@@ -162,7 +162,7 @@ class ResponsesApi(ApiShape):
         self.history: MemoryStore | RedisStore | WorkerStore | None = None
         if use_redis:
             st = config.state
-            client = redis_client(st)
+            client = redis_client(st, on_pool_timeout=metrics.state_pool_timeouts.labels("responses").inc)
             prefix = f"{st.key_prefix}:resp:"
             self.owners = RedisStore(client, prefix + "owner:", cfg.affinity_ttl_s, st.timeout_s, owns_client=True)
             if self.gateway_held:

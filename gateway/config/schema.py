@@ -352,6 +352,7 @@ class StateConfig(Block):
     key_prefix: Annotated[_ID, Meta(description="Prefix of every Redis key the gateway writes.")] = "switchyard"
     timeout_s: Annotated[Positive, Meta(description="Connect and socket timeout of every Redis call, in seconds. A deadline that passed while the gateway's own loop was held (a timer more than 50 ms late: the answer may be waiting unread) gives the call the same time again, once.")] = 0.25
     failure_policy: Annotated[Literal["open", "closed"], Meta(description="While Redis is unreachable: open serves without limits, closed answers 503.")] = "open"
+    max_connections: Annotated[int, Meta(ge=1, le=10000, description="Most Redis calls each of a worker's Redis clients (tenancy, Responses records, the routing view's writer and reader) runs at once, and so most connections it holds (to each node of a Cluster). A call that finds them all busy waits for one, up to timeout_s, then fails as a call to an unreachable Redis does on its path, without marking Redis down; counted in switchyard_state_pool_timeouts_total.")] = 32
     sync_interval_s: Annotated[Positive, Meta(description="How often a replica publishes its heartbeat and in-flight counts and refreshes the key directory, in seconds.")] = 0.1
     replica_ttl_s: Annotated[Positive, Meta(description="A replica silent this long no longer counts, in seconds (at least twice sync_interval_s).")] = 1.0
     share_in_flight: Annotated[bool, Meta(description="Publish and read per-endpoint in-flight counts, so the load-based strategies see the whole fleet's load.")] = True

@@ -287,6 +287,12 @@ class GatewayMetrics:
         # migration on, by what failed it and what the gateway did (continued, refused_<why>, ...)
         self.migrations = Counter("switchyard_migrations", "Mid-stream failures of streams with migration on, "
                                   "by reason and outcome", ["model", "reason", "outcome"], registry=r)
+        # Redis clients (gateway/state/redis.py): calls that waited state.timeout_s for one of the
+        # client's state.max_connections in vain, and failed as if Redis were unreachable
+        self.state_pool_timeouts = Counter("switchyard_state_pool_timeouts",
+                                           "Redis calls that found all of their client's state.max_connections "
+                                           "busy for state.timeout_s and failed as if Redis were unreachable",
+                                           ["client"], registry=r)
         self._children: dict[tuple, object] = {}
         # the families labelled by endpoint, whose series go some time after their endpoint did
         # (``RetiredSeries``); other parts add theirs (the breakers')

@@ -19,6 +19,13 @@ Failover, per mode:
   server's pool makes (one the server closed, by a restart or a failover, would fail its next
   call): its connections make that check before each send (:class:`CheckedConnection`).
 
+Bounded: a client runs at most ``state.max_connections`` calls at once (a command, or a pipeline),
+so its pool holds at most that many connections (to each node, on a Cluster), whatever a burst
+asks of it; the pool's own ``max_connections`` is the same number, as a second bound. A call that
+finds every one busy waits for one to be free, up to ``state.timeout_s``, then fails with
+:class:`PoolTimeout`, a connection error as an unreachable Redis raises (its caller degrades the
+same way), counted by the client's ``on_pool_timeout``.
+
 Keys that one script or one transaction touches together must share a hash slot on a Cluster:
 :func:`shared_prefix` is the key prefix for those (``{prefix}`` on a Cluster, the plain prefix
 elsewhere, so standalone and Sentinel keep their names).
@@ -27,7 +34,9 @@ elsewhere, so standalone and Sentinel keep their names).
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import redis.asyncio.connection as _redis_connection
@@ -125,6 +134,74 @@ def held_loop_timeout(delay: float | None) -> HeldLoopTimeout:
 _redis_connection.async_timeout = held_loop_timeout   # type: ignore[attr-defined]
 
 
+class PoolTimeout(RedisConnectionError):
+    """Every connection a client may hold stayed busy for ``state.timeout_s``: the call was not
+    sent. To its caller, Redis could not be reached; it does not say Redis is down (the calls that
+    hold the connections find that out)."""
+
+
+class Room:
+    """The calls a client may run at once: ``size`` (one connection each from a server's pool,
+    at most one to each node from a Cluster client's). A call beyond them waits its turn (first
+    come, first served) for at most ``timeout`` seconds. A call its holder makes from inside its
+    own (a Cluster pipeline sends the commands a MOVED or ASK answer redirected as commands of
+    its client, in its task) takes no other place: it would wait for itself."""
+
+    __slots__ = ("size", "timeout", "on_timeout", "_sem", "_holders")
+
+    def __init__(self, size: int, timeout: float, on_timeout: Callable[[], None] | None = None) -> None:
+        self.size = size
+        self.timeout = timeout
+        self.on_timeout = on_timeout
+        self._sem = asyncio.Semaphore(size)
+        self._holders: set[asyncio.Task | None] = set()     # the tasks whose call holds a place
+
+    async def run(self, call, *args, **kwargs):
+        task = asyncio.current_task()
+        if task in self._holders:
+            return await call(*args, **kwargs)
+        if self._sem.locked():
+            try:
+                async with held_loop_timeout(self.timeout):
+                    await self._sem.acquire()
+            except TimeoutError:
+                if self.on_timeout is not None:
+                    self.on_timeout()
+                raise PoolTimeout(f"all {self.size} Redis connections busy for {self.timeout:g} s "
+                                  "(state.max_connections)") from None
+        else:
+            await self._sem.acquire()               # free now: no wait, no timer
+        self._holders.add(task)
+        try:
+            return await call(*args, **kwargs)
+        finally:
+            self._holders.discard(task)
+            self._sem.release()
+
+
+class _Bounded:
+    """A client whose commands and pipelines each take a place in its :class:`Room` while they
+    run (``room`` is set by :func:`redis_client`)."""
+
+    room: Room
+
+    async def execute_command(self, *args, **options):
+        return await self.room.run(super().execute_command, *args, **options)     # type: ignore[misc]
+
+    def pipeline(self, *args, **kwargs):
+        pipe = super().pipeline(*args, **kwargs)                                   # type: ignore[misc]
+        pipe.execute = functools.partial(self.room.run, pipe.execute)
+        return pipe
+
+
+class BoundedRedis(_Bounded, aioredis.Redis):
+    pass
+
+
+class BoundedCluster(_Bounded, RedisCluster):
+    pass
+
+
 def state_mode(cfg: StateConfig) -> Mode:
     assert cfg.redis_url is not None
     return redis_mode(cfg.redis_url)
@@ -146,13 +223,22 @@ def _has_hash_tag(key: str) -> bool:
 
 def _common(cfg: StateConfig, socket_timeout: float | None = None) -> dict:
     return {"socket_timeout": socket_timeout or cfg.timeout_s, "socket_connect_timeout": cfg.timeout_s,
-            "health_check_interval": 0, "decode_responses": False}
+            "health_check_interval": 0, "decode_responses": False, "max_connections": cfg.max_connections}
 
 
-def redis_client(cfg: StateConfig, socket_timeout: float | None = None) -> Client:
+def redis_client(cfg: StateConfig, socket_timeout: float | None = None,
+                 on_pool_timeout: Callable[[], None] | None = None) -> Client:
     """A client for ``state.redis_url``: ``redis.asyncio.Redis`` for a server or a Sentinel-managed
     primary, ``redis.asyncio.RedisCluster`` for a Cluster. Connects lazily, on its first call.
-    ``socket_timeout``: a longer read timeout than ``state.timeout_s`` (a blocking read's)."""
+    ``socket_timeout``: a longer read timeout than ``state.timeout_s`` (a blocking read's).
+    At most ``state.max_connections`` calls at once (see :class:`Room`); ``on_pool_timeout`` is
+    called for each that waited ``state.timeout_s`` in vain."""
+    client = _make_client(cfg, socket_timeout)
+    client.room = Room(cfg.max_connections, cfg.timeout_s, on_pool_timeout)
+    return client
+
+
+def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis | BoundedCluster:
     assert cfg.redis_url is not None
     target = parse_redis_url(cfg.redis_url)
     common = _common(cfg, socket_timeout)
@@ -162,11 +248,11 @@ def redis_client(cfg: StateConfig, socket_timeout: float | None = None) -> Clien
         kw: dict = dict(tls)
         if cfg.password is not None:
             kw["password"] = cfg.password
-        return aioredis.Redis.from_url(
+        return BoundedRedis.from_url(
             cfg.redis_url, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
             maint_notifications_config=MaintNotificationsConfig(enabled=False), **common, **kw)
     if target.mode == "cluster":
-        cluster = RedisCluster(
+        cluster = BoundedCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in target.nodes], retry=Retry(NoBackoff(), 0),
             username=target.username, password=password, ssl=target.tls, **tls,
             maint_notifications_config=MaintNotificationsConfig(enabled=False), **common)
@@ -183,7 +269,7 @@ def redis_client(cfg: StateConfig, socket_timeout: float | None = None) -> Clien
     sentinel = Sentinel(list(target.nodes), sentinel_kwargs=sentinel_kw)
     assert target.service is not None
     return sentinel.master_for(
-        target.service, db=target.db, username=target.username, password=password, ssl=target.tls,
+        target.service, redis_class=BoundedRedis, db=target.db, username=target.username, password=password, ssl=target.tls,
         retry=Retry(NoBackoff(), 0), maint_notifications_config=MaintNotificationsConfig(enabled=False),
         **common, **tls)
 

@@ -59,6 +59,7 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 from gateway.config.schema import StateConfig, UserLimits
 from gateway.state.redis import (
     UNAVAILABLE,
+    PoolTimeout,
     close_client,
     forget_topology,
     held_loop_timeout,
@@ -365,7 +366,8 @@ class StateUnavailable(Exception):
     """The shared state could not be reached (or is marked down); the caller applies the policy.
     ``reason``: ``unreachable``, or what a Redis that answered said: ``oom``, ``readonly``,
     ``misconf``, ``noreplicas`` (it refuses writes, see gateway/state/redis.py ``write_refused``),
-    ``error`` (another error)."""
+    ``error`` (another error), ``busy`` (every connection of ``state.max_connections`` in use
+    past ``state.timeout_s``: the call was not sent)."""
 
     def __init__(self, message: str = "", reason: str = "unreachable") -> None:
         super().__init__(message)
@@ -385,7 +387,8 @@ class RedisState:
     remote = True
 
     def __init__(self, cfg: StateConfig, replica_id: str | None = None,
-                 on_transition: Callable[[bool, str, str], None] | None = None) -> None:
+                 on_transition: Callable[[bool, str, str], None] | None = None,
+                 on_pool_timeout: Callable[[], None] | None = None) -> None:
         assert cfg.redis_url is not None
         self.cfg = cfg
         self.replica_id = replica_id or cfg.replica_id or default_replica_id()
@@ -394,7 +397,7 @@ class RedisState:
         # after a failover the promoted replica has what was replicated: add what was served
         # meanwhile (standalone: as before, an outage's requests are not added afterwards)
         self.reconcile = self.mode != "standalone"
-        self.client = redis_client(cfg)
+        self.client = redis_client(cfg, on_pool_timeout=on_pool_timeout)
         self._sha = {src: hashlib.sha1(src.encode()).hexdigest()
                      for src in (ADMIT, SETTLE, RECONCILE, UNCOUNT, USAGE, CHANGES, WHOLE_DIRECTORY)}
         self._sync = self.client.register_script(SYNC)
@@ -473,6 +476,11 @@ class RedisState:
             # belt and braces: the socket timeouts bound each read, this bounds the whole call
             async with held_loop_timeout(self.timeout * 4):
                 out = await coro
+        except PoolTimeout as e:
+            # every connection busy (a burst, a slow Redis): this call was not sent, and says
+            # nothing of Redis itself, so the state is not marked down; the caller degrades as
+            # for an unreachable Redis (the calls holding the connections find out if it is)
+            raise StateUnavailable(str(e), "busy") from None
         except _TRANSPORT as e:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

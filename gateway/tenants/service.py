@@ -97,7 +97,8 @@ class TenancyMetrics:
         self.unavailable = Counter("switchyard_state_unavailable",
                                    "Requests that met an unreachable shared state (served if the policy is "
                                    "open, 503 if closed), by why: unreachable, or Redis refusing writes (oom, "
-                                   "readonly, misconf, noreplicas) or answering another error", ["policy", "reason"],
+                                   "readonly, misconf, noreplicas), answering another error, or every connection "
+                                   "busy (busy)", ["policy", "reason"],
                                    registry=r)
         self.outages = Counter("switchyard_state_outages",
                                "Times the shared state became unreachable or started refusing writes: an "
@@ -128,7 +129,9 @@ class Tenancy:
         self.m = TenancyMetrics(metrics.registry)
         self._token_children: dict[str, tuple] = {}
         if state is None:
-            state = (RedisState(self.cfg, on_transition=self._on_transition) if self.cfg.redis_url
+            state = (RedisState(self.cfg, on_transition=self._on_transition,
+                                on_pool_timeout=metrics.state_pool_timeouts.labels("tenancy").inc)
+                     if self.cfg.redis_url
                      else MemoryState())
         self.state = state
         self.m.state_up.set(1 if state.healthy else 0)

@@ -62,8 +62,10 @@ class ReplicaLink:
         self.on_entry = on_entry
         self.m = metrics
         self.key = f"{state.key_prefix}:view"
-        self.writer = redis_client(state)
-        self.reader = redis_client(state, cfg.read_block_s + max(1.0, state.timeout_s * 4))
+        # each runs one call at a time (one loop each), so state.max_connections never binds them
+        pool_timeout = metrics.gm.state_pool_timeouts.labels("view").inc
+        self.writer = redis_client(state, on_pool_timeout=pool_timeout)
+        self.reader = redis_client(state, cfg.read_block_s + max(1.0, state.timeout_s * 4), on_pool_timeout=pool_timeout)
         self.outbox: deque[Insert | Session] = deque()
         self.up = False
         self.last_id: bytes | None = None

@@ -17,9 +17,10 @@ def _conn_kwargs(client) -> dict:
 async def test_a_standalone_client_has_the_gateway_manners():
     c = redis_client(StateConfig(redis_url="redis://127.0.0.1:1/3", password="pw", timeout_s=0.3))
     kw = _conn_kwargs(c)
-    assert type(c) is aioredis.Redis
+    assert isinstance(c, aioredis.Redis)
     assert (kw["socket_timeout"], kw["socket_connect_timeout"], kw["db"], kw["password"]) == (0.3, 0.3, 3, "pw")
     assert kw["retry"].get_retries() == 0
+    assert (c.room.size, c.room.timeout, c.connection_pool.max_connections) == (32, 0.3, 32)
     await close_client(c)
 
 
@@ -35,16 +36,19 @@ async def test_a_sentinel_client_follows_the_named_primary():
     skw = sentinels[0].connection_pool.connection_kwargs
     assert (skw["socket_timeout"], skw["socket_connect_timeout"], skw["password"]) == (0.3, 0.3, "spw")
     assert skw["retry"].get_retries() == 0
+    assert (c.room.size, pool.max_connections, sentinels[0].connection_pool.max_connections) == (32, 32, 32)
     await close_client(c)
 
 
 async def test_a_cluster_client_starts_from_the_given_nodes():
-    c = redis_client(StateConfig(redis_url="redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001", timeout_s=0.3))
+    c = redis_client(StateConfig(redis_url="redis+cluster://:pw@127.0.0.1:7000,127.0.0.1:7001", timeout_s=0.3,
+                                 max_connections=5))
     assert isinstance(c, RedisCluster)
     assert sorted(c.nodes_manager.startup_nodes) == ["127.0.0.1:7000", "127.0.0.1:7001"]
     assert c.retry.get_retries() == 0
     kw = c.nodes_manager.connection_kwargs
     assert (kw["socket_timeout"], kw["socket_connect_timeout"], kw["password"]) == (0.3, 0.3, "pw")
+    assert c.room.size == 5 and {n.max_connections for n in c.nodes_manager.startup_nodes.values()} == {5}
     await close_client(c)
 
 
