@@ -15,6 +15,7 @@ import aiohttp
 import jsonschema
 import pytest
 
+from tests.support.gateway_process import per_worker
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
 
@@ -501,6 +502,9 @@ async def test_a_worker_killed_during_the_drain_makes_the_gateway_exit_non_zero(
                     if status == 200 and len(children_of(proc.pid)) == 2:
                         break
                 await asyncio.sleep(0.05)
+        # both have answered, so both have their stop handlers in place: a worker still starting
+        # when the stop came would die of the signal's default action, a stop like any other
+        await per_worker(port, 2, "/health")
         workers = children_of(proc.pid)
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(10):           # the drain has begun: /ready says 503
