@@ -190,6 +190,9 @@ class RoutingView:
         self._pulls: dict[int, asyncio.Task] = {}
         self._want_pull: dict[int, str] = {}
         self._pull_after: dict[int, float] = {}
+        # endpoint → the send time (unix seconds) of the oldest replica fact applied of it while its
+        # engine's start was not known yet: checked against the start once scraped (``_vet``)
+        self._unvetted: dict[Endpoint, float] = {}
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -222,6 +225,8 @@ class RoutingView:
         self._monitor = monitor
         if self.share_monitoring:
             monitor.share = self
+        if self.link is not None:       # a replica's fact from before an engine's start learnt later
+            monitor.listeners.append(self._vet)
 
     def attach_lora(self, lora: Any) -> None:
         """This process's LoRA stage: with ``share_monitoring``, its discovery reads ``/v1/models``
@@ -327,6 +332,7 @@ class RoutingView:
     def _forget(self, ep: Endpoint) -> None:
         """``ep`` left the pool: its key, and when its watcher was last heard of."""
         k = self._keys.pop(ep, None) or endpoint_key(ep)
+        self._unvetted.pop(ep, None)
         if not any(endpoint_key(e) == k for e in self.pool.endpoints(ep.model)):   # not back under its key
             for kind in ("probe", "scrape", "models"):
                 self._heard_watcher.pop((kind, k), None)
@@ -342,6 +348,36 @@ class RoutingView:
         dropped = self.sessions.forget(ep)
         log.info("shared routing view: a restarted engine forgotten", endpoint=ep.name, model=ep.model,
                  sessions=dropped)
+
+    def _before_start(self, ep: Endpoint, sent: float) -> bool:
+        """Whether a replica's fact of ``ep`` sent at ``sent`` (its wall clock) predates the engine
+        running there now: the replica learnt it of an engine since restarted (this one catching up
+        on the stream's retained tail, a worker restarted, or a replica that has not scraped the
+        restart yet), whose cache is gone. With the start not known yet, the fact is taken and
+        checked once it is (``_vet``)."""
+        started = ep.metrics.start_time if ep.metrics is not None else None
+        if started is None:
+            held = self._unvetted.get(ep)
+            if held is None or sent < held:
+                self._unvetted[ep] = sent
+            return False
+        return sent < started
+
+    def _vet(self, ep: Endpoint) -> None:
+        """The monitor's word on ``ep`` (a scrape, a health change): once its engine's start is known,
+        replica facts taken of it before, sent before that start, are of an engine since restarted,
+        and everything of it is forgotten as on a restart."""
+        if not self._unvetted or ep not in self._unvetted:
+            return
+        started = ep.metrics.start_time if ep.metrics is not None else None
+        if started is None:
+            return
+        if self._unvetted.pop(ep) < started:
+            if self._index is not None:
+                self._index.forget(ep)
+            dropped = self.sessions.forget(ep)
+            log.info("shared routing view: replica facts from before an engine's start forgotten",
+                     endpoint=ep.name, model=ep.model, sessions=dropped)
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))
@@ -487,16 +523,20 @@ class RoutingView:
             m.observe_lag(source, max(0.0, time.time() - batch.sent))
         if batch.run and source == "worker":
             self._check_seq(batch)
-        unknown = 0
+        unknown = stale = 0
         index = self._index
+        vet = source == "replica"          # siblings scrape the engines with this worker
         if batch.inserts and index is not None:
             for ins in batch.inserts:
                 ep = self._resolve(ins.ep)
                 if ep is None:
                     unknown += 1
                     continue
+                if vet and self._before_start(ep, batch.sent):
+                    stale += 1
+                    continue
                 index.apply_insert(ins.keys, ep)
-            m.gm.child(m.applied, source, "insert").inc(len(batch.inserts) - unknown)
+            m.gm.child(m.applied, source, "insert").inc(len(batch.inserts) - unknown - stale)
         if batch.sessions:
             n = 0
             for s in batch.sessions:
@@ -504,9 +544,15 @@ class RoutingView:
                 if ep is None:
                     unknown += 1
                     continue
+                # a Responses lineage stays: an engine that stores responses is where they are asked for
+                if vet and not s.key.startswith(RESPONSE) and self._before_start(ep, batch.sent):
+                    stale += 1
+                    continue
                 self.sessions.apply(s.key, ep, s.tag)
                 n += 1
             m.gm.child(m.applied, source, "session").inc(n)
+        if stale:
+            m.gm.child(m.applied, source, "before_start").inc(stale)
         if batch.breakers and self._breakers is not None and source == "worker":
             n = 0
             for f in batch.breakers:

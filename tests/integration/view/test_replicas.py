@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.view.test_workers import SYSTEM, responses_chains
+from tests.support.enginesim import restart_sim
 from tests.support.gateway_process import gateway_process, get_new, metric_total, post_new
 from tests.support.ports import listen_port
 from tests.support.waiting import until
@@ -117,3 +118,51 @@ async def test_a_responses_chain_in_gateway_state_stays_on_its_engine_across_rep
         pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
     kept = sum(metric_total(page, "switchyard_routing_session_total", outcome="kept") for page in pages)
     assert kept == 4 * 5
+
+
+@pytest.mark.timeout(120)
+async def test_a_replica_started_after_an_engine_restarted_takes_none_of_its_old_conversations(
+        sims, tmp_path, redis_server):
+    """The stream's retained tail holds what the replicas routed before an engine restarted. A
+    replica that starts later (or a worker restarted) reads it: the engine's insertions from before
+    its new start are of a cache that is gone, and are not taken, while the other engine's are."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    urls = [e.url for e in engines]
+    pa, pc = listen_port(), listen_port()
+    for name, port in (("a", pa), ("c", pc)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url) + "scrape: {interval_s: 0.2}\n")
+    restarted = None
+    try:
+        async with gateway_process(tmp_path / "a.yaml", pa):
+            await until(lambda: redis_up(pa), timeout=20)
+            chats = [opening(f"before {c}") for c in range(6)]
+            firsts = [await turn(pa, m, "turn 0: where to?") for m in chats]
+            assert len(set(firsts)) == 2, firsts
+            victim = next(e for e in engines if firsts[0].endswith(f":{e.port}"))
+            restarted = await restart_sim(victim)
+            gone = sum(1 for f in firsts if f == firsts[0])
+
+            async def seen_restart() -> bool:
+                page = (await get_new(pa, "/metrics"))[1]
+                return metric_total(page, "switchyard_engine_restarts_total") == 1
+            await until(seen_restart, timeout=20)
+            async with gateway_process(tmp_path / "c.yaml", pc):
+                await until(lambda: redis_up(pc), timeout=20)
+
+                async def scraped() -> bool:
+                    page = (await get_new(pc, "/metrics"))[1]
+                    return metric_total(page, "switchyard_engine_scrapes_total", result="ok") >= 4
+                await until(scraped, timeout=20)
+                before = metric_total((await get_new(pc, "/metrics"))[1], "switchyard_routing_fallbacks_total",
+                                      reason="no_match")
+                nexts = [await turn(pc, m, "turn 1: and then? " * 3) for m in chats]
+                page = (await get_new(pc, "/metrics"))[1]
+                # the restarted engine's conversations are no match anywhere; the other's stay on it
+                assert metric_total(page, "switchyard_routing_fallbacks_total", reason="no_match") == before + gone
+                assert [n for n, f in zip(nexts, firsts, strict=True) if f != firsts[0]] == \
+                    [f for f in firsts if f != firsts[0]]
+                assert metric_total(page, "switchyard_view_facts_applied_total", source="replica",
+                                    kind="before_start") >= gone
+    finally:
+        if restarted is not None:
+            await restarted.close()

@@ -412,3 +412,64 @@ async def test_a_whole_view_is_made_and_merged_a_part_per_loop_turn():
         d.close()
     assert made >= 6 and merged >= 6, (made, merged)
     assert len(b.sessions) == n and len(bctx.prefix_index) == len(actx.prefix_index)
+
+
+def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_is_learnt():
+    """A replica that catches up on the stream before its first scrape of an engine (down then, or
+    slow) takes the engine's facts; once the scrape says the engine started after they were sent,
+    they were of a cache since gone and are forgotten, the Responses lineage kept. A fact read with
+    the start known is vetted as it comes."""
+    import time
+
+    from gateway.endpoints import EngineMetrics
+    from gateway.view.service import endpoint_key
+    from gateway.view.wire import Insert, Session, encode
+    from routers.session_map import RESPONSE
+
+    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
+                            "routing": {"prefix_block_chars": 8},
+                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
+    from gateway.server.app import pool_from_config
+    pool = pool_from_config(cfg)
+    view = RoutingView(cfg, pool, GatewayMetrics())
+    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
+    view.attach(ctx)
+
+    class Monitor:
+        listeners: list = []
+        share = None
+    mon = Monitor()
+    view.attach_monitor(mon)
+    ep, other = pool.endpoints("m")
+    req = inference_request("You are a helpful switchyard assistant. " * 2)
+    keys = ctx.prefix_index.keys(req)
+    sent = time.time() - 60
+
+    def held() -> set:
+        return {e for e, pct in ctx.prefix_index.match(req, [ep, other]).items() if pct}
+
+    def stream(*eps):
+        facts = [Insert(endpoint_key(e), keys) for e in eps]
+        sessions = [Session(f"s{i}", endpoint_key(e)) for i, e in enumerate(eps)] + \
+            [Session(f"{RESPONSE}resp_{i}", endpoint_key(e)) for i, e in enumerate(eps)]
+        for payload in encode("other/0", sent, facts, sessions, None, 1 << 20):
+            view._on_stream(payload, False)
+
+    stream(ep, other)
+    assert held() == {ep, other}
+    other.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=sent - 3600)   # up all along
+    ep.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=sent + 30)        # restarted since
+    for listener in mon.listeners:
+        listener(other)
+        listener(ep)
+    assert held() == {other}
+    assert view.sessions.get("s0") is None and view.sessions.get("s1") is other
+    assert view.sessions.get(f"{RESPONSE}resp_0") is ep
+    # the start known: the engine's old facts are not taken at all, the other's are
+    view.sessions.forget(other)
+    stream(ep, other)
+    assert held() == {other}
+    assert view.sessions.get("s0") is None and view.sessions.get("s1") is other
+    from prometheus_client import generate_latest
+    assert metric_total(generate_latest(view.m.gm.registry).decode(), "switchyard_view_facts_applied_total",
+                        source="replica", kind="before_start") == 2
