@@ -257,6 +257,7 @@ def _make_client(cfg: StateConfig, socket_timeout: float | None) -> BoundedRedis
             username=target.username, password=password, ssl=target.tls, **tls,
             maint_notifications_config=MaintNotificationsConfig(enabled=False), **common)
         _check_taken_connections(cluster, CheckedSSLConnection if target.tls else CheckedConnection)
+        _one_pool_per_node(cluster)
         return cluster
     # Sentinel: the Sentinels get the same timeouts, no retries, and TLS when the scheme says so;
     # their own password, if they have one, is state.sentinel_password.
@@ -301,6 +302,15 @@ def _check_taken_connections(client: RedisCluster, cls: type[Connection]) -> Non
     client.nodes_manager.connection_kwargs["connection_class"] = cls
     for node in (*client.startup_nodes, *client.nodes_manager.startup_nodes.values()):
         node.connection_class = cls
+
+
+def _one_pool_per_node(client: RedisCluster) -> None:
+    """The nodes of the URL are the nodes the client sends commands to once the slot map names
+    them, with one pool each. Otherwise each keeps a node object of its own beside the slot map's,
+    whose pool holds the connection the slot map was read on: one more than
+    ``state.max_connections`` to that node."""
+    nodes = client.nodes_manager
+    nodes.nodes_cache.update(nodes.startup_nodes)
 
 
 async def forget_topology(client: Client) -> None:

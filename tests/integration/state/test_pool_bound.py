@@ -158,3 +158,15 @@ async def test_a_call_made_inside_a_call_takes_no_second_place(redis_server):
         assert await client.get(b"k") == b"v"
     finally:
         await close_client(client)
+
+
+async def test_a_cluster_client_holds_at_most_max_connections_to_a_startup_node(redis_cluster):
+    """The slot map is first read from a node of the URL: that read's connection is one of the
+    node's max_connections, not one more beside them."""
+    client = redis_client(StateConfig(redis_url=redis_cluster.url, timeout_s=2.0, max_connections=2))
+    try:
+        await asyncio.gather(*(client.get(f"k{i}") for i in range(300)))      # keys on every primary
+        held = {n.port: await _gateway_connections(n.port) for n in redis_cluster.live()}
+        assert max(held.values()) == 2, held
+    finally:
+        await close_client(client)
