@@ -13,7 +13,10 @@ set (pure; no I/O):
   engine's own figures, a breaker's state, an index's size) takes the largest value, and what is
   healthy only when every worker's is (the shared state reachable, the last reload applied, the
   config generation, the freshest engine scrape's age, a start time, ``_created``) the smallest.
-  ``GAUGE_RULES`` names every gauge that is not summed; a new gauge that is not additive belongs there.
+  ``GAUGE_RULES`` names every gauge that is not summed; a new gauge that is not additive belongs there;
+- counters of an event of something the workers share, which every worker meets and counts (the
+  shared state becoming unreachable or refusing writes): the largest, so one outage counts once
+  (``COUNTER_RULES``).
 
 No label is added: the series keep the names and labels one process exports, so dashboards and
 alert rules read them unchanged. A series only some workers export (a model one of them has not
@@ -71,6 +74,13 @@ GAUGE_RULES: dict[str, str] = {
     # the processes
     "process_start_time_seconds": MIN,
     "process_max_fds": MAX,
+}
+
+
+# counters that are not summed over workers (the rest are): each worker counts, on its own connection,
+# an event of something they all share, so the sum would count one event once per worker
+COUNTER_RULES: dict[str, str] = {
+    "switchyard_state_outages": MAX,        # the shared state became unreachable or refused writes
 }
 
 
@@ -152,8 +162,12 @@ def merge(parts: Iterable[str | list[Metric]], upward: bool = False) -> list[Met
             if have is None:
                 have = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
                 values[fam.name] = {}
-            rule = gauge_rule(fam.name) if fam.type == "gauge" else (
-                SUM if fam.type in (*COUNTED, "gaugehistogram") else MAX)
+            if fam.type == "gauge":
+                rule = gauge_rule(fam.name)
+            elif fam.type == "counter":
+                rule = COUNTER_RULES.get(fam.name, SUM)
+            else:
+                rule = SUM if fam.type in (*COUNTED, "gaugehistogram") else MAX
             series = values[fam.name]
             for s in fam.samples:
                 key = (s.name, tuple(sorted(s.labels.items())))

@@ -204,3 +204,20 @@ def test_discovery_metrics_of_workers_merge_as_one_discovery_seen_by_each():
     assert got[("switchyard_kubernetes_pods", (("model", "llama"), ("state", "routable")))] == 2
     assert got[("switchyard_kubernetes_pods_skipped", ())] == 1
     assert got[("switchyard_kubernetes_last_sync_timestamp_seconds", (("watched_namespace", "llm"),))] == 1000.0
+
+
+def test_an_outage_every_worker_counts_is_one():
+    """Each worker counts the shared state's outages on its own connection: the gateway's count is the
+    largest of theirs, not their sum."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    def counted(n: int) -> str:
+        r = CollectorRegistry()
+        Counter("switchyard_state_outages", "", ["mode"], registry=r).labels("standalone").inc(n)
+        Counter("switchyard_state_unavailable", "", ["policy", "reason"], registry=r).labels("open", "oom").inc(n)
+        return generate_latest(r).decode()
+
+    page = merge_texts([counted(1), counted(1)])
+    assert value(page, "switchyard_state_outages_total", mode="standalone") == 1
+    assert value(page, "switchyard_state_unavailable_total", policy="open", reason="oom") == 2    # requests: summed
+    assert value(merge_texts([counted(1), counted(3)]), "switchyard_state_outages_total", mode="standalone") == 3
