@@ -15,7 +15,8 @@ set (pure; no I/O):
   config generation, the freshest engine scrape's age, a start time, ``_created``) the smallest.
   ``GAUGE_RULES`` names every gauge that is not summed; a new gauge that is not additive belongs there;
 - counters of an event of something the workers share, which every worker meets and counts (the
-  shared state becoming unreachable or refusing writes, the view's Redis stream lost): the largest, so one outage counts once
+  shared state becoming unreachable or refusing writes, the view's Redis stream lost, a reload
+  the parent sent to every worker): the largest, so one outage counts once
   (``COUNTER_RULES``).
 
 No label is added: the series keep the names and labels one process exports, so dashboards and
@@ -82,6 +83,7 @@ GAUGE_RULES: dict[str, str] = {
 COUNTER_RULES: dict[str, str] = {
     "switchyard_state_outages": MAX,        # the shared state became unreachable or refused writes
     "switchyard_view_redis_lost": MAX,      # the routing view's Redis stream was lost
+    "switchyard_config_reload": MAX,        # a reload: the parent signals every worker, each applies it
 }
 
 

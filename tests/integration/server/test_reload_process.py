@@ -174,6 +174,12 @@ async def test_every_worker_reloads_on_sighup_and_on_admin_reload(sims, tmp_path
         assert r.status == 200 and body["result"] == "ok" and body["generation"] == 3
         views = await worker_views(port, 2)                             # every worker, not only the one asked
         assert len(views) == 2 and all(v == {"m", "two"} for v in views.values()), views
+        for _ in range(4):      # two reloads of the gateway, though each worker applied both
+            conn = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+            assert metric(text, "switchyard_config_reload_total", result="ok") == 2
+            assert metric(text, "switchyard_config_generation") == 3
 
         # a worker that dies is restarted by the parent on the config as reloaded, not as started
         victim = next(iter(views))
