@@ -34,6 +34,7 @@ class OpenAIRequest:
     cache_salt: str | None
     return_token_ids: bool = False
     max_tokens_null: bool = False  # a completion's max_tokens given as an explicit null
+    n: int = 1                     # choices asked for (more than one: a simulated aggregated vLLM only)
 
 
 # vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a
@@ -175,7 +176,9 @@ def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
     return agp, cont
 
 
-def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm: bool = True) -> OpenAIRequest:
+def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm: bool = True,
+                 several: bool = False) -> OpenAIRequest:
+    """``several``: the engine simulates ``n`` > 1 (else it answers 501 to one)."""
     if kind == "chat":
         agp, cont = chat_template_flags(body, vllm)
         prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont)
@@ -188,7 +191,7 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)
         max_tokens = _int_field(body, "max_tokens", 1)
     n = _int_field(body, "n", 1)
-    if n is not None and n > 1:
+    if n is not None and n > 1 and not several:
         raise ApiError(501, "enginesim does not simulate n > 1", param="n")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -217,4 +220,5 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         cache_salt=salt if isinstance(salt, str) and salt else None,
         return_token_ids=bool_field(body, "return_token_ids", False),
         max_tokens_null=kind != "chat" and "max_tokens" in body and body["max_tokens"] is None,
+        n=n if n is not None and n > 1 else 1,
     )

@@ -8,6 +8,7 @@ chunk with ``choices: []``, keep-alive comment frames, and in-stream errors foll
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import random
@@ -121,7 +122,8 @@ class VllmApi:
         engine = self.engine
         try:
             body = await read_json(request, require_json=True)
-            req = parse_openai(body, kind, engine.tokenizer)
+            # n > 1: an aggregated engine's choices, each a sequence of its own, stepped together
+            req = parse_openai(body, kind, engine.tokenizer, several=engine.role.name == "aggregated")
             # vLLM's before-validator, on the values as sent: {} passes, and so does "stream": "false"
             if body.get("stream_options") and not body.get("stream"):
                 raise ApiError(400, "Stream options can only be defined when `stream=True`.",
@@ -138,21 +140,34 @@ class VllmApi:
                 params=SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                       ignore_eos=req.ignore_eos),
                 stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=self._adapter(req.model),
-                dp_rank=request_dp_rank(engine, request))
+                dp_rank=(dp_rank := request_dp_rank(engine, request)))
             seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
+            # vLLM forks a request of n choices into n child requests of the same prompt
+            seqs = [seq] + [engine.new_sequence(
+                seq_id=seq_id, rid=f"{seq.rid}_{i}", prompt_ids=req.prompt_ids, params=seq.params,
+                stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=seq.lora,
+                dp_rank=dp_rank) for i in range(1, req.n)]
+            for i, child in enumerate(seqs[1:], 1):
+                child.output_key += f"\0choice {i}"     # each choice samples its own tokens
         except ApiError as exc:
             return exc.response(STYLE)
         headers = {"X-Request-Id": str(base)} if self.cfg.enable_request_id_headers else {}
-        engine.submit(seq)
+        for s in seqs:
+            engine.submit(s)
         try:
+            if len(seqs) > 1:
+                if req.stream:
+                    return await self._stream_choices(request, req, seqs, headers)
+                return await self._complete_choices(request, req, seqs, headers)
             if req.stream:
                 return await self._stream(request, req, seq, headers)
             return await self._complete(request, req, seq, headers)
         except Dropped:
             return web.Response(status=500)  # never reaches the client: the transport is gone
         finally:
-            engine.client_gone(seq)  # no-op when the request already finished
+            for s in seqs:
+                engine.client_gone(s)  # no-op when the request already finished
 
     def _usage(self, seq: Sequence, *, final: bool) -> dict[str, Any]:
         usage: dict[str, Any] = {"prompt_tokens": seq.prompt_tokens,
@@ -245,9 +260,9 @@ class VllmApi:
 
     def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
                      has_usage_chunk: bool, token_ids: bool = False,
-                     prompt_ids: list[int] | None = None) -> dict[str, Any]:
+                     prompt_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
         finishing = out.finish_reason is not None
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": index}
         if chat:
             choice["delta"] = {"content": out.text}
         else:
@@ -270,6 +285,108 @@ class VllmApi:
             if not has_usage_chunk:
                 extra["system_fingerprint"] = self.fingerprint
         return chunk(choice, **extra)
+
+    # -- n > 1 ----------------------------------------------------------------------------------
+
+    def _usage_of(self, seqs: list[Sequence]) -> dict[str, Any]:
+        """The usage of a request of several choices: the prompt once, every choice's tokens."""
+        usage = self._usage(seqs[0], final=True)
+        done = sum(s.completion_tokens for s in seqs)
+        usage["completion_tokens"] = done
+        usage["total_tokens"] = seqs[0].prompt_tokens + done
+        return usage
+
+    async def _complete_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
+                                headers: dict[str, str]) -> web.StreamResponse:
+        """A whole answer of several choices: ``choices`` in index order, usage summed."""
+        results = await asyncio.gather(*(collect(self.engine, request, s) for s in seqs))
+        await slow_headers(self.engine, seqs[0].fault)
+        if any(r.final.finish_reason == "error" or r.final.status is not None for r in results):
+            return internal_error().response(STYLE, headers)
+        choices = []
+        for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
+            choice: dict[str, Any] = {"index": i}
+            if req.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": result.text, "refusal": None,
+                                     "annotations": None, "audio": None, "function_call": None,
+                                     "tool_calls": [], "reasoning": None}
+            else:
+                choice["text"] = result.text
+            choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
+                           "stop_reason": self._stop_reason(seq), "token_ids": None})
+            if req.kind == "completions":
+                choice["prompt_logprobs"] = None
+                choice["prompt_token_ids"] = None
+            choices.append(choice)
+        seq = seqs[0]
+        body: dict[str, Any] = {
+            "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": choices,
+            "service_tier": None, "system_fingerprint": self.fingerprint, "usage": self._usage_of(seqs),
+        }
+        if req.kind == "chat":
+            body["prompt_logprobs"] = None
+            body["prompt_token_ids"] = None
+        body["kv_transfer_params"] = None
+        return json_response(body, headers=headers)
+
+    async def _stream_choices(self, request: web.Request, req: OpenAIRequest, seqs: list[Sequence],
+                              headers: dict[str, str]) -> web.StreamResponse:
+        """A stream of several choices, as vLLM sends it: each chunk carries one choice (its
+        ``index``), the choices' chunks interleaved as their tokens come; a chat's role chunks
+        first, one per choice; each choice's last chunk carries its ``finish_reason``."""
+        writer = SseWriter(request, charset="utf-8", headers=headers)
+        seq = seqs[0]
+        await slow_headers(self.engine, seq.fault)
+        await writer.start()
+        chat = req.kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict[str, Any], **extra: Any) -> dict[str, Any]:
+            return {"id": seq.id, "object": obj, "created": seq.created, "model": seq.lora or self.cfg.served_name,
+                    "choices": [choice], **extra}
+
+        came: asyncio.Queue[tuple[int, StepOutput | Dropped]] = asyncio.Queue()
+
+        async def pump(i: int, s: Sequence) -> None:
+            try:
+                async with aclosing(outputs(self.engine, request, s)) as stream:
+                    async for out in stream:
+                        if out is not None:
+                            came.put_nowait((i, out))
+            except Dropped as exc:
+                came.put_nowait((i, exc))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(seqs)]
+        try:
+            first = True
+            left = len(seqs)
+            while left:
+                i, out = await came.get()
+                if isinstance(out, Dropped):
+                    raise out
+                if out.finish_reason == "error" or out.status is not None:
+                    await writer.send(internal_error().stream_payload(STYLE))
+                    return await writer.done()
+                if chat and first:
+                    for k in range(len(seqs)):
+                        await writer.send(chunk({"index": k, "delta": {"role": "assistant", "content": ""},
+                                                 "logprobs": None, "finish_reason": None}))
+                first = False
+                if out.finish_reason is not None:
+                    left -= 1
+                elif not out.text:
+                    continue
+                await writer.send(self._delta_chunk(chunk, chat, seqs[i], out, req.include_usage, index=i))
+        finally:
+            for p in pumps:
+                p.cancel()
+        if req.include_usage:
+            await writer.send({"id": seq.id, "object": obj, "created": seq.created,
+                               "model": seq.lora or self.cfg.served_name, "choices": [],
+                               "usage": _drop_none(self._usage_of(seqs)),
+                               "system_fingerprint": self.fingerprint})
+        return await writer.done(partial(at_end, self.engine, request, seq.fault))
 
     # -- other endpoints ------------------------------------------------------------------------
 

@@ -65,3 +65,31 @@ async def test_vllm_transcription_formats(sims):
         form.add_field("model", "whisper")
         async with s.post(v.url + "/v1/audio/transcriptions", data=form) as r:
             assert r.status == 400
+
+
+async def test_vllm_choices_interleave_each_in_its_own_chunks(sims):
+    v = await sims("vllm", "llama")
+    async with aiohttp.ClientSession() as s:
+        body = {"model": "llama", "max_tokens": 3, "n": 2, "stream": True, "messages": MSGS,
+                "stream_options": {"include_usage": True}}
+        async with s.post(v.url + "/v1/chat/completions", json=body) as r:
+            raw = await r.read()
+        assert raw.endswith(b"data: [DONE]\n\n")
+        got = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        chunks = [d for d in got if d["choices"]]
+        assert all(len(d["choices"]) == 1 for d in chunks)
+        order = [d["choices"][0]["index"] for d in chunks]
+        assert order[:2] == [0, 1] and all(d["choices"][0]["delta"].get("role") for d in chunks[:2])
+        assert sorted(order) == [0] * 4 + [1] * 4 and order != sorted(order)     # interleaved
+        ends = {d["choices"][0]["index"]: d["choices"][0]["finish_reason"] for d in chunks
+                if d["choices"][0]["finish_reason"]}
+        assert ends == {0: "length", 1: "length"}
+        assert got[-1]["usage"]["completion_tokens"] == 6
+        async with s.post(v.url + "/v1/completions", json={"model": "llama", "prompt": "hi", "max_tokens": 2,
+                                                           "n": 3}) as r:
+            whole = await r.json()
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and whole["usage"]["completion_tokens"] == 6
+    s1 = await sims("sglang", "qwen")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(s1.url + "/v1/chat/completions", json={**body, "model": "qwen"}) as r:
+            assert r.status == 501
