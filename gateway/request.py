@@ -124,6 +124,9 @@ class InferenceRequest:
     # routing read them
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # how many choices the answer carries: ``n`` (1 unless asked), times the prompts of a completion's
+    # batch; the relay reads a stream of several its own way (gateway/pipeline/sse.py ``ChoicesScanner``)
+    choices: int = 1
     # told the answer's text (``None``, and why not, when there is none) once a chat's answer is relayed
     # whole (set by the KV-events router, which tokenizes it ahead of the next turn: gateway/kv/events.py)
     answered: Callable[..., None] | None = None
@@ -430,6 +433,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
     if not isinstance(model, str):
         raise _bad("'model' must be a string", "model")
 
+    choices = 1
     if path == EMBEDDINGS:
         # not fields of an embeddings request: the engines ignore them, and nothing streams
         stream = include_usage = False
@@ -439,13 +443,17 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         # max_tokens of 0, vLLM a completions one with echo)
         limits = ("max_tokens", "max_completion_tokens") if path == CHAT else ("max_tokens",)
         for key in limits:
-            v = _int_field(data, key) if key in data else None     # an absent field reads as None
-            if v is not None and v < 0:
-                raise _bad(f"'{key}' must be a non-negative integer, got {v}", key)
+            if key in data:
+                v = _int_field(data, key)
+                if v is not None and v < 0:
+                    raise _bad(f"'{key}' must be a non-negative integer, got {v}", key)
         # ``n: int`` in both engines' CompletionRequest; chat's is Optional in vLLM's
-        n = _int_field(data, "n", nullable=path == CHAT) if "n" in data else None
-        if n is not None and n < 0:
-            raise _bad(f"'n' must be a non-negative integer, got {n}", "n")
+        if "n" in data:
+            n = _int_field(data, "n", nullable=path == CHAT)
+            if n is not None:
+                if n < 0:
+                    raise _bad(f"'n' must be a non-negative integer, got {n}", "n")
+                choices = n
 
     exact_tokens: int | None = None
     media = [False]
@@ -453,6 +461,9 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         prompt_text = _chat_prompt(data, media)
     elif path == COMPLETIONS:
         prompt_text, exact_tokens = _completion_prompt(data)
+        prompt = data["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            choices *= len(prompt)      # a batch of prompts: n choices each
     else:
         prompt_text, exact_tokens = _embedding_input(data)
 
@@ -479,6 +490,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         multimodal=media[0],
         slo_ttft_ms=slo_ttft,
         slo_tpot_ms=slo_tpot,
+        choices=choices,
     )
 
 

@@ -29,7 +29,7 @@ from gateway.config.schema import UpstreamConfig, WatchdogConfig
 from gateway.errors import ErrorClass, GatewayError, error_body, error_response, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics, observe_all
 from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_value
-from gateway.pipeline.sse import AnswerText, SSEScanner, message_text, usage_tokens
+from gateway.pipeline.sse import AnswerText, ChoicesScanner, SSEScanner, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.request import ROUTED_PATHS
 from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status
@@ -428,7 +428,13 @@ class Relay:
         rec = ctx.rec
         clock = time.perf_counter   # not loop.time(): uvloop's clock is cached per iteration, at 1 ms
         api = ctx.api
-        scanner = api.scanner(ctx) if api is not None else SSEScanner(strip_usage=strip_usage)
+        if api is not None:
+            scanner = api.scanner(ctx)
+        elif ctx.ireq.choices > 1:      # type: ignore[union-attr]    (a chat's or completion's: parsed)
+            # several choices, interleaved: choice 0's gaps alone
+            scanner = ChoicesScanner(ctx.ireq.choices, strip_usage)     # type: ignore[union-attr]
+        else:
+            scanner = SSEScanner(strip_usage)
         # the first bytes already here (a P/D decode's, read before the head), or a gate for them:
         # the head goes out with them, in one write, when the gateway writes it itself; behind a
         # gate the answer begins only once they pass it (until then the client has seen nothing)

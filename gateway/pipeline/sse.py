@@ -562,3 +562,70 @@ class SSEScanner:
         if usage is not None and not choices and not err:
             return _USAGE_ONLY
         return 0
+
+
+# the index of an event's choice where the engines write it, first in the choice's object
+_INDEX_RE = re.compile(rb'"choices"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*\{[ \t\r\n]*"index"[ \t\r\n]*:[ \t\r\n]*(\d+)')
+
+
+def _of_choice_zero(data: bytes | bytearray, start: int, end: int) -> bool:
+    """Whether the whole event ``data[start:end]`` carries choice 0 (an event without an index is
+    choice 0's, as a choice's index is 0 by default)."""
+    m = _INDEX_RE.search(data, start, end)
+    if m is not None:
+        return m.group(1) == b"0"
+    p = _data_of(data[start:end])          # an index written elsewhere in the choice: read it
+    try:
+        obj = orjson.loads(p) if p is not None else None
+    except ValueError:
+        return False
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list):
+        return False
+    return any(isinstance(c, dict) and c.get("index", 0) == 0 for c in choices)
+
+
+class ChoicesScanner(SSEScanner):
+    """The scanner of a stream of several choices (``n`` > 1, or a completion's batch of prompts),
+    whose chunks each carry one choice, the choices interleaved. The first token is any choice's;
+    the inter-token gaps are choice 0's alone (the gaps between all choices' chunks would be a
+    fraction of any one's). A stream of one choice keeps the plain ``SSEScanner``: nothing here
+    runs for it."""
+
+    __slots__ = ("_zero_at", "_zero", "_chunk")
+
+    def __init__(self, choices: int, strip_usage: bool = False) -> None:
+        super().__init__(strip_usage)
+        self._zero_at: float | None = None     # the last content of choice 0
+        self._zero: bool | None = None         # this read carried content of choice 0 (None: not known yet)
+        self._chunk = b""
+
+    def feed(self, chunk: bytes, now: float) -> bytes:
+        self._chunk = chunk
+        self._zero = None
+        return SSEScanner.feed(self, chunk, now)
+
+    def finish(self) -> bytes:
+        self._chunk = b""
+        self._zero = None
+        return SSEScanner.finish(self)
+
+    def _event(self, data: bytes | bytearray, start: int, end: int) -> int:
+        flags = SSEScanner._event(self, data, start, end)
+        if flags & _CONTENT and not self._zero:
+            self._zero = _of_choice_zero(data, start, end)
+        return flags
+
+    def _mark(self, now: float) -> None:
+        zero = self._zero
+        if zero is None:        # ``feed``'s usual chunk: one whole event, which ``_event`` did not read
+            chunk = self._chunk
+            zero = _of_choice_zero(chunk, 0, len(chunk))
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        if zero:
+            last = self._zero_at
+            if last is not None and len(self.itl) < ITL_KEEP:
+                self.itl.append(now - last)
+            self._zero_at = now

@@ -44,6 +44,16 @@ def test_completion_prompt_shapes(prompt, tokens):
         assert r.prompt_tokens_est == tokens
 
 
+@pytest.mark.parametrize("path,obj,choices", [
+    (CHAT, {}, 1), (CHAT, {"n": 2}, 2), (CHAT, {"n": None}, 1), (CHAT, {"n": "3"}, 3), (CHAT, {"n": 0}, 0),
+    (COMPLETIONS, {"prompt": "a"}, 1), (COMPLETIONS, {"prompt": [1, 2, 3], "n": 2}, 2),
+    (COMPLETIONS, {"prompt": ["a", "b", "c"]}, 3), (COMPLETIONS, {"prompt": [[1], [2]], "n": 2}, 4)])
+def test_the_choices_an_answer_carries(path, obj, choices):
+    """``n``, times the prompts of a completion's batch: the relay reads a stream of several apart."""
+    base = {"messages": [{"role": "user", "content": "hi"}]} if path == CHAT else {}
+    assert p(path, {"model": "m", **base, **obj}).choices == choices
+
+
 def test_embeddings_shapes():
     assert p(EMBEDDINGS, {"model": "e", "input": "hi"}).model == "e"
     assert p(EMBEDDINGS, {"model": "e", "input": [[1, 2, 3]]}).prompt_tokens_est == 3

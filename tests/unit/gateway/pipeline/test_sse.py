@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.pipeline import sse
-from gateway.pipeline.sse import ITL_KEEP, SSEScanner, usage_tokens
+from gateway.pipeline.sse import ITL_KEEP, ChoicesScanner, SSEScanner, usage_tokens
 
 # -- real framings (engine-protocols.md §1.3, §2.3, §2.4) ---------------------------------------
 
@@ -652,3 +652,49 @@ def test_event_regexes_answer_as_the_byte_walks(pieces):
     assert sse._has_content(p) == _walk_content(p)
     assert (sse._CONTENT_RE.search(p) is not None) == _walk_content(p)
     assert (sse._FINISH_RE.search(p) is not None) == _walk_finish(p)
+
+
+# -- several choices (n > 1) -------------------------------------------------------------------------
+
+
+def _of(index: int, event: bytes) -> bytes:
+    return event.replace(b'"choices":[{"index":0', b'"choices":[{"index":%d' % index)
+
+
+def _feed(s: SSEScanner, chunks: list[bytes]) -> bytes:
+    out = [s.feed(c, float(t)) for t, c in enumerate(chunks)]
+    return b"".join(out) + s.finish()
+
+
+def test_choices_gaps_are_choice_0s_and_the_first_token_any_choices():
+    one = [_of(1, VLLM_HEL), VLLM_HEL, _of(1, VLLM_HEL), VLLM_HEL, _of(1, VLLM_LO), VLLM_LO, VLLM_USAGE, DONE]
+    s = ChoicesScanner(2)
+    assert _feed(s, one) == b"".join(one)
+    assert s.first_token_at == 0.0 and s.last_token_at == 5.0 and s.token_events == 6
+    assert s.itl == [2.0, 2.0]             # choice 0's tokens at 1, 3, 5: the plain scanner saw 5 gaps of 1
+    plain = SSEScanner()
+    _feed(plain, one)
+    assert plain.itl == [1.0] * 5
+
+
+@pytest.mark.parametrize("strip", [False, True])
+def test_choices_read_in_any_pieces(strip):
+    """Both choices' events in one read, or split anywhere: a read counts for choice 0 when an
+    event of choice 0 with content ends in it; usage still stripped when asked."""
+    events = [_of(1, VLLM_HEL) + VLLM_HEL, _of(1, VLLM_LO) + _of(0, VLLM_HEL), VLLM_LO, VLLM_USAGE + DONE]
+    whole = b"".join(events)
+    s = ChoicesScanner(2, strip_usage=strip)
+    out = _feed(s, events)
+    assert out == (whole.replace(VLLM_USAGE, b"") if strip else whole)
+    assert s.itl == [1.0, 1.0]
+    s = ChoicesScanner(2, strip_usage=strip)
+    out = _feed(s, one_byte(whole))
+    assert out == (whole.replace(VLLM_USAGE, b"") if strip else whole)
+    assert s.token_events == 5 and len(s.itl) == 2
+
+
+def test_choices_index_written_after_the_delta_is_read_from_the_json():
+    late = (b'data: {"choices":[{"delta":{"content":"x"},"index":%d,"finish_reason":null}]}\n\n')
+    s = ChoicesScanner(2)
+    _feed(s, [late % 0, late % 1, late % 1, late % 0, late % 1, late % 0])
+    assert s.itl == [3.0, 2.0]

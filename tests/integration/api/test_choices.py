@@ -1,0 +1,79 @@
+"""Requests of several choices (``n`` > 1) through the gateway with the openai SDK, against a
+simulated vLLM that streams each choice in chunks of its own, interleaved: the inter-token
+latency histogram is one choice's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+from aiohttp import web
+
+from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
+from tests.support.http import openai_client
+from tests.support.metrics import metric
+
+
+async def _itl_count(gw) -> float:
+    return metric(await gw.metrics_text(), "switchyard_inter_token_latency_seconds_count", model="m")
+
+
+async def test_inter_token_latency_is_choice_0s(sims, gateway):
+    sim = await sims("vllm", "m", itl_ms=20.0)        # each step of the choices in reads of its own
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    client = openai_client(gw)
+    messages = [{"role": "user", "content": "Tell me about trains."}]
+    for n in (1, 2, 3):
+        before = await _itl_count(gw)
+        tokens: dict[int, int] = {}
+        async for chunk in await client.chat.completions.create(model="m", messages=messages, max_tokens=5, n=n,
+                                                                stream=True):
+            for c in chunk.choices:
+                if c.delta.content:
+                    tokens[c.index] = tokens.get(c.index, 0) + 1
+        assert tokens == dict.fromkeys(range(n), 5)
+        # 5 tokens of choice 0: 4 gaps, not the gaps between every choice's chunks (up to 5n - 1)
+        assert await _itl_count(gw) - before == 4
+    await client.chat.completions.create(model="m", messages=messages, max_tokens=5, n=2)
+    assert await _itl_count(gw) - before == 4       # a whole answer has no gaps
+    text = await gw.metrics_text()
+    assert 'switchyard_time_to_first_token_seconds_count{model="m"} 3.0' in text
+
+
+def _chunk(index: int, content: str, finish: str | None = None) -> bytes:
+    choice = {"index": index, "delta": {"content": content}, "logprobs": None, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                                     "model": "m", "choices": [choice]}) + b"\n\n"
+
+
+async def _choices_apart(request: web.Request) -> web.StreamResponse:
+    """Two choices of 4 tokens, each chunk its own write, a pause between: the gateway reads the
+    choices' chunks apart, as it may any engine's."""
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for step in range(4):
+        for index in (0, 1):
+            await resp.write(_chunk(index, f" w{step}", "length" if step == 3 else None))
+            await asyncio.sleep(0.01)
+    await resp.write(b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+                     b'"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":8,"total_tokens":11}}\n\n')
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def test_inter_token_latency_is_choice_0s_when_the_choices_come_apart(gateway):
+    async with fake_engine(_choices_apart) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        client = openai_client(gw)
+        with gw.gw.request_log.capture() as logs:
+            seen = [c.index async for chunk in await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, n=2, stream=True)
+                for c in chunk.choices]
+        assert seen == [0, 1] * 4
+        # choice 0's 4 tokens: 3 gaps, where the 8 chunks of both made 7 (each a fraction of a token's time)
+        assert await _itl_count(gw) == 3
+        line = next(e for e in logs if e["event"] == "request")
+        assert line["completion_tokens"] == 8
