@@ -294,6 +294,7 @@ class Record(Protocol):
     completion_tokens: int | None
     cached_tokens: int | None
     finish_reason: str | None
+    extra: dict                # the log line's further fields (``finish_reasons``: several choices')
 
 
 # -- the enabled implementation ------------------------------------------------------------------
@@ -460,7 +461,10 @@ class RequestTrace(Trace):
                        ("user.id", rec.user)):
             if v is not None:
                 attrs[key] = v
-        if rec.finish_reason:
+        reasons = rec.extra.get("finish_reasons")      # several choices: each one's that finished
+        if reasons:
+            attrs["gen_ai.response.finish_reasons"] = [r for r in reasons if r]
+        elif rec.finish_reason:
             attrs["gen_ai.response.finish_reasons"] = [rec.finish_reason]
         if rec.endpoint:
             attrs["switchyard.endpoint"] = rec.endpoint

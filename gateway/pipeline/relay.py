@@ -85,6 +85,19 @@ EOF_FAILURE: StreamFailure = (ErrorClass.UPSTREAM_EOF, "the engine closed the st
 END_GRACE_S = 1.0
 
 
+def whole_finishes(rec: RequestRecord, choices: list) -> None:
+    """A whole answer of several choices: ``finish_reason`` is choice 0's, as a stream's is
+    (``ChoicesScanner``), and ``finish_reasons`` every choice's, by index."""
+    reasons: list[str | None] = [None] * len(choices)
+    for c in choices:
+        i = c.get("index", 0) if isinstance(c, dict) else None
+        if isinstance(i, int) and 0 <= i < len(reasons):
+            fr = c.get("finish_reason")
+            reasons[i] = fr if isinstance(fr, str) else None
+    rec.finish_reason = reasons[0]
+    rec.extra["finish_reasons"] = reasons
+
+
 def coding_of(resp: UpstreamResponse) -> str | None:
     """The content or transfer coding (other than chunked) an engine's answer is in, None when its
     bytes are the content itself. The relay passes bytes through as they came and sends the client
@@ -431,8 +444,9 @@ class Relay:
         if api is not None:
             scanner = api.scanner(ctx)
         elif ctx.ireq.choices > 1:      # type: ignore[union-attr]    (a chat's or completion's: parsed)
-            # several choices, interleaved: choice 0's gaps alone
+            # several choices, interleaved: choice 0's gaps alone; each choice's finish as it comes
             scanner = ChoicesScanner(ctx.ireq.choices, strip_usage)     # type: ignore[union-attr]
+            rec.extra["finish_reasons"] = scanner.finish_reasons
         else:
             scanner = SSEScanner(strip_usage)
         # the first bytes already here (a P/D decode's, read before the head), or a gate for them:
@@ -738,9 +752,11 @@ class Relay:
         elif data is not None:
             if isinstance(data, dict):
                 self.account_usage(rec, adapter.usage(data))
-                choices = data.get("choices")
-                if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-                    rec.finish_reason = choices[0].get("finish_reason")
+                match data.get("choices"):
+                    case [dict() as choice]:
+                        rec.finish_reason = choice.get("finish_reason")
+                    case [dict(), _, *_] as choices:        # several: choice 0's, as a stream's
+                        whole_finishes(rec, choices)
                 told = ctx.ireq.answered if ctx.ireq is not None else None
                 if told is not None:        # after the answer is written
                     asyncio.get_running_loop().call_soon(told, message_text(data))

@@ -589,13 +589,15 @@ class ChoicesScanner(SSEScanner):
     """The scanner of a stream of several choices (``n`` > 1, or a completion's batch of prompts),
     whose chunks each carry one choice, the choices interleaved. The first token is any choice's;
     the inter-token gaps are choice 0's alone (the gaps between all choices' chunks would be a
-    fraction of any one's). A stream of one choice keeps the plain ``SSEScanner``: nothing here
-    runs for it."""
+    fraction of any one's); ``finish_reason`` is choice 0's, and ``finish_reasons`` every choice's,
+    by index (``None`` for a choice that did not finish). A stream of one choice keeps the plain
+    ``SSEScanner``: nothing here runs for it."""
 
-    __slots__ = ("_zero_at", "_zero", "_chunk")
+    __slots__ = ("finish_reasons", "_zero_at", "_zero", "_chunk")
 
     def __init__(self, choices: int, strip_usage: bool = False) -> None:
         super().__init__(strip_usage)
+        self.finish_reasons: list[str | None] = [None] * choices
         self._zero_at: float | None = None     # the last content of choice 0
         self._zero: bool | None = None         # this read carried content of choice 0 (None: not known yet)
         self._chunk = b""
@@ -629,3 +631,23 @@ class ChoicesScanner(SSEScanner):
             if last is not None and len(self.itl) < ITL_KEEP:
                 self.itl.append(now - last)
             self._zero_at = now
+
+    def _decode(self, p: bytes | bytearray) -> int:
+        first = self.finish_reason
+        flags = SSEScanner._decode(self, p)    # usage, error, and a finish of some choice
+        self.finish_reason = first
+        if _FINISH_RE.search(p) is None:
+            return flags
+        try:
+            choices = orjson.loads(p).get("choices")    # a finish: which choice's
+        except (ValueError, AttributeError):
+            return flags
+        reasons = self.finish_reasons
+        for c in choices if isinstance(choices, list) else ():
+            if isinstance(c, dict):
+                fr, i = c.get("finish_reason"), c.get("index", 0)
+                if isinstance(fr, str) and fr and isinstance(i, int) and 0 <= i < len(reasons):
+                    reasons[i] = fr
+                    if i == 0:
+                        self.finish_reason = fr
+        return flags

@@ -1,12 +1,14 @@
 """Requests of several choices (``n`` > 1) through the gateway with the openai SDK, against a
-simulated vLLM that streams each choice in chunks of its own, interleaved: the inter-token
-latency histogram is one choice's."""
+simulated vLLM that streams each choice in chunks of its own, interleaved: the request log's
+finish reason and the inter-token latency histogram are one choice's, streamed or not."""
 
 from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 
 from tests.support.factories import model_block
@@ -17,6 +19,42 @@ from tests.support.metrics import metric
 
 async def _itl_count(gw) -> float:
     return metric(await gw.metrics_text(), "switchyard_inter_token_latency_seconds_count", model="m")
+
+
+async def _prompt_whose_choices_end_apart(url: str) -> list[dict]:
+    """A prompt whose choice 0 ends (EOS) while choice 1 is cut at max_tokens, asked of the engine."""
+    async with aiohttp.ClientSession() as s:
+        for k in range(200):
+            messages = [{"role": "user", "content": f"Tell me about trains, take {k}."}]
+            async with s.post(url + "/v1/chat/completions",
+                              json={"model": "m", "messages": messages, "max_tokens": 5, "n": 2}) as r:
+                got = [c["finish_reason"] for c in (await r.json())["choices"]]
+            if got == ["stop", "length"]:
+                return messages
+    raise AssertionError("no prompt whose choice 0 stops and choice 1 is cut")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_log_line_says_choice_0s_finish_and_every_choices(sims, gateway, stream):
+    sim = await sims("vllm", "m", eos_probability=0.25)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    messages = await _prompt_whose_choices_end_apart(sim.url)
+    client = openai_client(gw)
+    with gw.gw.request_log.capture() as logs:
+        for n in (2, 1):
+            if stream:
+                got = {}
+                async for chunk in await client.chat.completions.create(model="m", messages=messages, max_tokens=5,
+                                                                        n=n, stream=True):
+                    got.update({c.index: c.finish_reason for c in chunk.choices if c.finish_reason})
+            else:
+                r = await client.chat.completions.create(model="m", messages=messages, max_tokens=5, n=n)
+                got = {c.index: c.finish_reason for c in r.choices}
+            assert got == ({0: "stop", 1: "length"} if n == 2 else {0: "stop"})
+    several, one = [e for e in logs if e["event"] == "request"]
+    # choice 0's, as the whole answer's choices[0] is; the stream's last finish was choice 1's "length"
+    assert several["finish_reason"] == "stop" and several["finish_reasons"] == ["stop", "length"]
+    assert one["finish_reason"] == "stop" and "finish_reasons" not in one
 
 
 async def test_inter_token_latency_is_choice_0s(sims, gateway):
@@ -76,4 +114,4 @@ async def test_inter_token_latency_is_choice_0s_when_the_choices_come_apart(gate
         # choice 0's 4 tokens: 3 gaps, where the 8 chunks of both made 7 (each a fraction of a token's time)
         assert await _itl_count(gw) == 3
         line = next(e for e in logs if e["event"] == "request")
-        assert line["completion_tokens"] == 8
+        assert line["completion_tokens"] == 8 and line["finish_reason"] == "length"

@@ -672,6 +672,7 @@ def test_choices_gaps_are_choice_0s_and_the_first_token_any_choices():
     assert _feed(s, one) == b"".join(one)
     assert s.first_token_at == 0.0 and s.last_token_at == 5.0 and s.token_events == 6
     assert s.itl == [2.0, 2.0]             # choice 0's tokens at 1, 3, 5: the plain scanner saw 5 gaps of 1
+    assert s.finish_reason == "stop" and s.finish_reasons == ["stop", "stop"]
     plain = SSEScanner()
     _feed(plain, one)
     assert plain.itl == [1.0] * 5
@@ -686,11 +687,21 @@ def test_choices_read_in_any_pieces(strip):
     s = ChoicesScanner(2, strip_usage=strip)
     out = _feed(s, events)
     assert out == (whole.replace(VLLM_USAGE, b"") if strip else whole)
-    assert s.itl == [1.0, 1.0]
+    assert s.itl == [1.0, 1.0] and s.finish_reasons == ["stop", "stop"]
     s = ChoicesScanner(2, strip_usage=strip)
     out = _feed(s, one_byte(whole))
     assert out == (whole.replace(VLLM_USAGE, b"") if strip else whole)
-    assert s.token_events == 5 and len(s.itl) == 2
+    assert s.token_events == 5 and len(s.itl) == 2 and s.finish_reason == "stop"
+
+
+def test_choices_finish_reasons_by_index_and_choice_0s_whatever_comes_last():
+    cut = VLLM_LO.replace(b'"finish_reason":"stop"', b'"finish_reason":"length"')
+    s = ChoicesScanner(3)
+    _feed(s, [VLLM_HEL, _of(2, VLLM_HEL), VLLM_LO, _of(2, cut), DONE])
+    assert s.finish_reason == "stop" and s.finish_reasons == ["stop", None, "length"]
+    s = ChoicesScanner(2)
+    _feed(s, [_of(1, VLLM_HEL), _of(1, VLLM_LO), _of(7, cut), DONE])     # choice 0 never finished
+    assert s.finish_reason is None and s.finish_reasons == [None, "stop"]
 
 
 def test_choices_index_written_after_the_delta_is_read_from_the_json():
