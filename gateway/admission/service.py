@@ -349,11 +349,13 @@ class Admission:
                 outcomes["ttft"] = "met" if ttft * 1000 <= ireq.slo_ttft_ms else "missed"
         if ireq.slo_tpot_ms is not None:
             n = rec.completion_tokens
+            if n is not None and ireq.choices > 1:
+                n /= ireq.choices       # a choice's tokens: several decode side by side
             if shed:
                 outcomes["tpot"] = "shed"
             elif failed:
                 outcomes["tpot"] = "missed"
-            elif ttft is not None and n is not None and n > 1:
+            elif ttft is not None and n is not None and n >= 2:
                 tpot = (time.perf_counter() - rec.started - ttft) / (n - 1)
                 rec.extra["tpot_ms"] = round(tpot * 1000, 3)
                 outcomes["tpot"] = "met" if tpot * 1000 <= ireq.slo_tpot_ms else "missed"

@@ -73,6 +73,7 @@ class _Pending:
     stream: bool
     slo_ttft_ms: float | None
     slo_tpot_ms: float | None
+    choices: int                     # the answer's choices, decoded side by side (InferenceRequest.choices)
 
 
 class SloLearning:
@@ -105,7 +106,7 @@ class SloLearning:
         ttft, tpot = latency.predict(ep, f)
         pending = self.pending
         pending[ireq.request_id] = _Pending(latency, ep, f, ttft, tpot, at, ireq.stream,
-                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms)
+                                            ireq.slo_ttft_ms, ireq.slo_tpot_ms, ireq.choices)
         pending.move_to_end(ireq.request_id)
         if len(pending) > MAX_PENDING:
             pending.popitem(last=False)
@@ -120,8 +121,10 @@ class SloLearning:
             return
         ok = rec.status == 200 and rec.error_class is None
         tpot_s = None
-        if ok and rec.ttft is not None and rec.completion_tokens is not None and rec.completion_tokens >= 2:
-            tpot_s = (duration - rec.ttft) / (rec.completion_tokens - 1)
+        if ok and rec.ttft is not None and rec.completion_tokens is not None:
+            tokens = rec.completion_tokens / p.choices     # a choice's: several decode side by side
+            if tokens >= 2:
+                tpot_s = (duration - rec.ttft) / (tokens - 1)
         if ok and p.stream and rec.ttft is not None:
             self._learn(rec, p, tpot_s, duration)
         if p.slo_ttft_ms is not None or p.slo_tpot_ms is not None:

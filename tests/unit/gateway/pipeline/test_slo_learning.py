@@ -52,6 +52,18 @@ def test_a_streamed_answer_teaches_the_model_its_ttft_from_the_decision_and_its_
                   objective="ttft") == pytest.approx(0.5, rel=1e-3)   # observed 500, predicted 250
 
 
+def test_an_answer_of_several_choices_teaches_one_choices_tpot():
+    """Its choices decode side by side: 2 of 11 tokens in the time of 11 tokens of one."""
+    learning, model, _, _ = _setup()
+    (ep,) = endpoints(1)
+    req = _req("n2")
+    req.choices = 2
+    learning.decided(req, Decision(ep, "least-request"), model)
+    learning.on_request(_rec("n2", ttft=0.35, tokens=22), duration=0.35 + 10 * 0.02)
+    _, tpot = model.predict(ep, model.features(1000, ep, 0.0))
+    assert tpot == pytest.approx(20.0, rel=1e-3)            # not 0.2 s over 21 gaps: 9.5 ms
+
+
 def test_objectives_are_counted_met_or_missed_by_what_the_client_saw():
     learning, model, metrics, _ = _setup()
     (ep,) = endpoints(1)
