@@ -443,9 +443,9 @@ class Relay:
         api = ctx.api
         if api is not None:
             scanner = api.scanner(ctx)
-        elif ctx.ireq.choices > 1:      # type: ignore[union-attr]    (a chat's or completion's: parsed)
+        elif ctx.ireq is not None and ctx.ireq.choices > 1:     # a chat's or completion's, parsed
             # several choices, interleaved: choice 0's gaps alone; each choice's finish as it comes
-            scanner = ChoicesScanner(ctx.ireq.choices, strip_usage)     # type: ignore[union-attr]
+            scanner = ChoicesScanner(ctx.ireq.choices, strip_usage)
             rec.extra["finish_reasons"] = scanner.finish_reasons
         else:
             scanner = SSEScanner(strip_usage)
