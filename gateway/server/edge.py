@@ -757,11 +757,12 @@ def _closing_error(request: web.BaseRequest, status: int, message: str, code: st
     return resp
 
 
-def connect_refused(request: web.BaseRequest) -> web.Response:
+def connect_refused(request: web.BaseRequest, allow: str) -> web.Response:
     """CONNECT names a host to tunnel to (``evil.example:443``), not a path: never routed, and the
-    connection, which the parser put in tunnel mode, is closed after the answer."""
+    connection, which the parser put in tunnel mode, is closed after the answer. Its ``Allow`` is
+    the server's methods (``methods_served``), as an ``OPTIONS *`` gives them."""
     return _closing_error(request, 405, "method CONNECT is not allowed: the gateway is not a proxy",
-                          "method_not_allowed", {"Allow": "GET, POST"})
+                          "method_not_allowed", {"Allow": allow})
 
 
 _METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
@@ -853,7 +854,7 @@ class EdgeServer(web.Server):
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
-                return connect_refused(request)
+                return connect_refused(request, allow)
             if request.method == "OPTIONS" and request.raw_path == "*":    # about the server, not a path
                 return server_options(request, allow)
             try:

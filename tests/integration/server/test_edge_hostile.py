@@ -315,3 +315,16 @@ async def test_options_asterisk_is_answered_with_the_methods_served_and_the_conn
         assert ex.responses[1].json()["object"] == "chat.completion"
         assert ex.responses[3].json()["object"] == "list"
         assert ex.closed and not ex.trailing
+
+
+@on_both_loops
+async def test_connect_is_refused_with_the_methods_served():
+    """A 405 names the methods the target serves (RFC 9110 §15.5.6): a CONNECT's Allow is the
+    server's, as an ``OPTIONS *`` gives it, not two of them."""
+    async with edge_gateway(**SERVER) as gw:
+        asked = await exchange(gw.port, request("OPTIONS", "*", close=True), until_close=True)
+        refused = await exchange(gw.port, b"CONNECT evil.example:443 HTTP/1.1\r\nHost: evil.example:443\r\n\r\n",
+                                 wait=8.0, until_close=True, responses=1)
+        assert_openai_error(refused.first, 405)
+        assert refused.first.headers["allow"] == asked.first.headers["allow"]
+        assert "DELETE" in refused.first.headers["allow"]
