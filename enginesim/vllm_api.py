@@ -182,25 +182,31 @@ class VllmApi:
         # vLLM reports the matched stop string/token id, and null for EOS.
         return None if seq.stop_reason == EOS_TOKEN_ID else seq.stop_reason
 
+    def _choice(self, req: OpenAIRequest, index: int, seq: Sequence, text: str, token_ids: bool) -> dict[str, Any]:
+        """One choice of a whole answer, as vLLM writes it (``token_ids``: the sequence's and its
+        prompt's ids, as ``return_token_ids`` asks)."""
+        choice: dict[str, Any] = {"index": index}
+        if req.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None,
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "tool_calls": [], "reasoning": None}
+        else:
+            choice["text"] = text
+        choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
+                       "stop_reason": self._stop_reason(seq),
+                       "token_ids": list(seq.output_ids) if token_ids else None})
+        if req.kind == "completions":
+            choice["prompt_logprobs"] = None
+            choice["prompt_token_ids"] = seq.prompt_ids if token_ids else None
+        return choice
+
     async def _complete(self, request: web.Request, req: OpenAIRequest, seq: Sequence,
                         headers: dict[str, str]) -> web.StreamResponse:
         result = await collect(self.engine, request, seq)
         await slow_headers(self.engine, seq.fault)
         if result.final.finish_reason == "error" or result.final.status is not None:
             return internal_error().response(STYLE, headers)
-        choice: dict[str, Any] = {"index": 0}
-        if req.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": result.text, "refusal": None,
-                                 "annotations": None, "audio": None, "function_call": None,
-                                 "tool_calls": [], "reasoning": None}
-        else:
-            choice["text"] = result.text
-        choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
-                       "stop_reason": self._stop_reason(seq),
-                       "token_ids": list(seq.output_ids) if req.return_token_ids else None})
-        if req.kind == "completions":
-            choice["prompt_logprobs"] = None
-            choice["prompt_token_ids"] = seq.prompt_ids if req.return_token_ids else None
+        choice = self._choice(req, 0, seq, result.text, req.return_token_ids)
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": [choice],
@@ -305,19 +311,7 @@ class VllmApi:
             return internal_error().response(STYLE, headers)
         choices = []
         for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
-            choice: dict[str, Any] = {"index": i}
-            if req.kind == "chat":
-                choice["message"] = {"role": "assistant", "content": result.text, "refusal": None,
-                                     "annotations": None, "audio": None, "function_call": None,
-                                     "tool_calls": [], "reasoning": None}
-            else:
-                choice["text"] = result.text
-            choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
-                           "stop_reason": self._stop_reason(seq), "token_ids": None})
-            if req.kind == "completions":
-                choice["prompt_logprobs"] = None
-                choice["prompt_token_ids"] = None
-            choices.append(choice)
+            choices.append(self._choice(req, i, seq, result.text, False))
         seq = seqs[0]
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
