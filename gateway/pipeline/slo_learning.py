@@ -122,7 +122,8 @@ class SloLearning:
         ok = rec.status == 200 and rec.error_class is None
         tpot_s = None
         if ok and rec.ttft is not None and rec.completion_tokens is not None:
-            tokens = rec.completion_tokens / p.choices     # a choice's: several decode side by side
+            # a choice's: several decode side by side (an engine that answers n: 0 has none to divide by)
+            tokens = rec.completion_tokens / max(p.choices, 1)
             if tokens >= 2:
                 tpot_s = (duration - rec.ttft) / (tokens - 1)
         if ok and p.stream and rec.ttft is not None:
