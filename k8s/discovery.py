@@ -53,6 +53,7 @@ MAX_BACKOFF_S = 30.0
 MAX_LISTED = 20           # pods named on the status page per list (not routable, skipped); the rest are counted
 HEALTHY_WATCH_S = 60.0    # a watch that held this long (or brought a line) before failing: the retries start over
 LIST_TIMEOUT_S = 60.0
+FIRST_LIST_WAIT_S = 10.0  # how long a starting worker waits for its first list before it serves anyway
 
 
 class Gone(Exception):
@@ -181,6 +182,18 @@ class KubernetesDiscovery:
             return True
         except TimeoutError:
             return False
+
+    async def before_serving(self, timeout: float = FIRST_LIST_WAIT_S) -> None:
+        """Wait, up to ``timeout`` s, until every scope has been listed: a worker that listened before
+        it knew the pods would tell its share of the clients that a model served by pods does not
+        exist (a restarted worker among siblings that serve gets new connections at once). An API
+        server that answers no list in that time is waited for no longer: the worker serves what
+        the config gives, and ``/ready`` says 503 while no endpoint is ready."""
+        if self.synced.is_set():
+            return
+        log.info("kubernetes discovery: waiting for the first list of pods before serving", timeout_s=timeout)
+        if not await self.wait_synced(timeout):
+            log.warning("kubernetes discovery: serving before the first list of pods", waited_s=timeout)
 
     def endpoints(self) -> list[Endpoint]:
         """The endpoints this discovery currently holds in the pool (routable or not)."""

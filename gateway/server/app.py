@@ -392,8 +392,8 @@ def _engines(config: Config, s: Services, reloader: Reloader):
         s.pool, s.metrics, s.lifecycle, s.upstream, s.lora, s.kv_events, s.request_log)
 
     async def engines(app: web.Application) -> AsyncIterator[None]:
-        """Discovery first (a bad kubeconfig fails start-up before anything else runs), then the
-        upstream client, the monitor and the event-loop lag sampler; torn down in reverse,
+        """Discovery first (a bad kubeconfig fails start-up before anything else runs, and the worker
+        listens once the pods are listed, or 10 s on), then the upstream client, the monitor and the event-loop lag sampler; torn down in reverse,
         background tasks last."""
         disc = None
         if config.kubernetes.enabled:
@@ -403,6 +403,8 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             app[DISCOVERY_KEY] = disc
             reloader.listeners.append(lambda live: disc.reconfigure(live.config.kubernetes, live.config.models))
         try:
+            if disc is not None:
+                await disc.before_serving()     # the worker listens once it knows the pods
             upstream.start()
             session = make_session(config.upstream)
             mon = Monitor(pool, session, metrics, config.health, config.scrape)

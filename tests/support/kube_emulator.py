@@ -24,7 +24,9 @@ vanished without a FIN or RST (a NAT entry expired, the node was cut off): nothi
 it, not even the end its ``timeoutSeconds`` would bring; watches opened after it are served.
 ``compact()`` forgets history: a watch resuming from an older resourceVersion gets 410.
 ``fail_watches = 500`` answers every watch with that status while lists go on working.
-``fail_next_lists`` makes the next list calls fail with the given HTTP statuses.
+``fail_next_lists`` makes the next list calls fail with the given HTTP statuses. ``hold_lists()``
+keeps every list waiting, as a slow API server does (``held_lists`` counts them), until
+``release_lists()``.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class KubeEmulator:
         self.partitioned = False
         self.fail_next_lists: list[int] = []
         self.fail_watches: int | None = None      # every watch answered with this status (lists work)
+        self._lists_open: asyncio.Event | None = None   # set: lists are answered; None: not held
         self.stats: Counter[str] = Counter()
         self.requests: list[tuple[str, dict[str, str]]] = []
         self._ips = itertools.count(2)
@@ -175,6 +178,14 @@ class KubeEmulator:
         final = copy.deepcopy(old)
         self._commit("DELETED", final, old)
 
+    def hold_lists(self) -> None:
+        self._lists_open = asyncio.Event()
+
+    def release_lists(self) -> None:
+        if self._lists_open is not None:
+            self._lists_open.set()
+            self._lists_open = None
+
     def partition(self) -> None:
         self.partitioned = True
 
@@ -248,6 +259,9 @@ class KubeEmulator:
                 return self._error(self.fail_watches, "InternalError", f"injected failure {self.fail_watches}")
             return await self._watch(request, ns, selector)
         self.stats["lists"] += 1
+        if self._lists_open is not None:
+            self.stats["held_lists"] += 1
+            await self._lists_open.wait()
         if self.fail_next_lists:
             code = self.fail_next_lists.pop(0)
             reason = {410: "Expired", 500: "InternalError", 503: "ServiceUnavailable"}.get(code, "Failure")

@@ -231,3 +231,57 @@ async def test_discovery_metrics_of_two_workers_merge_into_one_exposition(emu, s
         assert doc["gateway"]["pid"] in {w["pid"] for w in k["workers"]} and k["workers"][0]["pid"] != k["workers"][1]["pid"]
         assert next(r["count"] for r in k["requests"] if (r["verb"], r["result"]) == ("list", "ok")) == 2
         assert k["last_sync"] == min(x["last_sync"] for w in k["workers"] for x in w["watches"])
+
+
+async def test_a_worker_serves_once_its_first_list_of_pods_is_in(emu, sims, tmp_path):
+    """A worker that starts while the API server is slow to list (the gateway's start, or a worker the
+    parent starts again beside siblings that serve) listens once it knows the pods: a client is not
+    told that a model its pods serve does not exist, it is served once the list is in."""
+    import asyncio
+
+    import structlog
+
+    from gateway.config.schema import config_from_dict
+    from gateway.server.run import start
+    from tests.support.gateway_process import post_new
+    from tests.support.ports import listen_port
+    from tests.support.waiting import until
+
+    sim = await sims("vllm", "llama")
+    sim_pod(emu, "llama-0", sim, "llama")
+    path = tmp_path / "kubeconfig"
+    path.write_text(emu.kubeconfig())
+    port = listen_port()
+    cfg = config_from_dict({"listen": {"host": "127.0.0.1", "port": port}, "server": {"shutdown_grace_s": 1.0},
+                            "kubernetes": {"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"]}},
+                           source="<test>")
+    answers: list[int] = []
+
+    async def ask() -> None:
+        while not answers:
+            try:
+                answers.append((await post_new(port, "/v1/chat/completions",
+                                               {"model": "llama", "messages": CHAT, "max_tokens": 2}))[0])
+            except aiohttp.ClientConnectionError:
+                await asyncio.sleep(0.02)       # not listening yet
+
+    emu.hold_lists()
+    runner = None
+    with structlog.testing.capture_logs() as logs:
+        starting = asyncio.create_task(start(cfg))
+        asker = asyncio.create_task(ask())
+        try:
+            await until(lambda: answers or any(e["event"] == "kubernetes discovery: waiting for the first list "
+                                                             "of pods before serving" for e in logs))
+            assert answers == [], "answered before the pods were listed"
+            assert emu.stats["held_lists"] == 1 or await until(lambda: emu.stats["held_lists"] == 1)
+            emu.release_lists()
+            runner, _, _ = await starting
+            await until(lambda: answers)
+            assert answers == [200]
+        finally:
+            emu.release_lists()
+            asker.cancel()
+            if runner is None:
+                runner = (await starting)[0]
+            await runner.cleanup()
