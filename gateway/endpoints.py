@@ -171,6 +171,9 @@ class EndpointPool:
         # and the endpoints taken out, with the monotonic time they were, until their metric series
         # go too, later (gateway/observability/metrics.py ``RetiredSeries``)
         self.retired: list[tuple[Endpoint, float]] = []
+        # False while Kubernetes discovery has not listed the pods yet: a model the pool lacks may
+        # then be one of theirs (k8s/discovery.py)
+        self.listed = True
 
     def add(self, ep: Endpoint) -> Endpoint:
         ep.removed = False

@@ -157,6 +157,7 @@ class KubernetesDiscovery:
         from kubernetes_asyncio.client import ApiClient, CoreV1Api
 
         cfg = await load_client_configuration(self.kcfg)
+        self.pool.listed = False
         self._api_client = ApiClient(configuration=cfg)
         self._core = CoreV1Api(self._api_client)
         for scope in self.scopes:
@@ -183,7 +184,7 @@ class KubernetesDiscovery:
         except TimeoutError:
             return False
 
-    async def before_serving(self, timeout: float = FIRST_LIST_WAIT_S) -> None:
+    async def before_serving(self, timeout: float | None = None) -> None:
         """Wait, up to ``timeout`` s, until every scope has been listed: a worker that listened before
         it knew the pods would tell its share of the clients that a model served by pods does not
         exist (a restarted worker among siblings that serve gets new connections at once). An API
@@ -191,6 +192,7 @@ class KubernetesDiscovery:
         the config gives, and ``/ready`` says 503 while no endpoint is ready."""
         if self.synced.is_set():
             return
+        timeout = FIRST_LIST_WAIT_S if timeout is None else timeout
         log.info("kubernetes discovery: waiting for the first list of pods before serving", timeout_s=timeout)
         if not await self.wait_synced(timeout):
             log.warning("kubernetes discovery: serving before the first list of pods", waited_s=timeout)
@@ -330,6 +332,7 @@ class KubernetesDiscovery:
             self._listed.add(scope)
             if len(self._listed) == len(self.scopes):
                 self.synced.set()
+                self.pool.listed = True
         return str((data.get("metadata") or {}).get("resourceVersion") or "")
 
     async def _watch(self, scope: str | None, rv: str) -> None:

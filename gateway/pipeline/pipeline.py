@@ -176,8 +176,13 @@ class Pipeline:
         return ireq
 
     def _enter(self, model: str) -> str:
-        """The model must exist (404); it counts one more request in flight until ``_leave``."""
+        """The model must exist (404; 503 while the pods are not listed yet); it counts one more
+        request in flight until ``_leave``."""
         if not self.pool.has_model(model) and self.config.model(model) is None:
+            if not self.pool.listed:
+                raise GatewayError(503, f"no ready endpoint for model {model} (the Kubernetes pods have not been "
+                                        "listed yet)", code="service_unavailable", headers={"Retry-After": "5"},
+                                   header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
                                header=("x-error-no-model-backends", safe_header_value(model)),
                                error_class=ErrorClass.MODEL_NOT_FOUND)

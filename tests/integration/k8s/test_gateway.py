@@ -285,3 +285,33 @@ async def test_a_worker_serves_once_its_first_list_of_pods_is_in(emu, sims, tmp_
             if runner is None:
                 runner = (await starting)[0]
             await runner.cleanup()
+
+
+async def test_a_model_asked_for_before_the_pods_are_listed_is_not_a_404(emu, sims, gateway, tmp_path, monkeypatch):
+    """A worker that serves before its first list of pods is in (the API server answered none within
+    the wait, as when the control plane is down while the worker starts again) cannot tell that a
+    model does not exist: it answers 503 with a Retry-After, which clients retry, not 404
+    model_not_found, which they do not; once the pods are listed the model is served."""
+    import k8s.discovery
+    from tests.support.gateway_process import post_new
+    from tests.support.waiting import until
+
+    monkeypatch.setattr(k8s.discovery, "FIRST_LIST_WAIT_S", 0.0)
+    sim = await sims("vllm", "llama")
+    sim_pod(emu, "llama-0", sim, "llama")
+    path = tmp_path / "kubeconfig"
+    path.write_text(emu.kubeconfig())
+    emu.hold_lists()
+    try:
+        gw = await gateway([], kubernetes={"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"]})
+        body = {"model": "llama", "messages": CHAT, "max_tokens": 2}
+        status, headers, doc = await post_new(gw.port, "/v1/chat/completions", body)
+        assert (status, headers.get("Retry-After"), doc["error"]["code"]) == (503, "5", "service_unavailable"), doc
+        assert "not been listed yet" in doc["error"]["message"]
+        assert (await post_new(gw.port, "/v1/chat/completions", {**body, "model": "nobody"}))[0] == 503
+        emu.release_lists()
+        await until(lambda: gw.gw.pool.ready("llama"))
+        assert (await post_new(gw.port, "/v1/chat/completions", body))[0] == 200
+        assert (await post_new(gw.port, "/v1/chat/completions", {**body, "model": "nobody"}))[0] == 404
+    finally:
+        emu.release_lists()
