@@ -23,8 +23,13 @@ Bounds: at most ``max_entries`` entries, least recently recorded dropped first; 
 recorded again for ``ttl_s`` is forgotten. Keys longer than ``MAX_KEY_CHARS`` are not sessions.
 
 Sharing: ``on_put`` (set by the gateway's shared view) is told of a new or changed entry, and of
-an unchanged one at most every quarter TTL (so the other processes' copies do not expire);
-``apply`` records another process's entry without telling it again.
+an unchanged one at most every quarter TTL (so the other processes' copies do not expire), with
+the wall-clock time it tells it at; ``apply`` records another process's entry without telling it
+again, unless this map told a later one of the key: two processes that record one session at once
+(an agent's parallel calls on two workers, two replicas while Redis was away) each hear the other's
+entry, and both keep the later (equal times: the larger URL), where each took the other's and the
+session went back and forth between the two endpoints. An entry that replaces or refreshes one is
+told after it whatever the clocks say, so a replica whose clock is behind still moves a session.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from gateway.request import InferenceRequest
 MAX_KEY_CHARS = 256
 RESPONSE = "r:"          # the prefix of lineage keys: previous_response_id → the endpoint that answered
 
-# told of an entry to share: (key, endpoint, tag)
-PutListener = Callable[[str, Endpoint, "str | None"], None]
+# told of an entry to share: (key, endpoint, tag, the wall-clock time it is told at)
+PutListener = Callable[[str, Endpoint, "str | None", float], None]
 
 
 def session_of(req: InferenceRequest) -> str | None:
@@ -61,13 +66,14 @@ def session_of(req: InferenceRequest) -> str | None:
 
 
 class _Entry:
-    __slots__ = ("ep", "tag", "touched", "published")
+    __slots__ = ("ep", "tag", "touched", "published", "at")
 
-    def __init__(self, ep: Endpoint, tag: str | None, now: float) -> None:
+    def __init__(self, ep: Endpoint, tag: str | None, now: float, at: float) -> None:
         self.ep = ep
         self.tag = tag
         self.touched = now
         self.published = now
+        self.at = at            # wall clock: when the process that recorded it told the others
 
 
 class SessionMap:
@@ -75,10 +81,11 @@ class SessionMap:
     with the entry (the Responses API keeps the owner of a response id there)."""
 
     def __init__(self, ttl_s: float = 1800.0, max_entries: int = 100_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max(1, max_entries)
         self.clock = clock
+        self.wall = wall
         self._d: OrderedDict[str, _Entry] = OrderedDict()
         self.on_put: PutListener | None = None
         self.evictions = 0
@@ -117,14 +124,28 @@ class SessionMap:
             if now - e.published < self.ttl_s / 4:
                 return
             e.published = now
+            e.at = max(self.wall(), e.at + 1e-6)
         else:
-            self._store(key, _Entry(ep, tag, now))
+            # after the entry it replaces, whatever the clocks of the processes that told it
+            e = _Entry(ep, tag, now, self.wall() if e is None else max(self.wall(), e.at + 1e-6))
+            self._store(key, e)
         if self.on_put is not None:
-            self.on_put(key, ep, tag)
+            self.on_put(key, ep, tag, e.at)
 
-    def apply(self, key: str, ep: Endpoint, tag: str | None = None) -> None:
-        """Record another process's entry (not told to ``on_put``)."""
-        self._store(key, _Entry(ep, tag, self.clock()))
+    def apply(self, key: str, ep: Endpoint, tag: str | None = None, at: float | None = None) -> bool:
+        """Record another process's entry (not told to ``on_put``). ``at``: the wall-clock time that
+        process told it at; an entry of another endpoint this map holds from later (equal: of the
+        larger URL) is kept. None: taken whatever this map holds. Whether it was taken."""
+        e = self._d.get(key)
+        if at is None:
+            at = self.wall()
+        elif e is not None and e.ep is not ep:
+            if e.at > at or (e.at == at and e.ep.url > ep.url):
+                return False
+        elif e is not None and e.at > at:
+            at = e.at
+        self._store(key, _Entry(ep, tag, self.clock(), at))
+        return True
 
     def forget(self, ep: Endpoint) -> int:
         """Drop the sessions whose last turn went to ``ep`` (its engine restarted: the conversation's
@@ -156,7 +177,7 @@ class SessionMap:
         e = self._d.get(key)
         if (e is not None and e.touched >= touched) or self.clock() - touched > self.ttl_s:
             return False
-        entry = _Entry(ep, tag, touched)
+        entry = _Entry(ep, tag, touched, self.wall() - (self.clock() - touched))
         entry.published = touched
         self._store(key, entry)
         return True

@@ -383,8 +383,8 @@ class RoutingView:
         self._inserts.append(Insert(self._key(ep), keys))
         self._soon()        # not held by flush_delay_s: an agent's next turn may come within it
 
-    def _on_put(self, key: str, ep: Endpoint, tag: str | None) -> None:
-        self._sessions.append(Session(key, self._key(ep), tag))
+    def _on_put(self, key: str, ep: Endpoint, tag: str | None, at: float) -> None:
+        self._sessions.append(Session(key, self._key(ep), tag, at))
         if key.startswith(RESPONSE):
             # recorded as the answer goes out: sent now, before the client can ask a sibling for more
             self._flush()
@@ -548,7 +548,7 @@ class RoutingView:
                 if vet and not s.key.startswith(RESPONSE) and self._before_start(ep, batch.sent):
                     stale += 1
                     continue
-                self.sessions.apply(s.key, ep, s.tag)
+                self.sessions.apply(s.key, ep, s.tag, s.at or None)      # a later entry here stays
                 n += 1
             m.gm.child(m.applied, source, "session").inc(n)
         if stale:

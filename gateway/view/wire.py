@@ -8,7 +8,8 @@ discovery alike):
 
 * ``Insert``: an endpoint was sent a prompt whose prefix-index chain is ``keys``
   (``routers.prefix_index.prefix_keys``: deterministic, so every process has the same keys);
-* ``Session``: a session's turn went to an endpoint (``routers.session_map``);
+* ``Session``: a session's turn went to an endpoint (``routers.session_map``), with the sender's
+  wall-clock time of it, so two processes that recorded one session at once keep the same one;
 * ``load``: the sender's in-flight count per endpoint, absolute (a lost message or a restarted
   worker is healed by the next one); the local bus carries it, Redis does not (the tenancy
   heartbeat does);
@@ -54,6 +55,7 @@ class Session(msgspec.Struct, array_like=True):
     key: str
     ep: str
     tag: str | None = None
+    at: float = 0.0                      # the sender's time.time() when it recorded it; 0: not said
 
 
 class Tokens(msgspec.Struct, array_like=True):
@@ -190,7 +192,7 @@ def _size(fact: Insert | Session | Tokens | Probe | Scrape | Served) -> int:
         return 16 + len(fact.ep) + 9 * len(fact.keys)      # type: ignore[union-attr]
     if cls is Tokens:
         return tokens_size(fact.model, fact.segment, fact.ids)     # type: ignore[union-attr]
-    return 16 + len(fact.key) + len(fact.ep) + len(fact.tag or "")   # type: ignore[union-attr]
+    return 25 + len(fact.key) + len(fact.ep) + len(fact.tag or "")   # type: ignore[union-attr]
 
 
 def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],

@@ -96,6 +96,52 @@ async def test_two_replicas_send_each_turn_to_the_engine_of_the_conversation(sim
         assert same >= 0.95 * total, f"{same} of {total} turns on the conversation's engine after Redis came back"
 
 
+@pytest.mark.timeout(120)
+async def test_sessions_both_replicas_routed_while_redis_was_away_end_on_one_engine_once_it_is_back(
+        sims, tmp_path, redis_server):
+    """While Redis is away each replica routes on its own view: a session's turn on one replica and
+    its next on the other may go to two engines. Once Redis is back each hears the other's entry,
+    and both keep the later, where each took the other's and every turn after went to the engine
+    the other replica had chosen, back and forth."""
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    urls = [e.url for e in engines]
+    pa, pb = listen_port(), listen_port()
+    for name, port in (("a", pa), ("b", pb)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url))
+
+    async def say(port: int, session: str, text: str) -> str:
+        # shorter than a prefix block: only the session map keeps a session's turns together
+        status, head, body = await post_new(port, "/v1/chat/completions", {
+            "model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 2}, {"x-session-key": session})
+        assert status == 200, body
+        return head["target-pod"]
+
+    async def heard(port: int, n: int) -> bool:
+        page = (await get_new(port, "/metrics"))[1]
+        return metric_total(page, "switchyard_view_facts_applied_total", source="replica", kind="session") >= n
+
+    sessions = [f"agent-{i}" for i in range(8)]
+    async with gateway_process(tmp_path / "a.yaml", pa, "--workers", "1"), \
+            gateway_process(tmp_path / "b.yaml", pb, "--workers", "1"):
+        await until(lambda: redis_up(pa), timeout=20)
+        await until(lambda: redis_up(pb), timeout=20)
+        redis_server.kill()
+        for port in (pa, pb):
+            await until(lambda port=port: _lost(port), timeout=20)
+        for s in sessions:
+            await say(pa, s, "turn 0")
+            await say(pb, s, "turn 1")
+        redis_server.start()
+        for port in (pa, pb):
+            await until(lambda port=port: heard(port, len(sessions)), timeout=20)
+        moved = []
+        for s in sessions:
+            served = [await say((pa, pb)[t % 2], s, f"turn {t}") for t in range(2, 8)]
+            if len(set(served)) > 1:
+                moved.append((s, served))
+        assert moved == []
+
+
 async def _lost(port: int) -> bool:
     page = (await get_new(port, "/metrics"))[1]
     return metric_total(page, "switchyard_view_redis_lost_total") >= 1 and \

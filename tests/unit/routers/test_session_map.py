@@ -43,7 +43,7 @@ def test_only_new_changed_or_aging_entries_are_published_and_applied_ones_never(
     eps = endpoints(2)
     told = []
     m = SessionMap(ttl_s=100, clock=clock)
-    m.on_put = lambda key, ep, tag: told.append((key, ep))
+    m.on_put = lambda key, ep, tag, at: told.append((key, ep))
     m.put("a", eps[0])
     m.put("a", eps[0])                   # unchanged
     clock.t += 10
@@ -54,6 +54,24 @@ def test_only_new_changed_or_aging_entries_are_published_and_applied_ones_never(
     m.put("a", eps[1])
     m.apply("b", eps[0])
     assert told == [("a", eps[0]), ("a", eps[1]), ("a", eps[1])]
+
+
+def test_of_two_entries_told_at_once_every_map_keeps_the_later_and_a_move_orders_after_what_it_moves():
+    eps = endpoints(3)
+    told = []
+    a, b = SessionMap(wall=lambda: 100.0), SessionMap(wall=lambda: 101.0)
+    a.on_put = b.on_put = lambda *fact: told.append(fact)
+    a.put("s", eps[0])
+    b.put("s", eps[1])                     # neither has heard of the other's yet
+    (_, ep_a, tag_a, at_a), (_, ep_b, tag_b, at_b) = told
+    assert a.apply("s", ep_b, tag_b, at_b) and not b.apply("s", ep_a, tag_a, at_a)
+    assert a.get("s") is b.get("s") is eps[1]
+    # a's clock is 1 s behind b's: its move of the session still comes after the entry it moves
+    told.clear()
+    a.put("s", eps[2])
+    assert told[0][3] > 101.0 and b.apply(*told[0]) and b.get("s") is eps[2]
+    assert b.apply("s", eps[0], None, 100.5) is False and b.get("s") is eps[2]     # an older one
+    assert b.apply("s", eps[0]) and b.get("s") is eps[0]                          # no time: taken
 
 
 def _router(loads, **knobs):

@@ -79,6 +79,26 @@ async def test_insertions_sessions_and_loads_reach_the_sibling_and_are_not_sent_
     assert not os.path.exists(d.path)
 
 
+async def test_a_session_two_workers_recorded_at_once_ends_on_one_endpoint_in_both():
+    """Two workers route a new session's first requests in the same moment (an agent's parallel
+    calls, each on its own connection), each to an endpoint of its own, and each hears the other's
+    choice: both keep the later one, where each took the other's and the session went back and
+    forth between the two engines with the worker each turn landed on."""
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
+    (a, actx, apool), (b, bctx, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        actx.sessions.put("m\0s:agent", ea[0])
+        bctx.sessions.put("m\0s:agent", eb[1])           # in the same loop turn: neither has heard yet
+
+        def heard(view):
+            return metric_total(view.m.gm.render().decode(), "switchyard_view_facts_applied_total", kind="session")
+
+        await until(lambda: heard(a) == 1 and heard(b) == 1)
+        assert actx.sessions.get("m\0s:agent").url == bctx.sessions.get("m\0s:agent").url == URLS[1]
+
+
 async def test_a_missing_or_full_sibling_costs_a_counted_drop_never_a_wait():
     d = RunDirectory()
     drops: list[str] = []
