@@ -21,8 +21,9 @@ that served the session last, if it is a ready candidate that passes both guards
 least when the spread exceeds ``prefix_imbalance_abs``, and within mean + ``prefix_std_factor`` ·
 stddev over the candidates); the decision's reason is ``session``. Each such request is counted
 (``RouterContext.on_session``) as ``kept``, ``overloaded`` or ``gone``; in the last two cases the
-strategy decides as above. Every decision records the session's endpoint (``prefix_session``
-turns this off).
+strategy decides as above. A Responses chain continued with another model (gateway state) starts
+a session of that model, neither kept nor counted. Every decision records the session's endpoint
+(``prefix_session`` turns this off).
 
 The load (``prefix_load``): ``local`` is this gateway's in-flight count, plus what other replicas
 publish through the shared state (``remote_in_flight``). ``fleet`` (the default) also counts the
@@ -180,7 +181,7 @@ class PrefixCacheRouter(ScoringRouter):
         if key is None:
             return None
         ep = self.sessions.get(key)
-        if ep is None:
+        if ep is None or ep.model != req.model:     # a Responses chain continued with another model: a new session
             return None
         load = by_ep.get(ep)
         if load is None:

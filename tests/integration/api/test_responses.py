@@ -201,6 +201,23 @@ async def test_gateway_history_survives_an_engine_restart(sims, gateway):
         await sim2.close()
 
 
+async def test_gateway_history_continued_with_another_model_is_no_session_of_that_model(sims, gateway):
+    """Gateway state lets a conversation go on with another model: the engine of its last turn serves
+    the other model, so the follow-up starts a session of its own, neither kept nor counted gone
+    (``gone`` says a session's engine left the pool; that one is there, serving its model)."""
+    a, b = await sims("vllm", "a"), await sims("vllm", "b")
+    gw = await gateway([model_block("a", "vllm", [a.url]), model_block("b", "vllm", [b.url])],
+                       responses={"state": "gateway"}, routing={"strategy": "prefix-cache"})
+    c = openai_client(gw)
+    r1 = await c.responses.create(model="a", input="one", max_output_tokens=2)
+    r2 = await c.responses.create(model="b", input="two", previous_response_id=r1.id, max_output_tokens=2)
+    r3 = await c.responses.create(model="b", input="three", previous_response_id=r2.id, max_output_tokens=2)
+    assert r3.status == "incomplete"
+    text = await gw.metrics_text()
+    assert 'switchyard_routing_session_total{model="b",outcome="kept"} 1.0' in text
+    assert 'outcome="gone"' not in text
+
+
 async def test_gateway_history_streams_and_keeps_engines_stateless(sims, gateway):
     a = await sims("sglang", "m")
     gw = await gateway([model_block("m", "sglang", [a.url])], responses={"state": "gateway"})
