@@ -231,6 +231,27 @@ async def test_routing_state_carries_over_unless_routing_settings_change(sims, g
     assert f.reloader.live.routing.strategy_for("m", None) == "round-robin"
 
 
+async def test_sessions_carry_over_a_reload_that_changes_the_routing_settings(sims, gateway, tmp_path):
+    """The prefix index starts afresh with new routing settings; the session map does not (the engines
+    still hold the conversations), so a session's next turn goes where its last one went."""
+    sims_ = [await sims("vllm", "m") for _ in range(4)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_])], routing={"strategy": "prefix-cache"})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+
+    async def turn(key: str) -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT, max_tokens=1, extra_headers={"x-session-key": key})
+        return raw.headers["target-pod"]
+
+    before = {key: await turn(key) for key in ("a", "b", "c", "d", "e", "f")}
+    ctx = f.reloader.live.routing.ctx
+    f.write(routing={**f.data["routing"], "prefix_std_factor": 2.5})
+    assert f.reloader.reload("test").result == "ok" and f.reloader.live.routing.ctx is not ctx
+    assert {key: await turn(key) for key in before} == before
+    assert metric(await gw.metrics_text(), "switchyard_routing_session_total", model="m", outcome="kept") == 6
+
+
 async def test_fallbacks_reach_the_decisions_after_a_reload_that_keeps_the_routing_state(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url], strategy="vtc-basic")])
