@@ -143,6 +143,8 @@ class Pipeline:
             self.lifecycle.leave(task)
             self.tenancy.settle(ticket, rec)        # charge usage tokens, release the concurrency slot
             ctx.trace.finish(rec)
+            if (d := ctx.decision) is not None and d.reason:    # why the last decision chose as it did
+                rec.extra["route_reason"] = d.reason
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
     # -- stages ---------------------------------------------------------------------------------

@@ -83,3 +83,20 @@ async def test_weights_and_order_a_client_varies_make_no_strategy_label_of_their
     for metric in ("switchyard_requests_total", "switchyard_routing_decision_seconds_count",
                    "switchyard_slo_routing_requests_total"):
         assert _label_values(page, metric) == {"least-request,prefix-cache"}, metric
+
+
+async def test_the_log_line_says_why_a_decision_kept_a_session(sims, gateway):
+    """A decision with a reason of its own (a session kept on the endpoint of its last turn) names it
+    in the request's log line, ``route_reason``; a plain decision adds nothing."""
+    e, f = await sims("vllm", "m"), await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url, f.url])], routing={"strategy": "prefix-cache"})
+    body = {"model": "m", "prompt": "a turn of a conversation", "max_tokens": 1}
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(gw.url + "/v1/completions", json=body, headers={"x-session-key": "chat-1"}) as r:
+                    assert r.status == 200
+            async with s.post(gw.url + "/v1/completions", json=body, headers={"routing-strategy": "random"}) as r:
+                assert r.status == 200
+    lines = [x for x in logs if x["event"] == "request"]
+    assert [x.get("route_reason") for x in lines] == [None, "session", "session", None]
