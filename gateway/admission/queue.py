@@ -81,6 +81,9 @@ class FairQueue:
     def users(self, rank: int) -> int:
         return len(self._classes[rank])
 
+    def waiting_users(self, rank: int) -> list[str]:
+        return list(self._classes[rank])
+
     # -- the counters ----------------------------------------------------------------------------
 
     def counter(self, rank: int, user: str) -> float:

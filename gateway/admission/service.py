@@ -367,8 +367,11 @@ class Admission:
         if outcomes:
             rec.extra["slo_met"] = all(o == "met" for o in outcomes.values())
 
-    def status(self, model: str) -> dict | None:
-        """The model's admission rows on the status page (None: admission is off for it)."""
+    def status(self, model: str, part: bool = False) -> dict | None:
+        """The model's admission rows on the status page (None: admission is off for it). ``part``:
+        for a sibling's page (``--workers N``), with what adding the workers' rows up needs besides:
+        the waiting users' names (``users``) and each endpoint's requests sent since its scrape
+        (``sent``)."""
         s = self.settings(model)
         slo = self.slo_counts.get(model)
         if s is None:
@@ -379,17 +382,23 @@ class Admission:
         for ep in self.pool.endpoints(model):
             e = estimate(ep, th, now)
             b = baseline(ep)
-            eps.append({"name": ep.name, "capacity": b.cap(th) if th.engine_signals else None,
-                        "capacity_source": b.source if th.engine_signals else None,
-                        "engine_queue": e.waiting, "headroom": min(e.headroom, 1_000_000),
-                        "saturated": e.saturated, "reason": e.reason})
+            row = {"name": ep.name, "capacity": b.cap(th) if th.engine_signals else None,
+                   "capacity_source": b.source if th.engine_signals else None,
+                   "engine_queue": e.waiting, "headroom": min(e.headroom, 1_000_000),
+                   "saturated": e.saturated, "reason": e.reason}
+            if part:
+                row["sent"] = gateway_load(ep) - b.in_flight
+            eps.append(row)
         q = mq.queue
-        return {"enabled": True,
-                "queue": {name: q.count(rank) for rank, name in enumerate(PRIORITIES)},
-                "users_waiting": {name: q.users(rank) for rank, name in enumerate(PRIORITIES)},
-                "queue_bytes": q.bytes, "queue_max": s.queue_max,
-                "drain_rate": round(mq.drain.rate(now), 3), "engine_ttft_ms": round(mq.engine_ttft * 1000, 1),
-                "endpoints": eps, "slo": slo}
+        out = {"enabled": True,
+               "queue": {name: q.count(rank) for rank, name in enumerate(PRIORITIES)},
+               "users_waiting": {name: q.users(rank) for rank, name in enumerate(PRIORITIES)},
+               "queue_bytes": q.bytes, "queue_max": s.queue_max,
+               "drain_rate": round(mq.drain.rate(now), 3), "engine_ttft_ms": round(mq.engine_ttft * 1000, 1),
+               "endpoints": eps, "slo": slo}
+        if part:
+            out["users"] = {name: q.waiting_users(rank) for rank, name in enumerate(PRIORITIES)}
+        return out
 
     # -- inside --------------------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ O(endpoints + models x buckets + rings + listed users) to build, nothing between
 
 With ``--workers N`` the worker that answers merges its siblings' parts (``StatusBoard.part``, read
 over gateway/server/siblings.py) into its document: what adds up is added (requests, in-flight
-counts, a user's included, the traffic windows with their latency histograms, fallbacks), the recent decisions and
+counts, a user's included, the traffic windows with their latency histograms, fallbacks, a
+model's admission queue and headroom), the recent decisions and
 errors are interleaved by time, each worker's discovery (its watches, its pods) is listed apart,
 and the rest (endpoints' health, engine figures, tenants, the pods out of rotation) is the
 answering worker's view; ``gateway.workers`` says which worker answered and how many reported.
@@ -92,8 +93,9 @@ class StatusSources:
     # model aliases, once they exist: [{"name", "targets": [{"model", "weight"}], ...}]
     aliases: Callable[[], list[dict[str, Any]]] = _no_aliases
     started_at: float = field(default_factory=time.time)   # unix seconds
-    # a model's admission rows (gateway.admission.service.Admission.status), None when off
-    admission: Callable[[str], dict[str, Any] | None] = lambda _model: None
+    # a model's admission rows (gateway.admission.service.Admission.status), None when off; its
+    # second argument asks for a sibling's part (what adding them up needs besides)
+    admission: Callable[[str, bool], dict[str, Any] | None] = lambda _model, _part=False: None
     # the batch section (gateway.batch.service.BatchService.status), None when batch is off
     batch: Callable[[], Awaitable[dict[str, Any]]] | None = None
     # this worker's Kubernetes discovery (k8s.discovery.KubernetesDiscovery.status), None without one
@@ -206,7 +208,8 @@ class StatusBoard:
                 "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()],
                 "user_in_flight": src.tenancy.state.slots() if src.tenancy is not None else {},
                 "decisions": self.recent_decisions(), "errors": self.recent_errors(),
-                "discovery": src.discovery()}
+                "discovery": src.discovery(),
+                "admission": {name: row for name in _model_names(src) if (row := src.admission(name, True)) is not None}}
 
     def counts(self) -> dict[str, Any]:
         """The counts since start (``--workers N``: kept aside by each worker, so that neither a
@@ -251,7 +254,7 @@ class StatusBoard:
         now, wall = self._clock(), self._wall()
         cfg, pool = src.config, src.pool
         eps = pool.endpoints()
-        names = list(dict.fromkeys([*pool.models(), *(m.name for m in cfg.models)]))
+        names = _model_names(src)
         traffic, totals = self.traffic(now, parts)
         model_in_flight: dict[str, int] = src.model_in_flight
         endpoints = [self._endpoint_view(ep, now, cfg.routing.metrics_max_age_s) for ep in eps]
@@ -280,7 +283,7 @@ class StatusBoard:
                 "kubernetes": cfg.kubernetes.enabled,
             },
             "totals": {**totals, "endpoints": len(eps), "ready_endpoints": sum(1 for ep in eps if ep.ready)},
-            "models": [self._model_view(src, name, traffic.get(name) or self._quiet(), model_in_flight)
+            "models": [self._model_view(src, name, traffic.get(name) or self._quiet(), model_in_flight, parts)
                        for name in names],
             "aliases": src.aliases(),
             "endpoints": endpoints,
@@ -295,14 +298,17 @@ class StatusBoard:
         }
 
     def _model_view(self, src: StatusSources, name: str, traffic: dict[str, Any],
-                    model_in_flight: dict[str, int]) -> dict[str, Any]:
+                    model_in_flight: dict[str, int], parts: list[dict[str, Any]] = ()) -> dict[str, Any]:
         m = src.config.model(name)
         eps = src.pool.endpoints(name)
+        admission = src.admission(name, bool(parts))
+        if parts:
+            admission = _add_admission(admission, [(p.get("admission") or {}).get(name) for p in parts])
         return {"name": name, "engine": m.engine if m is not None else (eps[0].engine if eps else None),
                 "strategy": src.routing.strategy_for(name, None),
                 "lock_strategy": m.lock_strategy if m is not None else None,
                 "pd": src.pool.has_pd(name), "endpoints": len(eps), "ready_endpoints": sum(1 for ep in eps if ep.ready),
-                "in_flight": model_in_flight.get(name, 0), "admission": src.admission(name), **traffic}
+                "in_flight": model_in_flight.get(name, 0), "admission": admission, **traffic}
 
     @staticmethod
     def _endpoint_view(ep: Endpoint, now: float, max_age: float) -> dict[str, Any]:
@@ -477,6 +483,52 @@ def _add_endpoint_loads(views: list[dict[str, Any]], parts: list[dict[str, Any]]
             pd["pending_decode"] += pending
             pd["token_active"] = round(pd["token_active"] + active, 1)
             pd["token_kv"] = round(pd["token_kv"] + kv, 1)
+
+
+def _model_names(src: StatusSources) -> list[str]:
+    return list(dict.fromkeys([*src.pool.models(), *(m.name for m in src.config.models)]))
+
+
+def _add_admission(own: dict[str, Any] | None, others: list[Any]) -> dict[str, Any] | None:
+    """A model's admission rows with its siblings' (their ``Admission.status`` parts) added up, as
+    ``/metrics`` adds the workers' gauges: requests, bytes and users waiting (a user waiting in
+    several workers once), the queue bounds (each worker's share), the drain rate and each
+    endpoint's headroom summed; the engine's queue estimate takes in what every worker sent since
+    the scrape; the capacity is the largest any worker counts on."""
+    rows = [r for r in (own, *others) if isinstance(r, dict)]
+    if not rows:
+        return None
+    out = {k: v for k, v in rows[0].items() if k not in ("users", "endpoints")}
+    slos = [r["slo"] for r in rows if r.get("slo")]
+    if slos:
+        out["slo"] = {objective: {o: sum(s.get(objective, {}).get(o, 0) for s in slos) for o in ("met", "missed", "shed")}
+                      for objective in sorted({k for s in slos for k in s})}
+    if not out.get("enabled"):
+        return out
+    on = [r for r in rows if r.get("enabled")]
+    out["queue"] = {c: sum(r["queue"].get(c, 0) for r in on) for c in out["queue"]}
+    out["users_waiting"] = {c: len({u for r in on for u in (r.get("users") or {}).get(c, ())})
+                            if all("users" in r for r in on) else sum(r["users_waiting"].get(c, 0) for r in on)
+                            for c in out["users_waiting"]}
+    for key in ("queue_bytes", "queue_max"):
+        out[key] = sum(r[key] for r in on)
+    out["drain_rate"] = round(sum(r["drain_rate"] for r in on), 3)
+    ttfts = [r["engine_ttft_ms"] for r in on if r["engine_ttft_ms"] > 0]
+    out["engine_ttft_ms"] = round(sum(ttfts) / len(ttfts), 1) if ttfts else 0.0
+    endpoints = []
+    for ep in rows[0]["endpoints"]:
+        same = [e for r in on[1:] for e in r["endpoints"] if e["name"] == ep["name"]]
+        row = {k: v for k, v in ep.items() if k != "sent"}
+        row["headroom"] = min(1_000_000, ep["headroom"] + sum(e["headroom"] for e in same))
+        if ep["engine_queue"] is not None:
+            row["engine_queue"] = ep["engine_queue"] + sum(e.get("sent", 0) for e in same)
+        caps = [e["capacity"] for e in (ep, *same) if e["capacity"] is not None]
+        row["capacity"] = max(caps) if caps else None
+        row["saturated"] = row["headroom"] < 1
+        row["reason"] = ep["reason"] if row["saturated"] else None
+        endpoints.append(row)
+    out["endpoints"] = endpoints
+    return out
 
 
 def _newest(rings: list[list[dict[str, Any]]], n: int | None) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.factories import model_block
 from tests.support.http import chat_body, openai_client, post
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
 body = partial(chat_body, CHAT)
@@ -399,3 +399,58 @@ async def test_after_a_reload_a_scrape_still_rebases_the_engines_queue(sims, gat
     assert ep.metrics is snap, "a scrape came in between: the check says nothing"
     # the engine was left with both requests the gateway had on it at the scrape: it is idle now
     assert not row["saturated"] and row["engine_queue"] <= 0
+
+
+@pytest.mark.timeout(90)
+async def test_the_status_page_shows_the_gateways_queue_whichever_worker_answers(sims, tmp_path):
+    """``--workers 2``: each worker queues the requests its connections brought, and the page's
+    admission rows add them up as ``/metrics`` does, whichever worker answers it."""
+    from pathlib import Path
+
+    import jsonschema
+
+    from tests.support.gateway_process import gateway_process, get_new, per_worker
+    from tests.support.metrics import metric
+    from tests.support.ports import listen_port
+
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                   "scrape: {enabled: false}\n"
+                   "admission: {enabled: true, max_in_flight_per_endpoint: 2, queue_max: 60, queue_timeout_s: 60}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        base = f"http://127.0.0.1:{port}"
+        # each on a connection of its own: the kernel spreads them over the workers
+        tasks = [asyncio.create_task(post(base, body(), {**HOLD, "user": ("alice", "bob")[i % 2]}))
+                 for i in range(10)]
+
+        async def settled():
+            page = (await get_new(port, "/metrics"))[1]
+            queued = metric(page, "switchyard_admission_queue_depth")
+            return page if metric(page, "switchyard_in_flight_requests") == 10 \
+                and queued + sim.engine.counts.started == 10 else None
+        page = await until(settled, timeout=20)
+        queued = metric(page, "switchyard_admission_queue_depth", priority="standard")
+        assert queued >= 8
+        docs = await per_worker(port, 2, "/status.json")
+        # read after every worker built its page: a worker no request reached shows the model from then on
+        headroom = metric((await get_new(port, "/metrics"))[1], "switchyard_endpoint_admission_headroom")
+        schema = orjson.loads((Path(__file__).resolve().parents[3] / "docs" / "status.schema.json").read_bytes())
+        for doc in docs.values():
+            jsonschema.validate(doc, schema)
+            view = doc["models"][0]["admission"]
+            assert view["queue"] == {"sheddable": 0, "standard": queued, "critical": 0}
+            assert view["users_waiting"]["standard"] == 2          # alice and bob, once each
+            assert view["queue_max"] == 60
+            assert view["queue_bytes"] > 0
+            assert view["endpoints"][0]["headroom"] == headroom
+        for t in tasks:
+            await cancel(t)
+
+        async def empty():
+            docs = await per_worker(port, 2, "/status.json")
+            return all(d["models"][0]["admission"]["queue"]["standard"] == 0 for d in docs.values())
+        await until(empty, timeout=10)
