@@ -45,6 +45,7 @@ class Waiter:
     state: str = WAITING
     candidates: list = field(default_factory=list)   # the endpoints it may go to
     pairs: bool = False                  # routed as a prefill/decode pair
+    widen: bool = False                  # its model's endpoints ready since may take it (none chose them)
     cost: float = 1.0                    # tokens it will be charged (its user's counter)
     deadline: float = math.inf           # monotonic seconds by which its first token is due
     slo_ms: float | None = None          # the TTFT objective its deadline comes from

@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from gateway.request import InferenceRequest
 
 SHEDDABLE = RANK["sheddable"]
+WHOLE_REQUEST_ROLES = ("aggregated", "combined")     # as gateway.pipeline.routing's
 REASONS = ("queue_full", "displaced", "fair_share", "shed", "queue_timeout", "deadline")
 OUTPUT_WEIGHT = 2.0          # an output token costs two prompt tokens in a user's counter (VTC's weights)
 OBJECTIVES = ("ttft", "tpot")
@@ -231,7 +232,8 @@ class Admission:
             if not victim.fut.done():
                 victim.fut.set_exception(err)
         w = Waiter(rank, user, size, now, asyncio.get_running_loop().create_future(), candidates=candidates,
-                   pairs=pairs, cost=cost, deadline=deadline, slo_ms=slo)
+                   pairs=pairs, widen=ctx.api is None and ireq.lora is None, cost=cost, deadline=deadline,
+                   slo_ms=slo)
         q.push(w)
         self._pump(model)
         try:
@@ -242,7 +244,7 @@ class Admission:
                 position = q.position(rank, user, w)
                 q.remove(w)
                 self._waited(model, rank, "shed", w)
-                if not any(ep.ready for ep in candidates):
+                if not self._ready(model, w):
                     raise _no_endpoint(model) from None
                 if self.clock() >= deadline and deadline - now < s.queue_timeout_s:
                     raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo) from None
@@ -261,7 +263,7 @@ class Admission:
         mq.granted -= 1
         self._waited(model, rank, "dispatched", w)
         rec.extra["queue_wait_ms"] = round((self.clock() - w.enqueued) * 1000, 3)
-        eps = [ep for ep in candidates if ep.ready]
+        eps = self._ready(model, w)
         if not eps:
             self._pump(model)
             raise _no_endpoint(model)
@@ -424,7 +426,7 @@ class Admission:
             if w.fut.done():                # its task was cancelled and has not run yet: not served
                 q.remove(w)
                 continue
-            eps = [ep for ep in w.candidates if ep.ready]
+            eps = self._ready(model, w)
             if eps and total_headroom(eps, w.pairs, by_class[w.rank], now) - mq.granted < 1:
                 return
             if not eps:
@@ -435,6 +437,14 @@ class Admission:
             w.state = GRANTED
             mq.granted += 1
             w.fut.set_result(None)
+
+    def _ready(self, model: str, w: Waiter) -> list[Endpoint]:
+        """The endpoints ``w`` may go to now: its candidates that are still ready, or, when neither
+        its API nor its LoRA adapter chose them, every endpoint of its model ready now, so one that
+        is back (a restart, a breaker's trials) or new (a reload, discovery) takes the queue too."""
+        if w.widen:
+            return self.pool.ready(model, None if w.pairs else WHOLE_REQUEST_ROLES)
+        return [ep for ep in w.candidates if ep.ready]
 
     def _waited(self, model: str, rank: int, outcome: str, w: Waiter) -> None:
         if outcome != "dispatched":

@@ -454,3 +454,26 @@ async def test_the_status_page_shows_the_gateways_queue_whichever_worker_answers
             docs = await per_worker(port, 2, "/status.json")
             return all(d["models"][0]["admission"]["queue"]["standard"] == 0 for d in docs.values())
         await until(empty, timeout=10)
+
+
+async def test_an_endpoint_added_while_requests_wait_takes_them(sims, gateway):
+    """The queue built while the model's one engine was full goes to an engine a reload adds (or
+    one back from a restart, or discovery's new pod), rather than waiting for the full one."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    _, gw = await capped_gateway(sims, gateway, {"queue_timeout_s": 5}, scrape={"enabled": False})
+    added = await sims("vllm", "m")
+    blocker = await hold(gw)
+    waiting = [asyncio.create_task(post(gw.url, body())) for _ in range(3)]
+    assert await wait_for(lambda: len(queue(gw)) == 3)
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    first = config.models[0]
+    model = msgspec.structs.replace(first, endpoints=(*first.endpoints,
+                                                      msgspec.structs.replace(first.endpoints[0], url=added.url)))
+    assert reloader.reload("test", msgspec.structs.replace(config, models=(model,))).result == "ok"
+    assert [st for st, _, _ in await asyncio.gather(*waiting)] == [200] * 3
+    assert added.engine.counts.started == 3
+    await cancel(blocker)
