@@ -110,6 +110,9 @@ class Endpoint:
     # ok, monotonic time); one round probed by two workers counts once (gateway/upstream/monitor.py)
     last_probe: tuple[bool, bool, float] | None = None
     metrics: EngineMetrics | None = None
+    # its place among its model's endpoints ordered by URL, the same in every worker that has them
+    # (admission deals the slots of a bound over the workers by it: gateway/admission/saturation.py)
+    turn: int = 0
     adapters: AdapterState = field(default_factory=AdapterState)   # LoRA adapters (gateway/lora/adapters.py)
     extra: dict = field(default_factory=dict)
 
@@ -198,6 +201,8 @@ class EndpointPool:
 
     def _summarize(self, model: str) -> None:
         eps = self._by_model.get(model, ())
+        for i, ep in enumerate(sorted(eps, key=lambda e: e.url)):
+            ep.turn = i
         if any(ep.role in ("prefill", "decode") for ep in eps):
             self._pd.add(model)
         else:

@@ -37,7 +37,7 @@ is ``share(max_waiting - (R + W - C - (F - F0))) - (F - F0)``, for the in-flight
 ``T``, the gateway's room as one process would have it (docs/tenancy.md), and a room smaller than
 ``N`` is not cut into fractions that each round down to nothing (a ``max_waiting`` of 1 over two
 workers left the engine's queue empty, its slots idle between scrapes). Which worker gets a
-remainder differs from endpoint to endpoint.
+remainder goes round the workers from endpoint to endpoint, in the order of their URLs.
 
 Engine metrics older than ``metrics_max_age_s`` (or none yet) make the endpoint saturated: a
 silent engine is not an idle one (fail closed, as llm-d's saturation detector does).
@@ -49,7 +49,6 @@ nothing here needs a timer: the queue is pumped on exactly those two events.
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,7 +56,6 @@ from gateway.endpoints import Endpoint, EngineMetrics
 
 UNBOUNDED = 1 << 30          # the headroom of an endpoint no threshold limits
 _KEY = "admission_baseline"  # where an endpoint keeps its Baseline (Endpoint.extra)
-_SALT = "admission_salt"     # an endpoint's turn offset among the workers (Endpoint.extra)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,13 +160,12 @@ def baseline(ep: Endpoint) -> Baseline:
 
 def share(room: float, th: Thresholds, ep: Endpoint) -> int:
     """This worker's whole share of ``room`` slots (floored) dealt over the workers: ``(T + k) // N``
-    with ``k`` the worker's turn on this endpoint, so the shares add up to ``T``."""
+    with ``k`` the worker's turn on this endpoint, so the shares add up to ``T``. The turns follow
+    the endpoint's place among its model's (``Endpoint.turn``), so the slots left over on each
+    endpoint go round the workers, not to whichever worker the endpoints' URLs happen to favour."""
     t = math.floor(room)
     n = th.workers
-    salt = ep.extra.get(_SALT)
-    if salt is None:
-        salt = ep.extra[_SALT] = zlib.crc32(ep.url.encode())    # the same in every worker
-    return (t + (th.index + salt) % n) // n
+    return (t + (th.index + ep.turn) % n) // n
 
 
 def estimate(ep: Endpoint, th: Thresholds, now: float) -> Estimate:

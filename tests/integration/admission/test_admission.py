@@ -477,3 +477,41 @@ async def test_an_endpoint_added_while_requests_wait_takes_them(sims, gateway):
     assert [st for st, _, _ in await asyncio.gather(*waiting)] == [200] * 3
     assert added.engine.counts.started == 3
     await cancel(blocker)
+
+
+@pytest.mark.timeout(90)
+async def test_every_worker_has_a_slot_when_the_cap_deals_one_per_worker(tmp_path):
+    """``--workers 2``, two idle engines capped at one request each: the gateway's two slots go one
+    to each worker, whatever the engines' URLs, so a request never waits while an engine idles
+    (the turns were a hash of each URL: two URLs that hashed alike gave one worker both slots and
+    the other none, whose requests all waited and were shed)."""
+    import zlib
+
+    from enginesim import SimConfig, start_sim
+    from tests.support.gateway_process import gateway_process, post_new
+    from tests.support.ports import listen_port
+
+    ports: list[int] = []
+    while len(ports) < 2:       # URLs of one hash parity: the old turns gave both slots to one worker
+        p = listen_port()
+        if zlib.crc32(f"http://127.0.0.1:{p}".encode()) % 2 == 0:
+            ports.append(p)
+    engines = [await start_sim(SimConfig(engine="vllm", model="m", port=p, host="127.0.0.1", ttft_base_ms=2.0,
+                                         prefill_ms_per_token=0.0, itl_ms=1.0)) for p in ports]
+    try:
+        port = listen_port()
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                       "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                       "scrape: {enabled: false}\n"
+                       "admission: {enabled: true, max_in_flight_per_endpoint: 1, queue_timeout_s: 2}\n"
+                       f"models: [{{name: m, engine: vllm, endpoints: {[e.url for e in engines]}}}]\n")
+        async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+            statuses = []
+            for _ in range(8):      # one at a time, each on a connection of its own: either worker
+                status, _, _ = await post_new(port, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+                statuses.append(status)
+            assert statuses == [200] * 8
+    finally:
+        for e in engines:
+            await e.close()
