@@ -43,7 +43,6 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_endpoint_ready": MAX,
     "switchyard_endpoint_info": MAX,
     "switchyard_endpoint_fleet_in_flight": MAX,
-    "switchyard_endpoint_saturated": MAX,
     "switchyard_endpoint_admission_capacity": MAX,
     "switchyard_engine_running_requests": MAX,
     "switchyard_engine_waiting_requests": MAX,
@@ -72,6 +71,9 @@ GAUGE_RULES: dict[str, str] = {
     "switchyard_config_generation": MIN,
     "switchyard_kubernetes_last_sync_timestamp_seconds": MIN,   # the worker that heard from the API the longest ago
     "switchyard_kv_events_fast_tokenizer": MIN,      # 1 only while every worker encodes with tiktoken
+    # admission gives each worker its share of an endpoint's room: saturated for the gateway only when
+    # no worker has any left (as the summed headroom is 0)
+    "switchyard_endpoint_saturated": MIN,
     # the processes
     "process_start_time_seconds": MIN,
     "process_max_fds": MAX,
