@@ -246,7 +246,7 @@ class Admission:
                 self._waited(model, rank, "shed", w)
                 if not self._ready(model, w):
                     raise _no_endpoint(model) from None
-                if self.clock() >= deadline and deadline - now < s.queue_timeout_s:
+                if deadline - now < s.queue_timeout_s:      # the deadline bounded the wait, not the timeout
                     raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo) from None
                 raise self._rejection(model, s, mq, rank, "queue_timeout", position, rec) from None
         except asyncio.CancelledError:       # the client went away (or the server stops)
