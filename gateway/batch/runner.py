@@ -401,14 +401,18 @@ class BatchRunner:
             self._tasks_by_rid.pop(rid, None)
             self.preempted.discard(rid)
             ep = self.placed.pop(rid, None)
-            if ep is not None and (on := self.lines_on.get(ep)) is not None:
-                on.pop(rid, None)
-                if not on:              # endpoints come and go: no empty entry kept per name
-                    del self.lines_on[ep]
+            if ep is not None:
+                self._unplace(rid, ep)
             self.in_flight[model] -= 1
             self.m.in_flight(model, -1)
             self.wake.set()
         task.add_done_callback(ended)
+
+    def _unplace(self, rid: str, endpoint: str) -> None:
+        if (on := self.lines_on.get(endpoint)) is not None:
+            on.pop(rid, None)
+            if not on:                  # endpoints come and go: no empty entry kept per name
+                del self.lines_on[endpoint]
 
     # -- preemption: an interactive request that would wait in an engine's queue takes a batch line's slot
 
@@ -420,6 +424,9 @@ class BatchRunner:
         rid = ireq.request_id
         task = self._tasks_by_rid.get(rid)
         if task is not None:
+            # a retry elsewhere moves the line: it no longer runs where it was first placed
+            if (was := self.placed.get(rid)) is not None and was != ep.name:
+                self._unplace(rid, was)
             self.placed[rid] = ep.name
             self.lines_on.setdefault(ep.name, {})[rid] = task
             return

@@ -3,7 +3,8 @@ that names an alias meets the headroom of the alias's targets; a model with no r
 its lines (they wait, not fail); a model without room does not hold back the lines of other models
 in the same file; an input file whose time is up is kept while a batch reads it; a batch cancelled
 before it was validated counts its lines; one cancelled once its input cannot be read fails, and the
-runner goes on; a malformed part header of an upload is a 400."""
+runner goes on; a malformed part header of an upload is a 400; a line a retry moved to another
+endpoint is no longer the one an interactive request stops on the first."""
 
 from __future__ import annotations
 
@@ -239,3 +240,36 @@ async def test_a_runner_that_fails_is_started_again_and_answers_every_line_once(
     assert sorted(o["custom_id"] for o in out) == sorted(f"req-{i}" for i in range(30))
     page = await gw.metrics_text()
     assert metric(page, "switchyard_batch_runner_failures_total") == 1
+
+
+async def test_a_line_retried_on_another_endpoint_is_no_longer_one_to_stop_on_the_first(sims, gateway, tmp_path):
+    """A line the pipeline moved from one endpoint to another (the first answered 500) runs on the
+    second only: an interactive request that finds the first endpoint full afterwards stops the
+    line that runs there, not the moved one, which had ended and whose stop would free nothing."""
+    a = await sims("vllm", "m", itl_ms=20.0, max_num_seqs=1)
+    b = await sims("vllm", "m", itl_ms=20.0, max_num_seqs=1)
+    # round-robin: each decision takes the next endpoint, a, b, a, ...; a retry the only other one
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="round-robin")],
+                       batch=cfg(tmp_path, endpoint_capacity=1, reserve_slots=0))
+    c = openai_client(gw)
+    long_line = await create(c, [{**rows(["m"], max_tokens=300)[0], "custom_id": "long"}])   # on a
+
+    async def a_busy() -> bool:
+        return len((await sim_state(a.url))["running"]) == 1
+
+    await until(a_busy, timeout=10)
+    await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)  # on b
+    async with aiohttp.ClientSession() as s:
+        async with s.post(a.url + "/_sim/config", json={"fault": "status=500"}) as r:
+            assert r.status == 200
+        moved = await run_to_end(c, (await create(c, rows(["m"]))).id)    # a answers 500: moved to b
+        assert moved.status == "completed" and moved.request_counts.completed == 1
+        async with s.post(a.url + "/_sim/config", json={"fault": ""}) as r:
+            assert r.status == 200
+    answered = await c.chat.completions.create(model="m", messages=[{"role": "user", "content": "now"}],
+                                               max_tokens=2)     # to a, full with the long line
+    assert answered.choices
+    state = await sim_state(a.url)
+    assert [i for i in state["aborted_ids"] if "batch_req_" in i], state["counts"]   # the long line gave its slot
+    await c.batches.cancel(long_line.id)
+    await run_to_end(c, long_line.id)
