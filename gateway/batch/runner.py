@@ -268,8 +268,19 @@ class BatchRunner:
                                                                              {"code": code, "message": message}))
                        for ln in lines if ln.line_no not in answered]
             if missing:
-                self.m.lines("-", "failed", len(missing))
+                by_model: dict[str, int] = {}       # counted under the model each names, as a line run is
+                for ln in lines:
+                    if ln.line_no not in answered:
+                        model = self._model_of(ln)
+                        by_model[model] = by_model.get(model, 0) + 1
+                for model, n in by_model.items():
+                    self.m.lines(model, "failed", n)
                 await self.db.run(BatchStore.record, job.id, missing)
+
+    def _model_of(self, line: Line) -> str:
+        """The model a line counts under: the name it gives when the gateway knows it, else ''."""
+        model = line.body.get("model")
+        return model if isinstance(model, str) and model and self.targets(model) is not None else ""
 
     def _write_outputs(self, bid: str, owner: str) -> tuple[str | None, str | None]:
         """On a thread of its own (the store's thread serves the API meanwhile): reads through a

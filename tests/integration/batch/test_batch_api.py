@@ -15,6 +15,7 @@ import pytest
 from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
+from tests.support.metrics import metric as sample
 from tests.support.tenancy import ALICE, BOB, KEYS
 from tests.support.waiting import until
 
@@ -130,7 +131,7 @@ async def test_a_line_whose_url_is_not_the_endpoint_fails_the_batch(sims, gatewa
 
 async def _slow_batch(sims, gateway, tmp_path):
     """A 20-line batch on a slow engine, one line at a time, once its first line reached the engine:
-    (client, input rows, batch)."""
+    (gateway, client, input rows, batch)."""
     sim = await sims("vllm", "m", itl_ms=50.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])],
                        batch={**batch_cfg(tmp_path), "max_concurrency": 1})
@@ -141,7 +142,7 @@ async def _slow_batch(sims, gateway, tmp_path):
     f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     await until(lambda: _received(sim.url), timeout=20)
-    return c, rows, b
+    return gw, c, rows, b
 
 
 async def _every_line_once(c, b, rows, code: str) -> None:
@@ -154,7 +155,7 @@ async def _every_line_once(c, b, rows, code: str) -> None:
 
 
 async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway, tmp_path):
-    c, rows, b = await _slow_batch(sims, gateway, tmp_path)
+    gw, c, rows, b = await _slow_batch(sims, gateway, tmp_path)
     cancelling = await c.batches.cancel(b.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     b = await run_to_end(c, b.id)
@@ -165,6 +166,10 @@ async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway,
     with pytest.raises(openai.BadRequestError) as ei:
         await c.batches.cancel(b.id)
     assert ei.value.body["code"] == "invalid_batch_state"
+    # the lines it never ran count as failed under the model they name, as answered lines do
+    page = await gw.metrics_text()
+    assert sample(page, "switchyard_batch_lines_total", model="m", outcome="failed") == counts.failed
+    assert sample(page, "switchyard_batch_lines_total", model="-") == 0
 
 
 async def _received(url: str) -> bool:
@@ -309,7 +314,7 @@ async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(s
     (as 24 hours passing would) while its lines run on a slow engine."""
     import sqlite3
 
-    c, rows, b = await _slow_batch(sims, gateway, tmp_path)
+    gw, c, rows, b = await _slow_batch(sims, gateway, tmp_path)
     assert b.expires_at == b.created_at + 24 * 3600
 
     def age() -> None:       # the runner rewrites the doc as lines finish: set it until it is seen
@@ -334,6 +339,8 @@ async def test_a_batch_past_its_window_expires_and_says_so_for_every_line_left(s
     b = await c.batches.retrieve(b.id)
     assert b.expired_at and b.request_counts.total == 20 and b.request_counts.completed < 20
     await _every_line_once(c, b, rows, "batch_expired")
+    page = await gw.metrics_text()
+    assert sample(page, "switchyard_batch_lines_total", model="m", outcome="failed") == b.request_counts.failed
 
 
 async def test_files_past_their_ttl_leave_the_store_and_the_disk(sims, gateway, tmp_path):
