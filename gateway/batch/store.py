@@ -5,7 +5,9 @@ keyed by ``(batch_id, custom_id)`` and inserted with ``INSERT OR IGNORE``, so a 
 (a restart re-runs the lines whose answers were not committed yet) is stored, counted and written
 out once. The batch object is kept as its OpenAI JSON document beside an indexed status; every
 change to it is a read-modify-write inside ``BEGIN IMMEDIATE``, so the runner's counts and another
-worker's cancel never overwrite each other.
+worker's cancel never overwrite each other. Lists go by ``created_at`` (whole seconds), then by
+``rowid``, which SQLite gives each new row above every row the table holds, so objects made within
+one second list in the order they were made.
 
 Everything here is synchronous and runs on one thread per process (``BatchDb``): the event loop
 never waits on the disk, and this process has one writer.
@@ -125,14 +127,14 @@ class BatchStore:
             args.append(purpose)
         cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         if after:
-            row = self.db.execute("SELECT owner, created_at FROM files WHERE id = ?", (after,)).fetchone()
+            row = self.db.execute("SELECT owner, created_at, rowid FROM files WHERE id = ?", (after,)).fetchone()
             if row is None or (owner is not None and row[0] != owner):
                 raise UnknownCursor(after)
-            where.append(f"(created_at, id) {cmp} (?, ?)")
-            args += [row[1], after]
+            where.append(f"(created_at, rowid) {cmp} (?, ?)")
+            args += [row[1], row[2]]
         rows = self.db.execute(
             "SELECT id, owner, filename, purpose, bytes, created_at, expires_at, lines FROM files"
-            f" WHERE {' AND '.join(where)} ORDER BY created_at {direction}, id {direction} LIMIT ?",
+            f" WHERE {' AND '.join(where)} ORDER BY created_at {direction}, rowid {direction} LIMIT ?",
             (*args, limit + 1)).fetchall()
         return [_file(r) for r in rows[:limit]], len(rows) > limit
 
@@ -169,13 +171,13 @@ class BatchStore:
             where.append("owner = ?")
             args.append(owner)
         if after:
-            row = self.db.execute("SELECT owner, created_at FROM batches WHERE id = ?", (after,)).fetchone()
+            row = self.db.execute("SELECT owner, created_at, rowid FROM batches WHERE id = ?", (after,)).fetchone()
             if row is None or (owner is not None and row[0] != owner):
                 raise UnknownCursor(after)
-            where.append("(created_at, id) < (?, ?)")
-            args += [row[1], after]
+            where.append("(created_at, rowid) < (?, ?)")
+            args += [row[1], row[2]]
         rows = self.db.execute(f"SELECT doc FROM batches WHERE {' AND '.join(where)}"
-                               " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit + 1)).fetchall()
+                               " ORDER BY created_at DESC, rowid DESC LIMIT ?", (*args, limit + 1)).fetchall()
         return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[dict[str, Any]]:

@@ -420,3 +420,24 @@ async def test_a_file_written_by_a_windows_tool_runs(sims, gateway, tmp_path):
     assert b.status == "completed" and (b.request_counts.total, b.request_counts.completed) == (3, 3), b
     out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
     assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-2"]
+
+
+async def test_objects_created_in_one_second_list_in_the_order_they_were_created(sims, gateway, tmp_path,
+                                                                                monkeypatch):
+    """``created_at`` counts whole seconds: files and batches created within one second list in
+    the order they were made (newest first; files oldest first with ``order=asc``), page after page,
+    where they came in the order of their random ids."""
+    from gateway.batch import api, files
+
+    second = api.now_s()
+    monkeypatch.setattr(api, "now_s", lambda: second)        # every object made in the same second
+    monkeypatch.setattr(files, "now_s", lambda: second)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    made = [(await c.files.create(file=(f"in{i}.jsonl", GOOD), purpose="batch")).id for i in range(8)]
+    batches = [(await c.batches.create(input_file_id=made[0], endpoint="/v1/chat/completions",
+                                       completion_window="24h")).id for _ in range(8)]
+    assert [f.id async for f in c.files.list(purpose="batch", order="asc", limit=3)] == made
+    assert [f.id async for f in c.files.list(purpose="batch", limit=3)] == made[::-1]
+    assert [b.id async for b in c.batches.list(limit=3)] == batches[::-1]
