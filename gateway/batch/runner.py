@@ -10,7 +10,8 @@ batch's owner, only while ``headroom.model_room`` finds free slots, under ``max_
 ``max_lines_per_s`` per model. An answer is stored keyed by ``(batch, custom_id)`` (results are
 committed in small groups; a line whose answer was not committed when the process died is run
 again, and a line stored twice is kept once). A 429 (the owner's limits, admission shedding) waits
-and is tried again without counting; a 5xx or a timeout is tried again up to ``max_attempts``;
+its Retry-After and is tried again without counting, and no line of the owner's for that model
+starts meanwhile; a 5xx or a timeout is tried again up to ``max_attempts``;
 anything else is the line's answer (a 4xx goes to the error file).
 
 The output and error files are written at the end by streaming the stored lines in input order,
@@ -95,6 +96,9 @@ class BatchRunner:
         self.placed: dict[str, str] = {}                            # request id → endpoint
         self.preempted: set[str] = set()
         self._tasks_by_rid: dict[str, asyncio.Task] = {}
+        # (owner, model) → until when no line of theirs starts: a line met a 429, whose Retry-After
+        # says when the limit (or admission) takes requests again
+        self.held: dict[tuple[str, str], float] = {}
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -330,7 +334,7 @@ class BatchRunner:
                     # no such model (the handler answers it 404): such lines are capped and counted
                     # together, not each model name the file made up on its own, in a dict and a series
                     model = ""
-                if model in full or not self._may_start(model, room, now):
+                if model in full or self._held(job.owner, model, now) or not self._may_start(model, room, now):
                     full.add(model)
                     held.append(job.ready.popleft())
                     if len(held) >= HELD_BACK:
@@ -340,6 +344,15 @@ class BatchRunner:
                 self._start(job, line, attempts, model, now)
             if held:
                 job.ready.extendleft(reversed(held))
+
+    def _held(self, owner: str, model: str, now: float) -> bool:
+        until = self.held.get((owner, model))
+        if until is None:
+            return False
+        if until > now:
+            return True
+        del self.held[(owner, model)]
+        return False
 
     def _may_start(self, model: str, room: dict[str, int], now: float) -> bool:
         cfg = self.cfg
@@ -464,9 +477,12 @@ class BatchRunner:
             headers["user"] = job.owner
         req = LineRequest(line.url, orjson.dumps(body), headers, {},
                           log_fields={"batch_id": job.id, "custom_id": line.custom_id}, acting_for=job.owner or None)
+        retry_after: float | None = None
         try:
             resp = await self.submit(req)
             status, raw = resp.status, _body_of(resp)
+            if status == 429:
+                retry_after = _retry_after(resp)
         except asyncio.CancelledError:
             if rid not in self.preempted:
                 raise
@@ -483,6 +499,11 @@ class BatchRunner:
         if free or (status in RETRY_STATUSES and attempts + 1 < self.cfg.max_attempts):
             counted = attempts if free else attempts + 1
             delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * (2 ** max(0, counted - 1)))
+            if status == 429:           # the limit says when: until then no line of the owner's goes there
+                if retry_after is not None:
+                    delay = min(MAX_BACKOFF_S, retry_after)
+                key = (job.owner, model)
+                self.held[key] = max(self.held.get(key, 0.0), self.clock() + delay)
             self._seq += 1
             heapq.heappush(job.waiting, (self.clock() + delay, self._seq, line, counted))
             self.m.lines(model, "retried")
@@ -511,6 +532,21 @@ def _body_of(resp: Any) -> bytes:
     if isinstance(body, bytes | bytearray):
         return bytes(body)
     return b""
+
+
+def _retry_after(resp: Any) -> float | None:
+    """The wait a 429 asks for, in seconds (``retry-after-ms``, else ``Retry-After``), if it says."""
+    headers = getattr(resp, "headers", None)
+    if headers is None:
+        return None
+    for name, scale in (("retry-after-ms", 1000.0), ("Retry-After", 1.0)):
+        try:
+            wait = float(headers.get(name, ""))
+        except ValueError:
+            continue
+        if wait >= 0:
+            return wait / scale
+    return None
 
 
 def _usage(body: Any) -> tuple[int, int, int]:

@@ -17,6 +17,8 @@ import pytest
 from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
+from tests.support.metrics import metric
+from tests.support.tenancy import ALICE, KEYS
 from tests.support.waiting import until
 
 # two lines a model's endpoint at a time: capacity 3, one slot kept for interactive requests
@@ -273,3 +275,26 @@ async def test_a_line_retried_on_another_endpoint_is_no_longer_one_to_stop_on_th
     assert [i for i in state["aborted_ids"] if "batch_req_" in i], state["counts"]   # the long line gave its slot
     await c.batches.cancel(long_line.id)
     await run_to_end(c, long_line.id)
+
+
+async def test_a_line_refused_by_its_owners_limit_holds_the_batch_until_the_limit_says(sims, gateway, tmp_path):
+    """A 429 of the owner's limits says when to come back (Retry-After): no line of the batch for
+    that model starts until then, where each line of the file was tried every retry_backoff_s, the
+    whole file over and over (thousands of 429s a second, each one a request log line)."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path), auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 2}}})
+    c = openai_client(gw, ALICE)
+    b = await create(c, rows(["m"] * 200))
+
+    async def refused() -> float:
+        return metric(await gw.metrics_text(), "switchyard_rate_limited_total", user="alice")
+
+    await until(refused, timeout=10)          # the minute's two requests went, a line met the limit
+    await asyncio.sleep(1.0)                  # most of the minute is left: nothing is tried meanwhile
+    assert await refused() <= 2               # the lines in flight when the limit was met (two at a time)
+    got = await c.batches.retrieve(b.id)
+    assert (got.status, got.request_counts.completed, got.request_counts.failed) == ("in_progress", 2, 0)
+    await c.batches.cancel(b.id)
+    done = await run_to_end(c, b.id)
+    assert (done.status, done.request_counts.completed, done.request_counts.total) == ("cancelled", 2, 200)
