@@ -30,6 +30,7 @@ CHUNK = 256 * 1024
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MULTIPART_SLACK = 64 * 1024        # boundaries and the purpose field around the file's bytes
 MAX_METADATA = 16
+EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)     # OpenAI's range of a file's expires_after[seconds]
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> GatewayError:
@@ -96,6 +97,7 @@ class BatchApi:
                        "file_too_large", 413)
         tmp = batch_files.temp_path(self.db.dir)
         purpose: str | None = None
+        expiry: dict[str, str] = {}                   # expires_after[anchor], expires_after[seconds]
         got: tuple[str, int, int] | None = None       # (filename, bytes, lines)
         try:
             try:
@@ -106,6 +108,9 @@ class BatchApi:
                     if part.name == "purpose":
                         raw = await part.read()
                         purpose = bytes(raw[:64]).decode("utf-8", "replace").strip()
+                    elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                        raw = await part.read()
+                        expiry[part.name[14:-1]] = bytes(raw[:64]).decode("utf-8", "replace").strip()
                     elif part.name == "file" and got is None:
                         got = await self._receive(part, tmp)
                     else:
@@ -123,10 +128,11 @@ class BatchApi:
                 raise _bad("missing multipart field 'purpose'", "purpose", "missing_required_parameter")
             if purpose != "batch":
                 raise _bad(f"purpose {purpose!r} is not served here: only 'batch'", "purpose", "invalid_value")
+            ttl_s = _ttl(expiry, cfg.file_ttl_s)
             filename, size, lines = got
             file_id = batch_files.new_file_id()
             await asyncio.to_thread(batch_files.publish, self.db.dir, tmp, file_id)
-            f = batch_files.file_object(file_id, filename, "batch", size, cfg.file_ttl_s)
+            f = batch_files.file_object(file_id, filename, "batch", size, ttl_s)
             try:
                 await self.db.run(BatchStore.add_file, f, owner, lines)
             except BaseException:           # not stored: the published file goes too (no orphan)
@@ -279,6 +285,21 @@ class BatchApi:
             raise _bad(f"Cannot cancel a batch with status {doc['status']}", "batch_id", "invalid_batch_state")
         self.on_change()
         return _json(doc)
+
+
+def _ttl(expiry: dict[str, str], file_ttl_s: int) -> int:
+    """An upload's lifetime in seconds (0: none): ``batch.file_ttl_s``, or the ``expires_after`` the
+    client asked for when it is shorter."""
+    if not expiry:
+        return file_ttl_s
+    lo, hi = EXPIRES_AFTER_S
+    if expiry.get("anchor") != "created_at":
+        raise _bad("expires_after[anchor] must be 'created_at'", "expires_after", "invalid_value")
+    raw = expiry.get("seconds", "")
+    if not (raw.isascii() and raw.isdigit()) or not lo <= int(raw) <= hi:
+        raise _bad(f"expires_after[seconds] must be an integer between {lo} and {hi}", "expires_after",
+                   "invalid_value")
+    return min(int(raw), file_ttl_s) if file_ttl_s else int(raw)
 
 
 def _metadata_ok(m: Any) -> bool:

@@ -441,3 +441,25 @@ async def test_objects_created_in_one_second_list_in_the_order_they_were_created
     assert [f.id async for f in c.files.list(purpose="batch", order="asc", limit=3)] == made
     assert [f.id async for f in c.files.list(purpose="batch", limit=3)] == made[::-1]
     assert [b.id async for b in c.batches.list(limit=3)] == batches[::-1]
+
+
+async def test_an_upload_expires_when_its_expires_after_says(sims, gateway, tmp_path):
+    """``expires_after`` (anchor ``created_at``, 3600 to 2592000 seconds) sets when the uploaded
+    file expires and leaves the disk, if before ``batch.file_ttl_s``; out of range it is a 400.
+    It was not read: the file stayed for ``file_ttl_s`` (30 days) whatever the client asked."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", GOOD), purpose="batch",
+                             expires_after={"anchor": "created_at", "seconds": 3600})
+    assert f.expires_at == f.created_at + 3600
+    assert (await c.files.retrieve(f.id)).expires_at == f.created_at + 3600
+    longer = await c.files.create(file=("in.jsonl", GOOD), purpose="batch",
+                                  expires_after={"anchor": "created_at", "seconds": 2592000})
+    assert longer.expires_at == longer.created_at + 30 * 24 * 3600     # file_ttl_s's 30 days is the most
+    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "created_at", "seconds": 2592001},
+                {"anchor": "last_active_at", "seconds": 3600}, {"anchor": "created_at"}):
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.files.create(file=("in.jsonl", GOOD), purpose="batch", expires_after=bad)  # type: ignore[arg-type]
+        assert (ei.value.body["param"], ei.value.body["code"]) == ("expires_after", "invalid_value"), bad
+    assert {x.id for x in (await c.files.list()).data} == {f.id, longer.id}
