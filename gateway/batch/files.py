@@ -85,14 +85,21 @@ def write_lines(directory: str, filename: str, lines: Iterable[bytes], ttl_s: in
     file_id = new_file_id()
     tmp = temp_path(directory)
     size = 0
-    with open(tmp, "wb") as f:
-        for line in lines:
-            f.write(line)
-            f.write(b"\n")
-            size += len(line) + 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path_of(directory, file_id))
+    try:
+        with open(tmp, "wb") as f:
+            for line in lines:
+                f.write(line)
+                f.write(b"\n")
+                size += len(line) + 1
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path_of(directory, file_id))
+    except BaseException:       # a full disk, say: the part written goes, not held until the next start
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return file_object(file_id, filename, "batch_output", size, ttl_s)
 
 

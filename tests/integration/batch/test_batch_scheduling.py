@@ -298,3 +298,35 @@ async def test_a_line_refused_by_its_owners_limit_holds_the_batch_until_the_limi
     await c.batches.cancel(b.id)
     done = await run_to_end(c, b.id)
     assert (done.status, done.request_counts.completed, done.request_counts.total) == ("cancelled", 2, 200)
+
+
+async def test_an_output_file_cut_short_by_a_full_disk_leaves_no_partial_file(sims, gateway, tmp_path, monkeypatch):
+    """The disk fills while the runner writes a batch's output: the runner is started again and
+    writes it whole, and the part it had written is removed, where it stayed in ``tmp/`` until
+    the next start, holding the space a full disk lacks."""
+    import errno
+
+    from gateway.batch.store import BatchStore
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    real = BatchStore.result_lines
+    failed = False
+
+    def disk_full(self, batch_id: str, ok: bool):
+        nonlocal failed
+        lines = real(self, batch_id, ok)
+        if failed:
+            yield from lines
+            return
+        yield next(lines)                   # one line written, then the disk is full
+        failed = True
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(BatchStore, "result_lines", disk_full)
+    c = openai_client(gw)
+    b = await run_to_end(c, (await create(c, rows(["m"] * 3))).id, timeout=30)
+    assert failed and b.status == "completed" and b.request_counts.completed == 3
+    assert len((await c.files.content(b.output_file_id)).content.splitlines()) == 3
+    assert metric(await gw.metrics_text(), "switchyard_batch_runner_failures_total") == 1
+    assert list((tmp_path / "batch" / "tmp").iterdir()) == []
