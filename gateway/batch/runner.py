@@ -290,8 +290,8 @@ class BatchRunner:
         """On a thread of its own (the store's thread serves the API meanwhile): reads through a
         second connection, as any worker's reader does."""
         store = BatchStore(os.path.join(self.db.dir, "batches.sqlite3"))
+        ids: list[str | None] = []
         try:
-            ids = []
             for ok, name in ((True, "output"), (False, "error")):
                 if not store.count_results(bid, ok):
                     ids.append(None)
@@ -301,6 +301,17 @@ class BatchRunner:
                 store.add_file(f, owner)
                 ids.append(f["id"])
             return ids[0], ids[1]
+        except BaseException:
+            # the output file written before the error file failed (a full disk) goes too: the
+            # runner started again writes both, and this one would be a file of no batch
+            for fid in ids:
+                if fid is not None:
+                    try:
+                        store.delete_file(fid)
+                    except Exception:
+                        continue            # still in the store: its bytes stay with it
+                    batch_files.remove(self.db.dir, fid)
+            raise
         finally:
             store.close()
 

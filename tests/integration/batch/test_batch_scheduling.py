@@ -330,3 +330,34 @@ async def test_an_output_file_cut_short_by_a_full_disk_leaves_no_partial_file(si
     assert len((await c.files.content(b.output_file_id)).content.splitlines()) == 3
     assert metric(await gw.metrics_text(), "switchyard_batch_runner_failures_total") == 1
     assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+
+
+async def test_a_batch_whose_error_file_could_not_be_written_keeps_one_output_file(sims, gateway, tmp_path,
+                                                                                   monkeypatch):
+    """The disk fills while the runner writes a batch's error file, its output file written: the
+    runner started again writes both, and the output file of the first try goes, where it stayed
+    in the owner's files (and on disk) beside the batch's, a batch_output file of no batch."""
+    import errno
+
+    from gateway.batch.store import BatchStore
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    real = BatchStore.result_lines
+    failed = False
+
+    def disk_full(self, batch_id: str, ok: bool):
+        nonlocal failed
+        if not ok and not failed:           # the output file is whole; the error file is not
+            failed = True
+            raise OSError(errno.ENOSPC, "No space left on device")
+        yield from real(self, batch_id, ok)
+
+    monkeypatch.setattr(BatchStore, "result_lines", disk_full)
+    c = openai_client(gw)
+    b = await run_to_end(c, (await create(c, rows(["m", "nope", "m"]))).id, timeout=30)
+    assert failed and b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (2, 1)
+    outputs = [f.id for f in (await c.files.list(purpose="batch_output")).data]
+    assert sorted(outputs) == sorted([b.output_file_id, b.error_file_id])
+    assert sorted(p.name for p in (tmp_path / "batch" / "files").iterdir()) == sorted(
+        [b.input_file_id, b.output_file_id, b.error_file_id])
