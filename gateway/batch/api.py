@@ -191,8 +191,11 @@ class BatchApi:
 
     async def content(self, request: web.Request) -> web.StreamResponse:
         f = await self._file(request)
-        return web.FileResponse(batch_files.path_of(self.db.dir, f["id"]),
-                                headers={"Content-Type": "application/octet-stream"})
+        path = batch_files.path_of(self.db.dir, f["id"])
+        if not await asyncio.to_thread(os.path.isfile, path):   # its bytes left the disk: no empty page
+            raise GatewayError(404, f"The content of file {f['id']} is no longer stored", param="id",
+                               code="file_not_found")
+        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
 
     async def delete_file(self, request: web.Request) -> web.Response:
         f = await self._file(request)

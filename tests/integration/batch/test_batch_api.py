@@ -5,6 +5,7 @@ ownership with API keys, and hostile uploads answered 4xx in OpenAI's shape."""
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
 import aiohttp
@@ -463,3 +464,17 @@ async def test_an_upload_expires_when_its_expires_after_says(sims, gateway, tmp_
             await c.files.create(file=("in.jsonl", GOOD), purpose="batch", expires_after=bad)  # type: ignore[arg-type]
         assert (ei.value.body["param"], ei.value.body["code"]) == ("expires_after", "invalid_value"), bad
     assert {x.id for x in (await c.files.list()).data} == {f.id, longer.id}
+
+
+async def test_a_file_whose_bytes_are_gone_is_a_404_in_openais_shape(sims, gateway, tmp_path):
+    """The store names a file whose bytes left the disk (lost, or removed by hand): its content is a
+    404 ``file_not_found`` the SDK reads, as an unknown file's is, not an empty page."""
+    from gateway.batch import files as batch_files
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(lines("/v1/completions", 1))), purpose="batch")
+    os.unlink(batch_files.path_of(str(tmp_path / "batch"), f.id))
+    with pytest.raises(openai.NotFoundError) as ei:
+        await c.files.content(f.id)
+    assert ei.value.body["code"] == "file_not_found" and f.id in ei.value.body["message"]
