@@ -206,8 +206,10 @@ class Pipeline:
         candidates = self.routing.candidates(ireq.model, router)
         if "x-priority" in ctx.http.headers:          # a bad one is refused before the user's window counts it
             self.admission.check_priority(ctx, ireq.model)
-        await self.tenancy.admit(ticket, ireq, rec)   # model RPS, user RPM/TPM/concurrency (429)
-        rec.user = ireq.user                          # with auth on, the key's user (admit decides it)
+        try:
+            await self.tenancy.admit(ticket, ireq, rec)   # model RPS, user RPM/TPM/concurrency (429)
+        finally:
+            rec.user = ireq.user                      # with auth on, the key's user (admit decides it); a 429's too
         if ctx.api is not None or ireq.lora is not None:
             candidates = await self._serving(ctx, spec, router, candidates)
         adapter = adapter_for(candidates[0].engine)

@@ -255,6 +255,21 @@ async def test_the_log_line_names_the_keys_user_not_the_clients_claim(sims, gate
     assert [x["user"] for x in lines] == ["alice"]
 
 
+async def test_a_request_refused_by_its_users_limit_names_the_user_in_its_log_line(sims, gateway):
+    """A 429 from a user's limit is that user's: its log line names them, with auth (the key's user)
+    and without (the request's own ``user``)."""
+    sim = await sims("vllm", "m")
+    for auth, client, extra in ((KEYS, ALICE, {}), (None, None, {"user": "alice"})):
+        gw = await gateway([model_block("m", "vllm", [sim.url])], limits={"users": {"alice": {"rpm": 1}}},
+                           **({"auth": auth} if auth else {}))
+        c = openai_client(gw, client) if client else openai_client(gw)
+        with gw.gw.request_log.capture() as lines:
+            assert await outcomes(c.chat.completions.create(model="m", messages=CHAT, max_tokens=1,
+                                                            extra_headers=extra) for _ in range(2)) \
+                == [200, "RateLimitError"]
+        assert sorted((x["status"], x["user"]) for x in lines) == [(200, "alice"), (429, "alice")]
+
+
 async def test_per_user_metrics_name_only_users_the_gateway_knows(sims, gateway):
     """Without auth anyone can put anything in `user`: only configured users get their own series."""
     sim = await sims("vllm", "m")
