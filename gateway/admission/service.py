@@ -175,7 +175,9 @@ class Admission:
     def priority_of(self, ctx: RequestContext, s: AdmissionConfig) -> int:
         """The user's class, or the ``x-priority`` header's when it is no higher."""
         allowed = self.user_priority(ctx.rec.user) or s.default_priority
-        asked = ctx.http.headers.get("x-priority") if s.priority_header else None
+        # a batch line's header is the gateway's own (``sheddable``), honoured whatever clients may do
+        honoured = s.priority_header or getattr(ctx.http, "own_priority", False)
+        asked = ctx.http.headers.get("x-priority") if honoured else None
         if asked is None:
             return RANK[allowed]
         name = asked.strip().lower()

@@ -24,6 +24,7 @@ class LineRequest(dict):
     remote: str | None = None
     transport = None
     protocol = None
+    own_priority = True     # its x-priority (sheddable) is the gateway's, honoured with priority_header off
 
     def __init__(self, path: str, body: bytes, headers: dict[str, str], keys: dict[Any, Any], *,
                  log_fields: dict[str, Any] | None = None, acting_for: str | None = None) -> None:

@@ -478,3 +478,20 @@ async def test_a_file_whose_bytes_are_gone_is_a_404_in_openais_shape(sims, gatew
     with pytest.raises(openai.NotFoundError) as ei:
         await c.files.content(f.id)
     assert ei.value.body["code"] == "file_not_found" and f.id in ei.value.body["message"]
+
+
+async def test_a_line_is_sheddable_when_clients_priority_headers_are_not_honoured(sims, gateway, tmp_path):
+    """``admission.priority_header: false`` keeps clients from naming their class; a batch line's
+    ``sheddable`` is the gateway's own, and its lines still go as the lowest class."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path),
+                       admission={"enabled": True, "priority_header": False})
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", jsonl(lines("/v1/completions", 2))), purpose="batch")
+    with gw.gw.request_log.capture() as logs:
+        b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                                        completion_window="24h")).id)
+        assert b.status == "completed"
+        await c.completions.create(model="m", prompt="x", max_tokens=1, extra_headers={"x-priority": "sheddable"})
+    got = sorted((x.get("batch_id") is not None, x.get("priority")) for x in logs if x["event"] == "request")
+    assert got == [(False, "standard"), (True, "sheddable"), (True, "sheddable")]
