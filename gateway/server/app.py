@@ -226,7 +226,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
         page = _add_status_page(app, config, s, reloader, tenancy, started_at, batch)
         page.siblings, page.worker = siblings, worker
         if siblings is not None:    # a restarted worker's counts since start go on from its predecessor's
-            siblings.carry_status = page.board.carry
+            siblings.carry_status, siblings.status_counts = page.board.carry, page.board.counts
 
     if tracing is not None:     # first in, last out: flushed once everything else stopped
         app.cleanup_ctx.append(_tracing_lifecycle(tracing))

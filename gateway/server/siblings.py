@@ -31,7 +31,7 @@ fall before the series went; and a carried part or a dead worker's would bring t
 A worker that drops an endpoint's series drops the ones it carries too.
 
 The status page's counts since start (requests, fallbacks) are kept the same way, in
-``status-<i>.json``.
+``status-<i>.json``, with each report of the metrics and each part of the page.
 
 Only built with several workers: one process opens no socket and runs no task for this.
 """
@@ -88,6 +88,8 @@ class Siblings:
         # the status page's counts since start (``StatusBoard.carry``): told those of this index's
         # earlier workers at start
         self.carry_status: Callable[[dict], None] | None = None
+        # and read (``StatusBoard.counts``) to be kept with each report of this worker's metrics
+        self.status_counts: Callable[[], dict] | None = None
 
     def report_path(self, index: int) -> str:
         return os.path.join(self.worker.run_dir, f"metrics-{index}.prom")
@@ -123,6 +125,8 @@ class Siblings:
             text += ENDPOINTS + orjson.dumps(sorted(self.endpoints())) + b"\n"
         report = text + CARRIED + self._carried_text if self._carried_text else text
         _write(self.reported_path, report)
+        if self.status_counts is not None:      # the page's counts since start, kept as often as these
+            self.keep_status(self.status_counts())
         return report
 
     def keep_status(self, counts: dict) -> None:

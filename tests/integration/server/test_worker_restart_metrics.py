@@ -2,7 +2,7 @@
 counters and histograms never fall (Prometheus would read a fall as a reset, and ``rate()`` and
 ``increase()`` would count everything the other workers counted again), whichever worker answers
 each scrape; the dead worker's gauges leave with it; the status page's counts since start do not
-fall; and the counts a restarted worker carries do not bring back an endpoint removed since."""
+fall, and hold what the dead worker last reported to a scrape, as /metrics does; and the counts a restarted worker carries do not bring back an endpoint removed since."""
 
 from __future__ import annotations
 
@@ -189,3 +189,30 @@ async def test_a_restarted_worker_does_not_bring_back_a_removed_endpoint(sims, t
             page = pages.saw(await scraper.get("/metrics"))
             assert gone not in page
             assert metric(page, "switchyard_requests_total", status="200") >= 20
+
+
+@pytest.mark.timeout(120)
+async def test_the_status_page_keeps_what_a_killed_worker_last_reported_to_a_scrape(sims, tmp_path):
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = config(tmp_path / "gw.yaml", port, [sim.url])
+    pages = Pages()
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        survivor, victim = await connections(port, 2, stack)
+        # requests the victim serves and then reports to a scrape, with nobody reading the page since
+        for _ in range(10):
+            async with victim.session.post(victim.base + "/v1/completions", json=COMPLETION) as r:
+                assert r.status == 200
+                await r.read()
+        page = pages.saw(await victim.get("/metrics"))
+        assert metric(page, "switchyard_requests_total", status="200") == 10
+        os.kill(victim.pid, signal.SIGKILL)
+
+        # the page counts them as /metrics does, now and once the victim's successor carries them
+        page = pages.saw(await survivor.get("/metrics"))
+        assert metric(page, "switchyard_requests_total", status="200") == 10
+        assert (await survivor.status())["totals"]["requests_since_start"] == 10
+        await restarted(proc, victim.pid, port, pages)
+        for _ in range(4):          # whichever worker answers
+            assert (await get_new(port, "/status.json"))[1]["totals"]["requests_since_start"] == 10
