@@ -167,7 +167,10 @@ def query_var(name: str, label: str, query: str) -> dict:
 # The job variable reads a series every gateway exports from its first scrape (an unlabelled
 # histogram), so the dashboards work before the first request.
 JOB_VAR = query_var("job", "Gateway job", "label_values(switchyard_event_loop_lag_seconds_count, job)")
-MODEL_VAR = query_var("model", "Model", 'label_values(switchyard_endpoint_ready{job=~"$job"}, model)')
+# Its All is every model, not the regex of the models listed (those with endpoints), which would
+# leave out the requests counted under model "-": a model the gateway does not serve, a bad body.
+MODEL_VAR = {**query_var("model", "Model", 'label_values(switchyard_endpoint_ready{job=~"$job"}, model)'),
+             "allValue": ".*"}
 ENDPOINT_VAR = query_var("endpoint", "Endpoint",
                          'label_values(switchyard_endpoint_ready{job=~"$job", model=~"$model"}, endpoint)')
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,19 @@ def test_every_dashboard_expression_parses_and_the_layout_is_sound():
             for t in p["targets"]:
                 parse(t["expr"])                               # raises on a syntax or type error
                 assert 'job=~"$job"' in t["expr"], (name, p["title"], t["expr"])
+
+
+def test_all_models_takes_in_the_requests_of_no_known_model():
+    """Grafana's All, without an allValue, is the regex of the values the variable listed, the
+    models that have endpoints; the requests counted under model "-" (a model the gateway does not
+    serve, a body that does not parse) would then be left out of every panel filtered on $model,
+    the overview's requests/s and the requests by status among them. All is every model."""
+    for name, board in dashboard_files().items():
+        (var,) = [v for v in board["templating"]["list"] if v["name"] == "model"]
+        assert var["includeAll"] and var.get("allValue") is not None, name
+        assert re.fullmatch(var["allValue"], "-"), name
+        for other in board["templating"]["list"]:       # a job's All stays the gateways' jobs
+            assert other["name"] == "model" or other.get("allValue") is None, (name, other["name"])
 
 
 def test_rules_parse_and_every_alert_has_severity_and_text(helm_render, tmp_path):  # noqa: F811
