@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from gateway.server import hup
 
@@ -149,12 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, ValueError) as e:
             parent_log("config reload refused, restarted workers keep the running config", "error", error=str(e))
 
+    started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
     run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
     from gateway.server.heartbeat import Heartbeats
     beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)
     try:
         return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats,
-                                                                       generation)),
+                                                                       generation, started_at)),
                            parent_log, on_reload=reread, heartbeats=beats,
                            stall_timeout=lambda: config.server.worker_stall_timeout_s)
     finally:

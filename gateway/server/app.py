@@ -195,7 +195,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
                               prefix_stats=lambda: reloader.live.routing.ctx.prefix_index.stats(),
                               engine_max_age=config.routing.metrics_max_age_s,
                               fleet_load=lambda ep: fleet_load(ep, time.monotonic(), config.routing.metrics_max_age_s))
-    started_at = int(time.time())
+    started_at = int(time.time() if worker is None or worker.started_at is None else worker.started_at)
 
     # the trace middleware is outermost, so the request span sees the status the client gets
     answer = _error_answers(metrics, s.apis)

@@ -170,6 +170,9 @@ class WorkerInfo:
     # the config generation it starts with: a worker restarted after reloads runs the reloaded
     # config, and says so (``switchyard_config_generation``) as its siblings do
     generation: int = 1
+    # when the gateway (the parent) started, unix seconds: what a worker, restarted or not, says
+    # it started at (the status page's ``started_at``)
+    started_at: float | None = None
 
     def beat(self) -> Beat | None:
         """This worker's heartbeat (gateway/server/heartbeat.py), not yet started; None without one."""

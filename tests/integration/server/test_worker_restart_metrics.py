@@ -216,3 +216,22 @@ async def test_the_status_page_keeps_what_a_killed_worker_last_reported_to_a_scr
         await restarted(proc, victim.pid, port, pages)
         for _ in range(4):          # whichever worker answers
             assert (await get_new(port, "/status.json"))[1]["totals"]["requests_since_start"] == 10
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_says_when_the_gateway_started(sims, tmp_path):
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = config(tmp_path / "gw.yaml", port, [sim.url])
+    pages = Pages()
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        survivor, victim = await connections(port, 2, stack)
+        started = (await survivor.status())["gateway"]["started_at"]
+        assert (await victim.status())["gateway"]["started_at"] == started
+        os.kill(victim.pid, signal.SIGKILL)
+        await restarted(proc, victim.pid, port, pages)      # at least a second later (the restart's delay)
+        (successor,) = await connections(port, 1, stack, *(set(children_of(proc.pid)) - {survivor.pid}))
+        gateway = (await successor.status())["gateway"]
+        assert gateway["started_at"] == started
+        assert gateway["uptime_s"] < gateway["now"] - started       # its own, as documented
