@@ -463,7 +463,7 @@ def view_lag(pages: list[str]) -> dict[str, dict[str, object]]:
             elif key.startswith("switchyard_view_lag_seconds_count"):
                 acc["count"] += float(value)            # type: ignore[operator]
             elif key.startswith("switchyard_view_lag_recent_seconds"):
-                q = "p50" if 'quantile="0.5"' in key else "p99" if 'quantile="0.99"' in key else None
+                q = "p50" if 'percentile="50"' in key else "p99" if 'percentile="99"' in key else None
                 if q:
                     acc[q].append(float(value))         # type: ignore[union-attr]
     return {k: v for k, v in out.items() if v["count"]}

@@ -3,7 +3,7 @@
 ``source`` is ``worker`` (the local bus between the workers of one gateway) or ``replica`` (the
 Redis stream between replicas). The lag of a message is its receiver's wall clock at arrival minus
 its sender's at sending: ``switchyard_view_lag_seconds`` (histogram) and, for the last
-``LAG_WINDOW`` messages of each source, ``switchyard_view_lag_recent_seconds{quantile}`` (p50, p99).
+``LAG_WINDOW`` messages of each source, ``switchyard_view_lag_recent_seconds{percentile}`` (50, 99).
 """
 
 from __future__ import annotations
@@ -123,14 +123,15 @@ class _LagCollector:
         return []
 
     def collect(self):
+        # not a "quantile" label: Prometheus reserves it to summaries (promtool check metrics)
         q = GaugeMetricFamily("switchyard_view_lag_recent_seconds",
-                              f"Quantiles of the lag of the last {LAG_WINDOW} routing-fact batches received",
-                              labels=["source", "quantile"])
+                              f"Percentiles of the lag of the last {LAG_WINDOW} routing-fact batches received",
+                              labels=["source", "percentile"])
         for source in SOURCES:
             found = self.m.lag_quantiles(source)
             if found is not None:
-                q.add_metric([source, "0.5"], found["p50"])
-                q.add_metric([source, "0.99"], found["p99"])
+                q.add_metric([source, "50"], found["p50"])
+                q.add_metric([source, "99"], found["p99"])
         yield q
         yield GaugeMetricFamily("switchyard_view_redis_up",
                                 "1 while the shared view's Redis stream is reachable (0: down or not used)",

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.view.service import watcher_of
-from tests.support.gateway_process import gateway_process, metric_total, per_worker, post_new
+from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker, post_new
 from tests.support.ports import listen_port
 from tests.support.waiting import until
 
@@ -350,3 +351,35 @@ async def test_a_worker_stopped_while_its_sibling_routes_catches_up_on_what_it_m
         pages = await per_worker(port, 2)
     assert all(metric_total(p, "switchyard_view_catch_ups_total", reason="gap", result="applied") >= 1
                for p in pages.values())
+
+
+def lint(page: str) -> list[str]:
+    """What ``promtool check metrics`` (promlint) says of an exposition's families about the names
+    and labels reserved to histograms and summaries, counters' suffix and help texts."""
+    problems = []
+    for fam in text_string_to_metric_families(page):
+        labels = {name for s in fam.samples for name in s.labels}
+        if fam.type != "summary" and "quantile" in labels:
+            problems.append(f'{fam.name}: non-summary metrics should not have "quantile" label')
+        if fam.type != "histogram" and "le" in labels:
+            problems.append(f'{fam.name}: non-histogram metrics should not have "le" label')
+        if not fam.documentation:
+            problems.append(f"{fam.name}: no help text")
+    return problems
+
+
+@pytest.mark.timeout(60)
+async def test_the_merged_exposition_keeps_the_labels_prometheus_reserves(sims, tmp_path):
+    engine = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, [engine.url]))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        await converse(port, 2, "lint")
+
+        async def lag_shown() -> str | None:     # the workers' batches to each other: the recent lag
+            page = (await get_new(port, "/metrics"))[1]
+            return page if "switchyard_view_lag_recent_seconds{" in page else None
+
+        page = await until(lag_shown)
+    assert lint(page) == []

@@ -125,8 +125,8 @@ def test_the_views_lag_is_read_per_source_from_the_gateways_pages():
     page = ('switchyard_view_lag_seconds_sum{source="replica"} 0.5\n'
             'switchyard_view_lag_seconds_count{source="replica"} 100.0\n'
             'switchyard_view_lag_seconds_bucket{le="0.001",source="replica"} 40.0\n'
-            'switchyard_view_lag_recent_seconds{quantile="0.5",source="replica"} 0.002\n'
-            'switchyard_view_lag_recent_seconds{quantile="0.99",source="replica"} 0.009\n'
+            'switchyard_view_lag_recent_seconds{percentile="50",source="replica"} 0.002\n'
+            'switchyard_view_lag_recent_seconds{percentile="99",source="replica"} 0.009\n'
             'switchyard_view_lag_seconds_count{source="worker"} 0.0\n')
     lag = view_lag([page, page])
     assert list(lag) == ["replica"]                     # a source with no batch is left out
