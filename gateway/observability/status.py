@@ -171,7 +171,7 @@ class StatusBoard:
         with the ``parts`` of sibling workers added in."""
         s = self.settings
         windows = self._windows(now)
-        age, requests = now - self._started, self.requests
+        requests = self.requests
         for p in parts:
             for name, (rm, rw, points) in p["windows"].items():
                 have = windows.get(name)
@@ -181,7 +181,9 @@ class StatusBoard:
                     have[0].add(_summary(rm))
                     have[1].add(_summary(rw))
                     windows[name] = (have[0], have[1], [a + b for a, b in zip(have[2], points, strict=False)])
-            age, requests = max(age, p["age_s"]), requests + p["requests"]
+            requests += p["requests"]
+        # each span divides by the time its buckets cover, as each model's does (``Summary.add``
+        # keeps the longest of the workers'), not by the span's length
         minute, window = Summary(), Summary()
         series = [0] * s.slots
         models: dict[str, dict[str, Any]] = {}
@@ -191,7 +193,6 @@ class StatusBoard:
             window.add(win)
             for i, n in enumerate(points[:s.slots]):
                 series[i] += n
-        minute.seconds, window.seconds = min(60.0, age), min(s.window_s, age)
         return models, {"minute": minute.view(), "window": window.view(), "series": series,
                         "requests_since_start": requests}
 
@@ -199,7 +200,7 @@ class StatusBoard:
         """What this worker (of index ``index``) adds to a sibling's document (``--workers N``):
         JSON-ready, additive."""
         now = self._clock()
-        return {"pid": os.getpid(), "worker": index, "age_s": now - self._started, "requests": self.requests,
+        return {"pid": os.getpid(), "worker": index, "requests": self.requests,
                 "draining": src.lifecycle.draining, "in_flight": src.lifecycle.in_flight,
                 "windows": {name: (_raw(m), _raw(win), points) for name, (m, win, points) in self._windows(now).items()},
                 "model_in_flight": dict(src.model_in_flight),

@@ -138,6 +138,24 @@ async def test_the_document_reads_the_pool_as_it_is():
     assert doc["rolesets"][0]["ready"] is False
 
 
+async def test_the_totals_rates_divide_by_the_time_their_requests_cover_as_each_models_do():
+    cfg = config()
+    clock = Clock(1000.0)
+    board, pool = board_for(cfg, clock)
+    src = StatusSources(cfg, pool, Routing(cfg, pool, GatewayMetrics()), Lifecycle(), {})
+    for _ in range(400):        # a request a second, long past the window
+        clock.t += 1.0
+        board.on_request(rec("r", prompt_tokens=10, completion_tokens=5), 0.1)
+    clock.t += 3.0              # into a bucket: the minute's buckets hold a little over 50 s of requests
+    doc = await board.document(src)
+    (llama,) = [m for m in doc["models"] if m["name"] == "llama"]
+    for span in ("minute", "window"):
+        total, model = doc["totals"][span], llama[span]
+        assert total["requests"] == model["requests"]
+        assert (total["rps"], total["tokens_per_s"]) == (model["rps"], model["tokens_per_s"]), span
+    assert doc["totals"]["minute"]["rps"] == pytest.approx(1.0, rel=0.05)
+
+
 def test_routing_tells_its_observers_each_decisions_own_fallbacks():
     cfg = config()
     pool = pool_from_config(cfg)
