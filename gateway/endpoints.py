@@ -168,6 +168,9 @@ class EndpointPool:
         # new endpoint): whether it has prefill/decode endpoints, and their strategy hint
         self._pd: set[str] = set()
         self._hints: dict[str, str] = {}
+        # counts the changes of any model's endpoints: what is worked out of them per model and kept
+        # (a model's default strategy, gateway/pipeline/routing.py) is worked out again when it moved
+        self.version = 0
         # told of each endpoint that left the pool (pods come and go for months): the state kept
         # per endpoint elsewhere (its circuit breaker) is dropped then, not kept for ever
         self.removal_listeners: list[Callable[[Endpoint], None]] = []
@@ -200,6 +203,7 @@ class EndpointPool:
         return {ep.name for ep in self._by_model.get(model, ())}
 
     def _summarize(self, model: str) -> None:
+        self.version += 1
         eps = self._by_model.get(model, ())
         for i, ep in enumerate(sorted(eps, key=lambda e: e.url)):
             ep.turn = i

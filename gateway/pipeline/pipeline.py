@@ -101,9 +101,8 @@ class Pipeline:
             ireq = await self._parse(ctx, ticket.user)              # an alias or an adapter names its model
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
             rec.model_known = True                  # metric labels name known models only
-            spec = self.routing.strategy_for(ireq.model, request.headers.get("routing-strategy"),
-                                             lora=ireq.lora is not None)
-            spec, router = self.routing.resolve(spec)   # 400 unless known; one spelling per strategy
+            spec, router = self.routing.strategy(ireq.model, request.headers.get("routing-strategy"),
+                                                 lora=ireq.lora is not None)   # 400 unless known; one spelling
             rec.strategy = spec                     # metric labels hold known models and strategies only
             adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
             candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)

@@ -59,6 +59,9 @@ class Routing:
         self.claims: list[DecisionObserver] = []
         self._fallbacks: list[tuple[str, str]] = []     # reported during the decision being made
         self._hints: dict[str, bool] = {}               # discovered strategy hints: usable or not
+        # per model, the strategy and router of a request that names none (``strategy``), with the
+        # pool's version they were worked out at
+        self._defaults: dict[str, tuple[int, tuple[str, Router]]] = {}
         # feeds the endpoints' latency models (``ctx.latency``) with every decision, before its charge
         self.slo = slo
         self.registry: RouterRegistry = default_registry(self.ctx)
@@ -71,10 +74,28 @@ class Routing:
         into, so fallbacks reported while this routing decides still reach its decisions."""
         self.ctx, self.registry = previous.ctx, previous.registry
         self._fallbacks = previous._fallbacks
+        self._defaults.clear()      # of the registry it had
 
     def _on_fallback(self, strategy: str, reason: str) -> None:
         self.metrics.child(self.metrics.routing_fallbacks, strategy, reason).inc()
         self._fallbacks.append((strategy, reason))
+
+    def strategy(self, model: str, header: str | None, lora: bool = False) -> tuple[str, Router]:
+        """``strategy_for`` and ``resolve`` in one: the request's strategy, canonically spelt, and
+        its router. A request that names no strategy and no adapter takes its model's, worked out
+        once per model and kept while the pool's endpoints stay as they were (``EndpointPool.version``:
+        their P/D roles and strategy hints decide it too) and this routing's config lasts."""
+        if header is None and not lora:
+            version = self.pool.version
+            kept = self._defaults.get(model)
+            if kept is not None and kept[0] == version:
+                return kept[1]
+            found = self.resolve(self.strategy_for(model, None))
+            if len(self._defaults) >= 4096:     # models come and go (Kubernetes): keep it bounded
+                self._defaults.clear()
+            self._defaults[model] = (version, found)
+            return found
+        return self.resolve(self.strategy_for(model, header, lora))
 
     def strategy_for(self, model: str, header: str | None, lora: bool = False) -> str:
         """``lora``: the request names an adapter of ``model``; unless the model is P/D, its
