@@ -251,6 +251,11 @@ class UpstreamResponse:
             declared = dict.get(self.headers, "content-length")
             if declared is not None and declared.isdigit() and int(declared) > limit:
                 raise UpstreamTooLarge(limit, 0, int(declared))
+        if self._eof and self._exc is None:     # all of it came already (the usual whole answer): no wait
+            data = self._take() if self._chunks else b""
+            if limit and len(data) > limit:
+                raise UpstreamTooLarge(limit, len(data))
+            return data
         parts = []
         size = 0
         while chunk := await self.readany():
