@@ -104,7 +104,8 @@ def build_services(config: Config, pool: EndpointPool, slot: WorkerSlot | None =
     upstream.follow(pool)                    # an engine that leaves the pool: its connections go
     tenancy = build_tenancy(config, metrics, pool)   # API keys, users, limits (gateway/tenants); None: off
     # a complete answer is written whole (the tenants' x-ratelimit-* headers are in the request's record)
-    relay = Relay(config.upstream, metrics, upstream.record, whole=True)
+    # (a leg's outcome goes to the breakers as ``upstream.record`` sends it, without its wrapper's call)
+    relay = Relay(config.upstream, metrics, breakers.record, whole=True)
     request_log = RequestLog(config.server.log_format, config.server.log_level,
                              LineWriter(on_drop=metrics.log_lines_dropped.inc))
     tracing = Tracing.from_config(config.tracing, metrics)   # None when off (gateway/observability/tracing.py)

@@ -244,7 +244,7 @@ class Relay:
                  record: Callable[..., None] | None = None, *, whole: bool = False) -> None:
         self.cfg = cfg
         self.metrics = metrics
-        self.record = record        # (endpoint, Outcome, cause): gateway.upstream.upstream.Upstream.record
+        self.record = record        # (endpoint, Outcome, cause): the breakers' (gateway.resilience.breaker.Breakers.record)
         self.whole = whole          # complete answers may be written whole (gateway/pipeline/whole.py)
 
     def _headers(self, ctx: RequestContext) -> dict[str, str]:
