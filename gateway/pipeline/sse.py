@@ -291,7 +291,10 @@ def usage_tokens(usage: dict | None) -> tuple[int, int, int]:
     if not isinstance(details, dict):
         details = usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return _nonneg_int(prompt), _nonneg_int(completion), _nonneg_int(cached)
+    # the usual counts (ints above 0; no cached tokens) are taken as they are, without a call each
+    return (prompt if type(prompt) is int and prompt > 0 else _nonneg_int(prompt),
+            completion if type(completion) is int and completion > 0 else _nonneg_int(completion),
+            0 if cached is None else _nonneg_int(cached))
 
 
 class SSEScanner:
