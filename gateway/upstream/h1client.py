@@ -30,6 +30,7 @@ import ssl as ssl_module
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from operator import itemgetter, methodcaller
 from urllib.parse import urlsplit
 
 import httptools
@@ -43,6 +44,7 @@ HIGH_WATER = 256 * 1024
 # bodies up to this size go out in one buffer with their head (one write); larger ones beside it
 _JOIN_MAX = 64 * 1024
 _FIELD = "%s: %s\r\n"    # one header line of a request head
+_NAME, _VALUE, _LATIN1 = itemgetter(0), itemgetter(1), methodcaller("decode", "latin-1")
 
 
 class UpstreamError(Exception):
@@ -102,6 +104,12 @@ class Headers(dict):
 
     def get(self, name: str, default=None):
         return dict.get(self, name.lower(), default)
+
+
+def _framed(headers: Headers) -> bool:
+    """Whether an answer's head says where its body ends (a Content-Length, or chunked): else the
+    body ends with the connection."""
+    return dict.__contains__(headers, "content-length") or "chunked" in dict.get(headers, "transfer-encoding", "").lower()
 
 
 class SendState:
@@ -309,7 +317,7 @@ class _Conn(asyncio.Protocol):
         self.headers_waiter: asyncio.Future | None = None   # until the head arrives or the exchange fails
         self.sent_waiter: asyncio.Future | None = None      # the same future, kept for ``head``
         self.received = False        # any byte of the current answer
-        self.length_known = False    # Content-Length or chunked: else the body ends at EOF
+        self.fields: list[tuple[bytes, bytes]] = []   # the head's header fields as they are parsed
         self.keep_alive = False
         self.closed = False
         self.paused = False
@@ -331,7 +339,7 @@ class _Conn(asyncio.Protocol):
     def send(self, data: bytes | tuple[bytes, bytes], state: SendState | None = None) -> None:
         """Write one request, now (no await: a cancel cannot fall between ``state`` and the write)."""
         self.resp = UpstreamResponse(self)
-        self.received = self.length_known = self.keep_alive = False
+        self.received = self.keep_alive = False
         self.headers_waiter = self.sent_waiter = self.loop.create_future()
         if state is not None:
             state.sent = True
@@ -450,7 +458,7 @@ class _Conn(asyncio.Protocol):
             return
         if resp._eof or resp._exc is not None:
             return
-        if resp.status and not self.length_known and exc is None:
+        if resp.status and not _framed(resp.headers) and exc is None:
             self.on_message_complete()      # a body delimited by the connection's end: complete
             return                          # (not when a reset cut it: then it is incomplete)
         why = f"connection reset ({exc.strerror or exc})" if isinstance(exc, OSError) else "connection closed"
@@ -462,24 +470,27 @@ class _Conn(asyncio.Protocol):
     def on_message_begin(self) -> None:
         if self.resp._eof:     # a second answer to one request: the connection is out of step
             raise UpstreamProtocolError("unexpected bytes after the answer")
-        self.length_known = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        key = name.decode("latin-1").lower()
-        val = value.decode("latin-1")
-        if key == "content-length" or (key == "transfer-encoding" and "chunked" in val.lower()):
-            self.length_known = True
-        h = self.resp.headers
-        if dict.__contains__(h, key):   # a repeated name: its values joined
-            val = f"{dict.__getitem__(h, key)}, {val}"
-        dict.__setitem__(h, key, val)
+        self.fields.append((name, value))     # read at the head's end, all at once (``on_headers_complete``)
 
     def on_headers_complete(self) -> None:
         resp = self.resp
         status = self.parser.get_status_code()
+        fields, self.fields = self.fields, []
         if status < 200:        # an interim 1xx: its headers are not the answer's
-            resp.headers.clear()
             return
+        # the answer's headers: names lower-cased, values as latin-1 text, decoded in C
+        names = list(map(str.lower, map(_LATIN1, map(_NAME, fields))))
+        values = list(map(_LATIN1, map(_VALUE, fields)))
+        h = resp.headers
+        dict.update(h, zip(names, values, strict=True))
+        if len(h) != len(names):            # a repeated name: its values joined, in their order
+            h.clear()
+            for key, val in zip(names, values, strict=True):
+                if dict.__contains__(h, key):
+                    val = f"{dict.__getitem__(h, key)}, {val}"
+                dict.__setitem__(h, key, val)
         resp.status = status
         w, self.headers_waiter = self.headers_waiter, None
         if w is not None and not w.done():

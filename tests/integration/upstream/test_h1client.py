@@ -177,6 +177,44 @@ async def test_body_delimited_by_the_end_of_the_connection():
 
 
 @on_both_loops
+async def test_the_answers_headers_leave_out_an_interim_heads_and_join_a_repeated_names_values():
+    async def interim(server, req, writer):
+        writer.write(b"HTTP/1.1 100 Continue\r\nX-Interim: 1\r\n\r\n"
+                     b"HTTP/1.1 200 OK\r\nX-Dup: a\r\nContent-Type: application/json\r\nx-dup: b\r\n"
+                     b"Content-Length: 2\r\n\r\n{}")
+
+    async with Engine(interim) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        assert resp.status == 200
+        assert list(resp.headers.items()) == [("x-dup", "a, b"), ("content-type", "application/json"),
+                                              ("content-length", "2")]
+        assert await resp.read() == b"{}"
+        resp.release()
+        assert pool.open_connections == 1
+        await pool.close()
+
+
+@on_both_loops
+async def test_a_chunked_body_cut_by_the_connections_end_is_incomplete():
+    """A head that says where its body ends (chunked here): the connection's end before it is no end."""
+    async def cut(server, req, writer):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: Chunked\r\n\r\n"
+                     b"5\r\nhello\r\n")
+        await writer.drain()
+        return False
+
+    async with Engine(cut) as eng:
+        pool = UpstreamPool()
+        resp = await pool.post(eng.url + "/x", b"{}", JSON)
+        with pytest.raises(UpstreamDisconnected):
+            await resp.read()
+        assert not resp.at_eof()
+        resp.release()
+        await pool.close()
+
+
+@on_both_loops
 async def test_a_body_delimited_by_the_connection_and_cut_by_a_reset_is_incomplete():
     """Only a clean end delimits such a body: a reset (RST) cuts it, as it cuts any other."""
     async def reset_body(server, req, writer):
