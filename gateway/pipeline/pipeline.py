@@ -271,8 +271,10 @@ class Pipeline:
         if ctx.charges is not NO_CHARGES:
             ctx.charges.release()               # a continuation's: they move to the new decision
         ctx.dp_rank = ctx.pd_plan = None        # of the legs before, if any
-        ctx.charges = charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx))
-        self.lora.charge(ctx)                   # its endpoints' adapter, when it names one
+        ctx.charges = (charge(decision.endpoint) if decision.prefill is None   # one endpoint: its in-flight count
+                       else charge(decision.endpoint, decision.prefill, self._prefill_tokens(ctx)))
+        if ireq.lora is not None:
+            self.lora.charge(ctx)               # its endpoints' adapter
         ctx.trace.routed(decision, len(candidates))
         return candidates
 
