@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import structlog
 from aiohttp import web
 
-from gateway.config.schema import WatchdogConfig
+from gateway.config.schema import SLOConfig, WatchdogConfig
 from gateway.endpoints import Endpoint
 from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
@@ -58,13 +58,14 @@ log = structlog.get_logger("switchyard.request")
 
 
 class ModelLegs(NamedTuple):
-    """What a model's aggregated legs read of the config: worked out once per model and generation
-    (``Pipeline.legs``), not per request."""
+    """What a model's requests and aggregated legs read of the config: worked out once per model
+    and generation (``Pipeline.legs``), not per request."""
 
     watchdog: WatchdogConfig | None         # the model's watchdog; None when it does not watch aggregated legs
     head_timeout: float | None              # the bound on a non-streamed leg's response head (``head_timeout``)
     stream_head_timeout: float | None       # on a streamed leg's
     migration_limit: int                    # the model's ``migration_limit`` (0: a stream does not continue)
+    slo: SLOConfig | None                   # the model's default latency objectives (``slo:``), if any
 
 
 class Pipeline:
@@ -101,17 +102,19 @@ class Pipeline:
             ireq = await self._parse(ctx, ticket.user)              # an alias or an adapter names its model
             model = self._enter(ireq.model)         # 404 unless known; counted in flight
             rec.model_known = True                  # metric labels name known models only
+            legs = self.legs(model)                 # what its stages read of the model's config
             spec, router = self.routing.strategy(ireq.model, request.headers.get("routing-strategy"),
                                                  lora=ireq.lora is not None)   # 400 unless known; one spelling
             rec.strategy = spec                     # metric labels hold known models and strategies only
-            adapter, checked, candidates = await self._admit(ctx, ticket, spec, router)   # 503, 429, 400
+            adapter, checked, candidates = await self._admit(ctx, ticket, spec, router, legs.slo)   # 503, 429, 400
             candidates = self.route_and_charge(ctx, spec, router, adapter, candidates, ctx.after_write)
             self.admission.dispatched(ctx)          # what the engine held when it went (slow start)
             self._pin_rank(ctx, adapter)            # a data-parallel engine's rank
-            self._begin_migration(ctx, candidates)  # a stream that may continue elsewhere
+            if legs.migration_limit:                # a stream that may continue elsewhere
+                self._begin_migration(ctx, candidates, legs.migration_limit)
             if ctx.decision.prefill is not None:
                 return await self._forward_pd(ctx, spec, router, adapter, checked, candidates)
-            return await self.forward(ctx, candidates)
+            return await self.forward(ctx, candidates, legs)
         except GatewayError as e:
             return self._error_response(ctx, e)
         except asyncio.CancelledError:
@@ -194,7 +197,7 @@ class Pipeline:
         self.model_in_flight[model] -= 1
         self.admission.released(model, ctx)     # freed room goes to the next waiter
 
-    async def _admit(self, ctx: RequestContext, ticket: Ticket, spec: str, router: Router
+    async def _admit(self, ctx: RequestContext, ticket: Ticket, spec: str, router: Router, slo: SLOConfig | None
                      ) -> tuple[EngineAdapter, Any, list[Endpoint]]:
         """Admit: ready endpoints (503), the caller's limits (429), the endpoints that can serve the
         request, a P/D body the engine accepts (400), room on them (admission: the queue, or 429);
@@ -213,17 +216,15 @@ class Pipeline:
             candidates = await self._serving(ctx, spec, router, candidates)
         adapter = adapter_for(candidates[0].engine)
         checked = self._check_pd_body(adapter, ctx) if router.chooses_pairs else None
-        self._objectives(ireq, rec)
+        self._objectives(ireq, rec, slo)
         candidates = await self.admission.admit(ctx, candidates, router.chooses_pairs)
         kv = self.routing.ctx.precise_index           # tokenized off the loop, so the match finds it cached
         if kv is not None and (router.reads_kv_events or router.chooses_pairs) and kv.covers(ireq.model):
             await kv.prepare(ireq, candidates)
         return adapter, checked, candidates
 
-    def _objectives(self, ireq: InferenceRequest, rec) -> None:
-        """The request's latency objectives: its headers', else its model's ``slo:`` defaults."""
-        m = self.config.model(ireq.model)
-        slo = m.slo if m is not None else None
+    def _objectives(self, ireq: InferenceRequest, rec, slo: SLOConfig | None) -> None:
+        """The request's latency objectives: its headers', else its model's ``slo:`` defaults (``slo``)."""
         if slo is not None:
             if ireq.slo_ttft_ms is None:
                 ireq.slo_ttft_ms = slo.ttft_ms
@@ -294,19 +295,18 @@ class Pipeline:
             if not wd.aggregated:
                 wd = None
             up = self.config.upstream
+            m = self.config.model(model)
             legs = ModelLegs(wd, head_timeout(up, wd, False), head_timeout(up, wd, True),
-                             getattr(self.config.model(model), "migration_limit", 0))
+                             getattr(m, "migration_limit", 0), m.slo if m is not None else None)
             if len(self._legs) >= 4096:     # models come and go (Kubernetes): keep it bounded
                 self._legs.clear()
             self._legs[model] = legs
         return legs
 
-    def _begin_migration(self, ctx: RequestContext, candidates: list[Endpoint]) -> None:
-        """A stream of a model with ``migration_limit`` may continue on another endpoint when its
-        engine fails (gateway/pipeline/migration.py); its legs are opened by this pipeline."""
-        limit = self.legs(ctx.rec.model).migration_limit
-        if limit:
-            ctx.migration = Migration.begin(ctx, limit, candidates[0].engine, self.metrics, self)
+    def _begin_migration(self, ctx: RequestContext, candidates: list[Endpoint], limit: int) -> None:
+        """A stream of a model with ``migration_limit`` (``limit``) may continue on another endpoint
+        when its engine fails (gateway/pipeline/migration.py); its legs are opened by this pipeline."""
+        ctx.migration = Migration.begin(ctx, limit, candidates[0].engine, self.metrics, self)
 
     @staticmethod
     def _check_pd_body(adapter, ctx: RequestContext):
@@ -393,16 +393,19 @@ class Pipeline:
         back = self.admission.with_room(ctx, [ep for ep in back if ep not in known])
         return candidates + back if back else candidates
 
-    async def forward(self, ctx: RequestContext, candidates: list[Endpoint]) -> web.StreamResponse:
+    async def forward(self, ctx: RequestContext, candidates: list[Endpoint],
+                      legs: ModelLegs | None = None) -> web.StreamResponse:
         """Open the aggregated leg, retrying elsewhere (gateway/resilience/retry.py) while the client has seen
         nothing of a fault or a push-back, and relay it. The retry chooses among the endpoints ready
         then: one that was out when the request was routed (a restart, a breaker's trials taken)
-        and is back may take it, under the rules that narrowed the candidates (``_whole_ready_since``)."""
+        and is back may take it, under the rules that narrowed the candidates (``_whole_ready_since``).
+        ``legs``: the model's ``ModelLegs``, when its caller has them."""
         assert ctx.ireq is not None and ctx.decision is not None
         ireq, rec, cfg = ctx.ireq, ctx.rec, self.config
         body, strip_usage = upstream_body(ireq)
         headers = upstream_headers(ireq)
-        legs = self.legs(ireq.model)
+        if legs is None:
+            legs = self.legs(ireq.model)
         wd = legs.watchdog
         header_timeout = legs.stream_head_timeout if ireq.stream else legs.head_timeout
         ep = ctx.decision.endpoint
