@@ -29,8 +29,9 @@ class Lifecycle:
         self.draining = False
         self.cutting = False
         self.in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # ``wait_idle``'s waits, told when no request is left in flight (nothing to tell per request
+        # while none waits: only a stop does)
+        self._idle_waiters: list[asyncio.Future] = []
         self._background: set[asyncio.Task] = set()
         self._clients: set[asyncio.Task] = set()      # the tasks of the clients' requests in flight
 
@@ -38,7 +39,6 @@ class Lifecycle:
         """``task``: the task a client's request runs in, which ``cut`` may end (None: a request of
         the gateway's own, a batch line, which its runner stops)."""
         self.in_flight += 1
-        self._idle.clear()
         if task is not None:
             self._clients.add(task)
 
@@ -46,8 +46,11 @@ class Lifecycle:
         self.in_flight -= 1
         if task is not None:
             self._clients.discard(task)
-        if self.in_flight == 0:
-            self._idle.set()
+        if self.in_flight == 0 and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for w in waiters:
+                if not w.done():
+                    w.set_result(None)
 
     def cut(self) -> int:
         """End every client request still in flight now: its task is cancelled, and the pipeline,
@@ -71,12 +74,20 @@ class Lifecycle:
         self.draining = True
 
     async def wait_idle(self, timeout: float) -> bool:
+        """Whether every request in flight ended within ``timeout`` seconds (at once when none is)."""
+        if self.in_flight == 0:
+            return True
+        w = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(w)
         try:
             async with asyncio.timeout(timeout):
-                await self._idle.wait()
+                await w
             return True
         except TimeoutError:
             return False
+        finally:
+            if w in self._idle_waiters:
+                self._idle_waiters.remove(w)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         task = asyncio.create_task(coro)
