@@ -295,7 +295,8 @@ def _chat_prompt(data: dict[str, Any], media: list[bool]) -> str:
         if not isinstance(role, str):
             raise _bad(f"'messages[{i}].role' is a required string", f"messages[{i}].role")
         parts.append(role)
-        parts.append(_text_of_content(msg.get("content"), i, media))
+        content = msg.get("content")        # the usual string taken as it is, without a call
+        parts.append(content if isinstance(content, str) else _text_of_content(content, i, media))
     return "\n".join(parts)
 
 
