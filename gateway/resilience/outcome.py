@@ -76,6 +76,8 @@ def of_answer(status: int, error_class: ErrorClass | None) -> Outcome:
     """The outcome of a relayed answer, from what the relay recorded: its status and error class.
     A stream counts as a success only when it completed; a watchdog that fired, a stream the
     engine broke or closed early, or an error event inside it are faults."""
+    if error_class is None and 0 < status < 400:     # the usual answer: a success at the first test
+        return Outcome.SUCCESS
     if error_class == ErrorClass.CLIENT_CANCEL:
         return Outcome.NONE
     if error_class in _FAULT_CLASSES:
