@@ -48,7 +48,21 @@ class Charge:
 
 
 class InFlight(Charge):
+    """Every request's charge: taken and given back in place, without ``_add``'s call."""
+
     __slots__ = ()
+
+    def __init__(self, endpoint: Endpoint, amount: float = 1) -> None:
+        self.endpoint = endpoint
+        self.amount = amount
+        self.released = False
+        endpoint.in_flight += int(amount)
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        self.endpoint.in_flight += int(-self.amount)
 
     @staticmethod
     def _add(ep: Endpoint, amount: float) -> None:
