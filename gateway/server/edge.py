@@ -472,11 +472,13 @@ class EdgeProtocol(web.RequestHandler):
         (cold caches); waking this one costs a future. It ends with the connection (cancelled by
         ``connection_lost``, as a request's handler is when its client goes away)."""
         loop = self._e_loop
+        # this task, looked up once (the loop named: without it asyncio looks the running loop up, a
+        # getpid() system call)
+        me = asyncio.current_task(loop)
         while True:
             await self._lane_run(request, handler)
             if self._lane_next is None:
-                # the loop named: without it asyncio looks the running loop up, a getpid() system call
-                if self.transport is None or self._lane_task is not asyncio.current_task(loop):
+                if self.transport is None or self._lane_task is not me:
                     return
                 wake = self._lane_wake = loop.create_future()
                 try:
