@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Literal
 
 import structlog
@@ -183,6 +184,16 @@ class RequestContext:
         self.rec.endpoint = ep.name
 
 
+# the log line's first fields, in their order, and the record's attributes they are read from:
+# ``ttft_ms`` is the TTFT in milliseconds when there is one, ``duration_ms`` the duration's (both
+# set in their place by ``record_request``)
+_LINE_KEYS = ("request_id", "path", "model", "user", "strategy", "endpoint", "status", "stream", "ttft_ms",
+              "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "retries", "duration_ms",
+              "error_class", "error")
+_LINE_VALUES = attrgetter("request_id", "path", "model", "user", "strategy", "endpoint", "status", "stream", "ttft",
+                          "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "retries", "started",
+                          "error_class", "error")
+
 # told of every finished request with its record and its duration in seconds (the status page's
 # traffic window, gateway/observability/status.py); must be quick and must not keep the record
 RecordObserver = Callable[[RequestRecord, float], None]
@@ -201,12 +212,10 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
     m.child(m.requests, rec.label_model, str(rec.status), rec.label_strategy).inc()
     if rec.model != "-" and rec.status < 400 and rec.status:
         m.child(m.e2e, rec.model).observe(duration)
-    fields = {"request_id": rec.request_id, "path": rec.path, "model": rec.model, "user": rec.user,
-              "strategy": rec.strategy, "endpoint": rec.endpoint, "status": rec.status, "stream": rec.stream,
-              "ttft_ms": round(rec.ttft * 1000, 3) if rec.ttft is not None else None,
-              "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens,
-              "cached_tokens": rec.cached_tokens, "finish_reason": rec.finish_reason, "retries": rec.retries,
-              "duration_ms": round(duration * 1000, 3), "error_class": rec.error_class, "error": rec.error}
+    fields = dict(zip(_LINE_KEYS, _LINE_VALUES(rec), strict=True))     # read in C, in the line's order
+    if rec.ttft is not None:
+        fields["ttft_ms"] = round(rec.ttft * 1000, 3)
+    fields["duration_ms"] = round(duration * 1000, 3)
     if rec.prefill_endpoint:
         fields["prefill_endpoint"] = rec.prefill_endpoint
     if rec.request_id_replaced:
