@@ -132,32 +132,6 @@ _NAME = itemgetter(0)
 _FIELD = re.compile(r"(" + _TOKEN + r"):[ \t]*([^\r\n]*)\r\n")
 
 
-def _head(data: bytes, paths: dict[bytes, str], max_head: int,
-          max_headers: int) -> tuple[str, int, list[tuple[str, str]], list[str]] | None:
-    """The path, where the head ends, the header fields and their lowered names, when ``data``
-    holds one whole head the lane may take (its body complete or not)."""
-    if not data.startswith(b"POST /"):
-        return None
-    end = data.find(b"\r\n\r\n")
-    if end < 0 or end + 4 > max_head:
-        return None
-    line = data.find(b"\r\n")
-    target, _, version = data[5:line].partition(b" ")
-    path = paths.get(target)
-    if path is None or version != b"HTTP/1.1":
-        return None
-    block = data[line + 2:end + 2].decode("utf-8", "surrogateescape")
-    if _BLOCK.fullmatch(block) is None:
-        return None
-    fields = _FIELD.findall(block)
-    if len(fields) > max_headers:
-        return None
-    lowered = list(map(str.lower, map(_NAME, fields)))     # in C, no Python frame per header
-    if not _DECLINE.isdisjoint(lowered) or lowered.count("content-length") != 1 or lowered.count("host") != 1:
-        return None                     # (an HTTP/1.1 request without one Host is aiohttp's 400)
-    return path, end, fields, lowered
-
-
 def _keep_alive(fields: list[tuple[str, str]], lowered: list[str]) -> bool:
     """HTTP/1.1 keeps the connection open unless a ``Connection`` header lists ``close``."""
     if "connection" not in lowered:
@@ -211,10 +185,27 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
     that request; a ``Pending`` when it is the whole head of one and part of its body (bodies up
     to ``HOLD_BODY``; larger ones are aiohttp's, which reads them as they come); None otherwise
     (aiohttp then parses the same bytes)."""
-    got = _head(data, paths, max_head, max_headers)
-    if got is None:
+    # one whole head the lane may take (its body complete or not), read in this one frame
+    if not data.startswith(b"POST /"):
         return None
-    path, end, fields, lowered = got
+    end = data.find(b"\r\n\r\n")
+    if end < 0 or end + 4 > max_head:
+        return None
+    line = data.find(b"\r\n")
+    target, _, version = data[5:line].partition(b" ")
+    path = paths.get(target)
+    if path is None or version != b"HTTP/1.1":
+        return None
+    block = data[line + 2:end + 2].decode("utf-8", "surrogateescape")
+    if _BLOCK.fullmatch(block) is None:
+        return None
+    fields = _FIELD.findall(block)
+    if len(fields) > max_headers:
+        return None
+    lowered = list(map(str.lower, map(_NAME, fields)))     # in C, no Python frame per header
+    if not _DECLINE.isdisjoint(lowered) or lowered.count("content-length") != 1 or lowered.count("host") != 1:
+        return None                     # (an HTTP/1.1 request without one Host is aiohttp's 400)
+    # its body
     length = fields[lowered.index("content-length")][1]
     if not length.isascii() or not length.isdigit():
         return None
@@ -226,10 +217,11 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
     if n > max_body or len(data) > start + n + HOLD_BYTES:
         return None
     headers = CIMultiDictProxy(CIMultiDict(fields))
+    keep_alive = "connection" not in lowered or _keep_alive(fields, lowered)    # the usual: no Connection
     if len(data) == start + n:
-        return path, headers, data[start:], _keep_alive(fields, lowered)
+        return path, headers, data[start:], keep_alive
     if len(data) > start + n:
-        return Split((path, headers, data[start:start + n], _keep_alive(fields, lowered)), data[start + n:])
+        return Split((path, headers, data[start:start + n], keep_alive), data[start + n:])
     if n > HOLD_BODY:
         return None
-    return Pending(path, headers, _keep_alive(fields, lowered), start, start + n, data)
+    return Pending(path, headers, keep_alive, start, start + n, data)
