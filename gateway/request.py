@@ -62,14 +62,16 @@ def header_text(value: str | None) -> str | None:
     return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+_CALLER_HEADERS = ("user", "x-session-id", "x-session-key", "x-aibrix-session-key")
+
+
 def caller_headers(headers: Any) -> tuple[str | None, str | None, str | None]:
     """The caller's names in the request's headers, as ``header_text``: ``user``, ``x-session-id``,
     and the session key (``x-session-key``, else AIBrix's ``x-aibrix-session-key``)."""
-    get = headers.get
-    user, sid, key = get("user"), get("x-session-id"), get("x-session-key") or get("x-aibrix-session-key")
-    if user is None and sid is None and key is None:        # the usual request: no call more
+    user, sid, key, aibrix = map(headers.get, _CALLER_HEADERS)     # looked up in C
+    if user is None and sid is None and key is None and aibrix is None:     # the usual request: no call more
         return None, None, None
-    return header_text(user), header_text(sid), header_text(key)
+    return header_text(user), header_text(sid), header_text(key or aibrix)
 
 
 class WholeBody:
