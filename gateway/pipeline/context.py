@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from operator import attrgetter
 from typing import Any, Literal
 
@@ -50,6 +51,11 @@ def safe_header_value(value: str) -> str:
     if _UNSAFE.search(value) is None:
         return value
     return _UNSAFE.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode("utf-8", "surrogatepass")), value)
+
+
+# the ``routing-strategy`` an answer echoes: a strategy's canonical spelling (``RequestRecord.strategy``,
+# a few per gateway) made safe once, not at every answer
+_strategy_header = lru_cache(maxsize=256)(safe_header_value)
 
 
 @dataclass(slots=True)
@@ -115,7 +121,7 @@ class RequestRecord:
         if self.endpoint:
             h["target-pod"] = self.endpoint
         if self.strategy:
-            h["routing-strategy"] = safe_header_value(self.strategy)
+            h["routing-strategy"] = _strategy_header(self.strategy)
         if self.prefill_endpoint:
             h["prefill-target-pod"] = self.prefill_endpoint
         if self.alias is not None:
