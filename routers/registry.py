@@ -16,7 +16,7 @@ import math
 import random
 import re
 from collections.abc import Callable, Collection, Sequence
-from functools import partial
+from functools import lru_cache, partial
 
 from gateway.endpoints import Endpoint
 from gateway.request import InferenceRequest
@@ -114,6 +114,7 @@ def canonical_strategy(entries: Sequence[tuple[str, int]]) -> str:
     return ",".join(name if w == g else f"{name}:{w // g}" for name, w in entries)
 
 
+@lru_cache(maxsize=256)     # a few spellings per gateway, each read at every request's end
 def strategy_label(spelling: str) -> str:
     """The strategy as a metric label: a canonical spelling (``canonical_strategy``) without its
     weights, its names sorted (``least-request,prefix-cache``). The weights are the client's to
