@@ -141,6 +141,8 @@ def too_large_error(limit: int) -> GatewayError:
 def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
     """The body to send, and whether the gateway injected ``include_usage`` (to strip later).
     The original bytes go out unchanged unless usage must be asked for."""
+    if not ireq.stream:                 # a whole answer: nothing to ask (``usage_stream_options``'s first test)
+        return ireq.body, False
     extra = usage_stream_options(ireq)
     if extra is not None:
         return orjson.dumps({**ireq.data, **extra}), True
@@ -235,7 +237,8 @@ class Upstream:
         (else by ``opened``/``answer``). The exchange must then be awaited with ``opened`` or
         ``answer``, or dropped with ``Exchange.discard``."""
         assert self.pool is not None
-        return self.pool.begin(ep.url + path, body, engine_headers(ep, headers), state)
+        return self.pool.begin(ep.url + path, body, headers if ep.api_key is None else engine_headers(ep, headers),
+                               state)
 
     async def opened(self, ep: Endpoint, x: Exchange, header_timeout: float | None, model: str) -> UpstreamResponse:
         """``open`` for a begun exchange: its response status and headers."""
