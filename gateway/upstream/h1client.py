@@ -505,7 +505,8 @@ class _Conn(asyncio.Protocol):
         if resp._size > HIGH_WATER and not self.paused and not self.closed:
             self.paused = True
             self.transport.pause_reading()
-        resp._wake()
+        if resp._waiter is not None:    # a reader waits (``_wake``; none while a whole answer comes in one read)
+            resp._wake()
 
     def on_message_complete(self) -> None:
         resp = self.resp
@@ -516,7 +517,8 @@ class _Conn(asyncio.Protocol):
             self.deadline.cancel()
             self.deadline = None
         resp._eof = True
-        resp._wake()
+        if resp._waiter is not None:
+            resp._wake()
         told = resp.on_eof
         if told is not None:
             resp.on_eof = None
