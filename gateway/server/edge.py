@@ -434,7 +434,7 @@ class EdgeProtocol(web.RequestHandler):
             return
         self._lane_part = None
         if got is not None and self._lane_open(begun=True):
-            self._lane_start(got)       # a graceful stop waits on for it (``_lane_run``)
+            self._lane_start(got)       # a graceful stop waits on for it (``_lane_serve``)
             return
         self._lane_released()
         self._e_rx_head = True
@@ -476,7 +476,23 @@ class EdgeProtocol(web.RequestHandler):
         # getpid() system call)
         me = asyncio.current_task(loop)
         while True:
-            await self._lane_run(request, handler)
+            # one request, in this frame (no coroutine of its own to start and resume)
+            keep = False
+            try:
+                resp = await handler(request)
+                if not isinstance(resp, WrittenAnswer) and isinstance(resp, web.Response):
+                    resp = _written(request, resp)  # an answer from outside the pipeline (the error middleware's)
+                if isinstance(resp, WrittenAnswer):
+                    await resp.write_eof()          # a stream's last chunk, when the relay left it
+                    keep = resp.keep_alive
+                # else: nothing could be written, which only a closing transport prevents
+            except Exception as e:     # the direct handler answers what the pipeline raises; this is a bug
+                log.error("internal error", path=request.path, exc_info=e)
+            finally:
+                self._lane_released()
+                if self._lane is request:
+                    self._lane = None
+                    self._lane_done(keep)
             if self._lane_next is None:
                 if self.transport is None or self._lane_task is not me:
                     return
@@ -489,24 +505,6 @@ class EdgeProtocol(web.RequestHandler):
             if nxt is None:
                 return
             request, handler = nxt
-
-    async def _lane_run(self, request: Any, handler: Any) -> None:
-        keep = False
-        try:
-            resp = await handler(request)
-            if not isinstance(resp, WrittenAnswer) and isinstance(resp, web.Response):
-                resp = _written(request, resp)  # an answer from outside the pipeline (the error middleware's)
-            if isinstance(resp, WrittenAnswer):
-                await resp.write_eof()          # a stream's last chunk, when the relay left it
-                keep = resp.keep_alive
-            # else: nothing could be written, which only a closing transport prevents
-        except Exception as e:     # the direct handler answers what the pipeline raises; this is a bug
-            log.error("internal error", path=request.path, exc_info=e)
-        finally:
-            self._lane_released()
-            if self._lane is request:
-                self._lane = None
-                self._lane_done(keep)
 
     def _lane_done(self, keep: bool) -> None:
         self._e_request = None
