@@ -318,10 +318,12 @@ class EdgeProtocol(web.RequestHandler):
             if sum(map(len, self._lane_held)) > lane.HOLD_BYTES and self.transport is not None:
                 self.transport.pause_reading()
             return
-        if phase == _IDLE:              # first byte of the next request: the head clock starts
-            self._e_enter_head(self._e_loop.time())
+        if phase == _IDLE:              # first byte of the next request
+            if self._lane_server is not None and self._lane_take(data):
+                return                  # on the lane at once (or held for its body): no head clock to start
+            self._e_enter_head(self._e_loop.time())     # the head clock starts
             phase = _HEAD
-        if phase == _HEAD and self._lane_server is not None and not self._e_rx_head and self._lane_take(data):
+        elif phase == _HEAD and self._lane_server is not None and not self._e_rx_head and self._lane_take(data):
             return
         if phase == _HEAD:
             if len(self._e_line) < _LINE_KEEP:     # a head for aiohttp: its request line, for its errors
@@ -415,6 +417,7 @@ class EdgeProtocol(web.RequestHandler):
         apart, as the openai SDK's httpx does), to take it on the lane once the rest is in. The
         body's clocks run meanwhile, as they would for aiohttp's request."""
         self._lane_part = pending
+        self._e_phase = _HEAD               # a head came (from a kept-alive connection's idle too)
         self._request_in_progress = True    # a graceful stop waits for it, as for aiohttp's requests
         now = self._e_last_rx = self._e_loop.time()
         self._e_body_end = now + lim.body_total_timeout_s if lim.body_total_timeout_s else float("inf")
