@@ -93,9 +93,8 @@ def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, 
     transport = request.transport
     if transport is None or transport.is_closing() or not 200 <= status < 600 or status in _EMPTY:
         return None
-    lines = list(map(_FIELD.__mod__, headers.items()))     # formatted in C, no Python frame per header
-    lines += extra
-    lines.append(f"Date: {rfc822_formatted_time()}")
+    # formatted in C, no Python frame per header
+    lines = [*map(_FIELD.__mod__, headers.items()), *extra, f"Date: {rfc822_formatted_time()}"]
     keep_alive = request.keep_alive
     if not keep_alive:
         lines.append("Connection: close")
@@ -113,18 +112,19 @@ def write_whole(request: Any, status: int, headers: dict[str, str], content_type
     client asked to close, ``Connection: close``) and ``body`` to the client in one write.
 
     Returns None, having written nothing, when the answer must go through ``web.Response``."""
-    made = _head(request, status, headers, (f"Content-Type: {content_type}", f"Content-Length: {len(body)}"))
+    n = len(body)
+    made = _head(request, status, headers, (f"Content-Type: {content_type}", f"Content-Length: {n}"))
     if made is None:
         return None
     head, keep_alive = made
     transport = request.transport
-    if len(body) < _COPY_BELOW:
+    if n < _COPY_BELOW:
         transport.write(head + body)
     else:
         transport.writelines((head, body))
     writer = request.writer
-    writer.output_size += len(head) + len(body)     # the edge reads it: something went out
-    return WrittenAnswer(status, keep_alive, len(body), writer if request.protocol.writing_paused else None)
+    writer.output_size += len(head) + n     # the edge reads it: something went out
+    return WrittenAnswer(status, keep_alive, n, writer if request.protocol.writing_paused else None)
 
 
 class WrittenStream(WrittenAnswer):
