@@ -516,8 +516,9 @@ class EdgeProtocol(web.RequestHandler):
             return
         self._next_keepalive_close_time = self._e_loop.time() + self._keepalive_timeout
         self._e_after_request()
-        held, self._lane_held = self._lane_held, []
-        if held:
+        held = self._lane_held
+        if held:                        # (none, mostly: the list is kept)
+            self._lane_held = []
             self.transport.resume_reading()
             # they begin the next request, which the lane may take too: a client that sends it as
             # soon as the last byte of its answer arrives finds the request's own bookkeeping still
@@ -589,8 +590,9 @@ class EdgeProtocol(web.RequestHandler):
             self._e_rx_head = True
         else:
             self._e_phase = _IDLE
-            if self._edge.limits.keepalive_timeout_s:
-                self._e_arm(self._e_loop.time() + self._edge.limits.keepalive_timeout_s)
+            keepalive = self._edge.limits.keepalive_timeout_s
+            if keepalive:
+                self._e_arm(self._e_loop.time() + keepalive)
 
     # -- clocks ------------------------------------------------------------------------------
 
