@@ -133,7 +133,8 @@ class Pipeline:
         except Exception as e:   # a bug: the client still gets an answer, the traceback is logged once
             return await self._internal_error(ctx, e)
         finally:
-            ctx.written()                           # bookkeeping of a request that ended before its leg
+            if ctx.after_write:                     # bookkeeping of a request that ended before its leg
+                ctx.written()
             if ctx.ireq is not None and ctx.ireq.lora is not None:
                 try:                                # an engine that said it lacks the request's adapter
                     self.lora.settle(ctx)
