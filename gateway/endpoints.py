@@ -168,6 +168,9 @@ class EndpointPool:
         # new endpoint): whether it has prefill/decode endpoints, and their strategy hint
         self._pd: set[str] = set()
         self._hints: dict[str, str] = {}
+        # the models that have endpoints: ``has_model`` is its lookup, in C (twice a request)
+        self._live: set[str] = set()
+        self.has_model: Callable[[str], bool] = self._live.__contains__
         # counts the changes of any model's endpoints: what is worked out of them per model and kept
         # (a model's default strategy, gateway/pipeline/routing.py) is worked out again when it moved
         self.version = 0
@@ -207,6 +210,10 @@ class EndpointPool:
         eps = self._by_model.get(model, ())
         for i, ep in enumerate(sorted(eps, key=lambda e: e.url)):
             ep.turn = i
+        if eps:
+            self._live.add(model)
+        else:
+            self._live.discard(model)
         if any(ep.role in ("prefill", "decode") for ep in eps):
             self._pd.add(model)
         else:
@@ -219,9 +226,6 @@ class EndpointPool:
 
     def models(self) -> list[str]:
         return [m for m, eps in self._by_model.items() if eps]
-
-    def has_model(self, model: str) -> bool:
-        return bool(self._by_model.get(model))
 
     def endpoints(self, model: str | None = None) -> list[Endpoint]:
         if model is not None:

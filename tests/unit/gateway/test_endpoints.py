@@ -28,9 +28,10 @@ def test_summaries_follow_adds_and_removes():
     pool.remove(prefill)
     pool.remove(other)
     assert not pool.has_pd("m") and pool.strategy_hint("m") is None
+    assert pool.has_model("m")
     pool.remove(plain)
     pool.remove(plain)                                  # twice: nothing changes
-    assert not pool.has_pd("m") and pool.models() == []
+    assert not pool.has_pd("m") and pool.models() == [] and not pool.has_model("m")
 
 
 def test_summaries_match_a_scan_through_random_changes():
@@ -47,3 +48,4 @@ def test_summaries_match_a_scan_through_random_changes():
                                           extra=extra)))
         for model in ("a", "b"):
             assert (pool.has_pd(model), pool.strategy_hint(model)) == _scan(pool, model)
+            assert pool.has_model(model) == bool(pool.endpoints(model))
