@@ -481,13 +481,13 @@ class _Conn(asyncio.Protocol):
         if status < 200:        # an interim 1xx: its headers are not the answer's
             return
         # the answer's headers: names lower-cased, values as latin-1 text, decoded in C
-        names = list(map(str.lower, map(_LATIN1, map(_NAME, fields))))
-        values = list(map(_LATIN1, map(_VALUE, fields)))
         h = resp.headers
-        dict.update(h, zip(names, values, strict=True))
-        if len(h) != len(names):            # a repeated name: its values joined, in their order
+        dict.update(h, zip(map(str.lower, map(_LATIN1, map(_NAME, fields))), map(_LATIN1, map(_VALUE, fields)),
+                           strict=True))
+        if len(h) != len(fields):           # a repeated name: its values joined, in their order
             h.clear()
-            for key, val in zip(names, values, strict=True):
+            for name, value in fields:
+                key, val = name.decode("latin-1").lower(), value.decode("latin-1")
                 if dict.__contains__(h, key):
                     val = f"{dict.__getitem__(h, key)}, {val}"
                 dict.__setitem__(h, key, val)
