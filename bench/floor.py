@@ -25,7 +25,7 @@ back, each on top of the one before:
 - ``parse``: the request parsed as the pipeline parses it (``Pipeline._parse``: validation, the
   prompt for routing, aliases and adapters);
 - ``strategy``: the model counted in flight, its strategy and router (``_enter``,
-  ``strategy_for``, ``router_for``), the endpoint still the next in turn;
+  ``legs``, ``Routing.strategy``), the endpoint still the next in turn;
 - ``admit``: ``_admit`` (the ready candidates, tenancy's and admission's checks, the engine's
   adapter, the latency objectives);
 - ``route``: ``route_and_charge`` (the router's decision, its histogram and observers, the
@@ -107,11 +107,11 @@ BOOT = textwrap.dedent('''
             if has("strategy"):
                 counted = self._enter(model)
                 rec.model_known = True
-                spec = self.routing.strategy_for(model, request.headers.get("routing-strategy"), lora=False)
-                router = self.routing.router_for(spec)
+                legs = self.legs(model)
+                spec, router = self.routing.strategy(model, request.headers.get("routing-strategy"), lora=False)
                 rec.strategy = spec
                 if has("admit"):
-                    adapter, _, candidates = await self._admit(ctx, NO_TICKET, spec, router)
+                    adapter, _, candidates = await self._admit(ctx, NO_TICKET, spec, router, legs.slo)
                 else:
                     candidates = self.pool.endpoints(model)
                 if has("route"):
@@ -123,7 +123,7 @@ BOOT = textwrap.dedent('''
                     ep = candidates[i]
                 try:
                     if has("forward"):
-                        return await self.forward(ctx, candidates)
+                        return await self.forward(ctx, candidates, legs)
                     if has("upstream"):
                         ireq = ctx.ireq
                         ctx.use(ep)
