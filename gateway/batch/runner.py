@@ -296,7 +296,7 @@ class BatchRunner:
                 if not store.count_results(bid, ok):
                     ids.append(None)
                     continue
-                f = batch_files.write_lines(self.db.dir, f"batch_{bid}_{name}.jsonl", store.result_lines(bid, ok),
+                f = batch_files.write_lines(self.db.dir, f"{bid}_{name}.jsonl", store.result_lines(bid, ok),
                                             self.cfg.file_ttl_s)
                 store.add_file(f, owner)
                 ids.append(f["id"])

@@ -55,6 +55,8 @@ async def test_a_batch_runs_through_the_sdk(sims, gateway, tmp_path, engine, end
     assert b.in_progress_at and b.finalizing_at and b.completed_at and b.error_file_id is None
     out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
     assert sorted(o["custom_id"] for o in out) == [f"req-{i}" for i in range(5)]
+    made = await c.files.retrieve(b.output_file_id)        # named as OpenAI names it: the batch's id, once
+    assert made.filename == f"{b.id}_output.jsonl" and made.purpose == "batch_output"
     for o in out:
         assert o["error"] is None and o["response"]["status_code"] == 200
         assert o["response"]["request_id"].startswith("batch_req_")
