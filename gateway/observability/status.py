@@ -121,6 +121,9 @@ class StatusBoard:
         self.errors: deque[tuple] = deque(maxlen=settings.recent_errors)
         self.fallbacks: dict[tuple[str, str], int] = {}      # (strategy, reason) → count since start
         self.requests = 0
+        # a model's requests with latency objectives (``Admission.slo_counts``: model → objective →
+        # outcome → count), kept and carried with the counts since start
+        self.slo: dict[str, dict[str, dict[str, int]]] = {}
         self._usage_cache: tuple[float, tuple[str, ...], dict[str, dict[str, int]]] | None = None
 
     # -- observers (request path) --------------------------------------------------------------
@@ -213,9 +216,10 @@ class StatusBoard:
                 "admission": {name: row for name in _model_names(src) if (row := src.admission(name, True)) is not None}}
 
     def counts(self) -> dict[str, Any]:
-        """The counts since start (``--workers N``: kept aside by each worker, so that neither a
+        """The counts since start, the SLO counts too (``--workers N``: kept aside by each worker, so that neither a
         restarted worker nor a sibling answering while it is gone loses them; see ``carry``)."""
-        return {"requests": self.requests, "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()]}
+        return {"requests": self.requests, "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()],
+                "slo": {model: {o: dict(c) for o, c in objectives.items()} for model, objectives in self.slo.items()}}
 
     def carry(self, counts: dict[str, Any]) -> None:
         """Go on from the counts since start of this worker's predecessor (``counts``)."""
@@ -223,6 +227,12 @@ class StatusBoard:
         for fb in counts.get("fallbacks") or ():
             if isinstance(fb, list) and len(fb) == 3 and all(isinstance(x, str) for x in fb[:2]):
                 self.fallbacks[(fb[0], fb[1])] = self.fallbacks.get((fb[0], fb[1]), 0) + _count(fb[2])
+        for model, objectives in _slo_counts(counts.get("slo")).items():
+            mine = self.slo.setdefault(model, {})
+            for objective, outcomes in objectives.items():
+                per = mine.setdefault(objective, {"met": 0, "missed": 0, "shed": 0})
+                for outcome, n in outcomes.items():
+                    per[outcome] += n
 
     def _quiet(self) -> dict[str, Any]:
         empty = Summary().view()
@@ -284,7 +294,7 @@ class StatusBoard:
                 "kubernetes": cfg.kubernetes.enabled,
             },
             "totals": {**totals, "endpoints": len(eps), "ready_endpoints": sum(1 for ep in eps if ep.ready)},
-            "models": [self._model_view(src, name, traffic.get(name) or self._quiet(), model_in_flight, parts)
+            "models": [self._model_view(src, name, traffic.get(name) or self._quiet(), model_in_flight, parts, kept)
                        for name in names],
             "aliases": src.aliases(),
             "endpoints": endpoints,
@@ -299,12 +309,15 @@ class StatusBoard:
         }
 
     def _model_view(self, src: StatusSources, name: str, traffic: dict[str, Any],
-                    model_in_flight: dict[str, int], parts: list[dict[str, Any]] = ()) -> dict[str, Any]:
+                    model_in_flight: dict[str, int], parts: list[dict[str, Any]] = (),
+                    kept: list[dict[str, Any]] = ()) -> dict[str, Any]:
         m = src.config.model(name)
         eps = src.pool.endpoints(name)
         admission = src.admission(name, bool(parts))
         if parts:
             admission = _add_admission(admission, [(p.get("admission") or {}).get(name) for p in parts])
+        if kept:        # the requests with objectives of siblings that did not answer, as they last kept them
+            admission = _add_kept_slo(admission, [_slo_counts(k.get("slo")).get(name) for k in kept])
         return {"name": name, "engine": m.engine if m is not None else (eps[0].engine if eps else None),
                 "strategy": src.routing.strategy_for(name, None),
                 "lock_strategy": m.lock_strategy if m is not None else None,
@@ -529,6 +542,30 @@ def _add_admission(own: dict[str, Any] | None, others: list[Any]) -> dict[str, A
         row["reason"] = ep["reason"] if row["saturated"] else None
         endpoints.append(row)
     out["endpoints"] = endpoints
+    return out
+
+
+def _slo_counts(raw: Any) -> dict[str, dict[str, dict[str, int]]]:
+    """Kept SLO counts (``StatusBoard.counts``) as read back: what is not a count left out."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for model, objectives in (raw.items() if isinstance(raw, dict) else ()):
+        if not isinstance(objectives, dict):
+            continue
+        for objective, outcomes in objectives.items():
+            if objective in ("ttft", "tpot") and isinstance(outcomes, dict):
+                out.setdefault(model, {})[objective] = {o: _count(outcomes.get(o)) for o in ("met", "missed", "shed")}
+    return out
+
+
+def _add_kept_slo(admission: dict[str, Any] | None, kept: list[Any]) -> dict[str, Any] | None:
+    """A model's admission rows with the SLO counts kept by siblings that did not answer added in."""
+    kept = [k for k in kept if k]
+    if not kept:
+        return admission
+    out = dict(admission) if admission is not None else {"enabled": False}
+    slos = [s for s in (out.get("slo"), *kept) if s]
+    out["slo"] = {objective: {o: sum(s.get(objective, {}).get(o, 0) for s in slos) for o in ("met", "missed", "shed")}
+                  for objective in sorted({k for s in slos for k in s})}
     return out
 
 

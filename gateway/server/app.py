@@ -377,6 +377,7 @@ def _add_status_page(app: web.Application, config: Config, s: Services, reloader
     board = StatusBoard(config.status, lambda m: pool.has_model(m) or reloader.live.config.model(m) is not None)
     s.observers.append(board.on_request)
     s.decision_observers.append(board.on_decision)
+    board.slo = s.admission.slo_counts      # kept and carried with the counts since start
     sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
                             aliases=lambda: reloader.live.aliases.describe(), started_at=started_at,
                             admission=s.admission.status, batch=batch.status if batch is not None else None,

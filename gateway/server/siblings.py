@@ -30,7 +30,7 @@ a removed endpoint's series each on its own sweep, and once one has, the sum of 
 fall before the series went; and a carried part or a dead worker's would bring the endpoint back.
 A worker that drops an endpoint's series drops the ones it carries too.
 
-The status page's counts since start (requests, fallbacks) are kept the same way, in
+The status page's counts since start (requests, fallbacks, requests with latency objectives) are kept the same way, in
 ``status-<i>.json``, with each report of the metrics and each part of the page.
 
 Only built with several workers: one process opens no socket and runs no task for this.

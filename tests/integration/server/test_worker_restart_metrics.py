@@ -2,7 +2,8 @@
 counters and histograms never fall (Prometheus would read a fall as a reset, and ``rate()`` and
 ``increase()`` would count everything the other workers counted again), whichever worker answers
 each scrape; the dead worker's gauges leave with it; the status page's counts since start do not
-fall, and hold what the dead worker last reported to a scrape, as /metrics does; and the counts a restarted worker carries do not bring back an endpoint removed since."""
+fall, and hold what the dead worker last reported to a scrape, as /metrics does (its requests with
+latency objectives too); and the counts a restarted worker carries do not bring back an endpoint removed since."""
 
 from __future__ import annotations
 
@@ -80,12 +81,13 @@ async def connections(port: int, n: int, stack: contextlib.AsyncExitStack, *pids
     return [found[p] for p in pids] if pids else list(found.values())
 
 
-def config(path: Path, port: int, urls: list[str]) -> Path:
+def config(path: Path, port: int, urls: list[str], model: str = "") -> Path:
+    """``model``: more of the model's block (``, slo: {...}``)."""
     path.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
                     "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning, removed_endpoint_series_s: 0.5}\n"
                     "routing: {strategy: round-robin}\n"
                     "health: {interval_s: 0.2}\n"
-                    f"models: [{{name: m, engine: vllm, endpoints: [{', '.join(repr(u) for u in urls)}]}}]\n")
+                    f"models: [{{name: m, engine: vllm, endpoints: [{', '.join(repr(u) for u in urls)}]{model}}}]\n")
     return path
 
 
@@ -235,3 +237,36 @@ async def test_a_restarted_worker_says_when_the_gateway_started(sims, tmp_path):
         gateway = (await successor.status())["gateway"]
         assert gateway["started_at"] == started
         assert gateway["uptime_s"] < gateway["now"] - started       # its own, as documented
+
+
+def slo_counts(doc: dict) -> dict:
+    (m,) = [row for row in doc["models"] if row["name"] == "m"]
+    return (m["admission"] or {}).get("slo") or {}
+
+
+@pytest.mark.timeout(120)
+async def test_the_status_page_keeps_a_killed_workers_requests_with_objectives(sims, tmp_path):
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = config(tmp_path / "gw.yaml", port, [sim.url], ", slo: {ttft_ms: 60000}")
+    pages = Pages()
+    met = {"ttft": {"met": 10, "missed": 0, "shed": 0}}
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        survivor, victim = await connections(port, 2, stack)
+        for _ in range(10):         # streamed: a TTFT to hold to its objective
+            async with victim.session.post(victim.base + "/v1/completions", json={**COMPLETION, "stream": True}) as r:
+                assert r.status == 200
+                await r.read()
+        page = pages.saw(await victim.get("/metrics"))
+        assert metric(page, "switchyard_slo_requests_total", objective="ttft", outcome="met") == 10
+        assert slo_counts(await survivor.status()) == met       # the victim's part, added once
+        os.kill(victim.pid, signal.SIGKILL)
+
+        # the page counts them as /metrics does, now and once the victim's successor carries them
+        page = pages.saw(await survivor.get("/metrics"))
+        assert metric(page, "switchyard_slo_requests_total", objective="ttft", outcome="met") == 10
+        assert slo_counts(await survivor.status()) == met
+        await restarted(proc, victim.pid, port, pages)
+        for _ in range(4):          # whichever worker answers
+            assert slo_counts((await get_new(port, "/status.json"))[1]) == met
