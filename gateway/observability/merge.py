@@ -16,8 +16,8 @@ set (pure; no I/O):
   ``GAUGE_RULES`` names every gauge that is not summed; a new gauge that is not additive belongs there;
 - counters of an event of something the workers share, which every worker meets and counts (the
   shared state becoming unreachable or refusing writes, the view's Redis stream lost, a reload
-  the parent sent to every worker): the largest, so one outage counts once
-  (``COUNTER_RULES``).
+  the parent sent to every worker, an endpoint's breaker ejecting it, one worker deciding and the
+  others adopting it): the largest, so one outage or ejection counts once (``COUNTER_RULES``).
 
 No label is added: the series keep the names and labels one process exports, so dashboards and
 alert rules read them unchanged. A series only some workers export (a model one of them has not
@@ -86,6 +86,9 @@ COUNTER_RULES: dict[str, str] = {
     "switchyard_state_outages": MAX,        # the shared state became unreachable or refused writes
     "switchyard_view_redis_lost": MAX,      # the routing view's Redis stream was lost
     "switchyard_config_reload": MAX,        # a reload: the parent signals every worker, each applies it
+    # an endpoint's breaker moved: the worker that decided tells its siblings, which adopt the same
+    # ejection or close (gateway/resilience/breaker.py), and each ejection ends on the same timer
+    "switchyard_breaker_transitions": MAX,
 }
 
 

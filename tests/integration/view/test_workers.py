@@ -383,3 +383,29 @@ async def test_the_merged_exposition_keeps_the_labels_prometheus_reserves(sims, 
 
         page = await until(lag_shown)
     assert lint(page) == []
+
+
+@pytest.mark.timeout(120)
+async def test_one_ejection_counts_one_transition_whichever_workers_ejected_or_adopted_it(sims, tmp_path):
+    good = await sims("vllm", "m")
+    sick = await sims("vllm", "m", fault="status=500")
+    sick_name = sick.url.split("//")[1]
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+                   "routing: {strategy: round-robin}\n"
+                   "breaker: {consecutive_faults: 1, base_ejection_s: 300, max_ejection_percent: 50}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        async def open_in_both() -> bool:
+            assert (await post_new(port, "/v1/chat/completions", body))[0] == 200    # the sick one's 500 retried
+            docs = await per_worker(port, 2, "/status.json")
+            return all(ep["breaker"] == "open" for doc in docs.values() for ep in doc["endpoints"]
+                       if ep["name"] == sick_name)
+        await until(open_in_both, timeout=20)
+        for page in (await per_worker(port, 2)).values():      # whichever worker answers
+            assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
+                                from_state="closed", to_state="open") == 1
+            assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 1
