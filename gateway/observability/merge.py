@@ -14,6 +14,7 @@ set (pure; no I/O):
   healthy only when every worker's is (the shared state reachable, the last reload applied, the
   config generation, the freshest engine scrape's age, a start time, ``_created``) the smallest.
   ``GAUGE_RULES`` names every gauge that is not summed; a new gauge that is not additive belongs there;
+  a sum is capped where one worker's value is (``CAPS``: an endpoint's admission headroom, 1e6);
 - counters of an event of something the workers share, which every worker meets and counts (the
   shared state becoming unreachable or refusing writes, the view's Redis stream lost, a reload
   the parent sent to every worker, an endpoint's breaker ejecting it, one worker deciding and the
@@ -89,6 +90,12 @@ COUNTER_RULES: dict[str, str] = {
     # an endpoint's breaker moved: the worker that decided tells its siblings, which adopt the same
     # ejection or close (gateway/resilience/breaker.py), and each ejection ends on the same timer
     "switchyard_breaker_transitions": MAX,
+}
+
+
+# summed gauges whose sum is capped as each worker's value is
+CAPS: dict[str, float] = {
+    "switchyard_endpoint_admission_headroom": 1e6,     # an endpoint nothing bounds: 1e6, not 1e6 per worker
 }
 
 
@@ -188,6 +195,10 @@ def merge(parts: Iterable[str | list[Metric]], upward: bool = False) -> list[Met
     out = []
     for name, fam in families.items():
         fam.samples = [Sample(s.name, s.labels, _combine(rule, vs, upward)) for s, rule, vs in values[name].values()]
+        cap = CAPS.get(name)
+        if cap is not None:
+            fam.samples = [s._replace(value=min(cap, s.value)) if not s.name.endswith("_created") else s
+                           for s in fam.samples]
         out.append(fam)
     return out
 

@@ -12,8 +12,10 @@ from aiohttp import web
 
 @contextlib.asynccontextmanager
 async def fake_engine(chat: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                      paths: tuple[str, ...] = ("/v1/chat/completions",)) -> AsyncIterator[str]:
-    """The engine's base URL while the block runs; ``chat`` answers POSTs to ``paths``."""
+                      paths: tuple[str, ...] = ("/v1/chat/completions",), metrics: str | None = None
+                      ) -> AsyncIterator[str]:
+    """The engine's base URL while the block runs; ``chat`` answers POSTs to ``paths``; ``metrics``:
+    the text of its ``/metrics`` (None: it has none)."""
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({})
 
@@ -21,6 +23,10 @@ async def fake_engine(chat: Callable[[web.Request], Awaitable[web.StreamResponse
     for path in paths:
         app.router.add_post(path, chat)
     app.router.add_get("/health", health)
+    if metrics is not None:
+        async def exposition(_request: web.Request) -> web.Response:
+            return web.Response(text=metrics)
+        app.router.add_get("/metrics", exposition)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

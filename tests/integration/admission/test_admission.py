@@ -572,3 +572,50 @@ async def test_a_waiter_whose_deadline_ends_its_wait_is_shed_as_deadline_when_it
     text = await gw.metrics_text()
     assert 'switchyard_admission_shed_total{model="m",priority="standard",reason="deadline"} 1.0' in text
     assert 'reason="queue_timeout"' not in text
+
+
+@pytest.mark.timeout(90)
+async def test_an_unbounded_endpoints_headroom_is_capped_at_1e6_for_the_gateway(tmp_path):
+    """``--workers 2``, admission on with no bound for the engine (no in-flight cap, and an engine
+    whose metrics say what it runs but not what waits): each worker's headroom is capped at 1e6, and
+    so is the gateway's, on ``/metrics`` as on the status page."""
+    from aiohttp import web
+
+    from tests.integration.server.test_worker_restart_metrics import connections
+    from tests.support.fake_engine import fake_engine
+    from tests.support.gateway_process import gateway_process, get_new
+    from tests.support.metrics import metric
+    from tests.support.ports import listen_port
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"id": "c", "object": "chat.completion", "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]})
+
+    running = 'vllm:num_requests_running{model_name="m"} 0\n'
+    async with fake_engine(chat, metrics=running) as url, contextlib.AsyncExitStack() as stack:
+        port = listen_port()
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                       "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                       "scrape: {interval_s: 0.2}\n"
+                       "admission: {enabled: true}\n"
+                       f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
+        name = url.removeprefix("http://")
+        await stack.enter_async_context(gateway_process(cfg, port, "--workers", "2", ready_workers=2))
+
+        workers = await connections(port, 2, stack)
+
+        async def served_by_both() -> bool:      # a worker shows a model's rows once it served it
+            for w in workers:
+                async with w.session.post(w.base + "/v1/chat/completions", json=body()) as r:
+                    await r.read()
+                    if r.status != 200:         # its first scrape not in yet
+                        return False
+            return True
+        await until(served_by_both, timeout=20)
+        page = (await get_new(port, "/metrics"))[1]
+        assert metric(page, "switchyard_endpoint_admission_headroom", endpoint=name) == 1_000_000
+        assert metric(page, "switchyard_endpoint_saturated", endpoint=name) == 0
+        doc = (await get_new(port, "/status.json"))[1]
+        assert doc["models"][0]["admission"]["endpoints"][0]["headroom"] == 1_000_000
