@@ -68,6 +68,14 @@ class ModelLegs(NamedTuple):
     slo: SLOConfig | None                   # the model's default latency objectives (``slo:``), if any
 
 
+def not_listed_yet(model: str) -> GatewayError:
+    """A model the pool lacks while Kubernetes discovery has not listed the pods yet: it may be one
+    of theirs, so a 503 the client retries, not a 404 (``EndpointPool.listed``)."""
+    return GatewayError(503, f"no ready endpoint for model {model} (the Kubernetes pods have not been listed yet)",
+                        code="service_unavailable", headers={"Retry-After": "5"},
+                        header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
+
+
 class Pipeline:
     """One generation's request handler (``gateway.pipeline.generation.Generation``): ``handle`` is
     the request's script, the methods below it its stages."""
@@ -185,9 +193,7 @@ class Pipeline:
         request in flight until ``_leave``."""
         if not self.pool.has_model(model) and self.config.model(model) is None:
             if not self.pool.listed:
-                raise GatewayError(503, f"no ready endpoint for model {model} (the Kubernetes pods have not been "
-                                        "listed yet)", code="service_unavailable", headers={"Retry-After": "5"},
-                                   header=("x-error-no-model-backends", "true"), error_class=ErrorClass.NO_ENDPOINT)
+                raise not_listed_yet(model)
             raise GatewayError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found",
                                header=("x-error-no-model-backends", safe_header_value(model)),
                                error_class=ErrorClass.MODEL_NOT_FOUND)

@@ -34,7 +34,7 @@ from gateway.observability.status_http import StatusPage, add_status
 from gateway.observability.tracing import Tracing
 from gateway.pipeline.context import safe_header_value
 from gateway.pipeline.generation import Generation, Services, build_generation, build_services
-from gateway.pipeline.pipeline import Pipeline
+from gateway.pipeline.pipeline import Pipeline, not_listed_yet
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
 from gateway.server.admin import add_tenancy
 from gateway.server.lifecycle import Lifecycle
@@ -342,6 +342,8 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         for entry in model_entries():
             if entry["id"] == name:
                 return _json(200, entry)
+        if not pool.listed:     # the pods not listed yet: it may be one of theirs, as for a request
+            raise not_listed_yet(name)
         raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found",
                            header=("x-error-no-model-backends", safe_header_value(name)),
                            error_class=ErrorClass.MODEL_NOT_FOUND)

@@ -315,3 +315,37 @@ async def test_a_model_asked_for_before_the_pods_are_listed_is_not_a_404(emu, si
         assert (await post_new(gw.port, "/v1/chat/completions", {**body, "model": "nobody"}))[0] == 404
     finally:
         emu.release_lists()
+
+
+async def test_a_model_looked_up_before_the_pods_are_listed_is_not_a_404(emu, sims, gateway, tmp_path, monkeypatch):
+    """``GET /v1/models/{id}`` says what an inference request for the model says: before the first
+    list of pods is in, a model the worker does not know may be one of theirs (503, Retry-After);
+    once they are listed it is found, and one that no pod serves is a 404."""
+    import k8s.discovery
+    from tests.support.waiting import until
+
+    monkeypatch.setattr(k8s.discovery, "FIRST_LIST_WAIT_S", 0.0)
+    sim = await sims("vllm", "llama")
+    sim_pod(emu, "llama-0", sim, "llama")
+    path = tmp_path / "kubeconfig"
+    path.write_text(emu.kubeconfig())
+    emu.hold_lists()
+
+    async def get(model: str) -> tuple[int, str | None, dict]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
+                s.get(f"{gw.url}/v1/models/{model}") as r:
+            return r.status, r.headers.get("Retry-After"), await r.json()
+    try:
+        gw = await gateway([], kubernetes={"enabled": True, "kubeconfig": str(path), "namespaces": ["llm"]})
+        status, retry_after, doc = await get("llama")
+        assert (status, retry_after, doc["error"]["code"]) == (503, "5", "service_unavailable"), doc
+        assert "not been listed yet" in doc["error"]["message"]
+        assert (await get("nobody"))[0] == 503
+        emu.release_lists()
+        await until(lambda: gw.gw.pool.ready("llama"))
+        status, _, doc = await get("llama")
+        assert (status, doc["id"]) == (200, "llama")
+        status, _, doc = await get("nobody")
+        assert (status, doc["error"]["code"]) == (404, "model_not_found")
+    finally:
+        emu.release_lists()
