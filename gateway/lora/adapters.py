@@ -129,6 +129,7 @@ class Lora:
         self._pending: dict[int, set[str]] = {}                # id(ep) -> adapters being loaded there
         self._unloading: set[tuple[int, str]] = set()
         self._down: set[int] = set()                            # id(ep) of endpoints the probes found down
+        self._counted: set[tuple[str, str]] = set()             # (model, adapter) the serving gauge has
         # keyed by id(ep): an endpoint that left the pool leaves them, or a new one at its address
         # would inherit its cooldowns and its loads
         pool.removal_listeners.append(self._forget)
@@ -286,6 +287,7 @@ class Lora:
                 self._loaded_at[(id(ep), adapter)] = self.clock()
                 self.metrics.loads.labels(model, adapter, "ok").inc()
                 log.info("lora adapter loaded", model=model, adapter=adapter, endpoint=ep.name)
+                self.count_serving()
                 return ep
             self.metrics.loads.labels(model, adapter, "error").inc()
             log.warning("lora load failed", model=model, adapter=adapter, endpoint=ep.name, error=error)
@@ -365,6 +367,7 @@ class Lora:
         model = ep.adapters.served.pop(adapter)
         self._loaded_at.pop((id(ep), adapter), None)
         self._unloaded_at[(id(ep), adapter)] = self.clock()     # a discovery answer on its way is older
+        self.count_serving()
         return model
 
     async def _engine_call(self, ep: Endpoint, model: str, call: tuple[str, bytes],
@@ -424,6 +427,7 @@ class Lora:
         ep.adapters.recent.pop(adapter, None)
         self.metrics.unloads.labels(model, adapter, reason).inc()
         log.info("lora adapter unloaded", model=model, adapter=adapter, endpoint=ep.name, reason=reason)
+        self.count_serving()
         return True
 
     async def unload_idle(self) -> int:
@@ -554,12 +558,18 @@ class Lora:
             eps = [ep for ep in eps if share.watches(ep, "models", stale)]
         if eps:
             await asyncio.gather(*(self._discover_one(session, ep) for ep in eps))
-        counts: dict[tuple[str, str], int] = {}
+        self.count_serving()
+
+    def count_serving(self) -> None:
+        """Set ``switchyard_lora_adapter_endpoints``: after each discovery round, load and unload
+        (an adapter no endpoint serves any more reads 0, not its last count)."""
+        counts = dict.fromkeys(self._counted, 0)
         for ep in self.pool.endpoints():
             for a in ep.adapters.served:
                 counts[(ep.model, a)] = counts.get((ep.model, a), 0) + 1
         for (model, adapter), n in counts.items():
             self.metrics.serving.labels(model, adapter).set(n)
+        self._counted = set(counts)
 
     async def _discover_one(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
         asked = self.clock()

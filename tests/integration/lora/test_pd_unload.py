@@ -14,7 +14,7 @@ import pytest
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
 from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 
 def unload_calls(state: dict) -> list[dict]:
@@ -144,6 +144,20 @@ async def test_idle_adapters_the_gateway_loaded_are_unloaded(sims, gateway):
     assert all("a" not in ep.adapters.served for ep in gw.gw.pool.endpoints())
     assert (await chat(gw, "a"))[0] == 200                      # loaded again on demand
     assert len(load_calls(await sim_state(sim.url))) == 2
+
+
+@pytest.mark.parametrize("discovery", [0, 0.1])
+async def test_the_endpoints_gauge_follows_a_load_and_an_idle_unload(sims, gateway, discovery):
+    """switchyard_lora_adapter_endpoints counts the adapter's endpoints when it is loaded (with
+    discovery off too) and goes back to 0 when it is unloaded, not its last count forever."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [sim.url], adapters={"a": "org/a"})],
+                       lora={"discovery_interval_s": discovery, "idle_unload_s": 0.3})
+    gauge = 'switchyard_lora_adapter_endpoints{adapter="a",model="m"}'
+    assert (await chat(gw, "a"))[0] == 200
+    assert f"{gauge} 1.0" in gw.gw.metrics.render().decode()
+    await until(lambda: 'reason="idle"} 1.0' in gw.gw.metrics.render().decode())
+    await until(lambda: f"{gauge} 0.0" in gw.gw.metrics.render().decode())
 
 
 async def test_pd_adapter_in_flight_is_not_unloaded_from_either_leg(sims, gateway):
