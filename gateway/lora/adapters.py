@@ -481,9 +481,17 @@ class Lora:
         if i not in self._down:
             return
         self._down.discard(i)
+        self._load_again(ep, "lora adapter to load again after its endpoint was down")
+
+    def engine_restarted(self, ep: Endpoint) -> None:
+        """A monitor restart listener: ``ep``'s scrape names a new start of the engine, which the
+        probes may not have seen down (it restarted between two of them); as in ``on_health``."""
+        self._load_again(ep, "lora adapter to load again after its engine restarted")
+
+    def _load_again(self, ep: Endpoint, event: str) -> None:
+        i = id(ep)
         for a in [a for a in ep.adapters.served if (i, a) in self._loaded_at and not ep.adapters.in_flight.get(a)]:
-            log.info("lora adapter to load again after its endpoint was down", model=self._not_served(ep, a),
-                     adapter=a, endpoint=ep.name)
+            log.info(event, model=self._not_served(ep, a), adapter=a, endpoint=ep.name)
 
     def _forget(self, ep: Endpoint) -> None:
         i = id(ep)

@@ -418,6 +418,7 @@ def _engines(config: Config, s: Services, reloader: Reloader):
             mon.restart_listeners.append(s.view.engine_restarted)     # a restarted engine's cache is gone:
             if s.kv_events is not None:                                # what it held is forgotten
                 mon.restart_listeners.append(s.kv_events.engine_restarted)
+            mon.restart_listeners.append(lora.engine_restarted)   # the adapters loaded there are loaded again
             app[MONITOR_KEY] = mon
             mon.start()
             s.view.attach_lora(lora)                           # and reads its LoRA adapters

@@ -9,10 +9,11 @@ import aiohttp
 import openai
 import pytest
 
+from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
 from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 
 async def test_discovered_adapter_routes_to_its_endpoint_with_the_sdk(sims, gateway):
@@ -121,6 +122,28 @@ async def test_an_engine_seen_down_and_up_again_gets_its_adapters_loaded_again_w
     status, _, body = await chat(gw, "tone")
     assert status == 200, body
     assert len(load_calls(await sim_state(s.url))) == 2
+
+
+async def test_an_engine_restart_seen_only_by_its_scrape_gets_its_adapters_loaded_again_without_an_error(
+        sims, gateway):
+    """An engine that restarted between two health probes (they never saw it down) has lost the
+    adapters the gateway loaded there; its scrape's new process_start_time_seconds says so, and the
+    next request loads the adapter again rather than meeting the engine's "does not exist" 404."""
+    s = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [s.url], adapters={"tone": "org/tone-lora"})],
+                       lora={"discovery_interval_s": 0}, health={"interval_s": 60})
+    assert (await chat(gw, "tone"))[0] == 200
+    ep = gw.gw.pool.endpoints("m")[0]
+    await until(lambda: ep.metrics is not None and ep.metrics.start_time == s.engine.started_at)
+    restarted = await restart_sim(s)
+    try:
+        await until(lambda: ep.metrics.start_time == restarted.engine.started_at)
+        assert ep.healthy
+        status, _, body = await chat(gw, "tone")
+        assert status == 200, body
+        assert len(load_calls(await sim_state(restarted.url))) == 1
+    finally:
+        await restarted.close()
 
 
 async def test_an_adapter_sglang_unloaded_to_make_room_is_loaded_again_without_an_error(sims, gateway):
