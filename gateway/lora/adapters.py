@@ -58,6 +58,12 @@ again), only adapters the gateway loaded by ``idle``:
 Known gap: a request that has passed ``prepare`` but is not yet charged (waiting in admission) does
 not hold its adapter; an unload in that window sends it to an engine without the adapter, which
 answers its error. The least-recently-used order (a fresh load counts as a use) makes that rare.
+
+Several workers: each worker tells its siblings of the loads and unloads it makes (``share``, the
+routing view, with ``view.share_monitoring``: ``told_adapters`` → their ``adopt_change``), so a
+sibling neither loads an adapter again that is there nor sends requests for one to an engine that
+no longer has it. Loads under way and the uses and in-flight requests an unload looks at are each
+worker's own: two workers may load an adapter at once, and one may unload an adapter the other uses.
 """
 
 from __future__ import annotations
@@ -284,7 +290,9 @@ class Lora:
             error = await self._load_on(ep, model, adapter, path)
             if error is None:
                 ep.adapters.served[adapter] = model
-                self._loaded_at[(id(ep), adapter)] = self.clock()
+                self._loaded_at[(id(ep), adapter)] = at = self.clock()
+                if self.share is not None:
+                    self.share.told_adapters(ep, at, {adapter: model}, True)
                 self.metrics.loads.labels(model, adapter, "ok").inc()
                 log.info("lora adapter loaded", model=model, adapter=adapter, endpoint=ep.name)
                 self.count_serving()
@@ -366,7 +374,9 @@ class Lora:
         again); its base model."""
         model = ep.adapters.served.pop(adapter)
         self._loaded_at.pop((id(ep), adapter), None)
-        self._unloaded_at[(id(ep), adapter)] = self.clock()     # a discovery answer on its way is older
+        self._unloaded_at[(id(ep), adapter)] = at = self.clock()    # a discovery answer on its way is older
+        if self.share is not None:
+            self.share.told_adapters(ep, at, {adapter: model}, False)
         self.count_serving()
         return model
 
@@ -423,7 +433,9 @@ class Lora:
                         error=error)
             return False
         self._loaded_at.pop((id(ep), adapter), None)
-        self._unloaded_at[(id(ep), adapter)] = self.clock()
+        self._unloaded_at[(id(ep), adapter)] = at = self.clock()
+        if self.share is not None:
+            self.share.told_adapters(ep, at, {adapter: model}, False)
         ep.adapters.recent.pop(adapter, None)
         self.metrics.unloads.labels(model, adapter, reason).inc()
         log.info("lora adapter unloaded", model=model, adapter=adapter, endpoint=ep.name, reason=reason)
@@ -608,6 +620,25 @@ class Lora:
             if (id(ep), a) in self._unloading or self._unloaded_at.get((id(ep), a), -1.0) >= asked:
                 del found[a]
         ep.adapters.served = found
+
+    def adopt_change(self, ep: Endpoint, at: float, adapters: dict[str, str], loaded: bool) -> None:
+        """A sibling worker loaded ``adapters`` on ``ep`` at ``at`` (``loaded``), or unloaded them
+        or found them gone: this worker's view follows, as if it had done so (a load counts as the
+        gateway's, for ``idle_unload_s`` and a restart; the metrics are the sibling's)."""
+        for a, m in adapters.items():
+            key = (id(ep), a)
+            if key in self._unloading:
+                continue
+            if loaded:
+                if self._unloaded_at.get(key, -1.0) < at:      # not unloaded here since
+                    ep.adapters.served[a] = m
+                    self._loaded_at[key] = max(at, self._loaded_at.get(key, at))
+            elif self._loaded_at.get(key, -1.0) <= at:        # not loaded here again since
+                ep.adapters.served.pop(a, None)
+                self._loaded_at.pop(key, None)
+                self._unloaded_at[key] = at
+                ep.adapters.recent.pop(a, None)
+        self.count_serving()
 
     def describe(self) -> list[dict[str, Any]]:
         """Adapters for ``/v1/models``: each with its parent and how many ready endpoints serve it."""

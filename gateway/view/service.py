@@ -71,6 +71,8 @@ from gateway.view.bus import LocalBus
 from gateway.view.metrics import ViewMetrics
 from gateway.view.replicas import ReplicaLink
 from gateway.view.wire import (
+    LOADED,
+    UNLOADED,
     Batch,
     Eject,
     Insert,
@@ -270,6 +272,13 @@ class RoutingView:
         if self._watching(ep):
             self._served.append(Served(self._key(ep), asked, adapters))
             self._later()
+
+    def told_adapters(self, ep: Endpoint, at: float, adapters: dict[str, str], loaded: bool) -> None:
+        """This worker loaded ``adapters`` on ``ep`` at ``at`` (``loaded``), or unloaded them or
+        found them gone: the siblings learn it at the end of this turn, so they neither load one
+        again nor send requests for one to an engine without it."""
+        self._served.append(Served(self._key(ep), at, adapters, LOADED if loaded else UNLOADED))
+        self._soon()
 
     def tell_preempt(self, ep: Endpoint) -> None:
         """An interactive request was routed to ``ep`` with no free slot: the siblings learn it at
@@ -715,7 +724,8 @@ class RoutingView:
                 if ep is None:
                     unknown += 1
                     continue
-                heard[(kind, fact.ep)] = now
+                if kind != "models" or not fact.change:      # a load or an unload is any worker's
+                    heard[(kind, fact.ep)] = now
                 n += adopt(ep, fact)
             if n:
                 m.gm.child(m.applied, "worker", kind).inc(n)
@@ -736,7 +746,9 @@ class RoutingView:
         return 1
 
     def _adopt_served(self, ep: Endpoint, sv: Served) -> int:
-        if sv.adapters is not None:          # None: the endpoint did not answer the watcher
+        if sv.change:
+            self._lora.adopt_change(ep, sv.asked, sv.adapters or {}, sv.change == LOADED)
+        elif sv.adapters is not None:        # None: the endpoint did not answer the watcher
             self._lora.adopt_models(ep, sv.asked, sv.adapters)
         return 1
 

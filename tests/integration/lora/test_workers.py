@@ -1,0 +1,68 @@
+"""LoRA adapters behind ``--workers 2``: a worker's adapter loads and unloads are told to its
+sibling over the local bus, so the sibling neither loads an adapter again that is already there
+nor sends requests to an engine that no longer has it (with discovery off, it would never learn)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from enginesim.server import RECEIVED_KEY
+from tests.support.gateway_process import gateway_process, per_worker, post_new
+from tests.support.lora import LORA_SIM, MSG
+from tests.support.ports import listen_port
+
+
+def config(port: int, url: str, lora: str) -> str:
+    return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+            "health: {interval_s: 0.5}\n"
+            f"lora: {{discovery_interval_s: 0, {lora}}}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: ['{url}'], adapters: {{a: org/a, b: org/b}}}}]\n")
+
+
+async def spread(port: int, model: str, n: int = 12) -> list[tuple[int, str]]:
+    """``n`` requests for ``model``, one after another, each on a new connection (the kernel spreads
+    them over both workers): each one's status and error message."""
+    out = []
+    for _ in range(n):
+        status, _, body = await post_new(port, "/v1/chat/completions", {"model": model, "messages": MSG, "max_tokens": 2})
+        out.append((status, body.get("error", {}).get("message", "") if isinstance(body, dict) else body))
+    return out
+
+
+def calls(sim, path: str) -> int:
+    return sum(r["path"] == path for r in sim.app[RECEIVED_KEY])
+
+
+@pytest.mark.timeout(120)
+async def test_an_adapter_one_worker_loaded_is_not_loaded_again_by_its_sibling(sims, tmp_path):
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "max_adapters_per_endpoint: 0"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        assert await spread(port, "a", 1) == [(200, "")]
+        await asyncio.sleep(0.2)                 # the load's news on the bus (it leaves at once)
+        assert await spread(port, "a") == [(200, "")] * 12
+        listed = await per_worker(port, 2, "/v1/models")
+    assert calls(sim, "/v1/load_lora_adapter") == 1
+    for answer in listed.values():               # both workers list it on the engine
+        a = next(m for m in json.loads(answer)["data"] if m["id"] == "a")
+        assert a["ready_endpoints"] == 1, answer
+
+
+@pytest.mark.timeout(120)
+async def test_an_adapter_one_worker_unloaded_is_loaded_again_by_its_sibling_not_met_missing(sims, tmp_path):
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "max_adapters_per_endpoint: 1"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        for model in ("a", "b", "a", "b"):       # each unloads the other for room (capacity)
+            assert await spread(port, model) == [(200, "")] * 12, model
+            await asyncio.sleep(0.2)
+    assert calls(sim, "/v1/load_lora_adapter") == 4
+    assert calls(sim, "/v1/unload_lora_adapter") == 3
