@@ -62,8 +62,9 @@ answers its error. The least-recently-used order (a fresh load counts as a use) 
 Several workers: each worker tells its siblings of the loads and unloads it makes (``share``, the
 routing view, with ``view.share_monitoring``: ``told_adapters`` → their ``adopt_change``), so a
 sibling neither loads an adapter again that is there nor sends requests for one to an engine that
-no longer has it. Loads under way and the uses and in-flight requests an unload looks at are each
-worker's own: two workers may load an adapter at once, and one may unload an adapter the other uses.
+no longer has it, and at each idle pass of the adapters it used or has requests in flight for
+(``tell_uses`` → ``adopt_use``), which count in their idle and least-recently-used choices. Loads
+under way and the in-flight requests that hold a ``capacity`` unload back are each worker's own.
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class Lora:
         self._unloading: set[tuple[int, str]] = set()
         self._down: set[int] = set()                            # id(ep) of endpoints the probes found down
         self._counted: set[tuple[str, str]] = set()             # (model, adapter) the serving gauge has
+        self._sibling_used: dict[tuple[int, str], float] = {}   # (id(ep), adapter) -> a sibling worker's last use
+        self._uses_told_at = -math.inf
         # keyed by id(ep): an endpoint that left the pool leaves them, or a new one at its address
         # would inherit its cooldowns and its loads
         pool.removal_listeners.append(self._forget)
@@ -402,8 +405,11 @@ class Lora:
         return set(ep.adapters.served) | self._pending.get(id(ep), set())
 
     def _last_used(self, ep: Endpoint, adapter: str) -> float:
-        """When ``adapter`` was last routed to ``ep`` or loaded there by this gateway."""
-        return max(ep.adapters.recent.get(adapter, -math.inf), self._loaded_at.get((id(ep), adapter), -math.inf))
+        """When ``adapter`` was last routed to ``ep`` or loaded there by this gateway (a sibling
+        worker's uses included)."""
+        key = (id(ep), adapter)
+        return max(ep.adapters.recent.get(adapter, -math.inf), self._loaded_at.get(key, -math.inf),
+                   self._sibling_used.get(key, -math.inf))
 
     def _victim(self, ep: Endpoint, keep: str) -> str | None:
         """The adapter to unload from ``ep`` to make room for ``keep``: the least recently used one
@@ -508,7 +514,7 @@ class Lora:
     def _forget(self, ep: Endpoint) -> None:
         i = id(ep)
         self._down.discard(i)
-        for d in (self._cooldown, self._loaded_at, self._unloaded_at):
+        for d in (self._cooldown, self._loaded_at, self._unloaded_at, self._sibling_used):
             for key in [k for k in d if k[0] == i]:
                 del d[key]
         self._pending.pop(i, None)
@@ -554,6 +560,7 @@ class Lora:
             idle = self.settings.idle_unload_s
             await asyncio.sleep(min(30.0, max(0.05, idle / 2)) if idle else 1.0)
             try:
+                self.tell_uses()
                 await self.unload_idle()
             except asyncio.CancelledError:
                 raise
@@ -620,6 +627,30 @@ class Lora:
             if (id(ep), a) in self._unloading or self._unloaded_at.get((id(ep), a), -1.0) >= asked:
                 del found[a]
         ep.adapters.served = found
+
+    def tell_uses(self) -> None:
+        """Tell the sibling workers (``share``) of the adapters this worker routed requests to since
+        the last time, and of those it has requests in flight for (used now), at each idle pass:
+        they unload by use too, and would otherwise take an adapter used only here for idle."""
+        share = self.share
+        if share is None:
+            return
+        now, since = self.clock(), self._uses_told_at
+        self._uses_told_at = now
+        for ep in self.pool.endpoints():
+            for a, at in ep.adapters.recent.items():
+                if at > since and not ep.adapters.in_flight.get(a):
+                    share.told_used(ep, at, {a: ep.model})
+            busy = {a: ep.model for a, n in ep.adapters.in_flight.items() if n}
+            if busy:
+                share.told_used(ep, now, busy)
+
+    def adopt_use(self, ep: Endpoint, at: float, adapters: dict[str, str]) -> None:
+        """A sibling worker used ``adapters`` on ``ep`` at ``at`` (``tell_uses``)."""
+        for a in adapters:
+            key = (id(ep), a)
+            if self._sibling_used.get(key, -math.inf) < at:
+                self._sibling_used[key] = at
 
     def adopt_change(self, ep: Endpoint, at: float, adapters: dict[str, str], loaded: bool) -> None:
         """A sibling worker loaded ``adapters`` on ``ep`` at ``at`` (``loaded``), or unloaded them

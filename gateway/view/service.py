@@ -26,7 +26,10 @@ own view, without telling anyone again:
   probes, scrapes and asks it and sends every outcome, snapshot and list (``told_probe``,
   ``told_scrape``, ``told_models`` → the siblings' ``Monitor.adopt_probe``, ``adopt_scrape``,
   ``Lora.adopt_models``); the others skip it while they hear from the watcher, and do the reads
-  themselves when they have not for two intervals plus the timeout (the watcher restarting). A snapshot carries the in-flight requests its sender knew of
+  themselves when they have not for two intervals plus the timeout (the watcher restarting).
+  Every worker also tells the others of the LoRA adapters it loads and unloads, as it does, and
+  of those it used, at each idle pass (``told_adapters``, ``told_used`` → ``Lora.adopt_change``,
+  ``adopt_use``). A snapshot carries the in-flight requests its sender knew of
   at the scrape, so each worker can tell its own requests from other gateways' in the engine's
   counts (``EngineMetrics.gateway_in_flight``);
 * between workers, an interactive request routed to an endpoint with no free slot
@@ -73,6 +76,7 @@ from gateway.view.replicas import ReplicaLink
 from gateway.view.wire import (
     LOADED,
     UNLOADED,
+    USED,
     Batch,
     Eject,
     Insert,
@@ -279,6 +283,12 @@ class RoutingView:
         again nor send requests for one to an engine without it."""
         self._served.append(Served(self._key(ep), at, adapters, LOADED if loaded else UNLOADED))
         self._soon()
+
+    def told_used(self, ep: Endpoint, at: float, adapters: dict[str, str]) -> None:
+        """This worker last used ``adapters`` on ``ep`` at ``at``: the siblings count it when they
+        unload by use (idle, least recently used); it rides with the next batch."""
+        self._served.append(Served(self._key(ep), at, adapters, USED))
+        self._later()
 
     def tell_preempt(self, ep: Endpoint) -> None:
         """An interactive request was routed to ``ep`` with no free slot: the siblings learn it at
@@ -746,7 +756,9 @@ class RoutingView:
         return 1
 
     def _adopt_served(self, ep: Endpoint, sv: Served) -> int:
-        if sv.change:
+        if sv.change == USED:
+            self._lora.adopt_use(ep, sv.asked, sv.adapters or {})
+        elif sv.change:
             self._lora.adopt_change(ep, sv.asked, sv.adapters or {}, sv.change == LOADED)
         elif sv.adapters is not None:        # None: the endpoint did not answer the watcher
             self._lora.adopt_models(ep, sv.asked, sv.adapters)

@@ -24,8 +24,8 @@ discovery alike):
   endpoint (``view.share_monitoring``), with ``known``: the in-flight requests the sender knew of
   on the endpoint when the engine answered (its own and ``remote_in_flight``); ``Served``: the LoRA
   adapters the endpoint's ``/v1/models`` listed when the watcher asked (None: no answer), or
-  (``change``) adapters the sender loaded there or unloaded (or found gone) from any worker. The
-  local bus only;
+  (``change``) adapters the sender loaded there, unloaded (or found gone) or last used (routed a
+  request to, or has one in flight on) at ``asked``. The local bus only;
 * ``preempt``: endpoints where the sender routed an interactive request that found no free slot
   while a sibling's batch lines may run there; the worker that runs batches stops its newest line
   on each (``gateway.batch``). The local bus only;
@@ -86,10 +86,10 @@ class Served(msgspec.Struct, array_like=True):
     ep: str
     asked: float                         # the watcher's time.monotonic() when it asked (the same clock in every worker)
     adapters: dict[str, str] | None      # adapter → its base model; None: the endpoint did not answer
-    change: int = 0                      # 0: the whole list; LOADED, UNLOADED: the sender did that to these, at ``asked``
+    change: int = 0                      # 0: the whole list; LOADED, UNLOADED, USED: the sender did that to these, at ``asked``
 
 
-LOADED, UNLOADED = 1, 2
+LOADED, UNLOADED, USED = 1, 2, 3
 
 
 class Batch(msgspec.Struct, array_like=True):

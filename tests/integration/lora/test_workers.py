@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import pytest
 
 from enginesim.server import RECEIVED_KEY
@@ -66,3 +67,42 @@ async def test_an_adapter_one_worker_unloaded_is_loaded_again_by_its_sibling_not
             await asyncio.sleep(0.2)
     assert calls(sim, "/v1/load_lora_adapter") == 4
     assert calls(sim, "/v1/unload_lora_adapter") == 3
+
+
+async def worker_session(port: int, not_pid: int | None = None) -> tuple[aiohttp.ClientSession, int]:
+    """A session whose one kept-alive connection is with a worker (not ``not_pid``): it and its pid."""
+    while True:
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+        async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+            pid = (await r.json())["gateway"]["pid"]
+        if pid != not_pid:
+            return s, pid
+        await s.close()
+
+
+@pytest.mark.timeout(120)
+async def test_an_adapter_in_use_on_one_worker_is_not_unloaded_as_idle_by_the_other(sims, tmp_path):
+    """A client kept alive on one worker uses an adapter the other loaded: the loader hears of the
+    uses, so it does not unload the adapter as idle under the client (which would then load it again)."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "idle_unload_s: 1.0"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        loader, pid = await worker_session(port)
+        user, _ = await worker_session(port, pid)
+        body = {"model": "a", "messages": MSG, "max_tokens": 2}
+        try:
+            async with loader.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+            for _ in range(15):                       # 3 s of use, on the other worker only
+                async with user.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                await asyncio.sleep(0.2)
+        finally:
+            await loader.close()
+            await user.close()
+        assert calls(sim, "/v1/unload_lora_adapter") == 0
+        assert calls(sim, "/v1/load_lora_adapter") == 1
+        await asyncio.sleep(2.0)                      # unused: unloaded as idle, once
+        assert calls(sim, "/v1/unload_lora_adapter") >= 1
