@@ -402,7 +402,10 @@ class SglangApi:
             error = "LoRA is not enabled. Please set `--enable-lora` to True."
         else:
             try:
-                if load:
+                if load and body.get("lora_name") in lora.registered:      # SGLang's LoRARegistry's words
+                    error = (f"LoRA with name {body.get('lora_name')} already exists. "
+                             f"Loaded LoRAs: dict_keys({list(lora.registered)!r})")
+                elif load:
                     lora.load(body.get("lora_name"), body.get("lora_path"))
                 elif body.get("lora_name") not in lora.registered:
                     error = (f"LoRA with name {body.get('lora_name')} does not exist. "

@@ -146,6 +146,23 @@ async def test_an_engine_restart_seen_only_by_its_scrape_gets_its_adapters_loade
         await restarted.close()
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_adapter_another_gateway_loaded_first_counts_as_loaded(sims, gateway, engine):
+    """Another gateway (or a sibling worker at the same moment) loaded the adapter: the engine
+    refuses the gateway's load as already there, in its own words, and the load counts as done."""
+    s = await sims(engine, "m", **LORA_SIM)
+    gw = await gateway([model_block("m", engine, [s.url], adapters={"tone": "org/tone-lora"})],
+                       lora={"discovery_interval_s": 0})
+    load = "/v1/load_lora_adapter" if engine == "vllm" else "/load_lora_adapter"
+    async with aiohttp.ClientSession() as session, \
+            session.post(s.url + load, json={"lora_name": "tone", "lora_path": "org/tone-lora"}) as r:
+        assert r.status == 200
+    for _ in range(2):
+        status, _, body = await chat(gw, "tone")
+        assert status == 200, body
+    assert 'switchyard_lora_loads_total{adapter="tone",model="m",result="ok"} 1.0' in await gw.metrics_text()
+
+
 async def test_an_adapter_sglang_unloaded_to_make_room_is_loaded_again_without_an_error(sims, gateway):
     """SGLang 0.5.23 at --max-loaded-loras loads a new adapter and unloads its least recently used
     one itself, saying so only in the answer's loaded_adapters. Read, the evicted adapter leaves that
