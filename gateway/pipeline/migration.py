@@ -53,7 +53,7 @@ from gateway.pipeline.relay import (
 )
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
-from gateway.resilience.outcome import Outcome
+from gateway.resilience.outcome import Outcome, of_status
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
 from handlers import adapter_for
@@ -357,15 +357,36 @@ class Migration:
             path, data = continuation(self.partial, self.mode, self.default_max)
         cont = dataclasses.replace(self.ireq, path=path, data=data, body=orjson.dumps(data), include_usage=True)
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
-        try:
-            resp = await self.legs.reopen(ctx, cont, set(self.avoid))
-        except (GatewayError, UpstreamFailure) as e:
-            self._count(rec, reason, "failed", failed_ep, str(getattr(e, "message", e))[:200])
-            return None
-        if resp.status != 200:
+        refused: str | None = None
+        while True:
+            # an engine that refuses the continuation before sending anything (a refused or reset
+            # connection, a 5xx, 429 or 503), as a fresh request's retry would: the next endpoint
+            # not tried yet is asked, until none is left
+            try:
+                resp = await self.legs.reopen(ctx, cont, set(self.avoid))
+            except GatewayError as e:
+                self._count(rec, reason, "failed", failed_ep, refused or e.message[:200])
+                return None
+            except UpstreamFailure as e:        # its breaker and upstream errors were told
+                if not e.retryable or rec.endpoint in self.avoid:
+                    self._count(rec, reason, "failed", failed_ep, e.message[:200])
+                    return None
+                refused = e.message[:200]
+                self.avoid.add(rec.endpoint)
+                continue
+            if resp.status == 200:
+                break
             resp.close()
-            self._count(rec, reason, "failed", failed_ep, f"status {resp.status}")
-            return None
+            ep = ctx.decision.endpoint if ctx.decision is not None else None
+            outcome = of_status(resp.status, ep is not None and ep.api_key is not None)
+            if not outcome.retryable or ep is None or ep.name in self.avoid:
+                self._count(rec, reason, "failed", failed_ep, f"status {resp.status}")
+                return None
+            self.metrics.child(self.metrics.upstream_errors, rec.model, ep.name, f"status_{resp.status}").inc()
+            if relay.record is not None:
+                relay.record(ep, outcome, f"status_{resp.status}")
+            refused = f"status {resp.status}"
+            self.avoid.add(ep.name)
         self._count(rec, reason, "continued", failed_ep)
         if relay.record is not None and failed is not None:    # the relay will record the new leg's end
             relay.record(failed, Outcome.FAULT, error_class)

@@ -302,3 +302,27 @@ async def test_a_stream_in_bare_cr_lines_continues_as_any_other(sims, gateway):
             and e["choices"][0].get("finish_reason")]
     assert fins == ["length"]
     assert migrations(await gw.metrics_text(), "continued") == 1
+
+
+@pytest.mark.parametrize("sick", ["status=500", "closed"])
+async def test_a_continuation_an_engine_refuses_goes_on_to_another(sims, gateway, sick):
+    """The engine chosen to continue a stream answered 500 (or refused the connection) before it
+    sent anything: the continuation went no further and the client got the error event, where a
+    fresh request is retried on another endpoint and a healthy one was there."""
+    bad = await sims("vllm", "m", fault="drop_after=5")
+    good = await sims("vllm", "m")
+    if sick == "closed":
+        gone = await sims("vllm", "m")
+        refusing = gone.url
+        await gone.close()
+    else:
+        refusing = (await sims("vllm", "m", fault=sick)).url
+    # round-robin: the stream goes to bad (first); its continuation, among [good, refusing], to refusing
+    gw = await gateway([model_block("m", "vllm", [bad.url, good.url, refusing], strategy="round-robin",
+                                    migration_limit=1)], health={"enabled": False})
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    assert migrations(await gw.metrics_text(), "continued") == 1
