@@ -358,6 +358,7 @@ class Migration:
         cont = dataclasses.replace(self.ireq, path=path, data=data, body=orjson.dumps(data), include_usage=True)
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
         refused: str | None = None
+        decision, prefill_ep = ctx.decision, rec.prefill_endpoint
         while True:
             # an engine that refuses the continuation before sending anything (a refused or reset
             # connection, a 5xx, 429 or 503), as a fresh request's retry would: the next endpoint
@@ -365,12 +366,10 @@ class Migration:
             try:
                 resp = await self.legs.reopen(ctx, cont, set(self.avoid))
             except GatewayError as e:
-                self._count(rec, reason, "failed", failed_ep, refused or e.message[:200])
-                return None
+                return self._not_continued(ctx, decision, prefill_ep, reason, failed_ep, refused or e.message[:200])
             except UpstreamFailure as e:        # its breaker and upstream errors were told
                 if not e.retryable or rec.endpoint in self.avoid:
-                    self._count(rec, reason, "failed", failed_ep, e.message[:200])
-                    return None
+                    return self._not_continued(ctx, decision, prefill_ep, reason, failed_ep, e.message[:200])
                 refused = e.message[:200]
                 self.avoid.add(rec.endpoint)
                 continue
@@ -380,8 +379,7 @@ class Migration:
             ep = ctx.decision.endpoint if ctx.decision is not None else None
             outcome = of_status(resp.status, ep is not None and ep.api_key is not None)
             if not outcome.retryable or ep is None or ep.name in self.avoid:
-                self._count(rec, reason, "failed", failed_ep, f"status {resp.status}")
-                return None
+                return self._not_continued(ctx, decision, prefill_ep, reason, failed_ep, f"status {resp.status}")
             self.metrics.child(self.metrics.upstream_errors, rec.model, ep.name, f"status_{resp.status}").inc()
             if relay.record is not None:
                 relay.record(ep, outcome, f"status_{resp.status}")
@@ -395,6 +393,15 @@ class Migration:
         self.done = self.finished = False
         self.error = None
         return resp
+
+    def _not_continued(self, ctx: RequestContext, decision, prefill_ep: str | None, reason: str, failed_ep: str,
+                       detail: str) -> None:
+        """No leg continues the stream: it ends as the failed leg's, whose endpoint the request's
+        record names and whose breaker hears the fault (not an endpoint that refused the
+        continuation, whose own failure its breaker heard)."""
+        ctx.decision = decision
+        ctx.rec.endpoint, ctx.rec.prefill_endpoint = failed_ep, prefill_ep
+        self._count(ctx.rec, reason, "failed", failed_ep, detail)
 
     def _refused_now(self) -> str | None:
         if self.tool_calls:

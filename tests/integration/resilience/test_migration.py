@@ -13,6 +13,7 @@ from aiohttp import web
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client, sim_state, sse_events
+from tests.support.waiting import until
 
 MSG = [{"role": "user", "content": "tell me a long story about gateways"}]
 
@@ -326,3 +327,24 @@ async def test_a_continuation_an_engine_refuses_goes_on_to_another(sims, gateway
     assert st == 200 and got[-1] == "[DONE]", got[-2:]
     assert text_of(got) == text_of(ref)
     assert migrations(await gw.metrics_text(), "continued") == 1
+
+
+async def test_a_stream_no_engine_would_continue_is_the_broken_engines_fault(sims, gateway):
+    """Its continuation was refused by the only other endpoint: the request's log line named that
+    endpoint, beside the error of the one whose stream broke, and the broken stream's fault went
+    to the refusing endpoint's breaker (its second), none to the one that broke it."""
+    bad = await sims("vllm", "m", fault="drop_after=5")
+    sick = await sims("vllm", "m", fault="status=500")
+    gw = await gateway([model_block("m", "vllm", [bad.url, sick.url], strategy="round-robin",
+                                    migration_limit=1)], health={"enabled": False})
+    with gw.gw.request_log.capture() as logs:
+        st, got = await raw_post(gw.url, "/v1/chat/completions",
+                                 {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True})
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-1]["error"]["code"] == "upstream_incomplete"
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["endpoint"] == bad.url[7:] and line["error_class"] == "upstream_broken"
+    assert line["migrations"][0]["outcome"] == "failed"
+    breakers = gw.gw.gen.services.breakers
+    faults = {ep.url: breakers.describe(ep)["consecutive_faults"] for ep in gw.gw.pool.endpoints()}
+    assert faults == {bad.url: 1, sick.url: 1}
