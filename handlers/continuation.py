@@ -72,8 +72,8 @@ def max_tokens_of(path: str, data: dict[str, Any]) -> int | None:
 def _reduced(data: dict[str, Any], p: Partial, default_max: int | None) -> tuple[int | None, int | None]:
     """(max_tokens, min_tokens) of the next leg; None: leave unset."""
     given = max_tokens_of(p.path, data)
-    if given is None:
-        given = default_max
+    if given is None and not (p.path == COMPLETIONS and "max_tokens" in data and data["max_tokens"] is None):
+        given = default_max           # a completion's explicit null is the rest of the context (vLLM)
     left = None if given is None else max(1, given - p.completion_tokens)
     mn = data.get("min_tokens")
     min_left = max(0, mn - p.completion_tokens) if isinstance(mn, int) and not isinstance(mn, bool) and mn else None

@@ -124,6 +124,26 @@ async def test_completion_stream_continues_token_exactly_without_usage_asked(sim
     assert 'switchyard_completion_tokens_total{model="m"} 25.0' in metrics
 
 
+
+@pytest.mark.parametrize("stop", [None, ["@"]])
+async def test_a_completion_with_max_tokens_null_continues_to_the_rest_of_the_context(sims, gateway, stop):
+    """vLLM reads a completion's explicit "max_tokens": null as the rest of the context (only a
+    missing key is its default of 16). The continuation took the null for the missing key: the
+    answer was cut 16 tokens after its start with finish_reason "length", token-exact or as text."""
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=3", max_model_len=64, rest_of_context=True)
+    req = {"model": "m", "prompt": "Once upon a time", "max_tokens": None, "stream": True,
+           "stream_options": {"include_usage": True}, **({"stop": stop} if stop else {})}
+    _, ref = await raw_post(good.url, "/v1/completions", req)
+    ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    assert ref_usage["completion_tokens"] > 16                    # long enough to tell the two apart
+    st, got = await raw_post(gw.url, "/v1/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    usage = next(e["usage"] for e in got if isinstance(e, dict) and e.get("usage"))
+    assert usage["completion_tokens"] == ref_usage["completion_tokens"]
+    if not stop:                                                  # text is faithful up to the seam
+        assert text_of(got, chat=False) == text_of(ref, chat=False)
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
 @pytest.mark.parametrize("fault", ["none", "drop_after=5"])
 async def test_continuous_usage_stats_are_counted_once(sims, gateway, fault):
     """A client asking for usage on every chunk receives it in every event the gateway re-encodes;
