@@ -172,7 +172,22 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
                 await runner.cleanup()
         if beat is not None:
             beat.stop()
+        ignore_reloads(loop)
         log.info("stopped")
+
+
+def ignore_reloads(loop: asyncio.AbstractEventLoop) -> None:
+    """Stopped: SIGHUP is ignored from now on. Removing the loop's handler (as closing the loop
+    does) puts SIGHUP's default action back, which ended a process that had drained cleanly when a
+    reload came as it exited (a worker's death by a signal makes the gateway exit 129, not 0); it
+    is held back meanwhile, and one that came is then dropped."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        with contextlib.suppress(NotImplementedError):
+            loop.remove_signal_handler(signal.SIGHUP)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
 
 
 def second_signal(received: int, worker: WorkerInfo | None) -> bool:

@@ -315,6 +315,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
         backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** max(0, failed[index] - 1))
         log("worker restarting", "warning", worker=index, pid=pid, reason=reason, code=code, restart_in_s=backoff)
         pending[index] = time.monotonic() + backoff
+    # every worker has stopped: a reload now has nothing to reach, and the interpreter's exit puts
+    # SIGHUP's default action back in place of the handler (it would end the gateway with 129)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return worst
 
 

@@ -523,3 +523,36 @@ async def test_a_worker_killed_during_the_drain_makes_the_gateway_exit_non_zero(
             proc.kill()
             await proc.wait()
     assert code == 128 + signal.SIGKILL
+
+
+@pytest.mark.timeout(60)
+async def test_reloads_that_come_until_the_gateway_has_exited_do_not_end_it_with_sighup(sims, tmp_path):
+    """SIGHUPs (a config watcher's reloads) sent through a stop: a worker whose loop had closed, or
+    the parent once its workers had exited, met SIGHUP's default action, so a gateway that drained
+    cleanly exited 129, as if killed, instead of 0."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = one_engine_config(tmp_path, port, sim.url, 2)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with asyncio.timeout(20):
+            while True:
+                with contextlib.suppress(aiohttp.ClientError):
+                    status, _, _ = await fresh_get(f"http://127.0.0.1:{port}/ready")
+                    if status == 200 and len(children_of(proc.pid)) == 2:
+                        break
+                await asyncio.sleep(0.05)
+        await per_worker(port, 2, "/health")        # both serve: their SIGHUP handlers are in place
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            while proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGHUP)
+                await asyncio.sleep(0.001)
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 0
