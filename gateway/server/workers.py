@@ -251,14 +251,30 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             except ProcessLookupError:
                 pass
 
+    reloading = [False, False]          # a reload is being applied; another came meanwhile
+
     def reload(sig: int, _frame) -> None:
-        if on_reload is not None:
-            on_reload()
-        for pid in list(children):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
+        # one at a time: Python runs a handler inside itself when its signal comes again, and the
+        # outer reload then kept the older file it had read over the newer one the inner had read;
+        # a SIGHUP meanwhile is applied once this one has been
+        if reloading[0]:
+            reloading[1] = True
+            return
+        reloading[0] = True
+        try:
+            again = True
+            while again:
+                reloading[1] = False
+                if on_reload is not None:
+                    on_reload()
+                for pid in list(children):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
+                again = reloading[1]
+        finally:
+            reloading[0] = False
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)

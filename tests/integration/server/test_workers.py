@@ -556,3 +556,40 @@ async def test_reloads_that_come_until_the_gateway_has_exited_do_not_end_it_with
             proc.kill()
             await proc.wait()
     assert code == 0
+
+
+NESTED_RELOAD_SCRIPT = r"""
+import json, os, signal, sys
+from gateway.server import hup
+from gateway.server.workers import run_workers
+
+hup.hold()
+calls = []
+
+def on_reload():
+    calls.append("begin")
+    if len(calls) == 1:                 # a second SIGHUP comes while the first is applied
+        os.kill(os.getpid(), signal.SIGHUP)
+    sum(range(10000))                   # the file read and checked meanwhile
+    calls.append("end")
+    if calls.count("end") == 2:
+        print(json.dumps(calls), flush=True)
+        os._exit(0)
+
+os.kill(os.getpid(), signal.SIGHUP)     # noted, and applied as run_workers starts
+sys.exit(run_workers(1, lambda index: 0, lambda *a, **k: None, on_reload=on_reload))
+"""
+
+
+@pytest.mark.timeout(30)
+async def test_a_sighup_that_comes_while_the_parent_applies_another_waits_for_it(tmp_path):
+    """The parent's handler ran inside itself when a second SIGHUP came while it re-read the file:
+    the inner one took the newer file, then the outer one put back the older file it had read, so a
+    worker restarted later served the older config while its siblings served the newer."""
+    script = tmp_path / "nested.py"
+    script.write_text(NESTED_RELOAD_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), stdout=asyncio.subprocess.PIPE, env=env)
+    async with asyncio.timeout(20):
+        out, _ = await proc.communicate()
+    assert json.loads(out) == ["begin", "end", "begin", "end"]
