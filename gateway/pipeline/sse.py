@@ -274,6 +274,11 @@ def _nonneg_int(v: Any) -> int:
     return 0
 
 
+# a usage object's counts as chat and completions spell them, then as the Responses API does
+_USAGE_KEYS = ("prompt_tokens", "completion_tokens", "prompt_tokens_details",
+               "input_tokens", "output_tokens", "input_tokens_details")
+
+
 def usage_tokens(usage: dict | None) -> tuple[int, int, int]:
     """``(prompt, completion, cached)`` token counts of an OpenAI usage object; 0 where absent.
 
@@ -281,15 +286,14 @@ def usage_tokens(usage: dict | None) -> tuple[int, int, int]:
     """
     if not isinstance(usage, dict):
         return 0, 0, 0
-    prompt = usage.get("prompt_tokens")
+    # every spelling looked up in one pass in C; the Responses API's taken where chat's is absent
+    prompt, completion, details, r_prompt, r_completion, r_details = map(usage.get, _USAGE_KEYS)
     if prompt is None:
-        prompt = usage.get("input_tokens")
-    completion = usage.get("completion_tokens")
+        prompt = r_prompt
     if completion is None:
-        completion = usage.get("output_tokens")
-    details = usage.get("prompt_tokens_details")
+        completion = r_completion
     if not isinstance(details, dict):
-        details = usage.get("input_tokens_details")
+        details = r_details
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     # the usual counts (ints above 0; no cached tokens) are taken as they are, without a call each
     return (prompt if type(prompt) is int and prompt > 0 else _nonneg_int(prompt),
