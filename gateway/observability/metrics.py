@@ -294,6 +294,9 @@ class GatewayMetrics:
                                            "busy for state.timeout_s and failed as if Redis were unreachable",
                                            ["client"], registry=r)
         self._children: dict[tuple, object] = {}
+        # a finished request's (requests child, e2e child or None), per (model, model known, status,
+        # strategy) as its record spells them: ``finished_series``
+        self.finished: dict[tuple[str, bool, int, str], tuple[Any, Any]] = {}
         # the families labelled by endpoint, whose series go some time after their endpoint did
         # (``RetiredSeries``); other parts add theirs (the breakers')
         self.per_endpoint: list[_Family] = [self.upstream_errors, self.health_probes, self.scrapes,
@@ -334,6 +337,22 @@ class GatewayMetrics:
         if c is None:
             c = self._children[key] = metric.labels(*labels)
         return c
+
+    def finished_series(self, key: tuple[str, bool, int, str], model_label: str, strategy_label: str
+                        ) -> tuple[Any, Any]:
+        """The children a finished request counts into, kept in ``finished`` under ``key`` (its
+        record's model, whether the model is known, status and strategy): ``requests`` {model
+        label, status, strategy label}, and ``e2e`` {model} for a success of a named model (else
+        None). Not kept for a model that is not known (its name is the client's: any length, any
+        number of them); bounded, as a strategy's weights are the client's to spell too."""
+        model, known, status, _ = key
+        e2e = self.child(self.e2e, model) if model != "-" and 0 < status < 400 else None
+        series = (self.child(self.requests, model_label, str(status), strategy_label), e2e)
+        if known or model == "-":
+            if len(self.finished) >= 1024:
+                self.finished.clear()
+            self.finished[key] = series
+        return series
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -251,9 +251,11 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
             observe(rec, duration)
         except Exception:     # an observer's bug must not cost the request its log line
             log.exception("request observer failed", request_id=rec.request_id)
-    m.child(m.requests, rec.label_model, str(rec.status), rec.label_strategy).inc()
-    if rec.model != "-" and rec.status < 400 and rec.status:
-        m.child(m.e2e, rec.model).observe(duration)
+    key = (rec.model, rec.model_known, rec.status, rec.strategy)
+    counted, e2e = m.finished.get(key) or m.finished_series(key, rec.label_model, rec.label_strategy)
+    counted.inc()
+    if e2e is not None:
+        e2e.observe(duration)
     fields = dict(zip(_LINE_KEYS, _LINE_VALUES(rec), strict=True))     # read in C, in the line's order
     if rec.ttft is not None:
         fields["ttft_ms"] = round(rec.ttft * 1000, 3)
