@@ -331,11 +331,12 @@ class GatewayMetrics:
         self.registry.register(LiveState(endpoints, model_in_flight, prefix_stats, engine_max_age, fleet_load))
 
     def child(self, metric, *labels: str):
-        """A cached labelled child: one dict lookup on the hot path (a family hashes by identity)."""
-        key = (metric, labels)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(*labels)
+        """A cached labelled child: one dict lookup on the hot path (a family hashes by identity;
+        a child is never false)."""
+        return self._children.get((metric, labels)) or self._new_child(metric, labels)
+
+    def _new_child(self, metric, labels: tuple[str, ...]):
+        c = self._children[(metric, labels)] = metric.labels(*labels)
         return c
 
     def finished_series(self, key: tuple[str, bool, int, str], model_label: str, strategy_label: str
