@@ -23,6 +23,7 @@ The counts are exported as gauges at scrape time (``gateway.observability.metric
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from gateway.endpoints import Endpoint
 
@@ -169,13 +170,17 @@ class Charges:
     def release(self) -> None:
         if self.in_flight is not None:
             self.in_flight.release()
-        if self.prefill is None and self.adapter is None and self.rank is None and self.pending_decode is None \
-                and self.token_active is None and self.token_kv is None:
+        others = _OTHERS(self)          # read in C
+        if others == _NONE:
             return                      # an aggregated request's one charge (the usual case)
-        for c in (self.prefill, self.pending_decode, self.token_active, self.token_kv, self.adapter, self.rank):
+        for c in others:
             if c is not None:
                 c.release()
 
+
+# a request's charges besides its in-flight one, in the order they are given back
+_OTHERS = attrgetter("prefill", "pending_decode", "token_active", "token_kv", "adapter", "rank")
+_NONE = (None,) * 6
 
 NO_CHARGES = Charges()      # a request's charges before it is routed: none (never mutated; routing replaces it)
 
