@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import structlog
 
@@ -62,6 +63,8 @@ class Routing:
         # per model, the strategy and router of a request that names none (``strategy``), with the
         # pool's version they were worked out at
         self._defaults: dict[str, tuple[int, tuple[str, Router]]] = {}
+        # per strategy spelling, the child of the decision-latency histogram it counts into (``_report``)
+        self._latency: dict[str, Any] = {}
         # feeds the endpoints' latency models (``ctx.latency``) with every decision, before its charge
         self.slo = slo
         self.registry: RouterRegistry = default_registry(self.ctx)
@@ -195,6 +198,12 @@ class Routing:
             later.append(partial(self._report, ireq, decision, spec, elapsed))
         return decision
 
+    def _latency_child(self, spec: str) -> Any:
+        if len(self._latency) >= 256:       # the weights are the client's to spell: bounded as ``strategy_label``'s cache
+            self._latency.clear()
+        c = self._latency[spec] = self.metrics.child(self.metrics.routing, strategy_label(spec))
+        return c
+
     def _slo_decided(self, ireq: InferenceRequest, decision: Decision, in_flight: int | None,
                      at: float | None) -> None:
         try:
@@ -203,7 +212,7 @@ class Routing:
             log.exception("latency model bookkeeping failed", request_id=ireq.request_id)
 
     def _report(self, ireq: InferenceRequest, decision: Decision, spec: str, elapsed: float) -> None:
-        self.metrics.child(self.metrics.routing, strategy_label(spec)).observe(elapsed)
+        (self._latency.get(spec) or self._latency_child(spec)).observe(elapsed)
         if self.observers:
             reported = decision.fallbacks
             for observe in self.observers:

@@ -71,3 +71,18 @@ def test_the_kept_default_matches_a_fresh_reading_through_random_changes():
                                           role=rng.choice(["aggregated"] * 3 + ["prefill", "decode"]), extra=extra)))
         for model in "mn":
             assert routing.strategy(model, None) == _plain(routing, model)
+
+
+def test_a_decisions_latency_counts_under_its_strategys_label_kept_per_spelling():
+    routing = _routing(_config())
+    m = routing.metrics
+    for spec in ("prefix-cache:3,least-request:2", "least-request:1,prefix-cache:5", "random"):
+        routing._report(None, None, spec, 0.001)
+    label = m.child(m.routing, "least-request,prefix-cache")
+    assert label.counts and sum(label.counts) == 2 and sum(m.child(m.routing, "random").counts) == 1
+    assert routing._latency["prefix-cache:3,least-request:2"] is label
+    for i in range(256 - 3):
+        routing._latency_child(f"random:{i}")
+    assert len(routing._latency) == 256
+    routing._latency_child("random:x")
+    assert len(routing._latency) == 1        # bounded: cleared when full
