@@ -15,6 +15,8 @@ import random
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -283,12 +285,19 @@ def _text_of_content(content: Any, i: int, media: list[bool]) -> str:
     raise _bad(f"'{where}' must be a string, an array of content parts or null", where)
 
 
+_ROLE_CONTENT = itemgetter("role", "content")
+
+
 def _chat_prompt(data: dict[str, Any], media: list[bool]) -> str:
     messages = data.get("messages")
     if not isinstance(messages, list):
         raise _bad("'messages' is a required property and must be an array", "messages")
     if not messages:
         raise _bad("'messages' must not be empty", "messages")
+    try:        # the usual messages, objects with a string role and string content: joined in C
+        return "\n".join(chain.from_iterable(map(_ROLE_CONTENT, messages)))
+    except (TypeError, KeyError):       # another shape: read message by message, as it is checked
+        pass
     parts = []
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):

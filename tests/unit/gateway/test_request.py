@@ -27,6 +27,29 @@ def test_chat_with_string_and_parts_content():
     assert r.multimodal                     # the image part: not keyed like the engine (gateway/kv/index.py)
 
 
+@pytest.mark.parametrize("messages,prompt,media", [
+    ([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "system\nbe brief\nuser\nhi", False),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": []}], "user\nhi\nassistant\n", False),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "user\nhi\nassistant\n", False),
+    ([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}], "user\na", True),
+])
+def test_a_chat_prompt_is_each_messages_role_and_text_in_order(messages, prompt, media):
+    r = p(CHAT, {"model": "m", "messages": messages})
+    assert r.prompt_text == prompt and r.multimodal is media
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "user", "content": "hi"}, "hi"], "messages[1]"),
+    ([{"role": "user", "content": "hi"}, {"role": 3, "content": "x"}], "messages[1].role"),
+    ([{"content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+])
+def test_a_chat_message_of_another_shape_is_refused_by_name(messages, param):
+    with pytest.raises(GatewayError) as e:
+        p(CHAT, {"model": "m", "messages": messages})
+    assert e.value.status == 400 and e.value.param == param
+
+
 @pytest.mark.parametrize("kind,media", [("text", False), ("refusal", False), ("input_audio", True),
                                         ("video_url", True), (None, True)])
 def test_chat_parts_other_than_text_make_the_request_multimodal(kind, media):
