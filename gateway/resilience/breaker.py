@@ -221,12 +221,13 @@ class Breakers:
         connection (opens at once with ``health.passive``), else free text for the log."""
         if outcome is Outcome.SUCCESS:
             known = self._success.get(id(ep))
-            if known is not None and known[0] is ep and known[2].state == CLOSED:
-                known[1].inc()
-                b = known[2]
-                b.consecutive = 0
-                b.count(False, self.clock(), known[3])
-                return
+            if known is not None:
+                kept, counter, b, bucket_s = known
+                if kept is ep and b.state == CLOSED:
+                    counter.inc()
+                    b.consecutive = 0
+                    b.count(False, self.clock(), bucket_s)
+                    return
         counter = self._child(self.metrics.outcomes, ep.model, ep.name, outcome.value)
         counter.inc()
         cfg = self.config_for(ep.model)
