@@ -42,7 +42,9 @@ from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 _SERVER = f"\r\nServer: {SERVER_SOFTWARE}\r\n".encode("ascii")
 # each status's line with aiohttp's reason phrase, made once (other codes have none)
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
-_EMPTY = (204, 205, 304)                                # statuses no body may follow: aiohttp frames those
+# the statuses an answer is written whole with: 200-599, but those no body may follow (204, 205,
+# 304), which aiohttp frames; one lookup in C
+_WHOLE_STATUSES = frozenset(range(200, 600)) - {204, 205, 304}
 _COPY_BELOW = 16384     # smaller bodies are joined to the head; larger ones go out with writev
 _FIELD = "%s: %s"
 
@@ -91,7 +93,7 @@ def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, 
     if type(request) not in _WRITABLE or request.version != HttpVersion11:
         return None
     transport = request.transport
-    if transport is None or transport.is_closing() or not 200 <= status < 600 or status in _EMPTY:
+    if transport is None or transport.is_closing() or status not in _WHOLE_STATUSES:
         return None
     # formatted in C, no Python frame per header
     lines = [*map(_FIELD.__mod__, headers.items()), *extra, f"Date: {rfc822_formatted_time()}"]
