@@ -98,11 +98,16 @@ def whole_finishes(rec: RequestRecord, choices: list) -> None:
     rec.extra["finish_reasons"] = reasons
 
 
+_CODING_FIELDS = frozenset({"content-encoding", "transfer-encoding"})
+
+
 def coding_of(resp: UpstreamResponse) -> str | None:
     """The content or transfer coding (other than chunked) an engine's answer is in, None when its
     bytes are the content itself. The relay passes bytes through as they came and sends the client
     no ``Content-Encoding``, so an answer in a coding is one no client could read."""
     h = resp.headers                      # names stored lower-cased (h1client.Headers): plain dict reads
+    if _CODING_FIELDS.isdisjoint(h):      # the usual whole answer: neither field, found in one step in C
+        return None
     ce = dict.get(h, "content-encoding")
     if ce is not None and ce.strip().lower() not in ("", "identity"):
         return ce
