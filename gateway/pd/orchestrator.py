@@ -261,6 +261,7 @@ class PDOrchestrator:
                 await _stopped(task)
                 self._abort_decode(ctx, plan)
                 self.relay.settle(ctx, resp, True, False)
+                self._observe_left(ctx, prefill_start, prefill_end, decode_start)
                 raise
             out = _whole_answer(task)   # the stream had ended: its client left after the last byte
         except BaseException:
@@ -493,6 +494,7 @@ class PDOrchestrator:
                 raise self._first_bytes_bad(ctx, plan, resp, cause, message) from None
         except asyncio.CancelledError:
             self._abort_decode(ctx, plan)
+            self._observe_left(ctx, prefill_start, prefill_end, decode_start)
             raise
         if rec.watchdog is not None:
             self.metrics.child(self.metrics.watchdog_fires, rec.model, rec.watchdog).inc()
@@ -624,6 +626,12 @@ class PDOrchestrator:
             first_token = rec.started + rec.ttft
             rec.extra["kv_transfer_ms"] = round((first_token - prefill_end) * 1000, 3)
             m.child(m.pd_kv_transfer_time, rec.model).observe(max(0.0, first_token - prefill_end))
+
+    def _observe_left(self, ctx: RequestContext, prefill_start: float, prefill_end: float | None,
+                      decode_start: float) -> None:
+        """A stream its client left: its phases, when it had its first token (its KV had come)."""
+        if ctx.rec.ttft is not None:
+            self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
 
     async def _late_prefill(self, ctx: RequestContext, task: asyncio.Task) -> None:
         try:

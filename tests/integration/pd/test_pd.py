@@ -442,6 +442,30 @@ async def test_client_disconnect_during_decode(sims, gateway, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+async def test_a_stream_its_client_leaves_after_its_first_token_logs_its_kv_transfer(sims, gateway, engine):
+    """The stream had its first token when its client went: its line has kv_transfer_ms, and the
+    KV transfer and decode histograms count it, as for a stream that ran to its end."""
+    p = await sims(engine, "m", role="prefill")
+    d = await sims(engine, "m", role="decode", itl_ms=50)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(gw.url + "/v1/chat/completions", json=body(stream=True, max_tokens=500))
+            assert resp.status == 200
+            while not any(e != "[DONE]" and e["choices"] and e["choices"][0]["delta"].get("content")
+                          for e in sse_events(await resp.content.readuntil(b"\n\n"))):
+                pass
+            resp.close()
+        await until(lambda: [e for e in logs if e["event"] == "request"])
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["status"] == 499 and line["ttft_ms"] is not None
+    assert line["kv_transfer_ms"] is not None and line["prefill_ms"] is not None
+    metrics = await gw.metrics_text()
+    assert 'switchyard_pd_kv_transfer_seconds_count{model="m"} 1.0' in metrics
+    assert 'switchyard_pd_decode_seconds_count{model="m"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 async def test_trackers_balance_under_concurrency(sims, gateway, engine):
     p1, d1 = await pd_pair(sims, engine)
     p2, d2 = await pd_pair(sims, engine)
