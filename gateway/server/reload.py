@@ -297,7 +297,7 @@ class Reloader:
         self.m.generation.set(self.live.generation)
         log.info("config reloaded", trigger=trigger, generation=result.generation, changed=changed,
                  endpoints_added=result.added, endpoints_removed=result.removed,
-                 draining_in_flight=sum(ep.in_flight for ep in removed))
+                 draining_in_flight=sum(ep.in_flight + ep.prefill_in_flight for ep in removed))
         return self._finish(result)
 
     def _next_generation(self, current: int) -> int:

@@ -5,20 +5,22 @@ reloading, are in test_reload_process.py.)"""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import msgspec
 import openai
 import orjson
 import pytest
+import structlog
 
-from gateway.config.schema import load_config
+from gateway.config.schema import config_from_dict, load_config
 from gateway.server.app import DISCOVERY_KEY, RELOAD_KEY
 from gateway.server.reload import Reloader
-from tests.support.factories import model_block
+from tests.support.factories import model_block, pd_model, pd_pair, roleset
 from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 CHAT = [{"role": "user", "content": "Reload me."}]
 TOKEN = "admin-token-for-reload"
@@ -109,6 +111,32 @@ async def test_a_reload_swaps_endpoints_and_adds_an_alias_while_a_stream_in_flig
     assert metric(text, "switchyard_config_reload_total", result="ok") == 1
     assert metric(text, "switchyard_config_generation") == 2
     await client.close()
+
+
+async def test_a_reload_that_removes_a_prefill_counts_its_prefills_in_flight_as_draining(sims, gateway):
+    """A prefill leg is not in its endpoint's in_flight (its decode's is): the reload's line counts
+    it too, where a prefill removed with prefills running on it said draining_in_flight 0."""
+    p, d = await pd_pair(sims, "vllm")
+    p2 = await sims("vllm", "m", role="prefill")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    reloader = reloader_of(gw)
+    ep_p = next(ep for ep in gw.gw.pool.endpoints("m") if ep.url == p.url)
+    async with aiohttp.ClientSession() as s:
+        held = asyncio.create_task(s.post(gw.url + "/v1/chat/completions",
+                                          json={"model": "m", "messages": CHAT, "max_tokens": 3},
+                                          headers={"x-sim-fault": "prefill.hang=inf"}))
+        await until(lambda: ep_p.prefill_in_flight == 1)
+        raw = msgspec.to_builtins(reloader.live.config)
+        raw["models"] = [pd_model("vllm", [roleset("vllm", p2, d)])]
+        with structlog.testing.capture_logs() as logs:
+            result = reloader.reload("test", config_from_dict(raw, source="<test>"))
+        assert result.removed == [f"m {p.url}"]
+        line = next(e for e in logs if e["event"] == "config reloaded")
+        assert line["draining_in_flight"] == 1
+        held.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await held
+    assert await wait_for(lambda: ep_p.prefill_in_flight == 0, timeout=5)
 
 
 async def test_an_invalid_config_is_refused_and_the_old_one_keeps_serving(sims, gateway, tmp_path):
