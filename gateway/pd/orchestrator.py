@@ -157,7 +157,8 @@ class PDOrchestrator:
             try:
                 body = adapter.decode_body(ireq, resp.whole_body(), prefill=prefill, settings=settings)
                 dleg = ctx.trace.leg("decode", decode)
-                early.append((dleg, body, self.upstream.begin(decode, ireq.path, body, dleg.inject(headers))))
+                early.append((dleg, body, self.upstream.begin(decode, ireq.path, body, dleg.inject(headers),
+                                                              once=True)))
             except Exception:       # noqa: BLE001 - the task does it again, and reports what fails
                 return
 
@@ -182,7 +183,7 @@ class PDOrchestrator:
                         bad = e
                     else:
                         leg = ctx.trace.leg("decode", decode)
-                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers))
+                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers), once=True)
                 self._prefill_answered(ctx, pleg, status, raw, prefill_start, prefill_end)
             if bad is not None:
                 raise PrefillFailed("bad_response", str(bad))
@@ -213,7 +214,7 @@ class PDOrchestrator:
                         decode = again
                         ctx.use(decode)
                         leg = ctx.trace.leg("decode", decode, attempt=len(tried))
-                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers))
+                        decode_x = self.upstream.begin(decode, ireq.path, body, leg.inject(headers), once=True)
                         continue
                 self._abort_decode(ctx, plan)
                 raise self._decode_error(ctx, f, limit) from None
@@ -286,13 +287,15 @@ class PDOrchestrator:
         assert ctx.ireq is not None and ctx.decision is not None and ctx.decision.prefill is not None
         assert plan.decode_body is not None
         ireq, prefill, decode = ctx.ireq, ctx.decision.prefill, ctx.decision.endpoint
-        # both legs are written before anything else (on idle keep-alive connections, right here)
+        # both legs are written before anything else (on idle keep-alive connections, right here);
+        # neither is written twice: they meet on a bootstrap room that is used once
         pleg = ctx.trace.leg("prefill", prefill)
         prefill_x = self.upstream.begin(prefill, ireq.path, plan.prefill_body, pleg.inject(
-                    ctx.leg_headers(prefill, headers)))
+                    ctx.leg_headers(prefill, headers)), once=True)
         decode_sent = SendState()
         leg = ctx.trace.leg("decode", decode)
-        decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent)
+        decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers), decode_sent,
+                                       once=True)
         prefill_start = decode_start = time.perf_counter()
         ctx.written()                       # the routing bookkeeping, once both legs are out
         if ahead is not None and ireq.stream and ctx.migration is None:
@@ -361,7 +364,7 @@ class PDOrchestrator:
                         decode_sent = SendState()
                         leg = ctx.trace.leg("decode", decode, attempt=len(tried))
                         decode_x = self.upstream.begin(decode, ireq.path, plan.decode_body, leg.inject(headers),
-                                                       decode_sent)
+                                                       decode_sent, once=True)
                         decode_task = asyncio.create_task(self.upstream.opened(
                             decode, decode_x, self.config.upstream.first_byte_timeout_s or None, ireq.model))
                         decode_task.add_done_callback(lambda _, x=decode_x: x.discard())

@@ -528,10 +528,10 @@ class _Conn(asyncio.Protocol):
 class Exchange:
     """A POST begun by ``UpstreamPool.begin``: written already (``conn`` set) or not yet."""
 
-    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error", "told")
+    __slots__ = ("pool", "url", "origin", "data", "state", "conn", "stale", "resp", "error", "told", "once")
 
     def __init__(self, pool: UpstreamPool, url: str, origin: _Origin | None, data: bytes | tuple[bytes, bytes],
-                 state: SendState | None) -> None:
+                 state: SendState | None, once: bool = False) -> None:
         self.pool = pool
         self.url = url
         self.origin = origin
@@ -542,6 +542,9 @@ class Exchange:
         self.resp: UpstreamResponse | None = None
         self.error: UpstreamError | None = None
         self.told: Callable[[UpstreamResponse], None] | None = None    # ``tell_at_eof``
+        # a request the engine may act on only once (a P/D decode's KV pull, an SGLang bootstrap
+        # room): lost on a reused connection once written, it is not written again (``resendable``)
+        self.once = once
 
     @property
     def sent(self) -> bool:
@@ -582,7 +585,7 @@ class Exchange:
                 self.resp = await conn.head(header_timeout)
                 return self.resp
             except UpstreamDisconnected as e:
-                if not resendable(conn, reused, e):
+                if self.once or not resendable(conn, reused, e):
                     raise
         self.conn = conn = await pool._connect(origin)
         self._send(conn)
@@ -709,18 +712,19 @@ class UpstreamPool:
         return await conn.exchange(data, header_timeout, state)
 
     def begin(self, url: str, body: bytes, headers: Mapping[str, str],
-              state: SendState | None = None) -> Exchange:
+              state: SendState | None = None, once: bool = False) -> Exchange:
         """Start a POST now: on an idle keep-alive connection the request is written before this
         returns, with nothing else in between; otherwise ``Exchange.response`` connects and writes.
         Either way ``Exchange.response`` awaits the answer's head (as ``post`` does), and an
-        exchange that is not awaited to its head must be ``discard``-ed."""
+        exchange that is not awaited to its head must be ``discard``-ed. ``once``: a request lost
+        once written is not written again, even where ``resendable`` would (``Exchange.once``)."""
         try:
             origin, data = self._encode(url, body, headers)
         except UpstreamConnectError as e:
             x = Exchange(self, url, None, b"", state)
             x.error = e                 # raised by response(), where post() raises it
             return x
-        x = Exchange(self, url, origin, data, state)
+        x = Exchange(self, url, origin, data, state, once)
         conn = self._take_idle(origin)
         if conn is not None:
             try:

@@ -232,13 +232,14 @@ class Upstream:
     # -- a leg in two steps: written now, awaited later (P/D: the legs go out before any bookkeeping)
 
     def begin(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
-              state: SendState | None = None) -> Exchange:
+              state: SendState | None = None, once: bool = False) -> Exchange:
         """POST ``body``, written before this returns when a keep-alive connection to ``ep`` is idle
         (else by ``opened``/``answer``). The exchange must then be awaited with ``opened`` or
-        ``answer``, or dropped with ``Exchange.discard``."""
+        ``answer``, or dropped with ``Exchange.discard``. ``once``: never written twice
+        (``Exchange.once``)."""
         assert self.pool is not None
         return self.pool.begin(ep.url + path, body, headers if ep.api_key is None else engine_headers(ep, headers),
-                               state)
+                               state, once)
 
     async def opened(self, ep: Endpoint, x: Exchange, header_timeout: float | None, model: str) -> UpstreamResponse:
         """``open`` for a begun exchange: its response status and headers."""

@@ -367,6 +367,30 @@ async def test_a_decode_that_dies_with_the_leg_on_a_kept_alive_connection_is_not
     assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_decode_that_dies_with_the_leg_on_a_long_idle_connection_is_not_sent_it_again(
+        sims, gateway, engine, monkeypatch):
+    """As above, but the kept-alive connection had idled long enough for an engine's keep-alive
+    timeout (``RESEND_IDLE_S``, made short here), and the engine read the leg and closed it within
+    ``RESEND_WITHIN_S``, as a keep-alive race's close comes. A request run twice is only wasted
+    work; a decode leg sent again takes a room or a KV pull already used, and waited there for
+    the watchdog (SGLang: the whole ``first_byte_timeout_s`` of a non-streaming request): the
+    client gets the promised 502 at once, and the leg ran once."""
+    from gateway.upstream import h1client
+    monkeypatch.setattr(h1client, "RESEND_IDLE_S", 0.05)
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])], health={"interval_s": 60},
+                       breaker={"consecutive_faults": 100, "fault_rate": 0})
+    st, _, _ = await post(gw, body())           # leaves a kept-alive connection to the decode
+    assert st == 200
+    await asyncio.sleep(0.1)                    # it idles past RESEND_IDLE_S
+    before = (await sim_state(d.url))["counts"]["started"]
+    st, hdrs, raw = await asyncio.wait_for(post(gw, body(), {"x-sim-fault": "decode.drop_after=0"}), 10)
+    assert st == 502 and hdrs["x-error-pd-decode"] == "reset", raw[:300]
+    assert (await sim_state(d.url))["counts"]["started"] == before + 1       # the leg ran once
+    assert await wait_for(lambda: quiet(p.url), timeout=5) and await wait_for(lambda: quiet(d.url), timeout=5)
+
+
 async def test_sglang_decode_stall_before_first_token(sims, gateway):
     p, d = await pd_pair(sims, "sglang")
     gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])], watchdog={"first_chunk_timeout_s": 0.5})
