@@ -626,9 +626,10 @@ class PDOrchestrator:
         now = time.perf_counter()
         m.child(m.pd_decode_time, rec.model).observe(now - decode_start)
         if rec.ttft is not None and prefill_end is not None:
-            first_token = rec.started + rec.ttft
-            rec.extra["kv_transfer_ms"] = round((first_token - prefill_end) * 1000, 3)
-            m.child(m.pd_kv_transfer_time, rec.model).observe(max(0.0, first_token - prefill_end))
+            # never below 0: SGLang's prefill answer may be read just after the decode's first token
+            transfer = max(0.0, rec.started + rec.ttft - prefill_end)
+            rec.extra["kv_transfer_ms"] = round(transfer * 1000, 3)
+            m.child(m.pd_kv_transfer_time, rec.model).observe(transfer)
 
     def _observe_left(self, ctx: RequestContext, prefill_start: float, prefill_end: float | None,
                       decode_start: float) -> None:
