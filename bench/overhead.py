@@ -429,7 +429,18 @@ def wait_ready(name: str, p: subprocess.Popen, port: int, timeout: float, model:
         if http_request(port, "POST", "/v1/chat/completions", body, timeout=5.0, api_key=api_key)[0] == 200:
             return
         time.sleep(0.1)
+    _end(p)                     # not ready: ended here, so no caller's exit path leaves it running
     raise RuntimeError(f"{name} not ready on port {port} after {timeout:g}s")
+
+
+def _end(p: subprocess.Popen) -> None:
+    """Kill ``p`` and the group it leads (a gateway's workers), and reap it."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(p.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        p.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.wait(5)
 
 
 def wait_listening(name: str, p: subprocess.Popen, port: int, timeout: float) -> None:

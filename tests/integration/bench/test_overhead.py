@@ -303,3 +303,20 @@ def test_litellm_column_renders_beside_the_rust_routers():
     assert any(r.startswith("| pd-vllm-c1 | sglang-router | n/a") for r in pd)
     assert "- litellm skipped in pd-vllm-c1, pd-sglang-c1: it has no prefill/decode disaggregation" in md
     assert "LiteLLM's config is a `model_list`" in md
+
+
+def test_a_target_that_never_answers_is_ended_when_its_wait_gives_up(tmp_path):
+    """A gateway that listens but never answers a completion (here a plain file server) is ended by
+    the wait that gives up on it, so no benchmark's failure leaves it running."""
+    from gateway.server.run import free_port
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        with pytest.raises(RuntimeError, match="not ready"):
+            overhead.wait_ready("files", p, port, 1.5)
+        assert p.poll() is not None
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
