@@ -222,6 +222,9 @@ like the JSON Schema that `python -m gateway --print-config-schema` prints.
    `batch`, the rest of `kubernetes` or a model's `kv_events`, or turning on API keys, limits or
    the admin API on a gateway that started without them, needs a restart: such a file is refused
    as a whole and the running config keeps serving. An invalid file is refused the same way.
+   An applied reload is logged as `config reloaded`, with `endpoints_added`, `endpoints_removed`
+   and `draining_in_flight`: the requests and prefill legs still running on the removed
+   endpoints, which finish there.
 
 Editors that read JSON Schema (VS Code with the YAML extension, and others using
 yaml-language-server) complete and check keys as you type:
