@@ -31,6 +31,7 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MULTIPART_SLACK = 64 * 1024        # boundaries and the purpose field around the file's bytes
 MAX_METADATA = 16
 EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)     # OpenAI's range of a file's expires_after[seconds]
+# and of a batch's output_expires_after.seconds
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> GatewayError:
@@ -229,6 +230,7 @@ class BatchApi:
         if metadata is not None and not _metadata_ok(metadata):
             raise _bad(f"metadata must be an object of at most {MAX_METADATA} string values (keys up to 64 "
                        "characters, values up to 512)", "metadata", "invalid_value")
+        output_ttl_s = _output_expires_after(body["output_expires_after"]) if "output_expires_after" in body else None
         f = await self.db.run(BatchStore.get_file, fid, who) if batch_files.valid_id(fid) else None
         if f is None:
             raise _bad(f"No such File object: {fid}", "input_file_id", "file_not_found")
@@ -243,7 +245,7 @@ class BatchApi:
                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
                "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
-        await self.db.run(BatchStore.add_batch, doc, owner)
+        await self.db.run(BatchStore.add_batch, doc, owner, output_ttl_s)
         self.on_change()
         return _json(doc)
 
@@ -302,7 +304,62 @@ def _ttl(expiry: dict[str, str], file_ttl_s: int) -> int:
     if not (raw.isascii() and raw.isdigit()) or not lo <= int(raw) <= hi:
         raise _bad(f"expires_after[seconds] must be an integer between {lo} and {hi}", "expires_after",
                    "invalid_value")
-    return min(int(raw), file_ttl_s) if file_ttl_s else int(raw)
+    return batch_files.lifetime(int(raw), file_ttl_s)
+
+
+def _output_expires_after(value: Any) -> int:
+    """A batch's ``output_expires_after`` read as OpenAI reads it: an object of ``anchor``
+    (``created_at``: each output file's creation) and ``seconds`` (an integer from 3600 to 2592000),
+    nothing else; the seconds. Anything else is OpenAI's 400 naming the field at fault."""
+    name = "output_expires_after"
+    if not isinstance(value, dict):
+        raise _bad(f"Invalid type for '{name}': expected an object, but got {_json_type(value)} instead.", name,
+                   "invalid_type")
+    for key in value:
+        if key not in ("anchor", "seconds"):
+            raise _bad(f"Unknown parameter: '{name}.{str(key)[:64]}'.", f"{name}.{str(key)[:64]}", "unknown_parameter")
+    for key in ("anchor", "seconds"):
+        if key not in value:
+            raise _bad(f"Missing required parameter: '{name}.{key}'.", f"{name}.{key}", "missing_required_parameter")
+    anchor = value["anchor"]
+    if not isinstance(anchor, str):
+        raise _bad(f"Invalid type for '{name}.anchor': expected one of 'created_at', but got {_json_type(anchor)}"
+                   " instead.", f"{name}.anchor", "invalid_type")
+    if anchor != "created_at":
+        raise _bad(f"Invalid value: '{_shown(anchor)}'. Supported values are: 'created_at'.", f"{name}.anchor",
+                   "invalid_value")
+    seconds = value["seconds"]
+    if not isinstance(seconds, int) or isinstance(seconds, bool):
+        raise _bad(f"Invalid type for '{name}.seconds': expected an integer, but got {_json_type(seconds)} instead.",
+                   f"{name}.seconds", "invalid_type")
+    lo, hi = EXPIRES_AFTER_S
+    if seconds < lo:
+        raise _bad(f"Invalid '{name}.seconds': integer below minimum value. Expected a value >= {lo}, but got "
+                   f"{_shown(str(seconds))} instead.", f"{name}.seconds", "integer_below_min_value")
+    if seconds > hi:
+        raise _bad(f"Invalid '{name}.seconds': integer above maximum value. Expected a value <= {hi}, but got "
+                   f"{_shown(str(seconds))} instead.", f"{name}.seconds", "integer_above_max_value")
+    return seconds
+
+
+def _json_type(value: Any) -> str:
+    """A JSON value's type as OpenAI's messages name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _shown(value: str) -> str:
+    """A client's value in a message, a long one cut in its middle."""
+    return value if len(value) <= 40 else f"{value[:18]}...{value[-18:]}"
 
 
 def _metadata_ok(m: Any) -> bool:

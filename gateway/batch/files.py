@@ -66,6 +66,14 @@ def temp_path(directory: str) -> str:
     return os.path.join(directory, "tmp", "upload-" + secrets.token_hex(8))
 
 
+def lifetime(asked_s: int | None, file_ttl_s: int) -> int:
+    """A file's lifetime in seconds (0: none): ``batch.file_ttl_s``, or what the client asked for
+    (an upload's ``expires_after``, a batch's ``output_expires_after``) when that is shorter."""
+    if asked_s is None:
+        return file_ttl_s
+    return min(asked_s, file_ttl_s) if file_ttl_s else asked_s
+
+
 def file_object(file_id: str, filename: str, purpose: str, size: int, ttl_s: int) -> dict[str, Any]:
     created = now_s()
     return {"id": file_id, "object": "file", "bytes": size, "created_at": created, "filename": filename,

@@ -292,12 +292,12 @@ class BatchRunner:
         store = BatchStore(os.path.join(self.db.dir, "batches.sqlite3"))
         ids: list[str | None] = []
         try:
+            ttl_s = batch_files.lifetime(store.output_ttl(bid), self.cfg.file_ttl_s)
             for ok, name in ((True, "output"), (False, "error")):
                 if not store.count_results(bid, ok):
                     ids.append(None)
                     continue
-                f = batch_files.write_lines(self.db.dir, f"{bid}_{name}.jsonl", store.result_lines(bid, ok),
-                                            self.cfg.file_ttl_s)
+                f = batch_files.write_lines(self.db.dir, f"{bid}_{name}.jsonl", store.result_lines(bid, ok), ttl_s)
                 store.add_file(f, owner)
                 ids.append(f["id"])
             return ids[0], ids[1]

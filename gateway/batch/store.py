@@ -9,6 +9,9 @@ worker's cancel never overwrite each other. Lists go by ``created_at`` (whole se
 ``rowid``, which SQLite gives each new row above every row the table holds, so objects made within
 one second list in the order they were made.
 
+A store written by an older gateway opens as it is: a column added since (``MIGRATIONS``) is added
+to its table when the store opens, empty in the rows it already holds.
+
 Everything here is synchronous and runs on one thread per process (``BatchDb``): the event loop
 never waits on the disk, and this process has one writer.
 """
@@ -36,7 +39,7 @@ CREATE TABLE IF NOT EXISTS files (
 CREATE INDEX IF NOT EXISTS files_by_owner ON files (owner, created_at);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
-    doc BLOB NOT NULL
+    doc BLOB NOT NULL, output_ttl_s INTEGER
 );
 CREATE INDEX IF NOT EXISTS batches_by_owner ON batches (owner, created_at);
 CREATE INDEX IF NOT EXISTS batches_by_status ON batches (status);
@@ -46,6 +49,12 @@ CREATE TABLE IF NOT EXISTS results (
 );
 CREATE INDEX IF NOT EXISTS results_by_line ON results (batch_id, line_no);
 """
+
+# (table, column, its declaration): columns added after the table was first released; a store made
+# before one was added gets it when it opens (NULL in its rows: nothing asked)
+MIGRATIONS = (
+    ("batches", "output_ttl_s", "INTEGER"),     # output_expires_after[seconds] of the batch's output files
+)
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -82,6 +91,7 @@ class BatchStore:
                 self.db.execute("PRAGMA synchronous=NORMAL")     # WAL: a process killed loses no commit
                 self.db.execute("PRAGMA busy_timeout=30000")     # other workers write too
                 self.db.executescript(SCHEMA)
+                _migrate(self.db)
             except BaseException:
                 self.db.close()
                 raise
@@ -150,10 +160,17 @@ class BatchStore:
 
     # -- batches ------------------------------------------------------------------------------
 
-    def add_batch(self, doc: dict[str, Any], owner: str) -> None:
+    def add_batch(self, doc: dict[str, Any], owner: str, output_ttl_s: int | None = None) -> None:
+        """``output_ttl_s``: the seconds its output and error files live (``output_expires_after``),
+        None when the batch did not say; kept beside the document, which is OpenAI's batch object."""
         self._tx(lambda db: db.execute(
-            "INSERT INTO batches (id, owner, status, created_at, doc) VALUES (?, ?, ?, ?, ?)",
-            (doc["id"], owner, doc["status"], doc["created_at"], orjson.dumps(doc))))
+            "INSERT INTO batches (id, owner, status, created_at, doc, output_ttl_s) VALUES (?, ?, ?, ?, ?, ?)",
+            (doc["id"], owner, doc["status"], doc["created_at"], orjson.dumps(doc), output_ttl_s)))
+
+    def output_ttl(self, batch_id: str) -> int | None:
+        """The seconds a batch's output and error files live, as its creation asked; None: not asked."""
+        row = self.db.execute("SELECT output_ttl_s FROM batches WHERE id = ?", (batch_id,)).fetchone()
+        return row[0] if row is not None else None
 
     def get_batch(self, batch_id: str, owner: str | None) -> dict[str, Any] | None:
         row = self.db.execute("SELECT owner, doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
@@ -255,6 +272,15 @@ class BatchStore:
     def drop_results(self, batch_id: str) -> None:
         """A finished batch's lines, once its output and error files are written."""
         self._tx(lambda db: db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,)))
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """The columns of ``MIGRATIONS`` a store made before them lacks, added (the caller holds the
+    open lock, so two processes do not both add one)."""
+    for table, column, decl in MIGRATIONS:
+        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 def _file(row: tuple) -> dict[str, Any]:

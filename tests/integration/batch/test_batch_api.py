@@ -497,3 +497,91 @@ async def test_a_line_is_sheddable_when_clients_priority_headers_are_not_honoure
         await c.completions.create(model="m", prompt="x", max_tokens=1, extra_headers={"x-priority": "sheddable"})
     got = sorted((x.get("batch_id") is not None, x.get("priority")) for x in logs if x["event"] == "request")
     assert got == [(False, "standard"), (True, "sheddable"), (True, "sheddable")]
+
+
+async def test_a_batchs_output_files_expire_when_its_output_expires_after_says(sims, gateway, tmp_path):
+    """``output_expires_after`` (anchor ``created_at``: the output file's creation, not the batch's;
+    3600 to 2592000 seconds) sets the ``expires_at`` of the batch's output and error files, if before
+    ``batch.file_ttl_s``; the batch object carries no field for it, as OpenAI's does not. It was not
+    read: both files stayed for ``file_ttl_s`` (30 days) whatever the client asked."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 2) + [{"custom_id": "nope", "method": "POST", "url": "/v1/chat/completions",
+                                                "body": {"model": "absent", "messages": []}}]
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": 7200})
+    assert "output_expires_after" not in b.to_dict()
+    b = await run_to_end(c, b.id)
+    assert b.status == "completed" and b.output_file_id and b.error_file_id, b
+    assert "output_expires_after" not in b.to_dict()
+    for fid in (b.output_file_id, b.error_file_id):
+        made = await c.files.retrieve(fid)
+        assert made.expires_at == made.created_at + 7200, made
+    listed = {x.id: x.expires_at for x in (await c.files.list()).data}
+    assert listed[f.id] == f.created_at + 30 * 24 * 3600       # the input keeps its own expiry
+    made = await c.files.retrieve(b.output_file_id)
+    assert listed[b.output_file_id] == made.created_at + 7200
+    # the longest OpenAI takes, beyond file_ttl_s's 30 days: file_ttl_s is the most
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h", output_expires_after={
+                                                        "anchor": "created_at", "seconds": 2592000})).id)
+    made = await c.files.retrieve(b.output_file_id)
+    assert made.expires_at == made.created_at + 30 * 24 * 3600
+
+
+async def test_output_files_expiring_before_file_ttl_leave_the_store_and_the_disk(sims, gateway, tmp_path):
+    """The sweep removes a batch's output and error files once their ``expires_at`` (here
+    ``file_ttl_s``, shorter than ``output_expires_after``'s 3600 s) has passed."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**batch_cfg(tmp_path), "file_ttl_s": 4})
+    c = openai_client(gw)
+    rows = lines("/v1/completions", 1) + [{"custom_id": "nope", "method": "POST", "url": "/v1/completions",
+                                           "body": {"model": "absent", "prompt": "x"}}]
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                                    completion_window="24h", output_expires_after={
+                                                        "anchor": "created_at", "seconds": 3600})).id)
+    made = [await c.files.retrieve(fid) for fid in (b.output_file_id, b.error_file_id)]
+    assert [m.expires_at - m.created_at for m in made] == [4, 4]
+
+    async def gone() -> bool:
+        left = {x.id for x in (await c.files.list()).data}
+        return not left & {b.output_file_id, b.error_file_id} and not any(
+            (tmp_path / "batch" / "files" / m.id).exists() for m in made)
+
+    await until(gone, timeout=20)
+
+
+@pytest.mark.parametrize(("value", "param", "code"), [
+    ("1h", "output_expires_after", "invalid_type"),
+    (None, "output_expires_after", "invalid_type"),
+    ([3600], "output_expires_after", "invalid_type"),
+    ({"seconds": 3600}, "output_expires_after.anchor", "missing_required_parameter"),
+    ({"anchor": "last_active_at", "seconds": 3600}, "output_expires_after.anchor", "invalid_value"),
+    ({"anchor": 1, "seconds": 3600}, "output_expires_after.anchor", "invalid_type"),
+    ({"anchor": "created_at"}, "output_expires_after.seconds", "missing_required_parameter"),
+    ({"anchor": "created_at", "seconds": "3600"}, "output_expires_after.seconds", "invalid_type"),
+    ({"anchor": "created_at", "seconds": 3600.5}, "output_expires_after.seconds", "invalid_type"),
+    ({"anchor": "created_at", "seconds": True}, "output_expires_after.seconds", "invalid_type"),
+    ({"anchor": "created_at", "seconds": None}, "output_expires_after.seconds", "invalid_type"),
+    ({"anchor": "created_at", "seconds": 3599}, "output_expires_after.seconds", "integer_below_min_value"),
+    ({"anchor": "created_at", "seconds": -1}, "output_expires_after.seconds", "integer_below_min_value"),
+    ({"anchor": "created_at", "seconds": 2592001}, "output_expires_after.seconds", "integer_above_max_value"),
+    ({"anchor": "created_at", "seconds": 10**12}, "output_expires_after.seconds", "integer_above_max_value"),
+    ({"anchor": "created_at", "seconds": 3600, "days": 1}, "output_expires_after.days", "unknown_parameter"),
+])
+async def test_a_bad_output_expires_after_is_a_400_naming_it_and_creates_nothing(sims, gateway, tmp_path, value,
+                                                                                   param, code):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", GOOD), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               extra_body={"output_expires_after": value})
+    err = ei.value.body
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+    assert param in err["message"] or code == "invalid_value", err
+    assert (await c.batches.list()).data == []

@@ -77,3 +77,37 @@ def test_workers_opening_a_new_database_at_the_same_moment_all_open_it(tmp_path)
     assert failures == []
     s = BatchStore(str(tmp_path / "db0"))
     assert s.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# the batches table as the first release made it, before output_ttl_s
+OLD_BATCHES = """
+CREATE TABLE batches (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
+    doc BLOB NOT NULL
+);
+"""
+
+
+def test_a_store_made_before_output_ttl_opens_and_gains_it(tmp_path):
+    """A store an older gateway wrote keeps its batches, which asked no output expiry, and takes
+    new ones that do; a second opening adds nothing again."""
+    import sqlite3
+
+    import orjson
+    path = str(tmp_path / "db")
+    old = sqlite3.connect(path)
+    old.executescript(OLD_BATCHES)
+    old.execute("INSERT INTO batches (id, owner, status, created_at, doc) VALUES (?, ?, ?, ?, ?)",
+                ("b0", "alice", "completed", 100, orjson.dumps(doc("b0", status="completed"))))
+    old.commit()
+    old.close()
+    s = BatchStore(path)
+    assert s.get_batch("b0", "alice")["status"] == "completed"
+    assert s.output_ttl("b0") is None
+    s.add_batch(doc("b1"), "alice", 7200)
+    s.add_batch(doc("b2"), "alice")
+    assert (s.output_ttl("b1"), s.output_ttl("b2"), s.output_ttl("unknown")) == (7200, None, None)
+    again = BatchStore(path)
+    assert again.output_ttl("b1") == 7200
+    cols = [r[1] for r in again.db.execute("PRAGMA table_info(batches)")]
+    assert cols.count("output_ttl_s") == 1
