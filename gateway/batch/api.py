@@ -30,6 +30,7 @@ CHUNK = 256 * 1024
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MULTIPART_SLACK = 64 * 1024        # boundaries and the purpose field around the file's bytes
 MAX_METADATA = 16
+FIELD_KEPT = 64                    # bytes kept of a form field other than the file
 EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)     # OpenAI's range of a file's expires_after[seconds]
 # and of a batch's output_expires_after.seconds
 
@@ -96,6 +97,7 @@ class BatchApi:
         if length is not None and length > cfg.max_file_bytes + MULTIPART_SLACK:
             raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
                        "file_too_large", 413)
+        field_limit = request.client_max_size         # server.max_body_bytes (0: none), for the other fields
         tmp = batch_files.temp_path(self.db.dir)
         purpose: str | None = None
         expiry: dict[str, str] = {}                   # expires_after[anchor], expires_after[seconds]
@@ -107,16 +109,14 @@ class BatchApi:
                     if not isinstance(part, aiohttp.BodyPartReader):
                         raise _bad("nested multipart bodies are not accepted", "file")
                     if part.name == "purpose":
-                        raw = await part.read()
-                        purpose = bytes(raw[:64]).decode("utf-8", "replace").strip()
+                        purpose = (await _field(part, field_limit)).decode("utf-8", "replace").strip()
                     elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
-                        raw = await part.read()
-                        expiry[part.name[14:-1]] = bytes(raw[:64]).decode("utf-8", "replace").strip()
+                        raw = await _field(part, field_limit)
+                        expiry[part.name[14:-1]] = raw.decode("utf-8", "replace").strip()
                     elif part.name == "file" and got is None:
                         got = await self._receive(part, tmp)
                     else:
-                        while await part.read_chunk(CHUNK):
-                            pass
+                        await _field(part, field_limit)
             except (aiohttp.ClientPayloadError, web.HTTPException, ValueError, AssertionError,
                     asyncio.IncompleteReadError, ConnectionError, HttpProcessingError) as e:
                 if isinstance(e, GatewayError):
@@ -305,6 +305,24 @@ def _ttl(expiry: dict[str, str], file_ttl_s: int) -> int:
         raise _bad(f"expires_after[seconds] must be an integer between {lo} and {hi}", "expires_after",
                    "invalid_value")
     return batch_files.lifetime(int(raw), file_ttl_s)
+
+
+async def _field(part: aiohttp.BodyPartReader, limit: int) -> bytes:
+    """A form field other than the file: its first ``FIELD_KEPT`` bytes (the fields read are short
+    words and numbers), the rest read and counted, not kept. A field larger than ``limit`` (the body
+    limit, 0: none) is a 413 naming it, as a file too large is; read whole by aiohttp, it was held
+    in memory and answered 400 as a truncated body (and a limit of 0 allowed it no byte)."""
+    head = bytearray()
+    size = 0
+    while chunk := await part.read_chunk(CHUNK):
+        size += len(chunk)
+        if limit and size > limit:
+            name = (part.name or "")[:64]
+            raise _bad(f"the multipart field '{name}' exceeds server.max_body_bytes ({limit} bytes)", name,
+                       "field_too_large", 413)
+        if len(head) < FIELD_KEPT:
+            head += chunk[:FIELD_KEPT - len(head)]
+    return bytes(head)
 
 
 def _output_expires_after(value: Any) -> int:

@@ -585,3 +585,66 @@ async def test_a_bad_output_expires_after_is_a_400_naming_it_and_creates_nothing
     assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
     assert param in err["message"] or code == "invalid_value", err
     assert (await c.batches.list()).data == []
+
+
+@pytest.mark.parametrize(("case", "field", "chunked"), [
+    ("purpose", "purpose", False),
+    ("purpose, chunked", "purpose", True),
+    ("expires_after", "expires_after[seconds]", False),
+    ("a field the API does not read", "note", False),
+])
+async def test_a_form_field_beyond_the_body_limit_is_a_413_naming_it(sims, gateway, tmp_path, case, field, chunked):
+    """A multipart field other than ``file`` larger than ``server.max_body_bytes`` is a 413 naming
+    it, whether the body's length is told or not, and nothing is stored; the connection answers the
+    next upload. It was a 400 ``truncated_upload`` (``purpose``, ``expires_after``), or read whole and
+    passed over (a field the API does not read)."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"max_body_bytes": 65_536},
+                       batch=batch_cfg(tmp_path))
+    fields = [("purpose", None, b"batch"), (field, None, b"7" * 70_000), ("file", "a.jsonl", GOOD)]
+    if field == "purpose":
+        fields = fields[1:]
+    body = _multipart(fields)
+
+    async def pieces():
+        for i in range(0, len(body), 16_384):
+            yield body[i:i + 16_384]
+
+    headers = {"Content-Type": "multipart/form-data; boundary=xyzBOUNDARY"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        async with s.post(gw.url + "/v1/files", data=pieces() if chunked else body, headers=headers) as r:
+            status, err = r.status, (await r.json())["error"]
+        assert status == 413, err
+        assert (err["param"], err["code"], err["type"]) == (field, "field_too_large", "invalid_request_error"), err
+        assert "server.max_body_bytes (65536 bytes)" in err["message"]
+        async with s.post(gw.url + "/v1/files", data=_multipart([("purpose", None, b"batch"), ("file", "a.jsonl", GOOD)]),
+                          headers=headers) as r:
+            assert r.status == 200, await r.text()
+            kept = (await r.json())["id"]
+    assert [f.id for f in (await openai_client(gw).files.list()).data] == [kept]
+    assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+
+
+async def test_a_field_beyond_the_default_body_limit_is_a_413(sims, gateway, tmp_path):
+    """As the limit is by default: a 17 MiB ``purpose``."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    status, body = await _post_raw(gw, "/v1/files", _multipart([("purpose", None, b"b" * (17 << 20)),
+                                                                ("file", "a.jsonl", GOOD)]),
+                                   "multipart/form-data; boundary=xyzBOUNDARY")
+    assert (status, body["error"]["param"], body["error"]["code"]) == (413, "purpose", "field_too_large"), body
+    assert (await openai_client(gw).files.list()).data == []
+
+
+async def test_uploads_are_read_when_the_body_limit_is_off(sims, gateway, tmp_path):
+    """``server.max_body_bytes: 0`` is no limit; every upload was a 400 ``truncated_upload``, its
+    ``purpose`` field read as if no byte of it were allowed."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"max_body_bytes": 0}, batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", GOOD), purpose="batch",
+                             expires_after={"anchor": "created_at", "seconds": 3600})
+    assert f.purpose == "batch" and f.expires_at == f.created_at + 3600
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and b.request_counts.completed == 2, b
