@@ -101,6 +101,44 @@ class ListenConfig(Block):
     port: Annotated[Port, Meta(description="TCP port to listen on; 0 picks a free port. --port overrides it.")] = 8888
 
 
+# an origin as a browser serializes it (RFC 6454 §6.2): scheme://host[:port], lower case; the host a
+# name, an IPv4 address or a bracketed IPv6 address
+_ORIGIN = re.compile(r"([a-z][a-z0-9+.-]*)://([a-z0-9_-]+(?:\.[a-z0-9_-]+)*|\[[0-9a-f:.]+\])(?::([0-9]+))?")
+_DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _cors_origin(value: str, key: str) -> str:
+    """An origin of ``server.cors_allowed_origins`` spelled as a browser sends it, or a ValueError."""
+    if value == "null":
+        raise ValueError(f"{key}: 'null' is the origin of sandboxed frames and local files, which any page can "
+                         "take on; it cannot be allowed")
+    if "*" in value:
+        raise ValueError(f"{key}: {value!r}: a wildcard is the whole list's only entry, ['*'], or none")
+    scheme, sep, rest = value.partition("://")
+    if sep and rest and any(c in rest for c in "/?#"):
+        raise ValueError(f"{key}: {value!r} is not an origin: an origin has no path, query or trailing slash "
+                         f"(did you mean {scheme + sep + rest.split('/')[0].split('?')[0].split('#')[0]!r}?)")
+    m = _ORIGIN.fullmatch(value.lower())
+    if m is None:
+        raise ValueError(f"{key}: {value!r} is not an origin: must be scheme://host[:port], as "
+                         "https://app.example.com or http://localhost:3000")
+    scheme, host, port = m.groups()
+    if port is not None and not 0 < int(port) < 65536:
+        raise ValueError(f"{key}: {value!r}: the port must be 1-65535")
+    if port is None or _DEFAULT_PORTS.get(scheme) == port.lstrip("0"):
+        return f"{scheme}://{host}"
+    return f"{scheme}://{host}:{int(port)}"
+
+
+def _cors_origins(given: tuple[str, ...]) -> tuple[str, ...]:
+    if "*" in given:
+        if len(given) > 1:
+            raise ValueError("cors_allowed_origins: '*' allows every origin and stands alone; list it alone, "
+                             "or list the origins without it")
+        return given
+    return tuple(dict.fromkeys(_cors_origin(o, f"cors_allowed_origins[{i}]") for i, o in enumerate(given)))
+
+
 class ServerConfig(Block):
     max_body_bytes: Annotated[Count, Meta(description="Largest request body accepted, in bytes; a larger one is refused with 413 before it is read (0: no limit).")] = 16 * 1024 * 1024
     shutdown_grace_s: Annotated[Amount, Meta(description="After SIGTERM, how long requests in flight (streams included) may still run before they are cut, in seconds.")] = 30.0
@@ -122,6 +160,7 @@ class ServerConfig(Block):
     loop_lag_interval_s: Annotated[Amount, Meta(description="How often the event loop's lag is sampled into switchyard_event_loop_lag_seconds, in seconds (0: off).")] = 0.5
     removed_endpoint_series_s: Annotated[Amount, Meta(description="How long the Prometheus series labelled with an endpoint (switchyard_upstream_errors_total, switchyard_health_probes_total, switchyard_engine_scrapes_total, switchyard_engine_restarts_total, switchyard_breaker_transitions_total, switchyard_upstream_outcomes_total) are still exported after the endpoint left the pool (a pod deleted, a reload) and its last request ended, so scrapes see its last counts; then they are dropped, in seconds.")] = 300.0
     reclaim_min_drop: Annotated[Count, Meta(description="After requests in flight fell this far below their peak, run a garbage collection and give freed memory back to the system, once per burst (0: off).")] = 1000
+    cors_allowed_origins: Annotated[tuple[str, ...], Meta(description="Web page origins allowed to call the API from a browser (CORS): each scheme://host[:port] exactly as a browser sends it in its Origin header (no path, no trailing slash; capital letters and a scheme's default port are dropped), or [\"*\"] alone for any origin. A preflight (OPTIONS) to an API path from a listed origin is answered without an API key; every answer to it carries Access-Control-Allow-Origin (the origin, or * with [\"*\"]); credentials (cookies) are never allowed, the API key goes in a header the page sets. A request with an Origin header then goes through aiohttp's request path, not the fast lane. Empty: CORS off, no CORS header on any answer.")] = ()
 
     def __post_init__(self) -> None:
         # a worker's loop ticks every 0.5 s (gateway/server/heartbeat.py BEAT_S): a shorter limit
@@ -130,6 +169,7 @@ class ServerConfig(Block):
             raise ValueError("worker_stall_timeout_s: must be 0 (never) or at least 2 seconds")
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level: must be one of debug, info, warning or error, got {self.log_level!r}")
+        force_setattr(self, "cors_allowed_origins", _cors_origins(self.cors_allowed_origins))
 
 
 class RoutingConfig(RoutingSettings):

@@ -26,6 +26,9 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   Anthropic's for a request to a Messages path (aiohttp gives it no path for a request it could not
   parse: the edge keeps the first bytes of the head it reads, ``_e_line``, and reads the path from
   them), with ``request-id``, and with 431 for header fields that are too large or too many.
+- **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
+  preflight to an API path is answered before the application, and a request with an ``Origin``
+  is left to aiohttp's request path, whose answers get CORS's headers.
 
 aiohttp hooks used (3.14): ``web.Server`` subclassed (public; ``__call__`` is the protocol
 factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``connection_lost``/
@@ -41,6 +44,7 @@ could not parse).
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import sys
 from collections.abc import Iterable
@@ -63,6 +67,7 @@ from gateway.errors import error_body, error_response
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
 from gateway.server import lane
+from gateway.server.cors import CorsPolicy, is_preflight, preflight, request_class
 
 log = structlog.get_logger("switchyard.edge")
 
@@ -102,6 +107,7 @@ class EdgeLimits:
     upload_max_bytes: int = 0          # POST /v1/files (batch.max_file_bytes and its multipart); 0: as any body
     upload_file_bytes: int = 0         # batch.max_file_bytes itself, which an upload's 413 names
     fast_lane: bool = True             # gateway/server/lane.py
+    cors_allowed_origins: tuple[str, ...] = ()     # gateway/server/cors.py; empty: CORS off
 
     @classmethod
     def from_config(cls, server: Any) -> EdgeLimits:
@@ -230,7 +236,7 @@ class EdgeProtocol(web.RequestHandler):
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_loop", "_e_line", "_e_unparsed", "_lane", "_lane_held", "_lane_server",
-                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake")
+                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -260,6 +266,8 @@ class EdgeProtocol(web.RequestHandler):
         self._lane_next: Any = None     # the request it runs next: (request, handler)
         self._lane_wake: asyncio.Future | None = None   # what it waits on for one, between requests
         self._lane_server = manager if isinstance(manager, EdgeServer) and manager.lane_paths else None
+        # ``lane.parse``, or with CORS on the one that leaves a request with an Origin to aiohttp
+        self._lane_parse = self._lane_server.lane_parse if self._lane_server is not None else lane.parse
 
     @property
     def _e_parsed(self) -> int:
@@ -366,8 +374,8 @@ class EdgeProtocol(web.RequestHandler):
         if not self._lane_open(begun=False):
             return False
         lim = self._edge.limits
-        got = lane.parse(data, self._lane_server.lane_paths, lim.max_header_bytes, lim.max_headers,
-                         lim.max_body_bytes or float("inf"))
+        got = self._lane_parse(data, self._lane_server.lane_paths, lim.max_header_bytes, lim.max_headers,
+                               lim.max_body_bytes or float("inf"))
         if got is None:
             return False
         if got.__class__ is tuple:              # one whole request: the usual read, checked first
@@ -773,11 +781,20 @@ def connect_refused(request: web.BaseRequest, allow: str) -> web.Response:
 _METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
+def _listed(methods: set[str]) -> str:
+    return ", ".join(sorted(methods, key=lambda m: (_METHOD_ORDER.index(m) if m in _METHOD_ORDER else 99, m)))
+
+
 def methods_served(router: web.UrlDispatcher) -> str:
     """The ``Allow`` of an ``OPTIONS *``: every method a route of ``router`` serves (aiohttp's GET
     routes serve HEAD too), and OPTIONS, which the edge answers for the server as a whole."""
-    methods = {route.method for route in router.routes() if route.method != hdrs.METH_ANY} | {"OPTIONS"}
-    return ", ".join(sorted(methods, key=lambda m: (_METHOD_ORDER.index(m) if m in _METHOD_ORDER else 99, m)))
+    return _listed({route.method for route in router.routes() if route.method != hdrs.METH_ANY} | {"OPTIONS"})
+
+
+def api_methods(router: web.UrlDispatcher) -> str:
+    """The methods the API's routes (``/v1/...``) serve: a CORS preflight's ``Access-Control-Allow-Methods``."""
+    return _listed({route.method for route in router.routes() if route.method != hdrs.METH_ANY
+                    and route.resource is not None and route.resource.canonical.startswith("/v1/")})
 
 
 def server_options(request: web.BaseRequest, allow: str) -> web.Response:
@@ -822,17 +839,49 @@ def _written(request: Any, resp: web.Response) -> WrittenAnswer | None:
     return write_whole(request, resp.status, headers, resp.content_type, body)
 
 
+def _cors_factory(make: Any, cls: type[web.Request]) -> Any:
+    """The application's request factory, making a request that carries an Origin a ``cls``."""
+    def factory(message, payload, protocol, writer, task):
+        if hdrs.ORIGIN in message.headers:
+            return make(message, payload, protocol, writer, task, _cls=cls)
+        return make(message, payload, protocol, writer, task)
+    return factory
+
+
+def cors_refused(request: web.BaseRequest) -> web.Response:
+    """A preflight from an origin ``server.cors_allowed_origins`` does not list: a 403 in the path's
+    API shape, without CORS's headers, so the browser keeps the page from calling."""
+    rid = request_id_from(request.headers.get("x-request-id"))
+    origin = _short(request.headers.get(hdrs.ORIGIN, ""), 100)
+    body = _shaped_body(request.path, 403, f"the origin {origin!r} may not call the API from a browser "
+                        "(server.cors_allowed_origins)", None, "cors_origin_not_allowed")
+    return error_response(403, body, {"request-id": rid, "x-request-id": rid})
+
+
+def _cors_preflights(handler: Any, cors: CorsPolicy, methods: str, direct: dict[str, Any]) -> Any:
+    """``handler``, with a preflight to an API path (``/v1/...``, an inference path) answered first."""
+    async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
+        if is_preflight(request) and (request.path.startswith("/v1/") or request.path in direct):
+            return preflight(request, cors, methods, cors_refused)
+        return await handler(request)
+    return request_handler
+
+
 class EdgeServer(web.Server):
     """aiohttp's low-level server, making ``EdgeProtocol`` connections."""
 
     def __init__(self, handler: Any, *, edge: Edge, loop: asyncio.AbstractEventLoop | None = None,
-                 direct: dict[str, Any] | None = None, allow: str, **kwargs: Any) -> None:
+                 direct: dict[str, Any] | None = None, allow: str, cors_methods: str = "", **kwargs: Any) -> None:
         super().__init__(handler, loop=loop, **kwargs)
         self.edge = edge
         self._edge_loop = loop or asyncio.get_running_loop()
         self._edge_handler_kwargs = {k: v for k, v in kwargs.items()
                                      if k not in ("request_factory", "handler_cancellation")}
         inner = self.request_factory
+        direct = direct or {}
+        cors = CorsPolicy(edge.limits.cors_allowed_origins) if edge.limits.cors_allowed_origins else None
+        if cors is not None:            # a request with an Origin is a CorsRequest (gateway/server/cors.py)
+            inner = _cors_factory(inner, request_class(cors))
 
         def request_factory(message, payload, protocol, writer, task):
             if message.version < HttpVersion11 and not message.should_close and hdrs.TRANSFER_ENCODING in message.headers:
@@ -849,13 +898,13 @@ class EdgeServer(web.Server):
         app_handler = self.request_handler
         max_body = edge.limits.max_body_bytes or float("inf")
         max_upload = edge.limits.upload_max_bytes
-        direct = direct or {}
         self.direct = direct
         # the fast lane takes every inference path whose body the pipeline reads whole (chat,
         # completions, embeddings, Messages, Responses, the JSON pass-through paths); not the audio
         # uploads, whose API reads a multipart body piece by piece
         self.lane_paths = ({p.encode(): p for p in direct if p not in AUDIO_PATHS}
                            if edge.limits.fast_lane else {})
+        self.lane_parse = lane.parse if cors is None else functools.partial(lane.parse, decline=lane.CORS_DECLINE)
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
@@ -882,6 +931,8 @@ class EdgeServer(web.Server):
                     return await handler(request)
             return await app_handler(request)
 
+        if cors is not None:            # a preflight to an API path is answered here, without an API key
+            request_handler = _cors_preflights(request_handler, cors, cors_methods, direct)
         self.request_handler = request_handler
 
     def __call__(self) -> EdgeProtocol:
@@ -905,7 +956,8 @@ class EdgeRunner(web.AppRunner):
         # and the app collected (limits, access log, debug, handler_args).
         base = await super()._make_server()
         return EdgeServer(base.request_handler, edge=self.edge, direct=self.direct,
-                          allow=methods_served(self._app.router), request_factory=base.request_factory,
+                          allow=methods_served(self._app.router), cors_methods=api_methods(self._app.router),
+                          request_factory=base.request_factory,
                           handler_cancellation=base.handler_cancellation, **base._kwargs)
 
 

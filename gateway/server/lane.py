@@ -16,9 +16,10 @@ openai SDK's httpx does: at low load the gateway reads them apart) is held until
 
 Anything else goes to aiohttp exactly as before, parsed from the same bytes: another method or
 path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than ``HOLD_BODY``
-while it comes after its head, or followed by more than ``HOLD_BYTES``, ``Expect``, ``Upgrade``, a head without
-exactly one ``Host`` (aiohttp's 400), a head near the edge's header limits, a body over
-``server.max_body_bytes``, a connection with a request of aiohttp's in flight, or a head that is
+while it comes after its head, or followed by more than ``HOLD_BYTES``, ``Expect``, ``Upgrade``,
+with CORS on an ``Origin`` (gateway/server/cors.py), a head without exactly one ``Host`` (aiohttp's
+400), a head near the edge's header limits, a body over ``server.max_body_bytes``, a connection
+with a request of aiohttp's in flight, or a head that is
 not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line,
 a value ending in a space or a tab).
 aiohttp's answers to those (431, 413, 400 in OpenAI shape, 100 Continue) are therefore
@@ -52,6 +53,8 @@ HOLD_BODY = 1 << 20     # the largest body the lane waits for when it comes afte
 
 # headers that make a request aiohttp's to handle (framing, encodings, protocol switches)
 _DECLINE = frozenset(("transfer-encoding", "content-encoding", "expect", "upgrade", "http2-settings"))
+# and with CORS on, a request from a web page, whose answer gets CORS's headers there (gateway/server/cors.py)
+CORS_DECLINE = _DECLINE | {"origin"}
 
 
 class LaneWriter:
@@ -179,12 +182,13 @@ class Split:
 
 
 def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
-          max_body: float) -> Parsed | Pending | Split | None:
+          max_body: float, decline: frozenset[str] = _DECLINE) -> Parsed | Pending | Split | None:
     """(path, headers, body, keep-alive) of ``data`` when it is exactly one plain request to one of
     ``paths`` that the lane may take; a ``Split`` when more bytes (up to ``HOLD_BYTES``) follow
     that request; a ``Pending`` when it is the whole head of one and part of its body (bodies up
     to ``HOLD_BODY``; larger ones are aiohttp's, which reads them as they come); None otherwise
-    (aiohttp then parses the same bytes)."""
+    (aiohttp then parses the same bytes). ``decline``: the header names that leave a request to
+    aiohttp (``CORS_DECLINE`` with CORS on)."""
     # one whole head the lane may take (its body complete or not), read in this one frame
     if not data.startswith(b"POST /"):
         return None
@@ -203,7 +207,7 @@ def parse(data: bytes, paths: dict[bytes, str], max_head: int, max_headers: int,
     if len(fields) > max_headers:
         return None
     lowered = list(map(str.lower, map(_NAME, fields)))     # in C, no Python frame per header
-    if not _DECLINE.isdisjoint(lowered) or lowered.count("content-length") != 1 or lowered.count("host") != 1:
+    if not decline.isdisjoint(lowered) or lowered.count("content-length") != 1 or lowered.count("host") != 1:
         return None                     # (an HTTP/1.1 request without one Host is aiohttp's 400)
     # its body
     length = fields[lowered.index("content-length")][1]

@@ -26,6 +26,7 @@ def cfg(extra: str = "", models: str | None = None):
 @pytest.mark.parametrize(("extra", "path"), [
     ("listen: {host: 127.0.0.1, port: 9999}", "listen.port"),
     ("server: {workers: 2}", "server.workers"),
+    ("server: {cors_allowed_origins: ['https://app.example.com']}", "server.cors_allowed_origins"),
     ("upstream: {max_connections: 10}", "upstream.max_connections"),
     ("health: {interval_s: 1}", "health.interval_s"),
     ("state: {key_prefix: other}", "state.key_prefix"),

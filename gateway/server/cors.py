@@ -1,0 +1,135 @@
+"""CORS: web pages on the origins ``server.cors_allowed_origins`` lists may call the API from a browser.
+
+Off (the list empty, the default), nothing here runs: no request pays for it. On, the edge
+(gateway/server/edge.py ``EdgeServer``) does three things, each chosen once at start, not per request:
+
+- **Preflights.** An ``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method`` to an API
+  path (``/v1/...`` and the other inference paths) is answered by the edge before the application,
+  so without an API key (browsers send none with a preflight): a 204 with the allowed origin, the
+  methods the API's routes serve, the headers the page asked for, ``Access-Control-Max-Age`` and
+  ``Vary: Origin``. A preflight from an origin not listed gets a 403 in the path's API shape and no
+  CORS header, which the browser reports to the page as a CORS failure.
+- **Other requests with an Origin** are made a ``CorsRequest`` (the application's request factory
+  takes the class): the pipeline writes no answer to one whole (gateway/pipeline/whole.py writes for
+  the request classes it knows), so every answer to it, a stream's and every error's included, goes
+  through aiohttp's response objects, whose ``prepare`` calls the request's ``_prepare_hook``. There
+  the allowed origin, the response headers a page may read (``EXPOSED``) and ``Vary: Origin`` are
+  added. The fast lane leaves a request with an ``Origin`` to aiohttp (``lane.parse``'s ``decline``).
+- A request without an ``Origin`` (any client that is not a browser) is served exactly as with CORS off.
+
+aiohttp hooks used (semi-private in 3.14, pinned by tests/unit/gateway/server/test_cors.py):
+``Application._make_request``'s ``_cls`` (the class of the request it makes) and
+``Request._prepare_hook`` (awaited by ``StreamResponse.prepare`` before the head is written).
+
+Credentials (cookies, HTTP authentication the browser keeps) are never allowed: the gateway reads
+its API keys from the ``Authorization`` or ``x-api-key`` header, which a page sets itself, and
+``Access-Control-Allow-Origin: *`` could not go with them anyway.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from aiohttp import hdrs, web
+
+from gateway.request import request_id_from
+
+MAX_AGE_S = 7200        # how long a browser may keep a preflight's answer (Chromium's own bound)
+
+# the headers of the gateway's answers a page may read besides the safelisted ones (Content-Type, ...)
+EXPOSED = ", ".join((
+    "request-id", "x-request-id", "target-pod", "prefill-target-pod", "routing-strategy", "x-served-model",
+    "x-retries", "x-pd-decision", "x-session-id", "retry-after",
+    "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+    "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
+    "x-ratelimit-limit-queue", "x-ratelimit-remaining-queue", "x-ratelimit-reset-queue",
+    "x-error-request-body-processing", "x-error-no-model-backends", "x-error-routing", "x-error-rpm-exceeded",
+    "x-error-tpm-exceeded", "x-error-concurrency-exceeded", "x-error-model-rps-exceeded", "x-error-admission",
+    "x-error-unsupported-path", "x-error-upstream", "x-error-state-unavailable", "x-error-lora-load",
+    "x-error-pd-prefill", "x-error-pd-decode",
+))
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+class CorsPolicy:
+    """The allowed origins: ``allow_origin`` is what ``Access-Control-Allow-Origin`` says to a request
+    from ``origin``, or None when the origin is not allowed."""
+
+    __slots__ = ("origins", "any")
+
+    def __init__(self, origins: Iterable[str]) -> None:
+        self.origins = frozenset(origins)
+        self.any = "*" in self.origins
+
+    def allow_origin(self, origin: str | None) -> str | None:
+        if origin is None:
+            return None
+        if self.any:
+            return "*"
+        return origin if origin in self.origins else None
+
+
+def add_vary(headers: Any, name: str = "Origin") -> None:
+    """``name`` added to the answer's ``Vary``, once."""
+    vary = headers.get(hdrs.VARY)
+    if not vary:
+        headers[hdrs.VARY] = name
+    elif name.lower() not in (v.strip().lower() for v in vary.split(",")) and vary.strip() != "*":
+        headers[hdrs.VARY] = f"{vary}, {name}"
+
+
+class CorsRequest(web.Request):
+    """A request that carries an ``Origin`` while CORS is on: its answer gets CORS's headers as
+    aiohttp prepares it. A subclass per policy (``request_class``) holds the policy."""
+
+    policy: ClassVar[CorsPolicy]
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        headers = response.headers
+        if hdrs.ACCESS_CONTROL_ALLOW_ORIGIN not in headers:     # a preflight's answer has its own
+            allowed = self.policy.allow_origin(self.headers.get(hdrs.ORIGIN))
+            if allowed is not None:
+                headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = allowed
+                headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED
+        add_vary(headers)
+        await super()._prepare_hook(response)
+
+
+def request_class(policy: CorsPolicy) -> type[CorsRequest]:
+    return type("CorsRequest", (CorsRequest,), {"policy": policy})
+
+
+def is_preflight(request: web.BaseRequest) -> bool:
+    headers = request.headers
+    return (request.method == hdrs.METH_OPTIONS and hdrs.ORIGIN in headers
+            and hdrs.ACCESS_CONTROL_REQUEST_METHOD in headers)
+
+
+def asked_headers(value: str) -> str | None:
+    """The header names a preflight asks for (``Access-Control-Request-Headers``), as given when
+    each is a token; None when it asks for none (or names something that is no header name)."""
+    names = [n.strip() for n in value.split(",")]
+    names = [n for n in names if n]
+    if not names or not all(_TOKEN.fullmatch(n) for n in names):
+        return None
+    return ", ".join(names)
+
+
+def preflight(request: web.BaseRequest, policy: CorsPolicy, methods: str, refused: Any) -> web.Response:
+    """The answer to a preflight: 204 with CORS's headers for an allowed origin, else ``refused``
+    (the path's 403, without them)."""
+    allowed = policy.allow_origin(request.headers.get(hdrs.ORIGIN))
+    if allowed is None:
+        return refused(request)
+    rid = request_id_from(request.headers.get("x-request-id"))
+    headers = {"request-id": rid, "x-request-id": rid, hdrs.ACCESS_CONTROL_ALLOW_ORIGIN: allowed, hdrs.ACCESS_CONTROL_ALLOW_METHODS: methods,
+               hdrs.ACCESS_CONTROL_MAX_AGE: str(MAX_AGE_S),
+               hdrs.VARY: "Origin, Access-Control-Request-Method, Access-Control-Request-Headers"}
+    asked = asked_headers(request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_HEADERS, ""))
+    if asked is not None:
+        headers[hdrs.ACCESS_CONTROL_ALLOW_HEADERS] = asked
+    return web.Response(status=204, headers=headers)
+

@@ -1,0 +1,184 @@
+"""CORS (``server.cors_allowed_origins``, gateway/server/cors.py) over real sockets: preflights, and
+the headers of JSON answers, errors and streams for a listed origin, another origin, any origin,
+and CORS off (the gateway as before: OPTIONS refused, no CORS header)."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+from multidict import CIMultiDict
+
+from tests.support.edge import Resp, assert_openai_error, exchange, request
+from tests.support.factories import model_block
+from tests.support.http import bearer, chat_body, openai_client, post
+from tests.support.tenancy import ALICE
+
+CHAT = [{"role": "user", "content": "Hello from a web page."}]
+APP = "https://app.example.com"
+OTHER = "https://evil.example.net"
+ACAO = "Access-Control-Allow-Origin"
+PREFLIGHT = {"Origin": APP, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os, routing-strategy"}
+
+
+def _lane(gw) -> int:
+    return gw.runner.server.edge.lane_requests
+
+
+def _no_cors(headers) -> None:
+    assert not [k for k in headers if k.lower().startswith("access-control-")], dict(headers)
+
+
+def _cors(headers, origin: str = APP) -> None:
+    """The headers of an answer to a listed origin."""
+    assert headers[ACAO] == origin, dict(headers)
+    assert "Origin" in [v.strip() for v in headers.get("Vary", "").split(",")], dict(headers)
+    exposed = [v.strip() for v in headers["Access-Control-Expose-Headers"].split(",")]
+    for name in ("x-request-id", "request-id", "target-pod", "routing-strategy", "x-ratelimit-remaining-requests",
+                 "retry-after", "x-error-upstream"):
+        assert name in exposed, exposed
+    assert "Access-Control-Allow-Credentials" not in headers
+
+
+def _resp(r) -> Resp:
+    """A Reply as the edge tests' error check reads it."""
+    return Resp(status=r.status, headers={k.lower(): v for k, v in r.headers.items()}, body=r.body)
+
+
+async def _options(gw, path: str, headers: dict[str, str]) -> tuple[int, CIMultiDict, bytes]:
+    async with aiohttp.ClientSession() as s, s.options(gw.url + path, headers=headers) as r:
+        return r.status, r.headers, await r.read()
+
+
+async def _cors_gateway(sims, gateway, origins: list[str], **blocks):
+    sim = await sims("vllm", "m")
+    return await gateway([model_block("m", "vllm", [sim.url])],
+                         server={"cors_allowed_origins": origins, **blocks.pop("server", {})}, **blocks)
+
+
+async def test_cors_off_refuses_options_and_adds_no_header_as_before(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    status, headers, body = await _options(gw, "/v1/chat/completions", PREFLIGHT)
+    assert status == 405 and headers["Allow"] == "POST"
+    assert orjson.loads(body)["error"]["message"] == "method OPTIONS not allowed on /v1/chat/completions"
+    _no_cors(headers)
+    lane = _lane(gw)
+    r = await post(gw, chat_body(CHAT), {"Origin": APP})
+    assert r.status == 200
+    _no_cors(r.headers)
+    assert "Vary" not in r.headers
+    assert _lane(gw) == lane + 1            # a request with an Origin is on the fast lane as any other
+
+
+async def test_a_preflight_from_a_listed_origin_is_answered_without_a_key(sims, gateway):
+    gw = await _cors_gateway(sims, gateway, [APP, "http://localhost:3000"], auth={"api_keys": [{"key": ALICE,
+                                                                                                 "user": "alice"}]})
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/models", "/v1/responses/resp_1", "/tokenize"):
+        status, headers, body = await _options(gw, path, PREFLIGHT)
+        assert (status, body) == (204, b""), (path, status, body)
+        assert headers[ACAO] == APP
+        assert headers["Access-Control-Allow-Headers"] == "authorization, content-type, x-stainless-os, routing-strategy"
+        methods = [m.strip() for m in headers["Access-Control-Allow-Methods"].split(",")]
+        assert {"GET", "POST", "DELETE"} <= set(methods), methods
+        assert int(headers["Access-Control-Max-Age"]) > 0
+        assert "Origin" in headers["Vary"] and "Access-Control-Allow-Credentials" not in headers
+        assert headers["x-request-id"]
+    # the other listed origin is echoed in its turn; no headers asked for: none listed
+    status, headers, _ = await _options(gw, "/v1/chat/completions", {
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST"})
+    assert status == 204 and headers[ACAO] == "http://localhost:3000"
+    assert "Access-Control-Allow-Headers" not in headers
+    # a plain OPTIONS (no Access-Control-Request-Method) is no preflight: refused as before, with CORS's headers
+    status, headers, _ = await _options(gw, "/v1/chat/completions", {"Origin": APP})
+    assert status == 405
+    _cors(headers)
+    # a preflight to a path outside the API (the gateway's own pages) is no API call either
+    status, headers, _ = await _options(gw, "/metrics", PREFLIGHT)
+    assert status == 405
+
+
+async def test_a_preflight_from_another_origin_is_refused_without_cors_headers(sims, gateway):
+    gw = await _cors_gateway(sims, gateway, [APP])
+    status, headers, body = await _options(gw, "/v1/chat/completions", {**PREFLIGHT, "Origin": OTHER})
+    assert status == 403
+    _no_cors(headers)
+    assert "Origin" in headers["Vary"]
+    err = orjson.loads(body)["error"]
+    assert err["code"] == "cors_origin_not_allowed" and OTHER in err["message"]
+    assert "server.cors_allowed_origins" in err["message"]
+    # Anthropic's shape on the Messages paths
+    status, headers, body = await _options(gw, "/v1/messages", {**PREFLIGHT, "Origin": OTHER})
+    assert status == 403 and orjson.loads(body)["type"] == "error"
+    _no_cors(headers)
+
+
+async def test_answers_to_a_listed_origin_carry_cors_headers(sims, gateway):
+    gw = await _cors_gateway(sims, gateway, [APP], server={"max_body_bytes": 65536},
+                             auth={"api_keys": [{"key": ALICE, "user": "alice"}]},
+                             limits={"users": {"alice": {"rpm": 2}}})
+    origin = {"Origin": APP}
+    lane = _lane(gw)
+    # a JSON answer, through the openai SDK
+    raw = await openai_client(gw, ALICE).chat.completions.with_raw_response.create(
+        model="m", messages=CHAT, max_tokens=3, extra_headers=origin)
+    assert raw.parse().choices[0].message.content
+    _cors(raw.headers)
+    assert raw.headers["x-ratelimit-remaining-requests"] == "1"
+    # a stream
+    async with aiohttp.ClientSession() as s, s.post(gw.base_url + "/chat/completions", headers={**origin, **bearer(ALICE)},
+                                                    json=chat_body(CHAT, stream=True)) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        _cors(r.headers)
+        assert (await r.read()).rstrip().endswith(b"data: [DONE]")
+    assert _lane(gw) == lane                # both went through aiohttp's request path
+    # the gateway's own errors: no key (401), an unknown model (404), over the user's limit (429)
+    r = await post(gw, chat_body(CHAT), origin)
+    assert_openai_error(_resp(r), 401)
+    _cors(r.headers)
+    r = await post(gw, chat_body(CHAT, model="nope"), {**origin, **bearer(ALICE)})
+    assert r.status == 404
+    _cors(r.headers)
+    r = await post(gw, chat_body(CHAT), {**origin, **bearer(ALICE)})
+    assert r.status == 429 and r.headers["Retry-After"]
+    _cors(r.headers)
+    # an unknown path (aiohttp's router), GET /v1/models, and a body over server.max_body_bytes (the edge's)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.base_url + "/nothing", headers=origin) as r:
+            assert r.status == 404
+            _cors(r.headers)
+        async with s.get(gw.base_url + "/models", headers={**origin, **bearer(ALICE)}) as r:
+            assert r.status == 200 and (await r.json())["data"][0]["id"] == "m"
+            _cors(r.headers)
+    got = await exchange(gw.port, request("POST", "/v1/chat/completions", b"x" * 70000, {"Origin": APP}), wait=10)
+    assert got.first.status == 413
+    _cors(CIMultiDict(got.first.raw_headers))
+    # a client without an Origin header is served as before: on the fast lane, no CORS header
+    lane = _lane(gw)
+    r = await post(gw, chat_body(CHAT, model="nope"), bearer(ALICE))
+    assert r.status == 404 and _lane(gw) == lane + 1
+    _no_cors(r.headers)
+
+
+async def test_answers_to_another_origin_carry_no_cors_header(sims, gateway):
+    gw = await _cors_gateway(sims, gateway, [APP])
+    r = await post(gw, chat_body(CHAT), {"Origin": OTHER})
+    assert r.status == 200 and orjson.loads(r.body)["choices"]      # served: the browser keeps it from the page
+    _no_cors(r.headers)
+    assert "Origin" in r.headers["Vary"]
+    r = await post(gw, chat_body(CHAT, model="nope"), {"Origin": OTHER})
+    assert r.status == 404
+    _no_cors(r.headers)
+
+
+async def test_any_origin(sims, gateway):
+    gw = await _cors_gateway(sims, gateway, ["*"])
+    status, headers, _ = await _options(gw, "/v1/embeddings", {**PREFLIGHT, "Origin": OTHER})
+    assert status == 204 and headers[ACAO] == "*"
+    assert "Access-Control-Allow-Credentials" not in headers
+    async with aiohttp.ClientSession() as s, s.post(gw.base_url + "/chat/completions", headers={"Origin": OTHER},
+                                                    json=chat_body(CHAT, stream=True)) as r:
+        assert r.status == 200
+        _cors(r.headers, "*")
+        await r.read()
+

@@ -1,0 +1,122 @@
+"""CORS in a real headless Chromium (tests/support/cdp.py): a page served from one loopback origin
+calls the gateway, at another origin (another port), with ``fetch()``, an API key and a JSON body,
+as a chat playground served elsewhere would. With the page's origin in
+``server.cors_allowed_origins`` the page gets the answer (the preflight its Authorization header
+causes passes without the key); with another origin listed, the browser refuses it the answer."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from tests.support.cdp import Browser, chromium_binary
+from tests.support.factories import model_block
+from tests.support.tenancy import ALICE
+
+PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>playground</title><link rel="icon" href="data:,"></head>
+<body>
+<script>
+// what a chat playground does: one chat completion, whole or streamed, with the user's API key
+async function ask(base, key, stream) {
+  try {
+    const r = await fetch(base + "/v1/chat/completions", {
+      method: "POST",
+      headers: {"Authorization": "Bearer " + key, "Content-Type": "application/json"},
+      body: JSON.stringify({model: "m", max_tokens: 4, stream: stream,
+                            messages: [{role: "user", content: "Hello from the playground"}]}),
+    });
+    const text = await r.text();
+    return {status: r.status, requestId: r.headers.get("x-request-id"),
+            targetPod: r.headers.get("target-pod"), text: text};
+  } catch (e) {
+    return {failed: e.name + ": " + e.message};
+  }
+}
+</script>
+</body></html>"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if chromium_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (make test installs Debian's chromium)")
+        pytest.skip("chromium is not installed (make test installs Debian's chromium)")
+    b = Browser.launch()
+    yield b
+    b.close()
+
+
+@pytest.fixture
+async def page(browser):
+    p = await browser.new_page()
+    yield p
+    await p.close()
+
+
+@contextlib.asynccontextmanager
+async def playground() -> AsyncIterator[str]:
+    """The page, served on a loopback port of its own: its origin."""
+    async def index(_request: web.Request) -> web.Response:
+        return web.Response(text=PAGE, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/", index)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def _gateway(sims, gateway, origins: list[str]):
+    sim = await sims("vllm", "m")
+    return await gateway([model_block("m", "vllm", [sim.url])], server={"cors_allowed_origins": origins},
+                         auth={"api_keys": [{"key": ALICE, "user": "alice"}]})
+
+
+async def _ask(page, gw, stream: bool) -> dict:
+    return await page.evaluate(f"ask({json.dumps(gw.url)}, {json.dumps(ALICE)}, {json.dumps(stream)})")
+
+
+async def test_a_page_on_a_listed_origin_gets_the_answer(sims, gateway, page):
+    async with playground() as origin:
+        gw = await _gateway(sims, gateway, [origin])
+        await page.navigate(origin + "/")
+        got = await _ask(page, gw, stream=False)
+        assert got.get("status") == 200, got
+        assert json.loads(got["text"])["choices"][0]["message"]["content"]
+        # the gateway's own headers are readable by the page
+        assert got["requestId"] and got["targetPod"] == gw.gw.pool.endpoints("m")[0].name
+        got = await _ask(page, gw, stream=True)
+        assert got.get("status") == 200, got
+        assert got["text"].rstrip().endswith("data: [DONE]") and got["requestId"]
+        assert page.problems == [], "\n".join(page.problems)
+
+
+async def test_a_page_on_another_origin_is_refused_the_answer(sims, gateway, page):
+    async with playground() as origin:
+        gw = await _gateway(sims, gateway, ["http://127.0.0.1:1"])
+        await page.navigate(origin + "/")
+        got = await _ask(page, gw, stream=False)
+        assert got == {"failed": "TypeError: Failed to fetch"}, got
+        # the browser says why: the preflight carried no Access-Control-Allow-Origin
+        assert any("CORS policy" in p for p in page.problems), page.problems
+
+
+async def test_a_page_is_refused_the_answer_with_cors_off(sims, gateway, page):
+    async with playground() as origin:
+        sim = await sims("vllm", "m")
+        gw = await gateway([model_block("m", "vllm", [sim.url])])
+        await page.navigate(origin + "/")
+        got = await _ask(page, gw, stream=False)
+        assert got == {"failed": "TypeError: Failed to fetch"}, got
