@@ -232,3 +232,42 @@ def test_the_architecture_layout_names_every_top_level_folder():
         pytest.skip("not a git checkout")
     folders = {d for d in tracked.stdout.split() if not d.startswith(".")}
     assert listed == folders, f"layout: missing {sorted(folders - listed)}, not there {sorted(listed - folders)}"
+
+
+# --- names the prose gives ---------------------------------------------------------------------
+
+def _manual() -> list[Path]:
+    """The pages a reader reads: the README and the manual (the generated configuration page too)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _prose(markdown: str) -> str:
+    """A page without its fenced blocks (commands, configs and outputs are checked elsewhere)."""
+    return re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+
+
+def _named_strategies(markdown: str) -> set[str]:
+    """What the prose calls a strategy: "the `x` strategy", "`x` and `y` strategies", "strategy `x`"."""
+    text = _prose(markdown)
+    out = set()
+    for m in re.finditer(r"((?:`[a-z0-9-]+`(?:,|\s+and|\s+or)?\s+)+)strateg(?:y|ies)\b", text):
+        out |= set(re.findall(r"`([a-z0-9-]+)`", m.group(1)))
+    out |= set(re.findall(r"\bstrateg(?:y|ies),?\s+`([a-z0-9-]+)`", text))
+    out |= set(re.findall(r"^routing-strategy: ([a-z0-9-]+)$", markdown, re.M))
+    return out
+
+
+def test_every_strategy_the_manual_names_is_one_the_gateway_has():
+    from routers.base import RouterContext
+    from routers.registry import default_registry
+
+    known = set(default_registry(RouterContext()).names())
+    wrong = [f"{page.relative_to(ROOT)}: `{name}`" for page in _manual()
+             for name in sorted(_named_strategies(page.read_text(encoding="utf-8"))) if name not in known]
+    assert not wrong, f"strategies the manual names that the gateway does not have (it has {sorted(known)}):\n" + "\n".join(wrong)
+
+
+def test_the_strategy_check_sees_each_way_of_naming_one():
+    md = ("the `pd` strategy; the `slo` and\n`lora` strategies; strategy\n`random`;\n"
+          "```\nthe `nope` strategy\n```\nrouting-strategy: least-waiting\n`model` (the strategy's)")
+    assert _named_strategies(md) == {"pd", "slo", "lora", "random", "least-waiting"}
