@@ -271,3 +271,47 @@ def test_the_strategy_check_sees_each_way_of_naming_one():
     md = ("the `pd` strategy; the `slo` and\n`lora` strategies; strategy\n`random`;\n"
           "```\nthe `nope` strategy\n```\nrouting-strategy: least-waiting\n`model` (the strategy's)")
     assert _named_strategies(md) == {"pd", "slo", "lora", "random", "least-waiting"}
+
+
+def _defined_series() -> set[str]:
+    """Every series name the code can export: each ``switchyard_*`` string of the gateway's code
+    (a metric's name as its collector is given it), with the names Prometheus derives from it."""
+    import ast
+
+    names = set()
+    for package in ("gateway", "k8s", "routers", "handlers"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and re.fullmatch(r"switchyard_[a-z0-9_]+", node.value):
+                    names.add(node.value.removesuffix("_total"))
+    return {n + suffix for n in names for suffix in ("", "_total", "_bucket", "_sum", "_count", "_created")}
+
+
+def _series_named(text: str) -> list[tuple[int, str]]:
+    """The ``switchyard_*`` names a page gives, with their lines; ``switchyard_pd_*`` for a family."""
+    return [(text[:m.start()].count("\n") + 1, m.group(0))
+            for m in re.finditer(r"switchyard_[a-z0-9_]*[a-z0-9](?:_\*)?", text)]
+
+
+def test_every_metric_the_manual_names_is_one_the_gateway_exports():
+    """A metric renamed or removed in the code is renamed or removed in the manual too: a name a
+    reader greps /metrics for, or puts in an alert, is one the gateway has."""
+    defined = _defined_series()
+    pages = [*_manual(), ROOT / "docs" / "status.schema.json", ROOT / "bench" / "README.md",
+             ROOT / "enginesim" / "README.md"]
+    wrong = []
+    for page in pages:
+        for line, name in _series_named(page.read_text(encoding="utf-8")):
+            ok = any(d.startswith(name[:-1]) for d in defined) if name.endswith("*") else name in defined
+            if not ok:
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {name}")
+    assert not wrong, "metrics the manual names that the gateway does not export:\n" + "\n".join(wrong)
+
+
+def test_the_metric_check_knows_derived_names_and_families():
+    defined = _defined_series()
+    assert {"switchyard_requests_total", "switchyard_e2e_request_latency_seconds_bucket",
+            "switchyard_kubernetes_requests_total", "switchyard_endpoint_ready"} <= defined
+    assert "switchyard_requests" in defined and "switchyard_request_total" not in defined
+    assert _series_named("`switchyard_pd_*` and\nswitchyard_x_total.") == [(1, "switchyard_pd_*"), (2, "switchyard_x_total")]
