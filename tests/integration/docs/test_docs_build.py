@@ -242,8 +242,9 @@ def _manual() -> list[Path]:
 
 
 def _prose(markdown: str) -> str:
-    """A page without its fenced blocks (commands, configs and outputs are checked elsewhere)."""
-    return re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+    """A page without its fenced blocks (commands, configs and outputs are checked elsewhere),
+    each left as its blank lines so that the lines keep their numbers."""
+    return re.sub(r"^```.*?^```", lambda m: "\n" * m.group(0).count("\n"), markdown, flags=re.S | re.M)
 
 
 def _named_strategies(markdown: str) -> set[str]:
@@ -315,3 +316,88 @@ def test_the_metric_check_knows_derived_names_and_families():
             "switchyard_kubernetes_requests_total", "switchyard_endpoint_ready"} <= defined
     assert "switchyard_requests" in defined and "switchyard_request_total" not in defined
     assert _series_named("`switchyard_pd_*` and\nswitchyard_x_total.") == [(1, "switchyard_pd_*"), (2, "switchyard_x_total")]
+
+
+def _config_paths() -> tuple[set[str], set[str]]:
+    """Every key path of the config (``models.endpoints.url``: lists' ``[]`` left out, a map's
+    entry as ``*``), and the names of the keys that hold a block."""
+    from gateway.config.json_schema import config_schema
+
+    schema = config_schema()
+    defs = schema["$defs"]
+    paths: set[str] = set()
+    blocks: set[str] = set()
+
+    def shapes(s: dict) -> list[dict]:
+        s = defs[s["$ref"].rsplit("/", 1)[1]] if "$ref" in s else s
+        return [b for x in s["anyOf"] for b in shapes(x)] if "anyOf" in s else [s]
+
+    def walk(s: dict, prefix: str, depth: int) -> None:
+        for shape in shapes(s):
+            for key, sub in shape.get("properties", {}).items() if depth < 8 else ():
+                path = f"{prefix}.{key}" if prefix else key
+                paths.add(path)
+                if any("properties" in x or "items" in x or isinstance(x.get("additionalProperties"), dict)
+                       for x in shapes(sub)):
+                    blocks.add(key)
+                walk(sub, path, depth + 1)
+            if "items" in shape:
+                walk(shape["items"], prefix, depth + 1)
+            if isinstance(shape.get("additionalProperties"), dict):
+                walk(shape["additionalProperties"], f"{prefix}.*", depth + 1)
+
+    walk(schema, "", 0)
+    return paths, blocks
+
+
+# dotted names the prose gives that start like a config key and are something else
+NOT_CONFIG_KEYS = {
+    "server.address", "server.port",            # OpenTelemetry attributes of the engine spans
+    "batch.runs_here", "admission.slo",         # fields of /status.json
+}
+
+
+def _key_paths_named(markdown: str) -> list[tuple[int, str]]:
+    """The dotted key paths a page names in inline code: `server.workers`, `models[].adapters`,
+    `server.log_level: warning` (the path before the colon), with their lines."""
+    text = _prose(markdown)
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1))
+            for m in re.finditer(r"`([a-z_]+(?:\[\])?(?:\.[a-z0-9_]+(?:\[\])?)+)(?::[^`\n]*)?`", text)
+            if not re.search(r"\.(py|ya?ml|json|md|html|lock|txt)$", m.group(1))]       # a file's name
+
+
+def _is_key(path: str, paths: set[str]) -> bool:
+    """A path of the config, or the tail of one (a model's `watchdog.idle_timeout_s`), a map's
+    entry standing for its ``*``."""
+    segs = path.replace("[]", "").split(".")
+    candidates = {".".join(segs)} | {".".join(segs[:i] + ["*"] + segs[i + 1:]) for i in range(1, len(segs))}
+    return any(p == c or p.endswith("." + c) for p in paths for c in candidates)
+
+
+def test_every_config_key_the_manual_names_is_one_the_schema_has():
+    """A key renamed or moved in the schema is renamed in the prose too: `server.x`, `view.y` and
+    a block's keys named by their own path (`kv_events.chat_shapes`) are keys a reader can set."""
+    paths, blocks = _config_paths()
+    top = {p for p in paths if "." not in p}
+    wrong = []
+    for page in _manual():
+        if page.name == "configuration.md":      # generated from the schema itself
+            continue
+        for line, path in _key_paths_named(page.read_text(encoding="utf-8")):
+            first = path.replace("[]", "").split(".")[0]
+            if first not in top | blocks or path in NOT_CONFIG_KEYS:
+                continue
+            if not _is_key(path, paths):
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {path}")
+    assert not wrong, "key paths the manual names that the config does not have:\n" + "\n".join(wrong)
+
+
+def test_the_key_check_sees_paths_tails_and_map_entries():
+    paths, blocks = _config_paths()
+    assert {"server.workers", "models.endpoints.url", "limits.users.*.rpm"} <= paths
+    assert {"server", "models", "kv_events", "watchdog"} <= blocks and "url" not in blocks
+    assert _is_key("models[].endpoints[].url", paths) and _is_key("kv_events.chat_shapes", paths)
+    assert _is_key("limits.users.alice.rpm", paths)
+    assert not _is_key("server.worker", paths) and not _is_key("watchdog.idle_s", paths)
+    md = "`server.workers: auto` and `view.x`\n```\n`server.nope`\n```\n`models[].adapters` `kubernetes.yaml`"
+    assert _key_paths_named(md) == [(1, "server.workers"), (1, "view.x"), (5, "models[].adapters")]
