@@ -401,3 +401,87 @@ def test_the_key_check_sees_paths_tails_and_map_entries():
     assert not _is_key("server.worker", paths) and not _is_key("watchdog.idle_s", paths)
     md = "`server.workers: auto` and `view.x`\n```\n`server.nope`\n```\n`models[].adapters` `kubernetes.yaml`"
     assert _key_paths_named(md) == [(1, "server.workers"), (1, "view.x"), (5, "models[].adapters")]
+
+
+def _defined_labels() -> dict[str, set[str]]:
+    """A metric's label names, as the code gives them where it creates the metric:
+    ``Counter("switchyard_x", "doc", ["a", "b"])``, ``GaugeMetricFamily(..., labels=[...])``. A
+    metric whose labels are not written out there (a variable) is left out."""
+    import ast
+
+    def names(node) -> tuple[str, ...] | None:
+        if isinstance(node, (ast.List, ast.Tuple)) \
+                and all(isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            return tuple(e.value for e in node.elts)
+        return None
+
+    out: dict[str, set[str]] = {}
+    unclear: set[str] = set()
+    for package in ("gateway", "k8s", "routers", "handlers"):
+        for path in (ROOT / package).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                        and isinstance(node.args[0].value, str)
+                        and re.fullmatch(r"switchyard_[a-z0-9_]+", node.args[0].value)):
+                    continue
+                name = node.args[0].value.removesuffix("_total")
+                given = [kw.value for kw in node.keywords if kw.arg in ("labelnames", "labels")] or node.args[2:3]
+                labels = names(given[0]) if given else ()
+                if labels is None or (name in out and out[name] != set(labels)):
+                    unclear.add(name)
+                else:
+                    out[name] = set(labels)
+    return {k: v for k, v in out.items() if k not in unclear}
+
+
+def _outside_parentheses(text: str) -> str:
+    out, depth = [], 0
+    for ch in text:
+        depth += ch == "("
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ")" and depth > 0
+    return "".join(out)
+
+
+def _table_labels(markdown: str) -> list[tuple[int, list[str], set[str]]]:
+    """A page's rows of metrics: (line, the metrics a row names, the labels it gives:
+    the names in code before the row's first colon, outside parentheses)."""
+    rows = []
+    for m in re.finditer(r"^\| (`switchyard_[^|]*?) \| [^|]* \| (.*) \|$", markdown, re.M):
+        metrics = re.findall(r"`(switchyard_[a-z0-9_]+)`", m.group(1))
+        labels = set(re.findall(r"`([a-z_]+)`", _outside_parentheses(m.group(2)).split(":")[0]))
+        rows.append((markdown.count("\n", 0, m.start()) + 1, metrics, labels))
+    return rows
+
+
+def test_the_labels_the_manual_gives_a_metric_are_the_ones_it_has():
+    """A metric's row in a table of metrics names its labels (a row of several metrics, the labels
+    of all of them), and `switchyard_x_total{a, b="v"}` in the prose names labels it has."""
+    defined = _defined_labels()
+    assert len(defined) > 100
+    wrong = []
+    for page in _manual():
+        text = page.read_text(encoding="utf-8")
+        for line, metrics, labels in _table_labels(text):
+            known = [defined.get(m.removesuffix("_total")) for m in metrics]
+            if None not in known and labels != set().union(*known):
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {', '.join(metrics)}: the row gives {sorted(labels)}, "
+                             f"the code {sorted(set().union(*known))}")
+        for m in re.finditer(r"(switchyard_[a-z0-9_]+)\{([^}]*)\}", text):
+            has = defined.get(m.group(1).removesuffix("_total"))
+            named = set(re.findall(r"([a-z_]+)\s*(?:=|!=|=~|!~|,|$)", m.group(2)))
+            if has is not None and not named <= has:
+                wrong.append(f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)}: "
+                             f"it has {sorted(has)}")
+    assert not wrong, "labels the manual gives that the metrics do not have:\n" + "\n".join(wrong)
+
+
+def test_the_label_check_reads_rows_and_the_code():
+    defined = _defined_labels()
+    assert defined["switchyard_requests"] == {"model", "status", "strategy"}
+    assert defined["switchyard_kubernetes_requests"] == {"verb", "result"}
+    md = ("| `switchyard_a_total`, `switchyard_b` | counter | `model`, `x` / `y` (`not_a_label`): text `z` |\n"
+          "| `switchyard_c` | gauge | (`none`) open connections |\n")
+    assert _table_labels(md) == [(1, ["switchyard_a_total", "switchyard_b"], {"model", "x", "y"}),
+                                 (2, ["switchyard_c"], set())]
