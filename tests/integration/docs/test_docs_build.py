@@ -485,3 +485,32 @@ def test_the_label_check_reads_rows_and_the_code():
           "| `switchyard_c` | gauge | (`none`) open connections |\n")
     assert _table_labels(md) == [(1, ["switchyard_a_total", "switchyard_b"], {"model", "x", "y"}),
                                  (2, ["switchyard_c"], set())]
+
+
+# headers the manual names that the gateway reads nowhere, on purpose
+IGNORED_HEADERS = {"x-forwarded-host"}       # a client's claim of another host: the edge serves its pool
+
+
+def _headers_named(markdown: str) -> list[tuple[int, str]]:
+    """The ``x-...`` header names a page gives in inline code (``x-ratelimit-*`` for a family)."""
+    text = _prose(markdown)
+    return [(text.count("\n", 0, m.start()) + 1, m.group(1).lower())
+            for m in re.finditer(r"`(x-[A-Za-z0-9-]*[A-Za-z0-9*])(?::[^`\n]*)?`", text, re.I)]
+
+
+def test_every_x_header_the_manual_names_is_one_the_code_sends_or_reads():
+    """A header renamed in the code (a marker header of an error, a routing or SLO header) is
+    renamed in the manual too."""
+    code = "\n".join(p.read_text(encoding="utf-8").lower() for package in ("gateway", "routers", "handlers", "enginesim")
+                     for p in (ROOT / package).rglob("*.py"))
+    wrong = []
+    for page in _manual():
+        for line, header in _headers_named(page.read_text(encoding="utf-8")):
+            if header not in IGNORED_HEADERS and header.rstrip("*") not in code:
+                wrong.append(f"{page.relative_to(ROOT)}:{line}: {header}")
+    assert not wrong, "headers the manual names that the code neither sends nor reads:\n" + "\n".join(wrong)
+
+
+def test_the_header_check_reads_names_families_and_values():
+    md = "`x-retries: N` and `X-Request-Id`\n```\n`x-nope`\n```\n`x-ratelimit-*`, `routing-strategy`"
+    assert _headers_named(md) == [(1, "x-retries"), (1, "x-request-id"), (5, "x-ratelimit-*")]
