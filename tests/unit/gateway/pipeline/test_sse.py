@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gateway.pipeline import sse
 from gateway.pipeline.sse import ITL_KEEP, ChoicesScanner, SSEScanner, usage_tokens
 
-# -- real framings (engine-protocols.md §1.3, §2.3, §2.4) ---------------------------------------
+# -- real framings (as vLLM and SGLang write them) ---------------------------------------
 
 VLLM_ROLE = (b'data: {"id":"chatcmpl-X","object":"chat.completion.chunk","created":1767000000,"model":"llama-8b",'
              b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'

@@ -16,7 +16,7 @@ TTFT_BUCKETS = ["0.001", "0.005", "0.01", "0.02", "0.04", "0.06", "0.08", "0.1",
 
 def vllm_text(*, engines=("0",), model="llama-8b", running=3.0, waiting=1.0, kv=0.42, hits=10240.0,
               queries=20480.0, prompt=5000.0, gen=2500.0, ttft_sum=12.5, ttft_count=50.0, block_size=16) -> str:
-    """A vLLM 0.33-style exposition (engine-protocols.md §1.6); per-engine values are the same."""
+    """A vLLM 0.33-style exposition (vLLM's own /metrics); per-engine values are the same."""
     out = []
     def family(name: str, kind: str, help_: str) -> None:
         out.append(f"# HELP {name} {help_}")
@@ -64,7 +64,7 @@ def vllm_text(*, engines=("0",), model="llama-8b", running=3.0, waiting=1.0, kv=
 def sglang_text(*, model="qwen", dp_ranks=(None,), running=4.0, queue=2.0, token_usage=0.3, hit_rate=0.6,
                 gen_tp=812.5, prompt=(3000.0, 1000.0), gen=(1500.0, 500.0), ttft_sum=(6.0, 2.0),
                 ttft_count=(30.0, 10.0), with_gen_tp=True) -> str:
-    """An SGLang 0.5-style exposition (engine-protocols.md §2.7): multiprocess collector, no _created;
+    """An SGLang 0.5-style exposition (SGLang's own /metrics): multiprocess collector, no _created;
     scheduler metrics per DP rank; tokenizer metrics split by is_streaming."""
     out = []
     def sched_labels(dp) -> str:
