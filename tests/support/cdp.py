@@ -63,6 +63,18 @@ def chromium_binary() -> str | None:
     return None
 
 
+def launch_for_test() -> Browser:
+    """A launched ``Browser`` for a test: the test is skipped when no Chromium is installed, and
+    fails instead under CI, where ``make test`` installs Debian's."""
+    import pytest
+
+    if chromium_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (make test installs Debian's chromium)")
+        pytest.skip("chromium is not installed (make test installs Debian's chromium)")
+    return Browser.launch()
+
+
 class BrowserError(RuntimeError):
     pass
 

@@ -9,13 +9,12 @@ Every wait is on a DOM condition, checked inside the page, with a bound; the pag
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import redis.asyncio as aioredis
 
 from gateway.demo import DEMO_ENGINES
-from tests.support.cdp import Browser, chromium_binary
+from tests.support.cdp import launch_for_test
 from tests.support.factories import model_block, roleset, sim_pod
 from tests.support.status import ADMIN, chat
 
@@ -24,11 +23,7 @@ FAST_PAGE = {"refresh_s": 0.5}
 
 @pytest.fixture(scope="module")
 def browser():
-    if chromium_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed (make test installs Debian's chromium)")
-        pytest.skip("chromium is not installed (make test installs Debian's chromium)")
-    b = Browser.launch()
+    b = launch_for_test()
     yield b
     b.close()
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
 
-from tests.support.cdp import Browser, chromium_binary
+from tests.support.cdp import launch_for_test
 from tests.support.factories import model_block
 from tests.support.tenancy import ALICE
 
@@ -44,11 +43,7 @@ async function ask(base, key, stream) {
 
 @pytest.fixture(scope="module")
 def browser():
-    if chromium_binary() is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed (make test installs Debian's chromium)")
-        pytest.skip("chromium is not installed (make test installs Debian's chromium)")
-    b = Browser.launch()
+    b = launch_for_test()
     yield b
     b.close()
 
