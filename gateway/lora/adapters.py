@@ -39,10 +39,11 @@ still completes and stays). An adapter the config does not list: 503 naming the 
 Unloading (the engine's unload call: vLLM ``POST /v1/unload_lora_adapter``, SGLang
 ``/unload_lora_adapter``, ``{lora_name}``). An adapter is never unloaded from an endpoint where
 this gateway has requests for it in flight (``charge`` counts a P/D request on both its prefill and
-its decode until the request ends); it leaves the endpoint's served set before the call, so no new
-request is routed to it meanwhile; a failed unload puts it back. Only adapters the config lists
-for the endpoint's model are unloaded by ``capacity`` and ``error`` (the gateway can load them
-again), only adapters the gateway loaded by ``idle``:
+its decode until the request ends; with several workers, a sibling's count too: below); it leaves
+the endpoint's served set before the call, so no new request is routed to it meanwhile; a failed
+unload puts it back. Only adapters the config lists for the endpoint's model are unloaded by
+``capacity`` and ``error`` (the gateway can load them again), only adapters the gateway loaded by
+``idle``:
 
 - ``capacity``: before loading onto an endpoint that serves (or is loading) ``max_adapters_per_endpoint``
   adapters, the least recently used one there (last routed, or loaded, by this gateway; one
@@ -63,8 +64,18 @@ Several workers: each worker tells its siblings of the loads and unloads it make
 routing view, with ``view.share_monitoring``: ``told_adapters`` → their ``adopt_change``), so a
 sibling neither loads an adapter again that is there nor sends requests for one to an engine that
 no longer has it, and at each idle pass of the adapters it used or has requests in flight for
-(``tell_uses`` → ``adopt_use``), which count in their idle and least-recently-used choices. Loads
-under way and the in-flight requests that hold a ``capacity`` unload back are each worker's own.
+(``tell_uses`` → ``adopt_use``), which count in their idle and least-recently-used choices. When
+an adapter's requests in flight on an endpoint go from none to one or back to none, it tells them
+every adapter it has requests in flight for, and where (``AdapterInFlight``'s ``told`` →
+``share.told_busy``, with the next batch, and again every ``view.heartbeat_s`` while there are
+any); a sibling never unloads one of those there, for ``capacity``, ``idle`` or ``error``
+(``_busy_elsewhere``), until told they ended or the worker is silent for ``view.peer_ttl_s``
+(stopped; a restarted one's first word clears them). What stays each worker's own: loads under way
+(requests reaching two workers before either load is done make two load calls; the engine answers
+the second that the adapter is there, which counts as loaded, and the cap may be passed for a
+moment), ``failure_cooldown_s``, and the moment between a sibling's request being charged and its
+word arriving (a bus hop; the fresh load or use makes the adapter the last the least-recently-used
+order picks).
 """
 
 from __future__ import annotations
@@ -416,13 +427,24 @@ class Lora:
         with no request in flight there, among those the config lets the gateway load again."""
         mine = [a for a in ep.adapters.served
                 if a != keep and self.paths.get(a, ("",))[0] == ep.model and not ep.adapters.in_flight.get(a)
-                and (id(ep), a) not in self._unloading]
+                and (id(ep), a) not in self._unloading and not self._busy_elsewhere(ep, a)]
         return min(mine, key=lambda a: self._last_used(ep, a), default=None)
+
+    def _busy_elsewhere(self, ep: Endpoint, adapter: str) -> bool:
+        """Whether a sibling worker has requests for ``adapter`` in flight on ``ep`` (as it last
+        told, within ``view.peer_ttl_s``)."""
+        share = self.share
+        if share is None or not share.sibling_busy(ep, adapter):
+            return False
+        log.debug("lora adapter kept: a sibling worker has requests in flight for it", model=ep.model,
+                  adapter=adapter, endpoint=ep.name)
+        return True
 
     async def unload(self, ep: Endpoint, adapter: str, reason: str) -> bool:
         """Unload ``adapter`` from ``ep`` (reason: capacity, idle, error) unless requests for it
         are in flight there; whether it is gone. New requests stop going there first."""
-        if ep.adapters.in_flight.get(adapter) or (id(ep), adapter) in self._unloading:
+        if ep.adapters.in_flight.get(adapter) or (id(ep), adapter) in self._unloading \
+                or self._busy_elsewhere(ep, adapter):
             return False
         model = ep.adapters.served.pop(adapter, None)
         if model is None:
@@ -457,7 +479,7 @@ class Lora:
         now = self.clock()
         due = [(ep, a) for ep in self.pool.endpoints() for a in list(ep.adapters.served)
                if (id(ep), a) in self._loaded_at and not ep.adapters.in_flight.get(a)
-               and now - self._last_used(ep, a) >= idle]
+               and now - self._last_used(ep, a) >= idle and not self._busy_elsewhere(ep, a)]
         if not due:
             return 0
         return sum(await asyncio.gather(*(self.unload(ep, a, "idle") for ep, a in due)))
@@ -473,11 +495,13 @@ class Lora:
         adapter = ireq.lora
         state = d.reason if d.strategy and d.reason else "other"
         self.metrics.requests.labels(ireq.model, adapter, state if state in _STATES else "other").inc()
+        share = self.share
+        told = share.told_busy if share is not None else None
         if d.prefill is None:
-            ctx.charges.adapter = AdapterInFlight(d.endpoint, adapter)
+            ctx.charges.adapter = AdapterInFlight(d.endpoint, adapter, told)
             eps = (d.endpoint,)
         else:
-            ctx.charges.adapter = _PairAdapterInFlight(d.prefill, d.endpoint, adapter)
+            ctx.charges.adapter = _PairAdapterInFlight(d.prefill, d.endpoint, adapter, told)
             eps = (d.prefill, d.endpoint)
         now = self.clock()
         for ep in eps:
@@ -692,9 +716,9 @@ class _PairAdapterInFlight(AdapterInFlight):
 
     __slots__ = ("prefill",)
 
-    def __init__(self, prefill: Endpoint, decode: Endpoint, adapter: str) -> None:
-        self.prefill = AdapterInFlight(prefill, adapter)
-        super().__init__(decode, adapter)
+    def __init__(self, prefill: Endpoint, decode: Endpoint, adapter: str, told: Callable[[], None] | None = None) -> None:
+        self.prefill = AdapterInFlight(prefill, adapter, told)
+        super().__init__(decode, adapter, told)
 
     def release(self) -> None:
         self.prefill.release()

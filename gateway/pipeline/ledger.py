@@ -22,6 +22,7 @@ The counts are exported as gauges at scrape time (``gateway.observability.metric
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -103,12 +104,15 @@ class TokenKV(Charge):
 
 
 class AdapterInFlight(Charge):
-    """This gateway's requests for one LoRA adapter on an endpoint (``AdapterState.in_flight``)."""
+    """This gateway's requests for one LoRA adapter on an endpoint (``AdapterState.in_flight``).
+    ``told``, when given, is called when the count there goes from 0 to 1 or back to 0 (the
+    sibling workers learn which adapters this one has in flight: gateway/lora/adapters.py)."""
 
-    __slots__ = ("adapter",)
+    __slots__ = ("adapter", "told")
 
-    def __init__(self, endpoint: Endpoint, adapter: str) -> None:
+    def __init__(self, endpoint: Endpoint, adapter: str, told: Callable[[], None] | None = None) -> None:
         self.adapter = adapter
+        self.told = told
         super().__init__(endpoint)
 
     def _add(self, ep: Endpoint, amount: float) -> None:  # type: ignore[override]
@@ -116,8 +120,10 @@ class AdapterInFlight(Charge):
         n = counts.get(self.adapter, 0) + int(amount)
         if n > 0:
             counts[self.adapter] = n
-        else:
-            counts.pop(self.adapter, None)
+            if n == 1 and amount > 0 and self.told is not None:
+                self.told()
+        elif counts.pop(self.adapter, None) is not None and self.told is not None:
+            self.told()
 
 
 class RankInFlight(Charge):

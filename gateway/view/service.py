@@ -29,9 +29,12 @@ own view, without telling anyone again:
   themselves when they have not for two intervals plus the timeout (the watcher restarting).
   Every worker also tells the others of the LoRA adapters it loads and unloads, as it does, and
   of those it used, at each idle pass (``told_adapters``, ``told_used`` → ``Lora.adopt_change``,
-  ``adopt_use``). A snapshot carries the in-flight requests its sender knew of
-  at the scrape, so each worker can tell its own requests from other gateways' in the engine's
-  counts (``EngineMetrics.gateway_in_flight``);
+  ``adopt_use``), and, as a count goes from none to one or back, of all the adapters it has
+  requests in flight for on each endpoint (``told_busy`` → ``sibling_busy``, which the LoRA stage
+  asks before it unloads one; re-sent every ``view.heartbeat_s`` while there are any, dropped
+  after ``view.peer_ttl_s`` of silence or at the sender's restart). A snapshot carries the
+  in-flight requests its sender knew of at the scrape, so each worker can tell its own requests
+  from other gateways' in the engine's counts (``EngineMetrics.gateway_in_flight``);
 * between workers, an interactive request routed to an endpoint with no free slot
   (``tell_preempt``): the worker that runs batches stops its newest batch line there
   (``on_preempt``), as it does for its own requests (``gateway.batch``).
@@ -182,6 +185,11 @@ class RoutingView:
         self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
         self._sent_load: dict[str, int] | None = None
         self._sent_load_at = 0.0
+        # LoRA adapters in flight (``told_busy``): this worker's, as last sent, and its siblings'
+        self._busy_changed = False
+        self._sent_busy: dict[str, list[str]] = {}
+        self._sent_busy_at = 0.0
+        self._sibling_busy: dict[str, tuple[int, dict[str, list[str]], float]] = {}   # sibling → (run, busy, heard at)
         self._flushed_at = -1e9              # loop time of the last message to the siblings
         self._tick_at: asyncio.Handle | None = None
         self._tick_when = 0.0       # when ``_tick_at`` fires (uvloop's handle for a delay under half a
@@ -289,6 +297,25 @@ class RoutingView:
         unload by use (idle, least recently used); it rides with the next batch."""
         self._served.append(Served(self._key(ep), at, adapters, USED))
         self._later()
+
+    def told_busy(self) -> None:
+        """An adapter's count of requests in flight on an endpoint went from 0 to 1 or back to 0 in
+        this worker (``AdapterInFlight``): the siblings learn every adapter it has in flight, and
+        where, with the next batch (and every ``heartbeat_s`` while it has any), so none unloads
+        one of them from under its requests."""
+        self._busy_changed = True
+        self._later()
+
+    def sibling_busy(self, ep: Endpoint, adapter: str) -> bool:
+        """Whether a sibling, heard within ``peer_ttl_s``, has requests for ``adapter`` in flight on ``ep``."""
+        if not self._sibling_busy:
+            return False
+        key, cut = self._key(ep), time.monotonic() - self.cfg.peer_ttl_s
+        return any(heard >= cut and adapter in busy.get(key, ()) for _, busy, heard in self._sibling_busy.values())
+
+    def _busy(self) -> dict[str, list[str]]:
+        key = self._key
+        return {key(ep): sorted(ep.adapters.in_flight) for ep in self.pool.endpoints() if ep.adapters.in_flight}
 
     def tell_preempt(self, ep: Endpoint) -> None:
         """An interactive request was routed to ``ep`` with no free slot: the siblings learn it at
@@ -454,12 +481,23 @@ class RoutingView:
             # changed, or the heartbeat of counts the siblings hold (none at rest: "nothing" was said once)
             if snap != self._sent_load or (snap and now - self._sent_load_at >= self.cfg.heartbeat_s - 0.01):   # (a timer may fire a hair early)
                 load, self._sent_load, self._sent_load_at = snap, snap, now
+        busy = None
+        if self._busy_changed or self._sent_busy:
+            now = time.monotonic()
+            due = bool(self._sent_busy) and now - self._sent_busy_at >= self.cfg.heartbeat_s - 0.01
+            if self._busy_changed or due:
+                self._busy_changed = False
+                snap = self._busy()
+                if due or snap != self._sent_busy:
+                    busy, self._sent_busy, self._sent_busy_at = snap, snap, now
+                    if snap:
+                        self._arm(self.cfg.heartbeat_s)      # said again until nothing is in flight
         bus = self.bus
         if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served or preempt
-                                or load is not None or (heartbeat and self._owe)):
+                                or load is not None or busy is not None or (heartbeat and self._owe)):
             payloads, self._seq = encode_numbered(self.sender, time.time(), inserts, sessions, load,
                                                   self.cfg.max_datagram_bytes, tokens, ejects, probes, scrapes, served,
-                                                  preempt, self.run, self._seq)
+                                                  preempt, self.run, self._seq, busy)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if bus.refused:
                 # a sibling missed facts, or the number that tells it so: say it again on the heartbeat
@@ -507,7 +545,7 @@ class RoutingView:
             self._expire_peers()
         except Exception:     # never let the ticker die: the siblings would see this one go silent
             log.exception("shared routing view: tick failed")
-        if (self.bus_load and (self._sent_load or self._peers)) or self._owe:
+        if (self.bus_load and (self._sent_load or self._peers)) or self._owe or self._sent_busy or self._sibling_busy:
             self._arm(self.cfg.heartbeat_s)
 
     # -- applying ------------------------------------------------------------------------------
@@ -542,6 +580,9 @@ class RoutingView:
             m.observe_lag(source, max(0.0, time.time() - batch.sent))
         if batch.run and source == "worker":
             self._check_seq(batch)
+            held = self._sibling_busy.get(batch.sender) if self._sibling_busy else None
+            if held is not None and held[0] != batch.run:      # the sibling restarted: nothing in flight of before
+                del self._sibling_busy[batch.sender]
         unknown = stale = 0
         index = self._index
         vet = source == "replica"          # siblings scrape the engines with this worker
@@ -602,6 +643,14 @@ class RoutingView:
                 self._peers.pop(batch.sender, None)
             m.gm.child(m.applied, source, "load").inc()
             self._sum_peers()
+        if batch.busy is not None and self.share_monitoring and source == "worker":
+            if batch.busy:
+                self._sibling_busy[batch.sender] = (batch.run, batch.busy, time.monotonic())
+                if self._tick_at is None:          # held marks expire if their sender goes silent
+                    self._arm(self.cfg.heartbeat_s)
+            else:
+                self._sibling_busy.pop(batch.sender, None)
+            m.gm.child(m.applied, source, "busy").inc()
         if batch.preempt and self.on_preempt is not None and source == "worker":
             n = 0
             for key in batch.preempt:       # after the load: the sender's request is counted here
@@ -775,9 +824,12 @@ class RoutingView:
         self.m.peers = len(self._peers)
 
     def _expire_peers(self) -> None:
+        cut = time.monotonic() - self.cfg.peer_ttl_s
+        if self._sibling_busy:
+            for s in [s for s, (_, _, heard) in self._sibling_busy.items() if heard < cut]:
+                del self._sibling_busy[s]
         if not self._peers:
             return
-        cut = time.monotonic() - self.cfg.peer_ttl_s
         silent = [s for s, (_, heard) in self._peers.items() if heard < cut]
         if silent:
             for s in silent:

@@ -29,6 +29,9 @@ discovery alike):
 * ``preempt``: endpoints where the sender routed an interactive request that found no free slot
   while a sibling's batch lines may run there; the worker that runs batches stops its newest line
   on each (``gateway.batch``). The local bus only;
+* ``busy``: the LoRA adapters the sender has requests in flight for, per endpoint, all of them
+  (absolute, as ``load``), sent when one's count goes from 0 to 1 or back to 0 there and with every
+  ``view.heartbeat_s`` while any is; a sibling does not unload those there. The local bus only;
 * ``run`` and ``seq`` (the local bus): the sender's process (a random number, new at each start) and
   how many batches with insertions or sessions it has sent so far, this one included. A sibling
   that sees the count jump missed some (its queue was full: stopped, or busy) and asks the sender
@@ -106,6 +109,9 @@ class Batch(msgspec.Struct, array_like=True):
     preempt: list[str] = []              # endpoint keys: an interactive request found no free slot there
     run: int = 0                         # the sender's process (random, new at each start); 0: not numbered
     seq: int = 0                         # batches with inserts or sessions the sender has sent, this one included
+    # endpoint key → the LoRA adapters the sender has requests in flight for there, all of them
+    # (absolute: the next one heals a lost one); None: not in this batch, {}: none anywhere
+    busy: dict[str, list[str]] | None = None
 
 
 class ViewSnapshot(msgspec.Struct, array_like=True):
@@ -203,22 +209,24 @@ def _size(fact: Insert | Session | Tokens | Probe | Scrape | Served) -> int:
 def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
            load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
            breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
-           scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = ()) -> list[bytes]:
+           scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
+           busy: dict[str, list[str]] | None = None) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     return encode_numbered(sender, sent, inserts, sessions, load, max_bytes, tokens, breakers, probes, scrapes,
-                           served, preempt)[0]
+                           served, preempt, busy=busy)[0]
 
 
 def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
                     load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
                     breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
                     scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
-                    run: int = 0, seq: int = 0) -> tuple[list[bytes], int]:
+                    run: int = 0, seq: int = 0, busy: dict[str, list[str]] | None = None) -> tuple[list[bytes], int]:
     """``encode``, each batch carrying ``run`` and its number (``seq``, counting the batches with
     insertions or sessions; with ``run`` 0 nothing is numbered); returns the batches and the last
-    number given."""
-    budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0)
+    number given. ``load`` and ``busy`` ride in the first."""
+    budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0) \
+        - (sum(len(k) + 8 + sum(len(a) + 4 for a in v) for k, v in busy.items()) if busy else 0)
     out: list[bytes] = []
     lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
     used = 64 * len(breakers) + sum(len(k) + 8 for k in preempt)    # a few, small: in the first batch
@@ -229,18 +237,18 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
             seq += 1
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
                                      list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt),
-                                     run, seq))
+                                     run, seq, busy))
 
     for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
         if used + n > budget and (breakers or preempt or any(lists.values())):
             out.append(batch())
-            load = None
+            load = busy = None
             lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
             breakers = preempt = ()
             used = 0
         lists[fact.__class__].append(fact)
         used += n
-    if any(lists.values()) or breakers or preempt or load is not None or not out:
+    if any(lists.values()) or breakers or preempt or load is not None or busy is not None or not out:
         out.append(batch())
     return out, seq

@@ -11,9 +11,10 @@ import aiohttp
 import pytest
 
 from enginesim.server import RECEIVED_KEY
-from tests.support.gateway_process import gateway_process, per_worker, post_new
+from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker, post_new
 from tests.support.lora import LORA_SIM, MSG
 from tests.support.ports import listen_port
+from tests.support.waiting import wait_for
 
 
 def config(port: int, url: str, lora: str) -> str:
@@ -106,3 +107,57 @@ async def test_an_adapter_in_use_on_one_worker_is_not_unloaded_as_idle_by_the_ot
         assert calls(sim, "/v1/load_lora_adapter") == 1
         await asyncio.sleep(2.0)                      # unused: unloaded as idle, once
         assert calls(sim, "/v1/unload_lora_adapter") >= 1
+
+
+async def busy_heard(port: int) -> bool:
+    """Whether a worker took in its sibling's adapters in flight (``/metrics`` sums the workers'
+    counts, and only the worker with streams has any to tell)."""
+    page = (await get_new(port, "/metrics"))[1]
+    return metric_total(page, "switchyard_view_facts_applied_total", kind="busy") >= 1
+
+
+async def open_stream(session: aiohttp.ClientSession, port: int, model: str) -> aiohttp.ClientResponse:
+    """A stream for ``model`` on ``session``'s worker that the engine holds after its first token
+    (``stall_after``) until the client leaves: returned once that token is read."""
+    body = {"model": model, "messages": MSG, "max_tokens": 50, "stream": True}
+    r = await session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                           headers={"x-sim-fault": "stall_after=1:inf"})
+    assert r.status == 200, await r.text()
+    while not (await r.content.readline()).startswith(b"data: {"):
+        pass
+    return r
+
+
+@pytest.mark.timeout(120)
+async def test_an_adapter_streaming_on_one_worker_is_not_unloaded_for_room_by_the_other(sims, tmp_path):
+    """Streams for ``a`` run on one worker; a request for ``b`` on the other, at one adapter an
+    endpoint: that worker knows ``a`` is in flight on its sibling, so it does not unload ``a`` from
+    under the streams (it answers 503 full, as for its own), and loads ``b`` once they end."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "max_adapters_per_endpoint: 1"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        streamer, pid = await worker_session(port)
+        other, _ = await worker_session(port, pid)
+        body = {"model": "b", "messages": MSG, "max_tokens": 2}
+        try:
+            streams = [await open_stream(streamer, port, "a")]
+            # the sibling's word that a is in flight there (bounded: without it the request below tells)
+            await wait_for(lambda: busy_heard(port), timeout=5)
+            async with other.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                status, headers, text = r.status, r.headers, await r.text()
+            assert calls(sim, "/v1/unload_lora_adapter") == 0, "a was unloaded under its streams"
+            assert status == 503 and headers.get("x-error-lora-load") == "full", text
+            for s in streams:
+                s.close()
+            status = 0
+            async with asyncio.timeout(10):           # the sibling hears the streams end
+                while status != 200:
+                    async with other.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+                        status = r.status
+                        assert status in (200, 503), await r.text()
+        finally:
+            await streamer.close()
+            await other.close()
+    assert calls(sim, "/v1/unload_lora_adapter") == 1

@@ -493,3 +493,81 @@ def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_
     from prometheus_client import generate_latest
     assert metric_total(generate_latest(view.m.gm.registry).decode(), "switchyard_view_facts_applied_total",
                         source="replica", kind="before_start") == 2
+
+
+async def test_adapters_in_flight_on_one_worker_are_never_unloaded_by_its_sibling_until_they_end_or_it_goes():
+    """Worker a has a request for adapter x in flight on an endpoint: b, which has none, neither
+    picks x to make room (capacity, error) nor unloads it (idle), once a's word arrives; it may
+    again once a's request ends, or once a goes silent for peer_ttl_s (stopped, or restarted: a
+    new run of a drops the marks of the old one at once)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from gateway.lora.adapters import Lora, LoraMetrics
+    from gateway.pipeline.ledger import Charges
+
+    d = RunDirectory()
+    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS,
+                                        "adapters": {"x": "org/x", "y": "org/y"}}],
+                            "lora": {"max_adapters_per_endpoint": 2, "idle_unload_s": 1.0},
+                            "view": {"heartbeat_s": 0.05, "peer_ttl_s": 0.3, "load_interval_s": 0.01}}, source="<t>")
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    now = [1000.0]
+    loras = [Lora(cfg, p, upstream=None, metrics=LoraMetrics(CollectorRegistry()), clock=lambda: now[0])
+             for p in (apool, bpool)]
+    a.attach_lora(loras[0])
+    b.attach_lora(loras[1])
+    lb = loras[1]
+
+    def charge(ep):
+        ctx = SimpleNamespace(ireq=SimpleNamespace(lora="x", model="m"), charges=Charges(),
+                              decision=SimpleNamespace(endpoint=ep, prefill=None, strategy="lora-affinity",
+                                                       reason="running"))
+        loras[0].charge(ctx)
+        return ctx.charges.adapter
+
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m")[0], bpool.endpoints("m")[0]
+        for ep in (ea, eb):
+            ep.adapters.served = {"x": "m", "y": "m"}
+        eb.adapters.recent = {"x": 1.0, "y": 2.0}           # x the least recently used in b
+        lb._loaded_at[(id(eb), "x")] = 1.0                  # and loaded long ago: idle by b's clock
+        assert lb._victim(eb, "z") == "x"
+        held = charge(ea)
+        await until(lambda: lb._victim(eb, "z") == "y")
+        assert await lb.unload(eb, "x", "idle") is False and await lb.unload_idle() == 0
+        assert eb.adapters.served == {"x": "m", "y": "m"}
+        second = charge(ea)                                 # 1 → 2: nothing new to tell
+        held.release()
+        await asyncio.sleep(0.15)                           # heartbeats: still in flight there
+        assert lb._victim(eb, "z") == "y"
+        second.release()                                    # 1 → 0: told
+        await until(lambda: lb._victim(eb, "z") == "x")
+        assert not b._sibling_busy and not b.sibling_busy(eb, "x")
+        # a goes silent with x in flight: its marks go after peer_ttl_s
+        held = charge(ea)
+        await until(lambda: lb._victim(eb, "z") == "y")
+        a.bus.close()
+        await until(lambda: lb._victim(eb, "z") == "x", timeout=2)
+        held.release()
+    page = b.m.gm.render().decode()
+    assert metric_total(page, "switchyard_view_facts_applied_total", kind="busy") >= 3
+
+
+async def test_a_restarted_sibling_drops_the_adapters_its_last_run_had_in_flight():
+    """A worker restarted (killed as stalled) under the same name: its first batch, whatever it
+    carries, clears the marks of the run before, without waiting for peer_ttl_s."""
+    from gateway.view.wire import encode_numbered, endpoint_key
+
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=5.0, peer_ttl_s=10.0)
+    b, _, bpool = _worker(cfg, 1, d.path)
+    async with _running(d, b):
+        eb = bpool.endpoints("m")[0]
+        (old,), _ = encode_numbered("g/0", 0.0, [], [], None, 60_000, run=11, busy={endpoint_key(eb): ["x"]})
+        (new,), _ = encode_numbered("g/0", 0.0, [], [], {}, 60_000, run=13)
+        b._apply(old, "worker", True)
+        assert b.sibling_busy(eb, "x") and not b.sibling_busy(eb, "y")
+        b._apply(new, "worker", True)
+        assert not b.sibling_busy(eb, "x")

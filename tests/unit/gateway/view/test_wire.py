@@ -92,3 +92,21 @@ def test_a_view_goes_in_parts_decoded_one_at_a_time_and_a_cut_part_is_refused():
     for cut in (data[:-1], data[:2]):
         with pytest.raises(ValueError):
             list(view_parts(cut))
+
+
+def test_adapters_in_flight_travel_once_in_the_first_batch_and_a_batch_of_either_layout_decodes():
+    import msgspec
+
+    ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]
+    busy = {"m|http://a:1": ["sql", "chat"]}
+    out = encode("g/1", 1.0, ins, [], None, 4096, busy=busy)
+    assert len(out) > 1 and all(len(p) <= 4096 for p in out)
+    assert [b.busy for b in map(decode, out)] == [busy] + [None] * (len(out) - 1)
+    (none,) = encode("g/1", 1.0, [], [], None, 4096, busy={})
+    assert decode(none).busy == {}
+    # a sibling of the version before (no busy) and one of a later version (a field more) both decode
+    enc = msgspec.msgpack.Encoder()
+    older = msgspec.msgpack.decode(out[0])[:-1]
+    assert decode(enc.encode(older)).busy is None and decode(enc.encode(older)).inserts == decode(out[0]).inserts
+    newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
+    assert decode(enc.encode(newer)).busy == busy
