@@ -134,8 +134,11 @@ def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
     strict within a process only (each worker queues its own clients' requests and takes a share of
     the engines' room: a critical request waiting in one worker does not hold back a sheddable one
     another worker has room for; at three times capacity two workers shed critical requests one
-    worker serves), or LoRA adapters the gateway loads and unloads on demand (decided on one
-    process's requests in flight)."""
+    worker serves), or LoRA adapters the gateway loads and unloads on demand while the workers do
+    not tell each other of them (``view.workers`` or ``view.share_monitoring`` off: each would
+    unload an adapter another has requests in flight for). With them on, the workers tell each
+    other of their loads, unloads, uses and adapters in flight (gateway/lora/adapters.py), and
+    ``auto`` runs a worker per CPU for a model with adapters too."""
     n = resolve_workers(value)
     if value == "auto" and n > 1:
         why = per_process_state(config)
@@ -143,9 +146,9 @@ def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
             return 1, f"{why} are kept per process without state.redis_url"
         if config.admission.enabled or any(config.admission_for(m.name).enabled for m in config.models):
             return 1, "admission's priority classes are strict within one process only"
-        if any(m.adapters for m in config.models):
-            return 1, ("LoRA adapters are loaded and unloaded on what one process has in flight "
-                       "(another worker could unload an adapter this one serves)")
+        if any(m.adapters for m in config.models) and not (config.view.workers and config.view.share_monitoring):
+            return 1, ("LoRA adapters are loaded and unloaded on what one process knows without "
+                       "view.workers and view.share_monitoring (another worker could unload an adapter this one serves)")
     return n, None
 
 

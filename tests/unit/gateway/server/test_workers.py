@@ -107,10 +107,14 @@ def test_auto_runs_one_worker_where_limits_or_admin_keys_would_be_per_process(mo
     assert run({"models": [model]}) == adm
     assert run({"admission": {"enabled": False, "max_in_flight_per_endpoint": 3}}) == (4, None)
     assert run({"admission": {"enabled": True}}, 2) == (2, None)          # an explicit count: shares
-    # adapters loaded and unloaded on demand: one worker
+    # adapters loaded and unloaded on demand: every CPU, as the workers tell each other of the
+    # adapters they have in flight; one worker when they do not
     lora = {"name": "m", "engine": "vllm", "endpoints": ["http://127.0.0.1:9"], "adapters": {"sql": "/a/sql"}}
-    n, why = run({"models": [lora]})
-    assert n == 1 and "LoRA adapters" in why
+    assert run({"models": [lora]}) == (4, None)
+    for view in ({"share_monitoring": False}, {"workers": False}):
+        n, why = run({"models": [lora], "view": view})
+        assert n == 1 and "LoRA adapters" in why and "view.share_monitoring" in why
+    assert run({"models": [lora], "view": {"share_monitoring": False}}, 2) == (2, None)
     # Redis holds them for every worker; an explicit count is the operator's choice
     assert run({"auth": {"admin_token": "t0ken"}, "state": {"redis_url": "redis://127.0.0.1:1/0"}}) == (4, None)
     assert run({"auth": {"admin_token": "t0ken"}}, 3) == (3, None)
