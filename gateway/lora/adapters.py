@@ -716,7 +716,8 @@ class _PairAdapterInFlight(AdapterInFlight):
 
     __slots__ = ("prefill",)
 
-    def __init__(self, prefill: Endpoint, decode: Endpoint, adapter: str, told: Callable[[], None] | None = None) -> None:
+    def __init__(self, prefill: Endpoint, decode: Endpoint, adapter: str,
+                 told: Callable[[Endpoint], None] | None = None) -> None:
         self.prefill = AdapterInFlight(prefill, adapter, told)
         super().__init__(decode, adapter, told)
 

@@ -105,12 +105,12 @@ class TokenKV(Charge):
 
 class AdapterInFlight(Charge):
     """This gateway's requests for one LoRA adapter on an endpoint (``AdapterState.in_flight``).
-    ``told``, when given, is called when the count there goes from 0 to 1 or back to 0 (the
+    ``told``, when given, is called with the endpoint when the count there goes from 0 to 1 or back to 0 (the
     sibling workers learn which adapters this one has in flight: gateway/lora/adapters.py)."""
 
     __slots__ = ("adapter", "told")
 
-    def __init__(self, endpoint: Endpoint, adapter: str, told: Callable[[], None] | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, adapter: str, told: Callable[[Endpoint], None] | None = None) -> None:
         self.adapter = adapter
         self.told = told
         super().__init__(endpoint)
@@ -121,9 +121,9 @@ class AdapterInFlight(Charge):
         if n > 0:
             counts[self.adapter] = n
             if n == 1 and amount > 0 and self.told is not None:
-                self.told()
+                self.told(ep)
         elif counts.pop(self.adapter, None) is not None and self.told is not None:
-            self.told()
+            self.told(ep)
 
 
 class RankInFlight(Charge):

@@ -186,7 +186,7 @@ class RoutingView:
         self._sent_load: dict[str, int] | None = None
         self._sent_load_at = 0.0
         # LoRA adapters in flight (``told_busy``): this worker's, as last sent, and its siblings'
-        self._busy_changed = False
+        self._busy_changed: set[Endpoint] = set()
         self._sent_busy: dict[str, list[str]] = {}
         self._sent_busy_at = 0.0
         self._sibling_busy: dict[str, tuple[int, dict[str, list[str]], float]] = {}   # sibling → (run, busy, heard at)
@@ -298,12 +298,12 @@ class RoutingView:
         self._served.append(Served(self._key(ep), at, adapters, USED))
         self._later()
 
-    def told_busy(self) -> None:
-        """An adapter's count of requests in flight on an endpoint went from 0 to 1 or back to 0 in
-        this worker (``AdapterInFlight``): the siblings learn every adapter it has in flight, and
-        where, with the next batch (and every ``heartbeat_s`` while it has any), so none unloads
-        one of them from under its requests."""
-        self._busy_changed = True
+    def told_busy(self, ep: Endpoint) -> None:
+        """An adapter's count of requests in flight on ``ep`` went from 0 to 1 or back to 0 in this
+        worker (``AdapterInFlight``): the siblings learn every adapter it has in flight, and where,
+        with the next batch (and every ``heartbeat_s`` while it has any), so none unloads one of
+        them from under its requests."""
+        self._busy_changed.add(ep)
         self._later()
 
     def sibling_busy(self, ep: Endpoint, adapter: str) -> bool:
@@ -314,8 +314,15 @@ class RoutingView:
         return any(heard >= cut and adapter in busy.get(key, ()) for _, busy, heard in self._sibling_busy.values())
 
     def _busy(self) -> dict[str, list[str]]:
-        key = self._key
-        return {key(ep): sorted(ep.adapters.in_flight) for ep in self.pool.endpoints() if ep.adapters.in_flight}
+        """The adapters in flight as last sent, with those of the endpoints changed since read again."""
+        busy = dict(self._sent_busy)
+        for ep in self._busy_changed:
+            if ep.adapters.in_flight:
+                busy[self._key(ep)] = sorted(ep.adapters.in_flight)
+            else:
+                busy.pop(self._key(ep), None)
+        self._busy_changed = set()
+        return busy
 
     def tell_preempt(self, ep: Endpoint) -> None:
         """An interactive request was routed to ``ep`` with no free slot: the siblings learn it at
@@ -486,7 +493,6 @@ class RoutingView:
             now = time.monotonic()
             due = bool(self._sent_busy) and now - self._sent_busy_at >= self.cfg.heartbeat_s - 0.01
             if self._busy_changed or due:
-                self._busy_changed = False
                 snap = self._busy()
                 if due or snap != self._sent_busy:
                     busy, self._sent_busy, self._sent_busy_at = snap, snap, now
