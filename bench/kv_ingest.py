@@ -23,6 +23,14 @@ events column measured 8 events per batch and 25 blocks per ``BlockStored`` over
 caches are filling for part of it). Hashes are 64-bit ints (vLLM's default); ``--bytes-hashes``
 sends 32-byte hashes instead. The socket reads are not in it (``gateway.kv.events`` reads a SUB
 socket in a reader callback).
+
+``--large`` measures one large message instead, as ``on_message`` takes it (sequence, decode, apply,
+a large one in stretches): the longest the event loop is held meanwhile (the largest gap between
+the turns of another task, which yields at every turn), the time the whole message takes and the
+loop's turns meanwhile, in wall-clock time (best and worst of ``--repeat``). The messages: a
+128k-token prompt's ``BlockStored`` (8,192 blocks with their token ids, vLLM's encoding), the same
+after the 8,192 single-block ``BlockRemoved`` of what it evicted, and two near the 8 MiB bound: a
+``BlockStored`` of 110,000 blocks (1.76M tokens) and 150,000 ``BlockRemoved`` of indexed blocks.
 """
 
 from __future__ import annotations
@@ -170,6 +178,65 @@ def _decode(payloads: list[tuple[int, bytes]]) -> float:
     return time.process_time() - t
 
 
+def _large_messages(rng: random.Random) -> list[tuple[str, list[bytes], bytes]]:
+    """(name, messages applied before it, the message) for ``--large``."""
+    def stored(n: int) -> tuple[list[int], dict]:
+        hashes = [rng.getrandbits(64) for _ in range(n)]
+        return hashes, {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+                        "token_ids": [rng.randrange(128_256) for _ in range(BLOCK * n)], "block_size": BLOCK,
+                        "lora_id": None, "medium": "GPU", "lora_name": None}
+
+    def removed(hashes: list[int]) -> list[dict]:
+        return [{"type": "BlockRemoved", "block_hashes": [h], "medium": "GPU"} for h in hashes]
+
+    _, prompt = stored(8192)
+    old, evicted = stored(8192)
+    _, long = stored(110_000)
+    held, many = stored(150_000)
+    return [("128k-token prompt: BlockStored of 8,192 blocks", [], _encode([0.0, [prompt], 0])),
+            ("the same with the 8,192 BlockRemoved it evicted", [_encode([0.0, [evicted], 0])],
+             _encode([0.0, [*removed(old), prompt], 0])),
+            ("BlockStored of 110,000 blocks (1.76M tokens)", [], _encode([0.0, [long], 0])),
+            ("150,000 BlockRemoved of indexed blocks", [_encode([0.0, [many], 0])], _encode([0.0, removed(held), 0]))]
+
+
+async def _hold(before: list[bytes], payload: bytes) -> tuple[float, float, int]:
+    """(longest loop hold, whole message, loop turns) of ``payload`` taken after ``before``, in seconds."""
+    _, (sub,) = _subscribers(1)
+    for seq, p in enumerate(before):
+        await sub.on_message(seq, p)
+    gc.collect()
+    gaps: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    t = time.perf_counter()
+    await sub.on_message(len(before), payload)
+    took = time.perf_counter() - t
+    done = True
+    await task
+    return max(gaps), took, len(gaps)
+
+
+def large(repeat: int) -> None:
+    print("| message | MiB | longest loop hold (ms) | whole message (ms) | loop turns |")
+    print("|---|---:|---:|---:|---:|")
+    for name, before, payload in _large_messages(random.Random(1)):
+        runs = [asyncio.run(_hold(before, payload)) for _ in range(repeat)]
+        hold, took, turns = ([r[i] for r in runs] for i in range(3))
+        print(f"| {name} | {len(payload) / 2 ** 20:.2f} | {1e3 * min(hold):.0f}-{1e3 * max(hold):.0f} | "
+              f"{1e3 * min(took):.0f}-{1e3 * max(took):.0f} | {min(turns)}-{max(turns)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, default=6000)
@@ -178,7 +245,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="best of this many runs")
     ap.add_argument("--bytes-hashes", action="store_true", help="32-byte block hashes instead of ints")
     ap.add_argument("--encodings", nargs="+", default=list(ENCODINGS), choices=ENCODINGS)
+    ap.add_argument("--large", action="store_true", help="how long one large message holds the event loop")
     args = ap.parse_args()
+    if args.large:
+        large(args.repeat)
+        return
     stream = event_stream(args.batches, args.engines, args.kv_blocks, bytes_hashes=args.bytes_hashes)
     events = sum(len(evs) for _, evs in stream)
     stored = [ev for _, evs in stream for ev in evs if ev["type"] == "BlockStored"]
