@@ -9,7 +9,9 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.
   already there in one go, with no future or task switch per message. A malformed message is
   counted (``switchyard_kv_events_decode_errors_total``) and skipped; nothing stops the stream. A
   message over ``MAX_MESSAGE_BYTES`` is refused by the socket, which drops the connection; the
-  subscriber connects again, and what it missed is a gap.
+  subscriber connects again, and what it missed is a gap. A message over ``STRETCH_BYTES`` (a long
+  prompt's prefill) goes to the subscriber's task with every message after it, and is applied in
+  stretches with the loop let run between them (``EventIndex.stretches``).
 * Sequence numbers: the next message must carry the next number. On a gap the subscriber asks the
   engine's replay socket (a DEALER to ``replay_port``: the start seq as 8 bytes big-endian; frames
   ``(seq, payload)`` back, ending with seq -1) for what it missed and applies it in order. Without
@@ -53,7 +55,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.kv.index import EndpointState, EventIndex, request_root
+from gateway.kv.index import Applied, EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, INLINE_CHARS, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
@@ -78,6 +80,12 @@ BACKLOG_MAX = 4096
 # blocks held a worker's loop for 13 s and 600 MB of memory, and a 200 MB one for longer than
 # worker_stall_timeout_s
 MAX_MESSAGE_BYTES = 8 << 20
+# a message larger than this (a long prompt's prefill: a 128k-token one is about 0.6 MB) is not
+# applied in the reader callback but by the subscriber's task, in stretches of
+# ``kv_index.STRETCH_BLOCKS`` blocks with the loop let run between them; the messages after it wait
+# behind it, as behind a replay. Smaller ones (an engine step's events, tens of KB) take no more
+# than a millisecond or two at once
+STRETCH_BYTES = 64 << 10
 # a malformed message is counted every time, and warned of at most once in this many seconds
 BAD_LOG_EVERY_S = 10.0
 # switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
@@ -201,7 +209,9 @@ class Subscriber:
         self.decoder = BatchDecoder()              # remembers which typed decoder this engine's batches fit
         self._counted: dict[str, Any] = {}         # kind -> its switchyard_kv_events_total child
         self._sock: Any = None
-        self._backlog: deque[tuple[int, bytes]] = deque()   # messages for the task (a replay is due or under way)
+        # messages for the task: a replay is due or under way, or a large message is applied in stretches
+        self._backlog: deque[tuple[int, bytes]] = deque()
+        self._epoch = 0                            # taken up again as at first contact (engine_restarted)
         self._overflowed = False                   # the backlog overflowed: dropped, started again
         self._bad_logged_at = -float("inf")        # the last "bad message" warning (time.monotonic)
         self._bad_since = 0                         # bad messages since, not warned of one by one
@@ -235,8 +245,8 @@ class Subscriber:
         """The SUB socket is a plain (not asyncio) socket read by a reader callback on its file
         descriptor (``_readable``), which applies every message already there in one go: no future
         and no task switch per message. Only a message that needs a replay first (the first one, a
-        gap) goes to this task, with every message after it until the backlog is worked off, so the
-        order is kept."""
+        gap) or is too large to apply at once (``STRETCH_BYTES``) goes to this task, with every
+        message after it until the backlog is worked off, so the order is kept."""
         import zmq
 
         sock = zmq.Socket(self.m.zctx, zmq.SUB)
@@ -327,15 +337,16 @@ class Subscriber:
                 if len(frames) != 3:
                     raise WireError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
                 seq = seq_of(frames[1])
-                if backlog or self._replay_first(seq):
+                payload = frames[2]
+                if backlog or len(payload) > STRETCH_BYTES or self._replay_first(seq):
                     if len(backlog) >= BACKLOG_MAX:
                         self._overflow()
                         continue
-                    backlog.append((seq, frames[2]))
+                    backlog.append((seq, payload))
                     if self._wake is not None and not self._wake.done():
                         self._wake.set_result(None)
                     continue
-                self._accept(seq, frames[2])
+                self._accept(seq, payload)
             except WireError as e:
                 self._bad(e)
             except Exception:
@@ -382,12 +393,25 @@ class Subscriber:
                 await self.replay(0, seq, first=True)
         elif seq > self.expected:
             await self.replay(self.expected, seq)
-        self._accept(seq, payload)
+        if len(payload) <= STRETCH_BYTES:
+            self._accept(seq, payload)
+            return
+        if seq != self.expected:
+            self._renew(seq)
+        self.expected = seq + 1
+        await self.apply_stretched(self.decoder.decode(payload, self.rank))
 
     def _accept(self, seq: int, payload: bytes) -> None:
         """Message ``seq``, whatever had to be replayed before it done: a restart, then the batch."""
+        if seq != self.expected:
+            self._renew(seq)
+        self.expected = seq + 1     # received: one that does not decode is skipped, not a gap
+        self.apply(self.decoder.decode(payload, self.rank))
+
+    def _renew(self, seq: int) -> None:
+        """Message ``seq`` is not the one expected: a first contact, or a restart (a sequence going
+        back) whose entries are cleared; one after a gap was replayed before it."""
         if self.expected is None:
-            self.expected = seq
             self.fresh_at = time.time()
         elif seq < self.expected:
             log.warning("kv events: engine restarted (sequence started again)", endpoint=self.st.ep.name,
@@ -395,11 +419,28 @@ class Subscriber:
             self.m.metrics.restarts.labels(self.st.ep.model).inc()
             self.clear()
             self.fresh_at = time.time()
-        self.expected = seq + 1     # received: one that does not decode is skipped, not a gap
-        self.apply(self.decoder.decode(payload, self.rank))
 
     def apply(self, batch: Batch) -> None:
-        done = self.m.index.apply(self.st, batch, self.rank)
+        self._count(batch, self.m.index.apply(self.st, batch, self.rank))
+
+    async def apply_stretched(self, batch: Batch) -> None:
+        """``apply`` a large batch in stretches (``EventIndex.stretches``), the event loop let run
+        between them; the rest is left when the stream is taken up again meanwhile (the engine
+        restarted, the backlog overflowed: cleared either way) or the endpoint left the pool."""
+        index, st, epoch = self.m.index, self.st, self._epoch
+        steps = index.stretches(st, batch, self.rank)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                self._count(batch, stop.value)
+                return
+            await asyncio.sleep(0)
+            if self._epoch != epoch or self._overflowed or index.states.get(st.ep) is not st:
+                steps.close()
+                return
+
+    def _count(self, batch: Batch, done: Applied) -> None:
         counted = self._counted
         for kind, n in zip(_KINDS, (*done, batch.unknown), strict=True):
             if n:
@@ -471,7 +512,10 @@ class Subscriber:
         if complete or first:
             for i, (_, payload) in enumerate(got):
                 with contextlib.suppress(WireError):
-                    self.apply(self.decoder.decode(payload, self.rank))
+                    if len(payload) <= STRETCH_BYTES:
+                        self.apply(self.decoder.decode(payload, self.rank))
+                    else:
+                        await self.apply_stretched(self.decoder.decode(payload, self.rank))
                 if i % 256 == 255:
                     await asyncio.sleep(0)          # other requests' turns between long stretches
         self.m.metrics.replays.labels(model, result).inc()
@@ -622,6 +666,7 @@ class KVEventsManager:
         for sub in subs:
             sub.expected = None        # its next message is a first contact: replayed from 0, not a restart
             sub.fresh_at = None
+            sub._epoch += 1            # a large message being applied is left
 
     # -- sibling workers (gateway.view.service) ----------------------------------------------------
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, islice, repeat
 from operator import and_
@@ -50,6 +50,9 @@ from gateway.request import InferenceRequest
 _MEDIA = {None: 1, "GPU": 1, "CPU": 2}     # other media get bit 4
 _WALK_CHUNK = 512                          # keys looked up per step of a walk (C-level map)
 _NO_EXTRAS = repeat(None)                  # the extras of blocks whose event carries none
+# the blocks of one stretch of a large batch applied in stretches (``EventIndex.stretches``): about
+# 1-2 ms of the event loop's time
+STRETCH_BLOCKS = 2048
 
 
 def _medium_bit(medium: str | None) -> int:
@@ -267,7 +270,7 @@ class EventIndex:
                 stored += 1
                 orphans += self._stored(st, ev)     # type: ignore[arg-type]
                 if ranked is not None:
-                    self._rank_stored(ranked, emap, ev, rank or 0)   # type: ignore[arg-type]
+                    self._rank_stored(ranked, emap, ev.block_hashes, rank or 0)   # type: ignore[union-attr]
             elif cls is AllBlocksCleared:
                 cleared += 1
                 if rank is None:
@@ -285,36 +288,50 @@ class EventIndex:
         if bs <= 0:
             return 0
         st.block_size = bs
+        h = self._chain_start(st, ev, bs)
+        if h is None:
+            return 1
         emap = st.emap
+        hashes = ev.block_hashes
+        bit = _medium_bit(ev.medium)
+        n = min(len(hashes), len(ev.token_ids) // bs)
+        if n < len(hashes):
+            hashes = hashes[:n]
+        if all(map(emap.__contains__, hashes)):      # every block known: only the medium is new
+            media = st.media
+            for bh in hashes:
+                media[bh] |= bit
+            return 0
+        extra = ev.extra_keys           # vLLM sends one entry per block, None where it has none
+        folds: Any = _NO_EXTRAS if not extra or not any(extra) else \
+            chain([_extras(x, ev) for x in extra[:n]], _NO_EXTRAS)
+        self._chain(st, h, hashes, zip(*repeat(iter(ev.token_ids), bs), strict=False), folds, bit)
+        self._trim(st)
+        return 0
+
+    def _chain_start(self, st: EndpointState, ev: BlockStored, bs: int) -> int | None:
+        """The key ``ev``'s first block chains on: the root's, or its parent block's; ``None`` (counted)
+        for an orphan, whose parent was never seen (subscribed late, a lost gap)."""
         if ev.parent_block_hash is None:
             h = root_key(st.ep.model, ev.lora_name, bs)
             salt = ev.cache_salt        # SGLang names it on the event; vLLM among the first block's extras
             if salt and not (ev.extra_keys and ev.extra_keys[0]):
                 h = fold_extras(h, (salt,))
-        else:
-            parent = emap.get(ev.parent_block_hash)
-            if parent is None:            # its chain start was never seen (subscribed late, a lost gap)
-                self.orphans += 1
-                st.stats["orphan"] = st.stats.get("orphan", 0) + 1
-                return 1
-            h = parent
-        hashes = ev.block_hashes
-        bit = _medium_bit(ev.medium)
-        media = st.media
-        n = min(len(hashes), len(ev.token_ids) // bs)
-        if n < len(hashes):
-            hashes = hashes[:n]
-        if all(map(emap.__contains__, hashes)):      # every block known: only the medium is new
-            for bh in hashes:
-                media[bh] |= bit
-            return 0
+            return h
+        parent = st.emap.get(ev.parent_block_hash)
+        if parent is None:
+            self.orphans += 1
+            st.stats["orphan"] = st.stats.get("orphan", 0) + 1
+        return parent
+
+    def _chain(self, st: EndpointState, h: int, hashes: list[BlockHash], blocks: Any, folds: Any, bit: int) -> int:
+        """Index the blocks ``hashes`` names, their tokens' tuples taken from ``blocks`` and their
+        extras (or ``None``) from ``folds``, keyed in a chain from ``h``; the last key. Both iterators
+        are advanced by as many blocks as ``hashes`` has, so a caller may go on with them."""
+        emap, media = st.emap, st.media
         owned, holders, sbit, pending = st.owned, self._holders, st.bit, self._pending
         get, owned_get, holders_get = emap.get, owned.get, holders.get
-        it = iter(ev.token_ids)
-        extra = ev.extra_keys           # vLLM sends one entry per block, None where it has none
-        folds: Any = _NO_EXTRAS if not extra or not any(extra) else \
-            chain([_extras(x, ev) for x in extra[:n]], _NO_EXTRAS)
-        for bh, block, x in zip(hashes, zip(*repeat(it, bs), strict=False), folds, strict=False):
+        for bh, block, x in zip(hashes, blocks, folds, strict=False):
             if x is not None:                 # cache_salt, multimodal features: see fold_extras
                 h = hash((h, x))
             p = h                             # what the block's tokens chain on (its parent, for _enter)
@@ -334,20 +351,121 @@ class EventIndex:
                 holders[h] = mask | sbit
                 if not mask and h not in pending:
                     self._enter(h, p)
+        return h
+
+    def _trim(self, st: EndpointState) -> None:
+        """Drop ``st``'s oldest entries past ``max_blocks_per_endpoint``."""
+        emap = st.emap
         over = len(emap) - st.settings.max_blocks_per_endpoint
         if over > 0:
             # the oldest in one pass: a dict keeps the slots of what was deleted at its head until
             # it is resized, and a lookup of its first key per block walked them again each time
             for bh in list(islice(emap, over)):
                 self._drop(st, bh)
+
+    # -- a large batch, in stretches ---------------------------------------------------------------
+
+    def stretches(self, st: EndpointState, batch: Batch, rank: int | None = None,
+                  blocks: int = STRETCH_BLOCKS) -> Generator[None, None, Applied]:
+        """``apply`` a stretch at a time: a generator that applies about ``blocks`` blocks (an event
+        counting its block hashes, at least one) and yields before the next stretch, so its caller
+        can let the event loop run between them; it returns what ``apply`` returns. Small events
+        are applied by ``apply`` in groups; an event with more blocks than a stretch is cut: a
+        ``BlockRemoved`` into parts of its hashes, a ``BlockStored`` into runs of its blocks keyed
+        on in one chain (``_stored_runs``). The index ends as ``apply`` leaves it, and is whole at
+        every yield (each block done or not begun), so routing may read it meanwhile; ``st``'s
+        entries are bounded after each run, not after the event (the same entries are left, as
+        the oldest go first either way)."""
+        st.last_event = self.clock()
+        st.expect_since = None
+        st.on_fallback = None
+        stored = removed = cleared = orphans = 0
+        todo: list[Any] = []
+        size = 0
+        pause = False                   # a stretch was applied: yield before the next
+        for ev in batch.events:
+            cls = ev.__class__
+            n = 1 if cls is AllBlocksCleared else len(ev.block_hashes) or 1    # type: ignore[union-attr]
+            if todo and size + n > blocks:
+                if pause:
+                    yield
+                done = self.apply(st, Batch(batch.ts, todo, batch.dp_rank), rank)
+                stored, removed, cleared, orphans = (stored + done.stored, removed + done.removed,
+                                                     cleared + done.cleared, orphans + done.orphans)
+                todo, size, pause = [], 0, True
+            if n <= blocks:
+                todo.append(ev)
+                size += n
+            elif cls is BlockRemoved:
+                removed += 1
+                hashes = ev.block_hashes            # type: ignore[union-attr]
+                for lo in range(0, n, blocks):
+                    if pause:
+                        yield
+                    self.apply(st, Batch(batch.ts, [BlockRemoved(hashes[lo:lo + blocks], ev.medium,  # type: ignore[union-attr]
+                                                                 ev.group_idx)], batch.dp_rank), rank)  # type: ignore[union-attr]
+                    pause = True
+            else:
+                stored += 1
+                if pause:
+                    yield
+                orphans += yield from self._stored_runs(st, ev, rank, blocks)      # type: ignore[arg-type]
+                pause = True
+        if todo:
+            if pause:
+                yield
+            done = self.apply(st, Batch(batch.ts, todo, batch.dp_rank), rank)
+            stored, removed, cleared, orphans = (stored + done.stored, removed + done.removed,
+                                                 cleared + done.cleared, orphans + done.orphans)
+        return Applied(stored, removed, cleared, orphans)
+
+    def _stored_runs(self, st: EndpointState, ev: BlockStored, rank: int | None,
+                     blocks: int) -> Generator[None, None, int]:
+        """``_stored`` (and, for a ranked endpoint, ``_rank_stored``) in runs of ``blocks`` blocks,
+        yielding between them; the chain's key and the token iterator carry on from run to run."""
+        ranked = st.rank_keys
+        r = rank or 0
+        emap, media = st.emap, st.media
+        hashes = ev.block_hashes
+        bs = ev.block_size
+        h = None
+        if bs > 0:
+            st.block_size = bs
+            h = self._chain_start(st, ev, bs)
+        if h is None:                   # nothing to key (an orphan, or a block size that is none)
+            if ranked is not None:
+                self._rank_stored(ranked, emap, hashes, r)
+            return 0 if bs <= 0 else 1
+        bit = _medium_bit(ev.medium)
+        n = min(len(hashes), len(ev.token_ids) // bs)
+        known = all(map(emap.__contains__, islice(hashes, n)))     # every block known: only the medium is new
+        extra = ev.extra_keys
+        folds: Any = _NO_EXTRAS if known or not extra or not any(extra) else \
+            chain(map(_extras, islice(extra, n), repeat(ev)), _NO_EXTRAS)
+        tokens = zip(*repeat(iter(ev.token_ids), bs), strict=False)
+        for lo in range(0, n, blocks):
+            if lo:
+                yield
+            run = hashes[lo:min(n, lo + blocks)]
+            if known:
+                for bh in run:
+                    media[bh] |= bit
+            else:
+                h = self._chain(st, h, run, tokens, folds, bit)
+                self._trim(st)
+            if ranked is not None:
+                self._rank_stored(ranked, emap, run, r)
+        if ranked is not None and n < len(hashes):
+            self._rank_stored(ranked, emap, hashes[n:], r)
         return 0
 
     @staticmethod
-    def _rank_stored(ranked: dict[int, int], emap: dict[BlockHash, int], ev: BlockStored, rank: int) -> None:
-        """The blocks of ``ev`` (from ``rank``'s publisher) that the endpoint now holds: held by ``rank``."""
+    def _rank_stored(ranked: dict[int, int], emap: dict[BlockHash, int], hashes: list[BlockHash], rank: int) -> None:
+        """The blocks of ``hashes`` (a ``BlockStored`` from ``rank``'s publisher) that the endpoint now
+        holds: held by ``rank``."""
         bit = 1 << rank
         get = emap.get
-        for bh in ev.block_hashes:
+        for bh in hashes:
             key = get(bh)
             if key is not None:
                 ranked[key] = ranked.get(key, 0) | bit

@@ -84,3 +84,87 @@ async def test_a_burst_is_applied_in_slices_the_loop_runs_between():
     assert sub.expected == kv_events._DRAIN            # the rest waits for the loop's next turn
     await asyncio.sleep(0)
     assert sub.expected == n and len(sub.st.emap) == n
+
+
+def _large(first: int, n: int = 3 * 2048, parent: int | None = None) -> bytes:
+    """A message over ``STRETCH_BYTES``: one ``BlockStored`` of ``n`` blocks, hashes from ``first``."""
+    payload = batch([block_stored(list(range(first, first + n)), parent, [i % 30_000 for i in range(16 * n)])])
+    assert len(payload) > kv_events.STRETCH_BYTES
+    return payload
+
+
+def _subscriber(replay_port: int | None = None) -> tuple[KVEventsManager, Subscriber]:
+    settings = KVEventsConfig(enabled=True, port=5557, replay_port=replay_port)
+    pool = EndpointPool()
+    manager = KVEventsManager(lambda model: settings, pool, CollectorRegistry(), {})
+    ep = pool.add(Endpoint(url="http://10.0.0.1:8000", model="m"))
+    return manager, Subscriber(manager, manager.index.track(ep, settings))
+
+
+async def _ticking(coro, sub: Subscriber) -> list[int]:
+    """Run ``coro``; the blocks indexed at each loop turn meanwhile (another callback of the loop)."""
+    seen: list[int] = []
+    task = asyncio.ensure_future(coro)
+    while not task.done():
+        seen.append(len(sub.st.emap))
+        await asyncio.sleep(0)
+    await task
+    return seen
+
+
+def test_a_large_message_goes_to_the_task_with_everything_after_it():
+    _, sub = _subscriber()
+    small = batch([block_stored([1], None, list(range(16)))])
+    sub._sock = FakeSub([[b"", (0).to_bytes(8, "big"), small], [b"", (1).to_bytes(8, "big"), _large(100)],
+                         [b"", (2).to_bytes(8, "big"), small]])
+    sub._readable()
+    assert list(sub.st.emap) == [1] and sub.expected == 1      # the small one before it: applied at once
+    assert [seq for seq, _ in sub._backlog] == [1, 2]
+
+
+async def test_a_large_message_from_a_restarted_engine_clears_then_applies_in_stretches():
+    manager, sub = _subscriber()
+    sub.expected = 40
+    manager.index.apply(sub.st, sub.decoder.decode(batch([block_stored([1, 2], None, list(range(32)))])))
+    seen = await _ticking(sub.on_message(0, _large(100)), sub)
+    assert sub.expected == 1 and 1 not in sub.st.emap and len(sub.st.emap) == 3 * 2048
+    assert {2048, 4096} <= set(seen)
+
+
+async def test_a_gap_before_a_large_message_is_handled_before_it():
+    manager, sub = _subscriber()                         # no replay port: the gap clears
+    sub.expected = 3
+    manager.index.apply(sub.st, sub.decoder.decode(batch([block_stored([1, 2], None, list(range(32)))])))
+    await sub.on_message(7, _large(100))
+    assert sub.expected == 8 and 1 not in sub.st.emap and len(sub.st.emap) == 3 * 2048
+
+
+async def test_a_large_message_is_left_when_its_engine_restarts_meanwhile():
+    manager, sub = _subscriber()
+    manager.subscribers[sub.st.ep] = [sub]
+    sub.expected = 0
+
+    async def restart_after_the_first_stretch() -> None:
+        while len(sub.st.emap) < 2048:
+            await asyncio.sleep(0)
+        manager.engine_restarted(sub.st.ep)
+
+    restart = asyncio.ensure_future(restart_after_the_first_stretch())
+    await sub.on_message(0, _large(100))
+    await restart
+    assert not sub.st.emap and sub.expected is None      # cleared, and the rest of it not applied after
+
+
+async def test_a_large_message_is_left_when_its_endpoint_leaves_the_pool_meanwhile():
+    manager, sub = _subscriber()
+    sub.expected = 0
+
+    async def forget_after_the_first_stretch() -> None:
+        while len(sub.st.emap) < 2048:
+            await asyncio.sleep(0)
+        manager.index.forget(sub.st.ep)
+
+    forget = asyncio.ensure_future(forget_after_the_first_stretch())
+    await sub.on_message(0, _large(100))
+    await forget
+    assert not sub.st.emap and not manager.index._holders      # nothing indexed under its freed slot
