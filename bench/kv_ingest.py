@@ -30,7 +30,9 @@ the turns of another task, which yields at every turn), the time the whole messa
 loop's turns meanwhile, in wall-clock time (best and worst of ``--repeat``). The messages: a
 128k-token prompt's ``BlockStored`` (8,192 blocks with their token ids, vLLM's encoding), the same
 after the 8,192 single-block ``BlockRemoved`` of what it evicted, and two near the 8 MiB bound: a
-``BlockStored`` of 110,000 blocks (1.76M tokens) and 150,000 ``BlockRemoved`` of indexed blocks.
+``BlockStored`` of 110,000 blocks (1.76M tokens) and 150,000 ``BlockRemoved`` of indexed blocks;
+then a replay of 256 batches of about 60 KB (a 13.6k-token prompt's blocks each) from a ROUTER
+socket on loopback.
 """
 
 from __future__ import annotations
@@ -200,11 +202,54 @@ def _large_messages(rng: random.Random) -> list[tuple[str, list[bytes], bytes]]:
             ("150,000 BlockRemoved of indexed blocks", [_encode([0.0, [many], 0])], _encode([0.0, removed(held), 0]))]
 
 
-async def _hold(before: list[bytes], payload: bytes) -> tuple[float, float, int]:
-    """(longest loop hold, whole message, loop turns) of ``payload`` taken after ``before``, in seconds."""
+def _replayed(rng: random.Random) -> list[bytes]:
+    """256 batches of about 60 KB, a 13.6k-token prompt's ``BlockStored`` each (850 blocks)."""
+    return [_encode([0.0, [{"type": "BlockStored", "block_hashes": [rng.getrandbits(64) for _ in range(850)],
+                            "parent_block_hash": None, "token_ids": [rng.randrange(128_256) for _ in range(BLOCK * 850)],
+                            "block_size": BLOCK, "lora_id": None, "medium": "GPU", "lora_name": None}], 0])
+            for _ in range(256)]
+
+
+async def _replay_hold(payloads: list[bytes]) -> tuple[float, float, int]:
+    """``_hold`` of a replay bringing ``payloads``, from a ROUTER socket on loopback."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def serve() -> None:
+        ident, _, _ = await router.recv_multipart()
+        for seq, payload in enumerate(payloads):
+            await router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+        await router.send_multipart([ident, b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    settings = KVEventsConfig(enabled=True, port=port + 1, replay_port=port, replay_timeout_s=60)
+    pool = EndpointPool()
+    manager = KVEventsManager(lambda model: settings, pool, CollectorRegistry(), {})
+    sub = Subscriber(manager, manager.index.track(pool.add(Endpoint(url="http://127.0.0.1:8000", model="m")),
+                                                  settings))
+    server = asyncio.create_task(serve())
+    try:
+        return await _hold(sub, lambda: sub.replay(0, len(payloads)))
+    finally:
+        server.cancel()
+        await manager.close()
+        router.close(0)
+        ctx.term()
+
+
+async def _message_hold(before: list[bytes], payload: bytes) -> tuple[float, float, int]:
     _, (sub,) = _subscribers(1)
     for seq, p in enumerate(before):
         await sub.on_message(seq, p)
+    return await _hold(sub, lambda: sub.on_message(len(before), payload))
+
+
+async def _hold(sub: Subscriber, take: Any) -> tuple[float, float, int]:
+    """(longest loop hold, whole message, loop turns) while ``take()`` runs, in seconds."""
     gc.collect()
     gaps: list[float] = []
     done = False
@@ -220,7 +265,7 @@ async def _hold(before: list[bytes], payload: bytes) -> tuple[float, float, int]
     task = asyncio.create_task(ticker())
     await asyncio.sleep(0)
     t = time.perf_counter()
-    await sub.on_message(len(before), payload)
+    await take()
     took = time.perf_counter() - t
     done = True
     await task
@@ -231,10 +276,16 @@ def large(repeat: int) -> None:
     print("| message | MiB | longest loop hold (ms) | whole message (ms) | loop turns |")
     print("|---|---:|---:|---:|---:|")
     for name, before, payload in _large_messages(random.Random(1)):
-        runs = [asyncio.run(_hold(before, payload)) for _ in range(repeat)]
-        hold, took, turns = ([r[i] for r in runs] for i in range(3))
-        print(f"| {name} | {len(payload) / 2 ** 20:.2f} | {1e3 * min(hold):.0f}-{1e3 * max(hold):.0f} | "
-              f"{1e3 * min(took):.0f}-{1e3 * max(took):.0f} | {min(turns)}-{max(turns)} |")
+        _row(name, len(payload), [asyncio.run(_message_hold(before, payload)) for _ in range(repeat)])
+    payloads = _replayed(random.Random(2))
+    _row("a replay of 256 batches of 60 KB (850 blocks each)", sum(map(len, payloads)),
+         [asyncio.run(_replay_hold(payloads)) for _ in range(repeat)])
+
+
+def _row(name: str, size: int, runs: list[tuple[float, float, int]]) -> None:
+    hold, took, turns = ([r[i] for r in runs] for i in range(3))
+    print(f"| {name} | {size / 2 ** 20:.2f} | {1e3 * min(hold):.0f}-{1e3 * max(hold):.0f} | "
+          f"{1e3 * min(took):.0f}-{1e3 * max(took):.0f} | {min(turns)}-{max(turns)} |")
 
 
 def main() -> None:

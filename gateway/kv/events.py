@@ -510,14 +510,20 @@ class Subscriber:
             log.warning("kv events: replay could not fill the gap; entries cleared", endpoint=self.st.ep.name,
                         rank=self.rank, missed_from=start, to=until, result=result)
         if complete or first:
-            for i, (_, payload) in enumerate(got):
+            # other requests' turns between stretches: of about STRETCH_BYTES of batches (at most
+            # 256 of them), as a live message over that size is applied in stretches
+            size = k = 0
+            for _, payload in got:
                 with contextlib.suppress(WireError):
                     if len(payload) <= STRETCH_BYTES:
                         self.apply(self.decoder.decode(payload, self.rank))
                     else:
                         await self.apply_stretched(self.decoder.decode(payload, self.rank))
-                if i % 256 == 255:
-                    await asyncio.sleep(0)          # other requests' turns between long stretches
+                size += len(payload)
+                k += 1
+                if size >= STRETCH_BYTES or k == 256:
+                    size = k = 0
+                    await asyncio.sleep(0)
         self.m.metrics.replays.labels(model, result).inc()
 
 

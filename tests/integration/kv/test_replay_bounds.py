@@ -195,3 +195,35 @@ def test_bad_messages_are_each_counted_and_warned_of_once_in_ten_seconds(monkeyp
     warned = [x for x in logs if x["event"] == "kv events: bad message"]
     assert [w.get("bad_since_last") for w in warned] == [0, 99]     # the 99 between the two lines
     assert registry.get_sample_value("switchyard_kv_events_decode_errors_total", {"model": "m"}) == 101
+
+
+async def test_a_replay_lets_the_loop_run_between_stretches_of_its_batches():
+    """Batches a replay brings (here 40 of about 30 KB: a 6k-token prompt's blocks each, each one
+    applied at once) are applied in stretches of about 64 KiB, the loop running between them,
+    not 256 batches at a time whatever their size."""
+    port = listen_port()
+    blocks = 400
+    payloads = [batch([block_stored(list(range(10_000 * (s + 1), 10_000 * (s + 1) + blocks)), None,
+                                    [(s + i) % 30_000 for i in range(16 * blocks)])]) for s in range(40)]
+    assert all(len(p) <= kv_events.STRETCH_BYTES for p in payloads)
+    per = kv_events.STRETCH_BYTES // len(payloads[0]) + 1        # batches of one stretch
+
+    async def serve(send) -> None:
+        for seq, payload in enumerate(payloads):
+            await send(seq, payload)
+        await send(-1, b"")
+
+    server = await replay_server(port, serve)
+    try:
+        sub, _ = subscriber(port, timeout=30)
+        task = asyncio.ensure_future(sub.replay(0, len(payloads)))
+        seen = []                                 # blocks indexed at each turn of the loop meanwhile
+        while not task.done():
+            seen.append(len(sub.st.emap))
+            await asyncio.sleep(0)
+        await task
+        assert len(sub.st.emap) == 40 * blocks
+        steps = [b - a for a, b in zip(seen, seen[1:], strict=False) if b != a]
+        assert len(steps) >= 40 // per and max(steps) <= per * blocks
+    finally:
+        server.cancel()
