@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
     from gateway.server.run import ListenError, free_port, serve
-    from gateway.server.workers import WorkerInfo, auto_count, auto_workers, per_process_state
+    from gateway.server.workers import WorkerInfo, adapters_apart, auto_count, auto_workers, per_process_state
     workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:
         print("switchyard: --workers must be >= 1", file=sys.stderr)
@@ -111,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
             "workers: each keeps its own state without state.redis_url", workers=workers,
             kept_apart=apart, effect="a user gets up to workers x each limit, and an admin-API key or "
                                      "user created through one worker is unknown to the others")
+    if single is None and workers > 1 and adapters_apart(config):
+        import structlog
+        structlog.get_logger("switchyard").warning(
+            "workers: LoRA adapters are not shared between them", workers=workers,
+            effect="with view.workers or view.share_monitoring off, a worker may load an adapter another "
+                   "loaded, and unload one another has requests in flight for")
     resolved.append(workers)
     config = config.with_workers(workers)
 

@@ -146,10 +146,16 @@ def auto_workers(value: int | str, config: Any) -> tuple[int, str | None]:
             return 1, f"{why} are kept per process without state.redis_url"
         if config.admission.enabled or any(config.admission_for(m.name).enabled for m in config.models):
             return 1, "admission's priority classes are strict within one process only"
-        if any(m.adapters for m in config.models) and not (config.view.workers and config.view.share_monitoring):
+        if adapters_apart(config):
             return 1, ("LoRA adapters are loaded and unloaded on what one process knows without "
                        "view.workers and view.share_monitoring (another worker could unload an adapter this one serves)")
     return n, None
+
+
+def adapters_apart(config: Any) -> bool:
+    """Whether a model lists LoRA adapters to load on demand while the workers would not tell each
+    other of them (``view.workers`` or ``view.share_monitoring`` off)."""
+    return any(m.adapters for m in config.models) and not (config.view.workers and config.view.share_monitoring)
 
 
 def _die_with_parent(parent: int) -> bool:

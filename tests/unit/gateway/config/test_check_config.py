@@ -213,6 +213,27 @@ def test_several_workers_by_number_with_state_per_process_say_so_at_start(tmp_pa
     assert "the admin API's users and keys" in done.stderr
 
 
+@pytest.mark.parametrize("view, warned", [("view: {share_monitoring: false}\n", True),
+                                         ("view: {workers: false}\n", True), ("", False)])
+def test_several_workers_by_number_with_adapters_not_shared_say_so_at_start(tmp_path, view, warned):
+    """``--workers 2`` with adapters to load on demand and the workers not telling each other of
+    them: run as asked, but the log says a worker may unload an adapter another is using."""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text("models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9'], "
+                   "adapters: {sql: /a/sql}}]\nlisten: {port: 1}\n" + view)
+    probe = textwrap.dedent(f"""
+        import sys
+        import gateway.server.workers as w
+        w.run_workers = lambda *a, **k: 0          # stop before any worker starts
+        from gateway.__main__ import main
+        sys.exit(main(["--config", {str(cfg)!r}, "--workers", "2", "--log-format", "json"]))
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert ("LoRA adapters are not shared between them" in done.stderr) is warned, done.stderr
+
+
 @pytest.mark.parametrize("text", [
     # whole-request endpoints beside the pairs: the strategy routes to those
     "models: [{name: a, strategy: least-request, endpoints: ['http://x:3'], "
