@@ -32,7 +32,9 @@ loop's turns meanwhile, in wall-clock time (best and worst of ``--repeat``). The
 after the 8,192 single-block ``BlockRemoved`` of what it evicted, and two near the 8 MiB bound: a
 ``BlockStored`` of 110,000 blocks (1.76M tokens) and 150,000 ``BlockRemoved`` of indexed blocks;
 then a replay of 256 batches of about 60 KB (a 13.6k-token prompt's blocks each) from a ROUTER
-socket on loopback.
+socket on loopback; then an ``AllBlocksCleared`` of an endpoint holding ``max_blocks_per_endpoint``
+(262,144) blocks, alone and as one of 4 endpoints holding the same blocks (what a restart, a gap
+that cannot be replayed or an endpoint leaving the pool clears the same way).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from prometheus_client import CollectorRegistry
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.events import KVEventsManager, Subscriber
 from gateway.kv.settings import KVEventsConfig
-from gateway.kv.wire import decode_batch
+from gateway.kv.wire import Batch, BlockStored, decode_batch
 
 BLOCK = 16
 ENCODINGS = ("map", "vllm", "array")
@@ -248,6 +250,18 @@ async def _message_hold(before: list[bytes], payload: bytes) -> tuple[float, flo
     return await _hold(sub, lambda: sub.on_message(len(before), payload))
 
 
+async def _clear_hold(engines: int, hashes: list[int], tokens: list[int]) -> tuple[float, float, int]:
+    """``_hold`` of an ``AllBlocksCleared`` to the first of ``engines`` endpoints, each holding the
+    blocks ``hashes`` (their tokens ``tokens``)."""
+    manager, subs = _subscribers(engines)
+    stored = Batch(0.0, [BlockStored(hashes, None, tokens, BLOCK, medium="GPU")], None)
+    for sub in subs:
+        manager.index.apply(sub.st, stored)
+    assert len(subs[0].st.emap) == len(hashes)
+    payload = _encode([0.0, [{"type": "AllBlocksCleared"}], 0])
+    return await _hold(subs[0], lambda: subs[0].on_message(0, payload))
+
+
 async def _hold(sub: Subscriber, take: Any) -> tuple[float, float, int]:
     """(longest loop hold, whole message, loop turns) while ``take()`` runs, in seconds."""
     gc.collect()
@@ -280,6 +294,14 @@ def large(repeat: int) -> None:
     payloads = _replayed(random.Random(2))
     _row("a replay of 256 batches of 60 KB (850 blocks each)", sum(map(len, payloads)),
          [asyncio.run(_replay_hold(payloads)) for _ in range(repeat)])
+    rng = random.Random(3)
+    n = KVEventsConfig().max_blocks_per_endpoint
+    hashes = [rng.getrandbits(64) for _ in range(n)]
+    tokens = [rng.randrange(128_256) for _ in range(BLOCK * n)]
+    clear = len(_encode([0.0, [{"type": "AllBlocksCleared"}], 0]))
+    for engines, name in ((1, f"AllBlocksCleared of an endpoint holding {n:,} blocks"),
+                          (4, "the same, one of 4 endpoints holding the same blocks")):
+        _row(name, clear, [asyncio.run(_clear_hold(engines, hashes, tokens)) for _ in range(repeat)])
 
 
 def _row(name: str, size: int, runs: list[tuple[float, float, int]]) -> None:
