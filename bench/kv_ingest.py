@@ -34,7 +34,8 @@ after the 8,192 single-block ``BlockRemoved`` of what it evicted, and two near t
 then a replay of 256 batches of about 60 KB (a 13.6k-token prompt's blocks each) from a ROUTER
 socket on loopback; then an ``AllBlocksCleared`` of an endpoint holding ``max_blocks_per_endpoint``
 (262,144) blocks, alone and as one of 4 endpoints holding the same blocks (what a restart, a gap
-that cannot be replayed or an endpoint leaving the pool clears the same way).
+that cannot be replayed or an endpoint leaving the pool clears the same way), until its old entries
+are unlinked from the index.
 """
 
 from __future__ import annotations
@@ -259,7 +260,13 @@ async def _clear_hold(engines: int, hashes: list[int], tokens: list[int]) -> tup
         manager.index.apply(sub.st, stored)
     assert len(subs[0].st.emap) == len(hashes)
     payload = _encode([0.0, [{"type": "AllBlocksCleared"}], 0])
-    return await _hold(subs[0], lambda: subs[0].on_message(0, payload))
+
+    async def cleared() -> None:       # the message, then its old entries unlinked (``EventIndex.drain``)
+        await subs[0].on_message(0, payload)
+        while manager.index.retiring:
+            await asyncio.sleep(0)
+
+    return await _hold(subs[0], cleared)
 
 
 async def _hold(sub: Subscriber, take: Any) -> tuple[float, float, int]:

@@ -25,6 +25,9 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.
   cleared then, and its streams taken up again as at first contact.
 * Every endpoint of an enabled model is synced with the pool once a second: a new endpoint gets a
   subscriber, a removed one loses its subscriber and its entries.
+* A clear (any of the above, or an ``AllBlocksCleared``) takes the endpoint's entries out of routing
+  at once; a task of the manager unlinks them from the index, ``CLEAR_STRETCH`` of them a loop turn
+  (``EventIndex.drain``).
 * Data parallelism (``data_parallel_size`` N > 1): the engine behind the endpoint runs N ranks, and
   rank r publishes on ``port + r`` (replay on ``replay_port + r``), as vLLM's and SGLang's
   publishers offset their endpoints. The endpoint gets one subscriber per rank, each with its own
@@ -55,7 +58,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.endpoints import Endpoint, EndpointPool
-from gateway.kv.index import Applied, EndpointState, EventIndex, request_root
+from gateway.kv.index import CLEAR_STRETCH, Applied, EndpointState, EventIndex, request_root
 from gateway.kv.settings import KVEventsConfig
 from gateway.kv.tokenization import AHEAD_CHARS, ANSWER_SAMPLE, ANSWERS_UNHELD, INLINE_CHARS, ModelTokenizer
 from gateway.kv.wire import END_SEQ, Batch, BatchDecoder, WireError, seq_of
@@ -538,6 +541,8 @@ class KVEventsManager:
         self.tokenizers = tokenizers
         self.metrics = KVEventsMetrics(registry)
         self.index = EventIndex(tokenizers, settings, clock, self._fallback)
+        self.index.on_retired = self._drain_soon
+        self._drain_task: asyncio.Task | None = None
         registry.register(_IndexCollector(self.index))
         self.subscribers: dict[Endpoint, list[Subscriber]] = {}     # one per data-parallel rank
         self._refused: set[Endpoint] = set()
@@ -634,7 +639,32 @@ class KVEventsManager:
                 for sub in subs:
                     sub.start()
 
+    def _drain_soon(self) -> None:
+        """A cleared endpoint's old entries are to be unlinked from the index (``EventIndex.drain``):
+        by a task, a stretch of ``CLEAR_STRETCH`` entries a loop turn (at once without a loop)."""
+        if self._drain_task is not None and not self._drain_task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            while self.index.drain(1 << 62):
+                pass
+            return
+        self._drain_task = loop.create_task(self._drain(), name="kv-events clear")
+
+    async def _drain(self) -> None:
+        drain = self.index.drain
+        try:
+            while drain(CLEAR_STRETCH):
+                await asyncio.sleep(0)
+        except Exception:
+            log.exception("kv events: a cleared endpoint's entries could not be unlinked")
+
     async def close(self) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain_task
         if self._sync_task is not None:
             self._sync_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

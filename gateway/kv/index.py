@@ -27,7 +27,8 @@ An endpoint's events are trusted only while they flow: an endpoint that never se
 sent a request needing new blocks ``stall_timeout_s`` ago and reported nothing since, is on the
 *fallback*: the router uses the approximate index (``routers.prefix_index``) for it, and the fallback
 is counted. Memory is bounded by ``max_blocks_per_endpoint`` (oldest entries dropped first); an
-engine that restarts (its sequence numbers start again) or leaves the pool is cleared.
+engine that restarts (its sequence numbers start again) or leaves the pool is cleared: out of
+routing at once (a new slot), its old entries unlinked a stretch at a time (``drain``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, chain, islice, repeat
 from operator import and_
@@ -53,6 +54,9 @@ _NO_EXTRAS = repeat(None)                  # the extras of blocks whose event ca
 # the blocks of one stretch of a large batch applied in stretches (``EventIndex.stretches``): about
 # 1-2 ms of the event loop's time
 STRETCH_BLOCKS = 2048
+# the entries of a cleared endpoint taken out of the shared maps in one stretch (``EventIndex.drain``):
+# about 1-2 ms of the event loop's time
+CLEAR_STRETCH = 4096
 
 
 def _medium_bit(medium: str | None) -> int:
@@ -152,6 +156,17 @@ class EndpointState:
         return 1 << self.slot
 
 
+@dataclass(eq=False)
+class _Retired:
+    """A cleared endpoint's entries, out of routing but still in the shared maps (``EventIndex.drain``):
+    its old slot, no endpoint's until they are gone, and its maps, no endpoint's either."""
+
+    slot: int
+    keys: Iterator[int] | None        # its keys (``owned``'s) not unlinked yet: each has the slot's bit in _holders
+    maps: list[Any]                   # its maps, freed once its keys are unlinked
+    pending: deque | None = None      # the slot's speculative holds (_pending_q's entries), once the maps are freed
+
+
 class EventIndex:
     """The index of every endpoint with events (one per gateway process)."""
 
@@ -166,6 +181,11 @@ class EventIndex:
         self.ranked: dict[Endpoint, EndpointState] = {}   # those whose data-parallel rank the gateway picks
         self._by_slot: dict[int, EndpointState] = {}
         self._free: list[int] = []
+        self._slots = 0                           # slots ever made (live, free or retired)
+        # cleared endpoints' old entries, unlinked from the shared maps a stretch at a time (``drain``);
+        # ``on_retired`` is told when there are some (None: they are unlinked at once)
+        self._retired: deque[_Retired] = deque()
+        self.on_retired: Callable[[], None] | None = None
         self._holders: dict[int, int] = {}        # our key → bitmask of endpoint slots
         self._pending: dict[int, int] = {}        # our key → slots holding it speculatively
         self._pending_until: dict[tuple[int, int], float] = {}
@@ -189,25 +209,26 @@ class EventIndex:
     def track(self, ep: Endpoint, settings: KVEventsConfig) -> EndpointState:
         st = self.states.get(ep)
         if st is None:
-            slot = self._free.pop() if self._free else len(self._by_slot)
-            st = EndpointState(ep, slot, settings)
+            st = EndpointState(ep, self._slot(), settings)
             if settings.ranked:
                 st.rank_keys, st.ranks = {}, settings.data_parallel_size
                 st.rank_in_flight = [0] * st.ranks
                 self.ranked[ep] = st
             self.states[ep] = st
-            self._by_slot[slot] = st
+            self._by_slot[st.slot] = st
         return st
+
+    def _slot(self) -> int:
+        if self._free:
+            return self._free.pop()
+        self._slots += 1
+        return self._slots - 1
 
     def forget(self, ep: Endpoint) -> None:
         st = self.states.pop(ep, None)
         self.ranked.pop(ep, None)
         if st is not None:
-            self.clear(st)
-            for key in [k for k, m in self._pending.items() if m & st.bit]:
-                self._unpend(key, st.slot)
-            del self._by_slot[st.slot]
-            self._free.append(st.slot)
+            self._retire(st)
 
     def blocks(self, model: str | None = None) -> int:
         """Engine blocks indexed (all endpoints, or one model's)."""
@@ -274,7 +295,8 @@ class EventIndex:
             elif cls is AllBlocksCleared:
                 cleared += 1
                 if rank is None:
-                    self.clear(st)
+                    self.clear(st)           # new maps, and a new slot
+                    media, emap, owned, ranked, others = st.media, st.emap, st.owned, st.rank_keys, ~st.bit
                 else:
                     self.clear_rank(st, rank)
         return Applied(stored, removed, cleared, orphans)
@@ -423,9 +445,8 @@ class EventIndex:
                      blocks: int) -> Generator[None, None, int]:
         """``_stored`` (and, for a ranked endpoint, ``_rank_stored``) in runs of ``blocks`` blocks,
         yielding between them; the chain's key and the token iterator carry on from run to run."""
-        ranked = st.rank_keys
         r = rank or 0
-        emap, media = st.emap, st.media
+        emap, ranked = st.emap, st.rank_keys
         hashes = ev.block_hashes
         bs = ev.block_size
         h = None
@@ -446,6 +467,7 @@ class EventIndex:
         for lo in range(0, n, blocks):
             if lo:
                 yield
+            emap, media, ranked = st.emap, st.media, st.rank_keys    # the endpoint's maps now
             run = hashes[lo:min(n, lo + blocks)]
             if known:
                 for bh in run:
@@ -494,23 +516,83 @@ class EventIndex:
                 self._leave(key)
 
     def clear(self, st: EndpointState) -> None:
-        """Forget everything ``st``'s engine holds (AllBlocksCleared, a restart, removal)."""
-        holders, bit, pending = self._holders, st.bit, self._pending
-        for key in st.owned:
-            mask = holders.get(key, 0) & ~bit
-            if mask:
-                holders[key] = mask
-            else:
-                holders.pop(key, None)
-                if key not in pending:
-                    self._leave(key)
-        st.emap.clear()
-        st.media.clear()
-        st.owned.clear()
+        """Forget everything ``st``'s engine holds (AllBlocksCleared, a restart, a gap, an overflow),
+        and what this gateway held for it speculatively, at once: ``st`` takes empty maps and a new
+        slot, so no walk counts it as holding any of its old blocks and new events build on nothing.
+        Its old slot's bits are taken out of the shared maps by ``drain``, a stretch at a time; the
+        slot is free again after that."""
+        if self._by_slot.get(st.slot) is not st:      # forgotten already: nothing of it is held
+            return
+        self._retire(st)
+        st.slot = self._slot()
+        self._by_slot[st.slot] = st
+
+    def _retire(self, st: EndpointState) -> None:
+        """Take ``st``'s slot and maps out of routing, for ``drain`` to unlink."""
+        del self._by_slot[st.slot]
+        maps: list[Any] = [st.owned, st.emap, st.media]
         if st.rank_keys is not None:
-            st.rank_keys.clear()
-            st.rank_pending.clear()
-            st.rank_pending_q.clear()
+            maps += [st.rank_keys, st.rank_pending, st.rank_pending_q]
+            st.rank_keys, st.rank_pending, st.rank_pending_q = {}, {}, deque()
+        self._retired.append(_Retired(st.slot, iter(st.owned), maps))    # owned changes no more
+        st.emap, st.media, st.owned = {}, {}, {}
+        self._walked = (None, {})          # depths by slot bit: the slot may be another's soon
+        if self.on_retired is None:
+            while self.drain(1 << 62):
+                pass
+        else:
+            self.on_retired()
+
+    @property
+    def retiring(self) -> int:
+        """Clears whose old entries are not all unlinked yet (``drain``)."""
+        return len(self._retired)
+
+    def drain(self, entries: int = CLEAR_STRETCH) -> bool:
+        """Unlink about ``entries`` entries of cleared endpoints from the shared maps (oldest clear
+        first); whether some are left. Per cleared endpoint: its keys lose its old slot's bit (a key
+        no one else holds or awaits leaves the index), ``entries`` of them a call; then its maps are
+        freed, one a call (a map of 262,144 entries in 2-3 ms); then its speculative holds are
+        dropped; its slot is then free. The index is whole after each call."""
+        q = self._retired
+        holders, pending, leave = self._holders, self._pending, self._leave
+        while q and entries > 0:
+            r = q[0]
+            if r.keys is not None:
+                keep = ~(1 << r.slot)
+                n = 0
+                for key in islice(r.keys, entries):
+                    n += 1
+                    mask = holders.get(key, 0) & keep
+                    if mask:
+                        holders[key] = mask
+                    else:
+                        holders.pop(key, None)
+                        if key not in pending:
+                            leave(key)
+                if n < entries:
+                    r.keys = None
+                entries -= n
+                continue
+            if r.maps:
+                r.maps.pop().clear()
+                return True
+            slot = r.slot
+            if r.pending is None:
+                r.pending = deque(e for e in self._pending_q if e[1] == slot)
+            held = r.pending
+            until_of = self._pending_until
+            while held and entries > 0:
+                until, _, keys = held.popleft()
+                entries -= len(keys)
+                for k in keys:
+                    if until_of.get((k, slot)) == until:     # not expired, nor routed again since
+                        self._unpend(k, slot)
+            if held:
+                continue
+            q.popleft()
+            self._free.append(slot)
+        return bool(q)
 
     def clear_rank(self, st: EndpointState, rank: int) -> None:
         """Forget what one data-parallel rank of ``st``'s engine holds (its gap, restart or cache
