@@ -243,7 +243,10 @@ class EventIndex:
 
         One pass over the events, in order. A ``BlockRemoved`` is resolved inline (the most frequent
         event: engines send one per evicted block); a ``BlockStored``'s blocks are cut and keyed in
-        one loop (``_stored``)."""
+        one loop (``_stored``). A batch for an endpoint no longer tracked (it left the pool, and its
+        subscriber read on until stopped) is not applied."""
+        if self._by_slot.get(st.slot) is not st:
+            return Applied(0, 0, 0, 0)
         st.last_event = self.clock()
         st.expect_since = None
         st.on_fallback = None
@@ -397,7 +400,9 @@ class EventIndex:
         on in one chain (``_stored_runs``). The index ends as ``apply`` leaves it, and is whole at
         every yield (each block done or not begun), so routing may read it meanwhile; ``st``'s
         entries are bounded after each run, not after the event (the same entries are left, as
-        the oldest go first either way)."""
+        the oldest go first either way). Nothing for an endpoint no longer tracked, as ``apply``."""
+        if self._by_slot.get(st.slot) is not st:
+            return Applied(0, 0, 0, 0)
         st.last_event = self.clock()
         st.expect_since = None
         st.on_fallback = None
