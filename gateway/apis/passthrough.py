@@ -193,6 +193,9 @@ class AudioApi(PassthroughApi):
         if max_bytes and length is not None and length > max_bytes:
             raise GatewayError(413, f"request body exceeds {max_bytes} bytes", code="body_too_large",
                                    error_class=ErrorClass.VALIDATION)
+        if not request.body_exists:
+            # aiohttp's one shared empty payload answers "end of an HTTP chunk" for ever once read
+            return b""
         chunks: list[bytes] = []
         size = 0
         try:

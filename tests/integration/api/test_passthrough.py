@@ -3,6 +3,7 @@ clients (the openai SDK for audio, aiohttp as curl would for the rest) on real s
 
 from __future__ import annotations
 
+import asyncio
 import math
 import warnings
 
@@ -13,7 +14,9 @@ import pytest
 
 from enginesim.audio_api import BYTES_PER_SECOND, transcript
 from tests.support.factories import model_block
+from tests.support.gateway_process import gateway_process, post_new
 from tests.support.http import openai_client, post_json, sim_state
+from tests.support.ports import listen_port
 
 RERANK = {"query": "red apple pie", "documents": ["green pear", "a red apple pie recipe", "trains"]}
 AUDIO = bytes(range(256)) * 800          # 204,800 bytes: bigger than one socket read, one write
@@ -207,3 +210,31 @@ async def test_an_alias_rewrites_the_model_inside_the_form(sims, gateway):
     status, got, _ = await post_json(gw, "/v1/rerank", {"model": "speech", **RERANK})
     assert status == 200 and got["model"] == "whisper-v2"
     await c.close()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("framing", [b"Content-Length: 0\r\n", b""])
+async def test_audio_requests_without_a_body_are_answered_every_time(sims, tmp_path, framing):
+    """A body-less POST reads aiohttp's one shared empty payload, which says "end of an HTTP chunk"
+    for ever once read: the second such request on a worker must be answered as the first was, not
+    spin its event loop until the parent kills it as stalled."""
+    v = await sims("vllm", "llama")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {workers: 1, drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                   f"models: [{{name: llama, engine: vllm, endpoints: ['{v.url}']}}]\n")
+    head = (b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n"
+            b"Content-Type: multipart/form-data; boundary=b0\r\n" + framing + b"\r\n")
+    async with gateway_process(cfg, port):
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            async with asyncio.timeout(10):          # a stalled worker never answers
+                answer = await reader.read()
+            writer.close()
+            status_line, _, rest = answer.partition(b"\r\n")
+            assert status_line.startswith(b"HTTP/1.1 400 "), answer
+            assert orjson.loads(rest.partition(b"\r\n\r\n")[2])["error"]["param"] == "model"
+        status, _, got = await post_new(port, "/tokenize", {"model": "llama", "prompt": "hello there"})
+        assert status == 200 and got["count"] == 4

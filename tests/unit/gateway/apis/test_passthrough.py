@@ -72,6 +72,7 @@ class _Request:
     def __init__(self, chunks: list[bytes]) -> None:
         self.content = _Content(chunks)
         self.content_length = None
+        self.body_exists = True
 
 
 def test_audio_body_is_copied_once():
