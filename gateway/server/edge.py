@@ -54,7 +54,7 @@ from typing import Any
 import orjson
 import structlog
 from aiohttp import hdrs, web
-from aiohttp.http import HttpVersion11
+from aiohttp.http import HttpVersion10, HttpVersion11
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import ERROR as _UNPARSED
 from prometheus_client import CollectorRegistry, Counter
@@ -770,6 +770,18 @@ def _closing_error(request: web.BaseRequest, status: int, message: str, code: st
     return resp
 
 
+# a request's key: the HTTP version it came with, when refused
+_VERSION_REFUSED = web.RequestKey("edge_version_refused", tuple)
+
+
+def version_refused(request: web.BaseRequest, version: Any) -> web.Response:
+    """A request line the parser took with a version HTTP/1.x framing does not have: its headers
+    and body mean nothing certain, so nothing of it is served."""
+    return _closing_error(request, 400, f"malformed HTTP request: the request line's version reads as "
+                          f"HTTP/{version[0]}.{version[1]} (a line without one as HTTP/0.9); HTTP/1.0 and "
+                          "HTTP/1.1 are served", "bad_request")
+
+
 def connect_refused(request: web.BaseRequest, allow: str) -> web.Response:
     """CONNECT names a host to tunnel to (``evil.example:443``), not a path: never routed, and the
     connection, which the parser put in tunnel mode, is closed after the answer. Its ``Allow`` is
@@ -884,11 +896,22 @@ class EdgeServer(web.Server):
             inner = _cors_factory(inner, request_class(cors))
 
         def request_factory(message, payload, protocol, writer, task):
-            if message.version < HttpVersion11 and not message.should_close and hdrs.TRANSFER_ENCODING in message.headers:
-                # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (an
-                # HTTP/1.0 hop before us may have read its body otherwise), so the connection
-                # closes after its answer, whatever its Connection header asked for
-                message = message._replace(should_close=True)
+            version = message.version
+            if version is not HttpVersion11 and version != HttpVersion11:
+                if version != HttpVersion10:
+                    # the parser takes HTTP/2.0, HTTP/0.9 and a request line without a version (as
+                    # 0.9), none of them HTTP/1.x framing: refused, answered in HTTP/1.1 and closed
+                    message = message._replace(version=HttpVersion11, should_close=True)
+                    request = inner(message, payload, protocol, writer, task)
+                    request[_VERSION_REFUSED] = version
+                    if isinstance(protocol, EdgeProtocol):
+                        protocol.e_request_started(request, payload, False)
+                    return request
+                if not message.should_close and hdrs.TRANSFER_ENCODING in message.headers:
+                    # RFC 9112 §6.1: an HTTP/1.0 message with Transfer-Encoding has faulty framing (an
+                    # HTTP/1.0 hop before us may have read its body otherwise), so the connection
+                    # closes after its answer, whatever its Connection header asked for
+                    message = message._replace(should_close=True)
             request = inner(message, payload, protocol, writer, task)
             if isinstance(protocol, EdgeProtocol):
                 protocol.e_request_started(request, payload, message is _UNPARSED)
@@ -907,6 +930,9 @@ class EdgeServer(web.Server):
         self.lane_parse = lane.parse if cors is None else functools.partial(lane.parse, decline=lane.CORS_DECLINE)
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
+            if _VERSION_REFUSED in request:
+                edge.metrics.protocol_errors.labels("400").inc()
+                return version_refused(request, request[_VERSION_REFUSED])
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
                 return connect_refused(request, allow)
             if request.method == "OPTIONS" and request.raw_path == "*":    # about the server, not a path

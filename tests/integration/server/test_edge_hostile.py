@@ -67,6 +67,14 @@ CASES = [
     ("malformed_request_line", [b"GARBAGE\r\n\r\n"], 400, 0),
     ("request_line_without_version", [b"POST " + CHAT.encode() + b"\r\nHost: x\r\n\r\n"], 400, 0),
     ("bad_http_version", [b"GET /health HTTP/7.0\r\nHost: x\r\n\r\n"], 400, 0),
+    # versions the parser takes but HTTP/1.x framing does not: never served, whatever the body
+    ("http_2_0_request_line", [H.replace(b"HTTP/1.1", b"HTTP/2.0") + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY],
+     400, 0),
+    ("http_0_9_request_line", [H.replace(b"HTTP/1.1", b"HTTP/0.9") + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY],
+     400, 0),
+    ("request_line_without_version_with_a_body",
+     [H.replace(b" HTTP/1.1", b"") + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY], 400, 0),
+    ("http_2_0_get", [b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n"], 400, 0),
     ("bare_lf_line_endings", [b"GET /health HTTP/1.1\nHost: x\n\n"], 400, 0),
     ("tls_client_hello", [b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(40)], 400, 0),
     ("http2_preface", [b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"], 400, 0),
@@ -106,6 +114,7 @@ async def test_hostile_request_gets_a_shaped_answer_and_reaches_no_engine(case, 
         ex = await exchange(gw.port, *parts, wait=8.0, until_close=closes, responses=1)
         err = assert_openai_error(ex.first, status)
         assert ex.first.headers.get("x-request-id") == ex.first.headers["request-id"]
+        assert ex.first.version in ("HTTP/1.0", "HTTP/1.1"), f"{case}: answered as {ex.first.version}"
         if status == 431:
             assert err["code"] in ("header_too_large", "too_many_headers")
         if closes:
