@@ -84,7 +84,7 @@ _BUSY = 4      # the handler runs, the body is complete: only the write-stall cl
 # Messages path, to answer a head that does not parse in its API's shape
 _LINE_KEEP = 64
 # the path of a request line's target, when the kept bytes hold it whole (a space or a query after it)
-_LINE_PATH = re.compile(rb"[!-~]+ (/[^ ?]*)[ ?]")
+_LINE_PATH = re.compile(rb"[^ \r\n]+ (/[^ ?]*)[ ?]")
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",

@@ -270,6 +270,10 @@ _UNPARSED = [
     ("target_20kb", request("POST", "/v1/messages?" + "a" * 20_000, _MSG_BODY), 431),
     ("count_tokens_bad_chunk", b"POST /v1/messages/count_tokens HTTP/1.1\r\nHost: gw\r\n"
      b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", 400),
+    ("method_with_a_control_byte", _MSG_HEAD.replace(b"POST", b"PO\x01T") + b"Content-Length: %d\r\n\r\n"
+     % len(_MSG_BODY) + _MSG_BODY, 400),
+    ("http_2_0_request_line", _MSG_HEAD.replace(b"HTTP/1.1", b"HTTP/2.0") + b"Content-Length: %d\r\n\r\n"
+     % len(_MSG_BODY) + _MSG_BODY, 400),
 ]
 
 
