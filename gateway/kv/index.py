@@ -601,9 +601,17 @@ class EventIndex:
 
     def clear_rank(self, st: EndpointState, rank: int) -> None:
         """Forget what one data-parallel rank of ``st``'s engine holds (its gap, restart or cache
-        reset): its hashes are ``(rank, hash)``, rank 0's the plain hash (``kv_wire.rank_of``)."""
+        reset): its hashes are ``(rank, hash)``, rank 0's the plain hash (``kv_wire.rank_of``). What
+        this gateway held for the rank speculatively (``rank_routed``) goes too, as ``clear`` drops an
+        endpoint's; their entries in the expiry order are passed over when they come due."""
         for bh in [bh for bh in st.emap if rank_of(bh) == rank]:
             self._drop(st, bh)
+        pending = st.rank_pending
+        for k in [k for k, spec in pending.items() if rank in spec]:
+            spec = pending[k]
+            del spec[rank]
+            if not spec:
+                del pending[k]
 
     # -- routing -----------------------------------------------------------------------------------
 

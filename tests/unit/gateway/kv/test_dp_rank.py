@@ -138,3 +138,29 @@ def test_a_pinned_requests_new_blocks_count_on_its_rank_until_they_expire():
     idx.rank_routed(again, ep, 1, 0)
     idx.clear(st)
     assert not st.rank_pending and not st.rank_pending_q
+
+
+def test_a_rank_cleared_keeps_none_of_its_speculative_holds_and_the_others_keep_theirs():
+    """A rank's gap, restart or cache reset clears what it holds: the blocks this gateway held for
+    it speculatively go too, as a whole endpoint's clear drops its holds; another rank's stay."""
+    now = [100.0]
+    s = KVEventsConfig(enabled=True, speculative_ttl_s=5, data_parallel_size=3)
+    idx = EventIndex({"m": TOK}, lambda m: s, clock=lambda: now[0])
+    ep = Endpoint(url="http://10.0.0.1:8000", model="m")
+    st = idx.track(ep, s)
+    st.block_size, st.on_fallback = 4, None
+    text = "the quick brown fox jumps over the lazy dog " * 6
+    req = _request(text)
+    keys, _tokens = idx._keys(req, "m", 4)
+    idx.rank_routed(req, ep, 1, 0)
+    idx.rank_routed(req, ep, 2, 0)
+    again = _request(text)
+    idx._keys(again, "m", 4)
+    before = idx.rank_depths(again, ep)
+    assert before[0] == 0 and before[1] == before[2] > 0
+    idx.clear_rank(st, 1)
+    after = idx.rank_depths(again, ep)
+    assert after == [0, 0, before[2]]
+    now[0] += 5.0                                          # the rest expires as before
+    assert idx.rank_depths(again, ep) == [0, 0, 0]
+    assert not st.rank_pending and not st.rank_pending_q
