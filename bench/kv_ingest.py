@@ -269,6 +269,28 @@ async def _clear_hold(engines: int, hashes: list[int], tokens: list[int]) -> tup
     return await _hold(subs[0], cleared)
 
 
+async def _rank_clear_hold(ranks: int, hashes: list[int], tokens: list[int]) -> tuple[float, float, int]:
+    """``_hold`` of an ``AllBlocksCleared`` from rank 1 of an endpoint of ``ranks`` data-parallel
+    ranks, each rank holding the blocks ``hashes`` (their tokens ``tokens``)."""
+    settings = KVEventsConfig(enabled=True, data_parallel_size=ranks)
+    pool = EndpointPool()
+    manager = KVEventsManager(lambda model: settings, pool, CollectorRegistry(), {})
+    st = manager.index.track(pool.add(Endpoint(url="http://10.0.0.1:8000", model="m")), settings)
+    subs = [Subscriber(manager, st, r) for r in range(ranks)]
+    for r in range(ranks):            # rank r's hashes as its subscriber qualifies them (``kv_wire.rank_of``)
+        manager.index.apply(st, Batch(0.0, [BlockStored([(r, h) for h in hashes] if r else hashes, None, tokens,
+                                                        BLOCK, medium="GPU")], r), r)
+    assert len(st.emap) == ranks * len(hashes)
+    payload = _encode([0.0, [{"type": "AllBlocksCleared"}], 1])
+
+    async def cleared() -> None:       # the message, then what it left to unlink (``EventIndex.drain``)
+        await subs[1].on_message(0, payload)
+        while manager.index.retiring:
+            await asyncio.sleep(0)
+
+    return await _hold(subs[1], cleared)
+
+
 async def _hold(sub: Subscriber, take: Any) -> tuple[float, float, int]:
     """(longest loop hold, whole message, loop turns) while ``take()`` runs, in seconds."""
     gc.collect()
@@ -309,6 +331,9 @@ def large(repeat: int) -> None:
     for engines, name in ((1, f"AllBlocksCleared of an endpoint holding {n:,} blocks"),
                           (4, "the same, one of 4 endpoints holding the same blocks")):
         _row(name, clear, [asyncio.run(_clear_hold(engines, hashes, tokens)) for _ in range(repeat)])
+    half = n // 2
+    _row(f"AllBlocksCleared of one of 2 data-parallel ranks holding {half:,} blocks each", clear,
+         [asyncio.run(_rank_clear_hold(2, hashes[:half], tokens[:BLOCK * half])) for _ in range(repeat)])
 
 
 def _row(name: str, size: int, runs: list[tuple[float, float, int]]) -> None:
