@@ -25,7 +25,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape,
   Anthropic's for a request to a Messages path (aiohttp gives it no path for a request it could not
   parse: the edge keeps the first bytes of the head it reads, ``_e_line``, and reads the path from
-  them), with ``request-id``, and with 431 for header fields that are too large or too many.
+  them), with ``request-id``, and with 431 for header fields that are too large or too many; the
+  answer to a head it could not parse goes out in HTTP/1.1 (aiohttp's stand-in request says 1.0).
 - **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
   preflight to an API path is answered before the application, and a request with an ``Origin``
   is left to aiohttp's request path, whose answers get CORS's headers.
@@ -770,6 +771,9 @@ def _closing_error(request: web.BaseRequest, status: int, message: str, code: st
     return resp
 
 
+# aiohttp's stand-in for a head it could not parse (HTTP/1.0, should_close), in HTTP/1.1
+_UNPARSED_11 = _UNPARSED._replace(version=HttpVersion11)
+
 # a request's key: the HTTP version it came with, when refused
 _VERSION_REFUSED = web.RequestKey("edge_version_refused", tuple)
 
@@ -898,6 +902,13 @@ class EdgeServer(web.Server):
         def request_factory(message, payload, protocol, writer, task):
             version = message.version
             if version is not HttpVersion11 and version != HttpVersion11:
+                if message is _UNPARSED:
+                    # a head the parser refused has no version to answer in: aiohttp's stand-in
+                    # message says HTTP/1.0; the answer goes out in HTTP/1.1 (RFC 9110 §6.2), closed
+                    request = inner(_UNPARSED_11, payload, protocol, writer, task)
+                    if isinstance(protocol, EdgeProtocol):
+                        protocol.e_request_started(request, payload, True)
+                    return request
                 if version != HttpVersion10:
                     # the parser takes HTTP/2.0, HTTP/0.9 and a request line without a version (as
                     # 0.9), none of them HTTP/1.x framing: refused, answered in HTTP/1.1 and closed
@@ -914,7 +925,7 @@ class EdgeServer(web.Server):
                     message = message._replace(should_close=True)
             request = inner(message, payload, protocol, writer, task)
             if isinstance(protocol, EdgeProtocol):
-                protocol.e_request_started(request, payload, message is _UNPARSED)
+                protocol.e_request_started(request, payload, False)
             return request
 
         self.request_factory = request_factory

@@ -114,7 +114,8 @@ async def test_hostile_request_gets_a_shaped_answer_and_reaches_no_engine(case, 
         ex = await exchange(gw.port, *parts, wait=8.0, until_close=closes, responses=1)
         err = assert_openai_error(ex.first, status)
         assert ex.first.headers.get("x-request-id") == ex.first.headers["request-id"]
-        assert ex.first.version in ("HTTP/1.0", "HTTP/1.1"), f"{case}: answered as {ex.first.version}"
+        # RFC 9110 §6.2: the server's own version, whatever the client's head was (none of these is HTTP/1.0)
+        assert ex.first.version == "HTTP/1.1", f"{case}: answered as {ex.first.version}"
         if status == 431:
             assert err["code"] in ("header_too_large", "too_many_headers")
         if closes:
@@ -122,6 +123,29 @@ async def test_hostile_request_gets_a_shaped_answer_and_reaches_no_engine(case, 
             assert len(ex.responses) == 1 and not ex.trailing, f"{case}: more than one answer: {ex.responses[1:]}"
         got = await gw.received()
         assert len(got) == reach and all(r["json_object"] for r in got), got
+
+
+@pytest.mark.parametrize("head,status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400),
+    (b"GET /health HTTP/1.0\r\nHost: x\r\nX-A: a\x00b\r\n\r\n", 400),     # RFC 9112 §2.3 allows 1.1 to 1.0
+    (request("POST", CHAT, BODY, {"X-Big": "a" * 60_000}), 431),
+    (request("POST", CHAT, BODY, {f"X-H{i}": "v" for i in range(300)}), 431),
+], ids=["malformed_line", "nul_in_header", "http10_nul_in_header", "header_60kb", "headers_300"])
+@on_both_loops
+async def test_a_head_the_parser_refuses_is_answered_in_http11_and_closed(head, status):
+    """RFC 9110 §6.2: a server sends the highest version it conforms to; a head the parser could
+    not read has no version of its own to answer in."""
+    async with edge_gateway(**SERVER) as gw:
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        try:
+            writer.write(head)
+            async with asyncio.timeout(8.0):
+                raw = await reader.read()           # to EOF: the edge closes after the answer
+        finally:
+            writer.close()
+        assert raw.startswith(b"HTTP/1.1 %d " % status), raw[:80]
+        assert b"\r\nConnection: close\r\n" in raw[:raw.index(b"\r\n\r\n") + 2], raw[:400]
 
 
 @on_both_loops
