@@ -8,7 +8,8 @@ happens to reach a healthy sibling keeps passing, so nothing would ever restart 
 So each worker's event loop ticks a counter every ``BEAT_S`` in memory it shares with its parent (an
 anonymous shared mapping the parent makes before it forks: one 8-byte slot per worker, then the
 restart counts, then the stop signals the parent got, then the config generation the parent
-counts). The parent reads the counters while it waits for its children; a worker that has
+counts, then what triggered the parent's last reload, then each worker's count of the reloads it
+asked for). The parent reads the counters while it waits for its children; a worker that has
 ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
@@ -26,8 +27,11 @@ The config generation is the parent's count of the reloads it applied (1 at star
 close together reach the parent and each worker a different number of times (a signal that comes
 while one of the same is pending is one), so a worker that counted the reloads it ran itself fell
 behind its siblings for good; each takes the parent's number instead (gateway/server/reload.py).
+A worker asked ``POST /admin/reload`` counts it in its slot before it sends the parent SIGHUP; at a
+SIGHUP the parent notes ``admin`` as the trigger when a count moved since the last one, else
+``signal``, and every worker names that trigger in its reload's log line, as one process would.
 
-Only the worker writes its slot and only the parent the counts. The parent decides on whether a
+Only the worker writes its slots and only the parent the counts. The parent decides on whether a
 slot changed, never on its value, so a read that catches a write half done can only look like a
 tick (which delays a kill by one poll), never like a stall.
 """
@@ -44,6 +48,7 @@ from dataclasses import dataclass
 
 BEAT_S = 0.5                    # how often a worker's loop ticks (server.worker_stall_timeout_s is 0 or >= 2)
 REASONS = ("exited", "stalled")
+TRIGGERS = ("signal", "admin")  # what a reload the parent applied came from
 _MASK = (1 << 64) - 1
 
 
@@ -52,9 +57,11 @@ class Heartbeats:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._map = mmap.mmap(-1, 8 * (workers + len(REASONS) + 2))    # anonymous and shared across fork
+        self._map = mmap.mmap(-1, 8 * (2 * workers + len(REASONS) + 3))    # anonymous and shared across fork
         self._slots = memoryview(self._map).cast("Q")
         self._slots[self.workers + len(REASONS) + 1] = 1
+        self._asks = self.workers + len(REASONS) + 3    # then a count per worker of its POST /admin/reload
+        self._asks_seen = 0             # the parent's: the sum of those counts at its last reload
 
     def tick(self, index: int) -> None:
         """Worker ``index``'s loop ran (called by that worker only)."""
@@ -92,6 +99,24 @@ class Heartbeats:
     def generation(self) -> int:
         """The parent's config generation, which a worker takes at its next reload."""
         return self._slots[self.workers + len(REASONS) + 1]
+
+    def asked_reload(self, index: int) -> None:
+        """Worker ``index`` was asked ``POST /admin/reload`` and is about to send the parent SIGHUP."""
+        at = self._asks + index
+        self._slots[at] = (self._slots[at] + 1) & _MASK
+
+    def note_trigger(self) -> str:
+        """The parent, at a SIGHUP, before it tells the workers: ``admin`` when a worker asked for a
+        reload since the last one (a SIGHUP sent meanwhile is the same reload), else ``signal``."""
+        asks = sum(self._slots[self._asks:self._asks + self.workers]) & _MASK
+        trigger = "admin" if asks != self._asks_seen else "signal"
+        self._asks_seen = asks
+        self._slots[self.workers + len(REASONS) + 2] = TRIGGERS.index(trigger)
+        return trigger
+
+    def trigger(self) -> str:
+        """What triggered the parent's last reload (``signal`` before any)."""
+        return TRIGGERS[self._slots[self.workers + len(REASONS) + 2]]
 
 
 class Beat:

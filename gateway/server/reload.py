@@ -261,6 +261,10 @@ class Reloader:
         self.parent_pid: int | None = None       # set in a --workers worker: reloads go through the parent
         # set in a --workers worker: the parent's count of applied reloads (gateway/server/heartbeat.py)
         self.parent_generation: Callable[[], int] | None = None
+        # set in a --workers worker: what triggered the parent's last reload, and telling the parent
+        # that this worker asks for one (gateway/server/heartbeat.py)
+        self.parent_trigger: Callable[[], str] | None = None
+        self.parent_asked: Callable[[], None] | None = None
         self._waiters: list[asyncio.Future[ReloadResult]] = []   # POST /admin/reload in a worker
 
     def reload(self, trigger: str, config: Config | None = None) -> ReloadResult:
@@ -331,7 +335,13 @@ class Reloader:
         if self.loader is None:          # the demo: its config is built in, there is no file
             log.warning("SIGHUP ignored: the gateway was started without a config file (--config)")
             return
-        self.reload("signal")
+        # in a --workers worker every reload is a SIGHUP from the parent: this worker's POST
+        # /admin/reload, or the parent's note of what its SIGHUP came from (a sibling's, or a signal)
+        if self._waiters:
+            trigger = "admin"
+        else:
+            trigger = self.parent_trigger() if self.parent_trigger is not None else "signal"
+        self.reload(trigger)
 
     # -- POST /admin/reload --------------------------------------------------------------------
 
@@ -359,6 +369,8 @@ class Reloader:
         assert self.parent_pid is not None
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        if self.parent_asked is not None:
+            self.parent_asked()
         os.kill(self.parent_pid, signal.SIGHUP)
         try:
             async with asyncio.timeout(WORKER_RELOAD_TIMEOUT_S):

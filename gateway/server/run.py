@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import signal
@@ -142,6 +143,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
         reloader.parent_pid = os.getppid()
         if worker.heartbeats is not None:       # the generation is the parent's count, the same in every worker
             reloader.parent_generation = worker.heartbeats.generation
+            reloader.parent_trigger = worker.heartbeats.trigger
+            reloader.parent_asked = functools.partial(worker.heartbeats.asked_reload, worker.index)
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)
     if hup.take():              # one came while the gateway started (gateway/server/hup.py)

@@ -14,7 +14,9 @@ kills and restarts one whose event loop stopped ticking its heartbeat for
 when that worker fails before the gateway ever served (as one process would), and exits when all
 have exited after a signal (with 128 + a signal that killed a worker during the stop). SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
-worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent.
+worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent, having
+counted the request where the parent reads it, so every worker's reload says it came from ``admin``
+(gateway/server/heartbeat.py).
 
 What the workers tell each other goes through a private directory the parent creates before the
 fork (``gateway.server.rundir.RunDirectory``: mode 0700, removed when the parent exits): worker *i* listens there on a
@@ -274,6 +276,8 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             again = True
             while again:
                 reloading[1] = False
+                if heartbeats is not None:      # admin or signal, which each worker's reload names
+                    heartbeats.note_trigger()
                 if on_reload is not None:
                     on_reload()
                 for pid in list(children):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -301,3 +302,56 @@ async def test_workers_agree_on_the_generation_after_sighups_sent_close_together
                 async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
                     seen.append(metric(await r.text(), "switchyard_config_generation"))
         assert max(seen) == answered[1], seen         # never past the parent's
+
+
+def _reload_lines(err: bytes) -> list[dict]:
+    """The ``config reloaded`` and ``config reload refused`` lines of a JSON log."""
+    lines = []
+    for raw in err.splitlines():
+        with contextlib.suppress(ValueError):
+            line = json.loads(raw)
+            if isinstance(line, dict) and str(line.get("event", "")).startswith("config reload"):
+                lines.append(line)
+    return lines
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_says_admin_in_every_worker_and_a_sighup_says_signal(sims, tmp_path):
+    """With ``--workers 2`` the worker asked sends SIGHUP to the parent, which signals every worker:
+    the answer and every worker's log line still name the trigger, as one process does."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    auth = f"auth: {{admin_token: {TOKEN}}}\n"
+    text = config_text(port, [sim.url], extra=auth).replace("log_level: warning", "log_level: info")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        assert len(await worker_views(port, 2)) == 2
+        path.write_text(text + "aliases: [{name: one, targets: [{model: m}]}]\n")
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                                        headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            body = await r.json()
+        assert r.status == 200 and body["result"] == "ok" and body["trigger"] == "admin", body
+        for _ in range(100):            # every worker applied it
+            views = await worker_views(port, 2)
+            if len(views) == 2 and all(v == {"m", "one"} for v in views.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert len(views) == 2 and all(v == {"m", "one"} for v in views.values()), views
+
+        path.write_text(text + "aliases: [{name: two, targets: [{model: m}]}]\n")
+        proc.send_signal(signal.SIGHUP)                                 # to the parent
+        for _ in range(100):
+            views = await worker_views(port, 2)
+            if len(views) == 2 and all(v == {"m", "two"} for v in views.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert len(views) == 2 and all(v == {"m", "two"} for v in views.values()), views
+        proc.send_signal(signal.SIGTERM)
+        _, err = await proc.communicate()
+    lines = _reload_lines(err)
+    by_generation: dict[int, list[str]] = {}
+    for line in lines:
+        assert line["event"] == "config reloaded", line
+        by_generation.setdefault(line["generation"], []).append(line["trigger"])
+    assert by_generation == {2: ["admin", "admin"], 3: ["signal", "signal"]}, lines

@@ -189,3 +189,17 @@ def test_a_stop_signal_reaching_a_worker_twice_is_one_and_the_parents_second_sto
     alone = WorkerInfo(1, 2, "/nonexistent", Heartbeats(2))
     assert second_signal(2, alone)                  # signalled itself twice, the parent never
     assert second_signal(2, None)                   # one process
+
+
+def test_a_reload_a_worker_asked_for_is_admin_in_every_worker_and_a_bare_sighup_is_signal():
+    beats = Heartbeats(2)
+    assert beats.trigger() == "signal"
+    assert beats.note_trigger() == "signal" and beats.trigger() == "signal"    # kill -HUP
+    beats.asked_reload(1)                                                       # POST /admin/reload on worker 1
+    assert beats.note_trigger() == "admin" and beats.trigger() == "admin"
+    assert beats.note_trigger() == "signal" and beats.trigger() == "signal"
+    beats.asked_reload(0)
+    beats.asked_reload(1)           # two asks before the parent's handler ran: one reload
+    assert beats.note_trigger() == "admin"
+    assert beats.note_trigger() == "signal"
+    assert [beats.ticks(i) for i in range(2)] == [0, 0] and beats.generation() == 1 and beats.stops() == 0
