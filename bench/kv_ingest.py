@@ -51,6 +51,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry
 
+from bench.view_catch_up import timed
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.kv.events import KVEventsManager, Subscriber
 from gateway.kv.settings import KVEventsConfig
@@ -294,25 +295,8 @@ async def _rank_clear_hold(ranks: int, hashes: list[int], tokens: list[int]) -> 
 async def _hold(sub: Subscriber, take: Any) -> tuple[float, float, int]:
     """(longest loop hold, whole message, loop turns) while ``take()`` runs, in seconds."""
     gc.collect()
-    gaps: list[float] = []
-    done = False
-
-    async def ticker() -> None:
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-
-    task = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    t = time.perf_counter()
-    await take()
-    took = time.perf_counter() - t
-    done = True
-    await task
-    return max(gaps), took, len(gaps)
+    total, longest, turns = await timed(take())
+    return longest, total, turns
 
 
 def large(repeat: int) -> None:
