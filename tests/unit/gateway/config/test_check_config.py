@@ -194,11 +194,9 @@ def test_a_log_level_in_any_case_is_taken(tmp_path, capsys):
     assert check(tmp_path, "server: {log_level: WARNING}", capsys)[0] == 0
 
 
-def test_several_workers_by_number_with_state_per_process_say_so_at_start(tmp_path, capsys):
-    """``--workers 2`` with the admin API and no Redis: run as asked, but the log says each worker
-    keeps its own keys (a key created through one is unknown to the other)."""
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(GOOD + "auth: {admin_token: t0ken}\nlisten: {port: 1}\n")
+def _started_with_two_workers(cfg) -> subprocess.CompletedProcess:
+    """``python -m gateway --config cfg --workers 2``, stopped before any worker starts: what the
+    parent logged at start."""
     probe = textwrap.dedent(f"""
         import sys
         import gateway.server.workers as w
@@ -206,8 +204,16 @@ def test_several_workers_by_number_with_state_per_process_say_so_at_start(tmp_pa
         from gateway.__main__ import main
         sys.exit(main(["--config", {str(cfg)!r}, "--workers", "2", "--log-format", "json"]))
     """)
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_several_workers_by_number_with_state_per_process_say_so_at_start(tmp_path, capsys):
+    """``--workers 2`` with the admin API and no Redis: run as asked, but the log says each worker
+    keeps its own keys (a key created through one is unknown to the other)."""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(GOOD + "auth: {admin_token: t0ken}\nlisten: {port: 1}\n")
+    done = _started_with_two_workers(cfg)
     assert done.returncode == 0, done.stderr
     assert "each keeps its own state without state.redis_url" in done.stderr
     assert "the admin API's users and keys" in done.stderr
@@ -221,15 +227,7 @@ def test_several_workers_by_number_with_adapters_not_shared_say_so_at_start(tmp_
     cfg = tmp_path / "gw.yaml"
     cfg.write_text("models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9'], "
                    "adapters: {sql: /a/sql}}]\nlisten: {port: 1}\n" + view)
-    probe = textwrap.dedent(f"""
-        import sys
-        import gateway.server.workers as w
-        w.run_workers = lambda *a, **k: 0          # stop before any worker starts
-        from gateway.__main__ import main
-        sys.exit(main(["--config", {str(cfg)!r}, "--workers", "2", "--log-format", "json"]))
-    """)
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    done = _started_with_two_workers(cfg)
     assert done.returncode == 0, done.stderr
     assert ("LoRA adapters are not shared between them" in done.stderr) is warned, done.stderr
 
