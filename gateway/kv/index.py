@@ -399,8 +399,9 @@ class EventIndex:
         ``BlockRemoved`` into parts of its hashes, a ``BlockStored`` into runs of its blocks keyed
         on in one chain (``_stored_runs``). The index ends as ``apply`` leaves it, and is whole at
         every yield (each block done or not begun), so routing may read it meanwhile; ``st``'s
-        entries are bounded after each run, not after the event (the same entries are left, as
-        the oldest go first either way). Nothing for an endpoint no longer tracked, as ``apply``."""
+        entries are bounded once a cut event is in, as ``apply`` bounds them after each event (the
+        oldest dropped a stretch at a time), so a large event holds more than the bound until then.
+        Nothing for an endpoint no longer tracked, as ``apply``."""
         if self._by_slot.get(st.slot) is not st:
             return Applied(0, 0, 0, 0)
         st.last_event = self.clock()
@@ -479,11 +480,22 @@ class EventIndex:
                     media[bh] |= bit
             else:
                 h = self._chain(st, h, run, tokens, folds, bit)
-                self._trim(st)
             if ranked is not None:
                 self._rank_stored(ranked, emap, run, r)
         if ranked is not None and n < len(hashes):
             self._rank_stored(ranked, emap, hashes[n:], r)
+        if not known:
+            # bounded once the event is in, as ``_stored`` bounds it: trimmed after each run, a
+            # block of the event that re-stores an old entry could find it dropped and take one more
+            over = len(st.emap) - st.settings.max_blocks_per_endpoint
+            if over > 0:
+                oldest = list(islice(st.emap, over))
+                for lo in range(0, over, blocks):
+                    yield
+                    emap = st.emap          # (cleared meanwhile: new maps, none of these in them)
+                    for bh in oldest[lo:lo + blocks]:
+                        if bh in emap:
+                            self._drop(st, bh)
         return 0
 
     @staticmethod
