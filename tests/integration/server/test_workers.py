@@ -482,6 +482,17 @@ async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growi
     assert not [e for e in events if "stopping" in e["event"]]
 
 
+async def both_ready(port: int, parent: int) -> None:
+    """Until the gateway on ``port`` is ready and ``parent`` has its two workers."""
+    async with asyncio.timeout(20):
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                status, _, _ = await fresh_get(f"http://127.0.0.1:{port}/ready")
+                if status == 200 and len(children_of(parent)) == 2:
+                    return
+            await asyncio.sleep(0.05)
+
+
 @pytest.mark.timeout(60)
 async def test_a_worker_killed_during_the_drain_makes_the_gateway_exit_non_zero(sims, tmp_path):
     """A stop during which a worker died of a signal (the OOM killer's SIGKILL) lost whatever that
@@ -495,13 +506,7 @@ async def test_a_worker_killed_during_the_drain_makes_the_gateway_exit_non_zero(
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.PIPE)
     try:
-        async with asyncio.timeout(20):
-            while True:
-                with contextlib.suppress(aiohttp.ClientError):
-                    status, _, _ = await fresh_get(f"http://127.0.0.1:{port}/ready")
-                    if status == 200 and len(children_of(proc.pid)) == 2:
-                        break
-                await asyncio.sleep(0.05)
+        await both_ready(port, proc.pid)
         # both have answered, so both have their stop handlers in place: a worker still starting
         # when the stop came would die of the signal's default action, a stop like any other
         await per_worker(port, 2, "/health")
@@ -536,13 +541,7 @@ async def test_reloads_that_come_until_the_gateway_has_exited_do_not_end_it_with
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
     try:
-        async with asyncio.timeout(20):
-            while True:
-                with contextlib.suppress(aiohttp.ClientError):
-                    status, _, _ = await fresh_get(f"http://127.0.0.1:{port}/ready")
-                    if status == 200 and len(children_of(proc.pid)) == 2:
-                        break
-                await asyncio.sleep(0.05)
+        await both_ready(port, proc.pid)
         await per_worker(port, 2, "/health")        # both serve: their SIGHUP handlers are in place
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
