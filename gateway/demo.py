@@ -86,7 +86,8 @@ def demo_config(host: str | None, port: int | None, log_format: str = "auto", ba
     models["demo-kv"].update({"strategy": "prefix-cache", "tokenizer": str(TINY_DIR), "kv_events": {"enabled": True}})
     return {
         "listen": {"host": host or "127.0.0.1", "port": 8888 if port is None else port},
-        "server": {"log_format": log_format},
+        # a page on any origin may call the demo from a browser (docs/apis.md, Browsers (CORS))
+        "server": {"log_format": log_format, "cors_allowed_origins": ["*"]},
         "routing": {"strategy": "least-request"},
         "health": {"interval_s": 2.0},
         "scrape": {"interval_s": 1.0},
@@ -185,6 +186,11 @@ the model's prompts (fast_tokenizer, with its checks against the tokenizers libr
   curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_kv_events_index_blocks' -e '^switchyard_kv_events_endpoint_live' \\
        -e '^switchyard_kv_events_total' -e '^switchyard_kv_events_answers' -e '^switchyard_kv_events_chat_renders_total' \\
        -e '^switchyard_kv_events_fast_tokenizer'
+
+Browsers (CORS; the demo lets any origin call it): a page's preflight, then its answer's CORS headers:
+  curl -s -o /dev/null -D - -X OPTIONS http://{host}:{{port}}/v1/chat/completions -H 'Origin: https://app.example' \\
+       -H 'Access-Control-Request-Method: POST' -H 'Access-Control-Request-Headers: authorization, content-type' \\
+       | grep -i -e '^HTTP' -e '^access-control'
 
 Status page: http://{host}:{{port}}/status    (live: endpoints, traffic, routing decisions, errors)
 Metrics: http://{host}:{{port}}/metrics    Stop: Ctrl-C
