@@ -1,0 +1,210 @@
+"""``EventIndex.clear_rank`` takes one data-parallel rank of an endpoint out of routing: no match
+made after it counts the rank's old blocks (the other ranks' count as before), what the rank stores
+afterwards counts at once, a remove naming an old block is harmless, the rank's speculative holds
+go too, and an index drained in stretches (``drain``) routes as one cleared at once."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.endpoints import Endpoint
+from gateway.kv.index import EventIndex
+from gateway.kv.settings import KVEventsConfig
+from gateway.kv.tokenization import ModelTokenizer
+from gateway.kv.wire import AllBlocksCleared, Batch, BlockRemoved, BlockStored
+from gateway.request import parse
+
+BS = 16
+TOK = ModelTokenizer(TINY_DIR)
+CHAINS = [[tuple((c * 31 + b * 7 + j) % 40 for j in range(BS)) for b in range(6)] for c in range(3)]
+RANKS = 3
+
+
+class Clock:
+    t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _index(at_once: bool) -> tuple[EventIndex, list[Endpoint], Clock]:
+    cfg = KVEventsConfig(enabled=True, speculative_ttl_s=5.0, stall_timeout_s=1000, data_parallel_size=RANKS,
+                         port=5557, replay_port=None)
+    clock = Clock()
+    idx = EventIndex({"m": TOK}, lambda m: cfg, clock)
+    if not at_once:
+        idx.on_retired = lambda: None              # drained by the test, a stretch at a time
+    eps = [Endpoint(url=f"http://10.0.0.{i}:8000", model="m") for i in (1, 2)]
+    for ep in eps:
+        idx.track(ep, cfg)
+    return idx, eps, clock
+
+
+def _req(c: int, n: int, rid: str):
+    ids = [t for block in CHAINS[c][:n] for t in block] + [1]
+    return parse("/v1/completions", orjson.dumps({"model": "m", "prompt": ids}), {}, rid)
+
+
+def _h(rank: int, h: int):
+    """``h`` as rank ``rank``'s subscriber qualifies it (``kv_wire.rank_of``)."""
+    return (rank, h) if rank else h
+
+
+def _store(idx: EventIndex, s, rank: int, c: int, n: int, start: int = 0) -> None:
+    ids = [t for block in CHAINS[c][:n] for t in block]
+    hashes = [_h(rank, c * 100 + b + 1) for b in range(n)]
+    idx.apply(s, Batch(0.0, [BlockStored(hashes[start:], hashes[start - 1] if start else None,
+                                         ids[start * BS:], BS)], rank), rank)
+
+
+def _live(idx: EventIndex, s) -> None:
+    """``s`` sends events (one block nothing else chains on), so ``match`` counts it."""
+    idx.apply(s, Batch(0.0, [BlockStored([77], None, [38] * BS, BS)], 0), 0)
+
+
+def _named(idx: EventIndex, eps: list[Endpoint]) -> dict:
+    """The shared maps with each slot's bit named by its endpoint (a cleared endpoint's slot differs)."""
+    who = {idx.states[ep].slot: i for i, ep in enumerate(eps)}
+
+    def named(mask: int) -> tuple[int, ...]:
+        out = []
+        while mask:
+            low = mask & -mask
+            out.append(who[low.bit_length() - 1])      # a KeyError: the bit of no endpoint left behind
+            mask ^= low
+        return tuple(sorted(out))
+
+    return {"holders": {k: named(m) for k, m in idx._holders.items()},
+            "pending": {k: named(m) for k, m in idx._pending.items()},
+            "children": idx._children, "parent_of": idx._parent_of}
+
+
+def _depths(idx: EventIndex, eps: list[Endpoint], c: int, n: int, rid: str) -> tuple:
+    req = _req(c, n, rid)
+    got = idx.match(req, eps)
+    assert got is not None
+    return tuple(got[0].get(ep) for ep in eps), tuple(tuple(idx.rank_depths(req, ep) or ()) for ep in eps)
+
+
+def test_what_the_rank_stores_after_its_clear_counts_and_stays():
+    idx, eps, _ = _index(False)
+    a = idx.states[eps[0]]
+    _live(idx, idx.states[eps[1]])
+    _store(idx, a, 1, 0, 6)
+    _store(idx, a, 2, 1, 6)
+    idx.clear_rank(a, 1)
+    assert _depths(idx, eps, 0, 6, "r")[1][0] == (0, 0, 0)
+    _store(idx, a, 1, 0, 3)                                       # rank 1 prefills chain 0 again, 3 blocks of it
+    assert _depths(idx, eps, 0, 6, "s") == ((3 * BS, 0), ((0, 3 * BS, 0), (0, 0, 0)))
+    idx.apply(a, Batch(0.0, [BlockRemoved([(1, 5), (1, 6)])], 1), 1)     # removes of old blocks: harmless
+    idx.apply(a, Batch(0.0, [BlockStored([(1, 5)], (1, 4), list(CHAINS[0][4]), BS)], 1), 1)   # an orphan now
+    assert idx.orphans == 1
+    assert _depths(idx, eps, 0, 6, "t")[0] == (3 * BS, 0)
+    while idx.drain(1):
+        pass
+    assert set(a.emap) == {(1, 1), (1, 2), (1, 3), *((2, b) for b in range(101, 107))}
+    assert _depths(idx, eps, 0, 6, "u") == ((3 * BS, 0), ((0, 3 * BS, 0), (0, 0, 0)))
+    assert _depths(idx, eps, 1, 6, "v") == ((6 * BS, 0), ((0, 0, 6 * BS), (0, 0, 0)))
+
+
+def test_a_rank_clear_drops_what_was_held_for_the_rank_speculatively():
+    for at_once in (True, False):
+        idx, eps, _ = _index(at_once)
+        a = idx.states[eps[0]]
+        for r in range(RANKS):                                    # live, nothing of chain 2 held
+            idx.apply(a, Batch(0.0, [BlockStored([_h(r, 50)], None, [39] * BS, BS)], r), r)
+        req = _req(2, 6, "r")
+        idx.match(req, eps)
+        idx.rank_routed(req, eps[0], 1, 0)
+        idx.rank_routed(req, eps[0], 2, 0)
+        assert _depths(idx, eps, 2, 6, "s")[1][0] == (0, 6 * BS, 6 * BS)   # ranks 1 and 2 are about to hold it
+        idx.clear_rank(a, 1)
+        assert _depths(idx, eps, 2, 6, "t")[1][0] == (0, 0, 6 * BS)        # rank 1's cache is gone: so is that
+        req = _req(2, 3, "u")
+        idx.match(req, eps)
+        idx.rank_routed(req, eps[0], 1, 0)                        # held for it again after the clear: counts
+        assert _depths(idx, eps, 2, 6, "w")[1][0] == (0, 3 * BS, 6 * BS)
+        while idx.drain(1):
+            pass
+        assert _depths(idx, eps, 2, 6, "x")[1][0] == (0, 3 * BS, 6 * BS)
+        assert all(set(spec) <= {1, 2} for spec in a.rank_pending.values())
+        assert sum(1 in spec for spec in a.rank_pending.values()) == 3
+
+
+def test_a_clear_of_the_endpoint_or_of_the_rank_again_while_one_is_under_way():
+    idx, eps, _ = _index(False)
+    a = idx.states[eps[0]]
+    _live(idx, idx.states[eps[1]])
+    _store(idx, a, 1, 0, 6)
+    _store(idx, a, 0, 1, 6)
+    idx.clear_rank(a, 1)
+    _store(idx, a, 1, 2, 4)
+    idx.drain(3)
+    idx.clear_rank(a, 1)                                          # what it stored since is old now too
+    assert _depths(idx, eps, 2, 4, "r")[0] == (0, 0)
+    _store(idx, a, 1, 2, 2)
+    while idx.drain(1):
+        pass
+    assert set(a.emap) == {*range(101, 107), (1, 201), (1, 202)}
+    idx.clear_rank(a, 0)
+    idx.apply(a, Batch(0.0, [AllBlocksCleared()], None))         # the whole endpoint meanwhile
+    idx.forget(eps[1])
+    while idx.drain(1):
+        pass
+    assert not a.emap and not a.owned and not a.rank_keys and not idx._holders
+    assert not idx._children and not idx._parent_of and not idx.retiring
+
+
+_ops = st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "clear_rank", "clear_rank", "clear",
+                                           "route", "expire", "forget"]),
+                          st.integers(0, 1), st.integers(0, 2), st.integers(1, 6), st.integers(0, 9),
+                          st.sampled_from([0, 1, 3, 1 << 30])), min_size=1, max_size=40)
+
+
+@settings(max_examples=120, deadline=None)
+@given(_ops)
+def test_a_rank_clear_in_stretches_routes_as_a_rank_clear_at_once(ops):
+    whole, weps, wclock = _index(True)
+    cut, eps, clock = _index(False)
+    for i, (op, e, c, n, x, stretch) in enumerate(ops):
+        rank = x % RANKS
+        for idx, ep in ((whole, weps[e]), (cut, eps[e])):
+            s = idx.states[ep]
+            if op == "store":
+                _store(idx, s, rank, c, n, x % n)
+            elif op == "remove":
+                idx.apply(s, Batch(0.0, [BlockRemoved([_h(rank, c * 100 + b + 1) for b in range(x % 6, n)])],
+                                   rank), rank)
+            elif op == "clear_rank":
+                idx.apply(s, Batch(0.0, [AllBlocksCleared()], rank), rank)
+            elif op == "clear":
+                idx.apply(s, Batch(0.0, [AllBlocksCleared()], None))
+            elif op == "route":
+                req = _req(c, n, f"r{i}")
+                idx.match(req, eps if idx is cut else weps)
+                idx.routed(req, ep)
+                depths = idx.rank_depths(req, ep)
+                if depths is not None:
+                    idx.rank_routed(req, ep, rank, depths[rank])
+            elif op == "forget":
+                idx.forget(ep)
+                idx.track(ep, s.settings)
+        if op == "expire":
+            wclock.t += x
+            clock.t += x
+        cut.drain(stretch)                      # a stretch of the clears under way, or none, or all
+        for c2 in range(3):                     # every decision meanwhile: as on the index cleared at once
+            for n2 in (1, 3, 6):
+                assert _depths(cut, eps, c2, n2, f"p{i}") == _depths(whole, weps, c2, n2, f"q{i}")
+    while cut.drain(1):
+        pass
+    assert not cut.retiring
+    for ep, wep in zip(eps, weps, strict=True):
+        s, w = cut.states[ep], whole.states[wep]
+        assert list(s.emap.items()) == list(w.emap.items()) and s.media == w.media and s.owned == w.owned
+        assert s.rank_keys == w.rank_keys and s.rank_pending == w.rank_pending
+    assert _named(cut, eps) == _named(whole, weps)
+    assert len(cut._free) + len(cut._by_slot) == cut._slots
