@@ -28,7 +28,9 @@ sent a request needing new blocks ``stall_timeout_s`` ago and reported nothing s
 *fallback*: the router uses the approximate index (``routers.prefix_index``) for it, and the fallback
 is counted. Memory is bounded by ``max_blocks_per_endpoint`` (oldest entries dropped first); an
 engine that restarts (its sequence numbers start again) or leaves the pool is cleared: out of
-routing at once (a new slot), its old entries unlinked a stretch at a time (``drain``).
+routing at once (a new slot), its old entries unlinked a stretch at a time (``drain``). One
+data-parallel rank of an engine is cleared the same way (``clear_rank``): out of routing at once,
+its old entries dropped from the endpoint's maps a stretch at a time.
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ class EndpointState:
     # our key → {rank: until}, and the (until, key) order they expire in
     rank_pending: dict[int, dict[int, float]] = field(default_factory=dict)
     rank_pending_q: deque[tuple[float, int]] = field(default_factory=deque)
+    # ranks cleared whose old entries are still in the maps above, out of routing (``clear_rank``)
+    rank_clearing: dict[int, _RankClear] = field(default_factory=dict)
 
     @property
     def bit(self) -> int:
@@ -165,6 +169,21 @@ class _Retired:
     keys: Iterator[int] | None        # its keys (``owned``'s) not unlinked yet: each has the slot's bit in _holders
     maps: list[Any]                   # its maps, freed once its keys are unlinked
     pending: deque | None = None      # the slot's speculative holds (_pending_q's entries), once the maps are freed
+
+
+@dataclass(eq=False)
+class _RankClear:
+    """A data-parallel rank cleared (``EventIndex.clear_rank``) whose old entries are still in its
+    endpoint's maps, out of routing, until ``drain`` drops them. Its rank's entries that are not old
+    are those stored since the clear (``fresh``): they count as any other rank's."""
+
+    st: EndpointState
+    rank: int
+    fresh: set[BlockHash] = field(default_factory=set)          # the rank's engine hashes stored since
+    fresh_keys: dict[int, int] = field(default_factory=dict)    # their keys → how many of them
+    held: set[int] = field(default_factory=set)                 # keys held for the rank speculatively since
+    todo: Iterator[Any] | None = None     # what ``drain`` is to look at next: engine hashes, then held keys
+    step: int = 0                         # 0: the hashes to copy, 1: looked at, 2: the held keys, 3: those
 
 
 class EventIndex:
@@ -184,7 +203,8 @@ class EventIndex:
         self._slots = 0                           # slots ever made (live, free or retired)
         # cleared endpoints' old entries, unlinked from the shared maps a stretch at a time (``drain``);
         # ``on_retired`` is told when there are some (None: they are unlinked at once)
-        self._retired: deque[_Retired] = deque()
+        self._retired: deque[_Retired | _RankClear] = deque()
+        self._clearing: set[EndpointState] = set()    # those with a rank's old entries left (``clear_rank``)
         self.on_retired: Callable[[], None] | None = None
         self._holders: dict[int, int] = {}        # our key → bitmask of endpoint slots
         self._pending: dict[int, int] = {}        # our key → slots holding it speculatively
@@ -255,11 +275,15 @@ class EventIndex:
         ranked = st.rank_keys
         not_rank = ~(1 << (rank or 0))
         others = ~(1 << st.slot)
+        old = st.rank_clearing.get(rank or 0) if st.rank_clearing else None    # its rank's old entries left
         stored = removed = cleared = orphans = 0
         for ev in batch.events:
             cls = ev.__class__
             if cls is BlockRemoved:
                 removed += 1
+                if old is not None:
+                    self._removed_past(st, old, ev)     # type: ignore[arg-type]
+                    continue
                 medium = ev.medium              # type: ignore[union-attr]
                 keep = ~_MEDIA.get(medium, 4) if medium is not None else 0
                 for bh in ev.block_hashes:      # type: ignore[union-attr]
@@ -292,9 +316,15 @@ class EventIndex:
                             leave(key)
             elif cls is BlockStored:
                 stored += 1
+                if old is not None:         # an old entry it names is gone first, as if cleared at once
+                    self._unstale(st, old, ev.block_hashes)     # type: ignore[union-attr]
+                    if ev.parent_block_hash is not None:        # type: ignore[union-attr]
+                        self._unstale(st, old, (ev.parent_block_hash,))    # type: ignore[union-attr]
                 orphans += self._stored(st, ev)     # type: ignore[arg-type]
                 if ranked is not None:
                     self._rank_stored(ranked, emap, ev.block_hashes, rank or 0)   # type: ignore[union-attr]
+                if old is not None:
+                    self._freshen(st, old, ev.block_hashes)     # type: ignore[union-attr]
             elif cls is AllBlocksCleared:
                 cleared += 1
                 if rank is None:
@@ -302,7 +332,44 @@ class EventIndex:
                     media, emap, owned, ranked, others = st.media, st.emap, st.owned, st.rank_keys, ~st.bit
                 else:
                     self.clear_rank(st, rank)
+                old = st.rank_clearing.get(rank or 0) if st.rank_clearing else None
         return Applied(stored, removed, cleared, orphans)
+
+    # -- a rank's old entries, left for ``drain`` (``clear_rank``) --------------------------------
+
+    def _unstale(self, st: EndpointState, old: _RankClear, hashes: Sequence[BlockHash]) -> None:
+        """Drop the old entries of ``old``'s rank (there before its clear) that ``hashes`` names: an
+        event of the rank naming one finds it gone, as it would had the clear dropped it at once."""
+        emap, fresh, rank = st.emap, old.fresh, old.rank
+        for bh in hashes:
+            if bh in emap and bh not in fresh and rank_of(bh) == rank:
+                self._drop(st, bh)
+
+    def _freshen(self, st: EndpointState, old: _RankClear, hashes: Sequence[BlockHash]) -> None:
+        """The blocks of ``hashes`` (stored by ``old``'s rank after its clear) that the endpoint holds
+        are the rank's new entries: they count, and ``drain`` leaves them."""
+        get, fresh, keys = st.emap.get, old.fresh, old.fresh_keys
+        for bh in hashes:
+            key = get(bh)
+            if key is not None and bh not in fresh:
+                fresh.add(bh)
+                keys[key] = keys.get(key, 0) + 1
+
+    def _removed_past(self, st: EndpointState, old: _RankClear, ev: BlockRemoved) -> None:
+        """``ev`` from a rank whose old entries are left: an old one it names is dropped (it is out of
+        routing already, so nothing changes), a new one loses the medium as ``apply`` does inline."""
+        media, fresh, rank = st.media, old.fresh, old.rank
+        keep = ~_MEDIA.get(ev.medium, 4) if ev.medium is not None else 0
+        for bh in ev.block_hashes:
+            bits = media.get(bh)
+            if bits is None:
+                continue
+            if bh in fresh or rank_of(bh) != rank:
+                bits &= keep
+                if bits:
+                    media[bh] = bits
+                    continue
+            self._drop(st, bh)
 
     def _stored(self, st: EndpointState, ev: BlockStored) -> int:
         """Key ``ev``'s full blocks (chained on its parent's key) and index them; 1 for an orphan.
@@ -456,6 +523,9 @@ class EventIndex:
         hashes = ev.block_hashes
         bs = ev.block_size
         h = None
+        old = st.rank_clearing.get(r)
+        if old is not None and ev.parent_block_hash is not None:
+            self._unstale(st, old, (ev.parent_block_hash,))
         if bs > 0:
             st.block_size = bs
             h = self._chain_start(st, ev, bs)
@@ -465,7 +535,8 @@ class EventIndex:
             return 0 if bs <= 0 else 1
         bit = _medium_bit(ev.medium)
         n = min(len(hashes), len(ev.token_ids) // bs)
-        known = all(map(emap.__contains__, islice(hashes, n)))     # every block known: only the medium is new
+        # every block known: only the medium is new (not told apart from old entries of a cleared rank)
+        known = old is None and all(map(emap.__contains__, islice(hashes, n)))
         extra = ev.extra_keys
         folds: Any = _NO_EXTRAS if known or not extra or not any(extra) else \
             chain(map(_extras, islice(extra, n), repeat(ev)), _NO_EXTRAS)
@@ -474,16 +545,25 @@ class EventIndex:
             if lo:
                 yield
             emap, media, ranked = st.emap, st.media, st.rank_keys    # the endpoint's maps now
+            old = st.rank_clearing.get(r)
             run = hashes[lo:min(n, lo + blocks)]
+            if old is not None:
+                self._unstale(st, old, run)
             if known:
                 for bh in run:
-                    media[bh] |= bit
+                    if bh in media:         # (not if cleared since)
+                        media[bh] |= bit
             else:
                 h = self._chain(st, h, run, tokens, folds, bit)
             if ranked is not None:
                 self._rank_stored(ranked, emap, run, r)
+            if old is not None:
+                self._freshen(st, old, run)
         if ranked is not None and n < len(hashes):
-            self._rank_stored(ranked, emap, hashes[n:], r)
+            old = st.rank_clearing.get(r)
+            if old is not None:
+                self._unstale(st, old, hashes[n:])
+            self._rank_stored(ranked, st.emap, hashes[n:], r)
         if not known:
             # bounded once the event is in, as ``_stored`` bounds it: trimmed after each run, a
             # block of the event that re-stores an old entry could find it dropped and take one more
@@ -514,7 +594,21 @@ class EventIndex:
         del st.media[bh]
         ranked = st.rank_keys
         if ranked is not None:
-            m = ranked.get(key, 0) & ~(1 << rank_of(bh))
+            r = rank_of(bh)
+            m = ranked.get(key, 0) & ~(1 << r)
+            if st.rank_clearing:
+                old = st.rank_clearing.get(r)
+                if old is not None:           # the rank was cleared: its new entries' keys keep its bit
+                    keys = old.fresh_keys
+                    if bh in old.fresh:
+                        old.fresh.remove(bh)
+                        left = keys[key] - 1
+                        if left:
+                            keys[key] = left
+                        else:
+                            del keys[key]
+                    if key in keys:
+                        m |= 1 << r
             if m:
                 ranked[key] = m
             else:
@@ -547,6 +641,9 @@ class EventIndex:
     def _retire(self, st: EndpointState) -> None:
         """Take ``st``'s slot and maps out of routing, for ``drain`` to unlink."""
         del self._by_slot[st.slot]
+        if st.rank_clearing:              # its ranks' old entries go with the rest (``drain`` passes them over)
+            st.rank_clearing = {}
+            self._clearing.discard(st)
         maps: list[Any] = [st.owned, st.emap, st.media]
         if st.rank_keys is not None:
             maps += [st.rank_keys, st.rank_pending, st.rank_pending_q]
@@ -562,7 +659,7 @@ class EventIndex:
 
     @property
     def retiring(self) -> int:
-        """Clears whose old entries are not all unlinked yet (``drain``)."""
+        """Clears (of an endpoint, or of a rank) whose old entries are not all unlinked yet (``drain``)."""
         return len(self._retired)
 
     def drain(self, entries: int = CLEAR_STRETCH) -> bool:
@@ -570,11 +667,16 @@ class EventIndex:
         first); whether some are left. Per cleared endpoint: its keys lose its old slot's bit (a key
         no one else holds or awaits leaves the index), ``entries`` of them a call; then its maps are
         freed, one a call (a map of 262,144 entries in 2-3 ms); then its speculative holds are
-        dropped; its slot is then free. The index is whole after each call."""
+        dropped; its slot is then free. Per cleared rank (``clear_rank``): its old entries are
+        dropped from its endpoint's maps, ``entries`` of the endpoint's engine hashes looked at a
+        call (``_drain_rank``). The index is whole after each call."""
         q = self._retired
         holders, pending, leave = self._holders, self._pending, self._leave
         while q and entries > 0:
             r = q[0]
+            if r.__class__ is _RankClear:
+                entries = self._drain_rank(r, entries)     # type: ignore[arg-type]
+                continue
             if r.keys is not None:
                 keep = ~(1 << r.slot)
                 n = 0
@@ -615,15 +717,108 @@ class EventIndex:
         """Forget what one data-parallel rank of ``st``'s engine holds (its gap, restart or cache
         reset): its hashes are ``(rank, hash)``, rank 0's the plain hash (``kv_wire.rank_of``). What
         this gateway held for the rank speculatively (``rank_routed``) goes too, as ``clear`` drops an
-        endpoint's; their entries in the expiry order are passed over when they come due."""
-        for bh in [bh for bh in st.emap if rank_of(bh) == rank]:
-            self._drop(st, bh)
-        pending = st.rank_pending
-        for k in [k for k, spec in pending.items() if rank in spec]:
-            spec = pending[k]
-            del spec[rank]
-            if not spec:
-                del pending[k]
+        endpoint's.
+
+        At once, without touching an entry: from now on the rank's entries are *old* until ``drain``
+        drops them, a stretch at a time, and no walk counts them (``_walk``, ``rank_depths``: only
+        for an endpoint with old entries left do they look further than the shared bitmasks). What
+        the rank stores afterwards is new and counts as usual; an event of the rank naming an old
+        entry drops it first (a remove finds nothing, a store stores anew, an old parent is none).
+        A second clear of the rank meanwhile makes what it stored since old too; a clear of the
+        endpoint takes its old entries with the rest. An endpoint without per-rank bitmasks
+        (``KVEventsConfig.ranked`` off) has its rank's entries dropped here, in one go."""
+        if self._by_slot.get(st.slot) is not st:      # forgotten already: nothing of it is held
+            return
+        if st.rank_keys is None:
+            for bh in [bh for bh in st.emap if rank_of(bh) == rank]:
+                self._drop(st, bh)
+            return
+        old = _RankClear(st, rank)
+        st.rank_clearing[rank] = old                  # one under way for the rank is superseded
+        self._clearing.add(st)
+        self._retired.append(old)
+        self._walked = (None, {})          # depths that counted the rank's old entries
+        if self.on_retired is None:
+            while self.drain(1 << 62):
+                pass
+        else:
+            self.on_retired()
+
+    def _drain_rank(self, old: _RankClear, entries: int) -> int:
+        """``drain`` of a rank's old entries, ``entries`` of them looked at; what is left of
+        ``entries``. First the endpoint's engine hashes are copied (one step of its own: a list of
+        up to ``max_blocks_per_endpoint``, made in C), then each of the rank's not stored since the
+        clear is dropped; then the keys held for the rank speculatively are copied and its holds
+        made before the clear dropped; then the rank counts its entries as before."""
+        st, rank = old.st, old.rank
+        if st.rank_clearing.get(rank) is not old:    # cleared again since, or the whole endpoint
+            self._retired.popleft()
+            return entries
+        if old.step in (0, 2):
+            old.todo = iter(list(st.emap) if old.step == 0 else list(st.rank_pending))
+            old.step += 1
+            return 0
+        assert old.todo is not None
+        n = 0
+        if old.step == 1:
+            emap, fresh, drop = st.emap, old.fresh, self._drop
+            for bh in islice(old.todo, entries):
+                n += 1
+                if bh not in fresh and rank_of(bh) == rank and bh in emap:
+                    drop(st, bh)
+        else:
+            pending, held = st.rank_pending, old.held
+            for k in islice(old.todo, entries):
+                n += 1
+                spec = pending.get(k)
+                if spec is not None and rank in spec and k not in held:
+                    del spec[rank]
+                    if not spec:
+                        del pending[k]
+        if n < entries:
+            old.todo = None
+            old.step += 1
+            if old.step == 4:
+                del st.rank_clearing[rank]
+                if not st.rank_clearing:
+                    self._clearing.discard(st)
+                self._retired.popleft()
+        return entries - n
+
+    def _holds(self, st: EndpointState, speculative: bool = True) -> Callable[[int], bool]:
+        """Whether ``st`` holds a key (or, with ``speculative``, holds it speculatively), for an
+        endpoint with a rank's old entries left: its slot's bit in the shared map counts only when
+        a rank not cleared, or a cleared one's new entries, hold the key."""
+        holders, pending, bit, ranked = self._holders, self._pending, st.bit, st.rank_keys
+        assert ranked is not None
+        keep = ~sum(1 << r for r in st.rank_clearing)
+        fresh = [old.fresh_keys for old in st.rank_clearing.values()]
+
+        def holds(key: int) -> bool:
+            if speculative and pending.get(key, 0) & bit:
+                return True
+            if not holders.get(key, 0) & bit:
+                return False
+            return bool(ranked.get(key, 0) & keep) or any(key in f for f in fresh)
+
+        return holds
+
+    def _rank_mask(self, st: EndpointState) -> Callable[[int, int], int]:
+        """``st.rank_keys.get`` for an endpoint with a rank's old entries left: a cleared rank's bit
+        stands only for its new entries."""
+        ranked = st.rank_keys
+        assert ranked is not None
+        keep = ~sum(1 << r for r in st.rank_clearing)
+        fresh = [(1 << r, old.fresh_keys) for r, old in st.rank_clearing.items()]
+
+        def get(key: int, default: int = 0) -> int:
+            m = ranked.get(key, default) & keep
+            for b, keys in fresh:
+                if key in keys:
+                    m |= b
+            return m
+
+        return get
 
     # -- routing -----------------------------------------------------------------------------------
 
@@ -750,6 +945,11 @@ class EventIndex:
             return {}
         bs = states[0].block_size or 1
         cap = min(len(keys), max(0, tokens - 1) // bs)    # the engine always computes the last token
+        apart = None
+        if self._clearing:              # an endpoint with a rank's old entries left: walked apart
+            apart = [st for st in states if st.rank_clearing]
+            if apart:
+                states = [st for st in states if not st.rank_clearing]
         alive = 0
         for st in states:
             alive |= st.bit
@@ -777,6 +977,13 @@ class EventIndex:
             low = alive & -alive
             blocks[low] = i
             alive ^= low
+        if apart:
+            for st in apart:
+                holds = self._holds(st)
+                d = 0
+                while d < cap and holds(keys[d]):
+                    d += 1
+                blocks[st.bit] = d
         self._walked = (keys, blocks)
         by_slot = self._by_slot
         return {by_slot[b.bit_length() - 1].ep: n * bs for b, n in blocks.items()}
@@ -797,8 +1004,13 @@ class EventIndex:
         if first_new is None:         # not walked on this endpoint (e.g. chosen off the fallback)
             holders = self._holders
             first_new = 0
-            while first_new < cap and holders.get(keys[first_new], 0) & bit:
-                first_new += 1
+            if st.rank_clearing:      # a rank's old entries left: held only as ``_holds`` tells
+                holds = self._holds(st, speculative=False)
+                while first_new < cap and holds(keys[first_new]):
+                    first_new += 1
+            else:
+                while first_new < cap and holders.get(keys[first_new], 0) & bit:
+                    first_new += 1
         new = keys[first_new:cap]
         if not new:
             return
@@ -836,6 +1048,9 @@ class EventIndex:
         depths = [0] * st.ranks
         alive = (1 << st.ranks) - 1
         get = st.rank_keys.get
+        cleared = st.rank_clearing         # ranks whose old entries (and holds) are left: not counted
+        if cleared:
+            get = self._rank_mask(st)
         pending = st.rank_pending
         if pending:
             now = self.clock()
@@ -847,7 +1062,7 @@ class EventIndex:
                 spec = pending.get(keys[i])
                 if spec:
                     for r, until in spec.items():
-                        if until > now:
+                        if until > now and not (cleared and r in cleared and keys[i] not in cleared[r].held):
                             held |= alive & (1 << r)
             gone = alive & ~held
             while gone:
@@ -878,6 +1093,9 @@ class EventIndex:
         now = self.clock()
         until = now + ttl
         pending, q = st.rank_pending, st.rank_pending_q
+        old = st.rank_clearing.get(rank) if st.rank_clearing else None
+        if old is not None:           # held since the rank's clear: ``drain`` leaves them
+            old.held.update(keys[depth // bs:cap])
         for k in keys[depth // bs:cap]:
             spec = pending.get(k)
             if spec is None:

@@ -1,7 +1,8 @@
-"""``EventIndex.clear_rank`` takes one data-parallel rank of an endpoint out of routing: no match
-made after it counts the rank's old blocks (the other ranks' count as before), what the rank stores
-afterwards counts at once, a remove naming an old block is harmless, the rank's speculative holds
-go too, and an index drained in stretches (``drain``) routes as one cleared at once."""
+"""``EventIndex.clear_rank`` takes one data-parallel rank of an endpoint out of routing at once and
+leaves its old entries to ``drain``, a stretch at a time, as ``clear`` does for a whole endpoint:
+the call itself touches none of them, no match made meanwhile counts them (the other ranks' blocks
+count as before), what the rank stores afterwards counts at once and survives the drain, a remove
+naming an old block is harmless, and once drained the index is the one cleared at once."""
 
 from __future__ import annotations
 
@@ -53,9 +54,11 @@ def _h(rank: int, h: int):
     return (rank, h) if rank else h
 
 
-def _store(idx: EventIndex, s, rank: int, c: int, n: int, start: int = 0) -> None:
+def _store(idx: EventIndex, s, rank: int, c: int, n: int, start: int = 0, seed: int = 0) -> None:
+    """Blocks ``start:n`` of chain ``c`` stored by ``rank``; another ``seed``: the engine hashes the
+    same blocks otherwise (it restarted with another hash seed)."""
     ids = [t for block in CHAINS[c][:n] for t in block]
-    hashes = [_h(rank, c * 100 + b + 1) for b in range(n)]
+    hashes = [_h(rank, c * 100 + b + 1 + seed) for b in range(n)]
     idx.apply(s, Batch(0.0, [BlockStored(hashes[start:], hashes[start - 1] if start else None,
                                          ids[start * BS:], BS)], rank), rank)
 
@@ -89,6 +92,34 @@ def _depths(idx: EventIndex, eps: list[Endpoint], c: int, n: int, rid: str) -> t
     return tuple(got[0].get(ep) for ep in eps), tuple(tuple(idx.rank_depths(req, ep) or ()) for ep in eps)
 
 
+def test_a_rank_clear_returns_at_once_and_leaves_its_entries_to_stretches():
+    idx, eps, _ = _index(False)
+    a, b = (idx.states[ep] for ep in eps)
+    _store(idx, a, 0, 0, 6)                                       # ranks 0 and 1 of a hold chain 0
+    _store(idx, a, 1, 0, 6)
+    _store(idx, a, 1, 1, 6)                                       # rank 1 alone holds chain 1...
+    many = [BlockStored([(1, 1000 + i)], (1, 999 + i) if i else None, [i % 40] * BS, BS) for i in range(10_000)]
+    idx.apply(a, Batch(0.0, many, 1), 1)                           # ...and 10,000 blocks more
+    _store(idx, b, 1, 1, 6)                                       # b's rank 1 holds chain 1 too
+    entries, held = len(a.emap), len(idx._holders)
+    assert entries == 10_018 and held == 10_012
+
+    idx.apply(a, Batch(0.0, [AllBlocksCleared()], 1), 1)          # rank 1's cache reset
+    assert len(a.emap) == entries and len(idx._holders) == held    # nothing touched yet...
+    assert idx.retiring == 1
+    assert _depths(idx, eps, 0, 6, "r") == ((6 * BS, 0), ((6 * BS, 0, 0), (0, 0, 0)))   # ...yet rank 1 holds none
+    assert _depths(idx, eps, 1, 6, "s") == ((0, 6 * BS), ((0, 0, 0), (0, 6 * BS, 0)))   # of it; b keeps its own
+    left = [len(a.emap)]
+    while idx.drain(1000):
+        left.append(len(a.emap))
+    left.append(len(a.emap))
+    assert left[-1] == 6 and set(a.emap) == set(range(1, 7)) and not idx.retiring     # rank 0's only
+    assert all(0 <= x - y <= 1000 for x, y in zip(left, left[1:], strict=False))   # at most a stretch each
+    assert len(left) >= 10_000 // 1000 + 1
+    assert len(idx._holders) == 12                                # chain 0 (a's rank 0) and chain 1 (b)
+    assert _depths(idx, eps, 0, 6, "t") == ((6 * BS, 0), ((6 * BS, 0, 0), (0, 0, 0)))
+
+
 def test_what_the_rank_stores_after_its_clear_counts_and_stays():
     idx, eps, _ = _index(False)
     a = idx.states[eps[0]]
@@ -108,6 +139,11 @@ def test_what_the_rank_stores_after_its_clear_counts_and_stays():
     assert set(a.emap) == {(1, 1), (1, 2), (1, 3), *((2, b) for b in range(101, 107))}
     assert _depths(idx, eps, 0, 6, "u") == ((3 * BS, 0), ((0, 3 * BS, 0), (0, 0, 0)))
     assert _depths(idx, eps, 1, 6, "v") == ((6 * BS, 0), ((0, 0, 6 * BS), (0, 0, 0)))
+    idx.clear_rank(a, 2)
+    _store(idx, a, 2, 1, 6, seed=50)                              # restarted: new hashes for the same blocks
+    while idx.drain(1):
+        pass
+    assert _depths(idx, eps, 1, 6, "w") == ((6 * BS, 0), ((0, 0, 6 * BS), (0, 0, 0)))
 
 
 def test_a_rank_clear_drops_what_was_held_for_the_rank_speculatively():
@@ -158,7 +194,7 @@ def test_a_clear_of_the_endpoint_or_of_the_rank_again_while_one_is_under_way():
     assert not idx._children and not idx._parent_of and not idx.retiring
 
 
-_ops = st.lists(st.tuples(st.sampled_from(["store", "store", "store", "remove", "clear_rank", "clear_rank", "clear",
+_ops = st.lists(st.tuples(st.sampled_from(["store", "store", "stretches", "remove", "clear_rank", "clear_rank", "clear",
                                            "route", "expire", "forget"]),
                           st.integers(0, 1), st.integers(0, 2), st.integers(1, 6), st.integers(0, 9),
                           st.sampled_from([0, 1, 3, 1 << 30])), min_size=1, max_size=40)
@@ -174,7 +210,15 @@ def test_a_rank_clear_in_stretches_routes_as_a_rank_clear_at_once(ops):
         for idx, ep in ((whole, weps[e]), (cut, eps[e])):
             s = idx.states[ep]
             if op == "store":
-                _store(idx, s, rank, c, n, x % n)
+                _store(idx, s, rank, c, n, x % n, 50 * (x // 5))
+            elif op == "stretches":            # applied two blocks at a time (``EventIndex.stretches``)
+                ids = [t for block in CHAINS[c][:n] for t in block]
+                hashes = [_h(rank, c * 100 + b + 1) for b in range(n)]
+                start = x % n
+                batch = Batch(0.0, [BlockRemoved(hashes[n - 1:]), BlockStored(hashes[start:], hashes[start - 1]
+                                    if start else None, ids[start * BS:], BS)], rank)
+                for _ in idx.stretches(s, batch, rank, blocks=2):
+                    pass
             elif op == "remove":
                 idx.apply(s, Batch(0.0, [BlockRemoved([_h(rank, c * 100 + b + 1) for b in range(x % 6, n)])],
                                    rank), rank)
