@@ -33,7 +33,8 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.
   publishers offset their endpoints. The endpoint gets one subscriber per rank, each with its own
   sequence numbers, first-contact replay and gap replay; its hashes are qualified by its rank
   (``gateway.kv.wire``), so a gap that cannot be replayed, a restart or an ``AllBlocksCleared`` on
-  one rank clears that rank's entries only. Liveness stays per endpoint: an event from any rank
+  one rank clears that rank's entries only: out of routing at once, dropped from the endpoint's
+  maps by the same task, a stretch a loop turn (``EventIndex.clear_rank``). Liveness stays per endpoint: an event from any rank
   counts, because the engine, not the gateway, picks the rank that serves a request, and a rank it
   leaves idle publishes nothing (a per-rank stall timer would take an idle rank for a dead one).
 
