@@ -182,7 +182,7 @@ class _RankClear:
     fresh: set[BlockHash] = field(default_factory=set)          # the rank's engine hashes stored since
     fresh_keys: dict[int, int] = field(default_factory=dict)    # their keys → how many of them
     held: set[int] = field(default_factory=set)                 # keys held for the rank speculatively since
-    todo: Iterator[Any] | None = None     # what ``drain`` is to look at next: engine hashes, then held keys
+    todo: list[Any] | None = None         # what ``drain`` is to look at still: engine hashes, then held keys
     step: int = 0                         # 0: the hashes to copy, 1: looked at, 2: the held keys, 3: those
 
 
@@ -748,34 +748,43 @@ class EventIndex:
         """``drain`` of a rank's old entries, ``entries`` of them looked at; what is left of
         ``entries``. First the endpoint's engine hashes are copied (one step of its own: a list of
         up to ``max_blocks_per_endpoint``, made in C), then each of the rank's not stored since the
-        clear is dropped; then the keys held for the rank speculatively are copied and its holds
-        made before the clear dropped; then the rank counts its entries as before."""
+        clear is dropped, from the copy's end, ``entries`` of them looked at a call; then the keys
+        held for the rank speculatively are copied and its holds made before the clear dropped;
+        then the rank counts its entries as before."""
         st, rank = old.st, old.rank
         if st.rank_clearing.get(rank) is not old:    # cleared again since, or the whole endpoint
+            todo = old.todo
+            if todo:                                 # the copy let go of a stretch at a time, as below
+                n = min(entries, len(todo))
+                del todo[-n:]
+                return entries - n
             self._retired.popleft()
             return entries
         if old.step in (0, 2):
-            old.todo = iter(list(st.emap) if old.step == 0 else list(st.rank_pending))
+            old.todo = list(st.emap) if old.step == 0 else list(st.rank_pending)
             old.step += 1
             return 0
-        assert old.todo is not None
-        n = 0
+        todo = old.todo
+        assert todo is not None
+        # the last ``entries`` of the copy, taken out of it: what the copy alone kept alive (the
+        # hashes of entries dropped) is freed a stretch at a time, with the stretch
+        part = todo[-entries:]
+        del todo[-entries:]
         if old.step == 1:
             emap, fresh, drop = st.emap, old.fresh, self._drop
-            for bh in islice(old.todo, entries):
-                n += 1
+            for bh in part:
                 if bh not in fresh and rank_of(bh) == rank and bh in emap:
                     drop(st, bh)
         else:
             pending, held = st.rank_pending, old.held
-            for k in islice(old.todo, entries):
-                n += 1
+            for k in part:
                 spec = pending.get(k)
                 if spec is not None and rank in spec and k not in held:
                     del spec[rank]
                     if not spec:
                         del pending[k]
-        if n < entries:
+        n = len(part)
+        if not todo:
             old.todo = None
             old.step += 1
             if old.step == 4:

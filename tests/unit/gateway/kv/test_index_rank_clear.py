@@ -109,10 +109,13 @@ def test_a_rank_clear_returns_at_once_and_leaves_its_entries_to_stretches():
     assert idx.retiring == 1
     assert _depths(idx, eps, 0, 6, "r") == ((6 * BS, 0), ((6 * BS, 0, 0), (0, 0, 0)))   # ...yet rank 1 holds none
     assert _depths(idx, eps, 1, 6, "s") == ((0, 6 * BS), ((0, 0, 0), (0, 6 * BS, 0)))   # of it; b keeps its own
-    left = [len(a.emap)]
+    left, copied = [len(a.emap)], []
     while idx.drain(1000):
         left.append(len(a.emap))
+        if idx._retired and idx._retired[0].todo is not None:
+            copied.append(len(idx._retired[0].todo))   # the engine hashes drain copied, still to look at
     left.append(len(a.emap))
+    assert copied[0] == entries and all(0 < x - y <= 1000 for x, y in zip(copied, copied[1:], strict=False))
     assert left[-1] == 6 and set(a.emap) == set(range(1, 7)) and not idx.retiring     # rank 0's only
     assert all(0 <= x - y <= 1000 for x, y in zip(left, left[1:], strict=False))   # at most a stretch each
     assert len(left) >= 10_000 // 1000 + 1
@@ -179,7 +182,11 @@ def test_a_clear_of_the_endpoint_or_of_the_rank_again_while_one_is_under_way():
     idx.clear_rank(a, 1)
     _store(idx, a, 1, 2, 4)
     idx.drain(3)
+    idx.drain(3)
+    assert len(idx._retired[0].todo) == 12 + 4 - 3
     idx.clear_rank(a, 1)                                          # what it stored since is old now too
+    idx.drain(3)                                                  # the first clear's copy: let go of 3...
+    assert len(idx._retired[0].todo) == 12 + 4 - 6
     assert _depths(idx, eps, 2, 4, "r")[0] == (0, 0)
     _store(idx, a, 1, 2, 2)
     while idx.drain(1):
