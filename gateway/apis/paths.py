@@ -9,6 +9,20 @@ from __future__ import annotations
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
 ANTHROPIC_PATHS = (MESSAGES, COUNT_TOKENS)
+# the characters that go on with a path's last name: after "/v1/messages" they make another path
+# ("/v1/messagesx"); anything else after it (a "/", a control byte, a "%" left undecoded, a byte
+# outside ASCII) leaves the request one to the Messages API, whose clients read Anthropic's errors
+_NAME_GOES_ON = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def on_messages(path: str | None) -> bool:
+    """Whether a request's path is the Messages API's: ``/v1/messages``, a path under it
+    (``/v1/messages/batches``), or ``/v1/messages`` followed by a byte no path name has
+    (``/v1/messages\\x00``, sent raw or as ``%00``)."""
+    if path is None or not path.startswith(MESSAGES):
+        return False
+    return len(path) == len(MESSAGES) or path[len(MESSAGES)] not in _NAME_GOES_ON
+
 
 # JSON bodies routed by their "model" and relayed untouched
 RERANK_PATHS = ("/v1/rerank", "/rerank", "/v2/rerank")

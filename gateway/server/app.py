@@ -21,7 +21,7 @@ from aiohttp import HttpVersion11, web
 
 from gateway.apis.anthropic import anthropic_error
 from gateway.apis.base import ApiShape
-from gateway.apis.paths import ANTHROPIC_PATHS
+from gateway.apis.paths import MESSAGES, on_messages
 from gateway.apis.responses import add_responses
 from gateway.batch.service import BatchService
 from gateway.config.schema import Config
@@ -79,13 +79,13 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
     """The answer to an exception a handler let out: every answer is JSON in its path's API shape
     (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included.
     Returns None for what must propagate (a redirect, a cancellation)."""
-    anthropic = apis.get("/v1/messages")
+    anthropic = apis.get(MESSAGES)
 
     def shaped(request: web.Request, err: GatewayError) -> bytes:
         path = request.path
         api = apis.get(path)
-        if api is None and anthropic is not None and path.startswith("/v1/messages/"):
-            api = anthropic             # a Messages path the gateway does not serve (batches): the SDK's shape
+        if api is None and anthropic is not None and on_messages(path):
+            api = anthropic             # a Messages path not served (batches, "/v1/messages%00"): the SDK's shape
         return api.error_body(err) if api is not None else err.body_bytes()
 
     def answer(request: web.Request, e: Exception) -> web.Response | None:
@@ -137,7 +137,7 @@ async def _expect(request: web.Request) -> web.Response | None:
     e = GatewayError(417, f"unknown Expect: {safe_header_value(expect)[:64]!r}; only 100-continue is served",
                      param="Expect", code="expectation_failed", error_class=ErrorClass.VALIDATION)
     rid = request_id_from(request.headers.get("x-request-id"))
-    body = orjson.dumps(anthropic_error(417, e.message)) if request.path in ANTHROPIC_PATHS else e.body_bytes()
+    body = orjson.dumps(anthropic_error(417, e.message)) if on_messages(request.path) else e.body_bytes()
     return web.Response(status=417, body=body, content_type="application/json",   # the answer
                         headers={"request-id": rid, "x-request-id": rid, "Connection": "close"})
 

@@ -63,7 +63,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.apis.anthropic import anthropic_error
-from gateway.apis.paths import ANTHROPIC_PATHS, AUDIO_PATHS
+from gateway.apis.paths import AUDIO_PATHS, on_messages
 from gateway.errors import error_body, error_response
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
@@ -84,8 +84,9 @@ _BUSY = 4      # the handler runs, the body is complete: only the write-stall cl
 # how many first bytes of a request head the edge keeps (``_e_line``): enough for the method and a
 # Messages path, to answer a head that does not parse in its API's shape
 _LINE_KEEP = 64
-# the path of a request line's target, when the kept bytes hold it whole (a space or a query after it)
-_LINE_PATH = re.compile(rb"[^ \r\n]+ (/[^ ?]*)[ ?]")
+# the path of a request line's target, as far as the kept bytes hold it (to a space, a query or the
+# line's end; a path cut short by ``_LINE_KEEP`` still shows whether it is a Messages path)
+_LINE_PATH = re.compile(rb"[^ \r\n]+ (/[^ ?\r\n]*)")
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
@@ -161,8 +162,9 @@ class _ConnectionGauge(Collector):
 
 def _shaped_body(path: str | None, status: int, message: str, type_: str | None, code: str,
                  param: str | None = None) -> bytes:
-    """An error body in the shape the path's clients read: Anthropic's on the Messages paths."""
-    if path in ANTHROPIC_PATHS:
+    """An error body in the shape the path's clients read: Anthropic's on the Messages paths
+    (``gateway.apis.paths.on_messages``)."""
+    if on_messages(path):
         return orjson.dumps(anthropic_error(status, message))
     return orjson.dumps(error_body(status, message, type_=type_, code=code, param=param))
 
@@ -756,8 +758,8 @@ class EdgeProtocol(web.RequestHandler):
         return resp
 
     def _e_line_path(self) -> str | None:
-        """The target path of the head kept in ``_e_line`` (a head aiohttp could not parse), when
-        its first bytes hold it whole."""
+        """The target path of the head kept in ``_e_line`` (a head aiohttp could not parse), as far
+        as its first bytes hold it: only the answer's shape is read off it."""
         m = _LINE_PATH.match(self._e_line)
         return m.group(1).decode("latin-1") if m is not None else None
 

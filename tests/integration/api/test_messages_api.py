@@ -311,6 +311,49 @@ async def test_a_messages_request_the_parser_refuses_gets_an_anthropic_error(sim
         r for r in (await sim_state(v.url))["received"] if r["path"] == "/v1/messages"][1:]
 
 
+# a Messages path with a byte no path name goes on with: (case, bytes, status); none reaches the engine
+_BROKEN_PATHS = [
+    ("nul", b"GET /v1/messages\x00 HTTP/1.1\r\nHost: gw\r\n\r\n", 400),
+    ("nul_on_a_post", b"POST /v1/messages\x00 HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+     b"Content-Length: %d\r\n\r\n" % len(_MSG_BODY) + _MSG_BODY, 400),
+    ("control_byte", b"GET /v1/messages\x01 HTTP/1.1\r\nHost: gw\r\n\r\n", 400),
+    ("del", b"GET /v1/messages\x7f HTTP/1.1\r\nHost: gw\r\n\r\n", 400),
+    ("tab", b"GET /v1/messages\t HTTP/1.1\r\nHost: gw\r\n\r\n", 400),
+    ("non_ascii_byte", b"GET /v1/messages\xff HTTP/1.1\r\nHost: gw\r\n\r\n", 400),
+    ("nul_before_a_query", b"GET /v1/messages\x00?a=1 HTTP/1.1\r\nHost: gw\r\n\r\n", 400),
+    ("nul_then_a_long_path", b"GET /v1/messages\x00" + b"a" * 200 + b" HTTP/1.1\r\nHost: gw\r\n\r\n", 400),
+    ("count_tokens_nul", b"POST /v1/messages/count_tokens\x00 HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}",
+     400),
+    ("line_without_version", b"POST /v1/messages\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}", 400),
+    # percent-encoded, the head parses and the path decodes to one the router does not know
+    ("percent_nul", request("GET", "/v1/messages%00", close=True), 404),
+    ("percent_nul_on_a_post", request("POST", "/v1/messages%00", _MSG_BODY, close=True), 404),
+    ("percent_control_byte", request("POST", "/v1/messages%1b", _MSG_BODY, close=True), 404),
+    ("percent_undecodable", request("GET", "/v1/messages%ff", close=True), 404),
+    ("count_tokens_percent_nul", request("POST", "/v1/messages/count_tokens%00", _MSG_BODY, close=True), 404),
+]
+
+
+async def test_a_messages_path_with_a_control_byte_gets_an_anthropic_error(sims, gateway):
+    """``/v1/messages`` followed by a NUL, another control byte or a byte outside ASCII, raw (the
+    parser refuses the request line) or percent-encoded (the router knows no such path), is still a
+    request to the Messages API: its error is Anthropic's. A path that goes on with a name's
+    characters is another path, and keeps OpenAI's shape."""
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])])
+    for case, raw, status in _BROKEN_PATHS:
+        got = await exchange(gw.port, raw, wait=10)
+        assert got.responses, case
+        err = _anthropic_error(got.first, status)
+        assert err["message"], case
+    for path in ("/v1/messagesx", "/v1/messages-v2", "/v1/chat/completions%00"):
+        got = await exchange(gw.port, request("POST", path, _MSG_BODY, close=True), wait=10)
+        assert_openai_error(got.first, 404)
+    got = await exchange(gw.port, b"GET /v1/chat/completions\x00 HTTP/1.1\r\nHost: gw\r\n\r\n", wait=10)
+    assert_openai_error(got.first, 400)
+    assert not [r for r in (await sim_state(v.url))["received"] if r["method"] == "POST"]
+
+
 async def test_a_messages_path_the_gateway_does_not_serve_is_an_anthropic_404(fleet):
     """The SDK's ``messages.batches`` calls land on ``/v1/messages/batches``: a 404 in Anthropic's
     shape, which the SDK reads as such; other unknown paths keep OpenAI's."""
