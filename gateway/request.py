@@ -35,6 +35,11 @@ _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Rough characters-per-token ratio for estimates when no tokenizer is at hand.
 CHARS_PER_TOKEN = 4
 
+# The most sequences one request may ask an engine to generate: ``n`` of chat and completions, and
+# ``best_of`` of completions (vLLM's), each from 1 to this, as OpenAI's API takes ``n``. The
+# engines set no upper bound of their own, and a request's cost grows with it.
+MAX_CHOICES = 128
+
 
 def request_id_from(header_value: str | None) -> str:
     if header_value and _SANE_REQUEST_ID.match(header_value):
@@ -251,6 +256,15 @@ def _int_field(data: dict[str, Any], key: str, nullable: bool = True) -> int | N
     return out
 
 
+def _fan_out(v: int, key: str) -> int:
+    """``v``, a count of sequences to generate (``n``, ``best_of``), when it is from 1 to ``MAX_CHOICES``."""
+    if v < 1:
+        raise _bad(f"'{key}' must be at least 1, got {v}", key)
+    if v > MAX_CHOICES:
+        raise _bad(f"'{key}' must be at most {MAX_CHOICES}, got {v}", key)
+    return v
+
+
 # content part types that carry text only; any other part (image_url, input_audio, video_url, ...) is
 # multimodal
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "refusal"})
@@ -451,8 +465,8 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         stream = include_usage = False
     else:
         stream, include_usage = _stream_flags(data)
-        # both engines refuse a negative limit or n; 0 is left to them (SGLang serves a chat
-        # max_tokens of 0, vLLM a completions one with echo)
+        # both engines refuse a negative limit; 0 is left to them (SGLang serves a chat max_tokens
+        # of 0, vLLM a completions one with echo). n and best_of: 1 to MAX_CHOICES
         limits = ("max_tokens", "max_completion_tokens") if path == CHAT else ("max_tokens",)
         for key in limits:
             if key in data:
@@ -463,9 +477,11 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
         if "n" in data:
             n = _int_field(data, "n", nullable=path == CHAT)
             if n is not None:
-                if n < 0:
-                    raise _bad(f"'n' must be a non-negative integer, got {n}", "n")
-                choices = n
+                choices = _fan_out(n, "n")
+        if path == COMPLETIONS and "best_of" in data:   # vLLM's ``best_of: Optional[int]``
+            best_of = _int_field(data, "best_of")
+            if best_of is not None:
+                _fan_out(best_of, "best_of")
 
     exact_tokens: int | None = None
     media = [False]

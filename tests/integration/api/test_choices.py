@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from aiohttp import web
 
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
-from tests.support.http import openai_client
+from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric
 
 
@@ -115,3 +116,45 @@ async def test_inter_token_latency_is_choice_0s_when_the_choices_come_apart(gate
         assert await _itl_count(gw) == 3
         line = next(e for e in logs if e["event"] == "request")
         assert line["completion_tokens"] == 8 and line["finish_reason"] == "length"
+
+
+ALICE = "sk-alice-choices-0123"
+MSGS = [{"role": "user", "content": "Tell me about trains."}]
+
+
+async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gateway):
+    """``n`` (chat, completions) and completions' ``best_of`` ask the engine for that many sequences.
+    OpenAI's API takes ``n`` from 1 to 128, and so does the gateway, for both: out of it, a 400 in
+    OpenAI's shape naming the field, before the request is routed. The engine sees nothing and the
+    user's limits are not charged."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={"api_keys": [{"key": ALICE, "user": "alice"}]},
+                       limits={"users": {"alice": {"rpm": 3}}})
+    client = openai_client(gw, ALICE)
+    chat, completions = client.chat.completions.create, client.completions.create
+    prompt = "Once upon a time"
+    refused = [     # (the field named, what its message says, the call's arguments)
+        ("n", "128", chat, {"messages": MSGS, "n": 129, "stream": True}),
+        ("n", "128", chat, {"messages": MSGS, "n": 1_000_000}),
+        ("n", "128", chat, {"messages": MSGS, "extra_body": {"n": "1000000"}}),
+        ("n", "at least 1", chat, {"messages": MSGS, "n": 0}),
+        ("n", "at least 1", chat, {"messages": MSGS, "n": -1}),
+        ("n", "128", completions, {"prompt": prompt, "n": 1_000_000}),
+        ("n", "at least 1", completions, {"prompt": prompt, "n": 0}),
+        ("best_of", "128", completions, {"prompt": prompt, "best_of": 1_000_000}),
+        ("best_of", "at least 1", completions, {"prompt": prompt, "best_of": 0}),
+        ("best_of", "valid integer", completions, {"prompt": prompt, "extra_body": {"best_of": 2.5}}),
+    ]
+    for param, says, create, args in refused:
+        with pytest.raises(openai.BadRequestError) as ei:
+            await create(model="m", max_tokens=1, **args)
+        err = ei.value
+        assert err.status_code == 400 and err.param == param and err.type == "invalid_request_error", err.body
+        assert says in err.message, err.message
+    received = (await sim_state(sim.url))["received"]
+    assert not [r for r in received if r["method"] == "POST"], received
+    # none was charged to alice's 3 requests a minute: the bounds themselves are served
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSGS, max_tokens=1, n=128)
+    assert len(raw.parse().choices) == 128 and raw.headers["x-ratelimit-remaining-requests"] == "2"
+    got = await completions(model="m", prompt=prompt, max_tokens=1, n=1, best_of=1)
+    assert len(got.choices) == 1

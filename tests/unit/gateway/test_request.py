@@ -68,7 +68,7 @@ def test_completion_prompt_shapes(prompt, tokens):
 
 
 @pytest.mark.parametrize("path,obj,choices", [
-    (CHAT, {}, 1), (CHAT, {"n": 2}, 2), (CHAT, {"n": None}, 1), (CHAT, {"n": "3"}, 3), (CHAT, {"n": 0}, 0),
+    (CHAT, {}, 1), (CHAT, {"n": 2}, 2), (CHAT, {"n": None}, 1), (CHAT, {"n": "3"}, 3), (CHAT, {"n": 128}, 128),
     (COMPLETIONS, {"prompt": "a"}, 1), (COMPLETIONS, {"prompt": [1, 2, 3], "n": 2}, 2),
     (COMPLETIONS, {"prompt": ["a", "b", "c"]}, 3), (COMPLETIONS, {"prompt": [[1], [2]], "n": 2}, 4)])
 def test_the_choices_an_answer_carries(path, obj, choices):

@@ -38,10 +38,13 @@ floats), and "0", "1", "true", "false", "yes", "no", "on", "off", "t", "f", "y",
 (not " true", "2", "1.0": "unable to interpret input"). ``list[int]`` applies the int rule to each
 item; a list of strings stays strings (the union's exact match wins).
 
-The range checks follow what both engines refuse: a negative ``max_tokens``,
-``max_completion_tokens`` or ``n`` is a 400 (0 is left to the engine: SGLang serves a chat
+The range checks follow what both engines refuse: a negative ``max_tokens`` or
+``max_completion_tokens`` is a 400 (0 is left to the engine: SGLang serves a chat
 ``max_tokens`` of 0, and vLLM a completions one with ``echo``); Messages' ``max_tokens`` and
-Responses' ``max_output_tokens`` below 1 are a 400. Where one engine accepts null and the other
+Responses' ``max_output_tokens`` below 1 are a 400. One range is the gateway's own: ``n`` (chat,
+completions) and completions' ``best_of`` (vLLM's ``Optional[int]``), counts of sequences the
+engine generates, are taken from 1 to ``MAX_CHOICES`` (128, as OpenAI's API takes ``n``); the
+engines set no upper bound. Where one engine accepts null and the other
 does not (chat ``n``, completions ``max_tokens``), the gateway accepts it; completions ``n`` is
 ``int`` in both, so null is a 400.
 
@@ -62,7 +65,7 @@ from gateway.apis.anthropic import AnthropicApi
 from gateway.apis.responses_request import parse_responses
 from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError
-from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, lax_bool, lax_int, parse
+from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, MAX_CHOICES, lax_bool, lax_int, parse
 
 MSG = [{"role": "user", "content": "hi"}]
 _ANTHROPIC = AnthropicApi(EndpointPool())
@@ -93,10 +96,15 @@ INTS = [  # value, what the engines read (REFUSED: a 400)
 ]
 
 
+FAN_OUT = ("n", "best_of")      # counts of sequences: read as ints, then 1 to MAX_CHOICES
+
+
 @pytest.mark.parametrize("path,key", [(CHAT, "max_tokens"), (CHAT, "max_completion_tokens"), (CHAT, "n"),
-                                      (COMPLETIONS, "max_tokens"), (COMPLETIONS, "n")])
+                                      (COMPLETIONS, "max_tokens"), (COMPLETIONS, "n"), (COMPLETIONS, "best_of")])
 @pytest.mark.parametrize("value,read", INTS)
 def test_token_limits_and_n(path, key, value, read):
+    if key in FAN_OUT and read is not REFUSED and not 1 <= read <= MAX_CHOICES:
+        read = REFUSED
     if read is REFUSED:
         with pytest.raises(GatewayError) as ei:
             run(path, {key: value})
@@ -108,7 +116,7 @@ def test_token_limits_and_n(path, key, value, read):
 
 @pytest.mark.parametrize("path,key,accepted", [
     (CHAT, "max_tokens", True), (CHAT, "max_completion_tokens", True), (CHAT, "n", True),
-    (COMPLETIONS, "max_tokens", True), (COMPLETIONS, "n", False)])
+    (COMPLETIONS, "max_tokens", True), (COMPLETIONS, "n", False), (COMPLETIONS, "best_of", True)])
 def test_null_where_either_engine_takes_it(path, key, accepted):
     if accepted:
         assert run(path, {key: None}).data[key] is None
