@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     for op in ("get", "delete"):
         keys.add_parser(op).add_argument("id")
     sp = keys.add_parser("create", help="prints the key once")
-    sp.add_argument("--user", required=True)
+    sp.add_argument("--user", required=True,
+                    help="the key's user; it needs no user record (without one, limits.default_user applies)")
     sp.add_argument("--name")
     sp.add_argument("--key", help="use this text as the key instead of a generated one")
     sp = keys.add_parser("update")

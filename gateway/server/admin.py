@@ -18,6 +18,8 @@ Writes go to the state backend (Redis: visible to every replica within ``state.s
 every admin request first brings the directory up to date (with Redis, by what changed since its
 version), so it always acts on the store's current state.
 Config-defined keys are read-only here; a config user can be overridden (PUT) but not deleted.
+A key's ``user`` is any valid name: a user needs no record (as a config key's user needs no
+``limits.users`` entry), and one known only by keys gets ``limits.default_user``.
 """
 
 from __future__ import annotations

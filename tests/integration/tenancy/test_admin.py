@@ -154,6 +154,34 @@ async def test_keys_crud_and_effect_on_requests(gw):
         await openai_client(gw, "my-own-long-key-123").chat.completions.create(model="m", messages=CHAT, max_tokens=1)
 
 
+async def test_a_key_names_its_user_and_needs_no_user_record(gw):
+    """A user is a name that keys and limits refer to, not a record that must come first: as a
+    configured key may name a user with no ``limits.users`` entry, POST /admin/keys takes any valid
+    name, and the key's requests are that user's, under ``limits.default_user``. Such a user has no
+    record to read, list or delete (404), so its keys stay until revoked one by one; a record made
+    later is the user's, and deleting that record revokes them."""
+    admin = Admin(gw)
+    status, made = await admin("POST", "/admin/keys", {"user": "hana", "name": "laptop"})
+    assert status == 201 and made["user"] == "hana"
+    assert (await admin("GET", "/admin/users/hana"))[0] == 404
+    assert "hana" not in [u["name"] for u in (await admin("GET", "/admin/users"))[1]["data"]]
+    assert [k["id"] for k in (await admin("GET", "/admin/keys?user=hana"))[1]["data"]] == [made["id"]]
+    client = openai_client(gw, made["key"])
+    r = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
+    assert r.headers["x-ratelimit-limit-requests"] == "50"                  # default_user's
+    assert (await admin("DELETE", "/admin/users/hana"))[0] == 404           # no record: the key stays
+    assert (await client.chat.completions.create(model="m", messages=CHAT, max_tokens=1)).choices
+
+    status, hana = await admin("PUT", "/admin/users/hana", {"rpm": 7})
+    assert status == 201 and hana["keys"] == [made["id"]]
+    r = await client.chat.completions.with_raw_response.create(model="m", messages=CHAT, max_tokens=1)
+    assert r.headers["x-ratelimit-limit-requests"] == "7"
+    status, gone = await admin("DELETE", "/admin/users/hana")
+    assert status == 200 and gone["keys_deleted"] == 1
+    with pytest.raises(openai.AuthenticationError):
+        await client.chat.completions.create(model="m", messages=CHAT, max_tokens=1)
+
+
 async def test_cli(gw, monkeypatch):
     monkeypatch.delenv("SWITCHYARD_ADMIN_TOKEN", raising=False)
 
