@@ -319,9 +319,15 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
     pool, lifecycle, metrics, lora = s.pool, s.lifecycle, s.metrics, s.lora
 
     def model_entries() -> list[dict]:
+        """What ``/v1/models`` lists and ``/v1/models/{id}`` looks up: the models a request may name
+        (those with endpoints, then those the config declares that have none now: a request for one
+        is a 503, not a 404), then the aliases, then the LoRA adapters."""
+        served = pool.models()
+        declared = [m for m in reloader.live.config.models if not pool.has_model(m.name)]
         data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
-                 "engine": pool.endpoints(m)[0].engine if pool.endpoints(m) else None,
-                 "ready_endpoints": len(pool.ready(m))} for m in pool.models()]
+                 "engine": pool.endpoints(m)[0].engine, "ready_endpoints": len(pool.ready(m))} for m in served]
+        data += [{"id": m.name, "object": "model", "created": started_at, "owned_by": "switchyard",
+                  "engine": m.engine, "ready_endpoints": 0} for m in declared]
         for a in reloader.live.aliases.describe():   # an alias lists its targets
             data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
                          "targets": a["targets"], "sticky": a["sticky"],

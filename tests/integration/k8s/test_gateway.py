@@ -89,6 +89,47 @@ async def test_pods_coming_and_going_steer_traffic(emu, kube_block, sims, gatewa
     await client.close()
 
 
+async def test_a_configured_model_without_pods_is_listed_and_retrieved(emu, kube_block, sims, gateway):
+    """A model the config declares is one the gateway serves whether or not a pod serves it now
+    (a request for it is a 503, not a 404): ``GET /v1/models`` lists it with no ready endpoint and
+    ``GET /v1/models/{id}`` finds it, before its first pod and after its last one left; a model
+    only pods served is gone from both, and a 404, once its pods are."""
+    v = await sims("vllm", "llama")
+    q = await sims("vllm", "qwen")
+    sim_pod(emu, "qwen-0", q, "qwen")
+    gw = await gateway([{"name": "llama", "engine": "vllm"}], kubernetes=kube_block)
+    assert await wait_for(lambda: gw.gw.pool.ready("qwen"), timeout=3)
+    client = openai_client(gw)
+
+    async def listed() -> dict:
+        return {m.id: m for m in (await client.models.list()).data}
+
+    async def check_llama_without_pods() -> None:
+        models = await listed()
+        assert "llama" in models and models["llama"].ready_endpoints == 0
+        assert await client.models.retrieve("llama") == models["llama"]
+        with pytest.raises(openai.APIStatusError) as e:
+            await client.chat.completions.create(model="llama", messages=CHAT, max_tokens=2)
+        assert e.value.status_code == 503
+
+    await check_llama_without_pods()
+    sim_pod(emu, "llama-0", v, "llama")
+    assert await wait_for(lambda: gw.gw.pool.ready("llama"), timeout=3)
+    assert (await client.models.retrieve("llama")).ready_endpoints == 1
+    emu.delete_pod("llm", "llama-0")
+    emu.delete_pod("llm", "qwen-0")
+    assert await wait_for(lambda: not gw.gw.pool.endpoints("llama") and not gw.gw.pool.endpoints("qwen"),
+                          timeout=3)
+    await check_llama_without_pods()
+    assert "qwen" not in await listed()
+    with pytest.raises(openai.NotFoundError) as nf:
+        await client.models.retrieve("qwen")
+    assert (nf.value.body["code"], nf.value.body["param"]) == ("model_not_found", "model")
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="qwen", messages=CHAT, max_tokens=2)
+    await client.close()
+
+
 async def test_static_and_discovered_endpoints_share_the_pool(emu, kube_block, sims, gateway):
     static = await sims("vllm", "llama")
     pod = await sims("vllm", "llama")
