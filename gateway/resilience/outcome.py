@@ -4,9 +4,10 @@ Every leg to an engine ends in one of four outcomes, and only faults count again
 
 | outcome | examples | breaker |
 |---|---|---|
-| ``fault`` | connect refused or reset, 5xx other than 503, a broken stream, a watchdog or header timeout | counts |
+| ``fault`` | connect refused or reset, 5xx other than 501 and 503, a broken stream, a watchdog or header timeout | counts |
 | ``backpressure`` | 429, 503: the engine is alive but busy | neutral |
 | ``client_error`` | 4xx other than 429: the request's own fault | neutral |
+| ``client_error`` | 501: the engine does not implement what the request asks | neutral |
 | ``fault`` | 401, 403 from an engine the gateway sends its key (``api_key``): the key refused | counts |
 | ``success`` | a complete answer | closes |
 
@@ -14,6 +15,8 @@ A leg that ends because the client went away says nothing about the engine: ``no
 
 Counting a 4xx against an engine opens every breaker as soon as clients send bad requests
 (sglang#25811); counting 503 ejects busy engines exactly when capacity is short (sglang#13894).
+A 501 is the engine declining a request it does not support, as a 4xx declines a bad one: another
+endpoint of the same engine would decline it too, and the engine serves its other requests.
 
 The classifiers here read only a status, a failure kind (``gateway.upstream.upstream.UpstreamFailure``) or
 what the relay left on the request's record; ``gateway.resilience.breaker`` acts on the result.
@@ -41,6 +44,8 @@ class Outcome(enum.Enum):
 
 BACKPRESSURE_STATUSES = frozenset({429, 503})
 AUTH_STATUSES = frozenset({401, 403})
+# the engine lacks what the request asks (vLLM answers 501 for a feature it does not implement)
+UNSUPPORTED_STATUSES = frozenset({501})
 
 
 def key_refused(status: int, keyed: bool) -> bool:
@@ -57,6 +62,8 @@ def of_status(status: int, keyed: bool = False) -> Outcome:
         return Outcome.BACKPRESSURE
     if status < 500:
         return Outcome.FAULT if key_refused(status, keyed) else Outcome.CLIENT_ERROR
+    if status in UNSUPPORTED_STATUSES:
+        return Outcome.CLIENT_ERROR
     return Outcome.FAULT
 
 

@@ -1,10 +1,10 @@
 """Retries: another endpoint, only before the first byte reached the client, within a budget.
 
 A leg whose answer the client has not seen yet may be sent again to a different endpoint when it
-failed with a fault (refused or reset connection with nothing received, a 5xx other than 503) or
-was pushed back (429, 503) while another candidate has headroom. Once the response's head went to
-the client nothing is retried (continuation after that is another matter). A header timeout is not
-retried: the engine may still be working on it, and the wait is already spent.
+failed with a fault (refused or reset connection with nothing received, a 5xx other than 501 and
+503) or was pushed back (429, 503) while another candidate has headroom. Once the response's head
+went to the client nothing is retried (continuation after that is another matter). A header
+timeout is not retried: the engine may still be working on it, and the wait is already spent.
 
 **Budget.** Retries of one model may be at most ``budget_percent`` of its requests in the last
 ``budget_window_s`` seconds, plus ``budget_min`` (so that a quiet model can still retry). When the

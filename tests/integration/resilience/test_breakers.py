@@ -118,6 +118,39 @@ async def test_client_errors_are_neither_counted_nor_retried(sims, gateway):
     assert not series(text, "switchyard_retries_total")
 
 
+async def test_an_engines_501_reaches_the_client_as_it_came_uncounted_and_unretried(sims, gateway):
+    """A 501 says the engine does not implement what the request asks, not that it is sick: the
+    client gets that answer, status and body, as the engine gave it; the endpoint's breaker does
+    not count it and the request is not sent elsewhere."""
+    lacking = await sims("vllm", "m", fault="status=501")
+    good = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [lacking.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+    engine = await post(lacking.url, body())
+    assert engine.status == 501
+    client = openai_client(gw)
+    answers = []
+    for i in range(6):
+        try:
+            raw = await client.chat.completions.with_raw_response.create(**body(stream=i % 2 == 1))
+            answers.append((raw.http_response.status_code, raw.headers["target-pod"], None))
+        except openai.APIStatusError as e:
+            answers.append((e.status_code, e.response.headers["target-pod"], e.response))
+    await client.close()
+    refused = [a for a in answers if a[0] == 501]
+    assert len(refused) == 3 and all(pod == lacking.url.split("//")[1] for _, pod, _ in refused), answers
+    assert all(st == 200 for st, _, _ in answers if st != 501)
+    for _, _, resp in refused:
+        assert resp.json() == engine.json()
+        assert "x-retries" not in resp.headers and "Retry-After" not in resp.headers
+    text = await gw.metrics_text()
+    assert set(series(text, "switchyard_breaker_state").values()) == {0.0}
+    assert not series(text, "switchyard_retries_total")
+    outcomes = series(text, "switchyard_upstream_outcomes_total")
+    assert not any('outcome="fault"' in k for k in outcomes), outcomes
+    assert len(gw.gw.pool.ready("m")) == 2
+
+
 async def test_retry_budget_stops_retries_amplifying_an_outage(sims, gateway):
     a = await sims("vllm", "m")
     b = await sims("vllm", "m")

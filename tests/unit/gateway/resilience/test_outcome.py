@@ -11,6 +11,7 @@ from gateway.resilience.outcome import Outcome, of_answer, of_failure, of_status
     (200, Outcome.SUCCESS), (500, Outcome.FAULT), (502, Outcome.FAULT), (504, Outcome.FAULT),
     (503, Outcome.BACKPRESSURE), (429, Outcome.BACKPRESSURE),
     (400, Outcome.CLIENT_ERROR), (404, Outcome.CLIENT_ERROR), (413, Outcome.CLIENT_ERROR),
+    (501, Outcome.CLIENT_ERROR),      # the engine does not implement what was asked: not sick
 ])
 def test_status(status, outcome):
     assert of_status(status) is outcome
@@ -19,7 +20,7 @@ def test_status(status, outcome):
 @pytest.mark.parametrize(("status", "unkeyed", "keyed"), [
     (401, Outcome.CLIENT_ERROR, Outcome.FAULT), (403, Outcome.CLIENT_ERROR, Outcome.FAULT),
     (400, Outcome.CLIENT_ERROR, Outcome.CLIENT_ERROR), (200, Outcome.SUCCESS, Outcome.SUCCESS),
-    (429, Outcome.BACKPRESSURE, Outcome.BACKPRESSURE),
+    (429, Outcome.BACKPRESSURE, Outcome.BACKPRESSURE), (501, Outcome.CLIENT_ERROR, Outcome.CLIENT_ERROR),
 ])
 def test_an_engine_refusing_the_gateways_key_is_its_fault(status, unkeyed, keyed):
     """A 401 or 403 is the client's own when the gateway sent no key of its own; when it sent the
@@ -43,6 +44,7 @@ def test_failures_before_an_answer_are_faults(kind):
     (0, "upstream_timeout", Outcome.FAULT),
     (503, "upstream_status", Outcome.BACKPRESSURE),
     (400, "upstream_status", Outcome.CLIENT_ERROR),
+    (501, "upstream_status", Outcome.CLIENT_ERROR),
     (200, "client_cancel", Outcome.NONE),
     (0, None, Outcome.NONE),
 ])
