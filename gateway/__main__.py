@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     started = config
     generation = 1                # as the workers count it: +1 per reload applied
 
-    def reread() -> None:
-        """SIGHUP in the parent: a worker started from now on (a restart) gets the new config."""
+    def reread(trigger: str) -> None:
+        """SIGHUP in the parent (``trigger``: ``signal``, or ``admin`` for a worker's POST
+        /admin/reload): a worker started from now on (a restart) gets the new config."""
         nonlocal config, generation
         from gateway.server.reload import check_offline
         try:
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             generation += 1
             beats.reloaded(generation)      # before the workers are told: each takes this number
         except (ConfigError, ValueError) as e:
-            parent_log("config reload refused, restarted workers keep the running config", "error", error=str(e))
+            parent_log("config reload refused, restarted workers keep the running config", "error",
+                       trigger=trigger, error=str(e), generation=generation)
 
     started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
     run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)

@@ -8,9 +8,9 @@ happens to reach a healthy sibling keeps passing, so nothing would ever restart 
 So each worker's event loop ticks a counter every ``BEAT_S`` in memory it shares with its parent (an
 anonymous shared mapping the parent makes before it forks: one 8-byte slot per worker, then the
 restart counts, then the stop signals the parent got, then the config generation the parent
-counts, then what triggered the parent's last reload, then each worker's count of the reloads it
-asked for). The parent reads the counters while it waits for its children; a worker that has
-ticked at least once (start-up is not judged) and has not ticked for
+counts, then the parent's last reload as it told the workers of it, then each worker's count of
+the reloads it asked for). The parent reads the counters while it waits for its children; a worker
+that has ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
 starts it again as it restarts a worker that exits. The restarts are counted by reason
@@ -29,7 +29,14 @@ while one of the same is pending is one), so a worker that counted the reloads i
 behind its siblings for good; each takes the parent's number instead (gateway/server/reload.py).
 A worker asked ``POST /admin/reload`` counts it in its slot before it sends the parent SIGHUP; at a
 SIGHUP the parent notes ``admin`` as the trigger when a count moved since the last one, else
-``signal``, and every worker names that trigger in its reload's log line, as one process would.
+``signal``. Once it has applied that reload, and before it signals the workers, it tells them of it
+in one slot written at once: its number, its trigger and the generation it led to (``Told``). A
+worker that handles a SIGHUP reads that slot: a reload it has not applied yet is the parent's, whose
+trigger and generation its log line names, as one process would (and a worker asked POST
+/admin/reload answers with it); none is a SIGHUP sent to the worker itself, a ``signal``. The
+trigger is told with its reload and its generation, once both are known: a worker that handles a
+SIGHUP late reads a reload's trigger with that reload's generation, never the next one's trigger
+(noted while the parent applies it) with the previous one's generation.
 
 Only the worker writes its slots and only the parent the counts. The parent decides on whether a
 slot changed, never on its value, so a read that catches a write half done can only look like a
@@ -50,6 +57,17 @@ BEAT_S = 0.5                    # how often a worker's loop ticks (server.worker
 REASONS = ("exited", "stalled")
 TRIGGERS = ("signal", "admin")  # what a reload the parent applied came from
 _MASK = (1 << 64) - 1
+_TOLD_MASK = (1 << 24) - 1      # the parent's count of told reloads, as the told slot holds it (wraps)
+
+
+@dataclass(frozen=True, slots=True)
+class Told:
+    """A reload the parent applied (or refused) and told the workers of: its number among those it
+    told (``seq``), what it came from (``trigger``) and the config generation it led to."""
+
+    seq: int
+    trigger: str
+    generation: int
 
 
 class Heartbeats:
@@ -62,6 +80,9 @@ class Heartbeats:
         self._slots[self.workers + len(REASONS) + 1] = 1
         self._asks = self.workers + len(REASONS) + 3    # then a count per worker of its POST /admin/reload
         self._asks_seen = 0             # the parent's: the sum of those counts at its last reload
+        # the parent's count of the reloads it told the workers of; a worker's copy is the count
+        # when it was forked (the reloads told before it started are in the config it loaded)
+        self.told_count = 0
 
     def tick(self, index: int) -> None:
         """Worker ``index``'s loop ran (called by that worker only)."""
@@ -106,17 +127,27 @@ class Heartbeats:
         self._slots[at] = (self._slots[at] + 1) & _MASK
 
     def note_trigger(self) -> str:
-        """The parent, at a SIGHUP, before it tells the workers: ``admin`` when a worker asked for a
+        """The parent, at a SIGHUP, before it applies the reload: ``admin`` when a worker asked for a
         reload since the last one (a SIGHUP sent meanwhile is the same reload), else ``signal``."""
         asks = sum(self._slots[self._asks:self._asks + self.workers]) & _MASK
         trigger = "admin" if asks != self._asks_seen else "signal"
         self._asks_seen = asks
-        self._slots[self.workers + len(REASONS) + 2] = TRIGGERS.index(trigger)
         return trigger
 
-    def trigger(self) -> str:
-        """What triggered the parent's last reload (``signal`` before any)."""
-        return TRIGGERS[self._slots[self.workers + len(REASONS) + 2]]
+    def told(self, trigger: str) -> None:
+        """The parent applied (or refused) a reload that came from ``trigger`` and is about to
+        signal the workers: its number, trigger and generation, in one slot written at once."""
+        self.told_count = (self.told_count + 1) & _TOLD_MASK
+        generation = self._slots[self.workers + len(REASONS) + 1] & 0xFFFFFFFF
+        self._slots[self.workers + len(REASONS) + 2] = (
+            self.told_count << 40 | TRIGGERS.index(trigger) << 32 | generation)
+
+    def last_told(self) -> Told:
+        """The last reload the parent told the workers of (number 0, ``signal``: none yet)."""
+        value = self._slots[self.workers + len(REASONS) + 2]
+        if value == 0:
+            return Told(0, "signal", self.generation())
+        return Told(value >> 40, TRIGGERS[(value >> 32) & 0xFF], value & 0xFFFFFFFF)
 
 
 class Beat:

@@ -32,7 +32,10 @@ the ``routing`` and ``pd`` settings are unchanged, and starts afresh when they c
 With ``--workers N`` the parent forwards ``SIGHUP`` to every worker (gateway/server/workers.py); a worker
 that receives ``POST /admin/reload`` signals the parent, so every worker reloads, and answers with
 its own result. A worker's generation is then the parent's count of applied reloads (in the
-workers' shared memory, gateway/server/heartbeat.py), not its own.
+workers' shared memory, gateway/server/heartbeat.py), not its own, and its log line names the
+trigger of the parent's reload it applies, which the parent tells the workers with that reload; a
+SIGHUP sent to a worker itself is a ``signal`` reload of that worker alone, which answers no POST
+/admin/reload waiting there.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import os
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import orjson
@@ -60,6 +63,9 @@ from gateway.pipeline.routing import Routing
 from gateway.server.admin import require_admin
 from gateway.tenants import Tenancy
 from gateway.tenants.service import needs_tenancy
+
+if TYPE_CHECKING:
+    from gateway.server.heartbeat import Told
 
 log = structlog.get_logger("switchyard.reload")
 
@@ -259,16 +265,18 @@ class Reloader:
         self.listeners: list[Listener] = []
         self.last: ReloadResult | None = None
         self.parent_pid: int | None = None       # set in a --workers worker: reloads go through the parent
-        # set in a --workers worker: the parent's count of applied reloads (gateway/server/heartbeat.py)
-        self.parent_generation: Callable[[], int] | None = None
-        # set in a --workers worker: what triggered the parent's last reload, and telling the parent
-        # that this worker asks for one (gateway/server/heartbeat.py)
-        self.parent_trigger: Callable[[], str] | None = None
+        # set in a --workers worker: the last reload the parent told the workers of, with its
+        # trigger and generation, and telling the parent that this worker asks for one
+        # (gateway/server/heartbeat.py); ``told_seen``: the number of the last one this worker applied
+        self.parent_told: Callable[[], Told] | None = None
+        self.told_seen = 0
         self.parent_asked: Callable[[], None] | None = None
         self._waiters: list[asyncio.Future[ReloadResult]] = []   # POST /admin/reload in a worker
 
-    def reload(self, trigger: str, config: Config | None = None) -> ReloadResult:
-        """Re-read the file (or take ``config``) and apply it, or refuse it; never raises."""
+    def reload(self, trigger: str, config: Config | None = None, parent_generation: int | None = None
+               ) -> ReloadResult:
+        """Re-read the file (or take ``config``) and apply it, or refuse it; never raises.
+        ``parent_generation``: in a --workers worker, the generation of the parent's reload this is."""
         live = self.live
         try:
             if config is None:
@@ -290,7 +298,7 @@ class Reloader:
         added, removed = sync_pool(self.pool, config)
         if self.tenancy is not None:
             self.tenancy.reconfigure(config)
-        self.live = Live(pipeline, self._next_generation(live.generation))
+        self.live = Live(pipeline, self._next_generation(live.generation, parent_generation))
         for listener in self.listeners:
             listener(self.live)
         result = ReloadResult("ok", self.live.generation, trigger, changed=changed,
@@ -304,13 +312,13 @@ class Reloader:
                  draining_in_flight=sum(ep.in_flight + ep.prefill_in_flight for ep in removed))
         return self._finish(result)
 
-    def _next_generation(self, current: int) -> int:
+    def _next_generation(self, current: int, parent: int | None) -> int:
         """+1, or in a --workers worker the parent's count: SIGHUPs sent close together reach the
         parent and each worker a different number of times (one that comes while another is pending
         is one), and a count of its own left a worker behind its siblings for good."""
-        if self.parent_generation is None:
+        if self.parent_told is None:
             return current + 1
-        return max(current, self.parent_generation())
+        return max(current, parent if parent is not None else current)
 
     def _refused(self, trigger: str, result: str, key_path: str | None, error: str) -> ReloadResult:
         self.m.reloads.labels(result).inc()
@@ -321,11 +329,14 @@ class Reloader:
 
     def _finish(self, result: ReloadResult) -> ReloadResult:
         self.last = result
+        return result
+
+    def _answer(self, result: ReloadResult) -> None:
+        """This worker's POST /admin/reload requests waiting for the parent's reload: this one."""
         waiters, self._waiters = self._waiters, []
         for w in waiters:
             if not w.done():
                 w.set_result(result)
-        return result
 
     async def live_handle(self, request: web.Request) -> web.StreamResponse:
         """The inference routes' handler: the request enters the live generation and stays on it."""
@@ -335,13 +346,19 @@ class Reloader:
         if self.loader is None:          # the demo: its config is built in, there is no file
             log.warning("SIGHUP ignored: the gateway was started without a config file (--config)")
             return
-        # in a --workers worker every reload is a SIGHUP from the parent: this worker's POST
-        # /admin/reload, or the parent's note of what its SIGHUP came from (a sibling's, or a signal)
-        if self._waiters:
-            trigger = "admin"
-        else:
-            trigger = self.parent_trigger() if self.parent_trigger is not None else "signal"
-        self.reload(trigger)
+        if self.parent_told is None:     # one process (or a worker told nothing: its waiters' own)
+            self._answer(self.reload("admin" if self._waiters else "signal"))
+            return
+        # a --workers worker: a reload the parent told of and this worker has not applied yet is
+        # the parent's, whose trigger (a POST /admin/reload to any worker, or a signal) and
+        # generation it names, and which answers the POST /admin/reload requests waiting here;
+        # none: a SIGHUP sent to this worker itself (``kill -HUP`` to the process group)
+        told = self.parent_told()
+        if told.seq == self.told_seen:
+            self.reload("signal", parent_generation=self.live.generation)
+            return
+        self.told_seen = told.seq
+        self._answer(self.reload(told.trigger, parent_generation=told.generation))
 
     # -- POST /admin/reload --------------------------------------------------------------------
 

@@ -142,8 +142,10 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
         reloader.parent_pid = os.getppid()
         if worker.heartbeats is not None:       # the generation is the parent's count, the same in every worker
-            reloader.parent_generation = worker.heartbeats.generation
-            reloader.parent_trigger = worker.heartbeats.trigger
+            # and each reload the parent tells of names its trigger (gateway/server/heartbeat.py);
+            # those told before this worker was forked are in the config it started with
+            reloader.parent_told = worker.heartbeats.last_told
+            reloader.told_seen = worker.heartbeats.told_count
             reloader.parent_asked = functools.partial(worker.heartbeats.asked_reload, worker.index)
     with contextlib.suppress(NotImplementedError):
         loop.add_signal_handler(signal.SIGHUP, reloader.on_signal)

@@ -198,12 +198,13 @@ class WorkerInfo:
 
 
 def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None],
-                on_reload: Callable[[], None] | None = None, heartbeats: Heartbeats | None = None,
+                on_reload: Callable[[str], None] | None = None, heartbeats: Heartbeats | None = None,
                 stall_timeout: Callable[[], float] = lambda: 0.0) -> int:
     """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
-    a restarted worker gets its predecessor's index); ``on_reload`` runs in the parent at SIGHUP,
-    before the workers are told. With ``heartbeats`` (which the workers tick), a worker that stops
-    ticking for ``stall_timeout()`` seconds (0: never) is killed and restarted, and a worker that
+    a restarted worker gets its predecessor's index); ``on_reload(trigger)`` runs in the parent at
+    SIGHUP (``trigger``: ``admin`` or ``signal``), before the workers are told. With
+    ``heartbeats`` (which the workers tick), a worker that stops ticking for ``stall_timeout()``
+    seconds (0: never) is killed and restarted, and a worker that
     fails before any worker ever ticked stops the gateway with its exit code
     (gateway/server/heartbeat.py). A worker whose start-ups keep failing is started again after
     1, 2, 4, ... s (at most ``RESTART_BACKOFF_MAX_S``); one that got past its start-up, after 1 s."""
@@ -276,10 +277,13 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             again = True
             while again:
                 reloading[1] = False
-                if heartbeats is not None:      # admin or signal, which each worker's reload names
-                    heartbeats.note_trigger()
+                # admin or signal: the parent's line names it, and it goes with this reload to the
+                # workers, whose lines name it too
+                trigger = heartbeats.note_trigger() if heartbeats is not None else "signal"
                 if on_reload is not None:
-                    on_reload()
+                    on_reload(trigger)
+                if heartbeats is not None:
+                    heartbeats.told(trigger)
                 for pid in list(children):
                     try:
                         os.kill(pid, sig)

@@ -355,3 +355,122 @@ async def test_an_admin_reload_says_admin_in_every_worker_and_a_sighup_says_sign
         assert line["event"] == "config reloaded", line
         by_generation.setdefault(line["generation"], []).append(line["trigger"])
     assert by_generation == {2: ["admin", "admin"], 3: ["signal", "signal"]}, lines
+
+
+class LogLines:
+    """The JSON lines a gateway process writes to stderr, read as they come."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.lines: list[dict] = []
+        self._task = asyncio.ensure_future(self._read(proc.stderr))
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        async for raw in stream:
+            with contextlib.suppress(ValueError):
+                line = json.loads(raw)
+                if isinstance(line, dict):
+                    self.lines.append(line)
+
+    def reloads(self) -> list[dict]:
+        """The lines about a reload: applied or refused, the parent's and the workers'."""
+        return [line for line in self.lines if str(line.get("event", "")).startswith("config reload")]
+
+    async def until(self, count: int) -> list[dict]:
+        async with asyncio.timeout(20):
+            while len(self.reloads()) < count:
+                await asyncio.sleep(0.02)
+        return self.reloads()
+
+    async def close(self) -> None:
+        async with asyncio.timeout(20):
+            await self._task
+
+
+@pytest.mark.timeout(90)
+async def test_a_refused_reload_names_its_trigger_in_the_parents_line_and_every_workers(sims, tmp_path):
+    """A file that does not load: the parent says that restarted workers keep the running config,
+    each worker that it kept it, and each of these lines names what the reload came from, as the
+    lines of an applied reload do: ``signal`` for a SIGHUP, ``admin`` for POST /admin/reload."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        assert len(await worker_views(port, 2)) == 2
+        path.write_text(text + "no_such_block: 1\n")
+        proc.send_signal(signal.SIGHUP)
+        by_signal = await logs.until(3)                 # the parent's line and each worker's
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                                        headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            body = await r.json()
+        assert r.status == 400 and body["error"]["code"] == "config_invalid", body
+        by_admin = (await logs.until(6))[3:]
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    for lines, trigger in ((by_signal[:3], "signal"), (by_admin, "admin")):
+        assert all("refused" in line["event"] for line in lines), lines
+        assert sum("restarted workers" in line["event"] for line in lines) == 1, lines     # the parent's
+        assert [line.get("trigger") for line in lines] == [trigger] * 3, lines
+    assert len(logs.reloads()) == 6, logs.reloads()
+
+
+def _pending_sighup(pid: int) -> bool:
+    """A SIGHUP waits for the process (``ShdPnd`` in /proc: bit 0 is signal 1), as for a stopped one."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("ShdPnd:"):
+                return bool(int(line.split()[1], 16) & 1)
+    return False
+
+
+@pytest.mark.timeout(90)
+async def test_a_workers_own_sighup_while_an_admin_reload_is_on_its_way_is_a_signal_reload(sims, tmp_path):
+    """Two reloads close together: a worker asked POST /admin/reload has told the parent, which has
+    not yet had the workers reload (here it is stopped meanwhile), when each worker gets a SIGHUP of
+    its own (``kill -HUP`` to the process group sends one to every process). Each worker's reload
+    of that SIGHUP says ``signal``, not the admin reload's trigger, and the admin answer is the
+    gateway's reload once the parent had every worker apply it, not the worker's own reload."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    text = text.replace("log_level: warning", "log_level: info")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        sessions = await pinned_workers(port, 2)
+        try:
+            (asked, asked_http), (other, _) = sessions.items()
+            path.write_text(text + "aliases: [{name: one, targets: [{model: m}]}]\n")
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                async def admin() -> tuple[int, dict]:
+                    async with asked_http.post(f"http://127.0.0.1:{port}/admin/reload",
+                                               headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                        return r.status, await r.json()
+                answer = asyncio.ensure_future(admin())
+                async with asyncio.timeout(10):         # the worker asked has told the parent
+                    while not _pending_sighup(proc.pid):
+                        await asyncio.sleep(0.01)
+                os.kill(asked, signal.SIGHUP)
+                os.kill(other, signal.SIGHUP)
+                own = await logs.until(2)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            status, body = await answer
+            after = (await logs.until(4))[2:]
+        finally:
+            for s in sessions.values():
+                await s.close()
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert [(line["event"], line["trigger"], line["generation"]) for line in own] == \
+        [("config reloaded", "signal", 1)] * 2, own
+    assert [(line["event"], line["trigger"], line["generation"]) for line in after] == \
+        [("config reloaded", "admin", 2)] * 2, after
+    assert (status, body["trigger"], body["generation"]) == (200, "admin", 2), body
+    assert len(logs.reloads()) == 4, logs.reloads()

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from gateway.server.heartbeat import BEAT_S, Beat, Heartbeats, Watchdog
+from gateway.server.heartbeat import BEAT_S, Beat, Heartbeats, Told, Watchdog
 
 
 class Clock:
@@ -193,13 +193,27 @@ def test_a_stop_signal_reaching_a_worker_twice_is_one_and_the_parents_second_sto
 
 def test_a_reload_a_worker_asked_for_is_admin_in_every_worker_and_a_bare_sighup_is_signal():
     beats = Heartbeats(2)
-    assert beats.trigger() == "signal"
-    assert beats.note_trigger() == "signal" and beats.trigger() == "signal"    # kill -HUP
+    assert beats.last_told() == Told(0, "signal", 1)                            # none yet
+    assert beats.note_trigger() == "signal"                                     # kill -HUP
     beats.asked_reload(1)                                                       # POST /admin/reload on worker 1
-    assert beats.note_trigger() == "admin" and beats.trigger() == "admin"
-    assert beats.note_trigger() == "signal" and beats.trigger() == "signal"
+    assert beats.note_trigger() == "admin"
+    assert beats.note_trigger() == "signal"
     beats.asked_reload(0)
     beats.asked_reload(1)           # two asks before the parent's handler ran: one reload
     assert beats.note_trigger() == "admin"
     assert beats.note_trigger() == "signal"
     assert [beats.ticks(i) for i in range(2)] == [0, 0] and beats.generation() == 1 and beats.stops() == 0
+
+
+def test_each_reload_the_parent_tells_of_carries_its_own_trigger_and_generation():
+    """The parent tells the workers of a reload once it applied it, with its trigger: a reload
+    noted next does not change what a worker reads of the one before until it is told too."""
+    beats = Heartbeats(2)
+    beats.reloaded(2)
+    beats.told(beats.note_trigger())
+    assert beats.last_told() == Told(1, "signal", 2)
+    beats.asked_reload(0)
+    assert beats.note_trigger() == "admin"          # noted, being applied: the workers read the last told
+    assert beats.last_told() == Told(1, "signal", 2)
+    beats.told("admin")                             # refused: the generation stays
+    assert beats.last_told() == Told(2, "admin", 2) and beats.told_count == 2
