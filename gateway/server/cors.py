@@ -15,6 +15,10 @@ Off (the list empty, the default), nothing here runs: no request pays for it. On
   through aiohttp's response objects, whose ``prepare`` calls the request's ``_prepare_hook``. There
   the allowed origin, the response headers a page may read (``EXPOSED``) and ``Vary: Origin`` are
   added. The fast lane leaves a request with an ``Origin`` to aiohttp (``lane.parse``'s ``decline``).
+  The few answers the edge writes to the socket itself, with no response object (a 408 of a body
+  that stopped coming, the 400 of a body whose framing breaks), get the same headers
+  (``head_lines``) when the request's head was read; a head that never came whole, or did not
+  parse, names no Origin, and its answer has none of them.
 - A request without an ``Origin`` (any client that is not a browser) is served exactly as with CORS off.
 
 aiohttp hooks used (semi-private in 3.14, pinned by tests/unit/gateway/server/test_cors.py):
@@ -72,6 +76,26 @@ class CorsPolicy:
         return origin if origin in self.origins else None
 
 
+def allowed_headers(policy: CorsPolicy, origin: str | None) -> tuple[tuple[str, str], ...]:
+    """The headers that let a page on ``origin`` read an answer: ``Access-Control-Allow-Origin``
+    and the headers it may read (``EXPOSED``); none when ``origin`` is not allowed, or None."""
+    allowed = policy.allow_origin(origin)
+    if allowed is None:
+        return ()
+    return (hdrs.ACCESS_CONTROL_ALLOW_ORIGIN, allowed), (hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, EXPOSED)
+
+
+def head_lines(policy: CorsPolicy, origin: str | None) -> str:
+    """CORS's header lines, each ended by CRLF, for an answer the edge writes to the socket itself
+    (a 408, a broken body's 400) to a request whose head it read: as ``CorsRequest`` adds them to
+    every other answer, ``allowed_headers`` and ``Vary: Origin``; nothing for a request without an
+    ``Origin``. An allowed origin is one the config lists (checked at load) or ``*``: no byte a
+    client chose goes into the answer."""
+    if origin is None:
+        return ""
+    return "".join(f"{name}: {value}\r\n" for name, value in allowed_headers(policy, origin)) + "Vary: Origin\r\n"
+
+
 def add_vary(headers: Any, name: str = "Origin") -> None:
     """``name`` added to the answer's ``Vary``, once."""
     vary = headers.get(hdrs.VARY)
@@ -90,10 +114,7 @@ class CorsRequest(web.Request):
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         headers = response.headers
         if hdrs.ACCESS_CONTROL_ALLOW_ORIGIN not in headers:     # a preflight's answer has its own
-            allowed = self.policy.allow_origin(self.headers.get(hdrs.ORIGIN))
-            if allowed is not None:
-                headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = allowed
-                headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED
+            headers.update(allowed_headers(self.policy, self.headers.get(hdrs.ORIGIN)))
         add_vary(headers)
         await super()._prepare_hook(response)
 

@@ -29,7 +29,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   answer to a head it could not parse goes out in HTTP/1.1 (aiohttp's stand-in request says 1.0).
 - **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
   preflight to an API path is answered before the application, and a request with an ``Origin``
-  is left to aiohttp's request path, whose answers get CORS's headers.
+  is left to aiohttp's request path, whose answers get CORS's headers; so do the 408 and 400 the
+  edge writes to the socket itself, when the request's head was read.
 
 aiohttp hooks used (3.14): ``web.Server`` subclassed (public; ``__call__`` is the protocol
 factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``connection_lost``/
@@ -68,7 +69,7 @@ from gateway.errors import error_body, error_response
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
 from gateway.server import lane
-from gateway.server.cors import CorsPolicy, is_preflight, preflight, request_class
+from gateway.server.cors import CorsPolicy, head_lines, is_preflight, preflight, request_class
 
 log = structlog.get_logger("switchyard.edge")
 
@@ -170,17 +171,18 @@ def _shaped_body(path: str | None, status: int, message: str, type_: str | None,
 
 
 def error_response_bytes(status: int, message: str, *, code: str, request_id: str | None = None,
-                         path: str | None = None) -> bytes:
+                         path: str | None = None, cors: str = "") -> bytes:
     """A complete HTTP/1.1 error answer with ``Connection: close``, written straight to a transport
     when no aiohttp response object exists (a head that never completed, a body that stalled);
-    ``path``: the request's, when its head was read."""
+    ``path``: the request's, when its head was read; ``cors``: CORS's header lines for it
+    (gateway/server/cors.py ``head_lines``), when CORS is on."""
     rid = request_id or request_id_from(None)
     body = _shaped_body(path, status, message, "invalid_request_error", code)
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
             "Content-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n"
             "Connection: close\r\n"
-            f"request-id: {rid}\r\nx-request-id: {rid}\r\n\r\n")
+            f"request-id: {rid}\r\nx-request-id: {rid}\r\n{cors}\r\n")
     return head.encode("ascii") + body
 
 
@@ -191,6 +193,8 @@ class Edge:
         self.limits = limits
         self.connections = 0
         self.lane_requests = 0
+        # gateway/server/cors.py; None: CORS off
+        self.cors = CorsPolicy(limits.cors_allowed_origins) if limits.cors_allowed_origins else None
         self.metrics = EdgeMetrics(registry if registry is not None else CollectorRegistry(), self)
 
     def classify(self, status: int, exc: BaseException | None, message: str | None) -> tuple[int, str, str]:
@@ -470,7 +474,8 @@ class EdgeProtocol(web.RequestHandler):
         self._lane_released()
         reason = "body_total" if now >= self._e_body_end else "body"
         self._e_timeout(reason, answer=True, request_id=request_id_from(rid),
-                        path=pending.path if pending is not None else None)
+                        path=pending.path if pending is not None else None,
+                        headers=pending.headers if pending is not None else None)
 
     def _lane_released(self) -> None:
         """No lane request is in progress any more (answered, let go, timed out, or its client
@@ -669,18 +674,30 @@ class EdgeProtocol(web.RequestHandler):
         request = self._e_request
         return request.path if request is not None else None
 
+    def _e_cors(self, headers: Any) -> str:
+        """CORS's header lines for the edge's own answer to a request whose head was read
+        (``headers``; None: none was), when CORS is on."""
+        cors = self._edge.cors
+        if cors is None or headers is None:
+            return ""
+        return head_lines(cors, headers.get(hdrs.ORIGIN))
+
     def _e_broken_body(self) -> None:
         self._edge.metrics.protocol_errors.labels("400").inc()
         rid = self._e_unanswered_request_id()
         log.debug("bad request", status=400, error="broken request body", peer=_peer(self.transport))
         if rid is not None:
+            request = self._e_request
             self.transport.write(error_response_bytes(
                 400, "malformed request body: its chunked framing or content encoding is broken",
-                code="bad_body", request_id=rid, path=self._e_request_path()))
+                code="bad_body", request_id=rid, path=self._e_request_path(),
+                cors=self._e_cors(request.headers if request is not None else None)))
         self._e_close()
 
     def _e_timeout(self, reason: str, *, answer: bool, request_id: str | None = None,
-                   path: str | None = None) -> None:
+                   path: str | None = None, headers: Any = None) -> None:
+        """``headers``: those of a held lane request (``_lane_stalled``); otherwise a body's timeout
+        reads the running request's, and a head's has none (it never came whole)."""
         edge = self._edge
         edge.metrics.timeout(reason)
         rid = request_id
@@ -695,9 +712,12 @@ class EdgeProtocol(web.RequestHandler):
             what = {"header": "the request head was not received within",
                     "body": "no byte of the request body arrived for",
                     "body_total": "the request body was not received within"}[reason]
+            request = self._e_request
+            if headers is None and reason != "header" and request is not None:
+                headers = request.headers
             self.transport.write(error_response_bytes(
                 408, f"{what} {seconds:g} s (server.{reason}_timeout_s)", code="request_timeout", request_id=rid,
-                path=path or self._e_request_path()))
+                path=path or self._e_request_path(), cors=self._e_cors(headers)))
         self._e_close()
 
     def _e_close(self) -> None:
@@ -897,7 +917,7 @@ class EdgeServer(web.Server):
                                      if k not in ("request_factory", "handler_cancellation")}
         inner = self.request_factory
         direct = direct or {}
-        cors = CorsPolicy(edge.limits.cors_allowed_origins) if edge.limits.cors_allowed_origins else None
+        cors = edge.cors
         if cors is not None:            # a request with an Origin is a CorsRequest (gateway/server/cors.py)
             inner = _cors_factory(inner, request_class(cors))
 

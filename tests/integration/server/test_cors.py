@@ -8,9 +8,10 @@ import aiohttp
 import orjson
 from multidict import CIMultiDict
 
-from tests.support.edge import Resp, assert_openai_error, exchange, request
+from tests.support.edge import Resp, assert_openai_error, edge_gateway, exchange, request
 from tests.support.factories import model_block
 from tests.support.http import bearer, chat_body, openai_client, post
+from tests.support.loops import on_both_loops
 from tests.support.tenancy import ALICE
 
 CHAT = [{"role": "user", "content": "Hello from a web page."}]
@@ -182,3 +183,74 @@ async def test_any_origin(sims, gateway):
         _cors(r.headers, "*")
         await r.read()
 
+
+
+# -- the answers the edge writes to the socket itself (a 408, a broken body's 400) ------------------
+
+CHAT_PATH = "/v1/chat/completions"
+# a head that promises a body of 100 bytes, then 20 of them: the body timeout's 408
+STALLED = b'{"model": "m", "mes'
+
+
+def _promised(headers: dict[str, str]) -> bytes:
+    return request("POST", CHAT_PATH, None, {"Content-Type": "application/json", "Content-Length": "100",
+                                              **headers}) + STALLED
+
+
+def _broken(headers: dict[str, str]) -> tuple[bytes, ...]:
+    """A chunked body whose second chunk's size is no number: the edge's 400 ``bad_body``."""
+    head = request("POST", CHAT_PATH, None, {"Content-Type": "application/json", "Transfer-Encoding": "chunked",
+                                             **headers})
+    return head, b'4\r\n{"mo\r\n', b"zz\r\n"
+
+
+def _vary(resp: Resp) -> list[str]:
+    return [v.strip() for k, value in resp.raw_headers if k.lower() == "vary" for v in value.split(",")]
+
+
+@on_both_loops
+async def test_the_edges_own_answers_to_a_listed_origin_carry_cors_headers():
+    async with edge_gateway(cors_allowed_origins=[APP], body_timeout_s=0.3, body_total_timeout_s=30.0) as gw:
+        ex = await exchange(gw.port, _promised({"Origin": APP}))
+        err = assert_openai_error(ex.first, 408)
+        assert "body_timeout_s" in err["message"] and ex.closed
+        _cors(CIMultiDict(ex.first.raw_headers))
+        ex = await exchange(gw.port, *_broken({"Origin": APP}))
+        assert assert_openai_error(ex.first, 400)["code"] == "bad_body" and ex.closed
+        _cors(CIMultiDict(ex.first.raw_headers))
+        # an origin not listed: no Access-Control-Allow-Origin, Vary: Origin as on every answer to it
+        for parts in ((_promised({"Origin": OTHER}),), _broken({"Origin": OTHER})):
+            ex = await exchange(gw.port, *parts)
+            assert ex.first.status in (400, 408)
+            _no_cors(ex.first.headers)
+            assert _vary(ex.first) == ["Origin"]
+    async with edge_gateway(cors_allowed_origins=["*"], body_timeout_s=0.3, body_total_timeout_s=30.0) as gw:
+        ex = await exchange(gw.port, _promised({"Origin": OTHER}))
+        assert ex.first.status == 408
+        _cors(CIMultiDict(ex.first.raw_headers), "*")
+
+
+@on_both_loops
+async def test_an_edge_answer_without_a_known_origin_is_unchanged():
+    """A head that never came whole, or that does not parse: no Origin is known, the answer is as before."""
+    async with edge_gateway(cors_allowed_origins=[APP], header_timeout_s=0.3) as gw:
+        ex = await exchange(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: " + APP.encode()
+                            + b"\r\nContent-Ty")
+        assert ex.first.status == 408
+        _no_cors(ex.first.headers)
+        assert "vary" not in ex.first.headers
+        ex = await exchange(gw.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: " + APP.encode()
+                            + b"\r\nBad Header: x\r\n\r\n")
+        assert ex.first.status == 400
+        _no_cors(ex.first.headers)
+        assert "vary" not in ex.first.headers
+
+
+@on_both_loops
+async def test_with_cors_off_the_edges_own_answers_are_as_before():
+    async with edge_gateway(body_timeout_s=0.3, body_total_timeout_s=30.0) as gw:
+        for parts in ((_promised({"Origin": APP}),), _broken({"Origin": APP})):
+            ex = await exchange(gw.port, *parts)
+            assert ex.first.status in (400, 408)
+            assert [k.lower() for k, _ in ex.first.raw_headers] == [
+                "content-type", "content-length", "connection", "request-id", "x-request-id"]
