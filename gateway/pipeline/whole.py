@@ -26,7 +26,9 @@ batch runner's in-process requests read the response back). A header line with a
 it is not sent (aiohttp answers 500 instead; the gateway's header values are made safe before
 they get here, so this is a last guard, not a path). Nothing is added to an answer after it is
 written here: the tenants' ``x-ratelimit-*`` headers come with the headers the caller passes
-(``RequestRecord.response_headers``).
+(``RequestRecord.response_headers``), and the header lines every answer to a request class
+carries (``Vary: Origin`` with CORS on, gateway/server/cors.py) are made once, with the end of the
+head, when the class is registered (``writes_for``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 
 _SERVER = f"\r\nServer: {SERVER_SOFTWARE}\r\n".encode("ascii")
+_END = _SERVER + b"\r\n"       # the end of a head: Server, then the blank line
 # each status's line with aiohttp's reason phrase, made once (other codes have none)
 _STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in HTTPStatus}
 # the statuses an answer is written whole with: 200-599, but those no body may follow (204, 205,
@@ -80,17 +83,28 @@ class WrittenAnswer:
         return f"<WrittenAnswer {self.status} {self.body_length} bytes>"
 
 
-_WRITABLE: set[type] = {web.Request}      # request classes whose transport and writer are aiohttp's, or act alike
+class _Ends(dict):
+    """The request classes whose transport and writer are aiohttp's, or act alike, each with the end
+    of its answers' heads; a class not listed gives None (one subscript in ``_head``, no call)."""
+
+    def __missing__(self, key: type) -> None:
+        return None
 
 
-def writes_for(cls: type) -> None:
-    """Let answers to requests of ``cls`` be written whole (the edge's fast lane, gateway/server/lane.py)."""
-    _WRITABLE.add(cls)
+_WRITABLE: _Ends = _Ends({web.Request: _END})
+
+
+def writes_for(cls: type, lines: bytes = b"") -> None:
+    """Let answers to requests of ``cls`` be written whole (the edge's fast lane, gateway/server/lane.py);
+    ``lines``: header lines, each ended by CRLF, that every one of them carries (made into the end
+    of the head here, once)."""
+    _WRITABLE[cls] = _SERVER + lines + b"\r\n"
 
 
 def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, ...]) -> tuple[bytes, bool] | None:
     """The response head and whether the connection stays open; None when aiohttp must frame it."""
-    if type(request) not in _WRITABLE or request.version != HttpVersion11:
+    end = _WRITABLE[type(request)]
+    if end is None or request.version != HttpVersion11:
         return None
     transport = request.transport
     if transport is None or transport.is_closing() or status not in _WHOLE_STATUSES:
@@ -105,7 +119,7 @@ def _head(request: Any, status: int, headers: dict[str, str], extra: tuple[str, 
     if text.count("\n") != breaks or text.count("\r") != breaks:    # a line break inside a value: not sent
         text = "\r\n".join(line for line in lines if "\r" not in line and "\n" not in line)
     status_line = _STATUS_LINES.get(status) or b"HTTP/1.1 %d \r\n" % status
-    return b"".join((status_line, text.encode("utf-8"), _SERVER, b"\r\n")), keep_alive
+    return b"".join((status_line, text.encode("utf-8"), end)), keep_alive
 
 
 def write_whole(request: Any, status: int, headers: dict[str, str], content_type: str,

@@ -19,7 +19,11 @@ Off (the list empty, the default), nothing here runs: no request pays for it. On
   that stopped coming, the 400 of a body whose framing breaks), get the same headers
   (``head_lines``) when the request's head was read; a head that never came whole, or did not
   parse, names no Origin, and its answer has none of them.
-- A request without an ``Origin`` (any client that is not a browser) is served exactly as with CORS off.
+- A request without an ``Origin`` (any client that is not a browser) is served as with CORS off,
+  its answers with ``Vary: Origin`` added, so that a shared cache does not hand one of them, made
+  without CORS's headers, to a browser: aiohttp's request path makes it a ``VaryRequest``, the fast
+  lane a ``CorsLaneRequest`` (gateway/server/lane.py); an answer the pipeline writes whole to either
+  gets the line with the end of its head, made once at import (``whole.writes_for``).
 
 aiohttp hooks used (semi-private in 3.14, pinned by tests/unit/gateway/server/test_cors.py):
 ``Application._make_request``'s ``_cls`` (the class of the request it makes) and
@@ -38,6 +42,7 @@ from typing import Any, ClassVar
 
 from aiohttp import hdrs, web
 
+from gateway.pipeline import whole
 from gateway.request import request_id_from
 
 MAX_AGE_S = 7200        # how long a browser may keep a preflight's answer (Chromium's own bound)
@@ -87,12 +92,10 @@ def allowed_headers(policy: CorsPolicy, origin: str | None) -> tuple[tuple[str, 
 
 def head_lines(policy: CorsPolicy, origin: str | None) -> str:
     """CORS's header lines, each ended by CRLF, for an answer the edge writes to the socket itself
-    (a 408, a broken body's 400) to a request whose head it read: as ``CorsRequest`` adds them to
-    every other answer, ``allowed_headers`` and ``Vary: Origin``; nothing for a request without an
-    ``Origin``. An allowed origin is one the config lists (checked at load) or ``*``: no byte a
-    client chose goes into the answer."""
-    if origin is None:
-        return ""
+    (a 408, a broken body's 400) to a request whose head it read: as every other answer gets them,
+    ``allowed_headers`` and ``Vary: Origin`` (only ``Vary: Origin`` without an ``Origin``). An
+    allowed origin is one the config lists (checked at load) or ``*``: no byte a client chose goes
+    into the answer."""
     return "".join(f"{name}: {value}\r\n" for name, value in allowed_headers(policy, origin)) + "Vary: Origin\r\n"
 
 
@@ -117,6 +120,18 @@ class CorsRequest(web.Request):
             headers.update(allowed_headers(self.policy, self.headers.get(hdrs.ORIGIN)))
         add_vary(headers)
         await super()._prepare_hook(response)
+
+
+class VaryRequest(web.Request):
+    """A request without an ``Origin`` while CORS is on: its answers say ``Vary: Origin``, those
+    aiohttp prepares through this hook, and those the pipeline writes whole (``writes_for``)."""
+
+    async def _prepare_hook(self, response: web.StreamResponse) -> None:
+        add_vary(response.headers)
+        await super()._prepare_hook(response)
+
+
+whole.writes_for(VaryRequest, b"Vary: Origin\r\n")
 
 
 def request_class(policy: CorsPolicy) -> type[CorsRequest]:

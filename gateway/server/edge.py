@@ -69,7 +69,7 @@ from gateway.errors import error_body, error_response
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
 from gateway.server import lane
-from gateway.server.cors import CorsPolicy, head_lines, is_preflight, preflight, request_class
+from gateway.server.cors import CorsPolicy, VaryRequest, head_lines, is_preflight, preflight, request_class
 
 log = structlog.get_logger("switchyard.edge")
 
@@ -243,7 +243,7 @@ class EdgeProtocol(web.RequestHandler):
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
                  "_e_read_paused", "_e_loop", "_e_line", "_e_unparsed", "_lane", "_lane_held", "_lane_server",
-                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse")
+                 "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
         super().__init__(manager, loop=loop, **kwargs)
@@ -275,6 +275,8 @@ class EdgeProtocol(web.RequestHandler):
         self._lane_server = manager if isinstance(manager, EdgeServer) and manager.lane_paths else None
         # ``lane.parse``, or with CORS on the one that leaves a request with an Origin to aiohttp
         self._lane_parse = self._lane_server.lane_parse if self._lane_server is not None else lane.parse
+        # the class of its requests: with CORS on, one whose answers carry Vary: Origin
+        self._lane_request = self._lane_server.lane_request if self._lane_server is not None else lane.LaneRequest
 
     @property
     def _e_parsed(self) -> int:
@@ -404,7 +406,7 @@ class EdgeProtocol(web.RequestHandler):
 
     def _lane_start(self, got: lane.Parsed) -> None:
         path, headers, body, keep_alive = got
-        request = lane.LaneRequest(path, headers, body, keep_alive, self)
+        request = self._lane_request(path, headers, body, keep_alive, self)
         self._request_count += 1            # parsed and started, as aiohttp counts its own
         self._e_started += 1
         self._e_pipelined = False
@@ -878,11 +880,12 @@ def _written(request: Any, resp: web.Response) -> WrittenAnswer | None:
 
 
 def _cors_factory(make: Any, cls: type[web.Request]) -> Any:
-    """The application's request factory, making a request that carries an Origin a ``cls``."""
+    """The application's request factory, making a request that carries an Origin a ``cls``, and
+    one that does not a ``VaryRequest`` (its answers say ``Vary: Origin``)."""
     def factory(message, payload, protocol, writer, task):
         if hdrs.ORIGIN in message.headers:
             return make(message, payload, protocol, writer, task, _cls=cls)
-        return make(message, payload, protocol, writer, task)
+        return make(message, payload, protocol, writer, task, _cls=VaryRequest)
     return factory
 
 
@@ -915,7 +918,7 @@ class EdgeServer(web.Server):
         self._edge_loop = loop or asyncio.get_running_loop()
         self._edge_handler_kwargs = {k: v for k, v in kwargs.items()
                                      if k not in ("request_factory", "handler_cancellation")}
-        inner = self.request_factory
+        inner = plain = self.request_factory
         direct = direct or {}
         cors = edge.cors
         if cors is not None:            # a request with an Origin is a CorsRequest (gateway/server/cors.py)
@@ -927,7 +930,8 @@ class EdgeServer(web.Server):
                 if message is _UNPARSED:
                     # a head the parser refused has no version to answer in: aiohttp's stand-in
                     # message says HTTP/1.0; the answer goes out in HTTP/1.1 (RFC 9110 §6.2), closed
-                    request = inner(_UNPARSED_11, payload, protocol, writer, task)
+                    # (a plain request: no Origin is known, its answer is the same with CORS on)
+                    request = plain(_UNPARSED_11, payload, protocol, writer, task)
                     if isinstance(protocol, EdgeProtocol):
                         protocol.e_request_started(request, payload, True)
                     return request
@@ -961,6 +965,7 @@ class EdgeServer(web.Server):
         self.lane_paths = ({p.encode(): p for p in direct if p not in AUDIO_PATHS}
                            if edge.limits.fast_lane else {})
         self.lane_parse = lane.parse if cors is None else functools.partial(lane.parse, decline=lane.CORS_DECLINE)
+        self.lane_request = lane.LaneRequest if cors is None else lane.CorsLaneRequest
 
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if _VERSION_REFUSED in request:

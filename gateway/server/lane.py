@@ -17,7 +17,8 @@ openai SDK's httpx does: at low load the gateway reads them apart) is held until
 Anything else goes to aiohttp exactly as before, parsed from the same bytes: another method or
 path, a query string, HTTP/1.0, a body that is chunked, compressed, larger than ``HOLD_BODY``
 while it comes after its head, or followed by more than ``HOLD_BYTES``, ``Expect``, ``Upgrade``,
-with CORS on an ``Origin`` (gateway/server/cors.py), a head without exactly one ``Host`` (aiohttp's
+with CORS on an ``Origin`` (gateway/server/cors.py; a request without one is a ``CorsLaneRequest``,
+whose answers carry ``Vary: Origin``), a head without exactly one ``Host`` (aiohttp's
 400), a head near the edge's header limits, a body over ``server.max_body_bytes``, a connection
 with a request of aiohttp's in flight, or a head that is
 not plain lines of a token, a colon and a value (a control byte, a bare CR or LF, a folded line,
@@ -119,6 +120,17 @@ class LaneRequest(dict):
 
 
 whole.writes_for(LaneRequest)
+
+
+class CorsLaneRequest(LaneRequest):
+    """A lane request while CORS is on, which has no ``Origin`` (``CORS_DECLINE``): its answers say
+    ``Vary: Origin``, so a shared cache does not hand one to a browser; the line is part of the
+    head's end, made once (``whole.writes_for``)."""
+
+    __slots__ = ()
+
+
+whole.writes_for(CorsLaneRequest, b"Vary: Origin\r\n")
 
 
 # A head the lane may take, read by two regular expressions (C) over its decoded text rather than

@@ -254,3 +254,57 @@ async def test_with_cors_off_the_edges_own_answers_are_as_before():
             assert ex.first.status in (400, 408)
             assert [k.lower() for k, _ in ex.first.raw_headers] == [
                 "content-type", "content-length", "connection", "request-id", "x-request-id"]
+
+
+# -- answers to requests without an Origin: Vary: Origin with CORS on -------------------------------
+
+def _varies(headers) -> bool:
+    return "Origin" in [v.strip() for v in ",".join(headers.getall("Vary", [])).split(",")]
+
+
+async def test_with_cors_on_answers_without_an_origin_vary_on_it(sims, gateway):
+    """A shared cache must not hand an answer made without CORS's headers to a browser: with CORS
+    on, every answer says it varies on Origin, those of the fast lane included."""
+    gw = await _cors_gateway(sims, gateway, [APP])
+    lane = _lane(gw)
+    r = await post(gw, chat_body(CHAT))
+    assert r.status == 200 and orjson.loads(r.body)["choices"]
+    assert _varies(r.headers) and r.headers.getall("Vary") == ["Origin"]
+    _no_cors(r.headers)
+    r = await post(gw, chat_body(CHAT, model="nope"))
+    assert r.status == 404 and _varies(r.headers)
+    _no_cors(r.headers)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.base_url + "/chat/completions", json=chat_body(CHAT, stream=True)) as r:
+            assert r.status == 200 and _varies(r.headers)
+            await r.read()
+        assert _lane(gw) == lane + 3            # all three on the fast lane
+        # aiohttp's request path: a query string (the pipeline writes the answer whole), a GET, a 404
+        async with s.post(gw.base_url + "/chat/completions?x=1", json=chat_body(CHAT)) as r:
+            assert r.status == 200 and _varies(r.headers)
+            await r.read()
+        for path in ("/v1/models", "/health", "/nothing"):
+            async with s.get(gw.url + path) as r:
+                assert _varies(r.headers), (path, dict(r.headers))
+                _no_cors(r.headers)
+        assert _lane(gw) == lane + 3
+    # a listed origin's answer says it once
+    r = await post(gw, chat_body(CHAT), {"Origin": APP})
+    assert r.headers.getall("Vary") == ["Origin"]
+    # with CORS off, none of them varies
+    gw = await _cors_gateway(sims, gateway, [])
+    r = await post(gw, chat_body(CHAT))
+    assert r.status == 200 and "Vary" not in r.headers
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/v1/models") as r:
+        assert "Vary" not in r.headers
+
+
+@on_both_loops
+async def test_with_cors_on_the_edges_own_answers_without_an_origin_vary_on_it():
+    async with edge_gateway(cors_allowed_origins=[APP], body_timeout_s=0.3, body_total_timeout_s=30.0) as gw:
+        # a body held for the fast lane, an aiohttp request's body (a query string), a broken body
+        for parts in ((_promised({}),), (_promised({}).replace(b" HTTP/1.1", b"?x=1 HTTP/1.1", 1),), _broken({})):
+            ex = await exchange(gw.port, *parts)
+            assert ex.first.status in (400, 408) and ex.closed
+            _no_cors(ex.first.headers)
+            assert _vary(ex.first) == ["Origin"], ex.first.raw_headers
