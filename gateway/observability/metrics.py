@@ -293,6 +293,11 @@ class GatewayMetrics:
                                            "Redis calls that found all of their client's state.max_connections "
                                            "busy for state.timeout_s and failed as if Redis were unreachable",
                                            ["client"], registry=r)
+        # CORS (gateway/server/cors.py): the requests that carried an Origin while
+        # server.cors_allowed_origins lists origins, counted by the edge as their handler starts
+        self.cors_requests = Counter("switchyard_cors_requests",
+                                     "Requests with an Origin header while CORS is on, by outcome (preflight_allowed, "
+                                     "preflight_refused, allowed, refused)", ["outcome"], registry=r)
         self._children: dict[tuple, object] = {}
         # a finished request's (requests child, e2e child or None), per (model, model known, status,
         # strategy) as its record spells them: ``finished_series``

@@ -25,6 +25,10 @@ Off (the list empty, the default), nothing here runs: no request pays for it. On
   lane a ``CorsLaneRequest`` (gateway/server/lane.py); an answer the pipeline writes whole to either
   gets the line with the end of its head, made once at import (``whole.writes_for``).
 
+Each request with an ``Origin`` is counted by its outcome (``OUTCOMES``) in
+``switchyard_cors_requests_total`` as its handler starts (gateway/server/edge.py), and its request
+log line, when it has one, says the outcome in ``cors`` (``CorsRequest.log_fields``).
+
 aiohttp hooks used (semi-private in 3.14, pinned by tests/unit/gateway/server/test_cors.py):
 ``Application._make_request``'s ``_cls`` (the class of the request it makes) and
 ``Request._prepare_hook`` (awaited by ``StreamResponse.prepare`` before the head is written).
@@ -60,6 +64,10 @@ EXPOSED = ", ".join((
     "x-error-pd-prefill", "x-error-pd-decode",
 ))
 
+# what became of a request with an Origin: a preflight answered 204 or 403, another request from an
+# origin listed (its answers carry CORS's headers) or not (served as before, without them)
+OUTCOMES = ("preflight_allowed", "preflight_refused", "allowed", "refused")
+
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
 
@@ -90,6 +98,11 @@ def allowed_headers(policy: CorsPolicy, origin: str | None) -> tuple[tuple[str, 
     return (hdrs.ACCESS_CONTROL_ALLOW_ORIGIN, allowed), (hdrs.ACCESS_CONTROL_EXPOSE_HEADERS, EXPOSED)
 
 
+def outcome(policy: CorsPolicy, origin: str | None) -> str:
+    """A request's outcome that is no preflight: ``allowed`` when its origin is, else ``refused``."""
+    return "refused" if policy.allow_origin(origin) is None else "allowed"
+
+
 def head_lines(policy: CorsPolicy, origin: str | None) -> str:
     """CORS's header lines, each ended by CRLF, for an answer the edge writes to the socket itself
     (a 408, a broken body's 400) to a request whose head it read: as every other answer gets them,
@@ -113,6 +126,11 @@ class CorsRequest(web.Request):
     aiohttp prepares it. A subclass per policy (``request_class``) holds the policy."""
 
     policy: ClassVar[CorsPolicy]
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """Fields of its request log line (``RequestContext.start`` reads them): ``cors``, the outcome."""
+        return {"cors": outcome(self.policy, self.headers.get(hdrs.ORIGIN))}
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         headers = response.headers

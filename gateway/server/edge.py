@@ -66,10 +66,21 @@ from prometheus_client.registry import Collector
 from gateway.apis.anthropic import anthropic_error
 from gateway.apis.paths import AUDIO_PATHS, on_messages
 from gateway.errors import error_body, error_response
+from gateway.observability.metrics import Counter as RequestCounter
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
 from gateway.server import lane
-from gateway.server.cors import CorsPolicy, VaryRequest, head_lines, is_preflight, preflight, request_class
+from gateway.server.cors import (
+    OUTCOMES,
+    CorsPolicy,
+    CorsRequest,
+    VaryRequest,
+    head_lines,
+    is_preflight,
+    outcome,
+    preflight,
+    request_class,
+)
 
 log = structlog.get_logger("switchyard.edge")
 
@@ -189,12 +200,19 @@ def error_response_bytes(status: int, message: str, *, code: str, request_id: st
 class Edge:
     """Limits, counters and the count of open connections, shared by every connection of a server."""
 
-    def __init__(self, limits: EdgeLimits, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, limits: EdgeLimits, registry: CollectorRegistry | None = None,
+                 cors_requests: RequestCounter | None = None) -> None:
         self.limits = limits
         self.connections = 0
         self.lane_requests = 0
         # gateway/server/cors.py; None: CORS off
         self.cors = CorsPolicy(limits.cors_allowed_origins) if limits.cors_allowed_origins else None
+        # with CORS on, ``switchyard_cors_requests_total`` by outcome (the gateway's metric, or one of its own)
+        self.cors_counted: dict[str, Any] = {}
+        if self.cors is not None:
+            family = cors_requests if cors_requests is not None else RequestCounter(
+                "switchyard_cors_requests", "", ["outcome"])
+            self.cors_counted = {o: family.labels(o) for o in OUTCOMES}
         self.metrics = EdgeMetrics(registry if registry is not None else CollectorRegistry(), self)
 
     def classify(self, status: int, exc: BaseException | None, message: str | None) -> tuple[int, str, str]:
@@ -899,11 +917,17 @@ def cors_refused(request: web.BaseRequest) -> web.Response:
     return error_response(403, body, {"request-id": rid, "x-request-id": rid})
 
 
-def _cors_preflights(handler: Any, cors: CorsPolicy, methods: str, direct: dict[str, Any]) -> Any:
-    """``handler``, with a preflight to an API path (``/v1/...``, an inference path) answered first."""
+def _cors_preflights(handler: Any, cors: CorsPolicy, methods: str, direct: dict[str, Any],
+                     counted: dict[str, Any]) -> Any:
+    """``handler``, with a preflight to an API path (``/v1/...``, an inference path) answered first,
+    and each request with an Origin (a ``CorsRequest``) counted by its outcome (``counted``)."""
     async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
-        if is_preflight(request) and (request.path.startswith("/v1/") or request.path in direct):
-            return preflight(request, cors, methods, cors_refused)
+        if isinstance(request, CorsRequest):
+            result = outcome(cors, request.headers.get(hdrs.ORIGIN))     # allowed, refused
+            if is_preflight(request) and (request.path.startswith("/v1/") or request.path in direct):
+                counted["preflight_" + result].inc()
+                return preflight(request, cors, methods, cors_refused)
+            counted[result].inc()
         return await handler(request)
     return request_handler
 
@@ -996,7 +1020,7 @@ class EdgeServer(web.Server):
             return await app_handler(request)
 
         if cors is not None:            # a preflight to an API path is answered here, without an API key
-            request_handler = _cors_preflights(request_handler, cors, cors_methods, direct)
+            request_handler = _cors_preflights(request_handler, cors, cors_methods, direct, edge.cors_counted)
         self.request_handler = request_handler
 
     def __call__(self) -> EdgeProtocol:

@@ -12,7 +12,9 @@ from tests.support.edge import Resp, assert_openai_error, edge_gateway, exchange
 from tests.support.factories import model_block
 from tests.support.http import bearer, chat_body, openai_client, post
 from tests.support.loops import on_both_loops
+from tests.support.metrics import metric
 from tests.support.tenancy import ALICE
+from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Hello from a web page."}]
 APP = "https://app.example.com"
@@ -308,3 +310,50 @@ async def test_with_cors_on_the_edges_own_answers_without_an_origin_vary_on_it()
             assert ex.first.status in (400, 408) and ex.closed
             _no_cors(ex.first.headers)
             assert _vary(ex.first) == ["Origin"], ex.first.raw_headers
+
+
+# -- what CORS did, counted and logged ------------------------------------------------------------
+
+OUTCOMES = ("preflight_allowed", "preflight_refused", "allowed", "refused")
+
+
+def _counted(page: str) -> dict[str, float]:
+    return {o: metric(page, "switchyard_cors_requests_total", outcome=o) for o in OUTCOMES}
+
+
+async def test_cors_outcomes_are_counted_and_logged(sims, gateway):
+    gw = await _cors_gateway(sims, gateway, [APP])
+    assert _counted(await gw.metrics_text()) == dict.fromkeys(OUTCOMES, 0.0)
+    with gw.gw.request_log.capture() as lines:
+        assert (await _options(gw, CHAT_PATH, PREFLIGHT))[0] == 204
+        for path in (CHAT_PATH, "/v1/messages"):
+            assert (await _options(gw, path, {**PREFLIGHT, "Origin": OTHER}))[0] == 403
+        r = await post(gw, chat_body(CHAT), {"Origin": APP})
+        assert r.status == 200
+        # an origin not listed is served as before (the browser keeps the answer from the page)
+        r = await post(gw, chat_body(CHAT), {"Origin": OTHER})
+        assert r.status == 200 and orjson.loads(r.body)["choices"]
+        _no_cors(r.headers)
+        r = await post(gw, chat_body(CHAT, model="nope"), {"Origin": OTHER})
+        assert r.status == 404
+        r = await post(gw, chat_body(CHAT))         # no Origin: neither counted nor logged as CORS
+        assert r.status == 200
+        assert await wait_for(lambda: len(lines) == 4, timeout=10.0, interval=0.01), lines
+    assert [(line["status"], line.get("cors")) for line in lines] == [
+        (200, "allowed"), (200, "refused"), (404, "refused"), (200, None)]
+    assert "cors" not in lines[3]
+    assert _counted(await gw.metrics_text()) == {"preflight_allowed": 1.0, "preflight_refused": 2.0,
+                                                 "allowed": 1.0, "refused": 2.0}
+
+
+async def test_with_cors_off_nothing_is_counted_or_logged(sims, gateway):
+    gw = await _cors_gateway(sims, gateway, [])
+    with gw.gw.request_log.capture() as lines:
+        r = await post(gw, chat_body(CHAT), {"Origin": APP})
+        assert r.status == 200
+        assert await wait_for(lambda: len(lines) == 1, timeout=10.0, interval=0.01)
+    assert "cors" not in lines[0]
+    page = await gw.metrics_text()
+    assert "# TYPE switchyard_cors_requests_total counter" in page     # the family, without a series
+    assert _counted(page) == dict.fromkeys(OUTCOMES, 0.0)
+    assert "switchyard_cors_requests_total{" not in page
