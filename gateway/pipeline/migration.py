@@ -16,8 +16,10 @@ gateway asked for and the client did not (token ids, per-chunk usage) are remove
 leg's events carry the first leg's ``id``, ``created`` and ``model``, its role chunk is dropped,
 completion chunks are re-framed as chat chunks when a chat is continued token-exactly, the failing
 leg's error event is held back, and one final usage block covers every leg (prompt tokens of the
-original prompt, completion tokens of all legs). Nothing is replayed: each leg adds only what the
-client has not seen.
+original prompt, completion tokens of all legs, and the cached tokens of the leg that ran the
+original prompt: left out when that leg did not report them before it broke, as vLLM reports them
+only in a stream's final usage). Nothing is replayed: each leg adds only what the client has not
+seen.
 
 When it refuses (the client then gets today's final error event): guided decoding or
 ``response_format``, ``n > 1`` (or a batch of prompts), ``logprobs``, ``seed`` with sampling,
@@ -85,6 +87,8 @@ class _NoLegs:
 
 
 NO_LEGS: Legs = _NoLegs()
+
+_UNKNOWN: Any = object()    # prompt_tokens_details no leg that ran the original prompt reported
 
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
            "structured_outputs", "json_schema", "regex", "ebnf", "structural_tag")
@@ -155,6 +159,10 @@ class Migration:
         self.leg_completion = 0               # tokens of the current leg (its usage)
         self.leg_ids = 0                      # token ids of the current leg
         self.prompt_tokens: int | None = None
+        # the prompt_tokens_details of the leg that ran the client's own prompt (the first, or one
+        # that started over): a continuation's prompt is longer, on another engine's cache
+        self.own_prompt = True
+        self.prompt_details: Any = _UNKNOWN
         self.last_usage: dict[str, Any] | None = None
         self.usage_event: dict[str, Any] | None = None
         self.first: dict[str, Any] | None = None
@@ -238,7 +246,11 @@ class Migration:
         seen.usage = self._merged(final=True)
         if self.log:
             rec.extra["migrations"] = self.log
-        return await relay.end_stream(ctx, out, seen, None)
+        try:
+            return await relay.end_stream(ctx, out, seen, None)
+        finally:
+            if self.leg and self.prompt_details is _UNKNOWN:
+                rec.cached_tokens = None      # not known, rather than another prompt's
 
     @staticmethod
     async def _write(out: web.StreamResponse, data: bytes) -> None:
@@ -351,7 +363,8 @@ class Migration:
         self.legs.abandon(ctx)
         self.avoid.add(failed_ep)
         self.partial.text = "".join(self._text)
-        if self.partial.completion_tokens == 0 and not self.partial.text:
+        restart = self.partial.completion_tokens == 0 and not self.partial.text
+        if restart:
             path, data = self.ireq.path, first_leg(self.ireq.data, self.mode)   # nothing generated: start over
         else:
             path, data = continuation(self.partial, self.mode, self.default_max)
@@ -390,6 +403,7 @@ class Migration:
             relay.record(failed, Outcome.FAULT, error_class)
         self.leg += 1
         self.leg_path = path
+        self.own_prompt = restart
         self.done = self.finished = False
         self.error = None
         return resp
@@ -467,6 +481,8 @@ class Migration:
             self.leg_completion = c
         if self.leg == 0 and isinstance(usage.get("prompt_tokens"), int):
             self.prompt_tokens = usage["prompt_tokens"]
+        if self.own_prompt and "prompt_tokens_details" in usage:
+            self.prompt_details = usage["prompt_tokens_details"]
 
     def _ids(self, obj: dict[str, Any], ch: dict[str, Any]) -> None:
         """Take the token ids out of an event; the client keeps them only if it asked for them,
@@ -564,9 +580,17 @@ class Migration:
         p = self.prompt_tokens if self.prompt_tokens is not None else usage.get("prompt_tokens", 0)
         c = self.partial.completion_tokens + max(self.leg_completion, self.leg_ids)
         usage.update(prompt_tokens=p, completion_tokens=c, total_tokens=(p or 0) + c)
-        details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int) and self.leg:
-            usage["prompt_tokens_details"] = {**details, "cached_tokens": min(details["cached_tokens"], p or 0)}
+        if final and self.leg:
+            # the cached tokens are the original prompt's, as the leg that ran it reported them (a
+            # continuation's prompt is the original one and what was generated, on another
+            # engine); none when that leg did not report them before it broke (vLLM reports
+            # them only in a stream's final usage)
+            usage.pop("prompt_tokens_details", None)
+            details = self.prompt_details
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                details = {**details, "cached_tokens": min(details["cached_tokens"], p or 0)}
+            if details is not _UNKNOWN:
+                usage["prompt_tokens_details"] = details
         return usage
 
     def _tail(self) -> bytes:

@@ -368,3 +368,78 @@ async def test_a_stream_no_engine_would_continue_is_the_broken_engines_fault(sim
     breakers = gw.gw.gen.services.breakers
     faults = {ep.url: breakers.describe(ep)["consecutive_faults"] for ep in gw.gw.pool.endpoints()}
     assert faults == {bad.url: 1, sick.url: 1}
+
+
+LONG_MSG = [{"role": "user", "content": "tell me a long story about gateways and the caches their engines keep " * 3}]
+
+
+def cached_of(events: list) -> int | None:
+    usage = next(e["usage"] for e in reversed(events) if isinstance(e, dict) and e.get("usage"))
+    details = usage.get("prompt_tokens_details")
+    return details.get("cached_tokens") if isinstance(details, dict) else None
+
+
+def counter(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.parametrize("engine,kind", [("vllm", "chat"), ("vllm", "chat_stop"), ("vllm", "completions"),
+                                         ("sglang", "chat"), ("sglang", "completions")])
+async def test_a_continued_streams_cached_tokens_are_its_original_prompts(sims, gateway, engine, kind):
+    """The final usage of a continued stream counts the original prompt's tokens, but its
+    cached_tokens (and the log line's and the cached-tokens counter's) came from the last leg's
+    prompt: the original prompt and the text generated before the break, on another engine with
+    another cache. They are the first leg's, which SGLang reports on every chunk; vLLM reports them
+    only in a stream's final usage, which a broken leg never sent, so they are left out."""
+    bad = await sims(engine, "m", fault="drop_after=6")
+    good = await sims(engine, "m")           # a cold cache: the last leg's prompt hits nothing there
+    ref = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [bad.url, good.url], strategy="round-robin", migration_limit=1)])
+    if kind == "completions":
+        path, req = "/v1/completions", {"prompt": "Once upon a time, in a gateway far away, " * 4}
+    else:
+        path, req = "/v1/chat/completions", {"messages": LONG_MSG, **({"stop": ["@"]} if kind == "chat_stop" else {})}
+    req = {"model": "m", "max_tokens": 30, "stream": True, "stream_options": {"include_usage": True}, **req}
+    await raw_post(bad.url, path, req, {"x-sim-fault": "none"})         # the first leg's engine has the prompt cached
+    for _ in range(2):                       # what the first leg's engine reports for it: the second run's
+        _, ref_events = await raw_post(ref.url, path, req)
+    first_cached = cached_of(ref_events)
+    assert first_cached and first_cached > 0
+    expected = first_cached if engine == "sglang" else None
+
+    client = openai_client(gw)
+    with gw.gw.request_log.capture() as logs:
+        if kind == "completions":
+            stream = await client.completions.create(**{k: v for k, v in req.items() if k != "stream"}, stream=True)
+        else:
+            stream = await client.chat.completions.create(**{k: v for k, v in req.items() if k != "stream"},
+                                                          stream=True)
+        chunks = [c async for c in stream]
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    await client.close()
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == 30
+    details = usage[0].prompt_tokens_details
+    assert (details.cached_tokens if details is not None else None) == expected
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["migrations"][0]["outcome"] == "continued"
+    assert line["cached_tokens"] == expected
+    assert counter(await gw.metrics_text(), "switchyard_cached_prompt_tokens_total") == (expected or 0)
+
+
+async def test_a_stream_started_over_reports_the_cached_tokens_of_the_leg_that_ran_its_prompt(sims, gateway):
+    """A leg that broke before generating anything is not continued but started over: the leg that
+    answers runs the original prompt, so its own cached tokens are the stream's."""
+    bad = await sims("vllm", "m", fault="drop_after=0")
+    good = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [bad.url, good.url], strategy="round-robin", migration_limit=1)])
+    req = {"model": "m", "messages": LONG_MSG, "max_tokens": 12, "stream": True,
+           "stream_options": {"include_usage": True}}
+    await raw_post(good.url, "/v1/chat/completions", req)
+    _, ref_events = await raw_post(good.url, "/v1/chat/completions", req)
+    warm = cached_of(ref_events)
+    assert warm and warm > 0
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert cached_of(got) == warm
+    assert migrations(await gw.metrics_text(), "continued") == 1
