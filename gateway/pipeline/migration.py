@@ -601,6 +601,8 @@ class Migration:
                                            "choices": []})
             if self.first is not None:
                 ev.update(self.first)
+            # the client's object: a chat continued token-exactly ends with a completion's usage chunk
+            ev["object"] = "chat.completion.chunk" if self.chat else "text_completion"
             ev["usage"] = self._merged(final=True)
             out += b"data: " + orjson.dumps(ev) + b"\n\n"
         return out + b"data: [DONE]\n\n"

@@ -81,6 +81,8 @@ async def test_chat_stream_continues_and_matches_an_unbroken_run(sims, gateway, 
     got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert got == text_of(ref) and len(got) > 0
     assert len({c.id for c in chunks}) == 1                       # one stream, one id
+    # a token-exact continuation's legs are completions: its usage chunk was a "text_completion"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert sum(1 for c in chunks if c.choices and c.choices[0].delta.role) == 1
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
     usage = [c.usage for c in chunks if c.usage is not None]
