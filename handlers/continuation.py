@@ -11,7 +11,10 @@ Two ways to hand an engine what was already generated:
 - ``text``: the partial answer goes back as text: a chat request gets it as a final assistant
   message with ``continue_final_message`` (and ``add_generation_prompt: false`` on vLLM, which
   refuses both at once), a completion gets it appended to its string prompt. Faithful up to
-  re-tokenization at the seam.
+  re-tokenization at the seam. The text is exactly what the client received: the characters vLLM
+  holds back while they might begin a stop string never reached it from a leg that broke, so they
+  are not sent back, and the next engine generates them again (their tokens still count as
+  generated, in the usage and off ``max_tokens``).
 
 Which one an engine gets is its adapter's choice (``handlers.vllm``, ``handlers.sglang``).
 Both legs ask for usage on every chunk (``continuous_usage_stats``), so the tokens generated before

@@ -445,3 +445,50 @@ async def test_a_stream_started_over_reports_the_cached_tokens_of_the_leg_that_r
     assert st == 200 and got[-1] == "[DONE]", got[-2:]
     assert cached_of(got) == warm
     assert migrations(await gw.metrics_text(), "continued") == 1
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_a_text_continuation_starts_from_exactly_what_the_client_received(sims, gateway, kind):
+    """vLLM holds back the last (longest stop string - 1) characters of a stream with stop strings,
+    as they might begin one; a leg that breaks never sends them. The continuation is built from
+    the text the client received, without them, and the next engine generates from there: what the
+    client sees is that text followed by the continuation's output, nothing lost or repeated."""
+    stop = ["@@@@@@@@"]                      # 7 characters held back: more than one token's worth
+    bad = await sims("vllm", "m", fault="drop_after=6")
+    good = await sims("vllm", "m")
+    sent: list[dict] = []
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        """The continuation's engine: the body it is sent is kept, the answer is the real engine's."""
+        body = await request.json()
+        sent.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async with aiohttp.ClientSession() as s, s.post(good.url + request.path, json=body) as r:
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    chat = kind == "chat"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = {"model": "m", "max_tokens": 30, "stream": True, "stop": stop,
+           **({"messages": MSG} if chat else {"prompt": "Once upon a time"})}
+    _, six = await raw_post(good.url, path, {**req, "max_tokens": 6})     # the first leg's 6 tokens, all of them
+    async with fake_engine(relay, paths=(path,)) as other:
+        gw = await gateway([model_block("m", "vllm", [bad.url, other], strategy="round-robin", migration_limit=1)])
+        st, got = await raw_post(gw.url, path, req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert migrations(await gw.metrics_text(), "continued") == 1
+    (cont,) = sent
+    if chat:
+        assert cont["messages"][:-1] == MSG and cont["continue_final_message"] is True
+        seam = cont["messages"][-1]["content"]
+    else:
+        assert cont["prompt"].startswith(req["prompt"])
+        seam = cont["prompt"][len(req["prompt"]):]
+    generated = text_of(six, chat)
+    assert generated.startswith(seam) and len(seam) == len(generated) - 7     # what vLLM held back is not in it
+    assert cont["max_tokens"] == 30 - 6      # the held-back characters' tokens were generated: they count
+    _, rest = await raw_post(good.url, path, cont)                           # the continuation's own output
+    assert text_of(got, chat) == seam + text_of(rest, chat)
