@@ -18,7 +18,8 @@ usage must be asked for, and the client's headers minus hop-by-hop and the gatew
 leg to an engine the gateway has a key for (``Endpoint.api_key``) carries that key instead of the
 client's (``gateway.endpoints.engine_headers``).
 
-The monitor (health probes, ``/metrics`` scrapes) is not hot and keeps a small aiohttp session.
+The monitor (health probes, ``/metrics`` scrapes, LoRA discovery reads) is not hot and keeps a
+small aiohttp session of its own, with at most one idle connection per engine.
 """
 
 from __future__ import annotations
@@ -271,9 +272,28 @@ class Upstream:
             raise f from None
 
 
+class MonitorConnector(aiohttp.TCPConnector):
+    """aiohttp's connector keeping at most one idle connection per engine (host, port, scheme).
+
+    A burst of monitoring requests to one engine (a probe overlapping a scrape and a discovery
+    read, several rounds' worth at once) opens a connection for each; aiohttp would keep them all
+    and hand them out first in, first out, so each is taken in turn, none is ever idle long enough
+    for a keep-alive to expire, and the engine holds them all for as long as the gateway runs. Here
+    a connection that comes back while another to the same engine is idle and still connected is
+    closed instead: the one kept carries the next requests, and no request opens a connection
+    unless others to that engine are all in use (or the engine closed the idle one)."""
+
+    def _release(self, key, protocol, *, should_close: bool = False) -> None:
+        idle = self._conns.get(key)
+        if idle and any(p.is_connected() for p, _ in idle):
+            should_close = True
+        super()._release(key, protocol, should_close=should_close)
+
+
 def make_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
-    """The monitor's session: a few connections for health probes and metrics scrapes."""
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=cfg.keepalive_timeout_s, ttl_dns_cache=300)
+    """The monitor's session (health probes, metrics scrapes, LoRA discovery reads): at rest, one
+    kept-alive connection per engine (``MonitorConnector``)."""
+    connector = MonitorConnector(limit=0, keepalive_timeout=cfg.keepalive_timeout_s, ttl_dns_cache=300)
     return aiohttp.ClientSession(connector=connector,
                                  timeout=aiohttp.ClientTimeout(sock_connect=cfg.connect_timeout_s or None),
                                  skip_auto_headers=("Accept-Encoding", "User-Agent"), auto_decompress=False)
