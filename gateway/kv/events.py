@@ -92,6 +92,9 @@ MAX_MESSAGE_BYTES = 8 << 20
 STRETCH_BYTES = 64 << 10
 # a malformed message is counted every time, and warned of at most once in this many seconds
 BAD_LOG_EVERY_S = 10.0
+# a stretch of a cleared endpoint's entries whose unlinking raised (a bug) is tried again at the
+# next loop turn; while it keeps raising, once in this many seconds
+DRAIN_RETRY_S = 1.0
 # switchyard_kv_events_total's kinds, in the order of kv_index.Applied's counts, then the unknown events
 _KINDS = ("BlockStored", "BlockRemoved", "AllBlocksCleared", "orphan", "unknown")
 
@@ -115,6 +118,10 @@ class KVEventsMetrics:
                                    "match = the rank holding the deepest prefix, load = none holds one, the "
                                    "rank with the fewest of this gateway's requests",
                                    ["model", "reason"], registry=registry)
+        self.drain_errors = Counter("switchyard_kv_events_drain_errors",
+                                    "Stretches of a cleared endpoint's (or rank's) old entries whose unlinking "
+                                    "raised (bugs: the first of a run is logged with its traceback); tried again",
+                                    registry=registry)
         self.off_loop = Counter("switchyard_kv_events_tokenized_off_loop",
                                 "Prompt segments tokenized in the tokenizer threads (not on the event loop)",
                                 ["model"], registry=registry)
@@ -654,12 +661,29 @@ class KVEventsManager:
         self._drain_task = loop.create_task(self._drain(), name="kv-events clear")
 
     async def _drain(self) -> None:
+        """Unlink the cleared entries a stretch a loop turn until none is left. A stretch that
+        raises (a bug) is counted, the first of a run of them logged with its traceback, and tried
+        again at the next turn, then once in ``DRAIN_RETRY_S`` while it keeps raising: the entries
+        are not left to a later clear's task, and the loop is not held."""
         drain = self.index.drain
-        try:
-            while drain(CLEAR_STRETCH):
-                await asyncio.sleep(0)
-        except Exception:
-            log.exception("kv events: a cleared endpoint's entries could not be unlinked")
+        failed = 0
+        while True:
+            try:
+                more = drain(CLEAR_STRETCH)
+            except Exception:
+                failed += 1
+                self.metrics.drain_errors.inc()
+                if failed == 1:
+                    log.exception("kv events: a stretch of a cleared endpoint's entries could not be unlinked; "
+                                  "tried again", retiring=self.index.retiring)
+                await asyncio.sleep(0 if failed == 1 else DRAIN_RETRY_S)
+                continue
+            if failed:
+                log.info("kv events: cleared entries unlinked again", failures=failed)
+                failed = 0
+            if not more:
+                return
+            await asyncio.sleep(0)
 
     async def close(self) -> None:
         if self._drain_task is not None:
