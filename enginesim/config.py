@@ -75,7 +75,8 @@ class SimConfig:
         0.0, "chance per generated token (after min_tokens) of a natural EOS unless ignore_eos")
     startup_delay_s: float = _knob(
         0.0, "vLLM: refuse connections for this long; SGLang: /health and /health_generate 503")
-    fault: str = _knob("", "default fault spec for every request (see enginesim/README.md)")
+    fault: str = _knob("", "default fault spec for every request, e.g. 'error_after=3;error_code=501' (an "
+                           "in-stream error event with code 501 after 3 tokens; see enginesim/README.md)")
     sse_keepalive_s: float = _knob(0.0, "vLLM --sse-keep-alive-interval; 0 disables keep-alive frames")
     keepalive_timeout_s: float = _knob(
         5.0, "an idle kept-alive HTTP connection is closed after this many seconds (uvicorn's "

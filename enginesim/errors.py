@@ -81,6 +81,14 @@ def internal_error(message: str = "Internal server error") -> ApiError:
     return ApiError(500, message, type_="InternalServerError")
 
 
+def failed_error(code: int | None, message: str | None) -> ApiError:
+    """vLLM's answer to a request that failed: a 500, or, with the ``error_code`` fault's ``code``,
+    an error of that status (its type by the status: ``NotImplementedError`` for 501)."""
+    if code is None or code == 500:
+        return internal_error()
+    return ApiError(code, message or "Simulated engine failure")
+
+
 class RequestFailed(Exception):
     """Raised by a role hook to end a request with the internal finish reason ``error``.
 

@@ -7,6 +7,10 @@ turns the default off for one request). Keys:
 - ``status=CODE``           answer CODE (400..599) in the engine's error shape, before any header
 - ``error_after=N``         fail after N tokens: in-stream error event then ``[DONE]`` (or HTTP 500
                             when nothing was sent yet / non-streaming)
+- ``error_code=CODE``       the status (400..599) ``error_after``'s failure carries instead of 500:
+                            the ``code`` of its in-stream error event, or the HTTP status when
+                            nothing was sent yet / non-streaming (``501``: vLLM's answer for what it
+                            does not implement)
 - ``stall_before_first=S``  hang S seconds (``inf`` = forever) after prefill, before the first token
 - ``stall_after=N:S``       hang S seconds (``inf`` = forever) after N tokens
 - ``drop_after=N``          abort the TCP connection after N tokens: no final chunk, no ``[DONE]``
@@ -39,7 +43,7 @@ import math
 from dataclasses import dataclass
 
 ROLES = ("aggregated", "prefill", "decode")
-KEYS = ("status", "error_after", "stall_before_first", "stall_after", "drop_after", "slow_headers",
+KEYS = ("status", "error_after", "error_code", "stall_before_first", "stall_after", "drop_after", "slow_headers",
         "hang", "kv_pull_fail", "stall_at_end", "drop_at_end", "p")
 
 
@@ -51,6 +55,7 @@ class FaultSpecError(ValueError):
 class FaultSpec:
     status: int | None = None
     error_after: int | None = None
+    error_code: int | None = None       # the status error_after's failure carries (None: 500)
     stall_before_first: float | None = None
     stall_after: tuple[int, float] | None = None
     drop_after: int | None = None
@@ -117,10 +122,10 @@ def _flag(key: str, raw: str) -> bool:
 
 def _value(key: str, raw: str) -> tuple[str, object]:
     """One item's (FaultSpec field, parsed value)."""
-    if key == "status":
+    if key in ("status", "error_code"):
         status = _count(key, raw)
         if not 400 <= status <= 599:
-            raise FaultSpecError(f"status: {status} is not an HTTP error status (400..599)")
+            raise FaultSpecError(f"{key}: {status} is not an HTTP error status (400..599)")
         return key, status
     if key in ("error_after", "drop_after"):
         return key, _count(key, raw)

@@ -42,6 +42,7 @@ class StepOutput:
     finish_reason: str | None = None  # stop | length | abort | error
     message: str | None = None  # abort / error detail
     status: int | None = None  # an abort that carries an HTTP status (SGLang): answered as an error
+    code: int | None = None  # an error's status (the ``error_code`` fault): answered with it, not 500
 
 
 class Channel:

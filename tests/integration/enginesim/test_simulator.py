@@ -650,6 +650,29 @@ async def test_fault_error_after(vllm: SimServer, sglang: SimServer, http: aioht
     assert events[-2]["error"]["object"] == "error" and events[-2]["error"]["code"] == 500
 
 
+async def test_fault_error_code(vllm: SimServer, sglang: SimServer, http: aiohttp.ClientSession) -> None:
+    """``error_code``: the status ``error_after``'s failure carries, in its event or its answer."""
+    body = {"messages": CHAT, "stream": True, "max_tokens": 5}
+    for after in (0, 2):        # before the first token (a vLLM stream's head went out already), and after two
+        fault = {"x-sim-fault": f"error_after={after};error_code=501"}
+        status, events, _ = await call(http, vllm.url + "/v1/chat/completions", body, fault)
+        assert status == 200 and events[-1] == "[DONE]"
+        assert events[-2] == {"error": {"message": f"Simulated engine failure after {after} tokens",
+                                        "type": "NotImplementedError", "param": None, "code": 501}}
+    status, data, _ = await call(http, vllm.url + "/v1/chat/completions", {"messages": CHAT},
+                                 {"x-sim-fault": "error_after=2;error_code=501"})
+    assert status == 501 and data["error"]["code"] == 501 and data["error"]["type"] == "NotImplementedError"
+    status, events, _ = await call(http, sglang.url + "/v1/chat/completions", body,
+                                   {"x-sim-fault": "error_after=2;error_code=501"})
+    assert status == 200 and events[-2]["error"]["code"] == 501
+    status, data, _ = await call(http, sglang.url + "/v1/chat/completions", body,
+                                 {"x-sim-fault": "error_after=0;error_code=501"})
+    assert status == 501 and data["code"] == 501
+    status, events, _ = await call(http, vllm.url + "/v1/chat/completions", body,
+                                   {"x-sim-fault": "error_after=1;error_code=500"})
+    assert events[-2]["error"]["code"] == 500 and events[-2]["error"]["message"] == "Internal server error"
+
+
 async def test_fault_drop_after(vllm: SimServer, sglang: SimServer, http: aiohttp.ClientSession) -> None:
     for sim in (vllm, sglang):
         body = {"messages": CHAT, "stream": True, "max_tokens": 10}
@@ -712,7 +735,9 @@ def test_fault_spec_parsing() -> None:
     assert spec.status == 503 and spec.stall_after == (3, 0.5) and spec.drop_after == 7
     assert spec.slow_headers == float("inf") and spec.probability == 0.25 and spec.active
     assert not parse_fault("none").active and not parse_fault("").active
-    for bad in ("status=200", "stall_after=3", "error_after=-1", "x", "p=2", "stall_before_first=abc"):
+    assert parse_fault("error_after=0;error_code=501").error_code == 501
+    for bad in ("status=200", "stall_after=3", "error_after=-1", "x", "p=2", "stall_before_first=abc",
+                "error_code=200", "error_code=x"):
         with pytest.raises(FaultSpecError):
             parse_fault(bad)
 
