@@ -80,6 +80,8 @@ class ErrorClass(enum.StrEnum):
     UPSTREAM_TOO_LARGE = "upstream_too_large"       # a whole answer over upstream.max_response_bytes
     UPSTREAM_EOF = "upstream_eof"
     UPSTREAM_STREAM_ERROR = "upstream_stream_error"
+    # an in-stream error event with code 501: the engine does not implement what the request asks
+    UPSTREAM_STREAM_UNSUPPORTED = "upstream_stream_unsupported"
     WATCHDOG_FIRST_CHUNK = "watchdog_first_chunk"
     WATCHDOG_IDLE = "watchdog_idle"
     WATCHDOG_RESPONSE = "watchdog_response"

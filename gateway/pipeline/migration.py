@@ -55,7 +55,7 @@ from gateway.pipeline.relay import (
 )
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest
-from gateway.resilience.outcome import Outcome, of_status
+from gateway.resilience.outcome import Outcome, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
 from handlers import adapter_for
@@ -223,6 +223,16 @@ class Migration:
                         resp.release()
                     else:
                         resp.close()
+                if error_class == ErrorClass.UPSTREAM_STREAM_UNSUPPORTED:
+                    # the engine does not implement what the request asks: another endpoint would
+                    # not either. The client gets the engine's error event, as the plain relay
+                    # passes it, and the endpoint is not charged (``of_answer``)
+                    event = b"data: " + orjson.dumps({"error": self.error}) + b"\n\ndata: [DONE]\n\n"
+                    seen.feed(event, time.perf_counter())
+                    await self._write(out, event)
+                    message = str(self.error.get("message") or message)
+                    rec.error_class, rec.error = error_class, message[:200]
+                    return await relay.end_stream(ctx, out, seen, None)
                 if error_class is None:
                     if self.after_end is not None:      # as the plain relay notes it
                         rec.extra["after_end"] = self.after_end
@@ -313,7 +323,7 @@ class Migration:
                     seen.feed(data, clock())
                     await out.write(data)
                 if failed:
-                    return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
+                    return self._stream_error()
                 if self.done and not ended:
                     # as the plain relay does: an engine that stalls after its last event does not
                     # hold a client that reads the body to its end, watchdog or not
@@ -333,13 +343,20 @@ class Migration:
         if buf.strip():
             r = self._event(buf)
             if r is False:
-                return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
+                return self._stream_error()
             if r:
                 seen.feed(r, clock())
                 await out.write(r)
         if self.done or self.finished:
             return None, ""
         return EOF_FAILURE
+
+    def _stream_error(self) -> tuple[ErrorClass, str]:
+        """The failure of a leg that sent an error event: one with code 501 is the engine's 501, the
+        request's own (``gateway.resilience.outcome.unsupported_event``), not a leg to continue."""
+        if unsupported_event(self.error):
+            return ErrorClass.UPSTREAM_STREAM_UNSUPPORTED, "in-stream error"
+        return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
 
     async def _next_leg(self, relay: Relay, ctx: RequestContext, error_class: ErrorClass) -> UpstreamResponse | None:
         """Open the leg that continues the stream, or None (refused, limit, or it failed: the

@@ -32,7 +32,7 @@ from gateway.pipeline.context import RequestContext, RequestRecord, safe_header_
 from gateway.pipeline.sse import AnswerText, ChoicesScanner, SSEScanner, message_text, usage_tokens
 from gateway.pipeline.whole import WrittenStream, open_stream, stream_head, write_whole
 from gateway.request import ROUTED_PATHS
-from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status
+from gateway.resilience.outcome import Outcome, key_refused, of_answer, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse, UpstreamTimeout, UpstreamTooLarge
 from gateway.upstream.upstream import engine_key_refused, key_refused_error, too_large_error
 from handlers.base import EngineAdapter
@@ -656,12 +656,14 @@ class Relay:
         finally:
             if watch is not None:
                 watch.cancel()
-        if ctx.migration is not None and (failure is not None or scanner.error is not None):
-            ctx.migration.unmigrated(rec, rec.error_class or ErrorClass.UPSTREAM_STREAM_ERROR)   # refused: counted
         if failure is None and scanner.error is not None:   # the engine's error event went through
-            rec.error_class = ErrorClass.UPSTREAM_STREAM_ERROR
+            # one with code 501 is the engine's 501 (the request's, not the engine's fault)
+            rec.error_class = (ErrorClass.UPSTREAM_STREAM_UNSUPPORTED if unsupported_event(scanner.error)
+                               else ErrorClass.UPSTREAM_STREAM_ERROR)
             msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
             rec.error = str(msg)[:200] if msg else "in-stream error"
+        if ctx.migration is not None and (failure is not None or scanner.error is not None):
+            ctx.migration.unmigrated(rec, rec.error_class or ErrorClass.UPSTREAM_STREAM_ERROR)   # refused: counted
         out = await self.end_stream(ctx, out, scanner, failure)
         if kept is not None and failure is None and scanner.error is None and scanner.done:
             answer = kept.answer

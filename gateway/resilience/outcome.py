@@ -4,10 +4,10 @@ Every leg to an engine ends in one of four outcomes, and only faults count again
 
 | outcome | examples | breaker |
 |---|---|---|
-| ``fault`` | connect refused or reset, 5xx other than 501 and 503, a broken stream, a watchdog or header timeout | counts |
+| ``fault`` | connect refused or reset, 5xx other than 501 and 503, a broken stream, an in-stream error event (but a 501's), a watchdog or header timeout | counts |
 | ``backpressure`` | 429, 503: the engine is alive but busy | neutral |
 | ``client_error`` | 4xx other than 429: the request's own fault | neutral |
-| ``client_error`` | 501: the engine does not implement what the request asks | neutral |
+| ``client_error`` | 501, or an in-stream error event with code 501: the engine does not implement what the request asks | neutral |
 | ``fault`` | 401, 403 from an engine the gateway sends its key (``api_key``): the key refused | counts |
 | ``success`` | a complete answer | closes |
 
@@ -16,7 +16,9 @@ A leg that ends because the client went away says nothing about the engine: ``no
 Counting a 4xx against an engine opens every breaker as soon as clients send bad requests
 (sglang#25811); counting 503 ejects busy engines exactly when capacity is short (sglang#13894).
 A 501 is the engine declining a request it does not support, as a 4xx declines a bad one: another
-endpoint of the same engine would decline it too, and the engine serves its other requests.
+endpoint of the same engine would decline it too, and the engine serves its other requests. An
+engine whose stream's head went out before it found that (vLLM sends its head at once) says it in
+an error event instead, ``data: {"error": {..., "code": 501}}``: the same answer (``unsupported_event``).
 
 The classifiers here read only a status, a failure kind (``gateway.upstream.upstream.UpstreamFailure``) or
 what the relay left on the request's record; ``gateway.resilience.breaker`` acts on the result.
@@ -67,6 +69,15 @@ def of_status(status: int, keyed: bool = False) -> Outcome:
     return Outcome.FAULT
 
 
+def unsupported_event(error: object) -> bool:
+    """An engine's in-stream error (the ``error`` object of its ``data: {"error": {...}}`` event)
+    that is its 501: its ``code`` says the engine does not implement what the request asks."""
+    if error.__class__ is not dict:
+        return False
+    code = error.get("code")      # type: ignore[attr-defined]
+    return code.__class__ is int and code in UNSUPPORTED_STATUSES
+
+
 def of_failure(kind: str) -> Outcome:
     """A leg that failed before its answer's status arrived (connect, reset, timeout, protocol):
     always the engine's side, or the path to it."""
@@ -82,11 +93,14 @@ _FAULT_CLASSES = frozenset({ErrorClass.UPSTREAM_EOF, ErrorClass.UPSTREAM_BROKEN,
 def of_answer(status: int, error_class: ErrorClass | None) -> Outcome:
     """The outcome of a relayed answer, from what the relay recorded: its status and error class.
     A stream counts as a success only when it completed; a watchdog that fired, a stream the
-    engine broke or closed early, or an error event inside it are faults."""
+    engine broke or closed early, or an error event inside it are faults, but for an error event
+    with code 501 (``UPSTREAM_STREAM_UNSUPPORTED``), a client error as the HTTP 501 is."""
     if error_class is None and 0 < status < 400:     # the usual answer: a success at the first test
         return Outcome.SUCCESS
     if error_class == ErrorClass.CLIENT_CANCEL:
         return Outcome.NONE
+    if error_class == ErrorClass.UPSTREAM_STREAM_UNSUPPORTED:     # an error event with code 501
+        return Outcome.CLIENT_ERROR
     if error_class in _FAULT_CLASSES:
         return Outcome.FAULT
     if error_class == ErrorClass.UPSTREAM_STATUS or status >= 400:

@@ -527,6 +527,38 @@ async def test_a_vllm_decode_whose_kv_pull_fails_before_its_first_token_has_the_
     assert await wait_for(lambda: quiet(bad.url), timeout=5)
 
 
+async def test_a_vllm_decodes_501_event_before_its_first_token_reaches_the_client_and_is_not_its_fault(
+        sims, gateway):
+    """A decode that opens its stream with an error event of code 501 does not implement what the
+    request asks, as another decode would not: the client gets that event, nothing is retried, and
+    the decode's breaker (one fault would open it) is not charged."""
+    p = await sims("vllm", "m", role="prefill")
+    lacking = await sims("vllm", "m", role="decode", fault="error_after=0;error_code=501")
+    d = await sims("vllm", "m", role="decode")
+    rs = {"name": "rs", "prefill": [p.url], "decode": [lacking.url, d.url]}
+    gw = await gateway([pd_model("vllm", [rs])], health={"interval_s": 60},
+                       breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+    addr = lacking.url.split("//")[1]
+    refused = 0
+    for _ in range(20):
+        st, hdrs, raw = await post(gw, body(stream=True))
+        assert st == 200 and "x-retries" not in hdrs
+        errors = [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
+        if hdrs["target-pod"] == addr:
+            assert [e["code"] for e in errors] == [501]
+            refused += 1
+            if refused == 2:
+                break
+        else:
+            assert not errors
+    assert refused == 2
+    text = await gw.metrics_text()
+    assert "switchyard_retry_causes_total{" not in text
+    assert f'switchyard_breaker_state{{endpoint="{addr}",model="m"}} 0.0' in text
+    assert f'switchyard_upstream_outcomes_total{{endpoint="{addr}",model="m",outcome="client_error"}} 2.0' in text
+    assert f'endpoint="{addr}",model="m",outcome="fault"' not in text
+
+
 async def test_a_vllm_decode_that_dies_after_its_head_and_before_its_first_token_has_the_pair_chosen_again(
         sims, gateway):
     """vLLM's head came (the relay is ready and waits for the first token in the decode's read

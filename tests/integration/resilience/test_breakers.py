@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import chat_body, openai_client, post, sim_state
+from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
 from tests.support.metrics import series
 from tests.support.waiting import wait_for
 
@@ -201,3 +201,65 @@ async def test_pd_pair_choice_skips_an_open_endpoint_on_either_side(sims, gatewa
         header = "prefill-target-pod" if side == "prefill" else "target-pod"
         assert hdrs[header] == good[side].url.split("//")[1]
     assert (await sim_state(sick.url))["counts"]["started"] == started
+
+
+@pytest.mark.parametrize(("engine", "after"), [("vllm", 0), ("vllm", 3), ("sglang", 3)])
+async def test_an_in_stream_error_with_code_501_is_not_the_endpoints_fault(sims, gateway, engine, after):
+    """An engine's error event with code 501, before the first token (a vLLM stream's head goes out
+    at once) or mid-stream, says what the HTTP 501 says: the engine does not implement what the
+    request asks. The client gets the event as the engine sent it; the endpoint's breaker is not
+    charged (one fault would open it) and nothing is retried elsewhere."""
+    lacking = await sims(engine, "m", fault=f"error_after={after};error_code=501")
+    good = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [lacking.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+    errors = []
+    for _ in range(6):
+        st, hdrs, raw = await post(gw.url, body(stream=True))
+        assert st == 200 and "x-retries" not in hdrs
+        errors += [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 3 and all(e["code"] == 501 for e in errors), errors
+    text = await gw.metrics_text()
+    assert state_of(text, lacking.url) == 0 and set(series(text, "switchyard_breaker_state").values()) == {0.0}
+    assert not series(text, "switchyard_retries_total")
+    outcomes = series(text, "switchyard_upstream_outcomes_total")
+    addr = lacking.url.split("//")[1]
+    assert {k: v for k, v in outcomes.items() if f'endpoint="{addr}"' in k} == \
+        {f'endpoint="{addr}",model="m",outcome="client_error"': 3.0}, outcomes
+    assert len(gw.gw.pool.ready("m")) == 2
+
+
+async def test_an_in_stream_error_with_another_code_is_still_a_fault(sims, gateway):
+    sick = await sims("vllm", "m", fault="error_after=3;error_code=500")
+    good = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sick.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+    for _ in range(4):
+        st, _, raw = await post(gw.url, body(stream=True))
+        assert st == 200
+    text = await gw.metrics_text()
+    assert state_of(text, sick.url) == 1
+    addr = sick.url.split("//")[1]
+    outcomes = series(text, "switchyard_upstream_outcomes_total")
+    assert outcomes.get(f'endpoint="{addr}",model="m",outcome="fault"') == 1, outcomes
+
+
+async def test_a_migrating_stream_is_not_continued_after_an_error_with_code_501(sims, gateway):
+    """With mid-stream continuation on, a 501 error event is not a failed leg to continue elsewhere:
+    the client gets the engine's event, and the endpoint is not charged."""
+    lacking = await sims("vllm", "m", fault="error_after=3;error_code=501")
+    good = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [lacking.url, good.url], strategy="round-robin", migration_limit=2)],
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+    errors = []
+    for _ in range(4):
+        st, _, raw = await post(gw.url, body(stream=True))
+        assert st == 200
+        errors += [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
+    assert len(errors) == 2 and all(e["code"] == 501 for e in errors), errors
+    assert (await sim_state(good.url))["counts"]["started"] == 2      # its own share, no continuation
+    text = await gw.metrics_text()
+    assert not series(text, "switchyard_migrations_total")
+    assert set(series(text, "switchyard_breaker_state").values()) == {0.0}
+    outcomes = series(text, "switchyard_upstream_outcomes_total")
+    assert not any('outcome="fault"' in k for k in outcomes), outcomes

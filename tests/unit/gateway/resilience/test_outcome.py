@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.resilience.outcome import Outcome, of_answer, of_failure, of_status
+from gateway.resilience.outcome import Outcome, of_answer, of_failure, of_status, unsupported_event
 
 
 @pytest.mark.parametrize(("status", "outcome"), [
@@ -54,3 +54,19 @@ def test_relayed_answers(status, error_class, outcome):
 
 def test_only_faults_and_backpressure_are_worth_another_endpoint():
     assert [o for o in Outcome if o.retryable] == [Outcome.FAULT, Outcome.BACKPRESSURE]
+
+
+@pytest.mark.parametrize(("error", "unsupported"), [
+    ({"message": "not implemented", "type": "NotImplementedError", "param": None, "code": 501}, True),
+    ({"object": "error", "message": "x", "type": "501", "code": 501}, True),      # SGLang's OpenAI shape
+    ({"message": "Internal server error", "type": "InternalServerError", "code": 500}, False),
+    ({"message": "bad", "code": 400}, False), ({"message": "no code"}, False),
+    ({"code": "501"}, False), ({"code": True}, False), ("501", False), (None, False),
+])
+def test_an_in_stream_error_with_code_501_is_the_engines_501(error, unsupported):
+    assert unsupported_event(error) is unsupported
+
+
+def test_a_relayed_stream_that_ended_in_a_501_event_is_a_client_error():
+    assert of_answer(200, "upstream_stream_unsupported") is Outcome.CLIENT_ERROR
+    assert of_answer(200, "upstream_stream_error") is Outcome.FAULT
