@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import secrets
 from typing import Any
 
@@ -100,7 +101,8 @@ class BatchApi:
         field_limit = request.client_max_size         # server.max_body_bytes (0: none), for the other fields
         tmp = batch_files.temp_path(self.db.dir)
         purpose: str | None = None
-        expiry: dict[str, str] = {}                   # expires_after[anchor], expires_after[seconds]
+        expiry: dict[str, str] = {}                   # expires_after[<key>] fields, by key
+        expiry_text: str | None = None                # an expires_after field with no key: not an object
         got: tuple[str, int, int] | None = None       # (filename, bytes, lines)
         try:
             try:
@@ -110,7 +112,9 @@ class BatchApi:
                         raise _bad("nested multipart bodies are not accepted", "file")
                     if part.name == "purpose":
                         purpose = (await _field(part, field_limit)).decode("utf-8", "replace").strip()
-                    elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                    elif part.name == "expires_after":
+                        expiry_text = (await _field(part, field_limit)).decode("utf-8", "replace").strip()
+                    elif part.name and part.name.startswith("expires_after[") and part.name.endswith("]"):
                         raw = await _field(part, field_limit)
                         expiry[part.name[14:-1]] = raw.decode("utf-8", "replace").strip()
                     elif part.name == "file" and got is None:
@@ -129,7 +133,7 @@ class BatchApi:
                 raise _bad("missing multipart field 'purpose'", "purpose", "missing_required_parameter")
             if purpose != "batch":
                 raise _bad(f"purpose {purpose!r} is not served here: only 'batch'", "purpose", "invalid_value")
-            ttl_s = _ttl(expiry, cfg.file_ttl_s)
+            ttl_s = _ttl(expiry_text if expiry_text is not None else expiry or None, cfg.file_ttl_s)
             filename, size, lines = got
             file_id = batch_files.new_file_id()
             await asyncio.to_thread(batch_files.publish, self.db.dir, tmp, file_id)
@@ -230,7 +234,8 @@ class BatchApi:
         if metadata is not None and not _metadata_ok(metadata):
             raise _bad(f"metadata must be an object of at most {MAX_METADATA} string values (keys up to 64 "
                        "characters, values up to 512)", "metadata", "invalid_value")
-        output_ttl_s = _output_expires_after(body["output_expires_after"]) if "output_expires_after" in body else None
+        output_ttl_s = (_expires_after(body["output_expires_after"], "output_expires_after")
+                        if "output_expires_after" in body else None)
         f = await self.db.run(BatchStore.get_file, fid, who) if batch_files.valid_id(fid) else None
         if f is None:
             raise _bad(f"No such File object: {fid}", "input_file_id", "file_not_found")
@@ -292,19 +297,16 @@ class BatchApi:
         return _json(doc)
 
 
-def _ttl(expiry: dict[str, str], file_ttl_s: int) -> int:
+def _ttl(expiry: dict[str, str] | str | None, file_ttl_s: int) -> int:
     """An upload's lifetime in seconds (0: none): ``batch.file_ttl_s``, or the ``expires_after`` the
-    client asked for when it is shorter."""
-    if not expiry:
+    client asked for when it is shorter. ``expiry`` is the form's ``expires_after[<key>]`` fields by
+    key, the text of a plain ``expires_after`` field, or None when the form had neither; it is read
+    as a batch's ``output_expires_after`` is, a form's ``seconds`` an integer when its text is one."""
+    if expiry is None:
         return file_ttl_s
-    lo, hi = EXPIRES_AFTER_S
-    if expiry.get("anchor") != "created_at":
-        raise _bad("expires_after[anchor] must be 'created_at'", "expires_after", "invalid_value")
-    raw = expiry.get("seconds", "")
-    if not (raw.isascii() and raw.isdigit()) or not lo <= int(raw) <= hi:
-        raise _bad(f"expires_after[seconds] must be an integer between {lo} and {hi}", "expires_after",
-                   "invalid_value")
-    return batch_files.lifetime(int(raw), file_ttl_s)
+    value: str | dict[str, Any] = expiry if isinstance(expiry, str) else {
+        k: int(v) if k == "seconds" and re.fullmatch(r"-?[0-9]+", v) else v for k, v in expiry.items()}
+    return batch_files.lifetime(_expires_after(value, "expires_after", form=True), file_ttl_s)
 
 
 async def _field(part: aiohttp.BodyPartReader, limit: int) -> bytes:
@@ -325,11 +327,12 @@ async def _field(part: aiohttp.BodyPartReader, limit: int) -> bytes:
     return bytes(head)
 
 
-def _output_expires_after(value: Any) -> int:
-    """A batch's ``output_expires_after`` read as OpenAI reads it: an object of ``anchor``
-    (``created_at``: each output file's creation) and ``seconds`` (an integer from 3600 to 2592000),
-    nothing else; the seconds. Anything else is OpenAI's 400 naming the field at fault."""
-    name = "output_expires_after"
+def _expires_after(value: Any, name: str, form: bool = False) -> int:
+    """A batch's ``output_expires_after`` or an upload's ``expires_after`` (``name``) read as OpenAI
+    reads it: an object of ``anchor`` (``created_at``: the file's creation) and ``seconds`` (an
+    integer from 3600 to 2592000), nothing else; the seconds. Anything else is OpenAI's 400 naming
+    the field at fault. ``form``: the value came as form fields, whose values are all text; a
+    ``seconds`` that is not an integer is shown as it came."""
     if not isinstance(value, dict):
         raise _bad(f"Invalid type for '{name}': expected an object, but got {_json_type(value)} instead.", name,
                    "invalid_type")
@@ -348,7 +351,8 @@ def _output_expires_after(value: Any) -> int:
                    "invalid_value")
     seconds = value["seconds"]
     if not isinstance(seconds, int) or isinstance(seconds, bool):
-        raise _bad(f"Invalid type for '{name}.seconds': expected an integer, but got {_json_type(seconds)} instead.",
+        got = f"'{_shown(str(seconds))}'" if form else _json_type(seconds)
+        raise _bad(f"Invalid type for '{name}.seconds': expected an integer, but got {got} instead.",
                    f"{name}.seconds", "invalid_type")
     lo, hi = EXPIRES_AFTER_S
     if seconds < lo:

@@ -448,7 +448,7 @@ async def test_objects_created_in_one_second_list_in_the_order_they_were_created
 
 async def test_an_upload_expires_when_its_expires_after_says(sims, gateway, tmp_path):
     """``expires_after`` (anchor ``created_at``, 3600 to 2592000 seconds) sets when the uploaded
-    file expires and leaves the disk, if before ``batch.file_ttl_s``; out of range it is a 400.
+    file expires and leaves the disk, if before ``batch.file_ttl_s``.
     It was not read: the file stayed for ``file_ttl_s`` (30 days) whatever the client asked."""
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
@@ -460,12 +460,48 @@ async def test_an_upload_expires_when_its_expires_after_says(sims, gateway, tmp_
     longer = await c.files.create(file=("in.jsonl", GOOD), purpose="batch",
                                   expires_after={"anchor": "created_at", "seconds": 2592000})
     assert longer.expires_at == longer.created_at + 30 * 24 * 3600     # file_ttl_s's 30 days is the most
-    for bad in ({"anchor": "created_at", "seconds": 60}, {"anchor": "created_at", "seconds": 2592001},
-                {"anchor": "last_active_at", "seconds": 3600}, {"anchor": "created_at"}):
-        with pytest.raises(openai.BadRequestError) as ei:
-            await c.files.create(file=("in.jsonl", GOOD), purpose="batch", expires_after=bad)  # type: ignore[arg-type]
-        assert (ei.value.body["param"], ei.value.body["code"]) == ("expires_after", "invalid_value"), bad
     assert {x.id for x in (await c.files.list()).data} == {f.id, longer.id}
+
+
+@pytest.mark.parametrize(("value", "param", "code", "says"), [
+    ("1h", "expires_after", "invalid_type", "expected an object"),
+    ({"seconds": 3600}, "expires_after.anchor", "missing_required_parameter", "expires_after.anchor"),
+    ({"anchor": "last_active_at", "seconds": 3600}, "expires_after.anchor", "invalid_value",
+     "Supported values are: 'created_at'"),
+    ({"anchor": "", "seconds": 3600}, "expires_after.anchor", "invalid_value", "Supported values are: 'created_at'"),
+    ({"anchor": "created_at"}, "expires_after.seconds", "missing_required_parameter", "expires_after.seconds"),
+    ({"anchor": "created_at", "seconds": None}, "expires_after.seconds", "missing_required_parameter",
+     "expires_after.seconds"),
+    ({"anchor": "created_at", "seconds": "1h"}, "expires_after.seconds", "invalid_type", "expected an integer"),
+    ({"anchor": "created_at", "seconds": 3600.5}, "expires_after.seconds", "invalid_type", "expected an integer"),
+    ({"anchor": "created_at", "seconds": True}, "expires_after.seconds", "invalid_type", "expected an integer"),
+    ({"anchor": "created_at", "seconds": 60}, "expires_after.seconds", "integer_below_min_value", ">= 3600"),
+    ({"anchor": "created_at", "seconds": 3599}, "expires_after.seconds", "integer_below_min_value", ">= 3600"),
+    ({"anchor": "created_at", "seconds": -1}, "expires_after.seconds", "integer_below_min_value", ">= 3600"),
+    ({"anchor": "created_at", "seconds": 2592001}, "expires_after.seconds", "integer_above_max_value",
+     "<= 2592000"),
+    ({"anchor": "created_at", "seconds": 10**40}, "expires_after.seconds", "integer_above_max_value", "<= 2592000"),
+    ({"anchor": "created_at", "seconds": 3600, "days": 1}, "expires_after.days", "unknown_parameter",
+     "expires_after.days"),
+])
+async def test_a_bad_expires_after_is_a_400_naming_the_field_and_stores_nothing(sims, gateway, tmp_path, value,
+                                                                                 param, code, says):
+    """An upload's ``expires_after`` form fields are read as OpenAI reads them, and as a batch's
+    ``output_expires_after`` is: ``param`` names the field at fault (``expires_after``, ``.anchor``,
+    ``.seconds`` or the unknown key), ``code`` says what is wrong and the message the allowed value
+    or bound. Every bad value was one 400 with ``param: "expires_after"``, ``code: "invalid_value"``."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.files.create(file=("in.jsonl", GOOD), purpose="batch", expires_after=value)  # type: ignore[arg-type]
+    err = ei.value.body
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error"), err
+    assert set(err) == {"message", "type", "param", "code"}
+    assert says in err["message"], err
+    assert (await c.files.list()).data == []
+    assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+    assert list((tmp_path / "batch" / "files").iterdir()) == []
 
 
 async def test_a_file_whose_bytes_are_gone_is_a_404_in_openais_shape(sims, gateway, tmp_path):
