@@ -32,6 +32,7 @@ COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MULTIPART_SLACK = 64 * 1024        # boundaries and the purpose field around the file's bytes
 MAX_METADATA = 16
 FIELD_KEPT = 64                    # bytes kept of a form field other than the file
+FIELD_MAX = 64 * 1024              # bytes read of a form field other than the file, whatever the body limit
 EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)     # OpenAI's range of a file's expires_after[seconds]
 # and of a batch's output_expires_after.seconds
 
@@ -98,7 +99,7 @@ class BatchApi:
         if length is not None and length > cfg.max_file_bytes + MULTIPART_SLACK:
             raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
                        "file_too_large", 413)
-        field_limit = request.client_max_size         # server.max_body_bytes (0: none), for the other fields
+        field_limit = request.client_max_size         # server.max_body_bytes (0: none); FIELD_MAX at most
         tmp = batch_files.temp_path(self.db.dir)
         purpose: str | None = None
         expiry: dict[str, str] = {}                   # expires_after[<key>] fields, by key
@@ -309,19 +310,23 @@ def _ttl(expiry: dict[str, str] | str | None, file_ttl_s: int) -> int:
     return batch_files.lifetime(_expires_after(value, "expires_after", form=True), file_ttl_s)
 
 
-async def _field(part: aiohttp.BodyPartReader, limit: int) -> bytes:
+async def _field(part: aiohttp.BodyPartReader, body_limit: int) -> bytes:
     """A form field other than the file: its first ``FIELD_KEPT`` bytes (the fields read are short
-    words and numbers), the rest read and counted, not kept. A field larger than ``limit`` (the body
-    limit, 0: none) is a 413 naming it, as a file too large is; read whole by aiohttp, it was held
-    in memory and answered 400 as a truncated body (and a limit of 0 allowed it no byte)."""
+    words and numbers), the rest read and counted, not kept. A field larger than ``body_limit``
+    (``server.max_body_bytes``, 0: none) or than ``FIELD_MAX``, whichever is less, is a 413 naming
+    it, as a file too large is: the gateway stops reading there. Without ``FIELD_MAX`` a field was
+    read to its end, however long, when the body limit was off."""
+    by_body = 0 < body_limit <= FIELD_MAX
+    limit = body_limit if by_body else FIELD_MAX
     head = bytearray()
     size = 0
     while chunk := await part.read_chunk(CHUNK):
         size += len(chunk)
-        if limit and size > limit:
+        if size > limit:
             name = (part.name or "")[:64]
-            raise _bad(f"the multipart field '{name}' exceeds server.max_body_bytes ({limit} bytes)", name,
-                       "field_too_large", 413)
+            cap = (f"server.max_body_bytes ({limit} bytes)" if by_body
+                   else f"{limit} bytes, the most read of a form field other than 'file'")
+            raise _bad(f"the multipart field '{name}' exceeds {cap}", name, "field_too_large", 413)
         if len(head) < FIELD_KEPT:
             head += chunk[:FIELD_KEPT - len(head)]
     return bytes(head)

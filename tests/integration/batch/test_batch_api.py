@@ -684,3 +684,45 @@ async def test_uploads_are_read_when_the_body_limit_is_off(sims, gateway, tmp_pa
     b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                     completion_window="24h")).id)
     assert b.status == "completed" and b.request_counts.completed == 2, b
+
+
+@pytest.mark.parametrize(("field", "max_body_bytes"), [
+    ("a field the API does not read", 0),
+    ("purpose", 0),
+    ("expires_after[seconds]", 0),
+    ("a field the API does not read", 16 << 20),
+])
+async def test_a_form_field_is_read_up_to_64_kib_whatever_the_body_limit(sims, gateway, tmp_path, field,
+                                                                       max_body_bytes):
+    """A multipart field other than ``file`` is read up to 64 KiB (65536 bytes), with the body limit
+    off (``server.max_body_bytes: 0``) or above that: past it, a chunked upload is a 413 naming the
+    field, nothing is stored, and the connection answers the next upload, whose unread field of
+    exactly 64 KiB is taken. With the limit off, a field was read to its end however long it was
+    (one the API does not read passed over, ``purpose`` and ``expires_after`` then judged)."""
+    name = "note" if field.startswith("a field") else field
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"max_body_bytes": max_body_bytes},
+                       batch=batch_cfg(tmp_path))
+    fields = [("purpose", None, b"batch"), (name, None, b"7" * (1 << 20)), ("file", "a.jsonl", GOOD)]
+    if name == "purpose":
+        fields = fields[1:]
+
+    def pieces(body: bytes):
+        async def gen():
+            for i in range(0, len(body), 16_384):
+                yield body[i:i + 16_384]
+        return gen()
+
+    headers = {"Content-Type": "multipart/form-data; boundary=xyzBOUNDARY"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        async with s.post(gw.url + "/v1/files", data=pieces(_multipart(fields)), headers=headers) as r:
+            status, err = r.status, (await r.json())["error"]
+        assert status == 413, err
+        assert (err["param"], err["code"], err["type"]) == (name, "field_too_large", "invalid_request_error"), err
+        assert "65536 bytes" in err["message"], err
+        at_cap = _multipart([("purpose", None, b"batch"), ("note", None, b"7" * 65_536), ("file", "a.jsonl", GOOD)])
+        async with s.post(gw.url + "/v1/files", data=pieces(at_cap), headers=headers) as r:
+            assert r.status == 200, await r.text()
+            kept = (await r.json())["id"]
+    assert [f.id for f in (await openai_client(gw).files.list()).data] == [kept]
+    assert list((tmp_path / "batch" / "tmp").iterdir()) == []
