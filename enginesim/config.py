@@ -103,6 +103,9 @@ class SimConfig:
         "lacks the evicted one), rather than being refused")
     lora_load_ms: float = _knob(
         50.0, "cold load: time an adapter takes to enter a free (or evicted, LRU) GPU slot")
+    lora_load_call_ms: float = _knob(
+        0.0, "runtime load call: time the engine takes before it answers one (registers the adapter, or "
+        "refuses it), as reading a large adapter from disk or the hub does; 0: at once")
     # -- P/D disaggregation --------------------------------------------------------------------
     kv_transfer_ms_per_token: float = _knob(
         0.01, "P/D: KV transfer time per transferred prompt token (vLLM pull, SGLang send)")
@@ -162,7 +165,8 @@ class SimConfig:
                      "itl_growth_per_running", "startup_delay_s", "sse_keepalive_s", "keepalive_timeout_s",
                      "sglang_abort_delay_s", "kv_blocks", "block_size", "default_max_tokens", "port",
                      "kv_transfer_ms_per_token", "side_channel_port", "kv_lease_s", "bootstrap_port",
-                     "bootstrap_timeout_s", "waiting_timeout_s", "lora_load_ms", "max_loaded_loras"):
+                     "bootstrap_timeout_s", "waiting_timeout_s", "lora_load_ms", "max_loaded_loras",
+                     "lora_load_call_ms"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for module in self.lora_modules:

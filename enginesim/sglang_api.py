@@ -10,6 +10,7 @@ by rid prefix and the stream ends with ``finish_reason: "abort"``; ``/health`` i
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from contextlib import aclosing
@@ -401,6 +402,8 @@ class SglangApi:
         if lora is None:
             error = "LoRA is not enabled. Please set `--enable-lora` to True."
         else:
+            if load and self.cfg.lora_load_call_ms:
+                await asyncio.sleep(self.cfg.lora_load_call_ms / 1000.0)
             try:
                 if load and body.get("lora_name") in lora.registered:      # SGLang's LoRARegistry's words
                     error = (f"LoRA with name {body.get('lora_name')} already exists. "

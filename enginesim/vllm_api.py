@@ -448,6 +448,8 @@ class VllmApi:
             body = await read_json(request, require_json=True)
             if lora is None:
                 raise ApiError(400, "LoRA is not enabled. Use --enable-lora to enable LoRA.", type_="BadRequestError")
+            if load and self.cfg.lora_load_call_ms:
+                await asyncio.sleep(self.cfg.lora_load_call_ms / 1000.0)
             try:
                 text = lora.load(body.get("lora_name"), body.get("lora_path")) if load else \
                     lora.unload(body.get("lora_name"))
