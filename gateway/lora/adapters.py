@@ -70,10 +70,12 @@ every adapter it has requests in flight for, and where (``AdapterInFlight``'s ``
 ``share.told_busy``, with the next batch, and again every ``view.heartbeat_s`` while there are
 any); a sibling never unloads one of those there, for ``capacity``, ``idle`` or ``error``
 (``_busy_elsewhere``), until told they ended or the worker is silent for ``view.peer_ttl_s``
-(stopped; a restarted one's first word clears them). What stays each worker's own: loads under way
+(stopped; a restarted one's first word clears them). A load that fails is told to them with its
+cooldown's end (``told_load_failed`` → ``adopt_load_failed``): they do not ask that endpoint for
+that adapter until then either. What stays each worker's own: loads under way
 (requests reaching two workers before either load is done make two load calls; the engine answers
 the second that the adapter is there, which counts as loaded, and the cap may be passed for a
-moment), ``failure_cooldown_s``, and the moment between a sibling's request being charged and its
+moment), and the moment between a sibling's request being charged and its
 word arriving (a bus hop; the fresh load or use makes the adapter the last the least-recently-used
 order picks).
 """
@@ -314,7 +316,9 @@ class Lora:
             self.metrics.loads.labels(model, adapter, "error").inc()
             log.warning("lora load failed", model=model, adapter=adapter, endpoint=ep.name, error=error)
             if not adapter_for(ep.engine).lora_full(error):
-                self._cooldown[(id(ep), adapter)] = (self.clock() + self.settings.failure_cooldown_s, error)
+                self._cooldown[(id(ep), adapter)] = (until := self.clock() + self.settings.failure_cooldown_s, error)
+                if self.share is not None:
+                    self.share.told_load_failed(ep, adapter, model, until, error)
                 break
             # full of adapters this gateway may not unload (another gateway's, or in use): a slot
             # may free at any time, so no cooldown, but another endpoint may have room now
@@ -675,6 +679,17 @@ class Lora:
             key = (id(ep), a)
             if self._sibling_used.get(key, -math.inf) < at:
                 self._sibling_used[key] = at
+
+    def adopt_load_failed(self, ep: Endpoint, adapter: str, model: str, until: float, message: str) -> None:
+        """A sibling worker's load of ``adapter`` on ``ep`` failed with ``message``, and it cools that
+        endpoint down for it until ``until`` (``time.monotonic``, the machine's clock): so does this
+        one, as for a failure of its own (its requests meet the cooldown's 503, or go elsewhere)."""
+        key = (id(ep), adapter)
+        held = self._cooldown.get(key)
+        if held is None or held[0] < until:
+            self._cooldown[key] = (until, message)
+        log.info("lora load failure heard from a sibling worker", model=model, adapter=adapter, endpoint=ep.name,
+                 cooldown_s=round(max(0.0, until - self.clock()), 3), error=message)
 
     def adopt_change(self, ep: Endpoint, at: float, adapters: dict[str, str], loaded: bool) -> None:
         """A sibling worker loaded ``adapters`` on ``ep`` at ``at`` (``loaded``), or unloaded them

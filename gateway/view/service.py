@@ -32,7 +32,9 @@ own view, without telling anyone again:
   ``adopt_use``), and, as a count goes from none to one or back, of all the adapters it has
   requests in flight for on each endpoint (``told_busy`` → ``sibling_busy``, which the LoRA stage
   asks before it unloads one; re-sent every ``view.heartbeat_s`` while there are any, dropped
-  after ``view.peer_ttl_s`` of silence or at the sender's restart). A snapshot carries the
+  after ``view.peer_ttl_s`` of silence or at the sender's restart), and of each load that failed,
+  with its cooldown's end (``told_load_failed`` → ``Lora.adopt_load_failed``: the sibling does not
+  ask that endpoint for that adapter until then either). A snapshot carries the
   in-flight requests its sender knew of at the scrape, so each worker can tell its own requests
   from other gateways' in the engine's counts (``EngineMetrics.gateway_in_flight``);
 * between workers, an interactive request routed to an endpoint with no free slot
@@ -77,12 +79,15 @@ from gateway.view.bus import LocalBus
 from gateway.view.metrics import ViewMetrics
 from gateway.view.replicas import ReplicaLink
 from gateway.view.wire import (
+    LOAD_FAILED,
     LOADED,
+    MESSAGE_MAX,
     UNLOADED,
     USED,
     Batch,
     Eject,
     Insert,
+    LoraLoad,
     Probe,
     Scrape,
     Served,
@@ -171,6 +176,7 @@ class RoutingView:
         self._scrapes: list[Scrape] = []
         self._served: list[Served] = []
         self._preempts: list[str] = []
+        self._lora_loads: list[LoraLoad] = []
         self.on_preempt: Callable[[Endpoint], Any] | None = None   # a sibling asks for a batch line's slot here
         self._lora: Any = None               # this process's LoRA stage, whose discovery is shared
         self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape" | "models", endpoint key) → heard at
@@ -290,6 +296,13 @@ class RoutingView:
         found them gone: the siblings learn it at the end of this turn, so they neither load one
         again nor send requests for one to an engine without it."""
         self._served.append(Served(self._key(ep), at, adapters, LOADED if loaded else UNLOADED))
+        self._soon()
+
+    def told_load_failed(self, ep: Endpoint, adapter: str, model: str, until: float, message: str) -> None:
+        """This worker's load of ``adapter`` on ``ep`` failed, and it asks that endpoint for it no
+        more until ``until`` (``failure_cooldown_s``): the siblings learn it at the end of this turn
+        and do the same, rather than each asking the failing engine once per cooldown."""
+        self._lora_loads.append(LoraLoad(self._key(ep), adapter, model, LOAD_FAILED, until, message[:MESSAGE_MAX]))
         self._soon()
 
     def told_used(self, ep: Endpoint, at: float, adapters: dict[str, str]) -> None:
@@ -478,6 +491,9 @@ class RoutingView:
         preempt = self._preempts
         if preempt:
             self._preempts = []
+        lora_loads = self._lora_loads
+        if lora_loads:
+            self._lora_loads = []
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None
@@ -500,10 +516,10 @@ class RoutingView:
                         self._arm(self.cfg.heartbeat_s)      # said again until nothing is in flight
         bus = self.bus
         if bus is not None and (inserts or sessions or tokens or ejects or probes or scrapes or served or preempt
-                                or load is not None or busy is not None or (heartbeat and self._owe)):
+                                or lora_loads or load is not None or busy is not None or (heartbeat and self._owe)):
             payloads, self._seq = encode_numbered(self.sender, time.time(), inserts, sessions, load,
                                                   self.cfg.max_datagram_bytes, tokens, ejects, probes, scrapes, served,
-                                                  preempt, self.run, self._seq, busy)
+                                                  preempt, self.run, self._seq, busy, lora_loads)
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if bus.refused:
                 # a sibling missed facts, or the number that tells it so: say it again on the heartbeat
@@ -657,6 +673,16 @@ class RoutingView:
             else:
                 self._sibling_busy.pop(batch.sender, None)
             m.gm.child(m.applied, source, "busy").inc()
+        if batch.loads and self.share_monitoring and self._lora is not None and source == "worker":
+            n = 0
+            for f in batch.loads:
+                ep = self._resolve(f.ep)
+                if ep is None:
+                    m.gm.child(m.applied, source, "unknown_endpoint").inc()
+                elif f.state == LOAD_FAILED:
+                    self._lora.adopt_load_failed(ep, f.adapter, f.model, f.until, f.message)
+                    n += 1
+            m.gm.child(m.applied, source, "lora_load").inc(n)
         if batch.preempt and self.on_preempt is not None and source == "worker":
             n = 0
             for key in batch.preempt:       # after the load: the sender's request is counted here

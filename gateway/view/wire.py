@@ -32,6 +32,11 @@ discovery alike):
 * ``busy``: the LoRA adapters the sender has requests in flight for, per endpoint, all of them
   (absolute, as ``load``), sent when one's count goes from 0 to 1 or back to 0 there and with every
   ``view.heartbeat_s`` while any is; a sibling does not unload those there. The local bus only;
+* ``loads``: the outcomes of LoRA adapter loads the sender made (``LoraLoad``): a load an endpoint
+  failed (``LOAD_FAILED``), with the end of its ``lora.failure_cooldown_s`` (``until``, on
+  ``time.monotonic``, the same clock in every worker) and the engine's message; a sibling does not
+  ask that endpoint for that adapter until then. Sent at the end of the loop turn (not held by
+  ``view.flush_delay_s``), in the first batch. The local bus only;
 * ``run`` and ``seq`` (the local bus): the sender's process (a random number, new at each start) and
   how many batches with insertions or sessions it has sent so far, this one included. A sibling
   that sees the count jump missed some (its queue was full: stopped, or busy) and asks the sender
@@ -95,6 +100,19 @@ class Served(msgspec.Struct, array_like=True):
 LOADED, UNLOADED, USED = 1, 2, 3
 
 
+class LoraLoad(msgspec.Struct, array_like=True):
+    ep: str
+    adapter: str
+    model: str                           # the adapter's base model
+    state: int                           # LOAD_FAILED
+    until: float = 0.0                   # LOAD_FAILED: the cooldown's end (the sender's time.monotonic)
+    message: str = ""                    # LOAD_FAILED: the engine's message (cut to MESSAGE_MAX)
+
+
+LOAD_FAILED = 1
+MESSAGE_MAX = 512                        # characters of an engine's message a LoraLoad carries
+
+
 class Batch(msgspec.Struct, array_like=True):
     sender: str                          # "<gateway group>/<worker index>"
     sent: float                          # the sender's time.time() when it sent the batch
@@ -112,6 +130,7 @@ class Batch(msgspec.Struct, array_like=True):
     # endpoint key → the LoRA adapters the sender has requests in flight for there, all of them
     # (absolute: the next one heals a lost one); None: not in this batch, {}: none anywhere
     busy: dict[str, list[str]] | None = None
+    loads: list[LoraLoad] = []           # LoRA adapter loads' outcomes (a few, small: in the first batch)
 
 
 class ViewSnapshot(msgspec.Struct, array_like=True):
@@ -210,26 +229,28 @@ def encode(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequen
            load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
            breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
            scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
-           busy: dict[str, list[str]] | None = None) -> list[bytes]:
+           busy: dict[str, list[str]] | None = None, loads: Sequence[LoraLoad] = ()) -> list[bytes]:
     """The batches (encoded) that carry these facts, each within ``max_bytes`` unless a single
     fact is larger (it then travels alone; the bus counts it dropped if the socket refuses it)."""
     return encode_numbered(sender, sent, inserts, sessions, load, max_bytes, tokens, breakers, probes, scrapes,
-                           served, preempt, busy=busy)[0]
+                           served, preempt, busy=busy, loads=loads)[0]
 
 
 def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], sessions: Sequence[Session],
                     load: dict[str, int] | None, max_bytes: int, tokens: Sequence[Tokens] = (),
                     breakers: Sequence[Eject] = (), probes: Sequence[Probe] = (),
                     scrapes: Sequence[Scrape] = (), served: Sequence[Served] = (), preempt: Sequence[str] = (),
-                    run: int = 0, seq: int = 0, busy: dict[str, list[str]] | None = None) -> tuple[list[bytes], int]:
+                    run: int = 0, seq: int = 0, busy: dict[str, list[str]] | None = None,
+                    loads: Sequence[LoraLoad] = ()) -> tuple[list[bytes], int]:
     """``encode``, each batch carrying ``run`` and its number (``seq``, counting the batches with
     insertions or sessions; with ``run`` 0 nothing is numbered); returns the batches and the last
-    number given. ``load`` and ``busy`` ride in the first."""
+    number given. ``load``, ``busy``, ``breakers``, ``preempt`` and ``loads`` ride in the first."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0) \
         - (sum(len(k) + 8 + sum(len(a) + 4 for a in v) for k, v in busy.items()) if busy else 0)
     out: list[bytes] = []
     lists: dict[type, list] = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
-    used = 64 * len(breakers) + sum(len(k) + 8 for k in preempt)    # a few, small: in the first batch
+    used = 64 * len(breakers) + sum(len(k) + 8 for k in preempt) \
+        + sum(32 + len(f.ep) + len(f.adapter) + len(f.model) + 4 * len(f.message) for f in loads)    # a few, small: in the first batch
 
     def batch() -> bytes:
         nonlocal seq
@@ -237,18 +258,18 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
             seq += 1
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
                                      list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt),
-                                     run, seq, busy))
+                                     run, seq, busy, list(loads)))
 
     for fact in (*inserts, *sessions, *tokens, *probes, *scrapes, *served):
         n = _size(fact)
-        if used + n > budget and (breakers or preempt or any(lists.values())):
+        if used + n > budget and (breakers or preempt or loads or any(lists.values())):
             out.append(batch())
             load = busy = None
             lists = {Insert: [], Session: [], Tokens: [], Probe: [], Scrape: [], Served: []}
-            breakers = preempt = ()
+            breakers = preempt = loads = ()
             used = 0
         lists[fact.__class__].append(fact)
         used += n
-    if any(lists.values()) or breakers or preempt or load is not None or busy is not None or not out:
+    if any(lists.values()) or breakers or preempt or loads or load is not None or busy is not None or not out:
         out.append(batch())
     return out, seq

@@ -17,12 +17,12 @@ from tests.support.ports import listen_port
 from tests.support.waiting import wait_for
 
 
-def config(port: int, url: str, lora: str) -> str:
+def config(port: int, url: str, lora: str, adapters: str = "a: org/a, b: org/b") -> str:
     return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
             "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
             "health: {interval_s: 0.5}\n"
             f"lora: {{discovery_interval_s: 0, {lora}}}\n"
-            f"models: [{{name: m, engine: vllm, endpoints: ['{url}'], adapters: {{a: org/a, b: org/b}}}}]\n")
+            f"models: [{{name: m, engine: vllm, endpoints: ['{url}'], adapters: {{{adapters}}}}}]\n")
 
 
 async def spread(port: int, model: str, n: int = 12) -> list[tuple[int, str]]:
@@ -161,3 +161,47 @@ async def test_an_adapter_streaming_on_one_worker_is_not_unloaded_for_room_by_th
             await streamer.close()
             await other.close()
     assert calls(sim, "/v1/unload_lora_adapter") == 1
+
+
+LOAD = "/v1/load_lora_adapter"
+FAILING = "a: org/a, bad: /nonexistent/adapters/bad"     # an absolute path missing on disk: the engine's 404
+
+
+async def load_news_heard(port: int) -> bool:
+    """Whether a worker took in its sibling's word of a load it started or ended (``/metrics`` sums
+    the workers' counts)."""
+    page = (await get_new(port, "/metrics"))[1]
+    return metric_total(page, "switchyard_view_facts_applied_total", kind="lora_load") >= 1
+
+
+async def ask(session: aiohttp.ClientSession, port: int, model: str) -> tuple[int, str, str]:
+    """A chat request for ``model`` on ``session``'s worker: status, ``x-error-lora-load``, body."""
+    body = {"model": model, "messages": MSG, "max_tokens": 2}
+    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+        return r.status, r.headers.get("x-error-lora-load", ""), await r.text()
+
+
+@pytest.mark.timeout(120)
+async def test_a_load_failure_one_worker_met_cools_the_endpoint_down_in_its_sibling_too(sims, tmp_path):
+    """One worker's load of an adapter fails: its sibling hears of the failure and of its cooldown,
+    so it does not ask the engine again, and answers the cooldown's 503 as for a failure of its own."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "failure_cooldown_s: 60", FAILING))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        first, pid = await worker_session(port)
+        second, _ = await worker_session(port, pid)
+        try:
+            status, why, text = await ask(first, port, "bad")
+            assert (status, why) == (502, "error"), text
+            await wait_for(lambda: load_news_heard(port), timeout=5)     # bounded: without it the request below loads
+            status, why, text = await ask(second, port, "bad")
+            assert calls(sim, LOAD) == 1, "the sibling asked the failing engine again"
+            assert (status, why) == (503, "cooldown"), text
+            page = (await get_new(port, "/metrics"))[1]
+        finally:
+            await first.close()
+            await second.close()
+    assert metric_total(page, "switchyard_lora_loads_total", adapter="bad", result="error") == 1
+    assert metric_total(page, "switchyard_lora_loads_total", adapter="bad", result="cooldown") == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.view.wire import Batch, Insert, Session, decode, encode
+from gateway.view.wire import LOAD_FAILED, Batch, Insert, LoraLoad, Session, decode, encode
 
 
 def test_a_batch_round_trips_with_64_bit_keys():
@@ -104,9 +104,28 @@ def test_adapters_in_flight_travel_once_in_the_first_batch_and_a_batch_of_either
     assert [b.busy for b in map(decode, out)] == [busy] + [None] * (len(out) - 1)
     (none,) = encode("g/1", 1.0, [], [], None, 4096, busy={})
     assert decode(none).busy == {}
-    # a sibling of the version before (no busy) and one of a later version (a field more) both decode
+    # a sibling of the version before (no busy, nor what came after) and one of a later version (a field more) both decode
     enc = msgspec.msgpack.Encoder()
-    older = msgspec.msgpack.decode(out[0])[:-1]
+    older = msgspec.msgpack.decode(out[0])[:-2]
     assert decode(enc.encode(older)).busy is None and decode(enc.encode(older)).inserts == decode(out[0]).inserts
     newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
     assert decode(enc.encode(newer)).busy == busy
+
+
+def test_adapter_load_outcomes_travel_once_in_the_first_batch_and_a_batch_of_either_layout_decodes():
+    import msgspec
+
+    ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]
+    loads = [LoraLoad("m|http://a:1", "sql", "m", LOAD_FAILED, 1234.5, "No adapter found for /x"),
+             LoraLoad("m|http://a:2", "chat", "m", LOAD_FAILED, 99.0)]
+    out = encode("g/1", 1.0, ins, [], None, 4096, loads=loads)
+    assert len(out) > 1 and all(len(p) <= 4096 for p in out)
+    assert [b.loads for b in map(decode, out)] == [loads] + [[]] * (len(out) - 1)
+    (alone,) = encode("g/1", 1.0, [], [], None, 4096, loads=loads)
+    assert decode(alone).loads == loads and decode(alone).loads[1].message == ""
+    # a sibling of the version before (no loads) and one of a later version (a field more) both decode
+    enc = msgspec.msgpack.Encoder()
+    older = msgspec.msgpack.decode(out[0])[:-1]
+    assert decode(enc.encode(older)).loads == [] and decode(enc.encode(older)).inserts == decode(out[0]).inserts
+    newer = [*msgspec.msgpack.decode(out[0]), {"unknown": 1}]
+    assert decode(enc.encode(newer)).loads == loads
