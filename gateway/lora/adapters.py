@@ -70,12 +70,17 @@ every adapter it has requests in flight for, and where (``AdapterInFlight``'s ``
 ``share.told_busy``, with the next batch, and again every ``view.heartbeat_s`` while there are
 any); a sibling never unloads one of those there, for ``capacity``, ``idle`` or ``error``
 (``_busy_elsewhere``), until told they ended or the worker is silent for ``view.peer_ttl_s``
-(stopped; a restarted one's first word clears them). A load that fails is told to them with its
-cooldown's end (``told_load_failed`` → ``adopt_load_failed``): they do not ask that endpoint for
-that adapter until then either. What stays each worker's own: loads under way
-(requests reaching two workers before either load is done make two load calls; the engine answers
-the second that the adapter is there, which counts as loaded, and the cap may be passed for a
-moment), and the moment between a sibling's request being charged and its
+(stopped; a restarted one's first word clears them). A load it starts is told to them at once,
+again every ``view.heartbeat_s`` while under way, and its end (``told_load_started``,
+``told_load_ended`` → ``adopt_load_started``, ``adopt_load_ended``); a sibling that needs the
+adapter meanwhile waits for that end (``_await_sibling``) instead of loading it too, for at most
+``load_timeout_s`` and not past ``view.peer_ttl_s`` without word of it. A load that fails is told
+with its cooldown's end (``told_load_failed`` → ``adopt_load_failed``): they do not ask that
+endpoint for that adapter until then either. What stays each worker's own: the bus hop before the
+siblings hear of a load (two workers that both start loading an adapter within it make two load
+calls; the engine answers the second that the adapter is there, which counts as loaded), a load
+under way as room under the cap (two workers loading two adapters onto one endpoint at once may
+pass it for a moment), and the moment between a sibling's request being charged and its
 word arriving (a bus hop; the fresh load or use makes the adapter the last the least-recently-used
 order picks).
 """
@@ -128,6 +133,11 @@ class LoraMetrics:
                                "the engine refused a load as full; engine: the engine unloaded it itself to make room, seen in a "
                                "load's answer)", ["model", "adapter", "reason"],
                                registry=registry)
+        self.load_waits = Counter("switchyard_lora_load_waits", "Loads a sibling worker had under way that this "
+                                  "worker waited for instead of loading the adapter itself, by outcome (loaded, "
+                                  "failed: its cooldown is this worker's too, ended: neither, silent: the sibling "
+                                  "was not heard for view.peer_ttl_s, timeout: lora.load_timeout_s passed)",
+                                  ["model", "adapter", "outcome"], registry=registry)
         self.serving = Gauge("switchyard_lora_adapter_endpoints", "Endpoints serving each known adapter",
                              ["model", "adapter"], registry=registry)
 
@@ -151,6 +161,7 @@ class Lora:
         self._down: set[int] = set()                            # id(ep) of endpoints the probes found down
         self._counted: set[tuple[str, str]] = set()             # (model, adapter) the serving gauge has
         self._sibling_used: dict[tuple[int, str], float] = {}   # (id(ep), adapter) -> a sibling worker's last use
+        self._sibling_loads: dict[tuple[int, str], _SiblingLoad] = {}   # (id(ep), adapter) -> a sibling's load under way
         self._uses_told_at = -math.inf
         # keyed by id(ep): an endpoint that left the pool leaves them, or a new one at its address
         # would inherit its cooldowns and its loads
@@ -297,18 +308,33 @@ class Lora:
     async def _load(self, model: str, adapter: str, path: str, candidates: list[Endpoint]) -> Endpoint:
         refused: list[Endpoint] = []        # refused the load as full, with nothing to unload there
         while True:
+            if self._sibling_loads:
+                waited = await self._await_sibling(model, adapter, candidates)
+                if waited is not None:
+                    if adapter in waited.adapters.served:
+                        return waited
+                    continue        # failed (cooling down now), or ended without it: choose again
             target = self.target([c for c in candidates if all(c is not r for r in refused)], adapter)
             if target is None:
                 if refused:
                     break           # the last refusal is the answer
                 self._no_target(model, adapter, candidates)
             ep = target
-            error = await self._load_on(ep, model, adapter, path)
+            share = self.share
+            if share is not None:
+                share.told_load_started(ep, adapter, model)
+            try:
+                error = await self._load_on(ep, model, adapter, path)
+            except BaseException:
+                if share is not None:
+                    share.told_load_ended(ep, adapter, model, None)
+                raise
             if error is None:
                 ep.adapters.served[adapter] = model
                 self._loaded_at[(id(ep), adapter)] = at = self.clock()
-                if self.share is not None:
-                    self.share.told_adapters(ep, at, {adapter: model}, True)
+                if share is not None:
+                    share.told_adapters(ep, at, {adapter: model}, True)
+                    share.told_load_ended(ep, adapter, model, at)
                 self.metrics.loads.labels(model, adapter, "ok").inc()
                 log.info("lora adapter loaded", model=model, adapter=adapter, endpoint=ep.name)
                 self.count_serving()
@@ -317,15 +343,77 @@ class Lora:
             log.warning("lora load failed", model=model, adapter=adapter, endpoint=ep.name, error=error)
             if not adapter_for(ep.engine).lora_full(error):
                 self._cooldown[(id(ep), adapter)] = (until := self.clock() + self.settings.failure_cooldown_s, error)
-                if self.share is not None:
-                    self.share.told_load_failed(ep, adapter, model, until, error)
+                if share is not None:
+                    share.told_load_failed(ep, adapter, model, until, error)
                 break
+            if share is not None:
+                share.told_load_ended(ep, adapter, model, None)
             # full of adapters this gateway may not unload (another gateway's, or in use): a slot
             # may free at any time, so no cooldown, but another endpoint may have room now
             refused.append(ep)
         raise GatewayError(502, f"loading the LoRA adapter `{adapter}` on {ep.name} failed: {error}",
                            code="lora_load_failed", header=("x-error-lora-load", "error"),
                            error_class=ErrorClass.LORA_LOAD)
+
+    async def _await_sibling(self, model: str, adapter: str, candidates: list[Endpoint]) -> Endpoint | None:
+        """When a sibling worker has a load of ``adapter`` under way on one of ``candidates``: its end,
+        awaited for at most ``load_timeout_s``, or until the sibling is not heard for
+        ``view.peer_ttl_s`` (it stopped); the endpoint (which serves the adapter if the load went
+        well). None when no sibling is loading it there."""
+        for ep in candidates:
+            entry = self._sibling_loads.get(key := (id(ep), adapter))
+            if entry is not None:
+                break
+        else:
+            return None
+        if entry.done is None:
+            entry.done = asyncio.get_running_loop().create_future()
+        done, ttl = entry.done, self.config.view.peer_ttl_s
+        deadline = self.clock() + self.settings.load_timeout_s
+        while not done.done():
+            now = self.clock()
+            left = min(deadline, entry.heard + ttl) - now
+            if left <= 0:
+                outcome = "timeout" if now >= deadline else "silent"
+                if self._sibling_loads.get(key) is entry:
+                    del self._sibling_loads[key]      # loaded here, then, unless another sibling starts it
+                break
+            await asyncio.wait((done,), timeout=left)
+        else:
+            outcome = done.result()
+        self.metrics.load_waits.labels(model, adapter, outcome).inc()
+        log.info("lora load awaited from a sibling worker", model=model, adapter=adapter, endpoint=ep.name,
+                 outcome=outcome)
+        return ep
+
+    def adopt_load_started(self, ep: Endpoint, adapter: str, sender: str, run: int) -> None:
+        """Sibling worker ``sender`` (its process ``run``) started loading ``adapter`` on ``ep``, or
+        says again that it is under way: a request for it here waits for its end (``_await_sibling``)."""
+        key = (id(ep), adapter)
+        entry = self._sibling_loads.get(key)
+        if entry is None or entry.sender != sender or entry.run != run:
+            if entry is not None:
+                entry.end("ended")          # another load of it (two workers started at once): the newest is awaited
+            self._sibling_loads[key] = _SiblingLoad(sender, run, self.clock())
+        else:
+            entry.heard = self.clock()
+
+    def adopt_load_ended(self, ep: Endpoint, adapter: str, model: str, at: float | None) -> None:
+        """A sibling worker's load of ``adapter`` on ``ep`` ended: loaded at ``at`` (as ``adopt_change``
+        would), or (None) neither loaded nor failed; whoever waited for it here goes on."""
+        if at is not None:
+            self.adopt_change(ep, at, {adapter: model}, True)
+        entry = self._sibling_loads.pop((id(ep), adapter), None)
+        if entry is not None:
+            entry.end("loaded" if at is not None else "ended")
+
+    def sibling_run(self, sender: str, run: int) -> None:
+        """A message from sibling ``sender``'s process ``run``: its loads of an earlier run (it
+        restarted) will never end, and are not waited for."""
+        if not self._sibling_loads:
+            return
+        for key in [k for k, e in self._sibling_loads.items() if e.sender == sender and e.run != run]:
+            self._sibling_loads.pop(key).end("silent")
 
     def _no_target(self, model: str, adapter: str, candidates: list[Endpoint]) -> NoReturn:
         """No endpoint may be asked to load ``adapter``: raise the 503 that says why."""
@@ -545,6 +633,8 @@ class Lora:
         for d in (self._cooldown, self._loaded_at, self._unloaded_at, self._sibling_used):
             for key in [k for k in d if k[0] == i]:
                 del d[key]
+        for key in [k for k in self._sibling_loads if k[0] == i]:
+            self._sibling_loads.pop(key).end("ended")      # whoever waits chooses among those left
         self._pending.pop(i, None)
 
     def settle(self, ctx: RequestContext) -> None:
@@ -688,6 +778,9 @@ class Lora:
         held = self._cooldown.get(key)
         if held is None or held[0] < until:
             self._cooldown[key] = (until, message)
+        entry = self._sibling_loads.pop(key, None)
+        if entry is not None:
+            entry.end("failed")
         log.info("lora load failure heard from a sibling worker", model=model, adapter=adapter, endpoint=ep.name,
                  cooldown_s=round(max(0.0, until - self.clock()), 3), error=message)
 
@@ -724,6 +817,21 @@ class Lora:
 
 
 _STATES = frozenset({"running", "resident", "free_slot", "waiting", "full"})
+
+
+class _SiblingLoad:
+    """A sibling worker's load under way (``Lora.adopt_load_started``): who, when last heard of,
+    and (once a request here waits for it) the future its outcome ends."""
+
+    __slots__ = ("sender", "run", "heard", "done")
+
+    def __init__(self, sender: str, run: int, heard: float) -> None:
+        self.sender, self.run, self.heard = sender, run, heard
+        self.done: asyncio.Future[str] | None = None
+
+    def end(self, outcome: str) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_result(outcome)
 
 
 class _PairAdapterInFlight(AdapterInFlight):

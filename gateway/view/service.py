@@ -34,7 +34,10 @@ own view, without telling anyone again:
   asks before it unloads one; re-sent every ``view.heartbeat_s`` while there are any, dropped
   after ``view.peer_ttl_s`` of silence or at the sender's restart), and of each load that failed,
   with its cooldown's end (``told_load_failed`` → ``Lora.adopt_load_failed``: the sibling does not
-  ask that endpoint for that adapter until then either). A snapshot carries the
+  ask that endpoint for that adapter until then either); each load it starts is told at once, and
+  again every ``view.heartbeat_s`` while it is under way, and its end (``told_load_started``,
+  ``told_load_ended`` → ``Lora.adopt_load_started``, ``adopt_load_ended``): a sibling that needs
+  the adapter meanwhile waits for that end rather than loading it too. A snapshot carries the
   in-flight requests its sender knew of at the scrape, so each worker can tell its own requests
   from other gateways' in the engine's counts (``EngineMetrics.gateway_in_flight``);
 * between workers, an interactive request routed to an endpoint with no free slot
@@ -79,7 +82,10 @@ from gateway.view.bus import LocalBus
 from gateway.view.metrics import ViewMetrics
 from gateway.view.replicas import ReplicaLink
 from gateway.view.wire import (
+    LOAD_ENDED,
     LOAD_FAILED,
+    LOAD_OK,
+    LOAD_STARTED,
     LOADED,
     MESSAGE_MAX,
     UNLOADED,
@@ -177,6 +183,8 @@ class RoutingView:
         self._served: list[Served] = []
         self._preempts: list[str] = []
         self._lora_loads: list[LoraLoad] = []
+        self._loading: dict[tuple[str, str], LoraLoad] = {}     # this worker's loads under way, said again each heartbeat
+        self._loading_told_at = 0.0
         self.on_preempt: Callable[[Endpoint], Any] | None = None   # a sibling asks for a batch line's slot here
         self._lora: Any = None               # this process's LoRA stage, whose discovery is shared
         self._heard_watcher: dict[tuple[str, str], float] = {}   # ("probe" | "scrape" | "models", endpoint key) → heard at
@@ -302,7 +310,29 @@ class RoutingView:
         """This worker's load of ``adapter`` on ``ep`` failed, and it asks that endpoint for it no
         more until ``until`` (``failure_cooldown_s``): the siblings learn it at the end of this turn
         and do the same, rather than each asking the failing engine once per cooldown."""
-        self._lora_loads.append(LoraLoad(self._key(ep), adapter, model, LOAD_FAILED, until, message[:MESSAGE_MAX]))
+        key = self._key(ep)
+        self._loading.pop((key, adapter), None)
+        self._lora_loads.append(LoraLoad(key, adapter, model, LOAD_FAILED, until, message[:MESSAGE_MAX]))
+        self._soon()
+
+    def told_load_started(self, ep: Endpoint, adapter: str, model: str) -> None:
+        """This worker starts loading ``adapter`` on ``ep``: the siblings learn it at the end of this
+        turn (not held by ``flush_delay_s``: a request for it may reach them any moment), and again
+        every ``heartbeat_s`` while it is under way (so they tell a slow load from a stopped worker);
+        one that needs the adapter meanwhile waits for the load's end rather than loading it too."""
+        key = self._key(ep)
+        fact = self._loading[(key, adapter)] = LoraLoad(key, adapter, model, LOAD_STARTED)
+        self._lora_loads.append(fact)
+        self._soon()
+        self._arm(self.cfg.heartbeat_s)
+
+    def told_load_ended(self, ep: Endpoint, adapter: str, model: str, at: float | None) -> None:
+        """This worker's load of ``adapter`` on ``ep`` ended: loaded at ``at``, or (None) neither
+        loaded nor failed (refused as full, cut short; a failure is ``told_load_failed``). The
+        siblings waiting for it learn it at the end of this turn."""
+        key = self._key(ep)
+        self._loading.pop((key, adapter), None)
+        self._lora_loads.append(LoraLoad(key, adapter, model, LOAD_OK if at is not None else LOAD_ENDED, at or 0.0))
         self._soon()
 
     def told_used(self, ep: Endpoint, at: float, adapters: dict[str, str]) -> None:
@@ -494,6 +524,11 @@ class RoutingView:
         lora_loads = self._lora_loads
         if lora_loads:
             self._lora_loads = []
+        if self._loading:           # loads under way: said again every heartbeat_s
+            now = time.monotonic()
+            if now - self._loading_told_at >= self.cfg.heartbeat_s - 0.01:
+                lora_loads = [*lora_loads, *(f for f in self._loading.values() if f not in lora_loads)]
+                self._loading_told_at = now
         if self._tokens_timer is not None:
             self._tokens_timer.cancel()
             self._tokens_timer = None
@@ -567,7 +602,8 @@ class RoutingView:
             self._expire_peers()
         except Exception:     # never let the ticker die: the siblings would see this one go silent
             log.exception("shared routing view: tick failed")
-        if (self.bus_load and (self._sent_load or self._peers)) or self._owe or self._sent_busy or self._sibling_busy:
+        if (self.bus_load and (self._sent_load or self._peers)) or self._owe or self._sent_busy or self._sibling_busy \
+                or self._loading:
             self._arm(self.cfg.heartbeat_s)
 
     # -- applying ------------------------------------------------------------------------------
@@ -605,6 +641,8 @@ class RoutingView:
             held = self._sibling_busy.get(batch.sender) if self._sibling_busy else None
             if held is not None and held[0] != batch.run:      # the sibling restarted: nothing in flight of before
                 del self._sibling_busy[batch.sender]
+            if self._lora is not None and self.share_monitoring:
+                self._lora.sibling_run(batch.sender, batch.run)    # nor any load under way
         unknown = stale = 0
         index = self._index
         vet = source == "replica"          # siblings scrape the engines with this worker
@@ -680,7 +718,13 @@ class RoutingView:
                 if ep is None:
                     m.gm.child(m.applied, source, "unknown_endpoint").inc()
                 elif f.state == LOAD_FAILED:
-                    self._lora.adopt_load_failed(ep, f.adapter, f.model, f.until, f.message)
+                    self._lora.adopt_load_failed(ep, f.adapter, f.model, f.at, f.message)
+                    n += 1
+                elif f.state == LOAD_STARTED:
+                    self._lora.adopt_load_started(ep, f.adapter, batch.sender, batch.run)
+                    n += 1
+                elif f.state in (LOAD_OK, LOAD_ENDED):
+                    self._lora.adopt_load_ended(ep, f.adapter, f.model, f.at if f.state == LOAD_OK else None)
                     n += 1
             m.gm.child(m.applied, source, "lora_load").inc(n)
         if batch.preempt and self.on_preempt is not None and source == "worker":

@@ -32,11 +32,14 @@ discovery alike):
 * ``busy``: the LoRA adapters the sender has requests in flight for, per endpoint, all of them
   (absolute, as ``load``), sent when one's count goes from 0 to 1 or back to 0 there and with every
   ``view.heartbeat_s`` while any is; a sibling does not unload those there. The local bus only;
-* ``loads``: the outcomes of LoRA adapter loads the sender made (``LoraLoad``): a load an endpoint
-  failed (``LOAD_FAILED``), with the end of its ``lora.failure_cooldown_s`` (``until``, on
-  ``time.monotonic``, the same clock in every worker) and the engine's message; a sibling does not
-  ask that endpoint for that adapter until then. Sent at the end of the loop turn (not held by
-  ``view.flush_delay_s``), in the first batch. The local bus only;
+* ``loads``: the LoRA adapter loads the sender makes (``LoraLoad``): one it started
+  (``LOAD_STARTED``; said again every ``view.heartbeat_s`` while it is under way), and how each
+  ended: loaded (``LOAD_OK``, at ``at``), failed (``LOAD_FAILED``, with the end of its
+  ``lora.failure_cooldown_s`` in ``at`` and the engine's message: a sibling does not ask that
+  endpoint for that adapter until then), or neither (``LOAD_ENDED``: refused as full, or cut
+  short). A sibling that needs the adapter while the load is under way waits for its end rather
+  than loading it too. ``at`` is on ``time.monotonic``, the same clock in every worker. Sent at the
+  end of the loop turn (not held by ``view.flush_delay_s``), in the first batch. The local bus only;
 * ``run`` and ``seq`` (the local bus): the sender's process (a random number, new at each start) and
   how many batches with insertions or sessions it has sent so far, this one included. A sibling
   that sees the count jump missed some (its queue was full: stopped, or busy) and asks the sender
@@ -104,12 +107,12 @@ class LoraLoad(msgspec.Struct, array_like=True):
     ep: str
     adapter: str
     model: str                           # the adapter's base model
-    state: int                           # LOAD_FAILED
-    until: float = 0.0                   # LOAD_FAILED: the cooldown's end (the sender's time.monotonic)
+    state: int                           # LOAD_FAILED, LOAD_STARTED, LOAD_OK, LOAD_ENDED
+    at: float = 0.0                      # LOAD_FAILED: the cooldown's end; LOAD_OK: when loaded (time.monotonic)
     message: str = ""                    # LOAD_FAILED: the engine's message (cut to MESSAGE_MAX)
 
 
-LOAD_FAILED = 1
+LOAD_FAILED, LOAD_STARTED, LOAD_OK, LOAD_ENDED = 1, 2, 3, 4
 MESSAGE_MAX = 512                        # characters of an engine's message a LoraLoad carries
 
 

@@ -205,3 +205,64 @@ async def test_a_load_failure_one_worker_met_cools_the_endpoint_down_in_its_sibl
             await second.close()
     assert metric_total(page, "switchyard_lora_loads_total", adapter="bad", result="error") == 1
     assert metric_total(page, "switchyard_lora_loads_total", adapter="bad", result="cooldown") == 1
+
+
+async def load_under_way(sim, port: int, first: aiohttp.ClientSession, model: str) -> asyncio.Task:
+    """``first``'s request for ``model``, sent in the background once the engine (whose load calls
+    answer after seconds) has its load call and the sibling may have heard the load start."""
+    task = asyncio.create_task(ask(first, port, model))
+    await wait_for(lambda: calls(sim, LOAD) == 1, timeout=10)
+    await wait_for(lambda: load_news_heard(port), timeout=2)      # bounded: without it the sibling loads
+    assert calls(sim, LOAD) == 1 and not task.done(), "the first load was not under way"
+    return task
+
+
+@pytest.mark.timeout(120)
+async def test_a_load_under_way_in_one_worker_is_awaited_by_its_sibling_not_made_again(sims, tmp_path):
+    """A request for an adapter reaches the sibling while the first worker's load of it is under
+    way: the sibling waits for that load's outcome rather than asking the engine too."""
+    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=4000)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "load_timeout_s: 60"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        first, pid = await worker_session(port)
+        second, _ = await worker_session(port, pid)
+        try:
+            loading = await load_under_way(sim, port, first, "a")
+            status, _, text = await ask(second, port, "a")
+            assert calls(sim, LOAD) == 1, "the sibling made a load call of its own"
+            assert status == 200, text
+            status, _, text = await loading
+            assert status == 200, text
+            page = (await get_new(port, "/metrics"))[1]
+        finally:
+            await first.close()
+            await second.close()
+    assert metric_total(page, "switchyard_lora_loads_total", adapter="a", result="ok") == 1
+    assert metric_total(page, "switchyard_lora_load_waits_total", adapter="a", outcome="loaded") == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_load_under_way_in_one_worker_that_fails_is_the_siblings_cooldown(sims, tmp_path):
+    """The first worker's load fails while the sibling waits on it: the sibling does not ask the
+    engine either, and answers the cooldown's 503."""
+    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=4000)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "load_timeout_s: 60, failure_cooldown_s: 60", FAILING))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        first, pid = await worker_session(port)
+        second, _ = await worker_session(port, pid)
+        try:
+            loading = await load_under_way(sim, port, first, "bad")
+            status, why, text = await ask(second, port, "bad")
+            assert calls(sim, LOAD) == 1, "the sibling made a load call of its own"
+            assert (status, why) == (503, "cooldown"), text
+            status, why, text = await loading
+            assert (status, why) == (502, "error"), text
+            page = (await get_new(port, "/metrics"))[1]
+        finally:
+            await first.close()
+            await second.close()
+    assert metric_total(page, "switchyard_lora_load_waits_total", adapter="bad", outcome="failed") == 1

@@ -73,3 +73,53 @@ def test_an_endpoint_that_left_the_pool_leaves_no_cooldown_or_load_behind():
     lora._cooldown[(id(ep), "b")] = (200.0, "failed")
     lora.pool.remove(ep)
     assert [k[0] for k in (*lora._loaded_at, *lora._unloaded_at, *lora._cooldown)] == [id(other)] * 2
+
+
+def make_clocked() -> tuple[Lora, list[Endpoint], list[float]]:
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    cfg = config_from_dict({"models": [{"name": "m", "endpoints": urls, "adapters": ADAPTERS}],
+                            "lora": {"load_timeout_s": 30}, "view": {"peer_ttl_s": 1.0}}, source="<test>")
+    pool = EndpointPool()
+    eps = [pool.add(Endpoint(url=u, model="m")) for u in urls]
+    now = [100.0]
+    lora = Lora(cfg, pool, upstream=None, metrics=LoraMetrics(CollectorRegistry()), clock=lambda: now[0])
+    return lora, eps, now
+
+
+async def test_a_sibling_load_under_way_is_awaited_until_it_ends_either_way():
+    import asyncio
+
+    lora, (ep, other), now = make_clocked()
+    assert await lora._await_sibling("m", "a", [ep, other]) is None          # none under way: not waited
+    lora.adopt_load_started(other, "a", "g/1", 7)
+    waiting = asyncio.ensure_future(lora._await_sibling("m", "a", [ep, other]))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    lora.adopt_load_ended(other, "a", "m", 100.0)                            # loaded: served there
+    assert await waiting is other and other.adapters.served == {"a": "m"}
+    lora.adopt_load_started(ep, "b", "g/1", 7)
+    waiting = asyncio.ensure_future(lora._await_sibling("m", "b", [ep, other]))
+    await asyncio.sleep(0)
+    lora.adopt_load_failed(ep, "b", "m", 160.0, "No adapter found")          # failed: its cooldown is ours
+    assert await waiting is ep and "b" not in ep.adapters.served
+    assert lora._cooling(ep, "b", now[0]) == (160.0, "No adapter found") and not lora._sibling_loads
+    outcomes = {s.labels["outcome"]: s.value for s in next(lora.metrics.load_waits.collect()).samples
+                if s.name.endswith("_total")}
+    assert outcomes == {"loaded": 1.0, "failed": 1.0}
+
+
+async def test_a_sibling_that_restarted_or_went_silent_is_not_awaited():
+    import asyncio
+
+    lora, (ep, _), now = make_clocked()
+    lora.adopt_load_started(ep, "a", "g/1", 7)
+    waiting = asyncio.ensure_future(lora._await_sibling("m", "a", [ep]))
+    await asyncio.sleep(0)
+    lora.sibling_run("g/1", 7)                                                # the same run: still under way
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    lora.sibling_run("g/1", 9)                                                # restarted: that load is gone
+    assert await waiting is ep and not lora._sibling_loads
+    lora.adopt_load_started(ep, "a", "g/1", 9)
+    now[0] += 1.5                                                             # not heard for peer_ttl_s
+    assert await lora._await_sibling("m", "a", [ep]) is ep and not lora._sibling_loads

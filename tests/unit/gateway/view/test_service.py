@@ -571,3 +571,34 @@ async def test_a_restarted_sibling_drops_the_adapters_its_last_run_had_in_flight
         assert b.sibling_busy(eb, "x") and not b.sibling_busy(eb, "y")
         b._apply(new, "worker", True)
         assert not b.sibling_busy(eb, "x")
+
+
+async def test_a_load_under_way_is_told_at_once_said_again_each_heartbeat_and_its_end_reaches_the_sibling():
+    """Worker a starts loading adapter x: b hears it at once (a request for x there waits for the
+    load), hears it again every heartbeat while it is under way (a slow load is not a stopped
+    worker), and hears its end: x is then served there in b's view too, and nothing more is said."""
+    import time
+
+    from prometheus_client import CollectorRegistry
+
+    from gateway.lora.adapters import Lora, LoraMetrics
+
+    d = RunDirectory()
+    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS,
+                                        "adapters": {"x": "org/x"}}],
+                            "view": {"heartbeat_s": 0.05, "peer_ttl_s": 0.3, "load_interval_s": 0.01}}, source="<t>")
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    la, lb = (Lora(cfg, p, upstream=None, metrics=LoraMetrics(CollectorRegistry())) for p in (apool, bpool))
+    a.attach_lora(la)
+    b.attach_lora(lb)
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m")[0], bpool.endpoints("m")[0]
+        a.told_load_started(ea, "x", "m")
+        await until(lambda: (id(eb), "x") in lb._sibling_loads)
+        heard = lb._sibling_loads[(id(eb), "x")].heard
+        await until(lambda: lb._sibling_loads[(id(eb), "x")].heard > heard)
+        a.told_load_ended(ea, "x", "m", time.monotonic())
+        await until(lambda: not lb._sibling_loads)
+        assert eb.adapters.served == {"x": "m"} and not a._loading
+    page = b.m.gm.render().decode()
+    assert metric_total(page, "switchyard_view_facts_applied_total", kind="lora_load") >= 3

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.view.wire import LOAD_FAILED, Batch, Insert, LoraLoad, Session, decode, encode
+from gateway.view.wire import (
+    LOAD_FAILED,
+    LOAD_OK,
+    LOAD_STARTED,
+    Batch,
+    Insert,
+    LoraLoad,
+    Session,
+    decode,
+    encode,
+)
 
 
 def test_a_batch_round_trips_with_64_bit_keys():
@@ -117,12 +127,13 @@ def test_adapter_load_outcomes_travel_once_in_the_first_batch_and_a_batch_of_eit
 
     ins = [Insert(f"m|http://a:{i}", list(range(i * 100, i * 100 + 100))) for i in range(20)]
     loads = [LoraLoad("m|http://a:1", "sql", "m", LOAD_FAILED, 1234.5, "No adapter found for /x"),
-             LoraLoad("m|http://a:2", "chat", "m", LOAD_FAILED, 99.0)]
+             LoraLoad("m|http://a:2", "chat", "m", LOAD_STARTED),
+             LoraLoad("m|http://a:3", "chat", "m", LOAD_OK, 99.0)]
     out = encode("g/1", 1.0, ins, [], None, 4096, loads=loads)
     assert len(out) > 1 and all(len(p) <= 4096 for p in out)
     assert [b.loads for b in map(decode, out)] == [loads] + [[]] * (len(out) - 1)
     (alone,) = encode("g/1", 1.0, [], [], None, 4096, loads=loads)
-    assert decode(alone).loads == loads and decode(alone).loads[1].message == ""
+    assert decode(alone).loads == loads and decode(alone).loads[1].message == "" and decode(alone).loads[1].at == 0.0
     # a sibling of the version before (no loads) and one of a later version (a field more) both decode
     enc = msgspec.msgpack.Encoder()
     older = msgspec.msgpack.decode(out[0])[:-1]
