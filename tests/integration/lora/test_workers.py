@@ -246,7 +246,8 @@ async def test_a_load_under_way_in_one_worker_is_awaited_by_its_sibling_not_made
 @pytest.mark.timeout(120)
 async def test_a_load_under_way_in_one_worker_that_fails_is_the_siblings_cooldown(sims, tmp_path):
     """The first worker's load fails while the sibling waits on it: the sibling does not ask the
-    engine either, and answers the cooldown's 503."""
+    engine either, and answers the cooldown's 503 with its Retry-After; nor does either worker ask
+    again within the cooldown."""
     sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=4000)
     port = listen_port()
     path = tmp_path / "gw.yaml"
@@ -256,13 +257,58 @@ async def test_a_load_under_way_in_one_worker_that_fails_is_the_siblings_cooldow
         second, _ = await worker_session(port, pid)
         try:
             loading = await load_under_way(sim, port, first, "bad")
-            status, why, text = await ask(second, port, "bad")
+            status, why, text, retry = await ask_retry(second, port, "bad")
             assert calls(sim, LOAD) == 1, "the sibling made a load call of its own"
             assert (status, why) == (503, "cooldown"), text
+            assert 0 < int(retry) <= 60, retry
             status, why, text = await loading
             assert (status, why) == (502, "error"), text
+            for session in (first, second, first, second):      # within the cooldown, on either worker
+                status, why, text, retry = await ask_retry(session, port, "bad")
+                assert (status, why) == (503, "cooldown"), text
+                assert 0 < int(retry) <= 60, retry
+            assert calls(sim, LOAD) == 1, "the engine was asked again within the cooldown"
             page = (await get_new(port, "/metrics"))[1]
         finally:
             await first.close()
             await second.close()
     assert metric_total(page, "switchyard_lora_load_waits_total", adapter="bad", outcome="failed") == 1
+    assert metric_total(page, "switchyard_lora_load_waits_total", adapter="bad") == 1
+    assert metric_total(page, "switchyard_lora_loads_total", adapter="bad", result="error") == 1
+    assert metric_total(page, "switchyard_lora_loads_total", adapter="bad", result="cooldown") == 5
+
+
+async def ask_retry(session: aiohttp.ClientSession, port: int, model: str) -> tuple[int, str, str, str]:
+    """``ask``, and the answer's ``Retry-After``."""
+    body = {"model": model, "messages": MSG, "max_tokens": 2}
+    async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
+        return r.status, r.headers.get("x-error-lora-load", ""), await r.text(), r.headers.get("Retry-After", "")
+
+
+@pytest.mark.timeout(120)
+async def test_a_load_under_way_in_one_worker_refused_as_full_lets_its_sibling_ask_again(sims, tmp_path):
+    """The first worker's load is refused as full (the engine's one registered adapter is none of
+    the gateway's to unload) while the sibling waits on it: no cooldown follows such a refusal, so
+    the sibling's wait ends without an outcome (``ended``) and it asks the engine itself, which
+    refuses it too."""
+    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=4000, max_loaded_loras=1,
+                     lora_modules=("other=org/other",))
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(config(port, sim.url, "load_timeout_s: 60, failure_cooldown_s: 60"))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        first, pid = await worker_session(port)
+        second, _ = await worker_session(port, pid)
+        try:
+            loading = await load_under_way(sim, port, first, "a")
+            status, why, text = await ask(second, port, "a")
+            assert (status, why) == (502, "error") and "No free adapter slots." in text, text
+            status, why, text = await loading
+            assert (status, why) == (502, "error") and "No free adapter slots." in text, text
+            page = (await get_new(port, "/metrics"))[1]
+        finally:
+            await first.close()
+            await second.close()
+    assert calls(sim, LOAD) == 2, "the sibling asked once the refusal ended its wait"
+    assert metric_total(page, "switchyard_lora_load_waits_total", adapter="a", outcome="ended") == 1
+    assert metric_total(page, "switchyard_lora_loads_total", adapter="a", result="cooldown") == 0
