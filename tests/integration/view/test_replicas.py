@@ -7,7 +7,11 @@ Real ``python -m gateway`` processes and a real ``redis-server`` (the ``redis_se
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.integration.view.test_workers import SYSTEM, responses_chains
 from tests.support.enginesim import restart_sim
@@ -217,3 +221,119 @@ async def test_a_replica_started_after_an_engine_restarted_takes_none_of_its_old
     finally:
         if restarted is not None:
             await restarted.close()
+
+
+class HeldMetrics:
+    """In front of an engine: everything passed through, but ``/metrics`` held (no answer) while
+    ``hold`` is set: a gateway that reads the engine through it learns the engine's start when the
+    test says so."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.released = asyncio.Event()
+        self.released.set()
+        self.port = listen_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.session: aiohttp.ClientSession | None = None
+        self.runner: web.AppRunner | None = None
+
+    async def __aenter__(self) -> HeldMetrics:
+        self.session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.released.set()
+        await self.runner.cleanup()
+        await self.session.close()
+
+    def hold(self) -> None:
+        self.released.clear()
+
+    def release(self) -> None:
+        self.released.set()
+
+    async def forward(self, request: web.Request) -> web.Response:
+        if request.path == "/metrics":
+            await self.released.wait()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("content-type", "accept")}
+        async with self.session.request(request.method, self.target + request.path_qs, headers=headers,
+                                        data=await request.read()) as r:
+            return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
+
+
+@pytest.mark.timeout(120)
+async def test_a_replica_that_reads_the_tail_before_its_first_scrape_still_drops_a_restarted_engines_conversations(
+        sims, tmp_path, redis_server):
+    """The order the test above leaves to chance, forced: replica c catches up on the stream's
+    tail while it knows neither engine's start yet (their /metrics held), so it takes every fact
+    and checks them at its first scrape. The restarted engine's conversations from before its
+    start then match nothing, each of them counted as from before the start; the other engine's
+    stay on it."""
+    engines = [await sims("vllm", "m") for _ in range(2)]
+    pa, pc = listen_port(), listen_port()
+    restarted = None
+    async with HeldMetrics(engines[0].url) as f0, HeldMetrics(engines[1].url) as f1:
+        fronts = [f0, f1]
+        urls = [f.url for f in fronts]
+        for name, port in (("a", pa), ("c", pc)):
+            (tmp_path / f"{name}.yaml").write_text(
+                config(port, urls, redis_server.url) + "scrape: {interval_s: 0.2, timeout_s: 0.5}\n")
+        try:
+            async with gateway_process(tmp_path / "a.yaml", pa, "--workers", "1"):
+                await until(lambda: redis_up(pa), timeout=20)
+                chats: list[list[dict]] = []
+                firsts: list[str] = []
+                while len(chats) < 6 or len(set(firsts)) < 2:
+                    assert len(chats) < 40, firsts
+                    chats.append(opening(f"before {len(chats)}"))
+                    firsts.append(await turn(pa, chats[-1], "turn 0: where to?"))
+                victim = next(e for e, f in zip(engines, fronts, strict=True) if firsts[0].endswith(f":{f.port}"))
+                restarted = await restart_sim(victim)
+                gone = sum(1 for f in firsts if f == firsts[0])
+
+                async def seen_restart() -> bool:
+                    page = (await get_new(pa, "/metrics"))[1]
+                    return metric_total(page, "switchyard_engine_restarts_total") == 1
+                await until(seen_restart, timeout=20)
+
+                for f in fronts:
+                    f.hold()
+                # one worker: each counts the facts it reads
+                async with gateway_process(tmp_path / "c.yaml", pc, "--workers", "1"):
+                    await until(lambda: redis_up(pc), timeout=20)
+
+                    async def caught_up() -> bool:
+                        page = (await get_new(pc, "/metrics"))[1]
+                        return metric_total(page, "switchyard_view_facts_applied_total", source="replica",
+                                            kind="insert") >= len(chats)
+                    await until(caught_up, timeout=20)
+                    page = (await get_new(pc, "/metrics"))[1]
+                    # every fact taken before c knew an engine's start
+                    assert metric_total(page, "switchyard_engine_scrapes_total", result="ok") == 0
+                    assert metric_total(page, "switchyard_view_facts_applied_total", source="replica",
+                                        kind="before_start") == 0
+                    for f in fronts:
+                        f.release()
+
+                    async def scraped() -> bool:
+                        page = (await get_new(pc, "/metrics"))[1]
+                        return all(metric_total(page, "switchyard_engine_scrapes_total", result="ok",
+                                                endpoint=f"127.0.0.1:{f.port}") >= 2 for f in fronts)
+                    await until(scraped, timeout=20)
+                    before = metric_total((await get_new(pc, "/metrics"))[1], "switchyard_routing_fallbacks_total",
+                                          reason="no_match")
+                    nexts = [await turn(pc, m, "turn 1: and then? " * 3) for m in chats]
+                    page = (await get_new(pc, "/metrics"))[1]
+                    assert metric_total(page, "switchyard_routing_fallbacks_total", reason="no_match") == before + gone
+                    assert [n for n, f in zip(nexts, firsts, strict=True) if f != firsts[0]] == \
+                        [f for f in firsts if f != firsts[0]]
+                    assert metric_total(page, "switchyard_view_facts_applied_total", source="replica",
+                                        kind="before_start") == gone
+        finally:
+            if restarted is not None:
+                await restarted.close()
