@@ -120,6 +120,9 @@ _RESOLVE_EVERY_S = 1.0
 # catching up: how long a sibling's whole view may take to come, and how often one sibling is asked
 CATCH_UP_TIMEOUT_S = 2.0
 CATCH_UP_EVERY_S = 10.0   # a sibling asked again no sooner: a whole view costs both ends 0.1-0.3 s of CPU at full size
+# replica facts taken of an endpoint whose engine's start is not known yet: batches told apart (by
+# their send time) until it is, each a few dozen bytes; past it, a batch is counted with the last
+UNVETTED_BATCHES = 4096
 VIEW_PART = 2000          # entries in a part of a whole view: made, and merged, one part a loop turn
 
 
@@ -218,9 +221,9 @@ class RoutingView:
         self._pulls: dict[int, asyncio.Task] = {}
         self._want_pull: dict[int, str] = {}
         self._pull_after: dict[int, float] = {}
-        # endpoint → the send time (unix seconds) of the oldest replica fact applied of it while its
-        # engine's start was not known yet: checked against the start once scraped (``_vet``)
-        self._unvetted: dict[Endpoint, float] = {}
+        # endpoint → the replica facts applied of it while its engine's start was not known yet, as
+        # [send time (unix seconds), facts] a batch: checked against the start once scraped (``_vet``)
+        self._unvetted: dict[Endpoint, list[list[float]]] = {}
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -454,26 +457,36 @@ class RoutingView:
         started = ep.metrics.start_time if ep.metrics is not None else None
         if started is None:
             held = self._unvetted.get(ep)
-            if held is None or sent < held:
-                self._unvetted[ep] = sent
+            if held is None:
+                self._unvetted[ep] = [[sent, 1]]
+            elif held[-1][0] == sent:           # the same batch
+                held[-1][1] += 1
+            elif len(held) < UNVETTED_BATCHES:
+                held.append([sent, 1])
+            else:                               # past the bound: counted with the last, from the earlier time
+                last = held[-1]
+                last[0] = min(last[0], sent)
+                last[1] += 1
             return False
         return sent < started
 
     def _vet(self, ep: Endpoint) -> None:
         """The monitor's word on ``ep`` (a scrape, a health change): once its engine's start is known,
-        replica facts taken of it before, sent before that start, are of an engine since restarted,
-        and everything of it is forgotten as on a restart."""
+        replica facts taken of it before, sent before that start, are of an engine since restarted:
+        they are counted as ``before_start``, and everything of it is forgotten as on a restart."""
         if not self._unvetted or ep not in self._unvetted:
             return
         started = ep.metrics.start_time if ep.metrics is not None else None
         if started is None:
             return
-        if self._unvetted.pop(ep) < started:
+        stale = sum(int(n) for sent, n in self._unvetted.pop(ep) if sent < started)
+        if stale:
+            self.m.gm.child(self.m.applied, "replica", "before_start").inc(stale)
             if self._index is not None:
                 self._index.forget(ep)
             dropped = self.sessions.forget(ep)
             log.info("shared routing view: replica facts from before an engine's start forgotten",
-                     endpoint=ep.name, model=ep.model, sessions=dropped)
+                     endpoint=ep.name, model=ep.model, facts=stale, sessions=dropped)
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))

@@ -485,14 +485,76 @@ def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_
     assert held() == {other}
     assert view.sessions.get("s0") is None and view.sessions.get("s1") is other
     assert view.sessions.get(f"{RESPONSE}resp_0") is ep
+    from prometheus_client import generate_latest
+
+    def before_start() -> float:
+        return metric_total(generate_latest(view.m.gm.registry).decode(), "switchyard_view_facts_applied_total",
+                            source="replica", kind="before_start")
+    assert before_start() == 2          # the engine's insertion and session, found out at the scrape
     # the start known: the engine's old facts are not taken at all, the other's are
     view.sessions.forget(other)
     stream(ep, other)
     assert held() == {other}
     assert view.sessions.get("s0") is None and view.sessions.get("s1") is other
+    assert before_start() == 4
+
+
+def test_facts_taken_before_an_engines_start_was_known_count_only_those_sent_before_it():
+    """Of the facts a replica took of an engine while its start was unknown, those sent before the
+    start are counted as ``before_start`` once it is known, not those sent after; and what is kept
+    to count them is bounded however long the start stays unknown."""
+    import time
+
     from prometheus_client import generate_latest
-    assert metric_total(generate_latest(view.m.gm.registry).decode(), "switchyard_view_facts_applied_total",
-                        source="replica", kind="before_start") == 2
+
+    from gateway.endpoints import EngineMetrics
+    from gateway.server.app import pool_from_config
+    from gateway.view.service import UNVETTED_BATCHES, endpoint_key
+    from gateway.view.wire import Insert, Session, encode
+
+    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
+                            "routing": {"prefix_block_chars": 8},
+                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
+    pool = pool_from_config(cfg)
+    view = RoutingView(cfg, pool, GatewayMetrics())
+    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
+    view.attach(ctx)
+
+    class Monitor:
+        listeners: list = []
+        share = None
+    mon = Monitor()
+    view.attach_monitor(mon)
+    ep, other = pool.endpoints("m")
+    keys = ctx.prefix_index.keys(inference_request("You are a helpful switchyard assistant. " * 2))
+    start = time.time() - 100
+
+    def stream(sent: float, n: int, e=ep) -> None:
+        facts = [Insert(endpoint_key(e), keys)] * n
+        for payload in encode("other/0", sent, facts, [Session(f"s{sent}", endpoint_key(e))], None, 1 << 20):
+            view._on_stream(payload, False)
+
+    def before_start() -> float:
+        return metric_total(generate_latest(view.m.gm.registry).decode(), "switchyard_view_facts_applied_total",
+                            source="replica", kind="before_start")
+
+    stream(start - 50, 2)               # three facts from before the start
+    stream(start + 10, 3)               # four after it, another batch
+    stream(start - 40, 1, other)        # of another engine: vetted on its own
+    ep.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=start)
+    for listener in mon.listeners:
+        listener(ep)
+    assert before_start() == 3
+    assert other in view._unvetted and ep not in view._unvetted
+
+    # a start that stays unknown: what is kept of the facts stays bounded
+    for i in range(UNVETTED_BATCHES + 100):
+        stream(start - 30 + i * 1e-3, 1, other)
+    assert len(view._unvetted[other]) == UNVETTED_BATCHES
+    other.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=start + 3600)
+    for listener in mon.listeners:
+        listener(other)
+    assert before_start() == 3 + 2 + 2 * (UNVETTED_BATCHES + 100)
 
 
 async def test_adapters_in_flight_on_one_worker_are_never_unloaded_by_its_sibling_until_they_end_or_it_goes():
