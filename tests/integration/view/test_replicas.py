@@ -272,8 +272,8 @@ async def test_a_replica_that_reads_the_tail_before_its_first_scrape_still_drops
     """The order the test above leaves to chance, forced: replica c catches up on the stream's
     tail while it knows neither engine's start yet (their /metrics held), so it takes every fact
     and checks them at its first scrape. The restarted engine's conversations from before its
-    start then match nothing, each of them counted as from before the start; the other engine's
-    stay on it."""
+    start then match nothing, each of them counted as from before the start; those it took after
+    its start stay on it, and so do the other engine's."""
     engines = [await sims("vllm", "m") for _ in range(2)]
     pa, pc = listen_port(), listen_port()
     restarted = None
@@ -300,6 +300,13 @@ async def test_a_replica_that_reads_the_tail_before_its_first_scrape_still_drops
                     page = (await get_new(pa, "/metrics"))[1]
                     return metric_total(page, "switchyard_engine_restarts_total") == 1
                 await until(seen_restart, timeout=20)
+                # conversations the restarted engine took after its start: its cache holds them
+                fresh: list[list[dict]] = []
+                fresh_firsts: list[str] = []
+                while firsts[0] not in fresh_firsts:
+                    assert len(fresh) < 40, fresh_firsts
+                    fresh.append(opening(f"after {len(fresh)}"))
+                    fresh_firsts.append(await turn(pa, fresh[-1], "turn 0: where to?"))
 
                 for f in fronts:
                     f.hold()
@@ -310,7 +317,7 @@ async def test_a_replica_that_reads_the_tail_before_its_first_scrape_still_drops
                     async def caught_up() -> bool:
                         page = (await get_new(pc, "/metrics"))[1]
                         return metric_total(page, "switchyard_view_facts_applied_total", source="replica",
-                                            kind="insert") >= len(chats)
+                                            kind="insert") >= len(chats) + len(fresh)
                     await until(caught_up, timeout=20)
                     page = (await get_new(pc, "/metrics"))[1]
                     # every fact taken before c knew an engine's start
@@ -328,10 +335,12 @@ async def test_a_replica_that_reads_the_tail_before_its_first_scrape_still_drops
                     before = metric_total((await get_new(pc, "/metrics"))[1], "switchyard_routing_fallbacks_total",
                                           reason="no_match")
                     nexts = [await turn(pc, m, "turn 1: and then? " * 3) for m in chats]
+                    fresh_nexts = [await turn(pc, m, "turn 1: and then? " * 3) for m in fresh]
                     page = (await get_new(pc, "/metrics"))[1]
                     assert metric_total(page, "switchyard_routing_fallbacks_total", reason="no_match") == before + gone
                     assert [n for n, f in zip(nexts, firsts, strict=True) if f != firsts[0]] == \
                         [f for f in firsts if f != firsts[0]]
+                    assert fresh_nexts == fresh_firsts
                     assert metric_total(page, "switchyard_view_facts_applied_total", source="replica",
                                         kind="before_start") == gone
         finally:
