@@ -120,10 +120,34 @@ _RESOLVE_EVERY_S = 1.0
 # catching up: how long a sibling's whole view may take to come, and how often one sibling is asked
 CATCH_UP_TIMEOUT_S = 2.0
 CATCH_UP_EVERY_S = 10.0   # a sibling asked again no sooner: a whole view costs both ends 0.1-0.3 s of CPU at full size
+VIEW_PART = 2000          # entries in a part of a whole view: made, and merged, one part a loop turn
 # replica facts taken of an endpoint whose engine's start is not known yet: batches told apart (by
 # their send time) until it is, each a few dozen bytes; past it, a batch is counted with the last
 UNVETTED_BATCHES = 4096
-VIEW_PART = 2000          # entries in a part of a whole view: made, and merged, one part a loop turn
+# and the prefix-index insertions of the endpoint meanwhile (of the stream, the siblings and this
+# process), kept to be applied again if the endpoint is forgotten at the start: up to this many keys
+# (a reference each to what the index holds); past it, none are
+UNVETTED_KEYS = 65_536
+
+
+class _Unvetted:
+    """An endpoint's facts taken while its engine's start was not known (``RoutingView._vet``)."""
+
+    __slots__ = ("batches", "inserts", "keys")
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []     # a replica's batch: [send time (unix seconds), facts]
+        self.inserts: list[tuple[float, Sequence[int]]] | None = []   # (sent, keys); None: past UNVETTED_KEYS
+        self.keys = 0
+
+    def keep(self, sent: float, keys: Sequence[int]) -> None:
+        if self.inserts is None:
+            return
+        self.keys += len(keys)
+        if self.keys > UNVETTED_KEYS:
+            self.inserts = None
+        else:
+            self.inserts.append((sent, keys))
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,9 +245,9 @@ class RoutingView:
         self._pulls: dict[int, asyncio.Task] = {}
         self._want_pull: dict[int, str] = {}
         self._pull_after: dict[int, float] = {}
-        # endpoint → the replica facts applied of it while its engine's start was not known yet, as
-        # [send time (unix seconds), facts] a batch: checked against the start once scraped (``_vet``)
-        self._unvetted: dict[Endpoint, list[list[float]]] = {}
+        # endpoint → the facts applied of it while its engine's start was not known yet: checked
+        # against the start once scraped (``_vet``)
+        self._unvetted: dict[Endpoint, _Unvetted] = {}
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -456,9 +480,12 @@ class RoutingView:
         checked once it is (``_vet``)."""
         started = ep.metrics.start_time if ep.metrics is not None else None
         if started is None:
-            held = self._unvetted.get(ep)
-            if held is None:
-                self._unvetted[ep] = [[sent, 1]]
+            u = self._unvetted.get(ep)
+            if u is None:
+                u = self._unvetted[ep] = _Unvetted()
+            held = u.batches
+            if not held:
+                held.append([sent, 1])
             elif held[-1][0] == sent:           # the same batch
                 held[-1][1] += 1
             elif len(held) < UNVETTED_BATCHES:
@@ -470,26 +497,48 @@ class RoutingView:
             return False
         return sent < started
 
+    def _keep(self, ep: Endpoint, sent: float, keys: Sequence[int]) -> None:
+        """An insertion of ``ep`` applied while its engine's start is not known (with replicas: the
+        stream may have brought facts from before it), kept to be applied again should ``_vet``
+        forget the endpoint."""
+        if self.link is None or (ep.metrics is not None and ep.metrics.start_time is not None):
+            return
+        u = self._unvetted.get(ep)
+        if u is None:
+            u = self._unvetted[ep] = _Unvetted()
+        u.keep(sent, keys)
+
     def _vet(self, ep: Endpoint) -> None:
         """The monitor's word on ``ep`` (a scrape, a health change): once its engine's start is known,
         replica facts taken of it before, sent before that start, are of an engine since restarted:
-        they are counted as ``before_start``, and everything of it is forgotten as on a restart."""
+        they are counted as ``before_start`` and forgotten. The prefix index does not tell them from
+        the others, so it forgets the endpoint and the insertions kept meanwhile that were sent after
+        the start are applied again; the sessions recorded before the start go."""
         if not self._unvetted or ep not in self._unvetted:
             return
         started = ep.metrics.start_time if ep.metrics is not None else None
         if started is None:
             return
-        stale = sum(int(n) for sent, n in self._unvetted.pop(ep) if sent < started)
+        u = self._unvetted.pop(ep)
+        stale = sum(int(n) for sent, n in u.batches if sent < started)
         if stale:
             self.m.gm.child(self.m.applied, "replica", "before_start").inc(stale)
-            if self._index is not None:
-                self._index.forget(ep)
-            dropped = self.sessions.forget(ep)
+            index = self._index
+            kept = 0
+            if index is not None:
+                index.forget(ep)
+                for sent, keys in u.inserts or ():
+                    if sent >= started:
+                        index.apply_insert(keys, ep)
+                        kept += 1
+            dropped = self.sessions.forget(ep, before=started)
             log.info("shared routing view: replica facts from before an engine's start forgotten",
-                     endpoint=ep.name, model=ep.model, facts=stale, sessions=dropped)
+                     endpoint=ep.name, model=ep.model, facts=stale, sessions=dropped, insertions_kept=kept,
+                     insertions_lost=u.inserts is None)
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))
+        self._keep(ep, time.time(), keys)
         self._soon()        # not held by flush_delay_s: an agent's next turn may come within it
 
     def _on_put(self, key: str, ep: Endpoint, tag: str | None, at: float) -> None:
@@ -669,6 +718,7 @@ class RoutingView:
                     stale += 1
                     continue
                 index.apply_insert(ins.keys, ep)
+                self._keep(ep, batch.sent, ins.keys)
             m.gm.child(m.applied, source, "insert").inc(len(batch.inserts) - unknown - stale)
         if batch.sessions:
             n = 0

@@ -470,8 +470,8 @@ def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_
 
     def stream(*eps):
         facts = [Insert(endpoint_key(e), keys) for e in eps]
-        sessions = [Session(f"s{i}", endpoint_key(e)) for i, e in enumerate(eps)] + \
-            [Session(f"{RESPONSE}resp_{i}", endpoint_key(e)) for i, e in enumerate(eps)]
+        sessions = [Session(f"s{i}", endpoint_key(e), None, sent) for i, e in enumerate(eps)] + \
+            [Session(f"{RESPONSE}resp_{i}", endpoint_key(e), None, sent) for i, e in enumerate(eps)]
         for payload in encode("other/0", sent, facts, sessions, None, 1 << 20):
             view._on_stream(payload, False)
 
@@ -501,15 +501,16 @@ def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_
 
 def test_facts_taken_before_an_engines_start_was_known_count_only_those_sent_before_it():
     """Of the facts a replica took of an engine while its start was unknown, those sent before the
-    start are counted as ``before_start`` once it is known, not those sent after; and what is kept
-    to count them is bounded however long the start stays unknown."""
+    start are counted as ``before_start`` once it is known and forgotten, not those sent after, nor
+    what this process routed there meanwhile; and what is kept of them is bounded however long the
+    start stays unknown."""
     import time
 
     from prometheus_client import generate_latest
 
     from gateway.endpoints import EngineMetrics
     from gateway.server.app import pool_from_config
-    from gateway.view.service import UNVETTED_BATCHES, endpoint_key
+    from gateway.view.service import UNVETTED_BATCHES, UNVETTED_KEYS, endpoint_key
     from gateway.view.wire import Insert, Session, encode
 
     cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
@@ -526,35 +527,51 @@ def test_facts_taken_before_an_engines_start_was_known_count_only_those_sent_bef
     mon = Monitor()
     view.attach_monitor(mon)
     ep, other = pool.endpoints("m")
-    keys = ctx.prefix_index.keys(inference_request("You are a helpful switchyard assistant. " * 2))
+    index = ctx.prefix_index
+    index.on_insert = view._on_insert
+    reqs = [inference_request(f"{name}: you are a helpful switchyard assistant. " * 2)
+            for name in ("Alpha", "Bravo", "Charlie")]
+    keys = index.keys(reqs[0])
     start = time.time() - 100
 
-    def stream(sent: float, n: int, e=ep) -> None:
+    def stream(sent: float, n: int, e=ep, keys=keys) -> None:
         facts = [Insert(endpoint_key(e), keys)] * n
-        for payload in encode("other/0", sent, facts, [Session(f"s{sent}", endpoint_key(e))], None, 1 << 20):
+        for payload in encode("other/0", sent, facts, [Session(f"s{sent}", endpoint_key(e), None, sent)],
+                              None, 1 << 20):
             view._on_stream(payload, False)
+
+    def held(req) -> bool:
+        return bool(index.match(req, [ep, other]).get(ep))
 
     def before_start() -> float:
         return metric_total(generate_latest(view.m.gm.registry).decode(), "switchyard_view_facts_applied_total",
                             source="replica", kind="before_start")
 
-    stream(start - 50, 2)               # three facts from before the start
-    stream(start + 10, 3)               # four after it, another batch
-    stream(start - 40, 1, other)        # of another engine: vetted on its own
+    stream(start - 50, 2)                           # three facts from before the start
+    stream(start + 10, 3, keys=index.keys(reqs[1]))  # four after it, another batch
+    stream(start - 40, 1, other)                    # of another engine: vetted on its own
+    index.insert(reqs[2], ep)                       # this process routed there meanwhile
+    view.sessions.put("own", ep)
+    assert all(held(r) for r in reqs)
     ep.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=start)
     for listener in mon.listeners:
         listener(ep)
     assert before_start() == 3
     assert other in view._unvetted and ep not in view._unvetted
+    assert [held(r) for r in reqs] == [False, True, True]
+    assert view.sessions.get(f"s{start - 50}") is None
+    assert view.sessions.get(f"s{start + 10}") is ep and view.sessions.get("own") is ep
 
     # a start that stays unknown: what is kept of the facts stays bounded
-    for i in range(UNVETTED_BATCHES + 100):
+    n = max(UNVETTED_BATCHES, UNVETTED_KEYS // len(keys)) + 100
+    for i in range(n):
         stream(start - 30 + i * 1e-3, 1, other)
-    assert len(view._unvetted[other]) == UNVETTED_BATCHES
+    assert len(view._unvetted[other].batches) == UNVETTED_BATCHES
+    assert view._unvetted[other].inserts is None          # past the keys kept: none are
     other.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=start + 3600)
     for listener in mon.listeners:
         listener(other)
-    assert before_start() == 3 + 2 + 2 * (UNVETTED_BATCHES + 100)
+    assert before_start() == 3 + 2 + 2 * n
 
 
 async def test_adapters_in_flight_on_one_worker_are_never_unloaded_by_its_sibling_until_they_end_or_it_goes():
