@@ -248,6 +248,7 @@ class RoutingView:
         # endpoint → the facts applied of it while its engine's start was not known yet: checked
         # against the start once scraped (``_vet``)
         self._unvetted: dict[Endpoint, _Unvetted] = {}
+        self._scraping = config.scrape.enabled
 
     # -- wiring --------------------------------------------------------------------------------
 
@@ -477,9 +478,12 @@ class RoutingView:
         running there now: the replica learnt it of an engine since restarted (this one catching up
         on the stream's retained tail, a worker restarted, or a replica that has not scraped the
         restart yet), whose cache is gone. With the start not known yet, the fact is taken and
-        checked once it is (``_vet``)."""
+        checked once it is (``_vet``): kept track of until the endpoint's first scrape that answers
+        (an engine that does not tell its start then never does)."""
         started = ep.metrics.start_time if ep.metrics is not None else None
         if started is None:
+            if ep.metrics is not None or not self._scraping:
+                return False
             u = self._unvetted.get(ep)
             if u is None:
                 u = self._unvetted[ep] = _Unvetted()
@@ -498,10 +502,10 @@ class RoutingView:
         return sent < started
 
     def _keep(self, ep: Endpoint, sent: float, keys: Sequence[int]) -> None:
-        """An insertion of ``ep`` applied while its engine's start is not known (with replicas: the
-        stream may have brought facts from before it), kept to be applied again should ``_vet``
-        forget the endpoint."""
-        if self.link is None or (ep.metrics is not None and ep.metrics.start_time is not None):
+        """An insertion of ``ep`` applied before its first scrape (with replicas: the stream may
+        have brought facts from before its engine's start), kept to be applied again should
+        ``_vet`` forget the endpoint."""
+        if self.link is None or ep.metrics is not None or not self._scraping:
             return
         u = self._unvetted.get(ep)
         if u is None:

@@ -681,3 +681,36 @@ async def test_a_load_under_way_is_told_at_once_said_again_each_heartbeat_and_it
         assert eb.adapters.served == {"x": "m"} and not a._loading
     page = b.m.gm.render().decode()
     assert metric_total(page, "switchyard_view_facts_applied_total", kind="lora_load") >= 3
+
+
+def test_nothing_is_kept_to_vet_where_no_start_will_be_learnt():
+    """An engine scraped that does not tell its start, or scraping off: no scrape will tell the
+    start, so the facts are taken and nothing is kept of them for it."""
+    import time
+
+    from gateway.endpoints import EngineMetrics
+    from gateway.server.app import pool_from_config
+    from gateway.view.service import endpoint_key
+    from gateway.view.wire import Insert, Session, encode
+
+    for scrape in (True, False):
+        cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
+                                "routing": {"prefix_block_chars": 8}, "scrape": {"enabled": scrape},
+                                "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
+        pool = pool_from_config(cfg)
+        view = RoutingView(cfg, pool, GatewayMetrics())
+        ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
+        view.attach(ctx)
+        ctx.prefix_index.on_insert = view._on_insert
+        ep, other = pool.endpoints("m")
+        ep.metrics = EngineMetrics(scraped_at=time.monotonic())         # answered, without a start
+        req = inference_request("You are a helpful switchyard assistant. " * 2)
+        keys = ctx.prefix_index.keys(req)
+        eps = (ep,) if scrape else (ep, other)
+        for payload in encode("other/0", time.time() - 60, [Insert(endpoint_key(e), keys) for e in eps],
+                              [Session(f"s{i}", endpoint_key(e)) for i, e in enumerate(eps)], None, 1 << 20):
+            view._on_stream(payload, False)
+        for e in eps:
+            ctx.prefix_index.insert(req, e)
+        assert view._unvetted == {}
+        assert {e for e, pct in ctx.prefix_index.match(req, [ep, other]).items() if pct} == set(eps)
