@@ -542,7 +542,8 @@ class RoutingView:
 
     def _on_insert(self, keys: list[int], ep: Endpoint) -> None:
         self._inserts.append(Insert(self._key(ep), keys))
-        self._keep(ep, time.time(), keys)
+        if self.link is not None and ep.metrics is None:     # with replicas, before the endpoint's first scrape
+            self._keep(ep, time.time(), keys)
         self._soon()        # not held by flush_delay_s: an agent's next turn may come within it
 
     def _on_put(self, key: str, ep: Endpoint, tag: str | None, at: float) -> None:
