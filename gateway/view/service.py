@@ -522,6 +522,8 @@ class RoutingView:
             return
         started = ep.metrics.start_time if ep.metrics is not None else None
         if started is None:
+            if ep.metrics is not None:      # scraped, without its start: no scrape will tell it
+                del self._unvetted[ep]
             return
         u = self._unvetted.pop(ep)
         stale = sum(int(n) for sent, n in u.batches if sent < started)

@@ -714,3 +714,42 @@ def test_nothing_is_kept_to_vet_where_no_start_will_be_learnt():
             ctx.prefix_index.insert(req, e)
         assert view._unvetted == {}
         assert {e for e, pct in ctx.prefix_index.match(req, [ep, other]).items() if pct} == set(eps)
+
+
+def test_what_was_kept_to_vet_goes_when_the_first_scrape_answers_without_the_engines_start():
+    """Facts a replica took of an engine before its first scrape are kept to be vetted against its
+    start; a first scrape that answers without one means no scrape will tell it: what was kept goes
+    (it is not held for as long as the endpoint lives), and the facts stay applied."""
+    import time
+
+    from gateway.endpoints import EngineMetrics
+    from gateway.server.app import pool_from_config
+    from gateway.view.service import endpoint_key
+    from gateway.view.wire import Insert, Session, encode
+
+    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
+                            "routing": {"prefix_block_chars": 8},
+                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
+    pool = pool_from_config(cfg)
+    view = RoutingView(cfg, pool, GatewayMetrics())
+    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
+    view.attach(ctx)
+
+    class Monitor:
+        listeners: list = []
+        share = None
+    mon = Monitor()
+    view.attach_monitor(mon)
+    ep, other = pool.endpoints("m")
+    index = ctx.prefix_index
+    index.on_insert = view._on_insert
+    req = inference_request("You are a helpful switchyard assistant. " * 2)
+    for payload in encode("other/0", time.time() - 60, [Insert(endpoint_key(ep), index.keys(req))],
+                          [Session("s", endpoint_key(ep))], None, 1 << 20):
+        view._on_stream(payload, False)
+    assert ep in view._unvetted
+    ep.metrics = EngineMetrics(scraped_at=time.monotonic())        # answered, without a start
+    for listener in mon.listeners:
+        listener(ep)
+    assert ep not in view._unvetted
+    assert index.match(req, [ep, other]).get(ep) and view.sessions.get("s") is ep
