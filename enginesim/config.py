@@ -76,7 +76,8 @@ class SimConfig:
     startup_delay_s: float = _knob(
         0.0, "vLLM: refuse connections for this long; SGLang: /health and /health_generate 503")
     fault: str = _knob("", "default fault spec for every request, e.g. 'error_after=3;error_code=501' (an "
-                           "in-stream error event with code 501 after 3 tokens; see enginesim/README.md)")
+                           "in-stream error event with code 501 after 3 tokens; error_code=\"501\" sends the code as a "
+                           "string; see enginesim/README.md)")
     sse_keepalive_s: float = _knob(0.0, "vLLM --sse-keep-alive-interval; 0 disables keep-alive frames")
     keepalive_timeout_s: float = _knob(
         5.0, "an idle kept-alive HTTP connection is closed after this many seconds (uvicorn's "

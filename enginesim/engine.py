@@ -301,7 +301,8 @@ class Engine:
                 if seq.fault.stall_after is not None and n == seq.fault.stall_after[0]:
                     await self._stall(seq.fault.stall_after[1])
                 if seq.fault.error_after is not None and n == seq.fault.error_after:
-                    self.fail(seq, f"Simulated engine failure after {n} tokens", seq.fault.error_code)
+                    self.fail(seq, f"Simulated engine failure after {n} tokens", seq.fault.error_code,
+                              seq.fault.error_code_text)
                     return
                 allow_eos = not params.ignore_eos and n >= params.min_tokens
                 token = source.next_token(allow_eos, cfg.eos_probability)
@@ -386,10 +387,10 @@ class Engine:
         """Finish with ``abort``; with ``status`` the client gets an error with that HTTP status."""
         self._finish(seq, "abort", StepOutput((), "", "abort", message, status))
 
-    def fail(self, seq: Sequence, message: str, code: int | None = None) -> None:
+    def fail(self, seq: Sequence, message: str, code: int | None = None, code_text: bool = False) -> None:
         """Finish with the internal reason ``error`` (the HTTP layer turns it into a 500/stream error,
-        or one with ``code``)."""
-        self._finish(seq, "error", StepOutput((), "", "error", message, code=code))
+        or one with ``code``; ``code_text``: its error's ``code`` written as a string)."""
+        self._finish(seq, "error", StepOutput((), "", "error", message, code=code, code_text=code_text))
 
     def _finish(self, seq: Sequence, reason: str, out: StepOutput) -> None:
         if seq.finished:

@@ -47,9 +47,11 @@ class ApiError(Exception):
     """An error answer. ``type_`` defaults to what the engine would use for the status."""
 
     def __init__(self, status: int, message: str, *, type_: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, code_text: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        # the body's ``code`` is the status written as a string ("501"), not the number
+        self.code: int | str = str(status) if code_text else status
         self.message = message
         self.type_ = type_
         self.param = param
@@ -57,10 +59,10 @@ class ApiError(Exception):
     def payload(self, style: ErrorStyle) -> dict[str, Any]:
         if style is ErrorStyle.VLLM:
             return {"error": {"message": self.message, "type": self.type_ or vllm_type(self.status),
-                              "param": self.param, "code": self.status}}
+                              "param": self.param, "code": self.code}}
         if style is ErrorStyle.SGLANG_OPENAI:
             return {"object": "error", "message": self.message,
-                    "type": self.type_ or str(self.status), "param": self.param, "code": self.status}
+                    "type": self.type_ or str(self.status), "param": self.param, "code": self.code}
         return {"error": {"message": self.message}}
 
     def stream_payload(self, style: ErrorStyle) -> dict[str, Any]:
@@ -69,7 +71,7 @@ class ApiError(Exception):
             return {"error": self.payload(style)}
         if style is ErrorStyle.SGLANG_NATIVE:
             return {"error": {"message": self.message, "type": self.type_ or str(self.status),
-                              "code": self.status, "retryable": False}}
+                              "code": self.code, "retryable": False}}
         return self.payload(style)
 
     def response(self, style: ErrorStyle, headers: dict[str, str] | None = None) -> web.Response:
@@ -81,12 +83,13 @@ def internal_error(message: str = "Internal server error") -> ApiError:
     return ApiError(500, message, type_="InternalServerError")
 
 
-def failed_error(code: int | None, message: str | None) -> ApiError:
+def failed_error(code: int | None, message: str | None, code_text: bool = False) -> ApiError:
     """vLLM's answer to a request that failed: a 500, or, with the ``error_code`` fault's ``code``,
-    an error of that status (its type by the status: ``NotImplementedError`` for 501)."""
-    if code is None or code == 500:
+    an error of that status (its type by the status: ``NotImplementedError`` for 501); ``code_text``:
+    the body's ``code`` is that status as a string."""
+    if code is None or (code == 500 and not code_text):
         return internal_error()
-    return ApiError(code, message or "Simulated engine failure")
+    return ApiError(code, message or "Simulated engine failure", code_text=code_text)
 
 
 class RequestFailed(Exception):

@@ -10,7 +10,9 @@ turns the default off for one request). Keys:
 - ``error_code=CODE``       the status (400..599) ``error_after``'s failure carries instead of 500:
                             the ``code`` of its in-stream error event, or the HTTP status when
                             nothing was sent yet / non-streaming (``501``: vLLM's answer for what it
-                            does not implement)
+                            does not implement). Quoted, ``error_code="501"``, the event's
+                            ``code`` is that string, as some servers send it (an HTTP status stays
+                            the number)
 - ``stall_before_first=S``  hang S seconds (``inf`` = forever) after prefill, before the first token
 - ``stall_after=N:S``       hang S seconds (``inf`` = forever) after N tokens
 - ``drop_after=N``          abort the TCP connection after N tokens: no final chunk, no ``[DONE]``
@@ -56,6 +58,7 @@ class FaultSpec:
     status: int | None = None
     error_after: int | None = None
     error_code: int | None = None       # the status error_after's failure carries (None: 500)
+    error_code_text: bool = False       # error_code was quoted: its in-stream event's code is a string
     stall_before_first: float | None = None
     stall_after: tuple[int, float] | None = None
     drop_after: int | None = None
@@ -176,9 +179,11 @@ def parse_fault(text: str | None, role: str | None = None) -> FaultSpec:
         if dot and prefix not in ROLES:
             raise FaultSpecError(f"fault item {item!r}: unknown role {prefix!r}; "
                                  f"known: {', '.join(ROLES)}")
-        field_name, value = _value(bare, raw)
+        quoted = bare == "error_code" and len(raw) > 1 and raw[0] == raw[-1] == '"'
+        field_name, value = _value(bare, raw[1:-1] if quoted else raw)
+        fields = {field_name: value, "error_code_text": quoted} if bare == "error_code" else {field_name: value}
         if not dot:
-            general[field_name] = value
+            general.update(fields)
         elif prefix == role:
-            targeted[field_name] = value
+            targeted.update(fields)
     return FaultSpec(**{**general, **targeted})  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ class StepOutput:
     message: str | None = None  # abort / error detail
     status: int | None = None  # an abort that carries an HTTP status (SGLang): answered as an error
     code: int | None = None  # an error's status (the ``error_code`` fault): answered with it, not 500
+    code_text: bool = False  # the error's ``code`` goes out as a string ("501"; ``error_code`` quoted)
 
 
 class Channel:

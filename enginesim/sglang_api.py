@@ -486,8 +486,9 @@ def _failure(out: StepOutput) -> ApiError | None:
     """The error a finishing output is answered with: an engine failure (500), or an abort that
     carries an HTTP status (``type`` is the status as a string, FastAPI's HTTPException handler)."""
     if out.finish_reason == "error":
-        if out.code is not None and out.code != 500:     # the error_code fault
-            return ApiError(out.code, out.message or "Simulated engine failure", type_=str(out.code))
+        if out.code is not None and (out.code != 500 or out.code_text):     # the error_code fault
+            return ApiError(out.code, out.message or "Simulated engine failure", type_=str(out.code),
+                            code_text=out.code_text)
         return internal_error(f"Internal server error: {out.message}")
     if out.status is not None:
         return ApiError(out.status, out.message or "Aborted", type_=str(out.status))

@@ -205,7 +205,7 @@ class VllmApi:
         result = await collect(self.engine, request, seq)
         await slow_headers(self.engine, seq.fault)
         if result.final.finish_reason == "error" or result.final.status is not None:
-            return failed_error(result.final.code, result.final.message).response(STYLE, headers)
+            return failed_error(result.final.code, result.final.message, result.final.code_text).response(STYLE, headers)
         choice = self._choice(req, 0, seq, result.text, req.return_token_ids)
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
@@ -243,7 +243,7 @@ class VllmApi:
                     await writer.keepalive()
                     continue
                 if out.finish_reason == "error" or out.status is not None:
-                    await writer.send(failed_error(out.code, out.message).stream_payload(STYLE))
+                    await writer.send(failed_error(out.code, out.message, out.code_text).stream_payload(STYLE))
                     return await writer.done()
                 prompt_ids = seq.prompt_ids if req.return_token_ids else None
                 if chat and first:
@@ -309,7 +309,7 @@ class VllmApi:
         await slow_headers(self.engine, seqs[0].fault)
         failed = next((r.final for r in results if r.final.finish_reason == "error" or r.final.status is not None), None)
         if failed is not None:
-            return failed_error(failed.code, failed.message).response(STYLE, headers)
+            return failed_error(failed.code, failed.message, failed.code_text).response(STYLE, headers)
         choices = []
         for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
             choices.append(self._choice(req, i, seq, result.text, False))
@@ -361,7 +361,7 @@ class VllmApi:
                 if isinstance(out, Dropped):
                     raise out
                 if out.finish_reason == "error" or out.status is not None:
-                    await writer.send(failed_error(out.code, out.message).stream_payload(STYLE))
+                    await writer.send(failed_error(out.code, out.message, out.code_text).stream_payload(STYLE))
                     return await writer.done()
                 if chat and first:
                     for k in range(len(seqs)):

@@ -673,6 +673,25 @@ async def test_fault_error_code(vllm: SimServer, sglang: SimServer, http: aiohtt
     assert events[-2]["error"]["code"] == 500 and events[-2]["error"]["message"] == "Internal server error"
 
 
+async def test_fault_error_code_quoted_is_sent_as_a_string(vllm: SimServer, sglang: SimServer,
+                                                           http: aiohttp.ClientSession) -> None:
+    """``error_code="501"``: the in-stream event's ``code`` is the string ``"501"``; an answer's
+    HTTP status stays the number."""
+    body = {"messages": CHAT, "stream": True, "max_tokens": 5}
+    fault = {"x-sim-fault": 'error_after=2;error_code="501"'}
+    for sim in (vllm, sglang):
+        status, events, _ = await call(http, sim.url + "/v1/chat/completions", body, fault)
+        assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "501"
+    status, events, _ = await call(http, vllm.url + "/v1/completions", {"prompt": "hi", "stream": True,
+                                                                         "max_tokens": 5}, fault)
+    assert status == 200 and events[-2]["error"]["code"] == "501"
+    status, data, _ = await call(http, vllm.url + "/v1/chat/completions", {"messages": CHAT}, fault)
+    assert status == 501 and data["error"]["code"] == "501"
+    status, events, _ = await call(http, vllm.url + "/v1/chat/completions", body,
+                                   {"x-sim-fault": 'error_after=1;error_code="500"'})
+    assert events[-2]["error"]["code"] == "500"
+
+
 async def test_fault_drop_after(vllm: SimServer, sglang: SimServer, http: aiohttp.ClientSession) -> None:
     for sim in (vllm, sglang):
         body = {"messages": CHAT, "stream": True, "max_tokens": 10}
@@ -736,8 +755,11 @@ def test_fault_spec_parsing() -> None:
     assert spec.slow_headers == float("inf") and spec.probability == 0.25 and spec.active
     assert not parse_fault("none").active and not parse_fault("").active
     assert parse_fault("error_after=0;error_code=501").error_code == 501
+    assert not parse_fault("error_after=0;error_code=501").error_code_text
+    quoted = parse_fault('error_after=0;decode.error_code="501"', role="decode")
+    assert quoted.error_code == 501 and quoted.error_code_text
     for bad in ("status=200", "stall_after=3", "error_after=-1", "x", "p=2", "stall_before_first=abc",
-                "error_code=200", "error_code=x"):
+                "error_code=200", "error_code=x", 'error_code="x"', 'error_code="200"', 'error_code="501'):
         with pytest.raises(FaultSpecError):
             parse_fault(bad)
 
