@@ -229,6 +229,28 @@ async def test_an_in_stream_error_with_code_501_is_not_the_endpoints_fault(sims,
     assert len(gw.gw.pool.ready("m")) == 2
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_in_stream_error_whose_code_is_the_string_501_is_not_the_endpoints_fault(sims, gateway, engine):
+    """An engine that writes its error event's code as a string, ``"code": "501"``, says the same
+    as one that writes the number: the endpoint's breaker (one fault would open it) is not charged."""
+    lacking = await sims(engine, "m", fault='error_after=3;error_code="501"')
+    good = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [lacking.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 60}, breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+    errors = []
+    for _ in range(4):
+        st, hdrs, raw = await post(gw.url, body(stream=True))
+        assert st == 200 and "x-retries" not in hdrs
+        errors += [e["error"] for e in sse_events(raw) if isinstance(e, dict) and "error" in e]
+    assert [e["code"] for e in errors] == ["501", "501"], errors       # as the engine sent it
+    text = await gw.metrics_text()
+    assert state_of(text, lacking.url) == 0 and set(series(text, "switchyard_breaker_state").values()) == {0.0}
+    addr = lacking.url.split("//")[1]
+    outcomes = series(text, "switchyard_upstream_outcomes_total")
+    assert {k: v for k, v in outcomes.items() if f'endpoint="{addr}"' in k} == \
+        {f'endpoint="{addr}",model="m",outcome="client_error"': 2.0}, outcomes
+
+
 async def test_an_in_stream_error_with_another_code_is_still_a_fault(sims, gateway):
     sick = await sims("vllm", "m", fault="error_after=3;error_code=500")
     good = await sims("vllm", "m")

@@ -20,6 +20,10 @@ def _event(error: dict) -> bytes:
     ({"message": "bad gateway", "code": 502}, "bad gateway"),
     ({"message": "not implemented", "type": "NotImplementedError", "param": None, "code": 501}, None),
     ({"message": "bad request", "type": "BadRequestError", "code": 400}, None),
+    ({"message": "bad gateway", "code": "502"}, "bad gateway"),         # a status written as a string
+    ({"message": "not implemented", "code": "501"}, None),
+    ({"message": "bad request", "code": "400"}, None),
+    ({"message": "named", "code": "upstream_error"}, None),
 ])
 def test_a_decodes_first_error_event(error, refused):
     assert _first_event_error(_event(error)) == refused

@@ -61,7 +61,10 @@ def test_only_faults_and_backpressure_are_worth_another_endpoint():
     ({"object": "error", "message": "x", "type": "501", "code": 501}, True),      # SGLang's OpenAI shape
     ({"message": "Internal server error", "type": "InternalServerError", "code": 500}, False),
     ({"message": "bad", "code": 400}, False), ({"message": "no code"}, False),
-    ({"code": "501"}, False), ({"code": True}, False), ("501", False), (None, False),
+    ({"code": "501"}, True),        # the status written as a string: read as it
+    ({"code": "500"}, False), ({"code": " 501"}, False), ({"code": "0501"}, False), ({"code": "+501"}, False),
+    ({"code": "501.0"}, False), ({"code": "５０１"}, False), ({"code": "not_implemented"}, False),
+    ({"code": True}, False), ("501", False), (None, False),
 ])
 def test_an_in_stream_error_with_code_501_is_the_engines_501(error, unsupported):
     assert unsupported_event(error) is unsupported
