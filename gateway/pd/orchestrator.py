@@ -40,7 +40,7 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
 from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay
-from gateway.resilience.outcome import Outcome, key_refused, of_status, unsupported_event
+from gateway.resilience.outcome import Outcome, event_status, key_refused, of_status, unsupported_event
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import (
@@ -738,7 +738,8 @@ def _first_event_error(first: bytes) -> str | None:
 
 def _server_error_event(data: bytes) -> str | None:
     """The message of a stream's opening event when it is a server error (``{"error": {...}}`` with
-    a 5xx code or a server error type, as vLLM sends for a failed KV pull), else None. An event with
+    a 5xx code, the number or the string ``"502"`` (``event_status``), or a server error type, as
+    vLLM sends for a failed KV pull), else None. An event with
     code 501 is none: the engine does not implement what the request asks (``unsupported_event``),
     as another decode would not, and the client gets it as it came."""
     event = data.split(b"\n\n", 1)[0].removeprefix(b"data: ")
@@ -748,7 +749,7 @@ def _server_error_event(data: bytes) -> str | None:
         return None
     if not isinstance(err, dict) or unsupported_event(err):
         return None
-    code = err.get("code")
-    if (isinstance(code, int) and code >= 500) or err.get("type") in ("InternalServerError", "server_error"):
+    status = event_status(err)
+    if (status is not None and status >= 500) or err.get("type") in ("InternalServerError", "server_error"):
         return str(err.get("message", ""))[:256]
     return None

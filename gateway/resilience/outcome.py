@@ -18,7 +18,8 @@ Counting a 4xx against an engine opens every breaker as soon as clients send bad
 A 501 is the engine declining a request it does not support, as a 4xx declines a bad one: another
 endpoint of the same engine would decline it too, and the engine serves its other requests. An
 engine whose stream's head went out before it found that (vLLM sends its head at once) says it in
-an error event instead, ``data: {"error": {..., "code": 501}}``: the same answer (``unsupported_event``).
+an error event instead, ``data: {"error": {..., "code": 501}}``: the same answer (``unsupported_event``;
+the code written as a string, ``"501"``, is read as the number).
 
 The classifiers here read only a status, a failure kind (``gateway.upstream.upstream.UpstreamFailure``) or
 what the relay left on the request's record; ``gateway.resilience.breaker`` acts on the result.
@@ -69,13 +70,26 @@ def of_status(status: int, keyed: bool = False) -> Outcome:
     return Outcome.FAULT
 
 
+def event_status(error: object) -> int | None:
+    """The HTTP status an engine's in-stream error (the ``error`` object of its
+    ``data: {"error": {...}}`` event) names by its ``code``: the number, or a string that is exactly
+    one written in decimal (``"501"``: three ASCII digits, 100..599), as some servers write it.
+    None for anything else: no code, a name (``"upstream_timeout"``), a bool, ``" 501"``, ``"0501"``."""
+    if error.__class__ is not dict:
+        return None
+    code = error.get("code")      # type: ignore[attr-defined]
+    if code.__class__ is int:
+        return code
+    if code.__class__ is str and len(code) == 3 and "1" <= code[0] <= "5" and code.isascii() and code.isdigit():
+        return int(code)
+    return None
+
+
 def unsupported_event(error: object) -> bool:
     """An engine's in-stream error (the ``error`` object of its ``data: {"error": {...}}`` event)
-    that is its 501: its ``code`` says the engine does not implement what the request asks."""
-    if error.__class__ is not dict:
-        return False
-    code = error.get("code")      # type: ignore[attr-defined]
-    return code.__class__ is int and code in UNSUPPORTED_STATUSES
+    that is its 501: its ``code`` (``event_status``) says the engine does not implement what the
+    request asks."""
+    return event_status(error) in UNSUPPORTED_STATUSES
 
 
 def of_failure(kind: str) -> Outcome:
