@@ -6,11 +6,15 @@ from __future__ import annotations
 from functools import partial
 
 import aiohttp
+import anthropic
 import openai
+import orjson
 import pytest
+from aiohttp import web
 
 from tests.support.factories import model_block
-from tests.support.http import chat_body, openai_client, post, sim_state, sse_events
+from tests.support.fake_engine import fake_engine
+from tests.support.http import anthropic_client, chat_body, openai_client, post, sim_state, sse_events
 from tests.support.metrics import series
 from tests.support.waiting import wait_for
 
@@ -285,3 +289,108 @@ async def test_a_migrating_stream_is_not_continued_after_an_error_with_code_501(
     assert set(series(text, "switchyard_breaker_state").values()) == {0.0}
     outcomes = series(text, "switchyard_upstream_outcomes_total")
     assert not any('outcome="fault"' in k for k in outcomes), outcomes
+
+
+def _frame(name: str, data: dict) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + orjson.dumps({"type": name, **data}) + b"\n\n"
+
+
+def _code(request: web.Request) -> int | str:
+    raw = request.headers["x-code"]
+    return raw.strip('"') if raw.startswith('"') else int(raw)
+
+
+async def _messages_engine_that_lacks(request: web.Request) -> web.StreamResponse:
+    """An engine's /v1/messages stream that opens, sends a token, then an error event whose code is
+    the request's ``x-code`` (a number, or a string when quoted)."""
+    await request.read()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    for name, data in (
+            ("message_start", {"message": {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                                           "model": "m", "stop_reason": None, "stop_sequence": None,
+                                           "usage": {"input_tokens": 5, "output_tokens": 0}}}),
+            ("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": "Hi"}}),
+            ("error", {"error": {"type": "api_error", "message": "not implemented here", "code": _code(request)}})):
+        await out.write(_frame(name, data))
+    await out.write_eof()
+    return out
+
+
+async def _responses_engine_that_lacks(request: web.Request) -> web.StreamResponse:
+    """An engine's /v1/responses stream that opens, sends a token, then an ``error`` event whose code
+    is the request's ``x-code``; with ``x-failed``, a ``response.failed`` after it (its error named
+    by OpenAI's ``server_error``)."""
+    await request.read()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    resp = {"id": "resp_1", "object": "response", "created_at": 1, "model": "m", "status": "in_progress",
+            "output": []}
+    events = [("response.created", {"response": resp}),
+              ("response.output_text.delta", {"output_index": 0, "content_index": 0, "item_id": "msg_1",
+                                              "delta": "Hi"}),
+              ("error", {"code": _code(request), "message": "not implemented here", "param": None})]
+    if "x-failed" in request.headers:
+        events.append(("response.failed", {"response": {**resp, "status": "failed", "error": {
+            "code": "server_error", "message": "not implemented here"}}}))
+    for seq, (name, data) in enumerate(events):
+        await out.write(_frame(name, {"sequence_number": seq, **data}))
+    await out.write_eof()
+    return out
+
+
+def _outcomes_of(text: str, url: str) -> dict[str, float]:
+    addr = url.split("//")[1]
+    return {k.rsplit("outcome=", 1)[1].strip('"'): v
+            for k, v in series(text, "switchyard_upstream_outcomes_total").items() if f'endpoint="{addr}"' in k}
+
+
+@pytest.mark.parametrize(("code", "outcome"), [("501", "client_error"), ('"501"', "client_error"),
+                                               ("500", "fault")])
+async def test_a_messages_streams_error_event_with_code_501_is_not_the_endpoints_fault(gateway, code, outcome):
+    """/v1/messages streams pass through the engine's own (not translated from chat) and are
+    classified as chat streams are: an ``event: error`` whose error has code 501 (or "501") is the
+    engine's 501, its breaker not charged (one fault would open it); another code is a fault."""
+    async with fake_engine(_messages_engine_that_lacks, paths=("/v1/messages",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], health={"interval_s": 60},
+                           breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+        c = anthropic_client(gw)
+        for _ in range(2):
+            with pytest.raises(anthropic.APIStatusError) as ei:
+                async with c.messages.stream(model="m", max_tokens=8, extra_headers={"x-code": code},
+                                             messages=[{"role": "user", "content": "hi"}]) as stream:
+                    async for _ev in stream:
+                        pass
+            assert ei.value.body["error"]["message"] == "not implemented here"
+            if outcome == "fault":
+                break
+        text = await gw.metrics_text()
+        assert _outcomes_of(text, url) == {outcome: 2.0 if outcome == "client_error" else 1.0}
+        if outcome == "client_error":
+            assert state_of(text, url) == 0
+
+
+@pytest.mark.parametrize(("code", "failed", "outcome"), [
+    ("501", False, "client_error"), ('"501"', False, "client_error"), ("501", True, "client_error"),
+    ("500", False, "fault"), ("500", True, "fault")])
+async def test_a_responses_streams_error_event_with_code_501_is_not_the_endpoints_fault(
+        gateway, code, failed, outcome):
+    """/v1/responses streams pass through the engine's own and are classified as chat streams are:
+    an ``error`` event with code 501 (or "501") is the engine's 501, its breaker not charged, also
+    when a ``response.failed`` (whose error only names ``server_error``) follows it."""
+    async with fake_engine(_responses_engine_that_lacks, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], health={"interval_s": 60},
+                           breaker={"consecutive_faults": 1, "max_ejection_percent": 100})
+        c = openai_client(gw)
+        headers = {"x-code": code, **({"x-failed": "1"} if failed else {})}
+        for _ in range(2):
+            events = [ev async for ev in await c.responses.create(model="m", input="hi", stream=True,
+                                                                  extra_headers=headers)]
+            assert "error" in [ev.type for ev in events]
+            if outcome == "fault":
+                break
+        text = await gw.metrics_text()
+        assert _outcomes_of(text, url) == {outcome: 2.0 if outcome == "client_error" else 1.0}
+        if outcome == "client_error":
+            assert state_of(text, url) == 0
