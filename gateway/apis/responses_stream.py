@@ -9,7 +9,8 @@ that line) and decodes the few events it needs:
   ``*.delta`` events are the inter-token latencies;
 * ``response.created`` gives the response id (and a snapshot used if the gateway must fail the
   stream); ``response.completed`` / ``response.incomplete`` / ``response.failed`` give the usage,
-  the final status and the output, and end the stream; an ``error`` event is an in-stream error.
+  the final status and the output, and end the stream; an ``error`` event is an in-stream error
+  (the stream's error, also when a ``response.failed`` follows it).
 
 The terminal event is *held back* until the upstream ends, so that the gateway can record what the
 response created (its owner, or its history) before a client that saw ``response.completed`` can
@@ -198,7 +199,10 @@ class ResponsesScanner:
         details = resp.get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         self.finish_reason = reason if isinstance(reason, str) else status if isinstance(status, str) else None
-        if name == "response.failed":
+        if name == "response.failed" and self.error is None:
+            # after an ``error`` event, that event's error is kept: it is the one that names the
+            # status (its ``code``, 501 for what the engine does not implement), where the failed
+            # response's error names a kind (``server_error``)
             err = resp.get("error")
             self.error = err if isinstance(err, dict) else {"message": "the response failed"}
         self.done = True

@@ -54,7 +54,13 @@ def test_an_error_event_and_a_failed_response_are_errors():
     s = ResponsesScanner()
     s.feed(ev("error", code="server_error", message="boom", param=None), 0.0)
     assert s.error["message"] == "boom" and not s.done
-    s.feed(ev("response.failed", response={**RESP, "status": "failed", "error": {"code": "x", "message": "m"}}), 1.0)
+    failed = ev("response.failed", response={**RESP, "status": "failed", "error": {"code": "x", "message": "m"}})
+    s.feed(failed, 1.0)
+    # the error event's error stays the stream's: it is the one that names a status (501: the request's)
+    assert s.done and s.error == {"code": "server_error", "message": "boom", "param": None, "type": "error"}
+    assert s.finish_reason == "failed"
+    s = ResponsesScanner()
+    s.feed(failed, 0.0)
     assert s.done and s.error == {"code": "x", "message": "m"} and s.finish_reason == "failed"
 
 
