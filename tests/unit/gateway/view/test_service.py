@@ -434,6 +434,30 @@ async def test_a_whole_view_is_made_and_merged_a_part_per_loop_turn():
     assert len(b.sessions) == n and len(bctx.prefix_index) == len(actx.prefix_index)
 
 
+def _replica_view(scrape: bool = True, monitor: bool = True):
+    """A view of one model on two endpoints with replicas on (a Redis URL nothing is asked of), its
+    router context attached and, with ``monitor``, a stand-in monitor whose ``listeners`` the test
+    calls as a scrape would: (view, ctx, endpoint, other endpoint, monitor)."""
+    from gateway.server.app import pool_from_config
+
+    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
+                            "routing": {"prefix_block_chars": 8}, "scrape": {"enabled": scrape},
+                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
+    pool = pool_from_config(cfg)
+    view = RoutingView(cfg, pool, GatewayMetrics())
+    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
+    view.attach(ctx)
+    mon = None
+    if monitor:
+        class Monitor:
+            listeners: list = []
+            share = None
+        mon = Monitor()
+        view.attach_monitor(mon)
+    ep, other = pool.endpoints("m")
+    return view, ctx, ep, other, mon
+
+
 def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_is_learnt():
     """A replica that catches up on the stream before its first scrape of an engine (down then, or
     slow) takes the engine's facts; once the scrape says the engine started after they were sent,
@@ -446,21 +470,7 @@ def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_
     from gateway.view.wire import Insert, Session, encode
     from routers.session_map import RESPONSE
 
-    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
-                            "routing": {"prefix_block_chars": 8},
-                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
-    from gateway.server.app import pool_from_config
-    pool = pool_from_config(cfg)
-    view = RoutingView(cfg, pool, GatewayMetrics())
-    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
-    view.attach(ctx)
-
-    class Monitor:
-        listeners: list = []
-        share = None
-    mon = Monitor()
-    view.attach_monitor(mon)
-    ep, other = pool.endpoints("m")
+    view, ctx, ep, other, mon = _replica_view()
     req = inference_request("You are a helpful switchyard assistant. " * 2)
     keys = ctx.prefix_index.keys(req)
     sent = time.time() - 60
@@ -509,24 +519,10 @@ def test_facts_taken_before_an_engines_start_was_known_count_only_those_sent_bef
     from prometheus_client import generate_latest
 
     from gateway.endpoints import EngineMetrics
-    from gateway.server.app import pool_from_config
     from gateway.view.service import UNVETTED_BATCHES, UNVETTED_KEYS, endpoint_key
     from gateway.view.wire import Insert, Session, encode
 
-    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
-                            "routing": {"prefix_block_chars": 8},
-                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
-    pool = pool_from_config(cfg)
-    view = RoutingView(cfg, pool, GatewayMetrics())
-    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
-    view.attach(ctx)
-
-    class Monitor:
-        listeners: list = []
-        share = None
-    mon = Monitor()
-    view.attach_monitor(mon)
-    ep, other = pool.endpoints("m")
+    view, ctx, ep, other, mon = _replica_view()
     index = ctx.prefix_index
     index.on_insert = view._on_insert
     reqs = [inference_request(f"{name}: you are a helpful switchyard assistant. " * 2)
@@ -689,20 +685,12 @@ def test_nothing_is_kept_to_vet_where_no_start_will_be_learnt():
     import time
 
     from gateway.endpoints import EngineMetrics
-    from gateway.server.app import pool_from_config
     from gateway.view.service import endpoint_key
     from gateway.view.wire import Insert, Session, encode
 
     for scrape in (True, False):
-        cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
-                                "routing": {"prefix_block_chars": 8}, "scrape": {"enabled": scrape},
-                                "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
-        pool = pool_from_config(cfg)
-        view = RoutingView(cfg, pool, GatewayMetrics())
-        ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
-        view.attach(ctx)
+        view, ctx, ep, other, _ = _replica_view(scrape, monitor=False)
         ctx.prefix_index.on_insert = view._on_insert
-        ep, other = pool.endpoints("m")
         ep.metrics = EngineMetrics(scraped_at=time.monotonic())         # answered, without a start
         req = inference_request("You are a helpful switchyard assistant. " * 2)
         keys = ctx.prefix_index.keys(req)
@@ -723,24 +711,10 @@ def test_what_was_kept_to_vet_goes_when_the_first_scrape_answers_without_the_eng
     import time
 
     from gateway.endpoints import EngineMetrics
-    from gateway.server.app import pool_from_config
     from gateway.view.service import endpoint_key
     from gateway.view.wire import Insert, Session, encode
 
-    cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
-                            "routing": {"prefix_block_chars": 8},
-                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
-    pool = pool_from_config(cfg)
-    view = RoutingView(cfg, pool, GatewayMetrics())
-    ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
-    view.attach(ctx)
-
-    class Monitor:
-        listeners: list = []
-        share = None
-    mon = Monitor()
-    view.attach_monitor(mon)
-    ep, other = pool.endpoints("m")
+    view, ctx, ep, other, mon = _replica_view()
     index = ctx.prefix_index
     index.on_insert = view._on_insert
     req = inference_request("You are a helpful switchyard assistant. " * 2)
