@@ -413,3 +413,62 @@ async def test_an_engine_that_breaks_mid_event_ends_the_stream_with_a_clean_erro
             assert ei.value.body["error"]["type"] == "api_error", (cut, ei.value.body)
             assert "mid-stream" in ei.value.body["error"]["message"]
             assert seen[0] == "message_start"
+
+
+def _erring_events(error: object, line_end: bytes) -> list[bytes]:
+    """A Messages stream cut by the engine's own error event carrying ``error``, its lines ended with
+    ``line_end``; the error frame is written in two parts."""
+    events = [e for e in _messages_events()[:4]] + [
+        b"event: error\ndata: " + orjson.dumps({"type": "error", "error": error}) + b"\n\n"]
+    events = [e.replace(b"\n", line_end) for e in events]
+    last = events.pop()
+    return events + [last[:9], last[9:]]
+
+
+async def _erring_engine(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+    await request.read()
+    resp = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    error = orjson.loads(request.headers["x-error"])
+    for part in _erring_events(error, b"\r" if "x-cr" in request.headers else b"\n"):
+        await resp.write(part)
+    await resp.write_eof()
+    return resp
+
+
+async def test_an_engines_error_event_in_a_stream_carries_an_anthropic_error_type(sims, gateway):
+    """vLLM ends a Messages stream it cannot complete with an error event of type ``internal_error``
+    (vllm/entrypoints/anthropic/serving.py, ``message_stream_converter``), which is no Anthropic
+    type: the client reads ``api_error`` there (another of the engine's status codes, its own type),
+    with the engine's message; an error of one of Anthropic's types passes unchanged."""
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])])
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.APIStatusError) as ei:
+        async with c.messages.stream(model="llama", max_tokens=20, messages=MSGS,
+                                     extra_headers={"x-sim-fault": "error_after=3"}) as stream:
+            assert [t async for t in stream.text_stream]
+    assert ei.value.body == {"type": "error", "error": {
+        "type": "api_error", "message": "Simulated engine failure after 3 tokens"}}
+    body = {"model": "llama", "max_tokens": 20, "stream": True, "messages": MSGS}
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/messages", json=body,
+                                                    headers={"x-sim-fault": "error_after=3"}) as r:
+        raw = await r.read()
+    assert raw.endswith(b'event: error\ndata: {"type":"error","error":{"type":"api_error",'
+                        b'"message":"Simulated engine failure after 3 tokens"}}\n\n')
+    assert [n for n, _ in sse_frames(raw)] == ["message_start", "content_block_start"] + ["content_block_delta"] * 3 + ["error"]
+
+    async with fake_engine(_erring_engine, paths=("/v1/messages",)) as url:
+        gw = await gateway([model_block("llama", "vllm", [url])])
+        c = anthropic_client(gw)
+        for error, line_end, want in [
+            ({"type": "internal_error", "message": "boom"}, "", {"type": "api_error", "message": "boom"}),
+            ({"type": "internal_error", "message": "boom"}, "cr", {"type": "api_error", "message": "boom"}),
+            ({"message": "full", "code": 503}, "", {"type": "overloaded_error", "message": "full", "code": 503}),
+            ({"type": "overloaded_error", "message": "Overloaded"}, "", {"type": "overloaded_error", "message": "Overloaded"}),
+        ]:
+            headers = {"x-error": orjson.dumps(error).decode(), **({"x-cr": "1"} if line_end else {})}
+            with pytest.raises(anthropic.APIStatusError) as ei:
+                async with c.messages.stream(model="llama", max_tokens=20, messages=MSGS, extra_headers=headers) as stream:
+                    assert [t async for t in stream.text_stream] == ["Let me look."]
+            assert ei.value.body == {"type": "error", "error": want}, (error, line_end)
