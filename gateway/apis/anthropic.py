@@ -13,7 +13,10 @@ the same pipeline as chat. What differs from OpenAI, and lives here:
   error types for the status (``invalid_request_error``, ``not_found_error``,
   ``rate_limit_error``, ``overloaded_error``, ...). After headers: an ``event: error`` frame with
   the same body. An engine's error answer (vLLM sends this shape already, but OpenAI-shaped for
-  validation errors) is re-shaped the same way, keeping its status and message.
+  validation errors) is re-shaped the same way, keeping its status and message. An engine's own
+  error event in a stream passes on as it came, unless its error's type is none of Anthropic's
+  (vLLM writes ``internal_error``): then that frame alone is written again with the type for its
+  ``code`` (``api_error`` without one), the rest of it kept.
 - **Stream accounting.** Events are named by their ``event:`` line. The first
   ``content_block_delta`` is the first token (TTFT); each one after it is an inter-token gap.
   ``message_start`` carries the input tokens, ``message_delta`` the output tokens and the stop
@@ -46,6 +49,7 @@ from gateway.request import (
     load_object,
     slo_objectives,
 )
+from gateway.resilience.outcome import event_status
 
 # Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -234,7 +238,7 @@ class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
     __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
-                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr")
+                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_retyped")
 
     def __init__(self) -> None:
         self.first_token_at: float | None = None
@@ -251,6 +255,7 @@ class MessagesScanner:
         self._skip = False          # the current event outgrew MAX_EVENT_BYTES: not scanned
         self._now = 0.0
         self._cr = False            # lines end with bare CRs: read as LFs (gateway/pipeline/sse.py ``as_lf``)
+        self._retyped: bytes | None = None  # the engine's error event just scanned, with Anthropic's type
 
     def feed(self, chunk: bytes, now: float) -> bytes:
         """What of the bytes read so far goes to the client: every complete event. An event's
@@ -272,12 +277,18 @@ class MessagesScanner:
             self._cr = cr_mode(data, max(pos - 1, 0))
         scan = as_lf(data) if self._cr else data
         start = 0
+        swaps: list[tuple[int, int, bytes]] | None = None
         for m in _BOUNDARY.finditer(scan, pos):
             if self._skip:
                 self._skip = False
             elif self._event(scan, start, m.start()):
                 self._mark(now)
+            elif self._retyped is not None:     # an error event, written again (rare: not on the common path)
+                end = m.start() - (scan[m.start() - 1] == 13)     # its last line's CR stays, before the LF
+                swaps = [*(swaps or ()), (start, end, self._retyped)]
+                self._retyped = None
             start = m.end()
+        size = len(data)
         if data is buf:
             del buf[:start]
         elif start < len(chunk):
@@ -288,17 +299,32 @@ class MessagesScanner:
         if self._skip:
             if pending:
                 out, self._pending = bytes(pending) + chunk, bytearray()
-                return out
-            return chunk
-        keep = len(self._buf)           # the incomplete event: the tail of what came
-        if not pending:
-            if not keep:
-                return chunk
-            self._pending = bytearray(chunk[len(chunk) - keep:])
-            return chunk[:len(chunk) - keep]
-        pending += chunk
-        out = bytes(pending[:len(pending) - keep])
-        del pending[:len(pending) - keep]
+            else:
+                out = chunk
+        else:
+            keep = len(self._buf)       # the incomplete event: the tail of what came
+            if not pending:
+                if not keep:
+                    out = chunk
+                else:
+                    self._pending = bytearray(chunk[len(chunk) - keep:])
+                    out = chunk[:len(chunk) - keep]
+            else:
+                pending += chunk
+                out = bytes(pending[:len(pending) - keep])
+                del pending[:len(pending) - keep]
+        if swaps is not None:
+            out = self._swapped(out, size, start, swaps)
+        return out
+
+    def _swapped(self, out: bytes, size: int, start: int, swaps: list[tuple[int, int, bytes]]) -> bytes:
+        """``out`` with the events at ``swaps`` (offsets in the ``size`` bytes scanned) put in their
+        new bytes. ``out`` is a run of those bytes that ends where the complete events end
+        (``start``), or at their end when the event after them is forwarded as it comes."""
+        base = (size if self._skip else start) - len(out)
+        for begin, end, frame in reversed(swaps):
+            if begin >= base:
+                out = out[:begin - base] + frame + out[end - base:]
         return out
 
     def finish(self) -> bytes:
@@ -309,6 +335,8 @@ class MessagesScanner:
         ev = (as_lf(buf) if self._cr else bytes(buf)).rstrip(b"\r\n")
         if ev and not self._skip and self._event(ev, 0, len(ev)):
             self._mark(self._now)
+        if self._retyped is not None:
+            held, self._retyped = self._retyped + b"\n\n", None
         return held if self.done or self.error is not None else b""
 
     def drain_itl(self) -> list[float]:
@@ -368,5 +396,12 @@ class MessagesScanner:
         elif kind == "error":
             err = obj.get("error")
             self.error = err if isinstance(err, dict) else {"message": str(err)}
+            given = err.get("type") if isinstance(err, dict) else None
+            if given.__class__ is not str or given not in ERROR_TYPES:
+                # not a type of Anthropic's (vLLM's ``internal_error``, or none): the client would
+                # not know it, so the frame is written again with the type its code names
+                fixed = {"type": error_type(event_status(self.error) or 500),
+                         **{k: v for k, v in self.error.items() if k != "type"}}
+                self._retyped = b"event: error\ndata: " + orjson.dumps({**obj, "type": "error", "error": fixed})
         return False
 

@@ -146,6 +146,52 @@ def test_messages_scanner_in_stream_error_and_eventless_frames():
 
 
 
+# a stream the engine cut with its own error event of a type that is none of Anthropic's (vLLM's),
+# after an event over the scan limit (forwarded as it comes) and a few whole ones
+_HUGE = _frame("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                       "delta": {"type": "text_delta", "text": "x" * MAX_EVENT_BYTES}})
+_ENGINE_ERROR = _frame("error", {"type": "error", "error": {"type": "internal_error", "message": "boom"}})
+_API_ERROR = _frame("error", {"type": "error", "error": {"type": "api_error", "message": "boom"}})
+
+
+@given(st.lists(st.integers(min_value=1, max_value=600), max_size=8, unique=True),
+       st.sampled_from([b"\n", b"\r\n", b"\r"]), st.booleans(), st.booleans())
+def test_messages_scanner_gives_an_engines_error_event_anthropics_type_however_it_is_split(
+        cuts, line_end, huge, blank_line):
+    """Only the error frame changes (its type, as Anthropic's clients know it), wherever the reads
+    of the stream end, with or without an event forwarded unscanned before it and with or without
+    the blank line after it."""
+    head = STREAM[:STREAM.index(b"event: content_block_stop")]
+    if huge:
+        head = head[:len(head) // 2] + _HUGE + head[len(head) // 2:]
+    stream = (head + _ENGINE_ERROR).replace(b"\n", line_end)
+    if not blank_line:
+        stream = stream[:-2 * len(line_end)]
+    marks = sorted({len(stream) - c for c in cuts if c < len(stream)})
+    sc = MessagesScanner()
+    out, prev = [], 0
+    for t, cut in enumerate(marks + [len(stream)]):
+        out.append(sc.feed(stream[prev:cut], float(t)))
+        prev = cut
+    out.append(sc.finish())
+    rewritten = _API_ERROR[:-2]             # the new frame, its lines ended with LFs
+    want = head.replace(b"\n", line_end) + rewritten + (line_end * 2 if blank_line else b"\n\n")
+    assert b"".join(out) == want
+    assert sc.error == {"type": "internal_error", "message": "boom"} and not sc.done
+
+
+def test_messages_scanner_keeps_an_error_of_anthropics_type_and_names_the_type_of_its_code():
+    sc = MessagesScanner()
+    ok = _frame("error", {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})
+    assert sc.feed(ok, 1.0) == ok
+    for error, want in [({"message": "full", "code": 503}, {"type": "overloaded_error", "message": "full", "code": 503}),
+                        ({"type": ["x"], "message": "m", "code": "429"}, {"type": "rate_limit_error", "message": "m", "code": "429"}),
+                        ("plain", {"type": "api_error", "message": "plain"})]:
+        sc = MessagesScanner()
+        out = sc.feed(b"data: " + orjson.dumps({"type": "error", "error": error}) + b"\n\n", 1.0)
+        assert out == b"event: " + b"error\ndata: " + orjson.dumps({"type": "error", "error": want}) + b"\n\n"
+
+
 
 def test_messages_carry_the_slo_headers_and_refuse_a_bad_one_in_anthropic_shape():
     body = {"model": "m", "max_tokens": 1, "messages": MESSAGES}
