@@ -564,3 +564,54 @@ async def test_streaming_a_response_not_created_in_the_background_is_refused_in_
             assert ei.value.body["param"] == "stream" and "background=true" in ei.value.body["message"]
     assert (await c.responses.retrieve(failed.id, extra_query={"stream": "false"})).status == "failed"
     assert (await c.responses.retrieve(done.id)).status == "incomplete"
+
+
+async def _erring_engine(request: web.Request) -> web.StreamResponse:
+    """An engine's stream that opens, sends a token, then its own ``error`` event and ends, as vLLM
+    ends a stream whose generation failed (a ``GenerationError``: an error event, then no terminal
+    event); with ``x-failed``, a ``response.failed`` of its own follows the error."""
+    body = await request.json()
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    resp = {"id": "resp_err1", "object": "response", "created_at": 1, "model": "m", "status": "in_progress",
+            "output": [], "store": body.get("store", True)}
+    events = [("response.created", {"response": resp}), ("response.in_progress", {"response": resp}),
+              ("response.output_text.delta", {"output_index": 0, "content_index": 0, "item_id": "msg_1",
+                                              "delta": "Hi"}),
+              ("error", {"code": None, "message": "Internal server error", "param": None})]
+    if "x-failed" in request.headers:
+        events.append(("response.failed", {"response": {**resp, "status": "failed", "error": {
+            "code": "server_error", "message": "the engine's own"}}}))
+    for seq, (name, data) in enumerate(events):
+        await out.write(f"event: {name}\ndata: ".encode() + orjson.dumps({"type": name, "sequence_number": seq, **data})
+                        + b"\n\n")
+    await out.write_eof()
+    return out
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_an_engines_error_event_that_ends_its_stream_is_followed_by_response_failed(gateway, state):
+    """An engine stream that ends with its own ``error`` event and no terminal event (vLLM's on a
+    generation error) ends for the client as every failed stream does: the error, then
+    ``response.failed`` with the engine's message, which the SDK reads and the gateway keeps (a GET
+    answers it failed, a follow-up is a 400), where the stream stopped at the error and the id the
+    client was given in response.created was unknown (a 404). An engine's own response.failed
+    after its error is passed on alone."""
+    async with fake_engine(_erring_engine, paths=("/v1/responses",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], responses={"state": state})
+        c = openai_client(gw)
+        events = [ev async for ev in await c.responses.create(model="m", input="hi", stream=True)]
+        assert [ev.type for ev in events][-2:] == ["error", "response.failed"]
+        assert [ev.sequence_number for ev in events] == list(range(len(events)))
+        failed = events[-1].response
+        assert (failed.id, failed.status) == ("resp_err1", "failed")
+        assert (failed.error.code, failed.error.message) == ("server_error", "Internal server error")
+        got = await c.responses.retrieve("resp_err1")
+        assert (got.status, got.error.message) == ("failed", "Internal server error")
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.responses.create(model="m", input="go on", previous_response_id="resp_err1")
+        assert ei.value.body["param"] == "previous_response_id"
+        events = [ev async for ev in await c.responses.create(model="m", input="hi", stream=True,
+                                                              extra_headers={"x-failed": "1"})]
+        assert [ev.type for ev in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
+        assert events[-1].response.error.message == "the engine's own"
