@@ -284,8 +284,10 @@ class MessagesScanner:
             elif self._event(scan, start, m.start()):
                 self._mark(now)
             elif self._retyped is not None:     # an error event, written again (rare: not on the common path)
-                end = m.start() - (scan[m.start() - 1] == 13)     # its last line's CR stays, before the LF
-                swaps = [*(swaps or ()), (start, end, self._retyped)]
+                begin, end = start, m.start() - (scan[m.start() - 1] == 13)   # its last line's CR stays
+                while scan[begin] in b"\r\n":     # and the end of the line before it, split from it
+                    begin += 1
+                swaps = [*(swaps or ()), (begin, end, self._retyped)]
                 self._retyped = None
             start = m.end()
         size = len(data)
@@ -336,7 +338,8 @@ class MessagesScanner:
         if ev and not self._skip and self._event(ev, 0, len(ev)):
             self._mark(self._now)
         if self._retyped is not None:
-            held, self._retyped = self._retyped + b"\n\n", None
+            lead = len(held) - len(held.lstrip(b"\r\n"))     # the end of the line before it stays
+            held, self._retyped = held[:lead] + self._retyped + b"\n\n", None
         return held if self.done or self.error is not None else b""
 
     def drain_itl(self) -> list[float]:
