@@ -78,9 +78,15 @@ class ApiShape:
         """The bytes that end a stream the gateway cannot complete (after headers went out)."""
         raise NotImplementedError
 
+    def stream_errored(self, ctx: Any) -> bytes:
+        """The bytes that end a stream its engine ended with an error event of its own and without
+        its API's terminal event (the Responses API's ``response.failed``); default none: the
+        engine's error event is the stream's end. When there are some, ``failed`` follows."""
+        return b""
+
     async def failed(self, ctx: Any) -> None:
-        """After ``stream_error`` made a stream's last bytes, before they are written: what the
-        failure leaves (the Responses API keeps the failed response)."""
+        """After ``stream_error`` (or ``stream_errored``) made a stream's last bytes, before they are
+        written: what the failure leaves (the Responses API keeps the failed response)."""
 
     def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
         """Usage of a non-streaming answer (decoded JSON object); may note what ``finish`` needs."""

@@ -42,7 +42,7 @@ from prometheus_client import Counter, Gauge
 from gateway.apis.base import ApiShape
 from gateway.apis.responses_request import RESPONSES, output_as_input, parse_responses, with_history
 from gateway.apis.responses_state import AskSiblings, MemoryStore, RedisStore, StoreUnavailable, WorkerStore
-from gateway.apis.responses_stream import ResponsesScanner, failure
+from gateway.apis.responses_stream import ResponsesScanner, failed_after_error, failure
 from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError, error_response, normalize_upstream_error
@@ -240,6 +240,17 @@ class ResponsesApi(ApiShape):
     def stream_error(self, ctx: RequestContext, status: int, message: str, code: str | None) -> bytes:
         ex = self._exchange(ctx)
         events, ex.failed = failure(ex.scanner, ctx.rec.model, status, message, code, ctx.rec.request_id)
+        return events
+
+    def stream_errored(self, ctx: RequestContext) -> bytes:
+        """The engine's own ``error`` event ended the stream, without a terminal event: the client is
+        owed ``response.failed`` (every failed Responses stream ends with one), and the failed
+        response is kept, as for a stream the gateway failed."""
+        ex = self._exchange(ctx)
+        ended = failed_after_error(ex.scanner) if ex.scanner is not None else None
+        if ended is None:
+            return b""
+        events, ex.failed = ended
         return events
 
     async def failed(self, ctx: RequestContext) -> None:

@@ -209,6 +209,23 @@ class ResponsesScanner:
         return True
 
 
+def failed_after_error(scanner: ResponsesScanner) -> tuple[bytes, dict] | None:
+    """What ends a stream its engine ended with an ``error`` event of its own and no terminal event
+    (vLLM on a generation error): ``response.failed``, after that error (whose sequence number it
+    follows), carrying the response as created, now failed with the engine's message. Its error's
+    ``code`` is the engine's when it is a name, else OpenAI's ``server_error``. None when the engine
+    announced no response (no ``response.created``): there is no id to fail."""
+    if scanner.snapshot is None or scanner.error is None:
+        return None
+    code, message = scanner.error.get("code"), scanner.error.get("message")
+    if not isinstance(code, str) or not code or code.isdigit():
+        code = "server_error"
+    snap = {**scanner.snapshot, "status": "failed",
+            "error": {"code": code, "message": message if isinstance(message, str) else "the response failed"}}
+    failed = {"type": "response.failed", "sequence_number": scanner.events, "response": snap}
+    return b"event: response.failed\ndata: " + orjson.dumps(failed) + b"\n\n", snap
+
+
 def failure_events(scanner: ResponsesScanner | None, model: str, status: int, message: str,
                    code: str | None, request_id: str = "") -> bytes:
     """The events of ``failure`` alone."""

@@ -686,6 +686,12 @@ class Relay:
                 if ctx.api is not None:
                     await ctx.api.failed(ctx)
                 await out.write(last)
+            elif scanner.error is not None and not scanner.done and ctx.api is not None:
+                # the engine's own error event ended it: its API may owe a terminal event after it
+                last = ctx.api.stream_errored(ctx)
+                if last:
+                    await ctx.api.failed(ctx)
+                    await out.write(last)
             await out.write_eof()
         except ConnectionResetError:
             raise asyncio.CancelledError from None     # (an answer delivered whole stays so: ``rec.delivered``)

@@ -6,7 +6,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.apis.responses_stream import ResponsesScanner, failure_events
+from gateway.apis.responses_stream import ResponsesScanner, failed_after_error, failure_events
 from gateway.pipeline.sse import MAX_EVENT_BYTES
 
 
@@ -97,6 +97,28 @@ def test_failure_events_continue_the_engines_sequence():
     assert err["sequence_number"] == 4 and failed["sequence_number"] == 5
     assert failed["response"]["id"] == "resp_1" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "upstream_timeout", "message": "no output"}
+
+
+def test_an_engines_error_without_a_terminal_event_is_followed_by_response_failed():
+    for code, named in ((None, "server_error"), (500, "server_error"), ("501", "server_error"), ("", "server_error"),
+                        ("rate_limit_exceeded", "rate_limit_exceeded")):
+        s = ResponsesScanner()
+        for chunk in stream()[:4] + [ev("error", code=code, message="boom", param=None)]:
+            s.feed(chunk, 0.0)
+        assert s.finish() == b"" and not s.done
+        ended = failed_after_error(s)
+        assert ended is not None
+        raw, snap = ended
+        assert raw.startswith(b"event: response.failed\ndata: ") and raw.endswith(b"\n\n")
+        failed = orjson.loads(raw.split(b"data: ", 1)[1])
+        assert failed["sequence_number"] == 5 and failed["response"] == snap
+        assert snap == {**RESP, "status": "failed", "error": {"code": named, "message": "boom"}}
+    s = ResponsesScanner()                  # the engine named no response: there is none to fail
+    s.feed(ev("error", message="boom"), 0.0)
+    assert failed_after_error(s) is None
+    s = ResponsesScanner()                  # no error: nothing to follow
+    s.feed(stream()[0], 0.0)
+    assert failed_after_error(s) is None
 
 
 def test_a_stream_that_failed_before_its_response_was_created_names_one():
