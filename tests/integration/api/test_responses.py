@@ -575,9 +575,13 @@ async def _erring_engine(request: web.Request) -> web.StreamResponse:
     await out.prepare(request)
     resp = {"id": "resp_err1", "object": "response", "created_at": 1, "model": "m", "status": "in_progress",
             "output": [], "store": body.get("store", True)}
+    item = {"type": "message", "id": "msg_1", "role": "assistant", "status": "in_progress", "content": []}
     events = [("response.created", {"response": resp}), ("response.in_progress", {"response": resp}),
+              ("response.output_item.added", {"output_index": 0, "item": item}),
+              ("response.content_part.added", {"output_index": 0, "content_index": 0, "item_id": "msg_1",
+                                               "part": {"type": "output_text", "text": "", "annotations": []}}),
               ("response.output_text.delta", {"output_index": 0, "content_index": 0, "item_id": "msg_1",
-                                              "delta": "Hi"}),
+                                              "delta": "Hi", "logprobs": []}),
               ("error", {"code": None, "message": "Internal server error", "param": None})]
     if "x-failed" in request.headers:
         events.append(("response.failed", {"response": {**resp, "status": "failed", "error": {
@@ -606,6 +610,9 @@ async def test_an_engines_error_event_that_ends_its_stream_is_followed_by_respon
         failed = events[-1].response
         assert (failed.id, failed.status) == ("resp_err1", "failed")
         assert (failed.error.code, failed.error.message) == ("server_error", "Internal server error")
+        async with c.responses.stream(model="m", input="hi") as stream:      # the SDK's helper reads it too
+            seen = [ev.type async for ev in stream]
+        assert seen[-2:] == ["error", "response.failed"]
         got = await c.responses.retrieve("resp_err1")
         assert (got.status, got.error.message) == ("failed", "Internal server error")
         with pytest.raises(openai.BadRequestError) as ei:
