@@ -260,6 +260,23 @@ async def test_hostile_uploads_are_refused_in_openai_shape(sims, gateway, tmp_pa
     assert list((tmp_path / "batch" / "tmp").iterdir()) == []
 
 
+@pytest.mark.parametrize("purpose", ["fine-tune", "batch_output", "user_data"])
+async def test_a_purpose_other_than_batch_is_the_answer_whatever_the_file_holds(sims, gateway, tmp_path, purpose):
+    """The SDK sends ``purpose`` before the file: an upload for another purpose (a fine-tuning file,
+    say, whose lines are no batch requests) is refused for its purpose, named as the param at fault,
+    not for a line of a file the API never serves."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    tuning = jsonl([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 3)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.files.create(file=("train.jsonl", tuning), purpose=purpose)
+    assert (ei.value.body["param"], ei.value.body["code"]) == ("purpose", "invalid_value"), ei.value.body
+    assert purpose in ei.value.body["message"]
+    assert (await c.files.list()).data == []
+    assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+
+
 async def test_a_file_too_large_is_one_413_whether_its_length_is_told_or_not(sims, gateway, tmp_path):
     """An upload whose Content-Length already says its file cannot fit is refused before it is read
     (at the edge), a chunked one once its bytes pass the limit (by the Files API): one answer."""
