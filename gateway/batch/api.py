@@ -119,6 +119,8 @@ class BatchApi:
                         raw = await _field(part, field_limit)
                         expiry[part.name[14:-1]] = raw.decode("utf-8", "replace").strip()
                     elif part.name == "file" and got is None:
+                        if purpose is not None:     # told first (the SDKs do): the file is read for it
+                            _check_purpose(purpose)
                         got = await self._receive(part, tmp)
                     else:
                         await _field(part, field_limit)
@@ -132,8 +134,7 @@ class BatchApi:
                 raise _bad("missing multipart field 'file'", "file", "missing_required_parameter")
             if purpose is None:
                 raise _bad("missing multipart field 'purpose'", "purpose", "missing_required_parameter")
-            if purpose != "batch":
-                raise _bad(f"purpose {purpose!r} is not served here: only 'batch'", "purpose", "invalid_value")
+            _check_purpose(purpose)
             ttl_s = _ttl(expiry_text if expiry_text is not None else expiry or None, cfg.file_ttl_s)
             filename, size, lines = got
             file_id = batch_files.new_file_id()
@@ -296,6 +297,14 @@ class BatchApi:
             raise _bad(f"Cannot cancel a batch with status {doc['status']}", "batch_id", "invalid_batch_state")
         self.on_change()
         return _json(doc)
+
+
+def _check_purpose(purpose: str) -> None:
+    """Only batch input is uploaded here. Checked before the file is read when the form tells the
+    purpose first, as OpenAI's SDKs send it: a file for another purpose (a fine-tuning file, whose
+    lines are no batch requests) is refused for its purpose, not for its first line."""
+    if purpose != "batch":
+        raise _bad(f"purpose {_shown(purpose)!r} is not served here: only 'batch'", "purpose", "invalid_value")
 
 
 def _ttl(expiry: dict[str, str] | str | None, file_ttl_s: int) -> int:
