@@ -13,6 +13,7 @@ import openai
 import orjson
 import pytest
 
+from enginesim import SimConfig, start_sim
 from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
@@ -405,6 +406,46 @@ async def test_an_engine_that_dies_mid_batch_costs_no_line(sims, gateway, tmp_pa
     text = await gw.metrics_text()       # the pipeline moved the broken lines to the other engine
     retried = [float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith('switchyard_retries_total{model="m"}')]
     assert retried and retried[0] >= 1
+
+
+async def test_an_engine_down_until_its_probes_notice_loses_no_line(sims, gateway, tmp_path):
+    """A model's one engine dies mid-batch, and its health probes take longer to notice (up to 2 s
+    here, 10 s at the defaults) than a line's attempts last (0.3 s here, 3 s at the defaults).
+    Meanwhile the lines the runner starts meet a 502: the gateway cannot connect to any engine, so
+    no engine ran them, as when no endpoint is ready; they wait and run once the engine is back,
+    and none goes to the error file. Before, each such 502 counted as an attempt, the lines churned
+    through them at once, and most of the batch ended in the error file."""
+    sim = await sims("vllm", "m", itl_ms=10.0)
+    port = sim.port
+    gw = await gateway([model_block("m", "vllm", [sim.url])], health={"interval_s": 1.0, "unhealthy_threshold": 2},
+                       batch={**batch_cfg(tmp_path), "retry_backoff_s": 0.1, "max_concurrency": 4})
+    c = openai_client(gw)
+    rows = lines("/v1/chat/completions", 200)
+    for r in rows:
+        r["body"]["max_tokens"] = 5
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+    async def some_answered() -> bool:
+        return (await c.batches.retrieve(b.id)).request_counts.completed >= 10
+
+    await until(some_answered, timeout=30, interval=0.01)
+    await sim.close()
+    ep = gw.gw.pool.endpoints("m")[0]
+    await until(lambda: not ep.ready, timeout=20)
+    back = await start_sim(SimConfig(engine="vllm", model="m", port=port, host="127.0.0.1", itl_ms=10.0))
+    try:
+        b = await run_to_end(c, b.id, timeout=90)
+        errors = [] if b.error_file_id is None else (await c.files.content(b.error_file_id)).content.splitlines()
+        assert b.status == "completed", b
+        assert (b.request_counts.completed, b.request_counts.failed) == (200, 0), errors[:2]
+        out = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
+        assert [o["custom_id"] for o in out] == [r["custom_id"] for r in rows]
+    finally:
+        await back.close()
+    # the lines no engine took were tried again uncounted: a line counts only what reached an engine
+    text = await gw.metrics_text()
+    assert sample(text, "switchyard_batch_lines_total", model="m", outcome="failed") == 0
 
 
 async def test_a_cursor_that_names_no_object_of_the_caller_is_a_400(sims, gateway, tmp_path):
