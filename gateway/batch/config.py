@@ -22,7 +22,7 @@ class BatchConfig(Block):
     endpoint_capacity: Annotated[int, Meta(ge=1, description="Running slots assumed on an endpoint whose engine has not told its cap (SGLang does) nor been seen queueing (admission's capacity view); batch lines fill only free slots.")] = 8
     reserve_slots: Annotated[int, Meta(ge=0, description="Running slots per endpoint batch lines leave free for interactive requests that arrive.")] = 1
     max_kv_usage: Annotated[float, Meta(gt=0, le=1, description="No batch line goes to an endpoint whose KV-cache usage is at or above this share (0..1).")] = 0.7
-    max_attempts: Annotated[int, Meta(ge=1, description="Attempts of a line that fails retryably (5xx, timeouts, broken connections) before it goes to the error file; a 429 (limits, admission) waits and is not counted.")] = 3
+    max_attempts: Annotated[int, Meta(ge=1, description="Attempts of a line that fails retryably (5xx, timeouts, broken connections) before it goes to the error file; a 429 (limits, admission) waits and is not counted, nor is a 502 of a line that reached no engine (connection refused: the model's lines wait).")] = 3
     retry_backoff_s: Annotated[float, Meta(gt=0, description="First wait before a line is tried again, doubled at each attempt (capped at 30 s), in seconds.")] = 1.0
     file_ttl_s: Annotated[int, Meta(ge=0, description="Uploaded, output and error files expire this long after their creation and are removed from disk, in seconds (0: never); sooner when an upload's expires_after, or the output_expires_after of the batch that wrote them, asks for less.")] = 30 * 24 * 3600
     poll_interval_s: Annotated[float, Meta(gt=0, description="How often the runner looks for new, cancelled or expired batches and for headroom, in seconds.")] = 0.2

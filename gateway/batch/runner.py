@@ -11,8 +11,10 @@ batch's owner, only while ``headroom.model_room`` finds free slots, under ``max_
 committed in small groups; a line whose answer was not committed when the process died is run
 again, and a line stored twice is kept once). A 429 (the owner's limits, admission shedding) waits
 its Retry-After and is tried again without counting, and no line of the owner's for that model
-starts meanwhile; a 5xx or a timeout is tried again up to ``max_attempts``;
-anything else is the line's answer (a 4xx goes to the error file).
+starts meanwhile; a 502 of a line that reached no engine (the gateway could not connect to one:
+an engine that died is ready until its probes notice) is tried again without counting, and no
+line of that model starts meanwhile; another 5xx or a timeout is tried again up to
+``max_attempts``; anything else is the line's answer (a 4xx goes to the error file).
 
 The output and error files are written at the end by streaming the stored lines in input order,
 so memory stays flat whatever the batch's size; every input line has exactly one line in one of
@@ -52,6 +54,9 @@ RETRY_STATUSES = frozenset({408, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
 FLUSH_LINES = 256
 HELD_BACK = 1024       # lines of models without room a dispatch steps over to reach other models
+# what the gateway's 502 says (x-error-upstream) when it could not connect to any engine of the
+# line's model: no engine took the request, so the line is not at fault
+UNREACHED = "connect"
 
 
 @dataclass(slots=True)
@@ -99,6 +104,10 @@ class BatchRunner:
         # (owner, model) → until when no line of theirs starts: a line met a 429, whose Retry-After
         # says when the limit (or admission) takes requests again
         self.held: dict[tuple[str, str], float] = {}
+        # model → (until when none of its lines starts, how many such waits in a row): its lines
+        # reached no engine (an engine that died is ready until its probes notice); the wait
+        # doubles from retry_backoff_s while they keep reaching none, and an answer ends the run
+        self.unreached: dict[str, tuple[float, int]] = {}
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -357,6 +366,8 @@ class BatchRunner:
                 job.ready.extendleft(reversed(held))
 
     def _held(self, owner: str, model: str, now: float) -> bool:
+        if (cut := self.unreached.get(model)) is not None and cut[0] > now:
+            return True
         until = self.held.get((owner, model))
         if until is None:
             return False
@@ -489,11 +500,14 @@ class BatchRunner:
         req = LineRequest(line.url, orjson.dumps(body), headers, {},
                           log_fields={"batch_id": job.id, "custom_id": line.custom_id}, acting_for=job.owner or None)
         retry_after: float | None = None
+        unreached = False
         try:
             resp = await self.submit(req)
             status, raw = resp.status, _body_of(resp)
             if status == 429:
                 retry_after = _retry_after(resp)
+            elif status == 502:
+                unreached = _upstream_kind(resp) == UNREACHED
         except asyncio.CancelledError:
             if rid not in self.preempted:
                 raise
@@ -506,10 +520,15 @@ class BatchRunner:
             log.exception("batch line failed in the gateway", batch_id=job.id, custom_id=line.custom_id)
             status, raw = 500, orjson.dumps({"error": {"message": f"internal gateway error: {type(e).__name__}",
                                                        "type": "server_error", "param": None, "code": "internal_error"}})
-        free = status == 429 or (status == 503 and self.draining())     # not the line's fault
+        if not unreached:           # an engine answered (or the gateway itself): the model is reached
+            self.unreached.pop(model, None)
+        # not the line's fault: a limit, a drain, or no engine could be connected to
+        free = status == 429 or unreached or (status == 503 and self.draining())
         if free or (status in RETRY_STATUSES and attempts + 1 < self.cfg.max_attempts):
             counted = attempts if free else attempts + 1
             delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * (2 ** max(0, counted - 1)))
+            if unreached:               # none of the model's lines starts until the wait ends
+                delay = self._unreached(model)
             if status == 429:           # the limit says when: until then no line of the owner's goes there
                 if retry_after is not None:
                     delay = min(MAX_BACKOFF_S, retry_after)
@@ -529,6 +548,22 @@ class BatchRunner:
         job.results.append(Result(line.custom_id, line.line_no, ok, out, usage))
         self.m.lines(model, "completed" if ok else "failed")
 
+    def _unreached(self, model: str) -> float:
+        """A line of ``model`` reached no engine: the seconds until its lines start again. A line
+        ending so during the model's wait waits its end; after it, the next wait is twice as long
+        (from ``retry_backoff_s``, at most ``MAX_BACKOFF_S``). Its probes soon find the engine not
+        ready, and the lines wait for a ready one, as without this."""
+        now = self.clock()
+        until, run = self.unreached.get(model, (0.0, 0))
+        if until > now:
+            return until - now
+        delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * 2 ** min(run, 16))
+        self.unreached[model] = (now + delay, run + 1)
+        if run == 0:
+            log.warning("batch lines of a model reached no engine; they wait and are tried again uncounted",
+                        model=model or "-", retry_in_s=delay)
+        return delay
+
     async def _flush_all(self) -> None:
         for job in list(self.jobs.values()):
             if job.results:
@@ -543,6 +578,12 @@ def _body_of(resp: Any) -> bytes:
     if isinstance(body, bytes | bytearray):
         return bytes(body)
     return b""
+
+
+def _upstream_kind(resp: Any) -> str | None:
+    """Why the gateway could not get an engine's answer (its ``x-error-upstream``), if it says."""
+    headers = getattr(resp, "headers", None)
+    return None if headers is None else headers.get("x-error-upstream")
 
 
 def _retry_after(resp: Any) -> float | None:
