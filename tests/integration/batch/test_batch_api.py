@@ -504,6 +504,38 @@ async def test_objects_created_in_one_second_list_in_the_order_they_were_created
     assert [b.id async for b in c.batches.list(limit=3)] == batches[::-1]
 
 
+@pytest.mark.parametrize("order", ["desc", "asc"])
+async def test_files_deleted_as_they_are_listed_page_after_page_are_all_deleted(sims, gateway, tmp_path,
+                                                                                monkeypatch, order):
+    """The SDK's paginator asks for each next page after the last file of the page before, so a loop
+    that deletes every file it lists (a clean-up) names a file it deleted as ``after``: the list
+    goes on from where that file was, where the second page was a 400. A file made after the deleted
+    one (within its second) still lists after it."""
+    from gateway.batch import api, files
+
+    second = api.now_s()
+    monkeypatch.setattr(api, "now_s", lambda: second)        # every object made in the same second
+    monkeypatch.setattr(files, "now_s", lambda: second)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    made = [(await c.files.create(file=(f"in{i}.jsonl", GOOD), purpose="batch")).id for i in range(7)]
+    gone = []
+    async for f in c.files.list(order=order, limit=2):
+        await c.files.delete(f.id)
+        gone.append(f.id)
+    assert gone == (made if order == "asc" else made[::-1])
+    assert (await c.files.list()).data == []
+    first = (await c.files.create(file=("a.jsonl", GOOD), purpose="batch")).id
+    last = (await c.files.create(file=("b.jsonl", GOOD), purpose="batch")).id
+    await c.files.delete(last)              # the newest file goes; the next one is made after it
+    after = (await c.files.create(file=("c.jsonl", GOOD), purpose="batch")).id
+    page = await c.files.list(order=order, after=last)
+    assert [f.id for f in page.data] == ([after] if order == "asc" else [first])
+    with pytest.raises(openai.BadRequestError):          # an id that never named a file: still a 400
+        await c.files.list(after="file-000000000000000000000000")
+
+
 async def test_an_upload_expires_when_its_expires_after_says(sims, gateway, tmp_path):
     """``expires_after`` (anchor ``created_at``, 3600 to 2592000 seconds) sets when the uploaded
     file expires and leaves the disk, if before ``batch.file_ttl_s``.
