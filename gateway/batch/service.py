@@ -25,7 +25,7 @@ from gateway.batch.config import BatchConfig
 from gateway.batch.headroom import free_slots
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.runner import BatchRunner, Submit
-from gateway.batch.store import BatchDb, BatchStore, now_s
+from gateway.batch.store import GONE_KEPT_S, BatchDb, BatchStore, now_s
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.tenants.service import NoTenancy, Tenancy
 
@@ -168,7 +168,8 @@ class BatchService:
         return self.runner is not None and self.runner.preempt(ep.name)
 
     async def _sweep(self) -> None:
-        """Expired files leave the store and the disk; so do files on disk the store forgot."""
+        """Expired files leave the store and the disk; so do files on disk the store forgot, and the
+        places kept of files gone more than ``GONE_KEPT_S`` ago."""
         while True:
             try:
                 inputs = {b["input_file_id"] for b in await self.db.run(BatchStore.active_batches)}
@@ -177,6 +178,7 @@ class BatchService:
                         continue
                     await self.db.run(BatchStore.delete_file, fid)
                     await asyncio.to_thread(batch_files.remove, self.db.dir, fid)
+                await self.db.run(BatchStore.forget_gone, now_s() - GONE_KEPT_S)
                 known = await self.db.run(BatchStore.file_ids)
                 for fid in await asyncio.to_thread(batch_files.strays, self.db.dir, known):
                     await asyncio.to_thread(batch_files.remove, self.db.dir, fid)

@@ -7,7 +7,9 @@ out once. The batch object is kept as its OpenAI JSON document beside an indexed
 change to it is a read-modify-write inside ``BEGIN IMMEDIATE``, so the runner's counts and another
 worker's cancel never overwrite each other. Lists go by ``created_at`` (whole seconds), then by
 ``rowid``, which SQLite gives each new row above every row the table holds, so objects made within
-one second list in the order they were made.
+one second list in the order they were made. A file deleted or expired leaves its place
+(``gone_files``: its ``created_at`` and rowid) for a while, so a list's ``after`` may still name it;
+a file's rowid is given above those places too, so a file made after one that went lists after it.
 
 A store written by an older gateway opens as it is: a column added since (``MIGRATIONS``) is added
 to its table when the store opens, empty in the rows it already holds.
@@ -48,7 +50,16 @@ CREATE TABLE IF NOT EXISTS results (
     line BLOB NOT NULL, PRIMARY KEY (batch_id, custom_id)
 );
 CREATE INDEX IF NOT EXISTS results_by_line ON results (batch_id, line_no);
+CREATE TABLE IF NOT EXISTS gone_files (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at INTEGER NOT NULL, pos INTEGER NOT NULL,
+    gone_at INTEGER NOT NULL
+);
 """
+
+# a deleted (or expired) file's place in the lists is kept this long, so a list's ``after`` naming
+# it goes on from there: the SDKs' paginators name the last file of the page before, which a loop
+# that deletes what it lists has just deleted
+GONE_KEPT_S = 24 * 3600
 
 # (table, column, its declaration): columns added after the table was first released; a store made
 # before one was added gets it when it opens (NULL in its rows: nothing asked)
@@ -113,9 +124,12 @@ class BatchStore:
     # -- files --------------------------------------------------------------------------------
 
     def add_file(self, f: dict[str, Any], owner: str, lines: int = 0) -> None:
+        # its rowid above every file's and every gone file's place: SQLite gives the highest rowid
+        # of a deleted row to the next one, which would list it before a cursor naming that row
         self._tx(lambda db: db.execute(
-            "INSERT INTO files (id, owner, filename, purpose, bytes, created_at, expires_at, lines)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO files (rowid, id, owner, filename, purpose, bytes, created_at, expires_at, lines)"
+            " VALUES (1 + MAX(IFNULL((SELECT MAX(rowid) FROM files), 0), IFNULL((SELECT MAX(pos) FROM gone_files), 0)),"
+            " ?, ?, ?, ?, ?, ?, ?, ?)",
             (f["id"], owner, f["filename"], f["purpose"], f["bytes"], f["created_at"], f["expires_at"], lines)))
 
     def get_file(self, file_id: str, owner: str | None) -> dict[str, Any] | None:
@@ -138,6 +152,8 @@ class BatchStore:
         cmp, direction = (">", "ASC") if order == "asc" else ("<", "DESC")
         if after:
             row = self.db.execute("SELECT owner, created_at, rowid FROM files WHERE id = ?", (after,)).fetchone()
+            if row is None:             # deleted or expired since it was listed: its place
+                row = self.db.execute("SELECT owner, created_at, pos FROM gone_files WHERE id = ?", (after,)).fetchone()
             if row is None or (owner is not None and row[0] != owner):
                 raise UnknownCursor(after)
             where.append(f"(created_at, rowid) {cmp} (?, ?)")
@@ -149,7 +165,20 @@ class BatchStore:
         return [_file(r) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> bool:
-        return self._tx(lambda db: db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount > 0)
+        """The file leaves the store; its place in the lists stays (``gone_files``) for ``GONE_KEPT_S``."""
+        def tx(db: sqlite3.Connection) -> bool:
+            row = db.execute("SELECT owner, created_at, rowid FROM files WHERE id = ?", (file_id,)).fetchone()
+            if row is None:
+                return False
+            db.execute("INSERT OR REPLACE INTO gone_files (id, owner, created_at, pos, gone_at) VALUES (?, ?, ?, ?, ?)",
+                       (file_id, row[0], row[1], row[2], now_s()))
+            db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+            return True
+        return self._tx(tx)
+
+    def forget_gone(self, before: int) -> int:
+        """The places of files gone before ``before`` are forgotten: a cursor naming one is a 400."""
+        return self._tx(lambda db: db.execute("DELETE FROM gone_files WHERE gone_at < ?", (before,)).rowcount)
 
     def expired_files(self, now: int) -> list[str]:
         return [r[0] for r in self.db.execute(

@@ -449,8 +449,8 @@ async def test_an_engine_down_until_its_probes_notice_loses_no_line(sims, gatewa
 
 
 async def test_a_cursor_that_names_no_object_of_the_caller_is_a_400(sims, gateway, tmp_path):
-    """``after`` must name an object of the caller's list: an unknown id (a typo, a deleted object,
-    another user's) is a 400 naming the parameter, where it was ignored and the first page came
+    """``after`` must name an object of the caller's list: an unknown id (a typo, another user's)
+    is a 400 naming the parameter, where it was ignored and the first page came
     again, which a paginator reads as more objects."""
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path), auth=KEYS)

@@ -3,7 +3,9 @@ follow, lists with OpenAI's cursors, and output lines streamed in input order.""
 
 from __future__ import annotations
 
-from gateway.batch.store import BatchStore, Result
+import pytest
+
+from gateway.batch.store import BatchStore, Result, UnknownCursor
 
 
 def doc(bid: str, created: int = 100, status: str = "in_progress") -> dict:
@@ -36,6 +38,25 @@ def test_ownership_and_cursor_pagination(tmp_path):
     page, more = s.list_batches("alice", "b2", 2)
     assert [d["id"] for d in page] == ["b0"] and not more
     assert len(s.list_batches(None, None, 10)[0]) == 5
+
+
+def fobj(fid: str, created: int = 100) -> dict:
+    return {"id": fid, "filename": "in.jsonl", "purpose": "batch", "bytes": 1, "created_at": created, "expires_at": None}
+
+
+def test_a_gone_files_place_is_a_cursor_of_its_owner_until_forgotten(tmp_path):
+    s = BatchStore(str(tmp_path / "db"))
+    for i in range(3):
+        s.add_file(fobj(f"f{i}"), "alice")
+    assert s.delete_file("f1") and not s.delete_file("f1")
+    assert [f["id"] for f in s.list_files("alice", None, "desc", "f1", 10)[0]] == ["f0"]
+    assert [f["id"] for f in s.list_files("alice", None, "asc", "f1", 10)[0]] == ["f2"]
+    with pytest.raises(UnknownCursor):          # another user's file, gone or not, names no place of theirs
+        s.list_files("bob", None, "desc", "f1", 10)
+    assert s.forget_gone(0) == 0                # gone after that
+    s.forget_gone(2 ** 40)
+    with pytest.raises(UnknownCursor):
+        s.list_files("alice", None, "desc", "f1", 10)
 
 
 def test_updates_are_read_modify_write(tmp_path):
