@@ -54,6 +54,7 @@ CREATE TABLE IF NOT EXISTS gone_files (
     id TEXT PRIMARY KEY, owner TEXT NOT NULL, created_at INTEGER NOT NULL, pos INTEGER NOT NULL,
     gone_at INTEGER NOT NULL
 );
+CREATE INDEX IF NOT EXISTS gone_files_by_pos ON gone_files (pos);
 """
 
 # a deleted (or expired) file's place in the lists is kept this long, so a list's ``after`` naming
