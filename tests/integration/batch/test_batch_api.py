@@ -751,6 +751,39 @@ async def test_a_form_field_beyond_the_body_limit_is_a_413_naming_it(sims, gatew
     assert list((tmp_path / "batch" / "tmp").iterdir()) == []
 
 
+@pytest.mark.parametrize("field", ["expires_after[k{}]", "note{}"])
+async def test_a_chunked_upload_of_endless_small_fields_is_a_413_once_past_the_upload_limit(sims, gateway, tmp_path,
+                                                                                           field):
+    """A body of no told length is read no further than one whose Content-Length is refused at once
+    (``batch.max_file_bytes`` and 64 KiB of form around it), however its bytes are cut into fields,
+    and answered as that one is. Each small field is within its own 64 KiB, so before, the upload
+    was read to its end however long (keeping each ``expires_after[...]`` key it named), then
+    refused for an unknown key or stored. The next upload is answered."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**batch_cfg(tmp_path), "max_file_bytes": 20_000})
+
+    async def pieces():
+        yield _multipart([("purpose", None, b"batch")], close=False)
+        for i in range(40_000):         # 3 MB of fields, far past the 84 KiB the upload may hold
+            yield _multipart([(field.format(i), None, b"1")], close=False)
+        yield _multipart([("file", "a.jsonl", GOOD)])
+
+    headers = {"Content-Type": "multipart/form-data; boundary=xyzBOUNDARY"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+        async with s.post(gw.url + "/v1/files", data=pieces(), headers=headers) as r:
+            status, answer = r.status, await r.json()
+        assert status == 413, answer
+        err = answer["error"]
+        assert (err["param"], err["code"]) == ("file", "file_too_large"), err
+        assert "batch.max_file_bytes (20000 bytes)" in err["message"]
+        async with s.post(gw.url + "/v1/files", data=_multipart([("purpose", None, b"batch"), ("file", "a.jsonl", GOOD)]),
+                          headers=headers) as r:
+            assert r.status == 200, await r.text()
+            kept = (await r.json())["id"]
+    assert [f.id for f in (await openai_client(gw).files.list()).data] == [kept]
+    assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+
+
 async def test_a_field_beyond_the_default_body_limit_is_a_413(sims, gateway, tmp_path):
     """As the limit is by default: a 17 MiB ``purpose``."""
     sim = await sims("vllm", "m")
