@@ -31,6 +31,7 @@ CHUNK = 256 * 1024
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 MULTIPART_SLACK = 64 * 1024        # boundaries and the purpose field around the file's bytes
 MAX_METADATA = 16
+EXPIRY_KEYS_KEPT = 4               # expires_after[<key>] fields kept: anchor, seconds and the first unknown
 FIELD_KEPT = 64                    # bytes kept of a form field other than the file
 FIELD_MAX = 64 * 1024              # bytes read of a form field other than the file, whatever the body limit
 EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)     # OpenAI's range of a file's expires_after[seconds]
@@ -96,7 +97,8 @@ class BatchApi:
         if not request.content_type.startswith("multipart/form-data"):
             raise _bad("expected a multipart/form-data body with the fields 'file' and 'purpose'", "file")
         length = request.content_length
-        if length is not None and length > cfg.max_file_bytes + MULTIPART_SLACK:
+        most = cfg.max_file_bytes + MULTIPART_SLACK     # what a body may hold; the edge refuses a told length above
+        if length is not None and length > most:
             raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
                        "file_too_large", 413)
         field_limit = request.client_max_size         # server.max_body_bytes (0: none); FIELD_MAX at most
@@ -109,6 +111,12 @@ class BatchApi:
             try:
                 reader = await request.multipart()
                 while (part := await reader.next()) is not None:
+                    # a body of no told length, read as far as a told one may be: each field is
+                    # read to 64 KiB at most, but a client sending field after field would
+                    # otherwise keep this reading without end
+                    if request.content.total_bytes > most:
+                        raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
+                                   "file_too_large", 413)
                     if not isinstance(part, aiohttp.BodyPartReader):
                         raise _bad("nested multipart bodies are not accepted", "file")
                     if part.name == "purpose":
@@ -117,7 +125,9 @@ class BatchApi:
                         expiry_text = (await _field(part, field_limit)).decode("utf-8", "replace").strip()
                     elif part.name and part.name.startswith("expires_after[") and part.name.endswith("]"):
                         raw = await _field(part, field_limit)
-                        expiry[part.name[14:-1]] = raw.decode("utf-8", "replace").strip()
+                        key = part.name[14:-1]
+                        if key in expiry or len(expiry) < EXPIRY_KEYS_KEPT:     # the first unknown one is named
+                            expiry[key] = raw.decode("utf-8", "replace").strip()
                     elif part.name == "file" and got is None:
                         if purpose is not None:     # told first (the SDKs do): the file is read for it
                             _check_purpose(purpose)
