@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.server.test_workers import children_of
+from gateway.view.service import watcher_of
+from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets
 from tests.support.gateway_process import gateway_process, get_new, post_new
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
@@ -270,3 +271,45 @@ async def test_the_status_page_keeps_a_killed_workers_requests_with_objectives(s
         await restarted(proc, victim.pid, port, pages)
         for _ in range(4):          # whichever worker answers
             assert slo_counts((await get_new(port, "/status.json"))[1]) == met
+
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_watchers_first_scrape_does_not_count_its_siblings_requests_as_other_gateways(sims, tmp_path):
+    """The worker that scrapes an engine for all (its watcher) tells the others the snapshot with
+    the gateway's in-flight requests there as it knew them, so each can tell the engine's count of
+    other gateways' requests from its own. A restarted watcher scrapes at its start, before it has
+    heard of its siblings' requests: the survivor then took its own two streams for two more of
+    other gateways', and its fleet load (what prefix-cache's guards, pd and latency read) said 4
+    where the engine ran 2, until the next scrape."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                   "scrape: {interval_s: 60}\n"            # each worker's first round, then none within the test
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    watcher = watcher_of(f"m|{sim.url}", 2)
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        a, b = await connections(port, 2, stack)
+        by_index = {(await w.status())["gateway"]["workers"]["answered"]: w for w in (a, b)}
+        victim, survivor = by_index[watcher], by_index[1 - watcher]
+        (path,) = sibling_sockets([survivor.pid]).values()
+        applied = "switchyard_view_facts_applied_total"
+        before = metric(await own_metrics(path), applied, source="worker", kind="scrape")
+        body = {**COMPLETION, "max_tokens": 5000, "stream": True}
+        for _ in range(2):
+            (w,) = await connections(port, 1, stack, survivor.pid)
+            r = await stack.enter_async_context(w.session.post(w.base + "/v1/completions", json=body))
+            assert r.status == 200
+            await r.content.readline()
+        os.kill(victim.pid, signal.SIGKILL)
+        async with asyncio.timeout(30):         # the restarted watcher's first scrape reached the survivor
+            while metric(await own_metrics(path), applied, source="worker", kind="scrape") <= before:
+                await asyncio.sleep(0.05)
+        assert victim.pid not in children_of(proc.pid)
+        page = await own_metrics(path)
+        assert metric(page, "switchyard_endpoint_in_flight_requests", model="m") == 2
+        assert metric(page, "switchyard_engine_running_requests", model="m") == 2
+        assert metric(page, "switchyard_endpoint_fleet_in_flight", model="m") == 2
