@@ -31,6 +31,7 @@ from gateway.config.schema import HealthConfig, ScrapeConfig
 from gateway.endpoints import Endpoint, EndpointPool, EngineMetrics
 from gateway.observability.metrics import GatewayMetrics
 from gateway.upstream.engine_metrics import parse_engine_metrics
+from gateway.view.wire import UNCOUNTED
 
 log = structlog.get_logger("switchyard.monitor")
 
@@ -188,8 +189,10 @@ class Monitor:
     def adopt_scrape(self, ep: Endpoint, snapshot: EngineMetrics, known: int) -> None:
         """A snapshot a sibling worker scraped of ``ep`` (it watches it), when it knew of ``known``
         in-flight requests there (its own and its ``remote_in_flight``, which counts this worker's):
-        this worker's own share of them is what it does not count as remote now."""
-        snapshot.gateway_in_flight = known - ep.remote_in_flight
+        this worker's own share of them is what it does not count as remote now. ``UNCOUNTED`` (a
+        sibling just started, not yet sure of the others' requests): not known, so the engine's
+        count is not read as other gateways' requests (``gateway_in_flight`` None)."""
+        snapshot.gateway_in_flight = known - ep.remote_in_flight if known != UNCOUNTED else None
         prev = ep.metrics
         if snapshot.start_time is None and prev is not None:     # as parse_engine_metrics carries it
             snapshot.start_time = prev.start_time

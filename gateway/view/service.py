@@ -88,6 +88,7 @@ from gateway.view.wire import (
     LOAD_STARTED,
     LOADED,
     MESSAGE_MAX,
+    UNCOUNTED,
     UNLOADED,
     USED,
     Batch,
@@ -224,6 +225,9 @@ class RoutingView:
         pool.removal_listeners.append(self._forget)       # pods come and go: nothing kept of a gone one
         self._resolved_at = -1e9
         self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
+        # when this worker has listened to its siblings for peer_ttl_s (their counts known), monotonic;
+        # None: not listening yet (the bus not open)
+        self._counted_from: float | None = None
         self._sent_load: dict[str, int] | None = None
         self._sent_load_at = 0.0
         # LoRA adapters in flight (``told_busy``): this worker's, as last sent, and its siblings'
@@ -315,10 +319,21 @@ class RoutingView:
 
     def told_scrape(self, ep: Endpoint, snapshot: EngineMetrics | None, known: int) -> None:
         """This worker scraped ``ep`` (``snapshot`` None: the scrape failed), knowing of ``known``
-        in-flight requests on it: the siblings learn it if this is the watcher."""
+        in-flight requests on it: the siblings learn it if this is the watcher. Within
+        ``view.peer_ttl_s`` of its start it may not have heard of its siblings' requests yet (a
+        sibling with requests in flight says so every ``heartbeat_s``): the count goes as
+        ``UNCOUNTED``, and the siblings take the snapshot without telling their own requests from
+        other gateways' in it, where they took theirs for other gateways'."""
         if self._watching(ep):
+            if self.bus_load and not self.counting():
+                known = UNCOUNTED
             self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot is not None else b""))
             self._later()
+
+    def counting(self) -> bool:
+        """Whether this worker's ``remote_in_flight`` holds every sibling's requests: it has listened
+        on the bus for ``view.peer_ttl_s``."""
+        return self._counted_from is not None and time.monotonic() >= self._counted_from
 
     def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None) -> None:
         """This worker read ``ep``'s LoRA adapters (None: no answer): the siblings learn them if it
@@ -998,6 +1013,7 @@ class RoutingView:
                 self._breakers.on_change = self._on_breaker
             self.bus.open()
             if self.bus_load:
+                self._counted_from = time.monotonic() + self.cfg.peer_ttl_s
                 self._arm(self.cfg.load_interval_s)
             if self.ask_sibling is not None:
                 # a restarted worker knows the sessions and prefixes its siblings know before it serves

@@ -87,9 +87,14 @@ class Probe(msgspec.Struct, array_like=True):
     ok: bool
 
 
+# ``Scrape.known`` of a sender that has not yet listened to its siblings for ``view.peer_ttl_s``
+# (a worker just started or restarted): its remote_in_flight may lack their requests
+UNCOUNTED = -1
+
+
 class Scrape(msgspec.Struct, array_like=True):
     ep: str
-    known: int                           # the sender's own in-flight at the scrape + its remote_in_flight
+    known: int                           # the sender's own in-flight at the scrape + its remote_in_flight, or UNCOUNTED
     snapshot: bytes                      # EngineMetrics, MessagePack (``encode_snapshot``)
 
 
