@@ -15,7 +15,7 @@ import aiohttp
 import jsonschema
 import pytest
 
-from tests.support.gateway_process import per_worker
+from tests.support.gateway_process import per_worker, post_new
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
 
@@ -592,3 +592,48 @@ async def test_a_sighup_that_comes_while_the_parent_applies_another_waits_for_it
     async with asyncio.timeout(20):
         out, _ = await proc.communicate()
     assert json.loads(out) == ["begin", "end", "begin", "end"]
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_whose_restarts_failed_a_while_does_not_make_a_clean_stop_fail(sims, tmp_path):
+    """A worker killed while few more files can be opened (RLIMIT_NOFILE a few descriptors above
+    those the parent holds: a container's limit met, say) fails each start-up it is given (exit
+    code 1: too many open files) while its sibling serves every request; once files can be opened
+    again it starts and serves. A stop after that drains both and loses nothing: the gateway
+    exits 0, where it exited 1, the code of start-ups that had failed before the stop, as if the
+    stop had."""
+    import resource
+
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=5)
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", "--log-format", "json", stderr=log_file)
+    try:
+        await both_ready(port, proc.pid)
+        await per_worker(port, 2, "/health")
+        soft, hard = resource.prlimit(proc.pid, resource.RLIMIT_NOFILE)
+        held = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (held + 8, hard))
+        os.kill(children_of(proc.pid)[0], signal.SIGKILL)
+        async with asyncio.timeout(30):         # a start-up failed for want of a file
+            while not [e for e in parent_events(log_path.read_text()).get("worker restarting", [])
+                       if e["code"] != -signal.SIGKILL]:
+                await asyncio.sleep(0.05)
+        for _ in range(4):                      # the sibling serves meanwhile
+            status, _, _ = await post_new(port, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+        resource.prlimit(proc.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        await both_ready(port, proc.pid)
+        await per_worker(port, 2, "/health")    # the restarted worker serves
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 0, log_path.read_text()[-3000:]
+
