@@ -12,7 +12,8 @@ drains as a single gateway does), restarts a worker that dies unexpectedly (with
 kills and restarts one whose event loop stopped ticking its heartbeat for
 ``server.worker_stall_timeout_s`` (gateway/server/heartbeat.py), stops with a worker's exit code
 when that worker fails before the gateway ever served (as one process would), and exits when all
-have exited after a signal (with 128 + a signal that killed a worker during the stop). SIGHUP is forwarded too: every worker reloads the
+have exited after a signal (with 128 + a signal that killed a worker during the stop; a worker that
+died before the stop and was started again does not count: a stop that drains every worker exits 0). SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent, having
 counted the request where the parent reads it, so every worker's reload says it came from ``admin``
@@ -327,19 +328,25 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
         index = children.pop(pid, None)
         reason, ticked = watchdog.gone(pid) if watchdog is not None else ("exited", True)
         code = os.waitstatus_to_exitcode(status)
-        if code < 0 and stopping and -code not in (signal.SIGTERM, signal.SIGINT):
-            # killed during the stop (the OOM killer, the stall watchdog): what it had in flight
-            # was lost, and the gateway's exit code says so as a shell's would (the stop signal
-            # itself, met before the worker's handler was in place, is a stop like any other)
-            code = 128 - code
-        worst = max(worst, code if code > 0 else 0)
-        if index is None or stopping:
+        if stopping:
+            if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
+                # killed during the stop (the OOM killer, the stall watchdog): what it had in flight
+                # was lost, and the gateway's exit code says so as a shell's would (the stop signal
+                # itself, met before the worker's handler was in place, is a stop like any other)
+                code = 128 - code
+            worst = max(worst, code if code > 0 else 0)
+            continue
+        # a worker that ends before any stop is started again below: its code is the restart's
+        # business, not the exit code's, which says how the stop went (a clean drain after a
+        # crash that was recovered from long before exits 0)
+        if index is None:
             continue
         if watchdog is not None and not ticked and code > 0 and not watchdog.served:
             # the gateway's own start-up failed (the port taken, a config the app refuses): stop
             # with that code, as one process would, rather than look alive and start it forever
             log("worker failed before the gateway started serving; stopping", "error", worker=index, pid=pid,
                 code=code)
+            worst = max(worst, code)
             forward(signal.SIGTERM, None)
             continue
         if heartbeats is not None:
