@@ -258,7 +258,9 @@ async def test_by_default_a_worker_per_cpu_unless_limits_would_be_per_process(si
 @pytest.mark.timeout(60)
 async def test_workers_stop_when_their_parent_is_killed_outright(sims, tmp_path):
     """SIGKILL (or the OOM killer) gives the parent no chance to forward a signal: the workers get
-    SIGTERM from the kernel and stop, rather than serve on unsupervised."""
+    SIGTERM from the kernel and stop, rather than serve on unsupervised. Nor can it remove its
+    private directory, where the workers' last reports were left behind for good (one directory
+    in /tmp per gateway killed so): the last worker to stop removes it."""
     sim = await sims("vllm", "m")
     port = listen_port()
     cfg = one_engine_config(tmp_path, port, sim.url, grace=2)
@@ -267,11 +269,17 @@ async def test_workers_stop_when_their_parent_is_killed_outright(sims, tmp_path)
     async with asyncio.timeout(20):
         while len(kids := children_of(proc.pid)) < 2 or len(listening_inodes(port)) < 2:
             await asyncio.sleep(0.05)
+    await both_ready(port, proc.pid)
+    await per_worker(port, 2)                   # each answers a scrape: its report is kept there
+    run_dirs = {os.path.dirname(p) for p in sibling_sockets(kids).values()}
+    assert len(run_dirs) == 1 and os.listdir(run_dirs.copy().pop())
     proc.send_signal(signal.SIGKILL)
     await proc.wait()
     async with asyncio.timeout(15):             # the workers end, and nothing listens on the port
         while alive(kids) or listening_inodes(port):
             await asyncio.sleep(0.05)
+    (run_dir,) = run_dirs
+    assert not os.path.exists(run_dir), os.listdir(run_dir)
 
 
 def alive(pids: list[int]) -> bool:
