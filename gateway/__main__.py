@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats,
                                                                        generation, started_at)),
                            parent_log, on_reload=reread, heartbeats=beats,
-                           stall_timeout=lambda: config.server.worker_stall_timeout_s)
+                           stall_timeout=lambda: config.server.worker_stall_timeout_s,
+                           orphaned=run_dir.close_if_last)
     finally:
         run_dir.close()
 

@@ -20,7 +20,8 @@ counted the request where the parent reads it, so every worker's reload says it 
 (gateway/server/heartbeat.py).
 
 What the workers tell each other goes through a private directory the parent creates before the
-fork (``gateway.server.rundir.RunDirectory``: mode 0700, removed when the parent exits): worker *i* listens there on a
+fork (``gateway.server.rundir.RunDirectory``: mode 0700, removed when the parent exits, or by the last worker to
+stop after the parent was killed outright): worker *i* listens there on a
 Unix socket of its own, through which a sibling answering ``/metrics`` or ``/status.json`` reads
 its figures (gateway/server/siblings.py). A restarted worker keeps its index, and so its path.
 """
@@ -200,7 +201,8 @@ class WorkerInfo:
 
 def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None],
                 on_reload: Callable[[str], None] | None = None, heartbeats: Heartbeats | None = None,
-                stall_timeout: Callable[[], float] = lambda: 0.0) -> int:
+                stall_timeout: Callable[[], float] = lambda: 0.0,
+                orphaned: Callable[[], None] | None = None) -> int:
     """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
     a restarted worker gets its predecessor's index); ``on_reload(trigger)`` runs in the parent at
     SIGHUP (``trigger``: ``admin`` or ``signal``), before the workers are told. With
@@ -208,7 +210,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     seconds (0: never) is killed and restarted, and a worker that
     fails before any worker ever ticked stops the gateway with its exit code
     (gateway/server/heartbeat.py). A worker whose start-ups keep failing is started again after
-    1, 2, 4, ... s (at most ``RESTART_BACKOFF_MAX_S``); one that got past its start-up, after 1 s."""
+    1, 2, 4, ... s (at most ``RESTART_BACKOFF_MAX_S``); one that got past its start-up, after 1 s.
+    ``orphaned()`` runs in a worker that stops after the parent died (killed outright: the kernel's
+    SIGTERM stopped the worker), in the parent's stead for what it would have cleaned up."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
     watchdog = Watchdog(heartbeats, stall_timeout, log) if heartbeats is not None else None
@@ -249,6 +253,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
                     traceback.print_exc()
                     sys.stderr.flush()
             finally:
+                if orphaned is not None and os.getppid() != parent:
+                    with contextlib.suppress(Exception):
+                        orphaned()
                 os._exit(code)
         if watchdog is not None:
             watchdog.spawned(pid, index)
