@@ -186,3 +186,55 @@ async def test_a_load_whose_worker_is_killed_is_given_up_by_its_waiting_sibling_
     assert metric_total(page, "switchyard_lora_load_waits_total", adapter="a") == 1
     assert metric_total(page, "switchyard_endpoint_in_flight_requests") == 0
     assert metric_total(page, "switchyard_in_flight_requests") == 0
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_does_not_unload_for_room_an_adapter_its_sibling_streams_from(sims, tmp_path):
+    """A worker tells its siblings of the adapters it has requests in flight for every
+    ``view.heartbeat_s``, so none unloads one from under them. A worker started again (its
+    predecessor killed) has heard nothing yet for up to that long, while its first discovery round
+    already shows the adapter on the engine: a request there for another adapter, at one adapter
+    an endpoint, had it unload ``a`` from under its sibling's stream. It answers 503 full instead,
+    as a worker that heard does, and loads ``b`` once its sibling's stream has ended."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    # heartbeats far apart: the restarted worker serves long before its sibling's next one
+    path.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                    "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+                    "health: {interval_s: 0.5}\n"
+                    "lora: {discovery_interval_s: 0.2, max_adapters_per_endpoint: 1}\n"
+                    "view: {heartbeat_s: 20, peer_ttl_s: 40}\n"
+                    "models: [{name: m, engine: vllm, endpoints: ['" + sim.url + "'], adapters: {a: org/a, b: org/b}}]\n")
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2) as proc:
+        streamer, survivor = await worker_session(port)
+        (victim,) = [p for p in children_of(proc.pid) if p != survivor]
+        try:
+            body = {"model": "a", "messages": MSG, "max_tokens": 50, "stream": True}
+            stream = await streamer.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body,
+                                         headers={"x-sim-fault": "stall_after=1:inf"})
+            assert stream.status == 200, await stream.text()
+            while not (await stream.content.readline()).startswith(b"data: {"):
+                pass
+            os.kill(victim, signal.SIGKILL)
+            async with asyncio.timeout(30):       # started again, and its discovery found a on the engine
+                while True:
+                    kids = children_of(proc.pid)
+                    if len(kids) == 2 and victim not in kids:
+                        restarted, _ = await worker_session(port, survivor)
+                        async with restarted.get(f"http://127.0.0.1:{port}/v1/models/a") as r:
+                            served = (await r.json())["ready_endpoints"]
+                        if served:
+                            break
+                        await restarted.close()
+                    await asyncio.sleep(0.05)
+            try:
+                status, why, text = await ask(restarted, port, "b")
+            finally:
+                await restarted.close()
+            assert calls(sim, "/v1/unload_lora_adapter") == 0, "a was unloaded under its sibling's stream"
+            assert status == 503 and why == "full", text
+            assert not stream.content.at_eof()
+            stream.close()
+        finally:
+            await streamer.close()
