@@ -194,8 +194,8 @@ async def test_a_restarted_worker_does_not_unload_for_room_an_adapter_its_siblin
     ``view.heartbeat_s``, so none unloads one from under them. A worker started again (its
     predecessor killed) has heard nothing yet for up to that long, while its first discovery round
     already shows the adapter on the engine: a request there for another adapter, at one adapter
-    an endpoint, had it unload ``a`` from under its sibling's stream. It answers 503 full instead,
-    as a worker that heard does, and loads ``b`` once its sibling's stream has ended."""
+    an endpoint, had it unload ``a`` from under its sibling's stream. The sibling's whole view,
+    which it asks for before it serves, tells it: it answers 503 full, as a worker that heard does."""
     sim = await sims("vllm", "m", **LORA_SIM)
     port = listen_port()
     path = tmp_path / "gw.yaml"

@@ -313,3 +313,40 @@ async def test_a_restarted_watchers_first_scrape_does_not_count_its_siblings_req
         assert metric(page, "switchyard_endpoint_in_flight_requests", model="m") == 2
         assert metric(page, "switchyard_engine_running_requests", model="m") == 2
         assert metric(page, "switchyard_endpoint_fleet_in_flight", model="m") == 2
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_counts_its_siblings_requests_from_its_first_answer(sims, tmp_path):
+    """A worker tells its siblings its requests in flight as they start and end, and again every
+    ``view.heartbeat_s`` while it has any. One started again had heard none of the streams its
+    sibling had under way before it: it routed and reported as if the engine had nothing of this
+    gateway's on it until that sibling's next heartbeat. It learns them with its sibling's whole
+    view, which it asks for before it serves."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                   "view: {heartbeat_s: 20, peer_ttl_s: 40}\n"     # the next heartbeat far off
+                   "scrape: {enabled: false}\n"      # the fleet load is then this gateway's requests alone
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        survivor, victim = await connections(port, 2, stack)
+        body = {**COMPLETION, "max_tokens": 5000, "stream": True}
+        for _ in range(2):
+            (w,) = await connections(port, 1, stack, survivor.pid)
+            r = await stack.enter_async_context(w.session.post(w.base + "/v1/completions", json=body))
+            assert r.status == 200
+            await r.content.readline()
+        os.kill(victim.pid, signal.SIGKILL)
+        async with asyncio.timeout(30):
+            while len(kids := children_of(proc.pid)) < 2 or victim.pid in kids:
+                await asyncio.sleep(0.05)
+        (restarted,) = [p for p in kids if p != survivor.pid]
+        (fresh,) = await connections(port, 1, stack, restarted)     # it serves
+        (path,) = sibling_sockets([restarted]).values()
+        page = await own_metrics(path)
+        assert metric(page, "switchyard_endpoint_in_flight_requests", model="m") == 0
+        assert metric(page, "switchyard_view_peers") == 1
+        assert metric(page, "switchyard_endpoint_fleet_in_flight", model="m") == 2
