@@ -47,6 +47,8 @@ own view, without telling anyone again:
 Catching up, between workers: a count heals with the next batch, an insertion or a session is sent
 once. So a worker that starts (a restart after a crash or a stalled loop) asks its siblings for
 their whole view (``snapshot``, over the siblings' stream socket: ``ask_sibling``) before it serves,
+with what each has in flight (its counts, its LoRA adapters: said as they change and on the
+heartbeat only, so a restarted worker routed and unloaded without them until the next one),
 and one that missed a sibling's batches (its receive queue was full: the worker was stopped or
 busy; the batches are numbered, ``wire.Batch.seq``) asks that sibling once it notices the gap. A
 sender whose batch a sibling refused sends its number again every ``view.heartbeat_s`` until one
@@ -225,9 +227,10 @@ class RoutingView:
         pool.removal_listeners.append(self._forget)       # pods come and go: nothing kept of a gone one
         self._resolved_at = -1e9
         self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
-        # when this worker has listened to its siblings for peer_ttl_s (their counts known), monotonic;
-        # None: not listening yet (the bus not open)
-        self._counted_from: float | None = None
+        # when this worker will have listened to its siblings for peer_ttl_s (their in-flight
+        # counts known: each re-sends them every heartbeat_s while it has any), monotonic; None:
+        # not listening yet (the bus not open)
+        self._heard_from: float | None = None
         self._sent_load: dict[str, int] | None = None
         self._sent_load_at = 0.0
         # LoRA adapters in flight (``told_busy``): this worker's, as last sent, and its siblings'
@@ -325,15 +328,16 @@ class RoutingView:
         ``UNCOUNTED``, and the siblings take the snapshot without telling their own requests from
         other gateways' in it, where they took theirs for other gateways'."""
         if self._watching(ep):
-            if self.bus_load and not self.counting():
+            if self.bus_load and not self.heard_siblings():
                 known = UNCOUNTED
             self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot is not None else b""))
             self._later()
 
-    def counting(self) -> bool:
-        """Whether this worker's ``remote_in_flight`` holds every sibling's requests: it has listened
-        on the bus for ``view.peer_ttl_s``."""
-        return self._counted_from is not None and time.monotonic() >= self._counted_from
+    def heard_siblings(self) -> bool:
+        """Whether this worker's ``remote_in_flight`` holds its siblings' requests for sure: it has
+        listened on the bus for ``view.peer_ttl_s`` (its start's catch-up, which brings their
+        counts too, may come after its first scrape)."""
+        return self._heard_from is not None and time.monotonic() >= self._heard_from
 
     def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None) -> None:
         """This worker read ``ep``'s LoRA adapters (None: no answer): the siblings learn them if it
@@ -882,6 +886,7 @@ class RoutingView:
         head = next(parts, None)
         if head is None:
             return False
+        self._adopt_held(head, sender)
         eps = [self._resolve(k) for k in head.eps]
         slots = {slot: ep for slot, ep in ((s, self._resolve(k)) for s, k in head.slots.items()) if ep is not None}
         merge_session = self.sessions.merge
@@ -903,6 +908,20 @@ class RoutingView:
         log.info("shared routing view: caught up with a sibling", sibling=sender, sessions=n, blocks=blocks)
         return True
 
+    def _adopt_held(self, head: ViewSnapshot, sender: str) -> None:
+        """A sibling's requests and LoRA adapters in flight as its whole view gave them, unless a
+        batch of its own told of them already (each change is told as it happens, so that is as new)."""
+        now = time.monotonic()
+        if head.load and self.bus_load and sender not in self._peers:
+            self._peers[sender] = (head.load, now)
+            self.m.gm.child(self.m.applied, "worker", "load").inc()
+            self._sum_peers()
+        if head.busy and self.share_monitoring and sender not in self._sibling_busy:
+            self._sibling_busy[sender] = (head.run, head.busy, now)
+            self.m.gm.child(self.m.applied, "worker", "busy").inc()
+        if (head.load or head.busy) and self._tick_at is None:     # held until their sender goes silent
+            self._arm(self.cfg.heartbeat_s)
+
     async def snapshot(self) -> bytes:
         """This worker's whole view for a sibling catching up (``catch_up``): its batch number, then
         its live sessions and prefix-index blocks with their times, ``VIEW_PART`` entries a part
@@ -913,7 +932,14 @@ class RoutingView:
         get = pos.get
         index = self._index
         slots = {slot: self._key(ep) for slot, ep in index.slots().items() if ep in pos} if index is not None else {}
-        out = bytearray(encode_view(ViewSnapshot(self.run, self._seq, [self._key(ep) for ep in live], [], slots)))
+        # what it has in flight, as its batches tell it (the asker has missed those sent before it
+        # listened: a restarted worker would otherwise unload an adapter from under these requests
+        # or route as if none were here until the next heartbeat)
+        load = self._load() if self.bus_load else {}
+        busy = ({self._key(ep): sorted(ep.adapters.in_flight) for ep in live if ep.adapters.in_flight}
+                if self.share_monitoring else {})
+        out = bytearray(encode_view(ViewSnapshot(self.run, self._seq, [self._key(ep) for ep in live], [], slots,
+                                                 load=load, busy=busy)))
         keys = self.sessions.keys()
         for at in range(0, len(keys), VIEW_PART):
             await asyncio.sleep(0)
@@ -1012,8 +1038,8 @@ class RoutingView:
             if self._breakers is not None:
                 self._breakers.on_change = self._on_breaker
             self.bus.open()
+            self._heard_from = time.monotonic() + self.cfg.peer_ttl_s
             if self.bus_load:
-                self._counted_from = time.monotonic() + self.cfg.peer_ttl_s
                 self._arm(self.cfg.load_interval_s)
             if self.ask_sibling is not None:
                 # a restarted worker knows the sessions and prefixes its siblings know before it serves

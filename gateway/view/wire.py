@@ -152,6 +152,8 @@ class ViewSnapshot(msgspec.Struct, array_like=True):
     sessions: list[tuple[str, int, str | None, float]] = []     # key, endpoint, tag, last recorded
     slots: dict[int, str] = {}           # the prefix index's endpoints by slot
     blocks: list[list[int]] = []         # [block key, slot, at_ms, slot, at_ms, ...]
+    load: dict[str, int] = {}            # the first part: the sender's requests in flight by endpoint key,
+    busy: dict[str, list[str]] = {}      # and the LoRA adapters it has requests in flight for, by endpoint key
 
 
 def endpoint_key(ep: Endpoint) -> str:
