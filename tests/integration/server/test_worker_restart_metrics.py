@@ -275,20 +275,26 @@ async def test_the_status_page_keeps_a_killed_workers_requests_with_objectives(s
 
 
 @pytest.mark.timeout(120)
-async def test_a_restarted_watchers_first_scrape_does_not_count_its_siblings_requests_as_other_gateways(sims, tmp_path):
+@pytest.mark.parametrize("counts", ["bus", "redis"])
+async def test_a_restarted_watchers_first_scrape_does_not_count_its_siblings_requests_as_other_gateways(
+        sims, tmp_path, request, counts):
     """The worker that scrapes an engine for all (its watcher) tells the others the snapshot with
     the gateway's in-flight requests there as it knew them, so each can tell the engine's count of
     other gateways' requests from its own. A restarted watcher scrapes at its start, before it has
-    heard of its siblings' requests: the survivor then took its own two streams for two more of
-    other gateways', and its fleet load (what prefix-cache's guards, pd and latency read) said 4
-    where the engine ran 2, until the next scrape."""
+    heard of its siblings' requests (over the workers' bus, or through Redis with
+    ``state.redis_url``): the survivor then took its own two streams for two more of other
+    gateways', and its fleet load (what prefix-cache's guards, pd and latency read) said 4 where
+    the engine ran 2, until the next scrape."""
     sim = await sims("vllm", "m", itl_ms=20.0)
     port = listen_port()
+    state = ""
+    if counts == "redis":
+        state = f"state: {{redis_url: '{request.getfixturevalue('redis_server').url}', sync_interval_s: 0.1}}\n"
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
                    "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
                    "scrape: {interval_s: 60}\n"            # each worker's first round, then none within the test
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+                   f"{state}models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
     watcher = watcher_of(f"m|{sim.url}", 2)
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
             contextlib.AsyncExitStack() as stack:
