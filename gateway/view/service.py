@@ -324,11 +324,12 @@ class RoutingView:
         """This worker scraped ``ep`` (``snapshot`` None: the scrape failed), knowing of ``known``
         in-flight requests on it: the siblings learn it if this is the watcher. Within
         ``view.peer_ttl_s`` of its start it may not have heard of its siblings' requests yet (a
-        sibling with requests in flight says so every ``heartbeat_s``): the count goes as
-        ``UNCOUNTED``, and the siblings take the snapshot without telling their own requests from
-        other gateways' in it, where they took theirs for other gateways'."""
+        sibling with requests in flight says so every ``heartbeat_s``, or with ``state.redis_url``
+        publishes them every ``state.sync_interval_s``): the count goes as ``UNCOUNTED``, and the
+        siblings take the snapshot without telling their own requests from other gateways' in it,
+        where they took theirs for other gateways'."""
         if self._watching(ep):
-            if self.bus_load and not self.heard_siblings():
+            if not self.heard_siblings():
                 known = UNCOUNTED
             self._scrapes.append(Scrape(self._key(ep), known, encode_snapshot(snapshot) if snapshot is not None else b""))
             self._later()
@@ -336,7 +337,7 @@ class RoutingView:
     def heard_siblings(self) -> bool:
         """Whether this worker's ``remote_in_flight`` holds its siblings' requests for sure: it has
         listened on the bus for ``view.peer_ttl_s`` (its start's catch-up, which brings their
-        counts too, may come after its first scrape)."""
+        counts too, and its first read of Redis's may come after its first scrape)."""
         return self._heard_from is not None and time.monotonic() >= self._heard_from
 
     def told_models(self, ep: Endpoint, asked: float, adapters: dict[str, str] | None) -> None:

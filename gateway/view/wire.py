@@ -88,7 +88,8 @@ class Probe(msgspec.Struct, array_like=True):
 
 
 # ``Scrape.known`` of a sender that has not yet listened to its siblings for ``view.peer_ttl_s``
-# (a worker just started or restarted): its remote_in_flight may lack their requests
+# (a worker just started or restarted): its remote_in_flight may lack their requests (told over
+# the bus, or read from Redis with state.redis_url)
 UNCOUNTED = -1
 
 
