@@ -27,7 +27,7 @@ class Case:
     fields: tuple[Path, ...]
 
 
-CHAT_BODY = {"model": "m", "max_tokens": 5, "max_completion_tokens": 5, "n": 1, "user": "u",
+CHAT_BODY = {"model": "m", "max_tokens": 5, "max_completion_tokens": 5, "n": 1, "best_of": 1, "user": "u",
              "stream": True, "stream_options": {"include_usage": True},
              "messages": [{"role": "system", "content": "be brief"},
                           {"role": "user", "content": [{"type": "text", "text": "hello"},
@@ -48,7 +48,8 @@ CASES: tuple[Case, ...] = (
         ("messages", 0, "content"), ("messages", 1, "content"), ("messages", 1, "content", 0),
         ("messages", 1, "content", 0, "type"), ("messages", 1, "content", 0, "text"),
         ("messages", 1, "content", 1), ("messages", 1, "content", 1, "type"), ("stream",), ("stream_options",),
-        ("stream_options", "include_usage"), ("max_tokens",), ("max_completion_tokens",), ("n",), ("user",))),
+        ("stream_options", "include_usage"), ("max_tokens",), ("max_completion_tokens",), ("n",), ("best_of",),
+        ("user",))),
     Case("openai", "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 5, "n": 1, "best_of": 1,
                                          "stream": True, "stream_options": {"include_usage": False}},
          (("model",), ("prompt",), ("max_tokens",), ("n",), ("best_of",), ("stream",), ("stream_options",),

@@ -123,13 +123,13 @@ MSGS = [{"role": "user", "content": "Tell me about trains."}]
 
 
 async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gateway):
-    """``n`` (chat, completions) and completions' ``best_of`` ask the engine for that many sequences.
+    """``n`` and ``best_of`` (vLLM's, on chat as on completions) ask the engine for that many sequences.
     OpenAI's API takes ``n`` from 1 to 128, and so does the gateway, for both: out of it, a 400 in
     OpenAI's shape naming the field, before the request is routed. The engine sees nothing and the
     user's limits are not charged."""
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth={"api_keys": [{"key": ALICE, "user": "alice"}]},
-                       limits={"users": {"alice": {"rpm": 3}}})
+                       limits={"users": {"alice": {"rpm": 5}}})
     client = openai_client(gw, ALICE)
     chat, completions = client.chat.completions.create, client.completions.create
     prompt = "Once upon a time"
@@ -144,6 +144,13 @@ async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gat
         ("best_of", "128", completions, {"prompt": prompt, "best_of": 1_000_000}),
         ("best_of", "at least 1", completions, {"prompt": prompt, "best_of": 0}),
         ("best_of", "valid integer", completions, {"prompt": prompt, "extra_body": {"best_of": 2.5}}),
+        # vLLM's chat request takes best_of as its completions do (Optional[int], into SamplingParams)
+        ("best_of", "128", chat, {"messages": MSGS, "extra_body": {"best_of": 1_000_000}}),
+        ("best_of", "128", chat, {"messages": MSGS, "stream": True, "extra_body": {"best_of": "129"}}),
+        ("best_of", "at least 1", chat, {"messages": MSGS, "extra_body": {"best_of": 0}}),
+        ("best_of", "at least 1", chat, {"messages": MSGS, "extra_body": {"best_of": -5}}),
+        ("best_of", "valid integer", chat, {"messages": MSGS, "extra_body": {"best_of": 2.5}}),
+        ("best_of", "valid integer", chat, {"messages": MSGS, "extra_body": {"best_of": [2]}}),
     ]
     for param, says, create, args in refused:
         with pytest.raises(openai.BadRequestError) as ei:
@@ -153,8 +160,11 @@ async def test_a_fan_out_past_128_or_below_1_is_refused_before_routing(sims, gat
         assert says in err.message, err.message
     received = (await sim_state(sim.url))["received"]
     assert not [r for r in received if r["method"] == "POST"], received
-    # none was charged to alice's 3 requests a minute: the bounds themselves are served
+    # none was charged to alice's 5 requests a minute: the bounds themselves are served
     raw = await client.chat.completions.with_raw_response.create(model="m", messages=MSGS, max_tokens=1, n=128)
-    assert len(raw.parse().choices) == 128 and raw.headers["x-ratelimit-remaining-requests"] == "2"
+    assert len(raw.parse().choices) == 128 and raw.headers["x-ratelimit-remaining-requests"] == "4"
     got = await completions(model="m", prompt=prompt, max_tokens=1, n=1, best_of=1)
     assert len(got.choices) == 1
+    for best_of in (1, None):       # null is "not set", to vLLM's Optional[int]
+        got = await chat(model="m", messages=MSGS, max_tokens=1, extra_body={"best_of": best_of})
+        assert len(got.choices) == 1
