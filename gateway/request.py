@@ -35,9 +35,9 @@ _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 # Rough characters-per-token ratio for estimates when no tokenizer is at hand.
 CHARS_PER_TOKEN = 4
 
-# The most sequences one request may ask an engine to generate: ``n`` of chat and completions, and
-# ``best_of`` of completions (vLLM's), each from 1 to this, as OpenAI's API takes ``n``. The
-# engines set no upper bound of their own, and a request's cost grows with it.
+# The most sequences one request may ask an engine to generate: ``n``, and vLLM's ``best_of``, of
+# chat and completions, each from 1 to this, as OpenAI's API takes ``n``. The engines set no upper
+# bound of their own, and a request's cost grows with it.
 MAX_CHOICES = 128
 
 
@@ -478,7 +478,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
             n = _int_field(data, "n", nullable=path == CHAT)
             if n is not None:
                 choices = _fan_out(n, "n")
-        if path == COMPLETIONS and "best_of" in data:   # vLLM's ``best_of: Optional[int]``
+        if "best_of" in data:       # vLLM's ``best_of: Optional[int]``, on chat as on completions
             best_of = _int_field(data, "best_of")
             if best_of is not None:
                 _fan_out(best_of, "best_of")
