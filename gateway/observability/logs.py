@@ -217,6 +217,14 @@ def _chunks(buf: bytes | bytearray, limit: int) -> Iterator[memoryview]:
         start = cut
 
 
+def _console_text(text: str) -> str:
+    """A string of a client's (a model name, a user, an error quoting them) as the console line can
+    carry it: every character ``str.isprintable`` refuses (a line break, a carriage return, an
+    escape sequence's ESC, a byte that was not UTF-8) written as Python writes it in a literal
+    (``\\n``, ``\\x1b``, ``\\u2028``), so a client can neither add a line nor drive the terminal."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in printable(text))
+
+
 def _printable(v: Any) -> Any:
     """``v`` with every string as UTF-8 can carry it (gateway.errors.printable), at any depth."""
     if isinstance(v, str):
@@ -258,7 +266,8 @@ class RequestLog:
 
     def _console(self, fields: dict[str, Any]) -> bytes:
         _, stamp = self._clock.stamps()
-        parts = [f"{k}={v}" for k, v in sorted(fields.items())]
+        parts = [f"{k}={_console_text(v) if type(v) is str and not v.isprintable() else v}"
+                 for k, v in sorted(fields.items())]
         return f"{stamp} [info     ] request                        {' '.join(parts)}\n".encode("utf-8", "replace")
 
     @contextlib.contextmanager
