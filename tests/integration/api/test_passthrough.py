@@ -76,6 +76,30 @@ async def test_sglang_paths_and_the_ones_it_does_not_serve(fleet):
                                                                          "/detokenize"}
 
 
+SGLANG_CALLS = [
+    ("/v1/rerank", RERANK), ("/v1/score", {"query": "apple", "items": ["apple", "pear"], "label_token_ids": [1, 2]}),
+    ("/tokenize", {"prompt": "hello there"}), ("/detokenize", {"tokens": [1000, 1001]}),
+]
+
+
+async def test_a_stream_field_on_a_json_path_is_ignored_as_the_engines_ignore_it(fleet):
+    """No engine streams a rerank, a score or a (de)tokenization: their request models have no
+    ``stream`` (vLLM's RerankRequest, ScoreRequest, TokenizeRequest, DetokenizeRequest, whose
+    extra fields are ignored; SGLang's likewise), so ``"stream": true`` is answered with the plain
+    JSON body, as the engine answers it without the gateway, and no engine is blamed for it."""
+    gw, v, s = fleet
+    calls = [("llama", p, b) for p, b in VLLM_CALLS] + [("qwen", p, b) for p, b in SGLANG_CALLS]
+    for model, path, body in calls:
+        status, got, headers = await post_json(gw, path, {"model": model, **body, "stream": True})
+        assert status == 200 and headers["Content-Type"].startswith("application/json"), (model, path, got)
+        assert "error" not in got, (model, path, got)
+    assert 'error_class="protocol"' not in await gw.metrics_text()
+    # each call reached its engine once: answered, not retried elsewhere
+    for sim, n in ((v, len(VLLM_CALLS)), (s, len(SGLANG_CALLS))):
+        sent = [r for r in (await sim_state(sim.url))["received"] if r["method"] == "POST"]
+        assert len(sent) == n
+
+
 async def test_errors_are_openai_shaped(fleet):
     gw, _, _ = fleet
     status, got, _ = await post_json(gw, "/v1/rerank", RERANK)
