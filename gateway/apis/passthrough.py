@@ -117,13 +117,15 @@ class PassthroughApi(EngineSpecificApi):
             raise _no_model(f"'model' is required: it decides where {path} is routed")
         if not isinstance(model, str):
             raise _bad("'model' must be a string", "model")
-        stream = data.get("stream") is True
         texts = [t for key in _TEXT_KEYS.get(path, ()) if key in data for t in _texts(data[key])]
         prompt_text = "\n".join(texts)
         est = len(prompt_text) // CHARS_PER_TOKEN
         if path == DETOKENIZE:
             est = _token_count(data.get("tokens")) or 0
-        return _request(path, body, data, model, stream, prompt_text, est, headers, request_id,
+        # never a stream: no engine streams these (vLLM's and SGLang's request models for them have
+        # no ``stream``, and ignore a field they do not have), so a client's ``"stream": true`` is
+        # answered with the JSON body, as embeddings' is
+        return _request(path, body, data, model, False, prompt_text, est, headers, request_id,
                         "application/json")
 
 
