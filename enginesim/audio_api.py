@@ -9,8 +9,13 @@ second). Shapes, from vLLM's ``TranscriptionResponse`` / ``TranslationResponse``
 - ``response_format`` ``json`` (default): transcription ``{"text", "usage": {"type": "duration",
   "seconds"}}``, translation ``{"text"}``; ``text``: the text alone, ``text/plain``;
   ``verbose_json``: ``{"duration", "language", "text", "segments": [], "words": null}``.
-- An unknown model is vLLM's 404; a missing file is a 400. ``srt``/``vtt`` and ``stream=true``
-  are not simulated (a 400 that says so).
+- ``stream`` read as vLLM's form model reads its ``Optional[bool]`` (pydantic's lax words: ``1``,
+  ``on``, ``yes``, ``true``, ... in any case; an empty field is the default, false; another word a
+  400): the words of the text as ``transcription.chunk`` / ``translation.chunk`` events, one word's
+  ``delta.content`` each, the last with ``finish_reason: "stop"``, then a usage event when
+  ``stream_include_usage`` says so, then ``[DONE]``, as vLLM's speech-to-text stream.
+- An unknown model is vLLM's 404; a missing file is a 400. ``srt``/``vtt`` are not simulated (a
+  400 that says so).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import time
 from email import policy
 from email.parser import BytesParser
 from typing import Any
@@ -26,8 +32,9 @@ from aiohttp import web
 
 from enginesim.engine import Engine
 from enginesim.errors import ApiError, ErrorStyle
+from enginesim.protocol import lax_bool
 from enginesim.tokenizer import OUTPUT_WORDS
-from enginesim.wire import json_response
+from enginesim.wire import SseWriter, json_response
 
 BYTES_PER_SECOND = 32_000
 WORDS_PER_SECOND = 2.5
@@ -47,6 +54,18 @@ def parse_form(content_type: str, body: bytes) -> dict[str, Any]:
         payload = part.get_payload(decode=True) or b""
         out[str(name)] = payload if part.get_filename() is not None else payload.decode("utf-8", "replace")
     return out
+
+
+def form_bool(form: dict[str, Any], name: str) -> bool:
+    """A form field read as vLLM's form model reads an ``Optional[bool] = False``: missing or empty
+    (FastAPI takes an empty form value as not sent) is false; otherwise pydantic's lax words."""
+    value = form.get(name)
+    if value is None or value == "":
+        return False
+    try:
+        return lax_bool(value)
+    except ValueError as e:
+        raise ApiError(400, f"1 validation error:\n  {name}: {e}", type_="Bad Request", param=name) from None
 
 
 def transcript(audio: bytes, seconds: int) -> str:
@@ -70,7 +89,7 @@ class AudioApi:
     async def translations(self, request: web.Request) -> web.Response:
         return await self._speech(request, translate=True)
 
-    async def _speech(self, request: web.Request, translate: bool) -> web.Response:
+    async def _speech(self, request: web.Request, translate: bool) -> web.StreamResponse:
         try:
             form = parse_form(request.headers.get("Content-Type", ""), await request.read())
             model = form.get("model")
@@ -82,12 +101,18 @@ class AudioApi:
             fmt = form.get("response_format") or "json"
             if fmt not in ("json", "text", "verbose_json"):
                 raise ApiError(400, f"enginesim does not simulate response_format {fmt!r}", param="response_format")
-            if str(form.get("stream", "")).lower() == "true":
-                raise ApiError(400, "enginesim does not simulate streamed transcription", param="stream")
+            stream = form_bool(form, "stream")
+            usage = form_bool(form, "stream_include_usage")
+            if usage and not stream:
+                raise ApiError(400, "1 validation error:\n  Value error, Stream options can only be defined when "
+                               "`stream=True`.", type_="Bad Request")
         except ApiError as exc:
             return exc.response(ErrorStyle.VLLM)
         seconds = max(1, math.ceil(len(audio) / BYTES_PER_SECOND))
         text = transcript(audio, seconds)
+        if stream:
+            return await self._stream(request, text, seconds, str(model or self.cfg.served_model_names[0]),
+                                      translate, usage)
         if fmt == "text":
             return web.Response(text=text, content_type="text/plain")
         if fmt == "verbose_json":
@@ -96,3 +121,23 @@ class AudioApi:
         if translate:
             return json_response({"text": text})
         return json_response({"text": text, "usage": {"type": "duration", "seconds": seconds}})
+
+    async def _stream(self, request: web.Request, text: str, seconds: int, model: str, translate: bool,
+                      usage: bool) -> web.StreamResponse:
+        kind = "translation" if translate else "transcription"
+        rid = f"{'trsl' if translate else 'trsc'}-{random.getrandbits(128):032x}"
+        created = int(time.time())
+        out = SseWriter(request, charset="utf-8")
+        words = [w for w in text.split(" ") if w]
+        for i, word in enumerate(words):
+            last = i == len(words) - 1
+            choice: dict[str, Any] = {"delta": {"content": word if i == 0 else " " + word}}
+            if last:
+                choice |= {"finish_reason": "stop", "stop_reason": None}
+            await out.send({"id": rid, "object": f"{kind}.chunk", "created": created, "model": model,
+                            "choices": [choice]})
+        if usage:
+            await out.send({"id": rid, "object": f"{kind}.chunk", "created": created, "model": model, "choices": [],
+                            "usage": {"prompt_tokens": seconds, "completion_tokens": len(words),
+                                      "total_tokens": seconds + len(words)}})
+        return await out.done()

@@ -67,6 +67,42 @@ async def test_vllm_transcription_formats(sims):
             assert r.status == 400
 
 
+async def test_vllm_transcription_streams_as_vllms_form_reads_stream(sims):
+    """``stream`` is read as vLLM's form model reads a bool: ``1``, ``on``, ``True`` stream, an
+    empty field is the default (false), another word is a 400."""
+    v = await sims("vllm", "whisper")
+    audio = bytes(70_000)
+
+    async def send(path: str, **fields: str) -> tuple[int, str, bytes]:
+        form = aiohttp.FormData()
+        form.add_field("model", "whisper")
+        for k, val in fields.items():
+            form.add_field(k, val)
+        form.add_field("file", audio, filename="a.wav")
+        async with aiohttp.ClientSession() as s, s.post(v.url + path, data=form) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+    status, _, whole = await send("/v1/audio/transcriptions")
+    text = orjson.loads(whole)["text"]
+    for word in ("1", "on", "True", "yes"):
+        status, ctype, raw = await send("/v1/audio/transcriptions", stream=word, stream_include_usage="1")
+        assert status == 200 and ctype.startswith("text/event-stream"), raw
+        assert raw.endswith(b"data: [DONE]\n\n")
+        got = [d for _, d in sse_frames(raw[:-len(b"data: [DONE]\n\n")])]
+        chunks = [d for d in got if d["choices"]]
+        assert {d["object"] for d in got} == {"transcription.chunk"}
+        assert "".join(d["choices"][0]["delta"]["content"] for d in chunks) == text
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert got[-1]["usage"]["completion_tokens"] == len(chunks)
+    status, ctype, raw = await send("/v1/audio/translations", stream="1")
+    assert status == 200 and b'"translation.chunk"' in raw and b'"usage"' not in raw
+    status, ctype, raw = await send("/v1/audio/transcriptions", stream="")
+    assert status == 200 and ctype.startswith("application/json"), raw
+    for fields in ({"stream": "maybe"}, {"stream": "0", "stream_include_usage": "1"}):
+        status, _, raw = await send("/v1/audio/transcriptions", **fields)
+        assert status == 400, raw
+
+
 async def test_vllm_choices_interleave_each_in_its_own_chunks(sims):
     v = await sims("vllm", "llama")
     async with aiohttp.ClientSession() as s:
