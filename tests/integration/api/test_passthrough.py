@@ -154,6 +154,46 @@ async def test_audio_with_the_openai_sdk(fleet):
     assert 'switchyard_path_requests_total{path="/v1/audio/translations",status="404"} 1.0' in text
 
 
+async def test_audio_streams_whenever_the_engine_reads_its_stream_field_as_true(fleet):
+    """vLLM reads a transcription's form fields with its pydantic model: ``stream`` is true for
+    ``1``, ``on``, ``yes``, ``True`` as for ``true`` (an empty field is the default, false). The
+    engine then streams, and so must the gateway's relay: every such form gets the event stream
+    whole, through to ``[DONE]``, as the openai SDK's ``stream=True`` does."""
+    gw, v, _ = fleet
+    seconds = math.ceil(len(AUDIO) / BYTES_PER_SECOND)
+    words = transcript(AUDIO, seconds)
+
+    async def send(**fields: str) -> tuple[int, str, bytes]:
+        form = aiohttp.FormData()
+        form.add_field("model", "llama")
+        for k, val in fields.items():
+            form.add_field(k, val)
+        form.add_field("file", AUDIO, filename="speech.wav")
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/audio/transcriptions", data=form) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.read()
+
+    for word in ("true", "1", "on", "yes", "True", "Y"):
+        status, ctype, raw = await send(stream=word)
+        assert status == 200 and ctype.startswith("text/event-stream"), (word, raw[:300])
+        assert raw.endswith(b"data: [DONE]\n\n"), (word, raw[-300:])
+        assert b'"transcription.chunk"' in raw and b"error" not in raw
+    for word in ("", "0", "off", "false"):
+        status, ctype, raw = await send(stream=word)
+        assert status == 200 and ctype.startswith("application/json"), (word, raw[:300])
+        assert orjson.loads(raw)["text"] == words
+    status, _, raw = await send(stream="maybe")     # neither: the engine's 400, in OpenAI's shape
+    assert status == 400 and orjson.loads(raw)["error"]["param"] == "stream", raw
+    c = openai_client(gw)
+    got = [e async for e in await c.audio.transcriptions.create(model="llama", file=("speech.wav", AUDIO),
+                                                                  stream=True)]
+    await c.close()
+    # vLLM's chunks are chat-like, not OpenAI's transcript.text.* events: the SDK yields them with
+    # their fields as it found them
+    deltas = [c["delta"]["content"] for e in got for c in (e.model_extra or {}).get("choices") or ()]
+    assert "".join(deltas) == words, got
+    assert 'error_class="protocol"' not in await gw.metrics_text()
+
+
 async def test_audio_model_found_anywhere_in_the_form(fleet):
     gw, v, _ = fleet
     form = aiohttp.FormData()          # the file first, then the fields (curl -F order is the user's)
