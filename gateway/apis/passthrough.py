@@ -37,7 +37,14 @@ from gateway.apis.paths import (
 from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, error_body
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHARS_PER_TOKEN, InferenceRequest, caller_headers, load_object, slo_objectives
+from gateway.request import (
+    CHARS_PER_TOKEN,
+    InferenceRequest,
+    caller_headers,
+    lax_bool,
+    load_object,
+    slo_objectives,
+)
 
 # keys whose strings the engine encodes, by path
 _TEXT_KEYS: dict[str, tuple[str, ...]] = {
@@ -182,6 +189,19 @@ def _boundary(ctype: str) -> bytes | None:
     return b.encode("ascii") if b.isascii() else None
 
 
+def _form_stream(value: str | None) -> bool:
+    """A form's ``stream`` as vLLM reads it (its transcription and translation models take an
+    ``Optional[bool] = False`` from the form): missing or empty (FastAPI takes an empty form value as
+    not sent) is false, else the words of pydantic's lax bool (``1``, ``on``, ``yes``, ``true``, ...
+    in any case); another word is the 400 the engine would answer."""
+    if not value:
+        return False
+    try:
+        return lax_bool(value)
+    except ValueError as e:
+        raise _bad(f"stream: {e}", "stream") from None
+
+
 class AudioApi(PassthroughApi):
     """Multipart pass-through: ``/v1/audio/transcriptions`` and ``/v1/audio/translations``."""
 
@@ -229,8 +249,7 @@ class AudioApi(PassthroughApi):
         model = fields.get("model")
         if not model:
             raise _no_model(f"'model' is required: it decides where {path} is routed")
-        stream = fields.get("stream", "").lower() == "true"
-        return _request(path, body, {"model": model}, model, stream, "", 1, headers, request_id, ctype)
+        return _request(path, body, {"model": model}, model, _form_stream(fields.get("stream")), "", 1, headers, request_id, ctype)
 
     def with_model(self, ireq: InferenceRequest, model: str) -> None:
         """The ``model`` field's value replaced inside the form (the body is copied once more,
