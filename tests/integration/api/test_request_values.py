@@ -117,3 +117,33 @@ async def test_fields_an_api_does_not_have_reach_the_engine(fleet):
     assert orjson.loads(raw)["data"]
     status, raw, _ = await send(fleet, "/v1/messages/count_tokens", {"model": "m", "messages": CHAT, "stream": True})
     assert status == 200 and orjson.loads(raw)["input_tokens"] > 0, raw
+
+
+# bodies orjson refuses, and what the refusal says is wrong with them: some are valid JSON by RFC 8259's
+# grammar (a number past a double's range, a lone surrogate escape, nesting past a parser's depth),
+# which only "not valid JSON" would leave a client unable to see
+NOT_PARSED = [
+    (b'{"model":"m","temperature":NaN}', "unexpected character", "line 1, column 28"),
+    (b'{"model":"m","max_tokens":1' + b"0" * 400 + b"}", "number is infinity", "line 1, column 27"),
+    (b'{"model":"m","x":' + b"[" * 2000 + b"]" * 2000 + b"}", "depth limit exceeded", "column 1042"),
+    (b'{"model":"m","user":"a\\ud800b"}', "no low surrogate", "line 1, column 23"),
+    (b'{"model":"m",\n "user":"a\xffb"}', "not UTF-8 text", "at byte 24"),
+    (b"\xef\xbb\xbf{}", "byte order mark", "line 1, column 1"),
+    (b"", "empty", "line 1, column 1"),
+    (b'{"model":"m"} x', "unexpected content after document", "line 1, column 15"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank",
+                                  "/v1/responses", "/v1/messages"])
+async def test_a_body_that_does_not_parse_is_refused_saying_why_and_where(fleet, path):
+    for raw, why, where in NOT_PARSED:
+        r = await post(fleet, raw, path=path)
+        assert r.status == 400, (raw[:40], r.body)
+        err = r.json()
+        message = err["error"]["message"]
+        if path == "/v1/messages":
+            assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+        else:
+            assert err["error"]["type"] == "invalid_request_error" and err["error"]["param"] is None, err
+        assert "not valid JSON" in message and why in message and where in message, (raw[:40], message)
