@@ -154,13 +154,25 @@ def bad_body(message: str, param: str | None = None) -> GatewayError:
 _bad = bad_body
 
 
+def _not_parsed(body: bytes, e: orjson.JSONDecodeError) -> str:
+    """What the parser found wrong with ``body``, and where: a client whose body is valid JSON by
+    RFC 8259's grammar but past what the gateway reads (a number beyond a double's range, a lone
+    surrogate escape, nesting past 1024 levels) sees which of them it was."""
+    if e.msg.startswith("str is not valid UTF-8"):
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as u:
+            return f"the body is not UTF-8 text (at byte {u.start})"
+    return f"{e.msg} (line {e.lineno}, column {e.colno})"
+
+
 def load_object(body: bytes, not_json: str = "request body is not valid JSON",
                 not_object: str = "request body must be a JSON object") -> dict[str, Any]:
     """The body as a JSON object, or the 400 that says why it is not one."""
     try:
         data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise bad_body(not_json) from None
+    except orjson.JSONDecodeError as e:
+        raise bad_body(f"{not_json.rstrip('.')}: {_not_parsed(body, e)}") from None
     if not isinstance(data, dict):
         raise bad_body(not_object)
     return data
