@@ -118,6 +118,42 @@ async def test_inter_token_latency_is_choice_0s_when_the_choices_come_apart(gate
         assert line["completion_tokens"] == 8 and line["finish_reason"] == "length"
 
 
+def _completion_chunk(index: int, text: str, finish: str | None = None) -> bytes:
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    return b"data: " + orjson.dumps({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m",
+                                     "choices": [choice]}) + b"\n\n"
+
+
+async def _two_choices_of_a_batch(request: web.Request) -> web.StreamResponse:
+    """Whatever the batch asked, two choices come, and the stream ends."""
+    await request.read()
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for index in (0, 1):
+        await resp.write(_completion_chunk(index, " w", "length"))
+    await resp.write(b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[],'
+                     b'"usage":{"prompt_tokens":2,"completion_tokens":2,"total_tokens":4}}\n\n')
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def test_a_streamed_batchs_finishes_are_kept_for_the_choices_that_came(gateway):
+    """A completion's batch of prompts times ``n`` may claim far more choices than any engine will
+    stream (1000 prompts of 128 choices: 128,000): what the gateway keeps of their finishes, and
+    writes in the log line, is the choices that came, not a slot for each claimed one."""
+    async with fake_engine(_two_choices_of_a_batch, paths=("/v1/completions",)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])])
+        client = openai_client(gw)
+        with gw.gw.request_log.capture() as logs:
+            got = [c.index async for chunk in await client.completions.create(
+                model="m", prompt=["once", "upon"] * 500, max_tokens=1, n=128, stream=True) for c in chunk.choices]
+        assert got == [0, 1]
+        line = next(e for e in logs if e["event"] == "request")
+        assert line["status"] == 200 and line["finish_reason"] == "length"
+        assert line["finish_reasons"] == ["length", "length"]
+
+
 ALICE = "sk-alice-choices-0123"
 MSGS = [{"role": "user", "content": "Tell me about trains."}]
 
