@@ -598,14 +598,17 @@ class ChoicesScanner(SSEScanner):
     whose chunks each carry one choice, the choices interleaved. The first token is any choice's;
     the inter-token gaps are choice 0's alone (the gaps between all choices' chunks would be a
     fraction of any one's); ``finish_reason`` is choice 0's, and ``finish_reasons`` every choice's,
-    by index (``None`` for a choice that did not finish). A stream of one choice keeps the plain
-    ``SSEScanner``: nothing here runs for it."""
+    by index, up to the last that finished (``None`` for an earlier one that did not): the list grows
+    with the finishes that come, never to the count the request claims (a completion's batch times
+    ``n`` may claim millions). A stream of one choice keeps the plain ``SSEScanner``: nothing here
+    runs for it."""
 
-    __slots__ = ("finish_reasons", "_zero_at", "_zero", "_chunk")
+    __slots__ = ("finish_reasons", "_choices", "_zero_at", "_zero", "_chunk")
 
     def __init__(self, choices: int, strip_usage: bool = False) -> None:
         super().__init__(strip_usage)
-        self.finish_reasons: list[str | None] = [None] * choices
+        self.finish_reasons: list[str | None] = []
+        self._choices = choices                 # the indexes a finish may name: 0 to this, excluded
         self._zero_at: float | None = None     # the last content of choice 0
         self._zero: bool | None = None         # this read carried content of choice 0 (None: not known yet)
         self._chunk = b""
@@ -654,7 +657,9 @@ class ChoicesScanner(SSEScanner):
         for c in choices if isinstance(choices, list) else ():
             if isinstance(c, dict):
                 fr, i = c.get("finish_reason"), c.get("index", 0)
-                if isinstance(fr, str) and fr and isinstance(i, int) and 0 <= i < len(reasons):
+                if isinstance(fr, str) and fr and isinstance(i, int) and 0 <= i < self._choices:
+                    if i >= len(reasons):
+                        reasons.extend([None] * (i + 1 - len(reasons)))     # in place: the log line holds it
                     reasons[i] = fr
                     if i == 0:
                         self.finish_reason = fr
