@@ -8,6 +8,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+from yarl import URL
 
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
@@ -156,6 +157,13 @@ async def test_one_model_is_retrieved_by_its_id(sims, gateway):
             assert r.status == 200 and (await r.json())["id"] == "org/llama"
         async with http.get(gw.url + "/v1/models/nope") as r:
             assert r.status == 404 and r.headers["x-error-no-model-backends"] == "nope"
+        # an id with a line break or a tab in it is an unknown id like any other, not another path
+        for raw, name in (("m%0A", "m\n"), ("%0D%0Ax", "\r\nx"), ("a%09b", "a\tb"), ("org/llama%0A", "org/llama\n")):
+            async with http.get(URL(gw.url + "/v1/models/" + raw, encoded=True)) as r:
+                got = await r.json()
+                assert r.status == 404 and got["error"]["code"] == "model_not_found", (raw, got)
+                assert got["error"]["param"] == "model" and f"`{name}`" in got["error"]["message"], got
+                assert "\n" not in r.headers["x-error-no-model-backends"]
 
 
 async def test_embeddings(sims, gateway):
