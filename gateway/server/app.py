@@ -373,7 +373,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
                             headers={"X-Content-Type-Options": "nosniff"})
 
     app.router.add_get("/v1/models", models)
-    app.router.add_get("/v1/models/{model_id:.+}", model)
+    app.router.add_get(r"/v1/models/{model_id:[\s\S]+}", model)     # the rest of the path, line breaks included
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_page)
