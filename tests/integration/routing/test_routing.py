@@ -41,6 +41,26 @@ async def test_invalid_strategy_is_400_through_the_gateway(sims, gateway):
             assert r.status == 200
 
 
+async def test_a_weight_of_thousands_of_digits_is_an_invalid_strategy_not_a_gateway_error(sims, gateway):
+    """A weight is an integer 0..1,000,000: one written with more digits than Python converts (4300)
+    is as invalid as one past the bound, a 400 naming the header, and nothing is counted a gateway
+    bug. Leading zeros keep a weight in bounds."""
+    e = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [e.url])])
+    body = {"model": "m", "prompt": "x", "max_tokens": 1}
+    async with aiohttp.ClientSession() as s:
+        for spec in ("prefix-cache:" + "9" * 5000, "least-request:1,prefix-cache:" + "1" * 4301,
+                     "least-request:" + "0" * 4400 + "1000001"):
+            async with s.post(gw.url + "/v1/completions", json=body, headers={"routing-strategy": spec}) as r:
+                got = await r.json()
+                assert r.status == 400 and r.headers["x-error-routing"] == "true", got
+                assert got["error"]["param"] == "routing-strategy" and got["error"]["type"] == "invalid_request_error"
+        async with s.post(gw.url + "/v1/completions", json=body,
+                          headers={"routing-strategy": "least-request:" + "0" * 5000 + "2,prefix-cache:1"}) as r:
+            assert r.status == 200, await r.text()
+    assert "switchyard_internal_errors_total 0.0" in await gw.metrics_text()
+
+
 def _label_values(page: str, metric: str) -> set[str]:
     return {line.split('strategy="')[1].split('"')[0] for line in page.splitlines() if line.startswith(metric + "{")}
 

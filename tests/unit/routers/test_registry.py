@@ -50,6 +50,10 @@ def test_weight_zero_drops_the_entry():
     assert parse_strategy("a:1000000,b:0", AIBRIX_NAMES) == [("a", 1_000_000)]
 
 
+def test_leading_zeros_keep_a_weight_whatever_their_number():
+    assert parse_strategy("a:" + "0" * 5000 + "7,b:007", AIBRIX_NAMES) == [("a", 7), ("b", 7)]
+
+
 def test_names_are_trimmed_and_case_insensitive():
     assert parse_strategy("  Least-Request : 2 , PREFIX-cache ", AIBRIX_NAMES) == [
         ("least-request", 2), ("prefix-cache", 1)]
@@ -58,6 +62,7 @@ def test_names_are_trimmed_and_case_insensitive():
 @pytest.mark.parametrize("spec", [
     "a:1.5", "a:-1", "a:1000001", "a,,b", "a:1:2", "a:0", "a:0,b:0", "", "   ", "a:", ":1", "a:1e3", "a:+1",
     ",a", "a,", "a:one", "a,a", "bogus", "invalid-routing-strategy", "least-request:1,invalid-strategy:2",
+    "a:" + "9" * 5000, "a:" + "0" * 4400 + "1000001",      # more digits than int() converts: still a bad weight
 ])
 def test_invalid_specs(spec):
     with pytest.raises(StrategyError) as exc:
