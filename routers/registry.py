@@ -37,6 +37,7 @@ MAX_WEIGHT = 1_000_000
 MAX_CACHED_SPECS = 1024
 
 _WEIGHT = re.compile(r"[0-9]+")
+_WEIGHT_DIGITS = len(str(MAX_WEIGHT))
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.\-]*")
 
 RouterFactory = Callable[[RouterContext], Router]
@@ -83,7 +84,9 @@ def parse_strategy(spec: str, known: Collection[str] | None = None) -> list[tupl
         weight = 1
         if len(parts) == 2:
             w = parts[1].strip()
-            if not _WEIGHT.fullmatch(w):
+            # leading zeros dropped before int(): a weight in bounds has a few digits, and int()
+            # refuses more than 4300 (a ValueError that is not a StrategyError)
+            if not _WEIGHT.fullmatch(w) or len(w := w.lstrip("0") or "0") > _WEIGHT_DIGITS:
                 raise StrategyError(spec, f"weight of {name!r} must be an integer 0..{MAX_WEIGHT}")
             weight = int(w)
             if weight > MAX_WEIGHT:
