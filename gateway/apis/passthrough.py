@@ -249,7 +249,8 @@ class AudioApi(PassthroughApi):
         model = fields.get("model")
         if not model:
             raise _no_model(f"'model' is required: it decides where {path} is routed")
-        return _request(path, body, {"model": model}, model, _form_stream(fields.get("stream")), "", 1, headers, request_id, ctype)
+        stream = _form_stream(fields.get("stream"))
+        return _request(path, body, {"model": model}, model, stream, "", 1, headers, request_id, ctype)
 
     def with_model(self, ireq: InferenceRequest, model: str) -> None:
         """The ``model`` field's value replaced inside the form (the body is copied once more,
