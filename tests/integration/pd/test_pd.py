@@ -13,6 +13,7 @@ import struct
 from functools import partial
 
 import aiohttp
+import openai
 import orjson
 import pytest
 from aiohttp import web
@@ -165,6 +166,37 @@ async def test_incomplete_roleset_uses_combined_or_fails(sims, gateway):
     gw2 = await gateway([pd_model("vllm", [{"name": "rs", "decode": [d.url]}])])
     st, hdrs, raw = await post(gw2, body())
     assert st == 503 and hdrs["x-error-routing"] == "true"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+async def test_a_prefill_that_refuses_the_clients_request_answers_with_its_own_status(sims, gateway, engine):
+    """A client error of the prefill (the engine's 400 for a bad field, its 501 for what it does
+    not serve) is the client's to fix, as the same request's answer from an aggregated engine is:
+    its status, message and param, in OpenAI's shape, so an SDK raises BadRequestError and does
+    not retry it, as it retries a 502. The decode is not run (vLLM) or is aborted (SGLang)."""
+    p, d = await pd_pair(sims, engine)
+    gw = await gateway([pd_model(engine, [roleset(engine, p, d)])])
+    client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=2)     # the SDK's default
+    try:
+        with pytest.raises(openai.BadRequestError) as ei:
+            await client.chat.completions.with_raw_response.create(model="m", messages=MSG, max_tokens=8,
+                                                                  extra_body={"stop": 5})
+    finally:
+        await client.close()
+    err = ei.value
+    assert err.status_code == 400 and err.body["param"] == "stop" and "stop" in err.message, err.body
+    assert err.response.headers["x-error-pd-prefill"] == "http_status"
+    assert err.response.headers["prefill-target-pod"] == p.url.split("//")[1]
+    sent = [r for r in (await sim_state(p.url))["received"] if r["method"] == "POST"]
+    assert len(sent) == 1, sent               # answered once: not a server error to try again
+    with pytest.raises(openai.APIStatusError) as ei:
+        await openai_client(gw).chat.completions.create(model="m", messages=MSG, max_tokens=8, n=2)
+    assert ei.value.status_code == 501 and ei.value.body["param"] == "n", ei.value.body
+    if engine == "vllm":
+        assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
+    else:
+        assert await wait_for(lambda: quiet(d.url), timeout=5)              # the decodes were aborted
+    assert 'outcome="fault"' not in await gw.metrics_text()
 
 
 async def test_no_ready_pod(gateway):
