@@ -62,15 +62,24 @@ class PrefillFailed(Exception):
     (``connect`` for a refused connection) when there was one."""
 
     def __init__(self, failure_class: str, message: str, status: int | None = None, kind: str = "",
-                 retryable: bool = False) -> None:
+                 retryable: bool = False, refusal: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.failure_class = failure_class
         self.message = message
         self.status = status
         self.kind = kind
         self.retryable = retryable      # refused, or reset with nothing received
+        # the engine's client error (``status`` a 4xx other than backpressure, or 501), normalized:
+        # the request's own fault, answered as the engine answered it
+        self.refusal = refusal
 
     def client_error(self, prefill: Endpoint) -> GatewayError:
+        if self.refusal is not None and self.status is not None:
+            e = self.refusal
+            return GatewayError(self.status, str(e.get("message") or f"prefill answered {self.status}"),
+                                param=e.get("param"), code=e.get("code"), type_=e.get("type"),
+                                header=("x-error-pd-prefill", self.failure_class),
+                                error_class=ErrorClass.pd_prefill(self.failure_class))
         status = {"http_status": 502, "bad_response": 502, "timeout": 504}.get(self.failure_class, 503)
         message = f"prefill request to {prefill.name} failed ({self.failure_class}): {self.message[:256]}"
         kw: dict[str, Any] = {"code": f"pd_prefill_{self.failure_class}",
@@ -444,7 +453,8 @@ class PDOrchestrator:
         rec.extra["prefill_ms"] = round((end - start) * 1000, 3)
         prefill = ctx.decision.prefill
         keyed = prefill.api_key is not None
-        self.upstream.record(prefill, of_status(status, keyed), f"status_{status}")
+        outcome = of_status(status, keyed)
+        self.upstream.record(prefill, outcome, f"status_{status}")
         leg.responded(status)
         self.metrics.child(self.metrics.pd_prefill_time, rec.model).observe(end - start)
         rec.extra["prefill_status"] = status
@@ -454,7 +464,8 @@ class PDOrchestrator:
                                 status)
         if status != 200:
             _, err = normalize_upstream_error(status, raw)
-            raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status)
+            raise PrefillFailed("http_status", f"status {status}: {err['error']['message']}", status,
+                                refusal=err["error"] if outcome is Outcome.CLIENT_ERROR else None)
 
     def _decode_error(self, ctx: RequestContext, f: UpstreamFailure, limit: float | None) -> GatewayError:
         if f.kind == "timeout":     # the watchdog: no answer from the decode in time
