@@ -89,6 +89,17 @@ class SglangApi:
             raise ApiError(400, f"The input ({n} tokens) is longer than the model's context length "
                            f"({limit} tokens).", type_="BadRequest")
 
+    def _check_total(self, n: int, max_tokens: int | None) -> None:
+        """SGLang's tokenizer manager: a ``max_new_tokens`` the request names that, with its prompt,
+        reaches the context length is refused (without ``--allow-auto-truncate``)."""
+        ctx = self.cfg.max_model_len
+        if max_tokens is not None and n <= self.engine.max_prompt_tokens and max_tokens + n >= ctx:
+            raise ApiError(400, f"Requested token count exceeds the model's maximum context length of {ctx} "
+                           f"tokens. You requested a total of {max_tokens + n} tokens: {n} tokens from the "
+                           f"input messages and {max_tokens} tokens for the completion. Please reduce the "
+                           "number of tokens in the input messages or the completion to fit within the limit.",
+                           type_="BadRequest")
+
     def _check_alive(self) -> None:
         if self.engine.dead:
             raise internal_error("Internal server error: the scheduler is dead")
@@ -164,6 +175,7 @@ class SglangApi:
             body = await read_json(request, require_json=False)
             req = parse_openai(body, kind, self.engine.tokenizer, vllm=False)
             model = req.model if req.model is not None else "default"
+            self._check_total(len(req.prompt_ids), req.max_tokens)
             max_tokens = req.max_tokens or self.cfg.max_tokens_default(kind)
             params = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                     ignore_eos=req.ignore_eos)

@@ -277,6 +277,18 @@ async def test_context_length_errors(make_sim: MakeSim, http: aiohttp.ClientSess
     assert data["message"].startswith("The input (") and "context length (64 tokens)" in data["message"]
     status, data, _ = await call(http, s.url + "/generate", {"text": LONG_TEXT})
     assert status == 400 and set(data) == {"error"} and set(data["error"]) == {"message"}
+    # SGLang refuses a named max_tokens that, with the prompt, reaches the context (the prompt
+    # checked first); a prompt that fits with room to spare is served
+    for path, extra in (("/v1/completions", {"prompt": "short"}), ("/v1/chat/completions", {"messages": CHAT})):
+        for max_tokens in (64, 10**18):
+            status, data, _ = await call(http, s.url + path, {**extra, "max_tokens": max_tokens})
+            assert status == 400 and data["object"] == "error" and data["code"] == 400, data
+            assert data["message"].startswith("Requested token count exceeds the model's maximum context length "
+                                              "of 64 tokens. You requested a total of"), data
+        status, data, _ = await call(http, s.url + path, {**extra, "max_tokens": 4})
+        assert status == 200, data
+    status, data, _ = await call(http, s.url + "/v1/completions", {"prompt": LONG_TEXT, "max_tokens": 64})
+    assert status == 400 and data["message"].startswith("The input ("), data
 
 
 async def test_vllm_small_endpoints(vllm: SimServer, http: aiohttp.ClientSession) -> None:
