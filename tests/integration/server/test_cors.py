@@ -4,15 +4,27 @@ and CORS off (the gateway as before: OPTIONS refused, no CORS header)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
+import sys
+
 import aiohttp
 import orjson
+import pytest
 from multidict import CIMultiDict
 
+from gateway.config.schema import config_from_dict
+from gateway.observability.logs import LineWriter
+from gateway.server.app import GATEWAY_KEY
+from gateway.server.run import start
 from tests.support.edge import Resp, assert_openai_error, edge_gateway, exchange, request
 from tests.support.factories import model_block
+from tests.support.gateway_process import get_new
 from tests.support.http import bearer, chat_body, openai_client, post
 from tests.support.loops import on_both_loops
 from tests.support.metrics import metric
+from tests.support.ports import listen_port
 from tests.support.tenancy import ALICE
 from tests.support.waiting import wait_for
 
@@ -357,3 +369,116 @@ async def test_with_cors_off_nothing_is_counted_or_logged(sims, gateway):
     assert "# TYPE switchyard_cors_requests_total counter" in page     # the family, without a series
     assert _counted(page) == dict.fromkeys(OUTCOMES, 0.0)
     assert "switchyard_cors_requests_total{" not in page
+
+
+# the line every request log line starts with, as a preflight has it: no model, user, endpoint or tokens
+_PREFLIGHT_LINE = {"model": "-", "user": None, "strategy": "", "endpoint": "", "stream": False, "ttft_ms": None,
+                   "prompt_tokens": None, "completion_tokens": None, "cached_tokens": None,
+                   "finish_reason": None, "retries": 0, "method": "OPTIONS", "event": "request", "log_level": "info"}
+
+
+async def test_each_preflight_answered_writes_a_request_log_line(sims, gateway):
+    """An operator debugging a page's failing preflight finds it in the request log: one line per
+    preflight the gateway answers, allowed or refused, with its status, its request id and the
+    outcome in ``cors``; an OPTIONS that is no preflight, or one to a path outside the API, has none."""
+    gw = await _cors_gateway(sims, gateway, [APP], auth={"api_keys": [{"key": ALICE, "user": "alice"}]})
+    with gw.gw.request_log.capture() as lines:
+        status, allowed, _ = await _options(gw, CHAT_PATH, {**PREFLIGHT, "x-request-id": "preflight-1"})
+        assert status == 204
+        status, refused, body = await _options(gw, "/v1/messages", {**PREFLIGHT, "Origin": OTHER})
+        assert status == 403
+        status, odd, _ = await _options(gw, "/v1/models", {**PREFLIGHT, "x-request-id": "not a good id"})
+        assert status == 204
+        assert (await _options(gw, CHAT_PATH, {"Origin": APP}))[0] == 405          # no preflight
+        assert (await _options(gw, "/metrics", PREFLIGHT))[0] == 405               # not the API
+        r = await post(gw, chat_body(CHAT), {"Origin": APP, **bearer(ALICE)})      # a line as before
+        assert r.status == 200
+        assert await wait_for(lambda: len(lines) == 4, timeout=10.0, interval=0.01), lines
+    first, second, third, fourth = lines
+    for line in (first, second, third):
+        assert line.pop("duration_ms") >= 0, line
+    assert first == {"request_id": "preflight-1", "path": CHAT_PATH, "status": 204, "error_class": None,
+                     "error": None, "cors": "preflight_allowed", **_PREFLIGHT_LINE}
+    assert allowed["x-request-id"] == "preflight-1"
+    message = orjson.loads(body)["error"]["message"]
+    assert second == {"request_id": refused["x-request-id"], "path": "/v1/messages", "status": 403,
+                      "error_class": "client", "error": message, "cors": "preflight_refused", **_PREFLIGHT_LINE}
+    assert third == {"request_id": odd["x-request-id"], "path": "/v1/models", "status": 204, "error_class": None,
+                     "error": None, "cors": "preflight_allowed", "request_id_replaced": True, **_PREFLIGHT_LINE}
+    assert third["request_id"] != "not a good id"
+    assert (fourth["status"], fourth["cors"], fourth["user"]) == (200, "allowed", "alice")
+    assert "method" not in fourth
+
+
+@pytest.mark.timeout(90)
+async def test_preflights_are_logged_by_every_worker(sims, tmp_path):
+    """``--workers 2``, JSON lines on stderr: each worker writes its preflights' lines, info lines
+    like the others; at ``server.log_level: warning`` (checked on the in-process gateway below) none."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   f"server: {{drain_delay_s: 0, log_format: json, cors_allowed_origins: ['{APP}']}}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", stderr=log_file)
+    sent: dict[str, tuple[int, int]] = {}         # request id: (the worker's pid, the status)
+    try:
+        async with asyncio.timeout(40):
+            while True:
+                with contextlib.suppress(OSError):
+                    if (await get_new(port, "/ready"))[0] == 200:
+                        break
+                await asyncio.sleep(0.05)
+            # a kept-alive connection stays with its worker: its pid, then preflights on it
+            while len({pid for pid, _ in sent.values()}) < 2:
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+                    async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                        pid = (await r.json())["gateway"]["pid"]
+                    for origin in (APP, OTHER):
+                        rid = f"preflight-{len(sent)}"
+                        async with s.options(f"http://127.0.0.1:{port}{CHAT_PATH}",
+                                             headers={**PREFLIGHT, "Origin": origin, "x-request-id": rid}) as r:
+                            sent[rid] = (pid, r.status)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert {status for _, status in sent.values()} == {204, 403}
+    lines = [orjson.loads(raw) for raw in log_path.read_bytes().splitlines() if raw.startswith(b"{")]
+    logged = {x["request_id"]: x for x in lines if x.get("event") == "request"}
+    assert set(logged) == set(sent), (sorted(logged), sorted(sent))
+    for rid, (_, status) in sent.items():
+        line = logged[rid]
+        assert (line["method"], line["path"], line["status"], line["level"]) == ("OPTIONS", CHAT_PATH, status, "info")
+        assert line["cors"] == ("preflight_allowed" if status == 204 else "preflight_refused")
+        assert line["duration_ms"] >= 0 and line["timestamp"]
+
+
+async def test_at_log_level_warning_a_preflight_writes_no_line(sims, tmp_path):
+    sim = await sims("vllm", "m")
+    out = tmp_path / "lines"
+    for level, written in (("warning", 0), ("info", 1)):
+        # the gateway fixture writes to /dev/null: a gateway of its own, its lines to a file
+        cfg = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0},
+                                "server": {"cors_allowed_origins": [APP], "log_level": level, "log_format": "json"},
+                                "models": [model_block("m", "vllm", [sim.url])]}, source="<test>")
+        runner, app, gw_port = await start(cfg)
+        request_log = app[GATEWAY_KEY].request_log
+        with out.open("wb") as f:
+            request_log.writer = LineWriter(fd=f.fileno())
+            try:
+                async with aiohttp.ClientSession() as s, \
+                        s.options(f"http://127.0.0.1:{gw_port}{CHAT_PATH}", headers=PREFLIGHT) as r:
+                    assert r.status == 204
+            finally:
+                await runner.cleanup()      # closes the log: every line written
+        got = [orjson.loads(raw) for raw in out.read_bytes().splitlines()]
+        assert len(got) == written, (level, got)
+        if written:
+            assert (got[0]["method"], got[0]["cors"], got[0]["level"]) == ("OPTIONS", "preflight_allowed", "info")

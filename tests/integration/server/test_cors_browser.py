@@ -2,7 +2,8 @@
 calls the gateway, at another origin (another port), with ``fetch()``, an API key and a JSON body,
 as a chat playground served elsewhere would. With the page's origin in
 ``server.cors_allowed_origins`` the page gets the answer (the preflight its Authorization header
-causes passes without the key); with another origin listed, the browser refuses it the answer."""
+causes passes without the key); with another origin listed, the browser refuses it the answer.
+Either way the browser's preflight has its request log line, which says what became of it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from aiohttp import web
 from tests.support.cdp import launch_for_test
 from tests.support.factories import model_block
 from tests.support.tenancy import ALICE
+from tests.support.waiting import wait_for
 
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>playground</title><link rel="icon" href="data:,"></head>
@@ -83,12 +85,25 @@ async def _ask(page, gw, stream: bool) -> dict:
     return await page.evaluate(f"ask({json.dumps(gw.url)}, {json.dumps(ALICE)}, {json.dumps(stream)})")
 
 
+def _preflights(lines: list[dict]) -> list[dict]:
+    return [line for line in lines if line.get("method") == "OPTIONS"]
+
+
 async def test_a_page_on_a_listed_origin_gets_the_answer(sims, gateway, page):
     async with playground() as origin:
         gw = await _gateway(sims, gateway, [origin])
         await page.navigate(origin + "/")
-        got = await _ask(page, gw, stream=False)
-        assert got.get("status") == 200, got
+        with gw.gw.request_log.capture() as lines:
+            got = await _ask(page, gw, stream=False)
+            assert got.get("status") == 200, got
+            assert await wait_for(lambda: len(lines) >= 2, timeout=10.0, interval=0.01), lines
+        # the browser's preflight (its Authorization header needs one), then the call it allowed
+        preflight, call = lines[0], lines[-1]
+        assert (preflight["method"], preflight["path"], preflight["status"], preflight["cors"]) == (
+            "OPTIONS", "/v1/chat/completions", 204, "preflight_allowed"), lines
+        assert preflight["user"] is None and preflight["error"] is None
+        assert (call["status"], call["cors"], call["user"], call["request_id"]) == (200, "allowed", "alice",
+                                                                                  got["requestId"])
         assert json.loads(got["text"])["choices"][0]["message"]["content"]
         # the gateway's own headers are readable by the page
         assert got["requestId"] and got["targetPod"] == gw.gw.pool.endpoints("m")[0].name
@@ -102,10 +117,16 @@ async def test_a_page_on_another_origin_is_refused_the_answer(sims, gateway, pag
     async with playground() as origin:
         gw = await _gateway(sims, gateway, ["http://127.0.0.1:1"])
         await page.navigate(origin + "/")
-        got = await _ask(page, gw, stream=False)
-        assert got == {"failed": "TypeError: Failed to fetch"}, got
-        # the browser says why: the preflight carried no Access-Control-Allow-Origin
-        assert any("CORS policy" in p for p in page.problems), page.problems
+        with gw.gw.request_log.capture() as lines:
+            got = await _ask(page, gw, stream=False)
+            assert got == {"failed": "TypeError: Failed to fetch"}, got
+            # the browser says why: the preflight carried no Access-Control-Allow-Origin
+            assert any("CORS policy" in p for p in page.problems), page.problems
+            # and so does the gateway's log: the refused preflight is the only request the page made
+            assert await wait_for(lambda: lines, timeout=10.0, interval=0.01)
+        assert [(x["method"], x["path"], x["status"], x["cors"], x["error_class"]) for x in lines] == [
+            ("OPTIONS", "/v1/chat/completions", 403, "preflight_refused", "client")], lines
+        assert origin in lines[0]["error"] and "server.cors_allowed_origins" in lines[0]["error"]
 
 
 async def test_a_page_is_refused_the_answer_with_cors_off(sims, gateway, page):
