@@ -281,5 +281,25 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
     request_log.emit(fields)
 
 
+def log_answer(rec: RequestRecord, now: float, request_log: RequestLog) -> None:
+    """The log line of an answer the gateway makes before any pipeline or API handler (a CORS
+    preflight's, gateway/server/edge.py): the fields ``record_request`` writes, in their order,
+    without its metrics and observers (such an answer is counted where it is made, not as a request
+    served). Not on any inference request's path."""
+    fields = dict(zip(_LINE_KEYS, _LINE_VALUES(rec), strict=True))
+    if rec.ttft is not None:
+        fields["ttft_ms"] = round(rec.ttft * 1000, 3)
+    fields["duration_ms"] = round((now - rec.started) * 1000, 3)
+    if rec.request_id_replaced:
+        fields["request_id_replaced"] = True
+    if rec.extra:
+        fields.update(rec.extra)
+    for k in ("user", "model", "strategy", "error"):
+        v = fields[k]
+        if isinstance(v, str) and len(v) > MAX_LOG_CHARS:
+            fields[k] = _cut(v)
+    request_log.emit(fields)
+
+
 def _cut(v: str) -> str:
     return f"{v[:MAX_LOG_CHARS]}… ({len(v)} characters)"

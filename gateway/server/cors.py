@@ -27,7 +27,8 @@ Off (the list empty, the default), nothing here runs: no request pays for it. On
 
 Each request with an ``Origin`` is counted by its outcome (``OUTCOMES``) in
 ``switchyard_cors_requests_total`` as its handler starts (gateway/server/edge.py), and its request
-log line, when it has one, says the outcome in ``cors`` (``CorsRequest.log_fields``).
+log line says the outcome in ``cors``: ``CorsRequest.log_fields`` for a request the pipeline serves,
+and the edge's own line for a preflight it answers (``_log_preflight``).
 
 aiohttp hooks used (semi-private in 3.14, pinned by tests/unit/gateway/server/test_cors.py):
 ``Application._make_request``'s ``_cls`` (the class of the request it makes) and

@@ -28,7 +28,8 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   them), with ``request-id``, and with 431 for header fields that are too large or too many; the
   answer to a head it could not parse goes out in HTTP/1.1 (aiohttp's stand-in request says 1.0).
 - **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
-  preflight to an API path is answered before the application, and a request with an ``Origin``
+  preflight to an API path is answered before the application (and written to the request log as
+  a request of its own), and a request with an ``Origin``
   is left to aiohttp's request path, whose answers get CORS's headers; so do the 408 and 400 the
   edge writes to the socket itself, when the request's head was read.
 
@@ -49,6 +50,7 @@ import asyncio
 import functools
 import re
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -65,8 +67,10 @@ from prometheus_client.registry import Collector
 
 from gateway.apis.anthropic import anthropic_error
 from gateway.apis.paths import AUDIO_PATHS, on_messages
-from gateway.errors import error_body, error_response
+from gateway.errors import ErrorClass, error_body, error_response
+from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import Counter as RequestCounter
+from gateway.pipeline.context import RequestRecord, log_answer
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
 from gateway.server import lane
@@ -201,8 +205,11 @@ class Edge:
     """Limits, counters and the count of open connections, shared by every connection of a server."""
 
     def __init__(self, limits: EdgeLimits, registry: CollectorRegistry | None = None,
-                 cors_requests: RequestCounter | None = None) -> None:
+                 cors_requests: RequestCounter | None = None, request_log: RequestLog | None = None) -> None:
         self.limits = limits
+        # the gateway's request log, where the edge writes the lines of the answers it makes itself
+        # (a CORS preflight's); None: no line for them
+        self.request_log = request_log
         self.connections = 0
         self.lane_requests = 0
         # gateway/server/cors.py; None: CORS off
@@ -907,26 +914,51 @@ def _cors_factory(make: Any, cls: type[web.Request]) -> Any:
     return factory
 
 
+def _cors_refusal(request: web.BaseRequest) -> str:
+    origin = _short(request.headers.get(hdrs.ORIGIN, ""), 100)
+    return f"the origin {origin!r} may not call the API from a browser (server.cors_allowed_origins)"
+
+
 def cors_refused(request: web.BaseRequest) -> web.Response:
     """A preflight from an origin ``server.cors_allowed_origins`` does not list: a 403 in the path's
     API shape, without CORS's headers, so the browser keeps the page from calling."""
     rid = request_id_from(request.headers.get("x-request-id"))
-    origin = _short(request.headers.get(hdrs.ORIGIN, ""), 100)
-    body = _shaped_body(request.path, 403, f"the origin {origin!r} may not call the API from a browser "
-                        "(server.cors_allowed_origins)", None, "cors_origin_not_allowed")
+    body = _shaped_body(request.path, 403, _cors_refusal(request), None, "cors_origin_not_allowed")
     return error_response(403, body, {"request-id": rid, "x-request-id": rid})
 
 
+def _log_preflight(request: web.BaseRequest, resp: web.Response, result: str, started: float,
+                   request_log: RequestLog) -> None:
+    """A preflight's request log line: what a request line says of an answer without a model or an
+    endpoint, with ``method`` (OPTIONS) and ``cors`` (``preflight_allowed``, ``preflight_refused``);
+    its request id is the one its answer carries."""
+    given = request.headers.get("x-request-id")
+    rid = resp.headers.get("request-id") or request_id_from(given)
+    rec = RequestRecord(rid, request.path, started, status=resp.status,
+                        request_id_replaced=given is not None and given != rid)
+    if resp.status >= 400:
+        rec.error_class, rec.error = ErrorClass.CLIENT, _cors_refusal(request)
+    rec.extra["method"] = request.method
+    rec.extra["cors"] = result
+    log_answer(rec, time.perf_counter(), request_log)
+
+
 def _cors_preflights(handler: Any, cors: CorsPolicy, methods: str, direct: dict[str, Any],
-                     counted: dict[str, Any]) -> Any:
-    """``handler``, with a preflight to an API path (``/v1/...``, an inference path) answered first,
-    and each request with an Origin (a ``CorsRequest``) counted by its outcome (``counted``)."""
+                     counted: dict[str, Any], request_log: RequestLog | None = None) -> Any:
+    """``handler``, with a preflight to an API path (``/v1/...``, an inference path) answered first
+    (and written to ``request_log``), and each request with an Origin (a ``CorsRequest``) counted by
+    its outcome (``counted``)."""
     async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
         if isinstance(request, CorsRequest):
             result = outcome(cors, request.headers.get(hdrs.ORIGIN))     # allowed, refused
             if is_preflight(request) and (request.path.startswith("/v1/") or request.path in direct):
-                counted["preflight_" + result].inc()
-                return preflight(request, cors, methods, cors_refused)
+                started = time.perf_counter()
+                result = "preflight_" + result
+                counted[result].inc()
+                resp = preflight(request, cors, methods, cors_refused)
+                if request_log is not None:
+                    _log_preflight(request, resp, result, started, request_log)
+                return resp
             counted[result].inc()
         return await handler(request)
     return request_handler
@@ -1020,7 +1052,8 @@ class EdgeServer(web.Server):
             return await app_handler(request)
 
         if cors is not None:            # a preflight to an API path is answered here, without an API key
-            request_handler = _cors_preflights(request_handler, cors, cors_methods, direct, edge.cors_counted)
+            request_handler = _cors_preflights(request_handler, cors, cors_methods, direct, edge.cors_counted,
+                                               edge.request_log)
         self.request_handler = request_handler
 
     def __call__(self) -> EdgeProtocol:

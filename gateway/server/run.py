@@ -58,8 +58,8 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
     if config.batch.enabled:        # an upload to /v1/files may be larger than an inference body
         limits = dataclasses.replace(limits, upload_max_bytes=config.batch.max_file_bytes + MULTIPART_SLACK,
                                      upload_file_bytes=config.batch.max_file_bytes)
-    metrics = app[GATEWAY_KEY].metrics
-    edge = Edge(limits, metrics.registry, metrics.cors_requests)
+    gw = app[GATEWAY_KEY]
+    edge = Edge(limits, gw.metrics.registry, gw.metrics.cors_requests, gw.request_log)
     _check_fd_limit(edge.limits.max_connections)
     inline_request_handlers(asyncio.get_running_loop())    # Python 3.11: no task hop per request
     runner = EdgeRunner(app, edge, app[DIRECT_KEY], handler_cancellation=True, access_log=None,

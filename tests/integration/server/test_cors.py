@@ -350,10 +350,11 @@ async def test_cors_outcomes_are_counted_and_logged(sims, gateway):
         assert r.status == 404
         r = await post(gw, chat_body(CHAT))         # no Origin: neither counted nor logged as CORS
         assert r.status == 200
-        assert await wait_for(lambda: len(lines) == 4, timeout=10.0, interval=0.01), lines
+        assert await wait_for(lambda: len(lines) == 7, timeout=10.0, interval=0.01), lines
     assert [(line["status"], line.get("cors")) for line in lines] == [
+        (204, "preflight_allowed"), (403, "preflight_refused"), (403, "preflight_refused"),
         (200, "allowed"), (200, "refused"), (404, "refused"), (200, None)]
-    assert "cors" not in lines[3]
+    assert "cors" not in lines[6]
     assert _counted(await gw.metrics_text()) == {"preflight_allowed": 1.0, "preflight_refused": 2.0,
                                                  "allowed": 1.0, "refused": 2.0}
 
