@@ -322,6 +322,35 @@ async def test_an_expectation_other_than_100_continue_is_a_shaped_417():
 
 
 @on_both_loops
+async def test_an_expectation_other_than_100_continue_is_a_shaped_417_on_every_path():
+    """aiohttp answers an unknown expectation itself, before the application's middleware, in
+    plain text and without a request id; every path's answer is the inference paths' 417 (Anthropic's
+    shape on a Messages path), the connection closed after it, as a body may follow unread."""
+    async with edge_gateway(cors_allowed_origins=["https://app.example.com"], **SERVER) as gw:
+        for method, target in (("GET", "/health"), ("GET", "/ready"), ("GET", "/metrics"), ("GET", "/v1/models"),
+                               ("GET", "/v1/models/m"), ("GET", "/status.json"), ("GET", "/status"),
+                               ("GET", "/nothing"), ("DELETE", "/health"), ("POST", "/v1/models"),
+                               ("GET", "/v1/responses/resp_1"), ("POST", CHAT + "?x=1")):
+            body = BODY if method == "POST" else None
+            for headers in ({"Expect": "200-ok"}, {"Expect": "200-ok", "Origin": "https://app.example.com"}):
+                ex = await exchange(gw.port, request(method, target, body, headers))
+                err = assert_openai_error(ex.first, 417)
+                assert (err["code"], err["param"]) == ("expectation_failed", "Expect"), (method, target, err)
+                assert "200-ok" in err["message"] and ex.closed, (method, target)
+            # a page's answer carries CORS's headers as every other answer to it
+            assert ex.first.headers.get("access-control-allow-origin") == "https://app.example.com", ex.first.headers
+        ex = await exchange(gw.port, request("GET", "/v1/messages/batches", None, {"Expect": "teapot"}))
+        assert ex.first.status == 417 and ex.first.headers["request-id"]
+        assert ex.first.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                               "message": ex.first.json()["error"]["message"]}}
+        # 100-continue is still answered, then the request served as before
+        ex = await exchange(gw.port, request("GET", "/health", None, {"Expect": "100-continue"}, close=True))
+        assert [r.status for r in ex.responses] == [100, 200], ex.responses
+        assert ex.responses[1].json() == {"status": "ok"}
+        assert await gw.received() == []
+
+
+@on_both_loops
 async def test_header_bytes_that_are_not_utf8_are_quoted_in_a_shaped_error():
     """aiohttp reads a header's bytes that are not UTF-8 as lone surrogates; an error quoting
     them (an unknown routing strategy) is still written, with the bytes escaped, not a 500."""
