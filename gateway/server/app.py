@@ -19,7 +19,6 @@ import orjson
 import structlog
 from aiohttp import HttpVersion11, web
 
-from gateway.apis.anthropic import anthropic_error
 from gateway.apis.base import ApiShape
 from gateway.apis.paths import MESSAGES, on_messages
 from gateway.apis.responses import add_responses
@@ -37,6 +36,7 @@ from gateway.pipeline.generation import Generation, Services, build_generation, 
 from gateway.pipeline.pipeline import Pipeline, not_listed_yet
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
 from gateway.server.admin import add_tenancy
+from gateway.server.edge import expectation_failed
 from gateway.server.lifecycle import Lifecycle
 from gateway.server.reclaim import MemoryReclaimer
 from gateway.server.reload import Build, Live, Reloader, declared_endpoints
@@ -126,20 +126,15 @@ def _error_middleware(answer):
 async def _expect(request: web.Request) -> web.Response | None:
     """``Expect: 100-continue`` answered as aiohttp answers it (the interim answer, then the body is
     read); any other expectation a 417 in OpenAI's shape, as every error the gateway writes (Anthropic's
-    on the Messages paths)."""
-    expect = request.headers.get("Expect", "")
+    on the Messages paths): the edge's (gateway/server/edge.py ``expectation_failed``), which answers
+    it on the other paths before aiohttp's plain-text one."""
     if request.version != HttpVersion11:
-        return
-    if expect.lower() == "100-continue":
+        return None
+    if request.headers.get("Expect", "").lower() == "100-continue":
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0          # the answer's own bytes are counted from here
-        return
-    e = GatewayError(417, f"unknown Expect: {safe_header_value(expect)[:64]!r}; only 100-continue is served",
-                     param="Expect", code="expectation_failed", error_class=ErrorClass.VALIDATION)
-    rid = request_id_from(request.headers.get("x-request-id"))
-    body = orjson.dumps(anthropic_error(417, e.message)) if on_messages(request.path) else e.body_bytes()
-    return web.Response(status=417, body=body, content_type="application/json",   # the answer
-                        headers={"request-id": rid, "x-request-id": rid, "Connection": "close"})
+        return None
+    return expectation_failed(request)
 
 
 def _direct_routes(paths, reloader: Reloader, answer, tracing: Tracing | None) -> dict[str, Callable]:

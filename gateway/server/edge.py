@@ -70,7 +70,7 @@ from gateway.apis.paths import AUDIO_PATHS, on_messages
 from gateway.errors import ErrorClass, error_body, error_response
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import Counter as RequestCounter
-from gateway.pipeline.context import RequestRecord, log_answer
+from gateway.pipeline.context import RequestRecord, log_answer, safe_header_value
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
 from gateway.server import lane
@@ -869,6 +869,20 @@ def server_options(request: web.BaseRequest, allow: str) -> web.Response:
     return web.Response(status=200, headers={"Allow": allow, "request-id": rid, "x-request-id": rid})
 
 
+def expectation_failed(request: web.BaseRequest) -> web.Response | None:
+    """RFC 9110 §10.1.1: an ``Expect`` other than ``100-continue`` gets a 417, shaped as every error
+    (Anthropic's on a Messages path), the connection closed after it (a body may follow unread).
+    None for ``100-continue``, for no (or an empty) ``Expect``, and for HTTP/1.0, where aiohttp
+    reads none either. The edge answers it on every path (aiohttp's own answer, given before the
+    application's middleware, is plain text without a request id); the inference routes' expect
+    handler (gateway/server/app.py) gives the same answer."""
+    expect = request.headers.get(hdrs.EXPECT)
+    if not expect or request.version != HttpVersion11 or expect.lower() == "100-continue":
+        return None
+    return _closing_error(request, 417, f"unknown Expect: {safe_header_value(expect)[:64]!r}; only 100-continue "
+                          "is served", "expectation_failed", param="Expect")
+
+
 def content_length_refused(request: web.BaseRequest) -> web.Response:
     """A ``Content-Length`` of more digits than Python converts to an int (4300: zeros in front of
     a small length, which the parser read as that length): refused as any malformed
@@ -1049,6 +1063,10 @@ class EdgeServer(web.Server):
                 handler = direct.get(request.path)      # router and middleware (unless Expect needs them)
                 if handler is not None and hdrs.EXPECT not in request.headers:
                     return await handler(request)
+            if hdrs.EXPECT in request.headers:      # aiohttp answers an unknown one in plain text
+                refused = expectation_failed(request)
+                if refused is not None:
+                    return refused
             return await app_handler(request)
 
         if cors is not None:            # a preflight to an API path is answered here, without an API key
