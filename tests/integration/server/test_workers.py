@@ -18,6 +18,7 @@ import pytest
 from tests.support.gateway_process import per_worker, post_new
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
+from tests.support.waiting import wait_for
 
 
 def listening_inodes(port: int) -> set[str]:
@@ -645,3 +646,90 @@ async def test_a_worker_whose_restarts_failed_a_while_does_not_make_a_clean_stop
             await proc.wait()
     assert code == 0, log_path.read_text()[-3000:]
 
+
+def _unix_lines() -> list[list[str]]:
+    return [line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:]]
+
+
+def queued_on(path: str) -> int:
+    """Connections made to the listening socket at ``path`` and not accepted (its owner stopped):
+    each stays listed, with the path and no inode, whether or not its client still holds it."""
+    return sum(1 for f in _unix_lines() if len(f) >= 8 and f[7] == path and f[6] == "0")
+
+
+def unix_clients(pid: int) -> int:
+    """The unix stream sockets ``pid`` holds that have no path of their own: its questions to its
+    siblings, beside those it was started with (its socket pairs with its parent)."""
+    mine = socket_inodes(pid)
+    return sum(1 for f in _unix_lines() if len(f) == 7 and f[4] == "0001" and f[6] in mine)
+
+
+async def _on_worker(port: int, pid: int, wait: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """A kept-alive connection that worker ``pid`` serves (its /status.json says so), or None when
+    the kernel handed it to another worker (closed then)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET /status.json HTTP/1.1\r\nHost: gateway.test\r\n\r\n")
+    try:
+        async with asyncio.timeout(wait):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:")))
+            doc = json.loads(await reader.readexactly(length))
+    except TimeoutError:
+        doc = None
+    if doc is None or doc["gateway"]["pid"] != pid:
+        writer.close()
+        return None
+    return reader, writer
+
+
+@pytest.mark.timeout(120)
+async def test_scrapes_whose_client_leaves_hold_nothing_of_a_stuck_sibling(sims, tmp_path):
+    """A worker answering /metrics or /status.json asks its siblings and waits for them at most half
+    a second; a client that leaves meanwhile cancels that wait, and the questions to a sibling whose
+    loop is stuck (stopped here) must end with it, where each stayed, holding a socket to that
+    sibling, until the sibling answered or was restarted (server.worker_stall_timeout_s, 20 s by
+    default): clients that leave at once could pile up a socket each meanwhile."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning, worker_stall_timeout_s: 0}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    stopped = None
+    try:
+        async with asyncio.timeout(30):
+            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2:
+                await asyncio.sleep(0.05)
+            while (await fresh_get(url + "/ready"))[0] != 200:
+                await asyncio.sleep(0.05)
+        live, stopped = children_of(proc.pid)
+        stuck = sibling_sockets([stopped])[stopped]
+        before = unix_clients(live)
+        os.kill(stopped, signal.SIGSTOP)
+        left = 0
+        async with asyncio.timeout(60):
+            while left < 4:
+                conn = await _on_worker(port, live, wait=3.0)
+                if conn is None:                # the stopped worker's: never answered
+                    continue
+                _, writer = conn
+                asked = queued_on(stuck)
+                path = b"/metrics" if left % 2 == 0 else b"/status.json"
+                writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: gateway.test\r\n\r\n")
+                while queued_on(stuck) == asked:    # the worker asked the stuck sibling, and waits
+                    await asyncio.sleep(0.01)
+                writer.close()                  # the client leaves
+                left += 1
+        # what those scrapes opened is closed with them, the sibling still stuck
+        assert await wait_for(lambda: unix_clients(live) == before, timeout=10.0, interval=0.05), (
+            before, unix_clients(live))
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
