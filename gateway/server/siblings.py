@@ -8,7 +8,9 @@ whole routing view, for a sibling catching up (gateway/view/service.py); ``rget`
 ``rdel`` and a response id: an entry of the Responses memory backend, which each worker keeps for
 the responses it answered), reads the answer to the end of the stream, and the connection closes. The worker that answers a scrape asks
 all its siblings at once and waits at most ``timeout`` (0.5 s) in all: a worker that is restarting
-or whose event loop is stuck is left out of that answer rather than holding it up. For
+or whose event loop is stuck is left out of that answer rather than holding it up (and a scrape
+whose client leaves first ends its questions with it, so that none waits on a stuck sibling with a
+socket held until that sibling is restarted). For
 ``/metrics``, what it last reported is used in its place (below), and ``switchyard_workers_scraped``
 says how many answered.
 
@@ -175,8 +177,18 @@ class Siblings:
         """The siblings' answers to ``kind`` within the timeout, by index, and the siblings that are
         gone (refused or dropped the connection: dead, or not started again yet)."""
         tasks = {i: asyncio.ensure_future(self._ask_one(path, kind)) for i, path in self.peers.items()}
-        if tasks:
-            await asyncio.wait(tasks.values(), timeout=self.timeout)
+        try:
+            if tasks:
+                await asyncio.wait(tasks.values(), timeout=self.timeout)
+        except asyncio.CancelledError:
+            # the asker was cancelled (its client left): the questions end with it, each holding a
+            # socket to a sibling that may not answer for long (a stuck loop, until it is restarted)
+            for t in tasks.values():
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled():
+                    t.exception()           # retrieved: not reported as never retrieved
+            raise
         out, gone = {}, set()
         for i, t in tasks.items():
             if not t.done():
