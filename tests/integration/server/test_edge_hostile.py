@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 
 import orjson
 import pytest
 
+from gateway.server.edge import EdgeProtocol
 from tests.support.edge import assert_openai_error, edge_gateway, exchange, parse_responses, request
 from tests.support.loops import on_both_loops
+from tests.support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
@@ -347,6 +350,43 @@ async def test_an_expectation_other_than_100_continue_is_a_shaped_417_on_every_p
         ex = await exchange(gw.port, request("GET", "/health", None, {"Expect": "100-continue"}, close=True))
         assert [r.status for r in ex.responses] == [200], ex.responses
         assert ex.first.json() == {"status": "ok"}
+        assert await gw.received() == []
+
+
+def _edge_connections_served() -> list[asyncio.Task]:
+    """The gateway's connection tasks still running (aiohttp's ``RequestHandler.start`` of an
+    ``EdgeProtocol``; the engine's own connections aside)."""
+    out = []
+    for t in asyncio.all_tasks():
+        frame = getattr(t.get_coro(), "cr_frame", None)
+        if frame is not None and isinstance(frame.f_locals.get("self"), EdgeProtocol):
+            out.append(t)
+    return out
+
+
+@on_both_loops
+async def test_a_body_that_breaks_while_an_early_answer_drains_it_logs_no_traceback(caplog):
+    """A request answered before its body was read (a 405, a 404) has the rest of its body read
+    and dropped; a chunked body whose framing breaks meanwhile closes the connection. aiohttp,
+    still dropping what had come, then met the closed connection and logged "Unhandled exception"
+    with a traceback (on stderr in plain text, whatever server.log_format says), for any client
+    that cares to send that."""
+    head = b"POST /health HTTP/1.1\r\nHost: gateway.test\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    async with edge_gateway(**{**SERVER, "max_body_bytes": 1 << 20}) as gw:
+        with caplog.at_level(logging.DEBUG, logger="aiohttp.server"):
+            for path in (b"/health", b"/nothing"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+                try:
+                    writer.write(head.replace(b"/health", path))
+                    answer = await asyncio.wait_for(reader.readuntil(b"}}"), 10)    # the whole error body
+                    assert answer.startswith((b"HTTP/1.1 405 ", b"HTTP/1.1 404 ")), answer
+                    writer.write(b"5\r\nhello\r\n" * 1000 + b"zz\r\n")
+                    assert await asyncio.wait_for(reader.read(), 10) == b""         # closed
+                finally:
+                    writer.close()
+                assert await wait_for(lambda: not _edge_connections_served(), timeout=10.0, interval=0.01)
+        errors = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith("aiohttp")]
+        assert errors == [], [(r.getMessage(), r.exc_info) for r in errors]
         assert await gw.received() == []
 
 
