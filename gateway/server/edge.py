@@ -751,11 +751,18 @@ class EdgeProtocol(web.RequestHandler):
         """Close as aiohttp's own keep-alive timer does (the transport flushes what was written,
         then closes) and cancel a running handler at once, as a client disconnect does: were it
         left to connection_lost, a handler woken by the broken body would first see the parser's
-        exception and take it for a fault of its own."""
+        exception and take it for a fault of its own. A request answered before its body came
+        whole has that body read and dropped by aiohttp (its lingering read): the body is ended
+        here, so that the read, woken by the bytes that just came, ends with it instead of meeting
+        the connection ``force_close`` took away (a RuntimeError aiohttp logs as an unhandled
+        exception, with its traceback, before connection_lost would have cancelled it)."""
         request = self._e_request
+        payload = self._e_payload
         self.force_close()
         if request is not None and request.task is not None and not request.task.done():
             request.task.cancel()
+        elif request is None and payload is not None and not payload.is_eof():
+            payload.feed_eof()
 
     def pause_writing(self) -> None:
         super().pause_writing()
