@@ -483,3 +483,35 @@ async def test_at_log_level_warning_a_preflight_writes_no_line(sims, tmp_path):
         assert len(got) == written, (level, got)
         if written:
             assert (got[0]["method"], got[0]["cors"], got[0]["level"]) == ("OPTIONS", "preflight_allowed", "info")
+
+
+async def test_a_console_request_line_is_one_line_whatever_the_client_wrote(sims, tmp_path):
+    """The console format (``server.log_format: console``, for a terminal) writes each request's
+    fields as ``key=value``: a control character a client put in a field it chose (a preflight's
+    path, a body's ``user``) is written escaped, so no client can cut a line in two, or forge one."""
+    sim = await sims("vllm", "m")
+    out = tmp_path / "lines"
+    cfg = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0},
+                            "server": {"cors_allowed_origins": [APP], "log_format": "console"},
+                            "models": [model_block("m", "vllm", [sim.url])]}, source="<test>")
+    runner, _app, gw_port = await start(cfg)
+    request_log = _app[GATEWAY_KEY].request_log
+    with out.open("wb") as f:
+        request_log.writer = LineWriter(fd=f.fileno())
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.options(f"http://127.0.0.1:{gw_port}/v1/x%0A2026-01-01%2000:00:00%20forged%0D%1B[2J",
+                                     headers=PREFLIGHT) as r:
+                    assert r.status == 204
+                async with s.post(f"http://127.0.0.1:{gw_port}/v1/chat/completions",
+                                  json={**chat_body(CHAT), "user": "eve\nforged=1\u2028\x00"}) as r:
+                    assert r.status == 200
+        finally:
+            await runner.cleanup()      # closes the log: every line written
+    text = out.read_bytes().decode()
+    lines = text.splitlines(keepends=True)
+    assert len(lines) == 2 and all(line.endswith("\n") for line in lines), lines
+    assert not any(c in text for c in "\r\x1b\x00\u2028"), text
+    preflight, chat = sorted(lines, key=lambda line: "method=OPTIONS" not in line)
+    assert "path=/v1/x\\n2026-01-01 00:00:00 forged\\r\\x1b[2J" in preflight, preflight
+    assert "user=eve\\nforged=1\\u2028\\x00" in chat, chat
