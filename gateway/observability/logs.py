@@ -266,9 +266,10 @@ class RequestLog:
 
     def _console(self, fields: dict[str, Any]) -> bytes:
         _, stamp = self._clock.stamps()
-        parts = [f"{k}={_console_text(v) if type(v) is str and not v.isprintable() else v}"
-                 for k, v in sorted(fields.items())]
-        return f"{stamp} [info     ] request                        {' '.join(parts)}\n".encode("utf-8", "replace")
+        text = " ".join([f"{k}={v}" for k, v in sorted(fields.items())])
+        if not text.isprintable():      # a client's control character (a newline in its `user`, its path)
+            text = _console_text(text)
+        return f"{stamp} [info     ] request                        {text}\n".encode("utf-8", "replace")
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[list[dict[str, Any]]]:
