@@ -353,6 +353,36 @@ async def test_an_expectation_other_than_100_continue_is_a_shaped_417_on_every_p
         assert await gw.received() == []
 
 
+H2C = {"Connection": "Upgrade, HTTP2-Settings", "Upgrade": "h2c", "HTTP2-Settings": "AAMAAABkAAQCAAAAAAIAAAAA"}
+
+
+@on_both_loops
+async def test_a_request_pipelined_behind_an_upgrade_the_gateway_declines_is_not_left_hanging():
+    """The gateway switches to no other protocol: a request asking for one (``Upgrade: h2c``, as
+    ``curl --http2`` sends over cleartext) is answered in HTTP/1.1 (RFC 9110 §7.8 lets a server
+    ignore the header). aiohttp's parser dropped the bytes that came behind it in the same read, so
+    a request pipelined there was never answered and the connection sat until keepalive_timeout_s;
+    the answer now closes the connection, which tells the client to send that request again
+    (RFC 9112 §9.3.2). A request sent after the answer is served on the connection as before."""
+    async with edge_gateway(**SERVER) as gw:
+        behind = request("GET", "/health", None, close=True)
+        for first in (request("GET", "/health", None, H2C), request("GET", "/v1/models", None, H2C),
+                      request("POST", CHAT, BODY, H2C), request("POST", CHAT, BODY, {**H2C, "Upgrade": "foo/1"})):
+            ex = await exchange(gw.port, first + behind, wait=5.0)
+            assert ex.closed, (first, ex.responses)
+            assert [r.status for r in ex.responses] in ([200], [200, 200]), ex.responses
+            if len(ex.responses) == 1:
+                assert ex.first.headers.get("connection", "").lower() == "close", ex.first.headers
+        # the next request on the connection, sent once the answer came: served there
+        ex = await exchange(gw.port, request("GET", "/health", None, H2C), behind, pause=0.2, wait=5.0)
+        assert [r.status for r in ex.responses] in ([200], [200, 200]) and ex.closed, ex.responses
+        # a declined websocket upgrade, which aiohttp parses on from, keeps the connection as before
+        ex = await exchange(gw.port, request("GET", "/health", None, {"Connection": "Upgrade", "Upgrade": "websocket"})
+                            + behind, wait=5.0)
+        assert [r.status for r in ex.responses] == [200, 200] and ex.closed, ex.responses
+        assert len(await gw.received()) == 2          # the two chat requests, each once
+
+
 def _edge_connections_served() -> list[asyncio.Task]:
     """The gateway's connection tasks still running (aiohttp's ``RequestHandler.start`` of an
     ``EdgeProtocol``; the engine's own connections aside)."""
