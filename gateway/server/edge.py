@@ -925,6 +925,15 @@ def _written(request: Any, resp: web.Response) -> WrittenAnswer | None:
     return write_whole(request, resp.status, headers, resp.content_type, body)
 
 
+def _declined_upgrade(message: Any) -> bool:
+    """A request asking to switch protocols (``Connection: upgrade`` and an ``Upgrade``) to one
+    aiohttp does not take up: anything but ``websocket`` (``h2c``, as ``curl --http2`` asks over
+    cleartext). The gateway switches to none (RFC 9110 §7.8 lets it answer in HTTP/1.1), but
+    aiohttp's parser stops at such a request and drops the bytes behind it in the same read; a
+    declined websocket upgrade it parses on from."""
+    return message.headers.get(hdrs.UPGRADE, "").strip().lower() != "websocket"
+
+
 def _cors_factory(make: Any, cls: type[web.Request]) -> Any:
     """The application's request factory, making a request that carries an Origin a ``cls``, and
     one that does not a ``VaryRequest`` (its answers say ``Vary: Origin``)."""
@@ -1026,6 +1035,11 @@ class EdgeServer(web.Server):
                     # HTTP/1.0 hop before us may have read its body otherwise), so the connection
                     # closes after its answer, whatever its Connection header asked for
                     message = message._replace(should_close=True)
+            if message.upgrade and not message.should_close and _declined_upgrade(message):
+                # aiohttp's parser drops what came behind such a request in the same read: a
+                # request pipelined there would never be answered (the connection left open until
+                # keepalive_timeout_s). Closed after the answer, the client sends it again.
+                message = message._replace(should_close=True)
             request = inner(message, payload, protocol, writer, task)
             if isinstance(protocol, EdgeProtocol):
                 protocol.e_request_started(request, payload, False)
