@@ -47,10 +47,13 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def one_engine_config(tmp_path: Path, port: int, url: str, grace: float) -> Path:
+def one_engine_config(tmp_path: Path, port: int, url: str, grace: float, stall_timeout: float | None = None) -> Path:
+    """A gateway on ``port`` in front of one vLLM engine at ``url`` (model ``m``), its log at warning;
+    ``stall_timeout``: ``server.worker_stall_timeout_s`` (None: its default)."""
+    stall = "" if stall_timeout is None else f", worker_stall_timeout_s: {stall_timeout:g}"
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   f"server: {{drain_delay_s: 0, shutdown_grace_s: {grace}, log_level: warning}}\n"
+                   f"server: {{drain_delay_s: 0, shutdown_grace_s: {grace}, log_level: warning{stall}}}\n"
                    f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
     return cfg
 
@@ -311,10 +314,7 @@ async def test_a_worker_whose_loop_stalls_is_killed_and_restarted(sims, tmp_path
 
     sim = await sims("vllm", "m")
     port = listen_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning, worker_stall_timeout_s: 2}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=2, stall_timeout=2)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -692,20 +692,16 @@ async def test_scrapes_whose_client_leaves_hold_nothing_of_a_stuck_sibling(sims,
     default): clients that leave at once could pile up a socket each meanwhile."""
     sim = await sims("vllm", "m")
     port = listen_port()
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning, worker_stall_timeout_s: 0}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=2, stall_timeout=0)
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     stopped = None
     try:
-        async with asyncio.timeout(30):
-            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2:
+        async with asyncio.timeout(30):     # both workers listen on the port and on their sibling sockets
+            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2 \
+                    or len(listening_inodes(port)) < 2:
                 await asyncio.sleep(0.05)
-            while (await fresh_get(url + "/ready"))[0] != 200:
-                await asyncio.sleep(0.05)
+        await both_ready(port, proc.pid)
         live, stopped = children_of(proc.pid)
         stuck = sibling_sockets([stopped])[stopped]
         before = unix_clients(live)
