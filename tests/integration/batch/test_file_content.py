@@ -1,0 +1,149 @@
+"""``GET /v1/files/{id}/content`` with ranges and conditionals, on real requests: a single byte range
+served as 206, an unsatisfiable one a 416 in OpenAI's shape with ``Content-Range``, one that does not
+parse (or several) ignored, a failed precondition a 412 in OpenAI's shape, a 304 without a body, and
+the openai SDK's ``files.content`` unchanged (RFC 9110 §13, §14, §15.3.7, §15.4.5, §15.5.13, §15.5.17)."""
+
+from __future__ import annotations
+
+from email.utils import formatdate
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.support.batch import jsonl
+from tests.support.factories import model_block
+from tests.support.http import openai_client
+
+ROWS = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": f"Say {i}"}]}} for i in range(4)]
+DATA = jsonl(ROWS)
+
+
+async def _stored(sims, gateway, tmp_path) -> tuple[Any, str]:
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch={"enabled": True, "dir": str(tmp_path / "batch")})
+    f = await openai_client(gw).files.create(file=("in.jsonl", DATA), purpose="batch")
+    return gw, f.id
+
+
+async def _get(gw, fid: str, headers: dict[str, str] | None = None, method: str = "GET"):
+    async with aiohttp.ClientSession(auto_decompress=False) as s, \
+            s.request(method, f"{gw.url}/v1/files/{fid}/content", headers=headers or {}) as r:
+        return r.status, r.headers, await r.read()
+
+
+def _shaped(status: int, headers, body: bytes, code: str, param: str) -> dict[str, Any]:
+    assert headers["Content-Type"].startswith("application/json"), (status, headers, body)
+    assert headers.get("request-id"), headers
+    err = orjson.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert (err["type"], err["code"], err["param"]) == ("invalid_request_error", code, param), err
+    return err
+
+
+async def test_the_sdk_reads_a_file_whole(sims, gateway, tmp_path):
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    assert (await openai_client(gw).files.content(fid)).content == DATA
+    status, headers, body = await _get(gw, fid)
+    assert (status, body) == (200, DATA)
+    assert headers["Content-Type"] == "application/octet-stream"
+    assert headers["Accept-Ranges"] == "bytes" and headers["ETag"] and headers["Last-Modified"]
+    assert int(headers["Content-Length"]) == len(DATA)
+
+
+@pytest.mark.parametrize("spec,first,last", [
+    ("bytes=0-9", 0, 9),
+    ("bytes=10-", 10, len(DATA) - 1),
+    ("bytes=-7", len(DATA) - 7, len(DATA) - 1),
+    ("bytes=5-99999999999999999999999", 5, len(DATA) - 1),     # past the end: to the end
+    ("bytes=-99999999999999999999999", 0, len(DATA) - 1),      # a suffix longer than the file: all of it
+    ("BYTES = 3 - 4 ", 3, 4),                                 # unit case-insensitive, spaces around
+    ("bytes=0-9,", 0, 9),                                    # an empty list element
+])
+async def test_a_single_satisfiable_range_is_a_206(sims, gateway, tmp_path, spec, first, last):
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    status, headers, body = await _get(gw, fid, {"Range": spec})
+    assert status == 206, (status, body)
+    assert body == DATA[first:last + 1]
+    assert headers["Content-Range"] == f"bytes {first}-{last}/{len(DATA)}"
+    assert int(headers["Content-Length"]) == last - first + 1
+
+
+@pytest.mark.parametrize("spec", [
+    f"bytes={len(DATA)}-",
+    f"bytes={len(DATA) + 10}-{len(DATA) + 20}",
+    "bytes=-0",
+    "bytes=" + "9" * 5000 + "-",                             # past what int() converts: past the end
+])
+async def test_an_unsatisfiable_range_is_a_shaped_416(sims, gateway, tmp_path, spec):
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    status, headers, body = await _get(gw, fid, {"Range": spec})
+    assert status == 416
+    assert headers["Content-Range"] == f"bytes */{len(DATA)}"
+    err = _shaped(status, headers, body, "range_not_satisfiable", "Range")
+    assert str(len(DATA)) in err["message"]
+
+
+@pytest.mark.parametrize("spec", [
+    "garbage", "bytes=", "bytes=abc", "bytes=5-2", "items=0-5", "bytes=0-1,4-5", "bytes=0x10-",
+    "bytes=1-2-3", "bytes=--5",
+])
+async def test_a_range_that_does_not_parse_or_lists_several_is_ignored(sims, gateway, tmp_path, spec):
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    status, headers, body = await _get(gw, fid, {"Range": spec})
+    assert (status, body) == (200, DATA)
+    assert "Content-Range" not in headers
+
+
+async def test_preconditions(sims, gateway, tmp_path):
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    _, headers, _ = await _get(gw, fid)
+    etag, modified = headers["ETag"], headers["Last-Modified"]
+    long_ago, later = formatdate(0, usegmt=True), formatdate(4102444800, usegmt=True)    # 1970, 2100
+
+    for h in ({"If-Match": '"other"'}, {"If-Match": f"W/{etag}"}, {"If-Match": "garbage"},
+              {"If-Unmodified-Since": long_ago}):
+        status, rh, body = await _get(gw, fid, h)
+        assert status == 412, (h, status, body)
+        _shaped(status, rh, body, "precondition_failed", next(iter(h)))
+
+    for h in ({"If-Match": etag}, {"If-Match": "*"}, {"If-Match": f'"x", {etag}'},
+              {"If-Unmodified-Since": later}, {"If-Unmodified-Since": "not a date"},
+              {"If-None-Match": '"other"'}, {"If-Modified-Since": long_ago},
+              {"If-Modified-Since": "not a date"}):
+        status, _, body = await _get(gw, fid, h)
+        assert (status, body) == (200, DATA), h
+
+    for h in ({"If-None-Match": etag}, {"If-None-Match": f"W/{etag}"}, {"If-None-Match": "*"},
+              {"If-Modified-Since": modified}, {"If-Modified-Since": later}):
+        status, rh, body = await _get(gw, fid, h)
+        assert (status, body) == (304, b""), h
+        assert rh["ETag"] == etag and rh["Last-Modified"] == modified
+    # If-None-Match decides, and If-Modified-Since is not read (RFC 9110 §13.1.3)
+    status, _, body = await _get(gw, fid, {"If-None-Match": '"other"', "If-Modified-Since": later})
+    assert (status, body) == (200, DATA)
+    # a failed If-Match is answered before a Range is read
+    status, rh, body = await _get(gw, fid, {"If-Match": '"other"', "Range": "bytes=999999-"})
+    _shaped(status, rh, body, "precondition_failed", "If-Match")
+    # HEAD: the same answer without a body
+    status, rh, body = await _get(gw, fid, {"If-Match": '"other"'}, method="HEAD")
+    assert (status, body) == (412, b"")
+    status, rh, body = await _get(gw, fid, {"Range": "bytes=0-3"}, method="HEAD")
+    assert (status, body) == (200, b"") and int(rh["Content-Length"]) == len(DATA)
+
+
+async def test_if_range(sims, gateway, tmp_path):
+    gw, fid = await _stored(sims, gateway, tmp_path)
+    _, headers, _ = await _get(gw, fid)
+    etag, modified = headers["ETag"], headers["Last-Modified"]
+    for validator in (etag, modified):      # the representation the client holds: the range
+        status, _, body = await _get(gw, fid, {"Range": "bytes=0-3", "If-Range": validator})
+        assert (status, body) == (206, DATA[:4]), validator
+    # another representation (or a validator that is weak or does not parse): the whole file, so a
+    # client resuming a download never splices bytes of two files
+    for validator in ('"other"', f"W/{etag}", formatdate(0, usegmt=True), "garbage"):
+        status, _, body = await _get(gw, fid, {"Range": "bytes=0-3", "If-Range": validator})
+        assert (status, body) == (200, DATA), validator
