@@ -10,17 +10,20 @@ refused whole (nothing stored) when a line is not a batch request.
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import os
 import re
 import secrets
+import stat
 from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gateway.batch import files as batch_files
+from gateway.batch import ranges
 from gateway.batch.config import BatchConfig
 from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError
 from gateway.batch.store import ACTIVE, BatchDb, BatchStore, UnknownCursor, now_s
@@ -49,6 +52,83 @@ def _json(payload: Any, status: int = 200) -> web.Response:
 def _list(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def _open_file(path: str) -> tuple[Any, os.stat_result]:
+    fobj = open(path, "rb")     # noqa: SIM115 (closed by the caller, after the answer)
+    try:
+        st = os.fstat(fobj.fileno())
+    except BaseException:
+        fobj.close()
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        fobj.close()
+        raise FileNotFoundError(path)
+    return fobj, st
+
+
+def _precondition_failed(header: str) -> GatewayError:
+    return _bad(f"the precondition in {header} failed: the file's content is not the one it names",
+                header, "precondition_failed", 412)
+
+
+async def _send(request: web.Request, fobj: Any, v: ranges.Validators) -> web.StreamResponse:
+    """A file's content, as RFC 9110 reads the request's conditionals (§13.2.2) and its Range (§14):
+    412 and 416 in OpenAI's shape, 304 without a body, one range a 206 (gateway/batch/ranges.py)."""
+    h = request.headers
+    validators = {"ETag": v.etag, "Last-Modified": _http_date(v.last_modified)}
+    if (im := h.get(hdrs.IF_MATCH)) is not None:
+        if not ranges.if_match(im, v):
+            raise _precondition_failed("If-Match")
+    elif (ius := request.if_unmodified_since) is not None and v.last_modified > ius.timestamp():
+        raise _precondition_failed("If-Unmodified-Since")
+    if (inm := h.get(hdrs.IF_NONE_MATCH)) is not None:
+        modified = ranges.if_none_match(inm, v)
+    else:
+        ims = request.if_modified_since
+        modified = ims is None or v.last_modified > ims.timestamp()
+    if not modified:
+        return web.Response(status=304, headers=validators)
+    start, end, status = 0, v.size - 1, 200
+    headers = {**validators, "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+    spec = h.getall(hdrs.RANGE, ())
+    if request.method == "GET" and len(spec) == 1:      # §14.2: only GET reads a Range; two are no one
+        if_range = h.get(hdrs.IF_RANGE)
+        if if_range is None or ranges.if_range_holds(
+                if_range, None if ranges.if_range_etag(if_range) else _date(request.if_range), v):
+            got = ranges.byte_range(spec[0], v.size)
+            if got == ranges.UNSATISFIABLE:
+                raise GatewayError(416, f"the Range asks for bytes past the end of the file ({v.size} bytes)", param="Range", code="range_not_satisfiable",
+                                   headers={"Content-Range": f"bytes */{v.size}"},
+                                   error_class=ErrorClass.VALIDATION)
+            if got is not None:
+                start, end = got
+                status = 206
+                headers["Content-Range"] = f"bytes {start}-{end}/{v.size}"
+    resp = web.StreamResponse(status=status, headers=headers)
+    resp.content_length = end - start + 1
+    await resp.prepare(request)
+    if request.method == "HEAD":
+        return resp
+    left = end - start + 1
+    if start:
+        await asyncio.to_thread(fobj.seek, start)
+    while left > 0:
+        chunk = await asyncio.to_thread(fobj.read, min(CHUNK, left))
+        if not chunk:           # cannot happen to a published file; the length told cannot be kept
+            raise ConnectionResetError("the file ended before its size")
+        left -= len(chunk)
+        await resp.write(chunk)
+    await resp.write_eof()
+    return resp
+
+
+def _date(d: Any) -> float | None:
+    return None if d is None else d.timestamp()
+
+
+def _http_date(seconds: int) -> str:
+    return email.utils.formatdate(seconds, usegmt=True)
 
 
 def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
@@ -209,10 +289,15 @@ class BatchApi:
     async def content(self, request: web.Request) -> web.StreamResponse:
         f = await self._file(request)
         path = batch_files.path_of(self.db.dir, f["id"])
-        if not await asyncio.to_thread(os.path.isfile, path):   # its bytes left the disk: no empty page
+        try:
+            fobj, st = await asyncio.to_thread(_open_file, path)
+        except OSError:                 # its bytes left the disk: no empty page
             raise GatewayError(404, f"The content of file {f['id']} is no longer stored", param="id",
-                               code="file_not_found")
-        return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+                               code="file_not_found") from None
+        try:
+            return await _send(request, fobj, ranges.Validators.of(st))
+        finally:
+            await asyncio.shield(asyncio.to_thread(fobj.close))
 
     async def delete_file(self, request: web.Request) -> web.Response:
         f = await self._file(request)
