@@ -1,0 +1,78 @@
+"""A request body in a content coding the gateway does not decode, on a raw socket against a real
+gateway: RFC 9110 §15.5.16's 415 with ``Accept-Encoding`` naming the codings it decodes, in OpenAI's
+shape (Anthropic's on the Messages paths), with a request id, on every path; nothing reaches the
+engine. The codings it decodes (gzip, deflate) keep being served."""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+
+import orjson
+import pytest
+from aiohttp import compression_utils
+
+from tests.support.edge import assert_openai_error, edge_gateway, exchange, request
+from tests.support.loops import on_both_loops
+
+CHAT = "/v1/chat/completions"
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+MESSAGES_BODY = orjson.dumps({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+DECODED = ["gzip", "deflate"] + (["br"] if compression_utils.HAS_BROTLI else []) \
+    + (["zstd"] if getattr(compression_utils, "HAS_ZSTD", False) else [])
+
+# (Content-Encoding header lines, the coding the answer names)
+REFUSED = [
+    (["x-foo"], "x-foo"),
+    (["compress"], "compress"),
+    (["x-gzip"], "x-gzip"),
+    (["gzip, gzip"], "gzip, gzip"),             # two codings: aiohttp decodes neither
+    (["gzip, identity"], "gzip, identity"),
+    (["gzip", "gzip"], "gzip, gzip"),           # the same in two header lines
+] + [([c], c) for c in ("br", "zstd") if c not in DECODED]
+PATHS = [CHAT, "/v1/messages", "/v1/embeddings", "/v1/tokenize", "/v1/files", "/admin/reload", "/v1/nope"]
+
+
+def _head(path: str, codings: list[str], body: bytes) -> bytes:
+    head = (f"POST {path} HTTP/1.1\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n" + "".join(f"Content-Encoding: {c}\r\n" for c in codings) + "\r\n")
+    return head.encode() + body
+
+
+@pytest.mark.parametrize("codings,named", REFUSED, ids=[" + ".join(c) for c, _ in REFUSED])
+@on_both_loops
+async def test_a_coding_the_gateway_does_not_decode_is_a_shaped_415(codings, named):
+    async with edge_gateway(max_body_bytes=4096) as gw:
+        for path in PATHS:
+            body = MESSAGES_BODY if path == "/v1/messages" else BODY
+            ex = await exchange(gw.port, _head(path, codings, body), wait=8.0)
+            r = ex.first
+            assert r.status == 415, (path, r.status, r.body[:300])
+            assert r.headers.get("request-id"), (path, r.headers)
+            assert r.headers.get("accept-encoding") == ", ".join(DECODED), (path, r.headers)
+            if path == "/v1/messages":
+                got = r.json()
+                assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error", got
+                message = got["error"]["message"]
+            else:
+                err = assert_openai_error(r, 415)
+                assert (err["type"], err["code"], err["param"]) == (
+                    "invalid_request_error", "unsupported_content_encoding", "Content-Encoding"), err
+                message = err["message"]
+            assert repr(named) in message and "gzip" in message and "install" not in message.lower(), message
+            assert ex.closed and len(ex.responses) == 1, path
+        assert await gw.received() == []
+
+
+@on_both_loops
+async def test_the_codings_the_gateway_decodes_are_served():
+    async with edge_gateway(max_body_bytes=4096) as gw:
+        for coding, body in (("gzip", gzip.compress(BODY)), ("GZIP", gzip.compress(BODY)),
+                             ("deflate", zlib.compress(BODY)), ("identity", BODY)):
+            ex = await exchange(gw.port, _head(CHAT, [coding], body), wait=8.0, until_close=False, responses=1)
+            assert ex.first.status == 200, (coding, ex.first.body[:300])
+        # a request without a body is not refused for the coding it names
+        ex = await exchange(gw.port, request("GET", "/health", headers={"Content-Encoding": "x-foo"}),
+                            until_close=False, responses=1)
+        assert ex.first.status == 200, ex.first.body
+        assert len(await gw.received()) == 4
