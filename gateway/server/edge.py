@@ -57,9 +57,9 @@ from typing import Any
 
 import orjson
 import structlog
-from aiohttp import hdrs, web
+from aiohttp import compression_utils, hdrs, web
 from aiohttp.http import HttpVersion10, HttpVersion11
-from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import ERROR as _UNPARSED
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -103,6 +103,15 @@ _LINE_KEEP = 64
 # the path of a request line's target, as far as the kept bytes hold it (to a space, a query or the
 # line's end; a path cut short by ``_LINE_KEEP`` still shows whether it is a Messages path)
 _LINE_PATH = re.compile(rb"[^ \r\n]+ (/[^ ?\r\n]*)")
+
+# the content codings aiohttp's parser decodes in a request body (br and zstd when their decoders are
+# installed): what a 415 lists in Accept-Encoding (RFC 9110 §15.5.16)
+DECODED_CODINGS = ("gzip", "deflate") + (("br",) if compression_utils.HAS_BROTLI else ()) \
+    + (("zstd",) if getattr(compression_utils, "HAS_ZSTD", False) else ())
+ACCEPT_ENCODING = ", ".join(DECODED_CODINGS)
+# aiohttp's parser refusing a head whose coding has no decoder installed: "Can not decode
+# content-encoding: brotli (br). Please install `Brotli`"
+_NO_DECODER = re.compile(r"content-encoding: [^()]* \(([a-z0-9-]+)\)")
 
 _REASONS = {400: "Bad Request", 408: "Request Timeout", 413: "Payload Too Large",
             431: "Request Header Fields Too Large", 500: "Internal Server Error", 503: "Service Unavailable",
@@ -225,6 +234,8 @@ class Edge:
     def classify(self, status: int, exc: BaseException | None, message: str | None) -> tuple[int, str, str]:
         """(status, message, code) for an error aiohttp's protocol layer met before or under the app."""
         lim = self.limits
+        if isinstance(exc, ContentEncodingError) and (m := _NO_DECODER.search(str(exc.message))) is not None:
+            return 415, _coding_message(m.group(1)), "unsupported_content_encoding"
         if isinstance(exc, LineTooLong):
             return 431, (f"the request line or a header field is larger than {lim.max_header_bytes} bytes "
                          "(server.max_header_bytes)"), "header_too_large"
@@ -806,8 +817,11 @@ class EdgeProtocol(web.RequestHandler):
             log.debug("bad request", status=status, error=text, peer=request.remote)
         rid = request_id_from(request.headers.get("x-request-id"))
         path = self._e_line_path() if self._e_unparsed else request.path
-        resp = error_response(status, _shaped_body(path, status, text, _error_type(status), code),
-                              {"request-id": rid, "x-request-id": rid})
+        headers = {"request-id": rid, "x-request-id": rid}
+        param = None
+        if status == 415:
+            headers[hdrs.ACCEPT_ENCODING], param = ACCEPT_ENCODING, "Content-Encoding"
+        resp = error_response(status, _shaped_body(path, status, text, _error_type(status), code, param), headers)
         resp.force_close()
         return resp
 
@@ -888,6 +902,31 @@ def expectation_failed(request: web.BaseRequest) -> web.Response | None:
         return None
     return _closing_error(request, 417, f"unknown Expect: {safe_header_value(expect)[:64]!r}; only 100-continue "
                           "is served", "expectation_failed", param="Expect")
+
+
+def _coding_message(coding: str) -> str:
+    return (f"the request body's Content-Encoding {safe_header_value(coding)[:64]!r} is not one the gateway "
+            f"decodes: send the body in one of {ACCEPT_ENCODING} (Accept-Encoding), or in none")
+
+
+def coding_refused(request: web.BaseRequest) -> web.Response | None:
+    """RFC 9110 §15.5.16: a body in a content coding the gateway does not decode is a 415 naming the
+    codings it does (``Accept-Encoding``), shaped as every error, the connection closed after it (the
+    body is not read). aiohttp's parser decodes a body whose one ``Content-Encoding`` is one of
+    ``DECODED_CODINGS`` and reads any other as if it had none: an unknown coding (``x-foo``), or
+    codings stacked in one field or two (``gzip, gzip``), would reach the API as bytes it cannot
+    read, or be served as if they were not encoded. ``identity`` (no coding) is taken. None: served.
+    (br or zstd without its decoder never gets here: the parser refuses the head, and the edge's
+    ``handle_error`` gives the same 415.)"""
+    fields = request.headers.getall(hdrs.CONTENT_ENCODING)
+    value = ", ".join(fields)
+    applied = [c for c in (p.strip().lower() for p in value.split(",")) if c and c != "identity"]
+    if not applied:
+        return None
+    if len(applied) == 1 and len(fields) == 1 and value.isascii() and value.strip().lower() in DECODED_CODINGS:
+        return None
+    return _closing_error(request, 415, _coding_message(value), "unsupported_content_encoding",
+                          {hdrs.ACCEPT_ENCODING: ACCEPT_ENCODING}, param="Content-Encoding")
 
 
 def content_length_refused(request: web.BaseRequest) -> web.Response:
@@ -1076,6 +1115,11 @@ class EdgeServer(web.Server):
                     return body_too_large(request, max_body)
                 if length > max_upload:
                     return file_too_large(request, edge.limits.upload_file_bytes)
+            if hdrs.CONTENT_ENCODING in request.headers and request.body_exists:
+                refused = coding_refused(request)       # one the parser did not decode
+                if refused is not None:
+                    edge.metrics.protocol_errors.labels("415").inc()
+                    return refused
             broken = request.content.exception()
             if broken is not None:          # the body came with the head and does not decode
                 request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer
