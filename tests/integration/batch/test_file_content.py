@@ -5,6 +5,9 @@ the openai SDK's ``files.content`` unchanged (RFC 9110 §13, §14, §15.3.7, §1
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
 from email.utils import formatdate
 from typing import Any
 
@@ -15,6 +18,7 @@ import pytest
 from tests.support.batch import jsonl
 from tests.support.factories import model_block
 from tests.support.http import openai_client
+from tests.support.waiting import until
 
 ROWS = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
          "body": {"model": "m", "messages": [{"role": "user", "content": f"Say {i}"}]}} for i in range(4)]
@@ -147,3 +151,33 @@ async def test_if_range(sims, gateway, tmp_path):
     for validator in ('"other"', f"W/{etag}", formatdate(0, usegmt=True), "garbage"):
         status, _, body = await _get(gw, fid, {"Range": "bytes=0-3", "If-Range": validator})
         assert (status, body) == (200, DATA), validator
+
+
+def _open_on(path: str) -> int:
+    """How many of this process's file descriptors (the gateway runs in it) are open on ``path``."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == path
+    return n
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc/self/fd")
+async def test_a_client_that_leaves_mid_download_leaves_no_file_open(sims, gateway, tmp_path):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])],
+                       batch={"enabled": True, "dir": str(tmp_path / "batch")})
+    pad = "x" * 60_000         # a file of several MiB: far more than the socket buffers hold
+    rows = [{**ROWS[0], "custom_id": f"req-{i}", "body": {"model": "m", "messages": [{"role": "user", "content": pad}]}}
+            for i in range(100)]
+    f = await openai_client(gw).files.create(file=("big.jsonl", jsonl(rows)), purpose="batch")
+    path = os.path.realpath(str(tmp_path / "batch" / "files" / f.id))
+    for headers in ({}, {"Range": "bytes=100-"}):
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        writer.write(f"GET /v1/files/{f.id}/content HTTP/1.1\r\nHost: gw\r\n{head}\r\n".encode())
+        assert (await asyncio.wait_for(reader.read(4096), 10)).startswith(b"HTTP/1.1 20")
+        writer.transport.abort()            # gone, most of the file unread
+        await until(lambda: _open_on(path) == 0, timeout=10)
+    status, _, body = await _get(gw, f.id, {"Range": "bytes=0-0"})      # and it is still served
+    assert (status, body) == (206, b"{")
