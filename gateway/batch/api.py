@@ -98,9 +98,9 @@ async def _send(request: web.Request, fobj: Any, v: ranges.Validators) -> web.St
                 if_range, None if ranges.if_range_etag(if_range) else _date(request.if_range), v):
             got = ranges.byte_range(spec[0], v.size)
             if got == ranges.UNSATISFIABLE:
-                raise GatewayError(416, f"the Range asks for bytes past the end of the file ({v.size} bytes)", param="Range", code="range_not_satisfiable",
-                                   headers={"Content-Range": f"bytes */{v.size}"},
-                                   error_class=ErrorClass.VALIDATION)
+                raise GatewayError(416, f"the Range asks for bytes past the end of the file ({v.size} bytes)",
+                                   param="Range", code="range_not_satisfiable",
+                                   headers={"Content-Range": f"bytes */{v.size}"}, error_class=ErrorClass.VALIDATION)
             if got is not None:
                 start, end = got
                 status = 206
