@@ -76,3 +76,17 @@ async def test_the_codings_the_gateway_decodes_are_served():
                             until_close=False, responses=1)
         assert ex.first.status == 200, ex.first.body
         assert len(await gw.received()) == 4
+
+
+@on_both_loops
+async def test_a_page_reads_the_415():
+    """With CORS on, a page's request in a coding the gateway does not decode gets the 415 with
+    CORS's headers, so the page can read why (the fast lane hands such a request to aiohttp)."""
+    origin = "https://app.example"
+    async with edge_gateway(max_body_bytes=4096, cors_allowed_origins=[origin]) as gw:
+        ex = await exchange(gw.port, _head(CHAT, ["x-foo"], BODY)[:-len(BODY) - 2]
+                            + f"Origin: {origin}\r\n\r\n".encode() + BODY, wait=8.0)
+        err = assert_openai_error(ex.first, 415)
+        assert err["code"] == "unsupported_content_encoding"
+        assert ex.first.headers.get("access-control-allow-origin") == origin, ex.first.headers
+        assert await gw.received() == []
