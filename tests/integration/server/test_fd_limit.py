@@ -1,0 +1,144 @@
+"""A gateway at its file-descriptor limit (RLIMIT_NOFILE), as a container's low limit, a client's
+bug or a flood of connections held open makes it: a real ``--workers 2`` process (uvloop, the loop
+it runs) with a soft and hard limit of 256 in front of a simulated engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import resource
+import socket
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.support.gateway_process import post_new
+from tests.support.metrics import metric
+from tests.support.ports import listen_port
+from tests.support.waiting import until
+
+NOFILE = 256
+FLOOD = 700                 # more than both workers may hold together
+KEPT = 20                   # connections opened before the flood, each then sends a request at once
+
+
+def children_of(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def accept_queues(port: int) -> list[int]:
+    """The connections waiting in each listening socket on ``port`` to be accepted (a listening
+    socket's rx_queue in /proc/net/tcp)."""
+    out = []
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+            out.append(int(f[4].split(":")[1], 16))
+    return out
+
+
+async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes) -> tuple[int, bytes]:
+    """One request on a kept connection: (status, body); the body is read by its Content-Length."""
+    writer.write(head)
+    status_line = await reader.readline()
+    length = 0
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    return int(status_line.split()[1]), await reader.readexactly(length)
+
+
+def completion(max_tokens: int) -> bytes:
+    body = orjson.dumps({"model": "m", "prompt": "hi", "max_tokens": max_tokens})
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+
+METRICS = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.timeout(120)
+async def test_connections_held_past_the_fd_limit_leave_room_for_engine_connections(sims, tmp_path):
+    """Clients hold more connections than the workers may open files: each worker takes client
+    connections up to its share of the limit and closes the ones past it at accept, counted and
+    logged once, so the requests of connections already open still get their engine connection
+    (20 at once, each a new one) and an answer, and once the clients let go, new connections are
+    served. Before, every descriptor went to client connections (libuv accepts and closes the rest
+    silently: nothing counted, nothing logged), and a request that needed an engine connection got
+    502 upstream_unavailable "Too many open files", blamed on the engine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < FLOOD + 200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, header_timeout_s: 300, keepalive_timeout_s: 300,"
+                   " log_level: warning}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    log_path = tmp_path / "gw.log"
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
+                                                    preexec_fn=limited)
+    kept: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    flood: list[socket.socket] = []
+    try:
+        async with asyncio.timeout(30):
+            while len(children_of(proc.pid)) < 2 or len(accept_queues(port)) < 2:
+                await asyncio.sleep(0.05)
+        for _ in range(KEPT):
+            kept.append(await asyncio.open_connection("127.0.0.1", port))
+        for reader, writer in kept[:2]:     # the engine is reachable: one request each
+            assert (await answer(reader, writer, completion(2)))[0] == 200
+        before = len(log_path.read_text().splitlines())
+
+        for _ in range(FLOOD):
+            s = socket.socket()
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.connect(("127.0.0.1", port))
+            flood.append(s)
+        # every connection of the flood was taken off the accept queues (held, or closed)
+        await until(lambda: accept_queues(port) == [0, 0], timeout=30.0)
+
+        answers = await asyncio.gather(*(answer(r, w, completion(30)) for r, w in kept))
+        statuses = [status for status, _ in answers]
+        assert statuses == [200] * KEPT, [(s, b[:200]) for s, b in answers if s != 200]
+
+        status, page = await answer(*kept[0], METRICS)
+        assert status == 200
+        assert metric(page.decode(), "switchyard_connections_rejected_total") > 0
+        limit = metric(page.decode(), "switchyard_client_connections_limit")
+        assert 0 < limit < 2 * NOFILE
+
+        lines = [json.loads(line) for line in log_path.read_text().splitlines()[before:] if line.startswith("{")]
+        events = [e["event"] for e in lines]
+        at_limit = [e for e in lines if e["event"] == "client connections at the worker's limit; closing new ones"]
+        assert 1 <= len(at_limit) <= 2, events          # one a worker, not one a refused connection
+        assert len(lines) == len(at_limit), events      # and nothing else: no engine blamed
+
+        for s in flood:
+            s.close()
+        flood.clear()
+        for _ in range(6):                  # new connections are served again, by both workers
+            status, _, body = await post_new(port, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert status == 200, body
+    finally:
+        for s in flood:
+            s.close()
+        for _r, w in kept:
+            w.close()
+        if proc.returncode is None:
+            proc.terminate()
+        async with asyncio.timeout(30):
+            await proc.wait()
