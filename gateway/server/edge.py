@@ -19,7 +19,11 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   client that keeps up never pauses the transport and pays nothing per chunk.
 - **The connection cap.** Over ``max_connections`` a new connection is closed at once, before
   a byte is read: there is no request yet to answer, and the cap exists to protect file
-  descriptors and memory exactly when they are short.
+  descriptors and memory exactly when they are short. The cap in force is the lower of
+  ``server.max_connections`` and the worker's share of its file-descriptor limit
+  (gateway/server/run.py ``connection_limit``): the descriptors past that share are kept for the
+  engine connections of the requests those connections send. A refusal is counted; the first one
+  is logged, and then at most one line a minute (``refused_since_last``).
 - **Errors aiohttp answers itself.** A request line or header that the parser refuses, or a body
   whose framing breaks, never reaches the app's middleware: aiohttp's ``RequestHandler`` answers
   through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape,
@@ -160,7 +164,8 @@ class EdgeMetrics:
                                 registry=registry)
         self._timeouts = {r: self.timeouts.labels(r) for r in TIMEOUT_REASONS}
         self.rejected = Counter("switchyard_connections_rejected",
-                                "Client connections closed at accept because server.max_connections was reached",
+                                "Client connections closed at accept because the worker's connection limit "
+                                "(server.max_connections, or its share of the file-descriptor limit) was reached",
                                 registry=registry)
         self.protocol_errors = Counter("switchyard_client_protocol_errors",
                                        "Requests answered by the edge because HTTP framing was broken, by status",
@@ -180,6 +185,9 @@ class _ConnectionGauge(Collector):
     def collect(self) -> Iterable[GaugeMetricFamily | CounterMetricFamily]:
         yield GaugeMetricFamily("switchyard_client_connections", "Open client connections",
                                 value=self._edge.connections)
+        yield GaugeMetricFamily("switchyard_client_connections_limit",
+                                "Client connections a worker takes before it closes new ones at accept (0: no cap)",
+                                value=self._edge.limits.max_connections)
         yield CounterMetricFamily("switchyard_client_requests_fast_lane",
                                   "Requests the edge's fast lane took off the connection (gateway/server/lane.py); "
                                   "the others went through aiohttp's request path", value=self._edge.lane_requests)
@@ -210,12 +218,21 @@ def error_response_bytes(status: int, message: str, *, code: str, request_id: st
     return head.encode("ascii") + body
 
 
+# a worker that keeps refusing connections at its cap says so at most once in this many seconds
+REFUSED_LOG_EVERY_S = 60.0
+
+
 class Edge:
     """Limits, counters and the count of open connections, shared by every connection of a server."""
 
     def __init__(self, limits: EdgeLimits, registry: CollectorRegistry | None = None,
                  cors_requests: RequestCounter | None = None, request_log: RequestLog | None = None) -> None:
         self.limits = limits
+        # what set ``limits.max_connections``: the config's key, or the file-descriptor limit (``nofile``)
+        self.limit_from = "server.max_connections"
+        self.nofile: int | None = None
+        self._refused_logged = -float("inf")    # loop time of the last "at the worker's limit" line
+        self._refused_since = 0
         # the gateway's request log, where the edge writes the lines of the answers it makes itself
         # (a CORS preflight's); None: no line for them
         self.request_log = request_log
@@ -230,6 +247,18 @@ class Edge:
                 "switchyard_cors_requests", "", ["outcome"])
             self.cors_counted = {o: family.labels(o) for o in OUTCOMES}
         self.metrics = EdgeMetrics(registry if registry is not None else CollectorRegistry(), self)
+
+    def refused(self, now: float) -> None:
+        """A connection closed at accept over the cap: counted, and logged when none was for a while."""
+        self.metrics.rejected.inc()
+        if now - self._refused_logged < REFUSED_LOG_EVERY_S:
+            self._refused_since += 1
+            return
+        log.warning("client connections at the worker's limit; closing new ones", connections=self.connections,
+                    connection_limit=self.limits.max_connections, limit_from=self.limit_from, nofile=self.nofile,
+                    refused_since_last=self._refused_since)
+        self._refused_logged = now
+        self._refused_since = 0
 
     def classify(self, status: int, exc: BaseException | None, message: str | None) -> tuple[int, str, str]:
         """(status, message, code) for an error aiohttp's protocol layer met before or under the app."""
@@ -326,7 +355,7 @@ class EdgeProtocol(web.RequestHandler):
         edge = self._edge
         cap = edge.limits.max_connections
         if cap and edge.connections >= cap:
-            edge.metrics.rejected.inc()
+            edge.refused(self._e_loop.time())
             transport.close()           # before reading a byte: nothing to answer yet
             return
         edge.connections += 1

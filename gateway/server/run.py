@@ -59,8 +59,17 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
         limits = dataclasses.replace(limits, upload_max_bytes=config.batch.max_file_bytes + MULTIPART_SLACK,
                                      upload_file_bytes=config.batch.max_file_bytes)
     gw = app[GATEWAY_KEY]
+    # the connection cap in force: server.max_connections, or the worker's share of its descriptors
+    nofile = _nofile()
+    configured = limits.max_connections
+    cap = connection_limit(configured, nofile, _open_files())
+    if cap != configured:
+        log.warning("file descriptor limit caps client connections below server.max_connections",
+                    nofile=nofile, max_connections=configured, connection_limit=cap)
+        limits = dataclasses.replace(limits, max_connections=cap)
     edge = Edge(limits, gw.metrics.registry, gw.metrics.cors_requests, gw.request_log)
-    _check_fd_limit(edge.limits.max_connections)
+    if cap != configured:
+        edge.limit_from, edge.nofile = "nofile", nofile
     inline_request_handlers(asyncio.get_running_loop())    # Python 3.11: no task hop per request
     runner = EdgeRunner(app, edge, app[DIRECT_KEY], handler_cancellation=True, access_log=None,
                         shutdown_timeout=1.0)  # the grace period is waited out in drain_and_stop
@@ -207,16 +216,42 @@ def second_signal(received: int, worker: WorkerInfo | None) -> bool:
     return parent >= 2 or received - parent >= 2
 
 
-def _check_fd_limit(max_connections: int) -> None:
-    """Warn when the process may run out of file descriptors before it reaches the cap."""
+# descriptors a worker keeps beyond its client and engine connections: its listening and sibling
+# sockets, the monitor's probes and scrapes, Redis clients, a question to a sibling, log files
+FD_RESERVE = 64
+
+
+def connection_limit(max_connections: int, nofile: int | None, open_now: int) -> int:
+    """The client connections a worker takes: ``server.max_connections`` (0: no cap), or less when
+    the file-descriptor limit ``nofile`` (None: none) would run out first. Of the descriptors free
+    (``nofile`` less the ``open_now`` held at start and ``FD_RESERVE``), half go to client
+    connections and half stay for their engine connections, one each, so a worker whose clients
+    hold every connection it takes still opens the engine connection of each request they send.
+    Never under 1."""
+    if nofile is None:
+        return max_connections
+    share = max(1, (nofile - open_now - FD_RESERVE) // 2)
+    return share if not max_connections or share < max_connections else max_connections
+
+
+def _nofile() -> int | None:
+    """The soft RLIMIT_NOFILE, None when there is none (or it cannot be read)."""
     try:
         import resource
         soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     except (ImportError, OSError, ValueError):
-        return
-    if soft != resource.RLIM_INFINITY and (not max_connections or max_connections + 256 > soft):
-        log.warning("file descriptor limit below server.max_connections plus upstream connections",
-                    nofile=soft, max_connections=max_connections)
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def _open_files() -> int:
+    """The descriptors this process holds now (Linux's /proc/self/fd, else /dev/fd; 0 if neither)."""
+    for d in ("/proc/self/fd", "/dev/fd"):
+        try:
+            return len(os.listdir(d))
+        except OSError:
+            continue
+    return 0
 
 
 _given_ports: set[int] = set()
