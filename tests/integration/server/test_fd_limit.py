@@ -142,3 +142,71 @@ async def test_connections_held_past_the_fd_limit_leave_room_for_engine_connecti
             proc.terminate()
         async with asyncio.timeout(30):
             await proc.wait()
+
+
+STATUS = b"GET /status.json HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_out_of_descriptors_answers_503_and_blames_no_engine(sims, tmp_path):
+    """A worker that can open no file (its limit lowered under what it holds, as a leak or a
+    limit met by other files would leave it) cannot connect to any engine: the requests that need
+    a new engine connection get a 503 service_unavailable with Retry-After that says the gateway
+    is short of file descriptors, no engine is counted a fault, and no breaker opens. Before, each
+    was a 502 upstream_unavailable blamed on the engine: its connect error counted against it and,
+    with health.passive (the default), opened the breaker of a healthy engine at once, an ejection
+    the worker shared with its siblings."""
+    sim_a = await sims("vllm", "m", itl_ms=20.0)
+    sim_b = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, header_timeout_s: 300, keepalive_timeout_s: 300,"
+                   " log_level: warning}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim_a.url}', '{sim_b.url}']}}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", "--log-format", "json",
+                                                stderr=asyncio.subprocess.DEVNULL)
+    kept: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        async with asyncio.timeout(30):
+            while len(children_of(proc.pid)) < 2 or len(accept_queues(port)) < 2:
+                await asyncio.sleep(0.05)
+        by_worker: dict[int, list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]] = {}
+        for _ in range(20):
+            conn = await asyncio.open_connection("127.0.0.1", port)
+            kept.append(conn)
+            status, body = await answer(*conn, STATUS)
+            assert status == 200
+            by_worker.setdefault(orjson.loads(body)["gateway"]["pid"], []).append(conn)
+        worker, conns = max(by_worker.items(), key=lambda kv: len(kv[1]))
+        assert len(conns) >= 4
+        soft, hard = resource.prlimit(worker, resource.RLIMIT_NOFILE)
+        held = len(list(Path(f"/proc/{worker}/fd").iterdir()))
+        resource.prlimit(worker, resource.RLIMIT_NOFILE, (held, hard))     # no new file: none free
+        try:
+            answers = await asyncio.gather(*(answer(r, w, completion(30)) for r, w in conns[:4]))
+        finally:
+            resource.prlimit(worker, resource.RLIMIT_NOFILE, (soft, hard))
+        refused = [orjson.loads(body) for status, body in answers if status != 200]
+        assert refused, "every request found an engine connection open"
+        assert all(status in (200, 503) for status, _ in answers), answers
+        for err in refused:
+            assert err["error"]["code"] == "service_unavailable", err
+            assert "file descriptor" in err["error"]["message"], err
+
+        status, page = await answer(*conns[0], METRICS)
+        assert status == 200
+        text = page.decode()
+        assert metric(text, "switchyard_breaker_transitions_total") == 0, text
+        assert metric(text, "switchyard_upstream_errors_total") == 0
+        for _ in range(4):                  # and both engines serve
+            status, _ = await answer(*conns[1], completion(2))
+            assert status == 200
+    finally:
+        for _r, w in kept:
+            w.close()
+        if proc.returncode is None:
+            proc.terminate()
+        async with asyncio.timeout(30):
+            await proc.wait()
