@@ -87,6 +87,9 @@ class ErrorClass(enum.StrEnum):
     WATCHDOG_RESPONSE = "watchdog_response"
     # the gateway
     INTERNAL = "internal"
+    # no socket to an engine could be made in this process (its file descriptors or the kernel's
+    # socket buffers ran out): no engine was asked
+    GATEWAY_RESOURCES = "gateway_resources"
     GATEWAY = "gateway"                             # any other 5xx
 
     @property

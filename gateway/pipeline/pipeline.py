@@ -46,6 +46,7 @@ from gateway.upstream.upstream import (
     UpstreamFailure,
     engine_key_refused,
     head_timeout,
+    no_socket_error,
     upstream_body,
     upstream_headers,
 )
@@ -451,6 +452,9 @@ class Pipeline:
                         ctx, self.routing, self.metrics, candidates, tried, Outcome.FAULT, f.kind) is not None:
                     ep = ctx.decision.endpoint
                     continue
+                if f.local:                 # this process could make no socket: no engine is at fault
+                    rec.error_class = ErrorClass.GATEWAY_RESOURCES
+                    raise no_socket_error(f) from None
                 rec.error_class = ErrorClass.upstream(f.kind)
                 if f.kind == "timeout":
                     raise GatewayError(504, f"upstream timeout: {f.message}", code="upstream_timeout",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import socket
 import ssl as ssl_module
 from collections import deque
@@ -53,6 +54,16 @@ class UpstreamError(Exception):
 
 class UpstreamConnectError(UpstreamError):
     """No connection could be opened (refused, unreachable, DNS, connect timeout): nothing was sent."""
+
+
+class UpstreamLocalError(UpstreamConnectError):
+    """No connection could be opened because this process could not make a socket (out of file
+    descriptors, or the kernel out of buffers): the engine was never asked, and is not at fault."""
+
+
+# errnos of a socket this process could not make: its RLIMIT_NOFILE met (EMFILE), the system's
+# file table full (ENFILE), the kernel out of socket buffers or memory (ENOBUFS, ENOMEM)
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class UpstreamDisconnected(UpstreamError):
@@ -845,6 +856,8 @@ class UpstreamPool:
             if isinstance(e, TimeoutError):
                 raise UpstreamConnectError(f"connect timed out after {self.connect_timeout:g}s") from None
             if isinstance(e, OSError):
+                if e.errno in LOCAL_ERRNOS:
+                    raise UpstreamLocalError(e.strerror or str(e)) from None
                 raise UpstreamConnectError(e.strerror or str(e)) from None
             raise
         self._connecting -= 1

@@ -47,6 +47,7 @@ from gateway.upstream.h1client import (
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamError,
+    UpstreamLocalError,
     UpstreamPool,
     UpstreamResponse,
     UpstreamTimeout,
@@ -80,16 +81,22 @@ class UpstreamFailure(Exception):
     ``kind``: connect (refused/unreachable/connect timeout), reset (connection dropped before the
     answer's head), timeout (no response head in time), protocol (not a valid HTTP answer).
     ``retryable`` is true when no byte came back, so no engine produced output for the client.
+    ``local``: a connect that failed in this process (no file descriptor or socket buffer to make
+    the socket with): no engine was asked, none is at fault, and another would fail the same way.
     """
 
-    def __init__(self, kind: str, message: str, retryable: bool) -> None:
+    def __init__(self, kind: str, message: str, retryable: bool, local: bool = False) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retryable = retryable
+        self.local = local
 
 
 def classify(e: UpstreamError, url: str) -> UpstreamFailure:
+    if isinstance(e, UpstreamLocalError):
+        return UpstreamFailure("connect", f"the gateway could not open a socket to {url}: {e}", retryable=False,
+                               local=True)
     if isinstance(e, UpstreamTimeout):
         return UpstreamFailure("timeout", f"no response from {url} within {e.seconds:g}s", retryable=False)
     if isinstance(e, UpstreamConnectError):
@@ -130,6 +137,14 @@ def key_refused_error(status: int) -> GatewayError:
     return GatewayError(502, f"the engine refused the gateway's credentials for it (status {status})",
                         code="upstream_auth_failed", header=("x-error-upstream", "auth"),
                         error_class=ErrorClass.UPSTREAM_AUTH)
+
+
+def no_socket_error(f: UpstreamFailure) -> GatewayError:
+    """The client's answer when this process could make no socket to the engine (``f.local``): a
+    503 to retry, as for a gateway short of capacity, not the 502 of an engine that failed."""
+    return GatewayError(503, f"{f.message} (the gateway is short of file descriptors or socket buffers; no engine "
+                        "was asked, retry shortly)", code="service_unavailable", headers={"Retry-After": "1"},
+                        error_class=ErrorClass.GATEWAY_RESOURCES)
 
 
 def too_large_error(limit: int) -> GatewayError:
@@ -214,7 +229,8 @@ class Upstream:
             return await self.pool.post(url, body, engine_headers(ep, headers), header_timeout, state)
         except UpstreamError as e:
             f = classify(e, url)
-            self.failed(ep, model, f.kind)
+            if not f.local:
+                self.failed(ep, model, f.kind)
             raise f from None
 
     async def fetch(self, ep: Endpoint, path: str, body: bytes, headers: dict[str, str],
@@ -248,7 +264,8 @@ class Upstream:
             return await x.response(header_timeout)
         except UpstreamError as e:
             f = classify(e, x.url)
-            self.failed(ep, model, f.kind)
+            if not f.local:
+                self.failed(ep, model, f.kind)
             raise f from None
 
     async def answer(self, ep: Endpoint, x: Exchange, model: str, timeout: float | None = None,
@@ -268,7 +285,8 @@ class Upstream:
             raise UpstreamFailure("timeout", f"no answer from {x.url} within {timeout:g}s", retryable=False) from None
         except UpstreamError as e:
             f = classify(e, x.url)
-            self.failed(ep, model, f.kind, report)
+            if not f.local:
+                self.failed(ep, model, f.kind, report)
             raise f from None
 
 
