@@ -210,3 +210,70 @@ async def test_a_worker_out_of_descriptors_answers_503_and_blames_no_engine(sims
             proc.terminate()
         async with asyncio.timeout(30):
             await proc.wait()
+
+
+@pytest.mark.timeout(120)
+async def test_health_probes_a_worker_cannot_send_for_want_of_descriptors_mark_no_engine_down(sims, tmp_path):
+    """Workers that can open no file cannot probe the engine: such a probe tells nothing of it, and
+    is counted as not sent (switchyard_health_probes_total{result="not_sent"}), not as a failure, so
+    a healthy engine stays in rotation. Before, each counted as a failed probe; two in a row marked
+    the engine down, and the watcher told its siblings, so every worker took a healthy engine out
+    of rotation for as long as the descriptors were short and healthy_threshold probes after."""
+    sim = await sims("vllm", "m", keepalive_timeout_s=0.05)    # each probe needs a connection of its own
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, header_timeout_s: 300, keepalive_timeout_s: 300,"
+                   " log_level: warning}\n"
+                   "health: {interval_s: 0.2, timeout_s: 1}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", "--log-format", "json",
+                                                stderr=asyncio.subprocess.DEVNULL)
+    kept: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    limits: dict[int, tuple[int, int]] = {}
+    try:
+        async with asyncio.timeout(30):
+            while len(children_of(proc.pid)) < 2 or len(accept_queues(port)) < 2:
+                await asyncio.sleep(0.05)
+        by_worker: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+        async with asyncio.timeout(30):
+            while len(by_worker) < 2:
+                conn = await asyncio.open_connection("127.0.0.1", port)
+                kept.append(conn)
+                status, body = await answer(*conn, STATUS)
+                assert status == 200
+                by_worker.setdefault(orjson.loads(body)["gateway"]["pid"], conn)
+        for worker in by_worker:            # a new descriptor takes the lowest free number: none is under 3
+            limits[worker] = resource.prlimit(worker, resource.RLIMIT_NOFILE)
+            resource.prlimit(worker, resource.RLIMIT_NOFILE, (3, limits[worker][1]))
+
+        async def seen() -> list[tuple[bool, bool]]:
+            """Each worker's view of the engine: (healthy, ready)."""
+            out = []
+            for conn in by_worker.values():
+                status, body = await answer(*conn, STATUS)
+                assert status == 200
+                out += [(e["healthy"], e["ready"]) for e in orjson.loads(body)["endpoints"]]
+            return out
+
+        async def not_sent() -> float:
+            status, page = await answer(*next(iter(by_worker.values())), METRICS)
+            assert status == 200
+            return metric(page.decode(), "switchyard_health_probes_total", result="not_sent")
+
+        # until more probes than unhealthy_threshold could not be sent, or a worker took the engine out
+        async with asyncio.timeout(30):
+            while await seen() == [(True, True)] * 2 and await not_sent() < 4:
+                await asyncio.sleep(0.1)
+        assert await seen() == [(True, True)] * 2
+    finally:
+        for worker, (soft, hard) in limits.items():
+            with contextlib.suppress(ProcessLookupError):
+                resource.prlimit(worker, resource.RLIMIT_NOFILE, (soft, hard))
+        for _r, w in kept:
+            w.close()
+        if proc.returncode is None:
+            proc.terminate()
+        async with asyncio.timeout(30):
+            await proc.wait()
