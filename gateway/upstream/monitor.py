@@ -31,6 +31,7 @@ from gateway.config.schema import HealthConfig, ScrapeConfig
 from gateway.endpoints import Endpoint, EndpointPool, EngineMetrics
 from gateway.observability.metrics import GatewayMetrics
 from gateway.upstream.engine_metrics import parse_engine_metrics
+from gateway.upstream.h1client import LOCAL_ERRNOS
 from gateway.view.wire import UNCOUNTED
 
 log = structlog.get_logger("switchyard.monitor")
@@ -103,7 +104,12 @@ class Monitor:
                 async with self.session.get(ep.url + HEALTH_PATH.get(ep.engine, "/health")) as r:
                     await r.read()
                     ok = r.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            if isinstance(e, OSError) and e.errno in LOCAL_ERRNOS:
+                # this process could make no socket (aiohttp's connect error carries the errno):
+                # nothing was asked of the engine, so nothing is learned of it, nor told to siblings
+                self.metrics.child(self.metrics.health_probes, ep.model, ep.name, "not_sent").inc()
+                return False
             ok = False
         self.metrics.child(self.metrics.health_probes, ep.model, ep.name, "ok" if ok else "fail").inc()
         if self.share is None or self._counts(ep, ok, own=True):
