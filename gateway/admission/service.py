@@ -210,6 +210,7 @@ class Admission:
         if not any(q.count(r) for r in range(rank, len(PRIORITIES))) \
                 and total_headroom(candidates, pairs, th, now) - mq.granted >= 1:
             q.charge(rank, user, cost)          # served at once: its tokens count all the same
+            ctx.admission_cost = cost
             return candidates if pairs else unsaturated(candidates, th, now)
         size = len(ireq.body)
         slo = ireq.slo_ttft_ms
@@ -254,7 +255,8 @@ class Admission:
         except asyncio.CancelledError:       # the client went away (or the server stops)
             if w.state == WAITING:
                 q.remove(w)
-            elif w.state == GRANTED:
+            elif w.state == GRANTED:        # charged when granted: given back as it ends (``released``)
+                ctx.admission_cost = cost
                 mq.granted -= 1
                 self._pump(model)
             self._waited(model, rank, "cancelled", w)
@@ -263,6 +265,7 @@ class Admission:
             self._waited(model, rank, "shed", w)
             raise
         mq.granted -= 1
+        ctx.admission_cost = cost           # put on its user's counter when the pump granted it
         self._waited(model, rank, "dispatched", w)
         rec.extra["queue_wait_ms"] = round((self.clock() - w.enqueued) * 1000, 3)
         eps = self._ready(model, w)
@@ -314,11 +317,12 @@ class Admission:
             return
         if ctx.charges.in_flight is not None:
             mq.drain.tick(self.clock())
+        if ctx.admission_cost:
+            # the user's counter was charged the request's expected size: now what it cost
             rank = RANK.get(rec.extra.get("priority", ""))
-            if rank is not None and rec.completion_tokens is not None and ctx.ireq is not None:
-                # the user's counter was charged the expected output: now the real one
-                mq.queue.charge(rank, rec.user or "",
-                                OUTPUT_WEIGHT * (rec.completion_tokens - expected_output(ctx.ireq)))
+            served = served_cost(ctx)
+            if rank is not None and served is not None:
+                mq.queue.charge(rank, rec.user or "", served - ctx.admission_cost)
         if ctx.dispatched is not None and rec.ttft is not None and ctx.decision is not None:
             ep, occupied = ctx.dispatched
             th = self._thresholds.get(model)
@@ -486,6 +490,30 @@ def expected_output(ireq: InferenceRequest) -> int:
 def request_cost(ireq: InferenceRequest) -> float:
     """What serving the request adds to its user's counter: prompt tokens and twice the output."""
     return float(ireq.prompt_tokens_est + OUTPUT_WEIGHT * expected_output(ireq))
+
+
+def served_cost(ctx: RequestContext) -> float | None:
+    """What serving a request that ended cost its user's counter, from what the engine reported:
+    its prompt and twice its completion tokens as the answer's usage counts them (a prompt it did
+    not count: the estimate); a stream broken off before its usage, the estimate and the generated
+    events it had sent. Nothing when no engine generated anything: never routed (its client left
+    after its turn came), or an error answer before any token (the engine refused the request, as
+    vLLM's 400 for a prompt past its context or a 501, could not be reached, or broke off first).
+    None when it cannot be told (a client that left a whole answer): the charge stands."""
+    rec, ireq = ctx.rec, ctx.ireq
+    if ireq is None or ctx.charges.in_flight is None:
+        return 0.0
+    if rec.prompt_tokens is not None or rec.completion_tokens is not None:
+        completion = rec.completion_tokens or 0
+        if not rec.delivered and rec.streamed_events > completion:
+            completion = rec.streamed_events   # a stream cut after an early usage (a Messages stream's start)
+        prompt = rec.prompt_tokens if rec.prompt_tokens is not None else ireq.prompt_tokens_est
+        return float(prompt + OUTPUT_WEIGHT * completion)
+    if rec.streamed_events:
+        return float(ireq.prompt_tokens_est + OUTPUT_WEIGHT * rec.streamed_events)
+    if rec.status >= 400 and rec.status != 499 or rec.status == 200 and rec.error_class is not None:
+        return 0.0
+    return None
 
 
 def _no_endpoint(model: str) -> GatewayError:

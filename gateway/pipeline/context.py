@@ -177,6 +177,9 @@ class RequestContext:
     # (endpoint, the engine's estimated occupancy counting this request) when it went: admission's
     # slow start learns from its TTFT (gateway/admission/saturation.py)
     dispatched: tuple[Endpoint, float] | None = None
+    # what admission put on its user's counter ahead of the answer (its expected size), settled
+    # against what the engine reported when the request ends (gateway/admission/service.py)
+    admission_cost: float = 0.0
 
     def __init__(self, http: web.Request, rec: RequestRecord, **given: Any) -> None:
         """The dataclass's initialiser, but the defaults set in one step in C (as ``RequestRecord``'s)."""
