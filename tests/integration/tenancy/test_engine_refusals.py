@@ -1,0 +1,90 @@
+"""A user's limits when the engine refuses a request, in memory and on Redis: TPM is charged only
+the tokens the engine reported (none for a refusal, a refused connection or an error event before
+the first token; a stream the engine broke off after some tokens, what it had sent), and the
+concurrency slot is given back."""
+
+from __future__ import annotations
+
+import openai
+import orjson
+import pytest
+
+from gateway.request import parse
+from tests.support.factories import model_block
+from tests.support.http import openai_client
+from tests.support.waiting import until, wait_for
+
+CHAT = [{"role": "user", "content": "hello there"}]
+LIMITS = {"users": {"alice": {"tpm": 100000, "rpm": 1000, "max_concurrent": 4}}}
+
+REFUSALS = {
+    "400": ({"x-sim-fault": "status=400"}, openai.BadRequestError, False),
+    "404": ({"x-sim-fault": "status=404"}, openai.NotFoundError, False),
+    "500": ({"x-sim-fault": "status=500"}, openai.InternalServerError, False),
+    "501": ({"x-sim-fault": "status=501"}, openai.APIStatusError, False),
+    "too_long": ({}, openai.BadRequestError, False),                    # vLLM's 400: prompt past max_model_len
+    "error_event": ({"x-sim-fault": "error_after=0"}, openai.APIError, True),   # before any token
+    "refused": ({}, openai.InternalServerError, False),                 # the engine's port is closed: 502
+}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request):
+    if request.param == "memory":
+        return {}
+    server = request.getfixturevalue("redis_server")
+    return {"state": {"redis_url": server.url, "sync_interval_s": 0.05, "replica_ttl_s": 0.5, "timeout_s": 2.0}}
+
+
+async def settled(gw) -> dict[str, int]:
+    """alice's windows once her request settled: its slot released, in the same write as its tokens."""
+    state = gw.gw.tenancy.state
+
+    async def released() -> dict[str, int] | None:
+        usage = await state.usage("alice")
+        return usage if usage["concurrent"] == 0 and not state.slots().get("alice") else None
+
+    return await until(released)
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+async def test_a_refused_request_is_charged_no_tokens_and_gives_its_slot_back(sims, gateway, backend, case):
+    sim = await sims("vllm", "m", max_model_len=4096)
+    health = {"health": {"interval_s": 60}} if case == "refused" else {}
+    gw = await gateway([model_block("m", "vllm", [sim.url])], limits=LIMITS, **health, **backend)
+    assert await wait_for(lambda: gw.gw.pool.ready("m"))
+    if case == "refused":
+        await sim.close()
+    headers, raised, stream = REFUSALS[case]
+    content = "word " * 5000 if case == "too_long" else "hello there"
+    client = openai_client(gw)
+    with pytest.raises(raised):
+        r = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                                 max_tokens=100, user="alice", stream=stream, extra_headers=headers)
+        if stream:
+            async for _ in r:
+                pass
+    usage = await settled(gw)
+    assert usage["tokens"] == 0 and usage["concurrent"] == 0 and usage["requests"] == 1
+
+
+async def test_a_stream_the_engine_breaks_off_is_charged_what_it_sent(sims, gateway, backend):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], limits=LIMITS, **backend)
+    client = openai_client(gw)
+    ok = await client.chat.completions.create(model="m", messages=CHAT,
+                                              max_tokens=1, user="alice")
+    first = (await settled(gw))["tokens"]
+    assert first == ok.usage.total_tokens
+    chunks = []
+    with pytest.raises(openai.APIError):
+        r = await client.chat.completions.create(model="m", messages=CHAT,
+                                                 max_tokens=100, user="alice", stream=True,
+                                                 extra_headers={"x-sim-fault": "error_after=2"})
+        async for c in r:
+            chunks.append(c)
+    assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) == 2
+    usage = await settled(gw)
+    # no usage came: the prompt's estimate and the two tokens sent
+    estimate = parse("/v1/chat/completions", orjson.dumps({"model": "m", "messages": CHAT}), {}, "e").prompt_tokens_est
+    assert usage["tokens"] - first == estimate + 2
