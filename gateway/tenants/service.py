@@ -411,10 +411,13 @@ class Tenancy:
                     # stream's message_start: the prompt, no output yet): the chunks sent count too
                     completion = rec.streamed_events
                 tokens = (rec.prompt_tokens or 0) + completion
-            elif rec.endpoint and rec.status in (200, 499):
+            elif rec.endpoint and (rec.status == 499 or rec.status == 200 and (
+                    rec.error_class is None or rec.streamed_events)):
                 # the engine worked but no usage came back (client left mid-stream): charge the
                 # prompt estimate and a token for each generated chunk the client was sent, so
-                # dropping a stream just before its end is not a way around TPM
+                # dropping a stream just before its end is not a way around TPM. A stream the
+                # engine (or the gateway's watchdog) ended with an error before any token has
+                # nothing generated and no usage: not charged, as an engine's error answer
                 tokens = t.est_tokens + rec.streamed_events
         release, t.held = t.held, False
         if tokens or release:
