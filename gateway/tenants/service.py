@@ -395,9 +395,10 @@ class Tenancy:
             tokens[0].inc(rec.prompt_tokens or 0)
             tokens[1].inc(rec.completion_tokens or 0)
         counted, t.counted = t.counted, None
-        if counted is not None and not rec.endpoint and rec.status >= 400:
+        if counted is not None and rec.status >= 400 and (not rec.endpoint or _unreached(rec)):
             # refused before any engine saw it (shed by admission, a P/D body refused, its client
-            # gone while it queued): it gives back its count in the request windows
+            # gone while it queued, no engine took its connection): it gives back its count in
+            # the request windows
             self.state.uncount(t.user or "", counted)
         lim = t.limits
         if lim is None:
@@ -453,6 +454,13 @@ NO_TENANCY = NoTenancy()
 
 # the headers a client's API key arrives in (kept from engines unless auth.forward_authorization)
 _AUTH_HEADERS = ("authorization", "x-api-key")
+
+
+def _unreached(rec: RequestRecord) -> bool:
+    """The request was routed but no engine took it: its last connection was refused, and so was
+    every one before it that was retried elsewhere."""
+    return rec.error_class == ErrorClass.UPSTREAM_CONNECT and all(
+        cause == "connect" for cause in rec.extra.get("retry_causes", ()))
 
 
 def _auth_error(message: str) -> GatewayError:
