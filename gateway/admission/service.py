@@ -498,7 +498,8 @@ def served_cost(ctx: RequestContext) -> float | None:
     not count: the estimate); a stream broken off before its usage, the estimate and the generated
     events it had sent. Nothing when no engine generated anything: never routed (its client left
     after its turn came), or an error answer before any token (the engine refused the request, as
-    vLLM's 400 for a prompt past its context or a 501, could not be reached, or broke off first).
+    vLLM's 400 for a prompt past its context or a 501, could not be reached, or broke off first;
+    its client may have left on reading the error).
     None when it cannot be told (a client that left a whole answer): the charge stands."""
     rec, ireq = ctx.rec, ctx.ireq
     if ireq is None or ctx.charges.in_flight is None:
@@ -511,8 +512,8 @@ def served_cost(ctx: RequestContext) -> float | None:
         return float(prompt + OUTPUT_WEIGHT * completion)
     if rec.streamed_events:
         return float(ireq.prompt_tokens_est + OUTPUT_WEIGHT * rec.streamed_events)
-    if rec.status >= 400 and rec.status != 499 or rec.status == 200 and rec.error_class is not None:
-        return 0.0
+    if rec.status >= 400 and rec.status != 499 or rec.error_class not in (None, ErrorClass.CLIENT_CANCEL):
+        return 0.0          # an error answer, or an error event its client may have left on
     return None
 
 

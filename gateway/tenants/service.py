@@ -412,13 +412,14 @@ class Tenancy:
                     # stream's message_start: the prompt, no output yet): the chunks sent count too
                     completion = rec.streamed_events
                 tokens = (rec.prompt_tokens or 0) + completion
-            elif rec.endpoint and (rec.status == 499 or rec.status == 200 and (
-                    rec.error_class is None or rec.streamed_events)):
+            elif rec.endpoint and rec.status in (200, 499) and (
+                    rec.streamed_events or rec.error_class in _NO_FAULT):
                 # the engine worked but no usage came back (client left mid-stream): charge the
                 # prompt estimate and a token for each generated chunk the client was sent, so
                 # dropping a stream just before its end is not a way around TPM. A stream the
                 # engine (or the gateway's watchdog) ended with an error before any token has
-                # nothing generated and no usage: not charged, as an engine's error answer
+                # nothing generated and no usage: not charged, as an engine's error answer, also
+                # when its client left on reading that error (a 499 with the error on its record)
                 tokens = t.est_tokens + rec.streamed_events
         release, t.held = t.held, False
         if tokens or release:
@@ -451,6 +452,9 @@ class NoTenancy:
 
 NO_TENANCY = NoTenancy()
 
+
+# what a request's record says when nothing went wrong on the engine's side (its client may have left)
+_NO_FAULT = (None, ErrorClass.CLIENT_CANCEL)
 
 # the headers a client's API key arrives in (kept from engines unless auth.forward_authorization)
 _AUTH_HEADERS = ("authorization", "x-api-key")
