@@ -6,12 +6,16 @@ concurrency slot is given back, and the request windows keep the count of a requ
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
 from gateway.request import parse
 from tests.support.factories import model_block
+from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client
 from tests.support.waiting import until, wait_for
 
@@ -91,3 +95,43 @@ async def test_a_stream_the_engine_breaks_off_is_charged_what_it_sent(sims, gate
     # no usage came: the prompt's estimate and the two tokens sent
     estimate = parse("/v1/chat/completions", orjson.dumps({"model": "m", "messages": CHAT}), {}, "e").prompt_tokens_est
     assert usage["tokens"] - first == estimate + 2
+
+
+async def test_a_client_that_leaves_on_the_engines_error_event_is_charged_nothing(gateway):
+    """The SDKs raise on an error event and close the stream: a client that leaves there, while the
+    engine's end is still awaited, left an answer the engine had already failed, before any token."""
+    release = asyncio.Event()
+    started: list[str] = []
+
+    async def failing(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        started.append(request.path)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+        error = {"error": {"message": "Internal server error", "type": "InternalServerError", "param": None,
+                           "code": 500}}
+        await resp.write(b"data: " + orjson.dumps(head) + b"\n\ndata: " + orjson.dumps(error) + b"\n\n")
+        await release.wait()            # its [DONE] and end are held back
+        return resp
+
+    records = []
+    async with fake_engine(failing) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], limits=LIMITS, scrape={"enabled": False},
+                           admission={"enabled": True, "max_in_flight_per_endpoint": 4})
+        gw.gw.observers.append(lambda rec, _d: records.append(rec))
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=1000, user="alice",
+                                                      stream=True)
+        with pytest.raises(openai.APIError, match="Internal server error"):
+            async for _ in stream:
+                pass
+        await stream.close()            # as the SDK's `with` block does on the error
+        usage = await settled(gw)
+        release.set()
+    assert started == ["/v1/chat/completions"]
+    [rec] = records
+    assert rec.status == 499 and rec.error_class == "upstream_stream_error"
+    assert usage["tokens"] == 0
+    assert gw.gw.admission._models["m"].queue.counter(1, "alice") == 0
