@@ -642,26 +642,29 @@ class Relay:
             rec.error_class, rec.error = failure = stream_failure(e)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, "broken_stream").inc()
         except ConnectionResetError:
-            # the client went away while we wrote: same as a disconnect
-            rec.error_class = ErrorClass.CLIENT_CANCEL
+            # the client went away while we wrote: same as a disconnect (after the engine's error
+            # event, which it had: that error ended the answer, and is recorded)
+            if scanner.error is not None:
+                _engine_error(rec, scanner.error)
+            else:
+                rec.error_class = ErrorClass.CLIENT_CANCEL
             raise asyncio.CancelledError from None
         except asyncio.CancelledError:
             if not gating:
                 # the client left once it had the answer's terminal event, while the engine's end
                 # was awaited (a client that stops reading at [DONE] and closes): the answer is
-                # complete. Either way what it received is recorded: its TTFT, its gaps
+                # complete. Either way what it received is recorded: its TTFT, its gaps, and the
+                # engine's error event it left on (the SDKs raise on one and close)
                 rec.delivered = scanner.done and api is None
                 self.observe_stream(rec, scanner)
+                if scanner.error is not None:
+                    _engine_error(rec, scanner.error)
             raise
         finally:
             if watch is not None:
                 watch.cancel()
         if failure is None and scanner.error is not None:   # the engine's error event went through
-            # one with code 501 is the engine's 501 (the request's, not the engine's fault)
-            rec.error_class = (ErrorClass.UPSTREAM_STREAM_UNSUPPORTED if unsupported_event(scanner.error)
-                               else ErrorClass.UPSTREAM_STREAM_ERROR)
-            msg = scanner.error.get("message") if isinstance(scanner.error, dict) else None
-            rec.error = str(msg)[:200] if msg else "in-stream error"
+            _engine_error(rec, scanner.error)
         if ctx.migration is not None and (failure is not None or scanner.error is not None):
             ctx.migration.unmigrated(rec, rec.error_class or ErrorClass.UPSTREAM_STREAM_ERROR)   # refused: counted
         out = await self.end_stream(ctx, out, scanner, failure)
@@ -803,6 +806,14 @@ class Relay:
             m.child(m.completion_tokens, rec.model).inc(c)
         if cached:
             m.child(m.cached_tokens, rec.model).inc(cached)
+
+
+def _engine_error(rec: RequestRecord, error: object) -> None:
+    """The engine's error event ended the stream: on the request's record (one with code 501 is the
+    engine's 501, the request's fault, not the engine's)."""
+    rec.error_class = ErrorClass.UPSTREAM_STREAM_UNSUPPORTED if unsupported_event(error) else ErrorClass.UPSTREAM_STREAM_ERROR
+    msg = error.get("message") if isinstance(error, dict) else None
+    rec.error = str(msg)[:200] if msg else "in-stream error"
 
 
 class _Kept:
