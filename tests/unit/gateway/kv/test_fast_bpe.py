@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import orjson
 import pytest
@@ -131,6 +131,19 @@ def test_checks_run_on_the_first_segments_then_one_in_256(monkeypatch):
     assert tok.fast_checks["agreed"] == len(checked) and tok.fast
 
 
+class _Jobs(ThreadPoolExecutor):
+    """An executor that keeps what it was given, for a test to wait for the thread's work."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.jobs = []
+
+    def submit(self, *args, **kwargs):
+        job = super().submit(*args, **kwargs)
+        self.jobs.append(job)
+        return job
+
+
 async def test_a_difference_turns_it_off_drops_what_it_cached_and_late_results_are_not_stored():
     registry = CollectorRegistry()
     tok = ModelTokenizer(TINY_DIR)
@@ -148,13 +161,17 @@ async def test_a_difference_turns_it_off_drops_what_it_cached_and_late_results_a
     tok.block_keys(segs, lead, 9, 16, 1 << 20)
     agreed = sample("switchyard_kv_events_fast_tokenizer_checks_total", model="m", outcome="agreed")
     assert agreed and tok._segments and tok._prefixes
-    # a wrong encoder (an extra token), met by the next check
+    # a wrong encoder (an extra token): the thread's encode is unchecked, the loop's next one is checked
     real = tok._fast
     tok._fast = lambda s: [*real(s), 7]
-    tok._fast_n = tokenization.FAST_CHECK_EVERY - 1
-    with ThreadPoolExecutor(1) as pool:
+    tok._fast_n = tokenization.FAST_CHECK_EVERY - 2
+    with _Jobs(1) as pool:
         late = tok.ahead(["an answer the thread tokenized before the flip"], pool)
         assert late is not None
+        # the thread has encoded it (tiktoken's ids, wrong) before the check below; its result is
+        # stored by the loop, after the flip (the two encodes never race for the one checked place)
+        wait(pool.jobs)
+        assert tok._fast_n == tokenization.FAST_CHECK_EVERY - 1 and tok.fast_checks["differed"] == 0
         assert tok._encode_one("a new segment") == tok._library_ids("a new segment")     # the library's ids
         assert not tok.fast and tok.fast_checks["differed"] == 1 and tok._fast_stale
         assert await late == 0 and not tok.is_cached("an answer the thread tokenized before the flip")
