@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -474,3 +475,126 @@ async def test_a_workers_own_sighup_while_an_admin_reload_is_on_its_way_is_a_sig
         [("config reloaded", "admin", 2)] * 2, after
     assert (status, body["trigger"], body["generation"]) == (200, "admin", 2), body
     assert len(logs.reloads()) == 4, logs.reloads()
+
+
+class HeldReads:
+    """The config file as a FIFO: a process that reads it (a reload) waits in its read until the
+    test writes the file's text, so the test holds a reload between the parent's start of it and
+    its end."""
+
+    def __init__(self, path, tmp_path) -> None:
+        self.path = path
+        self.tmp_path = tmp_path
+        self.open: list[int] = []
+        self.made = 0
+
+    def fifo(self) -> None:
+        """From now on the file is a FIFO: the next process to read it waits."""
+        self.made += 1
+        fifo = self.tmp_path / f"fifo-{self.made}"
+        os.mkfifo(fifo)
+        os.replace(fifo, self.path)
+
+    def file(self, text: str) -> None:
+        """From now on the file is a plain file again."""
+        staged = self.tmp_path / "staged.yaml"
+        staged.write_text(text)
+        os.replace(staged, self.path)
+
+    async def reader(self) -> int:
+        """The write end of the FIFO, once a process opened it to read."""
+        async with asyncio.timeout(20):
+            while True:
+                try:
+                    fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError as e:        # ENXIO: no reader yet
+                    if e.errno != errno.ENXIO:
+                        raise
+                    await asyncio.sleep(0.01)
+                    continue
+                self.open.append(fd)
+                return fd
+
+    def release(self, fd: int, text: str) -> None:
+        """The waiting read gets ``text``, then the end of the file."""
+        self.open.remove(fd)
+        os.set_blocking(fd, True)
+        try:
+            os.write(fd, text.encode())
+        finally:
+            os.close(fd)
+
+    def close(self, text: str) -> None:
+        self.file(text)
+        for fd in self.open:
+            os.close(fd)
+        self.open.clear()
+
+
+@pytest.mark.timeout(90)
+async def test_an_admin_reload_is_answered_by_the_parents_reload_that_came_after_it(sims, tmp_path):
+    """A worker asked POST /admin/reload while the parent was applying a reload it had begun before
+    (here a SIGHUP, held in its read of the file) gets that reload's SIGHUP after the ask: the answer
+    is the reload the parent begins for the ask (``admin``, the generation after), not that earlier
+    one, whose generation the ask's own reload moves a moment later. Every step is held on an
+    event: the config file is a FIFO while the parent reads it, and the workers are stopped while
+    the parent's reloads are told."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    text = text.replace("log_level: warning", "log_level: info")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2", "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        sessions = await pinned_workers(port, 2)
+        (other, _), (asked, asked_http) = sessions.items()
+
+        async def admin() -> tuple[int, dict]:
+            async with asked_http.post(f"http://127.0.0.1:{port}/admin/reload",
+                                       headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                return r.status, await r.json()
+
+        held = HeldReads(path, tmp_path)
+        stopped: list[int] = []
+        answer: asyncio.Future | None = None
+        try:
+            held.fifo()
+            proc.send_signal(signal.SIGHUP)             # a reload the parent begins: it reads the file
+            first = await held.reader()
+            os.kill(proc.pid, signal.SIGSTOP)
+            stopped.append(proc.pid)
+            answer = asyncio.ensure_future(admin())
+            async with asyncio.timeout(10):             # the worker asked has told the parent
+                while not _pending_sighup(proc.pid):
+                    await asyncio.sleep(0.01)
+            for pid in (asked, other):                  # they get the first reload's SIGHUP later
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+            held.fifo()
+            held.release(first, text)
+            os.kill(proc.pid, signal.SIGCONT)
+            stopped.remove(proc.pid)
+            second = await held.reader()                # the first is told; the ask's reload is held
+            held.file(text)
+            for pid in (asked, other):
+                os.kill(pid, signal.SIGCONT)
+                stopped.remove(pid)
+            first_applied = await logs.until(2)         # each worker applied the first reload
+            held.release(second, text)
+            status, body = await answer
+            after = (await logs.until(4))[2:]
+        finally:
+            held.close(text)
+            for pid in stopped:
+                os.kill(pid, signal.SIGCONT)
+            if answer is not None and not answer.done():
+                answer.cancel()
+            for s in sessions.values():
+                await s.close()
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert [(line["trigger"], line["generation"]) for line in first_applied] == [("signal", 2)] * 2, first_applied
+    assert (status, body.get("trigger"), body.get("generation")) == (200, "admin", 3), body
+    assert [(line["trigger"], line["generation"]) for line in after] == [("admin", 3)] * 2, after
