@@ -9,7 +9,8 @@ So each worker's event loop ticks a counter every ``BEAT_S`` in memory it shares
 anonymous shared mapping the parent makes before it forks: one 8-byte slot per worker, then the
 restart counts, then the stop signals the parent got, then the config generation the parent
 counts, then the parent's last reload as it told the workers of it, then each worker's count of
-the reloads it asked for). The parent reads the counters while it waits for its children; a worker
+the reloads it asked for, then for each worker how many of its asks the parent's last told reload
+came after). The parent reads the counters while it waits for its children; a worker
 that has ticked at least once (start-up is not judged) and has not ticked for
 ``server.worker_stall_timeout_s`` is logged and killed with SIGKILL (a stuck loop would never run a
 SIGTERM handler). The kernel resets the connections waiting in its accept queue, and the parent
@@ -38,6 +39,14 @@ trigger is told with its reload and its generation, once both are known: a worke
 SIGHUP late reads a reload's trigger with that reload's generation, never the next one's trigger
 (noted while the parent applies it) with the previous one's generation.
 
+A worker asked POST /admin/reload answers with a reload the parent began after the ask, one that
+read the file as it was then: the parent notes each worker's count of asks when it begins a reload,
+and tells it with that reload (a slot per worker: the reload's number and the count). The parent's
+SIGHUP for a reload it began earlier can reach a worker after that worker's ask (the parent signals
+the workers one after another, and a worker may run late): that reload is applied, but it does not
+answer the ask, whose own reload follows and moves the generation once more; the answer was the
+generation a moment later.
+
 Only the worker writes its slots and only the parent the counts. The parent decides on whether a
 slot changed, never on its value, so a read that catches a write half done can only look like a
 tick (which delays a kill by one poll), never like a stall.
@@ -58,6 +67,7 @@ REASONS = ("exited", "stalled")
 TRIGGERS = ("signal", "admin")  # what a reload the parent applied came from
 _MASK = (1 << 64) - 1
 _TOLD_MASK = (1 << 24) - 1      # the parent's count of told reloads, as the told slot holds it (wraps)
+_ASKS_MASK = (1 << 40) - 1      # a worker's count of asks, as the slot of the asks a reload came after holds it
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +78,14 @@ class Told:
     seq: int
     trigger: str
     generation: int
+    # the asking worker's count of POST /admin/reload the parent had seen when it began this reload
+    # (None: not known, as for no reload yet, or a reload told since this was read)
+    asks: int | None = None
+
+    def after(self, ask: int) -> bool:
+        """Whether the parent began this reload after the worker's ask number ``ask`` (the count
+        ``Heartbeats.asked_reload`` gave), so that it read the file as the ask found it."""
+        return self.asks is not None and (self.asks - ask) & _ASKS_MASK < 1 << 39
 
 
 class Heartbeats:
@@ -75,11 +93,13 @@ class Heartbeats:
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
-        self._map = mmap.mmap(-1, 8 * (2 * workers + len(REASONS) + 3))    # anonymous and shared across fork
+        self._map = mmap.mmap(-1, 8 * (3 * workers + len(REASONS) + 3))    # anonymous and shared across fork
         self._slots = memoryview(self._map).cast("Q")
         self._slots[self.workers + len(REASONS) + 1] = 1
         self._asks = self.workers + len(REASONS) + 3    # then a count per worker of its POST /admin/reload
+        self._after = self._asks + self.workers         # then per worker: the told reload, the asks it came after
         self._asks_seen = 0             # the parent's: the sum of those counts at its last reload
+        self._asks_noted = [0] * workers    # the parent's: each count when it began its last reload
         # the parent's count of the reloads it told the workers of; a worker's copy is the count
         # when it was forked (the reloads told before it started are in the config it loaded)
         self.told_count = 0
@@ -121,33 +141,47 @@ class Heartbeats:
         """The parent's config generation, which a worker takes at its next reload."""
         return self._slots[self.workers + len(REASONS) + 1]
 
-    def asked_reload(self, index: int) -> None:
-        """Worker ``index`` was asked ``POST /admin/reload`` and is about to send the parent SIGHUP."""
+    def asked_reload(self, index: int) -> int:
+        """Worker ``index`` was asked ``POST /admin/reload`` and is about to send the parent SIGHUP:
+        the ask's number, which a told reload that came after it covers (``Told.after``)."""
         at = self._asks + index
         self._slots[at] = (self._slots[at] + 1) & _MASK
+        return self._slots[at]
 
     def note_trigger(self) -> str:
         """The parent, at a SIGHUP, before it applies the reload: ``admin`` when a worker asked for a
         reload since the last one (a SIGHUP sent meanwhile is the same reload), else ``signal``."""
-        asks = sum(self._slots[self._asks:self._asks + self.workers]) & _MASK
+        self._asks_noted = list(self._slots[self._asks:self._asks + self.workers])
+        asks = sum(self._asks_noted) & _MASK
         trigger = "admin" if asks != self._asks_seen else "signal"
         self._asks_seen = asks
         return trigger
 
     def told(self, trigger: str) -> None:
         """The parent applied (or refused) a reload that came from ``trigger`` and is about to
-        signal the workers: its number, trigger and generation, in one slot written at once."""
+        signal the workers: its number, trigger and generation, in one slot written at once, after
+        each worker's slot of the asks it came after (those ``note_trigger`` saw), with its number."""
         self.told_count = (self.told_count + 1) & _TOLD_MASK
+        for index, asks in enumerate(self._asks_noted):
+            self._slots[self._after + index] = self.told_count << 40 | asks & _ASKS_MASK
         generation = self._slots[self.workers + len(REASONS) + 1] & 0xFFFFFFFF
         self._slots[self.workers + len(REASONS) + 2] = (
             self.told_count << 40 | TRIGGERS.index(trigger) << 32 | generation)
 
-    def last_told(self) -> Told:
-        """The last reload the parent told the workers of (number 0, ``signal``: none yet)."""
+    def last_told(self, index: int | None = None) -> Told:
+        """The last reload the parent told the workers of (number 0, ``signal``: none yet); with
+        ``index``, the count of worker ``index``'s asks it came after, when this slot, read after
+        the told one, is still that reload's (the parent writes it first)."""
         value = self._slots[self.workers + len(REASONS) + 2]
         if value == 0:
             return Told(0, "signal", self.generation())
-        return Told(value >> 40, TRIGGERS[(value >> 32) & 0xFF], value & 0xFFFFFFFF)
+        seq = value >> 40
+        asks = None
+        if index is not None:
+            after = self._slots[self._after + index]
+            if after >> 40 == seq:
+                asks = after & _ASKS_MASK
+        return Told(seq, TRIGGERS[(value >> 32) & 0xFF], value & 0xFFFFFFFF, asks)
 
 
 class Beat:

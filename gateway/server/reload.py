@@ -35,7 +35,10 @@ its own result. A worker's generation is then the parent's count of applied relo
 workers' shared memory, gateway/server/heartbeat.py), not its own, and its log line names the
 trigger of the parent's reload it applies, which the parent tells the workers with that reload; a
 SIGHUP sent to a worker itself is a ``signal`` reload of that worker alone, which answers no POST
-/admin/reload waiting there.
+/admin/reload waiting there. A POST /admin/reload is answered by the first reload of the parent's
+that the parent began after the ask (and so read the file as the ask found it): the SIGHUP of one
+it began before can reach the worker after the ask, and that reload, applied, leaves the ask waiting
+for its own.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -266,12 +269,14 @@ class Reloader:
         self.last: ReloadResult | None = None
         self.parent_pid: int | None = None       # set in a --workers worker: reloads go through the parent
         # set in a --workers worker: the last reload the parent told the workers of, with its
-        # trigger and generation, and telling the parent that this worker asks for one
+        # trigger, generation and the count of this worker's asks it came after, and telling the
+        # parent that this worker asks for one, which gives the ask's number
         # (gateway/server/heartbeat.py); ``told_seen``: the number of the last one this worker applied
         self.parent_told: Callable[[], Told] | None = None
         self.told_seen = 0
-        self.parent_asked: Callable[[], None] | None = None
-        self._waiters: list[asyncio.Future[ReloadResult]] = []   # POST /admin/reload in a worker
+        self.parent_asked: Callable[[], int] | None = None
+        # POST /admin/reload in a worker: the ask's number (None: no parent counts them), and its answer
+        self._waiters: list[tuple[int | None, asyncio.Future[ReloadResult]]] = []
 
     def reload(self, trigger: str, config: Config | None = None, parent_generation: int | None = None
                ) -> ReloadResult:
@@ -331,12 +336,19 @@ class Reloader:
         self.last = result
         return result
 
-    def _answer(self, result: ReloadResult) -> None:
-        """This worker's POST /admin/reload requests waiting for the parent's reload: this one."""
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(result)
+    def _answer(self, result: ReloadResult, told: Told | None = None) -> None:
+        """This worker's POST /admin/reload requests waiting for the parent's reload: this one, for
+        those whose ask the parent's reload ``told`` came after (every one, without ``told``); the
+        others wait for the parent's next."""
+        waiting: list[tuple[int | None, asyncio.Future[ReloadResult]]] = []
+        for ask, w in self._waiters:
+            if w.done():
+                continue
+            if told is not None and ask is not None and not told.after(ask):
+                waiting.append((ask, w))
+            else:       # the answer to a POST /admin/reload, whatever else the reload answered too
+                w.set_result(result if result.trigger == "admin" else replace(result, trigger="admin"))
+        self._waiters = waiting
 
     async def live_handle(self, request: web.Request) -> web.StreamResponse:
         """The inference routes' handler: the request enters the live generation and stays on it."""
@@ -358,7 +370,7 @@ class Reloader:
             self.reload("signal", parent_generation=self.live.generation)
             return
         self.told_seen = told.seq
-        self._answer(self.reload(told.trigger, parent_generation=told.generation))
+        self._answer(self.reload(told.trigger, parent_generation=told.generation), told)
 
     # -- POST /admin/reload --------------------------------------------------------------------
 
@@ -385,9 +397,8 @@ class Reloader:
         """Ask the parent to signal every worker, this one included, and wait for this one's."""
         assert self.parent_pid is not None
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        if self.parent_asked is not None:
-            self.parent_asked()
+        ask = self.parent_asked() if self.parent_asked is not None else None
+        self._waiters.append((ask, waiter))
         os.kill(self.parent_pid, signal.SIGHUP)
         try:
             async with asyncio.timeout(WORKER_RELOAD_TIMEOUT_S):
@@ -396,5 +407,4 @@ class Reloader:
             raise GatewayError(504, f"the parent process did not have this worker reload within "
                                     f"{WORKER_RELOAD_TIMEOUT_S:g}s", code="reload_timeout", error_class=ErrorClass.ADMIN) from None
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            self._waiters = [(a, w) for a, w in self._waiters if w is not waiter]

@@ -152,9 +152,10 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
         reloader.parent_pid = os.getppid()
         if worker.heartbeats is not None:       # the generation is the parent's count, the same in every worker
-            # and each reload the parent tells of names its trigger (gateway/server/heartbeat.py);
-            # those told before this worker was forked are in the config it started with
-            reloader.parent_told = worker.heartbeats.last_told
+            # and each reload the parent tells of names its trigger, and the asks of this worker it
+            # came after (gateway/server/heartbeat.py); those told before this worker was forked
+            # are in the config it started with
+            reloader.parent_told = functools.partial(worker.heartbeats.last_told, worker.index)
             reloader.told_seen = worker.heartbeats.told_count
             reloader.parent_asked = functools.partial(worker.heartbeats.asked_reload, worker.index)
     with contextlib.suppress(NotImplementedError):

@@ -217,3 +217,34 @@ def test_each_reload_the_parent_tells_of_carries_its_own_trigger_and_generation(
     assert beats.last_told() == Told(1, "signal", 2)
     beats.told("admin")                             # refused: the generation stays
     assert beats.last_told() == Told(2, "admin", 2) and beats.told_count == 2
+
+
+def test_an_ask_is_answered_only_by_a_told_reload_the_parent_began_after_it():
+    """The parent notes each worker's count of asks when it begins a reload and tells it with that
+    reload: a reload it began before an ask (whose SIGHUP reached the worker after the ask) does
+    not answer it; the one it began next does, and so does any later one."""
+    beats = Heartbeats(2)
+    trigger = beats.note_trigger()                  # a SIGHUP: the parent begins a reload
+    ask = beats.asked_reload(1)                     # meanwhile, POST /admin/reload on worker 1
+    assert ask == 1
+    beats.reloaded(2)
+    beats.told(trigger)
+    told = beats.last_told(1)
+    assert told == Told(1, "signal", 2, 0) and not told.after(ask)
+    assert beats.last_told(0).asks == 0 and beats.last_told().asks is None
+    beats.reloaded(3)
+    beats.told(beats.note_trigger())                # the reload the ask's SIGHUP began
+    told = beats.last_told(1)
+    assert told == Told(2, "admin", 3, 1) and told.after(ask)
+    assert not told.after(beats.asked_reload(1))    # a second ask: the next one answers it
+    beats.note_trigger()
+    # told slot read, then the parent writes the next reload's asks before telling it: not known
+    beats._slots[beats._after + 1] = 3 << 40 | 2
+    assert beats.last_told(1) == Told(2, "admin", 3, None) and not beats.last_told(1).after(1)
+    beats.told("admin")
+    assert beats.last_told(1) == Told(3, "admin", 3, 2) and beats.last_told(1).after(2)
+
+
+def test_an_ask_count_that_wraps_is_still_after_its_ask():
+    told = Told(5, "admin", 2, 3)
+    assert told.after((1 << 40) - 2) and told.after(3) and not told.after(4)
