@@ -244,21 +244,8 @@ _LINE_VALUES = attrgetter("request_id", "path", "model", "user", "strategy", "en
 RecordObserver = Callable[[RequestRecord, float], None]
 
 
-def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, request_log: RequestLog,
-                   observers: Sequence[RecordObserver] = ()) -> None:
-    """The request's metrics, its observers and its one log line."""
-    m = metrics
-    duration = now - rec.started
-    for observe in observers:
-        try:
-            observe(rec, duration)
-        except Exception:     # an observer's bug must not cost the request its log line
-            log.exception("request observer failed", request_id=rec.request_id)
-    key = (rec.model, rec.model_known, rec.status, rec.strategy)
-    counted, e2e = m.finished.get(key) or m.finished_series(key, rec.label_model, rec.label_strategy)
-    counted.inc()
-    if e2e is not None:
-        e2e.observe(duration)
+def _line(rec: RequestRecord, duration: float) -> dict[str, Any]:
+    """The fields of ``rec``'s log line, in their order."""
     fields = dict(zip(_LINE_KEYS, _LINE_VALUES(rec), strict=True))     # read in C, in the line's order
     if rec.ttft is not None:
         fields["ttft_ms"] = round(rec.ttft * 1000, 3)
@@ -281,27 +268,32 @@ def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, requ
             v = fields[k]
             if isinstance(v, str) and len(v) > MAX_LOG_CHARS:
                 fields[k] = _cut(v)
-    request_log.emit(fields)
+    return fields
+
+
+def record_request(rec: RequestRecord, metrics: GatewayMetrics, now: float, request_log: RequestLog,
+                   observers: Sequence[RecordObserver] = ()) -> None:
+    """The request's metrics, its observers and its one log line."""
+    m = metrics
+    duration = now - rec.started
+    for observe in observers:
+        try:
+            observe(rec, duration)
+        except Exception:     # an observer's bug must not cost the request its log line
+            log.exception("request observer failed", request_id=rec.request_id)
+    key = (rec.model, rec.model_known, rec.status, rec.strategy)
+    counted, e2e = m.finished.get(key) or m.finished_series(key, rec.label_model, rec.label_strategy)
+    counted.inc()
+    if e2e is not None:
+        e2e.observe(duration)
+    request_log.emit(_line(rec, duration))
 
 
 def log_answer(rec: RequestRecord, now: float, request_log: RequestLog) -> None:
     """The log line of an answer the gateway makes before any pipeline or API handler (a CORS
-    preflight's, gateway/server/edge.py): the fields ``record_request`` writes, in their order,
-    without its metrics and observers (such an answer is counted where it is made, not as a request
-    served). Not on any inference request's path."""
-    fields = dict(zip(_LINE_KEYS, _LINE_VALUES(rec), strict=True))
-    if rec.ttft is not None:
-        fields["ttft_ms"] = round(rec.ttft * 1000, 3)
-    fields["duration_ms"] = round((now - rec.started) * 1000, 3)
-    if rec.request_id_replaced:
-        fields["request_id_replaced"] = True
-    if rec.extra:
-        fields.update(rec.extra)
-    for k in ("user", "model", "strategy", "error"):
-        v = fields[k]
-        if isinstance(v, str) and len(v) > MAX_LOG_CHARS:
-            fields[k] = _cut(v)
-    request_log.emit(fields)
+    preflight's, gateway/server/edge.py): ``record_request``'s line, without its metrics and
+    observers (such an answer is counted where it is made, not as a request served)."""
+    request_log.emit(_line(rec, now - rec.started))
 
 
 def _cut(v: str) -> str:
