@@ -60,8 +60,12 @@ class KVEventPublisher:
 
         self.rank = rank
         self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        # XPUB: a PUB that also hands over its subscribers' subscriptions (every one, verbose), so
+        # ``subscriptions`` tells a test when a subscriber is listening; events published before
+        # then never reach it, as from vLLM's PUB
+        self.pub = self.ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.replay = None
         self.replay_port = 0
@@ -89,8 +93,10 @@ class KVEventPublisher:
         self.paused = False
         self.published = 0
         self.replays_served = 0
+        self.subscriptions = 0          # subscribe messages received: one per subscriber and topic
         self._flush_scheduled = False
         self._replay_task: asyncio.Task | None = None
+        self._subs_task: asyncio.Task | None = None
 
     @staticmethod
     def _bind(sock: Any, host: str, port: int) -> int:
@@ -100,15 +106,24 @@ class KVEventPublisher:
         return sock.bind_to_random_port(f"tcp://{host}")
 
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._subs_task = loop.create_task(self._read_subscriptions())
         if self.replay is not None:
-            self._replay_task = asyncio.get_running_loop().create_task(self._serve_replay())
+            self._replay_task = loop.create_task(self._serve_replay())
 
     async def close(self) -> None:
-        if self._replay_task is not None:
-            self._replay_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._replay_task
+        for task in (self._replay_task, self._subs_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.close_sockets()
+
+    async def _read_subscriptions(self) -> None:
+        while True:
+            msg = await self.pub.recv()
+            if msg[:1] == b"\x01":
+                self.subscriptions += 1
 
     def close_sockets(self) -> None:
         self.pub.close(0)
@@ -224,6 +239,11 @@ class RankedPublishers:
         self.ranks = ranks
         self.port = ranks[0].port
         self.replay_port = ranks[0].replay_port
+
+    @property
+    def subscriptions(self) -> int:
+        """The subscriptions every rank has had (a subscriber of all ranks counts on each)."""
+        return min(p.subscriptions for p in self.ranks)
 
     def start(self) -> None:
         for p in self.ranks:

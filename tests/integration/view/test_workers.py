@@ -192,7 +192,9 @@ async def test_on_kv_events_a_worker_finds_the_tokens_its_sibling_made(sims, tmp
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
                                     default_headers={"Connection": "close"})
         try:
-            await asyncio.sleep(0.5)                       # both workers' SUB sockets connect
+            # both workers subscribed to both engines' events (events published before a subscriber
+            # connects never reach it)
+            await until(lambda: all(e.engine.kv_events.subscriptions >= 2 for e in engines), timeout=20)
             for c in range(3):
                 messages = [{"role": "system", "content": f"conversation {c}. {system}"}]
                 served = []
