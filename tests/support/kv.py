@@ -3,7 +3,6 @@ random words for prompts, and a gateway routing on the events of an enginesim en
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 from pathlib import Path
@@ -61,7 +60,7 @@ async def events_gateway(sims: Any, gateway: Any, tokenizer: str, engine: dict[s
                          "strategy": "prefix-cache", "kv_events": {"enabled": True, "port": s.port, **kv}}])
     manager = gw.gw.routing.ctx.precise_index
     await until(lambda: manager.subscribers)
-    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
+    await until(lambda: s.subscriptions >= 1)      # subscribed (a slow joiner misses what came before)
     return sim, gw, manager
 
 

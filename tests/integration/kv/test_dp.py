@@ -35,7 +35,7 @@ async def _setup(sims, gateway):
     kv = gw.gw.routing.ctx.precise_index
     await until(lambda: len(kv.subscribers) == 1)
     st = next(iter(kv.index.states.values()))
-    await asyncio.sleep(0.3)          # the SUB sockets connect (a slow joiner misses what came before)
+    await until(lambda: pubs.subscriptions >= 1)          # every rank subscribed (a slow joiner misses what came before)
     client = openai_client(gw, "x")
     return sim, pubs, gw, kv, st, client
 
@@ -125,7 +125,7 @@ async def _ranked_setup(sims, gateway, route_ranks: bool):
     kv = gw.gw.routing.ctx.precise_index
     await until(lambda: len(kv.subscribers) == 1)
     st = next(iter(kv.index.states.values()))
-    await asyncio.sleep(0.3)
+    await until(lambda: pubs.subscriptions >= 1)          # every rank's SUB socket connected
     records: list = []
     gw.gw.observers.append(lambda rec, _d: records.append(rec))
     return sim, gw, st, records

@@ -71,7 +71,7 @@ async def test_events_fill_the_index_and_match_the_engine(sims, gateway, clients
     kv, st = _state(gw)
     client = clients(gw)
     await until(lambda: sim.engine.kv_events is not None and kv.subscribers)
-    await asyncio.sleep(0.2)          # the SUB socket connects (a slow joiner misses what came before)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)   # subscribed (a slow joiner misses what came before)
     r = await _chat(client, "first question")
     await until(lambda: len(st.emap) > 0)
     assert len(st.emap) == sim.engine.pool.cached_blocks
@@ -97,7 +97,7 @@ async def test_gap_is_replayed(sims, gateway, clients):
     gw = await _gateway(gateway, sim)
     kv, st = _state(gw)
     client = clients(gw)
-    await asyncio.sleep(0.3)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
     await _chat(client, "one")
     await until(lambda: len(st.emap) > 0)
     pub = sim.engine.kv_events
@@ -113,7 +113,7 @@ async def test_gap_without_replay_clears(sims, gateway, clients):
     gw = await _gateway(gateway, sim, replay=False)
     kv, st = _state(gw)
     client = clients(gw)
-    await asyncio.sleep(0.3)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
     await _chat(client, "one")
     await until(lambda: len(st.emap) > 0)
     sim.engine.kv_events.drop_next = 1
@@ -134,7 +134,7 @@ async def test_restarted_engine_clears_its_entries(sims, gateway, clients):
     gw = await _gateway(gateway, sim)
     kv, st = _state(gw)
     client = clients(gw)
-    await asyncio.sleep(0.3)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
     for q in ("one", "two"):
         await _chat(client, q)
     await until(lambda: len(st.emap) > 0)
@@ -160,7 +160,7 @@ async def test_restarted_engine_that_publishes_nothing_is_cleared_from_its_scrap
     gw = await _gateway(gateway, sim)
     kv, st = _state(gw)
     client = clients(gw)
-    await asyncio.sleep(0.3)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
     for q in ("one", "two"):
         await _chat(client, q)
     await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks > 0)
@@ -170,7 +170,7 @@ async def test_restarted_engine_that_publishes_nothing_is_cleared_from_its_scrap
         await until(lambda: st.ep.metrics.start_time == restarted.engine.started_at)
         assert len(st.emap) == 0
         assert restarted.engine.kv_events.seq == 0          # it published nothing
-        await asyncio.sleep(0.3)                            # the SUB socket connects to the new publisher
+        await until(lambda: restarted.engine.kv_events.subscriptions >= 1)   # the SUB socket reconnected
         await _chat(client, "a new life")
         await until(lambda: 0 < len(st.emap) == restarted.engine.pool.cached_blocks)
         text = await gw.metrics_text()
@@ -185,7 +185,7 @@ async def test_stalled_publisher_falls_back_and_recovers(sims, gateway, clients)
     gw = await _gateway(gateway, sim, stall_timeout_s=0.2)
     kv, st = _state(gw)
     client = clients(gw)
-    await asyncio.sleep(0.3)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
     await _chat(client, "one")
     await until(lambda: len(st.emap) > 0)
     sim.engine.kv_events.paused = True
@@ -227,7 +227,7 @@ async def test_salted_requests_go_to_their_salts_prefix_and_multimodal_falls_bac
                          "strategy": "prefix-cache", "kv_events": {"enabled": True, "stall_timeout_s": 5.0}}])
     kv = gw.gw.routing.ctx.precise_index
     await until(lambda: len(kv.subscribers) == 2)
-    await asyncio.sleep(0.3)          # the SUB sockets connect
+    await until(lambda: a.engine.kv_events.subscriptions >= 1 and b.engine.kv_events.subscriptions >= 1)
     state = {st.ep.url: st for st in kv.index.states.values()}
     pod = {a.url: state[a.url].ep.address, b.url: state[b.url].ep.address}
     seed = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "seed"}]
