@@ -1,0 +1,109 @@
+"""``POST /v1/files`` as clients other than the openai SDK write the form: the ``file`` field before
+``purpose`` (``curl -F`` writes the fields in the order given; OpenAI reads them in any order)."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.support.batch import jsonl
+from tests.support.factories import model_block
+from tests.support.http import openai_client
+
+ROWS = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "m", "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 3}}
+        for i in range(2)]
+GOOD = jsonl(ROWS)
+TUNING = jsonl([{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 3)
+BOUNDARY = "xyzBOUNDARY"
+FORM = f"multipart/form-data; boundary={BOUNDARY}"
+
+
+def _form(fields: list[tuple[str, str | None, bytes]]) -> bytes:
+    """A multipart body; a field's ``disposition`` is written as given (a filename already quoted)."""
+    out = io.BytesIO()
+    for name, disposition, value in fields:
+        out.write(f"--{BOUNDARY}\r\n".encode())
+        out.write(f'Content-Disposition: form-data; name="{name}"'.encode())
+        if disposition is not None:
+            out.write(b"; " + disposition.encode())
+        out.write(b"\r\n\r\n" + value + b"\r\n")
+    out.write(f"--{BOUNDARY}--\r\n".encode())
+    return out.getvalue()
+
+
+async def _upload(gw, body: bytes) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/files", data=body,
+                                                    headers={"Content-Type": FORM}) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def _gateway(sims, gateway, tmp_path, **batch: Any):
+    sim = await sims("vllm", "m")
+    return await gateway([model_block("m", "vllm", [sim.url])],
+                         batch={"enabled": True, "dir": str(tmp_path / "batch"), **batch})
+
+
+def _nothing_stored(tmp_path) -> None:
+    assert os.listdir(tmp_path / "batch" / "files") == []
+    assert os.listdir(tmp_path / "batch" / "tmp") == []
+
+
+@pytest.mark.parametrize("order", ["file, purpose", "file, expires_after, purpose", "expires_after, file, purpose"])
+async def test_the_file_may_come_before_its_purpose(sims, gateway, tmp_path, order):
+    gw = await _gateway(sims, gateway, tmp_path)
+    parts = {"file": ("file", 'filename="in.jsonl"', GOOD), "purpose": ("purpose", None, b"batch"),
+             "expires_after": [("expires_after[anchor]", None, b"created_at"),
+                               ("expires_after[seconds]", None, b"3600")]}
+    fields: list[tuple[str, str | None, bytes]] = []
+    for name in order.split(", "):
+        got = parts[name]
+        fields += got if isinstance(got, list) else [got]
+    status, body = await _upload(gw, _form(fields))
+    assert status == 200, body
+    assert (body["purpose"], body["filename"], body["bytes"]) == ("batch", "in.jsonl", len(GOOD))
+    if "expires_after" in order:
+        assert body["expires_at"] == body["created_at"] + 3600
+    c = openai_client(gw)
+    assert (await c.files.content(body["id"])).content == GOOD
+    assert [f.id for f in (await c.files.list()).data] == [body["id"]]
+    assert os.listdir(tmp_path / "batch" / "tmp") == []
+
+
+@pytest.mark.parametrize(("case", "fields", "status", "param", "code"), [
+    ("purpose after, not batch", [("file", 'filename="t.jsonl"', TUNING), ("purpose", None, b"fine-tune")],
+     400, "purpose", "invalid_value"),
+    ("purpose after, not batch, batch lines", [("file", 'filename="t.jsonl"', GOOD), ("purpose", None, b"user_data")],
+     400, "purpose", "invalid_value"),
+    ("no purpose", [("file", 'filename="t.jsonl"', GOOD)], 400, "purpose", "missing_required_parameter"),
+    ("no purpose, not batch lines", [("file", 'filename="t.jsonl"', TUNING)], 400, "purpose",
+     "missing_required_parameter"),
+    ("purpose after, batch, bad line", [("file", 'filename="t.jsonl"', TUNING), ("purpose", None, b"batch")],
+     400, "custom_id", "missing_required_parameter"),
+    ("purpose after, not batch, bad name", [("file", 'filename="../t.jsonl"', GOOD), ("purpose", None, b"fine-tune")],
+     400, "purpose", "invalid_value"),
+    ("purpose after, not batch, no name", [("file", None, TUNING), ("purpose", None, b"fine-tune")],
+     400, "purpose", "invalid_value"),
+    ("no purpose, bad name", [("file", 'filename="../t.jsonl"', GOOD)], 400, "purpose", "missing_required_parameter"),
+    ("purpose after, batch, bad name", [("file", 'filename="../t.jsonl"', GOOD), ("purpose", None, b"batch")],
+     400, "file", "invalid_filename"),
+    ("purpose after, too large", [("file", 'filename="t.jsonl"', GOOD * 300), ("purpose", None, b"batch")],
+     413, "file", "file_too_large"),
+    ("purpose after, bad expires_after", [("file", 'filename="t.jsonl"', GOOD), ("expires_after[days]", None, b"1"),
+                                          ("purpose", None, b"batch")], 400, "expires_after.days", "unknown_parameter"),
+])
+async def test_a_file_before_its_purpose_is_judged_on_the_whole_form(sims, gateway, tmp_path, case, fields, status,
+                                                                     param, code):
+    """A purpose told after the file is judged first, as one told before it: a file for another
+    purpose (a fine-tuning file) is refused for its purpose, not for its first line, and one without
+    a purpose for its missing purpose; a batch file's own faults are its answer. Nothing is stored."""
+    gw = await _gateway(sims, gateway, tmp_path, max_file_bytes=20_000)
+    got, body = await _upload(gw, _form(fields))
+    assert (got, body["error"]["param"], body["error"]["code"]) == (status, param, code), body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert (await openai_client(gw).files.list()).data == []
+    _nothing_stored(tmp_path)
