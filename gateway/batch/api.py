@@ -186,7 +186,7 @@ class BatchApi:
         purpose: str | None = None
         expiry: dict[str, str] = {}                   # expires_after[<key>] fields, by key
         expiry_text: str | None = None                # an expires_after field with no key: not an object
-        got: tuple[str, int, int] | None = None       # (filename, bytes, lines)
+        got: tuple[str, int, int, GatewayError | None] | None = None    # (filename, bytes, lines, fault)
         try:
             try:
                 reader = await request.multipart()
@@ -211,7 +211,7 @@ class BatchApi:
                     elif part.name == "file" and got is None:
                         if purpose is not None:     # told first (the SDKs do): the file is read for it
                             _check_purpose(purpose)
-                        got = await self._receive(part, tmp)
+                        got = await self._receive(part, tmp, judged=purpose is not None)
                     else:
                         await _field(part, field_limit)
             except (aiohttp.ClientPayloadError, web.HTTPException, ValueError, AssertionError,
@@ -225,8 +225,10 @@ class BatchApi:
             if purpose is None:
                 raise _bad("missing multipart field 'purpose'", "purpose", "missing_required_parameter")
             _check_purpose(purpose)
+            filename, size, lines, fault = got
+            if fault is not None:           # the file's own fault, kept while its purpose was not known
+                raise fault
             ttl_s = _ttl(expiry_text if expiry_text is not None else expiry or None, cfg.file_ttl_s)
-            filename, size, lines = got
             file_id = batch_files.new_file_id()
             await asyncio.to_thread(batch_files.publish, self.db.dir, tmp, file_id)
             f = batch_files.file_object(file_id, filename, "batch", size, ttl_s)
@@ -239,31 +241,51 @@ class BatchApi:
         finally:
             await asyncio.to_thread(_unlink, tmp)
 
-    async def _receive(self, part: aiohttp.BodyPartReader, tmp: str) -> tuple[str, int, int]:
-        """The file part to ``tmp``, checked line by line as it arrives (a thread writes and checks)."""
-        name = part.filename
-        if name is None:
-            raise _bad("the 'file' field must be a file (with a filename)", "file")
-        problem = batch_files.filename_problem(name)
-        if problem:
-            raise _bad(problem, "file", "invalid_filename")
+    async def _receive(self, part: aiohttp.BodyPartReader, tmp: str,
+                       judged: bool) -> tuple[str, int, int, GatewayError | None]:
+        """The file part to ``tmp``, checked line by line as it arrives (a thread writes and checks):
+        (its name, bytes, lines, its fault). ``judged``: the purpose, told before the file, is
+        batch, and a fault of the file (its name, a line) is raised at once. Told after it (curl -F
+        writes the fields in the order given), the purpose is judged first once the form is read: a
+        fault is then kept and the rest of the file read to its end, counted against
+        ``batch.max_file_bytes``, neither checked nor stored, so a file for another purpose (or none)
+        is refused for its purpose whatever it holds, as when the purpose comes first."""
         cfg = self.cfg
+        name = part.filename
+        fault: GatewayError | None = None
+        if name is None:
+            fault = _bad("the 'file' field must be a file (with a filename)", "file")
+        elif problem := batch_files.filename_problem(name):
+            fault = _bad(problem, "file", "invalid_filename")
+        if fault is not None and judged:
+            raise fault
         check = LineCheck(cfg.max_lines, cfg.max_line_bytes)
-        size = 0
-        f = await asyncio.to_thread(open, tmp, "wb")
+        size = lines = 0
+        f = await asyncio.to_thread(open, tmp, "wb") if fault is None else None
         try:
             while chunk := await part.read_chunk(CHUNK):
                 size += len(chunk)
                 if size > cfg.max_file_bytes:
                     raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
                                "file_too_large", 413)
-                await asyncio.to_thread(_write_checked, f, check, chunk)
-            lines = await asyncio.to_thread(check.finish)
-        except LineError as e:
-            raise _bad(f"invalid batch input file: {e.message}", e.param or "file", e.code) from None
+                if fault is None:
+                    try:
+                        await asyncio.to_thread(_write_checked, f, check, chunk)
+                    except LineError as e:
+                        fault = _line_fault(e)
+                        if judged:
+                            raise fault from None
+            if fault is None:
+                try:
+                    lines = await asyncio.to_thread(check.finish)
+                except LineError as e:
+                    fault = _line_fault(e)
+                    if judged:
+                        raise fault from None
         finally:
-            await asyncio.to_thread(f.close)
-        return name, size, lines
+            if f is not None:
+                await asyncio.to_thread(f.close)
+        return name or "", size, lines, fault
 
     async def list_files(self, request: web.Request) -> web.Response:
         _, who = await self._caller(request)
@@ -496,6 +518,10 @@ def _shown(value: str) -> str:
 def _metadata_ok(m: Any) -> bool:
     return (isinstance(m, dict) and len(m) <= MAX_METADATA
             and all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in m.items()))
+
+
+def _line_fault(e: LineError) -> GatewayError:
+    return _bad(f"invalid batch input file: {e.message}", e.param or "file", e.code)
 
 
 def _write_checked(f, check: LineCheck, chunk: bytes) -> None:
