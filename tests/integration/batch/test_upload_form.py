@@ -1,5 +1,7 @@
 """``POST /v1/files`` as clients other than the openai SDK write the form: the ``file`` field before
-``purpose`` (``curl -F`` writes the fields in the order given; OpenAI reads them in any order)."""
+``purpose`` (``curl -F`` writes the fields in the order given; OpenAI reads them in any order); and
+filenames holding a ``"``, which the SDK percent-encodes (``%22``, as the WHATWG multipart encoder
+does, RFC 7578 §4.2) and older curl escapes (``\\"``): the name is stored as the client gave it."""
 
 from __future__ import annotations
 
@@ -106,4 +108,43 @@ async def test_a_file_before_its_purpose_is_judged_on_the_whole_form(sims, gatew
     assert (got, body["error"]["param"], body["error"]["code"]) == (status, param, code), body
     assert set(body["error"]) == {"message", "type", "param", "code"}
     assert (await openai_client(gw).files.list()).data == []
+    _nothing_stored(tmp_path)
+
+
+NAMES = ['say "hi".jsonl', 'caf\u00e9 "x".jsonl', "plain.jsonl", "50% off.jsonl", "a%2522.jsonl", "a'b.jsonl"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+async def test_the_sdks_filename_is_stored_as_the_client_gave_it(sims, gateway, tmp_path, name):
+    """The openai SDK writes a ``"`` of a filename as ``%22`` (WHATWG's encoding; a ``%`` it sends as it is)."""
+    gw = await _gateway(sims, gateway, tmp_path)
+    c = openai_client(gw)
+    f = await c.files.create(file=(name, GOOD), purpose="batch")
+    assert f.filename == name
+    assert (await c.files.retrieve(f.id)).filename == name
+    assert [x.filename for x in (await c.files.list()).data] == [name]
+
+
+@pytest.mark.parametrize(("disposition", "name"), [
+    ('filename="say \\"hi\\".jsonl"', 'say "hi".jsonl'),            # curl before 7.81: a quoted-pair
+    ('filename="say %22hi%22.jsonl"', 'say "hi".jsonl'),            # curl since 7.81, browsers: WHATWG
+    ("filename*=UTF-8''say%20%22hi%22.jsonl", 'say "hi".jsonl'),    # RFC 5987 (RFC 7578 §4.2 forbids it; read)
+    ("filename*=UTF-8''a%2522.jsonl", "a%22.jsonl"),                # decoded once
+    ('filename="a%2522.jsonl"', "a%2522.jsonl"),                    # a % is not encoded: %25 is no escape here
+])
+async def test_a_raw_forms_filename_is_stored_as_the_client_gave_it(sims, gateway, tmp_path, disposition, name):
+    gw = await _gateway(sims, gateway, tmp_path)
+    status, body = await _upload(gw, _form([("purpose", None, b"batch"), ("file", disposition, GOOD)]))
+    assert status == 200, body
+    assert body["filename"] == name
+    assert (await openai_client(gw).files.retrieve(body["id"])).filename == name
+
+
+@pytest.mark.parametrize("disposition", ['filename="a%0Ab.jsonl"', 'filename="a%0db.jsonl"'])
+async def test_a_filename_encoding_a_line_break_is_refused(sims, gateway, tmp_path, disposition):
+    """A browser writes a line break of a filename as ``%0A`` or ``%0D``: read as the name, it holds a
+    control character, refused as one written raw is."""
+    gw = await _gateway(sims, gateway, tmp_path)
+    status, body = await _upload(gw, _form([("purpose", None, b"batch"), ("file", disposition, GOOD)]))
+    assert (status, body["error"]["param"], body["error"]["code"]) == (400, "file", "invalid_filename"), body
     _nothing_stored(tmp_path)
