@@ -251,7 +251,7 @@ class BatchApi:
         ``batch.max_file_bytes``, neither checked nor stored, so a file for another purpose (or none)
         is refused for its purpose whatever it holds, as when the purpose comes first."""
         cfg = self.cfg
-        name = part.filename
+        name = batch_files.form_filename(part.headers.get(hdrs.CONTENT_DISPOSITION))
         fault: GatewayError | None = None
         if name is None:
             fault = _bad("the 'file' field must be a file (with a filename)", "file")

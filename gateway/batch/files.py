@@ -15,11 +15,17 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from aiohttp.multipart import content_disposition_filename, parse_content_disposition
+
 from gateway.batch.store import now_s
 
 _ID = re.compile(r"\Afile-[0-9a-f]{24}\Z")
 _BAD_NAME = re.compile(r"[\x00-\x1f\x7f/\\]")
 MAX_FILENAME = 255
+# what the WHATWG multipart encoder escapes in a filename (browsers, curl since 7.81, httpx: the
+# openai SDK's client), and nothing else: a "%" it writes as it is
+_FORM_ESCAPE = re.compile(r"%(22|0[aAdD])")
+_FORM_ESCAPED = {"22": '"', "0a": "\n", "0d": "\r"}
 
 
 def new_file_id() -> str:
@@ -34,6 +40,20 @@ def path_of(directory: str, file_id: str) -> str:
     if not valid_id(file_id):
         raise ValueError(f"not a file id: {file_id!r}")
     return os.path.join(directory, "files", file_id)
+
+
+def form_filename(disposition: str | None) -> str | None:
+    """The name a form's file part gives (its ``Content-Disposition``), as its client gave it; None
+    when it gives none. A ``filename`` has the WHATWG encoder's escapes undone (RFC 7578 §4.2: ``%22``
+    a double quote, ``%0A`` and ``%0D`` a line break), and no other percent sign: the encoder writes a
+    ``%`` of the name as it is, so ``%41`` is the client's text. A quoted-pair (``\\"``, older curl)
+    is undone by the header's parser, and so is a ``filename*`` (RFC 5987; RFC 7578 forbids senders
+    it, read where one is sent): it is taken as it decodes, with no escape undone twice."""
+    _, params = parse_content_disposition(disposition)
+    name = content_disposition_filename(params, "filename")
+    if name is None or "filename" not in params or "filename*" in params:
+        return name
+    return _FORM_ESCAPE.sub(lambda m: _FORM_ESCAPED[m.group(1).lower()], name)
 
 
 def filename_problem(name: str) -> str | None:
