@@ -1,13 +1,15 @@
 """``POST /v1/files`` as clients other than the openai SDK write the form: the ``file`` field before
 ``purpose`` (``curl -F`` writes the fields in the order given; OpenAI reads them in any order); and
 filenames holding a ``"``, which the SDK percent-encodes (``%22``, as the WHATWG multipart encoder
-does, RFC 7578 §4.2) and older curl escapes (``\\"``): the name is stored as the client gave it."""
+does, RFC 7578 §4.2) and older curl escapes (``\\"``): the name is stored as the client gave it,
+and the content download names it in ``Content-Disposition`` (RFC 6266 ``filename*``)."""
 
 from __future__ import annotations
 
 import io
 import os
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 import pytest
@@ -148,3 +150,36 @@ async def test_a_filename_encoding_a_line_break_is_refused(sims, gateway, tmp_pa
     status, body = await _upload(gw, _form([("purpose", None, b"batch"), ("file", disposition, GOOD)]))
     assert (status, body["error"]["param"], body["error"]["code"]) == (400, "file", "invalid_filename"), body
     _nothing_stored(tmp_path)
+
+
+@pytest.mark.parametrize("name", NAMES)
+async def test_the_content_download_names_the_file_in_content_disposition(sims, gateway, tmp_path, name):
+    """RFC 6266: ``filename*=UTF-8''`` with the name percent-encoded, after a ``filename`` of plain
+    ASCII for clients that read no ``filename*``; aiohttp's reader gives the name back."""
+    gw = await _gateway(sims, gateway, tmp_path)
+    c = openai_client(gw)
+    f = await c.files.create(file=(name, GOOD), purpose="batch")
+    for method in ("GET", "HEAD"):
+        async with aiohttp.ClientSession() as s, s.request(method, f"{gw.url}/v1/files/{f.id}/content") as r:
+            assert r.status == 200
+            disposition = r.headers["Content-Disposition"]
+            assert disposition.isascii()
+            assert r.content_disposition is not None and r.content_disposition.type == "attachment"
+            assert r.content_disposition.filename == name, disposition
+            params = dict(p.strip().split("=", 1) for p in disposition.split(";")[1:])
+            assert params["filename*"].startswith("UTF-8''")
+            assert unquote(params["filename*"][7:], "utf-8", "strict") == name
+            fallback = params["filename"]
+            assert fallback.startswith('"') and fallback.endswith('"') and '"' not in fallback[1:-1]
+            assert "\\" not in fallback and "%" not in fallback
+    assert (await c.files.content(f.id)).content == GOOD
+
+
+async def test_a_plain_name_is_given_alike_in_both_forms(sims, gateway, tmp_path):
+    gw = await _gateway(sims, gateway, tmp_path)
+    c = openai_client(gw)
+    f = await c.files.create(file=("in.jsonl", GOOD), purpose="batch")
+    for headers in ({}, {"Range": "bytes=0-9"}):
+        async with aiohttp.ClientSession() as s, s.get(f"{gw.url}/v1/files/{f.id}/content", headers=headers) as r:
+            assert r.status == (206 if headers else 200)
+            assert r.headers["Content-Disposition"] == "attachment; filename=\"in.jsonl\"; filename*=UTF-8''in.jsonl"
