@@ -72,9 +72,10 @@ def _precondition_failed(header: str) -> GatewayError:
                 header, "precondition_failed", 412)
 
 
-async def _send(request: web.Request, fobj: Any, v: ranges.Validators) -> web.StreamResponse:
+async def _send(request: web.Request, fobj: Any, v: ranges.Validators, filename: str) -> web.StreamResponse:
     """A file's content, as RFC 9110 reads the request's conditionals (§13.2.2) and its Range (§14):
-    412 and 416 in OpenAI's shape, 304 without a body, one range a 206 (gateway/batch/ranges.py)."""
+    412 and 416 in OpenAI's shape, 304 without a body, one range a 206 (gateway/batch/ranges.py);
+    the bytes (and a HEAD) name ``filename`` in ``Content-Disposition`` (RFC 6266)."""
     h = request.headers
     validators = {"ETag": v.etag, "Last-Modified": _http_date(v.last_modified)}
     if (im := h.get(hdrs.IF_MATCH)) is not None:
@@ -90,7 +91,8 @@ async def _send(request: web.Request, fobj: Any, v: ranges.Validators) -> web.St
     if not modified:
         return web.Response(status=304, headers=validators)
     start, end, status = 0, v.size - 1, 200
-    headers = {**validators, "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+    headers = {**validators, "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
+               "Content-Disposition": batch_files.content_disposition(filename)}
     spec = h.getall(hdrs.RANGE, ())
     if request.method == "GET" and len(spec) == 1:      # §14.2: only GET reads a Range; two are no one
         if_range = h.get(hdrs.IF_RANGE)
@@ -317,7 +319,7 @@ class BatchApi:
             raise GatewayError(404, f"The content of file {f['id']} is no longer stored", param="id",
                                code="file_not_found") from None
         try:
-            return await _send(request, fobj, ranges.Validators.of(st))
+            return await _send(request, fobj, ranges.Validators.of(st), f["filename"])
         finally:
             await asyncio.shield(asyncio.to_thread(fobj.close))
 

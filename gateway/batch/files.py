@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import quote
 
 from aiohttp.multipart import content_disposition_filename, parse_content_disposition
 
@@ -26,6 +27,8 @@ MAX_FILENAME = 255
 # openai SDK's client), and nothing else: a "%" it writes as it is
 _FORM_ESCAPE = re.compile(r"%(22|0[aAdD])")
 _FORM_ESCAPED = {"22": '"', "0a": "\n", "0d": "\r"}
+# RFC 8187's attr-char beyond the letters, digits and "-._~" that quote() always keeps
+_ATTR_CHARS = "!#$&+^`|"
 
 
 def new_file_id() -> str:
@@ -54,6 +57,15 @@ def form_filename(disposition: str | None) -> str | None:
     if name is None or "filename" not in params or "filename*" in params:
         return name
     return _FORM_ESCAPE.sub(lambda m: _FORM_ESCAPED[m.group(1).lower()], name)
+
+
+def content_disposition(name: str) -> str:
+    """A file's name in its download's ``Content-Disposition`` (RFC 6266 §4.3, Appendix D): the name
+    itself in ``filename*`` (UTF-8, percent-encoded: RFC 8187), after a ``filename`` for the clients
+    that read no ``filename*``, where a character that is not printable ASCII, or is a ``"``, a
+    ``\\`` or a ``%`` (which clients read differently in a quoted name) is a ``_``."""
+    plain = "".join(c if " " <= c <= "~" and c not in '"\\%' else "_" for c in name)
+    return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(name.encode('utf-8', 'replace'), safe=_ATTR_CHARS)}"
 
 
 def filename_problem(name: str) -> str | None:
