@@ -4,8 +4,8 @@ A line is ``{"custom_id": str, "method": "POST", "url": one of ENDPOINTS, "body"
 file says of itself is checked while it is uploaded (``LineCheck``): UTF-8, one JSON object per
 line, those four fields, ``custom_id`` unique, the line and line-count limits; a failure is a 400
 naming the line, and nothing is stored. What depends on the batch (each line's ``url`` equals the
-batch's ``endpoint``) is checked when the batch is validated (``endpoint_mismatch``); it fails the
-batch with ``errors.data`` naming the line, as OpenAI does. Blank lines are skipped; line numbers
+batch's ``endpoint``) is checked when the batch is validated (``validate``); it fails the batch
+with ``errors.data`` naming the line, as OpenAI does; the batch's ``model`` is read then too. Blank lines are skipped; line numbers
 are the file's own, from 1. A UTF-8 byte order mark opening the file (Windows tools write one) is
 not part of its first line; anywhere else it is a line's bytes, so not JSON.
 """
@@ -148,13 +148,24 @@ def read_chunk(path: str, offset: int, line_no: int, n: int = CHUNK_LINES) -> tu
 def endpoint_mismatch(path: str, endpoint: str, max_errors: int = 10) -> tuple[int, list[dict]]:
     """Validation of a batch: (its number of requests, ``errors.data`` items for the lines whose
     ``url`` is not the batch's ``endpoint``, at most ``max_errors``)."""
+    total, errors, _ = validate(path, endpoint, max_errors)
+    return total, errors
+
+
+def validate(path: str, endpoint: str, max_errors: int = 10) -> tuple[int, list[dict], str | None]:
+    """``endpoint_mismatch``, and the batch's model: the one ``model`` its lines name, None when they
+    name several (each line runs on its own) or none."""
     total, errors, offset, line_no = 0, [], 0, 0
+    models: set[str] = set()
     while True:
         lines, offset, line_no = read_chunk(path, offset, line_no, 4096)
         if not lines:
-            return total, errors
+            return total, errors, next(iter(models)) if len(models) == 1 else None
         total += len(lines)
         for ln in lines:
             if ln.url != endpoint and len(errors) < max_errors:
                 errors.append({"code": "mismatched_url", "param": "url", "line": ln.line_no,
                                "message": f"line {ln.line_no}: url {ln.url} is not the batch's endpoint {endpoint}"})
+            model = ln.body.get("model")
+            if len(models) < 2 and isinstance(model, str) and model:
+                models.add(model)

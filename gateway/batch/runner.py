@@ -40,7 +40,7 @@ import structlog
 from gateway.batch import files as batch_files
 from gateway.batch.config import BatchConfig
 from gateway.batch.headroom import free_slots, model_room
-from gateway.batch.jsonl import Line, endpoint_mismatch, read_chunk
+from gateway.batch.jsonl import Line, read_chunk, validate
 from gateway.batch.line_request import LineRequest
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.store import BatchDb, BatchStore, Result, now_s
@@ -182,8 +182,9 @@ class BatchRunner:
 
     async def _validate(self, job: _Job) -> None:
         doc = job.doc
+        model: str | None = None
         try:
-            total, errors = await asyncio.to_thread(endpoint_mismatch, job.path, doc["endpoint"])
+            total, errors, model = await asyncio.to_thread(validate, job.path, doc["endpoint"])
         except OSError as e:
             total, errors = 0, [{"code": "file_unreadable", "message": f"the input file cannot be read: {e.strerror}",
                                  "param": "input_file_id", "line": None}]
@@ -192,6 +193,7 @@ class BatchRunner:
         def change(d: dict[str, Any]) -> bool:
             if d["status"] != "validating":
                 return False
+            d["model"] = model      # the one its lines name (None: several, each line runs on its own)
             if errors:      # refused whole: no line of it is a request (OpenAI counts none either)
                 d.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
             else:
