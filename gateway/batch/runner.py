@@ -13,7 +13,9 @@ again, and a line stored twice is kept once). A 429 (the owner's limits, admissi
 its Retry-After and is tried again without counting, and no line of the owner's for that model
 starts meanwhile; a 502 of a line that reached no engine (the gateway could not connect to one:
 an engine that died is ready until its probes notice) is tried again without counting, and no
-line of that model starts meanwhile; another 5xx or a timeout is tried again up to
+line of that model starts meanwhile; a 503 no ready endpoint of a model whose endpoints went
+unready after the line started goes back uncounted to wait for a ready one, as a line that found
+none at its start does; another 5xx or a timeout is tried again up to
 ``max_attempts``; anything else is the line's answer (a 4xx goes to the error file).
 
 The output and error files are written at the end by streaming the stored lines in input order,
@@ -502,7 +504,7 @@ class BatchRunner:
         req = LineRequest(line.url, orjson.dumps(body), headers, {},
                           log_fields={"batch_id": job.id, "custom_id": line.custom_id}, acting_for=job.owner or None)
         retry_after: float | None = None
-        unreached = False
+        unreached = unready = False
         try:
             resp = await self.submit(req)
             status, raw = resp.status, _body_of(resp)
@@ -510,6 +512,8 @@ class BatchRunner:
                 retry_after = _retry_after(resp)
             elif status == 502:
                 unreached = _upstream_kind(resp) == UNREACHED
+            elif status == 503:
+                unready = _no_backends(resp) and self._unready(model)
         except asyncio.CancelledError:
             if rid not in self.preempted:
                 raise
@@ -522,15 +526,17 @@ class BatchRunner:
             log.exception("batch line failed in the gateway", batch_id=job.id, custom_id=line.custom_id)
             status, raw = 500, orjson.dumps({"error": {"message": f"internal gateway error: {type(e).__name__}",
                                                        "type": "server_error", "param": None, "code": "internal_error"}})
-        if not unreached:           # an engine answered (or the gateway itself): the model is reached
+        if not unreached and not unready:   # an engine answered (or the gateway itself): the model is reached
             self.unreached.pop(model, None)
-        # not the line's fault: a limit, a drain, or no engine could be connected to
-        free = status == 429 or unreached or (status == 503 and self.draining())
+        # not the line's fault: a limit, a drain, no engine could be connected to, or none was ready
+        free = status == 429 or unreached or unready or (status == 503 and self.draining())
         if free or (status in RETRY_STATUSES and attempts + 1 < self.cfg.max_attempts):
             counted = attempts if free else attempts + 1
             delay = min(MAX_BACKOFF_S, self.cfg.retry_backoff_s * (2 ** max(0, counted - 1)))
             if unreached:               # none of the model's lines starts until the wait ends
                 delay = self._unreached(model)
+            elif unready:               # back in the queue at once: the dispatch holds it until one is ready
+                delay = 0.0
             if status == 429:           # the limit says when: until then no line of the owner's goes there
                 if retry_after is not None:
                     delay = min(MAX_BACKOFF_S, retry_after)
@@ -549,6 +555,15 @@ class BatchRunner:
         out = _output_line(line.custom_id, status, rid, parsed, None)
         job.results.append(Result(line.custom_id, line.line_no, ok, out, usage))
         self.m.lines(model, "completed" if ok else "failed")
+
+    def _unready(self, model: str) -> bool:
+        """A line of ``model`` was answered 503 no ready endpoint after the dispatch found it room:
+        whether a model it runs on has no ready endpoint now (its engine went unready in between),
+        so the line waits for one as a line that found none at its start, where ``_room`` holds it.
+        Where the pool still has ready endpoints the routing refused for its own reasons (prefill
+        and decode endpoints alone, none serving the path), and the 503 is counted as before."""
+        targets = self.targets(model) if model else None
+        return targets is not None and any(not self.pool.ready(t) for t in targets)
 
     def _unreached(self, model: str) -> float:
         """A line of ``model`` reached no engine: the seconds until its lines start again. A line
@@ -586,6 +601,12 @@ def _upstream_kind(resp: Any) -> str | None:
     """Why the gateway could not get an engine's answer (its ``x-error-upstream``), if it says."""
     headers = getattr(resp, "headers", None)
     return None if headers is None else headers.get("x-error-upstream")
+
+
+def _no_backends(resp: Any) -> bool:
+    """The gateway's 503 for a model with no ready endpoint (its ``x-error-no-model-backends``)."""
+    headers = getattr(resp, "headers", None)
+    return headers is not None and headers.get("x-error-no-model-backends") == "true"
 
 
 def _retry_after(resp: Any) -> float | None:
