@@ -19,6 +19,7 @@ import orjson
 import structlog
 from aiohttp import HttpVersion11, web
 
+from gateway.apis.anthropic_models import ANTHROPIC_VERSION, asks_anthropic, model_info, models_page
 from gateway.apis.base import ApiShape
 from gateway.apis.paths import MESSAGES, on_messages
 from gateway.apis.responses import add_responses
@@ -84,8 +85,10 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
     def shaped(request: web.Request, err: GatewayError) -> bytes:
         path = request.path
         api = apis.get(path)
-        if api is None and anthropic is not None and on_messages(path):
-            api = anthropic             # a Messages path not served (batches, "/v1/messages%00"): the SDK's shape
+        if api is None and anthropic is not None and (on_messages(path) or asks_anthropic(path, request.headers)):
+            # a Messages path not served (batches, "/v1/messages%00"), or Anthropic's SDK asking
+            # /v1/models (it sends anthropic-version): the SDK's shape
+            api = anthropic
         return api.error_body(err) if api is not None else err.body_bytes()
 
     def answer(request: web.Request, e: Exception) -> web.Response | None:
@@ -333,6 +336,8 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
 
     async def models(request: web.Request) -> web.Response:
         await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
+        if ANTHROPIC_VERSION in request.headers:      # Anthropic's SDK: a page in its Models API shape
+            return _json(200, models_page(model_entries(), request.query))
         return _json(200, {"object": "list", "data": model_entries()})
 
     async def model(request: web.Request) -> web.Response:
@@ -342,7 +347,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         name = request.match_info["model_id"]
         for entry in model_entries():
             if entry["id"] == name:
-                return _json(200, entry)
+                return _json(200, model_info(entry) if ANTHROPIC_VERSION in request.headers else entry)
         if not pool.listed:     # the pods not listed yet: it may be one of theirs, as for a request
             raise not_listed_yet(name)
         raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found",
