@@ -184,3 +184,21 @@ async def test_pages_asked_of_either_worker_walk_every_model_once(sims, tmp_path
             assert [m.id async for m in sdk.models.list(limit=1)] == ids
         finally:
             await sdk.close()
+
+
+async def test_a_walk_meets_every_model_once_while_an_adapter_is_loaded_between_its_pages(sims, gateway):
+    """Loading an adapter moves nothing in the listing: a walk whose next page is asked after the
+    load still meets every model listed all along, once."""
+    a = await sims("vllm", "llama", **LORA_SIM)
+    gw = await gateway([model_block("llama", "vllm", [a.url], adapters={"sql": "org/sql", "tone": "org/tone"})],
+                       lora={"discovery_interval_s": 0})
+    ids = _ids((await _get(gw.url + "/v1/models"))[2])
+    assert sorted(ids) == ["llama", "sql", "tone"]
+    c = anthropic_client(gw)
+    first = await c.models.list(limit=2)
+    done = await openai_client(gw).chat.completions.create(
+        model=ids[-1], messages=[{"role": "user", "content": "hi"}], max_tokens=2)     # loads the last one
+    assert done.choices[0].message.content
+    walked = [m.id for m in first.data] + [m.id async for m in c.models.list(limit=2, after_id=first.last_id)]
+    assert walked == ids
+    assert _ids((await _get(gw.url + "/v1/models"))[2]) == ids
