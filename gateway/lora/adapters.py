@@ -804,7 +804,10 @@ class Lora:
         self.count_serving()
 
     def describe(self) -> list[dict[str, Any]]:
-        """Adapters for ``/v1/models``: each with its parent and how many ready endpoints serve it."""
+        """Adapters for ``/v1/models``: each with its parent and how many ready endpoints serve it, by
+        name, so the listing's order does not follow the loads and unloads (nor differ between workers,
+        which learn of each other's in their own order): a walk through its pages by cursor
+        (``after_id``, gateway/apis/anthropic_models.py) meets each adapter listed throughout once."""
         out: dict[str, dict[str, Any]] = {}
         for ep in self.pool.endpoints():
             for a in ep.adapters.served:
@@ -813,7 +816,7 @@ class Lora:
         for a, (model, _) in self.paths.items():
             out.setdefault(a, {"id": a, "parent": model, "ready_endpoints": 0, "loadable": True})
             out[a]["loadable"] = True
-        return list(out.values())
+        return sorted(out.values(), key=lambda entry: entry["id"])
 
 
 _STATES = frozenset({"running", "resident", "free_slot", "waiting", "full"})
