@@ -11,6 +11,8 @@ import anthropic
 import orjson
 import pytest
 
+from gateway.apis.anthropic import error_type as anthropic_error_type
+from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block
 from tests.support.gateway_process import gateway_process
 from tests.support.http import anthropic_client, openai_client
@@ -202,3 +204,24 @@ async def test_a_walk_meets_every_model_once_while_an_adapter_is_loaded_between_
     walked = [m.id for m in first.data] + [m.id async for m in c.models.list(limit=2, after_id=first.last_id)]
     assert walked == ids
     assert _ids((await _get(gw.url + "/v1/models"))[2]) == ids
+
+
+async def test_the_edges_own_answers_on_the_models_paths_take_the_asking_sdks_shape(sims, gateway):
+    """Hostile bytes on the models paths with anthropic-version: the edge's 417 (an ``Expect:`` other
+    than ``100-continue``) and aiohttp's 404 and 405 are Anthropic-shaped, with a request id; the
+    same without the header, and a path that only starts like it, stay OpenAI's."""
+    gw = await _fleet(sims, gateway)
+    anthropic_cases = [("GET", "/v1/models", {"Expect": "200-ok"}, 417), ("GET", "/v1/models/m", {"Expect": "200-ok"}, 417),
+                       ("POST", "/v1/models", {}, 405), ("GET", "/v1/models/", {}, 404)]
+    for method, target, headers, status in anthropic_cases:
+        ex = await exchange(gw.port, request(method, target, b"{}" if method == "POST" else None,
+                                             {**headers, **VERSION}, close=True))
+        assert ex.first.status == status and ex.first.headers["request-id"], (target, ex.first.body)
+        body = ex.first.json()
+        assert set(body) == {"type", "error"} and body["type"] == "error", (target, body)
+        assert body["error"]["type"] == anthropic_error_type(status) and body["error"]["message"], (target, body)
+    for method, target, headers, status in [*anthropic_cases, ("GET", "/v1/modelsx", VERSION, 404)]:
+        ex = await exchange(gw.port, request(method, target, b"{}" if method == "POST" else None, headers, close=True))
+        assert_openai_error(ex.first, status)
+    # and the gateway serves the SDK after them
+    assert [m.id for m in (await anthropic_client(gw).models.list()).data] == _ids((await _get(gw.url + "/v1/models"))[2])
