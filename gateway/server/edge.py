@@ -70,6 +70,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.apis.anthropic import anthropic_error
+from gateway.apis.anthropic_models import asks_anthropic
 from gateway.apis.paths import AUDIO_PATHS, on_messages
 from gateway.errors import ErrorClass, error_body, error_response
 from gateway.observability.logs import RequestLog
@@ -194,22 +195,23 @@ class _ConnectionGauge(Collector):
 
 
 def _shaped_body(path: str | None, status: int, message: str, type_: str | None, code: str,
-                 param: str | None = None) -> bytes:
+                 param: str | None = None, headers: Any = None) -> bytes:
     """An error body in the shape the path's clients read: Anthropic's on the Messages paths
-    (``gateway.apis.paths.on_messages``)."""
-    if on_messages(path):
+    (``gateway.apis.paths.on_messages``), and on the models paths asked with ``anthropic-version``
+    (``headers``: the request's, when its head was read)."""
+    if on_messages(path) or (path is not None and headers is not None and asks_anthropic(path, headers)):
         return orjson.dumps(anthropic_error(status, message))
     return orjson.dumps(error_body(status, message, type_=type_, code=code, param=param))
 
 
 def error_response_bytes(status: int, message: str, *, code: str, request_id: str | None = None,
-                         path: str | None = None, cors: str = "") -> bytes:
+                         path: str | None = None, cors: str = "", headers: Any = None) -> bytes:
     """A complete HTTP/1.1 error answer with ``Connection: close``, written straight to a transport
     when no aiohttp response object exists (a head that never completed, a body that stalled);
-    ``path``: the request's, when its head was read; ``cors``: CORS's header lines for it
-    (gateway/server/cors.py ``head_lines``), when CORS is on."""
+    ``path`` and ``headers``: the request's, when its head was read; ``cors``: CORS's header lines
+    for it (gateway/server/cors.py ``head_lines``), when CORS is on."""
     rid = request_id or request_id_from(None)
-    body = _shaped_body(path, status, message, "invalid_request_error", code)
+    body = _shaped_body(path, status, message, "invalid_request_error", code, headers=headers)
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
             "Content-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n"
@@ -758,7 +760,8 @@ class EdgeProtocol(web.RequestHandler):
             self.transport.write(error_response_bytes(
                 400, "malformed request body: its chunked framing or content encoding is broken",
                 code="bad_body", request_id=rid, path=self._e_request_path(),
-                cors=self._e_cors(request.headers if request is not None else None)))
+                cors=self._e_cors(request.headers if request is not None else None),
+                headers=request.headers if request is not None else None))
         self._e_close()
 
     def _e_timeout(self, reason: str, *, answer: bool, request_id: str | None = None,
@@ -784,7 +787,7 @@ class EdgeProtocol(web.RequestHandler):
                 headers = request.headers
             self.transport.write(error_response_bytes(
                 408, f"{what} {seconds:g} s (server.{reason}_timeout_s)", code="request_timeout", request_id=rid,
-                path=path or self._e_request_path(), cors=self._e_cors(headers)))
+                path=path or self._e_request_path(), cors=self._e_cors(headers), headers=headers))
         self._e_close()
 
     def _e_close(self) -> None:
@@ -850,7 +853,9 @@ class EdgeProtocol(web.RequestHandler):
         param = None
         if status == 415:
             headers[hdrs.ACCEPT_ENCODING], param = ACCEPT_ENCODING, "Content-Encoding"
-        resp = error_response(status, _shaped_body(path, status, text, _error_type(status), code, param), headers)
+        shaped = _shaped_body(path, status, text, _error_type(status), code, param,
+                              None if self._e_unparsed else request.headers)
+        resp = error_response(status, shaped, headers)
         resp.force_close()
         return resp
 
@@ -864,7 +869,8 @@ class EdgeProtocol(web.RequestHandler):
 def _closing_error(request: web.BaseRequest, status: int, message: str, code: str,
                    headers: dict[str, str] | None = None, param: str | None = None) -> web.Response:
     rid = request_id_from(request.headers.get("x-request-id"))
-    body = _shaped_body(request.path, status, message, _error_type(status), code, param)   # Anthropic's on its paths
+    body = _shaped_body(request.path, status, message, _error_type(status), code, param,   # Anthropic's on its paths
+                        request.headers)
     resp = error_response(status, body, {"request-id": rid, "x-request-id": rid, **(headers or {})})
     resp.force_close()      # Connection: close; aiohttp reads and drops an unread body a little while first
     return resp
