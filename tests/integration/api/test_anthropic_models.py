@@ -225,3 +225,22 @@ async def test_the_edges_own_answers_on_the_models_paths_take_the_asking_sdks_sh
         assert_openai_error(ex.first, status)
     # and the gateway serves the SDK after them
     assert [m.id for m in (await anthropic_client(gw).models.list()).data] == _ids((await _get(gw.url + "/v1/models"))[2])
+
+
+async def test_the_models_answers_say_they_vary_with_anthropic_version(sims, gateway):
+    """The answer's shape follows the anthropic-version header, so every answer of the models paths
+    names it in Vary (RFC 9110 §12.5.5), as a shared cache must not hand one client's shape to the
+    other; with CORS on, next to Origin."""
+    gw = await _fleet(sims, gateway, server={"cors_allowed_origins": ["https://app.example.com"]})
+    for target, status in (("/v1/models", 200), ("/v1/models/qwen", 200), ("/v1/models/nope", 404),
+                           ("/v1/models?limit=0", 200)):
+        for headers in ({}, VERSION, {**VERSION, "Origin": "https://app.example.com"}):
+            got, answer_headers, _ = await _get(gw.url + target, headers)
+            if target.endswith("limit=0") and headers:
+                assert got == 400
+            else:
+                assert got == status, (target, headers)
+            vary = [v.strip().lower() for v in answer_headers.get("Vary", "").split(",")]
+            assert "anthropic-version" in vary and "origin" in vary, (target, headers, answer_headers.get("Vary"))
+    async with aiohttp.ClientSession() as s, s.get(gw.url + "/health") as r:
+        assert "anthropic-version" not in r.headers.get("Vary", "").lower()
