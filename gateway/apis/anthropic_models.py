@@ -29,9 +29,14 @@ DEFAULT_LIMIT = 20
 MAX_LIMIT = 1000
 
 
+def on_models(path: str) -> bool:
+    """``/v1/models`` or a path under it, whose answers' shape follows ``anthropic-version``."""
+    return path == MODELS or path.startswith(MODELS + "/")
+
+
 def asks_anthropic(path: str, headers: Mapping[str, str]) -> bool:
     """Whether a request is Anthropic's SDK asking the models paths (its errors are Anthropic's too)."""
-    return (path == MODELS or path.startswith(MODELS + "/")) and ANTHROPIC_VERSION in headers
+    return on_models(path) and ANTHROPIC_VERSION in headers
 
 
 def model_info(entry: dict[str, Any]) -> dict[str, Any]:

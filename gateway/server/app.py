@@ -19,7 +19,13 @@ import orjson
 import structlog
 from aiohttp import HttpVersion11, web
 
-from gateway.apis.anthropic_models import ANTHROPIC_VERSION, asks_anthropic, model_info, models_page
+from gateway.apis.anthropic_models import (
+    ANTHROPIC_VERSION,
+    asks_anthropic,
+    model_info,
+    models_page,
+    on_models,
+)
 from gateway.apis.base import ApiShape
 from gateway.apis.paths import MESSAGES, on_messages
 from gateway.apis.responses import add_responses
@@ -37,6 +43,7 @@ from gateway.pipeline.generation import Generation, Services, build_generation, 
 from gateway.pipeline.pipeline import Pipeline, not_listed_yet
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
 from gateway.server.admin import add_tenancy
+from gateway.server.cors import add_vary
 from gateway.server.edge import expectation_failed
 from gateway.server.lifecycle import Lifecycle
 from gateway.server.reclaim import MemoryReclaimer
@@ -72,6 +79,11 @@ def pool_from_config(config: Config) -> EndpointPool:
     return pool
 
 
+# the models paths' answers are in Anthropic's shape or OpenAI's as the request carries anthropic-version
+# or not: each says so, so that a shared cache keeps the two apart (RFC 9110 §12.5.5)
+_VARY = {"Vary": ANTHROPIC_VERSION}
+
+
 def _json(status: int, payload, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), headers=headers, content_type="application/json")
 
@@ -92,6 +104,12 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
         return api.error_body(err) if api is not None else err.body_bytes()
 
     def answer(request: web.Request, e: Exception) -> web.Response | None:
+        resp = _answer(request, e)
+        if resp is not None and on_models(request.path):    # its shape follows anthropic-version
+            add_vary(resp.headers, ANTHROPIC_VERSION)
+        return resp
+
+    def _answer(request: web.Request, e: Exception) -> web.Response | None:
         rid = request_id_from(request.headers.get("x-request-id"))
         if isinstance(e, web.HTTPException):
             if e.status < 400:
@@ -337,8 +355,8 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
     async def models(request: web.Request) -> web.Response:
         await s.tenancy.authenticate(request, None)   # with auth on, listing models needs a key too
         if ANTHROPIC_VERSION in request.headers:      # Anthropic's SDK: a page in its Models API shape
-            return _json(200, models_page(model_entries(), request.query))
-        return _json(200, {"object": "list", "data": model_entries()})
+            return _json(200, models_page(model_entries(), request.query), _VARY)
+        return _json(200, {"object": "list", "data": model_entries()}, _VARY)
 
     async def model(request: web.Request) -> web.Response:
         """One entry of the list (OpenAI's retrieve; SGLang serves it too): the id is the rest of
@@ -347,7 +365,7 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
         name = request.match_info["model_id"]
         for entry in model_entries():
             if entry["id"] == name:
-                return _json(200, model_info(entry) if ANTHROPIC_VERSION in request.headers else entry)
+                return _json(200, model_info(entry) if ANTHROPIC_VERSION in request.headers else entry, _VARY)
         if not pool.listed:     # the pods not listed yet: it may be one of theirs, as for a request
             raise not_listed_yet(name)
         raise GatewayError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found",
