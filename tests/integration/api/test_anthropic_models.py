@@ -172,15 +172,17 @@ async def test_pages_asked_of_either_worker_walk_every_model_once(sims, tmp_path
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         ids = _ids(await fresh())
         assert set(ids) == {"llama", "qwen", "chat", "sql", "tone"}
-        for _ in range(4):
+        whole = (await fresh("", VERSION))["data"]
+        assert [m["id"] for m in whole] == ids
+        for _ in range(4):       # each page from either worker: the same entries, created_at included
             walked, query = [], "?limit=1"
             while True:
                 page = await fresh(query, VERSION)
-                walked += _ids(page)
+                walked += page["data"]
                 if not page["has_more"]:
                     break
                 query = f"?limit=1&after_id={page['last_id']}"
-            assert walked == ids
+            assert walked == whole
         sdk = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0)
         try:
             assert [m.id async for m in sdk.models.list(limit=1)] == ids
