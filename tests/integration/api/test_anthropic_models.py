@@ -4,6 +4,7 @@ the OpenAI listing, in its order, paged by ``limit``, ``after_id`` and ``before_
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 
 import aiohttp
@@ -88,6 +89,11 @@ async def test_the_sdks_auto_pagination_walks_every_model_once(sims, gateway, li
     ids = _ids((await _get(gw.url + "/v1/models"))[2])
     c = anthropic_client(gw)
     assert [m.id async for m in c.models.list(limit=limit)] == ids
+
+    def sync_walk() -> list[str]:       # the synchronous client, as the same requests
+        with anthropic.Anthropic(base_url=gw.url, api_key="none", max_retries=0) as client:
+            return [m.id for m in client.models.list(limit=limit)]
+    assert await asyncio.to_thread(sync_walk) == ids
     # backwards from the end: pages of the models before the cursor, each page in the listing's order
     walked = []
     async for page in (await c.models.list(before_id=ids[-1], limit=limit)).iter_pages():
