@@ -337,7 +337,8 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
     def model_entries() -> list[dict]:
         """What ``/v1/models`` lists and ``/v1/models/{id}`` looks up: the models a request may name
         (those with endpoints, then those the config declares that have none now: a request for one
-        is a 503, not a 404), then the aliases, then the LoRA adapters."""
+        is a 503, not a 404), then the aliases, then the LoRA adapters (by name). Asked with
+        ``anthropic-version``, the same entries in Anthropic's shape (gateway/apis/anthropic_models.py)."""
         served = pool.models()
         declared = [m for m in reloader.live.config.models if not pool.has_model(m.name)]
         data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
