@@ -14,11 +14,12 @@ import pytest
 
 from gateway.apis.anthropic import error_type as anthropic_error_type
 from tests.support.edge import assert_openai_error, exchange, request
-from tests.support.factories import model_block
+from tests.support.factories import model_block, sim_pod
 from tests.support.gateway_process import gateway_process
 from tests.support.http import anthropic_client, openai_client
 from tests.support.lora import LORA_SIM
 from tests.support.ports import listen_port
+from tests.support.waiting import wait_for
 
 VERSION = {"anthropic-version": "2023-06-01"}
 ALICE = "sk-alice-0123456789"
@@ -252,3 +253,27 @@ async def test_the_models_answers_say_they_vary_with_anthropic_version(sims, gat
             assert "anthropic-version" in vary and "origin" in vary, (target, headers, answer_headers.get("Vary"))
     async with aiohttp.ClientSession() as s, s.get(gw.url + "/health") as r:
         assert "anthropic-version" not in r.headers.get("Vary", "").lower()
+
+
+async def test_a_walk_meets_every_model_once_while_a_configured_models_last_pod_leaves(emu, sims, gateway, tmp_path):
+    """Kubernetes discovery: a model the config declares keeps its place in the listing when its
+    last pod leaves (it is still listed, a request for it a 503), so a walk whose next page is
+    asked after that still meets each model once."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(emu.kubeconfig())
+    llama, qwen = await sims("vllm", "llama"), await sims("vllm", "qwen")
+    sim_pod(emu, "llama-0", llama, "llama")
+    sim_pod(emu, "qwen-0", qwen, "qwen")        # a model the config does not name
+    gw = await gateway([{"name": "llama", "engine": "vllm"}],
+                       kubernetes={"enabled": True, "kubeconfig": str(kubeconfig), "namespaces": ["llm"],
+                                   "retry_backoff_s": 0.05})
+    assert await wait_for(lambda: gw.gw.pool.ready("llama") and gw.gw.pool.ready("qwen"), timeout=5)
+    ids = _ids((await _get(gw.url + "/v1/models"))[2])
+    assert ids == ["llama", "qwen"]         # the configured model first
+    c = anthropic_client(gw)
+    first = await c.models.list(limit=1)
+    emu.delete_pod("llm", "llama-0")
+    assert await wait_for(lambda: not gw.gw.pool.endpoints("llama"), timeout=5)
+    walked = [m.id for m in first.data] + [m.id async for m in c.models.list(limit=1, after_id=first.last_id)]
+    assert walked == ids
+    assert _ids((await _get(gw.url + "/v1/models"))[2]) == ids
