@@ -336,15 +336,21 @@ def _add_public_routes(app: web.Application, s: Services, reloader: Reloader, st
 
     def model_entries() -> list[dict]:
         """What ``/v1/models`` lists and ``/v1/models/{id}`` looks up: the models a request may name
-        (those with endpoints, then those the config declares that have none now: a request for one
-        is a 503, not a 404), then the aliases, then the LoRA adapters (by name). Asked with
-        ``anthropic-version``, the same entries in Anthropic's shape (gateway/apis/anthropic_models.py)."""
-        served = pool.models()
-        declared = [m for m in reloader.live.config.models if not pool.has_model(m.name)]
-        data = [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
-                 "engine": pool.endpoints(m)[0].engine, "ready_endpoints": len(pool.ready(m))} for m in served]
-        data += [{"id": m.name, "object": "model", "created": started_at, "owned_by": "switchyard",
-                  "engine": m.engine, "ready_endpoints": 0} for m in declared]
+        (those the config declares, in its order, with endpoints or not: a request for one that has
+        none now is a 503, not a 404; then those only discovered pods serve), then the aliases, then
+        the LoRA adapters (by name). A model keeps its place as its endpoints come and go, so a walk
+        through the pages by cursor meets it once. Asked with ``anthropic-version``, the same entries
+        in Anthropic's shape (gateway/apis/anthropic_models.py)."""
+        config_models = reloader.live.config.models
+        named = {m.name for m in config_models}
+        data = []
+        for m in config_models:
+            eps = pool.endpoints(m.name)
+            data.append({"id": m.name, "object": "model", "created": started_at, "owned_by": "switchyard",
+                         "engine": eps[0].engine if eps else m.engine, "ready_endpoints": len(pool.ready(m.name))})
+        data += [{"id": m, "object": "model", "created": started_at, "owned_by": "switchyard",
+                  "engine": pool.endpoints(m)[0].engine, "ready_endpoints": len(pool.ready(m))}
+                 for m in pool.models() if m not in named]
         for a in reloader.live.aliases.describe():   # an alias lists its targets
             data.append({"id": a["name"], "object": "model", "created": started_at, "owned_by": "switchyard",
                          "targets": a["targets"], "sticky": a["sticky"],
