@@ -315,7 +315,7 @@ class Admission:
         mq = self._models.get(model)
         if mq is None:
             return
-        if ctx.charges.in_flight is not None:
+        if ctx.charges.in_flight is not None and drained(rec):
             mq.drain.tick(self.clock())
         if ctx.admission_cost:
             # the user's counter was charged the request's expected size: now what it cost
@@ -492,6 +492,23 @@ def request_cost(ireq: InferenceRequest) -> float:
     return float(ireq.prompt_tokens_est + OUTPUT_WEIGHT * expected_output(ireq))
 
 
+# an engine's error answer that is about the request (vLLM's 400 for a prompt past its context, a
+# 404 for an unknown adapter), from the engine that serves it or its P/D prefill
+_REFUSED_BY_ENGINE = frozenset({ErrorClass.UPSTREAM_STATUS, ErrorClass.PD_PREFILL_HTTP_STATUS})
+
+
+def drained(rec: RequestRecord) -> bool:
+    """Whether a request that took a slot counts in the drain rate: an engine answered it (a 2xx,
+    or a 4xx about the request other than a 429's backpressure), or its client left while an engine
+    worked on it. Not a failure, of the engine (a 5xx, an error event, a watchdog) or of the way to it
+    (a refused connection, a timeout, no socket): a failing engine frees its slots fast and serves
+    nobody, and a wait computed from its failures would promise the queue a service it does not get."""
+    ec = rec.error_class
+    if ec is None or ec is ErrorClass.CLIENT_CANCEL:
+        return True
+    return ec in _REFUSED_BY_ENGINE and rec.status < 500 and rec.status != 429
+
+
 def served_cost(ctx: RequestContext) -> float | None:
     """What serving a request that ended cost its user's counter, from what the engine reported:
     its prompt and twice its completion tokens as the answer's usage counts them (a prompt it did
@@ -536,7 +553,7 @@ class _AdmissionState(Collector):
         held = GaugeMetricFamily("switchyard_admission_queue_bytes", "Request body bytes the admission queue holds",
                                  labels=["model"])
         drain = GaugeMetricFamily("switchyard_admission_drain_rate",
-                                  "Requests per second the model's endpoints finish (what Retry-After is computed from)",
+                                  "Requests per second the model's endpoints answer, failures not counted (what Retry-After is computed from)",
                                   labels=["model"])
         sat = GaugeMetricFamily("switchyard_endpoint_saturated",
                                 "1 when admission control sees the endpoint as saturated", labels=["model", "endpoint"])
