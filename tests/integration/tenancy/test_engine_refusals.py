@@ -135,3 +135,33 @@ async def test_a_client_that_leaves_on_the_engines_error_event_is_charged_nothin
     assert rec.status == 499 and rec.error_class == "upstream_stream_error"
     assert usage["tokens"] == 0
     assert gw.gw.admission._models["m"].queue.counter(1, "alice") == 0
+
+
+async def test_a_request_retried_after_a_5xx_to_an_engine_that_took_no_connection_gives_its_count_back(
+        sims, gateway, backend):
+    """The client's answer decides the RPM count: an engine's 500 the gateway retried elsewhere never
+    reached the client, so a retry that then finds no engine taking its connection answers with the
+    gateway's refusal (502 upstream_unavailable), and gives the count back as a request whose every
+    connection was refused does; the other way round, the engine's 500 is the client's answer and
+    keeps it. Round-robin (a retry's route takes its turn too): each request starts on the failing
+    engine."""
+    failing = await sims("vllm", "m", fault="status=500")
+    gone = await sims("vllm", "m")
+    # passive health and the breaker would take either engine out after its first failure
+    gw = await gateway([model_block("m", "vllm", [failing.url, gone.url])], limits=LIMITS,
+                       routing={"strategy": "round-robin"}, health={"interval_s": 60, "timeout_s": 1.0,
+                                                                     "passive": False},
+                       breaker={"enabled": False}, scrape={"enabled": False}, **backend)
+    assert await wait_for(lambda: len(gw.gw.pool.ready("m")) == 2)
+    await gone.close()
+    records = []
+    gw.gw.observers.append(lambda rec, _d: records.append(rec))
+    client = openai_client(gw)
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError):
+            await client.chat.completions.create(model="m", messages=CHAT, max_tokens=10, user="alice")
+    assert all(r.retries == 1 for r in records) and 502 in [r.status for r in records]
+    usage = await settled(gw)
+    assert usage["tokens"] == 0 and usage["concurrent"] == 0
+    # the engine's 500s that were the client's answer, not the gateway's 502s
+    assert usage["requests"] == sum(r.status == 500 for r in records)
