@@ -397,8 +397,8 @@ class Tenancy:
         counted, t.counted = t.counted, None
         if counted is not None and rec.status >= 400 and (not rec.endpoint or _unreached(rec)):
             # refused before any engine saw it (shed by admission, a P/D body refused, its client
-            # gone while it queued, no engine took its connection): it gives back its count in
-            # the request windows
+            # gone while it queued), or answered by the gateway as no engine took its last leg
+            # (after retries too): it gives back its count in the request windows
             self.state.uncount(t.user or "", counted)
         lim = t.limits
         if lim is None:
@@ -460,11 +460,16 @@ _NO_FAULT = (None, ErrorClass.CLIENT_CANCEL)
 _AUTH_HEADERS = ("authorization", "x-api-key")
 
 
+# the client's answer when no engine took the request's last leg: its connection was refused, or
+# this process could make no socket for it
+_UNREACHED = frozenset({ErrorClass.UPSTREAM_CONNECT, ErrorClass.GATEWAY_RESOURCES})
+
+
 def _unreached(rec: RequestRecord) -> bool:
-    """The request was routed but no engine took it: its last connection was refused, and so was
-    every one before it that was retried elsewhere."""
-    return rec.error_class == ErrorClass.UPSTREAM_CONNECT and all(
-        cause == "connect" for cause in rec.extra.get("retry_causes", ()))
+    """The request was routed but its client got no engine's answer, only the gateway's: its last
+    leg reached no engine. The tries retried before it do not matter: an engine's 5xx (or a reset)
+    the gateway retried elsewhere never reached the client, which will send the request again."""
+    return rec.error_class in _UNREACHED
 
 
 def _auth_error(message: str) -> GatewayError:
