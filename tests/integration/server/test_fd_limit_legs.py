@@ -49,7 +49,7 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
     prefill = await sims("vllm", "pd", role="prefill")
     decode = await sims("vllm", "pd", role="decode")
     lora = await sims("vllm", "lm", **LORA_SIM)
-    keeper = await sims("vllm", "rs")
+    keeper = await sims("vllm", "rs", enable_responses_store=True)
     # a pair whose prefill keeps the gateway's connection and whose decode closes it at once: the
     # decode leg is the one that needs a new socket
     prefill2 = await sims("vllm", "pdd", role="prefill", keepalive_timeout_s=300)
