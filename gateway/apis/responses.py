@@ -59,7 +59,13 @@ from gateway.request import request_id_from
 from gateway.resilience.outcome import key_refused
 from gateway.state.redis import redis_client
 from gateway.tenants import Tenancy
-from gateway.upstream.upstream import engine_key_refused, key_refused_error, too_large_error
+from gateway.upstream.upstream import (
+    engine_key_refused,
+    key_refused_error,
+    local_failure,
+    no_socket_error,
+    too_large_error,
+)
 from routers.session_map import RESPONSE, SessionMap
 
 log = structlog.get_logger("switchyard.responses")
@@ -611,6 +617,8 @@ class ResponsesApi(ApiShape):
         except (aiohttp.ClientError, TimeoutError) as e:
             if rec.headers_sent:
                 raise
+            if (f := local_failure(e, ep.url)) is not None:     # no socket in this process: no engine asked
+                raise no_socket_error(f, rec) from None
             rec.error_class = ErrorClass.UPSTREAM_CONNECT
             raise GatewayError(502, f"upstream unavailable: {ep.url}: {type(e).__name__}: {e}",
                                code="upstream_unavailable", header=("x-error-upstream", "connect"),

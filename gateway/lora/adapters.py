@@ -103,7 +103,7 @@ from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
 from gateway.resilience.outcome import key_refused
-from gateway.upstream.upstream import Upstream, UpstreamFailure, engine_key_refused
+from gateway.upstream.upstream import Upstream, UpstreamFailure, engine_key_refused, no_socket_error
 from handlers import adapter_for
 
 if TYPE_CHECKING:
@@ -459,7 +459,8 @@ class Lora:
         engine = adapter_for(ep.engine)
         start = self.clock()
         answer: list[bytes] = []
-        error = await self._engine_call(ep, model, engine.lora_load(adapter, path), engine.lora_load_error, answer)
+        error = await self._engine_call(ep, model, engine.lora_load(adapter, path), engine.lora_load_error, answer,
+                                        local_raises=True)
         self.metrics.load_seconds.labels(model).observe(self.clock() - start)
         if error is None and answer and (held := engine.lora_loaded(answer[0])) is not None:
             self._evicted(ep, held | {adapter})
@@ -487,9 +488,12 @@ class Lora:
         return model
 
     async def _engine_call(self, ep: Endpoint, model: str, call: tuple[str, bytes],
-                           judge: Callable[[int, bytes], str | None], answer: list[bytes] | None = None) -> str | None:
+                           judge: Callable[[int, bytes], str | None], answer: list[bytes] | None = None,
+                           local_raises: bool = False) -> str | None:
         """POST an adapter call to ``ep``; ``None`` when ``judge`` finds the answer fine, else why not.
-        ``answer`` gets the answer's bytes."""
+        ``answer`` gets the answer's bytes. A call this process could make no socket for tells nothing
+        of the engine: with ``local_raises`` (a load, which a request awaits) it is the main path's
+        503 ``gateway_resources``, and no cooldown follows; else (an unload) it failed."""
         try:
             status, raw = await self.upstream.fetch(ep, call[0], call[1], {"Content-Type": "application/json"},
                                                     model, self.settings.load_timeout_s)
@@ -499,6 +503,8 @@ class Lora:
                 answer.append(raw)
             return judge(status, raw)
         except UpstreamFailure as f:
+            if f.local and local_raises:
+                raise no_socket_error(f) from None
             return f.message
 
     # -- unloading -----------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from gateway.upstream.upstream import (
     UpstreamFailure,
     engine_key_refused,
     head_timeout,
+    no_socket_error,
     upstream_headers,
 )
 from handlers.base import AbortSpec, BadPrefillAnswer, EngineAdapter, PDPlan
@@ -217,7 +218,7 @@ class PDOrchestrator:
                 break
             except UpstreamFailure as f:
                 leg.failed(f.kind)
-                if f.kind == "connect":     # nothing of it went out, and the KV waits: another decode
+                if f.kind == "connect" and not f.local:     # nothing went out, and the KV waits: another decode
                     again = self._other_decode(ctx, tried)
                     if again is not None:
                         decode = again
@@ -360,7 +361,8 @@ class PDOrchestrator:
                         raise self._watchdog_error(ctx, limit) from None
                     break
                 failure = None if decode_task.cancelled() else decode_task.exception()
-                if isinstance(failure, UpstreamFailure) and failure.kind == "connect" and not decode_sent.sent:
+                if isinstance(failure, UpstreamFailure) and failure.kind == "connect" and not failure.local \
+                        and not decode_sent.sent:
                     # nothing of the decode went out; the prefill waits for a decode to take its
                     # KV by the bootstrap room: another decode of the roleset, with the same body
                     again = self._other_decode(ctx, tried)
@@ -440,6 +442,8 @@ class PDOrchestrator:
             status, raw = await self.upstream.answer(ctx.decision.prefill, x, ireq.model, timeout)
         except UpstreamFailure as f:
             ctx.rec.extra["prefill_ms"] = round((time.perf_counter() - start) * 1000, 3)
+            if f.local:             # this process could make no socket: no prefill failed
+                raise no_socket_error(f, ctx.rec) from None
             raise PrefillFailed("timeout" if f.kind == "timeout" else "transport", f.message, kind=f.kind,
                                 retryable=f.retryable) from None
         return status, raw, time.perf_counter()
@@ -606,6 +610,8 @@ class PDOrchestrator:
 
     def _decode_unavailable(self, ctx: RequestContext, f: UpstreamFailure) -> GatewayError:
         assert ctx.decision is not None
+        if f.local:                 # this process could make no socket: no decode is at fault
+            return no_socket_error(f, ctx.rec)
         ctx.rec.error_class = ErrorClass.decode(f.kind)
         message = f"decode endpoint unavailable: {f.message}"
         kw: dict[str, Any] = {"code": "upstream_unavailable", "header": ("x-error-pd-decode", f.kind),

@@ -453,8 +453,7 @@ class Pipeline:
                     ep = ctx.decision.endpoint
                     continue
                 if f.local:                 # this process could make no socket: no engine is at fault
-                    rec.error_class = ErrorClass.GATEWAY_RESOURCES
-                    raise no_socket_error(f) from None
+                    raise no_socket_error(f, rec) from None
                 rec.error_class = ErrorClass.upstream(f.kind)
                 if f.kind == "timeout":
                     raise GatewayError(504, f"upstream timeout: {f.message}", code="upstream_timeout",

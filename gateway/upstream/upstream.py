@@ -29,6 +29,7 @@ import math
 import time
 from itertools import compress
 from operator import itemgetter, not_
+from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
@@ -42,6 +43,7 @@ from gateway.request import InferenceRequest, usage_stream_options
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.outcome import Outcome, key_refused, of_failure, of_status
 from gateway.upstream.h1client import (
+    LOCAL_ERRNOS,
     Exchange,
     SendState,
     UpstreamConnectError,
@@ -52,6 +54,9 @@ from gateway.upstream.h1client import (
     UpstreamResponse,
     UpstreamTimeout,
 )
+
+if TYPE_CHECKING:
+    from gateway.pipeline.context import RequestRecord
 
 log = structlog.get_logger("switchyard.upstream")
 
@@ -139,12 +144,25 @@ def key_refused_error(status: int) -> GatewayError:
                         error_class=ErrorClass.UPSTREAM_AUTH)
 
 
-def no_socket_error(f: UpstreamFailure) -> GatewayError:
+def no_socket_error(f: UpstreamFailure, rec: RequestRecord | None = None) -> GatewayError:
     """The client's answer when this process could make no socket to the engine (``f.local``): a
-    503 to retry, as for a gateway short of capacity, not the 502 of an engine that failed."""
+    503 to retry, as for a gateway short of capacity, not the 502 of an engine that failed. The
+    same for every call to an engine a request makes (its leg, a P/D prefill or decode, a LoRA
+    adapter's load, a stored response's read); ``rec``, the request's record, is told the class."""
+    if rec is not None:
+        rec.error_class = ErrorClass.GATEWAY_RESOURCES
     return GatewayError(503, f"{f.message} (the gateway is short of file descriptors or socket buffers; no engine "
                         "was asked, retry shortly)", code="service_unavailable", headers={"Retry-After": "1"},
                         error_class=ErrorClass.GATEWAY_RESOURCES)
+
+
+def local_failure(e: BaseException, url: str) -> UpstreamFailure | None:
+    """The ``UpstreamFailure`` of a connect by another client than the pool (aiohttp's, which raises
+    an ``OSError``) that failed in this process, as ``classify`` makes the pool's; else None."""
+    if isinstance(e, OSError) and e.errno in LOCAL_ERRNOS:
+        return UpstreamFailure("connect", f"the gateway could not open a socket to {url}: {e.strerror or e}",
+                               retryable=False, local=True)
+    return None
 
 
 def too_large_error(limit: int) -> GatewayError:
