@@ -22,10 +22,11 @@ from tests.support.ports import listen_port
 STATUS = b"GET /status.json HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-def post_json(path: str, payload: dict) -> bytes:
+def post_json(path: str, payload: dict, user: str = "") -> bytes:
     body = orjson.dumps(payload)
-    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-            % (path.encode(), len(body), body))
+    extra = b"user: %s\r\n" % user.encode() if user else b""
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n%s"
+            % (path.encode(), extra, len(body), body))
 
 
 def connected_to(port: int) -> int:
@@ -38,9 +39,25 @@ def get(path: str) -> bytes:
     return b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode()
 
 
-def chat(model: str) -> bytes:
+def chat(model: str, user: str = "") -> bytes:
     return post_json("/v1/chat/completions", {"model": model, "max_tokens": 4,
-                                               "messages": [{"role": "user", "content": "hello there"}]})
+                                               "messages": [{"role": "user", "content": "hello there"}]}, user)
+
+
+async def remaining_requests(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes) -> int:
+    """A request's answer, read whole: what its user's RPM window has left."""
+    writer.write(head)
+    status_line = await reader.readline()
+    assert int(status_line.split()[1]) == 200, status_line
+    length, left = 0, -1
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+        elif name.strip().lower() == b"x-ratelimit-remaining-requests":
+            left = int(value)
+    await reader.readexactly(length)
+    return left
 
 
 @pytest.mark.timeout(120)
@@ -63,6 +80,7 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
                    "scrape: {enabled: false}\n"
                    "upstream: {keepalive_timeout_s: 300, warm_connections: 0}\n"
                    "lora: {discovery_interval_s: 0}\n"
+                   "limits: {users: {alice: {rpm: 100}}}\n"
                    "responses: {state: engine}\n"
                    "models:\n"
                    f"  - {{name: pd, engine: vllm, rolesets: [{{name: rs-1, prefill: ['{prefill.url}'],"
@@ -108,10 +126,10 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
         # a new descriptor takes the lowest free number, and none is under 3: no new file
         resource.prlimit(worker, resource.RLIMIT_NOFILE, (3, hard))
         try:
-            pd = await answer(*conns[1], chat("pd"))
-            adapter = await answer(*conns[2], chat("tone"))
+            pd = await answer(*conns[1], chat("pd", "alice"))
+            adapter = await answer(*conns[2], chat("tone", "alice"))
             read = await answer(*conns[3], get(f"/v1/responses/{rid}"))
-            decoded = await answer(*conns[6], chat("pdd"))
+            decoded = await answer(*conns[6], chat("pdd", "alice"))
         finally:
             resource.prlimit(worker, resource.RLIMIT_NOFILE, (soft, hard))
         wrong = {}
@@ -132,6 +150,9 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
         for request in (chat("pd"), chat("tone"), get(f"/v1/responses/{rid}"), chat("pdd")):
             status, body = await answer(*conns[5], request)
             assert status == 200, body
+        # no engine answered alice's three requests: her RPM window counts none of them (the
+        # 503 of a leg with no socket gives its count back, as a refused connection's does)
+        assert await remaining_requests(*conns[5], chat("pd", "alice")) == 99
     finally:
         for _r, w in conns:
             w.close()
