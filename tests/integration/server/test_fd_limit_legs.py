@@ -71,6 +71,9 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
     # decode leg is the one that needs a new socket
     prefill2 = await sims("vllm", "pdd", role="prefill", keepalive_timeout_s=300)
     decode2 = await sims("vllm", "pdd", role="decode", keepalive_timeout_s=0.05)
+    # SGLang's legs go out together (the concurrent path)
+    prefill3 = await sims("sglang", "pds", role="prefill")
+    decode3 = await sims("sglang", "pds", role="decode")
     port = listen_port()
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
@@ -88,7 +91,9 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
                    f"  - {{name: lm, engine: vllm, endpoints: ['{lora.url}'], adapters: {{tone: org/tone-lora}}}}\n"
                    f"  - {{name: rs, engine: vllm, endpoints: ['{keeper.url}']}}\n"
                    f"  - {{name: pdd, engine: vllm, rolesets: [{{name: rs-2, prefill: ['{prefill2.url}'],"
-                   f" decode: ['{decode2.url}']}}]}}\n")
+                   f" decode: ['{decode2.url}']}}]}}\n"
+                   f"  - {{name: pds, engine: sglang, rolesets: [{{name: rs-3, prefill: [{{url: '{prefill3.url}',"
+                   f" bootstrap_port: {prefill3.bootstrap_port}}}], decode: ['{decode3.url}']}}]}}\n")
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "1", "--log-format", "json", stderr=(tmp_path / "gw.log").open("wb"))
     conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
@@ -108,7 +113,7 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
                     worker = page["gateway"]["pid"]        # the process serving (the parent's worker)
                     break
                 await asyncio.sleep(0.05)
-        for _ in range(7):
+        for _ in range(8):
             conns.append(await asyncio.open_connection("127.0.0.1", port))
         # a response the keeper stores, through the gateway's engine connections (not the reads')
         status, body = await answer(*conns[0], post_json("/v1/responses", {"model": "rs", "input": "hi",
@@ -130,11 +135,12 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
             adapter = await answer(*conns[2], chat("tone", "alice"))
             read = await answer(*conns[3], get(f"/v1/responses/{rid}"))
             decoded = await answer(*conns[6], chat("pdd", "alice"))
+            together = await answer(*conns[7], chat("pds", "alice"))
         finally:
             resource.prlimit(worker, resource.RLIMIT_NOFILE, (soft, hard))
         wrong = {}
         for what, (status, body) in {"pd": pd, "lora": adapter, "responses": read,
-                                        "pd_decode": decoded}.items():
+                                        "pd_decode": decoded, "pd_concurrent": together}.items():
             err = orjson.loads(body).get("error", {}) if status != 200 else {}
             if status != 503 or err.get("code") != "service_unavailable" or "file descriptor" not in err["message"]:
                 wrong[what] = (status, body[:300])
@@ -147,10 +153,11 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
         assert metric(text, "switchyard_upstream_errors_total") == 0
         assert metric(text, "switchyard_pd_prefill_failures_total") == 0     # no prefill failed
         # and each is served once descriptors are there again: no cooldown, no breaker open
-        for request in (chat("pd"), chat("tone"), get(f"/v1/responses/{rid}"), chat("pdd")):
+        for request in (chat("pd"), chat("tone"), get(f"/v1/responses/{rid}"), chat("pdd"),
+                        chat("pds")):
             status, body = await answer(*conns[5], request)
             assert status == 200, body
-        # no engine answered alice's three requests: her RPM window counts none of them (the
+        # no engine answered alice's four requests: her RPM window counts none of them (the
         # 503 of a leg with no socket gives its count back, as a refused connection's does)
         assert await remaining_requests(*conns[5], chat("pd", "alice")) == 99
     finally:
