@@ -1,7 +1,8 @@
 """A request body in a content coding the gateway does not decode, on a raw socket against a real
 gateway: RFC 9110 §15.5.16's 415 with ``Accept-Encoding`` naming the codings it decodes, in OpenAI's
 shape (Anthropic's on the Messages paths), with a request id, on every path; nothing reaches the
-engine. The codings it decodes (gzip, deflate) keep being served."""
+engine. The codings it decodes (gzip, deflate) keep being served, and x-gzip as gzip (RFC 9110
+§8.4.1.3)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ DECODED = ["gzip", "deflate"] + (["br"] if compression_utils.HAS_BROTLI else [])
 REFUSED = [
     (["x-foo"], "x-foo"),
     (["compress"], "compress"),
-    (["x-gzip"], "x-gzip"),
+    (["x-compress"], "x-compress"),
     (["gzip, gzip"], "gzip, gzip"),             # two codings: aiohttp decodes neither
     (["gzip, identity"], "gzip, identity"),
     (["gzip", "gzip"], "gzip, gzip"),           # the same in two header lines
@@ -89,4 +90,55 @@ async def test_a_page_reads_the_415():
         err = assert_openai_error(ex.first, 415)
         assert err["code"] == "unsupported_content_encoding"
         assert ex.first.headers.get("access-control-allow-origin") == origin, ex.first.headers
+        assert await gw.received() == []
+
+
+def _chunked(data: bytes, size: int = 7) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(data[i:i + size]), data[i:i + size])
+                    for i in range(0, len(data), size)) + b"0\r\n\r\n"
+
+
+@on_both_loops
+async def test_x_gzip_is_decoded_as_gzip():
+    """RFC 9110 §8.4.1.3: a recipient SHOULD consider x-gzip equivalent to gzip. Its body reaches the
+    engine decoded, exactly as a gzip one does, whether it came with its head, after it, in pieces or
+    chunked; the connection stays open for the next request."""
+    packed = gzip.compress(BODY)
+    async with edge_gateway(max_body_bytes=4096) as gw:
+        ex = await exchange(gw.port, _head(CHAT, ["gzip"], packed), wait=8.0, until_close=False, responses=1)
+        assert ex.first.status == 200, ex.first.body[:300]
+        as_gzip = await gw.received()
+        assert len(as_gzip) == 1 and as_gzip[0]["json_object"], as_gzip
+        head = _head(CHAT, ["x-gzip"], packed)[:-len(packed)]
+        for name, parts in (
+                ("with its head", [head + packed]),
+                ("in capitals", [_head(CHAT, ["X-GZip"], packed)]),
+                ("after its head", [head, packed]),
+                ("in pieces", [head, packed[:5], packed[5:20], packed[20:]]),
+                ("chunked", [head.replace(f"Content-Length: {len(packed)}\r\n".encode(),
+                                          b"Transfer-Encoding: chunked\r\n"), _chunked(packed)])):
+            ex = await exchange(gw.port, *parts, request("GET", "/health"), wait=8.0, until_close=False,
+                                responses=2)
+            assert [r.status for r in ex.responses] == [200, 200], (name, [r.body[:300] for r in ex.responses])
+            assert ex.first.json()["choices"], name
+            assert not ex.closed, name
+        got = await gw.received()
+        assert got[1:] == as_gzip * 5, got
+
+
+@on_both_loops
+async def test_an_x_gzip_body_is_refused_as_a_gzip_one():
+    """What is not gzip under x-gzip is the 400 bad_body of gzip's, and a bomb the 413 once its decoded
+    size crosses server.max_body_bytes; nothing reaches the engine."""
+    async with edge_gateway(max_body_bytes=4096) as gw:
+        for coding in ("gzip", "x-gzip"):
+            whole = _head(CHAT, [coding], BODY)       # JSON, not gzip: with its head, and after it
+            for parts in ([whole], [whole[:-len(BODY)], BODY]):
+                ex = await exchange(gw.port, *parts, wait=8.0)
+                err = assert_openai_error(ex.first, 400)
+                assert err["code"] == "bad_body", (coding, err)
+            bomb = gzip.compress(b" " * 2_000_000)
+            ex = await exchange(gw.port, _head(CHAT, [coding], bomb), wait=8.0, until_close=False, responses=1)
+            err = assert_openai_error(ex.first, 413)
+            assert err["code"] == "body_too_large", (coding, err)
         assert await gw.received() == []
