@@ -43,9 +43,10 @@ factory), ``web.RequestHandler`` subclassed (public; ``connection_made``/``conne
 documented-in-source override points). Semi-private, and pinned by tests in
 ``tests/unit/gateway/server/test_edge.py`` that break if aiohttp changes them: ``AppRunner._make_server`` (the
 runner's factory of its ``Server``), ``Server._kwargs`` (the handler keyword arguments the runner
-collected), ``RequestHandler._request_count`` (requests parsed on this connection) and
+collected), ``RequestHandler._request_count`` (requests parsed on this connection),
 ``web_protocol.ERROR`` (the message of the request aiohttp hands ``handle_error`` for a head it
-could not parse).
+could not parse), and for a body in ``x-gzip`` (``XGzipBody``) ``BaseRequest._payload`` with its
+reified ``content``, ``StreamReader._wait`` and the parser's ``DeflateBuffer``.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ import structlog
 from aiohttp import compression_utils, hdrs, web
 from aiohttp.http import HttpVersion10, HttpVersion11
 from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, HttpProcessingError, LineTooLong
+from aiohttp.http_parser import DeflateBuffer
+from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as _UNPARSED
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -950,7 +953,9 @@ def coding_refused(request: web.BaseRequest) -> web.Response | None:
     body is not read). aiohttp's parser decodes a body whose one ``Content-Encoding`` is one of
     ``DECODED_CODINGS`` and reads any other as if it had none: an unknown coding (``x-foo``), or
     codings stacked in one field or two (``gzip, gzip``), would reach the API as bytes it cannot
-    read, or be served as if they were not encoded. ``identity`` (no coding) is taken. None: served.
+    read, or be served as if they were not encoded. ``identity`` (no coding) is taken. ``x-gzip``,
+    which RFC 9110 §8.4.1.3 says a recipient SHOULD take as gzip and the parser passes through, is
+    given its decoder here (``XGzipBody``). None: served.
     (br or zstd without its decoder never gets here: the parser refuses the head, and the edge's
     ``handle_error`` gives the same 415.)"""
     fields = request.headers.getall(hdrs.CONTENT_ENCODING)
@@ -958,10 +963,58 @@ def coding_refused(request: web.BaseRequest) -> web.Response | None:
     applied = [c for c in (p.strip().lower() for p in value.split(",")) if c and c != "identity"]
     if not applied:
         return None
-    if len(applied) == 1 and len(fields) == 1 and value.isascii() and value.strip().lower() in DECODED_CODINGS:
-        return None
+    if len(applied) == 1 and len(fields) == 1 and value.isascii():
+        coding = value.strip().lower()
+        if coding in DECODED_CODINGS:
+            return None
+        if coding == "x-gzip" and isinstance(request, web.Request):
+            # semi-private: the request's stream (``content``, a reified property, and what ``read``,
+            # ``multipart`` and ``release`` read), pinned by tests/unit/gateway/server/test_edge.py
+            request._payload = request._cache["content"] = XGzipBody(request.content, request.protocol)
+            return None
     return _closing_error(request, 415, _coding_message(value), "unsupported_content_encoding",
                           {hdrs.ACCEPT_ENCODING: ACCEPT_ENCODING}, param="Content-Encoding")
+
+
+class XGzipBody(StreamReader):
+    """The body of a request in ``x-gzip``, gzip's old name (RFC 9110 §8.4.1.3: a recipient SHOULD
+    consider it equivalent to gzip), which aiohttp's parser passes through as it came (``raw``):
+    decoded as the parser decodes a gzip body, by its ``DeflateBuffer`` (at most its read size of
+    output at a time, so a bomb is a 413 once the decoded body crosses the limit), on demand: a read
+    that finds nothing decoded takes what ``raw`` holds (``_wait``). No task of its own, and nothing
+    of ``raw`` is read but by the handler's reads: aiohttp's reading and dropping of a body left
+    unread, after the answer, meets ``raw`` as it would a gzip body's. A body that is not gzip is the
+    parser's error for one (``RequestPayloadError``, the cause ``ContentEncodingError``)."""
+
+    __slots__ = ("_raw", "_gzip", "_more")
+
+    def __init__(self, raw: StreamReader, protocol: Any) -> None:
+        low, _ = raw.get_read_buffer_limits()
+        super().__init__(protocol, low, loop=asyncio.get_running_loop())
+        self._raw = raw
+        self._gzip = DeflateBuffer(self, "gzip", max_decompress_size=low)
+        self._more = False              # the decoder holds output past the last read's size
+        broken = raw.exception()
+        if broken is not None:          # as it came with the head (a chunk size that does not parse)
+            self.set_exception(broken)
+
+    async def _wait(self, func_name: str) -> None:
+        try:
+            if self._more:
+                self._more = self._gzip.feed_data(b"", 0)
+                return
+            chunk = await self._raw.readany()
+            if chunk:
+                self._more = self._gzip.feed_data(chunk, len(chunk))
+            else:
+                self._gzip.feed_eof()
+        except ContentEncodingError as e:
+            broken = web.RequestPayloadError(str(e))
+            self.set_exception(broken, e)
+            raise broken from e
+        except Exception as e:          # the body's framing broke, or the client left
+            self.set_exception(e)
+            raise
 
 
 def content_length_refused(request: web.BaseRequest) -> web.Response:

@@ -117,6 +117,26 @@ def test_aiohttp_request_handler_hooks_exist():
     assert "payload.set_exception(_PAYLOAD_ACCESS_ERROR)" in inspect.getsource(rh.start)
 
 
+def test_aiohttp_request_stream_and_decoder_an_x_gzip_body_uses():
+    """A body in x-gzip (gateway/server/edge.py ``XGzipBody``) is given its stream in place of the
+    parser's: the request's stream is ``_payload``, which ``content`` (reified in ``_cache``), ``read``,
+    ``multipart`` and ``release`` read; the stream's reads wait on ``_wait`` when nothing is buffered;
+    gzip is decoded by the parser's ``DeflateBuffer``, which reports output it still holds."""
+    from aiohttp.helpers import reify
+    from aiohttp.http_parser import DeflateBuffer
+    from aiohttp.streams import StreamReader
+    br = web.BaseRequest
+    assert isinstance(vars(br)["content"], reify) and "return self._payload" in inspect.getsource(br.content.wrapped)
+    assert "_payload" in br.ATTRS and "_cache" in br.ATTRS
+    for method in (br.read, br.multipart, br.release):
+        assert "self._payload" in inspect.getsource(method), method
+    for method in (StreamReader.readany, StreamReader.read, StreamReader.readchunk, StreamReader.readuntil):
+        assert "await self._wait(" in inspect.getsource(method), method
+    assert list(inspect.signature(StreamReader._wait).parameters) == ["self", "func_name"]
+    assert list(inspect.signature(DeflateBuffer).parameters) == ["out", "encoding", "max_decompress_size"]
+    assert "return self.decompressor.data_available" in inspect.getsource(DeflateBuffer.feed_data)
+
+
 def test_aiohttp_state_the_fast_lane_keeps_in_step():
     """The fast lane (gateway/server/lane.py) takes a request beside aiohttp's protocol: it reads and
     sets these of its state, with the meaning pinned here."""
