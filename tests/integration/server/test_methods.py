@@ -1,0 +1,116 @@
+"""Request methods on a raw socket against a real gateway, with CORS off and on: a method the
+gateway does not implement anywhere is RFC 9110 §9.1's 501, a known method a path does not serve
+§15.5.6's 405 with an ``Allow`` naming what it does; each in OpenAI's shape (Anthropic's on the
+Messages paths) with a request id, written to the request log, and, where the HTTP parser could
+read the request's framing, with the connection kept for the next request. A method that is not a
+token at all stays a malformed request (400)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import orjson
+import pytest
+
+from gateway.server.app import GATEWAY_KEY
+from tests.support.edge import assert_openai_error, edge_gateway, exchange, request
+from tests.support.loops import on_both_loops
+
+ORIGIN = "https://app.example"
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+HEALTH = request("GET", "/health")
+CORS = [False, True]
+
+
+def _server(cors: bool) -> dict:
+    return {"max_body_bytes": 4096, **({"cors_allowed_origins": [ORIGIN]} if cors else {})}
+
+
+@contextlib.contextmanager
+def _lines(gw):
+    with gw.app[GATEWAY_KEY].request_log.capture() as lines:
+        yield lines
+
+
+def _error(resp, path: str, status: int) -> dict:
+    """The error's fields in its path's shape: (type, message, code or None)."""
+    if path.startswith("/v1/messages"):
+        assert resp.status == status, (resp.status, resp.body[:300])
+        assert resp.headers.get("request-id"), resp.headers
+        got = resp.json()
+        assert got["type"] == "error" and set(got["error"]) == {"type", "message"}, got
+        return {"type": got["error"]["type"], "message": got["error"]["message"], "code": None}
+    return assert_openai_error(resp, status)
+
+
+# a method no route serves: the HTTP parser reads PROPFIND, MKCOL and QUERY (their framing is known),
+# not FOO, BREW or a lowercase get (RFC 9110 §9.1: methods are case-sensitive)
+PARSED = ["PROPFIND", "MKCOL", "QUERY"]
+UNPARSED = ["FOO", "BREW", "get"]
+PATHS = ["/v1/chat/completions", "/v1/models", "/v1/messages", "/health", "/nope"]
+
+
+@pytest.mark.parametrize("cors", CORS, ids=["cors_off", "cors_on"])
+@on_both_loops
+async def test_a_method_the_gateway_does_not_implement_is_a_501(cors):
+    async with edge_gateway(**_server(cors)) as gw:
+        for method in PARSED + UNPARSED:
+            for path in PATHS:
+                body = BODY if path.startswith("/v1/") and path != "/v1/models" else None
+                headers = {"Origin": ORIGIN} if cors else {}
+                with _lines(gw) as lines:
+                    ex = await exchange(gw.port, request(method, path, body, headers) + HEALTH, wait=8.0,
+                                        until_close=method in UNPARSED, responses=2)
+                where = (method, path)
+                err = _error(ex.first, path, 501)
+                assert method in err["message"] and "not implemented" in err["message"], (where, err)
+                if not path.startswith("/v1/messages"):
+                    assert err["code"] == "method_not_implemented", (where, err)
+                rid = ex.first.headers["request-id"]
+                if method in PARSED:        # its framing was read: the next request is answered
+                    assert [r.status for r in ex.responses] == [501, 200], (where, ex.responses)
+                    assert not ex.closed, where
+                else:                       # the parser stops at it: closed after the answer, said so
+                    assert ex.first.headers.get("connection", "").lower() == "close", (where, ex.first.headers)
+                    assert ex.closed and len(ex.responses) == 1, (where, ex.responses)
+                mine = [line for line in lines if line["request_id"] == rid]
+                assert len(mine) == 1, (where, lines)
+                assert (mine[0]["status"], mine[0]["path"], mine[0]["method"]) == (501, path, method), mine
+        assert await gw.received() == []
+
+
+@pytest.mark.parametrize("cors", CORS, ids=["cors_off", "cors_on"])
+@on_both_loops
+async def test_head_on_a_path_that_serves_no_get_is_a_405_without_a_body(cors):
+    """HEAD's answer has no content (RFC 9110 §9.3.2): the next answer on the connection starts right
+    after its head."""
+    async with edge_gateway(**_server(cors)) as gw:
+        for path, allowed in (("/v1/chat/completions", {"POST"}), ("/v1/responses/resp_1/cancel", {"POST"})):
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            try:
+                writer.write(request("HEAD", path) + HEALTH)
+                data = b""
+                async with asyncio.timeout(8.0):
+                    while data.count(b"HTTP/1.1 ") < 2 or not data.endswith(b'{"status":"ok"}'):
+                        chunk = await reader.read(65536)
+                        assert chunk, data
+                        data += chunk
+            finally:
+                writer.close()
+            head, _, rest = data.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 405 "), head
+            fields = dict(line.split(": ", 1) for line in head.decode().split("\r\n")[1:])
+            assert {m.strip() for m in fields["Allow"].split(",")} == allowed, fields
+            assert rest.startswith(b"HTTP/1.1 200 "), rest
+
+
+@on_both_loops
+async def test_a_method_that_is_no_token_is_a_400():
+    async with edge_gateway(max_body_bytes=4096) as gw:
+        for line in (b"G@T /v1/models HTTP/1.1", b"GE(T /v1/models HTTP/1.1", b"\x16\x03\x01 /v1/models HTTP/1.1",
+                     b"/v1/models HTTP/1.1"):
+            ex = await exchange(gw.port, line + b"\r\nHost: gateway.test\r\n\r\n", wait=8.0)
+            err = assert_openai_error(ex.first, 400)
+            assert err["code"] == "bad_request", (line, err)
+            assert ex.closed, line
