@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 import structlog
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from gateway.apis.anthropic_models import (
     ANTHROPIC_VERSION,
@@ -33,6 +33,7 @@ from gateway.batch.service import BatchService
 from gateway.config.schema import Config
 from gateway.endpoints import EndpointPool
 from gateway.errors import ErrorClass, GatewayError, error_response
+from gateway.observability.logs import RequestLog
 from gateway.observability.looplag import LoopLagMonitor
 from gateway.observability.metrics import GatewayMetrics, RetiredSeries
 from gateway.observability.status import StatusBoard, StatusSources
@@ -44,7 +45,13 @@ from gateway.pipeline.pipeline import Pipeline, not_listed_yet
 from gateway.request import CHAT, COMPLETIONS, EMBEDDINGS, request_id_from
 from gateway.server.admin import add_tenancy
 from gateway.server.cors import add_vary
-from gateway.server.edge import expectation_failed
+from gateway.server.edge import (
+    STANDARD_METHODS,
+    expectation_failed,
+    log_edge_answer,
+    not_implemented_answer,
+    not_implemented_message,
+)
 from gateway.server.lifecycle import Lifecycle
 from gateway.server.reclaim import MemoryReclaimer
 from gateway.server.reload import Build, Live, Reloader, declared_endpoints
@@ -88,11 +95,22 @@ def _json(status: int, payload, headers: dict[str, str] | None = None) -> web.Re
     return web.Response(status=status, body=orjson.dumps(payload), headers=headers, content_type="application/json")
 
 
-def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
+def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_log: RequestLog | None = None):
     """The answer to an exception a handler let out: every answer is JSON in its path's API shape
-    (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included.
+    (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included. A 404
+    or 405 for a method the gateway knows on no path (gateway/server/edge.py ``STANDARD_METHODS``, and
+    those its routes serve) is RFC 9110 §9.1's 501, written to ``request_log``.
     Returns None for what must propagate (a redirect, a cancellation)."""
     anthropic = apis.get(MESSAGES)
+    known: frozenset[str] | None = None     # STANDARD_METHODS and the routes' (the router is frozen by then)
+
+    def implemented(request: web.Request) -> bool:
+        nonlocal known
+        if request.method in STANDARD_METHODS:
+            return True
+        if known is None:
+            known = STANDARD_METHODS | {r.method for r in request.app.router.routes() if r.method != hdrs.METH_ANY}
+        return request.method in known
 
     def shaped(request: web.Request, err: GatewayError) -> bytes:
         path = request.path
@@ -114,13 +132,23 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape]):
         if isinstance(e, web.HTTPException):
             if e.status < 400:
                 return None
-            msg = {404: f"unknown path {request.path}", 405: f"method {request.method} not allowed on {request.path}",
-                   413: "request body too large"}.get(e.status, e.reason)
-            err = GatewayError(e.status, msg, error_class=ErrorClass.HTTP)
-            headers = {"request-id": rid, "x-request-id": rid}
-            if e.status == 405 and "Allow" in e.headers:
-                headers["Allow"] = e.headers["Allow"]
-            return error_response(e.status, shaped(request, err), headers)
+            if e.status in (404, 405) and not implemented(request):
+                resp = not_implemented_answer(request.path, request.method, rid)
+                msg = not_implemented_message(request.method)
+            else:
+                msg = {404: f"unknown path {request.path}",
+                       405: f"method {request.method} not allowed on {request.path}",
+                       413: "request body too large"}.get(e.status, e.reason)
+                err = GatewayError(e.status, msg, error_class=ErrorClass.HTTP)
+                headers = {"request-id": rid, "x-request-id": rid}
+                if e.status == 405 and "Allow" in e.headers:
+                    headers["Allow"] = e.headers["Allow"]
+                resp = error_response(e.status, shaped(request, err), headers)
+            if request_log is not None and resp.status == 501:
+                log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
+                                resp.status, msg, time.perf_counter(), request_log,
+                                extra=getattr(request, "log_fields", None))
+            return resp
         if isinstance(e, GatewayError):
             return error_response(e.status, shaped(request, e), {"request-id": rid, **e.headers})
         # a bug outside the pipeline (which answers its own)
@@ -214,7 +242,7 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     started_at = int(time.time() if worker is None or worker.started_at is None else worker.started_at)
 
     # the trace middleware is outermost, so the request span sees the status the client gets
-    answer = _error_answers(metrics, s.apis)
+    answer = _error_answers(metrics, s.apis, s.request_log)
     middlewares = ([tracing.middleware] if tracing is not None else []) + [_error_middleware(answer)]
     app = web.Application(middlewares=middlewares, client_max_size=config.server.max_body_bytes)
     app[GATEWAY_KEY] = gw

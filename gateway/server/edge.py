@@ -31,6 +31,10 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   parse: the edge keeps the first bytes of the head it reads, ``_e_line``, and reads the path from
   them), with ``request-id``, and with 431 for header fields that are too large or too many; the
   answer to a head it could not parse goes out in HTTP/1.1 (aiohttp's stand-in request says 1.0).
+  A request line whose method is a token the parser does not know (``FOO``) is RFC 9110 §9.1's 501,
+  not a malformed request: the gateway implements no such method (the router's 404 and 405 for a
+  method the parser knows, ``PROPFIND``, are made a 501 too, gateway/server/app.py); it is written
+  to the request log, and the connection closes, the rest of the request's framing being unknown.
 - **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
   preflight to an API path is answered before the application (and written to the request log as
   a request of its own), and a request with an ``Origin``
@@ -64,7 +68,13 @@ import orjson
 import structlog
 from aiohttp import compression_utils, hdrs, web
 from aiohttp.http import HttpVersion10, HttpVersion11
-from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import (
+    BadHttpMessage,
+    BadHttpMethod,
+    ContentEncodingError,
+    HttpProcessingError,
+    LineTooLong,
+)
 from aiohttp.http_parser import DeflateBuffer
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import ERROR as _UNPARSED
@@ -111,6 +121,14 @@ _LINE_KEEP = 64
 # the path of a request line's target, as far as the kept bytes hold it (to a space, a query or the
 # line's end; a path cut short by ``_LINE_KEEP`` still shows whether it is a Messages path)
 _LINE_PATH = re.compile(rb"[^ \r\n]+ (/[^ ?\r\n]*)")
+# a request line whose method is a token the HTTP parser does not know (RFC 9110 §9.1's 501), as
+# far as the kept bytes hold it: the method, a space, a target
+_LINE_METHOD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) [^ \r\n]")
+
+# the methods the gateway knows: RFC 9110 §9's and PATCH (RFC 5789). One of them on a path that
+# does not serve it is a 405 with the path's Allow; a method neither among them nor served by a
+# route is a 501 (RFC 9110 §9.1: a method the origin server does not recognize or implement)
+STANDARD_METHODS = frozenset(("GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH"))
 
 # the content codings aiohttp's parser decodes in a request body (br and zstd when their decoders are
 # installed): what a 415 lists in Accept-Encoding (RFC 9110 §15.5.16)
@@ -844,6 +862,10 @@ class EdgeProtocol(web.RequestHandler):
         if request.writer.output_size > 0:  # as aiohttp: a response is half out, only a close is left
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
         edge = self._edge
+        if isinstance(exc, BadHttpMethod) and self._e_unparsed:
+            m = _LINE_METHOD.match(self._e_line)
+            if m is not None:           # a token, but no method the parser knows: none the gateway implements
+                return self._e_not_implemented(request, m.group(1).decode("ascii"))
         status, text, code = edge.classify(status, exc, message)
         edge.metrics.protocol_errors.labels(str(status)).inc()
         if status >= 500:
@@ -860,6 +882,19 @@ class EdgeProtocol(web.RequestHandler):
                               None if self._e_unparsed else request.headers)
         resp = error_response(status, shaped, headers)
         resp.force_close()
+        return resp
+
+    def _e_not_implemented(self, request: web.BaseRequest, method: str) -> web.Response:
+        """The 501 of a method the HTTP parser stopped at (it knows every method a route serves): the
+        rest of the request's framing is unknown, so the connection closes after the answer."""
+        started = time.perf_counter()
+        path = self._e_line_path() or "/"
+        rid = request_id_from(None)
+        resp = not_implemented_answer(path, method, rid)
+        resp.force_close()
+        if self._edge.request_log is not None:
+            log_edge_answer(rid, None, path, method, resp.status, not_implemented_message(method), started,
+                            self._edge.request_log)
         return resp
 
     def _e_line_path(self) -> str | None:
@@ -1082,6 +1117,32 @@ def cors_refused(request: web.BaseRequest) -> web.Response:
     rid = request_id_from(request.headers.get("x-request-id"))
     body = _shaped_body(request.path, 403, _cors_refusal(request), None, "cors_origin_not_allowed")
     return error_response(403, body, {"request-id": rid, "x-request-id": rid})
+
+
+def not_implemented_message(method: str) -> str:
+    return (f"method {_short(method, 64)} is not implemented by the gateway (an OPTIONS * request lists "
+            "the methods it serves)")
+
+
+def not_implemented_answer(path: str, method: str, rid: str) -> web.Response:
+    """RFC 9110 §9.1: a method the gateway does not recognize or implement on any path is a 501, in
+    the path's API shape (Anthropic's on a Messages path)."""
+    body = _shaped_body(path, 501, not_implemented_message(method), "invalid_request_error", "method_not_implemented")
+    return error_response(501, body, {"request-id": rid, "x-request-id": rid})
+
+
+def log_edge_answer(rid: str, given: str | None, path: str, method: str, status: int, error: str, started: float,
+                    request_log: RequestLog, error_class: ErrorClass = ErrorClass.HTTP,
+                    extra: dict[str, Any] | None = None) -> None:
+    """The request log line of an error answer made before any API handler (an unknown method's 501,
+    an unknown path's 404, a method's 405): what a request line says of an answer without a model or
+    an endpoint, with ``method``; ``rid``, the request id the answer carries, ``given`` the client's."""
+    rec = RequestRecord(rid, path, started, status=status, request_id_replaced=given is not None and given != rid,
+                        error_class=error_class, error=error)
+    rec.extra["method"] = method
+    if extra:
+        rec.extra.update(extra)
+    log_answer(rec, time.perf_counter(), request_log)
 
 
 def _log_preflight(request: web.BaseRequest, resp: web.Response, result: str, started: float,
