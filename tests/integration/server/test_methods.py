@@ -80,6 +80,66 @@ async def test_a_method_the_gateway_does_not_implement_is_a_501(cors):
         assert await gw.received() == []
 
 
+# (method, path, the methods its Allow names)
+NOT_ALLOWED = [
+    ("GET", "/v1/chat/completions", {"POST"}),
+    ("PUT", "/v1/chat/completions", {"POST"}),
+    ("DELETE", "/v1/embeddings", {"POST"}),
+    ("GET", "/v1/messages", {"POST"}),
+    ("DELETE", "/v1/models", {"GET", "HEAD"}),
+    ("PATCH", "/v1/models", {"GET", "HEAD"}),
+    ("POST", "/v1/models/m", {"GET", "HEAD"}),
+    ("TRACE", "/v1/models", {"GET", "HEAD"}),
+    ("PUT", "/v1/responses/resp_1", {"GET", "HEAD", "DELETE"}),
+    ("GET", "/v1/responses/resp_1/cancel", {"POST"}),
+    ("POST", "/v1/responses/resp_1/input_items", {"GET", "HEAD"}),
+    ("OPTIONS", "/v1/models", {"GET", "HEAD"}),
+    ("POST", "/health", {"GET", "HEAD"}),
+]
+
+
+@pytest.mark.parametrize("cors", CORS, ids=["cors_off", "cors_on"])
+@on_both_loops
+async def test_a_known_method_a_path_does_not_serve_is_a_405_naming_what_it_does(cors):
+    async with edge_gateway(**_server(cors)) as gw:
+        for method, path, allowed in NOT_ALLOWED:
+            body = BODY if method in ("POST", "PUT", "PATCH") else None
+            for headers in ({}, {"Origin": ORIGIN}) if cors else ({},):
+                where = (method, path, headers)
+                with _lines(gw) as lines:
+                    ex = await exchange(gw.port, request(method, path, body, headers) + HEALTH, wait=8.0,
+                                        until_close=False, responses=2)
+                err = _error(ex.first, path, 405)
+                assert method in err["message"], (where, err)
+                got = {m.strip() for m in ex.first.headers.get("allow", "").split(",")}
+                assert got == allowed, (where, ex.first.headers)
+                assert [r.status for r in ex.responses] == [405, 200] and not ex.closed, (where, ex.responses)
+                rid = ex.first.headers["request-id"]
+                mine = [line for line in lines if line["request_id"] == rid]
+                assert [(m["status"], m["method"], m["path"]) for m in mine] == [(405, method, path)], (where, lines)
+        assert await gw.received() == []
+
+
+@pytest.mark.parametrize("cors", CORS, ids=["cors_off", "cors_on"])
+@on_both_loops
+async def test_an_unknown_path_is_a_404_with_a_log_line(cors):
+    async with edge_gateway(**_server(cors)) as gw:
+        for method, path in (("GET", "/nope"), ("POST", "/v1/nope"), ("DELETE", "/v1/chat"), ("OPTIONS", "/nope")):
+            body = BODY if method == "POST" else None
+            for headers in ({}, {"Origin": ORIGIN}) if cors else ({},):
+                where = (method, path, headers)
+                with _lines(gw) as lines:
+                    ex = await exchange(gw.port, request(method, path, body, headers) + HEALTH, wait=8.0,
+                                        until_close=False, responses=2)
+                assert_openai_error(ex.first, 404)
+                assert [r.status for r in ex.responses] == [404, 200] and not ex.closed, (where, ex.responses)
+                rid = ex.first.headers["request-id"]
+                mine = [line for line in lines if line["request_id"] == rid]
+                assert [(m["status"], m["method"], m["path"], m["error_class"]) for m in mine] == [
+                    (404, method, path, "http")], (where, lines)
+        assert await gw.received() == []
+
+
 @pytest.mark.parametrize("cors", CORS, ids=["cors_off", "cors_on"])
 @on_both_loops
 async def test_head_on_a_path_that_serves_no_get_is_a_405_without_a_body(cors):
