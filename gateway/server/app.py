@@ -99,7 +99,8 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
     """The answer to an exception a handler let out: every answer is JSON in its path's API shape
     (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included. A 404
     or 405 for a method the gateway knows on no path (gateway/server/edge.py ``STANDARD_METHODS``, and
-    those its routes serve) is RFC 9110 §9.1's 501, written to ``request_log``.
+    those its routes serve) is RFC 9110 §9.1's 501. The 404, 405 and 501 made here, the answers to a
+    path or method nothing serves, are written to ``request_log`` (no API handler logs them).
     Returns None for what must propagate (a redirect, a cancellation)."""
     anthropic = apis.get(MESSAGES)
     known: frozenset[str] | None = None     # STANDARD_METHODS and the routes' (the router is frozen by then)
@@ -144,7 +145,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                 if e.status == 405 and "Allow" in e.headers:
                     headers["Allow"] = e.headers["Allow"]
                 resp = error_response(e.status, shaped(request, err), headers)
-            if request_log is not None and resp.status == 501:
+            if request_log is not None and resp.status in (404, 405, 501):
                 log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
                                 resp.status, msg, time.perf_counter(), request_log,
                                 extra=getattr(request, "log_fields", None))

@@ -381,7 +381,8 @@ _PREFLIGHT_LINE = {"model": "-", "user": None, "strategy": "", "endpoint": "", "
 async def test_each_preflight_answered_writes_a_request_log_line(sims, gateway):
     """An operator debugging a page's failing preflight finds it in the request log: one line per
     preflight the gateway answers, allowed or refused, with its status, its request id and the
-    outcome in ``cors``; an OPTIONS that is no preflight, or one to a path outside the API, has none."""
+    outcome in ``cors``; an OPTIONS that is no preflight, or one to a path outside the API, has the line
+    of the 405 it gets, as every answer to a method a path does not serve."""
     gw = await _cors_gateway(sims, gateway, [APP], auth={"api_keys": [{"key": ALICE, "user": "alice"}]})
     with gw.gw.request_log.capture() as lines:
         status, allowed, _ = await _options(gw, CHAT_PATH, {**PREFLIGHT, "x-request-id": "preflight-1"})
@@ -390,12 +391,14 @@ async def test_each_preflight_answered_writes_a_request_log_line(sims, gateway):
         assert status == 403
         status, odd, _ = await _options(gw, "/v1/models", {**PREFLIGHT, "x-request-id": "not a good id"})
         assert status == 204
-        assert (await _options(gw, CHAT_PATH, {"Origin": APP}))[0] == 405          # no preflight
-        assert (await _options(gw, "/metrics", PREFLIGHT))[0] == 405               # not the API
+        status, plain, _ = await _options(gw, CHAT_PATH, {"Origin": APP})           # no preflight
+        assert status == 405
+        status, elsewhere, _ = await _options(gw, "/metrics", PREFLIGHT)             # not the API
+        assert status == 405
         r = await post(gw, chat_body(CHAT), {"Origin": APP, **bearer(ALICE)})      # a line as before
         assert r.status == 200
-        assert await wait_for(lambda: len(lines) == 4, timeout=10.0, interval=0.01), lines
-    first, second, third, fourth = lines
+        assert await wait_for(lambda: len(lines) == 6, timeout=10.0, interval=0.01), lines
+    first, second, third, not_preflight, not_api, fourth = lines
     for line in (first, second, third):
         assert line.pop("duration_ms") >= 0, line
     assert first == {"request_id": "preflight-1", "path": CHAT_PATH, "status": 204, "error_class": None,
@@ -407,6 +410,10 @@ async def test_each_preflight_answered_writes_a_request_log_line(sims, gateway):
     assert third == {"request_id": odd["x-request-id"], "path": "/v1/models", "status": 204, "error_class": None,
                      "error": None, "cors": "preflight_allowed", "request_id_replaced": True, **_PREFLIGHT_LINE}
     assert third["request_id"] != "not a good id"
+    for line, path, answer, cors in ((not_preflight, CHAT_PATH, plain, "allowed"),
+                                     (not_api, "/metrics", elsewhere, "allowed")):
+        assert (line["request_id"], line["path"], line["status"], line["method"], line["error_class"], line["cors"]) \
+            == (answer["request-id"], path, 405, "OPTIONS", "http", cors), line
     assert (fourth["status"], fourth["cors"], fourth["user"]) == (200, "allowed", "alice")
     assert "method" not in fourth
 
