@@ -166,10 +166,11 @@ async def test_head_on_a_path_that_serves_no_get_is_a_405_without_a_body(cors):
 
 
 @on_both_loops
-async def test_a_method_that_is_no_token_is_a_400():
+async def test_a_method_that_is_no_token_or_a_line_that_is_no_request_line_is_a_400():
     async with edge_gateway(max_body_bytes=4096) as gw:
         for line in (b"G@T /v1/models HTTP/1.1", b"GE(T /v1/models HTTP/1.1", b"\x16\x03\x01 /v1/models HTTP/1.1",
-                     b"/v1/models HTTP/1.1"):
+                     b"/v1/models HTTP/1.1", b"NOT HTTP AT ALL", b"FOO /v1/models HTTP/1.1 more",
+                     b"FOO /v1/models", b"FOO  /v1/models HTTP/1.1"):
             ex = await exchange(gw.port, line + b"\r\nHost: gateway.test\r\n\r\n", wait=8.0)
             err = assert_openai_error(ex.first, 400)
             assert err["code"] == "bad_request", (line, err)
