@@ -122,8 +122,11 @@ _LINE_KEEP = 64
 # line's end; a path cut short by ``_LINE_KEEP`` still shows whether it is a Messages path)
 _LINE_PATH = re.compile(rb"[^ \r\n]+ (/[^ ?\r\n]*)")
 # a request line whose method is a token the HTTP parser does not know (RFC 9110 §9.1's 501), as
-# far as the kept bytes hold it: the method, a space, a target
-_LINE_METHOD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) [^ \r\n]")
+# far as the kept bytes hold it: the method, a space, a target's start (a path, ``*``, a scheme),
+# and when the line ends within them, the rest of a request line (``NOT HTTP AT ALL`` is none)
+_METHOD = rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) "
+_LINE_METHOD = re.compile(_METHOD + rb"(?:/|\*|[A-Za-z][A-Za-z0-9+.\-]*://)")
+_LINE_WHOLE = re.compile(_METHOD + rb"[^ \r\n]+ HTTP/1\.[01]")
 
 # the methods the gateway knows: RFC 9110 §9's and PATCH (RFC 5789). One of them on a path that
 # does not serve it is a 405 with the path's Allow; a method neither among them nor served by a
@@ -863,8 +866,11 @@ class EdgeProtocol(web.RequestHandler):
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
         edge = self._edge
         if isinstance(exc, BadHttpMethod) and self._e_unparsed:
-            m = _LINE_METHOD.match(self._e_line)
-            if m is not None:           # a token, but no method the parser knows: none the gateway implements
+            line = self._e_line
+            m = _LINE_METHOD.match(line)
+            end = line.find(b"\r\n")
+            if m is not None and (end < 0 or _LINE_WHOLE.fullmatch(line, 0, end) is not None):
+                # a token, but no method the parser knows: none the gateway implements
                 return self._e_not_implemented(request, m.group(1).decode("ascii"))
         status, text, code = edge.classify(status, exc, message)
         edge.metrics.protocol_errors.labels(str(status)).inc()
