@@ -743,8 +743,9 @@ def add_responses(app: web.Application, api: ResponsesApi) -> None:
 
 def _only(api: ResponsesApi):
     async def sub(request: web.Request) -> web.StreamResponse:
-        want = "POST" if request.match_info["action"] == "cancel" else "GET"
-        if request.method != want:
-            raise web.HTTPMethodNotAllowed(request.method, [want])
+        # input_items is read with GET, and so with HEAD, as aiohttp's GET routes serve it (RFC 9110 §9.3.2)
+        allowed = ("POST",) if request.match_info["action"] == "cancel" else ("GET", "HEAD")
+        if request.method not in allowed:
+            raise web.HTTPMethodNotAllowed(request.method, allowed)
         return await api.by_id(request)
     return sub
