@@ -411,9 +411,10 @@ async def test_each_preflight_answered_writes_a_request_log_line(sims, gateway):
                      "error": None, "cors": "preflight_allowed", "request_id_replaced": True, **_PREFLIGHT_LINE}
     assert third["request_id"] != "not a good id"
     for line, path, answer, cors in ((not_preflight, CHAT_PATH, plain, "allowed"),
-                                     (not_api, "/metrics", elsewhere, "allowed")):
+                                     (not_api, "/metrics", elsewhere, "preflight_refused")):
         assert (line["request_id"], line["path"], line["status"], line["method"], line["error_class"], line["cors"]) \
             == (answer["request-id"], path, 405, "OPTIONS", "http", cors), line
+    assert not [k for k in elsewhere if k.lower().startswith("access-control-")], elsewhere
     assert (fourth["status"], fourth["cors"], fourth["user"]) == (200, "allowed", "alice")
     assert "method" not in fourth
 

@@ -175,3 +175,41 @@ async def test_a_method_that_is_no_token_or_a_line_that_is_no_request_line_is_a_
             err = assert_openai_error(ex.first, 400)
             assert err["code"] == "bad_request", (line, err)
             assert ex.closed, line
+
+
+# (path, its status, its Allow): paths outside the API
+ELSEWHERE = [("/status", 405, {"GET", "HEAD"}), ("/metrics", 405, {"GET", "HEAD"}), ("/health", 405, {"GET", "HEAD"}),
+             ("/nope", 404, None)]
+
+
+@on_both_loops
+async def test_a_preflight_to_a_path_outside_the_api_gets_that_path_s_answer_without_cors_headers():
+    """CORS lets pages call the API (docs/apis.md, Browsers): a preflight to another path is answered as
+    the path deserves, a 405 naming its methods or a 404, with no CORS header, so the browser keeps the
+    page from calling it; it is counted and logged as a preflight refused, and the connection serves on.
+    A plain OPTIONS there is the same answer, logged without ``cors``."""
+    async with edge_gateway(**_server(True)) as gw:
+        def refused() -> float:
+            return gw.samples().get("switchyard_cors_requests_total{outcome=preflight_refused}", 0.0)
+
+        for path, status, allow in ELSEWHERE:
+            for origin in (ORIGIN, "https://other.example", None):
+                headers = {} if origin is None else {"Origin": origin, "Access-Control-Request-Method": "GET"}
+                where = (path, origin)
+                before = refused()
+                with _lines(gw) as lines:
+                    ex = await exchange(gw.port, request("OPTIONS", path, headers=headers) + HEALTH, wait=8.0,
+                                        until_close=False, responses=2)
+                r = ex.first
+                assert_openai_error(r, status)
+                assert [x.status for x in ex.responses] == [status, 200] and not ex.closed, (where, ex.responses)
+                assert not [k for k in r.headers if k.startswith("access-control-")], (where, r.headers)
+                assert "origin" in r.headers.get("vary", "").lower(), (where, r.headers)
+                if allow is not None:
+                    assert {m.strip() for m in r.headers["allow"].split(",")} == allow, (where, r.headers)
+                mine = [line for line in lines if line["request_id"] == r.headers["request-id"]]
+                assert len(mine) == 1, (where, lines)
+                line = mine[0]
+                assert (line["method"], line["path"], line["status"]) == ("OPTIONS", path, status), line
+                assert line.get("cors") == (None if origin is None else "preflight_refused"), line
+                assert refused() == before + (origin is not None), where
