@@ -8,7 +8,10 @@ Off (the list empty, the default), nothing here runs: no request pays for it. On
   so without an API key (browsers send none with a preflight): a 204 with the allowed origin, the
   methods the API's routes serve, the headers the page asked for, ``Access-Control-Max-Age`` and
   ``Vary: Origin``. A preflight from an origin not listed gets a 403 in the path's API shape and no
-  CORS header, which the browser reports to the page as a CORS failure.
+  CORS header, which the browser reports to the page as a CORS failure. A preflight to a path outside
+  the API (``/status``, ``/metrics``, an unknown path) is not one CORS allows: the application gives
+  it that path's answer to an ``OPTIONS``, a 405 naming its methods or a 404, without CORS's headers
+  (``CorsRequest._prepare_hook``), counted and logged as ``preflight_refused``.
 - **Other requests with an Origin** are made a ``CorsRequest`` (the application's request factory
   takes the class): the pipeline writes no answer to one whole (gateway/pipeline/whole.py writes for
   the request classes it knows), so every answer to it, a stream's and every error's included, goes
@@ -130,12 +133,18 @@ class CorsRequest(web.Request):
 
     @property
     def log_fields(self) -> dict[str, str]:
-        """Fields of its request log line (``RequestContext.start`` reads them): ``cors``, the outcome."""
+        """Fields of its request log line (``RequestContext.start`` reads them, and the line of an
+        unknown path's or a method's refusal): ``cors``, the outcome; a preflight that gets here,
+        to a path outside the API (the edge answers the API's), is ``preflight_refused``."""
+        if is_preflight(self):
+            return {"cors": "preflight_refused"}
         return {"cors": outcome(self.policy, self.headers.get(hdrs.ORIGIN))}
 
     async def _prepare_hook(self, response: web.StreamResponse) -> None:
         headers = response.headers
-        if hdrs.ACCESS_CONTROL_ALLOW_ORIGIN not in headers:     # a preflight's answer has its own
+        # a preflight's answer has its own; one to a path outside the API (the edge answers the API's)
+        # gets that path's 404 or 405 without them: the browser keeps the page from calling it
+        if hdrs.ACCESS_CONTROL_ALLOW_ORIGIN not in headers and not is_preflight(self):
             headers.update(allowed_headers(self.policy, self.headers.get(hdrs.ORIGIN)))
         add_vary(headers)
         await super()._prepare_hook(response)

@@ -1175,14 +1175,17 @@ def _cors_preflights(handler: Any, cors: CorsPolicy, methods: str, direct: dict[
     async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
         if isinstance(request, CorsRequest):
             result = outcome(cors, request.headers.get(hdrs.ORIGIN))     # allowed, refused
-            if is_preflight(request) and (request.path.startswith("/v1/") or request.path in direct):
-                started = time.perf_counter()
-                result = "preflight_" + result
-                counted[result].inc()
-                resp = preflight(request, cors, methods, cors_refused)
-                if request_log is not None:
-                    _log_preflight(request, resp, result, started, request_log)
-                return resp
+            if is_preflight(request):
+                if request.path.startswith("/v1/") or request.path in direct:
+                    started = time.perf_counter()
+                    result = "preflight_" + result
+                    counted[result].inc()
+                    resp = preflight(request, cors, methods, cors_refused)
+                    if request_log is not None:
+                        _log_preflight(request, resp, result, started, request_log)
+                    return resp
+                # a path outside the API: its own 404 or 405, without CORS's headers, and its line
+                result = "preflight_refused"
             counted[result].inc()
         return await handler(request)
     return request_handler
