@@ -98,18 +98,24 @@ def _chunked(data: bytes, size: int = 7) -> bytes:
                     for i in range(0, len(data), size)) + b"0\r\n\r\n"
 
 
+@pytest.mark.parametrize("cors", [False, True], ids=["cors_off", "cors_on"])
 @on_both_loops
-async def test_x_gzip_is_decoded_as_gzip():
+async def test_x_gzip_is_decoded_as_gzip(cors):
     """RFC 9110 §8.4.1.3: a recipient SHOULD consider x-gzip equivalent to gzip. Its body reaches the
     engine decoded, exactly as a gzip one does, whether it came with its head, after it, in pieces or
-    chunked; the connection stays open for the next request."""
+    chunked; the connection stays open for the next request (with CORS on too, a page's request among
+    them)."""
     packed = gzip.compress(BODY)
-    async with edge_gateway(max_body_bytes=4096) as gw:
+    origin = "https://app.example"
+    server = {"cors_allowed_origins": [origin]} if cors else {}
+    async with edge_gateway(max_body_bytes=4096, **server) as gw:
         ex = await exchange(gw.port, _head(CHAT, ["gzip"], packed), wait=8.0, until_close=False, responses=1)
         assert ex.first.status == 200, ex.first.body[:300]
         as_gzip = await gw.received()
         assert len(as_gzip) == 1 and as_gzip[0]["json_object"], as_gzip
         head = _head(CHAT, ["x-gzip"], packed)[:-len(packed)]
+        if cors:                # a page's request: the answer goes through aiohttp's response, with CORS's headers
+            head = head[:-2] + f"Origin: {origin}\r\n\r\n".encode()
         for name, parts in (
                 ("with its head", [head + packed]),
                 ("in capitals", [_head(CHAT, ["X-GZip"], packed)]),
@@ -122,6 +128,8 @@ async def test_x_gzip_is_decoded_as_gzip():
             assert [r.status for r in ex.responses] == [200, 200], (name, [r.body[:300] for r in ex.responses])
             assert ex.first.json()["choices"], name
             assert not ex.closed, name
+            if cors and name != "in capitals":
+                assert ex.first.headers.get("access-control-allow-origin") == origin, (name, ex.first.headers)
         got = await gw.received()
         assert got[1:] == as_gzip * 5, got
 
