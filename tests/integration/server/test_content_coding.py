@@ -150,3 +150,19 @@ async def test_an_x_gzip_body_is_refused_as_a_gzip_one():
             err = assert_openai_error(ex.first, 413)
             assert err["code"] == "body_too_large", (coding, err)
         assert await gw.received() == []
+
+
+@on_both_loops
+async def test_an_x_gzip_body_that_stops_coming_is_the_408_of_any_body():
+    """The body's clocks run on the bytes as they come, decoded or not: an x-gzip body that stops
+    part way is the 408 of server.body_timeout_s, its handler ended (nothing left in flight), and a
+    client that leaves part way costs nothing either."""
+    packed = gzip.compress(BODY)
+    head = _head(CHAT, ["x-gzip"], packed)[:-len(packed)]
+    async with edge_gateway(max_body_bytes=4096, body_timeout_s=0.5) as gw:
+        ex = await exchange(gw.port, head, packed[:10], wait=8.0)
+        err = assert_openai_error(ex.first, 408)
+        assert err["code"] == "request_timeout", err
+        assert ex.closed
+        await exchange(gw.port, head, packed[:10], wait=0.2, until_close=False, responses=1)     # and leaves
+        assert await gw.received() == []
