@@ -277,3 +277,69 @@ async def test_health_probes_a_worker_cannot_send_for_want_of_descriptors_mark_n
             proc.terminate()
         async with asyncio.timeout(30):
             await proc.wait()
+
+
+def workers_soft_nofile(pids: list[int]) -> list[int]:
+    return [resource.prlimit(pid, resource.RLIMIT_NOFILE)[0] for pid in pids]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("raise_limit", [True, False])
+async def test_a_low_soft_limit_is_raised_to_the_hard_limit_at_start(sims, tmp_path, raise_limit):
+    """A gateway started with a soft RLIMIT_NOFILE of 256 under a hard one of 4096 (systemd's and
+    Docker's 1024 under 524288 or more, in small) raises its soft limit to the hard one before it
+    forks, says so once, and its workers cap client connections at their share of 4096, not of 256;
+    with server.raise_nofile_limit off it keeps the limit it was given. Before, the soft limit was
+    kept: each worker took about 80 client connections, though the process could raise it itself."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    opt_out = "" if raise_limit else ", raise_nofile_limit: false"     # true is the default
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   f"server: {{drain_delay_s: 0, shutdown_grace_s: 5{opt_out}}}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    log_path = tmp_path / "gw.log"
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, 4096))
+
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
+                                                    preexec_fn=limited)
+    try:
+        async with asyncio.timeout(30):
+            while len(children_of(proc.pid)) < 2 or len(accept_queues(port)) < 2:
+                await asyncio.sleep(0.05)
+        workers = children_of(proc.pid)
+        conn = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            status, page = await answer(*conn, METRICS)
+        finally:
+            conn[1].close()
+        assert status == 200
+        limit = metric(page.decode(), "switchyard_client_connections_limit")
+        lines = [json.loads(line) for line in log_path.read_text().splitlines() if line.startswith("{")]
+        raised = [e for e in lines if e["event"] == "file descriptor limit raised"]
+        capped = [e for e in lines if e["event"] == "file descriptor limit caps client connections below "
+                                                     "server.max_connections"]
+        if raise_limit:
+            assert resource.prlimit(proc.pid, resource.RLIMIT_NOFILE) == (4096, 4096)
+            assert workers_soft_nofile(workers) == [4096, 4096]
+            # each worker: half of what 4096 leaves free after what it holds and 64 more
+            assert 2 * 1800 < limit < 4096, page.decode()
+            assert len(raised) == 1, lines       # the parent's line, before the fork
+            assert raised[0]["nofile_before"] == NOFILE and raised[0]["nofile"] == 4096
+            assert raised[0]["nofile_hard"] == 4096
+            assert sorted(e["nofile"] for e in capped) == [4096, 4096]
+        else:
+            assert resource.prlimit(proc.pid, resource.RLIMIT_NOFILE) == (NOFILE, 4096)
+            assert workers_soft_nofile(workers) == [NOFILE, NOFILE]
+            assert 0 < limit < NOFILE
+            assert raised == []
+            assert sorted(e["nofile"] for e in capped) == [NOFILE, NOFILE]
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        async with asyncio.timeout(30):
+            await proc.wait()
