@@ -94,7 +94,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
-    from gateway.server.run import ListenError, free_port, serve
+    from gateway.server.run import ListenError, free_port, raise_nofile_limit, serve
+    if config.server.raise_nofile_limit:     # before the fork: every worker inherits it
+        raised = raise_nofile_limit()
+        if raised is not None:
+            import structlog
+            nofile_log = structlog.get_logger("switchyard")
+            if raised.error is None:
+                nofile_log.info("file descriptor limit raised", nofile_before=raised.before, nofile=raised.after,
+                                nofile_hard=raised.hard)
+            else:
+                nofile_log.warning("file descriptor limit could not be raised", nofile=raised.before,
+                                   nofile_hard=raised.hard, error=raised.error)
     from gateway.server.workers import WorkerInfo, adapters_apart, auto_count, auto_workers, per_process_state
     workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:

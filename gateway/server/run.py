@@ -235,6 +235,50 @@ def connection_limit(max_connections: int, nofile: int | None, open_now: int) ->
     return share if not max_connections or share < max_connections else max_connections
 
 
+# the most a start raises the soft RLIMIT_NOFILE to: a hard limit of "infinity" (the kernel's
+# fs.nr_open, 1073741816 where a runtime sets it so) is no limit to take whole, since a program
+# that loops over every descriptor it may hold (some close them all before they exec) would take
+# a billion steps
+NOFILE_MAX = 1 << 20
+NR_OPEN = "/proc/sys/fs/nr_open"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NofileRaise:
+    """What ``raise_nofile_limit`` did: the soft limit before and after, the hard one, and why it
+    could not (``error``: the soft limit stayed ``before``)."""
+
+    before: int
+    after: int
+    hard: int
+    error: str | None = None
+
+
+def raise_nofile_limit(nr_open_path: str = NR_OPEN) -> NofileRaise | None:
+    """Raise the soft RLIMIT_NOFILE to the hard one, at most ``NOFILE_MAX`` and the kernel's
+    ``fs.nr_open``; never lower it. Done once at start, before the fork, so every worker inherits
+    it and computes its connection cap (``connection_limit``) from it. None when nothing was to be
+    done (no such limit here, the soft one already there or unlimited)."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return None
+    target = NOFILE_MAX if hard == resource.RLIM_INFINITY else min(hard, NOFILE_MAX)
+    try:
+        with open(nr_open_path) as f:
+            target = min(target, int(f.read()))
+    except (OSError, ValueError):
+        pass
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return None
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as e:
+        return NofileRaise(soft, soft, hard, str(e))
+    return NofileRaise(soft, target, hard)
+
+
 def _nofile() -> int | None:
     """The soft RLIMIT_NOFILE, None when there is none (or it cannot be read)."""
     try:
