@@ -132,6 +132,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
                 loader: Callable[[], Config] | None = None, worker: WorkerInfo | None = None) -> None:
     """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
     runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)
+    _hold_for_tests()
     tune_gc()
     log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
              kubernetes=config.kubernetes.enabled)
@@ -190,6 +191,22 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             beat.stop()
         ignore_reloads(loop)
         log.info("stopped")
+
+
+# For tests only: a directory where a gateway process that has begun to listen makes a FIFO named
+# by its pid and waits until the test opens it, before it handles stop signals, so a test can stop
+# it in that moment (tests/integration/server/test_workers.py). Unset in any deployment.
+HOLD_AFTER_LISTEN_ENV = "SWITCHYARD_TEST_HOLD_AFTER_LISTEN"
+
+
+def _hold_for_tests() -> None:
+    directory = os.environ.get(HOLD_AFTER_LISTEN_ENV)
+    if not directory:
+        return
+    path = os.path.join(directory, str(os.getpid()))
+    os.mkfifo(path)
+    with open(path, "rb"):      # returns once the test opens it for writing
+        pass
 
 
 def ignore_reloads(loop: asyncio.AbstractEventLoop) -> None:

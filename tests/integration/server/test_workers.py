@@ -732,3 +732,66 @@ async def test_scrapes_whose_client_leaves_hold_nothing_of_a_stuck_sibling(sims,
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(20):
             await proc.wait()
+
+
+HOLD_AFTER_LISTEN = "SWITCHYARD_TEST_HOLD_AFTER_LISTEN"      # read by gateway/server/run.py, for tests only
+
+
+def stop_pending(pid: int) -> bool | None:
+    """Whether ``pid`` holds a SIGTERM back (blocked, and waiting to be delivered: it stays so)
+    (None: it is gone, or a zombie)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    if fields.get("State", "").startswith(("Z", "X")):
+        return None
+    bit = 1 << (signal.SIGTERM - 1)
+    return bool(int(fields["SigBlk"], 16) & bit) and any(int(fields[k], 16) & bit for k in ("SigPnd", "ShdPnd"))
+
+
+@pytest.mark.timeout(60)
+async def test_a_stop_that_comes_between_a_worker_s_listen_and_its_handler_is_drained(sims, tmp_path):
+    """A stop (SIGTERM to the gateway, passed on to the workers) that reaches a worker after it
+    began to listen and before its event loop handles the signal waits for the handler, and the
+    worker drains as at any stop: whatever the kernel had queued on its listening socket gets its
+    answer or a refused connection, not a reset. The moment is held open by a test-only hook (each
+    worker, listening, waits for this test to open a FIFO it made). Before, the signal's default
+    action killed the worker on the spot."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: info}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
+                                                    env={**os.environ, HOLD_AFTER_LISTEN: str(hold)})
+    try:
+        async with asyncio.timeout(30):         # both listen, and wait in the hook
+            while len(os.listdir(hold)) < 2 or len(listening_inodes(port)) < 2:
+                await asyncio.sleep(0.05)
+        workers = [int(name) for name in os.listdir(hold)]
+        assert sorted(workers) == sorted(children_of(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):         # the parent passed it on: held back in each, or fatal
+            while not all(stop_pending(pid) in (True, None) for pid in workers):
+                await asyncio.sleep(0.02)
+        assert [stop_pending(pid) for pid in workers] == [True, True]
+        for pid in workers:                     # the workers go on: each handles the stop it got
+            os.close(os.open(hold / str(pid), os.O_WRONLY | os.O_NONBLOCK))
+        async with asyncio.timeout(30):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert code == 0
+    events = [json.loads(line)["event"] for line in log_path.read_text().splitlines() if line.startswith("{")]
+    assert events.count("draining") == 2 and events.count("stopped") == 2, events
+
