@@ -11,6 +11,8 @@ SIGTERM, and load balancers learn of it a few seconds later):
    SIGTERM; then the remaining ones are cut (each client told: a 503, or a stream's last event),
    and the process exits 0.
 
+A stop that comes once the socket listens and before the loop handles it waits for the loop
+(held back: its default action would end the process, resetting what the kernel had queued).
 SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once, cutting the
 requests in flight the same way. A worker of ``--workers N`` may get one stop twice: from whoever
 signalled the whole process group (Ctrl-C in a terminal, systemd stopping the service's cgroup) and
@@ -128,10 +130,21 @@ def tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
+STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
 async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False,
                 loader: Callable[[], Config] | None = None, worker: WorkerInfo | None = None) -> None:
     """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
-    runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)
+    # a stop that comes once the socket listens, before the loop handles it, is held back until it
+    # does, then drains: its default action would end the process with connections in its accept
+    # queue, which the kernel then resets
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)      # nothing listens: a stop ends it
+        raise
     _hold_for_tests()
     tune_gc()
     log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
@@ -149,6 +162,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal, sig)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)      # one held back is handled now
     reloader = app[RELOAD_KEY]
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
         reloader.parent_pid = os.getppid()
