@@ -795,3 +795,60 @@ async def test_a_stop_that_comes_between_a_worker_s_listen_and_its_handler_is_dr
     events = [json.loads(line)["event"] for line in log_path.read_text().splitlines() if line.startswith("{")]
     assert events.count("draining") == 2 and events.count("stopped") == 2, events
 
+
+EARLY_STOP_SCRIPT = r"""
+import json, os, signal, sys
+from gateway.server.heartbeat import Heartbeats
+from gateway.server.workers import run_workers
+
+when, out = sys.argv[1], sys.argv[2]
+
+
+class StopWhileStarting(Heartbeats):
+    def reset(self, index):
+        super().reset(index)
+        if when == "between" and index == 1:    # the stop comes once the first worker runs
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def serve_one(index):
+    open(os.path.join(out, f"started-{index}"), "w").close()
+    while True:                                 # serves until a stop reaches it
+        signal.pause()
+
+
+if when == "before":                            # held back while the caller prepares, as the gateway's is
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    os.kill(os.getpid(), signal.SIGTERM)
+code = run_workers(2, serve_one, lambda *a, **k: None, heartbeats=StopWhileStarting(2))
+print(json.dumps({"code": code, "started": sorted(os.listdir(out))}), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("when", ["before", "between"])
+async def test_a_stop_that_comes_while_the_parent_starts_its_workers_stops_them_all(tmp_path, when):
+    """A stop that reaches the parent before its handlers are in place (held back while it makes its
+    run directory) or between two of its workers' starts stops the gateway: no worker is started
+    after it, and those started drain. Before, the parent went on to start the workers after the
+    stop, which were never told to stop: the gateway served on with a parent that would never exit."""
+    script = tmp_path / "early.py"
+    script.write_text(EARLY_STOP_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), when, str(out),
+                                                stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        async with asyncio.timeout(20):
+            stdout, _ = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            for pid in children_of(proc.pid):
+                os.kill(pid, signal.SIGKILL)
+            proc.kill()
+            await proc.wait()
+    result = json.loads(stdout)
+    assert result["code"] == 0
+    # the first worker, started before the stop, may have been stopped before it got to say so
+    assert result["started"] == [] if when == "before" else result["started"] in ([], ["started-0"])
