@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                        trigger=trigger, error=str(e), generation=generation)
 
     started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
+    # a stop from here until run_workers handles it is held back, then handled as any stop: its
+    # default action would end the parent without removing the directory it makes now
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
     from gateway.server.heartbeat import Heartbeats
     beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)

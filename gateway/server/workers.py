@@ -212,7 +212,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     (gateway/server/heartbeat.py). A worker whose start-ups keep failing is started again after
     1, 2, 4, ... s (at most ``RESTART_BACKOFF_MAX_S``); one that got past its start-up, after 1 s.
     ``orphaned()`` runs in a worker that stops after the parent died (killed outright: the kernel's
-    SIGTERM stopped the worker), in the parent's stead for what it would have cleaned up."""
+    SIGTERM stopped the worker), in the parent's stead for what it would have cleaned up. The
+    caller may hold SIGTERM and SIGINT back until this installs its handlers, which then take
+    a stop that came meanwhile."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
     watchdog = Watchdog(heartbeats, stall_timeout, log) if heartbeats is not None else None
@@ -226,6 +228,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
         # parent's handlers (they would forward the signal to its siblings) before it has its own,
         # and the parent's must not run before the child is among those they forward to
         signal.pthread_sigmask(signal.SIG_BLOCK, HELD_AT_FORK)
+        if stopping:        # a stop came (its handler has run by now): a worker started now would miss it
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
+            return
         pid = -1
         try:
             pid = os.fork()
@@ -304,6 +309,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGHUP, reload)
+    # a stop the caller held back while it prepared (the run directory) is handled now: before
+    # any worker is started, it ends the gateway at once
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
     if hup.take():              # one came while the gateway started: the workers start on the new file
         reload(signal.SIGHUP, None)
     for i in range(n):
