@@ -852,3 +852,134 @@ async def test_a_stop_that_comes_while_the_parent_starts_its_workers_stops_them_
     assert result["code"] == 0
     # the first worker, started before the stop, may have been stopped before it got to say so
     assert result["started"] == [] if when == "before" else result["started"] in ([], ["started-0"])
+
+
+async def stream_on_each_worker(port: int, workers: int) -> dict[int, tuple[aiohttp.ClientSession, aiohttp.ClientResponse]]:
+    """A completion stream in flight on each of ``workers`` workers, its first event read:
+    {pid: (its session, its response)}; closing the session ends it."""
+    held: dict[int, tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = {}
+    async with asyncio.timeout(20):
+        while len(held) < workers:
+            s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                pid = (await r.json())["gateway"]["pid"]
+            if pid in held:
+                await s.close()
+                continue
+            resp = await s.post(f"http://127.0.0.1:{port}/v1/completions",
+                                json={"model": "m", "prompt": "hi", "max_tokens": 5000, "stream": True})
+            assert resp.status == 200
+            assert (await resp.content.readline()).startswith(b"data: ")
+            held[pid] = (s, resp)
+    return held
+
+
+@pytest.mark.timeout(90)
+async def test_the_last_worker_out_removes_the_run_directory_when_a_sibling_was_killed(sims, tmp_path):
+    """The parent killed outright, its workers drain; one of them is killed outright too (the OOM
+    killer) and leaves its sockets in the run directory. The last worker to stop still removes the
+    directory. Before, it took the dead sibling's sockets for a worker still running and left the
+    directory behind for good."""
+    sim = await sims("vllm", "m", itl_ms=100.0)
+    port = listen_port()
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=60)
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
+    held: dict[int, tuple[aiohttp.ClientSession, aiohttp.ClientResponse]] = {}
+    kids: list[int] = []
+    try:
+        await both_ready(port, proc.pid)
+        kids = children_of(proc.pid)
+        (run_dir,) = {os.path.dirname(p) for p in (await _sibling_sockets_of(kids)).values()}
+        held = await stream_on_each_worker(port, 2)      # each worker drains until its stream ends
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        async with asyncio.timeout(15):             # both got the kernel's SIGTERM: their listeners closed
+            while listening_inodes(port):
+                await asyncio.sleep(0.05)
+        killed, last = kids
+        os.kill(killed, signal.SIGKILL)
+        async with asyncio.timeout(15):
+            while alive([killed]):
+                await asyncio.sleep(0.05)
+        assert alive([last]) and os.path.isdir(run_dir)
+        session, _ = held.pop(last)                 # its stream ends: its drain is over
+        await session.close()
+        async with asyncio.timeout(15):
+            while alive([last]):
+                await asyncio.sleep(0.05)
+        assert not os.path.exists(run_dir), os.listdir(run_dir)
+    finally:
+        for session, _ in held.values():
+            await session.close()
+        for pid in kids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def _sibling_sockets_of(pids: list[int]) -> dict[int, str]:
+    """Each worker's socket for its siblings, once all of ``pids`` have one."""
+    async with asyncio.timeout(20):
+        while len(found := sibling_sockets(pids)) < len(pids):
+            await asyncio.sleep(0.05)
+    return found
+
+
+async def _gateway_with_run_dir(cfg: Path, port: int) -> tuple[asyncio.subprocess.Process, list[int], str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
+    await both_ready(port, proc.pid)
+    kids = children_of(proc.pid)
+    (run_dir,) = {os.path.dirname(p) for p in (await _sibling_sockets_of(kids)).values()}
+    return proc, kids, run_dir
+
+
+@pytest.mark.timeout(120)
+async def test_a_start_removes_the_run_directory_of_a_gateway_whose_every_process_was_killed(sims, tmp_path):
+    """A gateway whose parent and workers were all killed outright (SIGKILL to each, a node's OOM
+    killer) has no process left to remove its run directory: the next gateway to start removes it,
+    and leaves alone the directory of a gateway still running, which serves on. Before, the dead
+    gateway's directory stayed in the temporary directory for good, one per such death."""
+    sim = await sims("vllm", "m")
+    port_live, port_dead, port_next = listen_port(), listen_port(), listen_port()
+    (tmp_path / "live").mkdir()
+    (tmp_path / "dead").mkdir()
+    (tmp_path / "next").mkdir()
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        live, _, live_dir = await _gateway_with_run_dir(
+            one_engine_config(tmp_path / "live", port_live, sim.url, grace=2), port_live)
+        procs.append(live)
+        dead, dead_kids, dead_dir = await _gateway_with_run_dir(
+            one_engine_config(tmp_path / "dead", port_dead, sim.url, grace=2), port_dead)
+        procs.append(dead)
+        for pid in dead_kids:                       # stopped: the kernel's SIGTERM finds them so
+            os.kill(pid, signal.SIGSTOP)
+        dead.send_signal(signal.SIGKILL)
+        await dead.wait()
+        for pid in dead_kids:
+            os.kill(pid, signal.SIGKILL)
+        async with asyncio.timeout(15):
+            while alive(dead_kids):
+                await asyncio.sleep(0.05)
+        assert os.path.isdir(dead_dir)
+
+        nxt, _, next_dir = await _gateway_with_run_dir(
+            one_engine_config(tmp_path / "next", port_next, sim.url, grace=2), port_next)
+        procs.append(nxt)
+        assert not os.path.exists(dead_dir), os.listdir(dead_dir)
+        assert os.path.isdir(live_dir) and os.path.isdir(next_dir)
+        for port in (port_live, port_next):        # both serve, with their siblings
+            await per_worker(port, 2)
+            status, _, body = await post_new(port, "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert status == 200, body
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            async with asyncio.timeout(30):
+                await p.wait()
