@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.listen.port == 0:   # every worker must bind the same port
         listen[1] = free_port(config.listen.host)
         config = config.with_listen(*listen)
-    from gateway.server.rundir import RunDirectory
+    from gateway.server.rundir import RunDirectory, reclaim_stale
     from gateway.server.workers import parent_log, run_workers
     started = config
     generation = 1                # as the workers count it: +1 per reload applied
@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     # a stop from here until run_workers handles it is held back, then handled as any stop: its
     # default action would end the parent without removing the directory it makes now
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    if stale := reclaim_stale():    # those of gateways killed outright, whose processes are all gone
+        parent_log("run directories of gateways no longer running removed", count=len(stale), paths=stale)
     run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
     from gateway.server.heartbeat import Heartbeats
     beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)

@@ -5,13 +5,28 @@ and removed by the parent when it exits; when the parent was killed outright (SI
 killer), by the last of its workers to stop (``close_if_last``). Worker *i* binds ``worker-<i>.sock`` there for its
 siblings' scrapes (gateway/server/siblings.py) and ``w<i>.sock`` for the shared routing view's bus
 (gateway/view/bus.py); a restarted worker rebinds its predecessor's paths.
+
+Which process is the last is told by a lock, not by the sockets left (a worker killed outright
+leaves its own behind): the parent locks a file in the directory (``flock``) as it makes it, and
+the lock, taken on a descriptor every worker inherits at its fork, is held for as long as one of the
+gateway's processes lives, whichever dies and however. A worker stopping after its parent died
+lets go of its descriptor and tries the lock on one of its own: it gets it only when no other
+process of the gateway holds the directory, and then removes it. A gateway whose every process
+was killed leaves its directory with the lock free: the next gateway to start removes it
+(``reclaim_stale``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import stat
 import tempfile
+
+LOCK = "gateway.lock"       # held by every process of the gateway the directory is of
+PLACES = ((None, "switchyard-"), ("/tmp", "sy-"))      # (where, prefix) a run directory is made: None, the temp dir
 
 
 class RunDirectory:
@@ -22,17 +37,96 @@ class RunDirectory:
         if len(os.path.join(self.path, "worker-9999.sock")) >= 100:     # sun_path holds 108 bytes
             shutil.rmtree(self.path, ignore_errors=True)
             self.path = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
+        self._lock: int | None = None
+        try:
+            self._lock = _hold(self.path)
+        except OSError:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        self._let_go()
 
     def close_if_last(self) -> None:
-        """Remove the directory if no worker listens in it any more: each worker removes its own
-        sockets as it stops, so the last one to stop finds none (a worker's last reports, which
-        the parent would have removed, go with it)."""
+        """Remove the directory if no other process of the gateway holds it any more: this one lets
+        go of the lock's descriptor it inherited, then tries the lock on a descriptor of its own,
+        which it gets only once every other holder has ended (a worker's last reports, which the
+        parent would have removed, go with it)."""
+        self._let_go()
+        fd = _take(self.path)
+        if fd is not None:
+            try:
+                shutil.rmtree(self.path, ignore_errors=True)
+            finally:
+                os.close(fd)
+
+    def _let_go(self) -> None:
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._lock)
+            self._lock = None
+
+
+def _hold(path: str) -> int:
+    """The lock file made and locked in ``path``, its descriptor returned: made under another name
+    and renamed once locked, so that nothing finds it unlocked while its gateway starts."""
+    final = os.path.join(path, LOCK)
+    fresh = final + ".new"
+    fd = os.open(fresh, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(fresh, final)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _take(path: str) -> int | None:
+    """The lock of the run directory ``path`` on a descriptor of this call's, when no process holds
+    it: then no process of its gateway lives. None when one does, or there is no lock file (a
+    directory being made, or made before the lock was)."""
+    try:
+        fd = os.open(os.path.join(path, LOCK), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def reclaim_stale() -> list[str]:
+    """Remove the run directories, this user's, of gateways none of whose processes lives any more
+    (all killed outright, the last without a chance to remove it); a running gateway's directory
+    is held by its lock, and one without a lock file is left alone. Returns the paths removed."""
+    removed = []
+    uid = os.getuid()
+    for where, prefix in PLACES:
+        base = tempfile.gettempdir() if where is None else where
         try:
-            names = os.listdir(self.path)
+            names = os.listdir(base)
         except OSError:
-            return
-        if not any(name.endswith(".sock") for name in names):
-            self.close()
+            continue
+        for name in names:
+            if not name.startswith(prefix):
+                continue
+            path = os.path.join(base, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+                continue
+            fd = _take(path)
+            if fd is None:
+                continue
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
+            removed.append(path)
+    return removed

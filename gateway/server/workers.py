@@ -21,7 +21,7 @@ counted the request where the parent reads it, so every worker's reload says it 
 
 What the workers tell each other goes through a private directory the parent creates before the
 fork (``gateway.server.rundir.RunDirectory``: mode 0700, removed when the parent exits, or by the last worker to
-stop after the parent was killed outright): worker *i* listens there on a
+stop after the parent was killed outright, or by the next start when every process was): worker *i* listens there on a
 Unix socket of its own, through which a sibling answering ``/metrics`` or ``/status.json`` reads
 its figures (gateway/server/siblings.py). A restarted worker keeps its index, and so its path.
 """
