@@ -138,7 +138,10 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
     # a stop that comes once the socket listens, before the loop handles it, is held back until it
     # does, then drains: its default action would end the process with connections in its accept
-    # queue, which the kernel then resets
+    # queue, which the kernel then resets. Held from before the app is built, not just before the
+    # listen: the threads start-up makes (libuv's pool) take this thread's mask, and the kernel
+    # hands a process's signal to any thread that does not block it, where the default action
+    # ends the whole process (the threads keep it blocked: the loop's thread handles it)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)
