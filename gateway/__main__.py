@@ -173,20 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
     # a stop from here until run_workers handles it is held back, then handled as any stop: its
     # default action would end the parent without removing the directory it makes now
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    if stale := reclaim_stale():    # those of gateways killed outright, whose processes are all gone
-        parent_log("run directories of gateways no longer running removed", count=len(stale), paths=stale)
-    run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
-    from gateway.server.heartbeat import Heartbeats
-    beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     try:
-        return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats,
-                                                                       generation, started_at)),
-                           parent_log, on_reload=reread, heartbeats=beats,
-                           stall_timeout=lambda: config.server.worker_stall_timeout_s,
-                           orphaned=run_dir.close_if_last)
+        if stale := reclaim_stale():    # those of gateways killed outright, whose processes are all gone
+            parent_log("run directories of gateways no longer running removed", count=len(stale), paths=stale)
+        run_dir = RunDirectory()      # the workers' sockets for each other (gateway/server/siblings.py)
+        try:
+            from gateway.server.heartbeat import Heartbeats
+            beats = Heartbeats(workers)   # each worker's loop ticks, the parent watches (gateway/server/heartbeat.py)
+            return run_workers(workers, lambda index: serve_one(WorkerInfo(index, workers, run_dir.path, beats,
+                                                                           generation, started_at)),
+                               parent_log, on_reload=reread, heartbeats=beats,
+                               stall_timeout=lambda: config.server.worker_stall_timeout_s,
+                               orphaned=run_dir.close_if_last)
+        finally:
+            run_dir.close()
     finally:
-        run_dir.close()
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # as it was (run_workers has let them through)
 
 
 def check_config(path: str) -> int:
