@@ -899,8 +899,8 @@ async def test_the_last_worker_out_removes_the_run_directory_when_a_sibling_was_
                 await asyncio.sleep(0.05)
         killed, last = kids
         os.kill(killed, signal.SIGKILL)
-        async with asyncio.timeout(15):
-            while alive([killed]):
+        async with asyncio.timeout(15):             # all its threads gone: its descriptors closed
+            while not all_threads_ended(killed):
                 await asyncio.sleep(0.05)
         assert alive([last]) and os.path.isdir(run_dir)
         session, _ = held.pop(last)                 # its stream ends: its drain is over
@@ -918,6 +918,16 @@ async def test_the_last_worker_out_removes_the_run_directory_when_a_sibling_was_
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def all_threads_ended(pid: int) -> bool:
+    """Whether every thread of ``pid`` has exited: its main thread may be a zombie while the others
+    still close the descriptors they share with it."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return tasks == [str(pid)] and worker_state(pid) in (None, "Z", "X")
 
 
 async def _sibling_sockets_of(pids: list[int]) -> dict[int, str]:
@@ -962,8 +972,8 @@ async def test_a_start_removes_the_run_directory_of_a_gateway_whose_every_proces
         await dead.wait()
         for pid in dead_kids:
             os.kill(pid, signal.SIGKILL)
-        async with asyncio.timeout(15):
-            while alive(dead_kids):
+        async with asyncio.timeout(15):             # all their threads gone: their descriptors closed
+            while not all(all_threads_ended(pid) for pid in dead_kids):
                 await asyncio.sleep(0.05)
         assert os.path.isdir(dead_dir)
 
