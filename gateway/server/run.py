@@ -11,8 +11,8 @@ SIGTERM, and load balancers learn of it a few seconds later):
    SIGTERM; then the remaining ones are cut (each client told: a 503, or a stream's last event),
    and the process exits 0.
 
-A stop that comes once the socket listens and before the loop handles it waits for the loop
-(held back: its default action would end the process, resetting what the kernel had queued).
+A stop that comes while the process starts (builds its app, listens) waits for the loop to handle
+it (held back: its default action would end the process, resetting what the kernel had queued).
 SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once, cutting the
 requests in flight the same way. A worker of ``--workers N`` may get one stop twice: from whoever
 signalled the whole process group (Ctrl-C in a terminal, systemd stopping the service's cgroup) and
