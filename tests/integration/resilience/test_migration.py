@@ -492,3 +492,73 @@ async def test_a_text_continuation_starts_from_exactly_what_the_client_received(
     assert cont["max_tokens"] == 30 - 6      # the held-back characters' tokens were generated: they count
     _, rest = await raw_post(good.url, path, cont)                           # the continuation's own output
     assert text_of(got, chat) == seam + text_of(rest, chat)
+
+
+def _choice_text(c: dict, chat: bool) -> str:
+    return ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("kind", ["chat", "completions"])
+async def test_a_stop_string_across_the_seam_ends_the_answer(sims, gateway, engine, kind):
+    """A stop string that begins in the text the client received and ends in the continuation's
+    first characters: the continuation's engine looks for it in its own output only, so it went
+    on past it. The answer ends as the unbroken engine's would have: the text before the stop
+    string (already sent), finish_reason "stop" with the matched string, and the continuation's
+    engine stops."""
+    chat = kind == "chat"
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base = {"model": "m", "stream": True, **({"messages": MSG} if chat else {"prompt": "Once upon a time"})}
+    bad = await sims(engine, "m", fault="drop_after=6")
+    good = await sims(engine, "m")
+    # what the first leg's client receives: its 6 tokens less the 3 characters an engine holds back
+    # while they might begin a stop string of 4 (one that is never generated)
+    _, six = await raw_post(good.url, path, {**base, "max_tokens": 6, "stop": ["~~~~"]})
+    generated = text_of(six, chat)
+    sent = generated[:-3]
+    # the continuation the gateway sends: what its engine generates after that text
+    if chat:
+        cont = {**base, "messages": MSG + [{"role": "assistant", "content": sent}],
+                "continue_final_message": True, "add_generation_prompt": False}
+    else:
+        cont = {**base, "prompt": base["prompt"] + sent}
+    _, after = await raw_post(good.url, path, {**cont, "max_tokens": 24})
+    rest = text_of(after, chat)
+    stop = sent[-2:] + rest[:2]              # begins in what the client has, ends in the continuation
+    assert len(stop) == 4 and stop not in generated and stop not in rest
+    # the tokens the continuation's engine had generated when it sent text the stop string completes in
+    opts = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    _, held = await raw_post(good.url, path, {**cont, "max_tokens": 24, "stop": [stop], **opts})
+    seen = ""
+    for e in held:
+        if isinstance(e, dict) and e.get("choices"):
+            seen += _choice_text(e["choices"][0], chat)
+            if len(seen) >= 2:
+                cont_tokens = e["usage"]["completion_tokens"]
+                break
+    gw = await gateway([model_block("m", engine, [bad.url, good.url], strategy="round-robin", migration_limit=1)])
+    client = openai_client(gw)
+    req = {"model": "m", "max_tokens": 30, "stop": [stop], "stream_options": {"include_usage": True}}
+    if chat:
+        stream = await client.chat.completions.create(messages=MSG, stream=True, **req)
+    else:
+        stream = await client.completions.create(prompt=base["prompt"], stream=True, **req)
+    chunks = [c async for c in stream]
+    await client.close()
+    choices = [c.choices[0] for c in chunks if c.choices]
+    got = "".join((ch.delta.content or "") if chat else (ch.text or "") for ch in choices)
+    assert migrations(await gw.metrics_text(), "continued") == 1
+    assert got == sent                       # nothing past the stop string's start
+    finished = [ch for ch in choices if ch.finish_reason]
+    assert [ch.finish_reason for ch in finished] == ["stop"]
+    matched = "stop_reason" if engine == "vllm" else "matched_stop"
+    assert (finished[0].model_extra or {}).get(matched) == stop
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == 6 + cont_tokens
+    # the continuation's engine was told to stop: nothing generated past the answer's end
+    await until(lambda: _aborted(good.url))
+
+
+async def _aborted(url: str) -> bool:
+    st = await sim_state(url)
+    return st["counts"]["aborted"] == 1 and not st["running"]
