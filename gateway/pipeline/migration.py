@@ -19,7 +19,9 @@ leg's error event is held back, and one final usage block covers every leg (prom
 original prompt, completion tokens of all legs, and the cached tokens of the leg that ran the
 original prompt: left out when that leg did not report them before it broke, as vLLM reports them
 only in a stream's final usage). Nothing is replayed: each leg adds only what the client has not
-seen.
+seen. A stop string that begins in what the client received and ends in a continuation's first
+characters, which the continuation's engine cannot see, is looked for by the gateway (``StopSeam``):
+it ends the answer as the engine would have, and the leg is closed.
 
 When it refuses (the client then gets today's final error event): guided decoding or
 ``response_format``, ``n > 1`` (or a batch of prompts), ``logprobs``, ``seed`` with sampling,
@@ -131,6 +133,60 @@ def _empty(v: Any) -> bool:
     return v is None or v == "" or v == [] or v == {}
 
 
+def stops_of(data: dict[str, Any]) -> list[str]:
+    """The request's stop strings, in its order (empty ones match nothing)."""
+    stop = data.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list):
+        return []
+    return [s for s in stop if isinstance(s, str) and s]
+
+
+class StopSeam:
+    """The stop strings a continuation's engine cannot see: those that begin in the text the client
+    received and end in the continuation's first characters (an engine looks for them in its own
+    output only). ``sent``: the client's text at the break.
+
+    A stop string ``s`` starts before the seam at most ``len(s) - 1`` characters from its end, so
+    only the last ``L - 1`` characters of ``sent`` (``L``: the longest stop string) and the first
+    ``L - 1`` characters of the continuation are looked at; while what came of the continuation is a
+    prefix of the rest of one, it is held back (``feed`` returns nothing), and once none can
+    complete, it is released and the seam is done: the engine's own check covers the rest."""
+
+    __slots__ = ("held", "include", "stops", "tail")
+
+    def __init__(self, sent: str, stops: list[str], include: bool) -> None:
+        longest = max(len(s) for s in stops)
+        self.tail = sent[len(sent) - (longest - 1):] if longest > 1 else ""
+        self.stops = stops
+        self.include = include        # vLLM's include_stop_str_in_output: the stop string is sent
+        self.held = ""
+
+    def feed(self, new: str, may_stop: bool = True, final: bool = False) -> tuple[str, str | None, bool]:
+        """The continuation's next text → (text for the client, the stop string it completed or
+        None, whether the seam is still open). ``may_stop``: the tokens generated so far reach the
+        request's ``min_tokens`` (an engine checks stop strings only from there); ``final``: the
+        continuation ended with this text, nothing more is held."""
+        text = self.held + new
+        joined = self.tail + text
+        n = len(self.tail)
+        pending = False
+        for s in self.stops:          # in the request's order, as vLLM checks them
+            for i in range(max(0, n - len(s) + 1), n):
+                if joined.startswith(s, i):
+                    if may_stop:
+                        self.held = ""
+                        return (text[:i + len(s) - n] if self.include else ""), s, False
+                elif len(joined) - i < len(s) and s.startswith(joined[i:]):
+                    pending = True
+        if pending and not final:
+            self.held = text
+            return "", None, True
+        self.held = ""
+        return text, None, False
+
+
 class Migration:
     """One stream's continuation state: set up by the pipeline (``begin``) with the ``Legs`` that
     open the next leg, driven by the relay (``stream``)."""
@@ -173,6 +229,9 @@ class Migration:
         self.done = False
         self.error: Any = None
         self.after_end: str | None = None     # how the last leg's engine ended after its answer did
+        self.stops = stops_of(data)
+        self.seam: StopSeam | None = None     # a continuation's first characters, checked for stop strings
+        self.cut = False                      # a stop string across the seam ended the answer
 
     @property
     def active(self) -> bool:
@@ -325,6 +384,8 @@ class Migration:
                 if failed:
                     return self._stream_error()
                 if self.done and not ended:
+                    if self.cut:            # the answer ended at a stop string: the leg is closed
+                        return None, ""
                     # as the plain relay does: an engine that stalls after its last event does not
                     # hold a client that reads the body to its end, watchdog or not
                     ended = True
@@ -421,8 +482,13 @@ class Migration:
         self.leg += 1
         self.leg_path = path
         self.own_prompt = restart
-        self.done = self.finished = False
+        self.done = self.finished = self.cut = False
         self.error = None
+        self.seam = None
+        if self.stops and not restart and self.partial.text:
+            d = self.ireq.data          # the stop string is sent with the answer: vLLM's key, SGLang's
+            self.seam = StopSeam(self.partial.text, self.stops,
+                                 bool(d.get("include_stop_str_in_output") or d.get("no_stop_trim")))
         return resp
 
     def _not_continued(self, ctx: RequestContext, decision, prefill_ep: str | None, reason: str, failed_ep: str,
@@ -558,6 +624,8 @@ class Migration:
         return self._encode(obj)
 
     def _later_leg(self, obj: dict[str, Any], ch: dict[str, Any]) -> bytes | None:
+        if self.cut:
+            return None                       # the answer ended at a stop string across the seam
         self._ids(obj, ch)
         if self.chat and self.leg_path == COMPLETIONS:
             obj, ch = self._as_chat(obj, ch)
@@ -567,10 +635,44 @@ class Migration:
                 delta.pop("role", None)
                 if all(_empty(v) for v in delta.values()) and ch.get("finish_reason") is None:
                     return None               # the continuation's own role chunk
+        if self.seam is not None and not self._at_seam(ch):
+            return None                       # held back: it might complete a stop string
         self._observe(ch)
         if self.first is not None:
             obj.update(self.first)
         return self._encode(obj)
+
+    def _at_seam(self, ch: dict[str, Any]) -> bool:
+        """A continuation's chunk while the seam is open: its text checked with the client's for a
+        stop string that completes across the seam. False: the chunk is held back. A stop string
+        that completes ends the answer as the engine would have: its text up to the stop string
+        (sent already: nothing more of this leg's), finish_reason "stop" with the matched string
+        (vLLM's ``stop_reason``, SGLang's ``matched_stop``), the leg's usage as of this chunk."""
+        seam = self.seam
+        assert seam is not None
+        delta = ch.get("delta") if self.chat else None
+        key = "content" if self.chat else "text"
+        holder = delta if isinstance(delta, dict) else ch
+        new = holder.get(key)
+        new = new if isinstance(new, str) else ""
+        mn = self.ireq.data.get("min_tokens")
+        may_stop = not (isinstance(mn, int) and mn > self.partial.completion_tokens + self.leg_completion)
+        text, matched, still = seam.feed(new, may_stop, final=ch.get("finish_reason") is not None)
+        if not still:
+            self.seam = None
+        if matched is not None:
+            holder[key] = text
+            ch["finish_reason"] = "stop"
+            ch["matched_stop" if "matched_stop" in ch else "stop_reason"] = matched
+            self.cut = self.done = True
+            if self.log:                      # the leg whose continuation it ended
+                self.log[-1]["stop_at_seam"] = True
+            return True
+        if still:
+            return False
+        if text or key in holder:
+            holder[key] = text
+        return True
 
     def _as_chat(self, obj: dict[str, Any], ch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """A completion chunk of a token-exact continuation, framed as the chat chunk the first

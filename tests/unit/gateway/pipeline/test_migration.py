@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from gateway.observability.metrics import GatewayMetrics
-from gateway.pipeline.migration import Migration, refusal
+from gateway.pipeline.migration import Migration, StopSeam, refusal, stops_of
 from gateway.request import parse
 from handlers.continuation import TEXT, TOKEN, Partial, continuation
 
@@ -119,3 +119,46 @@ async def test_events_before_an_error_event_in_the_same_read_reach_the_client():
     out = Out()
     assert await m._leg(Resp([one + err]), out, SSEScanner(), None) == ("upstream_stream_error", "in-stream error")
     assert b" ka" in out.data and "".join(m._text) == " ka"
+
+
+def test_stops_of_takes_a_string_or_a_list_and_drops_empty_ones():
+    assert stops_of({"stop": "END"}) == ["END"]
+    assert stops_of({"stop": ["", "a", 3, "bc"]}) == ["a", "bc"]
+    assert stops_of({}) == [] and stops_of({"stop": None}) == []
+
+
+def test_a_stop_string_across_the_seam_is_held_then_matched():
+    seam = StopSeam("once upon a ti", ["time!"], include=False)
+    assert seam.tail == "a ti"                          # the longest stop string's length, less one
+    assert seam.feed("m") == ("", None, True)           # " tim" may still become "time!"
+    assert seam.feed("e!") == ("", "time!", False)      # what comes before "ti" was sent already
+
+
+def test_what_cannot_complete_one_is_released_at_once_and_the_seam_closes():
+    seam = StopSeam("once upon a ti", ["time!"], include=False)
+    assert seam.feed("mex") == ("mex", None, False)
+    assert StopSeam("abc", ["xyz"], include=False).feed("q") == ("q", None, False)
+
+
+def test_held_text_is_released_when_the_stop_string_goes_another_way_or_the_leg_ends():
+    seam = StopSeam("a ti", ["time!"], include=False)
+    assert seam.feed("m") == ("", None, True)
+    assert seam.feed("ber") == ("mber", None, False)
+    seam = StopSeam("a ti", ["time!"], include=False)
+    assert seam.feed("me", final=True) == ("me", None, False)
+
+
+def test_include_stop_str_in_output_sends_the_stop_strings_end():
+    seam = StopSeam("upon a ti", ["time"], include=True)
+    assert seam.feed("mes") == ("me", "time", False)
+
+
+def test_the_first_stop_string_in_the_requests_order_wins_and_min_tokens_defers_the_check():
+    assert StopSeam("xab", ["bc", "abc"], include=False).feed("c") == ("", "bc", False)
+    # below min_tokens an engine does not look for stop strings: nothing is matched, nothing held
+    assert StopSeam("xab", ["abc"], include=False).feed("c", may_stop=False) == ("c", None, False)
+
+
+def test_a_one_character_stop_string_never_spans_the_seam():
+    seam = StopSeam("abc", ["@"], include=False)
+    assert seam.tail == "" and seam.feed("@x") == ("@x", None, False)
