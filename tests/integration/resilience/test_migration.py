@@ -570,3 +570,66 @@ async def test_a_stop_string_across_the_seam_ends_the_answer(sims, gateway, engi
 async def _aborted(url: str) -> bool:
     st = await sim_state(url)
     return st["counts"]["aborted"] == 1 and not st["running"]
+
+
+@pytest.mark.parametrize("pieces,matched", [(["Z", "Q", " more"], True), (["Z", "W", " more"], False)])
+async def test_a_continuation_sending_a_character_at_a_time_is_held_at_the_seam_then_released_or_ended(
+        sims, gateway, pieces, matched):
+    """The continuation's engine sends what might complete a stop string begun before the seam one
+    character per event: it is held back until the stop string completes (the answer ends there,
+    the leg's connection closed) or can no longer (all of it is released, nothing lost)."""
+    bad = await sims("vllm", "m", fault="drop_after=6")
+    good = await sims("vllm", "m")
+    req = {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True}
+    _, six = await raw_post(good.url, "/v1/chat/completions", {**req, "max_tokens": 6, "stop": ["~~~~~"]})
+    generated = text_of(six)
+    sent = generated[:-4]                    # a stop string of 5: 4 characters held back
+    stop = sent[-3:] + "ZQ"
+    assert stop not in generated
+    closed: list[bool] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        def ev(delta: dict, n: int, fin: str | None = None) -> bytes:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
+            if fin:
+                choice["stop_reason"] = None
+            return b"data: " + json.dumps({
+                "id": "chatcmpl-c", "object": "chat.completion.chunk", "created": 2, "model": "m",
+                "choices": [choice], "usage": {"prompt_tokens": 40, "completion_tokens": n,
+                                               "total_tokens": 40 + n}}).encode() + b"\n\n"
+
+        await resp.write(ev({"role": "assistant", "content": ""}, 0))
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            await resp.write(ev({"content": piece}, i + 1, "length" if last else None))
+        await resp.write(b"data: [DONE]\n\n")
+        await until(lambda: request.transport is None or request.transport.is_closing())
+        closed.append(True)
+        return resp
+
+    async with fake_engine(chat) as other:
+        gw = await gateway([model_block("m", "vllm", [bad.url, other], strategy="round-robin", migration_limit=1)])
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(**{**req, "stop": [stop]},
+                                                      stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await client.close()
+        await until(lambda: closed)
+    choices = [c.choices[0] for c in chunks if c.choices]
+    got = "".join(ch.delta.content or "" for ch in choices)
+    finished = [ch for ch in choices if ch.finish_reason]
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert migrations(await gw.metrics_text(), "continued") == 1
+    if matched:
+        assert got == sent
+        assert [ch.finish_reason for ch in finished] == ["stop"]
+        assert (finished[0].model_extra or {}).get("stop_reason") == stop
+        assert usage[0].completion_tokens == 6 + 2      # the continuation's tokens up to "Q"
+    else:
+        assert got == sent + "".join(pieces)
+        assert [ch.finish_reason for ch in finished] == ["length"]
+        assert usage[0].completion_tokens == 6 + len(pieces)
