@@ -231,7 +231,7 @@ class Migration:
         self.after_end: str | None = None     # how the last leg's engine ended after its answer did
         self.stops = stops_of(data)
         self.seam: StopSeam | None = None     # a continuation's first characters, checked for stop strings
-        self.cut = False                      # a stop string across the seam ended the answer
+        self.cut: bytes | None = None         # a stop string across the seam ended the answer: its last event
 
     @property
     def active(self) -> bool:
@@ -374,6 +374,8 @@ class Migration:
                     r = self._event(ev)
                     if r is False:
                         failed = True         # what came before it in this read still goes out
+                        if self.cut is not None:
+                            emitted.append(self.cut)      # the answer's end: what follows is not read
                         break
                     if r:
                         emitted.append(r)
@@ -384,8 +386,6 @@ class Migration:
                 if failed:
                     return self._stream_error()
                 if self.done and not ended:
-                    if self.cut:            # the answer ended at a stop string: the leg is closed
-                        return None, ""
                     # as the plain relay does: an engine that stalls after its last event does not
                     # hold a client that reads the body to its end, watchdog or not
                     ended = True
@@ -403,7 +403,9 @@ class Migration:
                 watch.cancel()
         if buf.strip():
             r = self._event(buf)
-            if r is False:
+            if r is False and self.cut is not None:
+                r = self.cut
+            elif r is False:
                 return self._stream_error()
             if r:
                 seen.feed(r, clock())
@@ -414,7 +416,10 @@ class Migration:
 
     def _stream_error(self) -> tuple[ErrorClass, str]:
         """The failure of a leg that sent an error event: one with code 501 is the engine's 501, the
-        request's own (``gateway.resilience.outcome.unsupported_event``), not a leg to continue."""
+        request's own (``gateway.resilience.outcome.unsupported_event``), not a leg to continue.
+        A leg a stop string across the seam ended is whole: its connection is closed, unread."""
+        if self.cut is not None:
+            return None, ""
         if unsupported_event(self.error):
             return ErrorClass.UPSTREAM_STREAM_UNSUPPORTED, "in-stream error"
         return ErrorClass.UPSTREAM_STREAM_ERROR, "in-stream error"
@@ -482,7 +487,8 @@ class Migration:
         self.leg += 1
         self.leg_path = path
         self.own_prompt = restart
-        self.done = self.finished = self.cut = False
+        self.done = self.finished = False
+        self.cut = None
         self.error = None
         self.seam = None
         if self.stops and not restart and self.partial.text:
@@ -623,9 +629,7 @@ class Migration:
             self.template = obj
         return self._encode(obj)
 
-    def _later_leg(self, obj: dict[str, Any], ch: dict[str, Any]) -> bytes | None:
-        if self.cut:
-            return None                       # the answer ended at a stop string across the seam
+    def _later_leg(self, obj: dict[str, Any], ch: dict[str, Any]) -> bytes | bool | None:
         self._ids(obj, ch)
         if self.chat and self.leg_path == COMPLETIONS:
             obj, ch = self._as_chat(obj, ch)
@@ -640,6 +644,9 @@ class Migration:
         self._observe(ch)
         if self.first is not None:
             obj.update(self.first)
+        if self.cut is not None:              # a stop string across the seam: the answer's last event,
+            self.cut = self._encode(obj)      # after which the leg is not read on (``_leg``)
+            return False
         return self._encode(obj)
 
     def _at_seam(self, ch: dict[str, Any]) -> bool:
@@ -664,7 +671,7 @@ class Migration:
             holder[key] = text
             ch["finish_reason"] = "stop"
             ch["matched_stop" if "matched_stop" in ch else "stop_reason"] = matched
-            self.cut = self.done = True
+            self.cut = b""
             if self.log:                      # the leg whose continuation it ended
                 self.log[-1]["stop_at_seam"] = True
             return True
