@@ -162,3 +162,10 @@ def test_the_first_stop_string_in_the_requests_order_wins_and_min_tokens_defers_
 def test_a_one_character_stop_string_never_spans_the_seam():
     seam = StopSeam("abc", ["@"], include=False)
     assert seam.tail == "" and seam.feed("@x") == ("@x", None, False)
+
+
+def test_a_client_text_shorter_than_the_longest_stop_string_is_looked_at_whole():
+    seam = StopSeam("abc", ["abcdef"], include=False)
+    assert seam.tail == "abc"
+    assert seam.feed("de") == ("", None, True)
+    assert seam.feed("f") == ("", "abcdef", False)
