@@ -158,9 +158,9 @@ class StopSeam:
 
     def __init__(self, sent: str, stops: list[str], include: bool) -> None:
         longest = max(len(s) for s in stops)
-        self.tail = sent[len(sent) - (longest - 1):] if longest > 1 else ""
+        self.tail = sent[max(0, len(sent) - (longest - 1)):]
         self.stops = stops
-        self.include = include        # vLLM's include_stop_str_in_output: the stop string is sent
+        self.include = include        # the stop string is sent (include_stop_str_in_output, no_stop_trim)
         self.held = ""
 
     def feed(self, new: str, may_stop: bool = True, final: bool = False) -> tuple[str, str | None, bool]:
