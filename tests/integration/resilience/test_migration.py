@@ -633,3 +633,35 @@ async def test_a_continuation_sending_a_character_at_a_time_is_held_at_the_seam_
         assert got == sent + "".join(pieces)
         assert [ch.finish_reason for ch in finished] == ["length"]
         assert usage[0].completion_tokens == 6 + len(pieces)
+
+
+@pytest.mark.parametrize("more", [0, 1])
+async def test_a_stop_string_across_the_seam_counts_once_more_than_min_tokens_were_generated(sims, gateway, more):
+    """vLLM looks for stop strings once more than ``min_tokens`` tokens were generated: a stop
+    string completed across the seam by the stream's (min_tokens + 1)-th token ends the answer; one
+    completed by its min_tokens-th does not, and the answer goes on to its length."""
+    bad = await sims("vllm", "m", fault="drop_after=6")
+    good = await sims("vllm", "m")
+    req = {"model": "m", "messages": MSG, "stream": True}
+    _, six = await raw_post(good.url, "/v1/chat/completions", {**req, "max_tokens": 6, "stop": ["~~~~"]})
+    sent = text_of(six)[:-3]
+    cont = {**req, "messages": MSG + [{"role": "assistant", "content": sent}], "continue_final_message": True,
+            "add_generation_prompt": False, "max_tokens": 24}
+    _, after = await raw_post(good.url, "/v1/chat/completions", cont)
+    rest = text_of(after)
+    stop = sent[-2:] + rest[:2]
+    opts = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    _, held = await raw_post(good.url, "/v1/chat/completions", {**cont, "stop": [stop], **opts})
+    first = next(e for e in held if isinstance(e, dict) and e.get("choices") and text_of([e]))
+    assert len(text_of([first])) >= 2
+    total = 6 + first["usage"]["completion_tokens"]       # the stream's tokens when the stop string completed
+    gw = await gateway([model_block("m", "vllm", [bad.url, good.url], strategy="round-robin", migration_limit=1)])
+    st, got = await raw_post(gw.url, "/v1/chat/completions",
+                             {**req, "max_tokens": 30, "stop": [stop], "min_tokens": total - more})
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    fins = [e["choices"][0]["finish_reason"] for e in got if isinstance(e, dict) and e.get("choices")
+            and e["choices"][0].get("finish_reason")]
+    if more:
+        assert text_of(got) == sent and fins == ["stop"]
+    else:
+        assert text_of(got) == sent + rest and fins == ["length"]
