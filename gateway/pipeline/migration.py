@@ -165,7 +165,7 @@ class StopSeam:
 
     def feed(self, new: str, may_stop: bool = True, final: bool = False) -> tuple[str, str | None, bool]:
         """The continuation's next text → (text for the client, the stop string it completed or
-        None, whether the seam is still open). ``may_stop``: the tokens generated so far reach the
+        None, whether the seam is still open). ``may_stop``: more tokens were generated than the
         request's ``min_tokens`` (an engine checks stop strings only from there); ``final``: the
         continuation ended with this text, nothing more is held."""
         text = self.held + new
@@ -662,8 +662,8 @@ class Migration:
         holder = delta if isinstance(delta, dict) else ch
         new = holder.get(key)
         new = new if isinstance(new, str) else ""
-        mn = self.ireq.data.get("min_tokens")
-        may_stop = not (isinstance(mn, int) and mn > self.partial.completion_tokens + self.leg_completion)
+        mn = self.ireq.data.get("min_tokens")      # vLLM looks for stop strings once more were generated
+        may_stop = not (isinstance(mn, int) and mn >= self.partial.completion_tokens + self.leg_completion)
         text, matched, still = seam.feed(new, may_stop, final=ch.get("finish_reason") is not None)
         if not still:
             self.seam = None
