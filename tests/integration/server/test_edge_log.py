@@ -67,27 +67,32 @@ async def _line_of(lines: list[dict], rid: str) -> list[dict]:
 @on_both_loops
 async def test_each_answer_the_edge_writes_itself_has_one_request_log_line():
     async with edge_gateway(**SERVER) as gw:
-        for case, parts, status, _ in [*CASES, *((c, [raw], s, 0) for c, raw, s in MORE)]:
-            with _lines(gw) as lines:
+        with _lines(gw) as every:
+            for case, parts, status, _ in [*CASES, *((c, [raw], s, 0) for c, raw, s in MORE)]:
                 ex = await exchange(gw.port, *parts, wait=8.0, until_close=case not in ELSEWHERE, responses=1)
                 rid = ex.first.headers["request-id"]
-                mine = await _line_of(lines, rid)
-            assert len(mine) == 1, (case, lines)
-            line = mine[0]
-            assert (line["status"], line["request_id"]) == (ex.first.status, rid) == (status, rid), (case, line)
-            if case in ELSEWHERE:
-                continue
-            method, path = _said(parts[0])
-            if case == "connect":
-                method = "CONNECT"
-            elif case == "url_20kb":            # the edge kept the head's first bytes: the path is whole
-                path = "/health"
-            assert (line["method"], line["path"]) == (method, path), (case, line)
-            assert line["error_class"] == "http", (case, line)
-            message = ex.first.json()["error"]["message"]
-            assert line["error"] == message, (case, line)
-            assert line["model"] == "-" and line["endpoint"] == "" and line["duration_ms"] >= 0, (case, line)
-        assert await gw.received() == []
+                mine = await _line_of(every, rid)
+                assert len(mine) == 1, (case, every)
+                line = mine[0]
+                assert (line["status"], line["request_id"]) == (ex.first.status, rid) == (status, rid), (case, line)
+                if case in ELSEWHERE:
+                    continue
+                method, path = _said(parts[0])
+                if case == "connect":               # an authority, no path
+                    method, path = "CONNECT", ""
+                elif case == "http2_preface":       # a request line's start, with * for its target
+                    method = "PRI"
+                elif case == "url_20kb":            # the edge kept the head's first bytes: the path is whole
+                    path = "/health"
+                assert (line["method"], line["path"]) == (method, path), (case, line)
+                assert line["error_class"] == "http", (case, line)
+                message = ex.first.json()["error"]["message"]
+                assert line["error"] == message, (case, line)
+                assert line["model"] == "-" and line["endpoint"] == "" and line["duration_ms"] >= 0, (case, line)
+            assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+            # a body that broke while the pipeline read it: its line is the edge's answer, not a client's cancel
+            assert [x for x in every if x["status"] == 499] == [], every
+            assert await gw.received() == []
 
 
 @on_both_loops
@@ -106,9 +111,10 @@ HEAD_TIMEOUT = 0.3
 
 @on_both_loops
 async def test_a_408_has_one_line_whose_duration_covers_the_timeout():
-    """A head that stops on a fresh connection and on a kept-alive one, a body that stops on aiohttp's
-    path and on the fast lane's (its head and part of its body in one read), one dribbled past its
-    total: each 408's line, its duration at least the timeout that fired."""
+    """A head that stops on a fresh connection and on a kept-alive one, a body that stops on the fast
+    lane's path (its head and part of its body in one read) and on aiohttp's, where the pipeline was
+    reading it: each 408's one line (not a client's cancel), its duration at least the timeout that
+    fired."""
     server = {"header_timeout_s": HEAD_TIMEOUT, "body_timeout_s": HEAD_TIMEOUT, "keepalive_timeout_s": 5.0}
     promised = request("POST", CHAT, None, {"Content-Type": "application/json", "Content-Length": "100000"})
     cases = [
@@ -116,21 +122,24 @@ async def test_a_408_has_one_line_whose_duration_covers_the_timeout():
         ("kept_alive_head", (request("GET", "/health"), b"GET /v1/mod"), "GET", "/v1/mod", "header"),
         ("body_lane", (promised + BODY[:20],), "POST", CHAT, "body"),
         ("body", (promised, BODY[:20]), "POST", CHAT, "body"),
-        ("body_on_models", (request("POST", "/v1/models", None, {"Content-Length": "100"}), b"x"), "POST",
-         "/v1/models", "body"),
+        ("chunked_body", (request("POST", "/v1/completions", None, {"Transfer-Encoding": "chunked"}), b"5\r\nab"),
+         "POST", "/v1/completions", "body"),
     ]
     async with edge_gateway(**server) as gw:
-        for case, parts, method, path, reason in cases:
-            with _lines(gw) as lines:
+        with _lines(gw) as every:
+            for case, parts, method, path, reason in cases:
                 ex = await exchange(gw.port, *parts, wait=8.0)
                 answer = ex.responses[-1]
                 err = assert_openai_error(answer, 408)
                 assert f"{reason}_timeout_s" in err["message"], (case, err)
-                mine = await _line_of(lines, answer.headers["request-id"])
-            assert [(x["method"], x["path"], x["status"], x["error_class"]) for x in mine] == [
-                (method, path, 408, "http")], (case, lines)
-            assert mine[0]["error"] == err["message"], (case, mine)
-            assert mine[0]["duration_ms"] >= HEAD_TIMEOUT * 1000 - 1, (case, mine)
+                mine = await _line_of(every, answer.headers["request-id"])
+                assert [(x["method"], x["path"], x["status"], x["error_class"]) for x in mine] == [
+                    (method, path, 408, "http")], (case, every)
+                assert mine[0]["error"] == err["message"], (case, mine)
+                assert mine[0]["duration_ms"] >= HEAD_TIMEOUT * 1000 - 1, (case, mine)
+            assert await wait_for(lambda: gw.connections() == 0, timeout=10.0, interval=0.01)
+            assert [x["status"] for x in every if x["status"] != 200] == [408] * len(cases), every
+            assert not [k for k, v in gw.samples().items() if k.startswith("switchyard_client_cancels_total") and v]
 
 
 GAP = 0.3
@@ -156,14 +165,18 @@ async def test_the_404_405_and_501_lines_count_from_the_head_s_start():
 
 
 @on_both_loops
-async def test_an_unknown_method_s_501_counts_from_the_head_s_start():
+async def test_an_unknown_method_s_501_and_a_refused_head_count_from_the_head_s_start():
+    """The parser stops at a method it does not know, or at a header field it refuses, as soon as it
+    reads it: the head's first bytes came ``GAP`` s before."""
     async with edge_gateway(header_timeout_s=10.0) as gw:
-        with _lines(gw) as lines:
-            ex = await exchange(gw.port, b"BREW /v1/models HTTP/1.1\r\n", b"Host: x\r\n\r\n", pause=GAP, wait=8.0)
-            assert ex.first.status == 501
-            mine = await _line_of(lines, ex.first.headers["request-id"])
-        assert [(x["method"], x["path"], x["status"]) for x in mine] == [("BREW", "/v1/models", 501)]
-        assert mine[0]["duration_ms"] >= GAP * 1000 - 1, mine
+        for parts, method, status in (((b"GE", b"TX /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"), "GETX", 501),
+                                      ((b"GET /v1/models HTTP/1.1\r\n", b"Host: x\r\nX-A: a\x00b\r\n\r\n"), "GET", 400)):
+            with _lines(gw) as lines:
+                ex = await exchange(gw.port, *parts, pause=GAP, wait=8.0)
+                assert ex.first.status == status, ex.first
+                mine = await _line_of(lines, ex.first.headers["request-id"])
+            assert [(x["method"], x["path"], x["status"]) for x in mine] == [(method, "/v1/models", status)]
+            assert mine[0]["duration_ms"] >= GAP * 1000 - 1, mine
 
 
 @pytest.mark.timeout(90)
