@@ -48,6 +48,7 @@ from gateway.server.cors import add_vary
 from gateway.server.edge import (
     STANDARD_METHODS,
     expectation_failed,
+    head_started,
     log_edge_answer,
     not_implemented_answer,
     not_implemented_message,
@@ -147,7 +148,7 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                 resp = error_response(e.status, shaped(request, err), headers)
             if request_log is not None and resp.status in (404, 405, 501):
                 log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
-                                resp.status, msg, time.perf_counter(), request_log,
+                                resp.status, msg, head_started(request), request_log,
                                 extra=getattr(request, "log_fields", None))
             return resp
         if isinstance(e, GatewayError):

@@ -333,7 +333,7 @@ class EdgeProtocol(web.RequestHandler):
 
     __slots__ = ("_edge", "_e_phase", "_e_deadline", "_e_timer", "_e_timer_at", "_e_stall", "_e_rx_head",
                  "_e_pipelined", "_e_started", "_e_request", "_e_payload", "_e_last_rx", "_e_body_end", "_e_counted",
-                 "_e_read_paused", "_e_loop", "_e_line", "_e_unparsed", "_lane", "_lane_held", "_lane_server",
+                 "_e_read_paused", "_e_loop", "_e_line", "_e_unparsed", "_e_head_at", "_lane", "_lane_held", "_lane_server",
                  "_lane_part", "_lane_task", "_lane_next", "_lane_wake", "_lane_parse", "_lane_request")
 
     def __init__(self, manager: web.Server, *, edge: Edge, loop: asyncio.AbstractEventLoop, **kwargs: Any) -> None:
@@ -357,6 +357,7 @@ class EdgeProtocol(web.RequestHandler):
         self._e_read_paused = False     # the handler is not consuming the body: the silence is ours
         self._e_line = b""              # the first bytes of the head aiohttp is parsing (``_LINE_KEEP``)
         self._e_unparsed = False        # the request started last is aiohttp's for a head it could not parse
+        self._e_head_at = 0.0           # loop time the head clock of the request in turn started (``e_head_started``)
         self._lane: Any = None          # the fast lane's request in flight (gateway/server/lane.py)
         self._lane_held: list[bytes] = []   # bytes that came while it ran
         self._lane_part: lane.Pending | None = None     # a lane request whose body is still coming
@@ -693,7 +694,8 @@ class EdgeProtocol(web.RequestHandler):
         if self.transport is None:
             return
         if self._e_parsed > self._e_started:
-            self._e_phase = _READY
+            self._e_phase = _READY      # a head read while the last one ran: its turn starts now
+            self._e_head_at = self._e_loop.time()
         elif self._e_pipelined:         # part of the next head is here already: its clock starts now
             self._e_enter_head(self._e_loop.time())
             self._e_rx_head = True
@@ -707,6 +709,7 @@ class EdgeProtocol(web.RequestHandler):
 
     def _e_enter_head(self, now: float) -> None:
         self._e_phase = _HEAD
+        self._e_head_at = now
         self._e_rx_head = False
         if self._edge.limits.header_timeout_s:
             self._e_arm(now + self._edge.limits.header_timeout_s)
@@ -766,6 +769,21 @@ class EdgeProtocol(web.RequestHandler):
     def _e_request_path(self) -> str | None:
         request = self._e_request
         return request.path if request is not None else None
+
+    # -- the request log of the edge's own answers ---------------------------------------------
+
+    def _e_since(self, at: float) -> float:
+        """``at``, a time of the loop's clock (the edge's clocks), on ``time.perf_counter``'s (the
+        request log's durations), never later than now."""
+        return time.perf_counter() - max(0.0, self._e_loop.time() - at)
+
+    def e_head_started(self) -> float:
+        """When the head of the request in turn began, on the request log's clock: its head clock's
+        start, which the edge keeps anyway (the accept of a fresh connection, the first byte of a
+        kept-alive connection's next request, the end of the last request for one whose head was
+        read while it ran). Read only for an answer the edge, the router or the error middleware
+        make themselves, not for a request served."""
+        return self._e_since(self._e_head_at)
 
     def _e_cors(self, headers: Any) -> str:
         """CORS's header lines for the edge's own answer to a request whose head was read
@@ -893,7 +911,7 @@ class EdgeProtocol(web.RequestHandler):
     def _e_not_implemented(self, request: web.BaseRequest, method: str) -> web.Response:
         """The 501 of a method the HTTP parser stopped at (it knows every method a route serves): the
         rest of the request's framing is unknown, so the connection closes after the answer."""
-        started = time.perf_counter()
+        started = self.e_head_started()
         path = self._e_line_path() or "/"
         rid = request_id_from(None)
         resp = not_implemented_answer(path, method, rid)
@@ -1151,6 +1169,15 @@ def log_edge_answer(rid: str, given: str | None, path: str, method: str, status:
     log_answer(rec, time.perf_counter(), request_log)
 
 
+def head_started(request: web.BaseRequest) -> float:
+    """When ``request``'s head began, on the request log's clock (``EdgeProtocol.e_head_started``);
+    now for a request that came through no edge connection."""
+    protocol = request.protocol
+    if isinstance(protocol, EdgeProtocol):
+        return protocol.e_head_started()
+    return time.perf_counter()
+
+
 def _log_preflight(request: web.BaseRequest, resp: web.Response, result: str, started: float,
                    request_log: RequestLog) -> None:
     """A preflight's request log line: what a request line says of an answer without a model or an
@@ -1177,7 +1204,7 @@ def _cors_preflights(handler: Any, cors: CorsPolicy, methods: str, direct: dict[
             result = outcome(cors, request.headers.get(hdrs.ORIGIN))     # allowed, refused
             if is_preflight(request):
                 if request.path.startswith("/v1/") or request.path in direct:
-                    started = time.perf_counter()
+                    started = head_started(request)
                     result = "preflight_" + result
                     counted[result].inc()
                     resp = preflight(request, cors, methods, cors_refused)
