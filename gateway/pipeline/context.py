@@ -296,5 +296,24 @@ def log_answer(rec: RequestRecord, now: float, request_log: RequestLog) -> None:
     request_log.emit(_line(rec, now - rec.started))
 
 
+# the answer the edge wrote itself to a request whose handler it then cancelled (its body stopped
+# coming or broke, gateway/server/edge.py): (the request id the answer carries, its status, its message)
+EDGE_ANSWER = web.RequestKey("edge_answer", tuple)
+
+
+def take_edge_answer(request: Any, rec: RequestRecord) -> bool:
+    """Whether the edge answered ``request`` while its handler ran and then cancelled it: ``rec``, the
+    handler's record, then says that answer (its request id, status, ``error_class: http``, message)
+    and the handler's line, with ``method`` as the edge's own lines, is the request's one line, not a
+    client's cancel (read on a cancellation only, never on a request served)."""
+    answer = request.pop(EDGE_ANSWER, None)
+    if answer is None:
+        return False
+    rec.request_id, rec.status, rec.error = answer
+    rec.error_class = ErrorClass.HTTP
+    rec.extra["method"] = request.method        # as the edge's own lines
+    return True
+
+
 def _cut(v: str) -> str:
     return f"{v[:MAX_LOG_CHARS]}… ({len(v)} characters)"

@@ -30,7 +30,7 @@ from gateway.errors import ErrorClass, GatewayError
 from gateway.kv import dp_rank
 from gateway.pd.decide import WHOLE_ROLES
 from gateway.pd.orchestrator import PairFailed
-from gateway.pipeline.context import RequestContext, record_request, safe_header_value
+from gateway.pipeline.context import RequestContext, record_request, safe_header_value, take_edge_answer
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
@@ -133,6 +133,8 @@ class Pipeline:
                 raise
             if self.lifecycle.was_cut(task):        # the gateway stops: the client is told so
                 return await self._cut(ctx, task)
+            if take_edge_answer(request, rec):      # the edge's 408 or 400: the body stopped or broke
+                raise
             rec.status = 499
             rec.error_class = rec.error_class or ErrorClass.CLIENT_CANCEL
             self.metrics.child(self.metrics.client_cancels, rec.label_model,

@@ -33,8 +33,15 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   answer to a head it could not parse goes out in HTTP/1.1 (aiohttp's stand-in request says 1.0).
   A request line whose method is a token the parser does not know (``FOO``) is RFC 9110 §9.1's 501,
   not a malformed request: the gateway implements no such method (the router's 404 and 405 for a
-  method the parser knows, ``PROPFIND``, are made a 501 too, gateway/server/app.py); it is written
-  to the request log, and the connection closes, the rest of the request's framing being unknown.
+  method the parser knows, ``PROPFIND``, are made a 501 too, gateway/server/app.py); the connection
+  closes, the rest of the request's framing being unknown.
+- **The request log.** Every answer the edge writes itself (those above, the 408s, and the
+  refusals of ``EdgeServer``'s handler: a version, ``CONNECT``, a ``Content-Length``, a coding, an
+  ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
+  method and path as far as the edge read them, its duration from the head's start
+  (``e_head_started``: the start of the head clock the edge runs anyway). A 408 or 400 for a body
+  the pipeline was reading is left to the pipeline's line, which says that answer
+  (gateway/pipeline/context.py ``take_edge_answer``) rather than a client's cancel.
 - **CORS**, when ``server.cors_allowed_origins`` lists origins (gateway/server/cors.py): a browser's
   preflight to an API path is answered before the application (and written to the request log as
   a request of its own), and a request with an ``Origin``
@@ -88,7 +95,7 @@ from gateway.apis.paths import AUDIO_PATHS, on_messages
 from gateway.errors import ErrorClass, error_body, error_response
 from gateway.observability.logs import RequestLog
 from gateway.observability.metrics import Counter as RequestCounter
-from gateway.pipeline.context import RequestRecord, log_answer, safe_header_value
+from gateway.pipeline.context import EDGE_ANSWER, RequestRecord, log_answer, safe_header_value
 from gateway.pipeline.whole import WrittenAnswer, write_whole
 from gateway.request import request_id_from
 from gateway.server import lane
@@ -567,9 +574,12 @@ class EdgeProtocol(web.RequestHandler):
         rid = pending.rid if pending is not None else None
         self._lane_released()
         reason = "body_total" if now >= self._e_body_end else "body"
+        # its head came whole with the first read the lane held (``_lane_wait``), which started the body's clock
+        total = self._edge.limits.body_total_timeout_s
         self._e_timeout(reason, answer=True, request_id=request_id_from(rid),
                         path=pending.path if pending is not None else None,
-                        headers=pending.headers if pending is not None else None)
+                        headers=pending.headers if pending is not None else None, method="POST", given=rid,
+                        started=self._e_since(self._e_body_end - total) if total else None)
 
     def _lane_released(self) -> None:
         """No lane request is in progress any more (answered, let go, timed out, or its client
@@ -785,6 +795,36 @@ class EdgeProtocol(web.RequestHandler):
         make themselves, not for a request served."""
         return self._e_since(self._e_head_at)
 
+    def _e_logged_running(self, request: web.BaseRequest, rid: str, status: int, message: str) -> None:
+        """The line of the edge's answer to ``request``, whose handler ``_e_close`` cancels next: the
+        pipeline's writes it as the request's line (gateway/pipeline/context.py ``take_edge_answer``),
+        with what the pipeline knows of it; another handler's, the edge once the handler ended."""
+        started = self.e_head_started()
+        request[EDGE_ANSWER] = (rid, status, message)
+
+        def unclaimed(_: Any = None) -> None:
+            if request.pop(EDGE_ANSWER, None) is not None:
+                self._e_logged(rid, request.headers.get("x-request-id"), request.method, request.path, status,
+                               message, request, started)
+
+        task = request.task
+        if task is None or task.done():
+            unclaimed()
+        else:
+            task.add_done_callback(unclaimed)
+
+    def _e_logged(self, rid: str, given: str | None, method: str | None, path: str | None, status: int,
+                  message: str, request: web.BaseRequest | None = None, started: float | None = None) -> None:
+        """The request log line of an answer the edge writes itself (``log_edge_answer``): ``method``
+        and ``path`` as far as the edge read them (None: not known), ``given`` the client's request id,
+        its duration from ``started`` (``e_head_started`` by default), with ``request``'s log fields
+        (``cors``) when its head was read."""
+        request_log = self._edge.request_log
+        if request_log is not None:
+            log_edge_answer(rid, given, path, method, status, message,
+                            self.e_head_started() if started is None else started, request_log,
+                            extra=getattr(request, "log_fields", None))
+
     def _e_cors(self, headers: Any) -> str:
         """CORS's header lines for the edge's own answer to a request whose head was read
         (``headers``; None: none was), when CORS is on."""
@@ -799,17 +839,22 @@ class EdgeProtocol(web.RequestHandler):
         log.debug("bad request", status=400, error="broken request body", peer=_peer(self.transport))
         if rid is not None:
             request = self._e_request
+            message = "malformed request body: its chunked framing or content encoding is broken"
             self.transport.write(error_response_bytes(
-                400, "malformed request body: its chunked framing or content encoding is broken",
-                code="bad_body", request_id=rid, path=self._e_request_path(),
+                400, message, code="bad_body", request_id=rid, path=self._e_request_path(),
                 cors=self._e_cors(request.headers if request is not None else None),
                 headers=request.headers if request is not None else None))
+            if request is not None:
+                self._e_logged_running(request, rid, 400, message)
         self._e_close()
 
     def _e_timeout(self, reason: str, *, answer: bool, request_id: str | None = None,
-                   path: str | None = None, headers: Any = None) -> None:
-        """``headers``: those of a held lane request (``_lane_stalled``); otherwise a body's timeout
-        reads the running request's, and a head's has none (it never came whole)."""
+                   path: str | None = None, headers: Any = None, method: str | None = None,
+                   given: str | None = None, started: float | None = None) -> None:
+        """``headers``, ``method``, ``given`` (its ``x-request-id``) and ``started`` (``e_head_started``'s
+        clock): those of a held lane request (``_lane_stalled``); otherwise a body's timeout reads the
+        running request's, and a head's has none (it never came whole: its method and path are read
+        off its first bytes)."""
         edge = self._edge
         edge.metrics.timeout(reason)
         rid = request_id
@@ -824,12 +869,21 @@ class EdgeProtocol(web.RequestHandler):
             what = {"header": "the request head was not received within",
                     "body": "no byte of the request body arrived for",
                     "body_total": "the request body was not received within"}[reason]
-            request = self._e_request
-            if headers is None and reason != "header" and request is not None:
+            request = self._e_request if reason != "header" else None
+            if headers is None and request is not None:
                 headers = request.headers
+            message = f"{what} {seconds:g} s (server.{reason}_timeout_s)"
+            path = path or self._e_request_path()
+            rid = rid or request_id_from(None)
             self.transport.write(error_response_bytes(
-                408, f"{what} {seconds:g} s (server.{reason}_timeout_s)", code="request_timeout", request_id=rid,
-                path=path or self._e_request_path(), cors=self._e_cors(headers), headers=headers))
+                408, message, code="request_timeout", request_id=rid, path=path, cors=self._e_cors(headers),
+                headers=headers))
+            if request is not None and method is None:
+                self._e_logged_running(request, rid, 408, message)
+            else:
+                if reason == "header":
+                    method, path = self._e_line_method(), self._e_line_path()
+                self._e_logged(rid, given, method, path, 408, message, None, started)
         self._e_close()
 
     def _e_close(self) -> None:
@@ -896,7 +950,8 @@ class EdgeProtocol(web.RequestHandler):
             self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
         else:
             log.debug("bad request", status=status, error=text, peer=request.remote)
-        rid = request_id_from(request.headers.get("x-request-id"))
+        given = request.headers.get("x-request-id")
+        rid = request_id_from(given)
         path = self._e_line_path() if self._e_unparsed else request.path
         headers = {"request-id": rid, "x-request-id": rid}
         param = None
@@ -906,20 +961,26 @@ class EdgeProtocol(web.RequestHandler):
                               None if self._e_unparsed else request.headers)
         resp = error_response(status, shaped, headers)
         resp.force_close()
+        if self._e_unparsed:
+            self._e_logged(rid, None, self._e_line_method(), path, status, text)
+        else:
+            self._e_logged(rid, given, request.method, path, status, text, request)
         return resp
 
     def _e_not_implemented(self, request: web.BaseRequest, method: str) -> web.Response:
         """The 501 of a method the HTTP parser stopped at (it knows every method a route serves): the
         rest of the request's framing is unknown, so the connection closes after the answer."""
-        started = self.e_head_started()
         path = self._e_line_path() or "/"
         rid = request_id_from(None)
         resp = not_implemented_answer(path, method, rid)
         resp.force_close()
-        if self._edge.request_log is not None:
-            log_edge_answer(rid, None, path, method, resp.status, not_implemented_message(method), started,
-                            self._edge.request_log)
+        self._e_logged(rid, None, method, path, resp.status, not_implemented_message(method))
         return resp
+
+    def _e_line_method(self) -> str | None:
+        """The method of the head kept in ``_e_line``, when its first bytes are a request line's."""
+        m = _LINE_METHOD.match(self._e_line)
+        return m.group(1).decode("ascii") if m is not None else None
 
     def _e_line_path(self) -> str | None:
         """The target path of the head kept in ``_e_line`` (a head aiohttp could not parse), as far
@@ -1155,12 +1216,14 @@ def not_implemented_answer(path: str, method: str, rid: str) -> web.Response:
     return error_response(501, body, {"request-id": rid, "x-request-id": rid})
 
 
-def log_edge_answer(rid: str, given: str | None, path: str, method: str, status: int, error: str, started: float,
-                    request_log: RequestLog, error_class: ErrorClass = ErrorClass.HTTP,
+def log_edge_answer(rid: str, given: str | None, path: str | None, method: str | None, status: int, error: str | None,
+                    started: float, request_log: RequestLog, error_class: ErrorClass = ErrorClass.HTTP,
                     extra: dict[str, Any] | None = None) -> None:
     """The request log line of an error answer made before any API handler (an unknown method's 501,
-    an unknown path's 404, a method's 405): what a request line says of an answer without a model or
-    an endpoint, with ``method``; ``rid``, the request id the answer carries, ``given`` the client's."""
+    an unknown path's 404, a method's 405, the edge's own answers): what a request line says of an
+    answer without a model or an endpoint, with ``method``; ``rid``, the request id the answer
+    carries, ``given`` the client's; ``path`` and ``method`` None when the edge could not read them
+    (a head that is no request line); ``started``, on ``time.perf_counter``'s clock (``head_started``)."""
     rec = RequestRecord(rid, path, started, status=status, request_id_replaced=given is not None and given != rid,
                         error_class=error_class, error=error)
     rec.extra["method"] = method
@@ -1176,6 +1239,21 @@ def head_started(request: web.BaseRequest) -> float:
     if isinstance(protocol, EdgeProtocol):
         return protocol.e_head_started()
     return time.perf_counter()
+
+
+def logged_refusal(request: web.BaseRequest, resp: web.Response, request_log: RequestLog | None) -> web.Response:
+    """``resp``, an error answer the edge makes for a request whose head it read (its version, a
+    ``CONNECT``, its Content-Length, its coding, its Expect), once written to ``request_log``: its
+    message read back off its body (``error.message`` in either API's shape)."""
+    if request_log is not None:
+        try:
+            message = orjson.loads(resp.body)["error"]["message"]
+        except (TypeError, ValueError, KeyError):
+            message = None
+        log_edge_answer(resp.headers["request-id"], request.headers.get("x-request-id"), request.path,
+                        request.method, resp.status, message, head_started(request), request_log,
+                        extra=getattr(request, "log_fields", None))
+    return resp
 
 
 def _log_preflight(request: web.BaseRequest, resp: web.Response, result: str, started: float,
@@ -1282,41 +1360,45 @@ class EdgeServer(web.Server):
         self.lane_parse = lane.parse if cors is None else functools.partial(lane.parse, decline=lane.CORS_DECLINE)
         self.lane_request = lane.LaneRequest if cors is None else lane.CorsLaneRequest
 
+        # the edge's refusals, each with its request log line
+        refused = functools.partial(logged_refusal, request_log=edge.request_log)
+
         async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
             if _VERSION_REFUSED in request:
                 edge.metrics.protocol_errors.labels("400").inc()
-                return version_refused(request, request[_VERSION_REFUSED])
+                return refused(request, version_refused(request, request[_VERSION_REFUSED]))
             if request.method == "CONNECT":     # a tunnel request: this is not a forward proxy
-                return connect_refused(request, allow)
+                return refused(request, connect_refused(request, allow))
             if request.method == "OPTIONS" and request.raw_path == "*":    # about the server, not a path
                 return server_options(request, allow)
             try:
                 length = request.content_length
             except ValueError:              # more digits than int() converts (leading zeros the parser took)
                 edge.metrics.protocol_errors.labels("400").inc()
-                return content_length_refused(request)
+                return refused(request, content_length_refused(request))
             if length is not None and length > max_body:   # refused before a byte of it is read
                 if not (max_upload and request.path == UPLOAD_PATH):
-                    return body_too_large(request, max_body)
+                    return refused(request, body_too_large(request, max_body))
                 if length > max_upload:
-                    return file_too_large(request, edge.limits.upload_file_bytes)
+                    return refused(request, file_too_large(request, edge.limits.upload_file_bytes))
             if hdrs.CONTENT_ENCODING in request.headers and request.body_exists:
-                refused = coding_refused(request)       # one the parser did not decode
-                if refused is not None:
+                coding = coding_refused(request)        # one the parser did not decode
+                if coding is not None:
                     edge.metrics.protocol_errors.labels("415").inc()
-                    return refused
+                    return refused(request, coding)
             broken = request.content.exception()
             if broken is not None:          # the body came with the head and does not decode
                 request.content.feed_eof()  # abandoned: aiohttp must not linger reading it after the answer
-                return _closing_error(request, 400, f"malformed request body: {_cause_text(broken)}", "bad_body")
+                return refused(request, _closing_error(request, 400, f"malformed request body: {_cause_text(broken)}",
+                                                       "bad_body"))
             if request.method == "POST":    # an inference path: its handler, without the application's
                 handler = direct.get(request.path)      # router and middleware (unless Expect needs them)
                 if handler is not None and hdrs.EXPECT not in request.headers:
                     return await handler(request)
             if hdrs.EXPECT in request.headers:      # aiohttp answers an unknown one in plain text
-                refused = expectation_failed(request)
-                if refused is not None:
-                    return refused
+                expectation = expectation_failed(request)
+                if expectation is not None:
+                    return refused(request, expectation)
             return await app_handler(request)
 
         if cors is not None:            # a preflight to an API path is answered here, without an API key
