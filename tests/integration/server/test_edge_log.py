@@ -231,3 +231,20 @@ async def test_every_worker_logs_the_answers_its_edge_writes(sims, tmp_path):
             assert line["status"] == sent[line["request_id"]] and line["error_class"] == "http", line
             assert line["level"] == "info" and line["timestamp"] and line["duration_ms"] >= 0, line
     assert not [x for x in requests if x["path"] in ("/health", "/metrics", "/ready")], requests
+
+
+@on_both_loops
+async def test_with_cors_on_the_edge_s_answer_to_a_page_s_request_says_its_cors_outcome():
+    origin = "https://app.example"
+    async with edge_gateway(max_body_bytes=4096, cors_allowed_origins=[origin]) as gw:
+        with _lines(gw) as lines:
+            for headers, cors in (({"Origin": origin}, "allowed"), ({"Origin": "https://other.example"}, "refused"),
+                                  ({}, None)):
+                for raw, status in ((request("POST", CHAT, BODY, {**headers, "Expect": "nothing"}), 417),
+                                    (request("POST", CHAT, BODY, {**headers, "Content-Encoding": "x-foo"}), 415),
+                                    (H + b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+                                     + b"Content-Length: 5000\r\n\r\n", 413)):
+                    ex = await exchange(gw.port, raw, wait=8.0)
+                    assert ex.first.status == status, (headers, ex.first)
+                    mine = await _line_of(lines, ex.first.headers["request-id"])
+                    assert [(x["status"], x.get("cors")) for x in mine] == [(status, cors)], (headers, mine)
