@@ -26,3 +26,25 @@ async def until(predicate: Callable[[], Any], timeout: float = 5.0, interval: fl
     v = await wait_for(predicate, timeout, interval)
     assert v, f"condition not reached within {timeout}s"
     return v
+
+
+def process_stopped(pid: int) -> bool:
+    """The process is in a stop (``T`` in /proc/PID/stat: a SIGSTOP taken, not only sent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] in "Tt"
+
+
+async def sigstop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until it has stopped. ``kill`` only queues the signal: a process
+    that has not run since takes it later, and takes a lower-numbered signal sent meanwhile first
+    (a SIGHUP, 1, before the SIGSTOP, 19), which a test that sends the stop to hold that signal
+    pending would then miss."""
+    import os
+    import signal
+
+    os.kill(pid, signal.SIGSTOP)
+    await until(lambda: process_stopped(pid), timeout=timeout, interval=0.001)

@@ -19,7 +19,7 @@ from tests.integration.server.test_workers import children_of
 from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker
 from tests.support.lora import LORA_SIM, MSG
 from tests.support.ports import listen_port
-from tests.support.waiting import until
+from tests.support.waiting import sigstop, until
 
 
 def config(port: int, url: str, view: str) -> str:
@@ -115,8 +115,8 @@ async def test_a_load_whose_worker_is_killed_is_given_up_by_its_waiting_sibling_
         survivor = sessions[3]
         stopped = False
         try:
-            os.kill(proc.pid, signal.SIGSTOP)       # no restart while it is stopped
             stopped = True
+            await sigstop(proc.pid)                 # no restart while it is stopped
             os.kill(victim, signal.SIGKILL)
             async with asyncio.timeout(30):
                 answer = await waiting

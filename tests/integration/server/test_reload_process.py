@@ -20,6 +20,7 @@ import pytest
 from tests.support.http import sim_state
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
+from tests.support.waiting import sigstop
 
 CHAT = [{"role": "user", "content": "Keep the trains running."}]
 TOKEN = "admin-token-for-workers"
@@ -447,7 +448,7 @@ async def test_a_workers_own_sighup_while_an_admin_reload_is_on_its_way_is_a_sig
         try:
             (asked, asked_http), (other, _) = sessions.items()
             path.write_text(text + "aliases: [{name: one, targets: [{model: m}]}]\n")
-            os.kill(proc.pid, signal.SIGSTOP)
+            await sigstop(proc.pid)
             try:
                 async def admin() -> tuple[int, dict]:
                     async with asked_http.post(f"http://127.0.0.1:{port}/admin/reload",
@@ -563,15 +564,15 @@ async def test_an_admin_reload_is_answered_by_the_parents_reload_that_came_after
             held.fifo()
             proc.send_signal(signal.SIGHUP)             # a reload the parent begins: it reads the file
             first = await held.reader()
-            os.kill(proc.pid, signal.SIGSTOP)
             stopped.append(proc.pid)
+            await sigstop(proc.pid)
             answer = asyncio.ensure_future(admin())
             async with asyncio.timeout(10):             # the worker asked has told the parent
                 while not _pending_sighup(proc.pid):
                     await asyncio.sleep(0.01)
             for pid in (asked, other):                  # they get the first reload's SIGHUP later
-                os.kill(pid, signal.SIGSTOP)
                 stopped.append(pid)
+                await sigstop(pid)
             held.fifo()
             held.release(first, text)
             os.kill(proc.pid, signal.SIGCONT)

@@ -18,7 +18,7 @@ import pytest
 from tests.support.gateway_process import per_worker, post_new
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
-from tests.support.waiting import wait_for
+from tests.support.waiting import sigstop, wait_for
 
 
 def listening_inodes(port: int) -> set[str]:
@@ -967,7 +967,7 @@ async def test_a_start_removes_the_run_directory_of_a_gateway_whose_every_proces
             one_engine_config(tmp_path / "dead", port_dead, sim.url, grace=2), port_dead)
         procs.append(dead)
         for pid in dead_kids:                       # stopped: the kernel's SIGTERM finds them so
-            os.kill(pid, signal.SIGSTOP)
+            await sigstop(pid)
         dead.send_signal(signal.SIGKILL)
         await dead.wait()
         for pid in dead_kids:
