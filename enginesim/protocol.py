@@ -35,6 +35,7 @@ class OpenAIRequest:
     return_token_ids: bool = False
     max_tokens_null: bool = False  # a completion's max_tokens given as an explicit null
     n: int = 1                     # choices asked for (more than one: a simulated aggregated vLLM only)
+    echo: str | None = None        # a completion's ``echo``: the prompt's text its answer begins with
 
 
 # vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a
@@ -179,6 +180,7 @@ def chat_template_flags(body: dict[str, Any], vllm: bool) -> tuple[bool, bool]:
 def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm: bool = True,
                  several: bool = False) -> OpenAIRequest:
     """``several``: the engine simulates ``n`` > 1 (else it answers 501 to one)."""
+    echo: str | None = None
     if kind == "chat":
         agp, cont = chat_template_flags(body, vllm)
         prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont)
@@ -190,6 +192,8 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
             raise ApiError(400, "1 validation error:\n  prompt: Field required", type_=_BAD, param="prompt")
         prompt_ids = completion_prompt_ids(body["prompt"], tokenizer)
         max_tokens = _int_field(body, "max_tokens", 1)
+        if bool_field(body, "echo", False):
+            echo = _prompt_text(body["prompt"], prompt_ids, tokenizer)
     n = _int_field(body, "n", 1)
     if n is not None and n > 1 and not several:
         raise ApiError(501, "enginesim does not simulate n > 1", param="n")
@@ -221,4 +225,12 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         return_token_ids=bool_field(body, "return_token_ids", False),
         max_tokens_null=kind != "chat" and "max_tokens" in body and body["max_tokens"] is None,
         n=n if n is not None and n > 1 else 1,
+        echo=echo,
     )
+
+
+def _prompt_text(prompt: Any, prompt_ids: list[int], tokenizer: FakeTokenizer) -> str:
+    """The text an ``echo`` sends back: a string prompt as given, token ids decoded."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)

@@ -203,7 +203,7 @@ class SglangApi:
             choice["message"] = {"role": "assistant", "content": result.text, "reasoning_content": None,
                                  "tool_calls": None}
         else:
-            choice["text"] = result.text
+            choice["text"] = (req.echo or "") + result.text
         choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
                        "matched_stop": self._matched_stop(seq)})
         if req.kind == "chat":
@@ -230,6 +230,9 @@ class SglangApi:
             return out
 
         first = True
+        # echo: the prompt's text begins the first chunk of a completion (SGLang: the prompt is
+        # prepended to the first chunk's text; usage counts the generated tokens only)
+        echo = req.echo if not chat else None
         async with aclosing(outputs(self.engine, request, seq)) as stream:
             async for out in stream:
                 assert out is not None
@@ -258,10 +261,11 @@ class SglangApi:
                         await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None},
                                                  "logprobs": None, "finish_reason": out.finish_reason,
                                                  "matched_stop": self._matched_stop(seq)}))
-                elif out.text or finishing:
-                    await writer.send(chunk({"index": 0, "text": out.text, "logprobs": None,
+                elif out.text or finishing or echo is not None:
+                    await writer.send(chunk({"index": 0, "text": (echo or "") + out.text, "logprobs": None,
                                              "finish_reason": out.finish_reason,
                                              "matched_stop": self._matched_stop(seq) if finishing else None}))
+                    echo = None
                 first = False
         if req.include_usage:
             usage = self._usage(seq)

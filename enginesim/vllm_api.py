@@ -206,7 +206,7 @@ class VllmApi:
         await slow_headers(self.engine, seq.fault)
         if result.final.finish_reason == "error" or result.final.status is not None:
             return failed_error(result.final.code, result.final.message, result.final.code_text).response(STYLE, headers)
-        choice = self._choice(req, 0, seq, result.text, req.return_token_ids)
+        choice = self._choice(req, 0, seq, (req.echo or "") + result.text, req.return_token_ids)
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": seq.created, "model": seq.lora or self.cfg.served_name, "choices": [choice],
@@ -237,6 +237,8 @@ class VllmApi:
             return out
 
         first = True
+        # echo: the prompt's text goes out with the first output's, on its chunk (held back or not)
+        echo = req.echo if not chat else None
         async with aclosing(outputs(self.engine, request, seq, self.cfg.sse_keepalive_s)) as stream:
             async for out in stream:
                 if out is None:
@@ -252,11 +254,13 @@ class VllmApi:
                         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}, prompt_token_ids=prompt_ids, prompt_text=None))
                     prompt_ids = None
-                if out.finish_reason is None and not out.text and not (req.return_token_ids and out.token_ids):
+                if (out.finish_reason is None and not out.text and not (req.return_token_ids and out.token_ids)
+                        and echo is None):
                     continue  # held back (maybe the start of a stop string); its ids still go out when asked
                 await writer.send(self._delta_chunk(chunk, chat, seq, out, req.include_usage,
-                                                    req.return_token_ids, prompt_ids if first else None))
+                                                    req.return_token_ids, prompt_ids if first else None, echo=echo))
                 first = False
+                echo = None
         if req.include_usage:
             await writer.send({"id": seq.id, "object": obj, "created": seq.created,
                                "model": seq.lora or self.cfg.served_name, "choices": [],
@@ -266,13 +270,16 @@ class VllmApi:
 
     def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
                      has_usage_chunk: bool, token_ids: bool = False,
-                     prompt_ids: list[int] | None = None, index: int = 0) -> dict[str, Any]:
+                     prompt_ids: list[int] | None = None, index: int = 0,
+                     echo: str | None = None) -> dict[str, Any]:
+        """``echo``: the prompt's text a completion's first chunk begins with (vLLM: the prompt's
+        text and the first output's; its ``token_ids`` stay the output's, its usage counts them only)."""
         finishing = out.finish_reason is not None
         choice: dict[str, Any] = {"index": index}
         if chat:
             choice["delta"] = {"content": out.text}
         else:
-            choice["text"] = out.text
+            choice["text"] = out.text if echo is None else echo + out.text
         choice["logprobs"] = None
         choice["finish_reason"] = out.finish_reason
         if finishing or not chat:
@@ -312,7 +319,7 @@ class VllmApi:
             return failed_error(failed.code, failed.message, failed.code_text).response(STYLE, headers)
         choices = []
         for i, (seq, result) in enumerate(zip(seqs, results, strict=True)):
-            choices.append(self._choice(req, i, seq, result.text, False))
+            choices.append(self._choice(req, i, seq, (req.echo or "") + result.text, False))
         seq = seqs[0]
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
@@ -356,6 +363,7 @@ class VllmApi:
         try:
             first = True
             left = len(seqs)
+            echo = [req.echo if not chat else None] * len(seqs)     # each choice's first chunk echoes
             while left:
                 i, out = await came.get()
                 if isinstance(out, Dropped):
@@ -370,9 +378,11 @@ class VllmApi:
                 first = False
                 if out.finish_reason is not None:
                     left -= 1
-                elif not out.text:
+                elif not out.text and echo[i] is None:
                     continue
-                await writer.send(self._delta_chunk(chunk, chat, seqs[i], out, req.include_usage, index=i))
+                await writer.send(self._delta_chunk(chunk, chat, seqs[i], out, req.include_usage, index=i,
+                                                    echo=echo[i]))
+                echo[i] = None
         finally:
             for p in pumps:
                 p.cancel()

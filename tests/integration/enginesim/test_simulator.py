@@ -1014,3 +1014,38 @@ def test_itl_grows_with_running_requests_and_jitter_is_seeded() -> None:
     gaps = [a._itl_s() for _ in range(20)]
     assert gaps == [b._itl_s() for _ in range(20)]
     assert all(0.005 <= g <= 0.015 for g in gaps) and len(set(gaps)) > 1
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_completions_echo_begins_the_answer_with_the_prompt(engine: str, make_sim: MakeSim,
+                                                                  http: aiohttp.ClientSession) -> None:
+    """``echo``: a completion's text begins with its prompt, as vLLM and SGLang answer it. A stream
+    sends the prompt's text with the first output's, on its first chunk; the usage counts the
+    generated tokens only, and vLLM's ``token_ids`` are the generated ones."""
+    sim = await make_sim(engine=engine, model="org/llama-sim")
+    url = sim.url + "/v1/completions"
+    prompt = "Once upon a time"
+    body = {"model": "org/llama-sim", "prompt": prompt, "max_tokens": 5}
+    _, plain, _ = await call(http, url, body)
+    _, echoed, _ = await call(http, url, {**body, "echo": True})
+    assert echoed["choices"][0]["text"] == prompt + plain["choices"][0]["text"]
+    counts = ("prompt_tokens", "completion_tokens")
+    assert [echoed["usage"][k] for k in counts] == [plain["usage"][k] for k in counts]
+    opts = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            **({"return_token_ids": True} if engine == "vllm" else {})}
+    _, ref, _ = await call(http, url, {**body, **opts})
+    _, events, _ = await call(http, url, {**body, **opts, "echo": True})
+    chunks = [e for e in events if isinstance(e, dict) and e["choices"]]
+    ref_chunks = [e for e in ref if isinstance(e, dict) and e["choices"]]
+    assert len(chunks) == len(ref_chunks)
+    assert chunks[0]["choices"][0]["text"] == prompt + ref_chunks[0]["choices"][0]["text"]
+    assert [c["choices"][0]["text"] for c in chunks[1:]] == [c["choices"][0]["text"] for c in ref_chunks[1:]]
+    assert [[c["usage"][k] for k in counts] for c in chunks] == [[c["usage"][k] for k in counts] for c in ref_chunks]
+    assert events[-2]["usage"]["completion_tokens"] == 5
+    if engine == "vllm":
+        assert [c["choices"][0]["token_ids"] for c in chunks] == [c["choices"][0]["token_ids"] for c in ref_chunks]
+        assert chunks[0]["choices"][0]["prompt_token_ids"] == ref_chunks[0]["choices"][0]["prompt_token_ids"]
+    # a prompt of token ids echoes their text
+    ids = sim.engine.tokenizer.encode(prompt)
+    _, by_ids, _ = await call(http, url, {**body, "prompt": ids, "echo": True})
+    assert by_ids["choices"][0]["text"] == sim.engine.tokenizer.decode(ids) + plain["choices"][0]["text"]
