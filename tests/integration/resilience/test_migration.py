@@ -665,3 +665,60 @@ async def test_a_stop_string_across_the_seam_counts_once_more_than_min_tokens_we
         assert text_of(got) == sent and fins == ["stop"]
     else:
         assert text_of(got) == sent + rest and fins == ["length"]
+
+
+@pytest.mark.parametrize("engine,stop", [("vllm", None), ("vllm", ["@@@@"]), ("sglang", None), ("sglang", ["@@@@"])])
+async def test_an_echoed_completion_continues_from_its_generated_text_only(sims, gateway, engine, stop):
+    """A completion with ``echo``: its first chunk begins with the prompt (vLLM and SGLang send the
+    prompt's text with the first output's). The continuation is built from the generated text only,
+    sent without ``echo``: the client gets the unbroken answer (the prompt once, then the generated
+    text), the usage counts the generated tokens, and the continuation's prompt holds the prompt
+    once (vLLM token-exact without a stop string: its ids and the generated ones; as text with one,
+    and on SGLang)."""
+    bad = await sims(engine, "m", fault="drop_after=5")
+    good = await sims(engine, "m")
+    sent: list[dict] = []
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        """The continuation's engine: the body it is sent is kept, the answer is the real engine's."""
+        body = await request.json()
+        sent.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async with aiohttp.ClientSession() as s, s.post(good.url + request.path, json=body) as r:
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    prompt = "Once upon a time"
+    req = {"model": "m", "prompt": prompt, "max_tokens": 20, **({"stop": stop} if stop else {})}
+    ids = {"return_token_ids": True} if engine == "vllm" else {}
+    _, ref = await raw_post(good.url, "/v1/completions",
+                            {**req, **ids, "echo": True, "stream": True, "stream_options": {"include_usage": True}})
+    ref_text = text_of(ref, chat=False)
+    ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    assert ref_text.startswith(prompt) and ref_usage["completion_tokens"] == 20
+    async with fake_engine(relay, paths=("/v1/completions",)) as other:
+        gw = await gateway([model_block("m", engine, [bad.url, other], strategy="round-robin", migration_limit=1)])
+        client = openai_client(gw)
+        stream = await client.completions.create(**req, echo=True, stream=True,
+                                                 stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await client.close()
+    assert migrations(await gw.metrics_text(), "continued") == 1
+    got = "".join(c.choices[0].text or "" for c in chunks if c.choices)
+    assert got == ref_text                    # the prompt once, then the generated text
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1
+    assert (usage[0].prompt_tokens, usage[0].completion_tokens) == (ref_usage["prompt_tokens"], 20)
+    (cont,) = sent
+    assert not cont.get("echo")               # the client has the prompt already
+    assert cont["max_tokens"] == 20 - 5       # the generated tokens only
+    if engine == "vllm" and stop is None:     # token-exact: the prompt's ids, then the 5 generated
+        choices = [e["choices"][0] for e in ref if isinstance(e, dict) and e.get("choices")]
+        generated = [t for ch in choices for t in ch["token_ids"]]
+        assert cont["prompt"] == choices[0]["prompt_token_ids"] + generated[:5]
+    else:
+        assert cont["prompt"].startswith(prompt) and cont["prompt"].count(prompt) == 1
+        assert ref_text.startswith(cont["prompt"])
