@@ -56,12 +56,20 @@ from gateway.pipeline.relay import (
     stream_failure,
 )
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHAT, COMPLETIONS, InferenceRequest
+from gateway.request import CHAT, COMPLETIONS, InferenceRequest, lax_bool
 from gateway.resilience.outcome import Outcome, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
 from handlers import adapter_for
-from handlers.continuation import TEXT, TOKEN, Partial, continuation, first_leg, text_mode_refusal
+from handlers.continuation import (
+    TEXT,
+    TOKEN,
+    Partial,
+    continuation,
+    first_leg,
+    text_mode_refusal,
+    text_prompt,
+)
 
 if TYPE_CHECKING:
     from gateway.pipeline.context import RequestContext
@@ -127,6 +135,14 @@ def refusal(ireq: InferenceRequest) -> str | None:
     if d.get("include_reasoning") is False:
         return "reasoning"    # hidden by the engine's reasoning parser, which a continuation would not run
     return None
+
+
+def _echo(data: dict[str, Any]) -> bool:
+    """The request's ``echo``, as the engines read it (a value they refuse: none, nothing streams)."""
+    try:
+        return lax_bool(data.get("echo", False))
+    except ValueError:
+        return False
 
 
 def _empty(v: Any) -> bool:
@@ -210,6 +226,12 @@ class Migration:
         self.client_ids = bool(data.get("return_token_ids"))
         self.partial = Partial(path=ireq.path, data=data)
         self._text: list[str] = []
+        # a completion's echo: its answer begins with the prompt's text, the client's own and not
+        # generated, so it is not sent back as what was generated (``_observe_echo``). A prompt of
+        # token ids is echoed as text the gateway does not know: only a token-exact continuation,
+        # which sends ids and not text, takes one
+        self.echo = len(text_prompt(data)) if ireq.path == COMPLETIONS and _echo(data) else 0
+        self.echoed = False                   # the client received some of the echoed prompt
         self.leg = 0
         self.leg_path = ireq.path
         self.leg_completion = 0               # tokens of the current leg (its usage)
@@ -446,7 +468,8 @@ class Migration:
         self.legs.abandon(ctx)
         self.avoid.add(failed_ep)
         self.partial.text = "".join(self._text)
-        restart = self.partial.completion_tokens == 0 and not self.partial.text
+        # nothing generated and nothing sent (an echoed prompt the client received is not sent again)
+        restart = self.partial.completion_tokens == 0 and not self.partial.text and not self.echoed
         if restart:
             path, data = self.ireq.path, first_leg(self.ireq.data, self.mode)   # nothing generated: start over
         else:
@@ -516,6 +539,8 @@ class Migration:
             # the engine did not return them (vLLM sends no token_ids at all while it hides a
             # reasoning parser's output): nothing token-exact to send
             return "no_token_ids"
+        if self.mode == TOKEN and self.echoed and self.partial.prompt_ids is None:
+            return "no_token_ids"             # the prompt was echoed, its ids never came
         return None
 
     def _count(self, rec, reason: str, outcome: str, endpoint: str, detail: str | None = None) -> None:
@@ -615,6 +640,20 @@ class Migration:
         if ch.get("finish_reason") is not None:
             self.finished = True
 
+    def _observe_echo(self, ch: dict[str, Any]) -> None:
+        """A completion's chunk while its echoed prompt comes (vLLM and SGLang send the prompt's
+        text with the first output's, on the first chunk): the prompt's characters are passed to
+        the client and not taken for generated text, what follows them is."""
+        t = ch.get("text")
+        if isinstance(t, str) and t:
+            self.echoed = True
+            cut = min(self.echo, len(t))
+            self.echo -= cut
+            if cut < len(t):
+                self._text.append(t[cut:])
+        if ch.get("finish_reason") is not None:
+            self.finished = True
+
     def _encode(self, obj: dict[str, Any]) -> bytes:
         if self.client_continuous:
             obj["usage"] = self._merged(final=False)
@@ -624,7 +663,10 @@ class Migration:
         if self.first is None:
             self.first = {k: obj.get(k) for k in ("id", "created", "model")}
         self._ids(obj, ch)
-        self._observe(ch)
+        if self.echo:
+            self._observe_echo(ch)
+        else:
+            self._observe(ch)
         if self.chat and isinstance(ch.get("delta"), dict) and "role" not in ch["delta"]:
             self.template = obj
         return self._encode(obj)
@@ -641,7 +683,10 @@ class Migration:
                     return None               # the continuation's own role chunk
         if self.seam is not None and not self._at_seam(ch):
             return None                       # held back: it might complete a stop string
-        self._observe(ch)
+        if self.echo:                         # a leg that started over, echoing the prompt
+            self._observe_echo(ch)
+        else:
+            self._observe(ch)
         if self.first is not None:
             obj.update(self.first)
         if self.cut is not None:              # a stop string across the seam: the answer's last event,
