@@ -730,3 +730,41 @@ async def test_an_echoed_completion_continues_from_its_generated_text_only(sims,
         rest_usage = next(e["usage"] for e in rest if isinstance(e, dict) and e.get("usage"))
         assert got == cont["prompt"] + text_of(rest, chat=False)
         assert usage[0].completion_tokens == 5 + rest_usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_echoed_prompt_is_not_looked_at_for_a_stop_string_across_the_seam(sims, gateway, engine):
+    """An engine looks for stop strings in what it generates, never in the prompt, echoed or not.
+    A stop string that begins in the echoed prompt and ends in the continuation's first characters
+    does not end the answer: the unbroken engine would not have stopped there either."""
+    kw = {"sglang_abort_delay_s": 0.0} if engine == "sglang" else {}
+    bad = await sims(engine, "m", fault="drop_after=5", **kw)
+    good = await sims(engine, "m", **kw)
+    prompt = "Once upon a time"
+    _, plain = await raw_post(good.url, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 20,
+                                                            "stream": True})
+    generated = text_of(plain, chat=False)
+    # longer than the first leg's text: an engine holds all of it back, the client gets the echoed
+    # prompt alone before the break, and the continuation starts from the prompt
+    stop = prompt[-3:] + generated[:40]
+    assert len(stop) - 1 > len(text_of((await raw_post(good.url, "/v1/completions", {
+        "model": "m", "prompt": prompt, "max_tokens": 5, "stream": True}))[1], chat=False))
+    assert stop not in generated
+    req = {"model": "m", "prompt": prompt, "max_tokens": 20, "stop": [stop]}
+    _, ref = await raw_post(good.url, "/v1/completions", {**req, "echo": True, "stream": True})
+    assert text_of(ref, chat=False) == prompt + generated               # the unbroken answer does not stop
+    gw = await gateway([model_block("m", engine, [bad.url, good.url], strategy="round-robin", migration_limit=1)])
+    client = openai_client(gw)
+    with gw.gw.request_log.capture() as logs:
+        stream = await client.completions.create(**req, echo=True, stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await client.close()
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["migrations"][0]["outcome"] == "continued" and "stop_at_seam" not in line["migrations"][0]
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert [ch.finish_reason for ch in choices if ch.finish_reason] == ["length"]
+    # the continuation regenerates what the broken leg held back (its tokens counted as generated)
+    left = 20 - line["migrations"][0]["tokens"]
+    _, rest = await raw_post(good.url, "/v1/completions", {**req, "max_tokens": left, "stream": True})
+    assert "".join(ch.text or "" for ch in choices) == prompt + text_of(rest, chat=False)
