@@ -768,3 +768,61 @@ async def test_an_echoed_prompt_is_not_looked_at_for_a_stop_string_across_the_se
     left = 20 - line["migrations"][0]["tokens"]
     _, rest = await raw_post(good.url, "/v1/completions", {**req, "max_tokens": left, "stream": True})
     assert "".join(ch.text or "" for ch in choices) == prompt + text_of(rest, chat=False)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_an_echoed_completion_started_over_then_continued_has_the_prompt_once(sims, gateway, engine):
+    """A first leg that broke before its first chunk starts over with ``echo``, as the client sent
+    it: that leg's answer begins with the prompt, which is the client's, not generated. When that
+    leg breaks in turn, its continuation holds the prompt once and the client gets the unbroken
+    answer."""
+    breaking = await sims(engine, "m", fault="drop_after=5")
+    good = await sims(engine, "m")
+    sent: list[dict] = []
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        """Two endpoints share it: the first leg either gets goes to an engine that breaks after 5
+        tokens (its break passed on), every later one to a healthy engine."""
+        body = await request.json()
+        sent.append(body)
+        upstream = breaking.url if len(sent) == 1 else good.url
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            async with aiohttp.ClientSession() as s, s.post(upstream + request.path, json=body) as r:
+                async for chunk in r.content.iter_any():
+                    await resp.write(chunk)
+        except aiohttp.ClientPayloadError:
+            request.transport.abort()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    async def headers_then_break(request: web.Request) -> web.StreamResponse:
+        """A stream that breaks after its headers, before its first chunk."""
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        request.transport.abort()
+        return resp
+
+    prompt = "Once upon a time"
+    req = {"model": "m", "prompt": prompt, "max_tokens": 20}
+    _, ref = await raw_post(good.url, "/v1/completions", {**req, "echo": True, "stream": True})
+    paths = ("/v1/completions",)
+    async with (fake_engine(headers_then_break, paths=paths) as first, fake_engine(relay, paths=paths) as a,
+                fake_engine(relay, paths=paths) as b):
+        gw = await gateway([model_block("m", engine, [first, a, b], strategy="round-robin", migration_limit=2)])
+        client = openai_client(gw)
+        stream = await client.completions.create(**req, echo=True, stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        await client.close()
+    assert migrations(await gw.metrics_text(), "continued") == 2
+    assert "".join(c.choices[0].text or "" for c in chunks if c.choices) == text_of(ref, chat=False)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == 20
+    restart, cont = sent
+    assert restart.get("echo") is True and restart["prompt"] == prompt
+    assert not cont.get("echo") and cont["max_tokens"] == 20 - 5
+    if engine == "sglang":
+        assert cont["prompt"].count(prompt) == 1
