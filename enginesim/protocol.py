@@ -35,7 +35,8 @@ class OpenAIRequest:
     return_token_ids: bool = False
     max_tokens_null: bool = False  # a completion's max_tokens given as an explicit null
     n: int = 1                     # choices asked for (more than one: a simulated aggregated vLLM only)
-    echo: str | None = None        # a completion's ``echo``: the prompt's text its answer begins with
+    echo: str | None = None        # ``echo``: the prompt's text a completion's answer begins with, the
+                                   # last message's a vLLM chat's
 
 
 # vLLM's and SGLang's request models are pydantic v2 models in lax mode: an ``int`` field takes a
@@ -184,6 +185,8 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
     if kind == "chat":
         agp, cont = chat_template_flags(body, vllm)
         prompt_ids = chat_prompt_ids(body.get("messages"), tokenizer, agp, cont)
+        if vllm and bool_field(body, "echo", False):
+            echo = _last_message_text(body["messages"], agp)
         max_tokens = _int_field(body, "max_completion_tokens", 1)
         if max_tokens is None:
             max_tokens = _int_field(body, "max_tokens", 1)
@@ -227,6 +230,19 @@ def parse_openai(body: dict[str, Any], kind: str, tokenizer: FakeTokenizer, vllm
         n=n if n is not None and n > 1 else 1,
         echo=echo,
     )
+
+
+def _last_message_text(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str | None:
+    """What a vLLM chat's ``echo`` sends back: the last message's content when its role is the
+    answer's (``assistant`` with the generation prompt, else the last message's own), text parts
+    joined by newlines; None when there is none."""
+    last = messages[-1]
+    if add_generation_prompt and last.get("role") != "assistant":
+        return None
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p.get("text") or "" for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return content if isinstance(content, str) and content else None
 
 
 def _prompt_text(prompt: Any, prompt_ids: list[int], tokenizer: FakeTokenizer) -> str:

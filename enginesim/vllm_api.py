@@ -206,6 +206,7 @@ class VllmApi:
         await slow_headers(self.engine, seq.fault)
         if result.final.finish_reason == "error" or result.final.status is not None:
             return failed_error(result.final.code, result.final.message, result.final.code_text).response(STYLE, headers)
+        # echo: the prompt's text (a completion) or the last message's (a chat) begins the answer
         choice = self._choice(req, 0, seq, (req.echo or "") + result.text, req.return_token_ids)
         body: dict[str, Any] = {
             "id": seq.id, "object": "chat.completion" if req.kind == "chat" else "text_completion",
@@ -254,6 +255,9 @@ class VllmApi:
                         {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}, prompt_token_ids=prompt_ids, prompt_text=None))
                     prompt_ids = None
+                    if req.echo:        # echo: the last message's content, a chunk of its own
+                        await writer.send(chunk({"index": 0, "delta": {"content": req.echo}, "logprobs": None,
+                                                 "finish_reason": None}))
                 if (out.finish_reason is None and not out.text and not (req.return_token_ids and out.token_ids)
                         and echo is None):
                     continue  # held back (maybe the start of a stop string); its ids still go out when asked
@@ -375,6 +379,9 @@ class VllmApi:
                     for k in range(len(seqs)):
                         await writer.send(chunk({"index": k, "delta": {"role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None}))
+                    for k in range(len(seqs) if req.echo else 0):
+                        await writer.send(chunk({"index": k, "delta": {"content": req.echo}, "logprobs": None,
+                                                 "finish_reason": None}))
                 first = False
                 if out.finish_reason is not None:
                     left -= 1

@@ -1049,3 +1049,25 @@ async def test_completions_echo_begins_the_answer_with_the_prompt(engine: str, m
     ids = sim.engine.tokenizer.encode(prompt)
     _, by_ids, _ = await call(http, url, {**body, "prompt": ids, "echo": True})
     assert by_ids["choices"][0]["text"] == sim.engine.tokenizer.decode(ids) + plain["choices"][0]["text"]
+
+
+async def test_vllm_chat_echo_sends_the_last_message_back_first(vllm: SimServer, http: aiohttp.ClientSession) -> None:
+    """vLLM's chat ``echo``: the last message's content when its role is the answer's (an assistant
+    message, or any with ``add_generation_prompt: false``) begins the answer; a stream sends it in
+    a chunk of its own after the role chunk; the usage does not count it."""
+    url = vllm.url + "/v1/chat/completions"
+    messages = CHAT + [{"role": "assistant", "content": "Switchyards are"}]
+    body = {"model": "llama", "messages": messages, "max_tokens": 4, "continue_final_message": True,
+            "add_generation_prompt": False}
+    _, plain, _ = await call(http, url, body)
+    _, echoed, _ = await call(http, url, {**body, "echo": True})
+    assert echoed["choices"][0]["message"]["content"] == "Switchyards are" + plain["choices"][0]["message"]["content"]
+    assert echoed["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"] == 4
+    _, events, _ = await call(http, url, {**body, "echo": True, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e["choices"]]
+    assert deltas[0]["role"] == "assistant" and deltas[1] == {"content": "Switchyards are"}
+    assert "".join(d.get("content") or "" for d in deltas) == echoed["choices"][0]["message"]["content"]
+    # a user message last, with the generation prompt: nothing to echo
+    _, plain, _ = await call(http, url, {"model": "llama", "messages": CHAT, "max_tokens": 4})
+    _, echoed, _ = await call(http, url, {"model": "llama", "messages": CHAT, "max_tokens": 4, "echo": True})
+    assert echoed["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
