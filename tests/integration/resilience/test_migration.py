@@ -826,3 +826,61 @@ async def test_an_echoed_completion_started_over_then_continued_has_the_prompt_o
     assert not cont.get("echo") and cont["max_tokens"] == 20 - 5
     if engine == "sglang":
         assert cont["prompt"].count(prompt) == 1
+
+
+@pytest.mark.parametrize("stop", [None, ["@@@@"]])
+async def test_an_echoed_chat_continues_from_its_generated_text_only(sims, gateway, stop):
+    """vLLM's chat ``echo`` sends the last message's content back first (here the client's own
+    prefill of the answer): it is the client's, not generated. The continuation extends the
+    prefill with the generated text only and is sent without ``echo`` (which would send the
+    extended message back once more); the client gets the unbroken answer (token-exact without a
+    stop string, as text with one)."""
+    bad = await sims("vllm", "m", fault="drop_after=5")
+    good = await sims("vllm", "m")
+    sent: list[dict] = []
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        """The continuation's engine: the body it is sent is kept, the answer is the real engine's."""
+        body = await request.json()
+        sent.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async with aiohttp.ClientSession() as s, s.post(good.url + request.path, json=body) as r:
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    prefill = "Gateways are"
+    messages = MSG + [{"role": "assistant", "content": prefill}]
+    extra = {"echo": True, "continue_final_message": True, "add_generation_prompt": False}
+    req = {"model": "m", "messages": messages, "max_tokens": 20, **({"stop": stop} if stop else {})}
+    _, ref = await raw_post(good.url, "/v1/chat/completions",
+                            {**req, **extra, "stream": True, "stream_options": {"include_usage": True}})
+    ref_text = text_of(ref)
+    assert ref_text.startswith(prefill)
+    async with fake_engine(relay, paths=("/v1/chat/completions", "/v1/completions")) as other:
+        gw = await gateway([model_block("m", "vllm", [bad.url, other], strategy="round-robin", migration_limit=1)])
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(**req, stream=True, stream_options={"include_usage": True},
+                                                      extra_body=extra)
+        chunks = [c async for c in stream]
+        await client.close()
+    assert migrations(await gw.metrics_text(), "continued") == 1
+    got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1
+    (cont,) = sent
+    assert not cont.get("echo")               # the client has the prefill already
+    assert cont["max_tokens"] == 20 - 5
+    if stop is None:                          # token-exact: a completion of the prompt's ids and the generated
+        assert isinstance(cont["prompt"], list)
+        assert got == ref_text and usage[0].completion_tokens == 20
+    else:
+        content = cont["messages"][-1]["content"]
+        assert cont["messages"][:-1] == MSG and content.startswith(prefill) and content.count(prefill) == 1
+        assert ref_text.startswith(content)
+        _, rest = await raw_post(good.url, "/v1/chat/completions", {**cont, "stream_options": {"include_usage": True}})
+        rest_usage = next(e["usage"] for e in rest if isinstance(e, dict) and e.get("usage"))
+        assert got == content + text_of(rest)
+        assert usage[0].completion_tokens == 5 + rest_usage["completion_tokens"]
