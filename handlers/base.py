@@ -50,6 +50,8 @@ class PDPlan:
 
 class EngineAdapter(Protocol):
     engine: str
+    # a chat's ``echo`` sends the last message back first (vLLM); else the key is ignored
+    echoes_chat: bool
 
     def check_pd_body(self, ireq: InferenceRequest) -> Any:
         """Refuse (``BodyError``) a body the P/D legs cannot carry; the result goes to ``pd_plan``."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.request import CHAT, COMPLETIONS
+from gateway.request import CHAT, COMPLETIONS, lax_bool
 
 TOKEN = "token"
 TEXT = "text"
@@ -116,6 +116,7 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
         body["messages"] = messages
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False     # vLLM refuses both at once; SGLang ignores the key
+        body.pop("echo", None)        # vLLM would send the extended final message back: the client has it
         body.pop("max_tokens", None)
         body.pop("max_completion_tokens", None)
     else:
@@ -134,6 +135,38 @@ def text_prompt(data: dict[str, Any]) -> str:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     return prompt if isinstance(prompt, str) else ""
+
+
+def _flag(data: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean field as the engines read it (a value they refuse: the default, nothing streams)."""
+    try:
+        return lax_bool(data.get(key, default))
+    except ValueError:
+        return default
+
+
+def echo_length(path: str, data: dict[str, Any], chat_echo: bool) -> int:
+    """How many characters the first leg's answer begins with that are the request's ``echo``, the
+    client's own text and not generated: a completion's string prompt (vLLM and SGLang send it with
+    the first output's text); a chat's last message where the engine echoes one (``chat_echo``:
+    vLLM sends its content in a chunk of its own when its role is the answer's, an assistant
+    message or any with ``add_generation_prompt: false``, text parts joined by newlines). 0: none,
+    or none the gateway knows (a prompt of token ids, echoed as the engine decodes them)."""
+    if not _flag(data, "echo", False):
+        return 0
+    if path == COMPLETIONS:
+        return len(text_prompt(data))
+    messages = data.get("messages")
+    if path != CHAT or not chat_echo or not isinstance(messages, list) or not messages:
+        return 0
+    last = messages[-1]
+    if not isinstance(last, dict) or (_flag(data, "add_generation_prompt", True) and last.get("role") != "assistant"):
+        return 0
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p["text"] for p in content
+                            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str))
+    return len(content) if isinstance(content, str) else 0
 
 
 def stop_strings(data: dict[str, Any]) -> bool:

@@ -182,6 +182,7 @@ class SGLangAdapter:
     an abandoned leg is dropped with ``/abort_request {rid}``."""
 
     engine = "sglang"
+    echoes_chat = False     # its chat request has no echo (only its completion request has)
 
     def check_pd_body(self, ireq: InferenceRequest) -> None:
         dup = duplicate_controlled_key(ireq.body)

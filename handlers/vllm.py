@@ -98,6 +98,7 @@ class VLLMAdapter:
     """Context-first: the prefill runs to completion, then the decode carries its KV params."""
 
     engine = "vllm"
+    echoes_chat = True      # serving_chat: echo sends the last message's content when its role is the answer's
 
     def check_pd_body(self, ireq: InferenceRequest) -> None:
         return None          # the bodies are rebuilt from the parsed request

@@ -58,7 +58,7 @@ from gateway.pipeline.relay import (
     stream_failure,
 )
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHAT, COMPLETIONS, InferenceRequest, lax_bool
+from gateway.request import CHAT, COMPLETIONS, InferenceRequest
 from gateway.resilience.outcome import Outcome, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
@@ -68,9 +68,9 @@ from handlers.continuation import (
     TOKEN,
     Partial,
     continuation,
+    echo_length,
     first_leg,
     text_mode_refusal,
-    text_prompt,
 )
 
 if TYPE_CHECKING:
@@ -139,14 +139,6 @@ def refusal(ireq: InferenceRequest) -> str | None:
     return None
 
 
-def _echo(data: dict[str, Any]) -> bool:
-    """The request's ``echo``, as the engines read it (a value they refuse: none, nothing streams)."""
-    try:
-        return lax_bool(data.get("echo", False))
-    except ValueError:
-        return False
-
-
 def _empty(v: Any) -> bool:
     return v is None or v == "" or v == [] or v == {}
 
@@ -210,7 +202,7 @@ class Migration:
     open the next leg, driven by the relay (``stream``)."""
 
     def __init__(self, ireq: InferenceRequest, limit: int, mode: str, default_max: int | None,
-                 refused: str | None, metrics: GatewayMetrics, legs: Legs = NO_LEGS) -> None:
+                 refused: str | None, metrics: GatewayMetrics, legs: Legs = NO_LEGS, chat_echo: bool = False) -> None:
         self.ireq = ireq                      # the client's request (ctx.ireq becomes the leg's)
         self.limit = limit
         self.mode = mode
@@ -228,11 +220,11 @@ class Migration:
         self.client_ids = bool(data.get("return_token_ids"))
         self.partial = Partial(path=ireq.path, data=data)
         self._text: list[str] = []
-        # a completion's echo: its answer begins with the prompt's text, the client's own and not
-        # generated, so it is not sent back as what was generated (``_observe_echo``). A prompt of
-        # token ids is echoed as text the gateway does not know: only a token-exact continuation,
-        # which sends ids and not text, takes one
-        self.echo = len(text_prompt(data)) if ireq.path == COMPLETIONS and _echo(data) else 0
+        # echo: the answer begins with the prompt's text (a completion) or the last message's (a
+        # vLLM chat), the client's own and not generated, so it is not sent back as what was
+        # generated (``_observe_echo``). A prompt of token ids is echoed as text the gateway does
+        # not know: only a token-exact continuation, which sends ids and not text, takes one
+        self.echo = echo_length(ireq.path, data, chat_echo)
         self.echoed = False                   # the client received some of the echoed prompt
         self.leg = 0
         self.leg_path = ireq.path
@@ -278,7 +270,7 @@ class Migration:
         adapter = adapter_for(engine)
         mode = adapter.continuation_mode(ireq)
         why = refusal(ireq) or (text_mode_refusal(ireq.path, ireq.data) if mode == TEXT else None)
-        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics, legs)
+        m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics, legs, adapter.echoes_chat)
         if why is None:
             data = first_leg(ireq.data, mode)
             ctx.ireq = dataclasses.replace(ireq, data=data, body=orjson.dumps(data), include_usage=True)
@@ -643,18 +635,19 @@ class Migration:
             self.finished = True
 
     def _observe_echo(self, ch: dict[str, Any]) -> None:
-        """A completion's chunk while its echoed prompt comes (vLLM and SGLang send the prompt's
-        text with the first output's, on the first chunk): the prompt's characters are passed to
-        the client and not taken for generated text, what follows them is."""
-        t = ch.get("text")
+        """A chunk while the echoed text comes (a completion's prompt, which vLLM and SGLang send
+        with the first output's text; a vLLM chat's last message, in a chunk of its own): its
+        characters are passed to the client and not taken for generated text, what follows is."""
+        key = "content" if self.chat else "text"
+        holder = ch.get("delta") if self.chat else ch
+        t = holder.get(key) if isinstance(holder, dict) else None
         if isinstance(t, str) and t:
             self.echoed = True
             cut = min(self.echo, len(t))
             self.echo -= cut
-            if cut < len(t):
-                self._text.append(t[cut:])
-        if ch.get("finish_reason") is not None:
-            self.finished = True
+            holder = {**holder, key: t[cut:]}       # what is observed; the client's chunk is unchanged
+            ch = {**ch, "delta": holder} if self.chat else holder
+        self._observe(ch)
 
     def _encode(self, obj: dict[str, Any]) -> bytes:
         if self.client_continuous:
