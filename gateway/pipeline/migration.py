@@ -10,8 +10,9 @@ token ids where the engine returns them (vLLM ``return_token_ids``, continued as
 the prompt's ids followed by the generated ids) or else as text (``continue_final_message`` with
 the partial assistant message; a completion's prompt extended), and ``max_tokens``/``min_tokens``
 reduced by what was generated. The legs ask for usage on every chunk, so that count is exact. A
-completion's ``echo``: the prompt's text its first leg's answer begins with is the client's, not
-generated, and is not sent back; the continuation goes without ``echo``.
+completion's ``echo`` (and a vLLM chat's): the prompt's text (the last message's) its first leg's
+answer begins with is the client's, not generated, and is not sent back; the continuation goes
+without ``echo``.
 
 What the client sees: one SSE stream. Every event is decoded and re-serialized: the fields the
 gateway asked for and the client did not (token ids, per-chunk usage) are removed, a continuation
