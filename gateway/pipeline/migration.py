@@ -226,7 +226,7 @@ class Migration:
         # generated (``_observe_echo``). A prompt of token ids is echoed as text the gateway does
         # not know: only a token-exact continuation, which sends ids and not text, takes one
         self.echo = echo_length(ireq.path, data, chat_echo)
-        self.echoed = False                   # the client received some of the echoed prompt
+        self.echoed = False                   # the client received some of the echoed text
         self.leg = 0
         self.leg_path = ireq.path
         self.leg_completion = 0               # tokens of the current leg (its usage)
