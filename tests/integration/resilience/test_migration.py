@@ -68,6 +68,24 @@ def migrations(text: str, outcome: str) -> float:
     return total
 
 
+def recording_relay(url: str, sent: list[dict]):
+    """A fake engine's handler standing for a continuation's engine: it keeps the body it is sent
+    in ``sent`` and streams back the answer of the real engine at ``url``."""
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        sent.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async with aiohttp.ClientSession() as s, s.post(url + request.path, json=body) as r:
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    return relay
+
+
 @pytest.mark.parametrize("engine,fault", [("vllm", "drop_after=7"), ("vllm", "error_after=7"),
                                           ("sglang", "drop_after=7"), ("sglang", "error_after=7")])
 async def test_chat_stream_continues_and_matches_an_unbroken_run(sims, gateway, engine, fault):
@@ -457,18 +475,7 @@ async def test_a_text_continuation_starts_from_exactly_what_the_client_received(
     bad = await sims("vllm", "m", fault="drop_after=6")
     good = await sims("vllm", "m")
     sent: list[dict] = []
-
-    async def relay(request: web.Request) -> web.StreamResponse:
-        """The continuation's engine: the body it is sent is kept, the answer is the real engine's."""
-        body = await request.json()
-        sent.append(body)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        async with aiohttp.ClientSession() as s, s.post(good.url + request.path, json=body) as r:
-            async for chunk in r.content.iter_any():
-                await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+    relay = recording_relay(good.url, sent)
 
     chat = kind == "chat"
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -678,18 +685,7 @@ async def test_an_echoed_completion_continues_from_its_generated_text_only(sims,
     bad = await sims(engine, "m", fault="drop_after=5")
     good = await sims(engine, "m")
     sent: list[dict] = []
-
-    async def relay(request: web.Request) -> web.StreamResponse:
-        """The continuation's engine: the body it is sent is kept, the answer is the real engine's."""
-        body = await request.json()
-        sent.append(body)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        async with aiohttp.ClientSession() as s, s.post(good.url + request.path, json=body) as r:
-            async for chunk in r.content.iter_any():
-                await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+    relay = recording_relay(good.url, sent)
 
     prompt = "Once upon a time"
     req = {"model": "m", "prompt": prompt, "max_tokens": 20, **({"stop": stop} if stop else {})}
@@ -838,18 +834,7 @@ async def test_an_echoed_chat_continues_from_its_generated_text_only(sims, gatew
     bad = await sims("vllm", "m", fault="drop_after=5")
     good = await sims("vllm", "m")
     sent: list[dict] = []
-
-    async def relay(request: web.Request) -> web.StreamResponse:
-        """The continuation's engine: the body it is sent is kept, the answer is the real engine's."""
-        body = await request.json()
-        sent.append(body)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        async with aiohttp.ClientSession() as s, s.post(good.url + request.path, json=body) as r:
-            async for chunk in r.content.iter_any():
-                await resp.write(chunk)
-        await resp.write_eof()
-        return resp
+    relay = recording_relay(good.url, sent)
 
     prefill = "Gateways are"
     messages = MSG + [{"role": "assistant", "content": prefill}]
