@@ -227,17 +227,16 @@ def _hold_for_tests() -> None:
 
 
 def ignore_reloads(loop: asyncio.AbstractEventLoop) -> None:
-    """Stopped: SIGHUP is ignored from now on. Removing the loop's handler (as closing the loop
-    does) puts SIGHUP's default action back, which ended a process that had drained cleanly when a
-    reload came as it exited (a worker's death by a signal makes the gateway exit 129, not 0); it
-    is held back meanwhile, and one that came is then dropped."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
-    try:
-        with contextlib.suppress(NotImplementedError):
-            loop.remove_signal_handler(signal.SIGHUP)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
+    """Stopped: SIGHUP is ignored from now on, set straight from the loop's handler to ignored.
+    Removing the loop's handler first (``remove_signal_handler``) put SIGHUP's default action in
+    force for a moment, and a reload that came then ended a process that had drained cleanly (a
+    worker's death by a signal makes the gateway exit 129, not 0). Holding the signal back in this
+    thread meanwhile did not help: the kernel then hands it to another thread of the process
+    (libuv's pool, the log writer), where the default action ends the whole process. The loop keeps
+    its entry for SIGHUP: uvloop, which a gateway process runs, leaves the disposition alone when it
+    closes after it stopped running (it resets a signal only while it listens for signals); the
+    asyncio loop would reset it to the default action as it closes."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def second_signal(received: int, worker: WorkerInfo | None) -> bool:
