@@ -248,6 +248,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             # worker SIGTERM then, and it drains as at a stop, instead of serving on unsupervised
             if not _die_with_parent(parent):
                 os._exit(0)
+            _hold_for_tests()
             code = 1
             try:
                 code = serve_one(index)
@@ -374,6 +375,23 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     # SIGHUP's default action back in place of the handler (it would end the gateway with 129)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     return worst
+
+
+# For tests only: a directory where a worker just forked makes a FIFO named by its pid and waits
+# until the test opens it, before it starts the gateway (the test stops it in that moment, or keeps
+# its start-up waiting for good: tests/integration/server/test_workers.py). Unset in any deployment;
+# read once per fork.
+HOLD_AFTER_FORK_ENV = "SWITCHYARD_TEST_HOLD_AFTER_FORK"
+
+
+def _hold_for_tests() -> None:
+    directory = os.environ.get(HOLD_AFTER_FORK_ENV)
+    if not directory:
+        return
+    path = os.path.join(directory, str(os.getpid()))
+    os.mkfifo(path)
+    with open(path, "rb"):      # returns once the test opens it for writing
+        pass
 
 
 def parent_log(event: str, level: str = "info", **fields: Any) -> None:

@@ -796,6 +796,63 @@ async def test_a_stop_that_comes_between_a_worker_s_listen_and_its_handler_is_dr
     assert events.count("draining") == 2 and events.count("stopped") == 2, events
 
 
+HOLD_AFTER_FORK = "SWITCHYARD_TEST_HOLD_AFTER_FORK"      # read by gateway/server/workers.py, for tests only
+
+
+def held_gateway_config(tmp_path: Path, port: int, url: str, grace: float) -> Path:
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   f"server: {{drain_delay_s: 0, shutdown_grace_s: {grace:g}, log_level: info}}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
+    return cfg
+
+
+@pytest.mark.timeout(60)
+async def test_a_stop_that_comes_between_a_worker_s_fork_and_its_start_is_drained(sims, tmp_path):
+    """A stop sent to the whole gateway (its process group, as systemd and a terminal's Ctrl-C do)
+    that reaches a worker after its fork and before it starts serving waits for the worker's event
+    loop to handle it: the worker starts, drains and exits 0, and the parent says each worker
+    stopped with 0. The moment is held open by a test-only hook (each worker, just forked, waits
+    for this test to open a FIFO it made). Before, the signal's default action killed the worker
+    on the spot."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = held_gateway_config(tmp_path, port, sim.url, grace=5)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
+                                                    env={**os.environ, HOLD_AFTER_FORK: str(hold)},
+                                                    start_new_session=True)
+    try:
+        async with asyncio.timeout(30):         # both forked, and wait in the hook
+            while len(os.listdir(hold)) < 2:
+                await asyncio.sleep(0.05)
+        workers = sorted(int(name) for name in os.listdir(hold))
+        assert workers == sorted(children_of(proc.pid))
+        os.killpg(proc.pid, signal.SIGTERM)     # the parent and both workers
+        async with asyncio.timeout(10):         # held back in each, or fatal
+            while not all(stop_pending(pid) in (True, None) for pid in workers):
+                await asyncio.sleep(0.02)
+        assert [stop_pending(pid) for pid in workers] == [True, True]
+        for pid in workers:                     # the workers go on: each handles the stop it got
+            os.close(os.open(hold / str(pid), os.O_WRONLY | os.O_NONBLOCK))
+        async with asyncio.timeout(30):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    assert code == 0
+    events = parent_events(log_path.read_text())
+    assert len(events.get("draining", [])) == 2 and len(events.get("stopped", [])) == 2, events
+    assert sorted((e["pid"], e["code"]) for e in events.get("worker stopped", [])) == [(pid, 0) for pid in workers]
+    assert "worker restarting" not in events
+
+
 EARLY_STOP_SCRIPT = r"""
 import json, os, signal, sys
 from gateway.server.heartbeat import Heartbeats
