@@ -141,7 +141,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     # queue, which the kernel then resets. Held from before the app is built, not just before the
     # listen: the threads start-up makes (libuv's pool) take this thread's mask, and the kernel
     # hands a process's signal to any thread that does not block it, where the default action
-    # ends the whole process (the threads keep it blocked: the loop's thread handles it)
+    # ends the whole process (the threads keep it blocked: the loop's thread handles it). A worker
+    # of ``--workers N`` has held it back since its fork (gateway/server/workers.py)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)

@@ -47,6 +47,7 @@ from gateway.server.heartbeat import Beat, Heartbeats, Watchdog
 
 RESTART_BACKOFF_S = 1.0
 HELD_AT_FORK = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}   # the signals the parent handles
+STOPS = {signal.SIGTERM, signal.SIGINT}     # held back in a worker from its fork until it handles them
 RESTART_BACKOFF_MAX_S = 30.0    # a worker whose start-ups keep failing: 1, 2, 4, ... s, at most this
 WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers and due restarts
 WORKER_MEMORY_BYTES = 256 * 1024 * 1024    # auto: the cgroup's memory limit leaves each worker this much
@@ -214,7 +215,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     ``orphaned()`` runs in a worker that stops after the parent died (killed outright: the kernel's
     SIGTERM stopped the worker), in the parent's stead for what it would have cleaned up. The
     caller may hold SIGTERM and SIGINT back until this installs its handlers, which then take
-    a stop that came meanwhile."""
+    a stop that came meanwhile. ``serve_one`` starts with SIGTERM and SIGINT held back (blocked),
+    a stop that came since the fork pending, and lets them through once it handles them (the
+    gateway's ``serve`` does once its event loop's handlers are in place)."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
     watchdog = Watchdog(heartbeats, stall_timeout, log) if heartbeats is not None else None
@@ -243,7 +246,10 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             hup.hold()          # noted until the worker's loop handles it, then a reload (gateway/server/hup.py)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
+            # a stop stays held back until the worker's loop handles it (serve_one lets it through
+            # then): one that came now, from the parent or to the whole process group, would
+            # otherwise end the worker by its default action before it ever served
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK - STOPS)
             # a parent killed outright (SIGKILL, OOM) cannot forward a signal: the kernel sends the
             # worker SIGTERM then, and it drains as at a stop, instead of serving on unsupervised
             if not _die_with_parent(parent):
@@ -345,6 +351,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
         reason, ticked = watchdog.gone(pid) if watchdog is not None else ("exited", True)
         code = os.waitstatus_to_exitcode(status)
         if stopping:
+            log("worker stopped", "info" if code == 0 else "warning", worker=index, pid=pid, code=code)
             if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT):
                 # killed during the stop (the OOM killer, the stall watchdog): what it had in flight
                 # was lost, and the gateway's exit code says so as a shell's would (the stop signal

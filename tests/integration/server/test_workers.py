@@ -870,6 +870,7 @@ class StopWhileStarting(Heartbeats):
 
 def serve_one(index):
     open(os.path.join(out, f"started-{index}"), "w").close()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})   # handled from now on
     while True:                                 # serves until a stop reaches it
         signal.pause()
 
