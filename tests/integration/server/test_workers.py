@@ -853,6 +853,46 @@ async def test_a_stop_that_comes_between_a_worker_s_fork_and_its_start_is_draine
     assert "worker restarting" not in events
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("hook", [HOLD_AFTER_FORK, HOLD_AFTER_LISTEN])
+async def test_a_stop_ends_a_worker_whose_start_up_outlasts_the_grace_period(sims, tmp_path, hook):
+    """A worker whose start-up never ends (held for good by a test-only hook: just forked, or
+    listening before its loop handles signals) does not hold the gateway's stop for longer than
+    ``server.shutdown_grace_s``: the parent then kills it, says so, and exits, with 137 as for any
+    worker killed during the stop. Before, the parent waited for it for as long as it lived, until
+    a supervisor's SIGKILL."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = held_gateway_config(tmp_path, port, sim.url, grace=1)
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
+                                                    env={**os.environ, hook: str(hold)}, start_new_session=True)
+    try:
+        async with asyncio.timeout(30):
+            while len(os.listdir(hold)) < 2:
+                await asyncio.sleep(0.05)
+        workers = sorted(int(name) for name in os.listdir(hold))
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            code = await proc.wait()
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    assert code == 128 + signal.SIGKILL
+    assert all(worker_state(pid) is None for pid in workers)       # reaped by the parent
+    events = parent_events(log_path.read_text())
+    ended = events.get("worker still starting when the stop's grace period ended; killing it", [])
+    assert sorted(e["pid"] for e in ended) == workers and all(e["shutdown_grace_s"] == 1 for e in ended), events
+    assert sorted((e["pid"], e["code"]) for e in events.get("worker stopped", [])) == [
+        (pid, -signal.SIGKILL) for pid in workers]
+
+
 EARLY_STOP_SCRIPT = r"""
 import json, os, signal, sys
 from gateway.server.heartbeat import Heartbeats
