@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                            generation, started_at)),
                                parent_log, on_reload=reread, heartbeats=beats,
                                stall_timeout=lambda: config.server.worker_stall_timeout_s,
-                               orphaned=run_dir.close_if_last)
+                               orphaned=run_dir.close_if_last,
+                               stop_grace=lambda: config.server.shutdown_grace_s)
         finally:
             run_dir.close()
     finally:

@@ -249,6 +249,24 @@ class Watchdog:
         self.served = self.served or ticked
         return ("stalled" if w.killed else "exited"), ticked
 
+    def end_starting(self, since: float, grace: float) -> None:
+        """At a stop that came at ``since`` (this watchdog's clock): once ``grace`` seconds have
+        passed, kill the workers still in their start-up (never ticked). A worker holds a stop back
+        until its loop handles it, so one whose start-up hangs would hold the gateway's stop for as
+        long as it lives; it serves nothing yet, and nothing but SIGKILL ends it."""
+        if self.clock() - since < grace:
+            return
+        for pid, w in self._children.items():
+            if w.beaten or w.killed or self.heartbeats.ticks(w.index) != 0:
+                continue
+            self.log("worker still starting when the stop's grace period ended; killing it", "warning",
+                     worker=w.index, pid=pid, shutdown_grace_s=grace)
+            w.killed = True
+            try:
+                self.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def check(self) -> None:
         timeout = self.timeout()
         now = self.clock()

@@ -203,7 +203,8 @@ class WorkerInfo:
 def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None],
                 on_reload: Callable[[str], None] | None = None, heartbeats: Heartbeats | None = None,
                 stall_timeout: Callable[[], float] = lambda: 0.0,
-                orphaned: Callable[[], None] | None = None) -> int:
+                orphaned: Callable[[], None] | None = None,
+                stop_grace: Callable[[], float] | None = None) -> int:
     """Fork ``n`` processes that each call ``serve_one(index)`` (which must bind with SO_REUSEPORT;
     a restarted worker gets its predecessor's index); ``on_reload(trigger)`` runs in the parent at
     SIGHUP (``trigger``: ``admin`` or ``signal``), before the workers are told. With
@@ -217,9 +218,13 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     caller may hold SIGTERM and SIGINT back until this installs its handlers, which then take
     a stop that came meanwhile. ``serve_one`` starts with SIGTERM and SIGINT held back (blocked),
     a stop that came since the fork pending, and lets them through once it handles them (the
-    gateway's ``serve`` does once its event loop's handlers are in place)."""
+    gateway's ``serve`` does once its event loop's handlers are in place). With ``heartbeats``
+    and ``stop_grace``, a worker still in its start-up (never ticked) ``stop_grace()`` seconds
+    after the stop (at once after a second stop) is killed: its start-up would otherwise hold the
+    stop for as long as it lasts."""
     children: dict[int, int] = {}      # pid → worker index
     stopping = False
+    stopped_at = 0.0                   # when the first stop came (time.monotonic)
     watchdog = Watchdog(heartbeats, stall_timeout, log) if heartbeats is not None else None
 
     parent = os.getpid()
@@ -273,7 +278,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             watchdog.spawned(pid, index)
 
     def forward(sig: int, _frame) -> None:
-        nonlocal stopping
+        nonlocal stopping, stopped_at
+        if not stopping:
+            stopped_at = time.monotonic()
         stopping = True
         if heartbeats is not None:      # counted before it reaches them: a worker tells a second stop from a copy
             heartbeats.stopping()
@@ -337,6 +344,9 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
         if pid == 0:                    # the poll: no child ended
             if watchdog is not None:
                 watchdog.check()
+                if stopping and stop_grace is not None:
+                    assert heartbeats is not None
+                    watchdog.end_starting(stopped_at, 0.0 if heartbeats.stops() >= 2 else stop_grace())
             now = time.monotonic()
             for index, due in list(pending.items()):
                 if stopping:
