@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -187,3 +188,75 @@ async def test_demo_answers_every_model_streaming_and_not():
         async with asyncio.timeout(15):
             await proc.wait()
         await rx.close()
+
+
+def _soft_nofile(pid: int) -> int:
+    """The soft open-files limit of ``pid``, as /proc/PID/limits shows it."""
+    with open(f"/proc/{pid}/limits") as f:
+        for line in f:
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+    raise AssertionError("no open-files line")
+
+
+async def _started_low(argv: list[str], soft: int, until: bytes) -> tuple[asyncio.subprocess.Process, bytes]:
+    """``python -m gateway *argv`` started with the soft open-files limit ``soft``, its output read
+    up to the line holding ``until``."""
+    import resource
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", *argv, preexec_fn=low,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = b""
+    try:
+        async with asyncio.timeout(30):
+            while until not in out:
+                line = await proc.stdout.readline()
+                if not line:
+                    pytest.fail(f"exited early:\n{out.decode()}")
+                out += line
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc, out
+
+
+async def test_the_demo_raises_the_file_descriptor_limit_as_a_start_does(tmp_path):
+    """Started under a low soft open-files limit, the demo raises it to the hard one (at most
+    NOFILE_MAX and fs.nr_open), as a gateway started with a config file does, and says so. Before,
+    only the config file's start raised it: the demo kept the soft limit it was started with."""
+    import resource
+
+    from gateway.server.run import NOFILE_MAX
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    expected = NOFILE_MAX if hard == resource.RLIM_INFINITY else min(hard, NOFILE_MAX)
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/fs/nr_open") as f:
+        expected = min(expected, int(f.read()))
+    soft = min(1024, expected // 2)
+    if soft < 256:
+        pytest.skip(f"a hard open-files limit of {hard} leaves nothing to raise")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "models: [{name: m, engine: vllm, endpoints: ['http://127.0.0.1:9']}]\n")
+    started, out = await _started_low(["--config", str(cfg), "--workers", "1", "--log-format", "json"], soft,
+                                      b'"listening"')
+    try:
+        assert _soft_nofile(started.pid) == expected, out.decode()
+    finally:
+        started.send_signal(signal.SIGINT)
+        await started.wait()
+    demo_port = listen_port()
+    demo, out = await _started_low(["--demo", "--port", str(demo_port), "--log-format", "json"], soft, b"Tracing:")
+    try:
+        assert _soft_nofile(demo.pid) == expected, out.decode()
+        assert b'"file descriptor limit raised"' in out, out.decode()
+    finally:
+        demo.send_signal(signal.SIGINT)
+        async with asyncio.timeout(15):
+            await demo.wait()
