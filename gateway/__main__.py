@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo:
         from gateway.demo import run_demo
         configure_logging(args.log_format or "auto")
+        raise_nofile()      # the demo's config keeps server.raise_nofile_limit's default, true
         try:
             uvloop.run(run_demo(host=args.host, port=args.port, log_format=args.log_format or "auto"))
         except KeyboardInterrupt:
@@ -95,18 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
-    from gateway.server.run import ListenError, free_port, raise_nofile_limit, serve
+    from gateway.server.run import ListenError, free_port, serve
     if config.server.raise_nofile_limit:     # before the fork: every worker inherits it
-        raised = raise_nofile_limit()
-        if raised is not None:
-            import structlog
-            nofile_log = structlog.get_logger("switchyard")
-            if raised.error is None:
-                nofile_log.info("file descriptor limit raised", nofile_before=raised.before, nofile=raised.after,
-                                nofile_hard=raised.hard)
-            else:
-                nofile_log.warning("file descriptor limit could not be raised", nofile=raised.before,
-                                   nofile_hard=raised.hard, error=raised.error)
+        raise_nofile()
     from gateway.server.workers import WorkerInfo, adapters_apart, auto_count, auto_workers, per_process_state
     workers, single = auto_workers(args.workers if args.workers is not None else config.server.workers, config)
     if workers < 1:
@@ -191,6 +183,23 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.close()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # as it was (run_workers has let them through)
+
+
+def raise_nofile() -> None:
+    """The start's step for ``server.raise_nofile_limit`` (gateway/server/run.py), logged once
+    logging is configured: before the app is built and any worker forked."""
+    from gateway.server.run import raise_nofile_limit
+    raised = raise_nofile_limit()
+    if raised is None:
+        return
+    import structlog
+    nofile_log = structlog.get_logger("switchyard")
+    if raised.error is None:
+        nofile_log.info("file descriptor limit raised", nofile_before=raised.before, nofile=raised.after,
+                        nofile_hard=raised.hard)
+    else:
+        nofile_log.warning("file descriptor limit could not be raised", nofile=raised.before,
+                           nofile_hard=raised.hard, error=raised.error)
 
 
 def check_config(path: str) -> int:
