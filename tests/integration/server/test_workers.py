@@ -1091,3 +1091,81 @@ async def test_a_start_removes_the_run_directory_of_a_gateway_whose_every_proces
         for p in procs:
             async with asyncio.timeout(30):
                 await p.wait()
+
+
+def old_run_directory(base: Path, live: list | None = None, extra: str | None = None,
+                      prefix: str = "switchyard-", age_s: float = 3600.0) -> Path:
+    """A run directory as a version before the lock file made it (``mkdtemp``; the workers' sockets
+    for each other and the bus, their last reports), last changed ``age_s`` seconds ago. Its
+    sockets are closed (their files stay, as a killed process leaves them), or with ``live`` kept
+    open, bound and listening, in that list, as a gateway still running holds them; ``extra``: a
+    file of another name in it."""
+    import socket
+    import tempfile
+    import time
+
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    for i in range(2):
+        stream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stream.bind(str(path / f"worker-{i}.sock"))
+        stream.listen()
+        datagram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        datagram.bind(str(path / f"w{i}.sock"))
+        if live is None:
+            stream.close()
+            datagram.close()
+        else:
+            live += [stream, datagram]
+        (path / f"status-{i}.json").write_text("{}")
+        (path / f"metrics-{i}.prom").write_text("")
+    if extra is not None:
+        (path / extra).write_text("")
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+@pytest.mark.timeout(90)
+async def test_a_start_removes_a_run_directory_an_older_version_left_without_a_lock_file(sims, tmp_path):
+    """A run directory made before the lock file was (by a version that had none), whose gateway
+    is gone, is removed by the next start: it holds only a run directory's files, none of its
+    sockets has a process behind it, and it has not changed for a while. Left alone: such a
+    directory whose sockets a process still holds (an older gateway still running), one changed a
+    moment ago (being made), one holding a file of another name, and another program's directory
+    whose name begins the same way. Before, a directory without a lock file was never removed."""
+    import shutil
+    import tempfile
+
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    base = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))      # short: the sockets' paths fit in sun_path
+    held: list = []
+    proc = None
+    try:
+        stale = old_run_directory(base)
+        running = old_run_directory(base, live=held)
+        fresh = old_run_directory(base, age_s=0)
+        other_files = old_run_directory(base, extra="notes.txt")
+        other_program = old_run_directory(base, prefix="switchyard-demo-batch-")
+        cfg = one_engine_config(tmp_path, port, sim.url, grace=2)
+        cfg.write_text(cfg.read_text().replace("log_level: warning", "log_level: info"))
+        log_path = tmp_path / "gw.log"
+        with log_path.open("wb") as log_file:
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                        "--workers", "2", "--log-format", "json", stderr=log_file,
+                                                        env={**os.environ, "TMPDIR": str(base)})
+        await both_ready(port, proc.pid)
+        assert not stale.exists(), sorted(os.listdir(stale))
+        for kept in (running, fresh, other_files, other_program):
+            assert sorted(os.listdir(kept))[:2] == ["metrics-0.prom", "metrics-1.prom"], kept
+        removed = parent_events(log_path.read_text())["run directories of gateways no longer running removed"]
+        assert [str(stale)] in [e["paths"] for e in removed], removed
+        await per_worker(port, 2)                   # the new gateway's own directory serves its siblings
+    finally:
+        if proc is not None and proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(30):
+                await proc.wait()
+        for s in held:
+            s.close()
+        shutil.rmtree(base, ignore_errors=True)
