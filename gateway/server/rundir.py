@@ -13,20 +13,34 @@ gateway's processes lives, whichever dies and however. A worker stopping after i
 lets go of its descriptor and tries the lock on one of its own: it gets it only when no other
 process of the gateway holds the directory, and then removes it. A gateway whose every process
 was killed leaves its directory with the lock free: the next gateway to start removes it
-(``reclaim_stale``).
+(``reclaim_stale``), and so a directory made before the lock file was, once nothing of its gateway
+is left: unchanged for a while, and no process behind any of its sockets.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import re
 import shutil
+import socket
 import stat
 import tempfile
+import time
 
 LOCK = "gateway.lock"       # held by every process of the gateway the directory is of
 PLACES = ((None, "switchyard-"), ("/tmp", "sy-"))      # (where, prefix) a run directory is made: None, the temp dir
+# a run directory's name after its prefix: mkdtemp's 8 characters (another program's
+# "switchyard-demo-batch-..." is not one), and the files a gateway keeps in it (a worker's sockets
+# for its siblings and for the routing view's bus, its last reports, written aside then renamed)
+NAME_TAIL = re.compile(r"[a-z0-9_]{8}")
+RUN_FILE = re.compile(r"worker-\d+\.sock|w\d+\.sock|(?:status-\d+\.json|metrics-\d+\.prom)(?:\.tmp)?")
+# a directory without a lock file (made by a version before it) is a dead gateway's when it has
+# not changed for this long and no process is behind any of its sockets: a running gateway's
+# workers rebind theirs at each restart, within seconds of its start
+UNLOCKED_STALE_S = 600.0
 
 
 class RunDirectory:
@@ -102,7 +116,10 @@ def _take(path: str) -> int | None:
 def reclaim_stale() -> list[str]:
     """Remove the run directories, this user's, of gateways none of whose processes lives any more
     (all killed outright, the last without a chance to remove it); a running gateway's directory
-    is held by its lock, and one without a lock file is left alone. Returns the paths removed."""
+    is held by its lock. One without a lock file, as versions before the lock made them, is
+    removed when it has not changed for ``UNLOCKED_STALE_S``, holds only a run directory's files,
+    and none of its sockets has a process behind it; else (and any other directory named alike)
+    it is left alone. Returns the paths removed."""
     removed = []
     uid = os.getuid()
     for where, prefix in PLACES:
@@ -121,6 +138,11 @@ def reclaim_stale() -> list[str]:
                 continue
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
                 continue
+            if not os.path.lexists(os.path.join(path, LOCK)) and not os.path.lexists(os.path.join(path, LOCK + ".new")):
+                if NAME_TAIL.fullmatch(name[len(prefix):]) and _unlocked_stale(path, st):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+                continue
             fd = _take(path)
             if fd is None:
                 continue
@@ -130,3 +152,48 @@ def reclaim_stale() -> list[str]:
                 os.close(fd)
             removed.append(path)
     return removed
+
+
+def _unlocked_stale(path: str, st: os.stat_result, now: float | None = None) -> bool:
+    """Whether ``path``, a run directory without a lock file (made by a version before it), is a
+    gateway's that no longer runs: unchanged for ``UNLOCKED_STALE_S``, holding nothing but a run
+    directory's files, a socket among them, and none of its sockets with a process behind it (a
+    connect is refused)."""
+    if (time.time() if now is None else now) - st.st_mtime < UNLOCKED_STALE_S:
+        return False        # being made, or its workers bound their sockets a moment ago
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    if not any(name.endswith(".sock") for name in names):
+        return False        # nothing a gateway's worker made
+    for name in names:
+        if not RUN_FILE.fullmatch(name):
+            return False
+        try:
+            mode = os.lstat(os.path.join(path, name)).st_mode
+        except OSError:
+            return False
+        if name.endswith(".sock"):
+            if not stat.S_ISSOCK(mode) or _socket_held(os.path.join(path, name)):
+                return False
+        elif not stat.S_ISREG(mode):
+            return False
+    return True
+
+
+def _socket_held(path: str) -> bool:
+    """Whether a process holds the Unix socket bound at ``path``: a connect to it is anything but
+    refused (a stream socket's listener, or a datagram socket, which a stream connect finds of the
+    wrong type). The connection, if made, is closed at once, unaccepted and without a byte."""
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        with socket.socket(socket.AF_UNIX, kind) as s:
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except OSError as e:
+                if e.errno == errno.EPROTOTYPE:
+                    continue        # the other kind
+                return e.errno != errno.ECONNREFUSED
+            return True
+    return True

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 
-from gateway.server.rundir import LOCK, RunDirectory, _take, reclaim_stale
+from gateway.server.rundir import LOCK, UNLOCKED_STALE_S, RunDirectory, _take, _unlocked_stale, reclaim_stale
 
 
 def _in_child(fn) -> int:
@@ -56,3 +57,27 @@ def test_a_start_removes_only_the_directories_no_process_holds():
         held.close()
         dead.close()
         os.rmdir(unlocked)
+
+
+def test_a_directory_without_a_lock_file_is_a_dead_gateway_s_only_by_its_sockets():
+    """An older version's directory (no lock file) is stale when unchanged for long enough, holding
+    only a run directory's files, a socket among them, none with a process behind it; an empty one,
+    one whose socket name is a plain file, and one whose socket is held are not."""
+    d = tempfile.mkdtemp(prefix="sy-", dir="/tmp")
+    try:
+        later = os.stat(d).st_mtime + UNLOCKED_STALE_S + 1
+        assert not _unlocked_stale(d, os.stat(d), now=later)              # empty
+        open(os.path.join(d, "worker-0.sock"), "w").close()
+        assert not _unlocked_stale(d, os.stat(d), now=later)              # not a socket
+        os.unlink(os.path.join(d, "worker-0.sock"))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as bus:
+            bus.bind(os.path.join(d, "w0.sock"))
+            open(os.path.join(d, "status-0.json.tmp"), "w").close()
+            assert not _unlocked_stale(d, os.stat(d), now=later)          # held
+            assert not _unlocked_stale(d, os.stat(d), now=later - 2)      # and changed too lately
+        assert _unlocked_stale(d, os.stat(d), now=later)                  # its process gone
+        assert not _unlocked_stale(d, os.stat(d), now=os.stat(d).st_mtime + UNLOCKED_STALE_S - 1)
+    finally:
+        for name in os.listdir(d):
+            os.unlink(os.path.join(d, name))
+        os.rmdir(d)
