@@ -22,7 +22,9 @@ The first tick also tells the parent that a worker got past its start-up (it tic
 listens). A worker that fails before any worker of the gateway ever ticked (the port taken, a config
 the app refuses) stops the gateway with its exit code, as one process would, instead of being
 started again every second by a parent that looks alive; a worker that fails its start-up later is
-started again with a growing back-off.
+started again with a growing back-off. At a stop, a worker that has not ticked yet (its start-up
+holds the stop back until its loop handles it) is killed once the stop's grace period is over: a
+start-up that hangs would otherwise hold the gateway's stop for as long as it lasts.
 
 The config generation is the parent's count of the reloads it applied (1 at start): SIGHUPs sent
 close together reach the parent and each worker a different number of times (a signal that comes

@@ -11,8 +11,8 @@ The parent forks the workers before any event loop exists, forwards SIGTERM/SIGI
 drains as a single gateway does), restarts a worker that dies unexpectedly (with a short back-off),
 kills and restarts one whose event loop stopped ticking its heartbeat for
 ``server.worker_stall_timeout_s`` (gateway/server/heartbeat.py), stops with a worker's exit code
-when that worker fails before the gateway ever served (as one process would), and exits when all
-have exited after a signal (with 128 + a signal that killed a worker during the stop; a worker that
+when that worker fails before the gateway ever served (as one process would), kills a worker still
+starting when the stop's grace period is over, and exits when all have exited after a signal (with 128 + a signal that killed a worker during the stop; a worker that
 died before the stop and was started again does not count: a stop that drains every worker exits 0). SIGHUP is forwarded too: every worker reloads the
 config file (gateway/server/reload.py), and the parent re-reads it for the workers it starts later. A
 worker asks for a reload of all (``POST /admin/reload``) by sending SIGHUP to the parent, having
