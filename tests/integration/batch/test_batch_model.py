@@ -81,3 +81,75 @@ async def test_lines_naming_several_models_each_run_on_theirs_and_the_batch_name
     assert done.model is None
     out = [orjson.loads(x) for x in (await c.files.content(done.output_file_id)).content.splitlines()]
     assert [o["response"]["body"]["model"] for o in out] == ["a", "b", "a", "b"]
+
+
+# the batches table as a gateway before the model's reading made it: no column saying the model was read
+OLD_BATCHES = """
+CREATE TABLE batches (
+    id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
+    doc BLOB NOT NULL, output_ttl_s INTEGER
+);
+CREATE INDEX batches_by_owner ON batches (owner, created_at);
+CREATE INDEX batches_by_status ON batches (status);
+"""
+
+
+def old_batch(bid: str, fid: str, status: str, created: int, validated: bool, **more: Any) -> dict[str, Any]:
+    """A batch object as a gateway before the model's reading stored it: ``model`` null whatever its lines name."""
+    return {"id": bid, "object": "batch", "endpoint": "/v1/chat/completions", "errors": None, "input_file_id": fid,
+            "completion_window": "24h", "status": status, "output_file_id": None, "error_file_id": None,
+            "created_at": created, "in_progress_at": created if validated else None, "expires_at": created + 86400,
+            "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+            "cancelling_at": None, "cancelled_at": None, "request_counts": {"total": 0, "completed": 0, "failed": 0},
+            "metadata": None, "model": None,
+            "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                      "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}, **more}
+
+
+async def test_a_batch_an_older_version_stored_gets_its_model_read_from_its_input(sims, gateway, tmp_path):
+    """A job store an older gateway wrote, whose batches all say ``model: null``: the gateway reads
+    each validated batch's model from its input file once, in the background, and keeps it; a
+    batch cancelled before validation, one whose lines name several models and one whose input is
+    gone keep null; a stored object without ``model`` at all shows it null."""
+    import sqlite3
+
+    sim = await sims("vllm", "m")
+    first = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(first)
+    one = await c.files.create(file=("one.jsonl", jsonl(rows(["m"] * 3))), purpose="batch")
+    many = await c.files.create(file=("many.jsonl", jsonl(rows(["m", "x", "m"]))), purpose="batch")
+    gone = await c.files.create(file=("gone.jsonl", jsonl(rows(["m"]))), purpose="batch")
+    await c.files.delete(gone.id)
+    await first.runner.cleanup()
+
+    db = sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"))
+    db.executescript("DROP TABLE batches;" + OLD_BATCHES)
+    old = [old_batch("batch_old1", one.id, "completed", 1000, True),
+           old_batch("batch_old2", many.id, "completed", 1001, True),
+           old_batch("batch_old3", gone.id, "completed", 1002, True),
+           old_batch("batch_old4", one.id, "cancelled", 1003, False, cancelled_at=1003),
+           old_batch("batch_old5", one.id, "failed", 1004, False, failed_at=1004)]
+    del old[1]["model"]                 # older still: no model at all
+    for doc in old:
+        db.execute("INSERT INTO batches (id, owner, status, created_at, doc) VALUES (?, ?, ?, ?, ?)",
+                   (doc["id"], "", doc["status"], doc["created_at"], orjson.dumps(doc)))
+    db.commit()
+    db.close()
+
+    again = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(again)
+
+    async def read() -> bool:           # the last of them: read one after the other, in the store's order
+        return (await c.batches.retrieve("batch_old5")).model == "m"     # failed at validation: its lines were read
+
+    assert await until(read, timeout=30)
+    listed = {b.id: b.model for b in (await c.batches.list()).data}
+    assert listed == {"batch_old1": "m", "batch_old2": None, "batch_old3": None, "batch_old4": None,
+                      "batch_old5": "m"}, listed
+    raw = (await c.batches.with_raw_response.retrieve("batch_old2")).http_response.json()
+    assert "model" in raw and raw["model"] is None
+    db = sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"))
+    try:
+        assert db.execute("SELECT COUNT(*) FROM batches WHERE model_read IS NULL").fetchone()[0] == 0
+    finally:
+        db.close()

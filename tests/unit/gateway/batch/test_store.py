@@ -132,3 +132,32 @@ def test_a_store_made_before_output_ttl_opens_and_gains_it(tmp_path):
     assert again.output_ttl("b1") == 7200
     cols = [r[1] for r in again.db.execute("PRAGMA table_info(batches)")]
     assert cols.count("output_ttl_s") == 1
+
+
+def test_a_batch_an_older_store_holds_is_listed_as_unread_until_its_model_is_set_once(tmp_path):
+    """Batches of a store an older gateway made were never read for their model: they are listed
+    (those past validation) until it is set, which happens once; a batch made since is never listed."""
+    import sqlite3
+
+    import orjson
+    path = str(tmp_path / "db")
+    old = sqlite3.connect(path)
+    old.executescript(OLD_BATCHES)
+    for bid, status in (("b0", "completed"), ("b1", "validating")):
+        old.execute("INSERT INTO batches (id, owner, status, created_at, doc) VALUES (?, ?, ?, ?, ?)",
+                    (bid, "alice", status, 100, orjson.dumps({**doc(bid, status=status), "model": None})))
+    old.commit()
+    old.close()
+    s = BatchStore(path)
+    s.add_batch({**doc("b2", status="completed"), "model": None}, "alice")
+    assert [d["id"] for d in s.models_unread(10)] == ["b0"]
+    assert s.set_model_read("b0", "m")["model"] == "m"
+    assert s.models_unread(10) == []
+    assert s.set_model_read("b0", "other")["model"] == "m"          # once
+    assert s.get_batch("b0", "alice")["model"] == "m"
+
+    def validated(d: dict) -> bool:
+        d.update(status="in_progress", model="n")
+        return True
+    s.update_batch("b1", validated, model_read=True)             # validated by this version: read then
+    assert s.models_unread(10) == []
