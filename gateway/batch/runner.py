@@ -116,6 +116,7 @@ class BatchRunner:
     async def run(self) -> None:
         """Until cancelled: refresh from the store, dispatch, flush; woken by finished lines."""
         last_refresh = -1.0
+        models = asyncio.ensure_future(self._read_models())
         try:
             while True:
                 now = self.clock()
@@ -130,7 +131,34 @@ class BatchRunner:
                     async with asyncio.timeout(self._next_wait()):
                         await self.wake.wait()
         finally:
+            models.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await models
             await self._stop_lines()
+
+    async def _read_models(self) -> None:
+        """The ``model`` of each batch an older gateway validated, which it never read (it stored
+        null): read from the batch's input file once, in the background, one file at a time, and
+        stored, so the batch and the lists show it from then on. A batch never validated (cancelled
+        before) has none to read; one whose input file is gone (expired, deleted) keeps null."""
+        while True:
+            docs = await self.db.run(BatchStore.models_unread, 16)
+            if not docs:
+                return
+            for doc in docs:
+                model: str | None = None
+                validated = doc.get("in_progress_at") is not None or doc["status"] == "failed"
+                if validated and batch_files.valid_id(doc.get("input_file_id") or ""):
+                    path = batch_files.path_of(self.db.dir, doc["input_file_id"])
+                    try:
+                        _, _, model = await asyncio.to_thread(validate, path, doc["endpoint"], 0)
+                    except (OSError, ValueError) as e:
+                        log.info("the model of a batch from an older version cannot be read; it stays null",
+                                 batch_id=doc["id"], error=str(e))
+                await self.db.run(BatchStore.set_model_read, doc["id"], model)
+                if model is not None:
+                    log.info("the model of a batch from an older version read from its input", batch_id=doc["id"],
+                             model=model)
 
     def _next_wait(self) -> float:
         wait = self.cfg.poll_interval_s
@@ -202,7 +230,7 @@ class BatchRunner:
                 d["request_counts"]["total"] = total
                 d.update(status="in_progress", in_progress_at=now)
             return True
-        job.doc = await self.db.run(BatchStore.update_batch, job.id, change) or job.doc
+        job.doc = await self.db.run(BatchStore.update_batch, job.id, change, True) or job.doc
         log.info("batch validated", batch_id=job.id, status=job.doc["status"], lines=total)
         if job.doc["status"] == "failed":
             self.m.batch_done("failed")

@@ -66,6 +66,9 @@ GONE_KEPT_S = 24 * 3600
 # before one was added gets it when it opens (NULL in its rows: nothing asked)
 MIGRATIONS = (
     ("batches", "output_ttl_s", "INTEGER"),     # output_expires_after[seconds] of the batch's output files
+    # 1: the document's model is this version's to say (read at validation, or read since); NULL: a
+    # batch an older gateway made, whose model (always null then) was never read from its input
+    ("batches", "model_read", "INTEGER"),
 )
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
@@ -194,7 +197,8 @@ class BatchStore:
         """``output_ttl_s``: the seconds its output and error files live (``output_expires_after``),
         None when the batch did not say; kept beside the document, which is OpenAI's batch object."""
         self._tx(lambda db: db.execute(
-            "INSERT INTO batches (id, owner, status, created_at, doc, output_ttl_s) VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO batches (id, owner, status, created_at, doc, output_ttl_s, model_read)"
+            " VALUES (?, ?, ?, ?, ?, ?, 1)",
             (doc["id"], owner, doc["status"], doc["created_at"], orjson.dumps(doc), output_ttl_s)))
 
     def output_ttl(self, batch_id: str) -> int | None:
@@ -206,7 +210,7 @@ class BatchStore:
         row = self.db.execute("SELECT owner, doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
         if row is None or (owner is not None and row[0] != owner):
             return None
-        return orjson.loads(row[1])
+        return _batch(row[1])
 
     def batch_owner(self, batch_id: str) -> str | None:
         row = self.db.execute("SELECT owner FROM batches WHERE id = ?", (batch_id,)).fetchone()
@@ -225,7 +229,7 @@ class BatchStore:
             args += [row[1], row[2]]
         rows = self.db.execute(f"SELECT doc FROM batches WHERE {' AND '.join(where)}"
                                " ORDER BY created_at DESC, rowid DESC LIMIT ?", (*args, limit + 1)).fetchall()
-        return [orjson.loads(r[0]) for r in rows[:limit]], len(rows) > limit
+        return [_batch(r[0]) for r in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[dict[str, Any]]:
         marks = ",".join("?" * len(ACTIVE))
@@ -235,17 +239,41 @@ class BatchStore:
     def status_counts(self) -> dict[str, int]:
         return dict(self.db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall())
 
-    def update_batch(self, batch_id: str, change: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    def update_batch(self, batch_id: str, change: Callable[[dict[str, Any]], bool],
+                     model_read: bool = False) -> dict[str, Any] | None:
         """Apply ``change`` to the stored document (it returns whether it changed anything); the
-        document as stored afterwards, None when the batch is unknown."""
+        document as stored afterwards, None when the batch is unknown. ``model_read``: the change
+        sets the batch's ``model`` as read from its input (its validation)."""
         def tx(db: sqlite3.Connection) -> dict[str, Any] | None:
             row = db.execute("SELECT doc FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None:
                 return None
             doc = orjson.loads(row[0])
             if change(doc):
-                db.execute("UPDATE batches SET status = ?, doc = ? WHERE id = ?",
-                           (doc["status"], orjson.dumps(doc), batch_id))
+                db.execute("UPDATE batches SET status = ?, doc = ?, model_read = CASE WHEN ? THEN 1 ELSE model_read END"
+                           " WHERE id = ?", (doc["status"], orjson.dumps(doc), int(model_read), batch_id))
+            return doc
+        return self._tx(tx)
+
+    def models_unread(self, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` documents of batches an older gateway validated without reading their
+        model (``model_read`` NULL), past validation (a batch still validating has it read then)."""
+        return [orjson.loads(r[0]) for r in self.db.execute(
+            "SELECT doc FROM batches WHERE model_read IS NULL AND status != 'validating' ORDER BY rowid LIMIT ?",
+            (limit,))]
+
+    def set_model_read(self, batch_id: str, model: str | None) -> dict[str, Any] | None:
+        """A batch an older gateway made: its ``model``, read from its input since (None: several
+        models, or its input is gone), stored once; the document afterwards."""
+        def tx(db: sqlite3.Connection) -> dict[str, Any] | None:
+            row = db.execute("SELECT doc, model_read FROM batches WHERE id = ?", (batch_id,)).fetchone()
+            if row is None:
+                return None
+            doc = orjson.loads(row[0])
+            if row[1] is None:
+                if doc.get("model") is None:
+                    doc["model"] = model
+                db.execute("UPDATE batches SET doc = ?, model_read = 1 WHERE id = ?", (orjson.dumps(doc), batch_id))
             return doc
         return self._tx(tx)
 
@@ -311,6 +339,13 @@ def _migrate(db: sqlite3.Connection) -> None:
         have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
         if column not in have:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+
+def _batch(raw: bytes) -> dict[str, Any]:
+    """A stored batch object; one an older gateway stored without ``model`` has it, null."""
+    doc = orjson.loads(raw)
+    doc.setdefault("model", None)
+    return doc
 
 
 def _file(row: tuple) -> dict[str, Any]:
