@@ -13,6 +13,7 @@ from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
 from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
+from tests.support.metrics import metric
 from tests.support.waiting import until, wait_for
 
 
@@ -74,6 +75,28 @@ async def test_failed_load_answers_the_engine_message_and_cools_down(sims, gatew
     assert status == 503 and int(headers["Retry-After"]) >= 1
     assert "No adapter found" in body["error"]["message"]
     assert [len(load_calls(await sim_state(u))) for u in (a.url, b.url)] == [1, 1]
+
+
+async def test_a_load_call_to_a_port_that_refuses_connections_counts_as_an_error_and_cools_down(sims, gateway):
+    """The engine's port closes while its endpoint is still ready (its probes have not seen it yet):
+    the load call's connection is refused. No engine answered, but one was asked for (its port is
+    the engine's): the load fails with the refusal, counted as a load error in /metrics and as the
+    endpoint's upstream connect error, and that endpoint cools down as for any failed load."""
+    a = await sims("vllm", "m", **LORA_SIM)
+    gw = await gateway([model_block("m", "vllm", [a.url], adapters={"tone": "org/tone-lora"})],
+                       lora={"discovery_interval_s": 0}, health={"interval_s": 3600}, scrape={"enabled": False})
+    await until(lambda: gw.gw.pool.ready("m"), timeout=10)
+    await a.close()                 # nothing listens on its port now
+    status, headers, body = await chat(gw, "tone")
+    assert status == 502 and headers["x-error-lora-load"] == "error", body
+    assert body["error"]["code"] == "lora_load_failed" and "connect" in body["error"]["message"], body
+    status, headers, body = await chat(gw, "tone")      # cooling down: not asked again
+    assert status == 503 and headers["x-error-lora-load"] == "cooldown", body
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_lora_loads_total", model="m", adapter="tone", result="error") == 1
+    assert metric(text, "switchyard_lora_loads_total", model="m", adapter="tone", result="cooldown") == 1
+    assert metric(text, "switchyard_lora_loads_total", result="no_socket") == 0
+    assert metric(text, "switchyard_upstream_errors_total", model="m", error_class="connect") == 1
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])

@@ -2,7 +2,8 @@
 path: the P/D legs, a LoRA adapter's load, a stored response's read from the engine that keeps it.
 Each is answered as the main path's is, a 503 service_unavailable with Retry-After saying the
 gateway is short of file descriptors (error_class gateway_resources), and no engine is counted a
-fault for it: not its breaker, not its upstream errors, not an adapter's load cooldown."""
+fault for it: not its breaker, not its upstream errors, not an adapter's load cooldown; the load
+counts in switchyard_lora_loads_total as one that could not be sent (result no_socket)."""
 
 from __future__ import annotations
 
@@ -152,6 +153,9 @@ async def test_pd_legs_lora_loads_and_response_reads_without_descriptors_answer_
         assert metric(text, "switchyard_breaker_transitions_total") == 0, text
         assert metric(text, "switchyard_upstream_errors_total") == 0
         assert metric(text, "switchyard_pd_prefill_failures_total") == 0     # no prefill failed
+        # the adapter's load that could not be sent is counted as such, not as the engine's error
+        assert metric(text, "switchyard_lora_loads_total", model="lm", adapter="tone", result="no_socket") == 1
+        assert metric(text, "switchyard_lora_loads_total", result="error") == 0
         # and each is served once descriptors are there again: no cooldown, no breaker open
         for request in (chat("pd"), chat("tone"), get(f"/v1/responses/{rid}"), chat("pdd"),
                         chat("pds")):
