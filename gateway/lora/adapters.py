@@ -123,7 +123,8 @@ class LoraMetrics:
                                 ["model", "adapter", "state"], registry=registry)
         self.loads = Counter("switchyard_lora_loads", "Runtime adapter loads the gateway asked for, by result "
                              "(ok, error, cooldown: refused while every endpoint cools down, full: every "
-                             "endpoint at max_adapters_per_endpoint with adapters in use)",
+                             "endpoint at max_adapters_per_endpoint with adapters in use, no_socket: the "
+                             "gateway could open no socket for the load call, so no engine was asked)",
                              ["model", "adapter", "result"], registry=registry)
         self.load_seconds = Histogram("switchyard_lora_load_seconds", "Duration of the engines' load calls",
                                       ["model"], registry=registry,
@@ -325,9 +326,12 @@ class Lora:
                 share.told_load_started(ep, adapter, model)
             try:
                 error = await self._load_on(ep, model, adapter, path)
-            except BaseException:
+            except BaseException as e:
                 if share is not None:
                     share.told_load_ended(ep, adapter, model, None)
+                if isinstance(e, GatewayError) and e.error_class == ErrorClass.GATEWAY_RESOURCES:
+                    # no socket for the call (``_engine_call``): no engine was asked, none cools down
+                    self.metrics.loads.labels(model, adapter, "no_socket").inc()
                 raise
             if error is None:
                 ep.adapters.served[adapter] = model
