@@ -145,6 +145,40 @@ async def test_a_sibling_tells_each_worker_its_own_share_of_the_engines_count(si
         ep_w.in_flight = ep_o.in_flight = 0
 
 
+async def test_a_watchers_first_scrape_at_a_start_gives_each_sibling_its_own_share_of_the_engines_count(sims):
+    """A gateway's workers start at different moments, and each makes its first scrape round as it
+    starts, before its bus is open: the watcher cannot know yet what its siblings have in flight
+    (one that began serving first may have sent it its counts before it listened), so its first
+    snapshot carries no count (``UNCOUNTED``). A sibling adopting it knows its own share of the
+    engine's count, as it does at its own scrape: its requests there now. It takes that, where it
+    took none (``gateway_in_flight`` None) and read no other gateways' requests from the engine
+    until the watcher's next scrape, a whole ``scrape.interval_s`` after the start."""
+    engine = (await _engines(sims, n=1))[0]
+    cfg = _config([engine.url], interval=60.0)      # the first round only, within the test
+    d = RunDirectory()
+    ws = [Worker(cfg, i, d.path) for i in range(2)]
+    watcher = ws[ws[0].view.watcher(ws[0].eps()[0])]
+    other = ws[1] if watcher is ws[0] else ws[0]
+    ep = other.eps()[0]
+    ep.in_flight = 2                                # the sibling serves already: two requests on the engine
+
+    def adopted() -> float:
+        return metric_total(other.metrics.render().decode(), "switchyard_view_facts_applied_total", kind="scrape")
+    try:
+        await other.start()                         # its own first round: its own share, 2
+        await until(lambda: ep.metrics is not None and ep.metrics.gateway_in_flight == 2, timeout=5)
+        await watcher.start()                       # the watcher's first round reaches the sibling
+        await until(lambda: adopted() >= 1, timeout=5)
+        assert ep.metrics.scraped_at == watcher.eps()[0].metrics.scraped_at       # the watcher's snapshot
+        assert ep.metrics.gateway_in_flight == 2
+    finally:
+        ep.in_flight = 0
+        for w in ws:
+            with contextlib.suppress(Exception):
+                await w.stop()
+        d.close()
+
+
 async def test_a_silent_watcher_is_replaced_by_its_sibling_until_it_is_heard_again(sims):
     engines = await _engines(sims)
     cfg = _config([e.url for e in engines], timeout=1.0)      # silent after 2 x 0.1 + 1.0 s
