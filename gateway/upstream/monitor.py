@@ -196,9 +196,11 @@ class Monitor:
         """A snapshot a sibling worker scraped of ``ep`` (it watches it), when it knew of ``known``
         in-flight requests there (its own and its ``remote_in_flight``, which counts this worker's):
         this worker's own share of them is what it does not count as remote now. ``UNCOUNTED`` (a
-        sibling just started, not yet sure of the others' requests): not known, so the engine's
-        count is not read as other gateways' requests (``gateway_in_flight`` None)."""
-        snapshot.gateway_in_flight = known - ep.remote_in_flight if known != UNCOUNTED else None
+        sibling just started, at a gateway's start or a restart, not yet sure of the others'
+        requests): this worker's share is its own requests there now, as its own scrape takes them
+        (``scrape_one``), which needs nothing of the sender's; where it took none (None), and read
+        no other gateways' requests from the engine's count until the sender's next scrape."""
+        snapshot.gateway_in_flight = known - ep.remote_in_flight if known != UNCOUNTED else ep.in_flight
         prev = ep.metrics
         if snapshot.start_time is None and prev is not None:     # as parse_engine_metrics carries it
             snapshot.start_time = prev.start_time

@@ -325,9 +325,12 @@ class RoutingView:
         in-flight requests on it: the siblings learn it if this is the watcher. Within
         ``view.peer_ttl_s`` of its start it may not have heard of its siblings' requests yet (a
         sibling with requests in flight says so every ``heartbeat_s``, or with ``state.redis_url``
-        publishes them every ``state.sync_interval_s``): the count goes as ``UNCOUNTED``, and the
-        siblings take the snapshot without telling their own requests from other gateways' in it,
-        where they took theirs for other gateways'."""
+        publishes them every ``state.sync_interval_s``): the count goes as ``UNCOUNTED``, and each
+        sibling takes its own requests there as its share of the engine's count (``adopt_scrape``),
+        where the count sent would have made it take its own for other gateways'. Needed at a
+        gateway's start as well as at a worker's restart: the workers start at different moments,
+        one serves before another's bus is open, and each makes its first scrape round before its
+        own bus opens."""
         if self._watching(ep):
             if not self.heard_siblings():
                 known = UNCOUNTED
