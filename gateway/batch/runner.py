@@ -140,7 +140,14 @@ class BatchRunner:
         """The ``model`` of each batch an older gateway validated, which it never read (it stored
         null): read from the batch's input file once, in the background, one file at a time, and
         stored, so the batch and the lists show it from then on. A batch never validated (cancelled
-        before) has none to read; one whose input file is gone (expired, deleted) keeps null."""
+        before) has none to read; one whose input file is gone (expired, deleted) keeps null. A
+        fault of the store's is logged and ends the reading; the next runner's start resumes it."""
+        try:
+            await self._read_models_once()
+        except Exception:
+            log.exception("reading the model of batches from an older version failed")
+
+    async def _read_models_once(self) -> None:
         while True:
             docs = await self.db.run(BatchStore.models_unread, 16)
             if not docs:
