@@ -13,8 +13,10 @@ import orjson
 import pytest
 from aiohttp import compression_utils
 
+from gateway.server.app import GATEWAY_KEY
 from tests.support.edge import assert_openai_error, edge_gateway, exchange, request
 from tests.support.loops import on_both_loops
+from tests.support.waiting import wait_for
 
 CHAT = "/v1/chat/completions"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
@@ -166,3 +168,36 @@ async def test_an_x_gzip_body_that_stops_coming_is_the_408_of_any_body():
         assert ex.closed
         await exchange(gw.port, head, packed[:10], wait=0.2, until_close=False, responses=1)     # and leaves
         assert await gw.received() == []
+
+
+@on_both_loops
+async def test_a_body_that_does_not_decode_closes_its_connection_in_either_spelling_of_gzip():
+    """gzip and x-gzip are one coding (RFC 9110 §8.4.1.3), and a body that is not what its coding
+    says gets one answer in either spelling: the 400 bad_body, with ``Connection: close``, and the
+    connection closed after it, so a request sent behind it on the same connection gets nothing
+    (the client sends it again on a new one); one request log line, the answer's. The parser that
+    decodes gzip stops reading the connection at the first byte it cannot decode; x-gzip's body was
+    answered by the pipeline with the connection kept open for the next request."""
+    async with edge_gateway(max_body_bytes=4096) as gw:
+        with gw.app[GATEWAY_KEY].request_log.capture() as lines:
+            for path, body in ((CHAT, BODY), ("/v1/messages", MESSAGES_BODY), ("/v1/audio/transcriptions", BODY)):
+                for coding in ("gzip", "x-gzip", "X-GZip"):
+                    whole = _head(path, [coding], body)        # JSON, not gzip
+                    head = whole[:-len(body)]
+                    chunked = head.replace(f"Content-Length: {len(body)}\r\n".encode(), b"Transfer-Encoding: chunked\r\n")
+                    for name, parts in (("with its head", [whole]), ("after its head", [head, body]),
+                                        ("chunked", [chunked, _chunked(body)])):
+                        case = (path, coding, name)
+                        ex = await exchange(gw.port, *parts, request("GET", "/health"), wait=3.0)
+                        assert len(ex.responses) == 1 and ex.closed, (case, [r.status for r in ex.responses])
+                        r = ex.first
+                        assert r.status == 400 and r.headers.get("connection") == "close", (case, r.status, r.headers)
+                        if path == "/v1/messages":
+                            assert r.json()["type"] == "error", (case, r.body)
+                        else:
+                            assert assert_openai_error(r, 400)["code"] == "bad_body", (case, r.body)
+                        rid = r.headers["request-id"]
+                        await wait_for(lambda rid=rid: any(x["request_id"] == rid for x in lines), timeout=5.0, interval=0.01)
+                        got = [x for x in lines if x["request_id"] == rid]
+                        assert [(x["status"], x["error_class"]) for x in got] == [(400, "http")], (case, got)
+            assert await gw.received() == []
