@@ -15,6 +15,7 @@ import pytest
 
 from enginesim import SimConfig, start_sim
 from tests.support.batch import jsonl, run_to_end
+from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric as sample
@@ -849,3 +850,21 @@ async def test_a_form_field_is_read_up_to_64_kib_whatever_the_body_limit(sims, g
             kept = (await r.json())["id"]
     assert [f.id for f in (await openai_client(gw).files.list()).data] == [kept]
     assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+
+
+async def test_an_upload_or_a_batch_whose_x_gzip_body_does_not_decode_is_the_400_of_gzip_s(sims, gateway, tmp_path):
+    """The Files and Batches handlers read their body through aiohttp's request: one in x-gzip that is
+    not gzip gets the answer a gzip one gets (the 400 bad_body, the connection closed), where it was
+    a 500 ``internal_error``, the decoder's error taken for a bug of the handler's."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    for path, ctype in (("/v1/files", "multipart/form-data; boundary=xyzBOUNDARY"), ("/v1/batches", "application/json")):
+        answers = {}
+        for coding in ("gzip", "x-gzip"):
+            ex = await exchange(gw.port, request("POST", path, b"0123456789", {"Content-Encoding": coding,
+                                                                              "Content-Type": ctype}), wait=5.0)
+            assert len(ex.responses) == 1 and ex.closed, (path, coding, [r.status for r in ex.responses])
+            err = assert_openai_error(ex.first, 400)
+            answers[coding] = (err["code"], err["message"], ex.first.headers.get("connection"))
+        assert answers["x-gzip"] == answers["gzip"] and answers["gzip"][0] == "bad_body", (path, answers)
+    assert (await openai_client(gw).files.list()).data == []
