@@ -833,13 +833,13 @@ class EdgeProtocol(web.RequestHandler):
             return ""
         return head_lines(cors, headers.get(hdrs.ORIGIN))
 
-    def _e_broken_body(self) -> None:
+    def _e_broken_body(self, message: str = "malformed request body: its chunked framing or content encoding "
+                       "is broken") -> None:
         self._edge.metrics.protocol_errors.labels("400").inc()
         rid = self._e_unanswered_request_id()
         log.debug("bad request", status=400, error="broken request body", peer=_peer(self.transport))
         if rid is not None:
             request = self._e_request
-            message = "malformed request body: its chunked framing or content encoding is broken"
             self.transport.write(error_response_bytes(
                 400, message, code="bad_body", request_id=rid, path=self._e_request_path(),
                 cors=self._e_cors(request.headers if request is not None else None),
@@ -847,6 +847,16 @@ class EdgeProtocol(web.RequestHandler):
             if request is not None:
                 self._e_logged_running(request, rid, 400, message)
         self._e_close()
+
+    def e_undecodable(self, request: web.BaseRequest, exc: BaseException) -> bool:
+        """``request``'s body, in x-gzip (``XGzipBody``), does not decode as its handler reads it: the
+        answer a gzip body that does not decode gets from the parser (``_e_broken_body``: the 400,
+        the connection closed, the handler cancelled). False when ``request`` is not the one running
+        on a live connection (nothing done)."""
+        if self.transport is None or self._e_request is not request:
+            return False
+        self._e_broken_body(f"malformed request body: {_cause_text(exc)}")
+        return True
 
     def _e_timeout(self, reason: str, *, answer: bool, request_id: str | None = None,
                    path: str | None = None, headers: Any = None, method: str | None = None,
@@ -1090,7 +1100,7 @@ def coding_refused(request: web.BaseRequest) -> web.Response | None:
         if coding == "x-gzip" and isinstance(request, web.Request):
             # semi-private: the request's stream (``content``, a reified property, and what ``read``,
             # ``multipart`` and ``release`` read), pinned by tests/unit/gateway/server/test_edge.py
-            request._payload = request._cache["content"] = XGzipBody(request.content, request.protocol)
+            request._payload = request._cache["content"] = XGzipBody(request.content, request.protocol, request)
             return None
     return _closing_error(request, 415, _coding_message(value), "unsupported_content_encoding",
                           {hdrs.ACCEPT_ENCODING: ACCEPT_ENCODING}, param="Content-Encoding")
@@ -1103,15 +1113,19 @@ class XGzipBody(StreamReader):
     output at a time, so a bomb is a 413 once the decoded body crosses the limit), on demand: a read
     that finds nothing decoded takes what ``raw`` holds (``_wait``). No task of its own, and nothing
     of ``raw`` is read but by the handler's reads: aiohttp's reading and dropping of a body left
-    unread, after the answer, meets ``raw`` as it would a gzip body's. A body that is not gzip is the
-    parser's error for one (``RequestPayloadError``, the cause ``ContentEncodingError``)."""
+    unread, after the answer, meets ``raw`` as it would a gzip body's. A body that is not gzip gets
+    the answer of a gzip body that is not (``EdgeProtocol.e_undecodable``: the edge's 400, the
+    connection closed, the handler cancelled, which its read then raises), whatever handler reads
+    it; without a connection (or one no longer running ``request``), the parser's error for one
+    (``RequestPayloadError``, the cause ``ContentEncodingError``)."""
 
-    __slots__ = ("_raw", "_gzip", "_more")
+    __slots__ = ("_raw", "_gzip", "_more", "_request")
 
-    def __init__(self, raw: StreamReader, protocol: Any) -> None:
+    def __init__(self, raw: StreamReader, protocol: Any, request: web.BaseRequest | None = None) -> None:
         low, _ = raw.get_read_buffer_limits()
         super().__init__(protocol, low, loop=asyncio.get_running_loop())
         self._raw = raw
+        self._request = request
         self._gzip = DeflateBuffer(self, "gzip", max_decompress_size=low)
         self._more = False              # the decoder holds output past the last read's size
         broken = raw.exception()
@@ -1131,6 +1145,13 @@ class XGzipBody(StreamReader):
         except ContentEncodingError as e:
             broken = web.RequestPayloadError(str(e))
             self.set_exception(broken, e)
+            protocol, request = self._protocol, self._request
+            if isinstance(protocol, EdgeProtocol) and request is not None and protocol.e_undecodable(request, e):
+                # the edge answered and cancelled the handler's task: a read in that task ends in
+                # its cancellation here, as the read of a gzip body the parser could not decode does
+                # (its handler then logs the edge's answer, not one of its own); a read in another
+                # task goes on to the error
+                await asyncio.sleep(0)
             raise broken from e
         except Exception as e:          # the body's framing broke, or the client left
             self.set_exception(e)

@@ -120,8 +120,8 @@ def test_aiohttp_request_handler_hooks_exist():
 def test_aiohttp_request_stream_and_decoder_an_x_gzip_body_uses():
     """A body in x-gzip (gateway/server/edge.py ``XGzipBody``) is given its stream in place of the
     parser's: the request's stream is ``_payload``, which ``content`` (reified in ``_cache``), ``read``,
-    ``multipart`` and ``release`` read; the stream's reads wait on ``_wait`` when nothing is buffered;
-    gzip is decoded by the parser's ``DeflateBuffer``, which reports output it still holds."""
+    ``multipart`` and ``release`` read; the stream's reads wait on ``_wait`` when nothing is buffered,
+    and it keeps its connection's protocol (``_protocol``); gzip is decoded by the parser's ``DeflateBuffer``, which reports output it still holds."""
     from aiohttp.helpers import reify
     from aiohttp.http_parser import DeflateBuffer
     from aiohttp.streams import StreamReader
@@ -133,6 +133,8 @@ def test_aiohttp_request_stream_and_decoder_an_x_gzip_body_uses():
     for method in (StreamReader.readany, StreamReader.read, StreamReader.readchunk, StreamReader.readuntil):
         assert "await self._wait(" in inspect.getsource(method), method
     assert list(inspect.signature(StreamReader._wait).parameters) == ["self", "func_name"]
+    # the stream's protocol (the connection's), which a body that does not decode is answered on
+    assert "_protocol" in StreamReader.__slots__ and "self._protocol = protocol" in inspect.getsource(StreamReader)
     assert list(inspect.signature(DeflateBuffer).parameters) == ["out", "encoding", "max_decompress_size"]
     assert "return self.decompressor.data_available" in inspect.getsource(DeflateBuffer.feed_data)
 
