@@ -868,3 +868,41 @@ async def test_an_upload_or_a_batch_whose_x_gzip_body_does_not_decode_is_the_400
             answers[coding] = (err["code"], err["message"], ex.first.headers.get("connection"))
         assert answers["x-gzip"] == answers["gzip"] and answers["gzip"][0] == "bad_body", (path, answers)
     assert (await openai_client(gw).files.list()).data == []
+
+
+def _chunks(body: bytes, size: int = 16_384) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + size]), body[i:i + size])
+                    for i in range(0, len(body), size)) + b"0\r\n\r\n"
+
+
+async def test_a_chunked_body_over_its_limit_on_the_files_and_batches_paths_has_its_413_s_line(sims, gateway,
+                                                                                              tmp_path):
+    """A body too large has one request log line with its 413 whether its length is told (the edge's
+    answer) or not: a chunked upload past batch.max_file_bytes (the Files API's 413), a chunked
+    batch body past server.max_body_bytes (aiohttp's own 413, which the error middleware shapes), with
+    ``method``, the path, the request id the answer carries, ``error_class: http`` and the answer's
+    message. Neither had a line; the Files and Batches calls served have none, as before."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"max_body_bytes": 65_536},
+                       batch={**batch_cfg(tmp_path), "max_file_bytes": 20_000})
+    upload = _multipart([("purpose", None, b"batch"), ("file", "in.jsonl", jsonl(lines("/v1/chat/completions", 300)))])
+    cases = [
+        ("/v1/files", "multipart/form-data; boundary=xyzBOUNDARY", upload, "file_too_large"),
+        ("/v1/batches", "application/json", b"{" + b" " * 100_000 + b"}", "body_too_large"),
+    ]
+    with gw.gw.request_log.capture() as got:
+        for path, ctype, body, code in cases:
+            head = (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: {ctype}\r\n"
+                    "Transfer-Encoding: chunked\r\nx-request-id: big-1\r\n\r\n").encode()
+            ex = await exchange(gw.port, head + _chunks(body), wait=5.0, until_close=False, responses=1)
+            err = assert_openai_error(ex.first, 413)
+            assert err["code"] == code, (path, err)
+            rid = ex.first.headers["request-id"]
+            await until(lambda rid=rid: any(x["request_id"] == rid for x in got), timeout=5.0, interval=0.01)
+            mine = [x for x in got if x["request_id"] == rid]
+            assert [(x["path"], x["method"], x["status"], x["error_class"], x["error"]) for x in mine] == [
+                (path, "POST", 413, "http", err["message"])], mine
+            assert mine[0]["duration_ms"] >= 0
+        # a call served writes none
+        await openai_client(gw).files.list()
+    assert [x["path"] for x in got] == [path for path, *_ in cases], got
