@@ -12,6 +12,7 @@ from aiohttp import web
 
 from enginesim import SimConfig, start_sim
 from tests.conftest import FAST_SIM
+from tests.support.edge import assert_openai_error, exchange
 from tests.support.factories import model_block
 from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import openai_client, sim_state
@@ -622,3 +623,27 @@ async def test_an_engines_error_event_that_ends_its_stream_is_followed_by_respon
                                                               extra_headers={"x-failed": "1"})]
         assert [ev.type for ev in events][-3:] == ["response.output_text.delta", "error", "response.failed"]
         assert events[-1].response.error.message == "the engine's own"
+
+
+async def test_a_cancel_whose_chunked_body_is_over_the_limit_is_one_413_with_one_line(sims, gateway):
+    """A call on a stored response relayed to its engine reads its body within server.max_body_bytes:
+    a chunked one past it is the 413 body_too_large, whose one request log line says 413, where the
+    call's line said status 0 (aiohttp's 413 passed by the call's own answer) and the answer came
+    from the error middleware."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], server={"max_body_bytes": 65_536})
+    r = await openai_client(gw).responses.create(model="m", input="hello", max_output_tokens=2)
+    body = b"{" + b" " * 100_000 + b"}"
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 16_384]), body[i:i + 16_384])
+                       for i in range(0, len(body), 16_384)) + b"0\r\n\r\n"
+    head = (f"POST /v1/responses/{r.id}/cancel HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n").encode()
+    with gw.gw.request_log.capture() as got:
+        ex = await exchange(gw.port, head + chunked, wait=5.0, until_close=False, responses=1)
+        err = assert_openai_error(ex.first, 413)
+        assert err["code"] == "body_too_large", err
+        rid = ex.first.headers["request-id"]
+        await wait_for(lambda: any(x["request_id"] == rid for x in got), timeout=5.0, interval=0.01)
+        await openai_client(gw).models.list()       # a later request: a second line would be written by now
+    assert [(x["request_id"], x["status"]) for x in got if x["path"] == f"/v1/responses/{r.id}/cancel"] == [
+        (rid, 413)], got
