@@ -13,6 +13,7 @@ from tests.support.edge import assert_openai_error, exchange, request
 from tests.support.factories import model_block
 from tests.support.fake_engine import cutting_stream, fake_engine
 from tests.support.http import anthropic_client, sim_state, sse_frames
+from tests.support.waiting import wait_for
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
 SYSTEM = "You are a railway historian. " * 20
@@ -309,6 +310,43 @@ async def test_a_messages_request_the_parser_refuses_gets_an_anthropic_error(sim
     assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "invalid_request_error"
     assert await sim_state(v.url) is not None and not [
         r for r in (await sim_state(v.url))["received"] if r["path"] == "/v1/messages"][1:]
+
+
+
+async def test_an_absolute_form_messages_target_the_parser_refuses_gets_an_anthropic_error(sims, gateway):
+    """A request line's target in absolute form (``POST http://host/v1/messages``, which a server
+    takes, RFC 9112 §3.2.2: the gateway serves it as the Messages API) names its path as surely as
+    one in origin form: a header field too large, too many of them or a malformed header line after
+    it are answered in Anthropic's shape, with a host name of any length (253 characters at most in
+    DNS) and a port, and the request log line names the path; the same on the chat path, and a line
+    that is no request line, stay OpenAI's. They were OpenAI-shaped, with no path on the line."""
+    v = await sims("vllm", "llama")
+    gw = await gateway([model_block("llama", "vllm", [v.url])])
+    long_host = ".".join(["a" * 63] * 3) + ".example"
+    heads = {
+        "header_100kib": lambda target: request("POST", target, _MSG_BODY, {"X-Big": "a" * 100 * 1024}),
+        "headers_300": lambda target: request("POST", target, _MSG_BODY, {f"X-H{i}": "v" for i in range(300)}),
+        "bad_header_line": lambda target: request("POST", target, _MSG_BODY).replace(b"Host:", b"Bad Line\r\nHost:"),
+    }
+    with gw.gw.request_log.capture() as lines:
+        for target, path in (("http://gw/v1/messages", "/v1/messages"),
+                             ("https://gw:8443/v1/messages/count_tokens?beta=true", "/v1/messages/count_tokens"),
+                             (f"http://{long_host}:65535/v1/messages", "/v1/messages"),
+                             ("HTTP://GW/v1/messages", "/v1/messages")):
+            served = await exchange(gw.port, request("POST", target, _MSG_BODY, close=True), wait=10)
+            assert served.first.status == 200, (target, served.first.body[:200])
+            for case, make in heads.items():
+                got = await exchange(gw.port, make(target), wait=10)
+                err = _anthropic_error(got.first, 431 if case != "bad_header_line" else 400)
+                assert err["message"] and got.closed, (target, case)
+                rid = got.first.headers["request-id"]
+                await wait_for(lambda rid=rid: any(x["request_id"] == rid for x in lines), timeout=5.0, interval=0.01)
+                assert [(x["path"], x["method"]) for x in lines if x["request_id"] == rid] == [(path, "POST")], \
+                    (target, case)
+        for raw in (request("POST", "http://gw/v1/chat/completions", _MSG_BODY, {"X-Big": "a" * 100 * 1024}),
+                    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"X" * 100 * 1024 + b"\r\n\r\n"):
+            got = await exchange(gw.port, raw, wait=10)
+            assert_openai_error(got.first)
 
 
 # a Messages path with a byte no path name goes on with: (case, bytes, status); none reaches the engine
