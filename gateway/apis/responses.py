@@ -581,7 +581,11 @@ class ResponsesApi(ApiShape):
     async def _proxy(self, rec: RequestRecord, ep: Endpoint, request: web.Request) -> web.StreamResponse:
         """The same call on the owning engine; its answer relayed (errors in OpenAI's shape)."""
         assert self.session is not None
-        body = await request.read() if request.body_exists else None
+        try:
+            body = await request.read() if request.body_exists else None
+        except web.HTTPRequestEntityTooLarge:   # a chunked body past server.max_body_bytes: the call's answer
+            raise GatewayError(413, f"request body exceeds {request.client_max_size} bytes (server.max_body_bytes)",
+                               code="body_too_large", error_class=ErrorClass.HTTP) from None
         headers = {"X-Request-Id": rec.request_id}
         if body:
             headers["Content-Type"] = "application/json"

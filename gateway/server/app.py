@@ -101,7 +101,8 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
     (OpenAI's, Anthropic's on /v1/messages), aiohttp's own 404/405/413 and any bug included. A 404
     or 405 for a method the gateway knows on no path (gateway/server/edge.py ``STANDARD_METHODS``, and
     those its routes serve) is RFC 9110 §9.1's 501. The 404, 405 and 501 made here, the answers to a
-    path or method nothing serves, are written to ``request_log`` (no API handler logs them).
+    path or method nothing serves, and a 413 (aiohttp's own past ``client_max_size``, or an API's to a
+    body found too large as it came), are written to ``request_log`` (no API handler logs them).
     Returns None for what must propagate (a redirect, a cancellation)."""
     anthropic = apis.get(MESSAGES)
     known: frozenset[str] | None = None     # STANDARD_METHODS and the routes' (the router is frozen by then)
@@ -138,20 +139,30 @@ def _error_answers(metrics: GatewayMetrics, apis: dict[str, ApiShape], request_l
                 resp = not_implemented_answer(request.path, request.method, rid)
                 msg = not_implemented_message(request.method)
             else:
-                msg = {404: f"unknown path {request.path}",
-                       405: f"method {request.method} not allowed on {request.path}",
-                       413: "request body too large"}.get(e.status, e.reason)
-                err = GatewayError(e.status, msg, error_class=ErrorClass.HTTP)
+                code = None
+                if e.status == 413:             # request.read() past client_max_size: the edge's answer to a told length
+                    msg, code = (f"request body exceeds {request.client_max_size} bytes (server.max_body_bytes)",
+                                 "body_too_large")
+                else:
+                    msg = {404: f"unknown path {request.path}",
+                           405: f"method {request.method} not allowed on {request.path}"}.get(e.status, e.reason)
+                err = GatewayError(e.status, msg, code=code, error_class=ErrorClass.HTTP)
                 headers = {"request-id": rid, "x-request-id": rid}
                 if e.status == 405 and "Allow" in e.headers:
                     headers["Allow"] = e.headers["Allow"]
                 resp = error_response(e.status, shaped(request, err), headers)
-            if request_log is not None and resp.status in (404, 405, 501):
+            if request_log is not None and resp.status in (404, 405, 413, 501):
                 log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
                                 resp.status, msg, head_started(request), request_log,
                                 extra=getattr(request, "log_fields", None))
             return resp
         if isinstance(e, GatewayError):
+            if e.status == 413 and request_log is not None:
+                # a body over its limit found as it came (a chunked upload past batch.max_file_bytes):
+                # logged as the edge's 413 to a told length is, though the API's other answers are not
+                log_edge_answer(rid, request.headers.get("x-request-id"), request.path, request.method,
+                                413, e.message, head_started(request), request_log,
+                                extra=getattr(request, "log_fields", None))
             return error_response(e.status, shaped(request, e), {"request-id": rid, **e.headers})
         # a bug outside the pipeline (which answers its own)
         metrics.internal_errors.inc()

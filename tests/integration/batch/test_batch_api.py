@@ -893,7 +893,7 @@ async def test_a_chunked_body_over_its_limit_on_the_files_and_batches_paths_has_
     with gw.gw.request_log.capture() as got:
         for path, ctype, body, code in cases:
             head = (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: {ctype}\r\n"
-                    "Transfer-Encoding: chunked\r\nx-request-id: big-1\r\n\r\n").encode()
+                    "Transfer-Encoding: chunked\r\n\r\n").encode()
             ex = await exchange(gw.port, head + _chunks(body), wait=5.0, until_close=False, responses=1)
             err = assert_openai_error(ex.first, 413)
             assert err["code"] == code, (path, err)
