@@ -29,7 +29,7 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   through ``handle_error`` in plain text. ``EdgeProtocol.handle_error`` answers in OpenAI shape,
   Anthropic's for a request to a Messages path (aiohttp gives it no path for a request it could not
   parse: the edge keeps the first bytes of the head it reads, ``_e_line``, and reads the path from
-  them), with ``request-id``, and with 431 for header fields that are too large or too many; the
+  them, its target in origin or absolute form), with ``request-id``, and with 431 for header fields that are too large or too many; the
   answer to a head it could not parse goes out in HTTP/1.1 (aiohttp's stand-in request says 1.0).
   A request line whose method is a token the parser does not know (``FOO``) is RFC 9110 §9.1's 501,
   not a malformed request: the gateway implements no such method (the router's 404 and 405 for a
@@ -123,11 +123,14 @@ _BODY = 3      # the handler runs and the body is still arriving
 _BUSY = 4      # the handler runs, the body is complete: only the write-stall clock applies
 
 # how many first bytes of a request head the edge keeps (``_e_line``): enough for the method and a
-# Messages path, to answer a head that does not parse in its API's shape
-_LINE_KEEP = 64
+# Messages path, to answer a head that does not parse in its API's shape, in absolute form too (a
+# scheme, a host name of up to 253 characters and a port before the path)
+_LINE_KEEP = 320
 # the path of a request line's target, as far as the kept bytes hold it (to a space, a query or the
-# line's end; a path cut short by ``_LINE_KEEP`` still shows whether it is a Messages path)
-_LINE_PATH = re.compile(rb"[^ \r\n]+ (/[^ ?\r\n]*)")
+# line's end; a path cut short by ``_LINE_KEEP`` still shows whether it is a Messages path): in
+# origin form, or after the scheme and authority of absolute form (RFC 9112 §3.2.2, which a server
+# takes and aiohttp serves as its path)
+_LINE_PATH = re.compile(rb"[^ \r\n]+ (?:[A-Za-z][A-Za-z0-9+.\-]*://[^/ ?#\r\n]*)?(/[^ ?\r\n]*)")
 # a request line whose method is a token the HTTP parser does not know (RFC 9110 §9.1's 501), as
 # far as the kept bytes hold it: the method, a space, a target's start (a path, ``*``, a scheme),
 # and when the line ends within them, the rest of a request line (``NOT HTTP AT ALL`` is none)
