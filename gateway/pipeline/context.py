@@ -193,7 +193,9 @@ class RequestContext:
     def start(cls, request: web.Request) -> RequestContext:
         given = request.headers.get("x-request-id")
         rid = request_id_from(given)
-        rec = RequestRecord(rid, request.path, time.perf_counter())
+        # from the moment its head came whole: its handler's start, or, for a request the fast lane
+        # held until its body was in (gateway/server/lane.py), the time the lane took then
+        rec = RequestRecord(rid, request.path, getattr(request, "head_read", None) or time.perf_counter())
         if given is not None and given != rid:
             rec.request_id_replaced = True
         # a request made in-process (a batch line, gateway/batch/line_request.py) adds fields to its

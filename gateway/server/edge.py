@@ -506,9 +506,10 @@ class EdgeProtocol(web.RequestHandler):
         return not (self._messages or self._e_parsed != self._e_started or self._payload_parser is not None
                     or self._upgraded or (self._force_close and not begun) or self._close or self.transport is None)
 
-    def _lane_start(self, got: lane.Parsed) -> None:
+    def _lane_start(self, got: lane.Parsed, head_read: float | None = None) -> None:
+        """``head_read``: when the head of a request the lane held came (``lane.LaneRequest.head_read``)."""
         path, headers, body, keep_alive = got
-        request = self._lane_request(path, headers, body, keep_alive, self)
+        request = self._lane_request(path, headers, body, keep_alive, self, head_read)
         self._request_count += 1            # parsed and started, as aiohttp counts its own
         self._e_started += 1
         self._e_pipelined = False
@@ -536,6 +537,9 @@ class EdgeProtocol(web.RequestHandler):
         apart, as the openai SDK's httpx does), to take it on the lane once the rest is in. The
         body's clocks run meanwhile, as they would for aiohttp's request."""
         self._lane_part = pending
+        # the request's line counts from here (its handler starts once the body is in, and takes
+        # this time instead of reading the clock itself)
+        pending.head_read = time.perf_counter()
         self._e_phase = _HEAD               # a head came (from a kept-alive connection's idle too)
         self._request_in_progress = True    # a graceful stop waits for it, as for aiohttp's requests
         now = self._e_last_rx = self._e_loop.time()
@@ -556,7 +560,7 @@ class EdgeProtocol(web.RequestHandler):
             return
         self._lane_part = None
         if got is not None and self._lane_open(begun=True):
-            self._lane_start(got)       # a graceful stop waits on for it (``_lane_serve``)
+            self._lane_start(got, pending.head_read)     # a graceful stop waits on for it (``_lane_serve``)
             return
         self._lane_released()
         self._e_rx_head = True

@@ -78,7 +78,7 @@ class LaneRequest(dict):
     """What the inference path reads of an ``aiohttp.web.Request``; the mapping holds request keys."""
 
     __slots__ = ("path", "headers", "content", "content_length", "keep_alive", "protocol", "transport", "writer",
-                 "task")
+                 "task", "head_read")
 
     method = "POST"
     version = HttpVersion11
@@ -86,7 +86,7 @@ class LaneRequest(dict):
     match_info: dict[str, str] = {}
 
     def __init__(self, path: str, headers: CIMultiDictProxy[str], body: bytes, keep_alive: bool,
-                 protocol: Any) -> None:
+                 protocol: Any, head_read: float | None = None) -> None:
         self.path = path                    # the mapping starts empty (dict.__new__): no dict.__init__ to run
         self.headers = headers
         self.content = WholeBody(body)
@@ -96,6 +96,10 @@ class LaneRequest(dict):
         self.transport = protocol.transport
         self.writer = LaneWriter(protocol)
         self.task: asyncio.Task | None = None
+        # when its head came whole (``time.perf_counter``), for a request the lane held until its body
+        # was in (``Pending``): its request log line counts from there; None: from its handler's start,
+        # which is the moment its head came (one read held it whole)
+        self.head_read = head_read
 
     @property
     def body_exists(self) -> bool:
@@ -162,13 +166,14 @@ class Pending:
     the head and the body apart, as httpx does): its head, read once, and every byte so far, for
     aiohttp when the lane lets it go."""
 
-    __slots__ = ("path", "headers", "keep_alive", "start", "need", "rid", "data")
+    __slots__ = ("path", "headers", "keep_alive", "start", "need", "rid", "data", "head_read")
 
     def __init__(self, path: str, headers: CIMultiDictProxy[str], keep_alive: bool, start: int, need: int,
                  data: bytes) -> None:
         self.path, self.headers, self.keep_alive, self.start, self.need = path, headers, keep_alive, start, need
         self.rid: str | None = headers.get("x-request-id")
         self.data = bytearray(data)
+        self.head_read = 0.0            # when its head came whole (``time.perf_counter``): set as it is held
 
     def more(self, data: bytes, max_body: float) -> Parsed | Pending | None:
         """``data`` added: itself while the body is still short, the request once it is whole, None
