@@ -4,6 +4,8 @@ replicas on one Redis), owner-gone errors, failures after headers, gateway-held 
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import orjson
@@ -647,3 +649,36 @@ async def test_a_cancel_whose_chunked_body_is_over_the_limit_is_one_413_with_one
         await openai_client(gw).models.list()       # a later request: a second line would be written by now
     assert [(x["request_id"], x["status"]) for x in got if x["path"] == f"/v1/responses/{r.id}/cancel"] == [
         (rid, 413)], got
+
+
+async def test_a_cancel_whose_body_breaks_or_whose_client_leaves_has_one_line_with_its_answer_s_status(sims, gateway):
+    """A call on a stored response relayed to its engine whose body breaks as it comes (bytes that are
+    not gzip under gzip, sent after the head) gets the edge's 400, whose line is the call's one line
+    (the call's request id replaced by the answer's, status 400, error_class http), and a call whose
+    client leaves before its body is in is a 499 client_cancel; both lines said status 0, and the
+    edge's 400 had a second line of its own."""
+    sim = await sims("vllm", "m", enable_responses_store=True)
+    gw = await gateway([model_block("m", "vllm", [sim.url])])
+    r = await openai_client(gw).responses.create(model="m", input="hello", max_output_tokens=2)
+    path = f"/v1/responses/{r.id}/cancel"
+    head = (f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            "Content-Encoding: gzip\r\nContent-Length: 10\r\n\r\n").encode()
+    with gw.gw.request_log.capture() as got:
+        ex = await exchange(gw.port, head, b"0123456789", wait=5.0)
+        assert ex.closed and len(ex.responses) == 1
+        err = assert_openai_error(ex.first, 400)
+        assert err["code"] == "bad_body", err
+        rid = ex.first.headers["request-id"]
+        await wait_for(lambda: any(x["request_id"] == rid for x in got), timeout=5.0, interval=0.01)
+        # the client that leaves: its head, part of its body, then gone
+        reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+        writer.write(head.replace(b"Content-Encoding: gzip\r\n", b"") + b"01234")
+        await writer.drain()
+        await wait_for(lambda: any(p._e_request is not None for p in gw.runner.server.connections), timeout=5.0,
+                       interval=0.005)
+        writer.close()
+        await wait_for(lambda: len([x for x in got if x["path"] == path]) >= 2, timeout=5.0, interval=0.01)
+        await openai_client(gw).models.list()       # a later request: a third line would be written by now
+    mine = [(x["status"], x["error_class"]) for x in got if x["path"] == path]
+    assert mine == [(400, "http"), (499, "client_cancel")], [x for x in got if x["path"] == path]
+    assert [x["request_id"] for x in got if x["path"] == path][0] == rid
