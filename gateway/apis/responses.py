@@ -54,6 +54,7 @@ from gateway.pipeline.context import (
     RequestRecord,
     record_request,
     safe_header_value,
+    take_edge_answer,
 )
 from gateway.request import request_id_from
 from gateway.resilience.outcome import key_refused
@@ -486,6 +487,12 @@ class ResponsesApi(ApiShape):
             headers = rec.response_headers()
             headers.update(e.headers)
             return error_response(e.status, e.body_bytes(), headers)
+        except asyncio.CancelledError:
+            # the edge's 408 or 400 (the body stopped or broke): the line says that answer; else the
+            # client left, a 499 as the pipeline's lines say it (before the answer's head or during it)
+            if not take_edge_answer(request, rec):
+                rec.status, rec.error_class = 499, ErrorClass.CLIENT_CANCEL
+            raise
         finally:
             record_request(rec, self.metrics, time.perf_counter(), self.request_log, self.observers)
 
