@@ -57,7 +57,8 @@ runner's factory of its ``Server``), ``Server._kwargs`` (the handler keyword arg
 collected), ``RequestHandler._request_count`` (requests parsed on this connection),
 ``web_protocol.ERROR`` (the message of the request aiohttp hands ``handle_error`` for a head it
 could not parse), and for a body in ``x-gzip`` (``XGzipBody``) ``BaseRequest._payload`` with its
-reified ``content``, ``StreamReader._wait`` and the parser's ``DeflateBuffer``.
+reified ``content``, ``StreamReader._wait`` and ``_protocol`` (the connection a body that does not
+decode is answered on) and the parser's ``DeflateBuffer``.
 """
 
 from __future__ import annotations
