@@ -158,6 +158,11 @@ async def gateway():
                                "models": models}
         for k, v in blocks.items():
             raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v     # a list block: aliases
+        pd = raw.setdefault("pd", {})
+        if "abort_retry_delay_s" not in pd:
+            # SGLang P/D's second abort, 2 s after the first by default, is a task the gateway's stop
+            # waits for: a test whose decode leg was aborted would end 2 s later for nothing
+            pd["sglang"] = {"abort_retry_delay_s": 0.2, **pd.get("sglang", {})}
         cfg = config_from_dict(raw, source="<test>")
         runner, app, port = await start(cfg)
         runners.append(runner)

@@ -427,7 +427,8 @@ async def test_header_bytes_that_are_not_utf8_are_quoted_in_a_shaped_error():
     async with edge_gateway(**SERVER) as gw:
         body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
         ex = await exchange(gw.port, request("POST", "/v1/chat/completions", body,
-                                             {"routing-strategy": "least-\udcff\udcfe"}))
+                                             {"routing-strategy": "least-\udcff\udcfe"}),
+                            responses=1, until_close=False)
         err = assert_openai_error(ex.first, 400)
         assert "\\xff\\xfe" in err["message"]
 
