@@ -145,9 +145,9 @@ class InferenceRequest:
         return self.path == EMBEDDINGS
 
 
-def bad_body(message: str, param: str | None = None) -> GatewayError:
+def bad_body(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
     """A 400 for a request body the gateway refuses (every API's parser raises these)."""
-    return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"),
+    return GatewayError(400, message, param=param, code=code, header=("x-error-request-body-processing", "true"),
                         error_class="validation")
 
 
@@ -191,6 +191,13 @@ _INT_STRING = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
 _I64 = 1 << 63
 _U64 = 1 << 64        # orjson writes ints in [-2**63, 2**64)
 _TOO_BIG = "Unable to parse input string as an integer, exceeded maximum size"
+# the code of the 400 for an integer past 64 bits, whichever field it is in
+OUT_OF_RANGE = "integer_out_of_range"
+
+
+def int_error(key: str, e: ValueError) -> GatewayError:
+    """The 400 for ``key``'s value that ``lax_int`` refused; one past 64 bits says so in its code."""
+    return bad_body(f"{key}: {e}", key, OUT_OF_RANGE if str(e) == _TOO_BIG else None)
 
 
 def lax_int(v: Any) -> int:
@@ -264,8 +271,17 @@ def _int_field(data: dict[str, Any], key: str, nullable: bool = True) -> int | N
     try:
         out = data[key] = lax_int(v)
     except ValueError as e:
-        raise _bad(f"{key}: {e}", key) from None
+        raise int_error(key, e) from None
     return out
+
+
+def _check_seed(v: Any) -> None:
+    """A ``seed`` past 64 bits is refused: vLLM bounds its ``seed`` to a signed 64-bit integer
+    (``ge``/``le`` of ``torch.long``'s range on its chat and completion requests); orjson reads an integer literal past 64 bits as a float, which
+    a re-encoded body would send as another number (-2**63 - 1 as -2**63: a whole float of that size
+    is refused, the literal -2**63 is an int). A fraction or a string is the engine's to read."""
+    if type(v) is int and not -_I64 <= v < _I64 or isinstance(v, float) and v.is_integer() and abs(v) >= _I64:
+        raise bad_body(f"seed: must be a signed 64-bit integer, from {-_I64} to {_I64 - 1}", "seed", OUT_OF_RANGE)
 
 
 def _fan_out(v: int, key: str) -> int:
@@ -494,6 +510,9 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
             best_of = _int_field(data, "best_of")
             if best_of is not None:
                 _fan_out(best_of, "best_of")
+        seed = data.get("seed")
+        if seed is not None and not (type(seed) is int and -_I64 <= seed < _I64):
+            _check_seed(seed)
 
     exact_tokens: int | None = None
     media = [False]

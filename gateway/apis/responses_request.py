@@ -21,6 +21,7 @@ from gateway.request import (
     CHARS_PER_TOKEN,
     InferenceRequest,
     caller_headers,
+    int_error,
     lax_bool,
     lax_int,
     load_object,
@@ -135,7 +136,7 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
             try:
                 v = data["max_output_tokens"] = lax_int(v)
             except ValueError as e:
-                raise _bad(f"max_output_tokens: {e}", "max_output_tokens") from None
+                raise int_error("max_output_tokens", e) from None
         if v < 1:
             raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
     text = prompt_text(data)
