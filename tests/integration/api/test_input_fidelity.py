@@ -1,18 +1,20 @@
 """What the gateway refuses of a client's input before routing, whichever path the request takes.
 
-A client's integer past 64 bits is a 400 naming the field, sent by a real client on real sockets,
-and no engine sees the request. The same input gets the same answer whether or not the gateway
-re-encodes the body (a stream the gateway asks usage for, an alias).
+A client's integer past 64 bits, a Messages ``temperature`` or tool the Messages API does not take,
+a Responses ``temperature`` or function tool the Responses API does not take: each is a 400 in its
+API's shape, naming the field, sent by a real client on real sockets, and no engine sees the request. The same input gets the same answer whether or not
+the gateway re-encodes the body (a stream the gateway asks usage for, an alias).
 """
 
 from __future__ import annotations
 
+import anthropic
 import openai
 import orjson
 import pytest
 
 from tests.support.factories import model_block
-from tests.support.http import openai_client, post, sim_state
+from tests.support.http import anthropic_client, openai_client, post, sim_state
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
 BIG = 123456789012345678901234567890          # past 64 bits: orjson reads it as a float
@@ -86,3 +88,99 @@ async def test_a_count_past_64_bits_says_so_on_every_path(fleet, model, stream):
         err = r.json()["error"]
         assert err["param"] == key and err["code"] == "integer_out_of_range", err
     assert await posts_seen(v, s) == []
+
+
+# -- Messages ----------------------------------------------------------------------------------
+
+MESSAGES_REFUSED = [
+    ({"temperature": 1.5}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": [0.5]}, "temperature"),
+    ({"tools": {"name": "x"}}, "tools"),
+    ({"tools": ["x"]}, "tools.0"),
+    ({"tools": [{"name": "get_weather"}]}, "tools.0.input_schema"),
+    ({"tools": [{"name": "get_weather", "input_schema": "object"}]}, "tools.0.input_schema"),
+    ({"tools": [{"name": "get_weather", "input_schema": None}]}, "tools.0.input_schema"),
+    ({"tools": [{"input_schema": {"type": "object"}}]}, "tools.0.name"),
+    ({"tools": [{"name": 5, "input_schema": {"type": "object"}}]}, "tools.0.name"),
+    ({"tools": [{"type": "custom", "name": "a", "input_schema": {"type": "object"}},
+                {"type": "custom", "name": "b"}]}, "tools.1.input_schema"),
+    ({"tools": [{"type": 7, "name": "a", "input_schema": {}}]}, "tools.0.type"),
+]
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize("fields,where", MESSAGES_REFUSED)
+async def test_a_messages_temperature_or_tool_the_api_does_not_take_is_refused(fleet, path, fields, where):
+    gw, v, s = fleet
+    if path.endswith("count_tokens") and "temperature" in fields:
+        pytest.skip("count_tokens takes no temperature")
+    body = {"model": "m", "max_tokens": 4, "messages": MSGS, **fields}
+    r = await post(gw, orjson.dumps(body), {"anthropic-version": "2023-06-01"}, path=path)
+    assert r.status == 400, r.body
+    got = r.json()
+    assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error", got
+    assert got["error"]["message"].startswith(where + ":"), got
+    assert await posts_seen(v, s) == []
+
+
+async def test_the_anthropic_sdk_still_sends_tools_and_temperatures_the_api_takes(fleet):
+    gw, v, _ = fleet
+    c = anthropic_client(gw)
+    tools = [{"name": "get_weather", "description": "The weather", "input_schema": {"type": "object"}},
+             {"type": "custom", "name": "t2", "input_schema": {"type": "object", "properties": {}}}]
+    for t in (0, 0.0, 0.7, 1, 1.0):
+        # the SDK has no temperature argument of its own (any longer): sent as the engines take it
+        msg = await c.messages.create(model="m", max_tokens=2, messages=MSGS, tools=tools, extra_body={"temperature": t})
+        assert msg.usage.output_tokens == 2
+    # a server tool has no input_schema: it is the engine's to take or refuse
+    body = {"model": "m", "max_tokens": 2, "messages": MSGS,
+            "tools": [{"type": "web_search_20250305", "name": "web_search"}], "temperature": None}
+    r = await post(gw, orjson.dumps(body), {"anthropic-version": "2023-06-01"}, path="/v1/messages")
+    assert r.status == 200, r.body
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        await c.messages.create(model="m", max_tokens=2, messages=MSGS, extra_body={"temperature": 1.01})
+    assert ei.value.status_code == 400 and "temperature" in ei.value.message
+
+
+# -- Responses ---------------------------------------------------------------------------------
+
+RESPONSES_REFUSED = [
+    ({"temperature": 2.5}, "temperature"),
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "warm"}, "temperature"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": [5]}, "tools[0]"),
+    ({"tools": [{"name": "f"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": ["f"]}]}, "tools[0].name"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": "object"}]}, "tools[0].parameters"),
+    ({"tools": [{"type": "function", "name": "f"}, {"type": "function", "parameters": {}}]}, "tools[1].name"),
+]
+
+
+@pytest.mark.parametrize("fields,param", RESPONSES_REFUSED)
+async def test_a_responses_temperature_or_function_tool_the_api_does_not_take_is_refused(fleet, fields, param):
+    gw, v, s = fleet
+    body = {"model": "m", "input": "Hi", "max_output_tokens": 4, **fields}
+    r = await post(gw, orjson.dumps(body), path="/v1/responses")
+    assert r.status == 400, r.body
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error", err
+    assert await posts_seen(v, s) == []
+
+
+async def test_the_openai_sdk_still_sends_responses_tools_and_temperatures_the_api_takes(fleet):
+    gw, _, _ = fleet
+    client = openai_client(gw)
+    tools = [{"type": "function", "name": "get_weather"},
+             {"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": False},
+             {"type": "function", "name": "g", "parameters": None}]
+    for t in (0, 1.0, 2, 2.0):
+        r = await client.responses.create(model="m", input="Hi", max_output_tokens=4, temperature=t, tools=tools)
+        assert r.status in ("completed", "incomplete")
+    with pytest.raises(openai.BadRequestError) as ei:
+        await client.responses.create(model="m", input="Hi", max_output_tokens=4, temperature=2.01)
+    assert ei.value.param == "temperature"
