@@ -250,6 +250,22 @@ def lax_bool(v: Any) -> bool:
     raise ValueError("Input should be a valid boolean")
 
 
+def lax_float(v: Any) -> float:
+    """``v`` read as pydantic's lax mode reads a ``float`` (an int, a bool, a numeric string);
+    ``ValueError`` with pydantic's message. NaN and the infinities a string may spell come back as
+    they are: a range check refuses them."""
+    if type(v) is float or type(v) is int:
+        return v
+    if v is True or v is False:
+        return float(v)
+    if isinstance(v, str):
+        try:
+            return float(v.strip())
+        except ValueError:
+            raise ValueError("Input should be a valid number, unable to parse string as a number") from None
+    raise ValueError("Input should be a valid number")
+
+
 def lax_int_list(v: Any) -> list[int] | None:
     """A list whose items all read as ints (``[1.0, "2", true]`` is ``[1, 2, 1]`` to the engine's
     ``list[int]``), or None."""

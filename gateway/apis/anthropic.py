@@ -7,7 +7,8 @@ the same pipeline as chat. What differs from OpenAI, and lives here:
   ``/v1/messages``, ``max_tokens`` are required; ``system`` is a string or a list of text blocks.
   The prefix the router hashes is the system prompt followed by the messages, as the engine's
   chat template renders them in that order. ``metadata.user_id`` names the user when no ``user``
-  header does. The body is forwarded unchanged: the usage of a stream always arrives (in
+  header does. What Anthropic's API refuses and the engine would take is refused here too: a
+  ``temperature`` outside 0.0 to 1.0, a custom tool without a ``name`` or an ``input_schema`` object. The body is forwarded unchanged: the usage of a stream always arrives (in
   ``message_start`` and ``message_delta``), so nothing has to be asked for.
 - **Errors.** Before headers: ``{"type": "error", "error": {"type", "message"}}`` with Anthropic's
   error types for the status (``invalid_request_error``, ``not_found_error``,
@@ -45,6 +46,7 @@ from gateway.request import (
     InferenceRequest,
     caller_headers,
     lax_bool,
+    lax_float,
     lax_int,
     load_object,
     slo_objectives,
@@ -111,6 +113,43 @@ def _blocks_text(content: Any, where: str, media: list[bool], system: bool = Fal
     return "\n".join(out)
 
 
+def _check_temperature(v: Any) -> None:
+    """Anthropic's ``temperature``: a number from 0.0 to 1.0 (vLLM's Messages request takes any
+    float and hands it to its sampler, where 1.5 is a valid temperature that Anthropic refuses)."""
+    try:
+        t = lax_float(v)
+    except ValueError as e:
+        raise _bad(f"temperature: {e}") from None
+    if not t >= 0.0:        # NaN too
+        raise _bad("temperature: Input should be greater than or equal to 0")
+    if t > 1.0:
+        raise _bad("temperature: Input should be less than or equal to 1")
+
+
+def _check_tools(tools: Any) -> None:
+    """Anthropic's ``tools``: a list of objects; a custom tool (``type`` absent or ``custom``) has a
+    ``name`` and an ``input_schema`` object. Server tools (``web_search_20250305``, ``bash_20250124``,
+    ...) have no schema: the engine takes them or refuses them."""
+    if not isinstance(tools, list):
+        raise _bad("tools: Input should be a valid list")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise _bad(f"tools.{i}: Input should be a valid dictionary")
+        kind = tool.get("type")
+        if kind is not None and kind != "custom":
+            if not isinstance(kind, str):
+                raise _bad(f"tools.{i}.type: Input should be a valid string")
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"tools.{i}.name: " + ("Field required" if name is None else "Input should be a valid string"
+                                              if not isinstance(name, str) else "String should have at least 1 character"))
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise _bad(f"tools.{i}.input_schema: " + ("Field required" if schema is None
+                                                      else "Input should be a valid dictionary"))
+
+
 class AnthropicApi(EngineSpecificApi):
     name = "anthropic"
     paths = ANTHROPIC_PATHS
@@ -143,6 +182,12 @@ class AnthropicApi(EngineSpecificApi):
                     raise _bad(f"max_tokens: {e}") from None
             if mt < 1:
                 raise _bad("max_tokens: Input should be a positive integer")
+            temperature = data.get("temperature")
+            if temperature is not None:
+                _check_temperature(temperature)
+        tools = data.get("tools")
+        if tools is not None:
+            _check_tools(tools)
         parts = []
         media = [False]
         system = data.get("system")

@@ -4,6 +4,8 @@
 accounting need: the model, the stream flag, and the prompt text the engine will prefill, which is
 ``instructions`` followed by the text of ``input`` (a string or a list of items whose ``content``
 is a string or a list of text parts). That text is the prefix-cache key of every strategy.
+``temperature`` (0 to 2) and the function tools' ``name`` and ``parameters`` are checked as OpenAI
+documents them, with OpenAI's error codes.
 
 The helpers below serve the gateway-held history (``responses.state: gateway``): a stored
 response's input and output items become the ``input`` of its follow-up, in the forms every
@@ -23,6 +25,7 @@ from gateway.request import (
     caller_headers,
     int_error,
     lax_bool,
+    lax_float,
     lax_int,
     load_object,
     slo_objectives,
@@ -31,8 +34,8 @@ from gateway.request import (
 RESPONSES = "/v1/responses"
 
 
-def _bad(message: str, param: str | None = None) -> GatewayError:
-    return GatewayError(400, message, param=param, header=("x-error-request-body-processing", "true"),
+def _bad(message: str, param: str | None = None, code: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code=code, header=("x-error-request-body-processing", "true"),
                         error_class="validation")
 
 
@@ -46,6 +49,56 @@ def _bool_field(data: dict[str, Any], key: str) -> bool | None:
     except ValueError as e:
         raise _bad(f"{key}: {e}", key) from None
     return out
+
+
+def _check_temperature(v: Any) -> None:
+    """OpenAI's ``temperature``: a number from 0 to 2, refused with OpenAI's codes."""
+    try:
+        t = lax_float(v)
+    except ValueError:
+        raise _bad("Invalid type for 'temperature': expected a decimal, but got "
+                   f"{type(v).__name__} instead.", "temperature", "invalid_type") from None
+    if not t >= 0:          # NaN too
+        raise _bad(f"Invalid 'temperature': decimal below minimum value. Expected a value >= 0, but got {v} instead.",
+                   "temperature", "decimal_below_min_value")
+    if t > 2:
+        raise _bad(f"Invalid 'temperature': decimal above maximum value. Expected a value <= 2, but got {v} instead.",
+                   "temperature", "decimal_above_max_value")
+
+
+def _check_tools(tools: Any) -> None:
+    """OpenAI's ``tools``: a list of objects, each with a ``type``; a function tool has a ``name``
+    (not empty) and ``parameters``, when given, an object (OpenAI's and vLLM's ``FunctionTool``
+    make ``parameters`` optional). The other tool types are the engine's to take or refuse."""
+    if not isinstance(tools, list):
+        raise _bad("Invalid type for 'tools': expected an array, but got "
+                   f"{type(tools).__name__} instead.", "tools", "invalid_type")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise _bad(f"Invalid type for '{where}': expected an object, but got {type(tool).__name__} instead.",
+                       where, "invalid_type")
+        kind = tool.get("type")
+        if not isinstance(kind, str):
+            raise _missing_or_type(f"{where}.type", kind, "a string")
+        if kind != "function":
+            continue
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            if name == "":
+                raise _bad(f"Invalid '{where}.name': empty string. Expected a string with minimum length 1, "
+                           "but got an empty string instead.", f"{where}.name", "empty_string")
+            raise _missing_or_type(f"{where}.name", name, "a string")
+        params = tool.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise _missing_or_type(f"{where}.parameters", params, "an object")
+
+
+def _missing_or_type(where: str, v: Any, expected: str) -> GatewayError:
+    if v is None:
+        return _bad(f"Missing required parameter: '{where}'.", where, "missing_required_parameter")
+    return _bad(f"Invalid type for '{where}': expected {expected}, but got {type(v).__name__} instead.",
+                where, "invalid_type")
 
 
 def _parts_text(content: Any, where: str) -> str:
@@ -139,6 +192,12 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
                 raise int_error("max_output_tokens", e) from None
         if v < 1:
             raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
+    temperature = data.get("temperature")
+    if temperature is not None:
+        _check_temperature(temperature)
+    tools = data.get("tools")
+    if tools is not None:
+        _check_tools(tools)
     text = prompt_text(data)
     user, session_id, session_key = caller_headers(headers)
     if user is None and isinstance(data.get("user"), str):
