@@ -27,18 +27,20 @@ class Case:
     fields: tuple[Path, ...]
 
 
-CHAT_BODY = {"model": "m", "max_tokens": 5, "max_completion_tokens": 5, "n": 1, "best_of": 1, "user": "u",
+CHAT_BODY = {"model": "m", "max_tokens": 5, "max_completion_tokens": 5, "n": 1, "best_of": 1, "user": "u", "seed": 7,
              "stream": True, "stream_options": {"include_usage": True},
              "messages": [{"role": "system", "content": "be brief"},
                           {"role": "user", "content": [{"type": "text", "text": "hello"},
                                                        {"type": "image_url", "image_url": {"url": "data:x"}}]}]}
-MESSAGES_BODY = {"model": "m", "max_tokens": 5, "stream": True, "metadata": {"user_id": "u"},
+MESSAGES_BODY = {"model": "m", "max_tokens": 5, "stream": True, "metadata": {"user_id": "u"}, "temperature": 0.5,
+                 "tools": [{"name": "f", "input_schema": {"type": "object"}}],
                  "system": [{"type": "text", "text": "be brief"}],
                  "messages": [{"role": "user", "content": [
                      {"type": "text", "text": "hello"},
                      {"type": "tool_result", "tool_use_id": "t1", "content": "42"}]}]}
 RESPONSES_BODY = {"model": "m", "instructions": "be brief", "stream": True, "store": True, "background": False,
-                  "max_output_tokens": 5, "previous_response_id": "resp_1", "user": "u",
+                  "max_output_tokens": 5, "previous_response_id": "resp_1", "user": "u", "temperature": 1.5,
+                  "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
                   "input": [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]},
                             {"type": "function_call_output", "call_id": "c1", "output": "42"}]}
 
@@ -49,7 +51,7 @@ CASES: tuple[Case, ...] = (
         ("messages", 1, "content", 0, "type"), ("messages", 1, "content", 0, "text"),
         ("messages", 1, "content", 1), ("messages", 1, "content", 1, "type"), ("stream",), ("stream_options",),
         ("stream_options", "include_usage"), ("max_tokens",), ("max_completion_tokens",), ("n",), ("best_of",),
-        ("user",))),
+        ("user",), ("seed",))),
     Case("openai", "/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 5, "n": 1, "best_of": 1,
                                          "stream": True, "stream_options": {"include_usage": False}},
          (("model",), ("prompt",), ("max_tokens",), ("n",), ("best_of",), ("stream",), ("stream_options",),
@@ -63,13 +65,15 @@ CASES: tuple[Case, ...] = (
         (), ("model",), ("input",), ("input", 0), ("input", 0, "role"), ("input", 0, "content"),
         ("input", 0, "content", 0), ("input", 0, "content", 0, "text"), ("input", 1), ("input", 1, "output"),
         ("instructions",), ("stream",), ("store",), ("background",), ("max_output_tokens",),
-        ("previous_response_id",), ("user",))),
+        ("previous_response_id",), ("user",), ("temperature",), ("tools",), ("tools", 0), ("tools", 0, "type"),
+        ("tools", 0, "name"), ("tools", 0, "parameters"))),
     Case("anthropic", "/v1/messages", MESSAGES_BODY, (
         (), ("model",), ("max_tokens",), ("stream",), ("system",), ("system", 0), ("system", 0, "text"),
         ("messages",), ("messages", 0), ("messages", 0, "role"), ("messages", 0, "content"),
         ("messages", 0, "content", 0), ("messages", 0, "content", 0, "type"), ("messages", 0, "content", 0, "text"),
         ("messages", 0, "content", 1), ("messages", 0, "content", 1, "content"), ("metadata",),
-        ("metadata", "user_id"))),
+        ("metadata", "user_id"), ("temperature",), ("tools",), ("tools", 0), ("tools", 0, "type"),
+        ("tools", 0, "name"), ("tools", 0, "input_schema"))),
     Case("anthropic", "/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
          (("model",), ("messages",), ("messages", 0, "content"), ("stream",), ("max_tokens",))),
     Case("openai", "/v1/rerank", {"model": "m", "query": "q", "documents": ["a", {"text": "b"}]},
