@@ -1,8 +1,9 @@
 """What the gateway refuses of a client's input before routing, whichever path the request takes.
 
 A client's integer past 64 bits, a Messages ``temperature`` or tool the Messages API does not take,
-a Responses ``temperature`` or function tool the Responses API does not take: each is a 400 in its
-API's shape, naming the field, sent by a real client on real sockets, and no engine sees the request. The same input gets the same answer whether or not
+a Responses ``temperature`` or function tool the Responses API does not take, an audio form that
+names its ``model`` twice: each is a 400 in its API's shape, naming the field, sent by a real client
+on real sockets, and no engine sees the request. The same input gets the same answer whether or not
 the gateway re-encodes the body (a stream the gateway asks usage for, an alias).
 """
 
@@ -184,3 +185,40 @@ async def test_the_openai_sdk_still_sends_responses_tools_and_temperatures_the_a
     with pytest.raises(openai.BadRequestError) as ei:
         await client.responses.create(model="m", input="Hi", max_output_tokens=4, temperature=2.01)
     assert ei.value.param == "temperature"
+
+
+# -- audio -------------------------------------------------------------------------------------
+
+def form(*fields: tuple[str, bytes], boundary: str = "fIdElItY") -> tuple[bytes, dict[str, str]]:
+    parts = []
+    for name, value in fields:
+        disp = f'form-data; name="{name}"' + ('; filename="a.wav"' if name == "file" else "")
+        parts.append(f"--{boundary}\r\nContent-Disposition: {disp}\r\n\r\n".encode() + value + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+
+
+AUDIO = bytes(range(256)) * 40
+
+
+@pytest.mark.parametrize("fields", [
+    [("model", b"m"), ("file", AUDIO), ("model", b"qwen")],
+    [("model", b"m"), ("model", b"m"), ("file", AUDIO)],
+    [("file", AUDIO), ("model", b"chat"), ("model", b"m")],
+    [("model", b"m"), ("stream", b"false"), ("file", AUDIO), ("stream", b"true")],
+])
+async def test_an_audio_form_that_names_a_field_twice_is_refused(fleet, fields):
+    gw, v, s = fleet
+    body, headers = form(*fields)
+    twice = "model" if [n for n, _ in fields].count("model") == 2 else "stream"
+    for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+        r = await post(gw, body, headers, path=path)
+        assert r.status == 400, r.body
+        err = r.json()["error"]
+        assert err["param"] == twice and err["type"] == "invalid_request_error", err
+        assert "more than once" in err["message"], err
+    assert await posts_seen(v, s) == []
+    # one of each is served
+    body, headers = form(("model", b"m"), ("file", AUDIO), ("language", b"en"))
+    r = await post(gw, body, headers, path="/v1/audio/transcriptions")
+    assert r.status == 200, r.body
