@@ -13,7 +13,8 @@ body reaches the engine byte for byte; the gateway only reads what routing and a
   ``server.max_body_bytes`` (413 above it), and the form is not parsed into parts: the ``model``
   and ``stream`` fields are found by scanning that buffer for the part boundaries, and the same
   buffer is what the engine receives, with the client's ``Content-Type`` (its boundary) kept. The
-  file is therefore copied once, from the connection into the buffer.
+  file is therefore copied once, from the connection into the buffer. A form that gives ``model``
+  or ``stream`` twice is refused: the gateway would route by one value and the engine read another.
 """
 
 from __future__ import annotations
@@ -143,12 +144,16 @@ _WANTED = (b"model", b"stream")
 _MAX_FIELD = 1024            # a wanted field's value longer than this is not a model name
 
 
-def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...]) -> dict[str, tuple[int, int]]:
-    """Where the values of the ``wanted`` plain fields are in ``body``: name → (start, end)."""
+def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...],
+                 twice: list[str] | None = None) -> dict[str, tuple[int, int]]:
+    """Where the values of the ``wanted`` plain fields are in ``body``: name → (start, end), the
+    first of each. With ``twice``, the whole form is read, and the wanted names it has more than
+    one plain field of are appended to it."""
     out: dict[str, tuple[int, int]] = {}
+    seen: set[bytes] = set()
     delim = b"--" + boundary
     i = body.find(delim)
-    while i >= 0 and len(out) < len(wanted):
+    while i >= 0 and (twice is not None or len(out) < len(wanted)):
         j = i + len(delim)
         if body.startswith(b"--", j):           # the closing delimiter
             break
@@ -161,22 +166,30 @@ def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...]) -> dic
         for line in body[j:head_end].split(b"\r\n"):
             if line[:20].lower().startswith(b"content-disposition:"):
                 m = _FIELD_NAME.search(line)
-                if m and m.group(1) in wanted and not _FILENAME.search(line) and nxt - head_end - 4 <= _MAX_FIELD:
-                    out.setdefault(m.group(1).decode(), (head_end + 4, nxt))
+                if m and m.group(1) in wanted and not _FILENAME.search(line):
+                    name = m.group(1)
+                    if name in seen:
+                        if twice is not None and name.decode() not in twice:
+                            twice.append(name.decode())
+                    elif nxt - head_end - 4 <= _MAX_FIELD:
+                        out[name.decode()] = (head_end + 4, nxt)
+                    seen.add(name)
                 break
         i = nxt + 2
     return out
 
 
-def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTED) -> dict[str, str]:
+def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTED,
+                twice: list[str] | None = None) -> dict[str, str]:
     """The values of the ``wanted`` plain (non-file) fields of a multipart/form-data body.
 
     Works on ``body`` in place: it looks for the part delimiters and reads only the small part
     headers and the wanted values; a file part's bytes are skipped over by ``bytes.find``, never
-    copied. Stops when every wanted field was found, or at the closing delimiter.
+    copied. Stops when every wanted field was found, or at the closing delimiter; with ``twice``,
+    at the closing delimiter, having appended to it the wanted names given more than once.
     """
     return {name: body[a:b].decode("utf-8", "replace").strip()
-            for name, (a, b) in _field_spans(body, boundary, wanted).items()}
+            for name, (a, b) in _field_spans(body, boundary, wanted, twice).items()}
 
 
 def _boundary(ctype: str) -> bytes | None:
@@ -245,7 +258,12 @@ class AudioApi(PassthroughApi):
         boundary = _boundary(ctype)
         if boundary is None:
             raise _bad("the multipart Content-Type has no boundary (or one that is not ASCII)")
-        fields = form_fields(body, boundary)
+        twice: list[str] = []
+        fields = form_fields(body, boundary, twice=twice)
+        if twice:
+            # the engine's form reader keeps one value of a repeated field (Starlette's, in front of
+            # vLLM, the last), the gateway routes by the first: which one the client meant is not known
+            raise _bad(f"the form gives '{twice[0]}' more than once; give it once", twice[0])
         model = fields.get("model")
         if not model:
             raise _no_model(f"'model' is required: it decides where {path} is routed")
