@@ -9,12 +9,17 @@ the gateway re-encodes the body (a stream the gateway asks usage for, an alias).
 
 from __future__ import annotations
 
+import json
+
+import aiohttp
 import anthropic
 import openai
 import orjson
 import pytest
+from aiohttp import web
 
-from tests.support.factories import model_block
+from tests.support.factories import model_block, pd_model, pd_pair
+from tests.support.fake_engine import fake_engine
 from tests.support.http import anthropic_client, openai_client, post, sim_state
 
 MSGS = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -222,3 +227,71 @@ async def test_an_audio_form_that_names_a_field_twice_is_refused(fleet, fields):
     body, headers = form(("model", b"m"), ("file", AUDIO), ("language", b"en"))
     r = await post(gw, body, headers, path="/v1/audio/transcriptions")
     assert r.status == 200, r.body
+
+
+# -- integers past 64 bits the gateway does not read -------------------------------------------
+
+def recording_relay(url: str, sent: list[bytes]):
+    """A fake engine's handler that keeps the bytes it is sent and answers with what the real
+    engine at ``url`` answers to them."""
+
+    async def relay(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        sent.append(raw)
+        async with aiohttp.ClientSession() as s, s.post(url + request.path, data=raw,
+                                                        headers={"Content-Type": "application/json"}) as r:
+            resp = web.StreamResponse(status=r.status, headers={"Content-Type": r.headers["Content-Type"]})
+            await resp.prepare(request)
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    return relay
+
+
+# an engine field the gateway passes on (vLLM's vllm_xargs, for custom logits processors): integer
+# literals past 64 bits, one inside it, a float literal that is the double nearest one of them
+XARGS = (f'{{"big": {BIG}, "neg": {-BIG}, "u64": {(1 << 64) - 1}, "past": {1 << 64}, '
+         f'"double": 1.2345678901234568e+29, "list": [{BIG}, 1.5, 1e30, {BIG + 1}]}}')
+
+
+@pytest.mark.parametrize("model,stream", [("m", ""), ("m", ', "stream": true'), ("chat", ""),
+                                          ("chat", ', "stream": true'), ("cont", ', "stream": true'),
+                                          ("m", ', "stream": true, "stream_options": {"include_usage": true}')])
+async def test_integers_past_64_bits_reach_the_engine_as_the_client_wrote_them(sims, gateway, model, stream):
+    """Whether the body goes out as it came (a whole answer, a stream with usage) or re-encoded (a
+    stream the gateway asks usage for, an alias's target, a continuable stream's first leg), the
+    engine reads the numbers the client wrote."""
+    sim, other = await sims("vllm", "m"), await sims("vllm", "cont")
+    sent: list[bytes] = []
+    async with fake_engine(recording_relay(sim.url, sent)) as url, \
+            fake_engine(recording_relay(other.url, sent)) as cont:
+        gw = await gateway([model_block("m", "vllm", [url]),
+                            model_block("cont", "vllm", [cont], migration_limit=1)],
+                           aliases=[{"name": "chat", "targets": [{"model": "m"}]}])
+        body = raw_body(f'"vllm_xargs": {XARGS}', model, stream)
+        r = await post(gw, body)
+        assert r.status == 200, r.body
+    assert len(sent) == 1
+    # read as Python's json reads them: integers exact, floats as doubles
+    assert json.loads(sent[0])["vllm_xargs"] == json.loads(XARGS)
+    assert all(type(a) is type(b) for a, b in zip(json.loads(sent[0])["vllm_xargs"]["list"],
+                                                  json.loads(XARGS)["list"], strict=True))
+    assert type(json.loads(sent[0])["vllm_xargs"]["double"]) is float
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_integers_past_64_bits_reach_both_pd_legs_as_the_client_wrote_them(sims, gateway, engine):
+    p, d = await pd_pair(sims, engine)
+    sent: list[bytes] = []
+    async with fake_engine(recording_relay(p.url, sent)) as purl, fake_engine(recording_relay(d.url, sent)) as durl:
+        prefill = {"url": purl, "bootstrap_port": p.bootstrap_port} if engine == "sglang" else purl
+        gw = await gateway([pd_model(engine, [{"name": "rs-1", "prefill": [prefill], "decode": [durl]}])])
+        for stream in ("", ', "stream": true'):
+            sent.clear()
+            r = await post(gw, raw_body(f'"vllm_xargs": {XARGS}', "m", stream))
+            assert r.status == 200, r.body
+            assert len(sent) == 2
+            for raw in sent:
+                assert json.loads(raw)["vllm_xargs"] == json.loads(XARGS)
