@@ -29,11 +29,11 @@ import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-import orjson
 from msgspec import Meta
 
 from gateway.config.block import Block
 from gateway.observability.metrics import Counter
+from gateway.request import body_bytes
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -210,7 +210,7 @@ class Aliases:
             ireq.data["model"] = target
             ireq.model = target
             # re-encoded once; a later rewrite (include_usage for streams) encodes the data again
-            ireq.body = orjson.dumps(ireq.data)
+            ireq.body = body_bytes(ireq.data, ireq.body)
         ctx.rec.alias = alias.name
         child = self._children.get((alias.name, target))
         if child is None:

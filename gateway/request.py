@@ -9,6 +9,7 @@ change the body.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -198,6 +199,78 @@ OUT_OF_RANGE = "integer_out_of_range"
 def int_error(key: str, e: ValueError) -> GatewayError:
     """The 400 for ``key``'s value that ``lax_int`` refused; one past 64 bits says so in its code."""
     return bad_body(f"{key}: {e}", key, OUT_OF_RANGE if str(e) == _TOO_BIG else None)
+
+
+# orjson reads an integer literal outside [-2**63, 2**64) as the nearest double, so a body the
+# gateway re-encodes would carry another number than the client's (123456789012345678901234567890
+# as 1.2345678901234568e+29) where the body forwarded as it came carries the client's digits.
+# ``body_bytes`` writes them back: such a double, 2**63 or more in size, is written with an exponent
+# ("e+"), which a re-encoded body seldom holds otherwise; only then are the client's bytes looked
+# at (19 digits in a row, then Python's json, which keeps every integer exact).
+_WIDE_DIGITS = re.compile(rb"[0-9]{19}")
+
+
+def body_bytes(data: Any, original: bytes) -> bytes:
+    """``data``, a body parsed from ``original`` and rewritten, as the JSON an engine is sent: the
+    integers past 64 bits ``original`` holds are written with their digits, not as doubles."""
+    out = orjson.dumps(data)
+    if b"e+" not in out or not _WIDE_DIGITS.search(original):
+        return out
+    wide = _wide_ints(original)
+    if not wide:
+        return out
+    try:
+        return orjson.dumps(_with_digits(data, wide))
+    except RecursionError:      # nesting deeper than Python recurses (orjson reads 1024 levels)
+        return out
+
+
+def _wide_ints(original: bytes) -> dict[float, list[orjson.Fragment | None]]:
+    """The integer literals of ``original`` past 64 bits by the double orjson reads each as, each
+    with its digits, in the order of the body; a float literal equal to one of those doubles comes
+    in its place in that order as ``None`` (it stays a float)."""
+    seen: list[tuple[float, str | None]] = []
+
+    def on_int(s: str) -> int:
+        v = int(s)
+        if not -_I64 <= v < _U64:
+            seen.append((float(v), s))
+        return 0
+
+    def on_float(s: str) -> float:
+        v = float(s)
+        if abs(v) >= _I64 and v.is_integer():
+            seen.append((v, None))
+        return 0.0
+
+    try:
+        json.loads(original, parse_int=on_int, parse_float=on_float)
+    except (ValueError, RecursionError):
+        return {}
+    wide = {v for v, s in seen if s is not None}
+    out: dict[float, list[orjson.Fragment | None]] = {}
+    for v, s in seen:
+        if v in wide:
+            out.setdefault(v, []).append(None if s is None else orjson.Fragment(s))
+    for values in out.values():
+        values.reverse()        # popped from the end: the body's order
+    return out
+
+
+def _with_digits(v: Any, wide: dict[float, list[orjson.Fragment | None]]) -> Any:
+    """``v`` with each double of ``wide`` replaced by the next literal it stood for (the last one
+    again when the rewritten body holds more of them than the client's)."""
+    if type(v) is float:
+        values = wide.get(v)
+        if values is None:
+            return v
+        lit = values.pop() if len(values) > 1 else values[0]
+        return v if lit is None else lit
+    if type(v) is dict:
+        return {k: _with_digits(x, wide) for k, x in v.items()}
+    if type(v) is list:
+        return [_with_digits(x, wide) for x in v]
+    return v
 
 
 def lax_int(v: Any) -> int:

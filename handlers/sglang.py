@@ -20,7 +20,7 @@ import orjson
 
 from gateway.apis.paths import DETOKENIZE, TOKENIZE, TRANSCRIPTIONS
 from gateway.endpoints import Endpoint
-from gateway.request import CHAT, InferenceRequest, usage_stream_options
+from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, engine_message, openai_usage
 from handlers.base import BodyError as _BodyError
 from handlers.continuation import TEXT
@@ -147,7 +147,8 @@ def duplicate_controlled_key(body: bytes) -> str | None:
 
 
 def build_bodies(data: dict[str, Any], *, bootstrap_host: str, bootstrap_port: int,
-                 room: int, rid: str, decode_extra: dict[str, Any] | None = None) -> tuple[bytes, bytes]:
+                 room: int, rid: str, decode_extra: dict[str, Any] | None = None,
+                 original: bytes = b"") -> tuple[bytes, bytes]:
     """(prefill body, decode body) from the client's parsed request, serialized once each.
 
     Both get the bootstrap triple and the rid (client values overwritten). The prefill also gets
@@ -164,7 +165,7 @@ def build_bodies(data: dict[str, Any], *, bootstrap_host: str, bootstrap_port: i
     prefill = {k: v for k, v in data.items() if k not in CONTROLLED}
     prefill.update(max_tokens=1, max_completion_tokens=1, stream=False)
     prefill.update(boot)
-    return orjson.dumps(prefill), orjson.dumps(decode)
+    return body_bytes(prefill, original), body_bytes(decode, original)
 
 
 def bootstrap_host_of(host: str) -> str:
@@ -197,7 +198,7 @@ class SGLangAdapter:
         p_body, d_body = build_bodies(
             ireq.data, bootstrap_host=bootstrap_host_of(prefill.host),
             bootstrap_port=prefill.bootstrap_port or own.default_bootstrap_port,
-            room=new_room(rng), rid=rid, decode_extra=extra)
+            room=new_room(rng), rid=rid, decode_extra=extra, original=ireq.body)
         abort = AbortSpec("/abort_request", orjson.dumps({"rid": rid}), own.abort_timeout_s, own.abort_retry_delay_s)
         return PDPlan(concurrent=True, prefill_body=p_body, decode_body=d_body, abort=abort,
                       strip_usage=extra is not None, log={"rid": rid})

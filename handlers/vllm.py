@@ -14,7 +14,7 @@ import orjson
 
 from gateway.apis.paths import ANTHROPIC_PATHS, PASSTHROUGH_PATHS
 from gateway.endpoints import Endpoint
-from gateway.request import CHAT, InferenceRequest, usage_stream_options
+from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, engine_message, openai_usage
 from handlers.continuation import TEXT, TOKEN, stop_strings, tools_on
 
@@ -43,13 +43,13 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_body(data: dict[str, Any]) -> bytes:
+def prefill_body(data: dict[str, Any], original: bytes = b"") -> bytes:
     body = {k: v for k, v in data.items() if k not in _PREFILL_DROP}
     body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     body["max_tokens"] = 1
     body["max_completion_tokens"] = 1
     body["stream"] = False
-    return orjson.dumps(body)
+    return body_bytes(body, original)
 
 
 def kv_params_from_answer(raw: bytes) -> dict[str, Any] | None:
@@ -70,7 +70,7 @@ def kv_params_from_answer(raw: bytes) -> dict[str, Any] | None:
 
 
 def decode_body(data: dict[str, Any], kv: dict[str, Any] | None, prefill_host: str | None,
-                extra: dict[str, Any] | None = None) -> bytes:
+                extra: dict[str, Any] | None = None, original: bytes = b"") -> bytes:
     """The client's request plus the prefill's ``kv_transfer_params``.
 
     vLLM reports its configured side-channel host (``localhost`` by default), which a decode on
@@ -85,7 +85,7 @@ def decode_body(data: dict[str, Any], kv: dict[str, Any] | None, prefill_host: s
         if prefill_host is not None:
             kv["remote_host"] = prefill_host
         body["kv_transfer_params"] = kv
-    return orjson.dumps(body)
+    return body_bytes(body, original)
 
 
 class HasVLLMSettings(Protocol):
@@ -105,14 +105,14 @@ class VLLMAdapter:
 
     def pd_plan(self, ireq: InferenceRequest, checked: Any, *, prefill: Endpoint,
                 settings: HasVLLMSettings, rng: random.Random) -> PDPlan:
-        return PDPlan(concurrent=False, prefill_body=prefill_body(ireq.data), decode_body=None,
+        return PDPlan(concurrent=False, prefill_body=prefill_body(ireq.data, ireq.body), decode_body=None,
                       strip_usage=usage_stream_options(ireq) is not None)
 
     def decode_body(self, ireq: InferenceRequest, prefill_answer: bytes, *, prefill: Endpoint,
                     settings: HasVLLMSettings) -> bytes:
         kv = kv_params_from_answer(prefill_answer)
         host = prefill.host if settings.vllm.rewrite_remote_host else None
-        return decode_body(ireq.data, kv, host, usage_stream_options(ireq))
+        return decode_body(ireq.data, kv, host, usage_stream_options(ireq), ireq.body)
 
     usage = staticmethod(openai_usage)     # OpenAI's usage object as it is: no frame around it
 

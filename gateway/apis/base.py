@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 
 from gateway.errors import GatewayError, normalize_upstream_error
-from gateway.request import InferenceRequest
+from gateway.request import InferenceRequest, body_bytes
 
 
 class StreamScanner(Protocol):
@@ -59,7 +59,7 @@ class ApiShape:
         and the body bytes the engine receives. Default: a JSON body, re-encoded once."""
         ireq.data["model"] = model
         ireq.model = model
-        ireq.body = orjson.dumps(ireq.data)
+        ireq.body = body_bytes(ireq.data, ireq.body)
 
     def error_body(self, e: GatewayError) -> bytes:
         """The body of an error answered before the response headers."""

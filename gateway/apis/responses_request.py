@@ -16,12 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
 from gateway.errors import GatewayError
 from gateway.request import (
     CHARS_PER_TOKEN,
     InferenceRequest,
+    body_bytes,
     caller_headers,
     int_error,
     lax_bool,
@@ -248,7 +247,7 @@ def with_history(ireq: InferenceRequest, history: list[Any]) -> list[Any]:
         ireq.previous_response_id = prev
     data["store"] = False
     ireq.data = data
-    ireq.body = orjson.dumps(data)
+    ireq.body = body_bytes(data, ireq.body)
     ireq.prompt_text = prompt_text(data)
     ireq.prompt_tokens_est = max(1, len(ireq.prompt_text) // CHARS_PER_TOKEN)
     return full

@@ -102,6 +102,7 @@ from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import Counter, Histogram
 from gateway.pipeline.ledger import AdapterInFlight
+from gateway.request import body_bytes
 from gateway.resilience.outcome import key_refused
 from gateway.upstream.upstream import Upstream, UpstreamFailure, engine_key_refused, no_socket_error
 from handlers import adapter_for
@@ -204,7 +205,7 @@ class Lora:
         fields = adapter_for(eps[0].engine).lora_fields(name) if eps else {}
         if fields and ctx.api is None:
             ireq.data.update(fields)
-            ireq.body = orjson.dumps(ireq.data)
+            ireq.body = body_bytes(ireq.data, ireq.body)
 
     async def prepare(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
         """The candidates that serve the request's adapter, after loading it if none does."""

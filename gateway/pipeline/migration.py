@@ -59,7 +59,7 @@ from gateway.pipeline.relay import (
     stream_failure,
 )
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHAT, COMPLETIONS, InferenceRequest
+from gateway.request import CHAT, COMPLETIONS, InferenceRequest, body_bytes
 from gateway.resilience.outcome import Outcome, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
@@ -274,7 +274,7 @@ class Migration:
         m = cls(ireq, limit, mode, adapter.default_max_tokens(ireq.path), why, metrics, legs, adapter.echoes_chat)
         if why is None:
             data = first_leg(ireq.data, mode)
-            ctx.ireq = dataclasses.replace(ireq, data=data, body=orjson.dumps(data), include_usage=True)
+            ctx.ireq = dataclasses.replace(ireq, data=data, body=body_bytes(data, ireq.body), include_usage=True)
         return m
 
     # -- the relay's side ----------------------------------------------------------------------
@@ -469,7 +469,8 @@ class Migration:
             path, data = self.ireq.path, first_leg(self.ireq.data, self.mode)   # nothing generated: start over
         else:
             path, data = continuation(self.partial, self.mode, self.default_max)
-        cont = dataclasses.replace(self.ireq, path=path, data=data, body=orjson.dumps(data), include_usage=True)
+        cont = dataclasses.replace(self.ireq, path=path, data=data, body=body_bytes(data, self.ireq.body),
+                                   include_usage=True)
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
         refused: str | None = None
         decision, prefill_ep = ctx.decision, rec.prefill_endpoint

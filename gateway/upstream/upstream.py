@@ -32,14 +32,13 @@ from operator import itemgetter, not_
 from typing import TYPE_CHECKING
 
 import aiohttp
-import orjson
 import structlog
 
 from gateway.config.schema import HealthConfig, UpstreamConfig, WatchdogConfig
 from gateway.endpoints import Endpoint, EndpointPool, engine_headers
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
-from gateway.request import InferenceRequest, usage_stream_options
+from gateway.request import InferenceRequest, body_bytes, usage_stream_options
 from gateway.resilience.breaker import Breakers
 from gateway.resilience.outcome import Outcome, key_refused, of_failure, of_status
 from gateway.upstream.h1client import (
@@ -179,7 +178,7 @@ def upstream_body(ireq: InferenceRequest) -> tuple[bytes, bool]:
         return ireq.body, False
     extra = usage_stream_options(ireq)
     if extra is not None:
-        return orjson.dumps({**ireq.data, **extra}), True
+        return body_bytes({**ireq.data, **extra}, ireq.body), True
     return ireq.body, False
 
 
