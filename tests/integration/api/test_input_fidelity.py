@@ -295,3 +295,22 @@ async def test_integers_past_64_bits_reach_both_pd_legs_as_the_client_wrote_them
             assert len(sent) == 2
             for raw in sent:
                 assert json.loads(raw)["vllm_xargs"] == json.loads(XARGS)
+
+
+@pytest.mark.parametrize("depth", [300, 1000])
+async def test_a_deeply_nested_field_gets_the_same_answer_on_every_path(sims, gateway, depth):
+    """The parser reads 1024 levels of nesting, orjson writes 254: a body nested deeper than that
+    is re-encoded all the same, so an alias or a stream the gateway asks usage for does not turn the
+    answer the body forwarded as it came gets into a 500."""
+    sim = await sims("vllm", "m")
+    sent: list[bytes] = []
+    deep = "[" * depth + f"{BIG}" + "]" * depth
+    async with fake_engine(recording_relay(sim.url, sent)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], aliases=[{"name": "chat", "targets": [{"model": "m"}]}])
+        for model, stream in PATHS[:3]:
+            r = await post(gw, raw_body(f'"vllm_xargs": {{"a": {deep}}}', model, stream))
+            assert r.status == 200, (model, stream, r.body)
+    assert len(sent) == 3
+    for raw in sent:
+        assert orjson.loads(raw)["vllm_xargs"] == orjson.loads(f'{{"a": {deep}}}')
+        assert f"{BIG}".encode() in raw
