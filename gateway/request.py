@@ -9,7 +9,6 @@ change the body.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -203,74 +202,102 @@ def int_error(key: str, e: ValueError) -> GatewayError:
 
 # orjson reads an integer literal outside [-2**63, 2**64) as the nearest double, so a body the
 # gateway re-encodes would carry another number than the client's (123456789012345678901234567890
-# as 1.2345678901234568e+29) where the body forwarded as it came carries the client's digits.
-# ``body_bytes`` writes them back: such a double, 2**63 or more in size, is written with an exponent
-# ("e+"), which a re-encoded body seldom holds otherwise; only then are the client's bytes looked
-# at (19 digits in a row, then Python's json, which keeps every integer exact).
+# as 1.2345678901234568e+29) where the body forwarded as it came carries the client's digits; and it
+# reads 1024 levels of nesting but writes 254. ``body_bytes`` writes both as they came: such a
+# double, 2**63 or more in size, is written with an exponent ("e+"), which a re-encoded body seldom
+# holds otherwise; only then are the client's bytes looked at (19 digits in a row, then its number
+# literals, in order); a body nested deeper than orjson writes is written level by level.
 _WIDE_DIGITS = re.compile(rb"[0-9]{19}")
+# a JSON string or number: read from left to right over a body that parsed, every number outside strings
+_LITERALS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
 
 
 def body_bytes(data: Any, original: bytes) -> bytes:
     """``data``, a body parsed from ``original`` and rewritten, as the JSON an engine is sent: the
-    integers past 64 bits ``original`` holds are written with their digits, not as doubles."""
-    out = orjson.dumps(data)
+    integers past 64 bits ``original`` holds are written with their digits, not as doubles, and
+    nesting deeper than orjson writes is written all the same."""
+    try:
+        out = orjson.dumps(data)
+    except TypeError:       # nesting past orjson's 254 levels (another type is a bug: raised again)
+        return _encode(data, _wide_ints(original) if _WIDE_DIGITS.search(original) else {})
     if b"e+" not in out or not _WIDE_DIGITS.search(original):
         return out
     wide = _wide_ints(original)
-    if not wide:
-        return out
-    try:
-        return orjson.dumps(_with_digits(data, wide))
-    except RecursionError:      # nesting deeper than Python recurses (orjson reads 1024 levels)
-        return out
+    return _encode(data, wide) if wide else out
 
 
 def _wide_ints(original: bytes) -> dict[float, list[orjson.Fragment | None]]:
     """The integer literals of ``original`` past 64 bits by the double orjson reads each as, each
     with its digits, in the order of the body; a float literal equal to one of those doubles comes
     in its place in that order as ``None`` (it stays a float)."""
-    seen: list[tuple[float, str | None]] = []
-
-    def on_int(s: str) -> int:
-        v = int(s)
-        if not -_I64 <= v < _U64:
-            seen.append((float(v), s))
-        return 0
-
-    def on_float(s: str) -> float:
-        v = float(s)
-        if abs(v) >= _I64 and v.is_integer():
-            seen.append((v, None))
-        return 0.0
-
-    try:
-        json.loads(original, parse_int=on_int, parse_float=on_float)
-    except (ValueError, RecursionError):
-        return {}
-    wide = {v for v, s in seen if s is not None}
+    seen: list[tuple[float, bytes | None]] = []
+    for m in _LITERALS.finditer(original):
+        lit = m.group()
+        if lit[0] == 0x22:          # a string
+            continue
+        if b"." in lit or b"e" in lit or b"E" in lit:
+            v = float(lit)
+            if abs(v) >= _I64 and v.is_integer():
+                seen.append((v, None))
+        elif len(lit) >= 19:
+            n = int(lit)
+            if not -_I64 <= n < _U64:
+                seen.append((float(n), lit))
+    wide = {v for v, lit in seen if lit is not None}
     out: dict[float, list[orjson.Fragment | None]] = {}
-    for v, s in seen:
+    for v, lit in seen:
         if v in wide:
-            out.setdefault(v, []).append(None if s is None else orjson.Fragment(s))
+            out.setdefault(v, []).append(None if lit is None else orjson.Fragment(lit))
     for values in out.values():
-        values.reverse()        # popped from the end: the body's order
+        values.reverse()        # taken from the end: the body's order
     return out
 
 
-def _with_digits(v: Any, wide: dict[float, list[orjson.Fragment | None]]) -> Any:
-    """``v`` with each double of ``wide`` replaced by the next literal it stood for (the last one
-    again when the rewritten body holds more of them than the client's)."""
-    if type(v) is float:
-        values = wide.get(v)
-        if values is None:
-            return v
-        lit = values.pop() if len(values) > 1 else values[0]
-        return v if lit is None else lit
-    if type(v) is dict:
-        return {k: _with_digits(x, wide) for k, x in v.items()}
-    if type(v) is list:
-        return [_with_digits(x, wide) for x in v]
-    return v
+_END = object()
+
+
+def _encode(root: Any, wide: dict[float, list[orjson.Fragment | None]]) -> bytes:
+    """``root`` as orjson writes it, a container at a time (no recursion, so at any depth), each
+    double of ``wide`` written as the next literal it stood for (the last one again when the
+    rewritten body holds more of them than the client's)."""
+    out: list[bytes] = []
+    stack: list[list[Any]] = []         # [items, closing bracket, is an object, no item yet]
+
+    def put(v: Any) -> None:
+        t = type(v)
+        if t is dict:
+            out.append(b"{")
+            stack.append([iter(v.items()), b"}", True, True])
+        elif t is list:
+            out.append(b"[")
+            stack.append([iter(v), b"]", False, True])
+        else:
+            if t is float and wide:
+                values = wide.get(v)
+                if values is not None:
+                    lit = values.pop() if len(values) > 1 else values[0]
+                    if lit is not None:
+                        v = lit
+            out.append(orjson.dumps(v))
+
+    put(root)
+    while stack:
+        top = stack[-1]
+        item = next(top[0], _END)
+        if item is _END:
+            out.append(top[1])
+            stack.pop()
+            continue
+        if top[3]:
+            top[3] = False
+        else:
+            out.append(b",")
+        if top[2]:
+            key, item = item
+            out.append(orjson.dumps(key))
+            out.append(b":")
+        put(item)
+    return b"".join(out)
 
 
 def lax_int(v: Any) -> int:

@@ -311,6 +311,5 @@ async def test_a_deeply_nested_field_gets_the_same_answer_on_every_path(sims, ga
             r = await post(gw, raw_body(f'"vllm_xargs": {{"a": {deep}}}', model, stream))
             assert r.status == 200, (model, stream, r.body)
     assert len(sent) == 3
-    for raw in sent:
-        assert orjson.loads(raw)["vllm_xargs"] == orjson.loads(f'{{"a": {deep}}}')
-        assert f"{BIG}".encode() in raw
+    for raw in sent:        # the whole nesting, and the digits inside it
+        assert deep.encode() in raw and orjson.loads(raw)["model"] == "m"

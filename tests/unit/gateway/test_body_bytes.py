@@ -42,3 +42,13 @@ def test_deep_nesting_keeps_the_digits_too():
     for _ in range(250):
         got = got[0]
     assert got == BIG
+
+
+def test_nesting_past_what_orjson_writes_is_written_as_orjson_writes():
+    for depth in (250, 255, 1020):
+        raw = b'{"a": [{"k": "v\\" [", "n": [1.5, true, null]}, ' + b"[" * depth + b"]" * depth + b"]}"
+        data = orjson.loads(raw)
+        got = body_bytes({**data, "model": "b"}, raw)
+        assert got == raw.replace(b", ", b",").replace(b": ", b":")[:-1] + b',"model":"b"}'
+    raw = b'{"a": ' + b"[" * 1000 + str(-BIG).encode() + b"]" * 1000 + b"}"
+    assert body_bytes(orjson.loads(raw), raw) == raw.replace(b" ", b"")
