@@ -18,6 +18,7 @@ import orjson
 import pytest
 from aiohttp import web
 
+from tests.support.batch import run_to_end
 from tests.support.factories import model_block, pd_model, pd_pair
 from tests.support.fake_engine import fake_engine
 from tests.support.http import anthropic_client, openai_client, post, sim_state
@@ -313,3 +314,27 @@ async def test_a_deeply_nested_field_gets_the_same_answer_on_every_path(sims, ga
     assert len(sent) == 3
     for raw in sent:        # the whole nesting, and the digits inside it
         assert deep.encode() in raw and orjson.loads(raw)["model"] == "m"
+
+
+async def test_a_batch_line_reaches_the_engine_with_its_integers_and_nesting(sims, gateway, tmp_path):
+    """A batch line's body is re-encoded (its ``stream`` dropped): its integers past 64 bits and a
+    nesting deeper than orjson writes reach the engine as the line holds them, as a request's do."""
+    sim = await sims("vllm", "m")
+    sent: list[bytes] = []
+    deep = "[" * 300 + "1" + "]" * 300
+    rows = [f'{{"custom_id": "c{i}", "method": "POST", "url": "/v1/chat/completions", "body": '
+            f'{raw_body(xargs).decode()}}}' for i, xargs in enumerate((f'"vllm_xargs": {XARGS}',
+                                                                        f'"vllm_xargs": {{"a": {deep}}}'))]
+    async with fake_engine(recording_relay(sim.url, sent)) as url:
+        gw = await gateway([model_block("m", "vllm", [url])], scrape={"enabled": False},      # no engine metrics
+                           batch={"enabled": True, "dir": str(tmp_path / "batch"), "poll_interval_s": 0.05,
+                                  "retry_backoff_s": 0.05})
+        c = openai_client(gw)
+        f = await c.files.create(file=("in.jsonl", "\n".join(rows).encode() + b"\n"), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        b = await run_to_end(c, b.id)
+        assert b.status == "completed" and b.request_counts.completed == 2, b
+    assert len(sent) == 2
+    got = sorted(sent, key=len)
+    assert json.loads(got[0])["vllm_xargs"] == json.loads(XARGS)
+    assert deep.encode() in got[1]
