@@ -212,6 +212,11 @@ _WIDE_DIGITS = re.compile(rb"[0-9]{19}")
 _LITERALS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
 
 
+def may_hold_wide_ints(original: bytes) -> bool:
+    """Whether ``original`` may hold an integer past 64 bits (it has 19 digits in a row)."""
+    return _WIDE_DIGITS.search(original) is not None
+
+
 def body_bytes(data: Any, original: bytes) -> bytes:
     """``data``, a body parsed from ``original`` and rewritten, as the JSON an engine is sent: the
     integers past 64 bits ``original`` holds are written with their digits, not as doubles, and

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import orjson
 
+from gateway.request import may_hold_wide_ints
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 MAX_CUSTOM_ID = 512
 BOM = b"\xef\xbb\xbf"
@@ -118,6 +120,9 @@ class Line:
     custom_id: str
     url: str
     body: dict
+    # the line as the file holds it when it may hold integers past 64 bits (19 digits in a row), which
+    # its re-encoded body takes back from it (gateway/request.py ``body_bytes``); else empty
+    raw: bytes = b""
 
 
 def read_chunk(path: str, offset: int, line_no: int, n: int = CHUNK_LINES) -> tuple[list[Line], int, int]:
@@ -141,7 +146,8 @@ def read_chunk(path: str, offset: int, line_no: int, n: int = CHUNK_LINES) -> tu
                 obj = parse_line(raw.rstrip(b"\r\n"), line_no)
             except LineError:
                 continue
-            out.append(Line(line_no, obj["custom_id"], obj["url"], obj["body"]))
+            out.append(Line(line_no, obj["custom_id"], obj["url"], obj["body"],
+                            raw if may_hold_wide_ints(raw) else b""))
     return out, offset, line_no
 
 

@@ -47,6 +47,7 @@ from gateway.batch.line_request import LineRequest
 from gateway.batch.metrics import BatchMetrics
 from gateway.batch.store import BatchDb, BatchStore, Result, now_s
 from gateway.endpoints import EndpointPool
+from gateway.request import body_bytes
 
 log = structlog.get_logger("switchyard.batch")
 
@@ -536,11 +537,12 @@ class BatchRunner:
         headers = {"content-type": "application/json", "x-priority": "sheddable", "x-request-id": rid}
         if job.owner:
             headers["user"] = job.owner
-        req = LineRequest(line.url, orjson.dumps(body), headers, {},
-                          log_fields={"batch_id": job.id, "custom_id": line.custom_id}, acting_for=job.owner or None)
         retry_after: float | None = None
         unreached = unready = False
-        try:
+        try:        # the body made in here too: a line whose request cannot be made is answered, never lost
+            req = LineRequest(line.url, body_bytes(body, line.raw), headers, {},
+                              log_fields={"batch_id": job.id, "custom_id": line.custom_id},
+                              acting_for=job.owner or None)
             resp = await self.submit(req)
             status, raw = resp.status, _body_of(resp)
             if status == 429:
