@@ -12,7 +12,8 @@ Properties, for every example:
   else escapes (a ``TypeError`` from a list where a string was expected was a 500);
 - the error names the field: the OpenAI ``param`` (``messages[1].content[0].type``), or the
   head of an Anthropic message (``messages.0.content.0.type: ...``), is the replaced position or
-  a position inside it. Two exceptions: a falsy ``stream`` next to ``stream_options`` is an error
+  a position inside it, or, when the replaced position is an object's ``type``, a field of that
+  object (the new type asks for fields the object lacks). Two exceptions: a falsy ``stream`` next to ``stream_options`` is an error
   naming ``stream_options``, the field whose condition failed (vLLM's check); and an item of a
   completions ``prompt`` or an embeddings ``input`` that fits none of the list types the field
   takes is an error naming the whole list, as the engines' union types report it;
@@ -77,14 +78,18 @@ def check(case: Case, field: tuple, value) -> None:
     except GatewayError as e:
         assert e.status == 400, (e.status, e.message)
         where = field_name(case.api, field)
+        # a tag (``type``) decides which other fields its object needs: a part made a text part
+        # by its new type is refused for its missing ``text``, a field of the same object
+        tagged = field_name(case.api, field[:-1]) if field and field[-1] == "type" and len(field) > 1 else None
         if not field:
             if not isinstance(value, dict):    # an object is a body: its own fields are what is named
                 assert e.param is None and "body" in e.message
         elif case.api == "anthropic":
             head = e.message.split(":", 1)[0]
-            assert names(head, where, "."), (where, e.message)
+            assert names(head, where, ".") or (tagged is not None and names(head, tagged, ".")), (where, e.message)
         else:
             assert e.param is not None and (names(e.param, where, "[")
+                                            or (tagged is not None and names(e.param, tagged, "["))
                                             or (where == "stream" and e.param == "stream_options")
                                             or (e.param in UNIONS.get(case.path, ()) and names(where, e.param, "["))), \
                 (where, e.param, e.message)
