@@ -9,6 +9,7 @@ change the body.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -206,10 +207,12 @@ def int_error(key: str, e: ValueError) -> GatewayError:
 # reads 1024 levels of nesting but writes 254. ``body_bytes`` writes both as they came: such a
 # double, 2**63 or more in size, is written with an exponent ("e+"), which a re-encoded body seldom
 # holds otherwise; only then are the client's bytes looked at (19 digits in a row, then its number
-# literals, in order); a body nested deeper than orjson writes is written level by level.
+# literals, in the order the parsed body holds them); a body nested deeper than orjson writes is
+# written level by level.
 _WIDE_DIGITS = re.compile(rb"[0-9]{19}")
-# a JSON string or number: read from left to right over a body that parsed, every number outside strings
-_LITERALS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?')
+# a JSON string (group 1; a key when a colon follows, group 2), a number, a bracket or a comma: read from
+# left to right over a body that parsed, every number outside strings
+_TOKENS = re.compile(rb'("[^"\\]*(?:\\.[^"\\]*)*")([ \t\r\n]*:)?|-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|[{}\[\],]')
 
 
 def may_hold_wide_ints(original: bytes) -> bool:
@@ -233,21 +236,47 @@ def body_bytes(data: Any, original: bytes) -> bytes:
 
 def _wide_ints(original: bytes) -> dict[float, list[orjson.Fragment | None]]:
     """The integer literals of ``original`` past 64 bits by the double orjson reads each as, each
-    with its digits, in the order of the body; a float literal equal to one of those doubles comes
-    in its place in that order as ``None`` (it stays a float)."""
-    seen: list[tuple[float, bytes | None]] = []
-    for m in _LITERALS.finditer(original):
+    with its digits, in the order the parsed body holds them; a float literal equal to one of those
+    doubles comes in its place in that order as ``None`` (it stays a float). A key given twice in an
+    object keeps its last value at its first place, as orjson (and Python's json) read it: the
+    literals of its earlier values are dropped, those of its last take the first one's place."""
+    # each literal with its place in the parsed body: per container open around it, the index of its
+    # item (an object's keys by the order of their first giving); sorted, the body's order
+    found: list[tuple[tuple[int, ...], float, bytes | None]] = []
+    stack: list[list[Any]] = []         # per open container: [its item's index, its keys' indexes (a list: None)]
+    for m in _TOKENS.finditer(original):
         lit = m.group()
-        if lit[0] == 0x22:          # a string
+        c = lit[0]
+        if c == 0x22:           # a string: a key when a colon follows
+            if m.group(2) is not None:
+                top = stack[-1]
+                keys = top[1]
+                name = json.loads(m.group(1)) if b"\\" in lit else m.group(1)[1:-1].decode()
+                at = keys.get(name)
+                if at is None:
+                    top[0] = keys[name] = len(keys)
+                else:           # given again: what its earlier value held is not in the parsed body
+                    top[0] = at
+                    place = tuple(t[0] for t in stack)
+                    found = [f for f in found if f[0][:len(place)] != place]
             continue
-        if b"." in lit or b"e" in lit or b"E" in lit:
+        if c == 0x7B or c == 0x5B:      # { [
+            stack.append([0, {} if c == 0x7B else None])
+        elif c == 0x7D or c == 0x5D:    # } ]
+            stack.pop()
+        elif c == 0x2C:                 # ,
+            if stack[-1][1] is None:
+                stack[-1][0] += 1
+        elif b"." in lit or b"e" in lit or b"E" in lit:
             v = float(lit)
             if abs(v) >= _I64 and v.is_integer():
-                seen.append((v, None))
+                found.append((tuple(t[0] for t in stack), v, None))
         elif len(lit) >= 19:
             n = int(lit)
             if not -_I64 <= n < _U64:
-                seen.append((float(n), lit))
+                found.append((tuple(t[0] for t in stack), float(n), lit))
+    found.sort(key=itemgetter(0))
+    seen = [(v, lit) for _, v, lit in found]
     wide = {v for v, lit in seen if lit is not None}
     out: dict[float, list[orjson.Fragment | None]] = {}
     for v, lit in seen:
