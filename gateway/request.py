@@ -210,9 +210,9 @@ def int_error(key: str, e: ValueError) -> GatewayError:
 # literals, in the order the parsed body holds them); a body nested deeper than orjson writes is
 # written level by level.
 _WIDE_DIGITS = re.compile(rb"[0-9]{19}")
-# a JSON string (group 1; a key when a colon follows, group 2), a number, a bracket or a comma: read from
-# left to right over a body that parsed, every number outside strings
-_TOKENS = re.compile(rb'("[^"\\]*(?:\\.[^"\\]*)*")([ \t\r\n]*:)?|-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|[{}\[\],]')
+# a JSON string (group 1; a key when a colon follows, group 2), a number or an object's brace: read
+# from left to right over a body that parsed, every number outside strings
+_TOKENS = re.compile(rb'("[^"\\]*(?:\\.[^"\\]*)*")([ \t\r\n]*:)?|-?[0-9]+(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?|[{}]')
 
 
 def may_hold_wide_ints(original: bytes) -> bool:
@@ -240,43 +240,53 @@ def _wide_ints(original: bytes) -> dict[float, list[orjson.Fragment | None]]:
     doubles comes in its place in that order as ``None`` (it stays a float). A key given twice in an
     object keeps its last value at its first place, as orjson (and Python's json) read it: the
     literals of its earlier values are dropped, those of its last take the first one's place."""
-    # each literal with its place in the parsed body: per container open around it, the index of its
-    # item (an object's keys by the order of their first giving); sorted, the body's order
-    found: list[tuple[tuple[int, ...], float, bytes | None]] = []
-    stack: list[list[Any]] = []         # per open container: [its item's index, its keys' indexes (a list: None)]
+    # the literals as the parsed body holds them: an object is a list of one list per key, in the
+    # order of their first giving, holding what its last value holds (the literals, the objects);
+    # an array adds nothing of its own. Each literal, key and object is met once: linear in the body
+    root: list[Any] = []
+    into = root                         # where the literals read now go
+    objects: list[tuple[dict[str, list[Any]], list[Any], list[Any]]] = []   # open: its keys, its lists, its place
     for m in _TOKENS.finditer(original):
         lit = m.group()
         c = lit[0]
         if c == 0x22:           # a string: a key when a colon follows
             if m.group(2) is not None:
-                top = stack[-1]
-                keys = top[1]
+                keys, slots, _ = objects[-1]
                 name = json.loads(m.group(1)) if b"\\" in lit else m.group(1)[1:-1].decode()
-                at = keys.get(name)
-                if at is None:
-                    top[0] = keys[name] = len(keys)
+                into = keys.get(name)
+                if into is None:
+                    into = keys[name] = []
+                    slots.append(into)
                 else:           # given again: what its earlier value held is not in the parsed body
-                    top[0] = at
-                    place = tuple(t[0] for t in stack)
-                    found = [f for f in found if f[0][:len(place)] != place]
-            continue
-        if c == 0x7B or c == 0x5B:      # { [
-            stack.append([0, {} if c == 0x7B else None])
-        elif c == 0x7D or c == 0x5D:    # } ]
-            stack.pop()
-        elif c == 0x2C:                 # ,
-            if stack[-1][1] is None:
-                stack[-1][0] += 1
+                    into.clear()
+        elif c == 0x7B:         # {
+            slots = []
+            into.append(slots)
+            objects.append(({}, slots, into))
+            into = slots
+        elif c == 0x7D:         # }
+            _, slots, into = objects.pop()
+            slots[:] = [slot for slot in slots if slot]     # the keys that hold none of them go
+            if not slots:
+                into.pop()      # the object, the last thing put where it is
         elif b"." in lit or b"e" in lit or b"E" in lit:
             v = float(lit)
             if abs(v) >= _I64 and v.is_integer():
-                found.append((tuple(t[0] for t in stack), v, None))
+                into.append((v, None))
         elif len(lit) >= 19:
             n = int(lit)
             if not -_I64 <= n < _U64:
-                found.append((tuple(t[0] for t in stack), float(n), lit))
-    found.sort(key=itemgetter(0))
-    seen = [(v, lit) for _, v, lit in found]
+                into.append((float(n), lit))
+    seen: list[tuple[float, bytes | None]] = []
+    nested = [iter(root)]
+    while nested:
+        for item in nested[-1]:
+            if type(item) is list:
+                nested.append(iter(item))
+                break
+            seen.append(item)
+        else:
+            nested.pop()
     wide = {v for v, lit in seen if lit is not None}
     out: dict[float, list[orjson.Fragment | None]] = {}
     for v, lit in seen:
