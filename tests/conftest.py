@@ -159,9 +159,10 @@ async def gateway():
         for k, v in blocks.items():
             raw[k] = {**raw.get(k, {}), **v} if isinstance(v, dict) else v     # a list block: aliases
         pd = raw.setdefault("pd", {})
-        if "abort_retry_delay_s" not in pd:
+        if "abort_retry_delay_s" not in pd:     # a test giving the deprecated spelling keeps its own
             # SGLang P/D's second abort, 2 s after the first by default, is a task the gateway's stop
-            # waits for: a test whose decode leg was aborted would end 2 s later for nothing
+            # waits for: a test whose decode leg was aborted would end 2 s later for nothing (a
+            # test's own pd.sglang block, spread last, keeps its value)
             pd["sglang"] = {"abort_retry_delay_s": 0.2, **pd.get("sglang", {})}
         cfg = config_from_dict(raw, source="<test>")
         runner, app, port = await start(cfg)
