@@ -40,7 +40,7 @@ from gateway.config.schema import Config
 from gateway.server import hup
 from gateway.server.app import DIRECT_KEY, GATEWAY_KEY, LIFECYCLE_KEY, NOT_READY_KEY, RELOAD_KEY, build_app
 from gateway.server.edge import Edge, EdgeLimits, EdgeRunner, inline_request_handlers
-from gateway.server.workers import WorkerInfo
+from gateway.server.workers import WorkerInfo, hold_for_tests
 
 log = structlog.get_logger("switchyard.server")
 
@@ -149,7 +149,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     except BaseException:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)      # nothing listens: a stop ends it
         raise
-    _hold_for_tests()
+    hold_for_tests(HOLD_AFTER_LISTEN_ENV)
     tune_gc()
     log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
              kubernetes=config.kubernetes.enabled)
@@ -215,16 +215,6 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
 # by its pid and waits until the test opens it, before it handles stop signals, so a test can stop
 # it in that moment (tests/integration/server/test_workers.py). Unset in any deployment.
 HOLD_AFTER_LISTEN_ENV = "SWITCHYARD_TEST_HOLD_AFTER_LISTEN"
-
-
-def _hold_for_tests() -> None:
-    directory = os.environ.get(HOLD_AFTER_LISTEN_ENV)
-    if not directory:
-        return
-    path = os.path.join(directory, str(os.getpid()))
-    os.mkfifo(path)
-    with open(path, "rb"):      # returns once the test opens it for writing
-        pass
 
 
 def ignore_reloads(loop: asyncio.AbstractEventLoop) -> None:

@@ -259,7 +259,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             # worker SIGTERM then, and it drains as at a stop, instead of serving on unsupervised
             if not _die_with_parent(parent):
                 os._exit(0)
-            _hold_for_tests()
+            hold_for_tests(HOLD_AFTER_FORK_ENV)
             code = 1
             try:
                 code = serve_one(index)
@@ -401,8 +401,10 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
 HOLD_AFTER_FORK_ENV = "SWITCHYARD_TEST_HOLD_AFTER_FORK"
 
 
-def _hold_for_tests() -> None:
-    directory = os.environ.get(HOLD_AFTER_FORK_ENV)
+def hold_for_tests(env: str) -> None:
+    """A test-only pause (``HOLD_AFTER_FORK_ENV`` here, ``HOLD_AFTER_LISTEN_ENV`` in run.py): when
+    ``env`` names a directory, make a FIFO there named by this pid and wait until the test opens it."""
+    directory = os.environ.get(env)
     if not directory:
         return
     path = os.path.join(directory, str(os.getpid()))

@@ -47,13 +47,14 @@ def children_of(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def one_engine_config(tmp_path: Path, port: int, url: str, grace: float, stall_timeout: float | None = None) -> Path:
-    """A gateway on ``port`` in front of one vLLM engine at ``url`` (model ``m``), its log at warning;
-    ``stall_timeout``: ``server.worker_stall_timeout_s`` (None: its default)."""
+def one_engine_config(tmp_path: Path, port: int, url: str, grace: float, stall_timeout: float | None = None,
+                      log_level: str = "warning") -> Path:
+    """A gateway on ``port`` in front of one vLLM engine at ``url`` (model ``m``), its log at
+    ``log_level``; ``stall_timeout``: ``server.worker_stall_timeout_s`` (None: its default)."""
     stall = "" if stall_timeout is None else f", worker_stall_timeout_s: {stall_timeout:g}"
     cfg = tmp_path / "gw.yaml"
     cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   f"server: {{drain_delay_s: 0, shutdown_grace_s: {grace}, log_level: warning{stall}}}\n"
+                   f"server: {{drain_delay_s: 0, shutdown_grace_s: {grace:g}, log_level: {log_level}{stall}}}\n"
                    f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
     return cfg
 
@@ -799,14 +800,6 @@ async def test_a_stop_that_comes_between_a_worker_s_listen_and_its_handler_is_dr
 HOLD_AFTER_FORK = "SWITCHYARD_TEST_HOLD_AFTER_FORK"      # read by gateway/server/workers.py, for tests only
 
 
-def held_gateway_config(tmp_path: Path, port: int, url: str, grace: float) -> Path:
-    cfg = tmp_path / "gw.yaml"
-    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-                   f"server: {{drain_delay_s: 0, shutdown_grace_s: {grace:g}, log_level: info}}\n"
-                   f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
-    return cfg
-
-
 @pytest.mark.timeout(60)
 async def test_a_stop_that_comes_between_a_worker_s_fork_and_its_start_is_drained(sims, tmp_path):
     """A stop sent to the whole gateway (its process group, as systemd and a terminal's Ctrl-C do)
@@ -817,7 +810,7 @@ async def test_a_stop_that_comes_between_a_worker_s_fork_and_its_start_is_draine
     on the spot."""
     sim = await sims("vllm", "m")
     port = listen_port()
-    cfg = held_gateway_config(tmp_path, port, sim.url, grace=5)
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=5, log_level="info")
     hold = tmp_path / "hold"
     hold.mkdir()
     log_path = tmp_path / "gw.log"
@@ -863,7 +856,7 @@ async def test_a_stop_ends_a_worker_whose_start_up_outlasts_the_grace_period(sim
     a supervisor's SIGKILL."""
     sim = await sims("vllm", "m")
     port = listen_port()
-    cfg = held_gateway_config(tmp_path, port, sim.url, grace=1)
+    cfg = one_engine_config(tmp_path, port, sim.url, grace=1, log_level="info")
     hold = tmp_path / "hold"
     hold.mkdir()
     log_path = tmp_path / "gw.log"
