@@ -114,16 +114,15 @@ def _blocks_text(content: Any, where: str, media: list[bool], system: bool = Fal
 
 
 def _check_temperature(v: Any) -> None:
-    """Anthropic's ``temperature``: a number from 0.0 to 1.0 (vLLM's Messages request takes any
-    float and hands it to its sampler, where 1.5 is a valid temperature that Anthropic refuses)."""
+    """``temperature``: a number, not negative. Anthropic documents 0.0 to 1.0, but the engine
+    behind this API samples at any temperature that is not negative (vLLM's Messages request takes
+    any float; its sampler refuses a negative one), so one above 1.0 goes on, as chat's does."""
     try:
         t = lax_float(v)
     except ValueError as e:
         raise _bad(f"temperature: {e}") from None
     if not t >= 0.0:        # NaN too
         raise _bad("temperature: Input should be greater than or equal to 0")
-    if t > 1.0:
-        raise _bad("temperature: Input should be less than or equal to 1")
 
 
 def _check_tools(tools: Any) -> None:
