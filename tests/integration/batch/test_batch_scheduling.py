@@ -5,8 +5,8 @@ in the same file; an input file whose time is up is kept while a batch reads it;
 before it was validated counts its lines; one cancelled once its input cannot be read fails, and the
 runner goes on; a malformed part header of an upload is a 400; a line a retry moved to another
 endpoint is no longer the one an interactive request stops on the first; the lines of a model whose
-ready endpoints the routing refuses every time (prefill and decode alone) spend their attempts and
-end in the error file."""
+ready endpoints the routing refuses every time (prefill and decode pods routed whole) spend their
+attempts and end in the error file, where those of a P/D model with no ready pair wait for one."""
 
 from __future__ import annotations
 
@@ -180,24 +180,116 @@ async def test_lines_of_a_model_whose_only_pods_are_prefill_and_decode_routed_wh
     assert (await sim_state(p.url))["running"] == [] and (await sim_state(d.url))["running"] == []
 
 
-async def test_lines_of_a_pd_model_whose_decodes_are_all_down_spend_their_attempts_and_end_in_the_error_file(
-        sims, gateway, tmp_path):
+async def _dispatches(runner, n: int) -> None:
+    """Until the runner's dispatch ran ``n`` more times (each a look at every waiting line)."""
+    real, seen = runner._dispatch, asyncio.Event()
+    left = n
+
+    def dispatch() -> None:
+        nonlocal left
+        real()
+        left -= 1
+        if left <= 0:
+            seen.set()
+
+    runner._dispatch = dispatch
+    try:
+        await asyncio.wait_for(seen.wait(), 10)
+    finally:
+        runner._dispatch = real
+
+
+async def test_lines_of_a_pd_model_whose_decodes_are_all_down_wait_until_a_pair_is_ready(sims, gateway, tmp_path):
     """A model served by prefill/decode pairs alone, whose decode engines are all unready while a
-    prefill is ready: the batch's headroom finds room on the ready prefill, so its lines start, and
-    the routing refuses every ready endpoint (no pair has a ready decode) with a 503. The model still
-    has a ready endpoint, so that is not the wait of a model whose endpoints all went unready: each
-    attempt counts, and once ``max_attempts`` are spent the line's answer, the 503 and its message,
-    goes to the error file. The batch completes with every line failed, and nothing is left charged
-    to an endpoint or to the runner."""
+    prefill is ready: no pair can serve a line, so its lines wait, as the lines of a model with no
+    ready endpoint do; none starts (the prefill sees none) and none spends an attempt. Once the decode
+    is ready again, they start by themselves and every line is answered 200; the wait counted no
+    retry."""
+    from gateway.server.app import BATCH_KEY
 
     p, d = await pd_pair(sims, "vllm")
-    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], batch=cfg(tmp_path, max_attempts=2),
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], batch=cfg(tmp_path, max_attempts=1),
                        health={"interval_s": 0.1, "timeout_s": 1, "unhealthy_threshold": 1})
+    service = gw.runner.app[BATCH_KEY]
+    await until(lambda: service.runner is not None, timeout=10)
+    runner = service.runner
+    c = openai_client(gw)
     async with aiohttp.ClientSession() as s:
         async with s.post(d.url + "/_sim/config", json={"dead": True}) as r:
             assert r.status == 200
-    await until(lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"], timeout=10)
-    await _every_line_spends_its_attempts_on_a_503(gw, "no ready")
+        await until(lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"], timeout=10)
+        b = await create(c, rows(["m"] * 3))
+
+        async def read() -> bool:      # the runner read the lines (or, where they did not wait, ended them)
+            job = runner.jobs.get(b.id)
+            if job is None:
+                return (await c.batches.retrieve(b.id)).status not in ("validating", "in_progress")
+            return job.doc["status"] == "in_progress" and job.eof and len(job.ready) == 3
+
+        await until(read, timeout=10)
+        await _dispatches(runner, 5)        # the lines were looked at, and held
+        now = await c.batches.retrieve(b.id)
+        assert now.status == "in_progress" and (now.request_counts.completed, now.request_counts.failed) == (0, 0)
+        assert runner.in_flight.get("m", 0) == 0
+        assert (await sim_state(p.url))["counts"]["started"] == 0
+        text = await gw.metrics_text()
+        assert metric(text, "switchyard_batch_lines_total", model="m") == 0, text
+        async with s.post(d.url + "/_sim/config", json={"dead": False}) as r:
+            assert r.status == 200
+    b = await run_to_end(c, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (3, 0), b
+    lines = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
+    assert [(x["custom_id"], x["response"]["status_code"]) for x in lines] == [
+        ("req-0", 200), ("req-1", 200), ("req-2", 200)]
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_batch_lines_total", model="m", outcome="retried") == 0
+    assert metric(text, "switchyard_batch_lines_total", model="m", outcome="completed") == 3
+
+
+async def test_a_pd_line_whose_decode_goes_unready_after_its_start_waits_uncounted(sims, gateway, tmp_path):
+    """The runner starts a line of a P/D model while its pair is ready; the decode goes unready
+    before the line is routed (held there by the test), so the routing finds no pair and answers it
+    503. The model has no usable pair now: the line waits for one, as a line that found none at its
+    start does, and spends no attempt (one is all it has here)."""
+    from gateway.server.app import BATCH_KEY
+
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], batch=cfg(tmp_path, max_attempts=1),
+                       health={"interval_s": 0.1, "timeout_s": 1, "unhealthy_threshold": 1})
+    service = gw.runner.app[BATCH_KEY]
+    await until(lambda: service.runner is not None, timeout=10)
+    runner = service.runner
+    real = runner.submit
+    started, go = asyncio.Event(), asyncio.Event()
+    answers: list[int] = []
+
+    async def submit(req):
+        if not started.is_set():            # the first line: between the room check and the route
+            started.set()
+            await go.wait()
+        resp = await real(req)
+        answers.append(resp.status)
+        return resp
+
+    runner.submit = submit
+    c = openai_client(gw)
+    b = await create(c, rows(["m"]))
+    await asyncio.wait_for(started.wait(), 10)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(d.url + "/_sim/config", json={"dead": True}) as r:
+            assert r.status == 200
+        await until(lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"], timeout=10)
+        go.set()
+        await until(lambda: bool(answers), timeout=10)
+        assert answers == [503]
+        assert metric(await gw.metrics_text(), "switchyard_batch_lines_total", model="m", outcome="retried") == 1
+        now = await c.batches.retrieve(b.id)
+        assert now.status == "in_progress" and (now.request_counts.completed, now.request_counts.failed) == (0, 0)
+        async with s.post(d.url + "/_sim/config", json={"dead": False}) as r:
+            assert r.status == 200
+    b = await run_to_end(c, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 0), b
+    assert answers == [503, 200]
 
 
 async def test_a_model_without_room_does_not_hold_back_another_models_lines(sims, gateway, tmp_path):
