@@ -19,6 +19,13 @@ KV-cache usage is at ``batch.max_kv_usage``, or its metrics are stale (a silent 
 idle one). A model gives no room while admission holds any of its requests in its queue. So the
 batch fills idle slots and stops taking new ones the moment interactive traffic needs them; the
 lines in flight end on their own (each is one request).
+
+A model routed as prefill/decode pairs (the ``pd`` strategy) runs a line on a prefill and a decode
+of one roleset, or on a whole-request (combined) endpoint: a roleset gives the smaller of its
+prefill and decode sides' room, so one whose decodes are all unready gives none, however free its
+prefill is (``serves``: whether the model can run a line at all). A model routed whole counts every
+ready endpoint, as before: prefill or decode pods routed whole are refused by the routing, and
+their lines spend their attempts rather than wait for what cannot come.
 """
 
 from __future__ import annotations
@@ -55,9 +62,43 @@ def endpoint_room(ep: Endpoint, capacity: int, reserve: int, max_kv: float, max_
     return max(0, math.floor(cap - reserve - occupied))
 
 
+PAIRED_ROLES = ("prefill", "decode")
+
+
 def model_room(eps: Sequence[Endpoint], capacity: int, reserve: int, max_kv: float, max_age: float,
-               engine_signals: bool, now: float) -> int:
-    return sum(endpoint_room(ep, capacity, reserve, max_kv, max_age, engine_signals, now) for ep in eps)
+               engine_signals: bool, now: float, pairs: bool = False) -> int:
+    """Lines the ready endpoints ``eps`` of one model take now; ``pairs``: it routes as
+    prefill/decode pairs, each line needing room on both sides of one roleset."""
+    if not pairs:
+        return sum(endpoint_room(ep, capacity, reserve, max_kv, max_age, engine_signals, now) for ep in eps)
+    whole = 0
+    sides: dict[str, list[int]] = {}       # roleset → [prefill room, decode room]
+    for ep in eps:
+        room = endpoint_room(ep, capacity, reserve, max_kv, max_age, engine_signals, now)
+        if ep.role in PAIRED_ROLES:
+            sides.setdefault(ep.roleset or "", [0, 0])[ep.role == "decode"] += room
+        else:
+            whole += room
+    return whole + sum(min(side) for side in sides.values())
+
+
+def serves(eps: Sequence[Endpoint], pairs: bool) -> bool:
+    """Whether the ready endpoints ``eps`` of one model can run a line at all, room or not: any of
+    them for a model routed whole; a whole-request endpoint, or a ready prefill and a ready decode
+    of one roleset, for a model routed as pairs."""
+    if not pairs:
+        return bool(eps)
+    roles: dict[str, set[str]] = {}
+    for ep in eps:
+        if not ep.ready:
+            continue
+        if ep.role not in PAIRED_ROLES:
+            return True
+        seen = roles.setdefault(ep.roleset or "", set())
+        seen.add(ep.role)
+        if len(seen) == 2:
+            return True
+    return False
 
 
 

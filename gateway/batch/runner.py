@@ -13,10 +13,17 @@ again, and a line stored twice is kept once). A 429 (the owner's limits, admissi
 its Retry-After and is tried again without counting, and no line of the owner's for that model
 starts meanwhile; a 502 of a line that reached no engine (the gateway could not connect to one:
 an engine that died is ready until its probes notice) is tried again without counting, and no
-line of that model starts meanwhile; a 503 no ready endpoint of a model whose endpoints went
-unready after the line started goes back uncounted to wait for a ready one, as a line that found
-none at its start does; another 5xx or a timeout is tried again up to
-``max_attempts``; anything else is the line's answer (a 4xx goes to the error file).
+line of that model starts meanwhile; a 503 no ready endpoint (or, for a model routed as
+prefill/decode pairs, no ready pair) of a model that can no longer run a line since it started
+goes back uncounted to wait, as a line that found none at its start does; another 5xx or a
+timeout is tried again up to ``max_attempts``; anything else is the line's answer (a 4xx goes to
+the error file).
+
+A model "can run a line" (``headroom.serves``) when it has a ready endpoint; one routed as
+prefill/decode pairs needs a ready prefill and a ready decode of one roleset, or a ready
+whole-request endpoint, and its room counts pairs (``headroom.model_room``). While a model cannot,
+its lines wait in the queue uncounted, and the runner logs it once as the wait begins and once as
+it ends.
 
 The output and error files are written at the end by streaming the stored lines in input order,
 so memory stays flat whatever the batch's size; every input line has exactly one line in one of
@@ -41,7 +48,7 @@ import structlog
 
 from gateway.batch import files as batch_files
 from gateway.batch.config import BatchConfig
-from gateway.batch.headroom import free_slots, model_room
+from gateway.batch.headroom import free_slots, model_room, serves
 from gateway.batch.jsonl import Line, read_chunk, validate
 from gateway.batch.line_request import LineRequest
 from gateway.batch.metrics import BatchMetrics
@@ -57,6 +64,7 @@ RETRY_STATUSES = frozenset({408, 500, 502, 503, 504})
 MAX_BACKOFF_S = 30.0
 FLUSH_LINES = 256
 HELD_BACK = 1024       # lines of models without room a dispatch steps over to reach other models
+IDLE_MODELS = 4096     # models remembered as unable to run a line (for the log at the wait's end)
 # what the gateway's 502 says (x-error-upstream) when it could not connect to any engine of the
 # line's model: no engine took the request, so the line is not at fault
 UNREACHED = "connect"
@@ -88,13 +96,18 @@ class BatchRunner:
                  *, engine_signals: Callable[[], bool], metrics_max_age: Callable[[], float],
                  admission_waiting: Callable[[str], int], draining: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.monotonic,
-                 targets: Callable[[str], tuple[str, ...] | None] | None = None) -> None:
+                 targets: Callable[[str], tuple[str, ...] | None] | None = None,
+                 pairs: Callable[[str], bool] = lambda model: False) -> None:
         self.cfg, self.db, self.submit, self.pool, self.m = cfg, db, submit, pool, metrics
         self.engine_signals, self.max_age, self.admission_waiting = engine_signals, metrics_max_age, admission_waiting
         self.clock, self.draining = clock, draining
         # the models a line's ``model`` runs on (an alias's targets, an adapter's base model); None:
         # no such model, the handler answers it
         self.targets = targets or (lambda name: (name,) if self.pool.has_model(name) else None)
+        # whether a model routes as prefill/decode pairs (its strategy chooses pairs: ``pd``)
+        self.pairs = pairs
+        # models whose lines wait as they cannot run one (no ready endpoint, or no ready pair)
+        self.idle: set[str] = set()
         self.jobs: dict[str, _Job] = {}
         self.in_flight: dict[str, int] = {}          # model → lines in flight
         self.next_start: dict[str, float] = {}       # model → earliest start of its next line (rate cap)
@@ -434,14 +447,33 @@ class BatchRunner:
         return True
 
     def _room(self, model: str, now: float) -> int:
-        """Lines ``model``'s engines take now: none while none is ready (its lines wait for one),
-        nor while interactive requests wait in its admission queue."""
+        """Lines ``model``'s engines take now: none while it cannot run one (no ready endpoint; for a
+        model routed as pairs, no ready prefill/decode pair nor whole-request endpoint: its lines
+        wait for one), nor while interactive requests wait in its admission queue."""
         cfg = self.cfg
         eps = self.pool.ready(model)
-        if not eps or self.admission_waiting(model):
+        pairs = self.pairs(model)
+        if not serves(eps, pairs):
+            self._idle(model, pairs)
+            return 0
+        if model in self.idle:
+            self.idle.discard(model)
+            log.info("batch lines of a model can run again", model=model)
+        if self.admission_waiting(model):
             return 0
         return model_room(eps, cfg.endpoint_capacity, cfg.reserve_slots, cfg.max_kv_usage,
-                          self.max_age(), self.engine_signals(), now)
+                          self.max_age(), self.engine_signals(), now, pairs)
+
+    def _idle(self, model: str, pairs: bool) -> None:
+        """``model`` cannot run a line: said once as its lines begin to wait."""
+        if model in self.idle:
+            return
+        if len(self.idle) >= IDLE_MODELS:   # models come and go (Kubernetes): kept bounded
+            self.idle.clear()
+        self.idle.add(model)
+        log.warning("batch lines of a model wait: it cannot run one now; they start once it can, uncounted",
+                    model=model, reason="no ready prefill/decode pair" if pairs and self.pool.ready(model)
+                    else "no ready endpoint")
 
     def _read_ahead(self, job: _Job) -> None:
         """The next chunk of input lines, read on a thread; lines already answered are skipped."""
@@ -549,8 +581,8 @@ class BatchRunner:
                 retry_after = _retry_after(resp)
             elif status == 502:
                 unreached = _upstream_kind(resp) == UNREACHED
-            elif status == 503:
-                unready = _no_backends(resp) and self._unready(model)
+            elif status == 503:       # no ready endpoint, or (the P/D routing's) no ready pair
+                unready = (_no_backends(resp) or _no_route(resp)) and self._unready(model)
         except asyncio.CancelledError:
             if rid not in self.preempted:
                 raise
@@ -594,13 +626,14 @@ class BatchRunner:
         self.m.lines(model, "completed" if ok else "failed")
 
     def _unready(self, model: str) -> bool:
-        """A line of ``model`` was answered 503 no ready endpoint after the dispatch found it room:
-        whether a model it runs on has no ready endpoint now (its engine went unready in between),
-        so the line waits for one as a line that found none at its start, where ``_room`` holds it.
-        Where the pool still has ready endpoints the routing refused for its own reasons (prefill
-        and decode endpoints alone, none serving the path), and the 503 is counted as before."""
+        """A line of ``model`` was answered 503 no ready endpoint (or no ready pair) after the
+        dispatch found it room: whether a model it runs on cannot run a line now (its engine, or
+        every decode of a P/D model, went unready in between), so the line waits as a line that
+        found none at its start, where ``_room`` holds it. Where the model still can, the routing
+        refused for its own reasons (prefill and decode endpoints routed whole, none serving the
+        path), and the 503 is counted as before."""
         targets = self.targets(model) if model else None
-        return targets is not None and any(not self.pool.ready(t) for t in targets)
+        return targets is not None and any(not serves(self.pool.ready(t), self.pairs(t)) for t in targets)
 
     def _unreached(self, model: str) -> float:
         """A line of ``model`` reached no engine: the seconds until its lines start again. A line
@@ -644,6 +677,13 @@ def _no_backends(resp: Any) -> bool:
     """The gateway's 503 for a model with no ready endpoint (its ``x-error-no-model-backends``)."""
     headers = getattr(resp, "headers", None)
     return headers is not None and headers.get("x-error-no-model-backends") == "true"
+
+
+def _no_route(resp: Any) -> bool:
+    """The routing's 503 when its strategy found nothing to route to (``x-error-routing``): the
+    P/D strategy's when no roleset has a ready prefill and a ready decode."""
+    headers = getattr(resp, "headers", None)
+    return headers is not None and headers.get("x-error-routing") == "true"
 
 
 def _retry_after(resp: Any) -> float | None:

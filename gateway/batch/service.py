@@ -74,14 +74,16 @@ class BatchService:
     def __init__(self, cfg: BatchConfig, tenancy: Tenancy | NoTenancy, pool: EndpointPool, registry,
                  *, engine_signals: Callable[[], bool], metrics_max_age: Callable[[], float],
                  admission_waiting: Callable[[str], int], draining: Callable[[], bool],
-                 targets: Callable[[str], tuple[str, ...] | None] | None = None) -> None:
+                 targets: Callable[[str], tuple[str, ...] | None] | None = None,
+                 pairs: Callable[[str], bool] = lambda model: False) -> None:
         self.cfg = cfg
         self.db = BatchDb(os.path.abspath(cfg.dir))
         self.metrics = BatchMetrics(registry)
         self.api = BatchApi(cfg, self.db, tenancy, self._wake)
         self.pool = pool
         self._signals = dict(engine_signals=engine_signals, metrics_max_age=metrics_max_age,
-                             admission_waiting=admission_waiting, draining=draining, targets=targets)
+                             admission_waiting=admission_waiting, draining=draining, targets=targets,
+                             pairs=pairs)
         self.runner: BatchRunner | None = None
         self.lock = DirLock(os.path.join(self.db.dir, "runner.lock"))
         self._task: asyncio.Task | None = None

@@ -313,13 +313,21 @@ def _add_batch(app: web.Application, config: Config, s: Services, reloader: Relo
         base = lora.base_of(name)
         return (base,) if base is not None else None
 
+    def pairs(model: str) -> bool:
+        """Whether ``model`` routes as prefill/decode pairs: its strategy (a batch line names none)
+        chooses pairs, as the live routing resolves it."""
+        try:
+            return reloader.live.routing.strategy(model, None)[1].chooses_pairs
+        except GatewayError:
+            return False
+
     batch = BatchService(config.batch, s.tenancy, pool, s.metrics.registry,
                          engine_signals=lambda: reloader.live.config.scrape.enabled,
                          metrics_max_age=lambda: reloader.live.config.routing.metrics_max_age_s,
                          admission_waiting=s.admission.waiting,
                          # from the drain's start (the listener stays open through its delay)
                          draining=lambda: lifecycle.draining or app[NOT_READY_KEY].is_set(),
-                         targets=targets)
+                         targets=targets, pairs=pairs)
     batch.api.add_routes(app)
     app[BATCH_KEY] = batch
     return batch

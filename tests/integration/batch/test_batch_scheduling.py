@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+import structlog.testing
 
 from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block, pd_model, pd_pair, roleset, sim_pod
@@ -72,8 +73,11 @@ async def test_a_model_with_no_ready_endpoint_holds_its_lines_until_one_is_back(
         async with s.post(sim.url + "/_sim/config", json={"dead": True}) as r:
             assert r.status == 200
         await until(lambda: not gw.gw.pool.ready("m"), timeout=10)
-        b = await create(c, rows(["m"] * 6))
-        await asyncio.sleep(1.0)              # not ready: the lines wait, none fails
+        with structlog.testing.capture_logs() as logs:
+            b = await create(c, rows(["m"] * 6))
+            await asyncio.sleep(1.0)              # not ready: the lines wait, none fails
+        assert [(e["model"], e["reason"]) for e in logs if e["event"].startswith("batch lines of a model wait")] \
+            == [("m", "no ready endpoint")], logs
         now = await c.batches.retrieve(b.id)
         assert now.status == "in_progress" and now.request_counts.failed == 0
         async with s.post(sim.url + "/_sim/config", json={"dead": False}) as r:
@@ -204,7 +208,7 @@ async def test_lines_of_a_pd_model_whose_decodes_are_all_down_wait_until_a_pair_
     prefill is ready: no pair can serve a line, so its lines wait, as the lines of a model with no
     ready endpoint do; none starts (the prefill sees none) and none spends an attempt. Once the decode
     is ready again, they start by themselves and every line is answered 200; the wait counted no
-    retry."""
+    retry. The runner logs the wait once, with why, and once as it ends."""
     from gateway.server.app import BATCH_KEY
 
     p, d = await pd_pair(sims, "vllm")
@@ -218,25 +222,17 @@ async def test_lines_of_a_pd_model_whose_decodes_are_all_down_wait_until_a_pair_
         async with s.post(d.url + "/_sim/config", json={"dead": True}) as r:
             assert r.status == 200
         await until(lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"], timeout=10)
-        b = await create(c, rows(["m"] * 3))
-
-        async def read() -> bool:      # the runner read the lines (or, where they did not wait, ended them)
-            job = runner.jobs.get(b.id)
-            if job is None:
-                return (await c.batches.retrieve(b.id)).status not in ("validating", "in_progress")
-            return job.doc["status"] == "in_progress" and job.eof and len(job.ready) == 3
-
-        await until(read, timeout=10)
-        await _dispatches(runner, 5)        # the lines were looked at, and held
-        now = await c.batches.retrieve(b.id)
-        assert now.status == "in_progress" and (now.request_counts.completed, now.request_counts.failed) == (0, 0)
-        assert runner.in_flight.get("m", 0) == 0
-        assert (await sim_state(p.url))["counts"]["started"] == 0
-        text = await gw.metrics_text()
-        assert metric(text, "switchyard_batch_lines_total", model="m") == 0, text
-        async with s.post(d.url + "/_sim/config", json={"dead": False}) as r:
-            assert r.status == 200
-    b = await run_to_end(c, b.id)
+        with structlog.testing.capture_logs() as logs:
+            b = await create(c, rows(["m"] * 3))
+            await _held_until_a_pair(gw, c, runner, b, p)
+        waits = [e for e in logs if e["event"].startswith("batch lines of a model wait")]
+        assert [(e["model"], e["reason"], e["log_level"]) for e in waits] == [
+            ("m", "no ready prefill/decode pair", "warning")], logs
+        with structlog.testing.capture_logs() as logs:
+            async with s.post(d.url + "/_sim/config", json={"dead": False}) as r:
+                assert r.status == 200
+            b = await run_to_end(c, b.id)
+        assert [e["model"] for e in logs if e["event"] == "batch lines of a model can run again"] == ["m"], logs
     assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (3, 0), b
     lines = [orjson.loads(x) for x in (await c.files.content(b.output_file_id)).content.splitlines()]
     assert [(x["custom_id"], x["response"]["status_code"]) for x in lines] == [
@@ -244,6 +240,25 @@ async def test_lines_of_a_pd_model_whose_decodes_are_all_down_wait_until_a_pair_
     text = await gw.metrics_text()
     assert metric(text, "switchyard_batch_lines_total", model="m", outcome="retried") == 0
     assert metric(text, "switchyard_batch_lines_total", model="m", outcome="completed") == 3
+
+
+async def _held_until_a_pair(gw, c, runner, b, p) -> None:
+    """Batch ``b``'s three lines read and looked at by the runner a few times, and none started:
+    none reached the prefill ``p``, none was counted."""
+
+    async def read() -> bool:      # the runner read the lines (or, where they did not wait, ended them)
+        job = runner.jobs.get(b.id)
+        if job is None:
+            return (await c.batches.retrieve(b.id)).status not in ("validating", "in_progress")
+        return job.doc["status"] == "in_progress" and job.eof and len(job.ready) == 3
+
+    await until(read, timeout=10)
+    await _dispatches(runner, 5)
+    now = await c.batches.retrieve(b.id)
+    assert now.status == "in_progress" and (now.request_counts.completed, now.request_counts.failed) == (0, 0)
+    assert runner.in_flight.get("m", 0) == 0
+    assert (await sim_state(p.url))["counts"]["started"] == 0
+    assert metric(await gw.metrics_text(), "switchyard_batch_lines_total", model="m") == 0
 
 
 async def test_a_pd_line_whose_decode_goes_unready_after_its_start_waits_uncounted(sims, gateway, tmp_path):

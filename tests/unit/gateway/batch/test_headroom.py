@@ -3,7 +3,7 @@ its metrics are stale, or it is not ready."""
 
 from __future__ import annotations
 
-from gateway.batch.headroom import endpoint_room, model_room
+from gateway.batch.headroom import endpoint_room, model_room, serves
 from gateway.endpoints import Endpoint, EngineMetrics
 
 
@@ -43,3 +43,31 @@ def test_the_engine_told_cap_and_other_gateways_load_count():
     e.remote_in_flight = 5                                       # siblings and replicas
     assert room(e) == 2
     assert model_room([ep(running=0, waiting=0), ep(running=6, waiting=0)], 8, 1, 0.7, 5.0, True, 100.5) == 8
+
+
+def pd(role: str, roleset: str | None = "rs", running: float = 0, ready: bool = True) -> Endpoint:
+    e = ep(running=running, waiting=0)
+    e.role, e.roleset, e.healthy = role, roleset, ready
+    return e
+
+
+def test_a_model_routed_as_pairs_counts_the_lesser_side_of_each_roleset():
+    args = (8, 1, 0.7, 5.0, True, 100.5)
+    p, d = pd("prefill", running=5), pd("decode")                  # 2 and 7 free slots
+    assert model_room([p, d], *args) == 9                          # routed whole: every endpoint's
+    assert model_room([p, d], *args, pairs=True) == 2              # a line takes a slot on both
+    other = pd("decode", roleset="rs-2")                           # no prefill in its roleset
+    assert model_room([p, d, other], *args, pairs=True) == 2
+    assert model_room([p, other], *args, pairs=True) == 0          # no pair: a ready prefill gives nothing
+    assert model_room([p, other, pd("combined", roleset=None)], *args, pairs=True) == 7
+
+
+def test_a_model_routed_as_pairs_serves_a_line_with_a_pair_of_one_roleset_or_a_whole_endpoint():
+    assert not serves([], False) and serves([pd("prefill")], False)     # routed whole: any ready endpoint
+    assert not serves([], True)
+    assert not serves([pd("prefill"), pd("prefill")], True)
+    assert not serves([pd("prefill"), pd("decode", roleset="rs-2")], True)
+    assert not serves([pd("prefill"), pd("decode", ready=False)], True)
+    assert serves([pd("prefill"), pd("decode")], True)
+    assert serves([pd("prefill", roleset=None), pd("decode", roleset=None)], True)
+    assert serves([pd("decode"), pd("aggregated", roleset=None)], True)
