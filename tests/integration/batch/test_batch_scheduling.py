@@ -203,15 +203,19 @@ async def _dispatches(runner, n: int) -> None:
         runner._dispatch = real
 
 
-async def test_lines_of_a_pd_model_whose_decodes_are_all_down_wait_until_a_pair_is_ready(sims, gateway, tmp_path):
+@pytest.mark.parametrize("down", ["decode", "prefill"])
+async def test_lines_of_a_pd_model_whose_decodes_or_prefills_are_all_down_wait_until_a_pair_is_ready(
+        sims, gateway, tmp_path, down):
     """A model served by prefill/decode pairs alone, whose decode engines are all unready while a
-    prefill is ready: no pair can serve a line, so its lines wait, as the lines of a model with no
-    ready endpoint do; none starts (the prefill sees none) and none spends an attempt. Once the decode
-    is ready again, they start by themselves and every line is answered 200; the wait counted no
-    retry. The runner logs the wait once, with why, and once as it ends."""
+    prefill is ready (or the other way round): no pair can serve a line, so its lines wait, as the
+    lines of a model with no ready endpoint do; none starts (the ready engine sees none) and none
+    spends an attempt. Once the engine is ready again, they start by themselves and every line is
+    answered 200; the wait counted no retry. The runner logs the wait once, with why, and once as
+    it ends."""
     from gateway.server.app import BATCH_KEY
 
     p, d = await pd_pair(sims, "vllm")
+    dead, alive = (d, p) if down == "decode" else (p, d)
     gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], batch=cfg(tmp_path, max_attempts=1),
                        health={"interval_s": 0.1, "timeout_s": 1, "unhealthy_threshold": 1})
     service = gw.runner.app[BATCH_KEY]
@@ -219,17 +223,17 @@ async def test_lines_of_a_pd_model_whose_decodes_are_all_down_wait_until_a_pair_
     runner = service.runner
     c = openai_client(gw)
     async with aiohttp.ClientSession() as s:
-        async with s.post(d.url + "/_sim/config", json={"dead": True}) as r:
+        async with s.post(dead.url + "/_sim/config", json={"dead": True}) as r:
             assert r.status == 200
-        await until(lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"], timeout=10)
+        await until(lambda: [ep.url for ep in gw.gw.pool.ready("m")] == [alive.url], timeout=10)
         with structlog.testing.capture_logs() as logs:
             b = await create(c, rows(["m"] * 3))
-            await _held_until_a_pair(gw, c, runner, b, p)
+            await _held_until_a_pair(gw, c, runner, b, alive)
         waits = [e for e in logs if e["event"].startswith("batch lines of a model wait")]
         assert [(e["model"], e["reason"], e["log_level"]) for e in waits] == [
             ("m", "no ready prefill/decode pair", "warning")], logs
         with structlog.testing.capture_logs() as logs:
-            async with s.post(d.url + "/_sim/config", json={"dead": False}) as r:
+            async with s.post(dead.url + "/_sim/config", json={"dead": False}) as r:
                 assert r.status == 200
             b = await run_to_end(c, b.id)
         assert [e["model"] for e in logs if e["event"] == "batch lines of a model can run again"] == ["m"], logs
@@ -242,9 +246,9 @@ async def test_lines_of_a_pd_model_whose_decodes_are_all_down_wait_until_a_pair_
     assert metric(text, "switchyard_batch_lines_total", model="m", outcome="completed") == 3
 
 
-async def _held_until_a_pair(gw, c, runner, b, p) -> None:
+async def _held_until_a_pair(gw, c, runner, b, alive) -> None:
     """Batch ``b``'s three lines read and looked at by the runner a few times, and none started:
-    none reached the prefill ``p``, none was counted."""
+    none reached the engine still ready (``alive``), none was counted."""
 
     async def read() -> bool:      # the runner read the lines (or, where they did not wait, ended them)
         job = runner.jobs.get(b.id)
@@ -257,7 +261,7 @@ async def _held_until_a_pair(gw, c, runner, b, p) -> None:
     now = await c.batches.retrieve(b.id)
     assert now.status == "in_progress" and (now.request_counts.completed, now.request_counts.failed) == (0, 0)
     assert runner.in_flight.get("m", 0) == 0
-    assert (await sim_state(p.url))["counts"]["started"] == 0
+    assert (await sim_state(alive.url))["counts"]["started"] == 0
     assert metric(await gw.metrics_text(), "switchyard_batch_lines_total", model="m") == 0
 
 
