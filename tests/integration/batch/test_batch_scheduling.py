@@ -265,6 +265,41 @@ async def _held_until_a_pair(gw, c, runner, b, alive) -> None:
     assert metric(await gw.metrics_text(), "switchyard_batch_lines_total", model="m") == 0
 
 
+async def test_lines_of_discovered_prefill_and_decode_pods_wait_while_their_decode_is_down(
+        emu, sims, gateway, tmp_path):
+    """Prefill and decode pods found by discovery, whose model names no strategy: the gateway routes
+    it with the P/D strategy, so the batch counts its pairs as for a model with ``rolesets``. While
+    the decode pod's engine is down, its lines wait, none started; once it is back, every line is
+    answered 200, no retry counted."""
+    from gateway.server.app import BATCH_KEY
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(emu.kubeconfig())
+    p, d = await pd_pair(sims, "vllm")
+    sim_pod(emu, "m-prefill-0", p, "m", **{"role-name": "prefill", "roleset-name": "rs"})
+    sim_pod(emu, "m-decode-0", d, "m", **{"role-name": "decode", "roleset-name": "rs"})
+    gw = await gateway([{"name": "m", "engine": "vllm"}], batch=cfg(tmp_path, max_attempts=1),
+                       kubernetes={"enabled": True, "kubeconfig": str(kubeconfig), "namespaces": ["llm"]},
+                       health={"interval_s": 0.1, "timeout_s": 1, "unhealthy_threshold": 1})
+    await until(lambda: sorted(ep.role for ep in gw.gw.pool.ready("m")) == ["decode", "prefill"], timeout=10)
+    service = gw.runner.app[BATCH_KEY]
+    await until(lambda: service.runner is not None, timeout=10)
+    c = openai_client(gw)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(d.url + "/_sim/config", json={"dead": True}) as r:
+            assert r.status == 200
+        await until(lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"], timeout=10)
+        b = await create(c, rows(["m"] * 3))
+        await _held_until_a_pair(gw, c, service.runner, b, p)
+        async with s.post(d.url + "/_sim/config", json={"dead": False}) as r:
+            assert r.status == 200
+    b = await run_to_end(c, b.id)
+    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (3, 0), b
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_batch_lines_total", model="m", outcome="retried") == 0
+    assert metric(text, "switchyard_batch_lines_total", model="m", outcome="completed") == 3
+
+
 async def test_a_pd_line_whose_decode_goes_unready_after_its_start_waits_uncounted(sims, gateway, tmp_path):
     """The runner starts a line of a P/D model while its pair is ready; the decode goes unready
     before the line is routed (held there by the test), so the routing finds no pair and answers it
