@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return cfg.with_log_format(args.log_format) if args.log_format else cfg
 
     deprecated: list[Deprecation] = []      # logged once logging follows the config's format
+    from gateway.server.workers import hold_for_tests
+    hold_for_tests(HOLD_BEFORE_CONFIG_ENV)
     try:
         config = load(deprecated)
     except (ConfigError, ValueError) as e:
@@ -183,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             run_dir.close()
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)    # as it was (run_workers has let them through)
+
+
+# For tests only: a directory where the gateway, about to read its config file, makes a FIFO named
+# by its pid and waits until the test opens it (tests/integration/server/test_stop_starting.py).
+# Unset in any deployment.
+HOLD_BEFORE_CONFIG_ENV = "SWITCHYARD_TEST_HOLD_BEFORE_CONFIG"
 
 
 def raise_nofile() -> None:

@@ -55,6 +55,7 @@ async def start(config: Config, *, reuse_port: bool = False, loader: Callable[[]
     ``loader`` re-reads the config file at a reload; ``worker``: this process's place among
     ``--workers N``."""
     app = build_app(config, loader=loader, worker=worker)
+    hold_for_tests(HOLD_AFTER_BUILD_ENV)
     # the edge (gateway/server/edge.py): slow-client clocks, connection cap, header limits, shaped errors
     limits = EdgeLimits.from_config(config.server)
     if config.batch.enabled:        # an upload to /v1/files may be larger than an inference body
@@ -215,6 +216,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
 # by its pid and waits until the test opens it, before it handles stop signals, so a test can stop
 # it in that moment (tests/integration/server/test_workers.py). Unset in any deployment.
 HOLD_AFTER_LISTEN_ENV = "SWITCHYARD_TEST_HOLD_AFTER_LISTEN"
+# the same, once the app is built and before the listening socket is opened
+HOLD_AFTER_BUILD_ENV = "SWITCHYARD_TEST_HOLD_AFTER_BUILD"
 
 
 def ignore_reloads(loop: asyncio.AbstractEventLoop) -> None:
