@@ -10,8 +10,14 @@ import time
 
 from gateway.server import hup
 
+STOPS = {signal.SIGTERM, signal.SIGINT}
+
 if __name__ == "__main__":
     hup.hold()      # before the imports: a SIGHUP while the gateway starts is a reload once it runs
+    # and a stop is held back from here on: until the config is read, it ends the gateway with a
+    # line in the config's log format (stopped_while_starting), then it is held until the event
+    # loop handles it (gateway/server/run.py), or until the parent of --workers N does
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
 
 import uvloop  # noqa: E402
 
@@ -71,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.demo:
         from gateway.demo import run_demo
         configure_logging(args.log_format or "auto")
+        if stopped_while_starting():
+            return 0
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)       # Ctrl-C stops the demo's engines too
         raise_nofile()      # the demo's config keeps server.raise_nofile_limit's default, true
         try:
             uvloop.run(run_demo(host=args.host, port=args.port, log_format=args.log_format or "auto"))
@@ -98,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
+    if stopped_while_starting():
+        return 0
     from gateway.server.run import ListenError, free_port, serve
     if config.server.raise_nofile_limit:     # before the fork: every worker inherits it
         raise_nofile()
@@ -125,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                    "loaded, and unload one another has requests in flight for")
     resolved.append(workers)
     config = config.with_workers(workers)
+    if stopped_while_starting():
+        return 0
 
     def serve_one(worker: WorkerInfo | None = None) -> int:
         try:
@@ -191,6 +204,24 @@ def main(argv: list[str] | None = None) -> int:
 # by its pid and waits until the test opens it (tests/integration/server/test_stop_starting.py).
 # Unset in any deployment.
 HOLD_BEFORE_CONFIG_ENV = "SWITCHYARD_TEST_HOLD_BEFORE_CONFIG"
+
+
+def stopped_while_starting() -> bool:
+    """Whether a stop (SIGTERM, SIGINT) came while the gateway started and nothing listens yet: held
+    back since the entry point began, it is taken here and logged (``stopped while starting, before
+    listening``, with ``signal``), and the gateway exits 0. Called once logging follows the config,
+    and before the gateway starts serving (or its workers). Before, SIGTERM's default action ended
+    the process without a word, and SIGINT was a KeyboardInterrupt (exit 130)."""
+    pending = signal.sigpending() & STOPS
+    if not pending:
+        return False
+    first = signal.sigtimedwait(STOPS, 0)
+    while signal.sigtimedwait(STOPS, 0) is not None:      # both came: taken too
+        pass
+    import structlog
+    name = signal.Signals(first.si_signo).name if first is not None else sorted(s.name for s in pending)[0]
+    structlog.get_logger("switchyard").info("stopped while starting, before listening", signal=name)
+    return True
 
 
 def raise_nofile() -> None:
