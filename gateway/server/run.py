@@ -12,7 +12,10 @@ SIGTERM, and load balancers learn of it a few seconds later):
    and the process exits 0.
 
 A stop that comes while the process starts (builds its app, listens) waits for the loop to handle
-it (held back: its default action would end the process, resetting what the kernel had queued).
+it (held back: its default action would end the process, resetting what the kernel had queued);
+a gateway of one process whose start-up still runs ``server.shutdown_grace_s`` after it (at once
+after a second stop) ends itself (``StartGuard``), as the parent of ``--workers N`` kills such a
+worker. One that came before the config was read ended it then (gateway/__main__.py).
 SIGINT (Ctrl-C) skips the delay; a second signal during the drain stops at once, cutting the
 requests in flight the same way. A worker of ``--workers N`` may get one stop twice: from whoever
 signalled the whole process group (Ctrl-C in a terminal, systemd stopping the service's cgroup) and
@@ -30,6 +33,9 @@ import gc
 import os
 import signal
 import socket
+import sys
+import threading
+import time
 from collections.abc import Callable
 
 import structlog
@@ -145,11 +151,18 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     # ends the whole process (the threads keep it blocked: the loop's thread handles it). A worker
     # of ``--workers N`` has held it back since its fork (gateway/server/workers.py)
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    # a gateway of one process has no parent to end a start-up that outlasts a stop's grace period
+    # (a worker's kills it): a thread does, which exists until the loop handles signals
+    guard = StartGuard(config.server.shutdown_grace_s) if worker is None else None
     try:
         runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)
     except BaseException:
+        if guard is not None:
+            guard.finish()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)      # nothing listens: a stop ends it
         raise
+    if guard is not None:
+        guard.listening = True
     hold_for_tests(HOLD_AFTER_LISTEN_ENV)
     tune_gc()
     log.info("listening", host=config.listen.host, port=port, models=[m.name for m in config.models],
@@ -167,6 +180,8 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal, sig)
+    if guard is not None:       # a stop it took while the gateway started is pending again
+        guard.finish()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)      # one held back is handled now
     reloader = app[RELOAD_KEY]
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
@@ -210,6 +225,67 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
             beat.stop()
         ignore_reloads(loop)
         log.info("stopped")
+
+
+START_GUARD_POLL_S = 0.05      # how long the start-up guard waits for a stop before it looks again
+STARTING_EXIT = 128 + signal.SIGKILL      # a start-up ended by its guard: what the gateway of N workers exits with
+
+
+class StartGuard:
+    """A gateway of one process while it starts, stop signals held back (``serve``): a thread takes a
+    stop that comes meanwhile (``sigtimedwait``: the signals stay blocked in every thread) and, if
+    the start-up still runs ``grace`` seconds later (at once at a second stop), logs and ends the
+    process with ``STARTING_EXIT``, as the parent of ``--workers N`` kills a worker still starting.
+    ``finish()``, once the loop's handlers are in place, ends it: a stop it took, or takes after
+    that, is sent to the process again, and the loop's handler takes it as any stop once the
+    signals are let through (in a loop turn of its own: the connections the kernel queued are
+    accepted first). Nothing of it is left once the gateway serves."""
+
+    def __init__(self, grace: float) -> None:
+        self.grace = grace
+        self.listening = False          # for its line: the listening socket was open
+        self._taken: list[int] = []
+        self._taken_at: float | None = None     # when the first stop was taken (time.monotonic)
+        self._done = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="switchyard-start-guard", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        deadline: float | None = None
+        while True:
+            wait = START_GUARD_POLL_S if deadline is None else min(START_GUARD_POLL_S,
+                                                                    max(0.0, deadline - time.monotonic()))
+            info = signal.sigtimedwait(STOP_SIGNALS, wait)
+            with self._lock:
+                if self._done:
+                    if info is not None:        # the loop's handler takes it
+                        os.kill(os.getpid(), info.si_signo)
+                    return
+                if info is not None:
+                    self._taken.append(info.si_signo)
+                    if self._taken_at is None:
+                        self._taken_at = time.monotonic()
+                        deadline = self._taken_at + self.grace
+                if deadline is not None and (len(self._taken) >= 2 or time.monotonic() >= deadline):
+                    self._end()
+
+    def _end(self) -> None:
+        log.warning("still starting when the stop's grace period ended; exiting",
+                    signal=signal.Signals(self._taken[0]).name, second_signal=len(self._taken) >= 2,
+                    shutdown_grace_s=self.grace, listening=self.listening)
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(STARTING_EXIT)
+
+    def finish(self) -> float | None:
+        """The start-up is over (or failed): the guard ends, and the stop it took (none, or one) is
+        pending again; returns when it came (``time.monotonic``), None if none came."""
+        with self._lock:
+            self._done = True
+            for sig in self._taken:
+                os.kill(os.getpid(), sig)
+            return self._taken_at
 
 
 # For tests only: a directory where a gateway process that has begun to listen makes a FIFO named
