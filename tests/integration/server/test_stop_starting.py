@@ -183,3 +183,35 @@ async def test_a_second_stop_ends_a_start_up_that_hangs_at_once(sims, tmp_path):
     assert code == 128 + signal.SIGKILL
     ended = [e for e in events(log_path) if e["event"] == "still starting when the stop's grace period ended; exiting"]
     assert len(ended) == 1 and ended[0]["second_signal"] is True, events(log_path)
+
+
+def pending(pid: int, sig: int) -> bool:
+    """Whether ``sig`` waits to be delivered to ``pid`` (not yet taken by any of its threads)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    return any(int(fields[k], 16) & 1 << (sig - 1) for k in ("SigPnd", "ShdPnd"))
+
+
+@pytest.mark.timeout(90)
+async def test_the_drain_after_a_slow_start_up_counts_its_grace_from_the_stop(sims, tmp_path):
+    """A stop taken while the gateway starts is drained, once it serves, within what is left of
+    ``server.shutdown_grace_s`` counted from the stop, as the drain of any stop is: the gateway's
+    whole stop stays within the grace a supervisor gives it (the chart's
+    terminationGracePeriodSeconds). The bound is by cause: the stop was taken before the test saw it
+    taken, and the start-up went on for 1.5 s after that. Before, the drain took the whole grace
+    period again from the moment the start-up ended."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    async with held_gateway(tmp_path, config(tmp_path, port, sim.url, grace=20), HOLD_AFTER_BUILD) as (
+            proc, fifo, log_path):
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):     # taken by the gateway while it starts
+            while pending(proc.pid, signal.SIGTERM):
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(1.5)            # the start-up goes on
+        release(fifo)
+        async with asyncio.timeout(30):
+            code = await proc.wait()
+    assert code == 0
+    draining = [e for e in events(log_path) if e["event"] == "draining"]
+    assert len(draining) == 1 and 0 < draining[0]["grace_s"] <= 18.5, draining
