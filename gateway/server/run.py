@@ -180,8 +180,9 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, on_signal, sig)
-    if guard is not None:       # a stop it took while the gateway started is pending again
-        guard.finish()
+    # a stop the guard took while the gateway started is pending again; the drain's grace period
+    # counts from when it came, as for any stop
+    stopped_at = guard.finish() if guard is not None else None
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)      # one held back is handled now
     reloader = app[RELOAD_KEY]
     if worker is not None:      # POST /admin/reload asks the parent, which signals every worker
@@ -204,7 +205,10 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
         await stop.wait()
     finally:
         delay = config.server.drain_delay_s if received and received[0] == signal.SIGTERM else 0.0
-        drain = asyncio.ensure_future(drain_and_stop(runner, app, config.server.shutdown_grace_s, delay=delay))
+        grace = config.server.shutdown_grace_s
+        if stopped_at is not None:
+            grace = max(0.0, grace - (time.monotonic() - stopped_at))
+        drain = asyncio.ensure_future(drain_and_stop(runner, app, grace, delay=delay))
 
         def again(sig: signal.Signals) -> None:
             received.append(sig)
