@@ -215,11 +215,11 @@ def stopped_while_starting() -> bool:
     pending = signal.sigpending() & STOPS
     if not pending:
         return False
-    first = signal.sigtimedwait(STOPS, 0)
-    while signal.sigtimedwait(STOPS, 0) is not None:      # both came: taken too
-        pass
+    first = signal.sigwait(pending)         # pending: returns at once
+    while signal.sigpending() & STOPS:      # both came: taken too
+        signal.sigwait(STOPS)
     import structlog
-    name = signal.Signals(first.si_signo).name if first is not None else sorted(s.name for s in pending)[0]
+    name = signal.Signals(first).name
     structlog.get_logger("switchyard").info("stopped while starting, before listening", signal=name)
     return True
 

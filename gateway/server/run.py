@@ -153,7 +153,7 @@ async def serve(config: Config, *, ready_message: str | None = None, reuse_port:
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     # a gateway of one process has no parent to end a start-up that outlasts a stop's grace period
     # (a worker's kills it): a thread does, which exists until the loop handles signals
-    guard = StartGuard(config.server.shutdown_grace_s) if worker is None else None
+    guard = StartGuard(config.server.shutdown_grace_s) if worker is None and hasattr(signal, "sigtimedwait") else None
     try:
         runner, app, port = await start(config, reuse_port=reuse_port, loader=loader, worker=worker)
     except BaseException:
