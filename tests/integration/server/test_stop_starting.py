@@ -37,14 +37,15 @@ def events(log_path: Path) -> list[dict]:
 
 
 @contextlib.asynccontextmanager
-async def held_gateway(tmp_path: Path, cfg: Path, hook: str):
-    """A ``--workers 1`` gateway held by ``hook``: yields the process, its pid's FIFO and its log's path."""
+async def held_gateway(tmp_path: Path, cfg: Path, hook: str, workers: int = 1):
+    """A ``--workers 1`` gateway (or ``workers``) held by ``hook``: yields the process, its pid's FIFO
+    and its log's path."""
     hold = tmp_path / "hold"
     hold.mkdir()
     log_path = tmp_path / "gw.log"
     with log_path.open("wb") as log_file:
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
-                                                    "--workers", "1", "--log-format", "json", stderr=log_file,
+                                                    "--workers", str(workers), "--log-format", "json", stderr=log_file,
                                                     env={**os.environ, hook: str(hold)})
     try:
         fifo = hold / str(proc.pid)
@@ -65,15 +66,17 @@ def release(fifo: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("sig", STOPS, ids=lambda s: s.name)
-async def test_a_stop_before_the_config_is_read_ends_the_gateway_with_a_line(sims, tmp_path, sig):
+async def test_a_stop_before_the_config_is_read_ends_the_gateway_with_a_line(sims, tmp_path, sig, workers):
     """A stop that comes before the gateway reads its config (nothing listens yet) ends it at once
     once the config is read: exit 0 and a line in the config's log format, no traceback, nothing
-    listened. Before, SIGTERM's default action ended it with no word (killed by the signal), and
-    SIGINT was a KeyboardInterrupt (exit 130, no line)."""
+    listened, no worker started. Before, SIGTERM's default action ended it with no word (killed by
+    the signal), and SIGINT was a KeyboardInterrupt (exit 130, no line)."""
     sim = await sims("vllm", "m")
     port = listen_port()
-    async with held_gateway(tmp_path, config(tmp_path, port, sim.url), HOLD_BEFORE_CONFIG) as (proc, fifo, log_path):
+    async with held_gateway(tmp_path, config(tmp_path, port, sim.url), HOLD_BEFORE_CONFIG, workers) as (
+            proc, fifo, log_path):
         proc.send_signal(sig)     # pending once this returns: the gateway takes it while held
         release(fifo)
         async with asyncio.timeout(20):
@@ -83,7 +86,7 @@ async def test_a_stop_before_the_config_is_read_ends_the_gateway_with_a_line(sim
     assert "Traceback" not in text, text
     lines = events(log_path)
     names = [e["event"] for e in lines]
-    assert "listening" not in names, names
+    assert "listening" not in names and "workers started" not in names, names
     stopped = [e for e in lines if e["event"] == "stopped while starting, before listening"]
     assert len(stopped) == 1 and stopped[0]["signal"] == sig.name, lines
 
