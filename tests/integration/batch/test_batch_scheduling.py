@@ -86,15 +86,13 @@ async def test_a_model_with_no_ready_endpoint_holds_its_lines_until_one_is_back(
     assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (6, 0)
 
 
-async def test_a_line_whose_engine_goes_unready_after_its_start_waits_uncounted(sims, gateway, tmp_path):
-    """The runner starts a line where its model has room; the engine goes unready before the line is
-    routed (held there by the test), so the gateway answers it 503 no ready endpoint. That is not the
-    line's fault, nor its engine's: it waits for a ready endpoint, as a line that found none at its
-    start does, and spends no attempt (one is all it has here)."""
+async def _a_line_held_before_its_route_waits_uncounted(gw, dead: str, unready) -> list[tuple[int, str | None]]:
+    """One line of model ``m`` (one attempt), held by the test between the runner's room check and
+    its route while the engine at ``dead`` dies, until ``unready()``: its 503 spends no attempt, the
+    batch stays in progress, and once the engine is back the line completes. The answers the line
+    got, (status, ``x-error-no-model-backends``), in order."""
     from gateway.server.app import BATCH_KEY
 
-    sim = await sims("vllm", "m")
-    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_attempts=1))
     service = gw.runner.app[BATCH_KEY]
     await until(lambda: service.runner is not None, timeout=10)
     runner = service.runner
@@ -115,20 +113,32 @@ async def test_a_line_whose_engine_goes_unready_after_its_start_waits_uncounted(
     b = await create(c, rows(["m"]))
     await asyncio.wait_for(started.wait(), 10)
     async with aiohttp.ClientSession() as s:
-        async with s.post(sim.url + "/_sim/config", json={"dead": True}) as r:
+        async with s.post(dead + "/_sim/config", json={"dead": True}) as r:
             assert r.status == 200
-        await until(lambda: not gw.gw.pool.ready("m"), timeout=10)
+        await until(unready, timeout=10)
         go.set()
         await until(lambda: bool(answers), timeout=10)
-        assert answers == [(503, "true")]
+        assert [a[0] for a in answers] == [503]
         assert metric(await gw.metrics_text(), "switchyard_batch_lines_total", model="m", outcome="retried") == 1
         now = await c.batches.retrieve(b.id)
         assert now.status == "in_progress" and (now.request_counts.completed, now.request_counts.failed) == (0, 0)
-        async with s.post(sim.url + "/_sim/config", json={"dead": False}) as r:
+        async with s.post(dead + "/_sim/config", json={"dead": False}) as r:
             assert r.status == 200
     b = await run_to_end(c, b.id)
     assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 0), b
     assert [a[0] for a in answers] == [503, 200]
+    return answers
+
+
+async def test_a_line_whose_engine_goes_unready_after_its_start_waits_uncounted(sims, gateway, tmp_path):
+    """The runner starts a line where its model has room; the engine goes unready before the line is
+    routed (held there by the test), so the gateway answers it 503 no ready endpoint. That is not the
+    line's fault, nor its engine's: it waits for a ready endpoint, as a line that found none at its
+    start does, and spends no attempt (one is all it has here)."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, max_attempts=1))
+    answers = await _a_line_held_before_its_route_waits_uncounted(gw, sim.url, lambda: not gw.gw.pool.ready("m"))
+    assert answers[0] == (503, "true")      # the gateway's no ready endpoint
 
 
 async def _every_line_spends_its_attempts_on_a_503(gw, message: str) -> None:
@@ -305,45 +315,11 @@ async def test_a_pd_line_whose_decode_goes_unready_after_its_start_waits_uncount
     before the line is routed (held there by the test), so the routing finds no pair and answers it
     503. The model has no usable pair now: the line waits for one, as a line that found none at its
     start does, and spends no attempt (one is all it has here)."""
-    from gateway.server.app import BATCH_KEY
-
     p, d = await pd_pair(sims, "vllm")
     gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])], batch=cfg(tmp_path, max_attempts=1),
                        health={"interval_s": 0.1, "timeout_s": 1, "unhealthy_threshold": 1})
-    service = gw.runner.app[BATCH_KEY]
-    await until(lambda: service.runner is not None, timeout=10)
-    runner = service.runner
-    real = runner.submit
-    started, go = asyncio.Event(), asyncio.Event()
-    answers: list[int] = []
-
-    async def submit(req):
-        if not started.is_set():            # the first line: between the room check and the route
-            started.set()
-            await go.wait()
-        resp = await real(req)
-        answers.append(resp.status)
-        return resp
-
-    runner.submit = submit
-    c = openai_client(gw)
-    b = await create(c, rows(["m"]))
-    await asyncio.wait_for(started.wait(), 10)
-    async with aiohttp.ClientSession() as s:
-        async with s.post(d.url + "/_sim/config", json={"dead": True}) as r:
-            assert r.status == 200
-        await until(lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"], timeout=10)
-        go.set()
-        await until(lambda: bool(answers), timeout=10)
-        assert answers == [503]
-        assert metric(await gw.metrics_text(), "switchyard_batch_lines_total", model="m", outcome="retried") == 1
-        now = await c.batches.retrieve(b.id)
-        assert now.status == "in_progress" and (now.request_counts.completed, now.request_counts.failed) == (0, 0)
-        async with s.post(d.url + "/_sim/config", json={"dead": False}) as r:
-            assert r.status == 200
-    b = await run_to_end(c, b.id)
-    assert b.status == "completed" and (b.request_counts.completed, b.request_counts.failed) == (1, 0), b
-    assert answers == [503, 200]
+    await _a_line_held_before_its_route_waits_uncounted(
+        gw, d.url, lambda: [ep.role for ep in gw.gw.pool.ready("m")] == ["prefill"])
 
 
 async def test_a_model_without_room_does_not_hold_back_another_models_lines(sims, gateway, tmp_path):

@@ -800,6 +800,31 @@ async def test_a_stop_that_comes_between_a_worker_s_listen_and_its_handler_is_dr
 HOLD_AFTER_FORK = "SWITCHYARD_TEST_HOLD_AFTER_FORK"      # read by gateway/server/workers.py, for tests only
 
 
+async def start_held_workers(tmp_path: Path, url: str, grace: float, hook: str
+                             ) -> tuple[asyncio.subprocess.Process, Path, Path]:
+    """A two-worker gateway in front of ``url`` whose workers both wait in the test-only ``hook``
+    (each made its FIFO in the returned directory): (the process, that directory, its log file).
+    The process leads a session of its own; it is killed if the workers never get there."""
+    cfg = one_engine_config(tmp_path, listen_port(), url, grace=grace, log_level="info")
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    log_path = tmp_path / "gw.log"
+    with log_path.open("wb") as log_file:
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
+                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
+                                                    env={**os.environ, hook: str(hold)}, start_new_session=True)
+    try:
+        async with asyncio.timeout(30):         # both forked, and wait in the hook
+            while len(os.listdir(hold)) < 2:
+                await asyncio.sleep(0.05)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        raise
+    return proc, hold, log_path
+
+
 @pytest.mark.timeout(60)
 async def test_a_stop_that_comes_between_a_worker_s_fork_and_its_start_is_drained(sims, tmp_path):
     """A stop sent to the whole gateway (its process group, as systemd and a terminal's Ctrl-C do)
@@ -809,20 +834,8 @@ async def test_a_stop_that_comes_between_a_worker_s_fork_and_its_start_is_draine
     for this test to open a FIFO it made). Before, the signal's default action killed the worker
     on the spot."""
     sim = await sims("vllm", "m")
-    port = listen_port()
-    cfg = one_engine_config(tmp_path, port, sim.url, grace=5, log_level="info")
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    log_path = tmp_path / "gw.log"
-    with log_path.open("wb") as log_file:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
-                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
-                                                    env={**os.environ, HOLD_AFTER_FORK: str(hold)},
-                                                    start_new_session=True)
+    proc, hold, log_path = await start_held_workers(tmp_path, sim.url, 5, HOLD_AFTER_FORK)
     try:
-        async with asyncio.timeout(30):         # both forked, and wait in the hook
-            while len(os.listdir(hold)) < 2:
-                await asyncio.sleep(0.05)
         workers = sorted(int(name) for name in os.listdir(hold))
         assert workers == sorted(children_of(proc.pid))
         os.killpg(proc.pid, signal.SIGTERM)     # the parent and both workers
@@ -855,19 +868,8 @@ async def test_a_stop_ends_a_worker_whose_start_up_outlasts_the_grace_period(sim
     worker killed during the stop. Before, the parent waited for it for as long as it lived, until
     a supervisor's SIGKILL."""
     sim = await sims("vllm", "m")
-    port = listen_port()
-    cfg = one_engine_config(tmp_path, port, sim.url, grace=1, log_level="info")
-    hold = tmp_path / "hold"
-    hold.mkdir()
-    log_path = tmp_path / "gw.log"
-    with log_path.open("wb") as log_file:
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
-                                                    "--workers", "2", "--log-format", "json", stderr=log_file,
-                                                    env={**os.environ, hook: str(hold)}, start_new_session=True)
+    proc, hold, log_path = await start_held_workers(tmp_path, sim.url, 1, hook)
     try:
-        async with asyncio.timeout(30):
-            while len(os.listdir(hold)) < 2:
-                await asyncio.sleep(0.05)
         workers = sorted(int(name) for name in os.listdir(hold))
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
