@@ -752,6 +752,17 @@ def stop_pending(pid: int) -> bool | None:
     return bool(int(fields["SigBlk"], 16) & bit) and any(int(fields[k], 16) & bit for k in ("SigPnd", "ShdPnd"))
 
 
+async def release_with_their_stop_pending(workers: list[int], hold: Path) -> None:
+    """Once the stop is held back in each held worker (not fatal to any), let them go on: each
+    handles the stop it got."""
+    async with asyncio.timeout(10):
+        while not all(stop_pending(pid) in (True, None) for pid in workers):
+            await asyncio.sleep(0.02)
+    assert [stop_pending(pid) for pid in workers] == [True] * len(workers)
+    for pid in workers:
+        os.close(os.open(hold / str(pid), os.O_WRONLY | os.O_NONBLOCK))
+
+
 @pytest.mark.timeout(60)
 async def test_a_stop_that_comes_between_a_worker_s_listen_and_its_handler_is_drained(sims, tmp_path):
     """A stop (SIGTERM to the gateway, passed on to the workers) that reaches a worker after it
@@ -779,13 +790,8 @@ async def test_a_stop_that_comes_between_a_worker_s_listen_and_its_handler_is_dr
                 await asyncio.sleep(0.05)
         workers = [int(name) for name in os.listdir(hold)]
         assert sorted(workers) == sorted(children_of(proc.pid))
-        proc.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(10):         # the parent passed it on: held back in each, or fatal
-            while not all(stop_pending(pid) in (True, None) for pid in workers):
-                await asyncio.sleep(0.02)
-        assert [stop_pending(pid) for pid in workers] == [True, True]
-        for pid in workers:                     # the workers go on: each handles the stop it got
-            os.close(os.open(hold / str(pid), os.O_WRONLY | os.O_NONBLOCK))
+        proc.send_signal(signal.SIGTERM)        # the parent passes it on
+        await release_with_their_stop_pending(workers, hold)
         async with asyncio.timeout(30):
             code = await proc.wait()
     finally:
@@ -839,12 +845,7 @@ async def test_a_stop_that_comes_between_a_worker_s_fork_and_its_start_is_draine
         workers = sorted(int(name) for name in os.listdir(hold))
         assert workers == sorted(children_of(proc.pid))
         os.killpg(proc.pid, signal.SIGTERM)     # the parent and both workers
-        async with asyncio.timeout(10):         # held back in each, or fatal
-            while not all(stop_pending(pid) in (True, None) for pid in workers):
-                await asyncio.sleep(0.02)
-        assert [stop_pending(pid) for pid in workers] == [True, True]
-        for pid in workers:                     # the workers go on: each handles the stop it got
-            os.close(os.open(hold / str(pid), os.O_WRONLY | os.O_NONBLOCK))
+        await release_with_their_stop_pending(workers, hold)
         async with asyncio.timeout(30):
             code = await proc.wait()
     finally:
