@@ -22,7 +22,26 @@ messages), runs it, and converts the answer. What a gateway sees, reproduced her
   "message"}}``, and the stream ends there (no ``message_stop``).
 - count_tokens: ``{"input_tokens": N, "context_management": {"original_input_tokens": N}}``.
 
-SGLang has no Anthropic handler: its server answers FastAPI's 404 ``{"detail": "Not Found"}``.
+SGLang's Anthropic handler (``sglang/srt/entrypoints/anthropic/``) converts the same way but
+answers in its own dialect, reproduced by ``SGLangMessagesApi``:
+
+- Non-streaming: the id is ``msg_<hex>``, ``model`` the request's; ``stop_reason`` is ``end_turn``
+  for any stop (a stop string included: no ``stop_sequence`` reason, no field), ``max_tokens`` for
+  length. ``usage`` is ``{"input_tokens": <prompt tokens, cached ones included>, "output_tokens",
+  "cache_read_input_tokens": <cached>}``: the input count is the whole prompt's, unlike
+  Anthropic's, whose ``input_tokens`` leaves the cache reads out.
+- Streaming: the head goes out at once (a ``StreamingResponse`` over the chat stream, not the chat
+  path's wait for the first chunk). ``message_start`` comes with the first chunk and its usage is
+  zeros; the text block; then ``content_block_stop``, ``message_delta`` (``{"stop_reason"}`` and
+  the usage as above) and ``message_stop``. A failure in the chat stream becomes ``event: error``
+  ``{"type": "error", "error": {"type": "api_error", "message": "Stream processing error"}}``,
+  and the stream still ends with ``message_delta`` (zero usage) and ``message_stop``.
+- A failure of a non-streaming request (the context too long included) is a 500
+  ``{"type": "error", "error": {"type": "internal_error", "message": "Internal processing error"}}``;
+  a body its models refuse is FastAPI's validation 400 in SGLang's OpenAI envelope. ``model`` is
+  echoed, never checked; a ``system`` role inside ``messages`` is refused (roles are user and
+  assistant only).
+- count_tokens: ``{"input_tokens": N}``.
 """
 
 from __future__ import annotations
@@ -35,7 +54,7 @@ import orjson
 from aiohttp import web
 
 from enginesim.engine import Engine
-from enginesim.errors import ApiError, vllm_type
+from enginesim.errors import ApiError, ErrorStyle, vllm_type
 from enginesim.frontend import (
     Dropped,
     at_end,
@@ -239,10 +258,151 @@ class MessagesApi:
         return resp
 
 
-async def _not_found(request: web.Request) -> web.Response:
-    return json_response({"detail": "Not Found"}, status=404)
+class SGLangMessagesApi(MessagesApi):
+    """SGLang's Messages API (see the module's docstring for how it differs from vLLM's)."""
+
+    def _check_model(self, model: Any) -> None:
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "1 validation error:\n  model: Field required", type_="Bad Request")
+
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            for i, m in enumerate(messages):
+                if isinstance(m, dict) and m.get("role") not in ("user", "assistant"):
+                    raise ApiError(400, f"1 validation error:\n  messages.{i}.role: Input should be 'user' or "
+                                   "'assistant'", type_="Bad Request")
+        return self.engine.tokenizer.encode_chat(chat_messages(body))
+
+    def _error(self, exc: ApiError) -> web.Response:
+        if exc.status == 400 and exc.type_ == "Bad Request":     # the request's model refused it
+            return exc.response(ErrorStyle.SGLANG_OPENAI)
+        return _error_response(exc)
+
+    def _usage(self, seq: Sequence) -> dict[str, int]:
+        cached = seq.cached_tokens if self.cfg.report_cached_tokens else 0
+        return {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens,
+                "cache_read_input_tokens": cached}
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, require_json=True)
+            self._check_model(body.get("model"))
+            n = len(self._prompt_ids(body))
+        except ApiError as exc:
+            return self._error(exc)
+        return json_response({"input_tokens": n})
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        engine = self.engine
+        try:
+            body = await read_json(request, require_json=True)
+            self._check_model(body.get("model"))
+            try:
+                max_tokens = lax_int(body.get("max_tokens"))
+            except ValueError as e:
+                raise ApiError(400, f"1 validation error:\n  max_tokens: {e}", type_="Bad Request") from None
+            if max_tokens <= 0:
+                raise ApiError(400, "1 validation error:\n  max_tokens: Value error, max_tokens must be positive",
+                               type_="Bad Request")
+            stream = _stream_flag(body)
+            prompt_ids = self._prompt_ids(body)
+            fault = request_fault(engine, request)
+            check_fault_status(engine, fault)
+        except ApiError as exc:
+            return self._error(exc)
+        model = body["model"]
+        n = len(prompt_ids)      # the tokenizer manager's checks fail inside the chat handler
+        too_long = engine.dead or n > engine.max_prompt_tokens or n + max_tokens >= self.cfg.max_model_len
+        if not stream and too_long:
+            return self._failed()
+        seq: Sequence | None = None
+        if not too_long:
+            seq = engine.new_sequence(
+                seq_id=uuid.uuid4().hex, rid=uuid.uuid4().hex, prompt_ids=prompt_ids,
+                params=SamplingParams(max_tokens=max_tokens, min_tokens=0,
+                                      stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
+                stream=stream, fault=fault, cache_salt=None, dp_rank=request_dp_rank(engine, request))
+            seq.trace_headers = trace_headers(request.headers)
+            engine.role.accept(seq, body)
+            engine.submit(seq)
+        try:
+            if stream:
+                return await self._sglang_stream(request, seq, model, fault)
+            assert seq is not None
+            return await self._sglang_complete(request, seq, model)
+        except Dropped:
+            return web.Response(status=500)     # never reaches the client: the transport is gone
+        finally:
+            if seq is not None:
+                engine.client_gone(seq)
+
+    def _failed(self) -> web.Response:
+        return _error_response(ApiError(500, "Internal processing error", type_="internal_error"))
+
+    async def _sglang_complete(self, request: web.Request, seq: Sequence, model: str) -> web.StreamResponse:
+        result = await collect(self.engine, request, seq)
+        await slow_headers(self.engine, seq.fault)
+        if result.final.finish_reason == "error" or result.final.status is not None:
+            return self._failed()
+        content = [{"type": "text", "text": result.text}] if result.text else []
+        return json_response({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
+                              "content": content, "model": model,
+                              "stop_reason": _STOP_REASONS.get(seq.finish_reason or "stop", "end_turn"),
+                              "usage": self._usage(seq)})
+
+    async def _sglang_stream(self, request: web.Request, seq: Sequence | None, model: str,
+                             fault: Any) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_type = "text/event-stream"
+        resp.charset = "utf-8"
+        await slow_headers(self.engine, fault)
+        await resp.prepare(request)             # the head at once: a StreamingResponse
+        started = block_open = False
+        usage = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0}
+        finish: str | None = None
+        if seq is None:                         # the chat stream's first chunk is its error
+            await resp.write(_STREAM_ERROR)
+        else:
+            async with aclosing(outputs(self.engine, request, seq, self.cfg.sse_keepalive_s)) as stream:
+                async for out in stream:
+                    if out is None:
+                        continue
+                    if out.finish_reason == "error" or out.status is not None:
+                        await resp.write(_STREAM_ERROR)
+                        break
+                    if not started:
+                        started = True
+                        await resp.write(_frame("message_start", {"type": "message_start", "message": {
+                            "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": [],
+                            "model": model, "usage": dict(usage)}}))
+                    if out.text:
+                        if not block_open:
+                            block_open = True
+                            await resp.write(_frame("content_block_start", {
+                                "type": "content_block_start", "index": 0,
+                                "content_block": {"type": "text", "text": ""}}))
+                        await resp.write(_frame("content_block_delta", {
+                            "type": "content_block_delta", "index": 0,
+                            "delta": {"type": "text_delta", "text": out.text}}))
+                    if out.finish_reason is not None:
+                        finish = out.finish_reason
+                else:
+                    usage = self._usage(seq)
+        if block_open:
+            await resp.write(_frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        await resp.write(_frame("message_delta", {
+            "type": "message_delta", "delta": {"stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn")},
+            "usage": usage}))
+        await resp.write(_frame("message_stop", {"type": "message_stop"}))
+        if seq is not None:
+            await at_end(self.engine, request, seq.fault)
+        await resp.write_eof()
+        return resp
 
 
-def sglang_routes() -> list[web.RouteDef]:
-    """SGLang has no Anthropic handler: FastAPI's own 404."""
-    return [web.post("/v1/messages", _not_found), web.post("/v1/messages/count_tokens", _not_found)]
+_STREAM_ERROR = _frame("error", {"type": "error", "error": {"type": "api_error", "message": "Stream processing error"}})
+
+
+def sglang_routes(engine: Engine) -> list[web.RouteDef]:
+    return SGLangMessagesApi(engine).routes()

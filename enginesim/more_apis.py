@@ -1,8 +1,8 @@
 """The engines' surface beyond chat, completions and embeddings, by engine.
 
 vLLM: the Anthropic Messages API (``messages_api``), rerank and score (``pooling_api``; its
-tokenize and detokenize live in ``vllm_api``), speech to text (``audio_api``). SGLang: rerank,
-score, tokenize and detokenize, and the 404 its server answers for the Messages API.
+tokenize and detokenize live in ``vllm_api``), speech to text (``audio_api``). SGLang: its own
+dialect of the Messages API (``messages_api``), rerank, score, tokenize and detokenize.
 """
 
 from __future__ import annotations
@@ -19,4 +19,4 @@ from enginesim.pooling_api import PoolingApi
 def more_routes(engine: Engine) -> list[web.RouteDef]:
     if engine.cfg.engine == "vllm":
         return [*MessagesApi(engine).routes(), *PoolingApi(engine).vllm_routes(), *AudioApi(engine).routes()]
-    return [*messages_api.sglang_routes(), *PoolingApi(engine).sglang_routes()]
+    return [*messages_api.sglang_routes(engine), *PoolingApi(engine).sglang_routes()]

@@ -36,11 +36,36 @@ async def test_vllm_messages_event_sequence_and_errors(sims):
         assert msg["type"] == "message" and msg["content"][0]["type"] == "text" and "stop_sequence" not in msg
 
 
-async def test_sglang_has_no_messages_api_but_its_own_pooling_surface(sims):
+async def test_sglang_messages_dialect_and_its_own_pooling_surface(sims):
     s1 = await sims("sglang", "qwen")
     async with aiohttp.ClientSession() as s:
-        async with s.post(s1.url + "/v1/messages", json={"model": "qwen", "max_tokens": 1, "messages": MSGS}) as r:
-            assert r.status == 404 and await r.json() == {"detail": "Not Found"}
+        body = {"model": "any-name", "max_tokens": 3, "messages": MSGS}
+        async with s.post(s1.url + "/v1/messages", json=body) as r:
+            got = await r.json()
+        assert r.status == 200 and got["id"].startswith("msg_") and got["model"] == "any-name"
+        assert got["stop_reason"] == "max_tokens" and "stop_sequence" not in got
+        n = got["usage"]["input_tokens"]
+        assert got["usage"] == {"input_tokens": n, "output_tokens": 3, "cache_read_input_tokens": 0}
+        async with s.post(s1.url + "/v1/messages", json={**body, "stream": True}) as r:
+            frames = [f for f in (await r.text()).split("\n\n") if f]
+        names = [f.split("\n")[0].removeprefix("event: ") for f in frames]
+        assert names == ["message_start", "content_block_start", *["content_block_delta"] * 3,
+                         "content_block_stop", "message_delta", "message_stop"]
+        start, delta = (orjson.loads(frames[i].split("data: ", 1)[1]) for i in (0, 6))
+        assert start["message"]["usage"] == {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0}
+        assert delta["delta"] == {"stop_reason": "max_tokens"}
+        assert delta["usage"]["input_tokens"] == n and delta["usage"]["cache_read_input_tokens"] > 0
+        async with s.post(s1.url + "/v1/messages/count_tokens", json={"model": "m", "messages": MSGS}) as r:
+            assert await r.json() == {"input_tokens": n}
+        async with s.post(s1.url + "/v1/messages", json={**body, "max_tokens": 10**6}) as r:
+            assert r.status == 500 and await r.json() == {
+                "type": "error", "error": {"type": "internal_error", "message": "Internal processing error"}}
+        async with s.post(s1.url + "/v1/messages", json={**body, "max_tokens": 10**6, "stream": True}) as r:
+            text = await r.text()
+        assert r.status == 200 and text.startswith("event: error\n") and text.endswith(
+            'event: message_stop\ndata: {"type":"message_stop"}\n\n') and "Stream processing error" in text
+        async with s.post(s1.url + "/v1/messages", json={**body, "messages": [{"role": "system", "content": "x"}]}) as r:
+            assert r.status == 400 and (await r.json())["object"] == "error"
         async with s.post(s1.url + "/v1/tokenize", json={"prompt": ["ab", "cdefgh"]}) as r:
             got = await r.json()
         assert got["count"] == [1, 2] and len(got["tokens"]) == 2
