@@ -80,31 +80,81 @@ async def test_a_stop_sequence_that_ended_the_answer_is_named(fleet):
     assert 'switchyard_path_requests_total{path="/v1/messages",status="200"} 4.0' in text
 
 
-async def test_a_model_whose_engines_have_no_messages_api_is_an_anthropic_404(fleet):
+async def test_an_sglang_model_serves_messages_in_sglang_s_dialect(fleet):
+    """SGLang serves the Messages API too (its Anthropic handler): the SDK works against it, and
+    the gateway counts SGLang's usage right. Its ``input_tokens`` is the whole prompt and
+    ``cache_read_input_tokens`` a part of it (Anthropic's leaves the cache reads out), so the
+    prompt tokens counted are ``input_tokens``, not their sum."""
     gw, (_, _, s1) = fleet
     c = anthropic_client(gw)
-    with pytest.raises(anthropic.NotFoundError) as ei:
-        await c.messages.create(model="qwen", max_tokens=8, messages=MSGS)
-    assert ei.value.body == {"type": "error", "error": {
-        "type": "not_found_error", "message": "The model `qwen` is served by sglang, which does not serve POST /v1/messages."}}
-    with pytest.raises(anthropic.NotFoundError):
-        await c.messages.count_tokens(model="qwen", messages=MSGS)
-    with pytest.raises(anthropic.NotFoundError) as ei:
-        await c.messages.create(model="nope", max_tokens=8, messages=MSGS)
-    assert ei.value.body["error"]["type"] == "not_found_error"
+    msg = await c.messages.create(model="qwen", max_tokens=5, system=SYSTEM, messages=MSGS)
+    assert msg.id.startswith("msg_") and msg.content[0].text and msg.stop_reason == "max_tokens"
+    assert msg.usage.output_tokens == 5 and msg.usage.input_tokens > 0
+    async with c.messages.stream(model="qwen", max_tokens=4, system=SYSTEM, messages=MSGS) as stream:
+        text = [t async for t in stream.text_stream]
+        final = await stream.get_final_message()
+    assert len(text) == 4 and "".join(text) == final.content[0].text
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 4
+    # the second time the prompt was in the engine's cache, and SGLang says so
+    assert final.usage.input_tokens == msg.usage.input_tokens and final.usage.cache_read_input_tokens > 0
+    counted = await c.messages.count_tokens(model="qwen", system=SYSTEM, messages=MSGS)
+    assert counted.input_tokens == msg.usage.input_tokens
     await c.close()
-    assert not [r for r in (await sim_state(s1.url))["received"] if r["path"].startswith("/v1/messages")]
+    sent = [r["path"] for r in (await sim_state(s1.url))["received"]]
+    assert sent.count("/v1/messages") == 2 and sent.count("/v1/messages/count_tokens") == 1
+    text = await gw.metrics_text()
+    assert f'switchyard_prompt_tokens_total{{model="qwen"}} {float(2 * msg.usage.input_tokens)}' in text
+    assert 'switchyard_completion_tokens_total{model="qwen"} 9.0' in text
+    assert f'switchyard_cached_prompt_tokens_total{{model="qwen"}} {float(final.usage.cache_read_input_tokens)}' in text
+    assert 'switchyard_time_to_first_token_seconds_count{model="qwen"} 1.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/messages",status="200"} 2.0' in text
 
 
-async def test_a_mixed_model_sends_messages_only_to_engines_that_serve_them(sims, gateway):
+async def test_an_sglang_messages_failure_reaches_the_sdk_as_its_error(fleet):
+    """SGLang answers a failed non-streaming request 500 ``internal_error`` (not a type of
+    Anthropic's: re-typed ``api_error``), and a stream's failure as an ``api_error`` event."""
+    gw, _ = fleet
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.InternalServerError) as ei:
+        await c.messages.create(model="qwen", max_tokens=20000, messages=MSGS)
+    assert ei.value.status_code == 500 and ei.value.body["error"]["type"] == "api_error"
+    with pytest.raises(anthropic.APIStatusError) as ei:
+        async with c.messages.stream(model="qwen", max_tokens=20000, messages=MSGS) as stream:
+            await stream.get_final_message()
+    assert ei.value.body["error"] == {"type": "api_error", "message": "Stream processing error"}
+    await c.close()
+    with pytest.raises(anthropic.NotFoundError) as ei:
+        await anthropic_client(gw).messages.create(model="nope", max_tokens=8, messages=MSGS)
+    assert ei.value.body["error"]["type"] == "not_found_error"
+
+
+async def test_an_engine_without_the_messages_api_is_an_anthropic_404(sims, gateway):
+    """An SGLang release older than its Anthropic handler answers FastAPI's 404; the SDK gets it
+    in Anthropic's shape."""
+    async def old(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"detail": "Not Found"}, status=404)
+
+    async with fake_engine(old, paths=("/v1/messages",)) as url:
+        gw = await gateway([model_block("old", "sglang", [url])])
+        c = anthropic_client(gw)
+        with pytest.raises(anthropic.NotFoundError) as ei:
+            await c.messages.create(model="old", max_tokens=8, messages=MSGS)
+        assert ei.value.body == {"type": "error", "error": {"type": "not_found_error", "message": "Not Found"}}
+        await c.close()
+
+
+async def test_a_mixed_model_sends_messages_to_both_engines(sims, gateway):
     v = await sims("vllm", "mix")
     s = await sims("sglang", "mix")
     gw = await gateway([model_block("mix", "vllm", [v.url, {"url": s.url, "engine": "sglang"}])])
     c = anthropic_client(gw)
+    served = set()
     for _ in range(6):
         r = await c.messages.with_raw_response.create(model="mix", max_tokens=2, messages=MSGS)
-        assert r.headers["target-pod"] == v.url.removeprefix("http://")
+        served.add(r.headers["target-pod"])
+        assert (await r.parse()).usage.output_tokens == 2
     await c.close()
+    assert served == {v.url.removeprefix("http://"), s.url.removeprefix("http://")}
 
 
 async def test_errors_before_headers_are_anthropic_shaped(fleet):

@@ -18,11 +18,10 @@ from handlers import ADAPTERS
 
 def test_engines_declare_their_surface():
     vllm, sglang = ADAPTERS["vllm"], ADAPTERS["sglang"]
-    for path in ("/v1/messages", "/v1/messages/count_tokens", "/rerank", "/v2/rerank", "/score",
-                 "/v1/audio/translations"):
+    for path in ("/rerank", "/v2/rerank", "/score", "/v1/audio/translations"):
         assert vllm.serves(path) and not sglang.serves(path)
     for path in ("/v1/chat/completions", "/v1/responses", "/v1/rerank", "/v1/score", "/tokenize", "/detokenize",
-                 "/v1/audio/transcriptions"):
+                 "/v1/audio/transcriptions", "/v1/messages", "/v1/messages/count_tokens"):
         assert vllm.serves(path) and sglang.serves(path)
 
 
@@ -45,11 +44,12 @@ def test_prepare_keeps_the_engines_that_serve_the_path():
     pool = EndpointPool()
     v = pool.add(Endpoint(url="http://v:1", model="m", engine="vllm"))
     s = pool.add(Endpoint(url="http://s:1", model="m", engine="sglang"))
-    api = AnthropicApi(pool)
-    assert _prepare(api, "/v1/messages", [v, s]) == [v]
+    api = PassthroughApi(pool)
+    assert _prepare(api, "/v2/rerank", [v, s]) == [v]
     with pytest.raises(GatewayError) as ei:           # the vLLM endpoint exists but is not ready
-        _prepare(api, "/v1/messages", [s])
+        _prepare(api, "/v2/rerank", [s])
     assert ei.value.status == 503
+    assert _prepare(AnthropicApi(pool), "/v1/messages", [v, s]) == [v, s]
     assert _prepare(PassthroughApi(pool), "/v1/rerank", [v, s]) == [v, s]
     only_sglang = EndpointPool()
     s2 = only_sglang.add(Endpoint(url="http://s:1", model="m", engine="sglang"))
