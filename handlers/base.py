@@ -87,6 +87,11 @@ class EngineAdapter(Protocol):
     # the request header that pins a request to one data-parallel rank of the engine (gateway/kv/dp_rank.py)
     dp_rank_header: str
 
+    # whether the ``input_tokens`` of the engine's Messages usage already counts the prompt tokens
+    # it read from its cache (SGLang's: the whole prompt), rather than leaving them to
+    # ``cache_read_input_tokens`` as Anthropic's does (gateway/apis/anthropic.py)
+    messages_input_has_cache_reads: bool
+
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         """(path, body) of the engine's runtime call that loads adapter ``name`` from ``path``."""
         ...

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import orjson
 
-from gateway.apis.paths import DETOKENIZE, TOKENIZE, TRANSCRIPTIONS
+from gateway.apis.paths import ANTHROPIC_PATHS, DETOKENIZE, TOKENIZE, TRANSCRIPTIONS
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, AbortSpec, PDPlan, engine_message, openai_usage
@@ -37,7 +37,8 @@ class SGLangPDSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 # SGLang's HTTP server (python/sglang/srt/entrypoints/http_server.py) has rerank and score under
 # /v1 only, tokenize and detokenize under both spellings, transcription; no Anthropic Messages
 # (a 404), no /rerank, /v2/rerank, /score or audio translation
-PATHS = OPENAI_PATHS | frozenset({"/v1/rerank", "/v1/score", TOKENIZE, DETOKENIZE, TRANSCRIPTIONS})
+# its Anthropic handler (sglang/srt/entrypoints/anthropic/) serves the Messages API and count_tokens
+PATHS = OPENAI_PATHS | frozenset({"/v1/rerank", "/v1/score", TOKENIZE, DETOKENIZE, TRANSCRIPTIONS, *ANTHROPIC_PATHS})
 
 # keys the gateway writes into both bodies
 BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "rid")
@@ -221,6 +222,9 @@ class SGLangAdapter:
     # wins over the body's routed_dp_rank (older releases: data_parallel_rank) and the
     # DataParallelController sends the request to that rank's scheduler
     dp_rank_header = "X-Data-Parallel-Rank"
+    # its Messages usage: input_tokens is the prompt's whole count, and cache_read_input_tokens
+    # the cached part of it (AnthropicServing in sglang/srt/entrypoints/anthropic/serving.py)
+    messages_input_has_cache_reads = True
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         return "/load_lora_adapter", orjson.dumps({"lora_name": name, "lora_path": path})

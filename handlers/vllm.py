@@ -125,6 +125,8 @@ class VLLMAdapter:
     # OpenAIServing._get_data_parallel_rank (vllm/entrypoints/openai): an int in this header pins the
     # request to that engine core of a --data-parallel-size engine, past its internal load balancer
     dp_rank_header = "X-data-parallel-rank"
+    # its Messages usage has no cache reads: input_tokens is the prompt's count
+    messages_input_has_cache_reads = False
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         # needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true on the engine

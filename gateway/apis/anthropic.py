@@ -1,7 +1,7 @@
 """The Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
-Served by engines that speak it (vLLM does, SGLang does not: ``handlers/`` says which), through
-the same pipeline as chat. What differs from OpenAI, and lives here:
+Served by engines that speak it (vLLM and SGLang, each with its Anthropic handler: ``handlers/``
+says which engine serves which path), through the same pipeline as chat. What differs from OpenAI, and lives here:
 
 - **Parsing.** ``model``, ``messages`` (content a string or a list of blocks) and, for
   ``/v1/messages``, ``max_tokens`` are required; ``system`` is a string or a list of text blocks.
@@ -26,7 +26,9 @@ the same pipeline as chat. What differs from OpenAI, and lives here:
 
 Token counts follow Anthropic: ``input_tokens`` excludes prompt tokens read from or written to
 the prompt cache (``cache_read_input_tokens``, ``cache_creation_input_tokens``), so the prompt
-tokens the gateway counts are their sum, and the cached ones are the cache reads.
+tokens the gateway counts are their sum, and the cached ones are the cache reads. SGLang's
+``input_tokens`` is the whole prompt's count, its cache reads a part of it
+(``messages_input_has_cache_reads`` of its adapter): its prompt tokens are ``input_tokens``.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from gateway.request import (
     slo_objectives,
 )
 from gateway.resilience.outcome import event_status
+from handlers import adapter_for
 
 # Anthropic's error types by HTTP status (docs.anthropic.com/en/api/errors)
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
@@ -231,29 +234,55 @@ class AnthropicApi(EngineSpecificApi):
     def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes, str]:
         status, err = normalize_upstream_error(status, raw)
         message = str(err["error"].get("message"))
-        given = err["error"].get("type")
-        type_ = given if given in ERROR_TYPES else None     # vLLM's own are exception names
+        # the engine's own type when it is one of Anthropic's (vLLM's own are exception names);
+        # not the one the normalising gave a body without any (FastAPI's ``{"detail"}``, text)
+        given = err["error"].get("type") if _typed(raw) else None
+        type_ = given if given in ERROR_TYPES else None
         return status, orjson.dumps(anthropic_error(status, message, type_)), message
 
     def scanner(self, ctx: Any) -> MessagesScanner:
-        return MessagesScanner()
+        return MessagesScanner(self._inclusive(ctx))
 
     def body_usage(self, ctx: Any, data: dict[str, Any]) -> dict | None:
         stop = data.get("stop_reason")
         if isinstance(stop, str):
             ctx.rec.finish_reason = stop
         usage = data.get("usage")
-        return openai_usage(usage) if isinstance(usage, dict) else None
+        return openai_usage(usage, inclusive=self._inclusive(ctx)) if isinstance(usage, dict) else None
+
+    def _inclusive(self, ctx: Any) -> bool:
+        """Whether the engine that answers ``ctx`` counts its cache reads in ``input_tokens``: the
+        decision's endpoint, or the one a retry went to (``rec.endpoint`` names it)."""
+        ep = ctx.decision.endpoint if ctx.decision is not None else None
+        name = ctx.rec.endpoint
+        if ep is None or (name is not None and ep.name != name):
+            ep = next((e for e in self.pool.endpoints(ctx.ireq.model) if e.name == name), ep)
+        return ep is not None and adapter_for(ep.engine).messages_input_has_cache_reads
+
+
+def _typed(raw: bytes) -> bool:
+    """Whether an engine's error body names its error's type itself."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(data, dict):
+        return False
+    err = data.get("error")
+    return isinstance(err.get("type") if isinstance(err, dict) else data.get("type"), str)
 
 
 def _count(v: Any) -> int:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
 
 
-def openai_usage(usage: dict[str, Any], output: int | None = None) -> dict[str, Any]:
-    """An Anthropic usage object in OpenAI's spelling (what the gateway's accounting reads)."""
+def openai_usage(usage: dict[str, Any], output: int | None = None, inclusive: bool = False) -> dict[str, Any]:
+    """An Anthropic usage object in OpenAI's spelling (what the gateway's accounting reads).
+    ``inclusive``: its ``input_tokens`` already counts the cache reads (SGLang's)."""
     cache_read = _count(usage.get("cache_read_input_tokens"))
-    prompt = _count(usage.get("input_tokens")) + cache_read + _count(usage.get("cache_creation_input_tokens"))
+    prompt = _count(usage.get("input_tokens"))
+    if not inclusive:
+        prompt += cache_read + _count(usage.get("cache_creation_input_tokens"))
     return {"prompt_tokens": prompt,
             "completion_tokens": _count(usage.get("output_tokens")) if output is None else output,
             "prompt_tokens_details": {"cached_tokens": cache_read}}
@@ -282,9 +311,10 @@ class MessagesScanner:
     """Scan an Anthropic Messages event stream (``StreamScanner``): bytes pass through unchanged."""
 
     __slots__ = ("first_token_at", "last_token_at", "token_events", "itl", "usage", "finish_reason", "error", "done",
-                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_retyped")
+                 "_start_usage", "_buf", "_pending", "_skip", "_now", "_cr", "_retyped", "_inclusive")
 
-    def __init__(self) -> None:
+    def __init__(self, inclusive: bool = False) -> None:
+        self._inclusive = inclusive  # input_tokens counts the cache reads (``openai_usage``)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.token_events = 0       # content_block_delta events
@@ -428,12 +458,13 @@ class MessagesScanner:
             usage = msg.get("usage") if isinstance(msg, dict) else None
             if isinstance(usage, dict):
                 self._start_usage = usage
-                self.usage = openai_usage(usage)
+                self.usage = openai_usage(usage, inclusive=self._inclusive)
         elif kind == "message_delta":
             usage = obj.get("usage")
             if isinstance(usage, dict):
                 # message_delta's counts are cumulative; the input side may be left to message_start
-                self.usage = openai_usage({**self._start_usage, **{k: v for k, v in usage.items() if v is not None}})
+                self.usage = openai_usage({**self._start_usage, **{k: v for k, v in usage.items() if v is not None}},
+                                          inclusive=self._inclusive)
             delta = obj.get("delta")
             stop = delta.get("stop_reason") if isinstance(delta, dict) else None
             if isinstance(stop, str):
