@@ -136,10 +136,16 @@ class MessagesApi:
         return [web.post("/v1/messages", self.messages),
                 web.post("/v1/messages/count_tokens", self.count_tokens)]
 
+    def _adapter(self, model: Any) -> str | None:
+        """The LoRA adapter ``model`` names, if it is a registered one (vLLM's chat path, which its
+        Messages handler goes through, takes a loaded adapter's name as the model)."""
+        lora = self.engine.lora
+        return model if lora is not None and isinstance(model, str) and model in lora.registered else None
+
     def _check_model(self, model: Any) -> None:
         if not isinstance(model, str) or not model:
             raise ApiError(400, "1 validation error:\n  model: Field required", type_="Bad Request")
-        if model not in self.cfg.served_model_names:
+        if model not in self.cfg.served_model_names and self._adapter(model) is None:
             raise ApiError(404, f"The model `{model}` does not exist.", param="model")
 
     def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
@@ -186,7 +192,7 @@ class MessagesApi:
                 seq_id=seq_id, rid=f"{seq_id}-{uuid.uuid4().hex[:8]}", prompt_ids=prompt_ids,
                 params=SamplingParams(max_tokens=max(1, max_tokens), min_tokens=0,
                                       stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
-                stream=stream, fault=fault, cache_salt=None,
+                stream=stream, fault=fault, cache_salt=None, lora=self._adapter(body.get("model")),
                 dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
             engine.role.accept(seq, body)
