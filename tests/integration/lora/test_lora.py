@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 
 from tests.support.enginesim import restart_sim
 from tests.support.factories import model_block
-from tests.support.http import openai_client, sim_state
+from tests.support.http import anthropic_client, openai_client, sim_state
 from tests.support.lora import FAST_LORA, LORA_SIM, MSG, chat, load_calls
 from tests.support.metrics import metric
 from tests.support.waiting import until, wait_for
@@ -209,6 +210,25 @@ async def test_sglang_adapter_load_and_lora_path(sims, gateway):
     assert status == 200, body
     st = await sim_state(s.url)
     assert st["lora"]["registered"] == {"tone": "org/tone-lora"} and st["lora"]["cold_loads"] == 1
+
+
+async def test_a_messages_request_for_an_sglang_adapter_is_refused_not_served_by_the_base_model(sims, gateway):
+    """SGLang picks an adapter by the body's ``lora_path``, which its Anthropic request has no field
+    for: the gateway refuses such a request (400, Anthropic-shaped, nothing loaded or sent) rather
+    than let the base model answer it under the adapter's name. vLLM picks it by ``model``."""
+    s = await sims("sglang", "m", **LORA_SIM)
+    v = await sims("vllm", "v", **LORA_SIM)
+    gw = await gateway([model_block("m", "sglang", [s.url], adapters={"tone": "org/tone-lora"}),
+                        model_block("v", "vllm", [v.url], adapters={"terse": "org/terse-lora"})], lora=FAST_LORA)
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        await c.messages.create(model="tone", max_tokens=4, messages=MSG)
+    assert ei.value.body["error"]["type"] == "invalid_request_error"
+    assert "tone" in ei.value.body["error"]["message"] and "/v1/chat/completions" in ei.value.body["error"]["message"]
+    st = await sim_state(s.url)
+    assert not load_calls(st) and not [r for r in st["received"] if r["path"].startswith("/v1/messages")]
+    msg = await c.messages.create(model="terse", max_tokens=4, messages=MSG)      # vLLM: by model
+    assert msg.usage.output_tokens == 4 and len(load_calls(await sim_state(v.url))) == 1
 
 
 async def test_enginesim_slots_lru_metric_and_unknown_adapter(sims):
