@@ -203,9 +203,18 @@ class Lora:
         ctx.rec.extra["lora_adapter"] = name
         eps = self.pool.endpoints(base)
         fields = adapter_for(eps[0].engine).lora_fields(name) if eps else {}
-        if fields and ctx.api is None:
-            ireq.data.update(fields)
-            ireq.body = body_bytes(ireq.data, ireq.body)
+        if not fields:
+            return
+        if ctx.api is not None:
+            # the engine picks the adapter by a body field (SGLang's lora_path) that its request on
+            # this path has no place for (its Messages, Responses, rerank...): the base model would
+            # answer under the adapter's name
+            raise GatewayError(400, f"`{name}` is a LoRA adapter of `{base}`, whose {eps[0].engine} engines select an "
+                                    f"adapter by the body's `lora_path`, which POST {ireq.path} does not carry: send "
+                                    "it to /v1/chat/completions or /v1/completions", param="model",
+                               code="adapter_unsupported_path", error_class=ErrorClass.VALIDATION)
+        ireq.data.update(fields)
+        ireq.body = body_bytes(ireq.data, ireq.body)
 
     async def prepare(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
         """The candidates that serve the request's adapter, after loading it if none does."""
