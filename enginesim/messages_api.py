@@ -162,8 +162,14 @@ class MessagesApi:
             self._check_model(body.get("model"))
             n = len(self._prompt_ids(body))
         except ApiError as exc:
-            return _error_response(exc)
-        return json_response({"input_tokens": n, "context_management": {"original_input_tokens": n}})
+            return self._error(exc)
+        return json_response(self._counted(n))
+
+    def _error(self, exc: ApiError) -> web.Response:
+        return _error_response(exc)
+
+    def _counted(self, n: int) -> dict[str, Any]:
+        return {"input_tokens": n, "context_management": {"original_input_tokens": n}}
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         engine = self.engine
@@ -290,14 +296,8 @@ class SGLangMessagesApi(MessagesApi):
         return {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens,
                 "cache_read_input_tokens": cached}
 
-    async def count_tokens(self, request: web.Request) -> web.Response:
-        try:
-            body = await read_json(request, require_json=True)
-            self._check_model(body.get("model"))
-            n = len(self._prompt_ids(body))
-        except ApiError as exc:
-            return self._error(exc)
-        return json_response({"input_tokens": n})
+    def _counted(self, n: int) -> dict[str, Any]:
+        return {"input_tokens": n}
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         engine = self.engine
