@@ -127,6 +127,43 @@ async def test_vllm_prefill_then_decode(make_sim: MakeSim, http: aiohttp.ClientS
     assert state["kv"]["used_blocks"] == 0
 
 
+async def test_vllm_messages_prefill_then_decode(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
+    """vLLM's Messages API passes ``kv_transfer_params`` into the chat request it builds, and its
+    non-streaming answer carries the chat answer's at top level (``messages_full_converter``): a
+    Messages prefill answers the params a decode pulls the KV with, streamed or not."""
+    p = await make_sim(engine="vllm", role="prefill", seed=1)
+    d = await make_sim(engine="vllm", role="decode", seed=2)
+    body = {"model": "pd-model", "messages": MESSAGES, "max_tokens": 6}
+    prefill = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": prefill_body(body)["kv_transfer_params"]}
+    status, answer, _ = await call(http, p.url + "/v1/messages", prefill, {"X-Request-Id": "m-1"})
+    assert status == 200, answer
+    assert answer["type"] == "message" and answer["usage"]["output_tokens"] == 1
+    kv = answer["kv_transfer_params"]
+    assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
+    assert kv["remote_request_id"].startswith("chatcmpl-m-1-") and kv["remote_port"] == p.side_channel_port
+    n = answer["usage"]["input_tokens"]
+    assert kv["remote_num_tokens"] == n
+
+    status, out, _ = await call(http, d.url + "/v1/messages", {**body, "kv_transfer_params": kv})
+    assert status == 200, out
+    assert out["usage"] == {"input_tokens": n, "output_tokens": 6} and "kv_transfer_params" not in out
+    assert (await sim_state(d.url, http))["pd"]["transfers"] == 1
+
+    status, answer, _ = await call(http, p.url + "/v1/messages", prefill, {"X-Request-Id": "m-2"})
+    assert status == 200, answer
+    async with http.post(d.url + "/v1/messages", json={**body, "stream": True,
+                                                       "kv_transfer_params": answer["kv_transfer_params"]}) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert raw.count(b"event: content_block_delta") == 6 and raw.endswith(b"event: message_stop\ndata: "
+                                                                           b'{"type":"message_stop"}\n\n')
+    state = await sim_state(p.url, http)
+    assert state["pd"]["pinned"] == [] and state["pd"]["transfers"] == 2
+    # a plain Messages answer names no params (vLLM leaves None fields out)
+    status, out, _ = await call(http, d.url + "/v1/messages", body)
+    assert status == 200 and "kv_transfer_params" not in out
+
+
 async def test_vllm_kv_load_failures(make_sim: MakeSim, http: aiohttp.ClientSession) -> None:
     p = await make_sim(engine="vllm", role="prefill", kv_lease_s=0.05)
     fail = await make_sim(engine="vllm", role="decode")
