@@ -8,7 +8,10 @@ messages), runs it, and converts the answer. What a gateway sees, reproduced her
   fields are left out. The id is the chat completion's (``chatcmpl-…``). ``stop_reason``:
   ``end_turn`` for EOS, ``max_tokens`` for length, and for a stop string of the request's
   ``stop_sequences`` (the chat choice's ``stop_reason`` a string) ``stop_sequence``, with the
-  matched string in ``stop_sequence`` (left out otherwise).
+  matched string in ``stop_sequence`` (left out otherwise). A prefill for a remote decode
+  (``kv_transfer_params.do_remote_decode``) answers its ``kv_transfer_params`` at top level, as the
+  chat answer vLLM converts does; a decode takes the params the same way as chat (the request's
+  top-level ``kv_transfer_params`` goes into the chat request vLLM builds).
 - Streaming: headers as soon as the request is admitted (as for chat), then, each frame as
   ``event: <type>`` + ``data: {...}``: ``message_start`` (with the first output; ``usage``
   carries ``input_tokens`` and ``output_tokens: 0``), ``content_block_start`` (index 0, an empty
@@ -227,6 +230,8 @@ class MessagesApi:
             out["stop_reason"], matched = _stop(seq)
             if matched is not None:
                 out["stop_sequence"] = matched
+        # the chat answer's kv_transfer_params at top level (messages_full_converter), None left out
+        out.update((k, v) for k, v in self.engine.role.response_extras(seq).items() if v is not None)
         return json_response(out)
 
     async def _stream(self, request: web.Request, seq: Sequence) -> web.StreamResponse:
