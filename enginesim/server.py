@@ -39,6 +39,8 @@ TRACEPARENTS_KEY = web.AppKey("enginesim_traceparents", collections.deque)
 
 # how many received requests `/_sim/state` remembers (a test hook, not an access log)
 _RECEIVED_KEPT = 256
+# the largest body `/_sim/state` shows a received request's JSON object of, as it came
+_BODY_KEPT = 8192
 # how many received W3C trace headers it remembers (newest last)
 _TRACEPARENTS_KEPT = 64
 
@@ -123,8 +125,8 @@ def _api_key_check(cfg: SimConfig, refused: collections.deque) -> Any:
 
 def _recorder(received: collections.deque, traceparents: collections.deque) -> Any:
     """Remember what each request that reached the engine looked like on the wire (method, path,
-    body size, whether the body is one JSON object), so a test can prove what a gateway let through;
-    and the W3C trace headers of those that carried a ``traceparent`` (trace propagation)."""
+    body size, whether the body is one JSON object, and that object when it is small), so a test
+    can prove what a gateway let through; and the W3C trace headers of those that carried a ``traceparent`` (trace propagation)."""
 
     @web.middleware
     async def record(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -148,9 +150,13 @@ def _recorder(received: collections.deque, traceparents: collections.deque) -> A
                 if raw is not None:
                     entry["bytes"] = len(raw)
                     try:
-                        entry["json_object"] = isinstance(orjson.loads(raw), dict)
+                        obj = orjson.loads(raw)
                     except orjson.JSONDecodeError:
                         entry["json_object"] = False
+                    else:
+                        entry["json_object"] = isinstance(obj, dict)
+                        if entry["json_object"] and len(raw) <= _BODY_KEPT:
+                            entry["body"] = obj     # what the engine was asked (a gateway's P/D legs)
         return await handler(request)
 
     return record
