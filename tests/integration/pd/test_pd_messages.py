@@ -1,0 +1,205 @@
+"""The Anthropic Messages API over prefill/decode pairs: the real ``anthropic`` SDK through the
+gateway against enginesim engines in prefill and decode roles.
+
+vLLM's Messages request takes a top-level ``kv_transfer_params`` (passed into the chat request it
+builds) and its non-streaming answer carries the chat answer's, so its context-first P/D runs on
+/v1/messages as on chat. SGLang's Anthropic request has no bootstrap fields: an SGLang P/D model
+refuses the Messages paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import anthropic
+import orjson
+import pytest
+
+from tests.support.factories import pd_model, pd_pair, roleset
+from tests.support.http import anthropic_client, post, sim_state, sse_frames
+from tests.support.waiting import wait_for
+
+MSGS = [{"role": "user", "content": "Disaggregated serving splits prefill from decode. " * 8}]
+MESSAGES = "/v1/messages"
+COUNT = "/v1/messages/count_tokens"
+
+
+def legs(state: dict, path: str = MESSAGES) -> list[dict]:
+    """The bodies of the POSTs an engine received on ``path``."""
+    return [r["body"] for r in state["received"] if r["method"] == "POST" and r["path"] == path]
+
+
+async def quiet(url: str) -> bool:
+    st = await sim_state(url)
+    return not st["running"] and not st["waiting"]
+
+
+async def test_messages_run_on_a_vllm_pair_through_the_sdk(sims, gateway):
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    c = anthropic_client(gw)
+    raw = await c.messages.with_raw_response.create(model="m", max_tokens=8, system="Be brief.", messages=MSGS,
+                                                    extra_body={"temperature": 0.5, "stop_sequences": ["zzz"]})
+    assert raw.headers["prefill-target-pod"] == p.url.split("//")[1]
+    assert raw.headers["target-pod"] == d.url.split("//")[1]
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
+    msg = raw.parse()
+    assert msg.type == "message" and msg.content[0].text and msg.stop_reason == "max_tokens"
+    assert msg.usage.output_tokens == 8 and msg.usage.input_tokens > 0
+
+    async with c.messages.stream(model="m", max_tokens=6, messages=MSGS) as stream:
+        text = [t async for t in stream.text_stream]
+        final = await stream.get_final_message()
+    assert "".join(text) == final.content[0].text and len(text) == 6
+    assert final.usage.output_tokens == 6 and final.usage.input_tokens > 0
+
+    ps, ds = await sim_state(p.url), await sim_state(d.url)
+    # the prefill legs: the client's body, one token, not streamed, for a remote decode
+    prefills = legs(ps)
+    assert len(prefills) == 2
+    for sent in prefills:
+        assert sent["max_tokens"] == 1 and sent["stream"] is False
+        assert sent["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
+                                              "remote_engine_id": None, "remote_block_ids": None,
+                                              "remote_host": None, "remote_port": None}
+        assert sent["messages"] == MSGS and "max_completion_tokens" not in sent and "stream_options" not in sent
+    assert prefills[0]["system"] == "Be brief." and prefills[0]["temperature"] == 0.5
+    assert prefills[0]["stop_sequences"] == ["zzz"]
+    # the decode legs: the client's body plus the prefill's params (its host the prefill's)
+    decodes = legs(ds)
+    assert [b["max_tokens"] for b in decodes] == [8, 6] and [b.get("stream") for b in decodes] == [None, True]
+    for sent in decodes:
+        kv = sent["kv_transfer_params"]
+        assert kv["do_remote_prefill"] is True and kv["remote_engine_id"] and kv["remote_request_id"]
+        assert kv["remote_host"] == "127.0.0.1" and kv["remote_port"] == p.side_channel_port
+        assert "stream_options" not in sent
+    assert decodes[0]["system"] == "Be brief." and decodes[0]["stop_sequences"] == ["zzz"]
+    assert ds["pd"]["transfers"] == 2 and ds["counts"]["completed"] == 2 and ps["counts"]["completed"] == 2
+
+    text = await gw.metrics_text()
+    # the decode's answers alone are counted: the prefill's one token is not the client's
+    assert 'switchyard_completion_tokens_total{model="m"} 14.0' in text
+    assert f'switchyard_prompt_tokens_total{{model="m"}} {float(msg.usage.input_tokens + final.usage.input_tokens)}' \
+        in text
+    assert 'switchyard_time_to_first_token_seconds_count{model="m"} 1.0' in text
+    assert 'switchyard_inter_token_latency_seconds_count{model="m"} 5.0' in text
+    assert 'switchyard_pd_prefill_seconds_count{model="m"} 2.0' in text
+    assert 'switchyard_pd_kv_transfer_seconds_count{model="m"} 1.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/messages",status="200"} 2.0' in text
+
+
+async def test_count_tokens_of_a_vllm_pd_model_runs_whole_on_the_decode(sims, gateway):
+    """count_tokens generates nothing (no KV to move): it is served by the chosen decode whole."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    c = anthropic_client(gw)
+    raw = await c.messages.with_raw_response.count_tokens(model="m", messages=MSGS)
+    assert raw.headers["x-pd-decision"] == "decode; reason=no_generation"
+    assert raw.headers["target-pod"] == d.url.split("//")[1] and "prefill-target-pod" not in raw.headers
+    counted = raw.parse()
+    msg = await c.messages.create(model="m", max_tokens=2, messages=MSGS)
+    assert counted.input_tokens == msg.usage.input_tokens > 0
+    ps, ds = await sim_state(p.url), await sim_state(d.url)
+    assert legs(ps, COUNT) == [] and legs(ds, COUNT) == [{"model": "m", "messages": MSGS}]
+    text = await gw.metrics_text()
+    assert 'switchyard_pd_decisions_total{mode="decode",model="m",reason="no_generation"} 1.0' in text
+    assert 'switchyard_path_requests_total{path="/v1/messages/count_tokens",status="200"} 1.0' in text
+
+
+@pytest.mark.parametrize("path", [MESSAGES, COUNT])
+async def test_an_sglang_pd_model_refuses_the_messages_api(sims, gateway, path):
+    p, d = await pd_pair(sims, "sglang")
+    gw = await gateway([pd_model("sglang", [roleset("sglang", p, d)])])
+    body = {"model": "m", "max_tokens": 4, "messages": MSGS} if path == MESSAGES else {"model": "m", "messages": MSGS}
+    r = await post(gw, body, path=path)
+    assert r.status == 400 and r.headers["x-error-routing"] == "true"
+    err = orjson.loads(r.body)
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert "SGLang" in err["error"]["message"] and "bootstrap" in err["error"]["message"], err
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.BadRequestError):
+        await c.messages.create(model="m", max_tokens=4, messages=MSGS)
+    assert legs(await sim_state(p.url), path) == [] and legs(await sim_state(d.url), path) == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_prefill_failure_reaches_the_sdk_as_its_error_class(sims, gateway, stream):
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    c = anthropic_client(gw)
+
+    async def ask(fault: str) -> None:
+        kw = {"model": "m", "max_tokens": 6, "messages": MSGS, "extra_headers": {"x-sim-fault": fault}}
+        if stream:
+            async with c.messages.stream(**kw) as s:
+                async for _ in s.text_stream:
+                    pass
+        else:
+            await c.messages.create(**kw)
+
+    with pytest.raises(anthropic.InternalServerError) as ei:
+        await ask("prefill.status=503")
+    e = ei.value
+    assert e.status_code == 502 and e.response.headers["x-error-pd-prefill"] == "http_status"
+    assert e.body["type"] == "error" and e.body["error"]["type"] == "api_error", e.body
+    with pytest.raises(anthropic.BadRequestError) as ei:
+        await ask("prefill.status=400")
+    assert ei.value.body["error"]["type"] == "invalid_request_error", ei.value.body
+    assert ei.value.response.headers["x-error-pd-prefill"] == "http_status"
+    assert (await sim_state(d.url))["counts"]["started"] == 0          # no decode leg at all
+    assert 'switchyard_pd_prefill_failures_total{failure_class="http_status",model="m",stage="before_response"} 2.0' \
+        in await gw.metrics_text()
+
+
+async def test_a_decode_failure_after_headers_is_one_anthropic_error_event(sims, gateway):
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    body = {"model": "m", "max_tokens": 20, "stream": True, "messages": MSGS}
+    r = await post(gw, body, {"x-sim-fault": "decode.error_after=3"}, path=MESSAGES)
+    assert r.status == 200
+    frames = sse_frames(r.body)
+    assert frames[0][0] == "message_start" and [n for n, _ in frames].count("error") == 1
+    assert frames[-1] == ("error", {"type": "error", "error": {"type": "api_error", "message": frames[-1][1]["error"]
+                                                              ["message"]}})
+    assert sum(n == "content_block_delta" for n, _ in frames) == 3
+    c = anthropic_client(gw)
+    with pytest.raises(anthropic.APIStatusError):
+        async with c.messages.stream(model="m", max_tokens=20, messages=MSGS,
+                                     extra_headers={"x-sim-fault": "decode.error_after=3"}) as s:
+            async for _ in s.text_stream:
+                pass
+
+
+async def test_a_kv_pull_that_fails_before_the_first_token_is_an_anthropic_502(sims, gateway):
+    """vLLM's decode answers its head at once, then a failed KV pull as its Messages stream's first
+    event (``internal_error``): nothing went to the client yet, so it is the pair's failure, retried
+    on another pair if any, else an Anthropic-shaped 502, not a 200 stream holding only an error."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    body = {"model": "m", "max_tokens": 6, "stream": True, "messages": MSGS}
+    r = await post(gw, body, {"x-sim-fault": "decode.kv_pull_fail=1"}, path=MESSAGES)
+    assert r.status == 502 and r.headers["x-error-pd-decode"] == "decode_error", (r.status, r.body)
+    err = orjson.loads(r.body)
+    assert err["type"] == "error" and err["error"]["type"] == "api_error"
+    assert "before its first token" in err["error"]["message"]
+    for url in (p.url, d.url):
+        assert await wait_for(lambda url=url: quiet(url), timeout=5)
+
+
+async def test_a_client_that_leaves_mid_stream_stops_the_decode(sims, gateway):
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    body = {"model": "m", "max_tokens": 50, "stream": True, "messages": MSGS}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(gw.url + MESSAGES, json=body, headers={"x-sim-fault": "decode.stall_after=2:inf"})
+        assert r.status == 200
+        seen = b""
+        while seen.count(b"event: content_block_delta") < 2:
+            chunk = await asyncio.wait_for(r.content.readany(), 10)
+            assert chunk
+            seen += chunk
+        r.close()
+    assert await wait_for(lambda: quiet(d.url), timeout=10)
+    counts = (await sim_state(d.url))["counts"]
+    assert counts["aborted"] == 1 and counts["completed"] == 0
