@@ -87,6 +87,10 @@ class EngineAdapter(Protocol):
     # the request header that pins a request to one data-parallel rank of the engine (gateway/kv/dp_rank.py)
     dp_rank_header: str
 
+    # why the engine's P/D legs cannot carry a Messages request (``/v1/messages``, count_tokens),
+    # or None when they can: its Messages request must take the P/D fields its legs need
+    messages_pd_refusal: str | None
+
     # whether the ``input_tokens`` of the engine's Messages usage already counts the prompt tokens
     # it read from its cache (SGLang's: the whole prompt), rather than leaving them to
     # ``cache_read_input_tokens`` as Anthropic's does (gateway/apis/anthropic.py)

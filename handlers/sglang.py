@@ -225,6 +225,10 @@ class SGLangAdapter:
     # its Messages usage: input_tokens is the prompt's whole count, and cache_read_input_tokens
     # the cached part of it (AnthropicServing in sglang/srt/entrypoints/anthropic/serving.py)
     messages_input_has_cache_reads = True
+    # its Anthropic request (sglang/srt/entrypoints/anthropic/protocol.py) has no bootstrap fields and
+    # drops unknown ones, so neither leg would meet the other on a bootstrap room
+    messages_pd_refusal = ("SGLang's Anthropic Messages request has no bootstrap_host, bootstrap_port or "
+                           "bootstrap_room, so its prefill and decode servers cannot pair on it")
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         return "/load_lora_adapter", orjson.dumps({"lora_name": name, "lora_path": path})

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Protocol
 import msgspec
 import orjson
 
-from gateway.apis.paths import ANTHROPIC_PATHS, PASSTHROUGH_PATHS
+from gateway.apis.paths import ANTHROPIC_PATHS, MESSAGES, PASSTHROUGH_PATHS
 from gateway.endpoints import Endpoint
 from gateway.request import CHAT, InferenceRequest, body_bytes, usage_stream_options
 from handlers.base import OPENAI_PATHS, BadPrefillAnswer, PDPlan, engine_message, openai_usage
@@ -43,11 +43,15 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_body(data: dict[str, Any], original: bytes = b"") -> bytes:
+def prefill_body(data: dict[str, Any], original: bytes = b"", messages: bool = False) -> bytes:
+    """The prefill leg's body. ``messages``: a Messages request (``/v1/messages``), whose only
+    output bound is ``max_tokens`` (vLLM's Messages request has no ``max_completion_tokens``; it
+    builds its chat request's two bounds from ``max_tokens``)."""
     body = {k: v for k, v in data.items() if k not in _PREFILL_DROP}
     body["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
     body["max_tokens"] = 1
-    body["max_completion_tokens"] = 1
+    if not messages:
+        body["max_completion_tokens"] = 1
     body["stream"] = False
     return body_bytes(body, original)
 
@@ -105,8 +109,9 @@ class VLLMAdapter:
 
     def pd_plan(self, ireq: InferenceRequest, checked: Any, *, prefill: Endpoint,
                 settings: HasVLLMSettings, rng: random.Random) -> PDPlan:
-        return PDPlan(concurrent=False, prefill_body=prefill_body(ireq.data, ireq.body), decode_body=None,
-                      strip_usage=usage_stream_options(ireq) is not None)
+        # a Messages stream always carries its usage (``include_usage``): nothing asked, nothing stripped
+        return PDPlan(concurrent=False, prefill_body=prefill_body(ireq.data, ireq.body, ireq.path == MESSAGES),
+                      decode_body=None, strip_usage=usage_stream_options(ireq) is not None)
 
     def decode_body(self, ireq: InferenceRequest, prefill_answer: bytes, *, prefill: Endpoint,
                     settings: HasVLLMSettings) -> bytes:
@@ -127,6 +132,10 @@ class VLLMAdapter:
     dp_rank_header = "X-data-parallel-rank"
     # its Messages usage has no cache reads: input_tokens is the prompt's count
     messages_input_has_cache_reads = False
+    # its Messages request takes a top-level kv_transfer_params, passed into the chat request it
+    # builds, and its answer carries the chat answer's (vllm/entrypoints/anthropic/): context-first
+    # P/D runs on /v1/messages as on chat
+    messages_pd_refusal = None
 
     def lora_load(self, name: str, path: str) -> tuple[str, bytes]:
         # needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=true on the engine

@@ -24,6 +24,11 @@ says which engine serves which path), through the same pipeline as chat. What di
   reason, ``message_stop`` ends the stream. Only those three and ``error`` are JSON-decoded.
   An event goes out once it is whole (its blank line came), never in part.
 
+Over prefill/decode pairs (docs/pd.md, Messages): an engine whose Messages request takes the P/D
+fields (vLLM's ``kv_transfer_params``) runs Messages disaggregated, its decode's stream scanned as
+here; count_tokens runs whole on the chosen decode (``generates``); an engine whose request cannot
+carry them (SGLang's has no bootstrap fields) is refused with its adapter's reason (``pd_refusal``).
+
 Token counts follow Anthropic: ``input_tokens`` excludes prompt tokens read from or written to
 the prompt cache (``cache_read_input_tokens``, ``cache_creation_input_tokens``), so the prompt
 tokens the gateway counts are their sum, and the cached ones are the cache reads. SGLang's
@@ -224,6 +229,19 @@ class AnthropicApi(EngineSpecificApi):
             headers=headers,         # type: ignore[arg-type]
             multimodal=media[0], slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
         )
+
+    def pd_refusal(self, path: str, engines: set[str]) -> str | None:
+        """Messages run on an engine's pairs when its Messages request takes the P/D fields (vLLM's
+        takes ``kv_transfer_params``); count_tokens, which generates nothing, runs whole on the
+        chosen decode of such a pair."""
+        for engine in sorted(engines):
+            why = adapter_for(engine).messages_pd_refusal
+            if why is not None:
+                return why
+        return None
+
+    def generates(self, path: str) -> bool:
+        return path != COUNT_TOKENS
 
     def error_body(self, e: GatewayError) -> bytes:
         return orjson.dumps(anthropic_error(e.status, e.message))

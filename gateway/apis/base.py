@@ -44,7 +44,18 @@ class ApiShape:
 
     name = "openai"
     paths: tuple[str, ...] = ()
-    supports_pd = False             # may a P/D strategy serve it (the engines' P/D legs carry it)?
+
+    def pd_refusal(self, path: str, engines: set[str]) -> str | None:
+        """Why a P/D strategy may not serve POST ``path`` on pairs of ``engines`` (their P/D legs do
+        not carry the request), ``""`` when there is nothing more to say; None: it may. Asked only
+        of a request whose model routes as pairs. Default: no P/D (the engines' legs take no
+        ``kv_transfer_params`` or bootstrap fields on the API's paths)."""
+        return ""
+
+    def generates(self, path: str) -> bool:
+        """Whether a request on ``path`` generates (a P/D pair splits it); one that does not (a
+        count of tokens) is run whole on the chosen decode (gateway/pd/decide.py)."""
+        return True
 
     async def read_body(self, request: web.Request, max_bytes: int) -> bytes | None:
         """The body, when the API reads it its own way (multipart audio); ``None``: the pipeline

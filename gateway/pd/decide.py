@@ -24,6 +24,9 @@ asked without the P/D fields (vLLM: a decode without ``kv_transfer_params`` pref
 SGLang's decode-mode server refuses a request without a bootstrap room); else on the least-loaded
 combined endpoint of the model; else the request is disaggregated anyway (``no_local_path``).
 
+A request that generates nothing (the Messages API's count_tokens) runs whole on the chosen decode
+(``no_generation``) before any rule, when its engine computes a prompt itself.
+
 The decision is counted in ``switchyard_pd_decisions_total{model,mode,reason}`` (mode:
 ``disaggregated``, ``decode``, ``combined``; a ``pd`` choice of a combined endpoint by the
 strategy itself is counted with the strategy's reason), answered in ``x-pd-decision: <mode>;
@@ -77,8 +80,12 @@ class PDDecider:
         if d.prefill is None:       # the strategy itself chose a combined endpoint
             self._record(ctx, "combined", d.reason or "pd_strategy", None)
             return candidates
-        cfg = self.config.pd_for(ireq.model)
         decode, n = d.endpoint, ireq.prompt_tokens_est
+        if ctx.api is not None and engine.decode_runs_whole and not ctx.api.generates(ireq.path):
+            d.prefill = None        # nothing to generate, no KV to move (count_tokens): whole on the decode
+            self._record(ctx, "decode", "no_generation", None)
+            return [decode]
+        cfg = self.config.pd_for(ireq.model)
         uncached = self._uncached_on_events(ctx, decode)
         if uncached is None:
             match = self.index.match(ireq, [decode]).get(decode, 0.0)

@@ -252,10 +252,13 @@ class Pipeline:
         ireq, api = ctx.ireq, ctx.api
         assert ireq is not None
         if api is not None:
-            if router.chooses_pairs and not api.supports_pd:
-                raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
-                                        f"model `{ireq.model}` routes with the P/D strategy {spec!r}",
-                                   header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
+            if router.chooses_pairs:
+                why = api.pd_refusal(ireq.path, {ep.engine for ep in candidates})
+                if why is not None:
+                    raise GatewayError(400, f"POST {ireq.path} is not served by prefill/decode pairs, and the "
+                                            f"model `{ireq.model}` routes with the P/D strategy {spec!r}"
+                                            + (f": {why}" if why else ""),
+                                       header=("x-error-routing", "true"), error_class=ErrorClass.ROUTING)
             candidates = await api.prepare(ctx, candidates)
         if ireq.lora is not None:
             candidates = await self._adapter_serving(ctx, router, candidates)

@@ -44,7 +44,7 @@ async def test_messages_run_on_a_vllm_pair_through_the_sdk(sims, gateway):
     assert raw.headers["prefill-target-pod"] == p.url.split("//")[1]
     assert raw.headers["target-pod"] == d.url.split("//")[1]
     assert raw.headers["x-pd-decision"] == "disaggregated; reason=always"
-    msg = raw.parse()
+    msg = await raw.parse()
     assert msg.type == "message" and msg.content[0].text and msg.stop_reason == "max_tokens"
     assert msg.usage.output_tokens == 8 and msg.usage.input_tokens > 0
 
@@ -97,7 +97,7 @@ async def test_count_tokens_of_a_vllm_pd_model_runs_whole_on_the_decode(sims, ga
     raw = await c.messages.with_raw_response.count_tokens(model="m", messages=MSGS)
     assert raw.headers["x-pd-decision"] == "decode; reason=no_generation"
     assert raw.headers["target-pod"] == d.url.split("//")[1] and "prefill-target-pod" not in raw.headers
-    counted = raw.parse()
+    counted = await raw.parse()
     msg = await c.messages.create(model="m", max_tokens=2, messages=MSGS)
     assert counted.input_tokens == msg.usage.input_tokens > 0
     ps, ds = await sim_state(p.url), await sim_state(d.url)

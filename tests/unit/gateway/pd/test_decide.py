@@ -32,7 +32,7 @@ def setup(**pd):
 def ctx_for(p, d):
     ireq = inference_request(tokens=1000)
     return SimpleNamespace(ireq=ireq, decision=Decision(d, "pd", prefill=p), rec=RequestRecord("r", CHAT, 0.0),
-                           after_write=[])
+                           after_write=[], api=None)      # a chat request: no API shape of its own
 
 
 def written(ctx):
