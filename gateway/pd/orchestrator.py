@@ -750,6 +750,30 @@ def _first_event_error(first: bytes) -> str | None:
     prefill died): that error's message; None for anything else."""
     if first.startswith(b"data: {\"error\""):
         return _server_error_event(first)
+    if first.startswith(b"event: error"):       # a Messages stream's (vLLM's Anthropic handler)
+        return _messages_server_error(first)
+    return None
+
+
+# the Anthropic error types of a server's failure; vLLM's Messages stream writes ``internal_error``
+# for a chat stream that failed (a KV pull among them), before or after its first event
+_SERVER_ERROR_TYPES = frozenset({"internal_error", "api_error", "overloaded_error"})
+
+
+def _messages_server_error(data: bytes) -> str | None:
+    """The message of a Messages stream's opening ``event: error`` frame when its error is a
+    server's (``_SERVER_ERROR_TYPES``), else None: a client's error passes on as it came."""
+    event = data.split(b"\n\n", 1)[0]
+    payload = next((line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:")), None)
+    if payload is None:
+        return None
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict) and err.get("type") in _SERVER_ERROR_TYPES:
+        return str(err.get("message", ""))[:256]
     return None
 
 
