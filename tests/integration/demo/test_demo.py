@@ -70,6 +70,13 @@ async def test_demo_answers_every_model_streaming_and_not():
         ac = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0)
         msg = await ac.messages.create(model="demo-llama", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
         assert msg.content[0].text and msg.usage.output_tokens == 4
+        # and over demo-llama-pd's prefill/decode pair (vLLM), as the banner shows
+        assert b'/v1/messages' in banner and b'{"model":"demo-llama-pd","max_tokens":16,' in banner
+        raw = await ac.messages.with_raw_response.create(model="demo-llama-pd", max_tokens=4,
+                                                         messages=[{"role": "user", "content": "Hi"}])
+        assert raw.headers["prefill-target-pod"] == "127.0.0.1:8121" and raw.headers["target-pod"] == "127.0.0.1:8122"
+        msg = await raw.parse()
+        assert msg.content[0].text and msg.usage.output_tokens == 4
         await ac.close()
         async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/v1/rerank", json={
                 "model": "demo-qwen", "query": "red apple", "documents": ["green pear", "red apple pie"]}) as r:
