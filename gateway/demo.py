@@ -138,6 +138,8 @@ print(c.responses.create(model='demo-llama', input='More', previous_response_id=
        -d '{{{{"model":"demo-llama","max_tokens":16,"stream":true,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'
   curl -s http://{host}:{{port}}/v1/messages -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-qwen","max_tokens":16,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'   # SGLang's dialect
+  curl -si http://{host}:{{port}}/v1/messages -H 'Content-Type: application/json' \\
+       -d '{{{{"model":"demo-llama-pd","max_tokens":16,"messages":[{{{{"role":"user","content":"Hello!"}}}}]}}}}'   # over the P/D pair
   curl -s http://{host}:{{port}}/v1/rerank -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-qwen","query":"red apple","documents":["green pear","red apple pie"]}}}}'
   curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
