@@ -203,3 +203,29 @@ async def test_a_client_that_leaves_mid_stream_stops_the_decode(sims, gateway):
     assert await wait_for(lambda: quiet(d.url), timeout=10)
     counts = (await sim_state(d.url))["counts"]
     assert counts["aborted"] == 1 and counts["completed"] == 0
+
+
+async def test_a_pd_messages_stream_of_a_model_with_migration_is_not_continued(sims, gateway):
+    """Messages events are not rebuilt across legs: a P/D Messages stream whose decode dies on a
+    model with migration_limit ends with one Anthropic error event, as without it, the decode's
+    stream counted as refused."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)], migration_limit=2)])
+    body = {"model": "m", "max_tokens": 20, "stream": True, "messages": MSGS}
+    r = await post(gw, body, {"x-sim-fault": "decode.drop_after=3"}, path=MESSAGES)
+    assert r.status == 200
+    frames = sse_frames(r.body)
+    assert frames[0][0] == "message_start" and [n for n, _ in frames].count("error") == 1
+    assert frames[-1][0] == "error" and frames[-1][1]["error"]["type"] == "api_error", frames[-1]
+    assert 'outcome="refused_api"' in await gw.metrics_text()
+
+
+@pytest.mark.parametrize("path,body", [("/v1/responses", {"model": "m", "input": "Hi"}),
+                                       ("/v1/rerank", {"model": "m", "query": "q", "documents": ["a"]})])
+async def test_other_apis_are_still_refused_on_a_vllm_pd_model(sims, gateway, path, body):
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)])])
+    r = await post(gw, body, path=path)
+    assert r.status == 400 and r.headers["x-error-routing"] == "true"
+    assert "is not served by prefill/decode pairs" in orjson.loads(r.body)["error"]["message"]
+    assert legs(await sim_state(p.url), path) == [] and legs(await sim_state(d.url), path) == []
