@@ -144,7 +144,7 @@ print(c.responses.create(model='demo-llama', input='More', previous_response_id=
        -d '{{{{"model":"demo-qwen","query":"red apple","documents":["green pear","red apple pie"]}}}}'
   curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"chat-lora","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}'   # loads it, then answers
-  curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \
+  curl -s http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"pd-lora","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}'     # loads it on both roles
   curl -sD - -o /dev/null http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-llama-pd","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' | grep -i '^x-pd-decision'
@@ -170,7 +170,7 @@ its breaker open (x-retries shows the 500s retried elsewhere), then heal it:
 Mid-stream continuation (demo-llama has migration_limit 2): make a replica drop every stream after
 4 tokens; streams it was serving finish on the other replica, one stream to the client:
   curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"drop_after=4"}}}}' >/dev/null
-  for i in 1 2; do curl -sN http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \
+  for i in 1 2; do curl -sN http://{host}:{{port}}/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{{{{"model":"demo-llama","stream":true,"max_tokens":12,"messages":[{{{{"role":"user","content":"Go"}}}}]}}}}' | tail -c 200; echo; done
   curl -s http://{host}:{{port}}/metrics | grep '^switchyard_migrations_total'
   curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"none"}}}}' >/dev/null

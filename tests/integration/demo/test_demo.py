@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 
@@ -44,6 +45,8 @@ async def test_demo_answers_every_model_streaming_and_not():
                 banner += line
         assert b"curl" in banner and b"OpenAI" in banner and b"Metrics:" in banner
         assert f"http://127.0.0.1:{port}/status ".encode() in banner
+        # every curl line is a command of its own, its continuation lines indented under it
+        assert not re.search(rb"' {2,}-d '", banner)     # a continuation joined to the line above it
         assert rx.url.encode() in banner
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         assert {m.id for m in (await client.models.list()).data} == (
