@@ -346,3 +346,89 @@ async def test_a_replica_that_reads_the_tail_before_its_first_scrape_still_drops
         finally:
             if restarted is not None:
                 await restarted.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_engine_keeps_neither_the_sessions_nor_the_gateway_held_responses_chains_it_served(
+        sims, tmp_path, redis_server):
+    """An engine that restarts has lost the cache of every conversation it served: its sessions are
+    dropped by both replicas (of two workers each), whatever names them, a session header or, with
+    gateway state, a Responses chain (any engine can continue one, so its lineage is a session like
+    any other). Each one's next turn is routed as a prompt no engine holds, through the openai SDK
+    with no client error, and the turn after that stays where it went."""
+    import openai
+
+    engines = [await sims("vllm", "m") for _ in range(3)]
+    urls = [e.url for e in engines]
+    pa, pb = listen_port(), listen_port()
+    for name, port in (("a", pa), ("b", pb)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url)
+                                               + "responses: {state: gateway}\nscrape: {interval_s: 0.2}\n")
+    clients = [openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="x", max_retries=0,
+                                  default_headers={"Connection": "close"}) for p in (pa, pb)]
+
+    async def chat(t: int, session: str) -> str:
+        # shorter than a prefix block: only the session map keeps its turns together
+        raw = await clients[t % 2].chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": f"turn {t}"}], max_tokens=2,
+            extra_headers={"x-session-key": session})
+        return raw.headers["target-pod"]
+
+    async def respond(t: int, chain: int, prev: str | None) -> tuple[str, str]:
+        raw = await clients[t % 2].responses.with_raw_response.create(
+            model="m", input=f"chain {chain} step {t}: where to?", max_output_tokens=4,
+            **({"previous_response_id": prev} if prev else {}))
+        return raw.parse().id, raw.headers["target-pod"]
+
+    async def counted() -> tuple[float, float]:
+        pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
+        return (sum(metric_total(page, "switchyard_routing_session_total", outcome="kept") for page in pages),
+                sum(metric_total(page, "switchyard_routing_session_total") for page in pages))
+
+    restarted = None
+    try:
+        async with gateway_process(tmp_path / "a.yaml", pa, "--workers", "2", ready_workers=2), \
+                gateway_process(tmp_path / "b.yaml", pb, "--workers", "2", ready_workers=2):
+            for port in (pa, pb):
+                await until(lambda port=port: redis_up(port), timeout=20)
+            sessions = [f"agent-{i}" for i in range(6)]
+            at = {s: await chat(i, s) for i, s in enumerate(sessions)}
+            prev: dict[int, str] = {}
+            for c in range(6):
+                prev[c], at[c] = await respond(c, c, None)
+            for t in (1, 2):
+                for s in sessions:
+                    assert await chat(t, s) == at[s]
+                for c in range(6):
+                    prev[c], pod = await respond(t, c, prev[c])
+                    assert pod == at[c]
+            victim = next(e for e in engines if at[0].endswith(f":{e.port}"))
+            lost = [k for k, pod in at.items() if pod == at[0]]       # the victim's sessions and chains
+            restarted = await restart_sim(victim)
+            for port in (pa, pb):
+                async def seen_restart(port: int = port) -> bool:
+                    page = (await get_new(port, "/metrics"))[1]
+                    return metric_total(page, "switchyard_engine_restarts_total") == 1
+                await until(seen_restart, timeout=20)
+
+            kept, total = await counted()
+            after: dict[str | int, str] = {}
+            for s in sessions:
+                after[s] = await chat(3, s)
+            for c in range(6):
+                prev[c], after[c] = await respond(3, c, prev[c])
+            kept_now, total_now = await counted()
+            # only the sessions of the engines that kept their cache were kept; the victim's named no endpoint
+            assert (kept_now - kept, total_now - total) == (len(at) - len(lost), len(at) - len(lost))
+            # the turn after goes where the one before went, and is kept there
+            for s in sessions:
+                assert await chat(4, s) == after[s]
+            for c in range(6):
+                prev[c], pod = await respond(4, c, prev[c])
+                assert pod == after[c]
+            assert await counted() == (kept_now + len(at), total_now + len(at))
+    finally:
+        for cl in clients:
+            await cl.close()
+        if restarted is not None:
+            await restarted.close()
