@@ -147,13 +147,15 @@ class SessionMap:
         self._store(key, _Entry(ep, tag, self.clock(), at))
         return True
 
-    def forget(self, ep: Endpoint, before: float | None = None) -> int:
+    def forget(self, ep: Endpoint, before: float | None = None, lineage: bool = False) -> int:
         """Drop the sessions whose last turn went to ``ep`` (its engine restarted: the conversation's
         cache there is gone), not the lineage of the responses it answered (``RESPONSE`` keys: an
-        engine that stores responses is where they are asked for); with ``before`` (wall clock), only
-        those recorded before it. Returns how many. O(size)."""
+        engine that stores responses is where they are asked for) unless ``lineage`` (the gateway
+        holds the responses, so any engine continues a chain and its lineage is a session like any
+        other); with ``before`` (wall clock), only those recorded before it. Returns how many.
+        O(size)."""
         gone = [k for k, e in self._d.items()
-                if e.ep is ep and not k.startswith(RESPONSE) and (before is None or e.at < before)]
+                if e.ep is ep and (lineage or not k.startswith(RESPONSE)) and (before is None or e.at < before)]
         for k in gone:
             del self._d[k]
         return len(gone)

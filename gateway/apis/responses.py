@@ -133,6 +133,22 @@ def _not_streamed(query: Any) -> None:
                            error_class=ErrorClass.VALIDATION)
 
 
+def _answered_before_start(record: dict[str, Any], ep: Endpoint) -> bool:
+    """Whether a stored response was answered before the start of the engine running at ``ep`` now
+    (its scraped ``process_start_time_seconds``): by the record's wall-clock time, as the routing
+    view dates a replica's facts, else (a record without it) by the response's ``created_at``, the
+    engine's clock in whole seconds, so one within a second of the start is taken as after it."""
+    started = ep.metrics.start_time if ep.metrics is not None else None
+    if started is None:
+        return False
+    at = record.get("at")
+    if at.__class__ is float:
+        return at < started
+    response = record.get("response")
+    created = response.get("created_at") if isinstance(response, dict) else None
+    return created.__class__ in (int, float) and created + 1.0 < started
+
+
 def _not_found(rid: str) -> GatewayError:
     return GatewayError(404, f"Response with id '{rid}' not found.", param="response_id", code="response_not_found",
                         error_class=ErrorClass.RESPONSE_NOT_FOUND)
@@ -366,7 +382,7 @@ class ResponsesApi(ApiShape):
         ep = ctx.decision.endpoint if ctx.decision is not None else None
         blob = orjson.dumps({"id": rid, "model": ctx.ireq.model, "user": self._owner_user(ctx.rec.user),
                              "input": ex.input, "output": final.get("output") or [], "response": final,
-                             "endpoint": ep.url if ep is not None else None})
+                             "endpoint": ep.url if ep is not None else None, "at": time.time()})
         if len(blob) > self.cfg.history.max_response_bytes:
             self.m.writes.labels("history", "too_large").inc()
             log.warning("response history not stored: over responses.history.max_response_bytes",
@@ -442,13 +458,15 @@ class ResponsesApi(ApiShape):
 
     def _follow(self, rid: str, record: dict[str, Any], model: str, candidates: list[Endpoint]) -> None:
         """Gateway state: the stored response names the endpoint that produced it; the routing view
-        learns it here (routing prefers it), even before the lineage its producer shared arrives."""
+        learns it here (routing prefers it), even before the lineage its producer shared arrives.
+        Not when that engine restarted since it answered: its cache is gone, as the view forgot."""
         url = record.get("endpoint")
         if not isinstance(url, str) or record.get("model") != model or len(rid) > 256:
             return
         for ep in candidates:
             if ep.url == url:
-                self.lineage.apply(RESPONSE + rid, ep, record.get("user"))
+                if not _answered_before_start(record, ep):
+                    self.lineage.apply(RESPONSE + rid, ep, record.get("user"))
                 return
 
     def _gone(self, model: str, reason: str) -> None:

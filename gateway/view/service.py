@@ -184,6 +184,9 @@ class RoutingView:
         self.m = ViewMetrics(metrics)
         r = config.routing
         self.sessions = SessionMap(r.session_ttl_s, r.session_max_entries)
+        # with gateway-held Responses state any engine continues a chain: its lineage is a session,
+        # forgotten with the others when its engine restarts; with engine state the engine holds it
+        self.lineage_is_session = config.responses.state == "gateway"
         self.group = slot.group if slot is not None else new_group()
         self.worker_index = slot.index if slot is not None else 0
         self.worker_count = slot.count if slot is not None else 1
@@ -492,7 +495,7 @@ class RoutingView:
         before (``PrefixIndex.merge``)."""
         if self._index is not None:
             self._index.forget(ep)
-        dropped = self.sessions.forget(ep)
+        dropped = self.sessions.forget(ep, lineage=self.lineage_is_session)
         log.info("shared routing view: a restarted engine forgotten", endpoint=ep.name, model=ep.model,
                  sessions=dropped)
 
@@ -560,7 +563,7 @@ class RoutingView:
                     if sent >= started:
                         index.apply_insert(keys, ep)
                         kept += 1
-            dropped = self.sessions.forget(ep, before=started)
+            dropped = self.sessions.forget(ep, before=started, lineage=self.lineage_is_session)
             log.info("shared routing view: replica facts from before an engine's start forgotten",
                      endpoint=ep.name, model=ep.model, facts=stale, sessions=dropped, insertions_kept=kept,
                      insertions_lost=u.inserts is None)
@@ -757,8 +760,10 @@ class RoutingView:
                 if ep is None:
                     unknown += 1
                     continue
-                # a Responses lineage stays: an engine that stores responses is where they are asked for
-                if vet and not s.key.startswith(RESPONSE) and self._before_start(ep, batch.sent):
+                # a Responses lineage stays (an engine that stores responses is where they are asked
+                # for), unless the gateway holds them: then it is a session like any other
+                if vet and (self.lineage_is_session or not s.key.startswith(RESPONSE)) \
+                        and self._before_start(ep, batch.sent):
                     stale += 1
                     continue
                 self.sessions.apply(s.key, ep, s.tag, s.at or None)      # a later entry here stays

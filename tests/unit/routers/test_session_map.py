@@ -147,3 +147,6 @@ def test_forgetting_an_endpoint_drops_its_sessions_not_its_responses_lineage():
     assert m.forget(eps[0]) == 1
     assert m.get("m\0s:a") is None and m.get("m\0s:b") is eps[1]
     assert m.entry(RESPONSE + "resp_1") == (eps[0], "owner")
+    # where the gateway holds the responses, their lineage is a session like any other
+    assert m.forget(eps[0], lineage=True) == 1
+    assert m.entry(RESPONSE + "resp_1") is None and m.get("m\0s:b") is eps[1]

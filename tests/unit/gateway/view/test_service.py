@@ -434,7 +434,7 @@ async def test_a_whole_view_is_made_and_merged_a_part_per_loop_turn():
     assert len(b.sessions) == n and len(bctx.prefix_index) == len(actx.prefix_index)
 
 
-def _replica_view(scrape: bool = True, monitor: bool = True):
+def _replica_view(scrape: bool = True, monitor: bool = True, responses_state: str = "engine"):
     """A view of one model on two endpoints with replicas on (a Redis URL nothing is asked of), its
     router context attached and, with ``monitor``, a stand-in monitor whose ``listeners`` the test
     calls as a scrape would: (view, ctx, endpoint, other endpoint, monitor)."""
@@ -442,7 +442,8 @@ def _replica_view(scrape: bool = True, monitor: bool = True):
 
     cfg = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": URLS}],
                             "routing": {"prefix_block_chars": 8}, "scrape": {"enabled": scrape},
-                            "state": {"redis_url": "redis://127.0.0.1:1/0"}}, source="<t>")
+                            "state": {"redis_url": "redis://127.0.0.1:1/0"},
+                            "responses": {"state": responses_state}}, source="<t>")
     pool = pool_from_config(cfg)
     view = RoutingView(cfg, pool, GatewayMetrics())
     ctx = RouterContext(settings=cfg.routing, sessions=view.sessions)
@@ -507,6 +508,39 @@ def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_
     assert held() == {other}
     assert view.sessions.get("s0") is None and view.sessions.get("s1") is other
     assert before_start() == 4
+
+
+def test_with_gateway_held_responses_a_lineage_from_before_an_engines_start_goes_with_its_sessions():
+    """Gateway state: any engine continues a Responses chain, so the lineage of a response an engine
+    answered before its start is a session of a cache since gone: forgotten once the start is
+    learnt, not taken once it is known, and dropped at a restart the view is told of."""
+    import time
+
+    from gateway.endpoints import EngineMetrics
+    from gateway.view.service import endpoint_key
+    from gateway.view.wire import Session, encode
+    from routers.session_map import RESPONSE
+
+    view, _ctx, ep, other, mon = _replica_view(responses_state="gateway")
+    sent = time.time() - 60
+
+    def stream(tag: str) -> None:
+        sessions = [Session(f"{RESPONSE}{tag}_{i}", endpoint_key(e), None, sent) for i, e in enumerate((ep, other))]
+        for payload in encode("other/0", sent, [], sessions, None, 1 << 20):
+            view._on_stream(payload, False)
+
+    stream("taken")
+    other.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=sent - 3600)   # up all along
+    ep.metrics = EngineMetrics(scraped_at=time.monotonic(), start_time=sent + 30)        # restarted since
+    for listener in mon.listeners:
+        listener(other)
+        listener(ep)
+    assert view.sessions.get(f"{RESPONSE}taken_0") is None and view.sessions.get(f"{RESPONSE}taken_1") is other
+    stream("known")
+    assert view.sessions.get(f"{RESPONSE}known_0") is None and view.sessions.get(f"{RESPONSE}known_1") is other
+    view.sessions.put(f"{RESPONSE}new", ep)
+    view.engine_restarted(ep)
+    assert view.sessions.get(f"{RESPONSE}new") is None and view.sessions.get(f"{RESPONSE}known_1") is other
 
 
 def test_facts_taken_before_an_engines_start_was_known_count_only_those_sent_before_it():
