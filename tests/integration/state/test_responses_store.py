@@ -1,0 +1,111 @@
+"""The Responses records in a real redis-server, reached through a proxy that can cut a gateway's
+connection at a given command: a call that meets the store unreachable between its reads and its
+write is answered as any call that meets it so, and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import openai
+import pytest
+
+from tests.support.gateway_process import gateway_process
+from tests.support.ports import listen_port
+from tests.support.waiting import until
+
+
+class CuttingProxy:
+    """In front of a Redis: every byte passed on, except that while ``cut_at`` is set, a
+    connection that sends a command holding all of its parts is closed before Redis sees it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = listen_port()
+        self.cut_at: tuple[bytes, ...] | None = None
+        self.cuts = 0
+        self.server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def __aenter__(self) -> CuttingProxy:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, watch: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if watch and self.cut_at is not None and all(p in data for p in self.cut_at):
+                        self.cuts += 1
+                        return
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                for w in (writer, up_writer):
+                    w.close()
+
+        tasks = [asyncio.create_task(pump(reader, up_writer, True)), asyncio.create_task(pump(up_reader, writer, False))]
+        self._tasks.update(tasks)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks)
+        self._tasks.difference_update(tasks)
+
+
+def config(port: int, url: str, redis_port: int, state: str) -> str:
+    return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+            f"state: {{redis_url: 'redis://127.0.0.1:{redis_port}/0'}}\n"
+            f"responses: {{state: {state}}}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
+
+
+@pytest.mark.timeout(120)
+async def test_a_delete_that_meets_the_store_unreachable_after_its_lookup_is_the_state_stores_503(
+        sims, tmp_path, redis_server):
+    """Gateway-held history: the record is read, then the store is cut as its deletion is sent.
+    The client gets the 503 of an unreachable store with its documented x-error-state-unavailable
+    and Retry-After, the record is still there, and the DELETE sent again once the store answers
+    removes it."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    async with CuttingProxy(redis_server.port) as proxy:
+        path = tmp_path / "gw.yaml"
+        path.write_text(config(port, sim.url, proxy.port, "gateway"))
+        async with gateway_process(path, port, "--workers", "1"):
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            try:
+                first = await client.responses.create(model="m", input="Hello", max_output_tokens=2)
+                proxy.cut_at = (b"DEL", b":resp:hist:" + first.id.encode())
+                with pytest.raises(openai.InternalServerError) as ei:
+                    await client.responses.delete(first.id)
+                proxy.cut_at = None
+                assert proxy.cuts == 1
+                e = ei.value
+                assert (e.status_code, e.body["code"], e.body["type"]) == (503, "service_unavailable", "overloaded_error")
+                assert e.response.headers.get("x-error-state-unavailable") == "true"
+                assert e.response.headers.get("Retry-After") == "1"
+                # nothing changed: the record is there, and the DELETE sent again takes it away
+                assert (await client.responses.retrieve(first.id)).id == first.id
+                await until(lambda: _deleted(client, first.id), timeout=10)
+                with pytest.raises(openai.NotFoundError):
+                    await client.responses.retrieve(first.id)
+            finally:
+                await client.close()
+
+
+async def _deleted(client: openai.AsyncOpenAI, rid: str) -> bool:
+    with contextlib.suppress(openai.InternalServerError):
+        await client.responses.delete(rid)
+        return True
+    return False
