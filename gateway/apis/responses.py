@@ -149,6 +149,13 @@ def _answered_before_start(record: dict[str, Any], ep: Endpoint) -> bool:
     return created.__class__ in (int, float) and created + 1.0 < started
 
 
+def _store_unreachable() -> GatewayError:
+    """The 503 of a call that met the state store unreachable, at its lookup or at its deletion."""
+    return GatewayError(503, "the Responses state store is unreachable", code="service_unavailable",
+                        headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
+                        error_class=ErrorClass.STATE_UNAVAILABLE)
+
+
 def _not_found(rid: str) -> GatewayError:
     return GatewayError(404, f"Response with id '{rid}' not found.", param="response_id", code="response_not_found",
                         error_class=ErrorClass.RESPONSE_NOT_FOUND)
@@ -429,9 +436,7 @@ class ResponsesApi(ApiShape):
         except StoreUnavailable as e:
             self.m.lookups.labels(kind, "unavailable").inc()
             self._unreachable(e)
-            raise GatewayError(503, "the Responses state store is unreachable", code="service_unavailable",
-                               headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
-                               error_class=ErrorClass.STATE_UNAVAILABLE) from None
+            raise _store_unreachable() from None
         value = orjson.loads(raw) if raw is not None else None
         if not isinstance(value, dict) or (self.auth_on and value.get("user") != user):
             self.m.lookups.labels(kind, "miss").inc()
@@ -577,8 +582,7 @@ class ResponsesApi(ApiShape):
             await store.delete(rid)
         except StoreUnavailable as e:
             self._unreachable(e)
-            raise GatewayError(503, "the Responses state store is unreachable",
-                               code="service_unavailable", error_class=ErrorClass.STATE_UNAVAILABLE) from None
+            raise _store_unreachable() from None
         return {"id": rid, "object": "response", "deleted": True}
 
     async def _read_bounded(self, rec: RequestRecord, ep: Endpoint, r: aiohttp.ClientResponse) -> bytes:
