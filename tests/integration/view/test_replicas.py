@@ -432,3 +432,56 @@ async def test_a_restarted_engine_keeps_neither_the_sessions_nor_the_gateway_hel
             await cl.close()
         if restarted is not None:
             await restarted.close()
+
+
+@pytest.mark.timeout(120)
+async def test_an_engine_state_chain_goes_on_after_redis_restarted_empty(sims, tmp_path, redis_server):
+    """Engine state with the affinity map in Redis, two replicas of two workers, the openai SDK: while
+    Redis is away a follow-up is the documented 503 (x-error-state-unavailable) and a new response
+    is answered (its record not written). Redis back, empty: both chains go on, on the engine that
+    holds them, found in the routing view's lineage every replica shares, where the map lost them."""
+    import openai
+
+    engines = [await sims("vllm", "m", enable_responses_store=True) for _ in range(3)]
+    urls = [e.url for e in engines]
+    pa, pb = listen_port(), listen_port()
+    for name, port in (("a", pa), ("b", pb)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url) + "responses: {state: engine}\n")
+    clients = [openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{p}/v1", api_key="x", max_retries=0,
+                                  default_headers={"Connection": "close"}) for p in (pa, pb)]
+
+    async def respond(c: int, text: str, prev: str | None) -> tuple[str, str]:
+        raw = await clients[c].responses.with_raw_response.create(
+            model="m", input=text, max_output_tokens=4, **({"previous_response_id": prev} if prev else {}))
+        return raw.parse().id, raw.headers["target-pod"]
+
+    try:
+        async with gateway_process(tmp_path / "a.yaml", pa, "--workers", "2", ready_workers=2), \
+                gateway_process(tmp_path / "b.yaml", pb, "--workers", "2", ready_workers=2):
+            for port in (pa, pb):
+                await until(lambda port=port: redis_up(port), timeout=20)
+            prev, holder = await respond(0, "step 0", None)
+            for t in (1, 2):
+                prev, pod = await respond(t % 2, f"step {t}", prev)
+                assert pod == holder
+            redis_server.kill()
+            with pytest.raises(openai.InternalServerError) as ei:
+                await respond(1, "step 3", prev)
+            assert ei.value.status_code == 503
+            assert ei.value.response.headers["x-error-state-unavailable"] == "true"
+            fresh, fresh_holder = await respond(0, "begun while Redis was away", None)
+            redis_server.start()
+            for port in (pa, pb):
+                await until(lambda port=port: redis_up(port), timeout=20)
+            for t in (3, 4, 5):
+                prev, pod = await respond(t % 2, f"step {t}", prev)
+                assert pod == holder
+            assert (await clients[1].responses.retrieve(prev)).id == prev
+            fresh, pod = await respond(0, "and then?", fresh)
+            assert pod == fresh_holder
+            pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
+        assert sum(metric_total(page, "switchyard_responses_state_lookups_total", kind="affinity",
+                                result="shared_view") for page in pages) == 3 + 1 + 1
+    finally:
+        for cl in clients:
+            await cl.close()
