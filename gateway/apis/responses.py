@@ -448,8 +448,10 @@ class ResponsesApi(ApiShape):
         try:
             return await self._lookup(self.owners, "affinity", rid, user)
         except GatewayError as e:
-            # the memory map is this process's: a sibling worker's answer is in the shared lineage
-            if e.status != 404 or self.backend != "memory":
+            # the shared lineage holds what the map does not: a sibling worker's answer (the memory
+            # map is this process's), or one whose record Redis lost (restarted empty, failed over)
+            # or never took (written while it was unreachable); every replica's view has it
+            if e.status != 404:
                 raise
             hit = self.lineage.entry(RESPONSE + rid)
             if hit is None or (self.auth_on and hit[1] != user):

@@ -480,8 +480,9 @@ async def test_an_engine_state_chain_goes_on_after_redis_restarted_empty(sims, t
             fresh, pod = await respond(0, "and then?", fresh)
             assert pod == fresh_holder
             pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
+        # each chain's first follow-up after Redis came back; the records of the answers since are in Redis
         assert sum(metric_total(page, "switchyard_responses_state_lookups_total", kind="affinity",
-                                result="shared_view") for page in pages) == 3 + 1 + 1
+                                result="shared_view") for page in pages) == 2
     finally:
         for cl in clients:
             await cl.close()
