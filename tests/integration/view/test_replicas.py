@@ -15,7 +15,7 @@ from aiohttp import web
 
 from tests.integration.view.test_workers import SYSTEM, responses_chains
 from tests.support.enginesim import restart_sim
-from tests.support.gateway_process import gateway_process, get_new, metric_total, post_new
+from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker, post_new
 from tests.support.ports import listen_port
 from tests.support.waiting import until
 
@@ -486,3 +486,74 @@ async def test_an_engine_state_chain_goes_on_after_redis_restarted_empty(sims, t
     finally:
         for cl in clients:
             await cl.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overloaded_and_stays_where_it_went(
+        sims, tmp_path, redis_server):
+    """An Anthropic SDK conversation (its session metadata.user_id) over two replicas of two workers:
+    requests stuck on its engine through replica a, which b hears of through the shared in-flight
+    counts, make b send the next turn elsewhere, counted overloaded; the turns after, on either
+    replica, are kept on the engine that now holds the whole conversation."""
+    import anthropic
+
+    from routers.session import encode_session_id
+
+    engines = [await sims("vllm", "m") for _ in range(3)]
+    urls = [e.url for e in engines]
+    pa, pb = listen_port(), listen_port()
+    for name, port in (("a", pa), ("b", pb)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url).replace(
+            "prefix_block_chars: 64", "prefix_block_chars: 64, prefix_imbalance_abs: 2"))
+    clients = [anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{p}", api_key="x", max_retries=0,
+                                        default_headers={"Connection": "close"}) for p in (pa, pb)]
+    messages: list[dict] = []
+
+    async def turn(c: int, text: str) -> str:
+        messages.append({"role": "user", "content": text})
+        raw = await clients[c].messages.with_raw_response.create(
+            model="m", max_tokens=4, messages=messages, metadata={"user_id": "agent-session-7"})
+        messages.append({"role": "assistant", "content": (await raw.parse()).content[0].text})
+        return raw.headers["target-pod"]
+
+    async def remote(port: int, pod: str) -> set[int]:
+        """What each worker of the gateway on ``port`` counts in flight on ``pod`` by other processes."""
+        pages = await per_worker(port, 2, "/status.json")
+        return {next(ep["remote_in_flight"] for ep in page["endpoints"] if ep["name"] == pod) for page in pages.values()}
+
+    async def counted(outcome: str) -> float:
+        pages = [(await get_new(p, "/metrics"))[1] for p in (pa, pb)]
+        return sum(metric_total(page, "switchyard_routing_session_total", outcome=outcome) for page in pages)
+
+    stuck: list[asyncio.Task] = []
+    try:
+        async with gateway_process(tmp_path / "a.yaml", pa, "--workers", "2", ready_workers=2), \
+                gateway_process(tmp_path / "b.yaml", pb, "--workers", "2", ready_workers=2):
+            for port in (pa, pb):
+                await until(lambda port=port: redis_up(port), timeout=20)
+            holder = await turn(0, "Where is train 7?")
+            assert [await turn(t % 2, f"And train {t}?") for t in (1, 2)] == [holder, holder]
+            pin = {"routing-strategy": "session-affinity", "x-session-id": encode_session_id(holder),
+                   "x-sim-fault": "stall_before_first=inf"}
+            stuck = [asyncio.create_task(post_new(pa, "/v1/chat/completions", {
+                "model": "m", "messages": [{"role": "user", "content": f"hold {i}"}], "max_tokens": 2}, pin))
+                for i in range(4)]
+            await until(lambda: _equals(remote(pb, holder), {4}), timeout=20)
+            moved = await turn(1, "And train 3?")
+            assert moved != holder
+            assert (await counted("overloaded"), await counted("kept")) == (1, 2)
+            for t in stuck:
+                t.cancel()
+            await asyncio.gather(*stuck, return_exceptions=True)
+            await until(lambda: _equals(remote(pb, holder), {0}), timeout=20)
+            assert [await turn(t % 2, f"And train {t}?") for t in range(4, 8)] == [moved] * 4
+            assert (await counted("overloaded"), await counted("kept")) == (1, 6)
+    finally:
+        for t in stuck:
+            t.cancel()
+        for cl in clients:
+            await cl.close()
+
+
+async def _equals(value, expected) -> bool:
+    return await value == expected
