@@ -8,6 +8,7 @@ Real ``python -m gateway`` processes and a real ``redis-server`` (the ``redis_se
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -557,3 +558,53 @@ async def test_a_session_whose_engine_another_replica_loaded_moves_counted_overl
 
 async def _equals(value, expected) -> bool:
     return await value == expected
+
+
+@pytest.mark.timeout(120)
+async def test_a_redis_restart_mid_conversation_is_one_outage_per_replica_and_costs_no_turn(sims, tmp_path, redis_server):
+    """Conversations spread over two replicas of two workers go on while Redis is away and after it
+    came back empty: every turn answered; each replica counts the outage once in both counters
+    (whichever of its workers met it); once it is back the turns of each conversation reach one
+    engine again, and the replicas' lag is of what was sent since, not of the outage."""
+    engines = [await sims("vllm", "m") for _ in range(4)]
+    urls = [e.url for e in engines]
+    pa, pb = listen_port(), listen_port()
+    for name, port in (("a", pa), ("b", pb)):
+        (tmp_path / f"{name}.yaml").write_text(config(port, urls, redis_server.url))
+    async with gateway_process(tmp_path / "a.yaml", pa, "--workers", "2", ready_workers=2), \
+            gateway_process(tmp_path / "b.yaml", pb, "--workers", "2", ready_workers=2):
+        for port in (pa, pb):
+            await until(lambda port=port: redis_up(port), timeout=20)
+        chats = [opening(f"conversation {c}") for c in range(6)]
+        for c, m in enumerate(chats):
+            await turn((pa, pb)[c % 2], m, "turn 0: where to?")
+        redis_server.kill()
+        down = time.monotonic()
+        for t in (1, 2):
+            for c, m in enumerate(chats):
+                await turn((pa, pb)[(c + t) % 2], m, f"turn {t}: and then? " * 3)
+        for port in (pa, pb):
+            await until(lambda port=port: _lost(port), timeout=20)
+            await until(lambda port=port: _state_is(port, 0), timeout=20)
+        for c, m in enumerate(chats):
+            await turn((pa, pb)[(c + 3) % 2], m, "turn 3: and then? " * 3)
+        redis_server.start()
+        outage = time.monotonic() - down
+        for port in (pa, pb):
+            await until(lambda port=port: redis_up(port), timeout=20)
+        served = [[await turn((pa, pb)[(c + t) % 2], m, f"turn {t}: and then? " * 3) for t in range(4, 8)]
+                  for c, m in enumerate(chats)]
+        assert sum(s.count(s[0]) - 1 for s in served) >= 0.95 * len(chats) * 3, served
+        for port in (pa, pb):
+            # the shared state's sync probes again with a backoff of up to 2 s
+            await until(lambda port=port: _state_is(port, 1), timeout=20)
+            page = (await get_new(port, "/metrics"))[1]
+            assert metric_total(page, "switchyard_view_redis_lost_total") == 1
+            assert metric_total(page, "switchyard_state_outages_total") == 1
+            # a bound by cause: no batch read since Redis came back waited out the outage
+            assert metric_total(page, "switchyard_view_lag_recent_seconds", source="replica", percentile="99") < outage
+
+
+async def _state_is(port: int, up: int) -> bool:
+    """switchyard_state_up is ``up`` (0: down) in every worker of the gateway on ``port`` (the smallest counts)."""
+    return metric_total((await get_new(port, "/metrics"))[1], "switchyard_state_up") == up
