@@ -7,7 +7,12 @@ to a ``LineWriter``. The writer never blocks the event loop: lines collect in a 
 short timer hands to one writer thread, which writes them to stderr: to a pipe (a container's
 stderr) in chunks no larger than ``PIPE_BUF`` cut at line ends, so worker processes sharing it never
 interleave inside a line; to a regular file in one write a batch (Linux keeps the file position
-locked across a write, so the workers' batches do not interleave either). The request path takes
+locked across a write, so the workers' batches do not interleave either). A pipe keeps a write whole
+only up to ``PIPE_BUF`` bytes (a longer one waits for room part of the way, and another process's
+lines land inside it), so to a pipe a request line longer than that (a client's strings of many
+bytes each, a batch of thousands of prompts' ``finish_reasons``) has its longest values cut until it
+fits (``RequestLog._fit``): a string keeps its start and says its length, a list its first
+elements, and ``line_cut`` names them. The request path takes
 no lock: what is pending is counted by the loop's thread and the writer's, each its own counter.
 The buffer is one ``bytearray`` the lines are copied into: orjson's output keeps its whole working
 buffer (4 KB or more for a 400-byte line), so holding the lines themselves through a burst of
@@ -27,6 +32,7 @@ import errno
 import logging
 import os
 import queue
+import re
 import select
 import stat
 import sys
@@ -163,6 +169,14 @@ class LineWriter:
             self._thread.join(timeout)
         self._thread = None
 
+    @property
+    def line_limit(self) -> int | None:
+        """The longest line a write keeps whole: ``PIPE_BUF`` where a longer write can be split by
+        another process's (a pipe, a socket, a terminal); None to a regular file, where it is whole."""
+        if not self._chunk:
+            self._chunk = self._chunk_limit()
+        return self._chunk if self._chunk <= PIPE_BUF else None
+
     def _chunk_limit(self) -> int:
         """The largest write: ``PIPE_BUF`` where only that much is written whole (a pipe, a socket,
         a terminal: a container's stderr), so worker processes sharing it never interleave inside
@@ -236,6 +250,38 @@ def _printable(v: Any) -> Any:
     return v
 
 
+# the fields a line keeps whole however long it is (none of them is long)
+_UNCUT = frozenset(("request_id", "event", "level", "timestamp", "status", "line_cut"))
+_CUT_MARK = re.compile(r"… \((\d+) characters\)\Z")
+
+
+def _size(v: Any) -> int:
+    """About the bytes ``v`` takes in a line (its JSON)."""
+    if v is None or isinstance(v, bool | int | float):
+        return 8
+    try:
+        return len(orjson.dumps(v, default=str))
+    except TypeError:                      # lone surrogates
+        return 6 * len(str(v))
+
+
+def _shorter(v: Any) -> Any:
+    """``v`` cut to about half (None: it cannot be): a string keeps its first half and ends with its
+    whole length, as the line's cut fields do (``… (N characters)``, the length it had before any
+    cut); a list or an object keeps its first half."""
+    if isinstance(v, str):
+        mark = _CUT_MARK.search(v)
+        head, total = (v[:mark.start()], int(mark.group(1))) if mark else (v, len(v))
+        if not head:
+            return None
+        return f"{head[:len(head) // 2]}… ({total} characters)"
+    if isinstance(v, list | tuple) and len(v) > 1:
+        return list(v[:len(v) // 2])
+    if isinstance(v, dict) and len(v) > 1:
+        return dict(list(v.items())[:len(v) // 2])
+    return None
+
+
 class RequestLog:
     """The per-request line. ``emit`` takes the record's fields in their order."""
 
@@ -252,7 +298,34 @@ class RequestLog:
             for sink in self._captured:
                 sink.append({**fields, "event": "request", "log_level": "info"})
         if self.enabled:
-            self.writer.write(self._render(fields))
+            line = self._render(fields)
+            if len(line) > PIPE_BUF and (limit := self.writer.line_limit) is not None and len(line) > limit:
+                line = self._fit(fields, limit)
+            self.writer.write(line)
+
+    def _fit(self, fields: dict[str, Any], limit: int) -> bytes:
+        """The line of ``fields`` in at most ``limit`` bytes, so that a pipe keeps it whole (see the
+        module doc): the value that renders longest is cut, again and again (a string to half its
+        characters, ending ``… (N characters)`` with its whole length; a list or an object to its
+        first half), and ``line_cut`` names the fields cut. Only for a line that is too long."""
+        fields = dict(fields)
+        cut: list[str] = []
+        line = self._render(fields)
+        for _ in range(64):
+            if len(line) <= limit:
+                break
+            for key in sorted((k for k in fields if k not in _UNCUT), key=lambda k: -_size(fields[k])):
+                shorter = _shorter(fields[key])
+                if shorter is not None:
+                    break
+            else:
+                break                      # nothing left to cut: written as it is
+            fields[key] = shorter
+            if key not in cut:
+                cut.append(key)
+            fields["line_cut"] = cut
+            line = self._render(fields)
+        return line
 
     def _json(self, fields: dict[str, Any]) -> bytes:
         iso, _ = self._clock.stamps()

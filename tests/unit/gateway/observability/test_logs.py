@@ -206,3 +206,38 @@ def test_each_gateway_line_is_one_write_on_an_unbuffered_stderr(monkeypatch):
     assert len(raw.writes) == 2
     assert all(w.endswith(b"\n") and w.count(b"\n") == 1 for w in raw.writes)
     assert orjson.loads(raw.writes[0])["event"] == "second signal: stopping now"
+
+
+LONG = {**FIELDS, "status": 404, "user": "\x01" * 1024 + "… (3000 characters)", "model": "é" * 1024,
+        "finish_reasons": ["length"] * 2000}
+
+
+@pytest.mark.parametrize("fmt", ["json", "console"])
+def test_a_line_too_long_for_a_pipe_is_cut_to_fit_and_says_what_was_cut(fmt):
+    r, w = os.pipe()
+    log = RequestLog(fmt, writer=LineWriter(fd=w))
+    log.emit(dict(LONG))
+    log.close()
+    os.close(w)
+    line = read_all(r)
+    os.close(r)
+    assert line.count(b"\n") == 1 and len(line) <= PIPE_BUF        # one write, kept whole by the pipe
+    if fmt == "console":
+        assert b"line_cut=" in line and b"request_id=r-1" in line
+        return
+    data = orjson.loads(line)
+    assert set(data["line_cut"]) == {"user", "model", "finish_reasons"}
+    assert data["user"].startswith("\x01") and data["user"].endswith("… (3000 characters)")
+    assert data["model"].startswith("é") and data["model"].endswith("… (1024 characters)")
+    assert 0 < len(data["finish_reasons"]) < 2000 and set(data["finish_reasons"]) == {"length"}
+    assert {k: data[k] for k in ("request_id", "path", "status", "stream", "ttft_ms")} == {
+        k: LONG[k] for k in ("request_id", "path", "status", "stream", "ttft_ms")}
+
+
+def test_a_long_line_to_a_regular_file_is_written_whole(tmp_path):
+    with open(tmp_path / "log", "wb") as f:
+        log = RequestLog("json", writer=LineWriter(fd=f.fileno()))
+        log.emit(dict(LONG))
+        log.close()
+    data = orjson.loads((tmp_path / "log").read_bytes())
+    assert "line_cut" not in data and data["user"] == LONG["user"] and data["finish_reasons"] == LONG["finish_reasons"]
