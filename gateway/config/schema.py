@@ -326,7 +326,7 @@ class ApiKey(Block):
 
     _secret = ("key",)
     key: Annotated[str, Meta(description="The API key in plain text; give this or key_sha256.")] = ""
-    user: Annotated[Name, Meta(description="The user this key authenticates as (limits.users names users).")] = "default"
+    user: Annotated[Name, Meta(description="The user this key authenticates as (limits.users names users); sent to the engine in the user header, so it holds no line break (CR, LF) or NUL.")] = "default"
     key_sha256: Annotated[str, Meta(description="Hex SHA-256 of the API key, so the file holds no secret; give this or key.")] = ""
     name: Annotated[str, Meta(description="A label for the key, shown by the admin API.")] = ""
 
@@ -337,6 +337,11 @@ class ApiKey(Block):
             raise ValueError("key: give exactly one of key or key_sha256")
         if not _SHA256_HEX.fullmatch(digest):
             raise ValueError("key_sha256: must be 64 hex digits (sha256 of the key)")
+        if any(c in self.user for c in "\r\n\0"):
+            # the key's user replaces the client's `user` header to the engine (gateway/tenants),
+            # and a header value holds none of these (RFC 9110 section 5.5)
+            raise ValueError(f"user: {self.user!r} holds a line break or a NUL, which the user header "
+                             "to the engine cannot carry")
         force_setattr(self, "key_sha256", digest)
 
 

@@ -68,6 +68,8 @@ def test_defaults_and_auth_switch():
     ("auth: {api_keys: [{key_sha256: nothex, user: a}]}", "auth.api_keys[0].key_sha256"),
     ("auth: {api_keys: [{key: x, user: a}, {key: x, user: b}]}", "auth.api_keys[1].key"),
     ("auth: {api_keys: [{key: x, user: ''}]}", "auth.api_keys[0].user"),
+    ("auth: {api_keys: [{key: x, user: \"a\\nb\"}]}", "auth.api_keys[0].user"),
+    ("auth: {api_keys: [{key: x, user: \"a\\0b\"}]}", "auth.api_keys[0].user"),
     ("auth: {api_keys: [{key: x, usr: a}]}", "auth.api_keys[0].usr"),
     ("auth: {api_keys: {key: x}}", "auth.api_keys"),
     ("auth: {admin_tokn: x}", "auth.admin_tokn"),
