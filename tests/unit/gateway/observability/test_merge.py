@@ -100,6 +100,19 @@ def test_each_family_is_described_once():
     assert len(names) == len(set(names))
 
 
+@pytest.mark.parametrize("name", ['m "q"', "m\\", "m\\n", "m\nline", "modèle 模型", "m\r\u2028}{,=#"])
+def test_label_values_a_text_exposition_escapes_come_back_as_they_were(name):
+    """A model's name (a config's, any string) through two workers' texts and the merge: quotes,
+    backslashes and line breaks escaped as the text format says, each series once, summed."""
+    a, b = worker({(name, "200"): 2}, [0.1], 1, 1), worker({(name, "200"): 3, ("m", "200"): 1}, [0.2], 0, 1)
+    page = merge_texts([a, b]).decode()
+    assert value(page, "switchyard_requests_total", model=name, status="200", strategy="least-request") == 5
+    assert value(page, "switchyard_requests_total", model="m", status="200", strategy="least-request") == 1
+    series = [(s.name, tuple(sorted(s.labels.items()))) for f in text_string_to_metric_families(page) for s in f.samples]
+    assert len(series) == len(set(series))
+    assert merge_texts([page]).decode() == page          # what a sibling re-reads is the same page
+
+
 # gauges that count what each worker holds of its own, and are summed
 ADDITIVE = {
     "switchyard_in_flight_requests", "switchyard_endpoint_in_flight_requests", "switchyard_pd_prefill_in_flight",
