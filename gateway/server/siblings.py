@@ -6,7 +6,12 @@ Worker *i* listens on ``worker-<i>.sock`` in the parent's private directory (gat
 (``metrics``: this worker's own exposition; ``status``: its part of the status page; ``view``: its
 whole routing view, for a sibling catching up (gateway/view/service.py); ``rget`` or
 ``rdel`` and a response id: an entry of the Responses memory backend, which each worker keeps for
-the responses it answered), reads the answer to the end of the stream, and the connection closes. The worker that answers a scrape asks
+the responses it answered), reads the answer, and the connection closes. The answer is its length
+in decimal on a line of its own, then that many bytes: a worker killed while it wrote a long
+answer (an exposition of hundreds of KB takes several writes) leaves its asker the first part and
+the end of the stream, which without the length would read as the whole answer (a cut exposition's
+missing series, a sum that falls; half a JSON document). An answer cut short is taken as the
+worker's death (``GONE``). The worker that answers a scrape asks
 all its siblings at once and waits at most ``timeout`` (0.5 s) in all: a worker that is restarting
 or whose event loop is stuck is left out of that answer rather than holding it up (and a scrape
 whose client leaves first ends its questions with it, so that none waits on a stuck sibling with a
@@ -66,8 +71,13 @@ CARRIED = b"# carried: the counts of this worker's predecessors\n"
 # in a worker's own part, the (model, endpoint) it has series of, as a JSON list of pairs (a comment
 # to the exposition's parser)
 ENDPOINTS = b"# endpoints: "
-# a sibling that refused (or dropped) the connection is gone; one that did not answer in time is slow
+# a sibling that refused (or dropped) the connection, or whose answer was cut short, is gone; one that
+# did not answer in time is slow
 GONE = (ConnectionRefusedError, FileNotFoundError, ConnectionResetError, BrokenPipeError)
+
+
+class CutShort(ConnectionResetError):
+    """A sibling's answer ended before the length it announced: the sibling died while it wrote it."""
 
 
 class Siblings:
@@ -148,7 +158,9 @@ class Siblings:
             async with asyncio.timeout(5.0):
                 kind = (await reader.readline())[:MAX_REQUEST].strip()
                 if kind in KINDS or kind.startswith(QUESTIONS):
-                    writer.write(await self._answer(kind.decode()))
+                    answer = await self._answer(kind.decode())
+                    writer.write(b"%d\n" % len(answer))    # its length first: an asker can tell a cut answer
+                    writer.write(answer)
                     await writer.drain()
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass
@@ -165,11 +177,21 @@ class Siblings:
     # -- asking the siblings ---------------------------------------------------------------------
 
     async def _ask_one(self, path: str, kind: str) -> bytes:
+        """The sibling's answer to ``kind``: b"" when it closed without one; ``CutShort`` when it
+        ended before the length it announced."""
         reader, writer = await asyncio.open_unix_connection(path)
         try:
             writer.write(kind.encode() + b"\n")
             await writer.drain()
-            return await reader.read()
+            head = await reader.readline()
+            if not head:
+                return b""
+            if not head.endswith(b"\n") or not head[:-1].isdigit():
+                raise CutShort(f"a sibling's answer to {kind!r} was cut short")
+            try:
+                return await reader.readexactly(int(head))
+            except asyncio.IncompleteReadError:
+                raise CutShort(f"a sibling's answer to {kind!r} was cut short") from None
         finally:
             writer.close()
 

@@ -120,11 +120,12 @@ def sibling_sockets(pids: list[int]) -> dict[int, str]:
 
 
 async def own_metrics(path: str) -> str:
-    """One worker's own exposition, read as a sibling reads it."""
+    """One worker's own exposition, read as a sibling reads it (its length on a line, then itself)."""
     reader, writer = await asyncio.open_unix_connection(path)
     writer.write(b"metrics\n")
     await writer.drain()
-    body = await reader.read()
+    size = int(await reader.readline())
+    body = await reader.readexactly(size)
     writer.close()
     return body.decode()
 
