@@ -23,6 +23,7 @@ from tests.integration.server.test_workers import children_of, own_metrics, sibl
 from tests.support.gateway_process import gateway_process, get_new, post_new
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
+from tests.support.waiting import sigstop
 
 COMPLETION = {"model": "m", "prompt": "hi", "max_tokens": 2}
 
@@ -356,3 +357,49 @@ async def test_a_restarted_worker_counts_its_siblings_requests_from_its_first_an
         assert metric(page, "switchyard_endpoint_in_flight_requests", model="m") == 0
         assert metric(page, "switchyard_view_peers") == 1
         assert metric(page, "switchyard_endpoint_fleet_in_flight", model="m") == 2
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_slow_to_answer_shows_none_of_its_predecessors_gauges(sims, tmp_path):
+    """A worker started again whose loop is held before it first answers a sibling (here stopped at
+    once: a start-up that blocks it) is read from its report file, gauges included, as any slow
+    worker is. Until it has reported, that file is its dead predecessor's: the requests it had in
+    flight must not show as the gateway's."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = config(tmp_path / "gw.yaml", port, [sim.url])
+    cfg.write_text(cfg.read_text().replace("removed_endpoint_series_s: 0.5", "worker_stall_timeout_s: 0"))
+    pages = Pages()
+    stopped = None
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc, \
+            contextlib.AsyncExitStack() as stack:
+        survivor, victim = await connections(port, 2, stack)
+        (on_victim,) = await connections(port, 1, stack, victim.pid)
+        body = {**COMPLETION, "max_tokens": 2000, "stream": True}
+        async with on_victim.session.post(on_victim.base + "/v1/completions", json=body) as streaming:
+            assert streaming.status == 200
+            await streaming.content.readline()
+            page = pages.saw(await survivor.get("/metrics"))      # the victim reports its stream
+            assert metric(page, "switchyard_in_flight_requests", model="m") == 1
+            os.kill(victim.pid, signal.SIGKILL)
+            with contextlib.suppress(aiohttp.ClientError):
+                await streaming.read()
+        try:
+            async with asyncio.timeout(30):     # its successor listens to its siblings: held there
+                while True:
+                    kids = [k for k in children_of(proc.pid) if k not in (victim.pid, survivor.pid)]
+                    if kids and sibling_sockets(kids):
+                        break
+                    await asyncio.sleep(0.01)
+            await sigstop(kids[0])
+            stopped = kids[0]
+            page = pages.saw(await survivor.get("/metrics"))
+            assert metric(page, "switchyard_workers_scraped") == 1
+            assert metric(page, "switchyard_requests_total", status="200") == 0
+            assert metric(page, "switchyard_in_flight_requests", model="m") == 0
+            assert metric(page, "switchyard_endpoint_in_flight_requests", model="m") == 0
+        finally:
+            if stopped is not None:
+                os.kill(stopped, signal.SIGCONT)
+        page = await restarted(proc, victim.pid, port, pages)
+        assert metric(page, "switchyard_in_flight_requests", model="m") == 0
