@@ -28,7 +28,8 @@ scrape reads that file for a sibling that does not answer: all of it for one tha
 gauges are still what it holds), only the counts for one that is gone (its socket refuses: dead or
 not yet started again; what it held went with it). A restarted worker carries its predecessor's
 counts on in its own reports, so the sums never fall below what a scrape saw, whichever worker
-answered it.
+answered it; it writes them as its report as soon as it starts, so that one slow to make its first
+report is not read with its predecessor's gauges.
 
 An endpoint's counts are in the answer while every living worker has the endpoint (in its pool,
 or gone from it for less than ``server.removed_endpoint_series_s``: ``RetiredSeries``; each says
@@ -112,6 +113,10 @@ class Siblings:
         with contextlib.suppress(FileNotFoundError):      # a restarted worker takes its predecessor's path
             os.unlink(self.path)
         self._set_carried(gone_counts(self.reported_path))
+        # its report until it makes one: nothing of its own, its predecessors' counts. A sibling
+        # that finds it slow reads this file gauges included, and the predecessor's gauges (its
+        # requests in flight, its connections) went with it
+        _write(self.reported_path, CARRIED + self._carried_text)
         if self.carry_status is not None:
             counts = _read_json(self.status_path)
             if counts is not None:
