@@ -156,7 +156,12 @@ def _recorder(received: collections.deque, traceparents: collections.deque) -> A
                     else:
                         entry["json_object"] = isinstance(obj, dict)
                         if entry["json_object"] and len(raw) <= _BODY_KEPT:
-                            entry["body"] = obj     # what the engine was asked (a gateway's P/D legs)
+                            try:                    # and one /_sim/state can write (orjson nests 254 deep)
+                                orjson.dumps(obj)
+                            except orjson.JSONEncodeError:
+                                pass
+                            else:
+                                entry["body"] = obj     # what the engine was asked (a gateway's P/D legs)
         return await handler(request)
 
     return record
