@@ -209,6 +209,46 @@ async def test_a_full_queue_evicts_the_heaviest_users_newest_not_a_light_newcome
     assert 'switchyard_admission_shed_total{model="m",priority="standard",reason="fair_share"} 1.0' in text
 
 
+
+def sized(content_len: int, user: str, max_tokens: int = 4) -> bytes:
+    """A chat request's bytes as the client sends them (the queue counts these), ``content_len``
+    characters of prompt."""
+    return orjson.dumps(chat_body([{"role": "user", "content": "x" * content_len}], user=user, max_tokens=max_tokens))
+
+
+@pytest.mark.parametrize("case", ["larger_than_the_queue", "larger_than_evictions_free"])
+async def test_a_request_that_cannot_fit_the_queues_bytes_evicts_nobody(sims, gateway, case):
+    """A newcomer is refused ``queue_full`` without touching the queue when no eviction the rules
+    allow would make room for its body: alone larger than ``queue_max_bytes``, or larger than what
+    the requests it may evict hold (here a sheddable one it could displace, beside a critical one of
+    a lighter user it may not)."""
+    small = sized(10, "erin")
+    if case == "larger_than_the_queue":
+        queued = [(small, "sheddable"), (small, "sheddable")]
+        newcomer, limit = sized(2000, "bob"), 1500
+    else:
+        first = sized(1700, "alice")
+        newcomer = sized(1300, "bob", max_tokens=4000)   # bob's cost outweighs alice's: no fair_share
+        queued = [(small, "sheddable"), (first, "critical")]     # sheddable first: it is shed behind a critical one
+        limit = len(first) + len(newcomer) - 1           # both critical ones never fit together
+    _, gw = await capped_gateway(sims, gateway, {"queue_max_bytes": limit, "default_priority": "critical"})
+    blocker = await hold(gw)
+    waiting = []
+    for i, (raw, prio) in enumerate(queued):
+        waiting.append(asyncio.create_task(post(gw.url, raw, {"x-priority": prio})))
+        assert await wait_for(lambda n=i + 1: len(queue(gw)) == n)
+    held = queue(gw).bytes
+    status, headers, raw = await post(gw.url, newcomer, {"x-priority": "standard" if case == "larger_than_the_queue"
+                                                          else "critical"})
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_full"
+    assert headers["x-error-admission"] == "queue_full" and int(headers["Retry-After"]) >= 1
+    assert len(queue(gw)) == len(queued) and queue(gw).bytes == held       # nobody evicted for nothing
+    await cancel(blocker)
+    assert [r.status for r in await asyncio.gather(*waiting)] == [200] * len(queued)
+    text = await gw.metrics_text()
+    assert 'reason="displaced"' not in text and 'reason="fair_share"' not in text
+
+
 async def test_deadlines_earliest_first_and_shed_when_the_queue_cannot_meet_them(sims, gateway):
     _, gw = await capped_gateway(sims, gateway)
     served: list[str] = []
