@@ -13,9 +13,9 @@ first come first served — fairness between users and EDF inside a user's flow,
 API Inference Extension's flow control; so one user's deadlines cannot push a light user back.
 
 A full queue makes room by *eviction*, never by refusing a lighter newcomer: a request of a lower
-class goes first (``victim``); inside the class, the newest, least urgent request of the user
-with the most service (counter plus what is queued) goes when that is more than the newcomer's
-user would have with it (``fair_victim``).
+class goes first; inside the class, the newest, least urgent request of the user with the most
+service (counter plus what is queued) goes when that is more than the newcomer's user would have
+with it (``make_room``). Nobody is evicted for a newcomer those evictions could not make room for.
 
 A request's *position* is how many dispatches happen before it under that order, assuming nobody
 else arrives: every request of a higher class, then those of its class whose start tag (counter
@@ -171,34 +171,60 @@ class FairQueue:
 
     # -- making room -----------------------------------------------------------------------------
 
-    def _heaviest(self, rank: int) -> tuple[str, float] | None:
-        lines = self._classes[rank]
-        if not lines:
-            return None
-        user = max(lines, key=lambda u: (self.counter(rank, u) + lines[u].cost, -lines[u].since))
-        return user, self.counter(rank, user) + lines[user].cost
+    def make_room(self, rank: int, user: str, cost: float, size: int, max_count: int,
+                  max_bytes: int) -> list[tuple[Waiter, str]] | None:
+        """Whom a newcomer of ``user`` (class ``rank``, ``cost``, a body of ``size`` bytes) evicts so
+        that the queue holds it within ``max_count`` requests and ``max_bytes``, each with its reason,
+        in the order they go: [] when it fits as things are, None when no eviction the rules allow
+        would make room (then nobody is evicted). One at a time: a request of a lower class
+        (``displaced``: the newest, least urgent of the lowest class, from its heaviest user); else,
+        inside its class, the newest, least urgent request of the user with the most service,
+        counter and queued costs together, if that is more than ``user`` would have with the
+        newcomer (``fair_share``). Computed without touching the queue, so a newcomer that could not
+        fit after all its evictions (a body larger than the bound, or than what it may evict holds)
+        takes nobody's place for nothing."""
+        taken: dict[int, tuple[int, float]] = {}       # id(line) → (its newest requests evicted, their costs)
+        out: list[tuple[Waiter, str]] = []
+        count, held = len(self), self.bytes
 
-    def victim(self, rank: int) -> Waiter | None:
-        """Whom a request of class ``rank`` may displace from a full queue: the newest, least
-        urgent request of the lowest class below ``rank``, taken from its heaviest user."""
-        for r in range(rank):
-            heavy = self._heaviest(r)
-            if heavy is not None:
-                return self._classes[r][heavy[0]].items[-1]
-        return None
+        def left(line: _Line) -> int:
+            return len(line.items) - taken.get(id(line), (0, 0.0))[0]
 
-    def fair_victim(self, rank: int, user: str, cost: float) -> Waiter | None:
-        """Whom a newcomer of ``user`` (class ``rank``, ``cost``) may evict from a full queue inside
-        its class: the newest, least urgent request of the user with the most service, counter and
-        queued costs together, if that is more than ``user`` would have with the newcomer."""
-        heavy = self._heaviest(rank)
-        if heavy is None or heavy[0] == user:
-            return None
-        line = self._classes[rank].get(user)
-        mine = (self.counter(rank, user) if line is not None else self._lifted(rank, user)) + (line.cost if line else 0.0)
-        if heavy[1] <= mine + cost:
-            return None
-        return self._classes[rank][heavy[0]].items[-1]
+        def heaviest(r: int) -> tuple[str, _Line, float] | None:
+            best = None
+            for u, line in self._classes[r].items():
+                if left(line):
+                    load = self.counter(r, u) + line.cost - taken.get(id(line), (0, 0.0))[1]
+                    if best is None or (load, -line.since) > (best[2], -best[1].since):
+                        best = (u, line, load)
+            return best
+
+        while count >= max_count or held + size > max_bytes:
+            pick = next((h for r in range(rank) if (h := heaviest(r)) is not None), None)
+            reason = "displaced"
+            if pick is None:
+                pick, reason = heaviest(rank), "fair_share"
+                if pick is None or pick[0] == user:
+                    return None
+                own = self._classes[rank].get(user)
+                if own is not None and left(own):
+                    mine = self.counter(rank, user) + own.cost - taken.get(id(own), (0, 0.0))[1]
+                else:
+                    lines = [u for u, line in self._classes[rank].items() if left(line)]
+                    mine = self.counter(rank, user)
+                    if lines:
+                        waiting = [self.counter(rank, u) for u in lines]
+                        mine = min(max(mine, min(waiting)), max(waiting))
+                if pick[2] <= mine + cost:
+                    return None
+            _, line, _ = pick
+            w = line.items[left(line) - 1]
+            n, costs = taken.get(id(line), (0, 0.0))
+            taken[id(line)] = (n + 1, costs + w.cost)
+            out.append((w, reason))
+            count -= 1
+            held -= w.size
+        return out
 
     # -- where one stands ------------------------------------------------------------------------
 

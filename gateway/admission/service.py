@@ -13,8 +13,8 @@ and a waiter whose client went away before it resumed gives its slot back.
 Shedding (all 429, with ``Retry-After`` and ``retry-after-ms`` from the position and the drain
 rate, ``x-ratelimit-*-queue`` headers and the reason in the error's ``code``):
 
-- ``queue_full``: the queue is at ``queue_max`` or ``queue_max_bytes`` and holds nobody of a lower
-  class to displace;
+- ``queue_full``: the queue is at ``queue_max`` or ``queue_max_bytes`` and the evictions the rules
+  allow (``FairQueue.make_room``) would not make room for the request; nobody is evicted then;
 - ``displaced``: a request of a higher class took this one's place in the full queue (the lowest
   class goes first, so sheddable before standard);
 - ``shed``: a sheddable request arriving while a higher class waits (it could only wait behind it);
@@ -223,13 +223,11 @@ class Admission:
             rate = mq.drain.rate(now)
             if deadline <= now or rate > 0 and now + (position + 1) / rate > deadline:
                 raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo)
-        while len(q) >= s.queue_max or q.bytes + size > s.queue_max_bytes:
-            victim, reason = (q.victim(rank), "displaced") if len(q) else (None, "")
-            if victim is None and len(q):
-                victim, reason = q.fair_victim(rank, user, cost), "fair_share"
-            if victim is None:
-                raise self._rejection(model, s, mq, rank, "queue_full",
-                                      q.position(rank, user, deadline=deadline, cost=cost), rec)
+        evicted = q.make_room(rank, user, cost, size, s.queue_max, s.queue_max_bytes)
+        if evicted is None:                 # no eviction would make room for it: nobody goes for nothing
+            raise self._rejection(model, s, mq, rank, "queue_full",
+                                  q.position(rank, user, deadline=deadline, cost=cost), rec)
+        for victim, reason in evicted:
             err = self._rejection(model, s, mq, victim.rank, reason, q.position(victim.rank, victim.user, victim))
             q.remove(victim)
             if not victim.fut.done():

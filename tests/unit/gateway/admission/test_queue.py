@@ -16,6 +16,11 @@ def w(rank, user, size=10):
     return Waiter(rank, user, size, 0.0)
 
 
+def one_out(q, rank, user, cost=1.0):
+    """Whom a newcomer evicts from a queue full at its present length (no byte bound)."""
+    return q.make_room(rank, user, cost, 0, len(q), 1 << 40)
+
+
 def drain(q):
     out = []
     while (x := q.pop()) is not None:
@@ -34,13 +39,13 @@ def test_classes_first_then_users_in_turn_then_arrival_order():
     assert len(q) == 0 and q.bytes == 0
 
 
-def test_remove_and_victim():
+def test_remove_and_displace():
     q = FairQueue()
     s1, s2, s3, t = w(SHED, "x"), w(SHED, "y"), w(SHED, "y"), w(STD, "a")
     for x in (s1, s2, s3, t):
         q.push(x)
-    assert q.victim(STD) is s3          # the newest of the user with most sheddable requests waiting
-    assert q.victim(SHED) is None       # nobody below sheddable
+    assert one_out(q, STD, "a") == [(s3, "displaced")]     # the newest of the user with most sheddable requests waiting
+    assert one_out(q, SHED, "y") is None                   # nobody below sheddable, and y is its heaviest user
     assert q.remove(s3) and not q.remove(s3)
     assert q.higher_waiting(SHED) and not q.higher_waiting(STD)
     assert drain(q) == [t, s1, s2]
@@ -146,8 +151,25 @@ def test_a_full_queue_evicts_from_the_heaviest_user_not_the_newcomer():
     for x in heavy:
         q.push(x)
     q.push(w(STD, "dave"))
-    assert q.fair_victim(STD, "dave", 1.0) is heavy[-1]     # the newest of carol's
-    assert q.fair_victim(STD, "carol", 1.0) is None         # carol's own newcomer: refused instead
-    assert q.fair_victim(SHED, "erin", 1.0) is None         # nobody of its class waits
-    q.charge(STD, "dave", 100)                              # dave was served far more lately
-    assert q.fair_victim(STD, "dave", 1.0) is None
+    assert one_out(q, STD, "dave") == [(heavy[-1], "fair_share")]     # the newest of carol's
+    assert one_out(q, STD, "carol") is None         # carol's own newcomer: refused instead
+    assert one_out(q, SHED, "erin") is None         # nobody of its class waits
+    q.charge(STD, "dave", 100)                      # dave was served far more lately
+    assert one_out(q, STD, "dave") is None
+
+
+def test_room_is_made_only_when_the_evictions_allowed_make_enough():
+    q = FairQueue()
+    s1, s2, big = w(SHED, "x", 100), w(SHED, "x", 100), Waiter(CRIT, "a", 500, 0.0, cost=5.0)
+    for x in (s1, s2, big):
+        q.push(x)
+    # 150 bytes more within 700: both sheddable ones go, newest first
+    assert q.make_room(CRIT, "b", 1.0, 150, 10, 700) == [(s2, "displaced"), (s1, "displaced")]
+    # 250 bytes: even both freed, a's request (not to be evicted by b, who would have more) leaves too little
+    assert q.make_room(CRIT, "b", 1e6, 250, 10, 700) is None
+    # larger than the bound itself: nothing could make room
+    assert q.make_room(CRIT, "b", 1.0, 701, 10, 700) is None
+    assert len(q) == 3 and q.bytes == 700                  # planning evicts nobody
+    # a heavier user's request is evicted when the count bound needs it: fair_share after displaced
+    assert q.make_room(CRIT, "b", 1.0, 0, 2, 1 << 40) == [(s2, "displaced"), (s1, "displaced")]
+    assert q.make_room(CRIT, "b", 1.0, 0, 1, 1 << 40) == [(s2, "displaced"), (s1, "displaced"), (big, "fair_share")]
