@@ -131,6 +131,51 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue(sims, gateway)
     assert 'switchyard_admission_wait_seconds_count{model="m",outcome="cancelled",priority="standard"} 1.0' in text
 
 
+
+@pytest.mark.parametrize("ending", ["client_closed", "sdk_timeout_stream", "queue_timeout", "displaced"])
+async def test_the_line_of_a_request_that_waited_says_how_its_wait_ended(sims, gateway, ending):
+    """Whatever ended a wait in the queue, the request's log line has ``queue_wait_ms`` and
+    ``queue_outcome`` (the outcome of ``switchyard_admission_wait_seconds``), and a shed one its
+    ``queue_position`` and ``retry_after_s``; the queue, its bytes and its granted slots are back to
+    nothing after it, and the next request is served."""
+    _, gw = await capped_gateway(sims, gateway, {"queue_timeout_s": 0.5 if ending == "queue_timeout" else 30,
+                                                 "queue_max": 1})
+    with gw.gw.request_log.capture() as lines:
+        blocker = await hold(gw)
+        if ending == "sdk_timeout_stream":
+            client = openai.AsyncOpenAI(base_url=gw.base_url, api_key="none", max_retries=0, timeout=0.3)
+            with pytest.raises(openai.APITimeoutError):
+                await client.chat.completions.create(**body(stream=True), extra_headers={"x-request-id": "w"})
+            await client.close()
+        else:
+            prio = {"x-priority": "sheddable"} if ending == "displaced" else {}
+            waiting = asyncio.create_task(post(gw.url, body(stream=True), {"x-request-id": "w", **prio}))
+            assert await wait_for(lambda: len(queue(gw)) == 1)
+            if ending == "client_closed":
+                await cancel(waiting)
+            elif ending == "displaced":
+                newcomer = asyncio.create_task(post(gw.url, body(), {"x-request-id": "n"}))
+                status, _, raw = await waiting
+                assert status == 429 and orjson.loads(raw)["error"]["code"] == "displaced"
+            else:
+                status, _, raw = await waiting
+                assert status == 429 and orjson.loads(raw)["error"]["code"] == "queue_timeout"
+        line = await until(lambda: next((x for x in lines if x["request_id"] == "w"), None))
+        shed = ending in ("queue_timeout", "displaced")
+        assert line["status"] == (429 if shed else 499)
+        assert line.get("queue_wait_ms", 0) > 0, line
+        if shed:
+            assert line.get("queue_position") == 0 and line.get("retry_after_s", 0) >= 1, line
+            assert line["error_class"] == f"admission_{ending}"
+        assert line.get("queue_outcome") == ("shed" if shed else "cancelled"), line
+        await cancel(blocker)
+        if ending == "displaced":
+            assert (await newcomer)[0] == 200
+    assert await wait_for(lambda: len(queue(gw)) == 0 and queue(gw).bytes == 0)
+    assert gw.gw.admission._models["m"].granted == 0
+    assert (await post(gw.url, body()))[0] == 200
+
+
 async def test_saturation_follows_the_engines_queue_between_scrapes(sims, gateway):
     """One running slot on the engine, at most one request queued there: the third request waits
     in the gateway, and goes as soon as one of the two ends (a release, not a scrape)."""
