@@ -50,6 +50,7 @@ class Waiter:
     deadline: float = math.inf           # monotonic seconds by which its first token is due
     slo_ms: float | None = None          # the TTFT objective its deadline comes from
     seq: int = 0                         # arrival order (set by the queue)
+    rec: Any = None                      # its request's record: the log fields of how its wait ended
 
     def key(self) -> tuple[float, int]:
         return self.deadline, self.seq

@@ -228,13 +228,14 @@ class Admission:
             raise self._rejection(model, s, mq, rank, "queue_full",
                                   q.position(rank, user, deadline=deadline, cost=cost), rec)
         for victim, reason in evicted:
-            err = self._rejection(model, s, mq, victim.rank, reason, q.position(victim.rank, victim.user, victim))
+            err = self._rejection(model, s, mq, victim.rank, reason, q.position(victim.rank, victim.user, victim),
+                                  victim.rec)
             q.remove(victim)
             if not victim.fut.done():
                 victim.fut.set_exception(err)
         w = Waiter(rank, user, size, now, asyncio.get_running_loop().create_future(), candidates=candidates,
                    pairs=pairs, widen=ctx.api is None and ireq.lora is None, cost=cost, deadline=deadline,
-                   slo_ms=slo)
+                   slo_ms=slo, rec=rec)
         q.push(w)
         self._pump(model)
         try:
@@ -265,7 +266,6 @@ class Admission:
         mq.granted -= 1
         ctx.admission_cost = cost           # put on its user's counter when the pump granted it
         self._waited(model, rank, "dispatched", w)
-        rec.extra["queue_wait_ms"] = round((self.clock() - w.enqueued) * 1000, 3)
         eps = self._ready(model, w)
         if not eps:
             self._pump(model)
@@ -423,7 +423,8 @@ class Admission:
             if w.deadline <= now and not w.fut.done() and (s := self.settings(model)) is not None:
                 # its deadline passed before its timer ran (a busy event loop ran the release that
                 # frees a slot first): shed now, never served late
-                err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), slo=w.slo_ms)
+                err = self._rejection(model, s, mq, w.rank, "deadline", q.position(w.rank, w.user, w), w.rec,
+                                      slo=w.slo_ms)
                 q.remove(w)                 # shed, not served: nothing on its user's counter
                 w.fut.set_exception(err)
                 continue
@@ -451,11 +452,15 @@ class Admission:
         return [ep for ep in w.candidates if ep.ready]
 
     def _waited(self, model: str, rank: int, outcome: str, w: Waiter) -> None:
+        """The wait ended (dispatched, shed, cancelled): measured, and said on the request's line."""
         if outcome != "dispatched":
             w.state = outcome
             if w.fut.done() and not w.fut.cancelled():
                 w.fut.exception()           # retrieved: no "never retrieved" warning
-        self.m.wait.labels(model, PRIORITIES[rank], outcome).observe(max(0.0, self.clock() - w.enqueued))
+        waited = max(0.0, self.clock() - w.enqueued)
+        self.m.wait.labels(model, PRIORITIES[rank], outcome).observe(waited)
+        if w.rec is not None:
+            w.rec.extra.update(queue_wait_ms=round(waited * 1000, 3), queue_outcome=outcome)
 
     def _rejection(self, model: str, s: AdmissionConfig, mq: ModelQueue, rank: int, reason: str,
                    position: int, rec: RequestRecord | None = None, slo: float | None = None) -> GatewayError:
