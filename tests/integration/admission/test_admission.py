@@ -704,3 +704,66 @@ async def test_an_unbounded_endpoints_headroom_is_capped_at_1e6_for_the_gateway(
         assert metric(page, "switchyard_endpoint_saturated", endpoint=name) == 0
         doc = (await get_new(port, "/status.json"))[1]
         assert doc["models"][0]["admission"]["endpoints"][0]["headroom"] == 1_000_000
+
+
+@pytest.mark.timeout(90)
+async def test_a_sighup_that_shrinks_then_grows_the_cap_applies_to_the_queue_waiting(sims, tmp_path):
+    """A gateway process with requests queued behind a full engine: a SIGHUP that lowers
+    ``max_in_flight_per_endpoint`` lets none of them go while the engine holds the new cap or more
+    (its requests in flight finish on it), one that raises it lets the queue onto the room at once,
+    and none is lost: every wait is counted dispatched or cancelled, the gauges back to 0 after."""
+    import os
+    import signal
+
+    from tests.support.gateway_process import gateway_process, get_new
+    from tests.support.metrics import metric
+    from tests.support.ports import listen_port
+
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+
+    def write(cap: int) -> None:
+        cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                       "server: {drain_delay_s: 0, shutdown_grace_s: 2, log_level: warning}\n"
+                       "scrape: {enabled: false}\n"
+                       f"admission: {{enabled: true, max_in_flight_per_endpoint: {cap}, queue_timeout_s: 60}}\n"
+                       f"models: [{{name: m, engine: vllm, endpoints: ['{sim.url}']}}]\n")
+
+    async def page():
+        return (await get_new(port, "/metrics"))[1]
+
+    async def at(in_flight: int, queued: int, generation: int):
+        p = await page()
+        return p if (metric(p, "switchyard_in_flight_requests"), metric(p, "switchyard_admission_queue_depth"),
+                     metric(p, "switchyard_config_generation")) == (in_flight, queued, generation) else None
+
+    write(2)
+    async with gateway_process(cfg, port) as proc:
+        base = f"http://127.0.0.1:{port}"
+        running = [asyncio.create_task(post(base, body(), HOLD)) for _ in range(2)]
+        await until(lambda: sim.engine.counts.started == 2, timeout=20)
+        waiting = [asyncio.create_task(post(base, body(), HOLD)) for _ in range(4)]
+        await until(lambda: at(6, 4, 1), timeout=20)
+        write(1)
+        os.kill(proc.pid, signal.SIGHUP)
+        await until(lambda: at(6, 4, 2), timeout=20)
+        await cancel(running[0])            # the engine still holds one: the new cap
+        await until(lambda: at(5, 4, 2), timeout=20)   # the queue was pumped as the request left: nobody went
+        assert sim.engine.counts.started == 2
+        await cancel(running[1])            # room for one
+        await until(lambda: at(4, 3, 2), timeout=20)
+        await until(lambda: sim.engine.counts.started == 3, timeout=20)
+        write(3)
+        os.kill(proc.pid, signal.SIGHUP)
+        await until(lambda: at(4, 1, 3), timeout=20)    # two more go at once
+        await until(lambda: sim.engine.counts.started == 5, timeout=20)
+        for t in waiting:
+            await cancel(t)
+        p = await until(lambda: at(0, 0, 3), timeout=20)
+        assert metric(p, "switchyard_admission_queue_bytes") == 0
+        # the one left queued went when a request ahead was cancelled, or was cancelled itself
+        waits = {o: metric(p, "switchyard_admission_wait_seconds_count", outcome=o)
+                 for o in ("dispatched", "cancelled", "shed")}
+        assert waits["dispatched"] >= 3 and waits["dispatched"] + waits["cancelled"] == 4 and waits["shed"] == 0
+        assert (await post(base, body())).status == 200       # no slot left held
