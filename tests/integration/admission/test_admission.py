@@ -564,6 +564,37 @@ async def test_an_endpoint_added_while_requests_wait_takes_them(sims, gateway):
     await cancel(blocker)
 
 
+@pytest.mark.parametrize("path,payload", [
+    ("/v1/chat/completions", body()),
+    ("/v1/messages", {"model": "m", "messages": CHAT, "max_tokens": 4}),
+    ("/v1/responses", {"model": "m", "input": "hello there", "max_output_tokens": 4}),
+    ("/tokenize", {"model": "m", "prompt": "hello there"}),
+], ids=["chat", "messages", "responses", "passthrough"])
+async def test_a_request_waiting_while_a_reload_replaces_its_engine_goes_to_the_new_one(sims, gateway, path, payload):
+    """A reload that replaces the model's one engine while a request waits: the request goes to the
+    new engine when room is there, whatever its API, as a chat request does; the endpoints its
+    API's path is served by (the Messages API, a pass-through path, the Responses API without an
+    engine-held previous response) are those of its model ready when its turn comes."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    _, gw = await capped_gateway(sims, gateway, {"queue_timeout_s": 30}, scrape={"enabled": False})
+    added = await sims("vllm", "m")
+    blocker = await hold(gw)
+    waiting = asyncio.create_task(post(gw.url, payload, path=path))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    first = config.models[0]
+    model = msgspec.structs.replace(first, endpoints=(msgspec.structs.replace(first.endpoints[0], url=added.url),))
+    assert reloader.reload("test", msgspec.structs.replace(config, models=(model,))).result == "ok"
+    status, _, raw = await waiting
+    assert status == 200, raw
+    assert added.engine.counts.started == 1 or path == "/tokenize"     # tokenize runs no generation
+    await cancel(blocker)                   # the replaced engine's request finishes there
+
+
 @pytest.mark.timeout(90)
 async def test_every_worker_has_a_slot_when_the_cap_deals_one_per_worker(tmp_path):
     """``--workers 2``, two idle engines capped at one request each: the gateway's two slots go one
