@@ -46,6 +46,7 @@ class Waiter:
     candidates: list = field(default_factory=list)   # the endpoints it may go to
     pairs: bool = False                  # routed as a prefill/decode pair
     widen: bool = False                  # its model's endpoints ready since may take it (none chose them)
+    accepts: Any = None                  # with widen: which of them its API lets it go to (None: all)
     cost: float = 1.0                    # tokens it will be charged (its user's counter)
     deadline: float = math.inf           # monotonic seconds by which its first token is due
     slo_ms: float | None = None          # the TTFT objective its deadline comes from

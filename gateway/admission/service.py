@@ -233,9 +233,12 @@ class Admission:
             q.remove(victim)
             if not victim.fut.done():
                 victim.fut.set_exception(err)
+        # the endpoints it may take when its turn comes: its model's ready then, as its API chose them,
+        # unless its state (an adapter loaded, a response an engine holds) chose them
+        accepts = ctx.api.when_queued(ctx) if ctx.api is not None and ireq.lora is None else None
         w = Waiter(rank, user, size, now, asyncio.get_running_loop().create_future(), candidates=candidates,
-                   pairs=pairs, widen=ctx.api is None and ireq.lora is None, cost=cost, deadline=deadline,
-                   slo_ms=slo, rec=rec)
+                   pairs=pairs, widen=ireq.lora is None and (ctx.api is None or accepts is not None),
+                   accepts=accepts, cost=cost, deadline=deadline, slo_ms=slo, rec=rec)
         q.push(w)
         self._pump(model)
         try:
@@ -444,11 +447,14 @@ class Admission:
             w.fut.set_result(None)
 
     def _ready(self, model: str, w: Waiter) -> list[Endpoint]:
-        """The endpoints ``w`` may go to now: its candidates that are still ready, or, when neither
-        its API nor its LoRA adapter chose them, every endpoint of its model ready now, so one that
-        is back (a restart, a breaker's trials) or new (a reload, discovery) takes the queue too."""
+        """The endpoints ``w`` may go to now: its candidates that are still ready when its state chose
+        them (a LoRA adapter, a response an engine holds), else every endpoint of its model ready now
+        that its API serves it with (``ApiShape.when_queued``: for the Messages API and the
+        pass-through paths, an engine that serves the path), so one that is back (a restart, a
+        breaker's trials) or new (a reload, discovery) takes the queue too."""
         if w.widen:
-            return self.pool.ready(model, None if w.pairs else WHOLE_REQUEST_ROLES)
+            eps = self.pool.ready(model, None if w.pairs else WHOLE_REQUEST_ROLES)
+            return eps if w.accepts is None else [ep for ep in eps if w.accepts(ep)]
         return [ep for ep in w.candidates if ep.ready]
 
     def _waited(self, model: str, rank: int, outcome: str, w: Waiter) -> None:

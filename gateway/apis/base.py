@@ -13,6 +13,7 @@ The object keeps nothing per request itself: what it must remember between the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
@@ -107,6 +108,13 @@ class ApiShape:
     async def prepare(self, ctx: Any, candidates: list) -> list:
         """Before routing, after validation and admission: the candidates this request may use."""
         return candidates
+
+    def when_queued(self, ctx: Any) -> Callable[[Any], bool] | None:
+        """For a request ``prepare`` let through that waits in the admission queue: which of its
+        model's endpoints ready when its turn comes it may go to (a test of each, as ``prepare``
+        chose them), so an engine a reload, a restart or discovery brought takes it too; None: only
+        the candidates it was given (its state chose them). Default None."""
+        return None
 
     async def finish(self, ctx: Any) -> None:
         """After the answer is ready (a non-streaming body is not yet written)."""

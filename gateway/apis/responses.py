@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -315,6 +315,13 @@ class ResponsesApi(ApiShape):
 
     def _owner_user(self, user: str | None) -> str | None:
         return user if self.auth_on else None
+
+    def when_queued(self, ctx: RequestContext) -> Callable[[Endpoint], bool] | None:
+        """Any endpoint of the model, unless an engine holds the previous response: then only it."""
+        assert ctx.ireq is not None
+        if not self.gateway_held and ctx.ireq.data.get("previous_response_id") is not None:
+            return None
+        return _any_endpoint
 
     async def prepare(self, ctx: RequestContext, candidates: list[Endpoint]) -> list[Endpoint]:
         ireq, rec = ctx.ireq, ctx.rec
@@ -784,3 +791,7 @@ def _only(api: ResponsesApi):
             raise web.HTTPMethodNotAllowed(request.method, allowed)
         return await api.by_id(request)
     return sub
+
+
+def _any_endpoint(_ep: Endpoint) -> bool:
+    return True

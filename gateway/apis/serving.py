@@ -9,6 +9,7 @@ that mixes engines routes the request among those that can (503 when none of the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from gateway.apis.base import ApiShape
@@ -26,6 +27,11 @@ class EngineSpecificApi(ApiShape):
 
     def __init__(self, pool: EndpointPool) -> None:
         self.pool = pool
+
+    def when_queued(self, ctx: Any) -> Callable[[Endpoint], bool] | None:
+        """Endpoints whose engine serves the path, as ``prepare`` keeps."""
+        path = ctx.ireq.path
+        return lambda ep: serves(ep, path)
 
     async def prepare(self, ctx: Any, candidates: list[Endpoint]) -> list[Endpoint]:
         ireq = ctx.ireq
