@@ -294,6 +294,21 @@ async def test_a_request_that_cannot_fit_the_queues_bytes_evicts_nobody(sims, ga
     assert 'reason="displaced"' not in text and 'reason="fair_share"' not in text
 
 
+async def test_a_body_of_exactly_queue_max_bytes_waits_and_is_served(sims, gateway):
+    """The byte bound holds the body at it: such a request waits (the queue then full, the same
+    user's next one refused queue_full) and is served once room frees."""
+    raw = sized(500, "alice")
+    _, gw = await capped_gateway(sims, gateway, {"queue_max_bytes": len(raw)})
+    blocker = await hold(gw)
+    waiting = asyncio.create_task(post(gw.url, raw))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    assert queue(gw).bytes == len(raw)
+    status, _, body_ = await post(gw.url, sized(1, "alice"))
+    assert status == 429 and orjson.loads(body_)["error"]["code"] == "queue_full"
+    await cancel(blocker)
+    assert (await waiting).status == 200
+    assert queue(gw).bytes == 0
+
 async def test_deadlines_earliest_first_and_shed_when_the_queue_cannot_meet_them(sims, gateway):
     _, gw = await capped_gateway(sims, gateway)
     served: list[str] = []
