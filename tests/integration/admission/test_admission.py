@@ -407,6 +407,37 @@ async def test_a_reload_keeps_the_queue_waiting(sims, gateway):
     assert [st for st, _, _ in await asyncio.gather(*waiting)] == [200] * 4
 
 
+async def test_a_newcomer_to_a_queue_a_reload_left_over_its_bound_takes_one_place(sims, gateway):
+    """A reload that lowers ``queue_max`` below the requests waiting keeps them queued; a newcomer of
+    a higher class then displaces one of them, as at a full queue, and the queue shrinks as its
+    requests go, not all at once for one newcomer."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    _, gw = await capped_gateway(sims, gateway)
+    blocker = await hold(gw)
+    low = []
+    for i in range(6):
+        low.append(asyncio.create_task(post(gw.url, body(user=f"u{i}"), {"x-priority": "sheddable"})))
+        assert await wait_for(lambda n=i + 1: len(queue(gw)) == n)
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    assert reloader.reload("test", msgspec.structs.replace(
+        config, admission=msgspec.structs.replace(config.admission, queue_max=2))).result == "ok"
+    assert len(queue(gw)) == 6                      # waiting requests stay queued
+    newcomer = asyncio.create_task(post(gw.url, body(user="new")))
+    assert await wait_for(lambda: queue(gw).count(1) == 1)      # the newcomer waits
+    assert len(queue(gw)) == 6, f"{6 - (len(queue(gw)) - 1)} displaced for one newcomer"
+    shed = await until(lambda: [t for t in low if t.done()])
+    assert len(shed) == 1
+    status, _, raw = shed[0].result()
+    assert status == 429 and orjson.loads(raw)["error"]["code"] == "displaced"
+    await cancel(blocker)
+    assert (await newcomer).status == 200
+    assert [r.status for r in await asyncio.gather(*(t for t in low if t is not shed[0]))] == [200] * 5
+
+
 async def _shed_costs_nothing(gw) -> None:
     alice = {"Authorization": f"Bearer {KEYS['alice']}"}
     blocker = await hold(gw, **alice)                   # counted: it reached the engine
