@@ -184,10 +184,15 @@ class FairQueue:
         counter and queued costs together, if that is more than ``user`` would have with the
         newcomer (``fair_share``). Computed without touching the queue, so a newcomer that could not
         fit after all its evictions (a body larger than the bound, or than what it may evict holds)
-        takes nobody's place for nothing."""
+        takes nobody's place for nothing. A queue a reload left over a bound is not cut down to it
+        for one newcomer: the newcomer takes the place of one request (of as many as hold its
+        bytes), so the queue does not grow, and shrinks as its requests go."""
+        if size > max_bytes:
+            return None
         taken: dict[int, tuple[int, float]] = {}       # id(line) → (its newest requests evicted, their costs)
         out: list[tuple[Waiter, str]] = []
         count, held = len(self), self.bytes
+        max_count, max_bytes = max(max_count, count), max(max_bytes, held)
 
         def left(line: _Line) -> int:
             return len(line.items) - taken.get(id(line), (0, 0.0))[0]
@@ -201,7 +206,7 @@ class FairQueue:
                         best = (u, line, load)
             return best
 
-        while count >= max_count or held + size > max_bytes:
+        while count + 1 > max_count or held + size > max_bytes:
             pick = next((h for r in range(rank) if (h := heaviest(r)) is not None), None)
             reason = "displaced"
             if pick is None:

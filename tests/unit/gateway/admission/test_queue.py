@@ -170,6 +170,22 @@ def test_room_is_made_only_when_the_evictions_allowed_make_enough():
     # larger than the bound itself: nothing could make room
     assert q.make_room(CRIT, "b", 1.0, 701, 10, 700) is None
     assert len(q) == 3 and q.bytes == 700                  # planning evicts nobody
-    # a heavier user's request is evicted when the count bound needs it: fair_share after displaced
-    assert q.make_room(CRIT, "b", 1.0, 0, 2, 1 << 40) == [(s2, "displaced"), (s1, "displaced")]
-    assert q.make_room(CRIT, "b", 1.0, 0, 1, 1 << 40) == [(s2, "displaced"), (s1, "displaced"), (big, "fair_share")]
+    # at the count bound one goes; a heavier user's request goes when the bytes need it, after the lower class
+    assert q.make_room(CRIT, "b", 1.0, 0, 3, 1 << 40) == [(s2, "displaced")]
+    assert q.make_room(CRIT, "b", 1.0, 600, 10, 700) == [(s2, "displaced"), (s1, "displaced"), (big, "fair_share")]
+
+
+def test_a_queue_over_its_bounds_gives_a_newcomer_one_place_not_the_cut_to_them():
+    """A reload lowered the bounds below what waits: a newcomer takes one request's place (as many
+    as hold its bytes), so the queue does not grow; nobody at all when it fits beside them."""
+    q = FairQueue()
+    low = [w(SHED, f"u{i}", 100) for i in range(6)]
+    for x in low:
+        q.push(x)
+    out = q.make_room(STD, "a", 1.0, 50, 2, 1 << 40)             # six waiting, queue_max now 2
+    assert len(out) == 1 and out[0][1] == "displaced"
+    out = q.make_room(STD, "a", 1.0, 150, 10, 200)                # 600 bytes held, the bound now 200
+    assert [r for _, r in out] == ["displaced", "displaced"]      # 150 bytes: two requests of 100
+    assert q.make_room(STD, "a", 1.0, 201, 10, 200) is None       # a body over the bound never queues
+    assert q.make_room(SHED, "u0", 1.0, 50, 2, 1 << 40) is None   # nobody it may evict: refused
+    assert q.make_room(STD, "a", 1.0, 50, 10, 1 << 40) == []      # room under the bounds: nobody goes
