@@ -641,6 +641,35 @@ async def test_a_request_waiting_while_a_reload_replaces_its_engine_goes_to_the_
     await cancel(blocker)                   # the replaced engine's request finishes there
 
 
+async def test_a_continuation_waiting_while_its_responses_engine_leaves_gets_the_owner_gone_409(sims, gateway):
+    """A Responses follow-up whose previous response an engine holds (``responses.state: engine``)
+    can only go to that engine: when a reload removes it while the follow-up waits, the follow-up
+    gets the 409 ``response_owner_gone`` it would get arriving then, not a 503 saying the model has
+    no ready endpoint (it has one; a retry after the 503's Retry-After meets the 409)."""
+    import msgspec
+
+    from gateway.server.app import RELOAD_KEY
+
+    _, gw = await capped_gateway(sims, gateway, {"queue_timeout_s": 30}, scrape={"enabled": False})
+    added = await sims("vllm", "m")
+    first = await post(gw.url, {"model": "m", "input": "hello there", "max_output_tokens": 4}, path="/v1/responses")
+    follow_up = {"model": "m", "input": "and then?", "max_output_tokens": 4, "previous_response_id": first.json()["id"]}
+    blocker = await hold(gw)
+    waiting = asyncio.create_task(post(gw.url, follow_up, path="/v1/responses"))
+    assert await wait_for(lambda: len(queue(gw)) == 1)
+    reloader = gw.runner.app[RELOAD_KEY]
+    config = reloader.live.config
+    model = msgspec.structs.replace(config.models[0], endpoints=(
+        msgspec.structs.replace(config.models[0].endpoints[0], url=added.url),))
+    assert reloader.reload("test", msgspec.structs.replace(config, models=(model,))).result == "ok"
+    queued = await waiting
+    arriving = await post(gw.url, follow_up, path="/v1/responses")
+    assert arriving.status == 409 and arriving.json()["error"]["code"] == "response_owner_gone"
+    assert queued.status == 409, queued.body
+    assert queued.json()["error"]["code"] == "response_owner_gone"
+    await cancel(blocker)
+
+
 @pytest.mark.timeout(90)
 async def test_every_worker_has_a_slot_when_the_cap_deals_one_per_worker(tmp_path):
     """``--workers 2``, two idle engines capped at one request each: the gateway's two slots go one
