@@ -250,7 +250,7 @@ class Admission:
                 q.remove(w)
                 self._waited(model, rank, "shed", w)
                 if not self._ready(model, w):
-                    raise _no_endpoint(model) from None
+                    raise self._unserved(ctx, model, w) from None
                 if deadline - now < s.queue_timeout_s:      # the deadline bounded the wait, not the timeout
                     raise self._rejection(model, s, mq, rank, "deadline", position, rec, slo) from None
                 raise self._rejection(model, s, mq, rank, "queue_timeout", position, rec) from None
@@ -263,8 +263,10 @@ class Admission:
                 self._pump(model)
             self._waited(model, rank, "cancelled", w)
             raise
-        except GatewayError:                 # displaced, or its endpoints went away
+        except GatewayError as e:            # displaced, or its endpoints went away
             self._waited(model, rank, "shed", w)
+            if e.error_class is ErrorClass.NO_ENDPOINT:
+                raise self._unserved(ctx, model, w) from None
             raise
         mq.granted -= 1
         ctx.admission_cost = cost           # put on its user's counter when the pump granted it
@@ -272,7 +274,7 @@ class Admission:
         eps = self._ready(model, w)
         if not eps:
             self._pump(model)
-            raise _no_endpoint(model)
+            raise self._unserved(ctx, model, w)
         return eps if pairs else unsaturated(eps, th, self.clock())
 
     def with_room(self, ctx: RequestContext, eps: list[Endpoint]) -> list[Endpoint]:
@@ -456,6 +458,15 @@ class Admission:
             eps = self.pool.ready(model, None if w.pairs else WHOLE_REQUEST_ROLES)
             return eps if w.accepts is None else [ep for ep in eps if w.accepts(ep)]
         return [ep for ep in w.candidates if ep.ready]
+
+    def _unserved(self, ctx: RequestContext, model: str, w: Waiter) -> GatewayError:
+        """The error of a waiter none of whose endpoints is ready: its API's when its state chose
+        them (a Responses follow-up whose engine left: 409), else the model's 503."""
+        if not w.widen and ctx.api is not None:
+            err = ctx.api.unserved_while_queued(ctx)
+            if err is not None:
+                return err
+        return _no_endpoint(model)
 
     def _waited(self, model: str, rank: int, outcome: str, w: Waiter) -> None:
         """The wait ended (dispatched, shed, cancelled): measured, and said on the request's line."""

@@ -116,5 +116,11 @@ class ApiShape:
         the candidates it was given (its state chose them). Default None."""
         return None
 
+    def unserved_while_queued(self, ctx: Any) -> GatewayError | None:
+        """For a request that waited in the admission queue with the candidates its state chose, all
+        gone unready or out of the pool meanwhile: the error it gets (what it would be told arriving
+        now); None: the model's 503, no ready endpoint."""
+        return None
+
     async def finish(self, ctx: Any) -> None:
         """After the answer is ready (a non-streaming body is not yet written)."""

@@ -86,6 +86,7 @@ class Exchange:
     scanner: ResponsesScanner | None = None
     body: dict[str, Any] | None = None                   # a non-streaming answer
     failed: dict[str, Any] | None = None                 # the response as a stream the gateway failed ended it
+    owner: dict[str, Any] | None = None                  # the previous response's owner record (engine state)
 
 
 class ResponsesMetrics:
@@ -357,11 +358,29 @@ class ResponsesApi(ApiShape):
                                "with the same model", param="previous_response_id", error_class=ErrorClass.VALIDATION)
         ep = self._owner_endpoint(prev, owner)
         if ep not in candidates:
-            self._gone(owner["model"], "not_ready")
-            raise GatewayError(503, f"the endpoint {ep.name} that holds response '{prev}' is not ready "
-                               "(unhealthy or draining); retry later", code="response_owner_unavailable",
-                               headers={"Retry-After": "5"}, error_class=ErrorClass.RESPONSE_OWNER_UNAVAILABLE)
+            raise self._owner_not_ready(prev, owner, ep)
+        ex.owner = owner
         return [ep]
+
+    def unserved_while_queued(self, ctx: RequestContext) -> GatewayError | None:
+        """A follow-up that waited while the engine holding its previous response left the pool (409)
+        or went unready (503): what it would be told arriving now."""
+        ex = ctx.api_state
+        owner = ex.owner if isinstance(ex, Exchange) else None
+        if owner is None or ctx.ireq is None:
+            return None
+        prev = ctx.ireq.data.get("previous_response_id")
+        try:
+            ep = self._owner_endpoint(prev, owner)
+        except GatewayError as e:
+            return e
+        return self._owner_not_ready(prev, owner, ep)
+
+    def _owner_not_ready(self, prev: str, owner: dict[str, Any], ep: Endpoint) -> GatewayError:
+        self._gone(owner["model"], "not_ready")
+        return GatewayError(503, f"the endpoint {ep.name} that holds response '{prev}' is not ready "
+                            "(unhealthy or draining); retry later", code="response_owner_unavailable",
+                            headers={"Retry-After": "5"}, error_class=ErrorClass.RESPONSE_OWNER_UNAVAILABLE)
 
     async def finish(self, ctx: RequestContext) -> None:
         """Record what the answer created: its owner (engine state) or its history (gateway state)."""
