@@ -604,3 +604,47 @@ async def test_a_batch_whose_error_file_could_not_be_written_keeps_one_output_fi
     assert sorted(outputs) == sorted([b.output_file_id, b.error_file_id])
     assert sorted(p.name for p in (tmp_path / "batch" / "files").iterdir()) == sorted(
         [b.input_file_id, b.output_file_id, b.error_file_id])
+
+
+async def test_a_gateway_stopped_while_it_writes_a_batchs_files_leaves_the_owner_one_of_each(sims, gateway, tmp_path,
+                                                                                           monkeypatch):
+    """The gateway is stopped (its runner cancelled, as a SIGTERM's drain does) while the thread
+    that writes a finalizing batch's output and error files runs; the thread cannot be interrupted
+    and writes them whole after the runner is gone. The gateway started again on the same
+    directory writes them again for the batch: the owner sees one output and one error file, those
+    the batch names, and the disk holds no other."""
+    import threading
+
+    from gateway.batch.runner import BatchRunner
+
+    sim = await sims("vllm", "m")
+    first = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    real = BatchRunner._write_outputs
+    writing, go, written = threading.Event(), threading.Event(), threading.Event()
+
+    def held(self, bid: str, owner: str):
+        if writing.is_set():
+            return real(self, bid, owner)
+        writing.set()
+        go.wait(30)
+        try:
+            return real(self, bid, owner)
+        finally:
+            written.set()
+
+    monkeypatch.setattr(BatchRunner, "_write_outputs", held)
+    c = openai_client(first)
+    b = await create(c, rows(["m", "nope", "m"]))
+    assert await asyncio.to_thread(writing.wait, 30)
+    assert (await c.batches.retrieve(b.id)).status == "finalizing"
+    await first.runner.cleanup()                # the stop: the runner is cancelled mid-write
+    go.set()
+    assert await asyncio.to_thread(written.wait, 30)
+    again = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(again)
+    done = await run_to_end(c, b.id, timeout=30)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    outputs = [f.id for f in (await c.files.list(purpose="batch_output")).data]
+    assert sorted(outputs) == sorted([done.output_file_id, done.error_file_id])
+    assert sorted(p.name for p in (tmp_path / "batch" / "files").iterdir()) == sorted(
+        [done.input_file_id, done.output_file_id, done.error_file_id])
