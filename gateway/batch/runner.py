@@ -353,13 +353,21 @@ class BatchRunner:
         second connection, as any worker's reader does."""
         store = BatchStore(os.path.join(self.db.dir, "batches.sqlite3"))
         ids: list[str | None] = []
+        names = (f"{bid}_output.jsonl", f"{bid}_error.jsonl")
         try:
+            # files an earlier try wrote for this batch, which names none of them yet: a gateway
+            # stopped (or killed) while it wrote them, whose writing thread a stop cannot interrupt,
+            # or stopped before it stored the batch's end; the owner gets one file of each
+            for stale in store.output_files_named(owner, names):
+                store.delete_file(stale)
+                batch_files.remove(self.db.dir, stale)
+                log.info("a batch's output file from an earlier try removed", batch_id=bid, file_id=stale)
             ttl_s = batch_files.lifetime(store.output_ttl(bid), self.cfg.file_ttl_s)
-            for ok, name in ((True, "output"), (False, "error")):
+            for ok, filename in zip((True, False), names, strict=True):
                 if not store.count_results(bid, ok):
                     ids.append(None)
                     continue
-                f = batch_files.write_lines(self.db.dir, f"{bid}_{name}.jsonl", store.result_lines(bid, ok), ttl_s)
+                f = batch_files.write_lines(self.db.dir, filename, store.result_lines(bid, ok), ttl_s)
                 store.add_file(f, owner)
                 ids.append(f["id"])
             return ids[0], ids[1]

@@ -136,6 +136,14 @@ class BatchStore:
             " ?, ?, ?, ?, ?, ?, ?, ?)",
             (f["id"], owner, f["filename"], f["purpose"], f["bytes"], f["created_at"], f["expires_at"], lines)))
 
+    def output_files_named(self, owner: str, names: tuple[str, ...]) -> list[str]:
+        """The ids of ``owner``'s ``batch_output`` files of these names (the runner names a batch's
+        output and error files after the batch)."""
+        marks = ", ".join("?" * len(names))
+        return [r[0] for r in self.db.execute(
+            f"SELECT id FROM files WHERE owner = ? AND purpose = 'batch_output' AND filename IN ({marks})",
+            (owner, *names))]
+
     def get_file(self, file_id: str, owner: str | None) -> dict[str, Any] | None:
         """The file object, None when unknown or (with ``owner``) someone else's."""
         row = self.db.execute("SELECT id, owner, filename, purpose, bytes, created_at, expires_at, lines"
