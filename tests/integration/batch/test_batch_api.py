@@ -484,6 +484,36 @@ async def test_a_file_written_by_a_windows_tool_runs(sims, gateway, tmp_path):
     assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-2"]
 
 
+def _line_of(size: int, cid: str) -> bytes:
+    """A chat line of exactly ``size`` bytes, its line end not counted."""
+    row = {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+           "body": {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": ""}]}}
+    row["body"]["messages"][0]["content"] = "x" * (size - len(orjson.dumps(row)))
+    line = orjson.dumps(row)
+    assert len(line) == size
+    return line
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r\n"], ids=["lf", "crlf"])
+async def test_a_line_of_max_line_bytes_is_taken_whatever_its_line_end(sims, gateway, tmp_path, end):
+    """``batch.max_line_bytes`` bounds a line, not its line end: a line of exactly that many bytes
+    is taken and runs whether it ends in LF or CRLF (the first line behind a byte order mark too),
+    and one byte more is refused naming it, alike."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**batch_cfg(tmp_path), "max_line_bytes": 4096})
+    c = openai_client(gw)
+    data = b"\xef\xbb\xbf" + b"".join(_line_of(4096, f"req-{i}") + end for i in range(3))
+    f = await c.files.create(file=("in.jsonl", data), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and (b.request_counts.total, b.request_counts.completed) == (3, 3), b
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.files.create(file=("in.jsonl", _line_of(4096, "a") + end + _line_of(4097, "b") + end),
+                             purpose="batch")
+    assert (ei.value.body["code"], ei.value.body["message"]) == (
+        "line_too_long", "invalid batch input file: line 2 is longer than 4096 bytes")
+
+
 async def test_objects_created_in_one_second_list_in_the_order_they_were_created(sims, gateway, tmp_path,
                                                                                 monkeypatch):
     """``created_at`` counts whole seconds: files and batches created within one second list in

@@ -45,6 +45,17 @@ def test_a_bad_line_is_named(data, line, code, step):
     assert (ei.value.line, ei.value.code) == (line, code)
 
 
+@pytest.mark.parametrize("step", [1, 2, 7, 1000, 4096])
+def test_a_line_of_max_line_bytes_ending_in_crlf_is_taken_wherever_a_chunk_ends(step):
+    line = row("a", body={"x": ""}).rstrip(b"\n")
+    line = line.replace(b'"x":""', b'"x":"' + b"y" * (1000 - len(line)) + b'"')
+    assert len(line) == 1000
+    assert check(line + b"\r\n" + row("b").replace(b"\n", b"\r\n"), step) == 2
+    with pytest.raises(LineError) as ei:
+        check(line + b" \r\n", step)
+    assert (ei.value.line, ei.value.code) == (1, "line_too_long")
+
+
 def test_lines_read_back_in_chunks_with_their_numbers(tmp_path):
     p = tmp_path / "in.jsonl"
     p.write_bytes(row("a") + b"\n" + row("b") + row("c", url="/v1/embeddings"))
