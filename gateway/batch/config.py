@@ -16,7 +16,7 @@ class BatchConfig(Block):
     dir: Annotated[str, Meta(min_length=1, description="Directory of uploads, results and the job store (SQLite); a restart with the same dir resumes unfinished batches. Created if missing.")] = "./switchyard-batch"
     max_file_bytes: Annotated[int, Meta(ge=1, description="Largest uploaded file, in bytes; a larger upload is refused with 413.")] = 200 * 1024 * 1024
     max_lines: Annotated[int, Meta(ge=1, description="Most requests (lines) in one batch input file; more is refused with 400 at upload.")] = 50_000
-    max_line_bytes: Annotated[int, Meta(ge=64, description="Longest line of a batch input file, in bytes; longer is refused with 400 at upload.")] = 1024 * 1024
+    max_line_bytes: Annotated[int, Meta(ge=64, description="Longest line of a batch input file, in bytes (its LF or CRLF line end not counted); longer is refused with 400 at upload.")] = 1024 * 1024
     max_concurrency: Annotated[int, Meta(ge=1, description="Most batch lines in flight per model, whatever the headroom.")] = 32
     max_lines_per_s: Annotated[float, Meta(ge=0, description="Most batch lines started per second per model (0: no rate cap).")] = 0.0
     endpoint_capacity: Annotated[int, Meta(ge=1, description="Running slots assumed on an endpoint whose engine has not told its cap (SGLang does) nor been seen queueing (admission's capacity view); batch lines fill only free slots.")] = 8

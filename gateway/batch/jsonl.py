@@ -79,7 +79,9 @@ class LineCheck:
             self._line(data[start:end])
             start = end + 1
         self.buf = data[start:]
-        if len(self.buf) > self.max_line_bytes + (len(BOM) if self.line_no == 0 else 0):
+        # a line's bytes, not its line end: a CR the chunk ended on may be the first half of a CRLF
+        if len(self.buf) > (self.max_line_bytes + (len(BOM) if self.line_no == 0 else 0)
+                            + (1 if self.buf.endswith(b"\r") else 0)):
             raise LineError(self.line_no + 1, f"line {self.line_no + 1} is longer than {self.max_line_bytes} bytes",
                             "line_too_long")
 
@@ -97,6 +99,8 @@ class LineCheck:
         n = self.line_no
         if n == 1 and raw.startswith(BOM):
             raw = raw[len(BOM):]
+        if raw.endswith(b"\r"):           # a CRLF line end: not the line's bytes, as LF is not
+            raw = raw[:-1]
         if len(raw) > self.max_line_bytes:
             raise LineError(n, f"line {n} is longer than {self.max_line_bytes} bytes", "line_too_long")
         if not raw.strip():
