@@ -177,6 +177,30 @@ async def test_cancel_stops_the_batch_and_accounts_for_every_line(sims, gateway,
     assert sample(page, "switchyard_batch_lines_total", model="-") == 0
 
 
+async def test_the_input_of_a_batch_not_ended_is_kept_and_a_second_cancel_is_answered_alike(sims, gateway,
+                                                                                          tmp_path):
+    """Deleting the input file of a batch still running (cancelling too) is a 400 ``file_in_use``
+    naming it, and the file stays; a cancel of a batch already cancelling answers it as it is; once
+    the batch has ended, its input can be deleted and its error file still names every line."""
+    gw, c, rows, b = await _slow_batch(sims, gateway, tmp_path)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.files.delete(b.input_file_id)
+    assert (ei.value.body["type"], ei.value.body["code"], ei.value.body["param"]) == (
+        "invalid_request_error", "file_in_use", "id")
+    first = await c.batches.cancel(b.id)
+    again = await c.batches.cancel(b.id)
+    assert again.status in ("cancelling", "cancelled") and again.cancelling_at == first.cancelling_at
+    if again.status == "cancelling":
+        with pytest.raises(openai.BadRequestError) as ei:
+            await c.files.delete(b.input_file_id)
+        assert ei.value.body["code"] == "file_in_use"
+    b = await run_to_end(c, b.id)
+    assert b.status == "cancelled"
+    assert (await c.files.retrieve(b.input_file_id)).id == b.input_file_id
+    assert (await c.files.delete(b.input_file_id)).deleted
+    await _every_line_once(c, b, rows, "batch_cancelled")
+
+
 async def _received(url: str) -> bool:
     return any(r["path"] == "/v1/chat/completions" for r in (await sim_state(url))["received"])
 
