@@ -368,6 +368,42 @@ async def test_a_batch_cancelled_before_it_was_validated_counts_its_lines(sims, 
     assert counts.total == 7 and counts.completed + counts.failed == 7
 
 
+async def test_a_batch_cancelled_before_it_was_validated_counts_its_lines_before_it_names_them(
+        sims, gateway, tmp_path, monkeypatch):
+    """A batch cancelled before it was validated names each of its lines in its error file, 1024
+    at a time; seen while it does (held after the first 1024), its ``request_counts`` already hold
+    every line in ``total``: never more lines done than its total."""
+    import threading
+
+    from gateway.batch import runner as batch_runner
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, poll_interval_s=2.0))
+    real = batch_runner.read_chunk
+    named, go = threading.Event(), threading.Event()
+
+    def held(path: str, offset: int, line_no: int, n: int = 256):
+        if n == 1024 and offset > 0:            # the lines never run, named after the first 1024
+            named.set()
+            go.wait(30)
+        return real(path, offset, line_no, n)
+
+    monkeypatch.setattr(batch_runner, "read_chunk", held)
+    c = openai_client(gw)
+    b = await create(c, rows(["m"] * 2100, max_tokens=1))
+    await c.batches.cancel(b.id)              # before the runner's next look at the store
+    try:
+        assert await asyncio.to_thread(named.wait, 30)
+        seen = await c.batches.retrieve(b.id)
+    finally:
+        go.set()
+    counts = seen.request_counts
+    assert seen.status == "cancelling" and (counts.total, counts.completed, counts.failed) == (2100, 0, 1024), seen
+    b = await run_to_end(c, b.id)
+    counts = b.request_counts
+    assert b.status == "cancelled" and (counts.total, counts.completed, counts.failed) == (2100, 0, 2100)
+
+
 @pytest.mark.parametrize("header", [b'Content-Disposition: form-data; name="file"; filename="a\x01.jsonl"',
                                     b"Content-Disposition form-data no colon"])
 async def test_a_malformed_part_header_is_a_400(sims, gateway, tmp_path, header):
