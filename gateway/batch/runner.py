@@ -290,6 +290,18 @@ class BatchRunner:
             if doc["status"] != "finalizing":
                 return          # cancelled meanwhile: the next refresh halts it
         if final in ("cancelled", "expired"):
+            if not doc["request_counts"]["total"]:
+                # cancelled before it was validated: every line counted before they are named (1024
+                # at a time), so its counts never hold more lines done than its total
+                total = await self.db.run(BatchStore.file_lines, doc["input_file_id"])
+
+                def counted(d: dict[str, Any]) -> bool:
+                    if d["request_counts"]["total"] >= total:
+                        return False
+                    d["request_counts"]["total"] = total
+                    return True
+                if total:
+                    job.doc = doc = await self.db.run(BatchStore.update_batch, bid, counted) or doc
             try:
                 await self._unanswered(job, "batch_cancelled" if final == "cancelled" else "batch_expired")
             except OSError as e:        # the lines never answered cannot be named: the batch fails, saying why

@@ -136,6 +136,11 @@ class BatchStore:
             " ?, ?, ?, ?, ?, ?, ?, ?)",
             (f["id"], owner, f["filename"], f["purpose"], f["bytes"], f["created_at"], f["expires_at"], lines)))
 
+    def file_lines(self, file_id: str) -> int:
+        """The requests an uploaded file holds, as its upload counted them (0: unknown)."""
+        row = self.db.execute("SELECT lines FROM files WHERE id = ?", (file_id,)).fetchone()
+        return row[0] or 0 if row is not None else 0
+
     def output_files_named(self, owner: str, names: tuple[str, ...]) -> list[str]:
         """The ids of ``owner``'s ``batch_output`` files of these names (the runner names a batch's
         output and error files after the batch)."""
