@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from tests.support.batch import jsonl, run_to_end
-from tests.support.gateway_process import gateway_process, per_worker
+from tests.support.gateway_process import gateway_process, metric_total, per_worker
 from tests.support.http import sim_state
 from tests.support.ports import listen_port
 from tests.support.waiting import until
@@ -68,6 +68,42 @@ async def test_a_batch_survives_sigkill_and_answers_each_line_once(sims, tmp_pat
         assert ids == [f"line-{i}" for i in range(N)]      # in input order
     received = [r for r in (await sim_state(sim.url))["received"] if r["path"] == "/v1/chat/completions"]
     assert len(received) >= N          # lines cut by the kill ran again; none is written twice
+
+
+@pytest.mark.timeout(120)
+async def test_a_batch_of_two_workers_stopped_with_lines_in_flight_resumes_and_answers_each_line_once(sims, tmp_path):
+    """SIGTERM to a gateway of ``--workers 2`` while a batch's lines run on the engine (one attempt
+    a line: a line cut by the stop and counted would end in the error file), then the gateway
+    started again on the same ``batch.dir``: the batch completes, each line once in input order,
+    none failed, and nothing stays in flight."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch"), "max_concurrency: 4, max_attempts: 1")
+                   .replace("shutdown_grace_s: 2", "shutdown_grace_s: 1"))
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(12, max_tokens=150))), purpose="batch")
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+
+        async def running() -> bool:
+            return len((await sim_state(sim.url))["running"]) >= 2
+
+        await until(running, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert await proc.wait() == 0
+        await until(lambda: _refused(port), timeout=20, interval=0.05)
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        done = await run_to_end(c, b.id)
+        counts = done.request_counts
+        assert (done.status, counts.total, counts.completed, counts.failed) == ("completed", 12, 12, 0), done
+        assert done.error_file_id is None
+        out = [orjson.loads(x) for x in (await c.files.content(done.output_file_id)).content.splitlines()]
+        assert [o["custom_id"] for o in out] == [f"line-{i}" for i in range(12)]
+        assert [f.id for f in (await c.files.list(purpose="batch_output")).data] == [done.output_file_id]
+        for page in (await per_worker(port, 2)).values():
+            assert metric_total(page, "switchyard_batch_lines_in_flight") == 0
+            assert metric_total(page, "switchyard_endpoint_in_flight_requests") == 0
 
 
 @pytest.mark.timeout(120)
