@@ -684,3 +684,58 @@ async def test_a_gateway_stopped_while_it_writes_a_batchs_files_leaves_the_owner
     assert sorted(outputs) == sorted([done.output_file_id, done.error_file_id])
     assert sorted(p.name for p in (tmp_path / "batch" / "files").iterdir()) == sorted(
         [done.input_file_id, done.output_file_id, done.error_file_id])
+
+
+async def test_a_gateway_stopped_while_it_writes_a_batchs_files_keeps_the_runners_lock_until_they_are_written(
+        sims, gateway, tmp_path, monkeypatch):
+    """Two gateways on one ``batch.dir``: the one that runs batches is stopped while its thread
+    writes a finalizing batch's output and error files. It keeps ``runner.lock`` until that write
+    has ended (the process waits for the thread as it exits anyway), so the other, which takes the
+    lock every 2 s, cannot write the batch's files beside it; then the other finishes the batch,
+    and the owner sees one output and one error file."""
+    import fcntl
+    import os
+    import threading
+
+    from gateway.batch.runner import BatchRunner
+    from gateway.server.app import BATCH_KEY
+
+    sim = await sims("vllm", "m")
+    first = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    service = first.runner.app[BATCH_KEY]
+    await until(lambda: service.running, timeout=10)
+    second = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    real = BatchRunner._write_outputs
+    writing, go = threading.Event(), threading.Event()
+
+    def held(self, bid: str, owner: str):
+        if not writing.is_set():
+            writing.set()
+            go.wait(30)
+        return real(self, bid, owner)
+
+    monkeypatch.setattr(BatchRunner, "_write_outputs", held)
+    c = openai_client(first)
+    b = await create(c, rows(["m", "nope", "m"]))
+    assert await asyncio.to_thread(writing.wait, 30)
+    with structlog.testing.capture_logs() as logs:
+        stop = asyncio.create_task(first.runner.cleanup())
+        try:
+            await until(lambda: stop.done() or any(e["event"].startswith("the batch runner stops once")
+                                                   for e in logs), timeout=20)
+            fd = os.open(str(tmp_path / "batch" / "runner.lock"), os.O_RDWR)
+            try:
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+        finally:
+            go.set()
+        await stop
+    c = openai_client(second)
+    done = await run_to_end(c, b.id, timeout=30)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    outputs = [f.id for f in (await c.files.list(purpose="batch_output")).data]
+    assert sorted(outputs) == sorted([done.output_file_id, done.error_file_id])
+    assert sorted(p.name for p in (tmp_path / "batch" / "files").iterdir()) == sorted(
+        [done.input_file_id, done.output_file_id, done.error_file_id])
