@@ -308,7 +308,19 @@ class BatchRunner:
                 log.error("batch input unreadable", batch_id=bid, exc_info=e)
                 job.unreadable = f"the input file could not be read on: {e.strerror or e}"
                 final = "failed"
-        out_id, err_id = await asyncio.to_thread(self._write_outputs, bid, job.owner)
+        write = asyncio.ensure_future(asyncio.to_thread(self._write_outputs, bid, job.owner))
+        try:
+            out_id, err_id = await asyncio.shield(write)
+        except asyncio.CancelledError:
+            # the gateway stops: a thread cannot be interrupted, and this process waits for it as it
+            # exits anyway; waiting here keeps runner.lock held until the files are written, so no
+            # other runner writes this batch's files beside them (the next one removes them first)
+            log.info("the batch runner stops once the batch's files it writes are written", batch_id=bid)
+            with contextlib.suppress(BaseException):      # a second cancel: stop at once
+                await asyncio.wait({write})
+            if write.done() and not write.cancelled():
+                write.exception()       # a failed write removed its files; the next runner writes them
+            raise
         now = now_s()
 
         def done(d: dict[str, Any]) -> bool:

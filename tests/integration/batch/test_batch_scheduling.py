@@ -646,9 +646,9 @@ async def test_a_gateway_stopped_while_it_writes_a_batchs_files_leaves_the_owner
                                                                                            monkeypatch):
     """The gateway is stopped (its runner cancelled, as a SIGTERM's drain does) while the thread
     that writes a finalizing batch's output and error files runs; the thread cannot be interrupted
-    and writes them whole after the runner is gone. The gateway started again on the same
-    directory writes them again for the batch: the owner sees one output and one error file, those
-    the batch names, and the disk holds no other."""
+    and writes them whole, stored, before the batch's end is. The gateway started again on the
+    same directory writes them again for the batch: the owner sees one output and one error file,
+    those the batch names, and the disk holds no other."""
     import threading
 
     from gateway.batch.runner import BatchRunner
@@ -673,9 +673,10 @@ async def test_a_gateway_stopped_while_it_writes_a_batchs_files_leaves_the_owner
     b = await create(c, rows(["m", "nope", "m"]))
     assert await asyncio.to_thread(writing.wait, 30)
     assert (await c.batches.retrieve(b.id)).status == "finalizing"
-    await first.runner.cleanup()                # the stop: the runner is cancelled mid-write
+    stop = asyncio.create_task(first.runner.cleanup())     # the stop: the runner is cancelled mid-write
     go.set()
     assert await asyncio.to_thread(written.wait, 30)
+    await stop
     again = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
     c = openai_client(again)
     done = await run_to_end(c, b.id, timeout=30)
