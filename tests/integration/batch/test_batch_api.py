@@ -201,6 +201,72 @@ async def test_the_input_of_a_batch_not_ended_is_kept_and_a_second_cancel_is_ans
     await _every_line_once(c, b, rows, "batch_cancelled")
 
 
+async def test_a_delete_and_a_batch_on_the_same_file_from_two_workers_do_not_both_succeed(sims, gateway, tmp_path,
+                                                                                            monkeypatch):
+    """With ``--workers N`` each worker answers the API on its own connection to the job store: a
+    DELETE of a file and a batch created on it may meet between one's check and its write (here
+    the other worker's step is taken on a connection of its own right there). Either the batch is
+    refused, 400 ``file_not_found``, nothing created; or the delete is, 400 ``file_in_use``, the
+    file kept and the batch run; never a batch created on a file deleted under it."""
+    from gateway.batch import files as batch_files
+    from gateway.batch.store import BatchStore
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    path = str(tmp_path / "batch" / "batches.sqlite3")
+
+    def other_worker(step):
+        other = BatchStore(path)
+        try:
+            step(other)
+        finally:
+            other.close()
+
+    # the delete lands between the batch's check of its file and the batch's write
+    f = await c.files.create(file=("in.jsonl", jsonl(lines("/v1/chat/completions", 2))), purpose="batch")
+    real_add = BatchStore.add_batch
+
+    def add_after_a_delete(self, doc, owner, output_ttl_s=None):
+        other_worker(lambda o: o.delete_file(f.id))
+        batch_files.remove(str(tmp_path / "batch"), f.id)
+        return real_add(self, doc, owner, output_ttl_s)
+
+    monkeypatch.setattr(BatchStore, "add_batch", add_after_a_delete)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert (ei.value.body["code"], ei.value.body["param"]) == ("file_not_found", "input_file_id")
+    assert (await c.batches.list()).data == []
+    monkeypatch.setattr(BatchStore, "add_batch", real_add)
+
+    # the batch lands between the delete's check of the file and the delete
+    f = await c.files.create(file=("in.jsonl", jsonl(lines("/v1/chat/completions", 2))), purpose="batch")
+    real_delete = BatchStore.delete_file
+    made: list[str] = []
+
+    def delete_after_a_batch(self, file_id, *args):
+        if not made:
+            made.append("batch_raced")
+            doc = {"id": "batch_raced", "object": "batch", "endpoint": "/v1/chat/completions", "errors": None,
+                   "input_file_id": file_id, "completion_window": "24h", "status": "validating",
+                   "output_file_id": None, "error_file_id": None, "created_at": 1, "in_progress_at": None,
+                   "expires_at": 2 ** 40, "finalizing_at": None, "completed_at": None, "failed_at": None,
+                   "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+                   "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": None, "model": None,
+                   "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
+                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
+            other_worker(lambda o: real_add(o, doc, ""))
+        return real_delete(self, file_id, *args)
+
+    monkeypatch.setattr(BatchStore, "delete_file", delete_after_a_batch)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.files.delete(f.id)
+    assert (ei.value.body["code"], ei.value.body["param"]) == ("file_in_use", "id")
+    assert (await c.files.retrieve(f.id)).id == f.id
+    done = await run_to_end(c, "batch_raced")
+    assert (done.status, done.request_counts.completed) == ("completed", 2), done
+
+
 async def _received(url: str) -> bool:
     return any(r["path"] == "/v1/chat/completions" for r in (await sim_state(url))["received"])
 
