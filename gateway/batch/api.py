@@ -26,7 +26,7 @@ from gateway.batch import files as batch_files
 from gateway.batch import ranges
 from gateway.batch.config import BatchConfig
 from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError
-from gateway.batch.store import ACTIVE, BatchDb, BatchStore, UnknownCursor, now_s
+from gateway.batch.store import ACTIVE, BatchDb, BatchStore, FileInUse, UnknownCursor, now_s
 from gateway.errors import ErrorClass, GatewayError
 from gateway.tenants.service import NoTenancy, Tenancy
 
@@ -325,10 +325,11 @@ class BatchApi:
 
     async def delete_file(self, request: web.Request) -> web.Response:
         f = await self._file(request)
-        if any(b["input_file_id"] == f["id"] for b in await self.db.run(BatchStore.active_batches)):
+        try:           # in one transaction with the check: another worker may create a batch on it
+            await self.db.run(BatchStore.delete_file, f["id"], True)
+        except FileInUse:
             raise _bad(f"file {f['id']} is the input of a batch still running; cancel the batch first", "id",
-                       "file_in_use")
-        await self.db.run(BatchStore.delete_file, f["id"])
+                       "file_in_use") from None
         await asyncio.to_thread(batch_files.remove, self.db.dir, f["id"])
         return _json({"id": f["id"], "object": "file", "deleted": True})
 
@@ -371,7 +372,9 @@ class BatchApi:
                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
                "usage": {"input_tokens": 0, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 0,
                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
-        await self.db.run(BatchStore.add_batch, doc, owner, output_ttl_s)
+        # in one transaction with a check of its file: another worker may delete it meanwhile
+        if not await self.db.run(BatchStore.add_batch, doc, owner, output_ttl_s, True):
+            raise _bad(f"No such File object: {fid}", "input_file_id", "file_not_found")
         self.on_change()
         return _json(doc)
 

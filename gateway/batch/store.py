@@ -80,6 +80,10 @@ class UnknownCursor(Exception):
     user's): a cursor that cannot say where the page starts."""
 
 
+class FileInUse(Exception):
+    """A file a delete would remove is the input of a batch that has not ended."""
+
+
 class Result(tuple):
     """One answered line: (custom_id, line_no, ok, the output line's bytes, usage triple)."""
 
@@ -181,12 +185,17 @@ class BatchStore:
             (*args, limit + 1)).fetchall()
         return [_file(r) for r in rows[:limit]], len(rows) > limit
 
-    def delete_file(self, file_id: str) -> bool:
-        """The file leaves the store; its place in the lists stays (``gone_files``) for ``GONE_KEPT_S``."""
+    def delete_file(self, file_id: str, unless_input: bool = False) -> bool:
+        """The file leaves the store; its place in the lists stays (``gone_files``) for ``GONE_KEPT_S``.
+        ``unless_input``: ``FileInUse`` when it is the input of a batch that has not ended, checked in
+        the delete's transaction (another worker may create a batch on it in between)."""
         def tx(db: sqlite3.Connection) -> bool:
             row = db.execute("SELECT owner, created_at, rowid FROM files WHERE id = ?", (file_id,)).fetchone()
             if row is None:
                 return False
+            if unless_input and any(_batch(d)["input_file_id"] == file_id for (d,) in db.execute(
+                    f"SELECT doc FROM batches WHERE status IN ({', '.join('?' * len(ACTIVE))})", ACTIVE)):
+                raise FileInUse(file_id)
             db.execute("INSERT OR REPLACE INTO gone_files (id, owner, created_at, pos, gone_at) VALUES (?, ?, ?, ?, ?)",
                        (file_id, row[0], row[1], row[2], now_s()))
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
@@ -206,13 +215,20 @@ class BatchStore:
 
     # -- batches ------------------------------------------------------------------------------
 
-    def add_batch(self, doc: dict[str, Any], owner: str, output_ttl_s: int | None = None) -> None:
+    def add_batch(self, doc: dict[str, Any], owner: str, output_ttl_s: int | None = None,
+                  input_stored: bool = False) -> bool:
         """``output_ttl_s``: the seconds its output and error files live (``output_expires_after``),
-        None when the batch did not say; kept beside the document, which is OpenAI's batch object."""
-        self._tx(lambda db: db.execute(
-            "INSERT INTO batches (id, owner, status, created_at, doc, output_ttl_s, model_read)"
-            " VALUES (?, ?, ?, ?, ?, ?, 1)",
-            (doc["id"], owner, doc["status"], doc["created_at"], orjson.dumps(doc), output_ttl_s)))
+        None when the batch did not say; kept beside the document, which is OpenAI's batch object.
+        ``input_stored``: added only while its input file is in the store, checked in the insert's
+        transaction (another worker may delete it in between); whether it was added."""
+        def tx(db: sqlite3.Connection) -> bool:
+            if input_stored and db.execute("SELECT 1 FROM files WHERE id = ?", (doc["input_file_id"],)).fetchone() is None:
+                return False
+            db.execute("INSERT INTO batches (id, owner, status, created_at, doc, output_ttl_s, model_read)"
+                       " VALUES (?, ?, ?, ?, ?, ?, 1)",
+                       (doc["id"], owner, doc["status"], doc["created_at"], orjson.dumps(doc), output_ttl_s))
+            return True
+        return self._tx(tx)
 
     def output_ttl(self, batch_id: str) -> int | None:
         """The seconds a batch's output and error files live, as its creation asked; None: not asked."""

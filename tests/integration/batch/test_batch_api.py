@@ -227,10 +227,10 @@ async def test_a_delete_and_a_batch_on_the_same_file_from_two_workers_do_not_bot
     f = await c.files.create(file=("in.jsonl", jsonl(lines("/v1/chat/completions", 2))), purpose="batch")
     real_add = BatchStore.add_batch
 
-    def add_after_a_delete(self, doc, owner, output_ttl_s=None):
+    def add_after_a_delete(self, *args):
         other_worker(lambda o: o.delete_file(f.id))
         batch_files.remove(str(tmp_path / "batch"), f.id)
-        return real_add(self, doc, owner, output_ttl_s)
+        return real_add(self, *args)
 
     monkeypatch.setattr(BatchStore, "add_batch", add_after_a_delete)
     with pytest.raises(openai.BadRequestError) as ei:
