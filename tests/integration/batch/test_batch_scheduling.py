@@ -740,3 +740,50 @@ async def test_a_gateway_stopped_while_it_writes_a_batchs_files_keeps_the_runner
     assert sorted(outputs) == sorted([done.output_file_id, done.error_file_id])
     assert sorted(p.name for p in (tmp_path / "batch" / "files").iterdir()) == sorted(
         [done.input_file_id, done.output_file_id, done.error_file_id])
+
+
+async def test_a_batch_left_finalizing_past_its_window_completes(sims, gateway, tmp_path, monkeypatch):
+    """A batch whose lines were all answered is left ``finalizing`` by a gateway stopped while it
+    wrote its files, and its window (``expires_at``) has passed by the time a gateway takes it on
+    again (moved into the past in the store, as 24 hours passing would): it completes, its answers
+    in its output and error files, as a batch that finished within its window; ``expired`` is for
+    the batch whose requests did not all run in time."""
+    import sqlite3
+    import threading
+
+    from gateway.batch.runner import BatchRunner
+
+    sim = await sims("vllm", "m")
+    first = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    real = BatchRunner._write_outputs
+    writing, go = threading.Event(), threading.Event()
+
+    def held(self, bid: str, owner: str):
+        if not writing.is_set():
+            writing.set()
+            go.wait(30)
+        return real(self, bid, owner)
+
+    monkeypatch.setattr(BatchRunner, "_write_outputs", held)
+    c = openai_client(first)
+    b = await create(c, rows(["m", "nope", "m"]))
+    assert await asyncio.to_thread(writing.wait, 30)
+    stop = asyncio.create_task(first.runner.cleanup())
+    go.set()
+    await stop
+    db = sqlite3.connect(str(tmp_path / "batch" / "batches.sqlite3"), timeout=5, isolation_level=None)
+    try:
+        doc = orjson.loads(db.execute("SELECT doc FROM batches WHERE id = ?", (b.id,)).fetchone()[0])
+        assert doc["status"] == "finalizing"
+        doc["expires_at"] = doc["created_at"] - 1
+        db.execute("UPDATE batches SET doc = ? WHERE id = ?", (orjson.dumps(doc), b.id))
+    finally:
+        db.close()
+    again = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    c = openai_client(again)
+    done = await run_to_end(c, b.id, timeout=30)
+    counts = done.request_counts
+    assert (done.status, counts.total, counts.completed, counts.failed) == ("completed", 3, 2, 1), done
+    assert done.completed_at and done.expired_at is None
+    out = [orjson.loads(x) for x in (await c.files.content(done.output_file_id)).content.splitlines()]
+    assert [o["custom_id"] for o in out] == ["req-0", "req-2"]
