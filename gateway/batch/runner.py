@@ -218,7 +218,8 @@ class BatchRunner:
             status = doc["status"]
             if status == "validating":
                 await self._validate(job)
-            elif status in ("in_progress", "finalizing") and doc.get("expires_at") and now >= doc["expires_at"]:
+            elif status == "in_progress" and doc.get("expires_at") and now >= doc["expires_at"]:
+                # a batch already finalizing answered every line: it completes, whenever that ends
                 self._halt(job, "expired")
             elif status == "cancelling":
                 self._halt(job, "cancelled")
