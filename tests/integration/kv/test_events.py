@@ -257,3 +257,39 @@ async def test_salted_requests_go_to_their_salts_prefix_and_multimodal_falls_bac
     text = await gw.metrics_text()
     assert 'switchyard_kv_events_fallbacks_total{model="m",reason="multimodal"} 1.0' in text
     assert 'switchyard_routing_fallbacks_total{reason="kv_events_multimodal",strategy="prefix-cache"} 1.0' in text
+
+
+async def test_a_restarted_engine_first_heard_past_its_first_batch_is_replayed_from_0(sims, gateway, clients):
+    """An engine restarts and its first batches go out before the SUB socket is connected again (a
+    slow joiner; an engine whose scrape tells no start, as SGLang's or vLLM's with several API
+    servers): the first number heard goes back, but past 0. Its entries are cleared as a restart, and
+    what the new engine published before is replayed from 0 as at first contact, so the index holds
+    what the engine holds and the next turn's match is what the engine finds cached."""
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
+    for q in ("one", "two", "three"):
+        await _chat(client, q)
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks > 0)
+    pub = sim.engine.kv_events
+    # the engine restarts: an empty cache, and its publisher counts from 0 again
+    pub.seq = 0
+    pub.buffer.clear()
+    sim.engine.pool.events = None
+    assert sim.engine.pool.flush()
+    sim.engine.pool.events = pub
+    pub.drop_next = 1              # its first batch (the system prompt's blocks) reaches no subscriber
+    await _chat(client, "a new life")
+    await _chat(client, "and a second question")        # batch 1: chained on the blocks of batch 0
+    await until(lambda: 'switchyard_kv_events_restarts_total{model="m"} 1.0' in _render(gw))
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks, timeout=5)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "and a second question"}]
+    ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 2}), {}, "t")
+    depths, _, fallback = kv.match(ireq, [st.ep])
+    r = await client.chat.completions.create(model="m", messages=messages, max_tokens=2)
+    assert not fallback and depths[st.ep] == r.usage.prompt_tokens_details.cached_tokens > 0
+    text = _render(gw)
+    assert 'kind="orphan"' not in text
+    assert metric(text, "switchyard_kv_events_replays_total", model="m", result="ok") >= 1
