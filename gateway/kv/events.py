@@ -20,7 +20,8 @@ filtered by ``topic``, reading ``(topic, seq, payload)`` messages (``gateway.kv.
 * On its first message the subscriber replays from 0 when it can, to learn what the engine cached
   before the gateway started.
 * A sequence number lower than expected means a new publisher: the engine restarted, and its
-  entries are cleared. A restarted engine that publishes nothing (no request came) is found by
+  entries are cleared; its stream is then taken up as at first contact, replayed from 0 when the
+  number is past 0 (what the new engine published before the socket connected again). A restarted engine that publishes nothing (no request came) is found by
   the scraper instead, its start time having changed (``engine_restarted``): its entries are
   cleared then, and its streams taken up again as at first contact.
 * Every endpoint of an enabled model is synced with the pool once a second: a new endpoint gets a
@@ -394,11 +395,16 @@ class Subscriber:
 
     def _replay_first(self, seq: int) -> bool:
         """Whether message ``seq`` needs a replay before it (see ``on_message``)."""
-        if self.expected is None:
+        if self.expected is None or seq < self.expected:
             return seq > 0 and self.replay_addr is not None
         return seq > self.expected
 
     async def on_message(self, seq: int, payload: bytes) -> None:
+        if self.expected is not None and 0 < seq < self.expected and self.replay_addr:
+            # a sequence going back: a new engine, first heard past its first batch (published before
+            # the socket connected again); cleared as a restart, then taken up as at first contact
+            self._renew(seq)
+            self.expected = None
         if self.expected is None:
             if seq > 0 and self.replay_addr:        # learn what the engine cached before we listened
                 await self.replay(0, seq, first=True)
