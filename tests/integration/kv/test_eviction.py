@@ -1,0 +1,83 @@
+"""The event index under eviction, on loopback: an engine evicts a conversation's blocks
+(``BlockRemoved``), and the gateway's next turn of it is judged on what the engine then holds, as
+the engine's own ``cached_tokens`` tells."""
+
+from __future__ import annotations
+
+import openai
+import orjson
+import pytest
+
+from enginesim.tiny_tokenizer import TINY_DIR
+from gateway.request import CHAT, parse
+from tests.support.http import openai_client
+from tests.support.waiting import until
+
+pytestmark = pytest.mark.integration
+
+TOK = str(TINY_DIR)
+SYSTEM = "You are a careful assistant. " + " ".join(f"rule {i} is kqz lo abc" for i in range(40))
+
+
+def _filler(i: int) -> str:
+    return f"unrelated document {i}: " + " ".join(f"w{i}x{j} qv" for j in range(260))
+
+
+@pytest.mark.parametrize("unreached", [False, True])
+async def test_blocks_the_engine_reported_stored_then_evicted_no_longer_draw_the_next_turn(sims, gateway, unreached):
+    """Turn 1 of a conversation goes to engine H, whose new blocks the gateway holds speculatively
+    (for ``speculative_ttl_s``, or until events confirm them); H reports them stored, then evicts
+    them all under other gateways' traffic. The other engine O holds the system prompt. Turn 2 goes
+    to O, where its system prompt is cached, and the gateway's match on H is what H reports cached:
+    nothing. Before, the speculative hold outlived the engine's own report: H kept a match on the
+    blocks turn 1 was keyed to (its probe's, or with ``tokenize_unreached`` the whole prompt, which
+    drew turn 2 back to H for a cache it had evicted)."""
+    engines = [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
+                          kv_blocks=256) for _ in range(2)]
+    gw = await gateway([{"name": "m", "engine": "vllm", "tokenizer": TOK, "strategy": "prefix-cache",
+                         "endpoints": [{"url": e.url, "kv_events": {"port": e.engine.kv_events.port,
+                                                                   "replay_port": e.engine.kv_events.replay_port}}
+                                       for e in engines],
+                         "kv_events": {"enabled": True, "stall_timeout_s": 30.0, "speculative_ttl_s": 600.0,
+                                       "tokenize_unreached": unreached}}])
+    kv = gw.gw.routing.ctx.precise_index
+    await until(lambda: len(kv.subscribers) == 2)
+    await until(lambda: all(e.engine.kv_events.subscriptions >= 1 for e in engines))
+    state = {st.ep.url: st for st in kv.index.states.values()}
+    by_pod = {state[e.url].ep.address: e for e in engines}
+    client = openai_client(gw, "x")
+    direct = {e.url: openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) for e in engines}
+    try:
+        for i, e in enumerate(engines):          # each engine has published: both live on events
+            await direct[e.url].chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"warm up {i}"}], max_tokens=2)
+        await until(lambda: all(st.on_fallback is None and st.emap for st in state.values()))
+        turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "what is rule 7?"}]
+        raw = await client.chat.completions.with_raw_response.create(model="m", messages=turn1, max_tokens=2)
+        h = by_pod[raw.headers["target-pod"]]
+        o = next(e for e in engines if e is not h)
+        answer = raw.parse().choices[0].message.content
+        await until(lambda: len(state[h.url].emap) == h.engine.pool.cached_blocks > 0)
+        # other gateways' traffic straight to H evicts every block of the conversation
+        for i in range(4):
+            await direct[h.url].chat.completions.create(
+                model="m", messages=[{"role": "user", "content": _filler(i)}], max_tokens=2)
+        # and O holds the system prompt
+        await direct[o.url].chat.completions.create(
+            model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}],
+            max_tokens=2)
+        for e in engines:
+            await until(lambda e=e: len(state[e.url].emap) == e.engine.pool.cached_blocks)
+        turn2 = turn1 + [{"role": "assistant", "content": answer}, {"role": "user", "content": "and rule 8?"}]
+        body = orjson.dumps({"model": "m", "messages": turn2, "max_tokens": 2})
+        depths, _, fallback = kv.match(parse(CHAT, body, {}, "t"), [state[h.url].ep, state[o.url].ep])
+        raw = await client.chat.completions.with_raw_response.create(model="m", messages=turn2, max_tokens=2)
+        assert by_pod[raw.headers["target-pod"]] is o
+        assert raw.parse().usage.prompt_tokens_details.cached_tokens == depths[state[o.url].ep] > 0
+        on_h = await direct[h.url].chat.completions.create(model="m", messages=turn2, max_tokens=2)
+        assert not fallback
+        assert depths[state[h.url].ep] == on_h.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        await client.close()
+        for c in direct.values():
+            await c.close()
