@@ -322,7 +322,7 @@ class EventIndex:
                         self._unstale(st, old, (ev.parent_block_hash,))    # type: ignore[union-attr]
                 orphans += self._stored(st, ev)     # type: ignore[arg-type]
                 if ranked is not None:
-                    self._rank_stored(ranked, emap, ev.block_hashes, rank or 0)   # type: ignore[union-attr]
+                    self._rank_stored(ranked, emap, ev.block_hashes, rank or 0, st.rank_pending)   # type: ignore[union-attr]
                 if old is not None:
                     self._freshen(st, old, ev.block_hashes)     # type: ignore[union-attr]
             elif cls is AllBlocksCleared:
@@ -422,7 +422,7 @@ class EventIndex:
         are advanced by as many blocks as ``hashes`` has, so a caller may go on with them."""
         emap, media = st.emap, st.media
         owned, holders, sbit, pending = st.owned, self._holders, st.bit, self._pending
-        get, owned_get, holders_get = emap.get, owned.get, holders.get
+        get, owned_get, holders_get, pending_get = emap.get, owned.get, holders.get, pending.get
         for bh, block, x in zip(hashes, blocks, folds, strict=False):
             if x is not None:                 # cache_salt, multimodal features: see fold_extras
                 h = hash((h, x))
@@ -441,7 +441,10 @@ class EventIndex:
             if not k:
                 mask = holders_get(h, 0)
                 holders[h] = mask | sbit
-                if not mask and h not in pending:
+                spec = pending_get(h, 0)
+                if spec & sbit:               # held speculatively: the engine's report ends the hold,
+                    self._unpend(h, st.slot)  # so its BlockRemoved is the end of the match
+                elif not mask and not spec:
                     self._enter(h, p)
         return h
 
@@ -531,7 +534,7 @@ class EventIndex:
             h = self._chain_start(st, ev, bs)
         if h is None:                   # nothing to key (an orphan, or a block size that is none)
             if ranked is not None:
-                self._rank_stored(ranked, emap, hashes, r)
+                self._rank_stored(ranked, emap, hashes, r, st.rank_pending)
             return 0 if bs <= 0 else 1
         bit = _medium_bit(ev.medium)
         n = min(len(hashes), len(ev.token_ids) // bs)
@@ -556,14 +559,14 @@ class EventIndex:
             else:
                 h = self._chain(st, h, run, tokens, folds, bit)
             if ranked is not None:
-                self._rank_stored(ranked, emap, run, r)
+                self._rank_stored(ranked, emap, run, r, st.rank_pending)
             if old is not None:
                 self._freshen(st, old, run)
         if ranked is not None and n < len(hashes):
             old = st.rank_clearing.get(r)
             if old is not None:
                 self._unstale(st, old, hashes[n:])
-            self._rank_stored(ranked, st.emap, hashes[n:], r)
+            self._rank_stored(ranked, st.emap, hashes[n:], r, st.rank_pending)
         if not known:
             # bounded once the event is in, as ``_stored`` bounds it: trimmed after each run, a
             # block of the event that re-stores an old entry could find it dropped and take one more
@@ -579,15 +582,21 @@ class EventIndex:
         return 0
 
     @staticmethod
-    def _rank_stored(ranked: dict[int, int], emap: dict[BlockHash, int], hashes: list[BlockHash], rank: int) -> None:
+    def _rank_stored(ranked: dict[int, int], emap: dict[BlockHash, int], hashes: list[BlockHash], rank: int,
+                     pending: dict[int, dict[int, float]]) -> None:
         """The blocks of ``hashes`` (a ``BlockStored`` from ``rank``'s publisher) that the endpoint now
-        holds: held by ``rank``."""
+        holds: held by ``rank``, which holds them speculatively no more (``pending``: the endpoint's
+        ``rank_pending``)."""
         bit = 1 << rank
         get = emap.get
         for bh in hashes:
             key = get(bh)
             if key is not None:
                 ranked[key] = ranked.get(key, 0) | bit
+                if pending:
+                    spec = pending.get(key)
+                    if spec is not None and spec.pop(rank, None) is not None and not spec:
+                        del pending[key]
 
     def _drop(self, st: EndpointState, bh: BlockHash) -> None:
         key = st.emap.pop(bh)

@@ -176,3 +176,26 @@ def test_a_clear_drops_what_was_held_for_the_endpoint_speculatively():
         while idx.drain(1):
             pass
         assert not idx._pending and not idx._pending_until and len(idx._parent_of) == 1     # b's block only
+
+
+def test_a_speculative_hold_ends_when_the_engine_reports_the_block_so_its_removal_ends_the_match():
+    """A routed request's new blocks count as held for ``speculative_ttl_s`` or until events confirm
+    them: once the engine reports them stored, its ``BlockRemoved`` of them ends the match there
+    (on the endpoint, and on the data-parallel rank the request was pinned to)."""
+    idx, eps, _ = _index(True, ranks=2)
+    a, b = (idx.states[ep] for ep in eps[:2])
+    for s in (a, b):                                            # both live, nothing of the chain held
+        idx.apply(s, Batch(0.0, [BlockStored([50], None, [39] * BS, BS)], None), 0)
+    req = _req(2, 6, "r")
+    idx.match(req, eps)
+    idx.routed(req, eps[0])
+    idx.rank_routed(req, eps[0], 1, 0)
+    again = _req(2, 6, "s")
+    assert idx.match(again, eps)[0][eps[0]] == 6 * BS and idx.rank_depths(again, eps[0]) == [0, 6 * BS]
+    tokens = [t for block in CHAINS[2] for t in block]
+    idx.apply(a, Batch(0.0, [BlockStored([(1, h) for h in range(60, 66)], None, tokens, BS)], 1), 1)   # rank 1 reports them
+    assert idx.match(_req(2, 6, "t"), eps)[0][eps[0]] == 6 * BS
+    idx.apply(a, Batch(0.0, [BlockRemoved([(1, h) for h in range(60, 66)])], 1), 1)       # and evicts them
+    gone = _req(2, 6, "u")
+    assert idx.match(gone, eps)[0][eps[0]] == 0 and idx.rank_depths(gone, eps[0]) == [0, 0]
+    assert not idx._pending and not idx._pending_until and not a.rank_pending
