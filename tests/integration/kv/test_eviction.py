@@ -4,6 +4,8 @@ the engine's own ``cached_tokens`` tells."""
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import orjson
 import pytest
@@ -81,3 +83,84 @@ async def test_blocks_the_engine_reported_stored_then_evicted_no_longer_draw_the
         await client.close()
         for c in direct.values():
             await c.close()
+
+
+@pytest.mark.timeout(120)
+async def test_two_workers_both_follow_the_engines_evictions(sims, tmp_path):
+    """``--workers 2``, each turn on a new connection (the kernel picks the worker): every turn after
+    the first finds its conversation cached where it lands, whichever worker routed the turns before;
+    once the holder evicted the conversations, every worker sends their next turns where the system
+    prompt is still cached, none back to the engine that holds nothing of them."""
+    from tests.support.gateway_process import gateway_process, metric_total, per_worker
+    from tests.support.ports import listen_port
+
+    engines = [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
+                          kv_blocks=256) for _ in range(2)]
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    eps = ", ".join(f"{{url: '{e.url}', kv_events: {{port: {e.engine.kv_events.port}, "
+                    f"replay_port: {e.engine.kv_events.replay_port}}}}}" for e in engines)
+    path.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+        "health: {interval_s: 0.5}\n"
+        f"models: [{{name: m, engine: vllm, strategy: prefix-cache, tokenizer: '{TOK}', endpoints: [{eps}],\n"
+        "  kv_events: {enabled: true, stall_timeout_s: 30.0, speculative_ttl_s: 600.0}}]\n")
+    direct = {e.url: openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) for e in engines}
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                                    default_headers={"Connection": "close"})
+        try:
+            await until(lambda: all(e.engine.kv_events.subscriptions >= 2 for e in engines), timeout=20)
+            for i, e in enumerate(engines):      # each engine has published: live on events in both workers
+                await direct[e.url].chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": f"warm up {i}"}], max_tokens=2)
+            convs = [[{"role": "system", "content": f"conversation {c}. {SYSTEM}"}] for c in range(3)]
+            where: dict[int, str] = {}
+            for turn in range(3):
+                for c, messages in enumerate(convs):
+                    messages.append({"role": "user", "content": f"turn {turn}: what is rule {c + turn}?"})
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model="m", messages=messages, max_tokens=2)
+                    r = raw.parse()
+                    messages.append({"role": "assistant", "content": r.choices[0].message.content})
+                    if turn:
+                        assert raw.headers["target-pod"] == where[c]
+                        assert r.usage.prompt_tokens_details.cached_tokens > 0
+                    where[c] = raw.headers["target-pod"]
+            pod = {e.url.rpartition("/")[2]: e for e in engines}
+            removed = [0]
+
+            def counting(publish):
+                def count(hashes):
+                    removed[0] += 1
+                    publish(hashes)
+                return count
+
+            for e in engines:                                    # other gateways' traffic evicts them all
+                e.engine.kv_events.removed = counting(e.engine.kv_events.removed)
+                for i in range(6):
+                    await direct[e.url].chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": _filler(i)}], max_tokens=2)
+            for c in range(3):                                   # and the other engine holds the system prompt
+                other = next(e for e in engines if e is not pod[where[c]])
+                await direct[other.url].chat.completions.create(model="m", max_tokens=2, messages=[
+                    convs[c][0], {"role": "user", "content": "hello"}])
+            # both workers have applied every BlockRemoved published (each worker subscribes on its own)
+            async with asyncio.timeout(20):
+                while not all(metric_total(p, "switchyard_kv_events_total", kind="BlockRemoved") >= removed[0]
+                              for p in (await per_worker(port, 2)).values()):
+                    await asyncio.sleep(0.05)
+            for c, messages in enumerate(convs):
+                messages.append({"role": "user", "content": "one more question"})
+                for _ in range(2):                               # twice: the kernel may give either worker
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model="m", messages=messages, max_tokens=2)
+                    assert raw.headers["target-pod"] != where[c], c
+                    assert raw.parse().usage.prompt_tokens_details.cached_tokens > 0
+        finally:
+            await client.close()
+            for d in direct.values():
+                await d.close()
+        pages = await per_worker(port, 2)
+    assert all(metric_total(p, "switchyard_kv_events_fallbacks_total") == 0 for p in pages.values())
