@@ -25,15 +25,16 @@ def _filler(i: int) -> str:
     return f"unrelated document {i}: " + " ".join(f"w{i}x{j} qv" for j in range(260))
 
 
-@pytest.mark.parametrize("unreached", [False, True])
-async def test_blocks_the_engine_reported_stored_then_evicted_no_longer_draw_the_next_turn(sims, gateway, unreached):
+@pytest.mark.parametrize(("unreached", "how"), [(False, "evicted"), (True, "evicted"), (True, "cleared")])
+async def test_blocks_the_engine_reported_stored_then_evicted_no_longer_draw_the_next_turn(sims, gateway, unreached,
+                                                                                             how):
     """Turn 1 of a conversation goes to engine H, whose new blocks the gateway holds speculatively
     (for ``speculative_ttl_s``, or until events confirm them); H reports them stored, then evicts
     them all under other gateways' traffic. The other engine O holds the system prompt. Turn 2 goes
     to O, where its system prompt is cached, and the gateway's match on H is what H reports cached:
     nothing. Before, the speculative hold outlived the engine's own report: H kept a match on the
     blocks turn 1 was keyed to (its probe's, or with ``tokenize_unreached`` the whole prompt, which
-    drew turn 2 back to H for a cache it had evicted)."""
+    drew turn 2 back to H for a cache it had evicted). A cache reset (``AllBlocksCleared``) alike."""
     engines = [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
                           kv_blocks=256) for _ in range(2)]
     gw = await gateway([{"name": "m", "engine": "vllm", "tokenizer": TOK, "strategy": "prefix-cache",
@@ -60,10 +61,12 @@ async def test_blocks_the_engine_reported_stored_then_evicted_no_longer_draw_the
         o = next(e for e in engines if e is not h)
         answer = raw.parse().choices[0].message.content
         await until(lambda: len(state[h.url].emap) == h.engine.pool.cached_blocks > 0)
-        # other gateways' traffic straight to H evicts every block of the conversation
-        for i in range(4):
-            await direct[h.url].chat.completions.create(
-                model="m", messages=[{"role": "user", "content": _filler(i)}], max_tokens=2)
+        if how == "evicted":      # other gateways' traffic straight to H evicts every block of the conversation
+            for i in range(4):
+                await direct[h.url].chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": _filler(i)}], max_tokens=2)
+        else:                     # H's cache is reset (vLLM's /reset_prefix_cache)
+            assert h.engine.pool.flush()
         # and O holds the system prompt
         await direct[o.url].chat.completions.create(
             model="m", messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}],
