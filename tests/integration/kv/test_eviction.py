@@ -167,3 +167,81 @@ async def test_two_workers_both_follow_the_engines_evictions(sims, tmp_path):
                 await d.close()
         pages = await per_worker(port, 2)
     assert all(metric_total(p, "switchyard_kv_events_fallbacks_total") == 0 for p in pages.values())
+
+
+@pytest.mark.timeout(120)
+async def test_two_workers_forget_a_restarted_engine_and_take_up_its_new_events(sims, tmp_path):
+    """``--workers 2``: engine H, holding a conversation, restarts (its cache empty, its sequence
+    from 0). Once the workers have read its new start, the conversation's next turn goes, whichever
+    worker takes it, where its system prompt is cached; and what the new engine caches (a prompt
+    other gateways sent it) draws that prompt's next request to it from either worker."""
+    from tests.support.enginesim import restart_sim
+    from tests.support.gateway_process import gateway_process, metric_total, per_worker
+    from tests.support.ports import listen_port
+
+    engines = [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
+                          kv_blocks=4096) for _ in range(2)]
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    eps = ", ".join(f"{{url: '{e.url}', kv_events: {{port: {e.engine.kv_events.port}, "
+                    f"replay_port: {e.engine.kv_events.replay_port}}}}}" for e in engines)
+    path.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+        "health: {interval_s: 0.5}\n"
+        "scrape: {interval_s: 0.5}\n"
+        f"models: [{{name: m, engine: vllm, strategy: prefix-cache, tokenizer: '{TOK}', endpoints: [{eps}],\n"
+        "  kv_events: {enabled: true, stall_timeout_s: 30.0}}]\n")
+    restarted = None
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2):
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
+                                    default_headers={"Connection": "close"})
+
+        async def ask(messages):
+            raw = await client.chat.completions.with_raw_response.create(model="m", messages=messages, max_tokens=2)
+            return raw.headers["target-pod"], raw.parse()
+
+        try:
+            await until(lambda: all(e.engine.kv_events.subscriptions >= 2 for e in engines), timeout=20)
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "what is rule 3?"}]
+            h_pod, r = await ask(messages)
+            h = next(e for e in engines if e.url.endswith(h_pod))
+            o = next(e for e in engines if e is not h)
+            for turn in range(2):
+                messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                             {"role": "user", "content": f"and rule {turn}?"}]
+                pod, r = await ask(messages)
+                assert pod == h_pod and r.usage.prompt_tokens_details.cached_tokens > 0
+            direct_o = openai.AsyncOpenAI(base_url=o.url + "/v1", api_key="x", max_retries=0)
+            await direct_o.chat.completions.create(model="m", max_tokens=2, messages=[
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": "hello"}])
+            await direct_o.close()
+            restarted = await restart_sim(h)
+            async with asyncio.timeout(20):          # both workers read the new start
+                while not all(metric_total(p, "switchyard_engine_restarts_total") == 1
+                              for p in (await per_worker(port, 2)).values()):
+                    await asyncio.sleep(0.05)
+            messages += [{"role": "assistant", "content": r.choices[0].message.content},
+                         {"role": "user", "content": "and now?"}]
+            for _ in range(2):
+                pod, r = await ask(messages)
+                assert pod != h_pod and r.usage.prompt_tokens_details.cached_tokens > 0
+            # the new engine's events are taken up by both workers
+            await until(lambda: restarted.engine.kv_events.subscriptions >= 2, timeout=20)
+            fresh = [{"role": "system", "content": "a new life. " + SYSTEM}, {"role": "user", "content": "hi"}]
+            direct_h = openai.AsyncOpenAI(base_url=restarted.url + "/v1", api_key="x", max_retries=0)
+            await direct_h.chat.completions.create(model="m", max_tokens=2, messages=fresh)
+            await direct_h.close()
+            async with asyncio.timeout(20):          # both workers indexed what it stored
+                while not all(metric_total(p, "switchyard_kv_events_total", kind="BlockStored") >= 1 and
+                              metric_total(p, "switchyard_kv_events_index_blocks") >=
+                              o.engine.pool.cached_blocks + restarted.engine.pool.cached_blocks
+                              for p in (await per_worker(port, 2)).values()):
+                    await asyncio.sleep(0.05)
+            for i in range(2):
+                pod, r = await ask(fresh[:1] + [{"role": "user", "content": f"question {i}"}])
+                assert pod == h_pod and r.usage.prompt_tokens_details.cached_tokens > 0
+        finally:
+            await client.close()
+            if restarted is not None:
+                await restarted.close()
