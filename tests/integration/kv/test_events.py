@@ -293,3 +293,26 @@ async def test_a_restarted_engine_first_heard_past_its_first_batch_is_replayed_f
     text = _render(gw)
     assert 'kind="orphan"' not in text
     assert metric(text, "switchyard_kv_events_replays_total", model="m", result="ok") >= 1
+
+
+async def test_a_batch_heard_again_is_taken_for_a_restart_and_the_index_is_rebuilt_from_the_replay(sims, gateway, clients):
+    """A publisher that sends a batch it sent before (a sequence number going back, past 0): taken
+    for a restart, as documented, so the entries are cleared, and replayed from 0, so the index
+    ends holding what the engine holds instead of nothing of what came before."""
+    (sim,) = await _sims(sims, 1)
+    gw = await _gateway(gateway, sim)
+    kv, st = _state(gw)
+    client = clients(gw)
+    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
+    for q in ("one", "two", "three"):
+        await _chat(client, q)
+    pub = sim.engine.kv_events
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks > 0)
+    seq, payload = pub.buffer[-1]
+    pub._send((pub.topic, seq.to_bytes(8, "big"), payload))          # heard again
+    await until(lambda: 'switchyard_kv_events_restarts_total{model="m"} 1.0' in _render(gw))
+    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks)
+    r = await _chat(client, "three")
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "three"}]
+    ireq = parse(CHAT, orjson.dumps({"model": "m", "messages": messages, "max_tokens": 2}), {}, "t")
+    assert kv.match(ireq, [st.ep])[0][st.ep] >= r.usage.prompt_tokens_details.cached_tokens > 0
