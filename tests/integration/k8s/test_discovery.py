@@ -170,6 +170,44 @@ async def test_410_gone_on_watch_forces_a_relist(emu, discover):
     await until(lambda: names(pool) == {"b"})
 
 
+@pytest.mark.parametrize(("etype", "obj"), [("MODIFIED", None), ("DELETED", {}), ("DELETED", {"metadata": {"name": "b"}}),
+                                            ("ADDED", {"metadata": {"namespace": "llm"}}), ("MODIFIED", "garbage"),
+                                            ("DELETED", {"metadata": "x"}), ("MODIFIED", [1])],
+                         ids=["null", "empty", "no-namespace", "no-name", "string", "metadata-string", "list"])
+async def test_a_watch_event_whose_object_is_not_a_pod_relists_and_keeps_the_pool(emu, discover, etype, obj):
+    """A watch event whose object names no pod (null, no metadata, no name or namespace, not an
+    object) cannot say what changed: the watch is given up and the pods listed again, which reads
+    what the event would have said, as for a line not understood; the pool keeps every pod till
+    then, no pod of no name is made up, and the watch's end is counted and logged."""
+    import structlog
+
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    emu.partition()
+    emu.delete_pod("llm", "b")          # its DELETED event is lost; what comes instead is not understood
+    emu.heal()
+    with structlog.testing.capture_logs() as logs:
+        for w in emu.watchers:
+            w.queue.put_nowait({"type": etype, "object": obj})
+        await until(lambda: d.stats["lists"] == 2)
+        await until(lambda: names(pool) == {"a"})
+    assert names(pool, "llama", ready_only=True) == {"a"}
+    st = d.status()
+    assert st["skipped"] == [] and st["pods"] == {"routable": 1, "not_routable": 0, "skipped": 0}
+    assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 0}
+    assert samples(reg, "switchyard_kubernetes_requests_total")[("error", "watch")] == 1
+    err = st["watches"][0]["last_error"]
+    assert (err["verb"], err["result"]) == ("watch", "error") and "not a pod" in err["message"]
+    assert any(e["event"] == "kubernetes list/watch failed; relisting" and "not a pod" in e["error"] for e in logs)
+    assert d.stats["errors"] == 1
+    # and it watches again
+    emu.create_pod("llm", "c", {M: "llama"})
+    await until(lambda: names(pool) == {"a", "c"})
+
+
 async def test_410_and_500_on_list_are_retried(emu, discover):
     emu.fail_next_lists = [410, 500]
     emu.create_pod("llm", "a", {M: "llama"})
