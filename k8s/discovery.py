@@ -12,7 +12,8 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    a bookmark, for ``watch_idle_timeout_s``: its connection is taken for dead (a peer gone without
    a FIN or RST says nothing until the request's own timeout, minutes later);
 3. **relist** when the watch says 410 Gone (the resourceVersion was compacted away), when the
-   connection breaks or the API errs (after a capped exponential backoff), and every
+   connection breaks, the API errs or a watch event's object names no pod (after a capped
+   exponential backoff), and every
    ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
    swallowed it, a bug), and the periodic full relist is what keeps a deleted pod from staying in
    rotation for hours.
@@ -378,7 +379,13 @@ class KubernetesDiscovery:
                             break
                         if not isinstance(event, dict) or "type" not in event:
                             raise ApiError(0, f"unexpected watch line: {str(event)[:200]}")
-                        self._on_event(scope, event["type"], event.get("raw_object") or {})
+                        obj = event.get("raw_object")
+                        if event["type"] != "BOOKMARK" and not _names_a_pod(obj):
+                            # what changed cannot be told: the relist reads it (and the line is not
+                            # taken as a sign of a well API, so a stream of them backs off)
+                            raise ApiError(0, f"{event['type']} watch event whose object is not a pod: "
+                                              f"{str(obj)[:200]}")
+                        self._on_event(scope, event["type"], obj or {})
                         rv = watch.resource_version or rv
             except ApiException as e:
                 if e.status == 410:
@@ -470,6 +477,13 @@ class KubernetesDiscovery:
         self.pool.remove(cur.ep)
         log.info("kubernetes endpoint removed", pod=key, model=cur.view.model, url=cur.view.url, reason=reason,
                  in_flight=cur.ep.in_flight)
+
+
+def _names_a_pod(obj: Any) -> bool:
+    """Whether a watch event's object is a pod's: an object whose metadata names it and its namespace."""
+    md = obj.get("metadata") if isinstance(obj, dict) else None
+    return (isinstance(md, dict) and isinstance(md.get("name"), str) and isinstance(md.get("namespace"), str)
+            and bool(md["name"]) and bool(md["namespace"]))
 
 
 def _error_text(e: BaseException) -> str:
