@@ -26,7 +26,8 @@ it, not even the end its ``timeoutSeconds`` would bring; watches opened after it
 ``fail_watches = 500`` answers every watch with that status while lists go on working.
 ``fail_next_lists`` makes the next list calls fail with the given HTTP statuses. ``hold_lists()``
 keeps every list waiting, as a slow API server does (``held_lists`` counts them), until
-``release_lists()``.
+``release_lists()``. ``list_extra_items`` are put in every list's ``items`` as they are (objects
+that are not pods, as a broken proxy in front of the API server could answer).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class KubeEmulator:
         self.partitioned = False
         self.fail_next_lists: list[int] = []
         self.fail_watches: int | None = None      # every watch answered with this status (lists work)
+        self.list_extra_items: list[Any] = []     # added to every list's items as they are
         self._lists_open: asyncio.Event | None = None   # set: lists are answered; None: not held
         self.stats: Counter[str] = Counter()
         self.requests: list[tuple[str, dict[str, str]]] = []
@@ -276,6 +278,7 @@ class KubeEmulator:
                 item.pop("kind", None)
                 item.pop("apiVersion", None)
                 items.append(item)
+        items += copy.deepcopy(self.list_extra_items)
         return web.json_response({"kind": "PodList", "apiVersion": "v1",
                                   "metadata": {"resourceVersion": str(self.rv)}, "items": items})
 

@@ -208,6 +208,36 @@ async def test_a_watch_event_whose_object_is_not_a_pod_relists_and_keeps_the_poo
     await until(lambda: names(pool) == {"a", "c"})
 
 
+@pytest.mark.parametrize("item", [None, {}, {"metadata": {"namespace": "llm"}}, "garbage", {"metadata": "x"}],
+                         ids=["null", "empty", "no-name", "string", "metadata-string"])
+async def test_a_list_with_an_item_that_is_not_a_pod_keeps_the_pool_and_is_retried(emu, discover, item):
+    """A list whose items hold one that names no pod is not the whole truth the pool is reconciled
+    with: it fails as a list not understood (counted, logged, retried with the backoff), the pool
+    keeps the pods it had, no pod of no name is made up, and the next good list is taken."""
+    import structlog
+
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    emu.list_extra_items = [item]
+    with structlog.testing.capture_logs() as logs:
+        emu.break_watches()
+        await until(lambda: samples(reg, "switchyard_kubernetes_requests_total")[("error", "list")] >= 2)
+    assert names(pool, "llama", ready_only=True) == {"a", "b"}
+    st = d.status()
+    assert st["skipped"] == [] and st["pods"] == {"routable": 2, "not_routable": 0, "skipped": 0}
+    assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 0}
+    err = st["watches"][0]["last_error"]
+    assert (err["verb"], err["result"]) == ("list", "error") and "not a pod" in err["message"]
+    assert any(e["event"] == "kubernetes list/watch failed; relisting" and "not a pod" in e["error"] for e in logs)
+    emu.list_extra_items = []
+    emu.delete_pod("llm", "b")
+    await until(lambda: names(pool) == {"a"})
+    await until(lambda: len(emu.watchers) == 1)
+
+
 async def test_410_and_500_on_list_are_retried(emu, discover):
     emu.fail_next_lists = [410, 500]
     emu.create_pod("llm", "a", {M: "llama"})
