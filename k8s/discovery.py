@@ -13,7 +13,8 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    a FIN or RST says nothing until the request's own timeout, minutes later);
 3. **relist** when the watch says 410 Gone (the resourceVersion was compacted away), when the
    connection breaks, the API errs or a watch event's object names no pod (after a capped
-   exponential backoff), and every
+   exponential backoff; a list with an item that names no pod is a failed list, the pool kept as
+   it was), and every
    ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
    swallowed it, a bug), and the periodic full relist is what keeps a deleted pod from staying in
    rotation for hours.
@@ -325,16 +326,27 @@ class KubernetesDiscovery:
         if status != 200:
             raise ApiError(status, _status_message(body))
         data = json.loads(body)
+        items = data.get("items") if isinstance(data, dict) else ()
+        if not isinstance(items, list | None):
+            raise ApiError(0, f"list answer that is not a list of pods: {str(data)[:200]}")
+        items = items or []
+        for obj in items:
+            if not _names_a_pod(obj):
+                # the pool is reconciled with the whole truth or not at all: a pod this item stood
+                # for would be taken for one gone
+                raise ApiError(0, f"list item whose object is not a pod: {str(obj)[:200]}")
+        md = data.get("metadata")
+        rv = str((md.get("resourceVersion") if isinstance(md, dict) else None) or "")
         self.stats["lists"] += 1
         self.metrics.ended("list", "ok")
         self.metrics.heard(scope)
-        self._reconcile(scope, data.get("items") or [])
+        self._reconcile(scope, items)
         if scope not in self._listed:
             self._listed.add(scope)
             if len(self._listed) == len(self.scopes):
                 self.synced.set()
                 self.pool.listed = True
-        return str((data.get("metadata") or {}).get("resourceVersion") or "")
+        return rv
 
     async def _watch(self, scope: str | None, rv: str) -> None:
         """Watch from ``rv`` until a relist is due; raises ``Gone`` or the transport's error."""
