@@ -28,6 +28,8 @@ it, not even the end its ``timeoutSeconds`` would bring; watches opened after it
 keeps every list waiting, as a slow API server does (``held_lists`` counts them), until
 ``release_lists()``. ``list_extra_items`` are put in every list's ``items`` as they are (objects
 that are not pods, as a broken proxy in front of the API server could answer).
+``forbidden_namespaces`` answers lists and watches in those namespaces 403 ``Forbidden``, as the
+API server does for a service account with no RoleBinding there.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class KubeEmulator:
         self.fail_next_lists: list[int] = []
         self.fail_watches: int | None = None      # every watch answered with this status (lists work)
         self.list_extra_items: list[Any] = []     # added to every list's items as they are
+        self.forbidden_namespaces: set[str] = set()   # lists and watches there: 403 (no RoleBinding)
         self._lists_open: asyncio.Event | None = None   # set: lists are answered; None: not held
         self.stats: Counter[str] = Counter()
         self.requests: list[tuple[str, dict[str, str]]] = []
@@ -255,6 +258,10 @@ class KubeEmulator:
         except SelectorError as e:
             return self._error(400, "BadRequest", f"unable to parse requirement: {e}")
         ns = request.match_info.get("ns")
+        if ns in self.forbidden_namespaces:
+            self.stats["forbidden"] += 1
+            return self._error(403, "Forbidden", f'pods is forbidden: User "system:serviceaccount:llm:sy" cannot '
+                                                 f'list resource "pods" in API group "" in the namespace "{ns}"')
         if q.get("watch") in _TRUE:
             if self.fail_watches is not None:
                 self.stats["failed_watches"] += 1

@@ -238,6 +238,32 @@ async def test_a_list_with_an_item_that_is_not_a_pod_keeps_the_pool_and_is_retri
     await until(lambda: len(emu.watchers) == 1)
 
 
+async def test_a_namespace_the_service_account_may_not_read_stops_no_other(emu, discover):
+    """RBAC refuses one watched namespace (403, no RoleBinding there): the other is listed, watched
+    and served; the refused one is retried with the backoff, shown on the status page with its
+    error and counted; the discovery is not synced (a model it does not know may be one of that
+    namespace's pods) until a RoleBinding lets the list in, and then its pods join."""
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("other", "x", {M: "qwen"})
+    emu.forbidden_namespaces = {"other"}
+    d, pool = await discover(namespaces=["llm", "other"], registry=reg, sync=False)
+    await until(lambda: samples(reg, "switchyard_kubernetes_requests_total")[("forbidden", "list")] >= 2)
+    await until(lambda: len(emu.watchers) == 1)
+    assert names(pool, ready_only=True) == {"a"} and not d.synced.is_set() and pool.listed is False
+    emu.create_pod("llm", "b", {M: "llama"})
+    await until(lambda: names(pool) == {"a", "b"})
+    watches = {w["namespace"]: w for w in d.status()["watches"]}
+    assert watches["llm"]["state"] == "watching" and watches["llm"]["last_error"] is None
+    err = watches["other"]["last_error"]
+    assert watches["other"]["state"] in ("backing_off", "listing") and (err["verb"], err["result"]) == ("list", "forbidden")
+    assert "forbidden" in err["message"]
+    emu.forbidden_namespaces = set()
+    await until(lambda: names(pool) == {"a", "b", "x"}, timeout=15)   # the backoff has grown meanwhile
+    assert d.synced.is_set() and pool.listed is True
+    await until(lambda: len(emu.watchers) == 2)
+
+
 async def test_410_and_500_on_list_are_retried(emu, discover):
     emu.fail_next_lists = [410, 500]
     emu.create_pod("llm", "a", {M: "llama"})
