@@ -29,7 +29,8 @@ keeps every list waiting, as a slow API server does (``held_lists`` counts them)
 ``release_lists()``. ``list_extra_items`` are put in every list's ``items`` as they are (objects
 that are not pods, as a broken proxy in front of the API server could answer).
 ``forbidden_namespaces`` answers lists and watches in those namespaces 403 ``Forbidden``, as the
-API server does for a service account with no RoleBinding there.
+API server does for a service account with no RoleBinding there. ``empty_watches`` answers every
+watch 200 with a body that ends at once (no event, no bookmark), as a proxy that closes streams does.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class KubeEmulator:
         self.fail_watches: int | None = None      # every watch answered with this status (lists work)
         self.list_extra_items: list[Any] = []     # added to every list's items as they are
         self.forbidden_namespaces: set[str] = set()   # lists and watches there: 403 (no RoleBinding)
+        self.empty_watches = False                # every watch: 200 and an empty body at once
         self._lists_open: asyncio.Event | None = None   # set: lists are answered; None: not held
         self.stats: Counter[str] = Counter()
         self.requests: list[tuple[str, dict[str, str]]] = []
@@ -297,6 +299,10 @@ class KubeEmulator:
         resp = web.StreamResponse(headers={"Content-Type": "application/json"})
         resp.enable_chunked_encoding()
         await resp.prepare(request)
+        if self.empty_watches:
+            self.stats["empty_watches"] += 1
+            await resp.write_eof()
+            return resp
 
         async def send(ev: dict) -> None:
             if w.silent.is_set():

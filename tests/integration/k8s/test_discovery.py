@@ -264,6 +264,34 @@ async def test_a_namespace_the_service_account_may_not_read_stops_no_other(emu, 
     await until(lambda: len(emu.watchers) == 2)
 
 
+async def test_watches_that_end_at_once_with_nothing_back_off_and_relist(emu, discover):
+    """An API server or proxy that answers every watch 200 and ends its body at once, with no
+    event and no bookmark: such a watch is not a server-side timeout's end (that comes after its
+    ``timeoutSeconds``, at least a second), so it is taken for a failed one, as client-go's
+    reflector takes a watch under a second with no event: counted as a watch error, backed off
+    and relisted, rather than watch after watch opened in a loop; a watch that then holds is
+    served as ever."""
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    emu.empty_watches = True
+    emu.break_watches()
+    await until(lambda: emu.stats["empty_watches"] >= 3)
+    # every watch that ended at once was followed by a list, after a backoff
+    assert emu.stats["empty_watches"] <= emu.stats["lists"] - 1
+    requests = samples(reg, "switchyard_kubernetes_requests_total")
+    assert requests[("ok", "watch")] == 0 and requests[("error", "watch")] >= 2
+    err = d.status()["watches"][0]["last_error"]
+    assert (err["verb"], err["result"]) == ("watch", "error") and "ended at once" in err["message"]
+    emu.empty_watches = False
+    emu.create_pod("llm", "b", {M: "llama"})
+    await until(lambda: names(pool) == {"a", "b"}, timeout=15)     # the backoff has grown meanwhile
+    await until(lambda: len(emu.watchers) == 1)
+    emu.create_pod("llm", "c", {M: "llama"})
+    await until(lambda: names(pool) == {"a", "b", "c"})
+
+
 async def test_410_and_500_on_list_are_retried(emu, discover):
     emu.fail_next_lists = [410, 500]
     emu.create_pod("llm", "a", {M: "llama"})
