@@ -7,7 +7,8 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    that vanished while we were not watching are removed here) and remember the list's
    ``resourceVersion``;
 2. **watch** from that resourceVersion with bookmarks, applying ADDED / MODIFIED / DELETED as they
-   come; a watch that ends cleanly (its server-side timeout) is resumed from the last
+   come; a watch that ends cleanly (its server-side timeout; one that ends within a second with
+   nothing, not even a bookmark, is not that, but a failed watch) is resumed from the last
    resourceVersion seen, events or bookmarks alike, and so is one that brought nothing, not even
    a bookmark, for ``watch_idle_timeout_s``: its connection is taken for dead (a peer gone without
    a FIN or RST says nothing until the request's own timeout, minutes later);
@@ -56,6 +57,7 @@ MAX_LISTED = 20           # pods named on the status page per list (not routable
 HEALTHY_WATCH_S = 60.0    # a watch that held this long (or brought a line) before failing: the retries start over
 LIST_TIMEOUT_S = 60.0
 FIRST_LIST_WAIT_S = 10.0  # how long a starting worker waits for its first list before it serves anyway
+SHORT_WATCH_S = 1.0       # a watch that ends sooner having brought nothing failed (client-go's reflector: the same)
 
 
 class Gone(Exception):
@@ -369,6 +371,7 @@ class KubernetesDiscovery:
             self.stats["watches"] += 1
             watch = Watch(return_type="object")    # events as plain dicts, as lists are read
             idle = self.kcfg.watch_idle_timeout_s or None
+            opened, lines = loop.time(), 0
             try:
                 async with watch:
                     stream = watch.stream(fn, *args, **kw)
@@ -378,6 +381,12 @@ class KubernetesDiscovery:
                             async with quiet:
                                 event = await anext(stream)
                         except StopAsyncIteration:
+                            if not lines and loop.time() - opened < SHORT_WATCH_S:
+                                # not the server's end at `timeout` (a second at least): a proxy or
+                                # an API server that ends every watch at once, which would
+                                # otherwise be opened again and again in a loop
+                                raise ApiError(0, "watch ended at once with nothing (no event, no "
+                                                  f"bookmark, under {SHORT_WATCH_S:g} s)") from None
                             self.metrics.ended("watch", "ok")
                             self.metrics.heard(scope)
                             break
@@ -397,6 +406,7 @@ class KubernetesDiscovery:
                             # taken as a sign of a well API, so a stream of them backs off)
                             raise ApiError(0, f"{event['type']} watch event whose object is not a pod: "
                                               f"{str(obj)[:200]}")
+                        lines += 1
                         self._on_event(scope, event["type"], obj or {})
                         rv = watch.resource_version or rv
             except ApiException as e:
