@@ -502,7 +502,8 @@ class KubernetesDiscovery:
 
 
 def _names_a_pod(obj: Any) -> bool:
-    """Whether a watch event's object is a pod's: an object whose metadata names it and its namespace."""
+    """Whether a list item or a watch event's object is a pod's: an object whose metadata names it
+    and its namespace (the API server's always do)."""
     md = obj.get("metadata") if isinstance(obj, dict) else None
     return (isinstance(md, dict) and isinstance(md.get("name"), str) and isinstance(md.get("namespace"), str)
             and bool(md["name"]) and bool(md["namespace"]))
