@@ -1,8 +1,9 @@
-"""Pods churning under traffic, as a real ``--workers 2`` gateway meets it: the openai SDK streams
-without a pause while a pod is deleted and made again under its name at a new address, another
+"""Pods churning under traffic, as a real gateway of ``--workers 1`` and ``--workers 2`` meets
+it: the openai SDK streams without a pause while a pod is deleted and made again under its name at
+a new address, another
 has its port label changed, its readiness flaps, is marked terminating with requests on it, and a
 pod moves to another model. No request the pods could serve is lost, none goes to an engine after
-both workers saw its pod leave, both workers end with the same pods, and the series of an
+every worker saw its pod leave, every worker ends with the same pods, and the series of an
 endpoint that left go after ``server.removed_endpoint_series_s``."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def pods(doc: dict) -> list[tuple[str, str, str, bool]]:
 
 
 @pytest.mark.timeout(120)
-async def test_pods_churning_under_traffic_lose_no_request_and_both_workers_follow(emu, sims, tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_pods_churning_under_traffic_lose_no_request_and_every_worker_follows(emu, sims, tmp_path, workers):
     s0, s1, s2, s3 = [await sims("vllm", "llama", itl_ms=5) for _ in range(4)]
     q = await sims("vllm", "qwen")
     sim_pod(emu, "p0", s0, "llama")
@@ -43,10 +45,10 @@ async def test_pods_churning_under_traffic_lose_no_request_and_both_workers_foll
 
     async def both(expected: list[tuple[str, str, str, bool]]) -> None:
         async def seen() -> bool:
-            return all(pods(d) == expected for d in (await per_worker(port, 2, "/status.json")).values())
+            return all(pods(d) == expected for d in (await per_worker(port, workers, "/status.json")).values())
         await until(seen, timeout=10)
 
-    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+    async with gateway_process(cfg, port, "--workers", str(workers), ready_workers=workers):
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
         errors: list[str] = []
         served = [0, 0, 0, 0]           # requests each load task has seen through
@@ -78,7 +80,7 @@ async def test_pods_churning_under_traffic_lose_no_request_and_both_workers_foll
             # p1's serving port changes
             emu.set_labels("llm", "p1", **{"model.aibrix.ai/port": str(s3.port)})
             await both([("llama", "p0", s2.url, True), ("llama", "p1", s3.url, True)])
-            await settled()         # what was routed before both workers saw it has started
+            await settled()         # what was routed before every worker saw it has started
             gone = {s.url: (await sim_state(s.url))["counts"]["started"] for s in (s0, s1)}
             # p1's readiness flaps, and ends ready
             for ready in (False, True, False, True, False, True):
@@ -106,7 +108,7 @@ async def test_pods_churning_under_traffic_lose_no_request_and_both_workers_foll
             stop.set()
             await asyncio.gather(*tasks)
         assert errors == []
-        # the engines whose pods left got nothing after both workers saw them go
+        # the engines whose pods left got nothing after every worker saw them go
         assert {s.url: (await sim_state(s.url))["counts"]["started"] for s in (s0, s1)} == gone
         for sim in (s0, s1, s2, s3):
             assert (await sim_state(sim.url))["counts"]["aborted"] == 0
@@ -116,7 +118,7 @@ async def test_pods_churning_under_traffic_lose_no_request_and_both_workers_foll
 
         # each worker's per-endpoint series: those of llama's p0 went once its last request ended
         async def series_follow() -> bool:
-            pages = await per_worker(port, 2, "/metrics")
+            pages = await per_worker(port, workers, "/metrics")
             return all('model="llama",endpoint="p0"' not in page.replace('endpoint="p0",model="llama"',
                                                                           'model="llama",endpoint="p0"')
                        and 'endpoint="p1"' in page for page in pages.values())
