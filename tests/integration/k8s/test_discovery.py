@@ -292,6 +292,31 @@ async def test_watches_that_end_at_once_with_nothing_back_off_and_relist(emu, di
     await until(lambda: names(pool) == {"a", "b", "c"})
 
 
+async def test_a_relist_the_api_server_leaves_hanging_keeps_the_pool_and_is_given_up(emu, discover, monkeypatch):
+    """A relist (here the resync's) that the API server does not answer: the pool keeps the pods it
+    had and serves them, the namespace shows ``relisting``; after the list's own timeout it is
+    counted as a ``timeout`` with its error on the status page and tried again, and the list then
+    answered brings what changed meanwhile."""
+    import k8s.discovery as discovery
+
+    monkeypatch.setattr(discovery, "LIST_TIMEOUT_S", 0.5)
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=1)
+    emu.hold_lists()
+    await until(lambda: emu.stats["held_lists"] >= 1)
+    assert d.status()["watches"][0]["state"] == "relisting"
+    await until(lambda: samples(reg, "switchyard_kubernetes_requests_total")[("timeout", "list")] >= 1)
+    assert names(pool, "llama", ready_only=True) == {"a", "b"}
+    err = d.status()["watches"][0]["last_error"]
+    assert (err["verb"], err["result"]) == ("list", "timeout")
+    emu.delete_pod("llm", "b")
+    emu.release_lists()
+    await until(lambda: names(pool) == {"a"})
+    await until(lambda: d.status()["watches"][0]["state"] == "watching")
+
+
 async def test_410_and_500_on_list_are_retried(emu, discover):
     emu.fail_next_lists = [410, 500]
     emu.create_pod("llm", "a", {M: "llama"})
