@@ -14,7 +14,7 @@ import pytest
 
 from gateway.observability.tracing import NO_TRACING
 from gateway.server.run import free_port
-from tests.support.factories import pd_model, roleset
+from tests.support.factories import model_block, pd_model, roleset
 from tests.support.http import post, sim_state
 from tests.support.otlp_receiver import OTLPReceiver, Span
 from tests.support.waiting import wait_for
@@ -152,6 +152,37 @@ async def test_retry_is_a_second_leg_and_an_event(sims, gateway, receiver):
     assert [(s.status, s.attributes.get("error.type"), s.attributes.get("switchyard.attempt")) for s in legs] == [
         ("ERROR", "connect", None), ("UNSET", None, 2)]
     assert [s.name for s in rx.children(retried)].count("route") == 2
+
+
+@pytest.mark.parametrize("fault", ["drop_after=7", "error_after=7"])
+async def test_a_continued_stream_ends_its_broken_leg_as_an_error_and_marks_the_next(sims, gateway, receiver, fault):
+    """Mid-stream continuation as a trace viewer shows it: the leg whose stream broke ends there as
+    an error (its engine's span under it), and the leg that continues the stream is told apart."""
+    rx = receiver
+    bad = await sims("vllm", "m", fault=fault, otlp_traces_endpoint=rx.url)
+    good = await sims("vllm", "m", otlp_traces_endpoint=rx.url)
+    gw = await gateway([model_block("m", "vllm", [bad.url, good.url], strategy="round-robin", migration_limit=1)],
+                       tracing=traced(rx))
+    status, headers, body = await post(gw, {"model": "m", "messages": MSG, "stream": True, "max_tokens": 30})
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    rid = headers["request-id"]
+    bad_port, good_port = (int(sim.url.rsplit(":", 1)[1]) for sim in (bad, good))
+    await flush(gw)
+    assert await rx.wait_for(lambda r: len(r.named("llm_request")) == 2)
+    root = server_span(rx, rid)
+    migration = root.event("migration")
+    assert migration is not None and migration["switchyard.endpoint"] == f"127.0.0.1:{bad_port}"
+    assert root.status == "UNSET" and root.attributes["switchyard.endpoint"] == f"127.0.0.1:{good_port}"
+    broken, continued = [s for s in rx.children(root) if s.name == "generate"]
+    assert broken.attributes["server.port"] == bad_port and continued.attributes["server.port"] == good_port
+    # the broken leg failed where it broke, before its continuation began
+    assert broken.status == "ERROR" and broken.attributes["error.type"].startswith("upstream_")
+    assert broken.end_ns <= continued.start_ns
+    assert "switchyard.migration.leg" not in broken.attributes
+    assert continued.status == "UNSET" and continued.attributes["switchyard.migration.leg"] == 2
+    for leg in (broken, continued):
+        (llm,) = rx.children(leg)
+        assert llm.name == "llm_request"
 
 
 async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
