@@ -8,7 +8,7 @@ A traced request gives one tree (span kinds in brackets)::
     └── decode | generate [CLIENT]       one per attempt (a retry is a second span)
                                                     → the engine's llm_request [SERVER]
 
-with events on the request span: ``first_token``, ``watchdog``, ``abort``, ``retry``. The W3C
+with events on the request span: ``first_token``, ``watchdog``, ``abort``, ``retry``, ``migration``. The W3C
 ``traceparent``/``tracestate`` of the client are continued when present; every engine leg carries
 the ``traceparent`` of its own CLIENT span, so an engine that traces (vLLM
 ``--otlp-traces-endpoint``) hangs its span under the right leg.
@@ -268,6 +268,10 @@ class Trace:
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
         """An event on the request span: ``watchdog``, ``abort``, ``retry``."""
 
+    def legs_broke(self, error_type: str) -> None:
+        """The stream's legs open now broke (a mid-stream continuation follows): each ends here as
+        failed with ``error_type``, and the legs opened after carry ``switchyard.migration.leg``."""
+
     def finish(self, rec: Record) -> None:
         """The request is done: its outcome onto the request span, open legs ended."""
 
@@ -369,7 +373,7 @@ class RequestTrace(Trace):
     """The trace of one request: its SERVER span, the route span, the legs."""
 
     __slots__ = ("tracing", "span", "ctx", "trace_id", "recording", "_route", "_legs", "_unsampled_leg",
-                 "_perf0", "_epoch0", "_closed")
+                 "_perf0", "_epoch0", "_closed", "_stream_leg")
 
     def __init__(self, tracing: Tracing, span: otel.Span) -> None:
         self.tracing = tracing
@@ -380,6 +384,7 @@ class RequestTrace(Trace):
         self._unsampled_leg = None if self.recording else ContextLeg(self.ctx)
         self._route: otel.Span | None = None
         self._legs: list[SpanLeg] = []
+        self._stream_leg = 1               # the stream's leg the next legs open (2: its first continuation)
         self._perf0 = time.perf_counter()
         self._epoch0 = time.time_ns()
         self._closed = False
@@ -424,6 +429,8 @@ class RequestTrace(Trace):
             attrs["switchyard.roleset"] = ep.roleset
         if attempt > 1:
             attrs["switchyard.attempt"] = attempt
+        if self._stream_leg > 1:
+            attrs["switchyard.migration.leg"] = self._stream_leg
         leg = SpanLeg(self.tracing.tracer.start_span(kind, context=self.ctx, kind=SpanKind.CLIENT,
                                                      attributes=attrs))
         self._legs.append(leg)
@@ -432,6 +439,17 @@ class RequestTrace(Trace):
     def event(self, name: str, attributes: dict[str, Any] | None = None) -> None:
         if self.recording and not self._closed:      # (an abort decided after the answer went out)
             self.span.add_event(name, attributes)
+
+    def legs_broke(self, error_type: str) -> None:
+        if self._unsampled_leg is not None:
+            return
+        broke = False
+        for leg in self._legs:
+            if not leg.managed and not leg.ended:
+                leg.failed(error_type)
+                broke = True
+        if broke:
+            self._stream_leg += 1
 
     def finish(self, rec: Record) -> None:
         if self._route is not None:       # routing itself failed (no route, a bug)

@@ -472,6 +472,7 @@ class Migration:
         cont = dataclasses.replace(self.ireq, path=path, data=data, body=body_bytes(data, self.ireq.body),
                                    include_usage=True)
         ctx.trace.event("migration", {"switchyard.migration.reason": reason, "switchyard.endpoint": failed_ep})
+        ctx.trace.legs_broke(error_class)     # the broken leg's span ends here, as an error
         refused: str | None = None
         decision, prefill_ep = ctx.decision, rec.prefill_endpoint
         while True:
@@ -483,6 +484,7 @@ class Migration:
             except GatewayError as e:
                 return self._not_continued(ctx, decision, prefill_ep, reason, failed_ep, refused or e.message[:200])
             except UpstreamFailure as e:        # its breaker and upstream errors were told
+                ctx.trace.legs_broke(e.kind)
                 if not e.retryable or rec.endpoint in self.avoid:
                     return self._not_continued(ctx, decision, prefill_ep, reason, failed_ep, e.message[:200])
                 refused = e.message[:200]
@@ -491,6 +493,7 @@ class Migration:
             if resp.status == 200:
                 break
             resp.close()
+            ctx.trace.legs_broke(str(resp.status))
             ep = ctx.decision.endpoint if ctx.decision is not None else None
             outcome = of_status(resp.status, ep is not None and ep.api_key is not None)
             if not outcome.retryable or ep is None or ep.name in self.avoid:
