@@ -14,8 +14,9 @@ import pytest
 
 from gateway.observability.tracing import NO_TRACING
 from gateway.server.run import free_port
+from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block, pd_model, roleset
-from tests.support.http import post, sim_state
+from tests.support.http import openai_client, post, sim_state
 from tests.support.otlp_receiver import OTLPReceiver, Span
 from tests.support.waiting import wait_for
 
@@ -183,6 +184,37 @@ async def test_a_continued_stream_ends_its_broken_leg_as_an_error_and_marks_the_
     for leg in (broken, continued):
         (llm,) = rx.children(leg)
         assert llm.name == "llm_request"
+
+
+async def test_each_batch_line_is_a_trace_with_its_engine_span_under_its_leg(sims, gateway, receiver, tmp_path):
+    """A batch's lines run through the pipeline in-process: each is a trace of its own, named after
+    the batch's endpoint and carrying its batch and custom id, whose leg the engine's span joins."""
+    rx = receiver
+    sim = await sims("vllm", "m", otlp_traces_endpoint=rx.url)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx),
+                       batch={"enabled": True, "dir": str(tmp_path / "batch"), "poll_interval_s": 0.05})
+    c = openai_client(gw)
+    rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"Say {i}"}], "max_tokens": 2}}
+            for i in range(3)]
+    f = await c.files.create(file=("in.jsonl", jsonl(rows)), purpose="batch")
+    b = await run_to_end(c, (await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                    completion_window="24h")).id)
+    assert b.status == "completed" and b.request_counts.completed == 3
+    await flush(gw)
+    assert await rx.wait_for(lambda r: len(r.named("llm_request", "vllm")) == 3)
+    lines = [s for s in gateway_spans(rx) if s.attributes.get("switchyard.batch.id") == b.id]
+    assert sorted(s.attributes["switchyard.batch.custom_id"] for s in lines) == ["req-0", "req-1", "req-2"]
+    assert len({s.trace_id for s in lines}) == 3
+    for line in lines:
+        assert (line.name, line.parent_id, line.status) == ("POST /v1/chat/completions", "", "UNSET")
+        assert line.attributes["gen_ai.operation.name"] == "chat"
+        assert line.attributes["http.response.status_code"] == 200
+        (leg,) = [k for k in rx.children(line) if k.name == "generate"]
+        (llm,) = rx.children(leg)
+        assert (llm.name, llm.service) == ("llm_request", "vllm")
+    # no engine span is left a root of its own
+    assert all(s.parent_id for s in rx.named("llm_request", "vllm"))
 
 
 async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
