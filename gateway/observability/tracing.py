@@ -13,7 +13,7 @@ with events on the request span: ``first_token``, ``watchdog``, ``abort``, ``ret
 the ``traceparent`` of its own CLIENT span, so an engine that traces (vLLM
 ``--otlp-traces-endpoint``) hangs its span under the right leg.
 
-The pipeline, the P/D orchestrator and the relay call a small API on ``ctx.trace`` (``Trace``):
+A batch line, run in-process, gets a span of its own (``Tracing.lines``). The pipeline, the P/D orchestrator and the relay call a small API on ``ctx.trace`` (``Trace``):
 ``route_start``/``routed``, ``leg`` (a ``Leg`` with ``inject``/``responded``/``failed``, or a
 ``with`` block), ``event``, ``finish``. With tracing off (or on an excluded path) ``ctx.trace``
 is ``NO_TRACE``, whose methods do nothing, and no middleware or provider exists: the disabled
@@ -633,9 +633,11 @@ class Tracing:
         return request.get(TRACE_KEY, NO_TRACE)
 
     async def serve(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
-                    route: str | None) -> web.StreamResponse:
+                    route: str | None, kind: SpanKind = SpanKind.SERVER,
+                    extra: dict[str, Any] | None = None) -> web.StreamResponse:
         """``handler``'s answer to ``request`` inside the request's SERVER span (named after
-        ``route``, the path's pattern), which sees the status the client gets."""
+        ``route``, the path's pattern), which sees the status the client gets. ``kind`` and
+        ``extra`` (attributes): a batch line's span (``lines``)."""
         path = request.path
         if self.excluded(path):
             return await handler(request)
@@ -643,8 +645,10 @@ class Tracing:
         attrs: dict[str, Any] = {"http.request.method": request.method, "url.path": path}
         if request.remote:
             attrs["client.address"] = request.remote
+        if extra:
+            attrs.update(extra)
         span = self.tracer.start_span(f"{request.method} {route}" if route else request.method,
-                                      context=_PROPAGATOR.extract(request.headers), kind=SpanKind.SERVER,
+                                      context=_PROPAGATOR.extract(request.headers), kind=kind,
                                       attributes=attrs)
         rt = request[TRACE_KEY] = RequestTrace(self, span)
         status = 500
@@ -676,6 +680,19 @@ class Tracing:
         application (gateway/server/edge.py): the path is its own route."""
         async def traced(request: web.Request) -> web.StreamResponse:
             return await self.serve(request, handler, request.path)
+
+        return traced
+
+    def lines(self, handler: Callable[[Any], Awaitable[web.StreamResponse]]):
+        """``handler`` with a span for each batch line it runs in-process (gateway/batch/runner.py):
+        a line is a request no client sent, so it is a trace of its own, its span INTERNAL (named
+        as a request's, after the batch's endpoint) with the line's batch id and custom id; its legs
+        and their engines' spans hang under it as a request's do."""
+        async def traced(line: Any) -> web.StreamResponse:
+            fields = getattr(line, "log_fields", None) or {}
+            extra = {f"switchyard.batch.{name}": str(fields[key])
+                     for key, name in (("batch_id", "id"), ("custom_id", "custom_id")) if fields.get(key) is not None}
+            return await self.serve(line, handler, line.path, SpanKind.INTERNAL, extra)
 
         return traced
 

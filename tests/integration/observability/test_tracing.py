@@ -207,7 +207,7 @@ async def test_each_batch_line_is_a_trace_with_its_engine_span_under_its_leg(sim
     assert sorted(s.attributes["switchyard.batch.custom_id"] for s in lines) == ["req-0", "req-1", "req-2"]
     assert len({s.trace_id for s in lines}) == 3
     for line in lines:
-        assert (line.name, line.parent_id, line.status) == ("POST /v1/chat/completions", "", "UNSET")
+        assert (line.name, line.kind, line.parent_id, line.status) == ("POST /v1/chat/completions", "INTERNAL", "", "UNSET")
         assert line.attributes["gen_ai.operation.name"] == "chat"
         assert line.attributes["http.response.status_code"] == 200
         (leg,) = [k for k in rx.children(line) if k.name == "generate"]
