@@ -16,7 +16,7 @@ from gateway.observability.tracing import NO_TRACING
 from gateway.server.run import free_port
 from tests.support.batch import jsonl, run_to_end
 from tests.support.factories import model_block, pd_model, roleset
-from tests.support.http import openai_client, post, sim_state
+from tests.support.http import anthropic_client, openai_client, post, sim_state
 from tests.support.otlp_receiver import OTLPReceiver, Span
 from tests.support.waiting import wait_for
 
@@ -215,6 +215,24 @@ async def test_each_batch_line_is_a_trace_with_its_engine_span_under_its_leg(sim
         assert (llm.name, llm.service) == ("llm_request", "vllm")
     # no engine span is left a root of its own
     assert all(s.parent_id for s in rx.named("llm_request", "vllm"))
+
+
+async def test_messages_and_responses_requests_are_chat_operations(sims, gateway, receiver):
+    """OpenTelemetry's GenAI conventions: gen_ai.operation.name is "chat" for a chat completion
+    operation, and a well-known value that applies MUST be used; a Messages request and a Responses
+    request are each one, as a chat completion is."""
+    rx = receiver
+    sim = await sims("vllm", "m", otlp_traces_endpoint=rx.url)
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    msg = await anthropic_client(gw).messages.with_raw_response.create(
+        model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    resp = await openai_client(gw).responses.with_raw_response.create(model="m", input="hi", max_output_tokens=16)
+    await flush(gw)
+    for raw, path in ((msg, "/v1/messages"), (resp, "/v1/responses")):
+        span = server_span(rx, raw.headers["request-id"])
+        assert span.name == f"POST {path}" and span.attributes["http.response.status_code"] == 200
+        assert span.attributes.get("gen_ai.operation.name") == "chat", path
+        assert span.attributes["gen_ai.usage.output_tokens"] > 0
 
 
 async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
