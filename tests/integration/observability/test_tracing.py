@@ -235,6 +235,34 @@ async def test_messages_and_responses_requests_are_chat_operations(sims, gateway
         assert span.attributes["gen_ai.usage.output_tokens"] > 0
 
 
+async def test_the_client_headers_as_the_w3c_test_suite_sends_them(sims, gateway, receiver):
+    """W3C Trace Context's test suite: a request with two traceparent headers starts a new trace
+    (test_traceparent_duplicated), and tracestate headers sent apart are one list joined in order
+    (test_tracestate_multiple_headers_different_keys); malformed ones never fail the request."""
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    body = {"model": "m", "messages": MSG, "max_tokens": 1}
+    other = "12345678901234567890123456789012"
+
+    async def send(headers: list[tuple[str, str]]) -> str:
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=body,
+                                                         headers=headers) as r:
+            assert r.status == 200
+            await r.read()
+            return r.headers["request-id"]
+
+    twice = await send([("traceparent", traceparent()), ("traceparent", traceparent(other))])
+    apart = await send([("traceparent", traceparent()), ("tracestate", "foo=1,bar=2"), ("tracestate", "baz=3")])
+    await flush(gw)
+    root = server_span(rx, twice)
+    assert root.parent_id == "" and root.trace_id not in (CLIENT_TRACE, other)
+    assert server_span(rx, apart).trace_id == CLIENT_TRACE
+    first, second = (await sim_state(sim.url))["traceparents"]
+    assert first["traceparent"].split("-")[1] == root.trace_id
+    assert second["traceparent"].split("-")[1] == CLIENT_TRACE and second.get("tracestate") == "foo=1,bar=2,baz=3"
+
+
 async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
     rx = receiver
     p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
