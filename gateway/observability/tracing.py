@@ -47,6 +47,7 @@ from aiohttp import web
 from msgspec import Meta
 from opentelemetry import trace as otel
 from opentelemetry.context import Context
+from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -306,6 +307,25 @@ class Record(Protocol):
 # -- the enabled implementation ------------------------------------------------------------------
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class _HeaderGetter(Getter):
+    """A request's W3C headers as W3C Trace Context reads them: every ``tracestate`` field line, in
+    order (one list, as RFC 9110 combines a field sent on several lines), and no ``traceparent`` when
+    there is more than one (the trace then starts here). The SDK's default getter read the first
+    line of each: it continued the first of two traceparents and lost the tracestate of the rest."""
+
+    def get(self, carrier: Any, key: str) -> list[str] | None:
+        values = carrier.getall(key, None)
+        if not values or key == "traceparent" and len(values) > 1:
+            return None
+        return values
+
+    def keys(self, carrier: Any) -> list[str]:
+        return list(carrier.keys())
+
+
+_GETTER = _HeaderGetter()
 _ERROR = Status(StatusCode.ERROR)
 
 
@@ -650,7 +670,7 @@ class Tracing:
         if extra:
             attrs.update(extra)
         span = self.tracer.start_span(f"{request.method} {route}" if route else request.method,
-                                      context=_PROPAGATOR.extract(request.headers), kind=kind,
+                                      context=_PROPAGATOR.extract(request.headers, getter=_GETTER), kind=kind,
                                       attributes=attrs)
         rt = request[TRACE_KEY] = RequestTrace(self, span)
         status = 500
