@@ -281,6 +281,29 @@ async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
     assert decode.status == "ERROR"
 
 
+@pytest.mark.parametrize("engine,stream", [("vllm", False), ("sglang", False), ("sglang", True)])
+async def test_a_watchdog_fire_before_an_aggregated_legs_head_is_a_watchdog_event(sims, gateway, receiver,
+                                                                                   engine, stream):
+    """A plain leg the watchdog watches (aggregated: true) whose engine is silent: a non-streamed
+    answer's head comes with its body and SGLang's stream head with its first token, so the
+    watchdog's bound fires before the head. The trace says so as it does for a P/D decode's fire and
+    for a vLLM stream's (whose head comes first): a watchdog event, error.type watchdog_<phase>."""
+    rx = receiver
+    sim = await sims(engine, "m")
+    gw = await gateway([{"name": "m", "engine": engine, "endpoints": [sim.url]}], tracing=traced(rx),
+                       watchdog={"first_chunk_timeout_s": 0.2, "response_timeout_s": 0.2, "aggregated": True})
+    status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 4, "stream": stream},
+                                    {"x-sim-fault": "stall_before_first=inf"})
+    assert status == 504
+    await flush(gw)
+    root = server_span(rx, headers["request-id"])
+    phase = "first_chunk" if stream else "response"
+    assert root.event("watchdog") == {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": 0.2}
+    assert root.status == "ERROR" and root.attributes["error.type"] == f"watchdog_{phase}"
+    (leg,) = [s for s in rx.children(root) if s.name == "generate"]
+    assert leg.status == "ERROR"
+
+
 async def test_sampling_ratio_zero_and_one(sims, gateway, receiver):
     rx = receiver
     sim = await sims("vllm", "m")
