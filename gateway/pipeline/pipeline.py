@@ -461,6 +461,12 @@ class Pipeline:
                     raise no_socket_error(f, rec) from None
                 rec.error_class = ErrorClass.upstream(f.kind)
                 if f.kind == "timeout":
+                    phase = _watchdog_phase(wd, cfg.upstream.first_byte_timeout_s, ireq.stream)
+                    if phase is not None:   # the watchdog's bound cut the wait for the head: its fire
+                        rec.watchdog = phase    # type: ignore[assignment]
+                        rec.error_class = ErrorClass.watchdog(phase)
+                        ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase,
+                                                     "switchyard.watchdog.seconds": header_timeout or 0.0})
                     raise GatewayError(504, f"upstream timeout: {f.message}", code="upstream_timeout",
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",
@@ -572,6 +578,17 @@ class Pipeline:
         except ConnectionResetError:
             pass
         return out
+
+
+def _watchdog_phase(wd: WatchdogConfig | None, first_byte: float, stream: bool) -> str | None:
+    """The watchdog's phase when its bound (``head_timeout``: the shorter of it and
+    ``first_byte_timeout_s``) is the one a leg's wait for its head ran out on, else None."""
+    if wd is None:
+        return None
+    limit = wd.first_chunk_timeout_s if stream else wd.response_timeout_s
+    if not limit or first_byte and first_byte < limit:
+        return None
+    return "first_chunk" if stream else "response"
 
 
 def _head_came(x: Exchange, leg: Any, resp: UpstreamResponse) -> None:
