@@ -263,6 +263,29 @@ async def test_the_client_headers_as_the_w3c_test_suite_sends_them(sims, gateway
     assert second["traceparent"].split("-")[1] == CLIENT_TRACE and second.get("tracestate") == "foo=1,bar=2,baz=3"
 
 
+async def test_a_traceparent_that_is_not_valid_starts_a_new_trace_and_costs_the_request_nothing(sims, gateway,
+                                                                                               receiver):
+    rx = receiver
+    sim = await sims("vllm", "m")
+    gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
+    bad = ["garbage", traceparent("0" * 32), traceparent(span_id="0" * 16), "ff" + traceparent()[2:],
+           traceparent().upper(), traceparent() + "-extra", traceparent()[:-1], "00-" + "g" * 32 + "-" + "1" * 16 + "-01",
+           "-".join(["00", CLIENT_TRACE, CLIENT_SPAN, "01"] * 40)]
+    rids = []
+    for value in bad:
+        status, headers, _ = await post(gw, {"model": "m", "messages": MSG, "max_tokens": 1},
+                                        {"traceparent": value, "tracestate": "k=v"})
+        assert status == 200, value
+        rids.append(headers["request-id"])
+    await flush(gw)
+    roots = [server_span(rx, rid) for rid in rids]
+    assert all(r.parent_id == "" and r.trace_id != CLIENT_TRACE for r in roots)
+    # each engine leg carried the gateway's own context, not the client's value
+    sent = [t["traceparent"] for t in (await sim_state(sim.url))["traceparents"]]
+    assert [t.split("-")[1] for t in sent] == [r.trace_id for r in roots]
+    assert all(t["tracestate"] is None for t in (await sim_state(sim.url))["traceparents"])
+
+
 async def test_watchdog_and_abort_are_events(sims, gateway, receiver):
     rx = receiver
     p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
