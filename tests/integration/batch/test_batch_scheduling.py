@@ -642,19 +642,14 @@ async def test_a_batch_whose_error_file_could_not_be_written_keeps_one_output_fi
         [b.input_file_id, b.output_file_id, b.error_file_id])
 
 
-async def test_a_gateway_stopped_while_it_writes_a_batchs_files_leaves_the_owner_one_of_each(sims, gateway, tmp_path,
-                                                                                           monkeypatch):
-    """The gateway is stopped (its runner cancelled, as a SIGTERM's drain does) while the thread
-    that writes a finalizing batch's output and error files runs; the thread cannot be interrupted
-    and writes them whole, stored, before the batch's end is. The gateway started again on the
-    same directory writes them again for the batch: the owner sees one output and one error file,
-    those the batch names, and the disk holds no other."""
+def _hold_output_writes(monkeypatch) -> tuple:
+    """The runner's first write of a batch's output and error files, held: ``writing`` is set once
+    it began, it goes on once ``go`` is set, and ``written`` is set once it ended (later writes are
+    not held)."""
     import threading
 
     from gateway.batch.runner import BatchRunner
 
-    sim = await sims("vllm", "m")
-    first = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
     real = BatchRunner._write_outputs
     writing, go, written = threading.Event(), threading.Event(), threading.Event()
 
@@ -669,6 +664,19 @@ async def test_a_gateway_stopped_while_it_writes_a_batchs_files_leaves_the_owner
             written.set()
 
     monkeypatch.setattr(BatchRunner, "_write_outputs", held)
+    return writing, go, written
+
+
+async def test_a_gateway_stopped_while_it_writes_a_batchs_files_leaves_the_owner_one_of_each(sims, gateway, tmp_path,
+                                                                                           monkeypatch):
+    """The gateway is stopped (its runner cancelled, as a SIGTERM's drain does) while the thread
+    that writes a finalizing batch's output and error files runs; the thread cannot be interrupted
+    and writes them whole, stored, before the batch's end is. The gateway started again on the
+    same directory writes them again for the batch: the owner sees one output and one error file,
+    those the batch names, and the disk holds no other."""
+    sim = await sims("vllm", "m")
+    first = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
+    writing, go, written = _hold_output_writes(monkeypatch)
     c = openai_client(first)
     b = await create(c, rows(["m", "nope", "m"]))
     assert await asyncio.to_thread(writing.wait, 30)
@@ -696,9 +704,7 @@ async def test_a_gateway_stopped_while_it_writes_a_batchs_files_keeps_the_runner
     and the owner sees one output and one error file."""
     import fcntl
     import os
-    import threading
 
-    from gateway.batch.runner import BatchRunner
     from gateway.server.app import BATCH_KEY
 
     sim = await sims("vllm", "m")
@@ -706,16 +712,7 @@ async def test_a_gateway_stopped_while_it_writes_a_batchs_files_keeps_the_runner
     service = first.runner.app[BATCH_KEY]
     await until(lambda: service.running, timeout=10)
     second = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
-    real = BatchRunner._write_outputs
-    writing, go = threading.Event(), threading.Event()
-
-    def held(self, bid: str, owner: str):
-        if not writing.is_set():
-            writing.set()
-            go.wait(30)
-        return real(self, bid, owner)
-
-    monkeypatch.setattr(BatchRunner, "_write_outputs", held)
+    writing, go, _ = _hold_output_writes(monkeypatch)
     c = openai_client(first)
     b = await create(c, rows(["m", "nope", "m"]))
     assert await asyncio.to_thread(writing.wait, 30)
@@ -749,22 +746,11 @@ async def test_a_batch_left_finalizing_past_its_window_completes(sims, gateway, 
     in its output and error files, as a batch that finished within its window; ``expired`` is for
     the batch whose requests did not all run in time."""
     import sqlite3
-    import threading
 
-    from gateway.batch.runner import BatchRunner
 
     sim = await sims("vllm", "m")
     first = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
-    real = BatchRunner._write_outputs
-    writing, go = threading.Event(), threading.Event()
-
-    def held(self, bid: str, owner: str):
-        if not writing.is_set():
-            writing.set()
-            go.wait(30)
-        return real(self, bid, owner)
-
-    monkeypatch.setattr(BatchRunner, "_write_outputs", held)
+    writing, go, _ = _hold_output_writes(monkeypatch)
     c = openai_client(first)
     b = await create(c, rows(["m", "nope", "m"]))
     assert await asyncio.to_thread(writing.wait, 30)

@@ -95,20 +95,10 @@ async def test_two_workers_both_follow_the_engines_evictions(sims, tmp_path):
     once the holder evicted the conversations, every worker sends their next turns where the system
     prompt is still cached, none back to the engine that holds nothing of them."""
     from tests.support.gateway_process import gateway_process, metric_total, per_worker
-    from tests.support.ports import listen_port
 
     engines = [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
                           kv_blocks=256) for _ in range(2)]
-    port = listen_port()
-    path = tmp_path / "gw.yaml"
-    eps = ", ".join(f"{{url: '{e.url}', kv_events: {{port: {e.engine.kv_events.port}, "
-                    f"replay_port: {e.engine.kv_events.replay_port}}}}}" for e in engines)
-    path.write_text(
-        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-        "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
-        "health: {interval_s: 0.5}\n"
-        f"models: [{{name: m, engine: vllm, strategy: prefix-cache, tokenizer: '{TOK}', endpoints: [{eps}],\n"
-        "  kv_events: {enabled: true, stall_timeout_s: 30.0, speculative_ttl_s: 600.0}}]\n")
+    port, path = _events_gateway(tmp_path, engines, "", "stall_timeout_s: 30.0, speculative_ttl_s: 600.0")
     direct = {e.url: openai.AsyncOpenAI(base_url=e.url + "/v1", api_key="x", max_retries=0) for e in engines}
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
@@ -177,21 +167,10 @@ async def test_two_workers_forget_a_restarted_engine_and_take_up_its_new_events(
     other gateways sent it) draws that prompt's next request to it from either worker."""
     from tests.support.enginesim import restart_sim
     from tests.support.gateway_process import gateway_process, metric_total, per_worker
-    from tests.support.ports import listen_port
 
     engines = [await sims("vllm", model="m", tokenizer=TOK, kv_events_port=0, kv_events_replay_port=0,
                           kv_blocks=4096) for _ in range(2)]
-    port = listen_port()
-    path = tmp_path / "gw.yaml"
-    eps = ", ".join(f"{{url: '{e.url}', kv_events: {{port: {e.engine.kv_events.port}, "
-                    f"replay_port: {e.engine.kv_events.replay_port}}}}}" for e in engines)
-    path.write_text(
-        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
-        "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
-        "health: {interval_s: 0.5}\n"
-        "scrape: {interval_s: 0.5}\n"
-        f"models: [{{name: m, engine: vllm, strategy: prefix-cache, tokenizer: '{TOK}', endpoints: [{eps}],\n"
-        "  kv_events: {enabled: true, stall_timeout_s: 30.0}}]\n")
+    port, path = _events_gateway(tmp_path, engines, "scrape: {interval_s: 0.5}\n", "stall_timeout_s: 30.0")
     restarted = None
     async with gateway_process(path, port, "--workers", "2", ready_workers=2):
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0,
@@ -245,3 +224,21 @@ async def test_two_workers_forget_a_restarted_engine_and_take_up_its_new_events(
             await client.close()
             if restarted is not None:
                 await restarted.close()
+
+
+def _events_gateway(tmp_path, engines, extra: str, kv_events: str) -> tuple:
+    """A free port and the config of a gateway process on it routing model ``m`` with prefix-cache
+    on ``engines``' KV events (``extra``: more top-level lines; ``kv_events``: the model's keys)."""
+    from tests.support.ports import listen_port
+
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    eps = ", ".join(f"{{url: '{e.url}', kv_events: {{port: {e.engine.kv_events.port}, "
+                    f"replay_port: {e.engine.kv_events.replay_port}}}}}" for e in engines)
+    path.write_text(
+        f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+        "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+        "health: {interval_s: 0.5}\n" + extra +
+        f"models: [{{name: m, engine: vllm, strategy: prefix-cache, tokenizer: '{TOK}', endpoints: [{eps}],\n"
+        f"  kv_events: {{enabled: true, {kv_events}}}}}]\n")
+    return port, path
