@@ -123,6 +123,8 @@ async def test_watchdog_first_chunk_on_sglang_is_504_before_headers(sims, gatewa
     st, hdrs, raw = await post(gw.url, body(stream=True), {"x-sim-fault": "stall_before_first=10"})
     assert st == 504
     assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+    # a plain leg's fire is counted as a P/D decode's is (docs/resilience.md)
+    assert 'switchyard_watchdog_fires_total{model="m",phase="first_chunk"} 1.0' in await gw.metrics_text()
 
 
 async def test_watchdog_idle_mid_stream_sends_error_event_and_aborts(sims, gateway):
@@ -134,7 +136,8 @@ async def test_watchdog_idle_mid_stream_sends_error_event_and_aborts(sims, gatew
     events = sse_events(raw)
     assert "error" in events[-1] and events[-1]["error"]["code"] == "upstream_timeout"
     assert await wait_for(lambda: _aborted(sim.url), timeout=5)
-    assert "watchdog_idle" in await gw.metrics_text()
+    text = await gw.metrics_text()
+    assert "watchdog_idle" in text and 'switchyard_watchdog_fires_total{model="m",phase="idle"} 1.0' in text
 
 
 async def test_watchdog_response_timeout_bounds_a_non_streaming_answer(sims, gateway):
@@ -146,6 +149,7 @@ async def test_watchdog_response_timeout_bounds_a_non_streaming_answer(sims, gat
     st, hdrs, raw = await post(gw.url, body(stream=False), {"x-sim-fault": "stall_before_first=10"})
     assert st == 504 and orjson.loads(raw)["error"]["code"] == "upstream_timeout"
     assert await wait_for(lambda: _aborted(sim.url), timeout=8)
+    assert 'switchyard_watchdog_fires_total{model="m",phase="response"} 1.0' in await gw.metrics_text()
 
 
 async def test_watchdog_is_off_for_aggregated_legs_by_default(sims, gateway):
