@@ -265,7 +265,7 @@ class GatewayMetrics:
         self.pd_prefill_failures = Counter("switchyard_pd_prefill_failures",
                                            "Prefill leg failures by class and by whether the client had bytes",
                                            ["model", "failure_class", "stage"], registry=r)
-        self.watchdog_fires = Counter("switchyard_watchdog_fires", "Decode watchdog fires by phase",
+        self.watchdog_fires = Counter("switchyard_watchdog_fires", "Watchdog fires by phase (P/D decode legs, and plain legs with watchdog.aggregated)",
                                       ["model", "phase"], registry=r)
         self.pd_aborts = Counter("switchyard_pd_aborts", "Abort calls sent to engines, by result",
                                  ["model", "result"], registry=r)

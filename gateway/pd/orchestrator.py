@@ -279,8 +279,7 @@ class PDOrchestrator:
             self.relay.settle(ctx, resp, False, False)
             raise
         self.relay.settle(ctx, resp, False, False)
-        if rec.watchdog is not None:
-            self.metrics.child(self.metrics.watchdog_fires, rec.model, rec.watchdog).inc()
+        if rec.watchdog is not None:          # the relay's fire (it counted it)
             self._abort_decode(ctx, plan)
         self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
         return out
@@ -514,8 +513,7 @@ class PDOrchestrator:
             self._abort_decode(ctx, plan)
             self._observe_left(ctx, prefill_start, prefill_end, decode_start)
             raise
-        if rec.watchdog is not None:
-            self.metrics.child(self.metrics.watchdog_fires, rec.model, rec.watchdog).inc()
+        if rec.watchdog is not None:          # the relay's fire (it counted it)
             self._abort_decode(ctx, plan)
         self._observe_phases(ctx, prefill_start, prefill_end, decode_start)
         return out

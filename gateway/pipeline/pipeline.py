@@ -467,6 +467,7 @@ class Pipeline:
                         rec.error_class = ErrorClass.watchdog(phase)
                         ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase,
                                                      "switchyard.watchdog.seconds": header_timeout or 0.0})
+                        self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
                     raise GatewayError(504, f"upstream timeout: {f.message}", code="upstream_timeout",
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",

@@ -626,6 +626,7 @@ class Relay:
                 raise _unstarted(refused, FirstBytesFailed("timeout", w.seconds)) from None
             rec.watchdog = w.phase  # type: ignore[assignment]
             ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
+            self.metrics.child(self.metrics.watchdog_fires, rec.model, w.phase).inc()
             rec.error_class, rec.error = failure = stream_failure(w)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
         except UpstreamTimeout as e:
@@ -741,6 +742,7 @@ class Relay:
             if isinstance(e, TimeoutError):
                 rec.watchdog = "response"
                 ctx.trace.event("watchdog", {"switchyard.watchdog.phase": "response", "switchyard.watchdog.seconds": limit})
+                self.metrics.child(self.metrics.watchdog_fires, rec.model, "response").inc()
             rec.error_class = ErrorClass.WATCHDOG_RESPONSE if isinstance(e, TimeoutError) else ErrorClass.UPSTREAM_TIMEOUT
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
             secs = limit if isinstance(e, TimeoutError) else e.seconds

@@ -328,7 +328,7 @@ RULE_TESTS = {
                     {"exp_labels": {"severity": "warning", "namespace": "llm", "job": "sy", "model": model,
                                     "phase": phase},
                      "exp_annotations": {
-                         "summary": "Switchyard's decode watchdog cut stalled requests",
+                         "summary": "Switchyard's watchdog cut stalled requests",
                          "description": f"The watchdog fired for model {model} (phase {phase}, job sy) within "
                                         "10m: an engine stopped sending tokens."}}
                     for model, phase in (("m", "idle"), ("n", "first_chunk"))]},
