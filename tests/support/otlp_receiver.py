@@ -43,6 +43,7 @@ class Span:
     status: str
     start_ns: int
     end_ns: int
+    instance: str = ""            # the resource's service.instance.id
 
     def event(self, name: str) -> dict[str, Any] | None:
         return next((attrs for n, attrs, _ in self.events if n == name), None)
@@ -99,7 +100,8 @@ class OTLPReceiver:
                         events=[(e.name, {kv.key: _value(kv.value) for kv in e.attributes}, e.time_unix_nano)
                                 for e in s.events],
                         status=STATUS.get(s.status.code, str(s.status.code)),
-                        start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano))
+                        start_ns=s.start_time_unix_nano, end_ns=s.end_time_unix_nano,
+                        instance=str(res.get("service.instance.id", ""))))
         return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
                             content_type="application/x-protobuf")
 

@@ -41,6 +41,10 @@ async def test_two_workers_export_each_request_once_and_resume_after_a_refusing_
             assert len(workers) == 2
             for path in workers.values():       # each worker exported spans of its own
                 assert metric(await own_metrics(path), "switchyard_trace_spans_total", result="exported") > 0
+            # and is an instance of its own in the resource (the SDK's service.instance.id, a UUID
+            # each provider draws): a trace viewer tells the two apart
+            instances = {s.instance for s in rx.spans if s.service == "switchyard"}
+            assert len(instances) == 2 and "" not in instances
 
             rx.fail_with = 429                  # the collector refuses: requests are served all the same
             refused = [await post_new(port, "/v1/chat/completions", BODY) for _ in range(6)]
