@@ -284,6 +284,7 @@ async def test_watches_that_end_at_once_with_nothing_back_off_and_relist(emu, di
     assert requests[("ok", "watch")] == 0 and requests[("error", "watch")] >= 2
     err = d.status()["watches"][0]["last_error"]
     assert (err["verb"], err["result"]) == ("watch", "error") and "ended at once" in err["message"]
+    assert err["message"].startswith("ApiError: watch ended at once")   # no HTTP status: none was given
     emu.empty_watches = False
     emu.create_pod("llm", "b", {M: "llama"})
     await until(lambda: names(pool) == {"a", "b"}, timeout=15)     # the backoff has grown meanwhile
