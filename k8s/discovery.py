@@ -66,7 +66,8 @@ class Gone(Exception):
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}")
+        # status 0: an answer the API server gave with a 200 that discovery cannot take (no status to name)
+        super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
 
 
