@@ -222,7 +222,7 @@ async def test_messages_and_responses_requests_are_chat_operations(sims, gateway
     operation, and a well-known value that applies MUST be used; a Messages request and a Responses
     request are each one, as a chat completion is."""
     rx = receiver
-    sim = await sims("vllm", "m", otlp_traces_endpoint=rx.url)
+    sim = await sims("vllm", "m")
     gw = await gateway([{"name": "m", "engine": "vllm", "endpoints": [sim.url]}], tracing=traced(rx))
     msg = await anthropic_client(gw).messages.with_raw_response.create(
         model="m", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
