@@ -6,7 +6,6 @@ waits for room part of the way, and the other worker's lines land inside it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import select
@@ -16,8 +15,7 @@ import sys
 import openai
 import pytest
 
-from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets
-from tests.support.gateway_process import get_new
+from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets, workers_listening
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
 
@@ -52,14 +50,7 @@ async def test_two_workers_lines_stay_whole_on_a_pipe_that_fell_behind(sims, tmp
     user = "\x01" * 2000
     n = 48
     try:
-        async with asyncio.timeout(40):     # both workers listen (nothing read from the pipe yet:
-            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2:
-                await asyncio.sleep(0.05)   # the start-up lines fit in it)
-            while True:
-                with contextlib.suppress(OSError):
-                    if (await get_new(port, "/ready"))[0] == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await workers_listening(proc.pid, port)     # nothing read from the pipe yet: the start-up lines fit in it
 
         async def one(i: int, room: asyncio.Semaphore) -> None:
             async with room, openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from tests.integration.server.test_worker_restart_metrics import Pages, config, connections
-from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets
+from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets, workers_listening
 from tests.support.gateway_process import gateway_process, get_new
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
@@ -54,14 +54,7 @@ async def test_every_request_of_every_kind_is_counted_once_wherever_an_operator_
         return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
 
     try:
-        async with asyncio.timeout(40):
-            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2:
-                await asyncio.sleep(0.05)
-            while True:
-                with contextlib.suppress(OSError):
-                    if (await get_new(port, "/ready"))[0] == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await workers_listening(proc.pid, port)
         for _ in range(3):
             async with client() as c:
                 await c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)

@@ -146,14 +146,7 @@ async def test_metrics_and_status_show_the_whole_gateway(sims, tmp_path):
     base = f"http://127.0.0.1:{port}"
     n = 24
     try:
-        async with asyncio.timeout(30):
-            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2:
-                await asyncio.sleep(0.05)
-            while True:
-                with contextlib.suppress(aiohttp.ClientError):
-                    if (await fresh_get(f"{base}/ready"))[0] == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await workers_listening(proc.pid, port, timeout=30)
         ids, completion_ids = set(), set()
         for _ in range(n):          # fresh connections: the kernel spreads them over both workers
             conn = aiohttp.TCPConnector(force_close=True)
@@ -491,6 +484,19 @@ async def test_a_worker_that_served_then_keeps_failing_is_restarted_with_a_growi
     assert [(e["code"], e["reason"], e["restart_in_s"]) for e in restarts] == [
         (3, "exited", 1.0), (4, "exited", 1.0), (4, "exited", 2.0), (4, "exited", 4.0)]
     assert not [e for e in events if "stopping" in e["event"]]
+
+
+async def workers_listening(parent: int, port: int, workers: int = 2, timeout: float = 40) -> None:
+    """Until ``parent`` has ``workers`` workers each listening on its sibling socket, and the
+    gateway on ``port`` answers ``/ready``."""
+    async with asyncio.timeout(timeout):
+        while len(children_of(parent)) < workers or len(sibling_sockets(children_of(parent))) < workers:
+            await asyncio.sleep(0.05)
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                if (await fresh_get(f"http://127.0.0.1:{port}/ready"))[0] == 200:
+                    return
+            await asyncio.sleep(0.05)
 
 
 async def both_ready(port: int, parent: int) -> None:

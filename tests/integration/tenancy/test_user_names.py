@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.server.test_workers import children_of, sibling_sockets
+from tests.integration.server.test_workers import workers_listening
 from tests.support.gateway_process import get_new
 from tests.support.ports import listen_port
 
@@ -42,14 +42,7 @@ async def test_a_users_quotes_backslashes_and_letters_are_served_and_exported_as
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(cfg),
                                                 "--workers", "2", stderr=asyncio.subprocess.DEVNULL)
     try:
-        async with asyncio.timeout(40):     # both workers listen (the status page needs an admin token here)
-            while len(children_of(proc.pid)) < 2 or len(sibling_sockets(children_of(proc.pid))) < 2:
-                await asyncio.sleep(0.05)
-            while True:
-                with contextlib.suppress(OSError):
-                    if (await get_new(port, "/ready"))[0] == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await workers_listening(proc.pid, port)
         for _ in range(6):          # a client each: new connections, spread over both workers
             async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0) as c:
                 await c.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
