@@ -259,12 +259,9 @@ async def test_salted_requests_go_to_their_salts_prefix_and_multimodal_falls_bac
     assert 'switchyard_routing_fallbacks_total{reason="kv_events_multimodal",strategy="prefix-cache"} 1.0' in text
 
 
-async def test_a_restarted_engine_first_heard_past_its_first_batch_is_replayed_from_0(sims, gateway, clients):
-    """An engine restarts and its first batches go out before the SUB socket is connected again (a
-    slow joiner; an engine whose scrape tells no start, as SGLang's or vLLM's with several API
-    servers): the first number heard goes back, but past 0. Its entries are cleared as a restart, and
-    what the new engine published before is replayed from 0 as at first contact, so the index holds
-    what the engine holds and the next turn's match is what the engine finds cached."""
+async def _indexed(sims, gateway, clients):
+    """One engine and a gateway routing on its events, three conversations in, the index holding
+    every block the engine caches: (sim, gateway, its KV state, its index state, a client)."""
     (sim,) = await _sims(sims, 1)
     gw = await _gateway(gateway, sim)
     kv, st = _state(gw)
@@ -273,6 +270,15 @@ async def test_a_restarted_engine_first_heard_past_its_first_batch_is_replayed_f
     for q in ("one", "two", "three"):
         await _chat(client, q)
     await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks > 0)
+    return sim, gw, kv, st, client
+
+async def test_a_restarted_engine_first_heard_past_its_first_batch_is_replayed_from_0(sims, gateway, clients):
+    """An engine restarts and its first batches go out before the SUB socket is connected again (a
+    slow joiner; an engine whose scrape tells no start, as SGLang's or vLLM's with several API
+    servers): the first number heard goes back, but past 0. Its entries are cleared as a restart, and
+    what the new engine published before is replayed from 0 as at first contact, so the index holds
+    what the engine holds and the next turn's match is what the engine finds cached."""
+    sim, gw, kv, st, client = await _indexed(sims, gateway, clients)
     pub = sim.engine.kv_events
     # the engine restarts: an empty cache, and its publisher counts from 0 again
     pub.seq = 0
@@ -299,15 +305,8 @@ async def test_a_batch_heard_again_is_taken_for_a_restart_and_the_index_is_rebui
     """A publisher that sends a batch it sent before (a sequence number going back, past 0): taken
     for a restart, as documented, so the entries are cleared, and replayed from 0, so the index
     ends holding what the engine holds instead of nothing of what came before."""
-    (sim,) = await _sims(sims, 1)
-    gw = await _gateway(gateway, sim)
-    kv, st = _state(gw)
-    client = clients(gw)
-    await until(lambda: sim.engine.kv_events.subscriptions >= 1)     # the SUB socket connected
-    for q in ("one", "two", "three"):
-        await _chat(client, q)
+    sim, gw, kv, st, client = await _indexed(sims, gateway, clients)
     pub = sim.engine.kv_events
-    await until(lambda: len(st.emap) == sim.engine.pool.cached_blocks > 0)
     seq, payload = pub.buffer[-1]
     pub._send((pub.topic, seq.to_bytes(8, "big"), payload))          # heard again
     await until(lambda: 'switchyard_kv_events_restarts_total{model="m"} 1.0' in _render(gw))
