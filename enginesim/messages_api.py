@@ -102,6 +102,18 @@ def _stream_flag(body: dict[str, Any]) -> bool:
         raise ApiError(400, f"1 validation error:\n  stream: {e}", type_="Bad Request") from None
 
 
+
+def _max_tokens(body: dict[str, Any], not_positive: str) -> int:
+    """``max_tokens``, required, as the engine's request model reads it (lax: "8"), above 0; the
+    message for one that is not is each engine's."""
+    try:
+        n = lax_int(body.get("max_tokens"))
+    except ValueError as e:
+        raise ApiError(400, f"1 validation error:\n  max_tokens: {e}", type_="Bad Request") from None
+    if n <= 0:
+        raise ApiError(400, f"1 validation error:\n  max_tokens: {not_positive}", type_="Bad Request")
+    return n
+
 def _frame(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
@@ -179,14 +191,7 @@ class MessagesApi:
         try:
             body = await read_json(request, require_json=True)
             self._check_model(body.get("model"))
-            max_tokens = body.get("max_tokens")
-            try:
-                max_tokens = lax_int(max_tokens)
-            except ValueError as e:
-                raise ApiError(400, f"1 validation error:\n  max_tokens: {e}", type_="Bad Request") from None
-            if max_tokens <= 0:
-                raise ApiError(400, "1 validation error:\n  max_tokens: max_tokens must be positive",
-                               type_="Bad Request")
+            max_tokens = _max_tokens(body, "max_tokens must be positive")
             stream = _stream_flag(body)
             if engine.dead:
                 raise ApiError(500, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
@@ -309,13 +314,7 @@ class SGLangMessagesApi(MessagesApi):
         try:
             body = await read_json(request, require_json=True)
             self._check_model(body.get("model"))
-            try:
-                max_tokens = lax_int(body.get("max_tokens"))
-            except ValueError as e:
-                raise ApiError(400, f"1 validation error:\n  max_tokens: {e}", type_="Bad Request") from None
-            if max_tokens <= 0:
-                raise ApiError(400, "1 validation error:\n  max_tokens: Value error, max_tokens must be positive",
-                               type_="Bad Request")
+            max_tokens = _max_tokens(body, "Value error, max_tokens must be positive")     # pydantic's validator
             stream = _stream_flag(body)
             prompt_ids = self._prompt_ids(body)
             fault = request_fault(engine, request)
