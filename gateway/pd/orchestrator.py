@@ -39,7 +39,7 @@ from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Leg
 from gateway.pipeline.context import RequestContext
-from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay
+from gateway.pipeline.relay import FirstBytesFailed, HeadAhead, Relay, watchdog_fired
 from gateway.resilience.outcome import Outcome, event_status, key_refused, of_status, unsupported_event
 from gateway.resilience.retry import Retries
 from gateway.upstream.h1client import Exchange, SendState, UpstreamError, UpstreamResponse
@@ -626,9 +626,7 @@ class PDOrchestrator:
         assert ctx.ireq is not None and ctx.decision is not None
         rec = ctx.rec
         phase = "first_chunk" if ctx.ireq.stream else "response"
-        rec.watchdog = phase
-        ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": limit or 0.0})
-        self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
+        watchdog_fired(ctx, self.metrics, phase, limit)
         rec.error_class = ErrorClass.watchdog(phase)
         verb = "start" if ctx.ireq.stream else "finish"
         return GatewayError(504, f"decode endpoint {ctx.decision.endpoint.name} did not {verb} responding "

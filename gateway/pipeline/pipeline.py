@@ -34,7 +34,7 @@ from gateway.pipeline.context import RequestContext, record_request, safe_header
 from gateway.pipeline.generation import Generation
 from gateway.pipeline.ledger import NO_CHARGES, charge
 from gateway.pipeline.migration import Migration
-from gateway.pipeline.relay import FirstBytesFailed, error_event
+from gateway.pipeline.relay import FirstBytesFailed, error_event, watchdog_fired
 from gateway.pipeline.routing import WHOLE_REQUEST_ROLES
 from gateway.request import InferenceRequest, parse
 from gateway.resilience.outcome import Outcome, key_refused, of_status
@@ -463,11 +463,8 @@ class Pipeline:
                 if f.kind == "timeout":
                     phase = _watchdog_phase(wd, cfg.upstream.first_byte_timeout_s, ireq.stream)
                     if phase is not None:   # the watchdog's bound cut the wait for the head: its fire
-                        rec.watchdog = phase    # type: ignore[assignment]
+                        watchdog_fired(ctx, self.metrics, phase, header_timeout)
                         rec.error_class = ErrorClass.watchdog(phase)
-                        ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase,
-                                                     "switchyard.watchdog.seconds": header_timeout or 0.0})
-                        self.metrics.child(self.metrics.watchdog_fires, rec.model, phase).inc()
                     raise GatewayError(504, f"upstream timeout: {f.message}", code="upstream_timeout",
                                        header=("x-error-upstream", "timeout"), error_class=rec.error_class) from None
                 raise GatewayError(502, f"upstream unavailable: {f.message}", code="upstream_unavailable",

@@ -55,6 +55,16 @@ class WatchdogFired(Exception):
         self.seconds = seconds
 
 
+
+def watchdog_fired(ctx: RequestContext, metrics: GatewayMetrics, phase: str, seconds: float | None) -> None:
+    """The watchdog cut the request's leg in ``phase`` after ``seconds``: its log field, its trace
+    event and its count (``switchyard_watchdog_fires_total``), wherever the fire is taken (the relay,
+    a plain leg's head bound, a P/D decode's)."""
+    rec = ctx.rec
+    rec.watchdog = phase    # type: ignore[assignment]
+    ctx.trace.event("watchdog", {"switchyard.watchdog.phase": phase, "switchyard.watchdog.seconds": seconds or 0.0})
+    metrics.child(metrics.watchdog_fires, rec.model, phase).inc()
+
 class FirstBytesFailed(Exception):
     """A gated stream (``Relay.answer``'s ``gate``: a P/D decode; ``Relay.stream_from_head``) failed
     before its first bytes passed the gate, so the client has seen nothing of it. ``kind``: ``timeout`` (``detail``: the
@@ -624,9 +634,7 @@ class Relay:
         except WatchdogFired as w:
             if gating:
                 raise _unstarted(refused, FirstBytesFailed("timeout", w.seconds)) from None
-            rec.watchdog = w.phase  # type: ignore[assignment]
-            ctx.trace.event("watchdog", {"switchyard.watchdog.phase": w.phase, "switchyard.watchdog.seconds": w.seconds})
-            self.metrics.child(self.metrics.watchdog_fires, rec.model, w.phase).inc()
+            watchdog_fired(ctx, self.metrics, w.phase, w.seconds)
             rec.error_class, rec.error = failure = stream_failure(w)
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
         except UpstreamTimeout as e:
@@ -740,9 +748,7 @@ class Relay:
             raise too_large_error(e.limit) from None
         except (TimeoutError, UpstreamTimeout) as e:
             if isinstance(e, TimeoutError):
-                rec.watchdog = "response"
-                ctx.trace.event("watchdog", {"switchyard.watchdog.phase": "response", "switchyard.watchdog.seconds": limit})
-                self.metrics.child(self.metrics.watchdog_fires, rec.model, "response").inc()
+                watchdog_fired(ctx, self.metrics, "response", limit)
             rec.error_class = ErrorClass.WATCHDOG_RESPONSE if isinstance(e, TimeoutError) else ErrorClass.UPSTREAM_TIMEOUT
             self.metrics.child(self.metrics.upstream_errors, rec.model, rec.endpoint, rec.error_class).inc()
             secs = limit if isinstance(e, TimeoutError) else e.seconds
