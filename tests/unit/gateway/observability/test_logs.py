@@ -241,3 +241,61 @@ def test_a_long_line_to_a_regular_file_is_written_whole(tmp_path):
         log.close()
     data = orjson.loads((tmp_path / "log").read_bytes())
     assert "line_cut" not in data and data["user"] == LONG["user"] and data["finish_reasons"] == LONG["finish_reasons"]
+
+
+# a gateway line with a traceback many frames deep, and a long value: what a worker writes when a
+# handler fails far down (the process's own structlog configuration, its stderr a pipe or a file)
+TRACEBACK_SCRIPT = r"""
+import structlog
+from gateway.observability.logs import configure_logging
+configure_logging("json", "info")
+log = structlog.get_logger("test")
+src = "".join(f"def down{i}():\n    down{i + 1}()\n" for i in range(200))
+exec(compile(src + "def down200():\n    raise ValueError('the innermost failure')\n", "handlers.py", "exec"))
+try:
+    down0()
+except ValueError:
+    log.exception("handler failed", detail="d" * 6000, worker=1)
+log.info("next line")
+"""
+
+
+def _run_logging(stderr) -> None:
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PYTHONUNBUFFERED": "1"}
+    subprocess.run([sys.executable, "-c", TRACEBACK_SCRIPT], stderr=stderr, env=env, timeout=60, check=True)
+
+
+def test_a_gateway_line_with_a_long_traceback_fits_a_pipe_and_keeps_the_failure():
+    """Worker processes share one stderr pipe, and a pipe keeps a write whole only up to PIPE_BUF
+    bytes: a JSON line with a traceback longer than that could have another worker's line land
+    inside it, two broken objects for the log collector. To a pipe the line is cut to fit (the
+    traceback keeps its end: the innermost frames and the exception), and says what was cut."""
+    r, w = os.pipe()
+    proc_err = os.fdopen(w, "wb")
+    try:
+        _run_logging(proc_err)
+    finally:
+        proc_err.close()
+    out = read_all(r)
+    os.close(r)
+    lines = out.splitlines(keepends=True)
+    assert len(lines) == 2 and all(len(line) <= PIPE_BUF for line in lines)
+    first = orjson.loads(lines[0])
+    assert first["event"] == "handler failed" and first["worker"] == 1 and first["level"] == "error"
+    assert set(first["line_cut"]) == {"exception", "detail"}
+    assert first["exception"].rstrip().endswith("ValueError: the innermost failure")
+    assert first["exception"].startswith("… (") and "characters)" in first["exception"]
+    assert first["detail"].startswith("d") and first["detail"].endswith("… (6000 characters)")
+    assert orjson.loads(lines[1])["event"] == "next line"
+
+
+def test_a_gateway_line_with_a_long_traceback_is_whole_in_a_regular_file(tmp_path):
+    with open(tmp_path / "err", "wb") as f:
+        _run_logging(f)
+    lines = (tmp_path / "err").read_bytes().splitlines()
+    first = orjson.loads(lines[0])
+    assert "line_cut" not in first and first["detail"] == "d" * 6000
+    assert first["exception"].count(", in down") == 201
