@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import io
 import logging
 import os
 import queue
@@ -67,7 +68,8 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     """structlog for the gateway's other lines (startup, warnings): rare, so its processors are fine."""
     fmt = resolve_format(fmt)
     lvl = getattr(logging, level.upper(), logging.INFO)
-    renderer = (structlog.processors.JSONRenderer(serializer=_dumps) if fmt == "json"
+    # JSON lines too long for a pipe are cut to fit, as request lines are (see the module doc)
+    renderer = (_FitJSON(_write_limit(sys.stderr)) if fmt == "json"
                 else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()))
     structlog.configure(
         processors=[
@@ -253,6 +255,9 @@ def _printable(v: Any) -> Any:
 # the fields a line keeps whole however long it is (none of them is long)
 _UNCUT = frozenset(("request_id", "event", "level", "timestamp", "status", "line_cut"))
 _CUT_MARK = re.compile(r"… \((\d+) characters\)\Z")
+_HEAD_MARK = re.compile(r"\A… \((\d+) characters\) ")
+# the fields cut from their start, keeping their end: a traceback's last frames and its exception
+_TAILS = frozenset(("exception",))
 
 
 def _size(v: Any) -> int:
@@ -265,11 +270,17 @@ def _size(v: Any) -> int:
         return 6 * len(str(v))
 
 
-def _shorter(v: Any) -> Any:
+def _shorter(v: Any, tail: bool = False) -> Any:
     """``v`` cut to about half (None: it cannot be): a string keeps its first half and ends with its
     whole length, as the line's cut fields do (``… (N characters)``, the length it had before any
-    cut); a list or an object keeps its first half."""
+    cut), or with ``tail`` (a traceback, whose end is the failure) keeps its last half and starts
+    with that length; a list or an object keeps its first half."""
     if isinstance(v, str):
+        if tail:
+            mark = _HEAD_MARK.match(v)
+            body, total = (v[mark.end():], int(mark.group(1))) if mark else (v, len(v))
+            body = body[len(body) - len(body) // 2:]
+            return f"… ({total} characters) {body}" if body else None
         mark = _CUT_MARK.search(v)
         head, total = (v[:mark.start()], int(mark.group(1))) if mark else (v, len(v))
         if not head:
@@ -280,6 +291,58 @@ def _shorter(v: Any) -> Any:
     if isinstance(v, dict) and len(v) > 1:
         return dict(list(v.items())[:len(v) // 2])
     return None
+
+
+def fit(fields: dict[str, Any], render: Callable[[dict[str, Any]], bytes], limit: int) -> bytes:
+    """The line of ``fields`` (rendered by ``render``) in at most ``limit`` bytes, so that a pipe
+    keeps it whole (see the module doc): the value that renders longest is cut, again and again (a
+    string to half its characters, saying its whole length; a traceback to its last half; a list or
+    an object to its first half), and ``line_cut`` names the fields cut. Only for a line that is too
+    long: it renders the line again at every cut."""
+    fields = dict(fields)
+    cut: list[str] = []
+    line = render(fields)
+    for _ in range(64):
+        if len(line) <= limit:
+            break
+        for key in sorted((k for k in fields if k not in _UNCUT), key=lambda k: -_size(fields[k])):
+            shorter = _shorter(fields[key], tail=key in _TAILS)
+            if shorter is not None:
+                break
+        else:
+            break                          # nothing left to cut: written as it is
+        fields[key] = shorter
+        if key not in cut:
+            cut.append(key)
+        fields["line_cut"] = cut
+        line = render(fields)
+    return line
+
+
+def _write_limit(stream: Any) -> int | None:
+    """``PIPE_BUF`` when ``stream`` is not a regular file (a pipe, a socket, a terminal), where a
+    longer write can be split by another process's; None for a regular file or a stream with no
+    descriptor (see LineWriter.line_limit)."""
+    try:
+        return None if stat.S_ISREG(os.fstat(stream.fileno()).st_mode) else PIPE_BUF
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+class _FitJSON:
+    """structlog's JSON renderer for the gateway's other lines, each cut to ``limit`` bytes (its
+    newline included) like a request line when it is longer (a traceback many frames deep)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self._render = structlog.processors.JSONRenderer(serializer=_dumps)
+
+    def __call__(self, logger: Any, name: str, event_dict: dict[str, Any]) -> str:
+        text = self._render(logger, name, event_dict)
+        if self.limit is None or len(text) * 4 < self.limit or len(text.encode()) < self.limit:
+            return text
+        line = fit(event_dict, lambda f: self._render(logger, name, dict(f)).encode() + b"\n", self.limit)
+        return line[:-1].decode()
 
 
 class RequestLog:
@@ -304,28 +367,8 @@ class RequestLog:
             self.writer.write(line)
 
     def _fit(self, fields: dict[str, Any], limit: int) -> bytes:
-        """The line of ``fields`` in at most ``limit`` bytes, so that a pipe keeps it whole (see the
-        module doc): the value that renders longest is cut, again and again (a string to half its
-        characters, ending ``… (N characters)`` with its whole length; a list or an object to its
-        first half), and ``line_cut`` names the fields cut. Only for a line that is too long."""
-        fields = dict(fields)
-        cut: list[str] = []
-        line = self._render(fields)
-        for _ in range(64):
-            if len(line) <= limit:
-                break
-            for key in sorted((k for k in fields if k not in _UNCUT), key=lambda k: -_size(fields[k])):
-                shorter = _shorter(fields[key])
-                if shorter is not None:
-                    break
-            else:
-                break                      # nothing left to cut: written as it is
-            fields[key] = shorter
-            if key not in cut:
-                cut.append(key)
-            fields["line_cut"] = cut
-            line = self._render(fields)
-        return line
+        """The line of ``fields`` in at most ``limit`` bytes (``fit``)."""
+        return fit(fields, self._render, limit)
 
     def _json(self, fields: dict[str, Any]) -> bytes:
         iso, _ = self._clock.stamps()
