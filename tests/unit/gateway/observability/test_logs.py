@@ -299,3 +299,42 @@ def test_a_gateway_line_with_a_long_traceback_is_whole_in_a_regular_file(tmp_pat
     first = orjson.loads(lines[0])
     assert "line_cut" not in first and first["detail"] == "d" * 6000
     assert first["exception"].count(", in down") == 201
+
+
+STDLIB_SCRIPT = r"""
+import asyncio, logging
+from gateway.observability.logs import configure_logging
+configure_logging("json", "info")
+logging.getLogger("switchyard.tracing").warning("exporter refused %d spans", 3)
+
+async def main():
+    async def fails():
+        raise RuntimeError("a task nobody awaited")
+    asyncio.get_running_loop().call_soon(lambda: 1 / 0)    # a callback that raises: asyncio logs it
+    await asyncio.sleep(0.01)
+    t = asyncio.ensure_future(fails())
+    await asyncio.sleep(0.01)
+    del t
+
+asyncio.run(main())
+import gc; gc.collect()
+"""
+
+
+def test_lines_of_the_standard_library_s_loggers_are_json_lines_too():
+    """asyncio (a callback that raised), the tracing exporter and other libraries log through the
+    standard library's logging: with JSON logs their lines are JSON lines too, one per record
+    (traceback inside), not bare multi-line text that breaks the collector's parsing."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", STDLIB_SCRIPT], stderr=subprocess.PIPE, env=env,
+                         timeout=60, check=True).stderr
+    lines = [orjson.loads(line) for line in out.splitlines()]
+    assert lines[0]["event"] == "exporter refused 3 spans" and lines[0]["level"] == "warning"
+    assert lines[0]["logger"] == "switchyard.tracing" and lines[0]["timestamp"]
+    callback = next(x for x in lines if "ZeroDivisionError" in x.get("exception", ""))
+    assert callback["level"] == "error" and callback["logger"] == "asyncio"
+    task = next(x for x in lines if "a task nobody awaited" in x.get("exception", ""))
+    assert task["level"] == "error"
