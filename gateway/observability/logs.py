@@ -84,6 +84,20 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
         logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # the standard library's loggers (asyncio's failed callbacks and tasks, the tracing exporter,
+    # aiohttp) in the same format, one write a record: warnings and above (all of them at debug)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, structlog.processors.add_log_level,
+                           structlog.processors.TimeStamper(fmt="iso", utc=True),
+                           structlog.processors.format_exc_info]))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_switchyard", False)]:
+        root.removeHandler(old)
+    handler._switchyard = True             # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(lvl if lvl <= logging.DEBUG else max(lvl, logging.WARNING))
 
 
 class _Clock:
