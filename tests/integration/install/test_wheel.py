@@ -61,8 +61,8 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
     assert len(wheels) == 1, wheels
     venv.create(tmp / "venv", with_pip=True)
     py = tmp / "venv" / "bin" / "python"
-    run(py, "-m", "pip", "install", "-q", "--require-hashes", "-r", ROOT / "requirements.lock", cwd=tmp)
-    run(py, "-m", "pip", "install", "-q", "--no-deps", wheels[0], cwd=tmp)
+    run(py, "-m", "pip", "install", "-q", "--no-compile", "--require-hashes", "-r", ROOT / "requirements.lock", cwd=tmp)
+    run(py, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", wheels[0], cwd=tmp)
     work = tmp / "elsewhere"
     work.mkdir()
     return py, work
