@@ -90,6 +90,10 @@ class SimConfig:
     enable_responses_store: bool = _knob(
         False, "vLLM VLLM_ENABLE_RESPONSES_API_STORE=1: keep /v1/responses answers (store: true) in process "
         "for previous_response_id, GET and cancel; SGLang always keeps them")
+    tool_call_parser: str = _knob(
+        "", "vLLM --enable-auto-tool-choice --tool-call-parser, SGLang --tool-call-parser: answer a request "
+        "that offers function tools with simulated calls (chat, Messages, Responses; see enginesim/tools.py); "
+        "empty: tools are ignored and the answer is text")
     # -- LoRA adapters --------------------------------------------------------------------------
     enable_lora: bool = _knob(False, "serve LoRA adapters (vLLM --enable-lora; SGLang --enable-lora)")
     max_loras: int = _knob(4, "GPU slots for adapters (vLLM --max-loras, SGLang --max-loras-per-batch)")

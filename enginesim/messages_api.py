@@ -71,6 +71,7 @@ from enginesim.frontend import (
 from enginesim.protocol import lax_bool, lax_int, parse_stop
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
+from enginesim.tools import ToolCalls, messages_tool_calls, sglang_call_id, vllm_call_id
 from enginesim.tracing import trace_headers
 from enginesim.wire import json_response, read_json
 
@@ -116,6 +117,40 @@ def _max_tokens(body: dict[str, Any], not_positive: str) -> int:
 
 def _frame(event: str, data: dict[str, Any]) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def _tool_use_blocks(calls: ToolCalls, text: str) -> list[dict[str, Any]]:
+    """A whole answer's ``tool_use`` blocks, their ``input`` the calls' arguments decoded."""
+    return [{"type": "tool_use", "id": calls.ids[i], "name": name, "input": orjson.loads(calls.arguments(i, text))}
+            for i, name in enumerate(calls.names)]
+
+
+def _tool_use_frames(calls: ToolCalls, text: str, finishing: bool) -> list[bytes]:
+    """A stream's frames of ``tool_use`` blocks for one output: the first call's block opened at
+    index 0 with its first piece, an ``input_json_delta`` per piece, and when the answer finishes
+    its end and the other calls' blocks, each opened, given its input whole and closed."""
+    frames = []
+    started = calls._opened
+    if text or (finishing and not started):
+        piece = calls.piece(text)
+        if not started:
+            frames.append(_frame("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
+                "type": "tool_use", "id": calls.ids[0], "name": calls.names[0], "input": {}}}))
+        frames.append(_json_delta(0, piece))
+    if finishing:
+        frames.append(_json_delta(0, calls.close()))
+        frames.append(_frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        for i in range(1, len(calls.names)):
+            frames.append(_frame("content_block_start", {"type": "content_block_start", "index": i, "content_block": {
+                "type": "tool_use", "id": calls.ids[i], "name": calls.names[i], "input": {}}}))
+            frames.append(_json_delta(i, calls.arguments(i, calls.text)))
+            frames.append(_frame("content_block_stop", {"type": "content_block_stop", "index": i}))
+    return frames
+
+
+def _json_delta(index: int, piece: str) -> bytes:
+    return _frame("content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": {"type": "input_json_delta", "partial_json": piece}})
 
 
 def _system_text(system: Any) -> str:
@@ -209,6 +244,8 @@ class MessagesApi:
                 stream=stream, fault=fault, cache_salt=None, lora=self._adapter(body.get("model")),
                 dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
+            if self.cfg.tool_call_parser:
+                seq.tool_calls = messages_tool_calls(body, vllm_call_id)
             engine.role.accept(seq, body)
         except ApiError as exc:
             return _error_response(exc)
@@ -228,10 +265,14 @@ class MessagesApi:
         if result.final.finish_reason == "error" or result.final.status is not None:
             return _error_response(ApiError(500, "Internal server error", type_="InternalServerError"))
         content = [{"type": "text", "text": result.text}] if result.text else []
+        if seq.tool_calls is not None:
+            content = _tool_use_blocks(seq.tool_calls, result.text)
         out: dict[str, Any] = {"id": seq.id, "type": "message", "role": "assistant", "content": content,
                                "model": self.cfg.served_name,
                                "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}
-        if seq.finish_reason in _STOP_REASONS:
+        if seq.tool_calls is not None:
+            out["stop_reason"] = "tool_use"
+        elif seq.finish_reason in _STOP_REASONS:
             out["stop_reason"], matched = _stop(seq)
             if matched is not None:
                 out["stop_sequence"] = matched
@@ -261,7 +302,10 @@ class MessagesApi:
                         "id": seq.id, "type": "message", "role": "assistant", "content": [],
                         "model": self.cfg.served_name, "stop_reason": None, "stop_sequence": None,
                         "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": 0}}}))
-                if out.text:
+                if seq.tool_calls is not None:
+                    for frame in _tool_use_frames(seq.tool_calls, out.text, out.finish_reason is not None):
+                        await resp.write(frame)
+                elif out.text:
                     if not block_open:
                         block_open = True
                         await resp.write(_frame("content_block_start", {
@@ -270,7 +314,7 @@ class MessagesApi:
                         "type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}}))
         if block_open:
             await resp.write(_frame("content_block_stop", {"type": "content_block_stop", "index": 0}))
-        reason, matched = _stop(seq)
+        reason, matched = _stop(seq) if seq.tool_calls is None else ("tool_use", None)
         await resp.write(_frame("message_delta", {
             "type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": matched},
             "usage": {"input_tokens": seq.prompt_tokens, "output_tokens": seq.completion_tokens}}))
@@ -334,6 +378,8 @@ class SGLangMessagesApi(MessagesApi):
                                       stop=parse_stop(body.get("stop_sequences")), ignore_eos=False),
                 stream=stream, fault=fault, cache_salt=None, dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
+            if self.cfg.tool_call_parser:
+                seq.tool_calls = messages_tool_calls(body, sglang_call_id)
             engine.role.accept(seq, body)
             engine.submit(seq)
         try:
@@ -356,9 +402,12 @@ class SGLangMessagesApi(MessagesApi):
         if result.final.finish_reason == "error" or result.final.status is not None:
             return self._failed()
         content = [{"type": "text", "text": result.text}] if result.text else []
+        finish = seq.finish_reason
+        if seq.tool_calls is not None:
+            content, finish = _tool_use_blocks(seq.tool_calls, result.text), "tool_calls"
         return json_response({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
                               "content": content, "model": model,
-                              "stop_reason": _STOP_REASONS.get(seq.finish_reason or "stop", "end_turn"),
+                              "stop_reason": _STOP_REASONS.get(finish or "stop", "end_turn"),
                               "usage": self._usage(seq)})
 
     async def _sglang_stream(self, request: web.Request, seq: Sequence | None, model: str,
@@ -386,7 +435,10 @@ class SGLangMessagesApi(MessagesApi):
                         await resp.write(_frame("message_start", {"type": "message_start", "message": {
                             "id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "content": [],
                             "model": model, "usage": dict(usage)}}))
-                    if out.text:
+                    if seq.tool_calls is not None:
+                        for frame in _tool_use_frames(seq.tool_calls, out.text, out.finish_reason is not None):
+                            await resp.write(frame)
+                    elif out.text:
                         if not block_open:
                             block_open = True
                             await resp.write(_frame("content_block_start", {
@@ -396,7 +448,7 @@ class SGLangMessagesApi(MessagesApi):
                             "type": "content_block_delta", "index": 0,
                             "delta": {"type": "text_delta", "text": out.text}}))
                     if out.finish_reason is not None:
-                        finish = out.finish_reason
+                        finish = out.finish_reason if seq.tool_calls is None else "tool_calls"
                 else:
                     usage = self._usage(seq)
         if block_open:

@@ -62,6 +62,7 @@ from enginesim.frontend import (
 from enginesim.protocol import bool_field, lax_int
 from enginesim.sequence import SamplingParams, Sequence
 from enginesim.tokenizer import content_text
+from enginesim.tools import ToolCalls, responses_tool_calls
 from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, drop_connection, json_response, read_json
 
@@ -215,6 +216,8 @@ class ResponsesApi:
                                       fault=fault, cache_salt=salt if isinstance(salt, str) and salt else None,
                                       dp_rank=request_dp_rank(engine, request))
             seq.trace_headers = trace_headers(request.headers)
+            if self.cfg.tool_call_parser:
+                seq.tool_calls = responses_tool_calls(body, lambda: f"call_{uuid.uuid4().hex[:24]}")
             engine.role.accept(seq, body)
         except ApiError as exc:
             return exc.response(self.style)
@@ -272,10 +275,20 @@ class ResponsesApi:
             status == "completed" else []
         return {"id": item_id, "content": content, "role": "assistant", "status": status, "type": "message"}
 
+    @staticmethod
+    def _call_item(calls: ToolCalls, i: int, item_id: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+        return {"arguments": arguments, "call_id": calls.ids[i], "name": calls.names[i], "type": "function_call",
+                "id": item_id, "status": status}
+
     def _finished(self, body: dict[str, Any], seq: Sequence, max_tokens: int, text: str, store: bool,
-                  responses_usage: bool = True) -> dict[str, Any]:
-        output = [self._message_item(f"msg_{uuid.uuid4().hex}", text)] if text else []
-        cut = seq.finish_reason == "length" and not self.sglang
+                  responses_usage: bool = True, item_ids: list[str] | None = None) -> dict[str, Any]:
+        calls: ToolCalls | None = seq.tool_calls
+        if calls is not None:           # the calls are whole, whatever ended the generation
+            ids = item_ids or [f"fc_{uuid.uuid4().hex}" for _ in calls.names]
+            output = [self._call_item(calls, i, ids[i], calls.arguments(i, text)) for i in range(len(calls.names))]
+        else:
+            output = [self._message_item(f"msg_{uuid.uuid4().hex}", text)] if text else []
+        cut = seq.finish_reason == "length" and not self.sglang and calls is None
         resp = self._response(body, seq, max_tokens, "incomplete" if cut else "completed", output,
                               self._usage(seq, responses_shape=responses_usage))
         if cut:
@@ -348,6 +361,7 @@ class ResponsesApi:
         await send("response.created", {"response": initial})
         await send("response.in_progress", {"response": initial})
         item_id = f"{'item' if self.sglang else 'msg'}_{uuid.uuid4().hex}"
+        call_ids = [f"fc_{uuid.uuid4().hex}" for _ in (seq.tool_calls.names if seq.tool_calls is not None else ())]
         text, started, sent = [], False, 0
         drop_after = seq.fault.drop_after
         while True:
@@ -363,7 +377,17 @@ class ResponsesApi:
                 if request is not None:
                     drop_connection(request)      # the generator raises: Starlette breaks the response
                 raise Dropped
-            if out.text:
+            calls: ToolCalls | None = seq.tool_calls
+            if calls is not None:
+                if out.text or (out.finish_reason is not None and not started):
+                    if not started:
+                        started = True
+                        await send("response.output_item.added", {"output_index": 0, "item": self._call_item(
+                            calls, 0, call_ids[0], "", "in_progress")})
+                    text.append(out.text)
+                    await send("response.function_call_arguments.delta", {
+                        "delta": calls.piece(out.text), "item_id": call_ids[0], "output_index": 0})
+            elif out.text:
                 if not started:
                     started = True
                     await send("response.output_item.added", {"output_index": 0, "item": self._message_item(
@@ -377,6 +401,25 @@ class ResponsesApi:
             if out.finish_reason is not None:
                 break
         full = "".join(text)
+        calls = seq.tool_calls
+        if calls is not None:
+            for i, name in enumerate(calls.names):
+                args = calls.arguments(i, full)
+                if i == 0:
+                    await send("response.function_call_arguments.delta", {
+                        "delta": calls.close(), "item_id": call_ids[0], "output_index": 0})
+                else:
+                    await send("response.output_item.added", {"output_index": i, "item": self._call_item(
+                        calls, i, call_ids[i], "", "in_progress")})
+                    await send("response.function_call_arguments.delta", {
+                        "delta": args, "item_id": call_ids[i], "output_index": i})
+                await send("response.function_call_arguments.done", {
+                    "arguments": args, "item_id": call_ids[i], "name": name, "output_index": i})
+                await send("response.output_item.done", {"output_index": i, "item": self._call_item(
+                    calls, i, call_ids[i], args)})
+            await send("response.completed", {"response": self._finished(body, seq, max_tokens, full, store,
+                                                                            item_ids=call_ids)})
+            return
         if started:
             part = {"annotations": [], "text": full, "type": "output_text", "logprobs": None}
             await send("response.output_text.done", {"content_index": 0, "item_id": item_id, "logprobs": [],

@@ -108,6 +108,7 @@ class Sequence:
     lora: str | None = None          # the LoRA adapter it runs on
     lora_held: bool = False          # it holds a GPU slot for that adapter (enginesim/lora.py)
     trace_headers: dict[str, str] | None = None  # the request's W3C traceparent/tracestate (enginesim.tracing)
+    tool_calls: Any = None  # the calls it answers with (enginesim.tools.ToolCalls), or None: text
     first_token: int | None = None  # forced first output token (SGLang decode: the prefill's token)
     channel: Channel = field(default_factory=Channel)
     admitted: asyncio.Event = field(default_factory=asyncio.Event)

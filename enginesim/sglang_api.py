@@ -36,6 +36,7 @@ from enginesim.frontend import (
 from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, parse_stop, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
+from enginesim.tools import ToolCalls, chat_tool_calls, sglang_call_id, tool_deltas
 from enginesim.tracing import trace_headers
 from enginesim.vllm_api import embed, embedding_inputs
 from enginesim.wire import SseWriter, json_response, read_json
@@ -180,6 +181,8 @@ class SglangApi:
             params = SamplingParams(max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                     ignore_eos=req.ignore_eos)
             seq = self._submit(request, body, req.prompt_ids, params, req.stream)
+            if kind == "chat" and self.cfg.tool_call_parser:
+                seq.tool_calls = chat_tool_calls(body, sglang_call_id)
         except ApiError as exc:
             return exc.response(OPENAI)
         try:
@@ -204,8 +207,15 @@ class SglangApi:
                                  "tool_calls": None}
         else:
             choice["text"] = (req.echo or "") + result.text
-        choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
-                       "matched_stop": self._matched_stop(seq)})
+        calls: ToolCalls | None = seq.tool_calls
+        if calls is not None and req.kind == "chat":
+            choice["message"]["content"] = None
+            choice["message"]["tool_calls"] = [
+                {"id": calls.ids[i], "index": i, "type": "function",
+                 "function": {"name": name, "arguments": calls.arguments(i, result.text)}}
+                for i, name in enumerate(calls.names)]
+        choice.update({"logprobs": None, "finish_reason": "tool_calls" if calls is not None else seq.finish_reason,
+                       "matched_stop": None if calls is not None else self._matched_stop(seq)})
         if req.kind == "chat":
             choice["hidden_states"] = None
         body: dict[str, Any] = {"id": seq.id,
@@ -252,12 +262,20 @@ class SglangApi:
                                                                        "role": "assistant", "content": ""},
                                                  "logprobs": None, "finish_reason": None,
                                                  "matched_stop": None}))
-                    if out.text:
+                    if seq.tool_calls is not None:
+                        for d in tool_deltas(seq.tool_calls, out.text, finishing):
+                            await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None, "tool_calls": [d]},
+                                                     "logprobs": None, "finish_reason": None, "matched_stop": None}))
+                        if finishing:
+                            await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None},
+                                                     "logprobs": None, "finish_reason": "tool_calls",
+                                                     "matched_stop": None}))
+                    elif out.text:
                         await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None,
                                                                        "content": out.text},
                                                  "logprobs": None, "finish_reason": None,
                                                  "matched_stop": None}))
-                    if finishing:
+                    if finishing and seq.tool_calls is None:
                         await writer.send(chunk({"index": 0, "delta": {"reasoning_content": None},
                                                  "logprobs": None, "finish_reason": out.finish_reason,
                                                  "matched_stop": self._matched_stop(seq)}))

@@ -38,10 +38,18 @@ from enginesim.lora import LoraError, LoraFull
 from enginesim.protocol import OpenAIRequest, parse_openai, token_id_list
 from enginesim.sequence import SamplingParams, Sequence, StepOutput
 from enginesim.tokenizer import EOS_TOKEN_ID, ids_bytes
+from enginesim.tools import ToolCalls, chat_tool_calls, tool_deltas, vllm_call_id
 from enginesim.tracing import trace_headers
 from enginesim.wire import SseWriter, json_response, read_json
 
 STYLE = ErrorStyle.VLLM
+
+
+def _tool_finish(seq: Sequence) -> str | None:
+    """A tool-call answer's finish reason: vLLM's ``tool_calls`` for calls its parser found (auto,
+    required), ``stop`` for a named tool (guided decoding, no parser). The simulated calls are
+    whole whatever ended the generation (see enginesim.tools), so never ``length``."""
+    return "stop" if seq.tool_calls.named else "tool_calls"
 
 
 class VllmApi:
@@ -142,6 +150,8 @@ class VllmApi:
                 stream=req.stream, fault=fault, cache_salt=req.cache_salt, lora=self._adapter(req.model),
                 dp_rank=(dp_rank := request_dp_rank(engine, request)))
             seq.trace_headers = trace_headers(request.headers)
+            if kind == "chat" and self.cfg.tool_call_parser and req.n == 1:
+                seq.tool_calls = chat_tool_calls(body, vllm_call_id)
             engine.role.accept(seq, body)
             # vLLM forks a request of n choices into n child requests of the same prompt
             seqs = [seq] + [engine.new_sequence(
@@ -192,7 +202,14 @@ class VllmApi:
                                  "tool_calls": [], "reasoning": None}
         else:
             choice["text"] = text
-        choice.update({"logprobs": None, "finish_reason": seq.finish_reason,
+        calls: ToolCalls | None = seq.tool_calls
+        if calls is not None and req.kind == "chat":
+            choice["message"]["content"] = None
+            choice["message"]["tool_calls"] = [
+                {"id": calls.ids[i], "type": "function",
+                 "function": {"name": name, "arguments": calls.arguments(i, text)}}
+                for i, name in enumerate(calls.names)]
+        choice.update({"logprobs": None, "finish_reason": _tool_finish(seq) if calls is not None else seq.finish_reason,
                        "stop_reason": self._stop_reason(seq),
                        "token_ids": list(seq.output_ids) if token_ids else None})
         if req.kind == "completions":
@@ -258,6 +275,11 @@ class VllmApi:
                     if req.echo:        # echo: the last message's content, a chunk of its own
                         await writer.send(chunk({"index": 0, "delta": {"content": req.echo}, "logprobs": None,
                                                  "finish_reason": None}))
+                if chat and seq.tool_calls is not None:
+                    for c in self._tool_deltas(seq, out):
+                        await writer.send(chunk(c))
+                    first = False
+                    continue
                 if (out.finish_reason is None and not out.text and not (req.return_token_ids and out.token_ids)
                         and echo is None):
                     continue  # held back (maybe the start of a stop string); its ids still go out when asked
@@ -271,6 +293,18 @@ class VllmApi:
                                "usage": _drop_none(self._usage(seq, final=True)),
                                "system_fingerprint": self.fingerprint})
         return await writer.done(partial(at_end, self.engine, request, seq.fault))
+
+    def _tool_deltas(self, seq: Sequence, out: StepOutput) -> list[dict[str, Any]]:
+        """The choices of a tool-call answer's chunks for one output: the first call's arguments
+        a piece at a time (its id and name on the first), the other calls whole at the end, then
+        the finishing chunk."""
+        deltas = tool_deltas(seq.tool_calls, out.text, out.finish_reason is not None)
+        out_choices = [{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}
+                       for d in deltas]
+        if out.finish_reason is not None:
+            out_choices.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": _tool_finish(seq),
+                                "stop_reason": self._stop_reason(seq)})
+        return out_choices
 
     def _delta_chunk(self, chunk: Any, chat: bool, seq: Sequence, out: StepOutput,
                      has_usage_chunk: bool, token_ids: bool = False,
