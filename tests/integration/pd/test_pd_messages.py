@@ -107,6 +107,31 @@ async def test_count_tokens_of_a_vllm_pd_model_runs_whole_on_the_decode(sims, ga
     assert 'switchyard_path_requests_total{path="/v1/messages/count_tokens",status="200"} 1.0' in text
 
 
+def _tool_turn(result: object) -> list[dict]:
+    """A conversation whose last turn gives back a tool's result as ``result`` (a string, or a list
+    of content blocks)."""
+    return [{"role": "user", "content": "Read the routing table."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                               "input": {"path": "routes.txt"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}]
+
+
+async def test_a_tool_results_text_is_the_prompts_whether_a_string_or_text_blocks(sims, gateway):
+    """A ``tool_result``'s content is a string or a list of content blocks, the same text to the
+    engine (vLLM joins the text blocks into the tool message it renders; SGLang too): a long result
+    is a long prompt either way, so the P/D rule for short prompts leaves both disaggregated."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)], pd={"disaggregate_min_prompt_tokens": 200})])
+    c = anthropic_client(gw)
+    table = "route 10.0.0.0/8 via the east gateway, metric 20\n" * 40        # ~2,000 characters
+    for result in (table, [{"type": "text", "text": table}],
+                   [{"type": "text", "text": table[:1000]}, {"type": "text", "text": table[1000:]}]):
+        raw = await c.messages.with_raw_response.create(model="m", max_tokens=2, messages=_tool_turn(result))
+        assert raw.headers["x-pd-decision"] == "disaggregated; reason=uncached", result
+    raw = await c.messages.with_raw_response.create(model="m", max_tokens=2, messages=_tool_turn("42"))
+    assert raw.headers["x-pd-decision"] == "decode; reason=short_prompt"
+
+
 @pytest.mark.parametrize("path", [MESSAGES, COUNT])
 async def test_an_sglang_pd_model_refuses_the_messages_api(sims, gateway, path):
     p, d = await pd_pair(sims, "sglang")
