@@ -1,11 +1,14 @@
 """Simulated tool calls (``--tool-call-parser``), as an engine's tool parser turns a model's output
-into calls, for chat completions and the Messages API that both engines build on their chat.
+into calls: chat completions, the Messages API both engines build on their chat, and the
+Responses API's function tools.
 
 With a tool-call parser set, a request that offers function tools is answered with calls instead
 of text when its ``tool_choice`` asks for one (``required`` or a named tool; ``any`` or ``tool`` in
 the Messages API) or leaves it to the model (``auto``, the default when tools are given) and the
-conversation does not end with a tool's result: a turn that answers a call gets text, as a model
-that read the result would write. ``none`` gets text always. Without a parser the tools are
+conversation ends with the user's message: a turn that answers a call (a ``tool`` message, a
+``tool_result`` block, a ``function_call_output`` item) gets text, as a model that read the
+result would write, and so does an assistant message left open to be continued
+(``continue_final_message``). ``none`` gets text always. Without a parser the tools are
 ignored and the answer is text, as before.
 
 Which tools: a named one, else the first; with parallel calls allowed (chat's and Responses'
@@ -124,7 +127,7 @@ def chat_tool_calls(body: dict[str, Any], ids: Any) -> ToolCalls | None:
     messages = body.get("messages")
     last = messages[-1] if isinstance(messages, list) and messages and isinstance(messages[-1], dict) else {}
     return _choose(tools, body.get("tool_choice"), body.get("parallel_tool_calls") is not False,
-                   last.get("role") != "tool", ids)
+                   last.get("role") == "user", ids)
 
 
 def messages_tool_calls(body: dict[str, Any], ids: Any) -> ToolCalls | None:
@@ -145,7 +148,7 @@ def messages_tool_calls(body: dict[str, Any], ids: Any) -> ToolCalls | None:
     content = last.get("content")
     answered = isinstance(content, list) and any(isinstance(b, dict) and b.get("type") == "tool_result"
                                                  for b in content)
-    return _choose(tools, choice, parallel, not answered, ids)
+    return _choose(tools, choice, parallel, last.get("role") == "user" and not answered, ids)
 
 
 def responses_tool_calls(body: dict[str, Any], ids: Any) -> ToolCalls | None:
@@ -153,9 +156,9 @@ def responses_tool_calls(body: dict[str, Any], ids: Any) -> ToolCalls | None:
     tools = [t for t in (_flat_tool(x, "parameters") for x in body.get("tools") or ())
              if t is not None] if isinstance(body.get("tools"), list) else []
     inp = body.get("input")
-    last = inp[-1] if isinstance(inp, list) and inp and isinstance(inp[-1], dict) else {}
+    last = inp[-1] if isinstance(inp, list) and inp and isinstance(inp[-1], dict) else {"role": "user"}
     return _choose(tools, body.get("tool_choice"), body.get("parallel_tool_calls") is not False,
-                   last.get("type") != "function_call_output", ids)
+                   last.get("role", "user") == "user" and last.get("type") in (None, "message"), ids)
 
 
 def tool_deltas(calls: ToolCalls, text: str, finishing: bool) -> list[dict[str, Any]]:
