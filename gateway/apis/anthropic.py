@@ -93,7 +93,8 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 
 def _blocks_text(content: Any, where: str, media: list[bool], system: bool = False) -> str:
     """The text of a message's ``content``: a string, or a list of content blocks whose text
-    (``text`` blocks, and the string content of ``tool_result`` blocks) is what the prefix holds.
+    (``text`` blocks, and the content of ``tool_result`` blocks, a string or text blocks) is what
+    the prefix holds.
     An ``image`` or ``document`` block sets ``media[0]`` (the request is multimodal). In a system
     prompt, text blocks holding Claude Code's attribution line are left out, as the engine leaves
     them out of what it renders."""
@@ -114,11 +115,33 @@ def _blocks_text(content: Any, where: str, media: list[bool], system: bool = Fal
                 raise _bad(f"{where}.{i}.text: Input should be a valid string")
             if not (system and text.startswith(_BILLING_HEADER)):
                 out.append(text)
-        elif block["type"] == "tool_result" and isinstance(block.get("content"), str):
-            out.append(block["content"])
+        elif block["type"] == "tool_result":
+            result = _tool_result_text(block.get("content"), media)
+            if result:
+                out.append(result)
         elif block["type"] in ("image", "document"):
             media[0] = True
     return "\n".join(out)
+
+
+def _tool_result_text(content: Any, media: list[bool]) -> str:
+    """The text a ``tool_result`` block gives the engine: its content when a string, else the text
+    of its text blocks joined by newlines, as both engines build the tool message they render
+    (vLLM's ``_convert_user_tool_result``, SGLang's ``_convert_tool_result_content``); an image in
+    it sets ``media[0]``. Content of another shape is the engine's to refuse."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    texts = []
+    for part in content:
+        if isinstance(part, dict):
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif kind in ("image", "document"):
+                media[0] = True
+    return "\n".join(texts)
 
 
 def _check_temperature(v: Any) -> None:
