@@ -45,6 +45,30 @@ async def test_short_prompt_runs_whole_on_the_vllm_decode(sims, gateway):
     assert (await sim_state(d.url))["pd"]["recomputed"] == 0     # no KV params: a local prefill, not a failed pull
 
 
+def _tools(n: int) -> list[dict]:
+    """``n`` function tools, each with a described schema (about 300 characters)."""
+    return [{"type": "function", "function": {
+        "name": f"lookup_route_{i}", "description": f"Look up route table {i} of the gateway fleet by prefix.",
+        "parameters": {"type": "object", "properties": {
+            "prefix": {"type": "string", "description": "an IPv4 prefix such as 10.0.0.0/8"},
+            "region": {"type": "string", "enum": ["east", "west", "north", "south"]}},
+            "required": ["prefix"]}}} for i in range(n)]
+
+
+async def test_a_chats_tools_count_in_its_prompt(sims, gateway):
+    """The engine renders a chat's tools into the prompt it prefills (vLLM hands them to the chat
+    template): a short question offering a dozen tools is not a short prompt."""
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d, disaggregate_min_prompt_tokens=500)])
+    ask = [{"role": "user", "content": "Which route serves 10.1.2.3?"}]
+    client = openai_client(gw)
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=ask, max_tokens=2, tools=_tools(12))
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=uncached"
+    raw = await client.chat.completions.with_raw_response.create(model="m", messages=ask, max_tokens=2, tools=_tools(1))
+    assert raw.headers["x-pd-decision"] == "decode; reason=short_prompt"
+    await client.close()
+
+
 async def test_follow_up_turn_runs_on_the_decode_that_holds_its_history(sims, gateway):
     p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
     gw = await gateway([vllm_model(p, d, disaggregate_min_uncached_tokens=200)])

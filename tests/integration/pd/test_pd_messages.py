@@ -132,6 +132,24 @@ async def test_a_tool_results_text_is_the_prompts_whether_a_string_or_text_block
     assert raw.headers["x-pd-decision"] == "decode; reason=short_prompt"
 
 
+async def test_a_messages_requests_tools_count_in_its_prompt(sims, gateway):
+    """The engine renders a Messages request's tools into the prompt it prefills (both engines make
+    them the chat request's tools): a short question offering a dozen tools is not a short prompt."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)], pd={"disaggregate_min_prompt_tokens": 500})])
+    c = anthropic_client(gw)
+    tools = [{"name": f"lookup_route_{i}", "description": f"Look up route table {i} of the gateway fleet by prefix.",
+              "input_schema": {"type": "object", "properties": {
+                  "prefix": {"type": "string", "description": "an IPv4 prefix such as 10.0.0.0/8"},
+                  "region": {"type": "string", "enum": ["east", "west", "north", "south"]}},
+                  "required": ["prefix"]}} for i in range(12)]
+    ask = [{"role": "user", "content": "Which route serves 10.1.2.3?"}]
+    raw = await c.messages.with_raw_response.create(model="m", max_tokens=2, messages=ask, tools=tools)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=uncached"
+    raw = await c.messages.with_raw_response.create(model="m", max_tokens=2, messages=ask, tools=tools[:1])
+    assert raw.headers["x-pd-decision"] == "decode; reason=short_prompt"
+
+
 @pytest.mark.parametrize("path", [MESSAGES, COUNT])
 async def test_an_sglang_pd_model_refuses_the_messages_api(sims, gateway, path):
     p, d = await pd_pair(sims, "sglang")
