@@ -490,6 +490,17 @@ def _text_of_content(content: Any, i: int, media: list[bool]) -> str:
 _ROLE_CONTENT = itemgetter("role", "content")
 
 
+def tools_tokens(tools: Any) -> int:
+    """The token estimate of a request's ``tools``: the engine renders them into the prompt it
+    prefills (a chat template's ``tools``, as JSON), so they count as their JSON's characters do.
+    Called only for a request that offers tools; a value the encoder cannot write (nested past
+    its depth) counts nothing, the engine's to refuse."""
+    try:
+        return len(orjson.dumps(tools)) // CHARS_PER_TOKEN
+    except orjson.JSONEncodeError:
+        return 0
+
+
 def _chat_prompt(data: dict[str, Any], media: list[bool]) -> str:
     messages = data.get("messages")
     if not isinstance(messages, list):
@@ -676,8 +687,12 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
 
     exact_tokens: int | None = None
     media = [False]
+    tools_est = 0
     if path == CHAT:
         prompt_text = _chat_prompt(data, media)
+        tools = data.get("tools")
+        if tools:
+            tools_est = tools_tokens(tools)
     elif path == COMPLETIONS:
         prompt_text, exact_tokens = _completion_prompt(data)
         prompt = data["prompt"]
@@ -690,7 +705,7 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
     if user is None and isinstance(data.get("user"), str):
         user = data["user"]
 
-    est = exact_tokens if exact_tokens is not None else max(1, len(prompt_text) // CHARS_PER_TOKEN)
+    est = exact_tokens if exact_tokens is not None else max(1, len(prompt_text) // CHARS_PER_TOKEN) + tools_est
     slo_ttft, slo_tpot = slo_objectives(headers)
     return InferenceRequest(
         path=path,

@@ -57,6 +57,7 @@ from gateway.request import (
     lax_int,
     load_object,
     slo_objectives,
+    tools_tokens,
 )
 from gateway.resilience.outcome import event_status
 from handlers import adapter_for
@@ -247,7 +248,8 @@ class AnthropicApi(EngineSpecificApi):
         return InferenceRequest(
             path=path, body=body, data=data, model=model, stream=stream,
             include_usage=True,          # a Messages stream always carries its usage
-            prompt_text=prompt_text, prompt_tokens_est=max(1, len(prompt_text) // CHARS_PER_TOKEN),
+            prompt_text=prompt_text,
+            prompt_tokens_est=max(1, len(prompt_text) // CHARS_PER_TOKEN) + (tools_tokens(tools) if tools else 0),
             request_id=request_id, user=user, session_id=session_id, session_key=session_key,
             headers=headers,         # type: ignore[arg-type]
             multimodal=media[0], slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,
