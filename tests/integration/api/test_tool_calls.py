@@ -11,6 +11,7 @@ import pytest
 
 from tests.support.factories import model_block
 from tests.support.http import anthropic_client, openai_client, sim_state
+from tests.support.waiting import until
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -157,3 +158,35 @@ async def test_structured_output_reaches_the_engine_as_sent(sims, gateway):
     bad = {"type": "json_schema", "json_schema": {"name": "w", "schema": "not a schema"}}
     await c.chat.completions.create(model="m", messages=ASK, max_tokens=2, response_format=bad)
     assert (await last("/v1/chat/completions"))["response_format"] == bad
+
+
+@pytest.mark.parametrize("state", ["engine", "gateway"])
+async def test_a_responses_requests_tools_count_in_its_prompt_estimate(fleet, state):
+    """A stream the engine breaks off before its usage is charged its prompt's estimate (and the
+    events it sent): the tools the engine renders into the prompt are part of it, on a first turn
+    and on a follow-up the gateway builds from its history."""
+    gw, _ = await fleet(responses={"state": state},
+                        limits={"users": {"alice": {"tpm": 1000000, "rpm": 1000, "max_concurrent": 4}}})
+    tools = [{**RTOOLS[0], "name": f"lookup_route_{i}",
+              "description": f"Look up route table {i} of the gateway fleet by prefix."} for i in range(12)]
+    tools_chars = len(json.dumps(tools, separators=(",", ":")))          # about 2,000
+    c = openai_client(gw)
+    first = await c.responses.create(model="llama", input="Hi", max_output_tokens=2, user="alice")
+    state_ = gw.gw.tenancy.state
+
+    async def charged() -> int:
+        async def settled():
+            usage = await state_.usage("alice")
+            return usage if usage["concurrent"] == 0 else None
+        return (await until(settled))["tokens"]
+
+    before = await charged()
+    for prev in (None, first.id):
+        async with c.responses.stream(model="llama", input="Which route serves 10.1.2.3?", tools=tools,
+                                      max_output_tokens=20, user="alice", previous_response_id=prev,
+                                      extra_headers={"x-sim-fault": "drop_after=2"}) as stream:
+            seen = [ev.type async for ev in stream]
+        assert seen[-1] == "response.failed"
+        after = await charged()
+        assert after - before >= tools_chars // 4, (after - before, tools_chars)
+        before = after
