@@ -5,6 +5,7 @@ no-local-path case, with the metric, the header and the engines' own counts as p
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -66,6 +67,25 @@ async def test_a_chats_tools_count_in_its_prompt(sims, gateway):
     assert raw.headers["x-pd-decision"] == "disaggregated; reason=uncached"
     raw = await client.chat.completions.with_raw_response.create(model="m", messages=ask, max_tokens=2, tools=_tools(1))
     assert raw.headers["x-pd-decision"] == "decode; reason=short_prompt"
+    await client.close()
+
+
+async def test_a_chats_earlier_tool_calls_count_in_its_prompt(sims, gateway):
+    """An assistant turn's tool calls are rendered with their arguments: a call that wrote a long
+    file makes a long prompt, whether the turn's content is null or an empty string."""
+    p, d = await sims("vllm", "m", role="prefill"), await sims("vllm", "m", role="decode")
+    gw = await gateway([vllm_model(p, d, disaggregate_min_prompt_tokens=200)])
+    body = "route 10.0.0.0/8 via the east gateway, metric 20\n" * 40        # ~2,000 characters
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "write_file", "arguments": json.dumps({"path": "routes.txt", "content": body})}}
+    client = openai_client(gw)
+    for content in (None, ""):
+        turn = [{"role": "user", "content": "Write the routing table."},
+                {"role": "assistant", "content": content, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "written"}]
+        raw = await client.chat.completions.with_raw_response.create(model="m", messages=turn, max_tokens=2,
+                                                                     tools=_tools(1))
+        assert raw.headers["x-pd-decision"] == "disaggregated; reason=uncached", content
     await client.close()
 
 

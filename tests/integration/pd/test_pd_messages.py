@@ -132,6 +132,22 @@ async def test_a_tool_results_text_is_the_prompts_whether_a_string_or_text_block
     assert raw.headers["x-pd-decision"] == "decode; reason=short_prompt"
 
 
+async def test_a_tool_calls_input_is_the_prompts(sims, gateway):
+    """A ``tool_use`` block of an assistant turn is rendered as the call it was, its input as JSON
+    (both engines make it a tool call whose arguments are that JSON): a call that wrote a long file
+    makes a long prompt."""
+    p, d = await pd_pair(sims, "vllm")
+    gw = await gateway([pd_model("vllm", [roleset("vllm", p, d)], pd={"disaggregate_min_prompt_tokens": 200})])
+    c = anthropic_client(gw)
+    body = "route 10.0.0.0/8 via the east gateway, metric 20\n" * 40        # ~2,000 characters
+    turn = [{"role": "user", "content": "Write the routing table."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "write_file",
+                                               "input": {"path": "routes.txt", "content": body}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "written"}]}]
+    raw = await c.messages.with_raw_response.create(model="m", max_tokens=2, messages=turn)
+    assert raw.headers["x-pd-decision"] == "disaggregated; reason=uncached"
+
+
 async def test_a_messages_requests_tools_count_in_its_prompt(sims, gateway):
     """The engine renders a Messages request's tools into the prompt it prefills (both engines make
     them the chat request's tools): a short question offering a dozen tools is not a short prompt."""
