@@ -490,6 +490,20 @@ def _text_of_content(content: Any, i: int, media: list[bool]) -> str:
 _ROLE_CONTENT = itemgetter("role", "content")
 
 
+def _calls_chars(messages: list[Any]) -> int:
+    """The characters of the arguments of the assistant turns' ``tool_calls``, which the engine
+    renders with the calls (their content, null or empty, holds none of it)."""
+    n = 0
+    for msg in messages:
+        calls = msg.get("tool_calls")
+        if isinstance(calls, list):
+            for call in calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    n += len(fn["arguments"])
+    return n
+
+
 def tools_tokens(tools: Any) -> int:
     """The token estimate of a request's ``tools``: the engine renders them into the prompt it
     prefills (a chat template's ``tools``, as JSON), so they count as their JSON's characters do.
@@ -691,8 +705,8 @@ def parse(path: str, body: bytes, headers: dict[str, str], request_id: str) -> I
     if path == CHAT:
         prompt_text = _chat_prompt(data, media)
         tools = data.get("tools")
-        if tools:
-            tools_est = tools_tokens(tools)
+        if tools:       # a conversation with tool calls offers tools: their calls are counted with them
+            tools_est = tools_tokens(tools) + _calls_chars(data["messages"]) // CHARS_PER_TOKEN
     elif path == COMPLETIONS:
         prompt_text, exact_tokens = _completion_prompt(data)
         prompt = data["prompt"]

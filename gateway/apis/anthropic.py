@@ -94,8 +94,8 @@ _BILLING_HEADER = "x-anthropic-billing-header"
 
 def _blocks_text(content: Any, where: str, media: list[bool], system: bool = False) -> str:
     """The text of a message's ``content``: a string, or a list of content blocks whose text
-    (``text`` blocks, and the content of ``tool_result`` blocks, a string or text blocks) is what
-    the prefix holds.
+    (``text`` blocks, the content of ``tool_result`` blocks, a string or text blocks, and the input
+    of ``tool_use`` blocks as JSON) is what the prefix holds.
     An ``image`` or ``document`` block sets ``media[0]`` (the request is multimodal). In a system
     prompt, text blocks holding Claude Code's attribution line are left out, as the engine leaves
     them out of what it renders."""
@@ -120,9 +120,20 @@ def _blocks_text(content: Any, where: str, media: list[bool], system: bool = Fal
             result = _tool_result_text(block.get("content"), media)
             if result:
                 out.append(result)
+        elif block["type"] == "tool_use" and block.get("input"):
+            out.append(_json_text(block["input"]))
         elif block["type"] in ("image", "document"):
             media[0] = True
     return "\n".join(out)
+
+
+def _json_text(value: Any) -> str:
+    """A ``tool_use`` block's input as the engine renders it, the JSON arguments of the call both
+    engines make of it (nothing for a value the encoder cannot write, nested past its depth)."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError:
+        return ""
 
 
 def _tool_result_text(content: Any, media: list[bool]) -> str:
