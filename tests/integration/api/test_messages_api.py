@@ -149,8 +149,9 @@ async def test_a_mixed_model_sends_messages_to_both_engines(sims, gateway):
     gw = await gateway([model_block("mix", "vllm", [v.url, {"url": s.url, "engine": "sglang"}])])
     c = anthropic_client(gw)
     served = set()
-    for _ in range(6):
-        r = await c.messages.with_raw_response.create(model="mix", max_tokens=2, messages=MSGS)
+    for _ in range(2):       # in turn, so each engine has one (at random, all six went to one in 32 runs)
+        r = await c.messages.with_raw_response.create(model="mix", max_tokens=2, messages=MSGS,
+                                                      extra_headers={"routing-strategy": "round-robin"})
         served.add(r.headers["target-pod"])
         assert (await r.parse()).usage.output_tokens == 2
     await c.close()
