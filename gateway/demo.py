@@ -208,6 +208,8 @@ TRACING_ON = "Tracing: the gateway and every simulated engine send spans to {end
 async def run_demo(host: str | None = None, port: int | None = None, log_format: str = "auto") -> None:
     from enginesim import SimConfig, start_sim
 
+    # the engines answer requests offering tools with calls, as `vllm serve --enable-auto-tool-choice
+    # --tool-call-parser hermes` and SGLang's `--tool-call-parser qwen25` do
     # tracing follows the OTEL_* variables (the gateway's tracing block is left at its defaults);
     # the engines trace like vLLM with --otlp-traces-endpoint, so their spans join the gateway's
     traces = resolve(TracingConfig())
@@ -218,7 +220,8 @@ async def run_demo(host: str | None = None, port: int | None = None, log_format:
         for model, engine, role, eport, kw, _entry in DEMO_ENGINES:
             sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
                                                   host="127.0.0.1", seed=eport, otlp_traces_endpoint=sim_traces,
-                                                  enable_responses_store=True, **kw)))
+                                                  enable_responses_store=True,
+                                                  tool_call_parser="hermes" if engine == "vllm" else "qwen25", **kw)))
         cfg = config_from_dict(demo_config(host, port, log_format, batch_dir), source="<demo>")
         note = TRACING_ON.format(endpoint=traces.endpoint) if traces.enabled else TRACING_OFF
         await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note, users=" ".join(DEMO_USERS)))

@@ -69,6 +69,14 @@ async def test_demo_answers_every_model_streaming_and_not():
                 model="demo-chat", max_tokens=2, user=user, messages=[{"role": "user", "content": "Hi"}])
             served.add(r.headers["x-served-model"])
         assert served == {"demo-llama", "demo-qwen"}        # the banner's 90/10 canary, both arms reached
+        # the engines make tool calls, as vLLM and SGLang with a tool-call parser do
+        weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        for model in ("demo-llama", "demo-qwen"):
+            r = await client.chat.completions.create(model=model, max_tokens=64, tools=[weather],
+                                                     messages=[{"role": "user", "content": "Weather in Paris?"}])
+            assert r.choices[0].finish_reason == "tool_calls"
+            assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
         # the Messages API (vLLM) and a pass-through endpoint (SGLang's rerank), as the banner shows
         ac = anthropic.AsyncAnthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0)
         msg = await ac.messages.create(model="demo-llama", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
