@@ -256,6 +256,40 @@ async def test_stop_strings_continue_as_text_on_vllm(sims, gateway):
     assert text_of(got) == text_of(ref) and got[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("engine,fault,phase", [("vllm", "stall_after=4:inf", "idle"),
+                                                 ("sglang", "stall_after=4:inf", "idle"),
+                                                 ("vllm", "stall_before_first=inf", "first_chunk")])
+async def test_a_watchdog_fire_that_is_continued_is_counted_as_the_watchdogs(sims, gateway, engine, fault, phase):
+    """The watchdog cut a leg (an engine gone silent mid-stream, or a vLLM stream, whose head came
+    at once, silent before its first token) and the stream went on on another engine: the fire is
+    the watchdog's as any other (docs/resilience.md), counted in switchyard_watchdog_fires_total,
+    named on the request's log line, and the silent engine is let go. A continued stream's fire
+    was counted nowhere, its log line's watchdog field empty."""
+    bad = await sims(engine, "m", fault=fault)
+    good = await sims(engine, "m")
+    gw = await gateway([model_block("m", engine, [bad.url, good.url], strategy="round-robin", migration_limit=1,
+                                    watchdog={"idle_timeout_s": 0.3, "first_chunk_timeout_s": 0.3,
+                                              "aggregated": True})])
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    with gw.gw.request_log.capture() as logs:
+        st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    line = next(e for e in logs if e["event"] == "request")
+    assert [m["reason"] for m in line["migrations"]] == [f"{phase}_timeout"]
+    assert line["watchdog"] == phase
+    text = await gw.metrics_text()
+    assert migrations(text, "continued") == 1
+    assert f'switchyard_watchdog_fires_total{{model="m",phase="{phase}"}} 1.0' in text
+    await until(lambda: _quiet(bad.url))
+
+
+async def _quiet(url: str) -> bool:
+    return not (await sim_state(url))["running"]
+
+
 async def test_the_limit_ends_the_stream_with_todays_error_event(sims, gateway):
     gw, _ = await setup(sims, gateway, "vllm", "drop_after=4", limit=1, healthy=0)
     other = await sims("vllm", "m", fault="drop_after=4")
