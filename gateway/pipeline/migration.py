@@ -57,6 +57,7 @@ from gateway.pipeline.relay import (
     WatchdogFired,
     open_sse,
     stream_failure,
+    watchdog_fired,
 )
 from gateway.pipeline.sse import SSEScanner
 from gateway.request import CHAT, COMPLETIONS, InferenceRequest, body_bytes
@@ -246,6 +247,7 @@ class Migration:
         self.done = False
         self.error: Any = None
         self.after_end: str | None = None     # how the last leg's engine ended after its answer did
+        self.fired: WatchdogFired | None = None   # the watchdog cut the leg just relayed
         self.stops = stops_of(data)
         self.seam: StopSeam | None = None     # a continuation's first characters, checked for stop strings
         self.cut: bytes | None = None         # a stop string across the seam ended the answer: its last event
@@ -299,6 +301,11 @@ class Migration:
                         resp.release()
                     else:
                         resp.close()
+                if self.fired is not None:
+                    # the watchdog's fire as the plain relay notes it (log record, trace event,
+                    # count), whether the stream is then continued or ends here
+                    watchdog_fired(ctx, self.metrics, self.fired.phase, self.fired.seconds)
+                    self.fired = None
                 if error_class == ErrorClass.UPSTREAM_STREAM_UNSUPPORTED:
                     # the engine does not implement what the request asks: another endpoint would
                     # not either. The client gets the engine's error event, as the plain relay
@@ -370,6 +377,7 @@ class Migration:
                     if self.done or self.finished:    # the answer is whole ([DONE], or its finish_reason
                         self.after_end = w.phase      # came): the engine's end is not awaited further
                         break
+                    self.fired = w
                     return stream_failure(w)
                 if not chunk:
                     break
@@ -504,6 +512,9 @@ class Migration:
             refused = f"status {resp.status}"
             self.avoid.add(ep.name)
         self._count(rec, reason, "continued", failed_ep)
+        # a watchdog fire the continuation took (counted where it fired) no longer ends the answer:
+        # the record's phase is a fire that did (a P/D decode's engine is then told to stop)
+        rec.watchdog = None
         if relay.record is not None and failed is not None:    # the relay will record the new leg's end
             relay.record(failed, Outcome.FAULT, error_class)
         self.leg += 1
