@@ -13,7 +13,8 @@ from aiohttp import web
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client, sim_state, sse_events
-from tests.support.waiting import until
+from tests.support.tenancy import ALICE, KEYS
+from tests.support.waiting import until, wait_for
 
 MSG = [{"role": "user", "content": "tell me a long story about gateways"}]
 
@@ -287,6 +288,40 @@ async def test_a_watchdog_fire_that_is_continued_is_counted_as_the_watchdogs(sim
 
 async def _quiet(url: str) -> bool:
     return not (await sim_state(url))["running"]
+
+
+@pytest.mark.parametrize("fault", ["none", "drop_after=20"])
+async def test_a_continuable_stream_its_client_drops_is_charged_and_timed_as_a_plain_one(sims, gateway, fault):
+    """A stream on a model with migration_limit (continued or not) that its client drops before
+    the end: what it was sent is recorded as for any stream (docs/tenancy.md: its prompt and a
+    token for each generated chunk at least, so reading all but the end is not a way around TPM;
+    its TTFT). It was charged the prompt's estimate alone and had no TTFT, the migration's relay
+    recording nothing of a stream its client left."""
+    first = await sims("vllm", "m", itl_ms=5.0, fault=fault)
+    other = await sims("vllm", "m", itl_ms=5.0)
+    gw = await gateway([model_block("m", "vllm", [first.url, other.url], strategy="round-robin", migration_limit=1)],
+                       auth=KEYS, limits={"users": {"alice": {"tpm": 100000}}})
+    body = {"model": "m", "messages": MSG, "max_tokens": 400, "stream": True}
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json=body,
+                                                        headers={"Authorization": f"Bearer {ALICE}"}) as r:
+            got = 0
+            async for line in r.content:
+                got += line.startswith(b"data:") and b'"content"' in line
+                if got >= 60:
+                    break
+            r.connection.transport.abort()           # gone before the end (and the usage)
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["status"] == 499 and line["ttft_ms"] is not None
+    assert [m["outcome"] for m in line.get("migrations", [])] == (["continued"] if fault != "none" else [])
+    state = gw.gw.tenancy.state
+
+    async def charged():
+        tokens = (await state.usage("alice"))["tokens"]
+        return tokens if tokens >= 60 else 0
+    assert await wait_for(charged), await state.usage("alice")
+    assert 'switchyard_time_to_first_token_seconds_count{model="m"} 1.0' in await gw.metrics_text()
 
 
 async def test_the_limit_ends_the_stream_with_todays_error_event(sims, gateway):
