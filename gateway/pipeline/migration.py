@@ -292,6 +292,7 @@ class Migration:
         rec = ctx.rec
         out = await open_sse(ctx, headers, relay.whole)
         seen = SSEScanner()      # what the client receives: first token, gaps, finish
+        ending = False           # end_stream (which records the stream) was called
         try:
             while True:
                 try:
@@ -315,6 +316,7 @@ class Migration:
                     await self._write(out, event)
                     message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
+                    ending = True
                     return await relay.end_stream(ctx, out, seen, None)
                 if error_class is None:
                     if self.after_end is not None:      # as the plain relay notes it
@@ -327,11 +329,18 @@ class Migration:
                     if error_class == ErrorClass.UPSTREAM_STREAM_ERROR and isinstance(self.error, dict):
                         message = str(self.error.get("message") or message)
                     rec.error_class, rec.error = error_class, message[:200]
+                    ending = True
                     return await relay.end_stream(ctx, out, seen, (error_class, message))
                 resp = nxt
-        except ConnectionResetError:
-            rec.error_class = ErrorClass.CLIENT_CANCEL
-            raise asyncio.CancelledError from None
+        except (ConnectionResetError, asyncio.CancelledError) as e:
+            # the client left: what it received is recorded as the plain relay records it (its
+            # TTFT and gaps, what its tenant is charged), unless end_stream, which records it, ran
+            if not ending:
+                self._left(relay, rec, seen)
+            if isinstance(e, ConnectionResetError):
+                rec.error_class = ErrorClass.CLIENT_CANCEL
+                raise asyncio.CancelledError from None
+            raise
         # the legs' usage, summed: counted whether or not the client asked for it (its usage block
         # is written by the tail, past the scanner that sees what the client receives). It is
         # counted once, by end_stream: the scanner's own usage (the per-chunk usage a client with
@@ -344,6 +353,16 @@ class Migration:
         finally:
             if self.leg and self.prompt_details is _UNKNOWN:
                 rec.cached_tokens = None      # not known, rather than another prompt's
+
+    def _left(self, relay: Relay, rec, seen: SSEScanner) -> None:
+        """A stream its client left: what it received (first token, gaps), and the usage every leg
+        reported so far (each asks for it on every chunk): the original prompt and the tokens
+        generated, which its tenant is charged, at least a token for each generated chunk sent."""
+        if self.last_usage is not None:
+            seen.usage = self._merged(final=True)
+        relay.observe_stream(rec, seen)
+        if self.leg and self.prompt_details is _UNKNOWN:
+            rec.cached_tokens = None      # not known, rather than another prompt's
 
     @staticmethod
     async def _write(out: web.StreamResponse, data: bytes) -> None:
