@@ -324,6 +324,39 @@ async def test_a_continuable_stream_its_client_drops_is_charged_and_timed_as_a_p
     assert 'switchyard_time_to_first_token_seconds_count{model="m"} 1.0' in await gw.metrics_text()
 
 
+async def test_a_client_that_leaves_while_its_continuation_opens_leaves_the_break_counted(sims, gateway):
+    """The stream broke and its client left while the continuation's engine had not answered yet
+    (SGLang's head comes with its first token): the broken leg is counted as every failed leg of a
+    stream with migration_limit is (docs/observability.md), outcome cancelled, on the metric and the
+    log line, and the fault goes to the broken endpoint's breaker, none to the one left unanswered.
+    The break was counted nowhere and no breaker heard of it, the migration's count and the fault
+    both coming after the continuation's head."""
+    bad = await sims("sglang", "m", fault="drop_after=3")
+    slow = await sims("sglang", "m", fault="stall_before_first=inf")
+    gw = await gateway([model_block("m", "sglang", [bad.url, slow.url], strategy="round-robin", migration_limit=1)],
+                       health={"enabled": False})
+
+    async def continuing() -> bool:
+        return bool((await sim_state(slow.url))["running"])
+
+    with gw.gw.request_log.capture() as logs:
+        async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/chat/completions", json={
+                "model": "m", "messages": MSG, "max_tokens": 30, "stream": True}) as r:
+            assert r.status == 200
+            await until(continuing)              # the continuation is asked for, its head not come
+            r.connection.transport.abort()
+        await until(lambda: any(e["event"] == "request" for e in logs))
+    line = next(e for e in logs if e["event"] == "request")
+    assert line["status"] == 499
+    assert [(m["reason"], m["outcome"], m["endpoint"]) for m in line.get("migrations", [])] == [
+        ("broken", "cancelled", bad.url[7:])]
+    assert migrations(await gw.metrics_text(), "cancelled") == 1
+    breakers = gw.gw.gen.services.breakers
+    faults = {ep.url: breakers.describe(ep)["consecutive_faults"] for ep in gw.gw.pool.endpoints()}
+    assert faults == {bad.url: 1, slow.url: 0}
+    await until(lambda: _quiet(slow.url))
+
+
 async def test_the_limit_ends_the_stream_with_todays_error_event(sims, gateway):
     gw, _ = await setup(sims, gateway, "vllm", "drop_after=4", limit=1, healthy=0)
     other = await sims("vllm", "m", fault="drop_after=4")
