@@ -508,6 +508,13 @@ class Migration:
             # not tried yet is asked, until none is left
             try:
                 resp = await self.legs.reopen(ctx, cont, set(self.avoid))
+            except asyncio.CancelledError:
+                # the client left before a leg took the continuation: the broken leg is counted as
+                # any, and its fault told to its breaker (the endpoint asked hears a cancel)
+                self._count(rec, reason, "cancelled", failed_ep)
+                if relay.record is not None and failed is not None:
+                    relay.record(failed, Outcome.FAULT, error_class)
+                raise
             except GatewayError as e:
                 return self._not_continued(ctx, decision, prefill_ep, reason, failed_ep, refused or e.message[:200])
             except UpstreamFailure as e:        # its breaker and upstream errors were told
