@@ -381,6 +381,20 @@ async def test_refused_streams_get_todays_error_event(sims, gateway, extra, why)
     assert migrations(await gw.metrics_text(), f"refused_{why}") == 1
 
 
+async def test_a_completion_asking_for_logprobs_0_is_refused(sims, gateway):
+    """vLLM reads a completion's "logprobs": 0 as a request for logprobs (the sampled token's own on
+    each chunk: its serving sends a logprobs object whenever the field is not null), with a
+    text_offset counted from the leg's first character, which a continuation would start again
+    from 0. Such a stream is refused as any with logprobs; a 0 was read as none, and the stream
+    continued."""
+    gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
+    st, got = await raw_post(gw.url, "/v1/completions", {"model": "m", "prompt": "Once upon a time", "max_tokens": 30,
+                                                         "stream": True, "logprobs": 0})
+    assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1], got[-2:]
+    text = await gw.metrics_text()
+    assert migrations(text, "refused_logprobs") == 1 and migrations(text, "continued") == 0
+
+
 async def test_migration_off_by_default(sims, gateway):
     bad = await sims("vllm", "m", fault="drop_after=4")
     good = await sims("vllm", "m")
