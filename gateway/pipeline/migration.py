@@ -128,7 +128,11 @@ def refusal(ireq: InferenceRequest) -> str | None:
         prompt = d.get("prompt")
         if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
             return "n"        # a batch of prompts: one choice each
-    if d.get("logprobs") or d.get("top_logprobs") or d.get("prompt_logprobs"):
+    lp = d.get("logprobs")
+    if lp or d.get("top_logprobs") or d.get("prompt_logprobs") or (
+            ireq.path == COMPLETIONS and isinstance(lp, int) and not isinstance(lp, bool)):
+        # a completion's logprobs is a count, and 0 asks for them too (vLLM sends a logprobs object
+        # whenever it is not null: the sampled token's); a chat's is a flag
         return "logprobs"
     if d.get("seed") is not None:
         t = d.get("temperature")
