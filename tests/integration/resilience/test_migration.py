@@ -395,6 +395,19 @@ async def test_a_completion_asking_for_logprobs_0_is_refused(sims, gateway):
     assert migrations(text, "refused_logprobs") == 1 and migrations(text, "continued") == 0
 
 
+@pytest.mark.parametrize("extra,why", [({"seed": 7, "temperature": "0.8"}, "seed"),
+                                       ({"include_reasoning": "false"}, "reasoning")])
+async def test_refusals_read_fields_as_the_engine_reads_them(sims, gateway, extra, why):
+    """vLLM reads its request in pydantic's lax mode: a temperature of "0.8" samples (with the
+    seed, draws a continuation cannot resume), an include_reasoning of "false" hides the reasoning.
+    The refusal checks read only a number and the literal false, so both streams were continued."""
+    gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
+    st, got = await raw_post(gw.url, "/v1/chat/completions",
+                             {"model": "m", "messages": MSG, "max_tokens": 30, "stream": True, **extra})
+    assert st == 200 and isinstance(got[-1], dict) and "error" in got[-1], got[-2:]
+    assert migrations(await gw.metrics_text(), f"refused_{why}") == 1
+
+
 async def test_migration_off_by_default(sims, gateway):
     bad = await sims("vllm", "m", fault="drop_after=4")
     good = await sims("vllm", "m")
