@@ -60,7 +60,7 @@ from gateway.pipeline.relay import (
     watchdog_fired,
 )
 from gateway.pipeline.sse import SSEScanner
-from gateway.request import CHAT, COMPLETIONS, InferenceRequest, body_bytes
+from gateway.request import CHAT, COMPLETIONS, InferenceRequest, body_bytes, lax_bool, lax_float
 from gateway.resilience.outcome import Outcome, of_status, unsupported_event
 from gateway.upstream.h1client import UpstreamError, UpstreamResponse
 from gateway.upstream.upstream import UpstreamFailure
@@ -134,15 +134,25 @@ def refusal(ireq: InferenceRequest) -> str | None:
         # a completion's logprobs is a count, and 0 asks for them too (vLLM sends a logprobs object
         # whenever it is not null: the sampled token's); a chat's is a flag
         return "logprobs"
+    # fields read as the engines read them (pydantic's lax mode: "0.8" is 0.8, "false" is false); a
+    # value they refuse is refused before anything streams
     if d.get("seed") is not None:
         t = d.get("temperature")
-        if t is None or (isinstance(t, int | float) and t > 0):
+        if t is None or _lax(lax_float, t, 0.0) > 0:
             return "seed"     # a seeded sample: its draws cannot be resumed mid-way
     if d.get("presence_penalty") or d.get("frequency_penalty"):
         return "penalty"
-    if d.get("include_reasoning") is False:
+    if "include_reasoning" in d and _lax(lax_bool, d["include_reasoning"], True) is False:
         return "reasoning"    # hidden by the engine's reasoning parser, which a continuation would not run
     return None
+
+
+def _lax(read, v: Any, default: Any) -> Any:
+    """``v`` as the engine reads it (``read``: a ``gateway.request`` lax reader), else ``default``."""
+    try:
+        return read(v)
+    except ValueError:
+        return default
 
 
 def _empty(v: Any) -> bool:
