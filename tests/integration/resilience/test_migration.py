@@ -7,6 +7,7 @@ import asyncio
 import json
 
 import aiohttp
+import openai
 import pytest
 from aiohttp import web
 
@@ -240,6 +241,43 @@ async def test_a_stream_whose_chunks_carry_no_token_ids_is_not_continued_from_it
     assert (await sim_state(good.url))["counts"]["started"] == 0
 
 
+async def test_a_tool_call_broken_mid_arguments_is_not_continued(sims, gateway):
+    """A tool call's arguments already streamed cannot be continued (the next engine's tool parser
+    would start a call of its own): the OpenAI SDK's stream raises on the error event after the
+    arguments it had, and the refusal is counted, the other engine never asked."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        deltas = [{"role": "assistant", "content": ""},
+                  {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                   "function": {"name": "get", "arguments": ""}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '{"ci'}}]}]
+        for i, delta in enumerate(deltas):
+            ev = {"id": "chatcmpl-t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None,
+                               "token_ids": [100 + i]}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": i + 1, "total_tokens": 4 + i}}
+            if i == 0:
+                ev["prompt_token_ids"] = [1, 2, 3]
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        request.transport.abort()
+        return resp
+
+    good = await sims("vllm", "m")
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {"type": "object", "properties": {}}}}]
+    async with fake_engine(chat) as bad:
+        gw = await gateway([model_block("m", "vllm", [bad, good.url], strategy="round-robin", migration_limit=1)])
+        client = openai_client(gw)
+        stream = await client.chat.completions.create(model="m", messages=MSG, tools=tools, max_tokens=20, stream=True)
+        args = []
+        with pytest.raises(openai.APIError, match="broke mid-stream"):
+            async for c in stream:
+                args += [t.function.arguments for t in (c.choices[0].delta.tool_calls or []) if t.function]
+    assert "".join(a or "" for a in args) == '{"ci'
+    assert migrations(await gw.metrics_text(), "refused_tool_calls") == 1
+    assert (await sim_state(good.url))["counts"]["started"] == 0
+
+
 async def test_include_reasoning_false_is_refused_up_front(sims, gateway):
     """Its reasoning is hidden by the engine's parser, which a continuation (a completion) would not run."""
     gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
@@ -372,7 +410,8 @@ async def test_the_limit_ends_the_stream_with_todays_error_event(sims, gateway):
 @pytest.mark.parametrize("extra,why", [({"response_format": {"type": "json_object"}}, "response_format"),
                                        ({"logprobs": True}, "logprobs"),
                                        ({"seed": 7, "temperature": 0.8}, "seed"),
-                                       ({"guided_regex": "[a-z ]+"}, "guided")])
+                                       ({"guided_regex": "[a-z ]+"}, "guided"),
+                                       ({"n": 2}, "n")])
 async def test_refused_streams_get_todays_error_event(sims, gateway, extra, why):
     gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
     st, got = await raw_post(gw.url, "/v1/chat/completions",
