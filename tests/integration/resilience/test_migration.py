@@ -447,6 +447,23 @@ async def test_refusals_read_fields_as_the_engine_reads_them(sims, gateway, extr
     assert migrations(await gw.metrics_text(), f"refused_{why}") == 1
 
 
+async def test_what_the_client_declined_as_false_words_stays_out_of_a_continued_stream(sims, gateway):
+    """A continued stream's legs ask for per-chunk usage and token ids, which the client gets only
+    if it asked: a continuous_usage_stats or return_token_ids of "false" (false to vLLM, which reads
+    its request in pydantic's lax mode) asks for neither. Read as any non-empty string, both went
+    to the client on every chunk."""
+    gw, good = await setup(sims, gateway, "vllm", "drop_after=5")
+    req = {"model": "m", "messages": MSG, "max_tokens": 20, "stream": True, "return_token_ids": "false",
+           "stream_options": {"include_usage": True, "continuous_usage_stats": "false"}}
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    chunks = [e for e in got if isinstance(e, dict) and e.get("choices")]
+    assert not any(e.get("usage") for e in chunks)
+    assert not any(e["choices"][0].get("token_ids") or e.get("prompt_token_ids") for e in chunks)
+    assert [e["usage"]["completion_tokens"] for e in got if isinstance(e, dict) and e.get("usage")] == [20]
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
+
 async def test_migration_off_by_default(sims, gateway):
     bad = await sims("vllm", "m", fault="drop_after=4")
     good = await sims("vllm", "m")
