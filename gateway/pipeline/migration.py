@@ -232,8 +232,10 @@ class Migration:
         self.chat = ireq.path == CHAT
         self.client_usage = ireq.include_usage
         so = data.get("stream_options")
-        self.client_continuous = self.client_usage and isinstance(so, dict) and bool(so.get("continuous_usage_stats"))
-        self.client_ids = bool(data.get("return_token_ids"))
+        # what the client asked for of what every leg is asked for, read as the engine reads it
+        self.client_continuous = self.client_usage and isinstance(so, dict) and _lax(
+            lax_bool, so.get("continuous_usage_stats") or False, False)
+        self.client_ids = _lax(lax_bool, data.get("return_token_ids") or False, False)
         self.partial = Partial(path=ireq.path, data=data)
         self._text: list[str] = []
         # echo: the answer begins with the prompt's text (a completion) or the last message's (a
