@@ -692,14 +692,17 @@ def _choice_text(c: dict, chat: bool) -> str:
     return ((c.get("delta") or {}).get("content") or "") if chat else (c.get("text") or "")
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("kind", ["chat", "completions"])
-async def test_a_stop_string_across_the_seam_ends_the_answer(sims, gateway, engine, kind):
+@pytest.mark.parametrize("engine,kind,declined", [
+    ("vllm", "chat", {}), ("vllm", "completions", {}), ("sglang", "chat", {}), ("sglang", "completions", {}),
+    ("vllm", "chat", {"include_stop_str_in_output": "false"}), ("sglang", "completions", {"no_stop_trim": "false"})])
+async def test_a_stop_string_across_the_seam_ends_the_answer(sims, gateway, engine, kind, declined):
     """A stop string that begins in the text the client received and ends in the continuation's
     first characters: the continuation's engine looks for it in its own output only, so it went
     on past it. The answer ends as the unbroken engine's would have: the text before the stop
     string (already sent), finish_reason "stop" with the matched string, and the continuation's
-    engine stops."""
+    engine stops. ``declined``: the flag that keeps the stop string in the output given as
+    "false", which the engines read as false (pydantic's lax mode): the string was read as true,
+    and the stop string's rest was sent."""
     chat = kind == "chat"
     path = "/v1/chat/completions" if chat else "/v1/completions"
     base = {"model": "m", "stream": True, **({"messages": MSG} if chat else {"prompt": "Once upon a time"})}
@@ -735,7 +738,8 @@ async def test_a_stop_string_across_the_seam_ends_the_answer(sims, gateway, engi
                 break
     gw = await gateway([model_block("m", engine, [bad.url, good.url], strategy="round-robin", migration_limit=1)])
     client = openai_client(gw)
-    req = {"model": "m", "max_tokens": 30, "stop": [stop], "stream_options": {"include_usage": True}}
+    req = {"model": "m", "max_tokens": 30, "stop": [stop], "stream_options": {"include_usage": True},
+           "extra_body": declined}
     with gw.gw.request_log.capture() as logs:
         if chat:
             stream = await client.chat.completions.create(messages=MSG, stream=True, **req)
