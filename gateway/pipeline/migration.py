@@ -568,8 +568,8 @@ class Migration:
         self.seam = None
         if self.stops and not restart and self.partial.text:
             d = self.ireq.data          # the stop string is sent with the answer: vLLM's key, SGLang's
-            self.seam = StopSeam(self.partial.text, self.stops,
-                                 bool(d.get("include_stop_str_in_output") or d.get("no_stop_trim")))
+            self.seam = StopSeam(self.partial.text, self.stops, any(
+                _lax(lax_bool, d.get(k) or False, False) for k in ("include_stop_str_in_output", "no_stop_trim")))
         return resp
 
     def _not_continued(self, ctx: RequestContext, decision, prefill_ep: str | None, reason: str, failed_ep: str,
