@@ -496,6 +496,30 @@ async def test_dying_decode_continues_through_a_fresh_pair(sims, gateway, engine
         assert text_of(got) == text_of(ref)
 
 
+async def test_a_decode_the_watchdog_cuts_at_the_limit_is_told_to_stop(sims, gateway):
+    """SGLang P/D: both decodes go silent mid-stream; the first is continued through the other pair,
+    whose fire ends the stream (its migration_limit used). Each silent decode gets its
+    /abort_request (docs/resilience.md: an abandoned decode does), the last one too, as a P/D
+    stream's watchdog fire always had it: a continuable stream's fire was not noted as the
+    watchdog's, so that decode was left to notice the closed connection after its own delay."""
+    def rs(name, p, d):
+        return {"name": name, "prefill": [{"url": p.url, "bootstrap_port": p.bootstrap_port}], "decode": [d.url]}
+
+    pairs = [(await sims("sglang", "m", role="prefill"), await sims("sglang", "m", role="decode", fault="stall_after=6:inf"))
+             for _ in range(2)]
+    gw = await gateway([{"name": "m", "engine": "sglang", "rolesets": [rs(f"r{i}", p, d) for i, (p, d) in enumerate(pairs)],
+                         "migration_limit": 1, "watchdog": {"idle_timeout_s": 0.3}}])
+    st, got = await raw_post(gw.url, "/v1/chat/completions", {"model": "m", "messages": MSG, "max_tokens": 24, "stream": True})
+    assert st == 200 and isinstance(got[-1], dict) and got[-1]["error"]["code"] == "upstream_timeout", got[-2:]
+    text = await gw.metrics_text()
+    assert migrations(text, "continued") == 1 and migrations(text, "limit") == 1
+
+    async def told(url: str) -> bool:
+        return bool((await sim_state(url))["abort_requests"])
+    for _, d in pairs:
+        await until(lambda d=d: told(d.url))
+
+
 async def test_a_messages_stream_is_not_continued_and_the_refusal_is_counted(sims, gateway):
     """Messages (and Responses) events are not rebuilt across legs: such a stream on a model with
     migration_limit ends with its API's error event, as without it, and is counted as refused."""
