@@ -464,6 +464,26 @@ async def test_what_the_client_declined_as_false_words_stays_out_of_a_continued_
     assert migrations(await gw.metrics_text(), "continued") == 1
 
 
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+async def test_min_tokens_given_as_a_string_is_reduced_as_a_number(sims, gateway, engine):
+    """An engine reads min_tokens "12" as 12 (pydantic's lax mode) and holds its end of sequence back
+    until then. The continuation's min_tokens is what is left of it: read only as a number, the
+    string was left out of a token-exact continuation (which could then end early) and sent as it
+    came in a text one (which then held its end back 12 tokens more)."""
+    gw, good = await setup(sims, gateway, engine, "drop_after=4", eos_probability=0.3)
+    req = {"model": "m", "messages": MSG, "max_tokens": 40, "stream": True, "min_tokens": "12",
+           "stream_options": {"include_usage": True}}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    ref_usage = next(e["usage"] for e in ref if isinstance(e, dict) and e.get("usage"))
+    assert 12 <= ref_usage["completion_tokens"] < 40        # the end of sequence came, after the minimum
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    assert next(e["usage"] for e in got if isinstance(e, dict) and e.get("usage"))["completion_tokens"] == \
+        ref_usage["completion_tokens"]
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
+
 async def test_migration_off_by_default(sims, gateway):
     bad = await sims("vllm", "m", fault="drop_after=4")
     good = await sims("vllm", "m")
