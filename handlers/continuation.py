@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.request import CHAT, COMPLETIONS, lax_bool
+from gateway.request import CHAT, COMPLETIONS, lax_bool, lax_int
 
 TOKEN = "token"
 TEXT = "text"
@@ -78,9 +78,20 @@ def _reduced(data: dict[str, Any], p: Partial, default_max: int | None) -> tuple
     if given is None and not (p.path == COMPLETIONS and "max_tokens" in data and data["max_tokens"] is None):
         given = default_max           # a completion's explicit null is the rest of the context (vLLM)
     left = None if given is None else max(1, given - p.completion_tokens)
-    mn = data.get("min_tokens")
-    min_left = max(0, mn - p.completion_tokens) if isinstance(mn, int) and not isinstance(mn, bool) and mn else None
+    mn = min_tokens_of(data)
+    min_left = max(0, mn - p.completion_tokens) if mn else None
     return left, min_left
+
+
+def min_tokens_of(data: dict[str, Any]) -> int | None:
+    """``min_tokens`` as the engines read it (pydantic's lax mode: "12" is 12); None: none given."""
+    v = data.get("min_tokens")
+    if v is None:
+        return None
+    try:
+        return lax_int(v)
+    except ValueError:        # refused by the engine before anything streams
+        return None
 
 
 def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, dict[str, Any]]:
@@ -124,6 +135,7 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
         body["echo"] = False
     if left is not None:
         body["max_tokens"] = left
+    body.pop("min_tokens", None)      # the client's, read as a number, is what min_left was counted from
     if min_left is not None:
         body["min_tokens"] = min_left
     return p.path, body

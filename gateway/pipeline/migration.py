@@ -72,6 +72,7 @@ from handlers.continuation import (
     continuation,
     echo_length,
     first_leg,
+    min_tokens_of,
     text_mode_refusal,
 )
 
@@ -760,8 +761,8 @@ class Migration:
         holder = delta if isinstance(delta, dict) else ch
         new = holder.get(key)
         new = new if isinstance(new, str) else ""
-        mn = self.ireq.data.get("min_tokens")      # vLLM looks for stop strings once more were generated
-        may_stop = not (isinstance(mn, int) and mn >= self.partial.completion_tokens + self.leg_completion)
+        mn = min_tokens_of(self.ireq.data)          # vLLM looks for stop strings once more were generated
+        may_stop = not (mn is not None and mn >= self.partial.completion_tokens + self.leg_completion)
         text, matched, still = seam.feed(new, may_stop, final=ch.get("finish_reason") is not None)
         if not still:
             self.seam = None
