@@ -556,6 +556,21 @@ async def test_a_messages_stream_is_not_continued_and_the_refusal_is_counted(sim
     await client.close()
 
 
+async def test_a_responses_stream_is_not_continued_and_ends_with_one_terminal_event(sims, gateway):
+    """A Responses stream on a model with migration_limit that breaks is not continued: the OpenAI
+    SDK reads its events in order, sequence numbers without a gap, then the error event and one
+    response.failed; the refusal is counted (already so; only a Messages stream was tested)."""
+    gw, _ = await setup(sims, gateway, "vllm", "drop_after=4")
+    client = openai_client(gw)
+    async with client.responses.stream(model="m", input="Tell me about trains.", max_output_tokens=30) as s:
+        events = [(ev.type, ev.sequence_number) async for ev in s]
+    assert [n for _, n in events] == list(range(len(events)))
+    types = [t for t, _ in events]
+    assert types[-2:] == ["error", "response.failed"] and types.count("response.failed") == 1
+    assert not {"response.completed", "response.incomplete"} & set(types)
+    assert migrations(await gw.metrics_text(), "refused_api") == 1
+
+
 async def test_a_stream_in_bare_cr_lines_continues_as_any_other(sims, gateway):
     """SSE lets a line end in CR, LF or CRLF. The continuation's reader split events only at blank
     lines of LFs, so a stream of bare-CR lines was one unfinished event to it: what the first
