@@ -484,6 +484,22 @@ async def test_min_tokens_given_as_a_string_is_reduced_as_a_number(sims, gateway
     assert migrations(await gw.metrics_text(), "continued") == 1
 
 
+async def test_a_continue_final_message_of_false_given_as_a_string_is_not_a_prefill(sims, gateway):
+    """A chat ending in an assistant message with continue_final_message "false" (false to the
+    engines, pydantic's lax mode) is answered by a new assistant message; its text continuation
+    appends the partial answer as that new message. The string read as true: the partial answer
+    was glued to the client's assistant message, and the continuation went on from another text."""
+    gw, good = await setup(sims, gateway, "sglang", "drop_after=5")
+    req = {"model": "m", "max_tokens": 20, "stream": True, "continue_final_message": "false",
+           "messages": MSG + [{"role": "assistant", "content": "Once"}, {"role": "user", "content": "Go on."},
+                              {"role": "assistant", "content": "Well"}]}
+    _, ref = await raw_post(good.url, "/v1/chat/completions", req)
+    st, got = await raw_post(gw.url, "/v1/chat/completions", req)
+    assert st == 200 and got[-1] == "[DONE]", got[-2:]
+    assert text_of(got) == text_of(ref)
+    assert migrations(await gw.metrics_text(), "continued") == 1
+
+
 async def test_migration_off_by_default(sims, gateway):
     bad = await sims("vllm", "m", fault="drop_after=4")
     good = await sims("vllm", "m")
