@@ -119,7 +119,7 @@ def continuation(p: Partial, mode: str, default_max: int | None) -> tuple[str, d
     if p.path == CHAT:
         messages = list(data["messages"])
         last = messages[-1] if messages else None
-        if (data.get("continue_final_message") and isinstance(last, dict) and last.get("role") == "assistant"
+        if (_flag(data, "continue_final_message", False) and isinstance(last, dict) and last.get("role") == "assistant"
                 and isinstance(last.get("content"), str)):
             messages[-1] = {**last, "content": last["content"] + p.text}   # the client's own prefill, extended
         else:
