@@ -264,6 +264,43 @@ async def test_a_redis_that_stops_answering_does_not_hang_requests(sims, gateway
     assert await wait_for(lambda: _concurrent_is(gw, "alice", 0), timeout=5)
 
 
+@pytest.mark.parametrize("loss", ["flush", "restart"])
+async def test_a_redis_that_lost_its_data_gets_the_slots_in_flight_back(sims, gateway, redis_server, loss):
+    """Redis loses every key and script while a request holds a concurrency slot: flushed under a
+    gateway that never sees a call fail, or restarted (empty) between two calls. The gateway notices
+    at its next sync (its heartbeat was gone) and publishes the slot again, so the user's limit
+    still counts the request in flight; its scripts are loaded again (NOSCRIPT) on the way."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"max_concurrent": 1}}}, state=state(redis_server))
+    rid = gw.gw.tenancy.state.replica_id
+    async with openai_client(gw, ALICE).chat.completions.with_streaming_response.create(
+            model="m", messages=CHAT, max_tokens=500, stream=True) as resp:
+        reader = resp.http_response.aiter_bytes()
+        await reader.__anext__()
+        if loss == "flush":
+            r = aioredis.Redis.from_url(redis_server.url)
+            await r.script_flush()
+            await r.flushall()
+            await r.aclose()
+        else:
+            redis_server.kill()
+            redis_server.start()
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            async def slot_published() -> bool:
+                return await r.hget("switchyard:conc:alice", rid) == b"1"
+            assert await wait_for(slot_published), "the slot in flight was not published again"
+        finally:
+            await r.aclose()
+        with pytest.raises(openai.RateLimitError) as ei:
+            await chat(gw)
+        assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
+    assert await wait_for(lambda: _concurrent_is(gw, "alice", 0))
+    assert (await chat(gw)).choices
+    assert gw.gw.tenancy.state.up is True
+
+
 async def test_least_request_sees_the_other_replicas_in_flight(sims, gateway, redis_server):
     s1 = await sims("vllm", "m", itl_ms=20.0)
     s2 = await sims("vllm", "m", itl_ms=20.0)
