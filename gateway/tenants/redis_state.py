@@ -164,14 +164,19 @@ return 1
 SYNC = """
 -- KEYS: 1 replicas zset, 2 this replica's in-flight hash, 3 directory version
 -- ARGV: 1 replica id, 2 replica ttl ms, 3 in-flight key prefix, 4 share (1/0), 5.. endpoint, count pairs
--- Returns {version, endpoint, others' sum, ...}
+-- Returns {version, lost, endpoint, others' sum, ...}; lost is 1 when this replica's heartbeat was
+-- not there, or too old to count (Redis lost its data, or the replica was silent past the ttl and
+-- the others may have dropped its concurrency slots), else 0
 local rid, ttl = ARGV[1], tonumber(ARGV[2])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local last = redis.call('ZSCORE', KEYS[1], rid)
+local lost = 0
+if not last or tonumber(last) < now - ttl then lost = 1 end
 redis.call('ZADD', KEYS[1], now, rid)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
 redis.call('PEXPIRE', KEYS[1], 86400000)
-local out = {redis.call('GET', KEYS[3]) or '0'}
+local out = {redis.call('GET', KEYS[3]) or '0', lost}
 if ARGV[4] == '1' then
   redis.call('DEL', KEYS[2])
   if #ARGV > 4 then
@@ -420,6 +425,7 @@ class RedisState:
         self.held: dict[str, int] = {}               # concurrency slots this replica holds, by user
         self._dirty: set[str] = set()                # users whose slot count must be re-published
         self._slot_users: set[str] = set()           # users this replica ever held a slot for
+        self._beating = False                        # a heartbeat of this replica's has landed
         # counts the shared windows missed while unreachable: window key -> [count, monotonic start]
         self._tally: dict[str, list] = {}
         # tallies handed to a reconcile whose answer did not come: sent again as they were, under
@@ -773,7 +779,17 @@ class RedisState:
             self.refused = ""
             self._tell()
         version = out[0].decode()
-        remote = {out[i].decode(): int(out[i + 1]) for i in range(1, len(out) - 1, 2)}
+        if out[1] and self._beating:
+            # this replica's heartbeat is gone while no call of its own failed: Redis restarted
+            # (empty) or was flushed between two calls, or this replica was silent past the ttl and
+            # the others dropped its slots. Either way the slots it holds are not in the shared
+            # hashes: publish them again now, as after an outage
+            if self._slot_users:
+                log.warning("shared state lost this replica's heartbeat; its concurrency slots are published "
+                            "again", replica=self.replica_id, users=len(self._slot_users))
+            self._dirty |= self._slot_users
+        self._beating = True
+        remote = {out[i].decode(): int(out[i + 1]) for i in range(2, len(out) - 1, 2)}
         if self._dirty:
             await self._repair()
         if self._tally or self._unsent:
