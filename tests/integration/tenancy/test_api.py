@@ -6,13 +6,15 @@ import contextlib
 
 import aiohttp
 import openai
+import orjson
 import pytest
 from aiohttp import web
 
 from gateway.tenants.service import NO_TENANCY
+from tests.support.edge import assert_openai_error, exchange
 from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
-from tests.support.http import openai_client
+from tests.support.http import openai_client, sim_state
 from tests.support.tenancy import ALICE, BOB, CHAT, KEYS, outcomes
 from tests.support.waiting import wait_for
 
@@ -292,3 +294,47 @@ async def test_per_user_metrics_name_only_users_the_gateway_knows(sims, gateway)
     assert 'switchyard_user_tokens_total{kind="completion",user="_other"} 4.0' in text   # mallory-1 and -2
     assert 'switchyard_user_tokens_total{kind="completion",user="_none"} 2.0' in text
     assert "mallory" not in text
+
+
+def _raw_post(path: str, lines: list[str], body: bytes) -> bytes:
+    """A request whose header lines are sent as given: repeated names stay repeated."""
+    head = [f"POST {path} HTTP/1.1", "Host: gateway.test", "Connection: close", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", *lines]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("lines", [
+    [f"Authorization: Bearer {ALICE}", "Authorization: Bearer sk-wrong-0123456789"],
+    ["Authorization: Bearer sk-wrong-0123456789", f"Authorization: Bearer {ALICE}"],
+    [f"Authorization: Bearer {ALICE}", f"Authorization: Bearer {ALICE}"],
+    [f"x-api-key: {ALICE}", "x-api-key: sk-wrong-0123456789"],
+    [f"Authorization: Bearer {ALICE}", f"Authorization: Bearer {BOB}"],
+], ids=["good-then-wrong", "wrong-then-good", "twice", "x-api-key-twice", "two-users"])
+async def test_an_api_key_header_sent_twice_is_a_401_and_reaches_no_engine(sims, gateway, lines):
+    """A header that is not a list may not be sent on several lines (RFC 9110 section 5.3); combined,
+    as a recipient may combine them, two Authorization lines are 'Bearer a, Bearer b', a credential
+    no key matches. Read line by line, which one decided the user depended on the reader (the
+    first line here, the last in another proxy), and a proxy that checked one could have the
+    gateway act on the other."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={**KEYS, "admin_token": "admin-secret-1"},
+                       limits={"users": {"alice": {"rpm": 100}}})
+    body = orjson.dumps({"model": "m", "messages": CHAT, "max_tokens": 1})
+    got = (await exchange(gw.port, _raw_post("/v1/chat/completions", lines, body))).first
+    err = assert_openai_error(got, 401)
+    assert err["code"] == "invalid_api_key" and got.headers["www-authenticate"] == "Bearer"
+    got = (await exchange(gw.port, _raw_post("/v1/messages", lines, body))).first
+    assert got.status == 401 and orjson.loads(got.body)["error"]["type"] == "authentication_error"
+    assert [r for r in (await sim_state(sim.url))["received"] if r["method"] == "POST"] == []
+    assert (await gw.gw.tenancy.state.usage("alice"))["requests"] == 0
+    assert 'switchyard_auth_failures_total{reason="invalid"} 2.0' in await gw.metrics_text()
+
+
+async def test_an_admin_token_sent_twice_is_a_401_and_changes_nothing(sims, gateway):
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={**KEYS, "admin_token": "admin-secret-1"})
+    for lines in (["Authorization: Bearer admin-secret-1", "Authorization: Bearer nobody-0123456789"],
+                  ["Authorization: Bearer nobody-0123456789", "Authorization: Bearer admin-secret-1"]):
+        got = (await exchange(gw.port, _raw_post("/admin/users", lines, b'{"name": "eve", "rpm": 1}'))).first
+        assert assert_openai_error(got, 401)["code"] == "invalid_api_key"
+    assert gw.gw.tenancy.directory.limits_for("eve") is None
