@@ -28,7 +28,7 @@ from prometheus_client import Counter, Histogram
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.status import StatusBoard, StatusSources
-from gateway.tenants.directory import admin_token_valid, key_digest
+from gateway.tenants.directory import admin_token_valid, header_field, key_digest
 
 if TYPE_CHECKING:
     from gateway.server.siblings import Siblings
@@ -115,7 +115,7 @@ class StatusPage:
             self.m.requests.labels("unauthorized").inc()
             raise _unauthorized("the status page needs the admin token, and none is configured: "
                                 "set auth.admin_token (or auth.admin_token_env)")
-        if not admin_token_valid(request.headers.get("Authorization"), self.admin_digest):
+        if not admin_token_valid(header_field(request.headers, "Authorization"), self.admin_digest):
             self.m.requests.labels("unauthorized").inc()
             raise _unauthorized("a valid admin token is required ('Authorization: Bearer <admin token>')")
 

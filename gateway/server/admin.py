@@ -38,6 +38,7 @@ from gateway.tenants.directory import (
     USER_NAME,
     KeyRecord,
     admin_token_valid,
+    header_field,
     key_digest,
     limits_stored,
     new_key,
@@ -76,7 +77,7 @@ def add_tenancy(app: web.Application, tenancy: Tenancy) -> None:
 
 def require_admin(request: web.Request, digest: str | None) -> None:
     """401 unless the request carries the admin token (``digest``: its digest, None when unset)."""
-    if not admin_token_valid(request.headers.get("Authorization"), digest):
+    if not admin_token_valid(header_field(request.headers, "Authorization"), digest):
         raise GatewayError(401, "a valid admin token is required ('Authorization: Bearer <token>')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}, error_class=ErrorClass.AUTH)
 

@@ -48,6 +48,17 @@ def bearer_token(header: str | None) -> str | None:
     return token or None
 
 
+def header_field(headers, name: str) -> str | None:
+    """A header's value as RFC 9110 section 5.3 reads a field sent on several lines: the lines
+    joined with ", ". Authorization and x-api-key are not lists, so two lines of either make a value
+    no key matches ("Bearer a, Bearer b"): which line counts is not left to whichever one a reader
+    takes (a proxy that checked one line could otherwise have the gateway act on another)."""
+    lines = headers.getall(name, ())
+    if len(lines) < 2:
+        return lines[0] if lines else None
+    return ", ".join(lines)
+
+
 def admin_token_valid(authorization: str | None, digest: str | None) -> bool:
     """Whether ``Authorization: Bearer <token>`` carries the admin token whose digest is ``digest``
     (None or empty: no admin token is configured, so nothing is valid). The one admin check of
@@ -58,10 +69,10 @@ def admin_token_valid(authorization: str | None, digest: str | None) -> bool:
 
 def presented_key(headers) -> str | None:
     """The API key a client presented: ``Authorization: Bearer <key>`` (OpenAI's clients), else
-    ``x-api-key: <key>`` (Anthropic's)."""
-    token = bearer_token(headers.get("Authorization"))
+    ``x-api-key: <key>`` (Anthropic's); each header read whole (``header_field``)."""
+    token = bearer_token(header_field(headers, "Authorization"))
     if token is None:
-        token = (headers.get("x-api-key") or "").strip() or None
+        token = (header_field(headers, "x-api-key") or "").strip() or None
     return token
 
 
