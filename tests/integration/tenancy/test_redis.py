@@ -18,6 +18,8 @@ import orjson
 import pytest
 import redis.asyncio as aioredis
 import redis.exceptions
+import structlog
+import structlog.testing
 import uvloop
 import yaml
 
@@ -299,6 +301,30 @@ async def test_a_redis_that_lost_its_data_gets_the_slots_in_flight_back(sims, ga
     assert await wait_for(lambda: _concurrent_is(gw, "alice", 0))
     assert (await chat(gw)).choices
     assert gw.gw.tenancy.state.up is True
+
+
+async def test_tokens_an_outage_keeps_from_the_windows_are_counted_and_logged_at_most_every_10_s(
+        sims, gateway, redis_server):
+    """A standalone Redis that is down charges no tokens (its windows start afresh when it is
+    back): each request's tokens are counted in switchyard_state_uncharged_tokens_total, and the
+    warning that says so comes once, with the tally, not once per request."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"tpm": 10**6}}}, state=state(redis_server))
+    assert (await chat(gw)).choices
+    redis_server.kill()
+    with structlog.testing.capture_logs() as logs:
+        got = [await chat(gw) for _ in range(5)]
+        text = await wait_for(lambda: _uncharged_counted(gw, sum(r.usage.total_tokens for r in got)))
+    warned = [x for x in logs if x["event"].startswith("tokens not charged")]
+    assert len(warned) == 1, warned
+    assert warned[0]["tokens"] == got[0].usage.total_tokens
+    assert text, "the tokens the outage kept from the windows were not counted"
+
+
+async def _uncharged_counted(gw, tokens: int) -> str | None:
+    text = await gw.metrics_text()
+    return text if f"switchyard_state_uncharged_tokens_total {float(tokens)}" in text else None
 
 
 async def test_least_request_sees_the_other_replicas_in_flight(sims, gateway, redis_server):
