@@ -362,6 +362,10 @@ return {redis.call('GET', KEYS[1]) or false, redis.call('HGETALL', KEYS[2]), red
 LOG_VERSIONS = 1000
 MAX_CHANGES = 2000
 
+# the warning that tokens went uncharged (a standalone Redis down or refusing writes) comes at
+# most this often, with the tally since the last one
+UNCHARGED_LOG_EVERY_S = 10.0
+
 # transport failures (and a failover in progress) mark the backend down; anything else is a bug
 # in a call, not an outage
 _TRANSPORT = UNAVAILABLE
@@ -393,7 +397,8 @@ class RedisState:
 
     def __init__(self, cfg: StateConfig, replica_id: str | None = None,
                  on_transition: Callable[[bool, str, str], None] | None = None,
-                 on_pool_timeout: Callable[[], None] | None = None) -> None:
+                 on_pool_timeout: Callable[[], None] | None = None,
+                 on_uncharged: Callable[[int], None] | None = None) -> None:
         assert cfg.redis_url is not None
         self.cfg = cfg
         self.replica_id = replica_id or cfg.replica_id or default_replica_id()
@@ -419,6 +424,10 @@ class RedisState:
         self._healthy = False                       # what on_transition last said
         self.last_ok = 0.0                          # monotonic time of the last successful call
         self._on_transition = on_transition or (lambda healthy, why, reason: None)
+        self._on_uncharged = on_uncharged or (lambda tokens: None)
+        # tokens no window was charged since the last warning that said so, and that warning's time
+        self._uncharged: list[int] = [0, 0]         # tokens, requests
+        self._uncharged_logged = -UNCHARGED_LOG_EVERY_S
         self._tasks: set[asyncio.Task] = set()
         self._queue: list[tuple] = []               # scripts waiting for this loop turn's pipeline
         self._flush_scheduled = False
@@ -687,7 +696,16 @@ class RedisState:
         if tokens and self.reconcile:
             self._count_locally(self._user_keys(user)[1], tokens)
         elif tokens:
-            log.warning("tokens not charged: shared state unreachable", user=user, tokens=tokens)
+            # a standalone Redis: its outage's tokens are not added afterwards (as its requests are
+            # not); counted, and said at most every UNCHARGED_LOG_EVERY_S, not once per request
+            self._on_uncharged(tokens)
+            self._uncharged[0] += tokens
+            self._uncharged[1] += 1
+            now = time.monotonic()
+            if now - self._uncharged_logged >= UNCHARGED_LOG_EVERY_S:
+                log.warning("tokens not charged: shared state unreachable", tokens=self._uncharged[0],
+                            requests=self._uncharged[1], reason=self.down_reason or "unreachable")
+                self._uncharged, self._uncharged_logged = [0, 0], now
 
     async def _repair(self) -> None:
         """Re-publish this replica's exact slot count for users whose release did not land (or,

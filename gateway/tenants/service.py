@@ -104,6 +104,10 @@ class TenancyMetrics:
                                "Times the shared state became unreachable or started refusing writes: an "
                                "outage, a Sentinel or Cluster failover in progress, a full or read-only Redis",
                                ["mode"], registry=r)
+        self.uncharged_tokens = Counter("switchyard_state_uncharged_tokens",
+                                        "Tokens engines reported that no TPM window was charged: a standalone "
+                                        "Redis unreachable or refusing writes when the request ended",
+                                        registry=r)
         self.latency = Histogram("switchyard_state_admit_seconds",
                                  "Time of the limit check (one Redis round trip with the Redis backend)",
                                  buckets=ROUTING_BUCKETS, registry=r)
@@ -130,7 +134,8 @@ class Tenancy:
         self._token_children: dict[str, tuple] = {}
         if state is None:
             state = (RedisState(self.cfg, on_transition=self._on_transition,
-                                on_pool_timeout=metrics.state_pool_timeouts.labels("tenancy").inc)
+                                on_pool_timeout=metrics.state_pool_timeouts.labels("tenancy").inc,
+                                on_uncharged=self.m.uncharged_tokens.inc)
                      if self.cfg.redis_url
                      else MemoryState())
         self.state = state
