@@ -270,8 +270,9 @@ async def test_a_redis_that_stops_answering_does_not_hang_requests(sims, gateway
 async def test_a_redis_that_lost_its_data_gets_the_slots_in_flight_back(sims, gateway, redis_server, loss):
     """Redis loses every key and script while a request holds a concurrency slot: flushed under a
     gateway that never sees a call fail, or restarted (empty) between two calls. The gateway notices
-    at its next sync (its heartbeat was gone) and publishes the slot again, so the user's limit
-    still counts the request in flight; its scripts are loaded again (NOSCRIPT) on the way."""
+    at its next sync (its heartbeat was gone), counts it, and publishes the slot again, so the
+    user's limit still counts the request in flight; its scripts are loaded again (NOSCRIPT) on the
+    way."""
     sim = await sims("vllm", "m", itl_ms=20.0)
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
                        limits={"users": {"alice": {"max_concurrent": 1}}}, state=state(redis_server))
@@ -295,6 +296,7 @@ async def test_a_redis_that_lost_its_data_gets_the_slots_in_flight_back(sims, ga
             assert await wait_for(slot_published), "the slot in flight was not published again"
         finally:
             await r.aclose()
+        assert 'switchyard_state_heartbeat_lost_total{mode="standalone"} 1.0' in await gw.metrics_text()
         with pytest.raises(openai.RateLimitError) as ei:
             await chat(gw)
         assert ei.value.response.headers["x-error-concurrency-exceeded"] == "true"
