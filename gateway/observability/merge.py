@@ -85,6 +85,7 @@ GAUGE_RULES: dict[str, str] = {
 # an event of something they all share, so the sum would count one event once per worker
 COUNTER_RULES: dict[str, str] = {
     "switchyard_state_outages": MAX,        # the shared state became unreachable or refused writes
+    "switchyard_state_heartbeat_lost": MAX,  # the shared state lost the heartbeats (a restart, a flush)
     "switchyard_view_redis_lost": MAX,      # the routing view's Redis stream was lost
     "switchyard_config_reload": MAX,        # a reload: the parent signals every worker, each applies it
     # an endpoint's breaker moved: the worker that decided tells its siblings, which adopt the same

@@ -398,7 +398,8 @@ class RedisState:
     def __init__(self, cfg: StateConfig, replica_id: str | None = None,
                  on_transition: Callable[[bool, str, str], None] | None = None,
                  on_pool_timeout: Callable[[], None] | None = None,
-                 on_uncharged: Callable[[int], None] | None = None) -> None:
+                 on_uncharged: Callable[[int], None] | None = None,
+                 on_heartbeat_lost: Callable[[], None] | None = None) -> None:
         assert cfg.redis_url is not None
         self.cfg = cfg
         self.replica_id = replica_id or cfg.replica_id or default_replica_id()
@@ -425,6 +426,7 @@ class RedisState:
         self.last_ok = 0.0                          # monotonic time of the last successful call
         self._on_transition = on_transition or (lambda healthy, why, reason: None)
         self._on_uncharged = on_uncharged or (lambda tokens: None)
+        self._on_heartbeat_lost = on_heartbeat_lost or (lambda: None)
         # tokens no window was charged since the last warning that said so, and that warning's time
         self._uncharged: list[int] = [0, 0]         # tokens, requests
         self._uncharged_logged = -UNCHARGED_LOG_EVERY_S
@@ -802,9 +804,9 @@ class RedisState:
             # (empty) or was flushed between two calls, or this replica was silent past the ttl and
             # the others dropped its slots. Either way the slots it holds are not in the shared
             # hashes: publish them again now, as after an outage
-            if self._slot_users:
-                log.warning("shared state lost this replica's heartbeat; its concurrency slots are published "
-                            "again", replica=self.replica_id, users=len(self._slot_users))
+            log.warning("shared state lost this replica's heartbeat; its concurrency slots are published again",
+                        replica=self.replica_id, users=len(self._slot_users))
+            self._on_heartbeat_lost()
             self._dirty |= self._slot_users
         self._beating = True
         remote = {out[i].decode(): int(out[i + 1]) for i in range(2, len(out) - 1, 2)}

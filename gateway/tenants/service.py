@@ -108,6 +108,11 @@ class TenancyMetrics:
                                         "Tokens engines reported that no TPM window was charged: a standalone "
                                         "Redis unreachable or refusing writes when the request ended",
                                         registry=r)
+        self.heartbeat_lost = Counter("switchyard_state_heartbeat_lost",
+                                      "Syncs that found the replica's heartbeat gone from the shared state "
+                                      "(Redis restarted empty or was flushed, or the replica was silent past "
+                                      "replica_ttl_s): its concurrency slots published again", ["mode"],
+                                      registry=r)
         self.latency = Histogram("switchyard_state_admit_seconds",
                                  "Time of the limit check (one Redis round trip with the Redis backend)",
                                  buckets=ROUTING_BUCKETS, registry=r)
@@ -135,7 +140,8 @@ class Tenancy:
         if state is None:
             state = (RedisState(self.cfg, on_transition=self._on_transition,
                                 on_pool_timeout=metrics.state_pool_timeouts.labels("tenancy").inc,
-                                on_uncharged=self.m.uncharged_tokens.inc)
+                                on_uncharged=self.m.uncharged_tokens.inc,
+                                on_heartbeat_lost=self.m.heartbeat_lost.labels(redis_mode(self.cfg.redis_url)).inc)
                      if self.cfg.redis_url
                      else MemoryState())
         self.state = state
