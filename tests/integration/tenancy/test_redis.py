@@ -313,7 +313,9 @@ async def test_tokens_an_outage_keeps_from_the_windows_are_counted_and_logged_at
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
                        limits={"users": {"alice": {"tpm": 10**6}}}, state=state(redis_server))
-    assert (await chat(gw)).choices
+    first = await chat(gw)
+    # charged after the answer: that charge landed before Redis goes, or it would be uncharged too
+    assert await wait_for(lambda: _tokens(gw, "alice", above=first.usage.total_tokens - 1))
     redis_server.kill()
     with structlog.testing.capture_logs() as logs:
         got = [await chat(gw) for _ in range(5)]
