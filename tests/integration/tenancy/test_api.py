@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import aiohttp
+import anthropic
 import openai
 import orjson
 import pytest
@@ -16,7 +18,7 @@ from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.http import openai_client, sim_state
 from tests.support.tenancy import ALICE, BOB, CHAT, KEYS, outcomes
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 
 @pytest.fixture
@@ -338,3 +340,34 @@ async def test_an_admin_token_sent_twice_is_a_401_and_changes_nothing(sims, gate
         got = (await exchange(gw.port, _raw_post("/admin/users", lines, b'{"name": "eve", "rpm": 1}'))).first
         assert assert_openai_error(got, 401)["code"] == "invalid_api_key"
     assert gw.gw.tenancy.directory.limits_for("eve") is None
+
+
+@pytest.mark.parametrize("sdk", ["openai", "anthropic"])
+async def test_an_sdk_given_retries_waits_out_a_users_limit_and_is_served(sims, gateway, sdk):
+    """A user at max_concurrent gets a 429 with Retry-After and retry-after-ms, which the SDKs
+    honour (up to 60 s): with max_retries=1 the request comes back once, after the slot freed, and
+    is served. The gateway's log lines count the attempts: one 429, then the 200."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"max_concurrent": 1}}})
+    async with aiohttp.ClientSession() as s:
+        holder = await s.post(gw.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ALICE}"},
+                              json={"model": "m", "messages": CHAT, "max_tokens": 500, "stream": True})
+        await holder.content.readline()
+        with gw.gw.request_log.capture() as lines:
+            async def free_on_the_first_429() -> None:
+                await until(lambda: any(x["status"] == 429 for x in lines), timeout=30)
+                holder.close()
+            freeing = asyncio.create_task(free_on_the_first_429())
+            if sdk == "anthropic":
+                client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=ALICE, max_retries=1)
+                answer = await client.messages.create(model="m", max_tokens=2, messages=CHAT)
+                assert answer.content[0].text
+            else:
+                client = openai.AsyncOpenAI(base_url=gw.base_url, api_key=ALICE, max_retries=1)
+                answer = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+                assert answer.choices[0].message.content
+            await client.close()
+            await freeing
+    mine = [x for x in lines if x["status"] != 499]         # 499: the stream that held the slot
+    assert [(x["status"], x.get("error_class")) for x in mine] == [(429, "rate_limit_concurrency"), (200, None)]
