@@ -33,7 +33,7 @@ from tests.support.factories import model_block
 from tests.support.gateway_process import interrupt
 from tests.support.http import openai_client
 from tests.support.ports import listen_port
-from tests.support.tenancy import ALICE, CHAT, KEYS, outcomes
+from tests.support.tenancy import ALICE, BOB, CHAT, KEYS, outcomes
 from tests.support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -329,6 +329,37 @@ async def test_tokens_an_outage_keeps_from_the_windows_are_counted_and_logged_at
 async def _uncharged_counted(gw, tokens: int) -> str | None:
     text = await gw.metrics_text()
     return text if f"switchyard_state_uncharged_tokens_total {float(tokens)}" in text else None
+
+
+async def test_a_slot_a_stalled_redis_took_after_the_check_gave_up_is_given_back(sims, gateway, redis_server):
+    """Redis stops (SIGSTOP) with a limit check sent to it: the check times out and the request is
+    served under failure_policy open, but the check is still in Redis's socket, and runs when it
+    resumes, taking a concurrency slot nobody holds (a Redis too slow for timeout_s does the same).
+    The replica publishes its exact count once Redis is back, for that user too, so the user is not
+    refused as at their limit for good."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"max_concurrent": 1}, "bob": {"max_concurrent": 5}}},
+                       state=state(redis_server, timeout_s=0.2))
+    assert (await chat(gw, BOB)).choices        # Redis has the scripts (alice has had no request)
+    st = gw.gw.tenancy.state
+    # connections in the pool, so that the check goes out on one (a new one would wait for Redis's hello)
+    assert await asyncio.gather(*(st.client.ping() for _ in range(4))) == [True] * 4
+    redis_server.pause()
+    try:
+        assert (await chat(gw)).choices         # its check went to Redis and timed out: served open
+        assert gw.gw.tenancy.state.up is False
+    finally:
+        redis_server.resume()
+    assert await wait_for(lambda: _state_up(gw), timeout=10)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async def no_slot() -> bool:
+            return not await r.hgetall("switchyard:conc:alice")
+        assert await wait_for(no_slot), await r.hgetall("switchyard:conc:alice")
+    finally:
+        await r.aclose()
+    assert (await chat(gw)).choices
 
 
 async def test_least_request_sees_the_other_replicas_in_flight(sims, gateway, redis_server):
