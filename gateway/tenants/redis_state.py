@@ -618,8 +618,17 @@ class RedisState:
         k_rpm, k_tpm, k_conc = self._user_keys(user)
         args = [lim.rpm if lim else 0, lim.tpm if lim else 0, lim.max_concurrent if lim else 0, q.model_rps,
                 self.replica_id, self._ttl_ms, USER_WINDOW_MS, MODEL_WINDOW_MS]
-        out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas], args,
-                                 orphan=functools.partial(self._orphan_admit, user))
+        try:
+            out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas],
+                                     args, orphan=functools.partial(self._orphan_admit, user))
+        except StateUnavailable:
+            if lim is not None and lim.max_concurrent:
+                # the check may still run in Redis with nobody to read its answer (a Redis stopped
+                # or too slow for timeout_s reads it later): the next good sync publishes this
+                # user's exact count, so a slot it took there for nobody is given back
+                self._slot_users.add(user)
+                self._dirty.add(user)
+            raise
         reason = out[0].decode() if out[0] else None
         r = AdmitResult(reason=reason, requests=int(out[1]), requests_reset_ms=int(out[2]), tokens=int(out[3]),
                         tokens_reset_ms=int(out[4]), concurrent=int(out[5]), model_requests=int(out[6]),
