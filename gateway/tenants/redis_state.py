@@ -621,11 +621,13 @@ class RedisState:
         try:
             out = await self._submit(ADMIT, [k_rpm, k_tpm, k_conc, f"{self._p}:rps:{q.model}", self.k_replicas],
                                      args, orphan=functools.partial(self._orphan_admit, user))
-        except StateUnavailable:
-            if lim is not None and lim.max_concurrent:
+        except StateUnavailable as e:
+            if e.reason == "unreachable" and lim is not None and lim.max_concurrent:
                 # the check may still run in Redis with nobody to read its answer (a Redis stopped
                 # or too slow for timeout_s reads it later): the next good sync publishes this
-                # user's exact count, so a slot it took there for nobody is given back
+                # user's exact count, so a slot it took there for nobody is given back. (A check
+                # Redis answered with an error, or one never sent for want of a connection, took
+                # nothing.)
                 self._slot_users.add(user)
                 self._dirty.add(user)
             raise
