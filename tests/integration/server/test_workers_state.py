@@ -4,6 +4,7 @@ went through once for the gateway, whichever worker answers, though every worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 import redis.asyncio as aioredis
@@ -71,3 +72,27 @@ async def test_a_redis_every_worker_loses_is_one_loss(sims, tmp_path, redis_serv
             assert metric_total(text, "switchyard_view_redis_up") == 0
             assert metric_total(text, "switchyard_view_redis_lost_total") == 1
             assert metric_total(text, "switchyard_state_outages_total", mode="standalone") == 1
+
+
+@pytest.mark.timeout(90)
+async def test_a_configured_replica_id_names_each_worker_apart(sims, tmp_path, redis_server):
+    """state.replica_id with --workers 2: each worker heartbeats and holds its slots under a name of
+    its own, the configured one with its index, as the routing view names its senders."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = config(tmp_path, port, sim.url, redis_server.url)
+    raw = yaml.safe_load(cfg.read_text())
+    raw["state"]["replica_id"] = "gw-a"
+    cfg.write_text(yaml.safe_dump(raw))
+    r = aioredis.Redis.from_url(redis_server.url)
+    seen: list[str] = []
+    try:
+        async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(20):     # both workers heartbeat every 50 ms
+                    while seen != ["gw-a/0", "gw-a/1"]:
+                        seen = sorted(m.decode() for m in await r.zrange("switchyard:replicas", 0, -1))
+                        await asyncio.sleep(0.05)
+    finally:
+        await r.aclose()
+    assert seen == ["gw-a/0", "gw-a/1"]
