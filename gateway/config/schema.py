@@ -402,7 +402,7 @@ class StateConfig(Block):
     sync_interval_s: Annotated[Positive, Meta(description="How often a replica publishes its heartbeat and in-flight counts and refreshes the key directory, in seconds.")] = 0.1
     replica_ttl_s: Annotated[Positive, Meta(description="A replica silent this long no longer counts, in seconds (at least twice sync_interval_s).")] = 1.0
     share_in_flight: Annotated[bool, Meta(description="Publish and read per-endpoint in-flight counts, so the load-based strategies see the whole fleet's load.")] = True
-    replica_id: Annotated[_ID | None, Meta(description="This replica's name in Redis; null: host, process id and a random suffix.")] = None
+    replica_id: Annotated[_ID | None, Meta(description="This replica's name in Redis; null: host, process id and a random suffix. With --workers N each worker is a replica named this and its index, <id>/<index>.")] = None
 
     def __post_init__(self) -> None:
         url = self.redis_url

@@ -239,6 +239,8 @@ def build_app(config: Config, pool: EndpointPool | None = None,
     s = build_services(config, pool, _view_slot(worker))
     if worker is not None:          # admission's bounds are the gateway's: each worker takes its share
         s.admission.set_workers(worker.count, worker.index)
+        if isinstance(s.tenancy, Tenancy):      # and each worker is a replica of its own in Redis
+            s.tenancy.set_worker(worker.index, worker.count)
     metrics, lifecycle = s.metrics, s.lifecycle
     tenancy = s.tenancy if isinstance(s.tenancy, Tenancy) else None
     tracing = s.tracing if isinstance(s.tracing, Tracing) else None

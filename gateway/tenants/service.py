@@ -157,6 +157,15 @@ class Tenancy:
         self._fail_open_count = 0
         self._fail_open_logged = 0.0
 
+    def set_worker(self, index: int, count: int) -> None:
+        """This process is worker ``index`` of ``count`` (``--workers``), before it starts: each worker
+        is a replica of its own in the shared state, so a configured ``state.replica_id`` names each
+        with its index (``<id>/<index>``); one name for all would be one heartbeat and one in-flight
+        hash that each worker overwrites, and one worker's slot repair or exit would take its
+        siblings' slots. The default id (host, pid, random) differs per process already."""
+        if count > 1 and self.cfg.replica_id and isinstance(self.state, RedisState):
+            self.state.replica_id = f"{self.cfg.replica_id}/{index}"
+
     def reconfigure(self, config: Config) -> None:
         """A reloaded config (gateway/server/reload.py): API keys, users' and models' limits and the admin
         token apply to the next request; the state backend (``state:``) stays as started, and so

@@ -447,7 +447,10 @@ async def test_two_gateway_processes_share_one_limit(sims, redis_server, tmp_pat
         async def both_registered() -> bool:
             # a replica silent for replica_ttl_s (0.5 s here: a process descheduled on a busy
             # machine) is dropped from the set until its next heartbeat puts it back
-            return sorted(m.decode() for m in await r.zrange("switchyard:replicas", 0, -1)) == ["proc-0", "proc-1"]
+            # (a process of several workers, server.workers: auto on a machine of several CPUs,
+            # registers each as proc-<i>/<worker>)
+            members = {m.decode().partition("/")[0] for m in await r.zrange("switchyard:replicas", 0, -1)}
+            return members == {"proc-0", "proc-1"}
         replicas = await wait_for(both_registered, timeout=10)
         await r.aclose()
     finally:
