@@ -33,9 +33,10 @@ async def interrupt(procs: list[subprocess.Popen], timeout: float) -> None:
 
 
 @contextlib.asynccontextmanager
-async def gateway_process(path, port: int, *args: str, ready_workers: int = 1) -> AsyncIterator[asyncio.subprocess.Process]:
+async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
+                          admin_token: str | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
     """Started, and ``/ready`` answered 200 by ``ready_workers`` distinct processes (``/status.json``'s
-    pid); SIGTERM at exit."""
+    pid, read with ``admin_token`` when the config has one); SIGTERM at exit."""
     err = tempfile.TemporaryFile()        # its log, shown when it does not come up
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(path), *args,
                                                 stderr=err)
@@ -46,7 +47,8 @@ async def gateway_process(path, port: int, *args: str, ready_workers: int = 1) -
                 while len(seen) < ready_workers:
                     with contextlib.suppress(aiohttp.ClientError, OSError):
                         if (await get_new(port, "/ready"))[0] == 200:
-                            seen.add((await get_new(port, "/status.json"))[1]["gateway"]["pid"])
+                            status = await get_new(port, "/status.json", admin_token)
+                            seen.add(status[1]["gateway"]["pid"])
                     await asyncio.sleep(0.05)
         except TimeoutError:
             err.seek(0)
@@ -70,9 +72,10 @@ async def post_new(port: int, path: str, body: dict[str, Any], headers: dict[str
         return r.status, dict(r.headers), await r.json(content_type=None)
 
 
-async def get_new(port: int, path: str) -> tuple[int, Any]:
+async def get_new(port: int, path: str, admin_token: str | None = None) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else None
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s, \
-            s.get(f"http://127.0.0.1:{port}{path}") as r:
+            s.get(f"http://127.0.0.1:{port}{path}", headers=headers) as r:
         body = await r.read()
         if r.headers.get("Content-Type", "").startswith("application/json"):
             import orjson

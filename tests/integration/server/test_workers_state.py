@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import anthropic
+import openai
 import pytest
 import redis.asyncio as aioredis
 import yaml
@@ -13,6 +15,7 @@ import yaml
 from tests.integration.server.test_workers import children_of, own_metrics, sibling_sockets
 from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker
 from tests.support.ports import listen_port
+from tests.support.tenancy import ALICE, CHAT, KEYS
 
 
 def config(tmp_path, port: int, engine: str, redis_url: str):
@@ -96,3 +99,61 @@ async def test_a_configured_replica_id_names_each_worker_apart(sims, tmp_path, r
     finally:
         await r.aclose()
     assert seen == ["gw-a/0", "gw-a/1"]
+
+
+@pytest.mark.timeout(90)
+async def test_tokens_are_charged_once_each_as_the_engines_reported_them_across_apis_and_workers(
+        sims, tmp_path, redis_server):
+    """--workers 2 on one Redis: chat and completions (whole and streamed), Messages and Responses
+    (whole and streamed), each on a connection of its own, which the kernel gives either worker. The user's
+    TPM window holds exactly the tokens the answers' usage reported: none lost, none counted twice."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "listen": {"host": "127.0.0.1", "port": port},
+        "server": {"drain_delay_s": 0, "log_level": "warning"},
+        "auth": {**KEYS, "admin_token": "admin-token-1"},
+        "limits": {"users": {"alice": {"tpm": 10**8}}},
+        "state": {"redis_url": redis_server.url, "sync_interval_s": 0.05},
+        "models": [{"name": "m", "engine": "vllm", "endpoints": [sim.url]}]}))
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2, admin_token="admin-token-1"):
+        base = f"http://127.0.0.1:{port}"
+        reported = 0
+        for i in range(2):
+            # a client (and so a connection) per request: the kernel spreads them over the workers
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=ALICE, max_retries=0) as oc:
+                r = await oc.chat.completions.create(model="m", messages=CHAT, max_tokens=3 + i)
+                reported += r.usage.total_tokens
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=ALICE, max_retries=0) as oc:
+                stream = await oc.chat.completions.create(model="m", messages=CHAT, max_tokens=3 + i, stream=True,
+                                                          stream_options={"include_usage": True})
+                reported += sum([c.usage.total_tokens async for c in stream if c.usage])
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=ALICE, max_retries=0) as oc:
+                r = await oc.completions.create(model="m", prompt="hello there", max_tokens=3 + i)
+                reported += r.usage.total_tokens
+            async with anthropic.AsyncAnthropic(base_url=base, api_key=ALICE, max_retries=0) as ac:
+                m = await ac.messages.create(model="m", max_tokens=3 + i, messages=CHAT)
+                reported += m.usage.input_tokens + m.usage.output_tokens
+            async with anthropic.AsyncAnthropic(base_url=base, api_key=ALICE, max_retries=0) as ac:
+                async with ac.messages.stream(model="m", max_tokens=3 + i, messages=CHAT) as st:
+                    m = await st.get_final_message()
+                reported += m.usage.input_tokens + m.usage.output_tokens
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=ALICE, max_retries=0) as oc:
+                r = await oc.responses.create(model="m", input="hello there", max_output_tokens=16 + i)
+                reported += r.usage.total_tokens
+            async with openai.AsyncOpenAI(base_url=base + "/v1", api_key=ALICE, max_retries=0) as oc:
+                stream = await oc.responses.create(model="m", input="hello there", max_output_tokens=16 + i,
+                                                   stream=True)
+                reported += sum([e.response.usage.total_tokens async for e in stream
+                                 if e.type == "response.completed"])
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            async def charged() -> int:
+                return int(await r.get("switchyard:tpm:alice") or 0)
+            async with asyncio.timeout(20):         # charged after each answer, off the client's path
+                while await charged() < reported:
+                    await asyncio.sleep(0.05)
+            assert await charged() == reported
+        finally:
+            await r.aclose()
