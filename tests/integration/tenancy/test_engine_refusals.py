@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -165,3 +166,29 @@ async def test_a_request_retried_after_a_5xx_to_an_engine_that_took_no_connectio
     assert usage["tokens"] == 0 and usage["concurrent"] == 0
     # the engine's 500s that were the client's answer, not the gateway's 502s
     assert usage["requests"] == sum(r.status == 500 for r in records)
+
+
+@pytest.mark.parametrize(("path", "body", "delta"), [
+    ("/v1/messages", {"messages": CHAT, "max_tokens": 50}, b"event: content_block_delta"),
+    ("/v1/responses", {"input": "hello there", "max_output_tokens": 50}, b"event: response.output_text.delta"),
+])
+async def test_a_messages_or_responses_stream_whose_engine_dies_is_charged_what_it_sent(
+        sims, gateway, backend, path, body, delta):
+    """The engine's connection breaks after 3 tokens (no final usage): a Messages stream is charged
+    the prompt message_start reported and the 3 deltas sent, a Responses stream (no usage before
+    its end) the prompt's estimate and the 3 deltas; the slot is given back either way."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], limits=LIMITS, **backend)
+    raw = b""
+    async with aiohttp.ClientSession() as s, s.post(
+            gw.url + path, json={"model": "m", "stream": True, **body},
+            headers={"user": "alice", "x-sim-fault": "drop_after=3"}) as r:
+        assert r.status == 200
+        raw = await r.read()
+    events = [orjson.loads(line[5:]) for line in raw.splitlines() if line.startswith(b"data:")]
+    assert raw.count(delta) == 3 and events[-1]["type"] in ("error", "response.failed")
+    if path == "/v1/messages":
+        prompt = next(e["message"]["usage"]["input_tokens"] for e in events if e["type"] == "message_start")
+    else:
+        prompt = parse(path, orjson.dumps({"model": "m", **body}), {}, "e").prompt_tokens_est
+    assert (await settled(gw))["tokens"] == prompt + 3
