@@ -371,3 +371,24 @@ async def test_an_sdk_given_retries_waits_out_a_users_limit_and_is_served(sims, 
             await freeing
     mine = [x for x in lines if x["status"] != 499]         # 499: the stream that held the slot
     assert [(x["status"], x.get("error_class")) for x in mine] == [(429, "rate_limit_concurrency"), (200, None)]
+
+
+async def test_a_users_429_on_messages_is_anthropics_shape_with_the_rate_limit_headers(sims, gateway):
+    """/v1/messages answers a user's limit as Anthropic's API does, {"type": "error", "error":
+    {"type": "rate_limit_error", "message"}}, so its SDKs raise RateLimitError; with the same
+    x-ratelimit-*, Retry-After and retry-after-ms as the OpenAI-shaped 429."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 1, "tpm": 100000}}})
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=ALICE, max_retries=0)
+    assert (await client.messages.create(model="m", max_tokens=2, messages=CHAT)).content
+    for stream in (False, True):
+        with pytest.raises(anthropic.RateLimitError) as ei:
+            await client.messages.create(model="m", max_tokens=2, messages=CHAT, stream=stream)
+        assert ei.value.body == {"type": "error", "error": {"type": "rate_limit_error",
+                                                            "message": "user: alice has exceeded RPM: 1"}}
+        h = ei.value.response.headers
+        assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("1", "0")
+        assert h["x-ratelimit-limit-tokens"] == "100000" and h["x-error-rpm-exceeded"] == "true"
+        assert 1 <= int(h["Retry-After"]) <= 60 and 0 < int(h["retry-after-ms"]) <= 60_000
+    await client.close()
