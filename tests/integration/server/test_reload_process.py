@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from tests.support.http import sim_state
+from tests.support.lora import LORA_SIM
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
 from tests.support.waiting import sigstop
@@ -199,6 +200,37 @@ async def test_every_worker_reloads_on_sighup_and_on_admin_reload(sims, tmp_path
             async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
                 text = await r.text()
             assert metric(text, "switchyard_config_generation") == 3 and metric(text, "switchyard_workers_scraped") == 2
+
+
+@pytest.mark.timeout(90)
+async def test_an_alias_named_as_an_adapter_is_refused_and_the_adapter_keeps_serving_from_every_worker(sims, tmp_path):
+    """An alias takes a request before the LoRA stage sees it: an alias with the name of an adapter
+    the config lists would have its targets answer that adapter's requests without the adapter,
+    from every worker. The file is refused, as one whose alias has a model's name is."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    text = text.replace("endpoints:", "adapters: {sql: org/sql-lora}, endpoints:")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2") as proc:
+        assert len(await worker_views(port, 2)) == 2
+        path.write_text(text + "aliases: [{name: sql, targets: [{model: m}]}]\n")
+        async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                                        headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            status, body = r.status, await r.json()
+        assert (status, body.get("error", {}).get("param")) == (400, "aliases[0].name"), body
+        assert "LoRA adapter" in body["error"]["message"], body
+        served = []
+        for _ in range(8):      # a client each, so a connection each: the kernel spreads them over the workers
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            raw = await client.chat.completions.with_raw_response.create(model="sql", messages=CHAT, max_tokens=2)
+            served.append((raw.parse().model, raw.headers.get("x-served-model")))
+            await client.close()
+        assert served == [("sql", None)] * 8, served
+        views = await worker_views(port, 2)
+        assert len(views) == 2 and all(v == {"m", "sql"} for v in views.values()), views
+        assert proc.returncode is None
 
 
 def _catches_sighup(pid: int) -> bool:

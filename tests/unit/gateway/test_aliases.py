@@ -117,6 +117,17 @@ def test_invalid_aliases_are_refused_with_their_key_path(aliases, path, words):
     assert words in str(e.value) and str(e.value).startswith(f"gw.yaml: {path}: ")
 
 
+def test_an_alias_may_not_have_the_name_of_an_adapter_the_config_lists():
+    """The alias would take the adapter's requests before the LoRA stage sees them: its targets
+    would answer them without the adapter."""
+    base = BASE.replace("endpoints: [http://127.0.0.1:2]", "endpoints: [http://127.0.0.1:2], adapters: {sql: org/sql}")
+    with pytest.raises(ConfigError) as e:
+        parse_config(base + "aliases: [{name: sql, targets: [{model: llama-8b}]}]", source="gw.yaml")
+    assert e.value.key_path == "aliases[0].name"
+    assert str(e.value) == ("gw.yaml: aliases[0].name: 'sql' is a LoRA adapter of model 'llama-8b-v2' "
+                            "(models[1].adapters); an alias may not shadow an adapter")
+
+
 def test_with_kubernetes_discovery_a_target_may_be_a_discovered_model():
     cfg = parse_config("kubernetes: {enabled: true}\naliases: [{name: c, targets: [{model: found-by-label}]}]")
     assert cfg.aliases[0].targets[0].model == "found-by-label"
