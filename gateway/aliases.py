@@ -36,7 +36,7 @@ from gateway.observability.metrics import Counter
 from gateway.request import body_bytes
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Mapping, Sequence
 
     from gateway.endpoints import EndpointPool
     from gateway.pipeline.context import RequestContext
@@ -66,15 +66,23 @@ class AliasConfig(Block):
             raise ValueError("targets: at least one weight must be greater than 0")
 
 
-def check_aliases(aliases: Sequence[AliasConfig], models: Sequence[str], discovered: bool) -> None:
+def check_aliases(aliases: Sequence[AliasConfig], models: Sequence[str], discovered: bool,
+                  adapters: Mapping[str, tuple[int, str]] | None = None) -> None:
     """The checks that need the whole config (``Config.__post_init__``): an alias may not shadow a
-    model or another alias, and its targets are models. With Kubernetes discovery on, a target
-    that no ``models:`` entry names may still come from discovered pods, so it is accepted."""
+    model, an adapter the config lists (``adapters``: name → the index and name of its model) or
+    another alias, and its targets are models. With Kubernetes discovery on, a target that no
+    ``models:`` entry names may still come from discovered pods, so it is accepted. (An alias is
+    resolved before the LoRA stage: one named as an adapter would have its targets answer that
+    adapter's requests without it.)"""
     model_names = set(models)
     alias_names: dict[str, int] = {}
     for i, a in enumerate(aliases):
         if a.name in model_names:
             raise ValueError(f"aliases[{i}].name: {a.name!r} is a model; an alias may not shadow a model")
+        if adapters and a.name in adapters:
+            at, model = adapters[a.name]
+            raise ValueError(f"aliases[{i}].name: {a.name!r} is a LoRA adapter of model {model!r} "
+                             f"(models[{at}].adapters); an alias may not shadow an adapter")
         if a.name in alias_names:
             raise ValueError(f"aliases[{i}].name: duplicate alias {a.name!r} (aliases[{alias_names[a.name]}])")
         alias_names[a.name] = i

@@ -478,7 +478,8 @@ class Config(Block, dict=True):
             seen.add(m.name)
         if self.responses.backend == "redis" and self.state.redis_url is None:
             raise ValueError("responses.backend: redis needs state.redis_url")
-        check_aliases(self.aliases, [m.name for m in self.models], self.kubernetes.enabled)
+        check_aliases(self.aliases, [m.name for m in self.models], self.kubernetes.enabled,
+                      {a: (i, m.name) for i, m in enumerate(self.models) for a in m.adapters})
         check_adapters([(m.name, m.adapters) for m in self.models])
         for path, a in [("admission", self.admission)] + [(f"models[{i}].admission", m.admission)
                                                           for i, m in enumerate(self.models) if m.admission]:
