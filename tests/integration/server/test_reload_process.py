@@ -339,6 +339,87 @@ async def test_workers_agree_on_the_generation_after_sighups_sent_close_together
         assert max(seen) == answered[1], seen         # never past the parent's
 
 
+@pytest.mark.timeout(90)
+async def test_the_status_document_says_which_config_each_worker_runs_and_how_its_last_reload_went(sims, tmp_path):
+    """/metrics shows the smallest of the workers' generations, and 0 for the last reload when one
+    refused it: that one is behind, not which. /status.json says, for the worker that answered
+    (``gateway.config``) and for every worker that reported (``gateway.workers.config``), the
+    generation it runs, a digest of that config and how its last reload went. A SIGHUP sent to one
+    worker alone reloads it alone, its generation unchanged: the digest tells it apart."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url], extra=f"auth: {{admin_token: {TOKEN}}}\n")
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", "2"):
+        sessions = await pinned_workers(port, 2)
+        try:
+            async def documents() -> dict[int, dict]:
+                out = {}
+                for pid, s in sessions.items():
+                    async with s.get(f"http://127.0.0.1:{port}/status.json",
+                                     headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                        out[pid] = (await r.json())["gateway"]
+                return out
+
+            async def until_each(check) -> dict[int, dict]:
+                async with asyncio.timeout(10):
+                    while True:
+                        docs = await documents()
+                        if all(check(d["config"]) for d in docs.values()):
+                            return docs
+                        await asyncio.sleep(0.02)
+
+            async def admin() -> tuple[int, dict]:
+                async with aiohttp.ClientSession() as s, s.post(f"http://127.0.0.1:{port}/admin/reload",
+                                                                headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                    return r.status, await r.json()
+
+            def listed(docs: dict[int, dict]) -> list[tuple]:
+                """Each answer's list of every worker's (pid, generation, digest, last reload's result)."""
+                rows = []
+                for d in docs.values():
+                    rows.append([(w["pid"], w["generation"], w["digest"], (w["last_reload"] or {}).get("result"))
+                                 for w in d["workers"]["config"]])
+                return rows
+
+            start = await documents()
+            digest = {d["config"]["digest"] for d in start.values()}
+            assert len(digest) == 1 and all(d["config"]["generation"] == 1 and d["config"]["last_reload"] is None
+                                            for d in start.values()), start
+            first = digest.pop()
+            whole = sorted((pid, 1, first, None) for pid in sessions)
+            assert listed(start) == [whole, whole], start
+
+            path.write_text(text + "aliases: [{name: one, targets: [{model: m}]}]\n")
+            assert (await admin())[0] == 200
+            path.write_text(text + "aliases: [{name: one, targets: [{model: m}]}]\nno_such_block: 1\n")
+            assert (await admin())[0] == 400
+            refused = await until_each(lambda c: (c["last_reload"] or {}).get("result") == "invalid")
+            second = {d["config"]["digest"] for d in refused.values()}
+            assert len(second) == 1 and second != {first}, refused
+            for d in refused.values():
+                last = d["config"]["last_reload"]
+                assert d["config"]["generation"] == 2 and last["trigger"] == "admin", d
+                assert last["key_path"] == "no_such_block" and "no_such_block" in last["error"], d
+            whole = sorted((pid, 2, *second, "invalid") for pid in sessions)
+            assert listed(refused) == [whole, whole], refused
+
+            alone, other = sorted(sessions)
+            path.write_text(text + "aliases: [{name: two, targets: [{model: m}]}]\n")
+            os.kill(alone, signal.SIGHUP)
+            async with asyncio.timeout(10):
+                while (docs := await documents())[alone]["config"]["last_reload"]["result"] != "ok":
+                    await asyncio.sleep(0.02)
+            rows = {pid: (g, dg, r) for pid, g, dg, r in listed(docs)[0]}
+            assert rows[other] == (2, *second, "invalid") and rows[alone][0] == 2 and rows[alone][2] == "ok", rows
+            assert rows[alone][1] not in (first, *second), rows
+            assert listed(docs)[1] == listed(docs)[0], docs
+        finally:
+            for s in sessions.values():
+                await s.close()
+
+
 def _reload_lines(err: bytes) -> list[dict]:
     """The ``config reloaded`` and ``config reload refused`` lines of a JSON log."""
     lines = []
