@@ -100,10 +100,21 @@ class StatusSources:
     batch: Callable[[], Awaitable[dict[str, Any]]] | None = None
     # this worker's Kubernetes discovery (k8s.discovery.KubernetesDiscovery.status), None without one
     discovery: Callable[[], dict[str, Any] | None] = lambda: None
+    # the config this process runs: its generation, digest and last reload (gateway.server.reload.Reloader.status)
+    config_state: Callable[[], dict[str, Any]] = lambda: {"generation": 1, "digest": None, "last_reload": None}
 
     def follow(self, live: Live) -> None:
         """A config reload applied (gateway/server/reload.py): read the new generation's config and routing."""
         self.config, self.routing = live.config, live.routing
+
+
+def _workers_config(own: dict[str, Any], index: int, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every reporting worker's config (``gateway.workers.config``), by worker index: this one's
+    and the siblings' parts' (a part without one, from a worker of an older version, is left out)."""
+    rows = [{"worker": index, "pid": os.getpid(), **own}]
+    rows += [{"worker": p.get("worker"), "pid": p.get("pid"), **p["config"]}
+             for p in parts if isinstance(p.get("config"), dict)]
+    return sorted(rows, key=lambda r: r["worker"] if isinstance(r["worker"], int) else -1)
 
 
 class StatusBoard:
@@ -212,7 +223,7 @@ class StatusBoard:
                 "fallbacks": [(st, r, n) for (st, r), n in self.fallbacks.items()],
                 "user_in_flight": src.tenancy.state.slots() if src.tenancy is not None else {},
                 "decisions": self.recent_decisions(), "errors": self.recent_errors(),
-                "discovery": src.discovery(),
+                "discovery": src.discovery(), "config": src.config_state(),
                 "admission": {name: row for name in _model_names(src) if (row := src.admission(name, True)) is not None}}
 
     def counts(self) -> dict[str, Any]:
@@ -278,13 +289,16 @@ class StatusBoard:
             _add_endpoint_loads(endpoints, parts)
             decisions = _newest([decisions, *(p["decisions"] for p in parts)], self.decisions.maxlen)
             errors = _newest([errors, *(p["errors"] for p in parts)], self.errors.maxlen)
+        config = src.config_state()
         return {
             "schema_version": SCHEMA_VERSION,
             "gateway": {
                 "version": _version(), "pid": os.getpid(), "now": round(wall, 3),
                 "started_at": round(src.started_at, 3), "uptime_s": round(now - self._started, 1),
                 "workers": {"count": worker[1], "answered": worker[0], "reporting": 1 + len(parts),
-                            "restarts": restarts or {"exited": 0, "stalled": 0}},
+                            "restarts": restarts or {"exited": 0, "stalled": 0},
+                            "config": _workers_config(config, worker[0], parts)},
+                "config": config,
                 "draining": src.lifecycle.draining or any(p["draining"] for p in parts),
                 "in_flight": src.lifecycle.in_flight + sum(p["in_flight"] for p in parts),
                 "refresh_s": self.settings.refresh_s, "window_s": self.settings.window_s,

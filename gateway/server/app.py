@@ -468,7 +468,8 @@ def _add_status_page(app: web.Application, config: Config, s: Services, reloader
     sources = StatusSources(config, pool, reloader.live.routing, s.lifecycle, s.model_in_flight, tenancy,
                             aliases=lambda: reloader.live.aliases.describe(), started_at=started_at,
                             admission=s.admission.status, batch=batch.status if batch is not None else None,
-                            discovery=lambda: disc.status() if (disc := app.get(DISCOVERY_KEY)) is not None else None)
+                            discovery=lambda: disc.status() if (disc := app.get(DISCOVERY_KEY)) is not None else None,
+                            config_state=reloader.status)
     reloader.listeners.append(sources.follow)
     page = add_status(app, sources, s.metrics, board)
     app[STATUS_PAGE_KEY] = page

@@ -44,8 +44,10 @@ for its own.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -251,6 +253,12 @@ class ReloadResult:
 Listener = Callable[[Live], None]
 
 
+def config_digest(config: Config) -> str:
+    """A short digest of ``config`` as this process runs it (the file with the command line's
+    overrides): two workers with the same digest run the same config."""
+    return hashlib.sha256(msgspec.json.encode(config)).hexdigest()[:16]
+
+
 class Reloader:
     """Re-reads the config with ``loader`` and swaps the generation; see the module docstring."""
 
@@ -267,6 +275,8 @@ class Reloader:
         self.m.generation.set(live.generation)
         self.listeners: list[Listener] = []
         self.last: ReloadResult | None = None
+        self.last_at: float | None = None        # when ``last`` was decided, unix seconds
+        self._digest: tuple[Config, str] | None = None
         self.parent_pid: int | None = None       # set in a --workers worker: reloads go through the parent
         # set in a --workers worker: the last reload the parent told the workers of, with its
         # trigger, generation and the count of this worker's asks it came after, and telling the
@@ -334,7 +344,21 @@ class Reloader:
 
     def _finish(self, result: ReloadResult) -> ReloadResult:
         self.last = result
+        self.last_at = time.time()
         return result
+
+    def status(self) -> dict[str, Any]:
+        """This process's config for ``/status.json`` (``gateway.config``): its generation, the digest
+        of the config it runs (computed once per config), and its last reload (null until one)."""
+        config = self.live.config
+        if self._digest is None or self._digest[0] is not config:
+            self._digest = (config, config_digest(config))
+        last = self.last
+        return {"generation": self.live.generation, "digest": self._digest[1],
+                "last_reload": None if last is None else {
+                    "result": last.result, "trigger": last.trigger,
+                    "at": round(self.last_at, 3) if self.last_at is not None else None,
+                    "key_path": last.key_path, "error": last.error}}
 
     def _answer(self, result: ReloadResult, told: Told | None = None) -> None:
         """This worker's POST /admin/reload requests waiting for the parent's reload: this one, for

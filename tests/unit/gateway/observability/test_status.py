@@ -4,6 +4,7 @@ the gateway's own state (no network here: the board and the pool are driven dire
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import jsonschema
@@ -213,11 +214,12 @@ async def test_several_workers_add_up_into_one_document():
         board.on_decision(ireq(f"w{i}-d"), Decision(pool.endpoints("llama")[0], strategy="random"),
                           (("vtc-basic", "no_user"),), 1e-5)
     (board, _), (sibling, _) = boards
-    part = json.loads(json.dumps(sibling.part(srcs[1])))
+    part = json.loads(json.dumps(sibling.part(srcs[1], 1)))
     doc = await board.document(srcs[0], [part], (0, 2), {"exited": 1, "stalled": 0})
     jsonschema.validate(doc, SCHEMA)
-    assert doc["gateway"]["workers"] == {"count": 2, "answered": 0, "reporting": 2,
-                                         "restarts": {"exited": 1, "stalled": 0}}
+    workers = doc["gateway"]["workers"]
+    assert [(w["worker"], w["generation"]) for w in workers.pop("config")] == [(0, 1), (1, 1)]  # each reporting worker's
+    assert workers == {"count": 2, "answered": 0, "reporting": 2, "restarts": {"exited": 1, "stalled": 0}}
     assert doc["totals"]["requests_since_start"] == 9 and doc["totals"]["minute"]["requests"] == 9
     assert doc["totals"]["minute"]["errors"] == 2 and doc["totals"]["minute"]["ttft_count"] == 7
     assert doc["totals"]["minute"]["ttft_p99_ms"] == pytest.approx(20, rel=0.05)   # the sibling's slower TTFTs
@@ -231,7 +233,8 @@ async def test_several_workers_add_up_into_one_document():
     assert len(doc["routing"]["recent"]) == 2
     alone = await board.document(srcs[0])
     assert alone["gateway"]["workers"] == {"count": 1, "answered": 0, "reporting": 1,
-                                           "restarts": {"exited": 0, "stalled": 0}}
+                                           "restarts": {"exited": 0, "stalled": 0},
+                                           "config": [{"worker": 0, "pid": os.getpid(), **alone["gateway"]["config"]}]}
     assert alone["totals"]["requests_since_start"] == 4
 
     # the sibling gone (killed, not started again yet): its counts since start as it last kept them
