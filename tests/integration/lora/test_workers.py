@@ -312,3 +312,88 @@ async def test_a_load_under_way_in_one_worker_refused_as_full_lets_its_sibling_a
     assert calls(sim, LOAD) == 2, "the sibling asked once the refusal ended its wait"
     assert metric_total(page, "switchyard_lora_load_waits_total", adapter="a", outcome="ended") == 1
     assert metric_total(page, "switchyard_lora_loads_total", adapter="a", result="cooldown") == 0
+
+
+def discovery_config(port: int, url: str, interval: float) -> str:
+    return (f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+            "server: {drain_delay_s: 0, shutdown_grace_s: 5, log_level: warning}\n"
+            "health: {interval_s: 0.5}\n"
+            f"lora: {{discovery_interval_s: {interval}}}\n"
+            f"models: [{{name: m, engine: vllm, endpoints: ['{url}']}}]\n")
+
+
+async def reloaded(proc, port: int, generation: int) -> None:
+    """SIGHUP to the parent, and every worker runs ``generation`` (the merged gauge is the smallest)."""
+    import signal
+
+    proc.send_signal(signal.SIGHUP)
+    async with asyncio.timeout(20):
+        while metric_total((await get_new(port, "/metrics"))[1], "switchyard_config_generation") != generation:
+            await asyncio.sleep(0.02)
+
+
+class Arrivals:
+    """The requests that reach an in-process engine from now on, by path, read off its recorder as
+    they come (the recorder keeps the last 256: polled often, none is missed at a probe's pace)."""
+
+    def __init__(self, sim) -> None:
+        self.received = sim.app[RECEIVED_KEY]
+        self.seen = {id(e): e for e in self.received}
+        self.paths: list[str] = []
+
+    def poll(self) -> list[str]:
+        for e in list(self.received):
+            if id(e) not in self.seen:
+                self.seen[id(e)] = e
+                self.paths.append(e["path"])
+        return self.paths
+
+
+@pytest.mark.timeout(120)
+async def test_a_reload_that_turns_adapter_discovery_on_starts_it_in_every_worker(sims, tmp_path):
+    """``lora`` is a block a reload applies: discovery_interval_s from 0 (off) to a period starts
+    reading the engines' /v1/models, so an adapter loaded on the engine by hand becomes routable
+    from every worker."""
+    import openai
+
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(discovery_config(port, sim.url, 0))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2) as proc:
+        async with aiohttp.ClientSession() as s, s.post(sim.url + "/v1/load_lora_adapter",
+                                                        json={"lora_name": "ext", "lora_path": "org/ext"}) as r:
+            assert r.status == 200
+        assert await spread(port, "ext", 2) == [(404, "The model `ext` does not exist.")] * 2
+
+        path.write_text(discovery_config(port, sim.url, 0.1))
+        await reloaded(proc, port, 2)
+
+        async def listed_by_both() -> bool:
+            views = await per_worker(port, 2, "/v1/models")
+            return all(any(m["id"] == "ext" for m in json.loads(v)["data"]) for v in views.values())
+        assert await wait_for(listed_by_both, timeout=10), await per_worker(port, 2, "/v1/models")
+        for _ in range(6):          # a client each, a connection each: both workers answer
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            assert (await client.chat.completions.create(model="ext", messages=MSG, max_tokens=2)).model == "ext"
+            await client.close()
+
+
+@pytest.mark.timeout(120)
+async def test_a_reload_that_turns_adapter_discovery_off_stops_it_in_every_worker(sims, tmp_path):
+    """discovery_interval_s back to 0 (off) stops reading the engines' /v1/models, rather than
+    reading them without a pause between rounds."""
+    sim = await sims("vllm", "m", **LORA_SIM)
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    path.write_text(discovery_config(port, sim.url, 0.1))
+    async with gateway_process(path, port, "--workers", "2", ready_workers=2) as proc:
+        path.write_text(discovery_config(port, sim.url, 0))
+        await reloaded(proc, port, 2)
+        arrivals = Arrivals(sim)
+
+        def probes() -> int:
+            return arrivals.poll().count("/health")
+        assert await wait_for(lambda: probes() >= 3, timeout=20, interval=0.005), arrivals.paths
+        models = arrivals.paths.count("/v1/models")
+        assert models <= 2, f"{models} reads of /v1/models over three health probes after discovery was turned off"
