@@ -88,6 +88,7 @@ order picks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -153,6 +154,8 @@ class Lora:
         self.upstream = upstream
         self.metrics = metrics
         self.clock = clock
+        # set by a reload that changes discovery_interval_s: the loop takes the new period at once
+        self._rediscover = asyncio.Event()
         self.reconfigure(config)
         self._loads: dict[tuple[str, str], asyncio.Future[Endpoint]] = {}
         self._cooldown: dict[tuple[int, str], tuple[float, str]] = {}   # (id(ep), adapter) -> (until, message)
@@ -174,8 +177,11 @@ class Lora:
         self.share: Any = None
 
     def reconfigure(self, config: Config) -> None:
+        before = getattr(self, "settings", None)
         self.config = config
         self.settings = config.lora
+        if before is not None and before.discovery_interval_s != config.lora.discovery_interval_s:
+            self._rediscover.set()
         self.paths: dict[str, tuple[str, str]] = {a: (m.name, p) for m in config.models for a, p in m.adapters.items()}
 
     # -- before routing ------------------------------------------------------------------------
@@ -678,8 +684,8 @@ class Lora:
     # -- discovery -----------------------------------------------------------------------------
 
     def start(self, session: aiohttp.ClientSession) -> None:
-        if self.settings.discovery_interval_s > 0:
-            self._task = asyncio.create_task(self._discover_loop(session), name="switchyard-lora-discovery")
+        # started off (0) too: a reload may turn it on
+        self._task = asyncio.create_task(self._discover_loop(session), name="switchyard-lora-discovery")
         self._idle_task = asyncio.create_task(self._idle_loop(), name="switchyard-lora-idle-unload")
 
     async def stop(self) -> None:
@@ -706,14 +712,22 @@ class Lora:
                 log.exception("lora idle unload pass failed")
 
     async def _discover_loop(self, session: aiohttp.ClientSession) -> None:
+        """A round every ``discovery_interval_s``, none while it is 0 (off). A reload that changes it
+        wakes the loop (``reconfigure``): a new period applies at once, not after the old one ends,
+        and one turned off waits for a reload that turns it on, not 0 s between rounds."""
         while True:
-            try:
-                await self.discover(session)
-            except asyncio.CancelledError:
-                raise
-            except Exception:       # a bug in one round must not stop discovery
-                log.exception("lora discovery round failed")
-            await asyncio.sleep(self.settings.discovery_interval_s)
+            if self.settings.discovery_interval_s > 0:
+                try:
+                    await self.discover(session)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:       # a bug in one round must not stop discovery
+                    log.exception("lora discovery round failed")
+            self._rediscover.clear()
+            interval = self.settings.discovery_interval_s
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval if interval > 0 else None):
+                    await self._rediscover.wait()
 
     async def discover(self, session: aiohttp.ClientSession) -> None:
         eps = self.pool.endpoints()
