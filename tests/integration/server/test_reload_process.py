@@ -543,6 +543,40 @@ async def test_a_refused_reload_names_its_trigger_in_the_parents_line_and_every_
     assert len(logs.reloads()) == 6, logs.reloads()
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_file_whose_yaml_contains_itself_is_refused_and_the_gateway_keeps_serving(sims, tmp_path, workers):
+    """An anchor used inside its own node (``aliases: &x [*x]``) loads as a structure without end:
+    the reload is refused with the key path where it begins, counted and logged by the parent and
+    every worker, as any YAML error is, and the running config keeps serving."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    path = tmp_path / "gw.yaml"
+    text = config_text(port, [sim.url])
+    path.write_text(text)
+    async with gateway_process(path, port, "--workers", workers, "--log-format", "json") as proc:
+        logs = LogLines(proc)
+        path.write_text(text + "aliases: &x [*x]\n")
+        proc.send_signal(signal.SIGHUP)
+        lines = await logs.until(int(workers) + (workers != "1"))      # each worker's line, and the parent's
+        for _ in range(4):          # a client each, so a connection each: every worker serves
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+            assert (await client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)).choices
+            await client.close()
+        conn = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            page = await r.text()
+        assert metric(page, "switchyard_config_reload_total", result="invalid") == 1
+        assert metric(page, "switchyard_config_generation") == 1
+        assert proc.returncode is None
+        proc.send_signal(signal.SIGTERM)
+        await proc.wait()
+        await logs.close()
+    assert all("refused" in line["event"] and "aliases[0]" in line["error"] for line in lines), lines
+    assert [line.get("key_path") for line in lines if "restarted workers" not in line["event"]] == \
+        ["aliases[0]"] * int(workers), lines
+
+
 def _pending_sighup(pid: int) -> bool:
     """A SIGHUP waits for the process (``ShdPnd`` in /proc: bit 0 is signal 1), as for a stopped one."""
     with open(f"/proc/{pid}/status") as f:

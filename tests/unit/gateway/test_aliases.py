@@ -128,6 +128,23 @@ def test_an_alias_may_not_have_the_name_of_an_adapter_the_config_lists():
                             "(models[1].adapters); an alias may not shadow an adapter")
 
 
+@pytest.mark.parametrize(("text", "path"), [
+    ("aliases: &x [*x]", "aliases[0]"),
+    ("aliases: [{name: c, targets: &t [{model: llama-8b, more: *t}]}]", "aliases[0].targets[0].more"),
+    ("x: &r {y: [{z: *r}]}", "x.y[0].z"),
+])
+def test_yaml_that_contains_itself_is_refused_with_the_key_path_where_it_begins(text, path):
+    """An anchor used inside its own node loads as a structure without end."""
+    with pytest.raises(ConfigError) as e:
+        parse_config(BASE + text, source="gw.yaml")
+    assert e.value.key_path == path and "contains itself" in str(e.value)
+
+
+def test_yaml_anchors_used_again_elsewhere_are_fine():
+    cfg = parse_config(BASE + "aliases: [{name: a, targets: &t [{model: llama-8b}]}, {name: b, targets: *t}]")
+    assert cfg.aliases[0].targets == cfg.aliases[1].targets
+
+
 def test_with_kubernetes_discovery_a_target_may_be_a_discovered_model():
     cfg = parse_config("kubernetes: {enabled: true}\naliases: [{name: c, targets: [{model: found-by-label}]}]")
     assert cfg.aliases[0].targets[0].model == "found-by-label"
