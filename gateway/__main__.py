@@ -173,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
             config = new
             generation += 1
             beats.reloaded(generation)      # before the workers are told: each takes this number
-        except (ConfigError, ValueError) as e:
+        except Exception as e:      # raised here, in the signal handler, it would end the parent
+            error = str(e) if isinstance(e, ConfigError | ValueError) else f"{type(e).__name__}: {e}"
             parent_log("config reload refused, restarted workers keep the running config", "error",
-                       trigger=trigger, error=str(e), generation=generation)
+                       trigger=trigger, error=error, generation=generation)
 
     started_at = time.time()      # the gateway's start, which every worker gives, a restarted one too
     # a stop from here until run_workers handles it is held back, then handled as any stop: its

@@ -35,7 +35,7 @@ from gateway.apis.responses_config import ResponsesConfig
 from gateway.batch.config import BatchConfig
 from gateway.config.block import Block
 from gateway.config.deprecated import MOVED_PD_KEYS, RETRY_FLAG, Deprecation, log_deprecations
-from gateway.config.strict import StrictError, convert, did_you_mean, laid_over, without_nulls
+from gateway.config.strict import StrictError, convert, did_you_mean, laid_over, self_reference, without_nulls
 from gateway.endpoints import ENGINES
 from gateway.kv.settings import KVEventsConfig, KVEventsEndpointConfig
 from gateway.lora.config import LoraConfig, check_adapters
@@ -578,6 +578,9 @@ def config_from_dict(raw: Any, source: str | None = None, deprecations: list[Dep
     is loaded, or, with a ``deprecations`` list, added to it for the caller to report."""
     if not isinstance(raw, dict | None):
         raise ConfigError("<root>", f"must be a mapping, got {type(raw).__name__}", source)
+    if (path := self_reference(raw)) is not None:
+        raise ConfigError(path, "contains itself (a YAML anchor used inside its own node, as in `a: &x [*x]`): "
+                                "a structure without end", source)
     data = without_nulls(raw or {})
     notes = deprecations if deprecations is not None else []
     if isinstance(data.get("upstream"), dict) and RETRY_FLAG in data["upstream"]:

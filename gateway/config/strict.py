@@ -100,6 +100,36 @@ def _valid(value: Any, tp: Any) -> bool:
     return True
 
 
+def self_reference(root: Any) -> str | None:
+    """The key path of the first mapping or list that contains itself (a YAML anchor used inside
+    its own node, ``a: &x [*x]``, loads as a structure without end, which every walk of it would
+    follow for ever), or None. Each node is walked once, however often anchors repeat it."""
+    def children(node: Any, path: str):
+        if isinstance(node, dict):
+            return ((v, f"{path}.{k}" if path else str(k)) for k, v in node.items())
+        return ((v, f"{path}[{i}]") for i, v in enumerate(node))
+
+    if not isinstance(root, dict | list):
+        return None
+    open_, done = {id(root)}, set()         # on the path from the root; walked whole
+    stack = [(root, children(root, ""))]
+    while stack:
+        node, rest = stack[-1]
+        for child, path in rest:
+            if isinstance(child, dict | list):
+                if id(child) in open_:
+                    return path
+                if id(child) not in done:
+                    open_.add(id(child))
+                    stack.append((child, children(child, path)))
+                    break
+        else:
+            stack.pop()
+            open_.discard(id(node))
+            done.add(id(node))
+    return None
+
+
 def without_nulls(v: Any) -> Any:
     """``v`` with every null mapping value dropped: null means the default."""
     if isinstance(v, dict):

@@ -308,6 +308,8 @@ class Reloader:
             return self._refused(trigger, "invalid", e.key_path, str(e))
         except ValueError as e:          # a check no key path came with (none is known today)
             return self._refused(trigger, "invalid", None, str(e))
+        except Exception as e:           # nothing has changed yet: refused, never raised into the signal handler
+            return self._refused(trigger, "invalid", None, f"{type(e).__name__}: {e}")
         # commit: one synchronous step
         changed = changed_blocks(live.config, config)
         added, removed = sync_pool(self.pool, config)

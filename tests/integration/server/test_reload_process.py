@@ -556,6 +556,7 @@ async def test_a_file_whose_yaml_contains_itself_is_refused_and_the_gateway_keep
     path.write_text(text)
     async with gateway_process(path, port, "--workers", workers, "--log-format", "json") as proc:
         logs = LogLines(proc)
+        assert len(await worker_views(port, int(workers))) == int(workers)     # every worker serves
         path.write_text(text + "aliases: &x [*x]\n")
         proc.send_signal(signal.SIGHUP)
         lines = await logs.until(int(workers) + (workers != "1"))      # each worker's line, and the parent's
