@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import os
 import signal
 import time
@@ -253,10 +254,16 @@ class ReloadResult:
 Listener = Callable[[Live], None]
 
 
+# the key of ``config_digest``: drawn once in the process that starts the gateway, which imports
+# this module before it forks any worker (gateway/server/run.py), so a restarted worker has it too
+_DIGEST_KEY = os.urandom(16)
+
+
 def config_digest(config: Config) -> str:
     """A short digest of ``config`` as this process runs it (the file with the command line's
-    overrides): two workers with the same digest run the same config."""
-    return hashlib.sha256(msgspec.json.encode(config)).hexdigest()[:16]
+    overrides): two workers of one gateway with the same digest run the same config. Keyed, so
+    that it tells nothing of the config (its secrets included) to whoever reads it."""
+    return hmac.new(_DIGEST_KEY, msgspec.json.encode(config), hashlib.sha256).hexdigest()[:16]
 
 
 class Reloader:
