@@ -637,6 +637,44 @@ async def test_a_workers_own_sighup_while_an_admin_reload_is_on_its_way_is_a_sig
     assert len(logs.reloads()) == 4, logs.reloads()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("hook", ["SWITCHYARD_TEST_HOLD_AFTER_BUILD", "SWITCHYARD_TEST_HOLD_AFTER_LISTEN"])
+async def test_a_sighup_that_comes_while_the_loop_starts_the_gateway_is_one_reload(sims, tmp_path, hook):
+    """A SIGHUP that comes once the event loop runs (its app being built, or listening) but before
+    the reload's handler is in place is one reload once the gateway serves: not one for the note the
+    start-up's handler took and another for the byte the loop's wakeup pipe got."""
+    from tests.integration.server.test_stop_starting import config, events, held_gateway, release
+
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = config(tmp_path, port, sim.url)
+    async with held_gateway(tmp_path, cfg, hook) as (proc, fifo, log_path):
+        cfg.write_text(cfg.read_text() + "aliases: [{name: one, targets: [{model: m}]}]\n")
+        proc.send_signal(signal.SIGHUP)
+        async with asyncio.timeout(10):             # taken by the process, held where it is
+            while _pending_sighup(proc.pid):
+                await asyncio.sleep(0.001)
+        release(fifo)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        async with asyncio.timeout(20):
+            while True:
+                with contextlib.suppress(openai.APIConnectionError):
+                    answer = await client.chat.completions.create(model="one", messages=CHAT, max_tokens=2)
+                    break
+                await asyncio.sleep(0.02)
+        assert answer.model == "m"
+        await client.close()
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{port}/metrics") as r:
+            page = await r.text()
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
+            await proc.wait()
+    lines = [(e["event"], e.get("generation")) for e in events(log_path) if str(e.get("event", "")).startswith("config reload")]
+    assert lines == [("config reloaded", 2)], lines
+    assert metric(page, "switchyard_config_generation") == 2
+    assert metric(page, "switchyard_config_reload_total", result="ok") == 1
+
+
 class HeldReads:
     """The config file as a FIFO: a process that reads it (a reload) waits in its read until the
     test writes the file's text, so the test holds a reload between the parent's start of it and
