@@ -4,7 +4,9 @@ SIGHUP's default action ends the process, so one that came while the gateway was
 (importing, building its app, a worker just forked) used to kill it, or in a worker be ignored
 and the reload lost while the parent had taken the new config. ``hold()`` is the first thing the
 entry point does (and a worker, right after its fork); the serving loop asks ``take()`` once its
-own handler is in place, and reloads if one came."""
+own handler is in place, and reloads if one came. Once the loop runs, a SIGHUP is noted through the
+loop (``note``, gateway/server/run.py) rather than by this module's handler: the loop's wakeup
+pipe gets every signal's byte, so one noted here as well reached the reload's handler twice."""
 
 from __future__ import annotations
 
@@ -14,6 +16,12 @@ _pending = False
 
 
 def _note(_sig: int, _frame: object) -> None:
+    global _pending
+    _pending = True
+
+
+def note() -> None:
+    """The event loop's handler until the reload's is in place: a SIGHUP came."""
     global _pending
     _pending = True
 

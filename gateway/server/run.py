@@ -143,6 +143,11 @@ STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 async def serve(config: Config, *, ready_message: str | None = None, reuse_port: bool = False,
                 loader: Callable[[], Config] | None = None, worker: WorkerInfo | None = None) -> None:
     """``worker``: one of ``--workers N`` processes, whose parent forwards SIGHUP to every worker."""
+    # a SIGHUP is noted by the loop from now on (gateway/server/hup.py) until the reload's handler
+    # is in place: the loop's wakeup pipe gets its byte anyway, which that handler would otherwise
+    # take as a second SIGHUP after the one noted by hup's own handler
+    with contextlib.suppress(NotImplementedError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, hup.note)
     # a stop that comes once the socket listens, before the loop handles it, is held back until it
     # does, then drains: its default action would end the process with connections in its accept
     # queue, which the kernel then resets. Held from before the app is built, not just before the
