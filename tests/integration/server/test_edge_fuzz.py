@@ -173,7 +173,9 @@ completion_bodies = st.builds(
     st.dictionaries(st.text(max_size=10), json_values, max_size=2))
 header_text = st.one_of(st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40),
                         st.sampled_from(["random", "least-request", "prefix-cache:2,random:1", "nope", ""]),
-                        st.text(st.characters(exclude_characters="\r\n"), max_size=20))
+                        # any text a client can write on a header line (as UTF-8: no lone surrogate,
+                        # which one seed drew and the test's own client could not encode)
+                        st.text(st.characters(exclude_characters="\r\n", exclude_categories=("Cs",)), max_size=20))
 
 
 def dumps(value, ascii_only: bool) -> bytes:
