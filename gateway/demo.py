@@ -19,6 +19,9 @@ from gateway.config.schema import config_from_dict
 from gateway.observability.tracing import TracingConfig, resolve
 from gateway.server.run import serve
 
+# each engine's tool-call parser, as `vllm serve --tool-call-parser` and SGLang's take it
+TOOL_CALL_PARSERS = {"vllm": "hermes", "sglang": "qwen25"}
+
 # (model, engine, role, port, simulator knobs, endpoint entry knobs): the P/D prefills' side ports
 # are the vLLM KV side channel and the SGLang bootstrap port, which the SGLang endpoint names too
 DEMO_ENGINES = [
@@ -208,8 +211,7 @@ TRACING_ON = "Tracing: the gateway and every simulated engine send spans to {end
 async def run_demo(host: str | None = None, port: int | None = None, log_format: str = "auto") -> None:
     from enginesim import SimConfig, start_sim
 
-    # the engines answer requests offering tools with calls, as `vllm serve --enable-auto-tool-choice
-    # --tool-call-parser hermes` and SGLang's `--tool-call-parser qwen25` do
+    # the engines answer requests offering tools with calls (TOOL_CALL_PARSERS)
     # tracing follows the OTEL_* variables (the gateway's tracing block is left at its defaults);
     # the engines trace like vLLM with --otlp-traces-endpoint, so their spans join the gateway's
     traces = resolve(TracingConfig())
@@ -221,7 +223,7 @@ async def run_demo(host: str | None = None, port: int | None = None, log_format:
             sims.append(await start_sim(SimConfig(engine=engine, model=model, role=role, port=eport,
                                                   host="127.0.0.1", seed=eport, otlp_traces_endpoint=sim_traces,
                                                   enable_responses_store=True,
-                                                  tool_call_parser="hermes" if engine == "vllm" else "qwen25", **kw)))
+                                                  tool_call_parser=TOOL_CALL_PARSERS[engine], **kw)))
         cfg = config_from_dict(demo_config(host, port, log_format, batch_dir), source="<demo>")
         note = TRACING_ON.format(endpoint=traces.endpoint) if traces.enabled else TRACING_OFF
         await serve(cfg, ready_message=BANNER.format(host=cfg.listen.host, tracing=note, users=" ".join(DEMO_USERS)))
