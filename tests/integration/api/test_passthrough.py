@@ -302,3 +302,39 @@ async def test_audio_requests_without_a_body_are_answered_every_time(sims, tmp_p
             assert orjson.loads(rest.partition(b"\r\n\r\n")[2])["error"]["param"] == "model"
         status, _, got = await post_new(port, "/tokenize", {"model": "llama", "prompt": "hello there"})
         assert status == 200 and got["count"] == 4
+
+
+def _form(*parts: tuple[bytes, bytes], boundary: bytes = b"fOrMbOuNdArY") -> bytes:
+    """A multipart/form-data body of (Content-Disposition value, content) parts, as written."""
+    body = b"".join(b"--" + boundary + b"\r\nContent-Disposition: " + disposition + b"\r\n\r\n" + value + b"\r\n"
+                    for disposition, value in parts)
+    return body + b"--" + boundary + b"--\r\n"
+
+
+async def test_a_form_field_is_named_as_the_engines_form_reader_names_it(fleet):
+    """A part's ``name`` is a Content-Disposition parameter (RFC 7578 section 4.2), whose value is a
+    token or a quoted string, the parameter's name in any case with spaces around its ``=`` (RFC
+    2183, RFC 2045 section 5.1); the form readers in front of vLLM (Starlette's, python-multipart's
+    options parser, like Python's ``email`` module) read every such spelling. The gateway must
+    find ``model`` in each of them, as the engine does, and a second ``model`` spelled otherwise is
+    a repeated field like any other: routed by one and read by the engine as the other, the answer
+    would come from a model the gateway did not route (the last such field is the engine's)."""
+    gw, v, _ = fleet
+    audio = (b'form-data; name="file"; filename="a.wav"', AUDIO)
+    words = transcript(AUDIO, math.ceil(len(AUDIO) / BYTES_PER_SECOND))
+    headers = {"Content-Type": "multipart/form-data; boundary=fOrMbOuNdArY"}
+    async with aiohttp.ClientSession() as s:
+        for spelling in (b"form-data; name=model", b'form-data; Name = "model"', b"form-data;NAME=model"):
+            async with s.post(gw.url + "/v1/audio/transcriptions", data=_form((spelling, b"llama"), audio),
+                              headers=headers) as r:
+                got = await r.json()
+                assert r.status == 200 and got["text"] == words, (spelling, got)
+                assert r.headers["target-pod"] == v.url.removeprefix("http://")
+        before = len((await sim_state(v.url))["received"])
+        for second in (b"form-data; name=model", b'form-data; name = "model"', b'form-data; name="file"; name="model"'):
+            body = _form((b'form-data; name="model"', b"llama"), audio, (second, b"qwen"))
+            async with s.post(gw.url + "/v1/audio/transcriptions", data=body, headers=headers) as r:
+                got = await r.json()
+                assert r.status == 400 and got["error"]["param"] == "model", (second, got)
+                assert got["error"]["message"] == "the form gives 'model' more than once; give it once"
+    assert len((await sim_state(v.url))["received"]) == before      # no engine saw them
