@@ -138,10 +138,28 @@ class PassthroughApi(EngineSpecificApi):
 
 
 _BOUNDARY_PARAM = re.compile(r';\s*boundary=(?:"([^"]{1,70})"|([^\s;]{1,70}))', re.IGNORECASE)
-_FIELD_NAME = re.compile(rb';\s*name="([^"]*)"', re.IGNORECASE)
-_FILENAME = re.compile(rb';\s*filename\*?=', re.IGNORECASE)
+# a Content-Disposition parameter (RFC 2183; its value a token or a quoted string, RFC 2045
+# section 5.1): the form readers in front of the engines (Starlette's python-multipart, Python's
+# ``email``) take the name in any case, spaces around the "=", and either kind of value
+_PARAM = re.compile(rb';\s*([^\s=;"]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)')
+_QUOTED_PAIR = re.compile(rb"\\(.)")
 _WANTED = (b"model", b"stream")
 _MAX_FIELD = 1024            # a wanted field's value longer than this is not a model name
+
+
+def _disposition(value: bytes) -> tuple[list[bytes], bool]:
+    """The ``name`` parameters of a part's Content-Disposition value, in order, and whether it
+    has a ``filename`` (a file part)."""
+    names: list[bytes] = []
+    is_file = False
+    for m in _PARAM.finditer(value):
+        key = m.group(1).lower()
+        if key == b"name":
+            v = m.group(2)
+            names.append(_QUOTED_PAIR.sub(rb"\1", v[1:-1]) if v.startswith(b'"') else v.rstrip())
+        elif key in (b"filename", b"filename*"):
+            is_file = True
+    return names, is_file
 
 
 def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...],
@@ -165,15 +183,20 @@ def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...],
             break
         for line in body[j:head_end].split(b"\r\n"):
             if line[:20].lower().startswith(b"content-disposition:"):
-                m = _FIELD_NAME.search(line)
-                if m and m.group(1) in wanted and not _FILENAME.search(line):
-                    name = m.group(1)
-                    if name in seen:
-                        if twice is not None and name.decode() not in twice:
-                            twice.append(name.decode())
-                    elif nxt - head_end - 4 <= _MAX_FIELD:
-                        out[name.decode()] = (head_end + 4, nxt)
-                    seen.add(name)
+                names, is_file = _disposition(line[20:])
+                mine = [n for n in names if n in wanted]
+                if mine and not is_file:
+                    # a part that names itself twice is read by one reader as its first name, by
+                    # another as its last: one of them a wanted field, it is that field given twice
+                    for name in mine if len(names) > 1 else ():
+                        seen.add(name)
+                    for name in mine:
+                        if name in seen:
+                            if twice is not None and name.decode() not in twice:
+                                twice.append(name.decode())
+                        elif nxt - head_end - 4 <= _MAX_FIELD:
+                            out[name.decode()] = (head_end + 4, nxt)
+                        seen.add(name)
                 break
         i = nxt + 2
     return out
