@@ -52,8 +52,17 @@ def parse_form(content_type: str, body: bytes) -> dict[str, Any]:
         if not name:
             continue
         payload = part.get_payload(decode=True) or b""
-        out[str(name)] = payload if part.get_filename() is not None else payload.decode("utf-8", "replace")
+        out[str(name)] = payload if part.get_filename() is not None else _field_text(payload)
     return out
+
+
+def _field_text(value: bytes) -> str:
+    """A plain field's value as Starlette's form reader (vLLM's) gives it: as it came, UTF-8, or
+    Latin-1 when it is not UTF-8."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
 
 
 def form_bool(form: dict[str, Any], name: str) -> bool:

@@ -338,3 +338,29 @@ async def test_a_form_field_is_named_as_the_engines_form_reader_names_it(fleet):
                 assert r.status == 400 and got["error"]["param"] == "model", (second, got)
                 assert got["error"]["message"] == "the form gives 'model' more than once; give it once"
     assert len((await sim_state(v.url))["received"]) == before      # no engine saw them
+
+
+async def test_a_forms_model_is_read_as_the_engines_form_reader_reads_it(sims, gateway):
+    """The form reader in front of vLLM (Starlette's) keeps a field's value as it came, spaces
+    included, and decodes it as UTF-8, or as Latin-1 when it is not UTF-8. A model padded with
+    spaces is then a model no engine serves: the gateway's 404, as for the same name in JSON,
+    not a request routed by the trimmed name for the engine to refuse; a model named in Latin-1
+    is the model the engine reads, and is served."""
+    v = await sims("vllm", "whisper-ü")
+    gw = await gateway([model_block("whisper-ü", "vllm", [v.url])],
+                       aliases=[{"name": "speech", "targets": [{"model": "whisper-ü"}]}])
+    audio = (b'form-data; name="file"; filename="a.wav"', AUDIO)
+    headers = {"Content-Type": "multipart/form-data; boundary=fOrMbOuNdArY"}
+    async with aiohttp.ClientSession() as s:
+        for padded in (" whisper-ü ", "whisper-ü\t", " speech"):
+            body = _form((b'form-data; name="model"', padded.encode()), audio)
+            async with s.post(gw.url + "/v1/audio/transcriptions", data=body, headers=headers) as r:
+                got = await r.json()
+                assert r.status == 404, (padded, got)
+                assert got["error"] == {"message": f"The model `{padded}` does not exist.", "type": "invalid_request_error",
+                                        "param": "model", "code": "model_not_found"}, got
+        assert [r for r in (await sim_state(v.url))["received"] if r["method"] == "POST"] == []
+        body = _form((b'form-data; name="model"', "whisper-ü".encode("latin-1")), audio)
+        async with s.post(gw.url + "/v1/audio/transcriptions", data=body, headers=headers) as r:
+            got = await r.json()
+            assert r.status == 200 and got["text"] == transcript(AUDIO, math.ceil(len(AUDIO) / BYTES_PER_SECOND)), got
