@@ -211,8 +211,16 @@ def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTE
     copied. Stops when every wanted field was found, or at the closing delimiter; with ``twice``,
     at the closing delimiter, having appended to it the wanted names given more than once.
     """
-    return {name: body[a:b].decode("utf-8", "replace").strip()
-            for name, (a, b) in _field_spans(body, boundary, wanted, twice).items()}
+    return {name: _field_text(body[a:b]) for name, (a, b) in _field_spans(body, boundary, wanted, twice).items()}
+
+
+def _field_text(value: bytes) -> str:
+    """A field's value as the form reader in front of vLLM (Starlette's) gives it: as it came,
+    spaces kept, decoded as UTF-8, or as Latin-1 when it is not UTF-8."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
 
 
 def _boundary(ctype: str) -> bytes | None:
@@ -290,7 +298,7 @@ class AudioApi(PassthroughApi):
         model = fields.get("model")
         if not model:
             raise _no_model(f"'model' is required: it decides where {path} is routed")
-        stream = _form_stream(fields.get("stream"))
+        stream = _form_stream((fields.get("stream") or "").strip())
         return _request(path, body, {"model": model}, model, stream, "", 1, headers, request_id, ctype)
 
     def with_model(self, ireq: InferenceRequest, model: str) -> None:
