@@ -366,3 +366,24 @@ async def test_a_forms_model_is_read_as_the_engines_form_reader_reads_it(sims, g
         async with s.post(gw.url + "/v1/audio/transcriptions", data=body, headers=headers) as r:
             got = await r.json()
             assert r.status == 200 and got["text"] == transcript(AUDIO, math.ceil(len(AUDIO) / BYTES_PER_SECOND)), got
+
+
+async def test_a_part_with_two_content_dispositions_naming_model_is_a_repeated_model(fleet):
+    """A part whose head gives Content-Disposition twice is named by one form reader after the
+    first (Python's ``email``), by another after the last (Starlette's, in front of vLLM, keeps
+    the last header it read): a file by one may be the ``model`` field of the other. Such a part
+    naming ``model`` in either is ``model`` given twice, so that the engine never reads another
+    model than the one routed."""
+    gw, v, _ = fleet
+    headers = {"Content-Type": "multipart/form-data; boundary=fOrMbOuNdArY"}
+    audio = (b'form-data; name="file"; filename="a.wav"', AUDIO)
+    hidden = b'form-data; name="file"; filename="b.wav"\r\nContent-Disposition: form-data; name="model"'
+    before = len((await sim_state(v.url))["received"])
+    async with aiohttp.ClientSession() as s:
+        for parts in (((b'form-data; name="model"', b"llama"), audio, (hidden, b"qwen")),
+                      ((hidden, b"qwen"), (b'form-data; name="model"', b"llama"), audio)):
+            async with s.post(gw.url + "/v1/audio/transcriptions", data=_form(*parts), headers=headers) as r:
+                got = await r.json()
+                assert r.status == 400 and got["error"]["param"] == "model", got
+                assert got["error"]["message"] == "the form gives 'model' more than once; give it once"
+    assert len((await sim_state(v.url))["received"]) == before
