@@ -181,23 +181,26 @@ def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...],
         nxt = body.find(b"\r\n" + delim, head_end + 4)
         if nxt < 0:
             break
-        for line in body[j:head_end].split(b"\r\n"):
-            if line[:20].lower().startswith(b"content-disposition:"):
-                names, is_file = _disposition(line[20:])
-                mine = [n for n in names if n in wanted]
-                if mine and not is_file:
-                    # a part that names itself twice is read by one reader as its first name, by
-                    # another as its last: one of them a wanted field, it is that field given twice
-                    for name in mine if len(names) > 1 else ():
-                        seen.add(name)
-                    for name in mine:
-                        if name in seen:
-                            if twice is not None and name.decode() not in twice:
-                                twice.append(name.decode())
-                        elif nxt - head_end - 4 <= _MAX_FIELD:
-                            out[name.decode()] = (head_end + 4, nxt)
-                        seen.add(name)
-                break
+        dispositions = [_disposition(line[20:]) for line in body[j:head_end].split(b"\r\n")
+                        if line[:20].lower().startswith(b"content-disposition:")]
+        if len(dispositions) == 1:
+            names, is_file = dispositions[0]
+            mine = [n for n in names if n in wanted] if not is_file else []
+        else:
+            names, mine = [], [n for ns, _ in dispositions for n in ns if n in wanted]
+        if len(names) > 1 or len(dispositions) > 1:
+            # a part named twice (two name parameters, or two Content-Disposition lines) is read
+            # by one form reader after the first, by another after the last (Starlette's, in front
+            # of vLLM, keeps the last header and the last name), a file by one maybe a field by
+            # the other: a wanted name in any of them is that field given twice
+            seen.update(mine)
+        for name in mine:
+            if name in seen:
+                if twice is not None and name.decode() not in twice:
+                    twice.append(name.decode())
+            elif nxt - head_end - 4 <= _MAX_FIELD:
+                out[name.decode()] = (head_end + 4, nxt)
+            seen.add(name)
         i = nxt + 2
     return out
 
