@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import array
 import asyncio
+import base64
 
 import aiohttp
 import openai
@@ -11,7 +13,8 @@ import pytest
 from yarl import URL
 
 from tests.support.factories import model_block
-from tests.support.http import openai_client, sim_state
+from tests.support.http import bearer, openai_client, sim_state
+from tests.support.metrics import metric
 from tests.support.waiting import wait_for
 
 CHAT = [{"role": "user", "content": "Tell me about switchyards and trains."}]
@@ -173,6 +176,34 @@ async def test_embeddings(sims, gateway):
     r = await client.embeddings.create(model="embed", input=["hello", "world"])
     assert len(r.data) == 2 and len(r.data[0].embedding) > 0
     await client.close()
+
+
+async def test_embeddings_reach_the_client_as_the_engine_wrote_them_and_are_charged(sims, gateway):
+    """``encoding_format`` base64 comes back as the engine's base64 (the SDK decodes it when it
+    asked for it itself), equal to the float answer; ``dimensions`` and a batch of token-id lists
+    reach the engine; the usage the engine reports is counted in the metrics and charged to the
+    user's TPM window, as a chat answer's is."""
+    e = await sims("vllm", "org/embed")
+    key = "sk-alice-0123456789"
+    gw = await gateway([model_block("org/embed", "vllm", [e.url])], auth={"api_keys": [{"key": key, "user": "alice"}]},
+                       limits={"users": {"alice": {"tpm": 1000}}})
+    client = openai_client(gw, key)
+    texts = ["hello", "world"]
+    floats = await client.embeddings.create(model="org/embed", input=texts, encoding_format="float")
+    raw = await client.embeddings.with_raw_response.create(model="org/embed", input=texts, encoding_format="base64")
+    for f, d in zip(floats.data, raw.http_response.json()["data"], strict=True):
+        assert list(array.array("f", base64.b64decode(d["embedding"]))) == pytest.approx(f.embedding, rel=1e-6)
+    assert raw.headers["x-ratelimit-remaining-tokens"] == str(1000 - floats.usage.prompt_tokens)
+    decoded = await client.embeddings.create(model="org/embed", input=texts)       # the SDK asks base64
+    assert [d.embedding for d in decoded.data] == [pytest.approx(f.embedding, rel=1e-6) for f in floats.data]
+    toks = await client.embeddings.create(model="org/embed", input=[[1, 2, 3], [4, 5]], dimensions=4)
+    assert [len(d.embedding) for d in toks.data] == [4, 4] and toks.usage.prompt_tokens == 5
+    await client.close()
+    charged = 3 * floats.usage.prompt_tokens + 5
+    assert metric(await gw.metrics_text(), "switchyard_prompt_tokens_total", model="org/embed") == charged
+    async with aiohttp.ClientSession() as s, s.post(gw.url + "/v1/embeddings", json={"model": "org/embed", "input": "x"},
+                                                    headers=bearer(key)) as r:
+        assert r.status == 200 and r.headers["x-ratelimit-remaining-tokens"] == str(1000 - charged)
 
 
 async def test_engine_metrics_are_scraped_into_snapshots(fleet):
