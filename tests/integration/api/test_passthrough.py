@@ -387,3 +387,26 @@ async def test_a_part_with_two_content_dispositions_naming_model_is_a_repeated_m
                 assert r.status == 400 and got["error"]["param"] == "model", got
                 assert got["error"]["message"] == "the form gives 'model' more than once; give it once"
     assert len((await sim_state(v.url))["received"]) == before
+
+
+async def test_the_forms_boundary_is_read_as_the_engines_form_reader_reads_it(fleet):
+    """The multipart Content-Type's ``boundary`` is a parameter like a part's ``name``: the form
+    reader in front of vLLM takes it with spaces around its ``=`` and its name in any case, and,
+    given twice, the last (python-multipart's options, a dict filled in order). A form read
+    with one boundary by the gateway and with another by the engine could name one model to each,
+    so a Content-Type giving two boundaries is refused."""
+    gw, v, _ = fleet
+    form = _form((b'form-data; name="model"', b"llama"), (b'form-data; name="file"; filename="a.wav"', AUDIO))
+    async with aiohttp.ClientSession() as s:
+        for ctype in ("multipart/form-data; boundary = fOrMbOuNdArY", 'multipart/form-data;BOUNDARY= "fOrMbOuNdArY"'):
+            async with s.post(gw.url + "/v1/audio/transcriptions", data=form, headers={"Content-Type": ctype}) as r:
+                got = await r.json()
+                assert r.status == 200 and "text" in got, (ctype, got)
+        before = len((await sim_state(v.url))["received"])
+        for ctype in ("multipart/form-data; boundary=fOrMbOuNdArY; boundary=other",
+                      "multipart/form-data; boundary=other; Boundary=fOrMbOuNdArY"):
+            async with s.post(gw.url + "/v1/audio/transcriptions", data=form, headers={"Content-Type": ctype}) as r:
+                got = await r.json()
+                assert r.status == 400 and got["error"]["param"] == "Content-Type", (ctype, got)
+                assert got["error"]["message"] == "the multipart Content-Type gives 'boundary' more than once", got
+    assert len((await sim_state(v.url))["received"]) == before
