@@ -137,10 +137,10 @@ class PassthroughApi(EngineSpecificApi):
                         "application/json")
 
 
-_BOUNDARY_PARAM = re.compile(r';\s*boundary=(?:"([^"]{1,70})"|([^\s;]{1,70}))', re.IGNORECASE)
-# a Content-Disposition parameter (RFC 2183; its value a token or a quoted string, RFC 2045
-# section 5.1): the form readers in front of the engines (Starlette's python-multipart, Python's
-# ``email``) take the name in any case, spaces around the "=", and either kind of value
+# a parameter of a Content-Type or a part's Content-Disposition (RFC 2045 section 5.1, RFC 2183:
+# its value a token or a quoted string): the form readers in front of the engines (Starlette's
+# python-multipart, Python's ``email``) take the name in any case, spaces around the "=", and
+# either kind of value
 _PARAM = re.compile(rb';\s*([^\s=;"]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^;]*)')
 _QUOTED_PAIR = re.compile(rb"\\(.)")
 _WANTED = (b"model", b"stream")
@@ -227,13 +227,18 @@ def _field_text(value: bytes) -> str:
 
 
 def _boundary(ctype: str) -> bytes | None:
-    """The multipart boundary, or None (none, or not ASCII: RFC 2046 allows letters, digits and
-    a few marks only)."""
-    m = _BOUNDARY_PARAM.search(ctype)
-    if m is None:
+    """The multipart boundary, or None (none, or not 1 to 70 ASCII characters: RFC 2046 allows
+    letters, digits and a few marks only). One given twice is a 400: the form reader in front of
+    vLLM takes the last (python-multipart fills a dict in order), another reader the first, and the
+    form read with each boundary could name another model."""
+    found = [m.group(2) for m in _PARAM.finditer(ctype.encode("utf-8", "surrogateescape"))
+             if m.group(1).lower() == b"boundary"]
+    if not found:
         return None
-    b = m.group(1) or m.group(2)
-    return b.encode("ascii") if b.isascii() else None
+    if len(found) > 1:
+        raise _bad("the multipart Content-Type gives 'boundary' more than once", "Content-Type")
+    b = _QUOTED_PAIR.sub(rb"\1", found[0][1:-1]) if found[0].startswith(b'"') else found[0].rstrip()
+    return b if 0 < len(b) <= 70 and b.isascii() else None
 
 
 def _form_stream(value: str | None) -> bool:
