@@ -47,21 +47,23 @@ def parse_form(content_type: str, body: bytes) -> dict[str, Any]:
     msg = BytesParser(policy=policy.HTTP).parsebytes(
         b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
     out: dict[str, Any] = {}
+    charset = str(msg.get_param("charset") or "utf-8")
     for part in msg.iter_parts() if msg.is_multipart() else ():
         name = part.get_param("name", header="content-disposition")
         if not name:
             continue
         payload = part.get_payload(decode=True) or b""
-        out[str(name)] = payload if part.get_filename() is not None else _field_text(payload)
+        out[str(name)] = payload if part.get_filename() is not None else _field_text(payload, charset)
     return out
 
 
-def _field_text(value: bytes) -> str:
-    """A plain field's value as Starlette's form reader (vLLM's) gives it: as it came, UTF-8, or
-    Latin-1 when it is not UTF-8."""
+def _field_text(value: bytes, charset: str) -> str:
+    """A plain field's value as Starlette's form reader (vLLM's) gives it: as it came, in the
+    charset of the request's Content-Type (UTF-8 by default), or in Latin-1 when it does not
+    decode in it or the charset is unknown."""
     try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
+        return value.decode(charset)
+    except (UnicodeDecodeError, LookupError):
         return value.decode("latin-1")
 
 

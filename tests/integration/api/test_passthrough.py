@@ -410,3 +410,33 @@ async def test_the_forms_boundary_is_read_as_the_engines_form_reader_reads_it(fl
                 assert r.status == 400 and got["error"]["param"] == "Content-Type", (ctype, got)
                 assert got["error"]["message"] == "the multipart Content-Type gives 'boundary' more than once", got
     assert len((await sim_state(v.url))["received"]) == before
+
+
+async def test_a_forms_charset_decodes_its_model_as_the_engines_form_reader_decodes_it(sims, gateway):
+    """Starlette's form reader decodes a field with the ``charset`` of the request's Content-Type
+    (UTF-8 when it names none), falling back to Latin-1 when the bytes do not decode in it or the
+    charset is unknown. The gateway routes by the name the engine will read: UTF-8 bytes declared
+    Latin-1 are another name (a 404 at the gateway, no engine asked), Latin-1 bytes declared so
+    are the model. A charset given twice is refused, as a boundary given twice is."""
+    v = await sims("vllm", "whisper-ü")
+    gw = await gateway([model_block("whisper-ü", "vllm", [v.url])])
+    audio = (b'form-data; name="file"; filename="a.wav"', AUDIO)
+    ctype = "multipart/form-data; boundary=fOrMbOuNdArY; charset="
+    async with aiohttp.ClientSession() as s:
+        for charset, raw in (("iso-8859-1", "whisper-ü".encode()), ("x-no-such-charset", "whisper-ü".encode())):
+            body = _form((b'form-data; name="model"', raw), audio)
+            async with s.post(gw.url + "/v1/audio/transcriptions", data=body,
+                              headers={"Content-Type": ctype + charset}) as r:
+                got = await r.json()
+                assert r.status == 404 and got["error"]["code"] == "model_not_found", (charset, got)
+                assert got["error"]["message"] == f"The model `{raw.decode('latin-1')}` does not exist.", got
+        assert [r for r in (await sim_state(v.url))["received"] if r["method"] == "POST"] == []
+        body = _form((b'form-data; name="model"', "whisper-ü".encode("latin-1")), audio)
+        async with s.post(gw.url + "/v1/audio/transcriptions", data=body,
+                          headers={"Content-Type": ctype + "ISO-8859-1"}) as r:
+            assert r.status == 200, await r.text()
+        async with s.post(gw.url + "/v1/audio/transcriptions", data=body,
+                          headers={"Content-Type": ctype + "utf-8; charset=latin-1"}) as r:
+            got = await r.json()
+            assert r.status == 400 and got["error"]["param"] == "Content-Type", got
+            assert got["error"]["message"] == "the multipart Content-Type gives 'charset' more than once", got
