@@ -206,7 +206,7 @@ def _field_spans(body: bytes, boundary: bytes, wanted: tuple[bytes, ...],
 
 
 def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTED,
-                twice: list[str] | None = None) -> dict[str, str]:
+                twice: list[str] | None = None, charset: str = "utf-8") -> dict[str, str]:
     """The values of the ``wanted`` plain (non-file) fields of a multipart/form-data body.
 
     Works on ``body`` in place: it looks for the part delimiters and reads only the small part
@@ -214,31 +214,43 @@ def form_fields(body: bytes, boundary: bytes, wanted: tuple[bytes, ...] = _WANTE
     copied. Stops when every wanted field was found, or at the closing delimiter; with ``twice``,
     at the closing delimiter, having appended to it the wanted names given more than once.
     """
-    return {name: _field_text(body[a:b]) for name, (a, b) in _field_spans(body, boundary, wanted, twice).items()}
+    return {name: _field_text(body[a:b], charset)
+            for name, (a, b) in _field_spans(body, boundary, wanted, twice).items()}
 
 
-def _field_text(value: bytes) -> str:
+def _field_text(value: bytes, charset: str) -> str:
     """A field's value as the form reader in front of vLLM (Starlette's) gives it: as it came,
-    spaces kept, decoded as UTF-8, or as Latin-1 when it is not UTF-8."""
+    spaces kept, decoded in the request's charset, or in Latin-1 when it does not decode in it or
+    the charset is unknown."""
     try:
-        return value.decode("utf-8")
-    except UnicodeDecodeError:
+        return value.decode(charset)
+    except (UnicodeDecodeError, LookupError):
         return value.decode("latin-1")
 
 
+def _ctype_params(ctype: str) -> tuple[bytes | None, str]:
+    """The multipart Content-Type's boundary, or None (none, or not 1 to 70 ASCII characters: RFC
+    2046 allows letters, digits and a few marks only), and its charset (UTF-8 when it names none),
+    in which the form reader in front of vLLM decodes the fields. Either given twice is a 400: that
+    reader takes the last (python-multipart fills a dict in order), another reader the first, and
+    the form read with each could name another model."""
+    found: dict[bytes, bytes] = {}
+    for m in _PARAM.finditer(ctype.encode("utf-8", "surrogateescape")):
+        key = m.group(1).lower()
+        if key in (b"boundary", b"charset"):
+            if key in found:
+                raise _bad(f"the multipart Content-Type gives '{key.decode()}' more than once", "Content-Type")
+            v = m.group(2)
+            found[key] = _QUOTED_PAIR.sub(rb"\1", v[1:-1]) if v.startswith(b'"') else v.rstrip()
+    b = found.get(b"boundary")
+    charset = found.get(b"charset")
+    return (b if b is not None and 0 < len(b) <= 70 and b.isascii() else None,
+            charset.decode("latin-1") if charset is not None else "utf-8")
+
+
 def _boundary(ctype: str) -> bytes | None:
-    """The multipart boundary, or None (none, or not 1 to 70 ASCII characters: RFC 2046 allows
-    letters, digits and a few marks only). One given twice is a 400: the form reader in front of
-    vLLM takes the last (python-multipart fills a dict in order), another reader the first, and the
-    form read with each boundary could name another model."""
-    found = [m.group(2) for m in _PARAM.finditer(ctype.encode("utf-8", "surrogateescape"))
-             if m.group(1).lower() == b"boundary"]
-    if not found:
-        return None
-    if len(found) > 1:
-        raise _bad("the multipart Content-Type gives 'boundary' more than once", "Content-Type")
-    b = _QUOTED_PAIR.sub(rb"\1", found[0][1:-1]) if found[0].startswith(b'"') else found[0].rstrip()
-    return b if 0 < len(b) <= 70 and b.isascii() else None
+    """The multipart Content-Type's boundary (``_ctype_params``)."""
+    return _ctype_params(ctype)[0]
 
 
 def _form_stream(value: str | None) -> bool:
@@ -294,11 +306,11 @@ class AudioApi(PassthroughApi):
         if not ctype.lower().startswith("multipart/form-data"):
             raise GatewayError(415, f"{path} takes a multipart/form-data body (the audio file and its fields)",
                                header=("x-error-request-body-processing", "true"), error_class=ErrorClass.VALIDATION)
-        boundary = _boundary(ctype)
+        boundary, charset = _ctype_params(ctype)
         if boundary is None:
             raise _bad("the multipart Content-Type has no boundary (or one that is not ASCII)")
         twice: list[str] = []
-        fields = form_fields(body, boundary, twice=twice)
+        fields = form_fields(body, boundary, twice=twice, charset=charset)
         if twice:
             # the engine's form reader keeps one value of a repeated field (Starlette's, in front of
             # vLLM, the last), the gateway routes by the first: which one the client meant is not known
