@@ -336,3 +336,52 @@ def test_an_endpoint_that_left_the_pool_leaves_no_breaker_behind():
     assert not br._by_ep and not br._success
     assert not [e for e in t.pending if not e[2]]          # its ejection timer was cancelled
     assert _outcomes(br)[(a.name, "fault")] == 4           # the outcomes are still counted
+
+
+def test_a_siblings_ejection_leaves_its_trials_to_that_worker_until_it_goes_quiet():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=10, half_open_trials=1, success_threshold=1)
+    assert br.adopt_open(a, 10.0, 1)          # a sibling ejected it
+    t.advance(10)
+    assert br.state(a) == HALF_OPEN and not a.ready      # half-open, the trials the sibling's
+    feed(br, a, [S])                          # a leg sent before the ejection: it proves what it does
+    assert br.state(a) == CLOSED and a.ready
+    assert br.adopt_open(a, 10.0, 1)
+    t.advance(10)
+    assert br.adopt_open(a, 20.0, 2)          # the sibling's trial failed: its new ejection is this one's
+    assert br.state(a) == OPEN and br.breaker(a).ejections == 2
+    t.advance(10)
+    assert br.state(a) == OPEN                # not at the end of the first one
+    t.advance(10)
+    assert br.state(a) == HALF_OPEN and not a.ready
+    assert br.adopt_close(a)                  # the sibling's trial passed
+    assert br.state(a) == CLOSED and a.ready
+    assert br.adopt_open(a, 10.0, 1)
+    t.advance(10)
+    t.advance(9.9)
+    assert not a.ready
+    t.advance(0.2)                            # no word within base_ejection_s: trials here too
+    assert br.state(a) == HALF_OPEN and a.ready
+    decide(br, a)
+    assert not a.ready
+    feed(br, a, [S])
+    assert br.state(a) == CLOSED and a.ready
+
+
+def test_a_siblings_ejection_of_an_engine_the_probes_find_back_still_leaves_it_the_trials():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=10, half_open_trials=1)
+    assert br.adopt_open(a, 10.0, 1)
+    a.healthy = False
+    br.on_health(a)
+    a.healthy = True
+    br.on_health(a)
+    assert br.state(a) == HALF_OPEN and not a.ready
+    t.advance(10)
+    assert a.ready
+
+
+def test_an_own_ejection_is_not_lengthened_by_a_siblings():
+    br, (a, *_), t = setup(consecutive_faults=1, base_ejection_s=10, half_open_trials=1)
+    feed(br, a, [F])
+    assert not br.adopt_open(a, 30.0, 3)
+    t.advance(10)
+    assert br.state(a) == HALF_OPEN and a.ready

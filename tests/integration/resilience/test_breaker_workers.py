@@ -1,0 +1,108 @@
+"""Breakers in a real gateway process of ``--workers 2``: an ejection's trials, whichever worker
+ejected it and whichever worker the clients' connections reach."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import aiohttp
+import pytest
+
+from tests.support.gateway_process import gateway_process, metric_total, per_worker, post_new
+from tests.support.ports import listen_port
+from tests.support.waiting import until
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+async def sim_config(url: str, **cfg) -> None:
+    async with aiohttp.ClientSession() as s, s.post(url + "/_sim/config", json=cfg) as r:
+        assert r.status == 200
+
+
+async def chats_received(url: str) -> int:
+    async with aiohttp.ClientSession() as s, s.get(url + "/_sim/state") as r:
+        state = await r.json()
+    return sum(1 for e in state["received"] if e.get("path", "").endswith("/chat/completions"))
+
+
+async def on_worker(port: int, pid: int, results: list) -> None:
+    """A chat on a connection of its own that the worker ``pid`` accepted; its status goes to ``results``."""
+    while True:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as s:
+            async with s.get(f"http://127.0.0.1:{port}/status.json") as r:
+                if (await r.json())["gateway"]["pid"] != pid:
+                    continue
+            async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=BODY) as r:
+                await r.read()
+                results.append(r.status)
+                return
+
+
+@pytest.mark.timeout(120)
+async def test_two_workers_send_an_ejected_engine_half_open_trials_not_twice_that_and_close_together(
+        sims, tmp_path):
+    """An engine's 500 ejects it in one worker, and the other adopts the ejection. Once the engine
+    is back (its probes found it down, then up), the gateway lets ``half_open_trials`` (1) requests
+    through to it, whichever worker the clients reach, and its first good answer closes the breaker
+    in both workers. Each worker sent a trial of its own before: two into an engine that could
+    still be sick, where one was configured."""
+    good = await sims("vllm", "m")
+    sick = await sims("vllm", "m", fault="status=500")
+    sick_name = sick.url.split("//")[1]
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
+                   "health: {interval_s: 0.2, timeout_s: 1}\n"
+                   "routing: {strategy: round-robin}\n"
+                   "breaker: {consecutive_faults: 1, base_ejection_s: 60, half_open_trials: 1, success_threshold: 1,"
+                   " max_ejection_percent: 50}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        async def sick_in_each(field: str) -> list:
+            docs = await per_worker(port, 2, "/status.json")
+            return [ep[field] for doc in docs.values() for ep in doc["endpoints"] if ep["name"] == sick_name]
+
+        async def open_in_both() -> bool:
+            assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
+            return await sick_in_each("breaker") == ["open", "open"]
+        await until(open_in_both, timeout=20)
+        await sim_config(sick.url, dead=True)            # down: the probes see it
+        await until(lambda: _all_equal(sick_in_each("healthy"), False), timeout=20)
+        await sim_config(sick.url, dead=False, fault="hang=inf")     # back, and its trials hang
+        before = await chats_received(sick.url)
+        await until(lambda: _all_equal(sick_in_each("breaker"), "half_open"), timeout=20)
+
+        pids = list(await per_worker(port, 2, "/status.json"))
+        results: list[int] = []
+        tasks = [asyncio.create_task(on_worker(port, pid, results)) for pid in pids for _ in range(4)]
+        try:
+            async def accounted() -> bool:       # each request answered, or held by the engine
+                return len(results) + await chats_received(sick.url) - before == len(tasks)
+            await until(accounted, timeout=30)
+            assert await chats_received(sick.url) - before == 1
+            assert results == [200] * (len(tasks) - 1)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        await sim_config(sick.url, fault="none")          # healthy now: a trial closes it everywhere
+
+        async def closed_in_both() -> bool:
+            assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200
+            return await sick_in_each("breaker") == ["closed", "closed"]
+        await until(closed_in_both, timeout=20)
+        for page in (await per_worker(port, 2)).values():
+            assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 0
+            assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
+                                from_state="half_open", to_state="closed") == 1
+
+
+async def _all_equal(values, want) -> bool:
+    with contextlib.suppress(aiohttp.ClientError):
+        got = await values
+        return len(got) == 2 and all(v == want for v in got)
+    return False
