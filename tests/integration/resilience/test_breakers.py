@@ -3,6 +3,8 @@ client errors left alone, the retry budget, the ejection cap, and P/D pairs that
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from functools import partial
 
 import aiohttp
@@ -16,7 +18,7 @@ from tests.support.factories import model_block
 from tests.support.fake_engine import fake_engine
 from tests.support.http import anthropic_client, chat_body, openai_client, post, sim_state, sse_events
 from tests.support.metrics import series
-from tests.support.waiting import wait_for
+from tests.support.waiting import until, wait_for
 
 CHAT = [{"role": "user", "content": "hello there"}]
 body = partial(chat_body, CHAT, stream=False, max_tokens=6)
@@ -394,3 +396,50 @@ async def test_a_responses_streams_error_event_with_code_501_is_not_the_endpoint
         assert _outcomes_of(text, url) == {outcome: 2.0 if outcome == "client_error" else 1.0}
         if outcome == "client_error":
             assert state_of(text, url) == 0
+
+
+@pytest.mark.parametrize(("engine", "stream"), [("vllm", False), ("vllm", True), ("sglang", False), ("sglang", True)])
+async def test_a_trial_whose_client_leaves_before_the_engine_answers_gives_its_slot_back(sims, gateway, engine, stream):
+    """A half-open breaker's one trial request, which the engine holds, is given up by its client
+    before any answer: a cancel says nothing of the engine, and the slot is free for the next trial
+    at once; it was held until ``base_ejection_s`` (a minute here) had passed, the endpoint out of
+    routing meanwhile as if its trial were still on its way."""
+    good = await sims(engine, "m")
+    sick = await sims(engine, "m", fault="status=500")
+    gw = await gateway([model_block("m", engine, [sick.url, good.url])], routing={"strategy": "round-robin"},
+                       health={"interval_s": 0.1},
+                       breaker={**FAST_BREAKER, "consecutive_faults": 1, "base_ejection_s": 60})
+    ep = next(e for e in gw.gw.pool.endpoints("m") if e.url == sick.url)
+    assert (await post(gw.url, body()))[0] == 200         # its 500 retried; the breaker opens
+    assert state_of(await gw.metrics_text(), sick.url) == 1
+    await sim_config(sick.url, dead=True)                 # the probes find it down, then back:
+    await wait_for(lambda: not ep.healthy)
+    await sim_config(sick.url, dead=False, fault="hang=inf")
+    assert await wait_for(lambda: ep.ready, timeout=10)   # half-open, its trials at once
+    seen = await _chats(sick.url)
+    while True:         # round-robin: the first or the second request is the trial
+        trial = asyncio.create_task(post(gw.url, body(stream=stream)))
+        await until(lambda t=trial: t.done() or _chats_since(sick.url, seen))
+        if not trial.done():
+            break
+        assert trial.result()[0] == 200
+    assert not ep.ready                                   # the trial took the one slot
+    trial.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await trial
+    assert await wait_for(lambda: ep.ready, timeout=10)   # its slot back: the next trial may go
+    assert state_of(await gw.metrics_text(), sick.url) == 2
+    await sim_config(sick.url, fault="none")
+
+    async def closed() -> bool:
+        assert (await post(gw.url, body(stream=stream)))[0] == 200
+        return state_of(await gw.metrics_text(), sick.url) == 0
+    assert await wait_for(closed, timeout=10)
+
+
+async def _chats(url: str) -> int:
+    return sum(1 for e in (await sim_state(url))["received"] if e["path"].endswith("/chat/completions"))
+
+
+async def _chats_since(url: str, seen: int) -> bool:
+    return await _chats(url) > seen
