@@ -449,6 +449,11 @@ class Pipeline:
             try:
                 resp = await self.upstream.opened(ep, x, header_timeout, ireq.model)
                 leg.responded(resp.status)
+            except asyncio.CancelledError:
+                # the client left (or the gateway stops) before the answer's head: nothing learnt of
+                # the engine, but its breaker hears the leg ended (a half-open one's trial slot is free)
+                self.upstream.record(ep, Outcome.NONE, "cancelled")
+                raise
             except UpstreamFailure as f:
                 leg.failed(f.kind)
                 if f.retryable:
