@@ -20,7 +20,11 @@ With several workers (``--workers N``) each keeps its own breakers, fed by its o
 its siblings what it decided (``on_change``, gateway/view): an ejection is adopted for the time the
 sibling set (``adopt_open``), a close after the sibling's trials passed closes here too
 (``adopt_close``). So a sick engine is ejected by the first worker to see enough faults, not by
-each after its own share of them.
+each after its own share of them. The trials of an ejection are the worker's that decided it: a
+sibling that adopted it goes half-open when its time is over but sends no trial (``held``), waiting
+for that worker's close or new ejection, so the gateway sends ``half_open_trials`` at a time whatever
+its workers; one that heard nothing ``base_ejection_s`` later (that worker got no request, or was
+restarted) sends trials of its own.
 
 ``max_ejection_percent`` bounds the ejected share of an endpoint's group (the model's endpoints of
 the same kind: whole-request, prefill or decode). As in Envoy, one ejection is always allowed, but
@@ -74,7 +78,7 @@ class BreakerConfig(Block):
     min_requests: Annotated[_Count, Meta(description="Outcomes in the window before the fault rate is judged.")] = 10
     base_ejection_s: Annotated[_Seconds, Meta(description="First ejection time; the n-th ejection lasts n times this, in seconds.")] = 10.0
     max_ejection_s: Annotated[_Seconds, Meta(description="Longest ejection, in seconds.")] = 300.0
-    half_open_trials: Annotated[_Count, Meta(description="Trial requests in flight at once after an ejection.")] = 3
+    half_open_trials: Annotated[_Count, Meta(description="Trial requests in flight at once after an ejection, in the whole gateway: with --workers N, the worker that ejected the endpoint sends them.")] = 3
     success_threshold: Annotated[_Count, Meta(description="Successful trials that close the breaker again.")] = 3
     max_ejection_percent: Annotated[float, Meta(ge=0, le=100, description="Most endpoints of a model's group ejected at once, in percent; one is always allowed, never the last ready one.")] = 10.0
 
@@ -97,6 +101,7 @@ class Breaker:
     trial_successes: int = 0
     last_event: float = 0.0            # last half-open dispatch or outcome (the stuck-trial guard)
     down_seen: bool = False            # open, and the health probes found the endpoint down since
+    held: bool = False                 # a sibling's ejection: its trials are that worker's (``adopt_open``)
     faults: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     total: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     stamps: list[int] = field(default_factory=lambda: [-1] * _BUCKETS)
@@ -286,6 +291,7 @@ class Breakers:
         if b.state == CLOSED and b.ejections:   # one ejection forgotten per base time spent closed
             b.ejections = max(0, b.ejections - int((now - b.closed_at) / cfg.base_ejection_s))
         b.ejections += 1
+        b.held = False
         self._eject(ep, b, now, min(cfg.max_ejection_s, cfg.base_ejection_s * b.ejections), reason,
                     window_faults=faults, window_outcomes=total)
         if self.on_change is not None:
@@ -312,11 +318,18 @@ class Breakers:
             return False
         b = self.breaker(ep)
         if b.state == OPEN:
-            return False
+            if not b.held:          # its own ejection: its own trials
+                return False
+            # the sibling's trial failed before this one went half-open: its new ejection is this one's
+            b.ejections = max(b.ejections, ejections)
+            b.open_for, b.opened_at = open_for, self.clock()
+            self._schedule(b, open_for, lambda: self._half_open(ep, b))
+            return True
         if b.state == CLOSED and not self._may_eject(ep):
             self._child(self.metrics.capped, ep.model).inc()
             return False
         b.ejections = max(b.ejections, ejections)
+        b.held = True
         self._eject(ep, b, self.clock(), open_for, "sibling")
         return True
 
@@ -334,8 +347,25 @@ class Breakers:
         b.trials_out = b.trial_successes = 0
         b.last_event = self.clock()
         self._move(ep, b, HALF_OPEN)
+        if b.held:
+            # the sibling that ejected it sends the trials, so the gateway's are half_open_trials
+            # whatever its workers; this one waits for its word (a close, or a new ejection), and
+            # sends trials of its own only when none came within base_ejection_s (that worker
+            # served no request meanwhile, or was restarted)
+            log.info("breaker half-open", model=ep.model, endpoint=ep.name, reason=reason, trials="sibling")
+            self._schedule(b, self.config_for(ep.model).base_ejection_s, lambda: self._unhold(ep, b))
+            return
         ep.ejected = False
         log.info("breaker half-open", model=ep.model, endpoint=ep.name, reason=reason)
+
+    def _unhold(self, ep: Endpoint, b: Breaker) -> None:
+        """A half-open breaker whose sibling's trials said nothing within ``base_ejection_s``: this
+        worker sends trials too."""
+        if b.state != HALF_OPEN or not b.held or self.state(ep) != HALF_OPEN:
+            return
+        b.held = False
+        ep.ejected = b.trials_out >= self.config_for(ep.model).half_open_trials
+        log.info("breaker trials", model=ep.model, endpoint=ep.name, reason="sibling_quiet")
 
     def on_health(self, ep: Endpoint) -> None:
         """A monitor listener (a health change or a scrape of ``ep``): an open breaker whose endpoint
@@ -366,7 +396,7 @@ class Breakers:
     def _stuck_trials(self, ep: Endpoint, b: Breaker, since: float) -> None:
         if b.state == HALF_OPEN and b.last_event == since:
             b.trials_out = 0
-            ep.ejected = False
+            ep.ejected = b.held
 
     def _trial_outcome(self, ep: Endpoint, b: Breaker, cfg: BreakerConfig, outcome: Outcome, now: float,
                        cause: str) -> None:
@@ -380,10 +410,11 @@ class Breakers:
             if b.trial_successes >= cfg.success_threshold:
                 self._close(ep, b, now)
                 return
-        ep.ejected = b.trials_out >= cfg.half_open_trials
+        ep.ejected = b.held or b.trials_out >= cfg.half_open_trials
 
     def _close(self, ep: Endpoint, b: Breaker, now: float, told: bool = False) -> None:
         b.consecutive = b.trials_out = b.trial_successes = 0
+        b.held = False
         b.closed_at = now
         b.clear_window()
         self._cancel(b)
