@@ -443,3 +443,57 @@ async def _chats(url: str) -> int:
 
 async def _chats_since(url: str, seen: int) -> bool:
     return await _chats(url) > seen
+
+
+@pytest.mark.parametrize("end", ["prefill_500", "client_left_during_prefill"])
+async def test_a_pd_requests_half_open_decode_whose_prefill_never_handed_over_gives_its_trial_slot_back(
+        sims, gateway, end):
+    """vLLM P/D: a request whose pair names a half-open decode (its one trial slot) ends before that
+    decode is asked anything: its prefill answers a 500, or its client leaves while the prefill runs.
+    Nothing is learnt of the decode, and its slot is free for the next trial at once; it was held
+    until ``base_ejection_s`` (a minute here) had passed, the decode out of every pair meanwhile."""
+    p = await sims("vllm", "m", role="prefill")
+    good = await sims("vllm", "m", role="decode")
+    sick = await sims("vllm", "m", role="decode", fault="status=500")
+    rs = {"name": "rs-1", "prefill": [p.url], "decode": [sick.url, good.url]}
+    gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": [rs]}], health={"interval_s": 0.1},
+                       routing={"strategy": "round-robin"},
+                       breaker={**FAST_BREAKER, "consecutive_faults": 1, "base_ejection_s": 60})
+    ep = next(e for e in gw.gw.pool.endpoints("m") if e.url == sick.url)
+    assert await wait_for(partial(_until_unready, gw, ep), timeout=10)      # its 500 ejects it
+    await sim_config(sick.url, dead=True)                 # the probes find it down, then back:
+    await wait_for(lambda: not ep.healthy)
+    await sim_config(sick.url, dead=False, fault="none")
+    assert await wait_for(lambda: ep.ready, timeout=10)   # half-open, its trials at once
+    fault = "prefill.status=500" if end == "prefill_500" else "prefill.hang=inf"
+    sick_name = sick.url.split("//")[1]
+    for _ in range(4):      # round-robin: one of the first two pairs names the half-open decode
+        if end == "prefill_500":
+            st, hdrs, _ = await post(gw.url, body(), headers={"x-sim-fault": fault})
+            assert st == 502
+            if hdrs["target-pod"] == sick_name:
+                break
+        else:
+            seen = await _chats(p.url)
+            req = asyncio.create_task(post(gw.url, body(), headers={"x-sim-fault": fault}))
+            await until(lambda s=seen: _chats_since(p.url, s))     # the prefill holds it
+            took = not ep.ready
+            req.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await req
+            if took:
+                break
+    else:
+        raise AssertionError("no pair named the half-open decode")
+    assert await wait_for(lambda: ep.ready, timeout=10)   # its slot back: the next trial may go
+    assert state_of(await gw.metrics_text(), sick.url) == 2
+
+    async def closed() -> bool:
+        assert (await post(gw.url, body()))[0] == 200
+        return state_of(await gw.metrics_text(), sick.url) == 0
+    assert await wait_for(closed, timeout=10)
+
+
+async def _until_unready(gw, ep) -> bool:
+    assert (await post(gw.url, body()))[0] == 200
+    return not ep.ready
