@@ -181,6 +181,11 @@ class PDOrchestrator:
                 ctx.written()               # the routing bookkeeping, once the prefill is out
                 try:
                     status, raw, prefill_end = await self._prefill_answer(ctx, x, prefill_start)
+                except asyncio.CancelledError:
+                    # the client left (or the gateway stops) while the prefill ran: nothing learnt of
+                    # its engine, but its breaker hears the leg ended (a half-open one's trial slot)
+                    self.upstream.record(prefill, Outcome.NONE, "cancelled")
+                    raise
                 finally:
                     x.tell_at_eof(None)
                     if early:               # written already: the task takes it over (and discards it on failure)
@@ -200,10 +205,14 @@ class PDOrchestrator:
         except PrefillFailed as f:
             if decode_x is not None:        # (a decode written early for an answer that then failed)
                 decode_x.discard()
+            # the decode was asked nothing it answered: its breaker hears the request ended without
+            # it (a half-open one's trial slot is free for the next pair)
+            self.upstream.record(decode, Outcome.NONE, "prefill_failed")
             raise self._prefill_failed(ctx, f, "before_response") from None
         except BaseException:
             if decode_x is not None:
                 decode_x.discard()
+            self.upstream.record(decode, Outcome.NONE, "prefill_ended")
             raise
         finally:
             ctx.charges.prefill_done()
