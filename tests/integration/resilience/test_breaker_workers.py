@@ -1,5 +1,6 @@
-"""Breakers in a real gateway process of ``--workers 2``: an ejection's trials, whichever worker
-ejected it and whichever worker the clients' connections reach."""
+"""Breakers and retries in a real gateway process of ``--workers 2``: an ejection's trials,
+whichever worker ejected it and whichever worker the clients' connections reach; the retry budget
+when every engine fails."""
 
 from __future__ import annotations
 
@@ -106,3 +107,37 @@ async def _all_equal(values, want) -> bool:
         got = await values
         return len(got) == 2 and all(v == want for v in got)
     return False
+
+
+@pytest.mark.timeout(120)
+async def test_with_every_engine_failing_each_worker_retries_within_its_own_budget(sims, tmp_path):
+    """Both engines answer 500 to everything (breakers off). Each worker keeps the model's retry
+    budget of its own: with ``budget_percent: 0`` the gateway of two workers retries at most
+    2 × ``budget_min`` requests in the window, each worker its ``budget_min``, and refuses the
+    rest (``switchyard_retries_denied_total{reason="budget"}``); every client gets the engine's 500."""
+    a = await sims("vllm", "m", fault="status=500")
+    b = await sims("vllm", "m", fault="status=500")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
+                   "breaker: {enabled: false}\n"
+                   "retry: {budget_percent: 0, budget_min: 2, budget_window_s: 600, max_retries: 1}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{a.url}', '{b.url}']}}]\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        results: list[int] = []
+        for pid in await per_worker(port, 2, "/status.json"):
+            for _ in range(4):
+                await on_worker(port, pid, results)
+        assert results == [500] * 8
+        for page in (await per_worker(port, 2)).values():      # the workers' counts added up
+            assert metric_total(page, "switchyard_retries_total", model="m") == 4
+            assert metric_total(page, "switchyard_retries_denied_total", model="m", reason="budget") == 4
+    legs = sum([len([e for e in (await _state(u))["received"] if e["path"].endswith("/chat/completions")])
+                for u in (a.url, b.url)])
+    assert legs == 8 + 4
+
+
+async def _state(url: str) -> dict:
+    async with aiohttp.ClientSession() as s, s.get(url + "/_sim/state") as r:
+        return await r.json()
