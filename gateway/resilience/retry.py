@@ -43,7 +43,7 @@ class RetryConfig(Block):
     enabled: Annotated[bool, Meta(description="Send a failed request again to another endpoint while nothing of the answer reached the client.")] = True
     max_retries: Annotated[int, Meta(ge=0, description="Retries of one request at most.")] = 2
     budget_percent: Annotated[float, Meta(ge=0, le=100, description="Retries of a model at most this percent of its requests in the budget window (plus budget_min).")] = 20.0
-    budget_min: Annotated[int, Meta(ge=0, description="Retries always allowed per budget window, so a quiet model can still retry.")] = 5
+    budget_min: Annotated[int, Meta(ge=0, description="Retries always allowed per budget window, so a quiet model can still retry; with --workers N, each worker's.")] = 5
     budget_window_s: Annotated[float, Meta(gt=0, description="Window of the retry budget, in seconds.")] = 10.0
     on_backpressure: Annotated[bool, Meta(description="Also retry a 429 or 503 answer, on an endpoint with headroom.")] = True
 
