@@ -497,3 +497,43 @@ async def test_a_pd_requests_half_open_decode_whose_prefill_never_handed_over_gi
 async def _until_unready(gw, ep) -> bool:
     assert (await post(gw.url, body()))[0] == 200
     return not ep.ready
+
+
+async def test_a_half_open_prefill_whose_client_leaves_while_it_runs_gives_its_trial_slot_back(sims, gateway):
+    """vLLM P/D: the client of a request whose half-open prefill (its one trial slot) holds it
+    leaves: nothing is learnt of the prefill, and its slot is free for the next trial at once."""
+    sick = await sims("vllm", "m", role="prefill", fault="status=500")
+    good = await sims("vllm", "m", role="prefill")
+    d = await sims("vllm", "m", role="decode")
+    rs = {"name": "rs-1", "prefill": [sick.url, good.url], "decode": [d.url]}
+    gw = await gateway([{"name": "m", "engine": "vllm", "rolesets": [rs]}], health={"interval_s": 0.1},
+                       routing={"strategy": "round-robin"},
+                       breaker={**FAST_BREAKER, "consecutive_faults": 1, "base_ejection_s": 60})
+    ep = next(e for e in gw.gw.pool.endpoints("m") if e.url == sick.url)
+    for _ in range(4):                  # the sick prefill's 500 (not retried) ejects it
+        await post(gw.url, body())
+        if not ep.ready:
+            break
+    assert not ep.ready
+    await sim_config(sick.url, dead=True)
+    await wait_for(lambda: not ep.healthy)
+    await sim_config(sick.url, dead=False, fault="none")
+    assert await wait_for(lambda: ep.ready, timeout=10)   # half-open, its trials at once
+    for _ in range(4):
+        seen = await _chats(sick.url) + await _chats(good.url)
+        req = asyncio.create_task(post(gw.url, body(), headers={"x-sim-fault": "prefill.hang=inf"}))
+        await until(lambda s=seen: _prefills_since([sick.url, good.url], s))     # a prefill holds it
+        took = not ep.ready
+        req.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await req
+        if took:
+            break
+    else:
+        raise AssertionError("no pair named the half-open prefill")
+    assert await wait_for(lambda: ep.ready, timeout=10)   # its slot back
+    assert state_of(await gw.metrics_text(), sick.url) == 2
+
+
+async def _prefills_since(urls: list[str], seen: int) -> bool:
+    return sum([await _chats(u) for u in urls]) > seen
