@@ -198,15 +198,24 @@ def estimate(ep: Endpoint, th: Thresholds, now: float) -> Estimate:
     return Estimate(headroom, waiting, reason if headroom < 1 else None)
 
 
+def _room(ep: Endpoint, th: Thresholds, now: float) -> int:
+    """``ep``'s headroom, at most its free trial slots while its circuit breaker is half-open
+    (``gateway.resilience.breaker``): the requests past those would go elsewhere."""
+    headroom = estimate(ep, th, now).headroom
+    trials = ep.extra.get("trials_free")
+    return headroom if trials is None else min(headroom, trials)
+
+
 def total_headroom(eps: Sequence[Endpoint], pairs: bool, th: Thresholds, now: float) -> int:
     """What a model's candidates can take. For prefill/decode pairs each request needs a slot on
-    both sides: the smaller side's headroom (combined endpoints count on both)."""
+    both sides: the smaller side's headroom (combined endpoints count on both). A half-open
+    endpoint counts for its free trial slots at most."""
     if not pairs:
-        return min(UNBOUNDED, sum(estimate(ep, th, now).headroom for ep in eps))
+        return min(UNBOUNDED, sum(_room(ep, th, now) for ep in eps))
     sides = {"prefill": 0, "decode": 0, "combined": 0}
     for ep in eps:
         if ep.role in sides:
-            sides[ep.role] = min(UNBOUNDED, sides[ep.role] + estimate(ep, th, now).headroom)
+            sides[ep.role] = min(UNBOUNDED, sides[ep.role] + _room(ep, th, now))
     if not sides["prefill"] and not sides["decode"]:
         return sides["combined"]
     return min(UNBOUNDED, min(sides["prefill"], sides["decode"]) + sides["combined"])

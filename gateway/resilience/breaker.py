@@ -356,6 +356,7 @@ class Breakers:
             self._schedule(b, self.config_for(ep.model).base_ejection_s, lambda: self._unhold(ep, b))
             return
         ep.ejected = False
+        ep.extra["trials_free"] = self.config_for(ep.model).half_open_trials
         log.info("breaker half-open", model=ep.model, endpoint=ep.name, reason=reason)
 
     def _unhold(self, ep: Endpoint, b: Breaker) -> None:
@@ -364,7 +365,7 @@ class Breakers:
         if b.state != HALF_OPEN or not b.held or self.state(ep) != HALF_OPEN:
             return
         b.held = False
-        ep.ejected = b.trials_out >= self.config_for(ep.model).half_open_trials
+        self._trials_left(ep, b, self.config_for(ep.model))
         log.info("breaker trials", model=ep.model, endpoint=ep.name, reason="sibling_quiet")
 
     def on_health(self, ep: Endpoint) -> None:
@@ -388,6 +389,7 @@ class Breakers:
         cfg = self.config_for(ep.model)
         b.trials_out += 1
         b.last_event = self.clock()
+        ep.extra["trials_free"] = max(0, cfg.half_open_trials - b.trials_out)
         if b.trials_out >= cfg.half_open_trials:
             ep.ejected = True       # no more trials until one answers
             since = b.last_event
@@ -396,7 +398,7 @@ class Breakers:
     def _stuck_trials(self, ep: Endpoint, b: Breaker, since: float) -> None:
         if b.state == HALF_OPEN and b.last_event == since:
             b.trials_out = 0
-            ep.ejected = b.held
+            self._trials_left(ep, b, self.config_for(ep.model))
 
     def _trial_outcome(self, ep: Endpoint, b: Breaker, cfg: BreakerConfig, outcome: Outcome, now: float,
                        cause: str) -> None:
@@ -410,7 +412,16 @@ class Breakers:
             if b.trial_successes >= cfg.success_threshold:
                 self._close(ep, b, now)
                 return
-        ep.ejected = b.held or b.trials_out >= cfg.half_open_trials
+        self._trials_left(ep, b, cfg)
+
+    @staticmethod
+    def _trials_left(ep: Endpoint, b: Breaker, cfg: BreakerConfig) -> None:
+        """A half-open breaker's free trial slots: none (out of routing) while a sibling sends the
+        trials or all are taken; on ``ep.extra["trials_free"]``, what admission counts it for
+        (``gateway.admission.saturation.total_headroom``)."""
+        free = 0 if b.held else max(0, cfg.half_open_trials - b.trials_out)
+        ep.extra["trials_free"] = free
+        ep.ejected = free == 0
 
     def _close(self, ep: Endpoint, b: Breaker, now: float, told: bool = False) -> None:
         b.consecutive = b.trials_out = b.trial_successes = 0
@@ -434,6 +445,8 @@ class Breakers:
         else:
             self._half_opens.discard(id(ep))
         ep.extra["breaker"] = to        # the status page's column (gateway/observability/status.py)
+        if to != HALF_OPEN:
+            ep.extra.pop("trials_free", None)
 
     def _schedule(self, b: Breaker, delay: float, fn: Callable[[], None]) -> None:
         self._cancel(b)
@@ -456,6 +469,7 @@ class Breakers:
             if entry[0] is ep:
                 ep.ejected = False
                 ep.extra.pop("breaker", None)
+                ep.extra.pop("trials_free", None)
 
     def reconfigure(self, config_for: Callable[[str], BreakerConfig]) -> None:
         """A reload: new settings; a breaker whose model turned breakers off closes now."""
