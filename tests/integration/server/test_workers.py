@@ -717,20 +717,23 @@ async def test_scrapes_whose_client_leaves_hold_nothing_of_a_stuck_sibling(sims,
         stuck = sibling_sockets([stopped])[stopped]
         before = unix_clients(live)
         os.kill(stopped, signal.SIGSTOP)
-        left = 0
+        conns: list = []
         async with asyncio.timeout(60):
-            while left < 4:
-                conn = await _on_worker(port, live, wait=3.0)
-                if conn is None:                # the stopped worker's: never answered
-                    continue
-                _, writer = conn
+            # connections the live worker serves: the kernel hands each new one to either worker, and
+            # one the stopped worker took is never answered, so several are tried at once (one wait
+            # for all of them, not one for each the stopped worker took)
+            while len(conns) < 4:
+                got = await asyncio.gather(*(_on_worker(port, live, wait=3.0) for _ in range(8)))
+                conns += [c for c in got if c is not None]
+            for left, (_, writer) in enumerate(conns[:4]):
                 asked = queued_on(stuck)
                 path = b"/metrics" if left % 2 == 0 else b"/status.json"
                 writer.write(b"GET " + path + b" HTTP/1.1\r\nHost: gateway.test\r\n\r\n")
                 while queued_on(stuck) == asked:    # the worker asked the stuck sibling, and waits
                     await asyncio.sleep(0.01)
                 writer.close()                  # the client leaves
-                left += 1
+            for _, writer in conns[4:]:
+                writer.close()
         # what those scrapes opened is closed with them, the sibling still stuck
         assert await wait_for(lambda: unix_clients(live) == before, timeout=10.0, interval=0.05), (
             before, unix_clients(live))
