@@ -338,3 +338,27 @@ def test_lines_of_the_standard_library_s_loggers_are_json_lines_too():
     assert callback["level"] == "error" and callback["logger"] == "asyncio"
     task = next(x for x in lines if "a task nobody awaited" in x.get("exception", ""))
     assert task["level"] == "error"
+
+
+WARNINGS_SCRIPT = r"""
+import warnings
+from gateway.observability.logs import configure_logging
+configure_logging("json", "info")
+warnings.warn("a library's deprecation", DeprecationWarning, stacklevel=1)
+warnings.warn("something odd", RuntimeWarning)
+"""
+
+
+def test_pythons_warnings_are_json_lines_too():
+    """A library's ``warnings.warn`` (a deprecation, a resource warning) was printed by Python's
+    own hook as two bare lines, the warning and its source line, in the middle of a JSON log."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "PYTHONWARNINGS": "default"}
+    out = subprocess.run([sys.executable, "-c", WARNINGS_SCRIPT], stderr=subprocess.PIPE, env=env,
+                         timeout=60, check=True).stderr
+    lines = [orjson.loads(line) for line in out.splitlines()]
+    assert [x["level"] for x in lines] == ["warning", "warning"] and lines[0]["logger"] == "py.warnings"
+    assert "DeprecationWarning: a library's deprecation" in lines[0]["event"]
+    assert "RuntimeWarning: something odd" in lines[1]["event"]
