@@ -98,6 +98,7 @@ def configure_logging(fmt: str = "auto", level: str = "info") -> None:
     handler._switchyard = True             # type: ignore[attr-defined]
     root.addHandler(handler)
     root.setLevel(lvl if lvl <= logging.DEBUG else max(lvl, logging.WARNING))
+    logging.captureWarnings(True)          # warnings.warn's too (logger py.warnings), not Python's bare print
 
 
 class _Clock:
