@@ -193,8 +193,12 @@ def test_each_gateway_line_is_one_write_on_an_unbuffered_stderr(monkeypatch):
             self.writes.append(bytes(b))
             return len(b)
 
+    import logging
+
     raw = Raw()
     saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     monkeypatch.setattr("sys.stderr", io.TextIOWrapper(raw, encoding="utf-8", write_through=True))
     try:
         configure_logging("json", "info")
@@ -203,6 +207,9 @@ def test_each_gateway_line_is_one_write_on_an_unbuffered_stderr(monkeypatch):
         log.info("another line")
     finally:
         structlog.configure(**saved)
+        root.handlers[:] = handlers        # the standard library's logging as it was (configure_logging
+        root.setLevel(level)               # adds a handler to the root logger and captures warnings)
+        logging.captureWarnings(False)
     assert len(raw.writes) == 2
     assert all(w.endswith(b"\n") and w.count(b"\n") == 1 for w in raw.writes)
     assert orjson.loads(raw.writes[0])["event"] == "second signal: stopping now"
