@@ -515,6 +515,12 @@ def tools_tokens(tools: Any) -> int:
         return 0
 
 
+def text_and_tools_tokens(text: str, tools: Any) -> int:
+    """The prompt's token estimate from its text and the ``tools`` it offers (``tools_tokens``): the
+    Messages and Responses parsers' (a chat's, in ``parse``, also counts earlier calls)."""
+    return max(1, len(text) // CHARS_PER_TOKEN) + (tools_tokens(tools) if tools else 0)
+
+
 def _chat_prompt(data: dict[str, Any], media: list[bool]) -> str:
     messages = data.get("messages")
     if not isinstance(messages, list):

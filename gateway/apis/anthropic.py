@@ -49,7 +49,6 @@ from gateway.apis.serving import EngineSpecificApi
 from gateway.errors import ErrorClass, GatewayError, normalize_upstream_error
 from gateway.pipeline.sse import ITL_KEEP, MAX_EVENT_BYTES, as_lf, cr_mode
 from gateway.request import (
-    CHARS_PER_TOKEN,
     InferenceRequest,
     caller_headers,
     lax_bool,
@@ -57,7 +56,7 @@ from gateway.request import (
     lax_int,
     load_object,
     slo_objectives,
-    tools_tokens,
+    text_and_tools_tokens,
 )
 from gateway.resilience.outcome import event_status
 from handlers import adapter_for
@@ -260,7 +259,7 @@ class AnthropicApi(EngineSpecificApi):
             path=path, body=body, data=data, model=model, stream=stream,
             include_usage=True,          # a Messages stream always carries its usage
             prompt_text=prompt_text,
-            prompt_tokens_est=max(1, len(prompt_text) // CHARS_PER_TOKEN) + (tools_tokens(tools) if tools else 0),
+            prompt_tokens_est=text_and_tools_tokens(prompt_text, tools),
             request_id=request_id, user=user, session_id=session_id, session_key=session_key,
             headers=headers,         # type: ignore[arg-type]
             multimodal=media[0], slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot,

@@ -18,7 +18,6 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.request import (
-    CHARS_PER_TOKEN,
     InferenceRequest,
     body_bytes,
     caller_headers,
@@ -28,7 +27,7 @@ from gateway.request import (
     lax_int,
     load_object,
     slo_objectives,
-    tools_tokens,
+    text_and_tools_tokens,
 )
 
 RESPONSES = "/v1/responses"
@@ -205,15 +204,9 @@ def parse_responses(path: str, body: bytes, headers: Any, request_id: str) -> In
     return InferenceRequest(
         path=path, body=body, data=data, model=model, stream=bool(stream),
         include_usage=True,             # a Responses stream always ends with its usage: nothing to inject
-        prompt_text=text, prompt_tokens_est=_estimate(text, tools), request_id=request_id,
+        prompt_text=text, prompt_tokens_est=text_and_tools_tokens(text, tools), request_id=request_id,
         user=user, session_id=session_id, session_key=session_key, headers=headers,
         slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot)
-
-
-def _estimate(text: str, tools: Any) -> int:
-    """The prompt's token estimate: its text's, and its tools', which the engine renders into the
-    prompt it prefills (``tools_tokens``)."""
-    return max(1, len(text) // CHARS_PER_TOKEN) + (tools_tokens(tools) if tools else 0)
 
 
 def output_as_input(output: Any) -> list[Any]:
@@ -255,5 +248,5 @@ def with_history(ireq: InferenceRequest, history: list[Any]) -> list[Any]:
     ireq.data = data
     ireq.body = body_bytes(data, ireq.body)
     ireq.prompt_text = prompt_text(data)
-    ireq.prompt_tokens_est = _estimate(ireq.prompt_text, data.get("tools"))
+    ireq.prompt_tokens_est = text_and_tools_tokens(ireq.prompt_text, data.get("tools"))
     return full
