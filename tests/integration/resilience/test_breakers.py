@@ -437,6 +437,18 @@ async def test_a_trial_whose_client_leaves_before_the_engine_answers_gives_its_s
     assert await wait_for(closed, timeout=10)
 
 
+async def _held_then_cancelled(gw, ep, fault: str, held) -> bool:
+    """A request sent with the simulator's ``fault`` (its prefill held), cancelled once ``held()``:
+    whether the half-open ``ep`` took it (it was out of routing meanwhile)."""
+    req = asyncio.create_task(post(gw.url, body(), headers={"x-sim-fault": fault}))
+    await until(held)
+    took = not ep.ready
+    req.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await req
+    return took
+
+
 async def _chats(url: str) -> int:
     return sum(1 for e in (await sim_state(url))["received"] if e["path"].endswith("/chat/completions"))
 
@@ -475,13 +487,7 @@ async def test_a_pd_requests_half_open_decode_whose_prefill_never_handed_over_gi
                 break
         else:
             seen = await _chats(p.url)
-            req = asyncio.create_task(post(gw.url, body(), headers={"x-sim-fault": fault}))
-            await until(lambda s=seen: _chats_since(p.url, s))     # the prefill holds it
-            took = not ep.ready
-            req.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await req
-            if took:
+            if await _held_then_cancelled(gw, ep, fault, lambda s=seen: _chats_since(p.url, s)):  # the prefill holds it
                 break
     else:
         raise AssertionError("no pair named the half-open decode")
@@ -521,13 +527,8 @@ async def test_a_half_open_prefill_whose_client_leaves_while_it_runs_gives_its_t
     assert await wait_for(lambda: ep.ready, timeout=10)   # half-open, its trials at once
     for _ in range(4):
         seen = await _chats(sick.url) + await _chats(good.url)
-        req = asyncio.create_task(post(gw.url, body(), headers={"x-sim-fault": "prefill.hang=inf"}))
-        await until(lambda s=seen: _prefills_since([sick.url, good.url], s))     # a prefill holds it
-        took = not ep.ready
-        req.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await req
-        if took:
+        if await _held_then_cancelled(gw, ep, "prefill.hang=inf",
+                                      lambda s=seen: _prefills_since([sick.url, good.url], s)):   # a prefill holds it
             break
     else:
         raise AssertionError("no pair named the half-open prefill")
