@@ -614,6 +614,50 @@ async def test_a_sighup_that_comes_while_the_parent_applies_another_waits_for_it
     assert json.loads(out) == ["begin", "end", "begin", "end"]
 
 
+PROMPT_STOP_SCRIPT = r"""
+import json, signal, sys, time
+from gateway.server import workers
+
+workers.WATCH_POLL_S = 60.0             # the parent's poll: far longer than the test waits
+
+def serve_one(index):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    while True:                         # until the stop the parent forwards ends it
+        time.sleep(1)
+
+def log(event, level="info", **fields):
+    print(json.dumps({"event": event, **fields}), flush=True)
+
+sys.exit(workers.run_workers(2, serve_one, log))
+"""
+
+
+@pytest.mark.timeout(30)
+async def test_the_parent_ends_when_its_last_worker_does_not_at_its_next_poll(tmp_path):
+    """A worker's end wakes the parent (its SIGCHLD): the stop is over as soon as the last worker
+    has stopped. With a poll of a minute, the parent still exits within the test's 15 s; it
+    noticed the workers' ends only at its next poll, a minute later."""
+    script = tmp_path / "stop.py"
+    script.write_text(PROMPT_STOP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])}
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(script), stdout=asyncio.subprocess.PIPE, env=env)
+    try:
+        async with asyncio.timeout(15):
+            assert proc.stdout is not None
+            while json.loads(await proc.stdout.readline())["event"] != "workers started":
+                pass
+            await asyncio.sleep(0.3)    # the parent is in its pause
+            proc.send_signal(signal.SIGTERM)
+            out = await proc.stdout.read()
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    stopped = [json.loads(line) for line in out.splitlines()]
+    assert [e["event"] for e in stopped] == ["worker stopped", "worker stopped"]
+
+
 @pytest.mark.timeout(90)
 async def test_a_worker_whose_restarts_failed_a_while_does_not_make_a_clean_stop_fail(sims, tmp_path):
     """A worker killed while few more files can be opened (RLIMIT_NOFILE a few descriptors above
