@@ -50,6 +50,20 @@ HELD_AT_FORK = {signal.SIGHUP, signal.SIGTERM, signal.SIGINT}   # the signals th
 STOPS = {signal.SIGTERM, signal.SIGINT}     # held back in a worker from its fork until it handles them
 RESTART_BACKOFF_MAX_S = 30.0    # a worker whose start-ups keep failing: 1, 2, 4, ... s, at most this
 WATCH_POLL_S = 0.25         # how often the parent looks for ended or stalled workers and due restarts
+# a worker's end wakes the parent at once (its SIGCHLD, held back and waited for, ends the poll's
+# pause) rather than at the next poll: a stop ends as soon as its last worker has, and a crashed
+# worker's restart is counted from its end. Where the platform has no sigtimedwait (macOS), the
+# pause is a plain sleep.
+_WAKE = {signal.SIGCHLD}
+_SIGTIMEDWAIT = getattr(signal, "sigtimedwait", None)
+
+
+def _pause(seconds: float) -> None:
+    """Until a child ends (its SIGCHLD, held back by the caller), or ``seconds`` at most."""
+    if _SIGTIMEDWAIT is None:
+        time.sleep(seconds)
+    else:
+        _SIGTIMEDWAIT(_WAKE, seconds)
 WORKER_MEMORY_BYTES = 256 * 1024 * 1024    # auto: the cgroup's memory limit leaves each worker this much
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -248,6 +262,8 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
             if pid != 0:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
         if pid == 0:  # the worker
+            if _SIGTIMEDWAIT is not None:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, _WAKE)    # held back for the parent's pause only
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             hup.hold()          # noted until the worker's loop handles it, then a reload (gateway/server/hup.py)
@@ -328,6 +344,10 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_AT_FORK)
     if hup.take():              # one came while the gateway started: the workers start on the new file
         reload(signal.SIGHUP, None)
+    if _SIGTIMEDWAIT is not None:
+        # from before the first fork: a worker that ends between a poll and the pause after it
+        # leaves its SIGCHLD pending, and the pause returns at once
+        signal.pthread_sigmask(signal.SIG_BLOCK, _WAKE)
     for i in range(n):
         spawn(i)
     log("workers started", "info", count=n, pids=sorted(children))
@@ -355,7 +375,7 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
                     del pending[index]
                     spawn(index)
             if children or pending:
-                time.sleep(WATCH_POLL_S)
+                _pause(WATCH_POLL_S)
             continue
         index = children.pop(pid, None)
         reason, ticked = watchdog.gone(pid) if watchdog is not None else ("exited", True)
@@ -391,6 +411,8 @@ def run_workers(n: int, serve_one: Callable[[int], int], log: Callable[..., None
     # every worker has stopped: a reload now has nothing to reach, and the interpreter's exit puts
     # SIGHUP's default action back in place of the handler (it would end the gateway with 129)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    if _SIGTIMEDWAIT is not None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _WAKE)
     return worst
 
 
