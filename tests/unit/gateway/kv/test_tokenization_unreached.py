@@ -38,7 +38,9 @@ def _ids(tok, messages):
 @given(st.lists(st.sampled_from(WORDS + ["ünï", "🎉", "a,b", "x.", "  ", "\t", "42"]), min_size=40, max_size=300),
        st.integers(1, 40))
 def test_a_probe_is_the_start_of_the_whole_segments_ids(words, need):
-    tok = ModelTokenizer(TINY_DIR)
+    tok = TOK                                   # as a new one: no probe kept, no ratio learnt
+    tok._probes.clear()
+    tok._seen_chars = tok._seen_tokens = 0
     seg = " ".join(words)
     probe = tok._probe(seg, need)
     whole = tok.tokenizer.encode(seg, add_special_tokens=False).ids
