@@ -83,7 +83,7 @@ async def test_a_batch_of_two_workers_stopped_with_lines_in_flight_resumes_and_a
                    .replace("shutdown_grace_s: 2", "shutdown_grace_s: 1"))
     c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
-        f = await c.files.create(file=("in.jsonl", jsonl(rows(12, max_tokens=150))), purpose="batch")
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(8, max_tokens=100))), purpose="batch")
         b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
 
         async def running() -> bool:
@@ -96,10 +96,10 @@ async def test_a_batch_of_two_workers_stopped_with_lines_in_flight_resumes_and_a
     async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
         done = await run_to_end(c, b.id)
         counts = done.request_counts
-        assert (done.status, counts.total, counts.completed, counts.failed) == ("completed", 12, 12, 0), done
+        assert (done.status, counts.total, counts.completed, counts.failed) == ("completed", 8, 8, 0), done
         assert done.error_file_id is None
         out = [orjson.loads(x) for x in (await c.files.content(done.output_file_id)).content.splitlines()]
-        assert [o["custom_id"] for o in out] == [f"line-{i}" for i in range(12)]
+        assert [o["custom_id"] for o in out] == [f"line-{i}" for i in range(8)]
         assert [f.id for f in (await c.files.list(purpose="batch_output")).data] == [done.output_file_id]
         for page in (await per_worker(port, 2)).values():
             assert metric_total(page, "switchyard_batch_lines_in_flight") == 0

@@ -8,7 +8,7 @@ from bench import floor
 
 
 def test_every_step_answers_and_is_measured(capsys):
-    assert floor.main(["--steps", "floor,record,log,admit,upstream,forward,full", "--rounds", "1", "--duration", "0.5"]) == 0
+    assert floor.main(["--steps", "floor,record,log,admit,upstream,forward,full", "--rounds", "1", "--duration", "0.25"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "µs (" in line]
     assert [r.split(" | ")[0].lstrip("| ") for r in rows] == ["floor", "record", "log", "admit", "upstream", "forward", "full"]
     for r in rows:
