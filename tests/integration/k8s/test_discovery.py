@@ -210,32 +210,45 @@ async def test_a_watch_event_whose_object_is_not_a_pod_relists_and_keeps_the_poo
 
 @pytest.mark.parametrize("item", [None, {}, {"metadata": {"namespace": "llm"}}, "garbage", {"metadata": "x"}],
                          ids=["null", "empty", "no-name", "string", "metadata-string"])
-async def test_a_list_with_an_item_that_is_not_a_pod_keeps_the_pool_and_is_retried(emu, discover, item):
-    """A list whose items hold one that names no pod is not the whole truth the pool is reconciled
-    with: it fails as a list not understood (counted, logged, retried with the backoff), the pool
-    keeps the pods it had, no pod of no name is made up, and the next good list is taken."""
+async def test_a_list_item_that_is_not_a_pod_is_skipped_alone(emu, discover, item):
+    """A list whose items hold one that names no pod (a proxy that adds one to every list) takes
+    the others: the namespace is listed and watched, its pods join, the item is counted among the
+    skipped and logged once however many lists bring it. A pod such a list lacks may be the one the
+    item stood for: it stays until a list that is whole (or its watch event) says it is gone."""
     import structlog
 
     reg = CollectorRegistry()
     emu.create_pod("llm", "a", {M: "llama"})
     emu.create_pod("llm", "b", {M: "llama"})
-    d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=0)
-    await until(lambda: len(emu.watchers) == 1)
     emu.list_extra_items = [item]
     with structlog.testing.capture_logs() as logs:
+        d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=0)
+        assert names(pool, "llama", ready_only=True) == {"a", "b"}
+        emu.create_pod("llm", "c", {M: "llama"})                # the watch runs
+        await until(lambda: names(pool) == {"a", "b", "c"})
+        emu.partition()
+        emu.delete_pod("llm", "b")          # its DELETED event is lost; the next list has the item
+        emu.heal()
         emu.break_watches()
-        await until(lambda: samples(reg, "switchyard_kubernetes_requests_total")[("error", "list")] >= 2)
-    assert names(pool, "llama", ready_only=True) == {"a", "b"}
+        await until(lambda: d.stats["lists"] == 2 and len(emu.watchers) == 1)
+    assert names(pool) == {"a", "b", "c"}
+    requests = samples(reg, "switchyard_kubernetes_requests_total")
+    assert requests[("ok", "list")] == 2 and requests[("error", "list")] == 0
+    assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 1}
     st = d.status()
-    assert st["skipped"] == [] and st["pods"] == {"routable": 2, "not_routable": 0, "skipped": 0}
-    assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 0}
-    err = st["watches"][0]["last_error"]
-    assert (err["verb"], err["result"]) == ("list", "error") and "not a pod" in err["message"]
-    assert any(e["event"] == "kubernetes list/watch failed; relisting" and "not a pod" in e["error"] for e in logs)
+    assert st["pods"] == {"routable": 3, "not_routable": 0, "skipped": 1}
+    [skipped] = st["skipped"]
+    assert skipped["pod"] == "llm/?" and "not a pod" in skipped["reason"]
+    assert st["watches"][0]["last_error"]["verb"] == "watch"            # the broken watch, no failed list
+    noted = [e for e in logs if e["event"] == "kubernetes list item is not a pod; skipped"]
+    assert len(noted) == 1 and noted[0]["namespace"] == "llm" and noted[0]["log_level"] == "warning"
+    assert not any(e["event"] == "kubernetes list/watch failed; relisting" and "not a pod" in e.get("error", "")
+                   for e in logs)
+    # a whole list again: the pod it lacks is gone, and nothing is skipped
     emu.list_extra_items = []
-    emu.delete_pod("llm", "b")
-    await until(lambda: names(pool) == {"a"})
-    await until(lambda: len(emu.watchers) == 1)
+    emu.break_watches()
+    await until(lambda: names(pool) == {"a", "c"})
+    assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 0} and d.status()["skipped"] == []
 
 
 async def test_a_namespace_the_service_account_may_not_read_stops_no_other(emu, discover):
