@@ -14,8 +14,8 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    a FIN or RST says nothing until the request's own timeout, minutes later);
 3. **relist** when the watch says 410 Gone (the resourceVersion was compacted away), when the
    connection breaks, the API errs or a watch event's object names no pod (after a capped
-   exponential backoff; a list with an item that names no pod is a failed list, the pool kept as
-   it was), and every
+   exponential backoff; a list's item that names no pod is skipped alone, and the pods such a list
+   lacks are kept until a whole list says they are gone), and every
    ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
    swallowed it, a bug), and the periodic full relist is what keeps a deleted pod from staying in
    rotation for hours.
@@ -131,6 +131,7 @@ class KubernetesDiscovery:
         self.synced = asyncio.Event()            # every scope has completed its first list
         self._tracked: dict[str, _Tracked] = {}
         self._skipped: dict[str, str] = {}
+        self._unreadable: dict[str | None, list[str]] = {}  # per scope, its last list's items that name no pod
         self._scope_keys: dict[str | None, set[str]] = {s: set() for s in self.scopes}
         self._listed: set[str | None] = set()
         self._heard: dict[str | None, float] = {}  # per scope, the loop time of its watch's last line
@@ -210,7 +211,11 @@ class KubernetesDiscovery:
         """The pods held, by (model, routable or not_routable), and how many are skipped."""
         counts: Counter[tuple[str, str]] = Counter(
             (t.view.model, "routable" if t.view.routable else "not_routable") for t in self._tracked.values())
-        return dict(counts), len(self._skipped)
+        return dict(counts), self._skipped_count()
+
+    def _skipped_count(self) -> int:
+        """The selected pods not routed to at all: those skipped, and the list items that name no pod."""
+        return len(self._skipped) + sum(map(len, self._unreadable.values()))
 
     def status(self) -> dict[str, Any]:
         """This discovery as the status page shows it (JSON-ready): its pods (those not routable
@@ -224,6 +229,9 @@ class KubernetesDiscovery:
                 routable += 1
             else:
                 unready.append((key, t.view.model, t.view.not_routable_reason))
+        skipped = heapq.nsmallest(MAX_LISTED, self._skipped.items())
+        skipped += [(f"{scope or '*'}/?", f"list item that is not a pod: {text}")
+                    for scope, texts in self._unreadable.items() for text in texts][:MAX_LISTED - len(skipped)]
         sync = self.metrics.last_sync
         watches = []
         for scope, w in self.watch_states.items():
@@ -234,9 +242,9 @@ class KubernetesDiscovery:
                             "last_sync": None if heard is None else round(heard, 3),
                             "last_error": None if err is None else {"verb": err[0], "result": err[1], "message": err[2],
                                                                     "time": round(err[3], 3)}})
-        return {"pods": {"routable": routable, "not_routable": len(unready), "skipped": len(self._skipped)},
+        return {"pods": {"routable": routable, "not_routable": len(unready), "skipped": self._skipped_count()},
                 "not_routable": [{"pod": k, "model": m, "reason": r} for k, m, r in heapq.nsmallest(MAX_LISTED, unready)],
-                "skipped": [{"pod": k, "reason": r} for k, r in heapq.nsmallest(MAX_LISTED, self._skipped.items())],
+                "skipped": [{"pod": k, "reason": r} for k, r in skipped],
                 "requests": self.metrics.counts(), "watches": watches}
 
     # -- the loop ----------------------------------------------------------------------------
@@ -332,18 +340,18 @@ class KubernetesDiscovery:
         items = data.get("items") if isinstance(data, dict) else ()
         if not isinstance(items, list | None):
             raise ApiError(0, f"list answer that is not a list of pods: {str(data)[:200]}")
-        items = items or []
-        for obj in items:
-            if not _names_a_pod(obj):
-                # the pool is reconciled with the whole truth or not at all: a pod this item stood
-                # for would be taken for one gone
-                raise ApiError(0, f"list item whose object is not a pod: {str(obj)[:200]}")
+        pods, unreadable = [], []
+        for obj in items or ():
+            (pods if _names_a_pod(obj) else unreadable).append(obj)
         md = data.get("metadata")
         rv = str((md.get("resourceVersion") if isinstance(md, dict) else None) or "")
         self.stats["lists"] += 1
         self.metrics.ended("list", "ok")
         self.metrics.heard(scope)
-        self._reconcile(scope, items)
+        self._note_unreadable(scope, unreadable)
+        # a list with an item that names no pod is not the whole truth: a pod the item stood for
+        # would be taken for one gone, so the pods it lacks stay until a whole list says so
+        self._reconcile(scope, pods, whole=not unreadable)
         if scope not in self._listed:
             self._listed.add(scope)
             if len(self._listed) == len(self.scopes):
@@ -433,16 +441,31 @@ class KubernetesDiscovery:
             self._skipped.pop(key, None)
             self._drop(key, "deleted")
 
-    def _reconcile(self, scope: str | None, items: list[Mapping[str, Any]]) -> None:
+    def _reconcile(self, scope: str | None, items: list[Mapping[str, Any]], whole: bool = True) -> None:
         seen: set[str] = set()
         for obj in items:
             key = pod_key(obj)
             seen.add(key)
             self._apply(key, obj)
+        if not whole:                   # the pods it lacks are kept, as they were
+            self._scope_keys[scope] |= seen
+            return
         for key in self._scope_keys[scope] - seen:
             self._skipped.pop(key, None)
             self._drop(key, "gone at relist")
         self._scope_keys[scope] = seen
+
+    def _note_unreadable(self, scope: str | None, items: list[Any]) -> None:
+        """The items of ``scope``'s last list that name no pod (skipped, each alone): counted among
+        the skipped pods and logged when they change, not at every list that brings them again."""
+        texts = [str(obj)[:200] for obj in items]
+        if texts and texts != self._unreadable.get(scope):
+            log.warning("kubernetes list item is not a pod; skipped", namespace=scope or "*", items=len(texts),
+                        item=texts[0])
+        if texts:
+            self._unreadable[scope] = texts
+        else:
+            self._unreadable.pop(scope, None)
 
     def _apply(self, key: str, obj: Mapping[str, Any]) -> None:
         try:

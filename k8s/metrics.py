@@ -11,7 +11,7 @@ server, and the pods it holds.
 - ``switchyard_kubernetes_pods{model, state}``: the pods in the pool by model, ``routable`` or
   ``not_routable`` (not ready, terminating); ``switchyard_kubernetes_pods_skipped``: the selected
   pods the gateway does not route to at all (an engine it does not know, a pod that is not a
-  leader, labels it cannot read).
+  leader, labels it cannot read), and the items of each namespace's last list that name no pod.
 
 The labels are bounded: two verbs, the results below, the namespaces of the config, and the models
 of the pods (as every per-model series is).
@@ -120,4 +120,5 @@ class _Gauges:
         yield pods
         yield GaugeMetricFamily("switchyard_kubernetes_pods_skipped",
                                 "Pods the label selector matches that discovery does not route to (an engine it "
-                                "does not know, not a group's leader, labels it cannot read)", value=skipped)
+                                "does not know, not a group's leader, labels it cannot read, a list item that names no pod)",
+                                value=skipped)
