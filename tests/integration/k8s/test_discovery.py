@@ -251,6 +251,25 @@ async def test_a_list_item_that_is_not_a_pod_is_skipped_alone(emu, discover, ite
     assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 0} and d.status()["skipped"] == []
 
 
+@pytest.mark.parametrize("ip", ["10.0.0.9:8000", "10.0.0.9/24", "fd00::9]"], ids=["with-port", "cidr", "bracket"])
+async def test_a_pod_whose_ip_is_not_an_address_is_skipped_alone(emu, discover, ip):
+    """A pod whose ``status.podIP`` is not an IP address (the API server checks it; a proxy or a
+    hand-made object need not) is skipped with why, in a list and in a watch event alike: the
+    namespace's other pods are listed and watched, and no endpoint is made of a URL that names some
+    other address."""
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "bad", {M: "llama"}, ip=ip)
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0)
+    assert names(pool) == {"a"}
+    emu.create_pod("llm", "bad-too", {M: "llama"}, ip=ip)
+    emu.create_pod("llm", "c", {M: "llama"})
+    await until(lambda: names(pool) == {"a", "c"})
+    st = d.status()
+    assert [s["pod"] for s in st["skipped"]] == ["llm/bad", "llm/bad-too"]
+    assert all("not an IP address" in s["reason"] for s in st["skipped"])
+    assert (d.stats["lists"], d.stats["errors"]) == (1, 0)
+
+
 async def test_a_namespace_the_service_account_may_not_read_stops_no_other(emu, discover):
     """RBAC refuses one watched namespace (403, no RoleBinding there): the other is listed, watched
     and served; the refused one is retried with the backoff, shown on the status page with its

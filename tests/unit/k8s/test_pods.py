@@ -64,6 +64,10 @@ def test_ipv6_pod_ip_is_bracketed():
     (pod(labels={**M, "stormservice.orchestration.aibrix.ai/pod-group-index": "1"}), "pod-group-index"),
     (pod(labels={**M, "ray.io/node-type": "worker"}), "Ray worker"),
     (pod(labels=M, ip=None), "no pod IP"),
+    (pod(labels=M, ip="10.0.0.7:8000"), "not an IP address"),
+    (pod(labels=M, ip="10.0.0.7/24"), "not an IP address"),
+    (pod(labels=M, ip="fd00::7]"), "not an IP address"),
+    (pod(labels=M, ip=167772167), "not an IP address"),
     (pod(labels=M, phase="Succeeded"), "phase Succeeded"),
     (pod(labels=M, annotations={"model.aibrix.ai/config": "{not json"}), "not JSON"),
 ])
