@@ -12,6 +12,7 @@ are AIBrix's (``aibrix-gateway.md`` §3.1, §8), with two deliberate differences
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -93,6 +94,16 @@ def is_routable(pod: Mapping[str, Any]) -> tuple[bool, str]:
     return False, "not ready"
 
 
+def _is_address(value: Any) -> bool:
+    """Whether a pod's ``status.podIP`` is an IPv4 or IPv6 address (the endpoint's URL is made of it:
+    one with a port, a prefix length or a bracket would name some other address, or none)."""
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return isinstance(value, str)
+
+
 def _port(value: Any, what: str) -> int:
     try:
         port = int(str(value).strip())
@@ -171,6 +182,8 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
     ip = status.get("podIP")
     if not ip:
         return Skipped(key, "no pod IP yet")
+    if not _is_address(ip):
+        return Skipped(key, f"pod IP {str(ip)[:60]!r} is not an IP address")
     if status.get("phase") in ("Succeeded", "Failed"):
         return Skipped(key, f"phase {status.get('phase')}")
 
