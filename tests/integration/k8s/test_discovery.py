@@ -270,6 +270,20 @@ async def test_a_pod_whose_ip_is_not_an_address_is_skipped_alone(emu, discover, 
     assert (d.stats["lists"], d.stats["errors"]) == (1, 0)
 
 
+async def test_a_pod_whose_model_label_is_not_a_string_is_skipped_and_the_metrics_still_render(emu, discover):
+    """A pod whose model label is a number (labels are strings on the API server; an object a
+    proxy made up need not hold them) is skipped with why: it was a model 7, whose pod count's
+    ``model`` label made every scrape of the gateway's /metrics fail."""
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "bad", {M: "x"})
+    emu.update_pod("llm", "bad", lambda p: p["metadata"]["labels"].__setitem__(M, 7))
+    d, pool = await discover(namespaces=["llm"], registry=reg)
+    assert names(pool) == {"a"} and pool.models() == ["llama"]
+    assert samples(reg, "switchyard_kubernetes_pods") == {("llama", "routable"): 1}
+    assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 1}
+
+
 async def test_a_namespace_the_service_account_may_not_read_stops_no_other(emu, discover):
     """RBAC refuses one watched namespace (403, no RoleBinding there): the other is listed, watched
     and served; the refused one is retried with the backoff, shown on the status page with its

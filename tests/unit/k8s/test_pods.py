@@ -76,6 +76,23 @@ def test_pods_that_are_not_used_say_why(p, reason):
     assert isinstance(v, Skipped) and reason in v.reason
 
 
+@pytest.mark.parametrize("p", [
+    pod(labels={"model.aibrix.ai/name": 7}),
+    pod(labels=M, annotations={"model.aibrix.ai/name": ["llama"]}),
+    pod(labels={**M, "model.aibrix.ai/port": 8000}),
+    pod(labels={**M, "role-name": None}),
+    pod(labels={**M, 7: "x"}),
+    pod(labels=["model.aibrix.ai/name"]),
+    pod(labels=M, annotations="model.aibrix.ai/name=llama"),
+], ids=["model-int", "model-annotation-list", "port-int", "value-null", "key-int", "labels-list", "annotations-string"])
+def test_labels_and_annotations_that_do_not_map_strings_to_strings_skip_the_pod(p):
+    """The API server's labels and annotations map strings to strings; a pod whose do not (an
+    object a proxy made up) is skipped with why, rather than giving its model a name that is not
+    a string (a model id 7 in /v1/models, a metric label /metrics cannot write)."""
+    v = map_pod(p)
+    assert isinstance(v, Skipped) and "must map strings to strings" in v.reason
+
+
 @pytest.mark.parametrize("p,routable,reason", [
     (pod(labels=M), True, ""),
     (pod(labels=M, ready=False), False, "not ready"),
