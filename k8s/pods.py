@@ -94,6 +94,11 @@ def is_routable(pod: Mapping[str, Any]) -> tuple[bool, str]:
     return False, "not ready"
 
 
+def _strings(values: Any) -> bool:
+    """Whether ``values`` (a pod's labels or annotations) maps strings to strings."""
+    return isinstance(values, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in values.items())
+
+
 def _is_address(value: Any) -> bool:
     """Whether a pod's ``status.podIP`` is an IPv4 or IPv6 address (the endpoint's URL is made of it:
     one with a port, a prefix length or a bracket would name some other address, or none)."""
@@ -171,6 +176,11 @@ def map_pod(pod: Mapping[str, Any], models: Mapping[str, ModelConfig] | None = N
     annotations: Mapping[str, str] = md.get("annotations") or {}
     key = pod_key(pod)
     name = md.get("name") or ""
+    for what, values in (("labels", labels), ("annotations", annotations)):
+        if not _strings(values):
+            # the API server's always do: a model or a port read from anything else would be
+            # a model id, a metric label or a URL that is not a string
+            return Skipped(key, f"its {what} must map strings to strings")
 
     model = annotations.get(ANNO_MODEL) or labels.get(LABEL_MODEL)
     if not model:
