@@ -280,6 +280,35 @@ async def test_sessions_carry_over_a_reload_that_changes_the_routing_settings(si
     assert metric(await gw.metrics_text(), "switchyard_routing_session_total", model="m", outcome="kept") == 6
 
 
+async def test_sessions_and_prefixes_stay_on_an_engine_whose_endpoint_settings_a_reload_changed(sims, gateway, tmp_path):
+    """An endpoint the new file declares with other settings (its ``max_prompt_tokens`` here) is a new
+    endpoint of the pool, but the same engine at the same URL, still holding the conversations: the
+    sessions and the prefix index's entries on it go to the endpoint that takes its place."""
+    sims_ = [await sims("vllm", "m") for _ in range(4)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_])], routing={"strategy": "prefix-cache"})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+    long_prompt = [{"role": "user", "content": "A question long enough to be indexed. " * 40}]
+
+    async def turn(key: str | None) -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT if key else long_prompt, max_tokens=1,
+            extra_headers={"x-session-key": key} if key else None)
+        return raw.headers["target-pod"]
+
+    before = {key: await turn(key) for key in ("a", "b", "c", "d", "e", "f")}
+    indexed = await turn(None)
+    f.write(models=[model_block("m", "vllm", [{"url": s.url, "max_prompt_tokens": 100_000} for s in sims_])])
+    result = f.reloader.reload("test")
+    assert result.result == "ok" and len(result.removed) == len(result.added) == 4
+    assert {key: await turn(key) for key in before} == before
+    assert await turn(None) == indexed
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_routing_session_total", model="m", outcome="kept") == 6
+    assert metric(text, "switchyard_routing_session_total", model="m", outcome="gone") == 0
+    assert metric(text, "switchyard_routing_fallbacks_total", strategy="prefix-cache", reason="no_match") == 1
+
+
 async def test_fallbacks_reach_the_decisions_after_a_reload_that_keeps_the_routing_state(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url], strategy="vtc-basic")])
