@@ -177,6 +177,10 @@ class EndpointPool:
         # told of each endpoint that left the pool (pods come and go for months): the state kept
         # per endpoint elsewhere (its circuit breaker) is dropped then, not kept for ever
         self.removal_listeners: list[Callable[[Endpoint], None]] = []
+        # told, after its removal, of an endpoint a reload declared again at the same URL with other
+        # settings, as (the one that left, the one in its place): a new endpoint of the pool, but the
+        # same engine, still holding its conversations (the routing view keeps them on it)
+        self.replacement_listeners: list[Callable[[Endpoint, Endpoint], None]] = []
         # and the endpoints taken out, with the monotonic time they were, until their metric series
         # go too, later (gateway/observability/metrics.py ``RetiredSeries``)
         self.retired: list[tuple[Endpoint, float]] = []
@@ -201,6 +205,11 @@ class EndpointPool:
             self.retired.append((ep, time.monotonic()))
             for listener in self.removal_listeners:
                 listener(ep)
+
+    def replaced(self, old: Endpoint, new: Endpoint) -> None:
+        """``new`` (added) takes the place of ``old`` (removed): the same engine under other settings."""
+        for listener in self.replacement_listeners:
+            listener(old, new)
 
     def live_names(self, model: str) -> set[str]:
         return {ep.name for ep in self._by_model.get(model, ())}

@@ -396,6 +396,15 @@ class PrefixIndex:
                 if not held:
                     del blocks[k]
 
+    def rebind(self, old: Endpoint, new: Endpoint) -> None:
+        """``old``'s entries are ``new``'s (a reload declared ``old``'s engine again with other
+        settings, and it still holds its cache); nothing when ``new`` has entries of its own. O(1)."""
+        if new in self._slots or old not in self._slots:
+            return
+        self._slots[new] = self._slots.pop(old)
+        if old in self._cleared:
+            self._cleared[new] = self._cleared.pop(old)
+
     # -- introspection ---------------------------------------------------------------------------
 
     def __len__(self) -> int:

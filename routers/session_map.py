@@ -160,6 +160,16 @@ class SessionMap:
             del self._d[k]
         return len(gone)
 
+    def rebind(self, old: Endpoint, new: Endpoint) -> int:
+        """The sessions (and lineage) of ``old`` are ``new``'s, unchanged otherwise (a reload declared
+        ``old``'s engine again with other settings). Returns how many. O(size)."""
+        n = 0
+        for e in self._d.values():
+            if e.ep is old:
+                e.ep = new
+                n += 1
+        return n
+
     def keys(self) -> list[str]:
         """The map's keys as they are now, a copy (one list of the keys themselves: nothing new for
         the collector to track), for ``export`` to read in parts while the map goes on changing."""

@@ -122,8 +122,14 @@ def sync_pool(pool: EndpointPool, config: Config) -> tuple[list[Endpoint], list[
         else:
             added.append(pool.add(ep))
     removed = [ep for eps in have.values() for ep in eps]
+    # one declared again at its URL with other settings (its max_prompt_tokens, say) is the same
+    # engine: what routing knows of the conversations it holds goes to the endpoint in its place
+    successors = {(ep.model, ep.url): ep for ep in added}
     for ep in removed:
         pool.remove(ep)         # drains: requests on it finish and release their leases on it
+        successor = successors.get((ep.model, ep.url))
+        if successor is not None:
+            pool.replaced(ep, successor)
     return added, removed
 
 

@@ -228,6 +228,7 @@ class RoutingView:
         self._keys: dict[Endpoint, str] = {}              # endpoint → its key (identity map)
         self._by_key: dict[str, Endpoint] = {}
         pool.removal_listeners.append(self._forget)       # pods come and go: nothing kept of a gone one
+        pool.replacement_listeners.append(self._replaced)  # but an engine declared anew keeps its conversations
         self._resolved_at = -1e9
         self._peers: dict[str, tuple[dict[str, int], float]] = {}   # sibling → (counts, heard at)
         # when this worker will have listened to its siblings for peer_ttl_s (their in-flight
@@ -486,6 +487,17 @@ class RoutingView:
         if not any(endpoint_key(e) == k for e in self.pool.endpoints(ep.model)):   # not back under its key
             for kind in ("probe", "scrape", "models"):
                 self._heard_watcher.pop((kind, k), None)
+
+    def _replaced(self, old: Endpoint, new: Endpoint) -> None:
+        """A reload declared ``old``'s engine again at its URL with other settings, as ``new``: the
+        engine still holds its conversations, so its sessions (the Responses lineage with them) and
+        its prefix-index entries are ``new``'s. Nothing is sent: the other processes name it by its
+        key, which has not changed (each worker reloads too)."""
+        moved = self.sessions.rebind(old, new)
+        if self._index is not None:
+            self._index.rebind(old, new)
+        log.info("shared routing view: an endpoint declared anew keeps its engine's sessions", endpoint=new.name,
+                 model=new.model, sessions=moved)
 
     def engine_restarted(self, ep: Endpoint) -> None:
         """``ep``'s engine restarted (the monitor saw its start time change) and its cache is gone:
