@@ -308,6 +308,28 @@ async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_
     assert abr.on_change is None and bbr.on_change is None
 
 
+async def test_a_siblings_session_reaches_the_endpoint_a_reload_declared_anew_in_its_place():
+    """A reload declares the endpoints again with other settings (new endpoints of the pool, the same
+    engines): a session a sibling records right after it is this worker's on the endpoint in the old
+    one's place, not on the one that left, where its next turn would count it gone."""
+    from gateway.server.reload import sync_pool
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
+    (a, actx, apool), (b, bctx, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    async with _running(d, a, b):
+        ea = apool.endpoints("m")
+        actx.sessions.put("m\0s:first", ea[0])
+        await until(lambda: bctx.sessions.get("m\0s:first") is not None)
+        changed = config_from_dict({"models": [{"name": "m", "engine": "vllm", "endpoints": [
+            {"url": u, "max_prompt_tokens": 100_000} for u in URLS]}], "routing": {"prefix_block_chars": 8},
+            "view": {"heartbeat_s": 0.05, "peer_ttl_s": 0.2, "load_interval_s": 0.01}}, source="<t>")
+        added, removed = sync_pool(bpool, changed)
+        assert len(added) == len(removed) == 2 and bctx.sessions.get("m\0s:first") is bpool.endpoints("m")[0]
+        actx.sessions.put("m\0s:second", ea[1])
+        await until(lambda: bctx.sessions.get("m\0s:second") is not None)
+        assert bctx.sessions.get("m\0s:second") is bpool.endpoints("m")[1]
+
+
 def test_an_endpoint_that_left_the_pool_is_not_kept_by_the_view():
     """Pods come and go for months: the view's endpoint keys and watcher times of a gone one go
     with it, and a request still on it when it left does not bring its key back."""
