@@ -717,6 +717,9 @@ class RoutingView:
 
     def _resolve(self, key: str) -> Endpoint | None:
         ep = self._by_key.get(key)
+        if ep is not None and ep.removed:      # it left the pool since: perhaps declared anew under its key
+            self._resolved_at = -1e9
+            ep = None
         now = time.monotonic()
         if now - self._resolved_at >= _RESOLVE_EVERY_S or (ep is None and now - self._resolved_at >= 0.05):
             self._by_key = {endpoint_key(e): e for e in self.pool.endpoints()}
