@@ -309,6 +309,34 @@ async def test_sessions_and_prefixes_stay_on_an_engine_whose_endpoint_settings_a
     assert metric(text, "switchyard_routing_fallbacks_total", strategy="prefix-cache", reason="no_match") == 1
 
 
+async def test_slo_keeps_what_it_learnt_of_an_engine_whose_endpoint_settings_a_reload_changed(sims, gateway, tmp_path):
+    """The latency models are the engine's: an endpoint declared again with other settings keeps them,
+    so a request with objectives is routed on its predictions at once, not as if nothing were known."""
+    sims_ = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_], strategy="slo")],
+                       routing={"slo_min_samples": 2, "slo_exploration": 0.0})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+
+    async def stream(**headers: str) -> None:
+        chunks = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=3, stream=True,
+                                                      extra_headers=headers)
+        async for _ in chunks:
+            pass
+
+    for _ in range(4):
+        await stream(**{"routing-strategy": "round-robin"})
+    await until(lambda: all(f.reloader.live.routing.ctx.latency.samples(ep)[0] >= 2
+                            for ep in gw.gw.pool.endpoints("m")))
+    f.write(models=[model_block("m", "vllm", [{"url": s.url, "max_prompt_tokens": 100_000} for s in sims_],
+                                strategy="slo")])
+    assert f.reloader.reload("test").result == "ok"
+    await stream(**{"x-slo-ttft-ms": "600000"})      # feasible on whatever two samples predict
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_slo_routing_decisions_total", model="m", reason="slo_feasible") == 1
+    assert metric(text, "switchyard_slo_routing_decisions_total", model="m", reason="slo_no_model") == 0
+
+
 async def test_fallbacks_reach_the_decisions_after_a_reload_that_keeps_the_routing_state(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url], strategy="vtc-basic")])
