@@ -307,6 +307,14 @@ class LatencyModel:
         return {"ttft": dict(zip(TTFT_FEATURES, m.ttft.w, strict=True)),
                 "tpot": dict(zip(TPOT_FEATURES, m.tpot.w, strict=True))}
 
+    def rebind(self, old: Endpoint, new: Endpoint) -> None:
+        """What was learnt of ``old`` is ``new``'s (a reload declared ``old``'s engine again with
+        other settings: the same engine); nothing when ``new`` has a model of its own."""
+        if old in self._models and new not in self._models:
+            self._models[new] = self._models.pop(old)
+        if old in self._batch and new not in self._batch:
+            self._batch[new] = self._batch.pop(old)
+
     def forget(self, ep: Endpoint) -> None:
         self._models.pop(ep, None)
         self._batch.pop(ep, None)

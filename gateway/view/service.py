@@ -113,6 +113,7 @@ from gateway.view.wire import (
     view_parts,
 )
 from routers.base import Decision, RouterContext
+from routers.latency import LatencyModel
 from routers.prefix_index import PrefixIndex
 from routers.session_map import RESPONSE, SessionMap
 
@@ -203,6 +204,7 @@ class RoutingView:
             self.link = ReplicaLink(st, cfg, self.sender, skip, self._on_stream, self.m)
         self.shared = self.bus is not None or self.link is not None
         self._index: PrefixIndex | None = None
+        self._latency: LatencyModel | None = None   # the routing context's latency models (slo), kept per engine
         self._kv: Any = None                 # the KV-events manager whose tokenizers are shared
         self.share_tokens = self.bus is not None and cfg.share_tokens
         self._tokens: list[Tokens] = []
@@ -269,6 +271,7 @@ class RoutingView:
         if self._index is not None and self._index is not ctx.prefix_index:
             self._index.on_insert = None
         self._index = ctx.prefix_index
+        self._latency = ctx.latency
         if self._loop is not None and self.shared:
             self._index.on_insert = self._on_insert
         kv = ctx.precise_index if hasattr(ctx.precise_index, "on_tokens") else None
@@ -491,11 +494,14 @@ class RoutingView:
     def _replaced(self, old: Endpoint, new: Endpoint) -> None:
         """A reload declared ``old``'s engine again at its URL with other settings, as ``new``: the
         engine still holds its conversations, so its sessions (the Responses lineage with them) and
-        its prefix-index entries are ``new``'s. Nothing is sent: the other processes name it by its
-        key, which has not changed (each worker reloads too)."""
+        its prefix-index entries are ``new``'s, and so are the latency models learnt of it (``slo``).
+        Nothing is sent: the other processes name it by its key, which has not changed (each worker
+        reloads too)."""
         moved = self.sessions.rebind(old, new)
         if self._index is not None:
             self._index.rebind(old, new)
+        if self._latency is not None:
+            self._latency.rebind(old, new)
         log.info("shared routing view: an endpoint declared anew keeps its engine's sessions", endpoint=new.name,
                  model=new.model, sessions=moved)
 
