@@ -532,6 +532,35 @@ def test_replica_facts_from_before_an_engine_started_are_dropped_when_its_start_
     assert before_start() == 4
 
 
+def test_replica_facts_older_than_their_ttl_are_not_taken():
+    """The stream's retained tail (what a replica reads at start) and a backlog sent after an outage
+    hold facts of any age: a session not seen for ``routing.session_ttl_s``, or a prefix untouched for
+    ``routing.prefix_idle_ttl_s``, is forgotten by every process that recorded it, and one that
+    starts does not take it back as if new (counted ``expired``); younger ones are taken."""
+    import time
+
+    from prometheus_client import generate_latest
+
+    from gateway.view.service import endpoint_key
+    from gateway.view.wire import Insert, Session, encode
+
+    view, ctx, ep, other, _ = _replica_view(monitor=False)
+    req = inference_request("You are a helpful switchyard assistant. " * 2)
+    keys = ctx.prefix_index.keys(req)
+    now = time.time()
+    old, recent = now - 3 * 3600, now - 60          # the defaults: sessions 30 min, prefixes 20 min
+    for sent, e, name in ((old, ep, "old"), (recent, other, "recent")):
+        for payload in encode("other/0", sent, [Insert(endpoint_key(e), keys)],
+                              [Session(name, endpoint_key(e), None, sent)], None, 1 << 20):
+            view._on_stream(payload, False)
+    assert view.sessions.get("old") is None and view.sessions.get("recent") is other
+    assert {e for e, pct in ctx.prefix_index.match(req, [ep, other]).items() if pct} == {other}
+    page = generate_latest(view.m.gm.registry).decode()
+    assert metric_total(page, "switchyard_view_facts_applied_total", source="replica", kind="expired") == 2
+    assert metric_total(page, "switchyard_view_facts_applied_total", source="replica", kind="session") == 1
+    assert metric_total(page, "switchyard_view_facts_applied_total", source="replica", kind="insert") == 1
+
+
 def test_with_gateway_held_responses_a_lineage_from_before_an_engines_start_goes_with_its_sessions():
     """Gateway state: any engine continues a Responses chain, so the lineage of a response an engine
     answered before its start is a session of a cache since gone: forgotten once the start is
