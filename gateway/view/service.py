@@ -759,24 +759,37 @@ class RoutingView:
                 del self._sibling_busy[batch.sender]
             if self._lora is not None and self.share_monitoring:
                 self._lora.sibling_run(batch.sender, batch.run)    # nor any load under way
-        unknown = stale = 0
+        unknown = stale = expired = 0
         index = self._index
         vet = source == "replica"          # siblings scrape the engines with this worker
+        # the stream's retained tail (a replica starting) and a backlog after an outage hold facts of
+        # any age: one older than its TTL was forgotten by the process that recorded it, and is not
+        # taken back here as if new (the sender's wall clock: a session's when it was told)
+        now = time.time()
         if batch.inserts and index is not None:
-            for ins in batch.inserts:
-                ep = self._resolve(ins.ep)
-                if ep is None:
-                    unknown += 1
-                    continue
-                if vet and self._before_start(ep, batch.sent):
-                    stale += 1
-                    continue
-                index.apply_insert(ins.keys, ep)
-                self._keep(ep, batch.sent, ins.keys)
-            m.gm.child(m.applied, source, "insert").inc(len(batch.inserts) - unknown - stale)
+            if now - batch.sent > index.idle_ttl_ms / 1000.0:
+                expired += len(batch.inserts)
+            else:
+                n = 0
+                for ins in batch.inserts:
+                    ep = self._resolve(ins.ep)
+                    if ep is None:
+                        unknown += 1
+                        continue
+                    if vet and self._before_start(ep, batch.sent):
+                        stale += 1
+                        continue
+                    index.apply_insert(ins.keys, ep)
+                    self._keep(ep, batch.sent, ins.keys)
+                    n += 1
+                m.gm.child(m.applied, source, "insert").inc(n)
         if batch.sessions:
             n = 0
+            ttl = self.sessions.ttl_s
             for s in batch.sessions:
+                if now - (s.at or batch.sent) > ttl:
+                    expired += 1
+                    continue
                 ep = self._resolve(s.ep)
                 if ep is None:
                     unknown += 1
@@ -792,6 +805,8 @@ class RoutingView:
             m.gm.child(m.applied, source, "session").inc(n)
         if stale:
             m.gm.child(m.applied, source, "before_start").inc(stale)
+        if expired:
+            m.gm.child(m.applied, source, "expired").inc(expired)
         if batch.breakers and self._breakers is not None and source == "worker":
             n = 0
             for f in batch.breakers:
