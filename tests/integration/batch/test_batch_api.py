@@ -4,6 +4,7 @@ ownership with API keys, and hostile uploads answered 4xx in OpenAI's shape."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 
 from enginesim import SimConfig, start_sim
 from tests.support.batch import jsonl, run_to_end
-from tests.support.edge import assert_openai_error, exchange, request
+from tests.support.edge import assert_openai_error, exchange, parse_responses, request
 from tests.support.factories import model_block
 from tests.support.http import openai_client, sim_state
 from tests.support.metrics import metric as sample
@@ -1026,3 +1027,39 @@ async def test_a_chunked_body_over_its_limit_on_the_files_and_batches_paths_has_
         # a call served writes none
         await openai_client(gw).files.list()
     assert [x["path"] for x in got] == [path for path, *_ in cases], got
+
+
+async def test_a_process_starting_on_the_dir_leaves_an_upload_under_way_alone(sims, gateway, tmp_path):
+    """A worker restarted, or a second gateway started, on the same ``batch.dir`` removes the
+    temporary files a process that died left there, not the one another process is still writing
+    an upload to: the upload, half sent as the second gateway starts, completes as the file it
+    sent; an orphan a dead process left is removed (by the sweep of the gateway that runs batches,
+    or by the one starting)."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    temp = tmp_path / "batch" / "tmp"
+    orphan = temp / "upload-0123456789abcdef"          # left by a process that died mid-upload
+    orphan.write_bytes(b"half a file")
+    os.utime(orphan, (1, 1))
+    data = jsonl(lines("/v1/chat/completions", 2000))
+    body = _multipart([("purpose", None, b"batch"), ("file", "in.jsonl", data)])
+    cut = body.index(data) + len(data) // 2
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(request("POST", "/v1/files", body[:cut], {
+            "Content-Type": "multipart/form-data; boundary=xyzBOUNDARY", "Content-Length": str(len(body))}))
+        await writer.drain()
+        await until(lambda: set(os.listdir(temp)) - {orphan.name}, timeout=10)     # the upload's
+        await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+        assert not orphan.exists()
+        writer.write(body[cut:])
+        await writer.drain()
+        async with asyncio.timeout(10):
+            head = await reader.readuntil(b"\r\n\r\n")
+        resp = parse_responses(head + await reader.read(65536), eof=False)[0][0]
+    finally:
+        writer.close()
+    assert resp.status == 200, resp.body
+    f = resp.json()
+    assert (await openai_client(gw).files.content(f["id"])).content == data
+    assert os.listdir(temp) == []
