@@ -184,7 +184,8 @@ class BatchApi:
             raise _bad(f"the file exceeds batch.max_file_bytes ({cfg.max_file_bytes} bytes)", "file",
                        "file_too_large", 413)
         field_limit = request.client_max_size         # server.max_body_bytes (0: none); FIELD_MAX at most
-        tmp = batch_files.temp_path(self.db.dir)
+        # held (locked) until it is published or removed: a process starting on the directory leaves it
+        tmp, held = await _claimed(self.db.dir)
         purpose: str | None = None
         expiry: dict[str, str] = {}                   # expires_after[<key>] fields, by key
         expiry_text: str | None = None                # an expires_after field with no key: not an object
@@ -241,7 +242,7 @@ class BatchApi:
                 raise
             return _json(f)
         finally:
-            await asyncio.to_thread(_unlink, tmp)
+            await asyncio.shield(asyncio.to_thread(_unlink_and_close, tmp, held))
 
     async def _receive(self, part: aiohttp.BodyPartReader, tmp: str,
                        judged: bool) -> tuple[str, int, int, GatewayError | None]:
@@ -532,6 +533,28 @@ def _line_fault(e: LineError) -> GatewayError:
 def _write_checked(f, check: LineCheck, chunk: bytes) -> None:
     check.feed(chunk)
     f.write(chunk)
+
+
+async def _claimed(directory: str) -> tuple[str, int]:
+    """A locked temporary file (``files.claim_temp``), made on a thread; one made for a request
+    cancelled meanwhile is removed and let go, not left held."""
+    claim = asyncio.ensure_future(asyncio.to_thread(batch_files.claim_temp, directory))
+    try:
+        return await asyncio.shield(claim)
+    except asyncio.CancelledError:
+        def drop(t: asyncio.Future) -> None:
+            if not t.cancelled() and t.exception() is None:
+                asyncio.ensure_future(asyncio.to_thread(_unlink_and_close, *t.result()))
+        claim.add_done_callback(drop)
+        raise
+
+
+def _unlink_and_close(path: str, fd: int) -> None:
+    """An upload's temporary file removed (if it was not published), then its lock let go."""
+    try:
+        _unlink(path)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: str) -> None:

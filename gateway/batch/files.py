@@ -3,11 +3,15 @@
 A file's path is made of its id alone (``file-`` and 24 random hex digits): the client's filename is
 only a label, checked (no path separators, no ``..``, no control characters) and never joined to a
 path. A file appears under ``files/`` by an atomic rename once it is whole and checked, so a
-process killed mid-upload leaves at most a temporary file, removed at the next start.
+process killed mid-upload leaves at most a temporary file. The process writing a temporary file
+holds a ``flock`` on it until the file is renamed or removed, so a process starting on the
+directory (a worker restarted, another gateway) removes the ones a dead process left, whose lock
+the kernel released, and not those another process is still writing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import secrets
@@ -83,19 +87,62 @@ def filename_problem(name: str) -> str | None:
 
 
 def prepare(directory: str) -> None:
-    """The directory's layout; temporary files of uploads cut short by a previous process removed."""
+    """The directory's layout; temporary files a process that died left removed."""
     for sub in ("files", "tmp"):
         os.makedirs(os.path.join(directory, sub), exist_ok=True)
+    clear_temps(directory)
+
+
+# a temporary file is locked just after it is made: one younger than this may not be locked yet
+TEMP_GRACE_S = 60.0
+
+
+def clear_temps(directory: str) -> None:
+    """Removes the temporary files no process holds (``claim_temp``: their process died, or a
+    version that did not lock them left them) once older than ``TEMP_GRACE_S``; another worker's
+    or gateway's upload under way, or a batch's output it writes, is left alone."""
     tmp = os.path.join(directory, "tmp")
-    for name in os.listdir(tmp):
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    old = time.time() - TEMP_GRACE_S
+    for name in names:
+        path = os.path.join(tmp, name)
         try:
-            os.unlink(os.path.join(tmp, name))
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_mtime >= old:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue            # held: a process writes it
+            os.unlink(path)         # under the lock: its writer is gone
         except OSError:
             pass
+        finally:
+            os.close(fd)
 
 
 def temp_path(directory: str) -> str:
     return os.path.join(directory, "tmp", "upload-" + secrets.token_hex(8))
+
+
+def claim_temp(directory: str) -> tuple[str, int]:
+    """A new temporary file and a descriptor holding its ``flock``: while the caller keeps the
+    descriptor open, no process clears the file (``clear_temps``). Remove or rename the file before
+    closing the descriptor."""
+    path = temp_path(directory)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except BaseException:
+        os.close(fd)
+        raise
+    return path, fd
 
 
 def lifetime(asked_s: int | None, file_ttl_s: int) -> int:
@@ -123,7 +170,7 @@ def publish(directory: str, tmp: str, file_id: str) -> None:
 def write_lines(directory: str, filename: str, lines: Iterable[bytes], ttl_s: int) -> dict[str, Any]:
     """A batch's output or error file from its lines (streamed: one line in memory at a time)."""
     file_id = new_file_id()
-    tmp = temp_path(directory)
+    tmp, held = claim_temp(directory)
     size = 0
     try:
         with open(tmp, "wb") as f:
@@ -140,6 +187,8 @@ def write_lines(directory: str, filename: str, lines: Iterable[bytes], ttl_s: in
         except OSError:
             pass
         raise
+    finally:
+        os.close(held)
     return file_object(file_id, filename, "batch_output", size, ttl_s)
 
 

@@ -170,8 +170,9 @@ class BatchService:
         return self.runner is not None and self.runner.preempt(ep.name)
 
     async def _sweep(self) -> None:
-        """Expired files leave the store and the disk; so do files on disk the store forgot, and the
-        places kept of files gone more than ``GONE_KEPT_S`` ago."""
+        """Expired files leave the store and the disk; so do files on disk the store forgot, the
+        places kept of files gone more than ``GONE_KEPT_S`` ago, and temporary files no process
+        holds."""
         while True:
             try:
                 inputs = {b["input_file_id"] for b in await self.db.run(BatchStore.active_batches)}
@@ -184,6 +185,8 @@ class BatchService:
                 known = await self.db.run(BatchStore.file_ids)
                 for fid in await asyncio.to_thread(batch_files.strays, self.db.dir, known):
                     await asyncio.to_thread(batch_files.remove, self.db.dir, fid)
+                # temporary files a process that died left since this one started
+                await asyncio.to_thread(batch_files.clear_temps, self.db.dir)
             except Exception:
                 log.exception("batch file sweep failed")
             await asyncio.sleep(sweep_interval(self.cfg.file_ttl_s))
