@@ -78,7 +78,8 @@ def inference_request(text: str | None = None, *, tokens: int | None = None, mod
         text = "x" * (4 * tokens) if tokens is not None else "user\nhello there"
     if tokens is None:
         tokens = max(1, len(text) // 4)
-    return InferenceRequest(path=path, body=b"{}", data={}, model=model, stream=False, include_usage=False,
+    fields.setdefault("data", {})
+    return InferenceRequest(path=path, body=b"{}", model=model, stream=False, include_usage=False,
                             prompt_text=text, prompt_tokens_est=tokens, request_id=request_id, **fields)
 
 

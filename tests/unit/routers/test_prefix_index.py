@@ -243,3 +243,35 @@ def test_a_siblings_blocks_are_merged_with_their_times_and_never_over_a_later_to
     assert all(len(row) > 1 for row in theirs.export()[1]) and len(theirs.export()[1]) == len(theirs.keys(other))
     stale = [[k, 0, int((clock.t - 11) * 1000)] for k in theirs.keys(make_req("Yet another long prompt here. " * 2))]
     assert mine.merge(stale, {0: eps[0]}) == 0
+
+
+_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city, now",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+_OTHER_TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the web for a query",
+                                                  "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def test_the_tools_a_chat_offers_are_keyed_before_its_messages():
+    """The engine renders a request's tools into the prompt it prefills (a chat template puts them
+    at its head, as a system prompt): the same messages under other tools are another prefix, and
+    turns that offer the same tools share the tools' blocks, whatever order their fields came in."""
+    _, index, _, _ = setup()
+    text = SYSTEM + "user\nWhat is the weather in Paris?"
+    plain = make_req(text, data={"model": "m", "messages": []})
+    weather = make_req(text, data={"model": "m", "messages": [], "tools": _TOOLS})
+    search = make_req(text, data={"model": "m", "messages": [], "tools": _OTHER_TOOLS})
+    reordered = [{"function": {k: t["function"][k] for k in reversed(list(t["function"]))}, "type": "function"}
+                 for t in _TOOLS]
+    later = make_req(SYSTEM + "user\nAnd in Rome?", data={"model": "m", "messages": [], "tools": reordered})
+    k_plain, k_weather, k_search, k_later = (index.keys(r) for r in (plain, weather, search, later))
+    assert k_weather[0] != k_plain[0]                       # another prefix from the first block
+    assert not set(k_search) & set(k_weather[len(k_weather) - len(k_plain):])   # no message block shared
+    assert len(k_weather) > len(k_plain)                                  # the tools' blocks are prefilled too
+    shared = next(i for i, (a, b) in enumerate(zip(k_weather, k_later, strict=False)) if a != b)
+    assert shared * BLOCK >= len(SYSTEM)            # the tools and the system prompt: the same blocks
+    # a request that offers no tools, or tools the encoder cannot write, is keyed on its text alone
+    assert index.keys(make_req(text, data={"model": "m", "tools": []})) == k_plain
+    deep: list = []
+    for _ in range(300):
+        deep = [deep]
+    assert index.keys(make_req(text, data={"model": "m", "tools": deep})) == k_plain
