@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import orjson
 from xxhash import xxh3_64_intdigest
 
 from gateway.endpoints import Endpoint
@@ -98,6 +99,18 @@ def prefix_keys(text: str, model: str, block_chars: int, max_blocks: int) -> lis
         h = xxh(text[start:start + b].encode(), h)
         keys[i] = h
     return keys
+
+
+def tools_text(tools: object) -> str:
+    """The text a request's ``tools`` are keyed as, before its messages: the engine renders them
+    into the prompt it prefills, at its head in the usual chat templates (a system prompt's part),
+    so the same messages under other tools are another prefix, and the turns of an agent that
+    offers the same tools share their blocks. Their JSON with sorted keys (clients' field orders
+    differ); empty when the encoder cannot write them (nested past its limit)."""
+    try:
+        return orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode() + "\n"
+    except TypeError:       # orjson.JSONEncodeError
+        return ""
 
 
 def _newest(held: int | dict[int, int]) -> int:
@@ -169,7 +182,9 @@ class PrefixIndex:
             return self._memo_keys
         # an adapter's prompts are keyed apart from its base model's: the engine caches them apart
         seed = req.model if req.lora is None else f"{req.model}\0lora:{req.lora}"
-        keys = prefix_keys(req.prompt_text, seed, self.block_chars, self.max_blocks)
+        tools = req.data.get("tools")
+        text = req.prompt_text if not tools else tools_text(tools) + req.prompt_text
+        keys = prefix_keys(text, seed, self.block_chars, self.max_blocks)
         self._memo_req, self._memo_keys = req, keys
         return keys
 
