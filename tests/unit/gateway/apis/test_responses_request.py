@@ -21,6 +21,19 @@ def test_prompt_text_is_instructions_then_input():
     assert r.include_usage and not r.stream and r.prompt_tokens_est >= 1
 
 
+def test_a_tool_output_given_as_content_parts_is_counted_as_its_text():
+    """A function_call_output's output may be a list of content parts (input_text, an image, a
+    file): their text is the prompt's, counted in the estimate as a string output is."""
+    r = parse({"model": "m", "input": [
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c",
+         "output": [{"type": "input_text", "text": "Sunny, " + "warm " * 200}, {"type": "input_image", "image_url": "x"},
+                    "not a part", {"type": "input_text", "text": 3}]}]})
+    assert r.prompt_text == "user\nWeather?\n{}\nSunny, " + "warm " * 200
+    assert r.prompt_tokens_est >= 250
+
+
 @pytest.mark.parametrize("body,param", [
     ({"model": "m"}, "input"), ({"model": "m", "input": []}, "input"), ({"model": "m", "input": 1}, "input"),
     ({"model": "m", "input": ["x"]}, "input[0]"), ({"model": "m", "input": "x", "stream": "maybe"}, "stream"),
