@@ -135,6 +135,8 @@ def items_text(items: list[Any], where: str = "input") -> list[str]:
             v = item.get(key)
             if isinstance(v, str):
                 parts.append(v)
+            elif v.__class__ is list:       # a tool's output as content parts: their text (read laxly, as the engines do)
+                parts.extend(p["text"] for p in v if p.__class__ is dict and p.get("text").__class__ is str)
     return parts
 
 
