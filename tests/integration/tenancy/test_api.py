@@ -392,3 +392,40 @@ async def test_a_users_429_on_messages_is_anthropics_shape_with_the_rate_limit_h
         assert h["x-ratelimit-limit-tokens"] == "100000" and h["x-error-rpm-exceeded"] == "true"
         assert 1 <= int(h["Retry-After"]) <= 60 and 0 < int(h["retry-after-ms"]) <= 60_000
     await client.close()
+
+
+async def test_two_different_keys_in_authorization_and_x_api_key_are_a_401_in_the_apis_shape(sims, gateway):
+    """A client that sends x-api-key and Authorization: Bearer, each with its own key (an Anthropic
+    client given an auth_token and an x-api-key among its default headers; older Anthropic SDKs sent
+    both when ANTHROPIC_API_KEY and ANTHROPIC_AUTH_TOKEN were set). Two keys name two users, or one
+    valid key and one that is not: the gateway cannot tell which one the client meant to be charged,
+    nor which one a proxy in front of it checked, so it serves neither (Authorization won, so its
+    user was charged whatever x-api-key said). The same key in both is one credential and is
+    served."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                       limits={"users": {"alice": {"rpm": 100}, "bob": {"rpm": 100}}})
+    both = anthropic.AsyncAnthropic(base_url=gw.url, auth_token=ALICE, default_headers={"x-api-key": BOB},
+                                    max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as ei:
+        await both.messages.create(model="m", max_tokens=2, messages=CHAT)
+    assert ei.value.body["type"] == "error" and ei.value.body["error"]["type"] == "authentication_error"
+    assert "two different API keys" in ei.value.body["error"]["message"]
+    await both.close()
+    for bearer, key in ((ALICE, BOB), ("sk-wrong-0123456789", ALICE), (ALICE, "sk-wrong-0123456789")):
+        async with aiohttp.ClientSession() as s, s.post(
+                gw.base_url + "/chat/completions", json={"model": "m", "messages": CHAT, "max_tokens": 1},
+                headers={"Authorization": f"Bearer {bearer}", "x-api-key": key}) as r:
+            body = await r.json()
+            assert r.status == 401 and r.headers["WWW-Authenticate"] == "Bearer", (bearer, key)
+            assert body["error"]["code"] == "invalid_api_key" and body["error"]["param"] == "api_key"
+            assert "two different API keys" in body["error"]["message"]
+    assert [r for r in (await sim_state(sim.url))["received"] if r["method"] == "POST"] == []
+    for user in ("alice", "bob"):
+        assert (await gw.gw.tenancy.state.usage(user))["requests"] == 0
+    assert 'switchyard_auth_failures_total{reason="ambiguous"} 4.0' in await gw.metrics_text()
+    same = anthropic.AsyncAnthropic(base_url=gw.url, auth_token=ALICE, default_headers={"x-api-key": ALICE},
+                                    max_retries=0)
+    assert (await same.messages.create(model="m", max_tokens=2, messages=CHAT)).content
+    await same.close()
+    assert (await gw.gw.tenancy.state.usage("alice"))["requests"] == 1
