@@ -67,13 +67,22 @@ def admin_token_valid(authorization: str | None, digest: str | None) -> bool:
     return token is not None and bool(digest) and hmac.compare_digest(key_digest(token), digest or "")
 
 
+class AmbiguousKey(ValueError):
+    """A request presented two different API keys, one in each header."""
+
+
 def presented_key(headers) -> str | None:
-    """The API key a client presented: ``Authorization: Bearer <key>`` (OpenAI's clients), else
-    ``x-api-key: <key>`` (Anthropic's); each header read whole (``header_field``)."""
+    """The API key a client presented: ``Authorization: Bearer <key>`` (OpenAI's clients) or
+    ``x-api-key: <key>`` (Anthropic's); each header read whole (``header_field``). Both may be
+    sent with the same key; two different keys raise ``AmbiguousKey``: which one names the user
+    is not left to a precedence the client (or a proxy in front, which may have checked the other
+    one) need not know."""
     token = bearer_token(header_field(headers, "Authorization"))
-    if token is None:
-        token = (header_field(headers, "x-api-key") or "").strip() or None
-    return token
+    other = (header_field(headers, "x-api-key") or "").strip() or None
+    if token is not None and other is not None and not hmac.compare_digest(
+            token.encode("utf-8", "surrogateescape"), other.encode("utf-8", "surrogateescape")):
+        raise AmbiguousKey
+    return token or other
 
 
 @dataclass(frozen=True, slots=True)

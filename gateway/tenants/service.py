@@ -36,7 +36,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import ROUTING_BUCKETS, Counter, Histogram
 from gateway.state.urls import redis_mode
-from gateway.tenants.directory import Directory, KeyRecord, key_digest, presented_key
+from gateway.tenants.directory import AmbiguousKey, Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
 from gateway.tenants.memory import MemoryState
 from gateway.tenants.redis_state import RedisState, StateUnavailable
@@ -297,7 +297,12 @@ class Tenancy:
         if owner is not None:           # the gateway's own request for the user who made the batch
             t.user, t.key_id = owner, "batch"
             return t
-        token = presented_key(request.headers)
+        try:
+            token = presented_key(request.headers)
+        except AmbiguousKey:
+            self.m.auth_failures.labels("ambiguous").inc()
+            raise _auth_error("The request carries two different API keys, in 'Authorization: Bearer' and in "
+                              "'x-api-key': send one key (or the same key in both).") from None
         if token is None:
             self.m.auth_failures.labels("missing").inc()
             raise _auth_error("Missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'.")
