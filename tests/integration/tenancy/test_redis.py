@@ -223,6 +223,62 @@ async def test_a_redis_that_refuses_writes_is_down_with_its_reason_and_clients_g
         await r.aclose()
 
 
+async def _refuse_commands(r, refusal: str) -> None:
+    """Make a running redis-server refuse the gateway's commands: its ACL user may no longer touch
+    the gateway's keys (NOPERM), or another application wrote a key of the gateway's names as
+    another type (WRONGTYPE)."""
+    if refusal == "noperm":
+        await r.execute_command("ACL", "SETUSER", "default", "resetkeys", "~elsewhere:*")
+    else:
+        await r.delete("switchyard:rpm:alice")
+        await r.hset("switchyard:rpm:alice", "owner", "another-application")
+
+
+async def _take_commands(r, refusal: str) -> None:
+    if refusal == "noperm":
+        await r.execute_command("ACL", "SETUSER", "default", "allkeys")
+    else:
+        await r.delete("switchyard:rpm:alice")
+
+
+@pytest.mark.parametrize(("refusal", "after"), [("noperm", [200, "RateLimitError"]),
+                                                 ("wrongtype", [200, 200, "RateLimitError"])])
+async def test_a_redis_that_refuses_the_gateways_commands_is_down_with_its_reason_and_clients_are_served(
+        sims, gateway, redis_server, monkeypatch, refusal, after):
+    """A Redis that answers the gateway's calls with an error of the gateway's own making, not of
+    the network's (its ACL user lost the permission to a key or command: NOPERM; another
+    application wrote to the gateway's key names: WRONGTYPE), degrades as a Redis that refuses
+    writes does: the requests it meets are served (failure_policy open) and counted under its
+    reason, switchyard_state_up is 0 and the outage counted and logged once, and the gateway is back
+    on the shared windows once Redis takes its commands again."""
+    from gateway.tenants import redis_state
+
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"rpm": 2}}},
+                       state=state(redis_server))
+    assert (await chat(gw)).choices
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await _refuse_commands(r, refusal)
+            assert await outcomes(chat(gw) for _ in range(3)) == [200] * 3
+        text = await gw.metrics_text()
+        assert "switchyard_state_up 0.0" in text
+        assert f'switchyard_state_unavailable_total{{policy="open",reason="{refusal}"}} 3.0' in text
+        assert 'switchyard_state_outages_total{mode="standalone"} 1.0' in text
+        assert gw.gw.tenancy.state.down_reason == refusal
+        said = [x for x in logs if x["event"].startswith("shared state refuses the gateway's commands")]
+        assert len(said) == 1 and said[0]["reason"] == refusal, logs
+        monkeypatch.setattr(redis_state, "REFUSAL_HOLD_S", 0.0)
+        await _take_commands(r, refusal)
+        assert await wait_for(lambda: _state_up_metric(gw, 1.0), timeout=10)
+        assert await outcomes(chat(gw) for _ in range(len(after))) == after
+    finally:
+        with contextlib.suppress(redis.exceptions.RedisError):
+            await _take_commands(r, refusal)
+        await r.aclose()
+
+
 async def test_a_gateway_started_while_redis_restarts_waits_for_it_briefly_and_serves(sims, gateway, redis_server,
                                                                                       monkeypatch):
     """Redis refuses connections for a moment as the gateway starts (both restarted together): the
