@@ -47,6 +47,7 @@ from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
     ClusterDownError,
+    NoPermissionError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -79,20 +80,30 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 # stream): the outages above, and any error Redis answered.
 CALL_FAILED: tuple[type[BaseException], ...] = (RedisError, *UNAVAILABLE)
 
-# the codes of the refusals the client library has no class for, as they open the error's text
-_REFUSED = re.compile(r"(?:^|\W)(MISCONF|NOREPLICAS) ")
+# the codes of the refusals the client library has no class for (or not inside a script's error),
+# as they open the error's text
+_REFUSED = re.compile(r"(?:^|\W)(MISCONF|NOREPLICAS|NOPERM|WRONGTYPE) ")
+
+# refusals of the gateway's commands as sent, whatever Redis's state: a Redis that takes writes
+# may refuse them, so a heartbeat that lands does not say they are over (see COMMAND_REFUSALS' use)
+COMMAND_REFUSALS = frozenset({"noperm", "wrongtype"})
 
 
-def write_refused(e: BaseException) -> str | None:
-    """Why a Redis that still answers reads refused a write, or None when ``e`` is no such
-    refusal: ``oom`` (``maxmemory`` reached under the ``noeviction`` policy), ``readonly`` (a
-    replica), ``misconf`` (an RDB save failed and ``stop-writes-on-bgsave-error`` holds writes) or
-    ``noreplicas`` (fewer replicas in reach than ``min-replicas-to-write``). A script's write
-    refused so fails the script with the same error."""
+def refusal(e: BaseException) -> str | None:
+    """Why a Redis that still answers refused a call, or None when ``e`` is no such refusal (a
+    bug in the call): ``oom`` (``maxmemory`` reached under the ``noeviction`` policy),
+    ``readonly`` (a replica), ``misconf`` (an RDB save failed and ``stop-writes-on-bgsave-error``
+    holds writes) or ``noreplicas`` (fewer replicas in reach than ``min-replicas-to-write``), which
+    refuse writes; ``noperm`` (the ACL user may not run the command or touch the key) or
+    ``wrongtype`` (a key of the gateway's names holds another type: another application wrote
+    it), which refuse the command. A script's call refused so fails the script with the same
+    error."""
     if isinstance(e, OutOfMemoryError):
         return "oom"
     if isinstance(e, ReadOnlyError):
         return "readonly"
+    if isinstance(e, NoPermissionError):
+        return "noperm"
     if isinstance(e, ResponseError) and (m := _REFUSED.search(str(e))):
         return m.group(1).lower()
     return None

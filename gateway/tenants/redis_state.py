@@ -12,7 +12,9 @@ that answers but refuses writes (out of memory, a replica, a failed RDB save, to
 its own) is *refusing*: the
 hot path still asks it (a read-only check, a user already at a limit, is answered as before) and
 meets the refusal as an unreachable state, and the first sync whose heartbeat write lands ends it.
-Either way the backend is *healthy* only when it is up and not refusing.
+A Redis that refuses the gateway's commands (its ACL user lacks a permission: NOPERM; a key of the
+gateway's names holds another type: WRONGTYPE) is refusing too, until a heartbeat lands with no
+such refusal met for ``REFUSAL_HOLD_S``. Either way the backend is *healthy* only when it is up and not refusing.
 
 Keys (``P`` = ``state.key_prefix``), all with an expiry except the directory:
 ``P:rpm:<user>``, ``P:tpm:<user>``, ``P:rps:<model>`` windows (PEXPIRE at first hit);
@@ -58,15 +60,16 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from gateway.config.schema import StateConfig, UserLimits
 from gateway.state.redis import (
+    COMMAND_REFUSALS,
     UNAVAILABLE,
     PoolTimeout,
     close_client,
     forget_topology,
     held_loop_timeout,
     redis_client,
+    refusal,
     shared_prefix,
     state_mode,
-    write_refused,
 )
 from gateway.tenants.directory import KeyRecord, limits_from_stored, limits_stored
 from gateway.tenants.limits import MODEL_WINDOW_MS, USER_WINDOW_MS, AdmitQuery, AdmitResult
@@ -370,12 +373,16 @@ UNCHARGED_LOG_EVERY_S = 10.0
 # in a call, not an outage
 _TRANSPORT = UNAVAILABLE
 
+# a refusal of the gateway's commands (noperm, wrongtype) ends when a heartbeat lands and no call
+# met one for this long: the heartbeat may touch none of the keys (or commands) refused
+REFUSAL_HOLD_S = 10.0
+
 
 class StateUnavailable(Exception):
     """The shared state could not be reached (or is marked down); the caller applies the policy.
     ``reason``: ``unreachable``, or what a Redis that answered said: ``oom``, ``readonly``,
-    ``misconf``, ``noreplicas`` (it refuses writes, see gateway/state/redis.py ``write_refused``),
-    ``error`` (another error), ``busy`` (every connection of ``state.max_connections`` in use
+    ``misconf``, ``noreplicas`` (it refuses writes), ``noperm``, ``wrongtype`` (it refuses the
+    command: see gateway/state/redis.py ``refusal``), ``error`` (another error), ``busy`` (every connection of ``state.max_connections`` in use
     past ``state.timeout_s``: the call was not sent)."""
 
     def __init__(self, message: str = "", reason: str = "unreachable") -> None:
@@ -385,7 +392,7 @@ class StateUnavailable(Exception):
 
 def _answered(e: BaseException) -> StateUnavailable:
     """A Redis error answered to a call, as the caller sees it."""
-    return StateUnavailable(f"{type(e).__name__}: {e}", write_refused(e) or "error")
+    return StateUnavailable(f"{type(e).__name__}: {e}", refusal(e) or "error")
 
 
 def default_replica_id() -> str:
@@ -422,6 +429,7 @@ class RedisState:
         self._p = p
         self.up = False
         self.refused = ""                           # why Redis refuses writes (oom, readonly, ...)
+        self._refused_at = 0.0                      # ... or commands (noperm, wrongtype): when last
         self._healthy = False                       # what on_transition last said
         self.last_ok = 0.0                          # monotonic time of the last successful call
         self._on_transition = on_transition or (lambda healthy, why, reason: None)
@@ -456,7 +464,7 @@ class RedisState:
     @property
     def down_reason(self) -> str | None:
         """Why the state is not healthy (``unreachable``, or a refusal: ``oom``, ``readonly``,
-        ``misconf``, ``noreplicas``), or None."""
+        ``misconf``, ``noreplicas``, ``noperm``, ``wrongtype``), or None."""
         return self.refused or (None if self.up else "unreachable")
 
     def _mark(self, up: bool, why: str = "") -> None:
@@ -473,7 +481,10 @@ class RedisState:
         self._tell(why)
 
     def _refusing(self, reason: str, why: str) -> None:
-        """Redis answered a write with a refusal: unhealthy until a sync's heartbeat lands."""
+        """Redis answered a call with a refusal: unhealthy until a sync's heartbeat lands (after a
+        refusal of a command, once none came for ``REFUSAL_HOLD_S``)."""
+        if reason in COMMAND_REFUSALS:
+            self._refused_at = time.monotonic()
         if reason != self.refused:
             self.refused = reason
             self._tell(why)
@@ -806,7 +817,11 @@ class RedisState:
             keys=[self.k_replicas, self.k_inflight_prefix + self.replica_id, self.k_version],
             args=[self.replica_id, self._ttl_ms, self.k_inflight_prefix,
                   1 if in_flight is not None else 0, *flat]), probe=True)
-        if self.refused:                # the heartbeat's write landed: Redis takes writes again
+        if self.refused and (self.refused not in COMMAND_REFUSALS
+                             or time.monotonic() - self._refused_at >= REFUSAL_HOLD_S):
+            # the heartbeat's write landed: Redis takes writes again. A refused command (a key the
+            # ACL user may not touch, a key of another type) may be one the heartbeat does not
+            # send: it is over when none was met for a while, not at the first sync after it
             self.refused = ""
             self._tell()
         version = out[0].decode()

@@ -35,6 +35,7 @@ from gateway.config.schema import Config, UserLimits
 from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import ROUTING_BUCKETS, Counter, Histogram
+from gateway.state.redis import COMMAND_REFUSALS
 from gateway.state.urls import redis_mode
 from gateway.tenants.directory import AmbiguousKey, Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
@@ -93,11 +94,13 @@ class TenancyMetrics:
                                    "Tokens the engines reported for each user's requests (prompt, completion)",
                                    ["user", "kind"], registry=r)
         self.state_up = Gauge("switchyard_state_up",
-                              "1 when the shared state backend is reachable and takes writes", registry=r)
+                              "1 when the shared state backend is reachable and takes writes and the "
+                              "gateway's commands", registry=r)
         self.unavailable = Counter("switchyard_state_unavailable",
                                    "Requests that met an unreachable shared state (served if the policy is "
                                    "open, 503 if closed), by why: unreachable, or Redis refusing writes (oom, "
-                                   "readonly, misconf, noreplicas), answering another error, or every connection "
+                                   "readonly, misconf, noreplicas) or the gateway's commands (noperm, "
+                                   "wrongtype), answering another error, or every connection "
                                    "busy (busy)", ["policy", "reason"],
                                    registry=r)
         self.outages = Counter("switchyard_state_outages",
@@ -214,6 +217,10 @@ class Tenancy:
             # a failover): its change log cannot be trusted against the mirror, read it whole
             self._reload_all = True
             log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url), mode=mode)
+        elif reason in COMMAND_REFUSALS:
+            self.m.outages.labels(mode).inc()
+            log.warning("shared state refuses the gateway's commands; failure policy applies", policy=self.policy,
+                        reason=reason, error=why, redis_url=_redact(self.cfg.redis_url), mode=mode)
         elif reason and reason != "unreachable":
             self.m.outages.labels(mode).inc()
             log.warning("shared state refuses writes; failure policy applies", policy=self.policy, reason=reason,
