@@ -97,3 +97,46 @@ async def test_a_redis_that_refuses_writes_is_one_loss_not_one_each_retry(redis_
 
 async def _refused_more(refused, n: int) -> bool:
     return await refused() > n
+
+
+async def test_a_stream_key_of_another_type_is_one_loss_not_one_each_retry(redis_server):
+    """Another application writes a string where the stream is (the gateway's key names are under
+    state.key_prefix, which it may share): every XREAD and XADD is refused (WRONGTYPE) while the
+    key still exists. The link is lost once, logged once, and up again once the key is gone; where
+    the reader's probe (the key exists) marked it up and its next read down again, a loss, a
+    warning and an info line every retry_s for as long as the key stayed."""
+    import redis.asyncio as aioredis
+    import structlog
+
+    got_b: list[bytes] = []
+    a, b = _link(redis_server.url, "a", []), _link(redis_server.url, "b", got_b)
+    admin = aioredis.Redis.from_url(redis_server.url)
+
+    async def refused() -> int:
+        stats = await admin.info("errorstats")
+        return int(stats.get("errorstat_WRONGTYPE", {}).get("count", 0))
+
+    a.start()
+    b.start()
+    try:
+        await until(lambda: a.up and b.up, timeout=10)
+        with structlog.testing.capture_logs() as logs:
+            await admin.delete(a.key)
+            await admin.set(a.key, "another application's value")
+            a.queue([Session("conversation-1", "http://e1")])
+            for _ in range(10):             # the reader and the writer try again meanwhile
+                n = await refused()
+                await until(lambda n=n: _refused_more(refused, n), timeout=10)
+        assert not a.up and not b.up
+        assert a.m.redis_lost._single.value == 1 and b.m.redis_lost._single.value == 1
+        assert [e["event"] for e in logs if "redis stream" in e["event"]] == [
+            "shared routing view: redis stream lost; routing on the local view"] * 2
+        await admin.delete(a.key)
+        await until(lambda: any(b"conversation-1" in p for p in got_b), timeout=10)
+        await until(lambda: a.up and b.up, timeout=10)
+        assert a.m.redis_lost._single.value == 1 and b.m.redis_lost._single.value == 1
+    finally:
+        await admin.delete(a.key)
+        await admin.aclose()
+        await a.stop()
+        await b.stop()
