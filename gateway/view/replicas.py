@@ -15,7 +15,8 @@ stream (``<state.key_prefix>:view``), when ``state.redis_url`` is set.
 * Losing Redis: any call that fails marks the link down (counted, ``switchyard_view_redis_up``
   0, logged once); routing goes on with the local view; the link retries every ``view.retry_s``.
   It is up again only once the stream itself answers: the reader's probe reads the stream's key
-  (a Cluster node answers ``INFO`` while the stream's slot is down), and a writer that failed
+  (a Cluster node answers ``INFO`` while the stream's slot is down), which must be a stream or
+  none (a key of another type, another application's, refuses every read), and a writer that failed
   tries again by itself and brings it up with its first write that lands (a Redis that refuses
   writes, out of memory, still serves reads). So an outage is one loss and one line, not one each
   ``retry_s``. Nothing on a request's path ever awaits Redis.
@@ -34,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 
 import structlog
+from redis.exceptions import ResponseError
 
 from gateway.config.schema import StateConfig
 from gateway.state.redis import CALL_FAILED, forget_topology, held_loop_timeout, redis_client
@@ -167,8 +169,11 @@ class ReplicaLink:
         """Probe Redis; a restarted one (new run_id) is read from its beginning."""
         async with held_loop_timeout(self.state.timeout_s * 4):
             info = await self.reader.info("server")
-            # the stream's own key: a Cluster node answers INFO while the stream's slot is down
-            await self.reader.exists(self.key)
+            # the stream's own key: a Cluster node answers INFO while the stream's slot is down;
+            # and a key another application wrote there (a string, a hash) would refuse each read
+            kind = await self.reader.type(self.key)
+        if kind not in (b"stream", b"none"):
+            raise ResponseError(f"WRONGTYPE {self.key} holds a {kind.decode(errors='replace')}, not a stream")
         run_id = str(info.get("run_id", ""))
         if self.run_id is not None and run_id != self.run_id:
             self.last_id = b"0-0"
