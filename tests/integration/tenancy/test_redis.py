@@ -279,6 +279,49 @@ async def test_a_redis_that_refuses_the_gateways_commands_is_down_with_its_reaso
         await r.aclose()
 
 
+async def test_a_slot_whose_release_a_key_of_another_type_refused_keeps_no_sync_from_the_directory(
+        sims, gateway, redis_server):
+    """A stream holds one of alice's slots when another application writes a string where her
+    concurrency hash was: the slot's release is refused (WRONGTYPE), and each sync tries again to
+    publish her count, refused as well. The rest of the sync goes on meanwhile: a user's limits
+    changed through another replica apply on this one within its sync interval, and this one's
+    count is published once the key is gone."""
+    sim = await sims("vllm", "m", itl_ms=20.0)
+    blocks = {"auth": {**KEYS, "admin_token": "admin-token-1"},
+              "limits": {"users": {"alice": {"max_concurrent": 5}}}, "state": state(redis_server)}
+    a = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    b = await gateway([model_block("m", "vllm", [sim.url])], **blocks)
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        async with aiohttp.ClientSession() as s:
+            held = await s.post(a.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ALICE}"},
+                                json={"model": "m", "messages": CHAT, "max_tokens": 500, "stream": True})
+            await held.content.readline()
+            await r.delete("switchyard:conc:alice")
+            await r.set("switchyard:conc:alice", "another application's value")
+            held.close()
+            assert await wait_for(lambda: _state_up_metric(a, 0.0), timeout=10)     # the release was refused
+            async with s.put(b.url + "/admin/users/bob", json={"rpm": 1},
+                             headers={"Authorization": "Bearer admin-token-1"}) as put:
+                assert put.status == 201
+        assert await wait_for(lambda: _limits_are(a, "bob", 1), timeout=10)
+        await r.delete("switchyard:conc:alice")
+        assert await wait_for(lambda: _conc_published(r, a), timeout=10)
+    finally:
+        await r.delete("switchyard:conc:alice")
+        await r.aclose()
+
+
+async def _limits_are(gw, user: str, rpm: int) -> bool:
+    lim = gw.gw.tenancy.directory.limits_for(user)
+    return lim is not None and lim.rpm == rpm
+
+
+async def _conc_published(r, gw) -> bool:
+    """The replica's count for alice is in her hash again: none (its one slot was released)."""
+    return await r.exists("switchyard:conc:alice") == 0 and not gw.gw.tenancy.state._dirty
+
+
 async def test_a_gateway_started_while_redis_restarts_waits_for_it_briefly_and_serves(sims, gateway, redis_server,
                                                                                       monkeypatch):
     """Redis refuses connections for a moment as the gateway starts (both restarted together): the
