@@ -837,9 +837,9 @@ class RedisState:
         self._beating = True
         remote = {out[i].decode(): int(out[i + 1]) for i in range(2, len(out) - 1, 2)}
         if self._dirty:
-            await self._repair()
+            await _kept_if_refused(self._repair())
         if self._tally or self._unsent:
-            await self._reconcile()
+            await _kept_if_refused(self._reconcile())
         return version, remote
 
     async def leave(self) -> None:
@@ -994,6 +994,18 @@ def _raise_unavailable(results: list) -> None:
     for r in results:
         if isinstance(r, UNAVAILABLE):
             raise r
+
+
+async def _kept_if_refused(step) -> None:
+    """Run a sync's repair or reconcile: one that Redis refused as a command (a user's key of
+    another type, one the ACL user may not touch) is kept for the next sync, which tries it again,
+    and this sync goes on (its directory refresh, the fleet's in-flight counts); it would otherwise
+    fail every sync for as long as that one key stayed. Anything else fails the sync."""
+    try:
+        await step
+    except StateUnavailable as e:
+        if e.reason not in COMMAND_REFUSALS:
+            raise
 
 
 def _retrieved(fut: asyncio.Future) -> None:
