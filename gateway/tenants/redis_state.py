@@ -14,7 +14,8 @@ hot path still asks it (a read-only check, a user already at a limit, is answere
 meets the refusal as an unreachable state, and the first sync whose heartbeat write lands ends it.
 A Redis that refuses the gateway's commands (its ACL user lacks a permission: NOPERM; a key of the
 gateway's names holds another type: WRONGTYPE) is refusing too, until a heartbeat lands with no
-such refusal met for ``REFUSAL_HOLD_S``. Either way the backend is *healthy* only when it is up and not refusing.
+such refusal met for ``REFUSAL_HOLD_S``. Either way the backend is *healthy* only when it is up and
+not refusing.
 
 Keys (``P`` = ``state.key_prefix``), all with an expiry except the directory:
 ``P:rpm:<user>``, ``P:tpm:<user>``, ``P:rps:<model>`` windows (PEXPIRE at first hit);
@@ -382,8 +383,9 @@ class StateUnavailable(Exception):
     """The shared state could not be reached (or is marked down); the caller applies the policy.
     ``reason``: ``unreachable``, or what a Redis that answered said: ``oom``, ``readonly``,
     ``misconf``, ``noreplicas`` (it refuses writes), ``noperm``, ``wrongtype`` (it refuses the
-    command: see gateway/state/redis.py ``refusal``), ``error`` (another error), ``busy`` (every connection of ``state.max_connections`` in use
-    past ``state.timeout_s``: the call was not sent)."""
+    command: see gateway/state/redis.py ``refusal``), ``error`` (another error), ``busy`` (every
+    connection of ``state.max_connections`` in use past ``state.timeout_s``: the call was not
+    sent)."""
 
     def __init__(self, message: str = "", reason: str = "unreachable") -> None:
         super().__init__(message)

@@ -219,8 +219,9 @@ class Tenancy:
             log.info("shared state reachable", redis_url=_redact(self.cfg.redis_url), mode=mode)
         elif reason in COMMAND_REFUSALS:
             self.m.outages.labels(mode).inc()
-            log.warning("shared state refuses the gateway's commands; failure policy applies", policy=self.policy,
-                        reason=reason, error=why, redis_url=_redact(self.cfg.redis_url), mode=mode)
+            log.warning("shared state refuses the gateway's commands; failure policy applies",
+                        policy=self.policy, reason=reason, error=why, redis_url=_redact(self.cfg.redis_url),
+                        mode=mode)
         elif reason and reason != "unreachable":
             self.m.outages.labels(mode).inc()
             log.warning("shared state refuses writes; failure policy applies", policy=self.policy, reason=reason,
