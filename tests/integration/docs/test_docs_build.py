@@ -517,3 +517,20 @@ def test_every_x_header_the_manual_names_is_one_the_code_sends_or_reads():
 def test_the_header_check_reads_names_families_and_values():
     md = "`x-retries: N` and `X-Request-Id`\n```\n`x-nope`\n```\n`x-ratelimit-*`, `routing-strategy`"
     assert _headers_named(md) == [(1, "x-retries"), (1, "x-request-id"), (5, "x-ratelimit-*")]
+
+
+# --- the index page's map of the config file ---------------------------------------------------
+
+def test_the_index_says_where_every_config_block_is_described():
+    """docs/index.md's config section is a newcomer's map of the file: each top-level block is
+    shown in its YAML or named in the prose with the page that describes it."""
+    import yaml
+
+    from gateway.config.json_schema import config_schema
+
+    blocks = set(config_schema()["$defs"]["Config"]["properties"])
+    page = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    section = page[page.index("\n## The config file"):]
+    shown = set().union(*(yaml.safe_load(block) for _, block in _yaml_blocks(section)))
+    named = set(re.findall(r"`([a-z_]+)`", _prose(section)))
+    assert not blocks - shown - named, f"config blocks docs/index.md does not place: {sorted(blocks - shown - named)}"
