@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import openai
 import orjson
 import pytest
 
+from enginesim.faults import parse_fault
 from gateway.demo import DEMO_ADAPTERS, DEMO_ALIASES, DEMO_ENGINES, DEMO_PD_ADAPTERS, DEMO_USERS
 from tests.support.batch import run_to_end
 from tests.support.metrics import metric
@@ -187,6 +189,35 @@ async def test_demo_answers_every_model_streaming_and_not():
                 assert migrated and sum(float(line.rsplit(" ", 1)[1]) for line in migrated) >= 1
             finally:
                 await (await s.post("http://127.0.0.1:8102/_sim/config", json={"fault": "none"})).read()
+        # breakers, as the banner shows: the replica made sick faults every request it gets (its
+        # answer is a 500 or a dropped connection, never a roll that lets one through), so the
+        # banner's loop opens its breaker on faults in a row whatever the routing's draws; every
+        # answer is a 200, the faults retried on the other replica within the retry budget
+        text = banner.decode()
+        sick = re.search(r"8102/_sim/config -d '(\{\"fault\":\"status=[^']*)'", text).group(1)
+        spec, rounds = parse_fault(orjson.loads(sick)["fault"]), int(re.search(r"\$\(seq (\d+)\); do curl -s -o /dev/null -D -",
+                                                                               text).group(1))
+        alternatives = []
+        while spec is not None:
+            alternatives.append(spec)
+            spec = spec.otherwise
+        assert any(a.probability == 1 and dataclasses.replace(a, otherwise=None).active for a in alternatives), \
+            f"a request of the sick replica may go unfaulted: {sick}"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                retried = metric(await r.text(), "switchyard_retries_total", model="demo-llama")
+            await (await s.post("http://127.0.0.1:8102/_sim/config", data=sick)).read()
+            try:
+                for _ in range(rounds):
+                    async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={
+                            "model": "demo-llama", "messages": [{"role": "user", "content": "Hi"}]}) as r:
+                        assert r.status == 200, await r.text()
+                async with s.get(f"http://127.0.0.1:{port}/metrics") as r:
+                    page = await r.text()
+            finally:
+                await (await s.post("http://127.0.0.1:8102/_sim/config", data='{"fault":"none"}')).read()
+        assert metric(page, "switchyard_breaker_state", model="demo-llama", endpoint="127.0.0.1:8102") == 1
+        assert metric(page, "switchyard_retries_total", model="demo-llama") > retried
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-qwen-pd", max_tokens=3, messages=[{"role": "user", "content": "Trace me"}])
         assert raw.headers["x-pd-decision"].startswith("disaggregated")
