@@ -161,10 +161,11 @@ b = c.batches.create(input_file_id=f.id, endpoint='/v1/chat/completions', comple
 [time.sleep(0.2) for _ in iter(lambda: c.batches.retrieve(b.id).status in ('completed', 'failed'), True)]; \\
 print(c.files.content(c.batches.retrieve(b.id).output_file_id).text)"
 
-Breakers and retries: make a demo-llama replica sick (its /health stays fine), send traffic, watch
-its breaker open (x-retries shows the 500s retried elsewhere), then heal it:
-  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"status=500;p=0.5|drop_after=4;p=0.2"}}}}' >/dev/null
-  for i in $(seq 20); do curl -s -o /dev/null -D - http://{host}:{{port}}/v1/chat/completions \\
+Breakers and retries: make a demo-llama replica sick (its /health stays fine; 70% of its answers a
+500, the rest dropped connections), send traffic, watch its breaker open after 5 faults in a row
+(x-retries shows each fault retried on the other replica), then heal it:
+  curl -s http://127.0.0.1:8102/_sim/config -d '{{{{"fault":"status=500;p=0.7|drop_after=4"}}}}' >/dev/null
+  for i in $(seq 30); do curl -s -o /dev/null -D - http://{host}:{{port}}/v1/chat/completions \\
        -H 'Content-Type: application/json' -d '{{{{"model":"demo-llama","messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' \\
        | grep -i -e '^HTTP' -e '^x-retries'; done
   curl -s http://{host}:{{port}}/metrics | grep -e '^switchyard_breaker_state' -e '^switchyard_retries_total'
