@@ -534,3 +534,43 @@ def test_the_index_says_where_every_config_block_is_described():
     shown = set().union(*(yaml.safe_load(block) for _, block in _yaml_blocks(section)))
     named = set(re.findall(r"`([a-z_]+)`", _prose(section)))
     assert not blocks - shown - named, f"config blocks docs/index.md does not place: {sorted(blocks - shown - named)}"
+
+
+# --- what the Python snippets need -----------------------------------------------------------------
+
+def _python_imports(markdown: str) -> set[str]:
+    """The top-level modules the ```python blocks of a page import."""
+    import ast
+
+    out = set()
+    for m in re.finditer(r"^```python\n(.*?)^```", markdown, re.S | re.M):
+        for node in ast.walk(ast.parse(m.group(1))):
+            if isinstance(node, ast.Import):
+                out |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out.add(node.module.split(".")[0])
+    return out
+
+
+def test_a_python_snippet_needs_only_what_make_demo_installs_or_says_what_to_install():
+    """`make demo` installs the gateway's own dependencies (requirements.lock), not the dev extra's
+    SDKs: a page whose Python snippet imports a package from outside them says to install it."""
+    import importlib.metadata
+
+    runtime = {name.lower() for name in re.findall(r"^([A-Za-z0-9_.-]+)==", (ROOT / "requirements.lock").read_text(), re.M)}
+    dists = importlib.metadata.packages_distributions()
+    wrong = []
+    for page in [*_manual(), ROOT / "enginesim" / "README.md", ROOT / "bench" / "README.md"]:
+        text = page.read_text(encoding="utf-8")
+        for module in sorted(_python_imports(text) - set(sys.stdlib_module_names)):
+            names = {d.lower() for d in dists.get(module, [module])}
+            if module in ("gateway", "enginesim", "routers", "handlers", "k8s", "bench") or names & runtime:
+                continue
+            if not any(re.search(rf"pip install [^`\n]*\b{re.escape(n)}\b", text, re.I) for n in names):
+                wrong.append(f"{page.relative_to(ROOT)}: imports {module}")
+    assert not wrong, "Python snippets that need a package `make demo` does not install, with no word of it:\n" + "\n".join(wrong)
+
+
+def test_the_import_check_reads_snippets():
+    md = "```python\nimport json, openai.types\nfrom anthropic import A\nfrom . import x\n```\n`import nope`\n"
+    assert _python_imports(md) == {"json", "openai", "anthropic"}
