@@ -46,6 +46,8 @@ async def test_demo_answers_every_model_streaming_and_not():
                     pytest.fail(f"demo exited early:\n{banner.decode()}")
                 banner += line
         assert b"curl" in banner and b"OpenAI" in banner and b"Metrics:" in banner
+        # its python lines import the OpenAI SDK, which the demo's own install (the runtime lock) lacks
+        assert b"pip install openai" in banner.split(b'python -c "from openai', 1)[0]
         assert f"http://127.0.0.1:{port}/status ".encode() in banner
         # every curl line is a command of its own, its continuation lines indented under it
         assert not re.search(rb"' {2,}-d '", banner)     # a continuation joined to the line above it
