@@ -132,6 +132,7 @@ Try:
        -H 'Content-Type: application/json' -d '{{{{"model":"demo-llama","max_tokens":64,"messages":[{{{{"role":"user","content":"Hi"}}}}]}}}}' & done; wait
   curl -s http://{host}:{{port}}/metrics | grep -E '^switchyard_admission_(shed|queue_depth)'
 
+  # the python lines need the OpenAI SDK, which the gateway does not: pip install openai
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
 print(c.chat.completions.create(model='demo-llama-pd', messages=[{{{{'role':'user','content':'Hi'}}}}]).choices[0].message.content)"
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://{host}:{{port}}/v1', api_key='none'); \\
