@@ -574,3 +574,28 @@ def test_a_python_snippet_needs_only_what_make_demo_installs_or_says_what_to_ins
 def test_the_import_check_reads_snippets():
     md = "```python\nimport json, openai.types\nfrom anthropic import A\nfrom . import x\n```\n`import nope`\n"
     assert _python_imports(md) == {"json", "openai", "anthropic"}
+
+
+# --- the engine simulator's README -----------------------------------------------------------------
+
+def test_the_simulator_layout_names_every_module():
+    """enginesim/README.md's Layout lists each module of enginesim/ (the package's own files), and
+    no file that is not there."""
+    page = (ROOT / "enginesim" / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"^## Layout\n\n```\n(.*?)^```", page, re.S | re.M).group(1)
+    listed = set(re.findall(r"^([\w.]+\.py) ", block, re.M))
+    present = {p.name for p in (ROOT / "enginesim").glob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    assert listed == present, f"enginesim layout: missing {sorted(present - listed)}, not there {sorted(listed - present)}"
+
+
+def test_every_simulator_knob_is_in_its_readme():
+    """Each SimConfig field (a CLI flag each) is named in enginesim/README.md, as the field or as
+    its flag: `python -m enginesim --help` lists them, the README says what they do."""
+    import dataclasses
+
+    from enginesim import SimConfig
+
+    page = (ROOT / "enginesim" / "README.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"`([a-z_]+)`", page)) | {f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", page)}
+    missing = [f.name for f in dataclasses.fields(SimConfig) if f.name not in named]
+    assert not missing, f"SimConfig knobs enginesim/README.md does not name: {missing}"
