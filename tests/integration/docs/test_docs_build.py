@@ -599,3 +599,41 @@ def test_every_simulator_knob_is_in_its_readme():
     named = set(re.findall(r"`([a-z_]+)`", page)) | {f.replace("-", "_") for f in re.findall(r"--([a-z][a-z0-9-]*)", page)}
     missing = [f.name for f in dataclasses.fields(SimConfig) if f.name not in named]
     assert not missing, f"SimConfig knobs enginesim/README.md does not name: {missing}"
+
+
+# --- the command lines a reader copies --------------------------------------------------------------
+
+def _command_flags(text: str, program: str) -> list[tuple[int, str]]:
+    """The ``--flags`` of each ``python -m <program> ...`` command line of a page (continuation
+    lines joined), with their lines; a command ends at a backtick, a comment, a pipe or a line's end."""
+    out = []
+    for m in re.finditer(rf"python3? -m {re.escape(program)}(?![\w.])((?:\\\n|[^`\n#|]|\|(?=[a-z]))*)", text):
+        line = text.count("\n", 0, m.start()) + 1
+        out += [(line, f) for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", m.group(1))]
+    return out
+
+
+def test_every_flag_of_a_documented_command_is_one_the_cli_has():
+    """`python -m gateway --...` and `python -m enginesim --...` as the README, the manual, the
+    examples and the simulator's README write them: each flag is one the command takes."""
+    from enginesim.config import build_parser
+
+    helps = subprocess.run([sys.executable, "-m", "gateway", "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60, env={**os.environ, "COLUMNS": "200"}).stdout
+    known = {"gateway": set(re.findall(r"(--[a-z][a-z0-9-]*)", helps)),
+             "enginesim": {s for a in build_parser()._actions for s in a.option_strings}}
+    assert "--check-config" in known["gateway"] and "--kv-events-port" in known["enginesim"]
+    pages = [*_manual(), *sorted((ROOT / "examples").glob("*.yaml")), ROOT / "enginesim" / "README.md",
+             ROOT / "bench" / "README.md"]
+    wrong = [f"{page.relative_to(ROOT)}:{line}: python -m {program} {flag}" for page in pages
+             for program in known for line, flag in _command_flags(page.read_text(encoding="utf-8"), program)
+             if flag not in known[program]]
+    assert not wrong, "flags the documented commands do not take:\n" + "\n".join(wrong)
+
+
+def test_the_flag_check_reads_command_lines():
+    md = ("`python -m gateway --config f --workers auto` and --nope\n"
+          "python -m gateway --demo \\\n  --port 1 # --not-this\npython -m gateway.admin_cli --url u\n"
+          "python -m gateway --log-format auto|json | grep --count x\n")
+    assert _command_flags(md, "gateway") == [(1, "--config"), (1, "--workers"), (2, "--demo"), (2, "--port"),
+                                             (5, "--log-format")]
