@@ -169,3 +169,22 @@ def test_four_features_unrolled_give_the_loops_floats_exactly():
                 summed += wi * v
             assert fast.predict(x) == summed
         assert fast.w == loops.w and fast.p == loops.p and fast.n == loops.n
+
+
+def test_prompts_of_one_length_leave_the_fit_near_what_it_saw():
+    """Prompts all of about one length (a few tokens either way): the uncached tokens move with the
+    intercept, and KV usage with the running count, so the data cannot tell their weights apart. A
+    request that moves them a little (a prefix hit, a fuller KV cache, a longer prompt) must still be
+    predicted near the latencies observed, not at weights that drifted apart along the blind
+    direction (thousands of ms per ktoken, the prediction clamped to 0)."""
+    for seed in range(4):
+        model, (ep,), rng = _model(slo_min_samples=1), endpoints(1), random.Random(seed)
+        for _ in range(3000):
+            tokens, running = 500 + rng.randint(-3, 3), rng.randint(0, 3)
+            kv = running * tokens / 100_000
+            f = Features(0.0, (1.0, running, tokens / 1000, kv), (1.0, running + 1.0, kv, tokens / 1000))
+            model.observe(ep, f, 50 + 5 * running + rng.gauss(0, 30), 10 + rng.gauss(0, 2))
+        for uncached, kv, prompt in ((0.5, 0.005, 0.5), (0.0, 0.005, 0.5), (0.5, 0.3, 0.5), (0.5, 0.005, 2.0)):
+            ttft, tpot = model.predict(ep, Features(0.0, (1.0, 1.0, uncached, kv), (1.0, 2.0, kv, prompt)))
+            assert 40 <= ttft <= 70, (seed, uncached, kv, model.weights(ep))     # 55 ms observed at 1 running
+            assert 8 <= tpot <= 12, (seed, kv, prompt, model.weights(ep))
