@@ -30,18 +30,25 @@ first of them finished. The uncached
 tokens are the prompt's estimate less what the prefix index (or the engine's KV events) says the
 endpoint holds.
 
-Why linear, and why recursive least squares with exponential forgetting (``OnlineRegression``):
-the engines' own latency is close to linear in these features over the range a router sees
-(prefill time grows with uncached tokens, queueing with the requests ahead, decode time with the
-batch); the latency predictor of llm-d and the Gateway API Inference Extension reads the same
-features and offers a Bayesian ridge regression (a linear model) beside gradient-boosted trees,
-trained in a sidecar process. RLS gives the exact least-squares fit of everything seen, updated in O(d²) per
-observation (d ≤ 5: a few dozen multiplications) with no dependency and no batch retraining; the
-forgetting factor λ (``routing.slo_forgetting``) weighs an observation k requests old by λᵏ, so
-the fit follows an engine that gets slower or faster (memory ≈ 1 / (1 − λ) requests). Memory is
-bounded: two d×d matrices per endpoint, at most ``MAX_ENDPOINTS`` endpoints (least recently
-observed forgotten first). A heavier learner (trees, a sidecar) would capture the queueing knee
-better but costs a process, a dependency or milliseconds per decision.
+Why linear, and why an exponentially weighted least-squares fit with a ridge prior
+(``OnlineRegression``): the engines' own latency is close to linear in these features over the
+range a router sees (prefill time grows with uncached tokens, queueing with the requests ahead,
+decode time with the batch); the latency predictor of llm-d and the Gateway API Inference
+Extension reads the same features and offers a Bayesian ridge regression (a linear model) beside
+gradient-boosted trees, trained in a sidecar process. The fit keeps the weighted means and centred
+co-moments of its features (O(d²) per observation, d ≤ 5: a few dozen multiplications, no
+dependency, no batch retraining) and solves for the weights after each observation; the forgetting
+factor λ (``routing.slo_forgetting``) weighs an observation k requests old by λᵏ, so the fit
+follows an engine that gets slower or faster (memory ≈ 1 / (1 − λ) requests). The features are
+centred and each slope is pulled toward 0 by a prior worth ``RIDGE`` observations: real traffic is
+often collinear (prompts of one length make the uncached tokens a second intercept; KV usage moves
+with the running count), and a plain least-squares fit then has weights the data does not
+determine, which drift apart (thousands of ms per ktoken) and predict 0 or seconds for a request
+that moves such a feature a little. Under the prior a feature that has not spread is read as not
+moving: the prediction stays at the weighted mean of what was seen. Memory is bounded: a few
+small matrices per endpoint, at most ``MAX_ENDPOINTS`` endpoints (least recently observed
+forgotten first). A heavier learner (trees, a sidecar) would capture the queueing knee better but
+costs a process, a dependency or milliseconds per decision.
 
 Until an endpoint has ``routing.slo_min_samples`` observations of a quantity, its prediction is
 ``None``: the router then does without (see ``routers.slo``).
@@ -52,14 +59,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from math import sqrt
 from typing import Protocol
 
 from gateway.endpoints import Endpoint
 
 # at most this many endpoints' models are kept; the least recently observed go first
 MAX_ENDPOINTS = 4096
-# the prior: w = 0 with covariance PRIOR · I (a ridge penalty of 1 / PRIOR, negligible after a few samples)
-PRIOR = 1e4
+# the prior's weight on each slope, in observations at a spread of one unit of its feature (a request
+# running, a ktoken, the whole KV cache): a feature that spread less than this is read as not moving
+RIDGE = 0.1
 
 TTFT_FEATURES = ("intercept", "running", "uncached_ktokens", "kv_usage")
 TPOT_FEATURES = ("intercept", "running", "kv_usage", "prompt_ktokens")
@@ -77,23 +86,38 @@ class LatencySettings(Protocol):
 
 
 class OnlineRegression:
-    """Recursive least squares with exponential forgetting: ``y ≈ w · x``.
+    """Weighted least squares, exponentially forgetting, with a ridge prior toward the mean model:
+    ``y ≈ w · x``, the first feature being the intercept (always 1).
 
-    After each ``update`` the weights minimise Σ λ^(n−i) (y_i − w·x_i)² (plus a vanishing ridge
-    term). ``p`` is the inverse of the weighted Gram matrix; with forgetting it grows along
-    directions the features stop exploring (a constant feature), so its trace is capped: past the
-    cap an update no longer divides by λ (no wind-up)."""
+    After each ``update`` the weights minimise Σ ωᵢ (yᵢ − w·xᵢ)² + ``ridge`` · Σⱼ₌₁ wⱼ², where ωᵢ
+    is λ^(n−i): the slopes (every weight but the
+    intercept) are solved on centred features, and the intercept is the weighted mean of y less the
+    slopes at the weighted means of the features. What the model keeps is those weighted means,
+    the centred co-moments of the features and of the features with y (updated as Welford's
+    algorithm does, so a feature with a large mean and a small spread loses no precision), and the
+    total weight. A slope whose feature has not spread beyond the prior's ``ridge`` (in
+    observations at a spread of one unit) stays near 0: prompts all of one length, a KV gauge that
+    hardly moves, leave the prediction at the mean of what was seen, rather than at weights that
+    cancel on the data and diverge anywhere else (the intercept and such a feature are collinear).
+    The prior does not fade with forgetting, so neither does the conditioning."""
 
-    __slots__ = ("w", "p", "lam", "cap", "n")
+    __slots__ = ("w", "lam", "ridge", "n", "mass", "mean_x", "mean_y", "cxx", "cxy")
 
-    def __init__(self, dim: int, forgetting: float = 1.0, prior: float = PRIOR) -> None:
+    def __init__(self, dim: int, forgetting: float = 1.0, ridge: float = RIDGE) -> None:
         if not 0.0 < forgetting <= 1.0:
             raise ValueError("forgetting must be in (0, 1]")
+        if ridge <= 0.0:
+            raise ValueError("ridge must be positive")
+        k = dim - 1
         self.w = [0.0] * dim
-        self.p = [[prior if i == j else 0.0 for j in range(dim)] for i in range(dim)]
         self.lam = forgetting
-        self.cap = prior * dim
+        self.ridge = ridge
         self.n = 0
+        self.mass = 0.0                                  # Σ ω
+        self.mean_x = [0.0] * k                          # weighted means of the features but the intercept
+        self.mean_y = 0.0
+        self.cxx = [[0.0] * k for _ in range(k)]         # Σ ω (x − x̄)(x − x̄)ᵀ
+        self.cxy = [0.0] * k                             # Σ ω (x − x̄)(y − ȳ)
 
     def predict(self, x: Sequence[float]) -> float:
         w = self.w
@@ -115,71 +139,122 @@ class OnlineRegression:
         of these (TTFT and TPOT), and the loops cost several times the arithmetic. The same
         operations in the same order, so the same floats (tests/unit/routers/test_latency.py holds
         it to that)."""
-        p, w = self.p, self.w
-        x0, x1, x2, x3 = x
-        (a00, a01, a02, a03), (a10, a11, a12, a13), (a20, a21, a22, a23), (a30, a31, a32, a33) = p
-        v0 = 0.0 + a00 * x0 + a01 * x1 + a02 * x2 + a03 * x3
-        v1 = 0.0 + a10 * x0 + a11 * x1 + a12 * x2 + a13 * x3
-        v2 = 0.0 + a20 * x0 + a21 * x1 + a22 * x2 + a23 * x3
-        v3 = 0.0 + a30 * x0 + a31 * x1 + a32 * x2 + a33 * x3
-        lam = self.lam
-        denom = lam + x0 * v0 + x1 * v1 + x2 * v2 + x3 * v3
-        err = y - w[0] * x0 - w[1] * x1 - w[2] * x2 - w[3] * x3
-        if denom <= 0.0:            # only by rounding: skip rather than corrupt p
-            return
-        inv_denom = 1.0 / denom
-        k0, k1, k2, k3 = v0 * inv_denom, v1 * inv_denom, v2 * inv_denom, v3 * inv_denom
-        w[0] += k0 * err
-        w[1] += k1 * err
-        w[2] += k2 * err
-        w[3] += k3 * err
-        a00, a01, a02, a03 = a00 - k0 * v0, a01 - k0 * v1, a02 - k0 * v2, a03 - k0 * v3
-        a10, a11, a12, a13 = a10 - k1 * v0, a11 - k1 * v1, a12 - k1 * v2, a13 - k1 * v3
-        a20, a21, a22, a23 = a20 - k2 * v0, a21 - k2 * v1, a22 - k2 * v2, a23 - k2 * v3
-        a30, a31, a32, a33 = a30 - k3 * v0, a31 - k3 * v1, a32 - k3 * v2, a33 - k3 * v3
-        trace = 0.0 + a00 + a11 + a22 + a33
-        if lam < 1.0 and trace / lam <= self.cap:
-            inv = 1.0 / lam
-            p[0] = [a00 * inv, a01 * inv, a02 * inv, a03 * inv]
-            p[1] = [a10 * inv, a11 * inv, a12 * inv, a13 * inv]
-            p[2] = [a20 * inv, a21 * inv, a22 * inv, a23 * inv]
-            p[3] = [a30 * inv, a31 * inv, a32 * inv, a33 * inv]
-        else:
-            p[0] = [a00, a01, a02, a03]
-            p[1] = [a10, a11, a12, a13]
-            p[2] = [a20, a21, a22, a23]
-            p[3] = [a30, a31, a32, a33]
+        d = self.lam
+        old = self.mass * d
+        mass = old + 1.0
+        share, keep = 1.0 / mass, old / mass
+        mx, (r0, r1, r2), cy = self.mean_x, self.cxx, self.cxy
+        dy = y - self.mean_y
+        mean_y = self.mean_y = self.mean_y + dy * share
+        _, x1, x2, x3 = x
+        d0, d1, d2 = x1 - mx[0], x2 - mx[1], x3 - mx[2]
+        m0, m1, m2 = mx[0] + d0 * share, mx[1] + d1 * share, mx[2] + d2 * share
+        self.mean_x = [m0, m1, m2]
+        k0, k1, k2 = keep * d0, keep * d1, keep * d2
+        c00, c01, c02 = r0[0] * d + k0 * d0, r0[1] * d + k0 * d1, r0[2] * d + k0 * d2
+        c10, c11, c12 = r1[0] * d + k1 * d0, r1[1] * d + k1 * d1, r1[2] * d + k1 * d2
+        c20, c21, c22 = r2[0] * d + k2 * d0, r2[1] * d + k2 * d1, r2[2] * d + k2 * d2
+        self.cxx = [[c00, c01, c02], [c10, c11, c12], [c20, c21, c22]]
+        y0, y1, y2 = cy[0] * d + k0 * dy, cy[1] * d + k1 * dy, cy[2] * d + k2 * dy
+        self.cxy = [y0, y1, y2]
+        self.mass = mass
         self.n += 1
+        # the solve of _solve, for three slopes
+        ridge = self.ridge
+        s = c00 + ridge
+        l00 = sqrt(s) if s > 0.0 else sqrt(ridge)
+        l10 = c10 / l00
+        s = c11 + ridge
+        s -= l10 * l10
+        l11 = sqrt(s) if s > 0.0 else sqrt(ridge)
+        l20 = c20 / l00
+        s = c21
+        s -= l20 * l10
+        l21 = s / l11
+        s = c22 + ridge
+        s -= l20 * l20
+        s -= l21 * l21
+        l22 = sqrt(s) if s > 0.0 else sqrt(ridge)
+        z0 = y0 / l00
+        s = y1
+        s -= l10 * z0
+        z1 = s / l11
+        s = y2
+        s -= l20 * z0
+        s -= l21 * z1
+        z2 = s / l22
+        b2 = z2 / l22
+        s = z1
+        s -= l21 * b2
+        b1 = s / l11
+        s = z0
+        s -= l10 * b1
+        s -= l20 * b2
+        b0 = s / l00
+        intercept = mean_y
+        intercept -= b0 * m0
+        intercept -= b1 * m1
+        intercept -= b2 * m2
+        self.w = [intercept, b0, b1, b2]
 
     def _update(self, x: Sequence[float], y: float) -> None:
         # plain loops over short lists: generator expressions cost more than the arithmetic here
-        p, w = self.p, self.w
-        px = []
-        denom = self.lam
-        err = y
-        for row, xi, wi in zip(p, x, w, strict=True):
-            v = 0.0
-            for a, b in zip(row, x, strict=True):
-                v += a * b
-            px.append(v)
-            denom += xi * v
-            err -= wi * xi
-        if denom <= 0.0:            # only by rounding: skip rather than corrupt p
-            return
-        inv_denom = 1.0 / denom
-        trace = 0.0
-        for i, row in enumerate(p):
-            ki = px[i] * inv_denom
-            w[i] += ki * err
-            for j, pj in enumerate(px):
-                row[j] -= ki * pj
-            trace += row[i]
-        if self.lam < 1.0 and trace / self.lam <= self.cap:
-            inv = 1.0 / self.lam
-            for row in p:
-                for j in range(len(row)):
-                    row[j] *= inv
+        d = self.lam
+        old = self.mass * d
+        mass = old + 1.0
+        share, keep = 1.0 / mass, old / mass
+        mean_x, cxx, cxy = self.mean_x, self.cxx, self.cxy
+        dy = y - self.mean_y
+        self.mean_y += dy * share
+        dx = [x[i + 1] - m for i, m in enumerate(mean_x)]
+        for i, di in enumerate(dx):
+            mean_x[i] += di * share
+            row = cxx[i]
+            kdi = keep * di
+            for j, dj in enumerate(dx):
+                row[j] = row[j] * d + kdi * dj
+            cxy[i] = cxy[i] * d + kdi * dy
+        self.mass = mass
         self.n += 1
+        self._solve()
+
+    def _solve(self) -> None:
+        """The slopes: (C + ridge · I) β = c by Cholesky (C + ridge · I is positive definite); the
+        intercept: ȳ − β · x̄."""
+        cxx, cxy, k, ridge = self.cxx, self.cxy, len(self.cxy), self.ridge
+        low: list[list[float]] = []
+        for i in range(k):
+            row = cxx[i]
+            li = [0.0] * k
+            for j in range(i + 1):
+                lj = low[j] if j < i else li
+                s = row[j] + ridge if i == j else row[j]
+                for m in range(j):
+                    s -= li[m] * lj[m]
+                if i == j:
+                    li[i] = sqrt(s) if s > 0.0 else sqrt(ridge)
+                else:
+                    li[j] = s / lj[j]
+            low.append(li)
+        z = [0.0] * k
+        for i in range(k):
+            s = cxy[i]
+            li = low[i]
+            for m in range(i):
+                s -= li[m] * z[m]
+            z[i] = s / li[i]
+        beta = [0.0] * k
+        for i in reversed(range(k)):
+            s = z[i]
+            for m in range(i + 1, k):
+                s -= low[m][i] * beta[m]
+            beta[i] = s / low[i][i]
+        w = self.w
+        intercept = self.mean_y
+        for i, b in enumerate(beta):
+            w[i + 1] = b
+            intercept -= b * self.mean_x[i]
+        w[0] = intercept
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,8 @@ def _random_features(rng: random.Random) -> Features:
 
 
 def test_it_learns_a_linear_relation_from_observations():
+    # within a percent: the prior pulls each slope toward 0 by about RIDGE / its feature's weighted
+    # spread (here 0.1 / 7 on KV usage, which moves latency least)
     model, (ep,) = _model(slo_forgetting=0.99), endpoints(1)
     rng = random.Random(3)
     for _ in range(200):
@@ -41,8 +43,8 @@ def test_it_learns_a_linear_relation_from_observations():
     for _ in range(50):
         f = _random_features(rng)
         ttft, tpot = model.predict(ep, f)
-        assert ttft == pytest.approx(_ttft(f), rel=1e-3)
-        assert tpot == pytest.approx(_tpot(f.tpot), rel=1e-3)
+        assert ttft == pytest.approx(_ttft(f), rel=1e-2)
+        assert tpot == pytest.approx(_tpot(f.tpot), rel=1e-2)
     w = model.weights(ep)
     assert w["ttft"]["uncached_ktokens"] == pytest.approx(400, rel=1e-3)
     assert w["tpot"]["running"] == pytest.approx(1.5, rel=1e-3)
@@ -72,9 +74,9 @@ def test_a_feature_that_never_moves_does_not_wind_the_fit_up():
     for _ in range(5000):                      # the third feature is always 0 (no KV gauge)
         x = (1.0, rng.uniform(0, 4), 0.0)
         reg.update(x, 10 + 5 * x[1])
-    assert sum(reg.p[i][i] for i in range(3)) <= reg.cap * 1.0001
-    assert all(math.isfinite(v) for row in reg.p for v in row)
+    assert all(math.isfinite(v) for row in reg.cxx for v in row) and reg.w[2] == 0.0
     assert reg.predict((1.0, 2.0, 0.0)) == pytest.approx(20, rel=1e-3)
+    assert reg.predict((1.0, 2.0, 0.5)) == pytest.approx(20, rel=1e-3)      # a weight it never learnt: none
 
 
 def test_without_observations_it_predicts_nothing():
@@ -104,7 +106,7 @@ def test_memory_is_bounded_per_endpoint_and_in_endpoints():
         f = _random_features(rng)
         model.observe(ep, f, _ttft(f), _tpot(f.tpot))
     m = model._models[ep]
-    assert len(m.ttft.w) == 4 and len(m.ttft.p) == 4 and len(m.tpot.w) == 4
+    assert len(m.ttft.w) == 4 and len(m.ttft.cxx) == 3 and len(m.tpot.w) == 4
     model.forget(ep)
     assert model.samples(ep) == (0, 0)
 
@@ -155,7 +157,7 @@ def test_a_full_batch_makes_the_request_wait_for_slots_at_the_service_time():
 
 def test_four_features_unrolled_give_the_loops_floats_exactly():
     """The gateway's models have four features; their update and prediction are unrolled, and
-    must give exactly what the general loops give, forgetting and the trace cap included."""
+    must give exactly what the general loops give, forgetting and a feature that stops moving included."""
     rng = random.Random(13)
     for forgetting in (1.0, 0.99, 0.9):
         fast, loops = OnlineRegression(4, forgetting), OnlineRegression(4, forgetting)
@@ -168,7 +170,8 @@ def test_four_features_unrolled_give_the_loops_floats_exactly():
             for wi, v in zip(loops.w, x, strict=True):
                 summed += wi * v
             assert fast.predict(x) == summed
-        assert fast.w == loops.w and fast.p == loops.p and fast.n == loops.n
+        assert fast.w == loops.w and fast.cxx == loops.cxx and fast.cxy == loops.cxy and fast.n == loops.n
+        assert fast.mean_x == loops.mean_x and fast.mean_y == loops.mean_y and fast.mass == loops.mass
 
 
 def test_prompts_of_one_length_leave_the_fit_near_what_it_saw():
