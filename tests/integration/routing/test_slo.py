@@ -3,6 +3,8 @@ objective goes to the fast engine and a loose one is packed on the slow one."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import orjson
 
@@ -43,3 +45,28 @@ async def test_a_tight_ttft_goes_to_the_fast_engine_once_the_gateway_has_learnt_
     assert 'switchyard_slo_routing_decisions_total{model="m",reason="slo_feasible"} 9.0' in text
     assert 'switchyard_slo_routing_requests_total{model="m",result="met",strategy="slo"} 9.0' in text
     assert 'switchyard_slo_routing_prediction_error_ratio_count{model="m",objective="ttft"}' in text
+
+
+async def test_an_engine_seen_slow_a_while_ago_is_judged_by_what_it_shows_now(sims, gateway):
+    """a stalls 0.2 s before its first token while the gateway learns it, then stops. Its two slow
+    observations are ten half-lives old when a fresh one shows it fast: spread sends the next
+    request to a (about 5 ms), not to b (120 ms) on what a showed before."""
+    a = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2)
+    b = await sims("vllm", "m", ttft_base_ms=120, itl_ms=2)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="slo")],
+                       routing={"slo_min_samples": 2, "slo_exploration": 0.0, "slo_select": "spread",
+                                "slo_half_life_s": 0.04})
+    a_pod, b_pod = (e.url.removeprefix("http://") for e in (a, b))
+    rr = {"routing-strategy": "round-robin"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(a.url + "/_sim/config", json={"fault": "stall_before_first=0.2"}) as r:
+            assert r.status == 200
+        for i in range(4):                      # two observations of each
+            assert (await _stream(s, gw.url, f"{i} warm-up", rr))[0] == 200
+        assert await _stream(s, gw.url, "slow a", {"x-slo-ttft-ms": "2000"}) == (200, b_pod)
+        async with s.post(a.url + "/_sim/config", json={"fault": "none"}) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.4)
+        pods = {(await _stream(s, gw.url, f"{i} after", rr))[1] for i in range(2)}     # one more of each
+        assert pods == {a_pod, b_pod}
+        assert await _stream(s, gw.url, "fast a", {"x-slo-ttft-ms": "2000"}) == (200, a_pod)

@@ -191,3 +191,22 @@ def test_prompts_of_one_length_leave_the_fit_near_what_it_saw():
             ttft, tpot = model.predict(ep, Features(0.0, (1.0, 1.0, uncached, kv), (1.0, 2.0, kv, prompt)))
             assert 40 <= ttft <= 70, (seed, uncached, kv, model.weights(ep))     # 55 ms observed at 1 running
             assert 8 <= tpot <= 12, (seed, kv, prompt, model.weights(ep))
+
+
+def test_what_an_endpoint_showed_long_ago_weighs_less_than_what_it_shows_now():
+    """An engine observed slow at full traffic, then fast again but observed only by a few exploring
+    requests (one every 10 s for 5 minutes): its prediction must follow what it shows now, not
+    wait for a hundred new observations to outweigh a hundred old ones."""
+    clock = Clock()
+    model, (ep,) = _model(clock, slo_min_samples=1), endpoints(1)
+    f = model.features(1000, ep, 0.0)
+    for _ in range(300):
+        clock.t += 0.1
+        model.observe(ep, f, 1000.0, 50.0, service_ms=5000.0)
+    for _ in range(30):
+        clock.t += 10.0
+        model.observe(ep, f, 100.0, 10.0, service_ms=500.0)
+    ttft, tpot = model.predict(ep, f)
+    assert ttft is not None and tpot is not None
+    assert ttft < 150 and tpot < 15
+    assert model._models[ep].service_ms < 750

@@ -3,6 +3,7 @@ prefix-cache's behaviour for requests without objectives."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from functools import partial
 
@@ -194,3 +195,31 @@ def test_a_decision_with_objectives_leaves_its_record_for_after_the_leg():
     assert ctx.prefix_index.match(req, [fast, slow]) == {fast: 0.0, slow: 0.0}   # not recorded yet
     d.learn()
     assert ctx.prefix_index.match(req, [fast, slow])[fast] == 100.0
+
+
+def test_a_recovered_engine_gets_its_traffic_back_within_minutes():
+    """Three engines at 10 requests a second, spread: a is slow for a minute, then the fastest.
+    Meanwhile only exploring requests (about 1.7% of them) observe a; what it showed a minute ago
+    must lose weight with time, not only with a's own observations, so that a minute or two later
+    it is predicted fast and takes the requests again."""
+    router, ctx, eps, _ = setup(n=3, seed=5, slo_select="spread")
+    a = eps[0]
+    model, clock = ctx.latency, ctx.clock
+    rng = random.Random(5)
+
+    def serve(ep, a_slow: bool) -> None:
+        f = model.features(1000, ep, 0.0)
+        base = (1000.0 if a_slow else 50.0) if ep is a else 100.0
+        model.observe(ep, f, base + rng.gauss(0, 5), 10.0)
+
+    for ep in eps:
+        for _ in range(20):
+            serve(ep, True)
+    to_a: list[str] = []
+    for i in range(3600):                       # 6 minutes; a recovers after the first
+        clock.t += 0.1
+        d = router.route(slo_req(ttft=2000), eps)
+        serve(d.endpoint, a_slow=i < 600)
+        if i >= 600 + 2400 and d.endpoint is a:     # from 4 minutes after its recovery
+            to_a.append(d.reason)
+    assert to_a.count("slo_feasible") > 300, Counter(to_a)
