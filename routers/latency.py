@@ -39,7 +39,11 @@ gradient-boosted trees, trained in a sidecar process. The fit keeps the weighted
 co-moments of its features (O(d²) per observation, d ≤ 5: a few dozen multiplications, no
 dependency, no batch retraining) and solves for the weights after each observation; the forgetting
 factor λ (``routing.slo_forgetting``) weighs an observation k requests old by λᵏ, so the fit
-follows an engine that gets slower or faster (memory ≈ 1 / (1 − λ) requests). The features are
+follows an engine that gets slower or faster (memory ≈ 1 / (1 − λ) requests); and an observation
+t seconds old weighs 2^(−t / ``routing.slo_half_life_s``) besides: an endpoint the router stopped
+sending requests to (predicted too slow) is observed only by the exploring ones, a few a minute,
+and without the time it would take a hundred of those to outweigh what it showed before — the
+recovered engine would wait tens of minutes for its traffic. The features are
 centred and each slope is pulled toward 0 by a prior worth ``RIDGE`` observations: real traffic is
 often collinear (prompts of one length make the uncached tokens a second intercept; KV usage moves
 with the running count), and a plain least-squares fit then has weights the data does not
@@ -82,6 +86,8 @@ class LatencySettings(Protocol):
     @property
     def slo_min_samples(self) -> int: ...
     @property
+    def slo_half_life_s(self) -> float: ...
+    @property
     def metrics_max_age_s(self) -> float: ...
 
 
@@ -90,7 +96,7 @@ class OnlineRegression:
     ``y ≈ w · x``, the first feature being the intercept (always 1).
 
     After each ``update`` the weights minimise Σ ωᵢ (yᵢ − w·xᵢ)² + ``ridge`` · Σⱼ₌₁ wⱼ², where ωᵢ
-    is λ^(n−i): the slopes (every weight but the
+    is λ^(n−i) (times the ``decay`` of every later update): the slopes (every weight but the
     intercept) are solved on centred features, and the intercept is the weighted mean of y less the
     slopes at the weighted means of the features. What the model keeps is those weighted means,
     the centred co-moments of the features and of the features with y (updated as Welford's
@@ -128,18 +134,20 @@ class OnlineRegression:
             y += wi * v
         return y
 
-    def update(self, x: Sequence[float], y: float) -> None:
+    def update(self, x: Sequence[float], y: float, decay: float = 1.0) -> None:
+        """One observation; ``decay`` (at most 1) weighs every earlier one down by that much beside
+        the forgetting factor (``LatencyModel``: by the time since the previous one)."""
         if len(self.w) == 4 and len(x) == 4:
-            self._update4(x, y)
+            self._update4(x, y, decay)
         else:
-            self._update(x, y)
+            self._update(x, y, decay)
 
-    def _update4(self, x: Sequence[float], y: float) -> None:
+    def _update4(self, x: Sequence[float], y: float, decay: float = 1.0) -> None:
         """``_update`` for four features, unrolled onto local variables: every stream's end runs two
         of these (TTFT and TPOT), and the loops cost several times the arithmetic. The same
         operations in the same order, so the same floats (tests/unit/routers/test_latency.py holds
         it to that)."""
-        d = self.lam
+        d = self.lam * decay
         old = self.mass * d
         mass = old + 1.0
         share, keep = 1.0 / mass, old / mass
@@ -197,9 +205,9 @@ class OnlineRegression:
         intercept -= b2 * m2
         self.w = [intercept, b0, b1, b2]
 
-    def _update(self, x: Sequence[float], y: float) -> None:
+    def _update(self, x: Sequence[float], y: float, decay: float = 1.0) -> None:
         # plain loops over short lists: generator expressions cost more than the arithmetic here
-        d = self.lam
+        d = self.lam * decay
         old = self.mass * d
         mass = old + 1.0
         share, keep = 1.0 / mass, old / mass
@@ -268,13 +276,15 @@ class Features:
 
 
 class _EndpointModel:
-    __slots__ = ("ttft", "tpot", "service_ms", "services")
+    __slots__ = ("ttft", "tpot", "service_ms", "services", "ttft_at", "tpot_at", "service_at")
 
     def __init__(self, forgetting: float) -> None:
         self.ttft = OnlineRegression(len(TTFT_FEATURES), forgetting)
         self.tpot = OnlineRegression(len(TPOT_FEATURES), forgetting)
         self.service_ms = 0.0           # mean time from first token to last, weighted as the fits
-        self.services = 0
+        self.services = 0.0             # the observations behind it, each aged by time as in the fits
+        # when each quantity was last observed (the model's clock)
+        self.ttft_at = self.tpot_at = self.service_at = 0.0
 
 
 class LatencyModel:
@@ -283,6 +293,7 @@ class LatencyModel:
     def __init__(self, settings: LatencySettings, clock: Callable[[], float]) -> None:
         self.forgetting = settings.slo_forgetting
         self.min_samples = max(1, settings.slo_min_samples)
+        self.half_life = settings.slo_half_life_s
         self.max_age = settings.metrics_max_age_s
         self.clock = clock
         self._models: OrderedDict[Endpoint, _EndpointModel] = OrderedDict()
@@ -351,15 +362,27 @@ class LatencyModel:
                 models.popitem(last=False)
         else:
             models.move_to_end(ep)
+        now = self.clock()
         if ttft_ms is not None:
-            m.ttft.update(f.ttft, ttft_ms - f.queue_ms)
+            m.ttft.update(f.ttft, ttft_ms - f.queue_ms, self._aged(m.ttft_at, now) if m.ttft.n else 1.0)
+            m.ttft_at = now
         if tpot_ms is not None:
-            m.tpot.update(f.tpot, tpot_ms)
+            m.tpot.update(f.tpot, tpot_ms, self._aged(m.tpot_at, now) if m.tpot.n else 1.0)
+            m.tpot_at = now
         if service_ms is not None:
-            m.services += 1
-            # the mean of all so far, then exponentially weighted as the fits (memory 1 / (1 - forgetting))
-            a = max(1.0 - self.forgetting, 1.0 / m.services)
+            # the mean of all so far, then exponentially weighted as the fits (memory 1 / (1 - forgetting)
+            # observations, and what came before a pause weighs less by the pause's length)
+            services = m.services * self._aged(m.service_at, now) if m.services else 0.0
+            a = max(1.0 - self.forgetting, 1.0 / (services + 1.0))
+            m.services = services + 1.0
+            m.service_at = now
             m.service_ms += a * (service_ms - m.service_ms)
+
+    def _aged(self, then: float, now: float) -> float:
+        """What an observation made at ``then`` weighs at ``now``: halved every ``slo_half_life_s``."""
+        if now <= then:
+            return 1.0
+        return 0.5 ** ((now - then) / self.half_life)
 
     def ready(self, ep: Endpoint, ttft: bool, tpot: bool) -> bool:
         """Whether ``ep`` has the observations to predict the quantities asked for."""

@@ -200,8 +200,9 @@ def test_a_decision_with_objectives_leaves_its_record_for_after_the_leg():
 def test_a_recovered_engine_gets_its_traffic_back_within_minutes():
     """Three engines at 10 requests a second, spread: a is slow for a minute, then the fastest.
     Meanwhile only exploring requests (about 1.7% of them) observe a; what it showed a minute ago
-    must lose weight with time, not only with a's own observations, so that a minute or two later
-    it is predicted fast and takes the requests again."""
+    must lose weight with time, not only with a's own observations, so that a few minutes later
+    (a few half-lives: about two and a half at the default 30 s) it is predicted fast and takes the
+    requests again."""
     router, ctx, eps, _ = setup(n=3, seed=5, slo_select="spread")
     a = eps[0]
     model, clock = ctx.latency, ctx.clock

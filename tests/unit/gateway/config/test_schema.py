@@ -66,6 +66,7 @@ def test_good_config_loads_typed_and_frozen(tmp_path):
     ("pd: {bogus: 1}\nmodels: [{name: a, endpoints: [http://x:1], pd: {prefill_timeout_s: 2}}]", "pd.bogus"),
     ("routing: {prefix_block_chars: 0}", "routing.prefix_block_chars"),
     ("routing: {metrics_max_age_s: -1}", "routing.metrics_max_age_s"),
+    ("routing: {slo_half_life_s: 0}", "routing.slo_half_life_s"),
     ("lora: {max_adapters_per_endpoint: -1}", "lora.max_adapters_per_endpoint"),
     ("lora: {max_adapters_per_endpoint: 1.5}", "lora.max_adapters_per_endpoint"),
     ("lora: {idle_unload_s: -1}", "lora.idle_unload_s"),
