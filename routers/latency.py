@@ -37,22 +37,25 @@ decode time with the batch); the latency predictor of llm-d and the Gateway API 
 Extension reads the same features and offers a Bayesian ridge regression (a linear model) beside
 gradient-boosted trees, trained in a sidecar process. The fit keeps the weighted means and centred
 co-moments of its features (O(d²) per observation, d ≤ 5: a few dozen multiplications, no
-dependency, no batch retraining) and solves for the weights after each observation; the forgetting
-factor λ (``routing.slo_forgetting``) weighs an observation k requests old by λᵏ, so the fit
-follows an engine that gets slower or faster (memory ≈ 1 / (1 − λ) requests); and an observation
-t seconds old weighs 2^(−t / ``routing.slo_half_life_s``) besides: an endpoint the router stopped
-sending requests to (predicted too slow) is observed only by the exploring ones, a few a minute,
-and without the time it would take a hundred of those to outweigh what it showed before — the
-recovered engine would wait tens of minutes for its traffic. The features are
-centred and each slope is pulled toward 0 by a prior worth ``RIDGE`` observations: real traffic is
-often collinear (prompts of one length make the uncached tokens a second intercept; KV usage moves
-with the running count), and a plain least-squares fit then has weights the data does not
-determine, which drift apart (thousands of ms per ktoken) and predict 0 or seconds for a request
-that moves such a feature a little. Under the prior a feature that has not spread is read as not
-moving: the prediction stays at the weighted mean of what was seen. Memory is bounded: a few
-small matrices per endpoint, at most ``MAX_ENDPOINTS`` endpoints (least recently observed
-forgotten first). A heavier learner (trees, a sidecar) would capture the queueing knee better but
-costs a process, a dependency or milliseconds per decision.
+dependency, no batch retraining) and solves for the weights after each observation. Memory is
+bounded: a few small matrices per endpoint, at most ``MAX_ENDPOINTS`` endpoints (least recently
+observed forgotten first). A heavier learner (trees, a sidecar) would capture the queueing knee
+better but costs a process, a dependency or milliseconds per decision.
+
+The weights: the forgetting factor λ (``routing.slo_forgetting``) weighs an observation k requests
+old by λᵏ, so the fit follows an engine that gets slower or faster (memory ≈ 1 / (1 − λ)
+requests); and an observation t seconds old weighs 2^(−t / ``routing.slo_half_life_s``) besides.
+Time matters because an endpoint the router stopped sending requests to (predicted too slow) is
+observed only by the exploring ones, a few a minute: counted by observations alone, it would take
+a hundred of those to outweigh what it showed before, and a recovered engine would wait tens of
+minutes for its traffic.
+
+The prior: the features are centred and each slope is pulled toward 0 by a prior worth ``RIDGE``
+observations. Real traffic is often collinear (prompts of one length make the uncached tokens a
+second intercept; KV usage moves with the running count), and a plain least-squares fit then has
+weights the data does not determine, which drift apart (thousands of ms per ktoken) and predict 0
+or seconds for a request that moves such a feature a little. Under the prior a feature that has
+not spread is read as not moving: the prediction stays at the weighted mean of what was seen.
 
 Until an endpoint has ``routing.slo_min_samples`` observations of a quantity, its prediction is
 ``None``: the router then does without (see ``routers.slo``).
