@@ -179,6 +179,17 @@ def test_a_port_outside_0_to_65535_is_refused_on_the_command_line(tmp_path, caps
     assert "argument --port" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("workers", ["2", "auto"])
+def test_workers_with_the_demo_is_refused_not_ignored(capsys, workers):
+    """The demo runs its engines in its own process, so it is one process: --workers is refused
+    with why, before anything starts, not ignored (a reader who asked for two workers got one)."""
+    with pytest.raises(SystemExit) as ei:
+        main(["--demo", "--workers", workers])
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert "--workers" in err and "--demo" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("text,key", [
     ("server: {shutdown_grace_s: 1}\nserver: {log_level: info}\n", "'server'"),
     ("routing: {strategy: random}\nrouting: {strategy: least-request}\n", "'routing'"),
