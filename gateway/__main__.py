@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes sharing the port via SO_REUSEPORT, or 'auto' for the CPUs of the cgroup's "
                         "quota (overrides server.workers)")
     args = p.parse_args(argv)
+    if args.demo and args.workers is not None:
+        # its engines run in its own event loop: forked workers would each start them again
+        p.error("--workers applies to --config; --demo runs one process, its simulated engines in it")
 
     if args.print_config_schema:
         import orjson
