@@ -25,6 +25,12 @@ def test_a_good_file_counts_its_requests_whatever_the_chunking(step):
     assert check(data, step) == 3
 
 
+@pytest.mark.parametrize("step", [1, 7, 1000, 4096])
+def test_blank_lines_as_long_as_a_line_may_be_are_taken(step):
+    blank = b" " * 999 + b"\t\r\n"          # 1000 bytes and its CRLF
+    assert check(row("a") + blank * 3 + b"\n" * 50 + row("b") + blank, step) == 2
+
+
 @pytest.mark.parametrize(("data", "line", "code"), [
     (row("a") + b"\xff\xfe\n", 2, "invalid_encoding"),
     (row("a") + b"{nope\n", 2, "invalid_json"),
@@ -37,6 +43,9 @@ def test_a_good_file_counts_its_requests_whatever_the_chunking(step):
     (b"".join(row(f"r{i}") for i in range(11)), 11, "too_many_lines"),
     (row("a", body={"x": "y" * 2000}), 1, "line_too_long"),
     (b"\n\n", 0, "empty_file"),
+    (row("a") + b"\n" * 5 + b"{nope\n", 7, "invalid_json"),
+    (row("a") + b" \r\n" * 3 + b" " * 1001 + b"\n" + row("b"), 5, "line_too_long"),     # a blank line too
+    (row("a") + b"\n" + b" " * 1000 + b"\t\r\n" + row("b"), 3, "line_too_long"),
 ])
 @pytest.mark.parametrize("step", [2, 4096])
 def test_a_bad_line_is_named(data, line, code, step):
@@ -94,3 +103,53 @@ def test_a_bom_anywhere_but_the_start_is_still_refused(data, line, code, step):
     with pytest.raises(LineError) as ei:
         check(data, step)
     assert (ei.value.line, ei.value.code) == (line, code)
+
+
+def _calls(fn) -> int:
+    """How many function calls (Python and C) ``fn`` makes: the work done per line, where a blank
+    line would cost one or more of them."""
+    import sys
+
+    n = 0
+
+    def count(frame, event, arg):
+        nonlocal n
+        if event in ("call", "c_call"):
+            n += 1
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+@pytest.mark.parametrize("blank", [b"\n", b"\r\n", b" \t \r\n"], ids=["lf", "crlf", "spaces"])
+def test_blank_lines_are_passed_over_in_bulk_at_upload(blank):
+    """Blank lines are skipped, not requests: the upload's check passes over them in bulk, not line
+    by line, so a file of millions of them costs about what scanning its bytes costs."""
+
+    def feed(n: int) -> int:
+        c = LineCheck(10, 1000)
+        data = row("a") + blank * n + row("b")
+        calls = _calls(lambda: c.feed(data))
+        assert c.finish() == 2 and c.line_no == n + 2
+        return calls
+    assert feed(20_000) - feed(10) < 50
+
+
+@pytest.mark.parametrize("blank", [b"\n", b"\r\n", b" \t \r\n"], ids=["lf", "crlf", "spaces"])
+def test_blank_lines_are_passed_over_in_bulk_when_read_back(tmp_path, blank):
+    """The runner and a batch's validation read the file back: blank lines between two requests
+    are passed over in bulk there too, and the requests keep their line numbers."""
+    p = tmp_path / "in.jsonl"
+
+    def read(n: int) -> int:
+        p.write_bytes(row("a") + blank * n + row("b"))
+        got = []
+        calls = _calls(lambda: got.append(read_chunk(str(p), 0, 0)))
+        lines, offset, line_no = got[0]
+        assert [(ln.line_no, ln.custom_id) for ln in lines] == [(1, "a"), (n + 2, "b")]
+        assert (offset, line_no) == (p.stat().st_size, n + 2)
+        return calls
+    assert read(20_000) - read(10) < 50
