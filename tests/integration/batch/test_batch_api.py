@@ -418,6 +418,18 @@ async def test_truncated_and_malformed_uploads_and_bad_batch_requests(sims, gate
     for call in (c.files.retrieve("file-nope"), c.batches.retrieve("batch_nope"), c.batches.cancel("batch_nope")):
         with pytest.raises(openai.NotFoundError):
             await call
+    # an id a client made up, thousands of characters long, is named in the message cut short, not echoed whole
+    made_up = "x" * 6000
+    for call in (c.files.retrieve("file-" + made_up), c.files.content("file-" + made_up),
+                 c.files.delete("file-" + made_up), c.batches.retrieve("batch_" + made_up),
+                 c.batches.cancel("batch_" + made_up)):
+        with pytest.raises(openai.NotFoundError) as ei:
+            await call
+        assert len(ei.value.body["message"]) < 100, ei.value.body["message"][:100]
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.batches.create(input_file_id="file-" + made_up * 100, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    assert ei.value.body["code"] == "file_not_found" and len(ei.value.body["message"]) < 100
     status, body = await _post_raw(gw, "/v1/batches", b"[1", "application/json")
     assert status == 400 and body["error"]["code"] == "invalid_json"
 
