@@ -305,7 +305,7 @@ class BatchApi:
         fid = request.match_info["file_id"]
         f = await self.db.run(BatchStore.get_file, fid, who) if batch_files.valid_id(fid) else None
         if f is None:
-            raise GatewayError(404, f"No such File object: {fid}", param="id", code="file_not_found")
+            raise GatewayError(404, f"No such File object: {_shown(fid)}", param="id", code="file_not_found")
         return f
 
     async def get_file(self, request: web.Request) -> web.Response:
@@ -361,7 +361,7 @@ class BatchApi:
                         if "output_expires_after" in body else None)
         f = await self.db.run(BatchStore.get_file, fid, who) if batch_files.valid_id(fid) else None
         if f is None:
-            raise _bad(f"No such File object: {fid}", "input_file_id", "file_not_found")
+            raise _bad(f"No such File object: {_shown(fid)}", "input_file_id", "file_not_found")
         if f["purpose"] != "batch":
             raise _bad(f"file {fid} was not uploaded with purpose 'batch'", "input_file_id", "invalid_file_purpose")
         now = now_s()
@@ -375,7 +375,7 @@ class BatchApi:
                          "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 0}}
         # in one transaction with a check of its file: another worker may delete it meanwhile
         if not await self.db.run(BatchStore.add_batch, doc, owner, output_ttl_s, True):
-            raise _bad(f"No such File object: {fid}", "input_file_id", "file_not_found")
+            raise _bad(f"No such File object: {_shown(fid)}", "input_file_id", "file_not_found")
         self.on_change()
         return _json(doc)
 
@@ -400,7 +400,7 @@ class BatchApi:
         bid = request.match_info["batch_id"]
         doc = await self.db.run(BatchStore.get_batch, bid, who)
         if doc is None:
-            raise GatewayError(404, f"No such Batch object: {bid}", param="batch_id", code="batch_not_found")
+            raise GatewayError(404, f"No such Batch object: {_shown(bid)}", param="batch_id", code="batch_not_found")
         return bid, doc
 
     async def get_batch(self, request: web.Request) -> web.Response:
@@ -517,7 +517,8 @@ def _json_type(value: Any) -> str:
 
 
 def _shown(value: str) -> str:
-    """A client's value in a message, a long one cut in its middle."""
+    """A client's value in a message, a long one cut in its middle (an id the gateway made, 30
+    characters at most, is shown whole)."""
     return value if len(value) <= 40 else f"{value[:18]}...{value[-18:]}"
 
 
