@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import resource
 import signal
 import subprocess
 import sys
@@ -34,12 +35,18 @@ async def interrupt(procs: list[subprocess.Popen], timeout: float) -> None:
 
 @contextlib.asynccontextmanager
 async def gateway_process(path, port: int, *args: str, ready_workers: int = 1,
-                          admin_token: str | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
+                          admin_token: str | None = None,
+                          file_size_limit: int | None = None) -> AsyncIterator[asyncio.subprocess.Process]:
     """Started, and ``/ready`` answered 200 by ``ready_workers`` distinct processes (``/status.json``'s
-    pid, read with ``admin_token`` when the config has one); SIGTERM at exit."""
+    pid, read with ``admin_token`` when the config has one); SIGTERM at exit. ``file_size_limit``:
+    the largest file the process may write, in bytes (``RLIMIT_FSIZE``: a write past it fails with
+    EFBIG, as one on a full disk fails with ENOSPC)."""
     err = tempfile.TemporaryFile()        # its log, shown when it does not come up
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_limit, file_size_limit))
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "gateway", "--config", str(path), *args,
-                                                stderr=err)
+                                                stderr=err, preexec_fn=limit if file_size_limit else None)
     try:
         seen: set[int] = set()
         try:

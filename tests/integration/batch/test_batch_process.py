@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from tests.support.batch import jsonl, run_to_end
-from tests.support.gateway_process import gateway_process, metric_total, per_worker
+from tests.support.gateway_process import gateway_process, get_new, metric_total, per_worker
 from tests.support.http import sim_state
 from tests.support.ports import listen_port
 from tests.support.waiting import until
@@ -180,3 +180,27 @@ async def test_an_interactive_request_of_the_other_worker_takes_a_batch_lines_sl
         done = await run_to_end(c, b.id)
         counts = done.request_counts
         assert done.status == "cancelled" and counts.completed + counts.failed == counts.total == 4
+
+
+@pytest.mark.timeout(60)
+async def test_an_upload_the_disk_has_no_room_for_is_a_507_in_openai_shape(sims, tmp_path):
+    """A write of the upload that fails for want of room (a full disk is ENOSPC; here the process's
+    file size limit, EFBIG) is the server's condition, not a bug: 507 ``insufficient_storage`` in
+    OpenAI's shape, nothing kept, and an upload that fits is taken after it."""
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch")))
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    big = jsonl([{**r, "body": {**r["body"], "user": "x" * 200_000}} for r in rows(8)])
+    async with gateway_process(cfg, port, file_size_limit=1024 * 1024):
+        with pytest.raises(openai.APIStatusError) as ei:
+            await c.files.create(file=("in.jsonl", big), purpose="batch")
+        assert ei.value.status_code == 507, ei.value.body
+        assert ei.value.body["code"] == "insufficient_storage" and ei.value.body["type"] == "api_error"
+        assert set(ei.value.body) == {"message", "type", "param", "code"}
+        assert (await c.files.list()).data == []
+        assert list((tmp_path / "batch" / "tmp").iterdir()) == []
+        assert metric_total((await get_new(port, "/metrics"))[1], "switchyard_internal_errors_total") == 0
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
+        assert [x.id for x in (await c.files.list()).data] == [f.id]
