@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import errno
+import functools
 import os
 import re
 import secrets
+import sqlite3
 import stat
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import orjson
+import structlog
 from aiohttp import hdrs, web
 from aiohttp.http_exceptions import HttpProcessingError
 
@@ -29,6 +34,8 @@ from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError
 from gateway.batch.store import ACTIVE, BatchDb, BatchStore, FileInUse, UnknownCursor, now_s
 from gateway.errors import ErrorClass, GatewayError
 from gateway.tenants.service import NoTenancy, Tenancy
+
+log = structlog.get_logger("switchyard.batch")
 
 CHUNK = 256 * 1024
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
@@ -154,15 +161,15 @@ class BatchApi:
 
     def add_routes(self, app: web.Application) -> None:
         r = app.router
-        r.add_post("/v1/files", self.upload)
-        r.add_get("/v1/files", self.list_files)
-        r.add_get("/v1/files/{file_id}", self.get_file)
-        r.add_delete("/v1/files/{file_id}", self.delete_file)
-        r.add_get("/v1/files/{file_id}/content", self.content)
-        r.add_post("/v1/batches", self.create_batch)
-        r.add_get("/v1/batches", self.list_batches)
-        r.add_get("/v1/batches/{batch_id}", self.get_batch)
-        r.add_post("/v1/batches/{batch_id}/cancel", self.cancel_batch)
+        r.add_post("/v1/files", _stored(self.upload))
+        r.add_get("/v1/files", _stored(self.list_files))
+        r.add_get("/v1/files/{file_id}", _stored(self.get_file))
+        r.add_delete("/v1/files/{file_id}", _stored(self.delete_file))
+        r.add_get("/v1/files/{file_id}/content", _stored(self.content))
+        r.add_post("/v1/batches", _stored(self.create_batch))
+        r.add_get("/v1/batches", _stored(self.list_batches))
+        r.add_get("/v1/batches/{batch_id}", _stored(self.get_batch))
+        r.add_post("/v1/batches/{batch_id}/cancel", _stored(self.cancel_batch))
 
     async def _caller(self, request: web.Request) -> tuple[str, str | None]:
         """(the owner of what this request creates, the owner to filter by: None with auth off)."""
@@ -420,6 +427,37 @@ class BatchApi:
             raise _bad(f"Cannot cancel a batch with status {doc['status']}", "batch_id", "invalid_batch_state")
         self.on_change()
         return _json(doc)
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)      # a full disk, a quota, a file size limit
+
+
+def _no_room(e: BaseException) -> str | None:
+    """What says ``batch.dir`` has no room for a write (a file's, the job store's), or None."""
+    if isinstance(e, OSError) and e.errno in NO_ROOM:
+        return e.strerror or str(e)
+    if isinstance(e, sqlite3.OperationalError) and getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return str(e)
+    return None
+
+
+def _stored(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+            ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """``handler``, a write that finds no room under ``batch.dir`` answered as the server's
+    condition it is: 507 ``insufficient_storage`` (RFC 4918 §11.5), which the SDKs retry as any 5xx,
+    and a warning logged, where it was a 500 ``internal_error`` counted and logged as a bug. What
+    the request made is not kept (an upload's temporary file is removed as on any refusal)."""
+    @functools.wraps(handler)
+    async def run(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except (OSError, sqlite3.OperationalError) as e:
+            if (why := _no_room(e)) is None:
+                raise
+            log.warning("batch storage full", path=request.path, method=request.method, error=why)
+            raise GatewayError(507, f"The gateway has no room left to store this request's data ({why}); "
+                               "try again later.", code="insufficient_storage") from None
+    return run
 
 
 def _check_purpose(purpose: str) -> None:
