@@ -153,3 +153,26 @@ def test_blank_lines_are_passed_over_in_bulk_when_read_back(tmp_path, blank):
         assert (offset, line_no) == (p.stat().st_size, n + 2)
         return calls
     assert read(20_000) - read(10) < 50
+
+
+def test_the_custom_ids_an_upload_holds_to_find_a_duplicate_cost_little_memory():
+    """A custom_id may be 512 characters, each up to 4 bytes: the ids an upload's check keeps, to
+    refuse one used twice, cost a few bytes each, not their text, so an upload of ``max_lines``
+    long ids does not hold about as much memory as the file's size while it arrives."""
+    import tracemalloc
+
+    n = 2000
+    data = b"".join(row(f"{i:05d}" + "\U0001f600" * 500) for i in range(n))
+    c = LineCheck(n, 4096)
+    tracemalloc.start()
+    try:
+        for i in range(0, len(data), 65536):
+            c.feed(data[i:i + 65536])
+        assert c.finish() == n
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < n * 200, held
+    with pytest.raises(LineError) as ei:
+        check(row("x" * 512) + row("y" * 512) + row("x" * 512), 4096)
+    assert (ei.value.line, ei.value.code) == (3, "duplicate_custom_id")
