@@ -13,6 +13,7 @@ not part of its first line; anywhere else it is a line's bytes, so not JSON.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -80,7 +81,7 @@ class LineCheck:
         self.buf = bytearray()    # the line the last chunk left open
         self.line_no = 0          # lines seen (blank ones included)
         self.requests = 0
-        self.ids: set[str] = set()
+        self.ids: set[bytes] = set()     # each custom_id's digest
         self.too_long = too_long_blank(max_line_bytes)
 
     def feed(self, chunk: bytes) -> None:
@@ -152,10 +153,13 @@ class LineCheck:
             return
         obj = parse_line(raw, n)
         cid = obj["custom_id"]
-        if cid in self.ids:
+        # its digest, not its text: an id may be 2 KB (512 characters outside the BMP), and an
+        # upload holds one for each of up to max_lines lines while it arrives
+        key = hashlib.blake2b(cid.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if key in self.ids:
             raise LineError(n, f"line {n}: custom_id {cid!r} is used by an earlier line", "duplicate_custom_id",
                             "custom_id")
-        self.ids.add(cid)
+        self.ids.add(key)
         self.requests += 1
         if self.requests > self.max_lines:
             raise LineError(n, f"the file holds more than {self.max_lines} requests", "too_many_lines")
