@@ -27,7 +27,7 @@ BOM = b"\xef\xbb\xbf"
 CHUNK_LINES = 256
 READ_BLOCK = 64 * 1024              # the first read of ``read_chunk``, doubled at each next one
 MAX_READ_BLOCK = 4 * 1024 * 1024
-_CONTENT = re.compile(rb"[^ \t\n\r\x0b\x0c]")   # a byte that makes its line not blank (not bytes.strip's)
+_CONTENT = re.compile(rb"[^ \t\n\r\x0b\x0c]")   # a byte that makes its line not blank: any bytes.strip() keeps
 
 
 class LineError(Exception):
