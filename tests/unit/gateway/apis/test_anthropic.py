@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import orjson
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.apis import anthropic
 from gateway.apis.anthropic import AnthropicApi, MessagesScanner
 from gateway.endpoints import EndpointPool
 from gateway.errors import GatewayError
@@ -148,8 +151,9 @@ def test_messages_scanner_in_stream_error_and_eventless_frames():
 
 # a stream the engine cut with its own error event of a type that is none of Anthropic's (vLLM's),
 # after an event over the scan limit (forwarded as it comes) and a few whole ones
+_SCAN_LIMIT = 4096      # the scan limit the split test sets (MAX_EVENT_BYTES, 8 MiB, made each example copy 16 MB)
 _HUGE = _frame("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                       "delta": {"type": "text_delta", "text": "x" * MAX_EVENT_BYTES}})
+                                       "delta": {"type": "text_delta", "text": "x" * _SCAN_LIMIT}})
 _ENGINE_ERROR = _frame("error", {"type": "error", "error": {"type": "internal_error", "message": "boom"}})
 _API_ERROR = _frame("error", {"type": "error", "error": {"type": "api_error", "message": "boom"}})
 
@@ -170,10 +174,11 @@ def test_messages_scanner_gives_an_engines_error_event_anthropics_type_however_i
     marks = sorted({len(stream) - c for c in cuts if c < len(stream)})
     sc = MessagesScanner()
     out, prev = [], 0
-    for t, cut in enumerate(marks + [len(stream)]):
-        out.append(sc.feed(stream[prev:cut], float(t)))
-        prev = cut
-    out.append(sc.finish())
+    with mock.patch.object(anthropic, "MAX_EVENT_BYTES", _SCAN_LIMIT):
+        for t, cut in enumerate(marks + [len(stream)]):
+            out.append(sc.feed(stream[prev:cut], float(t)))
+            prev = cut
+        out.append(sc.finish())
     rewritten = _API_ERROR[:-2]             # the new frame, its lines ended with LFs
     want = head.replace(b"\n", line_end) + rewritten + (line_end * 2 if blank_line else b"\n\n")
     assert b"".join(out) == want
