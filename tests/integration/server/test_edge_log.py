@@ -143,6 +143,11 @@ async def test_a_408_has_one_line_whose_duration_covers_the_timeout():
 
 
 GAP = 0.3
+# the gateway's clock starts when its loop reads the first write, which a loaded machine delays
+# (3 ms once in a CI run, with the second write read on time): the line's duration is then short of
+# the gap by as much. Half the gap still tells the head's start from the moment the answer was made
+# (a duration of about 1 ms), what these tests pin.
+COVERS_GAP_MS = GAP * 1000 / 2
 
 
 @on_both_loops
@@ -161,7 +166,7 @@ async def test_the_404_405_and_501_lines_count_from_the_head_s_start():
                     assert answer.status == status, (first, answer)
                     mine = await _line_of(lines, answer.headers["request-id"])
                 assert len(mine) == 1 and mine[0]["status"] == status, (first, lines)
-                assert mine[0]["duration_ms"] >= GAP * 1000 - 1, (first, before, mine)
+                assert mine[0]["duration_ms"] >= COVERS_GAP_MS, (first, before, mine)
 
 
 @on_both_loops
@@ -176,7 +181,7 @@ async def test_an_unknown_method_s_501_and_a_refused_head_count_from_the_head_s_
                 assert ex.first.status == status, ex.first
                 mine = await _line_of(lines, ex.first.headers["request-id"])
             assert [(x["method"], x["path"], x["status"]) for x in mine] == [(method, "/v1/models", status)]
-            assert mine[0]["duration_ms"] >= GAP * 1000 - 1, mine
+            assert mine[0]["duration_ms"] >= COVERS_GAP_MS, mine
 
 
 @pytest.mark.timeout(90)
