@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 
 import aiohttp
 import pytest
@@ -141,3 +143,53 @@ async def test_with_every_engine_failing_each_worker_retries_within_its_own_budg
 async def _state(url: str) -> dict:
     async with aiohttp.ClientSession() as s, s.get(url + "/_sim/state") as r:
         return await r.json()
+
+
+@pytest.mark.timeout(120)
+async def test_a_restarted_worker_keeps_out_an_engine_its_sibling_ejected(sims, tmp_path):
+    """An engine that answers 500 (its ``/health`` fine) is ejected in both workers; one worker is
+    killed outright and the parent starts it again. The new worker learns the ejection from its
+    sibling before it serves, with what is left of it: no request it takes reaches the sick engine
+    (before, each of its first requests went there until its own breaker tripped, the client's
+    answer saved only by a retry)."""
+    from tests.integration.server.test_workers import children_of
+
+    good = await sims("vllm", "m")
+    sick = await sims("vllm", "m", fault="status=500")
+    sick_name = sick.url.split("//")[1]
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
+                   "routing: {strategy: round-robin}\n"
+                   "breaker: {consecutive_faults: 1, base_ejection_s: 300, max_ejection_percent: 50}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
+        async def sick_in_each() -> dict[int, dict]:
+            docs = await per_worker(port, 2, "/status.json")
+            return {pid: ep for pid, doc in docs.items() for ep in doc["endpoints"] if ep["name"] == sick_name}
+
+        async def open_in_both() -> bool:
+            assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
+            return [ep["breaker"] for ep in (await sick_in_each()).values()] == ["open", "open"]
+        await until(open_in_both, timeout=20)
+        victim = children_of(proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+
+        async def back() -> bool:
+            now = children_of(proc.pid)
+            return victim not in now and len(now) == 2 and len(await per_worker(port, 2, "/status.json")) == 2
+        await until(back, timeout=30)
+        before = await chats_received(sick.url)
+        states = await sick_in_each()
+        results: list[int] = []
+        for pid in states:
+            for _ in range(4):
+                await on_worker(port, pid, results)
+        assert results == [200] * 8
+        assert await chats_received(sick.url) - before == 0
+        assert [ep["breaker"] for ep in states.values()] == ["open", "open"]
+        for page in (await per_worker(port, 2)).values():
+            assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 1
+            assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
+                                from_state="closed", to_state="open") == 1
