@@ -66,6 +66,7 @@ _Count = Annotated[int, Meta(ge=1)]
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
 STATE_VALUE = {CLOSED: 0, OPEN: 1, HALF_OPEN: 2}
 _BUCKETS = 10                      # the fault-rate window is this many time buckets
+_NOW = 0.001                       # an ejection's time left, said to a sibling, when it ends now
 
 
 class BreakerConfig(Block):
@@ -332,6 +333,19 @@ class Breakers:
         b.held = True
         self._eject(ep, b, self.clock(), open_for, "sibling")
         return True
+
+    def ejected_now(self) -> list[tuple[Endpoint, float, int]]:
+        """The endpoints out of routing here, for a sibling that starts (``RoutingView.snapshot``):
+        (endpoint, seconds left of its ejection, ejections). A half-open one is said as one whose
+        ejection ends now: its trials are under way here, or awaited from another sibling."""
+        now = self.clock()
+        out = []
+        for ep, b in self._by_ep.values():
+            if b.state == OPEN:
+                out.append((ep, max(_NOW, b.open_for - (now - b.opened_at)), b.ejections))
+            elif b.state == HALF_OPEN:
+                out.append((ep, _NOW, b.ejections))
+        return out
 
     def adopt_close(self, ep: Endpoint) -> bool:
         """A sibling's trials found ``ep`` healthy: its breaker here closes too; whether it was open."""

@@ -48,7 +48,9 @@ Catching up, between workers: a count heals with the next batch, an insertion or
 once. So a worker that starts (a restart after a crash or a stalled loop) asks its siblings for
 their whole view (``snapshot``, over the siblings' stream socket: ``ask_sibling``) before it serves,
 with what each has in flight (its counts, its LoRA adapters: said as they change and on the
-heartbeat only, so a restarted worker routed and unloaded without them until the next one),
+heartbeat only, so a restarted worker routed and unloaded without them until the next one) and the
+endpoints its breakers keep out (said once, at the ejection: a restarted worker sent its first
+requests to an engine its siblings had ejected),
 and one that missed a sibling's batches (its receive queue was full: the worker was stopped or
 busy; the batches are numbered, ``wire.Batch.seq``) asks that sibling once it notices the gap. A
 sender whose batch a sibling refused sends its number again every ``view.heartbeat_s`` until one
@@ -80,6 +82,7 @@ from gateway.config.schema import Config
 from gateway.endpoints import Endpoint, EndpointPool, EngineMetrics
 from gateway.observability.metrics import GatewayMetrics
 from gateway.request import InferenceRequest
+from gateway.resilience.breaker import CLOSED
 from gateway.view.bus import LocalBus
 from gateway.view.metrics import ViewMetrics
 from gateway.view.replicas import ReplicaLink
@@ -966,6 +969,16 @@ class RoutingView:
             self.m.gm.child(self.m.applied, "worker", "busy").inc()
         if (head.load or head.busy) and self._tick_at is None:     # held until their sender goes silent
             self._arm(self.cfg.heartbeat_s)
+        if head.breakers and self._breakers is not None and self.bus is not None:
+            # its ejections, for what is left of them, where this worker's breaker is closed (it just
+            # started, or missed the batch that told it): the trials stay the sibling's (``adopt_open``)
+            n = 0
+            for f in head.breakers:
+                ep = self._resolve(f.ep)
+                if ep is not None and self._breakers.state(ep) == CLOSED:
+                    n += self._breakers.adopt_open(ep, f.open_for, f.ejections)
+            if n:
+                self.m.gm.child(self.m.applied, "worker", "breaker").inc(n)
 
     async def snapshot(self) -> bytes:
         """This worker's whole view for a sibling catching up (``catch_up``): its batch number, then
@@ -983,8 +996,12 @@ class RoutingView:
         load = self._load() if self.bus_load else {}
         busy = ({self._key(ep): sorted(ep.adapters.in_flight) for ep in live if ep.adapters.in_flight}
                 if self.share_monitoring else {})
+        # and the endpoints its breakers keep out: a restarted worker would otherwise send its first
+        # requests to an engine its siblings ejected, until faults of its own tripped its breaker
+        ejected = ([Eject(self._key(ep), left, n) for ep, left, n in self._breakers.ejected_now() if ep in pos]
+                   if self._breakers is not None and self.bus is not None else [])
         out = bytearray(encode_view(ViewSnapshot(self.run, self._seq, [self._key(ep) for ep in live], [], slots,
-                                                 load=load, busy=busy)))
+                                                 load=load, busy=busy, breakers=ejected)))
         keys = self.sessions.keys()
         for at in range(0, len(keys), VIEW_PART):
             await asyncio.sleep(0)

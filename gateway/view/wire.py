@@ -145,7 +145,9 @@ class Batch(msgspec.Struct, array_like=True):
 class ViewSnapshot(msgspec.Struct, array_like=True):
     """A worker's whole view, for a sibling catching up (it started, or missed batches): its
     sessions and prefix-index blocks with their times on ``time.monotonic`` (the machine's clock,
-    the same in every worker), and ``run``/``seq`` as its next batch would carry them."""
+    the same in every worker), and ``run``/``seq`` as its next batch would carry them; in the first
+    part, what it has in flight and the endpoints its breakers keep out (``Eject``, ``open_for``
+    the time left of the ejection)."""
 
     run: int
     seq: int
@@ -155,6 +157,7 @@ class ViewSnapshot(msgspec.Struct, array_like=True):
     blocks: list[list[int]] = []         # [block key, slot, at_ms, slot, at_ms, ...]
     load: dict[str, int] = {}            # the first part: the sender's requests in flight by endpoint key,
     busy: dict[str, list[str]] = {}      # and the LoRA adapters it has requests in flight for, by endpoint key
+    breakers: list[Eject] = []           # and the endpoints its breakers keep out, each with its ejection's time left
 
 
 def endpoint_key(ep: Endpoint) -> str:
