@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import stat
+from types import SimpleNamespace
 
 from gateway.config.schema import config_from_dict
 from gateway.endpoints import EndpointPool
@@ -812,3 +813,46 @@ def test_what_was_kept_to_vet_goes_when_the_first_scrape_answers_without_the_eng
         listener(ep)
     assert ep not in view._unvetted
     assert index.match(req, [ep, other]).get(ep) and view.sessions.get("s") is ep
+
+
+async def test_two_workers_that_eject_an_endpoint_at_once_agree_on_one_ejection_and_one_set_of_trials():
+    """Both workers see a fault that ejects the endpoint in the same loop turn, before either hears
+    of the other's ejection (their batches cross). They keep one: worker 0's. Worker 1 holds it and
+    leaves the trials to worker 0, so once the engine is back (its probes found it down, then up)
+    only worker 0 routes to it, and its trial's success closes the breaker in both. Before, each
+    kept its own ejection and sent trials of its own: ``half_open_trials`` per worker."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.resilience.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.outcome import Outcome
+
+    d = RunDirectory()
+    cfg = _config()
+    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, half_open_trials=1, success_threshold=1,
+                         max_ejection_percent=50)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
+    a.attach_breakers(abr)
+    b.attach_breakers(bbr)
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m")[0], bpool.endpoints("m")[0]
+        abr.record(ea, Outcome.FAULT)            # in one loop turn: neither has heard the other
+        bbr.record(eb, Outcome.FAULT)
+        assert abr.state(ea) == bbr.state(eb) == OPEN
+        await until(lambda: bbr.breaker(eb).held, timeout=2)
+        assert not abr.breaker(ea).held
+        for ep, br in ((ea, abr), (eb, bbr)):    # the engine went down and came back
+            ep.healthy = False
+            br.on_health(ep)
+            ep.healthy = True
+            br.on_health(ep)
+        assert abr.state(ea) == bbr.state(eb) == HALF_OPEN
+        assert ea.ready and not eb.ready         # one trial in the gateway, worker 0's
+        abr.on_decision(None, SimpleNamespace(endpoint=ea, prefill=None), (), 0.0)
+        abr.record(ea, Outcome.SUCCESS)
+        await until(lambda: bbr.state(eb) == CLOSED, timeout=2)
+        assert abr.state(ea) == CLOSED and eb.ready
+        for br in (abr, bbr):                    # each counts one ejection, one trial, one close
+            moves = {(s.labels["from_state"], s.labels["to_state"]): s.value
+                     for fam in br.metrics.transitions.collect() for s in fam.samples if s.name.endswith("_total")}
+            assert moves == {("closed", "open"): 1, ("open", "half_open"): 1, ("half_open", "closed"): 1}
