@@ -24,7 +24,8 @@ each after its own share of them. The trials of an ejection are the worker's tha
 sibling that adopted it goes half-open when its time is over but sends no trial (``held``), waiting
 for that worker's close or new ejection, so the gateway sends ``half_open_trials`` at a time whatever
 its workers; one that heard nothing ``base_ejection_s`` later (that worker got no request, or was
-restarted) sends trials of its own.
+restarted) sends trials of its own. Two workers that eject an endpoint at once, each before it heard
+of the other's ejection, keep one: the lower index's (``sender_first``), the other holding it.
 
 ``max_ejection_percent`` bounds the ejected share of an endpoint's group (the model's endpoints of
 the same kind: whole-request, prefill or decode). As in Envoy, one ejection is always allowed, but
@@ -311,17 +312,25 @@ class Breakers:
                     open_for_s=open_for, **logged)
         self._schedule(b, open_for, lambda: self._half_open(ep, b))
 
-    def adopt_open(self, ep: Endpoint, open_for: float, ejections: int) -> bool:
+    def adopt_open(self, ep: Endpoint, open_for: float, ejections: int, sender_first: bool = False) -> bool:
         """A sibling worker ejected ``ep`` for ``open_for`` seconds: so does this one (unless it is
-        open already, or the ejection would empty its group here); whether it did."""
+        open already, or the ejection would empty its group here); whether it did. ``sender_first``:
+        the sibling comes before this worker (a lower index); of two ejections decided at once, each
+        worker's before it heard of the other's, both keep that sibling's, and its trials."""
         cfg = self.config_for(ep.model)
         if not cfg.enabled or open_for <= 0 or ep.removed:
             return False
         b = self.breaker(ep)
         if b.state == OPEN:
-            if not b.held:          # its own ejection: its own trials
-                return False
-            # the sibling's trial failed before this one went half-open: its new ejection is this one's
+            if not b.held:
+                if not sender_first:    # its own ejection: its own trials
+                    return False
+                # the sibling ejected it too before either heard of the other (their messages
+                # crossed): one ejection, the first worker's, whose trials are the gateway's
+                b.held = True
+                log.info("breaker ejection left to a sibling", model=ep.model, endpoint=ep.name,
+                         open_for_s=open_for)
+            # or the sibling's trial failed before this one went half-open: its new ejection is this one's
             b.ejections = max(b.ejections, ejections)
             b.open_for, b.opened_at = open_for, self.clock()
             self._schedule(b, open_for, lambda: self._half_open(ep, b))

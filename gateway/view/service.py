@@ -812,12 +812,15 @@ class RoutingView:
             m.gm.child(m.applied, source, "expired").inc(expired)
         if batch.breakers and self._breakers is not None and source == "worker":
             n = 0
+            index = batch.sender.rpartition("/")[2]
+            # a sender before this worker: its ejection is kept over one this worker decided at once
+            first = index.isdigit() and int(index) < self.worker_index
             for f in batch.breakers:
                 ep = self._resolve(f.ep)
                 if ep is None:
                     unknown += 1
                 elif f.open_for > 0:
-                    n += self._breakers.adopt_open(ep, f.open_for, f.ejections)
+                    n += self._breakers.adopt_open(ep, f.open_for, f.ejections, sender_first=first)
                 else:
                     n += self._breakers.adopt_close(ep)
             m.gm.child(m.applied, source, "breaker").inc(n)

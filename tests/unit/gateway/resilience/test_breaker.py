@@ -385,3 +385,52 @@ def test_an_own_ejection_is_not_lengthened_by_a_siblings():
     assert not br.adopt_open(a, 30.0, 3)
     t.advance(10)
     assert br.state(a) == HALF_OPEN and a.ready
+
+
+def test_two_workers_that_eject_an_endpoint_at_once_keep_one_ejection_whose_trials_one_of_them_sends():
+    """Workers 0 and 1 each see the fault that ejects ``a`` before either hears the other's
+    ejection (their messages cross on the bus). Both keep worker 0's: worker 1 holds it for worker
+    0's time and leaves the trials to it, so ``half_open_trials`` reach the engine, not one set per
+    worker, and each counts the ejection once. Before, each kept its own and sent trials of its own."""
+    t = Timers()
+    config = BreakerConfig(consecutive_faults=1, base_ejection_s=10, half_open_trials=1, success_threshold=1)
+    workers, told = [], []
+    for index in range(2):
+        pool = EndpointPool()
+        pool.add(Endpoint(url="http://127.0.0.1:9000", model="m"))
+        pool.add(Endpoint(url="http://127.0.0.1:9001", model="m"))
+        br = Breakers(pool, lambda _m: config, CollectorRegistry(), passive=True, clock=lambda: t.now,
+                      call_later=t.call_later)
+        br.on_change = lambda ep, open_for, n, index=index: told.append((index, ep.url, open_for, n))
+        workers.append((br, pool.endpoints("m")[0]))
+
+    def deliver() -> None:              # each message to the other worker, told who sent it
+        while told:
+            sender, url, open_for, n = told.pop(0)
+            br, ep = workers[1 - sender]
+            assert ep.url == url
+            if open_for > 0:
+                br.adopt_open(ep, open_for, n, sender_first=sender < 1 - sender)
+            else:
+                br.adopt_close(ep)
+
+    feed(workers[0][0], workers[0][1], [F])
+    t.advance(0.001)
+    feed(workers[1][0], workers[1][1], [F])
+    deliver()
+    (b0, a0), (b1, a1) = workers
+    assert b0.state(a0) == b1.state(a1) == OPEN
+    t.advance(10)
+    assert b0.state(a0) == b1.state(a1) == HALF_OPEN
+    assert a0.ready and not a1.ready         # worker 0 sends the trial; worker 1 waits for its word
+    decide(b0, a0)
+    feed(b0, a0, [S])
+    deliver()
+    assert b0.state(a0) == b1.state(a1) == CLOSED and a1.ready
+    for br in (b0, b1):
+        assert _transitions(br) == {("closed", "open"): 1, ("open", "half_open"): 1, ("half_open", "closed"): 1}
+
+
+def _transitions(br) -> dict[tuple[str, str], float]:
+    return {(s.labels["from_state"], s.labels["to_state"]): s.value
+            for fam in br.metrics.transitions.collect() for s in fam.samples if s.name.endswith("_total")}
