@@ -856,3 +856,57 @@ async def test_two_workers_that_eject_an_endpoint_at_once_agree_on_one_ejection_
             moves = {(s.labels["from_state"], s.labels["to_state"]): s.value
                      for fam in br.metrics.transitions.collect() for s in fam.samples if s.name.endswith("_total")}
             assert moves == {("closed", "open"): 1, ("open", "half_open"): 1, ("half_open", "closed"): 1}
+
+
+async def test_a_restarted_worker_takes_on_the_ejection_its_predecessor_decided_and_its_trials():
+    """Worker 1 ejects an endpoint and worker 0 holds that ejection, leaving it the trials; worker 1
+    is killed and started again. The new worker 1 learns the ejection from worker 0's whole view as
+    the one its predecessor decided: it keeps the endpoint out for what is left of it, then sends
+    the trials itself, while worker 0 still waits for its word. Held in both, the ejection would get
+    no trial until each had waited ``base_ejection_s`` more, and then one set from each."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.resilience.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.outcome import Outcome
+
+    d = RunDirectory()
+    cfg = _config()
+    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, half_open_trials=1, success_threshold=1,
+                         max_ejection_percent=50)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
+    a.attach_breakers(abr)
+    b.attach_breakers(bbr)
+    (b2, _, b2pool) = _worker(cfg, 1, d.path)
+    b2br = Breakers(b2pool, lambda _m: bcfg, CollectorRegistry())
+    b2.attach_breakers(b2br)
+
+    async def ask(index, kind, timeout):
+        return await a.snapshot()
+
+    b2.ask_sibling = ask
+    try:
+        await a.start()
+        await b.start()
+        ea = apool.endpoints("m")[0]
+        bbr.record(bpool.endpoints("m")[0], Outcome.FAULT)     # worker 1 ejects it; worker 0 holds it
+        await until(lambda: abr.breaker(ea).held, timeout=2)
+        await b.stop()                                          # killed
+        await b2.start()                                        # and started again: it catches up first
+        eb2 = b2pool.endpoints("m")[0]
+        assert b2br.state(eb2) == OPEN and not eb2.ready
+        assert 29 < b2br.breaker(eb2).open_for <= 30            # what was left of worker 1's ejection
+        for ep, br in ((ea, abr), (eb2, b2br)):                 # the engine went down and came back
+            ep.healthy = False
+            br.on_health(ep)
+            ep.healthy = True
+            br.on_health(ep)
+        assert abr.state(ea) == b2br.state(eb2) == HALF_OPEN
+        assert eb2.ready and not ea.ready                       # the trial is the new worker 1's
+        b2br.on_decision(None, SimpleNamespace(endpoint=eb2, prefill=None), (), 0.0)
+        b2br.record(eb2, Outcome.SUCCESS)
+        await until(lambda: abr.state(ea) == CLOSED, timeout=2)  # its close closes worker 0's
+    finally:
+        for v in (a, b, b2):
+            await v.stop()
+        d.close()
