@@ -104,6 +104,7 @@ class Breaker:
     last_event: float = 0.0            # last half-open dispatch or outcome (the stuck-trial guard)
     down_seen: bool = False            # open, and the health probes found the endpoint down since
     held: bool = False                 # a sibling's ejection: its trials are that worker's (``adopt_open``)
+    owner: int = -1                    # held: the index of that worker (-1: not known)
     faults: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     total: list[int] = field(default_factory=lambda: [0] * _BUCKETS)
     stamps: list[int] = field(default_factory=lambda: [-1] * _BUCKETS)
@@ -312,11 +313,15 @@ class Breakers:
                     open_for_s=open_for, **logged)
         self._schedule(b, open_for, lambda: self._half_open(ep, b))
 
-    def adopt_open(self, ep: Endpoint, open_for: float, ejections: int, sender_first: bool = False) -> bool:
+    def adopt_open(self, ep: Endpoint, open_for: float, ejections: int, sender_first: bool = False,
+                   owner: int = -1, own: bool = False) -> bool:
         """A sibling worker ejected ``ep`` for ``open_for`` seconds: so does this one (unless it is
         open already, or the ejection would empty its group here); whether it did. ``sender_first``:
         the sibling comes before this worker (a lower index); of two ejections decided at once, each
-        worker's before it heard of the other's, both keep that sibling's, and its trials."""
+        worker's before it heard of the other's, both keep that sibling's, and its trials.
+        ``owner``: the index of the worker whose ejection it is, whose trials this one awaits.
+        ``own``: it is this worker's (its predecessor at its index decided it, and a sibling's whole
+        view told it at its start): this worker sends its trials."""
         cfg = self.config_for(ep.model)
         if not cfg.enabled or open_for <= 0 or ep.removed:
             return False
@@ -330,6 +335,7 @@ class Breakers:
                 b.held = True
                 log.info("breaker ejection left to a sibling", model=ep.model, endpoint=ep.name,
                          open_for_s=open_for)
+            b.owner = owner
             # or the sibling's trial failed before this one went half-open: its new ejection is this one's
             b.ejections = max(b.ejections, ejections)
             b.open_for, b.opened_at = open_for, self.clock()
@@ -339,21 +345,22 @@ class Breakers:
             self._child(self.metrics.capped, ep.model).inc()
             return False
         b.ejections = max(b.ejections, ejections)
-        b.held = True
-        self._eject(ep, b, self.clock(), open_for, "sibling")
+        b.held, b.owner = not own, -1 if own else owner
+        self._eject(ep, b, self.clock(), open_for, "predecessor" if own else "sibling")
         return True
 
-    def ejected_now(self) -> list[tuple[Endpoint, float, int]]:
+    def ejected_now(self) -> list[tuple[Endpoint, float, int, int | None]]:
         """The endpoints out of routing here, for a sibling that starts (``RoutingView.snapshot``):
-        (endpoint, seconds left of its ejection, ejections). A half-open one is said as one whose
-        ejection ends now: its trials are under way here, or awaited from another sibling."""
+        (endpoint, seconds left of its ejection, ejections, the index of the sibling whose ejection
+        it holds: None when it is this worker's own, -1 when not known). A half-open one is said as
+        one whose ejection ends now: its trials are under way, or awaited."""
         now = self.clock()
         out = []
         for ep, b in self._by_ep.values():
-            if b.state == OPEN:
-                out.append((ep, max(_NOW, b.open_for - (now - b.opened_at)), b.ejections))
-            elif b.state == HALF_OPEN:
-                out.append((ep, _NOW, b.ejections))
+            if b.state == CLOSED:
+                continue
+            left = max(_NOW, b.open_for - (now - b.opened_at)) if b.state == OPEN else _NOW
+            out.append((ep, left, b.ejections, b.owner if b.held else None))
         return out
 
     def adopt_close(self, ep: Endpoint) -> bool:

@@ -820,7 +820,8 @@ class RoutingView:
                 if ep is None:
                     unknown += 1
                 elif f.open_for > 0:
-                    n += self._breakers.adopt_open(ep, f.open_for, f.ejections, sender_first=first)
+                    n += self._breakers.adopt_open(ep, f.open_for, f.ejections, sender_first=first,
+                                                   owner=int(index) if index.isdigit() else -1)
                 else:
                     n += self._breakers.adopt_close(ep)
             m.gm.child(m.applied, source, "breaker").inc(n)
@@ -924,20 +925,20 @@ class RoutingView:
         if data is None:                     # not there (yet): nothing to learn, nothing lost
             return False
         try:
-            merged = await self._merge(view_parts(data), f"{self.group}/{index}") if data else False
+            merged = await self._merge(view_parts(data), f"{self.group}/{index}", reason) if data else False
         except (msgspec.DecodeError, ValueError):
             merged = False
         self.m.gm.child(self.m.catch_ups, reason, "applied" if merged else "failed").inc()
         return merged
 
-    async def _merge(self, parts: Iterator[ViewSnapshot], sender: str) -> bool:
+    async def _merge(self, parts: Iterator[ViewSnapshot], sender: str, reason: str = "gap") -> bool:
         """A sibling's whole view merged as its parts are decoded, one part (at most ``VIEW_PART``
         entries) per loop turn: a full view is a few hundred thousand, and the requests in flight
         here go on meanwhile. False when it had no part; a part that does not decode raises."""
         head = next(parts, None)
         if head is None:
             return False
-        self._adopt_held(head, sender)
+        self._adopt_held(head, sender, reason == "start")
         eps = [self._resolve(k) for k in head.eps]
         slots = {slot: ep for slot, ep in ((s, self._resolve(k)) for s, k in head.slots.items()) if ep is not None}
         merge_session = self.sessions.merge
@@ -959,7 +960,7 @@ class RoutingView:
         log.info("shared routing view: caught up with a sibling", sibling=sender, sessions=n, blocks=blocks)
         return True
 
-    def _adopt_held(self, head: ViewSnapshot, sender: str) -> None:
+    def _adopt_held(self, head: ViewSnapshot, sender: str, start: bool = False) -> None:
         """A sibling's requests and LoRA adapters in flight as its whole view gave them, unless a
         batch of its own told of them already (each change is told as it happens, so that is as new)."""
         now = time.monotonic()
@@ -974,12 +975,20 @@ class RoutingView:
             self._arm(self.cfg.heartbeat_s)
         if head.breakers and self._breakers is not None and self.bus is not None:
             # its ejections, for what is left of them, where this worker's breaker is closed (it just
-            # started, or missed the batch that told it): the trials stay the sibling's (``adopt_open``)
+            # started, or missed the batch that told it): the trials stay the sibling's (``adopt_open``),
+            # or the worker's whose ejection the sibling holds; one that this worker's predecessor
+            # decided is this worker's, trials and all
+            index = sender.rpartition("/")[2]
+            by_sender = int(index) if index.isdigit() else -1
             n = 0
             for f in head.breakers:
                 ep = self._resolve(f.ep)
-                if ep is not None and self._breakers.state(ep) == CLOSED:
-                    n += self._breakers.adopt_open(ep, f.open_for, f.ejections)
+                mine = f.by == self.worker_index
+                # one of this worker's own told back after a gap: it closed it since (the sibling missed that)
+                if ep is None or self._breakers.state(ep) != CLOSED or (mine and not start):
+                    continue
+                n += self._breakers.adopt_open(ep, f.open_for, f.ejections,
+                                               owner=by_sender if f.by < 0 else f.by, own=mine)
             if n:
                 self.m.gm.child(self.m.applied, "worker", "breaker").inc(n)
 
@@ -1001,7 +1010,8 @@ class RoutingView:
                 if self.share_monitoring else {})
         # and the endpoints its breakers keep out: a restarted worker would otherwise send its first
         # requests to an engine its siblings ejected, until faults of its own tripped its breaker
-        ejected = ([Eject(self._key(ep), left, n) for ep, left, n in self._breakers.ejected_now() if ep in pos]
+        ejected = ([Eject(self._key(ep), left, n, self.worker_index if by is None else by)
+                    for ep, left, n, by in self._breakers.ejected_now() if ep in pos]
                    if self._breakers is not None and self.bus is not None else [])
         out = bytearray(encode_view(ViewSnapshot(self.run, self._seq, [self._key(ep) for ep in live], [], slots,
                                                  load=load, busy=busy, breakers=ejected)))

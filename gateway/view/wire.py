@@ -80,6 +80,7 @@ class Eject(msgspec.Struct, array_like=True):
     ep: str
     open_for: float                      # 0: closed
     ejections: int = 0
+    by: int = -1                         # in a whole view: the worker whose ejection it is (-1: not known)
 
 
 class Probe(msgspec.Struct, array_like=True):
