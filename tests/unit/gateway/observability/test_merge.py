@@ -234,3 +234,51 @@ def test_an_outage_every_worker_counts_is_one():
     assert value(page, "switchyard_state_outages_total", mode="standalone") == 1
     assert value(page, "switchyard_state_unavailable_total", policy="open", reason="oom") == 2    # requests: summed
     assert value(merge_texts([counted(1), counted(3)]), "switchyard_state_outages_total", mode="standalone") == 3
+
+
+async def test_an_ejection_after_every_worker_was_restarted_is_counted(tmp_path):
+    """Two workers each count an endpoint's ejection (one decided it, the other adopted it): the
+    gateway's count is 1. Both are restarted in turn, each new worker carrying its predecessor's
+    count, and the endpoint is ejected again: 2. A counter taken as the largest of the workers'
+    is the largest of what each worker's index counted over its restarts, its own count and what it
+    carries added up; taken as the largest of all those parts, it stayed at 1."""
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    from gateway.server.siblings import Siblings
+    from gateway.server.workers import WorkerInfo
+
+    def ejected(n: int) -> bytes:
+        r = CollectorRegistry()
+        c = Counter("switchyard_breaker_transitions", "", ["model", "endpoint", "from_state", "to_state"], registry=r)
+        if n:
+            c.labels("m", "e1", "closed", "open").inc(n)
+        return generate_latest(r)
+
+    def pair(counts: list[int]) -> list[Siblings]:
+        out: list[Siblings] = []
+        for i, n in enumerate(counts):
+            async def answer(kind: str, i=i, n=n) -> bytes:
+                return out[i].own(ejected(n))
+            out.append(Siblings(WorkerInfo(index=i, count=2, run_dir=str(tmp_path)), answer))
+        return out
+
+    first = pair([1, 1])
+    for s in first:
+        await s.start()
+    try:
+        page = await first[0].metrics(ejected(1))
+        assert value(page, "switchyard_breaker_transitions_total", model="m", endpoint="e1",
+                     from_state="closed", to_state="open") == 1
+    finally:
+        for s in first:
+            await s.stop()
+    second = pair([1, 1])          # both restarted, each carrying its predecessor's count; one ejection more
+    for s in second:
+        await s.start()
+    try:
+        page = await second[1].metrics(ejected(1))
+        assert value(page, "switchyard_breaker_transitions_total", model="m", endpoint="e1",
+                     from_state="closed", to_state="open") == 2
+    finally:
+        for s in second:
+            await s.stop()
