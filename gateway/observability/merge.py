@@ -18,7 +18,9 @@ set (pure; no I/O):
 - counters of an event of something the workers share, which every worker meets and counts (the
   shared state becoming unreachable or refusing writes, the view's Redis stream lost, a reload
   the parent sent to every worker, an endpoint's breaker ejecting it, one worker deciding and the
-  others adopting it): the largest, so one outage or ejection counts once (``COUNTER_RULES``).
+  others adopting it): the largest, so one outage or ejection counts once (``COUNTER_RULES``); the
+  largest of what each worker's index counted, its restarted workers' counts added up
+  (``merge_chains``).
 
 No label is added: the series keep the names and labels one process exports, so dashboards and
 alert rules read them unchanged. A series only some workers export (a model one of them has not
@@ -166,10 +168,12 @@ def without_endpoints(families: Iterable[Metric], keep: set[tuple[str, str]]) ->
     return out
 
 
-def merge(parts: Iterable[str | list[Metric]], upward: bool = False) -> list[Metric]:
+def merge(parts: Iterable[str | list[Metric]], upward: bool = False,
+          counter_rules: dict[str, str] = COUNTER_RULES) -> list[Metric]:
     """The families of several expositions (texts, or their families parsed) merged as the module
     docstring says, in the order they first appear (a family's samples in the order their series
-    first appear). ``upward``: sums never below the exact sum (``_sum``)."""
+    first appear). ``upward``: sums never below the exact sum (``_sum``). ``counter_rules``: the
+    counters not summed (none, for the parts of one worker's index: ``merge_chains``)."""
     families: dict[str, Metric] = {}
     values: dict[str, dict[tuple, list]] = {}          # family → series key → [Sample, rule, values]
     for part in parts:
@@ -181,7 +185,7 @@ def merge(parts: Iterable[str | list[Metric]], upward: bool = False) -> list[Met
             if fam.type == "gauge":
                 rule = gauge_rule(fam.name)
             elif fam.type == "counter":
-                rule = COUNTER_RULES.get(fam.name, SUM)
+                rule = counter_rules.get(fam.name, SUM)
             else:
                 rule = SUM if fam.type in (*COUNTED, "gaugehistogram") else MAX
             series = values[fam.name]
@@ -202,6 +206,24 @@ def merge(parts: Iterable[str | list[Metric]], upward: bool = False) -> list[Met
                            for s in fam.samples]
         out.append(fam)
     return out
+
+
+def merge_chains(chains: Iterable[list[str | list[Metric]]]) -> list[Metric]:
+    """``merge`` of the workers' parts, each worker's given as a chain: its own exposition, then what
+    it carries of its index's earlier workers (gateway/server/siblings.py). A counter of
+    ``COUNTER_RULES`` is the largest of the chains' counts, each chain's added up over its workers
+    (what that index counted since the gateway started); taken as the largest of all the parts, an
+    event counted after every index's worker had been restarted was lost under the predecessors'
+    counts. The rest is merged as ``merge`` does, part by part."""
+    chains = [list(c) for c in chains]
+    parts = [[parse(p) if isinstance(p, str) else p for p in chain] for chain in chains]
+    families = merge([p for chain in parts for p in chain])
+    ruled = [[[fam for fam in p if fam.type == "counter" and fam.name in COUNTER_RULES] for p in chain]
+             for chain in parts]
+    if not any(fams for chain in ruled for fams in chain):
+        return families
+    largest = {fam.name: fam for fam in merge([merge(chain, upward=True, counter_rules={}) for chain in ruled])}
+    return [largest.get(fam.name, fam) if fam.name in COUNTER_RULES else fam for fam in families]
 
 
 class _Families:

@@ -300,28 +300,32 @@ class Breakers:
         if self.on_change is not None:
             self.on_change(ep, b.open_for, b.ejections)
 
-    def _eject(self, ep: Endpoint, b: Breaker, now: float, open_for: float, reason: str, **logged: Any) -> None:
-        """Open ``b`` for ``open_for`` seconds: ``ep`` is not ready until it goes half-open."""
+    def _eject(self, ep: Endpoint, b: Breaker, now: float, open_for: float, reason: str, counted: bool = True,
+               **logged: Any) -> None:
+        """Open ``b`` for ``open_for`` seconds: ``ep`` is not ready until it goes half-open.
+        ``counted``: a transition of ``switchyard_breaker_transitions_total``."""
         b.open_for = open_for
         b.opened_at = now
         b.consecutive = b.trials_out = b.trial_successes = 0
         b.down_seen = not ep.healthy
         b.clear_window()
-        self._move(ep, b, OPEN)
+        self._move(ep, b, OPEN, counted)
         ep.ejected = True
         log.warning("breaker opened", model=ep.model, endpoint=ep.name, reason=reason, ejections=b.ejections,
                     open_for_s=open_for, **logged)
         self._schedule(b, open_for, lambda: self._half_open(ep, b))
 
     def adopt_open(self, ep: Endpoint, open_for: float, ejections: int, sender_first: bool = False,
-                   owner: int = -1, own: bool = False) -> bool:
+                   owner: int = -1, own: bool = False, counted: bool = True) -> bool:
         """A sibling worker ejected ``ep`` for ``open_for`` seconds: so does this one (unless it is
         open already, or the ejection would empty its group here); whether it did. ``sender_first``:
         the sibling comes before this worker (a lower index); of two ejections decided at once, each
         worker's before it heard of the other's, both keep that sibling's, and its trials.
         ``owner``: the index of the worker whose ejection it is, whose trials this one awaits.
         ``own``: it is this worker's (its predecessor at its index decided it, and a sibling's whole
-        view told it at its start): this worker sends its trials."""
+        view told it at its start): this worker sends its trials. ``counted``: the ejection is a
+        transition here (not for one a worker learns at its start: its predecessor, whose counts it
+        carries on, or the sibling that decided it, counted it)."""
         cfg = self.config_for(ep.model)
         if not cfg.enabled or open_for <= 0 or ep.removed:
             return False
@@ -346,7 +350,7 @@ class Breakers:
             return False
         b.ejections = max(b.ejections, ejections)
         b.held, b.owner = not own, -1 if own else owner
-        self._eject(ep, b, self.clock(), open_for, "predecessor" if own else "sibling")
+        self._eject(ep, b, self.clock(), open_for, "predecessor" if own else "sibling", counted)
         return True
 
     def ejected_now(self) -> list[tuple[Endpoint, float, int, int | None]]:
@@ -467,8 +471,9 @@ class Breakers:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _move(self, ep: Endpoint, b: Breaker, to: str) -> None:
-        self._child(self.metrics.transitions, ep.model, ep.name, b.state, to).inc()
+    def _move(self, ep: Endpoint, b: Breaker, to: str, counted: bool = True) -> None:
+        if counted:
+            self._child(self.metrics.transitions, ep.model, ep.name, b.state, to).inc()
         b.state = to
         if to == HALF_OPEN:
             self._half_opens.add(id(ep))

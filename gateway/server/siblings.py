@@ -56,7 +56,15 @@ import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from gateway.observability.merge import counts_only, endpoints_of, merge, parse, render, without_endpoints
+from gateway.observability.merge import (
+    counts_only,
+    endpoints_of,
+    merge,
+    merge_chains,
+    parse,
+    render,
+    without_endpoints,
+)
 from gateway.server.workers import WorkerInfo
 
 log = structlog.get_logger("switchyard.siblings")
@@ -259,7 +267,8 @@ class Siblings:
         self.own(own)
         answers, gone = await self._gather("metrics")
         living: list[list[Metric]] = [parse(own.decode())]
-        carried: list[list[Metric]] = [self._carried]
+        # each index's parts: its worker's own (counts only for a gone one), then what it carries
+        chains: list[list[list[Metric]]] = [[living[0], self._carried]]
         known = self.endpoints() if self.endpoints is not None else None
         for i in self.peers:
             report = answers.get(i)
@@ -270,13 +279,14 @@ class Siblings:
             mine, _, before = report.partition(CARRIED)
             try:
                 fams = parse(mine.decode())
-                carried.append(parse(before.decode()))
+                earlier = parse(before.decode())
             except Exception:           # a damaged file: left out
                 log.warning("a worker's reported metrics could not be read", worker=i)
                 continue
             if i in gone:
-                carried.append(counts_only(fams))
+                chains.append([counts_only(fams), earlier])
             else:
+                chains.append([fams, earlier])
                 living.append(fams)
                 theirs = _endpoints_in(mine)
                 if known is not None and theirs is not None:
@@ -285,7 +295,7 @@ class Siblings:
                     known &= theirs
         if known is None:
             known = set().union(*(endpoints_of(fams) for fams in living))
-        families = merge([without_endpoints(fams, known) for fams in (*living, *carried)])
+        families = merge_chains([[without_endpoints(fams, known) for fams in chain] for chain in chains])
         workers = GaugeMetricFamily("switchyard_workers", "Worker processes of this gateway (server.workers)",
                                     value=self.worker.count)
         scraped = GaugeMetricFamily("switchyard_workers_scraped",
@@ -355,7 +365,9 @@ def gone_counts(path: str) -> list[Metric]:
         return []
     mine, _, before = report.partition(CARRIED)
     try:
-        return merge([counts_only(parse(mine.decode())), parse(before.decode())], upward=True)
+        # one index's workers, one after the other: every count added up, those taken as the
+        # largest over the workers too (``merge_chains``)
+        return merge([counts_only(parse(mine.decode())), parse(before.decode())], upward=True, counter_rules={})
     except Exception:               # a damaged file: start from zero, as before
         log.warning("a dead worker's reported metrics could not be read", path=path)
         return []

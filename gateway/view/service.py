@@ -987,8 +987,8 @@ class RoutingView:
                 # one of this worker's own told back after a gap: it closed it since (the sibling missed that)
                 if ep is None or self._breakers.state(ep) != CLOSED or (mine and not start):
                     continue
-                n += self._breakers.adopt_open(ep, f.open_for, f.ejections,
-                                               owner=by_sender if f.by < 0 else f.by, own=mine)
+                n += self._breakers.adopt_open(ep, f.open_for, f.ejections, owner=by_sender if f.by < 0 else f.by,
+                                               own=mine, counted=not start)
             if n:
                 self.m.gm.child(self.m.applied, "worker", "breaker").inc(n)
 

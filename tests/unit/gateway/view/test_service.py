@@ -896,6 +896,8 @@ async def test_a_restarted_worker_takes_on_the_ejection_its_predecessor_decided_
         eb2 = b2pool.endpoints("m")[0]
         assert b2br.state(eb2) == OPEN and not eb2.ready
         assert 29 < b2br.breaker(eb2).open_for <= 30            # what was left of worker 1's ejection
+        # not counted again: the predecessor counted it, and the new worker carries its counts on
+        assert not [s for fam in b2br.metrics.transitions.collect() for s in fam.samples]
         for ep, br in ((ea, abr), (eb2, b2br)):                 # the engine went down and came back
             ep.healthy = False
             br.on_health(ep)
