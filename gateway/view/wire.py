@@ -18,7 +18,8 @@ discovery alike):
   the local bus only;
 * ``Eject``: the sender's circuit breaker ejected an endpoint for ``open_for`` seconds (0: closed it
   after its trials passed); the siblings do the same (``gateway.resilience.breaker``). The local
-  bus only;
+  bus only; in a whole view (``ViewSnapshot``), an endpoint the sender keeps out, ``open_for`` the
+  time left, ``by`` the worker whose ejection it is (whose trials the others await);
 * ``Probe`` and ``Scrape``: the outcome of a health probe, and an engine's ``/metrics`` snapshot
   (``EngineMetrics``, MessagePack-encoded as the sender made it), from the worker that watches the
   endpoint (``view.share_monitoring``), with ``known``: the in-flight requests the sender knew of
