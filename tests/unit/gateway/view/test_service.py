@@ -912,3 +912,46 @@ async def test_a_restarted_worker_takes_on_the_ejection_its_predecessor_decided_
         for v in (a, b, b2):
             await v.stop()
         d.close()
+
+
+async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_reads_again():
+    """b stops reading its bus (a stall): a's batches of in-flight counts fill its queue, and the one
+    that tells of a's ejection is refused. Once b reads again, a's number (said again on the
+    heartbeat) shows the gap, b catches up from a, and ejects the endpoint for what is left of a's
+    ejection. Before, a batch with only an ejection was not numbered: nothing showed b had missed
+    it, and b routed to the ejected engine until faults of its own tripped its breaker."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.resilience.breaker import OPEN, BreakerConfig, Breakers
+    from gateway.resilience.outcome import Outcome
+
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
+    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, max_ejection_percent=50)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
+    a.attach_breakers(abr)
+    b.attach_breakers(bbr)
+
+    async def ask(view, index, kind, timeout):
+        return await view.snapshot()
+
+    a.ask_sibling = lambda index, kind, timeout: ask(b, index, kind, timeout)
+    b.ask_sibling = lambda index, kind, timeout: ask(a, index, kind, timeout)
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(b.bus.sock.fileno())          # b reads nothing: its queue fills
+        for i in range(1, 100):
+            ea[1].in_flight = i
+            a._flush()
+        assert metric_total(a.m.gm.render().decode(), "switchyard_view_messages_dropped_total", reason="peer_full") > 0
+        abr.record(ea[0], Outcome.FAULT)                 # ejected; the batch that says so is refused
+        assert abr.state(ea[0]) == OPEN
+        await asyncio.sleep(0)
+        ea[1].in_flight = 0
+        loop.add_reader(b.bus.sock.fileno(), b.bus._readable)     # b reads again
+        await until(lambda: bbr.state(eb[0]) == OPEN, timeout=3)
+        assert bbr.breaker(eb[0]).held and 29 < bbr.breaker(eb[0]).open_for <= 30
+        assert metric_total(b.m.gm.render().decode(), "switchyard_view_catch_ups_total",
+                            reason="gap", result="applied") == 1
