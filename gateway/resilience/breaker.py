@@ -367,6 +367,10 @@ class Breakers:
             out.append((ep, left, b.ejections, b.owner if b.held else None))
         return out
 
+    def held_for(self, owner: int) -> list[Endpoint]:
+        """The endpoints this worker keeps out on the ejection of sibling ``owner``."""
+        return [ep for ep, b in self._by_ep.values() if b.held and b.owner == owner and b.state != CLOSED]
+
     def adopt_close(self, ep: Endpoint) -> bool:
         """A sibling's trials found ``ep`` healthy: its breaker here closes too; whether it was open."""
         entry = self._by_ep.get(id(ep))

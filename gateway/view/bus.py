@@ -6,7 +6,7 @@ Unix datagram socket there, ``w<i>.sock`` (a restarted worker unlinks and binds 
 sends each batch to every sibling's socket with one non-blocking ``sendto``: nothing waits on
 another process. A sibling whose receive queue is full, or that is not there (starting,
 restarting), misses that batch, which is counted: in-flight counts are absolute, so the next
-batch heals them, and a worker that missed insertions or sessions catches up from the sender
+batch heals them, and a worker that missed insertions, sessions or ejections catches up from the sender
 (``RoutingView.catch_up``; ``refused`` tells the sender a sibling missed one).
 
 Datagrams keep message boundaries, need no framing, connection or reconnection, and the kernel

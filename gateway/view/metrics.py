@@ -81,7 +81,7 @@ class ViewMetrics:
                                ["source", "kind"], registry=r)
         self.catch_ups = Counter("switchyard_view_catch_ups",
                                  "A worker asked a sibling for its whole view (sessions, prefix index): reason start (it "
-                                 "started) or gap (it missed batches of the sibling's insertions or sessions); result "
+                                 "started) or gap (it missed batches of the sibling's insertions, sessions or breakers); result "
                                  "applied, or failed (no answer in time)",
                                  ["reason", "result"], registry=r)
         self.lag = Histogram("switchyard_view_lag_seconds",

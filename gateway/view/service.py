@@ -52,7 +52,9 @@ heartbeat only, so a restarted worker routed and unloaded without them until the
 endpoints its breakers keep out (said once, at the ejection: a restarted worker sent its first
 requests to an engine its siblings had ejected),
 and one that missed a sibling's batches (its receive queue was full: the worker was stopped or
-busy; the batches are numbered, ``wire.Batch.seq``) asks that sibling once it notices the gap. A
+busy; the batches with insertions, sessions or breakers' ejections and closes are numbered,
+``wire.Batch.seq``) asks that sibling once it notices the gap, and takes the ejections it missed
+and closes those it holds that the sibling closed meanwhile. A
 sender whose batch a sibling refused sends its number again every ``view.heartbeat_s`` until one
 gets through, so the gap is noticed even when nothing more happens. What is merged keeps its time
 (``time.monotonic``, the same clock in every worker): nothing newer is overwritten, and nothing
@@ -253,7 +255,7 @@ class RoutingView:
                                     # millisecond is a plain ``Handle``, without ``when()``)
         # catching up (workers): this process's batches are numbered; a gap in a sibling's is noticed
         self.run = secrets.randbits(31) | 1               # this process among its index's incarnations
-        self._seq = 0                                     # batches with insertions or sessions sent
+        self._seq = 0                                     # batches with insertions, sessions or breakers sent
         self._owe = False                                 # a sibling refused one: its number is sent again
         self._heard_seq: dict[str, tuple[int, int]] = {}  # sibling → (run, seq) heard or caught up to
         # asks sibling ``index`` one question with a timeout (gateway/server/siblings.py); None: alone
@@ -674,7 +676,7 @@ class RoutingView:
             self.m.gm.child(self.m.sent, "worker").inc(bus.send(payloads))
             if bus.refused:
                 # a sibling missed facts, or the number that tells it so: say it again on the heartbeat
-                if inserts or sessions or self._owe:
+                if inserts or sessions or ejects or self._owe:
                     self._owe = True
                     self._arm(self.cfg.heartbeat_s)
             else:
@@ -881,9 +883,9 @@ class RoutingView:
     # -- catching up --------------------------------------------------------------------------
 
     def _check_seq(self, batch: Batch) -> None:
-        """A sibling's batch number: a jump means batches with insertions or sessions were lost on
+        """A sibling's batch number: a jump means batches with insertions, sessions or breakers were lost on
         the way here (this worker's queue was full), so the sibling is asked for its whole view."""
-        facts = 1 if batch.inserts or batch.sessions else 0
+        facts = 1 if batch.inserts or batch.sessions or batch.breakers else 0
         heard = self._heard_seq.get(batch.sender)
         if heard is not None and heard[0] == batch.run:
             if batch.seq <= heard[1]:        # sent before what a catch-up brought
@@ -973,14 +975,20 @@ class RoutingView:
             self.m.gm.child(self.m.applied, "worker", "busy").inc()
         if (head.load or head.busy) and self._tick_at is None:     # held until their sender goes silent
             self._arm(self.cfg.heartbeat_s)
-        if head.breakers and self._breakers is not None and self.bus is not None:
-            # its ejections, for what is left of them, where this worker's breaker is closed (it just
-            # started, or missed the batch that told it): the trials stay the sibling's (``adopt_open``),
-            # or the worker's whose ejection the sibling holds; one that this worker's predecessor
-            # decided is this worker's, trials and all
-            index = sender.rpartition("/")[2]
-            by_sender = int(index) if index.isdigit() else -1
-            n = 0
+        if self._breakers is not None and self.bus is not None:
+            self._adopt_ejections(head, sender, start)
+
+    def _adopt_ejections(self, head: ViewSnapshot, sender: str, start: bool) -> None:
+        """A sibling's ejections, as its whole view gave them, for what is left of them, where this
+        worker's breaker is closed (it just started, or missed the batch that told it): the trials
+        stay the sibling's (``adopt_open``), or the worker's whose ejection the sibling holds; one
+        that this worker's predecessor decided is this worker's, trials and all. After a gap, an
+        ejection of the sibling's that this worker holds and the sibling no longer has was closed
+        by the sibling's trials, in a batch missed: closed here too."""
+        index = sender.rpartition("/")[2]
+        by_sender = int(index) if index.isdigit() else -1
+        n = 0
+        if head.breakers:
             for f in head.breakers:
                 ep = self._resolve(f.ep)
                 mine = f.by == self.worker_index
@@ -989,8 +997,15 @@ class RoutingView:
                     continue
                 n += self._breakers.adopt_open(ep, f.open_for, f.ejections, owner=by_sender if f.by < 0 else f.by,
                                                own=mine, counted=not start)
-            if n:
-                self.m.gm.child(self.m.applied, "worker", "breaker").inc(n)
+        heard = self._heard_seq.get(sender)
+        if not start and by_sender >= 0 and (heard is None or heard[0] != head.run or heard[1] <= head.seq):
+            # (a batch of the sibling's newer than its view may have told of an ejection since: then not)
+            listed = {f.ep for f in head.breakers}
+            for ep in self._breakers.held_for(by_sender):
+                if self._key(ep) not in listed:
+                    n += self._breakers.adopt_close(ep)
+        if n:
+            self.m.gm.child(self.m.applied, "worker", "breaker").inc(n)
 
     async def snapshot(self) -> bytes:
         """This worker's whole view for a sibling catching up (``catch_up``): its batch number, then

@@ -42,10 +42,10 @@ discovery alike):
   than loading it too. ``at`` is on ``time.monotonic``, the same clock in every worker. Sent at the
   end of the loop turn (not held by ``view.flush_delay_s``), in the first batch. The local bus only;
 * ``run`` and ``seq`` (the local bus): the sender's process (a random number, new at each start) and
-  how many batches with insertions or sessions it has sent so far, this one included. A sibling
-  that sees the count jump missed some (its queue was full: stopped, or busy) and asks the sender
-  for its whole view (``ViewSnapshot``, over the siblings' stream socket), since an insertion or a
-  session, unlike a count, is not sent again.
+  how many batches with insertions, sessions or breakers' ejections and closes it has sent so far,
+  this one included. A sibling that sees the count jump missed some (its queue was full: stopped,
+  or busy) and asks the sender for its whole view (``ViewSnapshot``, over the siblings' stream
+  socket), since an insertion, a session or an ejection, unlike a count, is not sent again.
 
 ``encode`` splits what does not fit in ``max_bytes`` over several batches.
 """
@@ -137,7 +137,7 @@ class Batch(msgspec.Struct, array_like=True):
     served: list[Served] = []
     preempt: list[str] = []              # endpoint keys: an interactive request found no free slot there
     run: int = 0                         # the sender's process (random, new at each start); 0: not numbered
-    seq: int = 0                         # batches with inserts or sessions the sender has sent, this one included
+    seq: int = 0                         # batches with inserts, sessions or breakers the sender has sent, this one included
     # endpoint key → the LoRA adapters the sender has requests in flight for there, all of them
     # (absolute: the next one heals a lost one); None: not in this batch, {}: none anywhere
     busy: dict[str, list[str]] | None = None
@@ -259,7 +259,8 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
                     run: int = 0, seq: int = 0, busy: dict[str, list[str]] | None = None,
                     loads: Sequence[LoraLoad] = ()) -> tuple[list[bytes], int]:
     """``encode``, each batch carrying ``run`` and its number (``seq``, counting the batches with
-    insertions or sessions; with ``run`` 0 nothing is numbered); returns the batches and the last
+    insertions, sessions or breakers' ejections and closes; with ``run`` 0 nothing is numbered);
+    returns the batches and the last
     number given. ``load``, ``busy``, ``breakers``, ``preempt`` and ``loads`` ride in the first."""
     budget = max_bytes - 64 - len(sender) - (sum(len(k) + 10 for k in load) if load else 0) \
         - (sum(len(k) + 8 + sum(len(a) + 4 for a in v) for k, v in busy.items()) if busy else 0)
@@ -270,7 +271,7 @@ def encode_numbered(sender: str, sent: float, inserts: Sequence[Insert], session
 
     def batch() -> bytes:
         nonlocal seq
-        if run and (lists[Insert] or lists[Session]):
+        if run and (lists[Insert] or lists[Session] or breakers):
             seq += 1
         return _encoder.encode(Batch(sender, sent, lists[Insert], lists[Session], load, lists[Tokens],
                                      list(breakers), lists[Probe], lists[Scrape], lists[Served], list(preempt),

@@ -955,3 +955,44 @@ async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_read
         assert bbr.breaker(eb[0]).held and 29 < bbr.breaker(eb[0]).open_for <= 30
         assert metric_total(b.m.gm.render().decode(), "switchyard_view_catch_ups_total",
                             reason="gap", result="applied") == 1
+
+
+async def test_a_worker_that_missed_its_siblings_close_after_the_trials_closes_too(monkeypatch):
+    """b holds a's ejection; b's queue is full when a's trials pass and a closes the breaker. Once b
+    reads again it catches up, finds the ejection gone from a's view, and closes its breaker too,
+    rather than keeping the endpoint out until its own trials after the ejection and base_ejection_s more."""
+    from prometheus_client import CollectorRegistry
+
+    import gateway.view.service as service
+    from gateway.resilience.breaker import CLOSED, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.outcome import Outcome
+
+    monkeypatch.setattr(service, "CATCH_UP_EVERY_S", 0.0)
+    d = RunDirectory()
+    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
+    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, max_ejection_percent=50)
+    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
+    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
+    a.attach_breakers(abr)
+    b.attach_breakers(bbr)
+
+    async def ask(view, index, kind, timeout):
+        return await view.snapshot()
+
+    a.ask_sibling = lambda index, kind, timeout: ask(b, index, kind, timeout)
+    b.ask_sibling = lambda index, kind, timeout: ask(a, index, kind, timeout)
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        abr.record(ea[0], Outcome.FAULT)
+        await until(lambda: bbr.state(eb[0]) == OPEN and bbr.breaker(eb[0]).held, timeout=2)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(b.bus.sock.fileno())
+        for i in range(1, 100):
+            ea[1].in_flight = i
+            a._flush()
+        abr._close(ea[0], abr.breaker(ea[0]), abr.clock())     # the trials passed; the batch is refused
+        await asyncio.sleep(0)
+        ea[1].in_flight = 0
+        loop.add_reader(b.bus.sock.fileno(), b.bus._readable)
+        await until(lambda: bbr.state(eb[0]) == CLOSED, timeout=3)
+        assert eb[0].ready
