@@ -329,9 +329,10 @@ async def test_a_model_without_room_does_not_hold_back_another_models_lines(sims
                        batch=cfg(tmp_path))
     c = openai_client(gw)
     data = rows(["slow", "fast"] * 8, max_tokens=3)
-    for r in data:
-        if r["body"]["model"] == "slow":
-            r["body"]["max_tokens"] = 40      # 1.6 s a line, two at a time: 6.4 s for the eight
+    # the first four slow lines 1.6 s each, two at a time: the third and fourth end 3.2 s in; the slow
+    # lines after them wait for room whatever their length, so they are short
+    for r in [r for r in data if r["body"]["model"] == "slow"][:4]:
+        r["body"]["max_tokens"] = 40
     b = await create(c, data)
 
     async def fast_done() -> bool:
@@ -419,20 +420,36 @@ async def test_a_malformed_part_header_is_a_400(sims, gateway, tmp_path, header)
 async def test_an_input_that_cannot_be_read_on_fails_the_batch_and_says_why(sims, gateway, tmp_path, monkeypatch):
     from gateway.batch import runner
 
+    import threading
+
     monkeypatch.setattr(runner, "HELD_BACK", 8)      # reads stop 8 lines past the ones with room
-    sim = await sims("vllm", "m", itl_ms=5.0)
+    real = runner.read_chunk
+    second, go = threading.Event(), threading.Event()
+
+    def held(path: str, offset: int, line_no: int, n: int = 256):
+        if offset > 0:                          # the second read waits until the file is gone
+            second.set()
+            go.wait(30)
+        return real(path, offset, line_no, n)
+
+    monkeypatch.setattr(runner, "read_chunk", held)
+    sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path))
     c = openai_client(gw)
     n = 300                                   # the second read of the input (after 256 lines) fails
-    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=10))), purpose="batch")
+    f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=2))), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
 
     async def first_read() -> bool:             # a line answered: the first 256 lines were read
         got = await c.batches.retrieve(b.id)
         return got.request_counts is not None and got.request_counts.completed > 0
 
-    await until(first_read, timeout=20, interval=0.01)
-    (tmp_path / "batch" / "files" / f.id).unlink()         # the disk lost it
+    try:
+        await until(first_read, timeout=20, interval=0.01)
+        assert await asyncio.to_thread(second.wait, 30)
+        (tmp_path / "batch" / "files" / f.id).unlink()     # the disk lost it
+    finally:
+        go.set()
     b = await run_to_end(c, b.id, timeout=120)
     assert b.status == "failed" and b.failed_at and b.errors.data[0].code == "file_unreadable"
     answered = b.request_counts.completed + b.request_counts.failed
