@@ -212,7 +212,7 @@ async def load_under_way(sim, port: int, first: aiohttp.ClientSession, model: st
     answer after seconds) has its load call and the sibling may have heard the load start."""
     task = asyncio.create_task(ask(first, port, model))
     await wait_for(lambda: calls(sim, LOAD) == 1, timeout=10)
-    await wait_for(lambda: load_news_heard(port), timeout=2)      # bounded: without it the sibling loads
+    await wait_for(lambda: load_news_heard(port), timeout=1)      # bounded: without it the sibling loads
     assert calls(sim, LOAD) == 1 and not task.done(), "the first load was not under way"
     return task
 
@@ -221,7 +221,7 @@ async def load_under_way(sim, port: int, first: aiohttp.ClientSession, model: st
 async def test_a_load_under_way_in_one_worker_is_awaited_by_its_sibling_not_made_again(sims, tmp_path):
     """A request for an adapter reaches the sibling while the first worker's load of it is under
     way: the sibling waits for that load's outcome rather than asking the engine too."""
-    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=4000)
+    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=2000)
     port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, sim.url, "load_timeout_s: 60"))
@@ -248,7 +248,7 @@ async def test_a_load_under_way_in_one_worker_that_fails_is_the_siblings_cooldow
     """The first worker's load fails while the sibling waits on it: the sibling does not ask the
     engine either, and answers the cooldown's 503 with its Retry-After; nor does either worker ask
     again within the cooldown."""
-    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=4000)
+    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=2000)
     port = listen_port()
     path = tmp_path / "gw.yaml"
     path.write_text(config(port, sim.url, "load_timeout_s: 60, failure_cooldown_s: 60", FAILING))
@@ -291,7 +291,7 @@ async def test_a_load_under_way_in_one_worker_refused_as_full_lets_its_sibling_a
     the gateway's to unload) while the sibling waits on it: no cooldown follows such a refusal, so
     the sibling's wait ends without an outcome (``ended``) and it asks the engine itself, which
     refuses it too."""
-    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=4000, max_loaded_loras=1,
+    sim = await sims("vllm", "m", **LORA_SIM, lora_load_call_ms=2000, max_loaded_loras=1,
                      lora_modules=("other=org/other",))
     port = listen_port()
     path = tmp_path / "gw.yaml"
