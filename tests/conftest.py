@@ -15,6 +15,7 @@ and under every failed test, with the ``@reproduce_failure`` blob of the failing
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import gc
 import os
@@ -211,17 +212,66 @@ def redis_server():
     srv.cleanup()
 
 
-@pytest.fixture
-def redis_cluster():
-    """A Redis Cluster on loopback: 3 primaries, 1 replica each (tests/support/redis_cluster.py)."""
-    from tests.support.redis_cluster import RedisCluster
-
-    c = RedisCluster()
+def _started_cluster(c):
     try:
-        c.start()
-    except Exception:
+        return c.start()
+    except BaseException:
         c.cleanup()
         raise
+
+
+class _NextCluster:
+    """The cluster of a test that asks for one, started while the test before it runs: a
+    cluster's nodes take two seconds to call their slots served (a primary waits that long after
+    its start before it takes writes), most of a short test's time. Each test still gets a cluster
+    of its own that no test used before it."""
+
+    def __init__(self) -> None:
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="next-redis-cluster")
+        self.next: concurrent.futures.Future | None = None
+        self.next_for: str | None = None    # the test it was started for
+
+    def start(self):
+        from tests.support.redis_cluster import RedisCluster
+
+        c = RedisCluster()           # its ports picked here, in the tests' thread
+        return self.pool.submit(_started_cluster, c)
+
+    def take(self, request) -> Any:
+        ahead, self.next = self.next, None
+        if ahead is not None and self.next_for != request.node.nodeid:    # its test did not run
+            with contextlib.suppress(Exception):
+                ahead.result().cleanup()
+            ahead = None
+        started = (ahead or self.start()).result()
+        # only for the test right after this one: a cluster left idle through other tests on a busy
+        # machine could see a node miss its 1 s timeout and fail over before its test began
+        items = request.session.items
+        later = items[items.index(request.node) + 1:][:1] if request.node in items else []
+        if later and "redis_cluster" in getattr(later[0], "fixturenames", ()):
+            self.next, self.next_for = self.start(), later[0].nodeid
+        return started
+
+    def close(self) -> None:
+        if self.next is not None:
+            with contextlib.suppress(Exception):
+                self.next.result().cleanup()
+            self.next = None
+        self.pool.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _next_cluster():
+    n = _NextCluster()
+    yield n
+    n.close()
+
+
+@pytest.fixture
+def redis_cluster(request, _next_cluster):
+    """A Redis Cluster on loopback: 3 primaries, 1 replica each (tests/support/redis_cluster.py),
+    started while the test right before this one ran when that one had a cluster too."""
+    c = _next_cluster.take(request)
     yield c
     c.cleanup()
 
