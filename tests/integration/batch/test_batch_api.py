@@ -513,7 +513,7 @@ async def test_an_engine_that_dies_mid_batch_costs_no_line(sims, gateway, tmp_pa
 
 
 async def test_an_engine_down_until_its_probes_notice_loses_no_line(sims, gateway, tmp_path):
-    """A model's one engine dies mid-batch, and its health probes take longer to notice (up to 2 s
+    """A model's one engine dies mid-batch, and its health probes take longer to notice (up to 1 s
     here, 10 s at the defaults) than a line's attempts last (0.3 s here, 3 s at the defaults).
     Meanwhile the lines the runner starts meet a 502: the gateway cannot connect to any engine, so
     no engine ran them, as when no endpoint is ready; they wait and run once the engine is back,
@@ -521,7 +521,7 @@ async def test_an_engine_down_until_its_probes_notice_loses_no_line(sims, gatewa
     through them at once, and most of the batch ended in the error file."""
     sim = await sims("vllm", "m", itl_ms=10.0)
     port = sim.port
-    gw = await gateway([model_block("m", "vllm", [sim.url])], health={"interval_s": 1.0, "unhealthy_threshold": 2},
+    gw = await gateway([model_block("m", "vllm", [sim.url])], health={"interval_s": 0.5, "unhealthy_threshold": 2},
                        batch={**batch_cfg(tmp_path), "retry_backoff_s": 0.1, "max_concurrency": 4})
     c = openai_client(gw)
     rows = lines("/v1/chat/completions", 200)
@@ -795,7 +795,7 @@ async def test_output_files_expiring_before_file_ttl_leave_the_store_and_the_dis
     """The sweep removes a batch's output and error files once their ``expires_at`` (here
     ``file_ttl_s``, shorter than ``output_expires_after``'s 3600 s) has passed."""
     sim = await sims("vllm", "m")
-    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**batch_cfg(tmp_path), "file_ttl_s": 4})
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch={**batch_cfg(tmp_path), "file_ttl_s": 3})
     c = openai_client(gw)
     rows = lines("/v1/completions", 1) + [{"custom_id": "nope", "method": "POST", "url": "/v1/completions",
                                            "body": {"model": "absent", "prompt": "x"}}]
@@ -804,7 +804,7 @@ async def test_output_files_expiring_before_file_ttl_leave_the_store_and_the_dis
                                                     completion_window="24h", output_expires_after={
                                                         "anchor": "created_at", "seconds": 3600})).id)
     made = [await c.files.retrieve(fid) for fid in (b.output_file_id, b.error_file_id)]
-    assert [m.expires_at - m.created_at for m in made] == [4, 4]
+    assert [m.expires_at - m.created_at for m in made] == [3, 3]
 
     async def gone() -> bool:
         left = {x.id for x in (await c.files.list()).data}
