@@ -11,6 +11,7 @@ attempts and end in the error file, where those of a P/D model with no ready pai
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -344,14 +345,46 @@ async def test_a_model_without_room_does_not_hold_back_another_models_lines(sims
     assert (b.request_counts.completed, b.request_counts.failed) == (16, 0)
 
 
-async def test_an_input_file_past_its_ttl_is_kept_while_its_batch_runs(sims, gateway, tmp_path):
-    sim = await sims("vllm", "m", itl_ms=5.0)
-    # one line at a time, 3 tokens 5 ms apart: the 300 lines take more than the file's 2 s
-    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, file_ttl_s=2, max_concurrency=1))
+async def test_an_input_file_past_its_ttl_is_kept_while_its_batch_runs(sims, gateway, tmp_path, monkeypatch):
+    import threading
+
+    import openai
+
+    from gateway.batch import runner
+
+    real = runner.read_chunk
+    second, go = threading.Event(), threading.Event()
+
+    def held(path: str, offset: int, line_no: int, n: int = 256):
+        if offset > 0:                          # the second read waits until the sweep passed the file
+            second.set()
+            go.wait(30)
+        return real(path, offset, line_no, n)
+
+    monkeypatch.setattr(runner, "read_chunk", held)
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=cfg(tmp_path, file_ttl_s=1))
     c = openai_client(gw)
     n = 300                                   # more than one read of the input (256 lines)
     f = await c.files.create(file=("in.jsonl", jsonl(rows(["m"] * n, max_tokens=3))), purpose="batch")
     b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    # a file no batch reads, uploaded after the input, so it expires no sooner: once it is gone, a
+    # sweep has found the input expired too, and left it for its batch
+    other = await c.files.create(file=("other.jsonl", jsonl(rows(["m"]))), purpose="batch")
+
+    async def swept() -> bool:
+        try:
+            await c.files.retrieve(other.id)
+        except openai.NotFoundError:
+            return not (tmp_path / "batch" / "files" / other.id).exists()
+        return False
+
+    try:
+        assert await asyncio.to_thread(second.wait, 30)
+        await until(swept, timeout=20, interval=0.05)
+        await until(lambda: time.time() >= f.expires_at + 1, timeout=5)     # completed_at is past it
+    finally:
+        go.set()
     b = await run_to_end(c, b.id, timeout=90)
     assert b.status == "completed" and (b.request_counts.completed, b.request_counts.total) == (n, n)
     assert f.expires_at < b.completed_at      # the file's time was up while the batch read it
@@ -418,9 +451,9 @@ async def test_a_malformed_part_header_is_a_400(sims, gateway, tmp_path, header)
 
 
 async def test_an_input_that_cannot_be_read_on_fails_the_batch_and_says_why(sims, gateway, tmp_path, monkeypatch):
-    from gateway.batch import runner
-
     import threading
+
+    from gateway.batch import runner
 
     monkeypatch.setattr(runner, "HELD_BACK", 8)      # reads stop 8 lines past the ones with room
     real = runner.read_chunk
