@@ -96,7 +96,7 @@ async def test_an_adapter_in_use_on_one_worker_is_not_unloaded_as_idle_by_the_ot
         try:
             async with loader.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                 assert r.status == 200
-            for _ in range(15):                       # 3 s of use, on the other worker only
+            for _ in range(10):                       # 2 s of use (twice idle_unload_s), on the other worker only
                 async with user.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as r:
                     assert r.status == 200, await r.text()
                 await asyncio.sleep(0.2)
