@@ -20,6 +20,7 @@ import contextlib
 import gc
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -212,30 +213,29 @@ def redis_server():
     srv.cleanup()
 
 
-def _started_cluster(c):
+def _started(s):
     try:
-        return c.start()
+        return s.start()
     except BaseException:
-        c.cleanup()
+        s.cleanup()
         raise
 
 
-class _NextCluster:
-    """The cluster of a test that asks for one, started while the test before it runs: a
-    cluster's nodes take two seconds to call their slots served (a primary waits that long after
-    its start before it takes writes), most of a short test's time. Each test still gets a cluster
-    of its own that no test used before it."""
+class _Ahead:
+    """The Redis set (a Cluster, a Sentinel set) of a test that asks for one, started while the test
+    right before it runs when that one asked for one too: a cluster's primaries take writes only two
+    seconds after their start, and Sentinels take about as long to find each other and the replica,
+    most of a short test's time. Each test still gets a set of its own that no test used before it."""
 
-    def __init__(self) -> None:
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="next-redis-cluster")
+    def __init__(self, fixture: str, make: Callable[[], Any]) -> None:
+        self.fixture = fixture
+        self.make = make
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"ahead-{fixture}")
         self.next: concurrent.futures.Future | None = None
         self.next_for: str | None = None    # the test it was started for
 
-    def start(self):
-        from tests.support.redis_cluster import RedisCluster
-
-        c = RedisCluster()           # its ports picked here, in the tests' thread
-        return self.pool.submit(_started_cluster, c)
+    def start(self) -> concurrent.futures.Future:
+        return self.pool.submit(_started, self.make())     # its ports picked here, in the tests' thread
 
     def take(self, request) -> Any:
         ahead, self.next = self.next, None
@@ -244,11 +244,11 @@ class _NextCluster:
                 ahead.result().cleanup()
             ahead = None
         started = (ahead or self.start()).result()
-        # only for the test right after this one: a cluster left idle through other tests on a busy
-        # machine could see a node miss its 1 s timeout and fail over before its test began
+        # only for the test right after this one: a set left idle through other tests on a busy
+        # machine could see a server miss its 1 s timeout and fail over before its test began
         items = request.session.items
         later = items[items.index(request.node) + 1:][:1] if request.node in items else []
-        if later and "redis_cluster" in getattr(later[0], "fixturenames", ()):
+        if later and self.fixture in getattr(later[0], "fixturenames", ()):
             self.next, self.next_for = self.start(), later[0].nodeid
         return started
 
@@ -261,32 +261,37 @@ class _NextCluster:
 
 
 @pytest.fixture(scope="session")
-def _next_cluster():
-    n = _NextCluster()
-    yield n
-    n.close()
+def _clusters_ahead():
+    from tests.support.redis_cluster import RedisCluster
+
+    a = _Ahead("redis_cluster", RedisCluster)
+    yield a
+    a.close()
 
 
 @pytest.fixture
-def redis_cluster(request, _next_cluster):
+def redis_cluster(request, _clusters_ahead):
     """A Redis Cluster on loopback: 3 primaries, 1 replica each (tests/support/redis_cluster.py),
     started while the test right before this one ran when that one had a cluster too."""
-    c = _next_cluster.take(request)
+    c = _clusters_ahead.take(request)
     yield c
     c.cleanup()
 
 
-@pytest.fixture
-def redis_sentinel():
-    """A primary, a replica and 3 Sentinels on loopback (tests/support/redis_sentinel.py)."""
+@pytest.fixture(scope="session")
+def _sentinels_ahead():
     from tests.support.redis_sentinel import RedisSentinel
 
-    s = RedisSentinel()
-    try:
-        s.start()
-    except Exception:
-        s.cleanup()
-        raise
+    a = _Ahead("redis_sentinel", RedisSentinel)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def redis_sentinel(request, _sentinels_ahead):
+    """A primary, a replica and 3 Sentinels on loopback (tests/support/redis_sentinel.py), started
+    while the test right before this one ran when that one had a Sentinel set too."""
+    s = _sentinels_ahead.take(request)
     yield s
     s.cleanup()
 
