@@ -65,8 +65,12 @@ $(PROMTOOL): | $(BIN)/python
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
 
+# the whole suite as two pytest runs side by side, each with half of tests/'s folders (most of an
+# integration test's time is waiting, so two runs on two cores take little more than the longer half):
+# tests/support/halves.py. TEST_ARGS passes pytest options to both, e.g. TEST_ARGS=-x
+TEST_ARGS ?=
 test: $(DEVSTAMP) redis-server $(PROMTOOL) chromium
-	$(BIN)/python -m pytest
+	$(BIN)/python -m tests.support.halves $(TEST_ARGS)
 
 # the unit tests alone: pure code, no sockets to other processes, nothing from apt (seconds)
 test-unit: $(DEVSTAMP)

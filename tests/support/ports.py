@@ -15,6 +15,7 @@ left in TIME_WAIT counts as free).
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -38,11 +39,26 @@ def _pool() -> range:
     return range(hi + 1, 65_536)       # else above it
 
 
+def _slice() -> tuple[int, int]:
+    """``(i, n)`` from ``SWITCHYARD_TEST_PORT_SLICE=i/n``: this run takes the ports ``p % n == i``, so
+    runs going on side by side (``tests/support/halves.py``) never pick one port; else ``(0, 1)``."""
+    raw = os.environ.get("SWITCHYARD_TEST_PORT_SLICE", "")
+    i, _, n = raw.partition("/")
+    if i.isdigit() and n.isdigit() and 0 <= int(i) < int(n):
+        return int(i), int(n)
+    return 0, 1
+
+
 def listen_port(host: str = "127.0.0.1") -> int:
-    """A port no other server of this run was given, outside the ephemeral range, free now."""
+    """A port no other server of this run was given, outside the ephemeral range, free now (and in
+    this run's slice of them, when runs go on side by side)."""
     pool = _pool()
+    part, parts = _slice()
     for _ in range(1_000):
         port = _rng.randrange(pool.start, pool.stop)
+        port -= (port - part) % parts
+        if port < pool.start:
+            continue
         if port in _given:
             continue
         with socket.socket() as s:
