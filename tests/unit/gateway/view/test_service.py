@@ -914,18 +914,14 @@ async def test_a_restarted_worker_takes_on_the_ejection_its_predecessor_decided_
         d.close()
 
 
-async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_reads_again():
-    """b stops reading its bus (a stall): a's batches of in-flight counts fill its queue, and the one
-    that tells of a's ejection is refused. Once b reads again, a's number (said again on the
-    heartbeat) shows the gap, b catches up from a, and ejects the endpoint for what is left of a's
-    ejection. Before, a batch with only an ejection was not numbered: nothing showed b had missed
-    it, and b routed to the ejected engine until faults of its own tripped its breaker."""
+
+def _breaker_pair(d: RunDirectory):
+    """Two workers of one run directory, each with breakers that eject at the first fault for 30 s,
+    each asking the other for its whole view: ``(a, b, a's pool, b's pool, a's breakers, b's)``."""
     from prometheus_client import CollectorRegistry
 
-    from gateway.resilience.breaker import OPEN, BreakerConfig, Breakers
-    from gateway.resilience.outcome import Outcome
+    from gateway.resilience.breaker import BreakerConfig, Breakers
 
-    d = RunDirectory()
     cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
     bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, max_ejection_percent=50)
     (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
@@ -938,6 +934,20 @@ async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_read
 
     a.ask_sibling = lambda index, kind, timeout: ask(b, index, kind, timeout)
     b.ask_sibling = lambda index, kind, timeout: ask(a, index, kind, timeout)
+    return a, b, apool, bpool, abr, bbr
+
+
+async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_reads_again():
+    """b stops reading its bus (a stall): a's batches of in-flight counts fill its queue, and the one
+    that tells of a's ejection is refused. Once b reads again, a's number (said again on the
+    heartbeat) shows the gap, b catches up from a, and ejects the endpoint for what is left of a's
+    ejection. Before, a batch with only an ejection was not numbered: nothing showed b had missed
+    it, and b routed to the ejected engine until faults of its own tripped its breaker."""
+    from gateway.resilience.breaker import OPEN
+    from gateway.resilience.outcome import Outcome
+
+    d = RunDirectory()
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d)
     async with _running(d, a, b):
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         loop = asyncio.get_running_loop()
@@ -961,26 +971,14 @@ async def test_a_worker_that_missed_its_siblings_close_after_the_trials_closes_t
     """b holds a's ejection; b's queue is full when a's trials pass and a closes the breaker. Once b
     reads again it catches up, finds the ejection gone from a's view, and closes its breaker too,
     rather than keeping the endpoint out until its own trials after the ejection and base_ejection_s more."""
-    from prometheus_client import CollectorRegistry
 
     import gateway.view.service as service
-    from gateway.resilience.breaker import CLOSED, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.breaker import CLOSED, OPEN
     from gateway.resilience.outcome import Outcome
 
     monkeypatch.setattr(service, "CATCH_UP_EVERY_S", 0.0)
     d = RunDirectory()
-    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
-    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, max_ejection_percent=50)
-    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
-    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
-    a.attach_breakers(abr)
-    b.attach_breakers(bbr)
-
-    async def ask(view, index, kind, timeout):
-        return await view.snapshot()
-
-    a.ask_sibling = lambda index, kind, timeout: ask(b, index, kind, timeout)
-    b.ask_sibling = lambda index, kind, timeout: ask(a, index, kind, timeout)
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d)
     async with _running(d, a, b):
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         abr.record(ea[0], Outcome.FAULT)
