@@ -273,18 +273,13 @@ async def test_a_tick_armed_a_hair_ahead_is_moved_by_the_next_request_without_an
 
 
 async def test_an_ejection_in_one_worker_ejects_the_endpoint_in_its_sibling_and_a_close_closes_it():
-    from prometheus_client import CollectorRegistry
 
-    from gateway.resilience.breaker import CLOSED, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.breaker import CLOSED, OPEN, BreakerConfig
     from gateway.resilience.outcome import Outcome
 
     d = RunDirectory()
-    cfg = _config()
-    bcfg = BreakerConfig(consecutive_faults=3, base_ejection_s=30.0)
-    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
-    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
-    a.attach_breakers(abr)
-    b.attach_breakers(bbr)
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(),
+                                                  BreakerConfig(consecutive_faults=3, base_ejection_s=30.0))
     async with _running(d, a, b):
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         for _ in range(3):                                  # worker a sees the faults
@@ -821,19 +816,14 @@ async def test_two_workers_that_eject_an_endpoint_at_once_agree_on_one_ejection_
     leaves the trials to worker 0, so once the engine is back (its probes found it down, then up)
     only worker 0 routes to it, and its trial's success closes the breaker in both. Before, each
     kept its own ejection and sent trials of its own: ``half_open_trials`` per worker."""
-    from prometheus_client import CollectorRegistry
 
-    from gateway.resilience.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.breaker import CLOSED, HALF_OPEN, OPEN
     from gateway.resilience.outcome import Outcome
 
     d = RunDirectory()
     cfg = _config()
-    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, half_open_trials=1, success_threshold=1,
-                         max_ejection_percent=50)
-    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
-    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
-    a.attach_breakers(abr)
-    b.attach_breakers(bbr)
+    bcfg = _ejecting_at_once(half_open_trials=1, success_threshold=1)
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, cfg, bcfg)
     async with _running(d, a, b):
         ea, eb = apool.endpoints("m")[0], bpool.endpoints("m")[0]
         abr.record(ea, Outcome.FAULT)            # in one loop turn: neither has heard the other
@@ -864,22 +854,16 @@ async def test_a_restarted_worker_takes_on_the_ejection_its_predecessor_decided_
     the one its predecessor decided: it keeps the endpoint out for what is left of it, then sends
     the trials itself, while worker 0 still waits for its word. Held in both, the ejection would get
     no trial until each had waited ``base_ejection_s`` more, and then one set from each."""
-    from prometheus_client import CollectorRegistry
 
-    from gateway.resilience.breaker import CLOSED, HALF_OPEN, OPEN, BreakerConfig, Breakers
+    from gateway.resilience.breaker import CLOSED, HALF_OPEN, OPEN
     from gateway.resilience.outcome import Outcome
 
     d = RunDirectory()
     cfg = _config()
-    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, half_open_trials=1, success_threshold=1,
-                         max_ejection_percent=50)
-    (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
-    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
-    a.attach_breakers(abr)
-    b.attach_breakers(bbr)
+    bcfg = _ejecting_at_once(half_open_trials=1, success_threshold=1)
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, cfg, bcfg)
     (b2, _, b2pool) = _worker(cfg, 1, d.path)
-    b2br = Breakers(b2pool, lambda _m: bcfg, CollectorRegistry())
-    b2.attach_breakers(b2br)
+    b2br = _with_breakers(b2, b2pool, bcfg)
 
     async def ask(index, kind, timeout):
         return await a.snapshot()
@@ -915,26 +899,36 @@ async def test_a_restarted_worker_takes_on_the_ejection_its_predecessor_decided_
 
 
 
-def _breaker_pair(d: RunDirectory):
-    """Two workers of one run directory, each with breakers that eject at the first fault for 30 s,
-    each asking the other for its whole view: ``(a, b, a's pool, b's pool, a's breakers, b's)``."""
+def _with_breakers(view, pool, bcfg):
+    """``view`` (a worker's routing view) with breakers of ``bcfg`` over ``pool``: the breakers."""
     from prometheus_client import CollectorRegistry
 
-    from gateway.resilience.breaker import BreakerConfig, Breakers
+    from gateway.resilience.breaker import Breakers
 
-    cfg = _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01)
-    bcfg = BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, max_ejection_percent=50)
+    br = Breakers(pool, lambda _m: bcfg, CollectorRegistry())
+    view.attach_breakers(br)
+    return br
+
+
+def _breaker_pair(d: RunDirectory, cfg, bcfg, ask: bool = False):
+    """Two workers of one run directory with breakers of ``bcfg``, each asking the other for its
+    whole view when ``ask``: ``(a, b, a's pool, b's pool, a's breakers, b's)``."""
     (a, _, apool), (b, _, bpool) = _worker(cfg, 0, d.path), _worker(cfg, 1, d.path)
-    abr, bbr = (Breakers(p, lambda _m: bcfg, CollectorRegistry()) for p in (apool, bpool))
-    a.attach_breakers(abr)
-    b.attach_breakers(bbr)
+    abr, bbr = _with_breakers(a, apool, bcfg), _with_breakers(b, bpool, bcfg)
+    if ask:
+        async def snapshot(view, index, kind, timeout):
+            return await view.snapshot()
 
-    async def ask(view, index, kind, timeout):
-        return await view.snapshot()
-
-    a.ask_sibling = lambda index, kind, timeout: ask(b, index, kind, timeout)
-    b.ask_sibling = lambda index, kind, timeout: ask(a, index, kind, timeout)
+        a.ask_sibling = lambda index, kind, timeout: snapshot(b, index, kind, timeout)
+        b.ask_sibling = lambda index, kind, timeout: snapshot(a, index, kind, timeout)
     return a, b, apool, bpool, abr, bbr
+
+
+def _ejecting_at_once(**knobs):
+    """Breakers that eject an endpoint at its first fault, for 30 s."""
+    from gateway.resilience.breaker import BreakerConfig
+
+    return BreakerConfig(consecutive_faults=1, base_ejection_s=30.0, max_ejection_percent=50, **knobs)
 
 
 async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_reads_again():
@@ -947,7 +941,8 @@ async def test_a_worker_that_missed_its_siblings_ejection_learns_it_once_it_read
     from gateway.resilience.outcome import Outcome
 
     d = RunDirectory()
-    a, b, apool, bpool, abr, bbr = _breaker_pair(d)
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01),
+                                                  _ejecting_at_once(), ask=True)
     async with _running(d, a, b):
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         loop = asyncio.get_running_loop()
@@ -978,7 +973,8 @@ async def test_a_worker_that_missed_its_siblings_close_after_the_trials_closes_t
 
     monkeypatch.setattr(service, "CATCH_UP_EVERY_S", 0.0)
     d = RunDirectory()
-    a, b, apool, bpool, abr, bbr = _breaker_pair(d)
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(heartbeat_s=0.05, peer_ttl_s=0.2, load_interval_s=0.01),
+                                                  _ejecting_at_once(), ask=True)
     async with _running(d, a, b):
         ea, eb = apool.endpoints("m"), bpool.endpoints("m")
         abr.record(ea[0], Outcome.FAULT)
