@@ -13,9 +13,11 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    a bookmark, for ``watch_idle_timeout_s``: its connection is taken for dead (a peer gone without
    a FIN or RST says nothing until the request's own timeout, minutes later);
 3. **relist** when the watch says 410 Gone (the resourceVersion was compacted away), when the
-   connection breaks, the API errs or a watch event's object names no pod (after a capped
-   exponential backoff; a list's item that names no pod is skipped alone, and the pods such a list
-   lacks are kept until a whole list says they are gone), and every
+   connection breaks or the API errs (after a capped exponential backoff; a list's item that
+   names no pod is skipped alone, and the pods such a list lacks are kept until a whole list says
+   they are gone), ``retry_backoff_s`` after a watch event whose object names no pod (the event is
+   skipped and counted, the watch goes on; such events until that relist bring no other, and the
+   delay doubles, up to 30 s, while every watch brings some), and every
    ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
    swallowed it, a bug), and the periodic full relist is what keeps a deleted pod from staying in
    rotation for hours.
@@ -135,6 +137,8 @@ class KubernetesDiscovery:
         self._scope_keys: dict[str | None, set[str]] = {s: set() for s in self.scopes}
         self._listed: set[str | None] = set()
         self._heard: dict[str | None, float] = {}  # per scope, the loop time of its watch's last line
+        # per scope, the delay of the relist that the next watch event naming no pod brings forward
+        self._skip_backoff: dict[str | None, float] = {}
         self.watch_states: dict[str | None, WatchState] = {s: WatchState(since=time.time()) for s in self.scopes}
         self._tasks: list[asyncio.Task] = []
         self._api_client: Any = None
@@ -367,6 +371,7 @@ class KubernetesDiscovery:
         loop = asyncio.get_running_loop()
         resync = self.kcfg.resync_interval_s
         deadline = loop.time() + resync if resync > 0 else float("inf")
+        skipped = False                 # an event that named no pod came: the relist is brought forward
         while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -385,7 +390,12 @@ class KubernetesDiscovery:
                 async with watch:
                     stream = watch.stream(fn, *args, **kw)
                     while True:
-                        quiet = asyncio.timeout(idle)
+                        # silent for `idle`, or the relist an event naming no pod brought forward is due
+                        due = deadline - loop.time() if skipped else None
+                        if due is not None and due <= 0:
+                            self.metrics.ended("watch", "ok")
+                            return
+                        quiet = asyncio.timeout(due if idle is None or due is not None and due < idle else idle)
                         try:
                             async with quiet:
                                 event = await anext(stream)
@@ -398,10 +408,15 @@ class KubernetesDiscovery:
                                                   f"bookmark, under {SHORT_WATCH_S:g} s)") from None
                             self.metrics.ended("watch", "ok")
                             self.metrics.heard(scope)
+                            if not skipped:
+                                self._skip_backoff.pop(scope, None)
                             break
                         except TimeoutError:
                             if not quiet.expired():
                                 raise               # the request's own timeout
+                            if skipped and loop.time() >= deadline:
+                                self.metrics.ended("watch", "ok")
+                                return
                             self.stats["idle_watches"] += 1
                             self.metrics.ended("watch", "idle")
                             log.warning("kubernetes watch brought nothing; watching again", namespace=scope or "*",
@@ -411,10 +426,14 @@ class KubernetesDiscovery:
                             raise ApiError(0, f"unexpected watch line: {str(event)[:200]}")
                         obj = event.get("raw_object")
                         if event["type"] != "BOOKMARK" and not _names_a_pod(obj):
-                            # what changed cannot be told: the relist reads it (and the line is not
-                            # taken as a sign of a well API, so a stream of them backs off)
-                            raise ApiError(0, f"{event['type']} watch event whose object is not a pod: "
-                                              f"{str(obj)[:200]}")
+                            # what changed cannot be told: skipped, and a relist reads it soon (not
+                            # taken as a sign of a well API: a watch that brings only these backs off)
+                            if not skipped:
+                                skipped = True
+                                deadline = min(deadline, loop.time() + self._skip_delay(scope, event["type"], obj))
+                            self.stats["skipped_events"] += 1
+                            self.metrics.skipped_event(scope)
+                            continue
                         lines += 1
                         self._on_event(scope, event["type"], obj or {})
                         rv = watch.resource_version or rv
@@ -422,6 +441,19 @@ class KubernetesDiscovery:
                 if e.status == 410:
                     raise Gone() from None
                 raise ApiError(e.status or 0, str(e.reason)) from None
+
+    def _skip_delay(self, scope: str | None, etype: Any, obj: Any) -> float:
+        """The first watch event since the last list whose object names no pod: logged, and how long
+        until the relist that reads what it would have said (``retry_backoff_s``, doubling up to
+        30 s while each list's watch brings such events, so that a proxy that mangles them costs a
+        list now and then, not one per event)."""
+        first = self.kcfg.retry_backoff_s
+        backoff = self._skip_backoff.get(scope, first)
+        self._skip_backoff[scope] = min(backoff * 2, max(MAX_BACKOFF_S, first))
+        delay = backoff * random.uniform(0.8, 1.2)
+        log.warning("kubernetes watch event is not a pod; skipped, relisting", namespace=scope or "*",
+                    item=f"{etype} {str(obj)[:200]}", relist_in_s=round(delay, 2))
+        return delay
 
     # -- applying state ----------------------------------------------------------------------
 

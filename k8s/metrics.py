@@ -12,6 +12,9 @@ server, and the pods it holds.
   ``not_routable`` (not ready, terminating); ``switchyard_kubernetes_pods_skipped``: the selected
   pods the gateway does not route to at all (an engine it does not know, a pod that is not a
   leader, labels it cannot read), and the items of each namespace's last list that name no pod.
+- ``switchyard_kubernetes_watch_events_skipped_total{watched_namespace}``: watch events whose
+  object names no pod (no metadata, no name or namespace, not an object), skipped; the relist
+  that reads what they would have said follows ``retry_backoff_s`` later.
 
 The labels are bounded: two verbs, the results below, the namespaces of the config, and the models
 of the pods (as every per-model series is).
@@ -72,7 +75,12 @@ class DiscoveryMetrics:
                                 "410; unauthorized, forbidden, throttled, client_error, server_error: the API's "
                                 "answer; connect, timeout, disconnected: no answer; error: anything else)",
                                 ["verb", "result"], registry=registry)
+        self.skipped_events = Counter("switchyard_kubernetes_watch_events_skipped",
+                                      "Watch events whose object names no pod (no metadata, no name or namespace, "
+                                      "not an object), skipped, per watched namespace (* for all); a relist follows",
+                                      ["watched_namespace"], registry=registry)
         self.last_sync: dict[str, float] = {_scope(s): 0.0 for s in scopes}
+        self._skipped = {scope: self.skipped_events.labels(scope) for scope in self.last_sync}
         self._pods = pods
         self._children = {(verb, result): self.requests.labels(verb, result)
                           for verb in ("list", "watch") for result in RESULTS}
@@ -81,6 +89,9 @@ class DiscoveryMetrics:
 
     def ended(self, verb: str, result: str) -> None:
         self._children[(verb, result)].inc()
+
+    def skipped_event(self, scope: str | None) -> None:
+        self._skipped[_scope(scope)].inc()
 
     def counts(self) -> list[list[Any]]:
         """The requests counted so far, as ``[verb, result, count]`` (none of the zeros)."""
