@@ -279,6 +279,35 @@ async def test_a_list_item_that_is_not_a_pod_is_skipped_alone(emu, discover, ite
     assert samples(reg, "switchyard_kubernetes_pods_skipped") == {(): 0} and d.status()["skipped"] == []
 
 
+async def test_a_pod_that_two_lists_with_an_unreadable_item_lack_is_gone(emu, discover):
+    """A list with an item that names no pod keeps the pods it lacks (the item may be one of them),
+    but only once: a pod whose deletion the watch missed, lacked again by the next list, is gone
+    even though that list brings the item again (a proxy that adds one to every list would
+    otherwise keep a deleted pod, whose address the next pod may get, in rotation for good). A pod
+    the first list lacked that the second brings stays, and so does one the watch told of between."""
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "llama"})
+    emu.create_pod("llm", "c", {M: "llama"})
+    emu.create_pod("llm", "d", {M: "llama"})
+    emu.list_extra_items = [{"metadata": {"namespace": "llm"}}]
+    d, pool = await discover(namespaces=["llm"], resync_interval_s=0)
+    assert names(pool) == {"a", "b", "c", "d"}
+    await until(lambda: len(emu.watchers) == 1)
+    emu.partition()
+    emu.delete_pod("llm", "b")          # its DELETED event is lost
+    emu.delete_pod("llm", "d")          # this one's too
+    emu.heal()
+    emu.break_watches()
+    await until(lambda: d.stats["lists"] == 2 and len(emu.watchers) == 1)
+    assert names(pool) == {"a", "b", "c", "d"}        # the item may be b or d
+    emu.create_pod("llm", "d", {M: "llama"})          # d again, told by the watch
+    await until(lambda: d.stats["events"] == 1)
+    emu.break_watches()
+    await until(lambda: d.stats["lists"] == 3 and len(emu.watchers) == 1)
+    assert names(pool) == {"a", "c", "d"}
+    assert d.status()["pods"]["skipped"] == 1
+
+
 @pytest.mark.parametrize("ip", ["10.0.0.9:8000", "10.0.0.9/24", "fd00::9]"], ids=["with-port", "cidr", "bracket"])
 async def test_a_pod_whose_ip_is_not_an_address_is_skipped_alone(emu, discover, ip):
     """A pod whose ``status.podIP`` is not an IP address (the API server checks it; a proxy or a
