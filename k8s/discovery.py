@@ -14,8 +14,9 @@ One loop per namespace (or one for all namespaces) runs the informer pattern by 
    a FIN or RST says nothing until the request's own timeout, minutes later);
 3. **relist** when the watch says 410 Gone (the resourceVersion was compacted away), when the
    connection breaks or the API errs (after a capped exponential backoff; a list's item that
-   names no pod is skipped alone, and the pods such a list lacks are kept until a whole list says
-   they are gone), ``retry_backoff_s`` after a watch event whose object names no pod (the event is
+   names no pod is skipped alone, and the pods such a list lacks are kept, the item being maybe
+   one of them, but only through one list: a pod the next list lacks as well is gone, whatever
+   that list holds, unless its watch told of it in between), ``retry_backoff_s`` after a watch event whose object names no pod (the event is
    skipped and counted, the watch goes on; such events until that relist bring no other, and the
    delay doubles, up to 30 s, while every watch brings some), and every
    ``resync_interval_s`` in any case: a watch can lose an event without noticing (a proxy that
@@ -135,6 +136,8 @@ class KubernetesDiscovery:
         self._skipped: dict[str, str] = {}
         self._unreadable: dict[str | None, list[str]] = {}  # per scope, its last list's items that name no pod
         self._scope_keys: dict[str | None, set[str]] = {s: set() for s in self.scopes}
+        # per scope, the pods its last list lacked and kept (the list had an item that names no pod)
+        self._lacked: dict[str | None, set[str]] = {}
         self._listed: set[str | None] = set()
         self._heard: dict[str | None, float] = {}  # per scope, the loop time of its watch's last line
         # per scope, the delay of the relist that the next watch event naming no pod brings forward
@@ -354,7 +357,7 @@ class KubernetesDiscovery:
         self.metrics.heard(scope)
         self._note_unreadable(scope, unreadable)
         # a list with an item that names no pod is not the whole truth: a pod the item stood for
-        # would be taken for one gone, so the pods it lacks stay until a whole list says so
+        # would be taken for one gone, so the pods it lacks stay through that list (not the next)
         self._reconcile(scope, pods, whole=not unreadable)
         if scope not in self._listed:
             self._listed.add(scope)
@@ -465,6 +468,8 @@ class KubernetesDiscovery:
             return
         self.stats["events"] += 1
         key = pod_key(obj)
+        if (lacked := self._lacked.get(scope)) is not None:
+            lacked.discard(key)         # told of since the list that lacked it: as if that list had it
         if etype in ("ADDED", "MODIFIED"):
             self._scope_keys[scope].add(key)
             self._apply(key, obj)
@@ -479,13 +484,25 @@ class KubernetesDiscovery:
             key = pod_key(obj)
             seen.add(key)
             self._apply(key, obj)
-        if not whole:                   # the pods it lacks are kept, as they were
-            self._scope_keys[scope] |= seen
-            return
-        for key in self._scope_keys[scope] - seen:
+        lacked = self._scope_keys[scope] - seen
+        kept: set[str] = set()
+        if not whole:
+            # the pods it lacks are kept, as they were, unless the list before lacked them too: an
+            # item that named no pod in every list (a proxy that adds one) kept a pod whose delete
+            # the watch missed for good
+            before = self._lacked.get(scope, set())
+            kept = lacked - before
+            if kept:
+                log.info("kubernetes pods a list lacks are kept: it has an item that names no pod",
+                         namespace=scope or "*", pods=sorted(kept)[:MAX_LISTED], kept=len(kept))
+        for key in lacked - kept:
             self._skipped.pop(key, None)
             self._drop(key, "gone at relist")
-        self._scope_keys[scope] = seen
+        if kept:
+            self._lacked[scope] = kept
+        else:
+            self._lacked.pop(scope, None)
+        self._scope_keys[scope] = seen | kept
 
     def _note_unreadable(self, scope: str | None, items: list[Any]) -> None:
         """The items of ``scope``'s last list that name no pod (skipped, each alone): counted among
