@@ -280,6 +280,30 @@ async def test_sessions_carry_over_a_reload_that_changes_the_routing_settings(si
     assert metric(await gw.metrics_text(), "switchyard_routing_session_total", model="m", outcome="kept") == 6
 
 
+async def test_a_reload_that_lowers_session_max_entries_trims_the_session_map_at_once(sims, gateway, tmp_path):
+    """``routing.session_max_entries`` lowered by a reload bounds the session map from the reload on:
+    the least recently seen sessions go at once (not when new ones push them out), and the others
+    still go where their last turn went."""
+    sims_ = [await sims("vllm", "m") for _ in range(3)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_])], routing={"strategy": "prefix-cache"})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+
+    async def turn(key: str) -> str:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=CHAT, max_tokens=1, extra_headers={"x-session-key": key})
+        return raw.headers["target-pod"]
+
+    before = {key: await turn(key) for key in ("a", "b", "c", "d", "e")}
+    sessions = f.reloader.live.gen.services.view.sessions
+    assert len(sessions) == 5
+    f.write(routing={**f.data["routing"], "session_max_entries": 2})
+    assert f.reloader.reload("test").result == "ok"
+    assert len(sessions) == 2 and sessions.evictions == 3
+    assert {key: await turn(key) for key in ("d", "e")} == {key: before[key] for key in ("d", "e")}
+    assert metric(await gw.metrics_text(), "switchyard_routing_session_total", model="m", outcome="kept") == 2
+
+
 async def test_sessions_and_prefixes_stay_on_an_engine_whose_endpoint_settings_a_reload_changed(sims, gateway, tmp_path):
     """An endpoint the new file declares with other settings (its ``max_prompt_tokens`` here) is a new
     endpoint of the pool, but the same engine at the same URL, still holding the conversations: the
