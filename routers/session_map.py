@@ -91,7 +91,19 @@ class SessionMap:
         self.evictions = 0
 
     def reconfigure(self, ttl_s: float, max_entries: int) -> None:
+        """New bounds (a reload), applied at once: the least recently recorded entries over
+        ``max_entries`` go now, as do those not recorded again for the new ``ttl_s``, not when new
+        entries push them out (a bound lowered to free memory held it until then)."""
         self.ttl_s, self.max_entries = ttl_s, max(1, max_entries)
+        d = self._d
+        over = len(d) - self.max_entries
+        while over > 0:
+            d.popitem(last=False)
+            self.evictions += 1
+            over -= 1
+        cut = self.clock() - self.ttl_s
+        while d and next(iter(d.values())).touched < cut:
+            d.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self._d)
