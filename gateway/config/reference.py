@@ -242,6 +242,12 @@ and, as the first line of the config file:
 - **Durations** are in seconds, in keys ending in `_s`; for most timeouts and intervals, 0 turns
   the limit or the feature off (each key says so).
 - **Unknown keys are errors**, not silently ignored: a typo cannot fall back to a default.
+  So is a key written twice in one mapping (YAML would keep the last silently).
+- **YAML anchors, aliases and merge keys** work: `&name` marks a node where it is first written,
+  `*name` repeats it, and `<<: *name` lays a mapping under the keys written beside it (those win,
+  and are not a key written twice). Since unknown keys are errors, there is no spare key to hold
+  templates: set the anchor on the first model or block that uses it. An anchor used inside its
+  own node (`aliases: &x [*x]`) is an error that names where it begins.
 - **Endpoints** are written as a URL string (`http://10.0.0.5:8000`) or as an object
   (`{{url: ..., bootstrap_port: ...}}`), in `endpoints`, and in a roleset's `prefill`, `decode`
   and `combined`. An endpoint's `engine` defaults to its model's.

@@ -201,6 +201,34 @@ def test_a_key_written_twice_is_an_error_not_the_last_one_silently(tmp_path, cap
     assert f"found the key {key} a second time" in err, err
 
 
+ANCHORED = """\
+models:
+  - &llama
+    name: llama
+    engine: sglang
+    endpoints: &eps [http://10.0.0.5:8000, http://10.0.0.6:8000]
+    watchdog: {first_chunk_timeout_s: 20}
+  - <<: *llama
+    name: llama-long
+    endpoints: *eps
+"""
+
+
+def test_yaml_anchors_aliases_and_merge_keys_are_taken(tmp_path, capsys):
+    """As configuration.md says: an anchor set where a node is first written, repeated by an alias,
+    and laid under a mapping's own keys by a merge key (the keys written beside it win, and are not
+    a key written twice); each copy is its own (a model's endpoints take that model's engine)."""
+    from gateway.config.schema import load_config
+
+    assert check(tmp_path, ANCHORED, capsys)[0] == 0
+    a, b = load_config(tmp_path / "gw.yaml").models
+    assert (a.name, b.name, a.engine, b.engine) == ("llama", "llama-long", "sglang", "sglang")
+    assert [e.url for e in b.endpoints] == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"]
+    assert b.watchdog == a.watchdog and b.watchdog.first_chunk_timeout_s == 20
+    rc, out, err = check(tmp_path, ANCHORED.replace("    endpoints: *eps\n", "    name: again\n"), capsys)
+    assert rc == 2 and "found the key 'name' a second time" in err, err
+
+
 def test_a_log_level_in_any_case_is_taken(tmp_path, capsys):
     assert check(tmp_path, "server: {log_level: WARNING}", capsys)[0] == 0
 
