@@ -27,7 +27,8 @@ it, not even the end its ``timeoutSeconds`` would bring; watches opened after it
 ``fail_next_lists`` makes the next list calls fail with the given HTTP statuses. ``hold_lists()``
 keeps every list waiting, as a slow API server does (``held_lists`` counts them), until
 ``release_lists()``. ``list_extra_items`` are put in every list's ``items`` as they are (objects
-that are not pods, as a broken proxy in front of the API server could answer).
+that are not pods, as a broken proxy in front of the API server could answer). ``list_body``, when
+set, is every list's answer instead, with status 200 (a proxy that answers with something else).
 ``forbidden_namespaces`` answers lists and watches in those namespaces 403 ``Forbidden``, as the
 API server does for a service account with no RoleBinding there. ``empty_watches`` answers every
 watch 200 with a body that ends at once (no event, no bookmark), as a proxy that closes streams does.
@@ -86,6 +87,7 @@ class KubeEmulator:
         self.fail_next_lists: list[int] = []
         self.fail_watches: int | None = None      # every watch answered with this status (lists work)
         self.list_extra_items: list[Any] = []     # added to every list's items as they are
+        self.list_body: Any = None                # when set: every list's whole answer (200), as it is
         self.forbidden_namespaces: set[str] = set()   # lists and watches there: 403 (no RoleBinding)
         self.empty_watches = False                # every watch: 200 and an empty body at once
         self._lists_open: asyncio.Event | None = None   # set: lists are answered; None: not held
@@ -277,6 +279,8 @@ class KubeEmulator:
             code = self.fail_next_lists.pop(0)
             reason = {410: "Expired", 500: "InternalError", 503: "ServiceUnavailable"}.get(code, "Failure")
             return self._error(code, reason, f"injected failure {code}")
+        if self.list_body is not None:
+            return web.json_response(self.list_body)
         rv = q.get("resourceVersion")
         if rv and q.get("resourceVersionMatch") == "Exact" and int(rv) < self.compacted_rv:
             return self._error(410, "Expired", f"too old resource version: {rv} ({self.compacted_rv})")

@@ -308,6 +308,28 @@ async def test_a_pod_that_two_lists_with_an_unreadable_item_lack_is_gone(emu, di
     assert d.status()["pods"]["skipped"] == 1
 
 
+@pytest.mark.parametrize("body", [{}, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success"},
+                                  {"kind": "PodList", "metadata": {"resourceVersion": "5"}, "item": []}, [], "ok"],
+                         ids=["empty-object", "status", "no-items", "array", "string"])
+async def test_a_list_answer_that_holds_no_list_of_pods_fails_and_keeps_the_pool(emu, discover, body):
+    """A list answered 200 with JSON that holds no ``items`` (a Status, an empty object, a proxy's
+    own answer) says nothing of the pods: it is a failed list (``error``, retried with the
+    backoff), not an empty one that would take every discovered pod out of the pool."""
+    reg = CollectorRegistry()
+    emu.create_pod("llm", "a", {M: "llama"})
+    emu.create_pod("llm", "b", {M: "llama"})
+    d, pool = await discover(namespaces=["llm"], registry=reg, resync_interval_s=0)
+    await until(lambda: len(emu.watchers) == 1)
+    emu.list_body = body
+    emu.break_watches()
+    await until(lambda: samples(reg, "switchyard_kubernetes_requests_total")[("error", "list")] >= 1)
+    assert names(pool, "llama", ready_only=True) == {"a", "b"}
+    assert d.status()["watches"][0]["last_error"]["verb"] == "list"
+    emu.list_body = None                # a list of pods again: it is taken
+    emu.delete_pod("llm", "b")
+    await until(lambda: names(pool) == {"a"})
+
+
 @pytest.mark.parametrize("ip", ["10.0.0.9:8000", "10.0.0.9/24", "fd00::9]"], ids=["with-port", "cidr", "bracket"])
 async def test_a_pod_whose_ip_is_not_an_address_is_skipped_alone(emu, discover, ip):
     """A pod whose ``status.podIP`` is not an IP address (the API server checks it; a proxy or a
