@@ -344,9 +344,11 @@ class KubernetesDiscovery:
         if status != 200:
             raise ApiError(status, _status_message(body))
         data = json.loads(body)
-        items = data.get("items") if isinstance(data, dict) else ()
-        if not isinstance(items, list | None):
+        # no ``items`` at all (a Status, an empty object, a proxy's own answer) is no list of pods:
+        # taken for an empty one, it would take every pod out of the pool (``null`` is an empty list)
+        if not isinstance(data, dict) or not isinstance(data.get("items", ()), list | None):
             raise ApiError(0, f"list answer that is not a list of pods: {str(data)[:200]}")
+        items = data["items"]
         pods, unreadable = [], []
         for obj in items or ():
             (pods if _names_a_pod(obj) else unreadable).append(obj)
