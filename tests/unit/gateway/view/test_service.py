@@ -848,6 +848,36 @@ async def test_two_workers_that_eject_an_endpoint_at_once_agree_on_one_ejection_
             assert moves == {("closed", "open"): 1, ("open", "half_open"): 1, ("half_open", "closed"): 1}
 
 
+async def test_two_workers_that_eject_two_endpoints_at_once_past_the_cap_keep_the_lower_workers():
+    """Two endpoints, ``max_ejection_percent: 50``: one may be out. Worker 0 ejects the first and
+    worker 1 the second in the same loop turn, each within the cap by what it knew. Once each hears
+    of the other's, both keep worker 0's ejection and the second endpoint serves in both: worker 1
+    undoes its own (its breaker closes, and says so), and the refused ejection is counted once, by
+    the worker whose ejection it was. Before, each kept its own and refused the other's, so each
+    worker routed everything to the endpoint the other had ejected, and both counted the refusal."""
+
+    from gateway.resilience.breaker import CLOSED, OPEN
+    from gateway.resilience.outcome import Outcome
+
+    d = RunDirectory()
+    a, b, apool, bpool, abr, bbr = _breaker_pair(d, _config(), _ejecting_at_once())
+    async with _running(d, a, b):
+        ea, eb = apool.endpoints("m"), bpool.endpoints("m")
+        abr.record(ea[0], Outcome.FAULT)         # in one loop turn: neither has heard the other
+        bbr.record(eb[1], Outcome.FAULT)
+        assert abr.state(ea[0]) == bbr.state(eb[1]) == OPEN
+
+        def heard(view, sibling) -> bool:
+            return view._heard_seq.get(sibling.sender, (0, 0))[1] >= 1
+        await until(lambda: heard(a, b) and heard(b, a), timeout=2)
+        assert [abr.state(e) for e in ea] == [bbr.state(e) for e in eb] == [OPEN, CLOSED]
+        assert bbr.breaker(eb[0]).held and bbr.breaker(eb[0]).owner == 0
+        assert [e.ready for e in ea] == [e.ready for e in eb] == [False, True]
+        capped = [sum(s.value for fam in br.metrics.capped.collect() for s in fam.samples
+                      if s.name.endswith("_total")) for br in (abr, bbr)]
+        assert capped == [0, 1]
+
+
 async def test_a_restarted_worker_takes_on_the_ejection_its_predecessor_decided_and_its_trials():
     """Worker 1 ejects an endpoint and worker 0 holds that ejection, leaving it the trials; worker 1
     is killed and started again. The new worker 1 learns the ejection from worker 0's whole view as
