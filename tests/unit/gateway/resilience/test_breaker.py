@@ -434,3 +434,20 @@ def test_two_workers_that_eject_an_endpoint_at_once_keep_one_ejection_whose_tria
 def _transitions(br) -> dict[tuple[str, str], float]:
     return {(s.labels["from_state"], s.labels["to_state"]): s.value
             for fam in br.metrics.transitions.collect() for s in fam.samples if s.name.endswith("_total")}
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_a_third_worker_keeps_the_lower_workers_ejection_of_two_past_the_cap_whichever_it_hears_first(order):
+    """Workers 0 and 1 eject endpoints 0 and 1 of a group of two at once (``max_ejection_percent:
+    50``: one may be out). Worker 2 hears both, in either order, and ends holding worker 0's, the
+    other endpoint serving, as workers 0 and 1 do; it counts no refusal (worker 1, whose ejection
+    is undone, counts it). Before, it kept whichever it heard first."""
+    br, (e0, e1), t = setup(n=2, consecutive_faults=1, max_ejection_percent=50)
+    br.index = 2
+    ejected = {0: e0, 1: e1}
+    for sender in order:
+        br.adopt_open(ejected[sender], 10.0, 1, owner=sender)
+    assert (br.state(e0), br.state(e1)) == (OPEN, CLOSED)
+    assert br.breaker(e0).held and br.breaker(e0).owner == 0
+    assert not e0.ready and e1.ready
+    assert not [s for fam in br.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total")]
