@@ -26,6 +26,10 @@ for that worker's close or new ejection, so the gateway sends ``half_open_trials
 its workers; one that heard nothing ``base_ejection_s`` later (that worker got no request, or was
 restarted) sends trials of its own. Two workers that eject an endpoint at once, each before it heard
 of the other's ejection, keep one: the lower index's (``sender_first``), the other holding it.
+Two that eject *different* endpoints of a group at once, each within ``max_ejection_percent`` by
+what it knew, may together pass it: once each hears of the other's, the ejection of the lower index
+stands in both, and the other is undone (``_displace``): its worker closes its breaker (and says
+so), and counts the refusal; every worker decides alike, whichever of the two it heard first.
 
 ``max_ejection_percent`` bounds the ejected share of an endpoint's group (the model's endpoints of
 the same kind: whole-request, prefill or decode). As in Envoy, one ejection is always allowed, but
@@ -190,6 +194,7 @@ class Breakers:
         self._success: dict[int, tuple[Endpoint, Any, Breaker, float]] = {}
         # told of each local open (ep, open_for, ejections) and close (ep, 0.0, 0): the sibling workers
         self.on_change: Callable[[Endpoint, float, int], None] | None = None
+        self.index = 0          # this worker's index (``--workers N``): its own ejections rank as that
         pool.removal_listeners.append(self.reset)    # an endpoint that left the pool: its breaker goes
 
     # -- reading -------------------------------------------------------------------------------
@@ -276,12 +281,12 @@ class Breakers:
             else:
                 self._child(self.metrics.capped, ep.model).inc()
 
-    def _may_eject(self, ep: Endpoint) -> bool:
+    def _may_eject(self, ep: Endpoint, without: Endpoint | None = None) -> bool:
         """Envoy's rule: under ``max_ejection_percent`` of the group, and always one; never the
-        group's last ready endpoint."""
+        group's last ready endpoint. ``without``: as if that endpoint's breaker were closed."""
         group = [e for e in self.pool.endpoints(ep.model) if _group(e) == _group(ep)]
-        ejected = sum(1 for e in group if self.state(e) != CLOSED)
-        others_ready = any(e.ready for e in group if e is not ep)
+        ejected = sum(1 for e in group if e is not without and self.state(e) != CLOSED)
+        others_ready = any(e.ready or (e is without and e.healthy and not e.draining) for e in group if e is not ep)
         if not others_ready:
             return False
         pct = self.config_for(ep.model).max_ejection_percent
@@ -346,12 +351,58 @@ class Breakers:
             self._schedule(b, open_for, lambda: self._half_open(ep, b))
             return True
         if b.state == CLOSED and not self._may_eject(ep):
-            self._child(self.metrics.capped, ep.model).inc()
-            return False
+            victim = self._outranked(ep, owner)
+            if victim is None or not self._may_eject(ep, without=victim):
+                if not self._outranks(ep, owner):   # else that worker undoes its own, and counts it
+                    self._child(self.metrics.capped, ep.model).inc()
+                return False
+            self._displace(victim, owner)
         b.ejections = max(b.ejections, ejections)
         b.held, b.owner = not own, -1 if own else owner
         self._eject(ep, b, self.clock(), open_for, "predecessor" if own else "sibling", counted)
         return True
+
+    def _rank(self, b: Breaker) -> int:
+        """The index of the worker whose ejection ``b`` is (-1: not known, kept first)."""
+        return b.owner if b.held else self.index
+
+    def _ejected_in_group(self, ep: Endpoint) -> list[tuple[Endpoint, Breaker]]:
+        out = []
+        for e in self.pool.endpoints(ep.model):
+            entry = self._by_ep.get(id(e))
+            if e is not ep and _group(e) == _group(ep) and entry is not None and entry[0] is e \
+                    and entry[1].state != CLOSED:
+                out.append((e, entry[1]))
+        return out
+
+    def _outranked(self, ep: Endpoint, owner: int) -> Endpoint | None:
+        """Of the ejections in ``ep``'s group, the one a sibling ``owner``'s ejection of ``ep``
+        displaces when the two do not fit under the cap together: one of a worker after ``owner``
+        (the last worker's, and of its endpoints the last by name, so that every worker picks the
+        same), decided before that worker heard of ``owner``'s, which it would not have made after."""
+        if owner < 0:
+            return None
+        later = [(self._rank(b), e.name, e) for e, b in self._ejected_in_group(ep) if self._rank(b) > owner]
+        return max(later, key=lambda t: t[:2])[2] if later else None
+
+    def _outranks(self, ep: Endpoint, owner: int) -> bool:
+        """An ejection in ``ep``'s group of a worker before ``owner``: the one ``owner`` keeps,
+        undoing its own ejection of ``ep`` once it hears of it."""
+        return owner >= 0 and any(self._rank(b) < owner for _, b in self._ejected_in_group(ep))
+
+    def _displace(self, ep: Endpoint, owner: int) -> None:
+        """Undo the ejection of ``ep``, which a sibling ``owner``'s ejection of another endpoint of
+        its group outranks under ``max_ejection_percent``: its breaker closes, with the ejection
+        forgotten. This worker's own is a refused ejection (counted) and its siblings hear of the
+        close; one held for a sibling closes here only (that sibling undoes it too)."""
+        b = self.breaker(ep)
+        own = not b.held
+        b.ejections = max(0, b.ejections - 1)
+        log.warning("breaker ejection undone", model=ep.model, endpoint=ep.name, reason="max_ejection_percent",
+                    sibling=owner, own=own)
+        if own:
+            self._child(self.metrics.capped, ep.model).inc()
+        self._close(ep, b, self.clock(), told=not own)
 
     def ejected_now(self) -> list[tuple[Endpoint, float, int, int | None]]:
         """The endpoints out of routing here, for a sibling that starts (``RoutingView.snapshot``):

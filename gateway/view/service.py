@@ -290,6 +290,7 @@ class RoutingView:
         """This process's circuit breakers: their opens and closes go to the siblings, the
         siblings' are adopted."""
         self._breakers = breakers
+        breakers.index = self.worker_index
         if self._loop is not None and self.bus is not None:
             breakers.on_change = self._on_breaker
 
