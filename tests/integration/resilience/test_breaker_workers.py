@@ -193,3 +193,53 @@ async def test_a_restarted_worker_keeps_out_an_engine_its_sibling_ejected(sims, 
             assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 1
             assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
                                 from_state="closed", to_state="open") == 1
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_restarted_while_an_ejection_is_half_open_does_not_count_its_half_open_again(sims, tmp_path):
+    """An engine that answers 500 is ejected in both workers, for 1 s, and both go half-open (no
+    request comes meanwhile, so no trial runs), and ``/metrics`` is scraped. One worker is killed and
+    the parent starts it again:
+    it learns the half-open ejection from its sibling and is half-open at once, but the gateway's
+    ``switchyard_breaker_transitions_total`` still counts one move from open to half-open, the
+    one each worker made (the new worker goes on from its predecessor's count, which has it).
+    Before, the new worker counted it again: 2 for one half-open."""
+    from tests.integration.server.test_workers import children_of
+
+    good = await sims("vllm", "m")
+    sick = await sims("vllm", "m", fault="status=500")
+    sick_name = sick.url.split("//")[1]
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
+                   "routing: {strategy: round-robin}\n"
+                   "breaker: {consecutive_faults: 1, base_ejection_s: 1, max_ejection_percent: 50}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2) as proc:
+        async def sick_in_each() -> list:
+            docs = await per_worker(port, 2, "/status.json")
+            return [ep["breaker"] for doc in docs.values() for ep in doc["endpoints"] if ep["name"] == sick_name]
+
+        async def open_in_both() -> bool:
+            assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
+            return await sick_in_each() == ["open", "open"]
+        await until(open_in_both, timeout=20)
+        await until(lambda: _all_equal(sick_in_each(), "half_open"), timeout=20)
+        for page in (await per_worker(port, 2)).values():       # scraped: each worker's count is kept
+            assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
+                                from_state="open", to_state="half_open") == 1
+        victim = children_of(proc.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+
+        async def back() -> bool:
+            now = children_of(proc.pid)
+            return victim not in now and len(now) == 2 and await sick_in_each() == ["half_open", "half_open"]
+        await until(back, timeout=30)
+        for page in (await per_worker(port, 2)).values():
+            moves = {(f, t): metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
+                                          from_state=f, to_state=t)
+                     for f, t in (("closed", "open"), ("open", "half_open"), ("half_open", "open"),
+                                  ("half_open", "closed"))}
+            assert moves == {("closed", "open"): 1, ("open", "half_open"): 1, ("half_open", "open"): 0,
+                             ("half_open", "closed"): 0}
