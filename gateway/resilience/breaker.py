@@ -308,7 +308,8 @@ class Breakers:
     def _eject(self, ep: Endpoint, b: Breaker, now: float, open_for: float, reason: str, counted: bool = True,
                **logged: Any) -> None:
         """Open ``b`` for ``open_for`` seconds: ``ep`` is not ready until it goes half-open.
-        ``counted``: a transition of ``switchyard_breaker_transitions_total``."""
+        ``counted``: a transition of ``switchyard_breaker_transitions_total`` (and so is the
+        half-open after it, unless the ejection is one said to be over)."""
         b.open_for = open_for
         b.opened_at = now
         b.consecutive = b.trials_out = b.trial_successes = 0
@@ -318,7 +319,10 @@ class Breakers:
         ep.ejected = True
         log.warning("breaker opened", model=ep.model, endpoint=ep.name, reason=reason, ejections=b.ejections,
                     open_for_s=open_for, **logged)
-        self._schedule(b, open_for, lambda: self._half_open(ep, b))
+        # an uncounted ejection learnt at a worker's start as over already (``ejected_now``): the
+        # half-open that follows was counted too, by the sibling and by this worker's predecessor
+        counted = counted or open_for > _NOW
+        self._schedule(b, open_for, lambda: self._half_open(ep, b, counted=counted))
 
     def adopt_open(self, ep: Endpoint, open_for: float, ejections: int, sender_first: bool = False,
                    owner: int = -1, own: bool = False, counted: bool = True) -> bool:
@@ -430,12 +434,12 @@ class Breakers:
         self._close(ep, entry[1], self.clock(), told=True)
         return True
 
-    def _half_open(self, ep: Endpoint, b: Breaker, reason: str = "ejection_over") -> None:
+    def _half_open(self, ep: Endpoint, b: Breaker, reason: str = "ejection_over", counted: bool = True) -> None:
         if b.state != OPEN or self.state(ep) != OPEN:
             return
         b.trials_out = b.trial_successes = 0
         b.last_event = self.clock()
-        self._move(ep, b, HALF_OPEN)
+        self._move(ep, b, HALF_OPEN, counted)
         if b.held:
             # the sibling that ejected it sends the trials, so the gateway's are half_open_trials
             # whatever its workers; this one waits for its word (a close, or a new ejection), and
