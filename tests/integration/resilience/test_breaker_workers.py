@@ -243,3 +243,37 @@ async def test_a_worker_restarted_while_an_ejection_is_half_open_does_not_count_
                                   ("half_open", "closed"))}
             assert moves == {("closed", "open"): 1, ("open", "half_open"): 1, ("half_open", "open"): 0,
                              ("half_open", "closed"): 0}
+
+
+@pytest.mark.timeout(120)
+async def test_workers_that_share_no_view_count_each_ones_ejection_of_an_engine(sims, tmp_path):
+    """With ``view.workers: false`` the workers share no breaker: each ejects an engine that answers
+    500 on its own first fault, at a moment of its own, and keeps it out on its own. Those are two
+    ejections, and the gateway's ``/metrics`` counts two (the workers' counts added up, as for any
+    counter of what each worker does alone). Before, it showed the largest of the two, 1, as if one
+    worker had told the other of a single ejection."""
+    good = await sims("vllm", "m")
+    sick = await sims("vllm", "m", fault="status=500")
+    sick_name = sick.url.split("//")[1]
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(f"listen: {{host: 127.0.0.1, port: {port}}}\n"
+                   "server: {drain_delay_s: 0, shutdown_grace_s: 1, log_level: warning}\n"
+                   "routing: {strategy: round-robin}\n"
+                   "view: {workers: false}\n"
+                   "breaker: {consecutive_faults: 1, base_ejection_s: 300, max_ejection_percent: 50}\n"
+                   f"models: [{{name: m, engine: vllm, endpoints: ['{sick.url}', '{good.url}']}}]\n")
+    async with gateway_process(cfg, port, "--workers", "2", ready_workers=2):
+        async def sick_in_each() -> list:
+            docs = await per_worker(port, 2, "/status.json")
+            return [ep["breaker"] for doc in docs.values() for ep in doc["endpoints"] if ep["name"] == sick_name]
+
+        async def open_in_both() -> bool:
+            assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
+            return await sick_in_each() == ["open", "open"]
+        await until(open_in_both, timeout=20)
+        for page in (await per_worker(port, 2)).values():
+            assert metric_total(page, "switchyard_upstream_errors_total", endpoint=sick_name) == 2
+            assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
+                                from_state="closed", to_state="open") == 2
+            assert metric_total(page, "switchyard_breaker_state", endpoint=sick_name) == 1
