@@ -208,22 +208,32 @@ def merge(parts: Iterable[str | list[Metric]], upward: bool = False,
     return out
 
 
-def merge_chains(chains: Iterable[list[str | list[Metric]]]) -> list[Metric]:
+def merge_chains(chains: Iterable[list[str | list[Metric]]],
+                 counter_rules: dict[str, str] = COUNTER_RULES) -> list[Metric]:
     """``merge`` of the workers' parts, each worker's given as a chain: its own exposition, then what
     it carries of its index's earlier workers (gateway/server/siblings.py). A counter of
-    ``COUNTER_RULES`` is the largest of the chains' counts, each chain's added up over its workers
+    ``counter_rules`` is the largest of the chains' counts, each chain's added up over its workers
     (what that index counted since the gateway started); taken as the largest of all the parts, an
     event counted after every index's worker had been restarted was lost under the predecessors'
-    counts. The rest is merged as ``merge`` does, part by part."""
+    counts. The rest is merged as ``merge`` does, part by part (summed)."""
     chains = [list(c) for c in chains]
     parts = [[parse(p) if isinstance(p, str) else p for p in chain] for chain in chains]
-    families = merge([p for chain in parts for p in chain])
-    ruled = [[[fam for fam in p if fam.type == "counter" and fam.name in COUNTER_RULES] for p in chain]
+    families = merge([p for chain in parts for p in chain], counter_rules=counter_rules)
+    ruled = [[[fam for fam in p if fam.type == "counter" and fam.name in counter_rules] for p in chain]
              for chain in parts]
     if not any(fams for chain in ruled for fams in chain):
         return families
     largest = {fam.name: fam for fam in merge([merge(chain, upward=True, counter_rules={}) for chain in ruled])}
-    return [largest.get(fam.name, fam) if fam.name in COUNTER_RULES else fam for fam in families]
+    return [largest.get(fam.name, fam) if fam.name in counter_rules else fam for fam in families]
+
+
+def counter_rules(shared_breakers: bool) -> dict[str, str]:
+    """``COUNTER_RULES`` for a gateway whose workers share their breakers' ejections (the routing
+    view's local bus, ``view.workers``), or not: then each worker's ejections are its own, decided
+    on its own faults at moments of its own, and their counts are added up like any other's."""
+    if shared_breakers:
+        return COUNTER_RULES
+    return {name: rule for name, rule in COUNTER_RULES.items() if name != "switchyard_breaker_transitions"}
 
 
 class _Families:

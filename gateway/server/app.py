@@ -35,6 +35,7 @@ from gateway.endpoints import EndpointPool
 from gateway.errors import ErrorClass, GatewayError, error_response
 from gateway.observability.logs import RequestLog
 from gateway.observability.looplag import LoopLagMonitor
+from gateway.observability.merge import counter_rules
 from gateway.observability.metrics import GatewayMetrics, RetiredSeries
 from gateway.observability.status import StatusBoard, StatusSources
 from gateway.observability.status_http import StatusPage, add_status
@@ -364,7 +365,8 @@ def _siblings(app: web.Application, worker: WorkerInfo, s: Services) -> Siblings
     def endpoints() -> set[tuple[str, str]]:
         return {(ep.model, ep.name) for ep in pool.endpoints()} | {(ep.model, ep.name) for ep, _ in pool.retired}
 
-    siblings = Siblings(worker, answer, endpoints=endpoints)
+    # the workers' breakers are one only when they tell each other their ejections (the view's bus)
+    siblings = Siblings(worker, answer, endpoints=endpoints, counter_rules=counter_rules(s.view.bus is not None))
     metrics.forget_listeners.append(siblings.forget)
     responses.share_with_siblings(siblings.ask, worker.count)
     if s.view.bus is not None:      # a worker that starts, or missed a sibling's batches, catches up

@@ -57,6 +57,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from gateway.observability.merge import (
+    COUNTER_RULES,
     counts_only,
     endpoints_of,
     merge,
@@ -93,8 +94,10 @@ class Siblings:
     """This worker's socket for its siblings, and its questions to them."""
 
     def __init__(self, worker: WorkerInfo, answer: Callable[[str], Awaitable[bytes]],
-                 timeout: float = TIMEOUT_S, endpoints: Callable[[], set[tuple[str, str]]] | None = None) -> None:
+                 timeout: float = TIMEOUT_S, endpoints: Callable[[], set[tuple[str, str]]] | None = None,
+                 counter_rules: dict[str, str] = COUNTER_RULES) -> None:
         self.worker = worker
+        self.counter_rules = counter_rules          # the counters taken as the largest of the workers'
         self.path = worker.socket_path(worker.index)
         self.peers = {i: worker.socket_path(i) for i in range(worker.count) if i != worker.index}
         self._answer = answer
@@ -295,7 +298,8 @@ class Siblings:
                     known &= theirs
         if known is None:
             known = set().union(*(endpoints_of(fams) for fams in living))
-        families = merge_chains([[without_endpoints(fams, known) for fams in chain] for chain in chains])
+        families = merge_chains([[without_endpoints(fams, known) for fams in chain] for chain in chains],
+                                self.counter_rules)
         workers = GaugeMetricFamily("switchyard_workers", "Worker processes of this gateway (server.workers)",
                                     value=self.worker.count)
         scraped = GaugeMetricFamily("switchyard_workers_scraped",
