@@ -451,3 +451,17 @@ def test_a_third_worker_keeps_the_lower_workers_ejection_of_two_past_the_cap_whi
     assert br.breaker(e0).held and br.breaker(e0).owner == 0
     assert not e0.ready and e1.ready
     assert not [s for fam in br.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total")]
+
+
+def test_a_siblings_ejection_refused_for_what_the_probes_found_here_undoes_no_ejection_of_this_worker():
+    """Worker 1 ejected B, and worker 0 (which held it) ejects A, within ``max_ejection_percent:
+    100`` of three, C being up as worker 0 saw it. Here C is down: A is refused to keep one endpoint
+    ready, as before, and B stays out. The cap is not what refused it, so worker 0 did not eject A
+    unaware of B: its ejection outranks none of this worker's."""
+    br, (a, b, c), t = setup(n=3, consecutive_faults=1, max_ejection_percent=100)
+    br.index = 1
+    feed(br, b, [F])
+    c.healthy = False
+    assert not br.adopt_open(a, 10.0, 1, owner=0)
+    assert (br.state(a), br.state(b)) == (CLOSED, OPEN) and a.ready and not b.ready
+    assert sum(s.value for fam in br.metrics.capped.collect() for s in fam.samples if s.name.endswith("_total")) == 1
