@@ -281,12 +281,14 @@ class Breakers:
             else:
                 self._child(self.metrics.capped, ep.model).inc()
 
-    def _may_eject(self, ep: Endpoint, without: Endpoint | None = None) -> bool:
+    def _may_eject(self, ep: Endpoint, without: Endpoint | None = None, health: bool = True) -> bool:
         """Envoy's rule: under ``max_ejection_percent`` of the group, and always one; never the
-        group's last ready endpoint. ``without``: as if that endpoint's breaker were closed."""
+        group's last ready endpoint. ``without``: as if that endpoint's breaker were closed;
+        ``health=False``: as if the probes found every endpoint up (the breakers' part of the rule)."""
         group = [e for e in self.pool.endpoints(ep.model) if _group(e) == _group(ep)]
         ejected = sum(1 for e in group if e is not without and self.state(e) != CLOSED)
-        others_ready = any(e.ready or (e is without and e.healthy and not e.draining) for e in group if e is not ep)
+        others_ready = any(not e.draining and (e.healthy or not health) and (e is without or not e.ejected)
+                           for e in group if e is not ep)
         if not others_ready:
             return False
         pct = self.config_for(ep.model).max_ejection_percent
@@ -355,9 +357,12 @@ class Breakers:
             self._schedule(b, open_for, lambda: self._half_open(ep, b))
             return True
         if b.state == CLOSED and not self._may_eject(ep):
-            victim = self._outranked(ep, owner)
+            # refused by the breakers here, not by what the probes found (the sibling may see
+            # them otherwise): an ejection it did not know of when it decided, or it would not have
+            crossed = not self._may_eject(ep, health=False)
+            victim = self._outranked(ep, owner) if crossed else None
             if victim is None or not self._may_eject(ep, without=victim):
-                if not self._outranks(ep, owner):   # else that worker undoes its own, and counts it
+                if not (crossed and self._outranks(ep, owner)):   # else that worker undoes its own, and counts it
                     self._child(self.metrics.capped, ep.model).inc()
                 return False
             self._displace(victim, owner)
