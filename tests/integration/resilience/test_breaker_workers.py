@@ -221,10 +221,10 @@ async def test_a_worker_restarted_while_an_ejection_is_half_open_does_not_count_
             docs = await per_worker(port, 2, "/status.json")
             return [ep["breaker"] for doc in docs.values() for ep in doc["endpoints"] if ep["name"] == sick_name]
 
-        async def open_in_both() -> bool:
+        async def open_somewhere() -> bool:
             assert (await post_new(port, "/v1/chat/completions", BODY))[0] == 200     # the 500 retried
-            return await sick_in_each() == ["open", "open"]
-        await until(open_in_both, timeout=20)
+            return "open" in await sick_in_each()
+        await until(open_somewhere, timeout=20)          # no request after it: no trial
         await until(lambda: _all_equal(sick_in_each(), "half_open"), timeout=20)
         for page in (await per_worker(port, 2)).values():       # scraped: each worker's count is kept
             assert metric_total(page, "switchyard_breaker_transitions_total", endpoint=sick_name,
