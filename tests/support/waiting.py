@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import inspect
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -48,3 +51,18 @@ async def sigstop(pid: int, timeout: float = 10.0) -> None:
 
     os.kill(pid, signal.SIGSTOP)
     await until(lambda: process_stopped(pid), timeout=timeout, interval=0.001)
+
+
+async def release_held(fifo: Path, timeout: float = 10.0) -> None:
+    """Open a FIFO a held process made (the gateway's test-only holds) for writing, which lets it go
+    on. The FIFO is there as soon as it is made, a moment before its process opens it for reading;
+    until then a writer's open fails with ENXIO, so it is tried again, within ``timeout``."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                return
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+            await asyncio.sleep(0.01)

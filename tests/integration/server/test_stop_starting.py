@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.ports import listen_port
+from tests.support.waiting import release_held
 
 HOLD_BEFORE_CONFIG = "SWITCHYARD_TEST_HOLD_BEFORE_CONFIG"   # read by gateway/__main__.py, for tests only
 HOLD_AFTER_BUILD = "SWITCHYARD_TEST_HOLD_AFTER_BUILD"       # read by gateway/server/run.py, for tests only
@@ -59,10 +60,6 @@ async def held_gateway(tmp_path: Path, cfg: Path, hook: str, workers: int = 1):
             await proc.wait()
 
 
-def release(fifo: Path) -> None:
-    """Lets the held gateway go on (nothing to do when it is gone)."""
-    with contextlib.suppress(OSError):
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
 @pytest.mark.timeout(60)
@@ -78,7 +75,7 @@ async def test_a_stop_before_the_config_is_read_ends_the_gateway_with_a_line(sim
     async with held_gateway(tmp_path, config(tmp_path, port, sim.url), HOLD_BEFORE_CONFIG, workers) as (
             proc, fifo, log_path):
         proc.send_signal(sig)     # pending once this returns: the gateway takes it while held
-        release(fifo)
+        await release_held(fifo)
         async with asyncio.timeout(20):
             code = await proc.wait()
     assert code == 0
@@ -100,7 +97,7 @@ async def test_a_stop_once_the_app_is_built_is_held_then_drained(sims, tmp_path,
     port = listen_port()
     async with held_gateway(tmp_path, config(tmp_path, port, sim.url), HOLD_AFTER_BUILD) as (proc, fifo, log_path):
         proc.send_signal(sig)     # pending once this returns: the gateway takes it while held
-        release(fifo)
+        await release_held(fifo)
         async with asyncio.timeout(20):
             code = await proc.wait()
     assert code == 0
@@ -138,7 +135,7 @@ async def test_connections_queued_before_a_stop_between_listen_and_handler_are_a
     async with held_gateway(tmp_path, config(tmp_path, port, sim.url), HOLD_AFTER_LISTEN) as (proc, fifo, log_path):
         clients = [send_request(port) for _ in range(3)]
         proc.send_signal(sig)     # pending once this returns: the gateway takes it while held
-        release(fifo)
+        await release_held(fifo)
         async with asyncio.timeout(30):
             answers = await asyncio.gather(*(asyncio.to_thread(read_answer, s) for s in clients))
             code = await proc.wait()
@@ -212,7 +209,7 @@ async def test_the_drain_after_a_slow_start_up_counts_its_grace_from_the_stop(si
             while pending(proc.pid, signal.SIGTERM):
                 await asyncio.sleep(0.02)
         await asyncio.sleep(1.5)            # the start-up goes on
-        release(fifo)
+        await release_held(fifo)
         async with asyncio.timeout(30):
             code = await proc.wait()
     assert code == 0

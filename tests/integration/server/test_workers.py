@@ -18,7 +18,7 @@ import pytest
 from tests.support.gateway_process import per_worker, post_new
 from tests.support.metrics import metric
 from tests.support.ports import listen_port
-from tests.support.waiting import sigstop, wait_for
+from tests.support.waiting import release_held, sigstop, wait_for
 
 
 def listening_inodes(port: int) -> set[str]:
@@ -816,7 +816,8 @@ async def release_with_their_stop_pending(workers: list[int], hold: Path) -> Non
             await asyncio.sleep(0.02)
     assert [stop_pending(pid) for pid in workers] == [True] * len(workers)
     for pid in workers:
-        os.close(os.open(hold / str(pid), os.O_WRONLY | os.O_NONBLOCK))
+        await release_held(hold / str(pid))
+
 
 
 @pytest.mark.timeout(60)
