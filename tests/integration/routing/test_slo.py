@@ -70,3 +70,37 @@ async def test_an_engine_seen_slow_a_while_ago_is_judged_by_what_it_shows_now(si
         pods = {(await _stream(s, gw.url, f"{i} after", rr))[1] for i in range(2)}     # one more of each
         assert pods == {a_pod, b_pod}
         assert await _stream(s, gw.url, "fast a", {"x-slo-ttft-ms": "2000"}) == (200, a_pod)
+
+
+async def test_an_engine_no_request_observes_is_sent_one_to_see_it_again(sims, gateway):
+    """Without exploration and with every request carrying objectives, nothing but the model's own
+    choices reaches an engine: a, seen slow, would never be sent a request again after it recovers.
+    Once neither has been observed for slo_reobserve_s, the next request goes to the one observed
+    longest ago (a), the one after to b, and a's fresh observation then outweighs what it showed
+    before: it is predicted the faster of the two."""
+    a = await sims("vllm", "m", ttft_base_ms=5, itl_ms=2)
+    b = await sims("vllm", "m", ttft_base_ms=120, itl_ms=2)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="slo")],
+                       routing={"slo_min_samples": 2, "slo_exploration": 0.0, "slo_select": "spread",
+                                "slo_half_life_s": 0.04, "slo_reobserve_s": 0.5})
+    a_pod, b_pod = (e.url.removeprefix("http://") for e in (a, b))
+    slo = {"x-slo-ttft-ms": "2000"}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(a.url + "/_sim/config", json={"fault": "stall_before_first=0.2"}) as r:
+            assert r.status == 200
+        for i in range(4):                      # two observations of each
+            assert (await _stream(s, gw.url, f"{i} warm-up", {"routing-strategy": "round-robin"}))[0] == 200
+        assert await _stream(s, gw.url, "slow a", slo) == (200, b_pod)
+        async with s.post(a.url + "/_sim/config", json={"fault": "none"}) as r:
+            assert r.status == 200
+        await asyncio.sleep(0.6)
+        pods = [(await _stream(s, gw.url, f"{i} after", slo))[1] for i in range(3)]
+        # a, observed longest ago; then b; then a, re-observed or now predicted the faster
+        assert pods == [a_pod, b_pod, a_pod]
+    model = gw.gw.routing.ctx.latency
+    ep_a, ep_b = sorted(gw.gw.pool.endpoints("m"), key=lambda e: e.url != a.url)
+    ttft_a = model.predict(ep_a, model.features(10, ep_a, 0.0))[0]
+    ttft_b = model.predict(ep_b, model.features(10, ep_b, 0.0))[0]
+    assert ttft_a is not None and ttft_b is not None and ttft_a < 60 < ttft_b
+    text = await gw.metrics_text()
+    assert 'switchyard_slo_routing_decisions_total{model="m",reason="slo_reobserve"}' in text
