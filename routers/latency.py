@@ -48,7 +48,8 @@ requests); and an observation t seconds old weighs 2^(−t / ``routing.slo_half_
 Time matters because an endpoint the router stopped sending requests to (predicted too slow) is
 observed only by the exploring ones, a few a minute: counted by observations alone, it would take
 a hundred of those to outweigh what it showed before, and a recovered engine would wait tens of
-minutes for its traffic.
+minutes for its traffic. An endpoint no request observed for ``routing.slo_reobserve_s`` is sent
+one (``stalest``, ``reobserving``) whatever its prediction.
 
 The prior: the features are centred and each slope is pulled toward 0 by a prior worth ``RIDGE``
 observations. Real traffic is often collinear (prompts of one length make the uncached tokens a
@@ -279,7 +280,7 @@ class Features:
 
 
 class _EndpointModel:
-    __slots__ = ("ttft", "tpot", "service_ms", "services", "ttft_at", "tpot_at", "service_at")
+    __slots__ = ("ttft", "tpot", "service_ms", "services", "ttft_at", "tpot_at", "service_at", "reobserved_at")
 
     def __init__(self, forgetting: float) -> None:
         self.ttft = OnlineRegression(len(TTFT_FEATURES), forgetting)
@@ -288,6 +289,7 @@ class _EndpointModel:
         self.services = 0.0             # the observations behind it, each aged by time as in the fits
         # when each quantity was last observed (the model's clock)
         self.ttft_at = self.tpot_at = self.service_at = 0.0
+        self.reobserved_at = float("-inf")      # when a request was last sent to observe it (``reobserving``)
 
 
 class LatencyModel:
@@ -394,6 +396,34 @@ class LatencyModel:
             return not (ttft or tpot)
         n = self.min_samples
         return (not ttft or m.ttft.n >= n) and (not tpot or m.tpot.n >= n)
+
+    def stalest(self, candidates: Sequence[Endpoint], ttft: bool, tpot: bool, before: float) -> Endpoint | None:
+        """The candidate whose quantities asked for were observed longest ago, when that and the
+        last request sent to observe it (``reobserving``) were both before ``before``; ``None``
+        when every candidate was observed (or sent such a request) since, or has no model."""
+        models = self._models
+        stalest, oldest = None, before
+        for ep in candidates:
+            m = models.get(ep)
+            if m is None:
+                continue
+            if ttft:
+                seen = min(m.ttft_at, m.tpot_at) if tpot else m.ttft_at
+            elif tpot:
+                seen = m.tpot_at
+            else:
+                continue
+            at = max(seen, m.reobserved_at)
+            if at < oldest:
+                stalest, oldest = ep, at
+        return stalest
+
+    def reobserving(self, ep: Endpoint, now: float) -> None:
+        """A request was sent to ``ep`` at ``now`` to observe it: ``stalest`` passes it over until
+        that request's observation is due, one at a time however many requests come meanwhile."""
+        m = self._models.get(ep)
+        if m is not None:
+            m.reobserved_at = now
 
     def samples(self, ep: Endpoint) -> tuple[int, int]:
         """Observations of ``(TTFT, TPOT)`` on ``ep`` so far."""

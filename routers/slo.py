@@ -13,7 +13,11 @@ prefix index, or the engines' KV events, as ``prefix-cache`` reads them). Then:
 2. if some candidate lacks the observations its prediction needs (``slo_min_samples``), the
    least loaded candidate (fallback ``no_model``; reason ``slo_no_model``): every endpoint gets
    traffic, so the models fill quickly, and no queue builds on a prefix holder meanwhile;
-3. the candidates predicted to meet every objective the request states, each prediction at most
+3. if no request has observed a candidate for ``slo_reobserve_s`` (nor been sent to observe it
+   since), that candidate, the one observed longest ago first (reason ``slo_reobserve``; one at a
+   time: the next only that long after): what a model predicts too slow gets no request, and
+   with ``slo_exploration: 0`` or little traffic, nothing would show it recovered;
+4. the candidates predicted to meet every objective the request states, each prediction at most
    ``(1 − slo_margin)`` × its objective, are *feasible*. Among them, those holding the longest
    prefix of the prompt (prefix affinity still counts; a holder that is too loaded is not
    feasible, which replaces prefix-cache's load guards); among those, with ``slo_select: pack``
@@ -22,7 +26,7 @@ prefix index, or the engines' KV events, as ``prefix-cache`` reads them). Then:
    tightest ones (the Gateway API Inference Extension's "least headroom"); with ``spread`` the
    one with the most room, i.e. the lowest predicted latency. Ties at random. Reason
    ``slo_feasible``;
-4. none feasible: the candidate with the smallest predicted share of its objectives (the least
+5. none feasible: the candidate with the smallest predicted share of its objectives (the least
    late), reason and fallback ``slo_infeasible``. Flow control may still refuse the request.
 
 A request without objectives routes exactly as ``prefix-cache`` does (its fallbacks counted under
@@ -54,6 +58,7 @@ class SloRouter(PrefixCacheRouter):
         s = ctx.settings
         self.model = ctx.latency
         self.exploration = s.slo_exploration
+        self.reobserve = s.slo_reobserve_s
         self.keep = 1.0 - s.slo_margin
         self.pack = s.slo_select == "pack"
 
@@ -76,9 +81,14 @@ class SloRouter(PrefixCacheRouter):
         if not all(model.ready(ep, ttft_slo is not None, tpot_slo is not None) for ep in candidates):
             ep = self._fall_back(candidates, self._loads(candidates), "no_model")
             return ep, "slo_no_model", self._match_of(req, candidates, ep)
+        now = self._clock()
+        if self.reobserve:
+            ep = model.stalest(candidates, ttft_slo is not None, tpot_slo is not None, now - self.reobserve)
+            if ep is not None:
+                model.reobserving(ep, now)
+                return ep, "slo_reobserve", self._match_of(req, candidates, ep)
         depths, n = self._depths(req, candidates)
         tokens = req.prompt_tokens_est
-        now = self._clock()
         scored: list[tuple[Endpoint, int, float]] = []     # (endpoint, match depth, predicted share of the objective)
         for ep in candidates:
             depth = depths.get(ep, 0)

@@ -59,7 +59,7 @@ class SloMetrics:
             ["model", "objective"], buckets=ERROR_BUCKETS, registry=r)
         self.decisions = Counter(
             "switchyard_slo_routing_decisions", "Decisions of the slo strategy for requests with objectives, by "
-            "reason: slo_feasible, slo_explore, slo_infeasible, slo_no_model", ["model", "reason"], registry=r)
+            "reason: slo_feasible, slo_explore, slo_reobserve, slo_infeasible, slo_no_model", ["model", "reason"], registry=r)
 
 
 @dataclass(slots=True)

@@ -149,6 +149,36 @@ def test_the_exploration_rate_is_honoured(rate):
     assert _explored(seed=7, rate=rate) == _explored(seed=7, rate=rate)    # the same seed, the same choices
 
 
+def test_an_endpoint_unobserved_for_slo_reobserve_s_gets_one_request_at_a_time():
+    router, ctx, (fast, slow), _ = setup(slo_exploration=0.0, slo_reobserve_s=60.0)
+    teach(ctx, fast, 30, 100, 10)
+    teach(ctx, slow, 100, 600, 30)
+    model, clock = ctx.latency, ctx.clock
+
+    def serve(ep) -> None:                      # what the request routed there shows
+        model.observe(ep, model.features(1000, ep, 0.0), 130.0, 10.0)
+
+    reasons = []
+    for _ in range(300):                        # 2.5 minutes; slow answers none of its requests
+        clock.t += 0.5
+        d = router.route(slo_req(ttft=300), [fast, slow])
+        reasons.append((d.endpoint, d.reason))
+        if d.endpoint is fast:
+            serve(fast)
+    sent = [i for i, r in enumerate(reasons) if r == (slow, "slo_reobserve")]
+    assert sent == [120, 241]                   # past 60 s after what it last showed, then after that request
+    assert all(r == (fast, "slo_feasible") for i, r in enumerate(reasons) if i not in sent)
+    # what a re-observed endpoint shows counts: from then on it is judged by it
+    serve(slow)
+    assert router.route(slo_req(ttft=300), [fast, slow]).reason == "slo_feasible"
+    # 0: never
+    router, ctx, (fast, slow), _ = setup(slo_exploration=0.0, slo_reobserve_s=0.0)
+    teach(ctx, fast, 30, 100, 10)
+    teach(ctx, slow, 100, 600, 30)
+    ctx.clock.t += 3600
+    assert {router.route(slo_req(ttft=300), [fast, slow]).endpoint for _ in range(20)} == {fast}
+
+
 def _explored(seed: int, rate: float) -> list[int]:
     router, ctx, eps, _ = setup(seed=seed, slo_exploration=rate)
     teach(ctx, eps[0], 30, 100, 10)
