@@ -4,15 +4,21 @@ objective goes to the fast engine and a loose one is packed on the slow one."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import time
 
 import aiohttp
 import orjson
 
+from enginesim.server import start_sim
 from tests.support.factories import model_block
+from tests.support.waiting import until
 
 
-async def _stream(s: aiohttp.ClientSession, url: str, text: str, headers: dict[str, str]) -> tuple[int, str]:
-    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 4, "stream": True}
+async def _stream(s: aiohttp.ClientSession, url: str, text: str, headers: dict[str, str],
+                  max_tokens: int = 4) -> tuple[int, str]:
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True}
     async with s.post(url + "/v1/chat/completions", data=orjson.dumps(body),
                       headers={"Content-Type": "application/json", **headers}) as r:
         await r.read()
@@ -104,3 +110,53 @@ async def test_an_engine_no_request_observes_is_sent_one_to_see_it_again(sims, g
     assert ttft_a is not None and ttft_b is not None and ttft_a < 60 < ttft_b
     text = await gw.metrics_text()
     assert 'switchyard_slo_routing_decisions_total{model="m",reason="slo_reobserve"}' in text
+
+
+async def _occupy(s: aiohttp.ClientSession, url: str, n: int) -> list[asyncio.Task]:
+    """``n`` streams sent to the engine at ``url`` itself (another gateway's), each held after its first token."""
+    async def one(i: int) -> None:
+        with contextlib.suppress(aiohttp.ClientError):
+            await _stream(s, url, f"held {i}", {"x-sim-fault": "stall_after=1:inf"}, max_tokens=50)
+    return [asyncio.create_task(one(i)) for i in range(n)]
+
+
+async def test_a_restarted_engine_is_not_judged_by_the_batch_it_ran_before(sims, gateway):
+    """a ran 8 requests at once before it was restarted with room for 2. Once the gateway has
+    scraped it running 2 with 2 waiting (another gateway's), a request sent there would wait for
+    three slots to free, each at a's service time (about 0.3 s): spread sends it to b (about 0.15 s
+    to its first token), not to a on the batch of 8 its previous process ran, under which the 4
+    would all be running and a predicted as fast as when idle."""
+    a = await sims("vllm", "m", ttft_base_ms=5, itl_ms=25, max_num_seqs=16)
+    b = await sims("vllm", "m", ttft_base_ms=150, itl_ms=2)
+    gw = await gateway([model_block("m", "vllm", [a.url, b.url], strategy="slo")],
+                       routing={"slo_min_samples": 2, "slo_exploration": 0.0, "slo_select": "spread"})
+    b_pod = b.url.removeprefix("http://")
+    ep_a = next(e for e in gw.gw.pool.endpoints("m") if e.url == a.url)
+    restarted = None
+    held: list[asyncio.Task] = []
+    async with aiohttp.ClientSession() as s:
+        try:
+            held = await _occupy(s, a.url, 8)
+            await until(lambda: ep_a.metrics is not None and ep_a.metrics.running == 8)
+            for i in range(4):          # two observations of each, a's streams 0.3 s from first token to last
+                status, _ = await _stream(s, gw.url, f"{i} warm-up", {"routing-strategy": "round-robin"},
+                                          max_tokens=12)
+                assert status == 200
+            for t in held:
+                t.cancel()
+            await until(lambda: time.time() - a.engine.started_at > 1.5, timeout=5)  # a start told apart
+            await a.close()
+            restarted = await start_sim(dataclasses.replace(a.cfg, port=a.port, max_num_seqs=2))
+            held = await _occupy(s, a.url, 4)
+            await until(lambda: ep_a.metrics.start_time == restarted.engine.started_at
+                        and ep_a.metrics.running == 2 and ep_a.metrics.waiting == 2)
+            try:
+                routed = await asyncio.wait_for(_stream(s, gw.url, "now", {"x-slo-ttft-ms": "2000"}), 5)
+            except TimeoutError:
+                routed = (0, "a: waiting behind the held streams, which never end")
+            assert routed == (200, b_pod)
+        finally:
+            for t in held:
+                t.cancel()
+            if restarted is not None:
+                await restarted.close()
