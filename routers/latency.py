@@ -15,10 +15,14 @@ The model, per endpoint (an ``Endpoint`` serves one model, so it is also per mod
 ``waiting`` and ``running`` split the requests on the endpoint now — this gateway's in-flight,
 plus other gateways' as the engine's last fresh scrape counted them (``running + waiting`` beyond
 ``EngineMetrics.gateway_in_flight``), as ``prefix-cache``'s fleet load — at the largest batch the
-engine ever reported running: what exceeds it waits. Queueing is the knee of an engine's latency
-(nothing waits until the batch is full, then every request ahead costs a share of a service
-time), and this split makes it a straight line in ``waiting``; counts alone would not. An engine
-never scraped has no known batch: everything counts as running. ``queue`` is the wait that queue
+engine reported running since it last restarted: what exceeds it waits. Queueing is the knee of an
+engine's latency (nothing waits until the batch is full, then every request ahead costs a share of
+a service time), and this split makes it a straight line in ``waiting``; counts alone would not.
+An engine never scraped has no known batch: everything counts as running. The batch does not age
+with time as the fits do: an engine running few requests says nothing of how many it has room
+for, and a batch worn down to what a quiet hour ran would count the next burst's requests as
+waiting; only a restart (``engine_restarted``: another process, perhaps with room for fewer)
+forgets it. ``queue`` is the wait that queue
 means, in ms: when the batch is full, this request waits for ``waiting + 1`` slots to free, one
 every service time / batch, the service time being the endpoint's mean time from a request's
 first token to its last (exponentially weighted like the fits). The queue is a term of known
@@ -445,6 +449,12 @@ class LatencyModel:
             self._models[new] = self._models.pop(old)
         if old in self._batch and new not in self._batch:
             self._batch[new] = self._batch.pop(old)
+
+    def engine_restarted(self, ep: Endpoint) -> None:
+        """``ep``'s engine restarted: the largest batch it ran was its previous process's, which may
+        have had room for more (another ``--max-num-seqs``, less KV cache); it is learnt again from
+        the new one's reports. The fits stay: they age with time, and the engine is the same."""
+        self._batch.pop(ep, None)
 
     def forget(self, ep: Endpoint) -> None:
         self._models.pop(ep, None)

@@ -513,12 +513,15 @@ class RoutingView:
 
     def engine_restarted(self, ep: Endpoint) -> None:
         """``ep``'s engine restarted (the monitor saw its start time change) and its cache is gone:
-        this process's prefix index and sessions forget it. Each worker and each replica does so on
+        this process's prefix index and sessions forget it, and its latency models the largest
+        batch it ran (the new process may have room for fewer). Each worker and each replica does so on
         its own scrape or on the one its watcher sent it, as each drops an endpoint that left the
         pool, so nothing is sent; a whole view a sibling sends later brings back nothing of it from
         before (``PrefixIndex.merge``)."""
         if self._index is not None:
             self._index.forget(ep)
+        if self._latency is not None:
+            self._latency.engine_restarted(ep)
         dropped = self.sessions.forget(ep, lineage=self.lineage_is_session)
         log.info("shared routing view: a restarted engine forgotten", endpoint=ep.name, model=ep.model,
                  sessions=dropped)
