@@ -361,6 +361,37 @@ async def test_slo_keeps_what_it_learnt_of_an_engine_whose_endpoint_settings_a_r
     assert metric(text, "switchyard_slo_routing_decisions_total", model="m", reason="slo_no_model") == 0
 
 
+async def test_slo_keeps_what_it_learnt_of_the_engines_across_a_reload_that_changes_the_routing_settings(
+        sims, gateway, tmp_path):
+    """A reload that tunes slo (its margin here) starts the prefix index afresh, but the engines are
+    the same: what the latency models learnt of them carries over (in the new settings), as the
+    sessions do, so a request with objectives is routed on their predictions at once."""
+    sims_ = [await sims("vllm", "m") for _ in range(2)]
+    gw = await gateway([model_block("m", "vllm", [s.url for s in sims_], strategy="slo")],
+                       routing={"slo_min_samples": 2, "slo_exploration": 0.0})
+    f = ConfigFile(gw, tmp_path / "gw.yaml")
+    client = openai_client(gw)
+
+    async def stream(**headers: str) -> None:
+        chunks = await client.chat.completions.create(model="m", messages=CHAT, max_tokens=3, stream=True,
+                                                      extra_headers=headers)
+        async for _ in chunks:
+            pass
+
+    for _ in range(4):
+        await stream(**{"routing-strategy": "round-robin"})
+    ctx = f.reloader.live.routing.ctx
+    await until(lambda: all(ctx.latency.samples(ep)[0] >= 2 for ep in gw.gw.pool.endpoints("m")))
+    f.write(routing={**f.data["routing"], "slo_margin": 0.2, "slo_forgetting": 0.95})
+    assert f.reloader.reload("test").result == "ok" and f.reloader.live.routing.ctx is not ctx
+    await stream(**{"x-slo-ttft-ms": "600000"})      # feasible on whatever two samples predict
+    text = await gw.metrics_text()
+    assert metric(text, "switchyard_slo_routing_decisions_total", model="m", reason="slo_no_model") == 0
+    assert metric(text, "switchyard_slo_routing_decisions_total", model="m", reason="slo_feasible") == 1
+    latency = f.reloader.live.routing.ctx.latency
+    await until(lambda: sum(latency.samples(ep)[0] for ep in gw.gw.pool.endpoints("m")) == 5)  # and learns on
+
+
 async def test_fallbacks_reach_the_decisions_after_a_reload_that_keeps_the_routing_state(sims, gateway, tmp_path):
     sim = await sims("vllm", "m")
     gw = await gateway([model_block("m", "vllm", [sim.url], strategy="vtc-basic")])
