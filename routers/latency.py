@@ -450,6 +450,19 @@ class LatencyModel:
         if old in self._batch and new not in self._batch:
             self._batch[new] = self._batch.pop(old)
 
+    def take_over(self, previous: LatencyModel) -> None:
+        """What ``previous`` learnt of the engines (the models of a routing context a reload with
+        other routing settings replaced): the engines are the same, so are their latency. The
+        models are shared, not copied, so that what the requests ``previous`` saw routed observe
+        when they end still reaches them; from now on they are read and updated with this model's
+        settings."""
+        if previous is self:
+            return
+        self._models = previous._models
+        self._batch = previous._batch
+        for m in self._models.values():
+            m.ttft.lam = m.tpot.lam = self.forgetting
+
     def engine_restarted(self, ep: Endpoint) -> None:
         """``ep``'s engine restarted: the largest batch it ran was its previous process's, which may
         have had room for more (another ``--max-num-seqs``, less KV cache); it is learnt again from

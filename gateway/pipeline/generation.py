@@ -165,6 +165,8 @@ def build_generation(config: Config, services: Services, previous: Generation | 
     routing = Routing(config, s.pool, s.metrics, s.kv_events, s.view, s.slo)
     if previous is not None and routing_state_kept(previous.config, config):
         routing.keep_state(previous.routing)
+    elif previous is not None:      # the engines are the same: what was learnt of their latency stays
+        routing.ctx.latency.take_over(previous.routing.ctx.latency)
     s.view.attach(routing.ctx)          # its index's insertions are shared, others' applied to it
     routing.observers, routing.claims = s.decision_observers, s.decision_claims   # shared by every generation
     pd = PDOrchestrator(config, s.upstream, s.relay, s.lifecycle.spawn, s.metrics, routing.ctx.rng, s.pool, s.retries)

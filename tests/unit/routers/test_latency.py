@@ -210,3 +210,18 @@ def test_what_an_endpoint_showed_long_ago_weighs_less_than_what_it_shows_now():
     assert ttft is not None and tpot is not None
     assert ttft < 150 and tpot < 15
     assert model._models[ep].service_ms < 750
+
+
+def test_a_model_built_anew_takes_over_what_the_previous_one_learnt():
+    clock = Clock()
+    old = _model(clock, slo_forgetting=0.99)
+    ep = endpoints(1)[0]
+    for _ in range(3):
+        old.observe(ep, old.features(1000, ep, 0.0), 100.0, 10.0)
+    new = _model(clock, slo_forgetting=0.9, slo_min_samples=3)
+    new.take_over(old)
+    assert new.samples(ep) == (3, 3) and new.ready(ep, True, True)
+    assert new.predict(ep, new.features(1000, ep, 0.0)) == (100.0, 10.0)    # old needs 8 to predict
+    old.observe(ep, old.features(1000, ep, 0.0), 100.0, 10.0)     # a request routed before, ending after
+    assert new.samples(ep) == (4, 4)
+    assert new.weights(ep) == old.weights(ep) and new._models[ep].ttft.lam == 0.9
