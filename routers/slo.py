@@ -14,9 +14,10 @@ prefix index, or the engines' KV events, as ``prefix-cache`` reads them). Then:
    least loaded candidate (fallback ``no_model``; reason ``slo_no_model``): every endpoint gets
    traffic, so the models fill quickly, and no queue builds on a prefix holder meanwhile;
 3. if no request has observed a candidate for ``slo_reobserve_s`` (nor been sent to observe it
-   since), that candidate, the one observed longest ago first (reason ``slo_reobserve``; one at a
-   time: the next only that long after): what a model predicts too slow gets no request, and
-   with ``slo_exploration: 0`` or little traffic, nothing would show it recovered;
+   since) and this request can (it streams), that candidate, the one observed longest ago first
+   (reason ``slo_reobserve``; one at a time: the next only that long after): what a model
+   predicts too slow gets no request, and with ``slo_exploration: 0`` or little traffic, nothing
+   would show it recovered;
 4. the candidates predicted to meet every objective the request states, each prediction at most
    ``(1 − slo_margin)`` × its objective, are *feasible*. Among them, those holding the longest
    prefix of the prompt (prefix affinity still counts; a holder that is too loaded is not
@@ -82,7 +83,7 @@ class SloRouter(PrefixCacheRouter):
             ep = self._fall_back(candidates, self._loads(candidates), "no_model")
             return ep, "slo_no_model", self._match_of(req, candidates, ep)
         now = self._clock()
-        if self.reobserve:
+        if self.reobserve and req.stream:      # a non-streamed answer has no first token to observe
             ep = model.stalest(candidates, ttft_slo is not None, tpot_slo is not None, now - self.reobserve)
             if ep is not None:
                 model.reobserving(ep, now)

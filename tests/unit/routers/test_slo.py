@@ -159,14 +159,16 @@ def test_an_endpoint_unobserved_for_slo_reobserve_s_gets_one_request_at_a_time()
         model.observe(ep, model.features(1000, ep, 0.0), 130.0, 10.0)
 
     reasons = []
-    for _ in range(300):                        # 2.5 minutes; slow answers none of its requests
+    for i in range(300):                        # 2.5 minutes; slow answers none of its requests
         clock.t += 0.5
-        d = router.route(slo_req(ttft=300), [fast, slow])
+        req = slo_req(ttft=300)
+        req.stream = i not in (120, 121)        # a non-streamed answer would show nothing: the next one
+        d = router.route(req, [fast, slow])
         reasons.append((d.endpoint, d.reason))
         if d.endpoint is fast:
             serve(fast)
     sent = [i for i, r in enumerate(reasons) if r == (slow, "slo_reobserve")]
-    assert sent == [120, 241]                   # past 60 s after what it last showed, then after that request
+    assert sent == [122, 243]                   # past 60 s after what it last showed, then after that request
     assert all(r == (fast, "slo_feasible") for i, r in enumerate(reasons) if i not in sent)
     # what a re-observed endpoint shows counts: from then on it is judged by it
     serve(slow)
@@ -176,7 +178,10 @@ def test_an_endpoint_unobserved_for_slo_reobserve_s_gets_one_request_at_a_time()
     teach(ctx, fast, 30, 100, 10)
     teach(ctx, slow, 100, 600, 30)
     ctx.clock.t += 3600
-    assert {router.route(slo_req(ttft=300), [fast, slow]).endpoint for _ in range(20)} == {fast}
+    reqs = [slo_req(ttft=300) for _ in range(20)]
+    for req in reqs:
+        req.stream = True
+    assert {router.route(req, [fast, slow]).endpoint for req in reqs} == {fast}
 
 
 def _explored(seed: int, rate: float) -> list[int]:
