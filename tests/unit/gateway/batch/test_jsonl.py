@@ -176,3 +176,108 @@ def test_the_custom_ids_an_upload_holds_to_find_a_duplicate_cost_little_memory()
     with pytest.raises(LineError) as ei:
         check(row("x" * 512) + row("y" * 512) + row("x" * 512), 4096)
     assert (ei.value.line, ei.value.code) == (3, "duplicate_custom_id")
+
+
+class _Counted(bytes):
+    """Bytes that add to ``seen`` the span each search over them covers, and the size of each join
+    they take part in (the join is counted too: a join copies, and what it makes is searched)."""
+
+    seen = [0]
+
+    def _span(self, start, end) -> int:
+        return len(range(*slice(start, end).indices(len(self))))
+
+    def find(self, sub, start=None, end=None):
+        _Counted.seen[0] += self._span(start, end)
+        return bytes.find(self, sub, start, end)
+
+    def rfind(self, sub, start=None, end=None):
+        _Counted.seen[0] += self._span(start, end)
+        return bytes.rfind(self, sub, start, end)
+
+    def count(self, sub, start=None, end=None):
+        _Counted.seen[0] += self._span(start, end)
+        return bytes.count(self, sub, start, end)
+
+    def __add__(self, other):
+        _Counted.seen[0] += len(self) + len(other)
+        return _Counted(bytes(self) + bytes(other))
+
+    def __radd__(self, other):
+        if not isinstance(other, bytes):    # a bytearray grows in place (``+=``): not a copy
+            return NotImplemented
+        _Counted.seen[0] += len(self) + len(other)
+        return _Counted(bytes(other) + bytes(self))
+
+
+class _CountedPattern:
+    def __init__(self, pattern) -> None:
+        self.pattern = pattern
+
+    def search(self, data, pos=0, endpos=None):
+        _Counted.seen[0] += len(data[pos:endpos])
+        return self.pattern.search(data, pos, len(data) if endpos is None else endpos)
+
+
+def _one_long_line(size: int) -> bytes:
+    head = b'{"custom_id": "long", "method": "POST", "url": "/v1/completions", "body": {"model": "m", "prompt": "'
+    return head + b"x" * (size - len(head) - 4) + b'"}}\n'
+
+
+@pytest.fixture
+def scans(monkeypatch):
+    """The bytes the searches of an input file's reader cover, and the bytes its joins copy."""
+    from gateway.batch import jsonl
+    monkeypatch.setattr(jsonl, "_CONTENT", _CountedPattern(jsonl._CONTENT))
+    _Counted.seen[0] = 0
+    return _Counted.seen
+
+
+def test_one_long_line_arriving_in_many_chunks_is_checked_in_linear_work(scans):
+    """A line that many chunks carry (a long prompt, under a raised ``batch.max_line_bytes``) is
+    checked in work that grows with its size: the part of it already held is neither searched
+    again nor copied again at each next chunk, where 64 MiB took seconds of a worker's CPU (each
+    chunk joined to it and searched from its start, work that grows as its size squared). Counted
+    here: the bytes every search of the check covers and every join copies."""
+    size, step = 4 * 1024 * 1024, 4096
+    data = _one_long_line(size)
+    c = LineCheck(10, size)
+    for i in range(0, len(data), step):
+        c.feed(_Counted(data[i:i + step]))
+    assert c.finish() == 1
+    assert scans[0] <= 3 * size, scans[0]       # each chunk joined to what is held: ~1000x
+
+
+def test_one_long_line_read_back_is_read_in_linear_work(tmp_path, monkeypatch, scans):
+    """The batch's validation and its run read a long line back: each read asks for twice what is
+    held of it, so its reads are as few as its size's doublings and the bytes searched and copied
+    to find its end grow with its size, not with its square."""
+    from gateway.batch import jsonl
+    size = 16 * 1024 * 1024
+    p = tmp_path / "in.jsonl"
+    p.write_bytes(_one_long_line(size) + row("b"))
+    reads = []
+
+    class Reader:
+        def __init__(self, f) -> None:
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def seek(self, offset):
+            return self.f.seek(offset)
+
+        def read(self, n=-1):
+            reads.append(n)
+            return _Counted(self.f.read(n))
+
+    monkeypatch.setattr(jsonl, "open", lambda path, mode: Reader(open(path, mode)), raising=False)
+    lines, offset, line_no = read_chunk(str(p), 0, 0)
+    assert [(ln.line_no, ln.custom_id) for ln in lines] == [(1, "long"), (2, "b")]
+    assert (offset, line_no) == (p.stat().st_size, 2)
+    assert len(reads) <= 12, reads      # what is held triples at each: eight; in blocks of 64 KiB, 257
+    assert scans[0] <= 12 * size, scans[0]      # in blocks of 64 KiB: ~400x
