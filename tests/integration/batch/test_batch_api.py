@@ -334,6 +334,8 @@ GOOD = jsonl(lines("/v1/chat/completions", 2))
         [{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": [1]}]))], 400, "invalid_value"),
     ("duplicate custom_id", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(
         lines("/v1/chat/completions", 2, custom_id="same")))], 400, "duplicate_custom_id"),
+    ("custom_id too long", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(
+        lines("/v1/chat/completions", 1, custom_id="c" * 513)))], 400, "string_above_max_length"),
     ("too many lines", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(lines("/v1/chat/completions", 4)))],
      400, "too_many_lines"),
     ("line too long", [("purpose", None, b"batch"), ("file", "a.jsonl", jsonl(

@@ -54,6 +54,32 @@ def test_a_bad_line_is_named(data, line, code, step):
     assert (ei.value.line, ei.value.code) == (line, code)
 
 
+@pytest.mark.parametrize(("cid", "code", "message"), [
+    ("x" * 513, "string_above_max_length", "line 1: Invalid 'custom_id': string too long. Expected a string with "
+                                           "maximum length 512, but got a string with length 513 instead."),
+    ("\U0001f600" * 513, "string_above_max_length", "line 1: Invalid 'custom_id': string too long. Expected a "
+                     "string with maximum length 512, but got a string with length 513 instead."),
+    (17, "invalid_type", "line 1: Invalid type for 'custom_id': expected a string, but got an integer instead."),
+    (None, "invalid_type", "line 1: Invalid type for 'custom_id': expected a string, but got null instead."),
+    ("", "missing_required_parameter", "line 1: Missing required parameter: 'custom_id'."),
+])
+def test_a_custom_id_that_is_not_a_short_string_is_named_as_openai_names_it(cid, code, message):
+    """A custom_id past the 512 characters the gateway takes is OpenAI's ``string_above_max_length``
+    saying the limit and the length it got, not a missing parameter (it is there), and one that is
+    not a string is OpenAI's ``invalid_type``; both name ``custom_id``."""
+    with pytest.raises(LineError) as ei:
+        check(row(cid), 4096, max_line_bytes=4096)
+    assert (ei.value.line, ei.value.code, ei.value.param, ei.value.message) == (1, code, "custom_id", message)
+    assert check(row("x" * 512) + row("\U0001f600" * 512), 4096, max_line_bytes=4096) == 2
+
+
+def test_a_line_without_a_custom_id_is_named_as_openai_names_it():
+    with pytest.raises(LineError) as ei:
+        check(orjson.dumps({"method": "POST", "url": "/v1/completions", "body": {}}) + b"\n", 4096)
+    assert (ei.value.code, ei.value.param, ei.value.message) == (
+        "missing_required_parameter", "custom_id", "line 1: Missing required parameter: 'custom_id'.")
+
+
 @pytest.mark.parametrize("step", [1, 2, 7, 1000, 4096])
 def test_a_line_of_max_line_bytes_ending_in_crlf_is_taken_wherever_a_chunk_ends(step):
     line = row("a", body={"x": ""}).rstrip(b"\n")
