@@ -30,7 +30,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from gateway.batch import files as batch_files
 from gateway.batch import ranges
 from gateway.batch.config import BatchConfig
-from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError
+from gateway.batch.jsonl import ENDPOINTS, LineCheck, LineError, json_type
 from gateway.batch.store import ACTIVE, BatchDb, BatchStore, FileInUse, UnknownCursor, now_s
 from gateway.errors import ErrorClass, GatewayError
 from gateway.tenants.service import NoTenancy, Tenancy
@@ -509,7 +509,7 @@ def _expires_after(value: Any, name: str, form: bool = False) -> int:
     the field at fault. ``form``: the value came as form fields, whose values are all text; a
     ``seconds`` that is not an integer is shown as it came."""
     if not isinstance(value, dict):
-        raise _bad(f"Invalid type for '{name}': expected an object, but got {_json_type(value)} instead.", name,
+        raise _bad(f"Invalid type for '{name}': expected an object, but got {json_type(value)} instead.", name,
                    "invalid_type")
     for key in value:
         if key not in ("anchor", "seconds"):
@@ -519,14 +519,14 @@ def _expires_after(value: Any, name: str, form: bool = False) -> int:
             raise _bad(f"Missing required parameter: '{name}.{key}'.", f"{name}.{key}", "missing_required_parameter")
     anchor = value["anchor"]
     if not isinstance(anchor, str):
-        raise _bad(f"Invalid type for '{name}.anchor': expected one of 'created_at', but got {_json_type(anchor)}"
+        raise _bad(f"Invalid type for '{name}.anchor': expected one of 'created_at', but got {json_type(anchor)}"
                    " instead.", f"{name}.anchor", "invalid_type")
     if anchor != "created_at":
         raise _bad(f"Invalid value: '{_shown(anchor)}'. Supported values are: 'created_at'.", f"{name}.anchor",
                    "invalid_value")
     seconds = value["seconds"]
     if not isinstance(seconds, int) or isinstance(seconds, bool):
-        got = f"'{_shown(str(seconds))}'" if form else _json_type(seconds)
+        got = f"'{_shown(str(seconds))}'" if form else json_type(seconds)
         raise _bad(f"Invalid type for '{name}.seconds': expected an integer, but got {got} instead.",
                    f"{name}.seconds", "invalid_type")
     lo, hi = EXPIRES_AFTER_S
@@ -537,21 +537,6 @@ def _expires_after(value: Any, name: str, form: bool = False) -> int:
         raise _bad(f"Invalid '{name}.seconds': integer above maximum value. Expected a value <= {hi}, but got "
                    f"{_shown(str(seconds))} instead.", f"{name}.seconds", "integer_above_max_value")
     return seconds
-
-
-def _json_type(value: Any) -> str:
-    """A JSON value's type as OpenAI's messages name it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a decimal number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else "an object"
 
 
 def _shown(value: str) -> str:

@@ -55,9 +55,19 @@ def parse_line(raw: bytes, line_no: int) -> dict:
     if not isinstance(obj, dict):
         raise LineError(line_no, f"line {line_no} is not a JSON object", "invalid_json")
     cid = obj.get("custom_id")
-    if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
-        raise LineError(line_no, f"line {line_no}: custom_id must be a non-empty string of at most "
-                                 f"{MAX_CUSTOM_ID} characters", "missing_required_parameter", "custom_id")
+    if not isinstance(cid, str):
+        if "custom_id" not in obj:
+            raise LineError(line_no, f"line {line_no}: Missing required parameter: 'custom_id'.",
+                            "missing_required_parameter", "custom_id")
+        raise LineError(line_no, f"line {line_no}: Invalid type for 'custom_id': expected a string, but got "
+                                 f"{json_type(cid)} instead.", "invalid_type", "custom_id")
+    if not cid:         # as OpenAI answers an empty custom_id
+        raise LineError(line_no, f"line {line_no}: Missing required parameter: 'custom_id'.",
+                        "missing_required_parameter", "custom_id")
+    if len(cid) > MAX_CUSTOM_ID:        # OpenAI names no limit; the gateway keeps each id with its answer
+        raise LineError(line_no, f"line {line_no}: Invalid 'custom_id': string too long. Expected a string with "
+                                 f"maximum length {MAX_CUSTOM_ID}, but got a string with length {len(cid)} instead.",
+                        "string_above_max_length", "custom_id")
     if obj.get("method") != "POST":
         raise LineError(line_no, f"line {line_no}: method must be POST", "invalid_value", "method")
     url = obj.get("url")
@@ -66,6 +76,21 @@ def parse_line(raw: bytes, line_no: int) -> dict:
     if not isinstance(obj.get("body"), dict):
         raise LineError(line_no, f"line {line_no}: body must be a JSON object", "invalid_value", "body")
     return obj
+
+
+def json_type(value: object) -> str:
+    """A JSON value's type as OpenAI's messages name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 class LineCheck:
