@@ -744,6 +744,37 @@ async def test_a_file_whose_bytes_are_gone_is_a_404_in_openais_shape(sims, gatew
     assert ei.value.body["code"] == "file_not_found" and f.id in ei.value.body["message"]
 
 
+async def test_a_delete_whose_bytes_cannot_leave_the_disk_keeps_the_file_and_says_so(sims, gateway, tmp_path):
+    """A DELETE whose unlink of the file's bytes fails (a directory made read-only under a gateway
+    not run as root, a file system remounted read-only, an I/O error: here its path is a directory,
+    which unlink refuses as it refuses those) is a 500 in OpenAI's shape, not ``deleted: true`` over
+    bytes left on the disk: the file stays as it was, retrievable, its content read, in its place
+    of the list; a DELETE once the disk lets the bytes go removes both."""
+    from gateway.batch import files as batch_files
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    c = openai_client(gw)
+    data = jsonl(lines("/v1/completions", 1))
+    f = await c.files.create(file=("in.jsonl", data), purpose="batch")
+    g = await c.files.create(file=("in.jsonl", data), purpose="batch")
+    path = batch_files.path_of(str(tmp_path / "batch"), f.id)
+    os.rename(path, path + ".aside")
+    os.mkdir(path)
+    with pytest.raises(openai.InternalServerError) as ei:
+        await c.files.delete(f.id)
+    assert ei.value.status_code == 500 and ei.value.body["code"] == "storage_error", ei.value.body
+    assert f.id in ei.value.body["message"] and set(ei.value.body) == {"message", "type", "param", "code"}
+    os.rmdir(path)
+    os.rename(path + ".aside", path)
+    assert (await c.files.retrieve(f.id)).id == f.id
+    assert (await c.files.content(f.id)).content == data
+    assert [x.id for x in (await c.files.list()).data] == [g.id, f.id]
+    assert [x.id for x in (await c.files.list(after=g.id)).data] == [f.id]
+    assert (await c.files.delete(f.id)).deleted
+    assert not os.path.exists(path)
+    assert [x.id for x in (await c.files.list()).data] == [g.id]
+
+
 async def test_a_line_is_sheddable_when_clients_priority_headers_are_not_honoured(sims, gateway, tmp_path):
     """``admission.priority_header: false`` keeps clients from naming their class; a batch line's
     ``sheddable`` is the gateway's own, and its lines still go as the lowest class."""
