@@ -334,12 +334,27 @@ class BatchApi:
     async def delete_file(self, request: web.Request) -> web.Response:
         f = await self._file(request)
         try:           # in one transaction with the check: another worker may create a batch on it
-            await self.db.run(BatchStore.delete_file, f["id"], True)
+            row = await self.db.run(BatchStore.delete_file, f["id"], True)
         except FileInUse:
             raise _bad(f"file {f['id']} is the input of a batch still running; cancel the batch first", "id",
                        "file_in_use") from None
-        await asyncio.to_thread(batch_files.remove, self.db.dir, f["id"])
+        if row is not None and (why := await asyncio.shield(self._discard(row))) is not None:
+            log.warning("batch file not deleted: its bytes could not be removed", file_id=f["id"], error=why)
+            raise GatewayError(500, f"The bytes of file {f['id']} could not be removed from the gateway's storage "
+                               f"({why}); the file is kept: try again later.", code="storage_error")
         return _json({"id": f["id"], "object": "file", "deleted": True})
+
+    async def _discard(self, row: tuple) -> str | None:
+        """The bytes of a file the store has just let go of leave the disk; when they cannot, the
+        file goes back in the store, as it was, and what stopped them is said (else None): a file
+        is deleted whole or not at all, where its bytes stayed on the disk of a file answered
+        deleted."""
+        try:
+            await asyncio.to_thread(batch_files.discard, self.db.dir, row[0])
+        except OSError as e:
+            await self.db.run(BatchStore.restore_file, row)
+            return e.strerror or str(e)
+        return None
 
     # -- batches ------------------------------------------------------------------------------
 

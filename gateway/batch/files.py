@@ -199,6 +199,15 @@ def remove(directory: str, file_id: str) -> None:
         pass
 
 
+def discard(directory: str, file_id: str) -> None:
+    """A file's bytes leave the disk; ``OSError`` when they cannot (a read-only directory or file
+    system, an I/O error), not when they are gone already."""
+    try:
+        os.unlink(path_of(directory, file_id))
+    except FileNotFoundError:
+        pass
+
+
 STRAY_AGE_S = 600.0
 
 

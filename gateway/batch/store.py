@@ -71,6 +71,8 @@ MIGRATIONS = (
     ("batches", "model_read", "INTEGER"),
 )
 
+FILE_COLUMNS = "id, owner, filename, purpose, bytes, created_at, expires_at, lines"
+
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -185,22 +187,32 @@ class BatchStore:
             (*args, limit + 1)).fetchall()
         return [_file(r) for r in rows[:limit]], len(rows) > limit
 
-    def delete_file(self, file_id: str, unless_input: bool = False) -> bool:
+    def delete_file(self, file_id: str, unless_input: bool = False) -> tuple | None:
         """The file leaves the store; its place in the lists stays (``gone_files``) for ``GONE_KEPT_S``.
         ``unless_input``: ``FileInUse`` when it is the input of a batch that has not ended, checked in
-        the delete's transaction (another worker may create a batch on it in between)."""
-        def tx(db: sqlite3.Connection) -> bool:
-            row = db.execute("SELECT owner, created_at, rowid FROM files WHERE id = ?", (file_id,)).fetchone()
+        the delete's transaction (another worker may create a batch on it in between). Its row as it
+        was (``restore_file`` puts it back), None when the store did not hold it."""
+        def tx(db: sqlite3.Connection) -> tuple | None:
+            row = db.execute(f"SELECT {FILE_COLUMNS}, rowid FROM files WHERE id = ?", (file_id,)).fetchone()
             if row is None:
-                return False
+                return None
             if unless_input and any(_batch(d)["input_file_id"] == file_id for (d,) in db.execute(
                     f"SELECT doc FROM batches WHERE status IN ({', '.join('?' * len(ACTIVE))})", ACTIVE)):
                 raise FileInUse(file_id)
             db.execute("INSERT OR REPLACE INTO gone_files (id, owner, created_at, pos, gone_at) VALUES (?, ?, ?, ?, ?)",
-                       (file_id, row[0], row[1], row[2], now_s()))
+                       (file_id, row[1], row[5], row[8], now_s()))
             db.execute("DELETE FROM files WHERE id = ?", (file_id,))
-            return True
+            return tuple(row)
         return self._tx(tx)
+
+    def restore_file(self, row: tuple) -> None:
+        """A file ``delete_file`` removed (its row as it returned it) back in the store, in its place
+        of the lists (its rowid, which no file took meanwhile: a new one is given a rowid above the
+        places of gone files): its bytes could not leave the disk."""
+        def tx(db: sqlite3.Connection) -> None:
+            db.execute(f"INSERT OR IGNORE INTO files ({FILE_COLUMNS}, rowid) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+            db.execute("DELETE FROM gone_files WHERE id = ?", (row[0],))
+        self._tx(tx)
 
     def forget_gone(self, before: int) -> int:
         """The places of files gone before ``before`` are forgotten: a cursor naming one is a 400."""

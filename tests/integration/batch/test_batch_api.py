@@ -764,6 +764,7 @@ async def test_a_delete_whose_bytes_cannot_leave_the_disk_keeps_the_file_and_say
         await c.files.delete(f.id)
     assert ei.value.status_code == 500 and ei.value.body["code"] == "storage_error", ei.value.body
     assert f.id in ei.value.body["message"] and set(ei.value.body) == {"message", "type", "param", "code"}
+    assert sample(await gw.metrics_text(), "switchyard_internal_errors_total") == 0
     os.rmdir(path)
     os.rename(path + ".aside", path)
     assert (await c.files.retrieve(f.id)).id == f.id
