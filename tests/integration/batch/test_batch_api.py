@@ -573,6 +573,36 @@ async def test_a_cursor_that_names_no_object_of_the_caller_is_a_400(sims, gatewa
         assert ei.value.body["type"] == "invalid_request_error"
 
 
+async def test_a_list_query_out_of_its_range_is_named_as_openai_names_it(sims, gateway, tmp_path):
+    """A list's ``limit`` that is not an integer, or outside its range, and an ``order`` that is
+    not asc or desc are OpenAI's 400 naming the parameter with the code that says what is wrong
+    (as the gateway's other lists answer them), not read as another number: ``1_0`` is not ten."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], batch=batch_cfg(tmp_path))
+    cases = [
+        ("/v1/batches?limit=0", "limit", "integer_below_min_value",
+         "Invalid 'limit': integer below minimum value. Expected a value >= 1, but got 0 instead."),
+        ("/v1/batches?limit=101", "limit", "integer_above_max_value",
+         "Invalid 'limit': integer above maximum value. Expected a value <= 100, but got 101 instead."),
+        ("/v1/batches?limit=1_0", "limit", "invalid_type",
+         "Invalid type for 'limit': expected an integer, but got '1_0' instead."),
+        ("/v1/files?limit=10001", "limit", "integer_above_max_value",
+         "Invalid 'limit': integer above maximum value. Expected a value <= 10000, but got 10001 instead."),
+        ("/v1/files?limit=-1", "limit", "integer_below_min_value",
+         "Invalid 'limit': integer below minimum value. Expected a value >= 1, but got -1 instead."),
+        ("/v1/files?limit=%205", "limit", "invalid_type",
+         "Invalid type for 'limit': expected an integer, but got ' 5' instead."),
+        ("/v1/files?order=up", "order", "invalid_value", "Invalid value: 'up'. Supported values are: 'asc' and 'desc'."),
+    ]
+    async with aiohttp.ClientSession() as s:
+        for path, param, code, message in cases:
+            async with s.get(gw.url + path) as r:
+                status, body = r.status, await r.json()
+            assert status == 400, (path, body)
+            assert body["error"] == {"message": message, "type": "invalid_request_error", "param": param,
+                                     "code": code}, path
+
+
 async def test_a_file_written_by_a_windows_tool_runs(sims, gateway, tmp_path):
     """A UTF-8 byte order mark and CRLF line ends, as Windows tools write JSONL: accepted, and every
     line runs (the first one too)."""
