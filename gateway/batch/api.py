@@ -44,6 +44,7 @@ MAX_METADATA = 16
 EXPIRY_KEYS_KEPT = 4               # expires_after[<key>] fields kept: anchor, seconds and the first unknown
 FIELD_KEPT = 64                    # bytes kept of a form field other than the file
 FIELD_MAX = 64 * 1024              # bytes read of a form field other than the file, whatever the body limit
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)     # OpenAI's range of a file's expires_after[seconds]
 # and of a batch's output_expires_after.seconds
 
@@ -141,15 +142,22 @@ def _http_date(seconds: int) -> str:
 
 
 def _int_param(request: web.Request, name: str, default: int, lo: int, hi: int) -> int:
+    """A list's integer query parameter as OpenAI reads it: digits (a sign before them), from ``lo`` to
+    ``hi``; anything else is OpenAI's 400 naming it, with the code that says what is wrong."""
     raw = request.query.get(name)
     if raw is None:
         return default
-    try:
-        v = int(raw)
-    except ValueError:
-        raise _bad(f"{name} must be an integer", name) from None
-    if not lo <= v <= hi:
-        raise _bad(f"{name} must be between {lo} and {hi}", name)
+    if not _INTEGER.fullmatch(raw):
+        raise _bad(f"Invalid type for '{name}': expected an integer, but got '{_shown(raw)}' instead.", name,
+                   "invalid_type")
+    digits = raw.lstrip("+-").lstrip("0") or "0"            # its sign and size are what count
+    v = (-1 if raw[0] == "-" else 1) * (int(digits) if len(digits) <= 12 else 10 ** 12)
+    if v < lo:
+        raise _bad(f"Invalid '{name}': integer below minimum value. Expected a value >= {lo}, but got "
+                   f"{_shown(raw)} instead.", name, "integer_below_min_value")
+    if v > hi:
+        raise _bad(f"Invalid '{name}': integer above maximum value. Expected a value <= {hi}, but got "
+                   f"{_shown(raw)} instead.", name, "integer_above_max_value")
     return v
 
 
@@ -302,7 +310,8 @@ class BatchApi:
         limit = _int_param(request, "limit", 10_000, 1, 10_000)
         order = request.query.get("order", "desc")
         if order not in ("asc", "desc"):
-            raise _bad("order must be asc or desc", "order")
+            raise _bad(f"Invalid value: '{_shown(order)}'. Supported values are: 'asc' and 'desc'.", "order",
+                       "invalid_value")
         data, more = await self._page(BatchStore.list_files, who, request.query.get("purpose"), order,
                                       request.query.get("after"), limit)
         return _json(_list(data, more))

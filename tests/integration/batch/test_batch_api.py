@@ -601,6 +601,8 @@ async def test_a_list_query_out_of_its_range_is_named_as_openai_names_it(sims, g
             assert status == 400, (path, body)
             assert body["error"] == {"message": message, "type": "invalid_request_error", "param": param,
                                      "code": code}, path
+        async with s.get(gw.url + "/v1/batches?limit=%2B000000000000000000000100") as r:     # 100, however written
+            assert r.status == 200, await r.text()
 
 
 async def test_a_file_written_by_a_windows_tool_runs(sims, gateway, tmp_path):
