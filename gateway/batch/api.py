@@ -44,9 +44,9 @@ MAX_METADATA = 16
 EXPIRY_KEYS_KEPT = 4               # expires_after[<key>] fields kept: anchor, seconds and the first unknown
 FIELD_KEPT = 64                    # bytes kept of a form field other than the file
 FIELD_MAX = 64 * 1024              # bytes read of a form field other than the file, whatever the body limit
-_INTEGER = re.compile(r"[+-]?[0-9]+")
 EXPIRES_AFTER_S = (3600, 30 * 24 * 3600)     # OpenAI's range of a file's expires_after[seconds]
 # and of a batch's output_expires_after.seconds
+_INTEGER = re.compile(r"[+-]?[0-9]+")         # a list's limit, as OpenAI reads one
 
 
 def _bad(message: str, param: str | None = None, code: str | None = None, status: int = 400) -> GatewayError:
@@ -355,9 +355,8 @@ class BatchApi:
 
     async def _discard(self, row: tuple) -> str | None:
         """The bytes of a file the store has just let go of leave the disk; when they cannot, the
-        file goes back in the store, as it was, and what stopped them is said (else None): a file
-        is deleted whole or not at all, where its bytes stayed on the disk of a file answered
-        deleted."""
+        file goes back in the store as it was, and what stopped them is returned (else None): a
+        file is deleted whole or not at all, never answered deleted with its bytes left behind."""
         try:
             await asyncio.to_thread(batch_files.discard, self.db.dir, row[0])
         except OSError as e:

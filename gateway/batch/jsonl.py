@@ -61,7 +61,7 @@ def parse_line(raw: bytes, line_no: int) -> dict:
                             "missing_required_parameter", "custom_id")
         raise LineError(line_no, f"line {line_no}: Invalid type for 'custom_id': expected a string, but got "
                                  f"{json_type(cid)} instead.", "invalid_type", "custom_id")
-    if not cid:         # as OpenAI answers an empty custom_id
+    if not cid:         # an empty id names no line: as good as none
         raise LineError(line_no, f"line {line_no}: Missing required parameter: 'custom_id'.",
                         "missing_required_parameter", "custom_id")
     if len(cid) > MAX_CUSTOM_ID:        # OpenAI names no limit; the gateway keeps each id with its answer
