@@ -204,3 +204,37 @@ async def test_an_upload_the_disk_has_no_room_for_is_a_507_in_openai_shape(sims,
         assert metric_total((await get_new(port, "/metrics"))[1], "switchyard_internal_errors_total") == 0
         f = await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
         assert [x.id for x in (await c.files.list()).data] == [f.id]
+
+
+@pytest.mark.timeout(60)
+async def test_a_write_of_the_job_store_that_sqlite_reports_as_a_disk_io_error_is_a_storage_error(sims, tmp_path):
+    """SQLite reports a write of the job store refused by the disk other than for want of space (a
+    file size limit, EFBIG, here set on the running process; a quota, EDQUOT; a failing disk, EIO)
+    as its "disk I/O error", which cannot say which: a 500 ``storage_error`` in OpenAI's shape,
+    logged as a warning, not an ``internal_error`` counted as a bug; nothing is created, and the
+    store takes writes again once the disk does."""
+    import resource
+    sim = await sims("vllm", "m")
+    port = listen_port()
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(config_text(port, sim.url, str(tmp_path / "batch")).replace("log_level: warning", "log_level: error"))
+    c = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    async with gateway_process(cfg, port, "--workers", "1"):
+        f = await c.files.create(file=("in.jsonl", jsonl(rows(2))), purpose="batch")
+        pid = (await get_new(port, "/status.json"))[1]["gateway"]["pid"]       # the one worker
+        _, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+        # no write past a file's first 4 KiB: each write of the job store appends at least a page of
+        # 4 KiB and its header to its journal, which a write cut short there cannot hold (the
+        # gateway's log, a file here, stays empty at level error)
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            with pytest.raises(openai.APIStatusError) as ei:
+                await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            assert ei.value.status_code == 500 and ei.value.body["code"] == "storage_error", ei.value.body
+            assert ei.value.body["type"] == "api_error" and "disk I/O error" in ei.value.body["message"]
+            assert metric_total((await get_new(port, "/metrics"))[1], "switchyard_internal_errors_total") == 0
+            assert (await c.batches.list()).data == []
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))
+        b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert (await run_to_end(c, b.id)).status == "completed"
