@@ -464,22 +464,39 @@ def _no_room(e: BaseException) -> str | None:
     return None
 
 
+def _store_io_error(e: BaseException) -> str | None:
+    """SQLite's "disk I/O error" on the job store, or None: a write the disk refused for a reason
+    SQLite does not name (a file size limit, a quota: only a full disk is its SQLITE_FULL; a
+    failing disk), not a fault of the gateway's."""
+    code = getattr(e, "sqlite_errorcode", None)
+    if (isinstance(e, sqlite3.OperationalError) and code is not None and code & 0xFF == sqlite3.SQLITE_IOERR
+            and code != sqlite3.SQLITE_IOERR_NOMEM):
+        return str(e)
+    return None
+
+
 def _stored(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
             ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """``handler``, a write that finds no room under ``batch.dir`` answered as the server's
     condition it is: 507 ``insufficient_storage`` (RFC 4918 §11.5), which the SDKs retry as any 5xx,
     and a warning logged, where it was a 500 ``internal_error`` counted and logged as a bug. What
-    the request made is not kept (an upload's temporary file is removed as on any refusal)."""
+    the request made is not kept (an upload's temporary file is removed as on any refusal). A
+    write of the job store SQLite reports as a disk I/O error is a 500 ``storage_error``, logged
+    as a warning too: SQLite does not say which it was, a limit or a failing disk."""
     @functools.wraps(handler)
     async def run(request: web.Request) -> web.StreamResponse:
         try:
             return await handler(request)
         except (OSError, sqlite3.OperationalError) as e:
-            if (why := _no_room(e)) is None:
-                raise
-            log.warning("batch storage full", path=request.path, method=request.method, error=why)
-            raise GatewayError(507, f"The gateway has no room left to store this request's data ({why}); "
-                               "try again later.", code="insufficient_storage") from None
+            if (why := _no_room(e)) is not None:
+                log.warning("batch storage full", path=request.path, method=request.method, error=why)
+                raise GatewayError(507, f"The gateway has no room left to store this request's data ({why}); "
+                                   "try again later.", code="insufficient_storage") from None
+            if (why := _store_io_error(e)) is not None:
+                log.warning("batch storage error", path=request.path, method=request.method, error=why)
+                raise GatewayError(500, f"The gateway could not store this request's data ({why}); try again "
+                                   "later.", code="storage_error") from None
+            raise
     return run
 
 
