@@ -1,0 +1,62 @@
+"""What an operator and a client are told when Redis answers but refuses the gateway: its ACL user
+may not run the gateway's commands (NOPERM), or a key of the gateway's names holds another type
+(WRONGTYPE); against a real redis-server with an ACL user of its own."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+import structlog.testing
+
+from tests.integration.tenancy.test_redis import FAST_STATE, chat
+from tests.support.factories import model_block
+from tests.support.ports import listen_port
+from tests.support.tenancy import KEYS
+
+PASSWORD = "acl-secret-31415"
+
+
+async def _refusing_url(server, refusal: str) -> str:
+    """A URL to ``server`` that Redis will refuse as ``refusal`` says: an ACL user that may run
+    anything but scripts (the gateway's limit checks and heartbeat are scripts), a replicas key
+    another application wrote as a string, or a port nothing listens on."""
+    if refusal == "unreachable":
+        return f"redis://gw:{PASSWORD}@127.0.0.1:{listen_port()}/0"
+    r = aioredis.Redis.from_url(server.url)
+    try:
+        if refusal == "noperm":
+            await r.execute_command("ACL", "SETUSER", "gw", "on", f">{PASSWORD}", "~*", "&*", "+@all",
+                                    "-@scripting")
+        else:
+            await r.execute_command("ACL", "SETUSER", "gw", "on", f">{PASSWORD}", "~*", "&*", "+@all")
+            await r.set("switchyard:replicas", "another application's value")
+    finally:
+        await r.aclose()
+    return f"redis://gw:{PASSWORD}@127.0.0.1:{server.port}/0"
+
+
+async def test_the_start_and_fail_open_warnings_say_what_redis_answered(sims, gateway, redis_server, monkeypatch):
+    """A Redis whose ACL user may not run the gateway's scripts is reachable: the start-up warning
+    and the fail-open warning say that it refuses the gateway's commands and why, not that it is
+    unreachable (which sends an operator to the network); a key of another type is said to be one;
+    a Redis nobody answers for is unreachable. No line holds the URL's password."""
+    from gateway.tenants import service
+
+    monkeypatch.setattr(service, "START_RETRY_S", 0.2)
+    sim = await sims("vllm", "m")
+    said = {"noperm": "ACL", "wrongtype": "another type", "unreachable": "unreachable"}
+    for refusal, words in said.items():
+        url = await _refusing_url(redis_server, refusal)
+        with structlog.testing.capture_logs() as logs:
+            gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS,
+                               limits={"users": {"alice": {"rpm": 100}}},
+                               state={**FAST_STATE, "redis_url": url, "timeout_s": 0.5, "sync_interval_s": 5.0,
+                                      "replica_ttl_s": 10.0})
+            assert (await chat(gw)).choices
+        at_start = [x for x in logs if "at start" in x["event"]]
+        served = [x for x in logs if x["event"].startswith("serving without rate limits")]
+        assert len(at_start) == 1 and len(served) == 1, logs
+        for line in at_start + served:
+            assert words in line["event"] and line.get("reason") == refusal, line
+            if refusal != "unreachable":
+                assert "unreachable" not in line["event"], line
+        assert PASSWORD not in repr(logs)
