@@ -392,6 +392,26 @@ class StateUnavailable(Exception):
         self.reason = reason
 
 
+# what the operator's log lines say the shared state did, by ``StateUnavailable.reason``: a Redis
+# that answers with a refusal is not "unreachable", which would send them looking at the network
+TROUBLE = {
+    "unreachable": "shared state unreachable",
+    "oom": "shared state refuses writes (out of memory)",
+    "readonly": "shared state refuses writes (a read-only replica)",
+    "misconf": "shared state refuses writes (its RDB save failed)",
+    "noreplicas": "shared state refuses writes (fewer replicas than min-replicas-to-write)",
+    "noperm": "shared state refuses the gateway's commands (its ACL user lacks a permission)",
+    "wrongtype": "shared state refuses the gateway's commands (a key of the gateway's holds another type)",
+    "busy": "shared state connections all busy",
+    "error": "shared state answers an error",
+}
+
+
+def trouble(reason: str | None) -> str:
+    """The words for what the shared state did (``reason``: a ``StateUnavailable``'s)."""
+    return TROUBLE.get(reason or "unreachable", f"shared state fails ({reason})")
+
+
 def _answered(e: BaseException) -> StateUnavailable:
     """A Redis error answered to a call, as the caller sees it."""
     return StateUnavailable(f"{type(e).__name__}: {e}", refusal(e) or "error")
@@ -729,7 +749,7 @@ class RedisState:
             self._uncharged[1] += 1
             now = time.monotonic()
             if now - self._uncharged_logged >= UNCHARGED_LOG_EVERY_S:
-                log.warning("tokens not charged: shared state unreachable", tokens=self._uncharged[0],
+                log.warning(f"tokens not charged: {trouble(self.down_reason)}", tokens=self._uncharged[0],
                             requests=self._uncharged[1], reason=self.down_reason or "unreachable")
                 self._uncharged, self._uncharged_logged = [0, 0], now
 

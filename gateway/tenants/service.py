@@ -40,7 +40,7 @@ from gateway.state.urls import redis_mode
 from gateway.tenants.directory import AmbiguousKey, Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
 from gateway.tenants.memory import MemoryState
-from gateway.tenants.redis_state import RedisState, StateUnavailable
+from gateway.tenants.redis_state import RedisState, StateUnavailable, trouble
 
 if TYPE_CHECKING:
     from gateway.observability.metrics import GatewayMetrics
@@ -155,6 +155,7 @@ class Tenancy:
         self._mirrored = 0                        # counts the mirror's updates
         self._refreshing = asyncio.Lock()
         self._sync_error = ""       # why the last sync failed, for the log
+        self._sync_reason = ""      # ... as StateUnavailable.reason says it
         self._unknown: set[str] = set()            # digests the store did not know (until it changes)
         self._sync_task: asyncio.Task | None = None
         self._fail_open_count = 0
@@ -196,8 +197,9 @@ class Tenancy:
             await asyncio.sleep(START_RETRY_GAP_S)
             ok = await self.sync_once()
         if not ok:
-            log.warning("shared state unreachable at start; failure policy applies until it is back",
-                        redis_url=_redact(self.cfg.redis_url), policy=self.policy, error=self._sync_error)
+            log.warning(f"{trouble(self._sync_reason)} at start; failure policy applies until it is back",
+                        redis_url=_redact(self.cfg.redis_url), policy=self.policy,
+                        reason=self._sync_reason or "unreachable", error=self._sync_error)
         self._sync_task = asyncio.create_task(self._sync_loop(), name="tenancy-sync")
 
     async def stop(self) -> None:
@@ -280,7 +282,7 @@ class Tenancy:
             if version != self._version or self._reload_all:
                 await self.refresh()
         except StateUnavailable as e:
-            self._sync_error = str(e)
+            self._sync_error, self._sync_reason = str(e), e.reason
             if share and time.monotonic() - state.last_ok > self.cfg.replica_ttl_s:
                 self._apply_remote({})      # the others' counts are stale by now
             return False
@@ -400,7 +402,7 @@ class Tenancy:
         self._fail_open_count += 1
         now = time.monotonic()
         if now - self._fail_open_logged >= FAIL_OPEN_LOG_EVERY_S:
-            log.warning("serving without rate limits: shared state unreachable (failure_policy: open)",
+            log.warning(f"serving without rate limits: {trouble(reason)} (failure_policy: open)",
                         requests=self._fail_open_count, reason=reason)
             self._fail_open_logged, self._fail_open_count = now, 0
 
