@@ -4,6 +4,7 @@ may not run the gateway's commands (NOPERM), or a key of the gateway's names hol
 
 from __future__ import annotations
 
+import aiohttp
 import redis.asyncio as aioredis
 import structlog.testing
 
@@ -13,6 +14,7 @@ from tests.support.ports import listen_port
 from tests.support.tenancy import KEYS
 
 PASSWORD = "acl-secret-31415"
+ADMIN = "admin-token-1"
 
 
 async def _refusing_url(server, refusal: str) -> str:
@@ -60,3 +62,28 @@ async def test_the_start_and_fail_open_warnings_say_what_redis_answered(sims, ga
             if refusal != "unreachable":
                 assert "unreachable" not in line["event"], line
         assert PASSWORD not in repr(logs)
+
+
+async def test_the_admin_apis_503_says_the_state_store_is_unavailable_not_what_redis_said(
+        sims, gateway, redis_server, monkeypatch):
+    """The admin API of a gateway whose Redis refuses it answers 503 in OpenAI's shape, saying that
+    the state store is unavailable; Redis's own words (its error class, the command refused, a
+    script's digest) are for the log, which has them."""
+    from gateway.tenants import service
+
+    monkeypatch.setattr(service, "START_RETRY_S", 0.2)
+    sim = await sims("vllm", "m")
+    url = await _refusing_url(redis_server, "noperm")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={**KEYS, "admin_token": ADMIN},
+                       state={**FAST_STATE, "redis_url": url, "sync_interval_s": 5.0, "replica_ttl_s": 10.0})
+    with structlog.testing.capture_logs() as logs:
+        async with aiohttp.ClientSession() as s:
+            for method, path in (("GET", "/admin/users"), ("POST", "/admin/keys")):
+                async with s.request(method, gw.url + path, headers={"Authorization": f"Bearer {ADMIN}"},
+                                     json={"user": "carol"}) as r:
+                    body = await r.json()
+                    assert r.status == 503 and r.headers["Retry-After"] == "1", body
+                    assert set(body) == {"error"} and body["error"]["code"] == "service_unavailable", body
+                    assert body["error"]["message"] == "the shared state is unavailable", body
+    told = [x for x in logs if x["event"].startswith("admin API: shared state")]
+    assert told and told[0]["reason"] == "noperm" and "evalsha" in told[0]["error"], logs
