@@ -28,6 +28,7 @@ import re
 from typing import Any
 
 import orjson
+import structlog
 from aiohttp import web
 
 from gateway.config.schema import UserLimits
@@ -44,7 +45,9 @@ from gateway.tenants.directory import (
     new_key,
     now,
 )
-from gateway.tenants.redis_state import StateUnavailable
+from gateway.tenants.redis_state import StateUnavailable, trouble
+
+log = structlog.get_logger("switchyard.tenancy")
 
 TENANCY_KEY = web.AppKey("tenancy", Tenancy)
 MIN_KEY_LENGTH = 16
@@ -153,8 +156,13 @@ class AdminAPI:
                 await self.t.refresh()
                 return await fn(request)
             except StateUnavailable as e:
-                raise GatewayError(503, f"the shared state is unreachable: {e}", code="service_unavailable",
-                                   headers={"Retry-After": "1"}, error_class=ErrorClass.STATE_UNAVAILABLE) from None
+                # the client is told the store is unavailable; what Redis said (an ACL's refusal, a
+                # key's type, a script's digest) is the operator's, in the log
+                log.warning(f"admin API: {trouble(e.reason)}", reason=e.reason, error=str(e),
+                            method=request.method, path=request.path)
+                raise GatewayError(503, "the shared state is unavailable", code="service_unavailable",
+                                   headers={"Retry-After": "1"}, header=("x-error-state-unavailable", "true"),
+                                   error_class=ErrorClass.STATE_UNAVAILABLE) from None
         return handler
 
     @staticmethod
