@@ -11,7 +11,7 @@ import structlog.testing
 from tests.integration.tenancy.test_redis import FAST_STATE, chat
 from tests.support.factories import model_block
 from tests.support.ports import listen_port
-from tests.support.tenancy import KEYS
+from tests.support.tenancy import BOB, KEYS
 
 PASSWORD = "acl-secret-31415"
 ADMIN = "admin-token-1"
@@ -87,3 +87,33 @@ async def test_the_admin_apis_503_says_the_state_store_is_unavailable_not_what_r
                     assert body["error"]["message"] == "the shared state is unavailable", body
     told = [x for x in logs if x["event"].startswith("admin API: shared state")]
     assert told and told[0]["reason"] == "noperm" and "evalsha" in told[0]["error"], logs
+
+
+async def test_a_users_window_of_another_type_leaves_its_usage_unknown_not_zero_nor_a_503(
+        sims, gateway, redis_server):
+    """Another application wrote a hash where alice's RPM window is. Her usage cannot be read: the
+    admin API's view of her, and the status page's, say so (``usage: null``) instead of counting
+    none, and a change to her limits, which lands, is answered as the change it is, not with a 503
+    that a client would take for a change that failed. Bob's window reads as before."""
+    sim = await sims("vllm", "m")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth={**KEYS, "admin_token": ADMIN},
+                       limits={"users": {"alice": {"rpm": 5}, "bob": {"rpm": 5}}},
+                       state={**FAST_STATE, "redis_url": redis_server.url})
+    assert (await chat(gw, BOB)).choices
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await r.hset("switchyard:rpm:alice", "owner", "another application")
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        async with aiohttp.ClientSession(headers=admin) as s:
+            async with s.get(gw.url + "/admin/users/alice") as got:
+                assert got.status == 200, await got.text()
+                view = await got.json()
+            assert view["usage"] is None and view["rpm"] == 5 and len(view["keys"]) == 1, view
+            async with s.put(gw.url + "/admin/users/alice", json={"rpm": 7}) as put:
+                assert put.status == 200, await put.text()
+                assert (await put.json())["rpm"] == 7
+            async with s.get(gw.url + "/status.json") as page:
+                users = {u["name"]: u["usage"] for u in (await page.json())["tenants"]["users"]}
+        assert users["alice"] is None and users["bob"]["requests"] == 1, users
+    finally:
+        await r.aclose()
