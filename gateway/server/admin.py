@@ -187,7 +187,15 @@ class AdminAPI:
         view = self.dir.user_view(name)
         if view is None:                    # deleted meanwhile, by a request that ran after this one
             raise _not_found(f"user {name}")
-        view["usage"] = await self.t.state.usage(name)
+        try:
+            view["usage"] = await self.t.state.usage(name)
+        except StateUnavailable as e:
+            # a change made is answered as made: a 503 here would tell the client it failed. The
+            # usage is unknown (null), as it is on the status page: Redis went away after the
+            # change, or a window of the user's holds a key of another type
+            log.warning(f"admin API: {trouble(e.reason)}; the user's usage is unknown", user=name,
+                        reason=e.reason, error=str(e))
+            view["usage"] = None
         view["keys"] = [k.id for k in self.dir.keys(name)]
         return _json(status, view)
 

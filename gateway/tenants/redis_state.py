@@ -814,14 +814,24 @@ class RedisState:
                 "concurrent": int(conc)}
 
     async def peek(self, users: list[str]) -> dict[str, dict[str, int]]:
-        """Fleet-wide RPM/TPM window usage of several users in one ``MGET`` (the status page);
-        ``concurrent`` is this replica's own slots, known without a call."""
+        """Fleet-wide RPM/TPM window usage of several users in one round trip (the status page);
+        ``concurrent`` is this replica's own slots, known without a call. A user whose window
+        Redis cannot read as one (another application wrote a key of another type there) is left
+        out, its usage unknown: an ``MGET`` reads such a key as absent, and showed it as none."""
         if not users:
             return {}
-        keys = [k for u in users for k in self._user_keys(u)[:2]]
-        vals = await self._call(self.client.mget(keys))
-        return {u: {"requests": int(vals[2 * i] or 0), "tokens": int(vals[2 * i + 1] or 0),
-                    "concurrent": self.held.get(u, 0)} for i, u in enumerate(users)}
+        pipe = self.client.pipeline(transaction=False)
+        for u in users:
+            for k in self._user_keys(u)[:2]:
+                pipe.get(k)
+        vals = await self._call(pipe.execute(raise_on_error=False))
+        out = {}
+        for i, u in enumerate(users):
+            req, tok = vals[2 * i], vals[2 * i + 1]
+            if isinstance(req, Exception) or isinstance(tok, Exception):
+                continue
+            out[u] = {"requests": int(req or 0), "tokens": int(tok or 0), "concurrent": self.held.get(u, 0)}
+        return out
 
     def slots(self) -> dict[str, int]:
         """The concurrency slots this replica (this process) holds, by user."""
