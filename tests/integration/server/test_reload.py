@@ -150,6 +150,8 @@ async def test_an_invalid_config_is_refused_and_the_old_one_keeps_serving(sims, 
         (dict(routing={**f.data["routing"], "strategy": "fastest-please"}), "routing.strategy"),
         (dict(server={**f.data["server"], "max_body_bytes": 5}), "server.max_body_bytes"),
         (dict(listen={"host": "127.0.0.1", "port": 1}), "listen.port"),
+        # a file whose models were lost in an edit: applied, it removed every endpoint
+        (dict(models=[]), "models"),
     ]
     original = dict(f.data)
     for change, path in cases:
@@ -165,7 +167,7 @@ async def test_an_invalid_config_is_refused_and_the_old_one_keeps_serving(sims, 
     assert f.reloader.reload("test").key_path == "<file>"
     assert f.reloader.live.generation == 1 and gw.gw.pool.endpoints("m")[0].url == sim.url
     text = await gw.metrics_text()
-    assert metric(text, "switchyard_config_reload_total", result="invalid") == 5
+    assert metric(text, "switchyard_config_reload_total", result="invalid") == 6
     assert metric(text, "switchyard_config_reload_total", result="restart_required") == 2
     assert metric(text, "switchyard_config_reload_total", result="ok") == 0
     assert metric(text, "switchyard_config_last_reload_successful") == 0

@@ -287,3 +287,17 @@ def test_several_workers_by_number_with_adapters_not_shared_say_so_at_start(tmp_
 def test_a_whole_request_strategy_on_a_model_with_somewhere_to_route_it_is_taken(tmp_path, capsys, text):
     rc, out, err = check(tmp_path, text, capsys)
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("text", ["", "# every model is elsewhere\n", "listen: {port: 8000}\n", "models: []\n",
+                                  "models:\n"])
+def test_a_file_that_declares_no_model_is_an_error(tmp_path, capsys, text):
+    """A file with no model (an empty ConfigMap key, a ``models:`` block lost in an edit) would
+    start a gateway that answers every request 404, or empty a running one's pool at a reload:
+    refused, as a start and a reload refuse it. With Kubernetes discovery the models come from
+    the pods."""
+    rc, out, err = check(tmp_path, text, capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}: models: no model is declared"), err
+    rc, out, err = check(tmp_path, text + "kubernetes: {enabled: true}\n", capsys)
+    assert rc == 0 and "OK (0 models, models discovered through Kubernetes)" in out, err
