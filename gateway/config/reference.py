@@ -209,7 +209,11 @@ like the JSON Schema that `python -m gateway --print-config-schema` prints.
 
     An error names the file and the key (`gateway.yaml: models[0].endpionts: unknown key (did you
     mean 'endpoints'?) ...`), and the command exits non-zero, so it fits a CI step or a
-    Kubernetes init container. Old key names that still work are printed as warnings.
+    Kubernetes init container. Old key names that still work are printed as warnings. A file
+    that declares no model, with `kubernetes.enabled` false, is an error too (`models: no model is
+    declared ...`), as it is at a start or a reload: an empty ConfigMap key or a `models:` block
+    lost in an edit would start a gateway that answers every request 404, or, reloaded, remove
+    every endpoint of a running one.
 
 3. Run it: `python -m gateway --config gateway.yaml`. `--host`, `--port`, `--log-format` and
    `--workers` override `listen.host`, `listen.port`, `server.log_format` and `server.workers`.

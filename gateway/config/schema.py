@@ -526,12 +526,22 @@ class Config(Block, dict=True):
 
 
 def load_config(path: str | Path, deprecations: list[Deprecation] | None = None) -> Config:
-    """The config in the YAML file ``path``; ``deprecations``: see ``config_from_dict``."""
+    """The config in the YAML file ``path``; ``deprecations``: see ``config_from_dict``.
+
+    A file is what a gateway starts or reloads from, so one that declares no model (with
+    Kubernetes discovery off) is refused: it is an empty ConfigMap key or a ``models:`` block lost
+    in an edit, and would start a gateway that answers every request 404, or, at a reload, remove
+    every endpoint of a running one. (A config built in code may still have none.)"""
     try:
         text = Path(path).read_text()
     except OSError as e:
         raise ConfigError("<file>", f"cannot read: {e.strerror}", str(path)) from None
-    return parse_config(text, source=str(path), deprecations=deprecations)
+    config = parse_config(text, source=str(path), deprecations=deprecations)
+    if not config.models and not config.kubernetes.enabled:
+        raise ConfigError("models", "no model is declared, and kubernetes.enabled is false: the gateway would "
+                                    "answer every request 404 (declare models, or discover them with "
+                                    "kubernetes.enabled: true)", str(path))
+    return config
 
 
 class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):

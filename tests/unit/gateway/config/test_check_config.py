@@ -230,7 +230,7 @@ def test_yaml_anchors_aliases_and_merge_keys_are_taken(tmp_path, capsys):
 
 
 def test_a_log_level_in_any_case_is_taken(tmp_path, capsys):
-    assert check(tmp_path, "server: {log_level: WARNING}", capsys)[0] == 0
+    assert check(tmp_path, "server: {log_level: WARNING}" + GOOD, capsys)[0] == 0
 
 
 def _started_with_two_workers(cfg) -> subprocess.CompletedProcess:
