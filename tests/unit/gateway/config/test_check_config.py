@@ -301,3 +301,26 @@ def test_a_file_that_declares_no_model_is_an_error(tmp_path, capsys, text):
     assert err.startswith(f"switchyard: config error: {tmp_path / 'gw.yaml'}: models: no model is declared"), err
     rc, out, err = check(tmp_path, text + "kubernetes: {enabled: true}\n", capsys)
     assert rc == 0 and "OK (0 models, models discovered through Kubernetes)" in out, err
+
+
+def test_a_model_limit_that_names_no_model_is_a_warning_at_check_and_at_start(tmp_path, capsys):
+    """``limits.models`` is looked up by the model a request is routed to (an alias's or an
+    adapter's request by its model's name): an entry naming no model limits nothing, which a typo
+    makes easy to miss. The gateway runs with it, so it is a warning, by --check-config and in the
+    start's log; with Kubernetes discovery the model may come from the pods."""
+    aliased = GOOD + ("aliases: [{name: chat, targets: [{model: llama}]}]\n"
+                      "limits: {models: {lama: {rps: 5}, chat: {rps: 5}, qwen: {rps: 5}}}\n")
+    rc, out, err = check(tmp_path, aliased, capsys)
+    assert rc == 0 and "OK (2 models)" in out
+    assert err.splitlines() == [
+        "switchyard: warning: limits.models.lama: names no model: this limit applies to no request",
+        "switchyard: warning: limits.models.chat: names no model (an alias, whose requests are limited by "
+        "their models' names): this limit applies to no request",
+    ], err
+    rc, out, err = check(tmp_path, aliased + "kubernetes: {enabled: true}\n", capsys)
+    assert rc == 0 and err == ""
+    cfg = tmp_path / "gw.yaml"
+    cfg.write_text(aliased + "listen: {port: 1}\n")
+    done = _started_with_two_workers(cfg)
+    assert done.returncode == 0, done.stderr
+    assert "limits.models.lama: names no model" in done.stderr, done.stderr
