@@ -22,7 +22,7 @@ if __name__ == "__main__":
 import uvloop  # noqa: E402
 
 from gateway.config.deprecated import Deprecation, log_deprecations  # noqa: E402
-from gateway.config.schema import Config, ConfigError, load_config  # noqa: E402
+from gateway.config.schema import Config, ConfigError, load_config, no_effect  # noqa: E402
 from gateway.observability.logs import configure_logging  # noqa: E402
 from gateway.version import version  # noqa: E402
 
@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(config.server.log_format, config.server.log_level)
     log_deprecations(deprecated, args.config)
+    if notes := no_effect(config):      # keys that load and do nothing: said, not refused
+        import structlog
+        for note in notes:
+            structlog.get_logger("switchyard").warning(f"config: {note}", file=args.config)
     if stopped_while_starting():
         return 0
     from gateway.server.run import ListenError, free_port, serve
@@ -257,6 +261,8 @@ def check_config(path: str) -> int:
         print(f"switchyard: config error: {e}", file=sys.stderr)
         return 2
     for note in deprecated:
+        print(f"switchyard: warning: {note}", file=sys.stderr)
+    for note in no_effect(config):
         print(f"switchyard: warning: {note}", file=sys.stderr)
     n = len(config.models)
     found = ", models discovered through Kubernetes" if config.kubernetes.enabled else ""

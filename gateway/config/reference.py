@@ -213,7 +213,9 @@ like the JSON Schema that `python -m gateway --print-config-schema` prints.
     that declares no model, with `kubernetes.enabled` false, is an error too (`models: no model is
     declared ...`), as it is at a start or a reload: an empty ConfigMap key or a `models:` block
     lost in an edit would start a gateway that answers every request 404, or, reloaded, remove
-    every endpoint of a running one.
+    every endpoint of a running one. A key that loads but does nothing is a warning, here and in
+    the start's log: a `limits.models` entry that names no model (an alias's or a LoRA adapter's
+    requests are limited by their model's name), with `kubernetes.enabled` false.
 
 3. Run it: `python -m gateway --config gateway.yaml`. `--host`, `--port`, `--log-format` and
    `--workers` override `listen.host`, `listen.port`, `server.log_format` and `server.workers`.

@@ -383,7 +383,7 @@ class ModelLimits(Block):
 
 class LimitsConfig(Block):
     users: Annotated[dict[Name, UserLimits], Meta(description="Limits per user name.")] = {}
-    models: Annotated[dict[Name, ModelLimits], Meta(description="Limits per model name.")] = {}
+    models: Annotated[dict[Name, ModelLimits], Meta(description="Limits per model name (a model's: the requests of an alias or a LoRA adapter count under their model's name).")] = {}
     default_user: Annotated[UserLimits | None, Meta(description="Limits of every user without an entry in users, each with counters of their own; null: such users are unlimited.")] = None
 
 
@@ -547,6 +547,32 @@ def load_config(path: str | Path, deprecations: list[Deprecation] | None = None)
 class _UniqueKeyLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """YAML's safe loader, refusing a key written twice in one mapping (YAML would keep the last
     silently: a second ``server:`` block would drop the first)."""
+
+
+def no_effect(config: Config) -> list[str]:
+    """What a config that loads declares and the gateway will not do: warnings, not errors, since
+    the gateway runs with it (printed by ``--check-config``, logged at start). Each names its key.
+
+    - ``limits.models.<name>`` naming no model: the limit is looked up by the model a request is
+      routed to, so an alias's or an adapter's requests count under their model's name, and a
+      name that is none limits nothing. (With Kubernetes discovery the pods may bring it.)"""
+    out: list[str] = []
+    if config.kubernetes.enabled:
+        return out
+    models = {m.name for m in config.models}
+    aliases = {a.name for a in config.aliases}
+    adapters = {a: m.name for m in config.models for a in m.adapters}
+    for name in config.limits.models:
+        if name in models:
+            continue
+        if name in aliases:
+            why = " (an alias, whose requests are limited by their models' names)"
+        elif name in adapters:
+            why = f" (a LoRA adapter of model {adapters[name]!r}, whose requests are limited by that model's name)"
+        else:
+            why = ""
+        out.append(f"limits.models.{name}: names no model{why}: this limit applies to no request")
+    return out
 
 
 def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
