@@ -117,3 +117,27 @@ async def test_a_users_window_of_another_type_leaves_its_usage_unknown_not_zero_
         assert users["alice"] is None and users["bob"]["requests"] == 1, users
     finally:
         await r.aclose()
+
+
+async def test_a_password_in_the_urls_query_is_in_no_log_line(sims, gateway, redis_server, monkeypatch):
+    """``redis://host:port/db?password=...`` is a form the Redis client takes (the one way to give
+    a ``unix://`` socket's password in its URL): the lines that name the URL, the state reachable at
+    start and unreachable at start, show it without the password."""
+    from gateway.tenants import service
+
+    monkeypatch.setattr(service, "START_RETRY_S", 0.2)
+    sim = await sims("vllm", "m")
+    r = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await r.config_set("requirepass", PASSWORD)
+    finally:
+        await r.aclose()
+    blocks = {"auth": KEYS, "limits": {"users": {"alice": {"rpm": 100}}}}
+    with structlog.testing.capture_logs() as logs:
+        for port in (redis_server.port, listen_port()):
+            url = f"redis://127.0.0.1:{port}/0?password={PASSWORD}"
+            await gateway([model_block("m", "vllm", [sim.url])], **blocks,
+                          state={**FAST_STATE, "redis_url": url, "sync_interval_s": 5.0, "replica_ttl_s": 10.0})
+    named = [x["redis_url"] for x in logs if "redis_url" in x]
+    assert len(named) == 2 and "password=***" in named[0], logs
+    assert PASSWORD not in repr(logs)
