@@ -105,8 +105,20 @@ def _node(text: str, default_port: int, url: str) -> tuple[str, int]:
     return (m["v6"] or m["name"]), port
 
 
+# a query's password (``?password=``, which the Redis client reads from redis://, rediss:// and
+# unix:// URLs: a socket's password has nowhere else to go in its URL)
+_QUERY_PASSWORD = re.compile(r"([?&](?:password|username)=)[^&#]*", re.IGNORECASE)
+
+
 def _redact(url: str) -> str:
+    """``url`` for a log line or an error: no user, no password, in its userinfo or its query."""
+    url = _QUERY_PASSWORD.sub(r"\1***", url)
     if "@" not in url:
         return url
     scheme, _, rest = url.partition("://")
     return f"{scheme}://***@{rest.rpartition('@')[2]}"
+
+
+def redact(url: str | None) -> str | None:
+    """``url`` without its credentials, for a log line (None stays None)."""
+    return url if url is None else _redact(url)

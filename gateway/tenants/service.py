@@ -36,6 +36,7 @@ from gateway.endpoints import Endpoint, EndpointPool
 from gateway.errors import ErrorClass, GatewayError
 from gateway.observability.metrics import ROUTING_BUCKETS, Counter, Histogram
 from gateway.state.redis import COMMAND_REFUSALS
+from gateway.state.urls import redact as _redact
 from gateway.state.urls import redis_mode
 from gateway.tenants.directory import AmbiguousKey, Directory, KeyRecord, key_digest, presented_key
 from gateway.tenants.limits import AdmitQuery, rate_headers, rejection
@@ -510,13 +511,6 @@ def _unreached(rec: RequestRecord) -> bool:
 def _auth_error(message: str) -> GatewayError:
     return GatewayError(401, message, code="invalid_api_key", param="api_key",
                         headers={"WWW-Authenticate": "Bearer"}, error_class=ErrorClass.AUTH)
-
-
-def _redact(url: str | None) -> str | None:
-    if not url or "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}"
 
 
 def needs_tenancy(config: Config) -> bool:
