@@ -11,7 +11,7 @@ import structlog.testing
 from tests.integration.tenancy.test_redis import FAST_STATE, chat
 from tests.support.factories import model_block
 from tests.support.ports import listen_port
-from tests.support.tenancy import BOB, KEYS
+from tests.support.tenancy import ALICE, BOB, KEYS
 
 PASSWORD = "acl-secret-31415"
 ADMIN = "admin-token-1"
@@ -141,3 +141,34 @@ async def test_a_password_in_the_urls_query_is_in_no_log_line(sims, gateway, red
     named = [x["redis_url"] for x in logs if "redis_url" in x]
     assert len(named) == 2 and "password=***" in named[0], logs
     assert PASSWORD not in repr(logs)
+
+
+async def test_a_closed_policys_503_says_the_state_is_unavailable_whatever_redis_answered(
+        sims, gateway, redis_server, monkeypatch):
+    """With ``failure_policy: closed`` a Redis that refuses the gateway's commands is met with a 503
+    that says the shared state is unavailable, in the API's shape: not that it is unreachable,
+    which it is not, and nothing of what Redis said."""
+    from gateway.tenants import service
+
+    monkeypatch.setattr(service, "START_RETRY_S", 0.2)
+    sim = await sims("vllm", "m")
+    url = await _refusing_url(redis_server, "noperm")
+    gw = await gateway([model_block("m", "vllm", [sim.url])], auth=KEYS, limits={"users": {"alice": {"rpm": 100}}},
+                       state={**FAST_STATE, "redis_url": url, "failure_policy": "closed", "sync_interval_s": 5.0,
+                              "replica_ttl_s": 10.0})
+    body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    async with aiohttp.ClientSession() as s:
+        for path, key, message in (
+                ("/v1/chat/completions", ALICE, "rate limits cannot be checked: the shared state is unavailable"),
+                ("/v1/chat/completions", "sk-nobody-0123456789", "the API key cannot be verified: the shared state "
+                                                                "is unavailable"),
+                ("/v1/messages", ALICE, "rate limits cannot be checked: the shared state is unavailable")):
+            async with s.post(gw.url + path, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+                got = await r.json()
+                assert r.status == 503 and r.headers["x-error-state-unavailable"] == "true", got
+                error = got["error"]
+                assert error["message"] == message, got
+                if path == "/v1/messages":
+                    assert got["type"] == "error" and error["type"] == "overloaded_error", got
+                else:
+                    assert error["code"] == "service_unavailable", got
