@@ -336,7 +336,7 @@ class Tenancy:
             key = await self.state.get_key(digest)
         except StateUnavailable:
             self.m.auth_failures.labels("state_unavailable").inc()
-            raise GatewayError(503, "the API key cannot be verified: the shared state is unreachable",
+            raise GatewayError(503, "the API key cannot be verified: the shared state is unavailable",
                                code="service_unavailable", headers={"Retry-After": "1"},
                                header=("x-error-state-unavailable", "true"), error_class=ErrorClass.STATE_UNAVAILABLE) from None
         if key is None:
@@ -397,7 +397,7 @@ class Tenancy:
     def _unavailable(self, reason: str) -> None:
         self.m.unavailable.labels(self.policy, reason).inc()
         if self.policy == "closed":
-            raise GatewayError(503, "rate limits cannot be checked: the shared state is unreachable",
+            raise GatewayError(503, "rate limits cannot be checked: the shared state is unavailable",
                                code="service_unavailable", headers={"Retry-After": "1"},
                                header=("x-error-state-unavailable", "true"), error_class=ErrorClass.STATE_UNAVAILABLE)
         self._fail_open_count += 1
