@@ -461,3 +461,35 @@ async def test_connect_is_refused_with_the_methods_served():
         assert_openai_error(refused.first, 405)
         assert refused.first.headers["allow"] == asked.first.headers["allow"]
         assert "DELETE" in refused.first.headers["allow"]
+
+
+@pytest.mark.parametrize("path", [CHAT, "/v1/messages"])
+@on_both_loops
+async def test_a_body_refused_by_its_length_gets_its_413_and_the_connection_ends_at_once(path):
+    """A ``Content-Length`` over ``server.max_body_bytes`` is answered 413 with ``Connection:
+    close`` before a byte of the body is read. The client then sees the end of the connection right
+    after the answer, whether it sends nothing more (a client that waits for an interim answer) or
+    goes on writing the body (drained meanwhile, so no reset destroys the answer it has not read),
+    not when the gateway's read of the body that never comes gives up (10 s) or the body clock
+    (30 s here) fires; and the connection is released once the client closes its side."""
+    async with edge_gateway(**{**SERVER, "body_timeout_s": 30.0}) as gw:
+        head = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: gateway.test\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 5000\r\n\r\n")
+        for body in (b"", b"x" * 1000):
+            reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+            try:
+                writer.write(head + body)
+                data = b""
+                async with asyncio.timeout(5.0):        # milliseconds when it works; 10 s and more before
+                    while chunk := await reader.read(65536):
+                        data += chunk
+                writer.write(b"x" * (5000 - len(body)))     # the rest of the body, after the end: drained
+                await writer.drain()
+            finally:
+                writer.close()
+            got, rest = parse_responses(data, eof=True)
+            assert [r.status for r in got] == [413] and not rest, data[:200]
+            assert got[0].headers["connection"].lower() == "close"
+            assert got[0].json()["error"]["type"] == ("request_too_large" if path != CHAT else "invalid_request_error")
+            assert await wait_for(lambda: gw.connections() == 0, timeout=5.0, interval=0.01)
+        assert await gw.received() == []
