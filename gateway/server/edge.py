@@ -35,6 +35,11 @@ client can hold: a file descriptor and a handler each, forever, on a stock aioht
   not a malformed request: the gateway implements no such method (the router's 404 and 405 for a
   method the parser knows, ``PROPFIND``, are made a 501 too, gateway/server/app.py); the connection
   closes, the rest of the request's framing being unknown.
+- **Answers that close before the body came.** A refusal at the head that closes the connection
+  (a 413 to a told length, a version, a coding) shuts the connection's write side right after the
+  answer, so the client reads its end at once; aiohttp's read-and-drop of what the client still
+  sends (up to 10 s, or the body clock) goes on behind it, so the close does not reset the
+  connection under an answer not yet read.
 - **The request log.** Every answer the edge writes itself (those above, the 408s, and the
   refusals of ``EdgeServer``'s handler: a version, ``CONNECT``, a ``Content-Length``, a coding, an
   ``Expect``) has a request log line (``log_edge_answer``, the shape of every request line), its
@@ -695,13 +700,30 @@ class EdgeProtocol(web.RequestHandler):
     async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
         try:
-            return await super().finish_response(request, resp, start_time)
+            out = await super().finish_response(request, resp, start_time)
+            if not out[1] and not resp.keep_alive and not request.content.is_eof():
+                self._e_half_close()
+            return out
         finally:
             self._e_request = None
             payload = self._e_payload
             # a body still arriving keeps its clock (aiohttp reads and drops it after the answer)
             if self._e_phase != _BODY or payload is None or payload.is_eof():
                 self._e_after_request()
+
+    def _e_half_close(self) -> None:
+        """An answer that closes the connection while the request's body is still coming (a 413 to
+        a told length, a refusal at the head): the answer is whole, so the write side ends now and
+        the client reads the end of the connection right behind it. The read side stays open while
+        aiohttp reads and drops what the client still sends (its lingering read), so the close that
+        follows does not reset the connection under an answer the client has not read yet; a
+        client that closes its side ends it at once (connection_lost)."""
+        transport = self.transport
+        if transport is not None and not transport.is_closing() and transport.can_write_eof():
+            try:
+                transport.write_eof()
+            except OSError:             # the client is gone already: connection_lost follows
+                pass
 
     def _e_body_done(self) -> None:
         self._e_phase = _BUSY
