@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import aiohttp
 import orjson
 
@@ -154,3 +156,43 @@ async def test_vllm_choices_interleave_each_in_its_own_chunks(sims):
     async with aiohttp.ClientSession() as s:
         async with s.post(s1.url + "/v1/chat/completions", json={**body, "model": "qwen"}) as r:
             assert r.status == 501
+
+
+TOOLS = [{"name": f"lookup_route_{i}", "description": f"Look up route table {i} of the fleet by prefix.",
+          "input_schema": {"type": "object", "properties": {"prefix": {"type": "string"}}, "required": ["prefix"]}}
+         for i in range(4)]
+CHAT_TOOLS = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                                "parameters": t["input_schema"]}} for t in TOOLS]
+
+
+async def _usage(s: aiohttp.ClientSession, url: str, path: str, body: dict) -> dict:
+    """The usage of a request for model ``m`` (a count's whole answer)."""
+    async with s.post(url + path, json={"model": "m", **body}) as r:
+        got = await r.json()
+        assert r.status == 200, got
+    return got if path.endswith(("count_tokens", "tokenize")) else got["usage"]
+
+
+async def test_the_tools_a_request_offers_count_in_its_prompt_tokens(sims):
+    """An engine renders the tools a request offers into the prompt (the chat template's
+    ``tools``): they are prompt tokens, about one for every four characters of their JSON, and the
+    same tools count the same on chat, on the Messages API (both engines build the chat request's
+    tools from its ``tools``), its count_tokens, the Responses API's function tools and vLLM's
+    /tokenize of a chat."""
+    for engine in ("vllm", "sglang"):
+        sim = await sims(engine, "m")
+        async with aiohttp.ClientSession() as s:
+            usage = functools.partial(_usage, s, sim.url)
+            bare = (await usage("/v1/chat/completions", {"max_tokens": 1, "messages": MSGS}))["prompt_tokens"]
+            chat = (await usage("/v1/chat/completions", {"max_tokens": 1, "messages": MSGS,
+                                                         "tools": CHAT_TOOLS}))["prompt_tokens"]
+            assert chat - bare >= len(orjson.dumps(CHAT_TOOLS)) // 5, (engine, bare, chat)
+            msg = await usage("/v1/messages", {"max_tokens": 1, "messages": MSGS, "tools": TOOLS})
+            assert msg["input_tokens"] == chat, engine
+            counted = await usage("/v1/messages/count_tokens", {"messages": MSGS, "tools": TOOLS})
+            assert counted["input_tokens"] == chat, engine
+            flat = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
+            resp = await usage("/v1/responses", {"max_output_tokens": 1, "input": MSGS[0]["content"], "tools": flat})
+            assert resp.get("input_tokens", resp.get("prompt_tokens")) == chat, engine     # SGLang's: chat's names
+            if engine == "vllm":
+                assert (await usage("/tokenize", {"messages": MSGS, "tools": CHAT_TOOLS}))["count"] == chat
